@@ -1,0 +1,22 @@
+"""AttentionMetadata: where each sequence's history lives and where new K/V go, for one step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class AttentionMetadata:
+    """Ragged batch description passed explicitly to every attention and KV-append op.
+
+    Arrays live on the backend's device (numpy on the CPU, cupy on the GPU).
+    """
+
+    query_start_loc: np.ndarray   # [B+1] int32: query tokens of seq b are rows qsl[b]:qsl[b+1]
+    seq_lens: np.ndarray          # [B] int32: context length of seq b after this step's tokens
+    block_tables: np.ndarray      # [B, max_blocks] int32: physical block ids, padded with 0
+    slot_mapping: np.ndarray      # [T] int32: block * block_size + offset per new token; -1 skips
+    max_query_len: int
+    max_seq_len: int
+    is_decode_only: bool          # every sequence has exactly one query token

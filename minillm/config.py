@@ -1,0 +1,73 @@
+"""Frozen configuration: the model's shape (from config.json) and the engine's knobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only transformer, read from a Hugging Face config.json."""
+
+    architecture: str            # "llama" | "qwen2" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False     # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False            # per-head RMSNorm on q and k before rotary (Qwen3)
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}
+    torch_dtype: str = "float32"     # dtype the checkpoint was saved in
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V for one token across all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is told at start-up; run-time values are returned, never written here."""
+
+    model: str
+    device: str = "auto"                 # "cpu" | "cuda" | "auto"
+    dtype: str = "auto"                  # "auto" | "float32" | "float16" | "bfloat16"
+    block_size: int = 16
+    num_kv_blocks: int | None = None     # None: sized from the memory budget
+    kv_cache_memory_bytes: int | None = None  # CPU budget for the pool (None: 1 GiB, capped by need)
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None     # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    download_dir: str | None = None      # None: ./weights
+    served_model_name: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")

@@ -1,0 +1,198 @@
+"""NumPy backend: the reference for every CUDA kernel, and the CPU backend.
+
+Every function here has a twin of the same name and signature in minillm/ops/cuda.py.
+Activations are [T, ...] with T the number of tokens in the step; the KV cache of one layer is
+k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from minillm.attention import AttentionMetadata
+
+xp = np
+name = "numpy"
+
+
+def asarray(a, dtype=None) -> np.ndarray:
+    """Host array -> backend array (a copy-free view where possible)."""
+    return np.ascontiguousarray(np.asarray(a, dtype=dtype))
+
+
+def to_numpy(a) -> np.ndarray:
+    """Backend array -> host numpy array."""
+    return np.asarray(a)
+
+
+def synchronize() -> None:
+    """Wait for queued device work (nothing to wait for on the CPU)."""
+
+
+def prepare_linear_weight(w: np.ndarray, dtype) -> np.ndarray:
+    """w: [N, K] (Hugging Face layout) -> the layout linear() takes."""
+    return np.ascontiguousarray(w.astype(dtype))
+
+
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N], accumulated in fp32."""
+    y = np.matmul(x.astype(np.float32, copy=False), w.astype(np.float32, copy=False).T)
+    if bias is not None:
+        y += bias.astype(np.float32, copy=False)
+    return y.astype(x.dtype, copy=False)
+
+
+def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """ids: [T] int32, table: [V, D] -> [T, D]."""
+    return table[ids]
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """x: [T, D], weight: [D] -> [T, D]: x / rms(x) * weight, computed in fp32."""
+    x32 = x.astype(np.float32, copy=False)
+    inv = 1.0 / np.sqrt(np.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (weight.astype(np.float32) * (x32 * inv).astype(x.dtype)).astype(x.dtype)
+
+
+def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float):
+    """Fused residual add then RMSNorm: s = x + residual; returns (rms_norm(s), s), both [T, D]."""
+    s = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
+    return rms_norm(s, weight, eps), s
+
+
+def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, cos_sin: np.ndarray):
+    """Neox-style rotary on q: [T, Hq, Dh] and k: [T, Hk, Dh] at positions [T].
+
+    cos_sin: [max_pos, Dh] float32, cos in the first Dh/2 columns, sin in the last Dh/2.
+    Returns the rotated (q, k).
+    """
+    half = q.shape[-1] // 2
+    cs = cos_sin[positions]                       # [T, Dh]
+    cos = cs[:, None, :half]
+    sin = cs[:, None, half:]
+
+    def rot(x):
+        x32 = x.astype(np.float32)
+        x1, x2 = x32[..., :half], x32[..., half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def kv_append(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+              slot_mapping: np.ndarray) -> None:
+    """Write k, v: [T, Hk, Dh] into the caches at slot_mapping [T] (-1: skip), in place."""
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = k[keep]
+    v_cache[blocks, offsets] = v[keep]
+
+
+def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                    meta: AttentionMetadata, scale: float) -> np.ndarray:
+    """Causal attention of ragged query chunks over their paged history (which includes them).
+
+    q: [T, Hq, Dh]; returns [T, Hq, Dh]. Query row i of sequence b sits at position
+    seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA: query head h reads
+    KV head h // (Hq // Hk).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = np.empty_like(q)
+    qsl = np.asarray(meta.query_start_loc)
+    for b in range(len(meta.seq_lens)):
+        start, end = int(qsl[b]), int(qsl[b + 1])
+        q_len, ctx = end - start, int(meta.seq_lens[b])
+        if q_len == 0:
+            continue
+        blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size]
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].astype(np.float32)
+        vals = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].astype(np.float32)
+        keys = np.repeat(keys, group, axis=1)     # [ctx, Hq, Dh]
+        vals = np.repeat(vals, group, axis=1)
+        qb = q[start:end].astype(np.float32)       # [q_len, Hq, Dh]
+        scores = np.einsum("qhd,khd->hqk", qb, keys) * scale
+        q_pos = ctx - q_len + np.arange(q_len)
+        mask = np.arange(ctx)[None, :] > q_pos[:, None]          # [q_len, ctx]
+        scores = np.where(mask[None], -np.inf, scores)
+        scores -= scores.max(axis=-1, keepdims=True)
+        p = np.exp(scores)
+        p /= p.sum(axis=-1, keepdims=True)
+        out[start:end] = np.einsum("hqk,khd->qhd", p, vals).astype(q.dtype)
+    return out
+
+
+def silu_and_mul(x: np.ndarray) -> np.ndarray:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    half = x.shape[-1] // 2
+    g = x[:, :half].astype(np.float32)
+    u = x[:, half:].astype(np.float32)
+    return (g / (1.0 + np.exp(-g)) * u).astype(x.dtype)
+
+
+def apply_penalties(logits: np.ndarray, rows: np.ndarray, token_ids: np.ndarray,
+                    output_counts: np.ndarray, in_prompt: np.ndarray, repetition: np.ndarray,
+                    presence: np.ndarray, frequency: np.ndarray) -> None:
+    """Penalise seen tokens in place, as vLLM defines it.
+
+    logits: [B, V] float32. One entry per distinct (row, token) seen: rows, token_ids,
+    output_counts (times generated so far) and in_prompt (0/1), all [N]. repetition, presence,
+    frequency: [B]. Repetition divides positive logits (multiplies negative ones) of every seen
+    token; presence subtracts once and frequency per occurrence, for generated tokens only.
+    """
+    if len(rows) == 0:
+        return
+    vals = logits[rows, token_ids]
+    rep = repetition[rows]
+    seen = (output_counts > 0) | (in_prompt > 0)
+    vals = np.where(seen, np.where(vals > 0, vals / rep, vals * rep), vals)
+    counts = output_counts.astype(np.float32)
+    vals = vals - frequency[rows] * counts - presence[rows] * (counts > 0)
+    logits[rows, token_ids] = vals
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """logits: [B, V] -> log-probabilities [B, V] in float32."""
+    x = logits.astype(np.float32)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p: np.ndarray,
+           min_p: np.ndarray, uniforms: np.ndarray) -> np.ndarray:
+    """Pick one token per row; returns ids [B] int32.
+
+    logits: [B, V] float32; temperature, top_p, min_p, uniforms: [B] float32; top_k: [B] int32.
+    temperature 0 is the argmax. Otherwise softmax(logits / T), keep the top_k (0: all), keep
+    tokens with p >= min_p * p_max, keep the smallest prefix (by descending p) whose mass reaches
+    top_p, renormalise, and take the token where the cumulative mass first exceeds uniforms[b].
+    Ties are ordered by token id so the CUDA twin can agree exactly.
+    """
+    batch, vocab = logits.shape
+    out = np.empty(batch, dtype=np.int32)
+    for b in range(batch):
+        row = logits[b].astype(np.float32)
+        if temperature[b] <= 0.0:
+            out[b] = int(np.argmax(row))
+            continue
+        order = np.lexsort((np.arange(vocab), -row))          # descending logit, then id
+        x = row[order] / np.float32(temperature[b])
+        p = np.exp(x - x[0])
+        p /= p.sum()
+        keep = np.ones(vocab, dtype=bool)
+        if 0 < top_k[b] < vocab:
+            keep[top_k[b]:] = False
+        if min_p[b] > 0.0:
+            keep &= p >= min_p[b] * p[0]
+        if top_p[b] < 1.0:
+            before = np.cumsum(p) - p                          # mass strictly before each token
+            keep &= before < top_p[b]
+        keep[0] = True
+        p = np.where(keep, p, 0.0)
+        cdf = np.cumsum(p)
+        idx = int(np.searchsorted(cdf, uniforms[b] * cdf[-1], side="right"))
+        out[b] = order[min(idx, vocab - 1)] if keep[min(idx, vocab - 1)] else order[0]
+    return out

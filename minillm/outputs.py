@@ -1,0 +1,52 @@
+"""What the engine hands back to callers: one RequestOutput per request per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions, cumulative so far."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    cumulative_logprob: float | None = None
+    # logprobs[i]: {token_id: logprob} for generated token i (the sampled one and the top-k)
+    logprobs: list[dict[int, float]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token in seconds."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after a step: its prompt and its completions so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default=None)  # type: ignore[assignment]

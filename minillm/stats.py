@@ -1,0 +1,91 @@
+"""EngineStats: the snapshot the engine publishes for /v1/stats, /metrics and the monitor."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+# Block map cell values: a request row index (>= 0) for a used block, or one of these.
+CELL_FREE = -1
+CELL_CACHED = -2
+
+
+@dataclass
+class StepStats:
+    """Composition and duration of one engine step."""
+
+    step: int
+    time: float                  # time.time() at the end of the step
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    token_budget: int
+    step_time_s: float
+
+
+@dataclass
+class RequestStats:
+    """One row of the request table."""
+
+    request_id: str
+    state: str                   # "waiting" | "running" | "preempted" | "finished"
+    prompt_tokens: int
+    output_tokens: int
+    num_blocks: int
+    num_cached_tokens: int
+    ttft_s: float | None
+
+
+@dataclass
+class MemoryStats:
+    """Device (or host, on the CPU backend) memory split in bytes."""
+
+    weights_bytes: int
+    kv_pool_bytes: int
+    other_bytes: int
+    total_bytes: int
+
+
+@dataclass
+class EngineStats:
+    """A point-in-time snapshot of the engine; plain data, serialised with to_dict()."""
+
+    time: float
+    model: str
+    device: str
+    dtype: str
+    num_running: int
+    num_waiting: int
+    num_preempted: int           # waiting requests that were preempted and will resume
+    num_preemptions: int         # total so far
+    kv_num_blocks: int
+    kv_num_used_blocks: int
+    kv_num_free_blocks: int      # truly free (no cached content)
+    kv_num_cached_blocks: int    # free but holding a reusable prefix block
+    kv_usage: float              # used / total, in [0, 1]
+    kv_token_utilization: float  # tokens held / slots in used blocks, in [0, 1]
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    prefix_cache_queries: int    # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int       # prompt tokens found there
+    num_steps: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_requests_finished: dict[str, int]   # finish reason -> count
+    prompt_throughput: float     # tok/s over the last few seconds
+    generation_throughput: float
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    itl_p50_s: float | None
+    itl_p99_s: float | None
+    memory: MemoryStats
+    # block_map[i]: the state of cell i (CELL_FREE, CELL_CACHED or a row index into requests);
+    # each cell covers block_map_blocks_per_cell consecutive blocks and shows their commonest state.
+    block_map: list[int] = field(default_factory=list)
+    block_map_blocks_per_cell: int = 1
+    recent_steps: list[StepStats] = field(default_factory=list)
+    requests: list[RequestStats] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        """A JSON-ready dict with the same field names."""
+        return asdict(self)
