@@ -1,0 +1,144 @@
+"""BlockManager: the only owner of the KV block pool's bookkeeping.
+
+Free blocks sit in one LRU queue (front = evicted first). A block that held a full, hashed block
+of tokens stays reusable while free ("cached-free") until it is evicted to serve a new allocation.
+Only full blocks are shared; a block's key chains its parent's key with its token ids, so equal
+keys mean equal whole prefixes.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from minillm.sequence import Sequence
+
+
+class BlockManager:
+    """Allocates, shares (prefix cache) and frees fixed-size KV blocks; pure Python."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_keys: list[tuple | None] = [None] * num_blocks   # key of a hashed block
+        self.key_to_block: dict[tuple, int] = {}
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._num_cached_free = 0        # free blocks whose key is still registered
+        self.prefix_cache_queries = 0    # prompt tokens looked up
+        self.prefix_cache_hits = 0       # prompt tokens found
+
+    # ---- questions -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any sequence (cached-free included)."""
+        return len(self.free_queue)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix block."""
+        return self._num_cached_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens tokens."""
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _key(self, parent: tuple | None, tokens: list[int]) -> tuple:
+        return (hash(parent) if parent is not None else None, tuple(tokens))
+
+    def find_cached_blocks(self, seq: Sequence) -> list[int]:
+        """Blocks of the longest cached prefix of seq's full blocks (at least one token left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            key = self._key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block = self.key_to_block.get(key)
+            if block is None:
+                break
+            hits.append(block)
+            parent = key
+        return hits
+
+    # ---- allocation ------------------------------------------------------------------------
+    def _pop_free_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        key = self.block_keys[block]
+        if key is not None:                 # evict the cached content
+            self._num_cached_free -= 1
+            del self.key_to_block[key]
+            self.block_keys[block] = None
+        self.ref_counts[block] = 1
+        return block
+
+    def allocate(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
+        """Admit seq: share cached_blocks, then add blocks for num_new_tokens more; False if short."""
+        assert not seq.block_table, "allocate() is for sequences holding no blocks"
+        num_computed = len(cached_blocks) * self.block_size
+        need = self.blocks_needed(num_computed + num_new_tokens) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        if need > self.num_free_blocks - revived:
+            return False
+        for block in cached_blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+                self._num_cached_free -= 1
+            self.ref_counts[block] += 1
+        seq.block_table = list(cached_blocks)
+        seq.block_hashes = [self.block_keys[b] for b in cached_blocks]
+        seq.block_table.extend(self._pop_free_block() for _ in range(need))
+        self.prefix_cache_queries += seq.num_tokens
+        self.prefix_cache_hits += num_computed
+        return True
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow seq's table to hold num_new_tokens more tokens; False (nothing taken) if short."""
+        need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        if need > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._pop_free_block() for _ in range(max(need, 0)))
+        return True
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        while len(seq.block_hashes) < num_full:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            key = self._key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            seq.block_hashes.append(key)
+            block = seq.block_table[i]
+            if key not in self.key_to_block and self.block_keys[block] is None:
+                self.key_to_block[key] = block
+                self.block_keys[block] = key
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks; hashed ones stay cached-free (tail evicted first), others go first."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+                if self.block_keys[block] is None:
+                    self.free_queue.move_to_end(block, last=False)
+                else:
+                    self._num_cached_free += 1
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached-free block's content."""
+        for block in self.free_queue:
+            key = self.block_keys[block]
+            if key is not None:
+                del self.key_to_block[key]
+                self.block_keys[block] = None
+        self._num_cached_free = 0

@@ -1,0 +1,225 @@
+"""LLMEngine: add requests, step the scheduler and the model, hand back RequestOutputs."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minillm.block_manager import BlockManager
+from minillm.config import EngineConfig
+from minillm.loader import load_model_config, load_weights, resolve_model_path
+from minillm.metrics_tracker import MetricsTracker
+from minillm.model_runner import ModelRunner
+from minillm.ops import get_ops
+from minillm.output_processor import CompletionState, add_token, completion_output, new_state
+from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.sampling_params import SamplingParams
+from minillm.scheduler import Scheduler
+from minillm.sequence import Sequence, SequenceStatus
+from minillm.stats import EngineStats
+from minillm.tokenizer import Tokenizer
+
+
+@dataclass
+class Request:
+    """A request: its prompt, its n sequences and their output states."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    states: list[CompletionState]
+    metrics: RequestMetrics
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def is_finished(self) -> bool:
+        """True when every sequence has finished."""
+        return all(s.is_finished for s in self.seqs)
+
+
+def choose_backend(device: str) -> str:
+    """'cpu' -> numpy, 'cuda' -> cuda, 'auto' -> cuda when CuPy sees a GPU."""
+    if device == "cpu":
+        return "numpy"
+    if device == "cuda":
+        return "cuda"
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return "cuda"
+    except Exception:  # no CuPy, no driver or no device: the CPU it is
+        pass
+    return "numpy"
+
+
+def resolve_dtype(config: EngineConfig, backend: str, checkpoint_dtype: str) -> str:
+    """The compute dtype: float32 on the CPU, the checkpoint's own (or the asked) dtype on the GPU."""
+    if backend == "numpy":
+        if config.dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype {config.dtype!r} is not supported on the CPU backend; use float32")
+        return "float32"
+    if config.dtype != "auto":
+        return config.dtype
+    return checkpoint_dtype if checkpoint_dtype in ("float32", "float16", "bfloat16") else "bfloat16"
+
+
+class LLMEngine:
+    """The engine loop: not thread-safe, call everything from one thread."""
+
+    def __init__(self, config: EngineConfig, log=None):
+        self.config = config
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        path = resolve_model_path(config.model, config.download_dir)
+        self.model_path = path
+        self.model_config = load_model_config(path)
+        self.tokenizer = Tokenizer.from_pretrained(path)
+        self.backend = choose_backend(config.device)
+        self.ops = get_ops(self.backend)
+        self.dtype = resolve_dtype(config, self.backend, self.model_config.torch_dtype)
+        model_max = self.model_config.max_position_embeddings
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {model_max}")
+        requested_len = config.max_model_len or model_max
+        weights = load_weights(path, self.model_config, self.dtype)
+        self.runner = ModelRunner(self.model_config, config, self.ops, weights, self.dtype, requested_len)
+        del weights
+        self.max_model_len = self._fit_max_model_len(requested_len)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        eos = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids))
+        self.eos_token_ids = eos
+        self.runner.sampler.eos_token_ids = eos
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, eos)
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._seed_rng = np.random.default_rng(config.seed)
+        self.metrics = MetricsTracker()
+        self.model_name = config.served_model_name or config.model
+
+    def _fit_max_model_len(self, requested: int) -> int:
+        capacity = self.runner.num_blocks * self.config.block_size
+        if requested <= capacity:
+            return requested
+        if self.config.max_model_len is not None:
+            raise ValueError(f"max_model_len {requested} needs {-(-requested // self.config.block_size)} "
+                             f"KV blocks but the pool has {self.runner.num_blocks}; lower max_model_len "
+                             f"or raise num_kv_blocks")
+        return capacity
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Validate and queue a request; raises ValueError naming the bad field."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "
+                             f"max_model_len {self.max_model_len}")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceeds "
+                             f"max_model_len {self.max_model_len}")
+        now = arrival_time if arrival_time is not None else time.time()
+        seqs = []
+        for i in range(params.n):
+            seed = params.seed + i if params.seed is not None else int(self._seed_rng.integers(2**62))
+            seqs.append(Sequence(request_id, i, list(ids), params, now, np.random.default_rng(seed), max_tokens))
+        req = Request(request_id, text, list(ids), seqs, [new_state(self.tokenizer, s) for s in seqs],
+                      RequestMetrics(arrival_time=now))
+        self.requests[request_id] = req
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+        return None, [int(t) for t in prompt]
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; the next step() reports it with 'abort'."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return
+        for seq in req.seqs:
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is queued, running or has an unreported abort."""
+        return bool(self.requests) or bool(self._aborted)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, process the outputs."""
+        started = time.time()
+        out = self.scheduler.schedule()
+        changed: dict[str, Request] = {r.request_id: r for r in self._aborted}
+        self._aborted = []
+        if out.is_empty:
+            if self.scheduler.has_unfinished() and not self.scheduler.running:
+                raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
+            return self._finish_outputs(changed, time.time())
+        for seq in out.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is not None and req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = started
+                req.metrics.num_cached_tokens = seq.num_cached_tokens
+        step_out = self.runner.execute(out)
+        touched = self.scheduler.update(out, step_out)
+        now = time.time()
+        for seq in touched:
+            req = self.requests[seq.request_id]
+            token = seq.token_ids[-1]
+            stop = add_token(req.states[seq.index], seq, token, step_out.logprobs.get(seq.seq_id))
+            if stop is not None:
+                seq.stop_reason = stop
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            self._note_token(req, now)
+            changed[req.request_id] = req
+        self.metrics.record_step(out, len(touched), started, now, self.config.max_num_batched_tokens)
+        return self._finish_outputs(changed, now)
+
+    def _note_token(self, req: Request, now: float) -> None:
+        m = req.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+            self.metrics.record_ttft(now - m.arrival_time)
+        elif m.last_token_time is not None and now > m.last_token_time:
+            self.metrics.record_itl(now - m.last_token_time)
+        m.last_token_time = now
+
+    def _finish_outputs(self, changed: dict[str, Request], now: float) -> list[RequestOutput]:
+        outputs = []
+        for req in changed.values():
+            finished = req.is_finished
+            if finished and req.metrics.finished_time is None:
+                req.metrics.finished_time = now
+                self.requests.pop(req.request_id, None)
+                for seq in req.seqs:
+                    self.metrics.record_finish(seq.status.finish_reason)
+            outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                                         [completion_output(st, s) for st, s in zip(req.states, req.seqs)],
+                                         finished, req.metrics))
+        return outputs
+
+    # ---- stats -------------------------------------------------------------------------------
+    def stats(self, cells: int = 64) -> EngineStats:
+        """A snapshot of queues, KV pool, throughput and latency."""
+        from minillm.engine_stats import build_stats
+        return build_stats(self, cells)

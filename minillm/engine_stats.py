@@ -1,0 +1,79 @@
+"""Builds an EngineStats snapshot from the engine's parts (read-only)."""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from minillm.metrics_tracker import percentile
+from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, RequestStats
+
+if TYPE_CHECKING:
+    from minillm.engine import LLMEngine
+
+MAX_WAITING_ROWS = 256
+
+
+def downsample_block_map(states: np.ndarray, cells: int) -> tuple[list[int], int]:
+    """states: [num_blocks] int -> (at most `cells` values, blocks per cell); each the commonest state."""
+    n = len(states)
+    per = max(1, -(-n // max(cells, 1)))
+    num_cells = -(-n // per)
+    grid = np.pad(states, (0, num_cells * per - n), mode="edge").reshape(num_cells, per)
+    if per == 1:
+        return grid[:, 0].tolist(), 1
+    ordered = np.sort(grid, axis=1)
+    idx = np.arange(per)
+    starts = np.ones_like(ordered, dtype=bool)
+    starts[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+    run_start = np.maximum.accumulate(np.where(starts, idx, 0), axis=1)
+    best = np.argmax(idx - run_start, axis=1)       # end of the longest run in each row
+    return ordered[np.arange(num_cells), best].tolist(), per
+
+
+def build_stats(engine: "LLMEngine", cells: int) -> EngineStats:
+    """Snapshot queues, pool, throughput and latency of the engine."""
+    now = time.time()
+    bm, sched, m = engine.block_manager, engine.scheduler, engine.metrics
+    rows: list[RequestStats] = []
+    states = np.full(bm.num_blocks, CELL_FREE, dtype=np.int64)
+    cached = [b for b in bm.free_queue if bm.block_keys[b] is not None]
+    states[cached] = CELL_CACHED
+    tokens_held = 0
+    for seq in sched.running:
+        states[seq.block_table] = len(rows)
+        tokens_held += seq.num_computed_tokens
+        rows.append(_row(engine, seq, "running"))
+    for seq in list(sched.waiting)[:MAX_WAITING_ROWS]:
+        rows.append(_row(engine, seq, "preempted" if seq.num_preemptions else "waiting"))
+    block_map, per = downsample_block_map(states, cells)
+    used = bm.num_used_blocks
+    prompt_tps, gen_tps = m.throughput(now)
+    c = engine.config
+    return EngineStats(
+        time=now, model=engine.model_name, device=engine.backend, dtype=engine.dtype,
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        num_preempted=sum(1 for s in sched.waiting if s.num_preemptions),
+        num_preemptions=sched.num_preemptions, kv_num_blocks=bm.num_blocks, kv_num_used_blocks=used,
+        kv_num_free_blocks=bm.num_free_blocks - bm.num_cached_free_blocks,
+        kv_num_cached_blocks=bm.num_cached_free_blocks, kv_usage=used / bm.num_blocks,
+        kv_token_utilization=tokens_held / (used * bm.block_size) if used else 0.0,
+        block_size=bm.block_size, max_num_seqs=c.max_num_seqs,
+        max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=engine.max_model_len,
+        prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+        num_steps=m.num_steps, prompt_tokens_total=m.prompt_tokens_total,
+        generation_tokens_total=m.generation_tokens_total, num_requests_finished=dict(m.finished),
+        prompt_throughput=prompt_tps, generation_throughput=gen_tps,
+        ttft_p50_s=percentile(m.ttft, 50), ttft_p99_s=percentile(m.ttft, 99),
+        itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
+        memory=engine.runner.memory_stats(), block_map=block_map, block_map_blocks_per_cell=per,
+        recent_steps=list(m.recent_steps)[-32:], requests=rows)
+
+
+def _row(engine: "LLMEngine", seq, state: str) -> RequestStats:
+    req = engine.requests.get(seq.request_id)
+    ttft = req.metrics.ttft if req is not None else None
+    rid = seq.request_id if seq.params.n == 1 else f"{seq.request_id}#{seq.index}"
+    return RequestStats(rid, state, seq.num_prompt_tokens, seq.num_output_tokens, len(seq.block_table),
+                        seq.num_cached_tokens, ttft)

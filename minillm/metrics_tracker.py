@@ -1,0 +1,62 @@
+"""Rolling counters and latency samples the engine keeps for its stats snapshots."""
+from __future__ import annotations
+
+from collections import Counter, deque
+
+import numpy as np
+
+from minillm.scheduler import SchedulerOutput
+from minillm.stats import StepStats
+
+THROUGHPUT_WINDOW_S = 5.0
+
+
+class MetricsTracker:
+    """Step history, token totals, TTFT / inter-token latency samples, finish counts."""
+
+    def __init__(self, max_steps: int = 128, max_samples: int = 4096):
+        self.num_steps = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.recent_steps: deque[StepStats] = deque(maxlen=max_steps)
+        self._window: deque[tuple[float, float, int, int]] = deque()   # (start, end, prompt, gen)
+        self.ttft: deque[float] = deque(maxlen=max_samples)
+        self.itl: deque[float] = deque(maxlen=max_samples)
+        self.finished: Counter[str] = Counter()
+
+    def record_step(self, out: SchedulerOutput, num_sampled: int, started: float, ended: float,
+                    budget: int) -> None:
+        """Account one executed step."""
+        self.num_steps += 1
+        self.prompt_tokens_total += out.num_prefill_tokens
+        self.generation_tokens_total += num_sampled
+        self.recent_steps.append(StepStats(self.num_steps, ended, out.num_prefill_tokens,
+                                           out.num_decode_tokens, len(out.seqs), budget, ended - started))
+        self._window.append((started, ended, out.num_prefill_tokens, num_sampled))
+        while self._window and self._window[0][1] < ended - THROUGHPUT_WINDOW_S:
+            self._window.popleft()
+
+    def record_ttft(self, seconds: float) -> None:
+        """One time-to-first-token sample."""
+        self.ttft.append(seconds)
+
+    def record_itl(self, seconds: float) -> None:
+        """One inter-token latency sample."""
+        self.itl.append(seconds)
+
+    def record_finish(self, reason: str | None) -> None:
+        """Count one finished sequence by reason."""
+        self.finished[reason or "unknown"] += 1
+
+    def throughput(self, now: float) -> tuple[float, float]:
+        """(prompt tok/s, generation tok/s) over the last few seconds."""
+        recent = [w for w in self._window if w[1] >= now - THROUGHPUT_WINDOW_S]
+        if not recent:
+            return 0.0, 0.0
+        span = max(now - min(w[0] for w in recent), 1e-3)
+        return sum(w[2] for w in recent) / span, sum(w[3] for w in recent) / span
+
+
+def percentile(samples, q: float) -> float | None:
+    """The q-th percentile of the samples, or None when there are none."""
+    return float(np.percentile(np.fromiter(samples, float), q)) if samples else None

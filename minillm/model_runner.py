@@ -1,0 +1,141 @@
+"""ModelRunner: the only engine part that touches device memory.
+
+It owns the weights and the KV pool (allocated once), turns a SchedulerOutput into input ids,
+positions and attention metadata, runs the model and the sampler, and returns a StepOutput.
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import numpy as np
+
+from minillm.attention import AttentionMetadata
+from minillm.config import EngineConfig, ModelConfig
+from minillm.models.decoder import DecoderModel
+from minillm.sampler import Sampler
+from minillm.scheduler import SchedulerOutput, StepOutput
+from minillm.stats import MemoryStats
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def kv_bytes_per_block(mc: ModelConfig, block_size: int, itemsize: int) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    return mc.kv_bytes_per_token * block_size * itemsize
+
+
+class ModelRunner:
+    """Weights, KV pool and the forward pass for one backend."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, ops: ModuleType,
+                 weights: dict[str, np.ndarray], dtype, max_model_len: int):
+        self.model_config, self.config, self.ops, self.dtype = model_config, config, ops, dtype
+        self.block_size = config.block_size
+        self.model = DecoderModel(model_config, weights, ops, dtype, max_model_len)
+        self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
+        self.num_blocks = self._decide_num_blocks(max_model_len)
+        mc = model_config
+        # kv_pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_pool = ops.xp.zeros((mc.num_layers, 2, self.num_blocks, self.block_size,
+                                     mc.num_kv_heads, mc.head_dim), dtype=dtype)
+        self.sampler = Sampler(ops, list(mc.eos_token_id))
+
+    def _device_arrays(self):
+        m = self.model
+        yield from (m.embed, m.lm_head, m.final_norm)
+        for lw in m.layers:
+            yield from (a for a in vars(lw).values() if a is not None)
+
+    def _decide_num_blocks(self, max_model_len: int) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, np.dtype(self.dtype).itemsize
+                                       if self.ops.name == "numpy" else self.ops.xp.dtype(self.dtype).itemsize)
+        if self.ops.name == "numpy":
+            budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+            enough = cfg.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size)
+            return max(1, min(budget // per_block, enough))
+        free, total = self.ops.device_memory_info()
+        activations = self._activation_reserve_bytes()
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
+        if budget < per_block:
+            raise ValueError(f"no device memory left for the KV pool: {free / 2**30:.1f} GiB free of "
+                             f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization")
+        return budget // per_block
+
+    def _activation_reserve_bytes(self) -> int:
+        """An upper bound on one forward pass's transient memory at max_num_batched_tokens."""
+        mc, t = self.model_config, self.config.max_num_batched_tokens
+        width = max(mc.hidden_size * 4, 2 * mc.intermediate_size * 2,
+                    (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 3)
+        logits = self.config.max_num_seqs * mc.vocab_size * 4 * 3
+        return t * width * self.ops.xp.dtype(self.dtype).itemsize + logits + (256 << 20)
+
+    def prepare_inputs(self, out: SchedulerOutput):
+        """Host-side input ids [T], positions [T] and attention metadata for the step."""
+        bs = self.block_size
+        ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int32))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(start + n)
+        max_blocks = max(len(s.block_table) for s in out.seqs)
+        block_tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
+        for b, seq in enumerate(out.seqs):
+            block_tables[b, :len(seq.block_table)] = seq.block_table
+        meta = AttentionMetadata(
+            query_start_loc=np.asarray(qsl, np.int32), seq_lens=np.asarray(seq_lens, np.int32),
+            block_tables=block_tables, slot_mapping=np.concatenate(slots).astype(np.int32),
+            max_query_len=max(out.num_new_tokens), max_seq_len=max(seq_lens),
+            is_decode_only=all(n == 1 for n in out.num_new_tokens))
+        return np.concatenate(ids), np.concatenate(positions).astype(np.int32), meta
+
+    def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
+        if self.ops.name == "numpy":
+            return meta
+        a = self.ops.asarray
+        return AttentionMetadata(a(meta.query_start_loc), a(meta.seq_lens), a(meta.block_tables),
+                                 a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
+                                 meta.is_decode_only)
+
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Run one forward pass and sample for every sequence whose known tokens are all computed."""
+        ids, positions, meta = self.prepare_inputs(out)
+        hidden = self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
+                                    self._to_device(meta), self.kv_pool)
+        rows = [b for b, (s, n) in enumerate(zip(out.seqs, out.num_new_tokens))
+                if s.num_computed_tokens + n == s.num_tokens]
+        if not rows:
+            return StepOutput(sampled={})
+        last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
+        logits = self.model.compute_logits(hidden[last])           # [len(rows), V]
+        seqs = [out.seqs[b] for b in rows]
+        ids_out, logprobs = self.sampler(logits, seqs)
+        return StepOutput(sampled={s.seq_id: t for s, t in zip(seqs, ids_out)},
+                          logprobs={s.seq_id: lp for s, lp in zip(seqs, logprobs) if lp is not None})
+
+    def memory_stats(self) -> MemoryStats:
+        """Weights, KV pool and everything else, in bytes."""
+        kv = int(self.kv_pool.nbytes)
+        if self.ops.name == "numpy":
+            total = _process_rss_bytes()
+        else:
+            free, device_total = self.ops.device_memory_info()
+            total = device_total - free
+        other = max(total - self.weights_bytes - kv, 0)
+        return MemoryStats(self.weights_bytes, kv, other, max(total, self.weights_bytes + kv))
+
+
+def _process_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -1,0 +1,100 @@
+"""One decoder for the Llama, Qwen2 and Qwen3 families, written over the ops interface.
+
+Per layer: RMSNorm (fused with the residual add) -> fused QKV projection (+bias for Qwen2)
+-> per-head q/k RMSNorm (Qwen3) -> rotary -> KV append by slot mapping -> paged attention
+-> output projection -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+
+from minillm.attention import AttentionMetadata
+from minillm.config import ModelConfig
+from minillm.models.rope import cos_sin_table
+
+
+@dataclass
+class LayerWeights:
+    """One layer's device arrays (linear weights in the backend's layout)."""
+
+    input_norm: object      # [D]
+    qkv: object             # [(Hq + 2 Hk) Dh, D]
+    qkv_bias: object | None  # [(Hq + 2 Hk) Dh]
+    q_norm: object | None   # [Dh]
+    k_norm: object | None   # [Dh]
+    o: object               # [D, Hq Dh]
+    post_norm: object       # [D]
+    gate_up: object         # [2 I, D]
+    down: object            # [D, I]
+
+
+class DecoderModel:
+    """Weights on the backend and the forward pass; no scheduling state."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: ModuleType,
+                 dtype, max_positions: int):
+        self.config, self.ops, self.dtype = config, ops, dtype
+        lin = lambda w: ops.prepare_linear_weight(w, dtype)          # noqa: E731
+        vec = lambda w: ops.asarray(w, dtype)                        # noqa: E731
+        self.embed = vec(weights["model.embed_tokens.weight"])       # [V, D]
+        head = weights.get("lm_head.weight")
+        if config.tie_word_embeddings or head is None:
+            head = weights["model.embed_tokens.weight"]
+        self.lm_head = lin(head)                                     # [V, D]
+        self.final_norm = vec(weights["model.norm.weight"])
+        self.layers = [self._layer(weights, i, lin, vec) for i in range(config.num_layers)]
+        self.cos_sin = ops.asarray(cos_sin_table(config.head_dim, max_positions, config.rope_theta,
+                                                 config.rope_scaling), np.float32)
+        self.scale = config.head_dim ** -0.5
+
+    def _layer(self, w: dict, i: int, lin, vec) -> LayerWeights:
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv = np.concatenate([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]])
+        bias = None
+        if self.config.attention_bias:
+            bias = vec(np.concatenate([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]]))
+        gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        return LayerWeights(
+            input_norm=vec(w[p + "input_layernorm.weight"]), qkv=lin(qkv), qkv_bias=bias,
+            q_norm=vec(w[a + "q_norm.weight"]) if self.config.qk_norm else None,
+            k_norm=vec(w[a + "k_norm.weight"]) if self.config.qk_norm else None,
+            o=lin(w[a + "o_proj.weight"]), post_norm=vec(w[p + "post_attention_layernorm.weight"]),
+            gate_up=lin(gate_up), down=lin(w[p + "mlp.down_proj.weight"]))
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pool):
+        """input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, block_size, Hk, Dh] -> hidden [T, D]."""
+        ops, c = self.ops, self.config
+        eps = c.rms_norm_eps
+        num_tokens = input_ids.shape[0]
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        h = ops.embedding(input_ids, self.embed)                     # [T, D]
+        residual = None
+        for i, lw in enumerate(self.layers):
+            if residual is None:
+                x, residual = ops.rms_norm(h, lw.input_norm, eps), h
+            else:
+                x, residual = ops.add_rms_norm(h, residual, lw.input_norm, eps)
+            qkv = ops.linear(x, lw.qkv, lw.qkv_bias)                  # [T, (Hq + 2 Hk) Dh]
+            q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            if lw.q_norm is not None:
+                q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, eps).reshape(q.shape)
+                k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, eps).reshape(k.shape)
+            q, k = ops.rotary(q, k, positions, self.cos_sin)
+            k_cache, v_cache = kv_pool[i, 0], kv_pool[i, 1]          # [num_blocks, bs, Hk, Dh]
+            ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)   # [T, Hq, Dh]
+            h = ops.linear(o.reshape(num_tokens, q_size), lw.o)       # [T, D]
+            x, residual = ops.add_rms_norm(h, residual, lw.post_norm, eps)
+            h = ops.linear(ops.silu_and_mul(ops.linear(x, lw.gate_up)), lw.down)
+        out, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
+        return out
+
+    def compute_logits(self, hidden):
+        """hidden: [B, D] -> logits [B, V] in float32."""
+        return self.ops.linear(hidden, self.lm_head).astype(np.float32)

@@ -1,0 +1,71 @@
+"""Per-completion output state: incremental text, stop strings, log-probabilities."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minillm.outputs import CompletionOutput
+from minillm.sequence import Sequence, SequenceStatus
+from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionState:
+    """The text side of one sequence: detokenizer, text so far, log-probabilities."""
+
+    detokenizer: IncrementalDetokenizer
+    stop: list[str]
+    include_stop: bool
+    want_logprobs: bool
+    text: str = ""
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+
+    @property
+    def holdback(self) -> int:
+        """Characters kept back while a stop string could still be forming."""
+        return max((len(s) for s in self.stop), default=1) - 1
+
+
+def new_state(tokenizer: Tokenizer, seq: Sequence) -> CompletionState:
+    """Fresh output state for a sequence."""
+    p = seq.params
+    return CompletionState(IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens),
+                           list(p.stop_strings), p.include_stop_str_in_output, p.logprobs is not None)
+
+
+def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
+    """Feed the newest token; returns the stop string it completed, if any."""
+    if state.want_logprobs and logprobs is not None:
+        state.logprobs.append(logprobs)
+        state.cumulative_logprob += logprobs.get(token, 0.0)
+    if _ended_by_stop_token(seq, token) and not state.include_stop:
+        return None
+    delta = state.detokenizer.add(token)
+    if not delta or not state.stop:
+        state.text += delta
+        return None
+    start = max(len(state.text) - state.holdback, 0)
+    state.text += delta
+    for s in state.stop:
+        at = state.text.find(s, start)
+        if at != -1:
+            state.text = state.text[:at + len(s)] if state.include_stop else state.text[:at]
+            return s
+    return None
+
+
+def _ended_by_stop_token(seq: Sequence, token: int) -> bool:
+    return seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason == token or (
+        seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason is None)
+
+
+def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput:
+    """The caller-facing view: while running, text withholds a possible partial stop string."""
+    text = state.text
+    if not seq.is_finished and state.stop and state.holdback:
+        text = text[:max(len(text) - state.holdback, 0)]
+    return CompletionOutput(
+        index=seq.index, text=text, token_ids=seq.output_token_ids,
+        finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+        cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
+        logprobs=list(state.logprobs) if state.want_logprobs else None)

@@ -1,0 +1,95 @@
+"""Sequence: one completion's tokens, progress counter and block table."""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from minillm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is; the finished states carry the finish reason."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three finished states."""
+        return self.value in ("stop", "length", "abort")
+
+    @property
+    def finish_reason(self) -> str | None:
+        """'stop' | 'length' | 'abort', or None while alive."""
+        return self.value if self.is_finished else None
+
+
+_seq_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One completion of a request: prompt + generated ids, and how many have KV computed."""
+
+    request_id: str
+    index: int                       # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    rng: np.random.Generator
+    max_tokens: int                  # resolved: params.max_tokens or what max_model_len leaves
+    seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    status: SequenceStatus = SequenceStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)     # prompt + output
+    num_computed_tokens: int = 0     # tokens whose K/V are in the cache
+    block_table: list[int] = field(default_factory=list)   # physical block ids, in order
+    block_hashes: list = field(default_factory=list)       # prefix-cache keys of full blocks
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at admission
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt length."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens so far."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated ids."""
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once stopped, length-capped or aborted."""
+        return self.status.is_finished
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the last sampled token is still to be computed."""
+        return self.num_tokens - self.num_computed_tokens > 1
+
+    def append_token(self, token_id: int) -> None:
+        """Add a generated token (its K/V is computed next step)."""
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1

@@ -1,0 +1,83 @@
+"""BlockManager: allocation, sharing through the prefix cache, LRU eviction, no leaks."""
+import numpy as np
+
+from minillm.block_manager import BlockManager
+from minillm.sampling_params import SamplingParams
+from minillm.sequence import Sequence
+
+
+def make_seq(tokens, rid="r"):
+    return Sequence(rid, 0, list(tokens), SamplingParams(max_tokens=8), 0.0, np.random.default_rng(0), 8)
+
+
+def admit(bm, seq):
+    cached = bm.find_cached_blocks(seq)
+    assert bm.allocate(seq, cached, seq.num_tokens - len(cached) * bm.block_size)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+    return cached
+
+
+def test_allocate_and_free_returns_every_block():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = make_seq(range(10))
+    admit(bm, seq)
+    assert len(seq.block_table) == 3 and bm.num_free_blocks == 5
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and seq.block_table == []
+
+
+def test_allocation_fails_without_taking_anything_when_short():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    seq = make_seq(range(12))
+    assert not bm.allocate(seq, [], 12)
+    assert bm.num_free_blocks == 2 and seq.block_table == []
+
+
+def test_prefix_cache_shares_full_blocks_with_ref_counts():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = make_seq(list(range(9)), "a")
+    admit(bm, a)
+    b = make_seq(list(range(8)) + [99, 100], "b")
+    cached = admit(bm, b)
+    assert cached == a.block_table[:2]
+    assert all(bm.ref_counts[x] == 2 for x in cached)
+    assert bm.prefix_cache_hits == 8 and bm.prefix_cache_queries == 19
+    bm.free(a)
+    assert all(bm.ref_counts[x] == 1 for x in cached)
+    bm.free(b)
+    assert bm.num_free_blocks == 16
+
+
+def test_cached_free_blocks_are_reused_then_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = make_seq(range(9), "a")
+    admit(bm, a)
+    table = list(a.block_table)
+    bm.free(a)
+    assert bm.num_cached_free_blocks == 2          # two full blocks keep their content
+    again = make_seq(range(9), "again")
+    assert admit(bm, again) == table[:2]
+    assert bm.prefix_cache_hits == 8
+    bm.free(again)
+    big = make_seq(range(100, 116), "big")           # needs all 4 blocks: evicts the cached ones
+    admit(bm, big)
+    assert bm.num_cached_free_blocks == 0 and bm.key_to_block.keys() == {k for k in big.block_hashes}
+    bm.free(big)
+    assert bm.num_free_blocks == 4
+
+
+def test_prompt_fully_cached_still_computes_one_token():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = make_seq(range(8), "a")
+    admit(bm, a)
+    b = make_seq(range(8), "b")
+    assert len(bm.find_cached_blocks(b)) == 1        # the last block is recomputed for its logits
+
+
+def test_disabled_prefix_cache_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    a = make_seq(range(8), "a")
+    admit(bm, a)
+    b = make_seq(range(8), "b")
+    assert bm.find_cached_blocks(b) == [] and bm.num_cached_free_blocks == 0
