@@ -1,0 +1,438 @@
+"""The interactive chat loop: conversation state, prompt building, streaming and the /commands."""
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Protocol, TextIO
+
+from minillm.sampling_params import SamplingParams
+
+PROMPT = ">>> "
+CONTINUATION_PROMPT = "... "
+TRIPLE_QUOTE = '"""'
+
+HELP_TEXT = """\
+commands:
+  /help                 this list
+  /reset                forget the conversation (the system message and settings stay)
+  /system TEXT          set the system message (/system alone clears it)
+  /set KEY VALUE        change sampling: temperature, top_p, top_k, max_tokens, seed
+                        (/set alone shows the current values; /set seed none unseeds)
+  /stats                speed, time to first token and KV usage of the last reply
+  /exit                 quit (Ctrl-D too)
+input:
+  a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
+  Ctrl-C stops the reply being written; at the prompt it clears the line"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversation state and prompt building
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ChatSettings:
+    """Sampling settings the user changes with /set; each reply gets fresh SamplingParams."""
+
+    temperature: float = 0.7
+    top_p: float = 0.9
+    top_k: int = -1
+    max_tokens: int = 256
+    seed: int | None = None
+
+    def with_value(self, key: str, text: str) -> ChatSettings:
+        """A copy with KEY parsed from TEXT; ValueError names the key when it is invalid."""
+        parsers: dict[str, Callable[[str], object]] = {
+            "temperature": float, "top_p": float, "top_k": int, "max_tokens": int,
+            "seed": lambda s: None if s.lower() in ("none", "off", "random") else int(s),
+        }
+        if key not in parsers:
+            raise ValueError(f"unknown setting {key!r}; one of: {', '.join(parsers)}")
+        try:
+            value = parsers[key](text)
+        except ValueError:
+            raise ValueError(f"{key} needs a {'number' if key in ('temperature', 'top_p') else 'integer'}, "
+                             f"got {text!r}") from None
+        updated = replace(self, **{key: value})
+        updated.sampling_params()   # validates the new value with the engine's own rules
+        return updated
+
+    def sampling_params(self, max_tokens: int | None = None) -> SamplingParams:
+        """SamplingParams for one reply (max_tokens may be lowered to fit the context)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                              max_tokens=max_tokens or self.max_tokens, seed=self.seed)
+
+    def describe(self) -> str:
+        """One line with every setting."""
+        return (f"temperature={self.temperature} top_p={self.top_p} top_k={self.top_k} "
+                f"max_tokens={self.max_tokens} seed={self.seed}")
+
+
+@dataclass
+class Conversation:
+    """The system message and the alternating user/assistant turns so far."""
+
+    system: str | None = None
+    turns: list[dict] = field(default_factory=list)   # {"role": "user"|"assistant", "content"}
+
+    def messages(self) -> list[dict]:
+        """The chat-template message list: the system message first, when there is one."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [dict(t) for t in self.turns]
+
+    def drop_oldest_exchange(self) -> bool:
+        """Forget the oldest user turn and its reply; False when only the newest turn is left."""
+        if len(self.turns) <= 1:
+            return False
+        del self.turns[0]
+        while len(self.turns) > 1 and self.turns[0]["role"] != "user":
+            del self.turns[0]
+        return True
+
+
+def conversation_text(conversation: Conversation) -> str:
+    """Plain-text rendering for models without a chat template: each reply continues its turn."""
+    paragraphs = [conversation.system] if conversation.system else []
+    for turn in conversation.turns:
+        if turn["role"] == "assistant" and paragraphs:
+            paragraphs[-1] += turn["content"]
+        else:
+            paragraphs.append(turn["content"])
+    return "\n".join(paragraphs)
+
+
+def conversation_prompt_ids(tokenizer, conversation: Conversation) -> list[int]:
+    """The prompt token ids of the conversation, ending where the assistant's reply begins."""
+    if tokenizer.has_chat_template:
+        return list(tokenizer.apply_chat_template(conversation.messages(), add_generation_prompt=True,
+                                                  tokenize=True))
+    return tokenizer.encode(conversation_text(conversation), add_special_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: an in-process engine, or a running server (minillm.chat_client.HttpChatBackend)
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class ReplyStats:
+    """What was measured for one reply."""
+
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    decode_s: float | None          # first token to last token
+    total_s: float                  # request sent to reply finished
+    finish_reason: str | None
+    source: str                     # "engine" | "client"
+    cached_tokens: int | None = None
+    kv_blocks: int | None = None
+    kv_pool_blocks: int | None = None
+    block_size: int | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode speed: tokens after the first over the time they took."""
+        if self.decode_s and self.output_tokens > 1:
+            return (self.output_tokens - 1) / self.decode_s
+        return self.output_tokens / self.total_s if self.total_s > 0 else None
+
+    def describe(self) -> str:
+        """A few human-readable lines."""
+        rate = self.tokens_per_s
+        ttft = "n/a" if self.ttft_s is None else f"{self.ttft_s * 1e3:.1f} ms"
+        lines = [
+            f"last reply ({'measured by the client' if self.source == 'client' else 'engine'}): "
+            f"{self.output_tokens} tokens in {self.total_s:.2f} s, "
+            f"{'n/a' if rate is None else f'{rate:.1f}'} tok/s, time to first token {ttft}, "
+            f"finish reason {self.finish_reason}",
+        ]
+        prompt = f"prompt: {self.prompt_tokens} tokens"
+        if self.cached_tokens is not None:
+            prompt += f" ({self.cached_tokens} served from the prefix cache)"
+        lines.append(prompt)
+        if self.kv_blocks is not None and self.kv_pool_blocks:
+            share = 100.0 * self.kv_blocks / self.kv_pool_blocks
+            lines.append(f"KV cache: {self.kv_blocks} blocks of {self.block_size} tokens "
+                         f"({share:.1f}% of the {self.kv_pool_blocks}-block pool)")
+        return "\n".join(lines)
+
+
+class ChatBackend(Protocol):
+    """Where replies come from."""
+
+    name: str
+    has_chat_template: bool
+    last_stats: ReplyStats | None
+
+    def stream_reply(self, conversation: Conversation, settings: ChatSettings,
+                     should_stop: Callable[[], bool]) -> Iterator[str]:
+        """Yield text deltas of the assistant's reply until it ends or should_stop() is true."""
+        ...
+
+
+class EngineChatBackend:
+    """Replies from an in-process LLMEngine, driven step by step."""
+
+    def __init__(self, engine, name: str) -> None:
+        self.engine = engine
+        self.name = name
+        self.tokenizer = engine.tokenizer
+        self.has_chat_template = bool(self.tokenizer.has_chat_template)
+        self.last_stats: ReplyStats | None = None
+        self.last_prompt_ids: list[int] = []
+        self.notices: list[str] = []    # things the chat loop should tell the user
+        self._request_ids = itertools.count()
+        self._kv_pool_blocks = engine.stats(cells=1).kv_num_blocks
+
+    def fit_prompt(self, conversation: Conversation, settings: ChatSettings) -> tuple[list[int], int]:
+        """Prompt ids and max_tokens that fit max_model_len, dropping the oldest exchanges first."""
+        max_len = self.engine.max_model_len
+        ids = conversation_prompt_ids(self.tokenizer, conversation)
+        dropped = 0
+        while max_len - len(ids) < settings.max_tokens and conversation.drop_oldest_exchange():
+            ids = conversation_prompt_ids(self.tokenizer, conversation)
+            dropped += 1
+        if dropped:
+            self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit the "
+                                f"{max_len}-token context)")
+        room = max_len - len(ids)
+        if room < 1:
+            raise ValueError(f"message too long: the prompt is {len(ids)} tokens and the context "
+                             f"holds {max_len}")
+        return ids, min(settings.max_tokens, room)
+
+    def stream_reply(self, conversation: Conversation, settings: ChatSettings,
+                     should_stop: Callable[[], bool]) -> Iterator[str]:
+        """Add the request now (so bad input fails here); the iterator steps the engine."""
+        prompt_ids, max_tokens = self.fit_prompt(conversation, settings)
+        self.last_prompt_ids = prompt_ids
+        request_id = f"chat-{next(self._request_ids)}"
+        started = time.time()
+        self.engine.add_request(request_id, prompt_ids, settings.sampling_params(max_tokens),
+                                arrival_time=started)
+        return self._stream(request_id, prompt_ids, started, should_stop)
+
+    def _stream(self, request_id: str, prompt_ids: list[int], started: float,
+                should_stop: Callable[[], bool]) -> Iterator[str]:
+        """Step the engine and yield the new text of each step; abort once should_stop()."""
+        shown, last, is_aborted = "", None, False
+        try:
+            while last is None or not last.finished:
+                if should_stop() and not is_aborted:
+                    self.engine.abort_request(request_id)
+                    is_aborted = True
+                mine = [o for o in self.engine.step() if o.request_id == request_id]
+                if mine:
+                    last = mine[-1]
+                    text = last.outputs[0].text
+                    if not is_aborted and len(text) > len(shown) and text.startswith(shown):
+                        yield text[len(shown):]
+                        shown = text
+                elif not self.engine.has_unfinished_requests():
+                    break
+        finally:
+            if last is None or not last.finished:
+                self._abort_and_drain(request_id)
+            self.last_stats = self._reply_stats(last, prompt_ids, started)
+
+    def _abort_and_drain(self, request_id: str) -> None:
+        """Abort a request whose stream was closed early and step until the engine lets it go."""
+        self.engine.abort_request(request_id)
+        while self.engine.has_unfinished_requests():
+            if any(o.request_id == request_id and o.finished for o in self.engine.step()):
+                break
+
+    def _reply_stats(self, out, prompt_ids: list[int], started: float) -> ReplyStats:
+        """ReplyStats from the request's last output and metrics."""
+        block_size = self.engine.config.block_size
+        num_out = len(out.outputs[0].token_ids) if out is not None else 0
+        metrics = out.metrics if out is not None else None
+        first = metrics.first_token_time if metrics else None
+        lastt = metrics.last_token_time if metrics else None
+        return ReplyStats(
+            prompt_tokens=len(prompt_ids), output_tokens=num_out,
+            ttft_s=metrics.ttft if metrics else None,
+            decode_s=(lastt - first) if first and lastt else None,
+            total_s=time.time() - started,
+            finish_reason=out.outputs[0].finish_reason if out is not None else "abort",
+            source="engine",
+            cached_tokens=metrics.num_cached_tokens if metrics else None,
+            kv_blocks=math.ceil((len(prompt_ids) + num_out) / block_size),
+            kv_pool_blocks=self._kv_pool_blocks, block_size=block_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Input and interrupts
+# ---------------------------------------------------------------------------------------------
+
+def read_message(read_line: Callable[[str], str]) -> str:
+    """One user message: a trailing backslash continues the line; triple quotes span lines."""
+    line = read_line(PROMPT)
+    stripped = line.strip()
+    if stripped.startswith(TRIPLE_QUOTE):
+        body = stripped[len(TRIPLE_QUOTE):]
+        if body.endswith(TRIPLE_QUOTE):
+            return body[:-len(TRIPLE_QUOTE)]
+        lines = [body] if body else []
+        while True:
+            line = read_line(CONTINUATION_PROMPT)
+            if line.rstrip().endswith(TRIPLE_QUOTE):
+                lines.append(line.rstrip()[:-len(TRIPLE_QUOTE)])
+                return "\n".join(lines).strip("\n")
+            lines.append(line)
+    lines = []
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = read_line(CONTINUATION_PROMPT)
+    lines.append(line)
+    return "\n".join(lines)
+
+
+class StopFlag:
+    """Set by the first Ctrl-C while a reply streams; a second Ctrl-C raises KeyboardInterrupt."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def __call__(self) -> bool:
+        return self.is_set
+
+    def on_sigint(self, signum, frame) -> None:
+        if self.is_set:
+            raise KeyboardInterrupt
+        self.is_set = True
+
+
+@contextmanager
+def sigint_sets(flag: StopFlag):
+    """Route SIGINT to the flag so a reply stops between engine steps, never inside one."""
+    previous = signal.signal(signal.SIGINT, flag.on_sigint)
+    try:
+        yield flag
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+class ChatSession:
+    """The read-eval-print loop over a backend."""
+
+    def __init__(self, backend: ChatBackend, settings: ChatSettings | None = None,
+                 system: str | None = None, out: TextIO | None = None) -> None:
+        self.backend = backend
+        self.settings = settings or ChatSettings()
+        self.conversation = Conversation(system=system)
+        self.out = out or sys.stdout
+        self.is_running = True
+
+    def say(self, text: str) -> None:
+        """Print a line to the user."""
+        print(text, file=self.out, flush=True)
+
+    def greet(self) -> None:
+        """The banner, and the one notice about plain-text mode."""
+        self.say(f"minillm chat with {self.backend.name}. /help lists commands; Ctrl-D or /exit quits.")
+        if not self.backend.has_chat_template:
+            self.say("note: this model has no chat template, so the conversation runs as plain "
+                     "text continuation.")
+
+    def run(self, read_line: Callable[[str], str] = input) -> int:
+        """Loop until /exit or end of input; returns the exit status."""
+        self.greet()
+        while self.is_running:
+            try:
+                text = read_message(read_line)
+            except EOFError:
+                self.say("")
+                break
+            except KeyboardInterrupt:
+                self.say("\n(use Ctrl-D or /exit to quit)")
+                continue
+            self.handle(text)
+        return 0
+
+    def handle(self, text: str) -> None:
+        """Run a /command or send a message."""
+        if not text.strip():
+            return
+        if text.startswith("/"):
+            self.command(text.strip())
+        else:
+            self.send(text)
+
+    def command(self, text: str) -> None:
+        """Dispatch one /command."""
+        name, _, arg = text.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            self.is_running = False
+        elif name == "/help":
+            self.say(HELP_TEXT)
+        elif name == "/reset":
+            self.conversation.turns.clear()
+            self.say("(conversation cleared)")
+        elif name == "/system":
+            self.conversation.system = arg or None
+            self.say(f"(system message {'set' if arg else 'cleared'})")
+        elif name == "/set":
+            self.set_value(arg)
+        elif name == "/stats":
+            stats = self.backend.last_stats
+            self.say(stats.describe() if stats else "(no reply yet)")
+        else:
+            self.say(f"unknown command {name} (try /help)")
+
+    def set_value(self, arg: str) -> None:
+        """/set KEY VALUE, or /set alone to show the settings."""
+        key, _, value = arg.partition(" ")
+        if not key:
+            self.say(self.settings.describe())
+            return
+        if not value.strip():
+            self.say(f"usage: /set {key} VALUE")
+            return
+        try:
+            self.settings = self.settings.with_value(key, value.strip())
+        except ValueError as exc:
+            self.say(f"error: {exc}")
+            return
+        self.say(f"({key} = {getattr(self.settings, key)})")
+
+    def send(self, text: str) -> None:
+        """Stream the assistant's reply to TEXT and keep both turns."""
+        self.conversation.turns.append({"role": "user", "content": text})
+        reply, flag = "", StopFlag()
+        try:
+            with sigint_sets(flag):
+                stream = self.backend.stream_reply(self.conversation, self.settings, flag)
+                self.print_notices()
+                try:
+                    for delta in stream:
+                        reply += delta
+                        self.out.write(delta)
+                        self.out.flush()
+                finally:
+                    stream.close()
+        except KeyboardInterrupt:
+            flag.is_set = True
+        except (ValueError, RuntimeError, OSError) as exc:
+            self.print_notices()
+            self.conversation.turns.pop()
+            self.say(f"error: {exc}")
+            return
+        self.say(" [interrupted]" if flag.is_set else "")
+        self.conversation.turns.append({"role": "assistant", "content": reply})
+
+    def print_notices(self) -> None:
+        """Pass on what the backend wants the user to know (trimmed history, fallbacks)."""
+        notices = getattr(self.backend, "notices", [])
+        for notice in notices:
+            self.say(notice)
+        notices.clear()

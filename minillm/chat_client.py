@@ -1,0 +1,152 @@
+"""Chat against a running `minillm serve`: streamed OpenAI-style completions over HTTP."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable, Iterator
+
+import httpx
+
+from minillm.chat import ChatSettings, Conversation, ReplyStats, conversation_text
+
+
+class HttpChatBackend:
+    """Replies from /v1/chat/completions, or /v1/completions for a model without a chat template."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 600.0) -> None:
+        self.base_url = url.rstrip("/")
+        if self.base_url.endswith("/v1"):
+            self.base_url = self.base_url[:-3]
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=self.base_url, headers=headers,
+                                   timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.model = model or self._first_model()
+        self.name = f"{self.model} at {self.base_url}"
+        self.has_chat_template = True     # until the server says otherwise
+        self.last_stats: ReplyStats | None = None
+        self.notices: list[str] = []
+
+    def _first_model(self) -> str:
+        """The id of the first model the server lists."""
+        try:
+            response = self.client.get("/v1/models")
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"cannot reach a minillm server at {self.base_url}: {exc}") from None
+        _raise_for_status(response)
+        models = response.json().get("data") or []
+        if not models:
+            raise RuntimeError(f"the server at {self.base_url} lists no models")
+        return models[0]["id"]
+
+    def _body(self, conversation: Conversation, settings: ChatSettings) -> dict:
+        """The request body for the current endpoint."""
+        body: dict = {"model": self.model, "stream": True, "temperature": settings.temperature,
+                      "top_p": settings.top_p, "max_tokens": settings.max_tokens,
+                      "stream_options": {"include_usage": True}}
+        if settings.top_k > 0:
+            body["top_k"] = settings.top_k
+        if settings.seed is not None:
+            body["seed"] = settings.seed
+        if self.has_chat_template:
+            body["messages"] = conversation.messages()
+        else:
+            body["prompt"] = conversation_text(conversation)
+        return body
+
+    def _open(self, conversation: Conversation, settings: ChatSettings) -> httpx.Response:
+        """Send the request and return the streaming response once its status is known good."""
+        path = "/v1/chat/completions" if self.has_chat_template else "/v1/completions"
+        request = self.client.build_request("POST", path, json=self._body(conversation, settings))
+        try:
+            response = self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"request to {self.base_url} failed: {exc}") from None
+        if response.status_code >= 400:
+            response.read()
+            response.close()
+            _raise_for_status(response)
+        return response
+
+    def stream_reply(self, conversation: Conversation, settings: ChatSettings,
+                     should_stop: Callable[[], bool]) -> Iterator[str]:
+        """Open the stream now (errors surface here); the iterator yields the text deltas."""
+        started = time.time()
+        try:
+            response = self._open(conversation, settings)
+        except ValueError as exc:
+            if not (self.has_chat_template and "template" in str(exc).lower()):
+                raise
+            self.has_chat_template = False
+            self.notices.append("note: the served model has no chat template, so the "
+                                "conversation runs as plain text continuation.")
+            response = self._open(conversation, settings)
+        return self._stream(response, started, should_stop)
+
+    def _stream(self, response: httpx.Response, started: float,
+                should_stop: Callable[[], bool]) -> Iterator[str]:
+        """Read server-sent events until [DONE]; closing the stream drops the connection."""
+        first = last = None
+        num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, 0
+        try:
+            for event in _events(response):
+                if should_stop():
+                    finish_reason = "abort"
+                    break
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or []:
+                    delta = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                    finish_reason = choice.get("finish_reason") or finish_reason
+                    if delta:
+                        last = time.time()
+                        first = first or last
+                        num_chunks += 1
+                        yield delta
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"the stream from {self.base_url} broke: {exc}") from None
+        finally:
+            response.close()
+            if usage:
+                prompt_tokens = usage.get("prompt_tokens", 0)
+            num_tokens = usage.get("completion_tokens", num_chunks) if usage else num_chunks
+            self.last_stats = ReplyStats(
+                prompt_tokens=prompt_tokens, output_tokens=num_tokens,
+                ttft_s=None if first is None else first - started,
+                decode_s=None if first is None else last - first,
+                total_s=time.time() - started,
+                finish_reason=finish_reason or ("abort" if should_stop() else None),
+                source="client")
+
+
+def _events(response: httpx.Response) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream, up to `data: [DONE]`."""
+    for line in response.iter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:"):].strip()
+        if data == "[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"server error: {_error_message(event)}")
+        yield event
+
+
+def _error_message(payload: dict) -> str:
+    """The message of an OpenAI-style error body."""
+    error = payload.get("error", payload)
+    return error.get("message", str(error)) if isinstance(error, dict) else str(error)
+
+
+def _raise_for_status(response: httpx.Response) -> None:
+    """ValueError for a 4xx (the request was bad), RuntimeError for anything else that failed."""
+    if response.status_code < 400:
+        return
+    try:
+        message = _error_message(response.json())
+    except (json.JSONDecodeError, AttributeError):
+        message = response.text.strip() or response.reason_phrase
+    if response.status_code in (401, 403):
+        raise RuntimeError(f"the server refused the API key ({response.status_code}): {message}")
+    cls = ValueError if 400 <= response.status_code < 500 else RuntimeError
+    raise cls(f"server answered {response.status_code}: {message}")

@@ -1,0 +1,466 @@
+"""The `minillm` command line: chat, generate, serve, monitor, pull, list, bench."""
+import dataclasses
+import functools
+import importlib
+import inspect
+import json
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+
+from minillm.config import EngineConfig
+
+DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
+ENGINE_PANEL = "Engine options"
+SAMPLING_PANEL = "Sampling options"
+
+app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine with a paged KV cache.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+bench_app = typer.Typer(help="Benchmarks: offline throughput, online serving, kernels.",
+                        no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(bench_app, name="bench")
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 1."""
+
+
+def _click_class(name: str) -> type:
+    """typer's click exception class NAME (typer may vendor its own copy of click)."""
+    return next(c for c in typer.BadParameter.__mro__ if c.__name__ == name)
+
+
+UsageError = _click_class("UsageError")
+ClickException = _click_class("ClickException")
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine options: declared once, added to every command that loads a model
+# ---------------------------------------------------------------------------------------------
+
+def _default(name: str):
+    """EngineConfig's own default, so the CLI never drifts from it."""
+    return EngineConfig.__dataclass_fields__[name].default
+
+
+def _engine_option(*decls: str, help: str, **kw) -> typer.models.OptionInfo:
+    return typer.Option(*decls, help=help, rich_help_panel=ENGINE_PANEL, **kw)
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+    auto = "auto"
+
+
+class DType(str, Enum):
+    auto = "auto"
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+# name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
+ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
+    "device": (Annotated[Device, _engine_option(
+        "--device", help="Backend: cpu (NumPy), cuda (CuPy kernels) or auto.")], Device(_default("device"))),
+    "dtype": (Annotated[DType, _engine_option(
+        "--dtype", help="Weights and activations dtype.")], DType(_default("dtype"))),
+    "max_num_seqs": (Annotated[int, _engine_option(
+        "--max-num-seqs", help="Most sequences in one step.")], _default("max_num_seqs")),
+    "max_num_batched_tokens": (Annotated[int, _engine_option(
+        "--max-num-batched-tokens", help="Token budget of one step.")], _default("max_num_batched_tokens")),
+    "max_model_len": (Annotated[Optional[int], _engine_option(
+        "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
+    "block_size": (Annotated[int, _engine_option(
+        "--block-size", help="Tokens per KV block (a power of two).")], _default("block_size")),
+    "num_kv_blocks": (Annotated[Optional[int], _engine_option(
+        "--num-kv-blocks", help="KV pool size in blocks (default: sized from memory).")], None),
+    "gpu_memory_utilization": (Annotated[float, _engine_option(
+        "--gpu-memory-utilization", help="Share of GPU memory the engine may use.")],
+        _default("gpu_memory_utilization")),
+    "enable_prefix_caching": (Annotated[bool, _engine_option(
+        "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prefixes.")],
+        _default("enable_prefix_caching")),
+    "enforce_eager": (Annotated[bool, _engine_option(
+        "--enforce-eager", help="Never capture CUDA graphs.")], _default("enforce_eager")),
+    "download_dir": (Annotated[Optional[str], _engine_option(
+        "--download-dir", help="Model store (default: ./weights).")], None),
+}
+
+
+def with_engine_options(command: Callable) -> Callable:
+    """Add the engine options to COMMAND's signature and hand them to it as `engine_options`."""
+    signature = inspect.signature(command)
+    own = [p for p in signature.parameters.values() if p.name != "engine_options"]
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=ann)
+             for name, (ann, default) in ENGINE_OPTIONS.items()]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        options = {name: _plain(kwargs.pop(name)) for name in ENGINE_OPTIONS}
+        return command(engine_options=options, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=own + extra)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + extra}
+    return wrapper
+
+
+def _plain(value):
+    """Enum choices as their string values."""
+    return value.value if isinstance(value, Enum) else value
+
+
+def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
+    """The EngineConfig for a resolved model directory and the engine options given."""
+    return EngineConfig(model=model_path, **options, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def resolve_model(model: str, download_dir: str | None) -> str:
+    """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
+    from minillm.loader import resolve_model_path
+    return str(resolve_model_path(model, download_dir=download_dir))
+
+
+def human_bytes(num: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num) < 1024 or unit == "GiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return f"{num:.1f} GiB"
+
+
+def describe_engine(stats) -> str:
+    """The load report: backend, dtype, weights, KV pool and concurrency at max_model_len."""
+    num_tokens = stats.kv_num_blocks * stats.block_size
+    blocks_per_seq = -(-stats.max_model_len // stats.block_size)
+    return (f"minillm: backend {stats.device}, dtype {stats.dtype}, weights "
+            f"{human_bytes(stats.memory.weights_bytes)}; KV pool {stats.kv_num_blocks} blocks x "
+            f"{stats.block_size} = {num_tokens} tokens ({human_bytes(stats.memory.kv_pool_bytes)}); "
+            f"max concurrency at max_model_len {stats.max_model_len}: "
+            f"{stats.kv_num_blocks / blocks_per_seq:.2f}x")
+
+
+def load_engine(config: EngineConfig):
+    """Build an LLMEngine and report what was loaded on stderr."""
+    from minillm.engine import LLMEngine
+    engine = LLMEngine(config)
+    typer.echo(describe_engine(engine.stats(cells=1)), err=True)
+    return engine
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+# ---------------------------------------------------------------------------------------------
+
+def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int | None):
+    """ChatSettings from the command line, validated before anything loads."""
+    from minillm.chat import ChatSettings
+    settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k,
+                            max_tokens=max_tokens, seed=seed)
+    settings.sampling_params()
+    return settings
+
+
+def resolve_chat_model(model: str | None, download_dir: str | None) -> str:
+    """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
+    name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
+    if model is not None:
+        return resolve_model(name, download_dir)
+    try:
+        return resolve_model(name, download_dir)
+    except Exception as exc:   # network, hub and disk errors all end the same way for the user
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CliError(f"could not fetch the default model {name} ({reason}); pass a local model "
+                       f"directory instead: minillm chat path/to/model (or set MINILLM_MODEL)") from None
+
+
+def _use_readline() -> None:
+    """Line editing and history at the prompt, where the terminal supports it."""
+    if sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401  (importing it is what enables editing in input())
+        except ImportError:
+            pass
+
+
+@app.command()
+@with_engine_options
+def chat(
+    model: Annotated[Optional[str], typer.Argument(
+        help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
+    url: Annotated[Optional[str], typer.Option(
+        help="Chat with a running `minillm serve` at this URL instead of loading a model.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(help="API key for --url.")] = None,
+    system: Annotated[Optional[str], typer.Option(help="System message.")] = None,
+    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.7,
+    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.9,
+    top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
+    max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 256,
+    seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
+    *,
+    engine_options: dict,
+) -> None:
+    """Chat in the terminal; replies stream as they are written.
+
+    Inside the chat, /help lists the commands.
+    """
+    from minillm.chat import ChatSession, EngineChatBackend
+    settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
+    if url:
+        from minillm.chat_client import HttpChatBackend
+        backend = HttpChatBackend(url, api_key=api_key)
+    else:
+        path = resolve_chat_model(model, engine_options["download_dir"])
+        engine = load_engine(engine_config(path, engine_options))
+        backend = EngineChatBackend(engine, name=model or Path(path).name)
+    _use_readline()
+    raise typer.Exit(ChatSession(backend, settings, system=system).run())
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------
+
+def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
+    """The prompts from --prompt (repeatable) or --prompts-file (one a line; '-' is stdin)."""
+    if prompts and prompts_file:
+        raise CliError("give either --prompt or --prompts-file, not both")
+    if prompts_file is not None:
+        text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text()
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise CliError(f"--prompts-file {prompts_file} holds no prompts")
+    if not prompts:
+        raise CliError("give at least one --prompt TEXT or a --prompts-file FILE")
+    return list(prompts)
+
+
+def output_record(out) -> dict:
+    """One JSON line: the prompt, its ids and every completion."""
+    return {"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
+            "outputs": [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+                        for c in out.outputs]}
+
+
+def print_plain(outputs) -> None:
+    """Each prompt followed by its completion(s), a blank line between them."""
+    for i, out in enumerate(outputs):
+        if i:
+            typer.echo("")
+        for c in out.outputs:
+            label = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            typer.echo(f"{label}{out.prompt}{c.text}")
+
+
+@app.command()
+@with_engine_options
+def generate(
+    model: Annotated[str, typer.Argument(help="Model directory or hub id.")],
+    prompt: Annotated[Optional[list[str]], typer.Option(
+        "--prompt", "-p", help="A prompt (repeat for a batch).")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(
+        help="A file with one prompt per line ('-': stdin).")] = None,
+    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
+    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
+    top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
+    min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.0,
+    seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
+    max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 16,
+    stop: Annotated[Optional[list[str]], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="A stop string (repeatable).")] = None,
+    n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
+                                   help="Completions per prompt.")] = 1,
+    ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="JSON lines out, one per prompt.")] = False,
+    *,
+    engine_options: dict,
+) -> None:
+    """Generate for a batch of prompts offline (LLM.generate)."""
+    from minillm.sampling_params import SamplingParams
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                            seed=seed, max_tokens=max_tokens, stop=list(stop or []) or None,
+                            ignore_eos=ignore_eos)
+    prompts = read_prompts(prompt, prompts_file)
+    path = resolve_model(model, engine_options["download_dir"])
+    outputs = run_generate(engine_config(path, engine_options), prompts, params)
+    if as_json:
+        for out in outputs:
+            typer.echo(json.dumps(output_record(out), ensure_ascii=False))
+    else:
+        print_plain(outputs)
+
+
+def run_generate(config: EngineConfig, prompts: list[str], params):
+    """LLM.generate over the prompts, with a progress bar on stderr."""
+    from minillm.llm import LLM
+    llm = LLM(**dataclasses.asdict(config))
+    typer.echo(describe_engine(llm.engine.stats(cells=1)), err=True)
+    return llm.generate(prompts, params, use_tqdm=sys.stderr.isatty() or True)
+
+
+# ---------------------------------------------------------------------------------------------
+# serve, monitor
+# ---------------------------------------------------------------------------------------------
+
+@app.command()
+@with_engine_options
+def serve(
+    model: Annotated[Optional[str], typer.Argument(
+        help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="Require this bearer token.")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option(
+        help="The model name clients use (default: MODEL).")] = None,
+    monitor: Annotated[bool, typer.Option(help="Show the live monitor in this terminal.")] = False,
+    *,
+    engine_options: dict,
+) -> None:
+    """Serve the OpenAI-compatible HTTP API.
+
+    Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
+    """
+    name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
+    path = resolve_chat_model(model, engine_options["download_dir"])
+    config = engine_config(path, engine_options, served_model_name=served_model_name or name)
+    from minillm.server.app import run_server
+    run_server(config, host=host, port=port, api_key=api_key,
+               served_model_name=served_model_name or name, monitor=monitor)
+
+
+@app.command(name="monitor")
+def monitor_command(
+    url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
+    api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
+    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE.")] = None,
+    replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead.")] = None,
+) -> None:
+    """Watch a server's KV cache and scheduler live."""
+    from tui.app import run_monitor
+    run_monitor(url, api_key=api_key, record=record, replay=replay)
+
+
+# ---------------------------------------------------------------------------------------------
+# pull, list
+# ---------------------------------------------------------------------------------------------
+
+@app.command()
+def pull(
+    model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
+    download_dir: Annotated[Optional[str], typer.Option(help="Model store (default: ./weights).")] = None,
+) -> None:
+    """Download a model into the local store."""
+    path = resolve_model(model, download_dir)
+    typer.echo(path)
+
+
+@app.command(name="list")
+def list_command(
+    download_dir: Annotated[Optional[str], typer.Option(help="Model store (default: ./weights).")] = None,
+) -> None:
+    """List the local models with their sizes."""
+    from minillm.loader import list_local_models
+    models = list(list_local_models(download_dir))
+    if not models:
+        typer.echo(f"no local models in {download_dir or 'weights/'} (minillm pull MODEL fetches one)")
+        return
+    for entry in models:
+        typer.echo(format_local_model(entry))
+
+
+def format_local_model(entry) -> str:
+    """'name  size  path' for one local model."""
+    if isinstance(entry, dict):
+        name, size, path = entry.get("name"), entry.get("size_bytes", entry.get("size")), entry.get("path")
+    elif isinstance(entry, tuple):
+        name, size, path = (list(entry) + [None, None, None])[:3]
+    else:
+        name = getattr(entry, "name", str(entry))
+        size = getattr(entry, "size_bytes", getattr(entry, "size", None))
+        path = getattr(entry, "path", None)
+    size_text = human_bytes(size) if isinstance(size, (int, float)) else "?"
+    return f"{name:<40} {size_text:>10}  {path or ''}".rstrip()
+
+
+# ---------------------------------------------------------------------------------------------
+# bench
+# ---------------------------------------------------------------------------------------------
+
+PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
+                "help_option_names": []}
+
+
+def run_benchmark(name: str, argv: list[str]) -> None:
+    """benchmarks.<name>.main(argv); a non-zero return becomes the exit status."""
+    module = importlib.import_module(f"benchmarks.{name}")
+    status = module.main(list(argv))
+    if isinstance(status, int) and status:
+        raise typer.Exit(status)
+
+
+def _bench_command(name: str, summary: str) -> None:
+    def command(args: Annotated[Optional[list[str]], typer.Argument(
+            help=f"Arguments for benchmarks.{name} (--help shows them).")] = None) -> None:
+        run_benchmark(name, args or [])
+    command.__doc__ = summary
+    bench_app.command(name=name, context_settings=PASS_THROUGH, add_help_option=False)(command)
+
+
+_bench_command("throughput", "Offline throughput: a batch of prompts through the engine.")
+_bench_command("serving", "Online serving: requests at a rate against a running server.")
+_bench_command("kernels", "Kernel micro-benchmarks against their roofline.")
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: one line on stderr and a non-zero status for any user error."""
+    try:
+        status = app(args=argv, prog_name="minillm", standalone_mode=False)
+    except UsageError as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":   # a bare `minillm` or `minillm bench`
+            print(exc.format_message())
+            sys.exit(0)
+        where = exc.ctx.command_path if exc.ctx else "minillm"
+        hint = f" (try '{where} --help')" if exc.ctx else ""
+        status = _fail(f"{where}: error: {exc.format_message()}{hint}", exc.exit_code)
+    except ClickException as exc:
+        status = _fail(f"minillm: error: {exc.format_message()}", exc.exit_code)
+    except typer.Abort:
+        status = _fail("minillm: aborted", 130)
+    except KeyboardInterrupt:
+        status = _fail("minillm: interrupted", 130)
+    except (CliError, ValueError, RuntimeError, OSError, ImportError) as exc:
+        status = _fail(f"minillm: error: {_one_line(exc)}", 1)
+    sys.exit(status if isinstance(status, int) else 0)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception's message flattened onto one line."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    return text
+
+
+def _fail(message: str, status: int) -> int:
+    print(message, file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    main()
