@@ -1,0 +1,289 @@
+"""Text <-> token ids: a Hugging Face tokenizer.json, its special tokens and its chat template."""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+# What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
+REPLACEMENT_CHAR = "\ufffd"
+
+# Names of special tokens a tokenizer_config.json may define, as transformers passes them to templates.
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from path, or {} when the file does not exist."""
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it (a string or an AddedToken dict) -> its text."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_id_list(value: Any) -> list[int]:
+    """An eos_token_id field (None, an int or a list of ints) -> a list of ints."""
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _dedup(ids: list[int]) -> list[int]:
+    """ids without repeats, first occurrence kept."""
+    return list(dict.fromkeys(ids))
+
+
+def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
+    """The chat template of a model directory: chat_template.jinja wins over tokenizer_config.json."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = tokenizer_config.get("chat_template")
+    if template is None:
+        template = _read_json(path / "chat_template.json").get("chat_template")
+    if isinstance(template, list):
+        # A list of named templates: [{"name": "default", "template": "..."}, ...]
+        return {t["name"]: t["template"] for t in template}
+    return template
+
+
+def compile_chat_template(source: str):
+    """A Jinja template compiled in the sandbox with the helpers Hugging Face chat templates expect."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson escapes HTML characters, which templates do not want.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """A tokenizers.Tokenizer plus the special ids and chat template a model directory declares."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, special_tokens: dict[str, str] | None = None,
+                 extra_eos_token_ids: list[int] | None = None, pad_token_id: int | None = None,
+                 chat_template: str | dict | None = None, name: str = "") -> None:
+        self.backend = backend
+        self.name = name
+        self.special_tokens = dict(special_tokens or {})   # e.g. {"bos_token": "<s>", ...}
+        self.bos_token_id = self._id_of("bos_token")
+        eos = self._id_of("eos_token")
+        self.eos_token_ids: list[int] = _dedup(([eos] if eos is not None else []) + list(extra_eos_token_ids or []))
+        self.pad_token_id = self._id_of("pad_token")
+        if self.pad_token_id is None:
+            self.pad_token_id = pad_token_id
+        self.unk_token_id = self._id_of("unk_token")
+        self.chat_template = chat_template
+        self._compiled_template = None
+
+    def _id_of(self, name: str) -> int | None:
+        content = self.special_tokens.get(name)
+        return None if content is None else self.backend.token_to_id(content)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and generation_config.json from a model directory."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ValueError(f"{path} has no tokenizer.json (only fast Hugging Face tokenizers are supported)")
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        tokenizer_config = _read_json(path / "tokenizer_config.json")
+        special_map = _read_json(path / "special_tokens_map.json")
+        generation_config = _read_json(path / "generation_config.json")
+        model_config = _read_json(path / "config.json")
+
+        special_tokens = {}
+        for name in _SPECIAL_TOKEN_NAMES:
+            content = _token_content(tokenizer_config.get(name, special_map.get(name)))
+            if content is not None:
+                special_tokens[name] = content
+        extra = tokenizer_config.get("additional_special_tokens") or special_map.get("additional_special_tokens") or []
+        _register_special_tokens(backend, list(special_tokens.values()) + [_token_content(t) for t in extra])
+
+        # generation_config.json names every id that ends a turn (Llama 3 lists several).
+        extra_eos = _as_id_list(generation_config.get("eos_token_id"))
+        if not extra_eos and "eos_token" not in special_tokens:
+            extra_eos = _as_id_list(model_config.get("eos_token_id"))
+        pad = generation_config.get("pad_token_id")
+        return cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
+                   load_chat_template(path, tokenizer_config), name=str(path))
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer knows, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """Ids of every special token (the ones skip_special_tokens drops)."""
+        added = self.backend.get_added_tokens_decoder()
+        return sorted(i for i, tok in added.items() if tok.special)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """text -> token ids; add_special_tokens adds BOS/EOS as the tokenizer's post-processor says."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """token ids -> text (ids the tokenizer does not know decode to nothing)."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of one id (None when out of range)."""
+        return self.backend.id_to_token(token_id)
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model directory carries a chat template."""
+        return bool(self.chat_template)
+
+    def _template(self):
+        if not self.chat_template:
+            raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template; "
+                             "send a plain prompt instead of chat messages")
+        if self._compiled_template is None:
+            source = self.chat_template
+            if isinstance(source, dict):
+                if "default" not in source:
+                    raise ValueError(f"the tokenizer of {self.name or 'this model'} has several chat templates "
+                                     f"and none named 'default': {sorted(source)}")
+                source = source["default"]
+            self._compiled_template = compile_chat_template(source)
+        return self._compiled_template
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **template_kwargs) -> str | list[int]:
+        """Render messages with the model's chat template; tokenize=True returns ids (no specials added)."""
+        template = self._template()
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+        # Keys set to None are dropped: templates test for a missing key, not for None.
+        plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        context = {**self.special_tokens, **template_kwargs}
+        try:
+            text = template.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
+        except Exception as e:   # a template's raise_exception() or a bad message shape
+            raise ValueError(f"chat template failed: {e}") from e
+        if not tokenize:
+            return text
+        # The template writes BOS itself where the model wants it.
+        return self.encode(text, add_special_tokens=False)
+
+
+def _register_special_tokens(backend: tokenizers.Tokenizer, contents: list[str | None]) -> None:
+    """Mark the named special tokens special in backend, so decode can skip them (as transformers does)."""
+    known = {tok.content for tok in backend.get_added_tokens_decoder().values()}
+    missing = [c for c in dict.fromkeys(contents) if c and c not in known and backend.token_to_id(c) is not None]
+    if missing:
+        backend.add_special_tokens([tokenizers.AddedToken(c, special=True, normalized=False) for c in missing])
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas without splitting a multi-byte character.
+
+    Each step decodes only the window ids[prefix_offset:]: prefix_offset..read_offset is text already
+    emitted (decoded again so that decoder rules that look at a neighbour, such as the leading-space
+    strip of sentencepiece, apply the same way); what it adds past that is the new delta.
+    """
+
+    # A character in progress spans at most 4 bytes, so a window still broken after this many
+    # tokens holds garbage: look for a cut that later tokens cannot change.
+    MAX_HELD_TOKENS = 6
+    # Past this, runaway garbage is released as is, to keep each step cheap.
+    MAX_HELD_TOKENS_HARD = 64
+
+    def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_token_ids: list[int] | None = None) -> None:
+        self.tok = tok
+        self.skip_special_tokens = skip_special_tokens
+        prompt = list(prompt_token_ids or [])
+        self._ids: list[int] = prompt
+        self._num_prompt = len(prompt)
+        # A few prompt tokens give the first generated token its left context (its leading space).
+        self._prefix_offset = max(len(prompt) - 5, 0)
+        self._read_offset = len(prompt)
+        self.text = ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The ids added so far (the prompt excluded)."""
+        return self._ids[self._num_prompt:]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tok.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        """Append one id; return the text it completes (may be "" while a character is unfinished)."""
+        self._ids.append(int(token_id))
+        end = len(self._ids)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, end)
+        if new_text.endswith(REPLACEMENT_CHAR):
+            if end - self._read_offset <= self.MAX_HELD_TOKENS:
+                return ""
+            end, new_text = self._garbage_cut(len(prefix_text), new_text)
+        return self._emit(prefix_text, new_text, end)
+
+    def _garbage_cut(self, prefix_len: int, window_text: str) -> tuple[int, str]:
+        """(end, text) to release from a window that keeps ending broken; end == read_offset holds all."""
+        end = len(self._ids)
+        for cut in range(end - 1, self._read_offset, -1):
+            left, right = self._decode(self._prefix_offset, cut), self._decode(cut, end)
+            # Decoding the two sides apart gives the same text only where the UTF-8 decoder restarts
+            # (a non-empty right side has bytes of its own): nothing later can reach back across it.
+            if len(left) > prefix_len and right and left + right == window_text:
+                return cut, left
+        if end - self._read_offset > self.MAX_HELD_TOKENS_HARD:
+            return end, window_text
+        return self._read_offset, ""
+
+    def _emit(self, prefix_text: str, new_text: str, end: int) -> str:
+        if len(new_text) <= len(prefix_text):
+            # Nothing visible yet (e.g. a skipped special token): keep the window so context stays.
+            return ""
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset
+        self._read_offset = end
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (call once the stream has ended)."""
+        end = len(self._ids)
+        if end == self._read_offset:
+            return ""
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        return self._emit(prefix_text, self._decode(self._prefix_offset, end), end)
