@@ -1,0 +1,259 @@
+"""Monitor tests on a replayed recording: panels show the recorded values, keys work, snapshots hold."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+from rich.text import Text
+
+from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StepStats
+from tui.app import MonitorApp, TitleBar
+from tui.batch_chart import BatchChart
+from tui.block_grid import BlockGrid
+from tui.help_screen import HelpScreen
+from tui.memory_panel import MemoryPanel
+from tui.queue_panel import QueuePanel
+from tui.recording import Recorder, ReplaySource
+from tui.render import COLOR_CACHED, COLOR_FREE, request_color
+from tui.request_table import RequestTable
+from tui.usage_panel import UsagePanel
+
+NUM_BLOCKS = 96
+BLOCK_SIZE = 16
+NUM_CACHED = 8
+NUM_FRAMES = 12
+BUDGET = 256
+STEPS_PER_FRAME = 4
+STEPS_PER_SNAPSHOT = 8   # snapshots overlap by four steps, so the monitor must dedupe them
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+def make_step(step: int) -> StepStats:
+    """A step mixing decode tokens with a prompt chunk every few steps."""
+    prefill = 200 if step % 7 == 0 else (64 if step % 3 == 0 else 0)
+    decode = 4 + step % 3
+    return StepStats(
+        step=step, time=1000.0 + step * 0.01, num_prefill_tokens=prefill, num_decode_tokens=decode,
+        num_seqs=decode + (1 if prefill else 0), token_budget=BUDGET, step_time_s=0.004,
+    )
+
+
+def make_requests(frame: int) -> list[RequestStats]:
+    """Four running requests, one preempted, one waiting; outputs grow with the frame."""
+    states = ["running"] * 4 + ["preempted", "waiting"]
+    rows = []
+    for i, state in enumerate(states):
+        prompt = 40 + 13 * i
+        output = 2 * frame + i if state == "running" else 0
+        blocks = math.ceil((prompt + output) / BLOCK_SIZE) if state == "running" else 0
+        rows.append(RequestStats(
+            request_id=f"req-{i}", state=state, prompt_tokens=prompt, output_tokens=output,
+            num_blocks=blocks, num_cached_tokens=16 * (i % 2), ttft_s=0.012 * (i + 1) if output else None,
+        ))
+    return rows
+
+
+def make_stats(frame: int) -> EngineStats:
+    """Snapshot number `frame` of a small loaded engine (block map at one block a cell)."""
+    requests = make_requests(frame)
+    block_map: list[int] = []
+    for row, r in enumerate(requests):
+        block_map += [row] * r.num_blocks
+    used = len(block_map)
+    block_map += [CELL_CACHED] * NUM_CACHED + [CELL_FREE] * (NUM_BLOCKS - used - NUM_CACHED)
+    tokens = sum(r.prompt_tokens + r.output_tokens for r in requests if r.state == "running")
+    last = frame * STEPS_PER_FRAME + STEPS_PER_SNAPSHOT
+    return EngineStats(
+        time=1000.0 + frame, model="stories260K", device="cpu", dtype="float32",
+        num_running=4, num_waiting=2, num_preempted=1, num_preemptions=3 + frame,
+        kv_num_blocks=NUM_BLOCKS, kv_num_used_blocks=used, kv_num_free_blocks=NUM_BLOCKS - used - NUM_CACHED,
+        kv_num_cached_blocks=NUM_CACHED, kv_usage=used / NUM_BLOCKS,
+        kv_token_utilization=tokens / (used * BLOCK_SIZE), block_size=BLOCK_SIZE, max_num_seqs=8,
+        max_num_batched_tokens=BUDGET, max_model_len=256, prefix_cache_queries=400, prefix_cache_hits=100,
+        num_steps=last, prompt_tokens_total=1200 + frame, generation_tokens_total=300 + 10 * frame,
+        num_requests_finished={"length": 5, "stop": 2}, prompt_throughput=1234.5,
+        generation_throughput=567.8 + frame, ttft_p50_s=0.012, ttft_p99_s=0.08,
+        itl_p50_s=0.003, itl_p99_s=0.009,
+        memory=MemoryStats(weights_bytes=1 << 20, kv_pool_bytes=6 << 20, other_bytes=1 << 20, total_bytes=16 << 20),
+        block_map=block_map, block_map_blocks_per_cell=1,
+        recent_steps=[make_step(s) for s in range(last - STEPS_PER_SNAPSHOT + 1, last + 1)],
+        requests=requests,
+    )
+
+
+def write_recording(path, num_frames: int = NUM_FRAMES, dt: float = 0.05) -> list[EngineStats]:
+    """Record `num_frames` snapshots `dt` seconds apart; returns them."""
+    frames = [make_stats(k) for k in range(num_frames)]
+    with Recorder(path) as recorder:
+        for k, stats in enumerate(frames):
+            recorder.write(stats.to_dict(), t=100.0 + k * dt)
+    return frames
+
+
+async def wait_for_frames(pilot, count: int) -> None:
+    """Let the replay worker deliver `count` frames."""
+    for _ in range(200):
+        if pilot.app.frames_received >= count:
+            break
+        await pilot.pause(0.01)
+    await pilot.pause()
+    assert pilot.app.frames_received >= count
+
+
+@pytest.fixture
+def frozen_app(tmp_path):
+    """An app replaying the whole recording at once, then holding the last frame."""
+    path = tmp_path / "frozen.jsonl"
+    write_recording(path)
+    return MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+
+
+async def wait_for_replay_end(pilot) -> None:
+    """Wait until a non-looping replay has shown its last frame and said so."""
+    await wait_for_frames(pilot, NUM_FRAMES)
+    for _ in range(100):
+        if "holding" in pilot.app.source_text:
+            return
+        await pilot.pause(0.01)
+    raise AssertionError(f"replay did not end: {pilot.app.source_text!r}")
+
+
+async def test_panels_show_recorded_values(frozen_app):
+    last = make_stats(NUM_FRAMES - 1)
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await wait_for_replay_end(pilot)
+        app = pilot.app
+        usage = app.query_one(UsagePanel).render().plain
+        assert f"{last.kv_usage * 100:.1f}%" in usage and f"{last.kv_num_used_blocks}/96 blocks" in usage
+        assert f"{last.kv_token_utilization * 100:.1f}%" in usage and "8 cached" in usage
+        queues = app.query_one(QueuePanel).render().plain
+        for expected in ("running     4 / 8", "waiting     2", "preempted   1", f"preemptions {last.num_preemptions}",
+                         "1234.5 tok/s", f"{last.generation_throughput:.1f} tok/s", "12.0 ms", "80.0 ms", "9.0 ms"):
+            assert expected in queues
+        memory = app.query_one(MemoryPanel).render().plain
+        assert "weights 1.0 MiB" in memory and "KV pool 6.0 MiB" in memory and "free 8.0 MiB" in memory
+        table = app.query_one(RequestTable)
+        assert table.row_count == len(last.requests)
+        for r in last.requests:
+            cells = [c.plain for c in table.get_row(r.request_id)]
+            assert cells[:6] == [f"■ {r.request_id}", r.state, str(r.prompt_tokens), str(r.output_tokens),
+                                 str(r.num_blocks), str(r.num_cached_tokens)]
+        assert "stories260K · cpu · float32" in app.query_one(TitleBar).content.plain
+
+
+async def test_block_grid_colours_blocks_by_owner(frozen_app):
+    last = make_stats(NUM_FRAMES - 1)
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await wait_for_replay_end(pilot)
+        grid = pilot.app.query_one(BlockGrid).render()
+        legend_start = grid.plain.rindex("\n")
+        # At one block a cell every cell is one styled glyph.
+        colours = Counter(str(span.style) for span in grid.spans if span.end <= legend_start)
+        assert sum(colours.values()) == NUM_BLOCKS
+        for r in last.requests:
+            if r.num_blocks:
+                assert colours[request_color(r.request_id)] == r.num_blocks
+        assert colours[COLOR_CACHED] == NUM_CACHED
+        assert colours[COLOR_FREE] == last.kv_num_free_blocks
+
+
+async def test_batch_history_dedupes_overlapping_steps(frozen_app):
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await wait_for_replay_end(pilot)
+        steps = [s.step for s in pilot.app.history.steps]
+        last_step = (NUM_FRAMES - 1) * STEPS_PER_FRAME + STEPS_PER_SNAPSHOT
+        assert steps == list(range(1, last_step + 1))
+        chart = pilot.app.query_one(BatchChart).render().plain
+        assert f"budget {BUDGET}" in chart and f"decode {make_step(last_step).num_decode_tokens}" in chart
+
+
+async def test_p_pauses_updates(tmp_path):
+    path = tmp_path / "loop.jsonl"
+    write_recording(path, dt=0.03)
+    app = MonitorApp(source=ReplaySource(path, loop=True))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 2)
+        await pilot.press("p")
+        assert app.paused and "PAUSED" in app.query_one(TitleBar).content.plain
+        shown, received, stats = app.frames_shown, app.frames_received, app.stats
+        await pilot.pause(0.3)
+        assert app.frames_received > received + 2, "frames keep arriving while paused"
+        assert app.frames_shown == shown and app.stats is stats, "but the panels do not change"
+        pending = app.pending
+        await pilot.press("p")
+        assert not app.paused and "PAUSED" not in app.query_one(TitleBar).content.plain
+        assert app.frames_shown > shown and app.stats is not stats
+        assert pending is not None and app.pending is None, "resuming shows the newest frame at once"
+
+
+async def test_help_screen_opens_and_closes(frozen_app):
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("question_mark")
+        assert isinstance(pilot.app.screen, HelpScreen)
+        assert "p" in pilot.app.screen.query_one("#help-text").content.plain
+        await pilot.press("escape")
+        assert not isinstance(pilot.app.screen, HelpScreen)
+        await pilot.press("question_mark")
+        await pilot.press("question_mark")
+        assert not isinstance(pilot.app.screen, HelpScreen)
+
+
+async def test_tab_moves_focus_between_panels(frozen_app):
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        seen = [pilot.app.focused.id]
+        for _ in range(6):
+            await pilot.press("tab")
+            seen.append(pilot.app.focused.id)
+        assert seen[0] == seen[-1] == "grid"
+        assert sorted(seen[:-1]) == sorted(["grid", "usage", "memory", "batch", "queues", "requests"])
+
+
+async def test_sort_keys_and_header_click(frozen_app):
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await wait_for_replay_end(pilot)
+        table = pilot.app.query_one(RequestTable)
+
+        def first_column(index: int) -> list[str]:
+            return [table.get_row_at(i)[index].plain for i in range(table.row_count)]
+
+        assert first_column(1)[:4] == ["running"] * 4       # default: by state
+        await pilot.press("s")                              # next column: prompt, largest first
+        assert first_column(2) == ["105", "92", "79", "66", "53", "40"]
+        await pilot.press("S")                              # reversed
+        assert first_column(2) == ["40", "53", "66", "79", "92", "105"]
+        table.post_message(table.HeaderSelected(table, table.ordered_columns[3].key, 3, Text("output")))
+        await pilot.pause()
+        assert first_column(3) == ["25", "24", "23", "22", "0", "0"]
+        assert "sort: output ▼" in str(table.border_subtitle)
+
+
+async def test_q_quits(frozen_app):
+    async with frozen_app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("q")
+        await pilot.pause()
+        assert not pilot.app.is_running
+
+
+def test_bad_recording_names_the_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    write_recording(path, num_frames=2)
+    with path.open("a") as f:
+        f.write('{"t": 1.0, "stats": {"time": 1.0}}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:3: .*missing field 'model'"):
+        ReplaySource(path)
+
+
+def test_snapshot_120x40(snap_compare, frozen_app):
+    assert snap_compare(frozen_app, terminal_size=(120, 40), run_before=wait_for_replay_end)
+
+
+def test_snapshot_80x24(snap_compare, frozen_app):
+    assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=wait_for_replay_end)

@@ -1,0 +1,202 @@
+"""`minillm monitor`: a live dashboard of KV memory and scheduling, fed by a stats source."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
+from textual.reactive import reactive
+from textual.widgets import Footer, Static
+
+from minillm.stats import EngineStats
+from tui.batch_chart import BatchChart
+from tui.block_grid import BlockGrid
+from tui.client import LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
+from tui.help_screen import HelpScreen
+from tui.history import StatsHistory
+from tui.memory_panel import MemoryPanel
+from tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
+from tui.queue_panel import QueuePanel
+from tui.recording import Recorder, ReplaySource
+from tui.request_table import RequestTable
+from tui.usage_panel import UsagePanel
+
+DEFAULT_CELLS = 256
+
+
+class StatsSource(Protocol):
+    """Anything that yields stats events: the live client or a replay."""
+
+    def events(self, cells) -> object: ...
+
+
+class TitleBar(Static):
+    """Model, device, where frames come from, and the PAUSED marker; no clock, so frames are stable."""
+
+    def show(self, stats: EngineStats | None, source_text: str, paused: bool) -> None:
+        """Redraw the bar."""
+        text = Text(" minillm monitor ", style="bold #000000 on #5fafff")
+        if stats is not None:
+            text.append(f"  {stats.model} · {stats.device} · {stats.dtype}", style="bold")
+        if source_text:
+            text.append(f"  {source_text}", style="#8a8a8a")
+        if paused:
+            text.append("  ").append(" ❚❚ PAUSED ", style="bold #000000 on #ffd75f")
+        self.update(text)
+
+
+class MonitorApp(App[None]):
+    """The dashboard; `source` is a LiveSource or a ReplaySource, `recorder` keeps what it sees."""
+
+    CSS_PATH = "monitor.tcss"
+    TITLE = "minillm monitor"
+    ENABLE_COMMAND_PALETTE = False
+    AUTO_FOCUS = "#grid"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (100, "-wide")]
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]
+    BINDINGS = [
+        Binding("q", "quit", "quit"),
+        Binding("p", "toggle_pause", "pause"),
+        Binding("question_mark", "help", "help"),
+        Binding("tab", "focus_next", "next panel"),
+        Binding("s", "sort_next", "sort"),
+        Binding("S", "sort_reverse", "reverse", show=False),
+    ]
+
+    paused: reactive[bool] = reactive(False)
+
+    def __init__(self, source: StatsSource, recorder: Recorder | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.recorder = recorder
+        self.history = StatsHistory()
+        self.stats: EngineStats | None = None
+        self.pending: EngineStats | None = None   # the newest snapshot that arrived while paused
+        self.problem: str | None = None
+        self.source_text = ""
+        self.cells = DEFAULT_CELLS
+        self.frames_received = 0
+        self.frames_shown = 0
+
+    def compose(self) -> ComposeResult:
+        yield TitleBar(id="title")
+        yield Static(id="banner")
+        with Horizontal(id="top"):
+            yield BlockGrid(id="grid")
+            with Vertical(id="side"):
+                yield UsagePanel(id="usage")
+                yield MemoryPanel(id="memory")
+        with Horizontal(id="middle"):
+            yield BatchChart(id="batch")
+            yield QueuePanel(id="queues")
+        yield RequestTable(id="requests")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#banner").display = False
+        self._redraw_title()
+        self.pump_stats()
+
+    def on_unmount(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
+
+    @work(exclusive=True, group="stats")
+    async def pump_stats(self) -> None:
+        """Read the source without blocking the UI; every event becomes a message."""
+        async for event in self.source.events(lambda: self.cells):
+            self.post_message(_as_message(event))
+            if isinstance(event, StatsFrame) and self.recorder is not None:
+                self.recorder.write(event.raw)
+
+    def on_stats_received(self, message: StatsReceived) -> None:
+        self.frames_received += 1
+        if self.problem is not None:
+            self.problem = None
+            self.query_one("#banner").display = False
+        if self.paused:
+            self.pending = message.stats
+            return
+        self.show_stats(message.stats)
+
+    def show_stats(self, stats: EngineStats) -> None:
+        """Fold a snapshot into the history and redraw every panel."""
+        self.stats = stats
+        self.history.add(stats)
+        for panel in (BlockGrid, UsagePanel, MemoryPanel, BatchChart, QueuePanel):
+            self.query_one(panel).show(stats, self.history)
+        self.query_one(RequestTable).show(stats)
+        self.frames_shown += 1
+        self._redraw_title()
+
+    def on_source_problem_shown(self, message: SourceProblemShown) -> None:
+        self.problem = message.message
+        retry = f" · retrying in {message.retry_in_s:.1f} s" if message.retry_in_s is not None else ""
+        banner = self.query_one("#banner", Static)
+        banner.update(Text(f" ⚠ {message.message}{retry}", style="bold"))
+        banner.display = True
+
+    def on_source_status_changed(self, message: SourceStatusChanged) -> None:
+        self.source_text = message.text
+        self._redraw_title()
+
+    def on_block_grid_cells_wanted(self, message: BlockGrid.CellsWanted) -> None:
+        self.cells = message.cells
+
+    def watch_paused(self, paused: bool) -> None:
+        if not paused and self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.show_stats(pending)
+        self._redraw_title()
+
+    def action_toggle_pause(self) -> None:
+        """Freeze the panels (frames keep arriving and the newest is shown on resume)."""
+        self.paused = not self.paused
+
+    def action_help(self) -> None:
+        """Open the help screen."""
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_sort_next(self) -> None:
+        """Sort the request table by the next column."""
+        self.query_one(RequestTable).cycle_sort()
+
+    def action_sort_reverse(self) -> None:
+        """Reverse the request table's order."""
+        self.query_one(RequestTable).reverse_sort()
+
+    def _redraw_title(self) -> None:
+        try:
+            title = self.query_one(TitleBar)
+        except NoMatches:
+            return  # a watcher fired before the widgets were composed
+        title.show(self.stats, self.source_text, self.paused)
+
+
+def _as_message(event: SourceEvent):
+    if isinstance(event, StatsFrame):
+        return StatsReceived(event.stats)
+    if isinstance(event, SourceProblem):
+        return SourceProblemShown(event.message, event.retry_in_s)
+    if isinstance(event, SourceStatus):
+        return SourceStatusChanged(event.text)
+    raise TypeError(f"unknown source event {event!r}")
+
+
+def run_monitor(
+    url: str = "http://127.0.0.1:8000",
+    api_key: str | None = None,
+    record: str | Path | None = None,
+    replay: str | Path | None = None,
+    replay_loop: bool = True,
+) -> None:
+    """Run the dashboard against a server at `url`, or play `replay` back; `record` keeps the stream."""
+    source: StatsSource = ReplaySource(replay, loop=replay_loop) if replay else LiveSource(url, api_key)
+    recorder = Recorder(record) if record else None
+    MonitorApp(source=source, recorder=recorder).run()

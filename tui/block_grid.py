@@ -1,0 +1,105 @@
+"""The KV block pool as a grid of cells: free, cached-free prefix blocks, used (coloured by request)."""
+from __future__ import annotations
+
+from collections import Counter
+
+from rich.text import Text
+from textual.message import Message
+
+from minillm.stats import CELL_CACHED, CELL_FREE
+from tui.panel import Panel
+from tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
+
+CELL_WIDTH = 2     # "■ ": terminal cells are about twice as tall as wide
+LEGEND_ROWS = 1
+
+
+def merge_cells(block_map: list[int], num_cells: int) -> tuple[list[int], int]:
+    """Fold a block map into at most `num_cells` cells, each showing its group's commonest state."""
+    if num_cells <= 0 or len(block_map) <= num_cells:
+        return list(block_map), 1
+    group = -(-len(block_map) // num_cells)
+    merged = [Counter(block_map[i : i + group]).most_common(1)[0][0] for i in range(0, len(block_map), group)]
+    return merged, group
+
+
+def pick_scale(num_cells: int, width: int, rows: int) -> int:
+    """The largest tile size (1 to 4) at which a small pool's cells still fit, so few blocks fill the panel."""
+    for scale in (4, 3, 2):
+        columns = width // (CELL_WIDTH * scale)
+        if columns and -(-num_cells // columns) * scale <= rows:
+            return scale
+    return 1
+
+
+class BlockGrid(Panel):
+    """Each cell covers block_map_blocks_per_cell blocks; the server downsamples to our cell count."""
+
+    PANEL_TITLE = "KV block pool"
+
+    class CellsWanted(Message):
+        """The grid's size changed: ask the source for this many cells."""
+
+        def __init__(self, cells: int) -> None:
+            super().__init__()
+            self.cells = cells
+
+    def grid_shape(self) -> tuple[int, int]:
+        """(columns, rows) of cells that fit in the content area above the legend."""
+        width, height = self.content_size
+        return max(width // CELL_WIDTH, 1), max(height - LEGEND_ROWS, 1)
+
+    def capacity(self) -> int:
+        """How many cells fit."""
+        columns, rows = self.grid_shape()
+        return columns * rows
+
+    def on_resize(self) -> None:
+        self.post_message(self.CellsWanted(self.capacity()))
+
+    def show(self, stats, history) -> None:
+        """Take a new snapshot; the subtitle says how many blocks one cell stands for."""
+        _, group = merge_cells(stats.block_map, self.capacity())
+        blocks_per_cell = stats.block_map_blocks_per_cell * group
+        self.border_subtitle = f"{stats.kv_num_blocks} blocks × {stats.block_size} tok · {blocks_per_cell}/cell"
+        super().show(stats, history)
+
+    def render(self) -> Text:
+        stats = self.stats
+        if stats is None:
+            return Text("waiting for stats…", style=COLOR_DIM)
+        if not stats.block_map:
+            return Text("the server sent no block map", style=COLOR_DIM)
+        columns, rows = self.grid_shape()
+        cells, _ = merge_cells(stats.block_map, columns * rows)
+        scale = pick_scale(len(cells), self.content_size.width, rows)
+        columns = max(self.content_size.width // (CELL_WIDTH * scale), 1)
+        colors = [request_color(r.request_id) for r in stats.requests]
+        text = Text(no_wrap=True, overflow="crop")
+        for start in range(0, len(cells), columns):
+            styles = [_cell_color(cell, colors) for cell in cells[start : start + columns]]
+            for line in range(scale):
+                glyph = "■" if scale == 1 else ("▀" if line == scale - 1 else "█")
+                for style in styles:
+                    text.append(glyph * (CELL_WIDTH * scale - 1), style=style).append(" ")
+                text.append("\n")
+        text.append_text(self._legend())
+        return text
+
+    def _legend(self) -> Text:
+        legend = Text(no_wrap=True, overflow="ellipsis")
+        legend.append("■", style=REQUEST_COLORS[0]).append("■", style=REQUEST_COLORS[1])
+        legend.append(" used  ").append("■", style=COLOR_CACHED).append(" cached  ")
+        legend.append("■", style=COLOR_FREE).append(" free")
+        return legend
+
+
+def _cell_color(cell: int, colors: list[str]) -> str:
+    """The colour of one cell's state."""
+    if cell == CELL_FREE:
+        return COLOR_FREE
+    if cell == CELL_CACHED:
+        return COLOR_CACHED
+    if 0 <= cell < len(colors):
+        return colors[cell]
+    return "#ffffff"  # a used block whose owner row was not sent

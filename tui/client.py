@@ -1,0 +1,235 @@
+"""The stats client: reads EngineStats from a minillm server over SSE (or polling) with retries."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import httpx
+
+from minillm.stats import EngineStats, MemoryStats, RequestStats, StepStats
+
+DEFAULT_INTERVAL_S = 0.25
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 8.0
+
+
+class StatsFormatError(ValueError):
+    """The server answered, but not with an EngineStats payload."""
+
+
+@dataclass
+class StatsFrame:
+    """One stats snapshot as received: the parsed dataclass and the raw JSON dict."""
+
+    stats: EngineStats
+    raw: dict
+
+
+@dataclass
+class SourceProblem:
+    """The source cannot deliver right now; it retries after `retry_in_s` (None: it gave up)."""
+
+    message: str
+    retry_in_s: float | None
+
+
+@dataclass
+class SourceStatus:
+    """A line describing where frames come from (shown in the title bar)."""
+
+    text: str
+
+
+SourceEvent = StatsFrame | SourceProblem | SourceStatus
+
+# Annotation strings (stats.py uses postponed annotations) mapped to the JSON types they accept.
+_NUMBER = (int, float)
+_SCALAR_TYPES = {"int": int, "float": _NUMBER, "str": str}
+
+
+def _check_value(value, annotation: str, where: str):
+    """Raise StatsFormatError unless `value` has the JSON type `annotation` names."""
+    if annotation.endswith(" | None"):
+        if value is None:
+            return value
+        annotation = annotation[: -len(" | None")]
+    if annotation in _SCALAR_TYPES:
+        wanted = _SCALAR_TYPES[annotation]
+        if isinstance(value, bool) or not isinstance(value, wanted):
+            raise StatsFormatError(f"field {where!r} should be {annotation}, got {value!r:.40}")
+    elif annotation == "list[int]":
+        if not isinstance(value, list) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise StatsFormatError(f"field {where!r} should be a list of ints")
+    elif annotation == "dict[str, int]":
+        if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
+            raise StatsFormatError(f"field {where!r} should be an object of counts")
+    return value
+
+
+def _dataclass_kwargs(cls, data, where: str, nested: dict[str, Callable]) -> dict:
+    """Keyword arguments for `cls` from a JSON object: checks types, ignores unknown keys."""
+    if not isinstance(data, dict):
+        raise StatsFormatError(f"{where or 'stats'} should be a JSON object")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        name = f"{where}.{f.name}" if where else f.name
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise StatsFormatError(f"missing field {name!r}")
+            continue
+        if f.name in nested:
+            kwargs[f.name] = nested[f.name](data[f.name], name)
+        else:
+            kwargs[f.name] = _check_value(data[f.name], str(f.type), name)
+    return kwargs
+
+
+def _parse_list(cls):
+    def parse(items, where: str) -> list:
+        if not isinstance(items, list):
+            raise StatsFormatError(f"field {where!r} should be a list")
+        return [cls(**_dataclass_kwargs(cls, item, f"{where}[{i}]", {})) for i, item in enumerate(items)]
+
+    return parse
+
+
+def parse_stats(data) -> EngineStats:
+    """EngineStats from the JSON dict of EngineStats.to_dict(); raises StatsFormatError naming the field."""
+    nested = {
+        "memory": lambda d, where: MemoryStats(**_dataclass_kwargs(MemoryStats, d, where, {})),
+        "recent_steps": _parse_list(StepStats),
+        "requests": _parse_list(RequestStats),
+    }
+    return EngineStats(**_dataclass_kwargs(EngineStats, data, "", nested))
+
+
+def parse_frame(text: str) -> StatsFrame:
+    """A StatsFrame from the JSON text of one snapshot; raises StatsFormatError."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise StatsFormatError(f"not JSON ({exc.msg} at char {exc.pos}): {text[:60]!r}") from None
+    return StatsFrame(stats=parse_stats(data), raw=data)
+
+
+class HTTPStatusProblem(Exception):
+    """A non-200 answer, carrying the status code."""
+
+    def __init__(self, status: int, url: str, body: str):
+        super().__init__(f"{status} from {url}")
+        self.status = status
+        self.url = url
+        self.body = body
+
+
+def describe_problem(exc: BaseException, base_url: str) -> str:
+    """A one-line, user-facing explanation of why stats could not be read."""
+    if isinstance(exc, HTTPStatusProblem):
+        if exc.status in (401, 403):
+            return f"{base_url} refused the API key ({exc.status}): pass the server's key with --api-key"
+        if exc.status == 404:
+            return f"{base_url} has no /v1/stats ({exc.status}): is this a minillm server?"
+        return f"{base_url} answered {exc.status} for {exc.url}: {exc.body[:80]}"
+    if isinstance(exc, httpx.ConnectError):
+        return f"cannot connect to {base_url}: is `minillm serve` running there?"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"no answer from {base_url} (timed out)"
+    if isinstance(exc, StatsFormatError):
+        return f"bad stats from {base_url}: {exc}"
+    if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
+        return f"invalid server URL {base_url!r}: {exc}"
+    return f"lost {base_url}: {type(exc).__name__}: {exc}"
+
+
+async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The data payloads of server-sent events, one string per event."""
+    data: list[str] = []
+    async for line in lines:
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+        # "event:", "id:", "retry:" and ": comment" lines carry nothing the monitor uses.
+    if data:
+        yield "\n".join(data)
+
+
+class LiveSource:
+    """Frames from a running server: SSE at /v1/stats/stream, polling /v1/stats if that is missing."""
+
+    def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S):
+        self.base_url = url.rstrip("/")
+        self.api_key = api_key
+        self.interval_s = interval_s
+        self.use_polling = False
+
+    def _client(self) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        # No read timeout on the stream beyond a generous one: a quiet server still sends events.
+        timeout = httpx.Timeout(5.0, read=max(10.0, 20 * self.interval_s))
+        return httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
+
+    async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
+        """Yield frames forever; on any failure yield a SourceProblem and retry with backoff."""
+        backoff = BACKOFF_START_S
+        while True:
+            try:
+                async with self._client() as client:
+                    mode = "polling" if self.use_polling else "stream"
+                    yield SourceStatus(f"live {self.base_url} ({mode})")
+                    async for frame in self._frames(client, cells):
+                        backoff = BACKOFF_START_S
+                        yield frame
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # every failure is shown and retried, never raised
+                yield SourceProblem(describe_problem(exc, self.base_url), backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+
+    async def _frames(self, client: httpx.AsyncClient, cells: Callable[[], int]) -> AsyncIterator[StatsFrame]:
+        """Frames over one client until the cell count changes (the caller reconnects) or an error."""
+        while True:
+            wanted = cells()
+            if self.use_polling:
+                yield await self._poll(client, wanted)
+                await asyncio.sleep(self.interval_s)
+                continue
+            resized = False
+            async with aclosing(self._stream(client, wanted)) as frames:
+                async for frame in frames:
+                    yield frame
+                    if cells() != wanted:
+                        resized = True
+                        break  # the grid was resized: reopen the stream with the new cell count
+            if not resized:
+                await asyncio.sleep(self.interval_s)  # the server ended the stream: reopen it gently
+
+    async def _poll(self, client: httpx.AsyncClient, num_cells: int) -> StatsFrame:
+        url = f"{self.base_url}/v1/stats"
+        response = await client.get(url, params={"cells": num_cells})
+        if response.status_code != 200:
+            raise HTTPStatusProblem(response.status_code, url, response.text)
+        return parse_frame(response.text)
+
+    async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
+        url = f"{self.base_url}/v1/stats/stream"
+        params = {"cells": num_cells, "interval": self.interval_s}
+        async with client.stream("GET", url, params=params) as response:
+            if response.status_code in (404, 405):
+                # An older server without the stream: poll the snapshot endpoint instead.
+                self.use_polling = True
+                yield await self._poll(client, num_cells)
+                return
+            if response.status_code != 200:
+                raise HTTPStatusProblem(response.status_code, url, (await response.aread()).decode(errors="replace"))
+            async for data in iter_sse_data(response.aiter_lines()):
+                yield parse_frame(data)

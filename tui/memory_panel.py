@@ -1,0 +1,67 @@
+"""Device memory split: weights, KV pool, the rest, as one stacked bar."""
+from __future__ import annotations
+
+from rich.text import Text
+
+from tui.panel import Panel
+from tui.render import COLOR_DIM, COLOR_FREE, fmt_bytes
+
+COLOR_WEIGHTS = "#ffaf5f"
+COLOR_KV = "#5fafff"
+COLOR_OTHER = "#af87d7"
+
+
+def split_widths(parts: list[int], total: int, width: int) -> list[int]:
+    """Integer widths for parts of `total` across `width` columns (largest remainder; small parts stay visible)."""
+    if total <= 0 or width <= 0:
+        return [0] * len(parts)
+    exact = [p / total * width for p in parts]
+    widths = [int(e) for e in exact]
+    for i in sorted(range(len(parts)), key=lambda i: exact[i] - widths[i], reverse=True):
+        if sum(widths) >= width:
+            break
+        widths[i] += 1
+    # A non-empty part keeps one column so it never vanishes from the bar.
+    for i, part in enumerate(parts):
+        if part > 0 and widths[i] == 0 and max(widths) > 1:
+            widths[widths.index(max(widths))] -= 1
+            widths[i] = 1
+    return widths
+
+
+class MemoryPanel(Panel):
+    """Where the device memory went."""
+
+    PANEL_TITLE = "memory"
+
+    def show(self, stats, history) -> None:
+        """Take a new snapshot; the subtitle names the total and the device."""
+        memory = stats.memory
+        used = memory.weights_bytes + memory.kv_pool_bytes + memory.other_bytes
+        self.border_subtitle = f"{fmt_bytes(max(memory.total_bytes, used))} {stats.device}"
+        super().show(stats, history)
+
+    def render(self) -> Text:
+        stats = self.stats
+        if stats is None:
+            return Text("waiting for stats…", style=COLOR_DIM)
+        memory = stats.memory
+        used = memory.weights_bytes + memory.kv_pool_bytes + memory.other_bytes
+        total = max(memory.total_bytes, used)
+        parts = [
+            ("weights", memory.weights_bytes, COLOR_WEIGHTS),
+            ("KV pool", memory.kv_pool_bytes, COLOR_KV),
+            ("other", memory.other_bytes, COLOR_OTHER),
+            ("free", total - used, COLOR_FREE),
+        ]
+        bar = Text(no_wrap=True)
+        widths = split_widths([value for _, value, _ in parts], total, self.content_size.width)
+        for part_width, (_, _, color) in zip(widths, parts):
+            bar.append("█" * part_width, style=color)
+        lines = [bar]
+        for pair in (parts[:2], parts[2:]):
+            line = Text()
+            for name, value, color in pair:
+                line.append("■ ", style=color).append(f"{name} ").append(fmt_bytes(value), style="bold").append("  ")
+            lines.append(line)
+        return Text("\n").join(lines)

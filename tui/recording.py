@@ -1,0 +1,82 @@
+"""Record the stats stream to JSON lines and play a recording back without a server."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+from tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
+
+# One line per frame: {"t": <time.time() when received>, "stats": <EngineStats.to_dict()>}
+
+
+class Recorder:
+    """Appends every frame it is given to a JSON-lines file, flushed line by line."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = self.path.open("w", encoding="utf-8")
+
+    def write(self, stats: dict, t: float | None = None) -> None:
+        """Record one stats dict with its receive time (now unless given)."""
+        line = json.dumps({"t": time.time() if t is None else t, "stats": stats}, separators=(",", ":"))
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file; later writes are an error."""
+        self._file.close()
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_recording(path: str | Path) -> list[tuple[float, StatsFrame]]:
+    """All (time, frame) pairs of a recording; raises ValueError naming the bad line."""
+    frames = []
+    with Path(path).open(encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                t = record["t"]
+                if not isinstance(t, (int, float)):
+                    raise StatsFormatError("field 't' should be a number")
+                frames.append((float(t), StatsFrame(stats=parse_stats(record["stats"]), raw=record["stats"])))
+            except (json.JSONDecodeError, KeyError, TypeError, StatsFormatError) as exc:
+                raise ValueError(f"{path}:{number}: not a stats recording line ({exc})") from None
+    if not frames:
+        raise ValueError(f"{path}: the recording holds no frames")
+    return frames
+
+
+class ReplaySource:
+    """Plays a recording at its recorded pace (times `speed`), then loops or holds the last frame."""
+
+    def __init__(self, path: str | Path, loop: bool = True, speed: float = 1.0, realtime: bool = True):
+        self.path = Path(path)
+        self.frames = load_recording(self.path)
+        self.loop = loop
+        self.speed = speed
+        # realtime=False plays every frame at once (tests and screenshots want the final picture).
+        self.realtime = realtime
+
+    async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
+        """Yield the recorded frames; a replay cannot re-sample the block map, so `cells` is unused."""
+        total = len(self.frames)
+        while True:
+            yield SourceStatus(f"replay {self.path.name} ({total} frames)")
+            previous_t = self.frames[0][0]
+            for t, frame in self.frames:
+                await asyncio.sleep(max(t - previous_t, 0.0) / self.speed if self.realtime else 0)
+                previous_t = t
+                yield frame
+            if not self.loop:
+                yield SourceStatus(f"replay {self.path.name} · holding frame {total}/{total}")
+                return

@@ -1,0 +1,92 @@
+"""Small Rich renderers shared by the panels: bars, sparklines, number formats, request colours."""
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+
+from rich.style import Style
+from rich.text import Text
+
+# Bar glyphs from empty to full, in eighths of a cell.
+EIGHTHS = " ▁▂▃▄▅▆▇█"
+HBAR_EIGHTHS = " ▏▎▍▌▋▊▉█"
+
+# Distinct, readable colours for requests on a dark background; picked by a stable hash of the
+# request id so a request keeps its colour while others come and go (and snapshots stay fixed).
+REQUEST_COLORS = (
+    "#5fafff", "#ff875f", "#87d75f", "#d787ff", "#ffd75f", "#5fd7d7", "#ff5f87", "#afaf5f",
+    "#87afff", "#ffaf87", "#5fd787", "#ff87d7", "#d7d75f", "#5fafaf", "#d75f5f", "#af87d7",
+)
+COLOR_FREE = "#3a3a3a"
+COLOR_CACHED = "#2e6f6f"
+COLOR_PREFILL = "#ffaf5f"
+COLOR_DECODE = "#5fd787"
+COLOR_SEQS = "#87afff"
+COLOR_DIM = "#6c6c6c"
+
+
+def request_color(request_id: str) -> str:
+    """The display colour of a request, stable across frames and runs."""
+    return REQUEST_COLORS[zlib.crc32(request_id.encode()) % len(REQUEST_COLORS)]
+
+
+def hbar(fraction: float, width: int, color: str, empty: str = COLOR_FREE) -> Text:
+    """A horizontal bar `width` cells wide filled to `fraction`, with eighth-cell resolution."""
+    width = max(width, 0)
+    fraction = min(max(fraction, 0.0), 1.0)
+    eighths = round(fraction * width * 8)
+    full, part = divmod(eighths, 8)
+    text = Text("█" * full, style=color)
+    if full < width:
+        # The partial cell is drawn in the bar colour over the empty track colour.
+        text.append(HBAR_EIGHTHS[part], style=Style(color=color, bgcolor=empty))
+        text.append(" " * (width - full - 1), style=Style(bgcolor=empty))
+    return text
+
+
+def sparkline(values: Sequence[float], width: int, vmax: float, color: str) -> Text:
+    """One row of the last `width` values as eighth-height bars scaled to [0, vmax]."""
+    shown = list(values)[-width:] if width > 0 else []
+    chars = []
+    for value in shown:
+        level = 0 if vmax <= 0 else round(min(max(value / vmax, 0.0), 1.0) * 8)
+        # A non-zero value always shows at least the lowest bar.
+        if value > 0 and level == 0:
+            level = 1
+        chars.append(EIGHTHS[level])
+    text = Text(" " * (width - len(shown)))
+    text.append("".join(chars), style=color)
+    return text
+
+
+def fmt_seconds(value: float | None) -> str:
+    """A latency in the unit that keeps three significant figures readable."""
+    if value is None:
+        return "—"
+    if value < 1e-3:
+        return f"{value * 1e6:.0f} µs"
+    if value < 1.0:
+        return f"{value * 1e3:.1f} ms"
+    return f"{value:.2f} s"
+
+
+def fmt_bytes(value: int) -> str:
+    """Bytes in binary units."""
+    amount = float(value)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(amount) < 1024 or unit == "TiB":
+            return f"{amount:.0f} {unit}" if unit == "B" else f"{amount:.1f} {unit}"
+        amount /= 1024
+    return f"{amount:.1f} TiB"
+
+
+def fmt_rate(value: float) -> str:
+    """A token rate, compact above ten thousand."""
+    if value >= 10_000:
+        return f"{value / 1000:.1f}k"
+    return f"{value:.1f}"
+
+
+def fmt_percent(fraction: float) -> str:
+    """A fraction in [0, 1] as a percentage."""
+    return f"{fraction * 100:.1f}%"

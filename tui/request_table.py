@@ -1,0 +1,127 @@
+"""The request table: one row per request, sortable by any column."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.widgets import DataTable
+
+from minillm.stats import EngineStats, RequestStats
+from tui.render import fmt_seconds, request_color
+
+STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2, "finished": 3}
+STATE_COLORS = {"running": "#87d75f", "preempted": "#ff5f87", "waiting": "#ffd75f", "finished": "#6c6c6c"}
+
+
+def natural_key(text: str) -> tuple:
+    """Sort key that orders "req-2" before "req-10"."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: its label, how to sort by it, whether larger-first is the natural order."""
+
+    key: str
+    label: str
+    sort_key: Callable[[RequestStats], object]
+    descending: bool
+
+
+def _ttft_key(r: RequestStats) -> tuple:
+    return (r.ttft_s is None, r.ttft_s or 0.0)
+
+
+COLUMNS = (
+    Column("id", "request", lambda r: natural_key(r.request_id), False),
+    Column("state", "state", lambda r: (STATE_ORDER.get(r.state, 9), natural_key(r.request_id)), False),
+    Column("prompt", "prompt", lambda r: r.prompt_tokens, True),
+    Column("output", "output", lambda r: r.output_tokens, True),
+    Column("blocks", "blocks", lambda r: r.num_blocks, True),
+    Column("cached", "cached", lambda r: r.num_cached_tokens, True),
+    Column("ttft", "TTFT", _ttft_key, False),
+)
+
+
+def row_cells(r: RequestStats) -> tuple:
+    """The displayed cells of one request."""
+    name = Text("■ ", style=request_color(r.request_id)).append(r.request_id)
+    state = Text(r.state, style=STATE_COLORS.get(r.state, ""))
+    numbers = (r.prompt_tokens, r.output_tokens, r.num_blocks, r.num_cached_tokens)
+    return (name, state, *(Text(str(n), justify="right") for n in numbers), Text(fmt_seconds(r.ttft_s), justify="right"))
+
+
+class RequestTable(DataTable):
+    """Sorted by one column at a time: `s` cycles the column, `S` flips the order, headers click."""
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        self.sort_index = 1
+        self.sort_descending = COLUMNS[1].descending
+        self.border_title = "requests"
+        self._rows: dict[str, tuple] = {}
+        self._order: list[str] = []
+        self._requests: list[RequestStats] = []
+
+    def on_mount(self) -> None:
+        for column in COLUMNS:
+            self.add_column(column.label, key=column.key)
+        self._update_subtitle()
+
+    def show(self, stats: EngineStats) -> None:
+        """Show the snapshot's requests in the current sort order."""
+        self._requests = list(stats.requests)
+        self._redraw()
+
+    def cycle_sort(self) -> None:
+        """Sort by the next column, in that column's natural direction."""
+        self.sort_by((self.sort_index + 1) % len(COLUMNS))
+
+    def reverse_sort(self) -> None:
+        """Flip the sort direction."""
+        self.sort_descending = not self.sort_descending
+        self._update_subtitle()
+        self._redraw()
+
+    def sort_by(self, index: int) -> None:
+        """Sort by column `index`; choosing the current column again flips the direction."""
+        if index == self.sort_index:
+            self.reverse_sort()
+            return
+        self.sort_index = index
+        self.sort_descending = COLUMNS[index].descending
+        self._update_subtitle()
+        self._redraw()
+
+    def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
+        event.stop()
+        self.sort_by(event.column_index)
+
+    def _update_subtitle(self) -> None:
+        arrow = "▼" if self.sort_descending else "▲"
+        self.border_subtitle = f"sort: {COLUMNS[self.sort_index].label} {arrow} · s/S"
+
+    def _redraw(self) -> None:
+        column = COLUMNS[self.sort_index]
+        ordered = sorted(self._requests, key=column.sort_key, reverse=self.sort_descending)
+        rows = {r.request_id: row_cells(r) for r in ordered}
+        order = [r.request_id for r in ordered]
+        if order == self._order:
+            for key, cells in rows.items():
+                for column_def, old, new in zip(COLUMNS, self._rows[key], cells):
+                    if old != new:
+                        self.update_cell(key, column_def.key, new)
+        else:
+            self._rebuild(order, rows)
+        self._rows, self._order = rows, order
+
+    def _rebuild(self, order: list[str], rows: dict[str, tuple]) -> None:
+        """Replace all rows, keeping the cursor on the same request when it is still there."""
+        current = self._order[self.cursor_row] if 0 <= self.cursor_row < len(self._order) else None
+        self.clear()
+        for key in order:
+            self.add_row(*rows[key], key=key)
+        if current in rows:
+            self.move_cursor(row=order.index(current), animate=False, scroll=False)
