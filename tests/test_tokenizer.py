@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,8 @@ LLAMA2_LIKE = (
     "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
     "{% endif %}"
-    "{% if loop.index0 == 0 and system %}{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% if loop.index0 == 0 and system %}"
+    "{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}"
     "{% else %}{% set content = message['content'] %}{% endif %}"
     "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content | trim + ' [/INST]' }}"
     "{% else %}{{ ' ' + content | trim + ' ' + eos_token }}{% endif %}"
@@ -163,7 +163,8 @@ def _variants(byte_bpe_json):
         ("no_pp_config_true", no_pp, dict(base, add_bos_token=True)),
         ("no_pp_no_flag", no_pp, {k: v for k, v in base.items() if k != "add_bos_token"}),
         ("generic_class_pp", stories_pp, dict(base, tokenizer_class="PreTrainedTokenizerFast")),
-        ("generic_class_add_eos", stories_pp, dict(base, tokenizer_class="PreTrainedTokenizerFast", add_eos_token=True)),
+        ("generic_class_add_eos", stories_pp,
+         dict(base, tokenizer_class="PreTrainedTokenizerFast", add_eos_token=True)),
         ("llama3_like", llama3_like, dict(bbpe_config, add_bos_token=False)),
         ("byte_level_no_bos", byte_bpe_json, dict(bbpe_config, add_bos_token=True)),
     ]

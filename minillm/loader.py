@@ -1,0 +1,343 @@
+"""Model directories: find or download one, read config.json into a ModelConfig, read safetensors weights."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from minillm.config import ModelConfig
+
+DEFAULT_DOWNLOAD_DIR = "weights"
+# Only what the engine reads: weights, configs, tokenizer files and chat templates.
+DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "merges.txt", "vocab.txt"]
+# config.json "architectures" -> the decoder family minillm runs it as.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+# ---- finding the model ---------------------------------------------------------------------------
+
+
+def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
+    """A local model directory as is, else a Hugging Face repo id fetched into <download_dir>/<org>--<name>."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json")
+        return path
+    if _looks_like_path(model) or not _REPO_ID.match(model):
+        raise ValueError(f"model {model!r} is neither a local directory nor a Hugging Face repo id (org/name)")
+    target = local_model_dir(model, download_dir)
+    if _is_complete(target):
+        return target
+    return _download(model, target)
+
+
+def local_model_dir(repo_id: str, download_dir: str | None = None) -> Path:
+    """Where a repo id lives in the local model store: <download_dir or ./weights>/<org>--<name>."""
+    return Path(download_dir or DEFAULT_DOWNLOAD_DIR).expanduser() / repo_id.replace("/", "--")
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model
+
+
+def _is_complete(path: Path) -> bool:
+    """Whether a downloaded directory has its config and every weight file it names."""
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        return all((path / f).is_file() for f in files)
+    return any(path.glob("*.safetensors"))
+
+
+def _is_offline() -> bool:
+    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE once, at import.
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _download(repo_id: str, target: Path) -> Path:
+    """snapshot_download the files the engine needs (huggingface_hub draws the progress bars)."""
+    from huggingface_hub import snapshot_download
+
+    hint = (f"pass a local directory with config.json, *.safetensors and tokenizer.json instead "
+            f"(e.g. --model ./weights/{target.name}), or download it there while online")
+    try:
+        snapshot_download(repo_id, local_dir=str(target), allow_patterns=DOWNLOAD_PATTERNS,
+                          local_files_only=_is_offline())
+    except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"could not fetch model {repo_id!r} from the Hugging Face Hub "
+                           f"({type(e).__name__}: {reason}); {hint}") from e
+    if not (target / "config.json").is_file():
+        raise RuntimeError(f"model {repo_id!r} was fetched into {target} but has no config.json; {hint}")
+    return target
+
+
+def list_local_models(download_dir: str | None = None) -> list[tuple[str, Path, int]]:
+    """(repo id, path, size in bytes) of every model directory in the local store, by name."""
+    root = Path(download_dir or DEFAULT_DOWNLOAD_DIR).expanduser()
+    if not root.is_dir():
+        return []
+    models = []
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and (path / "config.json").is_file():
+            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+            models.append((path.name.replace("--", "/", 1), path, size))
+    return models
+
+
+# ---- config.json -> ModelConfig ------------------------------------------------------------------
+
+
+def _read_config(path: Path) -> dict:
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    with open(file, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _architecture(cfg: dict) -> str:
+    """The decoder family of a config, or a ValueError naming the architecture and the supported ones."""
+    names = cfg.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    shown = ", ".join(names) if names else f"none (model_type {cfg.get('model_type')!r})"
+    raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def _require(cfg: dict, key: str) -> int:
+    value = cfg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling); transformers 5 writes both under "rope_parameters"."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling")
+    scaling = dict(scaling) if scaling else {k: v for k, v in params.items() if k != "rope_theta"}
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    if scaling.get("rope_type", "default") == "default":
+        scaling = None
+    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
+    return float(theta), scaling
+
+
+def _check_supported_features(arch: str, cfg: dict) -> None:
+    """Reject config options the decoder does not implement, naming the field."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported")
+    if arch != "Qwen2ForCausalLM" and cfg.get("attention_bias"):
+        raise ValueError(f"config.json attention_bias=true is not supported for {arch} (its o_proj has a bias)")
+    window = cfg.get("sliding_window")
+    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+    if uses_window and window is not None and window < cfg.get("max_position_embeddings", 0):
+        raise ValueError(f"config.json sliding_window={window} is not supported (attention is full-context)")
+
+
+def _checkpoint_dtype(path: Path, cfg: dict) -> str:
+    """The dtype the weights were saved in: config.json's (torch_)dtype, else the first tensor's."""
+    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    if isinstance(name, str):
+        return name.replace("torch.", "")
+    try:
+        entry = next(iter(checkpoint_tensors(path).values()))
+    except (ValueError, StopIteration):
+        return "float32"
+    return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(entry.dtype, "float32")
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def load_model_config(path: str | Path) -> ModelConfig:
+    """Read config.json into a ModelConfig (ValueError naming the field or architecture on bad input)."""
+    path = Path(path)
+    cfg = _read_config(path)
+    arch = _architecture(cfg)
+    _check_supported_features(arch, cfg)
+    num_heads = _require(cfg, "num_attention_heads")
+    hidden = _require(cfg, "hidden_size")
+    num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"config.json num_attention_heads {num_heads} is not a multiple of "
+                         f"num_key_value_heads {num_kv_heads}")
+    head_dim = cfg.get("head_dim") or hidden // num_heads
+    theta, scaling = _rope(cfg)
+    bos = cfg.get("bos_token_id")
+    return ModelConfig(
+        architecture=SUPPORTED_ARCHITECTURES[arch],
+        vocab_size=_require(cfg, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_require(cfg, "intermediate_size"), num_layers=_require(cfg, "num_hidden_layers"),
+        num_heads=num_heads, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
+        rope_scaling=scaling, torch_dtype=_checkpoint_dtype(path, cfg),
+        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg.get("eos_token_id")))
+
+
+# ---- safetensors -> numpy ------------------------------------------------------------------------
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, by Hugging Face name, with its shape (no lm_head when tied)."""
+    d, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d)}
+    for layer in range(config.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (q, d), p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, q),
+            p + "mlp.gate_proj.weight": (i, d), p + "mlp.up_proj.weight": (i, d),
+            p + "mlp.down_proj.weight": (d, i)})
+        if config.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if config.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (config.head_dim,),
+                           p + "self_attn.k_norm.weight": (config.head_dim,)})
+    shapes["model.norm.weight"] = (d,)
+    if not config.tie_word_embeddings:   # tied: the output head is the embedding
+        shapes["lm_head.weight"] = (v, d)
+    return shapes
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes lie in a safetensors file."""
+
+    file: Path
+    dtype: str                # safetensors code: "F32", "F16", "BF16", ...
+    shape: tuple[int, ...]
+    start: int                # absolute byte offsets in the file
+    end: int
+
+
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}   # bf16 kept as raw bits
+
+
+def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header: an 8-byte little-endian length, then JSON name -> dtype/shape/offsets."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        if size < 8 or header_len > size - 8:
+            raise ValueError(f"{file} is not a safetensors file (header length {header_len}, file size {size})")
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        entry = TensorEntry(file, info["dtype"], tuple(info["shape"]), base + begin, base + end)
+        if entry.end > size or entry.start > entry.end:
+            raise ValueError(f"{file}: tensor {name} lies outside the file (truncated download?)")
+        entries[name] = entry
+    return entries
+
+
+def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
+    """Every tensor of a checkpoint, single-file or sharded (model.safetensors.index.json)."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted({path / f for f in weight_map.values()})
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"shard {missing[0].name} named in {index.name} is missing from {path}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model directory {path} has no *.safetensors weights")
+    tensors: dict[str, TensorEntry] = {}
+    for file in files:
+        tensors.update(read_safetensors_header(file))
+    return tensors
+
+
+def _read_tensor(name: str, entry: TensorEntry) -> np.ndarray:
+    """The tensor's bytes as numpy (bf16 as uint16 bits), mapped from the file, not copied yet."""
+    np_dtype = _NUMPY_DTYPES.get(entry.dtype)
+    if np_dtype is None:
+        raise ValueError(f"tensor {name} in {entry.file.name} has dtype {entry.dtype}; "
+                         f"supported: {', '.join(_NUMPY_DTYPES)}")
+    count = int(np.prod(entry.shape, dtype=np.int64))
+    if count * np.dtype(np_dtype).itemsize != entry.end - entry.start:
+        raise ValueError(f"tensor {name} in {entry.file.name}: {entry.end - entry.start} bytes "
+                         f"do not hold shape {entry.shape} of {entry.dtype}")
+    if count == 0:
+        return np.zeros(entry.shape, np_dtype)
+    raw = np.memmap(entry.file, dtype=np.uint8, mode="r", offset=entry.start, shape=(entry.end - entry.start,))
+    return raw.view(np_dtype).reshape(entry.shape)
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) -> float32, exactly: bf16 is the high half of an fp32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bit patterns (uint16), rounded to nearest even; NaN stays a quiet NaN."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) >> 16
+    nan = ((bits >> 16) | np.uint32(0x0040))
+    return np.where(np.isnan(x), nan, rounded).astype(np.uint16)
+
+
+def _convert(raw: np.ndarray, src: str, dtype: str) -> np.ndarray:
+    """A tensor read from the file -> an owned array of the requested dtype."""
+    if dtype == "bfloat16":
+        if src == "BF16":
+            return np.array(raw, dtype=np.uint16)
+        return float32_to_bf16_bits(raw.astype(np.float32))
+    target = {"float32": np.float32, "float16": np.float16}[dtype]
+    if src == "BF16":
+        return bf16_bits_to_float32(raw).astype(target, copy=False)
+    return np.array(raw, dtype=target)
+
+
+def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str, np.ndarray]:
+    """Read the checkpoint into numpy arrays of dtype ("bfloat16": uint16 bf16 bits), checking names and shapes."""
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
+    tensors = checkpoint_tensors(path)
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in expected_weight_shapes(config).items():
+        entry = tensors.get(name)
+        if entry is None:
+            raise ValueError(f"checkpoint in {path} is missing tensor {name}")
+        if entry.shape != shape:
+            raise ValueError(f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} "
+                             f"from config.json")
+        weights[name] = _convert(_read_tensor(name, entry), entry.dtype, dtype)
+    return weights

@@ -1,0 +1,286 @@
+"""Model loading: config.json -> ModelConfig, safetensors -> numpy, model paths and downloads."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minillm.loader import (
+    bf16_bits_to_float32,
+    expected_weight_shapes,
+    float32_to_bf16_bits,
+    list_local_models,
+    load_model_config,
+    load_weights,
+    resolve_model_path,
+)
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+STORIES = Path(os.environ.get("MINILLM_TEST_MODEL",
+                              Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"))
+needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason="stories260K not present")
+
+TINY = dict(vocab_size=160, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),   # head_dim != hidden / heads
+}
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def save_tiny(out: Path, family: str, dtype: str = "float32", **overrides):
+    """A tiny random model of one family saved by transformers; returns (path, state_dict)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**TINY, "tie_word_embeddings": False, **extra, **overrides})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():   # norms start at exactly 1.0; random values test the conversions better
+        for p in model.parameters():
+            p.normal_(0.0, 0.5)
+    model = model.to(TORCH_DTYPES[dtype])
+    model.save_pretrained(out)
+    return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def write_config(path: Path, **fields) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    base = {"architectures": ["LlamaForCausalLM"], **{k: v for k, v in TINY.items()}}
+    base.update(fields)
+    (path / "config.json").write_text(json.dumps({k: v for k, v in base.items() if v is not None}))
+    return path
+
+
+# ---- stories260K --------------------------------------------------------------------------------
+
+
+@needs_stories
+def test_stories_config_matches_config_json():
+    raw = json.loads((STORIES / "config.json").read_text())
+    c = load_model_config(STORIES)
+    assert (c.architecture, c.vocab_size, c.hidden_size, c.intermediate_size) == ("llama", 512, 64, 172)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim) == (
+        raw["num_hidden_layers"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"])
+    assert c.rms_norm_eps == raw["rms_norm_eps"] and c.rope_theta == raw["rope_theta"]
+    assert c.max_position_embeddings == 512 and c.tie_word_embeddings is True
+    assert c.rope_scaling is None and c.torch_dtype == "float32"
+    assert c.bos_token_id == 1 and c.eos_token_id == (2,)
+    assert not c.attention_bias and not c.qk_norm
+
+
+@needs_stories
+def test_stories_weights_match_safetensors():
+    from safetensors.numpy import load_file
+
+    ref = load_file(str(STORIES / "model.safetensors"))
+    config = load_model_config(STORIES)
+    w = load_weights(STORIES, config, "float32")
+    assert set(w) == set(expected_weight_shapes(config)) == set(ref) - {"lm_head.weight"}
+    for name, arr in w.items():
+        assert arr.dtype == np.float32 and np.array_equal(arr, ref[name]), name
+    w16 = load_weights(STORIES, config, "float16")
+    assert all(w16[k].dtype == np.float16 and np.array_equal(w16[k], ref[k].astype(np.float16)) for k in w16)
+    wbf = load_weights(STORIES, config, "bfloat16")
+    for name, arr in wbf.items():
+        assert arr.dtype == np.uint16
+        assert np.array_equal(arr, _bits(torch.from_numpy(ref[name]).to(torch.bfloat16))), name
+
+
+# ---- tiny transformers models -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("saved", ["float32", "float16", "bfloat16"])
+def test_tiny_models_load_exactly(tmp_path, family, saved):
+    path, state = save_tiny(tmp_path / family, family, saved)
+    config = load_model_config(path)
+    assert config.architecture == family and config.torch_dtype == saved
+    assert config.attention_bias == (family == "qwen2") and config.qk_norm == (family == "qwen3")
+    assert config.head_dim == (16 if family == "qwen3" else 8) and config.num_kv_heads == 2
+    expected = expected_weight_shapes(config)
+    assert set(expected) == set(state)
+    as_f32 = load_weights(path, config, "float32")
+    native = load_weights(path, config, saved)
+    for name, tensor in state.items():
+        assert tuple(tensor.shape) == expected[name]
+        assert as_f32[name].dtype == np.float32
+        assert np.array_equal(as_f32[name], tensor.float().numpy()), name   # bf16 -> fp32 is exact
+        if saved == "bfloat16":
+            assert native[name].dtype == np.uint16 and np.array_equal(native[name], _bits(tensor)), name
+        else:
+            assert np.array_equal(native[name], tensor.numpy()), name
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    path, state = save_tiny(tmp_path / "sharded", "qwen2", "float32")
+    for f in path.glob("*.safetensors"):
+        f.unlink()
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config.from_pretrained(path))
+    model.load_state_dict(state)
+    model.save_pretrained(path, max_shard_size="20KB")
+    assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 2
+    w = load_weights(path, load_model_config(path), "float32")
+    assert set(w) == set(state)
+    assert all(np.array_equal(w[k], state[k].numpy()) for k in state)
+
+
+def test_tied_embeddings_need_no_lm_head(tmp_path):
+    path, state = save_tiny(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    config = load_model_config(path)
+    assert config.tie_word_embeddings
+    w = load_weights(path, config, "float32")
+    assert "lm_head.weight" not in w and "lm_head.weight" not in expected_weight_shapes(config)
+    assert np.array_equal(w["model.embed_tokens.weight"], state["model.embed_tokens.weight"].numpy())
+
+
+# ---- config parsing -----------------------------------------------------------------------------
+
+
+def test_config_defaults_and_normalisation(tmp_path):
+    c = load_model_config(write_config(tmp_path / "a", num_key_value_heads=None, eos_token_id=[2, 7],
+                                       rope_scaling={"type": "linear", "factor": 2.0}))
+    assert c.num_kv_heads == 4 and c.head_dim == 8 and c.rope_theta == 10000.0
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert c.eos_token_id == (2, 7) and c.torch_dtype == "float32"
+
+
+def test_rope_parameters_of_transformers_5(tmp_path):
+    params = {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    c = load_model_config(write_config(tmp_path / "l3", rope_parameters=params, dtype="bfloat16"))
+    assert c.rope_theta == 500000.0 and c.torch_dtype == "bfloat16"
+    assert c.rope_scaling == {k: v for k, v in params.items() if k != "rope_theta"}
+    c = load_model_config(write_config(tmp_path / "plain", rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
+    assert c.rope_theta == 1e6 and c.rope_scaling is None
+
+
+def test_mistral_only_without_sliding_window(tmp_path):
+    c = load_model_config(write_config(tmp_path / "m", architectures=["MistralForCausalLM"], sliding_window=None))
+    assert c.architecture == "llama"
+    with pytest.raises(ValueError, match="sliding_window"):
+        load_model_config(write_config(tmp_path / "m1", architectures=["MistralForCausalLM"], sliding_window=16))
+
+
+def test_unknown_architecture_is_named(tmp_path):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen2ForCausalLM.*Qwen3ForCausalLM"):
+        load_model_config(write_config(tmp_path / "gpt2", architectures=["GPT2LMHeadModel"]))
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", None), ("num_attention_heads", 0),
+                                          ("num_key_value_heads", 3), ("hidden_act", "gelu")])
+def test_bad_config_field_is_named(tmp_path, field, value):
+    with pytest.raises(ValueError, match=field):
+        load_model_config(write_config(tmp_path / "bad", **{field: value}))
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_missing_config_json_names_the_path(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path}.*config.json"):
+        load_model_config(tmp_path)
+    with pytest.raises(ValueError, match=f"{tmp_path}.*config.json"):
+        resolve_model_path(str(tmp_path))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.torch import save_file
+
+    path, state = save_tiny(tmp_path / "missing", "llama")
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_weights(path, load_model_config(path), "float32")
+
+
+def test_untied_without_lm_head_is_an_error(tmp_path):
+    from safetensors.torch import save_file
+
+    path, state = save_tiny(tmp_path / "nohead", "llama")
+    del state["lm_head.weight"]
+    save_file(state, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lm_head\.weight"):
+        load_weights(path, load_model_config(path), "float32")
+
+
+def test_wrong_shape_names_tensor_and_shapes(tmp_path):
+    path, _ = save_tiny(tmp_path / "shape", "qwen3")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["intermediate_size"] = 40
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[48, 32\], "
+                                         r"expected \[40, 32\]"):
+        load_weights(path, load_model_config(path), "float32")
+
+
+def test_no_weights_and_bad_dtype(tmp_path):
+    path = write_config(tmp_path / "empty")
+    with pytest.raises(ValueError, match="safetensors"):
+        load_weights(path, load_model_config(path), "float32")
+    with pytest.raises(ValueError, match="dtype"):
+        load_weights(path, load_model_config(path), "int8")
+
+
+def test_offline_repo_id_says_it_could_not_fetch(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(RuntimeError, match=r"could not fetch model 'someorg/tiny-model'.*local directory"):
+        resolve_model_path("someorg/tiny-model", download_dir=str(tmp_path))
+
+
+def test_not_a_path_nor_a_repo_id(tmp_path):
+    with pytest.raises(ValueError, match="neither a local directory"):
+        resolve_model_path(str(tmp_path / "does" / "not" / "exist"))
+    with pytest.raises(ValueError, match="neither a local directory"):
+        resolve_model_path("not a repo id")
+
+
+# ---- the local store ------------------------------------------------------------------------------
+
+
+def test_local_store_is_used_and_listed(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # a complete local copy needs no network
+    store = tmp_path / "weights"
+    path, _ = save_tiny(store / "someorg--tiny-llama", "llama")
+    write_config(store / "other--half")          # config but no weights: listed, not complete
+    (store / "not-a-model").mkdir()
+    assert resolve_model_path("someorg/tiny-llama", download_dir=str(store)) == path
+    listed = list_local_models(str(store))
+    assert [name for name, _, _ in listed] == ["other/half", "someorg/tiny-llama"]
+    name, p, size = listed[1]
+    assert p == path and size == sum(f.stat().st_size for f in path.iterdir())
+    assert list_local_models(str(tmp_path / "nowhere")) == []
+
+
+# ---- bf16 conversion ---------------------------------------------------------------------------------
+
+
+def test_bf16_rounding_matches_torch():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4096),
+                        np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, -1e-45, 1.0 + 2 ** -8,
+                                  1.0 + 3 * 2 ** -8], dtype=np.float32)]).astype(np.float32)
+    ours = float32_to_bf16_bits(x)
+    ref = _bits(torch.from_numpy(x).to(torch.bfloat16))
+    assert np.array_equal(ours, ref)
+    nan = float32_to_bf16_bits(np.array([np.nan, -np.nan], dtype=np.float32))
+    assert np.isnan(bf16_bits_to_float32(nan)).all()
+    assert np.array_equal(bf16_bits_to_float32(ref), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
+
+
+def test_checkpoint_dtype_read_from_tensors_when_config_has_none(tmp_path):
+    path, _ = save_tiny(tmp_path / "nodtype", "qwen2", "bfloat16")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(path).torch_dtype == "bfloat16"
