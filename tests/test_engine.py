@@ -1,0 +1,157 @@
+"""The engine end to end on stories260K: batching changes nothing; bad input is a clear error."""
+import json
+
+import numpy as np
+
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(stories_path):
+    """32 token-id prompts of different lengths; half share a 40-token prefix."""
+    golden = json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
+    out = []
+    for i in range(32):
+        if i % 2:
+            out.append(golden[:40] + golden[100 + i: 100 + i + 1 + i % 7])
+        else:
+            out.append([1] + golden[1 + i * 3: 1 + i * 3 + 3 + i])
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(stories_path, prompts):
+    llm = LLM(str(stories_path), device="cpu", enable_prefix_caching=False)
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+
+
+def run_together(path, prompts, **kw):
+    llm = LLM(str(path), device="cpu", **kw)
+    outs = llm.generate(prompts, GREEDY)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_batch_equals_alone(stories_path, prompts, alone):
+    _, together = run_together(stories_path, prompts)
+    assert together == alone
+
+
+def test_batch_equals_alone_under_preemption(stories_path, prompts, alone):
+    llm, together = run_together(stories_path, prompts, num_kv_blocks=24, block_size=4, max_model_len=96)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert together == alone
+    assert llm.engine.block_manager.num_free_blocks == 24
+
+
+def test_batch_equals_alone_with_chunked_prefill(stories_path, prompts, alone):
+    llm, together = run_together(stories_path, prompts, max_num_batched_tokens=16, max_num_seqs=8)
+    assert max(len(p) for p in prompts) > 16            # some prompts had to be split
+    steps = llm.engine.metrics.recent_steps
+    assert all(s.num_prefill_tokens + s.num_decode_tokens <= 16 for s in steps)
+    assert together == alone
+
+
+def test_batch_equals_alone_with_prefix_cache_hits(stories_path, prompts, alone):
+    llm, together = run_together(stories_path, prompts, max_num_seqs=4)
+    stats = llm.engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
+    assert together == alone
+
+
+def test_outputs_carry_text_reason_and_metrics(stories_path):
+    llm = LLM(str(stories_path), device="cpu")
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=8))[0]
+    c = out.outputs[0]
+    assert out.prompt_token_ids == [1, 403, 407, 261, 378]
+    assert c.finish_reason == "length" and len(c.token_ids) == 8
+    assert c.text == llm.get_tokenizer().decode(c.token_ids)
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_any_of_several_eos_ids_finishes_with_stop(eos_model_path):
+    llm = LLM(str(eos_model_path), device="cpu")
+    assert set(llm.engine.eos_token_ids) == {1, 2}
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=450))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 1 and out.stop_reason is None
+    assert 1 not in out.token_ids[:-1]
+    ignored = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=450,
+                                                                ignore_eos=True))[0].outputs[0]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 450
+
+
+def test_abort_frees_blocks_and_reports(stories_path):
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu"))
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("b", "Lily went", SamplingParams(temperature=0, max_tokens=5))
+    engine.step()
+    engine.abort_request("a")
+    assert engine.block_manager.num_used_blocks < engine.block_manager.num_blocks
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].outputs[0].finish_reason == "abort"
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_stats_snapshot(stories_path):
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", num_kv_blocks=100))
+    engine.add_request("a", "Once upon a time", SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.step()
+    s = engine.stats(cells=100)
+    assert s.num_running == 1 and s.kv_num_blocks == 100 and s.kv_num_used_blocks == 1
+    assert s.block_map_blocks_per_cell == 1 and s.block_map.count(0) == 1 and s.block_map.count(-1) == 99
+    assert len(engine.stats(cells=10).block_map) == 10
+    assert s.requests[0].request_id == "a" and s.requests[0].output_tokens == 2
+    assert s.recent_steps[-1].num_decode_tokens == 1 and s.memory.kv_pool_bytes > 0
+    json.dumps(s.to_dict())
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(n=0), "n"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_name_the_problem(stories_path):
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", max_model_len=64))
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("e", "", SamplingParams())
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("e", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("long", [1] * 65, SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("sum", [1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="prompt token ids"):
+        engine.add_request("v", [1, 100000], SamplingParams())
+    engine.add_request("ok", "Once", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("ok", "Once", SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():        # the good request is untouched
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_block_map_downsampling_keeps_the_commonest_state():
+    from minillm.engine_stats import downsample_block_map
+    states = np.array([0, 0, 1, -1, -1, -1, -2, -2, -2, 3], dtype=np.int64)
+    cells, per = downsample_block_map(states, 4)
+    assert per == 3 and cells == [0, -1, -2, 3]
+    big, per = downsample_block_map(np.full(100_000, -1, dtype=np.int64), 500)
+    assert len(big) == 500 and per == 200

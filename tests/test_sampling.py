@@ -1,0 +1,134 @@
+"""Every sampling parameter changes what it should, and only that."""
+import numpy as np
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.ops import numpy as npops
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    return LLM(str(stories_path), device="cpu")
+
+
+def gen(llm, prompt=PROMPT, **kw):
+    return llm.generate([prompt], SamplingParams(**kw))[0].outputs
+
+
+def test_seed_reproducible_across_batch_compositions(llm):
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=30, ignore_eos=True)
+    alone = llm.generate([PROMPT], p)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (5, 40, 17)]
+    batch = llm.generate(["Lily", PROMPT, "The cat", "Tom had"], [others[0], p, others[1], others[2]])
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_different_seeds_differ_and_n_gives_distinct_completions(llm):
+    a = gen(llm, temperature=1.0, seed=1, max_tokens=30, ignore_eos=True)[0].token_ids
+    b = gen(llm, temperature=1.0, seed=2, max_tokens=30, ignore_eos=True)[0].token_ids
+    assert a != b
+    two = gen(llm, temperature=1.0, seed=1, n=2, max_tokens=30, ignore_eos=True)
+    assert [c.index for c in two] == [0, 1] and two[0].token_ids == a and two[1].token_ids == b
+
+
+def test_top_k_1_equals_greedy(llm):
+    greedy = gen(llm, temperature=0, max_tokens=30, ignore_eos=True)[0].token_ids
+    assert gen(llm, temperature=1.5, top_k=1, seed=3, max_tokens=30, ignore_eos=True)[0].token_ids == greedy
+    assert gen(llm, temperature=1.5, min_p=1.0, seed=3, max_tokens=30, ignore_eos=True)[0].token_ids == greedy
+    assert gen(llm, temperature=1.5, top_p=1e-6, seed=3, max_tokens=30, ignore_eos=True)[0].token_ids == greedy
+    hot = gen(llm, temperature=1.5, seed=3, max_tokens=30, ignore_eos=True)[0].token_ids
+    assert hot != greedy                              # the filters above were not a no-op
+
+
+def test_stop_string_spanning_tokens_is_cut(llm):
+    tok = llm.get_tokenizer()
+    full = gen(llm, temperature=0, max_tokens=40)[0]
+    pieces = [tok.decode(full.token_ids[:i]) for i in range(len(full.token_ids) + 1)]
+    # a stop string made of the end of one token and the start of the next
+    i = next(i for i in range(3, len(pieces) - 1) if len(pieces[i]) - len(pieces[i - 1]) >= 3
+             and len(pieces[i + 1]) - len(pieces[i]) >= 3)
+    stop = pieces[i][-2:] + pieces[i + 1][len(pieces[i]):len(pieces[i]) + 2]
+    cut = gen(llm, temperature=0, max_tokens=40, stop=[stop])[0]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+    kept = gen(llm, temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=True)[0]
+    assert kept.text.endswith(stop)
+
+
+def test_stop_token_ids(llm):
+    full = gen(llm, temperature=0, max_tokens=40, ignore_eos=True)[0]
+    target = full.token_ids[5]
+    first = full.token_ids.index(target)
+    out = gen(llm, temperature=0, max_tokens=40, stop_token_ids=[target])[0]
+    assert out.token_ids == full.token_ids[:first + 1] and out.stop_reason == target
+    assert out.finish_reason == "stop"
+
+
+def test_min_tokens_holds_back_eos(eos_model_path):
+    llm = LLM(str(eos_model_path), device="cpu")
+    full = gen(llm, temperature=0, max_tokens=450)[0]
+    assert full.finish_reason == "stop" and full.token_ids[-1] == 1
+    longer = gen(llm, temperature=0, max_tokens=450, min_tokens=len(full.token_ids) + 5)[0]
+    assert len(longer.token_ids) >= len(full.token_ids) + 5
+    assert 1 not in longer.token_ids[:len(full.token_ids) + 4]
+
+
+def test_logprobs_match_log_softmax(llm, stories_path):
+    from test_model_parity import minillm_prompt_logits
+    out = gen(llm, temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)[0]
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    logits = minillm_prompt_logits(stories_path, prompt + out.token_ids[:-1])
+    ref = npops.log_softmax(logits)[len(prompt) - 1:]
+    assert len(out.logprobs) == 6
+    for row, token, lp in zip(ref, out.token_ids, out.logprobs):
+        assert abs(lp[token] - row[token]) < 1e-4
+        top3 = set(np.argsort(-row)[:3].tolist())
+        assert top3 <= set(lp) and len(lp) <= 4
+    assert abs(out.cumulative_logprob - sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids))) < 1e-4
+
+
+def test_repetition_penalty_changes_greedy_output(llm):
+    plain = gen(llm, temperature=0, max_tokens=60, ignore_eos=True)[0].token_ids
+    penal = gen(llm, temperature=0, max_tokens=60, ignore_eos=True, repetition_penalty=1.8)[0].token_ids
+    assert plain != penal
+    assert len(set(penal)) >= len(set(plain))
+    pres = gen(llm, temperature=0, max_tokens=60, ignore_eos=True, presence_penalty=2.0)[0].token_ids
+    freq = gen(llm, temperature=0, max_tokens=60, ignore_eos=True, frequency_penalty=2.0)[0].token_ids
+    assert pres != plain and freq != plain
+
+
+def test_penalties_follow_their_definition():
+    logits = np.array([[2.0, -2.0, 1.0, 0.5], [1.0, 1.0, 1.0, 1.0]], np.float32)
+    rows = np.array([0, 0, 0, 1], np.int32)
+    tokens = np.array([0, 1, 2, 3], np.int32)
+    counts = np.array([0, 3, 1, 2], np.int32)      # token 0 only in the prompt
+    in_prompt = np.array([1, 0, 0, 0], np.int32)
+    rep = np.array([2.0, 1.0], np.float32)
+    pres = np.array([0.5, 0.25], np.float32)
+    freq = np.array([0.1, 0.5], np.float32)
+    npops.apply_penalties(logits, rows, tokens, counts, in_prompt, rep, pres, freq)
+    expect = np.array([[1.0, -4.0 - 0.3 - 0.5, 0.5 - 0.1 - 0.5, 0.5],
+                       [1.0, 1.0, 1.0, 1.0 - 1.0 - 0.25]], np.float32)
+    np.testing.assert_allclose(logits, expect, rtol=1e-6)
+
+
+def test_sample_distribution_respects_top_k_top_p_min_p():
+    rng = np.random.default_rng(0)
+    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32))
+    n = 4000
+
+    def freq(**kw):
+        args = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) | kw
+        ids = [npops.sample(logits, np.float32([args["temperature"]]), np.int32([args["top_k"]]),
+                            np.float32([args["top_p"]]), np.float32([args["min_p"]]),
+                            np.float32([u]))[0] for u in rng.random(n)]
+        return np.bincount(ids, minlength=4) / n
+
+    np.testing.assert_allclose(freq(), [0.4, 0.3, 0.2, 0.1], atol=0.03)
+    np.testing.assert_allclose(freq(top_k=2), [4 / 7, 3 / 7, 0, 0], atol=0.03)
+    np.testing.assert_allclose(freq(top_p=0.65), [4 / 7, 3 / 7, 0, 0], atol=0.03)
+    np.testing.assert_allclose(freq(min_p=0.45), [4 / 9, 3 / 9, 2 / 9, 0], atol=0.03)
+    hot = freq(temperature=100.0)
+    assert hot.min() > 0.2                          # temperature flattens the distribution
