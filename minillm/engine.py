@@ -12,6 +12,7 @@ from minillm.config import EngineConfig
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
 from minillm.model_runner import ModelRunner
+from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
 from minillm.output_processor import CompletionState, add_token, completion_output, new_state
 from minillm.outputs import RequestMetrics, RequestOutput
@@ -84,7 +85,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_max}")
         requested_len = config.max_model_len or model_max
-        weights = load_weights(path, self.model_config, self.dtype)
+        if config.load_format == "dummy":
+            weights = dummy_weights(self.model_config, self.dtype, config.seed)
+        else:
+            weights = load_weights(path, self.model_config, self.dtype)
         self.runner = ModelRunner(self.model_config, config, self.ops, weights, self.dtype, requested_len)
         del weights
         self.max_model_len = self._fit_max_model_len(requested_len)
