@@ -1,0 +1,285 @@
+"""Online serving benchmark against any OpenAI-compatible server, in the manner of `vllm bench serve`.
+
+Requests arrive as a Poisson process at --request-rate (or all at once, capped by
+--max-concurrency); each streams its completion, and the client times the first token (TTFT),
+the gaps between streamed chunks (ITL) and the time per output token after the first (TPOT).
+With --peer-base-url the same workload is replayed against a second server (for instance vLLM
+on the same model) and both are printed side by side, so each figure has a reference.
+
+    python -m benchmarks.serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
+        --input-len 128 --output-len 128 --request-rate 16
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+
+WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
+         "ran", "saw", "played", "with", "and", "friend", "park", "ball", "day", "mom", "said", "home")
+
+
+@dataclass
+class RequestResult:
+    """What one request measured on the client side."""
+
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float = 0.0
+    latency_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class BenchmarkResult:
+    """Aggregates over a run, the way `vllm bench serve` reports them (times in ms)."""
+
+    base_url: str
+    num_prompts: int
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft_ms: dict
+    tpot_ms: dict
+    itl_ms: dict
+    e2el_ms: dict
+    errors: list[str]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(prog="benchmarks.serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--peer-base-url", default=None, help="a second server to run the same workload against")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--input-len", type=int, default=128, help="tokens per random prompt")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--prompt", action="append", default=None, help="a given prompt (repeat; cycled)")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line (cycled)")
+    p.add_argument("--vocab-range", type=int, nargs=2, default=(3, 500), metavar=("LO", "HI"),
+                   help="token ids of random prompts are drawn from [LO, HI)")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (default: always generate --output-len tokens)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--result-file", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
+        p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    return args
+
+
+def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """Given prompts (cycled), or random ones of --input-len tokens (token ids, or words for chat)."""
+    given = list(args.prompt or [])
+    if args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
+            given += [line.rstrip("\n") for line in f if line.strip()]
+    if given:
+        return [given[i % len(given)] for i in range(args.num_prompts)]
+    rng = random.Random(args.seed)
+    lo, hi = args.vocab_range
+    if args.endpoint == "/v1/chat/completions":
+        return [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
+    return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+
+
+def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict:
+    """The JSON body of one streaming request."""
+    body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+    if args.endpoint == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": prompt if isinstance(prompt, str) else str(prompt)}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def _chunk_text(chunk: dict) -> str:
+    texts = []
+    for choice in chunk.get("choices") or []:
+        texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(texts)
+
+
+async def send_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    """Stream one request and time its chunks."""
+    result = RequestResult(ok=False)
+    start = last = time.perf_counter()
+    num_chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    result.error = str(chunk["error"].get("message"))
+                    return result
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if _chunk_text(chunk):
+                    now = time.perf_counter()
+                    if num_chunks == 0:
+                        result.ttft_s = now - start
+                    else:
+                        result.itl_s.append(now - last)
+                    last, num_chunks = now, num_chunks + 1
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+        return result
+    result.latency_s = time.perf_counter() - start
+    result.output_tokens = result.output_tokens or num_chunks
+    result.ok = num_chunks > 0
+    if not result.ok:
+        result.error = "no tokens streamed"
+    return result
+
+
+async def arrivals(n: int, rate: float, rng: random.Random):
+    """Yield request indices at Poisson arrival times (all at once when rate is inf)."""
+    for i in range(n):
+        yield i
+        if rate != float("inf") and i < n - 1:
+            await asyncio.sleep(rng.expovariate(rate))
+
+
+async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | None) -> str:
+    """The given model name, or the first one the server lists."""
+    if model:
+        return model
+    response = await client.get(f"{base_url}/v1/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def run_benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
+    """Drive the whole workload against one server."""
+    base_url = base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as client:
+        model = await resolve_model(client, base_url, args.model)
+        prompts = build_prompts(args)
+        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+
+        async def one(i: int) -> RequestResult:
+            body = request_body(args, model, prompts[i])
+            if gate is None:
+                return await send_request(client, base_url + args.endpoint, body)
+            async with gate:
+                return await send_request(client, base_url + args.endpoint, body)
+
+        start = time.perf_counter()
+        tasks = [asyncio.create_task(one(i))
+                 async for i in arrivals(args.num_prompts, args.request_rate, random.Random(args.seed))]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(base_url, args.num_prompts, results, duration)
+
+
+def _percentiles(values: list[float]) -> dict:
+    """mean / median / p99 (and std) in milliseconds."""
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0, "std": 0.0}
+    ordered = sorted(v * 1000 for v in values)
+
+    def pct(q: float) -> float:
+        k = (len(ordered) - 1) * q / 100
+        lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+        return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+    mean = sum(ordered) / len(ordered)
+    std = (sum((v - mean) ** 2 for v in ordered) / len(ordered)) ** 0.5
+    return {"mean": mean, "median": pct(50), "p99": pct(99), "std": std}
+
+
+def summarize(base_url: str, num_prompts: int, results: list[RequestResult], duration: float) -> BenchmarkResult:
+    """Turn per-request measurements into throughput and latency figures."""
+    ok = [r for r in results if r.ok]
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    return BenchmarkResult(
+        base_url=base_url, num_prompts=num_prompts, completed=len(ok), failed=len(results) - len(ok),
+        duration_s=duration, total_input_tokens=total_in, total_output_tokens=total_out,
+        request_throughput=len(ok) / duration, output_throughput=total_out / duration,
+        total_token_throughput=(total_in + total_out) / duration,
+        ttft_ms=_percentiles([r.ttft_s for r in ok]), tpot_ms=_percentiles(tpot),
+        itl_ms=_percentiles([x for r in ok for x in r.itl_s]), e2el_ms=_percentiles([r.latency_s for r in ok]),
+        errors=sorted({r.error for r in results if not r.ok})[:5])
+
+
+def format_results(results: list[BenchmarkResult], args: argparse.Namespace) -> str:
+    """A vLLM-style table; with a peer, one column per server and our/peer ratios."""
+    rows: list[tuple[str, list[str]]] = [
+        ("Successful requests", [str(r.completed) for r in results]),
+        ("Failed requests", [str(r.failed) for r in results]),
+        ("Benchmark duration (s)", [f"{r.duration_s:.2f}" for r in results]),
+        ("Total input tokens", [str(r.total_input_tokens) for r in results]),
+        ("Total generated tokens", [str(r.total_output_tokens) for r in results]),
+        ("Request throughput (req/s)", [f"{r.request_throughput:.2f}" for r in results]),
+        ("Output token throughput (tok/s)", [f"{r.output_throughput:.2f}" for r in results]),
+        ("Total token throughput (tok/s)", [f"{r.total_token_throughput:.2f}" for r in results]),
+    ]
+    for title, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms")):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {title} (ms)", [f"{getattr(r, key)[stat]:.2f}" for r in results]))
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+    lines = [f"Traffic: request rate {rate} req/s, max concurrency {args.max_concurrency or 'none'}, "
+             f"{args.num_prompts} prompts, input {args.input_len} / output {args.output_len} tokens",
+             "{:=^60}".format(" Serving Benchmark Result ")]
+    if len(results) > 1:
+        lines.append(f"{'':<36}{'server':>12}{'peer':>12}")
+    for name, values in rows:
+        lines.append(f"{name + ':':<36}" + "".join(f"{v:>12}" for v in values))
+    if len(results) > 1 and results[1].output_throughput > 0:
+        lines.append(f"{'Output throughput vs peer:':<36}{results[0].output_throughput / results[1].output_throughput:>12.2f}x")
+    for r in results:
+        for err in r.errors:
+            lines.append(f"error ({r.base_url}): {err}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print the table; 0 when every request succeeded."""
+    args = parse_args(argv)
+    urls = [args.base_url] + ([args.peer_base_url] if args.peer_base_url else [])
+    results = [asyncio.run(run_benchmark(args, url)) for url in urls]
+    print(format_results(results, args))
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "api_key"},
+                       "results": [asdict(r) for r in results]}, f, indent=2, default=str)
+    return 0 if all(r.failed == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

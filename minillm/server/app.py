@@ -1,0 +1,235 @@
+"""The FastAPI app (create_app) and the process entry point of `minillm serve` (run_server)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minillm.server.async_engine import AsyncLLMEngine
+from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
+from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
+from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from minillm.server.protocol import ChatCompletionRequest, CompletionRequest
+from minillm.server.serving import SSE_HEADERS, ServingContext, sse, sse_error
+from minillm.server.serving_chat import create_chat_completion
+from minillm.server.serving_completion import create_completion
+
+logger = logging.getLogger("minillm.server")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+MAX_STATS_CELLS = 4096
+MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S = 0.05, 60.0
+
+
+def _stats_cells(cells: int) -> int:
+    if not 1 <= cells <= MAX_STATS_CELLS:
+        raise APIError(400, f"cells must be in [1, {MAX_STATS_CELLS}], got {cells}", param="cells")
+    return cells
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request):
+        return await create_completion(ctx, body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await create_chat_completion(ctx, body, raw)
+
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "minillm",
+                "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        ctx.check_model(model)
+        return model_card()
+
+
+def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
+    engine = ctx.engine
+
+    @app.get("/health")
+    async def health():
+        if engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(503, engine.dead_reason, code="engine_dead"), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        with contextlib.suppress(EngineDeadError):
+            ctx.metrics.update(await engine.get_stats(cells=1))
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/stats")
+    async def stats(cells: int = 64):
+        snapshot = await engine.get_stats(_stats_cells(cells))
+        return JSONResponse(snapshot.to_dict())
+
+    @app.get("/v1/stats/stream")
+    async def stats_stream(cells: int = 64, interval: float = 0.25):
+        if not MIN_STATS_INTERVAL_S <= interval <= MAX_STATS_INTERVAL_S:
+            raise APIError(400, f"interval must be in [{MIN_STATS_INTERVAL_S}, {MAX_STATS_INTERVAL_S}] "
+                           f"seconds, got {interval}", param="interval")
+        first = await engine.get_stats(_stats_cells(cells))  # fail with a status code, not in-band
+        return StreamingResponse(_stats_events(engine, first, cells, interval),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _stats_events(engine: AsyncLLMEngine, first: Any, cells: int, interval: float) -> AsyncIterator[str]:
+    """One snapshot every `interval` seconds until the client leaves (or the engine dies)."""
+    snapshot = first
+    while True:
+        yield sse(snapshot.to_dict())
+        await asyncio.sleep(interval)
+        try:
+            snapshot = await engine.get_stats(cells)
+        except Exception as exc:  # noqa: BLE001 - tell the watcher why the stream ends
+            yield sse_error(exc)
+            return
+
+
+class ThroughputLogger:
+    """Logs one line per interval while there is activity, as vLLM's engine loop does."""
+
+    def __init__(self, engine: AsyncLLMEngine, interval: float) -> None:
+        self.engine, self.interval = engine, interval
+        self.last: Any = None
+        self.last_time = time.monotonic()
+
+    async def run(self) -> None:
+        """Loop until cancelled."""
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                stats = await self.engine.get_stats(cells=1)
+            except EngineDeadError:
+                logger.error("engine loop is dead: %s", self.engine.dead_reason)
+                return
+            self.log(stats)
+
+    def log(self, stats: Any) -> None:
+        """Log the interval's throughput, queues and KV usage if anything happened."""
+        now = time.monotonic()
+        elapsed, self.last_time = max(now - self.last_time, 1e-9), now
+        last, self.last = self.last, stats
+        prompt = stats.prompt_tokens_total - (last.prompt_tokens_total if last else 0)
+        generated = stats.generation_tokens_total - (last.generation_tokens_total if last else 0)
+        if not (prompt or generated or stats.num_running or stats.num_waiting):
+            return
+        hit_rate = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
+        logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, Preemptions: %d, KV cache usage: %.1f%%, "
+                    "Prefix cache hit rate: %.1f%%", prompt / elapsed, generated / elapsed, stats.num_running,
+                    stats.num_waiting, stats.num_preemptions, 100 * stats.kv_usage, 100 * hit_rate)
+
+
+def create_app(async_engine: AsyncLLMEngine, api_key: str | None = None, served_model_name: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_interval: float | None = None) -> FastAPI:
+    """The OpenAI-compatible app over a running AsyncLLMEngine (the caller owns and stops the engine)."""
+    name = served_model_name or async_engine.config.served_model_name or str(async_engine.config.model)
+    ctx = ServingContext(async_engine, ServerMetrics(name), name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        task = asyncio.create_task(ThroughputLogger(async_engine, log_interval).run()) if log_interval else None
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    _add_openai_routes(app, ctx)
+    _add_ops_routes(app, ctx)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last: runs first
+    return app
+
+
+class ServerThread:
+    """A uvicorn server on a background thread, bound before start so port 0 picks a free port."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="minillm-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. http://127.0.0.1:8000."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        """Start serving and wait until the socket accepts connections."""
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask uvicorn to exit and wait for the thread."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _configure_logging() -> None:
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO)
+
+
+def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_name: str | None = None, monitor: bool = False, log_interval: float = 5.0) -> None:
+    """Load the engine from an EngineConfig and serve the OpenAI API until interrupted."""
+    import uvicorn
+
+    _configure_logging()
+    engine = AsyncLLMEngine.from_config(config)
+    try:
+        if monitor:
+            # The dashboard owns the terminal: the server runs quietly on a thread.
+            app = create_app(engine, api_key=api_key, served_model_name=served_model_name)
+            with ServerThread(app, host, port, log_level="critical") as server:
+                from tui.app import run_monitor
+                run_monitor(server.url, api_key=api_key)
+        else:
+            app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
+                             log_interval=log_interval)
+            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
+                                          timeout_graceful_shutdown=5)).run()
+    finally:
+        engine.shutdown()

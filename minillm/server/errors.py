@@ -1,0 +1,123 @@
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status."""
+from __future__ import annotations
+
+import json
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# SamplingParams / add_request messages start with the field they complain about.
+KNOWN_PARAMS = (
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "logprobs", "prompt", "request_id",
+)
+
+
+class APIError(Exception):
+    """An error the client should see, with its HTTP status and OpenAI fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or default_error_type(status)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can make progress."""
+
+
+def default_error_type(status: int) -> str:
+    """OpenAI's error type for a status code."""
+    if status == 401:
+        return "authentication_error"
+    if status == 404:
+        return "not_found_error"
+    if status < 500:
+        return "invalid_request_error"
+    return "server_error"
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None, type: str | None = None) -> dict:
+    """The JSON body of an error response."""
+    return {"error": {"message": message, "type": type or default_error_type(status),
+                      "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    """Render an APIError as a JSONResponse."""
+    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type),
+                        status_code=err.status)
+
+
+def param_from_message(message: str) -> str | None:
+    """The field a ValueError from the engine names (its first word), if it is a known one."""
+    first = message.split(" ", 1)[0].strip(":,")
+    return first if first in KNOWN_PARAMS else None
+
+
+def bad_request_from_value_error(exc: ValueError) -> APIError:
+    """Map an engine ValueError to a 400 naming the field."""
+    message = str(exc)
+    return APIError(400, message, param=param_from_message(message))
+
+
+def _validation_to_api_error(exc: RequestValidationError) -> APIError:
+    """Turn pydantic's list of errors into one 400 that names the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"malformed JSON in request body: {first.get('msg', '')}".rstrip(": "),
+                        code="json_invalid")
+    loc = [str(p) for p in first.get("loc", ())]
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]
+    # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
+    loc = [p for p in loc if not _is_type_tag(p)]
+    param = ".".join(loc) if loc else None
+    if first.get("type") == "missing":
+        message = f"{param} is required" if param else "a required field is missing"
+    elif param is None:
+        message = f"request body must be a JSON object: {first.get('msg', '')}"
+    else:
+        message = f"{param}: {first.get('msg', 'invalid value')}"
+    return APIError(400, message, param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    return part in ("str", "int", "float", "bool", "list", "dict") or part.startswith(("list[", "function-"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Make every error the app returns OpenAI-shaped."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_to_api_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        return error_response(APIError(exc.status_code, message or HTTPStatus(exc.status_code).phrase))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(APIError(500, str(exc) or "the engine loop has stopped", code="engine_dead"))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))

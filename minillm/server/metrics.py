@@ -1,0 +1,127 @@
+"""Prometheus metrics with minillm: names mirroring vLLM's, one CollectorRegistry per app.
+
+Gauges and counters are read from the latest EngineStats snapshot at scrape time (the engine
+counts them); histograms are fed by the server from each request's RequestMetrics and the
+times its tokens were seen on the engine thread.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from minillm.outputs import RequestOutput
+from minillm.stats import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+
+# (name, help, EngineStats field) for the snapshot-backed series.
+_GAUGES = (
+    ("minillm:num_requests_running", "Number of requests in the running batch.", "num_running"),
+    ("minillm:num_requests_waiting", "Number of requests waiting to be scheduled.", "num_waiting"),
+    ("minillm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", "kv_usage"),
+)
+_COUNTERS = (
+    ("minillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
+    ("minillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("minillm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+    ("minillm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+    ("minillm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"),
+)
+
+
+class _SnapshotCollector(Collector):
+    """Yields gauges and counters from the most recent EngineStats."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: EngineStats | None = None
+
+    def collect(self):
+        stats = self.stats
+        if stats is None:
+            return
+        for name, doc, attr in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield family
+        for name, doc, attr in _COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(getattr(stats, attr)))
+            yield family
+        success = CounterMetricFamily("minillm:request_success", "Count of finished requests by reason.",
+                                      labels=["model_name", "finished_reason"])
+        for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
+            success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
+        yield success
+
+
+class ServerMetrics:
+    """The app's registry: snapshot series plus request-latency histograms."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._snapshot = _SnapshotCollector(model_name)
+        self.registry.register(self._snapshot)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("minillm:time_to_first_token_seconds",
+                              "Time to first token in seconds.", _LATENCY_BUCKETS)
+        self.itl = histogram("minillm:inter_token_latency_seconds",
+                             "Time between consecutive tokens of a request in seconds.", _LATENCY_BUCKETS)
+        self.e2e = histogram("minillm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", _E2E_BUCKETS)
+        self.prompt_len = histogram("minillm:request_prompt_tokens",
+                                    "Prompt tokens per finished request.", _TOKEN_BUCKETS)
+        self.generation_len = histogram("minillm:request_generation_tokens",
+                                        "Generated tokens per finished request.", _TOKEN_BUCKETS)
+
+    def update(self, stats: EngineStats) -> None:
+        """Remember the latest snapshot for the next scrape."""
+        self._snapshot.stats = stats
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Feeds one request's token intervals and its final latencies into the histograms."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.num_tokens = 0
+        self.last_seen: float | None = None
+
+    def on_output(self, output: RequestOutput, seen: float) -> None:
+        """Record the interval since the previous token-bearing output (seen: engine-thread time)."""
+        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if num_tokens > self.num_tokens:
+            if self.last_seen is not None:
+                self.metrics.itl.observe(max(0.0, seen - self.last_seen))
+            self.last_seen = seen
+            self.num_tokens = num_tokens
+        if output.finished:
+            self._on_finish(output, seen)
+
+    def _on_finish(self, output: RequestOutput, seen: float) -> None:
+        if any(c.finish_reason == "abort" for c in output.outputs):
+            return  # an aborted request's latency says nothing about serving speed
+        times = output.metrics
+        if times is not None:
+            if times.ttft is not None:
+                self.metrics.ttft.observe(times.ttft)
+            end = times.finished_time or seen
+            self.metrics.e2e.observe(max(0.0, end - times.arrival_time))
+        self.metrics.prompt_len.observe(len(output.prompt_token_ids))
+        self.metrics.generation_len.observe(self.num_tokens)

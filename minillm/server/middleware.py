@@ -1,0 +1,76 @@
+"""Pure ASGI middleware: Bearer-key check and a request-body size limit (both streaming-safe)."""
+from __future__ import annotations
+
+import hmac
+import json
+
+from minillm.server.errors import error_body
+
+OPEN_PATHS = ("/health",)
+
+
+async def _send_error(send, status: int, message: str, code: str | None = None,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    body = json.dumps(error_body(status, message, code=code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": body})
+
+
+class APIKeyMiddleware:
+    """401 for every path but /health unless the request carries `Authorization: Bearer <key>`."""
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if not hmac.compare_digest(given, self.expected):
+            return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
+                                     code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+        return await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """413 for a request body over max_bytes, checked on Content-Length and on the bytes received."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        # Read the whole body first (chunked uploads carry no length), then replay it.
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before sending its body
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._too_large(send)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls wait for http.disconnect, as the server's would
+
+        return await self.app(scope, replay, send)
+
+    async def _too_large(self, send) -> None:
+        await _send_error(send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes.",
+                          code="request_too_large")

@@ -1,0 +1,176 @@
+"""Request bodies of the OpenAI API (pydantic) and their translation into SamplingParams."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minillm.sampling_params import SamplingParams
+from minillm.server.errors import APIError, bad_request_from_value_error
+
+
+class StreamOptions(BaseModel):
+    """stream_options: whether a final chunk carries the usage."""
+
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields completions and chat completions share (OpenAI names plus vLLM's extensions)."""
+
+    # Clients send fields we do not use (user, metadata, ...): accept and ignore them.
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        """True when a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(BaseModel):
+    """One part of a multi-part message content; only text parts are supported."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+
+
+def check_unsupported(req: _GenerationRequest) -> None:
+    """Refuse options this server does not implement instead of silently ignoring them."""
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+
+
+def to_sampling_params(req: _GenerationRequest, max_tokens: int | None,
+                       logprobs: int | None) -> SamplingParams:
+    """Build validated SamplingParams; a bad value becomes a 400 naming the field."""
+    def pick(value, default):
+        return default if value is None else value
+
+    try:
+        return SamplingParams(
+            n=req.n,
+            temperature=pick(req.temperature, 1.0),
+            top_p=pick(req.top_p, 1.0),
+            top_k=pick(req.top_k, -1),
+            min_p=pick(req.min_p, 0.0),
+            seed=req.seed,
+            presence_penalty=pick(req.presence_penalty, 0.0),
+            frequency_penalty=pick(req.frequency_penalty, 0.0),
+            repetition_penalty=pick(req.repetition_penalty, 1.0),
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as exc:
+        raise bad_request_from_value_error(exc) from None
+
+
+def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
+    """max_completion_tokens wins over the deprecated max_tokens."""
+    return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The number of top log-probabilities to compute for a chat request, or None."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    if not req.logprobs:
+        return None
+    top = req.top_logprobs or 0
+    if not 0 <= top <= 20:
+        raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top}", param="top_logprobs")
+    return top
+
+
+def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
+    """Messages as the plain dicts a chat template reads; multi-part text is joined."""
+    out = []
+    for i, msg in enumerate(req.messages):
+        content = msg.content
+        if isinstance(content, list):
+            if any(part.type != "text" or part.text is None for part in content):
+                raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+            content = "".join(part.text for part in content)
+        item = {"role": msg.role, "content": content or ""}
+        if msg.name is not None:
+            item["name"] = msg.name
+        out.append(item)
+    return out
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompt field as a list of prompts (a string, a token list, or a batch of either)."""
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        prompts: list = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [list(prompt)]
+    else:
+        prompts = list(prompt)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return prompts

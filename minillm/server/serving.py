@@ -1,0 +1,259 @@
+"""What completions and chat share: model check, prompt checks, submission, output merging, SSE."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from fastapi import Request
+
+from minillm.outputs import RequestOutput
+from minillm.sampling_params import SamplingParams
+from minillm.server.async_engine import AsyncLLMEngine, RequestStream
+from minillm.server.errors import APIError, bad_request_from_value_error, error_body
+from minillm.server.metrics import RequestTimer, ServerMetrics
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class ServingContext:
+    """What every handler needs: the engine, the metrics and the name it serves under."""
+
+    engine: AsyncLLMEngine
+    metrics: ServerMetrics
+    model_name: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        """404 for a model name this server does not serve (an omitted name means ours)."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
+
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
+        """400 for token ids outside the vocabulary."""
+        vocab_size = self.tokenizer.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"{param} holds token ids outside [0, {vocab_size}): {bad[:5]}", param=param)
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """max_tokens for this prompt; 400 when prompt and completion cannot fit the context."""
+        limit = self.engine.max_model_len
+        if num_prompt_tokens >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
+                           f"has {num_prompt_tokens} tokens, leaving no room for a completion.",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                           f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                           param="max_tokens", code="context_length_exceeded")
+        return max_tokens
+
+
+def new_request_id(prefix: str) -> str:
+    """An id in OpenAI's style, e.g. cmpl-3f2a..."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
+                 params: list[SamplingParams]) -> list[RequestStream]:
+    """Add one engine request per prompt; on a rejection abort the ones already added."""
+    streams: list[RequestStream] = []
+    try:
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            streams.append(await ctx.engine.add_request(sub_id, ids, sp))
+    except BaseException as exc:
+        for stream in streams:
+            ctx.engine.abort(stream.request_id)
+        if isinstance(exc, ValueError):
+            raise bad_request_from_value_error(exc) from None
+        raise
+    return streams
+
+
+async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
+                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all streams as they come; leaving early aborts the rest."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        timer = RequestTimer(ctx.metrics)
+        try:
+            async for output, seen in stream:
+                timer.on_output(output, seen)
+                merged.put_nowait((index, output))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer
+            merged.put_nowait((index, exc))
+        merged.put_nowait((index, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            index, item = await merged.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            if not stream.finished:
+                ctx.engine.abort(stream.request_id)
+
+
+async def final_outputs(ctx: ServingContext, streams: list[RequestStream]) -> list[RequestOutput]:
+    """Wait for every stream to finish; the last output of each, in prompt order."""
+    last: list[RequestOutput | None] = [None] * len(streams)
+    async with contextlib.aclosing(merged_outputs(ctx, streams)) as outputs:
+        async for index, output in outputs:
+            last[index] = output
+    return [o for o in last if o is not None]
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await something; if the client hangs up first, cancel it (which aborts its requests)."""
+    work = asyncio.ensure_future(awaitable)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, listener}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        listener.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+    if work.cancelled():
+        raise APIError(499, "client disconnected", code="client_closed_request")
+    return work.result()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """OpenAI's usage block."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """The event a stream ends with when its request fails after the headers went out."""
+    if isinstance(exc, APIError):
+        return sse(error_body(exc.status, exc.message, exc.param, exc.code))
+    return sse(error_body(500, f"{type(exc).__name__}: {exc}", code="engine_dead"))
+
+
+def text_delta(sent: str, text: str) -> str:
+    """The new part of cumulative text (which only grows; a rewrite resends from the split)."""
+    if text.startswith(sent):
+        return text[len(sent):]
+    common = 0
+    for a, b in zip(sent, text):
+        if a != b:
+            break
+        common += 1
+    return text[common:]
+
+
+@dataclass
+class ChoiceProgress:
+    """What one completion has already been sent: text, log-probability rows, finish."""
+
+    index: int
+    cursor: Any = None            # LogprobCursor when log-probabilities were asked for
+    num_top: int = 0
+    sent_text: str = ""
+    pending_rows: list = field(default_factory=list)
+    is_started: bool = False
+    is_finished: bool = False
+
+    def update(self, text: str, token_ids: list[int], logprobs: list | None,
+               finish_reason: str | None) -> tuple[str, list, str | None] | None:
+        """(new text, new logprob rows, finish reason) since the last call; None if nothing to send."""
+        if self.is_finished:
+            return None
+        delta = text_delta(self.sent_text, text)
+        self.sent_text = text
+        if self.cursor is not None and logprobs:
+            self.pending_rows.extend(self.cursor.advance(token_ids, logprobs, self.num_top))
+        if not delta and finish_reason is None:
+            return None   # e.g. text held back while a stop string may be forming
+        rows, self.pending_rows = self.pending_rows, []
+        self.is_finished = finish_reason is not None
+        return delta, rows, finish_reason
+
+
+async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Errors before the first event propagate (a real HTTP error); later ones end the stream."""
+    started = False
+    try:
+        async for event in events:
+            started = True
+            yield event
+    except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
+        if not started:
+            raise
+        yield sse_error(exc)
+        yield SSE_DONE
+
+
+async def streaming_response(request: Request, events: AsyncIterator[str]):
+    """Wait for the first event (so early failures get a status code), then stream the rest."""
+    from fastapi.responses import StreamingResponse
+
+    guarded = guard_stream(events)
+    try:
+        first = await until_disconnected(request, anext(guarded))
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await guarded.aclose()
+        raise
+
+    async def body() -> AsyncIterator[str]:
+        async with contextlib.aclosing(guarded):
+            if first is not None:
+                yield first
+                async for event in guarded:
+                    yield event
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:
+    """Abort every stream that has not finished (the caller is leaving)."""
+    for stream in streams:
+        if not stream.finished:
+            ctx.engine.abort(stream.request_id)

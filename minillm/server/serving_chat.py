@@ -1,0 +1,128 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n choices."""
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from minillm.outputs import RequestOutput
+from minillm.server.async_engine import RequestStream
+from minillm.server.errors import APIError
+from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
+from minillm.server.protocol import (
+    ChatCompletionRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens, check_unsupported,
+    messages_as_dicts, to_sampling_params,
+)
+from minillm.server.serving import (
+    SSE_DONE, ChoiceProgress, ServingContext, abort_unfinished, final_outputs, merged_outputs,
+    new_request_id, sse, streaming_response, submit, until_disconnected, usage,
+)
+
+
+def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
+    """Token ids of the conversation plus the assistant's turn opener; 400 without a template."""
+    tok = ctx.tokenizer
+    if not tok.has_chat_template:
+        raise APIError(400, f"The model `{ctx.model_name}` has no chat template, so chat completions "
+                       "are not available; use /v1/completions with a plain prompt.",
+                       param="messages", code="no_chat_template")
+    try:
+        return list(tok.apply_chat_template(messages_as_dicts(req), add_generation_prompt=True, tokenize=True))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+class ChatJob:
+    """One /v1/chat/completions call and how its outputs become OpenAI responses."""
+
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
+        self.ctx, self.req = ctx, req
+        self.request_id = new_request_id("chatcmpl")
+        self.num_top = requested_top_logprobs(req)
+        # Field errors first, so a bad value is named even on a model without a template.
+        to_sampling_params(req, chat_max_tokens(req), self.num_top)
+        self.prompt_ids = render_chat_prompt(ctx, req)
+        if not self.prompt_ids:
+            raise APIError(400, "the chat template rendered an empty prompt", param="messages")
+        max_tokens = ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(req))
+        self.params = to_sampling_params(req, max_tokens, self.num_top)
+        self.texts = TokenTexts(ctx.tokenizer)
+
+    def _cursor(self) -> LogprobCursor | None:
+        if self.num_top is None:
+            return None
+        return LogprobCursor(self.texts, self.prompt_ids, 0, self.req.skip_special_tokens)
+
+    def response(self, final: RequestOutput) -> dict:
+        """The non-streaming response body."""
+        choices = []
+        for comp in final.outputs:
+            logprobs = None
+            cursor = self._cursor()
+            if cursor is not None:
+                logprobs = chat_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [], self.num_top))
+            choices.append({"index": comp.index, "message": {"role": "assistant", "content": comp.text},
+                            "logprobs": logprobs, "finish_reason": comp.finish_reason,
+                            "stop_reason": comp.stop_reason})
+        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
+        return {"id": self.request_id, "object": "chat.completion", "created": self.ctx.created,
+                "model": self.ctx.model_name, "choices": choices,
+                "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.ctx.created,
+                 "model": self.ctx.model_name, "choices": choices}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def _choice(self, index: int, delta: dict, rows: list | None, finish: str | None, stop_reason=None) -> dict:
+        logprobs = chat_logprobs(rows) if rows is not None else None
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": stop_reason}
+
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """Server-sent events: the role, then content deltas, the finish, usage and [DONE]."""
+        progress: dict[int, ChoiceProgress] = {}
+        final: RequestOutput | None = None
+        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as outputs:
+            async for _, output in outputs:
+                final = output
+                for comp in output.outputs:
+                    state = progress.setdefault(comp.index, ChoiceProgress(comp.index, self._cursor(),
+                                                                           self.num_top or 0))
+                    if not state.is_started:
+                        state.is_started = True
+                        yield sse(self._chunk([self._choice(comp.index, {"role": "assistant", "content": ""},
+                                                            None, None)]))
+                    update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
+                    if update is None:
+                        continue
+                    delta, rows, finish = update
+                    content = {"content": delta} if delta else {}
+                    yield sse(self._chunk([self._choice(comp.index, content,
+                                                        rows if state.cursor is not None else None, finish,
+                                                        comp.stop_reason if finish else None)]))
+        if self.req.include_usage and final is not None:
+            chunk = self._chunk([])
+            chunk["usage"] = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
+            yield sse(chunk)
+        yield SSE_DONE
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
+    """Validate, render, submit and answer (JSON, or an event stream)."""
+    ctx.check_model(req.model)
+    check_unsupported(req)
+    job = ChatJob(ctx, req)
+    streams = await until_disconnected(raw, submit(ctx, job.request_id, [job.prompt_ids], [job.params]))
+    try:
+        if req.stream:
+            return await streaming_response(raw, job.events(streams))
+        finals = await until_disconnected(raw, final_outputs(ctx, streams))
+    except BaseException:
+        abort_unfinished(ctx, streams)
+        raise
+    return JSONResponse(job.response(finals[0]))

@@ -1,0 +1,132 @@
+"""Many streaming clients on a KV pool small enough to force preemption; clients that hang up."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from test_server_helpers import get_stats, running_server, sse_events, wait_for
+
+from benchmarks import serving as bench
+
+MODEL = "stories"
+NUM_KV_BLOCKS = 24          # 16-token blocks: about six of these requests fit at once
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day, a cat", "The sun was",
+           "Tom had a big", "In the park", "She saw a bird"]
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    with running_server(stories_path, served_model_name=MODEL, num_kv_blocks=NUM_KV_BLOCKS) as (url, engine):
+        yield url, engine
+
+
+def _body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}
+
+
+async def _stream_text(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, str | None]:
+    text, finish = "", None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line async for line in response.aiter_lines()]
+    for event in sse_events(lines):
+        text += event["choices"][0]["text"]
+        finish = event["choices"][0]["finish_reason"] or finish
+    return text, finish
+
+
+def test_64_concurrent_streams_under_preemption_match_alone(server):
+    url, _ = server
+    max_tokens = 40
+    alone = {}
+    for prompt in PROMPTS:
+        r = httpx.post(f"{url}/v1/completions", json=_body(prompt, max_tokens, stream=False), timeout=30)
+        alone[prompt] = r.json()["choices"][0]["text"]
+    before = get_stats(url)["num_preemptions"]
+
+    async def run_all():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            jobs = [_stream_text(client, url, _body(PROMPTS[i % len(PROMPTS)], max_tokens)) for i in range(64)]
+            return await asyncio.gather(*jobs)
+
+    results = asyncio.run(run_all())
+    assert [finish for _, finish in results] == ["length"] * 64
+    assert [text for text, _ in results] == [alone[PROMPTS[i % len(PROMPTS)]] for i in range(64)]
+    stats = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s)
+    assert stats["num_preemptions"] > before
+    assert stats["kv_num_used_blocks"] == 0
+    assert stats["kv_num_free_blocks"] + stats["kv_num_cached_blocks"] == stats["kv_num_blocks"] == NUM_KV_BLOCKS
+    assert stats["num_waiting"] == 0 and stats["requests"] == []
+
+
+def _raw_stream_then_hang_up(url: str, body: dict, num_chunks: int) -> None:
+    """Open a streaming request on a bare socket, read a few events, then close the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    received = b""
+    while received.count(b"data: ") < num_chunks:
+        chunk = sock.recv(65536)
+        assert chunk, "server closed the stream early"
+        received += chunk
+    assert b" 200 " in received.split(b"\r\n", 1)[0]
+    sock.close()
+
+
+def test_disconnected_stream_is_aborted_and_frees_blocks(server):
+    url, _ = server
+    before = get_stats(url)
+    _raw_stream_then_hang_up(url, _body("Once upon a time", 300), num_chunks=3)
+    hung_up = time.monotonic()
+    stats = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0 and s,
+                     timeout=5)
+    assert stats, "the request kept running after its client left"
+    assert time.monotonic() - hung_up < 2.0
+    assert stats["num_requests_finished"].get("abort", 0) == before["num_requests_finished"].get("abort", 0) + 1
+    # Aborted within a step or two: far fewer than the 300 tokens it asked for were generated.
+    assert stats["generation_tokens_total"] - before["generation_tokens_total"] < 30
+
+
+def test_disconnected_non_streaming_request_is_aborted(server):
+    url, _ = server
+    before = get_stats(url)
+
+    async def leave_early():
+        async with httpx.AsyncClient(timeout=30) as client:
+            task = asyncio.create_task(client.post(f"{url}/v1/completions", json=_body("The sun was", 370, False)))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave_early())
+    stats = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0 and s,
+                     timeout=5)
+    assert stats
+    assert stats["num_requests_finished"].get("abort", 0) == before["num_requests_finished"].get("abort", 0) + 1
+    assert stats["generation_tokens_total"] - before["generation_tokens_total"] < 370
+
+
+def test_serving_benchmark_reports_latencies(server, tmp_path, capsys):
+    url, _ = server
+    result_file = tmp_path / "serving.json"
+    rc = bench.main(["--base-url", url, "--num-prompts", "12", "--input-len", "8", "--output-len", "10",
+                     "--request-rate", "50", "--vocab-range", "3", "500", "--result-file", str(result_file)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    for label in ("Request throughput (req/s)", "Output token throughput (tok/s)", "Mean TTFT (ms)",
+                  "P99 TPOT (ms)", "Median ITL (ms)"):
+        assert label in printed
+    result = json.loads(result_file.read_text())["results"][0]
+    assert result["completed"] == 12 and result["failed"] == 0
+    assert result["total_input_tokens"] == 12 * 8 and result["total_output_tokens"] == 12 * 10
+    assert 0 < result["ttft_ms"]["median"] <= result["e2el_ms"]["median"]
+    assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["p99"] >= result["itl_ms"]["median"]

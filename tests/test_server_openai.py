@@ -1,0 +1,166 @@
+"""The server driven by the official openai client: completions and chat, streamed and not."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from test_server_helpers import chat_model_dir, running_server  # noqa: E402
+
+from minillm.tokenizer import Tokenizer  # noqa: E402
+
+PROMPT = "Once upon a time"
+MODEL = "stories"
+
+
+@pytest.fixture(scope="module")
+def model_dir(stories_path, tmp_path_factory):
+    return chat_model_dir(stories_path, tmp_path_factory.mktemp("chat-model"))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    with running_server(model_dir, served_model_name=MODEL) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return Tokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def golden(stories_path):
+    return json.loads((stories_path / "reference.json").read_text())
+
+
+def test_models_lists_the_served_name(client, server):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_greedy_matches_reference_and_usage_counts(client, tok, golden):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(tok.encode(PROMPT)) == len(golden["prompt_ids"])
+    assert out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert golden["greedy_from_bos_200_text"].startswith(PROMPT + choice.text)
+    assert out.object == "text_completion" and out.model == MODEL and out.id.startswith("cmpl-")
+
+
+def test_completion_stream_equals_non_stream_with_usage_chunk(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_stop_string_and_max_tokens(client, golden):
+    full = golden["greedy_from_bos_200_text"][len(PROMPT):]
+    stop = "little"                       # "..., there was a little girl"
+    assert stop in full[:60]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stop=[stop])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].text == full[:full.index(stop)]
+    streamed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
+                                         stop=stop, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == full[:full.index(stop)]
+    short = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
+
+
+def test_n_and_seeded_sampling(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, n=2, seed=1234)
+    first = client.completions.create(**args)
+    again = client.completions.create(**args)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.text for c in first.choices] == [c.text for c in again.choices]
+    assert first.usage.completion_tokens == sum(
+        len(c.logprobs.tokens) for c in client.completions.create(logprobs=0, **args).choices)
+    other = client.completions.create(**{**args, "seed": 99})
+    assert [c.text for c in other.choices] != [c.text for c in first.choices]
+
+
+def test_batch_prompts_and_token_id_prompts(client, tok, golden):
+    ids = golden["prompt_ids"]
+    out = client.completions.create(model=MODEL, prompt=[PROMPT, "The dog"], max_tokens=5, temperature=0, n=2,
+                                    extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == out.choices[1].text != out.choices[2].text
+    assert out.usage.prompt_tokens == len(ids) + len(tok.encode("The dog"))
+    assert out.usage.completion_tokens == 4 * 5
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, temperature=0)
+    assert by_ids.choices[0].text == out.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_completion_logprobs_and_echo(client, tok):
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3,
+                                    echo=True, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(PROMPT)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == choice.text[len(PROMPT):]
+    assert lp.text_offset[0] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert len(top) <= 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-5)   # greedy picks the argmax
+        assert token in top
+
+
+def test_chat_completion_and_stream(client, tok):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    choice = out.choices[0]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert out.usage.prompt_tokens == len(rendered)
+    assert out.usage.completion_tokens == 16 and choice.finish_reason == "length"
+    assert choice.message.role == "assistant" and choice.message.content
+    assert out.object == "chat.completion" and out.id.startswith("chatcmpl-")
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].usage.prompt_tokens == len(rendered) and chunks[-1].usage.completion_tokens == 16
+
+
+def test_chat_logprobs_n_and_stop(client):
+    messages = [{"role": "user", "content": "Hi"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.8, n=2,
+                                         seed=7, logprobs=True, top_logprobs=2)
+    assert len(out.choices) == 2
+    for choice in out.choices:
+        content = choice.logprobs.content
+        assert 1 <= len(content) <= 6
+        assert all(len(item.top_logprobs) <= 2 and item.bytes == list(item.token.encode()) for item in content)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0.8, n=2,
+                                           seed=7)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in out.choices]
+    greedy = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0)
+    word = greedy.choices[0].message.content.split()[2]
+    stopped = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30, temperature=0,
+                                             stop=[word])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert word not in stopped.choices[0].message.content
