@@ -129,7 +129,7 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
 def resolve_model(model: str, download_dir: str | None) -> str:
     """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
     from minillm.loader import resolve_model_path
-    return str(resolve_model_path(model, download_dir=download_dir))
+    return str(resolve_model_path(model, download_dir))
 
 
 def human_bytes(num: float) -> str:
@@ -376,22 +376,9 @@ def list_command(
     if not models:
         typer.echo(f"no local models in {download_dir or 'weights/'} (minillm pull MODEL fetches one)")
         return
-    for entry in models:
-        typer.echo(format_local_model(entry))
-
-
-def format_local_model(entry) -> str:
-    """'name  size  path' for one local model."""
-    if isinstance(entry, dict):
-        name, size, path = entry.get("name"), entry.get("size_bytes", entry.get("size")), entry.get("path")
-    elif isinstance(entry, tuple):
-        name, size, path = (list(entry) + [None, None, None])[:3]
-    else:
-        name = getattr(entry, "name", str(entry))
-        size = getattr(entry, "size_bytes", getattr(entry, "size", None))
-        path = getattr(entry, "path", None)
-    size_text = human_bytes(size) if isinstance(size, (int, float)) else "?"
-    return f"{name:<40} {size_text:>10}  {path or ''}".rstrip()
+    width = max(len(name) for name, _, _ in models)
+    for name, path, size in models:
+        typer.echo(f"{name:<{width}}  {human_bytes(size):>10}  {path}")
 
 
 # ---------------------------------------------------------------------------------------------

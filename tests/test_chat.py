@@ -1,0 +1,219 @@
+"""`minillm chat` on the real engine: a pseudo-terminal session, and prompt ids against transformers."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = Path(os.environ.get("MINILLM_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
+needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(),
+                                   reason=f"stories260K not found at {STORIES}; set MINILLM_TEST_MODEL")
+
+PROMPT = ">>> "
+# A Llama-2-like template: BOS per user turn, a <<SYS>> block folded into the first user turn.
+TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if loop.index0 == 0 and system %}"
+    "{% set content = '<<SYS>>\\n' + system + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content | trim + ' [/INST]' }}"
+    "{% else %}{{ ' ' + content | trim + ' ' + eos_token }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ ' ' }}{% endif %}"
+)
+
+
+def hf_chat_ids(model_dir: Path, messages: list[dict]) -> list[int]:
+    """transformers' own rendering + tokenization of the conversation."""
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@pytest.fixture
+def templated_model(tmp_path: Path) -> Path:
+    """stories260K with a chat template added to its tokenizer_config.json."""
+    model_dir = tmp_path / "stories-chat"
+    model_dir.mkdir()
+    for f in STORIES.iterdir():
+        shutil.copy(f, model_dir / f.name)
+        (model_dir / f.name).chmod(0o644)
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return model_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt building against transformers
+# ---------------------------------------------------------------------------------------------
+
+@needs_stories
+def test_three_turn_conversation_ids_match_transformers(templated_model: Path):
+    from minillm.chat import ChatSession, Conversation, EngineChatBackend, conversation_prompt_ids
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    from minillm.tokenizer import Tokenizer
+
+    fixed = Conversation(system="You tell short stories.", turns=[
+        {"role": "user", "content": "Tell me about Lily."},
+        {"role": "assistant", "content": "Lily was a girl who loved to play."},
+        {"role": "user", "content": "What did she play with?"},
+        {"role": "assistant", "content": "She played with a red ball."},
+        {"role": "user", "content": "And then?"},
+    ])
+    tok = Tokenizer.from_pretrained(templated_model)
+    assert conversation_prompt_ids(tok, fixed) == hf_chat_ids(templated_model, fixed.messages())
+
+    # The same through the real loop: the replies are the model's, the prompt ids what chat sent.
+    engine = LLMEngine(EngineConfig(model=str(templated_model), device="cpu"))
+    backend = EngineChatBackend(engine, name="stories-chat")
+    lines = iter(["/system You tell short stories.", "/set max_tokens 6", "/set seed 1",
+                  "Tell me about Lily.", "What did she play with?", "And then?"])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    session = ChatSession(backend, out=out)
+    assert session.run(read_line) == 0
+    assert "no chat template" not in out.getvalue()
+    messages = session.conversation.messages()
+    assert [m["role"] for m in messages] == ["system"] + ["user", "assistant"] * 3
+    assert backend.last_prompt_ids == hf_chat_ids(templated_model, messages[:-1])
+    assert backend.last_stats.output_tokens <= 6
+
+
+# ---------------------------------------------------------------------------------------------
+# The terminal session
+# ---------------------------------------------------------------------------------------------
+
+def spawn_chat():
+    pexpect = pytest.importorskip("pexpect")
+    env = {**os.environ, "TERM": "dumb", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu"],
+                          cwd=str(REPO), env=env, encoding="utf-8", timeout=60, dimensions=(50, 200))
+    child.expect_exact("/help lists commands")
+    child.expect_exact(PROMPT)
+    return child
+
+
+def ask(child, text: str) -> str:
+    """Send one line and return everything printed before the next prompt."""
+    child.sendline(text)
+    child.expect_exact(text)        # the terminal's echo of the input
+    child.expect_exact(PROMPT)
+    return child.before.replace("\r\n", "\n").strip("\n")
+
+
+def stream_chunks(child, text: str) -> list[str]:
+    """Send a line and collect the reply in the chunks the terminal delivered it in."""
+    child.sendline(text)
+    child.expect_exact(text)
+    # What expect() read past the echo is already in pexpect's buffer, not on the terminal.
+    chunks, seen = [child.buffer], child.buffer
+    child.buffer = ""
+    while not seen.rstrip().endswith(PROMPT.strip()):
+        chunk = child.read_nonblocking(size=4096, timeout=30)
+        chunks.append(chunk)
+        seen += chunk
+    return chunks
+
+
+def stats_field(stats: str, pattern: str) -> str:
+    match = re.search(pattern, stats)
+    assert match, f"{pattern!r} not in {stats!r}"
+    return match.group(1)
+
+
+@needs_stories
+def test_chat_session_in_a_terminal():
+    reference = json.loads((STORIES / "reference.json").read_text())
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(STORIES)
+    greedy_40 = tok.decode(reference["greedy_from_bos_200_ids"][5:5 + 40])
+
+    child = spawn_chat()
+    assert "plain text" in child.before
+
+    # Greedy: the reply is the golden continuation and arrives in pieces, not at once.
+    assert ask(child, "/set temperature 0") == "(temperature = 0.0)"
+    ask(child, "/set max_tokens 40")
+    chunks = stream_chunks(child, "Once upon a time")
+    reply = "".join(chunks).replace("\r\n", "\n").rsplit(PROMPT.strip(), 1)[0].strip()
+    assert reply == greedy_40.strip()
+    assert len([c for c in chunks if c.strip()]) >= 2
+    stats = ask(child, "/stats")
+    assert stats_field(stats, r"last reply \(engine\): (\d+) tokens") == "40"
+    assert stats_field(stats, r"prompt: (\d+) tokens") == "5"
+    assert "tok/s" in stats and "time to first token" in stats and "KV cache:" in stats
+
+    # History is kept: the second prompt holds the first exchange; /reset drops it.
+    ask(child, "/set temperature 1.0")
+    ask(child, "/set seed 1234")
+    ask(child, "/set max_tokens 20")
+    ask(child, "Lily went to the park")
+    assert int(stats_field(ask(child, "/stats"), r"prompt: (\d+) tokens")) > 5 + 40
+    assert ask(child, "/reset") == "(conversation cleared)"
+    first = ask(child, "Once upon a time")
+    assert stats_field(ask(child, "/stats"), r"prompt: (\d+) tokens") == "5"
+    ask(child, "/reset")
+    assert ask(child, "Once upon a time") == first          # same seed, same history: same reply
+    ask(child, "/reset")
+    ask(child, "/set seed 99")
+    assert ask(child, "Once upon a time") != first
+
+    # Ctrl-C as soon as a long reply starts: it stops, the engine stays usable.
+    ask(child, "/reset")
+    ask(child, "/set temperature 0")
+    ask(child, "/set max_tokens 400")
+    child.sendline("Once upon a time")
+    child.expect_exact("Once upon a time")
+    child.expect(r"\w")
+    child.sendintr()
+    child.expect_exact("[interrupted]")
+    child.expect_exact(PROMPT)
+    stats = ask(child, "/stats")
+    assert stats_field(stats, r"finish reason (\w+)") == "abort"
+    assert int(stats_field(stats, r"last reply \(engine\): (\d+) tokens")) < 400
+    ask(child, "/set max_tokens 12")
+    ask(child, "/reset")
+    assert ask(child, "Once upon a time") != ""
+    assert stats_field(ask(child, "/stats"), r"finish reason (\w+)") == "length"
+
+    # Ctrl-C at the prompt does not quit; Ctrl-D does, with status 0.
+    child.sendintr()
+    child.expect_exact("use Ctrl-D or /exit")
+    child.expect_exact(PROMPT)
+    child.sendeof()
+    child.expect(pytest.importorskip("pexpect").EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+def test_multiline_input_and_plain_text_rendering():
+    from minillm.chat import Conversation, conversation_text, read_message
+    lines = iter(['"""first line', "second line", 'third"""', "one \\", "two"])
+    read = lambda prompt: next(lines)   # noqa: E731
+    assert read_message(read) == "first line\nsecond line\nthird"
+    assert read_message(read) == "one \ntwo"
+    conv = Conversation(system="Be brief.", turns=[{"role": "user", "content": "Once upon a time"},
+                                                    {"role": "assistant", "content": ", there was"},
+                                                    {"role": "user", "content": "The end"}])
+    assert conversation_text(conv) == "Be brief.\nOnce upon a time, there was\nThe end"
