@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class Request:
     seqs: list[Sequence]
     states: list[CompletionState]
     metrics: RequestMetrics
-    token_times: list[float] = field(default_factory=list)
+    final_only: bool = False          # report only once finished (offline batch)
 
     @property
     def is_finished(self) -> bool:
@@ -117,8 +117,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Validate and queue a request; raises ValueError naming the bad field."""
+                    arrival_time: float | None = None, output_kind: str = "cumulative") -> None:
+        """Validate and queue a request; raises ValueError naming the bad field.
+
+        output_kind "cumulative" reports the request every step it changes; "final" only once done.
+        """
+        if output_kind not in ("cumulative", "final"):
+            raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
         params = params or SamplingParams()
         params.validate()
         if request_id in self.requests:
@@ -136,8 +141,9 @@ class LLMEngine:
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else int(self._seed_rng.integers(2**62))
             seqs.append(Sequence(request_id, i, list(ids), params, now, np.random.default_rng(seed), max_tokens))
-        req = Request(request_id, text, list(ids), seqs, [new_state(self.tokenizer, s) for s in seqs],
-                      RequestMetrics(arrival_time=now))
+        incremental = output_kind == "cumulative"
+        req = Request(request_id, text, list(ids), seqs, [new_state(self.tokenizer, s, incremental) for s in seqs],
+                      RequestMetrics(arrival_time=now), final_only=not incremental)
         self.requests[request_id] = req
         for seq in seqs:
             self.scheduler.add(seq)
@@ -212,6 +218,8 @@ class LLMEngine:
         outputs = []
         for req in changed.values():
             finished = req.is_finished
+            if req.final_only and not finished:
+                continue
             if finished and req.metrics.finished_time is None:
                 req.metrics.finished_time = now
                 self.requests.pop(req.request_id, None)

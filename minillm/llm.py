@@ -38,7 +38,7 @@ class LLM:
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, output_kind="final")
                 ids.append(rid)
         except ValueError:
             for rid in ids:

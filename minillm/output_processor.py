@@ -16,7 +16,9 @@ class CompletionState:
     stop: list[str]
     include_stop: bool
     want_logprobs: bool
+    incremental: bool                # text every step (streaming, stop strings) or once at the end
     text: str = ""
+    num_text_tokens: int = 0         # output tokens that belong in the text
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
 
@@ -26,11 +28,16 @@ class CompletionState:
         return max((len(s) for s in self.stop), default=1) - 1
 
 
-def new_state(tokenizer: Tokenizer, seq: Sequence) -> CompletionState:
+PROMPT_CONTEXT_TOKENS = 5   # prompt tokens decoded with the output so its first word spaces right
+
+
+def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> CompletionState:
     """Fresh output state for a sequence."""
     p = seq.params
-    return CompletionState(IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens),
-                           list(p.stop_strings), p.include_stop_str_in_output, p.logprobs is not None)
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
+                                   prompt_token_ids=seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+    return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
+                           p.logprobs is not None, incremental or bool(p.stop_strings))
 
 
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
@@ -39,6 +46,9 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
         state.logprobs.append(logprobs)
         state.cumulative_logprob += logprobs.get(token, 0.0)
     if _ended_by_stop_token(seq, token) and not state.include_stop:
+        return None
+    state.num_text_tokens += 1
+    if not state.incremental:
         return None
     delta = state.detokenizer.add(token)
     if not delta or not state.stop:
@@ -59,8 +69,24 @@ def _ended_by_stop_token(seq: Sequence, token: int) -> bool:
         seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason is None)
 
 
+def _final_text(state: CompletionState, seq: Sequence) -> str:
+    """Decode the whole output once, with the same prompt context the incremental path uses."""
+    det = state.detokenizer
+    context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+    out = seq.output_token_ids[:state.num_text_tokens]
+    skip = det.skip_special_tokens
+    return det.tok.decode(context + out, skip_special_tokens=skip)[
+        len(det.tok.decode(context, skip_special_tokens=skip)):]
+
+
 def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput:
     """The caller-facing view: while running, text withholds a possible partial stop string."""
+    if not state.incremental:
+        if seq.is_finished and not state.text:
+            state.text = _final_text(state, seq)
+    elif seq.is_finished:
+        if not isinstance(seq.stop_reason, str):      # a stop string already cut the text
+            state.text += state.detokenizer.flush()
     text = state.text
     if not seq.is_finished and state.stop and state.holdback:
         text = text[:max(len(text) - state.holdback, 0)]
