@@ -173,7 +173,7 @@ def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: 
     return settings
 
 
-def resolve_chat_model(model: str | None, download_dir: str | None) -> str:
+def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat") -> str:
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
@@ -181,9 +181,11 @@ def resolve_chat_model(model: str | None, download_dir: str | None) -> str:
     try:
         return resolve_model(name, download_dir)
     except Exception as exc:   # network, hub and disk errors all end the same way for the user
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        root = exc.__cause__ or exc
+        reason = f"{type(root).__name__}: {_one_line(root)}"
+        reason = reason if len(reason) <= 160 else reason[:157] + "..."
         raise CliError(f"could not fetch the default model {name} ({reason}); pass a local model "
-                       f"directory instead: minillm chat path/to/model (or set MINILLM_MODEL)") from None
+                       f"directory instead: minillm {command} path/to/model (or set MINILLM_MODEL)") from None
 
 
 def _use_readline() -> None:
@@ -307,7 +309,7 @@ def run_generate(config: EngineConfig, prompts: list[str], params):
     from minillm.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
     typer.echo(describe_engine(llm.engine.stats(cells=1)), err=True)
-    return llm.generate(prompts, params, use_tqdm=sys.stderr.isatty() or True)
+    return llm.generate(prompts, params, use_tqdm=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +335,7 @@ def serve(
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
     """
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
-    path = resolve_chat_model(model, engine_options["download_dir"])
+    path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
     config = engine_config(path, engine_options, served_model_name=served_model_name or name)
     from minillm.server.app import run_server
     run_server(config, host=host, port=port, api_key=api_key,

@@ -217,3 +217,65 @@ def test_multiline_input_and_plain_text_rendering():
                                                     {"role": "assistant", "content": ", there was"},
                                                     {"role": "user", "content": "The end"}])
     assert conversation_text(conv) == "Be brief.\nOnce upon a time, there was\nThe end"
+
+
+@pytest.fixture
+def served_stories():
+    """`minillm serve` on stories260K at a free local port; stopped after the test."""
+    import socket
+    import subprocess
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    server = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", str(STORIES), "--device", "cpu",
+                               "--host", "127.0.0.1", "--port", str(port)],
+                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                pytest.fail(f"minillm serve did not start: {server.stderr.read()}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@needs_stories
+def test_chat_over_http_streams_from_a_running_server(served_stories):
+    from minillm.chat import ChatSession
+    from minillm.chat_client import HttpChatBackend
+    from minillm.tokenizer import Tokenizer
+
+    reference = json.loads((STORIES / "reference.json").read_text())
+    greedy_24 = Tokenizer.from_pretrained(STORIES).decode(reference["greedy_from_bos_200_ids"][5:5 + 24])
+    backend = HttpChatBackend(served_stories)
+    lines = iter(["/set temperature 0", "/set max_tokens 24", "Once upon a time", "/stats"])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    assert ChatSession(backend, out=out).run(read_line) == 0
+    text = out.getvalue()
+    assert "plain text continuation" in text          # stories260K has no chat template
+    assert greedy_24.strip() in text
+    stats = backend.last_stats
+    assert stats.source == "client" and stats.output_tokens == 24 and stats.finish_reason == "length"
+    assert stats.ttft_s is not None and stats.ttft_s > 0
+    assert "measured by the client" in text

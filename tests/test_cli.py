@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,24 @@ def test_generate_plain_text_greedy_matches_reference():
     from minillm.tokenizer import Tokenizer
     expected = Tokenizer.from_pretrained(STORIES).decode(reference["greedy_from_bos_200_ids"][1:5 + 40])
     assert result.stdout.strip() == expected.strip()
+
+
+def test_chat_without_a_fetchable_default_model_says_how_to_use_a_local_dir(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "MINILLM_MODEL"}
+    env.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "minillm.cli", "chat", "--download-dir", str(tmp_path)],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=120, input="")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "Qwen/Qwen3-0.6B" in line and "minillm chat path/to/model" in line
+
+
+@needs_stories
+def test_list_shows_local_models_with_sizes(tmp_path):
+    store = tmp_path / "weights"
+    shutil.copytree(STORIES, store / "karpathy--stories260K")
+    result = minillm("list", "--download-dir", str(store))
+    assert result.returncode == 0, result.stderr
+    [line] = result.stdout.strip().splitlines()
+    assert line.split()[:3] == ["karpathy/stories260K", "1.0", "MiB"]
