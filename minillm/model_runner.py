@@ -75,6 +75,8 @@ class ModelRunner:
 
     def prepare_inputs(self, out: SchedulerOutput):
         """Host-side input ids [T], positions [T] and attention metadata for the step."""
+        if all(n == 1 for n in out.num_new_tokens):
+            return self._prepare_decode(out)
         bs = self.block_size
         ids, positions, slots, qsl, seq_lens = [], [], [], [0], []
         for seq, n in zip(out.seqs, out.num_new_tokens):
@@ -86,16 +88,32 @@ class ModelRunner:
             slots.append(table[pos // bs] * bs + pos % bs)
             qsl.append(qsl[-1] + n)
             seq_lens.append(start + n)
-        max_blocks = max(len(s.block_table) for s in out.seqs)
-        block_tables = np.zeros((len(out.seqs), max_blocks), dtype=np.int32)
-        for b, seq in enumerate(out.seqs):
-            block_tables[b, :len(seq.block_table)] = seq.block_table
         meta = AttentionMetadata(
             query_start_loc=np.asarray(qsl, np.int32), seq_lens=np.asarray(seq_lens, np.int32),
-            block_tables=block_tables, slot_mapping=np.concatenate(slots).astype(np.int32),
-            max_query_len=max(out.num_new_tokens), max_seq_len=max(seq_lens),
-            is_decode_only=all(n == 1 for n in out.num_new_tokens))
+            block_tables=self._block_tables(out), slot_mapping=np.concatenate(slots).astype(np.int32),
+            max_query_len=max(out.num_new_tokens), max_seq_len=max(seq_lens), is_decode_only=False)
         return np.concatenate(ids), np.concatenate(positions).astype(np.int32), meta
+
+    def _prepare_decode(self, out: SchedulerOutput):
+        """The common step, one token per sequence, in plain Python loops (cheaper than numpy here)."""
+        bs = self.block_size
+        positions = [s.num_computed_tokens for s in out.seqs]
+        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(out.seqs, positions)]
+        ids = np.fromiter((s.token_ids[p] for s, p in zip(out.seqs, positions)), np.int32, len(positions))
+        pos = np.asarray(positions, np.int32)
+        meta = AttentionMetadata(
+            query_start_loc=np.arange(len(positions) + 1, dtype=np.int32), seq_lens=pos + 1,
+            block_tables=self._block_tables(out), slot_mapping=np.asarray(slots, np.int32),
+            max_query_len=1, max_seq_len=int(pos.max()) + 1, is_decode_only=True)
+        return ids, pos, meta
+
+    @staticmethod
+    def _block_tables(out: SchedulerOutput) -> np.ndarray:
+        """block_tables: [B, max_blocks] int32, padded with 0."""
+        tables = np.zeros((len(out.seqs), max(len(s.block_table) for s in out.seqs)), dtype=np.int32)
+        for b, seq in enumerate(out.seqs):
+            tables[b, :len(seq.block_table)] = seq.block_table
+        return tables
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         if self.ops.name == "numpy":
