@@ -201,7 +201,8 @@ def _use_readline() -> None:
 @with_engine_options
 def chat(
     model: Annotated[Optional[str], typer.Argument(
-        help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
+        help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}); "
+             "with --url, the served model name.")] = None,
     url: Annotated[Optional[str], typer.Option(
         help="Chat with a running `minillm serve` at this URL instead of loading a model.")] = None,
     api_key: Annotated[Optional[str], typer.Option(help="API key for --url.")] = None,
@@ -222,7 +223,7 @@ def chat(
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
     if url:
         from minillm.chat_client import HttpChatBackend
-        backend = HttpChatBackend(url, api_key=api_key)
+        backend = HttpChatBackend(url, api_key=api_key, model=model)   # None: the server's first
     else:
         path = resolve_chat_model(model, engine_options["download_dir"])
         engine = load_engine(engine_config(path, engine_options))

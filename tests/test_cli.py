@@ -27,7 +27,7 @@ def minillm(*args: str, env: dict | None = None, stdin: str | None = None) -> su
                           input=stdin, capture_output=True, text=True, timeout=120)
 
 
-def test_help_lists_every_command_and_engine_options_once_defined():
+def test_help_lists_every_command_and_the_engine_options():
     result = minillm("--help")
     assert result.returncode == 0
     for name in COMMANDS:
