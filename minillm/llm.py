@@ -46,16 +46,23 @@ class LLM:
             self._drain()
             raise
         finished: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(ids)) if use_tqdm else None
         while len(finished) < len(ids):
             for out in self.engine.step():
                 if out.finished:
                     finished[out.request_id] = out
-                    if use_tqdm:
-                        print(f"\rgenerated {len(finished)}/{len(ids)}", end="", file=sys.stderr)
-        if use_tqdm:
-            print(file=sys.stderr)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
         return [finished[rid] for rid in ids]
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _progress_bar(total: int):
+    """A tqdm bar on stderr (tqdm comes with huggingface-hub)."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

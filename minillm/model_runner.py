@@ -5,6 +5,7 @@ positions and attention metadata, runs the model and the sampler, and returns a 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from types import ModuleType
 
@@ -38,8 +39,17 @@ class ModelRunner:
         mc = model_config
         # kv_pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_pool = ops.xp.zeros((mc.num_layers, 2, self.num_blocks, self.block_size,
-                                     mc.num_kv_heads, mc.head_dim), dtype=dtype)
+                                     mc.num_kv_heads, mc.head_dim), dtype=ops.xp.dtype(dtype))
         self.sampler = Sampler(ops, list(mc.eos_token_id))
+        self.stream = None
+        self.graphs = None
+        if ops.name == "cuda":
+            import cupy
+            self.stream = cupy.cuda.Stream(non_blocking=True)
+            if not config.enforce_eager:
+                from minillm.cuda_graphs import DecodeGraphs
+                self.graphs = DecodeGraphs(self.model, ops, self.kv_pool, config.max_num_seqs,
+                                           max_model_len, self.block_size, self.stream)
 
     def _device_arrays(self):
         m = self.model
@@ -51,8 +61,7 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, np.dtype(self.dtype).itemsize
-                                       if self.ops.name == "numpy" else self.ops.xp.dtype(self.dtype).itemsize)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.ops.xp.dtype(self.dtype).itemsize)
         if self.ops.name == "numpy":
             budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             enough = cfg.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size)
@@ -126,16 +135,26 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepOutput:
         """Run one forward pass and sample for every sequence whose known tokens are all computed."""
         ids, positions, meta = self.prepare_inputs(out)
-        hidden = self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
-                                    self._to_device(meta), self.kv_pool)
         rows = [b for b, (s, n) in enumerate(zip(out.seqs, out.num_new_tokens))
                 if s.num_computed_tokens + n == s.num_tokens]
-        if not rows:
-            return StepOutput(sampled={})
-        last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
-        logits = self.model.compute_logits(hidden[last])           # [len(rows), V]
-        seqs = [out.seqs[b] for b in rows]
-        ids_out, logprobs = self.sampler(logits, seqs)
+        with self.stream if self.stream is not None else contextlib.nullcontext():
+            if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):
+                logits = self.graphs.run(ids, meta)              # [B, V], every row
+                if len(rows) < len(ids):
+                    logits = logits[self.ops.asarray(np.asarray(rows, np.int32))]
+            elif rows:
+                hidden = self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
+                                            self._to_device(meta), self.kv_pool)
+                last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
+                logits = self.model.compute_logits(hidden[last])  # [len(rows), V]
+            else:
+                self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
+                                   self._to_device(meta), self.kv_pool)
+                return StepOutput(sampled={})
+            if not rows:
+                return StepOutput(sampled={})
+            seqs = [out.seqs[b] for b in rows]
+            ids_out, logprobs = self.sampler(logits, seqs)
         return StepOutput(sampled={s.seq_id: t for s, t in zip(seqs, ids_out)},
                           logprobs={s.seq_id: lp for s, lp in zip(seqs, logprobs) if lp is not None})
 

@@ -1,0 +1,98 @@
+"""CUDA graphs for decode steps: one captured forward pass per padded batch size.
+
+A decode step of a small model is tens of kernels a layer; launched one by one from Python the
+host time exceeds the GPU time. Each graph is captured once over static input buffers and
+replayed with one copy of the packed host inputs. Intermediates come from a private memory pool
+that outlives the graphs, so replays never write over memory someone else was given.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+
+from minillm.attention import AttentionMetadata
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, capped at max_num_seqs."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 16, 16))
+    capped = sorted({min(s, max_num_seqs) for s in sizes})
+    return capped
+
+
+class DecodeGraphs:
+    """Captured decode forward passes (ids -> logits) for each padded batch size."""
+
+    def __init__(self, model, ops: ModuleType, kv_pool, max_num_seqs: int, max_model_len: int,
+                 block_size: int, stream):
+        import cupy as cp
+
+        self.cp, self.model, self.ops, self.kv_pool, self.stream = cp, model, ops, kv_pool, stream
+        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        g = self.sizes[-1]
+        self.capacity = g
+        # packed: [ids (g) | positions (g) | slot_mapping (g) | seq_lens (g) | block_tables (g * max_blocks)]
+        self.host = np.zeros(4 * g + g * self.max_blocks, np.int32)
+        self.device = cp.zeros_like(cp.asarray(self.host))
+        d = self.device
+        self.ids, self.positions = d[0:g], d[g:2 * g]
+        self.slot_mapping, self.seq_lens = d[2 * g:3 * g], d[3 * g:4 * g]
+        self.block_tables = d[4 * g:].reshape(g, self.max_blocks)
+        self.query_start_loc = cp.arange(g + 1, dtype=cp.int32)
+        self.pool = cp.cuda.MemoryPool()
+        self.graphs: dict[int, tuple[object, object]] = {}
+        self._capture_all()
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(self.query_start_loc[:b + 1], self.seq_lens[:b], self.block_tables[:b],
+                                 self.slot_mapping[:b], 1, self.max_model_len, True)
+
+    def _forward(self, b: int):
+        hidden = self.model.forward(self.ids[:b], self.positions[:b], self._meta(b), self.kv_pool)
+        return self.model.compute_logits(hidden)
+
+    def _capture_all(self) -> None:
+        cp = self.cp
+        self._init_host()
+        with cp.cuda.using_allocator(self.pool.malloc), self.stream:
+            for b in reversed(self.sizes):          # largest first: smaller ones reuse its memory
+                self._forward(b)                     # warm-up: compiles kernels, sizes workspaces
+                self.stream.synchronize()
+                self.stream.begin_capture()
+                logits = self._forward(b)
+                graph = self.stream.end_capture()
+                self.graphs[b] = (graph, logits)
+        self.stream.synchronize()
+
+    def _init_host(self) -> None:
+        """Rows past the real batch: token 0 at position 0, no KV write, one key of block 0."""
+        g = self.capacity
+        self.host[:4 * g] = 0
+        self.host[2 * g:3 * g] = -1
+        self.host[3 * g:4 * g] = 1
+        self.host[4 * g:] = 0
+
+    def can_run(self, batch_size: int) -> bool:
+        """True when a captured graph covers this decode batch."""
+        return batch_size <= self.capacity
+
+    def run(self, ids: np.ndarray, meta: AttentionMetadata):
+        """Replay the smallest graph that fits; returns logits [B, V] (a view valid until the next run)."""
+        b = len(ids)
+        size = next(s for s in self.sizes if s >= b)
+        g, h = self.capacity, self.host
+        h[0:b], h[g:g + b] = ids, meta.seq_lens - 1
+        h[2 * g:2 * g + b], h[3 * g:3 * g + b] = meta.slot_mapping, meta.seq_lens
+        h[b:g], h[g + b:2 * g], h[2 * g + b:3 * g], h[3 * g + b:4 * g] = 0, 0, -1, 1
+        tables = h[4 * g:].reshape(g, self.max_blocks)
+        width = meta.block_tables.shape[1]
+        tables[:b, :width] = meta.block_tables
+        tables[:b, width:] = 0
+        n = 4 * g + size * self.max_blocks          # copy only the rows the graph reads
+        self.device[:n].set(h[:n], stream=self.stream)
+        graph, logits = self.graphs[size]
+        graph.launch(self.stream)
+        return logits[:b]
