@@ -1,0 +1,128 @@
+"""Offline throughput on nano-vllm's workload, printed beside the roofline floor and a peer.
+
+    python -m benchmarks.throughput                      # random Qwen3-0.6B-shaped weights, bf16
+    python -m benchmarks.throughput --model DIR --peer hf
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="minillm bench throughput", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model directory (default: random weights in the Qwen3-0.6B shape)")
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--max-input-len", type=int, default=1024)
+    p.add_argument("--max-output-len", type=int, default=1024)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--peer", choices=["hf"], help="run the same workload through a peer in this run")
+    p.add_argument("--peer-num-seqs", type=int, default=None,
+                   help="requests given to the peer (default: all; a slow peer may take a prefix)")
+    p.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's ceilings")
+    p.add_argument("--json", help="write the figures to this file")
+    return p.parse_args(argv)
+
+
+def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, dict]:
+    """Seconds for the whole workload through LLM.generate, and the engine's counters."""
+    from minillm import LLM, SamplingParams
+
+    llm = LLM(model_dir, device=args.device, dtype=args.dtype, load_format="dummy" if dummy else "auto",
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
+    started = time.perf_counter()
+    outs = llm.generate(w.prompts, params)
+    seconds = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
+    s = llm.engine.stats()
+    return seconds, {"steps": s.num_steps, "preemptions": s.num_preemptions, "kv_blocks": s.kv_num_blocks}
+
+
+def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float:
+    """Seconds for the workload through transformers' continuous batching (init_continuous_batching)."""
+    import torch
+    import transformers
+    from transformers import GenerationConfig
+
+    if model_dir is None:
+        config = transformers.Qwen3Config(**{k: v for k, v in QWEN3_0_6B.items() if k != "architectures"})
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    model = model.to("cuda").eval()
+    gen = GenerationConfig(do_sample=True, temperature=temperature, max_new_tokens=max(w.max_tokens),
+                           eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        started = time.perf_counter()
+        for i, (p, m) in enumerate(zip(w.prompts, w.max_tokens)):
+            manager.add_request(p, request_id=f"r{i}", max_new_tokens=m)
+        done, tokens = 0, 0
+        while done < len(w.prompts):
+            out = manager.get_result(timeout=600)
+            if out is None:
+                raise RuntimeError("transformers' continuous batching stopped before finishing")
+            if out.is_finished():
+                done += 1
+                tokens += len(out.generated_tokens)
+        seconds = time.perf_counter() - started
+    finally:
+        manager.stop(block=True)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the figures beside their ceilings."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    w = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        if config["vocab_size"] <= 10000:     # a small test model: fold the ids into its vocabulary
+            w = Workload([[t % config["vocab_size"] for t in p] for p in w.prompts], w.max_tokens)
+        seconds, counters = run_minillm(args, model_dir, args.model is None, w)
+    tok_s = w.num_output_tokens / seconds
+    figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters}
+    print(f"workload: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
+          f"{w.num_output_tokens} output tokens")
+    print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
+          f"{counters['preemptions']} preemptions)")
+    if not args.no_ceiling and args.device == "cuda":
+        from benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
+        bw, mm = measure_copy_bandwidth(), measure_matmul_rate()
+        floor = w.num_output_tokens / roofline_seconds(w, config, bw, mm)
+        figures |= {"copy_bandwidth_Bps": bw, "matmul_flops": mm, "floor_tok_s": floor}
+        print(f"ceiling:  {floor:10.0f} output tok/s  (roofline at {bw / 1e12:.2f} TB/s copy, "
+              f"{mm / 1e12:.0f} TFLOP/s bf16, both measured now) -> minillm at {tok_s / floor:.0%}")
+    if args.peer == "hf":
+        n = args.peer_num_seqs or len(w.prompts)
+        sub = Workload(w.prompts[:n], w.max_tokens[:n])
+        peer_s = run_hf_peer(args.model, sub, args.temperature)
+        peer = sub.num_output_tokens / peer_s
+        figures |= {"peer_hf_tok_s": peer, "peer_hf_requests": n}
+        print(f"peer:     {peer:10.0f} output tok/s  (transformers continuous batching, {n} requests, "
+              f"{peer_s:.1f} s) -> minillm at {tok_s / peer:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
