@@ -4,7 +4,9 @@ Requests arrive as a Poisson process at --request-rate (or all at once, capped b
 --max-concurrency); each streams its completion, and the client times the first token (TTFT),
 the gaps between streamed chunks (ITL) and the time per output token after the first (TPOT).
 With --peer-base-url the same workload is replayed against a second server (for instance vLLM
-on the same model) and both are printed side by side, so each figure has a reference.
+on the same model) and both are printed side by side; with --offline-model the same prompts also
+run through minillm's offline LLM.generate in this process, the ceiling an HTTP server on that
+engine can approach (compare at --request-rate inf, where arrivals do not limit throughput).
 
     python -m benchmarks.serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
         --input-len 128 --output-len 128 --request-rate 16
@@ -81,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--offline-model", default=None,
+                   help="also run the prompts through minillm's offline engine on this model (the ceiling)")
+    p.add_argument("--offline-device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--result-file", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
@@ -236,7 +241,21 @@ def summarize(base_url: str, num_prompts: int, results: list[RequestResult], dur
         errors=sorted({r.error for r in results if not r.ok})[:5])
 
 
-def format_results(results: list[BenchmarkResult], args: argparse.Namespace) -> str:
+def offline_ceiling(args: argparse.Namespace) -> float:
+    """Output tok/s of the same prompts through minillm's LLM.generate (no HTTP, no client)."""
+    from minillm import LLM, SamplingParams
+
+    prompts = build_prompts(args)
+    llm = LLM(args.offline_model, device=args.offline_device)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
+                            seed=args.seed)
+    llm.generate(prompts[:1], params)   # warm-up: first-call costs are not throughput
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    return sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
+
+
+def format_results(results: list[BenchmarkResult], args: argparse.Namespace, ceiling: float | None = None) -> str:
     """A vLLM-style table; with a peer, one column per server and our/peer ratios."""
     rows: list[tuple[str, list[str]]] = [
         ("Successful requests", [str(r.completed) for r in results]),
@@ -261,6 +280,9 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace) -> 
         lines.append(f"{name + ':':<36}" + "".join(f"{v:>12}" for v in values))
     if len(results) > 1 and results[1].output_throughput > 0:
         lines.append(f"{'Output throughput vs peer:':<36}{results[0].output_throughput / results[1].output_throughput:>12.2f}x")
+    if ceiling:
+        lines.append(f"{'Offline engine ceiling (tok/s):':<36}{ceiling:>12.2f}")
+        lines.append(f"{'Server output throughput / ceiling:':<36}{results[0].output_throughput / ceiling:>12.2f}")
     for r in results:
         for err in r.errors:
             lines.append(f"error ({r.base_url}): {err}")
@@ -273,11 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     urls = [args.base_url] + ([args.peer_base_url] if args.peer_base_url else [])
     results = [asyncio.run(run_benchmark(args, url)) for url in urls]
-    print(format_results(results, args))
+    ceiling = offline_ceiling(args) if args.offline_model else None
+    print(format_results(results, args, ceiling))
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "api_key"},
-                       "results": [asdict(r) for r in results]}, f, indent=2, default=str)
+                       "results": [asdict(r) for r in results], "offline_ceiling_tok_s": ceiling},
+                      f, indent=2, default=str)
     return 0 if all(r.failed == 0 for r in results) else 1
 
 

@@ -41,9 +41,20 @@ def healthy_reference(server):
     return r.json()["choices"][0]["text"]
 
 
+@pytest.fixture(scope="module")
+def finished_streams(healthy_reference):
+    """Streams the tests leave running; at the end of the module each must have completed intact."""
+    runs: list[tuple[threading.Thread, dict]] = []
+    yield runs
+    for thread, result in runs:
+        thread.join(60)
+        assert not thread.is_alive()
+        assert result == {"text": healthy_reference, "finish": ["length"], "done": True}
+
+
 @pytest.fixture
-def healthy_stream(server, healthy_reference):
-    """A greedy stream that is in flight while the test runs; afterwards it must have completed intact."""
+def healthy_stream(server, finished_streams):
+    """A greedy stream in flight for the whole test; it is checked when the module ends."""
     url, _ = server
     started, result = threading.Event(), {}
 
@@ -64,11 +75,8 @@ def healthy_stream(server, healthy_reference):
     thread.start()
     assert started.wait(30)
     yield
-    in_flight = thread.is_alive()
-    thread.join(60)
-    assert in_flight, "the healthy stream had already finished: the test did not overlap it"
-    assert not thread.is_alive()
-    assert result == {"text": healthy_reference, "finish": ["length"], "done": True}
+    assert thread.is_alive(), "the healthy stream had already finished: the test did not overlap it"
+    finished_streams.append((thread, result))
 
 
 def _completion(**fields) -> dict:

@@ -115,18 +115,32 @@ def test_disconnected_non_streaming_request_is_aborted(server):
     assert stats["generation_tokens_total"] - before["generation_tokens_total"] < 370
 
 
-def test_serving_benchmark_reports_latencies(server, tmp_path, capsys):
+def test_serving_benchmark_reports_latencies(server, stories_path, tmp_path, capsys):
     url, _ = server
     result_file = tmp_path / "serving.json"
     rc = bench.main(["--base-url", url, "--num-prompts", "12", "--input-len", "8", "--output-len", "10",
-                     "--request-rate", "50", "--vocab-range", "3", "500", "--result-file", str(result_file)])
+                     "--request-rate", "50", "--vocab-range", "3", "500", "--result-file", str(result_file),
+                     "--offline-model", str(stories_path), "--offline-device", "cpu"])
     assert rc == 0
     printed = capsys.readouterr().out
     for label in ("Request throughput (req/s)", "Output token throughput (tok/s)", "Mean TTFT (ms)",
                   "P99 TPOT (ms)", "Median ITL (ms)"):
         assert label in printed
-    result = json.loads(result_file.read_text())["results"][0]
+    assert "Offline engine ceiling (tok/s)" in printed
+    saved = json.loads(result_file.read_text())
+    assert saved["offline_ceiling_tok_s"] > 0
+    result = saved["results"][0]
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["total_input_tokens"] == 12 * 8 and result["total_output_tokens"] == 12 * 10
     assert 0 < result["ttft_ms"]["median"] <= result["e2el_ms"]["median"]
     assert result["tpot_ms"]["mean"] > 0 and result["itl_ms"]["p99"] >= result["itl_ms"]["median"]
+
+
+def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_path):
+    url, _ = server
+    result_file = tmp_path / "serving.json"
+    rc = bench.main(["--base-url", url, "--num-prompts", "6", "--output-len", "6", "--max-concurrency", "2",
+                     "--prompt", "Once upon a time", "--prompt", "The cat", "--result-file", str(result_file)])
+    assert rc == 0
+    result = json.loads(result_file.read_text())["results"][0]
+    assert result["completed"] == 6 and result["total_output_tokens"] == 36

@@ -98,6 +98,19 @@ def test_n_and_seeded_sampling(client):
     assert [c.text for c in other.choices] != [c.text for c in first.choices]
 
 
+def test_stream_with_n_2_carries_both_choices(client):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, n=2, seed=5)
+    whole = client.completions.create(**args)
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in client.completions.create(stream=True, **args):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == [c.text for c in whole.choices]
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+
+
 def test_batch_prompts_and_token_id_prompts(client, tok, golden):
     ids = golden["prompt_ids"]
     out = client.completions.create(model=MODEL, prompt=[PROMPT, "The dog"], max_tokens=5, temperature=0, n=2,

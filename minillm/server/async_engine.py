@@ -78,6 +78,12 @@ class RequestStream:
             yield output, seen
 
 
+def _deliver(batch: list[tuple["RequestStream", Any]]) -> None:
+    """On the event loop: put each item into its request's queue."""
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
+
+
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
              error: BaseException | None = None) -> None:
     """Complete a future that belongs to another thread's loop (if still wanted)."""
@@ -235,13 +241,20 @@ class AsyncLLMEngine:
         _resolve(loop, command.done, True)
 
     def _route(self, outputs: list[RequestOutput], seen: float) -> None:
+        # One wake-up per event loop per step (not per request): fewer GIL hand-offs.
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted by its client: nobody waits for it
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put_threadsafe((output, seen))
+            batches.setdefault(stream.loop, []).append((stream, (output, seen)))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is listening any more
 
     def _die(self, exc: BaseException, log: bool = True) -> None:
         with self._lock:

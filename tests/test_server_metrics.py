@@ -1,0 +1,161 @@
+"""/metrics (Prometheus text), /v1/stats and /v1/stats/stream against a real server."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import sys
+import threading
+import time
+import types
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_server_helpers import running_server
+
+from minillm.config import EngineConfig
+from minillm.server.app import run_server
+from minillm.stats import EngineStats, StepStats
+
+MODEL = "stories"
+GAUGES = ("minillm:num_requests_running", "minillm:num_requests_waiting", "minillm:kv_cache_usage_perc")
+COUNTERS = ("minillm:prefix_cache_queries", "minillm:prefix_cache_hits", "minillm:num_preemptions",
+            "minillm:prompt_tokens", "minillm:generation_tokens", "minillm:request_success")
+HISTOGRAMS = ("minillm:time_to_first_token_seconds", "minillm:inter_token_latency_seconds",
+              "minillm:e2e_request_latency_seconds")
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    with running_server(stories_path, served_model_name=MODEL) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server[0], timeout=30) as client:
+        yield client
+
+
+def scrape(http: httpx.Client) -> dict:
+    """{(sample name, frozen labels): value} and the family types, from /metrics."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples, types = {}, {}
+    for family in text_string_to_metric_families(response.text):
+        types[family.name] = family.type
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return {"samples": samples, "types": types}
+
+
+def value(scraped: dict, name: str, **labels) -> float:
+    return scraped["samples"][(name, frozenset({"model_name": MODEL, **labels}.items()))]
+
+
+def test_metrics_parse_with_vllm_style_names(http):
+    scraped = scrape(http)
+    for name in GAUGES:
+        assert scraped["types"][name] == "gauge"
+    for name in COUNTERS:
+        assert scraped["types"][name] == "counter"
+    for name in HISTOGRAMS:
+        assert scraped["types"][name] == "histogram"
+    assert value(scraped, "minillm:num_requests_running") == 0
+    assert 0 <= value(scraped, "minillm:kv_cache_usage_perc") <= 1
+
+
+def test_counters_and_histograms_move_as_requests_complete(http):
+    before = scrape(http)
+    prompt = [1, 403, 407, 261, 378]
+    for _ in range(3):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 8,
+                                               "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200
+    after = scrape(http)
+
+    def moved(name: str, **labels) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert moved("minillm:prompt_tokens_total") == 3 * len(prompt) - moved("minillm:prefix_cache_hits_total")
+    assert moved("minillm:generation_tokens_total") == 3 * 8
+    assert moved("minillm:request_success_total", finished_reason="length") == 3
+    assert moved("minillm:prefix_cache_queries_total") >= 3 * len(prompt) - 3
+    assert moved("minillm:time_to_first_token_seconds_count") == 3
+    assert moved("minillm:e2e_request_latency_seconds_count") == 3
+    assert moved("minillm:inter_token_latency_seconds_count") == 3 * 7   # one gap between each pair of tokens
+    assert moved("minillm:e2e_request_latency_seconds_sum") > 0
+    assert moved("minillm:time_to_first_token_seconds_bucket", le="+Inf") == 3
+
+
+def test_stats_has_engine_stats_fields_and_bounded_block_map(http):
+    stats = http.get("/v1/stats", params={"cells": 16}).json()
+    assert set(stats) == {f.name for f in dataclasses.fields(EngineStats)}
+    assert 1 <= len(stats["block_map"]) <= 16
+    assert len(stats["block_map"]) * stats["block_map_blocks_per_cell"] >= stats["kv_num_blocks"]
+    assert stats["model"] and stats["kv_num_blocks"] > 0
+    default = http.get("/v1/stats").json()
+    assert len(default["block_map"]) <= 64
+    if default["recent_steps"]:
+        assert set(default["recent_steps"][-1]) == {f.name for f in dataclasses.fields(StepStats)}
+
+
+def test_stats_stream_pushes_several_snapshots_a_second(server, http):
+    url, _ = server
+    stop = threading.Event()
+
+    def keep_busy():
+        while not stop.is_set():
+            http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 64,
+                                               "ignore_eos": True})
+
+    worker = threading.Thread(target=keep_busy, daemon=True)
+    worker.start()
+    events, start = [], time.monotonic()
+    try:
+        with httpx.stream("GET", f"{url}/v1/stats/stream", params={"cells": 8, "interval": 0.1},
+                          timeout=10) as response:
+            assert response.status_code == 200
+            assert response.headers["content-type"].startswith("text/event-stream")
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if time.monotonic() - start > 1.0:
+                    break
+    finally:
+        stop.set()
+        worker.join(30)
+    assert len(events) >= 5
+    assert all(len(e["block_map"]) <= 8 for e in events)
+    assert [e["time"] for e in events] == sorted(e["time"] for e in events)
+    assert any(e["num_running"] >= 1 for e in events)
+    assert any(e["recent_steps"] for e in events)
+    busy = [e for e in events if e["num_running"]]
+    assert any(s["num_decode_tokens"] + s["num_prefill_tokens"] > 0 for e in busy for s in e["recent_steps"])
+
+
+def test_health_and_models(http):
+    assert http.get("/health").status_code == 200
+    data = http.get("/v1/models").json()["data"]
+    assert data[0]["id"] == MODEL and data[0]["max_model_len"] > 0
+
+
+def test_run_server_with_monitor_serves_while_the_dashboard_runs(stories_path, monkeypatch):
+    seen = {}
+
+    def fake_run_monitor(url, api_key=None):
+        # Stands in for the Textual dashboard: the real engine and server must answer meanwhile.
+        seen["url"], seen["api_key"] = url, api_key
+        seen["health"] = httpx.get(f"{url}/health", timeout=10).status_code
+        seen["stats"] = httpx.get(f"{url}/v1/stats", headers={"Authorization": f"Bearer {api_key}"},
+                                  timeout=10).json()["kv_num_blocks"]
+
+    monkeypatch.setitem(sys.modules, "tui.app", types.SimpleNamespace(run_monitor=fake_run_monitor))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run_server(EngineConfig(model=str(stories_path), device="cpu"), port=port, api_key="k", monitor=True)
+    assert seen["url"] == f"http://127.0.0.1:{port}" and seen["api_key"] == "k"
+    assert seen["health"] == 200 and seen["stats"] > 0
