@@ -1,7 +1,7 @@
 """`minillm monitor`: a live dashboard of KV memory and scheduling, fed by a stats source."""
 from __future__ import annotations
 
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Protocol
 
 from rich.text import Text
@@ -9,7 +9,6 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.css.query import NoMatches
 from textual.reactive import reactive
 from textual.widgets import Footer, Static
 
@@ -35,6 +34,13 @@ class StatsSource(Protocol):
     def events(self, cells) -> object: ...
 
 
+def model_label(model: str) -> str:
+    """A local model path shortened to its folder name; hub ids like org/name stay whole."""
+    if model.startswith(("/", "./", "../", "~")) or "\\" in model:
+        return PurePath(model.replace("\\", "/")).name or model
+    return model
+
+
 class TitleBar(Static):
     """Model, device, where frames come from, and the PAUSED marker; no clock, so frames are stable."""
 
@@ -42,7 +48,7 @@ class TitleBar(Static):
         """Redraw the bar."""
         text = Text(" minillm monitor ", style="bold #000000 on #5fafff")
         if stats is not None:
-            text.append(f"  {stats.model} · {stats.device} · {stats.dtype}", style="bold")
+            text.append(f"  {model_label(stats.model)} · {stats.device} · {stats.dtype}", style="bold")
         if source_text:
             text.append(f"  {source_text}", style="#8a8a8a")
         if paused:
@@ -82,23 +88,32 @@ class MonitorApp(App[None]):
         self.cells = DEFAULT_CELLS
         self.frames_received = 0
         self.frames_shown = 0
+        self.title_bar: TitleBar | None = None
 
     def compose(self) -> ComposeResult:
-        yield TitleBar(id="title")
-        yield Static(id="banner")
+        # Kept as attributes: messages may arrive while the help screen is on top, where a query
+        # of the active screen would not find the dashboard's widgets.
+        self.title_bar = TitleBar(id="title")
+        self.banner = Static(id="banner")
+        self.grid = BlockGrid(id="grid")
+        self.panels = [self.grid, UsagePanel(id="usage"), MemoryPanel(id="memory"),
+                       BatchChart(id="batch"), QueuePanel(id="queues")]
+        self.table = RequestTable(id="requests")
+        yield self.title_bar
+        yield self.banner
         with Horizontal(id="top"):
-            yield BlockGrid(id="grid")
+            yield self.grid
             with Vertical(id="side"):
-                yield UsagePanel(id="usage")
-                yield MemoryPanel(id="memory")
+                yield self.panels[1]
+                yield self.panels[2]
         with Horizontal(id="middle"):
-            yield BatchChart(id="batch")
-            yield QueuePanel(id="queues")
-        yield RequestTable(id="requests")
+            yield self.panels[3]
+            yield self.panels[4]
+        yield self.table
         yield Footer()
 
     def on_mount(self) -> None:
-        self.query_one("#banner").display = False
+        self.banner.display = False
         self._redraw_title()
         self.pump_stats()
 
@@ -118,7 +133,7 @@ class MonitorApp(App[None]):
         self.frames_received += 1
         if self.problem is not None:
             self.problem = None
-            self.query_one("#banner").display = False
+            self.banner.display = False
         if self.paused:
             self.pending = message.stats
             return
@@ -128,18 +143,17 @@ class MonitorApp(App[None]):
         """Fold a snapshot into the history and redraw every panel."""
         self.stats = stats
         self.history.add(stats)
-        for panel in (BlockGrid, UsagePanel, MemoryPanel, BatchChart, QueuePanel):
-            self.query_one(panel).show(stats, self.history)
-        self.query_one(RequestTable).show(stats)
+        for panel in self.panels:
+            panel.show(stats, self.history)
+        self.table.show(stats)
         self.frames_shown += 1
         self._redraw_title()
 
     def on_source_problem_shown(self, message: SourceProblemShown) -> None:
         self.problem = message.message
         retry = f" · retrying in {message.retry_in_s:.1f} s" if message.retry_in_s is not None else ""
-        banner = self.query_one("#banner", Static)
-        banner.update(Text(f" ⚠ {message.message}{retry}", style="bold"))
-        banner.display = True
+        self.banner.update(Text(f" ⚠ {message.message}{retry}", style="bold"))
+        self.banner.display = True
 
     def on_source_status_changed(self, message: SourceStatusChanged) -> None:
         self.source_text = message.text
@@ -165,18 +179,15 @@ class MonitorApp(App[None]):
 
     def action_sort_next(self) -> None:
         """Sort the request table by the next column."""
-        self.query_one(RequestTable).cycle_sort()
+        self.table.cycle_sort()
 
     def action_sort_reverse(self) -> None:
         """Reverse the request table's order."""
-        self.query_one(RequestTable).reverse_sort()
+        self.table.reverse_sort()
 
     def _redraw_title(self) -> None:
-        try:
-            title = self.query_one(TitleBar)
-        except NoMatches:
-            return  # a watcher fired before the widgets were composed
-        title.show(self.stats, self.source_text, self.paused)
+        if self.title_bar is not None:  # None until composed (a watcher may fire first)
+            self.title_bar.show(self.stats, self.source_text, self.paused)
 
 
 def _as_message(event: SourceEvent):

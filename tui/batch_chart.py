@@ -16,6 +16,23 @@ def _short(count: int) -> str:
     return f"{count / 1000:.0f}k" if count >= 10_000 else str(count)
 
 
+def nice_ceiling(value: float) -> int:
+    """The smallest of 1, 2, 5 times a power of ten that is at least `value`."""
+    magnitude = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * magnitude >= value:
+                return step * magnitude
+        magnitude *= 10
+
+
+def axis_max(peak: int, budget: int) -> int:
+    """The chart's top: the token budget, unless the visible steps use under a quarter of it."""
+    if peak > budget / 4:
+        return max(budget, peak)
+    return nice_ceiling(max(peak * 1.25, 1))  # headroom, so a steady decode batch is not a solid wall
+
+
 def column_eighths(step: StepStats, scale: float, rows: int) -> tuple[int, int]:
     """(decode top, prefill top) of a step's column in eighths of a cell from the bottom."""
     height = rows * 8
@@ -27,12 +44,12 @@ def column_eighths(step: StepStats, scale: float, rows: int) -> tuple[int, int]:
     return min(decode8, height), min(total8, height)
 
 
-def _cell(decode8: int, total8: int, row: int, top_row: bool) -> tuple[str, Style | str]:
+def _cell(decode8: int, total8: int, row: int, budget_row: bool) -> tuple[str, Style | str]:
     """The glyph and style of one chart cell `row` cells above the bottom."""
     dec = min(max(decode8 - row * 8, 0), 8)
     tot = min(max(total8 - row * 8, 0), 8)
     if tot == 0:
-        return ("┈", COLOR_DIM) if top_row else (" ", "")
+        return ("┈", COLOR_DIM) if budget_row else (" ", "")
     if dec == 8:
         return "█", COLOR_DECODE
     if dec == 0:
@@ -44,7 +61,8 @@ def _cell(decode8: int, total8: int, row: int, top_row: bool) -> tuple[str, Styl
 
 
 class BatchChart(Panel):
-    """One column per engine step, newest on the right; the top row is the token budget."""
+    """One column per engine step, newest on the right; the top is the token budget (dotted) or,
+    when the steps are far below it, a smaller round number so decode-only steps stay visible."""
 
     PANEL_TITLE = "batch per step"
 
@@ -56,16 +74,17 @@ class BatchChart(Panel):
         rows = max(height - FOOTER_ROWS, 1)
         steps = list(self.history.steps)[-columns:]
         budget = max([self.stats.max_num_batched_tokens] + [s.token_budget for s in steps])
-        scale = max([budget] + [s.num_prefill_tokens + s.num_decode_tokens for s in steps])
+        scale = axis_max(max((s.num_prefill_tokens + s.num_decode_tokens for s in steps), default=0), budget)
         tops = [column_eighths(s, scale, rows) for s in steps]
         pad = " " * (columns - len(steps))
         lines = []
         for row in reversed(range(rows)):
-            label = _short(budget) if row == rows - 1 else ("0" if row == 0 else "")
+            is_budget_row = row == rows - 1 and scale == budget
+            label = _short(scale) if row == rows - 1 else ("0" if row == 0 else "")
             line = Text(f"{label:>{AXIS_WIDTH - 1}}{'┤' if label else '│'}", style=COLOR_DIM)
-            line.append(("┈" if row == rows - 1 else " ") * len(pad), style=COLOR_DIM)
+            line.append(("┈" if is_budget_row else " ") * len(pad), style=COLOR_DIM)
             for decode8, total8 in tops:
-                line.append(*_cell(decode8, total8, row, row == rows - 1))
+                line.append(*_cell(decode8, total8, row, is_budget_row))
             lines.append(line)
         seqs = Text(f"{'seqs':>{AXIS_WIDTH - 1}}│", style=COLOR_DIM).append(pad)
         seqs.append_text(sparkline([s.num_seqs for s in steps], len(steps), self.stats.max_num_seqs, COLOR_SEQS))
@@ -77,10 +96,10 @@ class BatchChart(Panel):
         legend = Text(no_wrap=True, overflow="ellipsis")
         prefill = last.num_prefill_tokens if last else 0
         decode = last.num_decode_tokens if last else 0
-        legend.append("█", style=COLOR_PREFILL).append(f" prefill {prefill}  ")
-        legend.append("█", style=COLOR_DECODE).append(f" decode {decode}  ")
-        legend.append("▆", style=COLOR_SEQS).append(f" seqs {last.num_seqs if last else 0}  ")
-        legend.append(f"budget {budget}", style=COLOR_DIM)
+        legend.append("█", style=COLOR_PREFILL).append(f" prefill {prefill} ")
+        legend.append("█", style=COLOR_DECODE).append(f" decode {decode} ")
+        legend.append("▆", style=COLOR_SEQS).append(f" seqs {last.num_seqs if last else 0}")
+        legend.append(f" · budget {budget}", style=COLOR_DIM)
         if last is not None:
-            legend.append(f"  {fmt_seconds(last.step_time_s)}/step", style=COLOR_DIM)
+            legend.append(f" · {fmt_seconds(last.step_time_s)}/step", style=COLOR_DIM)
         return legend

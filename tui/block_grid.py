@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from rich.text import Text
 from textual.message import Message
@@ -10,7 +11,7 @@ from minillm.stats import CELL_CACHED, CELL_FREE
 from tui.panel import Panel
 from tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
 
-CELL_WIDTH = 2     # "■ ": terminal cells are about twice as tall as wide
+CELL_WIDTH = 2     # "■ ", the smallest tile: terminal cells are about twice as tall as wide
 LEGEND_ROWS = 1
 
 
@@ -23,13 +24,34 @@ def merge_cells(block_map: list[int], num_cells: int) -> tuple[list[int], int]:
     return merged, group
 
 
-def pick_scale(num_cells: int, width: int, rows: int) -> int:
-    """The largest tile size (1 to 4) at which a small pool's cells still fit, so few blocks fill the panel."""
-    for scale in (4, 3, 2):
-        columns = width // (CELL_WIDTH * scale)
-        if columns and -(-num_cells // columns) * scale <= rows:
-            return scale
-    return 1
+@dataclass(frozen=True)
+class Tile:
+    """How one cell is drawn: `lines` rows of glyphs, each followed by a one-column gap."""
+
+    lines: tuple[str, ...]
+
+    @property
+    def width(self) -> int:
+        return len(self.lines[0]) + 1
+
+
+# Largest first: a small pool gets big tiles so it still fills the panel. The last row of a tall
+# tile (or the top eighth of a short one) is left empty to separate the rows of cells.
+TILES = (
+    Tile(("█████", "█████", "▀▀▀▀▀")),
+    Tile(("███", "▀▀▀")),
+    Tile(("▆▆",)),
+    Tile(("■",)),
+)
+
+
+def pick_tile(num_cells: int, width: int, rows: int) -> Tile:
+    """The largest tile at which `num_cells` cells fit in width x rows."""
+    for tile in TILES[:-1]:
+        columns = width // tile.width
+        if columns and -(-num_cells // columns) * len(tile.lines) <= rows:
+            return tile
+    return TILES[-1]
 
 
 class BlockGrid(Panel):
@@ -72,16 +94,15 @@ class BlockGrid(Panel):
             return Text("the server sent no block map", style=COLOR_DIM)
         columns, rows = self.grid_shape()
         cells, _ = merge_cells(stats.block_map, columns * rows)
-        scale = pick_scale(len(cells), self.content_size.width, rows)
-        columns = max(self.content_size.width // (CELL_WIDTH * scale), 1)
+        tile = pick_tile(len(cells), self.content_size.width, rows)
+        columns = max(self.content_size.width // tile.width, 1)
         colors = [request_color(r.request_id) for r in stats.requests]
         text = Text(no_wrap=True, overflow="crop")
         for start in range(0, len(cells), columns):
             styles = [_cell_color(cell, colors) for cell in cells[start : start + columns]]
-            for line in range(scale):
-                glyph = "■" if scale == 1 else ("▀" if line == scale - 1 else "█")
+            for glyphs in tile.lines:
                 for style in styles:
-                    text.append(glyph * (CELL_WIDTH * scale - 1), style=style).append(" ")
+                    text.append(glyphs, style=style).append(" ")
                 text.append("\n")
         text.append_text(self._legend())
         return text

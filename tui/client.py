@@ -13,6 +13,7 @@ import httpx
 from minillm.stats import EngineStats, MemoryStats, RequestStats, StepStats
 
 DEFAULT_INTERVAL_S = 0.25
+MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
 
@@ -115,7 +116,26 @@ def parse_frame(text: str) -> StatsFrame:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise StatsFormatError(f"not JSON ({exc.msg} at char {exc.pos}): {text[:60]!r}") from None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        # The stream ends with an OpenAI-style error event when the engine fails.
+        raise StatsFormatError(f"the server reported: {error_message(data) or data['error']}")
     return StatsFrame(stats=parse_stats(data), raw=data)
+
+
+def error_message(data) -> str | None:
+    """The message of an OpenAI-style error body, if it is one."""
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        message = data["error"].get("message")
+        return str(message) if message else None
+    return None
+
+
+def _body_message(body: str) -> str:
+    try:
+        message = error_message(json.loads(body))
+    except json.JSONDecodeError:
+        message = None
+    return message or body.strip()[:100]
 
 
 class HTTPStatusProblem(Exception):
@@ -135,7 +155,7 @@ def describe_problem(exc: BaseException, base_url: str) -> str:
             return f"{base_url} refused the API key ({exc.status}): pass the server's key with --api-key"
         if exc.status == 404:
             return f"{base_url} has no /v1/stats ({exc.status}): is this a minillm server?"
-        return f"{base_url} answered {exc.status} for {exc.url}: {exc.body[:80]}"
+        return f"{base_url} answered {exc.status}: {_body_message(exc.body)}"
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect to {base_url}: is `minillm serve` running there?"
     if isinstance(exc, httpx.TimeoutException):
@@ -198,7 +218,7 @@ class LiveSource:
     async def _frames(self, client: httpx.AsyncClient, cells: Callable[[], int]) -> AsyncIterator[StatsFrame]:
         """Frames over one client until the cell count changes (the caller reconnects) or an error."""
         while True:
-            wanted = cells()
+            wanted = min(max(cells(), 1), MAX_CELLS)
             if self.use_polling:
                 yield await self._poll(client, wanted)
                 await asyncio.sleep(self.interval_s)
@@ -207,7 +227,7 @@ class LiveSource:
             async with aclosing(self._stream(client, wanted)) as frames:
                 async for frame in frames:
                     yield frame
-                    if cells() != wanted:
+                    if min(max(cells(), 1), MAX_CELLS) != wanted:
                         resized = True
                         break  # the grid was resized: reopen the stream with the new cell count
             if not resized:

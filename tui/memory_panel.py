@@ -62,6 +62,8 @@ class MemoryPanel(Panel):
         for pair in (parts[:2], parts[2:]):
             line = Text()
             for name, value, color in pair:
+                if name == "free" and value == 0:
+                    continue  # the host backend reports no headroom
                 line.append("■ ", style=color).append(f"{name} ").append(fmt_bytes(value), style="bold").append("  ")
             lines.append(line)
         return Text("\n").join(lines)

@@ -59,9 +59,13 @@ def load_recording(path: str | Path) -> list[tuple[float, StatsFrame]]:
 class ReplaySource:
     """Plays a recording at its recorded pace (times `speed`), then loops or holds the last frame."""
 
-    def __init__(self, path: str | Path, loop: bool = True, speed: float = 1.0, realtime: bool = True):
+    def __init__(self, path: str | Path, loop: bool = True, speed: float = 1.0, realtime: bool = True,
+                 num_frames: int | None = None):
         self.path = Path(path)
-        self.frames = load_recording(self.path)
+        # num_frames keeps only the first frames, to stop (and hold) at a chosen moment.
+        self.frames = load_recording(self.path)[:num_frames]
+        if not self.frames:
+            raise ValueError(f"num_frames must be at least 1, got {num_frames}")
         self.loop = loop
         self.speed = speed
         # realtime=False plays every frame at once (tests and screenshots want the final picture).

@@ -11,6 +11,7 @@ from textual.widgets import DataTable
 from minillm.stats import EngineStats, RequestStats
 from tui.render import fmt_seconds, request_color
 
+ID_WIDTH = 18
 STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2, "finished": 3}
 STATE_COLORS = {"running": "#87d75f", "preempted": "#ff5f87", "waiting": "#ffd75f", "finished": "#6c6c6c"}
 
@@ -45,9 +46,14 @@ COLUMNS = (
 )
 
 
+def short_id(request_id: str, width: int = ID_WIDTH) -> str:
+    """A request id cut to `width` characters (server ids carry 32 hex digits)."""
+    return request_id if len(request_id) <= width else request_id[: width - 1] + "…"
+
+
 def row_cells(r: RequestStats) -> tuple:
     """The displayed cells of one request."""
-    name = Text("■ ", style=request_color(r.request_id)).append(r.request_id)
+    name = Text("■ ", style=request_color(r.request_id)).append(short_id(r.request_id))
     state = Text(r.state, style=STATE_COLORS.get(r.state, ""))
     numbers = (r.prompt_tokens, r.output_tokens, r.num_blocks, r.num_cached_tokens)
     return (name, state, *(Text(str(n), justify="right") for n in numbers), Text(fmt_seconds(r.ttft_s), justify="right"))
