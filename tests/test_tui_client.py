@@ -217,6 +217,13 @@ async def test_replay_keeps_the_recorded_pace(tmp_path):
     assert [e.stats for e in events if isinstance(e, StatsFrame)] == [make_stats(k) for k in range(5)]
 
 
+def test_gzip_recordings_round_trip(tmp_path):
+    path = tmp_path / "small.jsonl.gz"
+    frames = write_recording(path, num_frames=3)
+    assert [frame.stats for _, frame in load_recording(path)] == frames
+    assert path.read_bytes()[:2] == b"\x1f\x8b"
+
+
 async def test_replay_loops(tmp_path):
     path = tmp_path / "loop.jsonl"
     write_recording(path, num_frames=2, dt=0.0)

