@@ -40,11 +40,14 @@ def build_stats(engine: "LLMEngine", cells: int) -> EngineStats:
     states = np.full(bm.num_blocks, CELL_FREE, dtype=np.int64)
     cached = [b for b in bm.free_queue if bm.block_keys[b] is not None]
     states[cached] = CELL_CACHED
-    tokens_held = 0
+    filled: dict[int, int] = {}           # block -> tokens it holds (a shared block counts once)
     for seq in sched.running:
         states[seq.block_table] = len(rows)
-        tokens_held += seq.num_computed_tokens
+        for i, block in enumerate(seq.block_table):
+            held = min(bm.block_size, max(seq.num_computed_tokens - i * bm.block_size, 0))
+            filled[block] = max(filled.get(block, 0), held)
         rows.append(_row(engine, seq, "running"))
+    tokens_held = sum(filled.values())
     for seq in list(sched.waiting)[:MAX_WAITING_ROWS]:
         rows.append(_row(engine, seq, "preempted" if seq.num_preemptions else "waiting"))
     block_map, per = downsample_block_map(states, cells)

@@ -155,3 +155,15 @@ def test_block_map_downsampling_keeps_the_commonest_state():
     assert per == 3 and cells == [0, -1, -2, 3]
     big, per = downsample_block_map(np.full(100_000, -1, dtype=np.int64), 500)
     assert len(big) == 500 and per == 200
+
+
+def test_token_utilization_counts_shared_blocks_once(stories_path):
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", num_kv_blocks=64, block_size=4))
+    prompt = list(range(3, 40))
+    engine.add_request("first", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.add_request("second", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    s = engine.stats(cells=64)
+    assert s.prefix_cache_hits > 0
+    assert 0.0 < s.kv_token_utilization <= 1.0
