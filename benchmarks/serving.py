@@ -250,8 +250,9 @@ def offline_ceiling(args: argparse.Namespace) -> float:
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
                             seed=args.seed)
     llm.generate(prompts[:1], params)   # warm-up: first-call costs are not throughput
+    wave = args.max_concurrency or len(prompts)   # the same number of requests in flight as the server saw
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = [o for i in range(0, len(prompts), wave) for o in llm.generate(prompts[i:i + wave], params)]
     return sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
 
 
@@ -279,7 +280,8 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
     for name, values in rows:
         lines.append(f"{name + ':':<36}" + "".join(f"{v:>12}" for v in values))
     if len(results) > 1 and results[1].output_throughput > 0:
-        lines.append(f"{'Output throughput vs peer:':<36}{results[0].output_throughput / results[1].output_throughput:>12.2f}x")
+        ratio = results[0].output_throughput / results[1].output_throughput
+        lines.append(f"{'Output throughput vs peer:':<36}{ratio:>12.2f}x")
     if ceiling:
         lines.append(f"{'Offline engine ceiling (tok/s):':<36}{ceiling:>12.2f}")
         lines.append(f"{'Server output throughput / ceiling:':<36}{results[0].output_throughput / ceiling:>12.2f}")

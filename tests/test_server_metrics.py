@@ -12,7 +12,7 @@ import types
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_server_helpers import running_server
+from test_server_helpers import running_server, wait_for
 
 from minillm.config import EngineConfig
 from minillm.server.app import run_server
@@ -159,3 +159,21 @@ def test_run_server_with_monitor_serves_while_the_dashboard_runs(stories_path, m
     run_server(EngineConfig(model=str(stories_path), device="cpu"), port=port, api_key="k", monitor=True)
     assert seen["url"] == f"http://127.0.0.1:{port}" and seen["api_key"] == "k"
     assert seen["health"] == 200 and seen["stats"] > 0
+
+
+def test_stats_stream_ends_promptly_when_the_server_stops(stories_path):
+    events, ended = [], threading.Event()
+    with running_server(stories_path, served_model_name=MODEL) as (url, _):
+        def watch():
+            with httpx.stream("GET", f"{url}/v1/stats/stream", params={"interval": 0.2}, timeout=30) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line)
+            ended.set()
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        assert wait_for(lambda: len(events) >= 2, timeout=10)
+        stopped_at = time.monotonic()
+    assert ended.wait(5)
+    assert time.monotonic() - stopped_at < 1.5   # not held until the graceful-shutdown timeout

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Any, AsyncIterator
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -83,16 +84,21 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
             raise APIError(400, f"interval must be in [{MIN_STATS_INTERVAL_S}, {MAX_STATS_INTERVAL_S}] "
                            f"seconds, got {interval}", param="interval")
         first = await engine.get_stats(_stats_cells(cells))  # fail with a status code, not in-band
-        return StreamingResponse(_stats_events(engine, first, cells, interval),
+        return StreamingResponse(_stats_events(engine, first, cells, interval, ctx.stopping),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _stats_events(engine: AsyncLLMEngine, first: Any, cells: int, interval: float) -> AsyncIterator[str]:
-    """One snapshot every `interval` seconds until the client leaves (or the engine dies)."""
+async def _stats_events(engine: AsyncLLMEngine, first: Any, cells: int, interval: float,
+                        stopping: threading.Event) -> AsyncIterator[str]:
+    """One snapshot every `interval` seconds until the client leaves, the engine dies or the server stops."""
     snapshot = first
     while True:
         yield sse(snapshot.to_dict())
-        await asyncio.sleep(interval)
+        deadline = time.monotonic() + interval
+        while time.monotonic() < deadline:
+            if stopping.is_set():
+                return  # an endless stream must not hold up a graceful shutdown
+            await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
         try:
             snapshot = await engine.get_stats(cells)
         except Exception as exc:  # noqa: BLE001 - tell the watcher why the stream ends
@@ -159,18 +165,29 @@ def create_app(async_engine: AsyncLLMEngine, api_key: str | None = None, served_
     return app
 
 
+class _Server(uvicorn.Server):
+    """uvicorn.Server that tells the app when shutdown begins, so endless streams can end."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.stopping.set()
+        super().handle_exit(sig, frame)
+
+
 class ServerThread:
     """A uvicorn server on a background thread, bound before start so port 0 picks a free port."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        import uvicorn
-
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
+        self.stopping = app.state.ctx.stopping
+        self.server = _Server(config, self.stopping)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minillm-http", daemon=True)
 
@@ -192,6 +209,7 @@ class ServerThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Ask uvicorn to exit and wait for the thread."""
+        self.stopping.set()
         self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
@@ -215,8 +233,6 @@ def _configure_logging() -> None:
 def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, monitor: bool = False, log_interval: float = 5.0) -> None:
     """Load the engine from an EngineConfig and serve the OpenAI API until interrupted."""
-    import uvicorn
-
     _configure_logging()
     engine = AsyncLLMEngine.from_config(config)
     try:
@@ -229,7 +245,9 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
         else:
             app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
                              log_interval=log_interval)
-            uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                          timeout_graceful_shutdown=5)).run()
+            config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+            _Server(config, app.state.ctx.stopping).run()
+    except KeyboardInterrupt:
+        pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C for us
     finally:
         engine.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class ServingContext:
     metrics: ServerMetrics
     model_name: str
     created: int = field(default_factory=lambda: int(time.time()))
+    stopping: threading.Event = field(default_factory=threading.Event)   # set when the server shuts down
 
     @property
     def tokenizer(self) -> Any:
