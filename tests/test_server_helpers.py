@@ -33,12 +33,13 @@ def chat_model_dir(src: Path, dst: Path) -> Path:
 
 @contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
-                   max_body_bytes: int | None = None, **engine_kwargs):
+                   max_body_bytes: int | None = None, log_interval: float | None = None, **engine_kwargs):
     """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1; stop both afterwards."""
     config = EngineConfig(model=str(model), device="cpu", **engine_kwargs)
     engine = AsyncLLMEngine.from_config(config)
     extra = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-    app = create_app(engine, api_key=api_key, served_model_name=served_model_name, **extra)
+    app = create_app(engine, api_key=api_key, served_model_name=served_model_name, log_interval=log_interval,
+                     **extra)
     server = ServerThread(app, "127.0.0.1", 0).start()
     try:
         yield server.url, engine

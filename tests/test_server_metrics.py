@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 import socket
 import sys
 import threading
@@ -26,9 +28,12 @@ HISTOGRAMS = ("minillm:time_to_first_token_seconds", "minillm:inter_token_latenc
               "minillm:e2e_request_latency_seconds")
 
 
+LOG_INTERVAL = 0.2
+
+
 @pytest.fixture(scope="module")
 def server(stories_path):
-    with running_server(stories_path, served_model_name=MODEL) as (url, engine):
+    with running_server(stories_path, served_model_name=MODEL, log_interval=LOG_INTERVAL) as (url, engine):
         yield url, engine
 
 
@@ -177,3 +182,47 @@ def test_stats_stream_ends_promptly_when_the_server_stops(stories_path):
         stopped_at = time.monotonic()
     assert ended.wait(5)
     assert time.monotonic() - stopped_at < 1.5   # not held until the graceful-shutdown timeout
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_throughput_line_is_logged_while_busy(http):
+    logger = logging.getLogger("minillm.server")
+    handler, level = _ListHandler(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200,
+                                               "ignore_eos": True})
+        assert r.status_code == 200
+        time.sleep(3 * LOG_INTERVAL)
+        lines = [m for m in handler.messages if "Avg generation throughput" in m]
+        assert lines
+        assert all(key in lines[-1] for key in ("Avg prompt throughput", "Running:", "Waiting:", "KV cache usage"))
+        handler.messages.clear()
+        time.sleep(3 * LOG_INTERVAL)       # idle: nothing to report
+        assert not [m for m in handler.messages if "throughput" in m]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _thread_cpu_seconds(native_id: int) -> float:
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_idle_engine_thread_sleeps(server):
+    _, engine = server
+    thread_id = engine._thread.native_id
+    before = _thread_cpu_seconds(thread_id)
+    time.sleep(0.5)
+    assert _thread_cpu_seconds(thread_id) - before < 0.05    # blocked on its queue, not spinning

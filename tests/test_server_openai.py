@@ -86,6 +86,25 @@ def test_stop_string_and_max_tokens(client, golden):
     assert short.choices[0].finish_reason == "length" and short.usage.completion_tokens == 3
 
 
+def test_stop_token_ids_and_sampling_knobs(client, golden):
+    after_prompt = golden["greedy_from_bos_200_ids"][len(golden["prompt_ids"]):]
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                    extra_body={"stop_token_ids": [after_prompt[1]]})
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and out.usage.completion_tokens == 2
+    assert choice.model_extra["stop_reason"] == after_prompt[1]
+    greedy = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    # Each of these leaves only the argmax token, so sampling at temperature 1 must reproduce greedy.
+    for knob in ({"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}):
+        sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=1.0, seed=3,
+                                            extra_body=knob).choices[0].text
+        assert sampled == greedy, knob
+    penalised = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0,
+                                          presence_penalty=2.0, frequency_penalty=2.0,
+                                          extra_body={"repetition_penalty": 2.0}).choices[0].text
+    assert penalised != greedy
+
+
 def test_n_and_seeded_sampling(client):
     args = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, n=2, seed=1234)
     first = client.completions.create(**args)
