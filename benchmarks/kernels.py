@@ -1,0 +1,236 @@
+"""Kernel micro-benchmarks at the shapes of the Qwen3-0.6B workload, each beside its ceiling.
+
+    python3 benchmarks/kernels.py [--json results.json]
+
+First measures the card's ceilings: device-to-device copy bandwidth (bytes read + written) and
+the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel with CUDA events
+after warm-up, replaying a CUDA graph of many launches so launch gaps stay out of the figure,
+and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes: hidden 1024,
+16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
+Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minillm.attention import AttentionMetadata  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
+DT = "bfloat16"
+
+
+@dataclass
+class Row:
+    name: str
+    shape: str
+    time_us: float
+    achieved: float
+    unit: str          # "GB/s" or "TFLOP/s"
+    ceiling: float     # in the same unit
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.achieved / self.ceiling if self.ceiling else float("nan")
+
+
+def time_graph(cp, fn, iters: int, repeats: int = 5) -> float:
+    """Median seconds per call of fn, from replays of a CUDA graph of `iters` calls."""
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    with stream, cp.cuda.using_allocator(pool.malloc):
+        for _ in range(3):
+            fn()
+        stream.synchronize()
+        stream.begin_capture()
+        for _ in range(iters):
+            fn()
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            start.record(stream)
+            graph.launch(stream)
+            end.record(stream)
+            end.synchronize()
+            times.append(cp.cuda.get_elapsed_time(start, end) / 1e3 / iters)
+    return statistics.median(times)
+
+
+def copy_bandwidth(cp) -> float:
+    """GB/s of a 2 GiB device-to-device copy, counting bytes read plus bytes written."""
+    nbytes = 2 << 30
+    src = cp.random.randint(0, 255, nbytes, dtype=cp.uint8)
+    dst = cp.empty_like(src)
+    rt = cp.cuda.runtime
+
+    def copy():
+        rt.memcpyAsync(dst.data.ptr, src.data.ptr, nbytes, rt.memcpyDeviceToDevice,
+                       cp.cuda.get_current_stream().ptr)
+
+    t = time_graph(cp, copy, iters=10)
+    return 2 * nbytes / t / 1e9
+
+
+def random_bf16(cp, ops, shape):
+    """bf16 array of random values in about +-[0.008, 2) (bit patterns drawn on the device)."""
+    n = int(np.prod(shape))
+    mag = cp.random.randint(0x3C00, 0x4000, n, dtype=cp.int32)
+    sign = cp.random.randint(0, 2, n, dtype=cp.int32) << 15
+    return (mag | sign).astype(cp.uint16).view(ops._bf16()).reshape(shape)
+
+
+def gemm_rows(cp, ops, copy_gbs: float) -> tuple[float, list[Row]]:
+    n = 8192
+    a, b = random_bf16(cp, ops, (n, n)), random_bf16(cp, ops, (n, n))
+    out = cp.empty((n, n), dtype=a.dtype)
+    t = time_graph(cp, lambda: ops.linear(a, b, out=out), iters=5)
+    peak = 2 * n ** 3 / t / 1e12
+    rows = [Row("gemm bf16 (ceiling)", f"{n}^3", t * 1e6, peak, "TFLOP/s", peak)]
+    batch = 256
+    for name, k, nn in (("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), ("o", HEADS * HEAD_DIM, HIDDEN),
+                        ("gate_up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN), ("lm_head", HIDDEN, VOCAB)):
+        x, w = random_bf16(cp, ops, (batch, k)), random_bf16(cp, ops, (nn, k))
+        t = time_graph(cp, lambda: ops.linear(x, w), iters=50)
+        moved = 2 * (nn * k + batch * k + batch * nn)
+        rows.append(Row(f"linear {name}", f"{batch}x{k}->{nn}", t * 1e6, moved / t / 1e9, "GB/s", copy_gbs))
+    return peak, rows
+
+
+def decode_meta(ops, rng, batch: int, ctx: int, num_blocks: int) -> AttentionMetadata:
+    per_seq = ctx // BLOCK
+    tables = rng.permutation(num_blocks)[:batch * per_seq].reshape(batch, per_seq).astype(np.int32)
+    a = ops.asarray
+    return AttentionMetadata(a(np.arange(batch + 1, dtype=np.int32)), a(np.full(batch, ctx, np.int32)),
+                             a(tables), a(np.zeros(batch, np.int32)), 1, ctx, True)
+
+
+def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
+    rng = np.random.default_rng(0)
+    batch, max_ctx = 256, 4096
+    num_blocks = batch * max_ctx // BLOCK
+    k_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    v_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
+    rows = []
+    for ctx in (1024, 4096):
+        meta = decode_meta(ops, rng, batch, ctx, num_blocks)
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+        auto = ops.decode_num_splits(batch, KV_HEADS, ctx)
+        for splits in sorted({auto, 1, 2, 4}):
+            t = time_graph(cp, lambda: ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5,
+                                                           num_splits=splits), iters=10)
+            tag = " (auto)" if splits == auto else ""
+            rows.append(Row(f"decode attention splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
+                            kv_bytes / t / 1e9, "GB/s", copy_gbs))
+    chunk = 2048
+    tables = rng.permutation(num_blocks)[:chunk // BLOCK][None].astype(np.int32)
+    a = ops.asarray
+    meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([chunk], np.int32)), a(tables),
+                             a(np.zeros(chunk, np.int32)), chunk, chunk, False)
+    qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
+    t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5), iters=10)
+    flops = 4 * HEADS * HEAD_DIM * chunk * (chunk + 1) / 2          # causal QK^T and PV
+    rows.append(Row("prefill attention (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+    return rows
+
+
+def small_kernel_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    batch, isz = 256, 2
+    x, r = random_bf16(cp, ops, (batch, HIDDEN)), random_bf16(cp, ops, (batch, HIDDEN))
+    w = random_bf16(cp, ops, (HIDDEN,))
+    qkv = random_bf16(cp, ops, (batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM))
+    q = qkv[:, :HEADS * HEAD_DIM].reshape(batch, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].reshape(batch, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].reshape(batch, KV_HEADS, HEAD_DIM)
+    pos = ops.asarray(np.arange(batch, dtype=np.int32) * 7)
+    cos_sin = ops.asarray(np.random.default_rng(1).standard_normal((40960, HEAD_DIM)).astype(np.float32))
+    gu = random_bf16(cp, ops, (batch, 2 * INTER))
+    caches = random_bf16(cp, ops, (2, 4096, BLOCK, KV_HEADS, HEAD_DIM))
+    slots = ops.asarray(np.random.default_rng(2).permutation(4096 * BLOCK)[:batch].astype(np.int32))
+    ids = ops.asarray(np.random.default_rng(3).integers(0, VOCAB, batch).astype(np.int32))
+    table = random_bf16(cp, ops, (VOCAB, HIDDEN))
+    act = batch * HIDDEN * isz
+    cases = [
+        ("rms_norm", f"{batch}x{HIDDEN}", lambda: ops.rms_norm(x, w, 1e-6), 2 * act),
+        ("add_rms_norm", f"{batch}x{HIDDEN}", lambda: ops.add_rms_norm(x, r, w, 1e-6), 4 * act),
+        ("rotary", f"{batch}x(16+8)x128", lambda: ops.rotary(q, k, pos, cos_sin),
+         2 * batch * (HEADS + KV_HEADS) * HEAD_DIM * isz + batch * HEAD_DIM * 4),
+        ("silu_and_mul", f"{batch}x{2 * INTER}", lambda: ops.silu_and_mul(gu), 3 * batch * INTER * isz),
+        ("kv_append", f"{batch} tokens", lambda: ops.kv_append(k, v, caches[0], caches[1], slots),
+         4 * batch * KV_HEADS * HEAD_DIM * isz),
+        ("embedding", f"{batch}x{HIDDEN}", lambda: ops.embedding(ids, table), 2 * act),
+    ]
+    return [Row(name, shape, (t := time_graph(cp, fn, iters=200)) * 1e6, moved / t / 1e9, "GB/s", copy_gbs)
+            for name, shape, fn, moved in cases]
+
+
+def sampling_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    batch = 256
+    rng = np.random.default_rng(4)
+    logits = ops.asarray((rng.standard_normal((batch, VOCAB)) * 2.5).astype(np.float32))
+    ones, zeros = cp.ones(batch, cp.float32), cp.zeros(batch, cp.float32)
+    no_k, k50 = cp.zeros(batch, cp.int32), cp.full(batch, 50, cp.int32)
+    t07, p09, p095, mp005 = ones * 0.7, ones * 0.9, ones * 0.95, zeros + 0.05
+    uni = ops.asarray(rng.random(batch).astype(np.float32))
+    moved = batch * VOCAB * 4                                     # one read of the logits
+    cases = [
+        ("sample greedy", lambda: ops.sample(logits, zeros, no_k, ones, zeros, uni)),
+        ("sample T=1", lambda: ops.sample(logits, ones, no_k, ones, zeros, uni)),
+        ("sample T=0.7 k=50 p=0.9", lambda: ops.sample(logits, t07, k50, p09, zeros, uni)),
+        ("sample T=1 p=0.95 min_p=0.05", lambda: ops.sample(logits, ones, no_k, p095, mp005, uni)),
+        ("log_softmax", lambda: ops.log_softmax(logits)),
+    ]
+    return [Row(name, f"{batch}x{VOCAB}", (t := time_graph(cp, fn, iters=10)) * 1e6,
+                (3 * moved if name == "log_softmax" else moved) / t / 1e9, "GB/s", copy_gbs)
+            for name, fn in cases]
+
+
+def print_table(rows: list[Row]) -> None:
+    print(f"{'kernel':34} {'shape':22} {'time us':>10} {'achieved':>16} {'ceiling':>16} {'%':>6}")
+    for r in rows:
+        print(f"{r.name:34} {r.shape:22} {r.time_us:10.1f} {r.achieved:10.1f} {r.unit:>5} "
+              f"{r.ceiling:10.1f} {r.unit:>5} {r.percent:6.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args(argv)
+    try:
+        import cupy as cp
+        if cp.cuda.runtime.getDeviceCount() == 0:
+            raise RuntimeError("no CUDA device")
+    except Exception as e:  # no CuPy / driver / device
+        print(f"benchmarks/kernels.py needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
+        return 2
+    from minillm.ops import cuda as ops
+
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
+    print(f"device: {props['name'].decode()}  SMs: {props['multiProcessorCount']}  "
+          f"CuPy {cp.__version__}  CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}")
+    copy_gbs = copy_bandwidth(cp)
+    rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
+    gemm_peak, gemm = gemm_rows(cp, ops, copy_gbs)
+    rows += gemm
+    rows += attention_rows(cp, ops, copy_gbs, gemm_peak)
+    rows += small_kernel_rows(cp, ops, copy_gbs)
+    rows += sampling_rows(cp, ops, copy_gbs)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

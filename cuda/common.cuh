@@ -1,0 +1,158 @@
+// common.cuh: storage types, conversions, 16-byte vectors and reductions shared by the kernels.
+//
+// Every .cu file is compiled once per activation dtype with MINILLM_DTYPE set to 0 (float32),
+// 1 (float16) or 2 (bfloat16); `scalar_t` is the storage type of activations and KV caches.
+// 16-bit values travel as raw `unsigned short` bits and convert through PTX `cvt`, so no CUDA
+// header is needed: NVRTC (through CuPy) and nvcc take the same text. The Python loader inlines
+// this file in place of its #include line. Arithmetic is always fp32.
+#pragma once
+
+#ifndef MINILLM_DTYPE
+#define MINILLM_DTYPE 2
+#endif
+
+// VEC_ELEMS: elements of scalar_t in one 16-byte vector (a preprocessor constant).
+#if MINILLM_DTYPE == 0
+typedef float scalar_t;
+#define VEC_ELEMS 4
+#else
+typedef unsigned short scalar_t;
+#define VEC_ELEMS 8
+#endif
+
+#define MINILLM_INF __int_as_float(0x7f800000)
+#define FULL_MASK 0xffffffffu
+
+struct alignas(16) Vec16 {
+    unsigned int w[4];
+};
+
+__device__ __forceinline__ float bf16_bits_to_float(unsigned short h) {
+    return __uint_as_float(((unsigned int)h) << 16);
+}
+
+__device__ __forceinline__ float f16_bits_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short float_to_bf16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short float_to_f16_bits(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// scalar_t <-> float, rounding to nearest even as NumPy's astype does.
+__device__ __forceinline__ float to_float(scalar_t x) {
+#if MINILLM_DTYPE == 0
+    return x;
+#elif MINILLM_DTYPE == 1
+    return f16_bits_to_float(x);
+#else
+    return bf16_bits_to_float(x);
+#endif
+}
+
+__device__ __forceinline__ scalar_t from_float(float f) {
+#if MINILLM_DTYPE == 0
+    return f;
+#elif MINILLM_DTYPE == 1
+    return float_to_f16_bits(f);
+#else
+    return float_to_bf16_bits(f);
+#endif
+}
+
+// Round a float through scalar_t (the reference's `.astype(dtype)` between two fp32 steps).
+__device__ __forceinline__ float round_to_scalar(float f) {
+    return to_float(from_float(f));
+}
+
+// Element i (0 <= i < VEC_ELEMS) of a 16-byte vector as float; i must be a compile-time constant
+// after unrolling so the vector stays in registers.
+__device__ __forceinline__ float vec_get(const Vec16& v, int i) {
+#if MINILLM_DTYPE == 0
+    return __uint_as_float(v.w[i]);
+#else
+    unsigned int word = v.w[i >> 1];
+    unsigned short h = (i & 1) ? (unsigned short)(word >> 16) : (unsigned short)(word & 0xffffu);
+    return to_float(h);
+#endif
+}
+
+// Unpack a 16-byte vector into VEC_ELEMS floats.
+__device__ __forceinline__ void vec_to_floats(const Vec16& v, float* out) {
+#pragma unroll
+    for (int i = 0; i < VEC_ELEMS; ++i) out[i] = vec_get(v, i);
+}
+
+// Pack VEC_ELEMS floats into a 16-byte vector of scalar_t.
+__device__ __forceinline__ Vec16 floats_to_vec(const float* in) {
+    Vec16 v;
+#if MINILLM_DTYPE == 0
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v.w[i] = __float_as_uint(in[i]);
+#else
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        unsigned int lo = from_float(in[2 * i]);
+        unsigned int hi = from_float(in[2 * i + 1]);
+        v.w[i] = lo | (hi << 16);
+    }
+#endif
+    return v;
+}
+
+// Read-only 16-byte global load (the data is not written during the kernel).
+__device__ __forceinline__ Vec16 ldg16(const void* p) {
+    Vec16 r;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3])
+        : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void stg16(void* p, const Vec16& v) {
+    *reinterpret_cast<Vec16*>(p) = v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the block; every thread gets the total. `scratch` holds 32 floats; blockDim.x is a
+// multiple of 32. Contains __syncthreads, so every thread of the block must call it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < num_warps ? scratch[lane] : 0.0f;
+    return warp_sum(t);
+}
+
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float t = lane < num_warps ? scratch[lane] : -MINILLM_INF;
+    return warp_max(t);
+}

@@ -1,0 +1,594 @@
+// paged_attention.cu: attention of ragged query chunks over a paged KV cache.
+//
+// Layout: one layer's k_cache / v_cache [num_blocks, block_size, Hk, HEAD_DIM] packed (block_size
+// a power of two, passed as its log2); block_tables [B, max_blocks] int32 with a row stride;
+// seq_lens [B] int32 (context length after this step's tokens); query_start_loc [B+1] int32;
+// q [T, Hq, HEAD_DIM] with a token stride in elements (heads packed inside a token); out likewise.
+// Query row i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to positions
+// 0..that position. GQA: query head h reads KV head h / GQA. Scores are kept in log2 units
+// (scale_log2 = scale * log2(e)) so the softmax uses exp2.
+// Compiled per (dtype, HEAD_DIM, GQA) with -DHEAD_DIM=.. -DGQA=.. (defaults below for nvcc).
+//
+// paged_decode: one query token per sequence. grid = (num_splits, Hk, B), 128 threads (4 warps).
+//   A block owns one KV head of one sequence (all GQA query heads of it, so K/V are read once)
+//   over one partition of the context (flash-decoding: partitions of max(ceil(len / splits),
+//   min_partition) tokens, rounded to the warp chunk; empty ones write an empty partial). Within
+//   a warp, LPT lanes share a token row (16-byte loads, HEAD_DIM / VEC_ELEMS vectors), 32 / LPT
+//   tokens are in flight side by side and each lane keeps DEC_U tokens' K and V loads in flight.
+//   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
+//   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
+//   128 threads) combines them.
+// paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
+//   128 threads; each warp owns 16 query rows, K/V tiles of 64 tokens go to shared memory by
+//   cp.async (zero-filled past the end), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
+//   accumulators and an online softmax; block x is reversed so the longest tiles start first.
+// paged_prefill_simple (any dtype / HEAD_DIM): same grid with 16-row query tiles; K/V tiles of
+//   PF_BK tokens converted to fp32 in shared memory, one lane per key for scores and one lane per
+//   output dimension for P V.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GQA
+#define GQA 2
+#endif
+
+#if HEAD_DIM % VEC_ELEMS != 0
+#error "HEAD_DIM must be a multiple of the 16-byte vector width"
+#endif
+
+__host__ __device__ constexpr int pow2_divisor_upto32(int n) {
+    int p = 1;
+    while (p < 32 && n % (2 * p) == 0) p *= 2;
+    return p;
+}
+
+__host__ __device__ constexpr int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+#define DEC_WARPS 4
+#define DEC_THREADS (DEC_WARPS * 32)
+constexpr int DEC_VECS = HEAD_DIM / VEC_ELEMS;             // 16-byte vectors in one K row
+constexpr int DEC_LPT = pow2_divisor_upto32(DEC_VECS);    // lanes sharing one token
+constexpr int DEC_NV = DEC_VECS / DEC_LPT;                // vectors per lane per row
+constexpr int DEC_TPW = 32 / DEC_LPT;                     // tokens side by side in a warp
+constexpr int DEC_U = clamp_int(16 / (GQA * DEC_NV), 1, 8);  // tokens per lane per step
+constexpr int DEC_CHUNK = DEC_TPW * DEC_U;                // tokens per warp step
+constexpr int DEC_ELEMS = DEC_NV * VEC_ELEMS;             // elements of a row held by a lane
+
+// Element offset of vector j of this lane inside a row.
+__device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * VEC_ELEMS; }
+
+// Online-softmax state of GQA query heads over some tokens: max (log2 units), sum, output.
+struct DecodeState {
+    float m[GQA];
+    float l[GQA];
+    float acc[GQA][DEC_ELEMS];
+};
+
+// Fold one step of DEC_U tokens (scores s, values vv) into the state of this lane.
+__device__ __forceinline__ void decode_fold(DecodeState& st, float (&s)[DEC_U][GQA],
+                                            const Vec16 (&vv)[DEC_U][DEC_NV]) {
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+        float mx = st.m[g];
+#pragma unroll
+        for (int u = 0; u < DEC_U; ++u) mx = fmaxf(mx, s[u][g]);
+        if (mx == -MINILLM_INF) continue;
+        float alpha = exp2f(st.m[g] - mx);
+        st.l[g] *= alpha;
+#pragma unroll
+        for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] *= alpha;
+#pragma unroll
+        for (int u = 0; u < DEC_U; ++u) {
+            float p = exp2f(s[u][g] - mx);
+            st.l[g] += p;
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                for (int e = 0; e < VEC_ELEMS; ++e) st.acc[g][j * VEC_ELEMS + e] += p * vec_get(vv[u][j], e);
+            }
+        }
+        st.m[g] = mx;
+    }
+}
+
+// Merge the states of lanes `o` apart (the other token slots of the warp).
+__device__ __forceinline__ void decode_merge_lanes(DecodeState& st) {
+#pragma unroll
+    for (int o = DEC_LPT; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+            float mo = __shfl_xor_sync(FULL_MASK, st.m[g], o);
+            float lo = __shfl_xor_sync(FULL_MASK, st.l[g], o);
+            float mn = fmaxf(st.m[g], mo);
+            float fa = st.m[g] == -MINILLM_INF ? 0.0f : exp2f(st.m[g] - mn);
+            float fb = mo == -MINILLM_INF ? 0.0f : exp2f(mo - mn);
+            st.l[g] = st.l[g] * fa + lo * fb;
+#pragma unroll
+            for (int e = 0; e < DEC_ELEMS; ++e) {
+                float ao = __shfl_xor_sync(FULL_MASK, st.acc[g][e], o);
+                st.acc[g][e] = st.acc[g][e] * fa + ao * fb;
+            }
+            st.m[g] = mn;
+        }
+    }
+}
+
+// The partition [t_begin, t_end) of this block's split.
+__device__ __forceinline__ void decode_partition(int ctx, int num_splits, int min_partition,
+                                                 int* t_begin, int* t_end) {
+    int part = (ctx + num_splits - 1) / num_splits;
+    part = max(part, min_partition);
+    part = (part + DEC_CHUNK - 1) / DEC_CHUNK * DEC_CHUNK;
+    *t_begin = min(ctx, (int)blockIdx.x * part);
+    *t_end = min(ctx, *t_begin + part);
+}
+
+// Combine the four warps' states in shared memory and write the result or the split's partial.
+__device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* out, long long out_row,
+                                             float* part_o, float* part_ml, int b, int kvh,
+                                             int num_heads, int num_splits) {
+    __shared__ float red_acc[DEC_WARPS][GQA][HEAD_DIM];
+    __shared__ float red_m[DEC_WARPS][GQA];
+    __shared__ float red_l[DEC_WARPS][GQA];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int sub = lane / DEC_LPT, li = lane % DEC_LPT;
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                for (int e = 0; e < VEC_ELEMS; ++e)
+                    red_acc[warp][g][lane_vec_offset(j, li) + e] = st.acc[g][j * VEC_ELEMS + e];
+            }
+            if (li == 0) { red_m[warp][g] = st.m[g]; red_l[warp][g] = st.l[g]; }
+        }
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < GQA * HEAD_DIM; idx += DEC_THREADS) {
+        int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
+        float mx = -MINILLM_INF;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) mx = fmaxf(mx, red_m[w][g]);
+        float sum = 0.0f, o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_WARPS; ++w) {
+            float f = red_m[w][g] == -MINILLM_INF ? 0.0f : exp2f(red_m[w][g] - mx);
+            sum += red_l[w][g] * f;
+            o += red_acc[w][g][d] * f;
+        }
+        int h = kvh * GQA + g;
+        float val = sum > 0.0f ? o / sum : 0.0f;
+        if (num_splits == 1) {
+            out[out_row + (long long)h * HEAD_DIM + d] = from_float(val);
+        } else {
+            long long pi = ((long long)b * num_heads + h) * num_splits + blockIdx.x;
+            part_o[pi * HEAD_DIM + d] = val;
+            if (d == 0) { part_ml[pi * 2] = mx; part_ml[pi * 2 + 1] = sum; }
+        }
+    }
+}
+
+// Load this lane's K and V vectors of DEC_U tokens (zeros past t_end).
+__device__ __forceinline__ void decode_load(Vec16 (&kv)[DEC_U][DEC_NV], Vec16 (&vv)[DEC_U][DEC_NV],
+                                            bool (&valid)[DEC_U], const scalar_t* k_cache,
+                                            const scalar_t* v_cache, const int* bt, int c0,
+                                            int chunk_blk, int t_end, int sub, int li,
+                                            int block_size_log2, long long tok_stride,
+                                            long long head_off) {
+    int mask = (1 << block_size_log2) - 1;
+#pragma unroll
+    for (int u = 0; u < DEC_U; ++u) {
+        int t = c0 + u * DEC_TPW + sub;
+        valid[u] = t < t_end;
+        int blk = chunk_blk >= 0 ? chunk_blk : (valid[u] ? bt[t >> block_size_log2] : 0);
+        long long base = (((long long)blk << block_size_log2) | (t & mask)) * tok_stride + head_off;
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) {
+            if (valid[u]) {
+                kv[u][j] = ldg16(k_cache + base + lane_vec_offset(j, li));
+                vv[u][j] = ldg16(v_cache + base + lane_vec_offset(j, li));
+            } else {
+                kv[u][j].w[0] = kv[u][j].w[1] = kv[u][j].w[2] = kv[u][j].w[3] = 0u;
+                vv[u][j].w[0] = vv[u][j].w[1] = vv[u][j].w[2] = vv[u][j].w[3] = 0u;
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
+             const scalar_t* q, long long q_stride, const scalar_t* k_cache,
+             const scalar_t* v_cache, const int* block_tables, long long bt_stride,
+             const int* seq_lens, const int* query_start_loc, int num_kv_heads,
+             int block_size_log2, float scale_log2, int num_splits, int min_partition) {
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int sub = lane / DEC_LPT, li = lane % DEC_LPT;
+    const int num_heads = num_kv_heads * GQA;
+    const long long q_row = query_start_loc[b];
+    int t_begin, t_end;
+    decode_partition(seq_lens[b], num_splits, min_partition, &t_begin, &t_end);
+
+    DecodeState st;
+    float qf[GQA][DEC_ELEMS];
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+        st.m[g] = -MINILLM_INF;
+        st.l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] = 0.0f;
+        const scalar_t* qh = q + q_row * q_stride + (long long)(kvh * GQA + g) * HEAD_DIM;
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) vec_to_floats(ldg16(qh + lane_vec_offset(j, li)), &qf[g][j * VEC_ELEMS]);
+    }
+    const int* bt = block_tables + (long long)b * bt_stride;
+    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
+    const long long head_off = (long long)kvh * HEAD_DIM;
+    // With blocks at least a chunk long, a chunk lies in one block: one table read per chunk,
+    // fetched one step ahead.
+    const bool one_block_per_chunk = (1 << block_size_log2) >= DEC_CHUNK;
+    const int step = DEC_WARPS * DEC_CHUNK;
+    int c0 = t_begin + warp * DEC_CHUNK;
+    int next_blk = (one_block_per_chunk && c0 < t_end) ? bt[c0 >> block_size_log2] : -1;
+    for (; c0 < t_end; c0 += step) {
+        int chunk_blk = next_blk;
+        if (one_block_per_chunk && c0 + step < t_end) next_blk = bt[(c0 + step) >> block_size_log2];
+        Vec16 kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
+        bool valid[DEC_U];
+        decode_load(kv, vv, valid, k_cache, v_cache, bt, c0, one_block_per_chunk ? chunk_blk : -1,
+                    t_end, sub, li, block_size_log2, tok_stride, head_off);
+        float s[DEC_U][GQA];
+#pragma unroll
+        for (int u = 0; u < DEC_U; ++u) {
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                    for (int e = 0; e < VEC_ELEMS; ++e) dot += qf[g][j * VEC_ELEMS + e] * vec_get(kv[u][j], e);
+                }
+#pragma unroll
+                for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+                s[u][g] = valid[u] ? dot * scale_log2 : -MINILLM_INF;
+            }
+        }
+        decode_fold(st, s, vv);
+    }
+    decode_merge_lanes(st);
+    decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_heads, num_splits);
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+paged_decode_reduce(scalar_t* out, long long out_stride, const float* part_o,
+                    const float* part_ml, const int* query_start_loc, int num_heads,
+                    int num_splits) {
+    const int h = blockIdx.x, b = blockIdx.y;
+    const long long base = ((long long)b * num_heads + h) * num_splits;
+    float mx = -MINILLM_INF;
+    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+    scalar_t* dst = out + (long long)query_start_loc[b] * out_stride + (long long)h * HEAD_DIM;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float sum = 0.0f, o = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            float ms = part_ml[(base + s) * 2];
+            float w = ms == -MINILLM_INF ? 0.0f : part_ml[(base + s) * 2 + 1] * exp2f(ms - mx);
+            sum += w;
+            o += w * part_o[(base + s) * HEAD_DIM + d];
+        }
+        dst[d] = from_float(sum > 0.0f ? o / sum : 0.0f);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill, CUDA cores: any dtype and head size.
+#define PF_BQ 16
+#define PF_THREADS 128
+constexpr int PF_BK = HEAD_DIM <= 128 ? 32 : 8;
+constexpr int PF_DPL = (HEAD_DIM + 31) / 32;    // output dimensions per lane
+constexpr int PF_ROWS = PF_BQ / (PF_THREADS / 32);  // query rows per warp
+
+// Row-major [rows, HEAD_DIM] fp32 copy of keys/values kt..kt+PF_BK-1 (zeros past kv_end).
+__device__ __forceinline__ void prefill_load_tile(float* ks, float* vs, const scalar_t* k_cache,
+                                                  const scalar_t* v_cache, const int* bt, int kt,
+                                                  int kv_end, int block_size_log2,
+                                                  long long tok_stride, long long head_off) {
+    int mask = (1 << block_size_log2) - 1;
+    for (int idx = threadIdx.x; idx < PF_BK * HEAD_DIM; idx += PF_THREADS) {
+        int key = idx / HEAD_DIM, d = idx % HEAD_DIM, t = kt + key;
+        float kf = 0.0f, vf = 0.0f;
+        if (t < kv_end) {
+            long long src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + d;
+            kf = to_float(k_cache[src]);
+            vf = to_float(v_cache[src]);
+        }
+        ks[key * (HEAD_DIM + 1) + d] = kf;
+        vs[key * HEAD_DIM + d] = vf;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(PF_THREADS)
+paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, long long q_stride,
+                     const scalar_t* k_cache, const scalar_t* v_cache, const int* block_tables,
+                     long long bt_stride, const int* seq_lens, const int* query_start_loc,
+                     int num_heads, int num_kv_heads, int block_size_log2, float scale_log2) {
+    __shared__ float qs[PF_BQ][HEAD_DIM];
+    __shared__ float ks[PF_BK * (HEAD_DIM + 1)];
+    __shared__ float vs[PF_BK * HEAD_DIM];
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (num_heads / num_kv_heads);
+    const int q_start = query_start_loc[b], q_len = query_start_loc[b + 1] - q_start;
+    const int ctx = seq_lens[b];
+    const int tile0 = (gridDim.x - 1 - blockIdx.x) * PF_BQ;
+    if (tile0 >= q_len) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int idx = threadIdx.x; idx < PF_BQ * HEAD_DIM; idx += PF_THREADS) {
+        int r = idx / HEAD_DIM, d = idx % HEAD_DIM, qi = tile0 + r;
+        qs[r][d] = qi < q_len ? to_float(q[(long long)(q_start + qi) * q_stride + (long long)h * HEAD_DIM + d]) : 0.0f;
+    }
+    float m[PF_ROWS], l[PF_ROWS], o[PF_ROWS][PF_DPL];
+#pragma unroll
+    for (int i = 0; i < PF_ROWS; ++i) {
+        m[i] = -MINILLM_INF;
+        l[i] = 0.0f;
+#pragma unroll
+        for (int dd = 0; dd < PF_DPL; ++dd) o[i][dd] = 0.0f;
+    }
+    const int kv_end = ctx - q_len + min(tile0 + PF_BQ, q_len);
+    const int* bt = block_tables + (long long)b * bt_stride;
+    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
+    for (int kt = 0; kt < kv_end; kt += PF_BK) {
+        __syncthreads();
+        prefill_load_tile(ks, vs, k_cache, v_cache, bt, kt, kv_end, block_size_log2, tok_stride,
+                          (long long)kvh * HEAD_DIM);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < PF_ROWS; ++i) {
+            int r = warp * PF_ROWS + i, qi = tile0 + r;
+            if (qi >= q_len) continue;
+            int pos = ctx - q_len + qi;
+            float sc = -MINILLM_INF;
+            if (lane < PF_BK && kt + lane <= pos) {
+                float dot = 0.0f;
+#pragma unroll 8
+                for (int d = 0; d < HEAD_DIM; ++d) dot += qs[r][d] * ks[lane * (HEAD_DIM + 1) + d];
+                sc = dot * scale_log2;
+            }
+            float mx = fmaxf(m[i], warp_max(sc));
+            if (mx == -MINILLM_INF) continue;
+            float alpha = exp2f(m[i] - mx);
+            float p = exp2f(sc - mx);
+            l[i] = l[i] * alpha + warp_sum(p);
+#pragma unroll
+            for (int dd = 0; dd < PF_DPL; ++dd) o[i][dd] *= alpha;
+            for (int key = 0; key < PF_BK; ++key) {
+                float pk = __shfl_sync(FULL_MASK, p, key);
+#pragma unroll
+                for (int dd = 0; dd < PF_DPL; ++dd) {
+                    int d = lane + 32 * dd;
+                    if (d < HEAD_DIM) o[i][dd] += pk * vs[key * HEAD_DIM + d];
+                }
+            }
+            m[i] = mx;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < PF_ROWS; ++i) {
+        int qi = tile0 + warp * PF_ROWS + i;
+        if (qi >= q_len) continue;
+        scalar_t* dst = out + (long long)(q_start + qi) * out_stride + (long long)h * HEAD_DIM;
+#pragma unroll
+        for (int dd = 0; dd < PF_DPL; ++dd) {
+            int d = lane + 32 * dd;
+            if (d < HEAD_DIM) dst[d] = from_float(l[i] > 0.0f ? o[i][dd] / l[i] : 0.0f);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill, tensor cores: fp16 / bf16 with HEAD_DIM a multiple of 16 up to 128.
+#if MINILLM_DTYPE != 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128
+#define PM_BQ 64
+#define PM_BK 64
+#define PM_THREADS 128
+#define PM_LD (HEAD_DIM + 8)       // padded row: 8 rows of a fragment hit distinct banks
+
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    unsigned int r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned int addr, unsigned int (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// c[16x8] += a[16x16] * b[16x8], fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                          unsigned int b1) {
+#if MINILLM_DTYPE == 2
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats -> packed pair of 16-bit values, `lo` in the low half (the lower column).
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int r;
+#if MINILLM_DTYPE == 2
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end.
+__device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const scalar_t* k_cache,
+                                              const scalar_t* v_cache, const int* bt, int kt,
+                                              int kv_end, int block_size_log2,
+                                              long long tok_stride, long long head_off) {
+    constexpr int parts = HEAD_DIM / 8;
+    int mask = (1 << block_size_log2) - 1;
+    for (int c = threadIdx.x; c < PM_BK * parts; c += PM_THREADS) {
+        int key = c / parts, part = c % parts, t = kt + key;
+        bool valid = t < kv_end;
+        long long src = 0;
+        if (valid) src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 8;
+        cp_async16(smem_addr(ks + key * PM_LD + part * 8), k_cache + src, valid ? 16 : 0);
+        cp_async16(smem_addr(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+}
+
+__device__ __forceinline__ unsigned int ld_pair(const scalar_t* p) {
+    return *reinterpret_cast<const unsigned int*>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(PM_THREADS)
+paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long long q_stride,
+                  const scalar_t* k_cache, const scalar_t* v_cache, const int* block_tables,
+                  long long bt_stride, const int* seq_lens, const int* query_start_loc,
+                  int num_heads, int num_kv_heads, int block_size_log2, float scale_log2) {
+    __shared__ alignas(16) scalar_t ks[PM_BK * PM_LD];
+    __shared__ alignas(16) scalar_t vs[PM_BK * PM_LD];
+    const int h = blockIdx.y, b = blockIdx.z;
+    const int kvh = h / (num_heads / num_kv_heads);
+    const int q_start = query_start_loc[b], q_len = query_start_loc[b + 1] - q_start;
+    const int ctx = seq_lens[b];
+    const int tile0 = (gridDim.x - 1 - blockIdx.x) * PM_BQ;
+    if (tile0 >= q_len) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int g = lane >> 2, tq = lane & 3;
+    const int row_a = tile0 + warp * 16 + g, row_b = row_a + 8;     // query indices in the chunk
+    const int pos_a = ctx - q_len + row_a, pos_b = ctx - q_len + row_b;
+    const bool warp_active = tile0 + warp * 16 < q_len;
+    const int warp_last_pos = ctx - q_len + tile0 + warp * 16 + 15;   // warp-uniform
+
+    unsigned int qa[HEAD_DIM / 16][4];
+    const scalar_t* qrow_a = q + (long long)(q_start + row_a) * q_stride + (long long)h * HEAD_DIM;
+    const scalar_t* qrow_b = q + (long long)(q_start + row_b) * q_stride + (long long)h * HEAD_DIM;
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        int c = kk * 16 + tq * 2;
+        qa[kk][0] = row_a < q_len ? ld_pair(qrow_a + c) : 0u;
+        qa[kk][1] = row_b < q_len ? ld_pair(qrow_b + c) : 0u;
+        qa[kk][2] = row_a < q_len ? ld_pair(qrow_a + c + 8) : 0u;
+        qa[kk][3] = row_b < q_len ? ld_pair(qrow_b + c + 8) : 0u;
+    }
+    float o[HEAD_DIM / 8][4];
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = -MINILLM_INF, m_b = -MINILLM_INF, l_a = 0.0f, l_b = 0.0f;
+
+    const int kv_end = ctx - q_len + min(tile0 + PM_BQ, q_len);
+    const int* bt = block_tables + (long long)b * bt_stride;
+    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
+    // ldmatrix row addresses of this lane (see the fragment layouts of mma.m16n8k16).
+    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;
+    for (int kt = 0; kt < kv_end; kt += PM_BK) {
+        __syncthreads();
+        mma_load_tile(ks, vs, k_cache, v_cache, bt, kt, kv_end, block_size_log2, tok_stride,
+                      (long long)kvh * HEAD_DIM);
+        __syncthreads();
+        if (!warp_active || kt > warp_last_pos) continue;   // the whole tile is in this warp's future
+        float s[PM_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < PM_BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#pragma unroll
+            for (int nj = 0; nj < PM_BK / 16; ++nj) {
+                unsigned int r[4];
+                ldsm_x4(smem_addr(ks + (nj * 16 + k_row) * PM_LD + kk * 16 + k_col), r);
+                mma_16816(s[2 * nj], qa[kk], r[0], r[1]);
+                mma_16816(s[2 * nj + 1], qa[kk], r[2], r[3]);
+            }
+        }
+        float mx_a = -MINILLM_INF, mx_b = -MINILLM_INF;
+#pragma unroll
+        for (int n = 0; n < PM_BK / 8; ++n) {
+            int key = kt + n * 8 + tq * 2;
+            s[n][0] = key <= pos_a ? s[n][0] * scale_log2 : -MINILLM_INF;
+            s[n][1] = key + 1 <= pos_a ? s[n][1] * scale_log2 : -MINILLM_INF;
+            s[n][2] = key <= pos_b ? s[n][2] * scale_log2 : -MINILLM_INF;
+            s[n][3] = key + 1 <= pos_b ? s[n][3] * scale_log2 : -MINILLM_INF;
+            mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(FULL_MASK, mx_a, off));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(FULL_MASK, mx_b, off));
+        }
+        float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        float ref_a = mn_a == -MINILLM_INF ? 0.0f : mn_a, ref_b = mn_b == -MINILLM_INF ? 0.0f : mn_b;
+        float alpha_a = exp2f(m_a - ref_a), alpha_b = exp2f(m_b - ref_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        l_a *= alpha_a;
+        l_b *= alpha_b;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            o[n][0] *= alpha_a; o[n][1] *= alpha_a;
+            o[n][2] *= alpha_b; o[n][3] *= alpha_b;
+        }
+        unsigned int pa[PM_BK / 16][4];
+#pragma unroll
+        for (int n = 0; n < PM_BK / 8; ++n) {
+            float p0 = exp2f(s[n][0] - ref_a), p1 = exp2f(s[n][1] - ref_a);
+            float p2 = exp2f(s[n][2] - ref_b), p3 = exp2f(s[n][3] - ref_b);
+            l_a += p0 + p1;
+            l_b += p2 + p3;
+            pa[n >> 1][(n & 1) * 2 + 0] = pack2(p0, p1);
+            pa[n >> 1][(n & 1) * 2 + 1] = pack2(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < PM_BK / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < HEAD_DIM / 16; ++np) {
+                unsigned int r[4];
+                ldsm_x4_trans(smem_addr(vs + (kk * 16 + v_row) * PM_LD + np * 16 + v_col), r);
+                mma_16816(o[2 * np], pa[kk], r[0], r[1]);
+                mma_16816(o[2 * np + 1], pa[kk], r[2], r[3]);
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l_a += __shfl_xor_sync(FULL_MASK, l_a, off);
+        l_b += __shfl_xor_sync(FULL_MASK, l_b, off);
+    }
+    float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+    scalar_t* out_a = out + (long long)(q_start + row_a) * out_stride + (long long)h * HEAD_DIM;
+    scalar_t* out_b = out + (long long)(q_start + row_b) * out_stride + (long long)h * HEAD_DIM;
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        int c = n * 8 + tq * 2;
+        if (row_a < q_len) *reinterpret_cast<unsigned int*>(out_a + c) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
+        if (row_b < q_len) *reinterpret_cast<unsigned int*>(out_b + c) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
+    }
+}
+#endif

@@ -1,0 +1,650 @@
+"""CUDA backend: CuPy RawKernel launchers over cuda/*.cu, cuBLAS (C API) for matrix products.
+
+Every function has the name and signature of its twin in minillm/ops/numpy.py (plus optional
+`out=` buffers and a few tuning keywords). Arrays are CuPy arrays; activations and KV caches are
+float32, float16 or bfloat16 (cupy.dtype("bfloat16")), fp32 accumulation everywhere. Each launcher
+checks dtype, contiguity and shapes and computes the grid; kernels are compiled once per (file,
+dtype[, head_dim, group]) through NVRTC (CuPy picks -arch for the device, sm_90 on Hopper) and cached.
+
+CUDA graphs: every op launches only kernels (and cuBLAS through its C API) on CuPy's current
+stream, reads shapes from its arguments and host ints in AttentionMetadata, and never synchronises,
+so a forward pass captures. The graph runner must (1) run every op once eagerly before capturing
+(NVRTC compilation, module loading and the cuBLAS handle happen on first use); (2) capture on a
+non-default stream; (3) allocate under a private memory pool kept alive with the graph, e.g.
+`with cupy.cuda.using_allocator(pool.malloc):`, or pass preallocated `out=` buffers, because
+CuPy's pool hands freed blocks to later allocations and a replay writes to the captured addresses;
+(4) keep static input buffers (ids, positions, metadata arrays) and copy new values into them
+before each replay; (5) capture decode with meta.max_seq_len set to the longest context the graph
+will see (it sizes the split-K grid; shorter sequences leave splits empty).
+"""
+from __future__ import annotations
+
+import importlib.resources
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+
+import minillm
+from minillm.attention import AttentionMetadata
+from minillm.ops import cublas
+
+try:
+    import cupy
+except ImportError:  # the module still imports where there is no CuPy; calls then fail clearly
+    cupy = None
+
+xp = cupy
+name = "cuda"
+
+LOG2E = 1.4426950408889634
+DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode split reads
+DECODE_MAX_SPLITS = 64
+_DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
+_VEC_BYTES = 16
+
+_lock = threading.Lock()
+_modules: dict[tuple, object] = {}
+_kernels: dict[tuple, object] = {}
+_sources: dict[str, str] = {}
+_num_sms: list[int] = []
+
+
+# ----------------------------------------------------------------------------- arrays, dtypes
+
+def _require_cupy():
+    if cupy is None:
+        raise RuntimeError("the cuda ops backend needs CuPy (pip install minillm[cuda13])")
+    return cupy
+
+
+def _bf16():
+    """CuPy's bfloat16 dtype, or None when this CuPy / NumPy lacks it."""
+    try:
+        return _require_cupy().dtype("bfloat16")
+    except TypeError:
+        return None
+
+
+def _resolve_dtype(dtype):
+    """'bfloat16' / 'float16' / np.float32 / a dtype object -> a dtype usable by CuPy."""
+    if dtype is None:
+        return None
+    if str(dtype) in ("bfloat16", "bf16") or getattr(dtype, "__name__", "") == "bfloat16":
+        bf16 = _bf16()
+        if bf16 is None:
+            raise ValueError("dtype bfloat16 needs CuPy with bfloat16 support (ml_dtypes installed)")
+        return bf16
+    return np.dtype(dtype)
+
+
+def _host_bf16_bits(host: np.ndarray) -> np.ndarray:
+    """Host array -> uint16 bfloat16 bit patterns (round to nearest even; uint16 passes through)."""
+    if host.dtype == np.uint16:
+        return np.ascontiguousarray(host)
+    if host.dtype.name == "bfloat16":
+        return np.ascontiguousarray(host).view(np.uint16)
+    u = np.ascontiguousarray(host, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    return np.where(is_nan, ((u >> 16) | np.uint32(0x40)).astype(np.uint16), rounded)
+
+
+def asarray(a, dtype=None):
+    """Host (or device) array -> contiguous CuPy array; uint16 arrays become bfloat16 bit-for-bit."""
+    cp = _require_cupy()
+    target = _resolve_dtype(dtype)
+    bf16 = _bf16() if target is not None and target.name == "bfloat16" else None
+    if isinstance(a, cp.ndarray):
+        if target is None or a.dtype == target:
+            return cp.ascontiguousarray(a)
+        if bf16 is not None and a.dtype == np.uint16:
+            return cp.ascontiguousarray(a).view(bf16)
+        return cp.ascontiguousarray(a.astype(target))
+    host = np.asarray(a)
+    if bf16 is not None:
+        return cp.asarray(_host_bf16_bits(host)).view(bf16)
+    return cp.asarray(np.ascontiguousarray(host, dtype=target))
+
+
+def to_numpy(a) -> np.ndarray:
+    """Backend array -> host numpy array (bfloat16 arrives as ml_dtypes.bfloat16)."""
+    if cupy is not None and isinstance(a, cupy.ndarray):
+        return cupy.asnumpy(a)
+    return np.asarray(a)
+
+
+def synchronize() -> None:
+    """Wait for the work queued on CuPy's current stream."""
+    _require_cupy().cuda.get_current_stream().synchronize()
+
+
+def device_memory_info() -> tuple[int, int]:
+    """(free_bytes, total_bytes) of the current device."""
+    free, total = _require_cupy().cuda.runtime.memGetInfo()
+    return int(free), int(total)
+
+
+def prepare_linear_weight(w, dtype):
+    """w: [N, K] (Hugging Face layout, bf16 as uint16 bits allowed) -> packed device [N, K]."""
+    if w.ndim != 2:
+        raise ValueError(f"linear weight must be 2-D [N, K], got shape {tuple(w.shape)}")
+    return asarray(w, dtype)
+
+
+# ----------------------------------------------------------------------------- kernel loading
+
+def _source_dir():
+    """<repo>/cuda in a checkout, else the package data of minillm.cuda_src."""
+    repo = Path(minillm.__file__).resolve().parent.parent / "cuda"
+    if (repo / "common.cuh").exists():
+        return repo
+    return importlib.resources.files("minillm.cuda_src")
+
+
+def _read_source(filename: str) -> str:
+    """Kernel source with common.cuh inlined (NVRTC then needs no include path)."""
+    if filename not in _sources:
+        root = _source_dir()
+        header = (root / "common.cuh").read_text().replace("#pragma once", "")
+        _sources[filename] = (root / filename).read_text().replace('#include "common.cuh"', header)
+    return _sources[filename]
+
+
+def _kernel(filename: str, dtype, kernel_name: str, **defines):
+    """The compiled kernel `kernel_name` of `filename` for `dtype` (and -D defines), cached."""
+    cp = _require_cupy()
+    dtype_name = np.dtype(dtype).name
+    mod_key = (filename, dtype_name, tuple(sorted(defines.items())))
+    key = mod_key + (kernel_name,)
+    with _lock:
+        fn = _kernels.get(key)
+        if fn is not None:
+            return fn
+        mod = _modules.get(mod_key)
+        if mod is None:
+            options = ("-std=c++17", f"-DMINILLM_DTYPE={_DTYPE_IDS[dtype_name]}",
+                       *(f"-D{k}={v}" for k, v in sorted(defines.items())))
+            mod = cp.RawModule(code=_read_source(filename), options=options)
+            _modules[mod_key] = mod
+        fn = mod.get_function(kernel_name)
+        _kernels[key] = fn
+        return fn
+
+
+def _num_multiprocessors() -> int:
+    if not _num_sms:
+        _num_sms.append(int(_require_cupy().cuda.Device().attributes["MultiProcessorCount"]))
+    return _num_sms[0]
+
+
+def _ptr(a) -> np.uint64:
+    """Device pointer of an array as a kernel argument (independent of CuPy's dtype table)."""
+    return np.uint64(a.data.ptr)
+
+
+def _i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def _i64(v) -> np.int64:
+    return np.int64(v)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+def _check_float(a, what: str) -> None:
+    if a.dtype.name not in _DTYPE_IDS:
+        raise ValueError(f"{what} must be float32, float16 or bfloat16, got {a.dtype}")
+
+
+def _check_device(a, what: str) -> None:
+    if not isinstance(a, _require_cupy().ndarray):
+        raise ValueError(f"{what} must be a CuPy array, got {type(a).__name__}")
+
+
+def _check_same_dtype(a, b, what_a: str, what_b: str) -> None:
+    if a.dtype != b.dtype:
+        raise ValueError(f"{what_b} dtype {b.dtype} does not match {what_a} dtype {a.dtype}")
+
+
+def _row_stride(a, what: str) -> int:
+    """Stride of dim 0 in elements; the dims after it must be packed (C order)."""
+    expect = a.dtype.itemsize
+    for dim in range(a.ndim - 1, 0, -1):
+        if a.shape[dim] != 1 and a.strides[dim] != expect:
+            raise ValueError(f"{what} must be packed after its first dimension, got strides {a.strides}")
+        expect *= a.shape[dim]
+    if a.shape[0] > 1 and a.strides[0] % a.dtype.itemsize:
+        raise ValueError(f"{what} row stride {a.strides[0]} is not a multiple of its item size")
+    return a.strides[0] // a.dtype.itemsize if a.shape[0] > 1 else int(np.prod(a.shape[1:], dtype=np.int64))
+
+
+def _check_contiguous(a, what: str) -> None:
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous, got strides {a.strides}")
+
+
+def _is_vec_aligned(arrays_and_strides, elems_per_vec: int) -> bool:
+    """True when every pointer is 16-byte aligned and every stride a multiple of a vector."""
+    for a, stride in arrays_and_strides:
+        if a.data.ptr % _VEC_BYTES or stride % elems_per_vec:
+            return False
+    return True
+
+
+def _vec_elems(dtype) -> int:
+    return _VEC_BYTES // np.dtype(dtype).itemsize
+
+
+def _out(out, shape, dtype, what: str = "out"):
+    """`out` checked against shape / dtype / packing, or a new array."""
+    if out is None:
+        return _require_cupy().empty(shape, dtype=dtype)
+    _check_device(out, what)
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"{what} must be {tuple(shape)} {np.dtype(dtype)}, got {tuple(out.shape)} {out.dtype}")
+    _check_contiguous(out, what)
+    return out
+
+
+def _as_device(a, dtype, what: str):
+    """Device array of `dtype` (copies / casts only when needed)."""
+    cp = _require_cupy()
+    if isinstance(a, cp.ndarray):
+        return a if a.dtype == dtype and a.flags.c_contiguous else cp.ascontiguousarray(a.astype(dtype))
+    return cp.asarray(np.ascontiguousarray(np.asarray(a), dtype=dtype))
+
+
+def _threads_for(units: int) -> int:
+    return int(min(1024, max(32, (units + 31) // 32 * 32)))
+
+
+def _log2_exact(n: int, what: str) -> int:
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"{what} must be a power of two, got {n}")
+    return n.bit_length() - 1
+
+
+# ----------------------------------------------------------------------------- dense ops
+
+def linear(x, w, bias=None, out=None):
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N], accumulated in fp32 (cuBLAS C API)."""
+    _check_device(x, "x")
+    _check_device(w, "w")
+    _check_float(x, "x")
+    _check_same_dtype(x, w, "x", "w")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"linear needs x [T, K] and w [N, K], got {tuple(x.shape)} and {tuple(w.shape)}")
+    _row_stride(x, "x")
+    _check_contiguous(w, "w")
+    num_tokens, n = x.shape[0], w.shape[0]
+    out = _out(out, (num_tokens, n), x.dtype)
+    if num_tokens == 0 or n == 0:
+        return out
+    beta = 0.0
+    if bias is not None:
+        _check_device(bias, "bias")
+        _check_same_dtype(x, bias, "x", "bias")
+        if bias.shape != (n,):
+            raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+        _check_contiguous(bias, "bias")
+        total = num_tokens * n
+        fn = _kernel("activation.cu", x.dtype, "bias_broadcast")
+        fn(((total + 255) // 256,), (256,), (_ptr(out), _ptr(bias), _i64(num_tokens), _i32(n)))
+        beta = 1.0                      # the bias joins the fp32 sum inside the GEMM
+    if x.shape[1] == 0:
+        if bias is None:
+            out.fill(0)
+        return out
+    cublas.matmul_nt(out, x, w, beta)
+    return out
+
+
+def embedding(ids, table, out=None):
+    """ids: [T] int32, table: [V, D] -> [T, D] (ids outside [0, V) give zero rows)."""
+    _check_device(table, "table")
+    _check_float(table, "table")
+    _check_contiguous(table, "table")
+    ids = _as_device(ids, np.int32, "ids")
+    if ids.ndim != 1 or table.ndim != 2:
+        raise ValueError(f"embedding needs ids [T] and table [V, D], got {tuple(ids.shape)} and {tuple(table.shape)}")
+    num_tokens, (vocab, dim) = ids.shape[0], table.shape
+    out = _out(out, (num_tokens, dim), table.dtype)
+    if num_tokens == 0:
+        return out
+    vec = dim % _vec_elems(table.dtype) == 0
+    fn = _kernel("embedding.cu", table.dtype, "embedding_vec" if vec else "embedding_scalar")
+    fn((num_tokens,), (128,), (_ptr(out), _ptr(ids), _ptr(table), _i32(vocab), _i32(dim)))
+    return out
+
+
+def _norm_rows(x, what: str):
+    """x: [..., D] -> (a 2-D view [rows, D] with a row stride, row stride in elements)."""
+    if x.ndim < 1:
+        raise ValueError(f"{what} must have at least one dimension")
+    if x.ndim != 2:
+        x = _require_cupy().ascontiguousarray(x).reshape(-1, x.shape[-1])
+    return x, _row_stride(x, what)
+
+
+def _norm_kernel(prefix: str, x, weight, strides):
+    """The vectorised or scalar (add_)rms_norm kernel, weight in x's dtype or float32."""
+    dim = x.shape[1]
+    if weight.shape != (dim,):
+        raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")
+    _check_contiguous(weight, "weight")
+    if weight.dtype != x.dtype and weight.dtype != np.float32:
+        raise ValueError(f"weight dtype {weight.dtype} must be {x.dtype} or float32")
+    ve = _vec_elems(x.dtype)
+    vec = dim % ve == 0 and _is_vec_aligned(strides, ve)
+    suffix = ("_vec" if vec else "_scalar") + ("_wf32" if weight.dtype != x.dtype else "")
+    threads = _threads_for(dim // ve if vec else dim)
+    return _kernel("norm.cu", x.dtype, prefix + suffix), threads
+
+
+def rms_norm(x, weight, eps: float, out=None):
+    """x: [T, D], weight: [D] -> [T, D]: x / rms(x) * weight, computed in fp32."""
+    _check_device(x, "x")
+    _check_float(x, "x")
+    shape = x.shape
+    x2, x_stride = _norm_rows(x, "x")
+    out = _out(out, shape, x.dtype)
+    out2 = out.reshape(x2.shape)
+    if x2.shape[0] == 0:
+        return out
+    fn, threads = _norm_kernel("rms_norm", x2, weight, [(x2, x_stride), (out2, x2.shape[1])])
+    fn((x2.shape[0],), (threads,), (_ptr(out2), _ptr(x2), _ptr(weight), _i32(x2.shape[1]),
+                                    _i64(x_stride), np.float32(eps)))
+    return out
+
+
+def add_rms_norm(x, residual, weight, eps: float, out=None):
+    """Fused residual add then RMSNorm: s = x + residual; returns (rms_norm(s), s), both [T, D].
+
+    out=(normed, s_out) may name preallocated buffers; s_out may be `residual` itself (in place).
+    """
+    _check_device(x, "x")
+    _check_device(residual, "residual")
+    _check_float(x, "x")
+    _check_same_dtype(x, residual, "x", "residual")
+    if x.shape != residual.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    shape = x.shape
+    x2, x_stride = _norm_rows(x, "x")
+    r2, r_stride = _norm_rows(residual, "residual")
+    normed_out, s_out = out if out is not None else (None, None)
+    normed = _out(normed_out, shape, x.dtype, "out[0]")
+    s = _out(s_out, shape, x.dtype, "out[1]")
+    n2, s2 = normed.reshape(x2.shape), s.reshape(x2.shape)
+    if x2.shape[0] == 0:
+        return normed, s
+    dim = x2.shape[1]
+    fn, threads = _norm_kernel("add_rms_norm", x2, weight,
+                               [(x2, x_stride), (r2, r_stride), (n2, dim), (s2, dim)])
+    fn((x2.shape[0],), (threads,), (_ptr(n2), _ptr(s2), _ptr(x2), _ptr(r2), _ptr(weight), _i32(dim),
+                                    _i64(x_stride), _i64(r_stride), np.float32(eps)))
+    return normed, s
+
+
+def rotary(q, k, positions, cos_sin, out=None):
+    """Neox-style rotary on q: [T, Hq, Dh] and k: [T, Hk, Dh] at positions [T].
+
+    cos_sin: [max_pos, Dh] float32, cos in the first Dh/2 columns, sin in the last Dh/2.
+    Returns the rotated (q, k); out=(q_out, k_out) may be (q, k) to rotate in place.
+    """
+    for a, what in ((q, "q"), (k, "k"), (cos_sin, "cos_sin")):
+        _check_device(a, what)
+    _check_float(q, "q")
+    _check_same_dtype(q, k, "q", "k")
+    if q.ndim != 3 or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"rotary needs q [T, Hq, Dh] and k [T, Hk, Dh], got {tuple(q.shape)}, {tuple(k.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    if head_dim % 2 or cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != np.float32:
+        raise ValueError(f"cos_sin must be float32 [max_pos, {head_dim}] (even head_dim), "
+                         f"got {cos_sin.dtype} {tuple(cos_sin.shape)}")
+    _check_contiguous(cos_sin, "cos_sin")
+    positions = _as_device(positions, np.int32, "positions")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [{num_tokens}], got {tuple(positions.shape)}")
+    q_out, k_out = out if out is not None else (None, None)
+    q_out = q_out if q_out is not None else _require_cupy().empty(q.shape, q.dtype)
+    k_out = k_out if k_out is not None else _require_cupy().empty(k.shape, k.dtype)
+    if q_out.shape != q.shape or k_out.shape != k.shape or q_out.dtype != q.dtype or k_out.dtype != k.dtype:
+        raise ValueError("out=(q_out, k_out) must match q and k in shape and dtype")
+    strides = [_row_stride(a, w) for a, w in ((q, "q"), (k, "k"), (q_out, "q_out"), (k_out, "k_out"))]
+    if num_tokens == 0:
+        return q_out, k_out
+    ve = _vec_elems(q.dtype)
+    vec = (head_dim // 2) % ve == 0 and _is_vec_aligned(zip((q, k, q_out, k_out), strides), ve)
+    fn = _kernel("rotary.cu", q.dtype, "rotary_vec" if vec else "rotary_scalar")
+    fn((num_tokens,), (128,), (_ptr(q_out), _ptr(k_out), _ptr(q), _ptr(k), _ptr(positions), _ptr(cos_sin),
+                               _i32(num_heads), _i32(k.shape[1]), _i32(head_dim), *map(_i64, strides)))
+    return q_out, k_out
+
+
+def kv_append(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write k, v: [T, Hk, Dh] into the caches at slot_mapping [T] (-1: skip), in place."""
+    for a, what in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_device(a, what)
+    _check_float(k_cache, "k_cache")
+    for a, what in ((k, "k"), (v, "v"), (v_cache, "v_cache")):
+        _check_same_dtype(k_cache, a, "k_cache", what)
+    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"caches must both be [num_blocks, block_size, Hk, Dh], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if k.shape != v.shape or k.ndim != 3 or k.shape[1:] != (num_kv_heads, head_dim):
+        raise ValueError(f"k and v must be [T, {num_kv_heads}, {head_dim}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_contiguous(k_cache, "k_cache")
+    _check_contiguous(v_cache, "v_cache")
+    slot_mapping = _as_device(slot_mapping, np.int32, "slot_mapping")
+    num_tokens = k.shape[0]
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    k_stride, v_stride = _row_stride(k, "k"), _row_stride(v, "v")
+    if num_tokens == 0:
+        return
+    row = num_kv_heads * head_dim
+    ve = _vec_elems(k.dtype)
+    vec = row % ve == 0 and _is_vec_aligned([(k, k_stride), (v, v_stride), (k_cache, row), (v_cache, row)], ve)
+    fn = _kernel("kv_append.cu", k.dtype, "kv_append_vec" if vec else "kv_append_scalar")
+    fn((num_tokens,), (128,), (_ptr(k_cache), _ptr(v_cache), _ptr(k), _ptr(v), _ptr(slot_mapping), _i32(row),
+                               _i64(num_blocks * block_size), _i64(k_stride), _i64(v_stride)))
+
+
+def silu_and_mul(x, out=None):
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up: [T, I]."""
+    _check_device(x, "x")
+    _check_float(x, "x")
+    if x.ndim != 2 or x.shape[1] % 2:
+        raise ValueError(f"silu_and_mul needs x [T, 2I], got {tuple(x.shape)}")
+    x_stride = _row_stride(x, "x")
+    num_tokens, inter = x.shape[0], x.shape[1] // 2
+    out = _out(out, (num_tokens, inter), x.dtype)
+    if num_tokens == 0 or inter == 0:
+        return out
+    ve = _vec_elems(x.dtype)
+    vec = inter % ve == 0 and _is_vec_aligned([(x, x_stride), (out, inter)], ve)
+    items = num_tokens * (inter // ve if vec else inter)
+    fn = _kernel("activation.cu", x.dtype, "silu_and_mul_vec" if vec else "silu_and_mul_scalar")
+    fn(((items + 255) // 256,), (256,), (_ptr(out), _ptr(x), _i64(num_tokens), _i32(inter), _i64(x_stride)))
+    return out
+
+
+# ----------------------------------------------------------------------------- attention
+
+def _attention_meta(meta: AttentionMetadata):
+    """Device int32 views of the metadata arrays (host arrays are uploaded, outside capture)."""
+    qsl = _as_device(meta.query_start_loc, np.int32, "query_start_loc")
+    seq_lens = _as_device(meta.seq_lens, np.int32, "seq_lens")
+    tables = _as_device(meta.block_tables, np.int32, "block_tables")
+    if qsl.ndim != 1 or seq_lens.ndim != 1 or qsl.shape[0] != seq_lens.shape[0] + 1:
+        raise ValueError(f"query_start_loc must be [B+1] and seq_lens [B], got {tuple(qsl.shape)} "
+                         f"and {tuple(seq_lens.shape)}")
+    if tables.ndim != 2 or tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables must be [B, max_blocks], got {tuple(tables.shape)}")
+    return qsl, seq_lens, tables
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Context splits per sequence: enough blocks for about two waves, each >= the min partition."""
+    want = -(-8 * _num_multiprocessors() // max(1, batch * num_kv_heads))
+    cap = -(-max(1, max_seq_len) // DECODE_MIN_PARTITION)
+    return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
+
+
+def _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_seq_len: int,
+            num_splits: int | None) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    batch = seq_lens.shape[0]
+    splits = num_splits or decode_num_splits(batch, num_kv_heads, max_seq_len)
+    defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads}
+    cp = _require_cupy()
+    part_o = cp.empty((batch, num_heads, splits, head_dim), np.float32) if splits > 1 else out
+    part_ml = cp.empty((batch, num_heads, splits, 2), np.float32) if splits > 1 else out
+    fn = _kernel("paged_attention.cu", q.dtype, "paged_decode", **defines)
+    fn((splits, num_kv_heads, batch), (128,),
+       (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o), _ptr(part_ml), _ptr(q),
+        _i64(_row_stride(q, "q")), _ptr(k_cache), _ptr(v_cache), _ptr(tables),
+        _i64(tables.strides[0] // 4), _ptr(seq_lens), _ptr(qsl), _i32(num_kv_heads),
+        _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), _i32(splits),
+        _i32(DECODE_MIN_PARTITION if splits > 1 else 0)))
+    if splits > 1:
+        fn = _kernel("paged_attention.cu", q.dtype, "paged_decode_reduce", **defines)
+        fn((num_heads, batch), (128,), (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o),
+                                        _ptr(part_ml), _ptr(qsl), _i32(num_heads), _i32(splits)))
+
+
+def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
+             max_query_len: int) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    batch = seq_lens.shape[0]
+    q_stride = _row_stride(q, "q")
+    use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)
+               and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
+    rows_per_block = 64 if use_mma else 16
+    defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads}
+    fn = _kernel("paged_attention.cu", q.dtype, "paged_prefill_mma" if use_mma else "paged_prefill_simple",
+                 **defines)
+    grid = (max(1, -(-max_query_len // rows_per_block)), num_heads, batch)
+    fn(grid, (128,), (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(q), _i64(q_stride),
+                      _ptr(k_cache), _ptr(v_cache), _ptr(tables), _i64(tables.strides[0] // 4),
+                      _ptr(seq_lens), _ptr(qsl), _i32(num_heads), _i32(num_kv_heads),
+                      _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E)))
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None,
+                    num_splits: int | None = None):
+    """Causal attention of ragged query chunks over their paged history (which includes them).
+
+    q: [T, Hq, Dh] (token stride free, heads packed); returns [T, Hq, Dh]. Query row i of sequence
+    b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
+    query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
+    kernel (num_splits forces its split count), else the prefill kernel (tensor cores for fp16 /
+    bf16 at head_dim 64 and 128).
+    """
+    for a, what in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_device(a, what)
+    _check_float(q, "q")
+    _check_same_dtype(q, k_cache, "q", "k_cache")
+    _check_same_dtype(q, v_cache, "q", "v_cache")
+    if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_attention needs q [T, Hq, Dh] and caches [num_blocks, block_size, Hk, Dh], "
+                         f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_heads} x {head_dim} do not fit caches with {num_kv_heads} "
+                         f"KV heads x {k_cache.shape[3]}")
+    if head_dim % _vec_elems(q.dtype):
+        raise ValueError(f"head_dim {head_dim} must be a multiple of {_vec_elems(q.dtype)} for {q.dtype}")
+    _check_contiguous(k_cache, "k_cache")
+    _check_contiguous(v_cache, "v_cache")
+    if k_cache.data.ptr % _VEC_BYTES or v_cache.data.ptr % _VEC_BYTES:
+        raise ValueError("k_cache and v_cache must start on a 16-byte boundary")
+    if not _is_vec_aligned([(q, _row_stride(q, "q"))], _vec_elems(q.dtype)):
+        q = q.copy()                                  # the kernels read q in 16-byte vectors
+    qsl, seq_lens, tables = _attention_meta(meta)
+    out = _out(out, q.shape, q.dtype)
+    if num_tokens == 0 or seq_lens.shape[0] == 0:
+        return out
+    if meta.is_decode_only:
+        if num_tokens != seq_lens.shape[0]:
+            raise ValueError(f"decode-only batch needs one query token per sequence, got {num_tokens} "
+                             f"tokens for {seq_lens.shape[0]} sequences")
+        _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits)
+    else:
+        _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_query_len))
+    return out
+
+
+# ----------------------------------------------------------------------------- sampling
+
+def _check_logits(logits, what: str = "logits"):
+    _check_device(logits, what)
+    if logits.ndim != 2 or logits.dtype != np.float32:
+        raise ValueError(f"{what} must be float32 [B, V], got {logits.dtype} {tuple(logits.shape)}")
+    _check_contiguous(logits, what)
+
+
+def apply_penalties(logits, rows, token_ids, output_counts, in_prompt, repetition, presence,
+                    frequency) -> None:
+    """Penalise seen tokens in place, as vLLM defines it (see minillm/ops/numpy.py)."""
+    _check_logits(logits)
+    batch, vocab = logits.shape
+    ints = [_as_device(a, np.int32, w) for a, w in ((rows, "rows"), (token_ids, "token_ids"),
+                                                     (output_counts, "output_counts"), (in_prompt, "in_prompt"))]
+    floats = [_as_device(a, np.float32, w) for a, w in ((repetition, "repetition"), (presence, "presence"),
+                                                         (frequency, "frequency"))]
+    num_entries = ints[0].shape[0]
+    if any(a.shape != (num_entries,) for a in ints):
+        raise ValueError("rows, token_ids, output_counts and in_prompt must all be [N]")
+    if any(a.shape != (batch,) for a in floats):
+        raise ValueError(f"repetition, presence and frequency must all be [{batch}]")
+    if num_entries == 0:
+        return
+    fn = _kernel("sampling.cu", np.float32, "apply_penalties_kernel")
+    fn(((num_entries + 255) // 256,), (256,), (_ptr(logits), _i32(batch), _i32(vocab), *map(_ptr, ints),
+                                              *map(_ptr, floats), _i32(num_entries)))
+
+
+def log_softmax(logits, out=None):
+    """logits: [B, V] -> log-probabilities [B, V] in float32."""
+    _check_device(logits, "logits")
+    if logits.dtype != np.float32 or not logits.flags.c_contiguous:
+        logits = _require_cupy().ascontiguousarray(logits.astype(np.float32))
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got {tuple(logits.shape)}")
+    out = _out(out, logits.shape, np.float32)
+    if logits.shape[0] == 0:
+        return out
+    fn = _kernel("sampling.cu", np.float32, "log_softmax_kernel")
+    fn((logits.shape[0],), (1024,), (_ptr(out), _ptr(logits), _i32(logits.shape[1])))
+    return out
+
+
+def sample(logits, temperature, top_k, top_p, min_p, uniforms, out=None):
+    """Pick one token per row; returns ids [B] int32 (the rule of minillm/ops/numpy.py.sample).
+
+    logits: [B, V] float32; temperature, top_p, min_p, uniforms: [B] float32; top_k: [B] int32.
+    """
+    _check_logits(logits)
+    batch, vocab = logits.shape
+    params = [_as_device(temperature, np.float32, "temperature"), _as_device(top_k, np.int32, "top_k"),
+              _as_device(top_p, np.float32, "top_p"), _as_device(min_p, np.float32, "min_p"),
+              _as_device(uniforms, np.float32, "uniforms")]
+    for a, what in zip(params, ("temperature", "top_k", "top_p", "min_p", "uniforms")):
+        if a.shape != (batch,):
+            raise ValueError(f"{what} must be [{batch}], got {tuple(a.shape)}")
+    out = _out(out, (batch,), np.int32)
+    if batch == 0:
+        return out
+    if vocab == 0:
+        raise ValueError("logits must have at least one column")
+    fn = _kernel("sampling.cu", np.float32, "sample_kernel")
+    fn((batch,), (1024,), (_ptr(out), _ptr(logits), _i32(vocab), *map(_ptr, params)))
+    return out
