@@ -437,7 +437,8 @@ def _tiny_forward(ids, positions, meta, weights, pool, cos_sin):
     h2 = ops.linear(o.reshape(t, heads * head_dim), o_w)
     x2, res = ops.add_rms_norm(h2, h, norm_w, 1e-6)
     y = ops.linear(ops.silu_and_mul(ops.linear(x2, up_w)), down_w)
-    logits = ops.linear(y + res, embed).astype(cupy.float32)
+    final, _ = ops.add_rms_norm(y, res, norm_w, 1e-6)
+    logits = ops.linear(final, embed).astype(cupy.float32)
     zeros = cupy.zeros(t, cupy.float32)
     return ops.sample(logits, zeros, cupy.zeros(t, cupy.int32), zeros + 1, zeros, zeros)
 
