@@ -53,35 +53,40 @@ class _Stop:
 
 @dataclass
 class RequestStream:
-    """The outputs of one request, in order, as (RequestOutput, time seen on the engine thread)."""
+    """One engine request as the event loop sees it.
+
+    Its items land in `queue` as (stream, RequestOutput or exception, time seen on the engine
+    thread). The streams of one API call (a batch of prompts) may share a queue, so the caller
+    wakes once per step for all of them.
+    """
 
     request_id: str
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     finished: bool = False
 
-    def put_threadsafe(self, item: Any) -> None:
+    def put_threadsafe(self, payload: Any, seen: float | None = None) -> None:
         """Hand an output (or an exception) to the request's event loop."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self, payload, seen))
         except RuntimeError:
             pass  # the loop is closed: nobody is listening any more
 
     async def __aiter__(self) -> AsyncIterator[tuple[RequestOutput, float]]:
+        """(output, seen) in order; for a stream that has its queue to itself."""
         while not self.finished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
+            _, payload, seen = await self.queue.get()
+            if isinstance(payload, BaseException):
                 self.finished = True
-                raise item
-            output, seen = item
-            self.finished = output.finished
-            yield output, seen
+                raise payload
+            self.finished = payload.finished
+            yield payload, seen
 
 
-def _deliver(batch: list[tuple["RequestStream", Any]]) -> None:
-    """On the event loop: put each item into its request's queue."""
-    for stream, item in batch:
-        stream.queue.put_nowait(item)
+def _deliver(batch: list[tuple[RequestStream, RequestOutput, float]]) -> None:
+    """On the event loop: put each output into its request's queue."""
+    for item in batch:
+        item[0].queue.put_nowait(item)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
@@ -144,10 +149,14 @@ class AsyncLLMEngine:
             self._commands.put(command)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          arrival_time: float | None = None) -> RequestStream:
-        """Submit a request; returns its stream once the engine accepted it (ValueError if not)."""
+                          arrival_time: float | None = None,
+                          output_queue: asyncio.Queue | None = None) -> RequestStream:
+        """Submit a request; returns its stream once the engine accepted it (ValueError if not).
+
+        output_queue: where its outputs go (shared by the requests of one call); a new one if None.
+        """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop)
+        stream = RequestStream(request_id, loop, output_queue if output_queue is not None else asyncio.Queue())
         done = loop.create_future()
         self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done))
         try:
@@ -249,7 +258,7 @@ class AsyncLLMEngine:
                 continue  # aborted by its client: nobody waits for it
             if output.finished:
                 del self._streams[output.request_id]
-            batches.setdefault(stream.loop, []).append((stream, (output, seen)))
+            batches.setdefault(stream.loop, []).append((stream, output, seen))
         for loop, batch in batches.items():
             try:
                 loop.call_soon_threadsafe(_deliver, batch)

@@ -74,12 +74,13 @@ def new_request_id(prefix: str) -> str:
 
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams]) -> list[RequestStream]:
-    """Add one engine request per prompt; on a rejection abort the ones already added."""
+    """Add one engine request per prompt, all feeding one queue; on a rejection abort those added."""
     streams: list[RequestStream] = []
+    shared: asyncio.Queue = asyncio.Queue()
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await ctx.engine.add_request(sub_id, ids, sp))
+            streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared))
     except BaseException as exc:
         for stream in streams:
             ctx.engine.abort(stream.request_id)
@@ -90,34 +91,34 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
 
 
 async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
-                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """(prompt index, output) from all streams as they come; leaving early aborts the rest."""
-    merged: asyncio.Queue = asyncio.Queue()
+                         ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """Per wake-up, [(prompt index, latest output)] for the streams that moved; leaving early aborts.
 
-    async def pump(index: int, stream: RequestStream) -> None:
-        timer = RequestTimer(ctx.metrics)
-        try:
-            async for output, seen in stream:
-                timer.on_output(output, seen)
-                merged.put_nowait((index, output))
-        except Exception as exc:  # noqa: BLE001 - handed to the consumer
-            merged.put_nowait((index, exc))
-        merged.put_nowait((index, None))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    Outputs are cumulative, so when several steps queued up while the caller was busy only the
+    newest of each request is passed on: a loaded server sends fewer, larger chunks instead of
+    falling further behind. Every output still feeds the latency histograms.
+    """
+    queue = streams[0].queue          # submit() gives the streams of one call a shared queue
+    index_of = {id(s): i for i, s in enumerate(streams)}
+    timers = {id(s): RequestTimer(ctx.metrics) for s in streams}
     remaining = len(streams)
     try:
         while remaining:
-            index, item = await merged.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
+            items = [await queue.get()]
+            while not queue.empty():
+                items.append(queue.get_nowait())
+            latest: dict[int, RequestOutput] = {}
+            for stream, payload, seen in items:
+                if isinstance(payload, BaseException):
+                    stream.finished = True
+                    raise payload
+                timers[id(stream)].on_output(payload, seen)
+                latest[index_of[id(stream)]] = payload
+                if payload.finished:
+                    stream.finished = True
+                    remaining -= 1
+            yield sorted(latest.items())
     finally:
-        for task in tasks:
-            task.cancel()
         for stream in streams:
             if not stream.finished:
                 ctx.engine.abort(stream.request_id)
@@ -126,9 +127,10 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
 async def final_outputs(ctx: ServingContext, streams: list[RequestStream]) -> list[RequestOutput]:
     """Wait for every stream to finish; the last output of each, in prompt order."""
     last: list[RequestOutput | None] = [None] * len(streams)
-    async with contextlib.aclosing(merged_outputs(ctx, streams)) as outputs:
-        async for index, output in outputs:
-            last[index] = output
+    async with contextlib.aclosing(merged_outputs(ctx, streams)) as batches:
+        async for batch in batches:
+            for index, output in batch:
+                last[index] = output
     return [o for o in last if o is not None]
 
 

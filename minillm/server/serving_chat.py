@@ -87,29 +87,35 @@ class ChatJob:
         """Server-sent events: the role, then content deltas, the finish, usage and [DONE]."""
         progress: dict[int, ChoiceProgress] = {}
         final: RequestOutput | None = None
-        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as outputs:
-            async for _, output in outputs:
-                final = output
-                for comp in output.outputs:
-                    state = progress.setdefault(comp.index, ChoiceProgress(comp.index, self._cursor(),
-                                                                           self.num_top or 0))
-                    if not state.is_started:
-                        state.is_started = True
-                        yield sse(self._chunk([self._choice(comp.index, {"role": "assistant", "content": ""},
-                                                            None, None)]))
-                    update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
-                    if update is None:
-                        continue
-                    delta, rows, finish = update
-                    content = {"content": delta} if delta else {}
-                    yield sse(self._chunk([self._choice(comp.index, content,
-                                                        rows if state.cursor is not None else None, finish,
-                                                        comp.stop_reason if finish else None)]))
+        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
+            async for batch in batches:
+                for _, output in batch:
+                    final = output
+                    events = [sse(self._chunk([choice])) for choice in self._choices(output, progress)]
+                    if events:
+                        yield "".join(events)   # one write per wake-up, however many choices moved
         if self.req.include_usage and final is not None:
             chunk = self._chunk([])
             chunk["usage"] = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
             yield sse(chunk)
         yield SSE_DONE
+
+    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[dict]:
+        """Stream choices (role opener, content delta, finish) for the completions that moved."""
+        choices = []
+        for comp in output.outputs:
+            state = progress.setdefault(comp.index, ChoiceProgress(comp.index, self._cursor(), self.num_top or 0))
+            if not state.is_started:
+                state.is_started = True
+                choices.append(self._choice(comp.index, {"role": "assistant", "content": ""}, None, None))
+            update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
+            if update is None:
+                continue
+            delta, rows, finish = update
+            content = {"content": delta} if delta else {}
+            choices.append(self._choice(comp.index, content, rows if state.cursor is not None else None, finish,
+                                        comp.stop_reason if finish else None))
+        return choices
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):

@@ -76,32 +76,41 @@ class CompletionJob:
         return chunk
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per completion whose text moved, then usage and [DONE]."""
+        """Server-sent events: a chunk per completion whose text moved, then usage and [DONE]."""
         progress: dict[int, ChoiceProgress] = {}
         finals: dict[int, RequestOutput] = {}
-        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as outputs:
-            async for pi, output in outputs:
-                finals[pi] = output
-                for comp in output.outputs:
-                    index = self._choice_index(pi, comp)
-                    state = progress.setdefault(index, ChoiceProgress(index, self._cursor(pi), self.req.logprobs or 0))
-                    update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
-                    if update is None:
-                        continue
-                    delta, rows, finish = update
-                    if not state.is_started:
-                        state.is_started = True
-                        if self.req.echo:
-                            delta = self.prompt_texts[pi] + delta
-                    choice = {"index": index, "text": delta,
-                              "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
-                              "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}
-                    yield sse(self._chunk([choice]))
+        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
+            async for batch in batches:
+                events = []
+                for pi, output in batch:
+                    finals[pi] = output
+                    events.extend(sse(self._chunk([choice])) for choice in self._choices(pi, output, progress))
+                if events:
+                    yield "".join(events)   # one write per wake-up, however many choices moved
         if self.req.include_usage:
             chunk = self._chunk([])
             chunk["usage"] = self._usage([finals[i] for i in sorted(finals)])
             yield sse(chunk)
         yield SSE_DONE
+
+    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[dict]:
+        """Stream choices for the completions of one output that have something new."""
+        choices = []
+        for comp in output.outputs:
+            index = self._choice_index(pi, comp)
+            state = progress.setdefault(index, ChoiceProgress(index, self._cursor(pi), self.req.logprobs or 0))
+            update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
+            if update is None:
+                continue
+            delta, rows, finish = update
+            if not state.is_started:
+                state.is_started = True
+                if self.req.echo:
+                    delta = self.prompt_texts[pi] + delta
+            choices.append({"index": index, "text": delta,
+                            "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
+                            "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None})
+        return choices
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
