@@ -35,6 +35,7 @@ class ServingContext:
 
     @property
     def tokenizer(self) -> Any:
+        """The engine's tokenizer (thread-safe for encode/decode)."""
         return self.engine.tokenizer
 
     def check_model(self, model: str | None) -> None:
