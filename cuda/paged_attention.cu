@@ -19,8 +19,8 @@
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them.
 // paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
-//   128 threads; each warp owns 16 query rows, K/V tiles of 32 tokens stream into two shared
-//   buffers by cp.async (zero-filled past the end; the next tile loads while one is computed),
+//   128 threads; each warp owns 16 query rows, K/V tiles of PM_BK tokens go to shared memory by
+//   cp.async (zero-filled past the end; with PM_STAGES 2 the next tile loads during this one),
 //   S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online softmax;
 //   block x is reversed so the longest tiles start first.
 // paged_prefill_simple (any dtype / HEAD_DIM): same grid with 16-row query tiles; K/V tiles of
@@ -393,7 +393,15 @@ paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, lon
 // Prefill, tensor cores: fp16 / bf16 with HEAD_DIM a multiple of 16 up to 128.
 #if MINILLM_DTYPE != 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128
 #define PM_BQ 64
-#define PM_BK 32
+#ifndef PM_BK
+#define PM_BK 64                   // keys per K/V tile
+#endif
+#ifndef PM_STAGES
+#define PM_STAGES 1                // 2: the next tile streams in while one is computed
+#endif
+#if PM_STAGES * PM_BK > 64 || PM_BK % 16 != 0
+#error "PM_STAGES * PM_BK must fit the 48 KB of static shared memory (<= 64 keys), PM_BK a multiple of 16"
+#endif
 #define PM_THREADS 128
 #define PM_LD (HEAD_DIM + 8)       // padded row: 8 rows of a fragment hit distinct banks
 
@@ -567,8 +575,8 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
                   const scalar_t* k_cache, const scalar_t* v_cache, const int* block_tables,
                   long long bt_stride, const int* seq_lens, const int* query_start_loc,
                   int num_heads, int num_kv_heads, int block_size_log2, float scale_log2) {
-    __shared__ alignas(16) scalar_t ks[2][PM_BK * PM_LD];     // double-buffered K/V tiles
-    __shared__ alignas(16) scalar_t vs[2][PM_BK * PM_LD];
+    __shared__ alignas(16) scalar_t ks[PM_STAGES][PM_BK * PM_LD];
+    __shared__ alignas(16) scalar_t vs[PM_STAGES][PM_BK * PM_LD];
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (num_heads / num_kv_heads);
     const int q_start = query_start_loc[b], q_len = query_start_loc[b + 1] - q_start;
@@ -605,17 +613,21 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
     const long long tok_stride = (long long)num_kv_heads * HEAD_DIM, head_off = (long long)kvh * HEAD_DIM;
     mma_issue_tile(ks[0], vs[0], k_cache, v_cache, bt, 0, kv_end, block_size_log2, tok_stride, head_off);
     for (int it = 0; it < num_tiles; ++it) {
-        const int kt = it * PM_BK;
-        if (it + 1 < num_tiles) {   // the next tile streams in while this one is computed
-            mma_issue_tile(ks[(it + 1) & 1], vs[(it + 1) & 1], k_cache, v_cache, bt, kt + PM_BK, kv_end,
-                           block_size_log2, tok_stride, head_off);
+        const int kt = it * PM_BK, buf = it % PM_STAGES;
+        if (PM_STAGES == 2 && it + 1 < num_tiles) {   // the next tile streams in during this one
+            mma_issue_tile(ks[(it + 1) % PM_STAGES], vs[(it + 1) % PM_STAGES], k_cache, v_cache, bt,
+                           kt + PM_BK, kv_end, block_size_log2, tok_stride, head_off);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
         __syncthreads();
-        if (warp_active && kt <= warp_last_pos) mma_tile(st, qa, ks[it & 1], vs[it & 1], kt, pos_a, pos_b, scale_log2);
-        __syncthreads();            // the buffer is refilled two tiles later
+        if (warp_active && kt <= warp_last_pos) mma_tile(st, qa, ks[buf], vs[buf], kt, pos_a, pos_b, scale_log2);
+        __syncthreads();            // every warp is done with this buffer before it is refilled
+        if (PM_STAGES == 1 && it + 1 < num_tiles) {
+            mma_issue_tile(ks[0], vs[0], k_cache, v_cache, bt, kt + PM_BK, kv_end, block_size_log2,
+                           tok_stride, head_off);
+        }
     }
     mma_store(st, out + (long long)(q_start + row_a) * out_stride + (long long)h * HEAD_DIM,
               out + (long long)(q_start + row_b) * out_stride + (long long)h * HEAD_DIM, row_a < q_len,
