@@ -119,6 +119,11 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._stopped = False
         self.last_stats: EngineStats | None = None
+        # The NumPy backend holds the GIL for most of a step, so without a pause the event loop
+        # waits for a forced switch (5 ms) to send tokens or pass on a client's hang-up; yielding
+        # after each step gets an abort into the very next step. The CUDA backend releases the
+        # GIL while it waits for the device, which is when the loop runs: no pause needed there.
+        self._yield_each_step = getattr(engine, "backend", None) == "numpy"
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._thread.start()
 
@@ -202,6 +207,8 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     self._route(outputs, time.time())
+                    if self._yield_each_step:
+                        time.sleep(0)   # hand the GIL to the event loop (see __init__)
         except BaseException as exc:  # noqa: BLE001 - any failure ends the loop, reported to all
             logger.exception("engine loop died")
             self._die(exc)
