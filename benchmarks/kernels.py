@@ -147,15 +147,9 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
     meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([chunk], np.int32)), a(tables),
                              a(np.zeros(chunk, np.int32)), chunk, chunk, False)
     qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
+    t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5), iters=10)
     flops = 4 * HEADS * HEAD_DIM * chunk * (chunk + 1) / 2          # causal QK^T and PV
-    default = ops.PREFILL_MMA_TILE
-    for tile in (default, (32, 2)):
-        ops.PREFILL_MMA_TILE = tile
-        t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5), iters=10)
-        tag = " (default)" if tile == default else ""
-        rows.append(Row(f"prefill attn mma {tile[0]}x{tile[1]}{tag}", f"chunk {chunk}", t * 1e6,
-                        flops / t / 1e12, "TFLOP/s", gemm_peak))
-    ops.PREFILL_MMA_TILE = default
+    rows.append(Row("prefill attention (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
     return rows
 
 

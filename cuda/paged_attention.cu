@@ -19,10 +19,9 @@
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them.
 // paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
-//   128 threads; each warp owns 16 query rows, K/V tiles of PM_BK tokens go to shared memory by
-//   cp.async (zero-filled past the end; with PM_STAGES 2 the next tile loads during this one),
-//   S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online softmax;
-//   block x is reversed so the longest tiles start first.
+//   128 threads; each warp owns 16 query rows, K/V tiles of 64 tokens go to shared memory by
+//   cp.async (zero-filled past the end), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
+//   accumulators and an online softmax; block x is reversed so the longest tiles start first.
 // paged_prefill_simple (any dtype / HEAD_DIM): same grid with 16-row query tiles; K/V tiles of
 //   PF_BK tokens converted to fp32 in shared memory, one lane per key for scores and one lane per
 //   output dimension for P V.
@@ -393,15 +392,7 @@ paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, lon
 // Prefill, tensor cores: fp16 / bf16 with HEAD_DIM a multiple of 16 up to 128.
 #if MINILLM_DTYPE != 0 && HEAD_DIM % 16 == 0 && HEAD_DIM <= 128
 #define PM_BQ 64
-#ifndef PM_BK
-#define PM_BK 64                   // keys per K/V tile
-#endif
-#ifndef PM_STAGES
-#define PM_STAGES 1                // 2: the next tile streams in while one is computed
-#endif
-#if PM_STAGES * PM_BK > 64 || PM_BK % 16 != 0
-#error "PM_STAGES * PM_BK must fit the 48 KB of static shared memory (<= 64 keys), PM_BK a multiple of 16"
-#endif
+#define PM_BK 64
 #define PM_THREADS 128
 #define PM_LD (HEAD_DIM + 8)       // padded row: 8 rows of a fragment hit distinct banks
 
@@ -452,12 +443,11 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
     return r;
 }
 
-// Issue cp.async copies of keys/values kt..kt+PM_BK-1 into padded tiles (zero-filled past
-// kv_end) and commit them as one group.
-__device__ __forceinline__ void mma_issue_tile(scalar_t* ks, scalar_t* vs, const scalar_t* k_cache,
-                                               const scalar_t* v_cache, const int* bt, int kt,
-                                               int kv_end, int block_size_log2,
-                                               long long tok_stride, long long head_off) {
+// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end.
+__device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const scalar_t* k_cache,
+                                              const scalar_t* v_cache, const int* bt, int kt,
+                                              int kv_end, int block_size_log2,
+                                              long long tok_stride, long long head_off) {
     constexpr int parts = HEAD_DIM / 8;
     int mask = (1 << block_size_log2) - 1;
     for (int c = threadIdx.x; c < PM_BK * parts; c += PM_THREADS) {
@@ -469,105 +459,11 @@ __device__ __forceinline__ void mma_issue_tile(scalar_t* ks, scalar_t* vs, const
         cp_async16(smem_addr(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
     }
     asm volatile("cp.async.commit_group;");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
 __device__ __forceinline__ unsigned int ld_pair(const scalar_t* p) {
     return *reinterpret_cast<const unsigned int*>(p);
-}
-
-// Online-softmax state of one warp's 16 query rows: this lane holds rows a = g and b = g + 8.
-struct MmaState {
-    float o[HEAD_DIM / 8][4];
-    float m_a, m_b, l_a, l_b;
-};
-
-// Fold one K/V tile (keys kt..kt+PM_BK-1, in shared memory) into the warp's state.
-__device__ __forceinline__ void mma_tile(MmaState& st, const unsigned int (&qa)[HEAD_DIM / 16][4],
-                                         const scalar_t* ks, const scalar_t* vs, int kt, int pos_a,
-                                         int pos_b, float scale_log2) {
-    const int lane = threadIdx.x & 31, tq = lane & 3;
-    // ldmatrix row addresses of this lane (see the fragment layouts of mma.m16n8k16).
-    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
-    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;
-    float s[PM_BK / 8][4];
-#pragma unroll
-    for (int n = 0; n < PM_BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-#pragma unroll
-        for (int nj = 0; nj < PM_BK / 16; ++nj) {
-            unsigned int r[4];
-            ldsm_x4(smem_addr(ks + (nj * 16 + k_row) * PM_LD + kk * 16 + k_col), r);
-            mma_16816(s[2 * nj], qa[kk], r[0], r[1]);
-            mma_16816(s[2 * nj + 1], qa[kk], r[2], r[3]);
-        }
-    }
-    float mx_a = -MINILLM_INF, mx_b = -MINILLM_INF;
-#pragma unroll
-    for (int n = 0; n < PM_BK / 8; ++n) {
-        int key = kt + n * 8 + tq * 2;
-        s[n][0] = key <= pos_a ? s[n][0] * scale_log2 : -MINILLM_INF;
-        s[n][1] = key + 1 <= pos_a ? s[n][1] * scale_log2 : -MINILLM_INF;
-        s[n][2] = key <= pos_b ? s[n][2] * scale_log2 : -MINILLM_INF;
-        s[n][3] = key + 1 <= pos_b ? s[n][3] * scale_log2 : -MINILLM_INF;
-        mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
-        mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
-    }
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(FULL_MASK, mx_a, off));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(FULL_MASK, mx_b, off));
-    }
-    float mn_a = fmaxf(st.m_a, mx_a), mn_b = fmaxf(st.m_b, mx_b);
-    float ref_a = mn_a == -MINILLM_INF ? 0.0f : mn_a, ref_b = mn_b == -MINILLM_INF ? 0.0f : mn_b;
-    float alpha_a = exp2f(st.m_a - ref_a), alpha_b = exp2f(st.m_b - ref_b);
-    st.m_a = mn_a;
-    st.m_b = mn_b;
-    st.l_a *= alpha_a;
-    st.l_b *= alpha_b;
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) {
-        st.o[n][0] *= alpha_a; st.o[n][1] *= alpha_a;
-        st.o[n][2] *= alpha_b; st.o[n][3] *= alpha_b;
-    }
-    unsigned int pa[PM_BK / 16][4];
-#pragma unroll
-    for (int n = 0; n < PM_BK / 8; ++n) {
-        float p0 = exp2f(s[n][0] - ref_a), p1 = exp2f(s[n][1] - ref_a);
-        float p2 = exp2f(s[n][2] - ref_b), p3 = exp2f(s[n][3] - ref_b);
-        st.l_a += p0 + p1;
-        st.l_b += p2 + p3;
-        pa[n >> 1][(n & 1) * 2 + 0] = pack2(p0, p1);
-        pa[n >> 1][(n & 1) * 2 + 1] = pack2(p2, p3);
-    }
-#pragma unroll
-    for (int kk = 0; kk < PM_BK / 16; ++kk) {
-#pragma unroll
-        for (int np = 0; np < HEAD_DIM / 16; ++np) {
-            unsigned int r[4];
-            ldsm_x4_trans(smem_addr(vs + (kk * 16 + v_row) * PM_LD + np * 16 + v_col), r);
-            mma_16816(st.o[2 * np], pa[kk], r[0], r[1]);
-            mma_16816(st.o[2 * np + 1], pa[kk], r[2], r[3]);
-        }
-    }
-}
-
-// Normalise and store this lane's two rows (pairs of columns per 8-wide n-tile).
-__device__ __forceinline__ void mma_store(MmaState& st, scalar_t* out_a, scalar_t* out_b, bool valid_a,
-                                          bool valid_b) {
-    const int tq = threadIdx.x & 3;
-#pragma unroll
-    for (int off = 1; off < 4; off <<= 1) {
-        st.l_a += __shfl_xor_sync(FULL_MASK, st.l_a, off);
-        st.l_b += __shfl_xor_sync(FULL_MASK, st.l_b, off);
-    }
-    float inv_a = st.l_a > 0.0f ? 1.0f / st.l_a : 0.0f, inv_b = st.l_b > 0.0f ? 1.0f / st.l_b : 0.0f;
-#pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) {
-        int c = n * 8 + tq * 2;
-        if (valid_a) *reinterpret_cast<unsigned int*>(out_a + c) = pack2(st.o[n][0] * inv_a, st.o[n][1] * inv_a);
-        if (valid_b) *reinterpret_cast<unsigned int*>(out_b + c) = pack2(st.o[n][2] * inv_b, st.o[n][3] * inv_b);
-    }
 }
 
 extern "C" __global__ void __launch_bounds__(PM_THREADS)
@@ -575,8 +471,8 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
                   const scalar_t* k_cache, const scalar_t* v_cache, const int* block_tables,
                   long long bt_stride, const int* seq_lens, const int* query_start_loc,
                   int num_heads, int num_kv_heads, int block_size_log2, float scale_log2) {
-    __shared__ alignas(16) scalar_t ks[PM_STAGES][PM_BK * PM_LD];
-    __shared__ alignas(16) scalar_t vs[PM_STAGES][PM_BK * PM_LD];
+    __shared__ alignas(16) scalar_t ks[PM_BK * PM_LD];
+    __shared__ alignas(16) scalar_t vs[PM_BK * PM_LD];
     const int h = blockIdx.y, b = blockIdx.z;
     const int kvh = h / (num_heads / num_kv_heads);
     const int q_start = query_start_loc[b], q_len = query_start_loc[b + 1] - q_start;
@@ -601,36 +497,98 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
         qa[kk][2] = row_a < q_len ? ld_pair(qrow_a + c + 8) : 0u;
         qa[kk][3] = row_b < q_len ? ld_pair(qrow_b + c + 8) : 0u;
     }
-    MmaState st;
+    float o[HEAD_DIM / 8][4];
 #pragma unroll
-    for (int n = 0; n < HEAD_DIM / 8; ++n) st.o[n][0] = st.o[n][1] = st.o[n][2] = st.o[n][3] = 0.0f;
-    st.m_a = st.m_b = -MINILLM_INF;
-    st.l_a = st.l_b = 0.0f;
+    for (int n = 0; n < HEAD_DIM / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float m_a = -MINILLM_INF, m_b = -MINILLM_INF, l_a = 0.0f, l_b = 0.0f;
 
     const int kv_end = ctx - q_len + min(tile0 + PM_BQ, q_len);
-    const int num_tiles = (kv_end + PM_BK - 1) / PM_BK;
     const int* bt = block_tables + (long long)b * bt_stride;
-    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM, head_off = (long long)kvh * HEAD_DIM;
-    mma_issue_tile(ks[0], vs[0], k_cache, v_cache, bt, 0, kv_end, block_size_log2, tok_stride, head_off);
-    for (int it = 0; it < num_tiles; ++it) {
-        const int kt = it * PM_BK, buf = it % PM_STAGES;
-        if (PM_STAGES == 2 && it + 1 < num_tiles) {   // the next tile streams in during this one
-            mma_issue_tile(ks[(it + 1) % PM_STAGES], vs[(it + 1) % PM_STAGES], k_cache, v_cache, bt,
-                           kt + PM_BK, kv_end, block_size_log2, tok_stride, head_off);
-            asm volatile("cp.async.wait_group 1;" ::: "memory");
-        } else {
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-        }
+    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
+    // ldmatrix row addresses of this lane (see the fragment layouts of mma.m16n8k16).
+    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;
+    for (int kt = 0; kt < kv_end; kt += PM_BK) {
         __syncthreads();
-        if (warp_active && kt <= warp_last_pos) mma_tile(st, qa, ks[buf], vs[buf], kt, pos_a, pos_b, scale_log2);
-        __syncthreads();            // every warp is done with this buffer before it is refilled
-        if (PM_STAGES == 1 && it + 1 < num_tiles) {
-            mma_issue_tile(ks[0], vs[0], k_cache, v_cache, bt, kt + PM_BK, kv_end, block_size_log2,
-                           tok_stride, head_off);
+        mma_load_tile(ks, vs, k_cache, v_cache, bt, kt, kv_end, block_size_log2, tok_stride,
+                      (long long)kvh * HEAD_DIM);
+        __syncthreads();
+        if (!warp_active || kt > warp_last_pos) continue;   // the whole tile is in this warp's future
+        float s[PM_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < PM_BK / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+#pragma unroll
+            for (int nj = 0; nj < PM_BK / 16; ++nj) {
+                unsigned int r[4];
+                ldsm_x4(smem_addr(ks + (nj * 16 + k_row) * PM_LD + kk * 16 + k_col), r);
+                mma_16816(s[2 * nj], qa[kk], r[0], r[1]);
+                mma_16816(s[2 * nj + 1], qa[kk], r[2], r[3]);
+            }
+        }
+        float mx_a = -MINILLM_INF, mx_b = -MINILLM_INF;
+#pragma unroll
+        for (int n = 0; n < PM_BK / 8; ++n) {
+            int key = kt + n * 8 + tq * 2;
+            s[n][0] = key <= pos_a ? s[n][0] * scale_log2 : -MINILLM_INF;
+            s[n][1] = key + 1 <= pos_a ? s[n][1] * scale_log2 : -MINILLM_INF;
+            s[n][2] = key <= pos_b ? s[n][2] * scale_log2 : -MINILLM_INF;
+            s[n][3] = key + 1 <= pos_b ? s[n][3] * scale_log2 : -MINILLM_INF;
+            mx_a = fmaxf(mx_a, fmaxf(s[n][0], s[n][1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[n][2], s[n][3]));
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            mx_a = fmaxf(mx_a, __shfl_xor_sync(FULL_MASK, mx_a, off));
+            mx_b = fmaxf(mx_b, __shfl_xor_sync(FULL_MASK, mx_b, off));
+        }
+        float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        float ref_a = mn_a == -MINILLM_INF ? 0.0f : mn_a, ref_b = mn_b == -MINILLM_INF ? 0.0f : mn_b;
+        float alpha_a = exp2f(m_a - ref_a), alpha_b = exp2f(m_b - ref_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        l_a *= alpha_a;
+        l_b *= alpha_b;
+#pragma unroll
+        for (int n = 0; n < HEAD_DIM / 8; ++n) {
+            o[n][0] *= alpha_a; o[n][1] *= alpha_a;
+            o[n][2] *= alpha_b; o[n][3] *= alpha_b;
+        }
+        unsigned int pa[PM_BK / 16][4];
+#pragma unroll
+        for (int n = 0; n < PM_BK / 8; ++n) {
+            float p0 = exp2f(s[n][0] - ref_a), p1 = exp2f(s[n][1] - ref_a);
+            float p2 = exp2f(s[n][2] - ref_b), p3 = exp2f(s[n][3] - ref_b);
+            l_a += p0 + p1;
+            l_b += p2 + p3;
+            pa[n >> 1][(n & 1) * 2 + 0] = pack2(p0, p1);
+            pa[n >> 1][(n & 1) * 2 + 1] = pack2(p2, p3);
+        }
+#pragma unroll
+        for (int kk = 0; kk < PM_BK / 16; ++kk) {
+#pragma unroll
+            for (int np = 0; np < HEAD_DIM / 16; ++np) {
+                unsigned int r[4];
+                ldsm_x4_trans(smem_addr(vs + (kk * 16 + v_row) * PM_LD + np * 16 + v_col), r);
+                mma_16816(o[2 * np], pa[kk], r[0], r[1]);
+                mma_16816(o[2 * np + 1], pa[kk], r[2], r[3]);
+            }
         }
     }
-    mma_store(st, out + (long long)(q_start + row_a) * out_stride + (long long)h * HEAD_DIM,
-              out + (long long)(q_start + row_b) * out_stride + (long long)h * HEAD_DIM, row_a < q_len,
-              row_b < q_len);
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l_a += __shfl_xor_sync(FULL_MASK, l_a, off);
+        l_b += __shfl_xor_sync(FULL_MASK, l_b, off);
+    }
+    float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+    scalar_t* out_a = out + (long long)(q_start + row_a) * out_stride + (long long)h * HEAD_DIM;
+    scalar_t* out_b = out + (long long)(q_start + row_b) * out_stride + (long long)h * HEAD_DIM;
+#pragma unroll
+    for (int n = 0; n < HEAD_DIM / 8; ++n) {
+        int c = n * 8 + tq * 2;
+        if (row_a < q_len) *reinterpret_cast<unsigned int*>(out_a + c) = pack2(o[n][0] * inv_a, o[n][1] * inv_a);
+        if (row_b < q_len) *reinterpret_cast<unsigned int*>(out_b + c) = pack2(o[n][2] * inv_b, o[n][3] * inv_b);
+    }
 }
 #endif

@@ -41,7 +41,6 @@ name = "cuda"
 LOG2E = 1.4426950408889634
 DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode split reads
 DECODE_MAX_SPLITS = 64
-PREFILL_MMA_TILE = (64, 1)      # (keys per K/V tile, shared-memory stages) of the tensor-core prefill
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
 
@@ -529,8 +528,6 @@ def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
                and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
     rows_per_block = 64 if use_mma else 16
     defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads}
-    if use_mma:
-        defines.update(PM_BK=PREFILL_MMA_TILE[0], PM_STAGES=PREFILL_MMA_TILE[1])
     fn = _kernel("paged_attention.cu", q.dtype, "paged_prefill_mma" if use_mma else "paged_prefill_simple",
                  **defines)
     grid = (max(1, -(-max_query_len // rows_per_block)), num_heads, batch)
