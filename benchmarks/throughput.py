@@ -31,6 +31,8 @@ def parse_args(argv):
     p.add_argument("--peer", choices=["hf"], help="run the same workload through a peer in this run")
     p.add_argument("--peer-num-seqs", type=int, default=None,
                    help="requests given to the peer (default: all; a slow peer may take a prefix)")
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip timing each step's phases (CUDA events around forward and sampling)")
     p.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's ceilings")
     p.add_argument("--json", help="write the figures to this file")
     return p.parse_args(argv)
@@ -45,13 +47,17 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
+    runner = llm.engine.runner
+    runner.timings.clear()
+    runner.profile = args.breakdown
     started = time.perf_counter()
     outs = llm.generate(w.prompts, params)
     seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
     s = llm.engine.stats()
-    return seconds, {"steps": s.num_steps, "preemptions": s.num_preemptions, "kv_blocks": s.kv_num_blocks}
+    return seconds, {"steps": s.num_steps, "preemptions": s.num_preemptions, "kv_blocks": s.kv_num_blocks,
+                     "timings_s": dict(runner.timings)}
 
 
 def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float:
@@ -104,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{w.num_output_tokens} output tokens")
     print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
           f"{counters['preemptions']} preemptions)")
+    if counters["timings_s"]:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(counters["timings_s"].items(), key=lambda kv: -kv[1]))
+        print(f"where the {seconds:.2f} s went (s; *_gpu from CUDA events, the rest host time): {parts}")
     if not args.no_ceiling and args.device == "cuda":
         from benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
         bw, mm = measure_copy_bandwidth(), measure_matmul_rate()

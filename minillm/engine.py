@@ -178,7 +178,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, process the outputs."""
         started = time.time()
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        self.runner.timings["schedule"] += time.perf_counter() - t0
         changed: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
         if out.is_empty:
@@ -191,6 +193,7 @@ class LLMEngine:
                 req.metrics.first_scheduled_time = started
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
         step_out = self.runner.execute(out)
+        t1 = time.perf_counter()
         touched = self.scheduler.update(out, step_out)
         now = time.time()
         for seq in touched:
@@ -203,7 +206,9 @@ class LLMEngine:
             self._note_token(req, now)
             changed[req.request_id] = req
         self.metrics.record_step(out, len(touched), started, now, self.config.max_num_batched_tokens)
-        return self._finish_outputs(changed, now)
+        outputs = self._finish_outputs(changed, now)
+        self.runner.timings["update_and_outputs"] += time.perf_counter() - t1
+        return outputs
 
     def _note_token(self, req: Request, now: float) -> None:
         m = req.metrics

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
+from collections import Counter
 from types import ModuleType
 
 import numpy as np
@@ -43,6 +45,8 @@ class ModelRunner:
         self.sampler = Sampler(ops, list(mc.eos_token_id))
         self.stream = None
         self.graphs = None
+        self.profile = False             # when set, time forward and sampling with CUDA events
+        self.timings: Counter[str] = Counter()   # seconds per phase, summed over steps
         if ops.name == "cuda":
             import cupy
             self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -134,29 +138,53 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
         """Run one forward pass and sample for every sequence whose known tokens are all computed."""
+        t0 = time.perf_counter()
         ids, positions, meta = self.prepare_inputs(out)
         rows = [b for b, (s, n) in enumerate(zip(out.seqs, out.num_new_tokens))
                 if s.num_computed_tokens + n == s.num_tokens]
+        t1 = time.perf_counter()
+        self.timings["prepare"] += t1 - t0
         with self.stream if self.stream is not None else contextlib.nullcontext():
-            if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):
-                logits = self.graphs.run(ids, meta)              # [B, V], every row
-                if len(rows) < len(ids):
-                    logits = logits[self.ops.asarray(np.asarray(rows, np.int32))]
-            elif rows:
-                hidden = self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
-                                            self._to_device(meta), self.kv_pool)
-                last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
-                logits = self.model.compute_logits(hidden[last])  # [len(rows), V]
-            else:
-                self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
-                                   self._to_device(meta), self.kv_pool)
-                return StepOutput(sampled={})
-            if not rows:
+            events = self._events() if self.profile else None
+            logits = self._forward(ids, positions, meta, rows)
+            t2 = time.perf_counter()
+            self.timings["forward_host"] += t2 - t1
+            if events:
+                events[1].record()
+            if logits is None:
                 return StepOutput(sampled={})
             seqs = [out.seqs[b] for b in rows]
             ids_out, logprobs = self.sampler(logits, seqs)
+            if events:
+                events[2].record()
+                events[2].synchronize()
+                self.timings["forward_gpu"] += self.ops.xp.cuda.get_elapsed_time(events[0], events[1]) / 1e3
+                self.timings["sample_gpu"] += self.ops.xp.cuda.get_elapsed_time(events[1], events[2]) / 1e3
+        self.timings["sample_and_wait"] += time.perf_counter() - t2
         return StepOutput(sampled={s.seq_id: t for s, t in zip(seqs, ids_out)},
                           logprobs={s.seq_id: lp for s, lp in zip(seqs, logprobs) if lp is not None})
+
+    def _events(self):
+        """Three CUDA events, the first recorded now (profiling only)."""
+        if self.ops.name != "cuda":
+            return None
+        events = [self.ops.xp.cuda.Event() for _ in range(3)]
+        events[0].record()
+        return events
+
+    def _forward(self, ids, positions, meta: AttentionMetadata, rows: list[int]):
+        """Logits [len(rows), V] of the sampling rows (None when no row samples)."""
+        if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):
+            logits = self.graphs.run(ids, meta)                  # [B, V], every row
+            if len(rows) < len(ids):
+                logits = logits[self.ops.asarray(np.asarray(rows, np.int32))] if rows else None
+            return logits
+        hidden = self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
+                                    self._to_device(meta), self.kv_pool)
+        if not rows:
+            return None
+        last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
+        return self.model.compute_logits(hidden[last])           # [len(rows), V]
 
     def memory_stats(self) -> MemoryStats:
         """Weights, KV pool and everything else, in bytes."""
