@@ -109,7 +109,7 @@ class BlockManager:
         """Register seq's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -52,6 +52,7 @@ class EngineConfig:
     seed: int = 0
     download_dir: str | None = None      # None: ./weights
     served_model_name: str | None = None
+    async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
     extra: dict = field(default_factory=dict)
 

@@ -79,8 +79,11 @@ class DecodeGraphs:
         """True when a captured graph covers this decode batch."""
         return batch_size <= self.capacity
 
-    def run(self, ids: np.ndarray, meta: AttentionMetadata):
-        """Replay the smallest graph that fits; returns logits [B, V] (a view valid until the next run)."""
+    def run(self, ids: np.ndarray, meta: AttentionMetadata, before_launch=None):
+        """Replay the smallest graph that fits; returns logits [B, V] (a view valid until the next run).
+
+        before_launch(ids_buffer) may fill device-side inputs once the host inputs are copied in.
+        """
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
         g, h = self.capacity, self.host
@@ -93,6 +96,8 @@ class DecodeGraphs:
         tables[:b, width:] = 0
         n = 4 * g + size * self.max_blocks          # copy only the rows the graph reads
         self.device[:n].set(h[:n], stream=self.stream)
+        if before_launch is not None:
+            before_launch(self.ids)
         graph, logits = self.graphs[size]
         graph.launch(self.stream)
         return logits[:b]

@@ -37,8 +37,15 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        """True when every sequence has finished."""
-        return all(s.is_finished for s in self.seqs)
+        """True when every sequence has finished and has no token still on its way."""
+        return all(s.is_finished and not s.num_pending for s in self.seqs)
+
+
+def _needs_own_tokens(seq: Sequence) -> bool:
+    """Penalties read the counts of every earlier token; logprobs come back with the tokens."""
+    p = seq.params
+    return (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+            or p.frequency_penalty != 0.0)
 
 
 def choose_backend(device: str) -> str:
@@ -101,6 +108,9 @@ class LLMEngine:
                                    self.max_model_len, eos)
         self.requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        self._pending = None                 # a launched step whose tokens are not read yet
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.backend == "cuda")
         self._seed_rng = np.random.default_rng(config.seed)
         self.metrics = MetricsTracker()
         self.model_name = config.served_model_name or config.model
@@ -172,11 +182,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running or has an unreported abort."""
-        return bool(self.requests) or bool(self._aborted)
+        return bool(self.requests) or bool(self._aborted) or self._pending is not None
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, process the outputs."""
+        """Schedule and launch one forward pass, then process the tokens of the last finished one.
+
+        On the GPU the host works ahead: step t+1 is scheduled and launched (its inputs for the
+        tokens of step t taken on the device) before the tokens of step t are read back and
+        processed, so the host's bookkeeping overlaps the device's work. Outputs then trail the
+        launch by one step. Sequences with penalties or logprobs need their tokens first and
+        run step by step.
+        """
         started = time.time()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
@@ -184,31 +201,54 @@ class LLMEngine:
         changed: dict[str, Request] = {r.request_id: r for r in self._aborted}
         self._aborted = []
         if out.is_empty:
-            if self.scheduler.has_unfinished() and not self.scheduler.running:
+            if self._pending is not None:
+                self._resolve(self._pending, changed)
+                self._pending = None
+            elif self.scheduler.has_unfinished() and not self.scheduler.running:
                 raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
             return self._finish_outputs(changed, time.time())
+        overlap = self.async_scheduling and not any(_needs_own_tokens(s) for s in out.seqs)
+        if self._pending is not None and not overlap:
+            self._resolve(self._pending, changed)
+            self._pending = None
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = started
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
-        step_out = self.runner.execute(out)
+        launched = self.runner.launch(out)
+        self.scheduler.advance(out)
+        previous, self._pending = (self._pending, launched) if overlap else (launched, None)
+        if previous is not None:
+            self._resolve(previous, changed)
+        now = time.time()
+        self.metrics.record_step(out, started, now, self.config.max_num_batched_tokens)
+        outputs = self._finish_outputs(changed, now)
+        return outputs
+
+    def _resolve(self, pending, changed: dict[str, "Request"]) -> None:
+        """Read a launched step's tokens into its sequences and their outputs."""
+        waited = time.time()
+        step_out = pending.wait()
         t1 = time.perf_counter()
-        touched = self.scheduler.update(out, step_out)
+        touched = self.scheduler.resolve(pending.seqs, [step_out.sampled[s.seq_id] for s in pending.seqs])
         now = time.time()
         for seq in touched:
-            req = self.requests[seq.request_id]
-            token = seq.token_ids[-1]
+            req = self.requests.get(seq.request_id)
+            if req is None:
+                continue
+            token = seq.token_ids[len(seq.token_ids) - seq.num_pending - 1]
             stop = add_token(req.states[seq.index], seq, token, step_out.logprobs.get(seq.seq_id))
             if stop is not None:
                 seq.stop_reason = stop
-                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                if seq.is_finished:          # length-finished at launch, its last token completed a stop
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
             self._note_token(req, now)
             changed[req.request_id] = req
-        self.metrics.record_step(out, len(touched), started, now, self.config.max_num_batched_tokens)
-        outputs = self._finish_outputs(changed, now)
+        self.metrics.record_generated(len(touched), waited, now)
         self.runner.timings["update_and_outputs"] += time.perf_counter() - t1
-        return outputs
 
     def _note_token(self, req: Request, now: float) -> None:
         m = req.metrics

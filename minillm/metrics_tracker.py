@@ -24,15 +24,21 @@ class MetricsTracker:
         self.itl: deque[float] = deque(maxlen=max_samples)
         self.finished: Counter[str] = Counter()
 
-    def record_step(self, out: SchedulerOutput, num_sampled: int, started: float, ended: float,
-                    budget: int) -> None:
-        """Account one executed step."""
+    def record_step(self, out: SchedulerOutput, started: float, ended: float, budget: int) -> None:
+        """Account one launched step's composition and prompt tokens."""
         self.num_steps += 1
         self.prompt_tokens_total += out.num_prefill_tokens
-        self.generation_tokens_total += num_sampled
         self.recent_steps.append(StepStats(self.num_steps, ended, out.num_prefill_tokens,
                                            out.num_decode_tokens, len(out.seqs), budget, ended - started))
-        self._window.append((started, ended, out.num_prefill_tokens, num_sampled))
+        self._add_to_window(started, ended, out.num_prefill_tokens, 0)
+
+    def record_generated(self, num_tokens: int, started: float, ended: float) -> None:
+        """Account tokens read back from the device."""
+        self.generation_tokens_total += num_tokens
+        self._add_to_window(started, ended, 0, num_tokens)
+
+    def _add_to_window(self, started: float, ended: float, prompt: int, generated: int) -> None:
+        self._window.append((started, ended, prompt, generated))
         while self._window and self._window[0][1] < ended - THROUGHPUT_WINDOW_S:
             self._window.popleft()
 

@@ -18,6 +18,7 @@ from minillm.config import EngineConfig, ModelConfig
 from minillm.models.decoder import DecoderModel
 from minillm.sampler import Sampler
 from minillm.scheduler import SchedulerOutput, StepOutput
+from minillm.sequence import PLACEHOLDER
 from minillm.stats import MemoryStats
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -47,6 +48,7 @@ class ModelRunner:
         self.graphs = None
         self.profile = False             # when set, time forward and sampling with CUDA events
         self.timings: Counter[str] = Counter()   # seconds per phase, summed over steps
+        self._last_sampled = None        # (ids on the device, seq_id -> row) of the last async step
         if ops.name == "cuda":
             import cupy
             self.stream = cupy.cuda.Stream(non_blocking=True)
@@ -137,32 +139,59 @@ class ModelRunner:
                                  meta.is_decode_only)
 
     def execute(self, out: SchedulerOutput) -> StepOutput:
-        """Run one forward pass and sample for every sequence whose known tokens are all computed."""
+        """Run one step and wait for its tokens."""
+        return self.launch(out).wait()
+
+    def launch(self, out: SchedulerOutput) -> "PendingStep":
+        """Queue one forward pass and the sampling of every sequence whose known tokens are all
+        computed; on the GPU nothing waits here, so the host can go on while the step runs."""
         t0 = time.perf_counter()
         ids, positions, meta = self.prepare_inputs(out)
         rows = [b for b, (s, n) in enumerate(zip(out.seqs, out.num_new_tokens))
                 if s.num_computed_tokens + n == s.num_tokens]
+        patch = self._placeholder_patch(ids, out)
         t1 = time.perf_counter()
         self.timings["prepare"] += t1 - t0
+        seqs = [out.seqs[b] for b in rows]
         with self.stream if self.stream is not None else contextlib.nullcontext():
             events = self._events() if self.profile else None
-            logits = self._forward(ids, positions, meta, rows)
-            t2 = time.perf_counter()
-            self.timings["forward_host"] += t2 - t1
+            logits = self._forward(ids, positions, meta, rows, patch)
             if events:
                 events[1].record()
+            self.timings["forward_host"] += time.perf_counter() - t1
             if logits is None:
-                return StepOutput(sampled={})
-            seqs = [out.seqs[b] for b in rows]
-            ids_out, logprobs = self.sampler(logits, seqs)
+                return PendingStep(self, [], tokens=[])
+            if any(s.params.logprobs is not None for s in seqs) or self.ops.name == "numpy":
+                tokens, logprobs = self.sampler(logits, seqs)   # waits for the device
+                if events:
+                    events[2].record()
+                self._last_sampled = (self.ops.asarray(np.asarray(tokens, np.int32)),
+                                      {s.seq_id: r for r, s in enumerate(seqs)})
+                return PendingStep(self, seqs, tokens=tokens, logprobs=logprobs, events=events)
+            ids_dev = self.sampler.sample_no_sync(logits, seqs)   # [len(seqs)] int32 on the device
             if events:
                 events[2].record()
-                events[2].synchronize()
-                self.timings["forward_gpu"] += self.ops.xp.cuda.get_elapsed_time(events[0], events[1]) / 1e3
-                self.timings["sample_gpu"] += self.ops.xp.cuda.get_elapsed_time(events[1], events[2]) / 1e3
-        self.timings["sample_and_wait"] += time.perf_counter() - t2
-        return StepOutput(sampled={s.seq_id: t for s, t in zip(seqs, ids_out)},
-                          logprobs={s.seq_id: lp for s, lp in zip(seqs, logprobs) if lp is not None})
+            self._last_sampled = (ids_dev, {s.seq_id: r for r, s in enumerate(seqs)})
+            return PendingStep(self, seqs, ids_dev=ids_dev, events=events)
+
+    def _placeholder_patch(self, ids: np.ndarray, out: SchedulerOutput):
+        """(dst token rows, src rows of the last sampled ids) for inputs still on the device, or None."""
+        holes = np.flatnonzero(ids == PLACEHOLDER)
+        if len(holes) == 0:
+            return None
+        if self._last_sampled is None:
+            raise RuntimeError("a placeholder token has no sampled value to come from")
+        last_ids, last_rows = self._last_sampled
+        starts = np.cumsum([0] + list(out.num_new_tokens))
+        owner = np.searchsorted(starts, holes, side="right") - 1      # batch row of each hole
+        src = [last_rows[out.seqs[b].seq_id] for b in owner]
+        ids[holes] = 0
+        return holes.astype(np.int32), np.asarray(src, np.int32), last_ids
+
+    def _apply_patch(self, ids_dev, patch) -> None:
+        if patch is not None:
+            dst, src, last_ids = patch
+            ids_dev[self.ops.asarray(dst)] = last_ids[self.ops.asarray(src)]
 
     def _events(self):
         """Three CUDA events, the first recorded now (profiling only)."""
@@ -172,15 +201,16 @@ class ModelRunner:
         events[0].record()
         return events
 
-    def _forward(self, ids, positions, meta: AttentionMetadata, rows: list[int]):
+    def _forward(self, ids, positions, meta: AttentionMetadata, rows: list[int], patch=None):
         """Logits [len(rows), V] of the sampling rows (None when no row samples)."""
         if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):
-            logits = self.graphs.run(ids, meta)                  # [B, V], every row
+            logits = self.graphs.run(ids, meta, lambda ids_dev: self._apply_patch(ids_dev, patch))
             if len(rows) < len(ids):
                 logits = logits[self.ops.asarray(np.asarray(rows, np.int32))] if rows else None
             return logits
-        hidden = self.model.forward(self.ops.asarray(ids), self.ops.asarray(positions),
-                                    self._to_device(meta), self.kv_pool)
+        ids_dev = self.ops.asarray(ids)
+        self._apply_patch(ids_dev, patch)
+        hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool)
         if not rows:
             return None
         last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
@@ -204,3 +234,36 @@ def _process_rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+class PendingStep:
+    """A launched step: its sampling sequences and, once wait() returns, their tokens."""
+
+    def __init__(self, runner: ModelRunner, seqs, tokens=None, logprobs=None, ids_dev=None, events=None):
+        self.runner, self.seqs, self.events = runner, seqs, events
+        self.tokens, self.logprobs = tokens, logprobs
+        self._host = self._done = None
+        if ids_dev is not None:          # start the copy back now; wait() only waits for this step
+            import cupy
+            import cupyx
+            self._host = cupyx.empty_pinned(ids_dev.shape, dtype=np.int32)
+            ids_dev.get(out=self._host, blocking=False)
+            self._done = cupy.cuda.Event()
+            self._done.record()
+
+    def wait(self) -> StepOutput:
+        """The step's tokens (blocks until the device has produced them)."""
+        t0 = time.perf_counter()
+        if self.tokens is None:
+            self._done.synchronize()
+            self.tokens = self._host.tolist()
+        timings = self.runner.timings
+        if self.events:
+            self.events[2].synchronize()
+            elapsed = self.runner.ops.xp.cuda.get_elapsed_time
+            timings["forward_gpu"] += elapsed(self.events[0], self.events[1]) / 1e3
+            timings["sample_gpu"] += elapsed(self.events[1], self.events[2]) / 1e3
+        timings["wait"] += time.perf_counter() - t0
+        lps = self.logprobs or [None] * len(self.seqs)
+        return StepOutput(sampled={s.seq_id: t for s, t in zip(self.seqs, self.tokens)},
+                          logprobs={s.seq_id: lp for s, lp in zip(self.seqs, lps) if lp is not None})

@@ -81,17 +81,18 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
 
 def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput:
     """The caller-facing view: while running, text withholds a possible partial stop string."""
+    done = seq.is_finished and not seq.num_pending    # its last token may still be on the way
     if not state.incremental:
-        if seq.is_finished and not state.text:
+        if done and not state.text:
             state.text = _final_text(state, seq)
-    elif seq.is_finished:
+    elif done:
         if not isinstance(seq.stop_reason, str):      # a stop string already cut the text
             state.text += state.detokenizer.flush()
     text = state.text
-    if not seq.is_finished and state.stop and state.holdback:
+    if not done and state.stop and state.holdback:
         text = text[:max(len(text) - state.holdback, 0)]
     return CompletionOutput(
-        index=seq.index, text=text, token_ids=seq.output_token_ids,
-        finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason,
+        index=seq.index, text=text, token_ids=seq.output_token_ids[:seq.num_output_tokens - seq.num_pending],
+        finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
         cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
         logprobs=list(state.logprobs) if state.want_logprobs else None)

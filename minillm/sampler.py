@@ -20,6 +20,12 @@ class Sampler:
         ops = self.ops
         logprob_rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = ops.log_softmax(logits[logprob_rows]) if logprob_rows else None
+        ids = ops.to_numpy(self.sample_no_sync(logits, seqs)).astype(np.int64).tolist()
+        return ids, self._logprob_dicts(raw_logprobs, logprob_rows, seqs, ids)
+
+    def sample_no_sync(self, logits, seqs: list[Sequence]):
+        """The sampled ids [B] int32, left on the device (logits are modified in place)."""
+        ops = self.ops
         self._apply_penalties(logits, seqs)
         self._block_early_stops(logits, seqs)
         temperature = np.array([s.params.temperature for s in seqs], np.float32)
@@ -28,10 +34,8 @@ class Sampler:
         min_p = np.array([s.params.min_p for s in seqs], np.float32)
         # One draw per non-greedy sequence from its own generator: results do not depend on the batch.
         uniforms = np.array([0.0 if s.params.is_greedy else s.rng.random() for s in seqs], np.float32)
-        ids = ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
-                         ops.asarray(min_p), ops.asarray(uniforms))
-        ids = ops.to_numpy(ids).astype(np.int64).tolist()
-        return ids, self._logprob_dicts(raw_logprobs, logprob_rows, seqs, ids)
+        return ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
+                          ops.asarray(min_p), ops.asarray(uniforms))
 
     def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:
         rows, tokens, counts, in_prompt = [], [], [], []

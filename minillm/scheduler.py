@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minillm.block_manager import BlockManager
-from minillm.sequence import Sequence, SequenceStatus
+from minillm.sequence import PLACEHOLDER, Sequence, SequenceStatus
 
 
 @dataclass
@@ -116,37 +116,68 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update(self, out: SchedulerOutput, step: StepOutput) -> list[Sequence]:
-        """Advance counters, append sampled tokens, apply token stop rules; returns touched seqs."""
-        touched = []
+    def advance(self, out: SchedulerOutput) -> list[Sequence]:
+        """The step is launched: count its tokens computed; each sequence at its end gets a
+        placeholder token (filled by resolve()). Returns the sampling sequences in batch order."""
+        sampling = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
-            if seq.is_finished:          # aborted while the step ran
-                continue
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
-            token = step.sampled.get(seq.seq_id)
-            if token is None:
+            if seq.num_computed_tokens != seq.num_tokens:
+                continue                 # a prompt chunk: nothing to sample yet
+            seq.token_ids.append(PLACEHOLDER)
+            seq.num_pending += 1
+            sampling.append(seq)
+            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                # Known now, before the token's value: its blocks can go back at once.
+                self.finish(seq, SequenceStatus.FINISHED_LENGTH, keep_pending=True)
+        return sampling
+
+    def resolve(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
+        """Fill each sequence's oldest placeholder with its sampled token, apply the token stop
+        rules, cache newly full blocks; returns the sequences that got a token."""
+        touched = []
+        for seq, token in zip(seqs, tokens):
+            if seq.num_pending == 0:     # aborted or stopped since the step was launched
                 continue
-            seq.append_token(token)
+            at = len(seq.token_ids) - seq.num_pending
+            seq.token_ids[at] = token
+            seq.num_pending -= 1
+            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
             touched.append(seq)
-            self._check_token_stop(seq, token)
+            self._check_token_stop(seq, token, at + 1 - seq.num_prompt_tokens)
+            if not seq.is_finished:
+                self.block_manager.cache_full_blocks(seq)
         return touched
 
-    def _check_token_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.params
-        if seq.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return self.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            self.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    def update(self, out: SchedulerOutput, step: StepOutput) -> list[Sequence]:
+        """advance() and resolve() at once, for a step whose tokens are already known."""
+        sampling = self.advance(out)
+        return self.resolve(sampling, [step.sampled[s.seq_id] for s in sampling])
 
-    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """End seq with a finished status and give its blocks back at once."""
+    def _check_token_stop(self, seq: Sequence, token: int, num_outputs: int) -> None:
+        params = seq.params
+        if num_outputs < params.min_tokens:
+            return
+        stop = token in params.stop_token_ids
+        if stop or (not params.ignore_eos and token in self.eos_token_ids):
+            seq.stop_reason = token if stop else None
+            if seq.status is SequenceStatus.FINISHED_LENGTH:   # the last token was a stop token
+                seq.status = SequenceStatus.FINISHED_STOPPED
+            else:
+                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+
+    def finish(self, seq: Sequence, status: SequenceStatus, keep_pending: bool = False) -> None:
+        """End seq with a finished status and give its blocks back at once.
+
+        Placeholders of steps still in flight are dropped unless keep_pending (their tokens are
+        then filled by resolve() as usual).
+        """
         if seq.is_finished:
             return
+        if seq.num_pending and not keep_pending:
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_pending = 0
         seq.status = status
         if seq in self.running:
             self.running.remove(seq)

@@ -31,6 +31,7 @@ class SequenceStatus(enum.Enum):
 
 
 _seq_counter = itertools.count()
+PLACEHOLDER = -1      # a sampled token whose value is still on the device
 
 
 @dataclass(eq=False)
@@ -54,6 +55,7 @@ class Sequence:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
+    num_pending: int = 0             # trailing PLACEHOLDER tokens (steps launched, not resolved)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -89,7 +91,7 @@ class Sequence:
         """True while more than the last sampled token is still to be computed."""
         return self.num_tokens - self.num_computed_tokens > 1
 
-    def append_token(self, token_id: int) -> None:
-        """Add a generated token (its K/V is computed next step)."""
-        self.token_ids.append(token_id)
-        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Tokens whose values are known on the host."""
+        return len(self.token_ids) - self.num_pending

@@ -37,28 +37,34 @@ def run_together(path, prompts, **kw):
     return llm, [o.outputs[0].token_ids for o in outs]
 
 
-def test_batch_equals_alone(stories_path, prompts, alone):
-    _, together = run_together(stories_path, prompts)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_equals_alone(stories_path, prompts, alone, async_scheduling):
+    _, together = run_together(stories_path, prompts, async_scheduling=async_scheduling)
     assert together == alone
 
 
-def test_batch_equals_alone_under_preemption(stories_path, prompts, alone):
-    llm, together = run_together(stories_path, prompts, num_kv_blocks=24, block_size=4, max_model_len=96)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_equals_alone_under_preemption(stories_path, prompts, alone, async_scheduling):
+    llm, together = run_together(stories_path, prompts, num_kv_blocks=24, block_size=4, max_model_len=96,
+                                 async_scheduling=async_scheduling)
     assert llm.engine.scheduler.num_preemptions > 0
     assert together == alone
     assert llm.engine.block_manager.num_free_blocks == 24
 
 
-def test_batch_equals_alone_with_chunked_prefill(stories_path, prompts, alone):
-    llm, together = run_together(stories_path, prompts, max_num_batched_tokens=16, max_num_seqs=8)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_equals_alone_with_chunked_prefill(stories_path, prompts, alone, async_scheduling):
+    llm, together = run_together(stories_path, prompts, max_num_batched_tokens=16, max_num_seqs=8,
+                                 async_scheduling=async_scheduling)
     assert max(len(p) for p in prompts) > 16            # some prompts had to be split
     steps = llm.engine.metrics.recent_steps
     assert all(s.num_prefill_tokens + s.num_decode_tokens <= 16 for s in steps)
     assert together == alone
 
 
-def test_batch_equals_alone_with_prefix_cache_hits(stories_path, prompts, alone):
-    llm, together = run_together(stories_path, prompts, max_num_seqs=4)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_batch_equals_alone_with_prefix_cache_hits(stories_path, prompts, alone, async_scheduling):
+    llm, together = run_together(stories_path, prompts, max_num_seqs=4, async_scheduling=async_scheduling)
     stats = llm.engine.stats()
     assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries > stats.prefix_cache_hits
     assert together == alone
