@@ -27,6 +27,8 @@ def parse_args(argv):
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
+                   help="read each step's tokens before launching the next")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--peer", choices=["hf"], help="run the same workload through a peer in this run")
     p.add_argument("--peer-num-seqs", type=int, default=None,
@@ -44,7 +46,8 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
 
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, load_format="dummy" if dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager)
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
     runner = llm.engine.runner

@@ -57,11 +57,12 @@ def test_stories_gpu_batch_under_graphs_and_eager_equals_cpu(stories_path):
     prompts = [[1] + golden[1 + i: 1 + i + 3 + i % 11] for i in range(24)]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     cpu = [o.outputs[0].token_ids for o in LLM(str(stories_path), device="cpu").generate(prompts, params)]
-    for eager in (False, True):
+    for eager, overlap in ((False, None), (True, None), (False, False)):
         llm = LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16,
-                  max_num_batched_tokens=64, enforce_eager=eager)
+                  max_num_batched_tokens=64, enforce_eager=eager, async_scheduling=overlap)
+        assert llm.engine.async_scheduling == (overlap is None)
         gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert gpu == cpu, f"enforce_eager={eager}"
+        assert gpu == cpu, f"enforce_eager={eager} async_scheduling={overlap}"
         assert llm.engine.block_manager.num_used_blocks == 0
 
 
