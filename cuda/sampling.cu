@@ -3,7 +3,9 @@
 //
 // Layout: logits [B, V] float32 packed; per-row parameters [B]; ids out [B] int32.
 // sample: grid = B, blockDim = SAMPLE_THREADS (1024), one block per row. The rule is the one of
-// minillm/ops/numpy.py: order the row by (logit descending, id ascending), p = softmax(logit / T),
+// minillm/ops/numpy.py. A row with neither top-k nor top-p walks its kept tokens in id order
+// (sample_in_id_order: one pass, a block scan). Otherwise:
+// order the row by (logit descending, id ascending), p = softmax(logit / T),
 // keep the prefix allowed by top-k, min-p (p >= min_p * p_max) and top-p (mass strictly before a
 // token < top_p), and take the first kept token whose cumulative mass exceeds u * kept mass.
 // No full sort: every rule is "the first token in that order whose inclusive cumulative count or
@@ -349,6 +351,66 @@ __device__ void row_histogram(const Row& r, SampleShared& sh, float min_p, float
     __syncthreads();
 }
 
+// Inclusive prefix sum over the block in thread order; *total is the block's sum.
+__device__ float block_inclusive_scan(float v, float* warp_sums, float* total) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (int o = 1; o < 32; o <<= 1) {
+        float n = __shfl_up_sync(0xffffffffu, v, o);
+        if (lane >= o) v += n;
+    }
+    if (lane == 31) warp_sums[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        float w = lane < num_warps ? warp_sums[lane] : 0.0f;
+        for (int o = 1; o < 32; o <<= 1) {
+            float n = __shfl_up_sync(0xffffffffu, w, o);
+            if (lane >= o) w += n;
+        }
+        if (lane < num_warps) warp_sums[lane] = w;
+    }
+    __syncthreads();
+    float offset = warp ? warp_sums[warp - 1] : 0.0f;
+    *total = warp_sums[num_warps - 1];
+    __syncthreads();
+    return v + offset;
+}
+
+// Rows with neither top-k nor top-p: the kept tokens (weight e >= min_p, all when min_p is 0) in
+// id order, so no ordering is needed. Thread t owns ids [t * chunk, (t + 1) * chunk): one pass sums
+// its weights, a block scan gives each chunk its cumulative range, and the one thread whose range
+// holds u * total walks its chunk for the token.
+__device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshold, float u, int fallback) {
+    int t = threadIdx.x;
+    int chunk = (r.vocab + blockDim.x - 1) / blockDim.x;
+    int lo = min(t * chunk, r.vocab), hi = min(lo + chunk, r.vocab);
+    float s = 0.0f;
+    for (int i = lo; i < hi; ++i) {
+        float e = weight_of(scaled_logit(r.x[i], r.temperature), r.smax);
+        if (e >= threshold) s += e;
+    }
+    float total;
+    float incl = block_inclusive_scan(s, sh.scratch_f, &total);
+    sh.bin_mass[t] = incl;
+    if (t == 0) sh.res_id = fallback;
+    __syncthreads();
+    float excl = t ? sh.bin_mass[t - 1] : 0.0f;
+    float target = u * total;
+    if (s > 0.0f && excl <= target && target < incl) {
+        float c = excl;
+        int last = -1;
+        for (int i = lo; i < hi; ++i) {
+            float e = weight_of(scaled_logit(r.x[i], r.temperature), r.smax);
+            if (!(e >= threshold)) continue;
+            last = i;
+            c += e;
+            if (c > target) break;
+        }
+        sh.res_id = last;        // rounding may end the walk short: its last kept token then
+    }
+    __syncthreads();
+    return sh.res_id;
+}
+
 extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
 sample_kernel(int* out, const float* logits, int vocab, const float* temperature,
               const int* top_k, const float* top_p, const float* min_p, const float* uniforms) {
@@ -368,6 +430,11 @@ sample_kernel(int* out, const float* logits, int vocab, const float* temperature
     r.smax = scaled_logit(best_val, r.temperature);
     float mp = min_p[b], tp = top_p[b];
     int k = top_k[b];
+    if ((k <= 0 || k >= vocab) && !(tp < 1.0f)) {
+        int id = sample_in_id_order(r, sh, mp > 0.0f ? mp : 0.0f, uniforms[b], best_id);
+        if (threadIdx.x == 0) out[b] = id;
+        return;
+    }
     float z, mp_mass;
     unsigned int mp_cnt;
     row_histogram(r, sh, mp > 0.0f ? mp : MINILLM_INF, &z, &mp_cnt, &mp_mass);

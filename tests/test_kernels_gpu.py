@@ -311,8 +311,27 @@ def _kept_lengths(p: np.ndarray, top_k, top_p, min_p, eps: float) -> set[int]:
     return {max(1, min(a, b, c)) for a in by_k for b in by_min_p for c in by_top_p}
 
 
+def _is_clear_in_id_order(row, temperature, min_p, u, eps) -> bool:
+    """The id-order rule (no top-k, no top-p): the same pick for min-p thresholds within rounding."""
+    x = row.astype(np.float64) / temperature
+    e = np.exp(x - x.max())
+    picks = set()
+    for f in ((1 + eps, 1.0, 1 - eps) if min_p > 0 else (1.0,)):
+        w = np.where(e >= min_p * f, e, 0.0) if min_p > 0 else e
+        cdf = np.cumsum(w)
+        target = u * cdf[-1]
+        idx = min(int(np.searchsorted(cdf, target, side="right")), len(row) - 1)
+        low = cdf[idx - 1] if idx > 0 else 0.0
+        if min(cdf[idx] - target, target - low) <= eps * cdf[-1]:
+            return False
+        picks.add(idx)
+    return len(picks) == 1
+
+
 def _is_clear(row, temperature, top_k, top_p, min_p, u, eps=3e-5) -> bool:
     """True when every kept prefix within rounding picks the same token, clear of its step edges."""
+    if not 0 < top_k < row.size and top_p >= 1:
+        return _is_clear_in_id_order(row, temperature, min_p, u, eps)
     _, p = _sorted_probs(row, temperature)
     picks = set()
     for kept in _kept_lengths(p, top_k, top_p, min_p, eps):
@@ -363,6 +382,23 @@ def test_sample_matches_numpy_with_fixed_uniforms(batch, vocab, scale):
     _check_sample(logits, _sample_params(rng, batch, vocab, logits))
 
 
+@pytest.mark.parametrize("min_p", [0.0, 0.01, 0.3])
+def test_sample_in_id_order_matches_numpy(min_p):
+    """Rows with neither top-k nor top-p (the common case) take the one-pass id-order path."""
+    rng = np.random.default_rng(int(min_p * 100) + 5)
+    batch, vocab = 32, 151936
+    logits = (rng.standard_normal((batch, vocab)) * 3.0).astype(np.float32)
+    temperature = rng.choice([0.6, 1.0, 1.3], batch).astype(np.float32)
+    top_k = np.zeros(batch, np.int32)
+    top_p = np.ones(batch, np.float32)
+    mp = np.full(batch, min_p, np.float32)
+    uniforms = rng.random(batch).astype(np.float32)
+    for b in range(batch):
+        _, mp[b], uniforms[b] = _clear_uniform(rng, logits[b], temperature[b], 0, np.float32(1.0), mp[b],
+                                               uniforms[b])
+    _check_sample(logits, (temperature, top_k, top_p, mp, uniforms))
+
+
 def test_sample_breaks_ties_by_id():
     rng = np.random.default_rng(9)
     batch, vocab = 12, 20000
@@ -378,8 +414,8 @@ def test_sample_breaks_ties_by_id():
     logits[1, :] = rng.standard_normal(vocab).astype(np.float32) - 3.0
     logits[1, tied] = 5.0
     temperature, top_k, top_p, min_p, uniforms = _sample_params(rng, batch, vocab, logits)
-    for r in (0, 1):
-        temperature[r], top_k[r], top_p[r], min_p[r] = 1.0, 3000 if r == 0 else 0, 1.0, 0.0
+    for r in (0, 1):   # both keep a top-k cut, so they take the ordered rule
+        temperature[r], top_k[r], top_p[r], min_p[r] = 1.0, 3000 if r == 0 else vocab - 1, 1.0, 0.0
     _, _, uniforms[0] = _clear_uniform(rng, logits[0], 1.0, 3000, np.float32(1.0), np.float32(0.0),
                                        np.float32(0.37))
     _, p = _sorted_probs(logits[1], 1.0)

@@ -166,10 +166,12 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     """Pick one token per row; returns ids [B] int32.
 
     logits: [B, V] float32; temperature, top_p, min_p, uniforms: [B] float32; top_k: [B] int32.
-    temperature 0 is the argmax. Otherwise softmax(logits / T), keep the top_k (0: all), keep
-    tokens with p >= min_p * p_max, keep the smallest prefix (by descending p) whose mass reaches
-    top_p, renormalise, and take the token where the cumulative mass first exceeds uniforms[b].
-    Ties are ordered by token id so the CUDA twin can agree exactly.
+    temperature 0 is the argmax. Otherwise weights e = exp(logit / T - max / T); min_p keeps
+    tokens with e >= min_p (p >= min_p * p_max). Without top-k and top-p the kept tokens are walked
+    in id order (no sort needed, the fast path on the GPU); with either, tokens are ordered by
+    descending logit (ties by id), the top_k first are kept (0: all) and then the smallest prefix
+    whose mass reaches top_p. The pick is the first kept token, in that order, whose cumulative
+    weight exceeds uniforms[b] times the kept weight.
     """
     batch, vocab = logits.shape
     out = np.empty(batch, dtype=np.int32)
@@ -177,22 +179,38 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
         row = logits[b].astype(np.float32)
         if temperature[b] <= 0.0:
             out[b] = int(np.argmax(row))
-            continue
-        order = np.lexsort((np.arange(vocab), -row))          # descending logit, then id
-        x = row[order] / np.float32(temperature[b])
-        p = np.exp(x - x[0])
-        p /= p.sum()
-        keep = np.ones(vocab, dtype=bool)
-        if 0 < top_k[b] < vocab:
-            keep[top_k[b]:] = False
-        if min_p[b] > 0.0:
-            keep &= p >= min_p[b] * p[0]
-        if top_p[b] < 1.0:
-            before = np.cumsum(p) - p                          # mass strictly before each token
-            keep &= before < top_p[b]
-        keep[0] = True
-        p = np.where(keep, p, 0.0)
-        cdf = np.cumsum(p)
-        idx = int(np.searchsorted(cdf, uniforms[b] * cdf[-1], side="right"))
-        out[b] = order[min(idx, vocab - 1)] if keep[min(idx, vocab - 1)] else order[0]
+        elif not 0 < top_k[b] < vocab and top_p[b] >= 1.0:
+            out[b] = _sample_in_id_order(row, temperature[b], min_p[b], uniforms[b])
+        else:
+            out[b] = _sample_sorted(row, temperature[b], top_k[b], top_p[b], min_p[b], uniforms[b])
     return out
+
+
+def _sample_in_id_order(row: np.ndarray, temperature, min_p, u) -> int:
+    x = row / np.float32(temperature)
+    e = np.exp(x - x.max())
+    w = np.where(e >= min_p, e, np.float32(0.0)) if min_p > 0.0 else e
+    cdf = np.cumsum(w)
+    idx = min(int(np.searchsorted(cdf, np.float32(u) * cdf[-1], side="right")), len(row) - 1)
+    return idx if w[idx] > 0 else int(np.argmax(row))
+
+
+def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
+    vocab = len(row)
+    order = np.lexsort((np.arange(vocab), -row))          # descending logit, then id
+    x = row[order] / np.float32(temperature)
+    p = np.exp(x - x[0])
+    p /= p.sum()
+    keep = np.ones(vocab, dtype=bool)
+    if 0 < top_k < vocab:
+        keep[top_k:] = False
+    if min_p > 0.0:
+        keep &= p >= min_p * p[0]
+    if top_p < 1.0:
+        before = np.cumsum(p) - p                          # mass strictly before each token
+        keep &= before < top_p
+    keep[0] = True
+    p = np.where(keep, p, 0.0)
+    cdf = np.cumsum(p)
+    idx = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), vocab - 1)
+    return int(order[idx]) if keep[idx] else int(order[0])
