@@ -1,7 +1,7 @@
 // norm.cu: RMSNorm and the fused residual-add + RMSNorm.
 //
-// Layout: x [T, D] with a row stride (elements; rows need not be packed), residual [T, D] with a
-// row stride, weight [D] (scalar_t, or float32 for the *_wf32 kernels); outputs [T, D] packed.
+// Layout: x [T, D] with a row stride (elements; rows need not be packed), or for rms_norm also
+// [T, H, D] with packed heads and a token stride; residual [T, D] with a row stride, weight [D] (scalar_t, or float32 for the *_wf32 kernels); outputs [T, D] packed.
 // Launch: one block per row, blockDim = a multiple of 32 (about D / VEC_ELEMS threads), grid = T.
 // The *_vec kernels move 16-byte vectors and need D, both strides and every pointer aligned to
 // VEC_ELEMS elements; the *_scalar kernels take any shape.
@@ -79,10 +79,12 @@ template <bool ADD, bool W_F32, bool VEC>
 __device__ __forceinline__ void rms_norm_row(scalar_t* out, scalar_t* s_out, const scalar_t* x,
                                              const scalar_t* residual, const void* weight,
                                              int dim, long long x_stride, long long r_stride,
-                                             float eps) {
+                                             float eps, int heads) {
     __shared__ float scratch[32];
     long long row = blockIdx.x;
-    const scalar_t* xr = x + row * x_stride;
+    // heads > 1: x is [T, heads, dim] with packed heads and a token stride (per-head q/k norm
+    // straight from the fused qkv buffer); row r is head r % heads of token r / heads.
+    const scalar_t* xr = x + (row / heads) * x_stride + (row % heads) * (long long)dim;
     const scalar_t* rr = ADD ? residual + row * r_stride : nullptr;
     scalar_t* sr = ADD ? s_out + row * dim : nullptr;
     float ss = sum_squares<ADD, VEC>(xr, rr, sr, dim);
@@ -93,9 +95,9 @@ __device__ __forceinline__ void rms_norm_row(scalar_t* out, scalar_t* s_out, con
 
 #define RMS_NORM_KERNEL(NAME, W_F32, VEC)                                                        \
     extern "C" __global__ void NAME(scalar_t* out, const scalar_t* x, const void* weight,       \
-                                    int dim, long long x_stride, float eps) {                  \
+                                    int dim, long long x_stride, float eps, int heads) {       \
         rms_norm_row<false, W_F32, VEC>(out, nullptr, x, nullptr, weight, dim, x_stride, 0,    \
-                                        eps);                                                  \
+                                        eps, heads);                                           \
     }
 
 #define ADD_RMS_NORM_KERNEL(NAME, W_F32, VEC)                                                    \
@@ -103,7 +105,7 @@ __device__ __forceinline__ void rms_norm_row(scalar_t* out, scalar_t* s_out, con
                                     const scalar_t* residual, const void* weight, int dim,     \
                                     long long x_stride, long long r_stride, float eps) {       \
         rms_norm_row<true, W_F32, VEC>(out, s_out, x, residual, weight, dim, x_stride,         \
-                                       r_stride, eps);                                         \
+                                       r_stride, eps, 1);                                      \
     }
 
 RMS_NORM_KERNEL(rms_norm_vec, false, true)

@@ -122,6 +122,22 @@ def test_rms_norm_and_fused_add(dtype, rows, dim):
     assert_close(to_host32(got_n), ref_n.astype(np.float32), 2 * ULP[dtype], "add_rms_norm norm")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_per_head_on_a_fused_qkv_view(dtype):
+    """q / k norm straight from the fused qkv buffer: [T, H, Dh] heads packed, tokens strided."""
+    rng = np.random.default_rng(17)
+    tokens, heads, kv_heads, head_dim = 37, 16, 8, 128
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = ops.asarray(rng.standard_normal((tokens, width)).astype(np.float32), dtype)
+    w = ops.asarray(rng.standard_normal(head_dim).astype(np.float32), dtype)
+    for lo, h in ((0, heads), (heads * head_dim, kv_heads)):
+        view = qkv[:, lo:lo + h * head_dim].reshape(tokens, h, head_dim)
+        ref = npops.rms_norm(ops.to_numpy(view).astype(np.float32), ops.to_numpy(w).astype(np.float32), 1e-6)
+        got = to_host32(ops.rms_norm(view, w, 1e-6))
+        assert got.shape == (tokens, h, head_dim)
+        assert_close(got, ref.astype(np.float32), 2 * ULP[dtype], "per-head rms_norm")
+
+
 def test_rms_norm_float32_weight_and_in_place_residual():
     rng = np.random.default_rng(3)
     x, x32 = to_device(rng.standard_normal((16, 256), np.float32), "bfloat16")

@@ -82,9 +82,9 @@ class DecoderModel:
             q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            if lw.q_norm is not None:
-                q = ops.rms_norm(q.reshape(-1, c.head_dim), lw.q_norm, eps).reshape(q.shape)
-                k = ops.rms_norm(k.reshape(-1, c.head_dim), lw.k_norm, eps).reshape(k.shape)
+            if lw.q_norm is not None:                               # per head, over Dh
+                q = ops.rms_norm(q, lw.q_norm, eps)
+                k = ops.rms_norm(k, lw.k_norm, eps)
             q, k = ops.rotary(q, k, positions, self.cos_sin)
             k_cache, v_cache = kv_pool[i, 0], kv_pool[i, 1]          # [num_blocks, bs, Hk, Dh]
             ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)

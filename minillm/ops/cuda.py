@@ -331,7 +331,7 @@ def _norm_rows(x, what: str):
 
 def _norm_kernel(prefix: str, x, weight, strides):
     """The vectorised or scalar (add_)rms_norm kernel, weight in x's dtype or float32."""
-    dim = x.shape[1]
+    dim = x.shape[-1]
     if weight.shape != (dim,):
         raise ValueError(f"weight must be [{dim}], got {tuple(weight.shape)}")
     _check_contiguous(weight, "weight")
@@ -349,15 +349,30 @@ def rms_norm(x, weight, eps: float, out=None):
     _check_device(x, "x")
     _check_float(x, "x")
     shape = x.shape
-    x2, x_stride = _norm_rows(x, "x")
+    heads = 1
+    if _is_head_strided(x):               # [T, H, D] view of a fused buffer: no copy
+        heads, x2, x_stride = x.shape[1], x, x.strides[0] // x.itemsize
+        rows = x.shape[0] * heads
+        if x.shape[0] > 1 and x.strides[0] % x.itemsize:
+            raise ValueError(f"x token stride {x.strides[0]} is not a multiple of its item size")
+    else:
+        x2, x_stride = _norm_rows(x, "x")
+        rows = x2.shape[0]
+    dim = shape[-1]
     out = _out(out, shape, x.dtype)
-    out2 = out.reshape(x2.shape)
-    if x2.shape[0] == 0:
+    out2 = out.reshape(rows, dim)
+    if rows == 0:
         return out
-    fn, threads = _norm_kernel("rms_norm", x2, weight, [(x2, x_stride), (out2, x2.shape[1])])
-    fn((x2.shape[0],), (threads,), (_ptr(out2), _ptr(x2), _ptr(weight), _i32(x2.shape[1]),
-                                    _i64(x_stride), np.float32(eps)))
+    fn, threads = _norm_kernel("rms_norm", out2, weight, [(x2, x_stride), (x2, dim), (out2, dim)])
+    fn((rows,), (threads,), (_ptr(out2), _ptr(x2), _ptr(weight), _i32(dim),
+                             _i64(x_stride), np.float32(eps), _i32(heads)))
     return out
+
+
+def _is_head_strided(x) -> bool:
+    """x: [T, H, D] whose heads are packed (D contiguous, H after it) but whose tokens are strided."""
+    return (x.ndim == 3 and x.shape[0] > 0 and x.strides[2] == x.itemsize
+            and x.strides[1] == x.shape[2] * x.itemsize and not x.flags.c_contiguous)
 
 
 def add_rms_norm(x, residual, weight, eps: float, out=None):
