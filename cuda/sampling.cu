@@ -351,61 +351,59 @@ __device__ void row_histogram(const Row& r, SampleShared& sh, float min_p, float
     __syncthreads();
 }
 
-// Inclusive prefix sum over the block in thread order; *total is the block's sum.
-__device__ float block_inclusive_scan(float v, float* warp_sums, float* total) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+__device__ __forceinline__ float warp_inclusive_scan(float v) {
+    int lane = threadIdx.x & 31;
     for (int o = 1; o < 32; o <<= 1) {
         float n = __shfl_up_sync(0xffffffffu, v, o);
         if (lane >= o) v += n;
     }
-    if (lane == 31) warp_sums[warp] = v;
-    __syncthreads();
-    if (warp == 0) {
-        float w = lane < num_warps ? warp_sums[lane] : 0.0f;
-        for (int o = 1; o < 32; o <<= 1) {
-            float n = __shfl_up_sync(0xffffffffu, w, o);
-            if (lane >= o) w += n;
-        }
-        if (lane < num_warps) warp_sums[lane] = w;
-    }
-    __syncthreads();
-    float offset = warp ? warp_sums[warp - 1] : 0.0f;
-    *total = warp_sums[num_warps - 1];
-    __syncthreads();
-    return v + offset;
+    return v;
+}
+
+__device__ __forceinline__ float kept_weight(const Row& r, int i, float threshold) {
+    float e = weight_of(scaled_logit(r.x[i], r.temperature), r.smax);
+    return e >= threshold ? e : 0.0f;
 }
 
 // Rows with neither top-k nor top-p: the kept tokens (weight e >= min_p, all when min_p is 0) in
-// id order, so no ordering is needed. Thread t owns ids [t * chunk, (t + 1) * chunk): one pass sums
-// its weights, a block scan gives each chunk its cumulative range, and the one thread whose range
-// holds u * total walks its chunk for the token.
+// id order, so nothing needs ordering. Warp w owns a contiguous range of ids and its lanes read it
+// 32 consecutive floats at a time (coalesced): one pass sums each warp's weight, a scan over the
+// warps gives each range its cumulative interval, and the one warp whose interval holds
+// u * total walks its range tile by tile with warp scans to find the token.
 __device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshold, float u, int fallback) {
-    int t = threadIdx.x;
-    int chunk = (r.vocab + blockDim.x - 1) / blockDim.x;
-    int lo = min(t * chunk, r.vocab), hi = min(lo + chunk, r.vocab);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    int chunk = ((r.vocab + num_warps - 1) / num_warps + 31) & ~31;
+    int lo = min(warp * chunk, r.vocab), hi = min(lo + chunk, r.vocab);
     float s = 0.0f;
-    for (int i = lo; i < hi; ++i) {
-        float e = weight_of(scaled_logit(r.x[i], r.temperature), r.smax);
-        if (e >= threshold) s += e;
-    }
-    float total;
-    float incl = block_inclusive_scan(s, sh.scratch_f, &total);
-    sh.bin_mass[t] = incl;
-    if (t == 0) sh.res_id = fallback;
+    for (int i = lo + lane; i < hi; i += 32) s += kept_weight(r, i, threshold);
+    for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    if (lane == 0) sh.scratch_f[warp] = s;
+    if (threadIdx.x == 0) sh.res_id = fallback;
     __syncthreads();
-    float excl = t ? sh.bin_mass[t - 1] : 0.0f;
-    float target = u * total;
-    if (s > 0.0f && excl <= target && target < incl) {
+    if (warp == 0) {
+        float w = warp_inclusive_scan(lane < num_warps ? sh.scratch_f[lane] : 0.0f);
+        if (lane < num_warps) sh.bin_mass[lane] = w;
+    }
+    __syncthreads();
+    float incl = sh.bin_mass[warp], excl = warp ? sh.bin_mass[warp - 1] : 0.0f;
+    float target = u * sh.bin_mass[num_warps - 1];
+    if (s > 0.0f && excl <= target && target < incl) {       // the same answer on every lane
         float c = excl;
         int last = -1;
-        for (int i = lo; i < hi; ++i) {
-            float e = weight_of(scaled_logit(r.x[i], r.temperature), r.smax);
-            if (!(e >= threshold)) continue;
-            last = i;
-            c += e;
-            if (c > target) break;
+        for (int base = lo; base < hi; base += 32) {
+            int i = base + lane;
+            float e = i < hi ? kept_weight(r, i, threshold) : 0.0f;
+            float x = warp_inclusive_scan(e);
+            unsigned hit = __ballot_sync(0xffffffffu, e > 0.0f && c + x > target);
+            unsigned kept = __ballot_sync(0xffffffffu, e > 0.0f);
+            if (hit) {
+                last = base + __ffs(hit) - 1;
+                break;
+            }
+            if (kept) last = base + 31 - __clz(kept);   // rounding may end the walk short
+            c += __shfl_sync(0xffffffffu, x, 31);
         }
-        sh.res_id = last;        // rounding may end the walk short: its last kept token then
+        if (lane == 0 && last >= 0) sh.res_id = last;
     }
     __syncthreads();
     return sh.res_id;

@@ -77,6 +77,8 @@ def test_linear_matches_matmul(dtype, tokens, k, n):
     assert rel_error(got, ref) < (1e-5 if dtype == "float32" else 5e-3)
     got_b = to_host32(ops.linear(x, w, b, out=poisoned((tokens, n), dtype)))
     assert rel_error(got_b, ref + b32) < (1e-5 if dtype == "float32" else 5e-3)
+    wide = ops.linear(x, w, out_dtype=np.float32)       # the logits path: fp32 sums, unrounded
+    assert wide.dtype == np.float32 and rel_error(cupy.asnumpy(wide), ref) < 1e-5
 
 
 def test_linear_takes_row_strided_input():

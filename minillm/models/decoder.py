@@ -97,4 +97,4 @@ class DecoderModel:
 
     def compute_logits(self, hidden):
         """hidden: [B, D] -> logits [B, V] in float32."""
-        return self.ops.linear(hidden, self.lm_head).astype(np.float32)
+        return self.ops.linear(hidden, self.lm_head, out_dtype=np.float32)

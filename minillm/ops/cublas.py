@@ -162,5 +162,7 @@ def matmul_nt(out, x, w, beta: float = 0.0) -> None:
     n = w.shape[0]
     isz = x.dtype.itemsize
     dt = data_type(x.dtype.name)
+    # out may be float32 while x and w are 16-bit: cuBLAS then writes the fp32 sums unrounded.
     get_handle().gemm_ex(CUBLAS_OP_T, CUBLAS_OP_N, n, num_tokens, k, w.data.ptr, dt, k, x.data.ptr, dt,
-                         x.strides[0] // isz, out.data.ptr, dt, out.strides[0] // isz, beta)
+                         x.strides[0] // isz, out.data.ptr, data_type(out.dtype.name),
+                         out.strides[0] // out.dtype.itemsize, beta)

@@ -269,8 +269,8 @@ def _log2_exact(n: int, what: str) -> int:
 
 # ----------------------------------------------------------------------------- dense ops
 
-def linear(x, w, bias=None, out=None):
-    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N], accumulated in fp32 (cuBLAS C API)."""
+def linear(x, w, bias=None, out=None, out_dtype=None):
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), fp32 accumulation."""
     _check_device(x, "x")
     _check_device(w, "w")
     _check_float(x, "x")
@@ -280,7 +280,10 @@ def linear(x, w, bias=None, out=None):
     _row_stride(x, "x")
     _check_contiguous(w, "w")
     num_tokens, n = x.shape[0], w.shape[0]
-    out = _out(out, (num_tokens, n), x.dtype)
+    dtype = x.dtype if out_dtype is None else _resolve_dtype(out_dtype)
+    if dtype != x.dtype and (bias is not None or dtype != np.float32):
+        raise ValueError(f"out_dtype may only be float32 and only without a bias, got {dtype}")
+    out = _out(out, (num_tokens, n), dtype)
     if num_tokens == 0 or n == 0:
         return out
     beta = 0.0

@@ -33,12 +33,12 @@ def prepare_linear_weight(w: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(w.astype(dtype))
 
 
-def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N], accumulated in fp32."""
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, out_dtype=None) -> np.ndarray:
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), accumulated in fp32."""
     y = np.matmul(x.astype(np.float32, copy=False), w.astype(np.float32, copy=False).T)
     if bias is not None:
         y += bias.astype(np.float32, copy=False)
-    return y.astype(x.dtype, copy=False)
+    return y.astype(out_dtype or x.dtype, copy=False)
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
