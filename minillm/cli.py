@@ -13,6 +13,7 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from minillm.config import EngineConfig
+from minillm.engine_stats import describe_engine, human_bytes
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
 ENGINE_PANEL = "Engine options"
@@ -130,26 +131,6 @@ def resolve_model(model: str, download_dir: str | None) -> str:
     """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
     from minillm.loader import resolve_model_path
     return str(resolve_model_path(model, download_dir))
-
-
-def human_bytes(num: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(num) < 1024 or unit == "GiB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1024
-    return f"{num:.1f} GiB"
-
-
-def describe_engine(stats) -> str:
-    """The load report: backend, dtype, weights, KV pool and concurrency at max_model_len."""
-    num_tokens = stats.kv_num_blocks * stats.block_size
-    blocks_per_seq = -(-stats.max_model_len // stats.block_size)
-    return (f"minillm: backend {stats.device}, dtype {stats.dtype}, weights "
-            f"{human_bytes(stats.memory.weights_bytes)}; KV pool {stats.kv_num_blocks} blocks x "
-            f"{stats.block_size} = {num_tokens} tokens ({human_bytes(stats.memory.kv_pool_bytes)}); "
-            f"max concurrency at max_model_len {stats.max_model_len}: "
-            f"{stats.kv_num_blocks / blocks_per_seq:.2f}x")
 
 
 def load_engine(config: EngineConfig):

@@ -80,3 +80,23 @@ def _row(engine: "LLMEngine", seq, state: str) -> RequestStats:
     rid = seq.request_id if seq.params.n == 1 else f"{seq.request_id}#{seq.index}"
     return RequestStats(rid, state, seq.num_prompt_tokens, seq.num_output_tokens, len(seq.block_table),
                         seq.num_cached_tokens, ttft)
+
+
+def human_bytes(num: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(num) < 1024 or unit == "GiB":
+            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
+        num /= 1024
+    return f"{num:.1f} GiB"
+
+
+def describe_engine(stats: EngineStats) -> str:
+    """The load report: backend, dtype, weights, KV pool and concurrency at max_model_len."""
+    num_tokens = stats.kv_num_blocks * stats.block_size
+    blocks_per_seq = -(-stats.max_model_len // stats.block_size)
+    return (f"minillm: backend {stats.device}, dtype {stats.dtype}, weights "
+            f"{human_bytes(stats.memory.weights_bytes)}; KV pool {stats.kv_num_blocks} blocks x "
+            f"{stats.block_size} = {num_tokens} tokens ({human_bytes(stats.memory.kv_pool_bytes)}); "
+            f"max concurrency at max_model_len {stats.max_model_len}: "
+            f"{stats.kv_num_blocks / blocks_per_seq:.2f}x")

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import sys
 import threading
 import time
 from typing import Any, AsyncIterator
@@ -235,6 +236,8 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
     """Load the engine from an EngineConfig and serve the OpenAI API until interrupted."""
     _configure_logging()
     engine = AsyncLLMEngine.from_config(config)
+    from minillm.engine_stats import describe_engine
+    print(describe_engine(engine.engine.stats(cells=1)), file=sys.stderr, flush=True)
     try:
         if monitor:
             # The dashboard owns the terminal: the server runs quietly on a thread.
