@@ -85,6 +85,8 @@ class LLMEngine:
         self.model_config = load_model_config(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
         self.backend = choose_backend(config.device)
+        if config.device == "auto":
+            self.log(f"minillm: device auto -> {'cuda (CuPy sees a GPU)' if self.backend == 'cuda' else 'cpu (NumPy)'}")
         self.ops = get_ops(self.backend)
         self.dtype = resolve_dtype(config, self.backend, self.model_config.torch_dtype)
         model_max = self.model_config.max_position_embeddings

@@ -72,21 +72,46 @@ class ModelRunner:
             budget = cfg.kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
             enough = cfg.max_num_seqs * ((max_model_len + self.block_size - 1) // self.block_size)
             return max(1, min(budget // per_block, enough))
+        activations = self._profile_activation_bytes(max_model_len)
+        # Decode graphs keep their own logits [max_num_seqs, V] fp32 and a batch's activations.
+        graphs = 0 if cfg.enforce_eager else 2 * cfg.max_num_seqs * self.model_config.vocab_size * 4
         free, total = self.ops.device_memory_info()
-        activations = self._activation_reserve_bytes()
-        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - activations - graphs
         if budget < per_block:
             raise ValueError(f"no device memory left for the KV pool: {free / 2**30:.1f} GiB free of "
-                             f"{total / 2**30:.1f} GiB; lower max_num_batched_tokens or raise gpu_memory_utilization")
+                             f"{total / 2**30:.1f} GiB, a forward pass needs {activations / 2**30:.1f} GiB; "
+                             f"lower max_num_batched_tokens or raise gpu_memory_utilization")
         return budget // per_block
 
-    def _activation_reserve_bytes(self) -> int:
-        """An upper bound on one forward pass's transient memory at max_num_batched_tokens."""
-        mc, t = self.model_config, self.config.max_num_batched_tokens
-        width = max(mc.hidden_size * 4, 2 * mc.intermediate_size * 2,
-                    (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim * 3)
-        logits = self.config.max_num_seqs * mc.vocab_size * 4 * 3
-        return t * width * self.ops.xp.dtype(self.dtype).itemsize + logits + (256 << 20)
+    def _profile_activation_bytes(self, max_model_len: int) -> int:
+        """Run one forward pass at max_num_batched_tokens (and logits and sampling for max_num_seqs
+        rows) on dummy inputs and return the device memory it took, measured on CuPy's pool."""
+        cp, mc, cfg, bs = self.ops.xp, self.model_config, self.config, self.block_size
+        num_tokens = min(cfg.max_num_batched_tokens, max_model_len * cfg.max_num_seqs)
+        seq_len = min(num_tokens, max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks = -(-seq_len // bs)
+        # One sequence's worth of blocks that every dummy sequence reads; nothing is written.
+        scratch = cp.zeros((mc.num_layers, 2, blocks, bs, mc.num_kv_heads, mc.head_dim), dtype=cp.dtype(self.dtype))
+        a = self.ops.asarray
+        meta = AttentionMetadata(a(np.cumsum([0] + lens).astype(np.int32)), a(np.asarray(lens, np.int32)),
+                                 a(np.tile(np.arange(blocks, dtype=np.int32), (len(lens), 1))),
+                                 a(np.full(num_tokens, -1, np.int32)), max(lens), max(lens), False)
+        positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
+        pool = cp.get_default_memory_pool()
+        cp.cuda.Device().synchronize()
+        before = pool.total_bytes()
+        hidden = self.model.forward(a(np.zeros(num_tokens, np.int32)), a(positions), meta, scratch)
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        ones = a(np.ones(rows, np.float32))
+        self.ops.log_softmax(logits)
+        self.ops.sample(logits, ones, a(np.zeros(rows, np.int32)), ones * 0.9, ones * 0.0, ones * 0.5)
+        cp.cuda.Device().synchronize()
+        peak = pool.total_bytes() - before
+        del hidden, logits, scratch
+        pool.free_all_blocks()
+        return peak + (256 << 20)                # cuBLAS workspace and rounding
 
     def prepare_inputs(self, out: SchedulerOutput):
         """Host-side input ids [T], positions [T] and attention metadata for the step."""
