@@ -1,16 +1,24 @@
 """Queues, throughput and latency percentiles."""
 from __future__ import annotations
 
+from rich.cells import cell_len
 from rich.text import Text
 
 from minillm.stats import EngineStats
 from tui.panel import Panel
-from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds
+from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, spaced
 
 COLOR_RUNNING = "#87d75f"
 COLOR_WAITING = "#ffd75f"
 COLOR_PREEMPTED = "#ff5f87"
 WIDE_LAYOUT_COLUMNS = 50
+COLUMN_GAP = 3
+LABEL_WIDTH = 12
+RATE_LABEL_WIDTH = 8
+LATENCY_WIDTH = 9   # one percentile column, right-aligned: "  210.8 ms"
+
+# A row is a list of (text, style) parts, joined by render.spaced().
+Parts = list[tuple[str, str]]
 
 
 class QueuePanel(Panel):
@@ -22,73 +30,83 @@ class QueuePanel(Panel):
         stats = self.stats
         if stats is None:
             return Text("waiting for stats…", style=COLOR_DIM)
-        if self.content_size.width >= WIDE_LAYOUT_COLUMNS:
-            left, right = _queue_lines(stats), _rate_lines(stats)
-            width = max(len(line) for line in left) + 3
-            rows = []
-            for i in range(max(len(left), len(right))):
-                row = left[i].copy() if i < len(left) else Text()
-                row.pad_right(width - len(row))
-                rows.append(row.append_text(right[i] if i < len(right) else Text()))
-            return Text("\n").join(rows)
-        return Text("\n").join(_compact_lines(stats))
+        width, height = self.content_size
+        rows = _wide_rows(stats)
+        if width < WIDE_LAYOUT_COLUMNS or height < len(rows):
+            rows = _compact_rows(stats)
+        return Text("\n", no_wrap=True, overflow="ellipsis").join(spaced(*row) for row in rows)
+
+
+def _wide_rows(stats: EngineStats) -> list[Parts]:
+    """Queue counts on the left, rates and latencies on the right, then the finish reasons."""
+    left, right = _queue_lines(stats), _rate_lines(stats)
+    # The gap follows the widest left cell, so every right-hand label starts in one column.
+    column = max(_width(line) for line in left) + COLUMN_GAP
+    rows = []
+    for i in range(max(len(left), len(right))):
+        row = list(left[i]) if i < len(left) else []
+        if i < len(right):
+            row += [(" " * (column - _width(row)), "")] + right[i]
+        rows.append(row)
+    rows.append([(_finished(stats) or "—", COLOR_DIM)])
+    return rows
+
+
+def _width(parts: Parts) -> int:
+    return sum(cell_len(text) for text, _ in parts)
 
 
 def _finished(stats: EngineStats) -> str:
-    return " ".join(f"{reason} {count}" for reason, count in sorted(stats.num_requests_finished.items()))
+    return " · ".join(f"{reason} {count}" for reason, count in sorted(stats.num_requests_finished.items()))
 
 
-def _queue_lines(stats: EngineStats) -> list[Text]:
-    finished = sum(stats.num_requests_finished.values())
+def _queue_lines(stats: EngineStats) -> list[Parts]:
     return [
         _pair("running", f"{stats.num_running} / {stats.max_num_seqs}", COLOR_RUNNING),
         _pair("waiting", str(stats.num_waiting), COLOR_WAITING),
         _pair("preempted", str(stats.num_preempted), COLOR_PREEMPTED),
         _pair("preemptions", str(stats.num_preemptions), COLOR_PREEMPTED),
-        _pair("finished", str(finished), "bold"),
-        Text(_finished(stats) or " ", style=COLOR_DIM),
+        _pair("steps", str(stats.num_steps), ""),
+        _pair("finished", str(sum(stats.num_requests_finished.values())), ""),
     ]
 
 
-def _rate_lines(stats: EngineStats) -> list[Text]:
+def _rate_lines(stats: EngineStats) -> list[Parts]:
     return [
-        _pair("prompt", f"{fmt_rate(stats.prompt_throughput)} tok/s", COLOR_PREFILL, 8),
-        _pair("output", f"{fmt_rate(stats.generation_throughput)} tok/s", COLOR_DECODE, 8),
-        Text(f"{'':8}{'p50':>9} {'p99':>9}", style=COLOR_DIM),
+        _pair("prompt", f"{fmt_rate(stats.prompt_throughput)} tok/s", COLOR_PREFILL, RATE_LABEL_WIDTH),
+        _pair("output", f"{fmt_rate(stats.generation_throughput)} tok/s", COLOR_DECODE, RATE_LABEL_WIDTH),
+        [(" " * RATE_LABEL_WIDTH, ""), (f"{'p50':>{LATENCY_WIDTH}}", COLOR_DIM),
+         (f" {'p99':>{LATENCY_WIDTH}}", COLOR_DIM)],
         _latency("TTFT", stats.ttft_p50_s, stats.ttft_p99_s),
         _latency("ITL", stats.itl_p50_s, stats.itl_p99_s),
-        _pair("steps", str(stats.num_steps), "", 8),
     ]
 
 
-def _compact_lines(stats: EngineStats) -> list[Text]:
-    queues = Text("run ").append(f"{stats.num_running}/{stats.max_num_seqs}", style=f"bold {COLOR_RUNNING}")
-    queues.append("  wait ").append(str(stats.num_waiting), style=f"bold {COLOR_WAITING}")
-    queues.append("  pre ").append(str(stats.num_preempted), style=f"bold {COLOR_PREEMPTED}")
+def _compact_rows(stats: EngineStats) -> list[Parts]:
+    """Five short rows for narrow or short panels."""
     finished = sum(stats.num_requests_finished.values())
-    counts = Text("preemptions ").append(str(stats.num_preemptions), style=f"bold {COLOR_PREEMPTED}")
-    counts.append(f" · done {finished}")
-    rates = Text("tok/s in ").append(fmt_rate(stats.prompt_throughput), style=f"bold {COLOR_PREFILL}")
-    rates.append(" out ").append(fmt_rate(stats.generation_throughput), style=f"bold {COLOR_DECODE}")
     return [
-        queues,
-        counts,
-        rates,
+        [("run ", ""), (f"{stats.num_running}/{stats.max_num_seqs}", f"bold {COLOR_RUNNING}"),
+         ("  wait ", ""), (str(stats.num_waiting), f"bold {COLOR_WAITING}"),
+         ("  pre ", ""), (str(stats.num_preempted), f"bold {COLOR_PREEMPTED}")],
+        [("preemptions ", ""), (str(stats.num_preemptions), f"bold {COLOR_PREEMPTED}"),
+         (f"  done {finished}", "")],
+        [("tok/s in ", ""), (fmt_rate(stats.prompt_throughput), f"bold {COLOR_PREFILL}"),
+         ("  out ", ""), (fmt_rate(stats.generation_throughput), f"bold {COLOR_DECODE}")],
         _compact_latency("TTFT", stats.ttft_p50_s, stats.ttft_p99_s),
         _compact_latency("ITL", stats.itl_p50_s, stats.itl_p99_s),
     ]
 
 
-def _pair(label: str, value: str, style: str, label_width: int = 12) -> Text:
-    return Text(f"{label:<{label_width}}").append(value, style=f"bold {style}".strip())
+def _pair(label: str, value: str, style: str, label_width: int = LABEL_WIDTH) -> Parts:
+    return [(f"{label:<{label_width}}", ""), (value, f"bold {style}".strip())]
 
 
-def _latency(label: str, p50: float | None, p99: float | None, label_width: int = 8) -> Text:
-    row = Text(f"{label:<{label_width}}")
-    row.append(f"{fmt_seconds(p50):>9}", style="bold").append(f" {fmt_seconds(p99):>9}", style="bold")
-    return row
+def _latency(label: str, p50: float | None, p99: float | None) -> Parts:
+    return [(f"{label:<{RATE_LABEL_WIDTH}}", ""), (f"{fmt_seconds(p50):>{LATENCY_WIDTH}}", "bold"),
+            (f" {fmt_seconds(p99):>{LATENCY_WIDTH}}", "bold")]
 
 
-def _compact_latency(label: str, p50: float | None, p99: float | None) -> Text:
-    row = Text(f"{label:<5}p50 ", style=COLOR_DIM).append(f"{fmt_seconds(p50):>8}", style="bold")
-    return row.append(" p99 ", style=COLOR_DIM).append(f"{fmt_seconds(p99):>8}", style="bold")
+def _compact_latency(label: str, p50: float | None, p99: float | None) -> Parts:
+    return [(f"{label:<5}p50 ", COLOR_DIM), (f"{fmt_seconds(p50):>8}", "bold"),
+            (" p99 ", COLOR_DIM), (f"{fmt_seconds(p99):>8}", "bold")]

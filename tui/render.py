@@ -25,6 +25,22 @@ COLOR_SEQS = "#87afff"
 COLOR_DIM = "#6c6c6c"
 
 
+def spaced(*parts: tuple[str, str]) -> Text:
+    """One line from (text, style) parts, with the spaces before each part kept in the part before it."""
+    # An exported SVG draws each styled run as one <text> element, and some renderers (librsvg
+    # among them) drop a run's leading spaces, which would close a gap that opens a run and undo
+    # right alignment. Gaps therefore end the previous run instead; keep backgrounds out of parts.
+    text = Text()
+    previous = ""
+    for chunk, style in parts:
+        body = chunk.lstrip(" ")
+        text.append(chunk[: len(chunk) - len(body)], style=previous)
+        text.append(body, style=style)
+        if body:
+            previous = style
+    return text
+
+
 def request_color(request_id: str) -> str:
     """The display colour of a request, stable across frames and runs."""
     return REQUEST_COLORS[zlib.crc32(request_id.encode()) % len(REQUEST_COLORS)]
