@@ -46,13 +46,15 @@ class TitleBar(Static):
 
     def show(self, stats: EngineStats | None, source_text: str, paused: bool) -> None:
         """Redraw the bar."""
-        text = Text(" minillm monitor ", style="bold #000000 on #5fafff")
+        # Gaps get a style of their own: a gap inside the next run would be lost by SVG renderers
+        # that drop a run's leading spaces (see render.spaced).
+        text = Text().append(" ", style="on #5fafff").append("minillm monitor ", style="bold #000000 on #5fafff")
         if stats is not None:
-            text.append(f"  {model_label(stats.model)} · {stats.device} · {stats.dtype}", style="bold")
+            text.append("  ").append(f"{model_label(stats.model)} · {stats.device} · {stats.dtype}", style="bold")
         if source_text:
-            text.append(f"  {source_text}", style="#8a8a8a")
+            text.append("  ").append(source_text, style="#8a8a8a")
         if paused:
-            text.append("  ").append(" ❚❚ PAUSED ", style="bold #000000 on #ffd75f")
+            text.append("  ").append(" ", style="on #ffd75f").append("❚❚ PAUSED ", style="bold #000000 on #ffd75f")
         self.update(text)
 
 

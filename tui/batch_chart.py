@@ -6,7 +6,7 @@ from rich.text import Text
 
 from minillm.stats import StepStats
 from tui.panel import Panel
-from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline
+from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline, spaced
 
 AXIS_WIDTH = 5      # "512┤" and friends
 FOOTER_ROWS = 2     # the sequences sparkline and the legend
@@ -97,16 +97,18 @@ class BatchChart(Panel):
         prefill = last.num_prefill_tokens if last else 0
         decode = last.num_decode_tokens if last else 0
         parts = [
-            Text("█", style=COLOR_PREFILL).append(f" prefill {prefill} "),
-            Text("█", style=COLOR_DECODE).append(f" decode {decode} "),
-            Text("▆", style=COLOR_SEQS).append(f" seqs {last.num_seqs if last else 0}"),
-            Text(f" · budget {budget}", style=COLOR_DIM),
+            [("█", COLOR_PREFILL), (f" prefill {prefill} ", "")],
+            [("█", COLOR_DECODE), (f" decode {decode} ", "")],
+            [("▆", COLOR_SEQS), (f" seqs {last.num_seqs if last else 0}", "")],
+            [(f" · budget {budget}", COLOR_DIM)],
         ]
         if last is not None:
-            parts.append(Text(f" · {fmt_seconds(last.step_time_s)}/step", style=COLOR_DIM))
-        legend = Text(no_wrap=True, overflow="crop")
+            parts.append([(f" · {fmt_seconds(last.step_time_s)}/step", COLOR_DIM)])
+        shown: list[tuple[str, str]] = []
         for part in parts:
-            if len(legend) + len(part) > width:
+            if sum(len(text) for text, _ in shown + part) > width:
                 break
-            legend.append_text(part)
+            shown += part
+        legend = spaced(*shown)
+        legend.no_wrap, legend.overflow = True, "crop"
         return legend

@@ -109,9 +109,10 @@ class BlockGrid(Panel):
 
     def _legend(self) -> Text:
         legend = Text(no_wrap=True, overflow="ellipsis")
-        legend.append("■", style=REQUEST_COLORS[0]).append("■", style=REQUEST_COLORS[1])
-        legend.append(" used  ").append("■", style=COLOR_CACHED).append(" cached  ")
-        legend.append("■", style=COLOR_FREE).append(" free")
+        # Each gap ends the run before it (see render.spaced) so exported SVGs keep it.
+        legend.append("■", style=REQUEST_COLORS[0]).append("■ ", style=REQUEST_COLORS[1])
+        legend.append("used  ").append("■ ", style=COLOR_CACHED).append("cached  ")
+        legend.append("■ ", style=COLOR_FREE).append("free")
         return legend
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from tui.panel import Panel
-from tui.render import COLOR_CACHED, COLOR_DIM, fmt_percent, hbar, sparkline
+from tui.render import COLOR_CACHED, COLOR_DIM, fmt_percent, hbar, sparkline, spaced
 
 COLOR_USAGE = "#5fafff"
 COLOR_UTIL = "#d787ff"
@@ -23,8 +23,8 @@ class UsagePanel(Panel):
         width, height = self.content_size
         blocks = f"{stats.kv_num_used_blocks}/{stats.kv_num_blocks} blocks"
         hits = stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
-        footer = Text(f"{stats.kv_num_cached_blocks} cached", style=COLOR_CACHED)
-        footer.append(f" · prefix hits {fmt_percent(hits)}", style=COLOR_DIM)
+        footer = spaced((f"{stats.kv_num_cached_blocks} cached", COLOR_CACHED),
+                        (f" · prefix hits {fmt_percent(hits)}", COLOR_DIM))
         lines: list[Text] = []
         if height >= FULL_LAYOUT_ROWS:
             lines += _full_rows("KV usage", stats.kv_usage, blocks, history.kv_usage, width, COLOR_USAGE)
@@ -34,21 +34,21 @@ class UsagePanel(Panel):
         else:
             lines.append(_compact_row("KV", stats.kv_usage, history.kv_usage, width, COLOR_USAGE))
             lines.append(_compact_row("tok", stats.kv_token_utilization, history.token_utilization, width, COLOR_UTIL))
-            footer = Text(f"{stats.kv_num_used_blocks}/{stats.kv_num_blocks} blk · ", style=COLOR_DIM)
-            footer.append(f"{stats.kv_num_cached_blocks} cached", style=COLOR_CACHED)
-            footer.append(f" · hits {hits * 100:.0f}%", style=COLOR_DIM)
+            # Two-space gaps instead of " · " keep the hit rate inside a 32-column panel.
+            footer = spaced((f"{stats.kv_num_used_blocks}/{stats.kv_num_blocks} blk", COLOR_DIM),
+                            (f"  {stats.kv_num_cached_blocks} cached", COLOR_CACHED),
+                            (f"  hits {hits * 100:.0f}%", COLOR_DIM))
         lines.append(footer)
         return Text("\n").join(lines)
 
 
 def _full_rows(label: str, value: float, detail: str, series, width: int, color: str) -> list[Text]:
     """A heading with the value, a bar and the history sparkline on a fixed 0-100% scale."""
-    head = Text(f"{label:<11}", style="bold").append(f"{fmt_percent(value):>6}", style=f"bold {color}")
-    head.append(f"  {detail}", style=COLOR_DIM)
+    head = spaced((f"{label:<11}", "bold"), (f"{fmt_percent(value):>6}", f"bold {color}"), (f"  {detail}", COLOR_DIM))
     return [head, hbar(value, width, color), sparkline(series, width, 1.0, color)]
 
 
 def _compact_row(label: str, value: float, series, width: int, color: str) -> Text:
     """Label, value and sparkline on one line for short terminals."""
-    row = Text(f"{label:<4}", style="bold").append(f"{fmt_percent(value):>6} ", style=f"bold {color}")
+    row = spaced((f"{label:<4}", "bold"), (f"{fmt_percent(value):>6} ", f"bold {color}"))
     return row.append_text(sparkline(series, max(width - len(row), 0), 1.0, color))
