@@ -64,7 +64,7 @@ class RequestTable(DataTable):
     """Sorted by one column at a time: `s` cycles the column, `S` flips the order, headers click."""
 
     def __init__(self, *, id: str | None = None) -> None:
-        super().__init__(id=id, cursor_type="row", zebra_stripes=True)
+        super().__init__(id=id, cursor_type="row", zebra_stripes=True, cursor_foreground_priority="renderable")
         self.sort_index = 1
         self.sort_descending = COLUMNS[1].descending
         self.border_title = "requests"
