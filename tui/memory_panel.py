@@ -54,16 +54,28 @@ class MemoryPanel(Panel):
             ("other", memory.other_bytes, COLOR_OTHER),
             ("free", total - used, COLOR_FREE),
         ]
+        width, height = self.content_size
         bar = Text(no_wrap=True)
-        widths = split_widths([value for _, value, _ in parts], total, self.content_size.width)
+        widths = split_widths([value for _, value, _ in parts], total, width)
         for part_width, (_, _, color) in zip(widths, parts):
             bar.append("█" * part_width, style=color)
-        lines = [bar]
-        for pair in (parts[:2], parts[2:]):
-            line = Text()
-            for name, value, color in pair:
-                if name == "free" and value == 0:
-                    continue  # the host backend reports no headroom
-                line.append("■ ", style=color).append(f"{name} ").append(fmt_bytes(value), style="bold").append("  ")
-            lines.append(line)
-        return Text("\n").join(lines)
+        if height < 3:
+            # One legend row: a shorter KV label so weights and KV fit 32 columns.
+            parts[1] = ("KV", memory.kv_pool_bytes, COLOR_KV)
+            rows = [parts]
+        else:
+            rows = [parts[:2], parts[2:]]
+        return Text("\n").join([bar] + [_legend(row, width) for row in rows])
+
+
+def _legend(parts: list[tuple[str, int, str]], width: int) -> Text:
+    """Legend entries of one row; an entry that does not fit whole is left out rather than cut."""
+    line = Text(no_wrap=True, overflow="crop")
+    for name, value, color in parts:
+        if name == "free" and value == 0:
+            continue  # the host backend reports no headroom
+        entry = Text().append("■ ", style=color).append(f"{name} ").append(fmt_bytes(value), style="bold")
+        if len(line) + len(entry) > width:
+            break
+        line.append_text(entry).append("  ")
+    return line
