@@ -81,7 +81,7 @@ class BatchChart(Panel):
         for row in reversed(range(rows)):
             is_budget_row = row == rows - 1 and scale == budget
             label = _short(scale) if row == rows - 1 else ("0" if row == 0 else "")
-            line = Text(f"{label:>{AXIS_WIDTH - 1}}{'┤' if label else '│'}", style=COLOR_DIM)
+            line = spaced((f"{label:>{AXIS_WIDTH - 1}}{'┤' if label else '│'}", COLOR_DIM))
             line.append(("┈" if is_budget_row else " ") * len(pad), style=COLOR_DIM)
             for decode8, total8 in tops:
                 line.append(*_cell(decode8, total8, row, is_budget_row))
