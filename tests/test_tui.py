@@ -5,6 +5,8 @@ import math
 from collections import Counter
 
 import pytest
+from rich.console import Console
+from rich.segment import Segment
 from rich.text import Text
 
 from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StepStats
@@ -247,6 +249,33 @@ async def test_q_quits(frozen_app):
         await pilot.press("q")
         await pilot.pause()
         assert not pilot.app.is_running
+
+
+def runs_opening_with_spaces(text: Text) -> list[str]:
+    """Styled runs of `text` that start with a space but hold more than spaces."""
+    console = Console(width=200, color_system="truecolor")
+    # Adjacent runs of one style merge on the way to the screen, as they do here.
+    return [segment.text for segment in Segment.simplify(text.render(console))
+            if segment.text.startswith(" ") and segment.text.strip() and "\n" not in segment.text]
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_scheduler_columns_keep_their_gaps(frozen_app, size):
+    # SVG renderers such as librsvg drop a run's leading spaces, so no run may open with the gap.
+    async with frozen_app.run_test(size=size) as pilot:
+        await wait_for_replay_end(pilot)
+        for panel in (QueuePanel, UsagePanel, BatchChart, BlockGrid, MemoryPanel):
+            text = pilot.app.query_one(panel).render()
+            assert runs_opening_with_spaces(text) == [], panel.__name__
+        lines = pilot.app.query_one(QueuePanel).render().plain.splitlines()
+    if size == (120, 40):
+        header = next(line for line in lines if "p50" in line)
+        ttft = next(line for line in lines if "TTFT" in line)
+        assert header.index("p50") + 3 == ttft.index("12.0 ms") + 7, "p50 sits over the right edge of its column"
+        assert header.index("p99") + 3 == ttft.index("80.0 ms") + 7
+        assert "running     4 / 8   prompt" in lines[0]
+    else:
+        assert lines[0] == "run 4/8  wait 2  pre 1"
 
 
 def test_bad_recording_names_the_line(tmp_path):
