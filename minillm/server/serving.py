@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
+from fastapi.responses import JSONResponse, Response
 
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
@@ -262,3 +263,18 @@ def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:
     for stream in streams:
         if not stream.finished:
             ctx.engine.abort(stream.request_id)
+
+
+async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]], params: list,
+                 stream: bool) -> Response:
+    """Submit a job's prompts, then stream its events or return its JSON response; a failure or
+    a hang-up aborts whatever is still running."""
+    streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params))
+    try:
+        if stream:
+            return await streaming_response(raw, job.events(streams))
+        finals = await until_disconnected(raw, final_outputs(ctx, streams))
+    except BaseException:
+        abort_unfinished(ctx, streams)
+        raise
+    return JSONResponse(job.response(finals))

@@ -5,7 +5,6 @@ import contextlib
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from minillm.outputs import RequestOutput
 from minillm.server.async_engine import RequestStream
@@ -16,8 +15,7 @@ from minillm.server.protocol import (
     messages_as_dicts, to_sampling_params,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ServingContext, abort_unfinished, final_outputs, merged_outputs,
-    new_request_id, sse, streaming_response, submit, until_disconnected, usage,
+    SSE_DONE, ChoiceProgress, ServingContext, answer, merged_outputs, new_request_id, sse, usage,
 )
 
 
@@ -55,8 +53,9 @@ class ChatJob:
             return None
         return LogprobCursor(self.texts, self.prompt_ids, 0, self.req.skip_special_tokens)
 
-    def response(self, final: RequestOutput) -> dict:
-        """The non-streaming response body."""
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The non-streaming response body (a chat request has one prompt)."""
+        final = finals[0]
         choices = []
         for comp in final.outputs:
             logprobs = None
@@ -123,12 +122,4 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     check_unsupported(req)
     job = ChatJob(ctx, req)
-    streams = await until_disconnected(raw, submit(ctx, job.request_id, [job.prompt_ids], [job.params]))
-    try:
-        if req.stream:
-            return await streaming_response(raw, job.events(streams))
-        finals = await until_disconnected(raw, final_outputs(ctx, streams))
-    except BaseException:
-        abort_unfinished(ctx, streams)
-        raise
-    return JSONResponse(job.response(finals[0]))
+    return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)

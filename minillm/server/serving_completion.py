@@ -5,15 +5,13 @@ import contextlib
 from typing import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.async_engine import RequestStream
 from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs
 from minillm.server.protocol import CompletionRequest, check_unsupported, completion_prompts, to_sampling_params
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ServingContext, abort_unfinished, final_outputs, merged_outputs,
-    new_request_id, sse, streaming_response, submit, until_disconnected, usage,
+    SSE_DONE, ChoiceProgress, ServingContext, answer, merged_outputs, new_request_id, sse, usage,
 )
 
 
@@ -118,12 +116,4 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     check_unsupported(req)
     job = CompletionJob(ctx, req)
-    streams = await until_disconnected(raw, submit(ctx, job.request_id, job.prompt_ids, job.params))
-    try:
-        if req.stream:
-            return await streaming_response(raw, job.events(streams))
-        finals = await until_disconnected(raw, final_outputs(ctx, streams))
-    except BaseException:
-        abort_unfinished(ctx, streams)
-        raise
-    return JSONResponse(job.response(finals))
+    return await answer(ctx, raw, job, job.prompt_ids, job.params, req.stream)
