@@ -163,10 +163,6 @@ class ModelRunner:
                                  a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
                                  meta.is_decode_only)
 
-    def execute(self, out: SchedulerOutput) -> StepOutput:
-        """Run one step and wait for its tokens."""
-        return self.launch(out).wait()
-
     def launch(self, out: SchedulerOutput) -> "PendingStep":
         """Queue one forward pass and the sampling of every sequence whose known tokens are all
         computed; on the GPU nothing waits here, so the host can go on while the step runs."""

@@ -87,11 +87,6 @@ class Sequence:
         return self.status.is_finished
 
     @property
-    def is_prefill(self) -> bool:
-        """True while more than the last sampled token is still to be computed."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
-    @property
     def num_resolved_tokens(self) -> int:
         """Tokens whose values are known on the host."""
         return len(self.token_ids) - self.num_pending

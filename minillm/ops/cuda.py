@@ -20,7 +20,6 @@ will see (it sizes the split-K grid; shorter sequences leave splits empty).
 from __future__ import annotations
 
 import importlib.resources
-import math
 import threading
 from pathlib import Path
 
