@@ -50,9 +50,8 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
               async_scheduling=args.async_scheduling)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
-    runner = llm.engine.runner
-    runner.timings.clear()
-    runner.profile = args.breakdown
+    llm.engine.metrics.timings.clear()
+    llm.engine.runner.profile = args.breakdown
     started = time.perf_counter()
     outs = llm.generate(w.prompts, params)
     seconds = time.perf_counter() - started
@@ -60,7 +59,7 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
     s = llm.engine.stats()
     return seconds, {"steps": s.num_steps, "preemptions": s.num_preemptions, "kv_blocks": s.kv_num_blocks,
-                     "timings_s": dict(runner.timings)}
+                     "timings_s": s.step_time_breakdown_s}
 
 
 def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float:

@@ -8,8 +8,23 @@ keys mean equal whole prefixes.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from minillm.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class BlockPoolSnapshot:
+    """The pool as the stats see it: counts, the cached-free blocks and the prefix-cache counters."""
+
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int
+    num_free_blocks: int             # cached-free included
+    num_cached_free_blocks: int
+    cached_free_block_ids: list[int]
+    prefix_cache_queries: int        # prompt tokens looked up
+    prefix_cache_hits: int           # prompt tokens found
 
 
 class BlockManager:
@@ -42,6 +57,12 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         """Blocks held by at least one sequence."""
         return self.num_blocks - len(self.free_queue)
+
+    def snapshot(self) -> BlockPoolSnapshot:
+        """A copy of the pool's state for stats; nothing in it aliases the manager's containers."""
+        cached = [b for b in self.free_queue if self.block_keys[b] is not None]
+        return BlockPoolSnapshot(self.num_blocks, self.block_size, self.num_used_blocks, self.num_free_blocks,
+                                 self._num_cached_free, cached, self.prefix_cache_queries, self.prefix_cache_hits)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold num_tokens tokens."""
@@ -109,7 +130,7 @@ class BlockManager:
         """Register seq's newly full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // self.block_size
+        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None

@@ -75,6 +75,11 @@ class DecodeGraphs:
         self.host[3 * g:4 * g] = 1
         self.host[4 * g:] = 0
 
+    def release(self) -> None:
+        """Drop the graphs and return their private pool's memory (the device must be idle)."""
+        self.graphs.clear()
+        self.pool.free_all_blocks()
+
     def can_run(self, batch_size: int) -> bool:
         """True when a captured graph covers this decode batch."""
         return batch_size <= self.capacity

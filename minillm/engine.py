@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from minillm.block_manager import BlockManager
 from minillm.config import EngineConfig
+from minillm.device import make_device
+from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
-from minillm.model_runner import ModelRunner
+from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
 from minillm.output_processor import CompletionState, add_token, completion_output, new_state
@@ -20,6 +23,7 @@ from minillm.sampling_params import SamplingParams
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
+from minillm.step import SchedulerOutput
 from minillm.tokenizer import Tokenizer
 
 
@@ -37,15 +41,17 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        """True when every sequence has finished and has no token still on its way."""
-        return all(s.is_finished and not s.num_pending for s in self.seqs)
+        """True when every sequence has finished."""
+        return all(s.is_finished for s in self.seqs)
 
 
-def _needs_own_tokens(seq: Sequence) -> bool:
-    """Penalties read the counts of every earlier token; logprobs come back with the tokens."""
-    p = seq.params
-    return (p.logprobs is not None or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-            or p.frequency_penalty != 0.0)
+class StepError(RuntimeError):
+    """A step failed on what its requests brought: they are aborted and the engine goes on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+        self.cause = cause
 
 
 def choose_backend(device: str) -> str:
@@ -63,6 +69,19 @@ def choose_backend(device: str) -> str:
     return "numpy"
 
 
+def fit_max_model_len(config: EngineConfig, requested: int, num_blocks: int) -> int:
+    """max_model_len that the pool can hold: the requested one, or the pool's capacity when the
+    model's default is larger (an explicit max_model_len that does not fit is an error)."""
+    capacity = num_blocks * config.block_size
+    if requested <= capacity:
+        return requested
+    if config.max_model_len is not None:
+        raise ValueError(f"max_model_len {requested} needs {-(-requested // config.block_size)} "
+                         f"KV blocks but the pool has {num_blocks}; lower max_model_len "
+                         f"or raise num_kv_blocks")
+    return capacity
+
+
 def resolve_dtype(config: EngineConfig, backend: str, checkpoint_dtype: str) -> str:
     """The compute dtype: float32 on the CPU, the checkpoint's own (or the asked) dtype on the GPU."""
     if backend == "numpy":
@@ -75,7 +94,11 @@ def resolve_dtype(config: EngineConfig, backend: str, checkpoint_dtype: str) -> 
 
 
 class LLMEngine:
-    """The engine loop: not thread-safe, call everything from one thread."""
+    """The engine loop: not thread-safe, call everything from one thread.
+
+    Start-up runs forward: load, size the KV pool, fit max_model_len to it, then build what depends
+    on it. shutdown() (or leaving a `with` block) gives the device memory back.
+    """
 
     def __init__(self, config: EngineConfig, log=None):
         self.config = config
@@ -88,44 +111,36 @@ class LLMEngine:
         if config.device == "auto":
             self.log(f"minillm: device auto -> {'cuda (CuPy sees a GPU)' if self.backend == 'cuda' else 'cpu (NumPy)'}")
         self.ops = get_ops(self.backend)
+        self.device = make_device(self.backend)
         self.dtype = resolve_dtype(config, self.backend, self.model_config.torch_dtype)
         model_max = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_max}")
         requested_len = config.max_model_len or model_max
+        self.eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids))
         if config.load_format == "dummy":
             weights = dummy_weights(self.model_config, self.dtype, config.seed)
         else:
             weights = load_weights(path, self.model_config, self.dtype)
-        self.runner = ModelRunner(self.model_config, config, self.ops, weights, self.dtype, requested_len)
+        self.runner = ModelRunner(self.model_config, config, self.ops, self.device, weights, self.dtype,
+                                  self.eos_token_ids)
         del weights
-        self.max_model_len = self._fit_max_model_len(requested_len)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
-        eos = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids))
-        self.eos_token_ids = eos
-        self.runner.sampler.eos_token_ids = eos
+        num_blocks = self.runner.determine_num_blocks(requested_len)
+        self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
+        self.runner.initialize_cache(num_blocks, self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, eos)
+                                   self.max_model_len, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self._aborted: list[Request] = []
-        self._pending = None                 # a launched step whose tokens are not read yet
+        self._changed: dict[str, Request] = {}     # requests with news for the next outputs
+        self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
         self._seed_rng = np.random.default_rng(config.seed)
         self.metrics = MetricsTracker()
         self.model_name = config.served_model_name or config.model
-
-    def _fit_max_model_len(self, requested: int) -> int:
-        capacity = self.runner.num_blocks * self.config.block_size
-        if requested <= capacity:
-            return requested
-        if self.config.max_model_len is not None:
-            raise ValueError(f"max_model_len {requested} needs {-(-requested // self.config.block_size)} "
-                             f"KV blocks but the pool has {self.runner.num_blocks}; lower max_model_len "
-                             f"or raise num_kv_blocks")
-        return capacity
+        self.is_shut_down = False
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -180,77 +195,72 @@ class LLMEngine:
             return
         for seq in req.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self._aborted.append(req)
+        self._changed[request_id] = req
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is queued, running or has an unreported abort."""
-        return bool(self.requests) or bool(self._aborted) or self._pending is not None
+        """True while any request is queued, running or unreported, or a step is in flight."""
+        return bool(self.requests) or bool(self._in_flight)
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one forward pass, then process the tokens of the last finished one.
+        """Schedule and launch a step, then read back the one before it (on the GPU one step stays
+        in flight, so the host's bookkeeping overlaps the device's work)."""
+        if self._in_flight and self.scheduler.needs_output_tokens():
+            self._complete(*self._in_flight.popleft())        # penalties need the tokens first
+        out = self._schedule()
+        if not out.is_empty:
+            self._in_flight.append((out, self._launch(out)))
+        depth = 1 if self.async_scheduling and not out.is_empty else 0
+        while len(self._in_flight) > depth:
+            self._complete(*self._in_flight.popleft())
+        return self._take_outputs()
 
-        On the GPU the host works ahead: step t+1 is scheduled and launched (its inputs for the
-        tokens of step t taken on the device) before the tokens of step t are read back and
-        processed, so the host's bookkeeping overlaps the device's work. Outputs then trail the
-        launch by one step. Sequences with penalties or logprobs need their tokens first and
-        run step by step.
-        """
-        started = time.time()
-        t0 = time.perf_counter()
+    def _schedule(self) -> SchedulerOutput:
+        started, t0 = time.time(), time.perf_counter()
         out = self.scheduler.schedule()
-        self.runner.timings["schedule"] += time.perf_counter() - t0
-        changed: dict[str, Request] = {r.request_id: r for r in self._aborted}
-        self._aborted = []
-        if out.is_empty:
-            if self._pending is not None:
-                self._resolve(self._pending, changed)
-                self._pending = None
-            elif self.scheduler.has_unfinished() and not self.scheduler.running:
-                raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
-            return self._finish_outputs(changed, time.time())
-        overlap = self.async_scheduling and not any(_needs_own_tokens(s) for s in out.seqs)
-        if self._pending is not None and not overlap:
-            self._resolve(self._pending, changed)
-            self._pending = None
+        self.metrics.record_timings({"schedule": time.perf_counter() - t0})
+        if out.is_empty and not self._in_flight and self.scheduler.has_unfinished() \
+                and not self.scheduler.num_running:
+            raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = started
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
-        launched = self.runner.launch(out)
-        self.scheduler.advance(out)
-        previous, self._pending = (self._pending, launched) if overlap else (launched, None)
-        if previous is not None:
-            self._resolve(previous, changed)
-        now = time.time()
-        self.metrics.record_step(out, started, now, self.config.max_num_batched_tokens)
-        outputs = self._finish_outputs(changed, now)
-        return outputs
+        if not out.is_empty:
+            self.metrics.record_step(out, started, time.time(), self.config.max_num_batched_tokens)
+        return out
 
-    def _resolve(self, pending, changed: dict[str, "Request"]) -> None:
-        """Read a launched step's tokens into its sequences and their outputs."""
+    def _launch(self, out: SchedulerOutput) -> InFlightStep:
+        """runner.launch(out); a failure that leaves the device sound aborts the step's requests."""
+        try:
+            return self.runner.launch(out)
+        except Exception as exc:
+            if self.device.is_fatal(exc):
+                raise
+            request_ids = sorted({seq.request_id for seq in out.seqs})
+            for request_id in request_ids:
+                self.abort_request(request_id)
+            raise StepError(request_ids, exc) from exc
+
+    def _complete(self, out: SchedulerOutput, in_flight: InFlightStep) -> None:
+        """Wait for a launched step and hand its tokens to the scheduler and the outputs."""
         waited = time.time()
-        step_out = pending.wait()
-        t1 = time.perf_counter()
-        touched = self.scheduler.resolve(pending.seqs, [step_out.sampled[s.seq_id] for s in pending.seqs])
+        step = in_flight.wait()
+        t0 = time.perf_counter()
+        appended = self.scheduler.update_from_output(out, step)
         now = time.time()
-        for seq in touched:
+        for seq, token in appended:
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue
-            token = seq.token_ids[len(seq.token_ids) - seq.num_pending - 1]
-            stop = add_token(req.states[seq.index], seq, token, step_out.logprobs.get(seq.seq_id))
+            stop = add_token(req.states[seq.index], seq, token, step.logprobs.get(seq.seq_id))
             if stop is not None:
-                seq.stop_reason = stop
-                if seq.is_finished:          # length-finished at launch, its last token completed a stop
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                self.scheduler.stop(seq, stop)
             self._note_token(req, now)
-            changed[req.request_id] = req
-        self.metrics.record_generated(len(touched), waited, now)
-        self.runner.timings["update_and_outputs"] += time.perf_counter() - t1
+            self._changed[req.request_id] = req
+        self.metrics.record_generated(len(appended), waited, now)
+        self.metrics.record_timings({**step.timings, "update": time.perf_counter() - t0})
 
     def _note_token(self, req: Request, now: float) -> None:
         m = req.metrics
@@ -261,7 +271,10 @@ class LLMEngine:
             self.metrics.record_itl(now - m.last_token_time)
         m.last_token_time = now
 
-    def _finish_outputs(self, changed: dict[str, Request], now: float) -> list[RequestOutput]:
+    def _take_outputs(self) -> list[RequestOutput]:
+        """RequestOutputs of the requests with news since the last call; finished ones are retired."""
+        now = time.time()
+        changed, self._changed = self._changed, {}
         outputs = []
         for req in changed.values():
             finished = req.is_finished
@@ -277,8 +290,33 @@ class LLMEngine:
                                          finished, req.metrics))
         return outputs
 
-    # ---- stats -------------------------------------------------------------------------------
+    # ---- stats and lifetime ------------------------------------------------------------------
     def stats(self, cells: int = 64) -> EngineStats:
         """A snapshot of queues, KV pool, throughput and latency."""
-        from minillm.engine_stats import build_stats
-        return build_stats(self, cells)
+        c = self.config
+        info = EngineInfo(self.model_name, self.backend, self.dtype, c.max_num_seqs, c.max_num_batched_tokens,
+                          self.max_model_len)
+        ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
+        return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),
+                           self.metrics, self.runner.memory_stats(), ttft, cells)
+
+    def shutdown(self) -> None:
+        """Abort every request, wait for the device, and release the KV pool, graphs and weights."""
+        if self.is_shut_down:
+            return
+        self.is_shut_down = True
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self._in_flight.clear()
+        self.runner.shutdown()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        # Memory must not go back to the pool while the device may still write to it.
+        if getattr(self, "runner", None) is not None and not getattr(self, "is_shut_down", True):
+            self.shutdown()

@@ -1,16 +1,16 @@
-"""Builds an EngineStats snapshot from the engine's parts (read-only)."""
+"""Builds EngineStats snapshots from the snapshots the block manager and the scheduler hand out."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from minillm.metrics_tracker import percentile
-from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, RequestStats
-
-if TYPE_CHECKING:
-    from minillm.engine import LLMEngine
+from minillm.block_manager import BlockPoolSnapshot
+from minillm.metrics_tracker import MetricsTracker, percentile
+from minillm.scheduler import SchedulerSnapshot
+from minillm.sequence import SequenceView
+from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats
 
 MAX_WAITING_ROWS = 256
 
@@ -32,54 +32,66 @@ def downsample_block_map(states: np.ndarray, cells: int) -> tuple[list[int], int
     return ordered[np.arange(num_cells), best].tolist(), per
 
 
-def build_stats(engine: "LLMEngine", cells: int) -> EngineStats:
-    """Snapshot queues, pool, throughput and latency of the engine."""
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the stats say about the engine's configuration."""
+
+    model: str
+    device: str
+    dtype: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
+                memory: MemoryStats, ttft: dict[str, float | None], cells: int) -> EngineStats:
+    """An EngineStats snapshot from the block pool's and the scheduler's snapshots and the metrics.
+
+    ttft: request id -> its time to first token (None before the first token).
+    """
     now = time.time()
-    bm, sched, m = engine.block_manager, engine.scheduler, engine.metrics
     rows: list[RequestStats] = []
-    states = np.full(bm.num_blocks, CELL_FREE, dtype=np.int64)
-    cached = [b for b in bm.free_queue if bm.block_keys[b] is not None]
-    states[cached] = CELL_CACHED
+    states = np.full(pool.num_blocks, CELL_FREE, dtype=np.int64)
+    states[pool.cached_free_block_ids] = CELL_CACHED
     filled: dict[int, int] = {}           # block -> tokens it holds (a shared block counts once)
     for seq in sched.running:
         states[seq.block_table] = len(rows)
         for i, block in enumerate(seq.block_table):
-            held = min(bm.block_size, max(seq.num_computed_tokens - i * bm.block_size, 0))
+            held = min(pool.block_size, max(seq.num_computed_tokens - i * pool.block_size, 0))
             filled[block] = max(filled.get(block, 0), held)
-        rows.append(_row(engine, seq, "running"))
+        rows.append(_row(seq, ttft))
     tokens_held = sum(filled.values())
-    for seq in list(sched.waiting)[:MAX_WAITING_ROWS]:
-        rows.append(_row(engine, seq, "preempted" if seq.num_preemptions else "waiting"))
+    rows.extend(_row(seq, ttft) for seq in sched.waiting)
     block_map, per = downsample_block_map(states, cells)
-    used = bm.num_used_blocks
-    prompt_tps, gen_tps = m.throughput(now)
-    c = engine.config
+    used = pool.num_used_blocks
+    prompt_tps, gen_tps = metrics.throughput(now)
+    m = metrics
     return EngineStats(
-        time=now, model=engine.model_name, device=engine.backend, dtype=engine.dtype,
-        num_running=len(sched.running), num_waiting=len(sched.waiting),
-        num_preempted=sum(1 for s in sched.waiting if s.num_preemptions),
-        num_preemptions=sched.num_preemptions, kv_num_blocks=bm.num_blocks, kv_num_used_blocks=used,
-        kv_num_free_blocks=bm.num_free_blocks - bm.num_cached_free_blocks,
-        kv_num_cached_blocks=bm.num_cached_free_blocks, kv_usage=used / bm.num_blocks,
-        kv_token_utilization=tokens_held / (used * bm.block_size) if used else 0.0,
-        block_size=bm.block_size, max_num_seqs=c.max_num_seqs,
-        max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=engine.max_model_len,
-        prefix_cache_queries=bm.prefix_cache_queries, prefix_cache_hits=bm.prefix_cache_hits,
+        time=now, model=info.model, device=info.device, dtype=info.dtype,
+        num_running=len(sched.running), num_waiting=sched.num_waiting,
+        num_preempted=sched.num_preempted_waiting,
+        num_preemptions=sched.num_preemptions, kv_num_blocks=pool.num_blocks, kv_num_used_blocks=used,
+        kv_num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
+        kv_num_cached_blocks=pool.num_cached_free_blocks, kv_usage=used / pool.num_blocks,
+        kv_token_utilization=tokens_held / (used * pool.block_size) if used else 0.0,
+        block_size=pool.block_size, max_num_seqs=info.max_num_seqs,
+        max_num_batched_tokens=info.max_num_batched_tokens, max_model_len=info.max_model_len,
+        prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
         num_steps=m.num_steps, prompt_tokens_total=m.prompt_tokens_total,
         generation_tokens_total=m.generation_tokens_total, num_requests_finished=dict(m.finished),
         prompt_throughput=prompt_tps, generation_throughput=gen_tps,
         ttft_p50_s=percentile(m.ttft, 50), ttft_p99_s=percentile(m.ttft, 99),
         itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
-        memory=engine.runner.memory_stats(), block_map=block_map, block_map_blocks_per_cell=per,
-        recent_steps=list(m.recent_steps)[-32:], requests=rows)
+        memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
+        recent_steps=list(m.recent_steps)[-32:], requests=rows,
+        step_time_breakdown_s=m.step_time_breakdown())
 
 
-def _row(engine: "LLMEngine", seq, state: str) -> RequestStats:
-    req = engine.requests.get(seq.request_id)
-    ttft = req.metrics.ttft if req is not None else None
-    rid = seq.request_id if seq.params.n == 1 else f"{seq.request_id}#{seq.index}"
-    return RequestStats(rid, state, seq.num_prompt_tokens, seq.num_output_tokens, len(seq.block_table),
-                        seq.num_cached_tokens, ttft)
+def _row(seq: SequenceView, ttft: dict[str, float | None]) -> RequestStats:
+    rid = seq.request_id if seq.n == 1 else f"{seq.request_id}#{seq.index}"
+    return RequestStats(rid, seq.state, seq.num_prompt_tokens, seq.num_output_tokens, len(seq.block_table),
+                        seq.num_cached_tokens, ttft.get(seq.request_id))
 
 
 def human_bytes(num: float) -> str:

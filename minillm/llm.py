@@ -57,6 +57,16 @@ class LLM:
             bar.close()
         return [finished[rid] for rid in ids]
 
+    def shutdown(self) -> None:
+        """Release the engine's device memory (KV pool, graphs, weights); the LLM is unusable after."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()

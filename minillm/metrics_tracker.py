@@ -5,7 +5,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-from minillm.scheduler import SchedulerOutput
+from minillm.step import SchedulerOutput
 from minillm.stats import StepStats
 
 THROUGHPUT_WINDOW_S = 5.0
@@ -23,6 +23,7 @@ class MetricsTracker:
         self.ttft: deque[float] = deque(maxlen=max_samples)
         self.itl: deque[float] = deque(maxlen=max_samples)
         self.finished: Counter[str] = Counter()
+        self.timings: Counter[str] = Counter()       # phase -> seconds, summed over steps
 
     def record_step(self, out: SchedulerOutput, started: float, ended: float, budget: int) -> None:
         """Account one launched step's composition and prompt tokens."""
@@ -31,6 +32,14 @@ class MetricsTracker:
         self.recent_steps.append(StepStats(self.num_steps, ended, out.num_prefill_tokens,
                                            out.num_decode_tokens, len(out.seqs), budget, ended - started))
         self._add_to_window(started, ended, out.num_prefill_tokens, 0)
+
+    def record_timings(self, timings: dict[str, float]) -> None:
+        """Add one step's per-phase seconds."""
+        self.timings.update(timings)
+
+    def step_time_breakdown(self) -> dict[str, float]:
+        """Seconds per phase summed over every step so far."""
+        return dict(self.timings)
 
     def record_generated(self, num_tokens: int, started: float, ended: float) -> None:
         """Account tokens read back from the device."""

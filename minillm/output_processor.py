@@ -81,7 +81,7 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
 
 def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput:
     """The caller-facing view: while running, text withholds a possible partial stop string."""
-    done = seq.is_finished and not seq.num_pending    # its last token may still be on the way
+    done = seq.is_finished
     if not state.incremental:
         if done and not state.text:
             state.text = _final_text(state, seq)
@@ -92,7 +92,7 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
     if not done and state.stop and state.holdback:
         text = text[:max(len(text) - state.holdback, 0)]
     return CompletionOutput(
-        index=seq.index, text=text, token_ids=seq.output_token_ids[:seq.num_output_tokens - seq.num_pending],
+        index=seq.index, text=text, token_ids=seq.output_token_ids,
         finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
         cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
         logprobs=list(state.logprobs) if state.want_logprobs else None)

@@ -1,11 +1,21 @@
-"""Sampler: per-sequence sampling parameters -> arrays -> one op call per rule."""
+"""Sampler: per-sequence sampling parameters -> arrays -> one op call per rule, nothing waits."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
 
 from minillm.sequence import Sequence
+
+
+@dataclass
+class SamplerOutput:
+    """A batch's sampled ids and log-probabilities, still on the device."""
+
+    token_ids: object                # [B] int32
+    logprobs: object | None          # [len(logprob_rows), V] float32, or None when nobody asked
+    logprob_rows: list[int]          # batch rows that asked for log-probabilities
 
 
 class Sampler:
@@ -15,17 +25,14 @@ class Sampler:
         self.ops = ops
         self.eos_token_ids = list(eos_token_ids)
 
-    def __call__(self, logits, seqs: list[Sequence]) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: [B, V] float32 on the backend; one sampled id (and logprobs dict or None) per seq."""
-        ops = self.ops
-        logprob_rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw_logprobs = ops.log_softmax(logits[logprob_rows]) if logprob_rows else None
-        ids = ops.to_numpy(self.sample_no_sync(logits, seqs)).astype(np.int64).tolist()
-        return ids, self._logprob_dicts(raw_logprobs, logprob_rows, seqs, ids)
+    def sample_no_sync(self, logits, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
 
-    def sample_no_sync(self, logits, seqs: list[Sequence]):
-        """The sampled ids [B] int32, left on the device (logits are modified in place)."""
+        Each sequence already counts the token being sampled among its outputs (a placeholder).
+        """
         ops = self.ops
+        rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        raw_logprobs = ops.log_softmax(logits[rows]) if rows else None   # before penalties, as vLLM
         self._apply_penalties(logits, seqs)
         self._block_early_stops(logits, seqs)
         temperature = np.array([s.params.temperature for s in seqs], np.float32)
@@ -34,14 +41,15 @@ class Sampler:
         min_p = np.array([s.params.min_p for s in seqs], np.float32)
         # One draw per non-greedy sequence from its own generator: results do not depend on the batch.
         uniforms = np.array([0.0 if s.params.is_greedy else s.rng.random() for s in seqs], np.float32)
-        return ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
-                          ops.asarray(min_p), ops.asarray(uniforms))
+        ids = ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
+                         ops.asarray(min_p), ops.asarray(uniforms))
+        return SamplerOutput(ids, raw_logprobs, rows)
 
     def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:
         rows, tokens, counts, in_prompt = [], [], [], []
         for b, s in enumerate(seqs):
             p = s.params
-            if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+            if not p.needs_output_counts:
                 continue
             prompt = set(s.prompt_token_ids) if p.repetition_penalty != 1.0 else set()
             for t in prompt | set(s.output_counts):
@@ -61,21 +69,25 @@ class Sampler:
     def _block_early_stops(self, logits, seqs: list[Sequence]) -> None:
         """Below min_tokens, EOS and stop tokens cannot be sampled."""
         rows, tokens = [], []
+        vocab = logits.shape[1]
         for b, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
+            if s.num_output_tokens - 1 < s.params.min_tokens:   # outputs before the one sampled now
                 banned = set(s.params.stop_token_ids)
                 if not s.params.ignore_eos:
                     banned |= set(self.eos_token_ids)
+                banned = [t for t in banned if 0 <= t < vocab]
                 rows.extend([b] * len(banned))
                 tokens.extend(banned)
         if rows:
             logits[self.ops.asarray(np.array(rows, np.int32)), self.ops.asarray(np.array(tokens, np.int32))] = -np.inf
 
-    def _logprob_dicts(self, raw, rows: list[int], seqs: list[Sequence], ids: list[int]):
+    @staticmethod
+    def logprob_dicts(host: np.ndarray | None, rows: list[int], seqs: list[Sequence],
+                      ids: list[int]) -> list[dict[int, float] | None]:
+        """host: [len(rows), V] log-probabilities -> per sequence {sampled id and top-k ids: logprob}."""
         out: list[dict[int, float] | None] = [None] * len(seqs)
-        if raw is None:
+        if host is None:
             return out
-        host = self.ops.to_numpy(raw)                    # [len(rows), V]
         for r, b in enumerate(rows):
             k = seqs[b].params.logprobs
             row = host[r]

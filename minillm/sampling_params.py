@@ -45,6 +45,11 @@ class SamplingParams:
         """True when the argmax is taken."""
         return self.temperature < 1e-5
 
+    @property
+    def needs_output_counts(self) -> bool:
+        """True when a penalty reads the counts of earlier tokens."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         def bad(name: str, why: str) -> None:

@@ -6,43 +6,52 @@ There is no prefill phase and no decode phase: each sequence has a counter
 prompt chunks, in admission order), then waiting ones (FCFS) while the budget, max_num_seqs and
 the block pool allow. When the pool runs dry the latest admitted sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
+
+The scheduler is the one writer of a sequence's status. schedule() counts the scheduled tokens as
+computed at once and gives each sampling sequence an output placeholder (its token is on the
+device until update_from_output() reads it), so the next step can be scheduled while this one
+runs. Every stop rule goes through check_stop().
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from minillm.block_manager import BlockManager
-from minillm.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from minillm.sequence import Sequence, SequenceStatus, SequenceView
+from minillm.step import SchedulerOutput, StepOutput
+
+__all__ = ["Scheduler", "SchedulerOutput", "SchedulerSnapshot", "StepOutput", "check_stop"]
 
 
-@dataclass
-class SchedulerOutput:
-    """What to run this step: sequences in batch order with their token counts."""
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The queues as the stats see them (copies, in queue order)."""
 
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in the forward pass."""
-        return self.num_prefill_tokens + self.num_decode_tokens
-
-    @property
-    def is_empty(self) -> bool:
-        """True when nothing was scheduled."""
-        return not self.seqs
+    running: list[SequenceView]
+    waiting: list[SequenceView]
+    num_waiting: int
+    num_preempted_waiting: int       # waiting sequences that were preempted and will resume
+    num_preemptions: int             # total so far
 
 
-@dataclass
-class StepOutput:
-    """What the model runner produced: one sampled token per sequence that reached its end."""
-
-    sampled: dict[int, int]                       # seq_id -> token id
-    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)   # seq_id -> {id: lp}
+def check_stop(seq: Sequence, eos_token_ids: set[int],
+               stop_string: str | None = None) -> tuple[SequenceStatus, int | str | None] | None:
+    """(finish status, stop reason) that seq's newest known token (or a stop string its text
+    completed) gives it, or None while it goes on. The one place every stop rule lives."""
+    params = seq.params
+    if stop_string is not None:
+        return SequenceStatus.FINISHED_STOPPED, stop_string
+    num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+    if num_outputs >= params.min_tokens and num_outputs > 0:
+        token = seq.token_ids[-1]
+        if token in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, token
+        if not params.ignore_eos and token in eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED, None
+    if num_outputs >= seq.max_tokens:
+        return SequenceStatus.FINISHED_LENGTH, None
+    return None
 
 
 class Scheduler:
@@ -59,16 +68,40 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence at the back."""
-        self.waiting.append(seq)
-
+    # ---- questions -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
+    @property
+    def num_running(self) -> int:
+        """Sequences holding blocks and being computed."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued for admission (new or preempted)."""
+        return len(self.waiting)
+
+    def needs_output_tokens(self) -> bool:
+        """True when a running sequence samples from its earlier tokens' counts (penalties) and one
+        of those tokens is still on the device: the step in flight must be read back first."""
+        return any(s.num_output_placeholders and s.params.needs_output_counts for s in self.running)
+
+    def snapshot(self, max_waiting_rows: int) -> SchedulerSnapshot:
+        """Copies of the queues for stats (at most max_waiting_rows waiting rows)."""
+        waiting = [s.view("preempted" if s.num_preemptions else "waiting")
+                   for s, _ in zip(self.waiting, range(max_waiting_rows))]
+        return SchedulerSnapshot([s.view("running") for s in self.running], waiting, len(self.waiting),
+                                 sum(1 for s in self.waiting if s.num_preemptions), self.num_preemptions)
+
+    # ---- the step --------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence at the back."""
+        self.waiting.append(seq)
+
     def schedule(self) -> SchedulerOutput:
-        """Choose this step's sequences and token counts under the budget."""
+        """Choose this step's sequences and token counts under the budget, and count them launched."""
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
@@ -76,6 +109,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.is_at_length_limit:   # its last token is on the device: nothing left to compute
+                i += 1
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.block_manager.append_slots(seq, n):
                 victim = self.running.pop()
@@ -90,6 +126,8 @@ class Scheduler:
                 i += 1
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.num_output_placeholders:   # preempted with a token in flight: wait for it
+                break
             cached = self.block_manager.find_cached_blocks(seq)
             num_computed = len(cached) * self.block_manager.block_size
             n = min(seq.num_tokens - num_computed, budget)
@@ -104,9 +142,19 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        num_decode = sum(1 for s, n in zip(seqs, counts) if n == 1 and s.num_tokens - s.num_computed_tokens == 1
-                         and s.num_output_tokens > 0)
-        return SchedulerOutput(seqs, counts, sum(counts) - num_decode, num_decode, preempted)
+        return self._launch(seqs, counts, preempted)
+
+    def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence]) -> SchedulerOutput:
+        """Count the scheduled tokens computed; each sequence at its end gets an output placeholder."""
+        starts = [s.num_computed_tokens for s in seqs]
+        rows = [b for b, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == s.num_tokens]
+        num_decode = sum(1 for b in rows if counts[b] == 1 and seqs[b].num_output_tokens > 0)
+        for seq, n in zip(seqs, counts):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+        for b in rows:
+            seqs[b].num_output_placeholders += 1
+        return SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -116,69 +164,43 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def advance(self, out: SchedulerOutput) -> list[Sequence]:
-        """The step is launched: count its tokens computed; each sequence at its end gets a
-        placeholder token (filled by resolve()). Returns the sampling sequences in batch order."""
-        sampling = []
-        for seq, n in zip(out.seqs, out.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-            if seq.num_computed_tokens != seq.num_tokens:
-                continue                 # a prompt chunk: nothing to sample yet
-            seq.token_ids.append(PLACEHOLDER)
-            seq.num_pending += 1
-            sampling.append(seq)
-            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                # Known now, before the token's value: its blocks can go back at once.
-                self.finish(seq, SequenceStatus.FINISHED_LENGTH, keep_pending=True)
-        return sampling
-
-    def resolve(self, seqs: list[Sequence], tokens: list[int]) -> list[Sequence]:
-        """Fill each sequence's oldest placeholder with its sampled token, apply the token stop
-        rules, cache newly full blocks; returns the sequences that got a token."""
-        touched = []
-        for seq, token in zip(seqs, tokens):
-            if seq.num_pending == 0:     # aborted or stopped since the step was launched
+    def update_from_output(self, out: SchedulerOutput, step: StepOutput) -> list[tuple[Sequence, int]]:
+        """Read a finished step's tokens into its sequences: each placeholder becomes its token,
+        the stop rules run, newly full blocks are cached. Returns (sequence, token) in batch order
+        for the sequences that got one (those finished since the launch get none)."""
+        appended = []
+        for seq in out.sampling_seqs:
+            if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
                 continue
-            at = len(seq.token_ids) - seq.num_pending
-            seq.token_ids[at] = token
-            seq.num_pending -= 1
+            token = step.sampled[seq.seq_id]
+            seq.num_output_placeholders -= 1
+            seq.token_ids.append(token)
             seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
-            touched.append(seq)
-            self._check_token_stop(seq, token, at + 1 - seq.num_prompt_tokens)
-            if not seq.is_finished:
-                self.block_manager.cache_full_blocks(seq)
-        return touched
-
-    def update(self, out: SchedulerOutput, step: StepOutput) -> list[Sequence]:
-        """advance() and resolve() at once, for a step whose tokens are already known."""
-        sampling = self.advance(out)
-        return self.resolve(sampling, [step.sampled[s.seq_id] for s in sampling])
-
-    def _check_token_stop(self, seq: Sequence, token: int, num_outputs: int) -> None:
-        params = seq.params
-        if num_outputs < params.min_tokens:
-            return
-        stop = token in params.stop_token_ids
-        if stop or (not params.ignore_eos and token in self.eos_token_ids):
-            seq.stop_reason = token if stop else None
-            if seq.status is SequenceStatus.FINISHED_LENGTH:   # the last token was a stop token
-                seq.status = SequenceStatus.FINISHED_STOPPED
+            appended.append((seq, token))
+            stop = check_stop(seq, self.eos_token_ids)
+            if stop is not None:
+                self.finish(seq, *stop)
             else:
-                self.finish(seq, SequenceStatus.FINISHED_STOPPED)
+                self.block_manager.cache_full_blocks(seq)
+        return appended
 
-    def finish(self, seq: Sequence, status: SequenceStatus, keep_pending: bool = False) -> None:
-        """End seq with a finished status and give its blocks back at once.
+    def stop(self, seq: Sequence, stop_string: str) -> None:
+        """The output processor found a stop string in seq's text: finish it with that reason.
 
-        Placeholders of steps still in flight are dropped unless keep_pending (their tokens are
-        then filled by resolve() as usual).
-        """
+        A sequence that its last token finished by length reports the stop string instead."""
+        status, reason = check_stop(seq, self.eos_token_ids, stop_string)
+        if seq.status is SequenceStatus.FINISHED_LENGTH:
+            seq.status, seq.stop_reason = status, reason
+        else:
+            self.finish(seq, status, reason)
+
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """End seq with a finished status and give its blocks back at once; tokens still on the
+        device for it are dropped when they arrive."""
         if seq.is_finished:
             return
-        if seq.num_pending and not keep_pending:
-            del seq.token_ids[-seq.num_pending:]
-            seq.num_pending = 0
-        seq.status = status
+        seq.num_output_placeholders = 0
+        seq.status, seq.stop_reason = status, stop_reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -31,7 +31,6 @@ class SequenceStatus(enum.Enum):
 
 
 _seq_counter = itertools.count()
-PLACEHOLDER = -1      # a sampled token whose value is still on the device
 
 
 @dataclass(eq=False)
@@ -47,7 +46,7 @@ class Sequence:
     max_tokens: int                  # resolved: params.max_tokens or what max_model_len leaves
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
-    token_ids: list[int] = field(default_factory=list)     # prompt + output
+    token_ids: list[int] = field(default_factory=list)     # prompt + output known on the host
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)   # physical block ids, in order
     block_hashes: list = field(default_factory=list)       # prefix-cache keys of full blocks
@@ -55,7 +54,7 @@ class Sequence:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
-    num_pending: int = 0             # trailing PLACEHOLDER tokens (steps launched, not resolved)
+    num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -63,8 +62,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt plus generated tokens."""
-        return len(self.token_ids)
+        """Prompt plus generated tokens, counting those still on their way from the device."""
+        return len(self.token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,12 +72,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        """Generated tokens so far."""
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        """Generated tokens so far, counting those still on their way from the device."""
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
-        """The generated ids."""
+        """The generated ids known on the host."""
         return self.token_ids[len(self.prompt_token_ids):]
 
     @property
@@ -87,6 +86,32 @@ class Sequence:
         return self.status.is_finished
 
     @property
-    def num_resolved_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
         """Tokens whose values are known on the host."""
-        return len(self.token_ids) - self.num_pending
+        return len(self.token_ids)
+
+    @property
+    def is_at_length_limit(self) -> bool:
+        """True once max_tokens are generated (or launched): nothing more may be scheduled."""
+        return self.num_output_tokens >= self.max_tokens
+
+    def view(self, state: str) -> "SequenceView":
+        """A frozen copy of what the stats show of this sequence."""
+        return SequenceView(self.request_id, self.index, self.params.n, state, self.num_prompt_tokens,
+                            self.num_output_tokens, list(self.block_table), self.num_computed_tokens,
+                            self.num_cached_tokens)
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """One sequence as a stats snapshot sees it (no reference into the live sequence)."""
+
+    request_id: str
+    index: int
+    n: int                           # completions in its request
+    state: str                       # "running" | "waiting" | "preempted"
+    num_prompt_tokens: int
+    num_output_tokens: int
+    block_table: list[int]
+    num_computed_tokens: int
+    num_cached_tokens: int

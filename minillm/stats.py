@@ -85,6 +85,9 @@ class EngineStats:
     block_map_blocks_per_cell: int = 1
     recent_steps: list[StepStats] = field(default_factory=list)
     requests: list[RequestStats] = field(default_factory=list)
+    # Where the steps' time went so far: phase -> seconds summed over steps ("schedule", "prepare",
+    # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling).
+    step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

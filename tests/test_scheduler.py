@@ -28,9 +28,7 @@ def create_seq(rid, prompt_len, max_tokens=4, base=1):
 def run_step(sched, token=7):
     """One step with a runner that emits `token` for every sequence at its end."""
     out = sched.schedule()
-    sampled = {s.seq_id: token for s, n in zip(out.seqs, out.num_new_tokens)
-               if s.num_computed_tokens + n == s.num_tokens}
-    sched.update(out, StepOutput(sampled))
+    sched.update_from_output(out, StepOutput({s.seq_id: token for s in out.sampling_seqs}))
     return out
 
 

@@ -34,8 +34,8 @@ class LayerWeights:
 class DecoderModel:
     """Weights on the backend and the forward pass; no scheduling state."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: ModuleType,
-                 dtype, max_positions: int):
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: ModuleType, dtype,
+                 max_positions: int | None = None):
         self.config, self.ops, self.dtype = config, ops, dtype
         lin = lambda w: ops.prepare_linear_weight(w, dtype)          # noqa: E731
         vec = lambda w: ops.asarray(w, dtype)                        # noqa: E731
@@ -46,9 +46,16 @@ class DecoderModel:
         self.lm_head = lin(head)                                     # [V, D]
         self.final_norm = vec(weights["model.norm.weight"])
         self.layers = [self._layer(weights, i, lin, vec) for i in range(config.num_layers)]
-        self.cos_sin = ops.asarray(cos_sin_table(config.head_dim, max_positions, config.rope_theta,
-                                                 config.rope_scaling), np.float32)
+        self.cos_sin = None                                          # [max_positions, Dh]: build_rotary()
         self.scale = config.head_dim ** -0.5
+        if max_positions is not None:
+            self.build_rotary(max_positions)
+
+    def build_rotary(self, max_positions: int) -> None:
+        """The rotary cos/sin table for positions [0, max_positions)."""
+        c = self.config
+        self.cos_sin = self.ops.asarray(cos_sin_table(c.head_dim, max_positions, c.rope_theta, c.rope_scaling),
+                                        np.float32)
 
     def _layer(self, w: dict, i: int, lin, vec) -> LayerWeights:
         p = f"model.layers.{i}."

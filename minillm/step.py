@@ -1,0 +1,51 @@
+"""The data that crosses the step seam: SchedulerOutput down to the runner, StepOutput back up.
+
+    out = scheduler.schedule()              # SchedulerOutput: which sequences, how many tokens
+    in_flight = runner.launch(out)          # InFlightStep: queued on the device, nothing waits
+    step = in_flight.wait()                 # StepOutput: the sampled tokens, read back
+    scheduler.update_from_output(out, step) # append tokens, check_stop, free blocks
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minillm.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step: sequences in batch order with their token counts."""
+
+    seqs: list["Sequence"]
+    num_new_tokens: list[int]        # query tokens of each sequence this step
+    num_computed_tokens: list[int]   # each sequence's computed tokens before this step (its first position)
+    sampling_rows: list[int]         # batch rows that sample a token (their known tokens all computed)
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted: list["Sequence"] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the forward pass."""
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing was scheduled."""
+        return not self.seqs
+
+    @property
+    def sampling_seqs(self) -> list["Sequence"]:
+        """The sequences that sample a token, in batch order."""
+        return [self.seqs[b] for b in self.sampling_rows]
+
+
+@dataclass
+class StepOutput:
+    """What one launched step produced, read back to the host."""
+
+    sampled: dict[int, int]                                              # seq_id -> token id
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token id: logprob}
+    timings: dict[str, float] = field(default_factory=dict)             # phase -> seconds (this step)

@@ -1,0 +1,112 @@
+"""Many engines in one process on the GPU: each runs mixed loads, shuts down, and gives its memory
+back, so the next one sizes the same KV pool. Catches use-after-free across engines and streams."""
+import gc
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver
+    HAS_GPU = False
+if not HAS_GPU:
+    pytest.skip("no CUDA GPU", allow_module_level=True)
+
+from minillm import LLM, SamplingParams  # noqa: E402
+
+# Qwen3-0.6B's shape (config.json of the public checkpoint).
+QWEN3_0_6B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
+}
+ENGINE_ARGS = dict(device="cuda", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.15,
+                   max_model_len=20000, max_num_seqs=128, max_num_batched_tokens=4096)
+
+
+def write_model_dir(out):
+    """config.json and a word-level tokenizer of the model's vocabulary (the weights are dummy)."""
+    from tokenizers import Tokenizer, models
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(QWEN3_0_6B))
+    vocab = {f"<t{i}>": i for i in range(QWEN3_0_6B["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<t151645>"}))
+    return out
+
+
+def ids(rng, n):
+    return rng.integers(10, 150000, size=n).tolist()
+
+
+def run_until_done(engine, max_steps=20000):
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return
+        engine.step()
+    raise AssertionError("the engine did not finish")
+
+
+def decoders_then_long_prompt_then_abort(engine, rng):
+    """128 decoders; a 16,000-token prompt arrives; everything is aborted mid-flight."""
+    decode = SamplingParams(temperature=0.8, max_tokens=400, ignore_eos=True, seed=1)
+    for i in range(128):
+        engine.add_request(f"d{i}", ids(rng, 64 + i), decode)
+    for _ in range(20):
+        engine.step()
+    engine.add_request("long", ids(rng, 16000), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(6):                              # the long prompt is part-way through its chunks
+        engine.step()
+    for rid in [f"d{i}" for i in range(128)] + ["long"]:
+        engine.abort_request(rid)
+    run_until_done(engine)
+
+
+def shared_prefix(engine, rng):
+    """64 requests sharing a 4,000-token prefix: prefix-cache hits, then a chunked long prompt."""
+    prefix = ids(rng, 4000)
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for i in range(64):
+        engine.add_request(f"p{i}", prefix + ids(rng, 10 + i), greedy)
+    run_until_done(engine)
+    assert engine.stats().prefix_cache_hits > 0
+
+
+def preemption(engine, rng):
+    """More long requests than the pool holds: preemption by recompute, then all free."""
+    capacity = engine.block_manager.num_blocks * engine.config.block_size
+    n = capacity // 6000 + 4
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"q{i}", ids(rng, 6000), params)
+    run_until_done(engine)
+    assert engine.scheduler.num_preemptions > 0
+
+
+SCENARIOS = (decoders_then_long_prompt_then_abort, shared_prefix, preemption)
+
+
+def test_six_engines_in_one_process_size_the_same_pool_and_never_fault(tmp_path):
+    model_dir = str(write_model_dir(tmp_path / "qwen3-0.6b-random"))
+    pool_sizes = []
+    for i in range(6):
+        rng = np.random.default_rng(i)
+        llm = LLM(model_dir, seed=i, **ENGINE_ARGS)
+        engine = llm.engine
+        assert engine.async_scheduling and engine.runner.graphs is not None
+        pool_sizes.append(engine.block_manager.num_blocks)
+        for scenario in SCENARIOS[i % 3:] + SCENARIOS[:i % 3]:
+            scenario(engine, rng)
+            assert engine.block_manager.num_used_blocks == 0
+        if i % 2:
+            llm.shutdown()                          # explicit
+        del llm, engine                             # even ones: dropping the last reference releases
+        gc.collect()
+    assert max(pool_sizes) <= min(pool_sizes) * 1.01, pool_sizes
