@@ -36,12 +36,14 @@ class DecodeGraphs:
         self.capacity = g
         # packed: [ids (g) | positions (g) | slot_mapping (g) | seq_lens (g) | block_tables (g * max_blocks)]
         self.host = np.zeros(4 * g + g * self.max_blocks, np.int32)
-        self.device = cp.zeros_like(cp.asarray(self.host))
-        d = self.device
-        self.ids, self.positions = d[0:g], d[g:2 * g]
-        self.slot_mapping, self.seq_lens = d[2 * g:3 * g], d[3 * g:4 * g]
-        self.block_tables = d[4 * g:].reshape(g, self.max_blocks)
-        self.query_start_loc = cp.arange(g + 1, dtype=cp.int32)
+        self._init_host()
+        with stream:                     # on the stream the graphs run on: ordered before the capture
+            self.device = cp.asarray(self.host)
+            d = self.device
+            self.ids, self.positions = d[0:g], d[g:2 * g]
+            self.slot_mapping, self.seq_lens = d[2 * g:3 * g], d[3 * g:4 * g]
+            self.block_tables = d[4 * g:].reshape(g, self.max_blocks)
+            self.query_start_loc = cp.arange(g + 1, dtype=cp.int32)
         self.pool = cp.cuda.MemoryPool()
         self.graphs: dict[int, tuple[object, object]] = {}
         self._capture_all()
@@ -56,7 +58,6 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         cp = self.cp
-        self._init_host()
         with cp.cuda.using_allocator(self.pool.malloc), self.stream:
             for b in reversed(self.sizes):          # largest first: smaller ones reuse its memory
                 self._forward(b)                     # warm-up: compiles kernels, sizes workspaces

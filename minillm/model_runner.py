@@ -36,7 +36,11 @@ class ModelRunner:
                  weights: dict[str, np.ndarray], dtype, eos_token_ids: list[int]):
         self.model_config, self.config, self.ops, self.device, self.dtype = model_config, config, ops, device, dtype
         self.block_size = config.block_size
-        self.model = DecoderModel(model_config, weights, ops, dtype)
+        # All device work goes on the compute stream, start-up included: the compute stream does
+        # not wait for the legacy default stream, so an upload or memset queued there could still
+        # be running when a kernel on the compute stream reads the memory.
+        with device.compute():
+            self.model = DecoderModel(model_config, weights, ops, dtype)
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
         self.sampler = Sampler(ops, eos_token_ids)
         self.kv_pool = None              # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -92,19 +96,22 @@ class ModelRunner:
             self.ops.log_softmax(logits)
             self.ops.sample(logits, ones, a(np.zeros(rows, np.int32)), ones * 0.9, ones * 0.0, ones * 0.5)
 
-        self.model.build_rotary(seq_len)
-        return self.device.peak_bytes(forward) + (256 << 20)       # cuBLAS workspace and rounding
+        with self.device.compute():
+            self.model.build_rotary(seq_len)
+            return self.device.peak_bytes(forward) + (256 << 20)   # cuBLAS workspace and rounding
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV pool and build what depends on max_model_len (rotary table, graphs)."""
         mc, xp = self.model_config, self.ops.xp
         self.num_blocks = num_blocks
-        self.model.build_rotary(max_model_len)
-        self.kv_pool = xp.zeros((mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-                                dtype=xp.dtype(self.dtype))
-        if not self.config.enforce_eager:
-            self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool, self.config.max_num_seqs,
-                                                    max_model_len, self.block_size)
+        with self.device.compute():
+            self.model.build_rotary(max_model_len)
+            self.kv_pool = xp.zeros((mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+                                    dtype=xp.dtype(self.dtype))
+            if not self.config.enforce_eager:
+                self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool,
+                                                        self.config.max_num_seqs, max_model_len, self.block_size)
+        self.device.synchronize()
 
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
