@@ -95,7 +95,7 @@ def random_bf16(cp, ops, shape):
     n = int(np.prod(shape))
     mag = cp.random.randint(0x3C00, 0x4000, n, dtype=cp.int32)
     sign = cp.random.randint(0, 2, n, dtype=cp.int32) << 15
-    return (mag | sign).astype(cp.uint16).view(ops._bf16()).reshape(shape)
+    return (mag | sign).astype(cp.uint16).view(ops.bfloat16_dtype()).reshape(shape)
 
 
 def gemm_rows(cp, ops, copy_gbs: float) -> tuple[float, list[Row]]:

@@ -66,6 +66,11 @@ def _bf16():
         return None
 
 
+def bfloat16_dtype():
+    """CuPy's bfloat16 dtype, or None when this CuPy / NumPy lacks it."""
+    return _bf16()
+
+
 def _resolve_dtype(dtype):
     """'bfloat16' / 'float16' / np.float32 / a dtype object -> a dtype usable by CuPy."""
     if dtype is None:
