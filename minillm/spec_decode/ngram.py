@@ -18,30 +18,30 @@ from minillm.spec_decode.config import SpeculativeConfig
 def find_ngram_proposal(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """tokens: [T] int -> up to k proposed ids (a slice of tokens; empty when nothing matches).
 
-    Candidates are the earlier positions holding the last token; each is extended backwards one
-    step per n (at most max_n steps, each a vectorised compare over the surviving candidates), so a
-    call costs one pass over the tokens plus max_n passes over the candidates.
+    alive[e] says that the suffix's last n tokens also end at position e < T-1; raising n by one
+    is one vectorised compare of the tokens shifted by n against the suffix's next token back, so a
+    call costs at most max_n passes over the tokens, whatever the tokens are, and one when the last
+    token never occurred before.
     """
     total = tokens.shape[0]
+    last = total - 1
     if k <= 0 or total < max(min_n, 2):
         return tokens[:0]
-    # ends: [C] positions e < T-1 with tokens[e] == tokens[T-1], ascending
-    ends = np.flatnonzero(tokens[:total - 1] == tokens[total - 1])
-    if ends.size == 0:
+    alive = tokens[:last] == tokens[last]               # [T-1] copies of the 1-gram suffix end here
+    if not alive.any():
         return tokens[:0]
-    match_len = np.ones(ends.size, dtype=np.int32)      # [C] matched suffix length, capped at max_n
-    alive = np.ones(ends.size, dtype=bool)
-    for j in range(1, max_n):
-        alive &= ends >= j
-        if not alive.any():
+    longest = 1
+    for n in range(2, min(max_n, last) + 1):
+        # A copy of the n-gram ends at e >= n-1 when the (n-1)-gram does and tokens[e-n+1] matches.
+        longer = alive[n - 1:] & (tokens[:last - n + 1] == tokens[last - n + 1])
+        if not longer.any():
             break
-        # Clamp the index of dead candidates to 0; `alive` masks their result.
-        alive &= tokens[np.where(alive, ends - j, 0)] == tokens[total - 1 - j]
-        match_len += alive
-    longest = int(match_len.max())
+        alive[:n - 1] = False
+        alive[n - 1:] = longer
+        longest = n
     if longest < min_n:
         return tokens[:0]
-    start = int(ends[np.argmax(match_len >= longest)]) + 1   # first (earliest) end of a longest match
+    start = int(np.argmax(alive)) + 1                   # after the earliest copy of the longest n-gram
     return tokens[start:start + k]
 
 
@@ -60,7 +60,8 @@ class NgramProposer:
 
         Pass a NumPy array (a TokenHistory view) for long contexts: a list is converted every call.
         """
-        tokens = token_ids if isinstance(token_ids, np.ndarray) else np.asarray(token_ids, dtype=np.int64)
+        tokens = (token_ids if isinstance(token_ids, np.ndarray)
+                  else np.fromiter(token_ids, dtype=np.int64, count=len(token_ids)))
         limit = self.k
         if max_num_tokens is not None:
             limit = min(limit, max_num_tokens)

@@ -90,7 +90,7 @@ def rejection_sample(ops: ModuleType, logits, draft_token_ids: np.ndarray, num_d
     draft_token_ids: [D]; num_draft_tokens: [B]; temperature, top_k, top_p, min_p: [B] per sequence;
     uniforms: [N] one per row (greedy rows ignore theirs). Sequence b outputs
     sampled[s_b : s_b + num_accepted[b] + 1] with s_b its first row: the accepted drafts (equal to
-    their rows' samples) and the recovered or bonus token.
+    their rows' samples) and the recovered or bonus token; split_outputs makes the lists.
     """
     num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int32)
     rows = num_draft_tokens + 1                                            # [B]
@@ -116,11 +116,16 @@ def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, np.arange(owner.shape[0]) - (np.cumsum(counts) - counts)[owner]
 
 
-def split_outputs(sampled: np.ndarray, num_draft_tokens: np.ndarray, num_accepted: np.ndarray) -> list[list[int]]:
-    """Each sequence's output ids this step: its accepted drafts and one more (1..d+1 ids)."""
-    starts = np.cumsum(num_draft_tokens + 1) - (num_draft_tokens + 1)
-    flat = sampled.tolist()
-    return [flat[s:s + a + 1] for s, a in zip(starts.tolist(), num_accepted.tolist())]
+def split_outputs(sampled: np.ndarray, draft_token_ids: np.ndarray, num_draft_tokens: np.ndarray,
+                  num_accepted: np.ndarray) -> list[list[int]]:
+    """Each sequence's output ids this step: its accepted drafts, then the sample of the row after
+    them (the recovered or bonus token); 1..d+1 ids."""
+    num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int64)
+    row_starts = (np.cumsum(num_draft_tokens + 1) - (num_draft_tokens + 1)).tolist()
+    draft_starts = (np.cumsum(num_draft_tokens) - num_draft_tokens).tolist()
+    drafts, rows = np.asarray(draft_token_ids).tolist(), sampled.tolist()
+    return [drafts[d:d + a] + [rows[r + a]]
+            for r, d, a in zip(row_starts, draft_starts, np.asarray(num_accepted).tolist())]
 
 
 class RejectionSampler:
@@ -157,4 +162,4 @@ class RejectionSampler:
             unused = int(num_drafts[b] - num_accepted[b])
             if unused and not s.params.is_greedy:
                 s.rng.bit_generator.advance(-unused)
-        return split_outputs(sampled, num_drafts, num_accepted)
+        return split_outputs(sampled, metadata.draft_token_ids, num_drafts, num_accepted)
