@@ -19,7 +19,7 @@ from minillm.sampler import Sampler
 from minillm.sampling_params import SamplingParams
 from minillm.sequence import Sequence
 from minillm.spec_decode import (NgramProposer, RejectionSampler, SpecDecodeMetadata, SpecDecodeStats,
-                                 SpeculativeConfig, TokenHistory, rejection_sample)
+                                 SpeculativeConfig, TokenHistory, draft_row_views, rejection_sample)
 from minillm.spec_decode import metrics as spec_metrics
 from minillm.spec_decode import rejection as rejection_mod
 from minillm.spec_decode.ngram import find_ngram_proposal
@@ -573,7 +573,8 @@ def test_stats_accumulate_as_vllm_counts():
     t = SpecDecodeStats(num_spec_tokens=3)
     t.observe_draft(1, 1)
     s.merge(t)
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_accepted_tokens_per_pos) == (4, 9, 5, [3, 2, 0])
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (4, 9, 5)
+    assert s.num_accepted_tokens_per_pos == [3, 2, 0]
     d = s.to_dict()
     assert json.loads(json.dumps(d)) == d and d["mean_acceptance_length"] == pytest.approx(1 + 5 / 4)
 
@@ -612,3 +613,47 @@ def test_stats_from_a_verified_step():
             stats.observe_draft(len(d), len(o) - 1)
     assert stats.num_drafts == 2 and stats.num_draft_tokens == 4
     assert stats.num_accepted_tokens_per_pos[0] >= 1                  # the argmax draft was accepted
+
+
+# ----------------------------------------------------------------------------- per-row rules
+
+def appended(seq: Sequence, tokens: list[int]) -> Sequence:
+    """A copy of seq that generated `tokens` as well (what the row of draft len(tokens) assumes)."""
+    other = make_seq(seq.params, 0, prompt=seq.prompt_token_ids)
+    other.token_ids = list(seq.token_ids) + list(tokens)
+    other.output_counts = dict(seq.output_counts)
+    for t in tokens:
+        other.output_counts[t] = other.output_counts.get(t, 0) + 1
+    return other
+
+
+def test_penalties_and_bans_of_each_row_see_the_drafts_before_it():
+    rng = np.random.default_rng(12)
+    vocab = 20
+    penalised = make_seq(SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5,
+                                        frequency_penalty=0.4, min_tokens=4, stop_token_ids=[9]), 1, prompt=[3, 4])
+    penalised.token_ids += [5, 6]
+    penalised.output_counts = {5: 1, 6: 1}
+    plain = make_seq(SamplingParams(temperature=0.7), 2, prompt=[1])
+    drafts = [[5, 7, 9], [2]]
+    seqs = [penalised, plain]
+    rows = sum(len(d) + 1 for d in drafts)
+    logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
+    sampler = Sampler(npops, eos_token_ids=[0])
+    got = logits.copy()
+    views = draft_row_views(seqs, drafts)
+    sampler._apply_penalties(got, views)
+    sampler._block_early_stops(got, views)
+    r = 0
+    for seq, d in zip(seqs, drafts):
+        for j in range(len(d) + 1):
+            want = logits[r:r + 1].copy()
+            as_if = [appended(seq, d[:j])]
+            sampler._apply_penalties(want, as_if)
+            sampler._block_early_stops(want, as_if)
+            np.testing.assert_array_equal(got[r], want[0])
+            r += 1
+    assert np.isinf(got[1, 9]) and np.isinf(got[1, 0])       # 3 outputs < min_tokens 4: stop ids banned
+    assert not np.isinf(got[2, 9])                           # 4 outputs: allowed again
+    assert penalised.output_counts == {5: 1, 6: 1}           # the sequence itself is untouched
+    assert [v.num_output_tokens for v in views] == [2, 3, 4, 5, 0, 1]

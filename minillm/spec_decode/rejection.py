@@ -88,9 +88,9 @@ def rejection_sample(ops: ModuleType, logits, draft_token_ids: np.ndarray, num_d
 
     logits: [N, V] float32 on the backend, N = D + B rows as the module docstring lays out.
     draft_token_ids: [D]; num_draft_tokens: [B]; temperature, top_k, top_p, min_p: [B] per sequence;
-    uniforms: [N] one per row (greedy rows ignore theirs). Sequence b outputs
-    sampled[s_b : s_b + num_accepted[b] + 1] with s_b its first row: the accepted drafts (equal to
-    their rows' samples) and the recovered or bonus token; split_outputs makes the lists.
+    uniforms: [N] one per row (greedy rows ignore theirs). Sequence b outputs its first
+    num_accepted[b] drafts and then sampled[s_b + num_accepted[b]] (s_b its first row), the
+    recovered or bonus token; split_outputs makes the lists.
     """
     num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int32)
     rows = num_draft_tokens + 1                                            # [B]
