@@ -13,7 +13,10 @@ the bonus token). Greedy rows are the argmax, so a draft is accepted only when i
 Rows of one step, sequence by sequence: for sequence b its num_draft_tokens[b] draft rows (the
 logits that verify draft j) and then its bonus row (the logits after its last draft).
 Penalties, min_tokens bans and grammar masks are applied to each row's logits by the caller, as
-if the drafts before it were accepted (that row is only read when they are).
+if the drafts before it were accepted (that row is only read when they are; rows.py builds the
+per-row views the sampler's rules take), so this op only sees processed logits. Logprobs of a
+sequence's i-th output token this step come from its row s_b + i, as the plain path takes them
+from its one row.
 """
 from __future__ import annotations
 
