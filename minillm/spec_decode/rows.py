@@ -1,0 +1,47 @@
+"""The rows of a verify step as the sampler's per-row rules see them.
+
+Row j of a sequence with drafts verifies draft j, and it is only read when drafts 0..j-1 were
+accepted; so penalties and the min_tokens ban of that row are those of the sequence with
+drafts[:j] appended. A DraftRowView carries what Sampler's per-row rules read (params, the prompt,
+output counts, the number of outputs), which lets them run unchanged over the N rows of a step.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DraftRowView:
+    """A sequence as seen by the row verifying its draft j (its tokens plus drafts[:j]); read-only."""
+
+    params: Any                       # SamplingParams
+    rng: np.random.Generator          # the sequence's own generator
+    prompt_token_ids: list[int]
+    output_counts: dict[int, int]     # token id -> times generated, drafts[:j] included
+    num_output_tokens: int            # the sequence's outputs plus j
+
+
+def _has_penalties(params) -> bool:
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0)
+
+
+def draft_row_views(seqs: Seq, draft_token_ids: Seq[Seq[int]]) -> list[DraftRowView]:
+    """One view per logits row of the step, in row order: d + 1 for a sequence with d drafts."""
+    if len(seqs) != len(draft_token_ids):
+        raise ValueError(f"{len(draft_token_ids)} draft lists for {len(seqs)} sequences")
+    views = []
+    for seq, drafts in zip(seqs, draft_token_ids):
+        counts = seq.output_counts
+        for j in range(len(drafts) + 1):
+            views.append(DraftRowView(seq.params, seq.rng, seq.prompt_token_ids, counts,
+                                      seq.num_output_tokens + j))
+            if j < len(drafts) and _has_penalties(seq.params):
+                # Copied only where penalties read them; the sequence's own dict is never written.
+                counts = dict(counts)
+                counts[drafts[j]] = counts.get(drafts[j], 0) + 1
+    return views
