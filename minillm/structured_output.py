@@ -293,6 +293,11 @@ class GrammarMatcher:
 
 # ----------------------------------------------------------------------------- manager
 
+def _has_failed(fut: Future) -> bool:
+    """A finished compile that raised or was cancelled (a pending one has not failed yet)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
+
+
 class StructuredOutputManager:
     """Owns the compile pool, the grammar cache, llguidance's tokenizer and the batch mask fill.
 
@@ -347,7 +352,7 @@ class StructuredOutputManager:
         key = (params.key, no_whitespace)
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None:
+            if fut is not None and not _has_failed(fut):
                 self._cache.move_to_end(key)
                 return fut
             fut = self._pool.submit(self._compile, params.key, no_whitespace)
@@ -359,7 +364,7 @@ class StructuredOutputManager:
 
     def _forget_failed(self, key, fut: Future) -> None:
         """Drop a failed or cancelled compile from the cache, so its error is not served forever."""
-        if not fut.cancelled() and fut.exception() is None:
+        if not _has_failed(fut):
             return
         with self._lock:
             if self._cache.get(key) is fut:
