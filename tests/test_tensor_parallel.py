@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU: N processes, shared-memory collectives, the logits and greedy
 tokens of one process, and no process left behind."""
+import dataclasses
 import gc
 import json
 import multiprocessing as mp
@@ -130,3 +131,148 @@ def test_logits_and_greedy_tokens_equal_one_process(tiny_models, references, arc
         assert llm.engine.block_manager.num_used_blocks == 0
     assert tokens == ref_tokens
     assert_no_workers(pids)
+
+
+def test_shards_put_back_together_are_the_weights(tiny_models):
+    config = load_model_config(tiny_models["qwen2"])          # biases, and a vocabulary of 510
+    rng = np.random.default_rng(3)
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in expected_weight_shapes(config).items()}
+    shards = [shard_weights(weights, config, r, 4) for r in range(4)]
+    p = "model.layers.1."
+    for name, axis in [(p + "self_attn.q_proj.weight", 0), (p + "self_attn.k_proj.bias", 0),
+                       (p + "self_attn.v_proj.weight", 0), (p + "mlp.gate_proj.weight", 0),
+                       (p + "self_attn.o_proj.weight", 1), (p + "mlp.down_proj.weight", 1)]:
+        np.testing.assert_array_equal(np.concatenate([s[name] for s in shards], axis=axis), weights[name])
+    # KV heads: each rank holds one of the 4 whole heads (head_dim 8 rows)
+    assert shards[2][p + "self_attn.k_proj.weight"].shape == (config.head_dim, config.hidden_size)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        rows = np.concatenate([s[name] for s in shards])       # [4 * 128, D]: two padding rows
+        np.testing.assert_array_equal(rows[:510], weights[name])
+        assert rows.shape[0] == 512 and not rows[510:].any()
+    assert shards[3][p + "input_layernorm.weight"] is weights[p + "input_layernorm.weight"]
+    rank = shard_model_config(config, 4)
+    assert (rank.num_heads, rank.num_kv_heads, rank.intermediate_size, rank.vocab_size) == (2, 1, 24, 510)
+
+
+def _collective_rank(handle, rank: int, results) -> None:
+    """A spawned rank: checks its own results (results[rank] = 1 if right); then rank 2 leaves
+    and rank 1 waits on."""
+    comm = ShmCommunicator(handle, rank, lambda: None, timeout=60)
+    results[rank] = int(_check_collectives(comm))
+    if rank == 1:
+        comm.all_reduce(np.ones(4, np.float32))     # never completes: rank 2 is gone
+
+
+def _check_collectives(comm) -> bool:
+    """all_reduce and all_gather of arrays ten slots long (the slot is 64 bytes)."""
+    n, r = comm.world_size, comm.rank
+    x = np.arange(160, dtype=np.float32).reshape(10, 16) * (r + 1) + r
+    want = sum(np.arange(160, dtype=np.float32).reshape(10, 16) * (k + 1) + k for k in range(n))
+    parts = [np.full((3, 7), k, np.int32) + np.arange(7, dtype=np.int32) for k in range(n)]
+    ok = np.array_equal(comm.all_reduce(x), want)
+    ok &= np.array_equal(comm.all_gather(parts[r]), np.concatenate(parts, axis=1))
+    return bool(ok & np.array_equal(comm.all_reduce(x[:1, :3]), want[:1, :3]))   # shorter than a slot
+
+
+def test_collectives_in_slot_sized_chunks_and_a_rank_that_leaves():
+    ctx = mp.get_context("spawn")
+    group = ShmGroup(ctx, 3, 64)
+    results = ctx.Array("b", 3)
+    procs = [ctx.Process(target=_collective_rank, args=(group.handle, r, results)) for r in (1, 2)]
+    for p in procs:
+        p.start()
+
+    def check_peers():
+        for r, p in enumerate(procs, 1):
+            if not p.is_alive():
+                raise TensorParallelError(f"rank {r} exited with code {p.exitcode}")
+
+    try:
+        comm = ShmCommunicator(group.handle, 0, check_peers, timeout=60)
+        assert _check_collectives(comm)
+        procs[1].join(60)
+        assert list(results) == [0, 1, 1]           # ranks 1 and 2 got the right results too
+        t0 = time.monotonic()
+        with pytest.raises(TensorParallelError, match="rank 2 exited with code 0"):
+            comm.all_reduce(np.ones(4, np.float32))
+        assert time.monotonic() - t0 < 30           # found by the liveness check, not the time limit
+        assert procs[0].is_alive()
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join()
+        group.close()
+
+
+def test_bad_sizes_are_value_errors_and_start_nothing(tiny_models):
+    for size, needle in [(3, "tensor_parallel_size=3 must divide the model's num_key_value_heads"),
+                         (8, "tensor_parallel_size=8 must divide"), (0, "tensor_parallel_size must be"),
+                         (True, "tensor_parallel_size must be")]:
+        with pytest.raises(ValueError, match=needle):
+            LLM(tiny_models["llama"], tensor_parallel_size=size, **ENGINE)
+    assert mp.active_children() == []
+    config = load_model_config(tiny_models["llama"])
+    with pytest.raises(ValueError, match="intermediate_size"):
+        check_tensor_parallel_size(dataclasses.replace(config, intermediate_size=90), 4, "numpy")
+    with pytest.raises(ValueError, match="CPU backend only"):
+        check_tensor_parallel_size(config, 2, "cuda")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="m", tensor_parallel_size=1.5)
+
+
+def test_a_dead_worker_is_an_error_not_a_hang(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=4, **ENGINE)
+    llm.generate(PROMPTS[:2], GREEDY)
+    procs = mp.active_children()
+    victim = llm.engine.runner.workers.peers.procs[1]           # rank 2
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(60)
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match=r"rank 2 \(pid \d+\) exited with code -9"):
+        llm.generate(PROMPTS[:2], GREEDY)
+    with pytest.raises(TensorParallelError, match="rank 2"):    # the group stays stopped
+        llm.generate(PROMPTS[:1], GREEDY)
+    assert time.monotonic() - t0 < 30
+    assert not any(p.is_alive() for p in procs)                 # the others were stopped with it
+    llm.shutdown()
+    assert_no_workers([p.pid for p in procs])
+
+
+def test_a_worker_error_reaches_rank_0_with_its_message(tiny_models):
+    with LLM(tiny_models["qwen3"], tensor_parallel_size=2, **ENGINE) as llm:
+        pids = llm.engine.runner.workers.pids
+        llm.engine.runner.workers.send("no_such_call")
+        with pytest.raises(TensorParallelError, match="rank 1 .* code 1: ValueError: unknown call 'no_such_call'"):
+            llm.generate(PROMPTS[:2], GREEDY)
+    assert_no_workers(pids)
+
+
+def test_workers_never_outlive_the_engine(tiny_models):
+    llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    pids = llm.engine.runner.workers.pids
+    del llm                                         # never shut down: the engine's __del__ does it
+    gc.collect()
+    assert_no_workers(pids)
+    # A start-up that fails after the workers started: they go with the half-built engine.
+    with pytest.raises(ValueError, match="max_model_len 200 needs 50 KV blocks") as failed:
+        LLM(tiny_models["llama"], tensor_parallel_size=2, max_model_len=200, **ENGINE)
+    pids = [p.pid for p in mp.active_children()]
+    del failed
+    gc.collect()
+    assert_no_workers(pids)
+
+
+@pytest.mark.skipif(not (STORIES / "reference.json").is_file(), reason=f"stories260K not found at {STORIES}")
+def test_cli_generate_over_four_processes_matches_the_reference_text():
+    reference = json.loads((STORIES / "reference.json").read_text())
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    t0 = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu",
+                             "--tensor-parallel-size", "4", "-p", "Once upon a time", "--temperature", "0",
+                             "--max-tokens", "40", "--ignore-eos"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    from minillm.tokenizer import Tokenizer
+    expected = Tokenizer.from_pretrained(STORIES).decode(reference["greedy_from_bos_200_ids"][1:5 + 40])
+    assert result.stdout.strip() == expected.strip()
+    assert time.monotonic() - t0 < 60

@@ -200,6 +200,12 @@ class TensorParallelExecutor(ModelRunner):
         self._guarded(super().initialize_cache, num_blocks, max_model_len)
         self._guarded(self.workers.replies)
 
+    def launch(self, out):
+        """ModelRunner.launch, after checking that every worker is there: a stopped group fails
+        each step at once, before anything is prepared."""
+        self._guarded(self.workers.peers)
+        return super().launch(out)
+
     def _forward(self, ids, positions, meta, rows, patch=None):
         """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]."""
         ids = self._fill_placeholders(ids, patch)
