@@ -16,9 +16,13 @@ import pytest
 from minillm import LLM, SamplingParams
 from minillm.attention import AttentionMetadata
 from minillm.config import EngineConfig
-from minillm.loader import expected_weight_shapes, load_model_config
+from minillm.device import CpuDevice
+from minillm.loader import expected_weight_shapes, load_model_config, load_weights
+from minillm.ops import get_ops
+from minillm.parallel import channel
 from minillm.parallel.communicator import ShmCommunicator, ShmGroup
 from minillm.parallel.errors import TensorParallelError
+from minillm.parallel.executor import TensorParallelExecutor
 from minillm.parallel.sharding import check_tensor_parallel_size, shard_model_config, shard_weights
 
 from conftest import REPO, STORIES
@@ -247,8 +251,12 @@ def test_a_worker_error_reaches_rank_0_with_its_message(tiny_models):
     assert_no_workers(pids)
 
 
-def test_workers_never_outlive_the_engine(tiny_models):
+def test_calls_larger_than_the_channel_move_it_and_workers_never_outlive_the_engine(
+        tiny_models, references, monkeypatch):
+    monkeypatch.setattr(channel, "INITIAL_BYTES", 256)     # smaller than a step's inputs
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["llama"][1]
+    assert llm.engine.runner.workers.channel.capacity > 256
     pids = llm.engine.runner.workers.pids
     del llm                                         # never shut down: the engine's __del__ does it
     gc.collect()
@@ -260,6 +268,14 @@ def test_workers_never_outlive_the_engine(tiny_models):
     del failed
     gc.collect()
     assert_no_workers(pids)
+    # Rank 0 fails to build its own shard while the workers start: they are stopped at once.
+    config = EngineConfig(model=tiny_models["qwen3"], tensor_parallel_size=4, **ENGINE)
+    model_config = load_model_config(config.model)
+    weights = load_weights(config.model, model_config, "float32")
+    del weights["model.norm.weight"]
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        TensorParallelExecutor(model_config, config, get_ops("numpy"), CpuDevice(), weights, "float32", [2])
+    assert mp.active_children() == []
 
 
 @pytest.mark.skipif(not (STORIES / "reference.json").is_file(), reason=f"stories260K not found at {STORIES}")

@@ -34,8 +34,8 @@ class ChannelWriter:
     """Rank 0's end: send(method, *args) to every worker."""
 
     def __init__(self, ctx, num_workers: int, check_peers, timeout: float = DEFAULT_TIMEOUT_S,
-                 capacity: int = INITIAL_BYTES):
-        self._shm = SharedMemory(create=True, size=capacity)
+                 capacity: int | None = None):
+        self._shm = SharedMemory(create=True, size=capacity or INITIAL_BYTES)
         self.handle = ChannelHandle(self._shm.name, [ctx.Semaphore(0) for _ in range(num_workers)],
                                     ctx.Semaphore(0))
         self._check_peers, self._timeout = check_peers, timeout
@@ -57,8 +57,8 @@ class ChannelWriter:
         if not self._unread:
             return
         for _ in self.handle.ready:
-            wait_for(lambda t: self.handle.ack.acquire(timeout=t), "the workers to read the last call", self._check_peers,
-                     self._timeout)
+            wait_for(lambda t: self.handle.ack.acquire(timeout=t), "the workers to read the last call",
+                     self._check_peers, self._timeout)
         self._unread = False
 
     def _grow(self, size: int) -> None:
@@ -70,6 +70,11 @@ class ChannelWriter:
         self._shm.unlink()
         self._shm = bigger
         self.handle.shm_name = bigger.name
+
+    @property
+    def capacity(self) -> int:
+        """Bytes the segment holds."""
+        return self._shm.size
 
     def close(self) -> None:
         """Unmap and remove the segment."""
