@@ -11,6 +11,11 @@
 Workers are spawned (safe with the server's threads) and never outlive the executor: shutdown()
 stops them, a finalizer does if nobody called it, and they exit by themselves when rank 0's
 process is gone. A worker that dies is reported by rank 0's next wait, with the worker's error.
+
+The seam: every forward pass of a step goes through ModelRunner._forward(ids, positions, meta,
+rows), so rank 0 sends exactly those arguments and each worker calls its own _forward with them;
+the collectives inside then pair up call for call. Input tokens still on the device (a step kept
+in flight) are filled in on the host before sending: workers never hold sampled ids.
 """
 from __future__ import annotations
 

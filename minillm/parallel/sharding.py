@@ -32,7 +32,8 @@ def check_tensor_parallel_size(config: ModelConfig, size: int, backend: str) -> 
 
 def shard_model_config(config: ModelConfig, size: int) -> ModelConfig:
     """One rank's shape: its query heads, KV heads and MLP width (the KV pool is sized from it)."""
-    return dataclasses.replace(config, num_heads=config.num_heads // size, num_kv_heads=config.num_kv_heads // size,
+    return dataclasses.replace(config, num_heads=config.num_heads // size,
+                               num_kv_heads=config.num_kv_heads // size,
                                intermediate_size=config.intermediate_size // size)
 
 
