@@ -91,6 +91,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         _default("enable_prefix_caching")),
     "enforce_eager": (Annotated[bool, _engine_option(
         "--enforce-eager", help="Never capture CUDA graphs.")], _default("enforce_eager")),
+    "tensor_parallel_size": (Annotated[int, _engine_option(
+        "--tensor-parallel-size", "-tp", help="Processes the model is split over (CPU for now).")],
+        _default("tensor_parallel_size")),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help="Model store (default: ./weights).")], None),
 }
