@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from minillm.config import EngineConfig
-from minillm.server.app import ServerThread, create_app
+from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.async_engine import AsyncLLMEngine
 
 # Simple enough for the tiny model; BOS first, as stories260K was trained.
@@ -33,13 +34,21 @@ def chat_model_dir(src: Path, dst: Path) -> Path:
 
 @contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
-                   max_body_bytes: int | None = None, log_interval: float | None = None, **engine_kwargs):
-    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1; stop both afterwards."""
+                   max_body_bytes: int | None = None, log_interval: float | None = None,
+                   options: ServerOptions | None = None, **engine_kwargs):
+    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1; stop both afterwards.
+
+    options: the server's options (limits, templates); api_key, served_model_name, max_body_bytes
+    and log_interval override theirs.
+    """
+    options = dataclasses.replace(options or ServerOptions(), api_key=api_key, served_model_name=served_model_name,
+                                  log_interval=log_interval)
+    if max_body_bytes is not None:
+        options = dataclasses.replace(options, limits=dataclasses.replace(options.limits,
+                                                                          max_body_bytes=max_body_bytes))
     config = EngineConfig(model=str(model), device="cpu", **engine_kwargs)
     engine = AsyncLLMEngine.from_config(config)
-    extra = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-    app = create_app(engine, api_key=api_key, served_model_name=served_model_name, log_interval=log_interval,
-                     **extra)
+    app = create_app(engine, options)
     server = ServerThread(app, "127.0.0.1", 0).start()
     try:
         yield server.url, engine

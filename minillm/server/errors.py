@@ -13,8 +13,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 KNOWN_PARAMS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "logprobs", "prompt", "request_id",
+    "stop_token_ids", "logprobs", "prompt", "request_id", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output",
 )
+# No error quotes more of what the client sent than this: a 1 MB field must not come back as a 1 MB error.
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 100
 
 
 class APIError(Exception):
@@ -34,6 +38,23 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
 
 
+class RequestFailedError(APIError):
+    """One request failed inside an engine step that the engine survived (a 500 naming the cause)."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(500, f"the request failed in the engine: {type(cause).__name__}: {cause}",
+                         code="engine_step_failed")
+        self.request_id = request_id
+        self.cause = cause
+
+
+def safe_text(text: str, limit: int) -> str:
+    """text cut to `limit` characters and made encodable (a lone surrogate becomes its escape)."""
+    if len(text) > limit:
+        text = text[:limit] + f"... ({len(text)} chars)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def default_error_type(status: int) -> str:
     """OpenAI's error type for a status code."""
     if status == 401:
@@ -47,9 +68,9 @@ def default_error_type(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None, type: str | None = None) -> dict:
-    """The JSON body of an error response."""
-    return {"error": {"message": message, "type": type or default_error_type(status),
-                      "param": param, "code": code}}
+    """The JSON body of an error response (message and param cut short and made encodable)."""
+    return {"error": {"message": safe_text(message, MAX_MESSAGE_CHARS), "type": type or default_error_type(status),
+                      "param": None if param is None else safe_text(param, MAX_PARAM_CHARS), "code": code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
@@ -75,7 +96,8 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    # A union (e.g. prompt: str | list[int]) reports one error per member: undecodable text says most.
+    first = next((e for e in errors if e.get("type") == "invalid_text"), errors[0])
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in request body: {first.get('msg', '')}".rstrip(": "),
                         code="json_invalid")
