@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import json
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+if TYPE_CHECKING:   # FastAPI is imported where the app is built, not by the CLI that reads ServerLimits
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
 
 # SamplingParams / add_request messages start with the field they complain about.
 KNOWN_PARAMS = (
@@ -75,6 +76,7 @@ def error_body(status: int, message: str, param: str | None = None,
 
 def error_response(err: APIError) -> JSONResponse:
     """Render an APIError as a JSONResponse."""
+    from fastapi.responses import JSONResponse
     return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type),
                         status_code=err.status)
 
@@ -122,6 +124,9 @@ def _is_type_tag(part: str) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error the app returns OpenAI-shaped."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
