@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -85,3 +86,61 @@ def sse_events(lines) -> list:
             break
         events.append(json.loads(data))
     return events
+
+
+def choice_texts(events: list[dict]) -> dict[int, str]:
+    """Streamed completion chunks -> {choice index: its whole text}."""
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event.get("choices", []):
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+class HealthyStreams:
+    """Greedy streams that tests keep in flight while they misbehave; each must end with its solo text.
+
+    reference: the choices' texts of the same request made alone, before anything else. in_flight():
+    a stream running for the whole with-block (it must still be running at its end: the block
+    overlapped it). check(): every stream started finished with the reference texts and [DONE].
+    """
+
+    def __init__(self, url: str, body: dict, headers: dict | None = None) -> None:
+        self.url, self.body, self.headers = url, {**body, "temperature": 0, "ignore_eos": True}, headers or {}
+        response = httpx.post(f"{url}/v1/completions", json=self.body, headers=self.headers, timeout=60)
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        self.reference = {c["index"]: c["text"] for c in choices}
+        self.runs: list[tuple[threading.Thread, dict]] = []
+
+    def _run(self, started: threading.Event, result: dict) -> None:
+        lines = []
+        with httpx.stream("POST", f"{self.url}/v1/completions", headers=self.headers, timeout=120,
+                          json={**self.body, "stream": True}) as response:
+            result["status"] = response.status_code
+            for line in response.iter_lines():
+                lines.append(line)
+                started.set()
+        events = sse_events(lines)
+        result["texts"] = choice_texts(events)
+        result["finish"] = sorted({c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]})
+        result["done"] = [line for line in lines if line][-1:] == ["data: [DONE]"]
+
+    @contextlib.contextmanager
+    def in_flight(self):
+        """A healthy stream in flight from the start of the block to its end."""
+        started, result = threading.Event(), {}
+        thread = threading.Thread(target=self._run, args=(started, result), daemon=True)
+        thread.start()
+        assert started.wait(60), "the healthy stream did not start"
+        yield
+        assert thread.is_alive(), "the healthy stream had already finished: the block did not overlap it"
+        self.runs.append((thread, result))
+
+    def check(self) -> None:
+        """Wait for every stream started and compare each with the reference."""
+        for thread, result in self.runs:
+            thread.join(120)
+            assert not thread.is_alive()
+            assert result == {"status": 200, "texts": self.reference, "finish": ["length"], "done": True}
+        self.runs.clear()
