@@ -89,7 +89,8 @@ class ChatJob:
             text = tok.render_chat(self.messages, template=self.template, add_generation_prompt=True,
                                    **self.template_kwargs)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="chat_template" if self.req.chat_template else "messages") from None
+            param = "chat_template" if self.req.chat_template is not None else "messages"
+            raise APIError(400, str(exc), param=param) from None
         check_prompt_chars(self.ctx.limits, len(text), "messages")
         # The template writes BOS itself where the model wants it.
         return tok.encode_batch([text], add_special_tokens=False)[0]
