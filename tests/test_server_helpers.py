@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import json
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
@@ -36,11 +37,12 @@ def chat_model_dir(src: Path, dst: Path) -> Path:
 @contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
                    max_body_bytes: int | None = None, log_interval: float | None = None,
-                   options: ServerOptions | None = None, **engine_kwargs):
+                   options: ServerOptions | None = None, send_buffer_bytes: int | None = None, **engine_kwargs):
     """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1; stop both afterwards.
 
     options: the server's options (limits, templates); api_key, served_model_name, max_body_bytes
-    and log_interval override theirs.
+    and log_interval override theirs. send_buffer_bytes: the kernel send buffer of each connection
+    (small, so that a client that does not read fills it soon).
     """
     options = dataclasses.replace(options or ServerOptions(), api_key=api_key, served_model_name=served_model_name,
                                   log_interval=log_interval)
@@ -50,7 +52,10 @@ def running_server(model: Path, api_key: str | None = None, served_model_name: s
     config = EngineConfig(model=str(model), device="cpu", **engine_kwargs)
     engine = AsyncLLMEngine.from_config(config)
     app = create_app(engine, options)
-    server = ServerThread(app, "127.0.0.1", 0).start()
+    server = ServerThread(app, "127.0.0.1", 0)
+    if send_buffer_bytes is not None:   # accepted connections inherit it from the listening socket
+        server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    server.start()
     try:
         yield server.url, engine
     finally:
