@@ -183,6 +183,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()   # orders "is it dead?" against "enqueue a command"
         self._dead: BaseException | None = None
+        self._failed = False            # the loop ended by an exception, not by shutdown()
         self._stopped = False
         self.ended = threading.Event()  # set when the engine thread has ended (failure or shutdown)
         self.last_stats: EngineStats | None = None
@@ -209,8 +210,8 @@ class AsyncLLMEngine:
 
     @property
     def has_failed(self) -> bool:
-        """True once the loop has ended for a reason other than shutdown()."""
-        return self.ended.is_set() and not self._stopped
+        """True once the loop has ended by an exception (not by shutdown())."""
+        return self._failed
 
     @property
     def dead_reason(self) -> str:
@@ -283,6 +284,7 @@ class AsyncLLMEngine:
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the loop, reported to all
             logger.exception("engine loop died")
+            self._failed = True
             self._die(exc)
             return
         self._die(EngineDeadError("the engine was shut down"), log=False)
