@@ -6,6 +6,7 @@ plays out quickly; a healthy stream runs through each and must end with its solo
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
@@ -119,3 +120,29 @@ def test_a_stream_nobody_reads_is_cut_off_and_its_request_aborted(server, health
     assert aborted["generation_tokens_total"] - before["generation_tokens_total"] < n * max_tokens
     received = _read_until_closed(sock)
     assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+
+
+def test_a_caller_that_falls_behind_holds_one_output_per_request():
+    from minillm.outputs import CompletionOutput, RequestOutput
+    from minillm.server.async_engine import OutputQueue, RequestStream
+    from minillm.server.errors import EngineDeadError
+
+    async def scenario():
+        loop, queue, seen = asyncio.get_running_loop(), OutputQueue(), []
+        streams = [RequestStream(f"r{i}", loop, queue, observer=lambda out, t: seen.append(out.request_id))
+                   for i in range(2)]
+        for step in range(1000):       # a thousand steps' outputs while nobody reads
+            for stream in streams:
+                text = "x" * step      # cumulative, so each is bigger than the last
+                stream.deliver(RequestOutput(stream.request_id, None, [1], [CompletionOutput(0, text, [])], False),
+                               float(step))
+        assert len(queue) == 2 and len(seen) == 2000   # held: the newest of each; observed: all of them
+        newest = await queue.get_all()
+        assert [(s.request_id, p.outputs[0].text, t) for s, p, t in newest] == [
+            ("r0", "x" * 999, 999.0), ("r1", "x" * 999, 999.0)]
+        streams[0].deliver(EngineDeadError("gone"), None)
+        streams[0].deliver(RequestOutput("r0", None, [1], [CompletionOutput(0, "late", [])], False), 1000.0)
+        (stream, payload, _), = await queue.get_all()
+        assert stream is streams[0] and isinstance(payload, EngineDeadError)   # an error is not replaced
+
+    asyncio.run(scenario())
