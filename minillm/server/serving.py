@@ -68,13 +68,13 @@ class ServingContext:
         if bad:
             raise APIError(400, f"{param} holds token ids outside [0, {vocab_size}): {short_repr(bad)}", param=param)
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
         """max_tokens for this prompt; 400 when prompt and completion cannot fit the context."""
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
                            f"has {num_prompt_tokens} tokens, leaving no room for a completion.",
-                           param="prompt", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return limit - num_prompt_tokens
         if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:

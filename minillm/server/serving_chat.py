@@ -79,7 +79,7 @@ class ChatJob:
         self.prompt_ids = await self.ctx.run_blocking(self._render)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
-        max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req))
+        max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size)
 
     def _render(self) -> list[int]:
