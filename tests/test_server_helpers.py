@@ -34,11 +34,17 @@ def chat_model_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
+class RunningServer(tuple):
+    """(base_url, AsyncLLMEngine), with the ServerThread as .http."""
+
+    http: ServerThread
+
+
 @contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
                    max_body_bytes: int | None = None, log_interval: float | None = None,
                    options: ServerOptions | None = None, send_buffer_bytes: int | None = None, **engine_kwargs):
-    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1; stop both afterwards.
+    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1 (its ServerThread as .http); stop both after.
 
     options: the server's options (limits, templates); api_key, served_model_name, max_body_bytes
     and log_interval override theirs. send_buffer_bytes: the kernel send buffer of each connection
@@ -56,8 +62,10 @@ def running_server(model: Path, api_key: str | None = None, served_model_name: s
     if send_buffer_bytes is not None:   # accepted connections inherit it from the listening socket
         server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     server.start()
+    running = RunningServer((server.url, engine))
+    running.http = server
     try:
-        yield server.url, engine
+        yield running
     finally:
         server.stop()
         engine.shutdown()
