@@ -176,7 +176,8 @@ def test_chat_without_template_says_so(http, healthy_stream):
     for stream in (False, True):
         response = http.post("/v1/chat/completions", headers=AUTH, json=_chat(stream=stream))
         error = _check_error_shape(response, 400, "messages")
-        assert "chat template" in error["message"]
+        assert "chat template" in error["message"] and "--chat-template" in error["message"]
+        assert error["code"] == "no_chat_template"
 
 
 def test_streaming_bad_input_is_an_error_status_not_a_stream(http, healthy_stream):
