@@ -18,7 +18,9 @@ def short_repr(value: object, limit: int = 60) -> str:
         head = ", ".join(short_repr(v, 16) for v in value[:5])
         return f"[{head}, ...] ({len(value)} items)"
     text = repr(value[:limit + 1] if isinstance(value, str) else value)   # repr escapes lone surrogates
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} chars)"
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} chars)"
 
 
 def _is_int(value: object) -> bool:

@@ -205,10 +205,12 @@ def test_health_answers_within_100_ms_while_12_mb_prompts_are_refused(server, he
     assert max(seconds for _, _, seconds in results) < 10   # refused after reading it, before tokenising
 
 
+LONG_TEXT = "Once upon a time " * ((MAX_PROMPT_CHARS - 1000) // 17)   # just under the limit, template and all
+
+
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "Once upon a time " * ((MAX_PROMPT_CHARS - 1000) // 17)}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Once upon a time " * ((MAX_PROMPT_CHARS - 1000) // 17)}]},
-     "messages"),
+    ("/v1/completions", {"prompt": LONG_TEXT}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_TEXT}]}, "messages"),
 ], ids=["completion", "chat"])
 def test_health_answers_while_a_long_prompt_is_tokenised(server, healthy, path, body, param):
     # Just under the --max-prompt-chars given: it is rendered and tokenised (off the event loop), then
