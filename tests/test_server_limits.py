@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,9 +25,10 @@ from minillm.engine import LLMEngine  # noqa: E402
 from minillm.sampling_params import SamplingParams  # noqa: E402
 from minillm.server.app import ServerOptions  # noqa: E402
 from minillm.server.limits import ServerLimits  # noqa: E402
-from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.tokenizer import Tokenizer, chat_template_from_arg  # noqa: E402
 
 MODEL = "stories"
+REPO = Path(__file__).resolve().parents[1]
 LIMITS = ServerLimits()
 # stories260K has no chat template of its own: the server is given one (what --chat-template does).
 OPTIONS = ServerOptions(chat_template=CHAT_TEMPLATE, trust_request_chat_template=True, limits=LIMITS)
@@ -256,3 +261,22 @@ def test_long_prompt_is_tokenised_and_answered_while_the_loop_serves(http, healt
     error = _error(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
                    400, "prompt")
     assert error["code"] == "context_length_exceeded"
+
+
+def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text(CHAT_TEMPLATE, encoding="utf-8")
+    assert chat_template_from_arg(str(path)) == CHAT_TEMPLATE
+    assert chat_template_from_arg(CHAT_TEMPLATE) == CHAT_TEMPLATE
+    assert chat_template_from_arg("{{ 'a' }}\\n{{ 'é' }}") == "{{ 'a' }}\n{{ 'é' }}"   # escapes as vLLM reads them
+    with pytest.raises(ValueError, match="looks like a file path"):
+        chat_template_from_arg(str(tmp_path / "missing.jinja"))
+
+
+def test_serve_refuses_a_chat_template_that_does_not_compile(stories_path):
+    result = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu",
+                             "--port", "0", "--chat-template", "{% for %}"],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert "--chat-template does not compile" in result.stderr
