@@ -5,11 +5,10 @@ must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which 
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
-from typing_extensions import Annotated
 
 from minillm.sampling_params import SamplingParams
 from minillm.server.errors import APIError, bad_request_from_value_error
