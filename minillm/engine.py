@@ -159,6 +159,7 @@ class LLMEngine:
             raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
         params = params or SamplingParams()
         params.validate()
+        params.validate_for_vocab(self.model_config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
