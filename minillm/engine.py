@@ -17,7 +17,7 @@ from minillm.metrics_tracker import MetricsTracker
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
-from minillm.output_processor import CompletionState, add_token, completion_output, new_state
+from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import SamplingParams
@@ -36,7 +36,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
-    states: list[CompletionState]
+    states: list                      # per sequence, the output processor's state
     metrics: RequestMetrics
     final_only: bool = False          # report only once finished (offline batch)
 
@@ -101,13 +101,15 @@ class LLMEngine:
     on it. shutdown() (or leaving a `with` block) gives the device memory back.
     """
 
-    def __init__(self, config: EngineConfig, log=None):
+    def __init__(self, config: EngineConfig, log=None, output_processor=TextOutputs):
         self.config = config
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
         path = resolve_model_path(config.model, config.download_dir)
         self.model_path = path
         self.model_config = load_model_config(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
+        # Text and stop strings per sequence; an engine core passes one that reports token ids only.
+        self.output_processor = output_processor(self.tokenizer)
         self.backend = choose_backend(config.device)
         if config.device == "auto":
             self.log(f"minillm: device auto -> {'cuda (CuPy sees a GPU)' if self.backend == 'cuda' else 'cpu (NumPy)'}")
@@ -176,7 +178,8 @@ class LLMEngine:
             seed = params.seed + i if params.seed is not None else int(self._seed_rng.integers(2**62))
             seqs.append(Sequence(request_id, i, list(ids), params, now, np.random.default_rng(seed), max_tokens))
         incremental = output_kind == "cumulative"
-        req = Request(request_id, text, list(ids), seqs, [new_state(self.tokenizer, s, incremental) for s in seqs],
+        states = [self.output_processor.new_state(s, incremental) for s in seqs]
+        req = Request(request_id, text, list(ids), seqs, states,
                       RequestMetrics(arrival_time=now), final_only=not incremental)
         self.requests[request_id] = req
         for seq in seqs:
@@ -202,6 +205,15 @@ class LLMEngine:
             return
         for seq in req.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        self._changed[request_id] = req
+
+    def stop_sequence(self, request_id: str, index: int, stop_string: str) -> None:
+        """End completion `index` of a request with a stop string its text completed (found by an
+        API server that detokenises apart from the engine); unknown or retired requests are ignored."""
+        req = self.requests.get(request_id)
+        if req is None or not 0 <= index < len(req.seqs):
+            return
+        self.scheduler.stop(req.seqs[index], stop_string)
         self._changed[request_id] = req
 
     def has_unfinished_requests(self) -> bool:
@@ -261,7 +273,8 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue
-            stop = add_token(req.states[seq.index], seq, token, step.logprobs.get(seq.seq_id))
+            stop = self.output_processor.add_token(req.states[seq.index], seq, token,
+                                                   step.logprobs.get(seq.seq_id))
             if stop is not None:
                 self.scheduler.stop(seq, stop)
             self._note_token(req, now)
@@ -293,7 +306,8 @@ class LLMEngine:
                 for seq in req.seqs:
                     self.metrics.record_finish(seq.status.finish_reason)
             outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                                         [completion_output(st, s) for st, s in zip(req.states, req.seqs)],
+                                         [self.output_processor.completion_output(st, s)
+                                          for st, s in zip(req.states, req.seqs)],
                                          finished, req.metrics))
         return outputs
 

@@ -96,3 +96,27 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
         finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
         cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
         logprobs=list(state.logprobs) if state.want_logprobs else None)
+
+
+class TextOutputs:
+    """The engine's own output processing: text, stop strings and log-probabilities per sequence.
+
+    An engine core hands out token ids instead (minillm/engine_core/core.py: TokenOutputs) and
+    leaves this work to the API server, which runs these same functions there.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def new_state(self, seq: Sequence, incremental: bool) -> CompletionState:
+        """Fresh output state for a sequence."""
+        return new_state(self.tokenizer, seq, incremental)
+
+    def add_token(self, state: CompletionState, seq: Sequence, token: int,
+                  logprobs: dict[int, float] | None) -> str | None:
+        """Feed the newest token; returns the stop string it completed, if any."""
+        return add_token(state, seq, token, logprobs)
+
+    def completion_output(self, state: CompletionState, seq: Sequence) -> CompletionOutput:
+        """The caller-facing view of a sequence."""
+        return completion_output(state, seq)
