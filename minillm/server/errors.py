@@ -39,11 +39,27 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
 
 
+class RemoteError(Exception):
+    """An exception raised in the engine core process, known here by its type's name and its message."""
+
+    def __init__(self, type_name: str, message: str = "") -> None:
+        super().__init__(message)
+        self.type_name = type_name
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.args[0]}"
+
+
+def describe_error(exc: BaseException) -> str:
+    """'Type: message' of an exception, whichever process raised it."""
+    return str(exc) if isinstance(exc, RemoteError) else f"{type(exc).__name__}: {exc}"
+
+
 class RequestFailedError(APIError):
     """One request failed inside an engine step that the engine survived (a 500 naming the cause)."""
 
     def __init__(self, request_id: str, cause: BaseException) -> None:
-        super().__init__(500, f"the request failed in the engine: {type(cause).__name__}: {cause}",
+        super().__init__(500, f"the request failed in the engine: {describe_error(cause)}",
                          code="engine_step_failed")
         self.request_id = request_id
         self.cause = cause

@@ -1,0 +1,7 @@
+"""The engine core apart from the API server: its own process, joined by ZeroMQ (as vLLM's EngineCoreProc).
+
+    messages.py          the msgspec structs both sides send
+    core.py              EngineCore (token outputs, no text) and the core process's loop
+    client.py            the API server's end: spawn, sockets, a thread that reads the core and sees it die
+    output_processor.py  the API server's detokenizer: token ids -> RequestOutputs, stop strings -> stops
+"""

@@ -1,0 +1,273 @@
+"""The engine core: an LLMEngine that hands out token ids, and the loop that runs it in its own process.
+
+The core does no text work: its LLMEngine is built with TokenOutputs, so each step reports the
+token ids every sequence gained (and their log-probabilities), and the API server detokenises and
+checks stop strings. Between two steps the loop takes a bounded batch of commands off its socket
+(so no flood of them can starve generation), answers the batch's adds in one message and its
+stats requests with one snapshot, then steps and sends the step's outputs up in one message.
+
+Failures: a StepError (a step failed for some requests only; the engine aborted them and is
+intact) is reported in that step's message and the loop goes on. Any other exception is sent up
+as EngineDead and the process exits with status 1; the API server sees the exit either way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine, StepError
+from minillm.engine_core import messages as m
+from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import SamplingParams
+from minillm.sequence import Sequence
+
+logger = logging.getLogger("minillm.engine_core")
+
+# Command work between two steps: enough to admit a burst of requests at once, bounded so that a
+# flood (of stats polls, say) delays generation by a few milliseconds, never by whole seconds.
+MAX_COMMANDS_PER_STEP = 64
+MAX_COMMAND_SECONDS_PER_STEP = 0.005
+# Stats are built at full resolution (one cell per block) and downsampled by each caller.
+FULL_RESOLUTION = sys.maxsize
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+# ---- token outputs ---------------------------------------------------------------------------
+
+@dataclass
+class TokenState:
+    """What a sequence has reported so far: how many of its tokens, and log-probability rows not sent."""
+
+    want_logprobs: bool
+    num_sent: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+
+
+class TokenOutputs:
+    """LLMEngine output processing for a core: each report carries the tokens gained since the last
+    one (a delta, as vLLM's DELTA output kind), with no text; stop strings are the API server's."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        del tokenizer   # no text here
+
+    def new_state(self, seq: Sequence, incremental: bool) -> TokenState:
+        """Fresh state for a sequence."""
+        return TokenState(seq.params.logprobs is not None)
+
+    def add_token(self, state: TokenState, seq: Sequence, token: int,
+                  logprobs: dict[int, float] | None) -> None:
+        """Keep the token's log-probability row for the next report; never a stop string."""
+        if state.want_logprobs and logprobs is not None:
+            state.logprobs.append(logprobs)
+
+    def completion_output(self, state: TokenState, seq: Sequence) -> CompletionOutput:
+        """The tokens (and rows) gained since the last report, and the finish if it came."""
+        new = seq.output_token_ids[state.num_sent:]
+        state.num_sent += len(new)
+        rows, state.logprobs = state.logprobs, []
+        done = seq.is_finished
+        return CompletionOutput(index=seq.index, text="", token_ids=new,
+                                finish_reason=seq.status.finish_reason if done else None,
+                                stop_reason=seq.stop_reason if done else None,
+                                logprobs=rows if state.want_logprobs else None)
+
+
+def request_step_output(out: RequestOutput) -> m.RequestStepOutput:
+    """A core RequestOutput (token deltas) as its message."""
+    metrics = out.metrics
+    seqs = [m.SeqOutput(c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in out.outputs]
+    return m.RequestStepOutput(out.request_id, seqs, out.finished, metrics.num_cached_tokens,
+                               metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time)
+
+
+def error_fields(exc: BaseException) -> tuple[str, str]:
+    """(type name, message) of an exception, for a message."""
+    return type(exc).__name__, str(exc)
+
+
+# ---- the core --------------------------------------------------------------------------------
+
+class EngineCore:
+    """An LLMEngine with token outputs, driven by messages: commands in, one StepOutputs per step out."""
+
+    def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None) -> None:
+        self.engine = LLMEngine(config, log=log, output_processor=TokenOutputs)
+
+    def add_request(self, command: m.AddRequest) -> str | None:
+        """Queue a request; None when accepted, else why not (the ValueError's text)."""
+        try:
+            params = SamplingParams(**{k: v for k, v in command.params.items() if k in SAMPLING_FIELDS})
+            self.engine.add_request(command.request_id, command.prompt_token_ids, params,
+                                    arrival_time=command.arrival_time)
+        except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
+            return str(exc)
+        return None
+
+    def step(self) -> m.StepOutputs:
+        """One engine step as a message; a contained failure is reported with the requests it hit."""
+        failed = []
+        try:
+            outputs = self.engine.step()
+        except StepError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            logger.error("a step failed for %d request(s), which were aborted; serving goes on: %s: %s",
+                         len(exc.request_ids), type(cause).__name__, cause)
+            failed.append(m.FailedRequests(list(exc.request_ids), *error_fields(cause)))
+            outputs = []
+        return m.StepOutputs(self.engine.metrics.num_steps, time.time(),
+                             [request_step_output(o) for o in outputs], failed)
+
+    def utility(self, call: m.UtilityCall) -> m.UtilityReply:
+        """Run a method of the engine (a public one) between steps."""
+        if call.method.startswith("_"):
+            return m.UtilityReply(call.call_id, error=f"AttributeError: no utility {call.method!r}")
+        try:
+            return m.UtilityReply(call.call_id, getattr(self.engine, call.method)(*call.args))
+        except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+            return m.UtilityReply(call.call_id, error="%s: %s" % error_fields(exc))
+
+
+@dataclass
+class CoreSpec:
+    """Everything the core process starts from (pickled once, when it is spawned)."""
+
+    config: EngineConfig
+    input_address: str            # commands: the API server's PUSH, our PULL
+    output_address: str           # outputs: our PUSH, the API server's PULL
+    parent_pipe: Any              # readable (EOF) once the API server's process is gone
+    core_hook: Callable[[LLMEngine], None] | None = None   # called with the engine before serving (tests)
+
+
+class EngineCoreProc:
+    """The core's process loop: sockets, the bounded command batches, the steps."""
+
+    def __init__(self, core: EngineCore, spec: CoreSpec, ctx: zmq.Context, output: zmq.Socket) -> None:
+        self.core, self.engine = core, core.engine
+        self.spec = spec
+        self.input = ctx.socket(zmq.PULL)
+        self.input.setsockopt(zmq.RCVHWM, 0)
+        self.input.connect(spec.input_address)
+        self.output = output
+        self.encoder, self.decoder = m.encoder(), m.down_decoder()
+        self.poller = zmq.Poller()
+        self.poller.register(self.input, zmq.POLLIN)
+        self.poller.register(spec.parent_pipe.fileno(), zmq.POLLIN)
+
+    def send(self, message: Any) -> None:
+        """Send a message up (raises ConnectionError once the API server is gone)."""
+        try:
+            self.output.send(self.encoder.encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            raise ConnectionError("the API server is gone") from None
+
+    def run(self) -> None:
+        """Take commands and step until told to stop or the API server goes away."""
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            events = dict(self.poller.poll(None if idle else 0))   # block only when there is nothing to do
+            if self.spec.parent_pipe.fileno() in events:
+                return      # the API server's process has gone: nobody to serve
+            if self.input in events and not self.run_commands():
+                return
+            if self.engine.has_unfinished_requests():
+                self.send(self.core.step())
+
+    def run_commands(self) -> bool:
+        """Handle a bounded batch of waiting commands; False once told to shut down."""
+        adds: list[tuple[str, str | None]] = []
+        stats: list[int] = []
+        started = time.perf_counter()
+        running = True
+        for count in range(MAX_COMMANDS_PER_STEP):
+            if count and time.perf_counter() - started > MAX_COMMAND_SECONDS_PER_STEP:
+                break
+            try:
+                command = self.decoder.decode(self.input.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if isinstance(command, m.AddRequest):
+                adds.append((command.request_id, self.core.add_request(command)))
+            elif isinstance(command, m.AbortRequests):
+                for request_id in command.request_ids:
+                    self.engine.abort_request(request_id)
+            elif isinstance(command, m.StopSequences):
+                for request_id, index, stop_string in command.stops:
+                    self.engine.stop_sequence(request_id, index, stop_string)
+            elif isinstance(command, m.GetStats):
+                stats.append(command.call_id)      # one snapshot answers every stats request of the batch
+            elif isinstance(command, m.UtilityCall):
+                self.send(self.core.utility(command))
+            elif isinstance(command, m.Shutdown):
+                running = False
+                break
+        if adds:
+            self.send(m.AddResults(adds))
+        if stats:
+            self.send(self.stats_reply(stats))
+        return running
+
+    def stats_reply(self, call_ids: list[int]) -> m.StatsReply:
+        """One full-resolution snapshot for these callers; a stats bug fails them, not serving."""
+        try:
+            return m.StatsReply(call_ids, self.engine.stats(FULL_RESOLUTION))
+        except Exception as exc:  # noqa: BLE001
+            return m.StatsReply(call_ids, None, "%s: %s" % error_fields(exc))
+
+
+def _connect_output(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.LINGER, 2000)   # a last EngineDead must reach the API server before we exit
+    sock.connect(address)
+    return sock
+
+
+def run_engine_core(spec: CoreSpec) -> None:
+    """The core process's entry point: build the engine, say Ready, serve; exit 1 on a fatal failure."""
+    # Ctrl-C reaches the whole process group: the API server handles it and shuts the core down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context()
+    output = _connect_output(ctx, spec.output_address)
+    encoder = m.encoder()
+    status = 0
+    try:
+        try:
+            core = EngineCore(spec.config)
+            if spec.core_hook is not None:
+                spec.core_hook(core.engine)
+        except Exception as exc:  # noqa: BLE001 - the API server re-raises it
+            output.send(encoder.encode(m.StartupFailed(*error_fields(exc))))
+            status = 1
+            return
+        proc = EngineCoreProc(core, spec, ctx, output)
+        engine = core.engine
+        proc.send(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size, engine.stats(cells=1)))
+        try:
+            proc.run()
+        except ConnectionError:
+            pass        # the API server is gone
+        except BaseException as exc:  # noqa: BLE001 - any other failure ends the core, reported first
+            traceback.print_exc()
+            status = 1
+            try:
+                proc.send(m.EngineDead(*error_fields(exc)))
+            except ConnectionError:
+                pass
+        finally:
+            engine.shutdown()
+    finally:
+        output.close()
+        ctx.destroy(linger=2000)
+        sys.stderr.flush()
+        if status:
+            os._exit(status)    # skip interpreter teardown: the API server is waiting on our exit

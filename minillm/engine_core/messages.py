@@ -1,0 +1,163 @@
+"""What the API server and the engine core say to each other: msgspec structs framed as msgpack.
+
+Down (API server -> core): small commands, one message each. Up (core -> API server): one
+StepOutputs per engine step with every request that moved (new token ids, not text), plus replies
+to adds, stats and utility calls, and EngineDead before the core exits on a failure it cannot
+contain. Structs are array-like (positional), so a step of 256 requests encodes in tens of
+microseconds.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+from minillm.stats import EngineStats
+
+# ---- down: API server -> engine core ---------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, tag=True, array_like=True):
+    """Queue a request; the core answers with an AddResults entry (accepted, or the ValueError's text)."""
+
+    request_id: str
+    prompt_token_ids: Any               # list[int] as the caller gave it; the engine validates it
+    params: dict[str, Any]              # SamplingParams' constructor fields
+    arrival_time: float
+
+
+class AbortRequests(msgspec.Struct, tag=True, array_like=True):
+    """Stop these requests now and free their blocks (unknown ids are ignored)."""
+
+    request_ids: list[str]
+
+
+class StopSequences(msgspec.Struct, tag=True, array_like=True):
+    """The API server's detokenizer found stop strings: (request_id, sequence index, stop string)."""
+
+    stops: list[tuple[str, int, str]]
+
+
+class GetStats(msgspec.Struct, tag=True, array_like=True):
+    """Ask for a full-resolution EngineStats snapshot (one snapshot answers a batch of these)."""
+
+    call_id: int
+
+
+class UtilityCall(msgspec.Struct, tag=True, array_like=True):
+    """Call a method of the core's LLMEngine between two steps; the result comes back in UtilityReply."""
+
+    call_id: int
+    method: str
+    args: list[Any]
+
+
+class Shutdown(msgspec.Struct, tag=True, array_like=True):
+    """Abort everything, release the device and exit."""
+
+
+DownMessage = Union[AddRequest, AbortRequests, StopSequences, GetStats, UtilityCall, Shutdown]
+
+# ---- up: engine core -> API server -----------------------------------------------------------
+
+
+class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence's news in one step: the token ids it gained, and how it ended if it did."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None = None   # one row per new token when logprobs were asked
+    finish_reason: str | None = None                     # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+
+
+class RequestStepOutput(msgspec.Struct, array_like=True):
+    """One request's news in one step, with the times the server's latency metrics read."""
+
+    request_id: str
+    seqs: list[SeqOutput]
+    finished: bool                      # every sequence ended: the core has retired the request
+    num_cached_tokens: int
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+
+
+class FailedRequests(msgspec.Struct, array_like=True):
+    """A contained step failure (StepError): the core aborted these requests and serves on."""
+
+    request_ids: list[str]
+    error_type: str
+    error: str
+
+
+class StepOutputs(msgspec.Struct, tag=True, array_like=True):
+    """Everything one engine step produced, in one message."""
+
+    num_steps: int                      # the engine's step counter (EngineStats.num_steps) after the step
+    time: float                         # time.time() when the step's outputs were taken
+    outputs: list[RequestStepOutput]
+    failed: list[FailedRequests] = []
+
+
+class AddResults(msgspec.Struct, tag=True, array_like=True):
+    """Answers to the adds of one command batch: (request_id, None when accepted, else the error)."""
+
+    results: list[tuple[str, str | None]]
+
+
+class StatsReply(msgspec.Struct, tag=True, array_like=True):
+    """One snapshot for every GetStats of a command batch (or why none could be built)."""
+
+    call_ids: list[int]
+    stats: EngineStats | None
+    error: str | None = None
+
+
+class UtilityReply(msgspec.Struct, tag=True, array_like=True):
+    """The result of a UtilityCall, or the exception it raised as "Type: message"."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class Ready(msgspec.Struct, tag=True, array_like=True):
+    """The core has loaded the model and sized the KV pool; what the API server needs to serve."""
+
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    stats: EngineStats
+
+
+class StartupFailed(msgspec.Struct, tag=True, array_like=True):
+    """Building the engine raised; the core exits after sending this."""
+
+    error_type: str
+    error: str
+
+
+class EngineDead(msgspec.Struct, tag=True, array_like=True):
+    """The loop hit a failure it cannot contain; the core exits (status 1) after sending this."""
+
+    error_type: str
+    error: str
+
+
+UpMessage = Union[StepOutputs, AddResults, StatsReply, UtilityReply, Ready, StartupFailed, EngineDead]
+
+
+def down_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of commands (the core's side)."""
+    return msgspec.msgpack.Decoder(DownMessage)
+
+
+def up_decoder() -> msgspec.msgpack.Decoder:
+    """A decoder of the core's messages (the API server's side)."""
+    return msgspec.msgpack.Decoder(UpMessage)
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    """An encoder for either direction."""
+    return msgspec.msgpack.Encoder()

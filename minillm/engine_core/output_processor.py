@@ -1,0 +1,176 @@
+"""The API server's side of the outputs: the core's token ids -> text, stop strings, RequestOutputs.
+
+Each sequence has a mirror here holding what minillm.output_processor reads of an engine Sequence
+(its tokens, status and stop reason), so the same detokenizer and stop-string code runs as in the
+in-process engine. When a stop string ends a sequence, the tokens after it are dropped here and a
+stop goes down to the core, which frees the sequence's blocks; a token or two may still arrive
+for it meanwhile and are ignored.
+
+Finished requests are counted here by their final reason (a stop string is "stop" even when the
+core had meanwhile reached max_tokens), as vLLM's frontend counts them; the stats snapshots the
+server hands out carry these counts.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from minillm.engine_core import messages as m
+from minillm.output_processor import CompletionState, add_token, completion_output, new_state
+from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.sampling_params import SamplingParams
+from minillm.sequence import SequenceStatus
+from minillm.tokenizer import Tokenizer
+
+
+@dataclass(eq=False)
+class SequenceMirror:
+    """One engine sequence as the API server knows it: what output_processor reads of a Sequence."""
+
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)    # output tokens only, up to a stop string
+    status: SequenceStatus = SequenceStatus.RUNNING
+    stop_reason: int | str | None = None
+    core_finish_reason: str | None = None    # how the core ended it, once it says
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """A copy of the output tokens (an output handed on must not grow with later steps)."""
+        return list(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the API server's view has it ended."""
+        return self.status.is_finished
+
+    @property
+    def final_reason(self) -> str:
+        """The reason it counts under: this side's verdict, else the core's, else an abort."""
+        return self.status.finish_reason or self.core_finish_reason or "abort"
+
+
+@dataclass(eq=False)
+class FrontendRequest:
+    """A request between its add and the core's last word on it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[SequenceMirror]
+    states: list[CompletionState]
+    metrics: RequestMetrics
+    handle: Any                 # where its outputs go (the caller's stream); None once nobody follows it
+    is_counted: bool = False    # its finish reasons are in the tally
+
+    @property
+    def is_finished(self) -> bool:
+        """True when every sequence has ended in this side's view."""
+        return all(s.is_finished for s in self.seqs)
+
+
+@dataclass
+class ProcessedStep:
+    """What one StepOutputs message gives the API server: outputs to hand on, stops to send down."""
+
+    outputs: list[tuple[Any, RequestOutput]]
+    stops: list[tuple[str, int, str]]
+
+
+class OutputProcessor:
+    """Turns each step's token ids into cumulative RequestOutputs; not thread-safe (one caller at a time)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, FrontendRequest] = {}
+        self.finished = Counter()       # finish reason -> sequences, over the server's life
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            arrival_time: float, handle: Any) -> None:
+        """Start following a request (before it is sent to the core)."""
+        ids = list(prompt_token_ids)
+        seqs = [SequenceMirror(i, ids, params) for i in range(params.n)]
+        states = [new_state(self.tokenizer, s, incremental=True) for s in seqs]
+        self.requests[request_id] = FrontendRequest(request_id, prompt, ids, seqs, states,
+                                                    RequestMetrics(arrival_time=arrival_time), handle)
+
+    def remove(self, request_id: str) -> None:
+        """Forget a request the core refused."""
+        self.requests.pop(request_id, None)
+
+    def abandon(self, request_id: str) -> Any:
+        """Nobody follows the request any more (client gone, or its step failed); returns its handle.
+
+        It is kept until the core's last output for it, which says how its sequences ended."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        handle, req.handle = req.handle, None
+        return handle
+
+    def process(self, step: m.StepOutputs, now: float) -> ProcessedStep:
+        """Apply one step's outputs: detokenise, check stop strings, build the RequestOutputs."""
+        done = ProcessedStep([], [])
+        for out in step.outputs:
+            req = self.requests.get(out.request_id)
+            if req is None:
+                continue
+            moved = False
+            for seq_out in out.seqs:
+                moved |= self._apply(req, req.seqs[seq_out.index], seq_out, done.stops)
+            self._note_times(req.metrics, out)
+            if req.handle is not None and not req.is_counted and (moved or req.is_finished):
+                done.outputs.append((req.handle, self._output(req, now)))
+            if out.finished:            # the core has retired it: nothing more will come
+                if not req.is_counted:
+                    self._count(req)
+                del self.requests[out.request_id]
+        return done
+
+    def _apply(self, req: FrontendRequest, seq: SequenceMirror, out: m.SeqOutput,
+               stops: list[tuple[str, int, str]]) -> bool:
+        """Feed a sequence its new tokens; True if its output moved. A stop string found here that the
+        core has not acted on yet is added to `stops`."""
+        if out.finish_reason is not None:
+            seq.core_finish_reason = out.finish_reason
+        if req.handle is None or seq.is_finished:
+            return False
+        tokens, rows = out.new_token_ids, out.new_logprobs
+        state = req.states[seq.index]
+        for i, token in enumerate(tokens):
+            if i == len(tokens) - 1 and out.finish_reason is not None:
+                # As in the engine: the stop rules have run before the token's text is added.
+                seq.status, seq.stop_reason = SequenceStatus(out.finish_reason), out.stop_reason
+            seq.token_ids.append(token)
+            stop = add_token(state, seq, token, rows[i] if rows else None)
+            if stop is not None:
+                seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+                if out.finish_reason is None:
+                    stops.append((req.request_id, seq.index, stop))
+                return True
+        if not tokens and out.finish_reason is not None:
+            seq.status, seq.stop_reason = SequenceStatus(out.finish_reason), out.stop_reason
+        return bool(tokens) or out.finish_reason is not None
+
+    @staticmethod
+    def _note_times(metrics: RequestMetrics, out: m.RequestStepOutput) -> None:
+        metrics.first_scheduled_time = out.first_scheduled_time
+        metrics.first_token_time = out.first_token_time
+        metrics.last_token_time = out.last_token_time
+        metrics.num_cached_tokens = out.num_cached_tokens
+
+    def _output(self, req: FrontendRequest, now: float) -> RequestOutput:
+        finished = req.is_finished
+        if finished:
+            req.metrics.finished_time = now
+            self._count(req)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
+                             [completion_output(st, s) for st, s in zip(req.states, req.seqs)],
+                             finished, req.metrics)
+
+    def _count(self, req: FrontendRequest) -> None:
+        req.is_counted = True
+        for seq in req.seqs:
+            self.finished[seq.final_reason] += 1

@@ -1,0 +1,286 @@
+"""AsyncLLM: the server's engine with the engine core in its own process (`--engine-core process`).
+
+The same face as AsyncLLMEngine (the engine on a thread of this process): add_request, abort,
+get_stats, call_utility, shutdown, is_healthy. Commands go down to the core as small messages the
+moment they are made; the core sends each step's token ids up in one message, which a reader
+thread here detokenises (minillm/engine_core/output_processor.py), checks for stop strings and
+hands to the requests' event loops, one wake-up per loop per step.
+
+Failures: a contained step failure fails just its requests with a 500 naming the cause. The core
+reporting a failure it cannot contain, or its process ending for any reason (the reader watches
+the process sentinel beside the socket), ends serving at once: every open request gets an
+EngineDeadError, later calls fail, and `ended` is set so the server can exit and be restarted.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import msgspec
+
+from minillm.config import EngineConfig
+from minillm.engine_core import messages as m
+from minillm.engine_core.client import EngineCoreClient, describe_exit
+from minillm.engine_core.core import SAMPLING_FIELDS
+from minillm.engine_core.output_processor import OutputProcessor
+from minillm.loader import resolve_model_path
+from minillm.outputs import RequestOutput
+from minillm.sampling_params import SamplingParams
+from minillm.server.async_engine import OutputQueue, RequestStream, deliver_batch, resolve_future
+from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
+from minillm.server.stats_hub import with_cells
+from minillm.stats import EngineStats
+from minillm.tokenizer import Tokenizer
+
+logger = logging.getLogger("minillm.server")
+
+
+class AsyncLLM:
+    """The engine core in a spawned process; asyncio callers on any event loop."""
+
+    def __init__(self, config: EngineConfig, core_hook: Callable[[Any], None] | None = None) -> None:
+        self.config = config
+        # Only text work here: the core alone picks the device (CUDA is never touched in this process).
+        self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model, config.download_dir))
+        self.core = EngineCoreClient(config, core_hook)
+        ready = self.core.ready
+        self.core_pid: int = ready.pid
+        self.max_model_len: int = ready.max_model_len
+        self.vocab_size: int = ready.vocab_size
+        self.startup_stats: EngineStats = ready.stats
+        self.last_stats: EngineStats | None = None
+        self.num_core_steps = 0                 # the core's step counter, as of its latest outputs
+        self.processor = OutputProcessor(self.tokenizer)
+        self._lock = threading.Lock()           # the processor, the pending calls, "is it dead?"
+        self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
+        self._dead: BaseException | None = None
+        self._failed = False
+        self._stopping = False
+        self.ended = threading.Event()
+        self._thread = threading.Thread(target=self._read_outputs, name="minillm-core-outputs", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, core_hook: Callable[[Any], None] | None = None) -> "AsyncLLM":
+        """Spawn the engine core for an EngineConfig and wait until it serves."""
+        return cls(config, core_hook)
+
+    # ---- asyncio side -------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        """True while the core process runs and has not failed."""
+        return self._dead is None
+
+    @property
+    def has_failed(self) -> bool:
+        """True once serving ended by a failure of the core (not by shutdown())."""
+        return self._failed
+
+    @property
+    def dead_reason(self) -> str:
+        """Why the engine stopped, for error messages."""
+        if self._dead is None:
+            return "the engine core is not running"
+        if not self._failed:
+            return "the engine core was shut down"
+        return f"the engine core has died: {self._dead}"
+
+    def _send(self, message: Any) -> None:
+        """Send a command; the caller holds self._lock (which orders it against dying)."""
+        if self._dead is not None or self._stopping:
+            raise EngineDeadError(self.dead_reason)
+        try:
+            self.core.send(message)
+        except ConnectionError as exc:
+            raise EngineDeadError(str(exc)) from None
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          arrival_time: float | None = None, output_queue: OutputQueue | None = None,
+                          observer: Callable[[RequestOutput, float], None] | None = None) -> RequestStream:
+        """Submit a request; returns its stream once the core accepted it (ValueError if not)."""
+        loop = asyncio.get_running_loop()
+        stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
+                               observer)
+        params = params if params is not None else SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text else prompt
+        arrival = arrival_time or time.time()
+        fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+        done = loop.create_future()
+        with self._lock:
+            if request_id in self.processor.requests or request_id in self._adds:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            try:
+                self._send(m.AddRequest(request_id, ids, fields, arrival))
+            except (TypeError, OverflowError, msgspec.EncodeError) as exc:   # a value msgpack cannot carry
+                raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
+            prompt_ids = list(ids) if isinstance(ids, (list, tuple)) else []   # the core refuses anything else
+            self.processor.add(request_id, text, prompt_ids, params, arrival, stream)
+            self._adds[request_id] = (loop, done)
+        try:
+            await done
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the caller left while the add was in flight
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once; unknown ids are passed on and ignored there)."""
+        with self._lock:
+            self.processor.abandon(request_id)
+            try:
+                self._send(m.AbortRequests([request_id]))
+            except EngineDeadError:
+                pass
+
+    async def _call(self, make: Callable[[int], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._send(make(call_id))
+            self._calls[call_id] = (loop, done)
+        return await done
+
+    async def get_full_stats(self) -> EngineStats:
+        """A consistent snapshot with one block-map cell per block, taken in the core between steps."""
+        return await self._call(m.GetStats)
+
+    async def get_stats(self, cells: int = 64) -> EngineStats:
+        """A consistent EngineStats snapshot whose block map has at most `cells` cells."""
+        return with_cells(await self.get_full_stats(), cells)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a public method of the core's LLMEngine between two steps; its result (plain data)."""
+        return await self._call(lambda call_id: m.UtilityCall(call_id, method, list(args)))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the core (open requests get an error) and wait for it."""
+        with self._lock:
+            first = not self._stopping
+            self._stopping = True
+            if first and self._dead is None:
+                try:
+                    self.core.send(m.Shutdown())
+                except ConnectionError:
+                    pass
+        if not first:
+            return
+        self.core.proc.join(timeout)
+        self._thread.join(timeout + 5)     # it sees the process end, then fails what is still open
+        self.core.close(timeout=0)
+
+    # ---- reader thread ------------------------------------------------------------------
+
+    def _read_outputs(self) -> None:
+        try:
+            while True:
+                messages = self.core.receive(None)
+                if messages is None:
+                    break
+                for message in messages:
+                    self._handle(message)
+                if self._dead is not None:
+                    return
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not leave callers waiting for ever
+            logger.exception("the engine core's output reader failed")
+            self._die(RemoteError(type(exc).__name__, str(exc)), failed=True)
+            return
+        if self._stopping:
+            self._die(EngineDeadError("the engine was shut down"), failed=False)
+        else:
+            self.core.proc.join(5)     # its sentinel fired: it is exiting, if not yet reaped
+            exit_text = describe_exit(self.core.proc.exitcode)
+            logger.error("the engine core process ended unexpectedly (%s)", exit_text)
+            self._die(RemoteError("EngineCoreExited", f"the engine core process ended ({exit_text})"), failed=True)
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, m.StepOutputs):
+            self._on_step(message)
+        elif isinstance(message, m.AddResults):
+            self._on_adds(message)
+        elif isinstance(message, m.StatsReply):
+            self._on_stats(message)
+        elif isinstance(message, m.UtilityReply):
+            error = RemoteError(*message.error.split(": ", 1)) if message.error else None
+            self._settle_call(message.call_id, message.result, error)
+        elif isinstance(message, m.EngineDead):
+            logger.error("the engine core failed: %s: %s", message.error_type, message.error)
+            self._die(RemoteError(message.error_type, message.error), failed=True)
+
+    def _on_step(self, step: m.StepOutputs) -> None:
+        failures = []
+        with self._lock:
+            done = self.processor.process(step, time.time())
+            for failed in step.failed:
+                cause = RemoteError(failed.error_type, failed.error)
+                for request_id in failed.request_ids:
+                    stream = self.processor.abandon(request_id)
+                    if stream is not None:
+                        failures.append((stream, RequestFailedError(request_id, cause)))
+            if done.stops:
+                try:
+                    self._send(m.StopSequences(done.stops))
+                except EngineDeadError:
+                    pass
+        self.num_core_steps = step.num_steps
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for stream, output in done.outputs:
+            batches.setdefault(stream.loop, []).append((stream, output, step.time))
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(deliver_batch, batch)
+            except RuntimeError:
+                pass  # that loop is closed: nobody is listening any more
+        for stream, error in failures:
+            stream.put_threadsafe(error)
+
+    def _on_adds(self, message: m.AddResults) -> None:
+        for request_id, error in message.results:
+            with self._lock:
+                pending = self._adds.pop(request_id, None)
+                if error is not None:
+                    self.processor.remove(request_id)
+            if pending is not None:
+                resolve_future(*pending, result=True, error=ValueError(error) if error is not None else None)
+
+    def _on_stats(self, message: m.StatsReply) -> None:
+        if message.stats is not None:
+            with self._lock:
+                finished = dict(self.processor.finished)
+            stats = dataclasses.replace(message.stats, num_requests_finished=finished)
+            self.last_stats = stats
+        for call_id in message.call_ids:
+            error = RemoteError(*message.error.split(": ", 1)) if message.error else None
+            self._settle_call(call_id, stats if error is None else None, error)
+
+    def _settle_call(self, call_id: int, result: Any, error: BaseException | None) -> None:
+        with self._lock:
+            pending = self._calls.pop(call_id, None)
+        if pending is not None:
+            resolve_future(*pending, result=result, error=error)
+
+    def _die(self, exc: BaseException, failed: bool) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead, self._failed = exc, failed
+            streams = [req.handle for req in self.processor.requests.values() if req.handle is not None]
+            self.processor.requests.clear()
+            pending = list(self._adds.values()) + list(self._calls.values())
+            self._adds.clear()
+            self._calls.clear()
+        error = EngineDeadError(self.dead_reason)
+        for stream in streams:
+            stream.put_threadsafe(error)
+        for loop, future in pending:
+            resolve_future(loop, future, error=error)
+        self.ended.set()
