@@ -60,6 +60,11 @@ class Device(str, Enum):
     auto = "auto"
 
 
+class EngineCore(str, Enum):
+    process = "process"
+    thread = "thread"
+
+
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -334,6 +339,9 @@ def serve(
     exit_on_engine_error: Annotated[bool, _server_option(
         "--exit-on-engine-error/--no-exit-on-engine-error", help="Exit with status 1 shortly after the "
         "engine fails, so that a supervisor restarts the server.")] = True,
+    engine_core: Annotated[EngineCore, _server_option(
+        "--engine-core", help="Where the engine core runs: its own process, apart from the HTTP server "
+        "(process), or a thread of the server's process (thread).")] = EngineCore.process,
     max_n: Annotated[int, _server_option("--max-n", help="Most completions per prompt (n).")] = _limit_default("max_n"),
     max_prompts_per_request: Annotated[int, _server_option(
         "--max-prompts-per-request", help="Most prompts in one request, and most n x prompts.")] = (
@@ -382,7 +390,8 @@ def serve(
     from minillm.server.app import ServerOptions, run_server
     options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
-                            log_interval=5.0, exit_on_engine_error=exit_on_engine_error)
+                            log_interval=5.0, exit_on_engine_error=exit_on_engine_error,
+                            engine_core=_plain(engine_core))
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)

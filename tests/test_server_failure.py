@@ -1,9 +1,16 @@
 """Failures inside engine.step(): contained ones fail only their requests; any other ends the loop,
-open requests get a 500, /health turns 503, nothing hangs, and `minillm serve` exits for a restart."""
+open requests get a 500, /health turns 503, nothing hangs, and `minillm serve` exits for a restart.
+
+Each runs with the engine core in its own process and on the server's thread; the failures are
+injected inside the engine wherever it runs (core_hooks.py). The engine core process dying
+(SIGKILL) is seen at once, with the same outcome."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,18 +20,19 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import HealthyStreams, get_stats, running_server, sse_events, wait_for
+from core_hooks import install
+from test_server_helpers import HealthyStreams, call_utility, get_stats, running_server, sse_events, wait_for
 
 from minillm.sampling_params import SamplingParams
-from minillm.server.async_engine import StepError
 
 MODEL = "stories"
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def server(stories_path):
-    with running_server(stories_path, served_model_name=MODEL) as (url, engine):
+@pytest.fixture(scope="module", params=["process", "thread"])
+def server(stories_path, request):
+    with running_server(stories_path, served_model_name=MODEL, engine_core=request.param,
+                        core_hook=install) as (url, engine):
         yield url, engine
 
 
@@ -44,32 +52,11 @@ def test_add_request_value_error_reaches_the_caller_and_spares_the_others(server
     assert engine.is_healthy
 
 
-def _inject_contained_failure(engine, prompt_ids: list[list[int]]) -> threading.Event:
-    """Once the returned event is set, the next step fails for the requests with these prompts only:
-    as LLMEngine does for a contained failure, it aborts them, then raises StepError naming them."""
-    fail = threading.Event()
-    inner = engine.engine
-    real_step = inner.step
-
-    def step():
-        if fail.is_set():
-            fail.clear()
-            hit = [rid for rid, req in inner.requests.items() if req.prompt_token_ids in prompt_ids]
-            for rid in hit:
-                inner.abort_request(rid)
-            raise StepError(request_ids=hit, cause=RuntimeError("injected kernel fault"))
-        return real_step()
-
-    inner.step = step
-    return fail
-
-
 def test_a_contained_step_failure_fails_only_its_requests(server):
     url, engine = server
     healthy = HealthyStreams(url, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300})
     victims = ["The little dog", "Lily and Ben"]
     victim_ids = [engine.tokenizer.encode(p) for p in victims]
-    fail = _inject_contained_failure(engine, victim_ids)
     results, streamed = {}, threading.Event()
 
     def plain():
@@ -86,20 +73,17 @@ def test_a_contained_step_failure_fails_only_its_requests(server):
                 streamed.set()
         results["stream"] = (r.status_code, lines)
 
-    try:
-        with healthy.in_flight():
-            threads = [threading.Thread(target=plain), threading.Thread(target=streaming)]
-            for t in threads:
-                t.start()
-            assert streamed.wait(30)
-            assert wait_for(lambda: get_stats(url)["num_running"] == 3, timeout=30)
-            fail.set()
-            for t in threads:
-                t.join(30)
-                assert not t.is_alive(), "a request hung after its step failed"
-        healthy.check()
-    finally:
-        del engine.engine.step   # back to the class's own step
+    with healthy.in_flight():
+        threads = [threading.Thread(target=plain), threading.Thread(target=streaming)]
+        for t in threads:
+            t.start()
+        assert streamed.wait(30)
+        assert wait_for(lambda: get_stats(url)["num_running"] == 3, timeout=30)
+        call_utility(engine, "fail_next_step_for", victim_ids)
+        for t in threads:
+            t.join(30)
+            assert not t.is_alive(), "a request hung after its step failed"
+    healthy.check()
 
     status, body = results["plain"]
     assert status == 500 and body["error"]["code"] == "engine_step_failed"
@@ -116,24 +100,9 @@ def test_a_contained_step_failure_fails_only_its_requests(server):
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
 
 
-def _inject_step_failure(engine) -> threading.Event:
-    """Wrap the real engine's step so it raises once the returned event is set."""
-    fail = threading.Event()
-    real_step = engine.engine.step
-
-    def step():
-        if fail.is_set():
-            raise RuntimeError("injected step failure")
-        return real_step()
-
-    engine.engine.step = step
-    return fail
-
-
 def test_step_exception_fails_open_requests_and_flips_health(server):
     url, engine = server
     assert httpx.get(f"{url}/health").status_code == 200
-    fail = _inject_step_failure(engine)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
     results, first_chunk = {}, threading.Event()
 
@@ -155,7 +124,7 @@ def test_step_exception_fails_open_requests_and_flips_health(server):
         t.start()
     assert first_chunk.wait(10)
     assert wait_for(lambda: get_stats(url)["num_running"] == 2, timeout=10)
-    fail.set()
+    call_utility(engine, "fail_every_step", "injected step failure")
     for t in threads:
         t.join(20)
         assert not t.is_alive(), "a request hung after the engine failed"
@@ -177,7 +146,9 @@ def test_step_exception_fails_open_requests_and_flips_health(server):
     assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
 
 
-# Runs `minillm` with LLMEngine.step failing for good once the file named first exists.
+# `minillm` with LLMEngine.step failing for good once the file named first exists. Run as a script
+# file, so that a spawned engine core process runs this patch too (spawn re-runs the main script
+# there as __mp_main__, with the same sys.argv).
 FAILING_SERVE = """
 import os, sys
 import minillm.engine
@@ -189,8 +160,10 @@ def step(self):
     return real_step(self)
 
 minillm.engine.LLMEngine.step = step
-from minillm.cli import main
-main(sys.argv[2:])
+
+if __name__ == "__main__":
+    from minillm.cli import main
+    main(sys.argv[2:])
 """
 
 
@@ -200,14 +173,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_an_engine_failure_that_cannot_be_contained_exits_the_server(stories_path, tmp_path):
-    port, flag, log = _free_port(), tmp_path / "fail-now", tmp_path / "serve.log"
+@contextlib.contextmanager
+def _serve(tmp_path: Path, command: list[str]):
+    """Run `command` + serve options on a free port; yield (process, url, log) once /health says ok."""
+    port, log = _free_port(), tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", FAILING_SERVE, str(flag), "serve", str(stories_path),
-                                 "--device", "cpu", "--port", str(port), "--served-model-name", MODEL],
-                                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command + ["--device", "cpu", "--port", str(port), "--served-model-name", MODEL],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                                stderr=subprocess.STDOUT)
     try:
         def up():
             assert proc.poll() is None, log.read_text()
@@ -216,32 +190,67 @@ def test_an_engine_failure_that_cannot_be_contained_exits_the_server(stories_pat
             except httpx.TransportError:
                 return False
         assert wait_for(up, timeout=120, interval=0.1), "the server did not come up"
-        lines, first = [], threading.Event()
-
-        def streaming():
-            body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
-                    "stream": True}
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    lines.append(line)
-                    first.set()
-
-        reader = threading.Thread(target=streaming)
-        reader.start()
-        assert first.wait(30)
-        flag.touch()
-        failed_at = time.monotonic()
-        reader.join(30)
-        assert not reader.is_alive()
-        assert "injected fatal step failure" in sse_events(lines)[-1]["error"]["message"]
-        health = httpx.get(f"{url}/health", timeout=5)   # during the drain: up, but unhealthy
-        assert health.status_code == 503 and "injected fatal step failure" in health.json()["error"]["message"]
-        status = proc.wait(timeout=60)
-        exited_after = time.monotonic() - failed_at
+        yield proc, url, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+class _Stream(threading.Thread):
+    """A long streamed completion read on a thread; `first` is set once its first event is in."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.lines, self.first = url, [], threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                self.lines.append(line)
+                self.first.set()
+
+
+def _expect_failure_handling(proc: subprocess.Popen, url: str, log: Path, stream: _Stream, failed_at: float,
+                             cause: str) -> None:
+    """The stream ends with an error event naming the cause, /health is a 503 during the drain, and the
+    process exits with status 1 soon after."""
+    stream.join(30)
+    assert not stream.is_alive(), "the stream hung after the engine failed"
+    events = sse_events(stream.lines)
+    assert cause in events[-1]["error"]["message"], events[-1]
+    assert [line for line in stream.lines if line][-1] == "data: [DONE]"
+    health = httpx.get(f"{url}/health", timeout=5)   # during the drain: up, but unhealthy
+    assert health.status_code == 503 and cause in health.json()["error"]["message"]
+    status = proc.wait(timeout=60)
+    exited_after = time.monotonic() - failed_at
     assert status == 1, log.read_text()
     assert exited_after < 15, f"took {exited_after:.1f} s to exit"
     assert "the server exits in" in log.read_text()
+
+
+@pytest.mark.parametrize("engine_core", ["process", "thread"])
+def test_an_engine_failure_that_cannot_be_contained_exits_the_server(stories_path, tmp_path, engine_core):
+    script, flag = tmp_path / "failing_serve.py", tmp_path / "fail-now"
+    script.write_text(FAILING_SERVE)
+    command = [sys.executable, str(script), str(flag), "serve", str(stories_path), "--engine-core", engine_core]
+    with _serve(tmp_path, command) as (proc, url, log):
+        stream = _Stream(url)
+        assert stream.first.wait(30)
+        flag.touch()
+        _expect_failure_handling(proc, url, log, stream, time.monotonic(), "injected fatal step failure")
+
+
+def test_a_killed_engine_core_process_exits_the_server(stories_path, tmp_path):
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--engine-core", "process"]
+    with _serve(tmp_path, command) as (proc, url, log):
+        found = re.search(r"engine core in process (\d+)", log.read_text())
+        assert found, log.read_text()
+        core_pid = int(found.group(1))
+        assert core_pid != proc.pid
+        stream = _Stream(url)
+        assert stream.first.wait(30)
+        os.kill(core_pid, signal.SIGKILL)
+        _expect_failure_handling(proc, url, log, stream, time.monotonic(), "killed by SIGKILL")

@@ -1,9 +1,11 @@
 """Helpers the server test modules share: a real server on a free port, a chat-capable model copy."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 import socket
 import threading
@@ -14,7 +16,7 @@ import httpx
 
 from minillm.config import EngineConfig
 from minillm.server.app import ServerOptions, ServerThread, create_app
-from minillm.server.async_engine import AsyncLLMEngine
+from minillm.server.async_engine import start_async_engine
 
 # Simple enough for the tiny model; BOS first, as stories260K was trained.
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -40,23 +42,30 @@ class RunningServer(tuple):
     http: ServerThread
 
 
+def engine_core_under_test(options: ServerOptions | None = None) -> str:
+    """Where the servers of the tests run the engine core: $MINILLM_TEST_ENGINE_CORE, else the server's default."""
+    return os.environ.get("MINILLM_TEST_ENGINE_CORE") or (options or ServerOptions()).engine_core
+
+
 @contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
                    max_body_bytes: int | None = None, log_interval: float | None = None,
-                   options: ServerOptions | None = None, send_buffer_bytes: int | None = None, **engine_kwargs):
-    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1 (its ServerThread as .http); stop both after.
+                   options: ServerOptions | None = None, send_buffer_bytes: int | None = None,
+                   engine_core: str | None = None, core_hook=None, **engine_kwargs):
+    """Yield (base_url, engine) for a real server on 127.0.0.1 (its ServerThread as .http); stop both after.
 
     options: the server's options (limits, templates); api_key, served_model_name, max_body_bytes
     and log_interval override theirs. send_buffer_bytes: the kernel send buffer of each connection
-    (small, so that a client that does not read fills it soon).
+    (small, so that a client that does not read fills it soon). engine_core: "process" or "thread"
+    (default: engine_core_under_test()); core_hook: called with the LLMEngine wherever it runs (core_hooks.py).
     """
     options = dataclasses.replace(options or ServerOptions(), api_key=api_key, served_model_name=served_model_name,
-                                  log_interval=log_interval)
+                                  log_interval=log_interval, engine_core=engine_core or engine_core_under_test(options))
     if max_body_bytes is not None:
         options = dataclasses.replace(options, limits=dataclasses.replace(options.limits,
                                                                           max_body_bytes=max_body_bytes))
     config = EngineConfig(model=str(model), device="cpu", **engine_kwargs)
-    engine = AsyncLLMEngine.from_config(config)
+    engine = start_async_engine(config, options.engine_core, core_hook)
     app = create_app(engine, options)
     server = ServerThread(app, "127.0.0.1", 0)
     if send_buffer_bytes is not None:   # accepted connections inherit it from the listening socket
@@ -69,6 +78,11 @@ def running_server(model: Path, api_key: str | None = None, served_model_name: s
     finally:
         server.stop()
         engine.shutdown()
+
+
+def call_utility(engine, method: str, *args):
+    """Call a method of the server's LLMEngine between two steps (in the core's process or thread)."""
+    return asyncio.run(engine.call_utility(method, *args))
 
 
 def get_stats(url: str, headers: dict | None = None) -> dict:
@@ -115,7 +129,7 @@ class HealthyStreams:
 
     reference: the choices' texts of the same request made alone, before anything else. in_flight():
     a stream running for the whole with-block (it must still be running at its end: the block
-    overlapped it); a stream that has sent less than a quarter of its chunks is reused, so quick
+    overlapped it); a stream that has sent less than an eighth of its chunks is reused, so quick
     tests in a row share one. check(): every stream finished with the reference texts and [DONE].
     """
 
@@ -145,7 +159,7 @@ class HealthyStreams:
             return None
         thread, result = self.runs[-1]
         num_chunks = sum(1 for line in result["lines"] if line.startswith("data:"))
-        return (thread, result) if thread.is_alive() and num_chunks < self.body["max_tokens"] // 4 else None
+        return (thread, result) if thread.is_alive() and num_chunks < self.body["max_tokens"] // 8 else None
 
     @contextlib.contextmanager
     def in_flight(self, fresh: bool = False):

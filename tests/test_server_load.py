@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from test_server_helpers import get_stats, running_server, sse_events, wait_for
+from core_hooks import install
+from test_server_helpers import call_utility, get_stats, running_server, sse_events, wait_for
 
 from benchmarks import serving as bench
 from minillm.server.async_engine import MAX_COMMANDS_PER_STEP
@@ -23,7 +24,8 @@ PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day, a cat
 
 @pytest.fixture(scope="module")
 def server(stories_path):
-    with running_server(stories_path, served_model_name=MODEL, num_kv_blocks=NUM_KV_BLOCKS) as (url, engine):
+    with running_server(stories_path, served_model_name=MODEL, num_kv_blocks=NUM_KV_BLOCKS,
+                        core_hook=install) as (url, engine):
         yield url, engine
 
 
@@ -85,41 +87,48 @@ def _raw_stream(url: str, body: dict, num_chunks: int) -> socket.socket:
 
 
 @contextlib.contextmanager
-def _count_steps_until_abort(engine):
-    """Watch the real engine: how many steps it runs, and the step count when an abort comes in."""
-    inner = engine.engine
-    seen = {"steps": 0, "abort_at": None}
-    real_step, real_abort = inner.step, inner.abort_request
+def _abort_sent_times(engine):
+    """Watch the server's side: when it sends each abort down to the engine, by request id."""
+    sent: dict[str, float] = {}
+    real_abort = engine.abort
 
-    def step():
-        seen["steps"] += 1
-        return real_step()
-
-    def abort_request(request_id):
-        seen["abort_at"] = seen["steps"]
+    def abort(request_id):
+        sent.setdefault(request_id, time.time())
         return real_abort(request_id)
 
-    inner.step, inner.abort_request = step, abort_request
+    engine.abort = abort
     try:
-        yield seen
+        yield sent
     finally:
-        inner.step, inner.abort_request = real_step, real_abort
+        del engine.abort
+
+
+def _steps_between(steps: list[dict], start: float, end: float) -> int:
+    """Engine steps (EngineStats.recent_steps) launched after `start` and up to `end`."""
+    return sum(1 for step in steps if start < step["time"] <= end)
 
 
 def test_disconnected_stream_is_aborted_and_frees_blocks(server):
     url, engine = server
     before = get_stats(url)
-    with _count_steps_until_abort(engine) as seen:
+    num_aborted = len(call_utility(engine, "aborted_requests"))
+    with _abort_sent_times(engine) as sent:
         sock = _raw_stream(url, _body("Once upon a time", 300), num_chunks=3)
-        hung_up_at_step, hung_up = seen["steps"], time.monotonic()
+        hung_up, hung_up_at = time.monotonic(), time.time()
         sock.close()
-        assert wait_for(lambda: seen["abort_at"] is not None, timeout=5), "no abort after the hang-up"
-    # Steps take about a millisecond here; the bound leaves room for OS scheduling on two cores.
-    assert seen["abort_at"] - hung_up_at_step <= 4
+        aborted = wait_for(lambda: call_utility(engine, "aborted_requests")[num_aborted:], timeout=5)
+        assert aborted, "no abort reached the engine after the hang-up"
+    (request_id, applied_at, _), = aborted
     stats = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0 and s,
                      timeout=5)
     assert stats, "the request kept its blocks after its client left"
     assert time.monotonic() - hung_up < 2.0
+    # Counted in the engine's own step records: from the server sending the abort to the engine acting
+    # on it, at most two steps begin (commands are taken before every step); from the hang-up, a few
+    # more while the server notices it (steps take about a millisecond here; two busy cores).
+    assert stats["num_steps"] - stats["recent_steps"][0]["step"] < len(stats["recent_steps"]), "steps rolled off"
+    assert _steps_between(stats["recent_steps"], sent[request_id], applied_at) <= 2
+    assert _steps_between(stats["recent_steps"], hung_up_at, applied_at) <= 4
     assert stats["num_requests_finished"].get("abort", 0) == before["num_requests_finished"].get("abort", 0) + 1
     assert stats["generation_tokens_total"] - before["generation_tokens_total"] < 300
 
@@ -177,31 +186,17 @@ def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_pa
 
 def test_command_work_between_two_steps_is_bounded(server):
     url, engine = server
-    inner = engine.engine
-    log: list[str] = []
-    real_step, real_abort = inner.step, inner.abort_request
-
-    def step():
-        log.append("step")
-        return real_step()
-
-    def abort_request(request_id):
-        log.append("abort")
-        return real_abort(request_id)
-
     num_commands = 2000
-    inner.step, inner.abort_request = step, abort_request
-    try:
-        result = {}
-        worker = threading.Thread(target=lambda: result.update(
-            r=httpx.post(f"{url}/v1/completions", json=_body("Once upon a time", 300, stream=False), timeout=60)))
-        worker.start()
-        assert wait_for(lambda: log.count("step") >= 3, timeout=30)
-        for i in range(num_commands):     # a flood of (cheap) commands while the request runs
-            engine.abort(f"nobody-{i}")
-        worker.join(60)
-    finally:
-        inner.step, inner.abort_request = real_step, real_abort
+    call_utility(engine, "start_log")
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(
+        r=httpx.post(f"{url}/v1/completions", json=_body("Once upon a time", 300, stream=False), timeout=60)))
+    worker.start()
+    assert wait_for(lambda: get_stats(url)["num_running"] == 1, timeout=30)
+    for i in range(num_commands):     # a flood of (cheap) commands while the request runs
+        engine.abort(f"nobody-{i}")
+    worker.join(60)
+    log = call_utility(engine, "take_log")
     assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 300
     runs, run = [], 0            # aborts handled between two steps
     for event in log:
@@ -216,28 +211,19 @@ def test_command_work_between_two_steps_is_bounded(server):
 
 
 def test_concurrent_stats_requests_share_snapshots(server):
-    url, engine = server
-    inner = engine.engine
-    calls = []
-    real_stats = inner.stats
-
-    def stats(cells=64):
-        calls.append(cells)
-        return real_stats(cells)
-
+    _, engine = server
     cells = [1 + (i * 37) % 300 for i in range(200)]
 
     async def many():
         return await asyncio.gather(*(engine.get_stats(c) for c in cells))
 
-    inner.stats = stats
-    try:
-        snapshots = asyncio.run(many())
-    finally:
-        inner.stats = real_stats
-    assert len(calls) <= len(cells) // MAX_COMMANDS_PER_STEP + 2
+    calls = call_utility(engine, "stats_calls")
+    snapshots = asyncio.run(many())
+    calls = call_utility(engine, "stats_calls") - calls
+    assert calls <= len(cells) // MAX_COMMANDS_PER_STEP + 2
     num_blocks = snapshots[0].kv_num_blocks
     for wanted, snap in zip(cells, snapshots):
         assert len(snap.block_map) <= wanted
         assert len(snap.block_map) * snap.block_map_blocks_per_cell >= num_blocks
-        assert snap.block_map == real_stats(wanted).block_map   # the same view the engine would build (idle)
+        # the same view the engine would build itself (it is idle)
+        assert snap.block_map == call_utility(engine, "stats", wanted)["block_map"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, get_stats, sse_events, wait_for
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, engine_core_under_test, get_stats, sse_events, wait_for
 
 from minillm.server.app import MIN_STATS_INTERVAL_S
 
@@ -40,7 +40,7 @@ def server(stories_path, tmp_path_factory):
     port, log = _free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu", "--port", str(port),
-            "--served-model-name", MODEL, "--chat-template", CHAT_TEMPLATE,
+            "--served-model-name", MODEL, "--chat-template", CHAT_TEMPLATE, "--engine-core", engine_core_under_test(),
             "--max-stats-streams", str(MAX_STATS_STREAMS), "--max-prompt-chars", str(MAX_PROMPT_CHARS)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,

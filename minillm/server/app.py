@@ -16,7 +16,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minillm.server.async_engine import AsyncLLMEngine
+from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
 from minillm.server.limits import ServerLimits
@@ -49,6 +49,11 @@ class ServerOptions:
     limits: ServerLimits = field(default_factory=ServerLimits)
     log_interval: float | None = None           # seconds between throughput lines; None: no lines
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
+    engine_core: str = "process"                # the engine core in its own process, or "thread" here
+
+    def __post_init__(self) -> None:
+        if self.engine_core not in ENGINE_CORE_MODES:
+            raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {self.engine_core!r}")
 
 
 def _stats_cells(cells: int) -> int:
@@ -134,7 +139,7 @@ async def _stats_events(hub: StatsHub, first: str, cells: int, interval: float,
 class ThroughputLogger:
     """Logs one line per interval while there is activity, as vLLM's engine loop does."""
 
-    def __init__(self, engine: AsyncLLMEngine, interval: float) -> None:
+    def __init__(self, engine: EngineClient, interval: float) -> None:
         self.engine, self.interval = engine, interval
         self.last: Any = None
         self.last_time = time.monotonic()
@@ -166,8 +171,9 @@ class ThroughputLogger:
                     stats.num_waiting, stats.num_preemptions, 100 * stats.kv_usage, 100 * hit_rate)
 
 
-def create_app(async_engine: AsyncLLMEngine, options: ServerOptions | None = None) -> FastAPI:
-    """The OpenAI-compatible app over a running AsyncLLMEngine (the caller owns and stops the engine)."""
+def create_app(async_engine: EngineClient, options: ServerOptions | None = None) -> FastAPI:
+    """The OpenAI-compatible app over a running engine (AsyncLLM or AsyncLLMEngine; the caller owns and
+    stops it)."""
     options = options or ServerOptions()
     name = options.served_model_name or async_engine.config.served_model_name or str(async_engine.config.model)
     ctx = ServingContext(async_engine, ServerMetrics(name), name, limits=options.limits,
@@ -260,7 +266,7 @@ def _configure_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
-def _exit_when_engine_fails(engine: AsyncLLMEngine, server: _Server, drain_s: float) -> None:
+def _exit_when_engine_fails(engine: EngineClient, server: _Server, drain_s: float) -> None:
     """Wait for the engine loop to end; if it failed, stop the server after a short drain."""
     engine.ended.wait()
     if not engine.has_failed:
@@ -291,9 +297,11 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     if options.chat_template is not None:
         check_chat_template(options.chat_template)
     _configure_logging()
-    engine = AsyncLLMEngine.from_config(config)
+    engine = start_async_engine(config, options.engine_core)
     from minillm.engine_stats import describe_engine
-    print(describe_engine(engine.engine.stats(cells=1)), file=sys.stderr, flush=True)
+    if options.engine_core == "process":
+        print(f"minillm: engine core in process {engine.core_pid}", file=sys.stderr, flush=True)
+    print(describe_engine(engine.startup_stats), file=sys.stderr, flush=True)
     try:
         if monitor:
             # The dashboard owns the terminal: the server runs quietly on a thread.

@@ -1,5 +1,9 @@
 """AsyncLLMEngine: one thread owns the (not thread-safe) LLMEngine; asyncio callers talk to it by queue.
 
+This is the server's engine with `--engine-core thread`; with `--engine-core process` the engine
+core runs in its own process instead (AsyncLLM, minillm/server/async_llm.py), behind the same face.
+start_async_engine() builds either.
+
 Commands (add, abort, stats, stop) go into a thread-safe queue. The engine thread handles a bounded
 batch of them between two steps (so no flood of commands can starve generation), calls
 engine.step() while there is work and blocks on the queue when idle. Stats requests of one batch
@@ -16,37 +20,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Protocol
 
+import msgspec
+
+from minillm.engine import StepError
+from minillm.engine_core.core import FULL_RESOLUTION, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.server.errors import EngineDeadError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
 
-try:
-    from minillm.engine import StepError
-except ImportError:   # an engine without contained step failures: every step error is fatal
-    class StepError(RuntimeError):
-        """A step failed for some requests only; step() has aborted them and the engine is intact."""
-
-        def __init__(self, request_ids: list[str], cause: BaseException) -> None:
-            super().__init__(f"step failed for {len(request_ids)} requests: {type(cause).__name__}: {cause}")
-            self.request_ids = list(request_ids)
-            self.cause = cause
-
 logger = logging.getLogger("minillm.server")
 
-# Command work between two steps: enough to admit a burst of requests at once, bounded so that a
-# flood (of stats polls, say) delays generation by a few milliseconds, never by whole seconds.
-MAX_COMMANDS_PER_STEP = 64
-MAX_COMMAND_SECONDS_PER_STEP = 0.005
-# Stats are built at full resolution (one cell per block) and downsampled per caller on its loop.
-FULL_RESOLUTION = sys.maxsize
+__all__ = ["AsyncLLMEngine", "ENGINE_CORE_MODES", "EngineClient", "MAX_COMMANDS_PER_STEP",
+           "MAX_COMMAND_SECONDS_PER_STEP", "FULL_RESOLUTION", "OutputQueue", "RequestStream", "StepError",
+           "start_async_engine"]
+
+# Where the engine core runs: its own process (apart from HTTP, as vLLM serves), or a thread here.
+ENGINE_CORE_MODES = ("process", "thread")
 
 
 @dataclass
@@ -66,6 +62,14 @@ class _Abort:
 
 @dataclass
 class _Stats:
+    done: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Utility:
+    method: str
+    args: tuple
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -148,14 +152,42 @@ class RequestStream:
                 yield payload, seen
 
 
-def _deliver(batch: list[tuple[RequestStream, RequestOutput, float]]) -> None:
+class EngineClient(Protocol):
+    """What the server needs of its engine, wherever the core runs (AsyncLLMEngine, AsyncLLM)."""
+
+    tokenizer: Any
+    config: Any
+    max_model_len: int
+    vocab_size: int
+    ended: threading.Event
+
+    @property
+    def is_healthy(self) -> bool: ...
+    @property
+    def has_failed(self) -> bool: ...
+    @property
+    def dead_reason(self) -> str: ...
+    @property
+    def startup_stats(self) -> EngineStats: ...
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          arrival_time: float | None = None, output_queue: OutputQueue | None = None,
+                          observer: Callable[[RequestOutput, float], None] | None = None) -> RequestStream: ...
+    def abort(self, request_id: str) -> None: ...
+    async def get_full_stats(self) -> EngineStats: ...
+    async def get_stats(self, cells: int = 64) -> EngineStats: ...
+    async def call_utility(self, method: str, *args: Any) -> Any: ...
+    def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def deliver_batch(batch: list[tuple[RequestStream, RequestOutput, float]]) -> None:
     """On the event loop: hand each output to its request's stream."""
     for stream, output, seen in batch:
         stream.deliver(output, seen)
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
-             error: BaseException | None = None) -> None:
+def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
+                   error: BaseException | None = None) -> None:
     """Complete a future that belongs to another thread's loop (if still wanted)."""
     def settle() -> None:
         if fut.done():
@@ -196,10 +228,18 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_config(cls, config: Any) -> "AsyncLLMEngine":
-        """Build the LLMEngine from an EngineConfig and start its thread."""
+    def from_config(cls, config: Any, core_hook: Callable[[Any], None] | None = None) -> "AsyncLLMEngine":
+        """Build the LLMEngine from an EngineConfig (core_hook, if given, is called with it) and start its thread."""
         from minillm.engine import LLMEngine
-        return cls(LLMEngine(config))
+        engine = LLMEngine(config)
+        if core_hook is not None:
+            core_hook(engine)
+        return cls(engine)
+
+    @property
+    def startup_stats(self) -> EngineStats:
+        """A snapshot for the start-up banner (call it before serving begins)."""
+        return self.engine.stats(cells=1)
 
     # ---- asyncio side -------------------------------------------------------------------
 
@@ -263,6 +303,15 @@ class AsyncLLMEngine:
     async def get_stats(self, cells: int = 64) -> EngineStats:
         """A consistent EngineStats snapshot whose block map has at most `cells` cells."""
         return with_cells(await self.get_full_stats(), cells)
+
+    async def call_utility(self, method: str, *args: Any) -> Any:
+        """Call a public method of the LLMEngine on the engine thread, between two steps; its result as plain data."""
+        if method.startswith("_"):
+            raise AttributeError(f"no utility {method!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(_Utility(method, args, done, loop))
+        return await done
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (open requests get an error) and wait for it."""
@@ -328,6 +377,13 @@ class AsyncLLMEngine:
         elif isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
+        elif isinstance(command, _Utility):
+            try:
+                # Plain data, as the engine core process sends it.
+                result = msgspec.to_builtins(getattr(self.engine, command.method)(*command.args))
+                resolve_future(command.loop, command.done, result)
+            except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
+                resolve_future(command.loop, command.done, error=exc)
         elif isinstance(command, _Stop):
             return False
         return True
@@ -337,11 +393,11 @@ class AsyncLLMEngine:
             stats = self.engine.stats(FULL_RESOLUTION)
         except Exception as exc:  # noqa: BLE001 - a stats bug must not kill serving
             for command in commands:
-                _resolve(command.loop, command.done, error=exc)
+                resolve_future(command.loop, command.done, error=exc)
             return
         self.last_stats = stats
         for command in commands:
-            _resolve(command.loop, command.done, stats)
+            resolve_future(command.loop, command.done, stats)
 
     def _handle_add(self, command: _Add) -> None:
         loop = command.stream.loop
@@ -351,10 +407,10 @@ class AsyncLLMEngine:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time)
         except Exception as exc:  # noqa: BLE001 - ValueError is a 400; anything else a 500
-            _resolve(loop, command.done, error=exc)
+            resolve_future(loop, command.done, error=exc)
             return
         self._streams[command.request_id] = command.stream
-        _resolve(loop, command.done, True)
+        resolve_future(loop, command.done, True)
 
     def _fail_requests(self, exc: StepError) -> None:
         """A step failed for these requests only (already aborted by the engine): tell their callers."""
@@ -378,7 +434,7 @@ class AsyncLLMEngine:
             batches.setdefault(stream.loop, []).append((stream, output, seen))
         for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver_batch, batch)
             except RuntimeError:
                 pass  # that loop is closed: nobody is listening any more
 
@@ -397,7 +453,19 @@ class AsyncLLMEngine:
         self._streams.clear()
         for command in pending:
             if isinstance(command, _Add):
-                _resolve(command.stream.loop, command.done, error=error)
-            elif isinstance(command, _Stats):
-                _resolve(command.loop, command.done, error=error)
+                resolve_future(command.stream.loop, command.done, error=error)
+            elif isinstance(command, (_Stats, _Utility)):
+                resolve_future(command.loop, command.done, error=error)
         self.ended.set()
+
+
+def start_async_engine(config: Any, engine_core: str = "process",
+                       core_hook: Callable[[Any], None] | None = None) -> EngineClient:
+    """The server's engine for an EngineConfig: the core in its own process (AsyncLLM) or on a
+    thread of this one (AsyncLLMEngine). core_hook is called with the LLMEngine before it serves."""
+    if engine_core == "process":
+        from minillm.server.async_llm import AsyncLLM
+        return AsyncLLM.from_config(config, core_hook)
+    if engine_core == "thread":
+        return AsyncLLMEngine.from_config(config, core_hook)
+    raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {engine_core!r}")

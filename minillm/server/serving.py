@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
-from minillm.server.async_engine import AsyncLLMEngine, OutputQueue, RequestStream
+from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
 from minillm.server.errors import APIError, bad_request_from_value_error, error_body
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import RequestTimer, ServerMetrics
@@ -36,7 +36,7 @@ NUM_PREPROCESS_THREADS = 4
 class ServingContext:
     """What every handler needs: the engine, the metrics, the name it serves under and the limits."""
 
-    engine: AsyncLLMEngine
+    engine: EngineClient
     metrics: ServerMetrics
     model_name: str
     limits: ServerLimits = field(default_factory=ServerLimits)

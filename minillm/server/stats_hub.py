@@ -19,7 +19,7 @@ from minillm.server.errors import APIError
 from minillm.stats import EngineStats
 
 if TYPE_CHECKING:
-    from minillm.server.async_engine import AsyncLLMEngine
+    from minillm.server.async_engine import EngineClient
 
 
 def with_cells(full: EngineStats, cells: int) -> EngineStats:
@@ -32,7 +32,7 @@ def with_cells(full: EngineStats, cells: int) -> EngineStats:
 class StatsHub:
     """Shares engine snapshots between stats-stream subscribers; at most max_subscribers at a time."""
 
-    def __init__(self, engine: "AsyncLLMEngine", min_interval: float, max_subscribers: int) -> None:
+    def __init__(self, engine: "EngineClient", min_interval: float, max_subscribers: int) -> None:
         self.engine = engine
         self.min_interval = min_interval
         self.max_subscribers = max_subscribers
