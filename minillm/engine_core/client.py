@@ -21,6 +21,9 @@ from minillm.engine_core import messages as m
 from minillm.engine_core.core import CoreSpec, run_engine_core
 
 
+SEND_TIMEOUT_MS = 2000
+
+
 class CoreStartupError(RuntimeError):
     """The engine core could not start; the message says why (as the core raised it)."""
 
@@ -56,7 +59,9 @@ class EngineCoreClient:
         self.dir = tempfile.mkdtemp(prefix="minillm-core-")
         input_address, output_address = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
         self.input = self.ctx.socket(zmq.PUSH)
-        self.input.setsockopt(zmq.SNDHWM, 0)     # commands are small and few: never drop nor block
+        self.input.setsockopt(zmq.SNDHWM, 0)     # commands are small and few: never drop them
+        # A send waits while there is no core at the other end (connecting, or gone), at most this long.
+        self.input.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.input.setsockopt(zmq.LINGER, 0)
         self.input.bind(input_address)
         self.output = self.ctx.socket(zmq.PULL)
@@ -105,7 +110,7 @@ class EngineCoreClient:
         data = self.encoder.encode(message)
         with self._send_lock:
             try:
-                self.input.send(data, zmq.NOBLOCK)
+                self.input.send(data)
             except (zmq.Again, zmq.ZMQError) as exc:   # no core at the other end any more
                 raise ConnectionError(f"the engine core is not reachable: {exc}") from None
 

@@ -151,13 +151,10 @@ class CoreSpec:
 class EngineCoreProc:
     """The core's process loop: sockets, the bounded command batches, the steps."""
 
-    def __init__(self, core: EngineCore, spec: CoreSpec, ctx: zmq.Context, output: zmq.Socket) -> None:
+    def __init__(self, core: EngineCore, spec: CoreSpec, input_sock: zmq.Socket, output_sock: zmq.Socket) -> None:
         self.core, self.engine = core, core.engine
         self.spec = spec
-        self.input = ctx.socket(zmq.PULL)
-        self.input.setsockopt(zmq.RCVHWM, 0)
-        self.input.connect(spec.input_address)
-        self.output = output
+        self.input, self.output = input_sock, output_sock
         self.encoder, self.decoder = m.encoder(), m.down_decoder()
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
@@ -224,12 +221,16 @@ class EngineCoreProc:
             return m.StatsReply(call_ids, None, "%s: %s" % error_fields(exc))
 
 
-def _connect_output(ctx: zmq.Context, address: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.LINGER, 2000)   # a last EngineDead must reach the API server before we exit
-    sock.connect(address)
-    return sock
+def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, zmq.Socket]:
+    """(input, output) sockets, connected first thing, so both are up long before Ready is sent."""
+    input_sock = ctx.socket(zmq.PULL)
+    input_sock.setsockopt(zmq.RCVHWM, 0)
+    input_sock.connect(spec.input_address)
+    output_sock = ctx.socket(zmq.PUSH)
+    output_sock.setsockopt(zmq.SNDHWM, 0)
+    output_sock.setsockopt(zmq.LINGER, 2000)   # a last EngineDead must reach the API server before we exit
+    output_sock.connect(spec.output_address)
+    return input_sock, output_sock
 
 
 def run_engine_core(spec: CoreSpec) -> None:
@@ -237,7 +238,7 @@ def run_engine_core(spec: CoreSpec) -> None:
     # Ctrl-C reaches the whole process group: the API server handles it and shuts the core down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
-    output = _connect_output(ctx, spec.output_address)
+    input_sock, output_sock = _connect(ctx, spec)
     encoder = m.encoder()
     status = 0
     try:
@@ -246,10 +247,10 @@ def run_engine_core(spec: CoreSpec) -> None:
             if spec.core_hook is not None:
                 spec.core_hook(core.engine)
         except Exception as exc:  # noqa: BLE001 - the API server re-raises it
-            output.send(encoder.encode(m.StartupFailed(*error_fields(exc))))
+            output_sock.send(encoder.encode(m.StartupFailed(*error_fields(exc))))
             status = 1
             return
-        proc = EngineCoreProc(core, spec, ctx, output)
+        proc = EngineCoreProc(core, spec, input_sock, output_sock)
         engine = core.engine
         proc.send(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size, engine.stats(cells=1)))
         try:
@@ -266,7 +267,8 @@ def run_engine_core(spec: CoreSpec) -> None:
         finally:
             engine.shutdown()
     finally:
-        output.close()
+        input_sock.close()
+        output_sock.close()
         ctx.destroy(linger=2000)
         sys.stderr.flush()
         if status:

@@ -278,9 +278,9 @@ class AsyncLLM:
             pending = list(self._adds.values()) + list(self._calls.values())
             self._adds.clear()
             self._calls.clear()
+        self.ended.set()    # before the callers hear of it: whoever sees the error sees the engine ended
         error = EngineDeadError(self.dead_reason)
         for stream in streams:
             stream.put_threadsafe(error)
         for loop, future in pending:
             resolve_future(loop, future, error=error)
-        self.ended.set()

@@ -1,0 +1,252 @@
+"""The engine core apart from the API server: token ids detokenised on the other side give the same
+outputs as the engine's own text path; the core process frees what a stop string ends, dies
+visibly, never outlives the server, and is the only process that touches CUDA."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections import Counter, deque
+from pathlib import Path
+
+import pytest
+from test_server_helpers import wait_for
+
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+from minillm.engine_core import messages as m
+from minillm.engine_core.core import SAMPLING_FIELDS, EngineCore
+from minillm.engine_core.output_processor import OutputProcessor
+from minillm.sampling_params import SamplingParams
+from minillm.server.async_llm import AsyncLLM
+from minillm.server.errors import EngineDeadError
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day, a cat"]
+
+
+def _alone_text(engine: LLMEngine, prompt: str, params: SamplingParams) -> str:
+    """The text the engine makes for one request alone."""
+    engine.add_request("probe", prompt, params)
+    last = None
+    while engine.has_unfinished_requests():
+        last = engine.step() or last
+    return last[0].outputs[0].text
+
+
+def _requests(engine: LLMEngine) -> dict[str, tuple[str, SamplingParams]]:
+    """Requests that exercise every rule of the output side at once."""
+    text = _alone_text(engine, PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    # A stop string that the 12th (last) token completes: in the split the core has already ended
+    # the sequence by length when the stop string is found, and it must still count as "stop".
+    tail = next(text[-k:] for k in range(3, len(text)) if text.find(text[-k:]) == len(text) - k)
+    stop_token = engine.tokenizer.encode(PROMPTS[1] + " was", add_special_tokens=False)[-1]
+    return {
+        "stop-string": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, stop=["Lily"], ignore_eos=True)),
+        "stop-string-kept": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=60, stop=["Lily", "park"],
+                                                        include_stop_str_in_output=True, ignore_eos=True)),
+        "n-2-sampled-logprobs": (PROMPTS[2], SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=40,
+                                                            stop=[" the", "."], logprobs=3)),
+        "stop-token": (PROMPTS[1], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_token])),
+        "stop-at-length": (PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, stop=[tail], ignore_eos=True)),
+        "plain": (PROMPTS[3], SamplingParams(temperature=0, max_tokens=30)),
+    }
+
+
+def _run_engine(engine: LLMEngine, requests: dict) -> dict:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def _run_split(core: EngineCore, requests: dict, stop_delay: int) -> tuple[dict, OutputProcessor]:
+    """The core and the API server's output processor in one process; stops found by the processor
+    reach the core `stop_delay` steps later, as they might across a busy socket."""
+    tokenizer = core.engine.tokenizer
+    processor = OutputProcessor(tokenizer)
+    for rid, (prompt, params) in requests.items():
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+        assert core.add_request(m.AddRequest(rid, ids, fields, time.time())) is None
+        processor.add(rid, prompt, ids, params, time.time(), handle=rid)
+    finals, in_transit = {}, deque()
+    while core.engine.has_unfinished_requests() or in_transit:
+        if core.engine.has_unfinished_requests():
+            done = processor.process(core.step(), time.time())
+            in_transit.append(done.stops)
+            for handle, out in done.outputs:
+                assert handle == out.request_id
+                if out.finished:
+                    assert out.request_id not in finals, "a request finished twice"
+                    finals[out.request_id] = out
+        if len(in_transit) > stop_delay or not core.engine.has_unfinished_requests():
+            for rid, index, stop in in_transit.popleft():
+                core.engine.stop_sequence(rid, index, stop)
+    return finals, processor
+
+
+def _view(out) -> list[tuple]:
+    return [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.cumulative_logprob, c.logprobs)
+            for c in out.outputs]
+
+
+@pytest.fixture(scope="module")
+def config(stories_path):
+    return EngineConfig(model=str(stories_path), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(config):
+    engine = LLMEngine(config, log=lambda _: None)
+    requests = _requests(engine)
+    before = Counter(engine.metrics.finished)
+    finals = _run_engine(engine, requests)
+    return requests, finals, Counter(engine.metrics.finished) - before
+
+
+@pytest.mark.parametrize("stop_delay", [0, 1, 3])
+def test_token_outputs_detokenised_apart_match_the_engine(config, reference, stop_delay):
+    requests, expected, expected_finishes = reference
+    assert expected["stop-string"].outputs[0].stop_reason == "Lily"
+    assert expected["stop-at-length"].outputs[0].finish_reason == "stop"
+    assert expected["stop-token"].outputs[0].finish_reason == "stop"
+    assert isinstance(expected["stop-token"].outputs[0].stop_reason, int)
+    core = EngineCore(config, log=lambda _: None)
+    finals, processor = _run_split(core, requests, stop_delay)
+    assert set(finals) == set(expected)
+    for rid, out in finals.items():
+        assert _view(out) == _view(expected[rid]), rid
+        assert out.prompt_token_ids == expected[rid].prompt_token_ids
+    assert processor.finished == expected_finishes     # "stop" for the stop string that met max_tokens
+    assert not processor.requests                       # each forgotten once the core retired it
+    stats = core.engine.stats()
+    assert stats.num_running == stats.num_waiting == 0 and stats.kv_num_used_blocks == 0
+    core.engine.shutdown()
+
+
+# ---- the core in its own process -------------------------------------------------------------
+
+@pytest.fixture
+def async_llm(config):
+    engine = AsyncLLM(config)
+    yield engine
+    engine.shutdown()
+
+
+def test_a_stop_string_frees_the_request_in_the_core(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=300, stop=["Lily"], ignore_eos=True)
+
+    async def scenario():
+        before = await async_llm.call_utility("stats")      # the core's own counts
+        stream = await async_llm.add_request("stopped", "Once upon a time", params)
+        outputs = [out async for out, _ in stream]
+        return before, outputs[-1]
+
+    before, last = asyncio.run(scenario())
+    assert last.finished and last.outputs[0].finish_reason == "stop" and last.outputs[0].stop_reason == "Lily"
+    assert "Lily" not in last.outputs[0].text
+    stats = wait_for(lambda: (s := asyncio.run(async_llm.get_stats())).num_running == 0 and s)
+    assert stats and stats.kv_num_used_blocks == 0
+    assert asyncio.run(async_llm.call_utility("has_unfinished_requests")) is False
+    # The stop string ended the sequence in the core too (it ran a few steps past it, not to max_tokens).
+    after = asyncio.run(async_llm.call_utility("stats"))
+    finished_by = {k: after["num_requests_finished"].get(k, 0) - before["num_requests_finished"].get(k, 0)
+                   for k in ("stop", "length", "abort")}
+    assert finished_by == {"stop": 1, "length": 0, "abort": 0}
+    assert len(last.outputs[0].token_ids) <= after["generation_tokens_total"] - before["generation_tokens_total"] < 300
+
+
+def test_a_killed_core_process_is_seen_at_once(async_llm):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def scenario():
+        stream = await async_llm.add_request("victim", "Once upon a time", params)
+        async for out, _ in stream:
+            if len(out.outputs[0].token_ids) >= 3:
+                os.kill(async_llm.core_pid, signal.SIGKILL)
+                killed = time.monotonic()
+                break
+        with pytest.raises(EngineDeadError, match="SIGKILL"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - killed
+
+    seen_after = asyncio.run(scenario())
+    assert seen_after < 2.0
+    assert async_llm.ended.is_set() and async_llm.has_failed and not async_llm.is_healthy
+    assert "killed by SIGKILL" in async_llm.dead_reason
+    with pytest.raises(EngineDeadError):
+        asyncio.run(async_llm.add_request("late", "Once upon a time", params))
+
+
+def _run_script(tmp_path: Path, body: str, env: dict | None = None) -> subprocess.Popen:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    return subprocess.Popen([sys.executable, str(script)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def _is_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state == "Z"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_the_core_exits_when_the_server_process_is_killed(stories_path, tmp_path):
+    proc = _run_script(tmp_path, f"""
+        import time
+        from minillm.config import EngineConfig
+        from minillm.server.async_llm import AsyncLLM
+
+        if __name__ == "__main__":
+            engine = AsyncLLM(EngineConfig(model={str(stories_path)!r}, device="cpu"))
+            print(engine.core_pid, flush=True)
+            time.sleep(600)
+        """)
+    try:
+        core_pid = int(proc.stdout.readline())
+        assert not _is_gone(core_pid)
+        proc.kill()
+        proc.wait()
+        assert wait_for(lambda: _is_gone(core_pid), timeout=30), "the engine core outlived the server process"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cuda_is_touched_in_the_core_process_only(stories_path, tmp_path):
+    # A stand-in CuPy that notes which processes import it (and has no GPU, so the core picks the CPU).
+    fake = tmp_path / "fake" / "cupy"
+    fake.mkdir(parents=True)
+    imports = tmp_path / "cupy-imports"
+    (fake / "__init__.py").write_text(f"import os\nwith open({str(imports)!r}, 'a') as f:\n"
+                                      "    f.write(f'{os.getpid()}\\n')\n")
+    proc = _run_script(tmp_path, f"""
+        import os, sys
+        from minillm.config import EngineConfig
+        from minillm.server.async_llm import AsyncLLM
+
+        if __name__ == "__main__":
+            engine = AsyncLLM(EngineConfig(model={str(stories_path)!r}, device="auto"))
+            print(os.getpid(), engine.core_pid, "cupy" in sys.modules, engine.startup_stats.device, flush=True)
+            engine.shutdown()
+        """, env={"PYTHONPATH": f"{fake.parent}{os.pathsep}{REPO}"})
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    server_pid, core_pid, imported_here, device = out.split()
+    assert imported_here == "False" and device == "numpy"
+    assert imports.read_text().split() == [core_pid]    # the core probed for a GPU; the server never did
+    assert server_pid != core_pid
