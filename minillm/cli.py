@@ -60,6 +60,11 @@ class Device(str, Enum):
     auto = "auto"
 
 
+class LoadFormat(str, Enum):
+    auto = "auto"
+    dummy = "dummy"
+
+
 class EngineCore(str, Enum):
     process = "process"
     thread = "thread"
@@ -99,6 +104,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "tensor_parallel_size": (Annotated[int, _engine_option(
         "--tensor-parallel-size", "-tp", help="Processes the model is split over (CPU for now).")],
         _default("tensor_parallel_size")),
+    "load_format": (Annotated[LoadFormat, _engine_option(
+        "--load-format", help="auto: the checkpoint's weights; dummy: random weights of its shape (benchmarks).")],
+        LoadFormat(_default("load_format"))),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help="Model store (default: ./weights).")], None),
 }

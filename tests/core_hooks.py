@@ -34,8 +34,10 @@ def install(engine) -> None:
     def abort_request(request_id):
         if state["log"] is not None:
             state["log"].append("abort")
-        if request_id in engine.requests:
-            state["aborts"].append((request_id, time.time(), engine.metrics.num_steps))
+        req = engine.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            state["aborts"].append((request_id, time.time(), engine.metrics.num_steps,
+                                    sum(seq.num_output_tokens for seq in req.seqs)))
         return real_abort(request_id)
 
     def stats(cells=64):
@@ -64,9 +66,14 @@ def install(engine) -> None:
         return state["stats_calls"]
 
     def aborted_requests():
-        """(request_id, time.time(), engine step count) for each live request aborted so far."""
+        """(request_id, time.time(), engine step count, output tokens) for each live request aborted so far."""
         return state["aborts"]
 
+    def unfinished_prompts():
+        """The prompt token ids of every request the engine holds."""
+        return [req.prompt_token_ids for req in engine.requests.values() if not req.is_finished]
+
     engine.step, engine.abort_request, engine.stats = step, abort_request, stats
-    for utility in (fail_next_step_for, fail_every_step, start_log, take_log, stats_calls, aborted_requests):
+    for utility in (fail_next_step_for, fail_every_step, start_log, take_log, stats_calls, aborted_requests,
+                    unfinished_prompts):
         setattr(engine, utility.__name__, utility)

@@ -118,7 +118,7 @@ def test_disconnected_stream_is_aborted_and_frees_blocks(server):
         sock.close()
         aborted = wait_for(lambda: call_utility(engine, "aborted_requests")[num_aborted:], timeout=5)
         assert aborted, "no abort reached the engine after the hang-up"
-    (request_id, applied_at, _), = aborted
+    (request_id, applied_at, _, _), = aborted
     stats = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0 and s,
                      timeout=5)
     assert stats, "the request kept its blocks after its client left"

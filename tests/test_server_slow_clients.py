@@ -12,7 +12,8 @@ import socket
 import time
 
 import pytest
-from test_server_helpers import HealthyStreams, get_stats, running_server, wait_for
+from core_hooks import install
+from test_server_helpers import HealthyStreams, call_utility, get_stats, running_server, wait_for
 
 from minillm.server.app import ServerOptions
 from minillm.server.limits import ServerLimits
@@ -26,7 +27,7 @@ LIMITS = ServerLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S, stre
 @pytest.fixture(scope="module")
 def server(stories_path):
     with running_server(stories_path, served_model_name=MODEL, options=ServerOptions(limits=LIMITS),
-                        send_buffer_bytes=4096) as running:
+                        send_buffer_bytes=4096, core_hook=install) as running:
         yield running
 
 
@@ -116,9 +117,10 @@ def test_a_body_that_never_finishes_is_a_408(server, healthy):
 
 
 def test_a_stream_nobody_reads_is_cut_off_and_its_request_aborted(server, healthy):
-    url, _ = server
+    url, engine = server
     n, max_tokens = 8, 480   # with 20 log-probabilities a token: far more than the socket buffers hold
     before = get_stats(url)
+    num_aborted = len(call_utility(engine, "aborted_requests"))
     with healthy.in_flight(fresh=True):
         sock = _connect(url, receive_buffer=4096)
         sock.sendall(_request({"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "n": n,
@@ -128,7 +130,8 @@ def test_a_stream_nobody_reads_is_cut_off_and_its_request_aborted(server, health
         assert aborted, "the unread stream was not cut off"
         # The connection itself is dropped with what it had buffered, though the client still reads nothing.
         assert wait_for(lambda: not _server_holds(server, sock), timeout=30)
-    assert aborted["generation_tokens_total"] - before["generation_tokens_total"] < n * max_tokens
+    cut_off = call_utility(engine, "aborted_requests")[num_aborted:]
+    assert len(cut_off) == 1 and cut_off[0][3] < n * max_tokens    # aborted in the engine before it was done
     received = _read_until_closed(sock)   # what the kernel's buffers held, then the end
     assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
 

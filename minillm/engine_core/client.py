@@ -41,11 +41,9 @@ def describe_exit(exitcode: int | None) -> str:
 
 
 def _stop_process(proc: mp.process.BaseProcess, timeout: float) -> None:
-    """Wait for a process to end; terminate, then kill it if it does not."""
+    """Wait up to `timeout` for a process to end, then kill it (the core ignores SIGTERM: it stops
+    when told to, or when we are gone)."""
     proc.join(timeout)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
     if proc.is_alive():
         proc.kill()
         proc.join(5)
@@ -96,12 +94,14 @@ class EngineCoreClient:
                 if isinstance(message, m.Ready):
                     return message
                 if isinstance(message, m.StartupFailed):
-                    self.close(timeout=10)
+                    self.stop(timeout=10)
+                    self.close()
                     if message.error_type == "ValueError":
                         raise ValueError(message.error)
                     raise CoreStartupError(f"the engine core failed to start: {message.error_type}: {message.error}")
             elif self.sentinel in events:
-                self.close(timeout=0)
+                self.stop(timeout=0)
+                self.close()
                 raise CoreStartupError(f"the engine core process ended during start-up "
                                        f"({describe_exit(self.proc.exitcode)})")
 
@@ -134,10 +134,13 @@ class EngineCoreClient:
             except zmq.Again:
                 return messages
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Wait up to `timeout` for the core to exit (then stop it), and release the sockets."""
+    def stop(self, timeout: float = 10.0) -> None:
+        """Wait up to `timeout` for the core process to exit, then kill it."""
         _stop_process(self.proc, timeout)
         self._finalizer.detach()
+
+    def close(self) -> None:
+        """Release the sockets (once the core has stopped and nothing reads them any more)."""
         self._parent_pipe.close()
         with self._send_lock:
             self.input.close()

@@ -235,8 +235,10 @@ def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, zmq.Socket]:
 
 def run_engine_core(spec: CoreSpec) -> None:
     """The core process's entry point: build the engine, say Ready, serve; exit 1 on a fatal failure."""
-    # Ctrl-C reaches the whole process group: the API server handles it and shuts the core down.
+    # Ctrl-C, or a supervisor's SIGTERM, may reach the whole process group: the API server handles
+    # it and shuts the core down (a handler, not SIG_IGN, so processes the core spawns keep SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: None)
     ctx = zmq.Context()
     input_sock, output_sock = _connect(ctx, spec)
     encoder = m.encoder()

@@ -174,9 +174,9 @@ class AsyncLLM:
                     pass
         if not first:
             return
-        self.core.proc.join(timeout)
-        self._thread.join(timeout + 5)     # it sees the process end, then fails what is still open
-        self.core.close(timeout=0)
+        self.core.stop(timeout)
+        self._thread.join(10)      # the reader sees the process end, then fails what is still open
+        self.core.close()
 
     # ---- reader thread ------------------------------------------------------------------
 
