@@ -5,11 +5,16 @@ Requests arrive as a Poisson process at --request-rate (or all at once, capped b
 the gaps between streamed chunks (ITL) and the time per output token after the first (TPOT).
 With --peer-base-url the same workload is replayed against a second server (for instance vLLM
 on the same model) and both are printed side by side; with --offline-model the same prompts also
-run through minillm's offline LLM.generate in this process, the ceiling an HTTP server on that
-engine can approach (compare at --request-rate inf, where arrivals do not limit throughput).
+run through minillm's offline engine in this process, the ceiling an HTTP server on that engine
+can approach (compare at --request-rate inf, where arrivals do not limit throughput): with the
+same number of requests in flight as the server had (--max-concurrency), a new one admitted as
+each finishes. --concurrency-sweep runs the workload at each concurrency in turn and prints one
+row per level beside the ceiling at that level.
 
     python -m benchmarks.serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
         --input-len 128 --output-len 128 --request-rate 16
+    python -m benchmarks.serving --num-prompts 256 --input-len 32 --output-len 128 \
+        --concurrency-sweep 1,16,64,256 --offline-model MODEL --offline-arg device=cpu
 """
 from __future__ import annotations
 
@@ -83,14 +88,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--concurrency-sweep", type=_concurrency_list, default=None, metavar="C1,C2,...",
+                   help="run the workload once per max concurrency (e.g. 1,16,64,256) and print a row for each")
     p.add_argument("--offline-model", default=None,
                    help="also run the prompts through minillm's offline engine on this model (the ceiling)")
     p.add_argument("--offline-device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--offline-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an EngineConfig field for the offline engine (repeat), e.g. load_format=dummy, "
+                        "dtype=bfloat16, gpu_memory_utilization=0.4 (the server holds the rest)")
     p.add_argument("--result-file", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.concurrency_sweep and args.peer_base_url:
+        p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
+    try:
+        args.offline_engine_args = offline_engine_args(args)
+    except ValueError as exc:
+        p.error(str(exc))
     return args
+
+
+def _concurrency_list(text: str) -> list[int]:
+    levels = [int(x) for x in text.split(",") if x.strip()]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return levels
+
+
+def offline_engine_args(args: argparse.Namespace) -> dict:
+    """EngineConfig keyword arguments of the offline engine: --offline-device, then each --offline-arg."""
+    from minillm.config import EngineConfig
+
+    fields = EngineConfig.__dataclass_fields__
+    engine_args: dict = {"device": args.offline_device}
+    for item in args.offline_arg:
+        key, sep, text = item.partition("=")
+        if not sep or key not in fields or key == "model":
+            raise ValueError(f"--offline-arg takes KEY=VALUE with KEY an EngineConfig field, got {item!r}")
+        try:
+            engine_args[key] = json.loads(text)       # numbers, true/false, null
+        except json.JSONDecodeError:
+            engine_args[key] = text                   # plain strings: load_format=dummy
+    return engine_args
 
 
 def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
@@ -241,19 +281,49 @@ def summarize(base_url: str, num_prompts: int, results: list[RequestResult], dur
         errors=sorted({r.error for r in results if not r.ok})[:5])
 
 
-def offline_ceiling(args: argparse.Namespace) -> float:
-    """Output tok/s of the same prompts through minillm's LLM.generate (no HTTP, no client)."""
-    from minillm import LLM, SamplingParams
+class OfflineCeiling:
+    """The same prompts through minillm's engine in this process: no HTTP, no JSON, no client."""
 
-    prompts = build_prompts(args)
-    llm = LLM(args.offline_model, device=args.offline_device)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=args.ignore_eos,
-                            seed=args.seed)
-    llm.generate(prompts[:1], params)   # warm-up: first-call costs are not throughput
-    wave = args.max_concurrency or len(prompts)   # the same number of requests in flight as the server saw
-    start = time.perf_counter()
-    outputs = [o for i in range(0, len(prompts), wave) for o in llm.generate(prompts[i:i + wave], params)]
-    return sum(len(c.token_ids) for o in outputs for c in o.outputs) / (time.perf_counter() - start)
+    def __init__(self, args: argparse.Namespace) -> None:
+        from minillm import LLM, SamplingParams
+
+        self.prompts = build_prompts(args)
+        self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                                     ignore_eos=args.ignore_eos, seed=args.seed)
+        self.llm = LLM(args.offline_model, **args.offline_engine_args)
+        self.llm.generate(self.prompts[:1], self.params)   # warm-up: first-call costs are not throughput
+
+    def throughput(self, concurrency: int | None) -> float:
+        """Output tok/s with `concurrency` requests in flight (all at once when None), a new one admitted
+        as each finishes, as the server's client does."""
+        engine, prompts = self.llm.engine, list(enumerate(self.prompts))
+        limit = concurrency or len(prompts)
+        produced = 0
+        start = time.perf_counter()
+        while prompts and len(engine.requests) < limit:
+            i, prompt = prompts.pop(0)
+            engine.add_request(f"ceiling-{i}", prompt, self.params, output_kind="final")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    produced += sum(len(c.token_ids) for c in out.outputs)
+                    if prompts:
+                        i, prompt = prompts.pop(0)
+                        engine.add_request(f"ceiling-{i}", prompt, self.params, output_kind="final")
+        return produced / (time.perf_counter() - start)
+
+    def shutdown(self) -> None:
+        """Release the engine's memory."""
+        self.llm.shutdown()
+
+
+def offline_ceiling(args: argparse.Namespace) -> float:
+    """Output tok/s of the same prompts through minillm's offline engine, at --max-concurrency."""
+    ceiling = OfflineCeiling(args)
+    try:
+        return ceiling.throughput(args.max_concurrency)
+    finally:
+        ceiling.shutdown()
 
 
 def format_results(results: list[BenchmarkResult], args: argparse.Namespace, ceiling: float | None = None) -> str:
@@ -292,17 +362,63 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
     return "\n".join(lines)
 
 
+def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: argparse.Namespace) -> str:
+    """One row per concurrency: the server's output throughput beside the offline ceiling at that level."""
+    rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+    lines = [f"Traffic: request rate {rate} req/s, {args.num_prompts} prompts, input {args.input_len} / "
+             f"output {args.output_len} tokens",
+             "| max concurrency | server output tok/s | offline ceiling tok/s | server / ceiling "
+             "| ITL p50 / p99 (ms) | TTFT p50 / p99 (ms) | failed |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for level, r, ceiling in rows:
+        ratio = f"{r.output_throughput / ceiling:.2f}" if ceiling else "-"
+        ceiling_text = f"{ceiling:,.0f}" if ceiling else "-"
+        lines.append(f"| {level} | {r.output_throughput:,.0f} | {ceiling_text} | {ratio} | "
+                     f"{r.itl_ms['median']:.1f} / {r.itl_ms['p99']:.1f} | "
+                     f"{r.ttft_ms['median']:.0f} / {r.ttft_ms['p99']:.0f} | {r.failed} |")
+    for _, r, _ in rows:
+        for err in r.errors:
+            lines.append(f"error ({r.base_url}): {err}")
+    return "\n".join(lines)
+
+
+def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult, float | None]], str]:
+    """The workload at each concurrency of the sweep against the server, then the ceiling at each."""
+    results = []
+    for level in args.concurrency_sweep:
+        results.append((level, asyncio.run(run_benchmark(argparse.Namespace(**{**vars(args), "max_concurrency": level}),
+                                                             args.base_url))))
+    ceilings: list[float | None] = [None] * len(results)
+    if args.offline_model:
+        ceiling = OfflineCeiling(args)
+        try:
+            ceilings = [ceiling.throughput(level) for level, _ in results]
+        finally:
+            ceiling.shutdown()
+    rows = [(level, r, c) for (level, r), c in zip(results, ceilings)]
+    return rows, format_sweep(rows, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; 0 when every request succeeded."""
     args = parse_args(argv)
+    saved_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    if args.concurrency_sweep:
+        rows, table = run_sweep(args)
+        print(table)
+        if args.result_file:
+            with open(args.result_file, "w", encoding="utf-8") as f:
+                json.dump({"args": saved_args, "sweep": [{"max_concurrency": level, "result": asdict(r),
+                                                          "offline_ceiling_tok_s": c} for level, r, c in rows]},
+                          f, indent=2, default=str)
+        return 0 if all(r.failed == 0 for _, r, _ in rows) else 1
     urls = [args.base_url] + ([args.peer_base_url] if args.peer_base_url else [])
     results = [asyncio.run(run_benchmark(args, url)) for url in urls]
     ceiling = offline_ceiling(args) if args.offline_model else None
     print(format_results(results, args, ceiling))
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "api_key"},
-                       "results": [asdict(r) for r in results], "offline_ceiling_tok_s": ceiling},
+            json.dump({"args": saved_args, "results": [asdict(r) for r in results], "offline_ceiling_tok_s": ceiling},
                       f, indent=2, default=str)
     return 0 if all(r.failed == 0 for r in results) else 1
 

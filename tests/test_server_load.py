@@ -184,6 +184,27 @@ def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_pa
     assert result["completed"] == 6 and result["total_output_tokens"] == 36
 
 
+def test_serving_benchmark_concurrency_sweep_beside_the_offline_ceiling(server, stories_path, tmp_path, capsys):
+    url, _ = server
+    result_file = tmp_path / "sweep.json"
+    rc = bench.main(["--base-url", url, "--num-prompts", "8", "--input-len", "8", "--output-len", "6",
+                     "--concurrency-sweep", "1,4", "--result-file", str(result_file), "--offline-model",
+                     str(stories_path), "--offline-arg", "device=cpu", "--offline-arg", "num_kv_blocks=64"])
+    assert rc == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split("|")[1].strip() for row in rows] == ["1", "4"]
+    saved = json.loads(result_file.read_text())
+    assert [level["max_concurrency"] for level in saved["sweep"]] == [1, 4]
+    for level in saved["sweep"]:
+        assert level["result"]["completed"] == 8 and level["result"]["total_output_tokens"] == 8 * 6
+        assert level["offline_ceiling_tok_s"] > 0
+        ratio = level["result"]["output_throughput"] / level["offline_ceiling_tok_s"]
+        assert f"{ratio:.2f}" in rows[[1, 4].index(level["max_concurrency"])]
+    assert saved["args"]["offline_engine_args"] == {"device": "cpu", "num_kv_blocks": 64}
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--offline-model", "m", "--offline-arg", "not_a_field=1"])
+
+
 def test_command_work_between_two_steps_is_bounded(server):
     url, engine = server
     num_commands = 2000
