@@ -384,6 +384,9 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
 
 def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult, float | None]], str]:
     """The workload at each concurrency of the sweep against the server, then the ceiling at each."""
+    # One request first, untimed, as `vllm bench serve` does: first-call costs are not throughput.
+    asyncio.run(run_benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1}),
+                              args.base_url))
     results = []
     for level in args.concurrency_sweep:
         results.append((level, asyncio.run(run_benchmark(argparse.Namespace(**{**vars(args), "max_concurrency": level}),
