@@ -17,7 +17,8 @@ needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(),
 COMMANDS = ("chat", "generate", "serve", "monitor", "pull", "list", "bench")
 ENGINE_FLAGS = ("--device", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                 "--block-size", "--num-kv-blocks", "--gpu-memory-utilization", "--enable-prefix-caching",
-                "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format", "--download-dir")
+                "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format",
+                "--download-dir")
 
 
 def minillm(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
