@@ -18,8 +18,8 @@ step still writes. So each copy carries the last step that may touch its device 
 when the block was freed): copies whose steps are done start at once, beside the step in flight;
 the others first wait for an event after the work queued on the compute stream. The compute
 stream then waits for an event after all the copies before the step's forward pass. Host blocks
-need no such care: only copy-stream work touches them, in stream order, and a host block read by a
-load is never the target of a save in the same step (loads pin it for the step).
+need no such care: only copy-stream work touches them, in stream order, and a host block that a
+step copies from or to is pinned for that step, so no other copy of the step reuses it.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ class HostTierScheduler(KVConnectorScheduler):
         self.last_step = np.full(block_manager.num_blocks, -1, dtype=np.int64)
         self._matched: dict[int, tuple[int, list[int]]] = {}   # seq_id -> (first block index, host blocks)
         self._loads: list[tuple[int, int]] = []                # (device block, host block) this step
-        self._pinned: set[int] = set()   # host blocks this step loads from: not evicted before the copy
+        self._pinned: set[int] = set()   # host blocks this step copies from or to: not evicted in the step
         self.hit_tokens = 0
         self.bytes_to_host = self.bytes_to_device = 0
         self._window: deque[tuple[float, int, int]] = deque()  # (time, bytes to host, bytes to device)
@@ -158,6 +158,7 @@ class HostTierScheduler(KVConnectorScheduler):
             self.key_to_block[key] = host
             self.block_keys[host] = key
             self.lru[host] = None
+            self._pinned.add(host)       # one copy per host block a step: the next save takes another
         return host
 
     def _take_block(self) -> int | None:
