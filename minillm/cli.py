@@ -93,6 +93,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--enforce-eager", help="Never capture CUDA graphs.")], _default("enforce_eager")),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help="Model store (default: ./weights).")], None),
+    "kv_offload_gib": (Annotated[float, _engine_option(
+        "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
 }
 
 
