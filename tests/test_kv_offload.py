@@ -596,4 +596,5 @@ async def test_block_grid_shows_the_host_tier_as_a_second_strip(tier_stats):
         start = text.plain.index(strip)
         cached = sum(1 for sp in text.spans if start <= sp.start < start + len(strip) and str(sp.style) == COLOR_CACHED)
         assert cached == tier_stats.kv_offload_block_map.count(-2) > 0
-        assert f"host {tier_stats.kv_offload_num_used_blocks}/{tier_stats.kv_offload_num_blocks}" in grid.border_subtitle
+        s = tier_stats
+        assert f"host {s.kv_offload_num_used_blocks}/{s.kv_offload_num_blocks}" in grid.border_subtitle

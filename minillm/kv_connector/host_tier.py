@@ -140,7 +140,8 @@ class HostTierScheduler(KVConnectorScheduler):
             self.last_step[np.asarray(freed, dtype=np.int64)] = step - 1
         evicted, bm.evicted = bm.evicted, []
         saves = [(block, host) for block, key in evicted if (host := self._store(key)) is not None]
-        meta = HostTierMetadata(step, BlockCopies.of(saves, self.last_step), BlockCopies.of(self._loads, self.last_step))
+        meta = HostTierMetadata(step, BlockCopies.of(saves, self.last_step),
+                                BlockCopies.of(self._loads, self.last_step))
         self._count(len(saves), len(self._loads))
         self._loads, self._matched = [], {}
         self._pinned.clear()
