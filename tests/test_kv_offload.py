@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from minillm import LLM, SamplingParams
 from minillm.block_manager import BlockManager
 from minillm.config import EngineConfig, available_host_bytes
-from minillm.device import CpuDevice, block_runs
+from minillm.device import CpuDevice, CudaDevice, block_runs
 from minillm.kv_connector.host_tier import HostTierScheduler, HostTierWorker
 from minillm.sampling_params import SamplingParams as Params
 from minillm.scheduler import Scheduler
@@ -537,6 +537,42 @@ def test_cpu_copy_blocks_moves_whole_blocks_across_layers():
     host = device.empty_host_like(pool, 4)
     device.copy_blocks(host, np.array([2, 0]), pool, np.array([1, 4]), device.copy_stream())
     assert np.array_equal(host[:, :, 2], pool[:, :, 1]) and np.array_equal(host[:, :, 0], pool[:, :, 4])
+
+
+def test_cuda_copy_blocks_pointers_pitches_and_runs():
+    """CudaDevice.copy_blocks with cudaMemcpy2DAsync played row by row by memmove over host memory:
+    its offsets, pitches, widths and directions move exactly the asked blocks."""
+    import ctypes
+    import types
+
+    calls = []
+
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        calls.append((width, height, kind))
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    rt = types.SimpleNamespace(memcpy2DAsync=memcpy2d, memcpyHostToDevice=1, memcpyDeviceToHost=2)
+    device = CudaDevice.__new__(CudaDevice)
+    device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+
+    class OnDevice:                      # what copy_blocks reads of a CuPy array
+        def __init__(self, a):
+            self.a, self.shape, self.dtype = a, a.shape, a.dtype
+            self.data = types.SimpleNamespace(ptr=a.ctypes.data)
+
+    rng = np.random.default_rng(0)
+    pool = OnDevice(rng.standard_normal((3, 2, 7, 4, 2, 5)).astype(np.float32))   # [L, 2, blocks, bs, H, D]
+    host = np.zeros((3, 2, 6, 4, 2, 5), np.float32)
+    stream = types.SimpleNamespace(ptr=0)
+    device.copy_blocks(host, np.array([0, 1, 2, 5]), pool, np.array([3, 4, 5, 0]), stream)
+    assert np.array_equal(host[:, :, [0, 1, 2, 5]], pool.a[:, :, [3, 4, 5, 0]])
+    assert not host[:, :, [3, 4]].any()
+    assert calls == [(160, 6, 2), (3 * 160, 6, 2)]   # two runs of 6 rows (layer, K|V) of 160-byte blocks
+    back = OnDevice(np.zeros_like(pool.a))
+    device.copy_blocks(back, np.array([6, 1]), host, np.array([0, 5]), stream)
+    assert np.array_equal(back.a[:, :, [6, 1]], pool.a[:, :, [3, 0]]) and calls[-1][2] == 1
+    assert not back.a[:, :, [0, 2, 3, 4, 5]].any()
 
 
 @pytest.fixture(scope="module")
