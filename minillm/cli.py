@@ -96,6 +96,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         _default("tensor_parallel_size")),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help="Model store (default: ./weights).")], None),
+    "kv_offload_gib": (Annotated[float, _engine_option(
+        "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
 }
 
 

@@ -1,6 +1,7 @@
 """Frozen configuration: the model's shape (from config.json) and the engine's knobs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -55,6 +56,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
     tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
+    kv_offload_gib: float = 0            # host-memory tier of the prefix cache, GiB (0: off)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,3 +81,30 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_offload_gib:
+            check_kv_offload_gib(self.kv_offload_gib, self.enable_prefix_caching)
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_kv_offload_gib(gib: float, enable_prefix_caching: bool) -> None:
+    """The host tier's size is a finite, positive amount the machine has free; it extends the
+    prefix cache, so that must be on."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {gib!r}")
+    if not enable_prefix_caching:
+        raise ValueError("kv_offload_gib needs enable_prefix_caching: the host tier keeps prefix-cache blocks")
+    available = available_host_bytes()
+    if available is not None and gib * 2**30 > available:
+        raise ValueError(f"kv_offload_gib {gib:g} exceeds the machine's available memory "
+                         f"({available / 2**30:.1f} GiB); lower kv_offload_gib")

@@ -12,6 +12,7 @@ from minillm.block_manager import BlockManager
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
+from minillm.kv_connector import make_kv_connector
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
 from minillm.model_runner import InFlightStep, ModelRunner
@@ -136,8 +137,9 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids)
+                                   self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
@@ -305,7 +307,8 @@ class LLMEngine:
                           self.max_model_len)
         ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
         return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),
-                           self.metrics, self.runner.memory_stats(), ttft, cells)
+                           self.metrics, self.runner.memory_stats(), ttft, cells,
+                           self.kv_connector.snapshot() if self.kv_connector else None)
 
     def shutdown(self) -> None:
         """Abort every request, wait for the device, and release the KV pool, graphs and weights."""

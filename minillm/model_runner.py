@@ -47,6 +47,7 @@ class ModelRunner:
         self.graphs = None
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
+        self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
 
     def _device_arrays(self):
         m = self.model
@@ -113,12 +114,17 @@ class ModelRunner:
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
         self.device.synchronize()
 
+    def register_kv_connector(self, worker) -> None:
+        """Give a KV connector's runner side the pool; launch() queues its transfers first."""
+        worker.register_kv_cache(self.kv_pool, self.device)
+        self.kv_connector = worker
+
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()
         if self.graphs is not None:
             self.graphs.release()
-        self.graphs = self.kv_pool = self.model = self._last_sampled = None
+        self.graphs = self.kv_pool = self.model = self._last_sampled = self.kv_connector = None
         self.device.release()
 
     # ---- one step ----------------------------------------------------------------------------
@@ -178,6 +184,8 @@ class ModelRunner:
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the
         device here, so the host can go on while the step runs."""
         t0 = time.perf_counter()
+        if self.kv_connector is not None:    # before any of the step's work: its forward reads the loads
+            self.kv_connector.start_load_kv(out.kv_connector_metadata)
         ids, positions, meta, holes = self.prepare_inputs(out)
         patch = self._placeholder_patch(holes)
         seqs = out.sampling_seqs

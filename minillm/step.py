@@ -25,6 +25,7 @@ class SchedulerOutput:
     num_prefill_tokens: int
     num_decode_tokens: int
     preempted: list["Sequence"] = field(default_factory=list)
+    kv_connector_metadata: object | None = None   # the KV connector's transfers for this step, when one is on
 
     @property
     def num_tokens(self) -> int:
