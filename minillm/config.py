@@ -83,6 +83,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_offload_gib:
             check_kv_offload_gib(self.kv_offload_gib, self.enable_prefix_caching)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offload_gib works with tensor_parallel_size 1 only: the host tier "
+                                 "copies rank 0's KV pool")
 
 
 def available_host_bytes() -> int | None:
