@@ -1,6 +1,8 @@
 """Request bodies of the OpenAI API (pydantic) and their translation into SamplingParams."""
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from minillm.sampling_params import SamplingParams
@@ -40,6 +42,8 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None      # read by server/structured.py
+    structured_outputs: dict[str, Any] | None = None   # vLLM's; read by server/structured.py
 
     @property
     def include_usage(self) -> bool:
@@ -100,8 +104,10 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None,
-                       logprobs: int | None) -> SamplingParams:
-    """Build validated SamplingParams; a bad value becomes a 400 naming the field."""
+                       logprobs: int | None, structured_outputs=None) -> SamplingParams:
+    """Build validated SamplingParams; a bad value becomes a 400 naming the field.
+
+    structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None."""
     def pick(value, default):
         return default if value is None else value
 
@@ -124,6 +130,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None

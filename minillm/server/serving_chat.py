@@ -17,6 +17,7 @@ from minillm.server.protocol import (
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ServingContext, answer, merged_outputs, new_request_id, sse, usage,
 )
+from minillm.server.structured import structured_outputs_params
 
 
 def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
@@ -40,12 +41,13 @@ class ChatJob:
         self.request_id = new_request_id("chatcmpl")
         self.num_top = requested_top_logprobs(req)
         # Field errors first, so a bad value is named even on a model without a template.
-        to_sampling_params(req, chat_max_tokens(req), self.num_top)
+        self.structured = structured_outputs_params(req)
+        to_sampling_params(req, chat_max_tokens(req), self.num_top, self.structured)
         self.prompt_ids = render_chat_prompt(ctx, req)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
         max_tokens = ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(req))
-        self.params = to_sampling_params(req, max_tokens, self.num_top)
+        self.params = to_sampling_params(req, max_tokens, self.num_top, self.structured)
         self.texts = TokenTexts(ctx.tokenizer)
 
     def _cursor(self) -> LogprobCursor | None:

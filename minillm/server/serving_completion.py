@@ -13,6 +13,7 @@ from minillm.server.protocol import CompletionRequest, check_unsupported, comple
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ServingContext, answer, merged_outputs, new_request_id, sse, usage,
 )
+from minillm.server.structured import structured_outputs_params
 
 
 class CompletionJob:
@@ -21,6 +22,7 @@ class CompletionJob:
     def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
         self.ctx, self.req = ctx, req
         self.request_id = new_request_id("cmpl")
+        structured = structured_outputs_params(req)
         tok = ctx.tokenizer
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
@@ -32,8 +34,8 @@ class CompletionJob:
                 ctx.check_token_ids(prompt)
                 self.prompt_ids.append(list(prompt))
                 self.prompt_texts.append(tok.decode(prompt) if req.echo else "")
-        self.params = [to_sampling_params(req, ctx.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs)
-                       for ids in self.prompt_ids]
+        self.params = [to_sampling_params(req, ctx.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs,
+                                          structured) for ids in self.prompt_ids]
         self.texts = TokenTexts(tok)
 
     def _cursor(self, prompt_index: int) -> LogprobCursor | None:
