@@ -258,3 +258,32 @@ def test_structured_outputs_must_be_its_params_object(stories_path):
 def test_the_vllm_import_path_works():
     from minillm.sampling_params import StructuredOutputsParams as FromSamplingParams
     assert FromSamplingParams is StructuredOutputsParams
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+def test_generate_options_constrain_the_output(stories_path, tmp_path):
+    from test_cli import minillm
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    runs = {"json": ["--json-schema", str(schema)], "choice": sum((["--choice", c] for c in CHOICES), []),
+            "date": ["--regex", DATE]}
+    for kind, options in runs.items():
+        result = minillm("generate", str(stories_path), "--device", "cpu", "-p", PROMPT, "-p", "Lily went",
+                         "--temperature", "1.0", "--seed", "5", "--n", "3", "--max-tokens", str(MAX_TOKENS),
+                         "--json", *options)
+        assert result.returncode == 0, result.stderr
+        for line in result.stdout.splitlines():
+            for completion in json.loads(line)["outputs"]:
+                assert completion["finish_reason"] == "stop" and CHECKS[kind][1](completion["text"]), completion
+
+
+@pytest.mark.parametrize("options,message", [
+    (["--regex", "a(b"], "--regex: invalid regular expression"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
+    (["--regex", "a", "--choice", "b"], "give one of --json-schema, --regex, --choice, --grammar, not --regex and --choice"),
+])
+def test_generate_refuses_bad_structure_options(stories_path, options, message):
+    from test_cli import minillm
+    result = minillm("generate", str(stories_path), "--device", "cpu", "-p", PROMPT, *options)
+    assert result.returncode == 1 and message in result.stderr and result.stdout == ""
