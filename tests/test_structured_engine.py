@@ -78,6 +78,18 @@ def test_stats_count_compiles_and_fills(seeded_batch):
     json.dumps(stats.to_dict())
 
 
+def test_structured_rows_are_marked_in_the_stats_and_the_monitor(stories_path):
+    from tui.request_table import row_cells
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu"))
+    engine.add_request("c", PROMPT, constrained("json", seed=1))
+    engine.add_request("u", PROMPT, GREEDY)
+    engine.step()
+    rows = {r.request_id: r for r in engine.stats().requests}
+    assert rows["c"].is_structured and not rows["u"].is_structured
+    assert row_cells(rows["c"])[0].plain == "◆ c" and row_cells(rows["u"])[0].plain == "■ u"
+    engine.shutdown()
+
+
 def test_n_completions_each_obey_the_constraint(stories_path):
     with LLM(str(stories_path), device="cpu") as llm:
         out = llm.generate(PROMPT, constrained("date", seed=7, n=4))[0]
