@@ -18,6 +18,7 @@ from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
 from minillm.output_processor import CompletionState, add_token, completion_output, new_state
+from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.scheduler import Scheduler
@@ -113,6 +114,11 @@ class LLMEngine:
         self.ops = get_ops(self.backend)
         self.device = make_device(self.backend)
         self.dtype = resolve_dtype(config, self.backend, self.model_config.torch_dtype)
+        runner_cls = ModelRunner
+        if config.tensor_parallel_size > 1:       # checked before the weights load: a bad size fails fast
+            from minillm.parallel.executor import TensorParallelExecutor as runner_cls
+            from minillm.parallel.sharding import check_tensor_parallel_size
+            check_tensor_parallel_size(self.model_config, config.tensor_parallel_size, self.ops.name)
         model_max = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
@@ -123,8 +129,8 @@ class LLMEngine:
             weights = dummy_weights(self.model_config, self.dtype, config.seed)
         else:
             weights = load_weights(path, self.model_config, self.dtype)
-        self.runner = ModelRunner(self.model_config, config, self.ops, self.device, weights, self.dtype,
-                                  self.eos_token_ids)
+        self.runner = runner_cls(self.model_config, config, self.ops, self.device, weights, self.dtype,
+                                 self.eos_token_ids)
         del weights
         num_blocks = self.runner.determine_num_blocks(requested_len)
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
@@ -154,6 +160,7 @@ class LLMEngine:
             raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
         params = params or SamplingParams()
         params.validate()
+        params.validate_for_vocab(self.model_config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -255,7 +262,7 @@ class LLMEngine:
         try:
             return self.runner.launch(out, grammar_bitmask)
         except Exception as exc:
-            if self.device.is_fatal(exc):
+            if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
                 raise
             request_ids = sorted({seq.request_id for seq in out.seqs})
             for request_id in request_ids:

@@ -33,14 +33,14 @@ class ModelRunner:
     """
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, ops: ModuleType, device,
-                 weights: dict[str, np.ndarray], dtype, eos_token_ids: list[int]):
+                 weights: dict[str, np.ndarray], dtype, eos_token_ids: list[int], comm=None):
         self.model_config, self.config, self.ops, self.device, self.dtype = model_config, config, ops, device, dtype
         self.block_size = config.block_size
         # All device work goes on the compute stream, start-up included: the compute stream does
         # not wait for the legacy default stream, so an upload or memset queued there could still
         # be running when a kernel on the compute stream reads the memory.
         with device.compute():
-            self.model = DecoderModel(model_config, weights, ops, dtype)
+            self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
         self.sampler = Sampler(ops, eos_token_ids)
         self.kv_pool = None              # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]

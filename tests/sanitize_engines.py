@@ -62,6 +62,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = p.parse_args(argv)
     from minillm import LLM
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +71,8 @@ def main(argv=None) -> int:
             budget = (64, 256)[i % 2]
             with LLM(model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", load_format="dummy", num_kv_blocks=48,
                      block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, max_model_len=768,
-                     seed=i) as llm:
+                     seed=i, enforce_eager=args.enforce_eager) as llm:
+                print(f"engine {i}: started", flush=True)
                 drive(llm.engine, np.random.default_rng(i), args.requests)
                 print(f"engine {i}: budget {budget}, {llm.engine.scheduler.num_preemptions} preemptions, "
                       f"{llm.engine.stats().prefix_cache_hits} prefix-hit tokens", flush=True)

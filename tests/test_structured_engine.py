@@ -299,3 +299,14 @@ def test_generate_refuses_bad_structure_options(stories_path, options, message):
     from test_cli import minillm
     result = minillm("generate", str(stories_path), "--device", "cpu", "-p", PROMPT, *options)
     assert result.returncode == 1 and message in result.stderr and result.stdout == ""
+
+
+def test_tensor_parallel_engine_gives_the_same_constrained_outputs(stories_path):
+    params = [constrained(kind, seed=20 + i) for i, kind in enumerate(CHECKS)] + [GREEDY]
+    with LLM(str(stories_path), device="cpu") as llm:
+        one = [o.outputs[0] for o in llm.generate([PROMPT] * len(params), params)]
+    with LLM(str(stories_path), device="cpu", tensor_parallel_size=2) as llm:
+        two = [o.outputs[0] for o in llm.generate([PROMPT] * len(params), params)]
+    assert [c.token_ids for c in two] == [c.token_ids for c in one]
+    for kind, c in zip(CHECKS, two):
+        assert_valid(kind, c)
