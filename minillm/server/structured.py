@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError
 
 _KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
@@ -37,8 +38,11 @@ def structured_outputs_params(req: Any):
                        param="response_format")
     unknown = [k for k in req.structured_outputs if k not in _KEYS]
     if unknown:
-        raise APIError(400, f"structured_outputs.{unknown[0]} is not supported (structured_outputs takes "
-                       f"{', '.join(_KEYS)})", param=f"structured_outputs.{unknown[0]}")
+        key = unknown[0]
+        named = _SCHEMA_NAME.fullmatch(key) is not None          # a long or odd key is quoted, cut short
+        param = f"structured_outputs.{key}" if named else "structured_outputs"
+        what = param if named else f"structured_outputs: {short_repr(key)}"
+        raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
     return _params(lambda field: "structured_outputs" if field == "structured_outputs" else f"structured_outputs.{field}",
                    **req.structured_outputs)
 
@@ -50,7 +54,8 @@ def _from_response_format(fmt: dict):
     if kind == "json_object":
         return _params(lambda field: "response_format", json_object=True)
     if kind != "json_schema":
-        raise APIError(400, f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                       f"{short_repr(kind)}",
                        param="response_format.type")
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
