@@ -1,7 +1,7 @@
 """minillm: a small, fast LLM inference engine with a paged KV cache and continuous batching."""
 from minillm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 
@@ -13,4 +13,7 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from minillm.engine import LLMEngine
         return LLMEngine
+    if name == "StructuredOutputsParams":
+        from minillm.structured_output import StructuredOutputsParams
+        return StructuredOutputsParams
     raise AttributeError(f"module 'minillm' has no attribute {name!r}")

@@ -18,6 +18,7 @@ from minillm.engine_stats import describe_engine, human_bytes
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
 ENGINE_PANEL = "Engine options"
 SAMPLING_PANEL = "Sampling options"
+STRUCTURE_PANEL = "Structured output (one of)"
 
 app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine with a paged KV cache.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -272,6 +273,14 @@ def generate(
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
     ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output JSON valid under the JSON schema in this file.")] = None,
+    regex: Annotated[Optional[str], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output that fully matches this regular expression.")] = None,
+    choice: Annotated[Optional[list[str]], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output exactly one of these strings (repeat the option).")] = None,
+    grammar: Annotated[Optional[Path], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output a sentence of the Lark grammar in this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines out, one per prompt.")] = False,
     *,
     engine_options: dict,
@@ -280,7 +289,8 @@ def generate(
     from minillm.sampling_params import SamplingParams
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, max_tokens=max_tokens, stop=list(stop or []) or None,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos,
+                            structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar))
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"])
     outputs = run_generate(engine_config(path, engine_options), prompts, params)
@@ -289,6 +299,35 @@ def generate(
             typer.echo(json.dumps(output_record(out), ensure_ascii=False))
     else:
         print_plain(outputs)
+
+
+_STRUCTURE_OPTIONS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def structured_outputs_option(json_schema: Path | None, regex: str | None, choice: list[str] | None,
+                              grammar: Path | None):
+    """StructuredOutputsParams from generate's structure options (None when none is given); a bad
+    file or constraint is a CliError naming the option."""
+    values = {"json": json_schema, "regex": regex, "choice": choice or None, "grammar": grammar}
+    given = [name for name, value in values.items() if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise CliError(f"give one of {', '.join(_STRUCTURE_OPTIONS.values())}, not "
+                       f"{' and '.join(_STRUCTURE_OPTIONS[g] for g in given)}")
+    name = given[0]
+    value = values[name]
+    if name in ("json", "grammar"):
+        try:
+            value = value.read_text()
+        except OSError as exc:
+            raise CliError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
+    from minillm.structured_output import StructuredOutputsParams
+    try:
+        return StructuredOutputsParams(**{name: value})
+    except ValueError as exc:
+        message = str(exc).split(": ", 1)[-1]
+        raise CliError(f"{_STRUCTURE_OPTIONS[name]}: {message}") from None
 
 
 def run_generate(config: EngineConfig, prompts: list[str], params):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -11,7 +11,7 @@ from minillm.kv_connector.base import KVConnectorStats
 from minillm.metrics_tracker import MetricsTracker, percentile
 from minillm.scheduler import SchedulerSnapshot
 from minillm.sequence import SequenceView
-from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats
+from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StructuredOutputStats
 
 MAX_WAITING_ROWS = 256
 
@@ -47,11 +47,13 @@ class EngineInfo:
 
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
                 memory: MemoryStats, ttft: dict[str, float | None], cells: int,
-                offload: KVConnectorStats | None = None) -> EngineStats:
+                offload: KVConnectorStats | None = None,
+                structured: StructuredOutputStats | None = None) -> EngineStats:
     """An EngineStats snapshot from the block pool's, the scheduler's (and the KV connector's)
     snapshots and the metrics.
 
-    ttft: request id -> its time to first token (None before the first token).
+    ttft: request id -> its time to first token (None before the first token); structured: the
+    structured-output manager's figures, None when no request has asked for structure.
     """
     now = time.time()
     rows: list[RequestStats] = []
@@ -88,7 +90,8 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         recent_steps=list(m.recent_steps)[-32:], requests=rows,
-        step_time_breakdown_s=m.step_time_breakdown(), **_offload_fields(offload, cells))
+        step_time_breakdown_s=m.step_time_breakdown(), **_offload_fields(offload, cells),
+        **(asdict(structured) if structured else {}))
 
 
 def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:
@@ -108,7 +111,7 @@ def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:
 def _row(seq: SequenceView, ttft: dict[str, float | None]) -> RequestStats:
     rid = seq.request_id if seq.n == 1 else f"{seq.request_id}#{seq.index}"
     return RequestStats(rid, seq.state, seq.num_prompt_tokens, seq.num_output_tokens, len(seq.block_table),
-                        seq.num_cached_tokens, ttft.get(seq.request_id))
+                        seq.num_cached_tokens, ttft.get(seq.request_id), seq.is_structured)
 
 
 def human_bytes(num: float) -> str:

@@ -180,9 +180,12 @@ class ModelRunner:
                                  a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
                                  meta.is_decode_only)
 
-    def launch(self, out: SchedulerOutput) -> "InFlightStep":
+    def launch(self, out: SchedulerOutput, grammar_bitmask=None) -> "InFlightStep":
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the
-        device here, so the host can go on while the step runs."""
+        device here, so the host can go on while the step runs.
+
+        grammar_bitmask: structured outputs' callback, called once the forward pass is queued (the
+        host fills the masks while the device computes), returning a GrammarBitmask or None."""
         t0 = time.perf_counter()
         if self.kv_connector is not None:    # before any of the step's work: its forward reads the loads
             self.kv_connector.start_load_kv(out.kv_connector_metadata)
@@ -199,13 +202,15 @@ class ModelRunner:
             if logits is None:
                 self._last_sampled = None
                 return InFlightStep([], None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, timer)
-            sampled = self.sampler.sample_no_sync(logits, seqs)
+            mask = grammar_bitmask() if grammar_bitmask is not None else None
+            t3 = time.perf_counter()
+            sampled = self.sampler.sample_no_sync(logits, seqs, mask)
             if timer:
                 timer.mark()
             self._last_sampled = (sampled.token_ids, {s.seq_id: r for r, s in enumerate(seqs)})
             tokens = self.device.to_host_async(sampled.token_ids)
             logprobs = self.device.to_host_async(sampled.logprobs) if sampled.logprobs is not None else None
-        host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t2}
+        host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t3}
         return InFlightStep(seqs, tokens, logprobs, sampled.logprob_rows, host, timer)
 
     def _placeholder_patch(self, holes: list[tuple[int, int]]):

@@ -25,12 +25,15 @@ class Sampler:
         self.ops = ops
         self.eos_token_ids = list(eos_token_ids)
 
-    def sample_no_sync(self, logits, seqs: list[Sequence]) -> SamplerOutput:
+    def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
 
         Each sequence already counts the token being sampled among its outputs (a placeholder).
+        grammar_bitmask (structured outputs' GrammarBitmask, on the host) masks its rows first.
         """
         ops = self.ops
+        if grammar_bitmask is not None:
+            self._apply_grammar_bitmask(logits, grammar_bitmask)   # before every other rule, as vLLM
         rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = ops.log_softmax(logits[rows]) if rows else None   # before penalties, as vLLM
         self._apply_penalties(logits, seqs)
@@ -44,6 +47,15 @@ class Sampler:
         ids = ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
                          ops.asarray(min_p), ops.asarray(uniforms))
         return SamplerOutput(ids, raw_logprobs, rows)
+
+    def _apply_grammar_bitmask(self, logits, mask) -> None:
+        """Tokens a constrained row's grammar forbids get -inf: one upload of the filled rows,
+        scattered into a [B, W] buffer whose other rows the kernel never reads."""
+        ops = self.ops
+        rows = ops.asarray(mask.rows)                                   # [N] int32
+        bitmask = ops.xp.empty((logits.shape[0], mask.bitmask.shape[1]), dtype=np.int32)   # [B, W]
+        bitmask[rows] = ops.asarray(mask.bitmask)
+        ops.apply_token_bitmask(logits, bitmask, rows)
 
     def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:
         rows, tokens, counts, in_prompt = [], [], [], []

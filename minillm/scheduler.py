@@ -49,6 +49,8 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
             return SequenceStatus.FINISHED_STOPPED, token
         if not params.ignore_eos and token in eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED, None
+    if seq.structured_output is not None and seq.structured_output.is_complete:
+        return SequenceStatus.FINISHED_STOPPED, None   # the grammar allows only EOS: done, whatever min_tokens says
     if num_outputs >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
     return None
@@ -126,10 +128,14 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
                 i += 1
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: wait for it
                 break
+            if seq.structured_output is not None and not seq.structured_output.is_ready:
+                skipped.append(self.waiting.popleft())   # its grammar still compiles: let the next by
+                continue
             cached = self.block_manager.find_cached_blocks(seq)
             num_computed = len(cached) * self.block_manager.block_size
             num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) if self.kv_connector else 0
@@ -150,6 +156,7 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
         return self._launch(seqs, counts, preempted)
 
     def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence]) -> SchedulerOutput:
@@ -188,6 +195,9 @@ class Scheduler:
             seq.token_ids.append(token)
             seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
             appended.append((seq, token))
+            if seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
+                continue
             stop = check_stop(seq, self.eos_token_ids)
             if stop is not None:
                 self.finish(seq, *stop)

@@ -32,6 +32,20 @@ class RequestStats:
     num_blocks: int
     num_cached_tokens: int
     ttft_s: float | None
+    is_structured: bool = False  # its output is constrained (structured outputs)
+
+
+@dataclass
+class StructuredOutputStats:
+    """Structured outputs so far: grammar compiles (on the compile pool) and bitmask fills (on
+    the host, one per step with a constrained row, while the forward pass runs)."""
+
+    num_grammars_compiled: int
+    grammar_compile_time_s: float      # summed over compiles
+    num_grammar_fill_steps: int
+    grammar_fill_time_s: float         # summed over steps
+    grammar_fill_p50_s: float | None   # per step, over recent steps
+    grammar_fill_p99_s: float | None
 
 
 @dataclass
@@ -86,7 +100,8 @@ class EngineStats:
     recent_steps: list[StepStats] = field(default_factory=list)
     requests: list[RequestStats] = field(default_factory=list)
     # Where the steps' time went so far: phase -> seconds summed over steps ("schedule", "prepare",
-    # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling).
+    # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling;
+    # "grammar_fill" with structured outputs).
     step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
     # The host-memory tier of the prefix cache (--kv-offload-gib); zeros and [] when it is off.
     kv_offload_num_blocks: int = 0
@@ -98,6 +113,13 @@ class EngineStats:
     kv_offload_to_device_bytes_per_s: float = 0.0
     # The host blocks as cells of CELL_CACHED (holds a block) or CELL_FREE, downsampled like block_map.
     kv_offload_block_map: list[int] = field(default_factory=list)
+    # Structured outputs (StructuredOutputStats' fields; zero until a request asks for structure).
+    num_grammars_compiled: int = 0
+    grammar_compile_time_s: float = 0.0
+    num_grammar_fill_steps: int = 0
+    grammar_fill_time_s: float = 0.0
+    grammar_fill_p50_s: float | None = None
+    grammar_fill_p99_s: float | None = None
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

@@ -35,6 +35,7 @@ def help_text() -> Text:
     text.append("█", style=COLOR_DECODE).append(" decode tokens under ")
     text.append("█", style=COLOR_PREFILL).append(" prefill tokens; the top row is the token budget\n")
     text.append("KV usage  ", style="bold").append("used blocks / all blocks; token util: tokens held / slots in used blocks\n")
+    text.append("requests  ", style="bold").append("◆ before an id: a structured output (JSON schema, regex, choice or grammar)\n")
     text.append("scheduler  ", style="bold").append("queues, preemptions, tok/s, TTFT and inter-token latency p50 / p99\n\n")
     for key, action in KEYS:
         text.append(f"  {key:<16}", style="bold #5fafff").append(f"{action}\n")

@@ -54,7 +54,8 @@ def short_id(request_id: str, width: int = ID_WIDTH) -> str:
 
 def row_cells(r: RequestStats) -> tuple:
     """The displayed cells of one request."""
-    name = Text("■ ", style=request_color(r.request_id)).append(short_id(r.request_id))
+    marker = "◆ " if r.is_structured else "■ "         # ◆: its output is held to a grammar
+    name = Text(marker, style=request_color(r.request_id)).append(short_id(r.request_id))
     state = Text(r.state, style=STATE_COLORS.get(r.state, ""))
     numbers = (r.prompt_tokens, r.output_tokens, r.num_blocks, r.num_cached_tokens)
     return (name, state, *(Text(str(n), justify="right") for n in numbers), Text(fmt_seconds(r.ttft_s), justify="right"))

@@ -7,7 +7,7 @@ times its tokens were seen on the engine thread.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from minillm.outputs import RequestOutput
@@ -61,6 +61,7 @@ class _SnapshotCollector(Collector):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
         yield from kv_offload_families(stats, self.model_name)
+        yield from _structured_output_summaries(self.model_name, stats)
 
 
 def kv_offload_families(stats: EngineStats, model_name: str):
@@ -83,6 +84,20 @@ def kv_offload_families(stats: EngineStats, model_name: str):
     moved.add_metric([model_name, "to_host"], float(stats.kv_offload_bytes_to_host))
     moved.add_metric([model_name, "to_device"], float(stats.kv_offload_bytes_to_device))
     yield moved
+
+
+def _structured_output_summaries(model_name: str, stats: EngineStats):
+    """Structured outputs: grammar compiles (off the step loop) and per-step bitmask fills, as
+    count and sum (their ratio is the mean; both zero until a request asks for structure)."""
+    for name, doc, count, seconds in (
+            ("minillm:structured_output_compile_seconds", "Seconds each grammar took to compile.",
+             stats.num_grammars_compiled, stats.grammar_compile_time_s),
+            ("minillm:structured_output_bitmask_fill_seconds",
+             "Seconds each step spent filling grammar bitmasks on the host.",
+             stats.num_grammar_fill_steps, stats.grammar_fill_time_s)):
+        family = SummaryMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], count_value=count, sum_value=seconds)
+        yield family
 
 
 class ServerMetrics:
