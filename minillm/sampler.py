@@ -54,7 +54,7 @@ class Sampler:
         ops = self.ops
         rows = ops.asarray(mask.rows)                                   # [N] int32
         bitmask = ops.xp.empty((logits.shape[0], mask.bitmask.shape[1]), dtype=np.int32)   # [B, W]
-        bitmask[rows] = ops.asarray(mask.bitmask)
+        bitmask[rows] = ops.asarray_async(mask.bitmask)          # ~1 MB a step: never wait for the stream
         ops.apply_token_bitmask(logits, bitmask, rows)
 
     def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:

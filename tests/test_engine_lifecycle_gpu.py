@@ -80,12 +80,14 @@ def shared_prefix(engine, rng):
 
 
 def preemption(engine, rng):
-    """Eight prompts that together fill the pool, then grow while decoding: preemption by
-    recompute, then all free."""
-    capacity = engine.block_manager.num_blocks * engine.config.block_size
-    prompt_len = min(capacity // 8 - 2 * engine.config.block_size, engine.max_model_len - 300)
+    """Prompts that together fill the pool, then grow while decoding: preemption by recompute,
+    then all free."""
+    bs = engine.config.block_size
+    capacity = engine.block_manager.num_blocks * bs
+    num_prompts = max(8, capacity // (engine.max_model_len - 300) + 2)
+    prompt_len = capacity // num_prompts - 2 * bs       # every prompt fits; the pool is left 2 blocks a prompt
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    for i in range(8):
+    for i in range(num_prompts):
         engine.add_request(f"q{i}", ids(rng, prompt_len), params)
     run_until_done(engine)
     assert engine.scheduler.num_preemptions > 0

@@ -19,6 +19,11 @@ def asarray(a, dtype=None) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=dtype))
 
 
+def asarray_async(a) -> np.ndarray:
+    """Host array -> backend array without waiting for queued work (nothing is queued on the CPU)."""
+    return np.ascontiguousarray(a)
+
+
 def to_numpy(a) -> np.ndarray:
     """Backend array -> host numpy array."""
     return np.asarray(a)
