@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks at the shapes of the Qwen3-0.6B workload, each beside its ceiling.
 
-    python3 benchmarks/kernels.py [--json results.json]
+    minillm bench kernels [--json results.json]      (or python3 -m minillm.benchmarks.kernels)
 
 First measures the card's ceilings: device-to-device copy bandwidth (bytes read + written) and
 the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel with CUDA events
@@ -20,9 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minillm.attention import AttentionMetadata  # noqa: E402
+from minillm.attention import AttentionMetadata
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
 DT = "bfloat16"
@@ -220,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         if cp.cuda.runtime.getDeviceCount() == 0:
             raise RuntimeError("no CUDA device")
     except Exception as e:  # no CuPy / driver / device
-        print(f"benchmarks/kernels.py needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
+        print(f"minillm bench kernels needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
         return 2
     from minillm.ops import cuda as ops
 

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
+from minillm.benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
 
 
 def parse_args(argv):
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(counters["timings_s"].items(), key=lambda kv: -kv[1]))
         print(f"where the {seconds:.2f} s went (s; *_gpu from CUDA events, the rest host time): {parts}")
     if not args.no_ceiling and args.device == "cuda":
-        from benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
+        from minillm.benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
         bw, mm = measure_copy_bandwidth(), measure_matmul_rate()
         floor = w.num_output_tokens / roofline_seconds(w, config, bw, mm)
         figures |= {"copy_bandwidth_Bps": bw, "matmul_flops": mm, "floor_tok_s": floor}

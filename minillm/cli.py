@@ -332,7 +332,7 @@ def monitor_command(
     replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead.")] = None,
 ) -> None:
     """Watch a server's KV cache and scheduler live."""
-    from tui.app import run_monitor
+    from minillm.tui.app import run_monitor
     run_monitor(url, api_key=api_key, record=record, replay=replay)
 
 
@@ -374,8 +374,8 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
 
 
 def run_benchmark(name: str, argv: list[str]) -> None:
-    """benchmarks.<name>.main(argv); a non-zero return becomes the exit status."""
-    module = importlib.import_module(f"benchmarks.{name}")
+    """minillm.benchmarks.<name>.main(argv); a non-zero return becomes the exit status."""
+    module = importlib.import_module(f"minillm.benchmarks.{name}")
     status = module.main(list(argv))
     if isinstance(status, int) and status:
         raise typer.Exit(status)

@@ -121,3 +121,24 @@ def test_list_shows_local_models_with_sizes(tmp_path):
     assert result.returncode == 0, result.stderr
     [line] = result.stdout.strip().splitlines()
     assert line.split()[:3] == ["karpathy/stories260K", "1.0", "MiB"]
+
+
+def test_wheel_installs_tui_and_benchmarks_inside_minillm(tmp_path):
+    # A copy of the tracked tree: building writes build/ and *.egg-info next to the sources.
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    src = tmp_path / "src"
+    for name in files.splitlines():
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / name, src / name)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                            "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    import zipfile
+    [wheel] = (tmp_path / "dist").glob("minillm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
+    assert {n.split("/")[0] for n in names} == {"minillm", dist_info}   # no top-level tui or benchmarks
+    for needed in ("minillm/tui/app.py", "minillm/tui/monitor.tcss", "minillm/tui/demo.jsonl.gz",
+                   "minillm/benchmarks/throughput.py", "minillm/cuda_src/common.cuh"):
+        assert needed in names

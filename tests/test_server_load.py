@@ -11,7 +11,7 @@ import httpx
 import pytest
 from test_server_helpers import get_stats, running_server, sse_events, wait_for
 
-from benchmarks import serving as bench
+from minillm.benchmarks import serving as bench
 
 MODEL = "stories"
 NUM_KV_BLOCKS = 24          # 16-token blocks: about six of these requests fit at once

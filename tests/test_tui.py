@@ -10,16 +10,16 @@ from rich.segment import Segment
 from rich.text import Text
 
 from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StepStats
-from tui.app import MonitorApp, TitleBar
-from tui.batch_chart import BatchChart
-from tui.block_grid import BlockGrid
-from tui.help_screen import HelpScreen
-from tui.memory_panel import MemoryPanel
-from tui.queue_panel import QueuePanel
-from tui.recording import Recorder, ReplaySource
-from tui.render import COLOR_CACHED, COLOR_FREE, request_color
-from tui.request_table import RequestTable
-from tui.usage_panel import UsagePanel
+from minillm.tui.app import MonitorApp, TitleBar
+from minillm.tui.batch_chart import BatchChart
+from minillm.tui.block_grid import BlockGrid
+from minillm.tui.help_screen import HelpScreen
+from minillm.tui.memory_panel import MemoryPanel
+from minillm.tui.queue_panel import QueuePanel
+from minillm.tui.recording import Recorder, ReplaySource
+from minillm.tui.render import COLOR_CACHED, COLOR_FREE, request_color
+from minillm.tui.request_table import RequestTable
+from minillm.tui.usage_panel import UsagePanel
 
 NUM_BLOCKS = 96
 BLOCK_SIZE = 16

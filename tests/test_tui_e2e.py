@@ -10,10 +10,10 @@ import pytest
 
 from minillm.stats import CELL_CACHED, CELL_FREE
 from test_server_helpers import running_server
-from tui.app import MonitorApp
-from tui.client import LiveSource
-from tui.recording import Recorder, load_recording
-from tui.request_table import RequestTable
+from minillm.tui.app import MonitorApp
+from minillm.tui.client import LiveSource
+from minillm.tui.recording import Recorder, load_recording
+from minillm.tui.request_table import RequestTable
 
 pytestmark = pytest.mark.anyio
 

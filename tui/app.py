@@ -13,17 +13,17 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Static
 
 from minillm.stats import EngineStats
-from tui.batch_chart import BatchChart
-from tui.block_grid import BlockGrid
-from tui.client import LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
-from tui.help_screen import HelpScreen
-from tui.history import StatsHistory
-from tui.memory_panel import MemoryPanel
-from tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
-from tui.queue_panel import QueuePanel
-from tui.recording import Recorder, ReplaySource
-from tui.request_table import RequestTable
-from tui.usage_panel import UsagePanel
+from minillm.tui.batch_chart import BatchChart
+from minillm.tui.block_grid import BlockGrid
+from minillm.tui.client import LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
+from minillm.tui.help_screen import HelpScreen
+from minillm.tui.history import StatsHistory
+from minillm.tui.memory_panel import MemoryPanel
+from minillm.tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
+from minillm.tui.queue_panel import QueuePanel
+from minillm.tui.recording import Recorder, ReplaySource
+from minillm.tui.request_table import RequestTable
+from minillm.tui.usage_panel import UsagePanel
 
 DEFAULT_CELLS = 256
 

@@ -5,8 +5,8 @@ from rich.style import Style
 from rich.text import Text
 
 from minillm.stats import StepStats
-from tui.panel import Panel
-from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline, spaced
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline, spaced
 
 AXIS_WIDTH = 5      # "512┤" and friends
 FOOTER_ROWS = 2     # the sequences sparkline and the legend

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_PREFILL, REQUEST_COLORS
+from minillm.tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_PREFILL, REQUEST_COLORS
 
 KEYS = (
     ("q", "quit"),

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
+from minillm.tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
 
 # One line per frame: {"t": <time.time() when received>, "stats": <EngineStats.to_dict()>}.
 # A path ending in .gz is read and written gzip-compressed (recordings shrink about 15x).

@@ -9,7 +9,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from minillm.stats import EngineStats, RequestStats
-from tui.render import fmt_seconds, request_color
+from minillm.tui.render import fmt_seconds, request_color
 
 ID_WIDTH = 18
 MAX_ROWS = 100   # DataTable re-measures every row on change; the rest are summarised in the subtitle

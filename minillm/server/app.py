@@ -243,7 +243,7 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
             # The dashboard owns the terminal: the server runs quietly on a thread.
             app = create_app(engine, api_key=api_key, served_model_name=served_model_name)
             with ServerThread(app, host, port, log_level="critical") as server:
-                from tui.app import run_monitor
+                from minillm.tui.app import run_monitor
                 run_monitor(server.url, api_key=api_key)
         else:
             app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
