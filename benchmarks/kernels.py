@@ -11,7 +11,6 @@ Small activations stay in L2 between launches, so their GB/s can exceed the copy
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from minillm.attention import AttentionMetadata
+from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
 DT = "bfloat16"
@@ -210,16 +210,15 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser = BenchParser("minillm bench kernels", __doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
         if cp.cuda.runtime.getDeviceCount() == 0:
             raise RuntimeError("no CUDA device")
     except Exception as e:  # no CuPy / driver / device
-        print(f"minillm bench kernels needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
-        return 2
+        raise BenchError(f"the kernel benchmarks need CuPy and a CUDA GPU ({type(e).__name__}: {e})") from None
     from minillm.ops import cuda as ops
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
@@ -239,4 +238,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "minillm bench kernels"))

@@ -374,16 +374,22 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
 
 
 def run_benchmark(name: str, argv: list[str]) -> None:
-    """minillm.benchmarks.<name>.main(argv); a non-zero return becomes the exit status."""
+    """minillm.benchmarks.<name>.main(argv): a bad argument or a benchmark that cannot run is one line."""
+    from minillm.benchmarks.cli_args import BenchError, BenchUsageError
     module = importlib.import_module(f"minillm.benchmarks.{name}")
-    status = module.main(list(argv))
+    try:
+        status = module.main(list(argv))
+    except BenchUsageError as exc:
+        raise typer.Exit(_fail(f"{exc.prog}: error: {exc.message} (try '{exc.prog} --help')", 2)) from None
+    except BenchError as exc:
+        raise typer.Exit(_fail(f"minillm bench {name}: error: {exc}", 1)) from None
     if isinstance(status, int) and status:
         raise typer.Exit(status)
 
 
 def _bench_command(name: str, summary: str) -> None:
     def command(args: Annotated[Optional[list[str]], typer.Argument(
-            help=f"Arguments for benchmarks.{name} (--help shows them).")] = None) -> None:
+            help=f"Options of minillm bench {name} (--help lists them with their defaults).")] = None) -> None:
         run_benchmark(name, args or [])
     command.__doc__ = summary
     bench_app.command(name=name, context_settings=PASS_THROUGH, add_help_option=False)(command)
