@@ -16,6 +16,7 @@ from minillm.config import EngineConfig
 from minillm.engine_stats import describe_engine, human_bytes
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
+STORE_DEFAULT = "default: the Hugging Face cache, $HF_HUB_CACHE or $HF_HOME/hub"
 ENGINE_PANEL = "Engine options"
 SAMPLING_PANEL = "Sampling options"
 
@@ -92,7 +93,7 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "enforce_eager": (Annotated[bool, _engine_option(
         "--enforce-eager", help="Never capture CUDA graphs.")], _default("enforce_eager")),
     "download_dir": (Annotated[Optional[str], _engine_option(
-        "--download-dir", help="Model store (default: ./weights).")], None),
+        "--download-dir", help=f"Where hub models are stored ({STORE_DEFAULT}).")], None),
 }
 
 
@@ -343,26 +344,36 @@ def monitor_command(
 @app.command()
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
-    download_dir: Annotated[Optional[str], typer.Option(help="Model store (default: ./weights).")] = None,
+    download_dir: Annotated[Optional[str], typer.Option(
+        help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
 ) -> None:
-    """Download a model into the local store."""
-    path = resolve_model(model, download_dir)
-    typer.echo(path)
+    """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
+    from minillm.model_store import download_model, is_repo_id, no_such_directory
+    if Path(model).expanduser().is_dir():
+        raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
+                       f"(minillm chat {model})")
+    if not is_repo_id(model) or model.startswith((".", "/", "~")):
+        raise CliError(f"{no_such_directory(model)}; pull takes a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
+    path = download_model(model, download_dir)
+    typer.echo(f"pulled {model} into {path}")
 
 
 @app.command(name="list")
 def list_command(
-    download_dir: Annotated[Optional[str], typer.Option(help="Model store (default: ./weights).")] = None,
+    download_dir: Annotated[Optional[str], typer.Option(
+        help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
 ) -> None:
-    """List the local models with their sizes."""
-    from minillm.loader import list_local_models
-    models = list(list_local_models(download_dir))
+    """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
+    from minillm.model_store import list_local_models, model_store
+    models = list_local_models(download_dir)
     if not models:
-        typer.echo(f"no local models in {download_dir or 'weights/'} (minillm pull MODEL fetches one)")
+        typer.echo(f"no models in {model_store(download_dir)} (minillm pull MODEL fetches one)")
         return
-    width = max(len(name) for name, _, _ in models)
-    for name, path, size in models:
-        typer.echo(f"{name:<{width}}  {human_bytes(size):>10}  {path}")
+    width = max(len("NAME"), *(len(m.repo_id) for m in models))
+    typer.echo(f"{'NAME':<{width}}  {'SIZE':>10}  PATH")
+    for m in models:
+        note = f"  (minillm cannot run it: {m.note})" if m.note else ""
+        typer.echo(f"{m.repo_id:<{width}}  {human_bytes(m.size_bytes):>10}  {m.path}{note}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,3 +31,18 @@ def eos_model_path(stories_path, tmp_path_factory) -> Path:
             (out / f.name).symlink_to(f)
     (out / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": [2, 1]}')
     return out
+
+
+def put_in_hf_cache(cache: Path, repo_id: str, files_from: Path, revision: str = "0123abcd") -> Path:
+    """Lay a model out as huggingface_hub does (blobs, a snapshot of links, refs/main); the snapshot."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in sorted(files_from.iterdir()):
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

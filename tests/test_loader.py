@@ -18,6 +18,7 @@ from minillm.loader import (
     resolve_model_path,
 )
 
+from conftest import put_in_hf_cache
 from make_fixtures import FIXTURES, TINY_DIR, TINY_MODELS
 
 try:
@@ -303,31 +304,69 @@ def test_no_weights_and_bad_dtype(tmp_path):
 
 def test_offline_repo_id_says_it_could_not_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(RuntimeError, match=r"could not fetch model 'someorg/tiny-model'.*local directory"):
+    with pytest.raises(RuntimeError, match=r"no such directory: someorg/tiny-model; as a Hugging Face repo id "
+                                           r"it could not be fetched"):
         resolve_model_path("someorg/tiny-model", download_dir=str(tmp_path))
 
 
-def test_not_a_path_nor_a_repo_id(tmp_path):
-    with pytest.raises(ValueError, match="neither a local directory"):
-        resolve_model_path(str(tmp_path / "does" / "not" / "exist"))
-    with pytest.raises(ValueError, match="neither a local directory"):
+def test_a_missing_path_is_no_such_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shared").mkdir()
+    model = save_numpy_checkpoint(tmp_path / "elsewhere" / "models" / "tiny", "llama")[0]
+    for missing in (str(tmp_path / "does" / "not" / "exist"), "./tiny", "shared/tiny", "a/b/c"):
+        # shared/ exists here, so shared/tiny is a mistyped path, never a hub id to fetch
+        with pytest.raises(FileNotFoundError, match=f"no such directory: {missing}") as info:
+            resolve_model_path(missing)
+        if missing.endswith("tiny"):
+            assert "did you mean ./elsewhere/models/tiny?" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face repo id"):
         resolve_model_path("not a repo id")
+    with pytest.raises(ValueError, match="is a file"):
+        resolve_model_path(str(model / "config.json"))
 
 
-# ---- the local store ------------------------------------------------------------------------------
+# ---- the model store: the Hugging Face cache -------------------------------------------------------
 
 
-def test_local_store_is_used_and_listed(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # a complete local copy needs no network
-    store = tmp_path / "weights"
-    path, _ = save_numpy_checkpoint(store / "someorg--tiny-llama", "llama")
-    write_config(store / "other--half")          # config but no weights: listed, not complete
-    (store / "not-a-model").mkdir()
-    assert resolve_model_path("someorg/tiny-llama", download_dir=str(store)) == path
-    listed = list_local_models(str(store))
-    assert [name for name, _, _ in listed] == ["other/half", "someorg/tiny-llama"]
-    name, p, size = listed[1]
-    assert p == path and size == sum(f.stat().st_size for f in path.iterdir())
+def test_hub_ids_come_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub: what other tools downloaded is used."""
+    from minillm.model_store import hf_hub_cache
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hf_hub_cache() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert hf_hub_cache() == tmp_path / "hf-home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    assert hf_hub_cache() == tmp_path / "hub-cache"
+
+    tiny = save_numpy_checkpoint(tmp_path / "src", "llama")[0]
+    snapshot = put_in_hf_cache(tmp_path / "hub-cache", "someorg/tiny-llama", tiny)
+    monkeypatch.chdir(tmp_path)      # the working directory plays no part
+    assert resolve_model_path("someorg/tiny-llama") == snapshot
+    assert load_model_config(resolve_model_path("someorg/tiny-llama")).architecture == "llama"
+    other = put_in_hf_cache(tmp_path / "elsewhere", "someorg/tiny-llama", tiny)
+    assert resolve_model_path("someorg/tiny-llama", download_dir=str(tmp_path / "elsewhere")) == other
+
+
+def test_the_store_is_listed_with_what_minillm_cannot_run(tmp_path):
+    cache = tmp_path / "hub"
+    tiny = save_numpy_checkpoint(tmp_path / "src", "qwen2")[0]
+    put_in_hf_cache(cache, "someorg/tiny-qwen", tiny)
+    put_in_hf_cache(cache, "other/half", write_config(tmp_path / "half"))   # config, no weights
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    put_in_hf_cache(cache, "someone/a-gguf", gguf)
+    (cache / "datasets--x--y").mkdir()                                        # not a model repo
+    listed = {m.repo_id: m for m in list_local_models(str(cache))}
+    assert sorted(listed) == ["other/half", "someone/a-gguf", "someorg/tiny-qwen"]
+    assert listed["someorg/tiny-qwen"].note == ""
+    assert listed["someorg/tiny-qwen"].size_bytes == sum(f.stat().st_size for f in tiny.iterdir())
+    assert listed["other/half"].note == "no safetensors weights"
+    assert listed["someone/a-gguf"].note == "no config.json"
     assert list_local_models(str(tmp_path / "nowhere")) == []
 
 
