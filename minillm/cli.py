@@ -29,6 +29,21 @@ bench_app = typer.Typer(help="Benchmarks: offline throughput, online serving, ke
 app.add_typer(bench_app, name="bench")
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from minillm import __version__
+        typer.echo(f"minillm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[Optional[bool], typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print the version and exit.")] = None,
+) -> None:
+    """minillm: a small LLM inference engine with a paged KV cache."""
+
+
 class CliError(Exception):
     """A user-facing failure: printed as one line, exit status 1."""
 
@@ -232,21 +247,51 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     return list(prompts)
 
 
-def output_record(out) -> dict:
-    """One JSON line: the prompt, its ids and every completion."""
+def output_record(out, tokenizer=None, num_top: int = 0) -> dict:
+    """One JSON line: the prompt, its ids and every completion (with logprobs when they were asked for)."""
     return {"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
-            "outputs": [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
-                        for c in out.outputs]}
+            "outputs": [completion_record(c, tokenizer, num_top) for c in out.outputs]}
 
 
-def print_plain(outputs) -> None:
-    """Each prompt followed by its completion(s), a blank line between them."""
+def completion_record(c, tokenizer=None, num_top: int = 0) -> dict:
+    """A completion as JSON; logprobs in the OpenAI shape: token, logprob and the top alternatives."""
+    record = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        record["cumulative_logprob"] = c.cumulative_logprob
+        record["logprobs"] = [token_logprobs(t, lps, tokenizer, num_top)
+                              for t, lps in zip(c.token_ids, c.logprobs)]
+    return record
+
+
+def token_logprobs(token_id: int, logprobs: dict[int, float], tokenizer=None, num_top: int = 0) -> dict:
+    """{token_id, token, logprob, top_logprobs} of one generated token."""
+    def text(i: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([i], skip_special_tokens=False)
+
+    # logprobs holds the sampled token and the top num_top; the sampled one may rank below them
+    top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num_top]
+    return {"token_id": token_id, "token": text(token_id), "logprob": logprobs.get(token_id),
+            "top_logprobs": [{"token_id": i, "token": text(i), "logprob": lp} for i, lp in top]}
+
+
+def print_plain(outputs, tokenizer=None, num_top: int = 0) -> None:
+    """Each prompt followed by its completion(s), a blank line between them; logprobs below each."""
     for i, out in enumerate(outputs):
         if i:
             typer.echo("")
         for c in out.outputs:
             label = f"[{c.index}] " if len(out.outputs) > 1 else ""
             typer.echo(f"{label}{out.prompt}{c.text}")
+            if c.logprobs is not None:
+                print_logprobs(completion_record(c, tokenizer, num_top))
+
+
+def print_logprobs(record: dict) -> None:
+    """One line per generated token: the token, its logprob and the alternatives."""
+    typer.echo(f"  logprobs (cumulative {record['cumulative_logprob']:.3f}):")
+    for t in record["logprobs"]:
+        top = ", ".join(f"{alt['token']!r} {alt['logprob']:.3f}" for alt in t["top_logprobs"])
+        typer.echo(f"  {t['token']!r:>14} {t['logprob']:8.3f}" + (f"   top: {top}" if top else ""))
 
 
 @app.command()
@@ -257,14 +302,26 @@ def generate(
         "--prompt", "-p", help="A prompt (repeat for a batch).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="A file with one prompt per line ('-': stdin).")] = None,
-    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
+    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL, help="0: greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
     top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
     min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.0,
     seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
     max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 16,
+    min_tokens: Annotated[int, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Generate at least this many tokens before EOS may stop.")] = 0,
     stop: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="A stop string (repeatable).")] = None,
+    stop_token_ids: Annotated[Optional[list[int]], typer.Option(
+        "--stop-token-id", rich_help_panel=SAMPLING_PANEL, help="A token id that stops (repeatable).")] = None,
+    repetition_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="> 1 discourages tokens already in the prompt or output.")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="In [-2, 2]: subtracted once from every token already generated.")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="In [-2, 2]: subtracted per occurrence in the output.")] = 0.0,
+    logprobs: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Show each token's logprob and this many top alternatives (0-20).")] = None,
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
     ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
@@ -275,24 +332,27 @@ def generate(
     """Generate for a batch of prompts offline (LLM.generate)."""
     from minillm.sampling_params import SamplingParams
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                            seed=seed, max_tokens=max_tokens, stop=list(stop or []) or None,
-                            ignore_eos=ignore_eos)
+                            seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
+                            stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos)
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"])
-    outputs = run_generate(engine_config(path, engine_options), prompts, params)
+    llm, outputs = run_generate(engine_config(path, engine_options), prompts, params)
+    tokenizer = llm.get_tokenizer()
     if as_json:
         for out in outputs:
-            typer.echo(json.dumps(output_record(out), ensure_ascii=False))
+            typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0), ensure_ascii=False))
     else:
-        print_plain(outputs)
+        print_plain(outputs, tokenizer, logprobs or 0)
 
 
 def run_generate(config: EngineConfig, prompts: list[str], params):
-    """LLM.generate over the prompts, with a progress bar on stderr."""
+    """LLM.generate over the prompts, with a progress bar on stderr: (the LLM, its outputs)."""
     from minillm.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
-    typer.echo(describe_engine(llm.engine.stats(cells=1)), err=True)
-    return llm.generate(prompts, params, use_tqdm=True)
+    typer.echo(describe_engine(llm.llm_engine.stats(cells=1)), err=True)
+    return llm, llm.generate(prompts, params, use_tqdm=True)
 
 
 # ---------------------------------------------------------------------------------------------
