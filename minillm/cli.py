@@ -204,6 +204,9 @@ def chat(
         help="Chat with a running `minillm serve` at this URL instead of loading a model.")] = None,
     api_key: Annotated[Optional[str], typer.Option(help="API key for --url.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System message.")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        help="A Jinja chat template, as a file or the template itself; replaces the model's own "
+             "(a model without one needs it to chat in turns).")] = None,
     temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.7,
     top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.9,
     top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
@@ -217,14 +220,17 @@ def chat(
     Inside the chat, /help lists the commands.
     """
     from minillm.chat import ChatSession, EngineChatBackend
+    from minillm.tokenizer import read_chat_template
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
+    template = read_chat_template(chat_template) if chat_template else None
     if url:
         from minillm.chat_client import HttpChatBackend
-        backend = HttpChatBackend(url, api_key=api_key, model=model)   # None: the server's first
+        backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
+                                  chat_template=template)
     else:
         path = resolve_chat_model(model, engine_options["download_dir"])
         engine = load_engine(engine_config(path, engine_options))
-        backend = EngineChatBackend(engine, name=model or Path(path).name)
+        backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
 
