@@ -74,23 +74,20 @@ def no_such_directory(model: str) -> str:
     return message
 
 
-def nearby_model_dirs(name: str, roots: tuple[Path, ...] | None = None) -> list[str]:
+def nearby_model_dirs(name: str) -> list[str]:
     """Model directories called NAME within a few levels of the working directory and its parent."""
     if not name or name in (".", ".."):
         return []
     cwd = Path.cwd()
-    found: list[str] = []
+    found: list[Path] = []
     visited = 0
-    for root in roots or (cwd, cwd.parent):
+    for root in (cwd, cwd.parent):
         frontier = [root]
         for _ in range(_NEARBY_DEPTH + 1):
             children = []
             for folder in frontier:
-                candidate = folder / name
-                if (candidate / "config.json").is_file():
-                    shown = os.path.relpath(candidate, cwd)
-                    if shown not in found:
-                        found.append(shown if shown.startswith(".") or os.path.isabs(shown) else f"./{shown}")
+                if (folder / name / "config.json").is_file() and folder / name not in found:
+                    found.append(folder / name)
                 try:
                     entries = sorted(os.scandir(folder), key=lambda e: e.name)
                 except OSError:
@@ -98,12 +95,18 @@ def nearby_model_dirs(name: str, roots: tuple[Path, ...] | None = None) -> list[
                 for entry in entries:
                     visited += 1
                     if visited > _NEARBY_MAX_DIRS:
-                        return found
+                        return [_shown(p, cwd) for p in found]
                     if (entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
-                            and entry.name not in _SKIPPED_DIRS):
+                            and entry.name not in _SKIPPED_DIRS and Path(entry.path) != cwd):
                         children.append(Path(entry.path))
             frontier = children
-    return found
+    return [_shown(p, cwd) for p in found]
+
+
+def _shown(path: Path, cwd: Path) -> str:
+    """PATH as the user would type it from CWD."""
+    relative = os.path.relpath(path, cwd)
+    return relative if relative.startswith("..") else f"./{relative}"
 
 
 def _is_complete(path: Path) -> bool:
