@@ -395,12 +395,24 @@ def serve(
 def monitor_command(
     url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
     api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
-    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE.")] = None,
-    replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead.")] = None,
+    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE (.gz: compressed).")] = None,
+    replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead of watching a server.")] = None,
+    demo: Annotated[bool, typer.Option(
+        "--demo", help="Replay the recording shipped with minillm (a loaded stories260K server): a look "
+                       "at the monitor without running a server.")] = False,
 ) -> None:
-    """Watch a server's KV cache and scheduler live."""
-    from minillm.tui.app import run_monitor
-    run_monitor(url, api_key=api_key, record=record, replay=replay)
+    """Watch a server's KV cache and scheduler live.
+
+    No server at hand? minillm monitor --demo replays the recording shipped with minillm; it
+    loops, and the title marks each new pass. Press ? inside for what each panel shows.
+    """
+    from minillm.tui.app import demo_recording, run_monitor
+    if demo and replay:
+        raise CliError("give either --demo or --replay FILE, not both")
+    source = demo_recording() if demo else replay
+    if source is not None and not source.is_file():
+        raise CliError(f"no such recording: {source}")
+    run_monitor(url, api_key=api_key, record=record, replay=source)
 
 
 # ---------------------------------------------------------------------------------------------
