@@ -282,11 +282,12 @@ def test_keys_typed_while_a_reply_streams_are_kept():
 
     # Ctrl-D typed while a reply streams: the reply ends, then the chat does, with status 0.
     ask(child, "/reset")
+    ask(child, "/set max_tokens 150")
     child.sendline("Once upon a time")
     child.expect_exact("Once upon a time\r\n")
     child.expect(r"\w")
     child.sendeof()
-    child.expect_exact(" [max_tokens 7 reached")
+    child.expect_exact(" [max_tokens 150 reached")
     child.expect(pexpect.EOF)
     assert PROMPT not in child.before
     child.close()
