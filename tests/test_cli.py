@@ -1,6 +1,7 @@
 """`minillm` commands as a user runs them: help, generate against LLM.generate, argument errors."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -178,9 +179,23 @@ def test_a_mistyped_local_path_is_no_such_directory_with_a_suggestion():
             assert "did you mean ../shared/models/stories260K?" in line
 
 
-def test_no_error_suggests_an_option_that_does_not_exist(tmp_path):
-    """Every --flag that an error message mentions is an option of the command that printed it."""
-    env = {"HF_HUB_OFFLINE": "1", "MINILLM_MODEL": ""}
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """minillm's console entry point in this process: (exit status, stdout, stderr)."""
+    from minillm.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_no_error_suggests_an_option_that_does_not_exist(tmp_path, monkeypatch, capsys):
+    """Every --flag that an error message mentions is an option of the command that printed it.
+
+    In-process through the console entry point: a fresh interpreter per case costs seconds each.
+    """
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("MINILLM_MODEL", raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
     failures = [
         ("generate", str(tmp_path / "nope"), "-p", "hi"),
         ("generate", "shared/stories260K", "-p", "hi"),
@@ -191,21 +206,23 @@ def test_no_error_suggests_an_option_that_does_not_exist(tmp_path):
         ("chat", str(STORIES), "--chat-template", str(tmp_path / "none.jinja")),
         ("serve", "--download-dir", str(tmp_path)),
         ("pull", "./x"),
+        ("monitor", "--replay", str(tmp_path / "none.jsonl")),
         ("bench", "throughput", "--device", "cpu"),
         ("bench", "throughput", "--model", str(STORIES), "--max-input-len", "400", "--max-output-len", "400"),
         ("bench", "serving", "--base-url", "http://127.0.0.1:9"),
         ("bench", "serving", "--num-prompts", "0"),
     ]
+    helps: dict[tuple[str, ...], set[str]] = {}
     for args in failures:
-        result = minillm(*args, env=env, stdin="")
-        assert result.returncode != 0, args
-        assert "Traceback" not in result.stderr, args
-        [line] = result.stderr.strip().splitlines()
+        status, _, err = run_main(capsys, *args)
+        assert status != 0, args
+        assert "Traceback" not in err, args
+        [line] = err.strip().splitlines()
         flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line))
-        command = [a for a in args[:2] if not a.startswith(("-", "/", ".")) and "/" not in a]
-        help_text = minillm(*command, "--help").stdout
-        known = set(re.findall(r"--[a-z][a-z-]*", help_text))
-        assert flags <= known, f"{args}: {line} names {flags - known}"
+        command = tuple(a for a in args[:2] if not a.startswith(("-", "/", ".")) and "/" not in a)
+        if command not in helps:
+            helps[command] = set(re.findall(r"--[a-z][a-z-]*", run_main(capsys, *command, "--help")[1]))
+        assert flags <= helps[command], f"{args}: {line} names {flags - helps[command]}"
 
 
 # ---- vLLM's names ---------------------------------------------------------------------------------
@@ -275,19 +292,19 @@ def test_bench_throughput_defaults_work_on_the_cpu():
     assert any(line.startswith("ceiling:") for line in lines)
 
 
-def test_bench_help_shows_every_default_like_the_rest_of_the_cli():
+def test_bench_help_shows_every_default_like_the_rest_of_the_cli(capsys):
+    helps = {}
     for name in ("throughput", "serving", "kernels"):
-        result = minillm("bench", name, "--help")
-        assert result.returncode == 0
-        text = result.stdout
+        status, text, _ = run_main(capsys, "bench", name, "--help")
+        assert status == 0
         assert text.startswith(f"Usage: minillm bench {name} [OPTIONS]") and "\nOptions:\n" in text
-        assert "-h, --help" in text and "<int>" in text or name == "kernels"
-    text = minillm("bench", "throughput", "--help").stdout
+        assert "  -h, --help  " in text and "Show this message and exit." in text
+        helps[name] = " ".join(text.split())
+    assert "<int>" in helps["throughput"] and "<path>" not in helps["throughput"]
     for shown in ("[default: auto]", "[default: 256]", "[default: 16384]", "default: 256 on a GPU, 16 on the CPU"):
-        assert shown in " ".join(text.split()), shown
-    text = " ".join(minillm("bench", "serving", "--help").stdout.split())
+        assert shown in helps["throughput"], shown
     for shown in ("[default: http://127.0.0.1:8000]", "[default: 100]", "[default: 128]", "[default: inf]"):
-        assert shown in text, shown
+        assert shown in helps["serving"], shown
     result = minillm("bench", "serving", "--num-prompts", "x")
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
