@@ -110,6 +110,7 @@ def test_monitor_demo_runs_from_the_command_line_and_help_names_it():
     help_text = subprocess.run([sys.executable, "-m", "minillm.cli", "monitor", "--help"], cwd=repo, env=env,
                                capture_output=True, text=True, timeout=60).stdout
     assert "--demo" in help_text and "minillm monitor --demo" in " ".join(help_text.split())
+    assert "minillm monitor --demo" in (repo / "README.md").read_text()
     child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "monitor", "--demo"], cwd=str(repo), env=env,
                           encoding="utf-8", timeout=60, dimensions=(40, 120))
     child.expect_exact("replay demo.jsonl.gz")
