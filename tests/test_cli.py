@@ -342,3 +342,15 @@ def test_wheel_installs_tui_and_benchmarks_inside_minillm(tmp_path):
     for needed in ("minillm/tui/app.py", "minillm/tui/monitor.tcss", "minillm/tui/demo.jsonl.gz",
                    "minillm/benchmarks/throughput.py", "minillm/cuda_src/common.cuh"):
         assert needed in names
+
+
+def test_the_test_extra_needs_no_torch_and_ci_still_runs_the_live_comparison():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {re.split(r"[<>=!~\[; ]", req)[0].lower() for req in reqs} for extra, reqs in extras.items()}
+    assert "torch" not in names["test"] and not any(n.startswith("nvidia") for n in names["test"])
+    assert {"torch", "transformers"} <= names["parity"]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert ci.index('"torch==2.13.0"') < ci.index('-e ".[test,parity]"')
+    readme = (REPO / "README.md").read_text()
+    assert 'pip install -e ".[test]" && python3 -m pytest -q' in readme
