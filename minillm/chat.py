@@ -18,7 +18,7 @@ QUIT_HINT = "Ctrl-D or /exit quits"
 CONTINUATION_PROMPT = "... "
 TRIPLE_QUOTE = '"""'
 
-HELP_TEXT = """\
+HELP_TEXT = f"""\
 commands:
   /help                 this list
   /reset                forget the conversation (the system message and settings stay)
@@ -30,7 +30,7 @@ commands:
 input:
   a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
   Ctrl-C stops the reply being written; at the prompt it clears the line ({QUIT_HINT})
-  what you type while a reply is written is kept for the next prompt""".replace("{QUIT_HINT}", QUIT_HINT)
+  what you type while a reply is written is kept for the next prompt"""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -322,6 +322,39 @@ def test_chat_template_from_a_file_or_a_string(tmp_path, templated_model):
         assert needle in line
 
 
+@needs_stories
+def test_a_reply_cut_by_the_context_says_so():
+    from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=32))
+    lines = iter(["Once upon a time"])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=200), out=out)
+    assert session.run(read_line) == 0
+    assert session.backend.last_stats.output_tokens == 32 - 5
+    assert "[the 32-token context is full: /reset starts over]" in out.getvalue()
+
+
+def test_keys_typed_during_a_reply_are_read_as_a_terminal_would():
+    from minillm.chat_terminal import TypeAhead
+    ahead = TypeAhead()
+    ahead.feed("/stats\rhello wrx\x7f\x7fo\x1b[Dld\x1b[A")     # a line, backspaces, arrow keys
+    assert ahead.lines == ["/stats"] and ahead.partial == "hello wold" and not ahead.is_eof
+    ahead.feed("\x04")                     # Ctrl-D with text on the line does not end input
+    assert not ahead.is_eof
+    ahead.feed("\x15\x04more")             # Ctrl-U clears it; Ctrl-D on an empty line does; later keys drop
+    assert ahead.is_eof and ahead.partial == ""
+
+
 def test_multiline_input_and_plain_text_rendering():
     from minillm.chat import Conversation, conversation_text, read_message
     lines = iter(['"""first line', "second line", 'third"""', "one \\", "two"])
