@@ -372,6 +372,16 @@ class ChatSession:
         if read_line is None:
             def read_line(prompt: str) -> str:
                 return read_with_type_ahead(prompt, self.type_ahead, self.out)
+        # Ctrl-C at the prompt clears the line even when the chat was started with SIGINT ignored
+        # (a background job of a script): Python then leaves it ignored.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler) if self.is_terminal else None
+        try:
+            return self._loop(read_line)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _loop(self, read_line: Callable[[str], str]) -> int:
         self.greet()
         while self.is_running:
             try:

@@ -7,6 +7,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -138,8 +139,10 @@ def wait_until_reading_input(child, timeout: float = 120.0) -> None:
 def spawn_chat(*args: str):
     pexpect = pytest.importorskip("pexpect")
     env = {**os.environ, "TERM": "dumb", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    # Started with SIGINT ignored, as a background job of a script would be: Ctrl-C must still work.
     child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu", *args],
-                          cwd=str(REPO), env=env, encoding="utf-8", timeout=120, dimensions=(50, 400))
+                          cwd=str(REPO), env=env, encoding="utf-8", timeout=120, dimensions=(50, 400),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect_exact("/help lists commands")
     child.expect_exact(PROMPT)
     return child
