@@ -96,11 +96,19 @@ def nearby_model_dirs(name: str) -> list[str]:
                     visited += 1
                     if visited > _NEARBY_MAX_DIRS:
                         return [_shown(p, cwd) for p in found]
-                    if (entry.is_dir(follow_symlinks=False) and not entry.name.startswith(".")
-                            and entry.name not in _SKIPPED_DIRS and Path(entry.path) != cwd):
+                    # Links are followed (a shared folder is often one); the depth bounds any loop.
+                    if (not entry.name.startswith(".") and entry.name not in _SKIPPED_DIRS
+                            and Path(entry.path) != cwd and _is_dir(entry)):
                         children.append(Path(entry.path))
             frontier = children
     return [_shown(p, cwd) for p in found]
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:   # a dangling link, or no permission
+        return False
 
 
 def _shown(path: Path, cwd: Path) -> str:

@@ -312,13 +312,14 @@ def test_offline_repo_id_says_it_could_not_fetch(tmp_path, monkeypatch):
 def test_a_missing_path_is_no_such_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "shared").mkdir()
-    model = save_numpy_checkpoint(tmp_path / "elsewhere" / "models" / "tiny", "llama")[0]
+    model = save_numpy_checkpoint(tmp_path / "real" / "models" / "tiny", "llama")[0]
+    (tmp_path / "elsewhere").symlink_to(tmp_path / "real")      # shared folders are often links
     for missing in (str(tmp_path / "does" / "not" / "exist"), "./tiny", "shared/tiny", "a/b/c"):
         # shared/ exists here, so shared/tiny is a mistyped path, never a hub id to fetch
         with pytest.raises(FileNotFoundError, match=f"no such directory: {missing}") as info:
             resolve_model_path(missing)
         if missing.endswith("tiny"):
-            assert "did you mean ./elsewhere/models/tiny?" in str(info.value)
+            assert "did you mean ./elsewhere/models/tiny or ./real/models/tiny?" in str(info.value)
     with pytest.raises(FileNotFoundError, match="not a Hugging Face repo id"):
         resolve_model_path("not a repo id")
     with pytest.raises(ValueError, match="is a file"):
