@@ -13,7 +13,7 @@ KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BODY_LIMIT = 64 * 1024
 MAX_MODEL_LEN = 256
-HEALTHY_TOKENS = 120     # long enough to stay in flight while a test sends its bad request
+HEALTHY_TOKENS = 240     # long enough to stay in flight while a test sends its bad request
 
 
 @pytest.fixture(scope="module")
