@@ -51,7 +51,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
-    download_dir: str | None = None      # None: ./weights
+    download_dir: str | None = None      # None: the Hugging Face cache (model_store.hf_hub_cache)
     served_model_name: str | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from test_server_helpers import get_stats, running_server, sse_events, wait_for
 
-from benchmarks import serving as bench
+from minillm.benchmarks import serving as bench
 from minillm.server.async_engine import MAX_COMMANDS_PER_STEP
 
 MODEL = "stories"

@@ -9,8 +9,8 @@ from rich.text import Text
 from textual.message import Message
 
 from minillm.stats import CELL_CACHED, CELL_FREE
-from tui.panel import Panel
-from tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
 
 CELL_WIDTH = 2     # "■ ", the smallest tile: terminal cells are about twice as tall as wide
 LEGEND_ROWS = 1

@@ -5,8 +5,8 @@ from rich.cells import cell_len
 from rich.text import Text
 
 from minillm.stats import EngineStats
-from tui.panel import Panel
-from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, spaced
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, spaced
 
 COLOR_RUNNING = "#87d75f"
 COLOR_WAITING = "#ffd75f"
