@@ -1,8 +1,8 @@
 """Multi-turn chat with and without the host KV tier: TTFT, throughput and the copy rate against
 the pinned host<->device copy ceiling, all measured in one run.
 
-    python -m benchmarks.multiturn                          # GPU: random Qwen3-0.6B-shaped weights, bf16
-    python -m benchmarks.multiturn --small --device cpu     # a tiny random model on the CPU
+    python -m minillm.benchmarks.multiturn                          # GPU: random Qwen3-0.6B-shaped weights, bf16
+    python -m minillm.benchmarks.multiturn --small --device cpu     # a tiny random model on the CPU
 
 Each conversation's turn is its whole history plus a new user message; a turn's reply becomes part
 of the history. Conversations take turns round robin (a conversation comes back after every other
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.workload import QWEN3_0_6B, write_random_model_dir
+from minillm.benchmarks.workload import QWEN3_0_6B, write_random_model_dir
 from minillm.engine_stats import human_bytes
 
 # A tiny Qwen3-shaped model for --small (the CPU runs it in seconds).
@@ -151,7 +151,7 @@ def copy_ceilings(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> tuple
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.multiturn", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m minillm.benchmarks.multiturn", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: random weights, Qwen3-0.6B shape or tiny with --small)")
     p.add_argument("--small", action="store_true",
                    help="a tiny model and 16 conversations x 6 turns with histories to 432 tokens")

@@ -1,8 +1,8 @@
 """Structured outputs in the engine: the decode step time of a batch with JSON-schema requests
 against the same batch unconstrained, and the bitmask-fill time per step.
 
-    python -m benchmarks.structured_step                               # H200: Qwen3-0.6B shape, bf16
-    python -m benchmarks.structured_step --device cpu --shape tiny --batch 16 --constrained 4 --steps 8
+    python -m minillm.benchmarks.structured_step                               # H200: Qwen3-0.6B shape, bf16
+    python -m minillm.benchmarks.structured_step --device cpu --shape tiny --batch 16 --constrained 4 --steps 8
 
 The model has random weights (load_format "dummy") in the Qwen3-0.6B shape (--shape tiny: two small
 layers over the same 151,936-row head, for a CPU check) and the byte-level tokenizer that
@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.structured import QWEN_TOKENIZER_VOCAB, SCHEMAS, SPECIALS, synthetic_byte_level_tokenizer  # noqa: E402
-from benchmarks.workload import QWEN3_0_6B  # noqa: E402
+from minillm.benchmarks.structured import QWEN_TOKENIZER_VOCAB, SCHEMAS, SPECIALS, synthetic_byte_level_tokenizer  # noqa: E402
+from minillm.benchmarks.workload import QWEN3_0_6B  # noqa: E402
 
 ALLOWED_OVERHEAD = 0.10
 SHAPES = {
@@ -117,7 +117,7 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.structured_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m minillm.benchmarks.structured_step", description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")

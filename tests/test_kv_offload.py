@@ -613,9 +613,9 @@ def anyio_backend():
 async def test_block_grid_shows_the_host_tier_as_a_second_strip(tier_stats):
     from textual.app import App
 
-    from tui.block_grid import HOST_LABEL, BlockGrid
-    from tui.history import StatsHistory
-    from tui.render import COLOR_CACHED
+    from minillm.tui.block_grid import HOST_LABEL, BlockGrid
+    from minillm.tui.history import StatsHistory
+    from minillm.tui.render import COLOR_CACHED
 
     class GridApp(App):
         def compose(self):

@@ -79,14 +79,14 @@ def test_stats_count_compiles_and_fills(seeded_batch):
 
 
 def test_structured_rows_are_marked_in_the_stats_and_the_monitor(stories_path):
-    from tui.request_table import row_cells
+    from minillm.tui.request_table import row_cells
     engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu"))
     engine.add_request("c", PROMPT, constrained("json", seed=1))
     engine.add_request("u", PROMPT, GREEDY)
     engine.step()
     rows = {r.request_id: r for r in engine.stats().requests}
     assert rows["c"].is_structured and not rows["u"].is_structured
-    assert row_cells(rows["c"])[0].plain == "◆ c" and row_cells(rows["u"])[0].plain == "■ u"
+    assert row_cells(rows["c"], 16)[0].plain == "◆ c" and row_cells(rows["u"], 16)[0].plain == "■ u"
     engine.shutdown()
 
 
