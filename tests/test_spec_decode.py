@@ -276,6 +276,17 @@ def make_seq(params: SamplingParams, seed: int, prompt=(1, 2, 3)) -> Sequence:
     return Sequence("r", 0, list(prompt), params, 0.0, np.random.default_rng(seed), 1000)
 
 
+def plain_sample(logits: np.ndarray, seqs) -> list[int]:
+    """The plain sampler as the engine runs it: each sequence counts the token being sampled as an
+    output placeholder during the call (the scheduler's launch), and the ids are read back."""
+    for s in seqs:
+        s.num_output_placeholders += 1
+    ids = npops.to_numpy(Sampler(npops, []).sample_no_sync(np.array(logits, np.float32), seqs).token_ids)
+    for s in seqs:
+        s.num_output_placeholders -= 1
+    return ids.astype(np.int64).tolist()
+
+
 def run_spec(seqs, rows: list[np.ndarray], drafts: list[list[int]], sampler=None) -> list[list[int]]:
     """rows: per sequence its [d + 1, V] logits; drafts: per sequence its d draft ids."""
     meta = SpecDecodeMetadata.make(drafts, [len(d) + 1 for d in drafts])
@@ -333,7 +344,7 @@ def test_without_drafts_it_is_the_plain_sampler(filters):
     temps = rng.choice([0.0, 0.5, 0.8, 1.3], batch)
     plain = [make_seq(SamplingParams(temperature=float(t), **filters), 100 + b) for b, t in enumerate(temps)]
     spec = [make_seq(SamplingParams(temperature=float(t), **filters), 100 + b) for b, t in enumerate(temps)]
-    want, _ = Sampler(npops, [])(logits.copy(), plain)
+    want = plain_sample(logits.copy(), plain)
     got = run_spec(spec, [logits[b:b + 1] for b in range(batch)], [[] for _ in range(batch)])
     assert [g[0] for g in got] == want and all(len(g) == 1 for g in got)
 
@@ -345,7 +356,7 @@ def test_same_seed_gives_the_plain_samplers_tokens():
     row = (rng.standard_normal(vocab) * 1.5).astype(np.float32)
     params = SamplingParams(temperature=0.8)
     plain_seqs = [make_seq(params, s) for s in range(500)]
-    want, _ = Sampler(npops, [])(np.tile(row, (500, 1)), plain_seqs)
+    want = plain_sample(np.tile(row, (500, 1)), plain_seqs)
     seqs = [make_seq(params, s) for s in range(500)]
     draft = int(np.argsort(-row)[1])
     got = run_spec(seqs, [np.stack([row, row]) for _ in seqs], [[draft] for _ in seqs])
@@ -374,10 +385,9 @@ def test_seeded_output_is_the_same_with_and_without_speculation(filters):
     model = MarkovModel(10, seed=4, scale=1.2)
     params = SamplingParams(temperature=1.0, **filters)
     plain = make_seq(params, 77)
-    sampler = Sampler(npops, [])
     tokens = list(plain.token_ids)
     for _ in range(120):
-        tokens += sampler(model.logits(tokens)[None].copy(), [plain])[0]
+        tokens += plain_sample(model.logits(tokens)[None], [plain])
     spec = make_seq(params, 77)
     out = list(spec.token_ids)
     draft_rng = np.random.default_rng(5)
@@ -486,7 +496,7 @@ def first_token_counts(verify, seed0: int, filters=None) -> np.ndarray:
 def plain_first_token_counts(seed0: int, filters=None) -> np.ndarray:
     params = SamplingParams(temperature=0.8, **(filters or {}))
     seqs = [make_seq(params, seed0 + i) for i in range(NUM_SAMPLES)]
-    ids, _ = Sampler(npops, [])(np.tile(FIRST_ROW, (NUM_SAMPLES, 1)), seqs)
+    ids = plain_sample(np.tile(FIRST_ROW, (NUM_SAMPLES, 1)), seqs)
     return np.bincount(ids, minlength=len(FIRST_ROW))
 
 
@@ -525,8 +535,7 @@ def joint_counts(model: MarkovModel, drafts: list[int], seed0: int, verify=None)
     outs = run_spec(seqs, rows, [list(drafts)] * NUM_SAMPLES, sampler=verify)
     short = [b for b, o in enumerate(outs) if len(o) < 2]
     if short:
-        second, _ = Sampler(npops, [])(np.stack([model.logits([0, outs[b][0]]) for b in short]),
-                                       [seqs[b] for b in short])
+        second = plain_sample(np.stack([model.logits([0, outs[b][0]]) for b in short]), [seqs[b] for b in short])
         for b, t in zip(short, second):
             outs[b].append(t)
     pairs = np.array([o[0] * vocab + o[1] for o in outs])
@@ -536,9 +545,8 @@ def joint_counts(model: MarkovModel, drafts: list[int], seed0: int, verify=None)
 def plain_joint_counts(model: MarkovModel, seed0: int) -> np.ndarray:
     vocab = model.table.shape[0]
     seqs = [make_seq(SamplingParams(temperature=0.8), seed0 + i, prompt=[0]) for i in range(NUM_SAMPLES)]
-    sampler = Sampler(npops, [])
-    first, _ = sampler(np.tile(model.logits([0]), (NUM_SAMPLES, 1)), seqs)
-    second, _ = sampler(np.stack([model.logits([0, t]) for t in first]), seqs)
+    first = plain_sample(np.tile(model.logits([0]), (NUM_SAMPLES, 1)), seqs)
+    second = plain_sample(np.stack([model.logits([0, t]) for t in first]), seqs)
     return np.bincount(np.array(first) * vocab + np.array(second), minlength=vocab * vocab)
 
 
@@ -618,9 +626,11 @@ def test_stats_from_a_verified_step():
 # ----------------------------------------------------------------------------- per-row rules
 
 def appended(seq: Sequence, tokens: list[int]) -> Sequence:
-    """A copy of seq that generated `tokens` as well (what the row of draft len(tokens) assumes)."""
+    """A copy of seq that generated `tokens` as well (what the row of draft len(tokens) assumes),
+    launched for one plain step: the token its row samples is its one output placeholder."""
     other = make_seq(seq.params, 0, prompt=seq.prompt_token_ids)
     other.token_ids = list(seq.token_ids) + list(tokens)
+    other.num_output_placeholders = 1
     other.output_counts = dict(seq.output_counts)
     for t in tokens:
         other.output_counts[t] = other.output_counts.get(t, 0) + 1
@@ -637,6 +647,8 @@ def test_penalties_and_bans_of_each_row_see_the_drafts_before_it():
     plain = make_seq(SamplingParams(temperature=0.7), 2, prompt=[1])
     drafts = [[5, 7, 9], [2]]
     seqs = [penalised, plain]
+    for seq, d in zip(seqs, drafts):
+        seq.num_output_placeholders = len(d) + 1    # launched: up to d + 1 tokens come back
     rows = sum(len(d) + 1 for d in drafts)
     logits = (rng.standard_normal((rows, vocab)) * 2).astype(np.float32)
     sampler = Sampler(npops, eos_token_ids=[0])
@@ -653,7 +665,8 @@ def test_penalties_and_bans_of_each_row_see_the_drafts_before_it():
             sampler._block_early_stops(want, as_if)
             np.testing.assert_array_equal(got[r], want[0])
             r += 1
-    assert np.isinf(got[1, 9]) and np.isinf(got[1, 0])       # 3 outputs < min_tokens 4: stop ids banned
-    assert not np.isinf(got[2, 9])                           # 4 outputs: allowed again
+    assert np.isinf(got[1, 9]) and np.isinf(got[1, 0])       # 3 outputs before < min_tokens 4: stop ids banned
+    assert not np.isinf(got[2, 9])                           # 4 outputs before: allowed again
     assert penalised.output_counts == {5: 1, 6: 1}           # the sequence itself is untouched
-    assert [v.num_output_tokens for v in views] == [2, 3, 4, 5, 0, 1]
+    # each view counts the outputs before its row plus the one it samples (the sampler's rule)
+    assert [v.num_output_tokens for v in views] == [3, 4, 5, 6, 1, 2]

@@ -22,7 +22,7 @@ class DraftRowView:
     rng: np.random.Generator          # the sequence's own generator
     prompt_token_ids: list[int]
     output_counts: dict[int, int]     # token id -> times generated, drafts[:j] included
-    num_output_tokens: int            # the sequence's outputs plus j
+    num_output_tokens: int            # outputs before this row, plus the one it samples (the sampler's rule)
 
 
 def _has_penalties(params) -> bool:
@@ -31,15 +31,20 @@ def _has_penalties(params) -> bool:
 
 
 def draft_row_views(seqs: Seq, draft_token_ids: Seq[Seq[int]]) -> list[DraftRowView]:
-    """One view per logits row of the step, in row order: d + 1 for a sequence with d drafts."""
+    """One view per logits row of the step, in row order: d + 1 for a sequence with d drafts.
+
+    Called at launch, when a sequence with d drafts already counts d + 1 output placeholders (the
+    most tokens the step can give it). The sampler's min_tokens rule counts the token being sampled,
+    so row j's view counts num_output_tokens - d + j: the outputs before row j, plus its own.
+    """
     if len(seqs) != len(draft_token_ids):
         raise ValueError(f"{len(draft_token_ids)} draft lists for {len(seqs)} sequences")
     views = []
     for seq, drafts in zip(seqs, draft_token_ids):
         counts = seq.output_counts
+        first = seq.num_output_tokens - len(drafts)
         for j in range(len(drafts) + 1):
-            views.append(DraftRowView(seq.params, seq.rng, seq.prompt_token_ids, counts,
-                                      seq.num_output_tokens + j))
+            views.append(DraftRowView(seq.params, seq.rng, seq.prompt_token_ids, counts, first + j))
             if j < len(drafts) and _has_penalties(seq.params):
                 # Copied only where penalties read them; the sequence's own dict is never written.
                 counts = dict(counts)
