@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minillm.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class EngineConfig:
     served_model_name: str | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
+    # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
+    speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -75,3 +81,13 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_config is not None:
+            from minillm.spec_decode.config import SpeculativeConfig
+            try:
+                spec = SpeculativeConfig.from_any(self.speculative_config)
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                raise ValueError(message if message.startswith("speculative_config")
+                                 else f"speculative_config: {message}") from None
+            # Parsed once here, as given: the frozen config holds the one parsed form.
+            object.__setattr__(self, "speculative_config", spec)

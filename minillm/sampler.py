@@ -33,8 +33,7 @@ class Sampler:
         ops = self.ops
         rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = ops.log_softmax(logits[rows]) if rows else None   # before penalties, as vLLM
-        self._apply_penalties(logits, seqs)
-        self._block_early_stops(logits, seqs)
+        self.apply_penalties_and_bans(logits, seqs)
         temperature = np.array([s.params.temperature for s in seqs], np.float32)
         top_k = np.array([max(s.params.top_k, 0) for s in seqs], np.int32)
         top_p = np.array([s.params.top_p for s in seqs], np.float32)
@@ -44,6 +43,13 @@ class Sampler:
         ids = ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
                          ops.asarray(min_p), ops.asarray(uniforms))
         return SamplerOutput(ids, raw_logprobs, rows)
+
+    def apply_penalties_and_bans(self, logits, seqs) -> None:
+        """logits: [B, V] float32, in place: repetition / presence / frequency penalties, and the
+        min_tokens ban of EOS and stop tokens. seqs: one per row (a Sequence or a view with its
+        params, prompt_token_ids, output_counts and num_output_tokens)."""
+        self._apply_penalties(logits, seqs)
+        self._block_early_stops(logits, seqs)
 
     def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:
         rows, tokens, counts, in_prompt = [], [], [], []

@@ -55,6 +55,7 @@ class Sequence:
     stop_reason: int | str | None = None
     output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts launched for verification, not read back
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from minillm.spec_decode.metrics import SpecDecodeStats
+
 # Block map cell values: a request row index (>= 0) for a used block, or one of these.
 CELL_FREE = -1
 CELL_CACHED = -2
@@ -88,6 +90,8 @@ class EngineStats:
     # Where the steps' time went so far: phase -> seconds summed over steps ("schedule", "prepare",
     # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling).
     step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding totals (drafts, draft tokens, accepted, accepted per position); None when off.
+    spec_decode: SpecDecodeStats | None = None
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

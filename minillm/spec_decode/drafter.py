@@ -1,0 +1,54 @@
+"""The scheduler's side of speculation: which sequences propose, and how many drafts they may take.
+
+A sequence proposes only when every one of its tokens is known on the host (the n-gram search
+reads them); its drafts then ride on its next step as extra query tokens. While its drafts are
+being verified its length is unknown, so nothing more is scheduled for it until the step is read
+back; `needs_output_tokens` tells the engine when a step in flight must be read first.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence as Seq
+
+from minillm.sequence import Sequence
+from minillm.spec_decode.config import SpeculativeConfig
+from minillm.spec_decode.ngram import NgramProposer, TokenHistory
+
+
+class Drafter:
+    """Proposes drafts for running decoding sequences, within k, max_tokens and max_model_len."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.proposer = NgramProposer(config, max_model_len)
+        # Each sequence's tokens as a NumPy array, appended to as it grows (gone with the sequence).
+        self._histories: weakref.WeakKeyDictionary[Sequence, TokenHistory] = weakref.WeakKeyDictionary()
+
+    def is_enabled(self, num_running: int) -> bool:
+        """False while more sequences run than disable_by_batch_size allows."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running <= limit
+
+    def max_num_drafts(self, seq: Sequence) -> int:
+        """Drafts seq may take: k, less what max_tokens leaves after the token sampled with them."""
+        return min(self.k, seq.max_tokens - seq.num_output_tokens - 1)
+
+    def propose(self, seq: Sequence, max_num_tokens: int) -> list[int]:
+        """Draft ids for a decoding sequence whose tokens are all known (at most max_num_tokens)."""
+        limit = min(self.max_num_drafts(seq), max_num_tokens)
+        if limit <= 0:
+            return []
+        history = self._histories.get(seq)
+        if history is None:
+            history = self._histories[seq] = TokenHistory(2 * len(seq.token_ids))
+        return self.proposer.propose(history.sync(seq.token_ids), limit)
+
+    def needs_output_tokens(self, running: Seq[Sequence]) -> bool:
+        """True when a running sequence has drafts in flight (its length is unknown until they are
+        read back) or may propose once its token in flight is known."""
+        if any(s.spec_token_ids for s in running):
+            return True
+        if not self.is_enabled(len(running)):
+            return False
+        return any(s.num_output_placeholders and self.max_num_drafts(s) > 0 for s in running)
