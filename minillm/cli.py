@@ -93,6 +93,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--enforce-eager", help="Never capture CUDA graphs.")], _default("enforce_eager")),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help="Model store (default: ./weights).")], None),
+    "speculative_config": (Annotated[Optional[str], _engine_option(
+        "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],
+        None),
 }
 
 
