@@ -240,3 +240,34 @@ def test_a_broken_acceptance_rule_fails_the_test(stories_path, dist_prompt, plai
     broken = [tuple(o.outputs[0].token_ids[:FIRST_TOKENS]) for o in llm.generate([dist_prompt] * NUM_SAMPLES, params)]
     a, b = tuple_counts(broken, plain_samples)
     assert chi2_two_sample_pvalue(a, b) < 0.01
+
+
+def test_metrics_and_monitor_show_the_spec_decode_counters(stories_path, golden):
+    from minillm.server.metrics import ServerMetrics
+    from tui.client import parse_stats
+    from tui.queue_panel import _wide_rows
+    llm = LLM(str(stories_path), device="cpu", speculative_config=SPEC, served_model_name="m")
+    llm.generate([[1] + golden[1:20] + golden[1:6]] * 3, SamplingParams(temperature=0, max_tokens=16))
+    stats = llm.engine.stats()
+    spec = stats.spec_decode
+    metrics = ServerMetrics("m")
+    metrics.update(stats)
+    text = metrics.render().decode()
+    assert f'minillm:spec_decode_num_drafts_total{{model_name="m"}} {float(spec.num_drafts)}' in text
+    assert f'minillm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(spec.num_draft_tokens)}' in text
+    assert f'minillm:spec_decode_num_accepted_tokens_total{{model_name="m"}} {float(spec.num_accepted_tokens)}' in text
+    for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
+        assert (f'minillm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
+                f'{float(n)}') in text
+    # the monitor reads the JSON snapshot and shows one line for it
+    parsed = parse_stats(json.loads(json.dumps(stats.to_dict())))
+    assert parsed.spec_decode == spec
+    line = [" ".join(t for t, _ in row) for row in _wide_rows(parsed) if any("accept" in t for t, _ in row)]
+    assert len(line) == 1
+    assert f"accept {spec.acceptance_rate:.0%} · len {spec.mean_acceptance_length:.2f}" in line[0]
+    # off: no series, no line
+    plain = LLM(str(stories_path), device="cpu").engine.stats()
+    metrics.update(plain)
+    assert "spec_decode" not in metrics.render().decode()
+    assert parse_stats(json.loads(json.dumps(plain.to_dict()))).spec_decode is None
+    assert not any("accept" in t for row in _wide_rows(plain) for t, _ in row)

@@ -11,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from minillm.outputs import RequestOutput
+from minillm.spec_decode.metrics import COUNTERS as SPEC_DECODE_COUNTERS
+from minillm.spec_decode.metrics import PER_POSITION_COUNTER
 from minillm.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -60,6 +62,7 @@ class _SnapshotCollector(Collector):
         for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
+        yield from spec_decode_families(stats, self.model_name)
 
 
 class ServerMetrics:
@@ -125,3 +128,19 @@ class RequestTimer:
             self.metrics.e2e.observe(max(0.0, end - times.arrival_time))
         self.metrics.prompt_len.observe(len(output.prompt_token_ids))
         self.metrics.generation_len.observe(self.num_tokens)
+
+
+def spec_decode_families(stats: EngineStats, model_name: str):
+    """vLLM's spec_decode counters from the snapshot (nothing when speculation is off)."""
+    spec = stats.spec_decode
+    if spec is None:
+        return
+    for name, doc, attr in SPEC_DECODE_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(getattr(spec, attr)))
+        yield family
+    name, doc, label = PER_POSITION_COUNTER
+    family = CounterMetricFamily(name, doc, labels=["model_name", label])
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([model_name, str(position)], float(count))
+    yield family
