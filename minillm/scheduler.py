@@ -15,8 +15,9 @@ runs. Every stop rule goes through check_stop().
 With speculative decoding configured, a decoding sequence whose tokens are all known may carry d
 draft tokens (minillm/spec_decode/drafter.py): it is scheduled for 1 + d tokens and counts d + 1
 placeholders; update_from_output() appends what was accepted and moves num_computed_tokens back
-over the rejected drafts. Drafts only take the budget and blocks left once every running
-sequence has its token, so they never cause a preemption.
+over the rejected drafts (their blocks stay with the sequence for its next tokens, and go back
+with the rest when it finishes or is preempted). Drafts only take the budget and blocks left once
+every running sequence has its token: nobody is preempted to make room for them.
 """
 from __future__ import annotations
 
