@@ -271,3 +271,35 @@ def test_metrics_and_monitor_show_the_spec_decode_counters(stories_path, golden)
     assert "spec_decode" not in metrics.render().decode()
     assert parse_stats(json.loads(json.dumps(plain.to_dict()))).spec_decode is None
     assert not any("accept" in t for row in _wide_rows(plain) for t, _ in row)
+
+
+def test_server_streams_the_same_text_with_speculation(stories_path, golden):
+    """The server with speculation: streamed and whole completions equal the plain engine's (a stop
+    string ends the text where it does there), and /metrics and /v1/stats count the drafts."""
+    import httpx
+    from test_server_helpers import get_stats, running_server
+    from minillm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(stories_path)
+    prompt = tok.decode(golden[1:60])          # its continuation repeats sentences of the prompt
+    plain = LLM(str(stories_path), device="cpu")
+    want = {}
+    for stop in (None, ["know what"]):
+        out = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=48, stop=stop))[0].outputs[0]
+        want[bool(stop)] = (out.text, out.finish_reason)
+    assert want[True][1] == "stop"
+    with running_server(stories_path, speculative_config=SPEC) as (url, engine):
+        for stop in (None, ["know what"]):
+            body = {"model": "stories", "prompt": prompt, "max_tokens": 48, "temperature": 0, "stop": stop}
+            whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert (whole["text"], whole["finish_reason"]) == want[bool(stop)]
+            text = ""
+            with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        text += json.loads(line[6:])["choices"][0]["text"]
+            assert text == whole["text"]
+        stats = get_stats(url)["spec_decode"]
+        assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert f'minillm:spec_decode_num_drafts_total{{model_name="stories"}} {float(stats["num_drafts"])}' in metrics
