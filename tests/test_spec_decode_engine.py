@@ -7,15 +7,25 @@ tokens after a fixed prompt pass a chi-square test against plain sampling, and f
 deliberately broken acceptance rule.
 """
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
+from test_server_helpers import get_stats, running_server
+from test_spec_decode import chi2_two_sample_pvalue
 
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
+from minillm.server.metrics import ServerMetrics
 from minillm.spec_decode import SpeculativeConfig
 from minillm.spec_decode import rejection as rejection_mod
-from test_spec_decode import chi2_two_sample_pvalue
+from minillm.tokenizer import Tokenizer
+from tui.client import parse_stats
+from tui.queue_panel import _wide_rows
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MAX_TOKENS = 32
@@ -243,9 +253,6 @@ def test_a_broken_acceptance_rule_fails_the_test(stories_path, dist_prompt, plai
 
 
 def test_metrics_and_monitor_show_the_spec_decode_counters(stories_path, golden):
-    from minillm.server.metrics import ServerMetrics
-    from tui.client import parse_stats
-    from tui.queue_panel import _wide_rows
     llm = LLM(str(stories_path), device="cpu", speculative_config=SPEC, served_model_name="m")
     llm.generate([[1] + golden[1:20] + golden[1:6]] * 3, SamplingParams(temperature=0, max_tokens=16))
     stats = llm.engine.stats()
@@ -276,10 +283,6 @@ def test_metrics_and_monitor_show_the_spec_decode_counters(stories_path, golden)
 def test_server_streams_the_same_text_with_speculation(stories_path, golden):
     """The server with speculation: streamed and whole completions equal the plain engine's (a stop
     string ends the text where it does there), and /metrics and /v1/stats count the drafts."""
-    import httpx
-    from test_server_helpers import get_stats, running_server
-    from minillm.tokenizer import Tokenizer
-
     tok = Tokenizer.from_pretrained(stories_path)
     prompt = tok.decode(golden[1:60])          # its continuation repeats sentences of the prompt
     plain = LLM(str(stories_path), device="cpu")
@@ -303,3 +306,22 @@ def test_server_streams_the_same_text_with_speculation(stories_path, golden):
         assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
         assert f'minillm:spec_decode_num_drafts_total{{model_name="stories"}} {float(stats["num_drafts"])}' in metrics
+
+
+def test_cli_takes_speculative_config_as_json(stories_path):
+    repo = Path(__file__).resolve().parents[1]
+
+    def generate(*extra):
+        args = [sys.executable, "-m", "minillm.cli", "generate", str(stories_path), "--device", "cpu", "--json",
+                "--temperature", "0", "--max-tokens", "24", "-p", "Once upon a time, there was a little girl.",
+                *extra]
+        return subprocess.run(args, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
+                              capture_output=True, text=True, timeout=120)
+    bad = generate("--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "minillm: error: speculative_config: num_speculative_tokens must be an integer >= 1, got -1"]
+    good = generate("--speculative-config", json.dumps(SPEC))
+    plain = generate()
+    assert good.returncode == plain.returncode == 0
+    assert json.loads(good.stdout)["outputs"] == json.loads(plain.stdout)["outputs"]
