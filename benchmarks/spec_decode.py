@@ -8,9 +8,9 @@ inputs, with the measured acceptance rate beside each figure.
 Workloads: "own-output" (the default for random weights) builds each prompt from a random start and
 the model's own greedy continuation of it, so the measured continuation goes on with whatever the
 model repeats; "passage" (the default for a trained model) repeats a short story passage and asks to
-continue it. Batch B runs B requests at a time until enough tokens are out; each figure is the
-fastest of --repeats measurements. ITL is each request's (last token time - first token time) /
-(tokens - 1), averaged over requests.
+continue it. Batch B keeps B requests running (a new one joins as one finishes) until enough
+tokens are out; each figure is the fastest of --repeats measurements. ITL is each request's
+(time its last token was read - time its first was read) / (tokens - 1), averaged over requests.
 """
 from __future__ import annotations
 
@@ -70,9 +70,11 @@ def parse_args(argv):
     p.add_argument("--own-output-len", type=int, default=256,
                    help="own-output workload: greedy tokens of the model in each prompt")
     p.add_argument("--min-tokens", type=int, default=1024,
-                   help="output tokens per measurement at least (more rounds of B requests at small B)")
+                   help="output tokens per measurement at least (and at least 2 x batch requests)")
     p.add_argument("--repeats", type=int, default=3,
                    help="measure each (batch, k) this many times and keep the fastest (a busy host adds noise)")
+    p.add_argument("--clock", choices=["wall", "process"], default="wall",
+                   help="process: this process's CPU seconds (steadier on a shared CPU host; CPU backend only)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--json", help="write the figures to this file")
@@ -112,25 +114,36 @@ def own_output_prompts(llm, num: int, length: int, vocab: int) -> list[list[int]
 
 
 def measure(llm, prompts: list[list[int]], batch: int, k: int, args) -> Figures:
-    """Run rounds of `batch` requests (all at once) until min_tokens are out."""
+    """Keep `batch` requests running (a new one joins as one finishes) until at least min_tokens
+    and two batches' worth of requests are out; tok/s over the whole run, on args.clock."""
     from minillm import SamplingParams
+    clock = time.process_time if args.clock == "process" else time.perf_counter
+    engine = llm.engine
     params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, seed=0)
-    rounds = max(1, -(-args.min_tokens // (batch * args.output_len)))
-    before = llm.engine.stats().spec_decode
-    tokens, seconds, itls = 0, 0.0, []
-    for r in range(rounds):
-        chunk = [prompts[(r * batch + i) % len(prompts)] for i in range(batch)]
-        started = time.perf_counter()
-        outs = llm.generate(chunk, params)
-        seconds += time.perf_counter() - started
-        for o in outs:
-            n = len(o.outputs[0].token_ids)
-            tokens += n
-            m = o.metrics
-            if n > 1:
-                itls.append((m.last_token_time - m.first_token_time) / (n - 1))
+    num_requests = max(2 * batch, -(-args.min_tokens // args.output_len))
+    before = engine.stats().spec_decode
+    tokens, itls, added, first_token = 0, [], 0, {}
+    started = clock()
+    while added < num_requests or engine.has_unfinished_requests():
+        while len(first_token) < batch and added < num_requests:
+            # ids repeat across measurements: every request of the last one has been retired
+            engine.add_request(f"r{added}", prompts[added % len(prompts)], params)
+            first_token[f"r{added}"] = None
+            added += 1
+        outputs = engine.step()
+        now = clock()
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            if first_token[out.request_id] is None and n:
+                first_token[out.request_id] = now
+            if out.finished:
+                tokens += n
+                if n > 1:
+                    itls.append((now - first_token[out.request_id]) / (n - 1))
+                del first_token[out.request_id]
+    seconds = clock() - started
     rate = length = None
-    after = llm.engine.stats().spec_decode
+    after = engine.stats().spec_decode
     if after is not None:
         drafts = after.num_drafts - before.num_drafts
         draft_tokens = after.num_draft_tokens - before.num_draft_tokens
@@ -196,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {args.model or 'random Qwen3-0.6B shape'} on {args.device}; workload {workload}: "
           f"{len(prompts)} prompts of {np.mean([len(p) for p in prompts]):.0f} tokens on average, "
           f"{args.output_len} output tokens each, temperature {args.temperature}; n-gram "
-          f"{args.prompt_lookup_min}..{args.prompt_lookup_max}")
+          f"{args.prompt_lookup_min}..{args.prompt_lookup_max}; {args.clock} clock, best of {args.repeats}")
     print_table(figures)
     if args.json:
         Path(args.json).write_text(json.dumps([{**f.__dict__, "tok_s": f.tok_s} for f in figures], indent=2))
