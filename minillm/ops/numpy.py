@@ -116,14 +116,14 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         token_rows = qsl[rows][:, None] + np.arange(q_len)                          # [G, q_len]
         # Query row (i, j) is query token i of KV head k's j-th query head: [G, Hk, q_len * group, Dh].
         qb = q[token_rows].reshape(g, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-        qb = qb.reshape(g, num_kv_heads, q_len * group, head_dim).astype(np.float32)
-        scores = qb @ keys.transpose(0, 2, 3, 1).astype(np.float32) * scale          # [G, Hk, q*r, ctx]
+        qb = qb.reshape(g, num_kv_heads, q_len * group, head_dim).astype(np.float32, copy=False)
+        scores = qb @ keys.transpose(0, 2, 3, 1).astype(np.float32, copy=False) * scale   # [G, Hk, q*r, ctx]
         q_pos = np.repeat(ctx - q_len + np.arange(q_len), group)
         scores = np.where(np.arange(ctx)[None, :] > q_pos[:, None], -np.inf, scores)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
-        o = p @ vals.transpose(0, 2, 1, 3).astype(np.float32)                         # [G, Hk, q*r, Dh]
+        o = p @ vals.transpose(0, 2, 1, 3).astype(np.float32, copy=False)            # [G, Hk, q*r, Dh]
         o = o.reshape(g, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
         out[token_rows] = o.reshape(g, q_len, -1, head_dim).astype(q.dtype)
     return out
