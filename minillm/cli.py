@@ -91,8 +91,13 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         _default("enable_prefix_caching")),
     "enforce_eager": (Annotated[bool, _engine_option(
         "--enforce-eager", help="Never capture CUDA graphs.")], _default("enforce_eager")),
+    "tensor_parallel_size": (Annotated[int, _engine_option(
+        "--tensor-parallel-size", "-tp", help="Processes the model is split over (CPU for now).")],
+        _default("tensor_parallel_size")),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help="Model store (default: ./weights).")], None),
+    "kv_offload_gib": (Annotated[float, _engine_option(
+        "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
     "speculative_config": (Annotated[Optional[str], _engine_option(
         "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],
@@ -302,6 +307,19 @@ def run_generate(config: EngineConfig, prompts: list[str], params):
 # serve, monitor
 # ---------------------------------------------------------------------------------------------
 
+SERVER_PANEL = "Server options"
+
+
+def _server_option(*decls: str, help: str, **kw) -> typer.models.OptionInfo:
+    return typer.Option(*decls, help=help, rich_help_panel=SERVER_PANEL, **kw)
+
+
+def _limit_default(name: str):
+    """ServerLimits' own default, so the CLI never drifts from it."""
+    from minillm.server.limits import ServerLimits
+    return ServerLimits.__dataclass_fields__[name].default
+
+
 @app.command()
 @with_engine_options
 def serve(
@@ -313,6 +331,42 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option(
         help="The model name clients use (default: MODEL).")] = None,
     monitor: Annotated[bool, typer.Option(help="Show the live monitor in this terminal.")] = False,
+    chat_template: Annotated[Optional[str], _server_option(
+        "--chat-template", help="Chat template for /v1/chat/completions: a file, or the template itself "
+        "(default: the model's).")] = None,
+    trust_request_chat_template: Annotated[bool, _server_option(
+        "--trust-request-chat-template", help="Render a chat_template sent with a request (it runs "
+        "the client's Jinja code on this server).")] = False,
+    exit_on_engine_error: Annotated[bool, _server_option(
+        "--exit-on-engine-error/--no-exit-on-engine-error", help="Exit with status 1 shortly after the "
+        "engine fails, so that a supervisor restarts the server.")] = True,
+    max_n: Annotated[int, _server_option("--max-n", help="Most completions per prompt (n).")] = _limit_default("max_n"),
+    max_prompts_per_request: Annotated[int, _server_option(
+        "--max-prompts-per-request", help="Most prompts in one request, and most n x prompts.")] = (
+        _limit_default("max_prompts_per_request")),
+    max_stop_strings: Annotated[int, _server_option(
+        "--max-stop-strings", help="Most stop strings in one request.")] = _limit_default("max_stop_strings"),
+    max_stop_string_length: Annotated[int, _server_option(
+        "--max-stop-string-length", help="Longest stop string, in characters.")] = (
+        _limit_default("max_stop_string_chars")),
+    max_stop_token_ids: Annotated[int, _server_option(
+        "--max-stop-token-ids", help="Most stop_token_ids in one request.")] = _limit_default("max_stop_token_ids"),
+    max_prompt_chars: Annotated[int, _server_option(
+        "--max-prompt-chars", help="Most characters of prompt or message text in one request, checked "
+        "before tokenising.")] = _limit_default("max_prompt_chars"),
+    max_stats_streams: Annotated[int, _server_option(
+        "--max-stats-streams", help="Most open /v1/stats/stream connections.")] = _limit_default("max_stats_streams"),
+    stream_timeout: Annotated[float, _server_option(
+        "--stream-timeout", help="Seconds a stream waits on a client that reads nothing before it is cut "
+        "off.")] = _limit_default("stream_timeout_s"),
+    header_timeout: Annotated[float, _server_option(
+        "--header-timeout", help="Seconds a client has to send a request's headers.")] = (
+        _limit_default("header_timeout_s")),
+    body_timeout: Annotated[float, _server_option(
+        "--body-timeout", help="Seconds a client has to send a request's body.")] = _limit_default("body_timeout_s"),
+    timeout_keep_alive: Annotated[float, _server_option(
+        "--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.")] = (
+        _limit_default("timeout_keep_alive_s")),
     *,
     engine_options: dict,
 ) -> None:
@@ -320,12 +374,24 @@ def serve(
 
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
     """
+    from minillm.server.limits import ServerLimits
+    from minillm.tokenizer import chat_template_from_arg
+    limits = ServerLimits(
+        max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
+        max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
+        max_prompt_chars=max_prompt_chars, max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
+        header_timeout_s=header_timeout, body_timeout_s=body_timeout, timeout_keep_alive_s=timeout_keep_alive)
+    template = chat_template_from_arg(chat_template) if chat_template is not None else None
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
     config = engine_config(path, engine_options, served_model_name=served_model_name or name)
-    from minillm.server.app import run_server
-    run_server(config, host=host, port=port, api_key=api_key,
-               served_model_name=served_model_name or name, monitor=monitor)
+    from minillm.server.app import ServerOptions, run_server
+    options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
+                            trust_request_chat_template=trust_request_chat_template, limits=limits,
+                            log_interval=5.0, exit_on_engine_error=exit_on_engine_error)
+    status = run_server(config, host=host, port=port, options=options, monitor=monitor)
+    if status:
+        raise typer.Exit(status)
 
 
 @app.command(name="monitor")

@@ -1,6 +1,7 @@
 """Frozen configuration: the model's shape (from config.json) and the engine's knobs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,8 @@ class EngineConfig:
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
     # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
+    tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
+    kv_offload_gib: float = 0            # host-memory tier of the prefix cache, GiB (0: off)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,6 +76,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
@@ -91,3 +97,33 @@ class EngineConfig:
                                  else f"speculative_config: {message}") from None
             # Parsed once here, as given: the frozen config holds the one parsed form.
             object.__setattr__(self, "speculative_config", spec)
+        if self.kv_offload_gib:
+            check_kv_offload_gib(self.kv_offload_gib, self.enable_prefix_caching)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offload_gib works with tensor_parallel_size 1 only: the host tier "
+                                 "copies rank 0's KV pool")
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_kv_offload_gib(gib: float, enable_prefix_caching: bool) -> None:
+    """The host tier's size is a finite, positive amount the machine has free; it extends the
+    prefix cache, so that must be on."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {gib!r}")
+    if not enable_prefix_caching:
+        raise ValueError("kv_offload_gib needs enable_prefix_caching: the host tier keeps prefix-cache blocks")
+    available = available_host_bytes()
+    if available is not None and gib * 2**30 > available:
+        raise ValueError(f"kv_offload_gib {gib:g} exceeds the machine's available memory "
+                         f"({available / 2**30:.1f} GiB); lower kv_offload_gib")

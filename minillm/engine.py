@@ -13,12 +13,14 @@ from minillm.block_manager import BlockManager
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
+from minillm.kv_connector import make_kv_connector
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
 from minillm.output_processor import CompletionState, add_token, completion_output, new_state
+from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.scheduler import Scheduler
@@ -114,6 +116,11 @@ class LLMEngine:
         self.ops = get_ops(self.backend)
         self.device = make_device(self.backend)
         self.dtype = resolve_dtype(config, self.backend, self.model_config.torch_dtype)
+        runner_cls = ModelRunner
+        if config.tensor_parallel_size > 1:       # checked before the weights load: a bad size fails fast
+            from minillm.parallel.executor import TensorParallelExecutor as runner_cls
+            from minillm.parallel.sharding import check_tensor_parallel_size
+            check_tensor_parallel_size(self.model_config, config.tensor_parallel_size, self.ops.name)
         model_max = self.model_config.max_position_embeddings
         if config.max_model_len is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
@@ -124,15 +131,17 @@ class LLMEngine:
             weights = dummy_weights(self.model_config, self.dtype, config.seed)
         else:
             weights = load_weights(path, self.model_config, self.dtype)
-        self.runner = ModelRunner(self.model_config, config, self.ops, self.device, weights, self.dtype,
-                                  self.eos_token_ids)
+        self.runner = runner_cls(self.model_config, config, self.ops, self.device, weights, self.dtype,
+                                 self.eos_token_ids)
         del weights
         num_blocks = self.runner.determine_num_blocks(requested_len)
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids, config.speculative_config)
+                                   self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
+                                   speculative_config=config.speculative_config)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
@@ -155,6 +164,7 @@ class LLMEngine:
             raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
         params = params or SamplingParams()
         params.validate()
+        params.validate_for_vocab(self.model_config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -238,7 +248,7 @@ class LLMEngine:
         try:
             return self.runner.launch(out)
         except Exception as exc:
-            if self.device.is_fatal(exc):
+            if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
                 raise
             request_ids = sorted({seq.request_id for seq in out.seqs})
             for request_id in request_ids:
@@ -305,7 +315,8 @@ class LLMEngine:
                           self.max_model_len)
         ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
         return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),
-                           self.metrics, self.runner.memory_stats(), ttft, cells)
+                           self.metrics, self.runner.memory_stats(), ttft, cells,
+                           self.kv_connector.snapshot() if self.kv_connector else None)
 
     def shutdown(self) -> None:
         """Abort every request, wait for the device, and release the KV pool, graphs and weights."""

@@ -33,14 +33,14 @@ class ModelRunner:
     """
 
     def __init__(self, model_config: ModelConfig, config: EngineConfig, ops: ModuleType, device,
-                 weights: dict[str, np.ndarray], dtype, eos_token_ids: list[int]):
+                 weights: dict[str, np.ndarray], dtype, eos_token_ids: list[int], comm=None):
         self.model_config, self.config, self.ops, self.device, self.dtype = model_config, config, ops, device, dtype
         self.block_size = config.block_size
         # All device work goes on the compute stream, start-up included: the compute stream does
         # not wait for the legacy default stream, so an upload or memset queued there could still
         # be running when a kernel on the compute stream reads the memory.
         with device.compute():
-            self.model = DecoderModel(model_config, weights, ops, dtype)
+            self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
         self.sampler = Sampler(ops, eos_token_ids)
         self.verifier = None             # verifies draft tokens (only with speculative decoding)
@@ -51,6 +51,7 @@ class ModelRunner:
         self.graphs = None
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
+        self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
 
     def _device_arrays(self):
         m = self.model
@@ -119,12 +120,17 @@ class ModelRunner:
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
         self.device.synchronize()
 
+    def register_kv_connector(self, worker) -> None:
+        """Give a KV connector's runner side the pool; launch() queues its transfers first."""
+        worker.register_kv_cache(self.kv_pool, self.device)
+        self.kv_connector = worker
+
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()
         if self.graphs is not None:
             self.graphs.release()
-        self.graphs = self.kv_pool = self.model = self._last_sampled = None
+        self.graphs = self.kv_pool = self.model = self._last_sampled = self.kv_connector = None
         self.device.release()
 
     # ---- one step ----------------------------------------------------------------------------
@@ -187,6 +193,8 @@ class ModelRunner:
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the
         device here, so the host can go on while the step runs."""
         t0 = time.perf_counter()
+        if self.kv_connector is not None:    # before any of the step's work: its forward reads the loads
+            self.kv_connector.start_load_kv(out.kv_connector_metadata)
         ids, positions, meta, holes = self.prepare_inputs(out)
         patch = self._placeholder_patch(holes)
         seqs = out.sampling_seqs

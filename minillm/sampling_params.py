@@ -1,7 +1,36 @@
 """Per-request sampling parameters, with vLLM's names and validation."""
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
+
+# A seed is handed to numpy's generator as an unsigned 64-bit number.
+MAX_SEED = 2**64 - 1
+MAX_LOGPROBS = 20
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """repr(value) cut to about `limit` characters, so an error never echoes a huge input back."""
+    if _is_int(value) and abs(value).bit_length() > 128:
+        return f"an integer of {abs(value).bit_length()} bits"   # str() of a huge int is slow, or refused
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        head = ", ".join(short_repr(v, 16) for v in value[:5])
+        return f"[{head}, ...] ({len(value)} items)"
+    text = repr(value[:limit + 1] if isinstance(value, str) else value)   # repr escapes lone surrogates
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if isinstance(value, str) else len(text)} chars)"
+
+
+def _is_int(value: object) -> bool:
+    """An integer, and not a bool (True is not 1 here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_finite(value: object) -> bool:
+    """A real number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -30,8 +59,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
-        else:
-            self._stop_list = list(self.stop or [])
+        elif isinstance(self.stop, (list, tuple)):
+            self._stop_list = list(self.stop)
+        elif self.stop is not None:
+            raise ValueError(f"stop must be a string or a list of strings, got {short_repr(self.stop)}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
 
@@ -51,17 +84,21 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self) -> None:
-        """Raise ValueError naming the first field that is out of range."""
+        """Raise ValueError naming the first field that is out of range or of the wrong type."""
         def bad(name: str, why: str) -> None:
-            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+            raise ValueError(f"{name} {why}, got {short_repr(getattr(self, name))}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not _is_finite(getattr(self, name)):
+                bad(name, "must be a finite number")
         if self.temperature < 0:
             bad("temperature", "must be non-negative")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", "must be in [0, 1]")
@@ -71,17 +108,33 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", "must be an integer")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            bad("seed", "must be an integer in [0, 2**64 - 1]")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError naming a field whose token ids or counts fall outside a vocabulary of vocab_size.
+
+        The sampler indexes [batch, vocab] arrays with these values, so they are checked where the
+        vocabulary is known (LLMEngine.add_request) as well as where requests enter.
+        """
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or -1 for off), "
+                             f"got {short_repr(self.top_k)}")
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")

@@ -67,8 +67,9 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
-                 speculative_config=None):
+                 kv_connector=None, speculative_config=None):
         self.block_manager = block_manager
+        self.kv_connector = kv_connector     # scheduler side of a KV connector, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -151,9 +152,15 @@ class Scheduler:
                 break
             cached = self.block_manager.find_cached_blocks(seq)
             num_computed = len(cached) * self.block_manager.block_size
-            n = min(seq.num_tokens - num_computed, budget)
-            if not self.block_manager.allocate(seq, cached, n):
+            num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) if self.kv_connector else 0
+            n = min(seq.num_tokens - num_computed - num_external, budget)
+            if not self.block_manager.allocate(seq, cached, num_external + n):
                 break
+            if num_external:                 # loaded before the step's forward: computed, and shared at once
+                self.kv_connector.update_state_after_alloc(seq, num_external)
+                num_computed += num_external
+                seq.num_computed_tokens = num_computed
+                self.block_manager.cache_full_blocks(seq)
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
@@ -206,8 +213,11 @@ class Scheduler:
         for seq in seqs:
             if seq.seq_id in spec:
                 seq.spec_token_ids = spec[seq.seq_id]
-        return SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
-                               spec)
+        out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
+                              scheduled_spec_decode_tokens=spec)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

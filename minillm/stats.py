@@ -92,6 +92,16 @@ class EngineStats:
     step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
     # Speculative decoding totals (drafts, draft tokens, accepted, accepted per position); None when off.
     spec_decode: SpecDecodeStats | None = None
+    # The host-memory tier of the prefix cache (--kv-offload-gib); zeros and [] when it is off.
+    kv_offload_num_blocks: int = 0
+    kv_offload_num_used_blocks: int = 0
+    kv_offload_hits: int = 0                 # prompt tokens loaded from the host tier (a second kind of prefix hit)
+    kv_offload_bytes_to_host: int = 0        # totals moved each way
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_to_host_bytes_per_s: float = 0.0     # over the last few seconds
+    kv_offload_to_device_bytes_per_s: float = 0.0
+    # The host blocks as cells of CELL_CACHED (holds a block) or CELL_FREE, downsampled like block_map.
+    kv_offload_block_map: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

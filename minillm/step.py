@@ -28,6 +28,7 @@ class SchedulerOutput:
     # seq_id -> draft ids verified this step, for the sequences with drafts (empty: no speculation).
     # A sequence with d drafts runs [its last token] + drafts and may get up to d + 1 tokens back.
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    kv_connector_metadata: object | None = None   # the KV connector's transfers for this step, when one is on
 
     @property
     def num_tokens(self) -> int:

@@ -1,6 +1,7 @@
 """Text <-> token ids: a Hugging Face tokenizer.json, its special tokens and its chat template."""
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -181,10 +182,10 @@ class Tokenizer:
             self._compiled_template = compile_chat_template(source)
         return self._compiled_template
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **template_kwargs) -> str | list[int]:
-        """Render messages with the model's chat template; tokenize=True returns ids (no specials added)."""
-        template = self._template()
+    def render_chat(self, messages: list[dict], template: str | None = None, add_generation_prompt: bool = True,
+                    **kwargs) -> str:
+        """Render messages with `template` (Jinja source), or with the model's chat template when None."""
+        compiled = self._template() if template is None else _compile_cached(template)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, message in enumerate(messages):
@@ -192,15 +193,55 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role'")
         # Keys set to None are dropped: templates test for a missing key, not for None.
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        context = {**self.special_tokens, **template_kwargs}
+        context = {**self.special_tokens, **kwargs}
         try:
-            text = template.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
+            return compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e}") from e
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tokenize: bool = False, **template_kwargs) -> str | list[int]:
+        """Render messages with the model's chat template; tokenize=True returns ids (no specials added)."""
+        text = self.render_chat(messages, None, add_generation_prompt, **template_kwargs)
         if not tokenize:
             return text
         # The template writes BOS itself where the model wants it.
         return self.encode(text, add_special_tokens=False)
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Several texts -> their token ids; unlike encode, the work runs without holding the GIL."""
+        if any(not isinstance(t, str) for t in texts):
+            raise ValueError("texts must be strings")
+        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+
+def _compile_cached(source: str):
+    """compile_chat_template with a small cache (a server sees the same few templates again and again)."""
+    if not isinstance(source, str) or not source:
+        raise ValueError("a chat template must be a non-empty string")
+    try:
+        return _compile_lru(source)
+    except Exception as e:   # jinja2.TemplateSyntaxError and friends
+        raise ValueError(f"chat template does not compile: {e}") from e
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_lru(source: str):
+    return compile_chat_template(source)
+
+
+def chat_template_from_arg(value: str) -> str:
+    """A --chat-template value: the path of a file holding the template, or the template itself (as vLLM reads it)."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:   # a template too long to be a file name
+        pass
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
+    # Inline, escapes such as \n are read as in a Python string, as vLLM does (non-Latin-1 text survives).
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def _register_special_tokens(backend: tokenizers.Tokenizer, contents: list[str | None]) -> None:

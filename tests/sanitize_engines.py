@@ -35,11 +35,11 @@ def write_model_dir(out: Path) -> str:
     return str(out)
 
 
-def drive(engine, rng: np.random.Generator) -> None:
+def drive(engine, rng: np.random.Generator, num_requests: int = 24) -> None:
     """Decoders, a chunked long prompt, shared prefixes, aborts, and a pool small enough to preempt."""
     from minillm import SamplingParams
     prefix = rng.integers(3, 2000, 64).tolist()
-    for i in range(24):
+    for i in range(num_requests):
         prompt = prefix + rng.integers(3, 2000, 5 + i).tolist() if i % 2 else rng.integers(3, 2000, 8 + i).tolist()
         params = SamplingParams(temperature=0.0 if i % 3 else 0.9, max_tokens=40 + i, ignore_eos=True, seed=i)
         engine.add_request(f"r{i}", prompt, params)
@@ -51,7 +51,7 @@ def drive(engine, rng: np.random.Generator) -> None:
             break
         engine.step()
         if step == 12:
-            for i in range(0, 24, 5):
+            for i in range(0, num_requests, 5):
                 engine.abort_request(f"r{i}")
     assert engine.block_manager.num_used_blocks == 0
 
@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     args = p.parse_args(argv)
     from minillm import LLM
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,9 +70,10 @@ def main(argv=None) -> int:
         for i in range(args.engines):
             budget = (64, 256)[i % 2]
             with LLM(model, device=args.device, dtype="bfloat16" if args.device == "cuda" else "float32", load_format="dummy", num_kv_blocks=48,
-                     block_size=16, max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=768,
-                     seed=i) as llm:
-                drive(llm.engine, np.random.default_rng(i))
+                     block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget, max_model_len=768,
+                     seed=i, enforce_eager=args.enforce_eager) as llm:
+                print(f"engine {i}: started", flush=True)
+                drive(llm.engine, np.random.default_rng(i), args.requests)
                 print(f"engine {i}: budget {budget}, {llm.engine.scheduler.num_preemptions} preemptions, "
                       f"{llm.engine.stats().prefix_cache_hits} prefix-hit tokens", flush=True)
     print("sanitize_engines: done")

@@ -80,12 +80,13 @@ def shared_prefix(engine, rng):
 
 
 def preemption(engine, rng):
-    """More long requests than the pool holds: preemption by recompute, then all free."""
+    """Eight prompts that together fill the pool, then grow while decoding: preemption by
+    recompute, then all free."""
     capacity = engine.block_manager.num_blocks * engine.config.block_size
-    n = capacity // 6000 + 4
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    for i in range(n):
-        engine.add_request(f"q{i}", ids(rng, 6000), params)
+    prompt_len = min(capacity // 8 - 2 * engine.config.block_size, engine.max_model_len - 300)
+    params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"q{i}", ids(rng, prompt_len), params)
     run_until_done(engine)
     assert engine.scheduler.num_preemptions > 0
 

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
-from test_server_helpers import running_server, sse_events
+from test_server_helpers import HealthyStreams, running_server
 
 MODEL = "stories"
 KEY = "sk-test-key"
@@ -32,51 +31,19 @@ def http(server):
 
 
 @pytest.fixture(scope="module")
-def healthy_reference(server):
-    url, _ = server
-    r = httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
-                   json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": HEALTHY_TOKENS, "temperature": 0,
-                         "ignore_eos": True})
-    assert r.status_code == 200
-    return r.json()["choices"][0]["text"]
-
-
-@pytest.fixture(scope="module")
-def finished_streams(healthy_reference):
-    """Streams the tests leave running; at the end of the module each must have completed intact."""
-    runs: list[tuple[threading.Thread, dict]] = []
-    yield runs
-    for thread, result in runs:
-        thread.join(60)
-        assert not thread.is_alive()
-        assert result == {"text": healthy_reference, "finish": ["length"], "done": True}
+def healthy(server):
+    """Healthy streams the tests leave running; at the end of the module each must have completed intact."""
+    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": HEALTHY_TOKENS},
+                             headers=AUTH)
+    yield streams
+    streams.check()
 
 
 @pytest.fixture
-def healthy_stream(server, finished_streams):
+def healthy_stream(healthy):
     """A greedy stream in flight for the whole test; it is checked when the module ends."""
-    url, _ = server
-    started, result = threading.Event(), {}
-
-    def run():
-        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": HEALTHY_TOKENS, "temperature": 0,
-                "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, json=body, timeout=60) as response:
-            lines = []
-            for line in response.iter_lines():
-                lines.append(line)
-                started.set()
-        events = sse_events(lines)
-        result["text"] = "".join(e["choices"][0]["text"] for e in events)
-        result["finish"] = [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]]
-        result["done"] = [line for line in lines if line][-1:] == ["data: [DONE]"]
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    yield
-    assert thread.is_alive(), "the healthy stream had already finished: the test did not overlap it"
-    finished_streams.append((thread, result))
+    with healthy.in_flight():
+        yield
 
 
 def _completion(**fields) -> dict:
@@ -123,6 +90,66 @@ CASES = [
     ("stop-token-negative", "/v1/completions", _completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("no-chat-template", "/v1/chat/completions", _chat(), 400, "messages"),
     ("body-too-large", "/v1/completions", _completion(prompt="x " * BODY_LIMIT), 413, None),
+    # Values that once reached the sampler and killed the engine (an int64 / int32 overflow, an index
+    # past the vocabulary of 512 in the early-stop mask).
+    ("top-k-past-int64", "/v1/completions", _completion(top_k=10**20), 400, "top_k"),
+    ("top-k-past-int32", "/v1/completions", _completion(top_k=2**31), 400, "top_k"),
+    ("top-k-past-vocab", "/v1/completions", _completion(top_k=513), 400, "top_k"),
+    ("stop-token-past-vocab", "/v1/completions", _completion(min_tokens=2, stop_token_ids=[100000]), 400,
+     "stop_token_ids"),
+    ("stop-token-past-int32", "/v1/completions", _completion(min_tokens=2, stop_token_ids=[2**40]), 400,
+     "stop_token_ids"),
+    ("chat-stop-token-past-vocab", "/v1/chat/completions", _chat(min_tokens=2, stop_token_ids=[512]), 400,
+     "stop_token_ids"),
+    # NaN and infinity (Python's JSON reader takes NaN, Infinity and 1e400), and "inf" as a string.
+    ("temperature-nan", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "temperature": NaN}', 400,
+     "temperature"),
+    ("temperature-infinity", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "temperature": Infinity}',
+     400, "temperature"),
+    ("temperature-1e400", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "temperature": 1e400}', 400,
+     "temperature"),
+    ("temperature-inf-string", "/v1/completions", _completion(temperature="inf"), 400, "temperature"),
+    ("repetition-penalty-nan", "/v1/completions",
+     b'{"prompt": "Once", "max_tokens": 4, "repetition_penalty": NaN}', 400, "repetition_penalty"),
+    ("top-p-nan", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_p": NaN}', 400,
+     "top_p"),
+    # No type coercion: a bool is not an int, a string is not a bool or a number.
+    ("max-tokens-true", "/v1/completions", _completion(max_tokens=True), 400, "max_tokens"),
+    ("logprobs-true", "/v1/completions", _completion(logprobs=True), 400, "logprobs"),
+    ("n-true", "/v1/completions", _completion(n=True), 400, "n"),
+    ("stream-yes", "/v1/completions", _completion(stream="yes"), 400, "stream"),
+    ("echo-string", "/v1/completions", _completion(echo="true"), 400, "echo"),
+    ("seed-string", "/v1/completions", _completion(seed="42"), 400, "seed"),
+    ("seed-negative", "/v1/completions", _completion(seed=-1), 400, "seed"),
+    ("seed-past-64-bits", "/v1/completions", _completion(seed=2**64), 400, "seed"),
+    ("prompt-ids-bool", "/v1/completions", _completion(prompt=[True, False]), 400, "prompt"),
+    ("include-usage-string", "/v1/completions", _completion(stream=True, stream_options={"include_usage": "yes"}),
+     400, "stream_options.include_usage"),
+    # Text that is not valid Unicode (a lone surrogate) anywhere a string goes.
+    ("surrogate-prompt", "/v1/completions", b'{"prompt": "abc \\ud800 def", "max_tokens": 4}', 400, "prompt"),
+    ("surrogate-prompt-batch", "/v1/completions", b'{"prompt": ["ok", "abc \\udfff"], "max_tokens": 4}', 400,
+     "prompt.1"),
+    ("surrogate-model", "/v1/completions", b'{"model": "x\\ud800", "prompt": "abc", "max_tokens": 4}', 400,
+     "model"),
+    ("surrogate-stop", "/v1/completions", b'{"prompt": "abc", "stop": ["\\ud800"], "max_tokens": 4}', 400,
+     "stop.0"),
+    ("surrogate-content", "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', 400,
+     "messages.0.content"),
+    ("surrogate-content-part", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc80"}]}]}', 400,
+     "messages.0.content.0.text"),
+    ("surrogate-role", "/v1/chat/completions", b'{"messages": [{"role": "us\\ud800er", "content": "a"}]}', 400,
+     "messages.0.role"),
+    ("surrogate-name", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "a", "name": "\\ud800"}]}', 400, "messages.0.name"),
+    # Chat fields this server refuses rather than ignores.
+    ("role-wizard", "/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
+     "messages.0.role"),
+    ("functions", "/v1/chat/completions", _chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),
+    ("function-call", "/v1/chat/completions", _chat(function_call={"name": "f"}), 400, "function_call"),
+    ("tools", "/v1/chat/completions", _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("request-chat-template-untrusted", "/v1/chat/completions", _chat(chat_template="{{ messages }}"), 400,
+     "chat_template"),
 ]
 
 
@@ -149,7 +176,8 @@ def test_chat_without_template_says_so(http, healthy_stream):
     for stream in (False, True):
         response = http.post("/v1/chat/completions", headers=AUTH, json=_chat(stream=stream))
         error = _check_error_shape(response, 400, "messages")
-        assert "chat template" in error["message"]
+        assert "chat template" in error["message"] and "--chat-template" in error["message"]
+        assert error["code"] == "no_chat_template"
 
 
 def test_streaming_bad_input_is_an_error_status_not_a_stream(http, healthy_stream):

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
+import socket
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
 from minillm.config import EngineConfig
-from minillm.server.app import ServerThread, create_app
+from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.async_engine import AsyncLLMEngine
 
 # Simple enough for the tiny model; BOS first, as stories260K was trained.
@@ -31,18 +34,38 @@ def chat_model_dir(src: Path, dst: Path) -> Path:
     return dst
 
 
+class RunningServer(tuple):
+    """(base_url, AsyncLLMEngine), with the ServerThread as .http."""
+
+    http: ServerThread
+
+
 @contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
-                   max_body_bytes: int | None = None, log_interval: float | None = None, **engine_kwargs):
-    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1; stop both afterwards."""
+                   max_body_bytes: int | None = None, log_interval: float | None = None,
+                   options: ServerOptions | None = None, send_buffer_bytes: int | None = None, **engine_kwargs):
+    """Yield (base_url, AsyncLLMEngine) for a real server on 127.0.0.1 (its ServerThread as .http); stop both after.
+
+    options: the server's options (limits, templates); api_key, served_model_name, max_body_bytes
+    and log_interval override theirs. send_buffer_bytes: the kernel send buffer of each connection
+    (small, so that a client that does not read fills it soon).
+    """
+    options = dataclasses.replace(options or ServerOptions(), api_key=api_key, served_model_name=served_model_name,
+                                  log_interval=log_interval)
+    if max_body_bytes is not None:
+        options = dataclasses.replace(options, limits=dataclasses.replace(options.limits,
+                                                                          max_body_bytes=max_body_bytes))
     config = EngineConfig(model=str(model), device="cpu", **engine_kwargs)
     engine = AsyncLLMEngine.from_config(config)
-    extra = {} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}
-    app = create_app(engine, api_key=api_key, served_model_name=served_model_name, log_interval=log_interval,
-                     **extra)
-    server = ServerThread(app, "127.0.0.1", 0).start()
+    app = create_app(engine, options)
+    server = ServerThread(app, "127.0.0.1", 0)
+    if send_buffer_bytes is not None:   # accepted connections inherit it from the listening socket
+        server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    server.start()
+    running = RunningServer((server.url, engine))
+    running.http = server
     try:
-        yield server.url, engine
+        yield running
     finally:
         server.stop()
         engine.shutdown()
@@ -76,3 +99,72 @@ def sse_events(lines) -> list:
             break
         events.append(json.loads(data))
     return events
+
+
+def choice_texts(events: list[dict]) -> dict[int, str]:
+    """Streamed completion chunks -> {choice index: its whole text}."""
+    texts: dict[int, str] = {}
+    for event in events:
+        for choice in event.get("choices", []):
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    return texts
+
+
+class HealthyStreams:
+    """Greedy streams that tests keep in flight while they misbehave; each must end with its solo text.
+
+    reference: the choices' texts of the same request made alone, before anything else. in_flight():
+    a stream running for the whole with-block (it must still be running at its end: the block
+    overlapped it); a stream that has sent less than a quarter of its chunks is reused, so quick
+    tests in a row share one. check(): every stream finished with the reference texts and [DONE].
+    """
+
+    def __init__(self, url: str, body: dict, headers: dict | None = None) -> None:
+        self.url, self.body, self.headers = url, {**body, "temperature": 0, "ignore_eos": True}, headers or {}
+        response = httpx.post(f"{url}/v1/completions", json=self.body, headers=self.headers, timeout=60)
+        assert response.status_code == 200, response.text
+        choices = response.json()["choices"]
+        self.reference = {c["index"]: c["text"] for c in choices}
+        self.runs: list[tuple[threading.Thread, dict]] = []
+
+    def _run(self, started: threading.Event, result: dict) -> None:
+        lines = result["lines"] = []
+        with httpx.stream("POST", f"{self.url}/v1/completions", headers=self.headers, timeout=120,
+                          json={**self.body, "stream": True}) as response:
+            result["status"] = response.status_code
+            for line in response.iter_lines():
+                lines.append(line)
+                started.set()
+        events = sse_events(lines)
+        result["texts"] = choice_texts(events)
+        result["finish"] = sorted({c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]})
+        result["done"] = [line for line in lines if line][-1:] == ["data: [DONE]"]
+
+    def _fresh_enough(self) -> tuple[threading.Thread, dict] | None:
+        if not self.runs:
+            return None
+        thread, result = self.runs[-1]
+        num_chunks = sum(1 for line in result["lines"] if line.startswith("data:"))
+        return (thread, result) if thread.is_alive() and num_chunks < self.body["max_tokens"] // 4 else None
+
+    @contextlib.contextmanager
+    def in_flight(self, fresh: bool = False):
+        """A healthy stream in flight from the start of the block to its end (a new one if fresh)."""
+        run = None if fresh else self._fresh_enough()
+        if run is None:
+            started, result = threading.Event(), {"lines": []}
+            run = (threading.Thread(target=self._run, args=(started, result), daemon=True), result)
+            run[0].start()
+            assert started.wait(60), "the healthy stream did not start"
+            self.runs.append(run)
+        yield
+        assert run[0].is_alive(), "the healthy stream had already finished: the block did not overlap it"
+
+    def check(self) -> None:
+        """Wait for every stream started and compare each with the reference."""
+        for thread, result in self.runs:
+            thread.join(120)
+            assert not thread.is_alive()
+            result = {k: v for k, v in result.items() if k != "lines"}
+            assert result == {"status": 200, "texts": self.reference, "finish": ["length"], "done": True}
+        self.runs.clear()

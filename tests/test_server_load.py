@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import threading
 import time
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from test_server_helpers import get_stats, running_server, sse_events, wait_for
 
 from benchmarks import serving as bench
+from minillm.server.async_engine import MAX_COMMANDS_PER_STEP
 
 MODEL = "stories"
 NUM_KV_BLOCKS = 24          # 16-token blocks: about six of these requests fit at once
@@ -171,3 +173,71 @@ def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_pa
     assert rc == 0
     result = json.loads(result_file.read_text())["results"][0]
     assert result["completed"] == 6 and result["total_output_tokens"] == 36
+
+
+def test_command_work_between_two_steps_is_bounded(server):
+    url, engine = server
+    inner = engine.engine
+    log: list[str] = []
+    real_step, real_abort = inner.step, inner.abort_request
+
+    def step():
+        log.append("step")
+        return real_step()
+
+    def abort_request(request_id):
+        log.append("abort")
+        return real_abort(request_id)
+
+    num_commands = 2000
+    inner.step, inner.abort_request = step, abort_request
+    try:
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            r=httpx.post(f"{url}/v1/completions", json=_body("Once upon a time", 300, stream=False), timeout=60)))
+        worker.start()
+        assert wait_for(lambda: log.count("step") >= 3, timeout=30)
+        for i in range(num_commands):     # a flood of (cheap) commands while the request runs
+            engine.abort(f"nobody-{i}")
+        worker.join(60)
+    finally:
+        inner.step, inner.abort_request = real_step, real_abort
+    assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 300
+    runs, run = [], 0            # aborts handled between two steps
+    for event in log:
+        if event == "abort":
+            run += 1
+        elif run:
+            runs.append(run)
+            run = 0
+    assert sum(runs) + run == num_commands and run == 0, "the flood outlasted the request"
+    assert max(runs) <= MAX_COMMANDS_PER_STEP
+    assert len(runs) >= num_commands // MAX_COMMANDS_PER_STEP   # the request kept stepping through the flood
+
+
+def test_concurrent_stats_requests_share_snapshots(server):
+    url, engine = server
+    inner = engine.engine
+    calls = []
+    real_stats = inner.stats
+
+    def stats(cells=64):
+        calls.append(cells)
+        return real_stats(cells)
+
+    cells = [1 + (i * 37) % 300 for i in range(200)]
+
+    async def many():
+        return await asyncio.gather(*(engine.get_stats(c) for c in cells))
+
+    inner.stats = stats
+    try:
+        snapshots = asyncio.run(many())
+    finally:
+        inner.stats = real_stats
+    assert len(calls) <= len(cells) // MAX_COMMANDS_PER_STEP + 2
+    num_blocks = snapshots[0].kv_num_blocks
+    for wanted, snap in zip(cells, snapshots):
+        assert len(snap.block_map) <= wanted
+        assert len(snap.block_map) * snap.block_map_blocks_per_cell >= num_blocks
+        assert snap.block_map == real_stats(wanted).block_map   # the same view the engine would build (idle)

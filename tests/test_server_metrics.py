@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server_helpers import running_server, wait_for
 
 from minillm.config import EngineConfig
-from minillm.server.app import run_server
+from minillm.server.app import ServerOptions, run_server
 from minillm.stats import EngineStats, StepStats
 
 MODEL = "stories"
@@ -161,7 +161,9 @@ def test_run_server_with_monitor_serves_while_the_dashboard_runs(stories_path, m
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    run_server(EngineConfig(model=str(stories_path), device="cpu"), port=port, api_key="k", monitor=True)
+    status = run_server(EngineConfig(model=str(stories_path), device="cpu"), port=port,
+                        options=ServerOptions(api_key="k"), monitor=True)
+    assert status == 0
     assert seen["url"] == f"http://127.0.0.1:{port}" and seen["api_key"] == "k"
     assert seen["health"] == 200 and seen["stats"] > 0
 

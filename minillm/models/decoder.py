@@ -3,6 +3,11 @@
 Per layer: RMSNorm (fused with the residual add) -> fused QKV projection (+bias for Qwen2)
 -> per-head q/k RMSNorm (Qwen3) -> rotary -> KV append by slot mapping -> paged attention
 -> output projection -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection.
+
+Tensor parallelism (minillm/parallel/): given a communicator, the weights and the config are one
+rank's shard (its heads, its MLP columns, its vocabulary rows), and the decoder adds the
+collectives: an all-reduce after the embedding, the output projection and the down projection,
+and an all-gather of the logits. Without one (a single rank) nothing of this runs.
 """
 from __future__ import annotations
 
@@ -35,15 +40,18 @@ class DecoderModel:
     """Weights on the backend and the forward pass; no scheduling state."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], ops: ModuleType, dtype,
-                 max_positions: int | None = None):
+                 max_positions: int | None = None, comm=None):
         self.config, self.ops, self.dtype = config, ops, dtype
+        self.comm = comm                                             # Communicator, or None on one rank
         lin = lambda w: ops.prepare_linear_weight(w, dtype)          # noqa: E731
         vec = lambda w: ops.asarray(w, dtype)                        # noqa: E731
         self.embed = vec(weights["model.embed_tokens.weight"])       # [V, D]
         head = weights.get("lm_head.weight")
         if config.tie_word_embeddings or head is None:
             head = weights["model.embed_tokens.weight"]
-        self.lm_head = lin(head)                                     # [V, D]
+        self.lm_head = lin(head)                                     # [V, D] ([V / N, D] on a rank)
+        # A rank's vocabulary rows start here; its embedding holds ceil(V / N) of them.
+        self.vocab_start = comm.rank * self.embed.shape[0] if comm is not None else 0
         self.final_norm = vec(weights["model.norm.weight"])
         self.layers = [self._layer(weights, i, lin, vec) for i in range(config.num_layers)]
         self.cos_sin = None                                          # [max_positions, Dh]: build_rotary()
@@ -78,7 +86,7 @@ class DecoderModel:
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h = ops.embedding(input_ids, self.embed)                     # [T, D]
+        h = ops.embedding(input_ids, self.embed) if self.comm is None else self._parallel_embedding(input_ids)
         residual = None
         for i, lw in enumerate(self.layers):
             if residual is None:
@@ -97,11 +105,28 @@ class DecoderModel:
             ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
             o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)   # [T, Hq, Dh]
             h = ops.linear(o.reshape(num_tokens, q_size), lw.o)       # [T, D]
+            if self.comm is not None:                                # each rank summed over its heads only
+                h = self.comm.all_reduce(h)
             x, residual = ops.add_rms_norm(h, residual, lw.post_norm, eps)
             h = ops.linear(ops.silu_and_mul(ops.linear(x, lw.gate_up)), lw.down)
+            if self.comm is not None:                                # each rank summed over its MLP columns
+                h = self.comm.all_reduce(h)
         out, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
         return out
 
+    def _parallel_embedding(self, input_ids):
+        """input_ids: [T] -> [T, D]: each rank looks up the ids in its vocabulary rows, zeros elsewhere."""
+        xp = self.ops.xp
+        local = input_ids - self.vocab_start
+        mine = (local >= 0) & (local < self.embed.shape[0])          # [T] bool
+        h = self.ops.embedding(xp.where(mine, local, 0).astype(np.int32), self.embed)
+        return self.comm.all_reduce(h * mine[:, None].astype(h.dtype))
+
     def compute_logits(self, hidden):
         """hidden: [B, D] -> logits [B, V] in float32."""
-        return self.ops.linear(hidden, self.lm_head, out_dtype=np.float32)
+        logits = self.ops.linear(hidden, self.lm_head, out_dtype=np.float32)   # [B, V] ([B, V / N] on a rank)
+        if self.comm is None:
+            return logits
+        logits = self.comm.all_gather(logits)                        # [B, N ceil(V / N)]
+        vocab = self.config.vocab_size
+        return logits if logits.shape[1] == vocab else self.ops.xp.ascontiguousarray(logits[:, :vocab])

@@ -670,3 +670,38 @@ def sample(logits, temperature, top_k, top_p, min_p, uniforms, out=None):
     fn = _kernel("sampling.cu", np.float32, "sample_kernel")
     fn((batch,), (1024,), (_ptr(out), _ptr(logits), _i32(vocab), *map(_ptr, params)))
     return out
+
+
+# ----------------------------------------------------------------------------- structured outputs
+
+_BITMASK_THREADS = 256
+_MAX_GRID_Y = 65535
+
+
+def apply_token_bitmask(logits, bitmask, rows) -> None:
+    """Set the logits of forbidden tokens to -inf, in place, in the listed rows (see numpy.py).
+
+    logits: [B, V] float32 packed; bitmask: [B, W] int32 packed, W >= ceil(V / 32), 1 bits
+    allowed; rows: [N] int32 (a device array when capturing), entries outside [0, B) skipped.
+    """
+    _check_logits(logits)
+    _check_device(bitmask, "bitmask")
+    batch, vocab = logits.shape
+    num_words = (vocab + 31) // 32
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < num_words:
+        raise ValueError(f"bitmask must be int32 [{batch}, >= {num_words}], got {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)}")
+    _check_contiguous(bitmask, "bitmask")
+    rows = _as_device(rows, np.int32, "rows")
+    if rows.ndim != 1:
+        raise ValueError(f"rows must be [N], got {tuple(rows.shape)}")
+    num_rows = rows.shape[0]
+    if num_rows > _MAX_GRID_Y:
+        raise ValueError(f"rows may name at most {_MAX_GRID_Y} rows, got {num_rows}")
+    if num_rows == 0 or batch == 0 or vocab == 0:
+        return
+    # Enough blocks for about eight per SM over all rows, never more than the row has tokens for.
+    blocks_per_row = max(1, min(-(-vocab // _BITMASK_THREADS), -(-8 * _num_multiprocessors() // num_rows)))
+    fn = _kernel("token_bitmask.cu", np.float32, "apply_token_bitmask_kernel")
+    fn((blocks_per_row, num_rows), (_BITMASK_THREADS,),
+       (_ptr(logits), _ptr(bitmask), _ptr(rows), _i32(batch), _i32(vocab), _i32(bitmask.shape[1])))

@@ -3,31 +3,52 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from minillm.server.async_engine import AsyncLLMEngine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
+from minillm.server.http import uvicorn_config
+from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest
-from minillm.server.serving import SSE_HEADERS, ServingContext, sse, sse_error
+from minillm.server.serving import ServingContext, sse_error
 from minillm.server.serving_chat import create_chat_completion
 from minillm.server.serving_completion import create_completion
+from minillm.server.stats_hub import StatsHub
+from minillm.server.streaming import EventStreamResponse
 
 logger = logging.getLogger("minillm.server")
 
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 MAX_STATS_CELLS = 4096
-MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S = 0.05, 60.0
+# Stats-stream subscribers share one engine snapshot per MIN_STATS_INTERVAL_S, however many they are.
+MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S = 0.1, 60.0
+# After the engine loop fails, open requests have this long to get their error before the process exits.
+ENGINE_FAILURE_DRAIN_S = 2.0
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the server serves: auth, the model's name, chat templates, limits, the log, engine failures."""
+
+    api_key: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None            # replaces the model's (--chat-template)
+    trust_request_chat_template: bool = False   # let a request's chat_template field be rendered
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    log_interval: float | None = None           # seconds between throughput lines; None: no lines
+    exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
 
 
 def _stats_cells(cells: int) -> int:
@@ -46,7 +67,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await create_chat_completion(ctx, body, raw)
 
     def model_card() -> dict:
-        return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "minillm",
+        return {"id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
                 "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
 
     @app.get("/v1/models")
@@ -61,6 +82,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     engine = ctx.engine
+    hub = StatsHub(engine, MIN_STATS_INTERVAL_S, ctx.limits.max_stats_streams)
 
     @app.get("/health")
     async def health():
@@ -84,24 +106,26 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
         if not MIN_STATS_INTERVAL_S <= interval <= MAX_STATS_INTERVAL_S:
             raise APIError(400, f"interval must be in [{MIN_STATS_INTERVAL_S}, {MAX_STATS_INTERVAL_S}] "
                            f"seconds, got {interval}", param="interval")
-        first = await engine.get_stats(_stats_cells(cells))  # fail with a status code, not in-band
-        return StreamingResponse(_stats_events(engine, first, cells, interval, ctx.stopping),
-                                 media_type="text/event-stream", headers=SSE_HEADERS)
+        _stats_cells(cells)
+        first = await hub.event(cells)   # fail with a status code, not in-band
+        hub.subscribe()
+        return EventStreamResponse(_stats_events(hub, first, cells, interval, ctx.stopping),
+                                   ctx.limits.stream_timeout_s, on_close=hub.unsubscribe)
 
 
-async def _stats_events(engine: AsyncLLMEngine, first: Any, cells: int, interval: float,
+async def _stats_events(hub: StatsHub, first: str, cells: int, interval: float,
                         stopping: threading.Event) -> AsyncIterator[str]:
-    """One snapshot every `interval` seconds until the client leaves, the engine dies or the server stops."""
-    snapshot = first
+    """One event every `interval` seconds until the client leaves, the engine dies or the server stops."""
+    event = first
     while True:
-        yield sse(snapshot.to_dict())
+        yield event
         deadline = time.monotonic() + interval
         while time.monotonic() < deadline:
             if stopping.is_set():
                 return  # an endless stream must not hold up a graceful shutdown
             await asyncio.sleep(min(0.1, max(deadline - time.monotonic(), 0.0)))
         try:
-            snapshot = await engine.get_stats(cells)
+            event = await hub.event(cells)
         except Exception as exc:  # noqa: BLE001 - tell the watcher why the stream ends
             yield sse_error(exc)
             return
@@ -142,27 +166,32 @@ class ThroughputLogger:
                     stats.num_waiting, stats.num_preemptions, 100 * stats.kv_usage, 100 * hit_rate)
 
 
-def create_app(async_engine: AsyncLLMEngine, api_key: str | None = None, served_model_name: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_interval: float | None = None) -> FastAPI:
+def create_app(async_engine: AsyncLLMEngine, options: ServerOptions | None = None) -> FastAPI:
     """The OpenAI-compatible app over a running AsyncLLMEngine (the caller owns and stops the engine)."""
-    name = served_model_name or async_engine.config.served_model_name or str(async_engine.config.model)
-    ctx = ServingContext(async_engine, ServerMetrics(name), name)
+    options = options or ServerOptions()
+    name = options.served_model_name or async_engine.config.served_model_name or str(async_engine.config.model)
+    ctx = ServingContext(async_engine, ServerMetrics(name), name, limits=options.limits,
+                         chat_template=options.chat_template,
+                         trust_request_chat_template=options.trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
+        log_interval = options.log_interval
         task = asyncio.create_task(ThroughputLogger(async_engine, log_interval).run()) if log_interval else None
         yield
         if task is not None:
             task.cancel()
+        ctx.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx)
     _add_ops_routes(app, ctx)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body_bytes)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)  # added last: runs first
+    app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,
+                       timeout_s=options.limits.body_timeout_s)
+    if options.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)  # added last: runs first
     return app
 
 
@@ -186,7 +215,7 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2)
+        config = uvicorn_config(app, app.state.ctx.limits, log_level=log_level, timeout_graceful_shutdown=2)
         self.stopping = app.state.ctx.stopping
         self.server = _Server(config, self.stopping)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -231,9 +260,36 @@ def _configure_logging() -> None:
     logger.setLevel(logging.INFO)
 
 
-def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_name: str | None = None, monitor: bool = False, log_interval: float = 5.0) -> None:
-    """Load the engine from an EngineConfig and serve the OpenAI API until interrupted."""
+def _exit_when_engine_fails(engine: AsyncLLMEngine, server: _Server, drain_s: float) -> None:
+    """Wait for the engine loop to end; if it failed, stop the server after a short drain."""
+    engine.ended.wait()
+    if not engine.has_failed:
+        return
+    logger.error("%s; the server exits in %.0f s so that a supervisor can restart it "
+                 "(--no-exit-on-engine-error keeps it up, answering 503)", engine.dead_reason, drain_s)
+    time.sleep(drain_s)   # open requests get their error event or 500, /health its 503, meanwhile
+    server.stopping.set()
+    server.should_exit = True
+
+
+def check_chat_template(source: str) -> None:
+    """ValueError when a --chat-template does not compile (found at start-up, not on the first request)."""
+    from minillm.tokenizer import compile_chat_template
+    try:
+        compile_chat_template(source)
+    except Exception as exc:  # jinja2.TemplateSyntaxError and friends
+        raise ValueError(f"--chat-template does not compile: {exc}") from None
+
+
+def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None,
+               monitor: bool = False) -> int:
+    """Load the engine from an EngineConfig and serve the OpenAI API until interrupted; the exit status.
+
+    1 when the engine loop failed (with exit_on_engine_error the server stops by itself then).
+    """
+    options = options or ServerOptions(log_interval=5.0)
+    if options.chat_template is not None:
+        check_chat_template(options.chat_template)
     _configure_logging()
     engine = AsyncLLMEngine.from_config(config)
     from minillm.engine_stats import describe_engine
@@ -241,16 +297,21 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, api_key: 
     try:
         if monitor:
             # The dashboard owns the terminal: the server runs quietly on a thread.
-            app = create_app(engine, api_key=api_key, served_model_name=served_model_name)
+            app = create_app(engine, dataclasses.replace(options, log_interval=None))
             with ServerThread(app, host, port, log_level="critical") as server:
                 from tui.app import run_monitor
-                run_monitor(server.url, api_key=api_key)
+                run_monitor(server.url, api_key=options.api_key)
         else:
-            app = create_app(engine, api_key=api_key, served_model_name=served_model_name,
-                             log_interval=log_interval)
-            config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-            _Server(config, app.state.ctx.stopping).run()
+            app = create_app(engine, options)
+            uv_config = uvicorn_config(app, options.limits, host=host, port=port, log_level="info",
+                                       timeout_graceful_shutdown=5)
+            server = _Server(uv_config, app.state.ctx.stopping)
+            if options.exit_on_engine_error:
+                threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
+                                 name="minillm-exit-on-engine-error", daemon=True).start()
+            server.run()
     except KeyboardInterrupt:
         pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C for us
     finally:
         engine.shutdown()
+    return 1 if engine.has_failed else 0

@@ -1,27 +1,52 @@
 """AsyncLLMEngine: one thread owns the (not thread-safe) LLMEngine; asyncio callers talk to it by queue.
 
-Commands (add, abort, stats, stop) go into a thread-safe queue. The engine thread drains it,
-calls engine.step() while there is work and blocks on the queue when idle. Each request's
-outputs are handed to the event loop that asked for it with loop.call_soon_threadsafe, into
-that request's own asyncio.Queue. If step() raises, the loop dies: every open request gets an
-EngineDeadError and later calls fail at once.
+Commands (add, abort, stats, stop) go into a thread-safe queue. The engine thread handles a bounded
+batch of them between two steps (so no flood of commands can starve generation), calls
+engine.step() while there is work and blocks on the queue when idle. Stats requests of one batch
+share one snapshot. Each request's outputs are handed to the event loop that asked for it with
+loop.call_soon_threadsafe, into its OutputQueue, which keeps only the newest output of each request.
+
+Failures: a StepError (a step failed for some requests only; the engine already aborted them and
+is intact) fails just those requests with a 500 naming the cause. Any other exception from step()
+ends the loop: every open request gets an EngineDeadError, later calls fail at once, and
+`ended` is set so the server can exit and be restarted.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
-from minillm.server.errors import EngineDeadError
+from minillm.server.errors import EngineDeadError, RequestFailedError
+from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
 
+try:
+    from minillm.engine import StepError
+except ImportError:   # an engine without contained step failures: every step error is fatal
+    class StepError(RuntimeError):
+        """A step failed for some requests only; step() has aborted them and the engine is intact."""
+
+        def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+            super().__init__(f"step failed for {len(request_ids)} requests: {type(cause).__name__}: {cause}")
+            self.request_ids = list(request_ids)
+            self.cause = cause
+
 logger = logging.getLogger("minillm.server")
+
+# Command work between two steps: enough to admit a burst of requests at once, bounded so that a
+# flood (of stats polls, say) delays generation by a few milliseconds, never by whole seconds.
+MAX_COMMANDS_PER_STEP = 64
+MAX_COMMAND_SECONDS_PER_STEP = 0.005
+# Stats are built at full resolution (one cell per block) and downsampled per caller on its loop.
+FULL_RESOLUTION = sys.maxsize
 
 
 @dataclass
@@ -41,7 +66,6 @@ class _Abort:
 
 @dataclass
 class _Stats:
-    cells: int
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
 
@@ -51,42 +75,83 @@ class _Stop:
     pass
 
 
-@dataclass
+class OutputQueue:
+    """Outputs of one API call's requests, newest only per request, on the caller's event loop.
+
+    Outputs are cumulative, so when the caller falls behind (a client that does not read) only the
+    newest of each request is kept: what waits is one output per request, not a growing backlog.
+    An error is final: later outputs of that request do not replace it.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[RequestStream, tuple[Any, float | None]] = {}
+        self._ready = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self._latest)
+
+    def put(self, stream: "RequestStream", payload: Any, seen: float | None) -> None:
+        """Leave a request's newest output (or an exception); on the event loop."""
+        held = self._latest.get(stream)
+        if held is not None and isinstance(held[0], BaseException):
+            return
+        self._latest[stream] = (payload, seen)
+        self._ready.set()
+
+    async def get_all(self) -> list[tuple["RequestStream", Any, float | None]]:
+        """Wait for something, then take everything waiting: [(stream, output or exception, seen)]."""
+        while not self._latest:
+            self._ready.clear()
+            await self._ready.wait()
+        items = [(stream, payload, seen) for stream, (payload, seen) in self._latest.items()]
+        self._latest.clear()
+        self._ready.clear()
+        return items
+
+
+@dataclass(eq=False)
 class RequestStream:
     """One engine request as the event loop sees it.
 
-    Its items land in `queue` as (stream, RequestOutput or exception, time seen on the engine
-    thread). The streams of one API call (a batch of prompts) may share a queue, so the caller
-    wakes once per step for all of them.
+    Its outputs land in `queue` (shared by the streams of one API call, so the caller wakes once per
+    step for all of them). `observer` sees every output as it arrives, even those the queue drops
+    for a newer one, with the time it was seen on the engine thread (for latency metrics).
     """
 
     request_id: str
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: OutputQueue = field(default_factory=OutputQueue)
+    observer: Callable[[RequestOutput, float], None] | None = None
     finished: bool = False
+
+    def deliver(self, payload: Any, seen: float | None) -> None:
+        """On the event loop: note an output (or an exception) and queue it."""
+        if self.observer is not None and isinstance(payload, RequestOutput):
+            self.observer(payload, seen)
+        self.queue.put(self, payload, seen)
 
     def put_threadsafe(self, payload: Any, seen: float | None = None) -> None:
         """Hand an output (or an exception) to the request's event loop."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self, payload, seen))
+            self.loop.call_soon_threadsafe(self.deliver, payload, seen)
         except RuntimeError:
             pass  # the loop is closed: nobody is listening any more
 
     async def __aiter__(self) -> AsyncIterator[tuple[RequestOutput, float]]:
         """(output, seen) in order; for a stream that has its queue to itself."""
         while not self.finished:
-            _, payload, seen = await self.queue.get()
-            if isinstance(payload, BaseException):
-                self.finished = True
-                raise payload
-            self.finished = payload.finished
-            yield payload, seen
+            for _, payload, seen in await self.queue.get_all():
+                if isinstance(payload, BaseException):
+                    self.finished = True
+                    raise payload
+                self.finished = payload.finished
+                yield payload, seen
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput, float]]) -> None:
-    """On the event loop: put each output into its request's queue."""
-    for item in batch:
-        item[0].queue.put_nowait(item)
+    """On the event loop: hand each output to its request's stream."""
+    for stream, output, seen in batch:
+        stream.deliver(output, seen)
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
@@ -113,11 +178,14 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.max_model_len: int = engine.max_model_len
+        self.vocab_size: int = engine.model_config.vocab_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()   # orders "is it dead?" against "enqueue a command"
         self._dead: BaseException | None = None
+        self._failed = False            # the loop ended by an exception, not by shutdown()
         self._stopped = False
+        self.ended = threading.Event()  # set when the engine thread has ended (failure or shutdown)
         self.last_stats: EngineStats | None = None
         # The NumPy backend holds the GIL for most of a step, so without a pause the event loop
         # waits for a forced switch (5 ms) to send tokens or pass on a client's hang-up; yielding
@@ -141,6 +209,11 @@ class AsyncLLMEngine:
         return self._dead is None and self._thread.is_alive()
 
     @property
+    def has_failed(self) -> bool:
+        """True once the loop has ended by an exception (not by shutdown())."""
+        return self._failed
+
+    @property
     def dead_reason(self) -> str:
         """Why the engine loop stopped, for error messages."""
         if self._dead is None:
@@ -154,14 +227,16 @@ class AsyncLLMEngine:
             self._commands.put(command)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                          arrival_time: float | None = None,
-                          output_queue: asyncio.Queue | None = None) -> RequestStream:
+                          arrival_time: float | None = None, output_queue: OutputQueue | None = None,
+                          observer: Callable[[RequestOutput, float], None] | None = None) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it (ValueError if not).
 
         output_queue: where its outputs go (shared by the requests of one call); a new one if None.
+        observer: called on the event loop with every output and the time it was seen.
         """
         loop = asyncio.get_running_loop()
-        stream = RequestStream(request_id, loop, output_queue if output_queue is not None else asyncio.Queue())
+        stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
+                               observer)
         done = loop.create_future()
         self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done))
         try:
@@ -178,12 +253,16 @@ class AsyncLLMEngine:
         except EngineDeadError:
             pass
 
-    async def get_stats(self, cells: int = 64) -> EngineStats:
-        """A consistent EngineStats snapshot, taken on the engine thread between steps."""
+    async def get_full_stats(self) -> EngineStats:
+        """A consistent snapshot with one block-map cell per block, taken on the engine thread between steps."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._send(_Stats(cells, done, loop))
+        self._send(_Stats(done, loop))
         return await done
+
+    async def get_stats(self, cells: int = 64) -> EngineStats:
+        """A consistent EngineStats snapshot whose block map has at most `cells` cells."""
+        return with_cells(await self.get_full_stats(), cells)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (open requests get an error) and wait for it."""
@@ -198,32 +277,49 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while True:
-                if not self.engine.has_unfinished_requests():
-                    # Idle: sleep on the queue rather than spin.
-                    if not self._handle(self._commands.get()):
-                        break
-                if not self._drain_commands():
+                # Idle: sleep on the queue rather than spin.
+                if not self._run_commands(block=not self.engine.has_unfinished_requests()):
                     break
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
-                    self._route(outputs, time.time())
-                    if self._yield_each_step:
-                        time.sleep(0)   # hand the GIL to the event loop (see __init__)
+                    self._step()
         except BaseException as exc:  # noqa: BLE001 - any failure ends the loop, reported to all
             logger.exception("engine loop died")
+            self._failed = True
             self._die(exc)
             return
         self._die(EngineDeadError("the engine was shut down"), log=False)
 
-    def _drain_commands(self) -> bool:
-        """Handle every queued command without blocking; False once told to stop."""
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
-            if not self._handle(command):
-                return False
+    def _step(self) -> None:
+        """One engine step; outputs to their streams, a contained failure to the requests it hit."""
+        try:
+            outputs = self.engine.step()
+        except StepError as exc:
+            self._fail_requests(exc)
+            return
+        self._route(outputs, time.time())
+        if self._yield_each_step:
+            time.sleep(0)   # hand the GIL to the event loop (see __init__)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Handle a bounded batch of queued commands (waiting for the first if block); False once told to stop."""
+        stats: list[_Stats] = []
+        started = time.perf_counter()
+        try:
+            for count in range(MAX_COMMANDS_PER_STEP):
+                if count and time.perf_counter() - started > MAX_COMMAND_SECONDS_PER_STEP:
+                    break
+                try:
+                    command = self._commands.get() if block and count == 0 else self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, _Stats):
+                    stats.append(command)   # one snapshot answers every stats request of the batch
+                elif not self._handle(command):
+                    return False
+        finally:
+            if stats:
+                self._answer_stats(stats)
+        return True
 
     def _handle(self, command: Any) -> bool:
         """Run one command on the engine thread; False for stop."""
@@ -232,16 +328,20 @@ class AsyncLLMEngine:
         elif isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
             self.engine.abort_request(command.request_id)
-        elif isinstance(command, _Stats):
-            try:
-                stats = self.engine.stats(command.cells)
-                self.last_stats = stats
-                _resolve(command.loop, command.done, stats)
-            except Exception as exc:  # noqa: BLE001 - a stats bug must not kill serving
-                _resolve(command.loop, command.done, error=exc)
         elif isinstance(command, _Stop):
             return False
         return True
+
+    def _answer_stats(self, commands: list[_Stats]) -> None:
+        try:
+            stats = self.engine.stats(FULL_RESOLUTION)
+        except Exception as exc:  # noqa: BLE001 - a stats bug must not kill serving
+            for command in commands:
+                _resolve(command.loop, command.done, error=exc)
+            return
+        self.last_stats = stats
+        for command in commands:
+            _resolve(command.loop, command.done, stats)
 
     def _handle_add(self, command: _Add) -> None:
         loop = command.stream.loop
@@ -255,6 +355,16 @@ class AsyncLLMEngine:
             return
         self._streams[command.request_id] = command.stream
         _resolve(loop, command.done, True)
+
+    def _fail_requests(self, exc: StepError) -> None:
+        """A step failed for these requests only (already aborted by the engine): tell their callers."""
+        cause = exc.cause if exc.cause is not None else exc
+        logger.error("a step failed for %d request(s), which were aborted; serving goes on: %s: %s",
+                     len(exc.request_ids), type(cause).__name__, cause)
+        for request_id in exc.request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put_threadsafe(RequestFailedError(request_id, cause))
 
     def _route(self, outputs: list[RequestOutput], seen: float) -> None:
         # One wake-up per event loop per step (not per request): fewer GIL hand-offs.
@@ -290,3 +400,4 @@ class AsyncLLMEngine:
                 _resolve(command.stream.loop, command.done, error=error)
             elif isinstance(command, _Stats):
                 _resolve(command.loop, command.done, error=error)
+        self.ended.set()

@@ -3,18 +3,23 @@ from __future__ import annotations
 
 import json
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+if TYPE_CHECKING:   # FastAPI is imported where the app is built, not by the CLI that reads ServerLimits
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
 
 # SamplingParams / add_request messages start with the field they complain about.
 KNOWN_PARAMS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "logprobs", "prompt", "request_id",
+    "stop_token_ids", "logprobs", "prompt", "request_id", "ignore_eos", "skip_special_tokens",
+    "include_stop_str_in_output",
 )
+# No error quotes more of what the client sent than this: a 1 MB field must not come back as a 1 MB error.
+MAX_MESSAGE_CHARS = 1000
+MAX_PARAM_CHARS = 100
 
 
 class APIError(Exception):
@@ -34,6 +39,23 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
 
 
+class RequestFailedError(APIError):
+    """One request failed inside an engine step that the engine survived (a 500 naming the cause)."""
+
+    def __init__(self, request_id: str, cause: BaseException) -> None:
+        super().__init__(500, f"the request failed in the engine: {type(cause).__name__}: {cause}",
+                         code="engine_step_failed")
+        self.request_id = request_id
+        self.cause = cause
+
+
+def safe_text(text: str, limit: int) -> str:
+    """text cut to `limit` characters and made encodable (a lone surrogate becomes its escape)."""
+    if len(text) > limit:
+        text = text[:limit] + f"... ({len(text)} chars)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def default_error_type(status: int) -> str:
     """OpenAI's error type for a status code."""
     if status == 401:
@@ -47,13 +69,14 @@ def default_error_type(status: int) -> str:
 
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None, type: str | None = None) -> dict:
-    """The JSON body of an error response."""
-    return {"error": {"message": message, "type": type or default_error_type(status),
-                      "param": param, "code": code}}
+    """The JSON body of an error response (message and param cut short and made encodable)."""
+    return {"error": {"message": safe_text(message, MAX_MESSAGE_CHARS), "type": type or default_error_type(status),
+                      "param": None if param is None else safe_text(param, MAX_PARAM_CHARS), "code": code}}
 
 
 def error_response(err: APIError) -> JSONResponse:
     """Render an APIError as a JSONResponse."""
+    from fastapi.responses import JSONResponse
     return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type),
                         status_code=err.status)
 
@@ -75,7 +98,8 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    # A union (e.g. prompt: str | list[int]) reports one error per member: undecodable text says most.
+    first = next((e for e in errors if e.get("type") == "invalid_text"), errors[0])
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in request body: {first.get('msg', '')}".rstrip(": "),
                         code="json_invalid")
@@ -100,6 +124,9 @@ def _is_type_tag(part: str) -> bool:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error the app returns OpenAI-shaped."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

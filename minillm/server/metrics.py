@@ -62,7 +62,30 @@ class _SnapshotCollector(Collector):
         for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
+        yield from kv_offload_families(stats, self.model_name)
         yield from spec_decode_families(stats, self.model_name)
+
+
+def kv_offload_families(stats: EngineStats, model_name: str):
+    """The host tier of the prefix cache (--kv-offload-gib): blocks, hits, bytes each way; none when off."""
+    if not stats.kv_offload_num_blocks:
+        return
+    for name, doc, value in (
+            ("minillm:kv_offload_blocks_total", "Blocks the host KV tier holds at most.", stats.kv_offload_num_blocks),
+            ("minillm:kv_offload_blocks_used", "Host KV tier blocks holding a prefix block.",
+             stats.kv_offload_num_used_blocks)):
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
+    hits = CounterMetricFamily("minillm:kv_offload_hits", "Prompt tokens loaded from the host KV tier.",
+                               labels=["model_name"])
+    hits.add_metric([model_name], float(stats.kv_offload_hits))
+    yield hits
+    moved = CounterMetricFamily("minillm:kv_offload_bytes", "Bytes copied between the KV pool and the host tier.",
+                                labels=["model_name", "direction"])
+    moved.add_metric([model_name, "to_host"], float(stats.kv_offload_bytes_to_host))
+    moved.add_metric([model_name, "to_device"], float(stats.kv_offload_bytes_to_device))
+    yield moved
 
 
 class ServerMetrics:

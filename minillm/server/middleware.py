@@ -4,6 +4,8 @@ from __future__ import annotations
 import hmac
 import json
 
+import anyio
+
 from minillm.server.errors import error_body
 
 OPEN_PATHS = ("/health",)
@@ -35,11 +37,13 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """413 for a request body over max_bytes, checked on Content-Length and on the bytes received."""
+    """413 for a request body over max_bytes, checked on Content-Length and on the bytes received;
+    408 for one that does not arrive within timeout_s (a client trickling its body holds nothing long)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, timeout_s: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
@@ -48,17 +52,22 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(send)
         # Read the whole body first (chunked uploads carry no length), then replay it.
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before sending its body
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._too_large(send)
-            if not message.get("more_body", False):
-                break
+        chunks, size, complete = [], 0, False
+        with anyio.move_on_after(self.timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left before sending its body
+                chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > self.max_bytes:
+                    return await self._too_large(send)
+                if not message.get("more_body", False):
+                    complete = True
+                    break
+        if not complete:
+            return await _send_error(send, 408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                                     code="request_timeout", extra_headers=[(b"connection", b"close")])
         body = b"".join(chunks)
         replayed = False
 

@@ -1,26 +1,64 @@
-"""Request bodies of the OpenAI API (pydantic) and their translation into SamplingParams."""
+"""Request bodies of the OpenAI API (strict pydantic) and their translation into SamplingParams.
+
+Strict: a bool is not an int, a string is not a bool or a number, floats are finite; every string
+must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which no tokenizer takes).
+"""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import SamplingParams
 from minillm.server.errors import APIError, bad_request_from_value_error
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+def check_text(value: str) -> str:
+    """value itself when it encodes as UTF-8; a lone surrogate is an error naming where it is."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PydanticCustomError("invalid_text", "text is not valid Unicode: a lone surrogate at index "
+                                      "{index}", {"index": exc.start}) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(check_text)]
+
+
+def _check_json_text(value: Any) -> Any:
+    """Walk JSON data (dicts, lists, strings) and check every string and key with check_text."""
+    if isinstance(value, str):
+        check_text(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key)
+            _check_json_text(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_json_text(item)
+    return value
 
 
 class StreamOptions(BaseModel):
     """stream_options: whether a final chunk carries the usage."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _GenerationRequest(BaseModel):
     """Fields completions and chat completions share (OpenAI names plus vLLM's extensions)."""
 
-    # Clients send fields we do not use (user, metadata, ...): accept and ignore them.
-    model_config = ConfigDict(extra="allow")
+    # Clients send fields we do not use (metadata, ...): accept them and log their names.
+    model_config = STRICT
 
-    model: str | None = None
+    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -30,7 +68,7 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
@@ -38,8 +76,8 @@ class _GenerationRequest(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[Text, float] | None = None
+    user: Text | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -50,29 +88,29 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = None
 
 
 class ContentPart(BaseModel):
     """One part of a multi-part message content; only text parts are supported."""
 
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
+    model_config = STRICT
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     """One chat message."""
 
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
+    model_config = STRICT
+    role: Literal[CHAT_ROLES]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -84,6 +122,26 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    functions: list[dict] | None = None          # the legacy form of tools
+    function_call: Any = None
+    chat_template: Text | None = None            # vLLM's: a Jinja template for this request only
+    chat_template_kwargs: dict[Text, Any] | None = None   # extra variables for the template
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_text(cls, value: dict | None) -> dict | None:
+        return _check_json_text(value)
+
+
+def unknown_fields(req: _GenerationRequest) -> list[str]:
+    """Names of the fields a request carried that this server ignores (nested ones as a dotted path)."""
+    names = list(req.model_extra or {})
+    if req.stream_options is not None:
+        names += [f"stream_options.{k}" for k in req.stream_options.model_extra or {}]
+    if isinstance(req, ChatCompletionRequest):
+        for i, message in enumerate(req.messages):
+            names += [f"messages.{i}.{k}" for k in message.model_extra or {}]
+    return names
 
 
 def check_unsupported(req: _GenerationRequest) -> None:
@@ -95,18 +153,23 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
-    if isinstance(req, ChatCompletionRequest) and req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
+    if isinstance(req, ChatCompletionRequest):
+        if req.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if req.functions:
+            raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
+        if req.function_call not in (None, "none"):
+            raise APIError(400, "function_call is not supported", param="function_call")
 
 
-def to_sampling_params(req: _GenerationRequest, max_tokens: int | None,
-                       logprobs: int | None) -> SamplingParams:
+def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
+                       vocab_size: int | None = None) -> SamplingParams:
     """Build validated SamplingParams; a bad value becomes a 400 naming the field."""
     def pick(value, default):
         return default if value is None else value
 
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=req.n,
             temperature=pick(req.temperature, 1.0),
             top_p=pick(req.top_p, 1.0),
@@ -125,8 +188,11 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
         )
+        if vocab_size is not None:
+            params.validate_for_vocab(vocab_size)
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
+    return params
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
@@ -160,6 +226,11 @@ def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
             item["name"] = msg.name
         out.append(item)
     return out
+
+
+def message_chars(messages: list[dict]) -> int:
+    """Characters of text in a conversation (what rendering and tokenising will have to read)."""
+    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -3,46 +3,62 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
+import logging
 import threading
-import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import SamplingParams
-from minillm.server.async_engine import AsyncLLMEngine, RequestStream
+from minillm.sampling_params import SamplingParams, short_repr
+from minillm.server.async_engine import AsyncLLMEngine, OutputQueue, RequestStream
 from minillm.server.errors import APIError, bad_request_from_value_error, error_body
+from minillm.server.limits import ServerLimits
 from minillm.server.metrics import RequestTimer, ServerMetrics
+from minillm.server.streaming import EventStreamResponse
 
 T = TypeVar("T")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+logger = logging.getLogger("minillm.server")
+
+# Tokenising and template rendering run here, off the event loop (the tokenizer's batch call
+# releases the GIL, so they run in parallel with the loop and the engine thread).
+NUM_PREPROCESS_THREADS = 4
 
 
 @dataclass
 class ServingContext:
-    """What every handler needs: the engine, the metrics and the name it serves under."""
+    """What every handler needs: the engine, the metrics, the name it serves under and the limits."""
 
     engine: AsyncLLMEngine
     metrics: ServerMetrics
     model_name: str
-    created: int = field(default_factory=lambda: int(time.time()))
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    chat_template: str | None = None                  # the server's template (--chat-template), else the model's
+    trust_request_chat_template: bool = False         # whether a request may bring its own template
     stopping: threading.Event = field(default_factory=threading.Event)   # set when the server shuts down
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        NUM_PREPROCESS_THREADS, thread_name_prefix="minillm-preprocess"))
 
     @property
     def tokenizer(self) -> Any:
         """The engine's tokenizer (thread-safe for encode/decode)."""
         return self.engine.tokenizer
 
+    async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn in the preprocessing pool, so tokenising a long prompt does not stall the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+
     def check_model(self, model: str | None) -> None:
         """404 for a model name this server does not serve (an omitted name means ours)."""
         if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+            raise APIError(404, f"The model {short_repr(model)} does not exist.", param="model",
                            code="model_not_found")
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
@@ -50,15 +66,15 @@ class ServingContext:
         vocab_size = self.tokenizer.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise APIError(400, f"{param} holds token ids outside [0, {vocab_size}): {bad[:5]}", param=param)
+            raise APIError(400, f"{param} holds token ids outside [0, {vocab_size}): {short_repr(bad)}", param=param)
 
-    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str = "prompt") -> int:
         """max_tokens for this prompt; 400 when prompt and completion cannot fit the context."""
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
                            f"has {num_prompt_tokens} tokens, leaving no room for a completion.",
-                           param="prompt", code="context_length_exceeded")
+                           param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return limit - num_prompt_tokens
         if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
@@ -74,15 +90,25 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def log_unknown_fields(names: list[str]) -> None:
+    """Warn about the request fields this server ignored, by name (as vLLM does); they are still accepted."""
+    if names:
+        shown = ", ".join(short_repr(name, 40) for name in names[:20])
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        logger.warning("The following fields were present in the request but ignored: %s%s", shown, more)
+
+
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams]) -> list[RequestStream]:
     """Add one engine request per prompt, all feeding one queue; on a rejection abort those added."""
     streams: list[RequestStream] = []
-    shared: asyncio.Queue = asyncio.Queue()
+    shared = OutputQueue()
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared))
+            timer = RequestTimer(ctx.metrics)
+            streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
+                                                        observer=timer.on_output))
     except BaseException as exc:
         for stream in streams:
             ctx.engine.abort(stream.request_id)
@@ -96,25 +122,22 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
                          ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Per wake-up, [(prompt index, latest output)] for the streams that moved; leaving early aborts.
 
-    Outputs are cumulative, so when several steps queued up while the caller was busy only the
-    newest of each request is passed on: a loaded server sends fewer, larger chunks instead of
-    falling further behind. Every output still feeds the latency histograms.
+    Outputs are cumulative, so when several steps passed while the caller was busy only the
+    newest of each request is passed on (the queue keeps no more): a loaded server sends fewer,
+    larger chunks instead of falling further behind. Every output still fed the latency
+    histograms as it arrived (the streams' observers).
     """
     queue = streams[0].queue          # submit() gives the streams of one call a shared queue
     index_of = {id(s): i for i, s in enumerate(streams)}
-    timers = {id(s): RequestTimer(ctx.metrics) for s in streams}
     remaining = len(streams)
     try:
         while remaining:
-            items = [await queue.get()]
-            while not queue.empty():
-                items.append(queue.get_nowait())
+            items = await queue.get_all()
             latest: dict[int, RequestOutput] = {}
-            for stream, payload, seen in items:
+            for stream, payload, _ in items:
                 if isinstance(payload, BaseException):
                     stream.finished = True
                     raise payload
-                timers[id(stream)].on_output(payload, seen)
                 latest[index_of[id(stream)]] = payload
                 if payload.finished:
                     stream.finished = True
@@ -224,21 +247,20 @@ class ChoiceProgress:
 async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """Errors before the first event propagate (a real HTTP error); later ones end the stream."""
     started = False
-    try:
-        async for event in events:
-            started = True
-            yield event
-    except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
-        if not started:
-            raise
-        yield sse_error(exc)
-        yield SSE_DONE
+    async with contextlib.aclosing(events):   # closing it at once is what aborts its requests
+        try:
+            async for event in events:
+                started = True
+                yield event
+        except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
+            if not started:
+                raise
+            yield sse_error(exc)
+            yield SSE_DONE
 
 
-async def streaming_response(request: Request, events: AsyncIterator[str]):
+async def streaming_response(ctx: ServingContext, request: Request, events: AsyncIterator[str]):
     """Wait for the first event (so early failures get a status code), then stream the rest."""
-    from fastapi.responses import StreamingResponse
-
     guarded = guard_stream(events)
     try:
         first = await until_disconnected(request, anext(guarded))
@@ -255,7 +277,7 @@ async def streaming_response(request: Request, events: AsyncIterator[str]):
                 async for event in guarded:
                     yield event
 
-    return StreamingResponse(body(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStreamResponse(body(), ctx.limits.stream_timeout_s)
 
 
 def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:
@@ -272,7 +294,7 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
     streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params))
     try:
         if stream:
-            return await streaming_response(raw, job.events(streams))
+            return await streaming_response(ctx, raw, job.events(streams))
         finals = await until_disconnected(raw, final_outputs(ctx, streams))
     except BaseException:
         abort_unfinished(ctx, streams)

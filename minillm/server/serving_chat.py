@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -9,44 +10,90 @@ from fastapi import Request
 from minillm.outputs import RequestOutput
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
+from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
 from minillm.server.protocol import (
     ChatCompletionRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens, check_unsupported,
-    messages_as_dicts, to_sampling_params,
+    message_chars, messages_as_dicts, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ServingContext, answer, merged_outputs, new_request_id, sse, usage,
+    SSE_DONE, ChoiceProgress, ServingContext, answer, log_unknown_fields, merged_outputs, new_request_id, sse,
+    usage,
 )
 
+# Names render_chat takes itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt")
 
-def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the conversation plus the assistant's turn opener; 400 without a template."""
-    tok = ctx.tokenizer
-    if not tok.has_chat_template:
-        raise APIError(400, f"The model `{ctx.model_name}` has no chat template, so chat completions "
-                       "are not available; use /v1/completions with a plain prompt.",
-                       param="messages", code="no_chat_template")
-    try:
-        return list(tok.apply_chat_template(messages_as_dicts(req), add_generation_prompt=True, tokenize=True))
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
+
+def chat_template_for(ctx: ServingContext, req: ChatCompletionRequest) -> str | None:
+    """The template source to render with (None: the model's own); 400 when there is none to use."""
+    if req.chat_template is not None:
+        if not ctx.trust_request_chat_template:
+            raise APIError(400, "this server does not render chat templates sent with a request; start it with "
+                           "--trust-request-chat-template to allow them, or set one with --chat-template",
+                           param="chat_template")
+        return req.chat_template
+    if ctx.chat_template is not None:
+        return ctx.chat_template
+    if not ctx.tokenizer.has_chat_template:
+        raise APIError(400, f"The model `{ctx.model_name}` has no chat template, so chat completions are not "
+                       "available; start the server with --chat-template FILE, or use /v1/completions with a "
+                       "plain prompt.", param="messages", code="no_chat_template")
+    return None
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict:
+    """chat_template_kwargs, refusing names that the renderer sets itself."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if clash:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    return kwargs
 
 
 class ChatJob:
-    """One /v1/chat/completions call and how its outputs become OpenAI responses."""
+    """One /v1/chat/completions call and how its outputs become OpenAI responses.
+
+    The constructor does the cheap checks (limits, field values, the template to use); prepare()
+    renders and tokenises, off the event loop.
+    """
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
         self.ctx, self.req = ctx, req
         self.request_id = new_request_id("chatcmpl")
+        self.created = int(time.time())
         self.num_top = requested_top_logprobs(req)
+        check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
         # Field errors first, so a bad value is named even on a model without a template.
-        to_sampling_params(req, chat_max_tokens(req), self.num_top)
-        self.prompt_ids = render_chat_prompt(ctx, req)
+        to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size)
+        self.messages = messages_as_dicts(req)
+        check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
+        self.template = chat_template_for(ctx, req)
+        self.template_kwargs = template_kwargs(req)
+        self.prompt_ids: list[int] = []
+        self.params = None
+        self.texts = TokenTexts(ctx.tokenizer)
+
+    async def prepare(self) -> None:
+        """Render and tokenise the conversation (in the preprocessing pool); fit max_tokens to it."""
+        self.prompt_ids = await self.ctx.run_blocking(self._render)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
-        max_tokens = ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(req))
-        self.params = to_sampling_params(req, max_tokens, self.num_top)
-        self.texts = TokenTexts(ctx.tokenizer)
+        max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
+        self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size)
+
+    def _render(self) -> list[int]:
+        """Token ids of the conversation plus the assistant's turn opener."""
+        tok = self.ctx.tokenizer
+        try:
+            text = tok.render_chat(self.messages, template=self.template, add_generation_prompt=True,
+                                   **self.template_kwargs)
+        except ValueError as exc:
+            param = "chat_template" if self.req.chat_template is not None else "messages"
+            raise APIError(400, str(exc), param=param) from None
+        check_prompt_chars(self.ctx.limits, len(text), "messages")
+        # The template writes BOS itself where the model wants it.
+        return tok.encode_batch([text], add_special_tokens=False)[0]
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:
@@ -66,12 +113,12 @@ class ChatJob:
                             "logprobs": logprobs, "finish_reason": comp.finish_reason,
                             "stop_reason": comp.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": self.request_id, "object": "chat.completion", "created": self.ctx.created,
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(len(final.prompt_token_ids), completion_tokens)}
 
     def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.ctx.created,
+        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                  "model": self.ctx.model_name, "choices": choices}
         if self.req.include_usage:
             chunk["usage"] = None
@@ -120,6 +167,8 @@ class ChatJob:
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: Request):
     """Validate, render, submit and answer (JSON, or an event stream)."""
     ctx.check_model(req.model)
+    log_unknown_fields(unknown_fields(req))
     check_unsupported(req)
     job = ChatJob(ctx, req)
+    await job.prepare()
     return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)

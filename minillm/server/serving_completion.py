@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -9,32 +10,59 @@ from fastapi import Request
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.async_engine import RequestStream
 from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs
-from minillm.server.protocol import CompletionRequest, check_unsupported, completion_prompts, to_sampling_params
+from minillm.server.limits import check_fan_out, check_prompt_chars
+from minillm.server.protocol import (
+    CompletionRequest, check_unsupported, completion_prompts, to_sampling_params, unknown_fields,
+)
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ServingContext, answer, merged_outputs, new_request_id, sse, usage,
+    SSE_DONE, ChoiceProgress, ServingContext, answer, log_unknown_fields, merged_outputs, new_request_id, sse,
+    usage,
 )
 
 
 class CompletionJob:
-    """One /v1/completions call: its prompts, and how its outputs become OpenAI responses."""
+    """One /v1/completions call: its prompts, and how its outputs become OpenAI responses.
+
+    The constructor does the cheap checks (limits, field values, token ids); prepare() tokenises,
+    off the event loop.
+    """
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
         self.ctx, self.req = ctx, req
         self.request_id = new_request_id("cmpl")
-        tok = ctx.tokenizer
+        self.created = int(time.time())
+        self.prompts = completion_prompts(req)
+        check_fan_out(ctx.limits, req.n, len(self.prompts), req.stop, req.stop_token_ids)
+        check_prompt_chars(ctx.limits, sum(len(p) for p in self.prompts if isinstance(p, str)), "prompt")
+        for prompt in self.prompts:
+            if not isinstance(prompt, str):
+                ctx.check_token_ids(prompt)
+        to_sampling_params(req, req.max_tokens, req.logprobs, ctx.engine.vocab_size)   # field errors first
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
-        for prompt in completion_prompts(req):
-            if isinstance(prompt, str):
-                self.prompt_ids.append(tok.encode(prompt, add_special_tokens=True))
-                self.prompt_texts.append(prompt)
-            else:
-                ctx.check_token_ids(prompt)
-                self.prompt_ids.append(list(prompt))
-                self.prompt_texts.append(tok.decode(prompt) if req.echo else "")
-        self.params = [to_sampling_params(req, ctx.resolve_max_tokens(len(ids), req.max_tokens), req.logprobs)
+        self.params: list = []
+        self.texts = TokenTexts(ctx.tokenizer)
+
+    async def prepare(self) -> None:
+        """Tokenise the prompts (in the preprocessing pool) and fit max_tokens to each."""
+        self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking(self._tokenize)
+        self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.req.max_tokens),
+                                          self.req.logprobs, self.ctx.engine.vocab_size)
                        for ids in self.prompt_ids]
-        self.texts = TokenTexts(tok)
+
+    def _tokenize(self) -> tuple[list[list[int]], list[str]]:
+        tok = self.ctx.tokenizer
+        texts = [p for p in self.prompts if isinstance(p, str)]
+        encoded = iter(tok.encode_batch(texts, add_special_tokens=True) if texts else [])
+        ids, shown = [], []
+        for prompt in self.prompts:
+            if isinstance(prompt, str):
+                ids.append(next(encoded))
+                shown.append(prompt)
+            else:
+                ids.append(list(prompt))
+                shown.append(tok.decode(prompt) if self.req.echo else "")
+        return ids, shown
 
     def _cursor(self, prompt_index: int) -> LogprobCursor | None:
         if self.req.logprobs is None:
@@ -63,11 +91,11 @@ class CompletionJob:
                 choices.append({"index": self._choice_index(pi, comp), "text": text, "logprobs": logprobs,
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.request_id, "object": "text_completion", "created": self.ctx.created,
+        return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, "usage": self._usage(finals)}
 
     def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.request_id, "object": "text_completion", "created": self.ctx.created,
+        chunk = {"id": self.request_id, "object": "text_completion", "created": self.created,
                  "model": self.ctx.model_name, "choices": choices}
         if self.req.include_usage:
             chunk["usage"] = None
@@ -114,6 +142,8 @@ class CompletionJob:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     """Validate, submit and answer (JSON, or an event stream)."""
     ctx.check_model(req.model)
+    log_unknown_fields(unknown_fields(req))
     check_unsupported(req)
     job = CompletionJob(ctx, req)
+    await job.prepare()
     return await answer(ctx, raw, job, job.prompt_ids, job.params, req.stream)

@@ -1,0 +1,251 @@
+"""Rank 0 of a tensor-parallel group: the ModelRunner's interface over N processes.
+
+    engine ── scheduler, block manager, sampler: once, here on rank 0
+       │ launch(SchedulerOutput)
+    TensorParallelExecutor (rank 0: a ModelRunner over shard 0)
+       │ prepared inputs: ids [T], positions [T], attention metadata, logit rows
+       ├──── channel (shared memory) ───> worker rank 1 .. N-1 (a ModelRunner over shard r)
+       │ forward: all-reduce after embedding, o_proj, down_proj; all-gather of the logits
+       └──── communicator (shared memory) <──> every rank
+
+Workers are spawned (safe with the server's threads) and never outlive the executor: shutdown()
+stops them, a finalizer does if nobody called it, and they exit by themselves when rank 0's
+process is gone. A worker that dies is reported by rank 0's next wait, with the worker's error.
+
+The seam: every forward pass of a step goes through ModelRunner._forward(ids, positions, meta,
+rows, logits_indices), so rank 0 sends exactly those arguments and each worker calls its own
+_forward with them; the collectives inside then pair up call for call. Input tokens still on the device (a step kept
+in flight) are filled in on the host before sending: workers never hold sampled ids.
+"""
+from __future__ import annotations
+
+import functools
+import multiprocessing as mp
+import os
+import time
+import weakref
+
+import numpy as np
+
+from minillm.model_runner import ModelRunner
+from minillm.parallel.channel import ChannelWriter
+from minillm.parallel.communicator import ShmCommunicator, ShmGroup
+from minillm.parallel.errors import DEFAULT_TIMEOUT_S, TensorParallelError, wait_for
+from minillm.parallel.shared_arrays import share_arrays
+from minillm.parallel.sharding import (check_tensor_parallel_size, shard_model_config, shard_weights,
+                                       vocab_shard_size)
+from minillm.parallel.worker import WorkerSpec, run_worker
+
+MAX_SLOT_BYTES = 16 << 20        # larger collectives go through in chunks; keeps /dev/shm use small
+SHUTDOWN_WAIT_S = 10.0
+
+
+class _Peers:
+    """The workers' processes and reply pipes; calling it raises if a worker has died."""
+
+    def __init__(self):
+        self.procs: list = []            # rank r at index r - 1
+        self.replies: list = []          # rank 0's receive ends of the reply pipes
+        self.failure: str | None = None  # why the group stopped, once it has
+
+    def __call__(self) -> None:
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.replies), 1):
+            if not proc.is_alive():
+                self.failure = f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code " \
+                               f"{proc.exitcode}{_reported_error(conn)}"
+                raise TensorParallelError(self.failure)
+
+
+def _reported_error(conn) -> str:
+    """': <error>' when the worker sent one before it died."""
+    try:
+        while conn.poll(0):
+            status, value = conn.recv()
+            if status == "error":
+                return f": {value}"
+    except (EOFError, OSError):
+        pass
+    return ""
+
+
+def _close_segments(segments: list) -> None:
+    for shm in segments:
+        shm.close()
+        shm.unlink()
+    segments.clear()
+
+
+def _stop(procs: list, closers: list) -> None:
+    """Terminate what is still running, then remove the shared-memory segments."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(SHUTDOWN_WAIT_S)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for close in closers:
+        close()
+
+
+class WorkerGroup:
+    """Ranks 1..N-1 as spawned processes, with rank 0's ends of the channel and the communicator."""
+
+    def __init__(self, shard_config, model_config, config, backend: str, dtype: str,
+                 weights: dict[str, np.ndarray], timeout: float = DEFAULT_TIMEOUT_S):
+        size = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")    # fork would copy the server's threads and locks mid-flight
+        self.timeout = timeout
+        self.peers = _Peers()
+        self._segments: list = []        # weight shards, removed once every worker has read its own
+        closers: list = [functools.partial(_close_segments, self._segments)]
+        # Runs at shutdown(), when the group is dropped, or at exit; it holds nothing that holds self.
+        self._finalizer = weakref.finalize(self, _stop, self.peers.procs, closers)
+        slot = 4 * max(config.max_num_batched_tokens * model_config.hidden_size,
+                       config.max_num_seqs * vocab_shard_size(model_config.vocab_size, size))
+        self.group = ShmGroup(ctx, size, min(slot, MAX_SLOT_BYTES))
+        closers.append(self.group.close)
+        self.channel = ChannelWriter(ctx, size - 1, self.peers, timeout)
+        closers.append(self.channel.close)
+        for rank in range(1, size):
+            shm, handle = share_arrays(shard_weights(weights, model_config, rank, size))
+            self._segments.append(shm)
+            recv, send = ctx.Pipe(duplex=False)
+            spec = WorkerSpec(rank, shard_config, config, backend, dtype, os.getpid(), self.group.handle,
+                              self.channel.handle, send, handle, timeout)
+            proc = ctx.Process(target=run_worker, args=(spec,), name=f"minillm-tp-rank{rank}", daemon=True)
+            proc.start()
+            send.close()                 # the worker holds the only send end: its death closes the pipe
+            self.peers.procs.append(proc)
+            self.peers.replies.append(recv)
+
+    def communicator(self, rank: int) -> ShmCommunicator:
+        """This process's end of the collectives."""
+        return ShmCommunicator(self.group.handle, rank, self.peers, self.timeout)
+
+    def send(self, method: str, *args) -> None:
+        """A call for every worker (raises at once if the group has stopped)."""
+        self.peers()
+        self.channel.send(method, *args)
+
+    def replies(self) -> list:
+        """Every worker's answer to the last start-up call, by rank."""
+        out = []
+        for rank, conn in enumerate(self.peers.replies, 1):
+            wait_for(conn.poll, f"rank {rank}'s reply", self.peers, self.timeout)
+            status, value = conn.recv()
+            if status == "error":
+                self.peers.failure = f"tensor-parallel worker rank {rank} failed: {value}"
+                raise TensorParallelError(self.peers.failure)
+            out.append(value)
+        return out
+
+    def wait_ready(self) -> None:
+        """Wait until every worker has built its runner, then drop the weight segments."""
+        self.replies()
+        _close_segments(self._segments)
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids, by rank."""
+        return [p.pid for p in self.peers.procs]
+
+    def shutdown(self) -> None:
+        """Ask the workers to exit, wait for them (terminate if they do not), remove the segments."""
+        if not self._finalizer.alive:
+            return
+        if self.peers.failure is None:
+            try:
+                self.send("shutdown")
+                deadline = time.monotonic() + SHUTDOWN_WAIT_S
+                for proc in self.peers.procs:
+                    proc.join(max(0.0, deadline - time.monotonic()))
+            except TensorParallelError:
+                pass
+        self._finalizer()
+
+    def terminate(self, reason: str) -> None:
+        """Stop every worker now (after a failure: they may be stuck in a collective)."""
+        if self.peers.failure is None:
+            self.peers.failure = reason
+        self._finalizer()
+
+
+class TensorParallelExecutor(ModelRunner):
+    """ModelRunner's interface for tensor_parallel_size > 1: rank 0's shard here, the rest in workers."""
+
+    def __init__(self, model_config, config, ops, device, weights: dict[str, np.ndarray], dtype,
+                 eos_token_ids: list[int]):
+        size = config.tensor_parallel_size
+        check_tensor_parallel_size(model_config, size, ops.name)
+        t0 = time.perf_counter()
+        shard_config = shard_model_config(model_config, size)
+        self.workers = WorkerGroup(shard_config, model_config, config, ops.name, dtype, weights)
+        try:
+            super().__init__(shard_config, config, ops, device, shard_weights(weights, model_config, 0, size),
+                             dtype, eos_token_ids, comm=self.workers.communicator(0))
+            self.workers.wait_ready()
+        except BaseException as exc:
+            self.workers.terminate(f"start-up failed: {type(exc).__name__}: {exc}")
+            raise
+        self.startup_seconds = time.perf_counter() - t0     # workers spawned, weights sharded and built
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        """The fewest KV blocks any rank can hold (each rank sizes its own pool of its heads)."""
+        self._send("determine_num_blocks", max_model_len)
+        mine = self._guarded(super().determine_num_blocks, max_model_len)
+        return min([mine] + self._guarded(self.workers.replies))
+
+    def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
+        """Every rank allocates its KV pool (its KV heads) and rotary table."""
+        self._send("initialize_cache", num_blocks, max_model_len)
+        self._guarded(super().initialize_cache, num_blocks, max_model_len)
+        self._guarded(self.workers.replies)
+
+    def launch(self, out):
+        """ModelRunner.launch, after checking that every worker is there: a stopped group fails
+        each step at once, before anything is prepared."""
+        self._guarded(self.workers.peers)
+        return super().launch(out)
+
+    def _forward(self, ids, positions, meta, rows, patch=None, logits_indices=None):
+        """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]
+        (or of the token rows logits_indices names, in a step verifying draft tokens)."""
+        ids = self._fill_placeholders(ids, patch)
+        self._send("execute_model", ids, positions, meta, list(rows), logits_indices)
+        return self._guarded(super()._forward, ids, positions, meta, rows, None, logits_indices)
+
+    def _fill_placeholders(self, ids: np.ndarray, patch) -> np.ndarray:
+        """ids [T] with the last step's samples written where they were still on the device."""
+        if patch is None:
+            return ids
+        dst, src, last_ids = patch
+        ids = ids.copy()
+        ids[dst] = self.ops.to_numpy(last_ids)[src]
+        return ids
+
+    def _send(self, method: str, *args) -> None:
+        self._guarded(self.workers.send, method, *args)
+
+    def _guarded(self, fn, *args):
+        """fn(*args); any failure once the workers have a call leaves the ranks out of step, so it
+        stops the group and is raised as a TensorParallelError."""
+        try:
+            return fn(*args)
+        except TensorParallelError as exc:
+            self.workers.terminate(str(exc))
+            raise
+        except BaseException as exc:
+            self.workers.terminate(f"rank 0 failed: {type(exc).__name__}: {exc}")
+            if isinstance(exc, Exception):
+                raise TensorParallelError(f"rank 0 failed in a tensor-parallel call, the group is "
+                                          f"stopped: {type(exc).__name__}: {exc}") from exc
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the workers, then release rank 0's pool and weights."""
+        self.workers.shutdown()
+        super().shutdown()

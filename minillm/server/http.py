@@ -1,0 +1,103 @@
+"""uvicorn's HTTP/1.1 protocol with deadlines for slow clients, and the server's uvicorn settings.
+
+uvicorn times out an idle keep-alive connection but not one that is slow to send its headers: a
+client trickling a header byte a second would hold its connection for ever. Here the headers of
+each request must be in within header_timeout_s of the connection opening or of the previous
+response; otherwise the connection is closed.
+
+Nor does it drop a client that stops reading: the response waits (uvicorn's send() blocks while
+the socket's buffer is full) and the connection, with its buffered output, stays. Here a
+connection whose writes have been blocked for write_timeout_s is aborted, its buffer discarded;
+the app sees the client as gone (and the stream's requests are aborted).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from minillm.server.limits import ServerLimits
+
+logger = logging.getLogger("minillm.server")
+
+# h11 refuses a request line plus headers larger than this (uvicorn's default, made explicit).
+MAX_HEADER_BYTES = 16 * 1024
+
+
+class TimedH11Protocol(H11Protocol):
+    """H11Protocol that drops a client slow to send its headers, or that stops reading."""
+
+    header_timeout_s: float = 10.0
+    write_timeout_s: float = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._write_timer: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        self._cancel_write_timer()
+        super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_timer is None:
+            self._write_timer = self.loop.call_later(self.write_timeout_s, self._client_stopped_reading)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _client_stopped_reading(self) -> None:
+        self._write_timer = None
+        logger.warning("dropping a connection whose client read nothing for %.1f s", self.write_timeout_s)
+        self.transport.abort()   # close() would wait for the client to take the buffered output
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:
+            self._disarm_header_timer()   # a request's headers are in: it is the app's now
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():
+            self._arm_header_timer()       # before super(): it may start a pipelined request at once
+        super().on_response_complete()
+
+    def _arm_header_timer(self) -> None:
+        self._disarm_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+            logger.debug("closing a connection whose request headers took over %.1f s", self.header_timeout_s)
+            self.transport.close()
+
+
+def timed_protocol(limits: ServerLimits) -> type[TimedH11Protocol]:
+    """A TimedH11Protocol class with the limits' deadlines (uvicorn builds one per connection)."""
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": limits.header_timeout_s,
+                                                          "write_timeout_s": limits.stream_timeout_s})
+
+
+def uvicorn_config(app: Any, limits: ServerLimits, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn settings with the server's timeouts: keep-alive, request headers, stalled writes, header size."""
+    return uvicorn.Config(app, http=timed_protocol(limits),
+                          timeout_keep_alive=limits.timeout_keep_alive_s,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kwargs)

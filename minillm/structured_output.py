@@ -1,0 +1,416 @@
+"""Structured outputs: a JSON schema, regex, choice or Lark grammar enforced by a token bitmask.
+
+llguidance does the work: it compiles a constraint into a matcher over the model's tokenizer, and
+the matcher writes which tokens may come next into an int32 bitmask row. The flow, in vLLM V1's
+shape:
+
+    StructuredOutputsParams(json=...)        validated where the request enters (ValueError naming
+                                             the field; the constraint is compile-checked here)
+    manager.grammar_init(params)             -> Future[CompiledGrammar], compiled on a small thread
+                                             pool and cached by the constraint's text
+    compiled.new_matcher()                   -> GrammarMatcher, one per request
+    manager.fill_bitmask(matchers, rows)     each step, on the CPU while the forward pass runs
+    ops.apply_token_bitmask(logits, bitmask, rows)   in the sampler, before temperature etc.
+    matcher.accept_token(token)              each sampled token advances the matcher
+
+Bitmask layout: bitmask [rows, ceil(vocab / 32)] int32; bit j of word w in a row is token id
+32 * w + j, 1 = allowed. vocab is the LM head's size; ids past the tokenizer's vocabulary (the
+head is often padded) are never allowed.
+"""
+from __future__ import annotations
+
+import enum
+import json as jsonlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+# What llguidance's matcher logs by itself: nothing (errors are read back and raised or reported).
+_LOG_LEVEL = 0
+_CONSTRAINT_FIELDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+class StructuredOutputsError(ValueError):
+    """A bad constraint; `field` names the StructuredOutputsParams field (its message starts with it)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+class StructuredOutputOptions(enum.Enum):
+    """The kind of constraint a request carries."""
+
+    JSON = "json"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    GRAMMAR = "grammar"
+    CHOICE = "choice"
+
+
+# (kind, canonical text): the cache key of a compiled grammar.
+StructuredOutputKey = tuple[StructuredOutputOptions, str]
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One output constraint per request, with vLLM's field names; exactly one must be set.
+
+    json: a JSON schema (a dict or its text); regex: a regular expression the whole output must
+    match (Rust regex syntax: \\d and \\w are Unicode, as in Python's re); choice: the output is
+    one of these strings; grammar: a Lark grammar in llguidance's syntax (rule `start`);
+    json_object: any JSON object. disable_any_whitespace (vLLM's option): JSON with no whitespace
+    between its tokens; None takes the engine's default (StructuredOutputManager's, True: a model
+    free to add whitespace can spend its whole budget on it). Construction validates and
+    compile-checks the constraint (StructuredOutputsError, a ValueError naming the field).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+    _key: StructuredOutputKey | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._key = self._validate()
+
+    @property
+    def key(self) -> StructuredOutputKey:
+        """(kind, canonical text): equal constraints share a key, and so a compiled grammar."""
+        return self._key
+
+    def _validate(self) -> StructuredOutputKey:
+        is_set = {"json": self.json is not None, "regex": self.regex is not None,
+                  "choice": self.choice is not None, "grammar": self.grammar is not None,
+                  "json_object": bool(self.json_object)}
+        chosen = [name for name in _CONSTRAINT_FIELDS if is_set[name]]
+        if len(chosen) != 1:
+            got = ", ".join(chosen) if chosen else "none"
+            raise StructuredOutputsError("structured_outputs", f"exactly one of {', '.join(_CONSTRAINT_FIELDS)} "
+                                         f"must be set, got {got}")
+        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
+            raise StructuredOutputsError("disable_any_whitespace", "must be a boolean")
+        name = chosen[0]
+        key = _canonical_key(name, getattr(self, name))
+        # Whitespace does not change whether a schema is valid: check it in the default form.
+        try:
+            error = llguidance.LLMatcher.validate_grammar(serialize_grammar(key))
+        except ValueError as e:
+            error = str(e)
+        if error:
+            raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
+        return key
+
+
+_WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list",
+         "grammar": "Lark grammar", "json_object": "json_object"}
+
+
+def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
+    """Type-check one constraint and return its cache key (JSON is re-serialised, keeping key order)."""
+    if name == "json":
+        if isinstance(value, str):
+            try:
+                value = jsonlib.loads(value)
+            except ValueError as e:
+                raise StructuredOutputsError("json", f"the schema is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise StructuredOutputsError("json", f"a JSON schema must be an object, got {type(value).__name__}")
+        try:
+            text = jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise StructuredOutputsError("json", f"the schema is not serialisable as JSON: {e}") from None
+        return StructuredOutputOptions.JSON, text
+    if name == "json_object":
+        if value is not True:
+            raise StructuredOutputsError("json_object", "must be true when set")
+        return StructuredOutputOptions.JSON_OBJECT, '{"type":"object"}'
+    if name == "choice":
+        if (not isinstance(value, (list, tuple)) or not value
+                or not all(isinstance(c, str) and c for c in value)):
+            raise StructuredOutputsError("choice", "must be a non-empty list of non-empty strings")
+        return StructuredOutputOptions.CHOICE, jsonlib.dumps(list(value), ensure_ascii=False)
+    if not isinstance(value, str):
+        raise StructuredOutputsError(name, f"must be a string, got {type(value).__name__}")
+    if name == "grammar" and not value.strip():
+        raise StructuredOutputsError("grammar", "must not be empty")
+    return (StructuredOutputOptions.REGEX if name == "regex" else StructuredOutputOptions.GRAMMAR), value
+
+
+_JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
+
+
+def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = False) -> str:
+    """The llguidance grammar (its JSON text) for a constraint key."""
+    kind, text = key
+    if kind in _JSON_KINDS:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            text, defaults={"whitespace_flexible": not disable_any_whitespace})
+    if kind is StructuredOutputOptions.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(text)
+    if kind is StructuredOutputOptions.CHOICE:
+        # Each choice as a Lark string literal (JSON string syntax is Lark's).
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
+    return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def ll_tokenizer_from_json(tokenizer_json: str, vocab_size: int,
+                           eos_token_ids: Sequence[int] | None = None) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from a tokenizer.json string, its vocabulary padded to vocab_size.
+
+    vocab_size is the LM head's size; ids past the tokenizer's own vocabulary are never allowed.
+    A tokenizer larger than vocab_size is a ValueError. Building one costs ~1 s at 150k tokens.
+    """
+    eos = [int(i) for i in eos_token_ids] if eos_token_ids else None
+    try:
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=int(vocab_size), eos_token=eos)
+    except ValueError as e:
+        raise ValueError(f"vocab_size {vocab_size} does not fit the tokenizer: {e}") from None
+
+
+def ll_tokenizer_from(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from minillm's Tokenizer (its tokenizers object and its EOS ids)."""
+    return ll_tokenizer_from_json(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per bitmask row: ceil(vocab_size / 32)."""
+    return (int(vocab_size) + 31) // 32
+
+
+def allocate_token_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
+    """A bitmask [num_rows, ceil(vocab_size / 32)] int32 with every token allowed."""
+    return np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
+
+
+# ----------------------------------------------------------------------------- grammars, matchers
+
+@dataclass
+class CompiledGrammar:
+    """A constraint compiled for one tokenizer; new_matcher() copies its pristine matcher."""
+
+    key: StructuredOutputKey
+    grammar: str                      # the llguidance grammar text
+    compile_time_s: float
+    _template: llguidance.LLMatcher = field(repr=False)
+    _eos_token_ids: frozenset[int] = field(repr=False)
+
+    def new_matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the start of the output (a copy: microseconds, no recompilation)."""
+        return GrammarMatcher(self._template.deep_copy(), self._eos_token_ids)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar: fills its bitmask row, accepts tokens, rolls back."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
+        self._matcher = matcher
+        self._eos = eos_token_ids
+        self._num_tokens = 0              # tokens the llguidance matcher holds (what it can roll back)
+        self._terminated = False          # an EOS was accepted
+        self._eos_unrecorded = False      # that EOS came after the grammar stopped: the matcher did not record it
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (only EOS once stopped or in error)."""
+        llg_numpy.fill_next_token_bitmask(self._matcher, bitmask, row)
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and the matcher in error) if the grammar forbids it."""
+        if self._terminated:
+            return False
+        token_id = int(token_id)
+        if token_id in self._eos and self._matcher.is_stopped() and not self._matcher.is_error():
+            # llguidance takes an EOS after a stop without recording it.
+            self._terminated = self._eos_unrecorded = True
+            return True
+        if not self._matcher.consume_token(token_id):
+            return False
+        self._num_tokens += 1
+        self._terminated = token_id in self._eos
+        return True
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> bool:
+        """accept_token for each id in order; stops at the first one refused."""
+        return all(self.accept_token(t) for t in token_ids)
+
+    def validate_tokens(self, token_ids: Sequence[int]) -> list[int]:
+        """The longest prefix of token_ids the grammar accepts from here, without advancing."""
+        if self._terminated:
+            return []
+        ids = [int(t) for t in token_ids]
+        return ids[:self._matcher.validate_tokens(ids)]
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens accepted tokens (rejected draft tokens, later)."""
+        if num_tokens <= 0:
+            return
+        recorded = num_tokens - int(self._eos_unrecorded)
+        if recorded > self._num_tokens:
+            raise ValueError(f"num_tokens {num_tokens} exceeds the {self.num_accepted} tokens accepted")
+        if recorded:
+            self._matcher.rollback(recorded)
+        self._num_tokens -= recorded
+        self._terminated = self._eos_unrecorded = False
+
+    @property
+    def num_accepted(self) -> int:
+        """Tokens accepted so far (an EOS included)."""
+        return self._num_tokens + int(self._eos_unrecorded)
+
+    def is_terminated(self) -> bool:
+        """An EOS has been accepted: the output is complete."""
+        return self._terminated
+
+    def is_stopped(self) -> bool:
+        """Nothing but EOS can follow (the grammar is complete, or the matcher is in error)."""
+        return self._terminated or self._matcher.is_stopped()
+
+    def can_terminate(self) -> bool:
+        """EOS is allowed here: what was accepted so far is a complete sentence of the grammar."""
+        return self._terminated or (self._matcher.is_accepting() and not self._matcher.is_error())
+
+    def is_error(self) -> bool:
+        """A forbidden token was consumed; the matcher then allows only EOS."""
+        return self._matcher.is_error()
+
+    @property
+    def error(self) -> str:
+        """llguidance's message for the error state ('' when none)."""
+        return self._matcher.get_error()
+
+
+# ----------------------------------------------------------------------------- manager
+
+def _has_failed(fut: Future) -> bool:
+    """A finished compile that raised or was cancelled (a pending one has not failed yet)."""
+    return fut.done() and (fut.cancelled() or fut.exception() is not None)
+
+
+class StructuredOutputManager:
+    """Owns the compile pool, the grammar cache, llguidance's tokenizer and the batch mask fill.
+
+    The tokenizer is built lazily on the compile pool (about a second for 150k tokens), so the
+    step loop never waits for it. fill_bitmask writes only the rows it is given.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+                 max_num_seqs: int, num_compile_workers: int = 2, num_fill_threads: int | None = None,
+                 max_cached_grammars: int = 256, disable_any_whitespace: bool = True) -> None:
+        self.vocab_size = int(vocab_size)
+        self.disable_any_whitespace = disable_any_whitespace   # for requests that leave it None
+        self._tokenizer_json = tokenizer_json
+        self._eos_token_ids = frozenset(int(i) for i in eos_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers=num_compile_workers, thread_name_prefix="minillm-grammar")
+        self._fill_threads = num_fill_threads
+        self._executor: llguidance.LLExecutor | None = None
+        self._lock = threading.Lock()              # the cache
+        self._tokenizer_lock = threading.Lock()    # the lazy tokenizer build (held for ~1 s)
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
+        self._max_cached = max_cached_grammars
+        self.bitmask = allocate_token_bitmask(max_num_seqs, self.vocab_size)   # [max_num_seqs, W]
+        self.last_fill_time_s = 0.0
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer, vocab_size: int, max_num_seqs: int, **kwargs) -> StructuredOutputManager:
+        """A manager over minillm's Tokenizer; vocab_size is the LM head's (at least the tokenizer's)."""
+        if tokenizer.vocab_size > vocab_size:
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+        return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids, max_num_seqs, **kwargs)
+
+    @property
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's tokenizer, built (and warmed) on first use; blocks until then."""
+        with self._tokenizer_lock:
+            if self._ll_tokenizer is None:
+                tok = ll_tokenizer_from_json(self._tokenizer_json, self.vocab_size, sorted(self._eos_token_ids))
+                # The first mask over a tokenizer builds its token trie: pay that here, not in a step.
+                warm = llguidance.LLMatcher(tok, serialize_grammar((StructuredOutputOptions.REGEX, "a")), log_level=_LOG_LEVEL)
+                warm.compute_bitmask()
+                self._ll_tokenizer = tok
+            return self._ll_tokenizer
+
+    def grammar_init(self, params: StructuredOutputsParams) -> Future:
+        """Future[CompiledGrammar] for params; compiled off the caller's thread, cached by its text."""
+        no_whitespace = params.disable_any_whitespace
+        if no_whitespace is None:
+            no_whitespace = self.disable_any_whitespace
+        if params.key[0] not in _JSON_KINDS:
+            no_whitespace = False                  # only JSON has optional whitespace
+        key = (params.key, no_whitespace)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not _has_failed(fut):
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self._compile, params.key, no_whitespace)
+            self._cache[key] = fut
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        fut.add_done_callback(lambda f: self._forget_failed(key, f))
+        return fut
+
+    def _forget_failed(self, key, fut: Future) -> None:
+        """Drop a failed or cancelled compile from the cache, so its error is not served forever."""
+        if not _has_failed(fut):
+            return
+        with self._lock:
+            if self._cache.get(key) is fut:
+                del self._cache[key]
+
+    def _compile(self, key: StructuredOutputKey, disable_any_whitespace: bool) -> CompiledGrammar:
+        tok = self.ll_tokenizer
+        start = time.perf_counter()
+        grammar = serialize_grammar(key, disable_any_whitespace)
+        template = llguidance.LLMatcher(tok, grammar, log_level=_LOG_LEVEL)
+        if template.is_error():
+            raise StructuredOutputsError(key[0].value, f"invalid {_WHAT[key[0].value]}: {template.get_error()}")
+        template.deep_copy().compute_bitmask()       # builds the first lexer states, on this thread
+        return CompiledGrammar(key, grammar, time.perf_counter() - start, template, self._eos_token_ids)
+
+    def fill_bitmask(self, matchers: Sequence[GrammarMatcher], rows: Sequence[int],
+                     out: np.ndarray | None = None) -> np.ndarray:
+        """Fill out[rows[i]] for matchers[i] (out defaults to self.bitmask); returns out.
+
+        out: [R, ceil(vocab_size / 32)] int32, C-contiguous (a pinned host buffer works); rows
+        not named are left as they are. Rows are filled in parallel by llguidance's threads.
+        """
+        out = self.bitmask if out is None else out
+        if out.dtype != np.int32 or out.ndim != 2 or out.shape[1] != self.bitmask.shape[1] or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous int32 [R, {self.bitmask.shape[1]}], got "
+                             f"{out.dtype} {out.shape}")
+        if len(matchers) != len(rows):
+            raise ValueError(f"{len(matchers)} matchers for {len(rows)} rows")
+        if any(not 0 <= r < out.shape[0] for r in rows):
+            raise ValueError(f"rows must lie in [0, {out.shape[0]}), got {list(rows)}")
+        start = time.perf_counter()
+        if len(matchers) == 1:
+            matchers[0].fill_bitmask(out, int(rows[0]))
+        elif matchers:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self._fill_threads)
+            llg_numpy.fill_next_token_bitmask_par(
+                self._executor, [(m._matcher, int(r)) for m, r in zip(matchers, rows)], out)
+        self.last_fill_time_s = time.perf_counter() - start
+        return out
+
+    def num_cached_grammars(self) -> int:
+        """Compiled (or compiling) grammars held in the cache."""
+        with self._lock:
+            return len(self._cache)
+
+    def shutdown(self) -> None:
+        """Stop the compile pool (pending compiles are cancelled)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,126 @@
+"""The structured-output mask kernel (cuda/token_bitmask.cu) against its NumPy twin.
+
+Skips without CuPy or a GPU. Random logits and bitmasks at Qwen3's vocabulary (151,936) and
+batch 1 to 256: rows of every density (all allowed, all forbidden, sparse, dense), unconstrained
+rows left out of `rows`, -1 padding and out-of-range entries, bitmasks wider than needed, odd
+vocabularies, and a replay inside a CUDA graph with new masks copied into its static buffers.
+The kernel only writes -inf, so results must be bit-identical.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillm.ops import numpy as npops
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver
+    HAS_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
+
+if HAS_GPU:
+    from minillm.ops import cuda as ops
+
+VOCAB = 151936
+DENSITIES = (0.0, 1e-4, 0.02, 0.5, 0.98, 1.0)     # probability that a token is allowed
+
+
+def random_bitmask(rng, batch: int, vocab: int, extra_words: int = 0) -> np.ndarray:
+    """[batch, ceil(vocab / 32) + extra_words] int32, each row at a density from DENSITIES."""
+    words = (vocab + 31) // 32 + extra_words
+    p = rng.choice(DENSITIES, batch)
+    allowed = rng.random((batch, words * 32)) < p[:, None]             # [batch, words * 32]
+    return np.packbits(allowed, axis=1, bitorder="little").view("<i4").astype(np.int32)
+
+
+def random_logits(rng, batch: int, vocab: int) -> np.ndarray:
+    logits = (rng.standard_normal((batch, vocab)) * 4.0).astype(np.float32)
+    logits[rng.random((batch, vocab)) < 1e-3] = -np.inf                 # already masked elsewhere
+    return logits
+
+
+def random_rows(rng, batch: int) -> np.ndarray:
+    """About two thirds of the rows, shuffled, plus -1 padding and an out-of-range entry."""
+    chosen = rng.permutation(batch)[: max(1, (2 * batch) // 3)]
+    return np.concatenate([chosen, [-1, batch, -1]]).astype(np.int32)
+
+
+def check(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
+    expect = logits.copy()
+    npops.apply_token_bitmask(expect, bitmask, rows)
+    dev = cupy.asarray(logits)
+    ops.apply_token_bitmask(dev, cupy.asarray(bitmask), cupy.asarray(rows))
+    got = cupy.asnumpy(dev)
+    np.testing.assert_array_equal(got, expect)
+    untouched = np.setdiff1d(np.arange(logits.shape[0]), rows)
+    np.testing.assert_array_equal(got[untouched], logits[untouched])
+
+
+@pytest.mark.parametrize("batch", [1, 2, 7, 33, 64, 128, 255, 256])
+def test_bitmask_kernel_matches_numpy_at_qwen_vocab(batch):
+    rng = np.random.default_rng(batch)
+    check(random_logits(rng, batch, VOCAB), random_bitmask(rng, batch, VOCAB), random_rows(rng, batch))
+
+
+@pytest.mark.parametrize("batch,vocab,extra_words", [(3, 1, 0), (5, 31, 0), (4, 33, 0), (16, 1000 + 7, 0),
+                                                     (9, 32000 + 5, 3), (12, VOCAB, 2)])
+def test_bitmask_kernel_matches_numpy_at_other_shapes(batch, vocab, extra_words):
+    """Vocabularies off a multiple of 32 and bitmasks wider than the vocabulary needs."""
+    rng = np.random.default_rng(vocab + batch)
+    check(random_logits(rng, batch, vocab), random_bitmask(rng, batch, vocab, extra_words),
+          random_rows(rng, batch))
+
+
+def test_bitmask_kernel_every_row_and_no_row():
+    rng = np.random.default_rng(7)
+    batch = 256
+    logits, bitmask = random_logits(rng, batch, VOCAB), random_bitmask(rng, batch, VOCAB)
+    check(logits, bitmask, np.arange(batch, dtype=np.int32))
+    check(logits, bitmask, np.full(batch, -1, np.int32))
+    check(logits, bitmask, np.zeros(0, np.int32))
+
+
+def test_bitmask_kernel_replays_in_a_cuda_graph():
+    """Captured once over static buffers; each replay masks what was copied in before it."""
+    rng = np.random.default_rng(11)
+    batch, words = 64, (VOCAB + 31) // 32
+    logits = cupy.zeros((batch, VOCAB), np.float32)
+    bitmask = cupy.full((batch, words), -1, np.int32)
+    rows = cupy.full(batch, -1, np.int32)                              # fixed size, -1 padded
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        ops.apply_token_bitmask(logits, bitmask, rows)                 # compile and load first
+        stream.synchronize()
+        stream.begin_capture()
+        ops.apply_token_bitmask(logits, bitmask, rows)
+        graph = stream.end_capture()
+        for _ in range(3):
+            host_logits, host_mask = random_logits(rng, batch, VOCAB), random_bitmask(rng, batch, VOCAB)
+            chosen = rng.permutation(batch)[: int(rng.integers(1, batch))]
+            host_rows = np.full(batch, -1, np.int32)
+            host_rows[: len(chosen)] = chosen
+            logits.set(host_logits, stream=stream)
+            bitmask.set(host_mask, stream=stream)
+            rows.set(host_rows, stream=stream)
+            graph.launch(stream)
+            stream.synchronize()
+            expect = host_logits.copy()
+            npops.apply_token_bitmask(expect, host_mask, host_rows)
+            np.testing.assert_array_equal(cupy.asnumpy(logits), expect)
+
+
+def test_bitmask_launcher_checks_its_arguments():
+    logits = cupy.zeros((4, 100), np.float32)
+    rows = cupy.arange(4, dtype=np.int32)
+    for bad in (cupy.zeros((4, 3), np.int32),           # too few words
+                cupy.zeros((5, 4), np.int32),           # rows of the bitmask != B
+                cupy.zeros((4, 4), np.uint32),          # not int32
+                cupy.zeros((4, 8), np.int32)[:, ::2]):  # not contiguous
+        with pytest.raises(ValueError):
+            ops.apply_token_bitmask(logits, bad, rows)
+    with pytest.raises(ValueError):
+        ops.apply_token_bitmask(logits.astype(np.float16), cupy.zeros((4, 4), np.int32), rows)
+    with pytest.raises(ValueError):
+        ops.apply_token_bitmask(logits, np.zeros((4, 4), np.int32), rows)     # host bitmask
