@@ -325,3 +325,15 @@ def test_cli_takes_speculative_config_as_json(stories_path):
     plain = generate()
     assert good.returncode == plain.returncode == 0
     assert json.loads(good.stdout)["outputs"] == json.loads(plain.stdout)["outputs"]
+
+
+def test_speculation_with_tensor_parallelism(stories_path, prompts, reference):
+    """Two processes: the workers compute the same logits rows as rank 0 in a verify step."""
+    llm = LLM(str(stories_path), device="cpu", speculative_config=SPEC, tensor_parallel_size=2)
+    try:
+        outputs = llm.generate(prompts[:16], [params_for(i) for i in range(16)])
+        assert summary(outputs) == summary(reference[:16])
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+        assert_pool_free(llm)
+    finally:
+        llm.shutdown()

@@ -102,7 +102,8 @@ class Pipeline:
 def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, spec_k=None):
     spec = SpeculativeConfig(num_speculative_tokens=spec_k, prompt_lookup_min=2, prompt_lookup_max=3) \
         if spec_k else None
-    return Scheduler(BlockManager(num_blocks, block_size, True), max_num_seqs, budget, max_model_len, [EOS], spec)
+    return Scheduler(BlockManager(num_blocks, block_size, True), max_num_seqs, budget, max_model_len, [EOS],
+                     speculative_config=spec)
 
 
 def create_seq(rid, prompt_len, max_tokens=6, base=1, **params):
