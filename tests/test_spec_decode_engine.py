@@ -330,6 +330,7 @@ def test_cli_takes_speculative_config_as_json(stories_path):
 def test_speculation_with_tensor_parallelism(stories_path, prompts, reference):
     """Two processes: the workers compute the same logits rows as rank 0 in a verify step."""
     llm = LLM(str(stories_path), device="cpu", speculative_config=SPEC, tensor_parallel_size=2)
+    assert type(llm.engine.runner).__name__ == "TensorParallelExecutor"
     try:
         outputs = llm.generate(prompts[:16], [params_for(i) for i in range(16)])
         assert summary(outputs) == summary(reference[:16])
