@@ -144,8 +144,8 @@ class Scheduler:
                 budget -= n
                 i += 1
         spec: dict[int, list[int]] = {}
-        if self.drafter is not None and not preempted:
-            budget = self._add_drafts(seqs, counts, budget, spec)
+        if self.drafter is not None:
+            budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted))
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: wait for it
@@ -173,18 +173,19 @@ class Scheduler:
         return self._launch(seqs, counts, preempted, spec)
 
     def _add_drafts(self, seqs: list[Sequence], counts: list[int], budget: int,
-                    spec: dict[int, list[int]]) -> int:
+                    spec: dict[int, list[int]], preempted: bool) -> int:
         """Give decoding sequences whose tokens are all known their drafts, within the budget and
-        the free blocks left (where the pool is short, only what fits its own blocks); returns
-        the budget left."""
-        if not self.drafter.is_enabled(len(self.running)):
-            return budget
-        for b, seq in enumerate(seqs):
+        the free blocks left (where the pool is short, only what fits its own blocks; none in a
+        step that preempts); returns the budget left."""
+        num_tried = 0
+        enabled = not preempted and self.drafter.is_enabled(len(self.running))
+        for b, seq in enumerate(seqs if enabled else ()):
             if budget <= 0:
                 break
             decoding = counts[b] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
             if not decoding or seq.num_output_placeholders or seq.num_output_tokens == 0:
                 continue
+            num_tried += 1
             drafts = self.drafter.propose(seq, budget)
             if drafts and not self.block_manager.append_slots(seq, 1 + len(drafts)):
                 # The pool is short: keep the drafts that fit the blocks seq already holds.
@@ -194,6 +195,7 @@ class Scheduler:
                 spec[seq.seq_id] = drafts
                 counts[b] += len(drafts)
                 budget -= len(drafts)
+        self.drafter.end_round(num_tried, len(spec))
         return budget
 
     def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence],

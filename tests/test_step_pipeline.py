@@ -27,7 +27,7 @@ class FakeInFlight:
     """The fake model's tokens for a launched step; a sequence with drafts keeps those that match
     and then gets the model's token (the greedy rule)."""
 
-    def __init__(self, out: SchedulerOutput, eos_at: dict[int, int]):
+    def __init__(self, out: SchedulerOutput, eos_at: dict[int, int], model=token_at):
         self.sampled: dict[int, list[int]] = {}
         self.accepted: dict[int, int] = {}
         for b in out.sampling_rows:
@@ -37,7 +37,7 @@ class FakeInFlight:
             tokens = []
             for j in range(len(drafts) + 1):
                 position = first + j
-                tokens.append(EOS if eos_at.get(seq.seq_id) == position else token_at(seq, position))
+                tokens.append(EOS if eos_at.get(seq.seq_id) == position else model(seq, position))
                 if j == len(drafts) or drafts[j] != tokens[-1]:
                     break
             self.sampled[seq.seq_id] = tokens
@@ -52,20 +52,23 @@ class Pipeline:
     """The engine's loop around a scheduler: read back first if the scheduler needs it, schedule,
     launch, complete the step before."""
 
-    def __init__(self, sched: Scheduler, lag: int, eos_at: dict[int, int] | None = None, on_token=None):
-        self.sched, self.lag, self.eos_at, self.on_token = sched, lag, eos_at or {}, on_token
+    def __init__(self, sched: Scheduler, lag: int, eos_at: dict[int, int] | None = None, on_token=None,
+                 model=token_at):
+        self.sched, self.lag, self.eos_at, self.on_token, self.model = sched, lag, eos_at or {}, on_token, model
         self.in_flight: deque[tuple[SchedulerOutput, FakeInFlight]] = deque()
         self.num_preempted_in_flight = 0      # preempted while their token was on its way
         self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_read_back_first = 0          # steps read back before the next could be scheduled
 
     def step(self) -> SchedulerOutput:
         if self.in_flight and self.sched.needs_output_tokens():
+            self.num_read_back_first += 1
             self.complete()
         out = self.sched.schedule()
         self.check_launch(out)
         self.num_preempted_in_flight += sum(1 for p in out.preempted if p.num_output_placeholders)
         if not out.is_empty:
-            self.in_flight.append((out, FakeInFlight(out, self.eos_at)))
+            self.in_flight.append((out, FakeInFlight(out, self.eos_at, self.model)))
         depth = self.lag if not out.is_empty else 0
         while len(self.in_flight) > depth:
             self.complete()
@@ -308,6 +311,29 @@ def test_a_step_with_drafts_is_read_back_before_the_next_is_scheduled():
         raise AssertionError("no drafts were proposed")
     pipe.run()
     assert a.output_token_ids == expected_outputs(a)
+    assert_all_free(sched)
+
+
+def counting_then_looping(seq: Sequence, position: int) -> int:
+    """A fake model whose tokens never repeat for 24 positions, then loop over five."""
+    return 100 + position if position < seq.num_prompt_tokens + 24 else 200 + position % 5
+
+
+def test_steps_stay_in_flight_while_proposals_find_nothing():
+    sched = create_scheduler(spec_k=3, num_blocks=128)
+    seqs = spec_seqs(3, max_tokens=60)
+    for s in seqs:
+        sched.add(s)
+    pipe = Pipeline(sched, lag=1, model=counting_then_looping)
+    while not any(s.num_output_tokens > 24 for s in seqs):
+        pipe.step()
+    # nothing to propose: a read-back first only at the rounds that try again (1, 2, 4, 8 steps apart)
+    assert pipe.num_draft_tokens == 0 and pipe.num_read_back_first <= 8
+    pipe.run()
+    # the loop is found within a few rounds, and its drafts are accepted
+    assert pipe.num_accepted_tokens > 30
+    assert all(s.output_token_ids == [counting_then_looping(s, s.num_prompt_tokens + i) for i in range(60)]
+               for s in seqs)
     assert_all_free(sched)
 
 
