@@ -115,6 +115,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--download-dir", help=f"Where hub models are stored ({STORE_DEFAULT}).")], None),
     "kv_offload_gib": (Annotated[float, _engine_option(
         "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
+    "speculative_config": (Annotated[Optional[str], _engine_option(
+        "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],
+        None),
 }
 
 

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minillm.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class EngineConfig:
     served_model_name: str | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
+    # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
+    speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
     kv_offload_gib: float = 0            # host-memory tier of the prefix cache, GiB (0: off)
     extra: dict = field(default_factory=dict)
@@ -81,6 +87,16 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_config is not None:
+            from minillm.spec_decode.config import SpeculativeConfig
+            try:
+                spec = SpeculativeConfig.from_any(self.speculative_config)
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                raise ValueError(message if message.startswith("speculative_config")
+                                 else f"speculative_config: {message}") from None
+            # Parsed once here, as given: the frozen config holds the one parsed form.
+            object.__setattr__(self, "speculative_config", spec)
         if self.kv_offload_gib:
             check_kv_offload_gib(self.kv_offload_gib, self.enable_prefix_caching)
             if self.tensor_parallel_size > 1:

@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step the scheduler and the model, hand back RequestOutputs."""
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -25,7 +26,7 @@ from minillm.sampling_params import SamplingParams
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
-from minillm.step import SchedulerOutput
+from minillm.step import SchedulerOutput, StepOutput
 from minillm.tokenizer import Tokenizer
 
 
@@ -139,14 +140,16 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector)
+                                   self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
+                                   speculative_config=config.speculative_config)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
         self._seed_rng = np.random.default_rng(config.seed)
-        self.metrics = MetricsTracker()
+        spec = config.speculative_config
+        self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)
         self.model_name = config.served_model_name or config.model
         self.structured_outputs = None   # StructuredOutputManager, built when a request first asks for structure
         self.is_shut_down = False
@@ -297,19 +300,24 @@ class LLMEngine:
         waited = time.time()
         step = in_flight.wait()
         t0 = time.perf_counter()
-        appended = self.scheduler.update_from_output(out, step)
         now = time.time()
-        for seq, token in appended:
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue
-            stop = add_token(req.states[seq.index], seq, token, step.logprobs.get(seq.seq_id))
-            if stop is not None:
-                self.scheduler.stop(seq, stop)
-            self._note_token(req, now)
-            self._changed[req.request_id] = req
+        appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now))
+        if out.scheduled_spec_decode_tokens:
+            self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)
         self.metrics.record_timings({**step.timings, "update": time.perf_counter() - t0})
+
+    def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:
+        """Feed seq's i-th new token of the step to its request's output; returns the stop string
+        it completed, if any (the scheduler then ends the sequence there)."""
+        req = self.requests.get(seq.request_id)
+        if req is None:
+            return None
+        logprobs = step.logprobs.get(seq.seq_id)
+        stop = add_token(req.states[seq.index], seq, seq.token_ids[-1], logprobs[i] if logprobs else None)
+        self._note_token(req, now)
+        self._changed[req.request_id] = req
+        return stop
 
     def _note_token(self, req: Request, now: float) -> None:
         m = req.metrics

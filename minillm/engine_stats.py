@@ -1,6 +1,7 @@
 """Builds EngineStats snapshots from the snapshots the block manager and the scheduler hand out."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass
 
@@ -90,8 +91,8 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         recent_steps=list(m.recent_steps)[-32:], requests=rows,
-        step_time_breakdown_s=m.step_time_breakdown(), **_offload_fields(offload, cells),
-        **(asdict(structured) if structured else {}))
+        step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
+        **_offload_fields(offload, cells), **(asdict(structured) if structured else {}))
 
 
 def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:

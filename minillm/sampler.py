@@ -33,11 +33,10 @@ class Sampler:
         """
         ops = self.ops
         if grammar_bitmask is not None:
-            self._apply_grammar_bitmask(logits, grammar_bitmask)   # before every other rule, as vLLM
+            self.apply_grammar_bitmask(logits, grammar_bitmask)   # before every other rule, as vLLM
         rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = ops.log_softmax(logits[rows]) if rows else None   # before penalties, as vLLM
-        self._apply_penalties(logits, seqs)
-        self._block_early_stops(logits, seqs)
+        self.apply_penalties_and_bans(logits, seqs)
         temperature = np.array([s.params.temperature for s in seqs], np.float32)
         top_k = np.array([max(s.params.top_k, 0) for s in seqs], np.int32)
         top_p = np.array([s.params.top_p for s in seqs], np.float32)
@@ -48,7 +47,14 @@ class Sampler:
                          ops.asarray(min_p), ops.asarray(uniforms))
         return SamplerOutput(ids, raw_logprobs, rows)
 
-    def _apply_grammar_bitmask(self, logits, mask) -> None:
+    def apply_penalties_and_bans(self, logits, seqs) -> None:
+        """logits: [B, V] float32, in place: repetition / presence / frequency penalties, and the
+        min_tokens ban of EOS and stop tokens. seqs: one per row (a Sequence or a view with its
+        params, prompt_token_ids, output_counts and num_output_tokens)."""
+        self._apply_penalties(logits, seqs)
+        self._block_early_stops(logits, seqs)
+
+    def apply_grammar_bitmask(self, logits, mask) -> None:
         """Tokens a constrained row's grammar forbids get -inf: one upload of the filled rows,
         scattered into a [B, W] buffer whose other rows the kernel never reads."""
         ops = self.ops

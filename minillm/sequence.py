@@ -62,6 +62,7 @@ class Sequence:
     output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet
     structured_output: StructuredOutputRequest | None = None   # its grammar and matcher, when constrained
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts launched for verification, not read back
 
     def __post_init__(self) -> None:
         if not self.token_ids:

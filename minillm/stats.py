@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from minillm.spec_decode.metrics import SpecDecodeStats
+
 # Block map cell values: a request row index (>= 0) for a used block, or one of these.
 CELL_FREE = -1
 CELL_CACHED = -2
@@ -103,6 +105,8 @@ class EngineStats:
     # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling;
     # "grammar_fill" with structured outputs).
     step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding totals (drafts, draft tokens, accepted, accepted per position); None when off.
+    spec_decode: SpecDecodeStats | None = None
     # The host-memory tier of the prefix cache (--kv-offload-gib); zeros and [] when it is off.
     kv_offload_num_blocks: int = 0
     kv_offload_num_used_blocks: int = 0

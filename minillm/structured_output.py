@@ -355,6 +355,10 @@ class GrammarBitmask:
     bitmask: np.ndarray      # [N, ceil(vocab / 32)] int32: row i is the mask of sampling row rows[i]
     rows: np.ndarray         # [N] int32: indices into the step's sampling sequences
 
+    def at_rows(self, rows) -> "GrammarBitmask":
+        """The same masks for other logits rows (e.g. a verification step's row of each sequence)."""
+        return GrammarBitmask(self.bitmask, np.asarray(rows, np.int32))
+
 
 # ----------------------------------------------------------------------------- manager
 

@@ -299,7 +299,7 @@ class SimInFlight:
 
     def wait(self) -> StepOutput:
         self.device.run_until(self.done)
-        return StepOutput(dict(self.sampled))
+        return StepOutput({seq_id: [token] for seq_id, token in self.sampled.items()})
 
 
 def make_system(num_blocks: int, num_host_blocks: int, rng: random.Random, budget: int = 16, max_seqs: int = 4,

@@ -11,6 +11,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Summa
 from prometheus_client.registry import Collector
 
 from minillm.outputs import RequestOutput
+from minillm.spec_decode.metrics import COUNTERS as SPEC_DECODE_COUNTERS
+from minillm.spec_decode.metrics import PER_POSITION_COUNTER
 from minillm.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -62,6 +64,7 @@ class _SnapshotCollector(Collector):
         yield success
         yield from kv_offload_families(stats, self.model_name)
         yield from _structured_output_summaries(self.model_name, stats)
+        yield from spec_decode_families(stats, self.model_name)
 
 
 def kv_offload_families(stats: EngineStats, model_name: str):
@@ -163,3 +166,19 @@ class RequestTimer:
             self.metrics.e2e.observe(max(0.0, end - times.arrival_time))
         self.metrics.prompt_len.observe(len(output.prompt_token_ids))
         self.metrics.generation_len.observe(self.num_tokens)
+
+
+def spec_decode_families(stats: EngineStats, model_name: str):
+    """vLLM's spec_decode counters from the snapshot (nothing when speculation is off)."""
+    spec = stats.spec_decode
+    if spec is None:
+        return
+    for name, doc, attr in SPEC_DECODE_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(getattr(spec, attr)))
+        yield family
+    name, doc, label = PER_POSITION_COUNTER
+    family = CounterMetricFamily(name, doc, labels=["model_name", label])
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([model_name, str(position)], float(count))
+    yield family
