@@ -24,8 +24,8 @@ from minillm.server.metrics import ServerMetrics
 from minillm.spec_decode import SpeculativeConfig
 from minillm.spec_decode import rejection as rejection_mod
 from minillm.tokenizer import Tokenizer
-from tui.client import parse_stats
-from tui.queue_panel import _wide_rows
+from minillm.tui.client import parse_stats
+from minillm.tui.queue_panel import _wide_rows
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MAX_TOKENS = 32
