@@ -205,7 +205,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         with self.device.compute():
             timer = self.device.timer() if self.profile else None
-            logits = self._forward(ids, positions, meta, out.sampling_rows, patch,
+            logits = self.compute_logits(ids, positions, meta, out.sampling_rows, patch,
                                    spec.logits_indices if spec is not None else None)
             if timer:
                 timer.mark()
@@ -252,7 +252,8 @@ class ModelRunner:
             dst, src, last_ids = patch
             ids_dev[self.ops.asarray(dst)] = last_ids[self.ops.asarray(src)]
 
-    def _forward(self, ids, positions, meta: AttentionMetadata, rows: list[int], patch=None, logits_indices=None):
+    def compute_logits(self, ids, positions, meta: AttentionMetadata, rows: list[int], patch=None,
+                       logits_indices=None):
         """Logits [len(rows), V] of the sampling rows (None when no row samples), or of the token
         rows logits_indices [N] names (a step verifying drafts)."""
         if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):

@@ -79,7 +79,7 @@ def _serve(runner, channel: ChannelReader, replies) -> None:
             return
         if method == "execute_model":
             ids, positions, meta, rows, logits_indices = args
-            runner._forward(ids, positions, meta, rows, None, logits_indices)   # rank 0 samples the logits
+            runner.compute_logits(ids, positions, meta, rows, None, logits_indices)   # rank 0 samples the logits
         elif method == "determine_num_blocks":
             replies.send(("ok", runner.determine_num_blocks(*args)))
         elif method == "initialize_cache":
