@@ -1,6 +1,6 @@
 """Kernel micro-benchmarks at the shapes of the Qwen3-0.6B workload, each beside its ceiling.
 
-    python3 benchmarks/kernels.py [--json results.json]
+    minillm bench kernels [--json results.json]      (or python3 -m minillm.benchmarks.kernels)
 
 First measures the card's ceilings: device-to-device copy bandwidth (bytes read + written) and
 the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel with CUDA events
@@ -11,7 +11,6 @@ Small activations stay in L2 between launches, so their GB/s can exceed the copy
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -20,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from minillm.attention import AttentionMetadata  # noqa: E402
+from minillm.attention import AttentionMetadata
+from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB, BLOCK = 1024, 16, 8, 128, 3072, 151936, 16
 DT = "bfloat16"
@@ -212,16 +210,15 @@ def print_table(rows: list[Row]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser = BenchParser("minillm bench kernels", __doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
         if cp.cuda.runtime.getDeviceCount() == 0:
             raise RuntimeError("no CUDA device")
     except Exception as e:  # no CuPy / driver / device
-        print(f"benchmarks/kernels.py needs CuPy and a CUDA GPU: {e}", file=sys.stderr)
-        return 2
+        raise BenchError(f"the kernel benchmarks need CuPy and a CUDA GPU ({type(e).__name__}: {e})") from None
     from minillm.ops import cuda as ops
 
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
@@ -241,4 +238,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "minillm bench kernels"))

@@ -11,10 +11,12 @@ same number of requests in flight as the server had (--max-concurrency), a new o
 each finishes. --concurrency-sweep runs the workload at each concurrency in turn and prints one
 row per level beside the ceiling at that level.
 
-    python -m benchmarks.serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
+    minillm bench serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
         --input-len 128 --output-len 128 --request-rate 16
     python -m benchmarks.serving --num-prompts 256 --input-len 32 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --offline-model MODEL --offline-arg device=cpu
+
+(python3 -m minillm.benchmarks.serving takes the same options.)
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
+
+from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
 
 WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
          "ran", "saw", "played", "with", "and", "friend", "park", "ball", "day", "mom", "said", "home")
@@ -68,35 +72,38 @@ class BenchmarkResult:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(prog="benchmarks.serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--peer-base-url", default=None, help="a second server to run the same workload against")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
-    p.add_argument("--model", default=None, help="model name (default: the first one /v1/models lists)")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--num-prompts", type=int, default=100)
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf: all at once")
-    p.add_argument("--max-concurrency", type=int, default=None)
-    p.add_argument("--input-len", type=int, default=128, help="tokens per random prompt")
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--prompt", action="append", default=None, help="a given prompt (repeat; cycled)")
-    p.add_argument("--prompts-file", default=None, help="one prompt per line (cycled)")
+    p = BenchParser("minillm bench serving", __doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server to measure.")
+    p.add_argument("--peer-base-url", default=None, help="A second server to run the same workload against.")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
+                   help="The API each request goes to.")
+    p.add_argument("--model", default=None, help="Model name (default: the first one /v1/models lists).")
+    p.add_argument("--api-key", default=None, help="Bearer token for the server.")
+    p.add_argument("--num-prompts", type=int, default=100, help="Requests in the workload.")
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="Requests per second (Poisson arrivals); inf: all at once.")
+    p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight (default: no cap).")
+    p.add_argument("--input-len", type=int, default=128, help="Tokens per random prompt.")
+    p.add_argument("--output-len", type=int, default=128, help="Tokens each request generates.")
+    p.add_argument("--prompt", action="append", default=None, help="A given prompt (repeat; cycled).")
+    p.add_argument("--prompts-file", default=None, help="One prompt per line (cycled).")
     p.add_argument("--vocab-range", type=int, nargs=2, default=(3, 500), metavar=("LO", "HI"),
-                   help="token ids of random prompts are drawn from [LO, HI)")
+                   help="Token ids of random prompts are drawn from [LO, HI).")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (default: always generate --output-len tokens)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--concurrency-sweep", type=_concurrency_list, default=None, metavar="C1,C2,...",
-                   help="run the workload once per max concurrency (e.g. 1,16,64,256) and print a row for each")
+                   help="Let requests stop at EOS (default: always generate --output-len tokens).")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts, arrivals and sampling.")
+    p.add_argument("--timeout", type=float, default=600.0, help="Seconds per request.")
     p.add_argument("--offline-model", default=None,
-                   help="also run the prompts through minillm's offline engine on this model (the ceiling)")
-    p.add_argument("--offline-device", default="auto", choices=["auto", "cpu", "cuda"])
+                   help="Also run the prompts through minillm's offline engine on this model (the ceiling).")
+    p.add_argument("--offline-device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="Backend of the offline run.")
+    p.add_argument("--concurrency-sweep", type=_concurrency_list, default=None, metavar="C1,C2,...",
+                   help="Run the workload once per max concurrency (e.g. 1,16,64,256) and print a row for each.")
     p.add_argument("--offline-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="an EngineConfig field for the offline engine (repeat), e.g. load_format=dummy, "
-                        "dtype=bfloat16, gpu_memory_utilization=0.4 (the server holds the rest)")
-    p.add_argument("--result-file", default=None, help="write the results as JSON here")
+                   help="An EngineConfig field for the offline engine (repeat), e.g. load_format=dummy, "
+                        "dtype=bfloat16, gpu_memory_utilization=0.4 (the server holds the rest).")
+    p.add_argument("--result-file", default=None, help="Write the results as JSON here.")
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
@@ -216,12 +223,24 @@ async def arrivals(n: int, rate: float, rng: random.Random):
 
 
 async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | None) -> str:
-    """The given model name, or the first one the server lists."""
+    """The given model name, or the first one the server lists; BenchError when none answers."""
+    try:
+        response = await client.get(f"{base_url}/v1/models")
+    except httpx.HTTPError as exc:
+        raise BenchError(f"no server answers at {base_url} ({type(exc).__name__}); start one with "
+                         f"minillm serve MODEL, or point --base-url at it") from None
+    if response.status_code in (401, 403):
+        raise BenchError(f"the server at {base_url} refused the request ({response.status_code}); "
+                         f"give its key with --api-key")
+    if response.status_code != 200:
+        raise BenchError(f"{base_url}/v1/models answered {response.status_code}: is it an "
+                         f"OpenAI-compatible server?")
     if model:
         return model
-    response = await client.get(f"{base_url}/v1/models")
-    response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    try:
+        return response.json()["data"][0]["id"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise BenchError(f"{base_url}/v1/models lists no model; give one with --model") from None
 
 
 async def run_benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
@@ -427,4 +446,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "minillm bench serving"))

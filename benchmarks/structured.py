@@ -1,6 +1,6 @@
 """Structured outputs: the CPU time to fill bitmask rows for JSON-schema matchers, per step.
 
-    python -m benchmarks.structured [--steps 200] [--rows 64] [--model DIR] [--json out.json]
+    python -m minillm.benchmarks.structured [--steps 200] [--rows 64] [--model DIR] [--json out.json]
 
 Two tokenizers: stories260K's (512 tokens, sentencepiece with byte fallback) and a synthetic
 byte-level BPE built here with Qwen3-0.6B's sizes (151,646 tokens under a 151,936-row LM head):
@@ -234,7 +234,7 @@ def measure(name: str, tokenizer_json: str, vocab: int, eos: list[int], schema_n
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m benchmarks.structured", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m minillm.benchmarks.structured", description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200, help="single-row fills to time per tokenizer")
     p.add_argument("--rows", type=int, default=64, help="matchers in the batch fill")
     p.add_argument("--model", type=Path, default=STORIES, help="a model directory whose tokenizer to use")

@@ -1,43 +1,99 @@
 """Offline throughput on nano-vllm's workload, printed beside the roofline floor and a peer.
 
-    python -m benchmarks.throughput                      # random Qwen3-0.6B-shaped weights, bf16
-    python -m benchmarks.throughput --model DIR --peer hf
+    minillm bench throughput                             # GPU: random Qwen3-0.6B-shaped weights, bf16
+    minillm bench throughput --model DIR --peer hf
+    minillm bench throughput --model ../shared/models/stories260K --device cpu    # a small CPU run
+
+(python3 -m minillm.benchmarks.throughput takes the same options.)
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
+from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+from minillm.benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
+
+# nano-vllm's workload on a GPU; on the CPU (NumPy) a small one that finishes in seconds.
+GPU_DEFAULTS = {"num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
+CPU_DEFAULTS = {"num_seqs": 16, "max_input_len": 128, "max_output_len": 128}
+MAX_MODEL_LEN = 4096
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="minillm bench throughput", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="model directory (default: random weights in the Qwen3-0.6B shape)")
-    p.add_argument("--num-seqs", type=int, default=256)
-    p.add_argument("--max-input-len", type=int, default=1024)
-    p.add_argument("--max-output-len", type=int, default=1024)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--enforce-eager", action="store_true")
+    """Command-line options; the workload sizes left out are filled in by resolve_defaults."""
+    p = BenchParser("minillm bench throughput", __doc__.splitlines()[0])
+    p.add_argument("--model", help="Model directory or hub id (default: random weights in the Qwen3-0.6B "
+                                   "shape, on a GPU only).")
+    p.add_argument("--num-seqs", type=int, help="Requests in the workload (default: 256 on a GPU, 16 on the CPU).")
+    p.add_argument("--max-input-len", type=int,
+                   help="Longest prompt; lengths are drawn up from 100 (default: 1024 on a GPU, 128 on the CPU).")
+    p.add_argument("--max-output-len", type=int,
+                   help="Longest output; lengths are drawn up from 100 (default: 1024 on a GPU, 128 on the CPU).")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                   help="Backend; auto picks cuda when CuPy sees a GPU.")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="Weights and activations (auto: the checkpoint's on a GPU, float32 on the CPU).")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="Token budget of one step.")
+    p.add_argument("--max-model-len", type=int,
+                   help=f"Longest prompt + output (default: {MAX_MODEL_LEN}, or the model's limit when lower).")
+    p.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
     p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
-                   help="read each step's tokens before launching the next")
-    p.add_argument("--temperature", type=float, default=0.6)
-    p.add_argument("--peer", choices=["hf"], help="run the same workload through a peer in this run")
+                   help="Read each step's tokens before launching the next.")
+    p.add_argument("--temperature", type=float, default=0.6, help="Sampling temperature of every request.")
+    p.add_argument("--peer", choices=["hf"], help="Run the same workload through a peer in this run.")
     p.add_argument("--peer-num-seqs", type=int, default=None,
-                   help="requests given to the peer (default: all; a slow peer may take a prefix)")
+                   help="Requests given to the peer (default: all; a slow peer may take a prefix).")
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
-                   help="skip timing each step's phases (CUDA events around forward and sampling)")
-    p.add_argument("--no-ceiling", action="store_true", help="skip measuring the card's ceilings")
-    p.add_argument("--json", help="write the figures to this file")
+                   help="Skip timing each step's phases (CUDA events around forward and sampling).")
+    p.add_argument("--no-ceiling", action="store_true", help="Skip measuring the card's ceilings.")
+    p.add_argument("--json", help="Write the figures to this file.")
     return p.parse_args(argv)
+
+
+def resolve_defaults(args) -> dict:
+    """Pick the backend and fill in the workload, reporting every problem now, before anything loads.
+
+    Returns the model's config.json (the random model's when no --model is given)."""
+    from minillm.engine import choose_backend
+
+    backend = choose_backend(args.device)
+    if backend == "cuda":
+        try:
+            import cupy
+            cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:   # no CuPy, no driver, no device
+            raise BenchError(f"--device cuda needs CuPy and a CUDA GPU ({type(exc).__name__}: {exc}); "
+                             "install CuPy with pip install -e '.[cuda12]' or '.[cuda13]', or use --device cpu"
+                             ) from None
+    if backend == "numpy" and args.model is None:
+        raise BenchError("no CUDA GPU here, and the default workload (random Qwen3-0.6B-shaped weights, 256 "
+                         "requests of up to 1024 + 1024 tokens) needs one; on the CPU give a small model, "
+                         "e.g. minillm bench throughput --model ../shared/models/stories260K")
+    for name, value in (GPU_DEFAULTS if backend == "cuda" else CPU_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    for name in ("num_seqs", "max_input_len", "max_output_len"):
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.model is not None:
+        from minillm.loader import resolve_model_path
+        args.model = str(resolve_model_path(args.model))
+        config = json.loads((Path(args.model) / "config.json").read_text())
+    else:
+        config = QWEN3_0_6B
+    if args.max_model_len is None:
+        args.max_model_len = min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN))
+    needed = args.max_input_len + args.max_output_len
+    if needed > args.max_model_len:
+        raise BenchError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} = "
+                         f"{needed} tokens do not fit in --max-model-len {args.max_model_len}; lower them")
+    args.device = "cuda" if backend == "cuda" else "cpu"
+    return config
 
 
 def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, dict]:
@@ -99,24 +155,26 @@ def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the figures beside their ceilings."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    config = resolve_defaults(args)
     w = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    if config["vocab_size"] <= 10000:     # a small test model: fold the ids into its vocabulary
+        w = Workload([[t % config["vocab_size"] for t in p] for p in w.prompts], w.max_tokens)
+    print(f"workload: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
+          f"{w.num_output_tokens} output tokens, on {args.device}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-        if config["vocab_size"] <= 10000:     # a small test model: fold the ids into its vocabulary
-            w = Workload([[t % config["vocab_size"] for t in p] for p in w.prompts], w.max_tokens)
         seconds, counters = run_minillm(args, model_dir, args.model is None, w)
     tok_s = w.num_output_tokens / seconds
     figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters}
-    print(f"workload: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
-          f"{w.num_output_tokens} output tokens")
     print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
           f"{counters['preemptions']} preemptions)")
     if counters["timings_s"]:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(counters["timings_s"].items(), key=lambda kv: -kv[1]))
         print(f"where the {seconds:.2f} s went (s; *_gpu from CUDA events, the rest host time): {parts}")
-    if not args.no_ceiling and args.device == "cuda":
-        from benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
+    if args.device != "cuda":
+        print("ceiling:  the roofline is measured on a GPU only (NumPy on the CPU has none to hold it against)")
+    elif not args.no_ceiling:
+        from minillm.benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
         bw, mm = measure_copy_bandwidth(), measure_matmul_rate()
         floor = w.num_output_tokens / roofline_seconds(w, config, bw, mm)
         figures |= {"copy_bandwidth_Bps": bw, "matmul_flops": mm, "floor_tok_s": floor}
@@ -136,4 +194,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main, "minillm bench throughput"))

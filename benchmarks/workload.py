@@ -31,11 +31,12 @@ class Workload:
 
 
 def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> Workload:
-    """random.seed(0); all prompts first, then all output lengths, as nano-vllm's bench.py draws them."""
+    """random.seed(0); all prompts first, then all output lengths, as nano-vllm's bench.py draws them
+    (lengths from 100 up, or from the maximum itself when that is below 100)."""
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min(100, max_input_len), max_input_len))]
                for _ in range(num_seqs)]
-    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    max_tokens = [random.randint(min(100, max_output_len), max_output_len) for _ in range(num_seqs)]
     return Workload(prompts, max_tokens)
 
 

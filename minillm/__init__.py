@@ -1,8 +1,17 @@
 """minillm: a small, fast LLM inference engine with a paged KV cache and continuous batching."""
+from pathlib import Path as _Path
+
 from minillm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams"]
 __version__ = "0.1.0"
+
+# In a checkout, tui/ and benchmarks/ sit beside this package; an install puts them inside it as
+# minillm.tui and minillm.benchmarks (package-dir in pyproject.toml). Searching the checkout root
+# for subpackages gives the same names in both, so a checkout never imports an installed copy.
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "pyproject.toml").is_file() and (_checkout / "tui" / "__init__.py").is_file():
+    __path__.append(str(_checkout))
 
 
 def __getattr__(name: str):
@@ -13,4 +22,7 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from minillm.engine import LLMEngine
         return LLMEngine
+    if name == "StructuredOutputsParams":
+        from minillm.structured_output import StructuredOutputsParams
+        return StructuredOutputsParams
     raise AttributeError(f"module 'minillm' has no attribute {name!r}")

@@ -41,6 +41,10 @@ class BlockManager:
         self._num_cached_free = 0        # free blocks whose key is still registered
         self.prefix_cache_queries = 0    # prompt tokens looked up
         self.prefix_cache_hits = 0       # prompt tokens found
+        # Notices for a KV connector, None unless one listens: blocks freed, and (block, key) of
+        # cached blocks evicted; the connector takes them each step.
+        self.freed: list[int] | None = None
+        self.evicted: list[tuple[int, tuple]] | None = None
 
     # ---- questions -------------------------------------------------------------------------
     @property
@@ -68,7 +72,8 @@ class BlockManager:
         """Blocks that hold num_tokens tokens."""
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def _key(self, parent: tuple | None, tokens: list[int]) -> tuple:
+    def block_key(self, parent: tuple | None, tokens: list[int]) -> tuple:
+        """The prefix-cache key of a full block: its parent's key chained with its token ids."""
         return (hash(parent) if parent is not None else None, tuple(tokens))
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
@@ -79,7 +84,7 @@ class BlockManager:
         parent = None
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            key = self._key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = self.block_key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block = self.key_to_block.get(key)
             if block is None:
                 break
@@ -92,6 +97,8 @@ class BlockManager:
         block, _ = self.free_queue.popitem(last=False)
         key = self.block_keys[block]
         if key is not None:                 # evict the cached content
+            if self.evicted is not None:
+                self.evicted.append((block, key))
             self._num_cached_free -= 1
             del self.key_to_block[key]
             self.block_keys[block] = None
@@ -134,7 +141,7 @@ class BlockManager:
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            key = self._key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = self.block_key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             seq.block_hashes.append(key)
             block = seq.block_table[i]
             if key not in self.key_to_block and self.block_keys[block] is None:
@@ -143,6 +150,8 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; hashed ones stay cached-free (tail evicted first), others go first."""
+        if self.freed is not None:
+            self.freed.extend(seq.block_table)
         for block in reversed(seq.block_table):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"

@@ -6,17 +6,19 @@ import math
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Protocol, TextIO
 
+from minillm.chat_terminal import StreamingKeys, TypeAhead, interrupted_line, read_with_type_ahead
 from minillm.sampling_params import SamplingParams
 
 PROMPT = ">>> "
+QUIT_HINT = "Ctrl-D or /exit quits"
 CONTINUATION_PROMPT = "... "
 TRIPLE_QUOTE = '"""'
 
-HELP_TEXT = """\
+HELP_TEXT = f"""\
 commands:
   /help                 this list
   /reset                forget the conversation (the system message and settings stay)
@@ -27,7 +29,8 @@ commands:
   /exit                 quit (Ctrl-D too)
 input:
   a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
-  Ctrl-C stops the reply being written; at the prompt it clears the line"""
+  Ctrl-C stops the reply being written; at the prompt it clears the line ({QUIT_HINT})
+  what you type while a reply is written is kept for the next prompt"""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -105,11 +108,14 @@ def conversation_text(conversation: Conversation) -> str:
     return "\n".join(paragraphs)
 
 
-def conversation_prompt_ids(tokenizer, conversation: Conversation) -> list[int]:
-    """The prompt token ids of the conversation, ending where the assistant's reply begins."""
-    if tokenizer.has_chat_template:
+def conversation_prompt_ids(tokenizer, conversation: Conversation, chat_template: str | None = None) -> list[int]:
+    """The prompt token ids of the conversation, ending where the assistant's reply begins.
+
+    chat_template (a template's source) replaces the model's own; with neither, plain text.
+    """
+    if chat_template or tokenizer.has_chat_template:
         return list(tokenizer.apply_chat_template(conversation.messages(), add_generation_prompt=True,
-                                                  tokenize=True))
+                                                  tokenize=True, chat_template=chat_template))
     return tokenizer.encode(conversation_text(conversation), add_special_tokens=True)
 
 
@@ -132,6 +138,8 @@ class ReplyStats:
     kv_blocks: int | None = None
     kv_pool_blocks: int | None = None
     block_size: int | None = None
+    max_tokens: int | None = None   # the reply's limit (lower than asked when the context was short)
+    context_len: int | None = None  # the model's context, when known
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -177,11 +185,12 @@ class ChatBackend(Protocol):
 class EngineChatBackend:
     """Replies from an in-process LLMEngine, driven step by step."""
 
-    def __init__(self, engine, name: str) -> None:
+    def __init__(self, engine, name: str, chat_template: str | None = None) -> None:
         self.engine = engine
         self.name = name
         self.tokenizer = engine.tokenizer
-        self.has_chat_template = bool(self.tokenizer.has_chat_template)
+        self.chat_template = chat_template        # replaces the model's own when given
+        self.has_chat_template = bool(chat_template or self.tokenizer.has_chat_template)
         self.last_stats: ReplyStats | None = None
         self.last_prompt_ids: list[int] = []
         self.notices: list[str] = []    # things the chat loop should tell the user
@@ -191,10 +200,10 @@ class EngineChatBackend:
     def fit_prompt(self, conversation: Conversation, settings: ChatSettings) -> tuple[list[int], int]:
         """Prompt ids and max_tokens that fit max_model_len, dropping the oldest exchanges first."""
         max_len = self.engine.max_model_len
-        ids = conversation_prompt_ids(self.tokenizer, conversation)
+        ids = conversation_prompt_ids(self.tokenizer, conversation, self.chat_template)
         dropped = 0
         while max_len - len(ids) < settings.max_tokens and conversation.drop_oldest_exchange():
-            ids = conversation_prompt_ids(self.tokenizer, conversation)
+            ids = conversation_prompt_ids(self.tokenizer, conversation, self.chat_template)
             dropped += 1
         if dropped:
             self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit the "
@@ -214,10 +223,10 @@ class EngineChatBackend:
         started = time.time()
         self.engine.add_request(request_id, prompt_ids, settings.sampling_params(max_tokens),
                                 arrival_time=started)
-        return self._stream(request_id, prompt_ids, started, should_stop)
+        return self._stream(request_id, prompt_ids, started, should_stop, max_tokens)
 
     def _stream(self, request_id: str, prompt_ids: list[int], started: float,
-                should_stop: Callable[[], bool]) -> Iterator[str]:
+                should_stop: Callable[[], bool], max_tokens: int) -> Iterator[str]:
         """Step the engine and yield the new text of each step; abort once should_stop()."""
         shown, last, is_aborted = "", None, False
         try:
@@ -237,7 +246,7 @@ class EngineChatBackend:
         finally:
             if last is None or not last.finished:
                 self._abort_and_drain(request_id)
-            self.last_stats = self._reply_stats(last, prompt_ids, started)
+            self.last_stats = self._reply_stats(last, prompt_ids, started, max_tokens)
 
     def _abort_and_drain(self, request_id: str) -> None:
         """Abort a request whose stream was closed early and step until the engine lets it go."""
@@ -246,7 +255,7 @@ class EngineChatBackend:
             if any(o.request_id == request_id and o.finished for o in self.engine.step()):
                 break
 
-    def _reply_stats(self, out, prompt_ids: list[int], started: float) -> ReplyStats:
+    def _reply_stats(self, out, prompt_ids: list[int], started: float, max_tokens: int) -> ReplyStats:
         """ReplyStats from the request's last output and metrics."""
         block_size = self.engine.config.block_size
         num_out = len(out.outputs[0].token_ids) if out is not None else 0
@@ -262,7 +271,8 @@ class EngineChatBackend:
             source="engine",
             cached_tokens=metrics.num_cached_tokens if metrics else None,
             kv_blocks=math.ceil((len(prompt_ids) + num_out) / block_size),
-            kv_pool_blocks=self._kv_pool_blocks, block_size=block_size)
+            kv_pool_blocks=self._kv_pool_blocks, block_size=block_size,
+            max_tokens=max_tokens, context_len=self.engine.max_model_len)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -321,6 +331,17 @@ def sigint_sets(flag: StopFlag):
 # The loop
 # ---------------------------------------------------------------------------------------------
 
+def reply_mark(stats: ReplyStats | None, settings: ChatSettings, interrupted: bool) -> str:
+    """What follows a reply on its last line: why it stopped, when that was not its own choice."""
+    if interrupted:
+        return " [interrupted]"
+    if stats is None or stats.finish_reason != "length":
+        return ""
+    if stats.max_tokens is not None and stats.max_tokens < settings.max_tokens:
+        return f" [the {stats.context_len}-token context is full: /reset starts over]"
+    return f" [max_tokens {settings.max_tokens} reached: /set max_tokens N for longer replies]"
+
+
 class ChatSession:
     """The read-eval-print loop over a backend."""
 
@@ -331,6 +352,8 @@ class ChatSession:
         self.conversation = Conversation(system=system)
         self.out = out or sys.stdout
         self.is_running = True
+        self.type_ahead = TypeAhead()
+        self.is_terminal = False     # run() reads the terminal itself: keys typed during replies are kept
 
     def say(self, text: str) -> None:
         """Print a line to the user."""
@@ -338,13 +361,27 @@ class ChatSession:
 
     def greet(self) -> None:
         """The banner, and the one notice about plain-text mode."""
-        self.say(f"minillm chat with {self.backend.name}. /help lists commands; Ctrl-D or /exit quits.")
+        self.say(f"minillm chat with {self.backend.name}. /help lists commands; {QUIT_HINT}.")
         if not self.backend.has_chat_template:
             self.say("note: this model has no chat template, so the conversation runs as plain "
-                     "text continuation.")
+                     "text continuation (minillm chat --chat-template FILE gives it one).")
 
-    def run(self, read_line: Callable[[str], str] = input) -> int:
-        """Loop until /exit or end of input; returns the exit status."""
+    def run(self, read_line: Callable[[str], str] | None = None) -> int:
+        """Loop until /exit or end of input (the terminal, or read_line when given); the exit status."""
+        self.is_terminal = read_line is None
+        if read_line is None:
+            def read_line(prompt: str) -> str:
+                return read_with_type_ahead(prompt, self.type_ahead, self.out)
+        # Ctrl-C at the prompt clears the line even when the chat was started with SIGINT ignored
+        # (a background job of a script): Python then leaves it ignored.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler) if self.is_terminal else None
+        try:
+            return self._loop(read_line)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+
+    def _loop(self, read_line: Callable[[str], str]) -> int:
         self.greet()
         while self.is_running:
             try:
@@ -353,7 +390,9 @@ class ChatSession:
                 self.say("")
                 break
             except KeyboardInterrupt:
-                self.say("\n(use Ctrl-D or /exit to quit)")
+                # The line is dropped; on an empty one, say how to leave instead.
+                line = interrupted_line() if self.is_terminal else None
+                self.say("" if line else f"\n({QUIT_HINT})")
                 continue
             self.handle(text)
         return 0
@@ -409,8 +448,9 @@ class ChatSession:
         """Stream the assistant's reply to TEXT and keep both turns."""
         self.conversation.turns.append({"role": "user", "content": text})
         reply, flag = "", StopFlag()
+        keys = StreamingKeys(self.type_ahead) if self.is_terminal else None
         try:
-            with sigint_sets(flag):
+            with sigint_sets(flag), keys or nullcontext():
                 stream = self.backend.stream_reply(self.conversation, self.settings, flag)
                 self.print_notices()
                 try:
@@ -418,6 +458,8 @@ class ChatSession:
                         reply += delta
                         self.out.write(delta)
                         self.out.flush()
+                        if keys is not None:
+                            keys.poll()
                 finally:
                     stream.close()
         except KeyboardInterrupt:
@@ -427,7 +469,7 @@ class ChatSession:
             self.conversation.turns.pop()
             self.say(f"error: {exc}")
             return
-        self.say(" [interrupted]" if flag.is_set else "")
+        self.say(reply_mark(self.backend.last_stats, self.settings, flag.is_set))
         self.conversation.turns.append({"role": "assistant", "content": reply})
 
     def print_notices(self) -> None:

@@ -14,7 +14,7 @@ class HttpChatBackend:
     """Replies from /v1/chat/completions, or /v1/completions for a model without a chat template."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, chat_template: str | None = None) -> None:
         self.base_url = url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[:-3]
@@ -23,7 +23,8 @@ class HttpChatBackend:
                                    timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.model = model or self._first_model()
         self.name = f"{self.model} at {self.base_url}"
-        self.has_chat_template = True     # until the server says otherwise
+        self.chat_template = chat_template   # sent with each request (vLLM's chat_template field)
+        self.has_chat_template = True        # until the server says otherwise
         self.last_stats: ReplyStats | None = None
         self.notices: list[str] = []
 
@@ -50,6 +51,8 @@ class HttpChatBackend:
             body["seed"] = settings.seed
         if self.has_chat_template:
             body["messages"] = conversation.messages()
+            if self.chat_template:
+                body["chat_template"] = self.chat_template
         else:
             body["prompt"] = conversation_text(conversation)
         return body
@@ -75,16 +78,16 @@ class HttpChatBackend:
         try:
             response = self._open(conversation, settings)
         except ValueError as exc:
-            if not (self.has_chat_template and "template" in str(exc).lower()):
+            if self.chat_template or not (self.has_chat_template and "template" in str(exc).lower()):
                 raise
             self.has_chat_template = False
             self.notices.append("note: the served model has no chat template, so the "
                                 "conversation runs as plain text continuation.")
             response = self._open(conversation, settings)
-        return self._stream(response, started, should_stop)
+        return self._stream(response, started, should_stop, settings.max_tokens)
 
     def _stream(self, response: httpx.Response, started: float,
-                should_stop: Callable[[], bool]) -> Iterator[str]:
+                should_stop: Callable[[], bool], max_tokens: int) -> Iterator[str]:
         """Read server-sent events until [DONE]; closing the stream drops the connection."""
         first = last = None
         num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, 0
@@ -115,7 +118,7 @@ class HttpChatBackend:
                 decode_s=None if first is None else last - first,
                 total_s=time.time() - started,
                 finish_reason=finish_reason or ("abort" if should_stop() else None),
-                source="client")
+                source="client", max_tokens=max_tokens)
 
 
 def _events(response: httpx.Response) -> Iterator[dict]:

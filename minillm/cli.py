@@ -16,8 +16,10 @@ from minillm.config import EngineConfig
 from minillm.engine_stats import describe_engine, human_bytes
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
+STORE_DEFAULT = "default: the Hugging Face cache, $HF_HUB_CACHE or $HF_HOME/hub"
 ENGINE_PANEL = "Engine options"
 SAMPLING_PANEL = "Sampling options"
+STRUCTURE_PANEL = "Structured output (one of)"
 
 app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine with a paged KV cache.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -26,6 +28,21 @@ app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine wi
 bench_app = typer.Typer(help="Benchmarks: offline throughput, online serving, kernels.",
                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from minillm import __version__
+        typer.echo(f"minillm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[Optional[bool], typer.Option(
+        "--version", callback=_print_version, is_eager=True, help="Print the version and exit.")] = None,
+) -> None:
+    """minillm: a small LLM inference engine with a paged KV cache."""
 
 
 class CliError(Exception):
@@ -108,7 +125,13 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--load-format", help="auto: the checkpoint's weights; dummy: random weights of its shape (benchmarks).")],
         LoadFormat(_default("load_format"))),
     "download_dir": (Annotated[Optional[str], _engine_option(
-        "--download-dir", help="Model store (default: ./weights).")], None),
+        "--download-dir", help=f"Where hub models are stored ({STORE_DEFAULT}).")], None),
+    "kv_offload_gib": (Annotated[float, _engine_option(
+        "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
+    "speculative_config": (Annotated[Optional[str], _engine_option(
+        "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],
+        None),
 }
 
 
@@ -204,6 +227,9 @@ def chat(
         help="Chat with a running `minillm serve` at this URL instead of loading a model.")] = None,
     api_key: Annotated[Optional[str], typer.Option(help="API key for --url.")] = None,
     system: Annotated[Optional[str], typer.Option(help="System message.")] = None,
+    chat_template: Annotated[Optional[str], typer.Option(
+        help="A Jinja chat template, as a file or the template itself; replaces the model's own "
+             "(a model without one needs it to chat in turns).")] = None,
     temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.7,
     top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.9,
     top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
@@ -217,14 +243,17 @@ def chat(
     Inside the chat, /help lists the commands.
     """
     from minillm.chat import ChatSession, EngineChatBackend
+    from minillm.tokenizer import read_chat_template
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
+    template = read_chat_template(chat_template) if chat_template else None
     if url:
         from minillm.chat_client import HttpChatBackend
-        backend = HttpChatBackend(url, api_key=api_key, model=model)   # None: the server's first
+        backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
+                                  chat_template=template)
     else:
         path = resolve_chat_model(model, engine_options["download_dir"])
         engine = load_engine(engine_config(path, engine_options))
-        backend = EngineChatBackend(engine, name=model or Path(path).name)
+        backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
 
@@ -247,21 +276,51 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     return list(prompts)
 
 
-def output_record(out) -> dict:
-    """One JSON line: the prompt, its ids and every completion."""
+def output_record(out, tokenizer=None, num_top: int = 0) -> dict:
+    """One JSON line: the prompt, its ids and every completion (with logprobs when they were asked for)."""
     return {"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
-            "outputs": [{"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
-                        for c in out.outputs]}
+            "outputs": [completion_record(c, tokenizer, num_top) for c in out.outputs]}
 
 
-def print_plain(outputs) -> None:
-    """Each prompt followed by its completion(s), a blank line between them."""
+def completion_record(c, tokenizer=None, num_top: int = 0) -> dict:
+    """A completion as JSON; logprobs in the OpenAI shape: token, logprob and the top alternatives."""
+    record = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        record["cumulative_logprob"] = c.cumulative_logprob
+        record["logprobs"] = [token_logprobs(t, lps, tokenizer, num_top)
+                              for t, lps in zip(c.token_ids, c.logprobs)]
+    return record
+
+
+def token_logprobs(token_id: int, logprobs: dict[int, float], tokenizer=None, num_top: int = 0) -> dict:
+    """{token_id, token, logprob, top_logprobs} of one generated token."""
+    def text(i: int) -> str | None:
+        return None if tokenizer is None else tokenizer.decode([i], skip_special_tokens=False)
+
+    # logprobs holds the sampled token and the top num_top; the sampled one may rank below them
+    top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num_top]
+    return {"token_id": token_id, "token": text(token_id), "logprob": logprobs.get(token_id),
+            "top_logprobs": [{"token_id": i, "token": text(i), "logprob": lp} for i, lp in top]}
+
+
+def print_plain(outputs, tokenizer=None, num_top: int = 0) -> None:
+    """Each prompt followed by its completion(s), a blank line between them; logprobs below each."""
     for i, out in enumerate(outputs):
         if i:
             typer.echo("")
         for c in out.outputs:
             label = f"[{c.index}] " if len(out.outputs) > 1 else ""
             typer.echo(f"{label}{out.prompt}{c.text}")
+            if c.logprobs is not None:
+                print_logprobs(completion_record(c, tokenizer, num_top))
+
+
+def print_logprobs(record: dict) -> None:
+    """One line per generated token: the token, its logprob and the alternatives."""
+    typer.echo(f"  logprobs (cumulative {record['cumulative_logprob']:.3f}):")
+    for t in record["logprobs"]:
+        top = ", ".join(f"{alt['token']!r} {alt['logprob']:.3f}" for alt in t["top_logprobs"])
+        typer.echo(f"  {t['token']!r:>14} {t['logprob']:8.3f}" + (f"   top: {top}" if top else ""))
 
 
 @app.command()
@@ -272,17 +331,37 @@ def generate(
         "--prompt", "-p", help="A prompt (repeat for a batch).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="A file with one prompt per line ('-': stdin).")] = None,
-    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
+    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL, help="0: greedy.")] = 1.0,
     top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
     top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
     min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.0,
     seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
     max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 16,
+    min_tokens: Annotated[int, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Generate at least this many tokens before EOS may stop.")] = 0,
     stop: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="A stop string (repeatable).")] = None,
+    stop_token_ids: Annotated[Optional[list[int]], typer.Option(
+        "--stop-token-id", rich_help_panel=SAMPLING_PANEL, help="A token id that stops (repeatable).")] = None,
+    repetition_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="> 1 discourages tokens already in the prompt or output.")] = 1.0,
+    presence_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="In [-2, 2]: subtracted once from every token already generated.")] = 0.0,
+    frequency_penalty: Annotated[float, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="In [-2, 2]: subtracted per occurrence in the output.")] = 0.0,
+    logprobs: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Show each token's logprob and this many top alternatives (0-20).")] = None,
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
     ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
+    json_schema: Annotated[Optional[Path], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output JSON valid under the JSON schema in this file.")] = None,
+    regex: Annotated[Optional[str], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output that fully matches this regular expression.")] = None,
+    choice: Annotated[Optional[list[str]], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output exactly one of these strings (repeat the option).")] = None,
+    grammar: Annotated[Optional[Path], typer.Option(
+        rich_help_panel=STRUCTURE_PANEL, help="Output a sentence of the Lark grammar in this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines out, one per prompt.")] = False,
     *,
     engine_options: dict,
@@ -290,24 +369,57 @@ def generate(
     """Generate for a batch of prompts offline (LLM.generate)."""
     from minillm.sampling_params import SamplingParams
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                            seed=seed, max_tokens=max_tokens, stop=list(stop or []) or None,
-                            ignore_eos=ignore_eos)
+                            seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
+                            stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
+                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                            frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos,
+                            structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar))
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"])
-    outputs = run_generate(engine_config(path, engine_options), prompts, params)
+    llm, outputs = run_generate(engine_config(path, engine_options), prompts, params)
+    tokenizer = llm.get_tokenizer()
     if as_json:
         for out in outputs:
-            typer.echo(json.dumps(output_record(out), ensure_ascii=False))
+            typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0), ensure_ascii=False))
     else:
-        print_plain(outputs)
+        print_plain(outputs, tokenizer, logprobs or 0)
+
+
+_STRUCTURE_OPTIONS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def structured_outputs_option(json_schema: Path | None, regex: str | None, choice: list[str] | None,
+                              grammar: Path | None):
+    """StructuredOutputsParams from generate's structure options (None when none is given); a bad
+    file or constraint is a CliError naming the option."""
+    values = {"json": json_schema, "regex": regex, "choice": choice or None, "grammar": grammar}
+    given = [name for name, value in values.items() if value is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise CliError(f"give one of {', '.join(_STRUCTURE_OPTIONS.values())}, not "
+                       f"{' and '.join(_STRUCTURE_OPTIONS[g] for g in given)}")
+    name = given[0]
+    value = values[name]
+    if name in ("json", "grammar"):
+        try:
+            value = value.read_text()
+        except OSError as exc:
+            raise CliError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
+    from minillm.structured_output import StructuredOutputsParams
+    try:
+        return StructuredOutputsParams(**{name: value})
+    except ValueError as exc:
+        message = str(exc).split(": ", 1)[-1]
+        raise CliError(f"{_STRUCTURE_OPTIONS[name]}: {message}") from None
 
 
 def run_generate(config: EngineConfig, prompts: list[str], params):
-    """LLM.generate over the prompts, with a progress bar on stderr."""
+    """LLM.generate over the prompts, with a progress bar on stderr: (the LLM, its outputs)."""
     from minillm.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
-    typer.echo(describe_engine(llm.engine.stats(cells=1)), err=True)
-    return llm.generate(prompts, params, use_tqdm=True)
+    typer.echo(describe_engine(llm.llm_engine.stats(cells=1)), err=True)
+    return llm, llm.generate(prompts, params, use_tqdm=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,12 +521,24 @@ def serve(
 def monitor_command(
     url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
     api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
-    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE.")] = None,
-    replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead.")] = None,
+    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE (.gz: compressed).")] = None,
+    replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead of watching a server.")] = None,
+    demo: Annotated[bool, typer.Option(
+        "--demo", help="Replay the recording shipped with minillm (a loaded stories260K server): a look "
+                       "at the monitor without running a server.")] = False,
 ) -> None:
-    """Watch a server's KV cache and scheduler live."""
-    from tui.app import run_monitor
-    run_monitor(url, api_key=api_key, record=record, replay=replay)
+    """Watch a server's KV cache and scheduler live.
+
+    No server at hand? minillm monitor --demo replays the recording shipped with minillm; it
+    loops, and the title marks each new pass. Press ? inside for what each panel shows.
+    """
+    from minillm.tui.app import demo_recording, run_monitor
+    if demo and replay:
+        raise CliError("give either --demo or --replay FILE, not both")
+    source = demo_recording() if demo else replay
+    if source is not None and not source.is_file():
+        raise CliError(f"no such recording: {source}")
+    run_monitor(url, api_key=api_key, record=record, replay=source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,26 +548,36 @@ def monitor_command(
 @app.command()
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
-    download_dir: Annotated[Optional[str], typer.Option(help="Model store (default: ./weights).")] = None,
+    download_dir: Annotated[Optional[str], typer.Option(
+        help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
 ) -> None:
-    """Download a model into the local store."""
-    path = resolve_model(model, download_dir)
-    typer.echo(path)
+    """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
+    from minillm.model_store import download_model, is_repo_id, no_such_directory
+    if Path(model).expanduser().is_dir():
+        raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
+                       f"(minillm chat {model})")
+    if not is_repo_id(model) or model.startswith((".", "/", "~")):
+        raise CliError(f"{no_such_directory(model)}; pull takes a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
+    path = download_model(model, download_dir)
+    typer.echo(f"pulled {model} into {path}")
 
 
 @app.command(name="list")
 def list_command(
-    download_dir: Annotated[Optional[str], typer.Option(help="Model store (default: ./weights).")] = None,
+    download_dir: Annotated[Optional[str], typer.Option(
+        help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
 ) -> None:
-    """List the local models with their sizes."""
-    from minillm.loader import list_local_models
-    models = list(list_local_models(download_dir))
+    """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
+    from minillm.model_store import list_local_models, model_store
+    models = list_local_models(download_dir)
     if not models:
-        typer.echo(f"no local models in {download_dir or 'weights/'} (minillm pull MODEL fetches one)")
+        typer.echo(f"no models in {model_store(download_dir)} (minillm pull MODEL fetches one)")
         return
-    width = max(len(name) for name, _, _ in models)
-    for name, path, size in models:
-        typer.echo(f"{name:<{width}}  {human_bytes(size):>10}  {path}")
+    width = max(len("NAME"), *(len(m.repo_id) for m in models))
+    typer.echo(f"{'NAME':<{width}}  {'SIZE':>10}  PATH")
+    for m in models:
+        note = f"  (minillm cannot run it: {m.note})" if m.note else ""
+        typer.echo(f"{m.repo_id:<{width}}  {human_bytes(m.size_bytes):>10}  {m.path}{note}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,16 +589,22 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
 
 
 def run_benchmark(name: str, argv: list[str]) -> None:
-    """benchmarks.<name>.main(argv); a non-zero return becomes the exit status."""
-    module = importlib.import_module(f"benchmarks.{name}")
-    status = module.main(list(argv))
+    """minillm.benchmarks.<name>.main(argv): a bad argument or a benchmark that cannot run is one line."""
+    from minillm.benchmarks.cli_args import BenchError, BenchUsageError
+    module = importlib.import_module(f"minillm.benchmarks.{name}")
+    try:
+        status = module.main(list(argv))
+    except BenchUsageError as exc:
+        raise typer.Exit(_fail(f"{exc.prog}: error: {exc.message} (try '{exc.prog} --help')", 2)) from None
+    except BenchError as exc:
+        raise typer.Exit(_fail(f"minillm bench {name}: error: {exc}", 1)) from None
     if isinstance(status, int) and status:
         raise typer.Exit(status)
 
 
 def _bench_command(name: str, summary: str) -> None:
     def command(args: Annotated[Optional[list[str]], typer.Argument(
-            help=f"Arguments for benchmarks.{name} (--help shows them).")] = None) -> None:
+            help=f"Options of minillm bench {name} (--help lists them with their defaults).")] = None) -> None:
         run_benchmark(name, args or [])
     command.__doc__ = summary
     bench_app.command(name=name, context_settings=PASS_THROUGH, add_help_option=False)(command)

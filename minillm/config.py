@@ -1,7 +1,12 @@
 """Frozen configuration: the model's shape (from config.json) and the engine's knobs."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from minillm.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
-    download_dir: str | None = None      # None: ./weights
+    download_dir: str | None = None      # None: the Hugging Face cache (model_store.hf_hub_cache)
     served_model_name: str | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
+    # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
+    speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
+    kv_offload_gib: float = 0            # host-memory tier of the prefix cache, GiB (0: off)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -79,3 +87,43 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.speculative_config is not None:
+            from minillm.spec_decode.config import SpeculativeConfig
+            try:
+                spec = SpeculativeConfig.from_any(self.speculative_config)
+            except (TypeError, ValueError) as e:
+                message = str(e)
+                raise ValueError(message if message.startswith("speculative_config")
+                                 else f"speculative_config: {message}") from None
+            # Parsed once here, as given: the frozen config holds the one parsed form.
+            object.__setattr__(self, "speculative_config", spec)
+        if self.kv_offload_gib:
+            check_kv_offload_gib(self.kv_offload_gib, self.enable_prefix_caching)
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_offload_gib works with tensor_parallel_size 1 only: the host tier "
+                                 "copies rank 0's KV pool")
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is no such file)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_kv_offload_gib(gib: float, enable_prefix_caching: bool) -> None:
+    """The host tier's size is a finite, positive amount the machine has free; it extends the
+    prefix cache, so that must be on."""
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {gib!r}")
+    if not enable_prefix_caching:
+        raise ValueError("kv_offload_gib needs enable_prefix_caching: the host tier keeps prefix-cache blocks")
+    available = available_host_bytes()
+    if available is not None and gib * 2**30 > available:
+        raise ValueError(f"kv_offload_gib {gib:g} exceeds the machine's available memory "
+                         f"({available / 2**30:.1f} GiB); lower kv_offload_gib")

@@ -1,8 +1,13 @@
 """Device work behind one small object per backend: the compute stream, read-backs, timers,
-memory figures, graphs and release. The model runner calls these and never branches on the backend.
+memory figures, graphs, KV block copies and release. The model runner calls these and never
+branches on the backend.
 
     CpuDevice   everything runs on the host, synchronously; "copies" are the arrays themselves
-    CudaDevice  one non-blocking compute stream; tokens come back through pinned buffers and events
+    CudaDevice  one non-blocking compute stream; tokens come back through pinned buffers and events;
+                KV blocks move between the pool and pinned host memory on a copy stream
+
+Block copies (KV connectors) take pools laid out `[num_layers, 2, num_blocks, *block]` with the
+block's own elements contiguous: on the device the KV pool, on the host a pool of the same layout.
 """
 from __future__ import annotations
 
@@ -13,6 +18,19 @@ import time
 import numpy as np
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def block_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) runs covering the pairs src_ids[i] -> dst_ids[i], each run
+    consecutive on both sides, so a run of blocks moves in one strided copy."""
+    order = np.argsort(src_ids, kind="stable")
+    src, dst = np.asarray(src_ids)[order], np.asarray(dst_ids)[order]
+    if not len(src):
+        return []
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(src)]])
+    return [(int(src[a]), int(dst[a]), int(b - a)) for a, b in zip(starts, ends)]
 
 
 class HostArray:
@@ -39,6 +57,15 @@ class CpuTimer:
     def elapsed(self) -> list[float]:
         """Seconds between consecutive marks."""
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+class CpuEvent:
+    """A point in a CPU "stream": the work before it is already done when it is made."""
+
+    done = True
+
+    def __init__(self):
+        self.time = time.perf_counter()
 
 
 class CpuDevice:
@@ -82,6 +109,31 @@ class CpuDevice:
     def is_fatal(self, exc: BaseException) -> bool:
         """True when exc leaves the device unusable (no such error on the CPU)."""
         return False
+
+    # ---- KV block copies (host memory on both sides here; the logic above them is the GPU's) ----
+    def empty_host_like(self, pool: np.ndarray, num_blocks: int) -> np.ndarray:
+        """A host pool shaped like pool with num_blocks blocks (pages are taken when first written)."""
+        return np.empty(pool.shape[:2] + (num_blocks,) + pool.shape[3:], dtype=pool.dtype)
+
+    def copy_stream(self) -> None:
+        """A stream for block copies beside the compute stream (the CPU has one line of work)."""
+        return None
+
+    def record_event(self, stream=None) -> CpuEvent:
+        """An event after the work queued so far on stream (default: compute); done at once here."""
+        return CpuEvent()
+
+    def wait_event(self, event, stream=None) -> None:
+        """Make stream (default: compute) wait for event (work here is done when queued)."""
+
+    def elapsed_seconds(self, start: CpuEvent, end: CpuEvent) -> float:
+        """Seconds between two done events."""
+        return end.time - start.time
+
+    def copy_blocks(self, dst: np.ndarray, dst_ids: np.ndarray, src: np.ndarray, src_ids: np.ndarray,
+                    stream=None) -> None:
+        """dst[:, :, dst_ids] = src[:, :, src_ids]; done before it returns on the CPU."""
+        dst[:, :, dst_ids] = src[:, :, src_ids]
 
     def release(self) -> None:
         """Give cached memory back (nothing is cached on the CPU)."""
@@ -195,6 +247,52 @@ class CudaDevice:
         """CUDA errors are sticky: after one the context cannot be trusted."""
         runtime = self.cp.cuda.runtime
         return isinstance(exc, (runtime.CUDARuntimeError, self.cp.cuda.driver.CUDADriverError))
+
+    # ---- KV block copies between the pool and pinned host memory ------------------------------
+    def empty_host_like(self, pool, num_blocks: int) -> np.ndarray:
+        """A pinned host pool shaped like pool with num_blocks blocks. Its dtype is an unsigned
+        integer of pool's item size: copies move bytes, and NumPy has no bfloat16."""
+        import cupyx
+        dtype = np.dtype(f"u{pool.dtype.itemsize}")
+        return cupyx.empty_pinned(pool.shape[:2] + (num_blocks,) + pool.shape[3:], dtype=dtype)
+
+    def copy_stream(self):
+        """A non-blocking stream for block copies, so they run beside the compute stream."""
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def record_event(self, stream=None):
+        """An event after the work queued so far on stream (default: compute); timing enabled."""
+        event = self.cp.cuda.Event(block=False, disable_timing=False)
+        event.record(stream if stream is not None else self.stream)
+        return event
+
+    def wait_event(self, event, stream=None) -> None:
+        """Make stream (default: compute) wait for event, on the device (the host goes on)."""
+        (stream if stream is not None else self.stream).wait_event(event)
+
+    def elapsed_seconds(self, start, end) -> float:
+        """Seconds between two done events."""
+        return self.cp.cuda.get_elapsed_time(start, end) / 1e3
+
+    def copy_blocks(self, dst, dst_ids: np.ndarray, src, src_ids: np.ndarray, stream) -> None:
+        """Queue dst[:, :, dst_ids] = src[:, :, src_ids] on stream, one host<->device direction.
+
+        A block is num_layers * 2 rows of block_bytes, one row per (layer, K|V), the rows of one
+        pool num_blocks * block_bytes apart: each run of consecutive blocks is one
+        cudaMemcpy2DAsync. The host side must be pinned for the copy to be asynchronous."""
+        rt = self.cp.cuda.runtime
+        rows = dst.shape[0] * dst.shape[1]
+        block_bytes = int(np.prod(dst.shape[3:])) * dst.dtype.itemsize
+        assert src.shape[:2] == dst.shape[:2] and src.dtype.itemsize == dst.dtype.itemsize
+        assert int(np.prod(src.shape[3:])) * src.dtype.itemsize == block_bytes
+        to_host = isinstance(dst, np.ndarray)
+        dst_ptr = dst.ctypes.data if to_host else dst.data.ptr
+        src_ptr = src.data.ptr if to_host else src.ctypes.data
+        kind = rt.memcpyDeviceToHost if to_host else rt.memcpyHostToDevice
+        dst_pitch, src_pitch = dst.shape[2] * block_bytes, src.shape[2] * block_bytes
+        for s, d, n in block_runs(src_ids, dst_ids):
+            rt.memcpy2DAsync(dst_ptr + d * block_bytes, dst_pitch, src_ptr + s * block_bytes, src_pitch,
+                             n * block_bytes, rows, kind, stream.ptr)
 
     def release(self) -> None:
         """Wait for the device, then return CuPy's cached blocks (device and pinned) to the driver."""

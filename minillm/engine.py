@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step the scheduler and the model, hand back RequestOutputs."""
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -12,6 +13,7 @@ from minillm.block_manager import BlockManager
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
+from minillm.kv_connector import make_kv_connector
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
 from minillm.model_runner import InFlightStep, ModelRunner
@@ -24,7 +26,7 @@ from minillm.sampling_params import SamplingParams
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
-from minillm.step import SchedulerOutput
+from minillm.step import SchedulerOutput, StepOutput
 from minillm.tokenizer import Tokenizer
 
 
@@ -138,16 +140,20 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, self.eos_token_ids)
+                                   self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
+                                   speculative_config=config.speculative_config)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
         self._seed_rng = np.random.default_rng(config.seed)
-        self.metrics = MetricsTracker()
+        spec = config.speculative_config
+        self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)
         self.model_name = config.served_model_name or config.model
+        self.structured_outputs = None   # StructuredOutputManager, built when a request first asks for structure
         self.is_shut_down = False
 
     # ---- requests ----------------------------------------------------------------------------
@@ -181,9 +187,19 @@ class LLMEngine:
         states = [self.output_processor.new_state(s, incremental) for s in seqs]
         req = Request(request_id, text, list(ids), seqs, states,
                       RequestMetrics(arrival_time=now), final_only=not incremental)
+        if params.structured_outputs is not None:
+            self._structured_output_manager().attach(seqs, params.structured_outputs)
         self.requests[request_id] = req
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _structured_output_manager(self):
+        """The StructuredOutputManager, built on first use (llguidance is not even imported before)."""
+        if self.structured_outputs is None:
+            from minillm.structured_output import StructuredOutputManager
+            self.structured_outputs = StructuredOutputManager.from_tokenizer(
+                self.tokenizer, self.model_config.vocab_size, self.config.max_num_seqs, self.eos_token_ids)
+        return self.structured_outputs
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -224,11 +240,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read back the one before it (on the GPU one step stays
         in flight, so the host's bookkeeping overlaps the device's work)."""
+        if self.structured_outputs is not None:
+            self._finish_failed_grammars()
         if self._in_flight and self.scheduler.needs_output_tokens():
             self._complete(*self._in_flight.popleft())        # penalties need the tokens first
         out = self._schedule()
         if not out.is_empty:
             self._in_flight.append((out, self._launch(out)))
+        elif not self._in_flight and self.structured_outputs is not None:
+            self.structured_outputs.wait_for_compile(timeout=0.02)   # nothing runs until a grammar is ready
         depth = 1 if self.async_scheduling and not out.is_empty else 0
         while len(self._in_flight) > depth:
             self._complete(*self._in_flight.popleft())
@@ -239,7 +259,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.metrics.record_timings({"schedule": time.perf_counter() - t0})
         if out.is_empty and not self._in_flight and self.scheduler.has_unfinished() \
-                and not self.scheduler.num_running:
+                and not self.scheduler.num_running \
+                and not (self.structured_outputs is not None and self.structured_outputs.num_compiling):
             raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)
@@ -252,8 +273,11 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput) -> InFlightStep:
         """runner.launch(out); a failure that leaves the device sound aborts the step's requests."""
+        grammar_bitmask = None
+        if self.structured_outputs is not None and self.structured_outputs.is_constrained(out.sampling_seqs):
+            grammar_bitmask = lambda: self._grammar_bitmask(out)   # noqa: E731
         try:
-            return self.runner.launch(out)
+            return self.runner.launch(out, grammar_bitmask)
         except Exception as exc:
             if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
                 raise
@@ -262,25 +286,51 @@ class LLMEngine:
                 self.abort_request(request_id)
             raise StepError(request_ids, exc) from exc
 
+    def _grammar_bitmask(self, out: SchedulerOutput):
+        """The runner's call once out's forward pass is queued: its constrained rows' masks. When a
+        constrained sequence's previous token is still in flight, that step is read back first so
+        the matcher accepts it (only the sampling waits; the forward pass overlaps the wait)."""
+        seqs = out.sampling_seqs
+        if self._in_flight and self.structured_outputs.has_token_in_flight(seqs):
+            self._complete(*self._in_flight.popleft())
+        mask = self.structured_outputs.grammar_bitmask(seqs)
+        if mask is not None:
+            self.metrics.record_timings({"grammar_fill": self.structured_outputs.last_fill_time_s})
+        return mask
+
+    def _finish_failed_grammars(self) -> None:
+        """A sequence whose grammar failed to compile finishes with finish_reason 'error'."""
+        for seq, message in self.structured_outputs.take_failed():
+            req = self.requests.get(seq.request_id)
+            self.log(f"minillm: request {seq.request_id}: {message}")
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, message)
+            if req is not None:
+                self._changed[req.request_id] = req
+
     def _complete(self, out: SchedulerOutput, in_flight: InFlightStep) -> None:
         """Wait for a launched step and hand its tokens to the scheduler and the outputs."""
         waited = time.time()
         step = in_flight.wait()
         t0 = time.perf_counter()
-        appended = self.scheduler.update_from_output(out, step)
         now = time.time()
-        for seq, token in appended:
-            req = self.requests.get(seq.request_id)
-            if req is None:
-                continue
-            stop = self.output_processor.add_token(req.states[seq.index], seq, token,
-                                                   step.logprobs.get(seq.seq_id))
-            if stop is not None:
-                self.scheduler.stop(seq, stop)
-            self._note_token(req, now)
-            self._changed[req.request_id] = req
+        appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now))
+        if out.scheduled_spec_decode_tokens:
+            self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)
         self.metrics.record_timings({**step.timings, "update": time.perf_counter() - t0})
+
+    def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:
+        """Feed seq's i-th new token of the step to its request's output; returns the stop string
+        it completed, if any (the scheduler then ends the sequence there)."""
+        req = self.requests.get(seq.request_id)
+        if req is None:
+            return None
+        logprobs = step.logprobs.get(seq.seq_id)
+        stop = self.output_processor.add_token(req.states[seq.index], seq, seq.token_ids[-1],
+                                               logprobs[i] if logprobs else None)
+        self._note_token(req, now)
+        self._changed[req.request_id] = req
+        return stop
 
     def _note_token(self, req: Request, now: float) -> None:
         m = req.metrics
@@ -318,8 +368,10 @@ class LLMEngine:
         info = EngineInfo(self.model_name, self.backend, self.dtype, c.max_num_seqs, c.max_num_batched_tokens,
                           self.max_model_len)
         ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
+        structured = self.structured_outputs.stats() if self.structured_outputs is not None else None
         return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),
-                           self.metrics, self.runner.memory_stats(), ttft, cells)
+                           self.metrics, self.runner.memory_stats(), ttft, cells,
+                           self.kv_connector.snapshot() if self.kv_connector else None, structured)
 
     def shutdown(self) -> None:
         """Abort every request, wait for the device, and release the KV pool, graphs and weights."""
@@ -329,6 +381,8 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self._in_flight.clear()
+        if self.structured_outputs is not None:
+            self.structured_outputs.shutdown()
         self.runner.shutdown()
 
     def __enter__(self) -> "LLMEngine":

@@ -1,16 +1,18 @@
 """Builds EngineStats snapshots from the snapshots the block manager and the scheduler hand out."""
 from __future__ import annotations
 
+import copy
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from minillm.block_manager import BlockPoolSnapshot
+from minillm.kv_connector.base import KVConnectorStats
 from minillm.metrics_tracker import MetricsTracker, percentile
 from minillm.scheduler import SchedulerSnapshot
 from minillm.sequence import SequenceView
-from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats
+from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StructuredOutputStats
 
 MAX_WAITING_ROWS = 256
 
@@ -45,10 +47,14 @@ class EngineInfo:
 
 
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
-                memory: MemoryStats, ttft: dict[str, float | None], cells: int) -> EngineStats:
-    """An EngineStats snapshot from the block pool's and the scheduler's snapshots and the metrics.
+                memory: MemoryStats, ttft: dict[str, float | None], cells: int,
+                offload: KVConnectorStats | None = None,
+                structured: StructuredOutputStats | None = None) -> EngineStats:
+    """An EngineStats snapshot from the block pool's, the scheduler's (and the KV connector's)
+    snapshots and the metrics.
 
-    ttft: request id -> its time to first token (None before the first token).
+    ttft: request id -> its time to first token (None before the first token); structured: the
+    structured-output manager's figures, None when no request has asked for structure.
     """
     now = time.time()
     rows: list[RequestStats] = []
@@ -85,13 +91,28 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         recent_steps=list(m.recent_steps)[-32:], requests=rows,
-        step_time_breakdown_s=m.step_time_breakdown())
+        step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
+        **_offload_fields(offload, cells), **(asdict(structured) if structured else {}))
+
+
+def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:
+    """EngineStats' kv_offload_* fields from the connector's snapshot (none when it is off)."""
+    if offload is None:
+        return {}
+    states = np.full(offload.num_blocks, CELL_FREE, dtype=np.int64)
+    states[offload.used_block_ids] = CELL_CACHED
+    return dict(kv_offload_num_blocks=offload.num_blocks, kv_offload_num_used_blocks=offload.num_used_blocks,
+                kv_offload_hits=offload.hit_tokens, kv_offload_bytes_to_host=offload.bytes_to_host,
+                kv_offload_bytes_to_device=offload.bytes_to_device,
+                kv_offload_to_host_bytes_per_s=offload.to_host_bytes_per_s,
+                kv_offload_to_device_bytes_per_s=offload.to_device_bytes_per_s,
+                kv_offload_block_map=downsample_block_map(states, cells)[0])
 
 
 def _row(seq: SequenceView, ttft: dict[str, float | None]) -> RequestStats:
     rid = seq.request_id if seq.n == 1 else f"{seq.request_id}#{seq.index}"
     return RequestStats(rid, seq.state, seq.num_prompt_tokens, seq.num_output_tokens, len(seq.block_table),
-                        seq.num_cached_tokens, ttft.get(seq.request_id))
+                        seq.num_cached_tokens, ttft.get(seq.request_id), seq.is_structured)
 
 
 def human_bytes(num: float) -> str:

@@ -1,19 +1,16 @@
-"""Model directories: find or download one, read config.json into a ModelConfig, read safetensors weights."""
+"""Model directories: read config.json into a ModelConfig and safetensors weights into NumPy."""
 from __future__ import annotations
 
 import json
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from minillm.config import ModelConfig
+# Finding a model (a local directory, or a hub id in the store) lives in model_store.
+from minillm.model_store import list_local_models, resolve_model_path  # noqa: F401
 
-DEFAULT_DOWNLOAD_DIR = "weights"
-# Only what the engine reads: weights, configs, tokenizer files and chat templates.
-DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "merges.txt", "vocab.txt"]
 # config.json "architectures" -> the decoder family minillm runs it as.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -21,81 +18,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-# ---- finding the model ---------------------------------------------------------------------------
-
-
-def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
-    """A local model directory as is, else a Hugging Face repo id fetched into <download_dir>/<org>--<name>."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json")
-        return path
-    if _looks_like_path(model) or not _REPO_ID.match(model):
-        raise ValueError(f"model {model!r} is neither a local directory nor a Hugging Face repo id (org/name)")
-    target = local_model_dir(model, download_dir)
-    if _is_complete(target):
-        return target
-    return _download(model, target)
-
-
-def local_model_dir(repo_id: str, download_dir: str | None = None) -> Path:
-    """Where a repo id lives in the local model store: <download_dir or ./weights>/<org>--<name>."""
-    return Path(download_dir or DEFAULT_DOWNLOAD_DIR).expanduser() / repo_id.replace("/", "--")
-
-
-def _looks_like_path(model: str) -> bool:
-    return model.startswith((".", "/", "~")) or model.count("/") > 1 or os.sep != "/" and os.sep in model
-
-
-def _is_complete(path: Path) -> bool:
-    """Whether a downloaded directory has its config and every weight file it names."""
-    if not (path / "config.json").is_file():
-        return False
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        return all((path / f).is_file() for f in files)
-    return any(path.glob("*.safetensors"))
-
-
-def _is_offline() -> bool:
-    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE once, at import.
-    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
-
-
-def _download(repo_id: str, target: Path) -> Path:
-    """snapshot_download the files the engine needs (huggingface_hub draws the progress bars)."""
-    from huggingface_hub import snapshot_download
-
-    hint = (f"pass a local directory with config.json, *.safetensors and tokenizer.json instead "
-            f"(e.g. --model ./weights/{target.name}), or download it there while online")
-    try:
-        snapshot_download(repo_id, local_dir=str(target), allow_patterns=DOWNLOAD_PATTERNS,
-                          local_files_only=_is_offline())
-    except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise RuntimeError(f"could not fetch model {repo_id!r} from the Hugging Face Hub "
-                           f"({type(e).__name__}: {reason}); {hint}") from e
-    if not (target / "config.json").is_file():
-        raise RuntimeError(f"model {repo_id!r} was fetched into {target} but has no config.json; {hint}")
-    return target
-
-
-def list_local_models(download_dir: str | None = None) -> list[tuple[str, Path, int]]:
-    """(repo id, path, size in bytes) of every model directory in the local store, by name."""
-    root = Path(download_dir or DEFAULT_DOWNLOAD_DIR).expanduser()
-    if not root.is_dir():
-        return []
-    models = []
-    for path in sorted(root.iterdir()):
-        if path.is_dir() and (path / "config.json").is_file():
-            size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-            models.append((path.name.replace("--", "/", 1), path, size))
-    return models
 
 
 # ---- config.json -> ModelConfig ------------------------------------------------------------------

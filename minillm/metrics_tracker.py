@@ -14,7 +14,7 @@ THROUGHPUT_WINDOW_S = 5.0
 class MetricsTracker:
     """Step history, token totals, TTFT / inter-token latency samples, finish counts."""
 
-    def __init__(self, max_steps: int = 128, max_samples: int = 4096):
+    def __init__(self, max_steps: int = 128, max_samples: int = 4096, num_spec_tokens: int | None = None):
         self.num_steps = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -24,6 +24,10 @@ class MetricsTracker:
         self.itl: deque[float] = deque(maxlen=max_samples)
         self.finished: Counter[str] = Counter()
         self.timings: Counter[str] = Counter()       # phase -> seconds, summed over steps
+        self.spec_decode = None                      # SpecDecodeStats, with speculative decoding only
+        if num_spec_tokens is not None:
+            from minillm.spec_decode.metrics import SpecDecodeStats
+            self.spec_decode = SpecDecodeStats(num_spec_tokens)
 
     def record_step(self, out: SchedulerOutput, started: float, ended: float, budget: int) -> None:
         """Account one launched step's composition and prompt tokens."""
@@ -40,6 +44,11 @@ class MetricsTracker:
     def step_time_breakdown(self) -> dict[str, float]:
         """Seconds per phase summed over every step so far."""
         return dict(self.timings)
+
+    def record_spec_decode(self, drafts: dict[int, list[int]], num_accepted: dict[int, int]) -> None:
+        """Count one step's verified drafts (seq_id -> draft ids; seq_id -> how many were accepted)."""
+        for seq_id, ids in drafts.items():
+            self.spec_decode.observe_draft(len(ids), num_accepted[seq_id])
 
     def record_generated(self, num_tokens: int, started: float, ended: float) -> None:
         """Account tokens read back from the device."""

@@ -43,10 +43,15 @@ class ModelRunner:
             self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
         self.sampler = Sampler(ops, eos_token_ids)
+        self.verifier = None             # verifies draft tokens (only with speculative decoding)
+        if config.speculative_config is not None:
+            from minillm.spec_decode.verifier import DraftVerifier
+            self.verifier = DraftVerifier(ops, self.sampler)
         self.kv_pool = None              # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.graphs = None
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
+        self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
 
     def _device_arrays(self):
         m = self.model
@@ -90,7 +95,9 @@ class ModelRunner:
                                      a(np.full(num_tokens, -1, np.int32)), max(lens), max(lens), False)
             positions = np.concatenate([np.arange(n, dtype=np.int32) for n in lens])
             hidden = self.model.forward(a(np.zeros(num_tokens, np.int32)), a(positions), meta, scratch)
-            rows = min(cfg.max_num_seqs, num_tokens)
+            # A step verifying drafts computes logits for every draft as well.
+            spec = cfg.speculative_config
+            rows = min(cfg.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)), num_tokens)
             logits = self.model.compute_logits(hidden[:rows])
             ones = a(np.ones(rows, np.float32))
             self.ops.log_softmax(logits)
@@ -113,12 +120,17 @@ class ModelRunner:
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
         self.device.synchronize()
 
+    def register_kv_connector(self, worker) -> None:
+        """Give a KV connector's runner side the pool; launch() queues its transfers first."""
+        worker.register_kv_cache(self.kv_pool, self.device)
+        self.kv_connector = worker
+
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()
         if self.graphs is not None:
             self.graphs.release()
-        self.graphs = self.kv_pool = self.model = self._last_sampled = None
+        self.graphs = self.kv_pool = self.model = self._last_sampled = self.kv_connector = None
         self.device.release()
 
     # ---- one step ----------------------------------------------------------------------------
@@ -128,11 +140,14 @@ class ModelRunner:
         if all(n == 1 for n in out.num_new_tokens):
             return self._prepare_decode(out)
         bs = self.block_size
+        spec = out.scheduled_spec_decode_tokens
         ids, positions, slots, qsl, seq_lens, holes = [], [], [], [0], [], []
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_new_tokens):
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_table, dtype=np.int64)
             known = seq.token_ids[start:start + n]
+            if spec and seq.seq_id in spec:
+                known = known + spec[seq.seq_id]      # the drafts follow its last token
             holes.extend((qsl[-1] + i, seq.seq_id) for i in range(len(known), n))
             ids.append(np.asarray(known + [0] * (n - len(known)), dtype=np.int32))
             positions.append(pos)
@@ -174,31 +189,49 @@ class ModelRunner:
                                  a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
                                  meta.is_decode_only)
 
-    def launch(self, out: SchedulerOutput) -> "InFlightStep":
+    def launch(self, out: SchedulerOutput, grammar_bitmask=None) -> "InFlightStep":
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the
-        device here, so the host can go on while the step runs."""
+        device here, so the host can go on while the step runs.
+
+        grammar_bitmask: structured outputs' callback, called once the forward pass is queued (the
+        host fills the masks while the device computes), returning a GrammarBitmask or None."""
         t0 = time.perf_counter()
+        if self.kv_connector is not None:    # before any of the step's work: its forward reads the loads
+            self.kv_connector.start_load_kv(out.kv_connector_metadata)
         ids, positions, meta, holes = self.prepare_inputs(out)
         patch = self._placeholder_patch(holes)
         seqs = out.sampling_seqs
+        spec = self.verifier.metadata(out, meta.query_start_loc) if out.scheduled_spec_decode_tokens else None
         t1 = time.perf_counter()
         with self.device.compute():
             timer = self.device.timer() if self.profile else None
-            logits = self._forward(ids, positions, meta, out.sampling_rows, patch)
+            logits = self.compute_logits(ids, positions, meta, out.sampling_rows, patch,
+                                   spec.logits_indices if spec is not None else None)
             if timer:
                 timer.mark()
             t2 = time.perf_counter()
             if logits is None:
                 self._last_sampled = None
                 return InFlightStep([], None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, timer)
-            sampled = self.sampler.sample_no_sync(logits, seqs)
+            mask = grammar_bitmask() if grammar_bitmask is not None else None
+            t3 = time.perf_counter()
+            if spec is None:
+                sampled = self.sampler.sample_no_sync(logits, seqs, mask)
+                rows = {s.seq_id: r for r, s in enumerate(seqs)}
+            else:
+                if mask is not None:        # constrained sequences get no drafts: one row each
+                    self.sampler.apply_grammar_bitmask(logits, mask.at_rows(spec.row_starts[mask.rows]))
+                sampled = self.verifier.sample_no_sync(logits, spec, seqs)
+                # Only a sequence without drafts has its next input among the rows before acceptance.
+                rows = {s.seq_id: int(r) for s, r, d in zip(seqs, spec.row_starts, spec.num_draft_tokens) if not d}
             if timer:
                 timer.mark()
-            self._last_sampled = (sampled.token_ids, {s.seq_id: r for r, s in enumerate(seqs)})
+            self._last_sampled = (sampled.token_ids, rows)
             tokens = self.device.to_host_async(sampled.token_ids)
             logprobs = self.device.to_host_async(sampled.logprobs) if sampled.logprobs is not None else None
-        host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t2}
-        return InFlightStep(seqs, tokens, logprobs, sampled.logprob_rows, host, timer)
+        host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t3}
+        verify = (self.verifier, spec) if spec is not None else None
+        return InFlightStep(seqs, tokens, logprobs, sampled.logprob_rows, host, timer, verify)
 
     def _placeholder_patch(self, holes: list[tuple[int, int]]):
         """(dst token rows, src rows of the last sampled ids, those ids) for inputs on the device."""
@@ -219,8 +252,10 @@ class ModelRunner:
             dst, src, last_ids = patch
             ids_dev[self.ops.asarray(dst)] = last_ids[self.ops.asarray(src)]
 
-    def _forward(self, ids, positions, meta: AttentionMetadata, rows: list[int], patch=None):
-        """Logits [len(rows), V] of the sampling rows (None when no row samples)."""
+    def compute_logits(self, ids, positions, meta: AttentionMetadata, rows: list[int], patch=None,
+                       logits_indices=None):
+        """Logits [len(rows), V] of the sampling rows (None when no row samples), or of the token
+        rows logits_indices [N] names (a step verifying drafts)."""
         if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):
             logits = self.graphs.run(ids, meta, lambda ids_dev: self._apply_patch(ids_dev, patch))
             if len(rows) < len(ids):
@@ -231,8 +266,9 @@ class ModelRunner:
         hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool)
         if not rows:
             return None
-        last = self.ops.asarray(meta.query_start_loc[np.asarray(rows) + 1] - 1)
-        return self.model.compute_logits(hidden[last])           # [len(rows), V]
+        if logits_indices is None:
+            logits_indices = meta.query_start_loc[np.asarray(rows) + 1] - 1
+        return self.model.compute_logits(hidden[self.ops.asarray(logits_indices)])   # [N, V]
 
     def memory_stats(self) -> MemoryStats:
         """Weights, KV pool and everything else, in bytes."""
@@ -245,24 +281,30 @@ class ModelRunner:
 class InFlightStep:
     """A launched step: its sampling sequences and the read-backs of their tokens."""
 
-    def __init__(self, seqs, tokens, logprobs, logprob_rows: list[int], host_timings: dict[str, float], timer):
+    def __init__(self, seqs, tokens, logprobs, logprob_rows: list[int], host_timings: dict[str, float], timer,
+                 verify=None):
         self.seqs, self._tokens, self._logprobs, self._logprob_rows = seqs, tokens, logprobs, logprob_rows
         self._host_timings, self._timer = host_timings, timer
+        self._verify = verify            # (DraftVerifier, SpecDecodeMetadata) of a step with drafts
 
     def wait(self) -> StepOutput:
         """The step's tokens (blocks until the device has produced them)."""
         t0 = time.perf_counter()
         timings = dict(self._host_timings)
-        if self._tokens is None:
-            tokens, logprobs = [], []
-        else:
-            tokens = self._tokens.result().tolist()
+        sampled, logprobs, accepted = {}, {}, {}
+        if self._tokens is not None:
+            ids = self._tokens.result()
             host = self._logprobs.result() if self._logprobs is not None else None
-            logprobs = Sampler.logprob_dicts(host, self._logprob_rows, self.seqs, tokens)
+            if self._verify is not None:
+                verifier, meta = self._verify
+                sampled, logprobs, accepted = verifier.accept(ids, host, self._logprob_rows, meta, self.seqs)
+            else:
+                tokens = ids.tolist()
+                dicts = Sampler.logprob_dicts(host, self._logprob_rows, self.seqs, tokens)
+                sampled = {s.seq_id: [t] for s, t in zip(self.seqs, tokens)}
+                logprobs = {s.seq_id: [lp] for s, lp in zip(self.seqs, dicts) if lp is not None}
         if self._timer is not None:
             for name, seconds in zip(("forward_device", "sample_device"), self._timer.elapsed()):
                 timings[name] = seconds
         timings["wait"] = time.perf_counter() - t0
-        return StepOutput(sampled={s.seq_id: t for s, t in zip(self.seqs, tokens)},
-                          logprobs={s.seq_id: lp for s, lp in zip(self.seqs, logprobs) if lp is not None},
-                          timings=timings)
+        return StepOutput(sampled=sampled, logprobs=logprobs, timings=timings, num_accepted_tokens=accepted)

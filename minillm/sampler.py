@@ -25,16 +25,18 @@ class Sampler:
         self.ops = ops
         self.eos_token_ids = list(eos_token_ids)
 
-    def sample_no_sync(self, logits, seqs: list[Sequence]) -> SamplerOutput:
+    def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
 
         Each sequence already counts the token being sampled among its outputs (a placeholder).
+        grammar_bitmask (structured outputs' GrammarBitmask, on the host) masks its rows first.
         """
         ops = self.ops
+        if grammar_bitmask is not None:
+            self.apply_grammar_bitmask(logits, grammar_bitmask)   # before every other rule, as vLLM
         rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         raw_logprobs = ops.log_softmax(logits[rows]) if rows else None   # before penalties, as vLLM
-        self._apply_penalties(logits, seqs)
-        self._block_early_stops(logits, seqs)
+        self.apply_penalties_and_bans(logits, seqs)
         temperature = np.array([s.params.temperature for s in seqs], np.float32)
         top_k = np.array([max(s.params.top_k, 0) for s in seqs], np.int32)
         top_p = np.array([s.params.top_p for s in seqs], np.float32)
@@ -44,6 +46,22 @@ class Sampler:
         ids = ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
                          ops.asarray(min_p), ops.asarray(uniforms))
         return SamplerOutput(ids, raw_logprobs, rows)
+
+    def apply_penalties_and_bans(self, logits, seqs) -> None:
+        """logits: [B, V] float32, in place: repetition / presence / frequency penalties, and the
+        min_tokens ban of EOS and stop tokens. seqs: one per row (a Sequence or a view with its
+        params, prompt_token_ids, output_counts and num_output_tokens)."""
+        self._apply_penalties(logits, seqs)
+        self._block_early_stops(logits, seqs)
+
+    def apply_grammar_bitmask(self, logits, mask) -> None:
+        """Tokens a constrained row's grammar forbids get -inf: one upload of the filled rows,
+        scattered into a [B, W] buffer whose other rows the kernel never reads."""
+        ops = self.ops
+        rows = ops.asarray(mask.rows)                                   # [N] int32
+        bitmask = ops.xp.empty((logits.shape[0], mask.bitmask.shape[1]), dtype=np.int32)   # [B, W]
+        bitmask[rows] = ops.asarray_async(mask.bitmask)          # ~1 MB a step: never wait for the stream
+        ops.apply_token_bitmask(logits, bitmask, rows)
 
     def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:
         rows, tokens, counts, in_prompt = [], [], [], []

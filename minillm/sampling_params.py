@@ -4,6 +4,19 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minillm.structured_output import StructuredOutputsParams
+
+
+def __getattr__(name: str):
+    # StructuredOutputsParams lives beside SamplingParams in vLLM; importing it loads llguidance,
+    # so only on request.
+    if name == "StructuredOutputsParams":
+        from minillm.structured_output import StructuredOutputsParams
+        return StructuredOutputsParams
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # A seed is handed to numpy's generator as an unsigned 64-bit number.
 MAX_SEED = 2**64 - 1
@@ -54,6 +67,7 @@ class SamplingParams:
     logprobs: int | None = None     # number of top log-probabilities per generated token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +139,10 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.structured_outputs is not None:
+            from minillm.structured_output import StructuredOutputsParams
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a field whose token ids or counts fall outside a vocabulary of vocab_size.

@@ -11,10 +11,18 @@ The scheduler is the one writer of a sequence's status. schedule() counts the sc
 computed at once and gives each sampling sequence an output placeholder (its token is on the
 device until update_from_output() reads it), so the next step can be scheduled while this one
 runs. Every stop rule goes through check_stop().
+
+With speculative decoding configured, a decoding sequence whose tokens are all known may carry d
+draft tokens (minillm/spec_decode/drafter.py): it is scheduled for 1 + d tokens and counts d + 1
+placeholders; update_from_output() appends what was accepted and moves num_computed_tokens back
+over the rejected drafts (their blocks stay with the sequence for its next tokens, and go back
+with the rest when it finishes or is preempted). Drafts only take the budget and blocks left once
+every running sequence has its token: nobody is preempted to make room for them.
 """
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from minillm.block_manager import BlockManager
@@ -49,6 +57,8 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
             return SequenceStatus.FINISHED_STOPPED, token
         if not params.ignore_eos and token in eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED, None
+    if seq.structured_output is not None and seq.structured_output.is_complete:
+        return SequenceStatus.FINISHED_STOPPED, None   # the grammar allows only EOS: done, whatever min_tokens says
     if num_outputs >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
     return None
@@ -58,8 +68,10 @@ class Scheduler:
     """Owns the waiting and running queues and the per-step token budget."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int]):
+                 max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
+                 kv_connector=None, speculative_config=None):
         self.block_manager = block_manager
+        self.kv_connector = kv_connector     # scheduler side of a KV connector, or None
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -67,6 +79,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.drafter = None              # proposes draft tokens (only with speculative decoding)
+        if speculative_config is not None:
+            from minillm.spec_decode.drafter import Drafter
+            self.drafter = Drafter(speculative_config, max_model_len)
 
     # ---- questions -------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -84,9 +100,12 @@ class Scheduler:
         return len(self.waiting)
 
     def needs_output_tokens(self) -> bool:
-        """True when a running sequence samples from its earlier tokens' counts (penalties) and one
-        of those tokens is still on the device: the step in flight must be read back first."""
-        return any(s.num_output_placeholders and s.params.needs_output_counts for s in self.running)
+        """True when the step in flight must be read back before the next is scheduled: a running
+        sequence samples from its earlier tokens' counts (penalties) and one of those tokens is
+        still on the device, or speculation needs a sequence's tokens (see Drafter)."""
+        if any(s.num_output_placeholders and s.params.needs_output_counts for s in self.running):
+            return True
+        return self.drafter is not None and self.drafter.needs_output_tokens(self.running)
 
     def snapshot(self, max_waiting_rows: int) -> SchedulerSnapshot:
         """Copies of the queues for stats (at most max_waiting_rows waiting rows)."""
@@ -109,7 +128,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if seq.is_at_length_limit:   # its last token is on the device: nothing left to compute
+            # At its length limit its last token is on the device: nothing left to compute. With
+            # drafts in flight its length is unknown until they are read back.
+            if seq.is_at_length_limit or seq.spec_token_ids:
                 i += 1
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -124,15 +145,28 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
                 i += 1
+        spec: dict[int, list[int]] = {}
+        if self.drafter is not None:
+            budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted))
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: wait for it
                 break
+            if seq.structured_output is not None and not seq.structured_output.is_ready:
+                skipped.append(self.waiting.popleft())   # its grammar still compiles: let the next by
+                continue
             cached = self.block_manager.find_cached_blocks(seq)
             num_computed = len(cached) * self.block_manager.block_size
-            n = min(seq.num_tokens - num_computed, budget)
-            if not self.block_manager.allocate(seq, cached, n):
+            num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) if self.kv_connector else 0
+            n = min(seq.num_tokens - num_computed - num_external, budget)
+            if not self.block_manager.allocate(seq, cached, num_external + n):
                 break
+            if num_external:                 # loaded before the step's forward: computed, and shared at once
+                self.kv_connector.update_state_after_alloc(seq, num_external)
+                num_computed += num_external
+                seq.num_computed_tokens = num_computed
+                self.block_manager.cache_full_blocks(seq)
             self.waiting.popleft()
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = num_computed
@@ -142,19 +176,59 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return self._launch(seqs, counts, preempted)
+        self.waiting.extendleft(reversed(skipped))
+        return self._launch(seqs, counts, preempted, spec)
 
-    def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence]) -> SchedulerOutput:
-        """Count the scheduled tokens computed; each sequence at its end gets an output placeholder."""
+    def _add_drafts(self, seqs: list[Sequence], counts: list[int], budget: int,
+                    spec: dict[int, list[int]], preempted: bool) -> int:
+        """Give decoding sequences whose tokens are all known their drafts, within the budget and
+        the free blocks left (where the pool is short, only what fits its own blocks; none in a
+        step that preempts); returns the budget left."""
+        num_tried = 0
+        enabled = not preempted and self.drafter.is_enabled(len(self.running))
+        for b, seq in enumerate(seqs if enabled else ()):
+            if budget <= 0:
+                break
+            decoding = counts[b] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            if not decoding or seq.num_output_placeholders or seq.num_output_tokens == 0:
+                continue
+            if seq.structured_output is not None:   # drafts are not held to its grammar: no speculation
+                continue
+            num_tried += 1
+            drafts = self.drafter.propose(seq, budget)
+            if drafts and not self.block_manager.append_slots(seq, 1 + len(drafts)):
+                # The pool is short: keep the drafts that fit the blocks seq already holds.
+                room = len(seq.block_table) * self.block_manager.block_size - seq.num_computed_tokens - 1
+                drafts = drafts[:max(room, 0)]
+            if drafts:
+                spec[seq.seq_id] = drafts
+                counts[b] += len(drafts)
+                budget -= len(drafts)
+        self.drafter.end_round(num_tried, len(spec))
+        return budget
+
+    def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence],
+                spec: dict[int, list[int]]) -> SchedulerOutput:
+        """Count the scheduled tokens computed; each sequence at its end gets an output placeholder
+        (d + 1 for one verifying d drafts: the most tokens the step can give it)."""
         starts = [s.num_computed_tokens for s in seqs]
-        rows = [b for b, (s, n) in enumerate(zip(seqs, counts)) if s.num_computed_tokens + n == s.num_tokens]
-        num_decode = sum(1 for b in rows if counts[b] == 1 and seqs[b].num_output_tokens > 0)
+        num_drafts = [len(spec.get(s.seq_id, ())) for s in seqs] if spec else [0] * len(seqs)
+        rows = [b for b, (s, n) in enumerate(zip(seqs, counts))
+                if s.num_computed_tokens + n - num_drafts[b] == s.num_tokens]
+        num_decode = sum(counts[b] for b in rows if counts[b] - num_drafts[b] == 1 and seqs[b].num_output_tokens > 0)
         for seq, n in zip(seqs, counts):
             seq.num_computed_tokens += n
             self.block_manager.cache_full_blocks(seq)
         for b in rows:
-            seqs[b].num_output_placeholders += 1
-        return SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted)
+            seqs[b].num_output_placeholders += 1 + num_drafts[b]
+        for seq in seqs:
+            if seq.seq_id in spec:
+                seq.spec_token_ids = spec[seq.seq_id]
+        out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
+                              scheduled_spec_decode_tokens=spec)
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -164,22 +238,41 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def update_from_output(self, out: SchedulerOutput, step: StepOutput) -> list[tuple[Sequence, int]]:
-        """Read a finished step's tokens into its sequences: each placeholder becomes its token,
-        the stop rules run, newly full blocks are cached. Returns (sequence, token) in batch order
-        for the sequences that got one (those finished since the launch get none)."""
+    def update_from_output(self, out: SchedulerOutput, step: StepOutput,
+                           on_token: Callable[[Sequence, int], str | None] | None = None
+                           ) -> list[tuple[Sequence, int]]:
+        """Read a finished step's tokens into its sequences: placeholders become tokens, appended
+        one at a time through the stop rules (a sequence's later tokens are dropped once it stops),
+        rejected drafts are forgotten, newly full blocks are cached. on_token(seq, i) is called
+        after seq's i-th new token of the step is appended and may return a stop string it
+        completed. Returns (sequence, token) in batch order for the tokens appended (sequences
+        finished since the launch get none)."""
         appended = []
         for seq in out.sampling_seqs:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
                 continue
-            token = step.sampled[seq.seq_id]
-            seq.num_output_placeholders -= 1
-            seq.token_ids.append(token)
-            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
-            appended.append((seq, token))
-            stop = check_stop(seq, self.eos_token_ids)
-            if stop is not None:
-                self.finish(seq, *stop)
+            tokens = step.sampled[seq.seq_id]
+            num_drafts = len(seq.spec_token_ids)
+            seq.num_output_placeholders -= 1 + num_drafts
+            if num_drafts:
+                seq.spec_token_ids = []
+                if seq.status is SequenceStatus.RUNNING:
+                    # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
+                    # their blocks stay with the sequence for those tokens.
+                    seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
+            for i, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+                appended.append((seq, token))
+                if seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                    self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
+                elif (stop := check_stop(seq, self.eos_token_ids)) is not None:
+                    self.finish(seq, *stop)
+                stop_string = on_token(seq, i) if on_token is not None else None
+                if stop_string is not None:
+                    self.stop(seq, stop_string)
+                if seq.is_finished:
+                    break
             else:
                 self.block_manager.cache_full_blocks(seq)
         return appended
@@ -200,6 +293,7 @@ class Scheduler:
         if seq.is_finished:
             return
         seq.num_output_placeholders = 0
+        seq.spec_token_ids = []
         seq.status, seq.stop_reason = status, stop_reason
         if seq in self.running:
             self.running.remove(seq)

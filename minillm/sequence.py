@@ -5,9 +5,14 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from minillm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minillm.structured_output import StructuredOutputRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -18,15 +23,16 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"         # the request itself failed (its grammar); stop_reason says why
 
     @property
     def is_finished(self) -> bool:
-        """True for the three finished states."""
-        return self.value in ("stop", "length", "abort")
+        """True for the finished states."""
+        return self.value in ("stop", "length", "abort", "error")
 
     @property
     def finish_reason(self) -> str | None:
-        """'stop' | 'length' | 'abort', or None while alive."""
+        """'stop' | 'length' | 'abort' | 'error', or None while alive."""
         return self.value if self.is_finished else None
 
 
@@ -55,6 +61,8 @@ class Sequence:
     stop_reason: int | str | None = None
     output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet
+    structured_output: StructuredOutputRequest | None = None   # its grammar and matcher, when constrained
+    spec_token_ids: list[int] = field(default_factory=list)   # drafts launched for verification, not read back
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -99,7 +107,7 @@ class Sequence:
         """A frozen copy of what the stats show of this sequence."""
         return SequenceView(self.request_id, self.index, self.params.n, state, self.num_prompt_tokens,
                             self.num_output_tokens, list(self.block_table), self.num_computed_tokens,
-                            self.num_cached_tokens)
+                            self.num_cached_tokens, self.structured_output is not None)
 
 
 @dataclass(frozen=True)
@@ -115,3 +123,4 @@ class SequenceView:
     block_table: list[int]
     num_computed_tokens: int
     num_cached_tokens: int
+    is_structured: bool = False

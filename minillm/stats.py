@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from minillm.spec_decode.metrics import SpecDecodeStats
+
 # Block map cell values: a request row index (>= 0) for a used block, or one of these.
 CELL_FREE = -1
 CELL_CACHED = -2
@@ -32,6 +34,20 @@ class RequestStats:
     num_blocks: int
     num_cached_tokens: int
     ttft_s: float | None
+    is_structured: bool = False  # its output is constrained (structured outputs)
+
+
+@dataclass
+class StructuredOutputStats:
+    """Structured outputs so far: grammar compiles (on the compile pool) and bitmask fills (on
+    the host, one per step with a constrained row, while the forward pass runs)."""
+
+    num_grammars_compiled: int
+    grammar_compile_time_s: float      # summed over compiles
+    num_grammar_fill_steps: int
+    grammar_fill_time_s: float         # summed over steps
+    grammar_fill_p50_s: float | None   # per step, over recent steps
+    grammar_fill_p99_s: float | None
 
 
 @dataclass
@@ -86,8 +102,28 @@ class EngineStats:
     recent_steps: list[StepStats] = field(default_factory=list)
     requests: list[RequestStats] = field(default_factory=list)
     # Where the steps' time went so far: phase -> seconds summed over steps ("schedule", "prepare",
-    # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling).
+    # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling;
+    # "grammar_fill" with structured outputs).
     step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding totals (drafts, draft tokens, accepted, accepted per position); None when off.
+    spec_decode: SpecDecodeStats | None = None
+    # The host-memory tier of the prefix cache (--kv-offload-gib); zeros and [] when it is off.
+    kv_offload_num_blocks: int = 0
+    kv_offload_num_used_blocks: int = 0
+    kv_offload_hits: int = 0                 # prompt tokens loaded from the host tier (a second kind of prefix hit)
+    kv_offload_bytes_to_host: int = 0        # totals moved each way
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_to_host_bytes_per_s: float = 0.0     # over the last few seconds
+    kv_offload_to_device_bytes_per_s: float = 0.0
+    # The host blocks as cells of CELL_CACHED (holds a block) or CELL_FREE, downsampled like block_map.
+    kv_offload_block_map: list[int] = field(default_factory=list)
+    # Structured outputs (StructuredOutputStats' fields; zero until a request asks for structure).
+    num_grammars_compiled: int = 0
+    grammar_compile_time_s: float = 0.0
+    num_grammar_fill_steps: int = 0
+    grammar_fill_time_s: float = 0.0
+    grammar_fill_p50_s: float | None = None
+    grammar_fill_p99_s: float | None = None
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

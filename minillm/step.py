@@ -23,8 +23,12 @@ class SchedulerOutput:
     num_computed_tokens: list[int]   # each sequence's computed tokens before this step (its first position)
     sampling_rows: list[int]         # batch rows that sample a token (their known tokens all computed)
     num_prefill_tokens: int
-    num_decode_tokens: int
+    num_decode_tokens: int               # decode and draft-verification tokens
     preempted: list["Sequence"] = field(default_factory=list)
+    # seq_id -> draft ids verified this step, for the sequences with drafts (empty: no speculation).
+    # A sequence with d drafts runs [its last token] + drafts and may get up to d + 1 tokens back.
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    kv_connector_metadata: object | None = None   # the KV connector's transfers for this step, when one is on
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +50,8 @@ class SchedulerOutput:
 class StepOutput:
     """What one launched step produced, read back to the host."""
 
-    sampled: dict[int, int]                                              # seq_id -> token id
-    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)  # seq_id -> {token id: logprob}
+    sampled: dict[int, list[int]]    # seq_id -> its new token ids (one, or accepted drafts + one)
+    # seq_id -> one {token id: logprob} per new token, for the sequences that asked
+    logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)             # phase -> seconds (this step)
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)   # seq_id -> drafts accepted

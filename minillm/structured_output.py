@@ -13,17 +13,25 @@ shape:
     ops.apply_token_bitmask(logits, bitmask, rows)   in the sampler, before temperature etc.
     matcher.accept_token(token)              each sampled token advances the matcher
 
+In the engine (vLLM V1's shape): add_request -> manager.attach(seqs, params) gives each sequence a
+StructuredOutputRequest; the scheduler admits a sequence only once `is_ready` (its grammar
+compiled; a failed compile is finished with an error by the engine, take_failed()); runner.launch
+queues the forward pass, then calls back for manager.grammar_bitmask(seqs), then samples; the
+scheduler's update_from_output feeds each token to accept_token, and check_stop ends a sequence
+whose grammar is complete (finish_reason "stop").
+
 Bitmask layout: bitmask [rows, ceil(vocab / 32)] int32; bit j of word w in a row is token id
 32 * w + j, 1 = allowed. vocab is the LM head's size; ids past the tokenizer's vocabulary (the
 head is often padded) are never allowed.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import enum
 import json as jsonlib
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,6 +40,8 @@ from typing import Any
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
+
+from minillm.stats import StructuredOutputStats
 
 # What llguidance's matcher logs by itself: nothing (errors are read back and raised or reported).
 _LOG_LEVEL = 0
@@ -291,6 +301,65 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
+# ----------------------------------------------------------------------------- one sequence, one step
+
+class StructuredOutputRequest:
+    """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher."""
+
+    def __init__(self, grammar: Future) -> None:
+        self.grammar = grammar
+        self.matcher: GrammarMatcher | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        """The grammar compiled and the sequence has its matcher: it may be scheduled."""
+        if self.matcher is None and self.grammar.done() and not _has_failed(self.grammar):
+            self.matcher = self.grammar.result().new_matcher()
+        return self.matcher is not None
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why the grammar did not compile; None while it compiles or once it has."""
+        if not _has_failed(self.grammar):
+            return None
+        if self.grammar.cancelled():
+            return "structured_outputs: the grammar's compile was cancelled"
+        error = self.grammar.exception()
+        if isinstance(error, StructuredOutputsError):
+            return f"structured_outputs.{error}"
+        return f"structured_outputs: {type(error).__name__}: {error}"
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance the matcher by a sampled token; False when the grammar forbids it."""
+        return self.matcher.accept_token(token_id)
+
+    @property
+    def is_complete(self) -> bool:
+        """Nothing but EOS may follow (or EOS was taken): the output is a whole sentence."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    @property
+    def is_terminated(self) -> bool:
+        """The last token accepted was an EOS."""
+        return self.matcher.is_terminated()
+
+    def rejection(self, token_id: int) -> str:
+        """The error message of a token the matcher refused."""
+        return f"structured_outputs: token {token_id} is not allowed by the grammar ({self.matcher.error or 'refused'})"
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's masks for its constrained sampling rows, filled on the host."""
+
+    bitmask: np.ndarray      # [N, ceil(vocab / 32)] int32: row i is the mask of sampling row rows[i]
+    rows: np.ndarray         # [N] int32: indices into the step's sampling sequences
+
+    def at_rows(self, rows) -> "GrammarBitmask":
+        """The same masks for other logits rows (e.g. a verification step's row of each sequence)."""
+        return GrammarBitmask(self.bitmask, np.asarray(rows, np.int32))
+
+
 # ----------------------------------------------------------------------------- manager
 
 def _has_failed(fut: Future) -> bool:
@@ -322,13 +391,22 @@ class StructuredOutputManager:
         self._max_cached = max_cached_grammars
         self.bitmask = allocate_token_bitmask(max_num_seqs, self.vocab_size)   # [max_num_seqs, W]
         self.last_fill_time_s = 0.0
+        self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
+        self._num_compiled = 0                     # written on the pool under _lock
+        self._compile_time_s = 0.0
+        self._num_fill_steps = 0
+        self._fill_time_s = 0.0
+        self._fill_samples: deque[float] = deque(maxlen=1024)   # recent steps' fill seconds
 
     @classmethod
-    def from_tokenizer(cls, tokenizer, vocab_size: int, max_num_seqs: int, **kwargs) -> StructuredOutputManager:
-        """A manager over minillm's Tokenizer; vocab_size is the LM head's (at least the tokenizer's)."""
+    def from_tokenizer(cls, tokenizer, vocab_size: int, max_num_seqs: int,
+                       eos_token_ids: Sequence[int] | None = None, **kwargs) -> StructuredOutputManager:
+        """A manager over minillm's Tokenizer; vocab_size is the LM head's (at least the tokenizer's);
+        eos_token_ids default to the tokenizer's (the engine passes the model's too)."""
         if tokenizer.vocab_size > vocab_size:
             raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
-        return cls(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids, max_num_seqs, **kwargs)
+        eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+        return cls(tokenizer.backend.to_str(), vocab_size, eos, max_num_seqs, **kwargs)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -378,7 +456,11 @@ class StructuredOutputManager:
         if template.is_error():
             raise StructuredOutputsError(key[0].value, f"invalid {_WHAT[key[0].value]}: {template.get_error()}")
         template.deep_copy().compute_bitmask()       # builds the first lexer states, on this thread
-        return CompiledGrammar(key, grammar, time.perf_counter() - start, template, self._eos_token_ids)
+        seconds = time.perf_counter() - start
+        with self._lock:
+            self._num_compiled += 1
+            self._compile_time_s += seconds
+        return CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids)
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], rows: Sequence[int],
                      out: np.ndarray | None = None) -> np.ndarray:
@@ -405,6 +487,80 @@ class StructuredOutputManager:
                 self._executor, [(m._matcher, int(r)) for m, r in zip(matchers, rows)], out)
         self.last_fill_time_s = time.perf_counter() - start
         return out
+
+    # ---- the engine's side (called on the engine thread) ------------------------------------
+    def attach(self, seqs: Sequence, params: StructuredOutputsParams) -> None:
+        """Give each sequence its StructuredOutputRequest (one compile, shared); the scheduler
+        admits them once it is done."""
+        grammar = self.grammar_init(params)
+        for seq in seqs:
+            seq.structured_output = StructuredOutputRequest(grammar)
+        self._compiling.extend(seqs)
+
+    def take_failed(self) -> list[tuple[Any, str]]:
+        """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
+        sequences whose grammar is done are forgotten."""
+        failed, still = [], []
+        for seq in self._compiling:
+            request = seq.structured_output
+            if seq.is_finished or request.is_ready:
+                continue
+            error = request.compile_error
+            if error is not None:
+                failed.append((seq, error))
+            else:
+                still.append(seq)
+        self._compiling = still
+        return failed
+
+    @property
+    def num_compiling(self) -> int:
+        """Sequences that wait for their grammar."""
+        return len(self._compiling)
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Block until one of the pending compiles is done, or timeout seconds."""
+        futures = {seq.structured_output.grammar for seq in self._compiling}
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    @staticmethod
+    def is_constrained(seqs: Sequence) -> bool:
+        """True when any of these sequences carries a constraint."""
+        return any(s.structured_output is not None for s in seqs)
+
+    @staticmethod
+    def has_token_in_flight(seqs: Sequence) -> bool:
+        """True when a constrained sequence samples while its previous token is still on the
+        device: its matcher must accept that token before its mask can be filled."""
+        return any(s.structured_output is not None and s.num_output_placeholders > 1 for s in seqs)
+
+    def grammar_bitmask(self, seqs: Sequence) -> GrammarBitmask | None:
+        """The masks of the constrained, unfinished sequences among one step's sampling sequences
+        (rows into seqs); None when there are none. Times the fill for the stats."""
+        rows = [b for b, s in enumerate(seqs) if s.structured_output is not None and not s.is_finished]
+        if not rows:
+            return None
+        matchers = []
+        for b in rows:
+            seq = seqs[b]
+            matcher = seq.structured_output.matcher
+            if matcher is None or matcher.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:
+                raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
+            matchers.append(matcher)
+        self.fill_bitmask(matchers, list(range(len(rows))))
+        self._num_fill_steps += 1
+        self._fill_time_s += self.last_fill_time_s
+        self._fill_samples.append(self.last_fill_time_s)
+        return GrammarBitmask(self.bitmask[:len(rows)], np.asarray(rows, np.int32))
+
+    def stats(self) -> StructuredOutputStats:
+        """Compile and fill figures so far."""
+        samples = np.fromiter(self._fill_samples, float)
+        p50, p99 = (float(np.percentile(samples, q)) for q in (50, 99)) if samples.size else (None, None)
+        with self._lock:
+            return StructuredOutputStats(self._num_compiled, self._compile_time_s, self._num_fill_steps,
+                                         self._fill_time_s, p50, p99)
 
     def num_cached_grammars(self) -> int:
         """Compiled (or compiling) grammars held in the cache."""

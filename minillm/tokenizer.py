@@ -62,6 +62,32 @@ def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
     return template
 
 
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the template itself (vLLM's --chat-template), compiled
+    once here so a broken one fails at start-up."""
+    path = Path(value).expanduser()
+    if _is_file(path):
+        source = path.read_text(encoding="utf-8")
+    elif "{" in value:   # Jinja markup: the template itself
+        source = value
+    else:
+        raise ValueError(f"chat template file not found: {value} (give a file, or the template itself)")
+    try:
+        compile_chat_template(source)
+    except Exception as e:   # jinja2's TemplateSyntaxError and friends
+        where = "" if source is value else f" in {value}"
+        raise ValueError(f"chat template{where} does not compile: {type(e).__name__}: {e}") from None
+    return source
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:   # a template's text is often too long to be a file name
+        return False
+
+
+@functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str):
     """A Jinja template compiled in the sandbox with the helpers Hugging Face chat templates expect."""
     import jinja2
@@ -200,9 +226,11 @@ class Tokenizer:
             raise ValueError(f"chat template failed: {e}") from e
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, **template_kwargs) -> str | list[int]:
-        """Render messages with the model's chat template; tokenize=True returns ids (no specials added)."""
-        text = self.render_chat(messages, None, add_generation_prompt, **template_kwargs)
+                            tokenize: bool = False, chat_template: str | None = None,
+                            **template_kwargs) -> str | list[int]:
+        """Render messages with the model's chat template, or CHAT_TEMPLATE (a template's source) when
+        given; tokenize=True returns ids (no specials added)."""
+        text = self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
         if not tokenize:
             return text
         # The template writes BOS itself where the model wants it.

@@ -1,13 +1,11 @@
 """Shared fixtures: the stories260K model path and tiny Hugging Face models built on the fly."""
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("MINILLM_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 @pytest.fixture(scope="session")
@@ -19,29 +17,9 @@ def stories_path() -> Path:
 
 
 def save_tiny_model(out_dir: Path, arch: str, dtype: str = "float32", **overrides) -> Path:
-    """Build a tiny random HF model of the given family, save it with stories260K's tokenizer."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    common.update(overrides)
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-           "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
-    config = cls[0](**common)
-    model = cls[1](config).eval()
-    with torch.no_grad():                     # random init is tiny; widen it so logits differ
-        for p in model.parameters():
-            p.normal_(0.0, 0.2 if p.dim() > 1 else 1.0)
-    model = model.to(getattr(torch, dtype))
-    model.save_pretrained(out_dir, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (STORIES / name).exists():
-            shutil.copy(STORIES / name, out_dir / name)
-    return out_dir
+    """A tiny random HF model of one family (needs torch), vocabulary 512 unless overridden."""
+    from make_fixtures import save_tiny_model as save
+    return save(out_dir, arch, dtype, **{"vocab_size": 512, **overrides})
 
 
 @pytest.fixture(scope="session")
@@ -53,3 +31,18 @@ def eos_model_path(stories_path, tmp_path_factory) -> Path:
             (out / f.name).symlink_to(f)
     (out / "generation_config.json").write_text('{"bos_token_id": 1, "eos_token_id": [2, 1]}')
     return out
+
+
+def put_in_hf_cache(cache: Path, repo_id: str, files_from: Path, revision: str = "0123abcd") -> Path:
+    """Lay a model out as huggingface_hub does (blobs, a snapshot of links, refs/main); the snapshot."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for f in sorted(files_from.iterdir()):
+        blob = repo / "blobs" / f"blob-{f.name}"
+        blob.write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(os.path.relpath(blob, snapshot))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return snapshot

@@ -4,8 +4,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import platform
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -104,11 +107,42 @@ def test_three_turn_conversation_ids_match_transformers(templated_model: Path):
 # The terminal session
 # ---------------------------------------------------------------------------------------------
 
-def spawn_chat():
+# Linux syscalls that wait for terminal input: read(2) on fd 0, or a select/poll (readline's wait).
+_WAIT_SYSCALLS = {"x86_64": {"read": "0", "waits": {"7", "23", "270", "271"}},
+                  "aarch64": {"read": "63", "waits": {"72", "73"}}}.get(platform.machine())
+
+
+def wait_until_reading_input(child, timeout: float = 120.0) -> None:
+    """Wait until the chat is blocked reading the terminal.
+
+    A key sent earlier would race with it: a SIGINT that lands between the prompt being printed
+    and the wait for input is only noticed once more input comes, and a Ctrl-D typed before the
+    line editor switches the terminal over is read as a plain character.
+    """
+    syscall_file, stat_file = Path(f"/proc/{child.pid}/syscall"), Path(f"/proc/{child.pid}/stat")
+    if _WAIT_SYSCALLS is None or not syscall_file.exists():
+        return   # no way to look: the keys are sent as they are
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            call = syscall_file.read_text().split()
+            state = stat_file.read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            call, state = [], ""
+        if state == "S" and call and (call[0] in _WAIT_SYSCALLS["waits"]
+                                      or (call[0] == _WAIT_SYSCALLS["read"] and int(call[1], 16) == 0)):
+            return
+        time.sleep(0.005)   # polling the process's state, not waiting for time to pass
+    pytest.fail(f"minillm chat did not wait for input within {timeout} s")
+
+
+def spawn_chat(*args: str):
     pexpect = pytest.importorskip("pexpect")
     env = {**os.environ, "TERM": "dumb", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu"],
-                          cwd=str(REPO), env=env, encoding="utf-8", timeout=60, dimensions=(50, 200))
+    # Started with SIGINT ignored, as a background job of a script would be: Ctrl-C must still work.
+    child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu", *args],
+                          cwd=str(REPO), env=env, encoding="utf-8", timeout=120, dimensions=(50, 400),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect_exact("/help lists commands")
     child.expect_exact(PROMPT)
     return child
@@ -130,7 +164,7 @@ def stream_chunks(child, text: str) -> list[str]:
     chunks, seen = [child.buffer], child.buffer
     child.buffer = ""
     while not seen.rstrip().endswith(PROMPT.strip()):
-        chunk = child.read_nonblocking(size=4096, timeout=30)
+        chunk = child.read_nonblocking(size=4096, timeout=120)
         chunks.append(chunk)
         seen += chunk
     return chunks
@@ -142,22 +176,26 @@ def stats_field(stats: str, pattern: str) -> str:
     return match.group(1)
 
 
+def greedy_reply(prompt: str, num_tokens: int) -> str:
+    """The model's greedy continuation of a first message, decoded as the chat shows it."""
+    from minillm import LLM, SamplingParams
+    llm = LLM(str(STORIES), device="cpu")
+    return llm.generate([prompt], SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))[0].outputs[0].text
+
+
 @needs_stories
 def test_chat_session_in_a_terminal():
-    reference = json.loads((STORIES / "reference.json").read_text())
-    from minillm.tokenizer import Tokenizer
-    tok = Tokenizer.from_pretrained(STORIES)
-    greedy_40 = tok.decode(reference["greedy_from_bos_200_ids"][5:5 + 40])
-
+    greedy_40 = greedy_reply("Once upon a time", 40)
+    greedy_400 = greedy_reply("Once upon a time", 400)
     child = spawn_chat()
-    assert "plain text" in child.before
+    assert "plain text" in child.before and "--chat-template" in child.before
 
-    # Greedy: the reply is the golden continuation and arrives in pieces, not at once.
+    # Greedy: the reply is the golden continuation, arrives in pieces, and says max_tokens cut it.
     assert ask(child, "/set temperature 0") == "(temperature = 0.0)"
     ask(child, "/set max_tokens 40")
     chunks = stream_chunks(child, "Once upon a time")
     reply = "".join(chunks).replace("\r\n", "\n").rsplit(PROMPT.strip(), 1)[0].strip()
-    assert reply == greedy_40.strip()
+    assert reply == greedy_40.strip() + " [max_tokens 40 reached: /set max_tokens N for longer replies]"
     assert len([c for c in chunks if c.strip()]) >= 2
     stats = ask(child, "/stats")
     assert stats_field(stats, r"last reply \(engine\): (\d+) tokens") == "40"
@@ -179,32 +217,145 @@ def test_chat_session_in_a_terminal():
     ask(child, "/set seed 99")
     assert ask(child, "Once upon a time") != first
 
-    # Ctrl-C as soon as a long reply starts: it stops, the engine stays usable.
+    # Ctrl-C as soon as a long reply starts: it stops with no ^C inside its words; the engine stays usable.
     ask(child, "/reset")
     ask(child, "/set temperature 0")
     ask(child, "/set max_tokens 400")
     child.sendline("Once upon a time")
-    child.expect_exact("Once upon a time")
+    child.expect_exact("Once upon a time\r\n")
     child.expect(r"\w")
+    shown = child.before + child.after
     child.sendintr()
-    child.expect_exact("[interrupted]")
+    child.expect_exact(" [interrupted]")
+    shown = (shown + child.before).replace("\r\n", "\n")
+    assert shown.strip() and greedy_400.startswith(shown), shown    # exactly the reply so far, nothing else
     child.expect_exact(PROMPT)
     stats = ask(child, "/stats")
     assert stats_field(stats, r"finish reason (\w+)") == "abort"
     assert int(stats_field(stats, r"last reply \(engine\): (\d+) tokens")) < 400
     ask(child, "/set max_tokens 12")
     ask(child, "/reset")
-    assert ask(child, "Once upon a time") != ""
+    assert ask(child, "Once upon a time").endswith("[max_tokens 12 reached: /set max_tokens N for longer replies]")
     assert stats_field(ask(child, "/stats"), r"finish reason (\w+)") == "length"
 
-    # Ctrl-C at the prompt does not quit; Ctrl-D does, with status 0.
+    # Ctrl-C at the prompt does what /help says: it clears the line, and on an empty one says how to quit.
+    help_text = ask(child, "/help")
+    assert "at the prompt it clears the line (Ctrl-D or /exit quits)" in help_text
+    wait_until_reading_input(child)
     child.sendintr()
-    child.expect_exact("use Ctrl-D or /exit")
+    child.expect_exact("(Ctrl-D or /exit quits)")
     child.expect_exact(PROMPT)
+    child.send("/stats")                                # typed, not sent
+    child.expect_exact("/stats")
+    wait_until_reading_input(child)
+    child.sendintr()
+    child.expect_exact(PROMPT)
+    assert "(" not in child.before                      # no hint, and /stats did not run
+    assert ask(child, "/set") .startswith("temperature=0.0")
+
+    # Ctrl-D at the prompt quits with status 0.
+    wait_until_reading_input(child)
     child.sendeof()
     child.expect(pytest.importorskip("pexpect").EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+@needs_stories
+def test_keys_typed_while_a_reply_streams_are_kept():
+    pexpect = pytest.importorskip("pexpect")
+    greedy_150 = greedy_reply("Once upon a time", 150)
+    child = spawn_chat("--temperature", "0", "--max-tokens", "150")
+
+    # A full line and the start of another, typed during the reply: neither echoes into it.
+    child.sendline("Once upon a time")
+    child.expect_exact("Once upon a time\r\n")
+    child.expect(r"\w")
+    shown = child.before + child.after
+    child.send("/set max_tokens 7\r/sta")
+    child.expect_exact(" [max_tokens 150 reached")
+    assert (shown + child.before).replace("\r\n", "\n") == greedy_150
+    child.expect_exact(PROMPT + "/set max_tokens 7")    # the typed line runs next, as if typed now
+    child.expect_exact("(max_tokens = 7)")
+    child.expect_exact(PROMPT)
+    child.expect_exact("/sta")                           # the unfinished line is back on the prompt
+    child.sendline("ts")
+    child.expect_exact("last reply (engine): 150 tokens")
+    child.expect_exact(PROMPT)
+
+    # Ctrl-D typed while a reply streams: the reply ends, then the chat does, with status 0.
+    ask(child, "/reset")
+    ask(child, "/set max_tokens 150")
+    child.sendline("Once upon a time")
+    child.expect_exact("Once upon a time\r\n")
+    child.expect(r"\w")
+    child.sendeof()
+    child.expect_exact(" [max_tokens 150 reached")
+    child.expect(pexpect.EOF)
+    assert PROMPT not in child.before
+    child.close()
+    assert child.exitstatus == 0
+
+
+@needs_stories
+def test_chat_template_from_a_file_or_a_string(tmp_path, templated_model):
+    """`minillm chat --chat-template` gives stories260K (which has none) a template: the prompt
+    token ids are then the ones transformers renders with that template."""
+    template_file = tmp_path / "llama2.jinja"
+    template_file.write_text(TEMPLATE)
+    messages = [{"role": "system", "content": "You tell short stories."},
+                {"role": "user", "content": "Tell me about Lily."}]
+    want = len(hf_chat_ids(templated_model, messages))
+    script = "/system You tell short stories.\n/set max_tokens 3\nTell me about Lily.\n/stats\n"
+    for template in (str(template_file), TEMPLATE):
+        result = subprocess.run([sys.executable, "-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu",
+                                 "--chat-template", template], cwd=REPO, input=script, capture_output=True,
+                                text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert result.returncode == 0, result.stderr
+        assert "plain text" not in result.stdout
+        assert stats_field(result.stdout, r"prompt: (\d+) tokens") == str(want)
+
+    for bad, needle in ((str(tmp_path / "missing.jinja"), "chat template file not found"),
+                        ("{% if %}", "does not compile")):
+        result = subprocess.run([sys.executable, "-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu",
+                                 "--chat-template", bad], cwd=REPO, input="", capture_output=True, text=True,
+                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert needle in line
+
+
+@needs_stories
+def test_a_reply_cut_by_the_context_says_so():
+    from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=32))
+    lines = iter(["Once upon a time"])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=200), out=out)
+    assert session.run(read_line) == 0
+    assert session.backend.last_stats.output_tokens == 32 - 5
+    assert "[the 32-token context is full: /reset starts over]" in out.getvalue()
+
+
+def test_keys_typed_during_a_reply_are_read_as_a_terminal_would():
+    from minillm.chat_terminal import TypeAhead
+    ahead = TypeAhead()
+    ahead.feed("/stats\rhello wrx\x7f\x7fo\x1b[Dld\x1b[A")     # a line, backspaces, arrow keys
+    assert ahead.lines == ["/stats"] and ahead.partial == "hello wold" and not ahead.is_eof
+    ahead.feed("\x04")                     # Ctrl-D with text on the line does not end input
+    assert not ahead.is_eof
+    ahead.feed("\x15\x04more")             # Ctrl-U clears it; Ctrl-D on an empty line does; later keys drop
+    assert ahead.is_eof and ahead.partial == ""
 
 
 def test_multiline_input_and_plain_text_rendering():

@@ -1,11 +1,15 @@
 """`minillm` commands as a user runs them: help, generate against LLM.generate, argument errors."""
 from __future__ import annotations
 
+import io
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,14 +21,16 @@ needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(),
 COMMANDS = ("chat", "generate", "serve", "monitor", "pull", "list", "bench")
 ENGINE_FLAGS = ("--device", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                 "--block-size", "--num-kv-blocks", "--gpu-memory-utilization", "--enable-prefix-caching",
-                "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format",
-                "--download-dir")
+                "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format", "--download-dir",
+                "--kv-offload-gib", "--speculative-config")
 
 
-def minillm(*args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh interpreter, as the console script would."""
+def minillm(*args: str, env: dict | None = None, stdin: str | None = None,
+            cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter, as the console script would (empty env values unset)."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "minillm.cli", *args], cwd=REPO, env=full_env,
+    full_env = {k: v for k, v in full_env.items() if v != ""}
+    return subprocess.run([sys.executable, "-m", "minillm.cli", *args], cwd=cwd, env=full_env,
                           input=stdin, capture_output=True, text=True, timeout=120)
 
 
@@ -39,7 +45,7 @@ def test_help_lists_every_command_and_the_engine_options():
     for name in ("chat", "generate", "serve"):
         flags = {f for p in group.commands[name].params for f in (*p.opts, *p.secondary_opts)}
         assert set(ENGINE_FLAGS) <= flags, name
-    assert len(ENGINE_OPTIONS) == 13
+    assert len(ENGINE_OPTIONS) == 15
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -114,11 +120,245 @@ def test_chat_without_a_fetchable_default_model_says_how_to_use_a_local_dir(tmp_
     assert "Qwen/Qwen3-0.6B" in line and "minillm chat path/to/model" in line
 
 
-@needs_stories
-def test_list_shows_local_models_with_sizes(tmp_path):
-    store = tmp_path / "weights"
-    shutil.copytree(STORIES, store / "karpathy--stories260K")
-    result = minillm("list", "--download-dir", str(store))
+# ---- the model store ------------------------------------------------------------------------------
+
+TINY = REPO / "tests" / "fixtures" / "tiny" / "llama-mha"
+
+
+def test_the_store_is_the_hugging_face_cache_from_any_directory(tmp_path):
+    """Models other tools put in the Hugging Face cache are listed and run, whatever the working directory."""
+    from conftest import put_in_hf_cache
+    hf_home = tmp_path / "hf-home"
+    snapshot = put_in_hf_cache(hf_home / "hub", "someorg/tiny-llama", TINY)
+    elsewhere = tmp_path / "some" / "other" / "dir"
+    elsewhere.mkdir(parents=True)
+    env = {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": ""}
+    listings = []
+    for cwd in (REPO, elsewhere):
+        result = minillm("list", env=env, cwd=cwd)
+        assert result.returncode == 0, result.stderr
+        listings.append(result.stdout)
+    assert listings[0] == listings[1]
+    header, row = listings[0].strip().splitlines()
+    assert header.split() == ["NAME", "SIZE", "PATH"]
+    assert row.split()[0] == "someorg/tiny-llama" and row.split()[-1] == str(snapshot)
+    result = minillm("generate", "someorg/tiny-llama", "-p", "Hi", "--device", "cpu", "--max-tokens", "4",
+                     "--temperature", "0", "--json", env=env, cwd=elsewhere)
     assert result.returncode == 0, result.stderr
-    [line] = result.stdout.strip().splitlines()
-    assert line.split()[:3] == ["karpathy/stories260K", "1.0", "MiB"]
+    assert len(json.loads(result.stdout)["outputs"][0]["token_ids"]) == 4
+    # HF_HUB_CACHE wins over HF_HOME, as in huggingface_hub; an empty store says where it looked.
+    result = minillm("list", env={**env, "HF_HUB_CACHE": str(tmp_path / "empty")}, cwd=elsewhere)
+    assert result.stdout.strip() == f"no models in {tmp_path / 'empty'} (minillm pull MODEL fetches one)"
+
+
+@needs_stories
+def test_pull_of_a_local_directory_is_an_error_that_says_what_to_do(tmp_path):
+    result = minillm("pull", str(STORIES))
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert f"{STORIES} is a local directory: there is nothing to pull" in line
+    assert f"minillm chat {STORIES}" in line
+    result = minillm("pull", "./no/such/model")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert "no such directory: ./no/such/model" in line and "Hugging Face repo id" in line
+    result = minillm("pull", "someorg/not-there", "--download-dir", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert "could not be fetched" in line
+
+
+@needs_stories
+def test_a_mistyped_local_path_is_no_such_directory_with_a_suggestion():
+    env = {"HF_HUB_OFFLINE": "1"}
+    for typo in ("shared/stories260K", "./shared/stories260K", "../shared/stories260K"):
+        result = minillm("generate", typo, "-p", "hi", "--device", "cpu", env=env)
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"minillm: error: no such directory: {typo}"), line
+        if STORIES == REPO.parent / "shared" / "models" / "stories260K":
+            assert "did you mean ../shared/models/stories260K?" in line
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    """minillm's console entry point in this process: (exit status, stdout, stderr)."""
+    from minillm.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
+
+
+def test_no_error_suggests_an_option_that_does_not_exist(tmp_path, monkeypatch, capsys):
+    """Every --flag that an error message mentions is an option of the command that printed it.
+
+    In-process through the console entry point: a fresh interpreter per case costs seconds each.
+    """
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("MINILLM_MODEL", raising=False)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    failures = [
+        ("generate", str(tmp_path / "nope"), "-p", "hi"),
+        ("generate", "shared/stories260K", "-p", "hi"),
+        ("generate", "someorg/not-there", "-p", "hi", "--download-dir", str(tmp_path)),
+        ("generate", str(STORIES)),
+        ("generate", str(STORIES), "-p", "hi", "--prompts-file", str(tmp_path / "f")),
+        ("chat", "--download-dir", str(tmp_path)),
+        ("chat", str(STORIES), "--chat-template", str(tmp_path / "none.jinja")),
+        ("serve", "--download-dir", str(tmp_path)),
+        ("pull", "./x"),
+        ("monitor", "--replay", str(tmp_path / "none.jsonl")),
+        ("bench", "throughput", "--device", "cpu"),
+        ("bench", "throughput", "--model", str(STORIES), "--max-input-len", "400", "--max-output-len", "400"),
+        ("bench", "serving", "--base-url", "http://127.0.0.1:9"),
+        ("bench", "serving", "--num-prompts", "0"),
+    ]
+    helps: dict[tuple[str, ...], set[str]] = {}
+    for args in failures:
+        status, _, err = run_main(capsys, *args)
+        assert status != 0, args
+        assert "Traceback" not in err, args
+        [line] = err.strip().splitlines()
+        flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line))
+        command = tuple(a for a in args[:2] if not a.startswith(("-", "/", ".")) and "/" not in a)
+        if command not in helps:
+            helps[command] = set(re.findall(r"--[a-z][a-z-]*", run_main(capsys, *command, "--help")[1]))
+        assert flags <= helps[command], f"{args}: {line} names {flags - helps[command]}"
+
+
+# ---- vLLM's names ---------------------------------------------------------------------------------
+
+def test_version():
+    from minillm import __version__
+    result = minillm("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"minillm {__version__}"
+    import importlib.metadata
+    try:
+        assert importlib.metadata.version("minillm") == __version__
+    except importlib.metadata.PackageNotFoundError:
+        pass
+
+
+@needs_stories
+def test_generate_flags_for_penalties_and_logprobs_match_llm_generate():
+    from minillm import LLM, SamplingParams
+    from minillm.cli import output_record
+
+    result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0.9",
+                     "--seed", "3", "--max-tokens", "12", "--repetition-penalty", "1.3", "--presence-penalty", "0.5",
+                     "--frequency-penalty", "0.4", "--logprobs", "3", "--min-tokens", "12", "--json")
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    llm = LLM(str(STORIES), device="cpu")
+    params = SamplingParams(temperature=0.9, seed=3, max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
+                            frequency_penalty=0.4, logprobs=3, min_tokens=12)
+    want = output_record(llm.generate(["Once upon a time"], params)[0], llm.get_tokenizer(), 3)
+    assert got == want
+    out = got["outputs"][0]
+    assert len(out["logprobs"]) == len(out["token_ids"]) == 12
+    for token_id, entry in zip(out["token_ids"], out["logprobs"]):
+        assert entry["token_id"] == token_id and entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert tops == sorted(tops, reverse=True) and entry["logprob"] <= tops[0]
+    assert abs(out["cumulative_logprob"] - sum(e["logprob"] for e in out["logprobs"])) < 1e-4
+    # The penalties change the greedy text, so the flags reach the sampler.
+    plain = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+                    "--max-tokens", "40")
+    penalised = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+                        "--max-tokens", "40", "--repetition-penalty", "1.5", "--logprobs", "0")
+    assert plain.returncode == penalised.returncode == 0
+    assert penalised.stdout.splitlines()[0] != plain.stdout.splitlines()[0]
+    assert "logprobs (cumulative" in penalised.stdout
+
+
+# ---- minillm bench ---------------------------------------------------------------------------------
+
+def test_bench_throughput_without_a_gpu_says_so_at_once():
+    started = time.monotonic()
+    result = minillm("bench", "throughput")
+    assert time.monotonic() - started < 20          # it used to build 0.6B random weights first
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("minillm bench throughput: error: no CUDA GPU here")
+    assert "--model" in line
+
+
+@needs_stories
+def test_bench_throughput_defaults_work_on_the_cpu():
+    result = minillm("bench", "throughput", "--model", str(STORIES))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("workload: 16 requests") and lines[0].endswith("on cpu")
+    assert re.match(r"minillm: +\d+ output tok/s", lines[1])
+    assert any(line.startswith("ceiling:") for line in lines)
+
+
+def test_bench_help_shows_every_default_like_the_rest_of_the_cli(capsys):
+    helps = {}
+    for name in ("throughput", "serving", "kernels"):
+        status, text, _ = run_main(capsys, "bench", name, "--help")
+        assert status == 0
+        assert text.startswith(f"Usage: minillm bench {name} [OPTIONS]") and "\nOptions:\n" in text
+        assert "  -h, --help  " in text and "Show this message and exit." in text
+        helps[name] = " ".join(text.split())
+    assert "<int>" in helps["throughput"] and "<path>" not in helps["throughput"]
+    for shown in ("[default: auto]", "[default: 256]", "[default: 16384]", "default: 256 on a GPU, 16 on the CPU"):
+        assert shown in helps["throughput"], shown
+    for shown in ("[default: http://127.0.0.1:8000]", "[default: 100]", "[default: 128]", "[default: inf]"):
+        assert shown in helps["serving"], shown
+    result = minillm("bench", "serving", "--num-prompts", "x")
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line == ("minillm bench serving: error: argument --num-prompts: invalid int value: 'x' "
+                    "(try 'minillm bench serving --help')")
+
+
+def test_bench_serving_without_a_server_is_one_line():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]          # free now, so nothing answers there
+    result = minillm("bench", "serving", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2")
+    assert result.returncode == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line == (f"minillm bench serving: error: no server answers at http://127.0.0.1:{port} (ConnectError); "
+                    f"start one with minillm serve MODEL, or point --base-url at it")
+
+
+def test_wheel_installs_tui_and_benchmarks_inside_minillm(tmp_path):
+    # A copy of the tracked tree: building writes build/ and *.egg-info next to the sources.
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    src = tmp_path / "src"
+    for name in files.splitlines():
+        if (REPO / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(REPO / name, src / name)
+    # Build with the setuptools at hand when it can make wheels (70.1+, or the wheel package), else
+    # let pip fetch a build environment.
+    import importlib.util
+    import setuptools
+    in_place = importlib.util.find_spec("wheel") is not None or tuple(
+        int(part) for part in setuptools.__version__.split(".")[:2]) >= (70, 1)
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "-q",
+                            "-w", str(tmp_path / "dist"), *(["--no-build-isolation"] if in_place else [])],
+                           capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    import zipfile
+    [wheel] = (tmp_path / "dist").glob("minillm-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
+    assert {n.split("/")[0] for n in names} == {"minillm", dist_info}   # no top-level tui or benchmarks
+    for needed in ("minillm/tui/app.py", "minillm/tui/monitor.tcss", "minillm/tui/demo.jsonl.gz",
+                   "minillm/benchmarks/throughput.py", "minillm/cuda_src/common.cuh"):
+        assert needed in names
+
+
+def test_the_test_extra_needs_no_torch_and_ci_still_runs_the_live_comparison():
+    tomllib = pytest.importorskip("tomllib")   # Python 3.11+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    names = {extra: {re.split(r"[<>=!~\[; ]", req)[0].lower() for req in reqs} for extra, reqs in extras.items()}
+    assert "torch" not in names["test"] and not any(n.startswith("nvidia") for n in names["test"])
+    assert {"torch", "transformers"} <= names["parity"]
+    ci = (REPO / ".ci" / "run").read_text()
+    assert ci.index('"torch==2.13.0"') < ci.index('-e ".[test,parity]"')
+    readme = (REPO / "README.md").read_text()
+    assert 'pip install -e ".[test]" && python3 -m pytest -q' in readme

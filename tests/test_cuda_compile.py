@@ -2,6 +2,8 @@
 
 Runs in CI without a GPU; skips only when nvcc is absent. Each file is built for the three
 activation dtypes (sampling.cu works on float32 logits only) so every #if branch is checked.
+nvcc builds device code only (-cubin: no host compiler pass, as NVRTC sees it), and every build
+runs at once on a thread pool the first time a test asks, so the check costs a few seconds.
 Where libnvrtc is installed (CuPy's CUDA wheels) the sources also go through NVRTC itself, which
 is stricter than nvcc (no host functions, no implicit headers).
 """
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -31,10 +34,12 @@ def inlined_source(name: str) -> str:
     return (CUDA_DIR / name).read_text().replace('#include "common.cuh"', header)
 
 
-def compile_source(text: str, tmp_path: Path, *defines: str) -> subprocess.CompletedProcess:
-    src = tmp_path / "kernel.cu"
+def compile_source(text: str, out_dir: Path, *defines: str) -> subprocess.CompletedProcess:
+    """nvcc's device-only build of TEXT for sm_90 (the return code and its messages)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / "kernel.cu"
     src.write_text(text)
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "kernel.o"), *defines]
+    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-cubin", str(src), "-o", str(out_dir / "kernel.cubin"), *defines]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -48,28 +53,52 @@ def test_every_source_includes_the_common_header_once():
 
 CASES = [(name, dtype) for name in SOURCES for dtype in DTYPE_IDS
          if name != "sampling.cu" or dtype == "float32"]
+HEAD_SIZES = [(8, 4), (64, 8), (256, 1)]
+
+
+def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
+    """Every build the tests check: key -> (source text, nvcc defines)."""
+    builds = {}
+    for name, dtype in CASES:
+        extra = ["-DHEAD_DIM=128", "-DGQA=2"] if name == "paged_attention.cu" else []
+        builds[f"{name}-{dtype}"] = (inlined_source(name), [f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", *extra])
+    for head_dim, group in HEAD_SIZES:
+        builds[f"attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
+            "-DMINILLM_DTYPE=2", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
+    broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
+    builds["syntax-error"] = (broken, [])
+    return builds
+
+
+@pytest.fixture(scope="module")
+def nvcc_results(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """All nvcc builds, run concurrently (each nvcc is one single-threaded process)."""
+    root = tmp_path_factory.mktemp("nvcc")
+    builds = nvcc_builds()
+    with ThreadPoolExecutor(max_workers=max(os.cpu_count() or 1, 2)) as pool:
+        futures = {key: pool.submit(compile_source, text, root / key, *defines)
+                   for key, (text, defines) in builds.items()}
+        return {key: f.result() for key, f in futures.items()}
 
 
 @needs_nvcc
 @pytest.mark.parametrize("name,dtype", CASES)
-def test_kernel_source_compiles_for_sm90(name, dtype, tmp_path):
-    extra = ["-DHEAD_DIM=128", "-DGQA=2"] if name == "paged_attention.cu" else []
-    result = compile_source(inlined_source(name), tmp_path, f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", *extra)
+def test_kernel_source_compiles_for_sm90(name, dtype, nvcc_results):
+    result = nvcc_results[f"{name}-{dtype}"]
     assert result.returncode == 0, f"{name} ({dtype}) failed to compile:\n{result.stderr}"
 
 
 @needs_nvcc
-@pytest.mark.parametrize("head_dim,group", [(8, 4), (64, 8), (256, 1)])
-def test_attention_compiles_for_other_head_sizes(head_dim, group, tmp_path):
-    result = compile_source(inlined_source("paged_attention.cu"), tmp_path, "-DMINILLM_DTYPE=2",
-                            f"-DHEAD_DIM={head_dim}", f"-DGQA={group}")
+@pytest.mark.parametrize("head_dim,group", HEAD_SIZES)
+def test_attention_compiles_for_other_head_sizes(head_dim, group, nvcc_results):
+    result = nvcc_results[f"attention-{head_dim}-{group}"]
     assert result.returncode == 0, result.stderr
 
 
 @needs_nvcc
-def test_compile_check_catches_a_syntax_error(tmp_path):
-    broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
-    assert compile_source(broken, tmp_path).returncode != 0
+def test_compile_check_catches_a_syntax_error(nvcc_results):
+    result = nvcc_results["syntax-error"]
+    assert result.returncode != 0 and "error" in result.stderr
 
 
 def _load_nvrtc():

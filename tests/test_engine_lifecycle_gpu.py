@@ -1,7 +1,6 @@
 """Many engines in one process on the GPU: each runs mixed loads, shuts down, and gives its memory
 back, so the next one sizes the same KV pool. Catches use-after-free across engines and streams."""
 import gc
-import json
 
 import numpy as np
 import pytest
@@ -17,29 +16,10 @@ if not HAS_GPU:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 from minillm import LLM, SamplingParams  # noqa: E402
+from minillm.benchmarks.workload import write_random_model_dir  # noqa: E402
 
-# Qwen3-0.6B's shape (config.json of the public checkpoint).
-QWEN3_0_6B = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
-    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-    "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
-    "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151645,
-}
 ENGINE_ARGS = dict(device="cuda", dtype="bfloat16", load_format="dummy", gpu_memory_utilization=0.15,
                    max_model_len=20000, max_num_seqs=128, max_num_batched_tokens=4096)
-
-
-def write_model_dir(out):
-    """config.json and a word-level tokenizer of the model's vocabulary (the weights are dummy)."""
-    from tokenizers import Tokenizer, models
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(QWEN3_0_6B))
-    vocab = {f"<t{i}>": i for i in range(QWEN3_0_6B["vocab_size"])}
-    Tokenizer(models.WordLevel(vocab, unk_token="<t0>")).save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<t151645>"}))
-    return out
 
 
 def ids(rng, n):
@@ -80,12 +60,14 @@ def shared_prefix(engine, rng):
 
 
 def preemption(engine, rng):
-    """Eight prompts that together fill the pool, then grow while decoding: preemption by
-    recompute, then all free."""
-    capacity = engine.block_manager.num_blocks * engine.config.block_size
-    prompt_len = min(capacity // 8 - 2 * engine.config.block_size, engine.max_model_len - 300)
+    """Prompts that together fill the pool, then grow while decoding: preemption by recompute,
+    then all free."""
+    bs = engine.config.block_size
+    capacity = engine.block_manager.num_blocks * bs
+    num_prompts = max(8, capacity // (engine.max_model_len - 300) + 2)
+    prompt_len = capacity // num_prompts - 2 * bs       # every prompt fits; the pool is left 2 blocks a prompt
     params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-    for i in range(8):
+    for i in range(num_prompts):
         engine.add_request(f"q{i}", ids(rng, prompt_len), params)
     run_until_done(engine)
     assert engine.scheduler.num_preemptions > 0
@@ -95,7 +77,7 @@ SCENARIOS = (decoders_then_long_prompt_then_abort, shared_prefix, preemption)
 
 
 def test_six_engines_in_one_process_size_the_same_pool_and_never_fault(tmp_path):
-    model_dir = str(write_model_dir(tmp_path / "qwen3-0.6b-random"))
+    model_dir = str(write_random_model_dir(tmp_path / "qwen3-0.6b-random"))
     pool_sizes = []
     for i in range(6):
         rng = np.random.default_rng(i)

@@ -18,8 +18,16 @@ from minillm.loader import (
     resolve_model_path,
 )
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import put_in_hf_cache
+from make_fixtures import FIXTURES, TINY_DIR, TINY_MODELS
+
+try:
+    import torch
+    import transformers
+except ImportError:          # the light test install: checkpoints are written with safetensors.numpy
+    torch = transformers = None
+
+live = pytest.mark.skipif(torch is None, reason="needs torch and transformers (.[parity])")
 
 STORIES = Path(os.environ.get("MINILLM_TEST_MODEL",
                               Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K"))
@@ -32,13 +40,14 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),   # head_dim != hidden / heads
 }
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 def save_tiny(out: Path, family: str, dtype: str = "float32", **overrides):
     """A tiny random model of one family saved by transformers; returns (path, state_dict)."""
     config_cls, model_cls, extra = FAMILIES[family]
     torch.manual_seed(0)
+    TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     config = getattr(transformers, config_cls)(**{**TINY, "tie_word_embeddings": False, **extra, **overrides})
     model = getattr(transformers, model_cls)(config).eval()
     with torch.no_grad():   # norms start at exactly 1.0; random values test the conversions better
@@ -49,8 +58,33 @@ def save_tiny(out: Path, family: str, dtype: str = "float32", **overrides):
     return out, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _bits(t: torch.Tensor) -> np.ndarray:
+def _bits(t) -> np.ndarray:
+    """A torch bfloat16 tensor's bit patterns as uint16."""
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def save_numpy_checkpoint(out: Path, family: str = "llama", dtype=np.float32, shard_files: int = 1,
+                          drop: tuple[str, ...] = (), **overrides) -> tuple[Path, dict[str, np.ndarray]]:
+    """A random checkpoint written by safetensors.numpy (no torch): (path, the arrays written)."""
+    from safetensors.numpy import save_file
+
+    extra = FAMILIES[family][2]
+    write_config(out, architectures=[ARCHITECTURES[family]], **{"tie_word_embeddings": False, **extra, **overrides})
+    rng = np.random.default_rng(0)
+    state = {name: rng.standard_normal(shape).astype(dtype)
+             for name, shape in expected_weight_shapes(load_model_config(out)).items() if name not in drop}
+    names = sorted(state)
+    if shard_files == 1:
+        save_file(state, str(out / "model.safetensors"))
+        return out, state
+    weight_map = {}
+    for i in range(shard_files):
+        file = f"model-{i + 1:05d}-of-{shard_files:05d}.safetensors"
+        part = {n: state[n] for n in names[i::shard_files]}
+        save_file(part, str(out / file))
+        weight_map.update(dict.fromkeys(part, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out, state
 
 
 def write_config(path: Path, **fields) -> Path:
@@ -91,14 +125,48 @@ def test_stories_weights_match_safetensors():
     w16 = load_weights(STORIES, config, "float16")
     assert all(w16[k].dtype == np.float16 and np.array_equal(w16[k], ref[k].astype(np.float16)) for k in w16)
     wbf = load_weights(STORIES, config, "bfloat16")
-    for name, arr in wbf.items():
-        assert arr.dtype == np.uint16
-        assert np.array_equal(arr, _bits(torch.from_numpy(ref[name]).to(torch.bfloat16))), name
+    for name, arr in wbf.items():   # the rounding itself is held against torch's below
+        assert arr.dtype == np.uint16 and np.array_equal(arr, float32_to_bf16_bits(ref[name])), name
 
 
 # ---- tiny transformers models -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", sorted(TINY_MODELS))
+def test_checkpoints_saved_by_transformers_load(name):
+    """The fixtures are transformers' own save_pretrained output (bf16): names, shapes, dtypes, features."""
+    path = TINY_DIR / name
+    config = load_model_config(path)
+    family, overrides = TINY_MODELS[name]
+    assert config.architecture == family and config.torch_dtype == "bfloat16"
+    assert config.attention_bias == (family == "qwen2") and config.qk_norm == (family == "qwen3")
+    assert config.head_dim == overrides.get("head_dim", config.hidden_size // config.num_heads)
+    assert config.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
+    from minillm.loader import checkpoint_tensors
+    stored = checkpoint_tensors(path)
+    expected = expected_weight_shapes(config)
+    assert set(stored) == set(expected) and all(stored[k].shape == expected[k] for k in expected)
+    native, as_f32 = load_weights(path, config, "bfloat16"), load_weights(path, config, "float32")
+    for name_, bits in native.items():
+        assert bits.dtype == np.uint16 and as_f32[name_].dtype == np.float32
+        assert np.array_equal(bf16_bits_to_float32(bits), as_f32[name_]), name_   # bf16 -> fp32 is exact
+        assert np.array_equal(float32_to_bf16_bits(as_f32[name_]), bits), name_
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("saved", [np.float32, np.float16])
+def test_numpy_checkpoints_load_exactly(tmp_path, family, saved):
+    path, state = save_numpy_checkpoint(tmp_path / family, family, saved)
+    config = load_model_config(path)
+    assert config.architecture == family and config.torch_dtype == np.dtype(saved).name
+    for dtype in ("float32", "float16"):
+        loaded = load_weights(path, config, dtype)
+        assert set(loaded) == set(state)
+        for name, arr in state.items():
+            assert loaded[name].dtype == np.dtype(dtype) and np.array_equal(loaded[name], arr.astype(dtype)), name
+
+
+@live
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 @pytest.mark.parametrize("saved", ["float32", "float16", "bfloat16"])
 def test_tiny_models_load_exactly(tmp_path, family, saved):
@@ -121,6 +189,16 @@ def test_tiny_models_load_exactly(tmp_path, family, saved):
             assert np.array_equal(native[name], tensor.numpy()), name
 
 
+def test_sharded_numpy_checkpoint_loads(tmp_path):
+    path, state = save_numpy_checkpoint(tmp_path / "sharded", "qwen2", shard_files=3)
+    w = load_weights(path, load_model_config(path), "float32")
+    assert set(w) == set(state) and all(np.array_equal(w[k], state[k]) for k in state)
+    (path / "model-00002-of-00003.safetensors").unlink()
+    with pytest.raises(ValueError, match="shard model-00002-of-00003.safetensors"):
+        load_weights(path, load_model_config(path), "float32")
+
+
+@live
 def test_sharded_checkpoint_loads(tmp_path):
     path, state = save_tiny(tmp_path / "sharded", "qwen2", "float32")
     for f in path.glob("*.safetensors"):
@@ -136,12 +214,12 @@ def test_sharded_checkpoint_loads(tmp_path):
 
 
 def test_tied_embeddings_need_no_lm_head(tmp_path):
-    path, state = save_tiny(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    path, state = save_numpy_checkpoint(tmp_path / "tied", "llama", tie_word_embeddings=True)
     config = load_model_config(path)
     assert config.tie_word_embeddings
     w = load_weights(path, config, "float32")
     assert "lm_head.weight" not in w and "lm_head.weight" not in expected_weight_shapes(config)
-    assert np.array_equal(w["model.embed_tokens.weight"], state["model.embed_tokens.weight"].numpy())
+    assert np.array_equal(w["model.embed_tokens.weight"], state["model.embed_tokens.weight"])
 
 
 # ---- config parsing -----------------------------------------------------------------------------
@@ -195,27 +273,19 @@ def test_missing_config_json_names_the_path(tmp_path):
 
 
 def test_missing_tensor_is_named(tmp_path):
-    from safetensors.torch import save_file
-
-    path, state = save_tiny(tmp_path / "missing", "llama")
-    del state["model.layers.1.mlp.up_proj.weight"]
-    save_file(state, str(path / "model.safetensors"))
+    path, _ = save_numpy_checkpoint(tmp_path / "missing", "llama", drop=("model.layers.1.mlp.up_proj.weight",))
     with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight"):
         load_weights(path, load_model_config(path), "float32")
 
 
 def test_untied_without_lm_head_is_an_error(tmp_path):
-    from safetensors.torch import save_file
-
-    path, state = save_tiny(tmp_path / "nohead", "llama")
-    del state["lm_head.weight"]
-    save_file(state, str(path / "model.safetensors"))
+    path, _ = save_numpy_checkpoint(tmp_path / "nohead", "llama", drop=("lm_head.weight",))
     with pytest.raises(ValueError, match=r"lm_head\.weight"):
         load_weights(path, load_model_config(path), "float32")
 
 
 def test_wrong_shape_names_tensor_and_shapes(tmp_path):
-    path, _ = save_tiny(tmp_path / "shape", "qwen3")
+    path, _ = save_numpy_checkpoint(tmp_path / "shape", "qwen3")
     cfg = json.loads((path / "config.json").read_text())
     cfg["intermediate_size"] = 40
     (path / "config.json").write_text(json.dumps(cfg))
@@ -234,53 +304,102 @@ def test_no_weights_and_bad_dtype(tmp_path):
 
 def test_offline_repo_id_says_it_could_not_fetch(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(RuntimeError, match=r"could not fetch model 'someorg/tiny-model'.*local directory"):
+    with pytest.raises(RuntimeError, match=r"no such directory: someorg/tiny-model; as a Hugging Face repo id "
+                                           r"it could not be fetched"):
         resolve_model_path("someorg/tiny-model", download_dir=str(tmp_path))
 
 
-def test_not_a_path_nor_a_repo_id(tmp_path):
-    with pytest.raises(ValueError, match="neither a local directory"):
-        resolve_model_path(str(tmp_path / "does" / "not" / "exist"))
-    with pytest.raises(ValueError, match="neither a local directory"):
+def test_a_missing_path_is_no_such_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "shared").mkdir()
+    model = save_numpy_checkpoint(tmp_path / "real" / "models" / "tiny", "llama")[0]
+    (tmp_path / "elsewhere").symlink_to(tmp_path / "real")      # shared folders are often links
+    for missing in (str(tmp_path / "does" / "not" / "exist"), "./tiny", "shared/tiny", "a/b/c"):
+        # shared/ exists here, so shared/tiny is a mistyped path, never a hub id to fetch
+        with pytest.raises(FileNotFoundError, match=f"no such directory: {missing}") as info:
+            resolve_model_path(missing)
+        if missing.endswith("tiny"):
+            assert "did you mean ./elsewhere/models/tiny or ./real/models/tiny?" in str(info.value)
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face repo id"):
         resolve_model_path("not a repo id")
+    with pytest.raises(ValueError, match="is a file"):
+        resolve_model_path(str(model / "config.json"))
 
 
-# ---- the local store ------------------------------------------------------------------------------
+# ---- the model store: the Hugging Face cache -------------------------------------------------------
 
 
-def test_local_store_is_used_and_listed(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")   # a complete local copy needs no network
-    store = tmp_path / "weights"
-    path, _ = save_tiny(store / "someorg--tiny-llama", "llama")
-    write_config(store / "other--half")          # config but no weights: listed, not complete
-    (store / "not-a-model").mkdir()
-    assert resolve_model_path("someorg/tiny-llama", download_dir=str(store)) == path
-    listed = list_local_models(str(store))
-    assert [name for name, _, _ in listed] == ["other/half", "someorg/tiny-llama"]
-    name, p, size = listed[1]
-    assert p == path and size == sum(f.stat().st_size for f in path.iterdir())
+def test_hub_ids_come_from_the_hugging_face_cache(tmp_path, monkeypatch):
+    """HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub: what other tools downloaded is used."""
+    from minillm.model_store import hf_hub_cache
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hf_hub_cache() == tmp_path / "home" / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert hf_hub_cache() == tmp_path / "hf-home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    assert hf_hub_cache() == tmp_path / "hub-cache"
+
+    tiny = save_numpy_checkpoint(tmp_path / "src", "llama")[0]
+    snapshot = put_in_hf_cache(tmp_path / "hub-cache", "someorg/tiny-llama", tiny)
+    monkeypatch.chdir(tmp_path)      # the working directory plays no part
+    assert resolve_model_path("someorg/tiny-llama") == snapshot
+    assert load_model_config(resolve_model_path("someorg/tiny-llama")).architecture == "llama"
+    other = put_in_hf_cache(tmp_path / "elsewhere", "someorg/tiny-llama", tiny)
+    assert resolve_model_path("someorg/tiny-llama", download_dir=str(tmp_path / "elsewhere")) == other
+
+
+def test_the_store_is_listed_with_what_minillm_cannot_run(tmp_path):
+    cache = tmp_path / "hub"
+    tiny = save_numpy_checkpoint(tmp_path / "src", "qwen2")[0]
+    put_in_hf_cache(cache, "someorg/tiny-qwen", tiny)
+    put_in_hf_cache(cache, "other/half", write_config(tmp_path / "half"))   # config, no weights
+    gguf = tmp_path / "gguf"
+    gguf.mkdir()
+    (gguf / "model.Q4_K_M.gguf").write_bytes(b"GGUF")
+    put_in_hf_cache(cache, "someone/a-gguf", gguf)
+    (cache / "datasets--x--y").mkdir()                                        # not a model repo
+    listed = {m.repo_id: m for m in list_local_models(str(cache))}
+    assert sorted(listed) == ["other/half", "someone/a-gguf", "someorg/tiny-qwen"]
+    assert listed["someorg/tiny-qwen"].note == ""
+    assert listed["someorg/tiny-qwen"].size_bytes == sum(f.stat().st_size for f in tiny.iterdir())
+    assert listed["other/half"].note == "no safetensors weights"
+    assert listed["someone/a-gguf"].note == "no config.json"
     assert list_local_models(str(tmp_path / "nowhere")) == []
 
 
 # ---- bf16 conversion ---------------------------------------------------------------------------------
 
 
-def test_bf16_rounding_matches_torch():
-    rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(4096).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 4096),
-                        np.array([0.0, -0.0, np.inf, -np.inf, 3.4e38, -3.4e38, 1e-40, -1e-45, 1.0 + 2 ** -8,
-                                  1.0 + 3 * 2 ** -8], dtype=np.float32)]).astype(np.float32)
-    ours = float32_to_bf16_bits(x)
-    ref = _bits(torch.from_numpy(x).to(torch.bfloat16))
-    assert np.array_equal(ours, ref)
+def test_bf16_rounding_matches_torch_fixture():
+    ref = np.load(FIXTURES / "bf16_rounding.npz")       # torch's rounding (tests/make_fixtures.py)
+    assert np.array_equal(float32_to_bf16_bits(ref["x"]), ref["bits"])
     nan = float32_to_bf16_bits(np.array([np.nan, -np.nan], dtype=np.float32))
     assert np.isnan(bf16_bits_to_float32(nan)).all()
+    # bf16 -> fp32 is exact: widening back and rounding again gives the same bits
+    assert np.array_equal(float32_to_bf16_bits(bf16_bits_to_float32(ref["bits"])), ref["bits"])
+
+
+@live
+def test_bf16_rounding_matches_torch():
+    from make_fixtures import bf16_rounding_inputs, torch_bf16_bits
+
+    x = bf16_rounding_inputs()
+    ref = torch_bf16_bits(x)
+    assert np.array_equal(float32_to_bf16_bits(x), ref)
     assert np.array_equal(bf16_bits_to_float32(ref), torch.from_numpy(x).to(torch.bfloat16).float().numpy())
 
 
 def test_checkpoint_dtype_read_from_tensors_when_config_has_none(tmp_path):
-    path, _ = save_tiny(tmp_path / "nodtype", "qwen2", "bfloat16")
-    cfg = json.loads((path / "config.json").read_text())
+    path = tmp_path / "nodtype"
+    path.mkdir()
+    for f in (TINY_DIR / "qwen2-bias").iterdir():      # saved by transformers in bf16
+        (path / f.name).symlink_to(f)
+    (path / "config.json").unlink()
+    cfg = json.loads((TINY_DIR / "qwen2-bias" / "config.json").read_text())
     cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
     (path / "config.json").write_text(json.dumps(cfg))
     assert load_model_config(path).torch_dtype == "bfloat16"

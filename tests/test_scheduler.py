@@ -28,7 +28,7 @@ def create_seq(rid, prompt_len, max_tokens=4, base=1):
 def run_step(sched, token=7):
     """One step with a runner that emits `token` for every sequence at its end."""
     out = sched.schedule()
-    sched.update_from_output(out, StepOutput({s.seq_id: token for s in out.sampling_seqs}))
+    sched.update_from_output(out, StepOutput({s.seq_id: [token] for s in out.sampling_seqs}))
     return out
 
 

@@ -13,7 +13,7 @@ import pytest
 from core_hooks import install
 from test_server_helpers import call_utility, get_stats, running_server, sse_events, wait_for
 
-from benchmarks import serving as bench
+from minillm.benchmarks import serving as bench
 from minillm.server.async_engine import MAX_COMMANDS_PER_STEP
 
 MODEL = "stories"

@@ -157,7 +157,7 @@ def test_run_server_with_monitor_serves_while_the_dashboard_runs(stories_path, m
         seen["stats"] = httpx.get(f"{url}/v1/stats", headers={"Authorization": f"Bearer {api_key}"},
                                   timeout=10).json()["kv_num_blocks"]
 
-    monkeypatch.setitem(sys.modules, "tui.app", types.SimpleNamespace(run_monitor=fake_run_monitor))
+    monkeypatch.setitem(sys.modules, "minillm.tui.app", types.SimpleNamespace(run_monitor=fake_run_monitor))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -1,13 +1,17 @@
-"""Rejection sampling on the CUDA backend against the NumPy backend, draft for draft.
+"""Rejection sampling on the CUDA backend against the NumPy backend, draft for draft, and the
+engine with speculation on the GPU against the CPU engine.
 
 rejection_sample verifies through ops.sample, so the two backends must agree exactly once every
 row's uniform is clear of a rounding boundary (the same guard the sampling kernel's test uses).
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
+from minillm import LLM
 from minillm.ops import numpy as npops
 from minillm.sampling_params import SamplingParams
 from minillm.sequence import Sequence
@@ -77,3 +81,22 @@ def test_greedy_verification_on_the_gpu():
             for s in range(3)]
     out = RejectionSampler(ops)(ops.asarray(logits), meta, seqs)
     assert out == [[int(am[0]), int(am[1]), int(am[2])], [int(am[4])], [int(am[5]), int(am[6]), int(am[7])]]
+
+
+def test_engine_with_speculation_on_the_gpu_equals_the_cpu_greedy(stories_path):
+    """fp32 on the GPU (graphs for plain decode steps, the prefill path for verification, async
+    scheduling) gives the CPU engine's greedy tokens without speculation."""
+    golden = json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
+    prompts = [golden[:12 + i] if i % 2 else [1] + golden[1 + i: 9 + i] * 2 for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    cpu = [o.outputs[0].token_ids for o in LLM(str(stories_path), device="cpu").generate(prompts, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    for eager in (False, True):
+        llm = LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=16,
+                  enforce_eager=eager, speculative_config=spec)
+        gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert gpu == cpu, f"enforce_eager={eager}"
+        stats = llm.engine.stats().spec_decode
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert llm.engine.block_manager.num_used_blocks == 0
+        llm.shutdown()

@@ -93,7 +93,7 @@ def step_logits(runner) -> list[np.ndarray]:
         meta = AttentionMetadata(np.asarray(qsl, np.int32), np.asarray(lens, np.int32), block_tables,
                                  np.concatenate(slots).astype(np.int32), max(np.diff(qsl)), max(lens),
                                  all(n == 1 for n in np.diff(qsl)))
-        logits = runner._forward(np.asarray(ids, np.int32), np.concatenate(pos).astype(np.int32), meta,
+        logits = runner.compute_logits(np.asarray(ids, np.int32), np.concatenate(pos).astype(np.int32), meta,
                                  list(range(len(step))))
         out.append(np.array(logits))
     return out

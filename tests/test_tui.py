@@ -1,7 +1,9 @@
 """Monitor tests on a replayed recording: panels show the recorded values, keys work, snapshots hold."""
 from __future__ import annotations
 
+import asyncio
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -10,16 +12,16 @@ from rich.segment import Segment
 from rich.text import Text
 
 from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StepStats
-from tui.app import MonitorApp, TitleBar
-from tui.batch_chart import BatchChart
-from tui.block_grid import BlockGrid
-from tui.help_screen import HelpScreen
-from tui.memory_panel import MemoryPanel
-from tui.queue_panel import QueuePanel
-from tui.recording import Recorder, ReplaySource
-from tui.render import COLOR_CACHED, COLOR_FREE, request_color
-from tui.request_table import RequestTable
-from tui.usage_panel import UsagePanel
+from minillm.tui.app import MonitorApp, TitleBar
+from minillm.tui.batch_chart import BatchChart
+from minillm.tui.block_grid import BlockGrid
+from minillm.tui.help_screen import HelpScreen
+from minillm.tui.memory_panel import MemoryPanel
+from minillm.tui.queue_panel import QueuePanel
+from minillm.tui.recording import Recorder, ReplaySource
+from minillm.tui.render import COLOR_CACHED, COLOR_FREE, request_color
+from minillm.tui.request_table import RequestTable
+from minillm.tui.usage_panel import UsagePanel
 
 NUM_BLOCKS = 96
 BLOCK_SIZE = 16
@@ -146,7 +148,7 @@ async def test_panels_show_recorded_values(frozen_app):
         for r in last.requests:
             cells = [c.plain for c in table.get_row(r.request_id)]
             assert cells[:6] == [f"■ {r.request_id}", r.state, str(r.prompt_tokens), str(r.output_tokens),
-                                 str(r.num_blocks), str(r.num_cached_tokens)]
+                                 str(r.num_blocks), str(r.num_cached_tokens // BLOCK_SIZE)]
         assert "stories260K · cpu · float32" in app.query_one(TitleBar).content.plain
 
 
@@ -176,17 +178,29 @@ async def test_batch_history_dedupes_overlapping_steps(frozen_app):
         assert f"budget {BUDGET}" in chart and f"decode {make_step(last_step).num_decode_tokens}" in chart
 
 
+async def wait_until(pilot, condition, what: str, timeout: float = 30.0) -> None:
+    """Let the app run until condition() holds (a generous bound, as a safety net)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, what
+        await pilot.pause(0.01)
+
+
+# Frames 0.1 s apart: after each key Pilot waits for the screen to settle, which takes seconds
+# while frames arrive every few hundredths of a second.
+LIVE_DT = 0.1
+
+
 async def test_p_pauses_updates(tmp_path):
     path = tmp_path / "loop.jsonl"
-    write_recording(path, dt=0.03)
+    write_recording(path, dt=LIVE_DT)
     app = MonitorApp(source=ReplaySource(path, loop=True))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for_frames(pilot, 2)
         await pilot.press("p")
         assert app.paused and "PAUSED" in app.query_one(TitleBar).content.plain
         shown, received = app.frames_shown, app.frames_received
-        await pilot.pause(0.3)
-        assert app.frames_received > received + 2, "frames keep arriving while paused"
+        await wait_until(pilot, lambda: app.frames_received > received + 2, "frames keep arriving while paused")
         assert app.frames_shown == shown, "but the panels do not change"
         pending = app.pending
         await pilot.press("p")
@@ -197,7 +211,7 @@ async def test_p_pauses_updates(tmp_path):
 
 async def test_help_screen_opens_and_closes_while_frames_arrive(tmp_path):
     path = tmp_path / "loop.jsonl"
-    write_recording(path, dt=0.03)
+    write_recording(path, dt=LIVE_DT)
     app = MonitorApp(source=ReplaySource(path, loop=True))
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_for_frames(pilot, 1)
@@ -205,8 +219,7 @@ async def test_help_screen_opens_and_closes_while_frames_arrive(tmp_path):
         assert isinstance(app.screen, HelpScreen)
         assert "pause / resume updates" in app.screen.query_one("#help-text").content.plain
         shown = app.frames_shown
-        await pilot.pause(0.2)
-        assert app.frames_shown > shown, "the dashboard keeps updating under the help screen"
+        await wait_until(pilot, lambda: app.frames_shown > shown, "the dashboard keeps updating under the help")
         await pilot.press("escape")
         assert not isinstance(app.screen, HelpScreen)
         await pilot.press("question_mark")
@@ -276,6 +289,119 @@ async def test_scheduler_columns_keep_their_gaps(frozen_app, size):
         assert "running     4 / 8   prompt" in lines[0]
     else:
         assert lines[0] == "run 4/8  wait 2  pre 1"
+
+
+# ---- the request table: one unit for blocks, finished requests stay a while ------------------------
+
+def test_blocks_and_cached_are_both_counted_in_blocks():
+    from minillm.tui.request_table import COLUMNS, row_cells
+    r = RequestStats("r", "running", prompt_tokens=70, output_tokens=3, num_blocks=5, num_cached_tokens=64,
+                     ttft_s=0.01)
+    cells = dict(zip([c.key for c in COLUMNS], [c.plain for c in row_cells(r, 16)]))
+    assert (cells["prompt"], cells["output"], cells["blocks"], cells["cached"]) == ("70", "3", "5", "4")
+    assert int(cells["cached"]) <= int(cells["blocks"])          # the cached blocks are among those held
+    assert "blocks and cached in KV blocks" in help_text_plain()
+
+
+def help_text_plain() -> str:
+    from minillm.tui.help_screen import help_text
+    return " ".join(help_text().plain.split())
+
+
+def frames_where_a_request_finishes() -> list[EngineStats]:
+    """req-0 runs in the first two snapshots, is gone from the third (t+1 s) and the fourth (t+20 s)."""
+    frames = []
+    for k, t in enumerate((1000.0, 1000.5, 1001.0, 1020.0)):
+        stats = make_stats(k)
+        stats.time = t
+        if k >= 2:
+            stats.requests = [r for r in stats.requests if r.request_id != "req-0"]
+        frames.append(stats)
+    return frames
+
+
+@pytest.mark.parametrize("num_frames, shown", [(2, "running"), (3, "finished"), (4, None)])
+async def test_finished_requests_stay_a_while_marked_finished(tmp_path, num_frames, shown):
+    path = tmp_path / "finish.jsonl"
+    with Recorder(path) as recorder:
+        for stats in frames_where_a_request_finishes():
+            recorder.write(stats.to_dict(), t=stats.time)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False, num_frames=num_frames))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, num_frames)
+        table = pilot.app.query_one(RequestTable)
+        states = {table.get_row_at(i)[0].plain[2:]: table.get_row_at(i)[1].plain for i in range(table.row_count)}
+        assert states.get("req-0") == shown
+        if shown == "finished":                      # the last values it had, greyed, sorted last by state
+            row = [c.plain for c in table.get_row("req-0")]
+            assert row[3] == str(make_stats(1).requests[0].output_tokens)
+            assert [table.get_row_at(i)[1].plain for i in range(table.row_count)][-1] == "finished"
+
+
+# ---- the batch chart: the top row is the token budget -----------------------------------------------
+
+async def test_batch_chart_top_is_the_token_budget_even_when_steps_are_small(tmp_path):
+    path = tmp_path / "small.jsonl"
+    with Recorder(path) as recorder:
+        for k in range(3):
+            stats = make_stats(k)
+            stats.max_num_batched_tokens = 8192
+            stats.recent_steps = [StepStats(step=k * 8 + j, time=1000.0 + k, num_prefill_tokens=0, num_decode_tokens=4,
+                                            num_seqs=4, token_budget=8192, step_time_s=0.004) for j in range(1, 9)]
+            recorder.write(stats.to_dict(), t=100.0 + k)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 3)
+        lines = pilot.app.query_one(BatchChart).render().plain.splitlines()
+        assert lines[0].startswith("8192┤") and "┈" in lines[0]        # the budget, dotted
+        bottom = next(line for line in reversed(lines) if line.lstrip().startswith("0┤"))
+        assert bottom.count("▁") == 24                                   # 24 small steps, each visible
+        assert "top row is the token budget" in help_text_plain()
+
+
+# ---- replays: the demo recording, and loops that say so ------------------------------------------------
+
+async def test_the_demo_recording_plays():
+    from minillm.tui.app import demo_recording
+    from minillm.tui.recording import load_recording
+    frames = load_recording(demo_recording())
+    app = MonitorApp(source=ReplaySource(demo_recording(), loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, len(frames))
+        assert "replay demo.jsonl.gz" in pilot.app.source_text
+        assert pilot.app.stats.num_steps == frames[-1][1].stats.num_steps
+
+
+class LoggingApp(MonitorApp):
+    """Keeps what the title said each time a frame was shown."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.shown: list[tuple[int, str, int]] = []
+
+    def show_stats(self, stats: EngineStats) -> None:
+        super().show_stats(stats)
+        oldest = min((s.step for s in self.history.steps), default=0)
+        self.shown.append((stats.num_steps, self.title_bar.content.plain, oldest))
+
+
+async def test_a_looping_replay_marks_every_pass_and_counters_never_go_back_unmarked(tmp_path):
+    path = tmp_path / "loop.jsonl"
+    write_recording(path, num_frames=4)
+    app = LoggingApp(source=ReplaySource(path, loop=True, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 4 * 3 + 1)
+        assert re.search(r"\(4 frames, pass \d+\)", pilot.app.source_text)
+    shown = app.shown
+    resets = 0
+    for (before, _, _), (after, title, oldest) in zip(shown, shown[1:]):
+        if after < before:
+            resets += 1
+            assert f"↻ counters reset{'' if resets == 1 else f' ×{resets}'}" in title, title
+            assert "pass" in title
+            assert oldest > after - STEPS_PER_SNAPSHOT, "the batch chart starts over with the counters"
+    assert resets >= 2
+    assert "↻" not in shown[0][1]
 
 
 def test_bad_recording_names_the_line(tmp_path):

@@ -11,12 +11,12 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-import tui.client as client
+import minillm.tui.client as client
 from test_tui import make_stats, write_recording
-from tui.app import MonitorApp
-from tui.client import LiveSource, SourceProblem, SourceStatus, StatsFormatError, StatsFrame, iter_sse_data, parse_stats
-from tui.history import StatsHistory
-from tui.recording import Recorder, ReplaySource, load_recording
+from minillm.tui.app import MonitorApp
+from minillm.tui.client import LiveSource, SourceProblem, SourceStatus, StatsFormatError, StatsFrame, iter_sse_data, parse_stats
+from minillm.tui.history import StatsHistory
+from minillm.tui.recording import Recorder, ReplaySource, load_recording
 
 pytestmark = pytest.mark.anyio
 

@@ -10,10 +10,10 @@ import pytest
 
 from minillm.stats import CELL_CACHED, CELL_FREE
 from test_server_helpers import running_server
-from tui.app import MonitorApp
-from tui.client import LiveSource
-from tui.recording import Recorder, load_recording
-from tui.request_table import RequestTable
+from minillm.tui.app import MonitorApp
+from minillm.tui.client import LiveSource
+from minillm.tui.recording import Recorder, load_recording
+from minillm.tui.request_table import RequestTable
 
 pytestmark = pytest.mark.anyio
 
@@ -96,3 +96,26 @@ async def test_monitor_follows_a_loaded_server(stories_path, tmp_path):
             assert await wait_until(pilot, lambda: wrong.query_one("#banner").display, timeout=10)
             assert "refused the API key (401)" in wrong.query_one("#banner").content.plain
             assert wrong.is_running
+
+
+def test_monitor_demo_runs_from_the_command_line_and_help_names_it():
+    """`minillm monitor --demo` replays the shipped recording in a terminal; --help says so."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pexpect = pytest.importorskip("pexpect")
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(repo), "TERM": "xterm-256color"}
+    help_text = subprocess.run([sys.executable, "-m", "minillm.cli", "monitor", "--help"], cwd=repo, env=env,
+                               capture_output=True, text=True, timeout=60).stdout
+    assert "--demo" in help_text and "minillm monitor --demo" in " ".join(help_text.split())
+    assert "minillm monitor --demo" in (repo / "README.md").read_text()
+    child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "monitor", "--demo"], cwd=str(repo), env=env,
+                          encoding="utf-8", timeout=60, dimensions=(40, 120))
+    child.expect_exact("replay demo.jsonl.gz")
+    child.expect_exact("KV block pool")
+    child.send("q")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0

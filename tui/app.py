@@ -13,17 +13,17 @@ from textual.reactive import reactive
 from textual.widgets import Footer, Static
 
 from minillm.stats import EngineStats
-from tui.batch_chart import BatchChart
-from tui.block_grid import BlockGrid
-from tui.client import LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
-from tui.help_screen import HelpScreen
-from tui.history import StatsHistory
-from tui.memory_panel import MemoryPanel
-from tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
-from tui.queue_panel import QueuePanel
-from tui.recording import Recorder, ReplaySource
-from tui.request_table import RequestTable
-from tui.usage_panel import UsagePanel
+from minillm.tui.batch_chart import BatchChart
+from minillm.tui.block_grid import BlockGrid
+from minillm.tui.client import LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
+from minillm.tui.help_screen import HelpScreen
+from minillm.tui.history import StatsHistory
+from minillm.tui.memory_panel import MemoryPanel
+from minillm.tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
+from minillm.tui.queue_panel import QueuePanel
+from minillm.tui.recording import Recorder, ReplaySource
+from minillm.tui.request_table import RequestTable
+from minillm.tui.usage_panel import UsagePanel
 
 DEFAULT_CELLS = 256
 
@@ -44,8 +44,8 @@ def model_label(model: str) -> str:
 class TitleBar(Static):
     """Model, device, where frames come from, and the PAUSED marker; no clock, so frames are stable."""
 
-    def show(self, stats: EngineStats | None, source_text: str, paused: bool) -> None:
-        """Redraw the bar."""
+    def show(self, stats: EngineStats | None, source_text: str, paused: bool, num_restarts: int = 0) -> None:
+        """Redraw the bar; num_restarts counts the times the counters went back to zero."""
         # Gaps get a style of their own: a gap inside the next run would be lost by SVG renderers
         # that drop a run's leading spaces (see render.spaced).
         text = Text().append(" ", style="on #5fafff").append("minillm monitor ", style="bold #000000 on #5fafff")
@@ -53,6 +53,9 @@ class TitleBar(Static):
             text.append("  ").append(f"{model_label(stats.model)} · {stats.device} · {stats.dtype}", style="bold")
         if source_text:
             text.append("  ").append(source_text, style="#8a8a8a")
+        if num_restarts:
+            times = f" ×{num_restarts}" if num_restarts > 1 else ""
+            text.append("  ").append(f"↻ counters reset{times}", style="bold #ffd75f")
         if paused:
             text.append("  ").append(" ", style="on #ffd75f").append("❚❚ PAUSED ", style="bold #000000 on #ffd75f")
         self.update(text)
@@ -61,7 +64,7 @@ class TitleBar(Static):
 class MonitorApp(App[None]):
     """The dashboard; `source` is a LiveSource or a ReplaySource, `recorder` keeps what it sees."""
 
-    CSS_PATH = "monitor.tcss"
+    CSS_PATH = Path(__file__).resolve().parent / "monitor.tcss"   # absolute: subclasses live elsewhere
     TITLE = "minillm monitor"
     ENABLE_COMMAND_PALETTE = False
     AUTO_FOCUS = "#grid"
@@ -90,6 +93,7 @@ class MonitorApp(App[None]):
         self.cells = DEFAULT_CELLS
         self.frames_received = 0
         self.frames_shown = 0
+        self.num_restarts = 0      # times the counters went back (a replay looped, a server restarted)
         self.title_bar: TitleBar | None = None
 
     def compose(self) -> ComposeResult:
@@ -143,6 +147,11 @@ class MonitorApp(App[None]):
 
     def show_stats(self, stats: EngineStats) -> None:
         """Fold a snapshot into the history and redraw every panel."""
+        if self.stats is not None and stats.num_steps < self.stats.num_steps:
+            # Counters went back: another run. Start the series over and say so in the title.
+            self.num_restarts += 1
+            self.history = StatsHistory()
+            self.table.forget_finished()
         self.stats = stats
         self.history.add(stats)
         for panel in self.panels:
@@ -189,7 +198,7 @@ class MonitorApp(App[None]):
 
     def _redraw_title(self) -> None:
         if self.title_bar is not None:  # None until composed (a watcher may fire first)
-            self.title_bar.show(self.stats, self.source_text, self.paused)
+            self.title_bar.show(self.stats, self.source_text, self.paused, self.num_restarts)
 
 
 def _as_message(event: SourceEvent):
@@ -200,6 +209,11 @@ def _as_message(event: SourceEvent):
     if isinstance(event, SourceStatus):
         return SourceStatusChanged(event.text)
     raise TypeError(f"unknown source event {event!r}")
+
+
+def demo_recording() -> Path:
+    """The recording shipped with minillm: a stories260K server on the CPU, 16 clients, 48 requests."""
+    return Path(__file__).resolve().parent / "demo.jsonl.gz"
 
 
 def run_monitor(

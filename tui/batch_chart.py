@@ -5,8 +5,8 @@ from rich.style import Style
 from rich.text import Text
 
 from minillm.stats import StepStats
-from tui.panel import Panel
-from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline, spaced
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline, spaced
 
 AXIS_WIDTH = 5      # "512┤" and friends
 FOOTER_ROWS = 2     # the sequences sparkline and the legend
@@ -16,21 +16,9 @@ def _short(count: int) -> str:
     return f"{count / 1000:.0f}k" if count >= 10_000 else str(count)
 
 
-def nice_ceiling(value: float) -> int:
-    """The smallest of 1, 2, 5 times a power of ten that is at least `value`."""
-    magnitude = 1
-    while True:
-        for step in (1, 2, 5):
-            if step * magnitude >= value:
-                return step * magnitude
-        magnitude *= 10
-
-
 def axis_max(peak: int, budget: int) -> int:
-    """The chart's top: the token budget, unless the visible steps use under a quarter of it."""
-    if peak > budget / 4:
-        return max(budget, peak)
-    return nice_ceiling(max(peak * 1.25, 1))  # headroom, so a steady decode batch is not a solid wall
+    """The chart's top: the token budget (a step never exceeds it; the larger wins if one did)."""
+    return max(budget, peak, 1)
 
 
 def column_eighths(step: StepStats, scale: float, rows: int) -> tuple[int, int]:
@@ -61,8 +49,9 @@ def _cell(decode8: int, total8: int, row: int, budget_row: bool) -> tuple[str, S
 
 
 class BatchChart(Panel):
-    """One column per engine step, newest on the right; the top is the token budget (dotted) or,
-    when the steps are far below it, a smaller round number so decode-only steps stay visible."""
+    """One column per engine step, newest on the right; the top row is the token budget (dotted),
+    so a column's height is the share of the budget the step used. Any tokens at all show at
+    least one eighth of a cell, so a small decode batch under a large budget stays visible."""
 
     PANEL_TITLE = "batch per step"
 
@@ -79,7 +68,7 @@ class BatchChart(Panel):
         pad = " " * (columns - len(steps))
         lines = []
         for row in reversed(range(rows)):
-            is_budget_row = row == rows - 1 and scale == budget
+            is_budget_row = row == rows - 1
             label = _short(scale) if row == rows - 1 else ("0" if row == 0 else "")
             line = spaced((f"{label:>{AXIS_WIDTH - 1}}{'┤' if label else '│'}", COLOR_DIM))
             line.append(("┈" if is_budget_row else " ") * len(pad), style=COLOR_DIM)

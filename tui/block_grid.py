@@ -1,4 +1,5 @@
-"""The KV block pool as a grid of cells: free, cached-free prefix blocks, used (coloured by request)."""
+"""The KV block pool as a grid of cells: free, cached-free prefix blocks, used (coloured by request);
+with a host tier (--kv-offload-gib), its blocks as a second strip below."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,11 +9,12 @@ from rich.text import Text
 from textual.message import Message
 
 from minillm.stats import CELL_CACHED, CELL_FREE
-from tui.panel import Panel
-from tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
 
 CELL_WIDTH = 2     # "■ ", the smallest tile: terminal cells are about twice as tall as wide
 LEGEND_ROWS = 1
+HOST_LABEL = "host "
 
 
 def merge_cells(block_map: list[int], num_cells: int) -> tuple[list[int], int]:
@@ -69,7 +71,8 @@ class BlockGrid(Panel):
     def grid_shape(self) -> tuple[int, int]:
         """(columns, rows) of cells that fit in the content area above the legend."""
         width, height = self.content_size
-        return max(width // CELL_WIDTH, 1), max(height - LEGEND_ROWS, 1)
+        host_rows = 1 if self.stats is not None and self.stats.kv_offload_num_blocks else 0
+        return max(width // CELL_WIDTH, 1), max(height - LEGEND_ROWS - host_rows, 1)
 
     def capacity(self) -> int:
         """How many cells fit."""
@@ -84,6 +87,8 @@ class BlockGrid(Panel):
         _, group = merge_cells(stats.block_map, self.capacity())
         blocks_per_cell = stats.block_map_blocks_per_cell * group
         self.border_subtitle = f"{stats.kv_num_blocks} blocks × {stats.block_size} tok · {blocks_per_cell}/cell"
+        if stats.kv_offload_num_blocks:
+            self.border_subtitle += f" · host {stats.kv_offload_num_used_blocks}/{stats.kv_offload_num_blocks}"
         super().show(stats, history)
 
     def render(self) -> Text:
@@ -104,8 +109,20 @@ class BlockGrid(Panel):
                 for style in styles:
                     text.append(glyphs, style=style).append(" ")
                 text.append("\n")
+        if stats.kv_offload_num_blocks:
+            text.append_text(self._host_strip(stats)).append("\n")
         text.append_text(self._legend())
         return text
+
+    def _host_strip(self, stats) -> Text:
+        """The host tier in one row of the smallest tile: blocks holding a prefix block as cached."""
+        columns = max((self.content_size.width - len(HOST_LABEL)) // CELL_WIDTH, 1)
+        cells, _ = merge_cells(stats.kv_offload_block_map, columns)
+        strip = Text(no_wrap=True, overflow="crop")
+        strip.append(HOST_LABEL, style=COLOR_DIM)
+        for cell in cells:
+            strip.append(TILES[-1].lines[0], style=_cell_color(cell, [])).append(" ")
+        return strip
 
     def _legend(self) -> Text:
         legend = Text(no_wrap=True, overflow="ellipsis")

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from minillm.stats import EngineStats, MemoryStats, RequestStats, StepStats
+from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
 
 DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
@@ -106,6 +106,8 @@ def parse_stats(data) -> EngineStats:
         "memory": lambda d, where: MemoryStats(**_dataclass_kwargs(MemoryStats, d, where, {})),
         "recent_steps": _parse_list(StepStats),
         "requests": _parse_list(RequestStats),
+        "spec_decode": lambda d, where: None if d is None else SpecDecodeStats(
+            **_dataclass_kwargs(SpecDecodeStats, d, where, {})),
     }
     return EngineStats(**_dataclass_kwargs(EngineStats, data, "", nested))
 

@@ -8,7 +8,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_PREFILL, REQUEST_COLORS
+from minillm.tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_PREFILL, REQUEST_COLORS
+from minillm.tui.request_table import FINISHED_SHOWN_S
 
 KEYS = (
     ("q", "quit"),
@@ -35,7 +36,13 @@ def help_text() -> Text:
     text.append("█", style=COLOR_DECODE).append(" decode tokens under ")
     text.append("█", style=COLOR_PREFILL).append(" prefill tokens; the top row is the token budget\n")
     text.append("KV usage  ", style="bold").append("used blocks / all blocks; token util: tokens held / slots in used blocks\n")
-    text.append("scheduler  ", style="bold").append("queues, preemptions, tok/s, TTFT and inter-token latency p50 / p99\n\n")
+    text.append("scheduler  ", style="bold").append("queues, preemptions, tok/s, TTFT and inter-token latency p50 / p99\n")
+    text.append("requests  ", style="bold").append("◆ before an id: a structured output (JSON schema, regex, choice or grammar)\n")
+    text.append("requests  ", style="bold").append("prompt and output in tokens; blocks and cached in KV blocks "
+                                                  "(cached: reused from the prefix cache); a finished request "
+                                                  f"stays {FINISHED_SHOWN_S:.0f} s, greyed\n")
+    text.append("↻ counters reset  ", style="bold").append("the counters went back (a replay started its next "
+                                                          "pass, or the server restarted): the charts start over\n\n")
     for key, action in KEYS:
         text.append(f"  {key:<16}", style="bold #5fafff").append(f"{action}\n")
     text.append("\npress ? or escape to close", style="#6c6c6c")

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from tui.panel import Panel
-from tui.render import COLOR_DIM, COLOR_FREE, fmt_bytes
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_DIM, COLOR_FREE, fmt_bytes
 
 COLOR_WEIGHTS = "#ffaf5f"
 COLOR_KV = "#5fafff"

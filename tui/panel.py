@@ -4,7 +4,7 @@ from __future__ import annotations
 from textual.widget import Widget
 
 from minillm.stats import EngineStats
-from tui.history import StatsHistory
+from minillm.tui.history import StatsHistory
 
 
 class Panel(Widget, can_focus=True):

@@ -5,8 +5,8 @@ from rich.cells import cell_len
 from rich.text import Text
 
 from minillm.stats import EngineStats
-from tui.panel import Panel
-from tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, spaced
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, spaced
 
 COLOR_RUNNING = "#87d75f"
 COLOR_WAITING = "#ffd75f"
@@ -79,7 +79,14 @@ def _rate_lines(stats: EngineStats) -> list[Parts]:
          (f" {'p99':>{LATENCY_WIDTH}}", COLOR_DIM)],
         _latency("TTFT", stats.ttft_p50_s, stats.ttft_p99_s),
         _latency("ITL", stats.itl_p50_s, stats.itl_p99_s),
-    ]
+    ] + ([_spec_decode_line(stats.spec_decode)] if stats.spec_decode is not None else [])
+
+
+def _spec_decode_line(spec) -> Parts:
+    """Speculative decoding: share of draft tokens accepted, tokens a verifying step yields."""
+    rate, length = spec.acceptance_rate, spec.mean_acceptance_length
+    value = "no drafts yet" if rate is None else f"accept {rate:.0%} · len {length:.2f}"
+    return _pair("spec", value, COLOR_DECODE, RATE_LABEL_WIDTH)
 
 
 def _compact_rows(stats: EngineStats) -> list[Parts]:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import itertools
 import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
+from minillm.tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
 
 # One line per frame: {"t": <time.time() when received>, "stats": <EngineStats.to_dict()>}.
 # A path ending in .gz is read and written gzip-compressed (recordings shrink about 15x).
@@ -82,8 +83,9 @@ class ReplaySource:
     async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
         """Yield the recorded frames; a replay cannot re-sample the block map, so `cells` is unused."""
         total = len(self.frames)
-        while True:
-            yield SourceStatus(f"replay {self.path.name} ({total} frames)")
+        for number in itertools.count(1):
+            # Each pass starts the recorded counters over; the title says which pass this is.
+            yield SourceStatus(f"replay {self.path.name} ({total} frames" + (f", pass {number})" if number > 1 else ")"))
             previous_t = self.frames[0][0]
             for t, frame in self.frames:
                 await asyncio.sleep(max(t - previous_t, 0.0) / self.speed if self.realtime else 0)

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.text import Text
 from textual.widgets import DataTable
 
 from minillm.stats import EngineStats, RequestStats
-from tui.render import fmt_seconds, request_color
+from minillm.tui.render import fmt_seconds, request_color
 
 ID_WIDTH = 18
 MAX_ROWS = 100   # DataTable re-measures every row on change; the rest are summarised in the subtitle
+FINISHED_SHOWN_S = 10.0   # a request that left the engine stays this long (snapshot time), marked finished
 STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2, "finished": 3}
 STATE_COLORS = {"running": "#87d75f", "preempted": "#ff5f87", "waiting": "#ffd75f", "finished": "#6c6c6c"}
 
@@ -42,7 +43,7 @@ COLUMNS = (
     Column("prompt", "prompt", lambda r: r.prompt_tokens, True),
     Column("output", "output", lambda r: r.output_tokens, True),
     Column("blocks", "blocks", lambda r: r.num_blocks, True),
-    Column("cached", "cached", lambda r: r.num_cached_tokens, True),
+    Column("cached", "cached", lambda r: r.num_cached_tokens, True),   # shown in blocks, as "blocks" is
     Column("ttft", "TTFT", _ttft_key, False),
 )
 
@@ -52,16 +53,26 @@ def short_id(request_id: str, width: int = ID_WIDTH) -> str:
     return request_id if len(request_id) <= width else request_id[: width - 1] + "…"
 
 
-def row_cells(r: RequestStats) -> tuple:
-    """The displayed cells of one request."""
-    name = Text("■ ", style=request_color(r.request_id)).append(short_id(r.request_id))
+def row_cells(r: RequestStats, block_size: int) -> tuple:
+    """The displayed cells of one request: tokens for prompt and output, KV blocks for blocks and cached."""
+    finished = r.state == "finished"
+    marker = "◆ " if r.is_structured else "■ "         # ◆: its output is held to a grammar
+    name = Text(marker, style=STATE_COLORS["finished"] if finished else request_color(r.request_id))
+    name.append(short_id(r.request_id), style=STATE_COLORS["finished"] if finished else "")
     state = Text(r.state, style=STATE_COLORS.get(r.state, ""))
-    numbers = (r.prompt_tokens, r.output_tokens, r.num_blocks, r.num_cached_tokens)
-    return (name, state, *(Text(str(n), justify="right") for n in numbers), Text(fmt_seconds(r.ttft_s), justify="right"))
+    # Only full blocks are shared, so cached tokens are always a whole number of blocks.
+    numbers = (r.prompt_tokens, r.output_tokens, r.num_blocks, r.num_cached_tokens // max(block_size, 1))
+    style = STATE_COLORS["finished"] if finished else ""
+    return (name, state, *(Text(str(n), justify="right", style=style) for n in numbers),
+            Text(fmt_seconds(r.ttft_s), justify="right", style=style))
 
 
 class RequestTable(DataTable):
-    """Sorted by one column at a time: `s` cycles the column, `S` flips the order, headers click."""
+    """Sorted by one column at a time: `s` cycles the column, `S` flips the order, headers click.
+
+    A request that leaves the engine's snapshot stays for FINISHED_SHOWN_S more, marked finished,
+    so a short one can be seen at all.
+    """
 
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id, cursor_type="row", zebra_stripes=True, cursor_foreground_priority="renderable")
@@ -71,6 +82,8 @@ class RequestTable(DataTable):
         self._rows: dict[str, tuple] = {}
         self._order: list[str] = []
         self._requests: list[RequestStats] = []
+        self._block_size = 1
+        self._finished: dict[str, tuple[RequestStats, float]] = {}   # id -> (last row, when it left)
 
     def on_mount(self) -> None:
         for column in COLUMNS:
@@ -78,9 +91,21 @@ class RequestTable(DataTable):
         self._update_subtitle()
 
     def show(self, stats: EngineStats) -> None:
-        """Show the snapshot's requests in the current sort order."""
-        self._requests = list(stats.requests)
+        """Show the snapshot's requests, and those that left it lately, in the current sort order."""
+        current = {r.request_id: r for r in stats.requests}
+        for r in self._requests:
+            if r.request_id not in current and r.state != "finished":
+                self._finished[r.request_id] = (replace(r, state="finished"), stats.time)
+        self._finished = {rid: (r, left) for rid, (r, left) in self._finished.items()
+                          if rid not in current and 0 <= stats.time - left <= FINISHED_SHOWN_S}
+        self._requests = list(stats.requests) + [r for r, _ in self._finished.values()]
+        self._block_size = stats.block_size
         self._redraw()
+
+    def forget_finished(self) -> None:
+        """Drop the finished rows (the counters started over: they belong to another run)."""
+        self._finished.clear()
+        self._requests = [r for r in self._requests if r.state != "finished"]
 
     def cycle_sort(self) -> None:
         """Sort by the next column, in that column's natural direction."""
@@ -113,7 +138,7 @@ class RequestTable(DataTable):
         column = COLUMNS[self.sort_index]
         ordered = sorted(self._requests, key=column.sort_key, reverse=self.sort_descending)[:MAX_ROWS]
         self._update_subtitle()
-        rows = {r.request_id: row_cells(r) for r in ordered}
+        rows = {r.request_id: row_cells(r, self._block_size) for r in ordered}
         order = list(rows)  # a repeated id must not reach DataTable twice
         if order == self._order:
             for key, cells in rows.items():

@@ -1,6 +1,6 @@
 """Export an SVG of the dashboard at one frame of a recording (the README picture).
 
-    python -m tui.screenshot loaded.jsonl --out tui/screenshot.svg [--frame N] [--size 120x40]
+    python -m minillm.tui.screenshot loaded.jsonl --out tui/screenshot.svg [--frame N] [--size 120x40]
 """
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from tui.app import MonitorApp
-from tui.recording import ReplaySource, load_recording
+from minillm.tui.app import MonitorApp
+from minillm.tui.recording import ReplaySource, load_recording
 
 
 def busiest_frame(recording: str | Path) -> int:

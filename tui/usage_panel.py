@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from tui.panel import Panel
-from tui.render import COLOR_CACHED, COLOR_DIM, fmt_percent, hbar, sparkline, spaced
+from minillm.tui.panel import Panel
+from minillm.tui.render import COLOR_CACHED, COLOR_DIM, fmt_percent, hbar, sparkline, spaced
 
 COLOR_USAGE = "#5fafff"
 COLOR_UTIL = "#d787ff"

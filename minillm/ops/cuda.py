@@ -112,6 +112,31 @@ def asarray(a, dtype=None):
     return cp.asarray(np.ascontiguousarray(host, dtype=target))
 
 
+_staged: list = []      # (event, pinned buffer) of asarray_async uploads the stream may not have passed
+
+
+def asarray_async(a):
+    """Host array -> CuPy array through a pinned staging buffer, queued on the current stream.
+
+    A large upload from pageable memory can make the driver wait for the stream before it copies;
+    through pinned memory the host never waits. The buffer is kept until the stream passes the copy.
+    """
+    cp = _require_cupy()
+    import cupyx
+    host = np.ascontiguousarray(a)
+    staging = cupyx.empty_pinned(host.shape, dtype=host.dtype)
+    staging[...] = host
+    out = cp.empty(host.shape, dtype=host.dtype)
+    stream = cp.cuda.get_current_stream()
+    out.set(staging, stream=stream)
+    event = cp.cuda.Event(block=False, disable_timing=True)
+    event.record(stream)
+    with _lock:
+        _staged[:] = [(e, b) for e, b in _staged if not e.done]
+        _staged.append((event, staging))
+    return out
+
+
 def to_numpy(a) -> np.ndarray:
     """Backend array -> host numpy array (bfloat16 arrives as ml_dtypes.bfloat16)."""
     if cupy is not None and isinstance(a, cupy.ndarray):

@@ -19,6 +19,11 @@ def asarray(a, dtype=None) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(a, dtype=dtype))
 
 
+def asarray_async(a) -> np.ndarray:
+    """Host array -> backend array without waiting for queued work (nothing is queued on the CPU)."""
+    return np.ascontiguousarray(a)
+
+
 def to_numpy(a) -> np.ndarray:
     """Backend array -> host numpy array."""
     return np.asarray(a)
@@ -95,33 +100,37 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
     q: [T, Hq, Dh]; returns [T, Hq, Dh]. Query row i of sequence b sits at position
     seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA: query head h reads
-    KV head h // (Hq // Hk).
+    KV head h // (Hq // Hk). Sequences of equal query and context lengths are computed together
+    (a batch of one engine step often holds many of them).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    group = num_heads // num_kv_heads
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[1] // num_kv_heads
     out = np.empty_like(q)
     qsl = np.asarray(meta.query_start_loc)
-    for b in range(len(meta.seq_lens)):
-        start, end = int(qsl[b]), int(qsl[b + 1])
-        q_len, ctx = end - start, int(meta.seq_lens[b])
-        if q_len == 0:
-            continue
-        blocks = meta.block_tables[b, : (ctx + block_size - 1) // block_size]
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].astype(np.float32)
-        vals = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].astype(np.float32)
-        keys = np.repeat(keys, group, axis=1)     # [ctx, Hq, Dh]
-        vals = np.repeat(vals, group, axis=1)
-        qb = q[start:end].astype(np.float32)       # [q_len, Hq, Dh]
-        scores = np.einsum("qhd,khd->hqk", qb, keys) * scale
-        q_pos = ctx - q_len + np.arange(q_len)
-        mask = np.arange(ctx)[None, :] > q_pos[:, None]          # [q_len, ctx]
-        scores = np.where(mask[None], -np.inf, scores)
+    q_lens, ctxs = qsl[1:] - qsl[:-1], np.asarray(meta.seq_lens)
+    shapes: dict[tuple[int, int], list[int]] = {}
+    for b in range(len(ctxs)):
+        if q_lens[b]:
+            shapes.setdefault((int(q_lens[b]), int(ctxs[b])), []).append(b)
+    for (q_len, ctx), rows in shapes.items():
+        rows = np.asarray(rows)
+        g = len(rows)
+        blocks = meta.block_tables[rows, : (ctx + block_size - 1) // block_size]      # [G, nblk]
+        keys = k_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]        # [G, ctx, Hk, Dh]
+        vals = v_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]
+        token_rows = qsl[rows][:, None] + np.arange(q_len)                          # [G, q_len]
+        # Query row (i, j) is query token i of KV head k's j-th query head: [G, Hk, q_len * group, Dh].
+        qb = q[token_rows].reshape(g, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+        qb = qb.reshape(g, num_kv_heads, q_len * group, head_dim).astype(np.float32, copy=False)
+        scores = qb @ keys.transpose(0, 2, 3, 1).astype(np.float32, copy=False) * scale   # [G, Hk, q*r, ctx]
+        q_pos = np.repeat(ctx - q_len + np.arange(q_len), group)
+        scores = np.where(np.arange(ctx)[None, :] > q_pos[:, None], -np.inf, scores)
         scores -= scores.max(axis=-1, keepdims=True)
         p = np.exp(scores)
         p /= p.sum(axis=-1, keepdims=True)
-        out[start:end] = np.einsum("hqk,khd->qhd", p, vals).astype(q.dtype)
+        o = p @ vals.transpose(0, 2, 1, 3).astype(np.float32, copy=False)            # [G, Hk, q*r, Dh]
+        o = o.reshape(g, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
+        out[token_rows] = o.reshape(g, q_len, -1, head_dim).astype(q.dtype)
     return out
 
 

@@ -12,10 +12,11 @@ Workers are spawned (safe with the server's threads) and never outlive the execu
 stops them, a finalizer does if nobody called it, and they exit by themselves when rank 0's
 process is gone. A worker that dies is reported by rank 0's next wait, with the worker's error.
 
-The seam: every forward pass of a step goes through ModelRunner._forward(ids, positions, meta,
-rows), so rank 0 sends exactly those arguments and each worker calls its own _forward with them;
-the collectives inside then pair up call for call. Input tokens still on the device (a step kept
-in flight) are filled in on the host before sending: workers never hold sampled ids.
+The seam: every forward pass of a step goes through ModelRunner.compute_logits(ids, positions,
+meta, rows, logits_indices), so rank 0 sends exactly those arguments and each worker calls its
+own compute_logits with them; the collectives inside then pair up call for call. Input tokens
+still on the device (a step kept in flight) are filled in on the host before sending: workers
+never hold sampled ids.
 """
 from __future__ import annotations
 
@@ -205,17 +206,18 @@ class TensorParallelExecutor(ModelRunner):
         self._guarded(super().initialize_cache, num_blocks, max_model_len)
         self._guarded(self.workers.replies)
 
-    def launch(self, out):
+    def launch(self, out, grammar_bitmask=None):
         """ModelRunner.launch, after checking that every worker is there: a stopped group fails
         each step at once, before anything is prepared."""
         self._guarded(self.workers.peers)
-        return super().launch(out)
+        return super().launch(out, grammar_bitmask)
 
-    def _forward(self, ids, positions, meta, rows, patch=None):
-        """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]."""
+    def compute_logits(self, ids, positions, meta, rows, patch=None, logits_indices=None):
+        """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]
+        (or of the token rows logits_indices names, in a step verifying draft tokens)."""
         ids = self._fill_placeholders(ids, patch)
-        self._send("execute_model", ids, positions, meta, list(rows))
-        return self._guarded(super()._forward, ids, positions, meta, rows)
+        self._send("execute_model", ids, positions, meta, list(rows), logits_indices)
+        return self._guarded(super().compute_logits, ids, positions, meta, rows, None, logits_indices)
 
     def _fill_placeholders(self, ids: np.ndarray, patch) -> np.ndarray:
         """ids [T] with the last step's samples written where they were still on the device."""

@@ -78,8 +78,8 @@ def _serve(runner, channel: ChannelReader, replies) -> None:
             channel.close()
             return
         if method == "execute_model":
-            ids, positions, meta, rows = args
-            runner._forward(ids, positions, meta, rows)   # the gathered logits are rank 0's to sample
+            ids, positions, meta, rows, logits_indices = args
+            runner.compute_logits(ids, positions, meta, rows, None, logits_indices)   # rank 0 samples the logits
         elif method == "determine_num_blocks":
             replies.send(("ok", runner.determine_num_blocks(*args)))
         elif method == "initialize_cache":

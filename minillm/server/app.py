@@ -307,7 +307,7 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
             # The dashboard owns the terminal: the server runs quietly on a thread.
             app = create_app(engine, dataclasses.replace(options, log_interval=None))
             with ServerThread(app, host, port, log_level="critical") as server:
-                from tui.app import run_monitor
+                from minillm.tui.app import run_monitor
                 run_monitor(server.url, api_key=options.api_key)
         else:
             app = create_app(engine, options)

@@ -7,10 +7,12 @@ times its tokens were seen on the engine thread.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from minillm.outputs import RequestOutput
+from minillm.spec_decode.metrics import COUNTERS as SPEC_DECODE_COUNTERS
+from minillm.spec_decode.metrics import PER_POSITION_COUNTER
 from minillm.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -60,6 +62,45 @@ class _SnapshotCollector(Collector):
         for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
+        yield from kv_offload_families(stats, self.model_name)
+        yield from _structured_output_summaries(self.model_name, stats)
+        yield from spec_decode_families(stats, self.model_name)
+
+
+def kv_offload_families(stats: EngineStats, model_name: str):
+    """The host tier of the prefix cache (--kv-offload-gib): blocks, hits, bytes each way; none when off."""
+    if not stats.kv_offload_num_blocks:
+        return
+    for name, doc, value in (
+            ("minillm:kv_offload_blocks_total", "Blocks the host KV tier holds at most.", stats.kv_offload_num_blocks),
+            ("minillm:kv_offload_blocks_used", "Host KV tier blocks holding a prefix block.",
+             stats.kv_offload_num_used_blocks)):
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
+    hits = CounterMetricFamily("minillm:kv_offload_hits", "Prompt tokens loaded from the host KV tier.",
+                               labels=["model_name"])
+    hits.add_metric([model_name], float(stats.kv_offload_hits))
+    yield hits
+    moved = CounterMetricFamily("minillm:kv_offload_bytes", "Bytes copied between the KV pool and the host tier.",
+                                labels=["model_name", "direction"])
+    moved.add_metric([model_name, "to_host"], float(stats.kv_offload_bytes_to_host))
+    moved.add_metric([model_name, "to_device"], float(stats.kv_offload_bytes_to_device))
+    yield moved
+
+
+def _structured_output_summaries(model_name: str, stats: EngineStats):
+    """Structured outputs: grammar compiles (off the step loop) and per-step bitmask fills, as
+    count and sum (their ratio is the mean; both zero until a request asks for structure)."""
+    for name, doc, count, seconds in (
+            ("minillm:structured_output_compile_seconds", "Seconds each grammar took to compile.",
+             stats.num_grammars_compiled, stats.grammar_compile_time_s),
+            ("minillm:structured_output_bitmask_fill_seconds",
+             "Seconds each step spent filling grammar bitmasks on the host.",
+             stats.num_grammar_fill_steps, stats.grammar_fill_time_s)):
+        family = SummaryMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], count_value=count, sum_value=seconds)
+        yield family
 
 
 class ServerMetrics:
@@ -125,3 +166,19 @@ class RequestTimer:
             self.metrics.e2e.observe(max(0.0, end - times.arrival_time))
         self.metrics.prompt_len.observe(len(output.prompt_token_ids))
         self.metrics.generation_len.observe(self.num_tokens)
+
+
+def spec_decode_families(stats: EngineStats, model_name: str):
+    """vLLM's spec_decode counters from the snapshot (nothing when speculation is off)."""
+    spec = stats.spec_decode
+    if spec is None:
+        return
+    for name, doc, attr in SPEC_DECODE_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(getattr(spec, attr)))
+        yield family
+    name, doc, label = PER_POSITION_COUNTER
+    family = CounterMetricFamily(name, doc, labels=["model_name", label])
+    for position, count in enumerate(spec.num_accepted_tokens_per_pos):
+        family.add_metric([model_name, str(position)], float(count))
+    yield family

@@ -78,6 +78,13 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[Text, float] | None = None
     user: Text | None = None
+    response_format: dict[Text, Any] | None = None      # read by server/structured.py
+    structured_outputs: dict[Text, Any] | None = None   # vLLM's; read by server/structured.py
+
+    @field_validator("response_format", "structured_outputs")
+    @classmethod
+    def _constraint_text(cls, value: dict | None) -> dict | None:
+        return _check_json_text(value)
 
     @property
     def include_usage(self) -> bool:
@@ -163,8 +170,10 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
-                       vocab_size: int | None = None) -> SamplingParams:
-    """Build validated SamplingParams; a bad value becomes a 400 naming the field."""
+                       vocab_size: int | None = None, structured_outputs=None) -> SamplingParams:
+    """Build validated SamplingParams; a bad value becomes a 400 naming the field.
+
+    structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None."""
     def pick(value, default):
         return default if value is None else value
 
@@ -187,6 +196,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)

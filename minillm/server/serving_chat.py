@@ -20,6 +20,7 @@ from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ServingContext, answer, log_unknown_fields, merged_outputs, new_request_id, sse,
     usage,
 )
+from minillm.server.structured import structured_outputs_params
 
 # Names render_chat takes itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt")
@@ -75,12 +76,15 @@ class ChatJob:
         self.texts = TokenTexts(ctx.tokenizer)
 
     async def prepare(self) -> None:
-        """Render and tokenise the conversation (in the preprocessing pool); fit max_tokens to it."""
+        """Check the output constraint and render and tokenise the conversation (in the
+        preprocessing pool); fit max_tokens to it."""
+        self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
         self.prompt_ids = await self.ctx.run_blocking(self._render)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
         max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
-        self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size)
+        self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
+                                         self.structured)
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener."""

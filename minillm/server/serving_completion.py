@@ -18,6 +18,7 @@ from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ServingContext, answer, log_unknown_fields, merged_outputs, new_request_id, sse,
     usage,
 )
+from minillm.server.structured import structured_outputs_params
 
 
 class CompletionJob:
@@ -44,10 +45,12 @@ class CompletionJob:
         self.texts = TokenTexts(ctx.tokenizer)
 
     async def prepare(self) -> None:
-        """Tokenise the prompts (in the preprocessing pool) and fit max_tokens to each."""
+        """Check the output constraint and tokenise the prompts (in the preprocessing pool); fit
+        max_tokens to each."""
+        self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
         self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking(self._tokenize)
         self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.req.max_tokens),
-                                          self.req.logprobs, self.ctx.engine.vocab_size)
+                                          self.req.logprobs, self.ctx.engine.vocab_size, self.structured)
                        for ids in self.prompt_ids]
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:

@@ -45,6 +45,13 @@ class SpecDecodeMetadata:
         """[B] int64: each sequence's first logits row."""
         return np.cumsum(self.num_draft_tokens + 1) - (self.num_draft_tokens + 1)
 
+    @property
+    def draft_lists(self) -> list[list[int]]:
+        """Each sequence's draft ids, in order."""
+        ends = np.cumsum(self.num_draft_tokens).tolist()
+        flat = self.draft_token_ids.tolist()
+        return [flat[e - d:e] for e, d in zip(ends, self.num_draft_tokens.tolist())]
+
     @classmethod
     def make(cls, draft_token_ids: Seq[Seq[int]], num_scheduled_tokens: Seq[int]) -> "SpecDecodeMetadata":
         """Drafts per sequence and each sequence's query length this step (in the step's token order).
@@ -54,16 +61,23 @@ class SpecDecodeMetadata:
         """
         if len(draft_token_ids) != len(num_scheduled_tokens):
             raise ValueError(f"{len(draft_token_ids)} draft lists for {len(num_scheduled_tokens)} sequences")
-        num_drafts = np.array([len(d) for d in draft_token_ids], dtype=np.int32)       # [B]
+        num_drafts = np.array([len(d) for d in draft_token_ids], dtype=np.int64)      # [B]
         num_sched = np.asarray(num_scheduled_tokens, dtype=np.int64)                  # [B]
         if np.any(num_sched < num_drafts + 1):
             b = int(np.argmax(num_sched < num_drafts + 1))
             raise ValueError(f"sequence {b} schedules {num_sched[b]} tokens for {num_drafts[b]} drafts; "
                              f"it needs at least {num_drafts[b] + 1}")
+        return cls.from_query_ends(draft_token_ids, np.cumsum(num_sched))
+
+    @classmethod
+    def from_query_ends(cls, draft_token_ids: Seq[Seq[int]], query_ends) -> "SpecDecodeMetadata":
+        """Drafts per sampling sequence and where each one's query chunk ends in the step's tokens
+        (query_ends: [B], one past its last token), for steps where other rows sit between them."""
+        num_drafts = np.array([len(d) for d in draft_token_ids], dtype=np.int32)       # [B]
         rows = num_drafts.astype(np.int64) + 1
         owner, offset = _segments(rows)
         # Row r of sequence b sits at (end of b's chunk) - rows[b] + r.
-        logits_indices = ((np.cumsum(num_sched) - rows)[owner] + offset).astype(np.int32)
+        logits_indices = ((np.asarray(query_ends, dtype=np.int64) - rows)[owner] + offset).astype(np.int32)
         flat = [t for d in draft_token_ids for t in d]
         return cls(np.asarray(flat, dtype=np.int32).reshape(-1), num_drafts, logits_indices)
 
@@ -96,20 +110,31 @@ def rejection_sample(ops: ModuleType, logits, draft_token_ids: np.ndarray, num_d
     recovered or bonus token; split_outputs makes the lists.
     """
     num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int32)
+    if len(draft_token_ids) != int(num_draft_tokens.sum()):
+        raise ValueError(f"draft_token_ids has {len(draft_token_ids)} ids for {int(num_draft_tokens.sum())} drafts")
+    sampled = sample_rows_no_sync(ops, logits, num_draft_tokens, temperature, top_k, top_p, min_p, uniforms)
+    sampled = ops.to_numpy(sampled).astype(np.int32)                      # [N]
+    num_accepted = num_accepted_drafts(sampled, np.asarray(draft_token_ids), num_draft_tokens)
+    return sampled, num_accepted
+
+
+def sample_rows_no_sync(ops: ModuleType, logits, num_draft_tokens: np.ndarray, temperature: np.ndarray,
+                        top_k: np.ndarray, top_p: np.ndarray, min_p: np.ndarray, uniforms: np.ndarray):
+    """Every row's sample under its sequence's parameters: ids [N] int32, left on the device.
+
+    The arguments are those of rejection_sample; comparing the ids with the drafts is left to the
+    host once they are read back (num_accepted_drafts).
+    """
+    num_draft_tokens = np.asarray(num_draft_tokens, dtype=np.int32)
     rows = num_draft_tokens + 1                                            # [B]
     num_rows = int(rows.sum())
     if logits.shape[0] != num_rows or len(uniforms) != num_rows:
         raise ValueError(f"{len(rows)} sequences with {int(num_draft_tokens.sum())} drafts need {num_rows} "
                          f"logits rows and uniforms, got {logits.shape[0]} and {len(uniforms)}")
-    if len(draft_token_ids) != int(num_draft_tokens.sum()):
-        raise ValueError(f"draft_token_ids has {len(draft_token_ids)} ids for {int(num_draft_tokens.sum())} drafts")
     per_row = lambda a, dt: ops.asarray(np.repeat(np.asarray(a, dtype=dt), rows))  # noqa: E731
-    sampled = ops.sample(logits, per_row(temperature, np.float32), per_row(top_k, np.int32),
-                         per_row(top_p, np.float32), per_row(min_p, np.float32),
-                         ops.asarray(np.asarray(uniforms, dtype=np.float32)))
-    sampled = ops.to_numpy(sampled).astype(np.int32)                      # [N]
-    num_accepted = num_accepted_drafts(sampled, np.asarray(draft_token_ids), num_draft_tokens)
-    return sampled, num_accepted
+    return ops.sample(logits, per_row(temperature, np.float32), per_row(top_k, np.int32),
+                      per_row(top_p, np.float32), per_row(min_p, np.float32),
+                      ops.asarray(np.asarray(uniforms, dtype=np.float32)))
 
 
 def _segments(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -138,6 +163,9 @@ class RejectionSampler:
     depend on the batch; draws for rows past the first rejection were never looked at and are given
     back (the generator is moved back), so the n-th output token of a sequence always uses the n-th
     uniform of its stream, with or without speculation.
+
+    The engine splits the work at the device boundary: sample_no_sync() at launch, accept() once
+    the ids are on the host (nothing else draws from these sequences' generators in between).
     """
 
     def __init__(self, ops: ModuleType):
@@ -145,6 +173,11 @@ class RejectionSampler:
 
     def __call__(self, logits, metadata: SpecDecodeMetadata, seqs: Seq) -> list[list[int]]:
         """logits: [N, V] float32 (penalties applied) -> output ids per sequence (1..d+1 each)."""
+        sampled = self.ops.to_numpy(self.sample_no_sync(logits, metadata, seqs)).astype(np.int32)
+        return self.accept(sampled, metadata, seqs)[0]
+
+    def sample_no_sync(self, logits, metadata: SpecDecodeMetadata, seqs: Seq):
+        """logits: [N, V] float32 (penalties applied) -> every row's sample, ids [N] on the device."""
         num_drafts = metadata.num_draft_tokens
         if len(seqs) != len(num_drafts):
             raise ValueError(f"{len(seqs)} sequences for metadata of {len(num_drafts)}")
@@ -155,14 +188,20 @@ class RejectionSampler:
             if not s.params.is_greedy:
                 d = int(num_drafts[b])
                 uniforms[starts[b]:starts[b] + d + 1] = s.rng.random(d + 1)
-        sampled, num_accepted = rejection_sample(
-            self.ops, logits, metadata.draft_token_ids, num_drafts,
-            np.array([p.temperature for p in params], np.float32),
+        return sample_rows_no_sync(
+            self.ops, logits, num_drafts, np.array([p.temperature for p in params], np.float32),
             np.array([max(p.top_k, 0) for p in params], np.int32),
             np.array([p.top_p for p in params], np.float32),
             np.array([p.min_p for p in params], np.float32), uniforms)
+
+    def accept(self, sampled: np.ndarray, metadata: SpecDecodeMetadata,
+               seqs: Seq) -> tuple[list[list[int]], np.ndarray]:
+        """sampled: [N] ids on the host -> (output ids per sequence, drafts accepted [B]); gives
+        back each sequence's draws for the rows past its first rejection."""
+        num_drafts = metadata.num_draft_tokens
+        num_accepted = num_accepted_drafts(sampled, metadata.draft_token_ids, num_drafts)
         for b, s in enumerate(seqs):
             unused = int(num_drafts[b] - num_accepted[b])
             if unused and not s.params.is_greedy:
                 s.rng.bit_generator.advance(-unused)
-        return split_outputs(sampled, metadata.draft_token_ids, num_drafts, num_accepted)
+        return split_outputs(sampled, metadata.draft_token_ids, num_drafts, num_accepted), num_accepted

@@ -1,0 +1,88 @@
+"""Argument parsing for the benchmarks, in the look of the rest of the `minillm` command line.
+
+Help reads as click's does (Usage:, Options:, <int> metavars, [default: X]); a bad argument is a
+BenchUsageError and a failure the user can fix is a BenchError, both printed as one line.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import textwrap
+from collections.abc import Callable
+
+_METAVARS = {int: "<int>", float: "<float>", str: "<str>", None: "<str>"}
+
+
+class BenchError(RuntimeError):
+    """A benchmark cannot run as asked (no GPU, no server, ...): one line for the user."""
+
+
+class BenchUsageError(Exception):
+    """A bad command-line argument."""
+
+    def __init__(self, prog: str, message: str) -> None:
+        super().__init__(message)
+        self.prog = prog
+        self.message = message
+
+
+class _ClickLikeFormatter(argparse.HelpFormatter):
+    """`Usage: PROG [OPTIONS]`, <type> metavars and `[default: X]` after each option's help."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=32, width=80)
+
+    def add_usage(self, usage, actions, groups, prefix=None) -> None:
+        super().add_usage(f"{self._prog} [OPTIONS]", actions, groups, prefix="Usage: ")
+
+    def start_section(self, heading) -> None:
+        super().start_section(heading.capitalize() if heading else heading)
+
+    def _get_default_metavar_for_optional(self, action) -> str:
+        return _METAVARS.get(action.type, "<str>")
+
+    def _metavar_formatter(self, action, default_metavar):
+        if action.choices is not None and action.metavar is None:
+            choices = "<" + "|".join(map(str, action.choices)) + ">"
+            return lambda size: (choices,) * size if isinstance(size, int) else choices
+        return super()._metavar_formatter(action, default_metavar)
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = default not in (None, argparse.SUPPRESS, False, True) and action.nargs != 0
+        if shown and "default" not in text:
+            value = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+            text = f"{text}  [default: {value}]".strip()
+        return text
+
+    def _format_text(self, text: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width=78, initial_indent="  ", subsequent_indent="  ") + "\n\n"
+
+
+class BenchParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise BenchUsageError instead of exiting."""
+
+    def __init__(self, prog: str, description: str) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=_ClickLikeFormatter,
+                         add_help=False, allow_abbrev=False)
+
+    def parse_known_args(self, args=None, namespace=None):
+        if "help" not in {a.dest for a in self._actions}:   # added last, so it is listed last
+            self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        raise BenchUsageError(self.prog, message)
+
+
+def run_main(main: Callable[[list[str]], int], prog: str, argv: list[str] | None = None) -> int:
+    """Run a benchmark's main as a script: usage errors and BenchErrors become one line on stderr."""
+    try:
+        return main(sys.argv[1:] if argv is None else argv)
+    except BenchUsageError as exc:
+        print(f"{exc.prog}: error: {exc.message} (try '{exc.prog} --help')", file=sys.stderr)
+        return 2
+    except BenchError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,183 @@
+"""Structured outputs in the engine: the decode step time of a batch with JSON-schema requests
+against the same batch unconstrained, and the bitmask-fill time per step.
+
+    python -m minillm.benchmarks.structured_step                               # H200: Qwen3-0.6B shape, bf16
+    python -m minillm.benchmarks.structured_step --device cpu --shape tiny --batch 16 --constrained 4 --steps 8
+
+The model has random weights (load_format "dummy") in the Qwen3-0.6B shape (--shape tiny: two small
+layers over the same 151,936-row head, for a CPU check) and the byte-level tokenizer that
+benchmarks/structured.py builds with Qwen3's sizes, so the grammar masks have the vocabulary of the
+real model. A warm-up request builds llguidance's tokenizer and compiles the schema first (both
+off the step loop in serving, and cached). Each run adds --batch requests (prompts of --prompt-len random ids, temperature 1.0,
+seeded, ignore_eos), steps until every request decodes and --warmup steps more, then times --steps
+engine.step() calls (wall time; async scheduling as the engine chooses: on for CUDA). The
+constrained run gives --constrained of the requests a JSON schema (default: the free-strings schema,
+as maxLength strings cost milliseconds a row to fill over this vocabulary). Runs alternate,
+--repeats times each, on one engine; medians are reported.
+
+With random weights the constrained requests walk wherever the sampled tokens take them: mostly
+inside the schema's first string (a token that closes it is rare among 151k). benchmarks/structured.py
+times the fill at every place in the schema. The ceiling: the structured-outputs issue allows the
+constrained batch at most 10% more step time than the unconstrained one.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minillm.benchmarks.structured import QWEN_TOKENIZER_VOCAB, SCHEMAS, SPECIALS, synthetic_byte_level_tokenizer  # noqa: E402
+from minillm.benchmarks.workload import QWEN3_0_6B  # noqa: E402
+
+ALLOWED_OVERHEAD = 0.10
+SHAPES = {
+    "qwen3-0.6b": QWEN3_0_6B,
+    "tiny": {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "torch_dtype": "float32"},
+}
+
+
+def write_model_dir(out: Path, config: dict) -> Path:
+    """config.json and the synthetic byte-level tokenizer (EOS: <|im_end|>, Qwen3's id 151645)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "tokenizer.json").write_text(synthetic_byte_level_tokenizer())
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    assert QWEN_TOKENIZER_VOCAB - len(SPECIALS) + SPECIALS.index("<|im_end|>") == config["eos_token_id"]
+    return out
+
+
+def wait_until_decoding(engine, request_ids: list[str], max_steps: int = 10_000) -> None:
+    """Step until every request has its first token and no prefill is left."""
+    for _ in range(max_steps):
+        engine.step()
+        rows = {r.request_id: r for r in engine.stats(cells=1).requests}
+        if all(rows[r].output_tokens > 0 for r in request_ids if r in rows) \
+                and engine.metrics.recent_steps[-1].num_prefill_tokens == 0 \
+                and engine.scheduler.num_waiting == 0:
+            return
+    raise RuntimeError("the batch never reached decode")
+
+
+def warm_up(engine, schema: dict) -> None:
+    """One constrained request to the end: llguidance's tokenizer is built (seconds at this
+    vocabulary), the schema compiled and cached, the mask kernel loaded, before any timed run."""
+    from minillm import SamplingParams, StructuredOutputsParams
+
+    engine.add_request("warm-up", [256, 257, 258], SamplingParams(
+        max_tokens=4, structured_outputs=StructuredOutputsParams(json=schema)))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dict:
+    """Per-step wall seconds of --steps decode steps, with num_constrained requests under schema."""
+    from minillm import SamplingParams, StructuredOutputsParams
+
+    rng = np.random.default_rng(run)
+    max_tokens = args.warmup + args.steps + 64
+    structured = StructuredOutputsParams(json=schema)
+    ids = []
+    for i in range(args.batch):
+        rid = f"r{run}-{i}"
+        prompt = rng.integers(256, QWEN_TOKENIZER_VOCAB - len(SPECIALS), args.prompt_len).tolist()
+        engine.add_request(rid, prompt, SamplingParams(
+            temperature=1.0, seed=run * 100_000 + i, max_tokens=max_tokens, ignore_eos=True,
+            structured_outputs=structured if i < num_constrained else None))
+        ids.append(rid)
+    wait_until_decoding(engine, ids)
+    for _ in range(args.warmup):
+        engine.step()
+    before = engine.stats(cells=1)
+    times, batch = [], []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        batch.append(engine.metrics.recent_steps[-1].num_seqs)
+    after = engine.stats(cells=1)
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
+    fill_steps = after.num_grammar_fill_steps - before.num_grammar_fill_steps
+    return {"constrained": num_constrained, "step_ms_median": statistics.median(times) * 1e3,
+            "step_ms_mean": statistics.fmean(times) * 1e3, "batch_mean": statistics.fmean(batch),
+            "fill_ms_per_step": (after.grammar_fill_time_s - before.grammar_fill_time_s) / fill_steps * 1e3
+            if fill_steps else 0.0,
+            "fill_steps": fill_steps, "finished_in_window": args.batch - min(batch)}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m minillm.benchmarks.structured_step", description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--constrained", type=int, default=64, help="requests of the batch under the JSON schema")
+    p.add_argument("--schema", choices=sorted(SCHEMAS), default="free strings")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", help="write the figures to this file")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+
+    args = parse_args(argv)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp) / "model", SHAPES[args.shape])
+        engine = LLMEngine(EngineConfig(
+            model=str(model_dir), device=args.device, dtype=dtype, load_format="dummy",
+            max_num_seqs=args.batch, max_num_batched_tokens=max(8192, args.batch * args.prompt_len),
+            max_model_len=args.prompt_len + args.warmup + args.steps + 128))
+        runs = []
+        try:
+            warm_up(engine, SCHEMAS[args.schema])
+            for r in range(args.repeats):
+                for num_constrained in (0, args.constrained):
+                    runs.append(timed_run(engine, args, num_constrained, SCHEMAS[args.schema], len(runs)))
+                    print(f"# {json.dumps(runs[-1])}", file=sys.stderr)
+            compile_s = engine.stats(cells=1).grammar_compile_time_s
+        finally:
+            engine.shutdown()
+    report(args, runs, compile_s)
+
+
+def report(args, runs: list[dict], compile_s: float) -> None:
+    plain = statistics.median(r["step_ms_median"] for r in runs if r["constrained"] == 0)
+    held = [r for r in runs if r["constrained"] > 0]
+    constrained = statistics.median(r["step_ms_median"] for r in held)
+    fill = statistics.median(r["fill_ms_per_step"] for r in held)
+    overhead = constrained / plain - 1
+    print(f"Structured outputs in the step: {args.shape} shape, random weights, vocabulary 151,936 (byte-level "
+          f"tokenizer), {args.device}; batch {args.batch} decoding, {args.constrained} under the "
+          f"{args.schema!r} JSON schema; medians of {args.repeats} runs x {args.steps} steps. Ceiling: "
+          f"{ALLOWED_OVERHEAD:.0%} more step time than unconstrained.")
+    print("| batch | constrained | step (ms) | mask fill per step (ms) | step time vs unconstrained |")
+    print("| --- | --- | --- | --- | --- |")
+    print(f"| {args.batch} | 0 | {plain:.2f} | - | - |")
+    print(f"| {args.batch} | {args.constrained} | {constrained:.2f} | {fill:.2f} | {overhead:+.1%} "
+          f"({'within' if overhead <= ALLOWED_OVERHEAD else 'over'} the {ALLOWED_OVERHEAD:.0%} ceiling) |")
+    print(f"grammar compile (once, on the pool, tokenizer build excluded): {compile_s * 1e3:.1f} ms; "
+          f"mean batch in the constrained windows: {statistics.fmean(r['batch_mean'] for r in held):.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "step_ms": plain, "step_ms_constrained": constrained,
+                                               "fill_ms_per_step": fill, "overhead": overhead}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The KV connector interface: moves full KV blocks between the device pool and somewhere else.
+
+Shaped after vLLM's KVConnectorBase_V1, only as big as minillm's two uses need: a host-memory tier
+of the prefix cache (host_tier.py), and prefill/decode disaggregation, where a decode engine loads
+the blocks of a prompt that a prefill engine computed. One connector has two sides, one per owner:
+
+    KVConnectorScheduler (pure Python; the scheduler calls it)
+        get_num_new_matched_tokens(seq, n)   prompt tokens it can supply beyond the n the device
+                                             prefix cache holds
+        update_state_after_alloc(seq, n)     blocks for those tokens are allocated: plan the loads
+        build_connector_meta(out)            this step's transfers, carried in SchedulerOutput
+        (device blocks freed or evicted reach it as BlockManager notices: freed, evicted)
+    KVConnectorWorker (the model runner calls it; the runner alone touches device memory)
+        register_kv_cache(kv_pool, device)   the pool it loads into and saves from
+        start_load_kv(meta)                  queue the step's transfers before any of the step's
+                                             work; the forward pass runs after them
+
+Loaded tokens count as computed: the scheduler hands the step only the tokens after them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minillm.sequence import Sequence
+from minillm.step import SchedulerOutput
+
+
+class KVConnectorMetadata:
+    """What the scheduler side tells the runner side about one step (subclassed per connector)."""
+
+
+@dataclass(frozen=True)
+class KVConnectorStats:
+    """A connector's figures as the stats see them (copies; nothing aliases its state)."""
+
+    num_blocks: int                  # blocks the connector's store holds at most
+    num_used_blocks: int
+    hit_tokens: int                  # prompt tokens it supplied (a second kind of prefix hit)
+    bytes_to_host: int               # totals moved each way
+    bytes_to_device: int
+    to_host_bytes_per_s: float       # over the last few seconds
+    to_device_bytes_per_s: float
+    used_block_ids: list[int] = field(default_factory=list)
+
+
+class KVConnectorScheduler:
+    """Scheduler side: answers lookups, plans transfers; no device arrays."""
+
+    def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
+        """Prompt tokens after num_computed_tokens (the device's prefix hits, a multiple of the
+        block size) the connector can load, in whole blocks, leaving at least one to compute."""
+        raise NotImplementedError
+
+    def update_state_after_alloc(self, seq: Sequence, num_external_tokens: int) -> None:
+        """seq's block table now holds blocks for the num_external_tokens matched tokens."""
+        raise NotImplementedError
+
+    def build_connector_meta(self, out: SchedulerOutput) -> KVConnectorMetadata | None:
+        """The transfers of the step being scheduled (None for a step that will not run)."""
+        raise NotImplementedError
+
+    def snapshot(self) -> KVConnectorStats:
+        """The connector's figures for the stats."""
+        raise NotImplementedError
+
+
+class KVConnectorWorker:
+    """Runner side: owns the connector's buffers and issues the copies."""
+
+    def register_kv_cache(self, kv_pool, device) -> None:
+        """kv_pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] on device."""
+        raise NotImplementedError
+
+    def start_load_kv(self, meta: KVConnectorMetadata | None) -> None:
+        """Queue meta's transfers; the compute stream's next work (the step's forward) runs after
+        them, and nothing waits on the host."""
+        raise NotImplementedError

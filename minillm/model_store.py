@@ -1,0 +1,224 @@
+"""The model store: a local directory as it is, or a hub id in the Hugging Face cache (shared with
+transformers, vLLM and huggingface-cli), fetched on first use; the same from any working directory."""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Only what the engine reads: weights, configs, tokenizer files and chat templates.
+DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "merges.txt", "vocab.txt"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")    # org/name, or a legacy bare name
+# How far the "did you mean" search for a mistyped local path looks, so it stays instant.
+_NEARBY_DEPTH = 3
+_NEARBY_MAX_DIRS = 4000
+_SKIPPED_DIRS = {"node_modules", "__pycache__", "site-packages", "blobs"}
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache, by huggingface_hub's rules, read now (it reads them once, at import)."""
+    env = os.environ
+    explicit = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def model_store(download_dir: str | None = None) -> Path:
+    """Where hub models live: download_dir (laid out as a Hugging Face cache) or the shared cache."""
+    return Path(download_dir).expanduser().resolve() if download_dir else hf_hub_cache()
+
+
+def is_repo_id(model: str) -> bool:
+    """Whether MODEL has the form of a Hugging Face repo id (org/name, or a bare legacy name)."""
+    return bool(_REPO_ID.match(model)) and ".." not in model
+
+
+def _looks_like_path(model: str) -> bool:
+    return (model.startswith((".", "/", "~")) or model.count("/") > 1 or model.endswith("/")
+            or (os.sep != "/" and os.sep in model))
+
+
+# ---- resolving a name ------------------------------------------------------------------------------
+
+
+def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
+    """A local model directory as is; a hub id from the store, fetched into it when missing."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json")
+        return path
+    if path.exists():
+        raise ValueError(f"{model} is a file, not a model directory")
+    if _looks_like_path(model) or not is_repo_id(model) or Path(model.split("/")[0]).expanduser().is_dir():
+        # A path (or its first folder exists here): the user meant a directory, not the hub.
+        raise FileNotFoundError(no_such_directory(model))
+    cached = cached_snapshot(model, download_dir)
+    if cached is not None:
+        return cached
+    return download_model(model, download_dir)
+
+
+def no_such_directory(model: str) -> str:
+    """The message for a local path that does not exist, with a near match when one is close by."""
+    message = f"no such directory: {model}"
+    if not is_repo_id(model) and not _looks_like_path(model):
+        message += " (and it is not a Hugging Face repo id of the form org/name)"
+    matches = nearby_model_dirs(Path(model).name)
+    if matches:
+        message += f"; did you mean {' or '.join(matches[:2])}?"
+    return message
+
+
+def nearby_model_dirs(name: str) -> list[str]:
+    """Model directories called NAME within a few levels of the working directory and its parent."""
+    if not name or name in (".", ".."):
+        return []
+    cwd = Path.cwd()
+    found: list[Path] = []
+    visited = 0
+    for root in (cwd, cwd.parent):
+        frontier = [root]
+        for _ in range(_NEARBY_DEPTH + 1):
+            children = []
+            for folder in frontier:
+                if (folder / name / "config.json").is_file() and folder / name not in found:
+                    found.append(folder / name)
+                try:
+                    entries = sorted(os.scandir(folder), key=lambda e: e.name)
+                except OSError:
+                    continue
+                for entry in entries:
+                    visited += 1
+                    if visited > _NEARBY_MAX_DIRS:
+                        return [_shown(p, cwd) for p in found]
+                    # Links are followed (a shared folder is often one); the depth bounds any loop.
+                    if (not entry.name.startswith(".") and entry.name not in _SKIPPED_DIRS
+                            and Path(entry.path) != cwd and _is_dir(entry)):
+                        children.append(Path(entry.path))
+            frontier = children
+    return [_shown(p, cwd) for p in found]
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:   # a dangling link, or no permission
+        return False
+
+
+def _shown(path: Path, cwd: Path) -> str:
+    """PATH as the user would type it from CWD."""
+    relative = os.path.relpath(path, cwd)
+    return relative if relative.startswith("..") else f"./{relative}"
+
+
+def _is_complete(path: Path) -> bool:
+    """Whether a model directory has its config and every weight file it names."""
+    if not (path / "config.json").is_file():
+        return False
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        return all((path / f).is_file() for f in files)
+    return any(path.glob("*.safetensors"))
+
+
+def _repo_folder(repo_id: str, download_dir: str | None) -> Path:
+    """The cache folder of a model repo: <store>/models--<org>--<name>."""
+    return model_store(download_dir) / ("models--" + repo_id.replace("/", "--"))
+
+
+def _snapshots(folder: Path) -> list[Path]:
+    """A repo's snapshots in the cache, the one refs/main names first, then the newest."""
+    snapshots = folder / "snapshots"
+    if not snapshots.is_dir():
+        return []
+    found = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    ref = folder / "refs" / "main"
+    if ref.is_file():
+        main = snapshots / ref.read_text().strip()
+        found.sort(key=lambda p: p != main)
+    return found
+
+
+def cached_snapshot(repo_id: str, download_dir: str | None = None) -> Path | None:
+    """The complete snapshot of REPO_ID in the store, or None (no network)."""
+    return next((s for s in _snapshots(_repo_folder(repo_id, download_dir)) if _is_complete(s)), None)
+
+
+def _is_offline() -> bool:
+    # Read at call time: huggingface_hub reads HF_HUB_OFFLINE once, at import.
+    return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def download_model(repo_id: str, download_dir: str | None = None) -> Path:
+    """snapshot_download the files the engine needs into the store (huggingface_hub draws the bars)."""
+    from huggingface_hub import snapshot_download
+
+    store = model_store(download_dir)
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=str(store), allow_patterns=DOWNLOAD_PATTERNS,
+                                      local_files_only=_is_offline()))
+    except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = reason if len(reason) <= 200 else reason[:197] + "..."
+        nearby = nearby_model_dirs(repo_id.split("/")[-1])
+        hint = f" (did you mean {' or '.join(nearby[:2])}?)" if nearby else ""
+        raise RuntimeError(f"no such directory: {repo_id}{hint}; as a Hugging Face repo id it could not be "
+                           f"fetched into {store} ({type(e).__name__}: {reason})") from e
+    if not (path / "config.json").is_file():
+        raise RuntimeError(f"model {repo_id!r} was fetched into {path} but has no config.json "
+                           f"(minillm runs Hugging Face safetensors checkpoints)")
+    return path
+
+
+# ---- listing the store -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoredModel:
+    """One model repo in the store."""
+
+    repo_id: str
+    path: Path               # the snapshot minillm would load
+    size_bytes: int          # the files of that snapshot
+    note: str                # "" when minillm can run it, else why not
+
+
+def list_local_models(download_dir: str | None = None) -> list[StoredModel]:
+    """Every model repo in the store (whoever downloaded it), by name."""
+    store = model_store(download_dir)
+    if not store.is_dir():
+        return []
+    models = []
+    for folder in sorted(store.glob("models--*")):
+        snapshots = _snapshots(folder)
+        if not snapshots:
+            continue
+        path = next((s for s in snapshots if _is_complete(s)), snapshots[0])
+        repo_id = folder.name[len("models--"):].replace("--", "/", 1)
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        models.append(StoredModel(repo_id, path, size, _runnable_note(path)))
+    return models
+
+
+def _runnable_note(path: Path) -> str:
+    """Why minillm cannot run the snapshot at PATH ("" when it can)."""
+    from minillm.loader import SUPPORTED_ARCHITECTURES
+
+    if not (path / "config.json").is_file():
+        return "no config.json"
+    if not _is_complete(path):
+        return "no safetensors weights" if not any(path.glob("*.safetensors")) else "incomplete download"
+    try:
+        names = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError):
+        return "unreadable config.json"
+    if not any(n in SUPPORTED_ARCHITECTURES for n in names):
+        return f"architecture {', '.join(names) or 'unknown'} not supported"
+    return ""

@@ -1,0 +1,84 @@
+"""A request's output constraint: OpenAI's response_format or vLLM's structured_outputs object,
+turned into StructuredOutputsParams, or a 400 whose param names the bad field.
+
+    response_format: {"type": "text"}                          no constraint (the default)
+                     {"type": "json_object"}                   any JSON object
+                     {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
+    structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...,
+                         "disable_any_whitespace": bool}       vLLM's names, exactly one constraint
+
+The schema is always enforced (strict or not). Nothing about structure is ignored: an unknown
+type or key, or vLLM's older guided_* fields, is a 400 too.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from minillm.sampling_params import short_repr
+from minillm.server.errors import APIError
+
+_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar", "guided_json_object": "json_object"}
+_SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def structured_outputs_params(req: Any):
+    """StructuredOutputsParams for a completions or chat request, or None when it asks for none."""
+    extra = req.model_extra or {}
+    for name, key in _LEGACY.items():
+        if extra.get(name) is not None:
+            raise APIError(400, f"{name} is not supported; send structured_outputs: {{\"{key}\": ...}}", param=name)
+    from_format = _from_response_format(req.response_format) if req.response_format is not None else None
+    if req.structured_outputs is None:
+        return from_format
+    if from_format is not None:
+        raise APIError(400, "response_format and structured_outputs both constrain the output; give one",
+                       param="response_format")
+    unknown = [k for k in req.structured_outputs if k not in _KEYS]
+    if unknown:
+        key = unknown[0]
+        named = _SCHEMA_NAME.fullmatch(key) is not None          # a long or odd key is quoted, cut short
+        param = f"structured_outputs.{key}" if named else "structured_outputs"
+        what = param if named else f"structured_outputs: {short_repr(key)}"
+        raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
+    return _params(lambda field: "structured_outputs" if field == "structured_outputs" else f"structured_outputs.{field}",
+                   **req.structured_outputs)
+
+
+def _from_response_format(fmt: dict):
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _params(lambda field: "response_format", json_object=True)
+    if kind != "json_schema":
+        raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema', got "
+                       f"{short_repr(kind)}",
+                       param="response_format.type")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise APIError(400, "response_format.json_schema must be an object with a name and a schema",
+                       param="response_format.json_schema")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
+        raise APIError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
+                       param="response_format.json_schema.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise APIError(400, "response_format.json_schema.strict must be a boolean",
+                       param="response_format.json_schema.strict")
+    if spec.get("schema") is None:
+        raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
+    return _params(lambda field: "response_format.json_schema.schema", json=spec["schema"])
+
+
+def _params(param_of, **fields):
+    """StructuredOutputsParams(**fields); its ValueError (which names a field) becomes a 400 whose
+    param is param_of(that field)."""
+    from minillm.structured_output import StructuredOutputsError, StructuredOutputsParams
+    try:
+        return StructuredOutputsParams(**fields)
+    except StructuredOutputsError as exc:
+        param = param_of(exc.field)
+        raise APIError(400, f"{param}: {str(exc).split(': ', 1)[-1]}", param=param) from None

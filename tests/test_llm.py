@@ -1,0 +1,81 @@
+"""The LLM class under vLLM's names: llm_engine, prompt dicts, and LLM.chat with a chat template."""
+from __future__ import annotations
+
+import pytest
+
+from minillm import LLM, LLMEngine, SamplingParams
+
+# A ChatML template: stories260K has none of its own.
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    return LLM(str(stories_path), device="cpu")
+
+
+def test_llm_engine_is_the_engine_underneath(llm):
+    assert isinstance(llm.llm_engine, LLMEngine) and llm.llm_engine is llm.engine
+    llm.llm_engine.add_request("direct", "Once upon a time", GREEDY)
+    outs = []
+    while llm.llm_engine.has_unfinished_requests():
+        outs += [o for o in llm.llm_engine.step() if o.finished]
+    [done] = outs
+    assert done.outputs[0].token_ids == llm.generate("Once upon a time", GREEDY)[0].outputs[0].token_ids
+
+
+def test_prompt_dicts_as_vllm_has_them(llm):
+    ids = llm.get_tokenizer().encode("Once upon a time")
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt": "Once upon a time"}, "Once upon a time", ids,
+                         {"prompt": "Once upon a time", "prompt_token_ids": ids}], GREEDY)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.prompt for o in outs] == [None, "Once upon a time", "Once upon a time", None, "Once upon a time"]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    [single] = llm.generate({"prompt_token_ids": ids}, GREEDY)
+    assert single.outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt, needle", [
+    ({"prompt": "hi", "multi_modal_data": {}}, "multi_modal_data"),
+    ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids must be a list"),
+    ({}, "needs 'prompt'"),
+    ({"prompt_token_ids": [1, 10 ** 9]}, "prompt token ids must be integers"),
+])
+def test_bad_prompt_dicts_are_refused_and_nothing_is_left_running(llm, prompt, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(["Once upon a time", prompt], GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_renders_the_template_and_generates(llm):
+    tok = llm.get_tokenizer()
+    messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me one."}]
+    [out] = llm.chat(messages, GREEDY, chat_template=CHATML)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, chat_template=CHATML)
+    assert out.prompt == text and text.endswith("<|im_start|>assistant\n")
+    [same] = llm.generate({"prompt_token_ids": tok.encode(text, add_special_tokens=False)}, GREEDY)
+    assert out.prompt_token_ids == same.prompt_token_ids
+    assert out.outputs[0].token_ids == same.outputs[0].token_ids
+    # A batch of conversations, one output each, in order.
+    other = [{"role": "user", "content": "Lily?"}]
+    outs = llm.chat([messages, other], GREEDY, chat_template=CHATML)
+    assert [o.prompt for o in outs] == [text, tok.apply_chat_template(other, chat_template=CHATML)]
+    assert outs[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_chat_template_matches_transformers(stories_path, llm):
+    transformers = pytest.importorskip("transformers")
+    messages = [{"role": "user", "content": "Tell me about Lily."}, {"role": "assistant", "content": "She plays."},
+                {"role": "user", "content": "And then?"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(stories_path))
+    want = hf.apply_chat_template(messages, chat_template=CHATML, add_generation_prompt=True, tokenize=False)
+    [out] = llm.chat(messages, GREEDY, chat_template=CHATML)
+    assert out.prompt == want
+
+
+def test_chat_without_any_template_says_so(llm):
+    with pytest.raises(ValueError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
