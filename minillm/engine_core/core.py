@@ -51,6 +51,27 @@ class TokenState:
     want_logprobs: bool
     num_sent: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    grammar_terminated: bool | None = None   # None: no grammar; else whether its last token was an accepted EOS
+
+
+@dataclass
+class CoreCompletionOutput(CompletionOutput):
+    """A core's CompletionOutput with what the API server needs to tell whether a constrained
+    sequence's last token is text: None without a grammar, else whether its matcher took an EOS."""
+
+    grammar_terminated: bool | None = None
+
+
+def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """SamplingParams' constructor arguments from an AddRequest's fields (msgpack carried the
+    structured-output constraint as a plain dict)."""
+    out = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
+    constraint = out.get("structured_outputs")
+    if isinstance(constraint, dict):   # llguidance is imported only for requests that use it
+        from minillm.structured_output import StructuredOutputsParams
+        init = {f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init}
+        out["structured_outputs"] = StructuredOutputsParams(**{k: v for k, v in constraint.items() if k in init})
+    return out
 
 
 class TokenOutputs:
@@ -67,6 +88,8 @@ class TokenOutputs:
     def add_token(self, state: TokenState, seq: Sequence, token: int,
                   logprobs: dict[int, float] | None) -> None:
         """Keep the token's log-probability row for the next report; never a stop string."""
+        if seq.structured_output is not None:   # read now: the grammar is let go when the sequence ends
+            state.grammar_terminated = seq.structured_output.is_terminated
         if state.want_logprobs and logprobs is not None:
             state.logprobs.append(logprobs)
 
@@ -76,16 +99,18 @@ class TokenOutputs:
         state.num_sent += len(new)
         rows, state.logprobs = state.logprobs, []
         done = seq.is_finished
-        return CompletionOutput(index=seq.index, text="", token_ids=new,
-                                finish_reason=seq.status.finish_reason if done else None,
-                                stop_reason=seq.stop_reason if done else None,
-                                logprobs=rows if state.want_logprobs else None)
+        return CoreCompletionOutput(index=seq.index, text="", token_ids=new,
+                                    finish_reason=seq.status.finish_reason if done else None,
+                                    stop_reason=seq.stop_reason if done else None,
+                                    logprobs=rows if state.want_logprobs else None, grammar_terminated=state.grammar_terminated)
 
 
 def request_step_output(out: RequestOutput) -> m.RequestStepOutput:
     """A core RequestOutput (token deltas) as its message."""
     metrics = out.metrics
-    seqs = [m.SeqOutput(c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in out.outputs]
+    seqs = [m.SeqOutput(c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
+                        c.grammar_terminated)
+            for c in out.outputs]
     return m.RequestStepOutput(out.request_id, seqs, out.finished, metrics.num_cached_tokens,
                                metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time)
 
@@ -106,7 +131,7 @@ class EngineCore:
     def add_request(self, command: m.AddRequest) -> str | None:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
         try:
-            params = SamplingParams(**{k: v for k, v in command.params.items() if k in SAMPLING_FIELDS})
+            params = SamplingParams(**sampling_fields(command.params))
             self.engine.add_request(command.request_id, command.prompt_token_ids, params,
                                     arrival_time=command.arrival_time)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type

@@ -69,6 +69,7 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: list[dict[int, float]] | None = None   # one row per new token when logprobs were asked
     finish_reason: str | None = None                     # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
+    grammar_terminated: bool | None = None               # constrained: its matcher took an EOS (not text)
 
 
 class RequestStepOutput(msgspec.Struct, array_like=True):

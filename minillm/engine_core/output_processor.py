@@ -35,6 +35,7 @@ class SequenceMirror:
     status: SequenceStatus = SequenceStatus.RUNNING
     stop_reason: int | str | None = None
     core_finish_reason: str | None = None    # how the core ended it, once it says
+    structured_output: GrammarState | None = None   # constrained: what the core says of its matcher
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -50,6 +51,13 @@ class SequenceMirror:
     def final_reason(self) -> str:
         """The reason it counts under: this side's verdict, else the core's, else an abort."""
         return self.status.finish_reason or self.core_finish_reason or "abort"
+
+
+@dataclass(frozen=True)
+class GrammarState:
+    """What output_processor reads of a constrained sequence's matcher, as the core reported it."""
+
+    is_terminated: bool
 
 
 @dataclass(eq=False)
@@ -135,6 +143,8 @@ class OutputProcessor:
         core has not acted on yet is added to `stops`."""
         if out.finish_reason is not None:
             seq.core_finish_reason = out.finish_reason
+        if out.grammar_terminated is not None:
+            seq.structured_output = GrammarState(out.grammar_terminated)
         if req.handle is None or seq.is_finished:
             return False
         tokens, rows = out.new_token_ids, out.new_logprobs
