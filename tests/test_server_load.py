@@ -14,6 +14,7 @@ from core_hooks import install
 from test_server_helpers import call_utility, get_stats, running_server, sse_events, wait_for
 
 from minillm.benchmarks import serving as bench
+from minillm.benchmarks.cli_args import BenchUsageError
 from minillm.server.async_engine import MAX_COMMANDS_PER_STEP
 
 MODEL = "stories"
@@ -201,7 +202,7 @@ def test_serving_benchmark_concurrency_sweep_beside_the_offline_ceiling(server, 
         ratio = level["result"]["output_throughput"] / level["offline_ceiling_tok_s"]
         assert f"{ratio:.2f}" in rows[[1, 4].index(level["max_concurrency"])]
     assert saved["args"]["offline_engine_args"] == {"device": "cpu", "num_kv_blocks": 64}
-    with pytest.raises(SystemExit):
+    with pytest.raises(BenchUsageError, match="not_a_field=1"):
         bench.parse_args(["--offline-model", "m", "--offline-arg", "not_a_field=1"])
 
 
