@@ -4,14 +4,13 @@ naming the field while a healthy stream finishes unchanged; the figures in /v1/s
 from __future__ import annotations
 
 import json
-import threading
 
 import httpx
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from test_server_helpers import chat_model_dir, get_stats, running_server  # noqa: E402
+from test_server_helpers import HealthyStreams, chat_model_dir, get_stats, running_server  # noqa: E402
 from test_structured_engine import CHECKS  # noqa: E402
 from test_structured_output import SCHEMA  # noqa: E402
 
@@ -188,33 +187,14 @@ def test_the_openai_client_sees_the_400s(client):
     assert info.value.param == "structured_outputs.regex"
 
 
-def test_a_healthy_stream_finishes_unchanged_through_the_bad_requests(server, client, monkeypatch):
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=480, temperature=0, extra_body={"ignore_eos": True})
-    solo = client.completions.create(**args).choices[0].text
-    # The engine thread runs a few steps of the stream, then holds before the next one until the
-    # bad requests are answered: they are handled while the stream is certainly in flight.
-    engine, real_step = server[1].engine, server[1].engine.step
-    steps_left, held, resume = [4], threading.Event(), threading.Event()
-
-    def step():
-        if steps_left[0] <= 0 and not resume.is_set():
-            held.set()
-            assert resume.wait(timeout=120)
-        steps_left[0] -= 1
-        return real_step()
-
-    monkeypatch.setattr(engine, "step", step)
-    stream = client.completions.create(stream=True, **args)
-    text = next(iter(stream)).choices[0].text
-    assert held.wait(timeout=120)
-    try:
+def test_a_healthy_stream_finishes_unchanged_through_the_bad_requests(server):
+    healthy = HealthyStreams(server[0], {"model": MODEL, "prompt": PROMPT, "max_tokens": 480, "temperature": 0,
+                                         "ignore_eos": True})
+    with healthy.in_flight(fresh=True):
         for endpoint, fields, param in BAD:
             response = post(server[0], endpoint, fields)
             assert response.status_code == 400 and response.json()["error"]["param"] == param
-    finally:
-        resume.set()
-    text += "".join(c.choices[0].text for c in stream)
-    assert text == solo
+    healthy.check()
 
 
 def test_stats_and_metrics_show_the_grammar_work(server, client):
