@@ -8,6 +8,9 @@ branches on the backend.
 
 Block copies (KV connectors) take pools laid out `[num_layers, 2, num_blocks, *block]` with the
 block's own elements contiguous: on the device the KV pool, on the host a pool of the same layout.
+A KV pool allocated `shared` can be exported to another process and imported there
+(prefill/decode disaggregation, minillm/kv_connector/transport.py): on the CPU as a shared-memory
+segment, on the GPU as a plain cudaMalloc opened by CUDA IPC.
 """
 from __future__ import annotations
 
@@ -74,6 +77,10 @@ class CpuDevice:
     name = "cpu"
     kv_pool_fills_memory = False     # the pool is sized by a byte budget, capped by what it can use
 
+    def __init__(self):
+        self._segment = None             # the shared-memory segment of a shared KV pool
+        self._shared_pool = None
+
     def compute(self):
         """Context in which device work is queued (nothing to enter on the CPU)."""
         return contextlib.nullcontext()
@@ -110,6 +117,30 @@ class CpuDevice:
         """True when exc leaves the device unusable (no such error on the CPU)."""
         return False
 
+    # ---- the KV pool, shared with another process --------------------------------------------
+    def kv_pool_zeros(self, shape: tuple[int, ...], dtype: str, shared: bool = False) -> np.ndarray:
+        """A zeroed KV pool; shared: in a shared-memory segment that export_kv_pool() describes."""
+        if not shared:
+            return np.zeros(shape, dtype=dtype)
+        from minillm.kv_connector.transport import SharedSegment
+        self._segment = SharedSegment(int(np.prod(shape)) * np.dtype(dtype).itemsize)
+        self._shared_pool = self._segment.array(shape, np.dtype(dtype))
+        return self._shared_pool
+
+    def export_kv_pool(self, pool: np.ndarray, dtype: str):
+        """The KVRegion another process maps `pool` by (it must have been allocated shared)."""
+        from minillm.kv_connector.transport import KVRegion
+        if pool is not self._shared_pool:
+            raise ValueError("only a KV pool allocated with shared=True can be exported")
+        return KVRegion("shm", str(self._segment.path), tuple(pool.shape), dtype)
+
+    def import_kv_pool(self, region) -> np.ndarray:
+        """Another process's exported pool, read-only; ValueError when it cannot be mapped here."""
+        from minillm.kv_connector.transport import attach_segment
+        if region.kind != "shm":
+            raise ValueError(f"the CPU backend reads KV from host shared memory (shm), not {region.kind}")
+        return attach_segment(region)
+
     # ---- KV block copies (host memory on both sides here; the logic above them is the GPU's) ----
     def empty_host_like(self, pool: np.ndarray, num_blocks: int) -> np.ndarray:
         """A host pool shaped like pool with num_blocks blocks (pages are taken when first written)."""
@@ -136,7 +167,9 @@ class CpuDevice:
         dst[:, :, dst_ids] = src[:, :, src_ids]
 
     def release(self) -> None:
-        """Give cached memory back (nothing is cached on the CPU)."""
+        """Give cached memory back (nothing is cached on the CPU); a shared pool's segment loses its name."""
+        if self._segment is not None:
+            self._segment.unlink()
 
 
 class _CudaHostArray(HostArray):
@@ -185,6 +218,8 @@ class CudaDevice:
         import cupy
         self.cp = cupy
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._shared_pool = None
+        self._imports: list[int] = []    # pointers opened by CUDA IPC, closed at release()
 
     def compute(self):
         """Context in which device work is queued: the compute stream."""
@@ -248,6 +283,54 @@ class CudaDevice:
         runtime = self.cp.cuda.runtime
         return isinstance(exc, (runtime.CUDARuntimeError, self.cp.cuda.driver.CUDADriverError))
 
+    # ---- the KV pool, shared with another process on this GPU by CUDA IPC ----------------------
+    def kv_pool_zeros(self, shape: tuple[int, ...], dtype: str, shared: bool = False):
+        """A zeroed KV pool (queue it inside compute()); shared: one plain cudaMalloc of its own,
+        not a slice of CuPy's pool, so its IPC handle covers exactly the pool."""
+        cp = self.cp
+        if not shared:
+            return cp.zeros(shape, dtype=cp.dtype(dtype))
+        nbytes = int(np.prod(shape)) * cp.dtype(dtype).itemsize
+        memory = cp.cuda.Memory(nbytes)           # cudaMalloc; freed with the last array over it
+        pool = cp.ndarray(shape, dtype=cp.dtype(dtype), memptr=cp.cuda.MemoryPointer(memory, 0))
+        pool.fill(0)
+        self._shared_pool = pool
+        return pool
+
+    def pci_bus_id(self) -> str:
+        """This GPU's PCI bus id (the same in every process, whatever CUDA_VISIBLE_DEVICES says)."""
+        runtime = self.cp.cuda.runtime
+        return runtime.deviceGetPCIBusId(runtime.getDevice())
+
+    def export_kv_pool(self, pool, dtype: str):
+        """The KVRegion (a CUDA IPC handle) another process on this GPU opens `pool` by."""
+        from minillm.kv_connector.transport import KVRegion
+        if pool is not self._shared_pool:
+            raise ValueError("only a KV pool allocated with shared=True can be exported")
+        handle = bytes(self.cp.cuda.runtime.ipcGetMemHandle(pool.data.ptr))
+        return KVRegion("cuda_ipc", handle, tuple(pool.shape), dtype, self.pci_bus_id())
+
+    def import_kv_pool(self, region):
+        """Another process's exported pool, opened by CUDA IPC; ValueError when it cannot be here."""
+        cp = self.cp
+        if region.kind != "cuda_ipc":
+            raise ValueError(f"the GPU backend reads KV by CUDA IPC (kv_buffer_device cuda), not {region.kind}")
+        here = self.pci_bus_id()
+        if region.device != here:
+            raise ValueError(f"the prefill engine's KV pool is on the GPU at {region.device}, this engine's on "
+                             f"{here}: CUDA IPC needs both engines on one GPU")
+        if not isinstance(region.handle, bytes) or len(region.handle) != 64:
+            raise ValueError("the KV region's CUDA IPC handle must be 64 bytes")
+        dtype = cp.dtype(region.dtype)
+        try:
+            ptr = cp.cuda.runtime.ipcOpenMemHandle(region.handle)
+        except cp.cuda.runtime.CUDARuntimeError as exc:
+            raise ValueError(f"the prefill engine's KV pool cannot be opened by CUDA IPC: {exc}") from None
+        self._imports.append(ptr)
+        nbytes = int(np.prod(region.shape)) * dtype.itemsize
+        memory = cp.cuda.UnownedMemory(ptr, nbytes, None, cp.cuda.runtime.getDevice())
+        return cp.ndarray(region.shape, dtype=dtype, memptr=cp.cuda.MemoryPointer(memory, 0))
+
     # ---- KV block copies between the pool and pinned host memory ------------------------------
     def empty_host_like(self, pool, num_blocks: int) -> np.ndarray:
         """A pinned host pool shaped like pool with num_blocks blocks. Its dtype is an unsigned
@@ -274,29 +357,37 @@ class CudaDevice:
         """Seconds between two done events."""
         return self.cp.cuda.get_elapsed_time(start, end) / 1e3
 
-    def copy_blocks(self, dst, dst_ids: np.ndarray, src, src_ids: np.ndarray, stream) -> None:
-        """Queue dst[:, :, dst_ids] = src[:, :, src_ids] on stream, one host<->device direction.
+    def copy_blocks(self, dst, dst_ids: np.ndarray, src, src_ids: np.ndarray, stream=None) -> None:
+        """Queue dst[:, :, dst_ids] = src[:, :, src_ids] on stream (default: compute): host to
+        device, device to host, or device to device (a pool opened by CUDA IPC).
 
         A block is num_layers * 2 rows of block_bytes, one row per (layer, K|V), the rows of one
         pool num_blocks * block_bytes apart: each run of consecutive blocks is one
-        cudaMemcpy2DAsync. The host side must be pinned for the copy to be asynchronous."""
+        cudaMemcpy2DAsync. A host side must be pinned for the copy to be asynchronous."""
         rt = self.cp.cuda.runtime
         rows = dst.shape[0] * dst.shape[1]
         block_bytes = int(np.prod(dst.shape[3:])) * dst.dtype.itemsize
         assert src.shape[:2] == dst.shape[:2] and src.dtype.itemsize == dst.dtype.itemsize
         assert int(np.prod(src.shape[3:])) * src.dtype.itemsize == block_bytes
-        to_host = isinstance(dst, np.ndarray)
+        to_host, from_host = isinstance(dst, np.ndarray), isinstance(src, np.ndarray)
+        assert not (to_host and from_host), "copy_blocks moves blocks to or from the device"
         dst_ptr = dst.ctypes.data if to_host else dst.data.ptr
-        src_ptr = src.data.ptr if to_host else src.ctypes.data
-        kind = rt.memcpyDeviceToHost if to_host else rt.memcpyHostToDevice
+        src_ptr = src.ctypes.data if from_host else src.data.ptr
+        kind = (rt.memcpyDeviceToHost if to_host else rt.memcpyHostToDevice if from_host
+                else rt.memcpyDeviceToDevice)
+        stream = stream if stream is not None else self.stream
         dst_pitch, src_pitch = dst.shape[2] * block_bytes, src.shape[2] * block_bytes
         for s, d, n in block_runs(src_ids, dst_ids):
             rt.memcpy2DAsync(dst_ptr + d * block_bytes, dst_pitch, src_ptr + s * block_bytes, src_pitch,
                              n * block_bytes, rows, kind, stream.ptr)
 
     def release(self) -> None:
-        """Wait for the device, then return CuPy's cached blocks (device and pinned) to the driver."""
+        """Wait for the device, close the pools opened by CUDA IPC, then return CuPy's cached blocks
+        (device and pinned) to the driver."""
         self.synchronize()
+        for ptr in self._imports:
+            self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        self._imports.clear()
         self.cp.get_default_memory_pool().free_all_blocks()
         self.cp.get_default_pinned_memory_pool().free_all_blocks()
 
