@@ -150,9 +150,21 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; hashed ones stay cached-free (tail evicted first), others go first."""
+        self.release_blocks(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    def hold(self, blocks: list[int]) -> None:
+        """Take one more reference on blocks in use (a KV transfer's lease keeps them past their sequence)."""
+        for block in blocks:
+            assert self.ref_counts[block] > 0, f"block {block} is free: only blocks in use can be held"
+            self.ref_counts[block] += 1
+
+    def release_blocks(self, blocks: list[int]) -> None:
+        """Drop one reference on each block (the last one frees it, as free() does)."""
         if self.freed is not None:
-            self.freed.extend(seq.block_table)
-        for block in reversed(seq.block_table):
+            self.freed.extend(blocks)
+        for block in reversed(blocks):
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"
             if self.ref_counts[block] == 0:
@@ -161,8 +173,6 @@ class BlockManager:
                     self.free_queue.move_to_end(block, last=False)
                 else:
                     self._num_cached_free += 1
-        seq.block_table = []
-        seq.block_hashes = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block's content."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from minillm.kv_connector.transfer_config import KVTransferConfig
     from minillm.spec_decode.config import SpeculativeConfig
 
 
@@ -63,6 +64,9 @@ class EngineConfig:
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
     kv_offload_gib: float = 0            # host-memory tier of the prefix cache, GiB (0: off)
+    # vLLM's kv_transfer_config: prefill/decode disaggregation (a KVTransferConfig, its dict or its
+    # JSON; None: this engine takes no part in KV transfers)
+    kv_transfer_config: "KVTransferConfig | dict[str, Any] | str | None" = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +101,13 @@ class EngineConfig:
                                  else f"speculative_config: {message}") from None
             # Parsed once here, as given: the frozen config holds the one parsed form.
             object.__setattr__(self, "speculative_config", spec)
+        if self.kv_transfer_config is not None:
+            from minillm.kv_connector.transfer_config import KVTransferConfig
+            object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_any(self.kv_transfer_config))
+            if self.kv_offload_gib:
+                raise ValueError("kv_transfer_config and kv_offload_gib cannot be combined: an engine has one KV connector")
+            if self.tensor_parallel_size > 1:
+                raise ValueError("kv_transfer_config works with tensor_parallel_size 1 only")
         if self.kv_offload_gib:
             check_kv_offload_gib(self.kv_offload_gib, self.enable_prefix_caching)
             if self.tensor_parallel_size > 1:

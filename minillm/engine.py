@@ -14,6 +14,7 @@ from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
 from minillm.kv_connector import make_kv_connector
+from minillm.kv_connector.base import refuse_kv_transfer_params
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
 from minillm.model_runner import InFlightStep, ModelRunner
@@ -113,6 +114,8 @@ class LLMEngine:
         # Text and stop strings per sequence; an engine core passes one that reports token ids only.
         self.output_processor = output_processor(self.tokenizer)
         self.backend = choose_backend(config.device)
+        if config.kv_transfer_config is not None:    # before the weights load: a bad transport fails fast
+            config.kv_transfer_config.check_backend(self.backend)
         if config.device == "auto":
             self.log(f"minillm: device auto -> {'cuda (CuPy sees a GPU)' if self.backend == 'cuda' else 'cpu (NumPy)'}")
         self.ops = get_ops(self.backend)
@@ -171,6 +174,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
+        self._check_kv_transfer(ids, params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "
                              f"max_model_len {self.max_model_len}")
@@ -192,6 +196,13 @@ class LLMEngine:
         self.requests[request_id] = req
         for seq in seqs:
             self.scheduler.add(seq)
+
+    def _check_kv_transfer(self, ids: list[int], params: SamplingParams) -> None:
+        """A request's kv_transfer_params are the KV connector's to check; without one, an error."""
+        if self.kv_connector is not None:
+            self.kv_connector.check_request(ids, params)
+        else:
+            refuse_kv_transfer_params(params)
 
     def _structured_output_manager(self):
         """The StructuredOutputManager, built on first use (llguidance is not even imported before)."""
@@ -231,6 +242,12 @@ class LLMEngine:
             return
         self.scheduler.stop(req.seqs[index], stop_string)
         self._changed[request_id] = req
+
+    def service_kv_transfers(self) -> float | None:
+        """For an idle engine loop: let the KV connector act on what came from outside (a prefill
+        engine frees the blocks of released or expired leases); seconds until it needs the loop
+        again, None when only a new command can give it work."""
+        return self.kv_connector.process_pending() if self.kv_connector is not None else None
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running or unreported, or a step is in flight."""
@@ -358,7 +375,8 @@ class LLMEngine:
             outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                                          [self.output_processor.completion_output(st, s)
                                           for st, s in zip(req.states, req.seqs)],
-                                         finished, req.metrics))
+                                         finished, req.metrics, req.seqs[0].kv_transfer_params,
+                                         req.seqs[0].kv_transfer_stats))
         return outputs
 
     # ---- stats and lifetime ------------------------------------------------------------------
@@ -383,6 +401,8 @@ class LLMEngine:
         self._in_flight.clear()
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.runner.shutdown()
 
     def __enter__(self) -> "LLMEngine":

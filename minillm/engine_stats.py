@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from minillm.block_manager import BlockPoolSnapshot
-from minillm.kv_connector.base import KVConnectorStats
+from minillm.kv_connector.base import KVConnectorStats, KVTransferStats
 from minillm.metrics_tracker import MetricsTracker, percentile
 from minillm.scheduler import SchedulerSnapshot
 from minillm.sequence import SequenceView
-from minillm.stats import CELL_CACHED, CELL_FREE, EngineStats, MemoryStats, RequestStats, StructuredOutputStats
+from minillm.stats import (CELL_CACHED, CELL_FREE, CELL_LEASED, EngineStats, MemoryStats, RequestStats,
+                           StructuredOutputStats)
 
 MAX_WAITING_ROWS = 256
 
@@ -48,7 +49,7 @@ class EngineInfo:
 
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
                 memory: MemoryStats, ttft: dict[str, float | None], cells: int,
-                offload: KVConnectorStats | None = None,
+                connector: KVConnectorStats | KVTransferStats | None = None,
                 structured: StructuredOutputStats | None = None) -> EngineStats:
     """An EngineStats snapshot from the block pool's, the scheduler's (and the KV connector's)
     snapshots and the metrics.
@@ -60,6 +61,9 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
     rows: list[RequestStats] = []
     states = np.full(pool.num_blocks, CELL_FREE, dtype=np.int64)
     states[pool.cached_free_block_ids] = CELL_CACHED
+    transfer = connector if isinstance(connector, KVTransferStats) else None
+    if transfer is not None:
+        states[transfer.leased_block_ids] = CELL_LEASED    # running sequences sharing one repaint it below
     filled: dict[int, int] = {}           # block -> tokens it holds (a shared block counts once)
     for seq in sched.running:
         states[seq.block_table] = len(rows)
@@ -92,7 +96,8 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         recent_steps=list(m.recent_steps)[-32:], requests=rows,
         step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
-        **_offload_fields(offload, cells), **(asdict(structured) if structured else {}))
+        **(_offload_fields(connector, cells) if isinstance(connector, KVConnectorStats) else {}),
+        **_transfer_fields(transfer), **(asdict(structured) if structured else {}))
 
 
 def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:
@@ -107,6 +112,18 @@ def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:
                 kv_offload_to_host_bytes_per_s=offload.to_host_bytes_per_s,
                 kv_offload_to_device_bytes_per_s=offload.to_device_bytes_per_s,
                 kv_offload_block_map=downsample_block_map(states, cells)[0])
+
+
+def _transfer_fields(t: KVTransferStats | None) -> dict:
+    """EngineStats' kv_transfer_* fields from the connector's snapshot (none without one)."""
+    if t is None:
+        return {}
+    return dict(kv_transfer_role=t.role, kv_transfer_engine_id=t.engine_id, kv_transfer_num_leases=t.num_leases,
+                kv_transfer_num_leased_blocks=t.num_leased_blocks, kv_transfer_leases_created=t.num_leases_created,
+                kv_transfer_leases_released=t.num_leases_released, kv_transfer_leases_expired=t.num_leases_expired,
+                kv_transfer_num_requests=t.num_requests, kv_transfer_blocks=t.num_blocks,
+                kv_transfer_tokens=t.num_tokens, kv_transfer_bytes=t.num_bytes, kv_transfer_seconds=t.seconds,
+                kv_transfer_bytes_per_s=t.bytes_per_s, kv_transfer_stale_claims=t.num_stale_claims)
 
 
 def _row(seq: SequenceView, ttft: dict[str, float | None]) -> RequestStats:

@@ -109,12 +109,15 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Allocate the KV pool and build what depends on max_model_len (rotary table, graphs)."""
-        mc, xp = self.model_config, self.ops.xp
+        mc = self.model_config
         self.num_blocks = num_blocks
         with self.device.compute():
             self.model.build_rotary(max_model_len)
-            self.kv_pool = xp.zeros((mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
-                                    dtype=xp.dtype(self.dtype))
+            # A KV producer's pool is shared: another engine copies a prompt's blocks straight out of it.
+            transfer = self.config.kv_transfer_config
+            self.kv_pool = self.device.kv_pool_zeros(
+                (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim), self.dtype,
+                shared=transfer is not None and transfer.is_kv_producer)
             if not self.config.enforce_eager:
                 self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool,
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
@@ -130,6 +133,8 @@ class ModelRunner:
         self.device.synchronize()
         if self.graphs is not None:
             self.graphs.release()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         self.graphs = self.kv_pool = self.model = self._last_sampled = self.kv_connector = None
         self.device.release()
 

@@ -50,3 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default=None)  # type: ignore[assignment]
+    # Prefill/decode disaggregation (vLLM's kv_transfer_params): what a prefill engine hands a
+    # decode engine, in the response; kv_transfer_stats: what loading the prompt took on a decode engine.
+    kv_transfer_params: dict | None = None
+    kv_transfer_stats: dict | None = None

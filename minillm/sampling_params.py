@@ -68,6 +68,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar
+    # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
+    extra_args: dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -139,6 +141,8 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            bad("extra_args", "must be a dict")
         if self.structured_outputs is not None:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):

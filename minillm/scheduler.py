@@ -121,6 +121,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's sequences and token counts under the budget, and count them launched."""
+        if self.kv_connector is not None:
+            self.kv_connector.process_pending()     # blocks it gave back since the last step are free now
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
@@ -247,6 +249,8 @@ class Scheduler:
         after seq's i-th new token of the step is appended and may return a stop string it
         completed. Returns (sequence, token) in batch order for the tokens appended (sequences
         finished since the launch get none)."""
+        if self.kv_connector is not None:
+            self.kv_connector.update_connector_output(out)
         appended = []
         for seq in out.sampling_seqs:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
@@ -299,4 +303,6 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(seq)   # may keep its blocks (a KV transfer's lease)
         self.block_manager.free(seq)

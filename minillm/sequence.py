@@ -63,6 +63,10 @@ class Sequence:
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet
     structured_output: StructuredOutputRequest | None = None   # its grammar and matcher, when constrained
     spec_token_ids: list[int] = field(default_factory=list)   # drafts launched for verification, not read back
+    # A KV transfer's word on it (minillm/kv_connector/pd_connector.py): on a prefill engine the
+    # kv_transfer_params a decode engine needs; on a decode engine what loading its prompt took.
+    kv_transfer_params: dict | None = None
+    kv_transfer_stats: dict | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

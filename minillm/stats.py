@@ -8,6 +8,7 @@ from minillm.spec_decode.metrics import SpecDecodeStats
 # Block map cell values: a request row index (>= 0) for a used block, or one of these.
 CELL_FREE = -1
 CELL_CACHED = -2
+CELL_LEASED = -3         # held by a KV transfer's lease for a decode engine (a prefill engine's)
 
 
 @dataclass
@@ -117,6 +118,21 @@ class EngineStats:
     kv_offload_to_device_bytes_per_s: float = 0.0
     # The host blocks as cells of CELL_CACHED (holds a block) or CELL_FREE, downsampled like block_map.
     kv_offload_block_map: list[int] = field(default_factory=list)
+    # Prefill/decode disaggregation (--kv-role); "" and zeros when this engine takes no part.
+    kv_transfer_role: str = ""               # "kv_producer" | "kv_consumer" | "kv_both"
+    kv_transfer_engine_id: str = ""
+    kv_transfer_num_leases: int = 0          # producer: leases held now
+    kv_transfer_num_leased_blocks: int = 0
+    kv_transfer_leases_created: int = 0
+    kv_transfer_leases_released: int = 0     # released by the decode engine that copied them
+    kv_transfer_leases_expired: int = 0      # ran out first
+    kv_transfer_num_requests: int = 0        # consumer: requests whose prompt KV was loaded
+    kv_transfer_blocks: int = 0
+    kv_transfer_tokens: int = 0              # prompt tokens loaded, not computed (prompt_tokens_total counts those)
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0         # copy time
+    kv_transfer_bytes_per_s: float = 0.0     # over the last few seconds
+    kv_transfer_stale_claims: int = 0        # claims that ran out before their load: computed here instead
     # Structured outputs (StructuredOutputStats' fields; zero until a request asks for structure).
     num_grammars_compiled: int = 0
     grammar_compile_time_s: float = 0.0

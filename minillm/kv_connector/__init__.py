@@ -1,20 +1,25 @@
 """KV connectors: KV blocks beyond the device pool (see base.py for the interface).
 
 make_kv_connector() builds the configured one, or nothing: with no connector configured the
-engine holds none and no hook runs.
+engine holds none and no hook runs. Two connectors: the host-memory tier of the prefix cache
+(host_tier.py, --kv-offload-gib) and prefill/decode disaggregation (pd_connector.py,
+--kv-transfer-config).
 """
 from __future__ import annotations
 
 from minillm.kv_connector.base import (KVConnectorMetadata, KVConnectorScheduler, KVConnectorStats,
-                                       KVConnectorWorker)
+                                       KVConnectorWorker, KVTransferStats)
 
 __all__ = ["KVConnectorMetadata", "KVConnectorScheduler", "KVConnectorStats", "KVConnectorWorker",
-           "make_kv_connector"]
+           "KVTransferStats", "make_kv_connector"]
 
 
 def make_kv_connector(config, runner, block_manager) -> KVConnectorScheduler | None:
     """The configured connector: its runner side is handed to runner (whose KV pool exists), its
     scheduler side returned; None when none is configured."""
+    if config.kv_transfer_config is not None:
+        from minillm.kv_connector.pd_connector import make_pd_connector
+        return make_pd_connector(config.kv_transfer_config, runner, block_manager)
     if not config.kv_offload_gib:
         return None
     from minillm.kv_connector.host_tier import HostTierScheduler, HostTierWorker

@@ -9,6 +9,9 @@ the blocks of a prompt that a prefill engine computed. One connector has two sid
                                              prefix cache holds
         update_state_after_alloc(seq, n)     blocks for those tokens are allocated: plan the loads
         build_connector_meta(out)            this step's transfers, carried in SchedulerOutput
+        update_connector_output(out)         step `out` has finished on the device
+        request_finished(seq)                seq ends; its blocks are freed right after
+        process_pending()                    work that came from outside (releases, expiries)
         (device blocks freed or evicted reach it as BlockManager notices: freed, evicted)
     KVConnectorWorker (the model runner calls it; the runner alone touches device memory)
         register_kv_cache(kv_pool, device)   the pool it loads into and saves from
@@ -43,8 +46,41 @@ class KVConnectorStats:
     used_block_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class KVTransferStats:
+    """Prefill/decode disaggregation's figures (copies): the leases a producer holds, what a
+    consumer loaded instead of computing."""
+
+    role: str                        # "kv_producer" | "kv_consumer" | "kv_both"
+    engine_id: str
+    num_leases: int                  # producer: leases held now
+    num_leased_blocks: int
+    leased_block_ids: list[int]
+    num_leases_created: int
+    num_leases_released: int         # released by the consumer that copied them
+    num_leases_expired: int          # ran out before a consumer released them
+    num_requests: int                # consumer: requests whose prompt KV was loaded
+    num_blocks: int                  # blocks loaded
+    num_tokens: int                  # prompt tokens loaded (not computed)
+    num_bytes: int
+    seconds: float                   # copy time on the device
+    bytes_per_s: float               # over the last few seconds
+    num_stale_claims: int            # claims that ran out before the load (computed instead)
+
+
+def refuse_kv_transfer_params(params) -> None:
+    """ValueError for a request with kv_transfer_params on an engine that takes no part in KV transfers."""
+    if isinstance(params.extra_args, dict) and params.extra_args.get("kv_transfer_params") is not None:
+        raise ValueError("kv_transfer_params: this engine takes no part in KV transfers (start it with "
+                         "kv_transfer_config, or minillm serve --kv-role)")
+
+
 class KVConnectorScheduler:
     """Scheduler side: answers lookups, plans transfers; no device arrays."""
+
+    def check_request(self, token_ids: list[int], params) -> None:
+        """Validate what a request asks of the connector where it enters the engine (ValueError)."""
+        refuse_kv_transfer_params(params)
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         """Prompt tokens after num_computed_tokens (the device's prefix hits, a multiple of the
@@ -59,9 +95,23 @@ class KVConnectorScheduler:
         """The transfers of the step being scheduled (None for a step that will not run)."""
         raise NotImplementedError
 
-    def snapshot(self) -> KVConnectorStats:
+    def update_connector_output(self, out: SchedulerOutput) -> None:
+        """Step `out` has finished on the device (its loads are done)."""
+
+    def request_finished(self, seq: Sequence) -> None:
+        """seq has ended (any reason); its blocks are freed right after this returns."""
+
+    def process_pending(self) -> float | None:
+        """Act on what came from outside the engine thread; seconds until it must run again while
+        the engine is idle (None: not before the next command)."""
+        return None
+
+    def snapshot(self) -> KVConnectorStats | KVTransferStats:
         """The connector's figures for the stats."""
         raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Close sockets and threads (the engine is shutting down)."""
 
 
 class KVConnectorWorker:
@@ -75,3 +125,7 @@ class KVConnectorWorker:
         """Queue meta's transfers; the compute stream's next work (the step's forward) runs after
         them, and nothing waits on the host."""
         raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Drop the pools it holds (the runner is giving the device memory back)."""
+        self.kv_pool = None
