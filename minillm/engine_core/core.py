@@ -52,6 +52,7 @@ class TokenState:
     num_sent: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     grammar_terminated: bool | None = None   # None: no grammar; else whether its last token was an accepted EOS
+    is_kv_reported: tuple[bool, bool] = (False, False)   # kv_transfer_params, kv_transfer_stats sent
 
 
 @dataclass
@@ -60,6 +61,8 @@ class CoreCompletionOutput(CompletionOutput):
     sequence's last token is text: None without a grammar, else whether its matcher took an EOS."""
 
     grammar_terminated: bool | None = None
+    kv_transfer_params: dict | None = None   # a KV transfer's word on the sequence, the first time it is there
+    kv_transfer_stats: dict | None = None
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -99,17 +102,21 @@ class TokenOutputs:
         state.num_sent += len(new)
         rows, state.logprobs = state.logprobs, []
         done = seq.is_finished
+        kv = (seq.kv_transfer_params, seq.kv_transfer_stats)
+        new_kv = [value if value is not None and not sent else None for value, sent in zip(kv, state.is_kv_reported)]
+        state.is_kv_reported = (kv[0] is not None, kv[1] is not None)
         return CoreCompletionOutput(index=seq.index, text="", token_ids=new,
                                     finish_reason=seq.status.finish_reason if done else None,
                                     stop_reason=seq.stop_reason if done else None,
-                                    logprobs=rows if state.want_logprobs else None, grammar_terminated=state.grammar_terminated)
+                                    logprobs=rows if state.want_logprobs else None, grammar_terminated=state.grammar_terminated,
+                                    kv_transfer_params=new_kv[0], kv_transfer_stats=new_kv[1])
 
 
 def request_step_output(out: RequestOutput) -> m.RequestStepOutput:
     """A core RequestOutput (token deltas) as its message."""
     metrics = out.metrics
     seqs = [m.SeqOutput(c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
-                        c.grammar_terminated)
+                        c.grammar_terminated, c.kv_transfer_params, c.kv_transfer_stats)
             for c in out.outputs]
     return m.RequestStepOutput(out.request_id, seqs, out.finished, metrics.num_cached_tokens,
                                metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time)
@@ -195,8 +202,11 @@ class EngineCoreProc:
     def run(self) -> None:
         """Take commands and step until told to stop or the API server goes away."""
         while True:
-            idle = not self.engine.has_unfinished_requests()
-            events = dict(self.poller.poll(None if idle else 0))   # block only when there is nothing to do
+            timeout = 0
+            if not self.engine.has_unfinished_requests():   # block only when there is nothing to do
+                wait = self.engine.service_kv_transfers()    # (a KV producer's leases may want it sooner)
+                timeout = None if wait is None else max(1, int(wait * 1000))
+            events = dict(self.poller.poll(timeout))
             if self.spec.parent_pipe.fileno() in events:
                 return      # the API server's process has gone: nobody to serve
             if self.input in events and not self.run_commands():

@@ -70,6 +70,8 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None                     # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     grammar_terminated: bool | None = None               # constrained: its matcher took an EOS (not text)
+    kv_transfer_params: dict[str, Any] | None = None     # a KV transfer's word on it, sent once each
+    kv_transfer_stats: dict[str, Any] | None = None      # (RequestOutput's fields of these names)
 
 
 class RequestStepOutput(msgspec.Struct, array_like=True):

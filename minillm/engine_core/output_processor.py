@@ -72,6 +72,8 @@ class FrontendRequest:
     metrics: RequestMetrics
     handle: Any                 # where its outputs go (the caller's stream); None once nobody follows it
     is_counted: bool = False    # its finish reasons are in the tally
+    kv_transfer_params: dict | None = None   # a KV transfer's word on it, as the core sent it
+    kv_transfer_stats: dict | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -145,6 +147,10 @@ class OutputProcessor:
             seq.core_finish_reason = out.finish_reason
         if out.grammar_terminated is not None:
             seq.structured_output = GrammarState(out.grammar_terminated)
+        if out.kv_transfer_params is not None:
+            req.kv_transfer_params = out.kv_transfer_params
+        if out.kv_transfer_stats is not None:
+            req.kv_transfer_stats = out.kv_transfer_stats
         if req.handle is None or seq.is_finished:
             return False
         tokens, rows = out.new_token_ids, out.new_logprobs
@@ -178,7 +184,7 @@ class OutputProcessor:
             self._count(req)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              [completion_output(st, s) for st, s in zip(req.states, req.seqs)],
-                             finished, req.metrics)
+                             finished, req.metrics, req.kv_transfer_params, req.kv_transfer_stats)
 
     def _count(self, req: FrontendRequest) -> None:
         req.is_counted = True

@@ -326,8 +326,10 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while True:
-                # Idle: sleep on the queue rather than spin.
-                if not self._run_commands(block=not self.engine.has_unfinished_requests()):
+                # Idle: sleep on the queue rather than spin (a KV producer's leases may wake it sooner).
+                idle = not self.engine.has_unfinished_requests()
+                wait = self.engine.service_kv_transfers() if idle else None
+                if not self._run_commands(block=idle, timeout=wait):
                     break
                 if self.engine.has_unfinished_requests():
                     self._step()
@@ -349,8 +351,9 @@ class AsyncLLMEngine:
         if self._yield_each_step:
             time.sleep(0)   # hand the GIL to the event loop (see __init__)
 
-    def _run_commands(self, block: bool) -> bool:
-        """Handle a bounded batch of queued commands (waiting for the first if block); False once told to stop."""
+    def _run_commands(self, block: bool, timeout: float | None = None) -> bool:
+        """Handle a bounded batch of queued commands (waiting for the first, at most timeout seconds,
+        if block); False once told to stop."""
         stats: list[_Stats] = []
         started = time.perf_counter()
         try:
@@ -358,7 +361,7 @@ class AsyncLLMEngine:
                 if count and time.perf_counter() - started > MAX_COMMAND_SECONDS_PER_STEP:
                     break
                 try:
-                    command = self._commands.get() if block and count == 0 else self._commands.get_nowait()
+                    command = self._commands.get(timeout=timeout) if block and count == 0 else self._commands.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(command, _Stats):
