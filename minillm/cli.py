@@ -87,6 +87,12 @@ class EngineCore(str, Enum):
     thread = "thread"
 
 
+class KVRole(str, Enum):
+    producer = "producer"
+    consumer = "consumer"
+    both = "both"
+
+
 class DType(str, Enum):
     auto = "auto"
     float32 = "float32"
@@ -427,6 +433,7 @@ def run_generate(config: EngineConfig, prompts: list[str], params):
 # ---------------------------------------------------------------------------------------------
 
 SERVER_PANEL = "Server options"
+KV_TRANSFER_PANEL = "KV transfer (prefill/decode disaggregation)"
 
 
 def _server_option(*decls: str, help: str, **kw) -> typer.models.OptionInfo:
@@ -489,6 +496,17 @@ def serve(
     timeout_keep_alive: Annotated[float, _server_option(
         "--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.")] = (
         _limit_default("timeout_keep_alive_s")),
+    kv_role: Annotated[Optional[KVRole], typer.Option(
+        "--kv-role", rich_help_panel=KV_TRANSFER_PANEL, help="Take part in prefill/decode disaggregation: a "
+        "producer (prefill server) leases its prompts' KV to consumers (decode servers); minillm router joins "
+        "them.")] = None,
+    kv_transfer_config: Annotated[Optional[str], typer.Option(
+        "--kv-transfer-config", metavar="JSON", rich_help_panel=KV_TRANSFER_PANEL, help='As vLLM takes it: '
+        '{"kv_connector": "PDConnector", "kv_role": "kv_producer", "kv_port": 14579, "kv_buffer_device": "cpu"}.')]
+        = None,
+    kv_lease_s: Annotated[Optional[float], typer.Option(
+        "--kv-lease-s", rich_help_panel=KV_TRANSFER_PANEL, help="Seconds a producer holds a prompt's blocks "
+        "that no decode server has released (default 30).")] = None,
     *,
     engine_options: dict,
 ) -> None:
@@ -506,7 +524,8 @@ def serve(
     template = chat_template_from_arg(chat_template) if chat_template is not None else None
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
-    config = engine_config(path, engine_options, served_model_name=served_model_name or name)
+    config = engine_config(path, engine_options, served_model_name=served_model_name or name,
+                           kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
     from minillm.server.app import ServerOptions, run_server
     options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
@@ -515,6 +534,52 @@ def serve(
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
+
+
+def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: float | None) -> dict | None:
+    """The kv_transfer_config of --kv-role, --kv-transfer-config and --kv-lease-s (None: no role)."""
+    if role is None and config_json is None:
+        if lease_s is not None:
+            raise CliError("--kv-lease-s needs --kv-role or --kv-transfer-config")
+        return None
+    config: dict = {}
+    if config_json is not None:
+        try:
+            config = json.loads(config_json)
+        except json.JSONDecodeError as exc:
+            raise CliError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+        if not isinstance(config, dict):
+            raise CliError("--kv-transfer-config must be a JSON object")
+    if role is not None:
+        kv_role = f"kv_{_plain(role)}"
+        if config.get("kv_role", kv_role) != kv_role:
+            raise CliError(f"--kv-role {_plain(role)} and --kv-transfer-config's kv_role {config['kv_role']} disagree")
+        config["kv_role"] = kv_role
+    config.setdefault("kv_connector", "PDConnector")
+    if lease_s is not None:
+        config["kv_lease_s"] = lease_s
+    return config
+
+
+@app.command(name="router")
+def router_command(
+    prefill: Annotated[list[str], typer.Option(
+        "--prefill", help="A prefill server (minillm serve --kv-role producer); repeat for several.")],
+    decode: Annotated[list[str], typer.Option(
+        "--decode", help="A decode server (minillm serve --kv-role consumer); repeat for several.")],
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    connect_timeout: Annotated[float, typer.Option(
+        help="Seconds to wait for a server to accept a connection before trying the next.")] = 3.0,
+    timeout: Annotated[float, typer.Option(help="Seconds a server may take to answer.")] = 600.0,
+) -> None:
+    """An OpenAI-compatible proxy for prefill/decode disaggregation.
+
+    Each request is prefilled on a prefill server (one token, its KV leased), then sent with the
+    returned kv_transfer_params to a decode server, whose stream is passed through.
+    """
+    from minillm.router import RouterConfig, run_router
+    run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout), host=host, port=port)
 
 
 @app.command(name="monitor")

@@ -187,6 +187,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
         yield
         if task is not None:
             task.cancel()
+        if ctx.kv_claims is not None:
+            ctx.kv_claims.close()
         ctx.executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan)

@@ -63,6 +63,7 @@ class _SnapshotCollector(Collector):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
         yield from kv_offload_families(stats, self.model_name)
+        yield from kv_transfer_families(stats, self.model_name)
         yield from _structured_output_summaries(self.model_name, stats)
         yield from spec_decode_families(stats, self.model_name)
 
@@ -87,6 +88,38 @@ def kv_offload_families(stats: EngineStats, model_name: str):
     moved.add_metric([model_name, "to_host"], float(stats.kv_offload_bytes_to_host))
     moved.add_metric([model_name, "to_device"], float(stats.kv_offload_bytes_to_device))
     yield moved
+
+
+def kv_transfer_families(stats: EngineStats, model_name: str):
+    """Prefill/decode disaggregation (--kv-role): a prefill server's leases, a decode server's loads
+    (prompt tokens transferred, against minillm:prompt_tokens computed); none without a role."""
+    if not stats.kv_transfer_role:
+        return
+    for name, doc, value in (
+            ("minillm:kv_transfer_leases", "KV leases a prefill engine holds for decode engines.",
+             stats.kv_transfer_num_leases),
+            ("minillm:kv_transfer_leased_blocks", "KV blocks held under those leases.",
+             stats.kv_transfer_num_leased_blocks)):
+        family = GaugeMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
+    leases = CounterMetricFamily("minillm:kv_transfer_lease_ends", "KV leases ended, by how.",
+                                 labels=["model_name", "outcome"])
+    leases.add_metric([model_name, "released"], float(stats.kv_transfer_leases_released))
+    leases.add_metric([model_name, "expired"], float(stats.kv_transfer_leases_expired))
+    yield leases
+    for name, doc, value in (
+            ("minillm:kv_transfer_requests", "Requests whose prompt KV was loaded from a prefill engine.",
+             stats.kv_transfer_num_requests),
+            ("minillm:kv_transfer_blocks", "KV blocks loaded from prefill engines.", stats.kv_transfer_blocks),
+            ("minillm:kv_transfer_tokens", "Prompt tokens loaded from prefill engines (not computed).",
+             stats.kv_transfer_tokens),
+            ("minillm:kv_transfer_bytes", "Bytes of KV loaded from prefill engines.", stats.kv_transfer_bytes),
+            ("minillm:kv_transfer_seconds", "Seconds spent copying KV from prefill engines.",
+             stats.kv_transfer_seconds)):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
 
 
 def _structured_output_summaries(model_name: str, stats: EngineStats):

@@ -80,8 +80,9 @@ class _GenerationRequest(BaseModel):
     user: Text | None = None
     response_format: dict[Text, Any] | None = None      # read by server/structured.py
     structured_outputs: dict[Text, Any] | None = None   # vLLM's; read by server/structured.py
+    kv_transfer_params: dict[Text, Any] | None = None   # vLLM's; read by server/kv_transfer.py
 
-    @field_validator("response_format", "structured_outputs")
+    @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod
     def _constraint_text(cls, value: dict | None) -> dict | None:
         return _check_json_text(value)

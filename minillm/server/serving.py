@@ -45,6 +45,8 @@ class ServingContext:
     stopping: threading.Event = field(default_factory=threading.Event)   # set when the server shuts down
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_PREPROCESS_THREADS, thread_name_prefix="minillm-preprocess"))
+    kv_claims: Any = None             # a decode server's ClaimClient (server/kv_transfer.py), made on first use
+    background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end
 
     @property
     def tokenizer(self) -> Any:

@@ -10,6 +10,7 @@ from fastapi import Request
 from minillm.outputs import RequestOutput
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
+from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
 from minillm.server.protocol import (
@@ -74,6 +75,7 @@ class ChatJob:
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
+        self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
 
     async def prepare(self) -> None:
         """Check the output constraint and render and tokenise the conversation (in the
@@ -117,9 +119,13 @@ class ChatJob:
                             "logprobs": logprobs, "finish_reason": comp.finish_reason,
                             "stop_reason": comp.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+        body = {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+        self.kv_transfer_stats = final.kv_transfer_stats
+        if final.kv_transfer_params is not None:     # a prefill server's, for the decode server
+            body["kv_transfer_params"] = final.kv_transfer_params
+        return body
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
@@ -141,6 +147,7 @@ class ChatJob:
             async for batch in batches:
                 for _, output in batch:
                     final = output
+                    self.kv_transfer_stats = output.kv_transfer_stats
                     events = [sse(self._chunk([choice])) for choice in self._choices(output, progress)]
                     if events:
                         yield "".join(events)   # one write per wake-up, however many choices moved
@@ -175,4 +182,13 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     check_unsupported(req)
     job = ChatJob(ctx, req)
     await job.prepare()
-    return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+    [job.params], claim = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
+                                                  req.n, req.stream)
+    try:
+        response = await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+    except BaseException:
+        release_claim(ctx, claim)
+        raise
+    if claim is not None:
+        response.headers[HEADER] = claim.header(job.kv_transfer_stats)
+    return response

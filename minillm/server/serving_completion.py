@@ -9,6 +9,7 @@ from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.async_engine import RequestStream
+from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs
 from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.protocol import (
@@ -43,6 +44,7 @@ class CompletionJob:
         self.prompt_texts: list[str] = []
         self.params: list = []
         self.texts = TokenTexts(ctx.tokenizer)
+        self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
 
     async def prepare(self) -> None:
         """Check the output constraint and tokenise the prompts (in the preprocessing pool); fit
@@ -94,8 +96,13 @@ class CompletionJob:
                 choices.append({"index": self._choice_index(pi, comp), "text": text, "logprobs": logprobs,
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
         choices.sort(key=lambda c: c["index"])
-        return {"id": self.request_id, "object": "text_completion", "created": self.created,
+        body = {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, "usage": self._usage(finals)}
+        if finals:
+            self.kv_transfer_stats = finals[0].kv_transfer_stats
+            if finals[0].kv_transfer_params is not None:     # a prefill server's, for the decode server
+                body["kv_transfer_params"] = finals[0].kv_transfer_params
+        return body
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.request_id, "object": "text_completion", "created": self.created,
@@ -113,6 +120,7 @@ class CompletionJob:
                 events = []
                 for pi, output in batch:
                     finals[pi] = output
+                    self.kv_transfer_stats = output.kv_transfer_stats
                     events.extend(sse(self._chunk([choice])) for choice in self._choices(pi, output, progress))
                 if events:
                     yield "".join(events)   # one write per wake-up, however many choices moved
@@ -149,4 +157,13 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     check_unsupported(req)
     job = CompletionJob(ctx, req)
     await job.prepare()
-    return await answer(ctx, raw, job, job.prompt_ids, job.params, req.stream)
+    job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, job.prompt_ids, job.params, req.n,
+                                                req.stream)
+    try:
+        response = await answer(ctx, raw, job, job.prompt_ids, job.params, req.stream)
+    except BaseException:
+        release_claim(ctx, claim)
+        raise
+    if claim is not None:
+        response.headers[HEADER] = claim.header(job.kv_transfer_stats)
+    return response

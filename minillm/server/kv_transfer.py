@@ -1,0 +1,146 @@
+"""`kv_transfer_params` on the OpenAI routes (prefill/decode disaggregation, vLLM's protocol).
+
+    {"do_remote_decode": true}    a prefill server runs the request for one token; its response
+                                  carries the kv_transfer_params of the prompt's leased blocks
+    {"do_remote_prefill": true, "remote_host": ..., "remote_port": ..., "remote_lease_id": ...,
+     "remote_block_ids": [...], "remote_num_tokens": N, "remote_prompt_hash": ..., ...}
+                                  a decode server claims that lease from the prefill engine's
+                                  transfer endpoint before the request reaches its engine, which
+                                  then copies the blocks instead of computing the prompt
+
+Every way a decode request's params can be wrong (malformed, another prompt's, a lease that does
+not exist or has expired) is a 400 naming kv_transfer_params; a prefill engine that does not
+answer is a 503. Nothing reaches the engine before the claim holds.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from minillm.kv_connector.endpoint import ClaimClient, KVGrant
+from minillm.kv_connector.lease import prompt_hash
+from minillm.kv_connector.pd_connector import RemotePrefill
+from minillm.kv_connector.transport import KVRegion
+from minillm.sampling_params import SamplingParams, short_repr
+from minillm.server.errors import APIError
+
+logger = logging.getLogger("minillm.server")
+
+PARAM = "kv_transfer_params"
+CLAIM_TIMEOUT_S = 5.0
+HEADER = "x-minillm-kv-transfer"      # a decode response's: what the transfer took (JSON)
+MAX_CLAIM_MARGIN_S = 2.0               # a claim is used only while this much of its lease is left
+
+
+@dataclass
+class Claim:
+    """A lease this decode server claimed for one request."""
+
+    remote: RemotePrefill
+    claim_s: float                     # the claim's round trip
+
+    def header(self, stats: dict | None) -> str:
+        """The HEADER value: claim and copy times, tokens, blocks and bytes loaded."""
+        stats = stats or {}
+        return json.dumps({"claim_ms": round(self.claim_s * 1e3, 3),
+                           "copy_ms": round(stats.get("copy_s", 0.0) * 1e3, 3),
+                           "tokens": stats.get("num_tokens", 0), "blocks": stats.get("num_blocks", 0),
+                           "bytes": stats.get("num_bytes", 0), "remote_engine_id": self.remote.engine_id},
+                          separators=(",", ":"))
+
+
+def _bad(message: str, status: int = 400, code: str | None = None) -> APIError:
+    return APIError(status, f"{PARAM}: {message}", param=PARAM, code=code)
+
+
+def _field(kv: dict, name: str, kind: type, required: bool = True) -> Any:
+    value = kv.get(name)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise _bad(f"{name} must be {'an integer' if kind is int else 'a string'}, got {short_repr(value)}")
+    return value
+
+
+async def apply_kv_transfer(ctx, kv: dict | None, prompt_ids: list[list[int]], params: list[SamplingParams],
+                            n: int, stream: bool) -> tuple[list[SamplingParams], Claim | None]:
+    """The requests' params with the engine's kv_transfer_params set, and the lease claimed for a
+    decode request (the caller releases it if the request never reaches the engine)."""
+    if kv is None:
+        return params, None
+    config = ctx.engine.config.kv_transfer_config
+    if config is None:
+        raise _bad("this server takes no part in KV transfers (start it with --kv-role producer or consumer)")
+    if len(prompt_ids) != 1 or n != 1:
+        raise _bad("work with one prompt and n = 1 only")
+    if kv.get("do_remote_decode") is True:
+        if not config.is_kv_producer:
+            raise _bad(f"do_remote_decode needs a prefill server (--kv-role producer); this one is {config.kv_role}")
+        if stream:
+            raise _bad("do_remote_decode needs stream false: the params for the decode server come in the response")
+        engine_params = {"do_remote_decode": True}
+        return [dataclasses.replace(params[0], max_tokens=1, min_tokens=0,
+                                    extra_args={**(params[0].extra_args or {}), PARAM: engine_params})], None
+    if kv.get("do_remote_prefill") is not True:
+        raise _bad("must set do_remote_decode or do_remote_prefill to true")
+    if not config.is_kv_consumer:
+        raise _bad(f"do_remote_prefill needs a decode server (--kv-role consumer); this one is {config.kv_role}")
+    claim = await _claim(ctx, kv, prompt_ids[0])
+    return [dataclasses.replace(params[0], extra_args={**(params[0].extra_args or {}),
+                                                       PARAM: claim.remote.to_params()})], claim
+
+
+async def _claim(ctx, kv: dict, ids: list[int]) -> Claim:
+    """Check the params against the prompt, claim the lease, and check the grant against the params."""
+    host = _field(kv, "remote_host", str)
+    port = _field(kv, "remote_port", int)
+    lease_id = _field(kv, "remote_lease_id", str)
+    num_tokens = _field(kv, "remote_num_tokens", int)
+    digest = _field(kv, "remote_prompt_hash", str)
+    block_size = _field(kv, "remote_block_size", int, required=False)
+    block_ids = kv.get("remote_block_ids")
+    if not 1 <= port <= 65535:
+        raise _bad(f"remote_port must be in [1, 65535], got {port}")
+    if block_ids is not None and (not isinstance(block_ids, list) or
+                                  any(isinstance(b, bool) or not isinstance(b, int) for b in block_ids)):
+        raise _bad("remote_block_ids must be a list of integers")
+    own_block_size = ctx.engine.config.block_size
+    if block_size is not None and block_size != own_block_size:
+        raise _bad(f"the prefill engine's blocks hold {block_size} tokens, this engine's {own_block_size}")
+    if (num_tokens, digest) != (len(ids), prompt_hash(ids)):
+        raise _bad(f"belong to another prompt ({num_tokens} tokens, hash {digest[:12]}), not this "
+                   f"request's ({len(ids)} tokens)")
+    if ctx.kv_claims is None:
+        ctx.kv_claims = ClaimClient(CLAIM_TIMEOUT_S)
+    started = time.monotonic()
+    try:
+        reply = await ctx.kv_claims.claim(host, port, lease_id, digest, num_tokens)
+    except asyncio.TimeoutError:
+        raise _bad(f"the prefill engine's transfer endpoint at {host}:{port} did not answer within "
+                   f"{CLAIM_TIMEOUT_S:g} s", status=503, code="kv_transfer_unavailable") from None
+    claim_s = time.monotonic() - started
+    if not isinstance(reply, KVGrant):
+        raise _bad(reply.reason)
+    remote = RemotePrefill(lease_id, host, port, reply.engine_id, list(reply.block_ids), num_tokens, digest,
+                           KVRegion.from_dict(reply.region),
+                           started + reply.lease_s - min(0.25 * reply.lease_s, MAX_CLAIM_MARGIN_S))
+    claim = Claim(remote, claim_s)
+    if block_ids is not None and block_ids != remote.block_ids:
+        release_claim(ctx, claim)
+        raise _bad(f"remote_block_ids do not match lease {lease_id}'s blocks")
+    return claim
+
+
+def release_claim(ctx, claim: Claim | None) -> None:
+    """Give a claimed lease back without waiting (its request never reached the engine, or failed)."""
+    if claim is None or ctx.kv_claims is None:
+        return
+    remote = claim.remote
+    task = asyncio.ensure_future(ctx.kv_claims.release(remote.host, remote.port, remote.lease_id))
+    ctx.background.add(task)
+    task.add_done_callback(ctx.background.discard)
