@@ -1,0 +1,368 @@
+"""`minillm router`: an OpenAI-compatible proxy in front of prefill and decode servers, speaking
+vLLM's kv_transfer_params protocol between them (as vLLM's disaggregated-serving proxy does).
+
+    minillm serve MODEL --port 8100 --kv-role producer
+    minillm serve MODEL --port 8200 --kv-role consumer
+    minillm router --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200 --port 8000
+
+Each request goes first to a prefill server with max_tokens 1, stream false and kv_transfer_params
+{"do_remote_decode": true}; the kv_transfer_params its response carries go with the original
+request to a decode server, whose answer (an event stream or JSON) is passed through. Several URLs
+of a role take turns (round robin); one that refuses the connection is skipped for the next. A
+role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
+when the stream had begun): never a hang, since connects time out. One log line per request says
+where its time went: prefill, KV transfer, decode.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from minillm.server.errors import error_body
+from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
+
+logger = logging.getLogger("minillm.router")
+
+ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_SAMPLES = 4096
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The backends and how long to wait for them."""
+
+    prefill_urls: tuple[str, ...]
+    decode_urls: tuple[str, ...]
+    connect_timeout_s: float = 3.0      # a server that does not accept in this long is down
+    timeout_s: float = 600.0            # a response (a long prompt's prefill) may take this long
+    health_timeout_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
+            if not urls:
+                raise ValueError(f"give at least one --{role} URL")
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"--{role} {url!r} is not an http(s) URL")
+
+
+class RouterError(Exception):
+    """A failure the client sees as an OpenAI-shaped error with this status."""
+
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+    def response(self) -> JSONResponse:
+        """The error as a response."""
+        return JSONResponse(error_body(self.status, self.message, code=self.code), status_code=self.status)
+
+
+class Backends:
+    """One role's servers, in turns."""
+
+    def __init__(self, role: str, urls: tuple[str, ...]) -> None:
+        self.role, self.urls = role, [u.rstrip("/") for u in urls]
+        self._turn = itertools.count()
+
+    def order(self) -> list[str]:
+        """Every server, starting with the one whose turn it is."""
+        start = next(self._turn) % len(self.urls)
+        return self.urls[start:] + self.urls[:start]
+
+
+@dataclass
+class RequestTiming:
+    """Where one request's time went (seconds; transfer times as the decode server measured them)."""
+
+    prefill_s: float = 0.0
+    kv_claim_s: float = 0.0
+    kv_copy_s: float = 0.0
+    kv_tokens: int = 0
+    kv_bytes: int = 0
+    decode_first_s: float | None = None    # decode request sent -> its first byte
+    decode_s: float = 0.0
+    ttft_s: float | None = None            # request in -> the first decode byte out
+    total_s: float = 0.0
+    status: int = 200
+    prefill_url: str = "-"
+    decode_url: str = "-"
+
+
+@dataclass
+class RouterStats:
+    """Recent per-request timings and counts, for GET /v1/stats."""
+
+    num_requests: int = 0
+    num_failed: int = 0
+    samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+
+    def record(self, timing: RequestTiming) -> None:
+        """Count one finished request."""
+        self.num_requests += 1
+        if timing.status != 200:
+            self.num_failed += 1
+        else:
+            self.samples.append(timing)
+
+    def to_dict(self, backends: dict[str, list[str]]) -> dict:
+        """Counts and, per stage, mean / p50 / p99 in milliseconds over the recent requests."""
+        def summary(values: list[float]) -> dict:
+            if not values:
+                return {"mean": None, "p50": None, "p99": None}
+            ordered = sorted(v * 1e3 for v in values)
+            pick = lambda q: ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]  # noqa: E731
+            return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p99": pick(0.99)}
+
+        s = list(self.samples)
+        return {"num_requests": self.num_requests, "num_failed": self.num_failed, "backends": backends,
+                "prefill_ms": summary([t.prefill_s for t in s]),
+                "kv_transfer_ms": summary([t.kv_claim_s + t.kv_copy_s for t in s]),
+                "kv_copy_ms": summary([t.kv_copy_s for t in s]),
+                "decode_first_token_ms": summary([t.decode_first_s for t in s if t.decode_first_s is not None]),
+                "decode_ms": summary([t.decode_s for t in s]),
+                "ttft_ms": summary([t.ttft_s for t in s if t.ttft_s is not None]),
+                "kv_transfer_tokens": sum(t.kv_tokens for t in s), "kv_transfer_bytes": sum(t.kv_bytes for t in s)}
+
+
+def prefill_body(body: dict) -> dict:
+    """The prefill server's request: the prompt, one token, no stream, and the ask for a lease."""
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
+    """What the decode server says the KV transfer took (its x-minillm-kv-transfer header)."""
+    try:
+        kv = json.loads(response.headers.get(KV_TRANSFER_HEADER, "{}"))
+        timing.kv_claim_s, timing.kv_copy_s = kv.get("claim_ms", 0) / 1e3, kv.get("copy_ms", 0) / 1e3
+        timing.kv_tokens, timing.kv_bytes = int(kv.get("tokens", 0)), int(kv.get("bytes", 0))
+    except (ValueError, TypeError, AttributeError):
+        pass
+
+
+class Router:
+    """The proxy's state: its HTTP client, the backends of each role, the stats."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.prefill, self.decode = Backends("prefill", config.prefill_urls), Backends("decode", config.decode_urls)
+        self.stats = RouterStats()
+        self.client: httpx.AsyncClient | None = None
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        """Open the HTTP client (on the serving event loop)."""
+        timeout = httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+
+    async def close(self) -> None:
+        """Close the HTTP client."""
+        if self.client is not None:
+            await self.client.aclose()
+
+    async def send(self, backends: Backends, path: str, body: dict, headers: dict, stream: bool
+                   ) -> tuple[str, httpx.Response]:
+        """POST to the role's servers in turn until one accepts the connection; (its URL, its response)."""
+        failures = []
+        for url in backends.order():
+            request = self.client.build_request("POST", url + path, json=body, headers=headers)
+            try:
+                return url, await self.client.send(request, stream=stream)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                failures.append(f"{url}: {type(exc).__name__}")
+            except httpx.HTTPError as exc:
+                raise RouterError(502, f"the {backends.role} server {url} failed: {type(exc).__name__}: {exc}",
+                                  f"{backends.role}_server_failed") from None
+        raise RouterError(503, f"no {backends.role} server is reachable ({'; '.join(failures)})",
+                          f"{backends.role}_unavailable")
+
+    async def route(self, path: str, raw: Request) -> Response:
+        """One OpenAI request through a prefill server and a decode server."""
+        started = time.monotonic()
+        request_id = f"router-{next(self._ids)}"
+        timing = RequestTiming()
+        try:
+            body = await raw.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return RouterError(400, "the request body must be a JSON object", "invalid_body").response()
+        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        try:
+            kv = await self._prefill(path, body, headers, timing)
+            if isinstance(kv, Response):        # the prefill server refused it: its answer is the client's
+                timing.status = kv.status_code
+                self._finish(request_id, path, timing, started)
+                return kv
+            sent = time.monotonic()
+            timing.decode_url, response = await self.send(self.decode, path, {**body, "kv_transfer_params": kv},
+                                                          headers, stream=True)
+        except RouterError as exc:
+            timing.status = exc.status
+            self._finish(request_id, path, timing, started)
+            return exc.response()
+        read_transfer_header(response, timing)
+        if response.status_code != 200 or not body.get("stream"):
+            try:
+                data = await response.aread()
+            except httpx.HTTPError as exc:
+                timing.status = 502
+                self._finish(request_id, path, timing, started)
+                return RouterError(502, f"the decode server {timing.decode_url} failed: {type(exc).__name__}: "
+                                   f"{exc}", "decode_server_failed").response()
+            finally:
+                await response.aclose()
+            timing.decode_s, timing.status = time.monotonic() - sent, response.status_code
+            timing.ttft_s = time.monotonic() - started
+            self._finish(request_id, path, timing, started)
+            return Response(data, status_code=response.status_code,
+                            media_type=response.headers.get("content-type", "application/json"))
+        return StreamingResponse(self._relay(request_id, path, response, timing, started, sent),
+                                 media_type="text/event-stream")
+
+    async def _prefill(self, path: str, body: dict, headers: dict, timing: RequestTiming) -> dict | Response:
+        """The prefill server's kv_transfer_params, or its error response to pass on."""
+        t0 = time.monotonic()
+        url, response = await self.send(self.prefill, path, prefill_body(body), headers, stream=False)
+        timing.prefill_url = url
+        timing.prefill_s = time.monotonic() - t0
+        if response.status_code != 200:
+            return Response(response.content, status_code=response.status_code,
+                            media_type=response.headers.get("content-type", "application/json"))
+        try:
+            kv = response.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            kv = None
+        if not isinstance(kv, dict):
+            raise RouterError(502, f"the prefill server {url} returned no kv_transfer_params (is it started with "
+                              f"--kv-role producer?)", "prefill_server_failed")
+        return kv
+
+    async def _relay(self, request_id: str, path: str, response: httpx.Response, timing: RequestTiming,
+                     started: float, sent: float) -> AsyncIterator[bytes]:
+        """The decode server's events, whole events at a time; if it fails mid-stream, an error event."""
+        buffer = b""
+        try:
+            async for chunk in response.aiter_raw():
+                if timing.decode_first_s is None:
+                    now = time.monotonic()
+                    timing.decode_first_s, timing.ttft_s = now - sent, now - started
+                buffer += chunk
+                cut = buffer.rfind(b"\n\n")
+                if cut >= 0:
+                    yield buffer[:cut + 2]
+                    buffer = buffer[cut + 2:]
+            if buffer:
+                yield buffer
+        except httpx.HTTPError as exc:
+            timing.status = 502
+            message = f"the decode server {timing.decode_url} failed mid-stream: {type(exc).__name__}: {exc}"
+            yield ("data: " + json.dumps(error_body(502, message, code="decode_server_failed")) + "\n\n").encode()
+            yield SSE_DONE
+        finally:
+            await response.aclose()
+            timing.decode_s = time.monotonic() - sent
+            self._finish(request_id, path, timing, started)
+
+    def _finish(self, request_id: str, path: str, timing: RequestTiming, started: float) -> None:
+        timing.total_s = time.monotonic() - started
+        self.stats.record(timing)
+        first = f"{timing.decode_first_s * 1e3:.1f} ms" if timing.decode_first_s is not None else "-"
+        logger.info("%s %s: prefill %.1f ms (%s) · kv transfer %.2f ms (claim %.2f, copy %.2f; %d tokens, %.2f MB) "
+                    "· decode first token %s, all %.1f ms (%s) · total %.1f ms · status %d", request_id, path,
+                    timing.prefill_s * 1e3, timing.prefill_url, (timing.kv_claim_s + timing.kv_copy_s) * 1e3,
+                    timing.kv_claim_s * 1e3, timing.kv_copy_s * 1e3, timing.kv_tokens, timing.kv_bytes / 1e6,
+                    first, timing.decode_s * 1e3, timing.decode_url, timing.total_s * 1e3, timing.status)
+
+    async def health(self) -> JSONResponse:
+        """Each backend's /health; 200 while at least one server of each role answers ok."""
+        async def check(url: str) -> dict:
+            try:
+                r = await self.client.get(url + "/health", timeout=self.config.health_timeout_s)
+                return {"url": url, "ok": r.status_code == 200, "status": r.status_code}
+            except httpx.HTTPError as exc:
+                return {"url": url, "ok": False, "error": type(exc).__name__}
+
+        prefill, decode = await asyncio.gather(asyncio.gather(*map(check, self.prefill.urls)),
+                                               asyncio.gather(*map(check, self.decode.urls)))
+        ok = any(r["ok"] for r in prefill) and any(r["ok"] for r in decode)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "prefill": prefill, "decode": decode},
+                            status_code=200 if ok else 503)
+
+    async def models(self) -> Response:
+        """The model list of the first decode server that answers."""
+        for url in self.decode.order():
+            try:
+                r = await self.client.get(url + "/v1/models", timeout=self.config.health_timeout_s)
+            except httpx.HTTPError:
+                continue
+            return Response(r.content, status_code=r.status_code, media_type="application/json")
+        return RouterError(503, "no decode server is reachable", "decode_unavailable").response()
+
+
+def create_router_app(config: RouterConfig) -> FastAPI:
+    """The proxy as a FastAPI app."""
+    router = Router(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        await router.start()
+        yield
+        await router.close()
+
+    app = FastAPI(title="minillm router", lifespan=lifespan)
+    app.state.router = router
+    for path in ROUTES:
+        app.add_api_route(path, _handler(router, path), methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        return await router.health()
+
+    @app.get("/v1/models")
+    async def models():
+        return await router.models()
+
+    @app.get("/v1/stats")
+    async def stats():
+        return JSONResponse(router.stats.to_dict({"prefill": router.prefill.urls, "decode": router.decode.urls}))
+
+    return app
+
+
+def _handler(router: Router, path: str):
+    async def handle(raw: Request) -> Any:
+        return await router.route(path, raw)
+    return handle
+
+
+def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
+    """Serve the proxy until interrupted, one log line per request on stderr."""
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO)
+    print(f"minillm router: http://{host}:{port}, prefill {', '.join(config.prefill_urls)}, decode "
+          f"{', '.join(config.decode_urls)}", file=sys.stderr, flush=True)
+    uvicorn.run(create_router_app(config), host=host, port=port, log_level="warning", access_log=False)
