@@ -178,7 +178,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
         if any(not 0 <= b < remote.region.num_blocks for b in remote.block_ids):
             raise ValueError(f"{PARAM}: remote_block_ids outside the prefill engine's pool of "
                              f"{remote.region.num_blocks} blocks")
-        self.worker.attach(remote.region)
+        try:
+            self.worker.attach(remote.region)
+        except ValueError as exc:
+            raise ValueError(f"{PARAM}: {exc}") from None
 
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
         """Every prompt token but the last beyond the num_computed_tokens the device prefix cache
