@@ -419,3 +419,32 @@ def test_snapshot_120x40(snap_compare, frozen_app):
 
 def test_snapshot_80x24(snap_compare, frozen_app):
     assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=wait_for_replay_end)
+
+
+async def test_block_grid_shows_a_kv_transfers_leases_and_loads(tmp_path):
+    """A prefill server's leased blocks are their own colour; the subtitle has either role's figures."""
+    from minillm.stats import CELL_LEASED
+    from minillm.tui.block_grid import transfer_summary
+    from minillm.tui.render import COLOR_LEASED
+    stats = make_stats(3)
+    num_leased = 5
+    free = [i for i, cell in enumerate(stats.block_map) if cell == CELL_FREE][:num_leased]
+    for i in free:
+        stats.block_map[i] = CELL_LEASED
+    stats.kv_transfer_role, stats.kv_transfer_num_leases, stats.kv_transfer_num_leased_blocks = "kv_producer", 2, 5
+    path = tmp_path / "producer.jsonl"
+    with Recorder(path) as recorder:
+        recorder.write(stats.to_dict(), t=100.0)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 1)
+        grid = pilot.app.query_one(BlockGrid)
+        text = grid.render()
+        legend_start = text.plain.rindex("\n")
+        colours = Counter(str(span.style) for span in text.spans if span.end <= legend_start)
+        assert colours[COLOR_LEASED] == num_leased and "leased" in text.plain[legend_start:]
+        assert "leased 5 blk (2 leases, 0 expired)" in grid.border_subtitle
+    stats.kv_transfer_role, stats.kv_transfer_tokens, stats.kv_transfer_bytes_per_s = "kv_consumer", 4096, 3 * 2**20
+    assert transfer_summary(stats) == " · KV in 4096 tok, 3.0 MiB/s"
+    stats.kv_transfer_role = ""
+    assert transfer_summary(stats) == ""

@@ -1,5 +1,7 @@
 """The KV block pool as a grid of cells: free, cached-free prefix blocks, used (coloured by request);
-with a host tier (--kv-offload-gib), its blocks as a second strip below."""
+with a host tier (--kv-offload-gib), its blocks as a second strip below; on a prefill server
+(--kv-role producer), the blocks leased to decode servers. The subtitle carries the KV transfer's
+figures: leases held, or prompt tokens loaded and the copy rate."""
 from __future__ import annotations
 
 from collections import Counter
@@ -8,9 +10,10 @@ from dataclasses import dataclass
 from rich.text import Text
 from textual.message import Message
 
-from minillm.stats import CELL_CACHED, CELL_FREE
+from minillm.engine_stats import human_bytes
+from minillm.stats import CELL_CACHED, CELL_FREE, CELL_LEASED
 from minillm.tui.panel import Panel
-from minillm.tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, REQUEST_COLORS, request_color
+from minillm.tui.render import COLOR_CACHED, COLOR_DIM, COLOR_FREE, COLOR_LEASED, REQUEST_COLORS, request_color
 
 CELL_WIDTH = 2     # "■ ", the smallest tile: terminal cells are about twice as tall as wide
 LEGEND_ROWS = 1
@@ -89,6 +92,7 @@ class BlockGrid(Panel):
         self.border_subtitle = f"{stats.kv_num_blocks} blocks × {stats.block_size} tok · {blocks_per_cell}/cell"
         if stats.kv_offload_num_blocks:
             self.border_subtitle += f" · host {stats.kv_offload_num_used_blocks}/{stats.kv_offload_num_blocks}"
+        self.border_subtitle += transfer_summary(stats)
         super().show(stats, history)
 
     def render(self) -> Text:
@@ -111,7 +115,7 @@ class BlockGrid(Panel):
                 text.append("\n")
         if stats.kv_offload_num_blocks:
             text.append_text(self._host_strip(stats)).append("\n")
-        text.append_text(self._legend())
+        text.append_text(self._legend(stats.kv_transfer_role in ("kv_producer", "kv_both")))
         return text
 
     def _host_strip(self, stats) -> Text:
@@ -124,13 +128,26 @@ class BlockGrid(Panel):
             strip.append(TILES[-1].lines[0], style=_cell_color(cell, [])).append(" ")
         return strip
 
-    def _legend(self) -> Text:
+    def _legend(self, leases: bool = False) -> Text:
         legend = Text(no_wrap=True, overflow="ellipsis")
         # Each gap ends the run before it (see render.spaced) so exported SVGs keep it.
         legend.append("■", style=REQUEST_COLORS[0]).append("■ ", style=REQUEST_COLORS[1])
         legend.append("used  ").append("■ ", style=COLOR_CACHED).append("cached  ")
+        if leases:
+            legend.append("■ ", style=COLOR_LEASED).append("leased  ")
         legend.append("■ ", style=COLOR_FREE).append("free")
         return legend
+
+
+def transfer_summary(stats) -> str:
+    """The KV transfer's figures for the subtitle: a prefill server's leases, a decode server's loads."""
+    parts = []
+    if stats.kv_transfer_role in ("kv_producer", "kv_both"):
+        parts.append(f"leased {stats.kv_transfer_num_leased_blocks} blk ({stats.kv_transfer_num_leases} leases, "
+                     f"{stats.kv_transfer_leases_expired} expired)")
+    if stats.kv_transfer_role in ("kv_consumer", "kv_both"):
+        parts.append(f"KV in {stats.kv_transfer_tokens} tok, {human_bytes(stats.kv_transfer_bytes_per_s)}/s")
+    return "".join(f" · {p}" for p in parts)
 
 
 def _cell_color(cell: int, colors: list[str]) -> str:
@@ -139,6 +156,8 @@ def _cell_color(cell: int, colors: list[str]) -> str:
         return COLOR_FREE
     if cell == CELL_CACHED:
         return COLOR_CACHED
+    if cell == CELL_LEASED:
+        return COLOR_LEASED
     if 0 <= cell < len(colors):
         return colors[cell]
     return "#ffffff"  # a used block whose owner row was not sent

@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from minillm.tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_PREFILL, REQUEST_COLORS
+from minillm.tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_LEASED, COLOR_PREFILL, REQUEST_COLORS
 from minillm.tui.request_table import FINISHED_SHOWN_S
 
 KEYS = (
@@ -30,7 +30,9 @@ def help_text() -> Text:
     text.append("each cell is one or more KV blocks: ")
     text.append("■", style=REQUEST_COLORS[0]).append("■", style=REQUEST_COLORS[1])
     text.append(" used (one colour per request)  ").append("■", style=COLOR_CACHED)
-    text.append(" cached prefix, free but reusable  ").append("■", style=COLOR_FREE).append(" free\n")
+    text.append(" cached prefix, free but reusable  ").append("■", style=COLOR_FREE).append(" free  ")
+    text.append("■", style=COLOR_LEASED).append(" leased to a decode server (--kv-role producer); the subtitle "
+                                                "counts leases, or the KV a decode server loaded\n")
     text.append("batch per step  ", style="bold")
     text.append("one column per engine step: ")
     text.append("█", style=COLOR_DECODE).append(" decode tokens under ")

@@ -19,6 +19,7 @@ REQUEST_COLORS = (
 )
 COLOR_FREE = "#3a3a3a"
 COLOR_CACHED = "#2e6f6f"
+COLOR_LEASED = "#d7af00"     # a prefill server's blocks held for a decode server (KV transfer lease)
 COLOR_PREFILL = "#ffaf5f"
 COLOR_DECODE = "#5fd787"
 COLOR_SEQS = "#87afff"
