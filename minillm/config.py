@@ -105,7 +105,8 @@ class EngineConfig:
             from minillm.kv_connector.transfer_config import KVTransferConfig
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_any(self.kv_transfer_config))
             if self.kv_offload_gib:
-                raise ValueError("kv_transfer_config and kv_offload_gib cannot be combined: an engine has one KV connector")
+                raise ValueError("kv_transfer_config and kv_offload_gib cannot be combined: an engine has one "
+                                 "KV connector")
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_transfer_config works with tensor_parallel_size 1 only")
         if self.kv_offload_gib:

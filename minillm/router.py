@@ -11,7 +11,8 @@ request to a decode server, whose answer (an event stream or JSON) is passed thr
 of a role take turns (round robin); one that refuses the connection is skipped for the next. A
 role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
 when the stream had begun): never a hang, since connects time out. One log line per request says
-where its time went: prefill, KV transfer, decode.
+where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
+header, passed on to the client).
 """
 from __future__ import annotations
 
@@ -221,6 +222,7 @@ class Router:
             self._finish(request_id, path, timing, started)
             return exc.response()
         read_transfer_header(response, timing)
+        passed = {k: v for k, v in response.headers.items() if k == KV_TRANSFER_HEADER}
         if response.status_code != 200 or not body.get("stream"):
             try:
                 data = await response.aread()
@@ -234,10 +236,10 @@ class Router:
             timing.decode_s, timing.status = time.monotonic() - sent, response.status_code
             timing.ttft_s = time.monotonic() - started
             self._finish(request_id, path, timing, started)
-            return Response(data, status_code=response.status_code,
+            return Response(data, status_code=response.status_code, headers=passed,
                             media_type=response.headers.get("content-type", "application/json"))
         return StreamingResponse(self._relay(request_id, path, response, timing, started, sent),
-                                 media_type="text/event-stream")
+                                 media_type="text/event-stream", headers=passed)
 
     async def _prefill(self, path: str, body: dict, headers: dict, timing: RequestTiming) -> dict | Response:
         """The prefill server's kv_transfer_params, or its error response to pass on."""

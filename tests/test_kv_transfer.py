@@ -271,7 +271,8 @@ def test_a_claim_to_an_endpoint_nobody_runs_times_out():
 
 
 def test_the_router_asks_the_prefill_server_for_one_token_and_takes_turns():
-    body = {"prompt": "x", "max_tokens": 50, "min_tokens": 10, "stream": True, "stream_options": {"include_usage": True},
+    body = {"prompt": "x", "max_tokens": 50, "min_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True},
             "max_completion_tokens": 50, "temperature": 0}
     assert prefill_body(body) == {"prompt": "x", "max_tokens": 1, "max_completion_tokens": 1, "stream": False,
                                   "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}

@@ -210,7 +210,8 @@ def test_chat_through_the_router_and_the_routers_health(trio):
 def lease_for(prefill: Process, text: str) -> dict:
     """The kv_transfer_params a prefill server returns for a prompt (its blocks leased)."""
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={
-        "model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}})
+        "model": MODEL, "prompt": text, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["text"]) > 0 and r.json()["usage"]["completion_tokens"] == 1
     return r.json()["kv_transfer_params"]
@@ -241,7 +242,8 @@ def test_bad_kv_transfer_params_are_400s_and_the_decode_server_keeps_serving(tri
     with healthy.in_flight():
         assert_bad(decode_with(decode, x, {**kv, "remote_lease_id": "0" * 32}), "does not exist")
         assert_bad(decode_with(decode, y, kv), "belong to another prompt")
-        forged = {**kv, "remote_num_tokens": kv_y["remote_num_tokens"], "remote_prompt_hash": kv_y["remote_prompt_hash"]}
+        forged = {**kv, "remote_num_tokens": kv_y["remote_num_tokens"],
+                  "remote_prompt_hash": kv_y["remote_prompt_hash"]}
         assert_bad(decode_with(decode, y, forged), "holds the KV of another prompt")
         assert_bad(decode_with(decode, x, {**kv, "remote_port": "eighty"}), "remote_port must be an integer")
         assert_bad(decode_with(decode, x, {k: v for k, v in kv.items() if k != "remote_lease_id"}),

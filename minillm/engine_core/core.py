@@ -108,7 +108,8 @@ class TokenOutputs:
         return CoreCompletionOutput(index=seq.index, text="", token_ids=new,
                                     finish_reason=seq.status.finish_reason if done else None,
                                     stop_reason=seq.stop_reason if done else None,
-                                    logprobs=rows if state.want_logprobs else None, grammar_terminated=state.grammar_terminated,
+                                    logprobs=rows if state.want_logprobs else None,
+                                    grammar_terminated=state.grammar_terminated,
                                     kv_transfer_params=new_kv[0], kv_transfer_stats=new_kv[1])
 
 

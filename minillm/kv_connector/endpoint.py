@@ -80,7 +80,8 @@ class TransferEndpoint:
         except zmq.ZMQError as exc:
             self.sock.close()
             self.ctx.term()
-            raise ValueError(f"kv_transfer_config: the transfer endpoint cannot listen on {host}:{port}: {exc}") from None
+            raise ValueError(f"kv_transfer_config: the transfer endpoint cannot listen on {host}:{port}: "
+                             f"{exc}") from None
         self.host, self.port = host, port
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
         self._stop = threading.Event()

@@ -162,12 +162,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
             raise ValueError(f"{PARAM} work with n = 1 only, got n = {params.n}")
         if kv.get("do_remote_decode") is True:
             if not self.config.is_kv_producer:
-                raise ValueError(f"{PARAM}: do_remote_decode needs a KV producer (this engine is {self.config.kv_role})")
+                raise ValueError(f"{PARAM}: do_remote_decode needs a KV producer (this engine is "
+                                 f"{self.config.kv_role})")
             return
         if kv.get("do_remote_prefill") is not True:
             raise ValueError(f"{PARAM} must set do_remote_decode or do_remote_prefill")
         if not self.config.is_kv_consumer:
-            raise ValueError(f"{PARAM}: do_remote_prefill needs a KV consumer (this engine is {self.config.kv_role})")
+            raise ValueError(f"{PARAM}: do_remote_prefill needs a KV consumer (this engine is "
+                             f"{self.config.kv_role})")
         remote = RemotePrefill.from_params(kv)
         if (remote.num_tokens, remote.prompt_hash) != (len(token_ids), prompt_hash(token_ids)):
             raise ValueError(f"{PARAM} belong to another prompt ({remote.num_tokens} tokens, hash "

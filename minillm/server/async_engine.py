@@ -361,7 +361,10 @@ class AsyncLLMEngine:
                 if count and time.perf_counter() - started > MAX_COMMAND_SECONDS_PER_STEP:
                     break
                 try:
-                    command = self._commands.get(timeout=timeout) if block and count == 0 else self._commands.get_nowait()
+                    if block and count == 0:
+                        command = self._commands.get(timeout=timeout)
+                    else:
+                        command = self._commands.get_nowait()
                 except queue.Empty:
                     break
                 if isinstance(command, _Stats):
