@@ -13,7 +13,6 @@ import time
 import numpy as np
 import pytest
 
-from minillm.block_manager import BlockManager
 from minillm.config import EngineConfig
 from minillm.device import CpuDevice
 from minillm.engine import LLMEngine
