@@ -170,6 +170,7 @@ class CpuDevice:
         """Give cached memory back (nothing is cached on the CPU); a shared pool's segment loses its name."""
         if self._segment is not None:
             self._segment.unlink()
+        self._shared_pool = None
 
 
 class _CudaHostArray(HostArray):
@@ -293,7 +294,7 @@ class CudaDevice:
         nbytes = int(np.prod(shape)) * cp.dtype(dtype).itemsize
         memory = cp.cuda.Memory(nbytes)           # cudaMalloc; freed with the last array over it
         pool = cp.ndarray(shape, dtype=cp.dtype(dtype), memptr=cp.cuda.MemoryPointer(memory, 0))
-        pool.fill(0)
+        pool.data.memset_async(0, nbytes)         # on the current stream, as cupy.zeros does
         self._shared_pool = pool
         return pool
 
@@ -354,7 +355,8 @@ class CudaDevice:
         (stream if stream is not None else self.stream).wait_event(event)
 
     def elapsed_seconds(self, start, end) -> float:
-        """Seconds between two done events."""
+        """Seconds between two events (waits for the second if it is not done yet)."""
+        end.synchronize()
         return self.cp.cuda.get_elapsed_time(start, end) / 1e3
 
     def copy_blocks(self, dst, dst_ids: np.ndarray, src, src_ids: np.ndarray, stream=None) -> None:
@@ -386,8 +388,12 @@ class CudaDevice:
         (device and pinned) to the driver."""
         self.synchronize()
         for ptr in self._imports:
-            self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            try:
+                self.cp.cuda.runtime.ipcCloseMemHandle(ptr)
+            except self.cp.cuda.runtime.CUDARuntimeError:
+                pass    # its exporter has gone already: nothing is mapped any more
         self._imports.clear()
+        self._shared_pool = None                  # its cudaMalloc goes back with the last array over it
         self.cp.get_default_memory_pool().free_all_blocks()
         self.cp.get_default_pinned_memory_pool().free_all_blocks()
 
