@@ -678,6 +678,7 @@ def _bench_command(name: str, summary: str) -> None:
 _bench_command("throughput", "Offline throughput: a batch of prompts through the engine.")
 _bench_command("serving", "Online serving: requests at a rate against a running server.")
 _bench_command("kernels", "Kernel micro-benchmarks against their roofline.")
+_bench_command("pd_disagg", "Prefill/decode disaggregation on one GPU against one server with chunked prefill.")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("MINILLM_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
 needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(),
                                    reason=f"stories260K not found at {STORIES}; set MINILLM_TEST_MODEL")
-COMMANDS = ("chat", "generate", "serve", "monitor", "pull", "list", "bench")
+COMMANDS = ("chat", "generate", "serve", "monitor", "pull", "list", "bench", "router")
 ENGINE_FLAGS = ("--device", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                 "--block-size", "--num-kv-blocks", "--gpu-memory-utilization", "--enable-prefix-caching",
                 "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format", "--download-dir",
@@ -362,3 +362,28 @@ def test_the_test_extra_needs_no_torch_and_ci_still_runs_the_live_comparison():
     assert ci.index('"torch==2.13.0"') < ci.index('-e ".[test,parity]"')
     readme = (REPO / "README.md").read_text()
     assert 'pip install -e ".[test]" && python3 -m pytest -q' in readme
+
+
+# ---- prefill/decode disaggregation -----------------------------------------------------------------
+
+@needs_stories
+@pytest.mark.parametrize("args, message", [
+    (("--kv-lease-s", "3"), "--kv-lease-s needs --kv-role or --kv-transfer-config"),
+    (("--kv-transfer-config", "{"), "--kv-transfer-config is not valid JSON"),
+    (("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'), "disagree"),
+    (("--kv-transfer-config", '{"kv_colour": 1}'), "kv_transfer_config has unknown keys kv_colour"),
+    (("--kv-role", "consumer", "--kv-lease-s", "-1"), "kv_lease_s must be a positive number"),
+])
+def test_serve_kv_transfer_options_are_checked_before_loading(args, message):
+    result = minillm("serve", str(STORIES), "--device", "cpu", "--port", "9", *args)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--prefill", "http://127.0.0.1:9"), "Missing option '--decode'"),
+    (("--prefill", "ftp://x", "--decode", "http://127.0.0.1:9"), "is not an http(s) URL"),
+])
+def test_router_options_are_checked(args, message):
+    result = minillm("router", *args)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
