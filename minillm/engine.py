@@ -49,6 +49,11 @@ class Request:
         return all(s.is_finished for s in self.seqs)
 
 
+# An engine whose waiting requests do not fit while a KV connector holds blocks (a prefill engine's
+# leases) looks again this often: a lease ends when its consumer releases it, or within lease_s.
+KV_LEASE_WAIT_S = 0.01
+
+
 class StepError(RuntimeError):
     """A step failed on what its requests brought: they are aborted and the engine goes on."""
 
@@ -249,6 +254,9 @@ class LLMEngine:
         again, None when only a new command can give it work."""
         return self.kv_connector.process_pending() if self.kv_connector is not None else None
 
+    def _kv_connector_holds_blocks(self) -> bool:
+        return self.kv_connector is not None and self.kv_connector.holds_blocks()
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running or unreported, or a step is in flight."""
         return bool(self.requests) or bool(self._in_flight)
@@ -266,6 +274,8 @@ class LLMEngine:
             self._in_flight.append((out, self._launch(out)))
         elif not self._in_flight and self.structured_outputs is not None:
             self.structured_outputs.wait_for_compile(timeout=0.02)   # nothing runs until a grammar is ready
+        elif not self._in_flight and self.scheduler.has_unfinished() and self._kv_connector_holds_blocks():
+            time.sleep(KV_LEASE_WAIT_S)   # the pool is lent out (KV leases): nothing fits until some come back
         depth = 1 if self.async_scheduling and not out.is_empty else 0
         while len(self._in_flight) > depth:
             self._complete(*self._in_flight.popleft())
@@ -277,7 +287,8 @@ class LLMEngine:
         self.metrics.record_timings({"schedule": time.perf_counter() - t0})
         if out.is_empty and not self._in_flight and self.scheduler.has_unfinished() \
                 and not self.scheduler.num_running \
-                and not (self.structured_outputs is not None and self.structured_outputs.num_compiling):
+                and not (self.structured_outputs is not None and self.structured_outputs.num_compiling) \
+                and not self._kv_connector_holds_blocks():
             raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)

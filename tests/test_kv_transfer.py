@@ -471,3 +471,22 @@ def test_kv_transfer_params_are_checked_where_they_enter_the_engine(stories_path
     finally:
         for engine in (producer, consumer, plain):
             engine.shutdown()
+
+
+def test_a_request_that_fits_only_once_a_lease_ends_waits_for_it(stories_path):
+    """Leases may hold the whole pool: a waiting request is admitted when one ends, never refused."""
+    plain = LLMEngine(EngineConfig(str(stories_path), device="cpu"))
+    ids, other = (plain.tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS[:2])
+    plain.shutdown()
+    num_blocks = -(-len(ids) // 8) + 1          # the lease leaves one block free; the other request needs two
+    producer = LLMEngine(EngineConfig(str(stories_path), device="cpu", block_size=8, num_kv_blocks=num_blocks,
+                                      max_model_len=num_blocks * 8, kv_transfer_config={"kv_role": "kv_producer",
+                                                                                        "kv_lease_s": 0.5}))
+    try:
+        prefill(producer, "held", ids)
+        assert producer.stats(cells=1).kv_transfer_num_leased_blocks == num_blocks - 1
+        out = run(producer, "waits", other[:12], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        assert out.finished and len(out.outputs[0].token_ids) == 4
+        assert producer.stats(cells=1).kv_transfer_leases_expired == 1
+    finally:
+        producer.shutdown()

@@ -101,6 +101,11 @@ class KVConnectorScheduler:
     def request_finished(self, seq: Sequence) -> None:
         """seq has ended (any reason); its blocks are freed right after this returns."""
 
+    def holds_blocks(self) -> bool:
+        """True while it keeps device blocks from the pool (a request that does not fit now may fit
+        once they go back)."""
+        return False
+
     def process_pending(self) -> float | None:
         """Act on what came from outside the engine thread; seconds until it must run again while
         the engine is idle (None: not before the next command)."""

@@ -121,6 +121,11 @@ class LeaseTable:
             ended, self._ended = self._ended, []
             return ended
 
+    def has_leases(self) -> bool:
+        """True while any lease holds blocks (ended ones until the engine takes them)."""
+        with self._lock:
+            return bool(self._active or self._ended)
+
     def seconds_to_deadline(self) -> float | None:
         """Seconds until the earliest deadline (0 when one has passed or a lease waits to be freed);
         None when no lease is held."""

@@ -293,6 +293,10 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self.releaser.release(remote.host, remote.port, remote.lease_id)
 
     # ---- leases --------------------------------------------------------------------------------
+    def holds_blocks(self) -> bool:
+        """True while leases hold blocks (they end by a release or within lease_s)."""
+        return self.leases is not None and self.leases.has_leases()
+
     def process_pending(self) -> float | None:
         """Free the blocks of leases released or run out; seconds until the idle loop looks again."""
         if self.leases is None:
