@@ -490,3 +490,23 @@ def test_a_request_that_fits_only_once_a_lease_ends_waits_for_it(stories_path):
         assert producer.stats(cells=1).kv_transfer_leases_expired == 1
     finally:
         producer.shutdown()
+
+
+def test_servers_with_the_engine_on_a_thread_hand_kv_over_and_the_idle_producer_frees_it(stories_path):
+    """--engine-core thread: the producer's idle engine thread wakes for the release."""
+    import httpx
+    from test_server_helpers import get_stats, running_server, wait_for
+    producer_config = {"kv_role": "kv_producer", "kv_lease_s": 30}
+    consumer_config = {"kv_role": "kv_consumer"}
+    with running_server(stories_path, engine_core="thread", kv_transfer_config=producer_config) as (p_url, _), \
+            running_server(stories_path, engine_core="thread", kv_transfer_config=consumer_config) as (d_url, _):
+        body = {"model": "stories", "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0}
+        alone = httpx.post(f"{p_url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        first = httpx.post(f"{p_url}/v1/completions", timeout=60,
+                           json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}).json()
+        assert get_stats(p_url)["kv_transfer_num_leases"] == 1
+        routed = httpx.post(f"{d_url}/v1/completions", timeout=60,
+                            json={**body, "kv_transfer_params": first["kv_transfer_params"]})
+        assert routed.status_code == 200 and routed.json()["choices"][0]["text"] == alone
+        assert wait_for(lambda: get_stats(p_url)["kv_transfer_num_leases"] == 0, timeout=30)
+        assert get_stats(p_url)["kv_num_used_blocks"] == 0 and get_stats(d_url)["kv_num_used_blocks"] == 0
