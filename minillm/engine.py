@@ -149,6 +149,8 @@ class LLMEngine:
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
+        if self.kv_connector is not None and (line := self.kv_connector.describe()):
+            self.log(f"minillm: {line}")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
                                    speculative_config=config.speculative_config)

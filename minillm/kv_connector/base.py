@@ -101,6 +101,10 @@ class KVConnectorScheduler:
     def request_finished(self, seq: Sequence) -> None:
         """seq has ended (any reason); its blocks are freed right after this returns."""
 
+    def describe(self) -> str | None:
+        """A start-up line on what it does (None: nothing worth a line)."""
+        return None
+
     def holds_blocks(self) -> bool:
         """True while it keeps device blocks from the pool (a request that does not fit now may fit
         once they go back)."""

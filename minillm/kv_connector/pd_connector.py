@@ -293,6 +293,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self.releaser.release(remote.host, remote.port, remote.lease_id)
 
     # ---- leases --------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """The start-up line: role, engine id, and a producer's endpoint and lease."""
+        line = f"KV transfer {self.config.kv_role}, engine {self.config.engine_id}"
+        if self.endpoint is not None:
+            line += (f", transfer endpoint tcp://{self.endpoint.host}:{self.endpoint.port}, leases of "
+                     f"{self.config.kv_lease_s:g} s")
+        return line
+
     def holds_blocks(self) -> bool:
         """True while leases hold blocks (they end by a release or within lease_s)."""
         return self.leases is not None and self.leases.has_leases()
