@@ -221,6 +221,7 @@ class CudaDevice:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._shared_pool = None
         self._imports: list[int] = []    # pointers opened by CUDA IPC, closed at release()
+        self._max_pitch: int | None = None
 
     def compute(self):
         """Context in which device work is queued: the compute stream."""
@@ -379,9 +380,16 @@ class CudaDevice:
                 else rt.memcpyDeviceToDevice)
         stream = stream if stream is not None else self.stream
         dst_pitch, src_pitch = dst.shape[2] * block_bytes, src.shape[2] * block_bytes
+        if self._max_pitch is None:
+            self._max_pitch = rt.deviceGetAttribute(getattr(rt, "cudaDevAttrMaxPitch", 11), rt.getDevice())
         for s, d, n in block_runs(src_ids, dst_ids):
-            rt.memcpy2DAsync(dst_ptr + d * block_bytes, dst_pitch, src_ptr + s * block_bytes, src_pitch,
-                             n * block_bytes, rows, kind, stream.ptr)
+            if max(dst_pitch, src_pitch) <= self._max_pitch:
+                rt.memcpy2DAsync(dst_ptr + d * block_bytes, dst_pitch, src_ptr + s * block_bytes, src_pitch,
+                                 n * block_bytes, rows, kind, stream.ptr)
+                continue
+            for r in range(rows):      # a pool whose rows are further apart than one 2D copy allows
+                rt.memcpyAsync(dst_ptr + r * dst_pitch + d * block_bytes, src_ptr + r * src_pitch + s * block_bytes,
+                               n * block_bytes, kind, stream.ptr)
 
     def release(self) -> None:
         """Wait for the device, close the pools opened by CUDA IPC, then return CuPy's cached blocks
