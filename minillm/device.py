@@ -214,6 +214,7 @@ class CudaDevice:
 
     name = "cuda"
     kv_pool_fills_memory = True      # the pool takes what gpu_memory_utilization leaves
+    _max_pitch: int | None = None    # the largest pitch of a 2D copy (bytes), read on first use
 
     def __init__(self):
         import cupy
@@ -221,7 +222,6 @@ class CudaDevice:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self._shared_pool = None
         self._imports: list[int] = []    # pointers opened by CUDA IPC, closed at release()
-        self._max_pitch: int | None = None
 
     def compute(self):
         """Context in which device work is queued: the compute stream."""

@@ -552,7 +552,8 @@ def test_cuda_copy_blocks_pointers_pitches_and_runs():
         for r in range(height):
             ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
 
-    rt = types.SimpleNamespace(memcpy2DAsync=memcpy2d, memcpyHostToDevice=1, memcpyDeviceToHost=2)
+    rt = types.SimpleNamespace(memcpy2DAsync=memcpy2d, memcpyHostToDevice=1, memcpyDeviceToHost=2,
+                               deviceGetAttribute=lambda attribute, device: 2**31 - 1, getDevice=lambda: 0)
     device = CudaDevice.__new__(CudaDevice)
     device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
 

@@ -510,3 +510,45 @@ def test_servers_with_the_engine_on_a_thread_hand_kv_over_and_the_idle_producer_
         assert routed.status_code == 200 and routed.json()["choices"][0]["text"] == alone
         assert wait_for(lambda: get_stats(p_url)["kv_transfer_num_leases"] == 0, timeout=30)
         assert get_stats(p_url)["kv_num_used_blocks"] == 0 and get_stats(d_url)["kv_num_used_blocks"] == 0
+
+
+def test_cuda_copy_blocks_device_to_device_and_past_the_largest_pitch():
+    """CudaDevice.copy_blocks between two device pools (a pool opened by CUDA IPC and ours), with
+    the CUDA copies played by memmove over host memory: one 2D copy per run of blocks, or, where the
+    pools' rows lie further apart than a 2D copy's largest pitch, one copy per (layer, K|V) row."""
+    import ctypes
+    import types
+
+    from minillm.device import CudaDevice
+    calls = []
+
+    def memcpy2d(dst, dpitch, src, spitch, width, height, kind, stream):
+        calls.append(("2d", width, height, kind, stream))
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+    def memcpy(dst, src, size, kind, stream):
+        calls.append(("1d", size, 1, kind, stream))
+        ctypes.memmove(dst, src, size)
+
+    class OnDevice:                      # what copy_blocks reads of a CuPy array
+        def __init__(self, a):
+            self.a, self.shape, self.dtype = a, a.shape, a.dtype
+            self.data = types.SimpleNamespace(ptr=a.ctypes.data)
+
+    rng = np.random.default_rng(1)
+    for max_pitch, kind in ((2**31 - 1, "2d"), (100, "1d")):
+        rt = types.SimpleNamespace(memcpy2DAsync=memcpy2d, memcpyAsync=memcpy, memcpyHostToDevice=1,
+                                   memcpyDeviceToHost=2, memcpyDeviceToDevice=3, getDevice=lambda: 0,
+                                   deviceGetAttribute=lambda attribute, device, p=max_pitch: p)
+        device = CudaDevice.__new__(CudaDevice)
+        device.cp = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+        device.stream = types.SimpleNamespace(ptr=77)                  # the compute stream: the default
+        remote = OnDevice(rng.standard_normal((3, 2, 9, 4, 2, 5)).astype(np.float32))  # [L, 2, blocks, bs, H, D]
+        local = OnDevice(np.zeros((3, 2, 6, 4, 2, 5), np.float32))
+        calls.clear()
+        device.copy_blocks(local, np.array([2, 3, 0]), remote, np.array([7, 8, 1]))
+        assert np.array_equal(local.a[:, :, [2, 3, 0]], remote.a[:, :, [7, 8, 1]])
+        assert not local.a[:, :, [1, 4, 5]].any()
+        assert {c[0] for c in calls} == {kind} and {c[3] for c in calls} == {3} and {c[4] for c in calls} == {77}
+        assert len(calls) == (2 if kind == "2d" else 2 * 6)    # two runs; 6 rows each when row by row
