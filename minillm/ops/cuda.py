@@ -38,7 +38,11 @@ xp = cupy
 name = "cuda"
 
 LOG2E = 1.4426950408889634
-DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode split reads
+# Decode splits (flash-decoding): a split reads at least DECODE_MIN_PARTITION tokens (one pass of
+# the block's four warps over 16-token chunks); the grid aims at DECODE_BLOCKS_PER_SM blocks of 128
+# threads per SM (about two waves), so a small batch with long contexts still fills the card.
+DECODE_MIN_PARTITION = 64
+DECODE_BLOCKS_PER_SM = 8
 DECODE_MAX_SPLITS = 64
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
@@ -535,9 +539,15 @@ def _attention_meta(meta: AttentionMetadata):
     return qsl, seq_lens, tables
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Context splits per sequence: enough blocks for about two waves, each >= the min partition."""
-    want = -(-8 * _num_multiprocessors() // max(1, batch * num_kv_heads))
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
+    """Context splits per sequence: batch x kv_heads x splits blocks fill the SMs (num_sms, read
+    from the device by default) about two waves over, each split at least the min partition long.
+
+    Under CUDA graphs max_seq_len is the capture's (max_model_len); a replay over shorter contexts
+    leaves the splits past ceil(len / DECODE_MIN_PARTITION) empty.
+    """
+    sms = num_sms if num_sms is not None else _num_multiprocessors()
+    want = -(-DECODE_BLOCKS_PER_SM * sms // max(1, batch * num_kv_heads))
     cap = -(-max(1, max_seq_len) // DECODE_MIN_PARTITION)
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
 
