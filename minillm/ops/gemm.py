@@ -291,6 +291,9 @@ def tune(p: GemmProblem, x, w, explicit_algos: bool | None = None) -> TuneResult
     with stream:
         try:
             result = _tune_on(stream, p, x, w, explicit_algos)
+        except (RuntimeError, OSError, ValueError) as e:   # the default then; a CUDA error stays sticky
+            logger.warning("gemm %s: tuning failed (%s: %s), cuBLAS's default kept", p, type(e).__name__, e)
+            result = TuneResult(p, DEFAULT, notes=[f"tuning failed: {type(e).__name__}: {e}"])
         finally:
             stream.synchronize()
     with _lock:
