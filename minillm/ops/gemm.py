@@ -114,6 +114,7 @@ _lt_plans: dict[GemmProblem, object] = {}
 _lt_errors: dict[GemmProblem, str] = {}
 _workspaces: dict[int, object] = {}
 _tune_streams: dict[int, object] = {}
+_probe_hosts: dict[tuple[int, str], np.ndarray] = {}
 
 
 def set_autotune(mode: str) -> None:
@@ -278,7 +279,8 @@ def _tune_stream():
 
 
 def tune(p: GemmProblem, x, w, explicit_algos: bool | None = None) -> TuneResult:
-    """Measure every candidate for p on x (and copies of w), cache and return the choice.
+    """Measure every candidate for p on a random x of its shape and copies of w (x itself only
+    gives the problem), cache and return the choice.
 
     Waits for the work queued on the current stream, runs on a stream of its own and returns
     when done; the current stream must not be capturing.
@@ -324,6 +326,22 @@ def _weight_copies(stream, w, p: GemmProblem):
         rt.memcpyAsync(buf.ptr + i * nbytes, w.data.ptr, nbytes, rt.memcpyDeviceToDevice, stream.ptr)
         copies.append(cupy.ndarray(w.shape, dtype=w.dtype, memptr=cupy.cuda.MemoryPointer(buf, i * nbytes)))
     return copies, buf
+
+
+def _probe_input(p: GemmProblem):
+    """A random x [T, K] with p's row stride (the caller's x may hold anything, even NaN, in a
+    warm-up pass; the check needs finite values). Host values are drawn once per stride and dtype."""
+    from minillm.ops.cuda import _host_bf16_bits, asarray
+
+    key = (p.x_stride, p.dtype)
+    with _lock:
+        host = _probe_hosts.get(key)
+    if host is None:
+        x32 = np.random.default_rng(p.x_stride).standard_normal((TUNE_MAX_TOKENS, p.x_stride), np.float32)
+        host = _host_bf16_bits(x32) if p.dtype == "bfloat16" else x32.astype(p.dtype)
+        with _lock:
+            _probe_hosts[key] = host
+    return asarray(host[:p.num_tokens], p.dtype)[:, :p.k]
 
 
 def _initial_out(p: GemmProblem, dtype):
@@ -417,6 +435,7 @@ def _tune_on(stream, p: GemmProblem, x, w, explicit_algos) -> TuneResult:
     if p in _lt_errors:
         result.notes.append(_lt_errors[p])
     beta = 1.0 if p.accumulate else 0.0
+    x = _probe_input(p)
     copies, _buf = _weight_copies(stream, w, p)
     init = _initial_out(p, p.out_dtype)
     valid = _validate(stream, p, cands, x, copies[0], beta, init, result.rejected)
