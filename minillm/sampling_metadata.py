@@ -23,6 +23,7 @@ step in flight, the copy of step t may not have run yet when the host packs step
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,7 +216,8 @@ class SamplingInputBuffer:
             if self._sampled_rows:
                 slot.floats[u + np.asarray(self._sampled_rows)] = uniforms
         if num_entries:
-            slot.words[e:e + num_entries] = [x for part in entries for x in part]
+            slot.words[e:e + num_entries] = np.fromiter(itertools.chain.from_iterable(entries), np.int32,
+                                                        num_entries)
         slot.event = self.device.copy_to_device_async(self.words[start:end], slot.words[start:end])
         self._retired = [s for s in self._retired if not s.event.done]
         self._is_clean = True
