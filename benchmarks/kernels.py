@@ -202,6 +202,64 @@ def sampling_rows(cp, ops, copy_gbs: float) -> list[Row]:
             for name, fn in cases]
 
 
+def projection_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    """The decode step's projections at batch 64 / 128 / 256: cuBLAS's default against the tuned
+    choice (minillm/ops/gemm.py), in GB/s of weights read, each call on its own copy of the weights
+    so that they come from HBM (copies overflowing L2), as in a step whose layers read their own."""
+    import itertools
+
+    from minillm.ops import gemm
+
+    l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 50 << 20))
+    rows = []
+    for batch in (64, 128, 256):
+        for name, k, nn in (("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), ("o", HEADS * HEAD_DIM, HIDDEN),
+                            ("gate_up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)):
+            wbytes = nn * k * 2
+            count = max(2, min(16, -(-2 * l2 // wbytes)))
+            ws = [random_bf16(cp, ops, (nn, k)) for _ in range(count)]
+            x = random_bf16(cp, ops, (batch, k))
+            out = cp.empty((batch, nn), dtype=x.dtype)
+            result = gemm.tune(gemm.problem_of(out, x, ws[0]), x, ws[0], explicit_algos=True)
+            shape = f"{batch}x{k}->{nn}"
+            for tag, cand in (("default", gemm.DEFAULT), ("tuned", result.choice)):
+                nxt = itertools.cycle(ws)
+                t = time_graph(cp, lambda: ops.linear(x, next(nxt), out=out, candidate=cand), iters=4 * count)
+                label = f"linear {name} {tag}" + (f" {cand.name}" if tag == "tuned" else "")
+                rows.append(Row(label, shape, t * 1e6, wbytes / t / 1e9, "GB/s", copy_gbs))
+            if batch == 256:   # the tuner's own figures: the best of each kind of candidate
+                for kind, label in (("gemm_ex", "explicit gemm_ex ids"), ("lt", "cuBLASLt"), ("split_k", "split-K")):
+                    timed = {c: v for c, v in result.seconds.items() if c.kind == kind and c.param not in (-1, 99)}
+                    if timed:
+                        best = min(timed, key=timed.get)
+                        rows.append(Row(f"  tuner best {label}: {best.name}", shape, timed[best] * 1e6,
+                                        wbytes / timed[best] / 1e9, "GB/s", copy_gbs))
+            del ws
+    return rows
+
+
+def tail_attention_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    """The workload's tail: decode attention at batch 4, context 4096, with the automatic split
+    count against one split (and the 16 splits of the previous 256-token minimum partition)."""
+    rng = np.random.default_rng(7)
+    batch, ctx = 4, 4096
+    num_blocks = batch * ctx // BLOCK + 8
+    k_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    v_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
+    meta = decode_meta(ops, rng, batch, ctx, num_blocks)
+    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+    auto = ops.decode_num_splits(batch, KV_HEADS, ctx)
+    rows = []
+    for splits in sorted({auto, 1, 16, 64}):
+        t = time_graph(cp, lambda: ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5,
+                                                       num_splits=splits), iters=50)
+        tag = " (auto)" if splits == auto else ""
+        rows.append(Row(f"decode attention splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
+                        kv_bytes / t / 1e9, "GB/s", copy_gbs))
+    return rows
+
+
 def print_table(rows: list[Row]) -> None:
     print(f"{'kernel':34} {'shape':22} {'time us':>10} {'achieved':>16} {'ceiling':>16} {'%':>6}")
     for r in rows:
@@ -231,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     rows += attention_rows(cp, ops, copy_gbs, gemm_peak)
     rows += small_kernel_rows(cp, ops, copy_gbs)
     rows += sampling_rows(cp, ops, copy_gbs)
+    rows += tail_attention_rows(cp, ops, copy_gbs)
+    rows += projection_rows(cp, ops, copy_gbs)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))

@@ -42,7 +42,7 @@ class ModelRunner:
         with device.compute():
             self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
-        self.sampler = Sampler(ops, eos_token_ids)
+        self.sampler = Sampler(ops, eos_token_ids, device, config.max_num_seqs)
         self.verifier = None             # verifies draft tokens (only with speculative decoding)
         if config.speculative_config is not None:
             from minillm.spec_decode.verifier import DraftVerifier

@@ -1,4 +1,4 @@
-"""CUDA backend: CuPy RawKernel launchers over cuda/*.cu, cuBLAS (C API) for matrix products.
+"""CUDA backend: CuPy RawKernel launchers over cuda/*.cu, cuBLAS / cuBLASLt (C API) for matrix products.
 
 Every function has the name and signature of its twin in minillm/ops/numpy.py (plus optional
 `out=` buffers and a few tuning keywords). Arrays are CuPy arrays; activations and KV caches are
@@ -9,7 +9,9 @@ dtype[, head_dim, group]) through NVRTC (CuPy picks -arch for the device, sm_90 
 CUDA graphs: every op launches only kernels (and cuBLAS through its C API) on CuPy's current
 stream, reads shapes from its arguments and host ints in AttentionMetadata, and never synchronises,
 so a forward pass captures. The graph runner must (1) run every op once eagerly before capturing
-(NVRTC compilation, module loading and the cuBLAS handle happen on first use); (2) capture on a
+(NVRTC compilation, module loading, the cuBLAS handle and the tuning of each GEMM shape in
+minillm/ops/gemm.py happen on first use; a shape first seen during a capture runs cuBLAS's
+default); (2) capture on a
 non-default stream; (3) allocate under a private memory pool kept alive with the graph, e.g.
 `with cupy.cuda.using_allocator(pool.malloc):`, or pass preallocated `out=` buffers, because
 CuPy's pool hands freed blocks to later allocations and a replay writes to the captured addresses;
@@ -27,7 +29,7 @@ import numpy as np
 
 import minillm
 from minillm.attention import AttentionMetadata
-from minillm.ops import cublas
+from minillm.ops import gemm
 
 try:
     import cupy
@@ -38,7 +40,11 @@ xp = cupy
 name = "cuda"
 
 LOG2E = 1.4426950408889634
-DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode split reads
+# Decode splits (flash-decoding): a split reads at least DECODE_MIN_PARTITION tokens (one pass of
+# the block's four warps over 16-token chunks); the grid aims at DECODE_BLOCKS_PER_SM blocks of 128
+# threads per SM (about two waves), so a small batch with long contexts still fills the card.
+DECODE_MIN_PARTITION = 64
+DECODE_BLOCKS_PER_SM = 8
 DECODE_MAX_SPLITS = 64
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
@@ -298,8 +304,11 @@ def _log2_exact(n: int, what: str) -> int:
 
 # ----------------------------------------------------------------------------- dense ops
 
-def linear(x, w, bias=None, out=None, out_dtype=None):
-    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), fp32 accumulation."""
+def linear(x, w, bias=None, out=None, out_dtype=None, candidate=None):
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), fp32 accumulation.
+
+    The product runs the shape's tuned GEMM (minillm/ops/gemm.py: tuned on the first eager call of
+    a tunable shape), or `candidate` (a gemm.Candidate) when given."""
     _check_device(x, "x")
     _check_device(w, "w")
     _check_float(x, "x")
@@ -330,7 +339,7 @@ def linear(x, w, bias=None, out=None, out_dtype=None):
         if bias is None:
             out.fill(0)
         return out
-    cublas.matmul_nt(out, x, w, beta)
+    gemm.matmul(out, x, w, beta, candidate)
     return out
 
 
@@ -535,9 +544,15 @@ def _attention_meta(meta: AttentionMetadata):
     return qsl, seq_lens, tables
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Context splits per sequence: enough blocks for about two waves, each >= the min partition."""
-    want = -(-8 * _num_multiprocessors() // max(1, batch * num_kv_heads))
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
+    """Context splits per sequence: batch x kv_heads x splits blocks fill the SMs (num_sms, read
+    from the device by default) about two waves over, each split at least the min partition long.
+
+    Under CUDA graphs max_seq_len is the capture's (max_model_len); a replay over shorter contexts
+    leaves the splits past ceil(len / DECODE_MIN_PARTITION) empty.
+    """
+    sms = num_sms if num_sms is not None else _num_multiprocessors()
+    want = -(-DECODE_BLOCKS_PER_SM * sms // max(1, batch * num_kv_heads))
     cap = -(-max(1, max_seq_len) // DECODE_MIN_PARTITION)
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
 
