@@ -362,3 +362,18 @@ def test_the_test_extra_needs_no_torch_and_ci_still_runs_the_live_comparison():
     assert ci.index('"torch==2.13.0"') < ci.index('-e ".[test,parity]"')
     readme = (REPO / "README.md").read_text()
     assert 'pip install -e ".[test]" && python3 -m pytest -q' in readme
+
+
+@needs_stories
+def test_max_step_ms_calibrates_at_start_up_and_keeps_greedy_text():
+    common = ("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+              "--max-tokens", "16", "--max-num-seqs", "4")
+    plain, budgeted = minillm(*common), minillm(*common, "--max-step-ms", "20")
+    assert plain.returncode == 0 and budgeted.returncode == 0, budgeted.stderr
+    assert budgeted.stdout == plain.stdout
+    assert "step cost model fitted on" in budgeted.stderr and "step budget 20 ms" in budgeted.stderr
+    assert "step cost model" not in plain.stderr
+    bad = minillm(*common, "--max-step-ms", "0")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    [line] = bad.stderr.strip().splitlines()
+    assert "max_step_ms must be a finite number > 0" in line
