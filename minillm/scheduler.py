@@ -94,6 +94,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_cost = step_cost           # estimates step times (with max_step_ms), or None
         self.max_step_ms = max_step_ms
+        # Features of launched steps until their device time comes back (a few at most: one step
+        # is in flight; a step that failed to launch drops off the end).
+        self._launched_features: deque[tuple[SchedulerOutput, object]] = deque(maxlen=8)
         self.drafter = None              # proposes draft tokens (only with speculative decoding)
         if speculative_config is not None:
             from minillm.spec_decode.drafter import Drafter
@@ -258,15 +261,20 @@ class Scheduler:
         out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
                               scheduled_spec_decode_tokens=spec)
         if self.step_cost is not None and seqs:
-            out.estimated_step_s = self.step_cost.estimate(step_features(out))
+            features = step_features(out)
+            out.estimated_step_s = self.step_cost.estimate(features)
+            self._launched_features.append((out, features))
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
 
     def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
         """A completed step's measured device time, for the step cost model's online correction."""
-        if self.step_cost is not None and out.seqs:
-            self.step_cost.observe(step_features(out), seconds, out.estimated_step_s)
+        for k, (launched, features) in enumerate(self._launched_features):
+            if launched is out:
+                del self._launched_features[k]
+                self.step_cost.observe(features, seconds, out.estimated_step_s)
+                return
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

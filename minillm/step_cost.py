@@ -22,7 +22,6 @@ and a single factor learned on decode steps would bend the prefill terms the wro
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections import deque
@@ -64,48 +63,55 @@ def add_row(features: np.ndarray, num_new_tokens: int, start: int, is_decode: bo
 
 
 def step_features(out: SchedulerOutput) -> np.ndarray:
-    """features [5] of a scheduled step."""
-    q = np.asarray(out.num_new_tokens, np.float64)                 # [B]
-    start = np.asarray(out.num_computed_tokens, np.float64)        # [B]
-    prompt = np.fromiter((s.num_prompt_tokens for s in out.seqs), np.float64, len(out.seqs))
-    context = start + q
-    prefill = (q != 1) | (start < prompt)
-    f = np.zeros(NUM_FEATURES)
-    f[BASE] = 1.0 if len(q) else 0.0
-    f[MIXED] = float(np.any(q > 1))
-    f[TOKENS] = q.sum()
-    f[ATTENTION] = (q * context)[prefill].sum()
-    f[KV_READ] = context.sum()
-    return f
+    """features [5] of a scheduled step (plain Python over the rows: it runs every step)."""
+    counts, starts = out.num_new_tokens, out.num_computed_tokens
+    if not counts:
+        return np.zeros(NUM_FEATURES)
+    tokens = sum(counts)
+    attention = sum(n * (start + n) for seq, start, n in zip(out.seqs, starts, counts)
+                    if n != 1 or start < len(seq.prompt_token_ids))     # the prefill rows
+    return np.array([1.0, float(max(counts) > 1), tokens, attention, sum(starts) + tokens])
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """Coefficients [k] >= 0 minimising sum(w * ((x @ theta - y) / y) ** 2); x: [n, k], y: [n] > 0,
-    weights w: [n] (default 1).
-
-    Exact for the few features here: the optimum's positive coefficients solve the unconstrained
-    problem on their own columns, so every support (2^k - 1 of them) is tried on the k x k normal
-    equations, and the best feasible one wins."""
+    weights w: [n] (default 1). Lawson and Hanson's active-set method on the k x k normal
+    equations (a fraction of a millisecond: it runs on the engine loop)."""
     w = np.ones(len(y)) if weights is None else np.sqrt(np.asarray(weights, np.float64))
     xw = x * (w / y)[:, None]                               # relative error: row i divided by y_i
     scale = np.sqrt((xw ** 2).mean(axis=0))                 # columns of ~unit size, for conditioning
     scale[scale == 0] = 1.0
     xs = xw / scale
-    gram, rhs = xs.T @ xs, xs.T @ w                         # [k, k], [k]: x^T x and x^T w
-    k = x.shape[1]
-    best, best_loss = np.zeros(k), float(w @ w)             # all-zero coefficients
-    for size in range(1, k + 1):
-        for support in itertools.combinations(range(k), size):
-            idx = list(support)
-            theta_s = np.linalg.lstsq(gram[np.ix_(idx, idx)], rhs[idx], rcond=None)[0]
-            if np.any(theta_s < 0) or not np.all(np.isfinite(theta_s)):
-                continue
-            theta = np.zeros(k)
-            theta[idx] = theta_s
-            loss = float(((xs @ theta - w) ** 2).sum())
-            if loss < best_loss - 1e-12:
-                best, best_loss = theta, loss
-    return best / scale
+    return nnls_normal(xs.T @ xs, xs.T @ w) / scale         # x^T x [k, k], x^T w [k]
+
+
+def nnls_normal(gram: np.ndarray, rhs: np.ndarray, max_iter: int = 64) -> np.ndarray:
+    """theta >= 0 minimising theta^T gram theta - 2 rhs^T theta (least squares given as its normal
+    equations gram [k, k], rhs [k]): Lawson-Hanson."""
+    k = len(rhs)
+    theta = np.zeros(k)
+    passive = np.zeros(k, dtype=bool)
+    tol = 1e-10 * max(float(np.abs(rhs).max(initial=0.0)), 1e-300)
+    for _ in range(max_iter):
+        grad = rhs - gram @ theta                           # minus half the gradient
+        candidates = np.where(~passive & (grad > tol), grad, -np.inf)
+        if not np.isfinite(candidates.max()):
+            break
+        passive[int(np.argmax(candidates))] = True
+        for _ in range(max_iter):
+            idx = np.flatnonzero(passive)
+            trial = np.zeros(k)
+            trial[idx] = np.linalg.lstsq(gram[np.ix_(idx, idx)], rhs[idx], rcond=None)[0]
+            if np.all(trial[idx] > 0):
+                theta = trial
+                break
+            # Step from theta toward trial until the first passive coefficient reaches zero.
+            shrinking = idx[trial[idx] <= 0]
+            alpha = np.min(theta[shrinking] / (theta[shrinking] - trial[shrinking]))
+            theta = theta + alpha * (trial - theta)
+            passive &= theta > tol
+            theta[~passive] = 0.0
+    return theta
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,10 @@ class StepCostModel:
         # The start-up samples, kept in every refit: [n, 5] features, [n] seconds.
         self.anchor_x = np.zeros((0, NUM_FEATURES)) if anchor_x is None else np.asarray(anchor_x, np.float64)
         self.anchor_y = np.zeros(0) if anchor_y is None else np.asarray(anchor_y, np.float64)
-        self.live: deque[tuple[np.ndarray, float]] = deque(maxlen=window)
+        # The live window as a ring: [window, 5] features, [window] measured seconds.
+        self.live_x, self.live_y = np.zeros((window, NUM_FEATURES)), np.zeros(window)
+        self.num_live = 0                 # samples in the window
+        self._next = 0                    # the ring slot the next sample goes to
         self.errors: deque[float] = deque(maxlen=window)
         self.refit_every = refit_every
         self.num_refits = 0
@@ -155,7 +164,9 @@ class StepCostModel:
         estimated = self.estimate(features) if estimated_s is None else estimated_s
         self.last_estimated_s, self.last_measured_s = estimated, measured_s
         self.errors.append(abs(estimated - measured_s) / measured_s)
-        self.live.append((np.array(features, np.float64), measured_s))
+        self.live_x[self._next], self.live_y[self._next] = features, measured_s
+        self._next = (self._next + 1) % len(self.live_y)
+        self.num_live = min(self.num_live + 1, len(self.live_y))
         self._since_refit += 1
         if self._since_refit >= self.refit_every:
             self.refit()
@@ -163,11 +174,12 @@ class StepCostModel:
     def refit(self) -> None:
         """Fit again on the start-up samples and the live window."""
         self._since_refit = 0
-        if not self.live:
+        if not self.num_live:
             return
-        x = np.vstack([self.anchor_x] + [f for f, _ in self.live])
-        y = np.concatenate([self.anchor_y, [t for _, t in self.live]])
-        weights = np.concatenate([np.full(len(self.anchor_y), ANCHOR_WEIGHT), np.ones(len(self.live))])
+        n = self.num_live
+        x = np.concatenate([self.anchor_x, self.live_x[:n]])
+        y = np.concatenate([self.anchor_y, self.live_y[:n]])
+        weights = np.concatenate([np.full(len(self.anchor_y), ANCHOR_WEIGHT), np.ones(n)])
         self.coefficients = fit_nonnegative(x, y, weights)
         self.num_refits += 1
 
@@ -179,7 +191,7 @@ class StepCostModel:
         """Copies of the coefficients and the newest figures."""
         errors = float(np.median(self.errors)) if self.errors else None
         return StepCostSnapshot(dict(zip(FEATURE_NAMES, map(float, self.coefficients))), len(self.anchor_y),
-                                len(self.live), self.num_refits, self.last_estimated_s, self.last_measured_s, errors)
+                                self.num_live, self.num_refits, self.last_estimated_s, self.last_measured_s, errors)
 
 
 class StepTimeBudget:

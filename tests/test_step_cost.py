@@ -143,7 +143,7 @@ def test_observe_ignores_steps_without_a_time():
     add_row(f, 1, 10, True)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         model.observe(f, bad)
-    assert not model.live and model.last_measured_s is None
+    assert model.num_live == 0 and model.last_measured_s is None
 
 
 @pytest.mark.parametrize("max_num_seqs,budget,max_model_len,num_blocks,block_size", [
