@@ -83,7 +83,8 @@ def resolve_defaults(args) -> dict:
                  "max_num_batched_tokens", "decode_steps"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if args.long_every_s < 0 or args.step_budget_factor <= 0 or (args.max_step_ms is not None and args.max_step_ms <= 0):
+    bad_budget = args.max_step_ms is not None and args.max_step_ms <= 0
+    if args.long_every_s < 0 or args.step_budget_factor <= 0 or bad_budget:
         raise BenchError("--long-every-s must be >= 0, --step-budget-factor and --max-step-ms > 0")
     if args.model is not None:
         from minillm.loader import resolve_model_path

@@ -75,7 +75,7 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the per-step token budget."""
+    """Owns the waiting and running queues, the per-step token budget and the step-time budget."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],

@@ -16,9 +16,11 @@ by non-negative least squares on relative error (a 4 ms decode step matters as m
 prefill), first from a profiling pass at start-up (calibrate()), then again every REFIT_EVERY
 steps from the measured device time of the last WINDOW steps, with the start-up samples kept as
 anchors (at a quarter of a live step's weight each): a live window of decode steps alone says
-nothing about the attention term, and the anchors keep it known. A refit rather than one scale factor because the error depends on the
-shape: an eager step whose launches overlap its GPU work costs less than the sum of its parts,
-and a single factor learned on decode steps would bend the prefill terms the wrong way.
+nothing about the attention term, and the anchors keep it known. A refit rather than one scale
+factor because the error depends on the shape: an eager step whose launches overlap its GPU work
+costs less than the sum of its parts, and a single factor learned on decode steps would bend the
+prefill terms the wrong way. A refit is Lawson-Hanson on 5 x 5 normal equations, about 0.2 ms
+every 16 steps on the engine loop.
 """
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.block_manager import BlockManager
 from minillm.step_cost import (ATTENTION, FEATURE_NAMES, KV_READ, MIXED, NUM_FEATURES, TOKENS, StepCostModel,
                                add_row, calibration_shapes, dummy_step, fit_nonnegative, is_decode_row,
                                step_features)
