@@ -104,6 +104,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--max-num-seqs", help="Most sequences in one step.")], _default("max_num_seqs")),
     "max_num_batched_tokens": (Annotated[int, _engine_option(
         "--max-num-batched-tokens", help="Token budget of one step.")], _default("max_num_batched_tokens")),
+    "max_step_ms": (Annotated[Optional[float], _engine_option(
+        "--max-step-ms", help="Step-time budget while decodes run: prompt chunks are sized to keep "
+        "the estimated step within it (default: off, the token budget only).")], None),
     "max_model_len": (Annotated[Optional[int], _engine_option(
         "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
     "block_size": (Annotated[int, _engine_option(

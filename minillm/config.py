@@ -51,6 +51,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_step_ms: float | None = None     # step-time budget while decodes run (None: the token budget only)
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -83,6 +84,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
+                                             or not isinstance(self.max_step_ms, (int, float))
+                                             or not math.isfinite(self.max_step_ms) or self.max_step_ms <= 0):
+            raise ValueError(f"max_step_ms must be a finite number > 0 (or None: off), got {self.max_step_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

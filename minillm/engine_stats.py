@@ -90,9 +90,21 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         ttft_p50_s=percentile(m.ttft, 50), ttft_p99_s=percentile(m.ttft, 99),
         itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
-        recent_steps=list(m.recent_steps)[-32:], requests=rows,
+        # Copies: a step's measured device time is written into its row when the step completes.
+        recent_steps=[copy.copy(s) for s in list(m.recent_steps)[-32:]], requests=rows,
         step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
-        **_offload_fields(offload, cells), **(asdict(structured) if structured else {}))
+        **_offload_fields(offload, cells), **(asdict(structured) if structured else {}), **_step_cost_fields(sched))
+
+
+def _step_cost_fields(sched: SchedulerSnapshot) -> dict:
+    """EngineStats' step-time budget fields (none when it is off)."""
+    cost = sched.step_cost
+    if sched.max_step_ms is None or cost is None:
+        return {}
+    ms = lambda s: None if s is None else s * 1e3   # noqa: E731
+    return dict(max_step_ms=sched.max_step_ms, step_cost_coefficients=dict(cost.coefficients),
+                step_estimated_ms=ms(cost.last_estimated_s), step_measured_ms=ms(cost.last_measured_s),
+                step_cost_error_p50=cost.relative_error_p50, step_cost_num_refits=cost.num_refits)
 
 
 def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:

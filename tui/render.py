@@ -22,6 +22,8 @@ COLOR_CACHED = "#2e6f6f"
 COLOR_PREFILL = "#ffaf5f"
 COLOR_DECODE = "#5fd787"
 COLOR_SEQS = "#87afff"
+COLOR_STEP_TIME = "#d7af87"     # a step's measured device time, under the step budget
+COLOR_OVER = "#ff5f5f"          # ... and over it
 COLOR_DIM = "#6c6c6c"
 
 
