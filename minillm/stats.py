@@ -124,6 +124,8 @@ class EngineStats:
     grammar_fill_time_s: float = 0.0
     grammar_fill_p50_s: float | None = None
     grammar_fill_p99_s: float | None = None
+    # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
+    kv_cache_dtype: str = ""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""
