@@ -118,8 +118,8 @@ def kv_append(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.nda
 
 def calculate_kv_scales(k: np.ndarray, v: np.ndarray, kv_scales: np.ndarray) -> None:
     """vLLM's calculate_kv_scales, in place: kv_scales [2] = (max|k|, max|v|) / 448 over k, v:
-    [T, Hk, Dh] (1.0 where the maximum is 0 or not finite)."""
-    absmax = [np.abs(x.astype(np.float32)).max(initial=0.0) for x in (k, v)]
+    [T, Hk, Dh] (NaN elements skipped; 1.0 where the maximum is 0 or infinite)."""
+    absmax = [np.nanmax(np.abs(x.astype(np.float32)), initial=0.0) for x in (k, v)]
     kv_scales[...] = scales_from_absmax(absmax)
 
 
