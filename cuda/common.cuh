@@ -140,11 +140,18 @@ __device__ __forceinline__ unsigned char float_to_e4m3(float f) {
     return (unsigned char)(floats_to_e4m3x2(f, 0.0f) & 0xffu);
 }
 
-// E4M3 byte (the low 8 bits of b) -> its value times 2^-120, in three integer operations: the 7
-// exponent-mantissa bits land on float bits 20..26 and the sign on bit 31. Exponent bias 7 read
-// with bias 127 scales by 2^-120; E4M3 subnormals become float denormals of the same scaled value.
+// The E4M3 byte in bits 24..31 of `top` -> its value times 2^-120, in two integer operations (the
+// lower bits of `top` are ignored): an arithmetic shift by 4 puts the 7 exponent-mantissa bits on
+// float bits 20..26 and copies the sign over bits 27..31, the mask keeps bits 31 and 20..26.
+// Exponent bias 7 read with bias 127 scales by 2^-120; E4M3 subnormals become float denormals of
+// the same scaled value.
+__device__ __forceinline__ float e4m3_top_byte_to_float_times_2m120(unsigned int top) {
+    return __int_as_float(((int)top >> 4) & (int)0x87f00000);
+}
+
+// The E4M3 byte in the low 8 bits of b (higher bits ignored) -> its value times 2^-120.
 __device__ __forceinline__ float e4m3_to_float_times_2m120(unsigned int b) {
-    return __uint_as_float(((b & 0x7fu) << 20) | ((b & 0x80u) << 24));
+    return e4m3_top_byte_to_float_times_2m120(b << 24);
 }
 
 #define E4M3_UNSCALE __int_as_float(0x7b800000)   // 2^120, undoes the factor above exactly

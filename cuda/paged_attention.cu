@@ -79,7 +79,7 @@ __device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
 // times 2^-120 (the caller's factors carry 2^120 and the scale). i is a constant after unrolling.
 __device__ __forceinline__ float kv_get(const KVVec& v, int i) {
 #if KV_FP8
-    return e4m3_to_float_times_2m120(v.w[i >> 2] >> ((i & 3) * 8));
+    return e4m3_top_byte_to_float_times_2m120(v.w[i >> 2] << (24 - 8 * (i & 3)));
 #else
     return vec_get(reinterpret_cast<const Vec16&>(v), i);
 #endif
