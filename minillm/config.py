@@ -64,6 +64,11 @@ class EngineConfig:
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
     kv_offload_gib: float = 0            # host-memory tier of the prefix cache, GiB (0: off)
+    # vLLM's cache dtype: "auto" stores K/V in the model's dtype; "fp8" (or "fp8_e4m3") stores FP8
+    # E4M3 bytes with a per-layer k_scale / v_scale (1.0, or from the first prefill when
+    # calculate_kv_scales), so the same memory holds twice the tokens.
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,6 +78,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -107,6 +113,23 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_offload_gib works with tensor_parallel_size 1 only: the host tier "
                                  "copies rank 0's KV pool")
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(name) -> None:
+    """kv_cache_dtype is one of KV_CACHE_DTYPES; E5M2 is named and refused (E4M3 only)."""
+    if name == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: the FP8 KV cache stores E4M3 "
+                         "(use 'fp8' or 'fp8_e4m3')")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {name!r}")
+
+
+def is_fp8_kv_cache(name: str) -> bool:
+    """True when kv_cache_dtype asks for FP8 E4M3 storage."""
+    return name in ("fp8", "fp8_e4m3")
 
 
 def available_host_bytes() -> int | None:

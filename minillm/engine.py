@@ -385,7 +385,7 @@ class LLMEngine:
         """A snapshot of queues, KV pool, throughput and latency."""
         c = self.config
         info = EngineInfo(self.model_name, self.backend, self.dtype, c.max_num_seqs, c.max_num_batched_tokens,
-                          self.max_model_len)
+                          self.max_model_len, self.runner.kv_cache_dtype)
         ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
         structured = self.structured_outputs.stats() if self.structured_outputs is not None else None
         return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),

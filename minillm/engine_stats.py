@@ -44,6 +44,7 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    kv_cache_dtype: str = ""     # what the KV pool stores: the model dtype or "fp8_e4m3"
 
 
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
@@ -92,6 +93,7 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         # Copies: a step's measured device time is written into its row when the step completes.
         recent_steps=[copy.copy(s) for s in list(m.recent_steps)[-32:]], requests=rows,
+        kv_cache_dtype=info.kv_cache_dtype,
         step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
         **_offload_fields(offload, cells), **(asdict(structured) if structured else {}), **_step_cost_fields(sched))
 
@@ -140,8 +142,9 @@ def describe_engine(stats: EngineStats) -> str:
     """The load report: backend, dtype, weights, KV pool and concurrency at max_model_len."""
     num_tokens = stats.kv_num_blocks * stats.block_size
     blocks_per_seq = -(-stats.max_model_len // stats.block_size)
+    kv_dtype = f" {stats.kv_cache_dtype}" if stats.kv_cache_dtype else ""
     return (f"minillm: backend {stats.device}, dtype {stats.dtype}, weights "
-            f"{human_bytes(stats.memory.weights_bytes)}; KV pool {stats.kv_num_blocks} blocks x "
+            f"{human_bytes(stats.memory.weights_bytes)}; KV pool{kv_dtype} {stats.kv_num_blocks} blocks x "
             f"{stats.block_size} = {num_tokens} tokens ({human_bytes(stats.memory.kv_pool_bytes)}); "
             f"max concurrency at max_model_len {stats.max_model_len}: "
             f"{stats.kv_num_blocks / blocks_per_seq:.2f}x")

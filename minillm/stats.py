@@ -135,6 +135,8 @@ class EngineStats:
     step_measured_ms: float | None = None
     step_cost_error_p50: float | None = None
     step_cost_num_refits: int = 0
+    # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
+    kv_cache_dtype: str = ""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

@@ -54,6 +54,11 @@ def test_every_source_includes_the_common_header_once():
 CASES = [(name, dtype) for name in SOURCES for dtype in DTYPE_IDS
          if name != "sampling.cu" or dtype == "float32"]
 HEAD_SIZES = [(8, 4), (64, 8), (256, 1)]
+# FP8 KV caches (-DKV_FP8=1): the files that read or write the cache, each dtype, and attention at
+# the head sizes whose decode layout differs (16-byte loads, VEC_ELEMS-byte loads, tiny heads).
+FP8_SOURCES = ("kv_append.cu", "paged_attention.cu", "rotary.cu")
+FP8_CASES = [(name, dtype) for name in FP8_SOURCES for dtype in DTYPE_IDS]
+FP8_HEAD_SIZES = [(128, 2), (64, 4), (128, 8), (8, 2), (64, 1)]
 
 
 def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
@@ -65,6 +70,12 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
     for head_dim, group in HEAD_SIZES:
         builds[f"attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
             "-DMINILLM_DTYPE=2", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
+    for name, dtype in FP8_CASES:
+        builds[f"fp8-{name}-{dtype}"] = (inlined_source(name), [
+            f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", "-DKV_FP8=1", "-DHEAD_DIM=64", "-DGQA=4"])
+    for head_dim, group in FP8_HEAD_SIZES:
+        builds[f"fp8-attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
+            "-DMINILLM_DTYPE=2", "-DKV_FP8=1", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
     broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
     builds["syntax-error"] = (broken, [])
     return builds
@@ -92,6 +103,20 @@ def test_kernel_source_compiles_for_sm90(name, dtype, nvcc_results):
 @pytest.mark.parametrize("head_dim,group", HEAD_SIZES)
 def test_attention_compiles_for_other_head_sizes(head_dim, group, nvcc_results):
     result = nvcc_results[f"attention-{head_dim}-{group}"]
+    assert result.returncode == 0, result.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,dtype", FP8_CASES)
+def test_fp8_kv_cache_builds_compile(name, dtype, nvcc_results):
+    result = nvcc_results[f"fp8-{name}-{dtype}"]
+    assert result.returncode == 0, f"{name} ({dtype}, KV_FP8) failed to compile:\n{result.stderr}"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim,group", FP8_HEAD_SIZES)
+def test_fp8_attention_compiles_for_each_decode_layout(head_dim, group, nvcc_results):
+    result = nvcc_results[f"fp8-attention-{head_dim}-{group}"]
     assert result.returncode == 0, result.stderr
 
 
@@ -139,3 +164,11 @@ def test_kernel_source_compiles_with_nvrtc(name, dtype):
     status, log = nvrtc_compile(inlined_source(name), ["-std=c++17", "-arch=sm_90",
                                                       f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", *extra])
     assert status == 0, f"{name} ({dtype}) failed in NVRTC:\n{log}"
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("name,dtype", FP8_CASES)
+def test_fp8_kv_cache_builds_compile_with_nvrtc(name, dtype):
+    status, log = nvrtc_compile(inlined_source(name), ["-std=c++17", "-arch=sm_90", "-DKV_FP8=1", "-DHEAD_DIM=128",
+                                                      "-DGQA=2", f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}"])
+    assert status == 0, f"{name} ({dtype}, KV_FP8) failed in NVRTC:\n{log}"

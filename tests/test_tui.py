@@ -338,6 +338,25 @@ async def test_finished_requests_stay_a_while_marked_finished(tmp_path, num_fram
             assert [table.get_row_at(i)[1].plain for i in range(table.row_count)][-1] == "finished"
 
 
+# ---- the KV panel names what the pool stores ---------------------------------------------------------
+
+async def test_kv_panel_title_names_the_kv_cache_dtype(tmp_path):
+    path = tmp_path / "fp8.jsonl"
+    with Recorder(path) as recorder:
+        for k, kv_dtype in enumerate(("fp8_e4m3", "")):       # the second: a server that does not say
+            stats = make_stats(k)
+            stats.kv_cache_dtype = kv_dtype
+            recorder.write(stats.to_dict(), t=100.0 + k)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False, num_frames=1))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 1)
+        assert pilot.app.query_one(UsagePanel).border_title == "KV usage · fp8_e4m3"
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 2)
+        assert pilot.app.query_one(UsagePanel).border_title == "KV usage"
+
+
 # ---- the batch chart: the top row is the token budget -----------------------------------------------
 
 async def test_batch_chart_top_is_the_token_budget_even_when_steps_are_small(tmp_path):
