@@ -20,6 +20,7 @@ will see (it sizes the split-K grid; shorter sequences leave splits empty).
 from __future__ import annotations
 
 import importlib.resources
+import os
 import threading
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import numpy as np
 
 import minillm
 from minillm.attention import AttentionMetadata
-from minillm.ops import cublas
+from minillm.ops import cublas, prefill_attention
 
 try:
     import cupy
@@ -42,6 +43,9 @@ DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode sp
 DECODE_MAX_SPLITS = 64
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
+# Prefill attention for fp16 / bf16 caches at head_dim 64 / 128: "flash" (prefill_attention.cu, 4 warps
+# x 32 rows), "flash-8w" (its 8 warps x 16 rows) or "mma" (paged_prefill_mma of paged_attention.cu).
+PREFILL_ATTENTION = os.environ.get("MINILLM_PREFILL_ATTENTION", "flash")
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -570,6 +574,10 @@ def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
+    flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out)
+    if flash is not None:
+        prefill_attention.launch(flash, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, max_query_len)
+        return
     q_stride = _row_stride(q, "q")
     use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)
                and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
@@ -592,7 +600,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
     query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
     kernel (num_splits forces its split count), else the prefill kernel (tensor cores for fp16 /
-    bf16 at head_dim 64 and 128).
+    bf16 at head_dim 64 and 128: prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION
+    is "mma").
     """
     for a, what in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         _check_device(a, what)

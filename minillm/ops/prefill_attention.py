@@ -1,0 +1,104 @@
+"""Launcher of cuda/prefill_attention.cu: tensor-core prefill attention for fp16 / bf16 caches.
+
+minillm/ops/cuda.py:paged_attention calls `variant()` for every prefill; when it names a variant
+(fp16 / bf16 with the cache in the same dtype, head_dim 64 or 128, GQA group up to 16, `out`
+4-byte aligned) `launch()` runs it, otherwise the older kernels of paged_attention.cu run (other
+dtypes, such as an FP8 cache, and other head sizes). The twin is minillm/ops/numpy.py:paged_attention.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+SOURCE = "prefill_attention.cu"
+KV_TILE = 64                    # keys of one K/V tile in shared memory (PA_BN in the source)
+MAX_GROUP = 16                  # query heads per KV head handled here
+HEAD_DIMS = (64, 128)
+OLD_KERNEL = "mma"              # the value of the kernel flag that keeps paged_prefill_mma
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Block shape of prefill_attention.cu: warps x (16 * m_tiles) query rows."""
+
+    warps: int
+    m_tiles: int                # 16-row MMA tiles of one warp
+    min_blocks: int             # blocks one multiprocessor must hold (caps the registers)
+
+    @property
+    def rows(self) -> int:
+        """Query rows of one block (query tokens x the GQA heads sharing a KV head)."""
+        return 16 * self.m_tiles * self.warps
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Dynamic shared memory of one block: Q rows plus two stages of K and V, padded rows."""
+        return (self.rows + 4 * KV_TILE) * (head_dim + 8) * 2
+
+
+# "flash": 4 warps of 32 rows, two blocks a multiprocessor (each K/V fragment feeds two MMAs);
+# "flash-8w": 8 warps of 16 rows, one block a multiprocessor (more warps per long block).
+VARIANTS = {"flash": Variant(warps=4, m_tiles=2, min_blocks=2),
+            "flash-8w": Variant(warps=8, m_tiles=1, min_blocks=1)}
+
+_configured: set[int] = set()
+_lock = threading.Lock()
+
+
+def variant(kernel: str, q, k_cache, out) -> Variant | None:
+    """The variant of prefill_attention.cu that runs this prefill, or None for the older kernels.
+
+    kernel: the flag minillm.ops.cuda.PREFILL_ATTENTION ("flash", "flash-8w" or "mma").
+    """
+    if kernel != OLD_KERNEL and kernel not in VARIANTS:
+        raise ValueError(f"prefill attention kernel must be one of {sorted(VARIANTS) + [OLD_KERNEL]}, got {kernel!r}")
+    if kernel == OLD_KERNEL or q.dtype.name not in ("float16", "bfloat16") or k_cache.dtype != q.dtype:
+        return None
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group = num_heads // k_cache.shape[2]
+    if head_dim not in HEAD_DIMS or group > MAX_GROUP or out.data.ptr % 4:
+        return None
+    return VARIANTS[kernel]
+
+
+def grid_order(v: Variant, num_q_tiles: int, num_kv_heads: int, batch: int, num_sms: int) -> tuple[int, int]:
+    """(blocks, first_wave): one block per (query tile, KV head, sequence); first_wave > 0 when the
+    grid fits two blocks per multiprocessor, so the second round is handed out shortest first."""
+    blocks = num_q_tiles * num_kv_heads * batch
+    first_wave = num_sms if v.min_blocks >= 2 and blocks <= 2 * num_sms else 0
+    return blocks, first_wave
+
+
+def _configure(fn, smem: int) -> None:
+    """Raise the kernel's dynamic shared-memory limit (once per compiled kernel)."""
+    with _lock:
+        if id(fn) in _configured:
+            return
+        fn.max_dynamic_shared_size_bytes = smem
+        fn.preferred_shared_memory_carveout = 100      # all of L1 as shared memory: two blocks fit
+        _configured.add(id(fn))
+
+
+def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_query_len: int) -> None:
+    """Run prefill_attention.cu over the batch (arguments as minillm/ops/cuda.py:_prefill checked them)."""
+    from minillm.ops import cuda as ops
+
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group, batch = num_heads // num_kv_heads, seq_lens.shape[0]
+    tokens_per_block = v.rows // group
+    num_q_tiles = max(1, -(-max_query_len // tokens_per_block))
+    blocks, first_wave = grid_order(v, num_q_tiles, num_kv_heads, batch, ops._num_multiprocessors())
+    defines = {"HEAD_DIM": head_dim, "GQA": group, "PA_WARPS": v.warps, "PA_MT": v.m_tiles,
+               "PA_MIN_BLOCKS": v.min_blocks}
+    fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
+    smem = v.smem_bytes(head_dim)
+    _configure(fn, smem)
+    fn((blocks,), (32 * v.warps,),
+       (ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
+        ops._i64(ops._row_stride(q, "q")), ops._ptr(k_cache), ops._ptr(v_cache), ops._ptr(tables),
+        ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
+        ops._i32(num_kv_heads), ops._i32(num_q_tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
+        np.float32(scale * ops.LOG2E), ops._i32(first_wave)),
+       shared_mem=smem)
