@@ -1,0 +1,167 @@
+"""cuda/prefill_attention.cu against its NumPy twin (minillm/ops/numpy.py:paged_attention).
+
+Skips without CuPy or a GPU. Fresh random inputs at every shape: chunk lengths 1, 17, 64, 129 and
+2048 over cached prefixes of 0, 5, 1000 and 14000 tokens, alone and in ragged batches that mix
+them; head_dim 64 and 128; bfloat16 and float16; GQA groups 1, 2, 3, 4, 8 and 16; block sizes 1
+to 256 with the history on scattered blocks; both block shapes of the kernel ("flash": 4 warps of
+32 rows, "flash-8w": 8 warps of 16 rows). Outputs are poisoned with NaN first, so an element the
+kernel does not write fails.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillm.attention import AttentionMetadata
+from minillm.ops import numpy as npops
+from minillm.ops import prefill_attention
+
+cupy = pytest.importorskip("cupy")
+try:
+    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
+except Exception:  # no driver
+    HAS_GPU = False
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
+
+if HAS_GPU:
+    from minillm.ops import cuda as ops
+
+# Elementwise tolerance (as tests/test_kernels_gpu.py) and a bound on the relative error of the whole
+# output: P goes through the dtype before P V, and the output is rounded to it.
+ATTN_TOL = {"float16": 4e-3, "bfloat16": 2.5e-2}
+REL_TOL = {"float16": 2e-3, "bfloat16": 1e-2}
+
+
+def to_host32(dev) -> np.ndarray:
+    """Device array (float16 / bfloat16) -> host float32 (bf16 through its bit pattern)."""
+    if dev.dtype.name == "bfloat16":
+        bits = cupy.asnumpy(cupy.ascontiguousarray(dev).view(cupy.uint16)).astype(np.uint32)
+        return (bits << 16).view(np.float32)
+    return cupy.asnumpy(dev).astype(np.float32)
+
+
+def to_device(x32: np.ndarray, dtype: str):
+    """float32 host values -> (device array of `dtype`, the rounded values as host float32)."""
+    dev = ops.asarray(x32, dtype)
+    return dev, to_host32(dev)
+
+
+def paged_batch(rng, q_lens, prefixes, kv_heads, head_dim, block_size, dtype):
+    """Caches with each sequence's history on randomly scattered blocks, and host metadata."""
+    ctx = [p + n for p, n in zip(prefixes, q_lens)]
+    blocks_per_seq = [-(-c // block_size) for c in ctx]
+    num_blocks = sum(blocks_per_seq) + 7
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(ctx), max(blocks_per_seq) + 3), np.int32)
+    used = 0
+    for b, n in enumerate(blocks_per_seq):
+        tables[b, :n] = perm[used:used + n]
+        used += n
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k_cache, k32 = to_device(rng.standard_normal(shape, np.float32), dtype)
+    v_cache, v32 = to_device(rng.standard_normal(shape, np.float32), dtype)
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    meta = AttentionMetadata(query_start_loc=qsl, seq_lens=np.asarray(ctx, np.int32), block_tables=tables,
+                             slot_mapping=np.zeros(int(qsl[-1]), np.int32), max_query_len=int(max(q_lens)),
+                             max_seq_len=int(max(ctx)), is_decode_only=False)
+    return k_cache, v_cache, k32, v32, meta
+
+
+def device_meta(meta: AttentionMetadata) -> AttentionMetadata:
+    a = ops.asarray
+    return AttentionMetadata(a(meta.query_start_loc), a(meta.seq_lens), a(meta.block_tables),
+                             a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len, meta.is_decode_only)
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
+                  fused_qkv=False):
+    """Run one ragged batch through `kernel` and hold it to the twin."""
+    monkeypatch.setattr(ops, "PREFILL_ATTENTION", kernel)
+    rng = np.random.default_rng([head_dim, heads, kv_heads, block_size, *q_lens, *prefixes])
+    k_cache, v_cache, k32, v32, meta = paged_batch(rng, q_lens, prefixes, kv_heads, head_dim, block_size, dtype)
+    tokens = sum(q_lens)
+    if fused_qkv:   # q as the model passes it: a view of the fused qkv projection, tokens strided
+        width = (heads + 2 * kv_heads) * head_dim
+        qkv, qkv32 = to_device(rng.standard_normal((tokens, width), np.float32), dtype)
+        q, q32 = qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim), qkv32[:, :heads * head_dim]
+        q32 = q32.reshape(tokens, heads, head_dim)
+    else:
+        q, q32 = to_device(rng.standard_normal((tokens, heads, head_dim), np.float32), dtype)
+    scale = head_dim ** -0.5
+    assert prefill_attention.variant(kernel, q, k_cache, q) is prefill_attention.VARIANTS[kernel]
+    out = ops.asarray(np.full((tokens, heads, head_dim), np.nan, np.float32), dtype)
+    got = to_host32(ops.paged_attention(q, k_cache, v_cache, device_meta(meta), scale, out=out))
+    ref = npops.paged_attention(q32, k32, v32, meta, scale)
+    what = f"{kernel} {dtype} hd{head_dim} {heads}/{kv_heads} bs{block_size} q={q_lens} prefix={prefixes}"
+    assert np.isfinite(got).all(), f"{what}: non-finite output (an element was not written?)"
+    np.testing.assert_allclose(got, ref, rtol=ATTN_TOL[dtype], atol=ATTN_TOL[dtype], err_msg=what)
+    assert rel_error(got, ref) < REL_TOL[dtype], what
+
+
+CASES = [  # dtype, head_dim, heads, kv_heads, block_size, chunk lengths, cached prefixes
+    ("bfloat16", 128, 16, 8, 16, [2048], [0]),                          # Qwen3-0.6B: one causal chunk
+    ("bfloat16", 128, 4, 2, 16, [2048], [14000]),                       # a chunk over a long prefix
+    ("float16", 128, 2, 1, 16, [129], [14000]),
+    ("bfloat16", 128, 16, 8, 16, [1, 17, 64, 129], [0, 5, 1000, 14000]),
+    ("float16", 64, 8, 1, 32, [1, 17, 64, 129], [0, 5, 1000, 5]),      # GQA 8
+    ("bfloat16", 64, 4, 4, 16, [129, 64, 17, 1], [1000, 0, 5, 14000]),  # GQA 1
+    ("float16", 128, 16, 4, 64, [17, 129, 1, 64], [5, 0, 1000, 0]),     # GQA 4
+    ("bfloat16", 128, 8, 2, 8, [300, 1, 77], [1000, 14000, 0]),
+    ("float16", 128, 16, 8, 16, [2048, 1, 17], [1000, 5, 0]),
+    ("bfloat16", 64, 32, 4, 1, [33, 5, 1], [10, 0, 3]),                 # one token a block
+    ("bfloat16", 128, 16, 1, 256, [100, 129], [300, 0]),               # GQA 16
+    ("float16", 64, 6, 2, 16, [129, 1, 64], [5, 0, 1000]),              # GQA 3: rows left idle
+    ("float16", 128, 4, 4, 128, [64, 64, 64], [0, 64, 1000]),           # chunks on tile edges
+    ("bfloat16", 128, 16, 8, 16, [17, 0, 5], [3, 40, 0]),               # a sequence with no query rows
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,block_size,q_lens,prefixes", CASES)
+def test_flash_prefill_matches_twin(monkeypatch, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes):
+    check_prefill(monkeypatch, "flash", dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes)
+
+
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,block_size,q_lens,prefixes",
+                         [CASES[0], CASES[3], CASES[4], CASES[7], CASES[11]])
+def test_flash_8w_prefill_matches_twin(monkeypatch, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes):
+    check_prefill(monkeypatch, "flash-8w", dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes)
+
+
+@pytest.mark.parametrize("kernel", ["flash", "flash-8w"])
+def test_flash_prefill_reads_q_from_the_fused_qkv_view(monkeypatch, kernel):
+    check_prefill(monkeypatch, kernel, "bfloat16", 128, 16, 8, 16, [129, 17, 1], [5, 1000, 0], fused_qkv=True)
+
+
+def test_many_blocks_of_work_beyond_one_wave(monkeypatch):
+    """More blocks than two per multiprocessor (the work order without the first-wave swap)."""
+    q_lens, prefixes = [700, 650, 129, 1, 513], [0, 300, 1000, 40, 7]
+    blocks, first_wave = prefill_attention.grid_order(prefill_attention.VARIANTS["flash"], -(-700 // 64), 8,
+                                                      len(q_lens), ops._num_multiprocessors())
+    assert first_wave == 0 and blocks > 2 * ops._num_multiprocessors()
+    check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, q_lens, prefixes)
+
+
+def test_kernel_choice():
+    """fp16 / bf16 at head_dim 64 / 128 take the new kernel; the flag, other dtypes and sizes do not."""
+    def arrays(dtype, heads, kv_heads, head_dim, kv_dtype=None):
+        q = cupy.zeros((4, heads, head_dim), dtype=ops._resolve_dtype(dtype))
+        k = cupy.zeros((2, 16, kv_heads, head_dim), dtype=ops._resolve_dtype(kv_dtype or dtype))
+        return q, k
+
+    q, k = arrays("bfloat16", 16, 8, 128)
+    assert prefill_attention.variant("flash", q, k, q) is prefill_attention.VARIANTS["flash"]
+    assert prefill_attention.variant("flash-8w", q, k, q) is prefill_attention.VARIANTS["flash-8w"]
+    assert prefill_attention.variant("mma", q, k, q) is None
+    with pytest.raises(ValueError, match="prefill attention kernel"):
+        prefill_attention.variant("fast", q, k, q)
+    assert prefill_attention.variant("flash", *arrays("float16", 8, 1, 64), q) is not None
+    for args in (("float32", 16, 8, 128), ("bfloat16", 8, 4, 8), ("bfloat16", 4, 4, 256),
+                 ("bfloat16", 32, 1, 128), ("bfloat16", 16, 8, 128, "float16")):
+        q2, k2 = arrays(*args)
+        assert prefill_attention.variant("flash", q2, k2, q2) is None, args
+    odd = cupy.zeros(16 * 128 + 1, dtype=q.dtype)[1:].reshape(1, 16, 128)    # out 2 bytes off a word
+    assert prefill_attention.variant("flash", q, k, odd) is None
