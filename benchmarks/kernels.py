@@ -7,6 +7,9 @@ the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel wi
 after warm-up, replaying a CUDA graph of many launches so launch gaps stay out of the figure,
 and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes: hidden 1024,
 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
+Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
+prefill_attention.cu in its two block shapes) on a 2048-token chunk alone and over 14,000 cached
+tokens, its TFLOP/s held against the GEMM rate of the same run.
 Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
 """
 from __future__ import annotations
@@ -121,7 +124,7 @@ def decode_meta(ops, rng, batch: int, ctx: int, num_blocks: int) -> AttentionMet
                              a(tables), a(np.zeros(batch, np.int32)), 1, ctx, True)
 
 
-def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
+def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float, decode: bool = True) -> list[Row]:
     rng = np.random.default_rng(0)
     batch, max_ctx = 256, 4096
     num_blocks = batch * max_ctx // BLOCK
@@ -129,7 +132,7 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
     v_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
     q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
     rows = []
-    for ctx in (1024, 4096):
+    for ctx in (1024, 4096) if decode else ():
         meta = decode_meta(ops, rng, batch, ctx, num_blocks)
         kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         auto = ops.decode_num_splits(batch, KV_HEADS, ctx)
@@ -139,15 +142,35 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
             tag = " (auto)" if splits == auto else ""
             rows.append(Row(f"decode attention splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
                             kv_bytes / t / 1e9, "GB/s", copy_gbs))
-    chunk = 2048
-    tables = rng.permutation(num_blocks)[:chunk // BLOCK][None].astype(np.int32)
-    a = ops.asarray
-    meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([chunk], np.int32)), a(tables),
-                             a(np.zeros(chunk, np.int32)), chunk, chunk, False)
+    return rows + prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
+
+
+PREFILL_KERNELS = ("mma", "flash", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, then the new one's shapes
+
+
+def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float) -> list[Row]:
+    """One 2048-token causal chunk alone and over a 14,000-token cached prefix, for each kernel.
+
+    FLOPs count the unmasked query-key pairs only: 4 * heads * head_dim * chunk * (prefix + (chunk + 1) / 2).
+    """
+    chunk, rows, a = 2048, [], ops.asarray
     qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
-    t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5), iters=10)
-    flops = 4 * HEADS * HEAD_DIM * chunk * (chunk + 1) / 2          # causal QK^T and PV
-    rows.append(Row("prefill attention (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+    default = ops.PREFILL_ATTENTION
+    for prefix in (0, 14000):
+        ctx = prefix + chunk
+        tables = rng.permutation(num_blocks)[:-(-ctx // BLOCK)][None].astype(np.int32)
+        meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([ctx], np.int32)), a(tables),
+                                 a(np.zeros(chunk, np.int32)), chunk, ctx, False)
+        flops = 4 * HEADS * HEAD_DIM * chunk * (prefix + (chunk + 1) / 2)
+        shape = f"{chunk} over {prefix} cached" if prefix else f"chunk {chunk}"
+        for kernel in PREFILL_KERNELS:
+            ops.PREFILL_ATTENTION = kernel
+            try:
+                t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5),
+                               iters=10 if prefix == 0 else 3)
+            finally:
+                ops.PREFILL_ATTENTION = default
+            rows.append(Row(f"prefill attention ({kernel})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
     return rows
 
 
@@ -212,6 +235,8 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = BenchParser("minillm bench kernels", __doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="Time only the ceilings and prefill attention (each kernel, both shapes).")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -228,9 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
     gemm_peak, gemm = gemm_rows(cp, ops, copy_gbs)
     rows += gemm
-    rows += attention_rows(cp, ops, copy_gbs, gemm_peak)
-    rows += small_kernel_rows(cp, ops, copy_gbs)
-    rows += sampling_rows(cp, ops, copy_gbs)
+    rows += attention_rows(cp, ops, copy_gbs, gemm_peak, decode=not args.prefill_only)
+    if not args.prefill_only:
+        rows += small_kernel_rows(cp, ops, copy_gbs)
+        rows += sampling_rows(cp, ops, copy_gbs)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))
