@@ -43,7 +43,7 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=16000, help="Tokens in the prompt.")
     p.add_argument("--budgets", type=int, nargs="+", default=[2048, 16384],
                    help="Token budgets (max_num_batched_tokens) to run, one engine each.")
-    p.add_argument("--kernels", nargs="+", default=["mma", "flash"], choices=KERNELS,
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="Prefill attention kernels to compare.")
     p.add_argument("--repeats", type=int, default=3, help="Timed prompts per (budget, kernel).")
     p.add_argument("--json", type=Path, help="Also write the figures as JSON here.")

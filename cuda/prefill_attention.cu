@@ -11,19 +11,23 @@
 // the softmax uses exp2. Compiled per (dtype, HEAD_DIM, GQA[, PA_WARPS, PA_MT]) with -D defines.
 //
 // Launch: 1-D grid of num_q_tiles * Hk * B blocks of PA_WARPS * 32 threads; dynamic shared memory
-// (PA_BM + 4 * 64) * (HEAD_DIM + 8) * 2 bytes (past 48 KB: the function attribute must be raised).
-// One block owns PA_BM = 16 * PA_MT * PA_WARPS query rows of one KV head: the GQA query heads that
-// share the KV head are packed as rows (row r = query token tok0 + r / GQA, head kvh * GQA + r % GQA),
-// so every K/V tile is read from memory once for all of them. Each warp owns 16 * PA_MT rows.
-//   - Q goes to shared memory once; K/V tiles of PA_BN keys are gathered through the block table
-//     by cp.async (16-byte pieces of the token rows, zero-filled past the block's last key) into
-//     two stages: tile j + 1 streams in while tile j is computed, one barrier a tile.
+// (PA_BM + 2 * PA_STAGES * 64) * (HEAD_DIM + 8) * 2 bytes (past 48 KB the function attribute must be
+// raised). One block owns PA_BM query rows of one KV head: the GQA query heads that share the KV
+// head are packed as rows (row r = query token tok0 + r / GQA, head kvh * GQA + r % GQA), so every
+// K/V tile is read from memory once for all of them. A warp owns 16 * PA_MT rows; with PA_KSPLIT
+// key groups, PA_KSPLIT warps share each row set and each takes its part of every K/V tile, their
+// softmax states merged through shared memory at the end (more warps on one block's rows).
+//   - Q goes to shared memory once; K/V tiles of 64 keys are gathered through the block table by
+//     cp.async (16-byte pieces of the token rows, zero-filled past the block's last key) into
+//     PA_STAGES stages: the next PA_STAGES - 1 tiles stream in while one is computed, one barrier
+//     a tile. The table entries of a tile are read before the barrier that precedes its copies.
 //   - Shared rows are padded by 16 bytes, so the 8 row addresses of every ldmatrix hit 8
 //     different 4-bank groups. S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
 //     accumulators; Q and K fragments come by ldmatrix, V by ldmatrix.trans, P stays in registers.
 //   - Online softmax in registers, PA_BC keys at a time (running max and sum per row; the sum is
-//     reduced over the four lanes of a row only at the end). Masking runs only on the steps that
-//     reach past the warp's first query position; steps wholly in a warp's future are skipped.
+//     reduced over the four lanes of a row only at the end; O is rescaled only when some row's
+//     maximum moved). Masking runs only on the steps that reach past the warp's first query
+//     position; steps wholly in a warp's future are skipped.
 //   - Work order: block rank 0 takes the last query tile of every (sequence, KV head), rank 1 the
 //     one before, ...: the blocks with the most K/V tiles start first. When the grid fits in two
 //     blocks per multiprocessor (first_wave = the multiprocessor count), the blocks after the first
@@ -31,10 +35,11 @@
 //     gets a short one (this assumes the hardware places one block on every multiprocessor before
 //     any gets a second; if it does not, the order only changes which blocks share one).
 //
-// Registers (PA_MT 2, HEAD_DIM 128): O is 2 x 16 x 4 fp32 = 128, S of a 32-key step 2 x 4 x 4 = 32;
-// nvcc 13.0 gives 247 registers and no spills under __launch_bounds__(128, 2), so two blocks (102 KB
-// of shared memory each) share a multiprocessor (a 64-key step spills). With 32 rows a warp every
-// K/V fragment feeds two MMAs: 48 KB of ldmatrix reads (Q, K, V) per 64 keys and 1 MFLOP.
+// Shapes (minillm/ops/prefill_attention.py): "flash" = 4 warps x 32 rows, 2 stages, two blocks a
+// multiprocessor; "flash-8w" = 8 warps in 2 key groups x 4 warps x 32 rows, 3 stages, one block.
+// Registers at HEAD_DIM 128: O is 2 x 16 x 4 fp32 = 128, S of a 32-key step 2 x 4 x 4 = 32; nvcc 13.0
+// fits either shape in 255 registers without spills (a 64-key step spills). With 32 rows a warp
+// every K/V fragment feeds two MMAs: 48 KB of ldmatrix reads (Q, K, V) per 64 keys and 1 MFLOP.
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -49,6 +54,12 @@
 #ifndef PA_MT
 #define PA_MT 2                   // 16-row MMA tiles of one warp
 #endif
+#ifndef PA_KSPLIT
+#define PA_KSPLIT 1               // warp groups sharing the rows, each taking a part of every K/V tile
+#endif
+#ifndef PA_STAGES
+#define PA_STAGES 2               // K/V tiles in shared memory (PA_STAGES - 1 load while one is used)
+#endif
 #ifndef PA_MIN_BLOCKS
 #define PA_MIN_BLOCKS 2           // blocks a multiprocessor must hold (caps the registers)
 #endif
@@ -56,11 +67,13 @@
 #if MINILLM_DTYPE != 0 && (HEAD_DIM == 64 || HEAD_DIM == 128)
 #define PA_BN 64                                  // keys of a K/V tile (one barrier each)
 #ifndef PA_BC
-#define PA_BC (HEAD_DIM == 128 ? 32 : 64)          // keys of one softmax step (S in registers)
+#define PA_BC (HEAD_DIM == 128 || PA_KSPLIT > 1 ? 32 : 64)   // keys of one softmax step (S in registers)
 #endif
 #define PA_THREADS (PA_WARPS * 32)
+#define PA_ROW_WARPS (PA_WARPS / PA_KSPLIT)       // warps of one key group (they split the rows)
+#define PA_SPAN (PA_BN / PA_KSPLIT)               // keys of a tile that one key group takes
 #define PA_ROWS_W (16 * PA_MT)                    // query rows of a warp
-#define PA_BM (PA_ROWS_W * PA_WARPS)              // query rows of a block
+#define PA_BM (PA_ROWS_W * PA_ROW_WARPS)          // query rows of a block
 #define PA_TOKENS (PA_BM / GQA)                   // query tokens of a block
 #define PA_VALID_ROWS (PA_TOKENS * GQA)           // rows past this are idle (GQA not dividing PA_BM)
 #define PA_LD (HEAD_DIM + 8)                      // padded shared row, in elements
@@ -69,7 +82,9 @@
 #define PA_NT (PA_BC / 8)                         // 8-key MMA tiles of S
 #define PA_DT (HEAD_DIM / 8)                      // 8-column MMA tiles of O
 
-static_assert(PA_BN % PA_BC == 0 && PA_BC % 16 == 0, "softmax steps must tile a K/V tile");
+static_assert(PA_WARPS % PA_KSPLIT == 0 && PA_BN % PA_KSPLIT == 0, "key groups must split warps and tiles");
+static_assert(PA_SPAN % PA_BC == 0 && PA_BC % 16 == 0, "softmax steps must tile a key group's span");
+static_assert(PA_STAGES >= 2, "the next tile needs a stage of its own");
 static_assert(PA_TOKENS >= 1, "GQA must not exceed the rows of a block");
 static_assert(PA_THREADS % PA_PARTS == 0 && PA_BN % PA_KEYS_PER_PASS == 0, "K/V copy passes must tile");
 static_assert((PA_BM * PA_PARTS) % PA_THREADS == 0, "Q copy passes must tile");
@@ -88,6 +103,11 @@ __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, in
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Wait until at most PA_STAGES - 2 copy groups are in flight (the oldest, tile j, has landed).
+__device__ __forceinline__ void cp_async_wait_tile() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PA_STAGES - 2) : "memory");
+}
 
 __device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -335,6 +355,66 @@ __device__ __forceinline__ void prefill_store(scalar_t* out, long long out_strid
     }
 }
 
+#if PA_KSPLIT > 1
+// Per thread of a row warp: O fragments, then m, then l (floats), stored lane-minor.
+#define PA_PART_FLOATS (PA_MT * PA_DT * 4 + PA_MT * 4)
+static_assert(PA_ROW_WARPS * PA_PART_FLOATS * 32 * 4 <= 2 * PA_STAGES * PA_BN * PA_LD * 2,
+              "key-group partials must fit the K/V stages");
+
+// Merge the softmax states of the key groups (the K/V stages hold the partials): group 0 ends
+// with the state over all keys. Every thread of the block calls it (it holds barriers).
+__device__ __forceinline__ void prefill_merge_groups(float* part, float (&o)[PA_MT][PA_DT][4], float (&m)[PA_MT][2],
+                                                     float (&l)[PA_MT][2], int kgroup, int rwarp, int lane,
+                                                     bool warp_active, float scale_log2) {
+    cp_async_wait_all();
+    __syncthreads();                                   // every warp is done with the K/V stages
+    float* mine = part + rwarp * PA_PART_FLOATS * 32 + lane;
+#pragma unroll 1
+    for (int grp = 1; grp < PA_KSPLIT; ++grp) {
+        if (kgroup == grp && warp_active) {
+#pragma unroll
+            for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+                for (int d = 0; d < PA_DT; ++d) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) mine[((mi * PA_DT + d) * 4 + e) * 32] = o[mi][d][e];
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    mine[(PA_MT * PA_DT * 4 + mi * 2 + h) * 32] = m[mi][h];
+                    mine[(PA_MT * PA_DT * 4 + PA_MT * 2 + mi * 2 + h) * 32] = l[mi][h];
+                }
+            }
+        }
+        __syncthreads();
+        if (kgroup == 0 && warp_active) {
+#pragma unroll
+            for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float m2 = mine[(PA_MT * PA_DT * 4 + mi * 2 + h) * 32];
+                    const float l2 = mine[(PA_MT * PA_DT * 4 + PA_MT * 2 + mi * 2 + h) * 32];
+                    const float mx = fmaxf(m[mi][h], m2);
+                    const float ref = mx == -MINILLM_INF ? 0.0f : mx * scale_log2;
+                    const float a1 = fast_exp2(m[mi][h] * scale_log2 - ref), a2 = fast_exp2(m2 * scale_log2 - ref);
+                    m[mi][h] = mx;
+                    l[mi][h] = l[mi][h] * a1 + l2 * a2;
+#pragma unroll
+                    for (int d = 0; d < PA_DT; ++d) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int k = (mi * PA_DT + d) * 4 + 2 * h + e;
+                            o[mi][d][2 * h + e] = o[mi][d][2 * h + e] * a1 + mine[k * 32] * a2;
+                        }
+                    }
+                }
+            }
+        }
+        if (grp + 1 < PA_KSPLIT) __syncthreads();      // the next group reuses the buffer
+    }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(PA_THREADS, PA_MIN_BLOCKS)
 prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar_t* __restrict__ q,
                   long long q_stride, const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
@@ -343,8 +423,8 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
                   int block_size_log2, float scale_log2, int first_wave) {
     extern __shared__ Vec16 pa_smem[];                         // Vec16: 16-byte aligned
     scalar_t* q_s = reinterpret_cast<scalar_t*>(pa_smem);     // [PA_BM][PA_LD]
-    scalar_t* k_s = q_s + PA_BM * PA_LD;                       // [2][PA_BN][PA_LD]
-    scalar_t* v_s = k_s + 2 * PA_BN * PA_LD;                   // [2][PA_BN][PA_LD]
+    scalar_t* k_s = q_s + PA_BM * PA_LD;                       // [PA_STAGES][PA_BN][PA_LD]
+    scalar_t* v_s = k_s + PA_STAGES * PA_BN * PA_LD;           // [PA_STAGES][PA_BN][PA_LD]
 
     const PrefillWork w = prefill_work(query_start_loc, num_seqs, num_kv_heads, num_q_tiles, first_wave);
     if (w.tile < 0) return;                                    // block-uniform: before any barrier
@@ -355,8 +435,9 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     const int num_tiles = (kv_end + PA_BN - 1) / PA_BN;
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kgroup = warp / PA_ROW_WARPS, rwarp = warp % PA_ROW_WARPS;   // keys kgroup * PA_SPAN.. of a tile
     const int g = lane >> 2, tq = lane & 3;
-    const int wrow0 = warp * PA_ROWS_W;
+    const int wrow0 = rwarp * PA_ROWS_W;
     const int warp_tok0 = tok0 + wrow0 / GQA;
     const bool warp_active = wrow0 < PA_VALID_ROWS && warp_tok0 < q_len;
     const int warp_last_tok = min(tok0 + (min(wrow0 + PA_ROWS_W, PA_VALID_ROWS) - 1) / GQA, q_len - 1);
@@ -365,19 +446,25 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     const int* bt = block_tables + (long long)w.b * bt_stride;
     const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
     const long long head_off = (long long)w.kvh * HEAD_DIM;
-    prefill_load_q(q_s, q, q_stride, q_start, q_len, tok0, w.kvh);
     int blk[PA_KV_PASSES];
-    prefill_kv_blocks(blk, bt, 0, kv_end, block_size_log2);
-    prefill_load_kv(k_s, v_s, blk, k_cache, v_cache, 0, kv_end, block_size_log2, tok_stride, head_off);
-    cp_async_commit();
+    prefill_load_q(q_s, q, q_stride, q_start, q_len, tok0, w.kvh);
+#pragma unroll
+    for (int t = 0; t < PA_STAGES - 1; ++t) {                  // tiles 0 .. PA_STAGES - 2, one group each
+        if (t < num_tiles) {
+            prefill_kv_blocks(blk, bt, t * PA_BN, kv_end, block_size_log2);
+            prefill_load_kv(k_s + t * PA_BN * PA_LD, v_s + t * PA_BN * PA_LD, blk, k_cache, v_cache, t * PA_BN,
+                            kv_end, block_size_log2, tok_stride, head_off);
+        }
+        cp_async_commit();
+    }
 
     // ldmatrix row addresses of this lane (the fragment layouts of mma.m16n8k16): A rows of Q, B
-    // (keys x dims) of K, and B transposed from V.
+    // (keys x dims) of K, and B transposed from V; the K/V ones start at this key group's span.
     const unsigned int q_addr = smem_u32(q_s + (wrow0 + (lane & 15)) * PA_LD + (lane >> 4) * 8);
     const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
     const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;
-    const unsigned int k_addr0 = smem_u32(k_s + k_row * PA_LD + k_col);
-    const unsigned int v_addr0 = smem_u32(v_s + v_row * PA_LD + v_col);
+    const unsigned int k_addr0 = smem_u32(k_s + (kgroup * PA_SPAN + k_row) * PA_LD + k_col);
+    const unsigned int v_addr0 = smem_u32(v_s + (kgroup * PA_SPAN + v_row) * PA_LD + v_col);
     constexpr unsigned int stage_bytes = PA_BN * PA_LD * 2;
 
     float o[PA_MT][PA_DT][4];
@@ -391,21 +478,21 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     }
 
     for (int j = 0; j < num_tiles; ++j) {
-        const int stage = j & 1;
-        if (j + 1 < num_tiles) prefill_kv_blocks(blk, bt, (j + 1) * PA_BN, kv_end, block_size_log2);
-        cp_async_wait_all();
+        const int stage = j % PA_STAGES, ahead = j + PA_STAGES - 1;
+        if (ahead < num_tiles) prefill_kv_blocks(blk, bt, ahead * PA_BN, kv_end, block_size_log2);
+        cp_async_wait_tile();
         __syncthreads();        // tile j is visible to all; every warp is done with tile j - 1's stage
-        if (j + 1 < num_tiles) {
-            const int next = (stage ^ 1) * PA_BN * PA_LD;
-            prefill_load_kv(k_s + next, v_s + next, blk, k_cache, v_cache, (j + 1) * PA_BN, kv_end,
+        if (ahead < num_tiles) {
+            const int next = (ahead % PA_STAGES) * PA_BN * PA_LD;
+            prefill_load_kv(k_s + next, v_s + next, blk, k_cache, v_cache, ahead * PA_BN, kv_end,
                             block_size_log2, tok_stride, head_off);
         }
         cp_async_commit();
         if (!warp_active) continue;
 #pragma unroll
-        for (int c = 0; c < PA_BN / PA_BC; ++c) {
-            const int kt = j * PA_BN + c * PA_BC;
-            if (kt > warp_max_pos) break;                    // the rest of the tile is in this warp's future
+        for (int c = 0; c < PA_SPAN / PA_BC; ++c) {
+            const int kt = j * PA_BN + kgroup * PA_SPAN + c * PA_BC;
+            if (kt > warp_max_pos) break;                    // the rest of the span is in this warp's future
             float s[PA_MT][PA_NT][4];
             prefill_scores(s, q_addr, k_addr0 + stage * stage_bytes + c * PA_BC * PA_LD * 2);
             if (kt + PA_BC - 1 > warp_min_pos) prefill_mask(s, pos0 + tok0, wrow0 + g, kt, tq);
@@ -414,6 +501,10 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
             prefill_pv(o, pa, v_addr0 + stage * stage_bytes + c * PA_BC * PA_LD * 2);
         }
     }
+#if PA_KSPLIT > 1
+    prefill_merge_groups(reinterpret_cast<float*>(k_s), o, m, l, kgroup, rwarp, lane, warp_active, scale_log2);
+    if (kgroup != 0) return;
+#endif
     if (warp_active) prefill_store(out, out_stride, o, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq);
 }
 #endif

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from minillm.ops import prefill_attention
+
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -54,11 +56,11 @@ def test_every_source_includes_the_common_header_once():
 CASES = [(name, dtype) for name in SOURCES for dtype in DTYPE_IDS
          if name != "sampling.cu" or dtype == "float32"]
 HEAD_SIZES = [(8, 4), (64, 8), (256, 1)]
-# prefill_attention.cu as minillm/ops/prefill_attention.py builds it: (dtype, HEAD_DIM, GQA, warps,
-# MMA tiles per warp, min blocks per SM); every build must keep its registers off the stack.
-PREFILL_BUILDS = [("bfloat16", 128, 2, 4, 2, 2), ("float16", 128, 4, 4, 2, 2), ("bfloat16", 64, 8, 4, 2, 2),
-                  ("float16", 64, 1, 4, 2, 2), ("bfloat16", 128, 3, 4, 2, 2), ("bfloat16", 128, 16, 4, 2, 2),
-                  ("bfloat16", 128, 2, 8, 1, 1), ("float16", 64, 8, 8, 1, 1)]
+# prefill_attention.cu as minillm/ops/prefill_attention.py builds it: (dtype, HEAD_DIM, GQA, block
+# shape); every build must keep its registers off the stack.
+PREFILL_BUILDS = [("bfloat16", 128, 2, "flash"), ("float16", 64, 8, "flash"), ("bfloat16", 128, 3, "flash"),
+                  ("float16", 128, 16, "flash"), ("bfloat16", 128, 2, "flash-8w"), ("float16", 64, 3, "flash-8w"),
+                  ("bfloat16", 64, 1, "flash-8w")]
 
 
 def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
@@ -70,10 +72,11 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
     for head_dim, group in HEAD_SIZES:
         builds[f"attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
             "-DMINILLM_DTYPE=2", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
-    for dtype, head_dim, group, warps, m_tiles, min_blocks in PREFILL_BUILDS:
-        builds[f"prefill-{dtype}-{head_dim}-{group}-{warps}x{m_tiles}"] = (inlined_source("prefill_attention.cu"), [
-            f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}", f"-DPA_WARPS={warps}",
-            f"-DPA_MT={m_tiles}", f"-DPA_MIN_BLOCKS={min_blocks}", "--resource-usage"])
+    for dtype, head_dim, group, shape in PREFILL_BUILDS:
+        defines = [f"-D{k}={v}" for k, v in prefill_attention.VARIANTS[shape].defines().items()]
+        builds[f"prefill-{dtype}-{head_dim}-{group}-{shape}"] = (inlined_source("prefill_attention.cu"), [
+            f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}", *defines,
+            "--resource-usage"])
     broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
     builds["syntax-error"] = (broken, [])
     return builds
@@ -105,9 +108,9 @@ def test_attention_compiles_for_other_head_sizes(head_dim, group, nvcc_results):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("dtype,head_dim,group,warps,m_tiles,min_blocks", PREFILL_BUILDS)
-def test_prefill_attention_builds_without_spills(dtype, head_dim, group, warps, m_tiles, min_blocks, nvcc_results):
-    result = nvcc_results[f"prefill-{dtype}-{head_dim}-{group}-{warps}x{m_tiles}"]
+@pytest.mark.parametrize("dtype,head_dim,group,shape", PREFILL_BUILDS)
+def test_prefill_attention_builds_without_spills(dtype, head_dim, group, shape, nvcc_results):
+    result = nvcc_results[f"prefill-{dtype}-{head_dim}-{group}-{shape}"]
     assert result.returncode == 0, result.stderr
     report = result.stdout + result.stderr
     assert "registers" in report, report                                # ptxas's resource report

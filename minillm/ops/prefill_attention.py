@@ -21,26 +21,35 @@ OLD_KERNEL = "mma"              # the value of the kernel flag that keeps paged_
 
 @dataclass(frozen=True)
 class Variant:
-    """Block shape of prefill_attention.cu: warps x (16 * m_tiles) query rows."""
+    """Block shape of prefill_attention.cu: warps in key groups, 16 * m_tiles query rows a warp."""
 
     warps: int
     m_tiles: int                # 16-row MMA tiles of one warp
+    key_groups: int             # warp groups that share the rows and split every K/V tile's keys
+    stages: int                 # K/V tiles in shared memory
     min_blocks: int             # blocks one multiprocessor must hold (caps the registers)
 
     @property
     def rows(self) -> int:
         """Query rows of one block (query tokens x the GQA heads sharing a KV head)."""
-        return 16 * self.m_tiles * self.warps
+        return 16 * self.m_tiles * self.warps // self.key_groups
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory of one block: Q rows plus two stages of K and V, padded rows."""
-        return (self.rows + 4 * KV_TILE) * (head_dim + 8) * 2
+        """Dynamic shared memory of one block: Q rows plus the K and V stages, padded rows."""
+        return (self.rows + 2 * self.stages * KV_TILE) * (head_dim + 8) * 2
+
+    def defines(self) -> dict[str, int]:
+        """The source's -D shape constants."""
+        return {"PA_WARPS": self.warps, "PA_MT": self.m_tiles, "PA_KSPLIT": self.key_groups,
+                "PA_STAGES": self.stages, "PA_MIN_BLOCKS": self.min_blocks}
 
 
-# "flash": 4 warps of 32 rows, two blocks a multiprocessor (each K/V fragment feeds two MMAs);
-# "flash-8w": 8 warps of 16 rows, one block a multiprocessor (more warps per long block).
-VARIANTS = {"flash": Variant(warps=4, m_tiles=2, min_blocks=2),
-            "flash-8w": Variant(warps=8, m_tiles=1, min_blocks=1)}
+# "flash": 4 warps of 32 rows and two K/V stages, two blocks a multiprocessor (FlashAttention-2's
+# shape: each K/V fragment feeds two MMAs). "flash-8w": the same 128 rows with 8 warps in two key
+# groups (each takes half of every tile, merged at the end) and three stages, one block a
+# multiprocessor: a long block keeps 8 warps, and a small grid balances block by block.
+VARIANTS = {"flash": Variant(warps=4, m_tiles=2, key_groups=1, stages=2, min_blocks=2),
+            "flash-8w": Variant(warps=8, m_tiles=2, key_groups=2, stages=3, min_blocks=1)}
 
 _configured: set[int] = set()
 _lock = threading.Lock()
@@ -90,8 +99,7 @@ def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: f
     tokens_per_block = v.rows // group
     num_q_tiles = max(1, -(-max_query_len // tokens_per_block))
     blocks, first_wave = grid_order(v, num_q_tiles, num_kv_heads, batch, ops._num_multiprocessors())
-    defines = {"HEAD_DIM": head_dim, "GQA": group, "PA_WARPS": v.warps, "PA_MT": v.m_tiles,
-               "PA_MIN_BLOCKS": v.min_blocks}
+    defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines()}
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
     smem = v.smem_bytes(head_dim)
     _configure(fn, smem)
