@@ -8,8 +8,9 @@ after warm-up, replaying a CUDA graph of many launches so launch gaps stay out o
 and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes: hidden 1024,
 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
 Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
-prefill_attention.cu in its two block shapes) on a 2048-token chunk alone and over 14,000 cached
-tokens, its TFLOP/s held against the GEMM rate of the same run.
+prefill_attention.cu in its two block shapes, "= flash" marking the one the default picks) on a
+2048-token chunk alone and over 14,000 cached tokens, its TFLOP/s held against the GEMM rate of
+the same run.
 Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
 """
 from __future__ import annotations
@@ -145,7 +146,7 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float, decode: bool = Tr
     return rows + prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
 
 
-PREFILL_KERNELS = ("mma", "flash", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, then the new one's shapes
+PREFILL_KERNELS = ("mma", "flash-4w", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, the new one's shapes
 
 
 def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float) -> list[Row]:
@@ -153,9 +154,12 @@ def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: flo
 
     FLOPs count the unmasked query-key pairs only: 4 * heads * head_dim * chunk * (prefix + (chunk + 1) / 2).
     """
+    from minillm.ops import prefill_attention
+
     chunk, rows, a = 2048, [], ops.asarray
     qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
     default = ops.PREFILL_ATTENTION
+    auto = prefill_attention.variant(prefill_attention.AUTO, qp, k_cache, qp, chunk, 1, ops._num_multiprocessors())
     for prefix in (0, 14000):
         ctx = prefix + chunk
         tables = rng.permutation(num_blocks)[:-(-ctx // BLOCK)][None].astype(np.int32)
@@ -170,7 +174,9 @@ def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: flo
                                iters=10 if prefix == 0 else 3)
             finally:
                 ops.PREFILL_ATTENTION = default
-            rows.append(Row(f"prefill attention ({kernel})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+            tag = " = flash" if prefill_attention.VARIANTS.get(kernel) is auto else ""   # the default's pick
+            rows.append(Row(f"prefill attention ({kernel}{tag})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s",
+                            gemm_peak))
     return rows
 
 

@@ -11,7 +11,8 @@ then --repeats times; the median is reported. The floor is the prefill's matrix 
 GEMM rate measured first in the same run: 2 * (linear weights) * tokens for the projections plus
 4 * layers * heads * head_dim * tokens * (tokens + 1) / 2 for causal attention. No decode step runs,
 so the engine is eager (no CUDA graphs to capture). The kernel is picked through
-minillm.ops.cuda.PREFILL_ATTENTION ("mma": paged_prefill_mma; "flash", "flash-8w": prefill_attention.cu).
+minillm.ops.cuda.PREFILL_ATTENTION ("mma": paged_prefill_mma; "flash-4w", "flash-8w": the two block
+shapes of prefill_attention.cu; "flash": the default, which picks one of them from the grid).
 """
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ import numpy as np
 
 from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
 from minillm.benchmarks.workload import QWEN3_0_6B, write_random_model_dir
+from minillm.ops.prefill_attention import KERNELS
 
-KERNELS = ("mma", "flash", "flash-8w")
 
 
 def prefill_flops(c: dict, tokens: int) -> float:

@@ -58,8 +58,8 @@ CASES = [(name, dtype) for name in SOURCES for dtype in DTYPE_IDS
 HEAD_SIZES = [(8, 4), (64, 8), (256, 1)]
 # prefill_attention.cu as minillm/ops/prefill_attention.py builds it: (dtype, HEAD_DIM, GQA, block
 # shape); every build must keep its registers off the stack.
-PREFILL_BUILDS = [("bfloat16", 128, 2, "flash"), ("float16", 64, 8, "flash"), ("bfloat16", 128, 3, "flash"),
-                  ("float16", 128, 16, "flash"), ("bfloat16", 128, 2, "flash-8w"), ("float16", 64, 3, "flash-8w"),
+PREFILL_BUILDS = [("bfloat16", 128, 2, "flash-4w"), ("float16", 64, 8, "flash-4w"), ("bfloat16", 128, 3, "flash-4w"),
+                  ("float16", 128, 16, "flash-4w"), ("bfloat16", 128, 2, "flash-8w"), ("float16", 64, 3, "flash-8w"),
                   ("bfloat16", 64, 1, "flash-8w")]
 
 

@@ -102,13 +102,15 @@ def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_s
     k_cache, v_cache = ops.asarray(k32, dtype), ops.asarray(v32, dtype)
     # With fused_qkv, q is a view of the fused projection as the model passes it (tokens strided).
     q = ops.asarray(q_rows, dtype)[:, :heads * head_dim].reshape(tokens, heads, head_dim)
-    assert prefill_attention.variant(kernel, q, k_cache, q) is prefill_attention.VARIANTS[kernel]
+    chosen = prefill_attention.variant(kernel, q, k_cache, q, meta.max_query_len, len(q_lens), ops._num_multiprocessors())
+    assert chosen is prefill_attention.VARIANTS.get(kernel, chosen) and chosen is not None
     out = ops.asarray(np.full((tokens, heads, head_dim), np.nan, np.float32), dtype)
     got = to_host32(ops.paged_attention(q, k_cache, v_cache, device_meta(meta), head_dim ** -0.5, out=out))
     what = f"{kernel} {dtype} hd{head_dim} {heads}/{kv_heads} bs{block_size} q={q_lens} prefix={prefixes}"
     assert np.isfinite(got).all(), f"{what}: non-finite output (an element was not written?)"
     np.testing.assert_allclose(got, ref, rtol=ATTN_TOL[dtype], atol=ATTN_TOL[dtype], err_msg=what)
     assert rel_error(got, ref) < REL_TOL[dtype], what
+    return chosen
 
 
 CASES = [  # dtype, head_dim, heads, kv_heads, block_size, chunk lengths, cached prefixes
@@ -135,37 +137,22 @@ def test_prefill_matches_twin(monkeypatch, kernel, dtype, head_dim, heads, kv_he
     check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "flash-8w"])
-def test_flash_prefill_reads_q_from_the_fused_qkv_view(monkeypatch, kernel):
+@pytest.mark.parametrize("kernel", sorted(prefill_attention.VARIANTS))
+def test_prefill_reads_q_from_the_fused_qkv_view(monkeypatch, kernel):
     check_prefill(monkeypatch, kernel, "bfloat16", 128, 16, 8, 16, [129, 17, 1], [5, 1000, 0], fused_qkv=True)
 
 
 def test_many_blocks_of_work_beyond_one_wave(monkeypatch):
     """More blocks than two per multiprocessor (the work order without the first-wave swap)."""
     q_lens, prefixes = [700, 650, 129, 1, 513], [0, 300, 1000, 40, 7]
-    blocks, first_wave = prefill_attention.grid_order(prefill_attention.VARIANTS["flash"], -(-700 // 64), 8,
+    blocks, first_wave = prefill_attention.grid_order(prefill_attention.VARIANTS["flash-4w"], -(-700 // 64), 8,
                                                       len(q_lens), ops._num_multiprocessors())
     assert first_wave == 0 and blocks > 2 * ops._num_multiprocessors()
-    check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, q_lens, prefixes)
+    check_prefill(monkeypatch, "flash-4w", "bfloat16", 128, 16, 8, 16, q_lens, prefixes)
 
 
-def test_kernel_choice():
-    """fp16 / bf16 at head_dim 64 / 128 take the new kernel; the flag, other dtypes and sizes do not."""
-    def arrays(dtype, heads, kv_heads, head_dim, kv_dtype=None):
-        q = cupy.zeros((4, heads, head_dim), dtype=ops._resolve_dtype(dtype))
-        k = cupy.zeros((2, 16, kv_heads, head_dim), dtype=ops._resolve_dtype(kv_dtype or dtype))
-        return q, k
-
-    q, k = arrays("bfloat16", 16, 8, 128)
-    assert prefill_attention.variant("flash", q, k, q) is prefill_attention.VARIANTS["flash"]
-    assert prefill_attention.variant("flash-8w", q, k, q) is prefill_attention.VARIANTS["flash-8w"]
-    assert prefill_attention.variant("mma", q, k, q) is None
-    with pytest.raises(ValueError, match="prefill attention kernel"):
-        prefill_attention.variant("fast", q, k, q)
-    assert prefill_attention.variant("flash", *arrays("float16", 8, 1, 64), q) is not None
-    for args in (("float32", 16, 8, 128), ("bfloat16", 8, 4, 8), ("bfloat16", 4, 4, 256),
-                 ("bfloat16", 32, 1, 128), ("bfloat16", 16, 8, 128, "float16")):
-        q2, k2 = arrays(*args)
-        assert prefill_attention.variant("flash", q2, k2, q2) is None, args
-    odd = cupy.zeros(16 * 128 + 1, dtype=q.dtype)[1:].reshape(1, 16, 128)    # out 2 bytes off a word
-    assert prefill_attention.variant("flash", q, k, odd) is None
+def test_paged_attention_runs_the_auto_choice(monkeypatch):
+    """The default flag ("flash") through paged_attention, on a small grid and a large one."""
+    small = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [129, 1], [40, 7])
+    large = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1500] * 6, [0, 10, 20, 30, 40, 50])
+    assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS["flash-4w"])

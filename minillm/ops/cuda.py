@@ -43,9 +43,9 @@ DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode sp
 DECODE_MAX_SPLITS = 64
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
-# Prefill attention for fp16 / bf16 caches at head_dim 64 / 128: "flash" (prefill_attention.cu, 4 warps
-# x 32 rows), "flash-8w" (its 8 warps x 16 rows) or "mma" (paged_prefill_mma of paged_attention.cu).
-PREFILL_ATTENTION = os.environ.get("MINILLM_PREFILL_ATTENTION", "flash")
+# Prefill attention for fp16 / bf16 caches at head_dim 64 / 128: "flash" (prefill_attention.cu, its
+# block shape picked from the grid), "flash-4w" / "flash-8w" (that shape), or "mma" (paged_prefill_mma).
+PREFILL_ATTENTION = os.environ.get("MINILLM_PREFILL_ATTENTION", prefill_attention.AUTO)
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -574,7 +574,8 @@ def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
-    flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out)
+    flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, max_query_len, batch,
+                                      _num_multiprocessors())
     if flash is not None:
         prefill_attention.launch(flash, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, max_query_len)
         return

@@ -1,7 +1,7 @@
 """Launcher of cuda/prefill_attention.cu: tensor-core prefill attention for fp16 / bf16 caches.
 
-minillm/ops/cuda.py:paged_attention calls `variant()` for every prefill; when it names a variant
-(fp16 / bf16 with the cache in the same dtype, head_dim 64 or 128, GQA group up to 16, `out`
+minillm/ops/cuda.py:paged_attention calls `variant()` for every prefill; when it names a block
+shape (fp16 / bf16 with the cache in the same dtype, head_dim 64 or 128, GQA group up to 16, `out`
 4-byte aligned) `launch()` runs it, otherwise the older kernels of paged_attention.cu run (other
 dtypes, such as an FP8 cache, and other head sizes). The twin is minillm/ops/numpy.py:paged_attention.
 """
@@ -17,6 +17,11 @@ KV_TILE = 64                    # keys of one K/V tile in shared memory (PA_BN i
 MAX_GROUP = 16                  # query heads per KV head handled here
 HEAD_DIMS = (64, 128)
 OLD_KERNEL = "mma"              # the value of the kernel flag that keeps paged_prefill_mma
+AUTO = "flash"                  # the flag's value that picks the block shape from the grid
+# "flash" picks flash-8w while flash-4w would make at most this many blocks per multiprocessor:
+# few blocks start nearly together, and a long one alone on a multiprocessor with 4 warps then
+# sets the time; past that the hardware balances 4-warp blocks as they finish.
+AUTO_8W_BLOCKS_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -44,31 +49,41 @@ class Variant:
                 "PA_STAGES": self.stages, "PA_MIN_BLOCKS": self.min_blocks}
 
 
-# "flash": 4 warps of 32 rows and two K/V stages, two blocks a multiprocessor (FlashAttention-2's
+# "flash-4w": 4 warps of 32 rows and two K/V stages, two blocks a multiprocessor (FlashAttention-2's
 # shape: each K/V fragment feeds two MMAs). "flash-8w": the same 128 rows with 8 warps in two key
 # groups (each takes half of every tile, merged at the end) and three stages, one block a
 # multiprocessor: a long block keeps 8 warps, and a small grid balances block by block.
-VARIANTS = {"flash": Variant(warps=4, m_tiles=2, key_groups=1, stages=2, min_blocks=2),
+VARIANTS = {"flash-4w": Variant(warps=4, m_tiles=2, key_groups=1, stages=2, min_blocks=2),
             "flash-8w": Variant(warps=8, m_tiles=2, key_groups=2, stages=3, min_blocks=1)}
+KERNELS = (AUTO, *VARIANTS, OLD_KERNEL)
 
 _configured: set[int] = set()
 _lock = threading.Lock()
 
 
-def variant(kernel: str, q, k_cache, out) -> Variant | None:
-    """The variant of prefill_attention.cu that runs this prefill, or None for the older kernels.
+def variant(kernel: str, q, k_cache, out, max_query_len: int, batch: int, num_sms: int) -> Variant | None:
+    """The block shape of prefill_attention.cu that runs this prefill, or None for the older kernels.
 
-    kernel: the flag minillm.ops.cuda.PREFILL_ATTENTION ("flash", "flash-8w" or "mma").
+    kernel: the flag minillm.ops.cuda.PREFILL_ATTENTION, one of KERNELS.
     """
-    if kernel != OLD_KERNEL and kernel not in VARIANTS:
-        raise ValueError(f"prefill attention kernel must be one of {sorted(VARIANTS) + [OLD_KERNEL]}, got {kernel!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"prefill attention kernel must be one of {list(KERNELS)}, got {kernel!r}")
     if kernel == OLD_KERNEL or q.dtype.name not in ("float16", "bfloat16") or k_cache.dtype != q.dtype:
         return None
     num_heads, head_dim = q.shape[1], q.shape[2]
-    group = num_heads // k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     if head_dim not in HEAD_DIMS or group > MAX_GROUP or out.data.ptr % 4:
         return None
-    return VARIANTS[kernel]
+    if kernel != AUTO:
+        return VARIANTS[kernel]
+    blocks = num_q_tiles(VARIANTS["flash-4w"], group, max_query_len) * num_kv_heads * batch
+    return VARIANTS["flash-8w" if blocks <= AUTO_8W_BLOCKS_PER_SM * num_sms else "flash-4w"]
+
+
+def num_q_tiles(v: Variant, group: int, max_query_len: int) -> int:
+    """Query tiles of the longest chunk: blocks of v.rows rows hold v.rows // group tokens."""
+    return max(1, -(-max_query_len // (v.rows // group)))
 
 
 def grid_order(v: Variant, num_q_tiles: int, num_kv_heads: int, batch: int, num_sms: int) -> tuple[int, int]:
@@ -96,9 +111,8 @@ def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: f
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group, batch = num_heads // num_kv_heads, seq_lens.shape[0]
-    tokens_per_block = v.rows // group
-    num_q_tiles = max(1, -(-max_query_len // tokens_per_block))
-    blocks, first_wave = grid_order(v, num_q_tiles, num_kv_heads, batch, ops._num_multiprocessors())
+    tiles = num_q_tiles(v, group, max_query_len)
+    blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, ops._num_multiprocessors())
     defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines()}
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
     smem = v.smem_bytes(head_dim)
@@ -107,6 +121,6 @@ def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: f
        (ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
         ops._i64(ops._row_stride(q, "q")), ops._ptr(k_cache), ops._ptr(v_cache), ops._ptr(tables),
         ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
-        ops._i32(num_kv_heads), ops._i32(num_q_tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
+        ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
         np.float32(scale * ops.LOG2E), ops._i32(first_wave)),
        shared_mem=smem)
