@@ -5,6 +5,10 @@ itself is held to the NumPy twin in tests/test_prefill_attention_gpu.py.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -81,3 +85,13 @@ def test_grid_order_swaps_the_second_round_only_for_one_wave_of_two_block_shapes
     assert pa.num_q_tiles(four, 2, 2048) == 32 and pa.num_q_tiles(four, 3, 2048) == 49
     assert pa.num_q_tiles(four, 2, 0) == 1
 
+
+
+@pytest.mark.parametrize("value,expect", [("mma", "mma"), ("flash-8w", "flash-8w"), ("bad", "must be one of")])
+def test_the_environment_sets_the_flag_or_fails_at_import(value, expect):
+    env = {**os.environ, "MINILLM_PREFILL_ATTENTION": value}
+    code = "import minillm.ops.cuda as ops; print(ops.PREFILL_ATTENTION)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert expect in result.stdout + result.stderr
+    assert (result.returncode == 0) == (value != "bad")

@@ -46,6 +46,9 @@ _VEC_BYTES = 16
 # Prefill attention for fp16 / bf16 caches at head_dim 64 / 128: "flash" (prefill_attention.cu, its
 # block shape picked from the grid), "flash-4w" / "flash-8w" (that shape), or "mma" (paged_prefill_mma).
 PREFILL_ATTENTION = os.environ.get("MINILLM_PREFILL_ATTENTION", prefill_attention.AUTO)
+if PREFILL_ATTENTION not in prefill_attention.KERNELS:     # fail at start-up, not in the first prefill
+    raise ValueError(f"MINILLM_PREFILL_ATTENTION must be one of {list(prefill_attention.KERNELS)}, "
+                     f"got {PREFILL_ATTENTION!r}")
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
