@@ -86,10 +86,10 @@ def num_q_tiles(v: Variant, group: int, max_query_len: int) -> int:
     return max(1, -(-max_query_len // (v.rows // group)))
 
 
-def grid_order(v: Variant, num_q_tiles: int, num_kv_heads: int, batch: int, num_sms: int) -> tuple[int, int]:
+def grid_order(v: Variant, tiles: int, num_kv_heads: int, batch: int, num_sms: int) -> tuple[int, int]:
     """(blocks, first_wave): one block per (query tile, KV head, sequence); first_wave > 0 when the
     grid fits two blocks per multiprocessor, so the second round is handed out shortest first."""
-    blocks = num_q_tiles * num_kv_heads * batch
+    blocks = tiles * num_kv_heads * batch
     first_wave = num_sms if v.min_blocks >= 2 and blocks <= 2 * num_sms else 0
     return blocks, first_wave
 
