@@ -7,6 +7,10 @@ the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel wi
 after warm-up, replaying a CUDA graph of many launches so launch gaps stay out of the figure,
 and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes: hidden 1024,
 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
+Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
+prefill_attention.cu in its two block shapes, "= flash" marking the one the default picks) on a
+2048-token chunk alone and over 14,000 cached tokens, its TFLOP/s held against the GEMM rate of
+the same run.
 Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
 FP8 rows (kv_cache_dtype="fp8") count K/V at one byte an element. Last, the nodes of a decode
 step's CUDA graph (Qwen3-0.6B shape, random weights) with the fused q/k norm + rotary + KV append
@@ -132,7 +136,7 @@ def random_e4m3(cp, shape):
     return bits.astype(cp.uint8).reshape(shape)
 
 
-def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
+def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float, decode: bool = True) -> list[Row]:
     rng = np.random.default_rng(0)
     batch, max_ctx = 256, 4096
     num_blocks = batch * max_ctx // BLOCK
@@ -143,7 +147,7 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
     scales = cp.asarray(np.array([0.05, 0.05], np.float32))
     q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
     rows = []
-    for ctx in (1024, 4096):
+    for ctx in (1024, 4096) if decode else ():
         meta = decode_meta(ops, rng, batch, ctx, num_blocks)
         auto = ops.decode_num_splits(batch, KV_HEADS, ctx)
         for kv, itemsize, kc, vc, sc in (("", 2, k_cache, v_cache, None), (" fp8", 1, k_fp8, v_fp8, scales)):
@@ -161,10 +165,42 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
                              a(np.zeros(chunk, np.int32)), chunk, chunk, False)
     qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
     flops = 4 * HEADS * HEAD_DIM * chunk * (chunk + 1) / 2          # causal QK^T and PV
-    for kv, kc, vc, sc in (("", k_cache, v_cache, None), (" fp8", k_fp8, v_fp8, scales)):
-        t = time_graph(cp, lambda: ops.paged_attention(qp, kc, vc, meta, HEAD_DIM ** -0.5, sc), iters=10)
-        rows.append(Row(f"prefill attention{kv} (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s",
-                        gemm_peak))
+    t = time_graph(cp, lambda: ops.paged_attention(qp, k_fp8, v_fp8, meta, HEAD_DIM ** -0.5, scales), iters=10)
+    rows.append(Row("prefill attention fp8 (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+    return rows + prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
+
+
+PREFILL_KERNELS = ("mma", "flash-4w", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, the new one's shapes
+
+
+def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float) -> list[Row]:
+    """One 2048-token causal chunk alone and over a 14,000-token cached prefix, for each kernel.
+
+    FLOPs count the unmasked query-key pairs only: 4 * heads * head_dim * chunk * (prefix + (chunk + 1) / 2).
+    """
+    from minillm.ops import prefill_attention
+
+    chunk, rows, a = 2048, [], ops.asarray
+    qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
+    default = ops.PREFILL_ATTENTION
+    auto = prefill_attention.variant(prefill_attention.AUTO, qp, k_cache, qp, chunk, 1, ops._num_multiprocessors())
+    for prefix in (0, 14000):
+        ctx = prefix + chunk
+        tables = rng.permutation(num_blocks)[:-(-ctx // BLOCK)][None].astype(np.int32)
+        meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([ctx], np.int32)), a(tables),
+                                 a(np.zeros(chunk, np.int32)), chunk, ctx, False)
+        flops = 4 * HEADS * HEAD_DIM * chunk * (prefix + (chunk + 1) / 2)
+        shape = f"{chunk} over {prefix} cached" if prefix else f"chunk {chunk}"
+        for kernel in PREFILL_KERNELS:
+            ops.PREFILL_ATTENTION = kernel
+            try:
+                t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5),
+                               iters=10 if prefix == 0 else 3)
+            finally:
+                ops.PREFILL_ATTENTION = default
+            tag = " = flash" if prefill_attention.VARIANTS.get(kernel) is auto else ""   # the default's pick
+            rows.append(Row(f"prefill attention ({kernel}{tag})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s",
+                            gemm_peak))
     return rows
 
 
@@ -427,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
     parser.add_argument("--no-graph-nodes", dest="graph_nodes", action="store_false",
                         help="Skip counting a decode step's graph nodes (builds a random Qwen3-0.6B-shaped model).")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="Time only the ceilings and prefill attention (each kernel, both shapes).")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -443,14 +481,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
     gemm_peak, gemm = gemm_rows(cp, ops, copy_gbs)
     rows += gemm
-    rows += attention_rows(cp, ops, copy_gbs, gemm_peak)
-    rows += small_kernel_rows(cp, ops, copy_gbs)
-    rows += sampling_rows(cp, ops, copy_gbs)
-    rows += tail_attention_rows(cp, ops, copy_gbs)
-    rows += projection_rows(cp, ops, copy_gbs)
+    rows += attention_rows(cp, ops, copy_gbs, gemm_peak, decode=not args.prefill_only)
+    if not args.prefill_only:
+        rows += small_kernel_rows(cp, ops, copy_gbs)
+        rows += sampling_rows(cp, ops, copy_gbs)
+        rows += tail_attention_rows(cp, ops, copy_gbs)
+        rows += projection_rows(cp, ops, copy_gbs)
     print_table(rows)
     counts = {}
-    if args.graph_nodes:
+    if args.graph_nodes and not args.prefill_only:
         counts = decode_graph_nodes(cp, ops)
         print_graph_nodes(counts)
     if args.json:

@@ -24,6 +24,7 @@ will see (it sizes the split-K grid; shorter sequences leave splits empty).
 from __future__ import annotations
 
 import importlib.resources
+import os
 import threading
 from pathlib import Path
 
@@ -32,7 +33,7 @@ import numpy as np
 import minillm
 from minillm.attention import AttentionMetadata
 from minillm.fp8 import FP8_E4M3_MAX
-from minillm.ops import gemm
+from minillm.ops import gemm, prefill_attention
 
 try:
     import cupy
@@ -51,6 +52,12 @@ DECODE_BLOCKS_PER_SM = 8
 DECODE_MAX_SPLITS = 64
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
+# Prefill attention for fp16 / bf16 caches at head_dim 64 / 128: "flash" (prefill_attention.cu, its
+# block shape picked from the grid), "flash-4w" / "flash-8w" (that shape), or "mma" (paged_prefill_mma).
+PREFILL_ATTENTION = os.environ.get("MINILLM_PREFILL_ATTENTION", prefill_attention.AUTO)
+if PREFILL_ATTENTION not in prefill_attention.KERNELS:     # fail at start-up, not in the first prefill
+    raise ValueError(f"MINILLM_PREFILL_ATTENTION must be one of {list(prefill_attention.KERNELS)}, "
+                     f"got {PREFILL_ATTENTION!r}")
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -708,6 +715,11 @@ def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
+    flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, max_query_len, batch,
+                                      _num_multiprocessors())
+    if flash is not None:
+        prefill_attention.launch(flash, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, max_query_len)
+        return
     q_stride = _row_stride(q, "q")
     use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)
                and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
@@ -730,7 +742,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
     query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
     kernel (num_splits forces its split count), else the prefill kernel (tensor cores for fp16 /
-    bf16 at head_dim 64 and 128). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
+    bf16 at head_dim 64 and 128: prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION
+    is "mma" or the cache is FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
     """
     _check_device(q, "q")
     _check_float(q, "q")
