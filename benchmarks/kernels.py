@@ -7,10 +7,18 @@ the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel wi
 after warm-up, replaying a CUDA graph of many launches so launch gaps stay out of the figure,
 and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes: hidden 1024,
 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
+Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
+prefill_attention.cu in its two block shapes, "= flash" marking the one the default picks) on a
+2048-token chunk alone and over 14,000 cached tokens, its TFLOP/s held against the GEMM rate of
+the same run.
 Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
+FP8 rows (kv_cache_dtype="fp8") count K/V at one byte an element. Last, the nodes of a decode
+step's CUDA graph (Qwen3-0.6B shape, random weights) with the fused q/k norm + rotary + KV append
+kernel and without it.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import statistics
 import sys
@@ -121,33 +129,78 @@ def decode_meta(ops, rng, batch: int, ctx: int, num_blocks: int) -> AttentionMet
                              a(tables), a(np.zeros(batch, np.int32)), 1, ctx, True)
 
 
-def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float) -> list[Row]:
+def random_e4m3(cp, shape):
+    """uint8 E4M3 bit patterns of magnitudes in about [2^-6, 2^6], random signs (no NaN codes)."""
+    n = int(np.prod(shape))
+    bits = cp.random.randint(0x08, 0x68, n, dtype=cp.int32) | (cp.random.randint(0, 2, n, dtype=cp.int32) << 7)
+    return bits.astype(cp.uint8).reshape(shape)
+
+
+def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float, decode: bool = True) -> list[Row]:
     rng = np.random.default_rng(0)
     batch, max_ctx = 256, 4096
     num_blocks = batch * max_ctx // BLOCK
     k_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
     v_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    k_fp8 = random_e4m3(cp, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    v_fp8 = random_e4m3(cp, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    scales = cp.asarray(np.array([0.05, 0.05], np.float32))
     q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
     rows = []
-    for ctx in (1024, 4096):
+    for ctx in (1024, 4096) if decode else ():
         meta = decode_meta(ops, rng, batch, ctx, num_blocks)
-        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
         auto = ops.decode_num_splits(batch, KV_HEADS, ctx)
-        for splits in sorted({auto, 1, 2, 4}):
-            t = time_graph(cp, lambda: ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5,
-                                                           num_splits=splits), iters=10)
-            tag = " (auto)" if splits == auto else ""
-            rows.append(Row(f"decode attention splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
-                            kv_bytes / t / 1e9, "GB/s", copy_gbs))
+        for kv, itemsize, kc, vc, sc in (("", 2, k_cache, v_cache, None), (" fp8", 1, k_fp8, v_fp8, scales)):
+            kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * itemsize
+            for splits in sorted({auto, 1, 2, 4}) if not kv else [auto]:
+                t = time_graph(cp, lambda: ops.paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, sc,
+                                                               num_splits=splits), iters=10)
+                tag = " (auto)" if splits == auto else ""
+                rows.append(Row(f"decode attention{kv} splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
+                                kv_bytes / t / 1e9, "GB/s", copy_gbs))
     chunk = 2048
     tables = rng.permutation(num_blocks)[:chunk // BLOCK][None].astype(np.int32)
     a = ops.asarray
     meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([chunk], np.int32)), a(tables),
                              a(np.zeros(chunk, np.int32)), chunk, chunk, False)
     qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
-    t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5), iters=10)
     flops = 4 * HEADS * HEAD_DIM * chunk * (chunk + 1) / 2          # causal QK^T and PV
-    rows.append(Row("prefill attention (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+    t = time_graph(cp, lambda: ops.paged_attention(qp, k_fp8, v_fp8, meta, HEAD_DIM ** -0.5, scales), iters=10)
+    rows.append(Row("prefill attention fp8 (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+    return rows + prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
+
+
+PREFILL_KERNELS = ("mma", "flash-4w", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, the new one's shapes
+
+
+def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float) -> list[Row]:
+    """One 2048-token causal chunk alone and over a 14,000-token cached prefix, for each kernel.
+
+    FLOPs count the unmasked query-key pairs only: 4 * heads * head_dim * chunk * (prefix + (chunk + 1) / 2).
+    """
+    from minillm.ops import prefill_attention
+
+    chunk, rows, a = 2048, [], ops.asarray
+    qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
+    default = ops.PREFILL_ATTENTION
+    auto = prefill_attention.variant(prefill_attention.AUTO, qp, k_cache, qp, chunk, 1, ops._num_multiprocessors())
+    for prefix in (0, 14000):
+        ctx = prefix + chunk
+        tables = rng.permutation(num_blocks)[:-(-ctx // BLOCK)][None].astype(np.int32)
+        meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([ctx], np.int32)), a(tables),
+                                 a(np.zeros(chunk, np.int32)), chunk, ctx, False)
+        flops = 4 * HEADS * HEAD_DIM * chunk * (prefix + (chunk + 1) / 2)
+        shape = f"{chunk} over {prefix} cached" if prefix else f"chunk {chunk}"
+        for kernel in PREFILL_KERNELS:
+            ops.PREFILL_ATTENTION = kernel
+            try:
+                t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5),
+                               iters=10 if prefix == 0 else 3)
+            finally:
+                ops.PREFILL_ATTENTION = default
+            tag = " = flash" if prefill_attention.VARIANTS.get(kernel) is auto else ""   # the default's pick
+            rows.append(Row(f"prefill attention ({kernel}{tag})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s",
+                            gemm_peak))
     return rows
 
 
@@ -177,8 +230,146 @@ def small_kernel_rows(cp, ops, copy_gbs: float) -> list[Row]:
          4 * batch * KV_HEADS * HEAD_DIM * isz),
         ("embedding", f"{batch}x{HIDDEN}", lambda: ops.embedding(ids, table), 2 * act),
     ]
-    return [Row(name, shape, (t := time_graph(cp, fn, iters=200)) * 1e6, moved / t / 1e9, "GB/s", copy_gbs)
+    rows = [Row(name, shape, (t := time_graph(cp, fn, iters=200)) * 1e6, moved / t / 1e9, "GB/s", copy_gbs)
             for name, shape, fn, moved in cases]
+    return rows + fused_rows(cp, ops, copy_gbs, qkv, pos, cos_sin, slots)
+
+
+def fused_rows(cp, ops, copy_gbs: float, qkv, pos, cos_sin, slots) -> list[Row]:
+    """q/k norm + rotary + KV append of a decode batch: one fused launch against the separate
+    kernels, into a bf16 and an FP8 cache. Bytes: q, k, v read; q and the cache rows written."""
+    batch = qkv.shape[0]
+    q = qkv[:, :HEADS * HEAD_DIM].reshape(batch, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM:(HEADS + KV_HEADS) * HEAD_DIM].reshape(batch, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM:].reshape(batch, KV_HEADS, HEAD_DIM)
+    w = random_bf16(cp, ops, (HEAD_DIM,))
+    scales = cp.asarray(np.array([0.05, 0.05], np.float32))
+    caches = {"bf16": random_bf16(cp, ops, (2, 4096, BLOCK, KV_HEADS, HEAD_DIM)),
+              "fp8": random_e4m3(cp, (2, 4096, BLOCK, KV_HEADS, HEAD_DIM))}
+    rows = []
+    for kv, pool in caches.items():
+        sc = scales if kv == "fp8" else None
+        moved = batch * ((HEADS + 2 * KV_HEADS) * HEAD_DIM * 2 + HEADS * HEAD_DIM * 2 + HEAD_DIM * 4
+                         + 2 * KV_HEADS * HEAD_DIM * pool.dtype.itemsize)
+        fn = lambda: ops.qk_norm_rotary_kv_append(q, k, v, w, w, 1e-6, pos, cos_sin, pool[0], pool[1], slots, sc)  # noqa: E731
+        for fused in (True, False):
+            ops.FUSE_QK_NORM_ROTARY_KV_APPEND = fused
+            try:
+                t = time_graph(cp, fn, iters=200)
+            finally:
+                ops.FUSE_QK_NORM_ROTARY_KV_APPEND = True
+            name = "qk_norm_rotary_kv_append " + ("fused" if fused else "separate (4 launches)")
+            rows.append(Row(f"{name} {kv}", f"{batch}x(16+2x8)x128", t * 1e6, moved / t / 1e9, "GB/s", copy_gbs))
+    return rows
+
+
+# ---- the nodes of a decode step's graph ------------------------------------------------------
+
+def _count_graph_nodes(graph: int) -> tuple[int, int] | None:
+    """(nodes, kernel nodes) of a cudaGraph_t through the driver API; None without libcuda."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_size_t(0)
+    if lib.cuGraphGetNodes(ctypes.c_void_p(graph), None, ctypes.byref(count)):
+        return None
+    nodes = (ctypes.c_void_p * count.value)()
+    if lib.cuGraphGetNodes(ctypes.c_void_p(graph), nodes, ctypes.byref(count)):
+        return None
+    kernels, kind = 0, ctypes.c_int(0)
+    for node in nodes:
+        lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        kernels += kind.value == 0                       # CU_GRAPH_NODE_TYPE_KERNEL
+    return int(count.value), kernels
+
+
+def _count_launches(ops, fn) -> int:
+    """Kernel launches and GEMM calls of one fn() (the fallback where nodes cannot be listed)."""
+    calls = [0]
+    kernel, matmul = ops._kernel, ops.cublas.matmul_nt
+
+    def counted_kernel(*args, **kwargs):
+        f = kernel(*args, **kwargs)
+
+        def launch(*a, **k):
+            calls[0] += 1
+            return f(*a, **k)
+        return launch
+
+    def counted_matmul(*args, **kwargs):
+        calls[0] += 1
+        return matmul(*args, **kwargs)
+
+    ops._kernel, ops.cublas.matmul_nt = counted_kernel, counted_matmul
+    try:
+        fn()
+    finally:
+        ops._kernel, ops.cublas.matmul_nt = kernel, matmul
+    return calls[0]
+
+
+def graph_node_count(cp, ops, fn) -> dict:
+    """Nodes of the graph captured from fn() (after a warm-up), or its launches counted eagerly."""
+    rt = cp.cuda.runtime
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    with stream, cp.cuda.using_allocator(pool.malloc):
+        fn()
+        stream.synchronize()
+        # As stream.begin_capture() does, but keeping the cudaGraph_t (CuPy's Graph drops it).
+        rt.streamBeginCapture(stream.ptr, rt.streamCaptureModeRelaxed)
+        try:
+            fn()
+        finally:
+            graph = rt.streamEndCapture(stream.ptr)
+        try:
+            counted = _count_graph_nodes(graph)
+        finally:
+            rt.graphDestroy(graph)
+        if counted is not None:
+            return {"nodes": counted[0], "kernel_nodes": counted[1], "how": "cuGraphGetNodes"}
+        return {"nodes": _count_launches(ops, fn), "kernel_nodes": None, "how": "launches counted"}
+
+
+def decode_graph_nodes(cp, ops, batch: int = 256, ctx: int = 1024) -> dict:
+    """A decode step of the Qwen3-0.6B shape (random weights): graph nodes with and without the
+    fused kernel, for a bf16 and an FP8 cache."""
+    from minillm.benchmarks.kv_fp8_accuracy import random_model
+    from minillm.benchmarks.workload import QWEN3_0_6B
+
+    model = random_model(QWEN3_0_6B, ops, DT, ctx + 1)
+    mc = model.config
+    rng = np.random.default_rng(5)
+    num_blocks = ctx // BLOCK                 # every sequence reads the same blocks: the count is the same
+    a = ops.asarray
+    meta = AttentionMetadata(a(np.arange(batch + 1, dtype=np.int32)), a(np.full(batch, ctx, np.int32)),
+                             a(np.tile(np.arange(num_blocks, dtype=np.int32), (batch, 1))),
+                             a(np.full(batch, -1, np.int32)), 1, ctx, True)
+    ids = ops.asarray(rng.integers(0, mc.vocab_size, batch).astype(np.int32))
+    positions = ops.asarray(np.full(batch, ctx - 1, np.int32))
+    out = {}
+    for kv in ("bf16", "fp8"):
+        pool = cp.zeros((mc.num_layers, 2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_dim),
+                        cp.uint8 if kv == "fp8" else ops.bfloat16_dtype())
+        step = lambda: model.compute_logits(model.forward(ids, positions, meta, pool))   # noqa: E731
+        for fused in (False, True):
+            ops.FUSE_QK_NORM_ROTARY_KV_APPEND = fused
+            try:
+                out[f"{kv} {'fused' if fused else 'unfused'}"] = graph_node_count(cp, ops, step)
+            finally:
+                ops.FUSE_QK_NORM_ROTARY_KV_APPEND = True
+    return out
+
+
+def print_graph_nodes(counts: dict, batch: int = 256) -> None:
+    print(f"\ndecode step CUDA graph, Qwen3-0.6B shape (28 layers), batch {batch}:")
+    for kv in ("bf16", "fp8"):
+        before, after = counts[f"{kv} unfused"], counts[f"{kv} fused"]
+        kernels = (f" (kernel nodes {before['kernel_nodes']} -> {after['kernel_nodes']})"
+                   if after["kernel_nodes"] is not None else "")
+        print(f"  {kv} KV cache: {before['nodes']} -> {after['nodes']} nodes with the fused q/k norm + rotary "
+              f"+ KV append{kernels}, {after['nodes'] / before['nodes']:.0%} of before [{after['how']}]")
 
 
 def sampling_rows(cp, ops, copy_gbs: float) -> list[Row]:
@@ -202,6 +393,64 @@ def sampling_rows(cp, ops, copy_gbs: float) -> list[Row]:
             for name, fn in cases]
 
 
+def projection_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    """The decode step's projections at batch 64 / 128 / 256: cuBLAS's default against the tuned
+    choice (minillm/ops/gemm.py), in GB/s of weights read, each call on its own copy of the weights
+    so that they come from HBM (copies overflowing L2), as in a step whose layers read their own."""
+    import itertools
+
+    from minillm.ops import gemm
+
+    l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 50 << 20))
+    rows = []
+    for batch in (64, 128, 256):
+        for name, k, nn in (("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), ("o", HEADS * HEAD_DIM, HIDDEN),
+                            ("gate_up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)):
+            wbytes = nn * k * 2
+            count = max(2, min(16, -(-2 * l2 // wbytes)))
+            ws = [random_bf16(cp, ops, (nn, k)) for _ in range(count)]
+            x = random_bf16(cp, ops, (batch, k))
+            out = cp.empty((batch, nn), dtype=x.dtype)
+            result = gemm.tune(gemm.problem_of(out, x, ws[0]), x, ws[0], explicit_algos=True)
+            shape = f"{batch}x{k}->{nn}"
+            for tag, cand in (("default", gemm.DEFAULT), ("tuned", result.choice)):
+                nxt = itertools.cycle(ws)
+                t = time_graph(cp, lambda: ops.linear(x, next(nxt), out=out, candidate=cand), iters=4 * count)
+                label = f"linear {name} {tag}" + (f" {cand.name}" if tag == "tuned" else "")
+                rows.append(Row(label, shape, t * 1e6, wbytes / t / 1e9, "GB/s", copy_gbs))
+            if batch == 256:   # the tuner's own figures: the best of each kind of candidate
+                for kind, label in (("gemm_ex", "explicit gemm_ex ids"), ("lt", "cuBLASLt"), ("split_k", "split-K")):
+                    timed = {c: v for c, v in result.seconds.items() if c.kind == kind and c.param not in (-1, 99)}
+                    if timed:
+                        best = min(timed, key=timed.get)
+                        rows.append(Row(f"  tuner best {label}: {best.name}", shape, timed[best] * 1e6,
+                                        wbytes / timed[best] / 1e9, "GB/s", copy_gbs))
+            del ws
+    return rows
+
+
+def tail_attention_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    """The workload's tail: decode attention at batch 4, context 4096, with the automatic split
+    count against one split (and the 16 splits of the previous 256-token minimum partition)."""
+    rng = np.random.default_rng(7)
+    batch, ctx = 4, 4096
+    num_blocks = batch * ctx // BLOCK + 8
+    k_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    v_cache = random_bf16(cp, ops, (num_blocks, BLOCK, KV_HEADS, HEAD_DIM))
+    q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
+    meta = decode_meta(ops, rng, batch, ctx, num_blocks)
+    kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * 2
+    auto = ops.decode_num_splits(batch, KV_HEADS, ctx)
+    rows = []
+    for splits in sorted({auto, 1, 16, 64}):
+        t = time_graph(cp, lambda: ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5,
+                                                       num_splits=splits), iters=50)
+        tag = " (auto)" if splits == auto else ""
+        rows.append(Row(f"decode attention splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
+                        kv_bytes / t / 1e9, "GB/s", copy_gbs))
+    return rows
+
+
 def print_table(rows: list[Row]) -> None:
     print(f"{'kernel':34} {'shape':22} {'time us':>10} {'achieved':>16} {'ceiling':>16} {'%':>6}")
     for r in rows:
@@ -212,6 +461,10 @@ def print_table(rows: list[Row]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = BenchParser("minillm bench kernels", __doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
+    parser.add_argument("--no-graph-nodes", dest="graph_nodes", action="store_false",
+                        help="Skip counting a decode step's graph nodes (builds a random Qwen3-0.6B-shaped model).")
+    parser.add_argument("--prefill-only", action="store_true",
+                        help="Time only the ceilings and prefill attention (each kernel, both shapes).")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -228,12 +481,22 @@ def main(argv: list[str] | None = None) -> int:
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
     gemm_peak, gemm = gemm_rows(cp, ops, copy_gbs)
     rows += gemm
-    rows += attention_rows(cp, ops, copy_gbs, gemm_peak)
-    rows += small_kernel_rows(cp, ops, copy_gbs)
-    rows += sampling_rows(cp, ops, copy_gbs)
+    rows += attention_rows(cp, ops, copy_gbs, gemm_peak, decode=not args.prefill_only)
+    if not args.prefill_only:
+        rows += small_kernel_rows(cp, ops, copy_gbs)
+        rows += sampling_rows(cp, ops, copy_gbs)
+        rows += tail_attention_rows(cp, ops, copy_gbs)
+        rows += projection_rows(cp, ops, copy_gbs)
     print_table(rows)
+    counts = {}
+    if args.graph_nodes and not args.prefill_only:
+        counts = decode_graph_nodes(cp, ops)
+        print_graph_nodes(counts)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))
+        entries = [asdict(r) | {"percent": r.percent} for r in rows]
+        if counts:
+            entries.append({"name": "decode step graph nodes", "counts": counts})
+        args.json.write_text(json.dumps(entries, indent=1))
     return 0
 
 

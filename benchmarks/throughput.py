@@ -3,6 +3,7 @@
     minillm bench throughput                             # GPU: random Qwen3-0.6B-shaped weights, bf16
     minillm bench throughput --model DIR --peer hf
     minillm bench throughput --model ../shared/models/stories260K --device cpu    # a small CPU run
+    minillm bench throughput --kv-cache-dtype fp8        # FP8 KV cache (floor printed for both caches)
 
 (python3 -m minillm.benchmarks.throughput takes the same options.)
 """
@@ -37,6 +38,8 @@ def parse_args(argv):
                    help="Backend; auto picks cuda when CuPy sees a GPU.")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                    help="Weights and activations (auto: the checkpoint's on a GPU, float32 on the CPU).")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the model dtype) or fp8 (E4M3, one byte an element).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="Token budget of one step.")
     p.add_argument("--max-model-len", type=int,
@@ -103,7 +106,7 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, load_format="dummy" if dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling)
+              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
     llm.engine.metrics.timings.clear()
@@ -115,7 +118,7 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
     s = llm.engine.stats()
     return seconds, {"steps": s.num_steps, "preemptions": s.num_preemptions, "kv_blocks": s.kv_num_blocks,
-                     "timings_s": s.step_time_breakdown_s}
+                     "kv_cache_dtype": s.kv_cache_dtype, "timings_s": s.step_time_breakdown_s}
 
 
 def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float:
@@ -167,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     tok_s = w.num_output_tokens / seconds
     figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters}
     print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
-          f"{counters['preemptions']} preemptions)")
+          f"{counters['preemptions']} preemptions, KV cache {counters['kv_cache_dtype']})")
     if counters["timings_s"]:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(counters["timings_s"].items(), key=lambda kv: -kv[1]))
         print(f"where the {seconds:.2f} s went (s; *_gpu from CUDA events, the rest host time): {parts}")
@@ -180,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
         figures |= {"copy_bandwidth_Bps": bw, "matmul_flops": mm, "floor_tok_s": floor}
         print(f"ceiling:  {floor:10.0f} output tok/s  (roofline at {bw / 1e12:.2f} TB/s copy, "
               f"{mm / 1e12:.0f} TFLOP/s bf16, both measured now) -> minillm at {tok_s / floor:.0%}")
+        if args.kv_cache_dtype != "auto":       # the same roofline with K/V at one byte an element
+            floor8 = w.num_output_tokens / roofline_seconds(w, config, bw, mm, kv_itemsize=1)
+            figures |= {"floor_fp8_kv_tok_s": floor8}
+            print(f"          {floor8:10.0f} output tok/s  with K/V read at one byte (the FP8 cache's floor) "
+                  f"-> minillm at {tok_s / floor8:.0%}")
     if args.peer == "hf":
         n = args.peer_num_seqs or len(w.prompts)
         sub = Workload(w.prompts[:n], w.max_tokens[:n])

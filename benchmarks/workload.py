@@ -61,10 +61,13 @@ def weight_bytes(c: dict, itemsize: int = 2) -> int:
     return (v * h + head + layers * per_layer + h) * itemsize
 
 
-def roofline_seconds(w: Workload, c: dict, bandwidth: float, matmul_flops: float, itemsize: int = 2) -> float:
+def roofline_seconds(w: Workload, c: dict, bandwidth: float, matmul_flops: float, itemsize: int = 2,
+                     kv_itemsize: int | None = None) -> float:
     """A lower bound on the run: prefill at the matrix rate, then each decode step reads all weights
-    plus the K/V of every resident token at the copy bandwidth (all requests fit in the pool)."""
-    kv_per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * itemsize
+    plus the K/V of every resident token at the copy bandwidth (all requests fit in the pool).
+    kv_itemsize: bytes of a cache element (1 for an FP8 cache; default: the weights' itemsize)."""
+    kv_bytes = itemsize if kv_itemsize is None else kv_itemsize
+    kv_per_token = 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * kv_bytes
     params = weight_bytes(c, itemsize) // itemsize
     prefill = 2 * params * sum(len(p) for p in w.prompts) / matmul_flops
     decode = 0.0

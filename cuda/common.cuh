@@ -1,7 +1,9 @@
 // common.cuh: storage types, conversions, 16-byte vectors and reductions shared by the kernels.
 //
 // Every .cu file is compiled once per activation dtype with MINILLM_DTYPE set to 0 (float32),
-// 1 (float16) or 2 (bfloat16); `scalar_t` is the storage type of activations and KV caches.
+// 1 (float16) or 2 (bfloat16); `scalar_t` is the storage type of activations. KV caches hold
+// `cache_t`: scalar_t, or with KV_FP8=1 one byte of FP8 E4M3 bits (kv_cache_dtype="fp8"), stored as
+// e4m3(x / scale) with saturation and read as float(bits) * scale (minillm/fp8.py is the rule).
 // 16-bit values travel as raw `unsigned short` bits and convert through PTX `cvt`, so no CUDA
 // header is needed: NVRTC (through CuPy) and nvcc take the same text. The Python loader inlines
 // this file in place of its #include line. Arithmetic is always fp32.
@@ -20,11 +22,25 @@ typedef unsigned short scalar_t;
 #define VEC_ELEMS 8
 #endif
 
+#ifndef KV_FP8
+#define KV_FP8 0
+#endif
+#if KV_FP8
+typedef unsigned char cache_t;
+#else
+typedef scalar_t cache_t;
+#endif
+
 #define MINILLM_INF __int_as_float(0x7f800000)
 #define FULL_MASK 0xffffffffu
 
 struct alignas(16) Vec16 {
     unsigned int w[4];
+};
+
+// 8 bytes (the CUDA vector types are left out so that no header is needed).
+struct alignas(8) Vec8 {
+    unsigned int w[2];
 };
 
 __device__ __forceinline__ float bf16_bits_to_float(unsigned short h) {
@@ -108,6 +124,73 @@ __device__ __forceinline__ Vec16 floats_to_vec(const float* in) {
     }
 #endif
     return v;
+}
+
+// ---- FP8 E4M3 (PTX cvt, sm_89+) ----------------------------------------------------------------
+
+// Two floats -> two E4M3 bytes, `lo` in the low byte: round to nearest even, saturated to +-448
+// (.satfinite: infinities and overflows clamp to the largest finite value, NaN stays NaN).
+__device__ __forceinline__ unsigned short floats_to_e4m3x2(float lo, float hi) {
+    unsigned short r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ unsigned char float_to_e4m3(float f) {
+    return (unsigned char)(floats_to_e4m3x2(f, 0.0f) & 0xffu);
+}
+
+// The E4M3 byte in bits 24..31 of `top` -> its value times 2^-120, in two integer operations (the
+// lower bits of `top` are ignored): an arithmetic shift by 4 puts the 7 exponent-mantissa bits on
+// float bits 20..26 and copies the sign over bits 27..31, the mask keeps bits 31 and 20..26.
+// Exponent bias 7 read with bias 127 scales by 2^-120; E4M3 subnormals become float denormals of
+// the same scaled value.
+__device__ __forceinline__ float e4m3_top_byte_to_float_times_2m120(unsigned int top) {
+    return __int_as_float(((int)top >> 4) & (int)0x87f00000);
+}
+
+// The E4M3 byte in the low 8 bits of b (higher bits ignored) -> its value times 2^-120.
+__device__ __forceinline__ float e4m3_to_float_times_2m120(unsigned int b) {
+    return e4m3_top_byte_to_float_times_2m120(b << 24);
+}
+
+#define E4M3_UNSCALE __int_as_float(0x7b800000)   // 2^120, undoes the factor above exactly
+
+__device__ __forceinline__ float e4m3_to_float(unsigned int b) {
+    return e4m3_to_float_times_2m120(b) * E4M3_UNSCALE;
+}
+
+// A cache element as float: dequantised (bits * scale) for FP8, the value itself otherwise.
+__device__ __forceinline__ float cache_to_float(cache_t c, float scale) {
+#if KV_FP8
+    return e4m3_to_float(c) * scale;
+#else
+    return to_float(c);
+#endif
+}
+
+// VEC_ELEMS values -> their VEC_ELEMS cache elements at dst: E4M3 bytes of x / scale (division
+// rounded to nearest, as the NumPy twin divides) for FP8, else the values rounded to scalar_t.
+__device__ __forceinline__ void store_cache_vec(cache_t* dst, const float* x, float scale) {
+#if KV_FP8
+    unsigned int w[VEC_ELEMS / 4];
+#pragma unroll
+    for (int i = 0; i < VEC_ELEMS / 4; ++i) {
+        unsigned int lo = floats_to_e4m3x2(__fdiv_rn(x[4 * i], scale), __fdiv_rn(x[4 * i + 1], scale));
+        unsigned int hi = floats_to_e4m3x2(__fdiv_rn(x[4 * i + 2], scale), __fdiv_rn(x[4 * i + 3], scale));
+        w[i] = lo | (hi << 16);
+    }
+#if VEC_ELEMS == 8
+    Vec8 packed;
+    packed.w[0] = w[0];
+    packed.w[1] = w[1];
+    *reinterpret_cast<Vec8*>(dst) = packed;
+#else
+    *reinterpret_cast<unsigned int*>(dst) = w[0];
+#endif
+#else
+    *reinterpret_cast<Vec16*>(dst) = floats_to_vec(x);
+#endif
 }
 
 // Read-only 16-byte global load (the data is not written during the kernel).

@@ -7,21 +7,28 @@
 // Query row i of sequence b sits at position seq_lens[b] - q_len_b + i and attends to positions
 // 0..that position. GQA: query head h reads KV head h / GQA. Scores are kept in log2 units
 // (scale_log2 = scale * log2(e)) so the softmax uses exp2.
-// Compiled per (dtype, HEAD_DIM, GQA) with -DHEAD_DIM=.. -DGQA=.. (defaults below for nvcc).
+// Compiled per (dtype, HEAD_DIM, GQA[, KV_FP8]) with -DHEAD_DIM=.. -DGQA=.. (defaults below for nvcc).
+// FP8 caches (KV_FP8=1: uint8 E4M3 bits, kv_scales [2] = k_scale, v_scale in device memory, so a
+// captured graph sees a later calibration): dequantised in registers. Scores and outputs are
+// linear in K and V, so k_scale joins scale_log2 and v_scale the final normalisation instead of
+// multiplying every element; decode also leaves E4M3's 2^120 (common.cuh) in those two factors.
+// Non-FP8 builds never read kv_scales (it may be null).
 //
 // paged_decode: one query token per sequence. grid = (num_splits, Hk, B), 128 threads (4 warps).
 //   A block owns one KV head of one sequence (all GQA query heads of it, so K/V are read once)
 //   over one partition of the context (flash-decoding: partitions of max(ceil(len / splits),
 //   min_partition) tokens, rounded to the warp chunk; empty ones write an empty partial). Within
-//   a warp, LPT lanes share a token row (16-byte loads, HEAD_DIM / VEC_ELEMS vectors), 32 / LPT
+//   a warp, LPT lanes share a token row (HEAD_DIM / KV_VEC loads of KV_VEC elements: 16 bytes, or
+//   with FP8 16 elements where HEAD_DIM allows and GQA <= 2, else VEC_ELEMS bytes), 32 / LPT
 //   tokens are in flight side by side and each lane keeps DEC_U tokens' K and V loads in flight.
 //   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them.
 // paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
 //   128 threads; each warp owns 16 query rows, K/V tiles of 64 tokens go to shared memory by
-//   cp.async (zero-filled past the end), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
-//   accumulators and an online softmax; block x is reversed so the longest tiles start first.
+//   cp.async (zero-filled past the end; FP8 tiles are loaded, widened exactly to fp16 / bf16 and
+//   stored), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online
+//   softmax; block x is reversed so the longest tiles start first.
 // paged_prefill_simple (any dtype / HEAD_DIM): same grid with 16-row query tiles; K/V tiles of
 //   PF_BK tokens converted to fp32 in shared memory, one lane per key for scores and one lane per
 //   output dimension for P V.
@@ -38,6 +45,59 @@
 #error "HEAD_DIM must be a multiple of the 16-byte vector width"
 #endif
 
+// KV_VEC: cache elements one lane loads at once in decode. KVVec holds them (16 bytes, or
+// VEC_ELEMS bytes for FP8 rows too short for 16 or too many GQA heads for the registers).
+#if KV_FP8 && HEAD_DIM % 16 == 0 && GQA <= 2
+#define KV_VEC 16
+#else
+#define KV_VEC VEC_ELEMS
+#endif
+#if KV_FP8
+#define KV_VEC_WORDS (KV_VEC / 4)     // one byte an element
+#else
+#define KV_VEC_WORDS 4                // 16 bytes
+#endif
+
+struct alignas(KV_VEC_WORDS * 4) KVVec {
+    unsigned int w[KV_VEC_WORDS];
+};
+
+__device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
+    KVVec r;
+#if KV_VEC_WORDS == 4
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.w[0]), "=r"(r.w[1]), "=r"(r.w[2]), "=r"(r.w[3]) : "l"(p));
+#elif KV_VEC_WORDS == 2
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.w[0]), "=r"(r.w[1]) : "l"(p));
+#else
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r.w[0]) : "l"(p));
+#endif
+    return r;
+}
+
+// Element i of a KV vector as float: the value (bf16 / fp16 / fp32), or for FP8 the E4M3 value
+// times 2^-120 (the caller's factors carry 2^120 and the scale). i is a constant after unrolling.
+__device__ __forceinline__ float kv_get(const KVVec& v, int i) {
+#if KV_FP8
+    return e4m3_top_byte_to_float_times_2m120(v.w[i >> 2] << (24 - 8 * (i & 3)));
+#else
+    return vec_get(reinterpret_cast<const Vec16&>(v), i);
+#endif
+}
+
+// A layer's factor on q.k (x) and on p.v / sum (y): 1 and 1 unless FP8.
+struct KVFactors {
+    float x, y;
+};
+
+__device__ __forceinline__ KVFactors kv_factors(const float* kv_scales, float unscale) {
+#if KV_FP8
+    return KVFactors{kv_scales[0] * unscale, kv_scales[1] * unscale};
+#else
+    return KVFactors{1.0f, 1.0f};
+#endif
+}
+
 __host__ __device__ constexpr int pow2_divisor_upto32(int n) {
     int p = 1;
     while (p < 32 && n % (2 * p) == 0) p *= 2;
@@ -48,16 +108,19 @@ __host__ __device__ constexpr int clamp_int(int v, int lo, int hi) { return v < 
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
-constexpr int DEC_VECS = HEAD_DIM / VEC_ELEMS;             // 16-byte vectors in one K row
+constexpr int DEC_VECS = HEAD_DIM / KV_VEC;                // KV vectors in one K row
 constexpr int DEC_LPT = pow2_divisor_upto32(DEC_VECS);    // lanes sharing one token
 constexpr int DEC_NV = DEC_VECS / DEC_LPT;                // vectors per lane per row
 constexpr int DEC_TPW = 32 / DEC_LPT;                     // tokens side by side in a warp
-constexpr int DEC_U = clamp_int(16 / (GQA * DEC_NV), 1, 8);  // tokens per lane per step
+// Tokens per lane per step; FP8 keeps a warp step within 16 tokens so that a chunk stays inside
+// one block of the default size (one block-table read per chunk).
+constexpr int DEC_U = KV_FP8 ? clamp_int(16 / (GQA * DEC_NV), 1, clamp_int(16 / DEC_TPW, 1, 8))
+                             : clamp_int(16 / (GQA * DEC_NV), 1, 8);
 constexpr int DEC_CHUNK = DEC_TPW * DEC_U;                // tokens per warp step
-constexpr int DEC_ELEMS = DEC_NV * VEC_ELEMS;             // elements of a row held by a lane
+constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row held by a lane
 
 // Element offset of vector j of this lane inside a row.
-__device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * VEC_ELEMS; }
+__device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * KV_VEC; }
 
 // Online-softmax state of GQA query heads over some tokens: max (log2 units), sum, output.
 struct DecodeState {
@@ -68,7 +131,7 @@ struct DecodeState {
 
 // Fold one step of DEC_U tokens (scores s, values vv) into the state of this lane.
 __device__ __forceinline__ void decode_fold(DecodeState& st, float (&s)[DEC_U][GQA],
-                                            const Vec16 (&vv)[DEC_U][DEC_NV]) {
+                                            const KVVec (&vv)[DEC_U][DEC_NV]) {
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {
         float mx = st.m[g];
@@ -86,7 +149,7 @@ __device__ __forceinline__ void decode_fold(DecodeState& st, float (&s)[DEC_U][G
 #pragma unroll
             for (int j = 0; j < DEC_NV; ++j) {
 #pragma unroll
-                for (int e = 0; e < VEC_ELEMS; ++e) st.acc[g][j * VEC_ELEMS + e] += p * vec_get(vv[u][j], e);
+                for (int e = 0; e < KV_VEC; ++e) st.acc[g][j * KV_VEC + e] += p * kv_get(vv[u][j], e);
             }
         }
         st.m[g] = mx;
@@ -126,9 +189,10 @@ __device__ __forceinline__ void decode_partition(int ctx, int num_splits, int mi
 }
 
 // Combine the four warps' states in shared memory and write the result or the split's partial.
+// out_mul scales the normalised output (an FP8 cache's v_scale times 2^120; else 1).
 __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* out, long long out_row,
                                              float* part_o, float* part_ml, int b, int kvh,
-                                             int num_heads, int num_splits) {
+                                             int num_heads, int num_splits, float out_mul) {
     __shared__ float red_acc[DEC_WARPS][GQA][HEAD_DIM];
     __shared__ float red_m[DEC_WARPS][GQA];
     __shared__ float red_l[DEC_WARPS][GQA];
@@ -140,8 +204,8 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
 #pragma unroll
             for (int j = 0; j < DEC_NV; ++j) {
 #pragma unroll
-                for (int e = 0; e < VEC_ELEMS; ++e)
-                    red_acc[warp][g][lane_vec_offset(j, li) + e] = st.acc[g][j * VEC_ELEMS + e];
+                for (int e = 0; e < KV_VEC; ++e)
+                    red_acc[warp][g][lane_vec_offset(j, li) + e] = st.acc[g][j * KV_VEC + e];
             }
             if (li == 0) { red_m[warp][g] = st.m[g]; red_l[warp][g] = st.l[g]; }
         }
@@ -160,7 +224,7 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
             o += red_acc[w][g][d] * f;
         }
         int h = kvh * GQA + g;
-        float val = sum > 0.0f ? o / sum : 0.0f;
+        float val = sum > 0.0f ? o / sum * out_mul : 0.0f;
         if (num_splits == 1) {
             out[out_row + (long long)h * HEAD_DIM + d] = from_float(val);
         } else {
@@ -172,9 +236,9 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
 }
 
 // Load this lane's K and V vectors of DEC_U tokens (zeros past t_end).
-__device__ __forceinline__ void decode_load(Vec16 (&kv)[DEC_U][DEC_NV], Vec16 (&vv)[DEC_U][DEC_NV],
-                                            bool (&valid)[DEC_U], const scalar_t* k_cache,
-                                            const scalar_t* v_cache, const int* bt, int c0,
+__device__ __forceinline__ void decode_load(KVVec (&kv)[DEC_U][DEC_NV], KVVec (&vv)[DEC_U][DEC_NV],
+                                            bool (&valid)[DEC_U], const cache_t* k_cache,
+                                            const cache_t* v_cache, const int* bt, int c0,
                                             int chunk_blk, int t_end, int sub, int li,
                                             int block_size_log2, long long tok_stride,
                                             long long head_off) {
@@ -188,11 +252,11 @@ __device__ __forceinline__ void decode_load(Vec16 (&kv)[DEC_U][DEC_NV], Vec16 (&
 #pragma unroll
         for (int j = 0; j < DEC_NV; ++j) {
             if (valid[u]) {
-                kv[u][j] = ldg16(k_cache + base + lane_vec_offset(j, li));
-                vv[u][j] = ldg16(v_cache + base + lane_vec_offset(j, li));
+                kv[u][j] = ldg_kv(k_cache + base + lane_vec_offset(j, li));
+                vv[u][j] = ldg_kv(v_cache + base + lane_vec_offset(j, li));
             } else {
-                kv[u][j].w[0] = kv[u][j].w[1] = kv[u][j].w[2] = kv[u][j].w[3] = 0u;
-                vv[u][j].w[0] = vv[u][j].w[1] = vv[u][j].w[2] = vv[u][j].w[3] = 0u;
+#pragma unroll
+                for (int w = 0; w < KV_VEC_WORDS; ++w) kv[u][j].w[w] = vv[u][j].w[w] = 0u;
             }
         }
     }
@@ -200,10 +264,11 @@ __device__ __forceinline__ void decode_load(Vec16 (&kv)[DEC_U][DEC_NV], Vec16 (&
 
 extern "C" __global__ void __launch_bounds__(DEC_THREADS)
 paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
-             const scalar_t* q, long long q_stride, const scalar_t* k_cache,
-             const scalar_t* v_cache, const int* block_tables, long long bt_stride,
+             const scalar_t* q, long long q_stride, const cache_t* k_cache,
+             const cache_t* v_cache, const int* block_tables, long long bt_stride,
              const int* seq_lens, const int* query_start_loc, int num_kv_heads,
-             int block_size_log2, float scale_log2, int num_splits, int min_partition) {
+             int block_size_log2, float scale_log2, int num_splits, int min_partition,
+             const float* kv_scales) {
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sub = lane / DEC_LPT, li = lane % DEC_LPT;
@@ -211,6 +276,8 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
     const long long q_row = query_start_loc[b];
     int t_begin, t_end;
     decode_partition(seq_lens[b], num_splits, min_partition, &t_begin, &t_end);
+    const KVFactors kv_mul = kv_factors(kv_scales, E4M3_UNSCALE);
+    const float score_mul = scale_log2 * kv_mul.x;
 
     DecodeState st;
     float qf[GQA][DEC_ELEMS];
@@ -222,7 +289,11 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
         for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] = 0.0f;
         const scalar_t* qh = q + q_row * q_stride + (long long)(kvh * GQA + g) * HEAD_DIM;
 #pragma unroll
-        for (int j = 0; j < DEC_NV; ++j) vec_to_floats(ldg16(qh + lane_vec_offset(j, li)), &qf[g][j * VEC_ELEMS]);
+        for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+            for (int p = 0; p < KV_VEC / VEC_ELEMS; ++p)
+                vec_to_floats(ldg16(qh + lane_vec_offset(j, li) + p * VEC_ELEMS), &qf[g][j * KV_VEC + p * VEC_ELEMS]);
+        }
     }
     const int* bt = block_tables + (long long)b * bt_stride;
     const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
@@ -236,7 +307,7 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
     for (; c0 < t_end; c0 += step) {
         int chunk_blk = next_blk;
         if (one_block_per_chunk && c0 + step < t_end) next_blk = bt[(c0 + step) >> block_size_log2];
-        Vec16 kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
+        KVVec kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
         bool valid[DEC_U];
         decode_load(kv, vv, valid, k_cache, v_cache, bt, c0, one_block_per_chunk ? chunk_blk : -1,
                     t_end, sub, li, block_size_log2, tok_stride, head_off);
@@ -249,17 +320,17 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
 #pragma unroll
                 for (int j = 0; j < DEC_NV; ++j) {
 #pragma unroll
-                    for (int e = 0; e < VEC_ELEMS; ++e) dot += qf[g][j * VEC_ELEMS + e] * vec_get(kv[u][j], e);
+                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kv_get(kv[u][j], e);
                 }
 #pragma unroll
                 for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
-                s[u][g] = valid[u] ? dot * scale_log2 : -MINILLM_INF;
+                s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
             }
         }
         decode_fold(st, s, vv);
     }
     decode_merge_lanes(st);
-    decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_heads, num_splits);
+    decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_heads, num_splits, kv_mul.y);
 }
 
 extern "C" __global__ void __launch_bounds__(128)
@@ -292,18 +363,19 @@ constexpr int PF_DPL = (HEAD_DIM + 31) / 32;    // output dimensions per lane
 constexpr int PF_ROWS = PF_BQ / (PF_THREADS / 32);  // query rows per warp
 
 // Row-major [rows, HEAD_DIM] fp32 copy of keys/values kt..kt+PF_BK-1 (zeros past kv_end).
-__device__ __forceinline__ void prefill_load_tile(float* ks, float* vs, const scalar_t* k_cache,
-                                                  const scalar_t* v_cache, const int* bt, int kt,
+__device__ __forceinline__ void prefill_load_tile(float* ks, float* vs, const cache_t* k_cache,
+                                                  const cache_t* v_cache, const int* bt, int kt,
                                                   int kv_end, int block_size_log2,
-                                                  long long tok_stride, long long head_off) {
+                                                  long long tok_stride, long long head_off,
+                                                  float k_scale, float v_scale) {
     int mask = (1 << block_size_log2) - 1;
     for (int idx = threadIdx.x; idx < PF_BK * HEAD_DIM; idx += PF_THREADS) {
         int key = idx / HEAD_DIM, d = idx % HEAD_DIM, t = kt + key;
         float kf = 0.0f, vf = 0.0f;
         if (t < kv_end) {
             long long src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + d;
-            kf = to_float(k_cache[src]);
-            vf = to_float(v_cache[src]);
+            kf = cache_to_float(k_cache[src], k_scale);
+            vf = cache_to_float(v_cache[src], v_scale);
         }
         ks[key * (HEAD_DIM + 1) + d] = kf;
         vs[key * HEAD_DIM + d] = vf;
@@ -312,9 +384,10 @@ __device__ __forceinline__ void prefill_load_tile(float* ks, float* vs, const sc
 
 extern "C" __global__ void __launch_bounds__(PF_THREADS)
 paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, long long q_stride,
-                     const scalar_t* k_cache, const scalar_t* v_cache, const int* block_tables,
+                     const cache_t* k_cache, const cache_t* v_cache, const int* block_tables,
                      long long bt_stride, const int* seq_lens, const int* query_start_loc,
-                     int num_heads, int num_kv_heads, int block_size_log2, float scale_log2) {
+                     int num_heads, int num_kv_heads, int block_size_log2, float scale_log2,
+                     const float* kv_scales) {
     __shared__ float qs[PF_BQ][HEAD_DIM];
     __shared__ float ks[PF_BK * (HEAD_DIM + 1)];
     __shared__ float vs[PF_BK * HEAD_DIM];
@@ -340,10 +413,12 @@ paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, lon
     const int kv_end = ctx - q_len + min(tile0 + PF_BQ, q_len);
     const int* bt = block_tables + (long long)b * bt_stride;
     const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
+    // This kernel dequantises into its fp32 tiles: bits * scale, as the NumPy twin reads them.
+    const KVFactors kv_scale = kv_factors(kv_scales, 1.0f);
     for (int kt = 0; kt < kv_end; kt += PF_BK) {
         __syncthreads();
         prefill_load_tile(ks, vs, k_cache, v_cache, bt, kt, kv_end, block_size_log2, tok_stride,
-                          (long long)kvh * HEAD_DIM);
+                          (long long)kvh * HEAD_DIM, kv_scale.x, kv_scale.y);
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < PF_ROWS; ++i) {
@@ -443,9 +518,20 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
     return r;
 }
 
-// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end.
-__device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const scalar_t* k_cache,
-                                              const scalar_t* v_cache, const int* bt, int kt,
+#if KV_FP8
+// Eight E4M3 bytes -> eight 16-bit values, exactly (every E4M3 value is an fp16 and a bf16).
+__device__ __forceinline__ Vec16 e4m3x8_to_vec(Vec8 bits) {
+    float f[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = e4m3_to_float(bits.w[i >> 2] >> ((i & 3) * 8));
+    return floats_to_vec(f);
+}
+#endif
+
+// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end (FP8: the
+// unscaled E4M3 values; the caller applies k_scale / v_scale to scores and outputs).
+__device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const cache_t* k_cache,
+                                              const cache_t* v_cache, const int* bt, int kt,
                                               int kv_end, int block_size_log2,
                                               long long tok_stride, long long head_off) {
     constexpr int parts = HEAD_DIM / 8;
@@ -455,11 +541,24 @@ __device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const 
         bool valid = t < kv_end;
         long long src = 0;
         if (valid) src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 8;
+#if KV_FP8
+        Vec8 kb, vb;
+        kb.w[0] = kb.w[1] = vb.w[0] = vb.w[1] = 0u;
+        if (valid) {
+            kb = *reinterpret_cast<const Vec8*>(k_cache + src);
+            vb = *reinterpret_cast<const Vec8*>(v_cache + src);
+        }
+        stg16(ks + key * PM_LD + part * 8, e4m3x8_to_vec(kb));
+        stg16(vs + key * PM_LD + part * 8, e4m3x8_to_vec(vb));
+#else
         cp_async16(smem_addr(ks + key * PM_LD + part * 8), k_cache + src, valid ? 16 : 0);
         cp_async16(smem_addr(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
+#endif
     }
+#if !KV_FP8
     asm volatile("cp.async.commit_group;");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
+#endif
 }
 
 __device__ __forceinline__ unsigned int ld_pair(const scalar_t* p) {
@@ -468,9 +567,10 @@ __device__ __forceinline__ unsigned int ld_pair(const scalar_t* p) {
 
 extern "C" __global__ void __launch_bounds__(PM_THREADS)
 paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long long q_stride,
-                  const scalar_t* k_cache, const scalar_t* v_cache, const int* block_tables,
+                  const cache_t* k_cache, const cache_t* v_cache, const int* block_tables,
                   long long bt_stride, const int* seq_lens, const int* query_start_loc,
-                  int num_heads, int num_kv_heads, int block_size_log2, float scale_log2) {
+                  int num_heads, int num_kv_heads, int block_size_log2, float scale_log2_in,
+                  const float* kv_scales) {
     __shared__ alignas(16) scalar_t ks[PM_BK * PM_LD];
     __shared__ alignas(16) scalar_t vs[PM_BK * PM_LD];
     const int h = blockIdx.y, b = blockIdx.z;
@@ -479,6 +579,8 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
     const int ctx = seq_lens[b];
     const int tile0 = (gridDim.x - 1 - blockIdx.x) * PM_BQ;
     if (tile0 >= q_len) return;
+    const KVFactors kv_mul = kv_factors(kv_scales, 1.0f);   // the tiles hold unscaled E4M3 values
+    const float scale_log2 = scale_log2_in * kv_mul.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;
     const int row_a = tile0 + warp * 16 + g, row_b = row_a + 8;     // query indices in the chunk
@@ -581,7 +683,7 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
         l_a += __shfl_xor_sync(FULL_MASK, l_a, off);
         l_b += __shfl_xor_sync(FULL_MASK, l_b, off);
     }
-    float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
+    float inv_a = l_a > 0.0f ? kv_mul.y / l_a : 0.0f, inv_b = l_b > 0.0f ? kv_mul.y / l_b : 0.0f;
     scalar_t* out_a = out + (long long)(q_start + row_a) * out_stride + (long long)h * HEAD_DIM;
     scalar_t* out_b = out + (long long)(q_start + row_b) * out_stride + (long long)h * HEAD_DIM;
 #pragma unroll

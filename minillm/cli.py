@@ -110,6 +110,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--max-num-seqs", help="Most sequences in one step.")], _default("max_num_seqs")),
     "max_num_batched_tokens": (Annotated[int, _engine_option(
         "--max-num-batched-tokens", help="Token budget of one step.")], _default("max_num_batched_tokens")),
+    "max_step_ms": (Annotated[Optional[float], _engine_option(
+        "--max-step-ms", help="Step-time budget while decodes run: prompt chunks are sized to keep "
+        "the estimated step within it (default: off, the token budget only).")], None),
     "max_model_len": (Annotated[Optional[int], _engine_option(
         "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
     "block_size": (Annotated[int, _engine_option(
@@ -134,6 +137,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--download-dir", help=f"Where hub models are stored ({STORE_DEFAULT}).")], None),
     "kv_offload_gib": (Annotated[float, _engine_option(
         "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
+    "kv_cache_dtype": (Annotated[str, _engine_option(
+        "--kv-cache-dtype", metavar="[auto|fp8|fp8_e4m3]",
+        help="KV cache storage: auto (the model dtype) or fp8 (FP8 E4M3, twice the tokens per byte).")],
+        _default("kv_cache_dtype")),
     "speculative_config": (Annotated[Optional[str], _engine_option(
         "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],

@@ -52,6 +52,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    max_step_ms: float | None = None     # step-time budget while decodes run (None: the token budget only)
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -67,6 +68,11 @@ class EngineConfig:
     # vLLM's kv_transfer_config: prefill/decode disaggregation (a KVTransferConfig, its dict or its
     # JSON; None: this engine takes no part in KV transfers)
     kv_transfer_config: "KVTransferConfig | dict[str, Any] | str | None" = None
+    # vLLM's cache dtype: "auto" stores K/V in the model's dtype; "fp8" (or "fp8_e4m3") stores FP8
+    # E4M3 bytes with a per-layer k_scale / v_scale (1.0, or from the first prefill when
+    # calculate_kv_scales), so the same memory holds twice the tokens.
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +82,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -87,6 +94,10 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
+                                             or not isinstance(self.max_step_ms, (int, float))
+                                             or not math.isfinite(self.max_step_ms) or self.max_step_ms <= 0):
+            raise ValueError(f"max_step_ms must be a finite number > 0 (or None: off), got {self.max_step_ms!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -107,6 +118,9 @@ class EngineConfig:
             if self.kv_offload_gib:
                 raise ValueError("kv_transfer_config and kv_offload_gib cannot be combined: an engine has one "
                                  "KV connector")
+            if is_fp8_kv_cache(self.kv_cache_dtype):
+                raise ValueError("kv_transfer_config works with kv_cache_dtype auto only: FP8 blocks mean "
+                                 "nothing without their engine's scales")
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_transfer_config works with tensor_parallel_size 1 only")
         if self.kv_offload_gib:
@@ -114,6 +128,23 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_offload_gib works with tensor_parallel_size 1 only: the host tier "
                                  "copies rank 0's KV pool")
+
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(name) -> None:
+    """kv_cache_dtype is one of KV_CACHE_DTYPES; E5M2 is named and refused (E4M3 only)."""
+    if name == "fp8_e5m2":
+        raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: the FP8 KV cache stores E4M3 "
+                         "(use 'fp8' or 'fp8_e4m3')")
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {name!r}")
+
+
+def is_fp8_kv_cache(name: str) -> bool:
+    """True when kv_cache_dtype asks for FP8 E4M3 storage."""
+    return name in ("fp8", "fp8_e4m3")
 
 
 def available_host_bytes() -> int | None:

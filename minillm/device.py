@@ -93,6 +93,15 @@ class CpuDevice:
         """A timer whose first mark is now."""
         return CpuTimer()
 
+    def empty_pinned(self, shape, dtype) -> np.ndarray:
+        """A host array that copies to the device read from (plain memory on the CPU)."""
+        return np.empty(shape, dtype=dtype)
+
+    def copy_to_device_async(self, dst, src: np.ndarray) -> CpuEvent:
+        """dst[...] = src, done before it returns; the event after it."""
+        dst[...] = src
+        return CpuEvent()
+
     def synchronize(self) -> None:
         """Wait for all queued work (none on the CPU)."""
 
@@ -234,6 +243,24 @@ class CudaDevice:
     def timer(self) -> CudaTimer:
         """CUDA events on the current stream, the first recorded now."""
         return CudaTimer(self.cp)
+
+    def empty_pinned(self, shape, dtype) -> np.ndarray:
+        """A host array in page-locked memory: a copy from it never makes the host wait."""
+        import cupyx
+        return cupyx.empty_pinned(shape, dtype=dtype)
+
+    def copy_to_device_async(self, dst, src: np.ndarray):
+        """Queue dst[...] = src (src pinned, both packed, same bytes) on the current stream; returns
+        the event after the copy (src must not be written before it is done)."""
+        if dst.nbytes != src.nbytes or not dst.flags.c_contiguous or not src.flags.c_contiguous:
+            raise ValueError(f"copy_to_device_async needs packed arrays of equal size, got {dst.nbytes} "
+                             f"and {src.nbytes} bytes")
+        rt = self.cp.cuda.runtime
+        stream = self.cp.cuda.get_current_stream()
+        rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice, stream.ptr)
+        event = self.cp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
+        return event
 
     def synchronize(self) -> None:
         """Wait for all work queued on the device by this process."""

@@ -28,6 +28,7 @@ from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
 from minillm.step import SchedulerOutput, StepOutput
+from minillm.step_cost import measured_seconds
 from minillm.tokenizer import Tokenizer
 
 
@@ -148,12 +149,14 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        step_cost = self._calibrate_step_cost() if config.max_step_ms is not None else None
         self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
         if self.kv_connector is not None and (line := self.kv_connector.describe()):
             self.log(f"minillm: {line}")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
-                                   speculative_config=config.speculative_config)
+                                   speculative_config=config.speculative_config, step_cost=step_cost,
+                                   max_step_ms=config.max_step_ms)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
@@ -165,6 +168,19 @@ class LLMEngine:
         self.model_name = config.served_model_name or config.model
         self.structured_outputs = None   # StructuredOutputManager, built when a request first asks for structure
         self.is_shut_down = False
+
+    def _calibrate_step_cost(self):
+        """The step cost model, fitted on dummy steps timed on the device (before any request, with
+        the whole pool free); from then on each step is timed on the device to correct it."""
+        from minillm.step_cost import calibrate
+        c = self.config
+        model, seconds = calibrate(self.runner, self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.runner.profile = True
+        coefs = ", ".join(f"{name} {value * 1e3:.3g} ms" for name, value in model.snapshot().coefficients.items())
+        self.log(f"minillm: step cost model fitted on {len(model.anchor_y)} timed steps in {seconds:.1f} s "
+                 f"(per unit: {coefs}); step budget {c.max_step_ms:g} ms")
+        return model
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
@@ -348,6 +364,9 @@ class LLMEngine:
             self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)
         self.metrics.record_timings({**step.timings, "update": time.perf_counter() - t0})
+        if self.scheduler.step_cost is not None and (seconds := measured_seconds(step.timings)) is not None:
+            self.scheduler.record_step_time(out, seconds)
+            self.metrics.record_device_step_time(out, seconds)
 
     def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:
         """Feed seq's i-th new token of the step to its request's output; returns the stop string
@@ -397,7 +416,7 @@ class LLMEngine:
         """A snapshot of queues, KV pool, throughput and latency."""
         c = self.config
         info = EngineInfo(self.model_name, self.backend, self.dtype, c.max_num_seqs, c.max_num_batched_tokens,
-                          self.max_model_len)
+                          self.max_model_len, self.runner.kv_cache_dtype)
         ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
         structured = self.structured_outputs.stats() if self.structured_outputs is not None else None
         return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),

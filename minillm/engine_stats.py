@@ -45,6 +45,7 @@ class EngineInfo:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    kv_cache_dtype: str = ""     # what the KV pool stores: the model dtype or "fp8_e4m3"
 
 
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
@@ -94,10 +95,23 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         ttft_p50_s=percentile(m.ttft, 50), ttft_p99_s=percentile(m.ttft, 99),
         itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
-        recent_steps=list(m.recent_steps)[-32:], requests=rows,
+        # Copies: a step's measured device time is written into its row when the step completes.
+        recent_steps=[copy.copy(s) for s in list(m.recent_steps)[-32:]], requests=rows,
+        kv_cache_dtype=info.kv_cache_dtype,
         step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
         **(_offload_fields(connector, cells) if isinstance(connector, KVConnectorStats) else {}),
-        **_transfer_fields(transfer), **(asdict(structured) if structured else {}))
+        **_transfer_fields(transfer), **(asdict(structured) if structured else {}), **_step_cost_fields(sched))
+
+
+def _step_cost_fields(sched: SchedulerSnapshot) -> dict:
+    """EngineStats' step-time budget fields (none when it is off)."""
+    cost = sched.step_cost
+    if sched.max_step_ms is None or cost is None:
+        return {}
+    ms = lambda s: None if s is None else s * 1e3   # noqa: E731
+    return dict(max_step_ms=sched.max_step_ms, step_cost_coefficients=dict(cost.coefficients),
+                step_estimated_ms=ms(cost.last_estimated_s), step_measured_ms=ms(cost.last_measured_s),
+                step_cost_error_p50=cost.relative_error_p50, step_cost_num_refits=cost.num_refits)
 
 
 def _offload_fields(offload: KVConnectorStats | None, cells: int) -> dict:
@@ -145,8 +159,9 @@ def describe_engine(stats: EngineStats) -> str:
     """The load report: backend, dtype, weights, KV pool and concurrency at max_model_len."""
     num_tokens = stats.kv_num_blocks * stats.block_size
     blocks_per_seq = -(-stats.max_model_len // stats.block_size)
+    kv_dtype = f" {stats.kv_cache_dtype}" if stats.kv_cache_dtype else ""
     return (f"minillm: backend {stats.device}, dtype {stats.dtype}, weights "
-            f"{human_bytes(stats.memory.weights_bytes)}; KV pool {stats.kv_num_blocks} blocks x "
+            f"{human_bytes(stats.memory.weights_bytes)}; KV pool{kv_dtype} {stats.kv_num_blocks} blocks x "
             f"{stats.block_size} = {num_tokens} tokens ({human_bytes(stats.memory.kv_pool_bytes)}); "
             f"max concurrency at max_model_len {stats.max_model_len}: "
             f"{stats.kv_num_blocks / blocks_per_seq:.2f}x")

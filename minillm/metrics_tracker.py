@@ -19,6 +19,8 @@ class MetricsTracker:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.recent_steps: deque[StepStats] = deque(maxlen=max_steps)
+        # Launched steps whose device time is still to come (with a step-time budget): (out, its row).
+        self._awaiting_device_time: deque[tuple[SchedulerOutput, StepStats]] = deque(maxlen=8)
         self._window: deque[tuple[float, float, int, int]] = deque()   # (start, end, prompt, gen)
         self.ttft: deque[float] = deque(maxlen=max_samples)
         self.itl: deque[float] = deque(maxlen=max_samples)
@@ -33,9 +35,20 @@ class MetricsTracker:
         """Account one launched step's composition and prompt tokens."""
         self.num_steps += 1
         self.prompt_tokens_total += out.num_prefill_tokens
-        self.recent_steps.append(StepStats(self.num_steps, ended, out.num_prefill_tokens,
-                                           out.num_decode_tokens, len(out.seqs), budget, ended - started))
+        stats = StepStats(self.num_steps, ended, out.num_prefill_tokens, out.num_decode_tokens, len(out.seqs),
+                          budget, ended - started, estimated_step_s=out.estimated_step_s)
+        self.recent_steps.append(stats)
+        if out.estimated_step_s is not None:
+            self._awaiting_device_time.append((out, stats))
         self._add_to_window(started, ended, out.num_prefill_tokens, 0)
+
+    def record_device_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """The measured device time of a step recorded by record_step (matched by identity)."""
+        for k, (pending, stats) in enumerate(self._awaiting_device_time):
+            if pending is out:
+                stats.device_step_s = seconds
+                del self._awaiting_device_time[k]
+                return
 
     def record_timings(self, timings: dict[str, float]) -> None:
         """Add one step's per-phase seconds."""

@@ -13,7 +13,8 @@ from types import ModuleType
 import numpy as np
 
 from minillm.attention import AttentionMetadata
-from minillm.config import EngineConfig, ModelConfig
+from minillm.config import EngineConfig, ModelConfig, is_fp8_kv_cache
+from minillm.fp8 import kv_cache_storage
 from minillm.models.decoder import DecoderModel
 from minillm.sampler import Sampler
 from minillm.stats import MemoryStats
@@ -42,12 +43,17 @@ class ModelRunner:
         with device.compute():
             self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
-        self.sampler = Sampler(ops, eos_token_ids)
+        self.sampler = Sampler(ops, eos_token_ids, device, config.max_num_seqs)
         self.verifier = None             # verifies draft tokens (only with speculative decoding)
         if config.speculative_config is not None:
             from minillm.spec_decode.verifier import DraftVerifier
             self.verifier = DraftVerifier(ops, self.sampler)
         self.kv_pool = None              # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        # The pool's element type: the model dtype, or uint8 bytes of FP8 E4M3 (kv_cache_dtype="fp8").
+        self.is_fp8_kv_cache = is_fp8_kv_cache(config.kv_cache_dtype)
+        self.kv_cache_dtype = kv_cache_storage(config.kv_cache_dtype, dtype)   # what the stats report
+        # The first eager forward pass sets the FP8 scales from its keys and values, then never again.
+        self._kv_scales_pending = self.is_fp8_kv_cache and config.calculate_kv_scales
         self.graphs = None
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
@@ -59,13 +65,18 @@ class ModelRunner:
         for lw in m.layers:
             yield from (a for a in vars(lw).values() if a is not None)
 
+    def _kv_pool_dtype(self):
+        """The backend dtype of a KV pool element (one byte for FP8)."""
+        xp = self.ops.xp
+        return xp.dtype(xp.uint8) if self.is_fp8_kv_cache else xp.dtype(self.dtype)
+
     # ---- start-up ----------------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int) -> int:
         """KV blocks that fit the memory budget (a profiling forward pass measures activations)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.ops.xp.dtype(self.dtype).itemsize)
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self._kv_pool_dtype().itemsize)
         # Decode graphs keep their own logits [max_num_seqs, V] fp32 and a batch's activations.
         graphs = 0 if cfg.enforce_eager else 2 * cfg.max_num_seqs * self.model_config.vocab_size * 4
         budget = self.device.kv_cache_budget_bytes(
@@ -89,7 +100,7 @@ class ModelRunner:
 
         def forward() -> None:
             # One sequence's worth of blocks that every dummy sequence reads; nothing is written.
-            scratch = xp.zeros((mc.num_layers, 2, blocks, bs, mc.num_kv_heads, mc.head_dim), dtype=xp.dtype(self.dtype))
+            scratch = xp.zeros((mc.num_layers, 2, blocks, bs, mc.num_kv_heads, mc.head_dim), dtype=self._kv_pool_dtype())
             meta = AttentionMetadata(a(np.cumsum([0] + lens).astype(np.int32)), a(np.asarray(lens, np.int32)),
                                      a(np.tile(np.arange(blocks, dtype=np.int32), (len(lens), 1))),
                                      a(np.full(num_tokens, -1, np.int32)), max(lens), max(lens), False)
@@ -116,8 +127,8 @@ class ModelRunner:
             # A KV producer's pool is shared: another engine copies a prompt's blocks straight out of it.
             transfer = self.config.kv_transfer_config
             self.kv_pool = self.device.kv_pool_zeros(
-                (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim), self.dtype,
-                shared=transfer is not None and transfer.is_kv_producer)
+                (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
+                self._kv_pool_dtype(), shared=transfer is not None and transfer.is_kv_producer)
             if not self.config.enforce_eager:
                 self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool,
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
@@ -261,14 +272,17 @@ class ModelRunner:
                        logits_indices=None):
         """Logits [len(rows), V] of the sampling rows (None when no row samples), or of the token
         rows logits_indices [N] names (a step verifying drafts)."""
-        if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)):
+        calibrate = self._kv_scales_pending      # the first step runs eagerly, before anything is stored
+        if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)) and not calibrate:
             logits = self.graphs.run(ids, meta, lambda ids_dev: self._apply_patch(ids_dev, patch))
             if len(rows) < len(ids):
                 logits = logits[self.ops.asarray(np.asarray(rows, np.int32))] if rows else None
             return logits
         ids_dev = self.ops.asarray(ids)
         self._apply_patch(ids_dev, patch)
-        hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool)
+        self._kv_scales_pending = False
+        hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool,
+                                    calculate_kv_scales=calibrate)
         if not rows:
             return None
         if logits_indices is None:

@@ -1,4 +1,4 @@
-"""Sampler: per-sequence sampling parameters -> arrays -> one op call per rule, nothing waits."""
+"""Sampler: per-sequence sampling parameters -> one packed upload -> one op call per rule, nothing waits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +6,7 @@ from types import ModuleType
 
 import numpy as np
 
+from minillm.sampling_metadata import SamplingInputBuffer, SamplingMetadata, banned_entries, penalty_entries
 from minillm.sequence import Sequence
 
 
@@ -19,11 +20,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns a batch of logits into next tokens (and log-probabilities when asked)."""
+    """Turns a batch of logits into next tokens (and log-probabilities when asked).
 
-    def __init__(self, ops: ModuleType, eos_token_ids: list[int]):
+    device: the backend's device object (pinned staging and the upload of the packed parameters);
+    max_num_seqs: rows the packed buffer holds before it grows.
+    """
+
+    def __init__(self, ops: ModuleType, eos_token_ids: list[int], device=None, max_num_seqs: int = 256):
         self.ops = ops
         self.eos_token_ids = list(eos_token_ids)
+        if device is None:
+            from minillm.device import make_device
+            device = make_device(ops.name)
+        self.inputs = SamplingInputBuffer(ops, device, max_num_seqs, self.eos_token_ids)
 
     def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
@@ -32,25 +41,28 @@ class Sampler:
         grammar_bitmask (structured outputs' GrammarBitmask, on the host) masks its rows first.
         """
         ops = self.ops
+        meta = self.inputs.prepare(seqs, logits.shape[1])
         if grammar_bitmask is not None:
             self.apply_grammar_bitmask(logits, grammar_bitmask)   # before every other rule, as vLLM
-        rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
-        raw_logprobs = ops.log_softmax(logits[rows]) if rows else None   # before penalties, as vLLM
-        self.apply_penalties_and_bans(logits, seqs)
-        temperature = np.array([s.params.temperature for s in seqs], np.float32)
-        top_k = np.array([max(s.params.top_k, 0) for s in seqs], np.int32)
-        top_p = np.array([s.params.top_p for s in seqs], np.float32)
-        min_p = np.array([s.params.min_p for s in seqs], np.float32)
-        # One draw per non-greedy sequence from its own generator: results do not depend on the batch.
-        uniforms = np.array([0.0 if s.params.is_greedy else s.rng.random() for s in seqs], np.float32)
-        ids = ops.sample(logits, ops.asarray(temperature), ops.asarray(top_k), ops.asarray(top_p),
-                         ops.asarray(min_p), ops.asarray(uniforms))
+        rows = meta.logprob_rows
+        raw_logprobs = ops.log_softmax(logits[meta.logprob_rows_device]) if rows else None   # before penalties
+        self.apply_metadata_penalties(logits, meta)
+        ids = ops.sample(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.uniforms)
         return SamplerOutput(ids, raw_logprobs, rows)
+
+    def apply_metadata_penalties(self, logits, meta: SamplingMetadata) -> None:
+        """logits: [B, V] float32, in place: the penalties and min_tokens bans packed in meta."""
+        if meta.penalty_entries is not None:
+            self.ops.apply_penalties(logits, *meta.penalty_entries, meta.repetition_penalty,
+                                     meta.presence_penalty, meta.frequency_penalty)
+        if meta.banned is not None:
+            logits[meta.banned[0], meta.banned[1]] = -np.inf
 
     def apply_penalties_and_bans(self, logits, seqs) -> None:
         """logits: [B, V] float32, in place: repetition / presence / frequency penalties, and the
         min_tokens ban of EOS and stop tokens. seqs: one per row (a Sequence or a view with its
-        params, prompt_token_ids, output_counts and num_output_tokens)."""
+        params, prompt_token_ids, output_counts and num_output_tokens). The rows of a step verifying
+        drafts come here (one upload per array); plain steps take the packed path above."""
         self._apply_penalties(logits, seqs)
         self._block_early_stops(logits, seqs)
 
@@ -63,18 +75,9 @@ class Sampler:
         bitmask[rows] = ops.asarray_async(mask.bitmask)          # ~1 MB a step: never wait for the stream
         ops.apply_token_bitmask(logits, bitmask, rows)
 
-    def _apply_penalties(self, logits, seqs: list[Sequence]) -> None:
-        rows, tokens, counts, in_prompt = [], [], [], []
-        for b, s in enumerate(seqs):
-            p = s.params
-            if not p.needs_output_counts:
-                continue
-            prompt = set(s.prompt_token_ids) if p.repetition_penalty != 1.0 else set()
-            for t in prompt | set(s.output_counts):
-                rows.append(b)
-                tokens.append(t)
-                counts.append(s.output_counts.get(t, 0))
-                in_prompt.append(1 if t in prompt else 0)
+    def _apply_penalties(self, logits, seqs) -> None:
+        rows, tokens, counts, in_prompt = penalty_entries(
+            seqs, [b for b, s in enumerate(seqs) if s.params.needs_output_counts])
         if not rows:
             return
         ops = self.ops
@@ -84,18 +87,9 @@ class Sampler:
                             per_seq(lambda p: p.repetition_penalty), per_seq(lambda p: p.presence_penalty),
                             per_seq(lambda p: p.frequency_penalty))
 
-    def _block_early_stops(self, logits, seqs: list[Sequence]) -> None:
+    def _block_early_stops(self, logits, seqs) -> None:
         """Below min_tokens, EOS and stop tokens cannot be sampled."""
-        rows, tokens = [], []
-        vocab = logits.shape[1]
-        for b, s in enumerate(seqs):
-            if s.num_output_tokens - 1 < s.params.min_tokens:   # outputs before the one sampled now
-                banned = set(s.params.stop_token_ids)
-                if not s.params.ignore_eos:
-                    banned |= set(self.eos_token_ids)
-                banned = [t for t in banned if 0 <= t < vocab]
-                rows.extend([b] * len(banned))
-                tokens.extend(banned)
+        rows, tokens = banned_entries(seqs, range(len(seqs)), self.eos_token_ids, logits.shape[1])
         if rows:
             logits[self.ops.asarray(np.array(rows, np.int32)), self.ops.asarray(np.array(tokens, np.int32))] = -np.inf
 

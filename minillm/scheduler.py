@@ -18,6 +18,13 @@ placeholders; update_from_output() appends what was accepted and moves num_compu
 over the rejected drafts (their blocks stay with the sequence for its next tokens, and go back
 with the rest when it finishes or is preempted). Drafts only take the budget and blocks left once
 every running sequence has its token: nobody is preempted to make room for them.
+
+With a step-time budget (max_step_ms, and a StepCostModel from minillm/step_cost.py), a step
+in which decode rows run sizes its prompt chunks so that the estimated step time stays within the
+budget: each prefill row gets the largest chunk that fits (the cost model's closed form), and
+the oldest prefill row at least one KV block of tokens whatever the estimate says, so a long
+prompt always advances. A step with nothing decoding has only the token budget. Drafts take
+what both budgets leave once every running sequence has its tokens.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from dataclasses import dataclass
 from minillm.block_manager import BlockManager
 from minillm.sequence import Sequence, SequenceStatus, SequenceView
 from minillm.step import SchedulerOutput, StepOutput
+from minillm.step_cost import StepCostModel, StepCostSnapshot, StepTimeBudget, is_decode_row, step_features
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerSnapshot", "StepOutput", "check_stop"]
 
@@ -41,6 +49,8 @@ class SchedulerSnapshot:
     num_waiting: int
     num_preempted_waiting: int       # waiting sequences that were preempted and will resume
     num_preemptions: int             # total so far
+    max_step_ms: float | None = None           # the step-time budget (None: the token budget only)
+    step_cost: StepCostSnapshot | None = None  # the step cost model, with a step-time budget
 
 
 def check_stop(seq: Sequence, eos_token_ids: set[int],
@@ -65,11 +75,14 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
 
 
 class Scheduler:
-    """Owns the waiting and running queues and the per-step token budget."""
+    """Owns the waiting and running queues, the per-step token budget and the step-time budget."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
-                 kv_connector=None, speculative_config=None):
+                 kv_connector=None, speculative_config=None, step_cost: StepCostModel | None = None,
+                 max_step_ms: float | None = None):
+        if max_step_ms is not None and step_cost is None:
+            raise ValueError("max_step_ms needs a step cost model")
         self.block_manager = block_manager
         self.kv_connector = kv_connector     # scheduler side of a KV connector, or None
         self.max_num_seqs = max_num_seqs
@@ -79,6 +92,11 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.step_cost = step_cost           # estimates step times (with max_step_ms), or None
+        self.max_step_ms = max_step_ms
+        # Features of launched steps until their device time comes back (a few at most: one step
+        # is in flight; a step that failed to launch drops off the end).
+        self._launched_features: deque[tuple[SchedulerOutput, object]] = deque(maxlen=8)
         self.drafter = None              # proposes draft tokens (only with speculative decoding)
         if speculative_config is not None:
             from minillm.spec_decode.drafter import Drafter
@@ -112,7 +130,8 @@ class Scheduler:
         waiting = [s.view("preempted" if s.num_preemptions else "waiting")
                    for s, _ in zip(self.waiting, range(max_waiting_rows))]
         return SchedulerSnapshot([s.view("running") for s in self.running], waiting, len(self.waiting),
-                                 sum(1 for s in self.waiting if s.num_preemptions), self.num_preemptions)
+                                 sum(1 for s in self.waiting if s.num_preemptions), self.num_preemptions,
+                                 self.max_step_ms, self.step_cost.snapshot() if self.step_cost else None)
 
     # ---- the step --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -127,6 +146,8 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
+        spec: dict[int, list[int]] = {}
+        chunks = _PrefillChunks(self, spec) if self.max_step_ms is not None else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -135,7 +156,13 @@ class Scheduler:
             if seq.is_at_length_limit or seq.spec_token_ids:
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if chunks is not None and not is_decode_row(remaining, seq.num_computed_tokens, seq.num_prompt_tokens):
+                n = chunks.size(seq.num_computed_tokens, n)
+                if n == 0:                   # over the step budget this step: it waits for the next
+                    i += 1
+                    continue
             while not self.block_manager.append_slots(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -147,9 +174,8 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
                 i += 1
-        spec: dict[int, list[int]] = {}
         if self.drafter is not None:
-            budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted))
+            budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted), chunks)
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -162,6 +188,10 @@ class Scheduler:
             num_computed = len(cached) * self.block_manager.block_size
             num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) if self.kv_connector else 0
             n = min(seq.num_tokens - num_computed - num_external, budget)
+            if chunks is not None:
+                n = chunks.size(num_computed + num_external, n)
+                if n == 0:
+                    break
             if not self.block_manager.allocate(seq, cached, num_external + n):
                 break
             if num_external:                 # loaded before the step's forward: computed, and shared at once
@@ -182,7 +212,7 @@ class Scheduler:
         return self._launch(seqs, counts, preempted, spec)
 
     def _add_drafts(self, seqs: list[Sequence], counts: list[int], budget: int,
-                    spec: dict[int, list[int]], preempted: bool) -> int:
+                    spec: dict[int, list[int]], preempted: bool, chunks: "_PrefillChunks | None") -> int:
         """Give decoding sequences whose tokens are all known their drafts, within the budget and
         the free blocks left (where the pool is short, only what fits its own blocks; none in a
         step that preempts); returns the budget left."""
@@ -198,6 +228,8 @@ class Scheduler:
                 continue
             num_tried += 1
             drafts = self.drafter.propose(seq, budget)
+            if drafts and chunks is not None:
+                drafts = drafts[:chunks.max_drafts(seq, len(drafts))]
             if drafts and not self.block_manager.append_slots(seq, 1 + len(drafts)):
                 # The pool is short: keep the drafts that fit the blocks seq already holds.
                 room = len(seq.block_table) * self.block_manager.block_size - seq.num_computed_tokens - 1
@@ -206,6 +238,8 @@ class Scheduler:
                 spec[seq.seq_id] = drafts
                 counts[b] += len(drafts)
                 budget -= len(drafts)
+                if chunks is not None:
+                    chunks.note_drafts(seq, len(drafts))
         self.drafter.end_round(num_tried, len(spec))
         return budget
 
@@ -228,9 +262,21 @@ class Scheduler:
                 seq.spec_token_ids = spec[seq.seq_id]
         out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
                               scheduled_spec_decode_tokens=spec)
+        if self.step_cost is not None and seqs:
+            features = step_features(out)
+            out.estimated_step_s = self.step_cost.estimate(features)
+            self._launched_features.append((out, features))
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
+
+    def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
+        """A completed step's measured device time, for the step cost model's online correction."""
+        for k, (launched, features) in enumerate(self._launched_features):
+            if launched is out:
+                del self._launched_features[k]
+                self.step_cost.observe(features, seconds, out.estimated_step_s)
+                return
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
@@ -306,3 +352,59 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.request_finished(seq)   # may keep its blocks (a KV transfer's lease)
         self.block_manager.free(seq)
+
+
+class _PrefillChunks:
+    """Sizes one step's prefill rows under the step-time budget while decode rows run in it.
+
+    Built on the first prefill row of the step (a step of decodes alone never pays for it): the
+    step's decode rows are counted then, every running sequence one token past its prompt,
+    wherever it sits in the queue (drafts already chosen count as the rows they have become).
+    The first prefill row sized (the oldest: running sequences are in admission order, then the
+    head of the waiting queue) gets at least min_tokens, one KV block, so it cannot starve."""
+
+    def __init__(self, scheduler: Scheduler, spec: dict[int, list[int]]):
+        self.scheduler, self.spec = scheduler, spec
+        self.min_tokens = scheduler.block_manager.block_size
+        self.budget: StepTimeBudget | None = None
+        self.is_built = self.is_capping = self.has_progress = False
+
+    def _build(self) -> None:
+        self.is_built = True
+        sched = self.scheduler
+        budget = sched.step_cost.budget(sched.max_step_ms / 1e3)
+        for seq in sched.running:
+            start = seq.num_computed_tokens
+            if seq.spec_token_ids or not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
+                continue
+            num_drafts = len(self.spec.get(seq.seq_id, ()))
+            budget.add(1 + num_drafts, start, is_decode=not num_drafts)
+            self.is_capping = True
+        self.budget = budget
+
+    def size(self, start: int, n: int) -> int:
+        """Tokens a prefill row of up to n tokens after `start` computed ones gets this step."""
+        if not self.is_built:
+            self._build()
+        if not self.is_capping:          # nothing decodes: the token budget alone
+            return n
+        q = self.budget.max_prefill_tokens(start, n)
+        if not self.has_progress:
+            q = max(q, min(n, self.min_tokens))
+        if q:
+            self.has_progress = True
+            self.budget.add(q, start, is_decode=False)
+        return q
+
+    def max_drafts(self, seq: Sequence, n: int) -> int:
+        """How many of n drafts the decode row of seq may verify within the step budget."""
+        if not self.is_built:
+            self._build()
+        if not self.is_capping:
+            return n
+        return self.budget.max_drafts(seq.num_computed_tokens, n)
+
+    def note_drafts(self, seq: Sequence, num_drafts: int) -> None:
+        """A decode row now verifies num_drafts drafts as well (counted here once built)."""
+        if self.budget is not None:
+            self.budget.add_drafts(seq.num_computed_tokens, num_drafts)

@@ -22,6 +22,8 @@ class StepStats:
     num_seqs: int
     token_budget: int
     step_time_s: float
+    estimated_step_s: float | None = None   # the step cost model's estimate (with a step-time budget)
+    device_step_s: float | None = None      # measured on the device: forward and sampling (likewise)
 
 
 @dataclass
@@ -140,6 +142,17 @@ class EngineStats:
     grammar_fill_time_s: float = 0.0
     grammar_fill_p50_s: float | None = None
     grammar_fill_p99_s: float | None = None
+    # The step-time budget (--max-step-ms; None: off) and the step cost model that sizes prompt chunks
+    # under it: seconds per unit of each feature (base, mixed, tokens, attention, kv_read), the
+    # newest completed step's estimate and measured device time, and the median relative error.
+    max_step_ms: float | None = None
+    step_cost_coefficients: dict[str, float] = field(default_factory=dict)
+    step_estimated_ms: float | None = None
+    step_measured_ms: float | None = None
+    step_cost_error_p50: float | None = None
+    step_cost_num_refits: int = 0
+    # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
+    kv_cache_dtype: str = ""
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

@@ -21,8 +21,9 @@ needs_stories = pytest.mark.skipif(not (STORIES / "config.json").is_file(),
 COMMANDS = ("chat", "generate", "serve", "monitor", "pull", "list", "bench", "router")
 ENGINE_FLAGS = ("--device", "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
                 "--block-size", "--num-kv-blocks", "--gpu-memory-utilization", "--enable-prefix-caching",
-                "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format", "--download-dir",
-                "--kv-offload-gib", "--speculative-config")
+                "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format",
+                "--download-dir", "--kv-offload-gib", "--speculative-config", "--max-step-ms",
+                "--kv-cache-dtype")
 
 
 def minillm(*args: str, env: dict | None = None, stdin: str | None = None,
@@ -45,7 +46,7 @@ def test_help_lists_every_command_and_the_engine_options():
     for name in ("chat", "generate", "serve"):
         flags = {f for p in group.commands[name].params for f in (*p.opts, *p.secondary_opts)}
         assert set(ENGINE_FLAGS) <= flags, name
-    assert len(ENGINE_OPTIONS) == 15
+    assert len(ENGINE_OPTIONS) == 17
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -362,6 +363,21 @@ def test_the_test_extra_needs_no_torch_and_ci_still_runs_the_live_comparison():
     assert ci.index('"torch==2.13.0"') < ci.index('-e ".[test,parity]"')
     readme = (REPO / "README.md").read_text()
     assert 'pip install -e ".[test]" && python3 -m pytest -q' in readme
+
+
+@needs_stories
+def test_max_step_ms_calibrates_at_start_up_and_keeps_greedy_text():
+    common = ("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+              "--max-tokens", "16", "--max-num-seqs", "4")
+    plain, budgeted = minillm(*common), minillm(*common, "--max-step-ms", "20")
+    assert plain.returncode == 0 and budgeted.returncode == 0, budgeted.stderr
+    assert budgeted.stdout == plain.stdout
+    assert "step cost model fitted on" in budgeted.stderr and "step budget 20 ms" in budgeted.stderr
+    assert "step cost model" not in plain.stderr
+    bad = minillm(*common, "--max-step-ms", "0")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    [line] = bad.stderr.strip().splitlines()
+    assert "max_step_ms must be a finite number > 0" in line
 
 
 # ---- prefill/decode disaggregation -----------------------------------------------------------------

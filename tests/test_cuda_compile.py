@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from minillm.ops import prefill_attention
+
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
 DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
@@ -54,6 +56,16 @@ def test_every_source_includes_the_common_header_once():
 CASES = [(name, dtype) for name in SOURCES for dtype in DTYPE_IDS
          if name != "sampling.cu" or dtype == "float32"]
 HEAD_SIZES = [(8, 4), (64, 8), (256, 1)]
+# FP8 KV caches (-DKV_FP8=1): the files that read or write the cache, each dtype, and attention at
+# the head sizes whose decode layout differs (16-byte loads, VEC_ELEMS-byte loads, tiny heads).
+FP8_SOURCES = ("kv_append.cu", "paged_attention.cu", "rotary.cu")
+FP8_CASES = [(name, dtype) for name in FP8_SOURCES for dtype in DTYPE_IDS]
+FP8_HEAD_SIZES = [(128, 2), (64, 4), (128, 8), (8, 2), (64, 1)]
+# prefill_attention.cu as minillm/ops/prefill_attention.py builds it: (dtype, HEAD_DIM, GQA, block
+# shape); every build must keep its registers off the stack.
+PREFILL_BUILDS = [("bfloat16", 128, 2, "flash-4w"), ("float16", 64, 8, "flash-4w"), ("bfloat16", 128, 3, "flash-4w"),
+                  ("float16", 128, 16, "flash-4w"), ("bfloat16", 128, 2, "flash-8w"), ("float16", 64, 3, "flash-8w"),
+                  ("bfloat16", 64, 1, "flash-8w")]
 
 
 def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
@@ -65,6 +77,17 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
     for head_dim, group in HEAD_SIZES:
         builds[f"attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
             "-DMINILLM_DTYPE=2", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
+    for name, dtype in FP8_CASES:
+        builds[f"fp8-{name}-{dtype}"] = (inlined_source(name), [
+            f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", "-DKV_FP8=1", "-DHEAD_DIM=64", "-DGQA=4"])
+    for head_dim, group in FP8_HEAD_SIZES:
+        builds[f"fp8-attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
+            "-DMINILLM_DTYPE=2", "-DKV_FP8=1", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
+    for dtype, head_dim, group, shape in PREFILL_BUILDS:
+        defines = [f"-D{k}={v}" for k, v in prefill_attention.VARIANTS[shape].defines().items()]
+        builds[f"prefill-{dtype}-{head_dim}-{group}-{shape}"] = (inlined_source("prefill_attention.cu"), [
+            f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}", *defines,
+            "--resource-usage"])
     broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
     builds["syntax-error"] = (broken, [])
     return builds
@@ -93,6 +116,30 @@ def test_kernel_source_compiles_for_sm90(name, dtype, nvcc_results):
 def test_attention_compiles_for_other_head_sizes(head_dim, group, nvcc_results):
     result = nvcc_results[f"attention-{head_dim}-{group}"]
     assert result.returncode == 0, result.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name,dtype", FP8_CASES)
+def test_fp8_kv_cache_builds_compile(name, dtype, nvcc_results):
+    result = nvcc_results[f"fp8-{name}-{dtype}"]
+    assert result.returncode == 0, f"{name} ({dtype}, KV_FP8) failed to compile:\n{result.stderr}"
+
+
+@needs_nvcc
+@pytest.mark.parametrize("head_dim,group", FP8_HEAD_SIZES)
+def test_fp8_attention_compiles_for_each_decode_layout(head_dim, group, nvcc_results):
+    result = nvcc_results[f"fp8-attention-{head_dim}-{group}"]
+    assert result.returncode == 0, result.stderr
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype,head_dim,group,shape", PREFILL_BUILDS)
+def test_prefill_attention_builds_without_spills(dtype, head_dim, group, shape, nvcc_results):
+    result = nvcc_results[f"prefill-{dtype}-{head_dim}-{group}-{shape}"]
+    assert result.returncode == 0, result.stderr
+    report = result.stdout + result.stderr
+    assert "registers" in report, report                                # ptxas's resource report
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 @needs_nvcc
@@ -139,3 +186,11 @@ def test_kernel_source_compiles_with_nvrtc(name, dtype):
     status, log = nvrtc_compile(inlined_source(name), ["-std=c++17", "-arch=sm_90",
                                                       f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", *extra])
     assert status == 0, f"{name} ({dtype}) failed in NVRTC:\n{log}"
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("name,dtype", FP8_CASES)
+def test_fp8_kv_cache_builds_compile_with_nvrtc(name, dtype):
+    status, log = nvrtc_compile(inlined_source(name), ["-std=c++17", "-arch=sm_90", "-DKV_FP8=1", "-DHEAD_DIM=128",
+                                                      "-DGQA=2", f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}"])
+    assert status == 0, f"{name} ({dtype}, KV_FP8) failed in NVRTC:\n{log}"

@@ -541,3 +541,190 @@ def test_bfloat16_round_trip_from_uint16_bits():
     np.testing.assert_array_equal(cupy.asnumpy(dev.astype(cupy.float32)), [1.0, -2.0, 0.0, np.inf])
     w = ops.prepare_linear_weight(np.tile(bits[:3], (4, 1)), "bfloat16")
     assert w.shape == (4, 3) and w.flags.c_contiguous
+
+
+# ----------------------------------------------------------------------------- FP8 KV cache
+
+from minillm.fp8 import encode_e4m3  # noqa: E402
+
+
+def _fp8_scales(k_scale: float, v_scale: float):
+    return ops.asarray(np.array([k_scale, v_scale], np.float32)), np.array([k_scale, v_scale], np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,head_dim", [(8, 128), (2, 64), (4, 8)])
+@pytest.mark.parametrize("aligned", [True, False])
+def test_kv_append_fp8_bits_equal_numpy(dtype, kv_heads, head_dim, aligned):
+    """Quantised appends are the NumPy twin's E4M3 bytes exactly, saturation included (vector path
+    on aligned views, element path on a view one element off)."""
+    rng = np.random.default_rng(kv_heads * head_dim + aligned)
+    num_blocks, block_size, tokens = 40, 16, 70
+    row = kv_heads * head_dim
+    pool = ops.asarray(rng.integers(0, 0x7F, (2, num_blocks, block_size, kv_heads, head_dim)).astype(np.uint8))
+    before = cupy.asnumpy(pool)
+    off = 0 if aligned else 1                             # one element off: no 16-byte vectors
+    x = rng.standard_normal((tokens, 3 * row + 8), np.float32)
+    x[:, ::17] *= 1e3                                     # past 448 * scale: saturates
+    x[3, off + row + 5], x[4, off + 2 * row] = np.inf, -np.inf
+    buf, buf32 = to_device(x, dtype)
+    k = buf[:, off + row:off + 2 * row].reshape(tokens, kv_heads, head_dim)
+    v = buf[:, off + 2 * row:off + 3 * row].reshape(tokens, kv_heads, head_dim)
+    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
+    slots[::7] = -1
+    scales, scales_h = _fp8_scales(0.05, 0.3)
+    ops.kv_append(k, v, pool[0], pool[1], ops.asarray(slots), scales)
+    ref = before.copy()
+    npops.kv_append(buf32[:, off + row:off + 2 * row].reshape(tokens, kv_heads, head_dim),
+                    buf32[:, off + 2 * row:off + 3 * row].reshape(tokens, kv_heads, head_dim),
+                    ref[0], ref[1], slots, scales_h)
+    got = cupy.asnumpy(pool)
+    np.testing.assert_array_equal(got, ref)
+    assert not np.isin(got, [0x7F, 0xFF]).any(), "a finite or infinite input stored a NaN"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_calculate_kv_scales_equals_numpy(dtype):
+    rng = np.random.default_rng(4)
+    qkv, qkv32 = to_device(rng.standard_normal((33, 3 * 4 * 64), np.float32) * 5, dtype)
+    k, v = (qkv[:, i * 256:(i + 1) * 256].reshape(33, 4, 64) for i in (1, 2))
+    got = ops.asarray(np.zeros(2, np.float32))
+    ops.calculate_kv_scales(k, v, got)
+    ref = np.zeros(2, np.float32)
+    npops.calculate_kv_scales(*(qkv32[:, i * 256:(i + 1) * 256].reshape(33, 4, 64) for i in (1, 2)), ref)
+    np.testing.assert_array_equal(cupy.asnumpy(got), ref)
+    zeros = ops.asarray(np.zeros((2, 4, 64), np.float32), dtype)
+    ops.calculate_kv_scales(zeros, zeros, got)              # nothing to scale by: 1.0
+    np.testing.assert_array_equal(cupy.asnumpy(got), [1.0, 1.0])
+
+
+def _fp8_paged_batch(rng, ctx_lens, q_lens, kv_heads, head_dim, block_size, scales_h):
+    """_paged_batch's layout with uint8 E4M3 caches (values quantised by the NumPy twin)."""
+    k_cache, v_cache, k32, v32, meta = _paged_batch(rng, ctx_lens, q_lens, kv_heads, head_dim, block_size,
+                                                    "float32")
+    k_bits = encode_e4m3(k32, scales_h[0])                # normals and subnormals of E4M3
+    v_bits = encode_e4m3(v32, scales_h[1])
+    return ops.asarray(k_bits), ops.asarray(v_bits), k_bits, v_bits, meta
+
+
+def _check_fp8_attention(rng, ctx_lens, q_lens, heads, kv_heads, head_dim, dtype, block_size=16, **kw):
+    scales, scales_h = _fp8_scales(0.8, 1.7)
+    k_cache, v_cache, k_bits, v_bits, meta = _fp8_paged_batch(rng, ctx_lens, q_lens, kv_heads, head_dim,
+                                                              block_size, scales_h)
+    q, q32 = to_device(rng.standard_normal((sum(q_lens), heads, head_dim), np.float32), dtype)
+    scale = head_dim ** -0.5
+    ref = npops.paged_attention(q32, k_bits, v_bits, meta, scale, scales_h)
+    got = ops.paged_attention(q, k_cache, v_cache, _device_meta(meta), scale, scales,
+                              out=poisoned(q.shape, dtype), **kw)
+    assert_close(to_host32(got), ref, ATTN_TOL[dtype], f"fp8 attention {dtype} ctx={ctx_lens} q={q_lens}")
+
+
+FP8_ATTN_CASES = [  # dtype, heads, kv_heads, head_dim: 16-element loads (GQA <= 2), VEC_ELEMS loads
+    ("bfloat16", 16, 8, 128), ("float16", 16, 8, 128), ("bfloat16", 32, 8, 64), ("float16", 32, 8, 64),
+    ("bfloat16", 16, 16, 64), ("float16", 16, 2, 128), ("bfloat16", 32, 4, 128), ("float32", 16, 8, 128),
+    ("bfloat16", 8, 4, 8),
+]
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", FP8_ATTN_CASES)
+def test_fp8_decode_attention_equals_numpy(dtype, heads, kv_heads, head_dim):
+    rng = np.random.default_rng(heads * 100 + kv_heads + head_dim)
+    ctx = [1, 15, 16, 17, 100, 333, 64, 5]
+    _check_fp8_attention(rng, ctx, [1] * len(ctx), heads, kv_heads, head_dim, dtype)
+    _check_fp8_attention(rng, [2999, 1025, 4100], [1, 1, 1], heads, kv_heads, head_dim, dtype)   # split-K
+
+
+def test_fp8_decode_forced_splits_and_block_sizes():
+    rng = np.random.default_rng(12)
+    for block_size, splits in ((16, 7), (32, 3), (8, 2), (64, 1)):
+        _check_fp8_attention(rng, [700, 1, 129], [1, 1, 1], 16, 8, 128, "bfloat16", block_size=block_size,
+                             num_splits=splits)
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", FP8_ATTN_CASES)
+def test_fp8_prefill_attention_equals_numpy(dtype, heads, kv_heads, head_dim):
+    """The existing prefill kernels (tensor cores for fp16 / bf16 at 64 / 128, else the simple one)."""
+    rng = np.random.default_rng(heads * 7 + kv_heads + head_dim)
+    q_lens = [17, 1, 64, 130, 5, 100]
+    prefix = [0, 40, 33, 200, 0, 1]
+    _check_fp8_attention(rng, [p + n for p, n in zip(prefix, q_lens)], q_lens, heads, kv_heads, head_dim, dtype)
+
+
+def test_fp8_attention_needs_scales_and_matching_caches():
+    rng = np.random.default_rng(0)
+    scales, scales_h = _fp8_scales(1.0, 1.0)
+    k_cache, v_cache, _, _, meta = _fp8_paged_batch(rng, [5], [1], 4, 64, 16, scales_h)
+    q = ops.asarray(np.zeros((1, 8, 64), np.float32), "bfloat16")
+    with pytest.raises(ValueError, match="kv_scales"):
+        ops.paged_attention(q, k_cache, v_cache, _device_meta(meta), 0.1)
+    with pytest.raises(ValueError, match="v_cache"):
+        ops.paged_attention(q, k_cache, v_cache.view(cupy.int8), _device_meta(meta), 0.1, scales)
+
+
+# ----------------------------------------------------------------------------- fused q/k norm + rotary + append
+
+def _fused_inputs(rng, dtype, heads, kv_heads, head_dim, tokens=45, num_blocks=30, block_size=16):
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv, _ = to_device(rng.standard_normal((tokens, width), np.float32) * 2, dtype)
+    q = qkv[:, :heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].reshape(tokens, kv_heads, head_dim)
+    q_norm, _ = to_device(1 + 0.2 * rng.standard_normal(head_dim).astype(np.float32), dtype)
+    k_norm, _ = to_device(1 + 0.2 * rng.standard_normal(head_dim).astype(np.float32), dtype)
+    positions = ops.asarray(rng.integers(0, 4000, tokens).astype(np.int32))
+    slots = rng.permutation(num_blocks * block_size)[:tokens].astype(np.int32)
+    slots[::5] = -1
+    return q, k, v, q_norm, k_norm, positions, ops.asarray(slots), (num_blocks, block_size, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 64), (8, 4, 8)])
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_fused_qk_norm_rotary_kv_append_equals_separate_kernels(dtype, heads, kv_heads, head_dim, qk_norm, fp8):
+    """One launch gives the bits of rms_norm + rotary + kv_append (and the NumPy twin's values)."""
+    rng = np.random.default_rng(heads + head_dim + 2 * qk_norm + fp8)
+    q, k, v, q_norm, k_norm, positions, slots, cache_shape = _fused_inputs(rng, dtype, heads, kv_heads, head_dim)
+    if not qk_norm:
+        q_norm = k_norm = None
+    cos_sin = ops.asarray(_cos_sin(4096, head_dim))
+    scales, scales_h = _fp8_scales(0.02, 0.01) if fp8 else (None, None)
+    cache_dtype = np.uint8 if fp8 else host_dtype(dtype)
+    fresh = lambda: cupy.zeros((2,) + cache_shape, cupy.dtype(cache_dtype))    # noqa: E731
+    fused_pool, split_pool = fresh(), fresh()
+    got_q = ops.qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, 1e-6, positions, cos_sin, fused_pool[0],
+                                         fused_pool[1], slots, scales, out=poisoned(q.shape, dtype))
+    qs, ks = (ops.rms_norm(q, q_norm, 1e-6), ops.rms_norm(k, k_norm, 1e-6)) if qk_norm else (q, k)
+    ref_q, ref_k = ops.rotary(qs, ks, positions, cos_sin)
+    ops.kv_append(ref_k, v, split_pool[0], split_pool[1], slots, scales)
+    np.testing.assert_array_equal(to_host32(got_q), to_host32(ref_q))
+    np.testing.assert_array_equal(cupy.asnumpy(fused_pool.view(cupy.uint8)), cupy.asnumpy(split_pool.view(cupy.uint8)))
+    # And the NumPy twin (the composition in fp32 from the same inputs), to the rounding of the dtype.
+    hd = host_dtype(dtype)
+    host = lambda a: ops.to_numpy(a).astype(hd) if a is not None else None      # noqa: E731
+    np_pool = np.zeros((2,) + cache_shape, np.uint8 if fp8 else np.float32)
+    np_q = npops.qk_norm_rotary_kv_append(host(q), host(k), host(v), host(q_norm), host(k_norm), 1e-6,
+                                          cupy.asnumpy(positions), _cos_sin(4096, head_dim), np_pool[0],
+                                          np_pool[1], cupy.asnumpy(slots), scales_h)
+    assert_close(to_host32(got_q), np_q.astype(np.float32), 4 * ULP[dtype], "fused q vs numpy")
+    if not fp8:
+        assert_close(to_host32(fused_pool), np_pool, 4 * ULP[dtype], "fused cache vs numpy")
+
+
+def test_fused_kernel_switch_and_fallback_give_the_same_bits():
+    rng = np.random.default_rng(8)
+    q, k, v, q_norm, k_norm, positions, slots, cache_shape = _fused_inputs(rng, "bfloat16", 16, 8, 128)
+    cos_sin = ops.asarray(_cos_sin(4096, 128))
+    scales, _ = _fp8_scales(0.02, 0.01)
+    pools = []
+    for fuse in (True, False):
+        ops.FUSE_QK_NORM_ROTARY_KV_APPEND = fuse
+        try:
+            pool = cupy.zeros((2,) + cache_shape, cupy.uint8)
+            got = ops.qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, 1e-6, positions, cos_sin, pool[0], pool[1],
+                                               slots, scales)
+            pools.append((to_host32(got), cupy.asnumpy(pool)))
+        finally:
+            ops.FUSE_QK_NORM_ROTARY_KV_APPEND = True
+    np.testing.assert_array_equal(pools[0][0], pools[1][0])
+    np.testing.assert_array_equal(pools[0][1], pools[1][1])

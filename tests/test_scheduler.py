@@ -2,6 +2,7 @@
 from collections import Counter
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,5 +150,165 @@ def test_random_workloads_never_leak_or_double_book(script, num_blocks, max_seqs
     assert bm.num_free_blocks == bm.num_blocks
     for seq in seqs:
         assert seq.is_finished
+        if seq.status is SequenceStatus.FINISHED_LENGTH:
+            assert seq.num_output_tokens == seq.max_tokens
+
+
+# ---- the step-time budget: prompt chunks sized by a cost model while decodes run ------------------
+
+from minillm.step_cost import StepCostModel, is_decode_row, step_features  # noqa: E402
+
+# 1 ms a step and 0.1 ms a token; attention and KV reads free: a step of n tokens takes 1 + 0.1 n ms.
+PER_TOKEN = StepCostModel([1e-3, 0.0, 1e-4, 0.0, 0.0])
+
+
+def create_budget_scheduler(max_step_ms, cost=PER_TOKEN, **kw):
+    sched = create_scheduler(**kw)
+    return Scheduler(sched.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
+                     [EOS], step_cost=cost, max_step_ms=max_step_ms)
+
+
+def start_decoding(sched, num, prompt_len=3):
+    """num short requests, run until every one of them decodes."""
+    seqs = [create_seq(f"d{i}", prompt_len, max_tokens=200, base=1 + i) for i in range(num)]
+    for s in seqs:
+        sched.add(s)
+    while any(s.num_output_tokens == 0 for s in seqs):
+        run_step(sched)
+    return seqs
+
+
+def test_step_budget_caps_prompt_chunks_while_decodes_run():
+    sched = create_budget_scheduler(max_step_ms=3.0, budget=64, num_blocks=128)
+    start_decoding(sched, 2)
+    long = create_seq("long", 100, base=80)
+    sched.add(long)
+    out = run_step(sched)
+    # 2 decode tokens + q prompt tokens within 3 ms: 1 + 0.1 (2 + q) <= 3, so q = 18 (the token budget gave 62).
+    assert out.num_new_tokens == [1, 1, 18]
+    assert out.estimated_step_s == pytest.approx(1e-3 + 1e-4 * 20)
+    assert out.estimated_step_s == PER_TOKEN.estimate(step_features(out))
+    out = run_step(sched)
+    assert out.num_new_tokens == [1, 1, 18] and long.num_computed_tokens == 36
+
+
+def test_step_budget_leaves_a_step_without_decodes_to_the_token_budget():
+    sched = create_budget_scheduler(max_step_ms=3.0, budget=64, num_blocks=128)
+    long = create_seq("long", 100, base=80)
+    sched.add(long)
+    assert run_step(sched).num_new_tokens == [64]           # nothing decodes: 64 tokens, 7.4 ms estimated
+    plain = create_scheduler(budget=64, num_blocks=128)
+    plain.add(create_seq("long", 100, base=80))
+    assert run_step(plain).num_new_tokens == [64]
+
+
+def test_step_budget_with_a_large_limit_schedules_as_the_token_budget_does():
+    capped = create_budget_scheduler(max_step_ms=1e6, budget=16, num_blocks=128)
+    plain = create_scheduler(budget=16, num_blocks=128)
+    for sched in (capped, plain):
+        for i in range(4):
+            sched.add(create_seq(str(i), 5 + 9 * i, max_tokens=6, base=1 + 10 * i))
+    while capped.has_unfinished() or plain.has_unfinished():
+        a, b = run_step(capped), run_step(plain)
+        assert [s.request_id for s in a.seqs] == [s.request_id for s in b.seqs]
+        assert a.num_new_tokens == b.num_new_tokens
+
+
+def test_a_long_prompt_still_finishes_when_the_decodes_alone_exceed_the_budget():
+    # Two decodes cost 1.2 ms against a 0.5 ms budget: nothing fits, the oldest prefill gets one
+    # KV block (4 tokens) a step, a later one waits.
+    sched = create_budget_scheduler(max_step_ms=0.5, budget=64, num_blocks=128, max_model_len=512)
+    decoders = start_decoding(sched, 2)
+    long, later = create_seq("long", 30, max_tokens=2, base=80), create_seq("later", 10, max_tokens=2, base=90)
+    sched.add(long)
+    sched.add(later)
+    chunks = []
+    while long.num_output_tokens == 0:
+        out = run_step(sched)
+        assert out.seqs[:2] == decoders and out.num_new_tokens[:2] == [1, 1]   # decodes never wait
+        chunks.append(out.num_new_tokens[2:])
+    assert chunks == [[4]] * 7 + [[2]]                        # 30 tokens: 7 blocks and the rest
+    assert later.num_computed_tokens == 0
+    while later.num_output_tokens == 0:
+        run_step(sched)
+    assert long.num_output_tokens >= 1 and later.num_output_tokens == 1
+
+
+def test_step_budget_sizes_each_prefill_with_what_the_earlier_ones_left():
+    sched = create_budget_scheduler(max_step_ms=4.0, budget=100, num_blocks=128, max_num_seqs=8)
+    start_decoding(sched, 2)
+    a, b = create_seq("a", 12, base=60), create_seq("b", 50, base=70)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    # 3 ms of room = 30 tokens: 2 decodes, all 12 of a, 16 of b.
+    assert out.num_new_tokens == [1, 1, 12, 16]
+    assert out.estimated_step_s == pytest.approx(4e-3)
+
+
+def test_step_budget_needs_a_cost_model():
+    with pytest.raises(ValueError, match="cost model"):
+        Scheduler(BlockManager(8, 4), 4, 16, 64, [EOS], max_step_ms=5.0)
+
+
+def test_measured_step_times_reach_the_cost_model_and_the_snapshot():
+    model = StepCostModel([1e-3, 0.0, 1e-4, 0.0, 0.0], refit_every=4)
+    sched = create_budget_scheduler(max_step_ms=3.0, cost=model, budget=64, num_blocks=128)
+    for _ in range(4):
+        sched.add(create_seq(str(_), 6, base=1 + _))
+        out = run_step(sched)
+        sched.record_step_time(out, 2 * out.estimated_step_s)   # the device runs at half the estimate
+    snap = sched.snapshot(8)
+    assert snap.max_step_ms == 3.0 and snap.step_cost.num_refits == 1
+    assert snap.step_cost.last_measured_s == pytest.approx(2 * snap.step_cost.last_estimated_s)
+    assert model.estimate(step_features(out)) == pytest.approx(2 * out.estimated_step_s)
+    assert create_scheduler().snapshot(8).step_cost is None
+
+
+def check_step_budget(sched, out):
+    """While decodes run, a step stays within the step budget, or holds no more prompt tokens than
+    the floor (one KV block for the oldest prefill)."""
+    decoding = [is_decode_row(n, start, s.num_prompt_tokens) or s.seq_id in out.scheduled_spec_decode_tokens
+                for s, start, n in zip(out.seqs, out.num_computed_tokens, out.num_new_tokens)]
+    if not any(decoding):
+        return
+    prefill = sum(n for n, d in zip(out.num_new_tokens, decoding) if not d)
+    estimate = sched.step_cost.estimate(step_features(out))
+    assert estimate <= sched.max_step_ms / 1e3 * (1 + 1e-9) or prefill <= sched.block_manager.block_size
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops, st.integers(6, 40), st.integers(1, 6), st.integers(4, 48), st.booleans(),
+       st.floats(0.0, 8.0), st.floats(0.0, 1e-3))
+def test_random_workloads_under_a_step_budget_finish_and_never_leak(script, num_blocks, max_seqs, budget, prefix,
+                                                                    max_step_ms, per_token):
+    cost = StepCostModel([1e-3, 5e-4, per_token, 1e-6, 1e-6])
+    sched = create_budget_scheduler(max_step_ms=max_step_ms or 1e-3, cost=cost, num_blocks=num_blocks,
+                                    block_size=4, max_num_seqs=max_seqs, budget=budget,
+                                    max_model_len=num_blocks * 4, prefix=prefix)
+    seqs = []
+    for op in script:
+        if op[0] == "add":
+            _, plen, max_tokens, prefix_family = op
+            if plen + max_tokens > num_blocks * 4:
+                continue
+            seqs.append(create_seq(str(len(seqs)), plen, max_tokens, base=1 + prefix_family))
+            sched.add(seqs[-1])
+        elif op[0] == "abort" and seqs:
+            sched.finish(seqs[op[1] % len(seqs)], SequenceStatus.FINISHED_ABORTED)
+        else:
+            out = run_step(sched)
+            check_invariants(sched, out)
+            check_step_budget(sched, out)
+    for _ in range(5000):                     # the floor of one block a step: everything finishes
+        if not sched.has_unfinished():
+            break
+        out = run_step(sched)
+        check_invariants(sched, out)
+        check_step_budget(sched, out)
+        assert not out.is_empty or not sched.running
+    assert not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+    for seq in seqs:
         if seq.status is SequenceStatus.FINISHED_LENGTH:
             assert seq.num_output_tokens == seq.max_tokens

@@ -102,11 +102,12 @@ class Pipeline:
         raise AssertionError("did not finish")
 
 
-def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, spec_k=None):
+def create_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=256, spec_k=None,
+                     max_step_ms=None, step_cost=None):
     spec = SpeculativeConfig(num_speculative_tokens=spec_k, prompt_lookup_min=2, prompt_lookup_max=3) \
         if spec_k else None
     return Scheduler(BlockManager(num_blocks, block_size, True), max_num_seqs, budget, max_model_len, [EOS],
-                     speculative_config=spec)
+                     speculative_config=spec, step_cost=step_cost, max_step_ms=max_step_ms)
 
 
 def create_seq(rid, prompt_len, max_tokens=6, base=1, **params):
@@ -472,3 +473,60 @@ def test_random_scripts_with_speculation_leak_nothing(script, lag):
         known = s.output_token_ids
         assert known == expected_outputs(s)[:len(known)]
     assert_all_free(sched)
+
+
+# ---- a step-time budget: chunk sizes change, tokens do not ----------------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "abort"]), st.integers(0, 30)), min_size=1, max_size=60),
+       st.sampled_from([0, 1]), st.sampled_from([None, 3]), st.floats(0.5, 4.0))
+def test_random_scripts_under_a_step_budget_give_the_plain_tokens(script, lag, spec_k, max_step_ms):
+    from minillm.step_cost import StepCostModel
+    cost = StepCostModel([1e-3, 2e-4, 1e-4, 1e-6, 1e-6])    # 1 ms a step, 0.1 ms a token, ...
+    sched = create_scheduler(num_blocks=16, block_size=4, max_num_seqs=4, budget=24, spec_k=spec_k,
+                             max_step_ms=max_step_ms, step_cost=cost)
+    pipe = Pipeline(sched, lag=lag)
+    seqs: list[Sequence] = []
+    for op, arg in script:
+        if op == "add":
+            seqs.append(create_seq(f"r{len(seqs)}", 1 + arg % 23, max_tokens=1 + arg % 17, base=1 + arg))
+            sched.add(seqs[-1])
+        elif op == "step":
+            pipe.step()
+        elif seqs:
+            sched.finish(seqs[arg % len(seqs)], SequenceStatus.FINISHED_ABORTED)
+    pipe.run(max_steps=2000)
+    for s in seqs:
+        assert s.is_finished and s.num_output_placeholders == 0
+        known = s.output_token_ids
+        assert known == expected_outputs(s)[:len(known)]
+        if s.status is SequenceStatus.FINISHED_LENGTH:
+            assert len(known) == s.max_tokens
+    assert_all_free(sched)
+
+
+def test_drafts_are_held_to_the_step_budget():
+    from minillm.step_cost import StepCostModel, step_features
+    cost = StepCostModel([1e-3, 0.0, 1e-4, 0.0, 0.0])      # a step of n tokens: 1 + 0.1 n ms
+    most_drafts = {}
+    for max_step_ms in (None, 1.45):                         # 1.45 ms: 4 tokens, 2 of them drafts
+        sched = create_scheduler(spec_k=4, num_blocks=128, budget=64, max_step_ms=max_step_ms,
+                                 step_cost=cost if max_step_ms else None)
+        seqs = spec_seqs(2, max_tokens=60)
+        for s in seqs:
+            sched.add(s)
+        pipe = Pipeline(sched, lag=0)
+        drafts = []
+        for k in range(30):
+            if k == 12:
+                sched.add(create_seq("long", 40, base=90))
+            out = pipe.step()
+            drafts.append(sum(len(d) for d in out.scheduled_spec_decode_tokens.values()))
+            if max_step_ms and k >= 2:
+                # within the budget, or only the floor's block of prompt tokens over it
+                assert cost.estimate(step_features(out)) <= 1.45e-3 * (1 + 1e-9) or out.num_prefill_tokens <= 4
+        pipe.run()
+        assert all(s.output_token_ids == expected_outputs(s) for s in seqs)
+        assert_all_free(sched)
+        most_drafts[max_step_ms] = max(drafts)
+    assert most_drafts[None] > 2 and most_drafts[1.45] == 2

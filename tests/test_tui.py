@@ -19,7 +19,7 @@ from minillm.tui.help_screen import HelpScreen
 from minillm.tui.memory_panel import MemoryPanel
 from minillm.tui.queue_panel import QueuePanel
 from minillm.tui.recording import Recorder, ReplaySource
-from minillm.tui.render import COLOR_CACHED, COLOR_FREE, request_color
+from minillm.tui.render import COLOR_CACHED, COLOR_FREE, COLOR_OVER, request_color
 from minillm.tui.request_table import RequestTable
 from minillm.tui.usage_panel import UsagePanel
 
@@ -338,6 +338,25 @@ async def test_finished_requests_stay_a_while_marked_finished(tmp_path, num_fram
             assert [table.get_row_at(i)[1].plain for i in range(table.row_count)][-1] == "finished"
 
 
+# ---- the KV panel names what the pool stores ---------------------------------------------------------
+
+async def test_kv_panel_title_names_the_kv_cache_dtype(tmp_path):
+    path = tmp_path / "fp8.jsonl"
+    with Recorder(path) as recorder:
+        for k, kv_dtype in enumerate(("fp8_e4m3", "")):       # the second: a server that does not say
+            stats = make_stats(k)
+            stats.kv_cache_dtype = kv_dtype
+            recorder.write(stats.to_dict(), t=100.0 + k)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False, num_frames=1))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 1)
+        assert pilot.app.query_one(UsagePanel).border_title == "KV usage · fp8_e4m3"
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 2)
+        assert pilot.app.query_one(UsagePanel).border_title == "KV usage"
+
+
 # ---- the batch chart: the top row is the token budget -----------------------------------------------
 
 async def test_batch_chart_top_is_the_token_budget_even_when_steps_are_small(tmp_path):
@@ -419,6 +438,50 @@ def test_snapshot_120x40(snap_compare, frozen_app):
 
 def test_snapshot_80x24(snap_compare, frozen_app):
     assert snap_compare(frozen_app, terminal_size=(80, 24), run_before=wait_for_replay_end)
+
+
+# ---- the step-time strip: with --max-step-ms, each step's device time under the step budget ----------
+
+def write_step_budget_recording(path, max_step_ms):
+    """Three frames of 8 steps each; every fourth step's device time is twice the budget."""
+    with Recorder(path) as recorder:
+        for k in range(3):
+            stats = make_stats(k)
+            stats.max_step_ms = max_step_ms
+            stats.recent_steps = [
+                StepStats(step=k * 8 + j, time=1000.0 + k, num_prefill_tokens=64 if j % 4 == 0 else 0,
+                          num_decode_tokens=4, num_seqs=5, token_budget=BUDGET, step_time_s=0.001,
+                          estimated_step_s=0.004,
+                          device_step_s=(None if max_step_ms is None else
+                                         max_step_ms * (2.0 if j % 4 == 0 else 0.5) / 1e3))
+                for j in range(1, 9)]
+            recorder.write(stats.to_dict(), t=100.0 + k)
+
+
+@pytest.mark.parametrize("max_step_ms", [8.8, None])
+async def test_batch_chart_draws_the_step_budget_line_when_set(tmp_path, max_step_ms):
+    path = tmp_path / "step_budget.jsonl"
+    write_step_budget_recording(path, max_step_ms)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 3)
+        chart = pilot.app.query_one(BatchChart).render()
+        lines = chart.plain.splitlines()
+    budget_rows = [i for i, line in enumerate(lines) if line.startswith(" 8.8┤")]
+    if max_step_ms is None:
+        assert not budget_rows and "ms│" not in chart.plain and "budget 256 /" not in chart.plain
+        return
+    (top,) = budget_rows
+    assert lines[0].startswith(f" {BUDGET}┤")                  # the token chart keeps the top
+    assert "┈" in lines[top]                                  # the step budget, dotted
+    assert lines[top + 1].startswith("  ms│")                 # a strip of two rows at this size
+    # 24 steps: the 6 over the budget fill the strip to the top, the others reach half of it.
+    assert lines[top].count("█") == 6
+    assert lines[top + 1].count("█") == 24
+    over = [span for span in chart.spans if str(span.style) == COLOR_OVER]
+    assert over, "steps over the budget are drawn in the warning colour"
+    assert "budget 256 / 8.8 ms" in chart.plain
+    assert "top row is the step budget" in help_text_plain()
 
 
 async def test_block_grid_shows_a_kv_transfers_leases_and_loads(tmp_path):

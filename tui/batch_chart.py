@@ -1,4 +1,5 @@
-"""Batch composition per engine step: decode and prefill tokens stacked against the token budget."""
+"""Batch composition per engine step: decode and prefill tokens stacked against the token budget,
+and, with a step-time budget (--max-step-ms), each step's device time against that budget."""
 from __future__ import annotations
 
 from rich.style import Style
@@ -6,7 +7,8 @@ from rich.text import Text
 
 from minillm.stats import StepStats
 from minillm.tui.panel import Panel
-from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, COLOR_SEQS, EIGHTHS, fmt_seconds, sparkline, spaced
+from minillm.tui.render import (COLOR_DECODE, COLOR_DIM, COLOR_OVER, COLOR_PREFILL, COLOR_SEQS, COLOR_STEP_TIME,
+                                EIGHTHS, fmt_seconds, sparkline, spaced)
 
 AXIS_WIDTH = 5      # "512┤" and friends
 FOOTER_ROWS = 2     # the sequences sparkline and the legend
@@ -32,6 +34,27 @@ def column_eighths(step: StepStats, scale: float, rows: int) -> tuple[int, int]:
     return min(decode8, height), min(total8, height)
 
 
+def step_time_rows(rows: int) -> int:
+    """Rows of the step-time strip in a chart of `rows` rows (the token columns keep the rest)."""
+    return min(3, rows // 3)
+
+
+def time_eighths(step: StepStats, budget_s: float, rows: int) -> tuple[int, bool] | None:
+    """(height in eighths, is over the budget) of a step's measured device time in a strip of
+    `rows` rows whose top is the step budget; None when the step was not timed."""
+    if step.device_step_s is None:
+        return None
+    height = rows * 8
+    level = max(round(step.device_step_s / budget_s * height), 1)
+    return min(level, height), step.device_step_s > budget_s
+
+
+def _ms_label(ms: float) -> str:
+    """A budget in milliseconds in at most four characters."""
+    text = f"{ms:.0f}" if ms >= 10 else f"{ms:.1f}" if ms >= 0.1 else f"{ms:.0e}"
+    return text[:AXIS_WIDTH - 1]
+
+
 def _cell(decode8: int, total8: int, row: int, budget_row: bool) -> tuple[str, Style | str]:
     """The glyph and style of one chart cell `row` cells above the bottom."""
     dec = min(max(decode8 - row * 8, 0), 8)
@@ -51,7 +74,10 @@ def _cell(decode8: int, total8: int, row: int, budget_row: bool) -> tuple[str, S
 class BatchChart(Panel):
     """One column per engine step, newest on the right; the top row is the token budget (dotted),
     so a column's height is the share of the budget the step used. Any tokens at all show at
-    least one eighth of a cell, so a small decode batch under a large budget stays visible."""
+    least one eighth of a cell, so a small decode batch under a large budget stays visible.
+
+    With a step-time budget a strip below shows each step's measured device time; its top row is
+    the step budget (dotted), and a step over it fills the strip in red."""
 
     PANEL_TITLE = "batch per step"
 
@@ -61,6 +87,9 @@ class BatchChart(Panel):
         width, height = self.content_size
         columns = max(width - AXIS_WIDTH, 1)
         rows = max(height - FOOTER_ROWS, 1)
+        step_budget_ms = self.stats.max_step_ms
+        time_rows = step_time_rows(rows) if step_budget_ms else 0
+        rows -= time_rows
         steps = list(self.history.steps)[-columns:]
         budget = max([self.stats.max_num_batched_tokens] + [s.token_budget for s in steps])
         scale = axis_max(max((s.num_prefill_tokens + s.num_decode_tokens for s in steps), default=0), budget)
@@ -75,11 +104,32 @@ class BatchChart(Panel):
             for decode8, total8 in tops:
                 line.append(*_cell(decode8, total8, row, is_budget_row))
             lines.append(line)
+        if time_rows:
+            lines.extend(self._step_time_strip(steps, pad, time_rows, step_budget_ms))
         seqs = Text(f"{'seqs':>{AXIS_WIDTH - 1}}│", style=COLOR_DIM).append(pad)
         seqs.append_text(sparkline([s.num_seqs for s in steps], len(steps), self.stats.max_num_seqs, COLOR_SEQS))
         lines.append(seqs)
         lines.append(self._legend(steps[-1] if steps else None, budget, width))
         return Text("\n").join(lines)
+
+    @staticmethod
+    def _step_time_strip(steps: list[StepStats], pad: str, rows: int, budget_ms: float) -> list[Text]:
+        """Rows of each step's device time against the step budget (the dotted top row)."""
+        tops = [time_eighths(s, budget_ms / 1e3, rows) for s in steps]
+        lines = []
+        for row in reversed(range(rows)):
+            is_budget_row = row == rows - 1
+            label = _ms_label(budget_ms) if is_budget_row else ("ms" if row == 0 else "")
+            line = spaced((f"{label:>{AXIS_WIDTH - 1}}{'┤' if is_budget_row else '│'}", COLOR_DIM))
+            line.append(("┈" if is_budget_row else " ") * len(pad), style=COLOR_DIM)
+            for top in tops:
+                cell = 0 if top is None else min(max(top[0] - row * 8, 0), 8)
+                if cell == 0:
+                    line.append("┈" if is_budget_row else " ", style=COLOR_DIM if is_budget_row else "")
+                else:
+                    line.append(EIGHTHS[cell], style=COLOR_OVER if top[1] else COLOR_STEP_TIME)
+            lines.append(line)
+        return lines
 
     def _legend(self, last: StepStats | None, budget: int, width: int) -> Text:
         """The newest step's figures; the least important parts go first when space runs out."""
@@ -91,6 +141,8 @@ class BatchChart(Panel):
             [("▆", COLOR_SEQS), (f" seqs {last.num_seqs if last else 0}", "")],
             [(f" · budget {budget}", COLOR_DIM)],
         ]
+        if self.stats.max_step_ms is not None:
+            parts[-1] = [(f" · budget {budget} / {self.stats.max_step_ms:g} ms", COLOR_DIM)]
         if last is not None:
             parts.append([(f" · {fmt_seconds(last.step_time_s)}/step", COLOR_DIM)])
         shown: list[tuple[str, str]] = []

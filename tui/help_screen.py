@@ -8,7 +8,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from minillm.tui.render import COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_LEASED, COLOR_PREFILL, REQUEST_COLORS
+from minillm.tui.render import (COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_LEASED, COLOR_OVER, COLOR_PREFILL,
+                                 REQUEST_COLORS)
 from minillm.tui.request_table import FINISHED_SHOWN_S
 
 KEYS = (
@@ -37,6 +38,9 @@ def help_text() -> Text:
     text.append("one column per engine step: ")
     text.append("█", style=COLOR_DECODE).append(" decode tokens under ")
     text.append("█", style=COLOR_PREFILL).append(" prefill tokens; the top row is the token budget\n")
+    text.append("step time  ", style="bold").append("with --max-step-ms, a strip under the batch: each step's "
+                                                   "device time; its top row is the step budget, ")
+    text.append("█", style=COLOR_OVER).append(" a step over it\n")
     text.append("KV usage  ", style="bold").append("used blocks / all blocks; token util: tokens held / slots in used blocks\n")
     text.append("scheduler  ", style="bold").append("queues, preemptions, tok/s, TTFT and inter-token latency p50 / p99\n")
     text.append("requests  ", style="bold").append("◆ before an id: a structured output (JSON schema, regex, choice or grammar)\n")

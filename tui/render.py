@@ -23,6 +23,8 @@ COLOR_LEASED = "#d7af00"     # a prefill server's blocks held for a decode serve
 COLOR_PREFILL = "#ffaf5f"
 COLOR_DECODE = "#5fd787"
 COLOR_SEQS = "#87afff"
+COLOR_STEP_TIME = "#d7af87"     # a step's measured device time, under the step budget
+COLOR_OVER = "#ff5f5f"          # ... and over it
 COLOR_DIM = "#6c6c6c"
 
 

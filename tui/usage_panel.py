@@ -16,6 +16,11 @@ class UsagePanel(Panel):
 
     PANEL_TITLE = "KV usage"
 
+    def show(self, stats, history) -> None:
+        """Take a new snapshot; the title names what the pool stores (e.g. fp8_e4m3) when reported."""
+        self.border_title = f"{self.PANEL_TITLE} · {stats.kv_cache_dtype}" if stats.kv_cache_dtype else self.PANEL_TITLE
+        super().show(stats, history)
+
     def render(self) -> Text:
         stats, history = self.stats, self.history
         if stats is None or history is None:

@@ -1,8 +1,9 @@
 """One decoder for the Llama, Qwen2 and Qwen3 families, written over the ops interface.
 
 Per layer: RMSNorm (fused with the residual add) -> fused QKV projection (+bias for Qwen2)
--> per-head q/k RMSNorm (Qwen3) -> rotary -> KV append by slot mapping -> paged attention
+-> per-head q/k RMSNorm (Qwen3), rotary and KV append by slot mapping (one op) -> paged attention
 -> output projection -> RMSNorm -> fused gate/up projection -> SiLU-and-mul -> down projection.
+An FP8 KV pool (uint8) is written and read with the model's per-layer kv_scales.
 
 Tensor parallelism (minillm/parallel/): given a communicator, the weights and the config are one
 rank's shard (its heads, its MLP columns, its vocabulary rows), and the decoder adds the
@@ -55,6 +56,9 @@ class DecoderModel:
         self.final_norm = vec(weights["model.norm.weight"])
         self.layers = [self._layer(weights, i, lin, vec) for i in range(config.num_layers)]
         self.cos_sin = None                                          # [max_positions, Dh]: build_rotary()
+        # [L, 2] float32: each layer's (k_scale, v_scale) of an FP8 KV pool, read by the kernels from
+        # device memory so a calibration after the decode graphs were captured reaches them.
+        self.kv_scales = ops.asarray(np.ones((config.num_layers, 2), np.float32))
         self.scale = config.head_dim ** -0.5
         if max_positions is not None:
             self.build_rotary(max_positions)
@@ -80,8 +84,11 @@ class DecoderModel:
             o=lin(w[a + "o_proj.weight"]), post_norm=vec(w[p + "post_attention_layernorm.weight"]),
             gate_up=lin(gate_up), down=lin(w[p + "mlp.down_proj.weight"]))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pool):
-        """input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, block_size, Hk, Dh] -> hidden [T, D]."""
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pool, calculate_kv_scales: bool = False):
+        """input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, block_size, Hk, Dh] -> hidden [T, D].
+
+        calculate_kv_scales: set each layer's kv_scales from this pass's keys and values before
+        they are appended (vLLM's calculate_kv_scales; the runner asks once, on the first prefill)."""
         ops, c = self.ops, self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -97,13 +104,14 @@ class DecoderModel:
             q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
             k = qkv[:, q_size:q_size + kv_size].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            if lw.q_norm is not None:                               # per head, over Dh
-                q = ops.rms_norm(q, lw.q_norm, eps)
-                k = ops.rms_norm(k, lw.k_norm, eps)
-            q, k = ops.rotary(q, k, positions, self.cos_sin)
             k_cache, v_cache = kv_pool[i, 0], kv_pool[i, 1]          # [num_blocks, bs, Hk, Dh]
-            ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)   # [T, Hq, Dh]
+            scales = self.kv_scales[i]                               # [2]: k_scale, v_scale
+            if calculate_kv_scales:
+                q = self._calibrate_and_append(q, k, v, lw, positions, k_cache, v_cache, meta, scales)
+            else:                                                    # q/k norm per head, rotary, append
+                q = ops.qk_norm_rotary_kv_append(q, k, v, lw.q_norm, lw.k_norm, eps, positions, self.cos_sin,
+                                                 k_cache, v_cache, meta.slot_mapping, scales)
+            o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, scales)   # [T, Hq, Dh]
             h = ops.linear(o.reshape(num_tokens, q_size), lw.o)       # [T, D]
             if self.comm is not None:                                # each rank summed over its heads only
                 h = self.comm.all_reduce(h)
@@ -113,6 +121,17 @@ class DecoderModel:
                 h = self.comm.all_reduce(h)
         out, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
         return out
+
+    def _calibrate_and_append(self, q, k, v, lw: LayerWeights, positions, k_cache, v_cache,
+                              meta: AttentionMetadata, scales):
+        """The unfused q/k norm and rotary, the layer's scales from the rotated k and v, then the append."""
+        ops, eps = self.ops, self.config.rms_norm_eps
+        if lw.q_norm is not None:
+            q, k = ops.rms_norm(q, lw.q_norm, eps), ops.rms_norm(k, lw.k_norm, eps)
+        q, k = ops.rotary(q, k, positions, self.cos_sin)
+        ops.calculate_kv_scales(k, v, scales)
+        ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping, scales)
+        return q
 
     def _parallel_embedding(self, input_ids):
         """input_ids: [T] -> [T, D]: each rank looks up the ids in its vocabulary rows, zeros elsewhere."""

@@ -1,15 +1,19 @@
-"""CUDA backend: CuPy RawKernel launchers over cuda/*.cu, cuBLAS (C API) for matrix products.
+"""CUDA backend: CuPy RawKernel launchers over cuda/*.cu, cuBLAS / cuBLASLt (C API) for matrix products.
 
 Every function has the name and signature of its twin in minillm/ops/numpy.py (plus optional
 `out=` buffers and a few tuning keywords). Arrays are CuPy arrays; activations and KV caches are
-float32, float16 or bfloat16 (cupy.dtype("bfloat16")), fp32 accumulation everywhere. Each launcher
-checks dtype, contiguity and shapes and computes the grid; kernels are compiled once per (file,
-dtype[, head_dim, group]) through NVRTC (CuPy picks -arch for the device, sm_90 on Hopper) and cached.
+float32, float16 or bfloat16 (cupy.dtype("bfloat16")), fp32 accumulation everywhere; a KV cache
+may instead be uint8 FP8 E4M3 bits with kv_scales [2] float32 on the device (minillm/fp8.py), for
+which the kernels are built with -DKV_FP8=1. Each launcher checks dtype, contiguity and shapes and
+computes the grid; kernels are compiled once per (file, dtype[, head_dim, group, KV_FP8]) through
+NVRTC (CuPy picks -arch for the device, sm_90 on Hopper) and cached.
 
 CUDA graphs: every op launches only kernels (and cuBLAS through its C API) on CuPy's current
 stream, reads shapes from its arguments and host ints in AttentionMetadata, and never synchronises,
 so a forward pass captures. The graph runner must (1) run every op once eagerly before capturing
-(NVRTC compilation, module loading and the cuBLAS handle happen on first use); (2) capture on a
+(NVRTC compilation, module loading, the cuBLAS handle and the tuning of each GEMM shape in
+minillm/ops/gemm.py happen on first use; a shape first seen during a capture runs cuBLAS's
+default); (2) capture on a
 non-default stream; (3) allocate under a private memory pool kept alive with the graph, e.g.
 `with cupy.cuda.using_allocator(pool.malloc):`, or pass preallocated `out=` buffers, because
 CuPy's pool hands freed blocks to later allocations and a replay writes to the captured addresses;
@@ -20,6 +24,7 @@ will see (it sizes the split-K grid; shorter sequences leave splits empty).
 from __future__ import annotations
 
 import importlib.resources
+import os
 import threading
 from pathlib import Path
 
@@ -27,7 +32,8 @@ import numpy as np
 
 import minillm
 from minillm.attention import AttentionMetadata
-from minillm.ops import cublas
+from minillm.fp8 import FP8_E4M3_MAX
+from minillm.ops import gemm, prefill_attention
 
 try:
     import cupy
@@ -38,10 +44,20 @@ xp = cupy
 name = "cuda"
 
 LOG2E = 1.4426950408889634
-DECODE_MIN_PARTITION = 256      # tokens: the smallest context slice a decode split reads
+# Decode splits (flash-decoding): a split reads at least DECODE_MIN_PARTITION tokens (one pass of
+# the block's four warps over 16-token chunks); the grid aims at DECODE_BLOCKS_PER_SM blocks of 128
+# threads per SM (about two waves), so a small batch with long contexts still fills the card.
+DECODE_MIN_PARTITION = 64
+DECODE_BLOCKS_PER_SM = 8
 DECODE_MAX_SPLITS = 64
 _DTYPE_IDS = {"float32": 0, "float16": 1, "bfloat16": 2}
 _VEC_BYTES = 16
+# Prefill attention for fp16 / bf16 caches at head_dim 64 / 128: "flash" (prefill_attention.cu, its
+# block shape picked from the grid), "flash-4w" / "flash-8w" (that shape), or "mma" (paged_prefill_mma).
+PREFILL_ATTENTION = os.environ.get("MINILLM_PREFILL_ATTENTION", prefill_attention.AUTO)
+if PREFILL_ATTENTION not in prefill_attention.KERNELS:     # fail at start-up, not in the first prefill
+    raise ValueError(f"MINILLM_PREFILL_ATTENTION must be one of {list(prefill_attention.KERNELS)}, "
+                     f"got {PREFILL_ATTENTION!r}")
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
@@ -298,8 +314,11 @@ def _log2_exact(n: int, what: str) -> int:
 
 # ----------------------------------------------------------------------------- dense ops
 
-def linear(x, w, bias=None, out=None, out_dtype=None):
-    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), fp32 accumulation."""
+def linear(x, w, bias=None, out=None, out_dtype=None, candidate=None):
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), fp32 accumulation.
+
+    The product runs the shape's tuned GEMM (minillm/ops/gemm.py: tuned on the first eager call of
+    a tunable shape), or `candidate` (a gemm.Candidate) when given."""
     _check_device(x, "x")
     _check_device(w, "w")
     _check_float(x, "x")
@@ -330,7 +349,7 @@ def linear(x, w, bias=None, out=None, out_dtype=None):
         if bias is None:
             out.fill(0)
         return out
-    cublas.matmul_nt(out, x, w, beta)
+    gemm.matmul(out, x, w, beta, candidate)
     return out
 
 
@@ -471,13 +490,37 @@ def rotary(q, k, positions, cos_sin, out=None):
     return q_out, k_out
 
 
-def kv_append(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write k, v: [T, Hk, Dh] into the caches at slot_mapping [T] (-1: skip), in place."""
-    for a, what in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+def is_fp8_cache(cache) -> bool:
+    """True for a cache of FP8 E4M3 bits (uint8)."""
+    return cache.dtype == np.uint8
+
+
+def _check_caches(k_cache, v_cache, act_dtype, kv_scales):
+    """Caches in the activations' dtype, or uint8 FP8 ones with kv_scales [2] float32 on the
+    device; returns (kernel defines, kv_scales pointer: 0 when not FP8)."""
+    _check_device(k_cache, "k_cache")
+    _check_device(v_cache, "v_cache")
+    _check_same_dtype(k_cache, v_cache, "k_cache", "v_cache")
+    if not is_fp8_cache(k_cache):
+        if k_cache.dtype != act_dtype:
+            raise ValueError(f"cache dtype {k_cache.dtype} must be the activations' {act_dtype} or uint8 (FP8)")
+        return {}, np.uint64(0)
+    if kv_scales is None:
+        raise ValueError("an FP8 (uint8) KV cache needs kv_scales [2] float32 (k_scale, v_scale)")
+    _check_device(kv_scales, "kv_scales")
+    if kv_scales.dtype != np.float32 or kv_scales.shape != (2,) or not kv_scales.flags.c_contiguous:
+        raise ValueError(f"kv_scales must be float32 [2] packed, got {kv_scales.dtype} {tuple(kv_scales.shape)}")
+    return {"KV_FP8": 1}, _ptr(kv_scales)
+
+
+def kv_append(k, v, k_cache, v_cache, slot_mapping, kv_scales=None) -> None:
+    """Write k, v: [T, Hk, Dh] into the caches at slot_mapping [T] (-1: skip), in place; an FP8
+    cache stores e4m3(k / k_scale), e4m3(v / v_scale) with kv_scales [2] (see numpy.py)."""
+    for a, what in ((k, "k"), (v, "v")):
         _check_device(a, what)
-    _check_float(k_cache, "k_cache")
-    for a, what in ((k, "k"), (v, "v"), (v_cache, "v_cache")):
-        _check_same_dtype(k_cache, a, "k_cache", what)
+    _check_float(k, "k")
+    _check_same_dtype(k, v, "k", "v")
+    fp8, scales_ptr = _check_caches(k_cache, v_cache, k.dtype, kv_scales)
     if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"caches must both be [num_blocks, block_size, Hk, Dh], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -495,10 +538,106 @@ def kv_append(k, v, k_cache, v_cache, slot_mapping) -> None:
         return
     row = num_kv_heads * head_dim
     ve = _vec_elems(k.dtype)
-    vec = row % ve == 0 and _is_vec_aligned([(k, k_stride), (v, v_stride), (k_cache, row), (v_cache, row)], ve)
-    fn = _kernel("kv_append.cu", k.dtype, "kv_append_vec" if vec else "kv_append_scalar")
+    # An FP8 cache takes VEC_ELEMS bytes a vector: its pointers need that alignment only.
+    vec = row % ve == 0 and _is_vec_aligned([(k, k_stride), (v, v_stride)], ve) and \
+        all(c.data.ptr % (ve * c.dtype.itemsize) == 0 for c in (k_cache, v_cache))
+    fn = _kernel("kv_append.cu", k.dtype, "kv_append_vec" if vec else "kv_append_scalar", **fp8)
     fn((num_tokens,), (128,), (_ptr(k_cache), _ptr(v_cache), _ptr(k), _ptr(v), _ptr(slot_mapping), _i32(row),
-                               _i64(num_blocks * block_size), _i64(k_stride), _i64(v_stride)))
+                               _i64(num_blocks * block_size), _i64(k_stride), _i64(v_stride), scales_ptr))
+
+
+def calculate_kv_scales(k, v, kv_scales) -> None:
+    """vLLM's calculate_kv_scales, in place: kv_scales [2] float32 = (max|k|, max|v|) / 448 over
+    k, v: [T, Hk, Dh] (NaN skipped; 1.0 where the maximum is 0 or infinite). Runs eagerly once."""
+    cp = _require_cupy()
+    for a, what in ((k, "k"), (v, "v"), (kv_scales, "kv_scales")):
+        _check_device(a, what)
+    _check_float(k, "k")
+    _check_same_dtype(k, v, "k", "v")
+    if k.shape != v.shape or k.ndim != 3:
+        raise ValueError(f"k and v must both be [T, Hk, Dh], got {tuple(k.shape)} and {tuple(v.shape)}")
+    if kv_scales.dtype != np.float32 or kv_scales.shape != (2,):
+        raise ValueError(f"kv_scales must be float32 [2], got {kv_scales.dtype} {tuple(kv_scales.shape)}")
+    absmax = cp.zeros(2, np.float32)
+    if k.shape[0]:
+        fn = _kernel("kv_append.cu", k.dtype, "kv_absmax")
+        fn((k.shape[0],), (128,), (_ptr(absmax), _ptr(k), _ptr(v), _i32(k.shape[1] * k.shape[2]),
+                                   _i64(_row_stride(k, "k")), _i64(_row_stride(v, "v"))))
+    ok = cp.isfinite(absmax) & (absmax > 0)
+    kv_scales[...] = cp.where(ok, absmax / np.float32(FP8_E4M3_MAX), np.float32(1.0))
+
+
+# The fused q/k norm + rotary + KV append kernel (rotary.cu); off: the separate kernels (the
+# kernel benchmark counts a decode graph's nodes both ways).
+FUSE_QK_NORM_ROTARY_KV_APPEND = True
+
+
+def qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache,
+                             slot_mapping, kv_scales=None, out=None):
+    """Per-head RMSNorm of q and k (when q_norm / k_norm [Dh] are given), rotary on both, and the
+    KV append of the rotated k and v; returns the rotated q [T, Hq, Dh] (see numpy.py).
+
+    One launch where the shapes allow it (16-byte aligned views, Dh / VEC_ELEMS a power of two <= 32,
+    norm weights in q's dtype); else rms_norm, rotary and kv_append one after another, which give
+    the same bits."""
+    if not _can_fuse(q, k, v, q_norm, k_norm, cos_sin):
+        if q_norm is not None:
+            q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+        q, k = rotary(q, k, positions, cos_sin, out=(out, None))
+        kv_append(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+        return q
+    fp8, scales_ptr = _check_caches(k_cache, v_cache, q.dtype, kv_scales)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (k.shape[1], head_dim):
+        raise ValueError(f"caches must both be [num_blocks, block_size, {k.shape[1]}, {head_dim}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_contiguous(k_cache, "k_cache")
+    _check_contiguous(v_cache, "v_cache")
+    positions = _as_device(positions, np.int32, "positions")
+    slot_mapping = _as_device(slot_mapping, np.int32, "slot_mapping")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got {tuple(positions.shape)} "
+                         f"and {tuple(slot_mapping.shape)}")
+    out = _out(out, q.shape, q.dtype)
+    if num_tokens == 0:
+        return out
+    name = "qk_norm_rotary_kv_append" if q_norm is not None else "rotary_kv_append"
+    fn = _kernel("rotary.cu", q.dtype, name, HEAD_DIM=head_dim, **fp8)
+    norm_ptrs = (_ptr(q_norm), _ptr(k_norm)) if q_norm is not None else (np.uint64(0), np.uint64(0))
+    fn((num_tokens,), (128,), (_ptr(out), _ptr(k_cache), _ptr(v_cache), _ptr(q), _ptr(k), _ptr(v), *norm_ptrs,
+                               np.float32(eps), _ptr(positions), _ptr(cos_sin), _ptr(slot_mapping), scales_ptr,
+                               _i32(num_heads), _i32(num_kv_heads), _i64(_row_stride(q, "q")),
+                               _i64(_row_stride(k, "k")), _i64(_row_stride(v, "v")), _i64(num_heads * head_dim),
+                               _i64(num_blocks * block_size)))
+    return out
+
+
+def _can_fuse(q, k, v, q_norm, k_norm, cos_sin) -> bool:
+    """The fused kernel covers these arguments (else the caller runs the separate kernels)."""
+    if not FUSE_QK_NORM_ROTARY_KV_APPEND:
+        return False
+    for a in (q, k, v, cos_sin):
+        _check_device(a, "q, k, v and cos_sin")
+    if q.dtype.name not in _DTYPE_IDS or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.ndim != 3 or k.ndim != 3 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        return False
+    head_dim, ve = q.shape[2], _vec_elems(q.dtype)
+    lanes = head_dim // ve
+    if head_dim % (2 * ve) or lanes > 32 or lanes & (lanes - 1):
+        return False
+    if cos_sin.ndim != 2 or cos_sin.shape[1] != head_dim or cos_sin.dtype != np.float32 or not cos_sin.flags.c_contiguous:
+        return False
+    if q_norm is not None:
+        for w in (q_norm, k_norm):
+            if w is None or w.dtype != q.dtype or w.shape != (head_dim,) or w.data.ptr % _VEC_BYTES:
+                return False
+    try:
+        strides = [(a, _row_stride(a, "x")) for a in (q, k, v)]
+    except ValueError:
+        return False
+    return _is_vec_aligned(strides, ve)
 
 
 def silu_and_mul(x, out=None):
@@ -535,20 +674,26 @@ def _attention_meta(meta: AttentionMetadata):
     return qsl, seq_lens, tables
 
 
-def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int) -> int:
-    """Context splits per sequence: enough blocks for about two waves, each >= the min partition."""
-    want = -(-8 * _num_multiprocessors() // max(1, batch * num_kv_heads))
+def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
+    """Context splits per sequence: batch x kv_heads x splits blocks fill the SMs (num_sms, read
+    from the device by default) about two waves over, each split at least the min partition long.
+
+    Under CUDA graphs max_seq_len is the capture's (max_model_len); a replay over shorter contexts
+    leaves the splits past ceil(len / DECODE_MIN_PARTITION) empty.
+    """
+    sms = num_sms if num_sms is not None else _num_multiprocessors()
+    want = -(-DECODE_BLOCKS_PER_SM * sms // max(1, batch * num_kv_heads))
     cap = -(-max(1, max_seq_len) // DECODE_MIN_PARTITION)
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
 
 
 def _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_seq_len: int,
-            num_splits: int | None) -> None:
+            num_splits: int | None, fp8: dict, scales_ptr) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
     splits = num_splits or decode_num_splits(batch, num_kv_heads, max_seq_len)
-    defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads}
+    defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads, **fp8}
     cp = _require_cupy()
     part_o = cp.empty((batch, num_heads, splits, head_dim), np.float32) if splits > 1 else out
     part_ml = cp.empty((batch, num_heads, splits, 2), np.float32) if splits > 1 else out
@@ -558,7 +703,7 @@ def _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_s
         _i64(_row_stride(q, "q")), _ptr(k_cache), _ptr(v_cache), _ptr(tables),
         _i64(tables.strides[0] // 4), _ptr(seq_lens), _ptr(qsl), _i32(num_kv_heads),
         _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), _i32(splits),
-        _i32(DECODE_MIN_PARTITION if splits > 1 else 0)))
+        _i32(DECODE_MIN_PARTITION if splits > 1 else 0), scales_ptr))
     if splits > 1:
         fn = _kernel("paged_attention.cu", q.dtype, "paged_decode_reduce", **defines)
         fn((num_heads, batch), (128,), (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o),
@@ -566,25 +711,30 @@ def _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_s
 
 
 def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
-             max_query_len: int) -> None:
+             max_query_len: int, fp8: dict, scales_ptr) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
+    flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, max_query_len, batch,
+                                      _num_multiprocessors())
+    if flash is not None:
+        prefill_attention.launch(flash, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, max_query_len)
+        return
     q_stride = _row_stride(q, "q")
     use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)
                and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
     rows_per_block = 64 if use_mma else 16
-    defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads}
+    defines = {"HEAD_DIM": head_dim, "GQA": num_heads // num_kv_heads, **fp8}
     fn = _kernel("paged_attention.cu", q.dtype, "paged_prefill_mma" if use_mma else "paged_prefill_simple",
                  **defines)
     grid = (max(1, -(-max_query_len // rows_per_block)), num_heads, batch)
     fn(grid, (128,), (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(q), _i64(q_stride),
                       _ptr(k_cache), _ptr(v_cache), _ptr(tables), _i64(tables.strides[0] // 4),
                       _ptr(seq_lens), _ptr(qsl), _i32(num_heads), _i32(num_kv_heads),
-                      _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E)))
+                      _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), scales_ptr))
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, out=None,
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None, out=None,
                     num_splits: int | None = None):
     """Causal attention of ragged query chunks over their paged history (which includes them).
 
@@ -592,13 +742,12 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
     query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
     kernel (num_splits forces its split count), else the prefill kernel (tensor cores for fp16 /
-    bf16 at head_dim 64 and 128).
+    bf16 at head_dim 64 and 128: prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION
+    is "mma" or the cache is FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
     """
-    for a, what in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check_device(a, what)
+    _check_device(q, "q")
     _check_float(q, "q")
-    _check_same_dtype(q, k_cache, "q", "k_cache")
-    _check_same_dtype(q, v_cache, "q", "v_cache")
+    fp8, scales_ptr = _check_caches(k_cache, v_cache, q.dtype, kv_scales)
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"paged_attention needs q [T, Hq, Dh] and caches [num_blocks, block_size, Hk, Dh], "
                          f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -623,9 +772,10 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
         if num_tokens != seq_lens.shape[0]:
             raise ValueError(f"decode-only batch needs one query token per sequence, got {num_tokens} "
                              f"tokens for {seq_lens.shape[0]} sequences")
-        _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits)
+        _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits,
+                fp8, scales_ptr)
     else:
-        _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_query_len))
+        _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_query_len), fp8, scales_ptr)
     return out
 
 

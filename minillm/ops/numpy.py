@@ -2,13 +2,16 @@
 
 Every function here has a twin of the same name and signature in minillm/ops/cuda.py.
 Activations are [T, ...] with T the number of tokens in the step; the KV cache of one layer is
-k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim], in the activations' dtype or
+uint8 holding FP8 E4M3 bits (minillm/fp8.py); an FP8 cache comes with kv_scales [2] float32
+(k_scale, v_scale): appends quantise with them, attention dequantises.
 """
 from __future__ import annotations
 
 import numpy as np
 
 from minillm.attention import AttentionMetadata
+from minillm.fp8 import decode_e4m3, encode_e4m3, scales_from_absmax
 
 xp = np
 name = "numpy"
@@ -83,26 +86,70 @@ def rotary(q: np.ndarray, k: np.ndarray, positions: np.ndarray, cos_sin: np.ndar
     return rot(q), rot(k)
 
 
+def is_fp8_cache(cache) -> bool:
+    """True for a cache of FP8 E4M3 bits (uint8)."""
+    return cache.dtype == np.uint8
+
+
+def _fp8_scales(kv_scales) -> tuple[np.float32, np.float32]:
+    if kv_scales is None:
+        raise ValueError("an FP8 (uint8) KV cache needs kv_scales [2] float32 (k_scale, v_scale)")
+    k_scale, v_scale = np.asarray(kv_scales, np.float32).reshape(2)
+    return k_scale, v_scale
+
+
 def kv_append(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-              slot_mapping: np.ndarray) -> None:
-    """Write k, v: [T, Hk, Dh] into the caches at slot_mapping [T] (-1: skip), in place."""
+              slot_mapping: np.ndarray, kv_scales: np.ndarray | None = None) -> None:
+    """Write k, v: [T, Hk, Dh] into the caches at slot_mapping [T] (-1: skip), in place.
+
+    An FP8 cache stores e4m3(k / k_scale) and e4m3(v / v_scale), saturated (minillm/fp8.py)."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
+    if is_fp8_cache(k_cache):
+        k_scale, v_scale = _fp8_scales(kv_scales)
+        k_cache[blocks, offsets] = encode_e4m3(k[keep], k_scale)
+        v_cache[blocks, offsets] = encode_e4m3(v[keep], v_scale)
+        return
     k_cache[blocks, offsets] = k[keep]
     v_cache[blocks, offsets] = v[keep]
 
 
+def calculate_kv_scales(k: np.ndarray, v: np.ndarray, kv_scales: np.ndarray) -> None:
+    """vLLM's calculate_kv_scales, in place: kv_scales [2] = (max|k|, max|v|) / 448 over k, v:
+    [T, Hk, Dh] (NaN elements skipped; 1.0 where the maximum is 0 or infinite)."""
+    absmax = [np.nanmax(np.abs(x.astype(np.float32)), initial=0.0) for x in (k, v)]
+    kv_scales[...] = scales_from_absmax(absmax)
+
+
+def qk_norm_rotary_kv_append(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm, k_norm, eps: float,
+                             positions: np.ndarray, cos_sin: np.ndarray, k_cache: np.ndarray,
+                             v_cache: np.ndarray, slot_mapping: np.ndarray,
+                             kv_scales: np.ndarray | None = None) -> np.ndarray:
+    """Per-head RMSNorm of q and k (when q_norm / k_norm [Dh] are given: Qwen3), rotary on both,
+    and the KV append of the rotated k and v; returns the rotated q [T, Hq, Dh].
+
+    The composition of rms_norm, rotary and kv_append, which the CUDA backend fuses into one launch."""
+    if q_norm is not None:
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = rotary(q, k, positions, cos_sin)
+    kv_append(k, v, k_cache, v_cache, slot_mapping, kv_scales)
+    return q
+
+
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
-                    meta: AttentionMetadata, scale: float) -> np.ndarray:
+                    meta: AttentionMetadata, scale: float, kv_scales: np.ndarray | None = None) -> np.ndarray:
     """Causal attention of ragged query chunks over their paged history (which includes them).
 
     q: [T, Hq, Dh]; returns [T, Hq, Dh]. Query row i of sequence b sits at position
     seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA: query head h reads
     KV head h // (Hq // Hk). Sequences of equal query and context lengths are computed together
-    (a batch of one engine step often holds many of them).
+    (a batch of one engine step often holds many of them). An FP8 cache is read as
+    float(bits) * k_scale (v_scale) from kv_scales.
     """
+    fp8 = is_fp8_cache(k_cache)
+    k_scale, v_scale = _fp8_scales(kv_scales) if fp8 else (None, None)
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     group = q.shape[1] // num_kv_heads
     out = np.empty_like(q)
@@ -118,6 +165,8 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         blocks = meta.block_tables[rows, : (ctx + block_size - 1) // block_size]      # [G, nblk]
         keys = k_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]        # [G, ctx, Hk, Dh]
         vals = v_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]
+        if fp8:
+            keys, vals = decode_e4m3(keys, k_scale), decode_e4m3(vals, v_scale)
         token_rows = qsl[rows][:, None] + np.arange(q_len)                          # [G, q_len]
         # Query row (i, j) is query token i of KV head k's j-th query head: [G, Hk, q_len * group, Dh].
         qb = q[token_rows].reshape(g, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)

@@ -1,0 +1,510 @@
+// prefill_attention.cu: causal attention of ragged query chunks over a paged KV cache with a cached
+// prefix, on the tensor cores (fp16 / bf16, HEAD_DIM 64 or 128), FlashAttention-2 style.
+//
+// Layout (as paged_attention.cu): one layer's k_cache / v_cache [num_blocks, block_size, Hk,
+// HEAD_DIM] packed, block_size a power of two (passed as its log2); block_tables [B, max_blocks]
+// int32 with a row stride; seq_lens [B] int32 (context length after this step's tokens);
+// query_start_loc [B+1] int32; q [T, Hq, HEAD_DIM] with a token stride in elements (heads packed
+// inside a token, 16-byte aligned rows); out likewise (4-byte aligned). Query token i of sequence b
+// sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA: query
+// head h reads KV head h / GQA. Scores are scaled in log2 units (scale_log2 = scale * log2(e)) so
+// the softmax uses exp2. Compiled per (dtype, HEAD_DIM, GQA[, PA_WARPS, PA_MT]) with -D defines.
+//
+// Launch: 1-D grid of num_q_tiles * Hk * B blocks of PA_WARPS * 32 threads; dynamic shared memory
+// (PA_BM + 2 * PA_STAGES * 64) * (HEAD_DIM + 8) * 2 bytes (past 48 KB the function attribute must be
+// raised). One block owns PA_BM query rows of one KV head: the GQA query heads that share the KV
+// head are packed as rows (row r = query token tok0 + r / GQA, head kvh * GQA + r % GQA), so every
+// K/V tile is read from memory once for all of them. A warp owns 16 * PA_MT rows; with PA_KSPLIT
+// key groups, PA_KSPLIT warps share each row set and each takes its part of every K/V tile, their
+// softmax states merged through shared memory at the end (more warps on one block's rows).
+//   - Q goes to shared memory once; K/V tiles of 64 keys are gathered through the block table by
+//     cp.async (16-byte pieces of the token rows, zero-filled past the block's last key) into
+//     PA_STAGES stages: the next PA_STAGES - 1 tiles stream in while one is computed, one barrier
+//     a tile. The table entries of a tile are read before the barrier that precedes its copies.
+//   - Shared rows are padded by 16 bytes, so the 8 row addresses of every ldmatrix hit 8
+//     different 4-bank groups. S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32
+//     accumulators; Q and K fragments come by ldmatrix, V by ldmatrix.trans, P stays in registers.
+//   - Online softmax in registers, PA_BC keys at a time (running max and sum per row; the sum is
+//     reduced over the four lanes of a row only at the end; O is rescaled only when some row's
+//     maximum moved). Masking runs only on the steps that reach past the warp's first query
+//     position; steps wholly in a warp's future are skipped.
+//   - Work order: block rank 0 takes the last query tile of every (sequence, KV head), rank 1 the
+//     one before, ...: the blocks with the most K/V tiles start first. When the grid fits in two
+//     blocks per multiprocessor (first_wave = the multiprocessor count), the blocks after the first
+//     `first_wave` are handed out shortest first, so that a multiprocessor holding a long block also
+//     gets a short one (this assumes the hardware places one block on every multiprocessor before
+//     any gets a second; if it does not, the order only changes which blocks share one).
+//
+// Shapes (minillm/ops/prefill_attention.py): "flash" = 4 warps x 32 rows, 2 stages, two blocks a
+// multiprocessor; "flash-8w" = 8 warps in 2 key groups x 4 warps x 32 rows, 3 stages, one block.
+// Registers at HEAD_DIM 128: O is 2 x 16 x 4 fp32 = 128, S of a 32-key step 2 x 4 x 4 = 32; nvcc 13.0
+// fits either shape in 255 registers without spills (a 64-key step spills). With 32 rows a warp
+// every K/V fragment feeds two MMAs: 48 KB of ldmatrix reads (Q, K, V) per 64 keys and 1 MFLOP.
+#include "common.cuh"
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef GQA
+#define GQA 2
+#endif
+#ifndef PA_WARPS
+#define PA_WARPS 4                // warps of a block
+#endif
+#ifndef PA_MT
+#define PA_MT 2                   // 16-row MMA tiles of one warp
+#endif
+#ifndef PA_KSPLIT
+#define PA_KSPLIT 1               // warp groups sharing the rows, each taking a part of every K/V tile
+#endif
+#ifndef PA_STAGES
+#define PA_STAGES 2               // K/V tiles in shared memory (PA_STAGES - 1 load while one is used)
+#endif
+#ifndef PA_MIN_BLOCKS
+#define PA_MIN_BLOCKS 2           // blocks a multiprocessor must hold (caps the registers)
+#endif
+
+#if MINILLM_DTYPE != 0 && (HEAD_DIM == 64 || HEAD_DIM == 128)
+#define PA_BN 64                                  // keys of a K/V tile (one barrier each)
+#ifndef PA_BC
+#define PA_BC (HEAD_DIM == 128 || PA_KSPLIT > 1 ? 32 : 64)   // keys of one softmax step (S in registers)
+#endif
+#define PA_THREADS (PA_WARPS * 32)
+#define PA_ROW_WARPS (PA_WARPS / PA_KSPLIT)       // warps of one key group (they split the rows)
+#define PA_SPAN (PA_BN / PA_KSPLIT)               // keys of a tile that one key group takes
+#define PA_ROWS_W (16 * PA_MT)                    // query rows of a warp
+#define PA_BM (PA_ROWS_W * PA_ROW_WARPS)          // query rows of a block
+#define PA_TOKENS (PA_BM / GQA)                   // query tokens of a block
+#define PA_VALID_ROWS (PA_TOKENS * GQA)           // rows past this are idle (GQA not dividing PA_BM)
+#define PA_LD (HEAD_DIM + 8)                      // padded shared row, in elements
+#define PA_PARTS (HEAD_DIM / 8)                   // 16-byte pieces of a row
+#define PA_KEYS_PER_PASS (PA_THREADS / PA_PARTS)  // K/V rows one pass of the block copies
+#define PA_NT (PA_BC / 8)                         // 8-key MMA tiles of S
+#define PA_DT (HEAD_DIM / 8)                      // 8-column MMA tiles of O
+
+static_assert(PA_WARPS % PA_KSPLIT == 0 && PA_BN % PA_KSPLIT == 0, "key groups must split warps and tiles");
+static_assert(PA_SPAN % PA_BC == 0 && PA_BC % 16 == 0, "softmax steps must tile a key group's span");
+static_assert(PA_STAGES >= 2, "the next tile needs a stage of its own");
+static_assert(PA_TOKENS >= 1, "GQA must not exceed the rows of a block");
+static_assert(PA_THREADS % PA_PARTS == 0 && PA_BN % PA_KEYS_PER_PASS == 0, "K/V copy passes must tile");
+static_assert((PA_BM * PA_PARTS) % PA_THREADS == 0, "Q copy passes must tile");
+
+__device__ __forceinline__ unsigned int smem_u32(const void* p) {
+    unsigned int r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// Wait until at most PA_STAGES - 2 copy groups are in flight (the oldest, tile j, has landed).
+__device__ __forceinline__ void cp_async_wait_tile() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PA_STAGES - 2) : "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned int addr, unsigned int (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// c[16x8] += a[16x16] * b[16x8], fp32 accumulators.
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                          unsigned int b1) {
+#if MINILLM_DTYPE == 2
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats -> packed pair of 16-bit values, `lo` in the low half (the lower column).
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
+    unsigned int r;
+#if MINILLM_DTYPE == 2
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// 2^x on the special-function unit (exp2(-inf) = 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// What one block computes: query tile `tile` (from the chunk's start) of KV head kvh of sequence
+// b, or tile < 0 when the sequence has no such tile.
+struct PrefillWork {
+    int b, kvh, tile;
+};
+
+// Rank r of the work order covers, for every (sequence, KV head), the r-th query tile counted
+// from the chunk's end; the first `first_wave` blocks take ranks in order, later ones from the
+// other end (see the header).
+__device__ __forceinline__ PrefillWork prefill_work(const int* query_start_loc, int num_seqs,
+                                                    int num_kv_heads, int num_q_tiles, int first_wave) {
+    const int per_rank = num_seqs * num_kv_heads;
+    const int total = per_rank * num_q_tiles;
+    int order = blockIdx.x;
+    if (first_wave > 0 && order >= first_wave) order = total - 1 - (order - first_wave);
+    const int rank = order / per_rank, rem = order - rank * per_rank;
+    PrefillWork w;
+    w.kvh = rem % num_kv_heads;
+    w.b = rem / num_kv_heads;
+    const int q_len = query_start_loc[w.b + 1] - query_start_loc[w.b];
+    w.tile = (q_len + PA_TOKENS - 1) / PA_TOKENS - 1 - rank;
+    return w;
+}
+
+// cp.async the block's Q rows into q_s (rows past the chunk, or idle rows, zero-filled).
+__device__ __forceinline__ void prefill_load_q(scalar_t* q_s, const scalar_t* q, long long q_stride,
+                                               int q_start, int q_len, int tok0, int kvh) {
+#pragma unroll
+    for (int i = 0; i < PA_BM * PA_PARTS / PA_THREADS; ++i) {
+        const int c = threadIdx.x + i * PA_THREADS;
+        const int r = c / PA_PARTS, part = c % PA_PARTS, tok = tok0 + r / GQA;
+        const bool valid = r < PA_VALID_ROWS && tok < q_len;
+        const scalar_t* src = q;
+        if (valid) src = q + (long long)(q_start + tok) * q_stride + (long long)(kvh * GQA + r % GQA) * HEAD_DIM + part * 8;
+        cp_async16(smem_u32(q_s + r * PA_LD + part * 8), src, valid ? 16 : 0);
+    }
+}
+
+#define PA_KV_PASSES (PA_BN / PA_KEYS_PER_PASS)    // K/V rows one thread copies per tile
+
+// Physical blocks of the keys this thread copies for the tile at kt (read before they are needed,
+// so the table reads' latency hides behind the barrier).
+__device__ __forceinline__ void prefill_kv_blocks(int (&blk)[PA_KV_PASSES], const int* bt, int kt, int kv_end,
+                                                  int block_size_log2) {
+    const int key0 = threadIdx.x / PA_PARTS;
+#pragma unroll
+    for (int i = 0; i < PA_KV_PASSES; ++i) {
+        const int t = kt + key0 + i * PA_KEYS_PER_PASS;
+        blk[i] = t < kv_end ? bt[t >> block_size_log2] : 0;
+    }
+}
+
+// cp.async keys / values kt..kt+PA_BN-1 of one KV head into ks / vs (zero-filled from kv_end).
+__device__ __forceinline__ void prefill_load_kv(scalar_t* ks, scalar_t* vs, const int (&blk)[PA_KV_PASSES],
+                                                const scalar_t* k_cache, const scalar_t* v_cache, int kt,
+                                                int kv_end, int block_size_log2, long long tok_stride,
+                                                long long head_off) {
+    const int part = threadIdx.x % PA_PARTS, key0 = threadIdx.x / PA_PARTS;
+    const int in_block = (1 << block_size_log2) - 1;
+#pragma unroll
+    for (int i = 0; i < PA_KV_PASSES; ++i) {
+        const int key = key0 + i * PA_KEYS_PER_PASS, t = kt + key;
+        const bool valid = t < kv_end;
+        const long long src = valid ? ((((long long)blk[i]) << block_size_log2) | (t & in_block)) * tok_stride
+                                          + head_off + part * 8
+                                    : 0;
+        const int off = key * PA_LD + part * 8;
+        cp_async16(smem_u32(ks + off), k_cache + src, valid ? 16 : 0);
+        cp_async16(smem_u32(vs + off), v_cache + src, valid ? 16 : 0);
+    }
+}
+
+// s[mi][n] = Q rows (16 mi ..) of this warp times keys (8 n ..) of the tile, unscaled.
+__device__ __forceinline__ void prefill_scores(float (&s)[PA_MT][PA_NT][4], unsigned int q_addr,
+                                               unsigned int k_addr) {
+#pragma unroll
+    for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+        for (int n = 0; n < PA_NT; ++n) s[mi][n][0] = s[mi][n][1] = s[mi][n][2] = s[mi][n][3] = 0.0f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        unsigned int qa[PA_MT][4];
+#pragma unroll
+        for (int mi = 0; mi < PA_MT; ++mi) ldsm_x4(q_addr + (mi * 16 * PA_LD + kk * 16) * 2, qa[mi]);
+#pragma unroll
+        for (int nj = 0; nj < PA_BC / 16; ++nj) {
+            unsigned int r[4];
+            ldsm_x4(k_addr + (nj * 16 * PA_LD + kk * 16) * 2, r);
+#pragma unroll
+            for (int mi = 0; mi < PA_MT; ++mi) {
+                mma_16816(s[mi][2 * nj], qa[mi], r[0], r[1]);
+                mma_16816(s[mi][2 * nj + 1], qa[mi], r[2], r[3]);
+            }
+        }
+    }
+}
+
+// -inf for keys after a row's position. Row row0 + 16 mi + 8 h of the block (this thread's rows)
+// is query token row / GQA of the block, at position pos_tok0 + row / GQA.
+__device__ __forceinline__ void prefill_mask(float (&s)[PA_MT][PA_NT][4], int pos_tok0, int row0, int kt, int tq) {
+#pragma unroll
+    for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int last_key = pos_tok0 + (row0 + mi * 16 + h * 8) / GQA - kt - tq * 2;   // relative
+#pragma unroll
+            for (int n = 0; n < PA_NT; ++n) {
+                if (n * 8 > last_key) s[mi][n][2 * h] = -MINILLM_INF;
+                if (n * 8 + 1 > last_key) s[mi][n][2 * h + 1] = -MINILLM_INF;
+            }
+        }
+    }
+}
+
+// Online softmax of one step: update max m and partial sum l of each row, rescale o, and turn the
+// scores into P as mma A fragments (pa[mi][kk]: keys 16 kk ..). Once the rows' maxima settle
+// (early in a long context) alpha is exactly 1 for every row of the warp and o is left alone.
+__device__ __forceinline__ void prefill_softmax(float (&s)[PA_MT][PA_NT][4], float (&m)[PA_MT][2],
+                                                float (&l)[PA_MT][2], float (&o)[PA_MT][PA_DT][4],
+                                                unsigned int (&pa)[PA_MT][PA_BC / 16][4], float scale_log2) {
+    float alpha[PA_MT][2];
+    bool rescale = false;
+#pragma unroll
+    for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = m[mi][h];
+#pragma unroll
+            for (int n = 0; n < PA_NT; ++n) mx = fmaxf(mx, fmaxf(s[mi][n][2 * h], s[mi][n][2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, 2));
+            // A row with every key so far masked keeps max -inf: subtract 0 so exp2 gives 0, not NaN.
+            const float ref = mx == -MINILLM_INF ? 0.0f : mx * scale_log2;
+            alpha[mi][h] = fast_exp2(m[mi][h] * scale_log2 - ref);
+            rescale |= mx != m[mi][h];
+            m[mi][h] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int n = 0; n < PA_NT; ++n) {
+                const float p0 = fast_exp2(fmaf(s[mi][n][2 * h], scale_log2, -ref));
+                const float p1 = fast_exp2(fmaf(s[mi][n][2 * h + 1], scale_log2, -ref));
+                sum += p0 + p1;
+                pa[mi][n >> 1][(n & 1) * 2 + h] = pack2(p0, p1);
+            }
+            l[mi][h] = l[mi][h] * alpha[mi][h] + sum;
+        }
+    }
+    if (__any_sync(FULL_MASK, rescale)) {
+#pragma unroll
+        for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+            for (int d = 0; d < PA_DT; ++d) {
+                o[mi][d][0] *= alpha[mi][0];
+                o[mi][d][1] *= alpha[mi][0];
+                o[mi][d][2] *= alpha[mi][1];
+                o[mi][d][3] *= alpha[mi][1];
+            }
+        }
+    }
+}
+
+// o[mi] += P[mi] V over the tile's keys.
+__device__ __forceinline__ void prefill_pv(float (&o)[PA_MT][PA_DT][4], const unsigned int (&pa)[PA_MT][PA_BC / 16][4],
+                                           unsigned int v_addr) {
+#pragma unroll
+    for (int kk = 0; kk < PA_BC / 16; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < HEAD_DIM / 16; ++dp) {
+            unsigned int r[4];
+            ldsm_x4_trans(v_addr + (kk * 16 * PA_LD + dp * 16) * 2, r);
+#pragma unroll
+            for (int mi = 0; mi < PA_MT; ++mi) {
+                mma_16816(o[mi][2 * dp], pa[mi][kk], r[0], r[1]);
+                mma_16816(o[mi][2 * dp + 1], pa[mi][kk], r[2], r[3]);
+            }
+        }
+    }
+}
+
+// Normalise and store this thread's rows (rows past the chunk, or idle rows, are not written).
+__device__ __forceinline__ void prefill_store(scalar_t* out, long long out_stride, float (&o)[PA_MT][PA_DT][4],
+                                              float (&l)[PA_MT][2], int wrow0, int q_start, int q_len,
+                                              int tok0, int kvh, int g, int tq) {
+#pragma unroll
+    for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sum = l[mi][h];
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int r = wrow0 + mi * 16 + h * 8 + g, tok = tok0 + r / GQA;
+            if (r >= PA_VALID_ROWS || tok >= q_len) continue;
+            scalar_t* dst = out + (long long)(q_start + tok) * out_stride + (long long)(kvh * GQA + r % GQA) * HEAD_DIM + tq * 2;
+#pragma unroll
+            for (int d = 0; d < PA_DT; ++d)
+                *reinterpret_cast<unsigned int*>(dst + d * 8) = pack2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
+        }
+    }
+}
+
+#if PA_KSPLIT > 1
+// Per thread of a row warp: O fragments, then m, then l (floats), stored lane-minor.
+#define PA_PART_FLOATS (PA_MT * PA_DT * 4 + PA_MT * 4)
+static_assert(PA_ROW_WARPS * PA_PART_FLOATS * 32 * 4 <= 2 * PA_STAGES * PA_BN * PA_LD * 2,
+              "key-group partials must fit the K/V stages");
+
+// Merge the softmax states of the key groups (the K/V stages hold the partials): group 0 ends
+// with the state over all keys. Every thread of the block calls it (it holds barriers).
+__device__ __forceinline__ void prefill_merge_groups(float* part, float (&o)[PA_MT][PA_DT][4], float (&m)[PA_MT][2],
+                                                     float (&l)[PA_MT][2], int kgroup, int rwarp, int lane,
+                                                     bool warp_active, float scale_log2) {
+    cp_async_wait_all();
+    __syncthreads();                                   // every warp is done with the K/V stages
+    float* mine = part + rwarp * PA_PART_FLOATS * 32 + lane;
+#pragma unroll 1
+    for (int grp = 1; grp < PA_KSPLIT; ++grp) {
+        if (kgroup == grp && warp_active) {
+#pragma unroll
+            for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+                for (int d = 0; d < PA_DT; ++d) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) mine[((mi * PA_DT + d) * 4 + e) * 32] = o[mi][d][e];
+                }
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    mine[(PA_MT * PA_DT * 4 + mi * 2 + h) * 32] = m[mi][h];
+                    mine[(PA_MT * PA_DT * 4 + PA_MT * 2 + mi * 2 + h) * 32] = l[mi][h];
+                }
+            }
+        }
+        __syncthreads();
+        if (kgroup == 0 && warp_active) {
+#pragma unroll
+            for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float m2 = mine[(PA_MT * PA_DT * 4 + mi * 2 + h) * 32];
+                    const float l2 = mine[(PA_MT * PA_DT * 4 + PA_MT * 2 + mi * 2 + h) * 32];
+                    const float mx = fmaxf(m[mi][h], m2);
+                    const float ref = mx == -MINILLM_INF ? 0.0f : mx * scale_log2;
+                    const float a1 = fast_exp2(m[mi][h] * scale_log2 - ref), a2 = fast_exp2(m2 * scale_log2 - ref);
+                    m[mi][h] = mx;
+                    l[mi][h] = l[mi][h] * a1 + l2 * a2;
+#pragma unroll
+                    for (int d = 0; d < PA_DT; ++d) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int k = (mi * PA_DT + d) * 4 + 2 * h + e;
+                            o[mi][d][2 * h + e] = o[mi][d][2 * h + e] * a1 + mine[k * 32] * a2;
+                        }
+                    }
+                }
+            }
+        }
+        if (grp + 1 < PA_KSPLIT) __syncthreads();      // the next group reuses the buffer
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(PA_THREADS, PA_MIN_BLOCKS)
+prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar_t* __restrict__ q,
+                  long long q_stride, const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
+                  const int* __restrict__ block_tables, long long bt_stride, const int* __restrict__ seq_lens,
+                  const int* __restrict__ query_start_loc, int num_seqs, int num_kv_heads, int num_q_tiles,
+                  int block_size_log2, float scale_log2, int first_wave) {
+    extern __shared__ Vec16 pa_smem[];                         // Vec16: 16-byte aligned
+    scalar_t* q_s = reinterpret_cast<scalar_t*>(pa_smem);     // [PA_BM][PA_LD]
+    scalar_t* k_s = q_s + PA_BM * PA_LD;                       // [PA_STAGES][PA_BN][PA_LD]
+    scalar_t* v_s = k_s + PA_STAGES * PA_BN * PA_LD;           // [PA_STAGES][PA_BN][PA_LD]
+
+    const PrefillWork w = prefill_work(query_start_loc, num_seqs, num_kv_heads, num_q_tiles, first_wave);
+    if (w.tile < 0) return;                                    // block-uniform: before any barrier
+    const int q_start = query_start_loc[w.b], q_len = query_start_loc[w.b + 1] - q_start;
+    const int tok0 = w.tile * PA_TOKENS;
+    const int pos0 = seq_lens[w.b] - q_len;                    // position of the chunk's token 0
+    const int kv_end = pos0 + min(tok0 + PA_TOKENS, q_len);    // keys [0, kv_end) reach this block
+    const int num_tiles = (kv_end + PA_BN - 1) / PA_BN;
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int kgroup = warp / PA_ROW_WARPS, rwarp = warp % PA_ROW_WARPS;   // keys kgroup * PA_SPAN.. of a tile
+    const int g = lane >> 2, tq = lane & 3;
+    const int wrow0 = rwarp * PA_ROWS_W;
+    const int warp_tok0 = tok0 + wrow0 / GQA;
+    const bool warp_active = wrow0 < PA_VALID_ROWS && warp_tok0 < q_len;
+    const int warp_last_tok = min(tok0 + (min(wrow0 + PA_ROWS_W, PA_VALID_ROWS) - 1) / GQA, q_len - 1);
+    const int warp_min_pos = pos0 + warp_tok0, warp_max_pos = pos0 + warp_last_tok;
+
+    const int* bt = block_tables + (long long)w.b * bt_stride;
+    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
+    const long long head_off = (long long)w.kvh * HEAD_DIM;
+    int blk[PA_KV_PASSES];
+    prefill_load_q(q_s, q, q_stride, q_start, q_len, tok0, w.kvh);
+#pragma unroll
+    for (int t = 0; t < PA_STAGES - 1; ++t) {                  // tiles 0 .. PA_STAGES - 2, one group each
+        if (t < num_tiles) {
+            prefill_kv_blocks(blk, bt, t * PA_BN, kv_end, block_size_log2);
+            prefill_load_kv(k_s + t * PA_BN * PA_LD, v_s + t * PA_BN * PA_LD, blk, k_cache, v_cache, t * PA_BN,
+                            kv_end, block_size_log2, tok_stride, head_off);
+        }
+        cp_async_commit();
+    }
+
+    // ldmatrix row addresses of this lane (the fragment layouts of mma.m16n8k16): A rows of Q, B
+    // (keys x dims) of K, and B transposed from V; the K/V ones start at this key group's span.
+    const unsigned int q_addr = smem_u32(q_s + (wrow0 + (lane & 15)) * PA_LD + (lane >> 4) * 8);
+    const int k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
+    const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;
+    const unsigned int k_addr0 = smem_u32(k_s + (kgroup * PA_SPAN + k_row) * PA_LD + k_col);
+    const unsigned int v_addr0 = smem_u32(v_s + (kgroup * PA_SPAN + v_row) * PA_LD + v_col);
+    constexpr unsigned int stage_bytes = PA_BN * PA_LD * 2;
+
+    float o[PA_MT][PA_DT][4];
+    float m[PA_MT][2], l[PA_MT][2];
+#pragma unroll
+    for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+        for (int d = 0; d < PA_DT; ++d) o[mi][d][0] = o[mi][d][1] = o[mi][d][2] = o[mi][d][3] = 0.0f;
+        m[mi][0] = m[mi][1] = -MINILLM_INF;
+        l[mi][0] = l[mi][1] = 0.0f;
+    }
+
+    for (int j = 0; j < num_tiles; ++j) {
+        const int stage = j % PA_STAGES, ahead = j + PA_STAGES - 1;
+        if (ahead < num_tiles) prefill_kv_blocks(blk, bt, ahead * PA_BN, kv_end, block_size_log2);
+        cp_async_wait_tile();
+        __syncthreads();        // tile j is visible to all; every warp is done with tile j - 1's stage
+        if (ahead < num_tiles) {
+            const int next = (ahead % PA_STAGES) * PA_BN * PA_LD;
+            prefill_load_kv(k_s + next, v_s + next, blk, k_cache, v_cache, ahead * PA_BN, kv_end,
+                            block_size_log2, tok_stride, head_off);
+        }
+        cp_async_commit();
+        if (!warp_active) continue;
+#pragma unroll
+        for (int c = 0; c < PA_SPAN / PA_BC; ++c) {
+            const int kt = j * PA_BN + kgroup * PA_SPAN + c * PA_BC;
+            if (kt > warp_max_pos) break;                    // the rest of the span is in this warp's future
+            float s[PA_MT][PA_NT][4];
+            prefill_scores(s, q_addr, k_addr0 + stage * stage_bytes + c * PA_BC * PA_LD * 2);
+            if (kt + PA_BC - 1 > warp_min_pos) prefill_mask(s, pos0 + tok0, wrow0 + g, kt, tq);
+            unsigned int pa[PA_MT][PA_BC / 16][4];
+            prefill_softmax(s, m, l, o, pa, scale_log2);
+            prefill_pv(o, pa, v_addr0 + stage * stage_bytes + c * PA_BC * PA_LD * 2);
+        }
+    }
+#if PA_KSPLIT > 1
+    prefill_merge_groups(reinterpret_cast<float*>(k_s), o, m, l, kgroup, rwarp, lane, warp_active, scale_log2);
+    if (kgroup != 0) return;
+#endif
+    if (warp_active) prefill_store(out, out_stride, o, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq);
+}
+#endif

@@ -1,0 +1,97 @@
+"""Which prefill attention kernel and block shape runs (minillm/ops/prefill_attention.py), on the CPU.
+
+The choice reads only dtypes, shapes and pointers, so stand-ins for CuPy arrays do here; the kernel
+itself is held to the NumPy twin in tests/test_prefill_attention_gpu.py.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from minillm.ops import prefill_attention as pa
+
+H200_SMS = 132
+SMEM_PER_SM = 228 * 1024            # Hopper: shared memory of one multiprocessor
+SMEM_PER_BLOCK_RESERVED = 1024      # the runtime keeps 1 KB of it per resident block
+
+
+def array(shape, dtype="bfloat16", ptr=1 << 20):
+    """What variant() reads of a device array: dtype (name), shape and the data pointer."""
+    return SimpleNamespace(shape=shape, dtype=SimpleNamespace(name=dtype), data=SimpleNamespace(ptr=ptr))
+
+
+def choose(kernel="flash", heads=16, kv_heads=8, head_dim=128, dtype="bfloat16", kv_dtype=None, out_ptr=1 << 20,
+           max_query_len=2048, batch=1):
+    q = array((max_query_len, heads, head_dim), dtype)
+    k = array((100, 16, kv_heads, head_dim), kv_dtype or dtype)
+    out = array(q.shape, dtype, out_ptr)
+    return pa.variant(kernel, q, k, out, max_query_len, batch, H200_SMS)
+
+
+def test_fp16_and_bf16_at_head_dim_64_and_128_take_the_new_kernel():
+    for dtype in ("float16", "bfloat16"):
+        for head_dim in (64, 128):
+            for heads, kv_heads in ((16, 16), (16, 8), (32, 8), (8, 1), (6, 2), (32, 2)):
+                assert choose(dtype=dtype, head_dim=head_dim, heads=heads, kv_heads=kv_heads) is not None
+
+
+def test_other_dtypes_sizes_and_groups_keep_the_old_kernels():
+    assert choose(dtype="float32") is None
+    assert choose(dtype="bfloat16", kv_dtype="float8_e4m3fn") is None        # an FP8 cache
+    assert choose(head_dim=8) is None and choose(head_dim=256) is None and choose(head_dim=96) is None
+    assert choose(heads=32, kv_heads=1) is None                              # group 32 > MAX_GROUP
+    assert choose(out_ptr=(1 << 20) + 2) is None                             # out not 4-byte aligned
+    assert choose(kernel="mma") is None
+
+
+def test_the_flag_names_a_shape_or_fails_clearly():
+    assert choose(kernel="flash-4w") is pa.VARIANTS["flash-4w"]
+    assert choose(kernel="flash-8w") is pa.VARIANTS["flash-8w"]
+    with pytest.raises(ValueError, match="prefill attention kernel must be one of"):
+        choose(kernel="fast")
+
+
+def test_auto_picks_eight_warps_for_few_blocks_and_four_for_many():
+    # 2048 tokens, GQA 2: 32 query tiles x 8 KV heads = 256 blocks, under 4 a multiprocessor.
+    assert choose(max_query_len=2048) is pa.VARIANTS["flash-8w"]
+    # One 16,000-token chunk: 250 x 8 = 2000 blocks; 64 sequences of 2048: 16384.
+    assert choose(max_query_len=16000) is pa.VARIANTS["flash-4w"]
+    assert choose(max_query_len=2048, batch=64) is pa.VARIANTS["flash-4w"]
+    edge = pa.AUTO_8W_BLOCKS_PER_SM * H200_SMS // 8          # query tiles at the threshold, 8 KV heads
+    assert choose(max_query_len=64 * edge) is pa.VARIANTS["flash-8w"]
+    assert choose(max_query_len=64 * edge + 1) is pa.VARIANTS["flash-4w"]
+
+
+def test_block_shapes_fit_the_multiprocessor():
+    for v in pa.VARIANTS.values():
+        assert v.rows == 128 and v.warps % v.key_groups == 0
+        for head_dim in pa.HEAD_DIMS:
+            per_block = v.smem_bytes(head_dim) + SMEM_PER_BLOCK_RESERVED
+            assert v.min_blocks * per_block <= SMEM_PER_SM, (v, head_dim)
+            assert v.smem_bytes(head_dim) <= 227 * 1024                     # the opt-in limit of one block
+        assert v.defines()["PA_STAGES"] == v.stages
+
+
+def test_grid_order_swaps_the_second_round_only_for_one_wave_of_two_block_shapes():
+    four, eight = pa.VARIANTS["flash-4w"], pa.VARIANTS["flash-8w"]
+    assert pa.grid_order(four, 32, 8, 1, H200_SMS) == (256, H200_SMS)          # 256 <= 2 x 132
+    assert pa.grid_order(four, 34, 8, 1, H200_SMS) == (272, 0)                 # past one wave
+    assert pa.grid_order(eight, 32, 8, 1, H200_SMS) == (256, 0)                # one block a multiprocessor
+    assert pa.num_q_tiles(four, 2, 2048) == 32 and pa.num_q_tiles(four, 3, 2048) == 49
+    assert pa.num_q_tiles(four, 2, 0) == 1
+
+
+
+@pytest.mark.parametrize("value,expect", [("mma", "mma"), ("flash-8w", "flash-8w"), ("bad", "must be one of")])
+def test_the_environment_sets_the_flag_or_fails_at_import(value, expect):
+    env = {**os.environ, "MINILLM_PREFILL_ATTENTION": value}
+    code = "import minillm.ops.cuda as ops; print(ops.PREFILL_ATTENTION)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert expect in result.stdout + result.stderr
+    assert (result.returncode == 0) == (value != "bad")
