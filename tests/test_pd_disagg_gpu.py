@@ -22,4 +22,4 @@ def test_cuda_ipc_transfer_gives_the_single_servers_text(tmp_path, capsys):
                              "--log-dir", str(tmp_path)])
     out = capsys.readouterr().out
     assert status == 0, out
-    assert "8/8 texts equal" in out and "loaded 376 prompt tokens (expected 376) and computed 8" in out
+    assert "8/8 texts equal" in out and "loaded 376 prompt tokens (expected 376) and computed 8" in out, out
