@@ -133,9 +133,11 @@ def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path) -> s
 
 
 def server_roles(proc: subprocess.Popen, log_path: Path) -> dict[int, str]:
-    """pid -> "api_server" / "engine_core" for the server and every process it started."""
-    core_pids = {int(x) for x in re.findall(r"engine core in process (\d+)", log_path.read_text())}
-    roles = {proc.pid: "api_server"}
+    """pid -> "api_server" / "engine_core" / "supervisor" for the server and every process it started."""
+    log = log_path.read_text()
+    core_pids = {int(x) for x in re.findall(r"engine core in process (\d+)", log)}
+    several = re.search(r"API server \d+ in process", log) is not None
+    roles = {proc.pid: "supervisor" if several else "api_server"}
     for pid in descendants(proc.pid):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -173,7 +175,7 @@ def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> HostCost:
         if args.profile and shutil.which("py-spy"):
             Path(args.profile).mkdir(parents=True, exist_ok=True)
             for pid, role in roles.items():
-                spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--threads", "--idle",
+                spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--threads", "--nonblocking",
                                                "--format", "raw", "--rate", "200", "--output",
                                                f"{args.profile}/{role}-{pid}.txt"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
@@ -208,9 +210,12 @@ def format_cost(cost: HostCost, args: argparse.Namespace) -> str:
     tok_s = cost.num_tokens / cost.duration_s
     lines = [f"{args.num_prompts} prompts x {args.output_len} tokens at concurrency {args.concurrency}: "
              f"{cost.num_tokens} tokens in {cost.duration_s:.2f} s = {tok_s:,.0f} tok/s; "
-             f"ITL p50 / p99 {r['itl_ms']['median']:.1f} / {r['itl_ms']['p99']:.1f} ms",
+             f"ITL p50 / p99 {r['itl_ms']['median']:.1f} / {r['itl_ms']['p99']:.1f} ms; "
+             f"{cost.num_tokens / max(r.get('total_chunks') or 0, 1):.2f} tokens per streamed event",
              f"{'process':<12}{'count':>6}{'CPU s':>9}{'us/token':>10}{'cores':>7}{'tok/s per core':>16}"]
-    for role in ("api_server", "engine_core", "client"):
+    for role in ("api_server", "engine_core", "client", "supervisor"):
+        if role == "supervisor" and not any(p.role == role for p in cost.processes):
+            continue
         procs = [p for p in cost.processes if p.role == role]
         us = cost.per_token_us(role)
         cpu = sum(p.cpu_s for p in procs)
