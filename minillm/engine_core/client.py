@@ -145,7 +145,7 @@ class EngineCoreClient:
     def describe_end(self) -> str:
         """How the core ended, in words ('killed by SIGKILL'; 'ended' where it is not our child)."""
         if self.owned is None:
-            return "it is gone"
+            return "it is gone; its exit status is for the process that started it"
         self.owned.proc.join(5)     # its sentinel fired: it is exiting, if not yet reaped
         return describe_exit(self.owned.proc.exitcode)
 

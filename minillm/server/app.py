@@ -1,8 +1,9 @@
 """The FastAPI app (create_app) and the process entry point of `minillm serve` (run_server).
 
-With --api-server-count N (N > 1) the process that runs `minillm serve` binds the listening
-socket, starts the engine core for N API servers and N API server processes that all accept on
-that socket (each joined to the core by its own ZeroMQ pair; the core sends each only its own
+With --api-server-count N (N > 1) the process that runs `minillm serve` holds the port, starts
+the engine core for N API servers and N API server processes that each listen on that port with
+SO_REUSEPORT, so the kernel spreads new connections evenly over them (one shared accept queue
+goes mostly to whichever process wakes first; each joined to the core by its own ZeroMQ pair; the core sends each only its own
 requests' outputs), then supervises them: a signal is passed on to the servers, and when one
 ends by a failure (the core dying is seen by all) the others are stopped and the exit status is 1.
 """
@@ -372,7 +373,8 @@ class APIServerSpec:
     config: Any
     options: ServerOptions
     link: Any                   # CoreLink: its sockets to the engine core, and the core's life
-    sock: socket.socket         # the listening socket, shared by every API server
+    host: str
+    port: int                   # the port every API server listens on (SO_REUSEPORT)
     parent: Any                 # a pipe's read end: EOF once the supervising process is gone
     index: int
 
@@ -381,6 +383,9 @@ def run_api_server(spec: APIServerSpec) -> None:
     """An API server process's entry point: join the engine core, serve on the shared socket; exit 1
     if the engine failed."""
     os.setpgrp()    # signals come from the supervisor, once (a terminal's Ctrl-C reaches it alone)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again for the handler it found: that
+    # must not kill the process, whose exit status says whether the engine failed.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     _configure_logging()
     from minillm.server.async_llm import AsyncLLM
     try:
@@ -393,19 +398,21 @@ def run_api_server(spec: APIServerSpec) -> None:
         from minillm.engine_stats import describe_engine
         print(describe_engine(engine.startup_stats), file=sys.stderr, flush=True)
     try:
+        sock = port_socket(spec.host, spec.port)
         serve_http(engine, spec.options, {"log_level": "info" if spec.index == 0 else "warning"},
-                   sockets=[spec.sock], parent=spec.parent)
+                   sockets=[sock], parent=spec.parent)
     finally:
         engine.shutdown()
     sys.exit(1 if engine.has_failed else 0)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port (the API servers listen on it, each accepting in turn)."""
+def port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port that other processes of ours can bind too (SO_REUSEPORT): each
+    API server listens on its own, and the kernel spreads connections over the listening ones."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    sock.set_inheritable(True)
     return sock
 
 
@@ -415,7 +422,8 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     from minillm.engine_core.client import CoreProcess
     _configure_logging()
     count = options.api_server_count
-    sock = listening_socket(host, port)
+    held = port_socket(host, port)     # bound, never listening: holds the port (and picks one for port 0)
+    port = held.getsockname()[1]
     # Each API server writes its latency histograms here; /metrics on any of them adds all up.
     metrics_dir = tempfile.mkdtemp(prefix="minillm-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -427,11 +435,10 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     for i, link in enumerate(core.links):
         server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
         proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}",
-                             args=(APIServerSpec(config, server_options, link, sock, parent_reader, i),))
+                             args=(APIServerSpec(config, server_options, link, host, port, parent_reader, i),))
         proc.start()
         servers.append(proc)
         print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
-    sock.close()            # the API servers hold it now
     parent_reader.close()
     stopping = threading.Event()
 
@@ -459,6 +466,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
                 proc.kill()
                 proc.join(5)
         parent_writer.close()
+        held.close()
         core.stop(timeout=10)
         core.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
