@@ -9,7 +9,9 @@ run through minillm's offline engine in this process, the ceiling an HTTP server
 can approach (compare at --request-rate inf, where arrivals do not limit throughput): with the
 same number of requests in flight as the server had (--max-concurrency), a new one admitted as
 each finishes. --concurrency-sweep runs the workload at each concurrency in turn and prints one
-row per level beside the ceiling at that level.
+row per level beside the ceiling at that level. The client parses events cheaply and prints its
+own CPU per output token; --num-client-processes N splits the workload (and the concurrency) over
+N processes, so that the client is never what limits a fast server.
 
     minillm bench serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
         --input-len 128 --output-len 128 --request-rate 16
@@ -22,13 +24,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import multiprocessing as mp
 import random
+import resource
 import sys
 import time
+import urllib.parse
 from dataclasses import asdict, dataclass, field
+from typing import AsyncIterator
 
 import httpx
+import msgspec
 
 from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
 
@@ -46,6 +54,7 @@ class RequestResult:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
+    num_chunks: int = 0             # events that carried text
     error: str = ""
 
 
@@ -68,6 +77,13 @@ class BenchmarkResult:
     itl_ms: dict
     e2el_ms: dict
     errors: list[str]
+    total_chunks: int = 0           # streamed events that carried text (tokens / chunks: tokens per event)
+    client_cpu_s: float = 0.0       # CPU seconds the client itself used (every client process), for its cost
+
+    @property
+    def client_cpu_us_per_token(self) -> float:
+        """The client's own CPU microseconds per output token: it must stay far below 1e6 / tok/s."""
+        return 1e6 * self.client_cpu_s / max(self.total_output_tokens, 1)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -94,6 +110,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts, arrivals and sampling.")
     p.add_argument("--timeout", type=float, default=600.0, help="Seconds per request.")
+    p.add_argument("--num-client-processes", type=int, default=1,
+                   help="Client processes sharing the workload (and --max-concurrency), so that parsing "
+                        "tens of thousands of events a second never limits what is measured; the client's "
+                        "own CPU per token is printed.")
     p.add_argument("--offline-model", default=None,
                    help="Also run the prompts through minillm's offline engine on this model (the ceiling).")
     p.add_argument("--offline-device", default="auto", choices=["auto", "cpu", "cuda"],
@@ -107,6 +127,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if args.num_client_processes < 1:
+        p.error("--num-client-processes must be >= 1")
     if args.concurrency_sweep and args.peer_base_url:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
     try:
@@ -166,48 +188,163 @@ def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) 
     return body
 
 
-def _chunk_text(chunk: dict) -> str:
-    texts = []
-    for choice in chunk.get("choices") or []:
-        texts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return "".join(texts)
+class _Delta(msgspec.Struct):
+    content: str | None = None
 
 
-async def send_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
-    """Stream one request and time its chunks."""
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    delta: _Delta | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a stream event the client reads (the rest are skipped unparsed)."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: dict | None = None
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
+
+
+def _has_text(chunk: _Chunk) -> bool:
+    for choice in chunk.choices or ():
+        if choice.text or (choice.delta is not None and choice.delta.content):
+            return True
+    return False
+
+
+def sse_data(buffer: bytearray, data: bytes) -> list[bytes]:
+    """Append received bytes to `buffer`; the payloads of the `data:` lines now complete (a cheap
+    split of the raw stream, so the client costs far less per event than the server it measures)."""
+    buffer += data
+    cut = buffer.rfind(b"\n")
+    if cut < 0:
+        return []
+    lines = bytes(buffer[:cut]).split(b"\n")
+    del buffer[:cut + 1]
+    return [line[5:].strip() for line in lines if line.startswith(b"data:")]
+
+
+class StreamClosed(ConnectionError):
+    """The server closed the connection before the response ended."""
+
+
+@contextlib.asynccontextmanager
+async def open_stream(url: str, payload: bytes, headers: dict[str, str]):
+    """POST `payload` (JSON) to `url` on a connection of its own; yields (status, the body's pieces).
+
+    A plain HTTP/1.1 client on asyncio streams: httpx's connection pool scans every connection
+    each time one is taken or returned, which with hundreds of streams in flight cost the client
+    more CPU than the server spent on them."""
+    parts = urllib.parse.urlsplit(url)
+    secure = parts.scheme == "https"
+    port = parts.port or (443 if secure else 80)
+    reader, writer = await asyncio.open_connection(parts.hostname, port, ssl=True if secure else None,
+                                                   limit=1 << 20)
+    try:
+        host = parts.netloc.rpartition("@")[2]
+        head = [f"POST {parts.path or '/'} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
+                f"Content-Length: {len(payload)}", "Connection: close", "Accept: text/event-stream"]
+        head += [f"{k}: {v}" for k, v in headers.items()]
+        writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
+        status_line = await reader.readline()
+        fields = status_line.split(None, 2)
+        if len(fields) < 2 or not fields[0].startswith(b"HTTP/"):
+            raise StreamClosed(f"not an HTTP response: {status_line[:80]!r}")
+        response_headers = {}
+        while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+            name, _, value = line.decode("latin-1").partition(":")
+            response_headers[name.strip().lower()] = value.strip()
+        yield int(fields[1]), _body(reader, response_headers)
+    finally:
+        writer.close()
+
+
+async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """The body as it arrives: chunked, of a Content-Length, or up to the close."""
+    if "chunked" not in headers.get("transfer-encoding", "").lower():
+        remaining = int(headers["content-length"]) if "content-length" in headers else -1
+        while remaining:
+            data = await reader.read(65536 if remaining < 0 else min(remaining, 65536))
+            if not data:
+                if remaining > 0:
+                    raise StreamClosed("the response ended early")
+                return
+            remaining -= len(data) if remaining > 0 else 0
+            yield data
+        return
+    buffer = b""
+    while True:
+        data = await reader.read(65536)
+        if not data:
+            raise StreamClosed("the response ended early")
+        buffer += data
+        pieces = []
+        while (eol := buffer.find(b"\r\n")) >= 0:
+            size = int(buffer[:eol].split(b";", 1)[0], 16)
+            end = eol + 2 + size
+            if size == 0:
+                if pieces:
+                    yield b"".join(pieces)
+                return
+            if len(buffer) < end + 2:
+                break
+            pieces.append(buffer[eol + 2:end])
+            buffer = buffer[end + 2:]
+        if pieces:
+            yield b"".join(pieces)
+
+
+async def send_request(url: str, body: dict, headers: dict[str, str], timeout: float) -> RequestResult:
+    """Stream one request and time its chunks (at most `timeout` seconds)."""
     result = RequestResult(ok=False)
+    try:
+        return await asyncio.wait_for(_stream_request(url, body, headers, result), timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        result.error = f"no answer within {timeout:g} s"
+        return result
+
+
+async def _stream_request(url: str, body: dict, headers: dict[str, str], result: RequestResult) -> RequestResult:
     start = last = time.perf_counter()
     num_chunks = 0
+    buffer = bytearray()
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+        async with open_stream(url, json.dumps(body).encode(), headers) as (status, body_iter):
+            if status != 200:
+                result.error = f"HTTP {status}: {b''.join([piece async for piece in body_iter])[:200]!r}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    result.error = str(chunk["error"].get("message"))
-                    return result
-                if chunk.get("usage"):
-                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                    result.output_tokens = chunk["usage"]["completion_tokens"]
-                if _chunk_text(chunk):
-                    now = time.perf_counter()
-                    if num_chunks == 0:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last, num_chunks = now, num_chunks + 1
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
+            async for data in body_iter:
+                now = time.perf_counter()
+                for payload in sse_data(buffer, data):
+                    if payload == b"[DONE]":
+                        break
+                    chunk = _CHUNK_DECODER.decode(payload)
+                    if chunk.error is not None:
+                        result.error = str(chunk.error.get("message"))
+                        return result
+                    if chunk.usage is not None:
+                        result.prompt_tokens = chunk.usage.prompt_tokens
+                        result.output_tokens = chunk.usage.completion_tokens
+                    if _has_text(chunk):
+                        if num_chunks == 0:
+                            result.ttft_s = now - start
+                        else:
+                            result.itl_s.append(now - last)
+                        last, num_chunks = now, num_chunks + 1
+    except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"   # msgspec.DecodeError is a ValueError
         return result
     result.latency_s = time.perf_counter() - start
     result.output_tokens = result.output_tokens or num_chunks
+    result.num_chunks = num_chunks
     result.ok = num_chunks > 0
     if not result.ok:
         result.error = "no tokens streamed"
@@ -243,29 +380,110 @@ async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | N
         raise BenchError(f"{base_url}/v1/models lists no model; give one with --model") from None
 
 
-async def run_benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
-    """Drive the whole workload against one server."""
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass
+class ClientShare:
+    """What one client process drives: its requests (indices into the workload), its cap on requests in
+    flight and its arrival rate; the shares of all client processes add up to the whole workload."""
+
+    indices: list[int]
+    max_concurrency: int | None
+    request_rate: float
+    seed: int
+
+
+@dataclass
+class ShareResult:
+    """One client process's requests as measured, its timed span (time.monotonic()) and its CPU seconds."""
+
+    results: list[RequestResult]
+    start: float
+    end: float
+    cpu_s: float
+
+
+def client_shares(args: argparse.Namespace) -> list[ClientShare]:
+    """The workload split over --num-client-processes (no more processes than requests in flight)."""
+    cap = args.max_concurrency or args.num_prompts
+    n = max(1, min(args.num_client_processes, cap, args.num_prompts))
+    shares = []
+    for w in range(n):
+        concurrency = cap // n + (1 if w < cap % n else 0)
+        shares.append(ClientShare(list(range(w, args.num_prompts, n)),
+                                  concurrency if args.max_concurrency else None, args.request_rate / n, args.seed + w))
+    return shares
+
+
+async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare, barrier=None) -> ShareResult:
+    """Drive one share of the workload against one server (after `barrier`, when given, lets every
+    client process start together)."""
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(headers=headers, timeout=args.timeout, limits=limits) as client:
+    async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
         model = await resolve_model(client, base_url, args.model)
-        prompts = build_prompts(args)
-        gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    prompts = build_prompts(args)
+    gate = asyncio.Semaphore(share.max_concurrency) if share.max_concurrency else None
 
-        async def one(i: int) -> RequestResult:
-            body = request_body(args, model, prompts[i])
-            if gate is None:
-                return await send_request(client, base_url + args.endpoint, body)
-            async with gate:
-                return await send_request(client, base_url + args.endpoint, body)
+    async def one(i: int) -> RequestResult:
+        body = request_body(args, model, prompts[i])
+        if gate is None:
+            return await send_request(base_url + args.endpoint, body, headers, args.timeout)
+        async with gate:
+            return await send_request(base_url + args.endpoint, body, headers, args.timeout)
 
-        start = time.perf_counter()
-        tasks = [asyncio.create_task(one(i))
-                 async for i in arrivals(args.num_prompts, args.request_rate, random.Random(args.seed))]
-        results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    return summarize(base_url, args.num_prompts, results, duration)
+    if barrier is not None:
+        barrier.wait()
+    cpu, start = _cpu_seconds(), time.monotonic()
+    tasks = [asyncio.create_task(one(share.indices[k]))
+             async for k in arrivals(len(share.indices), share.request_rate, random.Random(share.seed))]
+    results = await asyncio.gather(*tasks)
+    return ShareResult(list(results), start, time.monotonic(), _cpu_seconds() - cpu)
+
+
+def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare, barrier, out) -> None:
+    """A client process's entry point: its share's result, or the error, goes to `out`."""
+    try:
+        out.put(asyncio.run(run_share(args, base_url, share, barrier)))
+    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+        barrier.abort()
+        out.put(BenchError(f"a client process failed: {type(exc).__name__}: {exc}"))
+
+
+def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare]) -> list[ShareResult]:
+    """Each share in its own spawned process, all starting together."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(len(shares)), ctx.Queue()
+    procs = [ctx.Process(target=_client_process, args=(args, base_url, share, barrier, out), daemon=True)
+             for share in shares]
+    for proc in procs:
+        proc.start()
+    try:
+        got = [out.get() for _ in procs]
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+    for item in got:
+        if isinstance(item, BaseException):
+            raise item
+    return got
+
+
+def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
+    """Drive the whole workload against one server, from --num-client-processes processes (one: this one)."""
+    shares = client_shares(args)
+    if len(shares) == 1:
+        parts = [asyncio.run(run_share(args, base_url, shares[0]))]
+    else:
+        parts = run_shares(args, base_url, shares)
+    results = [r for part in parts for r in part.results]
+    duration = max(p.end for p in parts) - min(p.start for p in parts)
+    return summarize(base_url.rstrip("/"), args.num_prompts, results, duration, sum(p.cpu_s for p in parts))
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -284,7 +502,8 @@ def _percentiles(values: list[float]) -> dict:
     return {"mean": mean, "median": pct(50), "p99": pct(99), "std": std}
 
 
-def summarize(base_url: str, num_prompts: int, results: list[RequestResult], duration: float) -> BenchmarkResult:
+def summarize(base_url: str, num_prompts: int, results: list[RequestResult], duration: float,
+              client_cpu_s: float = 0.0) -> BenchmarkResult:
     """Turn per-request measurements into throughput and latency figures."""
     ok = [r for r in results if r.ok]
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
@@ -297,7 +516,8 @@ def summarize(base_url: str, num_prompts: int, results: list[RequestResult], dur
         total_token_throughput=(total_in + total_out) / duration,
         ttft_ms=_percentiles([r.ttft_s for r in ok]), tpot_ms=_percentiles(tpot),
         itl_ms=_percentiles([x for r in ok for x in r.itl_s]), e2el_ms=_percentiles([r.latency_s for r in ok]),
-        errors=sorted({r.error for r in results if not r.ok})[:5])
+        errors=sorted({r.error for r in results if not r.ok})[:5],
+        total_chunks=sum(r.num_chunks for r in ok), client_cpu_s=client_cpu_s)
 
 
 class OfflineCeiling:
@@ -356,6 +576,9 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
         ("Request throughput (req/s)", [f"{r.request_throughput:.2f}" for r in results]),
         ("Output token throughput (tok/s)", [f"{r.output_throughput:.2f}" for r in results]),
         ("Total token throughput (tok/s)", [f"{r.total_token_throughput:.2f}" for r in results]),
+        ("Output tokens per streamed event", [f"{r.total_output_tokens / max(r.total_chunks, 1):.2f}"
+                                              for r in results]),
+        ("Client CPU per output token (us)", [f"{r.client_cpu_us_per_token:.1f}" for r in results]),
     ]
     for title, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms")):
         for stat in ("mean", "median", "p99"):
@@ -387,14 +610,15 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
     lines = [f"Traffic: request rate {rate} req/s, {args.num_prompts} prompts, input {args.input_len} / "
              f"output {args.output_len} tokens",
              "| max concurrency | server output tok/s | offline ceiling tok/s | server / ceiling "
-             "| ITL p50 / p99 (ms) | TTFT p50 / p99 (ms) | failed |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| ITL p50 / p99 (ms) | TTFT p50 / p99 (ms) | failed | tokens / event | client CPU us / token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for level, r, ceiling in rows:
         ratio = f"{r.output_throughput / ceiling:.2f}" if ceiling else "-"
         ceiling_text = f"{ceiling:,.0f}" if ceiling else "-"
         lines.append(f"| {level} | {r.output_throughput:,.0f} | {ceiling_text} | {ratio} | "
                      f"{r.itl_ms['median']:.1f} / {r.itl_ms['p99']:.1f} | "
-                     f"{r.ttft_ms['median']:.0f} / {r.ttft_ms['p99']:.0f} | {r.failed} |")
+                     f"{r.ttft_ms['median']:.0f} / {r.ttft_ms['p99']:.0f} | {r.failed} | "
+                     f"{r.total_output_tokens / max(r.total_chunks, 1):.2f} | {r.client_cpu_us_per_token:.1f} |")
     for _, r, _ in rows:
         for err in r.errors:
             lines.append(f"error ({r.base_url}): {err}")
@@ -404,12 +628,11 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
 def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult, float | None]], str]:
     """The workload at each concurrency of the sweep against the server, then the ceiling at each."""
     # One request first, untimed, as `vllm bench serve` does: first-call costs are not throughput.
-    asyncio.run(run_benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1}),
-                              args.base_url))
+    benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1}), args.base_url)
     results = []
     for level in args.concurrency_sweep:
-        results.append((level, asyncio.run(run_benchmark(argparse.Namespace(**{**vars(args), "max_concurrency": level}),
-                                                             args.base_url))))
+        results.append((level, benchmark(argparse.Namespace(**{**vars(args), "max_concurrency": level}),
+                                         args.base_url)))
     ceilings: list[float | None] = [None] * len(results)
     if args.offline_model:
         ceiling = OfflineCeiling(args)
@@ -435,7 +658,7 @@ def main(argv: list[str] | None = None) -> int:
                           f, indent=2, default=str)
         return 0 if all(r.failed == 0 for _, r, _ in rows) else 1
     urls = [args.base_url] + ([args.peer_base_url] if args.peer_base_url else [])
-    results = [asyncio.run(run_benchmark(args, url)) for url in urls]
+    results = [benchmark(args, url) for url in urls]
     ceiling = offline_ceiling(args) if args.offline_model else None
     print(format_results(results, args, ceiling))
     if args.result_file:

@@ -140,24 +140,21 @@ __device__ __forceinline__ unsigned char float_to_e4m3(float f) {
     return (unsigned char)(floats_to_e4m3x2(f, 0.0f) & 0xffu);
 }
 
-// The E4M3 byte in bits 24..31 of `top` -> its value times 2^-120, in two integer operations (the
-// lower bits of `top` are ignored): an arithmetic shift by 4 puts the 7 exponent-mantissa bits on
-// float bits 20..26 and copies the sign over bits 27..31, the mask keeps bits 31 and 20..26.
-// Exponent bias 7 read with bias 127 scales by 2^-120; E4M3 subnormals become float denormals of
-// the same scaled value.
-__device__ __forceinline__ float e4m3_top_byte_to_float_times_2m120(unsigned int top) {
-    return __int_as_float(((int)top >> 4) & (int)0x87f00000);
-}
-
-// The E4M3 byte in the low 8 bits of b (higher bits ignored) -> its value times 2^-120.
-__device__ __forceinline__ float e4m3_to_float_times_2m120(unsigned int b) {
-    return e4m3_top_byte_to_float_times_2m120(b << 24);
-}
-
-#define E4M3_UNSCALE __int_as_float(0x7b800000)   // 2^120, undoes the factor above exactly
-
+// The E4M3 byte in the low 8 bits of b (higher bits ignored) -> its value, exactly, subnormals
+// included: as fp16 bits, the sign on bit 15 and the 7 exponent-mantissa bits on bits 7..13 read
+// as the value times 2^-8 (exponent bias 15 against E4M3's 7; an E4M3 subnormal is an fp16
+// subnormal), and the hardware widening of fp16 to float keeps subnormals. (A float built directly
+// from the bits would be a denormal for E4M3 subnormals, which flush-to-zero arithmetic loses.)
 __device__ __forceinline__ float e4m3_to_float(unsigned int b) {
-    return e4m3_to_float_times_2m120(b) * E4M3_UNSCALE;
+    const unsigned short h = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f * 256.0f;
+}
+
+// The E4M3 byte in bits 24..31 of `top` (the lower bits ignored) -> its value.
+__device__ __forceinline__ float e4m3_top_byte_to_float(unsigned int top) {
+    return e4m3_to_float(top >> 24);
 }
 
 // A cache element as float: dequantised (bits * scale) for FP8, the value itself otherwise.

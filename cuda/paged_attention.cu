@@ -11,7 +11,7 @@
 // FP8 caches (KV_FP8=1: uint8 E4M3 bits, kv_scales [2] = k_scale, v_scale in device memory, so a
 // captured graph sees a later calibration): dequantised in registers. Scores and outputs are
 // linear in K and V, so k_scale joins scale_log2 and v_scale the final normalisation instead of
-// multiplying every element; decode also leaves E4M3's 2^120 (common.cuh) in those two factors.
+// multiplying every element.
 // Non-FP8 builds never read kv_scales (it may be null).
 //
 // paged_decode: one query token per sequence. grid = (num_splits, Hk, B), 128 threads (4 warps).
@@ -76,10 +76,10 @@ __device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
 }
 
 // Element i of a KV vector as float: the value (bf16 / fp16 / fp32), or for FP8 the E4M3 value
-// times 2^-120 (the caller's factors carry 2^120 and the scale). i is a constant after unrolling.
+// (the caller's factors carry the scale). i is a constant after unrolling.
 __device__ __forceinline__ float kv_get(const KVVec& v, int i) {
 #if KV_FP8
-    return e4m3_top_byte_to_float_times_2m120(v.w[i >> 2] << (24 - 8 * (i & 3)));
+    return e4m3_top_byte_to_float(v.w[i >> 2] << (24 - 8 * (i & 3)));
 #else
     return vec_get(reinterpret_cast<const Vec16&>(v), i);
 #endif
@@ -90,9 +90,9 @@ struct KVFactors {
     float x, y;
 };
 
-__device__ __forceinline__ KVFactors kv_factors(const float* kv_scales, float unscale) {
+__device__ __forceinline__ KVFactors kv_factors(const float* kv_scales) {
 #if KV_FP8
-    return KVFactors{kv_scales[0] * unscale, kv_scales[1] * unscale};
+    return KVFactors{kv_scales[0], kv_scales[1]};
 #else
     return KVFactors{1.0f, 1.0f};
 #endif
@@ -189,7 +189,7 @@ __device__ __forceinline__ void decode_partition(int ctx, int num_splits, int mi
 }
 
 // Combine the four warps' states in shared memory and write the result or the split's partial.
-// out_mul scales the normalised output (an FP8 cache's v_scale times 2^120; else 1).
+// out_mul scales the normalised output (an FP8 cache's v_scale; else 1).
 __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* out, long long out_row,
                                              float* part_o, float* part_ml, int b, int kvh,
                                              int num_heads, int num_splits, float out_mul) {
@@ -276,7 +276,7 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
     const long long q_row = query_start_loc[b];
     int t_begin, t_end;
     decode_partition(seq_lens[b], num_splits, min_partition, &t_begin, &t_end);
-    const KVFactors kv_mul = kv_factors(kv_scales, E4M3_UNSCALE);
+    const KVFactors kv_mul = kv_factors(kv_scales);
     const float score_mul = scale_log2 * kv_mul.x;
 
     DecodeState st;
@@ -414,7 +414,7 @@ paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, lon
     const int* bt = block_tables + (long long)b * bt_stride;
     const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
     // This kernel dequantises into its fp32 tiles: bits * scale, as the NumPy twin reads them.
-    const KVFactors kv_scale = kv_factors(kv_scales, 1.0f);
+    const KVFactors kv_scale = kv_factors(kv_scales);
     for (int kt = 0; kt < kv_end; kt += PF_BK) {
         __syncthreads();
         prefill_load_tile(ks, vs, k_cache, v_cache, bt, kt, kv_end, block_size_log2, tok_stride,
@@ -579,7 +579,7 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
     const int ctx = seq_lens[b];
     const int tile0 = (gridDim.x - 1 - blockIdx.x) * PM_BQ;
     if (tile0 >= q_len) return;
-    const KVFactors kv_mul = kv_factors(kv_scales, 1.0f);   // the tiles hold unscaled E4M3 values
+    const KVFactors kv_mul = kv_factors(kv_scales);   // the tiles hold unscaled E4M3 values
     const float scale_log2 = scale_log2_in * kv_mul.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int g = lane >> 2, tq = lane & 3;

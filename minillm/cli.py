@@ -476,6 +476,9 @@ def serve(
     engine_core: Annotated[EngineCore, _server_option(
         "--engine-core", help="Where the engine core runs: its own process, apart from the HTTP server "
         "(process), or a thread of the server's process (thread).")] = EngineCore.process,
+    api_server_count: Annotated[int, _server_option(
+        "--api-server-count", min=1, help="API server processes sharing the port and the one engine core "
+        "(HTTP, detokenising and streaming spread over them; needs --engine-core process).")] = 1,
     max_n: Annotated[int, _server_option("--max-n", help="Most completions per prompt (n).")] = _limit_default("max_n"),
     max_prompts_per_request: Annotated[int, _server_option(
         "--max-prompts-per-request", help="Most prompts in one request, and most n x prompts.")] = (
@@ -537,7 +540,7 @@ def serve(
     options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
                             log_interval=5.0, exit_on_engine_error=exit_on_engine_error,
-                            engine_core=_plain(engine_core))
+                            engine_core=_plain(engine_core), api_server_count=api_server_count)
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)

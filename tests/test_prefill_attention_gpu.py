@@ -152,7 +152,9 @@ def test_many_blocks_of_work_beyond_one_wave(monkeypatch):
 
 
 def test_paged_attention_runs_the_auto_choice(monkeypatch):
-    """The default flag ("flash") through paged_attention, on a small grid and a large one."""
+    """The default flag ("flash") through paged_attention, on a small grid and a large one (with
+    the threshold that sends small grids to flash-8w, so both shapes run through the default)."""
+    monkeypatch.setattr(prefill_attention, "AUTO_8W_BLOCKS_PER_SM", 4)
     small = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [129, 1], [40, 7])
     large = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1500] * 6, [0, 10, 20, 30, 40, 50])
     assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS["flash-4w"])

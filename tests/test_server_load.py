@@ -185,6 +185,33 @@ def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_pa
     assert result["completed"] == 6 and result["total_output_tokens"] == 36
 
 
+def test_serving_benchmark_from_several_client_processes(server, tmp_path, capsys):
+    url, _ = server
+    result_file = tmp_path / "serving.json"
+    rc = bench.main(["--base-url", url, "--num-prompts", "7", "--input-len", "8", "--output-len", "5",
+                     "--max-concurrency", "4", "--num-client-processes", "2", "--vocab-range", "3", "500",
+                     "--result-file", str(result_file)])
+    assert rc == 0
+    assert "Client CPU per output token (us)" in capsys.readouterr().out
+    result = json.loads(result_file.read_text())["results"][0]
+    assert result["completed"] == 7 and result["failed"] == 0
+    assert result["total_input_tokens"] == 7 * 8 and result["total_output_tokens"] == 7 * 5
+    assert 7 <= result["total_chunks"] <= 7 * 5      # every request streamed at least one event with text
+    assert result["client_cpu_s"] > 0
+    shares = bench.client_shares(bench.parse_args(["--num-prompts", "7", "--max-concurrency", "4",
+                                                   "--num-client-processes", "3"]))
+    assert sorted(i for share in shares for i in share.indices) == list(range(7))
+    assert [share.max_concurrency for share in shares] == [2, 1, 1]
+
+
+def test_serving_benchmark_client_splits_events_across_reads():
+    buffer = bytearray()
+    assert bench.sse_data(buffer, b'data: {"a":1}\n\nda') == [b'{"a":1}']
+    assert bench.sse_data(buffer, b"ta: [DO") == []
+    assert bench.sse_data(buffer, b"NE]\r\n\r\n: comment\n") == [b"[DONE]"]
+    assert buffer == bytearray()
+
+
 def test_serving_benchmark_concurrency_sweep_beside_the_offline_ceiling(server, stories_path, tmp_path, capsys):
     url, _ = server
     result_file = tmp_path / "sweep.json"

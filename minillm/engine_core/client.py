@@ -1,17 +1,21 @@
 """The API server's end of the engine core process: spawn it, send it commands, read what it sends.
 
 The core is spawned (never forked: the server has threads, and CUDA must be initialised in the
-core only) and joined by two ZeroMQ PUSH/PULL pairs over ipc sockets in a private directory. A
-pipe whose write end only this process holds tells the core when we are gone, however we end.
+core only) and joined to each API server by two ZeroMQ PUSH/PULL pairs over ipc sockets in a
+private directory. A pipe whose write end only the starting process holds tells the core when
+that process is gone, however it ends; another, whose write end only the core holds, tells the
+API servers (which, with several, are not the core's parent) when the core is gone.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import shutil
 import signal
 import tempfile
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import zmq
@@ -49,42 +53,101 @@ def _stop_process(proc: mp.process.BaseProcess, timeout: float) -> None:
         proc.join(5)
 
 
-class EngineCoreClient:
-    """Starts the core process and talks to it; send() is thread-safe, reading is one thread's job."""
+@dataclass
+class CoreLink:
+    """How one API server reaches the core (picklable: an API server process is spawned with it)."""
 
-    def __init__(self, config: EngineConfig, core_hook: Callable[[Any], None] | None = None) -> None:
-        self.ctx = zmq.Context()
+    client_index: int
+    input_address: str          # this server binds a PUSH here; the core's PULL connects
+    output_address: str         # this server binds a PULL here; the core's PUSH for it connects
+    alive: Any                  # the read end of a pipe only the core writes to: EOF once it is gone
+
+
+class CoreProcess:
+    """The engine core process for `num_clients` API servers: its sockets' addresses (in a private
+    directory), a link for each server, and the pipes that tie its life to ours."""
+
+    def __init__(self, config: EngineConfig, num_clients: int = 1,
+                 core_hook: Callable[[Any], None] | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="minillm-core-")
-        input_address, output_address = f"ipc://{self.dir}/input", f"ipc://{self.dir}/output"
+        inputs = [f"ipc://{self.dir}/input-{i}" for i in range(num_clients)]
+        outputs = [f"ipc://{self.dir}/output-{i}" for i in range(num_clients)]
+        spawn = mp.get_context("spawn")
+        reader, self._parent_pipe = spawn.Pipe(duplex=False)
+        self._alive, alive_writer = spawn.Pipe(duplex=False)
+        # Not a daemon: a core with tensor parallelism spawns workers of its own.
+        self.proc = spawn.Process(target=run_engine_core, name="minillm-engine-core",
+                                  args=(CoreSpec(config, inputs, outputs, reader, alive_writer, core_hook),))
+        self.proc.start()
+        reader.close()
+        alive_writer.close()    # the core holds the only write end now
+        self._finalizer = weakref.finalize(self, _stop_process, self.proc, 0.0)   # never outlive this process
+        self.links = [CoreLink(i, inputs[i], outputs[i], self._alive) for i in range(num_clients)]
+
+    @property
+    def pid(self) -> int:
+        """The core's process id."""
+        return self.proc.pid
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Let the core go (it exits once we close its parent pipe), wait up to `timeout`, then kill it."""
+        self._parent_pipe.close()
+        _stop_process(self.proc, timeout)
+        self._finalizer.detach()
+
+    def close(self) -> None:
+        """Remove the socket directory (once the core and its API servers are done with it)."""
+        self._alive.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class EngineCoreClient:
+    """One API server's end of the core: send() is thread-safe, reading is one thread's job.
+
+    Built with an EngineConfig it starts the core process and owns it (one API server); built with
+    a CoreLink it joins a core that another process started for several API servers.
+    """
+
+    def __init__(self, config: EngineConfig | None = None, core_hook: Callable[[Any], None] | None = None,
+                 link: CoreLink | None = None) -> None:
+        self.owned = CoreProcess(config, 1, core_hook) if link is None else None
+        self.link = link if link is not None else self.owned.links[0]
+        self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)     # commands are small and few: never drop them
         # A send waits while there is no core at the other end (connecting, or gone), at most this long.
         self.input.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.input.setsockopt(zmq.LINGER, 0)
-        self.input.bind(input_address)
+        self.input.bind(self.link.input_address)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(output_address)
+        self.output.bind(self.link.output_address)
         self.encoder, self.decoder = m.encoder(), m.up_decoder()
         self._send_lock = threading.Lock()      # zmq sockets are not thread-safe
-        spawn = mp.get_context("spawn")
-        reader, self._parent_pipe = spawn.Pipe(duplex=False)
-        # Not a daemon: a core with tensor parallelism spawns workers of its own.
-        self.proc = spawn.Process(target=run_engine_core, name="minillm-engine-core",
-                                  args=(CoreSpec(config, input_address, output_address, reader, core_hook),))
-        self.proc.start()
-        reader.close()
-        self._finalizer = weakref.finalize(self, _stop_process, self.proc, 0.0)   # never outlive this process
+        self._wake_r, self._wake_w = os.pipe()  # stop() wakes the reader out of its poll
         self._poller = zmq.Poller()
         self._poller.register(self.output, zmq.POLLIN)
-        self._poller.register(self.proc.sentinel, zmq.POLLIN)
+        self._poller.register(self.sentinel, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
         self.ready = self._wait_ready()
+
+    @property
+    def client_index(self) -> int:
+        """Which of the core's API servers this is (0 when there is one)."""
+        return self.link.client_index
 
     @property
     def sentinel(self) -> int:
         """A descriptor that becomes readable when the core process ends."""
-        return self.proc.sentinel
+        return self.owned.proc.sentinel if self.owned is not None else self.link.alive.fileno()
+
+    def describe_end(self) -> str:
+        """How the core ended, in words ('killed by SIGKILL'; 'ended' where it is not our child)."""
+        if self.owned is None:
+            return "it is gone; its exit status is for the process that started it"
+        self.owned.proc.join(5)     # its sentinel fired: it is exiting, if not yet reaped
+        return describe_exit(self.owned.proc.exitcode)
 
     def _wait_ready(self) -> m.Ready:
         while True:
@@ -101,9 +164,9 @@ class EngineCoreClient:
                     raise CoreStartupError(f"the engine core failed to start: {message.error_type}: {message.error}")
             elif self.sentinel in events:
                 self.stop(timeout=0)
+                end = self.describe_end()
                 self.close()
-                raise CoreStartupError(f"the engine core process ended during start-up "
-                                       f"({describe_exit(self.proc.exitcode)})")
+                raise CoreStartupError(f"the engine core process ended during start-up ({end})")
 
     def send(self, message: Any) -> None:
         """Send a command (any thread); ConnectionError once the core has gone away."""
@@ -116,8 +179,10 @@ class EngineCoreClient:
 
     def receive(self, timeout_ms: int | None) -> list[Any] | None:
         """Every message waiting (waiting up to timeout_ms for the first); None once the core has ended
-        and sent everything it will send."""
+        and sent everything it will send, or once wake() was called."""
         events = dict(self._poller.poll(timeout_ms))
+        if self._wake_r in events:
+            return None
         messages = self._drain()
         if not messages and self.sentinel in events:
             # It has ended: what it sent last (EngineDead) may still be on its way through the socket.
@@ -125,6 +190,10 @@ class EngineCoreClient:
                 return self._drain()
             return None
         return messages
+
+    def wake(self) -> None:
+        """Make the reader's receive() return None (we are shutting down)."""
+        os.write(self._wake_w, b"x")
 
     def _drain(self) -> list[Any]:
         messages = []
@@ -135,15 +204,18 @@ class EngineCoreClient:
                 return messages
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Wait up to `timeout` for the core process to exit, then kill it."""
-        _stop_process(self.proc, timeout)
-        self._finalizer.detach()
+        """Wait up to `timeout` for a core we own to exit, then kill it (one we joined is its owner's)."""
+        if self.owned is not None:
+            self.owned.stop(timeout)
 
     def close(self) -> None:
-        """Release the sockets (once the core has stopped and nothing reads them any more)."""
-        self._parent_pipe.close()
+        """Release the sockets (once the core has stopped or we leave it, and nothing reads them)."""
         with self._send_lock:
             self.input.close()
         self.output.close()
         self.ctx.term()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self.owned is not None:
+            self.owned.stop(timeout=0)
+            self.owned.close()

@@ -6,6 +6,10 @@ checks stop strings. Between two steps the loop takes a bounded batch of command
 (so no flood of them can starve generation), answers the batch's adds in one message and its
 stats requests with one snapshot, then steps and sends the step's outputs up in one message.
 
+With several API servers (--api-server-count) the core pulls commands from all of them on one
+socket, remembers which server added each request, and pushes each server only its own
+requests' outputs and its own replies, on a socket per server.
+
 Failures: a StepError (a step failed for some requests only; the engine aborted them and is
 intact) is reported in that step's message and the loop goes on. Any other exception is sent up
 as EngineDead and the process exits with status 1; the API server sees the exit either way.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import Counter, defaultdict
 import os
 import signal
 import sys
@@ -175,30 +180,62 @@ class CoreSpec:
     """Everything the core process starts from (pickled once, when it is spawned)."""
 
     config: EngineConfig
-    input_address: str            # commands: the API server's PUSH, our PULL
-    output_address: str           # outputs: our PUSH, the API server's PULL
-    parent_pipe: Any              # readable (EOF) once the API server's process is gone
+    input_addresses: list[str]    # commands: each API server's PUSH, our one PULL
+    output_addresses: list[str]   # outputs: our PUSH to each API server's PULL, by client index
+    parent_pipe: Any              # readable (EOF) once the process that started us is gone
+    alive_pipe: Any = None        # a write end only we hold: the API servers see its EOF when we are gone
     core_hook: Callable[[LLMEngine], None] | None = None   # called with the engine before serving (tests)
 
 
 class EngineCoreProc:
     """The core's process loop: sockets, the bounded command batches, the steps."""
 
-    def __init__(self, core: EngineCore, spec: CoreSpec, input_sock: zmq.Socket, output_sock: zmq.Socket) -> None:
+    def __init__(self, core: EngineCore, spec: CoreSpec, input_sock: zmq.Socket,
+                 output_socks: list[zmq.Socket]) -> None:
         self.core, self.engine = core, core.engine
         self.spec = spec
-        self.input, self.output = input_sock, output_sock
+        self.input, self.outputs = input_sock, output_socks
         self.encoder, self.decoder = m.encoder(), m.down_decoder()
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
         self.poller.register(spec.parent_pipe.fileno(), zmq.POLLIN)
+        self.client_of: dict[str, int] = {}     # request id -> the API server that added it (several only)
+        self.finished = Counter()               # final reasons the API servers reported
 
-    def send(self, message: Any) -> None:
-        """Send a message up (raises ConnectionError once the API server is gone)."""
+    def send(self, message: Any, client: int = 0) -> None:
+        """Send a message to one API server (raises ConnectionError once it is gone)."""
         try:
-            self.output.send(self.encoder.encode(message), zmq.NOBLOCK)
+            self.outputs[client].send(self.encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again:
             raise ConnectionError("the API server is gone") from None
+
+    def broadcast(self, message: Any) -> None:
+        """Send a message to every API server."""
+        data = self.encoder.encode(message)
+        for sock in self.outputs:
+            try:
+                sock.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise ConnectionError("an API server is gone") from None
+
+    def send_step(self, step: m.StepOutputs) -> None:
+        """A step's outputs: all to the one API server, else each server its own requests'."""
+        if len(self.outputs) == 1:
+            self.send(step)
+            return
+        outputs: dict[int, list] = defaultdict(list)
+        failed: dict[int, list] = defaultdict(list)
+        for out in step.outputs:
+            client = self.client_of.pop(out.request_id, 0) if out.finished else self.client_of.get(out.request_id, 0)
+            outputs[client].append(out)
+        for failure in step.failed:
+            by_client: dict[int, list[str]] = defaultdict(list)
+            for request_id in failure.request_ids:
+                by_client[self.client_of.pop(request_id, 0)].append(request_id)
+            for client, ids in by_client.items():
+                failed[client].append(m.FailedRequests(ids, failure.error_type, failure.error))
+        for client in sorted(outputs.keys() | failed.keys()):
+            self.send(m.StepOutputs(step.num_steps, step.time, outputs[client], failed[client]), client)
 
     def run(self) -> None:
         """Take commands and step until told to stop or the API server goes away."""
@@ -213,12 +250,12 @@ class EngineCoreProc:
             if self.input in events and not self.run_commands():
                 return
             if self.engine.has_unfinished_requests():
-                self.send(self.core.step())
+                self.send_step(self.core.step())
 
     def run_commands(self) -> bool:
         """Handle a bounded batch of waiting commands; False once told to shut down."""
-        adds: list[tuple[str, str | None]] = []
-        stats: list[int] = []
+        adds: dict[int, list[tuple[str, str | None]]] = defaultdict(list)
+        stats: dict[int, list[int]] = defaultdict(list)
         started = time.perf_counter()
         running = True
         for count in range(MAX_COMMANDS_PER_STEP):
@@ -229,44 +266,57 @@ class EngineCoreProc:
             except zmq.Again:
                 break
             if isinstance(command, m.AddRequest):
-                adds.append((command.request_id, self.core.add_request(command)))
+                error = self.core.add_request(command)
+                adds[command.client_index].append((command.request_id, error))
+                if error is None and len(self.outputs) > 1:
+                    self.client_of[command.request_id] = command.client_index
             elif isinstance(command, m.AbortRequests):
                 for request_id in command.request_ids:
                     self.engine.abort_request(request_id)
             elif isinstance(command, m.StopSequences):
                 for request_id, index, stop_string in command.stops:
                     self.engine.stop_sequence(request_id, index, stop_string)
+            elif isinstance(command, m.FinishedCounts):
+                self.finished.update(command.counts)
             elif isinstance(command, m.GetStats):
-                stats.append(command.call_id)      # one snapshot answers every stats request of the batch
+                stats[command.client_index].append(command.call_id)   # one snapshot answers the batch's
             elif isinstance(command, m.UtilityCall):
-                self.send(self.core.utility(command))
+                self.send(self.core.utility(command), command.client_index)
             elif isinstance(command, m.Shutdown):
                 running = False
                 break
-        if adds:
-            self.send(m.AddResults(adds))
+        for client, results in adds.items():
+            self.send(m.AddResults(results), client)
         if stats:
-            self.send(self.stats_reply(stats))
+            snapshot, error = self.snapshot()
+            for client, call_ids in stats.items():
+                self.send(m.StatsReply(call_ids, snapshot, error), client)
         return running
 
-    def stats_reply(self, call_ids: list[int]) -> m.StatsReply:
-        """One full-resolution snapshot for these callers; a stats bug fails them, not serving."""
+    def snapshot(self) -> tuple[Any, str | None]:
+        """(a full-resolution snapshot with the API servers' finish counts, None), or (None, why not):
+        a stats bug fails the callers, not serving."""
         try:
-            return m.StatsReply(call_ids, self.engine.stats(FULL_RESOLUTION))
+            stats = self.engine.stats(FULL_RESOLUTION)
         except Exception as exc:  # noqa: BLE001
-            return m.StatsReply(call_ids, None, "%s: %s" % error_fields(exc))
+            return None, "%s: %s" % error_fields(exc)
+        return dataclasses.replace(stats, num_requests_finished=dict(self.finished)), None
 
 
-def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, zmq.Socket]:
-    """(input, output) sockets, connected first thing, so both are up long before Ready is sent."""
+def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, list[zmq.Socket]]:
+    """(input, outputs) sockets, connected first thing, so all are up long before Ready is sent."""
     input_sock = ctx.socket(zmq.PULL)
     input_sock.setsockopt(zmq.RCVHWM, 0)
-    input_sock.connect(spec.input_address)
-    output_sock = ctx.socket(zmq.PUSH)
-    output_sock.setsockopt(zmq.SNDHWM, 0)
-    output_sock.setsockopt(zmq.LINGER, 2000)   # a last EngineDead must reach the API server before we exit
-    output_sock.connect(spec.output_address)
-    return input_sock, output_sock
+    for address in spec.input_addresses:       # one PULL takes turns between the API servers
+        input_sock.connect(address)
+    output_socks = []
+    for address in spec.output_addresses:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.LINGER, 2000)   # a last EngineDead must reach the API servers before we exit
+        sock.connect(address)
+        output_socks.append(sock)
+    return input_sock, output_socks
 
 
 def run_engine_core(spec: CoreSpec) -> None:
@@ -276,7 +326,7 @@ def run_engine_core(spec: CoreSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: None)
     ctx = zmq.Context()
-    input_sock, output_sock = _connect(ctx, spec)
+    input_sock, output_socks = _connect(ctx, spec)
     encoder = m.encoder()
     status = 0
     try:
@@ -284,29 +334,33 @@ def run_engine_core(spec: CoreSpec) -> None:
             core = EngineCore(spec.config)
             if spec.core_hook is not None:
                 spec.core_hook(core.engine)
-        except Exception as exc:  # noqa: BLE001 - the API server re-raises it
-            output_sock.send(encoder.encode(m.StartupFailed(*error_fields(exc))))
+        except Exception as exc:  # noqa: BLE001 - the API servers re-raise it
+            failed = encoder.encode(m.StartupFailed(*error_fields(exc)))
+            for sock in output_socks:
+                sock.send(failed)
             status = 1
             return
-        proc = EngineCoreProc(core, spec, input_sock, output_sock)
+        proc = EngineCoreProc(core, spec, input_sock, output_socks)
         engine = core.engine
-        proc.send(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size, engine.stats(cells=1)))
+        proc.broadcast(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size,
+                               engine.stats(cells=1)))
         try:
             proc.run()
         except ConnectionError:
-            pass        # the API server is gone
+            pass        # an API server is gone
         except BaseException as exc:  # noqa: BLE001 - any other failure ends the core, reported first
             traceback.print_exc()
             status = 1
             try:
-                proc.send(m.EngineDead(*error_fields(exc)))
+                proc.broadcast(m.EngineDead(*error_fields(exc)))
             except ConnectionError:
                 pass
         finally:
             engine.shutdown()
     finally:
         input_sock.close()
-        output_sock.close()
+        for sock in output_socks:
+            sock.close()
         ctx.destroy(linger=2000)
         sys.stderr.flush()
         if status:

@@ -3,7 +3,8 @@
 Down (API server -> core): small commands, one message each. Up (core -> API server): one
 StepOutputs per engine step with every request that moved (new token ids, not text), plus replies
 to adds, stats and utility calls, and EngineDead before the core exits on a failure it cannot
-contain. Structs are array-like (positional), so a step of 256 requests encodes in tens of
+contain. With several API servers (--api-server-count) each command names the server that sent
+it (client_index), and the core sends each server only its own requests' outputs and replies. Structs are array-like (positional), so a step of 256 requests encodes in tens of
 microseconds.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: Any               # list[int] as the caller gave it; the engine validates it
     params: dict[str, Any]              # SamplingParams' constructor fields
     arrival_time: float
+    client_index: int = 0               # the API server that sent it: its outputs go there
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -38,10 +40,19 @@ class StopSequences(msgspec.Struct, tag=True, array_like=True):
     stops: list[tuple[str, int, str]]
 
 
+class FinishedCounts(msgspec.Struct, tag=True, array_like=True):
+    """Requests an API server has seen end since its last report, by final reason (a stop string it
+    found is "stop" even where the core had meanwhile reached max_tokens): the core adds them up,
+    so every server's stats show the whole engine's."""
+
+    counts: dict[str, int]
+
+
 class GetStats(msgspec.Struct, tag=True, array_like=True):
     """Ask for a full-resolution EngineStats snapshot (one snapshot answers a batch of these)."""
 
     call_id: int
+    client_index: int = 0
 
 
 class UtilityCall(msgspec.Struct, tag=True, array_like=True):
@@ -50,13 +61,14 @@ class UtilityCall(msgspec.Struct, tag=True, array_like=True):
     call_id: int
     method: str
     args: list[Any]
+    client_index: int = 0
 
 
 class Shutdown(msgspec.Struct, tag=True, array_like=True):
     """Abort everything, release the device and exit."""
 
 
-DownMessage = Union[AddRequest, AbortRequests, StopSequences, GetStats, UtilityCall, Shutdown]
+DownMessage = Union[AddRequest, AbortRequests, StopSequences, FinishedCounts, GetStats, UtilityCall, Shutdown]
 
 # ---- up: engine core -> API server -----------------------------------------------------------
 

@@ -7,8 +7,8 @@ stop goes down to the core, which frees the sequence's blocks; a token or two ma
 for it meanwhile and are ignored.
 
 Finished requests are counted here by their final reason (a stop string is "stop" even when the
-core had meanwhile reached max_tokens), as vLLM's frontend counts them; the stats snapshots the
-server hands out carry these counts.
+core had meanwhile reached max_tokens), as vLLM's frontend counts them, and reported to the core,
+which adds up every API server's counts into the stats snapshots it hands out.
 """
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, FrontendRequest] = {}
         self.finished = Counter()       # finish reason -> sequences, over the server's life
+        self.unreported = Counter()     # the part of `finished` not yet reported to the core
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float, handle: Any) -> None:
@@ -190,3 +191,9 @@ class OutputProcessor:
         req.is_counted = True
         for seq in req.seqs:
             self.finished[seq.final_reason] += 1
+            self.unreported[seq.final_reason] += 1
+
+    def take_unreported(self) -> dict[str, int]:
+        """Finish counts since the last call (for the core, which adds up every API server's)."""
+        counts, self.unreported = dict(self.unreported), Counter()
+        return counts

@@ -18,10 +18,11 @@ MAX_GROUP = 16                  # query heads per KV head handled here
 HEAD_DIMS = (64, 128)
 OLD_KERNEL = "mma"              # the value of the kernel flag that keeps paged_prefill_mma
 AUTO = "flash"                  # the flag's value that picks the block shape from the grid
-# "flash" picks flash-8w while flash-4w would make at most this many blocks per multiprocessor:
-# few blocks start nearly together, and a long one alone on a multiprocessor with 4 warps then
-# sets the time; past that the hardware balances 4-warp blocks as they finish.
-AUTO_8W_BLOCKS_PER_SM = 4
+# "flash" picks flash-8w while flash-4w would make at most this many blocks per multiprocessor.
+# Measured on the H200 (RESULTS.md, Kernels): a 2,048-token chunk alone (256 blocks) ran at 208
+# TFLOP/s with either shape, and over a 14,000-token prefix flash-4w ran at 310 against 250 for
+# flash-8w, so flash-4w is the default everywhere (0); flash-8w stays selectable by name.
+AUTO_8W_BLOCKS_PER_SM = 0
 
 
 @dataclass(frozen=True)

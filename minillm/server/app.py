@@ -1,12 +1,26 @@
-"""The FastAPI app (create_app) and the process entry point of `minillm serve` (run_server)."""
+"""The FastAPI app (create_app) and the process entry point of `minillm serve` (run_server).
+
+With --api-server-count N (N > 1) the process that runs `minillm serve` holds the port, starts
+the engine core for N API servers and N API server processes that each listen on that port with
+SO_REUSEPORT, so the kernel spreads new connections evenly over them (one shared accept queue
+goes mostly to whichever process wakes first; each joined to the core by its own ZeroMQ pair; the core sends each only its own
+requests' outputs), then supervises them: a signal is passed on to the servers, and when one
+ends by a failure (the core dying is seen by all) the others are stopped and the exit status is 1.
+"""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
 import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -50,10 +64,15 @@ class ServerOptions:
     log_interval: float | None = None           # seconds between throughput lines; None: no lines
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
     engine_core: str = "process"                # the engine core in its own process, or "thread" here
+    api_server_count: int = 1                   # API server processes sharing the port and the one core
 
     def __post_init__(self) -> None:
         if self.engine_core not in ENGINE_CORE_MODES:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {self.engine_core!r}")
+        if self.api_server_count < 1:
+            raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if self.api_server_count > 1 and self.engine_core != "process":
+            raise ValueError("several API servers need the engine core in its own process (--engine-core process)")
 
 
 def _stats_cells(cells: int) -> int:
@@ -298,6 +317,10 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     options = options or ServerOptions(log_interval=5.0)
     if options.chat_template is not None:
         check_chat_template(options.chat_template)
+    if options.api_server_count > 1:
+        if monitor:
+            raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
+        return run_api_servers(config, host, port, options)
     _configure_logging()
     engine = start_async_engine(config, options.engine_core)
     from minillm.engine_stats import describe_engine
@@ -312,16 +335,141 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
                 from minillm.tui.app import run_monitor
                 run_monitor(server.url, api_key=options.api_key)
         else:
-            app = create_app(engine, options)
-            uv_config = uvicorn_config(app, options.limits, host=host, port=port, log_level="info",
-                                       timeout_graceful_shutdown=5)
-            server = _Server(uv_config, app.state.ctx.stopping)
-            if options.exit_on_engine_error:
-                threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
-                                 name="minillm-exit-on-engine-error", daemon=True).start()
-            server.run()
+            uv_kwargs = {"host": host, "port": port, "log_level": "info"}
+            serve_http(engine, options, uv_kwargs)
     except KeyboardInterrupt:
         pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C for us
     finally:
         engine.shutdown()
     return 1 if engine.has_failed else 0
+
+
+def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
+               sockets: list[socket.socket] | None = None, parent: Any = None) -> None:
+    """Serve the app over `engine` with uvicorn until told to stop (or the engine fails, or `parent`,
+    a pipe's read end, reports its writer gone)."""
+    app = create_app(engine, options)
+    uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=5, **uv_kwargs)
+    server = _Server(uv_config, app.state.ctx.stopping)
+    if options.exit_on_engine_error:
+        threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
+                         name="minillm-exit-on-engine-error", daemon=True).start()
+    if parent is not None:
+        threading.Thread(target=_exit_when_parent_gone, args=(parent, server), name="minillm-parent-watch",
+                         daemon=True).start()
+    server.run(sockets=sockets)
+
+
+def _exit_when_parent_gone(parent: Any, server: _Server) -> None:
+    """An API server of several: stop when the supervising process is gone, however it ended."""
+    mp.connection.wait([parent])
+    logger.error("the supervising minillm serve process is gone; this API server stops")
+    server.stopping.set()
+    server.should_exit = True
+
+
+@dataclass
+class APIServerSpec:
+    """What one of several API server processes starts from (pickled when it is spawned)."""
+
+    config: Any
+    options: ServerOptions
+    link: Any                   # CoreLink: its sockets to the engine core, and the core's life
+    host: str
+    port: int                   # the port every API server listens on (SO_REUSEPORT)
+    parent: Any                 # a pipe's read end: EOF once the supervising process is gone
+    index: int
+
+
+def run_api_server(spec: APIServerSpec) -> None:
+    """An API server process's entry point: join the engine core, serve on the shared socket; exit 1
+    if the engine failed."""
+    os.setpgrp()    # signals come from the supervisor, once (a terminal's Ctrl-C reaches it alone)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again for the handler it found: that
+    # must not kill the process, whose exit status says whether the engine failed.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    _configure_logging()
+    from minillm.server.async_llm import AsyncLLM
+    try:
+        engine = AsyncLLM(spec.config, link=spec.link)
+    except Exception as exc:  # noqa: BLE001 - the core did not start; the supervisor exits 1
+        if spec.index == 0:
+            print(f"minillm serve: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if spec.index == 0:
+        from minillm.engine_stats import describe_engine
+        print(describe_engine(engine.startup_stats), file=sys.stderr, flush=True)
+    try:
+        sock = port_socket(spec.host, spec.port)
+        serve_http(engine, spec.options, {"log_level": "info" if spec.index == 0 else "warning"},
+                   sockets=[sock], parent=spec.parent)
+    finally:
+        engine.shutdown()
+    sys.exit(1 if engine.has_failed else 0)
+
+
+def port_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port that other processes of ours can bind too (SO_REUSEPORT): each
+    API server listens on its own, and the kernel spreads connections over the listening ones."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, core_hook: Any = None) -> int:
+    """Start the engine core and options.api_server_count API server processes on one port; supervise
+    them until a signal or a failure; the exit status (1 when any of them failed)."""
+    from minillm.engine_core.client import CoreProcess
+    _configure_logging()
+    count = options.api_server_count
+    held = port_socket(host, port)     # bound, never listening: holds the port (and picks one for port 0)
+    port = held.getsockname()[1]
+    # Each API server writes its latency histograms here; /metrics on any of them adds all up.
+    metrics_dir = tempfile.mkdtemp(prefix="minillm-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    core = CoreProcess(config, count, core_hook)
+    print(f"minillm: engine core in process {core.pid}", file=sys.stderr, flush=True)
+    spawn = mp.get_context("spawn")
+    parent_reader, parent_writer = spawn.Pipe(duplex=False)
+    servers = []
+    for i, link in enumerate(core.links):
+        server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
+        proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}",
+                             args=(APIServerSpec(config, server_options, link, host, port, parent_reader, i),))
+        proc.start()
+        servers.append(proc)
+        print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
+    parent_reader.close()
+    stopping = threading.Event()
+
+    def stop_servers(*_: Any) -> None:
+        stopping.set()
+        for proc in servers:
+            if proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop_servers) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(proc.is_alive() for proc in servers):
+            mp.connection.wait([proc.sentinel for proc in servers if proc.is_alive()], timeout=1.0)
+            if not stopping.is_set() and any(proc.exitcode is not None for proc in servers):
+                logger.error("an API server ended (%s); stopping the others", ", ".join(
+                    f"{proc.name}: exit code {proc.exitcode}" for proc in servers if proc.exitcode is not None))
+                stop_servers()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for proc in servers:
+            proc.join(15)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        parent_writer.close()
+        held.close()
+        core.stop(timeout=10)
+        core.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 1 if any(proc.exitcode != 0 for proc in servers) else 0

@@ -14,7 +14,6 @@ EngineDeadError, later calls fail, and `ended` is set so the server can exit and
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import threading
@@ -25,7 +24,7 @@ import msgspec
 
 from minillm.config import EngineConfig
 from minillm.engine_core import messages as m
-from minillm.engine_core.client import EngineCoreClient, describe_exit
+from minillm.engine_core.client import CoreLink, EngineCoreClient
 from minillm.engine_core.core import SAMPLING_FIELDS
 from minillm.engine_core.output_processor import OutputProcessor
 from minillm.loader import resolve_model_path
@@ -43,13 +42,15 @@ logger = logging.getLogger("minillm.server")
 class AsyncLLM:
     """The engine core in a spawned process; asyncio callers on any event loop."""
 
-    def __init__(self, config: EngineConfig, core_hook: Callable[[Any], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, core_hook: Callable[[Any], None] | None = None,
+                 link: CoreLink | None = None) -> None:
+        """Start the engine core for `config`, or (with a link) join one started for several API servers."""
         self.config = config
         # Only text work here: the core alone picks the device (CUDA is never touched in this process).
         self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model, config.download_dir))
-        self.core = EngineCoreClient(config, core_hook)
+        self.core = EngineCoreClient(config, core_hook) if link is None else EngineCoreClient(link=link)
+        self.client_index = self.core.client_index
         ready = self.core.ready
-        self.core_pid: int = ready.pid
         self.max_model_len: int = ready.max_model_len
         self.vocab_size: int = ready.vocab_size
         self.startup_stats: EngineStats = ready.stats
@@ -71,6 +72,11 @@ class AsyncLLM:
     def from_config(cls, config: EngineConfig, core_hook: Callable[[Any], None] | None = None) -> "AsyncLLM":
         """Spawn the engine core for an EngineConfig and wait until it serves."""
         return cls(config, core_hook)
+
+    @property
+    def core_pid(self) -> int:
+        """The engine core's process id."""
+        return self.core.ready.pid
 
     # ---- asyncio side -------------------------------------------------------------------
 
@@ -119,7 +125,7 @@ class AsyncLLM:
             if request_id in self.processor.requests or request_id in self._adds:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             try:
-                self._send(m.AddRequest(request_id, ids, fields, arrival))
+                self._send(m.AddRequest(request_id, ids, fields, arrival, self.client_index))
             except (TypeError, OverflowError, msgspec.EncodeError) as exc:   # a value msgpack cannot carry
                 raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
             prompt_ids = list(ids) if isinstance(ids, (list, tuple)) else []   # the core refuses anything else
@@ -152,7 +158,7 @@ class AsyncLLM:
 
     async def get_full_stats(self) -> EngineStats:
         """A consistent snapshot with one block-map cell per block, taken in the core between steps."""
-        return await self._call(m.GetStats)
+        return await self._call(lambda call_id: m.GetStats(call_id, self.client_index))
 
     async def get_stats(self, cells: int = 64) -> EngineStats:
         """A consistent EngineStats snapshot whose block map has at most `cells` cells."""
@@ -160,22 +166,25 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Call a public method of the core's LLMEngine between two steps; its result (plain data)."""
-        return await self._call(lambda call_id: m.UtilityCall(call_id, method, list(args)))
+        return await self._call(lambda call_id: m.UtilityCall(call_id, method, list(args), self.client_index))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core (open requests get an error) and wait for it."""
+        """Stop the core we own, or leave the one we joined (open requests get an error), and wait."""
         with self._lock:
             first = not self._stopping
             self._stopping = True
-            if first and self._dead is None:
+            if first and self._dead is None and self.core.owned is not None:
                 try:
                     self.core.send(m.Shutdown())
                 except ConnectionError:
                     pass
         if not first:
             return
-        self.core.stop(timeout)
-        self._thread.join(10)      # the reader sees the process end, then fails what is still open
+        if self.core.owned is not None:
+            self.core.stop(timeout)
+        else:
+            self.core.wake()
+        self._thread.join(10)      # the reader sees the process end (or the wake), then fails what is still open
         self.core.close()
 
     # ---- reader thread ------------------------------------------------------------------
@@ -197,8 +206,7 @@ class AsyncLLM:
         if self._stopping:
             self._die(EngineDeadError("the engine was shut down"), failed=False)
         else:
-            self.core.proc.join(5)     # its sentinel fired: it is exiting, if not yet reaped
-            exit_text = describe_exit(self.core.proc.exitcode)
+            exit_text = self.core.describe_end()
             logger.error("the engine core process ended unexpectedly (%s)", exit_text)
             self._die(RemoteError("EngineCoreExited", f"the engine core process ended ({exit_text})"), failed=True)
 
@@ -226,11 +234,14 @@ class AsyncLLM:
                     stream = self.processor.abandon(request_id)
                     if stream is not None:
                         failures.append((stream, RequestFailedError(request_id, cause)))
-            if done.stops:
-                try:
+            finished = self.processor.take_unreported()
+            try:
+                if done.stops:
                     self._send(m.StopSequences(done.stops))
-                except EngineDeadError:
-                    pass
+                if finished:
+                    self._send(m.FinishedCounts(finished))
+            except EngineDeadError:
+                pass
         self.num_core_steps = step.num_steps
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for stream, output in done.outputs:
@@ -254,13 +265,10 @@ class AsyncLLM:
 
     def _on_stats(self, message: m.StatsReply) -> None:
         if message.stats is not None:
-            with self._lock:
-                finished = dict(self.processor.finished)
-            stats = dataclasses.replace(message.stats, num_requests_finished=finished)
-            self.last_stats = stats
+            self.last_stats = message.stats     # the core counted every API server's finished requests in
         for call_id in message.call_ids:
             error = RemoteError(*message.error.split(": ", 1)) if message.error else None
-            self._settle_call(call_id, stats if error is None else None, error)
+            self._settle_call(call_id, message.stats if error is None else None, error)
 
     def _settle_call(self, call_id: int, result: Any, error: BaseException | None) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ times its tokens were seen on the engine thread.
 """
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
@@ -141,13 +143,21 @@ class ServerMetrics:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()     # what /metrics renders
         self._snapshot = _SnapshotCollector(model_name)
         self.registry.register(self._snapshot)
+        # One of several API servers (--api-server-count): every server's histograms live in files
+        # there, and a scrape of any server adds them all up (prometheus_client's multiprocess mode).
+        multiprocess_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        histograms = self.registry
+        if multiprocess_dir:
+            from prometheus_client.multiprocess import MultiProcessCollector
+            MultiProcessCollector(self.registry, multiprocess_dir)
+            histograms = CollectorRegistry()    # this process's own, written to the files, not rendered
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
-                             registry=self.registry).labels(model_name)
+                             registry=histograms).labels(model_name)
 
         self.ttft = histogram("minillm:time_to_first_token_seconds",
                               "Time to first token in seconds.", _LATENCY_BUCKETS)

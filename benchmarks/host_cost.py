@@ -1,0 +1,246 @@
+"""Host CPU per streamed token, per process: the API server(s), the engine core, the benchmark client.
+
+A GPU hides host costs until the host is the limit; this harness shows them on any machine. It
+writes a tiny random model (so the CPU core makes tokens faster than a server can stream them),
+starts the real `minillm serve` on it with --load-format dummy, drives it with the real serving
+benchmark, and reads each process's CPU seconds (utime + stime) around the run. Dividing by the
+tokens streamed gives CPU microseconds per token: multiplied by a GPU's token rate, the CPU share
+each process needs (an API server process at 36 us/token carries at most ~28k tokens/s on one
+core, with nothing to spare).
+
+    python -m benchmarks.host_cost --num-prompts 512 --output-len 128 --concurrency 256
+    python -m benchmarks.host_cost --server-arg=--api-server-count --server-arg=2
+
+--profile DIR also records each server process with py-spy (if installed) for a flame graph.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+
+# A Qwen3-shaped model small enough that a step of 256 sequences costs the CPU core little.
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 2048,
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "hidden_act": "silu", "attention_bias": False,
+    "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class ProcessCPU:
+    """One process's CPU seconds over the run."""
+
+    role: str
+    pid: int
+    cpu_s: float
+
+
+@dataclass
+class HostCost:
+    """A run's tokens, time and each process's CPU."""
+
+    num_tokens: int
+    duration_s: float
+    processes: list[ProcessCPU] = field(default_factory=list)
+
+    def per_token_us(self, role: str) -> float:
+        """CPU microseconds per streamed token of every process in a role, together."""
+        return 1e6 * sum(p.cpu_s for p in self.processes if p.role == role) / max(self.num_tokens, 1)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a live process (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK   # fields 14 and 15 of stat(5)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of a process (Linux: /proc/PID/task/*/children)."""
+    out: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                out += [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            pass
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below pid."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options."""
+    p = BenchParser("python -m benchmarks.host_cost", __doc__.split("\n\n")[0])
+    p.add_argument("--model-dir", default=None, help="Where the tiny model is written (default: a temp dir).")
+    p.add_argument("--port", type=int, default=8731, help="Port of the server under test.")
+    p.add_argument("--num-prompts", type=int, default=512, help="Requests in the workload.")
+    p.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
+    p.add_argument("--output-len", type=int, default=128, help="Tokens each request streams.")
+    p.add_argument("--concurrency", type=int, default=256, help="Requests in flight.")
+    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--server-arg", action="append", default=[], help="An extra `minillm serve` argument (repeat).")
+    p.add_argument("--client-arg", action="append", default=[], help="An extra benchmark client argument (repeat).")
+    p.add_argument("--profile", default=None, help="Record each server process with py-spy into this directory.")
+    p.add_argument("--result-file", default=None, help="Write the figures as JSON here.")
+    return p.parse_args(argv)
+
+
+def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path) -> subprocess.Popen:
+    """`minillm serve` on the tiny model; returns once it answers."""
+    cmd = [sys.executable, "-m", "minillm.cli", "serve", str(model_dir), "--load-format", "dummy",
+           "--device", "cpu", "--port", str(args.port), "--max-num-seqs", str(max(args.concurrency, 1)),
+           *args.server_arg]
+    log = open(log_path, "w", encoding="utf-8")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"the server exited ({proc.returncode}): {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{args.port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise BenchError("the server did not come up within 300 s")
+
+
+def server_roles(proc: subprocess.Popen, log_path: Path) -> dict[int, str]:
+    """pid -> "api_server" / "engine_core" / "supervisor" for the server and every process it started."""
+    log = log_path.read_text()
+    core_pids = {int(x) for x in re.findall(r"engine core in process (\d+)", log)}
+    several = re.search(r"API server \d+ in process", log) is not None
+    roles = {proc.pid: "supervisor" if several else "api_server"}
+    for pid in descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except FileNotFoundError:
+            continue
+        if b"resource_tracker" in cmdline:
+            continue
+        roles[pid] = "engine_core" if pid in core_pids else "api_server"
+    return roles
+
+
+def run_client(args: argparse.Namespace, result_file: Path) -> tuple[float, int]:
+    """The serving benchmark as its own process: (its CPU seconds, with any processes of its own; exit status)."""
+    cmd = [sys.executable, "-m", "minillm.benchmarks.serving", "--base-url", f"http://127.0.0.1:{args.port}",
+           "--endpoint", args.endpoint, "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
+           "--vocab-range", "3", str(TINY_QWEN3["vocab_size"]), "--result-file", str(result_file), *args.client_arg]
+    proc = subprocess.Popen(cmd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime, proc.returncode
+
+
+def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> HostCost:
+    """One run: start the server, warm it, run the client, read every process's CPU."""
+    log_path = work / "server.log"
+    server = start_server(args, model_dir, log_path)
+    spies: list[subprocess.Popen] = []
+    try:
+        warm = argparse.Namespace(**{**vars(args), "num_prompts": 8, "concurrency": 8})
+        run_client(warm, work / "warm.json")     # first-call costs are not the steady state
+        roles = server_roles(server, log_path)
+        before = {pid: cpu_seconds(pid) for pid in roles}
+        if args.profile and shutil.which("py-spy"):
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            for pid, role in roles.items():
+                spies.append(subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--threads", "--nonblocking",
+                                               "--format", "raw", "--rate", "200", "--output",
+                                               f"{args.profile}/{role}-{pid}.txt"],
+                                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        start = time.perf_counter()
+        client_cpu, status = run_client(args, work / "result.json")
+        duration = time.perf_counter() - start
+        after = {pid: cpu_seconds(pid) for pid in roles}
+        if status != 0:
+            raise BenchError(f"the benchmark client failed (exit {status})")
+        result = json.loads((work / "result.json").read_text())["results"][0]
+        cost = HostCost(result["total_output_tokens"], duration)
+        cost.processes = [ProcessCPU(role, pid, after[pid] - before[pid]) for pid, role in roles.items()]
+        cost.processes.append(ProcessCPU("client", 0, client_cpu))
+        cost.result = result
+        return cost
+    finally:
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)
+        for spy in spies:
+            spy.wait(30)
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def format_cost(cost: HostCost, args: argparse.Namespace) -> str:
+    """One block: throughput, then CPU us per token of each role and its share of a core."""
+    r = cost.result
+    tok_s = cost.num_tokens / cost.duration_s
+    lines = [f"{args.num_prompts} prompts x {args.output_len} tokens at concurrency {args.concurrency}: "
+             f"{cost.num_tokens} tokens in {cost.duration_s:.2f} s = {tok_s:,.0f} tok/s; "
+             f"ITL p50 / p99 {r['itl_ms']['median']:.1f} / {r['itl_ms']['p99']:.1f} ms; "
+             f"{cost.num_tokens / max(r.get('total_chunks') or 0, 1):.2f} tokens per streamed event",
+             f"{'process':<12}{'count':>6}{'CPU s':>9}{'us/token':>10}{'cores':>7}{'tok/s per core':>16}"]
+    for role in ("api_server", "engine_core", "client", "supervisor"):
+        if role == "supervisor" and not any(p.role == role for p in cost.processes):
+            continue
+        procs = [p for p in cost.processes if p.role == role]
+        us = cost.per_token_us(role)
+        cpu = sum(p.cpu_s for p in procs)
+        lines.append(f"{role:<12}{len(procs):>6}{cpu:>9.2f}{us:>10.1f}{cpu / cost.duration_s:>7.2f}"
+                     f"{(1e6 / us if us else 0):>16,.0f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write the model, measure, print the table."""
+    args = parse_args(argv)
+    from minillm.benchmarks.workload import write_random_model_dir
+    with tempfile.TemporaryDirectory(prefix="minillm-host-cost-") as tmp:
+        work = Path(tmp)
+        model_dir = write_random_model_dir(Path(args.model_dir) if args.model_dir else work / "model", TINY_QWEN3)
+        cost = measure(args, model_dir, work)
+    print(format_cost(cost, args))
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump({"args": vars(args), "num_tokens": cost.num_tokens, "duration_s": cost.duration_s,
+                       "processes": [vars(p) for p in cost.processes],
+                       "us_per_token": {role: cost.per_token_us(role) for role in ("api_server", "engine_core",
+                                                                                  "client")}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main, "python -m benchmarks.host_cost"))

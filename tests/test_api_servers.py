@@ -1,0 +1,180 @@
+"""Several API servers on one engine core (--api-server-count): routing, whole-engine figures, failures."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from core_hooks import install
+from test_server_failure import _serve, _Stream
+from test_server_helpers import call_utility, get_stats, sse_events, wait_for
+
+from minillm.config import EngineConfig
+from minillm.engine_core.client import CoreProcess
+from minillm.server.app import ServerOptions, ServerThread, create_app
+from minillm.server.async_llm import AsyncLLM
+
+MODEL = "stories"
+PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day, a cat"]
+
+
+def _body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+
+
+@pytest.fixture(scope="module")
+def two_servers(stories_path):
+    """One engine core for two API servers, both in this process (each with its own port and loop)."""
+    core = CoreProcess(EngineConfig(model=str(stories_path), device="cpu"), 2, install)
+    engines = [AsyncLLM(EngineConfig(model=str(stories_path), device="cpu"), link=link) for link in core.links]
+    servers = [ServerThread(create_app(engine, ServerOptions(served_model_name=MODEL))).start() for engine in engines]
+    try:
+        yield [server.url for server in servers], engines
+    finally:
+        for server in servers:
+            server.stop()
+        for engine in engines:
+            engine.shutdown()
+        core.stop()
+        core.close()
+
+
+async def _stream_text(client: httpx.AsyncClient, url: str, body: dict) -> str:
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = [line async for line in response.aiter_lines()]
+    return "".join(event["choices"][0]["text"] for event in sse_events(lines))
+
+
+def test_each_server_gets_its_own_requests_outputs(two_servers):
+    urls, engines = two_servers
+    alone = {p: httpx.post(f"{urls[0]}/v1/completions", json=_body(p, 24, stream=False), timeout=60)
+             .json()["choices"][0]["text"] for p in PROMPTS}
+    before = get_stats(urls[0])
+
+    async def run_all():
+        async with httpx.AsyncClient(timeout=120) as client:
+            jobs = [_stream_text(client, urls[i % 2], _body(PROMPTS[i % len(PROMPTS)], 24)) for i in range(16)]
+            return await asyncio.gather(*jobs)
+
+    texts = asyncio.run(run_all())
+    assert texts == [alone[PROMPTS[i % len(PROMPTS)]] for i in range(16)]
+    # Whole-engine figures through either server: both servers' finished requests, counted once.
+    for url in urls:
+        stats = wait_for(lambda: (s := get_stats(url))["num_requests_finished"].get("length", 0)
+                         - before["num_requests_finished"].get("length", 0) == 16 and s)
+        assert stats, get_stats(url)["num_requests_finished"]
+        assert stats["generation_tokens_total"] - before["generation_tokens_total"] == 16 * 24
+    assert all(not engine.processor.requests for engine in engines)
+
+
+def _raw_stream(url: str, body: dict, num_chunks: int) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    seen = b""
+    while seen.count(b"data:") < num_chunks:
+        seen += sock.recv(65536)
+    return sock
+
+
+def test_a_disconnect_on_the_second_server_aborts_in_the_core_within_two_steps(two_servers):
+    urls, engines = two_servers
+    num_aborted = len(call_utility(engines[0], "aborted_requests"))
+    sent = {}
+    real_abort = engines[1].abort
+    engines[1].abort = lambda request_id: (sent.setdefault(request_id, time.time()), real_abort(request_id))[1]
+    try:
+        sock = _raw_stream(urls[1], _body("Once upon a time", 300), num_chunks=3)
+        hung_up_at = time.time()
+        sock.close()
+        aborted = wait_for(lambda: call_utility(engines[0], "aborted_requests")[num_aborted:], timeout=10)
+    finally:
+        del engines[1].abort
+    assert aborted, "no abort reached the core after the hang-up"
+    (request_id, applied_at, _, _), = aborted
+    assert request_id in sent
+    stats = wait_for(lambda: (s := get_stats(urls[0]))["num_running"] == 0 and s["kv_num_used_blocks"] == 0 and s,
+                     timeout=10)
+    assert stats, "the request kept its blocks after its client left"
+    steps = stats["recent_steps"]
+    assert stats["num_steps"] - steps[0]["step"] < len(steps), "steps rolled off"
+    assert sum(1 for step in steps if sent[request_id] < step["time"] <= applied_at) <= 2
+    assert sum(1 for step in steps if hung_up_at < step["time"] <= applied_at) <= 4
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def test_serve_with_two_api_servers_spreads_requests_and_adds_up_metrics(stories_path, tmp_path):
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--api-server-count", "2"]
+    with _serve(tmp_path, command) as (proc, url, log):
+        server_pids = [int(pid) for pid in re.findall(r"API server \d+ in process (\d+)", log.read_text())]
+        assert len(server_pids) == 2 and proc.pid not in server_pids
+        before = {pid: _cpu_ticks(pid) for pid in server_pids}
+
+        async def run_all():
+            async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+                return await asyncio.gather(*(_stream_text(client, url, _body(PROMPTS[i % 4], 40))
+                                              for i in range(48)))
+
+        texts = asyncio.run(run_all())
+        assert all(texts)
+        # Both processes did work: the kernel handed connections to each.
+        busy = [pid for pid in server_pids if _cpu_ticks(pid) - before[pid] >= 5]
+        assert busy == server_pids, {pid: _cpu_ticks(pid) - before[pid] for pid in server_pids}
+        for _ in range(4):     # whichever server answers, the figures are the whole engine's
+            assert get_stats(url)["num_requests_finished"].get("length") == 48
+            metrics = httpx.get(f"{url}/metrics", timeout=10).text
+            assert re.search(r'minillm:e2e_request_latency_seconds_count\{model_name="stories"\} 48\.0', metrics)
+            assert re.search(r'minillm:request_success_total\{finished_reason="length",model_name="stories"\} 48\.0',
+                             metrics)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+        assert wait_for(lambda: all(not Path(f"/proc/{pid}").exists() or _is_zombie(pid) for pid in server_pids),
+                        timeout=30)
+
+
+def _is_zombie(pid: int) -> bool:
+    with contextlib.suppress(FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    return True
+
+
+def test_a_killed_core_is_seen_by_every_api_server(stories_path, tmp_path):
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--api-server-count", "2"]
+    with _serve(tmp_path, command) as (proc, url, log):
+        text = log.read_text()
+        core_pid = int(re.search(r"engine core in process (\d+)", text).group(1))
+        server_pids = [int(pid) for pid in re.findall(r"API server \d+ in process (\d+)", text)]
+        streams = [_Stream(url) for _ in range(6)]
+        assert all(stream.first.wait(30) for stream in streams)
+        os.kill(core_pid, signal.SIGKILL)
+        for stream in streams:
+            stream.join(30)
+            assert not stream.is_alive(), "a stream hung after the core died"
+            assert "engine core process ended" in sse_events(stream.lines)[-1]["error"]["message"]
+        try:    # during the drain: up, but unhealthy; or already gone (the servers exit at once)
+            health = httpx.get(f"{url}/health", timeout=5)
+        except httpx.ConnectError:
+            health = None
+        assert health is None or (health.status_code == 503 and "engine core" in health.json()["error"]["message"])
+        assert proc.wait(timeout=60) == 1, log.read_text()
+        assert wait_for(lambda: all(not Path(f"/proc/{pid}").exists() or _is_zombie(pid) for pid in server_pids),
+                        timeout=30)
+        # The first server to see it exits; the serve process may then stop the other before it logs.
+        assert log.read_text().count("the server exits in") >= 1
