@@ -269,6 +269,26 @@ def test_a_claim_to_an_endpoint_nobody_runs_times_out():
         asyncio.run(claim())
 
 
+def test_a_decode_server_keeps_sockets_to_a_bounded_few_producers(monkeypatch):
+    """Producer addresses come from clients: the least recently used socket is closed past the cap."""
+    from minillm.kv_connector import endpoint
+    monkeypatch.setattr(endpoint, "MAX_ENDPOINTS", 2)
+
+    async def connect():
+        client = ClaimClient(timeout_s=0.05)
+        try:
+            for port in (7001, 7002, 7001, 7003):     # nobody listens: each claim times out
+                with pytest.raises(asyncio.TimeoutError):
+                    await client.claim("127.0.0.1", port, "lease", "hash", 3)
+            with pytest.raises(ValueError, match="is not an address"):
+                await client.claim("no such host!", 7004, "lease", "hash", 3)
+            return client.endpoints
+        finally:
+            client.close()
+
+    assert asyncio.run(connect()) == [("127.0.0.1", 7001), ("127.0.0.1", 7003)]
+
+
 def test_the_router_asks_the_prefill_server_for_one_token_and_takes_turns():
     body = {"prompt": "x", "max_tokens": 50, "min_tokens": 10, "stream": True,
             "stream_options": {"include_usage": True},

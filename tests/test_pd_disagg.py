@@ -246,6 +246,7 @@ def test_bad_kv_transfer_params_are_400s_and_the_decode_server_keeps_serving(tri
                   "remote_prompt_hash": kv_y["remote_prompt_hash"]}
         assert_bad(decode_with(decode, y, forged), "holds the KV of another prompt")
         assert_bad(decode_with(decode, x, {**kv, "remote_port": "eighty"}), "remote_port must be an integer")
+        assert_bad(decode_with(decode, x, {**kv, "remote_host": "no such host!"}), "is not an address")
         assert_bad(decode_with(decode, x, {k: v for k, v in kv.items() if k != "remote_lease_id"}),
                    "remote_lease_id must be a string")
         assert_bad(decode_with(decode, x, {**kv, "do_remote_prefill": False}), "must set do_remote_decode")

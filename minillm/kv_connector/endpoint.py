@@ -25,6 +25,7 @@ from minillm.kv_connector.lease import LeaseError, LeaseTable
 logger = logging.getLogger("minillm.kv_transfer")
 
 POLL_MS = 100          # how often the endpoint's thread looks at its stop flag
+MAX_ENDPOINTS = 64     # producers a decode API server keeps a socket to (the least recently used goes)
 
 
 class KVClaim(msgspec.Struct, tag=True, array_like=True):
@@ -172,14 +173,29 @@ class ClaimClient:
         self._waiting: dict[int, asyncio.Future] = {}
         self._ids = itertools.count()
 
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The producers it keeps a socket to, least recently used first."""
+        return list(self._socks)
+
     def _sock(self, host: str, port: int):
-        entry = self._socks.get((host, port))
+        """The socket to a producer's endpoint (ValueError for an address ZeroMQ cannot connect to)."""
+        entry = self._socks.pop((host, port), None)
         if entry is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.connect(f"tcp://{host}:{port}")
-            entry = self._socks[(host, port)] = (sock, asyncio.get_running_loop().create_task(self._read(sock)))
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                sock.close()
+                raise ValueError(f"remote_host {host!r} with remote_port {port} is not an address: {exc}") from None
+            entry = (sock, asyncio.get_running_loop().create_task(self._read(sock)))
+            while len(self._socks) >= MAX_ENDPOINTS:    # addresses come from clients: keep a bounded few
+                old_sock, old_task = self._socks.pop(next(iter(self._socks)))
+                old_task.cancel()
+                old_sock.close()
+        self._socks[(host, port)] = entry            # most recently used last
         return entry[0]
 
     async def _read(self, sock) -> None:
@@ -195,7 +211,8 @@ class ClaimClient:
 
     async def claim(self, host: str, port: int, lease_id: str, prompt_hash: str, num_tokens: int
                     ) -> KVGrant | KVRefusal:
-        """The producer's answer; asyncio.TimeoutError when it does not answer within timeout_s."""
+        """The producer's answer; asyncio.TimeoutError when it does not answer within timeout_s,
+        ValueError when host and port are not an address."""
         sock = self._sock(host, port)
         request_id = next(self._ids)
         waiter = asyncio.get_running_loop().create_future()
@@ -215,7 +232,7 @@ class ClaimClient:
         try:
             await asyncio.wait_for(self._sock(host, port).send(self.encoder.encode(KVRelease(lease_id))),
                                    self.timeout_s)
-        except (asyncio.TimeoutError, zmq.ZMQError):
+        except (asyncio.TimeoutError, zmq.ZMQError, ValueError):
             logger.warning("kv transfer: the release of lease %s to %s:%d could not be sent", lease_id, host, port)
 
     def close(self) -> None:

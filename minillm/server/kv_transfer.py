@@ -123,6 +123,8 @@ async def _claim(ctx, kv: dict, ids: list[int]) -> Claim:
     except asyncio.TimeoutError:
         raise _bad(f"the prefill engine's transfer endpoint at {host}:{port} did not answer within "
                    f"{CLAIM_TIMEOUT_S:g} s", status=503, code="kv_transfer_unavailable") from None
+    except ValueError as exc:
+        raise _bad(str(exc)) from None
     claim_s = time.monotonic() - started
     if not isinstance(reply, KVGrant):
         raise _bad(reply.reason)
