@@ -572,3 +572,19 @@ def test_cuda_copy_blocks_device_to_device_and_past_the_largest_pitch():
         assert not local.a[:, :, [1, 4, 5]].any()
         assert {c[0] for c in calls} == {kind} and {c[3] for c in calls} == {3} and {c[4] for c in calls} == {77}
         assert len(calls) == (2 if kind == "2d" else 2 * 6)    # two runs; 6 rows each when row by row
+
+
+def test_a_segment_loses_its_name_when_its_process_exits_without_unlinking():
+    """A producer whose engine is never shut down (an engine thread left running) leaves nothing in /dev/shm."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("from minillm.kv_connector.transport import SharedSegment\n"
+            "segment = SharedSegment(4096)\n"
+            "print(segment.path, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1],
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    path = out.stdout.strip()
+    assert path.startswith(str(SHM_DIR)) and not os.path.exists(path)

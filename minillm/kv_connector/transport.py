@@ -15,6 +15,7 @@ import mmap
 import os
 import tempfile
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,15 +99,24 @@ def sweep_stale_segments(directory: Path = SHM_DIR) -> list[Path]:
     return removed
 
 
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
 class SharedSegment:
     """A file in shared memory mapped into this process; its name carries our pid, so a segment
-    whose producer died is found and removed by the next producer on the machine."""
+    whose producer died is found and removed by the next producer on the machine. Its name goes
+    with unlink(), or when the segment is collected, or when the interpreter exits."""
 
     def __init__(self, nbytes: int, directory: Path = SHM_DIR):
         sweep_stale_segments(directory)
         self.path = directory / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.nbytes = nbytes
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        self._unlinker = weakref.finalize(self, _unlink, self.path)
         try:
             os.ftruncate(fd, nbytes)      # pages are taken when first written; they read as zeros
             self._map = mmap.mmap(fd, nbytes)
@@ -119,10 +129,7 @@ class SharedSegment:
 
     def unlink(self) -> None:
         """Remove the name (mappings, ours and consumers', stay valid until they are dropped)."""
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
+        self._unlinker()
 
 
 def attach_segment(region: KVRegion) -> np.ndarray:
