@@ -134,9 +134,10 @@ def test_serve_with_two_api_servers_spreads_requests_and_adds_up_metrics(stories
 
         texts = asyncio.run(run_all())
         assert all(texts)
-        # Both processes did work: the kernel handed connections to each.
-        busy = [pid for pid in server_pids if _cpu_ticks(pid) - before[pid] >= 5]
-        assert busy == server_pids, {pid: _cpu_ticks(pid) - before[pid] for pid in server_pids}
+        # Both processes did work: the kernel handed connections to each (a busy machine decides how
+        # many; an idle API server spends no CPU tick in the second or two this takes).
+        ticks = {pid: _cpu_ticks(pid) - before[pid] for pid in server_pids}
+        assert all(t >= 1 for t in ticks.values()) and sum(ticks.values()) >= 5, ticks
         for _ in range(4):     # whichever server answers, the figures are the whole engine's
             assert get_stats(url)["num_requests_finished"].get("length") == 48
             metrics = httpx.get(f"{url}/metrics", timeout=10).text
