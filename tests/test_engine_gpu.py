@@ -9,11 +9,7 @@ from minillm import LLM, SamplingParams
 from conftest import save_tiny_model
 from test_model_parity import minillm_prompt_logits
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU, cupy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 

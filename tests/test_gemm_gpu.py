@@ -5,11 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU, cupy
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 
 if HAS_GPU:

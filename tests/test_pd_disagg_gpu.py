@@ -6,11 +6,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU
 if not HAS_GPU:
     pytest.skip("no CUDA GPU", allow_module_level=True)
 

@@ -18,11 +18,7 @@ from minillm.attention import AttentionMetadata
 from minillm.ops import numpy as npops
 from minillm.ops import prefill_attention
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU, cupy
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 
 if HAS_GPU:

@@ -11,11 +11,7 @@ from minillm.sampling_params import SamplingParams
 
 from test_sampling_metadata import make_seq
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU, cupy
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 
 if HAS_GPU:

@@ -17,11 +17,7 @@ from minillm.sampling_params import SamplingParams
 from minillm.sequence import Sequence
 from minillm.spec_decode import RejectionSampler, SpecDecodeMetadata, rejection_sample
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 
 if HAS_GPU:

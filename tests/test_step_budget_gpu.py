@@ -7,11 +7,7 @@ import pytest
 
 from minillm import LLM, SamplingParams
 
-cupy = pytest.importorskip("cupy")
-try:
-    HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAS_GPU = False
+from gpu_support import HAS_GPU
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]
 
