@@ -3,11 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import re
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -16,7 +14,7 @@ import httpx
 import pytest
 from core_hooks import install
 from test_server_failure import _serve, _Stream
-from test_server_helpers import call_utility, get_stats, sse_events, wait_for
+from test_server_helpers import call_utility, get_stats, raw_stream, sse_events, wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine_core.client import CoreProcess
@@ -78,18 +76,6 @@ def test_each_server_gets_its_own_requests_outputs(two_servers):
     assert all(not engine.processor.requests for engine in engines)
 
 
-def _raw_stream(url: str, body: dict, num_chunks: int) -> socket.socket:
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    seen = b""
-    while seen.count(b"data:") < num_chunks:
-        seen += sock.recv(65536)
-    return sock
-
-
 def test_a_disconnect_on_the_second_server_aborts_in_the_core_within_two_steps(two_servers):
     urls, engines = two_servers
     num_aborted = len(call_utility(engines[0], "aborted_requests"))
@@ -97,7 +83,7 @@ def test_a_disconnect_on_the_second_server_aborts_in_the_core_within_two_steps(t
     real_abort = engines[1].abort
     engines[1].abort = lambda request_id: (sent.setdefault(request_id, time.time()), real_abort(request_id))[1]
     try:
-        sock = _raw_stream(urls[1], _body("Once upon a time", 300), num_chunks=3)
+        sock = raw_stream(urls[1], _body("Once upon a time", 300), num_chunks=3)
         hung_up_at = time.time()
         sock.close()
         aborted = wait_for(lambda: call_utility(engines[0], "aborted_requests")[num_aborted:], timeout=10)

@@ -184,3 +184,19 @@ class HealthyStreams:
             result = {k: v for k, v in result.items() if k != "lines"}
             assert result == {"status": 200, "texts": self.reference, "finish": ["length"], "done": True}
         self.runs.clear()
+
+
+def raw_stream(url: str, body: dict, num_chunks: int) -> socket.socket:
+    """Open a streaming request on a bare socket and read until a few events have arrived."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    received = b""
+    while received.count(b"data: ") < num_chunks:
+        chunk = sock.recv(65536)
+        assert chunk, "server closed the stream early"
+        received += chunk
+    assert b" 200 " in received.split(b"\r\n", 1)[0]
+    return sock

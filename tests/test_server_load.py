@@ -4,14 +4,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 from core_hooks import install
-from test_server_helpers import call_utility, get_stats, running_server, sse_events, wait_for
+from test_server_helpers import call_utility, get_stats, raw_stream, running_server, sse_events, wait_for
 
 from minillm.benchmarks import serving as bench
 from minillm.benchmarks.cli_args import BenchUsageError
@@ -71,22 +70,6 @@ def test_64_concurrent_streams_under_preemption_match_alone(server):
     assert stats["num_waiting"] == 0 and stats["requests"] == []
 
 
-def _raw_stream(url: str, body: dict, num_chunks: int) -> socket.socket:
-    """Open a streaming request on a bare socket and read until a few events have arrived."""
-    host, port = url.removeprefix("http://").split(":")
-    payload = json.dumps(body).encode()
-    sock = socket.create_connection((host, int(port)), timeout=10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
-    received = b""
-    while received.count(b"data: ") < num_chunks:
-        chunk = sock.recv(65536)
-        assert chunk, "server closed the stream early"
-        received += chunk
-    assert b" 200 " in received.split(b"\r\n", 1)[0]
-    return sock
-
-
 @contextlib.contextmanager
 def _abort_sent_times(engine):
     """Watch the server's side: when it sends each abort down to the engine, by request id."""
@@ -114,7 +97,7 @@ def test_disconnected_stream_is_aborted_and_frees_blocks(server):
     before = get_stats(url)
     num_aborted = len(call_utility(engine, "aborted_requests"))
     with _abort_sent_times(engine) as sent:
-        sock = _raw_stream(url, _body("Once upon a time", 300), num_chunks=3)
+        sock = raw_stream(url, _body("Once upon a time", 300), num_chunks=3)
         hung_up, hung_up_at = time.monotonic(), time.time()
         sock.close()
         aborted = wait_for(lambda: call_utility(engine, "aborted_requests")[num_aborted:], timeout=5)

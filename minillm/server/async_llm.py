@@ -61,6 +61,8 @@ class AsyncLLM:
         self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
+        # Per event loop, the stats request being gathered: calls made in one loop iteration share it.
+        self._stats_batches: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self._dead: BaseException | None = None
         self._failed = False
         self._stopping = False
@@ -157,7 +159,20 @@ class AsyncLLM:
         return await done
 
     async def get_full_stats(self) -> EngineStats:
-        """A consistent snapshot with one block-map cell per block, taken in the core between steps."""
+        """A consistent snapshot with one block-map cell per block, taken in the core between steps.
+
+        Calls made in the same event-loop iteration share one request to the core, sent once they
+        have all been made (so the snapshot is never older than any of them); a call made after
+        the send starts the next request.
+        """
+        loop = asyncio.get_running_loop()
+        batch = self._stats_batches.get(loop)
+        if batch is None:
+            batch = self._stats_batches[loop] = loop.create_task(self._fetch_stats(loop))
+        return await asyncio.shield(batch)
+
+    async def _fetch_stats(self, loop: asyncio.AbstractEventLoop) -> EngineStats:
+        del self._stats_batches[loop]      # runs after the calls made beside the first: from here on, a new batch
         return await self._call(lambda call_id: m.GetStats(call_id, self.client_index))
 
     async def get_stats(self, cells: int = 64) -> EngineStats:

@@ -51,14 +51,10 @@ class _SnapshotCollector(Collector):
         stats = self.stats
         if stats is None:
             return
-        for name, doc, attr in _GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(getattr(stats, attr)))
-            yield family
-        for name, doc, attr in _COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(getattr(stats, attr)))
-            yield family
+        yield from _one_value_families(GaugeMetricFamily, self.model_name,
+                                       ((name, doc, getattr(stats, attr)) for name, doc, attr in _GAUGES))
+        yield from _one_value_families(CounterMetricFamily, self.model_name,
+                                       ((name, doc, getattr(stats, attr)) for name, doc, attr in _COUNTERS))
         success = CounterMetricFamily("minillm:request_success", "Count of finished requests by reason.",
                                       labels=["model_name", "finished_reason"])
         for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
@@ -70,21 +66,25 @@ class _SnapshotCollector(Collector):
         yield from spec_decode_families(stats, self.model_name)
 
 
+def _one_value_families(kind, model_name: str, entries):
+    """A family of `kind` (GaugeMetricFamily or CounterMetricFamily) per (name, doc, value), each
+    holding the one value under the model's label."""
+    for name, doc, value in entries:
+        family = kind(name, doc, labels=["model_name"])
+        family.add_metric([model_name], float(value))
+        yield family
+
+
 def kv_offload_families(stats: EngineStats, model_name: str):
     """The host tier of the prefix cache (--kv-offload-gib): blocks, hits, bytes each way; none when off."""
     if not stats.kv_offload_num_blocks:
         return
-    for name, doc, value in (
-            ("minillm:kv_offload_blocks_total", "Blocks the host KV tier holds at most.", stats.kv_offload_num_blocks),
-            ("minillm:kv_offload_blocks_used", "Host KV tier blocks holding a prefix block.",
-             stats.kv_offload_num_used_blocks)):
-        family = GaugeMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([model_name], float(value))
-        yield family
-    hits = CounterMetricFamily("minillm:kv_offload_hits", "Prompt tokens loaded from the host KV tier.",
-                               labels=["model_name"])
-    hits.add_metric([model_name], float(stats.kv_offload_hits))
-    yield hits
+    yield from _one_value_families(GaugeMetricFamily, model_name, (
+        ("minillm:kv_offload_blocks_total", "Blocks the host KV tier holds at most.", stats.kv_offload_num_blocks),
+        ("minillm:kv_offload_blocks_used", "Host KV tier blocks holding a prefix block.",
+         stats.kv_offload_num_used_blocks)))
+    yield from _one_value_families(CounterMetricFamily, model_name, (
+        ("minillm:kv_offload_hits", "Prompt tokens loaded from the host KV tier.", stats.kv_offload_hits),))
     moved = CounterMetricFamily("minillm:kv_offload_bytes", "Bytes copied between the KV pool and the host tier.",
                                 labels=["model_name", "direction"])
     moved.add_metric([model_name, "to_host"], float(stats.kv_offload_bytes_to_host))
@@ -97,31 +97,25 @@ def kv_transfer_families(stats: EngineStats, model_name: str):
     (prompt tokens transferred, against minillm:prompt_tokens computed); none without a role."""
     if not stats.kv_transfer_role:
         return
-    for name, doc, value in (
-            ("minillm:kv_transfer_leases", "KV leases a prefill engine holds for decode engines.",
-             stats.kv_transfer_num_leases),
-            ("minillm:kv_transfer_leased_blocks", "KV blocks held under those leases.",
-             stats.kv_transfer_num_leased_blocks)):
-        family = GaugeMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([model_name], float(value))
-        yield family
+    yield from _one_value_families(GaugeMetricFamily, model_name, (
+        ("minillm:kv_transfer_leases", "KV leases a prefill engine holds for decode engines.",
+         stats.kv_transfer_num_leases),
+        ("minillm:kv_transfer_leased_blocks", "KV blocks held under those leases.",
+         stats.kv_transfer_num_leased_blocks)))
     leases = CounterMetricFamily("minillm:kv_transfer_lease_ends", "KV leases ended, by how.",
                                  labels=["model_name", "outcome"])
     leases.add_metric([model_name, "released"], float(stats.kv_transfer_leases_released))
     leases.add_metric([model_name, "expired"], float(stats.kv_transfer_leases_expired))
     yield leases
-    for name, doc, value in (
-            ("minillm:kv_transfer_requests", "Requests whose prompt KV was loaded from a prefill engine.",
-             stats.kv_transfer_num_requests),
-            ("minillm:kv_transfer_blocks", "KV blocks loaded from prefill engines.", stats.kv_transfer_blocks),
-            ("minillm:kv_transfer_tokens", "Prompt tokens loaded from prefill engines (not computed).",
-             stats.kv_transfer_tokens),
-            ("minillm:kv_transfer_bytes", "Bytes of KV loaded from prefill engines.", stats.kv_transfer_bytes),
-            ("minillm:kv_transfer_seconds", "Seconds spent copying KV from prefill engines.",
-             stats.kv_transfer_seconds)):
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([model_name], float(value))
-        yield family
+    yield from _one_value_families(CounterMetricFamily, model_name, (
+        ("minillm:kv_transfer_requests", "Requests whose prompt KV was loaded from a prefill engine.",
+         stats.kv_transfer_num_requests),
+        ("minillm:kv_transfer_blocks", "KV blocks loaded from prefill engines.", stats.kv_transfer_blocks),
+        ("minillm:kv_transfer_tokens", "Prompt tokens loaded from prefill engines (not computed).",
+         stats.kv_transfer_tokens),
+        ("minillm:kv_transfer_bytes", "Bytes of KV loaded from prefill engines.", stats.kv_transfer_bytes),
+        ("minillm:kv_transfer_seconds", "Seconds spent copying KV from prefill engines.",
+         stats.kv_transfer_seconds)))
 
 
 def _structured_output_summaries(model_name: str, stats: EngineStats):
@@ -216,10 +210,8 @@ def spec_decode_families(stats: EngineStats, model_name: str):
     spec = stats.spec_decode
     if spec is None:
         return
-    for name, doc, attr in SPEC_DECODE_COUNTERS:
-        family = CounterMetricFamily(name, doc, labels=["model_name"])
-        family.add_metric([model_name], float(getattr(spec, attr)))
-        yield family
+    yield from _one_value_families(CounterMetricFamily, model_name,
+                                   ((name, doc, getattr(spec, attr)) for name, doc, attr in SPEC_DECODE_COUNTERS))
     name, doc, label = PER_POSITION_COUNTER
     family = CounterMetricFamily(name, doc, labels=["model_name", label])
     for position, count in enumerate(spec.num_accepted_tokens_per_pos):
