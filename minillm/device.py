@@ -122,6 +122,11 @@ class CpuDevice:
         """Captured decode graphs, or None where there are none."""
         return None
 
+    def verify_graphs(self, model, ops, kv_pool, max_num_seqs: int, max_model_len: int, block_size: int,
+                      query_len: int, decode_graphs):
+        """Captured verification graphs, or None where there are none."""
+        return None
+
     def is_fatal(self, exc: BaseException) -> bool:
         """True when exc leaves the device unusable (no such error on the CPU)."""
         return False
@@ -306,6 +311,14 @@ class CudaDevice:
         """Decode forward passes captured as CUDA graphs on the compute stream."""
         from minillm.cuda_graphs import DecodeGraphs
         return DecodeGraphs(model, ops, kv_pool, max_num_seqs, max_model_len, block_size, self.stream)
+
+    def verify_graphs(self, model, ops, kv_pool, max_num_seqs: int, max_model_len: int, block_size: int,
+                      query_len: int, decode_graphs):
+        """Forward passes of up to query_len tokens a sequence captured as CUDA graphs, in the
+        decode graphs' memory pool."""
+        from minillm.cuda_graphs import VerifyGraphs
+        return VerifyGraphs(model, ops, kv_pool, max_num_seqs, max_model_len, block_size, self.stream,
+                            query_len, pool=decode_graphs.pool)
 
     def is_fatal(self, exc: BaseException) -> bool:
         """CUDA errors are sticky: after one the context cannot be trusted."""

@@ -55,6 +55,7 @@ class ModelRunner:
         # The first eager forward pass sets the FP8 scales from its keys and values, then never again.
         self._kv_scales_pending = self.is_fp8_kv_cache and config.calculate_kv_scales
         self.graphs = None
+        self.verify_graphs = None        # steps of up to 1 + k tokens a sequence (speculative decoding)
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
         self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
@@ -77,8 +78,10 @@ class ModelRunner:
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self._kv_pool_dtype().itemsize)
-        # Decode graphs keep their own logits [max_num_seqs, V] fp32 and a batch's activations.
-        graphs = 0 if cfg.enforce_eager else 2 * cfg.max_num_seqs * self.model_config.vocab_size * 4
+        # Decode graphs keep their own logits [max_num_seqs, V] fp32 and a batch's activations;
+        # verification graphs theirs for up to 1 + k tokens a sequence.
+        graph_rows = 0 if cfg.enforce_eager else cfg.max_num_seqs + self._verify_graph_tokens()
+        graphs = 2 * graph_rows * self.model_config.vocab_size * 4
         budget = self.device.kv_cache_budget_bytes(
             cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
             lambda: self._profile_activation_bytes(max_model_len), graphs)
@@ -87,6 +90,15 @@ class ModelRunner:
             enough = cfg.max_num_seqs * -(-max_model_len // self.block_size)
             num_blocks = min(num_blocks, enough)
         return num_blocks
+
+    def _verify_graph_tokens(self) -> int:
+        """Token rows of the largest verification graph (0 without speculative decoding)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0
+        from minillm.cuda_graphs import verify_graph_batch_sizes
+        query_len = 1 + spec.num_speculative_tokens
+        return verify_graph_batch_sizes(self.config.max_num_seqs, query_len)[-1] * query_len
 
     def _profile_activation_bytes(self, max_model_len: int) -> int:
         """Device bytes one forward pass at max_num_batched_tokens takes (with logits and sampling
@@ -132,6 +144,11 @@ class ModelRunner:
             if not self.config.enforce_eager:
                 self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool,
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
+                spec = self.config.speculative_config
+                if spec is not None and self.graphs is not None:
+                    self.verify_graphs = self.device.verify_graphs(
+                        self.model, self.ops, self.kv_pool, self.config.max_num_seqs, max_model_len,
+                        self.block_size, 1 + spec.num_speculative_tokens, self.graphs)
         self.device.synchronize()
 
     def register_kv_connector(self, worker) -> None:
@@ -142,11 +159,14 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()
+        if self.verify_graphs is not None:
+            self.verify_graphs.release()
         if self.graphs is not None:
             self.graphs.release()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
-        self.graphs = self.kv_pool = self.model = self._last_sampled = self.kv_connector = None
+        self.graphs = self.verify_graphs = self.kv_pool = self.model = self._last_sampled = None
+        self.kv_connector = None
         self.device.release()
 
     # ---- one step ----------------------------------------------------------------------------
@@ -278,6 +298,14 @@ class ModelRunner:
             if len(rows) < len(ids):
                 logits = logits[self.ops.asarray(np.asarray(rows, np.int32))] if rows else None
             return logits
+        if (self.verify_graphs is not None and not calibrate and rows
+                and self.verify_graphs.can_run(meta, len(ids))):
+            logits = self.verify_graphs.run(ids, positions, meta, lambda ids_dev: self._apply_patch(ids_dev, patch))
+            if logits_indices is None:
+                logits_indices = meta.query_start_loc[np.asarray(rows) + 1] - 1
+            if len(logits_indices) == len(ids) and np.array_equal(logits_indices, np.arange(len(ids))):
+                return logits                                    # a verify step samples every row
+            return logits[self.ops.asarray(np.asarray(logits_indices, np.int32))]
         ids_dev = self.ops.asarray(ids)
         self._apply_patch(ids_dev, patch)
         self._kv_scales_pending = False

@@ -87,12 +87,78 @@ def test_engine_with_speculation_on_the_gpu_equals_the_cpu_greedy(stories_path):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     cpu = [o.outputs[0].token_ids for o in LLM(str(stories_path), device="cpu").generate(prompts, params)]
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    for eager in (False, True):
+    for eager, overlap in ((False, True), (False, False), (True, True)):
         llm = LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=128, max_num_seqs=16,
-                  enforce_eager=eager, speculative_config=spec)
+                  enforce_eager=eager, async_scheduling=overlap, speculative_config=spec)
         gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        assert gpu == cpu, f"enforce_eager={eager}"
+        assert gpu == cpu, f"enforce_eager={eager} async_scheduling={overlap}"
         stats = llm.engine.stats().spec_decode
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
         assert llm.engine.block_manager.num_used_blocks == 0
+        graphs = llm.engine.runner.verify_graphs
+        assert (graphs is None) == eager
+        if not eager:                    # the verification steps replayed graphs
+            assert graphs.num_runs > 0
         llm.shutdown()
+
+
+def test_verify_graphs_equal_the_eager_forward(stories_path):
+    """A ragged step (chunks of 1..k+1 tokens, a batch that is not a captured size, one sequence
+    whose input id is filled on the device) gives the eager forward's logits through the graphs."""
+    from minillm.attention import AttentionMetadata
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=16,
+              speculative_config=spec)
+    runner = llm.engine.runner
+    graphs = runner.verify_graphs
+    assert graphs.query_len == 5 and graphs.capacity == 16
+    rng = np.random.default_rng(7)
+    bs = runner.block_size
+    lens = [5, 1, 3, 5, 2]                               # query tokens per sequence
+    ctx = [rng.integers(1, 40) for _ in lens]            # tokens before them
+    ids, positions, slots, tables = [], [], [], np.zeros((len(lens), 4), np.int32)
+    next_block = 1
+    for b, (n, c) in enumerate(zip(lens, ctx)):
+        blocks = -(-(c + n) // bs)
+        tables[b, :blocks] = np.arange(next_block, next_block + blocks)
+        next_block += blocks
+        pos = np.arange(c, c + n)
+        ids.append(rng.integers(1, 512, n))
+        positions.append(pos)
+        slots.append(tables[b, pos // bs] * bs + pos % bs)
+    ids = np.concatenate(ids).astype(np.int32)
+    positions = np.concatenate(positions).astype(np.int32)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    seq_lens = np.asarray([c + n for c, n in zip(ctx, lens)], np.int32)
+    meta = AttentionMetadata(qsl, seq_lens, tables, np.concatenate(slots).astype(np.int32), max(lens),
+                             int(seq_lens.max()), False)
+    # History: fill every sequence's context with the eager path first (one prefill of its prefix).
+    pre = [(b, c) for b, c in enumerate(ctx)]
+    pre_ids = np.concatenate([rng.integers(1, 512, c) for _, c in pre]).astype(np.int32)
+    pre_pos = np.concatenate([np.arange(c) for _, c in pre]).astype(np.int32)
+    pre_slots = np.concatenate([tables[b, np.arange(c) // bs] * bs + np.arange(c) % bs for b, c in pre])
+    pre_meta = AttentionMetadata(np.concatenate([[0], np.cumsum(ctx)]).astype(np.int32), np.asarray(ctx, np.int32),
+                                 tables, pre_slots.astype(np.int32), max(ctx), max(ctx), False)
+    with runner.device.compute():
+        runner.compute_logits(pre_ids, pre_pos, pre_meta, [])
+    patch_row, patch_id = 6, 77                          # sequence 2's first input comes from the device
+    patch = (np.asarray([patch_row], np.int32), np.asarray([0], np.int32), ops.asarray(np.asarray([patch_id], np.int32)))
+    host_ids = ids.copy()
+    host_ids[patch_row] = 0
+    runs = graphs.num_runs
+    with runner.device.compute():
+        got = ops.to_numpy(runner.compute_logits(host_ids, positions, meta, list(range(len(lens))), patch,
+                                                 np.arange(len(ids), dtype=np.int32)))
+    assert graphs.num_runs == runs + 1
+    ids[patch_row] = patch_id
+    with runner.device.compute():
+        hidden = runner.model.forward(ops.asarray(ids), ops.asarray(positions), runner._to_device(meta), runner.kv_pool)
+        want = ops.to_numpy(runner.model.compute_logits(hidden))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # A step that samples only each chunk's last row gathers those rows.
+    last = qsl[1:] - 1
+    with runner.device.compute():
+        got_last = ops.to_numpy(runner.compute_logits(ids, positions, meta, list(range(len(lens)))))
+    np.testing.assert_allclose(got_last, want[last], rtol=1e-4, atol=1e-4)
+    llm.shutdown()
