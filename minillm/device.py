@@ -127,6 +127,10 @@ class CpuDevice:
         """Captured verification graphs, or None where there are none."""
         return None
 
+    def piecewise_graphs(self, model, ops, kv_pool, max_num_tokens: int, decode_graphs):
+        """Captured pieces of prefill and mixed steps, or None where there are none."""
+        return None
+
     def is_fatal(self, exc: BaseException) -> bool:
         """True when exc leaves the device unusable (no such error on the CPU)."""
         return False
@@ -319,6 +323,12 @@ class CudaDevice:
         from minillm.cuda_graphs import VerifyGraphs
         return VerifyGraphs(model, ops, kv_pool, max_num_seqs, max_model_len, block_size, self.stream,
                             query_len, pool=decode_graphs.pool)
+
+    def piecewise_graphs(self, model, ops, kv_pool, max_num_tokens: int, decode_graphs):
+        """Prefill and mixed steps captured between their attention calls, in the decode graphs'
+        memory pool."""
+        from minillm.piecewise_graphs import PiecewiseGraphs
+        return PiecewiseGraphs(model, ops, kv_pool, max_num_tokens, self.stream, decode_graphs.pool)
 
     def is_fatal(self, exc: BaseException) -> bool:
         """CUDA errors are sticky: after one the context cannot be trusted."""

@@ -7,6 +7,7 @@ through the backend's device object (minillm/device.py).
 """
 from __future__ import annotations
 
+import os
 import time
 from types import ModuleType
 
@@ -56,6 +57,7 @@ class ModelRunner:
         self._kv_scales_pending = self.is_fp8_kv_cache and config.calculate_kv_scales
         self.graphs = None
         self.verify_graphs = None        # steps of up to 1 + k tokens a sequence (speculative decoding)
+        self.piecewise = None            # prefill and mixed steps: graphs between the attention calls
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
         self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
@@ -82,14 +84,22 @@ class ModelRunner:
         # verification graphs theirs for up to 1 + k tokens a sequence.
         graph_rows = 0 if cfg.enforce_eager else cfg.max_num_seqs + self._verify_graph_tokens()
         graphs = 2 * graph_rows * self.model_config.vocab_size * 4
+        # Piecewise graphs keep a forward pass's intermediates in their own pool, beside the eager ones.
+        activation_copies = 2 if self._uses_piecewise_graphs() else 1
         budget = self.device.kv_cache_budget_bytes(
             cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
-            lambda: self._profile_activation_bytes(max_model_len), graphs)
+            lambda: activation_copies * self._profile_activation_bytes(max_model_len), graphs)
         num_blocks = max(1, budget // per_block)
         if not self.device.kv_pool_fills_memory:
             enough = cfg.max_num_seqs * -(-max_model_len // self.block_size)
             num_blocks = min(num_blocks, enough)
         return num_blocks
+
+    def _uses_piecewise_graphs(self) -> bool:
+        """Prefill and mixed steps replay piecewise graphs (not with enforce_eager, tensor
+        parallelism, or MINILLM_PIECEWISE_GRAPHS=0; the CPU has none)."""
+        return (not self.config.enforce_eager and self.model.comm is None
+                and os.environ.get("MINILLM_PIECEWISE_GRAPHS", "1") != "0")
 
     def _verify_graph_tokens(self) -> int:
         """Token rows of the largest verification graph (0 without speculative decoding)."""
@@ -149,6 +159,9 @@ class ModelRunner:
                     self.verify_graphs = self.device.verify_graphs(
                         self.model, self.ops, self.kv_pool, self.config.max_num_seqs, max_model_len,
                         self.block_size, 1 + spec.num_speculative_tokens, self.graphs)
+                if self.graphs is not None and self._uses_piecewise_graphs():
+                    self.piecewise = self.device.piecewise_graphs(
+                        self.model, self.ops, self.kv_pool, self.config.max_num_batched_tokens, self.graphs)
         self.device.synchronize()
 
     def register_kv_connector(self, worker) -> None:
@@ -159,13 +172,15 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()
+        if self.piecewise is not None:
+            self.piecewise.release()
         if self.verify_graphs is not None:
             self.verify_graphs.release()
         if self.graphs is not None:
             self.graphs.release()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
-        self.graphs = self.verify_graphs = self.kv_pool = self.model = self._last_sampled = None
+        self.graphs = self.verify_graphs = self.piecewise = self.kv_pool = self.model = self._last_sampled = None
         self.kv_connector = None
         self.device.release()
 
@@ -306,11 +321,16 @@ class ModelRunner:
             if len(logits_indices) == len(ids) and np.array_equal(logits_indices, np.arange(len(ids))):
                 return logits                                    # a verify step samples every row
             return logits[self.ops.asarray(np.asarray(logits_indices, np.int32))]
-        ids_dev = self.ops.asarray(ids)
-        self._apply_patch(ids_dev, patch)
-        self._kv_scales_pending = False
-        hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool,
-                                    calculate_kv_scales=calibrate)
+        if (self.piecewise is not None and not calibrate and not meta.is_decode_only
+                and self.piecewise.can_run(len(ids))):
+            hidden = self.piecewise.run(ids, positions, meta.slot_mapping, self._to_device(meta),
+                                        lambda ids_dev: self._apply_patch(ids_dev, patch))
+        else:
+            ids_dev = self.ops.asarray(ids)
+            self._apply_patch(ids_dev, patch)
+            self._kv_scales_pending = False
+            hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool,
+                                        calculate_kv_scales=calibrate)
         if not rows:
             return None
         if logits_indices is None:

@@ -60,6 +60,10 @@ def test_stories_gpu_batch_under_graphs_and_eager_equals_cpu(stories_path):
         gpu = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert gpu == cpu, f"enforce_eager={eager} async_scheduling={overlap}"
         assert llm.engine.block_manager.num_used_blocks == 0
+        pieces = llm.engine.runner.piecewise
+        assert (pieces is None) == eager
+        if not eager:                    # prefill and mixed steps replayed the piecewise graphs
+            assert pieces.num_runs > 0
 
 
 def test_random_qwen3_bf16_logits_match_cpu(tmp_path, stories_path):

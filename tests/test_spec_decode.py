@@ -670,3 +670,4 @@ def test_penalties_and_bans_of_each_row_see_the_drafts_before_it():
     assert penalised.output_counts == {5: 1, 6: 1}           # the sequence itself is untouched
     # each view counts the outputs before its row plus the one it samples (the sampler's rule)
     assert [v.num_output_tokens for v in views] == [3, 4, 5, 6, 1, 2]
+

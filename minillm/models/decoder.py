@@ -84,11 +84,15 @@ class DecoderModel:
             o=lin(w[a + "o_proj.weight"]), post_norm=vec(w[p + "post_attention_layernorm.weight"]),
             gate_up=lin(gate_up), down=lin(w[p + "mlp.down_proj.weight"]))
 
-    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pool, calculate_kv_scales: bool = False):
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_pool, calculate_kv_scales: bool = False,
+                split=None):
         """input_ids, positions: [T]; kv_pool: [L, 2, num_blocks, block_size, Hk, Dh] -> hidden [T, D].
 
         calculate_kv_scales: set each layer's kv_scales from this pass's keys and values before
-        they are appended (vLLM's calculate_kv_scales; the runner asks once, on the first prefill)."""
+        they are appended (vLLM's calculate_kv_scales; the runner asks once, on the first prefill).
+        split: a piecewise capture (minillm/piecewise_graphs.py) that leaves attention out: q goes
+        to split.q, split.attention(layer) ends one captured piece and gives the buffer attention
+        will write, and the final norm writes split.hidden."""
         ops, c = self.ops, self.config
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
@@ -109,9 +113,13 @@ class DecoderModel:
             if calculate_kv_scales:
                 q = self._calibrate_and_append(q, k, v, lw, positions, k_cache, v_cache, meta, scales)
             else:                                                    # q/k norm per head, rotary, append
+                into = {} if split is None else {"out": split.q}       # the CPU ops take no out=
                 q = ops.qk_norm_rotary_kv_append(q, k, v, lw.q_norm, lw.k_norm, eps, positions, self.cos_sin,
-                                                 k_cache, v_cache, meta.slot_mapping, scales)
-            o = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, scales)   # [T, Hq, Dh]
+                                                 k_cache, v_cache, meta.slot_mapping, scales, **into)
+            if split is None:
+                o = self.attention(i, q, meta, kv_pool)              # [T, Hq, Dh]
+            else:
+                o = split.attention(i)
             h = ops.linear(o.reshape(num_tokens, q_size), lw.o)       # [T, D]
             if self.comm is not None:                                # each rank summed over its heads only
                 h = self.comm.all_reduce(h)
@@ -119,8 +127,15 @@ class DecoderModel:
             h = ops.linear(ops.silu_and_mul(ops.linear(x, lw.gate_up)), lw.down)
             if self.comm is not None:                                # each rank summed over its MLP columns
                 h = self.comm.all_reduce(h)
-        out, _ = ops.add_rms_norm(h, residual, self.final_norm, eps)
+        into = {} if split is None else {"out": (split.hidden, None)}
+        out, _ = ops.add_rms_norm(h, residual, self.final_norm, eps, **into)
         return out
+
+    def attention(self, layer: int, q, meta: AttentionMetadata, kv_pool, out=None):
+        """Layer `layer`'s paged attention of q [T, Hq, Dh] over its KV cache -> [T, Hq, Dh]."""
+        into = {} if out is None else {"out": out}
+        return self.ops.paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], meta, self.scale,
+                                        self.kv_scales[layer], **into)
 
     def _calibrate_and_append(self, q, k, v, lw: LayerWeights, positions, k_cache, v_cache,
                               meta: AttentionMetadata, scales):
