@@ -20,3 +20,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool          # every sequence has exactly one query token
+    # The first num_decode_seqs sequences have one query token each (the scheduler puts them first):
+    # on the GPU a mixed step runs them through the decode kernel and the rest through the prefill
+    # kernel, whose tiles would spend most of their work on a one-token chunk.
+    num_decode_seqs: int = 0

@@ -192,24 +192,32 @@ class ModelRunner:
             return self._prepare_decode(out)
         bs = self.block_size
         spec = out.scheduled_spec_decode_tokens
-        ids, positions, slots, qsl, seq_lens, holes = [], [], [], [0], [], []
+        ids, holes, row = [], [], 0
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_new_tokens):
-            pos = np.arange(start, start + n)
-            table = np.asarray(seq.block_table, dtype=np.int64)
             known = seq.token_ids[start:start + n]
             if spec and seq.seq_id in spec:
                 known = known + spec[seq.seq_id]      # the drafts follow its last token
-            holes.extend((qsl[-1] + i, seq.seq_id) for i in range(len(known), n))
-            ids.append(np.asarray(known + [0] * (n - len(known)), dtype=np.int32))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(start + n)
+            if len(known) < n:
+                holes.extend((row + i, seq.seq_id) for i in range(len(known), n))
+                known = known + [0] * (n - len(known))
+            ids.extend(known)
+            row += n
+        # Positions and slots for every token at once: a mixed step holds hundreds of sequences.
+        counts = np.asarray(out.num_new_tokens, np.int64)                    # [B]
+        starts = np.asarray(out.num_computed_tokens, np.int64)               # [B]
+        qsl = np.zeros(len(counts) + 1, np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        owner = np.repeat(np.arange(len(counts)), counts)                    # [T] sequence of each token
+        positions = np.arange(row, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)   # [T]
+        tables = self._block_tables(out)
+        slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = (starts + counts).astype(np.int32)
         meta = AttentionMetadata(
-            query_start_loc=np.asarray(qsl, np.int32), seq_lens=np.asarray(seq_lens, np.int32),
-            block_tables=self._block_tables(out), slot_mapping=np.concatenate(slots).astype(np.int32),
-            max_query_len=max(out.num_new_tokens), max_seq_len=max(seq_lens), is_decode_only=False)
-        return np.concatenate(ids), np.concatenate(positions).astype(np.int32), meta, holes
+            query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens, block_tables=tables,
+            slot_mapping=slots.astype(np.int32), max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
+            is_decode_only=False,
+            num_decode_seqs=next((b for b, n in enumerate(out.num_new_tokens) if n != 1), len(out.seqs)))
+        return np.asarray(ids, np.int32), positions.astype(np.int32), meta, holes
 
     def _prepare_decode(self, out: SchedulerOutput):
         """The common step, one token per sequence, in plain Python loops (cheaper than numpy here)."""
@@ -238,7 +246,7 @@ class ModelRunner:
         a = self.ops.asarray
         return AttentionMetadata(a(meta.query_start_loc), a(meta.seq_lens), a(meta.block_tables),
                                  a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
-                                 meta.is_decode_only)
+                                 meta.is_decode_only, meta.num_decode_seqs)
 
     def launch(self, out: SchedulerOutput, grammar_bitmask=None) -> "InFlightStep":
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the

@@ -246,7 +246,11 @@ class Scheduler:
     def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence],
                 spec: dict[int, list[int]]) -> SchedulerOutput:
         """Count the scheduled tokens computed; each sequence at its end gets an output placeholder
-        (d + 1 for one verifying d drafts: the most tokens the step can give it)."""
+        (d + 1 for one verifying d drafts: the most tokens the step can give it). One-token
+        sequences go first, in their order (AttentionMetadata.num_decode_seqs)."""
+        if 1 in counts and any(n != 1 for n in counts):
+            order = sorted(range(len(seqs)), key=lambda b: counts[b] != 1)
+            seqs, counts = [seqs[b] for b in order], [counts[b] for b in order]
         starts = [s.num_computed_tokens for s in seqs]
         num_drafts = [len(spec.get(s.seq_id, ())) for s in seqs] if spec else [0] * len(seqs)
         rows = [b for b, (s, n) in enumerate(zip(seqs, counts))

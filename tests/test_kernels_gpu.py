@@ -225,14 +225,21 @@ def _paged_batch(rng, ctx_lens, q_lens, kv_heads, head_dim, block_size, dtype):
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     meta = AttentionMetadata(query_start_loc=qsl, seq_lens=np.asarray(ctx_lens, np.int32), block_tables=tables,
                              slot_mapping=np.zeros(int(qsl[-1]), np.int32), max_query_len=int(max(q_lens)),
-                             max_seq_len=int(max(ctx_lens)), is_decode_only=all(n == 1 for n in q_lens))
+                             max_seq_len=int(max(ctx_lens)), is_decode_only=all(n == 1 for n in q_lens),
+                             num_decode_seqs=_leading_one_token_seqs(q_lens))
     return k_cache, v_cache, k32, v32, meta
+
+
+def _leading_one_token_seqs(q_lens) -> int:
+    """The sequences a mixed step runs through the decode kernel (the scheduler puts them first)."""
+    return next((b for b, n in enumerate(q_lens) if n != 1), len(q_lens))
 
 
 def _device_meta(meta: AttentionMetadata) -> AttentionMetadata:
     a = ops.asarray
     return AttentionMetadata(a(meta.query_start_loc), a(meta.seq_lens), a(meta.block_tables),
-                             a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len, meta.is_decode_only)
+                             a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len, meta.is_decode_only,
+                             meta.num_decode_seqs)
 
 
 def _check_attention(rng, ctx_lens, q_lens, heads, kv_heads, head_dim, dtype, block_size=16, **kw):
@@ -285,6 +292,17 @@ def test_prefill_chunks_with_cached_prefix(dtype, heads, kv_heads, head_dim):
     rng = np.random.default_rng(heads * 7 + head_dim)
     q_lens = [17, 1, 64, 130, 5, 100]
     prefix = [0, 40, 33, 200, 0, 1]                      # tokens already in the cache
+    ctx = [p + n for p, n in zip(prefix, q_lens)]
+    _check_attention(rng, ctx, q_lens, heads, kv_heads, head_dim, dtype)
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads,head_dim", PREFILL_CASES[:5])
+def test_mixed_step_decodes_first_then_chunks(dtype, heads, kv_heads, head_dim):
+    """Leading one-token sequences through the decode kernel (one with a context long enough to
+    split), the chunks after them (one of them a single token too) through the prefill kernel."""
+    rng = np.random.default_rng(heads * 3 + kv_heads + head_dim)
+    q_lens = [1, 1, 1, 1, 17, 64, 1, 130]
+    prefix = [5, 900, 0, 3000, 0, 40, 77, 200]
     ctx = [p + n for p, n in zip(prefix, q_lens)]
     _check_attention(rng, ctx, q_lens, heads, kv_heads, head_dim, dtype)
 
@@ -643,6 +661,9 @@ def test_fp8_prefill_attention_equals_numpy(dtype, heads, kv_heads, head_dim):
     rng = np.random.default_rng(heads * 7 + kv_heads + head_dim)
     q_lens = [17, 1, 64, 130, 5, 100]
     prefix = [0, 40, 33, 200, 0, 1]
+    _check_fp8_attention(rng, [p + n for p, n in zip(prefix, q_lens)], q_lens, heads, kv_heads, head_dim, dtype)
+    q_lens = [1, 1, 1, 9, 1, 70]                          # a mixed step: decodes first
+    prefix = [3000, 12, 1, 0, 40, 90]
     _check_fp8_attention(rng, [p + n for p, n in zip(prefix, q_lens)], q_lens, heads, kv_heads, head_dim, dtype)
 
 

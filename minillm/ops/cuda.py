@@ -743,7 +743,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     q: [T, Hq, Dh] (token stride free, heads packed); returns [T, Hq, Dh]. Query row i of sequence
     b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
     query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
-    kernel (num_splits forces its split count), else the prefill kernel (tensor cores for fp16 /
+    kernel (num_splits forces its split count), as do the first meta.num_decode_seqs sequences of
+    a mixed step; else the prefill kernel (tensor cores for fp16 /
     bf16 at head_dim 64 and 128: prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION
     is "mma" or the cache is FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
     """
@@ -776,8 +777,14 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
                              f"tokens for {seq_lens.shape[0]} sequences")
         _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits,
                 fp8, scales_ptr)
-    else:
-        _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_query_len), fp8, scales_ptr)
+    else:                                             # one-token sequences first, then the chunks
+        nd = int(meta.num_decode_seqs)
+        if nd:
+            _decode(out, q, k_cache, v_cache, qsl[:nd + 1], seq_lens[:nd], tables[:nd], scale,
+                    int(meta.max_seq_len), num_splits, fp8, scales_ptr)
+        if nd < seq_lens.shape[0]:
+            _prefill(out, q, k_cache, v_cache, qsl[nd:], seq_lens[nd:], tables[nd:], scale,
+                     int(meta.max_query_len), fp8, scales_ptr)
     return out
 
 
