@@ -117,10 +117,17 @@ class PiecewiseGraphs:
         self.device.set(h, stream=self.stream)
         if before_launch is not None:
             before_launch(self.ids)
-        pieces, q, o, model = self.chains[t], self.q[:t], self.o[:t], self.model
+        pieces, model, pool = self.chains[t], self.model, self.kv_pool
+        # Every layer's attention has the same shapes: checked and packed once, run per layer at
+        # the layer's cache and scale addresses (what DecoderModel.attention passes).
+        plan = self.ops.attention_plan(self.q[:t], pool[0, 0], pool[0, 1], meta, model.scale, model.kv_scales[0],
+                                       out=self.o[:t])
+        k0, layer_bytes, v_offset = pool.data.ptr, pool.strides[0], pool.strides[1]
+        s0, scale_bytes = model.kv_scales.data.ptr, model.kv_scales.strides[0]
         for layer, piece in enumerate(pieces[:-1]):
             piece.launch(self.stream)
-            model.attention(layer, q, meta, self.kv_pool, out=o)
+            k = k0 + layer * layer_bytes
+            plan.run_at(k, k + v_offset, s0 + layer * scale_bytes)
         pieces[-1].launch(self.stream)
         self.num_runs += 1
         return self.hidden[:n]

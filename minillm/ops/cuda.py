@@ -689,8 +689,28 @@ def decode_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     return int(max(1, min(want, cap, DECODE_MAX_SPLITS)))
 
 
-def _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_seq_len: int,
-            num_splits: int | None, fp8: dict, scales_ptr) -> None:
+# Stand-ins for a layer's caches and kv_scales in a KernelLaunch's arguments (bound per layer).
+K_CACHE, V_CACHE, KV_SCALES = object(), object(), object()
+
+
+class KernelLaunch:
+    """One kernel launch with its grid and arguments fixed, except the layer's caches and scales."""
+
+    def __init__(self, fn, grid: tuple, block: tuple, args: list, shared_mem: int = 0, keep: tuple = ()):
+        self.fn, self.grid, self.block, self.shared_mem = fn, grid, block, shared_mem
+        self.args = args
+        self._slots = [(i, a) for i, a in enumerate(args) if a is K_CACHE or a is V_CACHE or a is KV_SCALES]
+        self._keep = keep                # device buffers the arguments point to
+
+    def __call__(self, k_ptr, v_ptr, scales_ptr) -> None:
+        args = list(self.args)
+        for i, a in self._slots:
+            args[i] = k_ptr if a is K_CACHE else v_ptr if a is V_CACHE else scales_ptr
+        self.fn(self.grid, self.block, tuple(args), shared_mem=self.shared_mem)
+
+
+def _decode(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_seq_len: int,
+            num_splits: int | None, fp8: dict) -> list[KernelLaunch]:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
@@ -700,28 +720,31 @@ def _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_s
     part_o = cp.empty((batch, num_heads, splits, head_dim), np.float32) if splits > 1 else out
     part_ml = cp.empty((batch, num_heads, splits, 2), np.float32) if splits > 1 else out
     fn = _kernel("paged_attention.cu", q.dtype, "paged_decode", **defines)
-    fn((splits, num_kv_heads, batch), (128,),
-       (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o), _ptr(part_ml), _ptr(q),
-        _i64(_row_stride(q, "q")), _ptr(k_cache), _ptr(v_cache), _ptr(tables),
-        _i64(tables.strides[0] // 4), _ptr(seq_lens), _ptr(qsl), _i32(num_kv_heads),
-        _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), _i32(splits),
-        _i32(DECODE_MIN_PARTITION if splits > 1 else 0), scales_ptr))
+    launches = [KernelLaunch(
+        fn, (splits, num_kv_heads, batch), (128,),
+        [_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o), _ptr(part_ml), _ptr(q),
+         _i64(_row_stride(q, "q")), K_CACHE, V_CACHE, _ptr(tables),
+         _i64(tables.strides[0] // 4), _ptr(seq_lens), _ptr(qsl), _i32(num_kv_heads),
+         _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), _i32(splits),
+         _i32(DECODE_MIN_PARTITION if splits > 1 else 0), KV_SCALES], keep=(part_o, part_ml))]
     if splits > 1:
         fn = _kernel("paged_attention.cu", q.dtype, "paged_decode_reduce", **defines)
-        fn((num_heads, batch), (128,), (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o),
-                                        _ptr(part_ml), _ptr(qsl), _i32(num_heads), _i32(splits)))
+        launches.append(KernelLaunch(fn, (num_heads, batch), (128,),
+                                     [_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o),
+                                      _ptr(part_ml), _ptr(qsl), _i32(num_heads), _i32(splits)],
+                                     keep=(part_o, part_ml)))
+    return launches
 
 
-def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
-             max_query_len: int, fp8: dict, scales_ptr) -> None:
+def _prefill(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_query_len: int,
+             fp8: dict) -> list[KernelLaunch]:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
     flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, max_query_len, batch,
                                       _num_multiprocessors())
     if flash is not None:
-        prefill_attention.launch(flash, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, max_query_len)
-        return
+        return [prefill_attention.launch(flash, out, q, k_cache, None, qsl, seq_lens, tables, scale, max_query_len)]
     q_stride = _row_stride(q, "q")
     use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)
                and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
@@ -730,27 +753,43 @@ def _prefill(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float,
     fn = _kernel("paged_attention.cu", q.dtype, "paged_prefill_mma" if use_mma else "paged_prefill_simple",
                  **defines)
     grid = (max(1, -(-max_query_len // rows_per_block)), num_heads, batch)
-    fn(grid, (128,), (_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(q), _i64(q_stride),
-                      _ptr(k_cache), _ptr(v_cache), _ptr(tables), _i64(tables.strides[0] // 4),
-                      _ptr(seq_lens), _ptr(qsl), _i32(num_heads), _i32(num_kv_heads),
-                      _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), scales_ptr))
+    return [KernelLaunch(fn, grid, (128,),
+                         [_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(q), _i64(q_stride),
+                          K_CACHE, V_CACHE, _ptr(tables), _i64(tables.strides[0] // 4),
+                          _ptr(seq_lens), _ptr(qsl), _i32(num_heads), _i32(num_kv_heads),
+                          _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), KV_SCALES])]
 
 
-def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None, out=None,
-                    num_splits: int | None = None):
-    """Causal attention of ragged query chunks over their paged history (which includes them).
+class AttentionPlan:
+    """One step's attention launches, checked once, for any layer's caches of the checked shape.
 
-    q: [T, Hq, Dh] (token stride free, heads packed); returns [T, Hq, Dh]. Query row i of sequence
-    b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
-    query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
-    kernel (num_splits forces its split count), as do the first meta.num_decode_seqs sequences of
-    a mixed step; else the prefill kernel (tensor cores for fp16 /
-    bf16 at head_dim 64 and 128: prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION
-    is "mma" or the cache is FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
+    paged_attention() builds and runs one; a step that calls attention once a layer over the same
+    q and output buffers (minillm/piecewise_graphs.py) builds one and runs it per layer, passing the
+    layer's cache and scale addresses, which saves the checks and argument packing each time.
     """
+
+    def __init__(self, out, launches: list[KernelLaunch], fp8: bool, keep: tuple):
+        self.out, self.launches, self.fp8 = out, launches, fp8
+        self._keep = keep                # the metadata and q arrays the launches point to
+
+    def run(self, k_cache, v_cache, kv_scales=None):
+        """Attention over these caches (of the planned shape and dtype) -> out [T, Hq, Dh]."""
+        return self.run_at(_ptr(k_cache), _ptr(v_cache), _ptr(kv_scales) if self.fp8 else np.uint64(0))
+
+    def run_at(self, k_ptr: int, v_ptr: int, scales_ptr: int = 0):
+        """run() with the caches and scales given by device address."""
+        k, v, sc = np.uint64(k_ptr), np.uint64(v_ptr), np.uint64(scales_ptr)
+        for launch in self.launches:
+            launch(k, v, sc)
+        return self.out
+
+
+def attention_plan(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None, out=None,
+                   num_splits: int | None = None) -> AttentionPlan:
+    """paged_attention's checks and launches for q, meta and caches shaped like k_cache / v_cache."""
     _check_device(q, "q")
     _check_float(q, "q")
-    fp8, scales_ptr = _check_caches(k_cache, v_cache, q.dtype, kv_scales)
+    fp8, _ = _check_caches(k_cache, v_cache, q.dtype, kv_scales)
     if q.ndim != 3 or k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(f"paged_attention needs q [T, Hq, Dh] and caches [num_blocks, block_size, Hk, Dh], "
                          f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -769,23 +808,40 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
         q = q.copy()                                  # the kernels read q in 16-byte vectors
     qsl, seq_lens, tables = _attention_meta(meta)
     out = _out(out, q.shape, q.dtype)
+    launches: list[KernelLaunch] = []
+    keep = (q, qsl, seq_lens, tables)
     if num_tokens == 0 or seq_lens.shape[0] == 0:
-        return out
+        return AttentionPlan(out, launches, bool(fp8), keep)
     if meta.is_decode_only:
         if num_tokens != seq_lens.shape[0]:
             raise ValueError(f"decode-only batch needs one query token per sequence, got {num_tokens} "
                              f"tokens for {seq_lens.shape[0]} sequences")
-        _decode(out, q, k_cache, v_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits,
-                fp8, scales_ptr)
+        launches += _decode(out, q, k_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits, fp8)
     else:                                             # one-token sequences first, then the chunks
         nd = int(meta.num_decode_seqs)
         if nd:
-            _decode(out, q, k_cache, v_cache, qsl[:nd + 1], seq_lens[:nd], tables[:nd], scale,
-                    int(meta.max_seq_len), num_splits, fp8, scales_ptr)
+            launches += _decode(out, q, k_cache, qsl[:nd + 1], seq_lens[:nd], tables[:nd], scale,
+                                int(meta.max_seq_len), num_splits, fp8)
         if nd < seq_lens.shape[0]:
-            _prefill(out, q, k_cache, v_cache, qsl[nd:], seq_lens[nd:], tables[nd:], scale,
-                     int(meta.max_query_len), fp8, scales_ptr)
-    return out
+            launches += _prefill(out, q, k_cache, qsl[nd:], seq_lens[nd:], tables[nd:], scale,
+                                 int(meta.max_query_len), fp8)
+    return AttentionPlan(out, launches, bool(fp8), keep)
+
+
+def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None, out=None,
+                    num_splits: int | None = None):
+    """Causal attention of ragged query chunks over their paged history (which includes them).
+
+    q: [T, Hq, Dh] (token stride free, heads packed); returns [T, Hq, Dh]. Query row i of sequence
+    b sits at position seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA:
+    query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
+    kernel (num_splits forces its split count), as do the first meta.num_decode_seqs sequences of
+    a mixed step; else the prefill kernel (tensor cores for fp16 / bf16 at head_dim 64 and 128:
+    prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION is "mma" or the cache is
+    FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
+    """
+    plan = attention_plan(q, k_cache, v_cache, meta, scale, kv_scales, out, num_splits)
+    return plan.run(k_cache, v_cache, kv_scales)
 
 
 # ----------------------------------------------------------------------------- sampling

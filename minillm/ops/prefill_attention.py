@@ -105,8 +105,9 @@ def _configure(fn, smem: int) -> None:
         _configured.add(id(fn))
 
 
-def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_query_len: int) -> None:
-    """Run prefill_attention.cu over the batch (arguments as minillm/ops/cuda.py:_prefill checked them)."""
+def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_query_len: int):
+    """The launch of prefill_attention.cu over the batch (arguments as minillm/ops/cuda.py:_prefill
+    checked them), with the layer's caches left to bind: a minillm.ops.cuda.KernelLaunch."""
     from minillm.ops import cuda as ops
 
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -118,10 +119,11 @@ def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: f
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
     smem = v.smem_bytes(head_dim)
     _configure(fn, smem)
-    fn((blocks,), (32 * v.warps,),
-       (ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
-        ops._i64(ops._row_stride(q, "q")), ops._ptr(k_cache), ops._ptr(v_cache), ops._ptr(tables),
-        ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
-        ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
-        np.float32(scale * ops.LOG2E), ops._i32(first_wave)),
-       shared_mem=smem)
+    return ops.KernelLaunch(
+        fn, (blocks,), (32 * v.warps,),
+        [ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
+         ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
+         ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
+         ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
+         np.float32(scale * ops.LOG2E), ops._i32(first_wave)],
+        shared_mem=smem)
