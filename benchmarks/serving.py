@@ -9,7 +9,10 @@ run through minillm's offline engine in this process, the ceiling an HTTP server
 can approach (compare at --request-rate inf, where arrivals do not limit throughput): with the
 same number of requests in flight as the server had (--max-concurrency), a new one admitted as
 each finishes. --concurrency-sweep runs the workload at each concurrency in turn and prints one
-row per level beside the ceiling at that level. The client parses events cheaply and prints its
+row per level beside the ceiling at that level. --mixed-users N runs the mixed workload instead
+(benchmarks/serving_mixed.py): N streaming users, then the same users while a --long-input-len
+prompt arrives every --long-every-s seconds, each class's TTFT and ITL beside the long prompt's
+TTFT alone and the users' offline ceiling. The client parses events cheaply and prints its
 own CPU per output token; --num-client-processes N splits the workload (and the concurrency) over
 N processes, so that the client is never what limits a fast server.
 
@@ -17,6 +20,8 @@ N processes, so that the client is never what limits a fast server.
         --input-len 128 --output-len 128 --request-rate 16
     python -m benchmarks.serving --num-prompts 256 --input-len 32 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --offline-model MODEL --offline-arg device=cpu
+    python -m benchmarks.serving --mixed-users 64 --input-len 512 --output-len 512 \
+        --long-input-len 16000 --long-every-s 2 --duration 60
 
 (python3 -m minillm.benchmarks.serving takes the same options.)
 """
@@ -123,8 +128,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--offline-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="An EngineConfig field for the offline engine (repeat), e.g. load_format=dummy, "
                         "dtype=bfloat16, gpu_memory_utilization=0.4 (the server holds the rest).")
+    p.add_argument("--mixed-users", type=int, default=None,
+                   help="Run the mixed workload: this many closed-loop streaming users, then the same users "
+                        "while long prompts arrive.")
+    p.add_argument("--long-input-len", type=int, default=16000, help="Mixed workload: tokens of a long prompt.")
+    p.add_argument("--long-output-len", type=int, default=1, help="Mixed workload: tokens a long prompt generates.")
+    p.add_argument("--long-every-s", type=float, default=2.0, help="Mixed workload: seconds between long prompts.")
+    p.add_argument("--duration", type=float, default=60.0, help="Mixed workload: seconds of each phase.")
     p.add_argument("--result-file", default=None, help="Write the results as JSON here.")
     args = p.parse_args(argv)
+    if args.mixed_users is not None and (args.mixed_users < 1 or args.long_input_len < 1 or args.long_output_len < 1
+                                         or args.long_every_s <= 0 or args.duration <= 0):
+        p.error("--mixed-users, --long-input-len and --long-output-len must be >= 1, --long-every-s and "
+                "--duration > 0")
+    if args.mixed_users is not None and (args.concurrency_sweep or args.peer_base_url):
+        p.error("--mixed-users runs against one server, without --concurrency-sweep")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
     if args.num_client_processes < 1:
@@ -648,6 +666,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; 0 when every request succeeded."""
     args = parse_args(argv)
     saved_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    if args.mixed_users is not None:
+        from minillm.benchmarks import serving_mixed
+        mixed, table = serving_mixed.main_mixed(args)
+        print(table)
+        if args.result_file:
+            with open(args.result_file, "w", encoding="utf-8") as f:
+                json.dump({"args": saved_args, "mixed": serving_mixed.as_dict(mixed)}, f, indent=2, default=str)
+        return 0 if mixed.users_mixed.failed == 0 and mixed.long_mixed.failed == 0 else 1
     if args.concurrency_sweep:
         rows, table = run_sweep(args)
         print(table)

@@ -218,6 +218,33 @@ def test_serving_benchmark_concurrency_sweep_beside_the_offline_ceiling(server, 
         bench.parse_args(["--offline-model", "m", "--offline-arg", "not_a_field=1"])
 
 
+def test_serving_benchmark_mixed_workload_reports_each_class(server, stories_path, tmp_path, capsys):
+    """Users streaming, then users while long prompts arrive: each class's figures, the long
+    prompt's TTFT alone and the users' offline ceiling."""
+    url, _ = server
+    result_file = tmp_path / "mixed.json"
+    rc = bench.main(["--base-url", url, "--mixed-users", "3", "--input-len", "8", "--output-len", "6",
+                     "--long-input-len", "150", "--long-every-s", "0.3", "--duration", "1",
+                     "--result-file", str(result_file), "--offline-model", str(stories_path),
+                     "--offline-arg", "device=cpu", "--offline-arg", "num_kv_blocks=64"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "users' ITL p99 / p50 while long prompts arrive" in printed
+    assert "long prompts' TTFT p50" in printed and "against the offline engine's" in printed
+    mixed = json.loads(result_file.read_text())["mixed"]
+    assert mixed["long_alone_ttft_ms"] > 0 and mixed["offline_ceiling_tok_s"] > 0
+    for phase in ("users_alone", "users_mixed"):
+        assert mixed[phase]["requests"] >= 3 and mixed[phase]["failed"] == 0
+        assert mixed[phase]["output_tokens"] == 6 * mixed[phase]["requests"]
+        assert mixed[phase]["itl_ms"]["p99"] >= mixed[phase]["itl_ms"]["median"] > 0
+    assert mixed["long_mixed"]["requests"] >= 1 and mixed["long_mixed"]["failed"] == 0
+    assert mixed["long_mixed"]["ttft_ms"]["median"] > 0
+    with pytest.raises(BenchUsageError, match="--mixed-users"):
+        bench.parse_args(["--mixed-users", "0"])
+    with pytest.raises(BenchUsageError, match="without --concurrency-sweep"):
+        bench.parse_args(["--mixed-users", "2", "--concurrency-sweep", "1,2"])
+
+
 def test_command_work_between_two_steps_is_bounded(server):
     url, engine = server
     num_commands = 2000
