@@ -75,13 +75,15 @@ __device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
     return r;
 }
 
-// Element i of a KV vector as float: the value (bf16 / fp16 / fp32), or for FP8 the E4M3 value
-// (the caller's factors carry the scale). i is a constant after unrolling.
-__device__ __forceinline__ float kv_get(const KVVec& v, int i) {
+// A KV vector as KV_VEC floats: the values (bf16 / fp16 / fp32), or for FP8 the E4M3 values,
+// widened a pair at a time by one hardware conversion (the caller's factors carry the scale).
+// Decode widens each vector once and uses it for every GQA query head of its KV head.
+__device__ __forceinline__ void kv_to_floats(const KVVec& v, float (&f)[KV_VEC]) {
 #if KV_FP8
-    return e4m3_top_byte_to_float(v.w[i >> 2] << (24 - 8 * (i & 3)));
+#pragma unroll
+    for (int w = 0; w < KV_VEC_WORDS; ++w) e4m3x4_to_floats(v.w[w], &f[4 * w]);
 #else
-    return vec_get(reinterpret_cast<const Vec16&>(v), i);
+    vec_to_floats(reinterpret_cast<const Vec16&>(v), f);
 #endif
 }
 
@@ -129,30 +131,41 @@ struct DecodeState {
     float acc[GQA][DEC_ELEMS];
 };
 
-// Fold one step of DEC_U tokens (scores s, values vv) into the state of this lane.
-__device__ __forceinline__ void decode_fold(DecodeState& st, float (&s)[DEC_U][GQA],
+// Fold one step of DEC_U tokens (scores s, values vv) into the state of this lane: first the
+// softmax weights of every GQA head, then each value vector widened once and added to every head.
+__device__ __forceinline__ void decode_fold(DecodeState& st, const float (&s)[DEC_U][GQA],
                                             const KVVec (&vv)[DEC_U][DEC_NV]) {
+    float p[DEC_U][GQA];
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {
         float mx = st.m[g];
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) mx = fmaxf(mx, s[u][g]);
-        if (mx == -MINILLM_INF) continue;
-        float alpha = exp2f(st.m[g] - mx);
+        // No finite score yet: exp2 against 0 keeps the state empty (alpha 0, p 0) without NaN.
+        float ref = mx == -MINILLM_INF ? 0.0f : mx;
+        float alpha = exp2f(st.m[g] - ref);
         st.l[g] *= alpha;
 #pragma unroll
         for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] *= alpha;
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) {
-            float p = exp2f(s[u][g] - mx);
-            st.l[g] += p;
-#pragma unroll
-            for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                for (int e = 0; e < KV_VEC; ++e) st.acc[g][j * KV_VEC + e] += p * kv_get(vv[u][j], e);
-            }
+            p[u][g] = exp2f(s[u][g] - ref);
+            st.l[g] += p[u][g];
         }
         st.m[g] = mx;
+    }
+#pragma unroll
+    for (int u = 0; u < DEC_U; ++u) {
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) {
+            float vf[KV_VEC];
+            kv_to_floats(vv[u][j], vf);
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+                for (int e = 0; e < KV_VEC; ++e) st.acc[g][j * KV_VEC + e] += p[u][g] * vf[e];
+            }
+        }
     }
 }
 
@@ -314,13 +327,16 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
         float s[DEC_U][GQA];
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) {
+            float kf[DEC_NV][KV_VEC];                     // widened once for all GQA heads
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
 #pragma unroll
             for (int g = 0; g < GQA; ++g) {
                 float dot = 0.0f;
 #pragma unroll
                 for (int j = 0; j < DEC_NV; ++j) {
 #pragma unroll
-                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kv_get(kv[u][j], e);
+                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
                 }
 #pragma unroll
                 for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
