@@ -124,6 +124,14 @@ constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row h
 // Element offset of vector j of this lane inside a row.
 __device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * KV_VEC; }
 
+// 2^x on the special-function unit (exp2(-inf) = 0; results below 2^-126 flush to 0, far under
+// the fp32 resolution of a softmax sum that is at least 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Online-softmax state of GQA query heads over some tokens: max (log2 units), sum, output.
 struct DecodeState {
     float m[GQA];
@@ -143,13 +151,13 @@ __device__ __forceinline__ void decode_fold(DecodeState& st, const float (&s)[DE
         for (int u = 0; u < DEC_U; ++u) mx = fmaxf(mx, s[u][g]);
         // No finite score yet: exp2 against 0 keeps the state empty (alpha 0, p 0) without NaN.
         float ref = mx == -MINILLM_INF ? 0.0f : mx;
-        float alpha = exp2f(st.m[g] - ref);
+        float alpha = fast_exp2(st.m[g] - ref);
         st.l[g] *= alpha;
 #pragma unroll
         for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] *= alpha;
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) {
-            p[u][g] = exp2f(s[u][g] - ref);
+            p[u][g] = fast_exp2(s[u][g] - ref);
             st.l[g] += p[u][g];
         }
         st.m[g] = mx;
@@ -248,30 +256,71 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
     }
 }
 
-// Load this lane's K and V vectors of DEC_U tokens (zeros past t_end).
+// Load this lane's K and V vectors of DEC_U tokens. k_lane / v_lane point at this lane's first
+// element of token row 0 of the layer's caches; a row is row_bytes long (a layer's pool has fewer
+// than 2^32 token rows: one 32 x 32 -> 64-bit multiply-add per pointer). A token past t_end reads
+// the partition's last token instead (its score is masked, so its weight is 0), which keeps the
+// loads unpredicated. ONE_BLOCK: the chunk lies in block chunk_blk, else each token reads the table.
+template <bool ONE_BLOCK>
 __device__ __forceinline__ void decode_load(KVVec (&kv)[DEC_U][DEC_NV], KVVec (&vv)[DEC_U][DEC_NV],
-                                            bool (&valid)[DEC_U], const cache_t* k_cache,
-                                            const cache_t* v_cache, const int* bt, int c0,
-                                            int chunk_blk, int t_end, int sub, int li,
-                                            int block_size_log2, long long tok_stride,
-                                            long long head_off) {
-    int mask = (1 << block_size_log2) - 1;
+                                            bool (&valid)[DEC_U], const char* k_lane,
+                                            const char* v_lane, const int* bt, int c0,
+                                            int chunk_blk, int t_end, int sub,
+                                            int block_size_log2, unsigned int row_bytes) {
+    unsigned int mask = (1u << block_size_log2) - 1u;
 #pragma unroll
     for (int u = 0; u < DEC_U; ++u) {
         int t = c0 + u * DEC_TPW + sub;
         valid[u] = t < t_end;
-        int blk = chunk_blk >= 0 ? chunk_blk : (valid[u] ? bt[t >> block_size_log2] : 0);
-        long long base = (((long long)blk << block_size_log2) | (t & mask)) * tok_stride + head_off;
+        t = min(t, t_end - 1);
+        int blk = ONE_BLOCK ? chunk_blk : bt[t >> block_size_log2];
+        unsigned int row = ((unsigned int)blk << block_size_log2) | ((unsigned int)t & mask);
+        unsigned long long off = (unsigned long long)row * row_bytes;
 #pragma unroll
         for (int j = 0; j < DEC_NV; ++j) {
-            if (valid[u]) {
-                kv[u][j] = ldg_kv(k_cache + base + lane_vec_offset(j, li));
-                vv[u][j] = ldg_kv(v_cache + base + lane_vec_offset(j, li));
-            } else {
+            const int jb = j * DEC_LPT * KV_VEC * (int)sizeof(cache_t);
+            kv[u][j] = ldg_kv(reinterpret_cast<const cache_t*>(k_lane + off + jb));
+            vv[u][j] = ldg_kv(reinterpret_cast<const cache_t*>(v_lane + off + jb));
+        }
+    }
+}
+
+// Fold this warp's chunks of [c0, t_end) into the lane's state, DEC_CHUNK tokens a warp step.
+// ONE_BLOCK (blocks at least a chunk long): one table read per chunk, fetched one step ahead.
+template <bool ONE_BLOCK>
+__device__ __forceinline__ void decode_tokens(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
+                                              const char* k_lane, const char* v_lane, const int* bt,
+                                              int c0, int t_end, int sub, int block_size_log2,
+                                              unsigned int row_bytes, float score_mul) {
+    const int step = DEC_WARPS * DEC_CHUNK;
+    int next_blk = (ONE_BLOCK && c0 < t_end) ? bt[c0 >> block_size_log2] : 0;
+    for (; c0 < t_end; c0 += step) {
+        int chunk_blk = next_blk;
+        if (ONE_BLOCK && c0 + step < t_end) next_blk = bt[(c0 + step) >> block_size_log2];
+        KVVec kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
+        bool valid[DEC_U];
+        decode_load<ONE_BLOCK>(kv, vv, valid, k_lane, v_lane, bt, c0, chunk_blk, t_end, sub,
+                               block_size_log2, row_bytes);
+        float s[DEC_U][GQA];
 #pragma unroll
-                for (int w = 0; w < KV_VEC_WORDS; ++w) kv[u][j].w[w] = vv[u][j].w[w] = 0u;
+        for (int u = 0; u < DEC_U; ++u) {
+            float kf[DEC_NV][KV_VEC];                     // widened once for all GQA heads
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
+                }
+#pragma unroll
+                for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+                s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
             }
         }
+        decode_fold(st, s, vv);
     }
 }
 
@@ -309,42 +358,15 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
         }
     }
     const int* bt = block_tables + (long long)b * bt_stride;
-    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
-    const long long head_off = (long long)kvh * HEAD_DIM;
-    // With blocks at least a chunk long, a chunk lies in one block: one table read per chunk,
-    // fetched one step ahead.
-    const bool one_block_per_chunk = (1 << block_size_log2) >= DEC_CHUNK;
-    const int step = DEC_WARPS * DEC_CHUNK;
-    int c0 = t_begin + warp * DEC_CHUNK;
-    int next_blk = (one_block_per_chunk && c0 < t_end) ? bt[c0 >> block_size_log2] : -1;
-    for (; c0 < t_end; c0 += step) {
-        int chunk_blk = next_blk;
-        if (one_block_per_chunk && c0 + step < t_end) next_blk = bt[(c0 + step) >> block_size_log2];
-        KVVec kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
-        bool valid[DEC_U];
-        decode_load(kv, vv, valid, k_cache, v_cache, bt, c0, one_block_per_chunk ? chunk_blk : -1,
-                    t_end, sub, li, block_size_log2, tok_stride, head_off);
-        float s[DEC_U][GQA];
-#pragma unroll
-        for (int u = 0; u < DEC_U; ++u) {
-            float kf[DEC_NV][KV_VEC];                     // widened once for all GQA heads
-#pragma unroll
-            for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
-#pragma unroll
-            for (int g = 0; g < GQA; ++g) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
-                }
-#pragma unroll
-                for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
-                s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
-            }
-        }
-        decode_fold(st, s, vv);
-    }
+    const unsigned int row_bytes = (unsigned int)(num_kv_heads * HEAD_DIM * sizeof(cache_t));
+    const long long lane_off = (long long)kvh * HEAD_DIM + lane_vec_offset(0, li);
+    const char* k_lane = reinterpret_cast<const char*>(k_cache + lane_off);
+    const char* v_lane = reinterpret_cast<const char*>(v_cache + lane_off);
+    const int c0 = t_begin + warp * DEC_CHUNK;
+    if ((1 << block_size_log2) >= DEC_CHUNK)
+        decode_tokens<true>(st, qf, k_lane, v_lane, bt, c0, t_end, sub, block_size_log2, row_bytes, score_mul);
+    else
+        decode_tokens<false>(st, qf, k_lane, v_lane, bt, c0, t_end, sub, block_size_log2, row_bytes, score_mul);
     decode_merge_lanes(st);
     decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_heads, num_splits, kv_mul.y);
 }
