@@ -557,43 +557,76 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
 }
 
 #if KV_FP8
-// Eight E4M3 bytes -> eight 16-bit values, exactly (every E4M3 value is an fp16 and a bf16).
-__device__ __forceinline__ Vec16 e4m3x8_to_vec(Vec8 bits) {
-    float f[8];
+// Sixteen E4M3 bytes -> sixteen 16-bit values in two vectors (bytes 0..7, 8..15), exactly: every
+// E4M3 value is an fp16 and a bf16. One hardware conversion a pair gives fp16 as is; bf16 goes
+// on through float (two exact widenings and one exact pack a pair).
+__device__ __forceinline__ void e4m3x16_to_vecs(const Vec16& bits, Vec16& lo, Vec16& hi) {
+    unsigned int out[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = e4m3_to_float(bits.w[i >> 2] >> ((i & 3) * 8));
-    return floats_to_vec(f);
+    for (int i = 0; i < 8; ++i) {
+        unsigned int w = bits.w[i >> 1];
+        unsigned int h2 = e4m3x2_to_f16x2((unsigned short)((i & 1) ? w >> 16 : w & 0xffffu));
+#if MINILLM_DTYPE == 1
+        out[i] = h2;
+#else
+        float a, b;
+        f16x2_to_floats(h2, &a, &b);
+        out[i] = pack2(a, b);
+#endif
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo.w[i] = out[i];
+        hi.w[i] = out[4 + i];
+    }
 }
 #endif
 
-// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end (FP8: the
-// unscaled E4M3 values; the caller applies k_scale / v_scale to scores and outputs).
+// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end. FP8: 16-byte
+// loads of 16 E4M3 values, all of a thread's issued before any is widened, stored unscaled (the
+// caller applies k_scale / v_scale to scores and outputs).
 __device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const cache_t* k_cache,
                                               const cache_t* v_cache, const int* bt, int kt,
                                               int kv_end, int block_size_log2,
                                               long long tok_stride, long long head_off) {
-    constexpr int parts = HEAD_DIM / 8;
     int mask = (1 << block_size_log2) - 1;
+#if KV_FP8
+    constexpr int parts = HEAD_DIM / 16;
+    constexpr int per_thread = (PM_BK * parts + PM_THREADS - 1) / PM_THREADS;
+    Vec16 kb[per_thread], vb[per_thread];
+#pragma unroll
+    for (int i = 0; i < per_thread; ++i) {
+        int c = threadIdx.x + i * PM_THREADS, key = c / parts, part = c % parts, t = kt + key;
+        kb[i].w[0] = kb[i].w[1] = kb[i].w[2] = kb[i].w[3] = 0u;
+        vb[i] = kb[i];
+        if (c < PM_BK * parts && t < kv_end) {
+            long long src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 16;
+            kb[i] = ldg16(k_cache + src);
+            vb[i] = ldg16(v_cache + src);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < per_thread; ++i) {
+        int c = threadIdx.x + i * PM_THREADS, key = c / parts, part = c % parts;
+        if (c >= PM_BK * parts) continue;
+        Vec16 lo, hi;
+        e4m3x16_to_vecs(kb[i], lo, hi);
+        stg16(ks + key * PM_LD + part * 16, lo);
+        stg16(ks + key * PM_LD + part * 16 + 8, hi);
+        e4m3x16_to_vecs(vb[i], lo, hi);
+        stg16(vs + key * PM_LD + part * 16, lo);
+        stg16(vs + key * PM_LD + part * 16 + 8, hi);
+    }
+#else
+    constexpr int parts = HEAD_DIM / 8;
     for (int c = threadIdx.x; c < PM_BK * parts; c += PM_THREADS) {
         int key = c / parts, part = c % parts, t = kt + key;
         bool valid = t < kv_end;
         long long src = 0;
         if (valid) src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 8;
-#if KV_FP8
-        Vec8 kb, vb;
-        kb.w[0] = kb.w[1] = vb.w[0] = vb.w[1] = 0u;
-        if (valid) {
-            kb = *reinterpret_cast<const Vec8*>(k_cache + src);
-            vb = *reinterpret_cast<const Vec8*>(v_cache + src);
-        }
-        stg16(ks + key * PM_LD + part * 8, e4m3x8_to_vec(kb));
-        stg16(vs + key * PM_LD + part * 8, e4m3x8_to_vec(vb));
-#else
         cp_async16(smem_addr(ks + key * PM_LD + part * 8), k_cache + src, valid ? 16 : 0);
         cp_async16(smem_addr(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
-#endif
     }
-#if !KV_FP8
     asm volatile("cp.async.commit_group;");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif
