@@ -110,6 +110,9 @@ __host__ __device__ constexpr int clamp_int(int v, int lo, int hi) { return v < 
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
+// Up to GQA 4 the decode state fits 128 registers a thread: four blocks a multiprocessor (the
+// compiler is held to it so that another toolchain cannot drop to three).
+#define DEC_MIN_BLOCKS (GQA <= 4 ? 4 : 1)
 constexpr int DEC_VECS = HEAD_DIM / KV_VEC;                // KV vectors in one K row
 constexpr int DEC_LPT = pow2_divisor_upto32(DEC_VECS);    // lanes sharing one token
 constexpr int DEC_NV = DEC_VECS / DEC_LPT;                // vectors per lane per row
@@ -324,7 +327,7 @@ __device__ __forceinline__ void decode_tokens(DecodeState& st, const float (&qf)
     }
 }
 
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_MIN_BLOCKS)
 paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
              const scalar_t* q, long long q_stride, const cache_t* k_cache,
              const cache_t* v_cache, const int* block_tables, long long bt_stride,
