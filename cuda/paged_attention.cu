@@ -9,9 +9,10 @@
 // (scale_log2 = scale * log2(e)) so the softmax uses exp2.
 // Compiled per (dtype, HEAD_DIM, GQA[, KV_FP8]) with -DHEAD_DIM=.. -DGQA=.. (defaults below for nvcc).
 // FP8 caches (KV_FP8=1: uint8 E4M3 bits, kv_scales [2] = k_scale, v_scale in device memory, so a
-// captured graph sees a later calibration): dequantised in registers. Scores and outputs are
-// linear in K and V, so k_scale joins scale_log2 and v_scale the final normalisation instead of
-// multiplying every element.
+// captured graph sees a later calibration): dequantised in registers, each pair of E4M3 bytes by
+// one cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is a normal fp16) and then fp16 to float.
+// Scores and outputs are linear in K and V, so k_scale joins scale_log2 and v_scale the final
+// normalisation instead of multiplying every element.
 // Non-FP8 builds never read kv_scales (it may be null).
 //
 // paged_decode: one query token per sequence. grid = (num_splits, Hk, B), 128 threads (4 warps).
@@ -21,13 +22,15 @@
 //   a warp, LPT lanes share a token row (HEAD_DIM / KV_VEC loads of KV_VEC elements: 16 bytes, or
 //   with FP8 16 elements where HEAD_DIM allows and GQA <= 2, else VEC_ELEMS bytes), 32 / LPT
 //   tokens are in flight side by side and each lane keeps DEC_U tokens' K and V loads in flight.
+//   Each K and V vector is widened to float once and used for all GQA heads. Up to GQA 4 the
+//   kernel fits 128 registers (four blocks a multiprocessor).
 //   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them.
 // paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
 //   128 threads; each warp owns 16 query rows, K/V tiles of 64 tokens go to shared memory by
-//   cp.async (zero-filled past the end; FP8 tiles are loaded, widened exactly to fp16 / bf16 and
-//   stored), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online
+//   cp.async (zero-filled past the end; FP8 tiles are loaded 16 bytes at a time, widened exactly
+//   to fp16 / bf16 and stored), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online
 //   softmax; block x is reversed so the longest tiles start first.
 // paged_prefill_simple (any dtype / HEAD_DIM): same grid with 16-row query tiles; K/V tiles of
 //   PF_BK tokens converted to fp32 in shared memory, one lane per key for scores and one lane per
