@@ -265,8 +265,9 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
 // Load this lane's K and V vectors of DEC_U tokens. k_lane / v_lane point at this lane's first
 // element of token row 0 of the layer's caches; a row is row_bytes long (a layer's pool has fewer
 // than 2^32 token rows: one 32 x 32 -> 64-bit multiply-add per pointer). A token past t_end reads
-// the partition's last token instead (its score is masked, so its weight is 0), which keeps the
-// loads unpredicated. ONE_BLOCK: the chunk lies in block chunk_blk, else each token reads the table.
+// the partition's last token instead, which keeps the loads unpredicated: its score is masked, so
+// its finite V adds 0 (only an infinite V element there would read as NaN rather than inf).
+// ONE_BLOCK: the chunk lies in block chunk_blk, else each token reads the table.
 template <bool ONE_BLOCK>
 __device__ __forceinline__ void decode_load(KVVec (&kv)[DEC_U][DEC_NV], KVVec (&vv)[DEC_U][DEC_NV],
                                             bool (&valid)[DEC_U], const char* k_lane,
