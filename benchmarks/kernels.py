@@ -7,6 +7,8 @@ the bf16 GEMM rate of cuBLAS at 8192^3 (random data). Then times every kernel wi
 after warm-up, replaying a CUDA graph of many launches so launch gaps stay out of the figure,
 and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes: hidden 1024,
 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
+`--decode-only` times just the copy ceiling and decode attention with the bf16 cache and the FP8
+one at batch 256 / context 1024 and batch 64 / context 4096, and prints FP8's time over bf16's.
 Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
 prefill_attention.cu in its two block shapes, "= flash" marking the one the default picks) on a
 2048-token chunk alone and over 14,000 cached tokens, its TFLOP/s held against the GEMM rate of
@@ -451,6 +453,40 @@ def tail_attention_rows(cp, ops, copy_gbs: float) -> list[Row]:
     return rows
 
 
+DECODE_SHAPES = ((256, 1024), (64, 4096))   # (batch, context): the workload's bulk and a long-context batch
+
+
+def decode_cache_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    """Decode attention with the bf16 cache and the FP8 one at each of DECODE_SHAPES (automatic
+    splits), K/V counted at their stored size (two bytes an element, or one)."""
+    rng = np.random.default_rng(3)
+    num_blocks = max(batch * ctx for batch, ctx in DECODE_SHAPES) // BLOCK
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    caches = {"bf16": (random_bf16(cp, ops, shape), random_bf16(cp, ops, shape), None, 2),
+              "fp8": (random_e4m3(cp, shape), random_e4m3(cp, shape),
+                      cp.asarray(np.array([0.05, 0.05], np.float32)), 1)}
+    rows = []
+    for batch, ctx in DECODE_SHAPES:
+        meta = decode_meta(ops, rng, batch, ctx, num_blocks)
+        q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
+        splits = ops.decode_num_splits(batch, KV_HEADS, ctx)
+        for kv, (kc, vc, scales, itemsize) in caches.items():
+            t = time_graph(cp, lambda: ops.paged_attention(q, kc, vc, meta, HEAD_DIM ** -0.5, scales), iters=10)
+            kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * itemsize
+            rows.append(Row(f"decode attention {kv} splits={splits}", f"B{batch} ctx{ctx}", t * 1e6,
+                            kv_bytes / t / 1e9, "GB/s", copy_gbs))
+    return rows
+
+
+def print_decode_ratios(rows: list[Row]) -> None:
+    """FP8 time against bf16 time per shape (the FP8 cache reads half the bytes: 0.5 is its floor)."""
+    times = {(r.shape, r.name.split()[2]): r.time_us for r in rows if r.name.startswith("decode attention ")}
+    for batch, ctx in DECODE_SHAPES:
+        shape = f"B{batch} ctx{ctx}"
+        bf16, fp8 = times[(shape, "bf16")], times[(shape, "fp8")]
+        print(f"{shape}: fp8 {fp8:.1f} us / bf16 {bf16:.1f} us = {fp8 / bf16:.2f} (bandwidth floor 0.50)")
+
+
 def print_table(rows: list[Row]) -> None:
     print(f"{'kernel':34} {'shape':22} {'time us':>10} {'achieved':>16} {'ceiling':>16} {'%':>6}")
     for r in rows:
@@ -463,8 +499,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="Also write the rows as JSON here.")
     parser.add_argument("--no-graph-nodes", dest="graph_nodes", action="store_false",
                         help="Skip counting a decode step's graph nodes (builds a random Qwen3-0.6B-shaped model).")
-    parser.add_argument("--prefill-only", action="store_true",
-                        help="Time only the ceilings and prefill attention (each kernel, both shapes).")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--prefill-only", action="store_true",
+                      help="Time only the ceilings and prefill attention (each kernel, both shapes).")
+    only.add_argument("--decode-only", action="store_true",
+                      help="Time only the copy ceiling and decode attention with the bf16 and the FP8 cache "
+                           "at batch 256 context 1024 and batch 64 context 4096.")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -479,6 +519,13 @@ def main(argv: list[str] | None = None) -> int:
           f"CuPy {cp.__version__}  CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}")
     copy_gbs = copy_bandwidth(cp)
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
+    if args.decode_only:
+        rows += decode_cache_rows(cp, ops, copy_gbs)
+        print_table(rows)
+        print_decode_ratios(rows)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))
+        return 0
     gemm_peak, gemm = gemm_rows(cp, ops, copy_gbs)
     rows += gemm
     rows += attention_rows(cp, ops, copy_gbs, gemm_peak, decode=not args.prefill_only)

@@ -140,21 +140,33 @@ __device__ __forceinline__ unsigned char float_to_e4m3(float f) {
     return (unsigned char)(floats_to_e4m3x2(f, 0.0f) & 0xffu);
 }
 
-// The E4M3 byte in the low 8 bits of b (higher bits ignored) -> its value, exactly, subnormals
-// included: as fp16 bits, the sign on bit 15 and the 7 exponent-mantissa bits on bits 7..13 read
-// as the value times 2^-8 (exponent bias 15 against E4M3's 7; an E4M3 subnormal is an fp16
-// subnormal), and the hardware widening of fp16 to float keeps subnormals. (A float built directly
-// from the bits would be a denormal for E4M3 subnormals, which flush-to-zero arithmetic loses.)
-__device__ __forceinline__ float e4m3_to_float(unsigned int b) {
-    const unsigned short h = (unsigned short)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f * 256.0f;
+// Two E4M3 bytes (bits 0..7 and 8..15 of b) -> their values as fp16, packed (the low byte's in
+// the low half), in one hardware conversion (sm_89+). Exact: every E4M3 value, subnormals
+// included, is a normal fp16 (2^-9 up to 448), and the NaN codes give NaN.
+__device__ __forceinline__ unsigned int e4m3x2_to_f16x2(unsigned short b) {
+    unsigned int h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(b));
+    return h2;
 }
 
-// The E4M3 byte in bits 24..31 of `top` (the lower bits ignored) -> its value.
-__device__ __forceinline__ float e4m3_top_byte_to_float(unsigned int top) {
-    return e4m3_to_float(top >> 24);
+// Packed fp16 pair -> two floats (exact).
+__device__ __forceinline__ void f16x2_to_floats(unsigned int h2, float* lo, float* hi) {
+    asm("{ .reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h; }"
+        : "=f"(*lo), "=f"(*hi) : "r"(h2));
+}
+
+// Four E4M3 bytes of a word (byte i is element i) -> four floats, exactly: two pair conversions
+// and four fp16 widenings, no per-byte shifts or masks.
+__device__ __forceinline__ void e4m3x4_to_floats(unsigned int w, float* out) {
+    f16x2_to_floats(e4m3x2_to_f16x2((unsigned short)(w & 0xffffu)), &out[0], &out[1]);
+    f16x2_to_floats(e4m3x2_to_f16x2((unsigned short)(w >> 16)), &out[2], &out[3]);
+}
+
+// The E4M3 byte in the low 8 bits of b (higher bits ignored) -> its value, exactly.
+__device__ __forceinline__ float e4m3_to_float(unsigned int b) {
+    float lo, hi;
+    f16x2_to_floats(e4m3x2_to_f16x2((unsigned short)(b & 0xffu)), &lo, &hi);
+    return lo;
 }
 
 // A cache element as float: dequantised (bits * scale) for FP8, the value itself otherwise.

@@ -9,9 +9,10 @@
 // (scale_log2 = scale * log2(e)) so the softmax uses exp2.
 // Compiled per (dtype, HEAD_DIM, GQA[, KV_FP8]) with -DHEAD_DIM=.. -DGQA=.. (defaults below for nvcc).
 // FP8 caches (KV_FP8=1: uint8 E4M3 bits, kv_scales [2] = k_scale, v_scale in device memory, so a
-// captured graph sees a later calibration): dequantised in registers. Scores and outputs are
-// linear in K and V, so k_scale joins scale_log2 and v_scale the final normalisation instead of
-// multiplying every element.
+// captured graph sees a later calibration): dequantised in registers, each pair of E4M3 bytes by
+// one cvt.rn.f16x2.e4m3x2 (exact: every E4M3 value is a normal fp16) and then fp16 to float.
+// Scores and outputs are linear in K and V, so k_scale joins scale_log2 and v_scale the final
+// normalisation instead of multiplying every element.
 // Non-FP8 builds never read kv_scales (it may be null).
 //
 // paged_decode: one query token per sequence. grid = (num_splits, Hk, B), 128 threads (4 warps).
@@ -21,13 +22,15 @@
 //   a warp, LPT lanes share a token row (HEAD_DIM / KV_VEC loads of KV_VEC elements: 16 bytes, or
 //   with FP8 16 elements where HEAD_DIM allows and GQA <= 2, else VEC_ELEMS bytes), 32 / LPT
 //   tokens are in flight side by side and each lane keeps DEC_U tokens' K and V loads in flight.
+//   Each K and V vector is widened to float once and used for all GQA heads. Up to GQA 4 the
+//   kernel fits 128 registers (four blocks a multiprocessor).
 //   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them.
 // paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
 //   128 threads; each warp owns 16 query rows, K/V tiles of 64 tokens go to shared memory by
-//   cp.async (zero-filled past the end; FP8 tiles are loaded, widened exactly to fp16 / bf16 and
-//   stored), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online
+//   cp.async (zero-filled past the end; FP8 tiles are loaded 16 bytes at a time, widened exactly
+//   to fp16 / bf16 and stored), S = Q K^T and O += P V run on mma.sync.m16n8k16 with fp32 accumulators and an online
 //   softmax; block x is reversed so the longest tiles start first.
 // paged_prefill_simple (any dtype / HEAD_DIM): same grid with 16-row query tiles; K/V tiles of
 //   PF_BK tokens converted to fp32 in shared memory, one lane per key for scores and one lane per
@@ -75,13 +78,15 @@ __device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
     return r;
 }
 
-// Element i of a KV vector as float: the value (bf16 / fp16 / fp32), or for FP8 the E4M3 value
-// (the caller's factors carry the scale). i is a constant after unrolling.
-__device__ __forceinline__ float kv_get(const KVVec& v, int i) {
+// A KV vector as KV_VEC floats: the values (bf16 / fp16 / fp32), or for FP8 the E4M3 values,
+// widened a pair at a time by one hardware conversion (the caller's factors carry the scale).
+// Decode widens each vector once and uses it for every GQA query head of its KV head.
+__device__ __forceinline__ void kv_to_floats(const KVVec& v, float (&f)[KV_VEC]) {
 #if KV_FP8
-    return e4m3_top_byte_to_float(v.w[i >> 2] << (24 - 8 * (i & 3)));
+#pragma unroll
+    for (int w = 0; w < KV_VEC_WORDS; ++w) e4m3x4_to_floats(v.w[w], &f[4 * w]);
 #else
-    return vec_get(reinterpret_cast<const Vec16&>(v), i);
+    vec_to_floats(reinterpret_cast<const Vec16&>(v), f);
 #endif
 }
 
@@ -108,6 +113,9 @@ __host__ __device__ constexpr int clamp_int(int v, int lo, int hi) { return v < 
 
 #define DEC_WARPS 4
 #define DEC_THREADS (DEC_WARPS * 32)
+// Up to GQA 4 the decode state fits 128 registers a thread: four blocks a multiprocessor (the
+// compiler is held to it so that another toolchain cannot drop to three).
+#define DEC_MIN_BLOCKS (GQA <= 4 ? 4 : 1)
 constexpr int DEC_VECS = HEAD_DIM / KV_VEC;                // KV vectors in one K row
 constexpr int DEC_LPT = pow2_divisor_upto32(DEC_VECS);    // lanes sharing one token
 constexpr int DEC_NV = DEC_VECS / DEC_LPT;                // vectors per lane per row
@@ -122,6 +130,14 @@ constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row h
 // Element offset of vector j of this lane inside a row.
 __device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * KV_VEC; }
 
+// 2^x on the special-function unit (exp2(-inf) = 0; results below 2^-126 flush to 0, far under
+// the fp32 resolution of a softmax sum that is at least 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // Online-softmax state of GQA query heads over some tokens: max (log2 units), sum, output.
 struct DecodeState {
     float m[GQA];
@@ -129,30 +145,41 @@ struct DecodeState {
     float acc[GQA][DEC_ELEMS];
 };
 
-// Fold one step of DEC_U tokens (scores s, values vv) into the state of this lane.
-__device__ __forceinline__ void decode_fold(DecodeState& st, float (&s)[DEC_U][GQA],
+// Fold one step of DEC_U tokens (scores s, values vv) into the state of this lane: first the
+// softmax weights of every GQA head, then each value vector widened once and added to every head.
+__device__ __forceinline__ void decode_fold(DecodeState& st, const float (&s)[DEC_U][GQA],
                                             const KVVec (&vv)[DEC_U][DEC_NV]) {
+    float p[DEC_U][GQA];
 #pragma unroll
     for (int g = 0; g < GQA; ++g) {
         float mx = st.m[g];
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) mx = fmaxf(mx, s[u][g]);
-        if (mx == -MINILLM_INF) continue;
-        float alpha = exp2f(st.m[g] - mx);
+        // No finite score yet: exp2 against 0 keeps the state empty (alpha 0, p 0) without NaN.
+        float ref = mx == -MINILLM_INF ? 0.0f : mx;
+        float alpha = fast_exp2(st.m[g] - ref);
         st.l[g] *= alpha;
 #pragma unroll
         for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] *= alpha;
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) {
-            float p = exp2f(s[u][g] - mx);
-            st.l[g] += p;
-#pragma unroll
-            for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                for (int e = 0; e < KV_VEC; ++e) st.acc[g][j * KV_VEC + e] += p * kv_get(vv[u][j], e);
-            }
+            p[u][g] = fast_exp2(s[u][g] - ref);
+            st.l[g] += p[u][g];
         }
         st.m[g] = mx;
+    }
+#pragma unroll
+    for (int u = 0; u < DEC_U; ++u) {
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) {
+            float vf[KV_VEC];
+            kv_to_floats(vv[u][j], vf);
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+                for (int e = 0; e < KV_VEC; ++e) st.acc[g][j * KV_VEC + e] += p[u][g] * vf[e];
+            }
+        }
     }
 }
 
@@ -235,34 +262,76 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
     }
 }
 
-// Load this lane's K and V vectors of DEC_U tokens (zeros past t_end).
+// Load this lane's K and V vectors of DEC_U tokens. k_lane / v_lane point at this lane's first
+// element of token row 0 of the layer's caches; a row is row_bytes long (a layer's pool has fewer
+// than 2^32 token rows: one 32 x 32 -> 64-bit multiply-add per pointer). A token past t_end reads
+// the partition's last token instead, which keeps the loads unpredicated: its score is masked, so
+// its finite V adds 0 (only an infinite V element there would read as NaN rather than inf).
+// ONE_BLOCK: the chunk lies in block chunk_blk, else each token reads the table.
+template <bool ONE_BLOCK>
 __device__ __forceinline__ void decode_load(KVVec (&kv)[DEC_U][DEC_NV], KVVec (&vv)[DEC_U][DEC_NV],
-                                            bool (&valid)[DEC_U], const cache_t* k_cache,
-                                            const cache_t* v_cache, const int* bt, int c0,
-                                            int chunk_blk, int t_end, int sub, int li,
-                                            int block_size_log2, long long tok_stride,
-                                            long long head_off) {
-    int mask = (1 << block_size_log2) - 1;
+                                            bool (&valid)[DEC_U], const char* k_lane,
+                                            const char* v_lane, const int* bt, int c0,
+                                            int chunk_blk, int t_end, int sub,
+                                            int block_size_log2, unsigned int row_bytes) {
+    unsigned int mask = (1u << block_size_log2) - 1u;
 #pragma unroll
     for (int u = 0; u < DEC_U; ++u) {
         int t = c0 + u * DEC_TPW + sub;
         valid[u] = t < t_end;
-        int blk = chunk_blk >= 0 ? chunk_blk : (valid[u] ? bt[t >> block_size_log2] : 0);
-        long long base = (((long long)blk << block_size_log2) | (t & mask)) * tok_stride + head_off;
+        t = min(t, t_end - 1);
+        int blk = ONE_BLOCK ? chunk_blk : bt[t >> block_size_log2];
+        unsigned int row = ((unsigned int)blk << block_size_log2) | ((unsigned int)t & mask);
+        unsigned long long off = (unsigned long long)row * row_bytes;
 #pragma unroll
         for (int j = 0; j < DEC_NV; ++j) {
-            if (valid[u]) {
-                kv[u][j] = ldg_kv(k_cache + base + lane_vec_offset(j, li));
-                vv[u][j] = ldg_kv(v_cache + base + lane_vec_offset(j, li));
-            } else {
-#pragma unroll
-                for (int w = 0; w < KV_VEC_WORDS; ++w) kv[u][j].w[w] = vv[u][j].w[w] = 0u;
-            }
+            const int jb = j * DEC_LPT * KV_VEC * (int)sizeof(cache_t);
+            kv[u][j] = ldg_kv(reinterpret_cast<const cache_t*>(k_lane + off + jb));
+            vv[u][j] = ldg_kv(reinterpret_cast<const cache_t*>(v_lane + off + jb));
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(DEC_THREADS)
+// Fold this warp's chunks of [c0, t_end) into the lane's state, DEC_CHUNK tokens a warp step.
+// ONE_BLOCK (blocks at least a chunk long): one table read per chunk, fetched one step ahead.
+template <bool ONE_BLOCK>
+__device__ __forceinline__ void decode_tokens(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
+                                              const char* k_lane, const char* v_lane, const int* bt,
+                                              int c0, int t_end, int sub, int block_size_log2,
+                                              unsigned int row_bytes, float score_mul) {
+    const int step = DEC_WARPS * DEC_CHUNK;
+    int next_blk = (ONE_BLOCK && c0 < t_end) ? bt[c0 >> block_size_log2] : 0;
+    for (; c0 < t_end; c0 += step) {
+        int chunk_blk = next_blk;
+        if (ONE_BLOCK && c0 + step < t_end) next_blk = bt[(c0 + step) >> block_size_log2];
+        KVVec kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
+        bool valid[DEC_U];
+        decode_load<ONE_BLOCK>(kv, vv, valid, k_lane, v_lane, bt, c0, chunk_blk, t_end, sub,
+                               block_size_log2, row_bytes);
+        float s[DEC_U][GQA];
+#pragma unroll
+        for (int u = 0; u < DEC_U; ++u) {
+            float kf[DEC_NV][KV_VEC];                     // widened once for all GQA heads
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
+#pragma unroll
+            for (int g = 0; g < GQA; ++g) {
+                float dot = 0.0f;
+#pragma unroll
+                for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
+                }
+#pragma unroll
+                for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+                s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
+            }
+        }
+        decode_fold(st, s, vv);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_MIN_BLOCKS)
 paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
              const scalar_t* q, long long q_stride, const cache_t* k_cache,
              const cache_t* v_cache, const int* block_tables, long long bt_stride,
@@ -296,39 +365,15 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
         }
     }
     const int* bt = block_tables + (long long)b * bt_stride;
-    const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
-    const long long head_off = (long long)kvh * HEAD_DIM;
-    // With blocks at least a chunk long, a chunk lies in one block: one table read per chunk,
-    // fetched one step ahead.
-    const bool one_block_per_chunk = (1 << block_size_log2) >= DEC_CHUNK;
-    const int step = DEC_WARPS * DEC_CHUNK;
-    int c0 = t_begin + warp * DEC_CHUNK;
-    int next_blk = (one_block_per_chunk && c0 < t_end) ? bt[c0 >> block_size_log2] : -1;
-    for (; c0 < t_end; c0 += step) {
-        int chunk_blk = next_blk;
-        if (one_block_per_chunk && c0 + step < t_end) next_blk = bt[(c0 + step) >> block_size_log2];
-        KVVec kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
-        bool valid[DEC_U];
-        decode_load(kv, vv, valid, k_cache, v_cache, bt, c0, one_block_per_chunk ? chunk_blk : -1,
-                    t_end, sub, li, block_size_log2, tok_stride, head_off);
-        float s[DEC_U][GQA];
-#pragma unroll
-        for (int u = 0; u < DEC_U; ++u) {
-#pragma unroll
-            for (int g = 0; g < GQA; ++g) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kv_get(kv[u][j], e);
-                }
-#pragma unroll
-                for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
-                s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
-            }
-        }
-        decode_fold(st, s, vv);
-    }
+    const unsigned int row_bytes = (unsigned int)(num_kv_heads * HEAD_DIM * sizeof(cache_t));
+    const long long lane_off = (long long)kvh * HEAD_DIM + lane_vec_offset(0, li);
+    const char* k_lane = reinterpret_cast<const char*>(k_cache + lane_off);
+    const char* v_lane = reinterpret_cast<const char*>(v_cache + lane_off);
+    const int c0 = t_begin + warp * DEC_CHUNK;
+    if ((1 << block_size_log2) >= DEC_CHUNK)
+        decode_tokens<true>(st, qf, k_lane, v_lane, bt, c0, t_end, sub, block_size_log2, row_bytes, score_mul);
+    else
+        decode_tokens<false>(st, qf, k_lane, v_lane, bt, c0, t_end, sub, block_size_log2, row_bytes, score_mul);
     decode_merge_lanes(st);
     decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_heads, num_splits, kv_mul.y);
 }
@@ -519,43 +564,76 @@ __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
 }
 
 #if KV_FP8
-// Eight E4M3 bytes -> eight 16-bit values, exactly (every E4M3 value is an fp16 and a bf16).
-__device__ __forceinline__ Vec16 e4m3x8_to_vec(Vec8 bits) {
-    float f[8];
+// Sixteen E4M3 bytes -> sixteen 16-bit values in two vectors (bytes 0..7, 8..15), exactly: every
+// E4M3 value is an fp16 and a bf16. One hardware conversion a pair gives fp16 as is; bf16 goes
+// on through float (two exact widenings and one exact pack a pair).
+__device__ __forceinline__ void e4m3x16_to_vecs(const Vec16& bits, Vec16& lo, Vec16& hi) {
+    unsigned int out[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = e4m3_to_float(bits.w[i >> 2] >> ((i & 3) * 8));
-    return floats_to_vec(f);
+    for (int i = 0; i < 8; ++i) {
+        unsigned int w = bits.w[i >> 1];
+        unsigned int h2 = e4m3x2_to_f16x2((unsigned short)((i & 1) ? w >> 16 : w & 0xffffu));
+#if MINILLM_DTYPE == 1
+        out[i] = h2;
+#else
+        float a, b;
+        f16x2_to_floats(h2, &a, &b);
+        out[i] = pack2(a, b);
+#endif
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        lo.w[i] = out[i];
+        hi.w[i] = out[4 + i];
+    }
 }
 #endif
 
-// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end (FP8: the
-// unscaled E4M3 values; the caller applies k_scale / v_scale to scores and outputs).
+// Copy keys/values kt..kt+PM_BK-1 into the padded tiles, zero-filled past kv_end. FP8: 16-byte
+// loads of 16 E4M3 values, all of a thread's issued before any is widened, stored unscaled (the
+// caller applies k_scale / v_scale to scores and outputs).
 __device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const cache_t* k_cache,
                                               const cache_t* v_cache, const int* bt, int kt,
                                               int kv_end, int block_size_log2,
                                               long long tok_stride, long long head_off) {
-    constexpr int parts = HEAD_DIM / 8;
     int mask = (1 << block_size_log2) - 1;
+#if KV_FP8
+    constexpr int parts = HEAD_DIM / 16;
+    constexpr int per_thread = (PM_BK * parts + PM_THREADS - 1) / PM_THREADS;
+    Vec16 kb[per_thread], vb[per_thread];
+#pragma unroll
+    for (int i = 0; i < per_thread; ++i) {
+        int c = threadIdx.x + i * PM_THREADS, key = c / parts, part = c % parts, t = kt + key;
+        kb[i].w[0] = kb[i].w[1] = kb[i].w[2] = kb[i].w[3] = 0u;
+        vb[i] = kb[i];
+        if (c < PM_BK * parts && t < kv_end) {
+            long long src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 16;
+            kb[i] = ldg16(k_cache + src);
+            vb[i] = ldg16(v_cache + src);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < per_thread; ++i) {
+        int c = threadIdx.x + i * PM_THREADS, key = c / parts, part = c % parts;
+        if (c >= PM_BK * parts) continue;
+        Vec16 lo, hi;
+        e4m3x16_to_vecs(kb[i], lo, hi);
+        stg16(ks + key * PM_LD + part * 16, lo);
+        stg16(ks + key * PM_LD + part * 16 + 8, hi);
+        e4m3x16_to_vecs(vb[i], lo, hi);
+        stg16(vs + key * PM_LD + part * 16, lo);
+        stg16(vs + key * PM_LD + part * 16 + 8, hi);
+    }
+#else
+    constexpr int parts = HEAD_DIM / 8;
     for (int c = threadIdx.x; c < PM_BK * parts; c += PM_THREADS) {
         int key = c / parts, part = c % parts, t = kt + key;
         bool valid = t < kv_end;
         long long src = 0;
         if (valid) src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 8;
-#if KV_FP8
-        Vec8 kb, vb;
-        kb.w[0] = kb.w[1] = vb.w[0] = vb.w[1] = 0u;
-        if (valid) {
-            kb = *reinterpret_cast<const Vec8*>(k_cache + src);
-            vb = *reinterpret_cast<const Vec8*>(v_cache + src);
-        }
-        stg16(ks + key * PM_LD + part * 8, e4m3x8_to_vec(kb));
-        stg16(vs + key * PM_LD + part * 8, e4m3x8_to_vec(vb));
-#else
         cp_async16(smem_addr(ks + key * PM_LD + part * 8), k_cache + src, valid ? 16 : 0);
         cp_async16(smem_addr(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
-#endif
     }
-#if !KV_FP8
     asm volatile("cp.async.commit_group;");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
 #endif

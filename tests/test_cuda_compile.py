@@ -67,6 +67,12 @@ PREFILL_BUILDS = [("bfloat16", 128, 2, "flash-4w"), ("float16", 64, 8, "flash-4w
                   ("float16", 128, 16, "flash-4w"), ("bfloat16", 128, 2, "flash-8w"), ("float16", 64, 3, "flash-8w"),
                   ("bfloat16", 64, 1, "flash-8w")]
 
+# paged_decode at the benchmark's shapes (Qwen3-0.6B: head_dim 128, GQA 2; Llama-3.2-1B: 64, 4),
+# bf16 and FP8 caches: (dtype, KV_FP8, HEAD_DIM, GQA). Each must fit 128 registers with no spills
+# (four blocks of 128 threads a multiprocessor; more registers would drop one).
+DECODE_BUILDS = [("bfloat16", 0, 128, 2), ("bfloat16", 1, 128, 2), ("float16", 1, 128, 2), ("bfloat16", 1, 64, 4),
+                 ("bfloat16", 0, 64, 4)]
+
 
 def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
     """Every build the tests check: key -> (source text, nvcc defines)."""
@@ -87,6 +93,10 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
         defines = [f"-D{k}={v}" for k, v in prefill_attention.VARIANTS[shape].defines().items()]
         builds[f"prefill-{dtype}-{head_dim}-{group}-{shape}"] = (inlined_source("prefill_attention.cu"), [
             f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}", *defines,
+            "--resource-usage"])
+    for dtype, fp8, head_dim, group in DECODE_BUILDS:
+        builds[f"decode-{dtype}-{fp8}-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
+            f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DKV_FP8={fp8}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}",
             "--resource-usage"])
     broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
     builds["syntax-error"] = (broken, [])
@@ -140,6 +150,24 @@ def test_prefill_attention_builds_without_spills(dtype, head_dim, group, shape, 
     report = result.stdout + result.stderr
     assert "registers" in report, report                                # ptxas's resource report
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def function_report(report: str, name: str) -> str:
+    """ptxas's --resource-usage lines about entry function `name`."""
+    marker = f"Compiling entry function '{name}'"
+    assert marker in report, report
+    return report.split(marker, 1)[1].split("Compiling entry function", 1)[0]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype,fp8,head_dim,group", DECODE_BUILDS)
+def test_decode_attention_fits_128_registers_without_spills(dtype, fp8, head_dim, group, nvcc_results):
+    result = nvcc_results[f"decode-{dtype}-{fp8}-{head_dim}-{group}"]
+    assert result.returncode == 0, result.stderr
+    report = function_report(result.stdout + result.stderr, "paged_decode")
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    registers = int(report.split("Used ", 1)[1].split(" registers", 1)[0])
+    assert registers <= 128, report
 
 
 @needs_nvcc

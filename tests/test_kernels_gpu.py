@@ -559,7 +559,7 @@ def test_bfloat16_round_trip_from_uint16_bits():
 
 # ----------------------------------------------------------------------------- FP8 KV cache
 
-from minillm.fp8 import encode_e4m3  # noqa: E402
+from minillm.fp8 import E4M3, encode_e4m3  # noqa: E402
 
 
 def _fp8_scales(k_scale: float, v_scale: float):
@@ -665,6 +665,70 @@ def test_fp8_prefill_attention_equals_numpy(dtype, heads, kv_heads, head_dim):
     q_lens = [1, 1, 1, 9, 1, 70]                          # a mixed step: decodes first
     prefix = [3000, 12, 1, 0, 40, 90]
     _check_fp8_attention(rng, [p + n for p, n in zip(prefix, q_lens)], q_lens, heads, kv_heads, head_dim, dtype)
+
+
+def _e4m3_code_values() -> np.ndarray:
+    """float32 values of the 256 E4M3 codes as ml_dtypes reads them (0x7F and 0xFF are NaN)."""
+    return np.arange(256, dtype=np.uint8).view(E4M3).astype(np.float32)
+
+
+def _assert_same_floats(got: np.ndarray, want: np.ndarray, what: str, signed_zeros: bool = True) -> None:
+    """Equal as floats and NaN where NaN; with signed_zeros, the same bits off NaN (a sum that
+    starts at +0, as attention's does, turns -0 into +0)."""
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"{what}: NaN positions")
+    if signed_zeros:
+        np.testing.assert_array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32), err_msg=what)
+    else:
+        np.testing.assert_array_equal(got[~nan], want[~nan], err_msg=what)
+
+
+WIDEN_SOURCE = r"""
+extern "C" __global__ void widen(const unsigned int* words, float* by_word, float* by_byte, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    e4m3x4_to_floats(words[i], by_word + 4 * i);
+    for (int k = 0; k < 4; ++k) by_byte[4 * i + k] = e4m3_to_float(words[i] >> (8 * k));
+}
+"""
+
+
+def test_e4m3_widening_is_exact_for_every_code():
+    """common.cuh's widenings (cvt.rn.f16x2.e4m3x2 a pair, then fp16 to float) against ml_dtypes:
+    all 256 codes in each byte of a word, subnormals, signed zeros and the NaN codes included."""
+    header = (ops._source_dir() / "common.cuh").read_text()
+    module = cupy.RawModule(code=header.replace("#pragma once", "") + WIDEN_SOURCE,
+                            options=("-std=c++17", "-DKV_FP8=1"))
+    codes = (np.arange(256)[:, None] + 64 * np.arange(4)[None, :]) % 256     # [256 words, 4 bytes]
+    words = ops.asarray(np.ascontiguousarray(codes.astype("<u1")).view("<u4").ravel())
+    by_word, by_byte = cupy.zeros(4 * 256, np.float32), cupy.zeros(4 * 256, np.float32)
+    module.get_function("widen")((1,), (256,), (words, by_word, by_byte, np.int32(256)))
+    want = _e4m3_code_values()[codes.ravel()]
+    _assert_same_floats(cupy.asnumpy(by_word), want, "e4m3x4_to_floats")
+    _assert_same_floats(cupy.asnumpy(by_byte), want, "e4m3_to_float")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [4, 8])          # GQA 2: 16-byte decode loads; GQA 4: VEC_ELEMS bytes
+@pytest.mark.parametrize("decode", [True, False])  # paged_decode; paged_prefill_mma (fp16 / bf16) or _simple
+def test_fp8_attention_reads_every_code_exactly(dtype, heads, decode):
+    """One cached token whose V rows hold all 256 codes (two KV heads of 128): its softmax weight is
+    1, so every query head's output is that V row, each element exactly its E4M3 value (every one
+    is an fp16 and a bf16 too), NaN for the NaN codes."""
+    kv_heads, head_dim, block_size = 2, 128, 16
+    k_bits = np.zeros((3, block_size, kv_heads, head_dim), np.uint8)
+    v_bits = np.zeros_like(k_bits)
+    v_bits[1, 0] = np.arange(256, dtype=np.uint8).reshape(kv_heads, head_dim)   # block 1, slot 0
+    meta = AttentionMetadata(query_start_loc=np.array([0, 1], np.int32), seq_lens=np.array([1], np.int32),
+                             block_tables=np.array([[1, 2]], np.int32), slot_mapping=np.zeros(1, np.int32),
+                             max_query_len=1, max_seq_len=1, is_decode_only=decode)
+    q, _ = to_device(np.random.default_rng(heads).standard_normal((1, heads, head_dim), np.float32), dtype)
+    scales, _ = _fp8_scales(1.0, 1.0)
+    got = ops.paged_attention(q, ops.asarray(k_bits), ops.asarray(v_bits), _device_meta(meta), head_dim ** -0.5,
+                              scales, out=poisoned(q.shape, dtype))
+    want = np.repeat(_e4m3_code_values().reshape(kv_heads, 1, head_dim), heads // kv_heads, axis=1)
+    _assert_same_floats(to_host32(got)[0], want.reshape(heads, head_dim), f"fp8 {dtype} decode={decode}",
+                        signed_zeros=False)
 
 
 def test_fp8_attention_needs_scales_and_matching_caches():
