@@ -133,8 +133,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
         _stats_cells(cells)
         first = await hub.event(cells)   # fail with a status code, not in-band
         hub.subscribe()
-        return EventStreamResponse(_stats_events(hub, first, cells, interval, ctx.stopping),
-                                   ctx.limits.stream_timeout_s, on_close=hub.unsubscribe)
+        return EventStreamResponse(_stats_events(hub, first, cells, interval, ctx.stopping), on_close=hub.unsubscribe)
 
 
 async def _stats_events(hub: StatsHub, first: str, cells: int, interval: float,

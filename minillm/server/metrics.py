@@ -183,7 +183,8 @@ class RequestTimer:
 
     def on_output(self, output: RequestOutput, seen: float) -> None:
         """Record the interval since the previous token-bearing output (seen: engine-thread time)."""
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        outputs = output.outputs
+        num_tokens = len(outputs[0].token_ids) if len(outputs) == 1 else sum(len(c.token_ids) for c in outputs)
         if num_tokens > self.num_tokens:
             if self.last_seen is not None:
                 self.metrics.itl.observe(max(0.0, seen - self.last_seen))
