@@ -183,7 +183,7 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """token ids -> text (ids the tokenizer does not know decode to nothing)."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None when out of range)."""

@@ -44,8 +44,8 @@ class SequenceMirror:
 
     @property
     def is_finished(self) -> bool:
-        """True once the API server's view has it ended."""
-        return self.status.is_finished
+        """True once the API server's view has it ended (a mirror is running or finished, never waiting)."""
+        return self.status is not SequenceStatus.RUNNING
 
     @property
     def final_reason(self) -> str:
@@ -78,7 +78,10 @@ class FrontendRequest:
     @property
     def is_finished(self) -> bool:
         """True when every sequence has ended in this side's view."""
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                return False
+        return True
 
 
 @dataclass
