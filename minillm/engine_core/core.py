@@ -32,6 +32,7 @@ import zmq
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, StepError
 from minillm.engine_core import messages as m
+from minillm.engine_core.heap import freeze_startup_heap
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.sequence import Sequence, SequenceStatus
@@ -348,6 +349,7 @@ def run_engine_core(spec: CoreSpec) -> None:
         engine = core.engine
         proc.broadcast(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size,
                                engine.stats(cells=1)))
+        freeze_startup_heap()
         try:
             proc.run()
         except ConnectionError:

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from minillm.engine_core.heap import freeze_startup_heap
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
@@ -356,6 +357,7 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     if parent is not None:
         threading.Thread(target=_exit_when_parent_gone, args=(parent, server), name="minillm-parent-watch",
                          daemon=True).start()
+    freeze_startup_heap()
     server.run(sockets=sockets)
 
 
