@@ -20,6 +20,14 @@ thread (OPENBLAS_NUM_THREADS=1 unless set): idle BLAS workers spinning between t
 matrix products would otherwise be most of the core's figure, and a GPU has none of that cost.
 With --repeat N each figure is the median of N runs (a fresh server each), with the range.
 
+--step-ms paces the engine core as a GPU would: each step takes at least that long (the core
+sleeps out the rest), so every stream gets one token an event, as on the H200, and the API
+servers' cost per event is measured at that rate however fast this CPU runs the tiny model. The
+server then starts from this module (the same run_server as `minillm serve`) and takes no
+--server-arg but --api-server-count.
+
+    python -m benchmarks.host_cost --step-ms 8 --concurrency 64 --repeat 3
+
 --profile DIR also records each server process with py-spy (if installed) for a flame graph.
 """
 from __future__ import annotations
@@ -130,16 +138,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--server-arg", action="append", default=[], help="An extra `minillm serve` argument (repeat).")
     p.add_argument("--client-arg", action="append", default=[], help="An extra benchmark client argument (repeat).")
+    p.add_argument("--step-ms", type=float, default=None, help="Make each engine step take at least this long.")
     p.add_argument("--profile", default=None, help="Record each server process with py-spy into this directory.")
     p.add_argument("--result-file", default=None, help="Write the figures as JSON here.")
     return p.parse_args(argv)
 
 
+@dataclass
+class PacedSteps:
+    """A core hook: each engine step starts at least step_s after the previous one started."""
+
+    step_s: float
+
+    def __call__(self, engine) -> None:
+        real_step, next_start = engine.step, [0.0]
+
+        def step():
+            wait = next_start[0] - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            next_start[0] = time.perf_counter() + self.step_s
+            return real_step()
+
+        engine.step = step
+
+
+def serve_paced(argv: list[str]) -> int:
+    """`minillm serve` on the tiny model with PacedSteps: MODEL_DIR PORT MAX_NUM_SEQS STEP_MS API_SERVERS."""
+    from minillm.config import EngineConfig
+    from minillm.server.app import ServerOptions, run_server
+    model_dir, port, max_num_seqs, step_ms, api_servers = argv
+    config = EngineConfig(model=model_dir, device="cpu", load_format="dummy", max_num_seqs=int(max_num_seqs))
+    return run_server(config, port=int(port), options=ServerOptions(api_server_count=int(api_servers)),
+                      core_hook=PacedSteps(float(step_ms) / 1000))
+
+
+def paced_api_servers(server_args: list[str]) -> int:
+    """The API server count for a paced server (the one --server-arg it takes)."""
+    if not server_args:
+        return 1
+    if len(server_args) == 2 and server_args[0] == "--api-server-count" and server_args[1].isdigit():
+        return int(server_args[1])
+    raise BenchError("with --step-ms the server takes no --server-arg but --api-server-count N")
+
+
 def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path) -> subprocess.Popen:
-    """`minillm serve` on the tiny model; returns once it answers."""
+    """`minillm serve` on the tiny model (paced with --step-ms); returns once it answers."""
     cmd = [sys.executable, "-m", "minillm.cli", "serve", str(model_dir), "--load-format", "dummy",
            "--device", "cpu", "--port", str(args.port), "--max-num-seqs", str(max(args.concurrency, 1)),
            *args.server_arg]
+    if args.step_ms is not None:
+        cmd = [sys.executable, "-m", "benchmarks.host_cost", "serve-paced", str(model_dir), str(args.port),
+               str(max(args.concurrency, 1)), str(args.step_ms), str(paced_api_servers(args.server_arg))]
     env = {**os.environ}
     env.setdefault("OPENBLAS_NUM_THREADS", "1")   # see the module docstring
     log = open(log_path, "w", encoding="utf-8")
@@ -241,7 +291,8 @@ def _median(values: list[float]) -> str:
 def format_costs(costs: list[HostCost], args: argparse.Namespace, concurrency: int) -> str:
     """One block per level: throughput, then CPU us per token (and per event) of each role."""
     results = [c.result for c in costs]
-    lines = [f"{args.num_prompts} prompts x {args.output_len} tokens at concurrency {concurrency}"
+    paced = f" (steps of at least {args.step_ms:g} ms)" if args.step_ms is not None else ""
+    lines = [f"{args.num_prompts} prompts x {args.output_len} tokens at concurrency {concurrency}{paced}"
              f"{f', {len(costs)} runs (median, range)' if len(costs) > 1 else ''}: "
              f"{_median([c.num_tokens / c.duration_s for c in costs])} tok/s; "
              f"ITL p50 / p99 {_median([r['itl_ms']['median'] for r in results])} / "
@@ -287,4 +338,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve-paced"]:
+        sys.exit(serve_paced(sys.argv[2:]))
     sys.exit(run_main(main, "python -m benchmarks.host_cost"))

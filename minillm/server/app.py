@@ -309,10 +309,11 @@ def check_chat_template(source: str) -> None:
 
 
 def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None,
-               monitor: bool = False) -> int:
+               monitor: bool = False, core_hook: Any = None) -> int:
     """Load the engine from an EngineConfig and serve the OpenAI API until interrupted; the exit status.
 
     1 when the engine loop failed (with exit_on_engine_error the server stops by itself then).
+    core_hook (picklable) is called with the LLMEngine before it serves (benchmarks/host_cost.py paces it).
     """
     options = options or ServerOptions(log_interval=5.0)
     if options.chat_template is not None:
@@ -320,9 +321,9 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     if options.api_server_count > 1:
         if monitor:
             raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
-        return run_api_servers(config, host, port, options)
+        return run_api_servers(config, host, port, options, core_hook)
     _configure_logging()
-    engine = start_async_engine(config, options.engine_core)
+    engine = start_async_engine(config, options.engine_core, core_hook)
     from minillm.engine_stats import describe_engine
     if options.engine_core == "process":
         print(f"minillm: engine core in process {engine.core_pid}", file=sys.stderr, flush=True)
