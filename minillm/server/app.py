@@ -235,14 +235,16 @@ class _Server(uvicorn.Server):
 
 
 class ServerThread:
-    """A uvicorn server on a background thread, bound before start so port 0 picks a free port."""
+    """A uvicorn server on a background thread, bound before start so port 0 picks a free port (http:
+    "auto", "httptools" or "h11", the HTTP/1.1 implementation)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 http: str = "auto") -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn_config(app, app.state.ctx.limits, log_level=log_level, timeout_graceful_shutdown=2)
+        config = uvicorn_config(app, app.state.ctx.limits, http, log_level=log_level, timeout_graceful_shutdown=2)
         self.stopping = app.state.ctx.stopping
         self.server = _Server(config, self.stopping)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
