@@ -10,6 +10,23 @@ core, with nothing to spare).
 
     python -m benchmarks.host_cost --num-prompts 512 --output-len 128 --concurrency 256
     python -m benchmarks.host_cost --server-arg=--api-server-count --server-arg=2
+    python -m benchmarks.host_cost --repeat 3 --concurrency 64 --concurrency 256
+
+An API server's work is partly per token (detokenising) and partly per streamed event (the JSON
+chunk, the socket write); a server that falls behind merges several tokens into one event, so
+its cost per token falls as it gets slower. Each row therefore also gives the API servers' CPU
+per streamed event, and the tokens per event, to compare runs by. The server's BLAS runs on one
+thread (OPENBLAS_NUM_THREADS=1 unless set): idle BLAS workers spinning between the tiny model's
+matrix products would otherwise be most of the core's figure, and a GPU has none of that cost.
+With --repeat N each figure is the median of N runs (a fresh server each), with the range.
+
+--step-ms paces the engine core as a GPU would: each step takes at least that long (the core
+sleeps out the rest), so every stream gets one token an event, as on the H200, and the API
+servers' cost per event is measured at that rate however fast this CPU runs the tiny model. The
+server then starts from this module (the same run_server as `minillm serve`) and takes no
+--server-arg but --api-server-count.
+
+    python -m benchmarks.host_cost --step-ms 8 --concurrency 64 --repeat 3
 
 --profile DIR also records each server process with py-spy (if installed) for a flame graph.
 """
@@ -18,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import re
 import shutil
 import signal
@@ -61,9 +79,20 @@ class HostCost:
     duration_s: float
     processes: list[ProcessCPU] = field(default_factory=list)
 
+    num_events: int = 0         # streamed events that carried text, as the client counted them
+    result: dict = field(default_factory=dict)
+
+    def cpu_s(self, role: str) -> float:
+        """CPU seconds of every process in a role, together."""
+        return sum(p.cpu_s for p in self.processes if p.role == role)
+
     def per_token_us(self, role: str) -> float:
         """CPU microseconds per streamed token of every process in a role, together."""
-        return 1e6 * sum(p.cpu_s for p in self.processes if p.role == role) / max(self.num_tokens, 1)
+        return 1e6 * self.cpu_s(role) / max(self.num_tokens, 1)
+
+    def per_event_us(self, role: str) -> float:
+        """CPU microseconds per streamed event of every process in a role, together."""
+        return 1e6 * self.cpu_s(role) / max(self.num_events, 1)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -103,22 +132,68 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=512, help="Requests in the workload.")
     p.add_argument("--input-len", type=int, default=32, help="Prompt tokens per request.")
     p.add_argument("--output-len", type=int, default=128, help="Tokens each request streams.")
-    p.add_argument("--concurrency", type=int, default=256, help="Requests in flight.")
+    p.add_argument("--concurrency", type=int, action="append", default=None,
+                   help="Requests in flight (repeat for several levels).  [default: 256]")
+    p.add_argument("--repeat", type=int, default=1, help="Runs per level; figures are their medians.")
     p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--server-arg", action="append", default=[], help="An extra `minillm serve` argument (repeat).")
     p.add_argument("--client-arg", action="append", default=[], help="An extra benchmark client argument (repeat).")
+    p.add_argument("--step-ms", type=float, default=None, help="Make each engine step take at least this long.")
     p.add_argument("--profile", default=None, help="Record each server process with py-spy into this directory.")
     p.add_argument("--result-file", default=None, help="Write the figures as JSON here.")
     return p.parse_args(argv)
 
 
+@dataclass
+class PacedSteps:
+    """A core hook: each engine step starts at least step_s after the previous one started."""
+
+    step_s: float
+
+    def __call__(self, engine) -> None:
+        real_step, next_start = engine.step, [0.0]
+
+        def step():
+            wait = next_start[0] - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            next_start[0] = time.perf_counter() + self.step_s
+            return real_step()
+
+        engine.step = step
+
+
+def serve_paced(argv: list[str]) -> int:
+    """`minillm serve` on the tiny model with PacedSteps: MODEL_DIR PORT MAX_NUM_SEQS STEP_MS API_SERVERS."""
+    from minillm.config import EngineConfig
+    from minillm.server.app import ServerOptions, run_server
+    model_dir, port, max_num_seqs, step_ms, api_servers = argv
+    config = EngineConfig(model=model_dir, device="cpu", load_format="dummy", max_num_seqs=int(max_num_seqs))
+    return run_server(config, port=int(port), options=ServerOptions(api_server_count=int(api_servers)),
+                      core_hook=PacedSteps(float(step_ms) / 1000))
+
+
+def paced_api_servers(server_args: list[str]) -> int:
+    """The API server count for a paced server (the one --server-arg it takes)."""
+    if not server_args:
+        return 1
+    if len(server_args) == 2 and server_args[0] == "--api-server-count" and server_args[1].isdigit():
+        return int(server_args[1])
+    raise BenchError("with --step-ms the server takes no --server-arg but --api-server-count N")
+
+
 def start_server(args: argparse.Namespace, model_dir: Path, log_path: Path) -> subprocess.Popen:
-    """`minillm serve` on the tiny model; returns once it answers."""
+    """`minillm serve` on the tiny model (paced with --step-ms); returns once it answers."""
     cmd = [sys.executable, "-m", "minillm.cli", "serve", str(model_dir), "--load-format", "dummy",
            "--device", "cpu", "--port", str(args.port), "--max-num-seqs", str(max(args.concurrency, 1)),
            *args.server_arg]
+    if args.step_ms is not None:
+        cmd = [sys.executable, "-m", "benchmarks.host_cost", "serve-paced", str(model_dir), str(args.port),
+               str(max(args.concurrency, 1)), str(args.step_ms), str(paced_api_servers(args.server_arg))]
+    env = {**os.environ}
+    env.setdefault("OPENBLAS_NUM_THREADS", "1")   # see the module docstring
     log = open(log_path, "w", encoding="utf-8")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -156,7 +231,7 @@ def run_client(args: argparse.Namespace, result_file: Path) -> tuple[float, int]
            "--endpoint", args.endpoint, "--num-prompts", str(args.num_prompts), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
            "--vocab-range", "3", str(TINY_QWEN3["vocab_size"]), "--result-file", str(result_file), *args.client_arg]
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)   # its figures are in result_file
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     return usage.ru_utime + usage.ru_stime, proc.returncode
@@ -186,10 +261,10 @@ def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> HostCost:
         if status != 0:
             raise BenchError(f"the benchmark client failed (exit {status})")
         result = json.loads((work / "result.json").read_text())["results"][0]
-        cost = HostCost(result["total_output_tokens"], duration)
+        cost = HostCost(result["total_output_tokens"], duration, num_events=result.get("total_chunks") or 0,
+                        result=result)
         cost.processes = [ProcessCPU(role, pid, after[pid] - before[pid]) for pid, role in roles.items()]
         cost.processes.append(ProcessCPU("client", 0, client_cpu))
-        cost.result = result
         return cost
     finally:
         for spy in spies:
@@ -204,43 +279,65 @@ def measure(args: argparse.Namespace, model_dir: Path, work: Path) -> HostCost:
             server.wait()
 
 
-def format_cost(cost: HostCost, args: argparse.Namespace) -> str:
-    """One block: throughput, then CPU us per token of each role and its share of a core."""
-    r = cost.result
-    tok_s = cost.num_tokens / cost.duration_s
-    lines = [f"{args.num_prompts} prompts x {args.output_len} tokens at concurrency {args.concurrency}: "
-             f"{cost.num_tokens} tokens in {cost.duration_s:.2f} s = {tok_s:,.0f} tok/s; "
-             f"ITL p50 / p99 {r['itl_ms']['median']:.1f} / {r['itl_ms']['p99']:.1f} ms; "
-             f"{cost.num_tokens / max(r.get('total_chunks') or 0, 1):.2f} tokens per streamed event",
-             f"{'process':<12}{'count':>6}{'CPU s':>9}{'us/token':>10}{'cores':>7}{'tok/s per core':>16}"]
-    for role in ("api_server", "engine_core", "client", "supervisor"):
-        if role == "supervisor" and not any(p.role == role for p in cost.processes):
+ROLES = ("api_server", "engine_core", "client", "supervisor")
+
+
+def _median(values: list[float]) -> str:
+    """The median, with the range when there are several values."""
+    mid = statistics.median(values)
+    return f"{mid:.1f}" if len(values) == 1 else f"{mid:.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
+def format_costs(costs: list[HostCost], args: argparse.Namespace, concurrency: int) -> str:
+    """One block per level: throughput, then CPU us per token (and per event) of each role."""
+    results = [c.result for c in costs]
+    paced = f" (steps of at least {args.step_ms:g} ms)" if args.step_ms is not None else ""
+    lines = [f"{args.num_prompts} prompts x {args.output_len} tokens at concurrency {concurrency}{paced}"
+             f"{f', {len(costs)} runs (median, range)' if len(costs) > 1 else ''}: "
+             f"{_median([c.num_tokens / c.duration_s for c in costs])} tok/s; "
+             f"ITL p50 / p99 {_median([r['itl_ms']['median'] for r in results])} / "
+             f"{_median([r['itl_ms']['p99'] for r in results])} ms; "
+             f"{_median([c.num_tokens / max(c.num_events, 1) for c in costs])} tokens per streamed event",
+             f"{'process':<12}{'count':>6}{'us/token':>22}{'us/event':>22}{'cores':>7}"]
+    for role in ROLES:
+        if not any(p.role == role for p in costs[0].processes):
             continue
-        procs = [p for p in cost.processes if p.role == role]
-        us = cost.per_token_us(role)
-        cpu = sum(p.cpu_s for p in procs)
-        lines.append(f"{role:<12}{len(procs):>6}{cpu:>9.2f}{us:>10.1f}{cpu / cost.duration_s:>7.2f}"
-                     f"{(1e6 / us if us else 0):>16,.0f}")
+        count = sum(p.role == role for p in costs[0].processes)
+        cores = statistics.median(c.cpu_s(role) / c.duration_s for c in costs)
+        lines.append(f"{role:<12}{count:>6}{_median([c.per_token_us(role) for c in costs]):>22}"
+                     f"{_median([c.per_event_us(role) for c in costs]):>22}{cores:>7.2f}")
     return "\n".join(lines)
 
 
+def cost_record(cost: HostCost) -> dict:
+    """One run's figures as JSON."""
+    return {"num_tokens": cost.num_tokens, "num_events": cost.num_events, "duration_s": cost.duration_s,
+            "itl_ms": cost.result.get("itl_ms"), "processes": [vars(p) for p in cost.processes],
+            "us_per_token": {role: cost.per_token_us(role) for role in ROLES[:3]},
+            "us_per_event": {role: cost.per_event_us(role) for role in ROLES[:3]}}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Write the model, measure, print the table."""
+    """Write the model, measure each level (args.repeat times), print the tables."""
     args = parse_args(argv)
+    levels = args.concurrency or [256]
     from minillm.benchmarks.workload import write_random_model_dir
+    records = []
     with tempfile.TemporaryDirectory(prefix="minillm-host-cost-") as tmp:
         work = Path(tmp)
         model_dir = write_random_model_dir(Path(args.model_dir) if args.model_dir else work / "model", TINY_QWEN3)
-        cost = measure(args, model_dir, work)
-    print(format_cost(cost, args))
+        for concurrency in levels:
+            level = argparse.Namespace(**{**vars(args), "concurrency": concurrency})
+            costs = [measure(level, model_dir, work) for _ in range(max(args.repeat, 1))]
+            print(format_costs(costs, args, concurrency), flush=True)
+            records.append({"concurrency": concurrency, "runs": [cost_record(c) for c in costs]})
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump({"args": vars(args), "num_tokens": cost.num_tokens, "duration_s": cost.duration_s,
-                       "processes": [vars(p) for p in cost.processes],
-                       "us_per_token": {role: cost.per_token_us(role) for role in ("api_server", "engine_core",
-                                                                                  "client")}}, f, indent=2)
+            json.dump({"args": vars(args), "levels": records}, f, indent=2)
     return 0
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["serve-paced"]:
+        sys.exit(serve_paced(sys.argv[2:]))
     sys.exit(run_main(main, "python -m benchmarks.host_cost"))

@@ -45,7 +45,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     if state.want_logprobs and logprobs is not None:
         state.logprobs.append(logprobs)
         state.cumulative_logprob += logprobs.get(token, 0.0)
-    if _ended_by_stop_token(seq, token) and not state.include_stop:
+    if seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token) and not state.include_stop:
         return None
     state.num_text_tokens += 1
     if not state.incremental:
@@ -94,11 +94,14 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
     text = state.text
     if not done and state.stop and state.holdback:
         text = text[:max(len(text) - state.holdback, 0)]
+    if not state.want_logprobs:     # positional: this runs for every sequence of every step
+        if not done:
+            return CompletionOutput(seq.index, text, seq.output_token_ids)
+        return CompletionOutput(seq.index, text, seq.output_token_ids, seq.status.finish_reason, seq.stop_reason)
     return CompletionOutput(
         index=seq.index, text=text, token_ids=seq.output_token_ids,
         finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
-        cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
-        logprobs=list(state.logprobs) if state.want_logprobs else None)
+        cumulative_logprob=state.cumulative_logprob, logprobs=list(state.logprobs))
 
 
 class TextOutputs:

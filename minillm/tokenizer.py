@@ -12,6 +12,10 @@ import tokenizers
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
+# Token ids above this are decoded each time, not remembered (no vocabulary is near it; ids a
+# client sends are checked against the vocabulary, but nothing here relies on that).
+MAX_CACHED_TOKEN_ID = 1 << 20
+
 # Names of special tokens a tokenizer_config.json may define, as transformers passes them to templates.
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -130,6 +134,9 @@ class Tokenizer:
         self.unk_token_id = self._id_of("unk_token")
         self.chat_template = chat_template
         self._compiled_template = None
+        # (token id, skip_special_tokens) -> the token's text decoded alone (a streaming detokenizer
+        # asks for the same few thousand again and again).
+        self._token_texts: dict[tuple[int, bool], str] = {}
 
     def _id_of(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
@@ -183,7 +190,17 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """token ids -> text (ids the tokenizer does not know decode to nothing)."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        """decode([token_id]), remembered (at most one entry per id of the vocabulary and flag)."""
+        key = (token_id, skip_special_tokens)
+        text = self._token_texts.get(key)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=skip_special_tokens)
+            if 0 <= token_id < MAX_CACHED_TOKEN_ID:
+                self._token_texts[key] = text
+        return text
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None when out of range)."""
@@ -304,6 +321,7 @@ class IncrementalDetokenizer:
         # A few prompt tokens give the first generated token its left context (its leading space).
         self._prefix_offset = max(len(prompt) - 5, 0)
         self._read_offset = len(prompt)
+        self._prefix_chars: int | None = None   # len(decode(ids[prefix_offset:read_offset])) once known
         self.text = ""
 
     @property
@@ -318,13 +336,25 @@ class IncrementalDetokenizer:
         """Append one id; return the text it completes (may be "" while a character is unfinished)."""
         self._ids.append(int(token_id))
         end = len(self._ids)
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        prefix_len = self._prefix_len()
         new_text = self._decode(self._prefix_offset, end)
         if new_text.endswith(REPLACEMENT_CHAR):
             if end - self._read_offset <= self.MAX_HELD_TOKENS:
                 return ""
-            end, new_text = self._garbage_cut(len(prefix_text), new_text)
-        return self._emit(prefix_text, new_text, end)
+            end, new_text = self._garbage_cut(prefix_len, new_text)
+        return self._emit(prefix_len, new_text, end)
+
+    def _prefix_len(self) -> int:
+        """Characters of the text already emitted as the window decodes it: decode(ids[prefix:read]),
+        kept until the offsets move. While every token completes text that window is the last
+        token alone, whose text the tokenizer remembers: one decode a token instead of two."""
+        if self._prefix_chars is None:
+            if self._read_offset - self._prefix_offset == 1:
+                text = self.tok.decode_token(self._ids[self._prefix_offset], self.skip_special_tokens)
+            else:
+                text = self._decode(self._prefix_offset, self._read_offset)
+            self._prefix_chars = len(text)
+        return self._prefix_chars
 
     def _garbage_cut(self, prefix_len: int, window_text: str) -> tuple[int, str]:
         """(end, text) to release from a window that keeps ending broken; end == read_offset holds all."""
@@ -339,13 +369,14 @@ class IncrementalDetokenizer:
             return end, window_text
         return self._read_offset, ""
 
-    def _emit(self, prefix_text: str, new_text: str, end: int) -> str:
-        if len(new_text) <= len(prefix_text):
+    def _emit(self, prefix_len: int, new_text: str, end: int) -> str:
+        if len(new_text) <= prefix_len:
             # Nothing visible yet (e.g. a skipped special token): keep the window so context stays.
             return ""
-        delta = new_text[len(prefix_text):]
+        delta = new_text[prefix_len:]
         self._prefix_offset = self._read_offset
         self._read_offset = end
+        self._prefix_chars = None
         self.text += delta
         return delta
 
@@ -354,5 +385,4 @@ class IncrementalDetokenizer:
         end = len(self._ids)
         if end == self._read_offset:
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        return self._emit(prefix_text, self._decode(self._prefix_offset, end), end)
+        return self._emit(self._prefix_len(), self._decode(self._prefix_offset, end), end)

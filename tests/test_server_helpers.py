@@ -51,13 +51,14 @@ def engine_core_under_test(options: ServerOptions | None = None) -> str:
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
                    max_body_bytes: int | None = None, log_interval: float | None = None,
                    options: ServerOptions | None = None, send_buffer_bytes: int | None = None,
-                   engine_core: str | None = None, core_hook=None, **engine_kwargs):
+                   engine_core: str | None = None, core_hook=None, http: str = "auto", **engine_kwargs):
     """Yield (base_url, engine) for a real server on 127.0.0.1 (its ServerThread as .http); stop both after.
 
     options: the server's options (limits, templates); api_key, served_model_name, max_body_bytes
     and log_interval override theirs. send_buffer_bytes: the kernel send buffer of each connection
     (small, so that a client that does not read fills it soon). engine_core: "process" or "thread"
-    (default: engine_core_under_test()); core_hook: called with the LLMEngine wherever it runs (core_hooks.py).
+    (default: engine_core_under_test()); core_hook: called with the LLMEngine wherever it runs (core_hooks.py);
+    http: the HTTP/1.1 implementation ("auto": httptools where installed, else h11).
     """
     options = dataclasses.replace(options or ServerOptions(), api_key=api_key, served_model_name=served_model_name,
                                   log_interval=log_interval, engine_core=engine_core or engine_core_under_test(options))
@@ -67,7 +68,7 @@ def running_server(model: Path, api_key: str | None = None, served_model_name: s
     config = EngineConfig(model=str(model), device="cpu", **engine_kwargs)
     engine = start_async_engine(config, options.engine_core, core_hook)
     app = create_app(engine, options)
-    server = ServerThread(app, "127.0.0.1", 0)
+    server = ServerThread(app, "127.0.0.1", 0, http=http)
     if send_buffer_bytes is not None:   # accepted connections inherit it from the listening socket
         server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     server.start()

@@ -233,3 +233,35 @@ def test_idle_engine_sleeps(server):
     time.sleep(0.5)
     for path, start in zip(paths, before):
         assert _cpu_seconds(path) - start < 0.05, path    # blocked on its queue or socket, not spinning
+
+
+def test_batched_histogram_counts_as_prometheus_observe_does():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from minillm.server.metrics import _LATENCY_BUCKETS, BatchedHistogram
+
+    def child(registry):
+        return Histogram("minillm:gap_seconds", "gaps", labelnames=["model_name"], buckets=_LATENCY_BUCKETS,
+                         registry=registry).labels(MODEL)
+
+    direct, batched_registry = CollectorRegistry(), CollectorRegistry()
+    plain, batched = child(direct), BatchedHistogram(child(batched_registry))
+    # Every bound exactly (a bucket holds values <= its bound), values between and beyond them, zero.
+    values = [0.0, *_LATENCY_BUCKETS, *(b * 1.5 for b in _LATENCY_BUCKETS), 1e9]
+    values += [i * 0.0007 for i in range(3 * BatchedHistogram.FLUSH_EVERY)]   # flushes on its own too
+    for v in values:
+        plain.observe(v)
+        batched.observe(v)
+    assert batched.num_pending < len(values)
+    batched.flush()
+    assert batched.num_pending == 0
+
+    def samples(registry):
+        text = generate_latest(registry).decode()
+        return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text)
+                for s in family.samples if not s.name.endswith("_created")}
+
+    got, expected = samples(batched_registry), samples(direct)
+    assert got.keys() == expected.keys()
+    for key, count in expected.items():     # the bucket counts exactly; the sum up to rounding order
+        assert got[key] == pytest.approx(count, rel=1e-12) if key[0].endswith("_sum") else got[key] == count, key

@@ -16,6 +16,7 @@ from core_hooks import install
 from test_server_helpers import HealthyStreams, call_utility, get_stats, running_server, wait_for
 
 from minillm.server.app import ServerOptions
+from minillm.server.http import MAX_HEADER_BYTES
 from minillm.server.limits import ServerLimits
 
 MODEL = "stories"
@@ -24,10 +25,13 @@ LIMITS = ServerLimits(header_timeout_s=TIMEOUT_S, body_timeout_s=TIMEOUT_S, stre
                       timeout_keep_alive_s=TIMEOUT_S)
 
 
-@pytest.fixture(scope="module")
-def server(stories_path):
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def server(stories_path, request):
+    """The server under each HTTP/1.1 implementation (the deadlines are added to either)."""
+    if request.param == "httptools":
+        pytest.importorskip("httptools")
     with running_server(stories_path, served_model_name=MODEL, options=ServerOptions(limits=LIMITS),
-                        send_buffer_bytes=4096, core_hook=install) as running:
+                        send_buffer_bytes=4096, core_hook=install, http=request.param) as running:
         yield running
 
 
@@ -103,6 +107,15 @@ def test_slow_headers_of_a_second_request_on_a_kept_alive_connection_are_cut_off
         sock.sendall(b"GET /health HTTP/1.1\r\nHo")
         data, waited = _closed_after(sock)
     assert data == b"" and waited < TIMEOUT_S + 5
+
+
+def test_headers_past_the_size_limit_are_a_400(server, healthy):
+    with healthy.in_flight():
+        sock = _connect(server[0])
+        filler = b"X-Filler: " + b"a" * 990 + b"\r\n"   # header lines past the limit, and no end of headers
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + filler * (MAX_HEADER_BYTES // len(filler) + 2))
+        data, waited = _closed_after(sock)
+    assert data.startswith(b"HTTP/1.1 400") and waited < TIMEOUT_S + 5
 
 
 def test_a_body_that_never_finishes_is_a_408(server, healthy):

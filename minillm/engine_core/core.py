@@ -32,9 +32,10 @@ import zmq
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, StepError
 from minillm.engine_core import messages as m
-from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.engine_core.heap import freeze_startup_heap
+from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
-from minillm.sequence import Sequence
+from minillm.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger("minillm.engine_core")
 
@@ -54,20 +55,11 @@ class TokenState:
     """What a sequence has reported so far: how many of its tokens, and log-probability rows not sent."""
 
     want_logprobs: bool
+    num_prompt_tokens: int = 0
     num_sent: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     grammar_terminated: bool | None = None   # None: no grammar; else whether its last token was an accepted EOS
     is_kv_reported: tuple[bool, bool] = (False, False)   # kv_transfer_params, kv_transfer_stats sent
-
-
-@dataclass
-class CoreCompletionOutput(CompletionOutput):
-    """A core's CompletionOutput with what the API server needs to tell whether a constrained
-    sequence's last token is text: None without a grammar, else whether its matcher took an EOS."""
-
-    grammar_terminated: bool | None = None
-    kv_transfer_params: dict | None = None   # a KV transfer's word on the sequence, the first time it is there
-    kv_transfer_stats: dict | None = None
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -84,14 +76,18 @@ def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
 
 class TokenOutputs:
     """LLMEngine output processing for a core: each report carries the tokens gained since the last
-    one (a delta, as vLLM's DELTA output kind), with no text; stop strings are the API server's."""
+    one (a delta, as vLLM's DELTA output kind), with no text; stop strings are the API server's.
+
+    A report is the wire struct itself (messages.SeqOutput), so a step's outputs go into its
+    message without another object per sequence.
+    """
 
     def __init__(self, tokenizer: Any) -> None:
         del tokenizer   # no text here
 
     def new_state(self, seq: Sequence, incremental: bool) -> TokenState:
         """Fresh state for a sequence."""
-        return TokenState(seq.params.logprobs is not None)
+        return TokenState(seq.params.logprobs is not None, len(seq.prompt_token_ids))
 
     def add_token(self, state: TokenState, seq: Sequence, token: int,
                   logprobs: dict[int, float] | None) -> None:
@@ -101,30 +97,39 @@ class TokenOutputs:
         if state.want_logprobs and logprobs is not None:
             state.logprobs.append(logprobs)
 
-    def completion_output(self, state: TokenState, seq: Sequence) -> CompletionOutput:
+    def completion_output(self, state: TokenState, seq: Sequence) -> m.SeqOutput:
         """The tokens (and rows) gained since the last report, and the finish if it came."""
-        new = seq.output_token_ids[state.num_sent:]
+        new = seq.token_ids[state.num_prompt_tokens + state.num_sent:]
         state.num_sent += len(new)
-        rows, state.logprobs = state.logprobs, []
-        done = seq.is_finished
-        kv = (seq.kv_transfer_params, seq.kv_transfer_stats)
-        new_kv = [value if value is not None and not sent else None for value, sent in zip(kv, state.is_kv_reported)]
-        state.is_kv_reported = (kv[0] is not None, kv[1] is not None)
-        return CoreCompletionOutput(index=seq.index, text="", token_ids=new,
-                                    finish_reason=seq.status.finish_reason if done else None,
-                                    stop_reason=seq.stop_reason if done else None,
-                                    logprobs=rows if state.want_logprobs else None,
-                                    grammar_terminated=state.grammar_terminated,
-                                    kv_transfer_params=new_kv[0], kv_transfer_stats=new_kv[1])
+        rows = None
+        if state.want_logprobs:
+            rows, state.logprobs = state.logprobs, []
+        kv_params = kv_stats = None
+        if seq.kv_transfer_params is not None or seq.kv_transfer_stats is not None:
+            kv_params, kv_stats = new_kv_reports(state, seq)
+        status = seq.status
+        if status in FINISHED:
+            return m.SeqOutput(seq.index, new, rows, status.value, seq.stop_reason, state.grammar_terminated,
+                               kv_params, kv_stats)
+        return m.SeqOutput(seq.index, new, rows, None, None, state.grammar_terminated, kv_params, kv_stats)
+
+
+# The finished statuses, whose value is the finish reason (a set test, not an enum property, per token).
+FINISHED = frozenset(s for s in SequenceStatus if s.is_finished)
+
+
+def new_kv_reports(state: TokenState, seq: Sequence) -> tuple[dict | None, dict | None]:
+    """A KV transfer's kv_transfer_params and kv_transfer_stats, each the first time it is there."""
+    kv = (seq.kv_transfer_params, seq.kv_transfer_stats)
+    new = [value if value is not None and not sent else None for value, sent in zip(kv, state.is_kv_reported)]
+    state.is_kv_reported = (kv[0] is not None, kv[1] is not None)
+    return new[0], new[1]
 
 
 def request_step_output(out: RequestOutput) -> m.RequestStepOutput:
-    """A core RequestOutput (token deltas) as its message."""
+    """A core RequestOutput (its outputs are SeqOutputs already) as its message."""
     metrics = out.metrics
-    seqs = [m.SeqOutput(c.index, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason,
-                        c.grammar_terminated, c.kv_transfer_params, c.kv_transfer_stats)
-            for c in out.outputs]
-    return m.RequestStepOutput(out.request_id, seqs, out.finished, metrics.num_cached_tokens,
+    return m.RequestStepOutput(out.request_id, out.outputs, out.finished, metrics.num_cached_tokens,
                                metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time)
 
 
@@ -344,6 +349,7 @@ def run_engine_core(spec: CoreSpec) -> None:
         engine = core.engine
         proc.broadcast(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size,
                                engine.stats(cells=1)))
+        freeze_startup_heap()
         try:
             proc.run()
         except ConnectionError:

@@ -44,8 +44,8 @@ class SequenceMirror:
 
     @property
     def is_finished(self) -> bool:
-        """True once the API server's view has it ended."""
-        return self.status.is_finished
+        """True once the API server's view has it ended (a mirror is running or finished, never waiting)."""
+        return self.status is not SequenceStatus.RUNNING
 
     @property
     def final_reason(self) -> str:
@@ -78,7 +78,10 @@ class FrontendRequest:
     @property
     def is_finished(self) -> bool:
         """True when every sequence has ended in this side's view."""
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:
+            if seq.status is SequenceStatus.RUNNING:
+                return False
+        return True
 
 
 @dataclass
@@ -124,16 +127,22 @@ class OutputProcessor:
     def process(self, step: m.StepOutputs, now: float) -> ProcessedStep:
         """Apply one step's outputs: detokenise, check stop strings, build the RequestOutputs."""
         done = ProcessedStep([], [])
+        requests, outputs, stops = self.requests, done.outputs, done.stops
         for out in step.outputs:
-            req = self.requests.get(out.request_id)
+            req = requests.get(out.request_id)
             if req is None:
                 continue
             moved = False
+            seqs = req.seqs
             for seq_out in out.seqs:
-                moved |= self._apply(req, req.seqs[seq_out.index], seq_out, done.stops)
-            self._note_times(req.metrics, out)
+                moved |= self._apply(req, seqs[seq_out.index], seq_out, stops)
+            metrics = req.metrics
+            metrics.first_scheduled_time = out.first_scheduled_time
+            metrics.first_token_time = out.first_token_time
+            metrics.last_token_time = out.last_token_time
+            metrics.num_cached_tokens = out.num_cached_tokens
             if req.handle is not None and not req.is_counted and (moved or req.is_finished):
-                done.outputs.append((req.handle, self._output(req, now)))
+                outputs.append((req.handle, self._output(req, now)))
             if out.finished:            # the core has retired it: nothing more will come
                 if not req.is_counted:
                     self._count(req)
@@ -170,13 +179,6 @@ class OutputProcessor:
         if not tokens and out.finish_reason is not None:
             seq.status, seq.stop_reason = SequenceStatus(out.finish_reason), out.stop_reason
         return bool(tokens) or out.finish_reason is not None
-
-    @staticmethod
-    def _note_times(metrics: RequestMetrics, out: m.RequestStepOutput) -> None:
-        metrics.first_scheduled_time = out.first_scheduled_time
-        metrics.first_token_time = out.first_token_time
-        metrics.last_token_time = out.last_token_time
-        metrics.num_cached_tokens = out.num_cached_tokens
 
     def _output(self, req: FrontendRequest, now: float) -> RequestOutput:
         finished = req.is_finished

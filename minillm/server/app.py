@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from minillm.engine_core.heap import freeze_startup_heap
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
@@ -133,8 +134,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
         _stats_cells(cells)
         first = await hub.event(cells)   # fail with a status code, not in-band
         hub.subscribe()
-        return EventStreamResponse(_stats_events(hub, first, cells, interval, ctx.stopping),
-                                   ctx.limits.stream_timeout_s, on_close=hub.unsubscribe)
+        return EventStreamResponse(_stats_events(hub, first, cells, interval, ctx.stopping), on_close=hub.unsubscribe)
 
 
 async def _stats_events(hub: StatsHub, first: str, cells: int, interval: float,
@@ -235,14 +235,16 @@ class _Server(uvicorn.Server):
 
 
 class ServerThread:
-    """A uvicorn server on a background thread, bound before start so port 0 picks a free port."""
+    """A uvicorn server on a background thread, bound before start so port 0 picks a free port (http:
+    "auto", "httptools" or "h11", the HTTP/1.1 implementation)."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 http: str = "auto") -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn_config(app, app.state.ctx.limits, log_level=log_level, timeout_graceful_shutdown=2)
+        config = uvicorn_config(app, app.state.ctx.limits, http, log_level=log_level, timeout_graceful_shutdown=2)
         self.stopping = app.state.ctx.stopping
         self.server = _Server(config, self.stopping)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -309,10 +311,11 @@ def check_chat_template(source: str) -> None:
 
 
 def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None,
-               monitor: bool = False) -> int:
+               monitor: bool = False, core_hook: Any = None) -> int:
     """Load the engine from an EngineConfig and serve the OpenAI API until interrupted; the exit status.
 
     1 when the engine loop failed (with exit_on_engine_error the server stops by itself then).
+    core_hook (picklable) is called with the LLMEngine before it serves (benchmarks/host_cost.py paces it).
     """
     options = options or ServerOptions(log_interval=5.0)
     if options.chat_template is not None:
@@ -320,9 +323,9 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     if options.api_server_count > 1:
         if monitor:
             raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
-        return run_api_servers(config, host, port, options)
+        return run_api_servers(config, host, port, options, core_hook)
     _configure_logging()
-    engine = start_async_engine(config, options.engine_core)
+    engine = start_async_engine(config, options.engine_core, core_hook)
     from minillm.engine_stats import describe_engine
     if options.engine_core == "process":
         print(f"minillm: engine core in process {engine.core_pid}", file=sys.stderr, flush=True)
@@ -357,6 +360,7 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     if parent is not None:
         threading.Thread(target=_exit_when_parent_gone, args=(parent, server), name="minillm-parent-watch",
                          daemon=True).start()
+    freeze_startup_heap()
     server.run(sockets=sockets)
 
 

@@ -89,7 +89,7 @@ class OutputQueue:
 
     def __init__(self) -> None:
         self._latest: dict[RequestStream, tuple[Any, float | None]] = {}
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future | None = None     # the caller's, while it waits on an empty queue
 
     def __len__(self) -> int:
         return len(self._latest)
@@ -100,16 +100,19 @@ class OutputQueue:
         if held is not None and isinstance(held[0], BaseException):
             return
         self._latest[stream] = (payload, seen)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     async def get_all(self) -> list[tuple["RequestStream", Any, float | None]]:
         """Wait for something, then take everything waiting: [(stream, output or exception, seen)]."""
         while not self._latest:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
         items = [(stream, payload, seen) for stream, (payload, seen) in self._latest.items()]
         self._latest.clear()
-        self._ready.clear()
         return items
 
 

@@ -7,6 +7,7 @@ times its tokens were seen on the engine thread.
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
@@ -132,6 +133,45 @@ def _structured_output_summaries(model_name: str, stats: EngineStats):
         yield family
 
 
+class BatchedHistogram:
+    """A histogram child fed once per streamed token: each value costs a bisect here, and the counts
+    are added to the Prometheus child in one go (each lock and, with several API servers, each
+    write to the shared files once per batch instead of once per token).
+
+    flush() runs every FLUSH_EVERY values, at every scrape of this server and whenever a request
+    finishes, so a scrape after a request ends sees all of its values. It reads the child's bucket
+    bounds and adds to its bucket and sum values (prometheus_client's Histogram fields).
+    """
+
+    FLUSH_EVERY = 1024
+
+    def __init__(self, child: Histogram) -> None:
+        self.child = child
+        self.bounds: list[float] = list(child._upper_bounds)      # ends with +Inf
+        self.counts = [0] * len(self.bounds)                      # per bucket, not cumulative (as the child's)
+        self.total = 0.0
+        self.num_pending = 0
+
+    def observe(self, value: float) -> None:
+        """Count one value (a bucket holds the values <= its bound, as Histogram.observe counts)."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.num_pending += 1
+        if self.num_pending >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Add what was counted since the last flush to the Prometheus histogram."""
+        if not self.num_pending:
+            return
+        counts, total = self.counts, self.total
+        self.counts, self.total, self.num_pending = [0] * len(self.bounds), 0.0, 0
+        for bucket, count in zip(self.child._buckets, counts):
+            if count:
+                bucket.inc(count)
+        self.child._sum.inc(total)
+
+
 class ServerMetrics:
     """The app's registry: snapshot series plus request-latency histograms."""
 
@@ -155,8 +195,9 @@ class ServerMetrics:
 
         self.ttft = histogram("minillm:time_to_first_token_seconds",
                               "Time to first token in seconds.", _LATENCY_BUCKETS)
-        self.itl = histogram("minillm:inter_token_latency_seconds",
-                             "Time between consecutive tokens of a request in seconds.", _LATENCY_BUCKETS)
+        self.itl = BatchedHistogram(histogram("minillm:inter_token_latency_seconds",
+                                              "Time between consecutive tokens of a request in seconds.",
+                                              _LATENCY_BUCKETS))
         self.e2e = histogram("minillm:e2e_request_latency_seconds",
                              "End-to-end request latency in seconds.", _E2E_BUCKETS)
         self.prompt_len = histogram("minillm:request_prompt_tokens",
@@ -170,6 +211,7 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
+        self.itl.flush()
         return generate_latest(self.registry)
 
 
@@ -183,7 +225,8 @@ class RequestTimer:
 
     def on_output(self, output: RequestOutput, seen: float) -> None:
         """Record the interval since the previous token-bearing output (seen: engine-thread time)."""
-        num_tokens = sum(len(c.token_ids) for c in output.outputs)
+        outputs = output.outputs
+        num_tokens = len(outputs[0].token_ids) if len(outputs) == 1 else sum(len(c.token_ids) for c in outputs)
         if num_tokens > self.num_tokens:
             if self.last_seen is not None:
                 self.metrics.itl.observe(max(0.0, seen - self.last_seen))
@@ -193,6 +236,7 @@ class RequestTimer:
             self._on_finish(output, seen)
 
     def _on_finish(self, output: RequestOutput, seen: float) -> None:
+        self.metrics.itl.flush()     # a scrape after the request sees all its gaps, on any API server
         if any(c.finish_reason == "abort" for c in output.outputs):
             return  # an aborted request's latency says nothing about serving speed
         times = output.metrics

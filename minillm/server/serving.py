@@ -8,6 +8,7 @@ import json
 import logging
 import threading
 import uuid
+from json.encoder import encode_basestring
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
@@ -193,10 +194,48 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def sse(obj: Any) -> str:
     """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+    return f"data: {json_dumps(obj)}\n\n"
+
+
+def json_dumps(obj: Any) -> str:
+    """Compact JSON, non-ASCII kept as is (the form every chunk is written in)."""
+    return json.dumps(obj, separators=(',', ':'), ensure_ascii=False)
+
+
+# A str as a JSON string literal, exactly as json_dumps writes one (the json module's C encoder).
+json_text: Callable[[str], str] = encode_basestring
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class ChunkFormat:
+    """The streamed chunks of one response, written from a template made once: only the choices
+    differ from chunk to chunk, so a token's event costs one JSON string, not a whole object.
+
+    event(choice) is byte for byte sse({"id": ..., "object": ..., "created": ..., "model": ...,
+    "choices": [choice], ("usage": None)}) with choice already JSON (tests/test_server_sse.py).
+    """
+
+    def __init__(self, request_id: str, object_name: str, created: int, model: str, include_usage: bool) -> None:
+        self.head = (f'data: {{"id":{json_text(request_id)},"object":{json_text(object_name)},'
+                     f'"created":{int(created)},"model":{json_text(model)},"choices":[')
+        self.tail = '],"usage":null}\n\n' if include_usage else ']}\n\n'
+
+    def event(self, choice_json: str) -> str:
+        """The event for one choice, given as JSON."""
+        return self.head + choice_json + self.tail
+
+
+def text_choice_json(index: int, text: str) -> str:
+    """json_dumps of a completions chunk's choice that carries text only (no log-probabilities, no finish)."""
+    return f'{{"index":{index},"text":{json_text(text)},"logprobs":null,"finish_reason":null,"stop_reason":null}}'
+
+
+def content_choice_json(index: int, content: str) -> str:
+    """json_dumps of a chat chunk's choice whose delta is content only (no log-probabilities, no finish)."""
+    return (f'{{"index":{index},"delta":{{"content":{json_text(content)}}},"logprobs":null,'
+            f'"finish_reason":null,"stop_reason":null}}')
 
 
 def sse_error(exc: BaseException) -> str:
@@ -271,15 +310,7 @@ async def streaming_response(ctx: ServingContext, request: Request, events: Asyn
     except BaseException:
         await guarded.aclose()
         raise
-
-    async def body() -> AsyncIterator[str]:
-        async with contextlib.aclosing(guarded):
-            if first is not None:
-                yield first
-                async for event in guarded:
-                    yield event
-
-    return EventStreamResponse(body(), ctx.limits.stream_timeout_s)
+    return EventStreamResponse(guarded, first=first)
 
 
 def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:

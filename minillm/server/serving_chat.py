@@ -18,8 +18,8 @@ from minillm.server.protocol import (
     message_chars, messages_as_dicts, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ServingContext, answer, log_unknown_fields, merged_outputs, new_request_id, sse,
-    usage,
+    SSE_DONE, ChoiceProgress, ChunkFormat, ServingContext, answer, content_choice_json, json_dumps,
+    log_unknown_fields, merged_outputs, new_request_id, sse, usage,
 )
 from minillm.server.structured import structured_outputs_params
 
@@ -134,21 +134,26 @@ class ChatJob:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, index: int, delta: dict, rows: list | None, finish: str | None, stop_reason=None) -> dict:
+    def _choice(self, index: int, delta: dict, rows: list | None, finish: str | None, stop_reason=None) -> str:
+        if rows is None and finish is None and len(delta) == 1 and "content" in delta:
+            # A token's chunk: only the text is new.
+            return content_choice_json(index, delta["content"])
         logprobs = chat_logprobs(rows) if rows is not None else None
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                "stop_reason": stop_reason}
+        return json_dumps({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
+                           "stop_reason": stop_reason})
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """Server-sent events: the role, then content deltas, the finish, usage and [DONE]."""
         progress: dict[int, ChoiceProgress] = {}
         final: RequestOutput | None = None
+        chunks = ChunkFormat(self.request_id, "chat.completion.chunk", self.created, self.ctx.model_name,
+                             self.req.include_usage)
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
             async for batch in batches:
                 for _, output in batch:
                     final = output
                     self.kv_transfer_stats = output.kv_transfer_stats
-                    events = [sse(self._chunk([choice])) for choice in self._choices(output, progress)]
+                    events = [chunks.event(choice) for choice in self._choices(output, progress)]
                     if events:
                         yield "".join(events)   # one write per wake-up, however many choices moved
         if self.req.include_usage and final is not None:
@@ -157,11 +162,13 @@ class ChatJob:
             yield sse(chunk)
         yield SSE_DONE
 
-    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[dict]:
-        """Stream choices (role opener, content delta, finish) for the completions that moved."""
+    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[str]:
+        """Stream choices as JSON (role opener, content delta, finish) for the completions that moved."""
         choices = []
         for comp in output.outputs:
-            state = progress.setdefault(comp.index, ChoiceProgress(comp.index, self._cursor(), self.num_top or 0))
+            state = progress.get(comp.index)
+            if state is None:
+                state = progress[comp.index] = ChoiceProgress(comp.index, self._cursor(), self.num_top or 0)
             if not state.is_started:
                 state.is_started = True
                 choices.append(self._choice(comp.index, {"role": "assistant", "content": ""}, None, None))

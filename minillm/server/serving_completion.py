@@ -16,8 +16,8 @@ from minillm.server.protocol import (
     CompletionRequest, check_unsupported, completion_prompts, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ServingContext, answer, log_unknown_fields, merged_outputs, new_request_id, sse,
-    usage,
+    SSE_DONE, ChoiceProgress, ChunkFormat, ServingContext, answer, json_dumps, log_unknown_fields, merged_outputs,
+    new_request_id, sse, text_choice_json, usage,
 )
 from minillm.server.structured import structured_outputs_params
 
@@ -115,13 +115,15 @@ class CompletionJob:
         """Server-sent events: a chunk per completion whose text moved, then usage and [DONE]."""
         progress: dict[int, ChoiceProgress] = {}
         finals: dict[int, RequestOutput] = {}
+        chunks = ChunkFormat(self.request_id, "text_completion", self.created, self.ctx.model_name,
+                             self.req.include_usage)
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
             async for batch in batches:
                 events = []
                 for pi, output in batch:
                     finals[pi] = output
                     self.kv_transfer_stats = output.kv_transfer_stats
-                    events.extend(sse(self._chunk([choice])) for choice in self._choices(pi, output, progress))
+                    events.extend(chunks.event(choice) for choice in self._choices(pi, output, progress))
                 if events:
                     yield "".join(events)   # one write per wake-up, however many choices moved
         if self.req.include_usage:
@@ -130,12 +132,14 @@ class CompletionJob:
             yield sse(chunk)
         yield SSE_DONE
 
-    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[dict]:
-        """Stream choices for the completions of one output that have something new."""
+    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[str]:
+        """Stream choices, as JSON, for the completions of one output that have something new."""
         choices = []
         for comp in output.outputs:
             index = self._choice_index(pi, comp)
-            state = progress.setdefault(index, ChoiceProgress(index, self._cursor(pi), self.req.logprobs or 0))
+            state = progress.get(index)
+            if state is None:
+                state = progress[index] = ChoiceProgress(index, self._cursor(pi), self.req.logprobs or 0)
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue
@@ -144,9 +148,12 @@ class CompletionJob:
                 state.is_started = True
                 if self.req.echo:
                     delta = self.prompt_texts[pi] + delta
-            choices.append({"index": index, "text": delta,
-                            "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
-                            "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None})
+            if state.cursor is None and finish is None:   # a token's chunk: only the text is new
+                choices.append(text_choice_json(index, delta))
+                continue
+            choices.append(json_dumps({"index": index, "text": delta,
+                                       "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
+                                       "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}))
         return choices
 
 
