@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import asdict, dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -65,14 +66,20 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
     transfer = connector if isinstance(connector, KVTransferStats) else None
     if transfer is not None:
         states[transfer.leased_block_ids] = CELL_LEASED    # running sequences sharing one repaint it below
-    filled: dict[int, int] = {}           # block -> tokens it holds (a shared block counts once)
-    for seq in sched.running:
-        states[seq.block_table] = len(rows)
-        for i, block in enumerate(seq.block_table):
-            held = min(pool.block_size, max(seq.num_computed_tokens - i * pool.block_size, 0))
-            filled[block] = max(filled.get(block, 0), held)
-        rows.append(_row(seq, ttft))
-    tokens_held = sum(filled.values())
+    running = sched.running
+    rows.extend(_row(seq, ttft) for seq in running)
+    # Every running sequence's blocks at once (hundreds of sequences hold tens of thousands of blocks).
+    lengths = np.fromiter((len(seq.block_table) for seq in running), np.int64, len(running))     # [R]
+    blocks = np.fromiter(chain.from_iterable(seq.block_table for seq in running), np.int64,
+                         int(lengths.sum()))                                                      # [N]
+    owner = np.repeat(np.arange(len(running)), lengths)                                           # [N]
+    states[blocks] = owner                # a block two sequences share shows the later one, as before
+    computed = np.fromiter((seq.num_computed_tokens for seq in running), np.int64, len(running))
+    index = np.arange(len(blocks)) - np.repeat(np.cumsum(lengths) - lengths, lengths)            # [N] i in its table
+    held = np.clip(computed[owner] - index * pool.block_size, 0, pool.block_size)                # [N] tokens
+    filled = np.zeros(pool.num_blocks, np.int64)   # block -> tokens it holds (a shared block counts once)
+    np.maximum.at(filled, blocks, held)
+    tokens_held = int(filled.sum())
     rows.extend(_row(seq, ttft) for seq in sched.waiting)
     block_map, per = downsample_block_map(states, cells)
     used = pool.num_used_blocks
