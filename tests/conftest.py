@@ -46,3 +46,23 @@ def put_in_hf_cache(cache: Path, repo_id: str, files_from: Path, revision: str =
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the background work of the selected test modules (a module's start_in_background()),
+    so that it runs beside the tests before them. Not under pytest-xdist, whose every worker
+    collects every module: the module's fixture starts it there."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+        start = getattr(module, "start_in_background", None)
+        if start is not None:
+            start()
+
+
+def pytest_sessionfinish(session) -> None:
+    """Stop what pytest_collection_finish started, whether or not its tests ran."""
+    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+        stop = getattr(module, "stop_background", None)
+        if stop is not None:
+            stop()
