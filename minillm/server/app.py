@@ -238,7 +238,10 @@ class ServerThread:
     """A uvicorn server on a background thread, bound before start so port 0 picks a free port."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # proto TCP, not 0: asyncio sets TCP_NODELAY only on connections of a TCP-proto socket, and
+        # without it Nagle holds each keep-alive response ~40 ms for the client's delayed ACK.
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                  socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
@@ -411,7 +414,8 @@ def run_api_server(spec: APIServerSpec) -> None:
 def port_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port that other processes of ours can bind too (SO_REUSEPORT): each
     API server listens on its own, and the kernel spreads connections over the listening ones."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)     # so that asyncio sets TCP_NODELAY (ServerThread says why)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
