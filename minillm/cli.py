@@ -13,7 +13,6 @@ from typing import Annotated, Callable, Optional
 import typer
 
 from minillm.config import EngineConfig
-from minillm.engine_stats import describe_engine, human_bytes
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
 STORE_DEFAULT = "default: the Hugging Face cache, $HF_HUB_CACHE or $HF_HOME/hub"
@@ -188,6 +187,7 @@ def resolve_model(model: str, download_dir: str | None) -> str:
 def load_engine(config: EngineConfig):
     """Build an LLMEngine and report what was loaded on stderr."""
     from minillm.engine import LLMEngine
+    from minillm.engine_stats import describe_engine
     engine = LLMEngine(config)
     typer.echo(describe_engine(engine.stats(cells=1)), err=True)
     return engine
@@ -429,6 +429,7 @@ def structured_outputs_option(json_schema: Path | None, regex: str | None, choic
 
 def run_generate(config: EngineConfig, prompts: list[str], params):
     """LLM.generate over the prompts, with a progress bar on stderr: (the LLM, its outputs)."""
+    from minillm.engine_stats import describe_engine
     from minillm.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
     typer.echo(describe_engine(llm.llm_engine.stats(cells=1)), err=True)
@@ -643,6 +644,7 @@ def list_command(
         help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
 ) -> None:
     """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
+    from minillm.engine_stats import human_bytes
     from minillm.model_store import list_local_models, model_store
     models = list_local_models(download_dir)
     if not models:

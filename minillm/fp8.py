@@ -8,24 +8,31 @@ does, so finite inputs (and infinities) never store a NaN.
 """
 from __future__ import annotations
 
-import ml_dtypes
+import functools
+
 import numpy as np
 
 FP8_E4M3_MAX = 448.0
-E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 STORAGE_NAME = "fp8_e4m3"             # what the stats call an FP8 cache
+
+
+@functools.cache
+def e4m3() -> np.dtype:
+    """ml_dtypes' float8_e4m3fn, imported on first use: loading ml_dtypes costs most of a second."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def encode_e4m3(x: np.ndarray, scale) -> np.ndarray:
     """x: any float array -> uint8 E4M3 bits of x / scale (fp32 division), saturated to +-448."""
     with np.errstate(over="ignore"):          # an overflow to inf saturates like any large value
         scaled = x.astype(np.float32) / np.float32(scale)
-    return np.clip(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(E4M3).view(np.uint8)
+    return np.clip(scaled, -FP8_E4M3_MAX, FP8_E4M3_MAX).astype(e4m3()).view(np.uint8)
 
 
 def decode_e4m3(bits: np.ndarray, scale) -> np.ndarray:
     """uint8 E4M3 bits -> float32 values times scale."""
-    return bits.view(E4M3).astype(np.float32) * np.float32(scale)
+    return bits.view(e4m3()).astype(np.float32) * np.float32(scale)
 
 
 def scales_from_absmax(absmax: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
 """Shared fixtures: the stories260K model path and tiny Hugging Face models built on the fly."""
+import functools
 import os
 from pathlib import Path
 
@@ -14,6 +15,27 @@ def stories_path() -> Path:
     if not (STORIES / "config.json").exists():
         pytest.skip(f"stories260K not found at {STORIES}; set MINILLM_TEST_MODEL")
     return STORIES
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_tls_context_for_every_httpx_client():
+    """httpx builds a TLS context from certifi's bundle for every client (about 25 ms of CPU), even
+    for http:// URLs, and the server tests make hundreds (each httpx.get, post or stream is a client
+    of its own, and wait_for polls with them): the first context made for each set of arguments
+    serves every later client in this process. Plain HTTP never uses it."""
+    from httpx._transports import default
+    original = default.create_ssl_context
+    cached = functools.lru_cache(maxsize=None)(original)
+
+    def create_ssl_context(*args, **kwargs):
+        try:
+            return cached(*args, **kwargs)
+        except TypeError:                     # an unhashable argument: build one as httpx does
+            return original(*args, **kwargs)
+
+    default.create_ssl_context = create_ssl_context
+    yield
+    default.create_ssl_context = original
 
 
 def save_tiny_model(out_dir: Path, arch: str, dtype: str = "float32", **overrides) -> Path:
@@ -46,3 +68,23 @@ def put_in_hf_cache(cache: Path, repo_id: str, files_from: Path, revision: str =
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the background work of the selected test modules (a module's start_in_background()),
+    so that it runs beside the tests before them. Not under pytest-xdist, whose every worker
+    collects every module: the module's fixture starts it there."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+        start = getattr(module, "start_in_background", None)
+        if start is not None:
+            start()
+
+
+def pytest_sessionfinish(session) -> None:
+    """Stop what pytest_collection_finish started, whether or not its tests ran."""
+    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+        stop = getattr(module, "stop_background", None)
+        if stop is not None:
+            stop()

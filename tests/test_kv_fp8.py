@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import ml_dtypes
@@ -119,6 +122,16 @@ def test_calculate_kv_scales_from_the_largest_magnitudes():
     np.testing.assert_array_equal(scales, np.float32([89.6, 4.48]) / np.float32(448))
     npops.calculate_kv_scales(np.zeros((0, 1, 2), np.float32), np.zeros((0, 1, 2), np.float32), scales)
     np.testing.assert_array_equal(scales, [1.0, 1.0])
+
+
+def test_an_engine_without_an_fp8_cache_never_loads_ml_dtypes():
+    """Loading ml_dtypes costs most of a second: every engine, core and worker process would pay it."""
+    code = ("import sys, minillm.cli, minillm.engine, minillm.server.app, minillm.parallel.executor\n"
+            "print('ml_dtypes' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            cwd=Path(__file__).resolve().parents[1])     # this checkout's minillm
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False"]
 
 
 # ---- config and pool -------------------------------------------------------------------------

@@ -1,7 +1,11 @@
 """The server driven by the official openai client: completions and chat, streamed and not."""
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
+import socket
 
 import pytest
 
@@ -9,6 +13,7 @@ openai = pytest.importorskip("openai")
 
 from test_server_helpers import chat_model_dir, running_server  # noqa: E402
 
+from minillm.server.app import port_socket  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 
 PROMPT = "Once upon a time"
@@ -196,3 +201,62 @@ def test_chat_logprobs_n_and_stop(client):
                                              stop=[word])
     assert stopped.choices[0].finish_reason == "stop"
     assert word not in stopped.choices[0].message.content
+
+
+def _server_end(client_sock: socket.socket) -> socket.socket:
+    """The server's end of a connection to a server running in this process (found among our fds)."""
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue                                     # not a socket (or already closed)
+        try:
+            if sock.family == client_sock.family and sock.getpeername() == client_sock.getsockname():
+                return sock
+        except OSError:
+            pass
+        sock.close()
+    raise AssertionError("no server end found")
+
+
+def test_keep_alive_responses_go_out_at_once(server):
+    """Connections have TCP_NODELAY: without it Nagle holds each response after the first on a
+    keep-alive connection until the client's delayed ACK, about 40 ms a request."""
+    host, port = server[0].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        for _ in range(2):
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            response = b""
+            while b"\r\n\r\n" not in response:
+                response += conn.recv(65536)
+            head, body = response.split(b"\r\n\r\n", 1)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))
+            while len(body) < length:
+                body += conn.recv(65536)
+            assert head.startswith(b"HTTP/1.1 200") and len(body) == length
+        with _server_end(conn) as end:
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+def test_several_api_servers_listen_on_a_socket_whose_connections_get_tcp_nodelay():
+    """`serve --api-server-count N`: asyncio turns Nagle off on what a socket of port_socket accepts."""
+    listening = port_socket("127.0.0.1", 0)
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        loop = asyncio.get_running_loop()
+        accepted = loop.create_future()
+
+        class Accept(asyncio.Protocol):
+            def connection_made(self, transport):
+                accepted.set_result(transport.get_extra_info("socket").getsockopt(
+                    socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await loop.create_server(Accept, sock=listening)
+        async with server:
+            _, writer = await asyncio.open_connection(*listening.getsockname())
+            try:
+                return await asyncio.wait_for(accepted, 30)
+            finally:
+                writer.close()
+
+    assert asyncio.run(nodelay_of_an_accepted_connection())

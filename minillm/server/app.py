@@ -240,7 +240,10 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                  http: str = "auto") -> None:
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # proto TCP, not 0: asyncio sets TCP_NODELAY only on connections of a TCP-proto socket, and
+        # without it Nagle holds each keep-alive response ~40 ms for the client's delayed ACK.
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                                  socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
@@ -415,7 +418,8 @@ def run_api_server(spec: APIServerSpec) -> None:
 def port_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port that other processes of ours can bind too (SO_REUSEPORT): each
     API server listens on its own, and the kernel spreads connections over the listening ones."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                         socket.IPPROTO_TCP)     # so that asyncio sets TCP_NODELAY (ServerThread says why)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
