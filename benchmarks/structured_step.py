@@ -3,6 +3,7 @@ against the same batch unconstrained, and the bitmask-fill time per step.
 
     python -m minillm.benchmarks.structured_step                               # H200: Qwen3-0.6B shape, bf16
     python -m minillm.benchmarks.structured_step --device cpu --shape tiny --batch 16 --constrained 4 --steps 8
+    python -m minillm.benchmarks.structured_step --device sim                  # host time, CPU only
 
 The model has random weights (load_format "dummy") in the Qwen3-0.6B shape (--shape tiny: two small
 layers over the same 151,936-row head, for a CPU check) and the byte-level tokenizer that
@@ -15,6 +16,14 @@ constrained run gives --constrained of the requests a JSON schema (default: the 
 as maxLength strings cost milliseconds a row to fill over this vocabulary). Runs alternate,
 --repeats times each, on one engine; medians are reported.
 
+--device sim measures the host's side alone (benchmarks/simulated_device.py): the real engine loop on
+the CPU backend with the tiny shape, async scheduling on, the forward pass and the sampling kernels
+replaced by a stream thread that takes --sim-forward-ms and --sim-sample-ms per step (the H200's
+figures for this batch), so the host overlaps the "device" as over a GPU. Each step's host time is
+split into its parts on the engine thread: the wait for a read-back, the matcher advance, the
+mask fill, the mask's upload and apply (host side), and the rest (scheduling, inputs, the
+update, outputs); the stream's idle share says how much of the step the device waited for the host.
+
 With random weights the constrained requests walk wherever the sampled tokens take them: mostly
 inside the schema's first string (a token that closes it is rare among 151k). benchmarks/structured.py
 times the fill at every place in the schema. The ceiling: the structured-outputs issue allows the
@@ -23,11 +32,15 @@ constrained batch at most 10% more step time than the unconstrained one.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +56,57 @@ SHAPES = {
     "tiny": {**QWEN3_0_6B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "torch_dtype": "float32"},
 }
+
+
+# Host-time parts (--device sim): functions timed on the engine thread, by the part they belong to.
+HOST_PARTS = [
+    ("minillm.structured_output", "GrammarMatcher", "accept_token", "advance"),
+    ("minillm.structured_output", "StructuredOutputManager", "fill_bitmask", "fill"),
+    ("minillm.sampler", "Sampler", "apply_grammar_bitmask", "upload"),
+]
+PART_NAMES = {"wait": "read-back wait", "advance": "matcher advance", "fill": "mask fill",
+              "upload": "mask upload/apply", "rest": "the rest"}
+
+
+class HostParts:
+    """Seconds the engine thread spends in each part of HOST_PARTS (outermost call only)."""
+
+    def __init__(self) -> None:
+        self.seconds: Counter[str] = Counter()
+        self.thread = threading.get_ident()
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def timing(self):
+        """Wrap the HOST_PARTS functions while the block runs."""
+        saved = []
+        for module, cls_name, attr, part in HOST_PARTS:
+            cls = getattr(importlib.import_module(module), cls_name, None)
+            if cls is None or not hasattr(cls, attr):
+                continue
+            fn = getattr(cls, attr)
+            saved.append((cls, attr, fn))
+            setattr(cls, attr, self._timed(fn, part))
+        try:
+            yield self
+        finally:
+            for cls, attr, fn in saved:
+                setattr(cls, attr, fn)
+
+    def _timed(self, fn, part: str):
+        parts = self
+
+        def timed(*args, **kwargs):
+            if threading.get_ident() != parts.thread or parts._depth:
+                return fn(*args, **kwargs)
+            parts._depth += 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                parts.seconds[part] += time.perf_counter() - start
+                parts._depth -= 1
+        return timed
 
 
 def write_model_dir(out: Path, config: dict) -> Path:
@@ -98,12 +162,26 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
         engine.step()
     before = engine.stats(cells=1)
     times, batch = [], []
-    for _ in range(args.steps):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        batch.append(engine.metrics.recent_steps[-1].num_seqs)
+    sim, parts = getattr(engine, "simulated_device", None), HostParts()
+    if sim is not None:
+        wait0, busy0 = sim.read_back_wait_s, sim.stream.busy_s
+    cpu0 = time.thread_time()
+    with parts.timing() if sim is not None else contextlib.nullcontext():
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            batch.append(engine.metrics.recent_steps[-1].num_seqs)
+    cpu = time.thread_time() - cpu0
     after = engine.stats(cells=1)
+    host = {}
+    if sim is not None:
+        total = sum(times)
+        parts.seconds["wait"] = sim.read_back_wait_s - wait0
+        parts.seconds["rest"] = total - sum(parts.seconds.values())
+        host = {"parts_ms": {k: parts.seconds[k] / args.steps * 1e3 for k in PART_NAMES},
+                "host_cpu_ms": cpu / args.steps * 1e3,
+                "device_idle": max(0.0, 1 - (sim.stream.busy_s - busy0) / total)}
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -113,12 +191,14 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
             "step_ms_mean": statistics.fmean(times) * 1e3, "batch_mean": statistics.fmean(batch),
             "fill_ms_per_step": (after.grammar_fill_time_s - before.grammar_fill_time_s) / fill_steps * 1e3
             if fill_steps else 0.0,
-            "fill_steps": fill_steps, "finished_in_window": args.batch - min(batch)}
+            "fill_steps": fill_steps, "finished_in_window": args.batch - min(batch), **host}
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minillm.benchmarks.structured_step", description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
+    p.add_argument("--device", default="cuda", help="cuda, cpu, or sim (the CPU backend with a simulated device)")
+    p.add_argument("--sim-forward-ms", type=float, default=4.5, help="--device sim: device time of a forward pass")
+    p.add_argument("--sim-sample-ms", type=float, default=0.3, help="--device sim: device time of the sampling")
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--batch", type=int, default=256)
@@ -137,13 +217,22 @@ def main(argv=None) -> None:
     from minillm.engine import LLMEngine
 
     args = parse_args(argv)
+    simulated = args.device == "sim"
+    if simulated:
+        args.shape = "tiny"                          # the forward pass is simulated: the model only loads
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", SHAPES[args.shape])
         engine = LLMEngine(EngineConfig(
-            model=str(model_dir), device=args.device, dtype=dtype, load_format="dummy",
+            model=str(model_dir), device="cpu" if simulated else args.device, dtype=dtype, load_format="dummy",
             max_num_seqs=args.batch, max_num_batched_tokens=max(8192, args.batch * args.prompt_len),
-            max_model_len=args.prompt_len + args.warmup + args.steps + 128))
+            max_model_len=args.prompt_len + args.warmup + args.steps + 128,
+            async_scheduling=True if simulated else None))
+        if simulated:
+            from minillm.benchmarks.simulated_device import SimulatedDevice
+            engine.simulated_device = SimulatedDevice(args.sim_forward_ms / 1e3, args.sim_sample_ms / 1e3,
+                                                      256, QWEN_TOKENIZER_VOCAB - len(SPECIALS))
+            engine.simulated_device.attach(engine)
         runs = []
         try:
             warm_up(engine, SCHEMAS[args.schema])
@@ -154,6 +243,8 @@ def main(argv=None) -> None:
             compile_s = engine.stats(cells=1).grammar_compile_time_s
         finally:
             engine.shutdown()
+            if simulated:
+                engine.simulated_device.close()
     report(args, runs, compile_s)
 
 
@@ -174,9 +265,25 @@ def report(args, runs: list[dict], compile_s: float) -> None:
           f"({'within' if overhead <= ALLOWED_OVERHEAD else 'over'} the {ALLOWED_OVERHEAD:.0%} ceiling) |")
     print(f"grammar compile (once, on the pool, tokenizer build excluded): {compile_s * 1e3:.1f} ms; "
           f"mean batch in the constrained windows: {statistics.fmean(r['batch_mean'] for r in held):.1f}")
+    if "parts_ms" in runs[0]:
+        report_host_parts(args, runs)
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": runs, "step_ms": plain, "step_ms_constrained": constrained,
                                                "fill_ms_per_step": fill, "overhead": overhead}, indent=2))
+
+
+def report_host_parts(args, runs: list[dict]) -> None:
+    """The engine thread's time per step by part (--device sim), medians over the runs."""
+    print(f"\nHost time per step on the engine thread (simulated device: forward {args.sim_forward_ms:g} ms, "
+          f"sampling {args.sim_sample_ms:g} ms a step), ms:")
+    print("| constrained | step | " + " | ".join(PART_NAMES.values()) + " | engine thread CPU | device idle |")
+    print("| --- " * (len(PART_NAMES) + 4) + "|")
+    for num in (0, args.constrained):
+        rs = [r for r in runs if r["constrained"] == num]
+        med = lambda f: statistics.median(f(r) for r in rs)   # noqa: E731
+        cells = [f"{med(lambda r: r['parts_ms'][k]):.2f}" for k in PART_NAMES]
+        print(f"| {num} | {med(lambda r: r['step_ms_mean']):.2f} | " + " | ".join(cells)
+              + f" | {med(lambda r: r['host_cpu_ms']):.2f} | {med(lambda r: r['device_idle']):.0%} |")
 
 
 if __name__ == "__main__":
