@@ -223,7 +223,12 @@ class CompiledGrammar:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar: fills its bitmask row, accepts tokens, rolls back."""
+    """One request's position in its grammar: fills its bitmask row, accepts tokens, rolls back.
+
+    The state questions (is_stopped, can_terminate, is_error, error) read flags cached when a token
+    is accepted or rolled back, never the llguidance matcher: the engine thread asks them while the
+    mask thread fills the matcher's next row (a fill leaves those flags as they are).
+    """
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
@@ -231,6 +236,15 @@ class GrammarMatcher:
         self._num_tokens = 0              # tokens the llguidance matcher holds (what it can roll back)
         self._terminated = False          # an EOS was accepted
         self._eos_unrecorded = False      # that EOS came after the grammar stopped: the matcher did not record it
+        self._read_state()
+
+    def _read_state(self) -> None:
+        """Cache the llguidance matcher's flags (after every change of its position)."""
+        m = self._matcher
+        self._is_stopped = m.is_stopped()
+        self._is_error = m.is_error()
+        self._is_accepting = m.is_accepting()
+        self._error = m.get_error() if self._is_error else ""
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (only EOS once stopped or in error)."""
@@ -241,15 +255,16 @@ class GrammarMatcher:
         if self._terminated:
             return False
         token_id = int(token_id)
-        if token_id in self._eos and self._matcher.is_stopped() and not self._matcher.is_error():
+        if token_id in self._eos and self._is_stopped and not self._is_error:
             # llguidance takes an EOS after a stop without recording it.
             self._terminated = self._eos_unrecorded = True
             return True
-        if not self._matcher.consume_token(token_id):
-            return False
-        self._num_tokens += 1
-        self._terminated = token_id in self._eos
-        return True
+        ok = self._matcher.consume_token(token_id)
+        if ok:
+            self._num_tokens += 1
+            self._terminated = token_id in self._eos
+        self._read_state()
+        return ok
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """accept_token for each id in order; stops at the first one refused."""
@@ -273,6 +288,7 @@ class GrammarMatcher:
             self._matcher.rollback(recorded)
         self._num_tokens -= recorded
         self._terminated = self._eos_unrecorded = False
+        self._read_state()
 
     @property
     def num_accepted(self) -> int:
@@ -285,20 +301,20 @@ class GrammarMatcher:
 
     def is_stopped(self) -> bool:
         """Nothing but EOS can follow (the grammar is complete, or the matcher is in error)."""
-        return self._terminated or self._matcher.is_stopped()
+        return self._terminated or self._is_stopped
 
     def can_terminate(self) -> bool:
         """EOS is allowed here: what was accepted so far is a complete sentence of the grammar."""
-        return self._terminated or (self._matcher.is_accepting() and not self._matcher.is_error())
+        return self._terminated or (self._is_accepting and not self._is_error)
 
     def is_error(self) -> bool:
         """A forbidden token was consumed; the matcher then allows only EOS."""
-        return self._matcher.is_error()
+        return self._is_error
 
     @property
     def error(self) -> str:
         """llguidance's message for the error state ('' when none)."""
-        return self._matcher.get_error()
+        return self._error
 
 
 # ----------------------------------------------------------------------------- one sequence, one step
