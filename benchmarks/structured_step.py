@@ -58,10 +58,13 @@ SHAPES = {
 }
 
 
-# Host-time parts (--device sim): functions timed on the engine thread, by the part they belong to.
+# Host-time parts (--device sim): functions timed on the engine thread, by the part they belong to
+# (work on other threads, such as masks filled on the mask thread, counts only where the engine
+# thread waits for it).
 HOST_PARTS = [
     ("minillm.structured_output", "GrammarMatcher", "accept_token", "advance"),
     ("minillm.structured_output", "StructuredOutputManager", "fill_bitmask", "fill"),
+    ("minillm.structured_output", "PendingBitmask", "result", "fill"),      # waiting for the mask thread
     ("minillm.sampler", "Sampler", "apply_grammar_bitmask", "upload"),
 ]
 PART_NAMES = {"wait": "read-back wait", "advance": "matcher advance", "fill": "mask fill",

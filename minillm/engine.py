@@ -319,12 +319,17 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput) -> InFlightStep:
         """runner.launch(out); a failure that leaves the device sound aborts the step's requests."""
-        grammar_bitmask = None
-        if self.structured_outputs is not None and self.structured_outputs.is_constrained(out.sampling_seqs):
-            grammar_bitmask = lambda: self._grammar_bitmask(out)   # noqa: E731
+        grammar_bitmask, masks = None, []
+        manager = self.structured_outputs
+        if manager is not None and manager.is_constrained(out.sampling_seqs):
+            if not (self._in_flight and manager.has_token_in_flight(out.sampling_seqs)):
+                masks.append(manager.start_fill(out.sampling_seqs))   # every matcher is current: fill now
+            grammar_bitmask = lambda: self._grammar_bitmask(out, masks)   # noqa: E731
         try:
             return self.runner.launch(out, grammar_bitmask)
         except Exception as exc:
+            if masks and masks[0] is not None:
+                masks[0].abandon()
             if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
                 raise
             request_ids = sorted({seq.request_id for seq in out.seqs})
@@ -332,16 +337,20 @@ class LLMEngine:
                 self.abort_request(request_id)
             raise StepError(request_ids, exc) from exc
 
-    def _grammar_bitmask(self, out: SchedulerOutput):
+    def _grammar_bitmask(self, out: SchedulerOutput, masks: list):
         """The runner's call once out's forward pass is queued: its constrained rows' masks. When a
-        constrained sequence's previous token is still in flight, that step is read back first so
-        the matcher accepts it (only the sampling waits; the forward pass overlaps the wait)."""
-        seqs = out.sampling_seqs
-        if self._in_flight and self.structured_outputs.has_token_in_flight(seqs):
-            self._complete(*self._in_flight.popleft())
-        mask = self.structured_outputs.grammar_bitmask(seqs)
-        if mask is not None:
-            self.metrics.record_timings({"grammar_fill": self.structured_outputs.last_fill_time_s})
+        constrained sequence's previous token is still in flight, that step is read back first;
+        its tokens go to the matchers, the masks are filled on the mask thread while the
+        scheduler takes the step's tokens here, and only the sampling waits for both."""
+        manager = self.structured_outputs
+        if not masks:
+            self._complete(*self._in_flight.popleft(),
+                           before_update=lambda: masks.append(manager.start_fill(out.sampling_seqs)))
+        if masks[0] is None:
+            return None
+        t0 = time.perf_counter()
+        mask = masks[0].result()
+        self.metrics.record_timings({"grammar_fill": masks[0].fill_time_s, "grammar_fill_wait": time.perf_counter() - t0})
         return mask
 
     def _finish_failed_grammars(self) -> None:
@@ -353,11 +362,17 @@ class LLMEngine:
             if req is not None:
                 self._changed[req.request_id] = req
 
-    def _complete(self, out: SchedulerOutput, in_flight: InFlightStep) -> None:
-        """Wait for a launched step and hand its tokens to the scheduler and the outputs."""
+    def _complete(self, out: SchedulerOutput, in_flight: InFlightStep, before_update=None) -> None:
+        """Wait for a launched step and hand its tokens to the scheduler and the outputs;
+        before_update() runs once the constrained sequences' matchers have taken them."""
         waited = time.time()
         step = in_flight.wait()
         t0 = time.perf_counter()
+        if self.structured_outputs is not None:
+            self.structured_outputs.advance(out.sampling_seqs, step.sampled)
+            if before_update is not None:
+                before_update()
+            self.metrics.record_timings({"grammar_advance": time.perf_counter() - t0})
         now = time.time()
         appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now))
         if out.scheduled_spec_decode_tokens:

@@ -320,11 +320,17 @@ class GrammarMatcher:
 # ----------------------------------------------------------------------------- one sequence, one step
 
 class StructuredOutputRequest:
-    """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher."""
+    """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher.
+
+    A step's token reaches the matcher ahead of the scheduler (advance(), as soon as it is read
+    back, so the next mask can be filled while the scheduler works); the scheduler's accept_token
+    then takes the result recorded for that token.
+    """
 
     def __init__(self, grammar: Future) -> None:
         self.grammar = grammar
         self.matcher: GrammarMatcher | None = None
+        self._advanced: deque[tuple[int, bool]] = deque()   # (token, accepted) taken ahead of accept_token
 
     @property
     def is_ready(self) -> bool:
@@ -345,8 +351,28 @@ class StructuredOutputRequest:
             return f"structured_outputs.{error}"
         return f"structured_outputs: {type(error).__name__}: {error}"
 
+    def advance(self, token_ids: Sequence[int]) -> None:
+        """Feed the matcher a step's tokens now, keeping each result for accept_token (stops at
+        the first refused one: the scheduler ends the sequence there)."""
+        for token in token_ids:
+            accepted = self.matcher.accept_token(token)
+            self._advanced.append((int(token), accepted))
+            if not accepted:
+                break
+
+    @property
+    def num_advanced(self) -> int:
+        """Tokens the matcher took ahead of the scheduler (not yet asked for by accept_token)."""
+        return len(self._advanced)
+
     def accept_token(self, token_id: int) -> bool:
-        """Advance the matcher by a sampled token; False when the grammar forbids it."""
+        """Advance the matcher by a sampled token; False when the grammar forbids it. A token
+        advance() already fed returns its recorded result."""
+        if self._advanced:
+            token, accepted = self._advanced.popleft()
+            if token != int(token_id):
+                raise RuntimeError(f"the matcher took token {token} ahead, the scheduler appends {token_id}")
+            return accepted
         return self.matcher.accept_token(token_id)
 
     @property
@@ -376,6 +402,26 @@ class GrammarBitmask:
         return GrammarBitmask(self.bitmask, np.asarray(rows, np.int32))
 
 
+class PendingBitmask:
+    """A step's masks while the mask thread fills them; result() waits for them (on the engine thread)."""
+
+    def __init__(self, manager: StructuredOutputManager, future: Future, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        self._manager, self._future = manager, future
+        self._mask = GrammarBitmask(bitmask, rows)
+        self.fill_time_s: float | None = None     # set by result()
+
+    def result(self) -> GrammarBitmask:
+        """The filled masks (a fill's error is raised here); counts the fill in the stats once."""
+        if self.fill_time_s is None:
+            self.fill_time_s = self._future.result()
+            self._manager._record_fill(self.fill_time_s)
+        return self._mask
+
+    def abandon(self) -> None:
+        """Wait for the fill and drop it (a step that failed to launch): the matchers are free again."""
+        concurrent.futures.wait([self._future])
+
+
 # ----------------------------------------------------------------------------- manager
 
 def _has_failed(fut: Future) -> bool:
@@ -400,6 +446,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=num_compile_workers, thread_name_prefix="minillm-grammar")
         self._fill_threads = num_fill_threads
         self._executor: llguidance.LLExecutor | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None   # fills the step's masks beside the engine thread
         self._lock = threading.Lock()              # the cache
         self._tokenizer_lock = threading.Lock()    # the lazy tokenizer build (held for ~1 s)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
@@ -551,24 +598,53 @@ class StructuredOutputManager:
         device: its matcher must accept that token before its mask can be filled."""
         return any(s.structured_output is not None and s.num_output_placeholders > 1 for s in seqs)
 
-    def grammar_bitmask(self, seqs: Sequence) -> GrammarBitmask | None:
-        """The masks of the constrained, unfinished sequences among one step's sampling sequences
-        (rows into seqs); None when there are none. Times the fill for the stats."""
-        rows = [b for b, s in enumerate(seqs) if s.structured_output is not None and not s.is_finished]
+    def advance(self, seqs: Sequence, sampled: dict[int, list[int]]) -> None:
+        """Feed a read-back step's tokens to the matchers of its constrained sampling sequences
+        (those still waiting for them) before the scheduler appends them, so the next step's
+        masks can be filled while the scheduler works; its accept_token takes the results."""
+        for seq in seqs:
+            request = seq.structured_output
+            if request is not None and seq.num_output_placeholders and (tokens := sampled.get(seq.seq_id)):
+                request.advance(tokens)
+
+    def start_fill(self, seqs: Sequence) -> PendingBitmask | None:
+        """Start filling, on the mask thread, the masks of the constrained sequences among one
+        step's sampling sequences that go on (rows into seqs); None when there are none.
+
+        Each matcher must have taken its sequence's latest token (through the scheduler, or
+        ahead of it through advance()). Until the result is taken, the engine thread asks those
+        matchers only their cached flags. A sequence whose grammar is done (complete, or a token
+        refused) is left out: the scheduler ends it when it appends that token.
+        """
+        rows, matchers = [], []
+        for b, seq in enumerate(seqs):
+            request = seq.structured_output
+            if request is None or seq.is_finished:
+                continue
+            matcher = request.matcher
+            if matcher is not None and matcher.is_stopped():
+                continue
+            if matcher is None or matcher.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced:
+                raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
+            rows.append(b)
+            matchers.append(matcher)
         if not rows:
             return None
-        matchers = []
-        for b in rows:
-            seq = seqs[b]
-            matcher = seq.structured_output.matcher
-            if matcher is None or matcher.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:
-                raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
-            matchers.append(matcher)
-        self.fill_bitmask(matchers, list(range(len(rows))))
+        bitmask = self.bitmask[:len(rows)]
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
+        future = self._mask_thread.submit(self._timed_fill, matchers, bitmask)
+        return PendingBitmask(self, future, bitmask, np.asarray(rows, np.int32))
+
+    def _timed_fill(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> float:
+        """Fill bitmask[i] for matchers[i] (on the mask thread); returns the seconds it took."""
+        self.fill_bitmask(matchers, range(len(matchers)), bitmask)
+        return self.last_fill_time_s
+
+    def _record_fill(self, seconds: float) -> None:
         self._num_fill_steps += 1
-        self._fill_time_s += self.last_fill_time_s
-        self._fill_samples.append(self.last_fill_time_s)
-        return GrammarBitmask(self.bitmask[:len(rows)], np.asarray(rows, np.int32))
+        self._fill_time_s += seconds
+        self._fill_samples.append(seconds)
 
     def stats(self) -> StructuredOutputStats:
         """Compile and fill figures so far."""
@@ -584,5 +660,7 @@ class StructuredOutputManager:
             return len(self._cache)
 
     def shutdown(self) -> None:
-        """Stop the compile pool (pending compiles are cancelled)."""
+        """Stop the compile pool (pending compiles are cancelled) and the mask thread."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
