@@ -18,11 +18,11 @@ as maxLength strings cost milliseconds a row to fill over this vocabulary). Runs
 
 --device sim measures the host's side alone (benchmarks/simulated_device.py): the real engine loop on
 the CPU backend with the tiny shape, async scheduling on, the forward pass and the sampling kernels
-replaced by a stream thread that takes --sim-forward-ms and --sim-sample-ms per step (the H200's
-figures for this batch), so the host overlaps the "device" as over a GPU. Each step's host time is
+replaced by a virtual device timeline on which they take --sim-forward-ms and --sim-sample-ms a
+step, so the host overlaps the "device" as it does a GPU. Each step's host time is
 split into its parts on the engine thread: the wait for a read-back, the matcher advance, the
 mask fill, the mask's upload and apply (host side), and the rest (scheduling, inputs, the
-update, outputs); the stream's idle share says how much of the step the device waited for the host.
+update, outputs); the device's idle share says how much of the step it waited for the host.
 
 With random weights the constrained requests walk wherever the sampled tokens take them: mostly
 inside the schema's first string (a token that closes it is rare among 151k). benchmarks/structured.py
@@ -58,26 +58,36 @@ SHAPES = {
 }
 
 
-# Host-time parts (--device sim): functions timed on the engine thread, by the part they belong to
-# (work on other threads, such as masks filled on the mask thread, counts only where the engine
-# thread waits for it).
+# Host-time parts (--device sim): functions timed on the engine thread, each exclusive of the parts
+# it calls (work on other threads, such as masks filled on the mask thread, counts only where the
+# engine thread waits for it). The first five are the structured outputs' own.
 HOST_PARTS = [
     ("minillm.structured_output", "GrammarMatcher", "accept_token", "advance"),
+    ("minillm.structured_output", "StructuredOutputManager", "advance", "advance"),
+    ("minillm.structured_output", "StructuredOutputManager", "start_fill", "fill"),
     ("minillm.structured_output", "StructuredOutputManager", "fill_bitmask", "fill"),
+    ("minillm.structured_output", "StructuredOutputManager", "grammar_bitmask", "fill"),
     ("minillm.structured_output", "PendingBitmask", "result", "fill"),      # waiting for the mask thread
     ("minillm.sampler", "Sampler", "apply_grammar_bitmask", "upload"),
+    ("minillm.scheduler", "Scheduler", "schedule", "schedule"),
+    ("minillm.model_runner", "ModelRunner", "prepare_inputs", "prepare"),
+    ("minillm.sampler", "Sampler", "sample_no_sync", "sample"),
+    ("minillm.scheduler", "Scheduler", "update_from_output", "update"),
+    ("minillm.output_processor", "TextOutputs", "add_token", "detokenize"),
+    ("minillm.engine", "LLMEngine", "_take_outputs", "outputs"),
 ]
 PART_NAMES = {"wait": "read-back wait", "advance": "matcher advance", "fill": "mask fill",
-              "upload": "mask upload/apply", "rest": "the rest"}
+              "upload": "mask upload/apply", "schedule": "schedule", "prepare": "inputs", "sample": "sampling",
+              "update": "update", "detokenize": "detokenize", "outputs": "outputs", "rest": "the rest"}
 
 
 class HostParts:
-    """Seconds the engine thread spends in each part of HOST_PARTS (outermost call only)."""
+    """Seconds the engine thread spends in each part of HOST_PARTS, exclusive of nested parts."""
 
     def __init__(self) -> None:
         self.seconds: Counter[str] = Counter()
         self.thread = threading.get_ident()
-        self._depth = 0
+        self._nested: list[float] = []     # per open call: seconds spent in parts it called
 
     @contextlib.contextmanager
     def timing(self):
@@ -85,9 +95,9 @@ class HostParts:
         saved = []
         for module, cls_name, attr, part in HOST_PARTS:
             cls = getattr(importlib.import_module(module), cls_name, None)
-            if cls is None or not hasattr(cls, attr):
+            if cls is None or attr not in vars(cls):
                 continue
-            fn = getattr(cls, attr)
+            fn = vars(cls)[attr]
             saved.append((cls, attr, fn))
             setattr(cls, attr, self._timed(fn, part))
         try:
@@ -100,15 +110,17 @@ class HostParts:
         parts = self
 
         def timed(*args, **kwargs):
-            if threading.get_ident() != parts.thread or parts._depth:
+            if threading.get_ident() != parts.thread:
                 return fn(*args, **kwargs)
-            parts._depth += 1
+            parts._nested.append(0.0)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                parts.seconds[part] += time.perf_counter() - start
-                parts._depth -= 1
+                elapsed = time.perf_counter() - start
+                parts.seconds[part] += elapsed - parts._nested.pop()
+                if parts._nested:
+                    parts._nested[-1] += elapsed
         return timed
 
 
@@ -167,7 +179,7 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
     times, batch = [], []
     sim, parts = getattr(engine, "simulated_device", None), HostParts()
     if sim is not None:
-        wait0, busy0 = sim.read_back_wait_s, sim.stream.busy_s
+        wait0, busy0 = sim.read_back_wait_s, sim.busy_s
     cpu0 = time.thread_time()
     with parts.timing() if sim is not None else contextlib.nullcontext():
         for _ in range(args.steps):
@@ -184,7 +196,7 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
         parts.seconds["rest"] = total - sum(parts.seconds.values())
         host = {"parts_ms": {k: parts.seconds[k] / args.steps * 1e3 for k in PART_NAMES},
                 "host_cpu_ms": cpu / args.steps * 1e3,
-                "device_idle": max(0.0, 1 - (sim.stream.busy_s - busy0) / total)}
+                "device_idle": max(0.0, 1 - (sim.busy_s - busy0) / total)}
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -246,8 +258,6 @@ def main(argv=None) -> None:
             compile_s = engine.stats(cells=1).grammar_compile_time_s
         finally:
             engine.shutdown()
-            if simulated:
-                engine.simulated_device.close()
     report(args, runs, compile_s)
 
 

@@ -421,6 +421,13 @@ class PendingBitmask:
         """Wait for the fill and drop it (a step that failed to launch): the matchers are free again."""
         concurrent.futures.wait([self._future])
 
+    @classmethod
+    def failed(cls, error: BaseException) -> PendingBitmask:
+        """A fill that could not start: result() raises error."""
+        future: Future = Future()
+        future.set_exception(error)
+        return cls(None, future, np.zeros((0, 0), np.int32), np.zeros(0, np.int32))
+
 
 # ----------------------------------------------------------------------------- manager
 
@@ -438,7 +445,8 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  max_num_seqs: int, num_compile_workers: int = 2, num_fill_threads: int | None = None,
-                 max_cached_grammars: int = 256, disable_any_whitespace: bool = True) -> None:
+                 max_cached_grammars: int = 256, disable_any_whitespace: bool = True,
+                 empty_host=np.empty) -> None:
         self.vocab_size = int(vocab_size)
         self.disable_any_whitespace = disable_any_whitespace   # for requests that leave it None
         self._tokenizer_json = tokenizer_json
@@ -452,7 +460,14 @@ class StructuredOutputManager:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
         self._max_cached = max_cached_grammars
-        self.bitmask = allocate_token_bitmask(max_num_seqs, self.vocab_size)   # [max_num_seqs, W]
+        # Two host buffers [max_num_seqs, W] the steps' masks are filled into in turn (pinned memory
+        # from empty_host, so the sampler's upload is a plain async copy): a step's fill never
+        # writes the buffer the step before may still be uploading from.
+        self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
+        for buffer in self._bitmasks:
+            buffer[...] = -1
+        self._next_bitmask = 0
+        self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
         self._num_compiled = 0                     # written on the pool under _lock
@@ -541,15 +556,23 @@ class StructuredOutputManager:
         if any(not 0 <= r < out.shape[0] for r in rows):
             raise ValueError(f"rows must lie in [0, {out.shape[0]}), got {list(rows)}")
         start = time.perf_counter()
-        if len(matchers) == 1:
-            matchers[0].fill_bitmask(out, int(rows[0]))
-        elif matchers:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(self._fill_threads)
-            llg_numpy.fill_next_token_bitmask_par(
-                self._executor, [(m._matcher, int(r)) for m, r in zip(matchers, rows)], out)
+        self._fill_rows([(m._matcher, int(r)) for m, r in zip(matchers, rows)], out)
         self.last_fill_time_s = time.perf_counter() - start
         return out
+
+    def _fill_rows(self, pairs: list[tuple[llguidance.LLMatcher, int]], out: np.ndarray) -> None:
+        """llguidance fills out[row] for each (matcher, row), in parallel on its threads; the GIL
+        is released while it does."""
+        if len(pairs) == 1:
+            llg_numpy.fill_next_token_bitmask(pairs[0][0], out, pairs[0][1])
+        elif pairs:
+            llg_numpy.fill_next_token_bitmask_par(self._fill_executor(), pairs, out)
+
+    def _fill_executor(self) -> llguidance.LLExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self._fill_threads)
+            return self._executor
 
     # ---- the engine's side (called on the engine thread) ------------------------------------
     def attach(self, seqs: Sequence, params: StructuredOutputsParams) -> None:
@@ -630,16 +653,25 @@ class StructuredOutputManager:
             matchers.append(matcher)
         if not rows:
             return None
-        bitmask = self.bitmask[:len(rows)]
+        bitmask = self._bitmasks[self._next_bitmask][:len(rows)]
+        self._next_bitmask = 1 - self._next_bitmask
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
-        future = self._mask_thread.submit(self._timed_fill, matchers, bitmask)
+        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        started = threading.Event()
+        future = self._mask_thread.submit(self._fill_job, pairs, bitmask, started)
+        # A thread that wants the GIL while this one runs Python gets it only after the switch
+        # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
+        started.wait()
         return PendingBitmask(self, future, bitmask, np.asarray(rows, np.int32))
 
-    def _timed_fill(self, matchers: list[GrammarMatcher], bitmask: np.ndarray) -> float:
-        """Fill bitmask[i] for matchers[i] (on the mask thread); returns the seconds it took."""
-        self.fill_bitmask(matchers, range(len(matchers)), bitmask)
-        return self.last_fill_time_s
+    def _fill_job(self, pairs: list, bitmask: np.ndarray, started: threading.Event) -> float:
+        """The mask thread's fill of bitmask[i] for pairs[i]; returns its wall seconds (up to
+        when this thread has the GIL again)."""
+        started.set()
+        start = time.perf_counter()
+        self._fill_rows(pairs, bitmask)
+        return time.perf_counter() - start
 
     def _record_fill(self, seconds: float) -> None:
         self._num_fill_steps += 1
