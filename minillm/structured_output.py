@@ -9,16 +9,25 @@ shape:
     manager.grammar_init(params)             -> Future[CompiledGrammar], compiled on a small thread
                                              pool and cached by the constraint's text
     compiled.new_matcher()                   -> GrammarMatcher, one per request
-    manager.fill_bitmask(matchers, rows)     each step, on the CPU while the forward pass runs
+    manager.fill_bitmask(matchers, rows)     fills bitmask rows (llguidance's threads, GIL released)
     ops.apply_token_bitmask(logits, bitmask, rows)   in the sampler, before temperature etc.
     matcher.accept_token(token)              each sampled token advances the matcher
 
 In the engine (vLLM V1's shape): add_request -> manager.attach(seqs, params) gives each sequence a
 StructuredOutputRequest; the scheduler admits a sequence only once `is_ready` (its grammar
-compiled; a failed compile is finished with an error by the engine, take_failed()); runner.launch
-queues the forward pass, then calls back for manager.grammar_bitmask(seqs), then samples; the
+compiled; a failed compile is finished with an error by the engine, take_failed()); each step the
+masks of its constrained rows are filled on the mask thread (manager.start_fill -> PendingBitmask)
+and the runner's grammar_bitmask callback takes them just before the sampling is queued; the
 scheduler's update_from_output feeds each token to accept_token, and check_stop ends a sequence
 whose grammar is complete (finish_reason "stop").
+
+Under async scheduling a constrained row's mask needs its previous token, which is still on the
+device when the step is launched. The step then goes with its sampling deferred; when the step
+before is read back, manager.advance() hands its tokens to the matchers (the scheduler's
+accept_token takes the recorded results) and the fill starts at once, beside the engine thread's
+update, outputs and next schedule; the sampling is queued at the start of the next step, right
+before its forward pass, so the device never waits for the host's mask work in between.
+Meanwhile the engine thread asks the matchers only flags cached when they took a token.
 
 Bitmask layout: bitmask [rows, ceil(vocab / 32)] int32; bit j of word w in a row is token id
 32 * w + j, 1 = allowed. vocab is the LM head's size; ids past the tokenizer's vocabulary (the
