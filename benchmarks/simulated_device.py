@@ -65,7 +65,7 @@ class SimulatedSamplerOps:
         """Queue the mask kernel (no device time of its own here); the rows' tokens are picked now."""
         rows = np.asarray(rows, np.int64)
         rows = rows[(rows >= 0) & (rows < logits.shape[0])]
-        logits.masked.update(zip(rows.tolist(), self._sim.pick_allowed(bitmask[rows]).tolist()))
+        logits.masked.update(zip(rows.tolist(), self._sim.pick_allowed(bitmask, rows).tolist()))
         self._sim.queue(0.0)
 
     def sample(self, logits: SimulatedLogits, temperature, top_k, top_p, min_p, uniforms) -> SimulatedTokens:
@@ -109,21 +109,21 @@ class SimulatedDevice:
         runner.compute_logits = compute_logits
         runner.sampler.ops = SimulatedSamplerOps(self, runner.sampler.ops)
 
-    def pick_allowed(self, words: np.ndarray) -> np.ndarray:
-        """words: [N, W] int32 bitmask rows -> [N] an allowed token of each (a random word that
-        allows any, found by probing, else by a scan; then its lowest set bit)."""
-        n, num_words = words.shape
+    def pick_allowed(self, bitmask: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """bitmask: [B, W] int32 rows; rows: [N] -> [N] an allowed token of each listed row (a
+        random word that allows any, found by probing, else by a scan; then its lowest set bit)."""
+        n, num_words = len(rows), bitmask.shape[1]
         index = self.rng.integers(0, num_words, n)
         for _ in range(4):
-            empty = np.flatnonzero(words[np.arange(n), index] == 0)
+            empty = np.flatnonzero(bitmask[rows, index] == 0)
             if not len(empty):
                 break
             index[empty] = self.rng.integers(0, num_words, len(empty))
-        for r in np.flatnonzero(words[np.arange(n), index] == 0):
-            nonzero = np.flatnonzero(words[r])
+        for i in np.flatnonzero(bitmask[rows, index] == 0):
+            nonzero = np.flatnonzero(bitmask[rows[i]])
             if not len(nonzero):
                 raise RuntimeError("a grammar mask allows no token")
-            index[r] = nonzero[self.rng.integers(len(nonzero))]
-        word = words[np.arange(n), index].view(np.uint32).astype(np.int64)
+            index[i] = nonzero[self.rng.integers(len(nonzero))]
+        word = bitmask[rows, index].view(np.uint32).astype(np.int64)
         lowest = word & -word
         return (32 * index + np.log2(lowest).astype(np.int64)).astype(np.int32)

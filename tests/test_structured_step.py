@@ -259,13 +259,13 @@ def test_simulated_device_picks_allowed_tokens_and_keeps_time():
     words[2, [3, 30]] = [0b1000, 0b10]
     words[3] = -1
     words[4, 39] = 1
-    picked = sim.pick_allowed(words)
+    picked = sim.pick_allowed(words, np.arange(5))
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     assert all(bits[r, t] for r, t in enumerate(picked)) and picked[0] == 7 * 32 + 31 and picked[4] == 39 * 32
     end = sim.queue(2e-3)
     assert sim.queue(1e-3) == pytest.approx(end + 1e-3) and sim.busy_s == pytest.approx(3e-3)
     with pytest.raises(RuntimeError, match="allows no token"):
-        sim.pick_allowed(np.zeros((1, 4), np.int32))
+        sim.pick_allowed(np.zeros((3, 4), np.int32), np.array([1]))
 
 
 def test_structured_step_benchmark_runs_on_the_simulated_device(tmp_path):
