@@ -110,20 +110,21 @@ class SimulatedDevice:
         runner.sampler.ops = SimulatedSamplerOps(self, runner.sampler.ops)
 
     def pick_allowed(self, bitmask: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """bitmask: [B, W] int32 rows; rows: [N] -> [N] an allowed token of each listed row (a
-        random word that allows any, found by probing, else by a scan; then its lowest set bit)."""
+        """bitmask: [B, W] int32 rows; rows: [N] -> [N] an allowed token of each listed row: the
+        lowest allowed bit of a random word that allows any (two probes, else a random one of
+        the row's nonzero words)."""
         n, num_words = len(rows), bitmask.shape[1]
-        index = self.rng.integers(0, num_words, n)
-        for _ in range(4):
-            empty = np.flatnonzero(bitmask[rows, index] == 0)
-            if not len(empty):
-                break
-            index[empty] = self.rng.integers(0, num_words, len(empty))
-        for i in np.flatnonzero(bitmask[rows, index] == 0):
-            nonzero = np.flatnonzero(bitmask[rows[i]])
-            if not len(nonzero):
+        probes = self.rng.integers(0, num_words, (2, n))
+        index = np.where(bitmask[rows, probes[0]] != 0, probes[0], probes[1])
+        empty = np.flatnonzero(bitmask[rows, index] == 0)
+        if len(empty):
+            flat = np.flatnonzero(bitmask[rows[empty]] != 0)                 # rows that allow few words
+            which, words = flat // num_words, flat % num_words
+            starts = np.searchsorted(which, np.arange(len(empty)))
+            counts = np.searchsorted(which, np.arange(len(empty)), side="right") - starts
+            if (counts == 0).any():
                 raise RuntimeError("a grammar mask allows no token")
-            index[i] = nonzero[self.rng.integers(len(nonzero))]
+            index[empty] = words[starts + (self.rng.random(len(empty)) * counts).astype(np.int64)]
         word = bitmask[rows, index].view(np.uint32).astype(np.int64)
         lowest = word & -word
         return (32 * index + np.log2(lowest).astype(np.int64)).astype(np.int32)
