@@ -280,3 +280,29 @@ def test_structured_step_benchmark_runs_on_the_simulated_device(tmp_path):
         assert set(r["parts_ms"]) == set(structured_step.PART_NAMES) and r["batch_mean"] == 8
         assert sum(r["parts_ms"].values()) == pytest.approx(r["step_ms_mean"], rel=1e-6)
     assert runs[1]["fill_steps"] == 6 and runs[1]["parts_ms"]["advance"] > 0
+
+
+def test_async_abort_while_a_steps_sampling_is_deferred(stories_path):
+    """A constrained request aborted while its step's sampling waits: its token is dropped, the
+    other requests give their alone output."""
+    from minillm import LLM
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(str(stories_path), device="cpu") as llm:
+        alone = llm.generate([PROMPT], plain)[0].outputs[0].token_ids
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", async_scheduling=True))
+    engine.add_request("c", PROMPT, SamplingParams(temperature=0, max_tokens=60,
+                                                   structured_outputs=StructuredOutputsParams(**CHECKS["json"][0])))
+    engine.add_request("u", PROMPT, plain)
+    outs = {}
+    for _ in range(200):
+        outs.update({o.request_id: o for o in engine.step()})
+        if engine._deferred_out is not None and len(outs.get("c").outputs[0].token_ids if "c" in outs else []) >= 3:
+            break
+    assert engine._deferred_out is not None
+    engine.abort_request("c")
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step()})
+    assert outs["c"].outputs[0].finish_reason == "abort"
+    assert outs["u"].outputs[0].token_ids == alone
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.shutdown()
