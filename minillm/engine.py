@@ -390,7 +390,8 @@ class LLMEngine:
             return None
         t0 = time.perf_counter()
         mask = pending.result()
-        self.metrics.record_timings({"grammar_fill": pending.fill_time_s, "grammar_fill_wait": time.perf_counter() - t0})
+        self.metrics.record_timings({"grammar_fill": pending.fill_time_s,
+                                     "grammar_fill_wait": time.perf_counter() - t0})
         return mask
 
     def _finish_failed_grammars(self) -> None:

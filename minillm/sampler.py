@@ -78,7 +78,8 @@ class Sampler:
         ops = self.ops
         num_rows, num_words = mask.bitmask.shape
         batch = logits.shape[0]
-        if self._bitmask is None or self._bitmask.shape[0] < max(num_rows, batch) or self._bitmask.shape[1] != num_words:
+        kept = self._bitmask
+        if kept is None or kept.shape[0] < max(num_rows, batch) or kept.shape[1] != num_words:
             cap = max(num_rows, batch, self.inputs.cap)
             self._bitmask_rows = ops.xp.empty((cap, num_words), dtype=np.int32)
             self._bitmask = ops.xp.empty((cap, num_words), dtype=np.int32)

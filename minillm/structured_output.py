@@ -656,7 +656,8 @@ class StructuredOutputManager:
             matcher = request.matcher
             if matcher is not None and matcher.is_stopped():
                 continue
-            if matcher is None or matcher.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced:
+            expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
+            if matcher is None or matcher.num_accepted != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
             rows.append(b)
             matchers.append(matcher)

@@ -58,7 +58,8 @@ def test_matcher_flags_are_cached_and_a_fill_leaves_them(manager, kwargs):
             cached = flags(matcher)
             matcher._matcher = raw
             assert cached == live_flags(matcher)
-            token = int(rng.choice(ids)) if rng.random() > 0.05 else int(rng.integers(VOCAB))   # now and then a refused one
+            refused = rng.random() < 0.05                              # now and then a token the grammar refuses
+            token = int(rng.integers(VOCAB)) if refused else int(rng.choice(ids))
             if not matcher.accept_token(token) or matcher.is_terminated():
                 assert flags(matcher) == live_flags(matcher)
                 break
@@ -201,7 +202,8 @@ def test_async_a_constrained_step_samples_at_the_start_of_the_next_one(stories_p
     text = " ".join(log)
     assert text.count("fill update") >= num_deferred          # the fill starts before the scheduler's update
     assert text.count("sample forward") >= num_deferred - 1   # the deferred sampling goes right before the forward
-    assert "forward sample" not in text.split("fill update", 1)[1].rsplit("fill", 1)[0]   # never sampled at once meanwhile
+    steady = text.split("fill update", 1)[1].rsplit("fill", 1)[0]
+    assert "forward sample" not in steady                      # no constrained step sampled at once meanwhile
 
 
 def test_sync_the_fill_starts_before_the_forward_and_nothing_is_deferred(stories_path):
@@ -220,15 +222,15 @@ def test_async_a_failed_mask_fill_aborts_its_step_and_the_engine_goes_on(stories
     engine.add_request("c", PROMPT, SamplingParams(temperature=0, max_tokens=30,
                                                    structured_outputs=StructuredOutputsParams(regex=DATE)))
     engine.add_request("u", PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    manager, calls = engine.structured_outputs, []
-    real = manager._fill_rows
+    so_manager, calls = engine.structured_outputs, []
+    real = so_manager._fill_rows
 
     def fill_rows(pairs, out):
         calls.append(len(pairs))
         if len(calls) == 4:
             raise ValueError("the fill broke")
         real(pairs, out)
-    manager._fill_rows = fill_rows
+    so_manager._fill_rows = fill_rows
     with pytest.raises(StepError) as failure:
         for _ in range(100):
             engine.step()
