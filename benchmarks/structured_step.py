@@ -317,6 +317,10 @@ def report_host_parts(args, runs: list[dict]) -> None:
         cells = [f"{med(lambda r: r['parts_ms'][k]):.2f}" for k in PART_NAMES]
         print(f"| {num} | {med(lambda r: r['step_ms_mean']):.2f} | " + " | ".join(cells)
               + f" | {med(lambda r: r['host_cpu_ms']):.2f} | {med(lambda r: r['device_idle']):.0%} |")
+    net = {num: statistics.median(r["step_ms_mean"] - r["parts_ms"]["simulator"] for r in runs
+                                  if r["constrained"] == num) for num in (0, args.constrained)}
+    print(f"Less the simulated kernels' host time: {net[0]:.2f} against {net[args.constrained]:.2f} ms a step, "
+          f"{net[args.constrained] / net[0] - 1:+.1%}.")
     print("\nThe same parts in the engine thread's CPU time, ms a step (what a busier host adds to the wall"
           " figures above stays out):")
     print("| constrained | " + " | ".join(PART_NAMES.values()) + " | total |")

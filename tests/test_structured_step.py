@@ -264,6 +264,16 @@ def test_simulated_device_picks_allowed_tokens_and_keeps_time():
     picked = sim.pick_allowed(words, np.arange(5))
     bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")
     assert all(bits[r, t] for r, t in enumerate(picked)) and picked[0] == 7 * 32 + 31 and picked[4] == 39 * 32
+    from minillm.benchmarks.simulated_device import SimulatedBuffer, SimulatedLogits, SimulatedSamplerOps
+    ops = SimulatedSamplerOps(sim, npops)
+    uploaded, full = ops.xp.empty((8, 40), np.int32), ops.xp.empty((8, 40), np.int32)
+    assert isinstance(uploaded, SimulatedBuffer) and uploaded[:5].nbytes == words.nbytes
+    uploaded[:5].upload(words)                                  # a copy of the host rows, then a scatter
+    full[:6][np.array([5, 0, 3, 1, 2])] = uploaded[:5]
+    logits = SimulatedLogits(6, 40 * 32)
+    ops.apply_token_bitmask(logits, full[:6], np.array([5, 0, 3, 1, 2], np.int32))
+    assert logits.masked[5] == 7 * 32 + 31 and logits.masked[2] == 39 * 32
+    assert all(bits[i, logits.masked[r]] for i, r in enumerate([5, 0, 3, 1, 2]))
     end = sim.queue(2e-3)
     assert sim.queue(1e-3) == pytest.approx(end + 1e-3) and sim.busy_s == pytest.approx(3e-3)
     with pytest.raises(RuntimeError, match="allows no token"):
