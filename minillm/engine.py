@@ -167,6 +167,8 @@ class LLMEngine:
         self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)
         self.model_name = config.served_model_name or config.model
         self.structured_outputs = None   # StructuredOutputManager, built when a request first asks for structure
+        self._fill_due = None            # (step, its masks) whose fill starts once the step before is read back
+        self._deferred_out = None        # the step launched without its sampling (structured outputs)
         self.is_shut_down = False
 
     def _calibrate_step_cost(self):
@@ -232,7 +234,8 @@ class LLMEngine:
         if self.structured_outputs is None:
             from minillm.structured_output import StructuredOutputManager
             self.structured_outputs = StructuredOutputManager.from_tokenizer(
-                self.tokenizer, self.model_config.vocab_size, self.config.max_num_seqs, self.eos_token_ids)
+                self.tokenizer, self.model_config.vocab_size, self.config.max_num_seqs, self.eos_token_ids,
+                empty_host=self.device.empty_pinned)
         return self.structured_outputs
 
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -285,6 +288,7 @@ class LLMEngine:
         in flight, so the host's bookkeeping overlaps the device's work)."""
         if self.structured_outputs is not None:
             self._finish_failed_grammars()
+            self._sample_deferred()
         if self._in_flight and self.scheduler.needs_output_tokens():
             self._complete(*self._in_flight.popleft())        # penalties need the tokens first
         out = self._schedule()
@@ -318,30 +322,76 @@ class LLMEngine:
         return out
 
     def _launch(self, out: SchedulerOutput) -> InFlightStep:
-        """runner.launch(out); a failure that leaves the device sound aborts the step's requests."""
-        grammar_bitmask = None
-        if self.structured_outputs is not None and self.structured_outputs.is_constrained(out.sampling_seqs):
-            grammar_bitmask = lambda: self._grammar_bitmask(out)   # noqa: E731
+        """runner.launch(out); a failure that leaves the device sound aborts the step's requests.
+
+        A step with constrained rows whose previous token is still in flight is launched with its
+        sampling deferred: its masks are filled on the mask thread from the moment that token is
+        read back (_complete) while this thread goes on, and the sampling is queued at the start
+        of the next step (_sample_deferred), so the device still runs it before the next forward
+        pass and the host never waits for the masks in between."""
+        grammar_bitmask, masks, defer = None, [], False
+        manager = self.structured_outputs
+        if manager is not None and manager.is_constrained(out.sampling_seqs):
+            if self._in_flight and manager.has_token_in_flight(out.sampling_seqs):
+                self._fill_due, defer = (out, masks), True
+            else:
+                masks.append(self._start_fill(out))   # every matcher is current: fill during the forward pass
+            grammar_bitmask = lambda: self._grammar_bitmask(out, masks)   # noqa: E731
         try:
-            return self.runner.launch(out, grammar_bitmask)
+            in_flight = self.runner.launch(out, grammar_bitmask, defer)
+        except Exception as exc:
+            self._fill_due = None
+            if masks and masks[0] is not None:
+                masks[0].abandon()
+            if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
+                raise
+            self._abort_step(out)
+            raise StepError(sorted({seq.request_id for seq in out.seqs}), exc) from exc
+        if in_flight.sampled_by is not None:
+            self._deferred_out = out
+        return in_flight
+
+    def _abort_step(self, out: SchedulerOutput) -> None:
+        for request_id in sorted({seq.request_id for seq in out.seqs}):
+            self.abort_request(request_id)
+
+    def _start_fill(self, out: SchedulerOutput):
+        """Start filling out's masks; a failure is kept for the sampling to raise (that step's error)."""
+        from minillm.structured_output import PendingBitmask
+        try:
+            return self.structured_outputs.start_fill(out.sampling_seqs)
+        except Exception as exc:
+            return PendingBitmask.failed(exc)
+
+    def _sample_deferred(self) -> None:
+        """Queue the deferred sampling of the last step (its masks are filled by now, or nearly);
+        a failure that leaves the device sound aborts that step's requests."""
+        out, self._deferred_out = self._deferred_out, None
+        if out is None:
+            return
+        try:
+            self.runner.sample_deferred()
         except Exception as exc:
             if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
                 raise
-            request_ids = sorted({seq.request_id for seq in out.seqs})
-            for request_id in request_ids:
-                self.abort_request(request_id)
-            raise StepError(request_ids, exc) from exc
+            self._abort_step(out)
+            raise StepError(sorted({seq.request_id for seq in out.seqs}), exc) from exc
 
-    def _grammar_bitmask(self, out: SchedulerOutput):
-        """The runner's call once out's forward pass is queued: its constrained rows' masks. When a
-        constrained sequence's previous token is still in flight, that step is read back first so
-        the matcher accepts it (only the sampling waits; the forward pass overlaps the wait)."""
-        seqs = out.sampling_seqs
-        if self._in_flight and self.structured_outputs.has_token_in_flight(seqs):
+    def _grammar_bitmask(self, out: SchedulerOutput, masks: list):
+        """The runner's call for out's masks, just before its sampling is queued. A step sampled
+        at once whose previous token is in flight reads that step back here first (which starts
+        the fill: _complete); only the sampling waits for the masks."""
+        if not masks:
+            if not self._in_flight or self._in_flight[0][0] is out:
+                raise RuntimeError("a step's masks were asked for before the step before it was read back")
             self._complete(*self._in_flight.popleft())
-        mask = self.structured_outputs.grammar_bitmask(seqs)
-        if mask is not None:
-            self.metrics.record_timings({"grammar_fill": self.structured_outputs.last_fill_time_s})
+        pending = masks[0]
+        if pending is None:
+            return None
+        t0 = time.perf_counter()
+        mask = pending.result()
+        self.metrics.record_timings({"grammar_fill": pending.fill_time_s,
+                                     "grammar_fill_wait": time.perf_counter() - t0})
         return mask
 
     def _finish_failed_grammars(self) -> None:
@@ -354,10 +404,19 @@ class LLMEngine:
                 self._changed[req.request_id] = req
 
     def _complete(self, out: SchedulerOutput, in_flight: InFlightStep) -> None:
-        """Wait for a launched step and hand its tokens to the scheduler and the outputs."""
+        """Wait for a launched step and hand its tokens to the scheduler and the outputs. With
+        structured outputs the constrained matchers take them first, and the fill of the next
+        step's masks (if due) starts then, beside the scheduler's work."""
         waited = time.time()
         step = in_flight.wait()
         t0 = time.perf_counter()
+        if self.structured_outputs is not None:
+            self.structured_outputs.advance(out.sampling_seqs, step.sampled)
+            if self._fill_due is not None:
+                due, masks = self._fill_due
+                self._fill_due = None
+                masks.append(self._start_fill(due))
+            self.metrics.record_timings({"grammar_advance": time.perf_counter() - t0})
         now = time.time()
         appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now))
         if out.scheduled_spec_decode_tokens:
@@ -431,6 +490,7 @@ class LLMEngine:
         for request_id in list(self.requests):
             self.abort_request(request_id)
         self._in_flight.clear()
+        self._fill_due = self._deferred_out = None
         if self.structured_outputs is not None:
             self.structured_outputs.shutdown()
         if self.kv_connector is not None:

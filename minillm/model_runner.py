@@ -60,6 +60,7 @@ class ModelRunner:
         self.piecewise = None            # prefill and mixed steps: graphs between the attention calls
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
+        self._deferred = None            # (InFlightStep, logits, grammar_bitmask) of a launch whose sampling waits
         self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
 
     def _device_arrays(self):
@@ -181,7 +182,7 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
         self.graphs = self.verify_graphs = self.piecewise = self.kv_pool = self.model = self._last_sampled = None
-        self.kv_connector = None
+        self.kv_connector = self._deferred = None
         self.device.release()
 
     # ---- one step ----------------------------------------------------------------------------
@@ -248,12 +249,16 @@ class ModelRunner:
                                  a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
                                  meta.is_decode_only, meta.num_decode_seqs)
 
-    def launch(self, out: SchedulerOutput, grammar_bitmask=None) -> "InFlightStep":
+    def launch(self, out: SchedulerOutput, grammar_bitmask=None, defer_sampling: bool = False) -> "InFlightStep":
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the
         device here, so the host can go on while the step runs.
 
         grammar_bitmask: structured outputs' callback, called once the forward pass is queued (the
-        host fills the masks while the device computes), returning a GrammarBitmask or None."""
+        host fills the masks while the device computes), returning a GrammarBitmask or None.
+        defer_sampling: queue the forward pass only (a step without drafts, not profiled); its
+        sampling, callback first, is queued by sample_deferred(), which the next launch and the
+        step's wait() call first: the masks' host work then overlaps the host's next step."""
+        self.sample_deferred()               # its tokens may be this step's inputs
         t0 = time.perf_counter()
         if self.kv_connector is not None:    # before any of the step's work: its forward reads the loads
             self.kv_connector.start_load_kv(out.kv_connector_metadata)
@@ -272,6 +277,12 @@ class ModelRunner:
             if logits is None:
                 self._last_sampled = None
                 return InFlightStep([], None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, timer)
+            if defer_sampling and spec is None and timer is None:
+                self._last_sampled = None
+                step = InFlightStep(seqs, None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, None)
+                step.sampled_by = self
+                self._deferred = (step, logits, grammar_bitmask)
+                return step
             mask = grammar_bitmask() if grammar_bitmask is not None else None
             t3 = time.perf_counter()
             if spec is None:
@@ -291,6 +302,22 @@ class ModelRunner:
         host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t3}
         verify = (self.verifier, spec) if spec is not None else None
         return InFlightStep(seqs, tokens, logprobs, sampled.logprob_rows, host, timer, verify)
+
+    def sample_deferred(self) -> None:
+        """Queue the sampling of the step launched with defer_sampling (nothing when there is none):
+        its grammar_bitmask callback, then the sampler."""
+        if self._deferred is None:
+            return
+        step, logits, grammar_bitmask = self._deferred
+        self._deferred = step.sampled_by = None
+        with self.device.compute():
+            mask = grammar_bitmask() if grammar_bitmask is not None else None
+            t0 = time.perf_counter()
+            sampled = self.sampler.sample_no_sync(logits, step.seqs, mask)
+            self._last_sampled = (sampled.token_ids, {s.seq_id: r for r, s in enumerate(step.seqs)})
+            step.set_sampled(self.device.to_host_async(sampled.token_ids),
+                             self.device.to_host_async(sampled.logprobs) if sampled.logprobs is not None else None,
+                             sampled.logprob_rows, time.perf_counter() - t0)
 
     def _placeholder_patch(self, holes: list[tuple[int, int]]):
         """(dst token rows, src rows of the last sampled ids, those ids) for inputs on the device."""
@@ -361,9 +388,18 @@ class InFlightStep:
         self.seqs, self._tokens, self._logprobs, self._logprob_rows = seqs, tokens, logprobs, logprob_rows
         self._host_timings, self._timer = host_timings, timer
         self._verify = verify            # (DraftVerifier, SpecDecodeMetadata) of a step with drafts
+        self.sampled_by = None           # the runner that still has to queue its sampling (defer_sampling)
+
+    def set_sampled(self, tokens, logprobs, logprob_rows: list[int], sample_host_s: float) -> None:
+        """The read-backs of a deferred sampling, once it is queued."""
+        self._tokens, self._logprobs, self._logprob_rows = tokens, logprobs, logprob_rows
+        self._host_timings["sample_host"] = sample_host_s
 
     def wait(self) -> StepOutput:
-        """The step's tokens (blocks until the device has produced them)."""
+        """The step's tokens (blocks until the device has produced them; queues a deferred
+        sampling first)."""
+        if self.sampled_by is not None:
+            self.sampled_by.sample_deferred()
         t0 = time.perf_counter()
         timings = dict(self._host_timings)
         sampled, logprobs, accepted = {}, {}, {}

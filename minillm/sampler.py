@@ -32,7 +32,10 @@ class Sampler:
         if device is None:
             from minillm.device import make_device
             device = make_device(ops.name)
+        self.device = device
         self.inputs = SamplingInputBuffer(ops, device, max_num_seqs, self.eos_token_ids)
+        self._bitmask_rows = None            # [cap, W] int32 on the device: the uploaded mask rows
+        self._bitmask = None                 # [cap, W] int32 on the device: the same, at their logits rows
 
     def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
@@ -67,12 +70,24 @@ class Sampler:
         self._block_early_stops(logits, seqs)
 
     def apply_grammar_bitmask(self, logits, mask) -> None:
-        """Tokens a constrained row's grammar forbids get -inf: one upload of the filled rows,
-        scattered into a [B, W] buffer whose other rows the kernel never reads."""
+        """Tokens a constrained row's grammar forbids get -inf: the filled rows go up in one async
+        copy (mask.bitmask is page-locked on the GPU: nothing is staged on the host), are
+        scattered into a [B, W] buffer whose other rows the kernel never reads, and masked. The
+        device buffers are kept from step to step: on one stream a step's copy runs after the
+        last step's kernels have read them."""
         ops = self.ops
+        num_rows, num_words = mask.bitmask.shape
+        batch = logits.shape[0]
+        kept = self._bitmask
+        if kept is None or kept.shape[0] < max(num_rows, batch) or kept.shape[1] != num_words:
+            cap = max(num_rows, batch, self.inputs.cap)
+            self._bitmask_rows = ops.xp.empty((cap, num_words), dtype=np.int32)
+            self._bitmask = ops.xp.empty((cap, num_words), dtype=np.int32)
+        uploaded = self._bitmask_rows[:num_rows]                       # [N, W]
+        self.device.copy_to_device_async(uploaded, np.ascontiguousarray(mask.bitmask))
         rows = ops.asarray(mask.rows)                                   # [N] int32
-        bitmask = ops.xp.empty((logits.shape[0], mask.bitmask.shape[1]), dtype=np.int32)   # [B, W]
-        bitmask[rows] = ops.asarray_async(mask.bitmask)          # ~1 MB a step: never wait for the stream
+        bitmask = self._bitmask[:batch]                                 # [B, W]
+        bitmask[rows] = uploaded
         ops.apply_token_bitmask(logits, bitmask, rows)
 
     def _apply_penalties(self, logits, seqs) -> None:

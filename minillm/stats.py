@@ -106,7 +106,8 @@ class EngineStats:
     requests: list[RequestStats] = field(default_factory=list)
     # Where the steps' time went so far: phase -> seconds summed over steps ("schedule", "prepare",
     # "forward_host", "sample_host", "wait", "update"; "forward_device" and "sample_device" when profiling;
-    # "grammar_fill" with structured outputs).
+    # with structured outputs "grammar_advance" (matchers take read-back tokens), "grammar_fill" (on the
+    # mask thread) and "grammar_fill_wait" (the engine thread waiting for the masks)).
     step_time_breakdown_s: dict[str, float] = field(default_factory=dict)
     # Speculative decoding totals (drafts, draft tokens, accepted, accepted per position); None when off.
     spec_decode: SpecDecodeStats | None = None

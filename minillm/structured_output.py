@@ -9,16 +9,25 @@ shape:
     manager.grammar_init(params)             -> Future[CompiledGrammar], compiled on a small thread
                                              pool and cached by the constraint's text
     compiled.new_matcher()                   -> GrammarMatcher, one per request
-    manager.fill_bitmask(matchers, rows)     each step, on the CPU while the forward pass runs
+    manager.fill_bitmask(matchers, rows)     fills bitmask rows (llguidance's threads, GIL released)
     ops.apply_token_bitmask(logits, bitmask, rows)   in the sampler, before temperature etc.
     matcher.accept_token(token)              each sampled token advances the matcher
 
 In the engine (vLLM V1's shape): add_request -> manager.attach(seqs, params) gives each sequence a
 StructuredOutputRequest; the scheduler admits a sequence only once `is_ready` (its grammar
-compiled; a failed compile is finished with an error by the engine, take_failed()); runner.launch
-queues the forward pass, then calls back for manager.grammar_bitmask(seqs), then samples; the
+compiled; a failed compile is finished with an error by the engine, take_failed()); each step the
+masks of its constrained rows are filled on the mask thread (manager.start_fill -> PendingBitmask)
+and the runner's grammar_bitmask callback takes them just before the sampling is queued; the
 scheduler's update_from_output feeds each token to accept_token, and check_stop ends a sequence
 whose grammar is complete (finish_reason "stop").
+
+Under async scheduling a constrained row's mask needs its previous token, which is still on the
+device when the step is launched. The step then goes with its sampling deferred; when the step
+before is read back, manager.advance() hands its tokens to the matchers (the scheduler's
+accept_token takes the recorded results) and the fill starts at once, beside the engine thread's
+update, outputs and next schedule; the sampling is queued at the start of the next step, right
+before its forward pass, so the device never waits for the host's mask work in between.
+Meanwhile the engine thread asks the matchers only flags cached when they took a token.
 
 Bitmask layout: bitmask [rows, ceil(vocab / 32)] int32; bit j of word w in a row is token id
 32 * w + j, 1 = allowed. vocab is the LM head's size; ids past the tokenizer's vocabulary (the
@@ -223,7 +232,12 @@ class CompiledGrammar:
 
 
 class GrammarMatcher:
-    """One request's position in its grammar: fills its bitmask row, accepts tokens, rolls back."""
+    """One request's position in its grammar: fills its bitmask row, accepts tokens, rolls back.
+
+    The state questions (is_stopped, can_terminate, is_error, error) read flags cached when a token
+    is accepted or rolled back, never the llguidance matcher: the engine thread asks them while the
+    mask thread fills the matcher's next row (a fill leaves those flags as they are).
+    """
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
         self._matcher = matcher
@@ -231,6 +245,15 @@ class GrammarMatcher:
         self._num_tokens = 0              # tokens the llguidance matcher holds (what it can roll back)
         self._terminated = False          # an EOS was accepted
         self._eos_unrecorded = False      # that EOS came after the grammar stopped: the matcher did not record it
+        self._read_state()
+
+    def _read_state(self) -> None:
+        """Cache the llguidance matcher's flags (after every change of its position)."""
+        m = self._matcher
+        self._is_stopped = m.is_stopped()
+        self._is_error = m.is_error()
+        self._is_accepting = m.is_accepting()
+        self._error = m.get_error() if self._is_error else ""
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (only EOS once stopped or in error)."""
@@ -241,15 +264,16 @@ class GrammarMatcher:
         if self._terminated:
             return False
         token_id = int(token_id)
-        if token_id in self._eos and self._matcher.is_stopped() and not self._matcher.is_error():
+        if token_id in self._eos and self._is_stopped and not self._is_error:
             # llguidance takes an EOS after a stop without recording it.
             self._terminated = self._eos_unrecorded = True
             return True
-        if not self._matcher.consume_token(token_id):
-            return False
-        self._num_tokens += 1
-        self._terminated = token_id in self._eos
-        return True
+        ok = self._matcher.consume_token(token_id)
+        if ok:
+            self._num_tokens += 1
+            self._terminated = token_id in self._eos
+        self._read_state()
+        return ok
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """accept_token for each id in order; stops at the first one refused."""
@@ -273,6 +297,7 @@ class GrammarMatcher:
             self._matcher.rollback(recorded)
         self._num_tokens -= recorded
         self._terminated = self._eos_unrecorded = False
+        self._read_state()
 
     @property
     def num_accepted(self) -> int:
@@ -285,30 +310,36 @@ class GrammarMatcher:
 
     def is_stopped(self) -> bool:
         """Nothing but EOS can follow (the grammar is complete, or the matcher is in error)."""
-        return self._terminated or self._matcher.is_stopped()
+        return self._terminated or self._is_stopped
 
     def can_terminate(self) -> bool:
         """EOS is allowed here: what was accepted so far is a complete sentence of the grammar."""
-        return self._terminated or (self._matcher.is_accepting() and not self._matcher.is_error())
+        return self._terminated or (self._is_accepting and not self._is_error)
 
     def is_error(self) -> bool:
         """A forbidden token was consumed; the matcher then allows only EOS."""
-        return self._matcher.is_error()
+        return self._is_error
 
     @property
     def error(self) -> str:
         """llguidance's message for the error state ('' when none)."""
-        return self._matcher.get_error()
+        return self._error
 
 
 # ----------------------------------------------------------------------------- one sequence, one step
 
 class StructuredOutputRequest:
-    """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher."""
+    """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher.
+
+    A step's token reaches the matcher ahead of the scheduler (advance(), as soon as it is read
+    back, so the next mask can be filled while the scheduler works); the scheduler's accept_token
+    then takes the result recorded for that token.
+    """
 
     def __init__(self, grammar: Future) -> None:
         self.grammar = grammar
         self.matcher: GrammarMatcher | None = None
+        self._advanced: deque[tuple[int, bool]] = deque()   # (token, accepted) taken ahead of accept_token
 
     @property
     def is_ready(self) -> bool:
@@ -329,8 +360,28 @@ class StructuredOutputRequest:
             return f"structured_outputs.{error}"
         return f"structured_outputs: {type(error).__name__}: {error}"
 
+    def advance(self, token_ids: Sequence[int]) -> None:
+        """Feed the matcher a step's tokens now, keeping each result for accept_token (stops at
+        the first refused one: the scheduler ends the sequence there)."""
+        for token in token_ids:
+            accepted = self.matcher.accept_token(token)
+            self._advanced.append((int(token), accepted))
+            if not accepted:
+                break
+
+    @property
+    def num_advanced(self) -> int:
+        """Tokens the matcher took ahead of the scheduler (not yet asked for by accept_token)."""
+        return len(self._advanced)
+
     def accept_token(self, token_id: int) -> bool:
-        """Advance the matcher by a sampled token; False when the grammar forbids it."""
+        """Advance the matcher by a sampled token; False when the grammar forbids it. A token
+        advance() already fed returns its recorded result."""
+        if self._advanced:
+            token, accepted = self._advanced.popleft()
+            if token != int(token_id):
+                raise RuntimeError(f"the matcher took token {token} ahead, the scheduler appends {token_id}")
+            return accepted
         return self.matcher.accept_token(token_id)
 
     @property
@@ -360,6 +411,33 @@ class GrammarBitmask:
         return GrammarBitmask(self.bitmask, np.asarray(rows, np.int32))
 
 
+class PendingBitmask:
+    """A step's masks while the mask thread fills them; result() waits for them (on the engine thread)."""
+
+    def __init__(self, manager: StructuredOutputManager, future: Future, bitmask: np.ndarray, rows: np.ndarray) -> None:
+        self._manager, self._future = manager, future
+        self._mask = GrammarBitmask(bitmask, rows)
+        self.fill_time_s: float | None = None     # set by result()
+
+    def result(self) -> GrammarBitmask:
+        """The filled masks (a fill's error is raised here); counts the fill in the stats once."""
+        if self.fill_time_s is None:
+            self.fill_time_s = self._future.result()
+            self._manager._record_fill(self.fill_time_s)
+        return self._mask
+
+    def abandon(self) -> None:
+        """Wait for the fill and drop it (a step that failed to launch): the matchers are free again."""
+        concurrent.futures.wait([self._future])
+
+    @classmethod
+    def failed(cls, error: BaseException) -> PendingBitmask:
+        """A fill that could not start: result() raises error."""
+        future: Future = Future()
+        future.set_exception(error)
+        return cls(None, future, np.zeros((0, 0), np.int32), np.zeros(0, np.int32))
+
+
 # ----------------------------------------------------------------------------- manager
 
 def _has_failed(fut: Future) -> bool:
@@ -376,7 +454,8 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  max_num_seqs: int, num_compile_workers: int = 2, num_fill_threads: int | None = None,
-                 max_cached_grammars: int = 256, disable_any_whitespace: bool = True) -> None:
+                 max_cached_grammars: int = 256, disable_any_whitespace: bool = True,
+                 empty_host=np.empty) -> None:
         self.vocab_size = int(vocab_size)
         self.disable_any_whitespace = disable_any_whitespace   # for requests that leave it None
         self._tokenizer_json = tokenizer_json
@@ -384,12 +463,20 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(max_workers=num_compile_workers, thread_name_prefix="minillm-grammar")
         self._fill_threads = num_fill_threads
         self._executor: llguidance.LLExecutor | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None   # fills the step's masks beside the engine thread
         self._lock = threading.Lock()              # the cache
         self._tokenizer_lock = threading.Lock()    # the lazy tokenizer build (held for ~1 s)
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
         self._max_cached = max_cached_grammars
-        self.bitmask = allocate_token_bitmask(max_num_seqs, self.vocab_size)   # [max_num_seqs, W]
+        # Two host buffers [max_num_seqs, W] the steps' masks are filled into in turn (pinned memory
+        # from empty_host, so the sampler's upload is a plain async copy): a step's fill never
+        # writes the buffer the step before may still be uploading from.
+        self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
+        for buffer in self._bitmasks:
+            buffer[...] = -1
+        self._next_bitmask = 0
+        self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
         self._num_compiled = 0                     # written on the pool under _lock
@@ -478,15 +565,23 @@ class StructuredOutputManager:
         if any(not 0 <= r < out.shape[0] for r in rows):
             raise ValueError(f"rows must lie in [0, {out.shape[0]}), got {list(rows)}")
         start = time.perf_counter()
-        if len(matchers) == 1:
-            matchers[0].fill_bitmask(out, int(rows[0]))
-        elif matchers:
-            if self._executor is None:
-                self._executor = llguidance.LLExecutor(self._fill_threads)
-            llg_numpy.fill_next_token_bitmask_par(
-                self._executor, [(m._matcher, int(r)) for m, r in zip(matchers, rows)], out)
+        self._fill_rows([(m._matcher, int(r)) for m, r in zip(matchers, rows)], out)
         self.last_fill_time_s = time.perf_counter() - start
         return out
+
+    def _fill_rows(self, pairs: list[tuple[llguidance.LLMatcher, int]], out: np.ndarray) -> None:
+        """llguidance fills out[row] for each (matcher, row), in parallel on its threads; the GIL
+        is released while it does."""
+        if len(pairs) == 1:
+            llg_numpy.fill_next_token_bitmask(pairs[0][0], out, pairs[0][1])
+        elif pairs:
+            llg_numpy.fill_next_token_bitmask_par(self._fill_executor(), pairs, out)
+
+    def _fill_executor(self) -> llguidance.LLExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(self._fill_threads)
+            return self._executor
 
     # ---- the engine's side (called on the engine thread) ------------------------------------
     def attach(self, seqs: Sequence, params: StructuredOutputsParams) -> None:
@@ -535,24 +630,63 @@ class StructuredOutputManager:
         device: its matcher must accept that token before its mask can be filled."""
         return any(s.structured_output is not None and s.num_output_placeholders > 1 for s in seqs)
 
-    def grammar_bitmask(self, seqs: Sequence) -> GrammarBitmask | None:
-        """The masks of the constrained, unfinished sequences among one step's sampling sequences
-        (rows into seqs); None when there are none. Times the fill for the stats."""
-        rows = [b for b, s in enumerate(seqs) if s.structured_output is not None and not s.is_finished]
+    def advance(self, seqs: Sequence, sampled: dict[int, list[int]]) -> None:
+        """Feed a read-back step's tokens to the matchers of its constrained sampling sequences
+        (those still waiting for them) before the scheduler appends them, so the next step's
+        masks can be filled while the scheduler works; its accept_token takes the results."""
+        for seq in seqs:
+            request = seq.structured_output
+            if request is not None and seq.num_output_placeholders and (tokens := sampled.get(seq.seq_id)):
+                request.advance(tokens)
+
+    def start_fill(self, seqs: Sequence) -> PendingBitmask | None:
+        """Start filling, on the mask thread, the masks of the constrained sequences among one
+        step's sampling sequences that go on (rows into seqs); None when there are none.
+
+        Each matcher must have taken its sequence's latest token (through the scheduler, or
+        ahead of it through advance()). Until the result is taken, the engine thread asks those
+        matchers only their cached flags. A sequence whose grammar is done (complete, or a token
+        refused) is left out: the scheduler ends it when it appends that token.
+        """
+        rows, matchers = [], []
+        for b, seq in enumerate(seqs):
+            request = seq.structured_output
+            if request is None or seq.is_finished:
+                continue
+            matcher = request.matcher
+            if matcher is not None and matcher.is_stopped():
+                continue
+            expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
+            if matcher is None or matcher.num_accepted != expected:
+                raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
+            rows.append(b)
+            matchers.append(matcher)
         if not rows:
             return None
-        matchers = []
-        for b in rows:
-            seq = seqs[b]
-            matcher = seq.structured_output.matcher
-            if matcher is None or matcher.num_accepted != len(seq.token_ids) - seq.num_prompt_tokens:
-                raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
-            matchers.append(matcher)
-        self.fill_bitmask(matchers, list(range(len(rows))))
+        bitmask = self._bitmasks[self._next_bitmask][:len(rows)]
+        self._next_bitmask = 1 - self._next_bitmask
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
+        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        started = threading.Event()
+        future = self._mask_thread.submit(self._fill_job, pairs, bitmask, started)
+        # A thread that wants the GIL while this one runs Python gets it only after the switch
+        # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
+        started.wait()
+        return PendingBitmask(self, future, bitmask, np.asarray(rows, np.int32))
+
+    def _fill_job(self, pairs: list, bitmask: np.ndarray, started: threading.Event) -> float:
+        """The mask thread's fill of bitmask[i] for pairs[i]; returns its wall seconds (up to
+        when this thread has the GIL again)."""
+        started.set()
+        start = time.perf_counter()
+        self._fill_rows(pairs, bitmask)
+        return time.perf_counter() - start
+
+    def _record_fill(self, seconds: float) -> None:
         self._num_fill_steps += 1
-        self._fill_time_s += self.last_fill_time_s
-        self._fill_samples.append(self.last_fill_time_s)
-        return GrammarBitmask(self.bitmask[:len(rows)], np.asarray(rows, np.int32))
+        self._fill_time_s += seconds
+        self._fill_samples.append(seconds)
 
     def stats(self) -> StructuredOutputStats:
         """Compile and fill figures so far."""
@@ -568,5 +702,7 @@ class StructuredOutputManager:
             return len(self._cache)
 
     def shutdown(self) -> None:
-        """Stop the compile pool (pending compiles are cancelled)."""
+        """Stop the compile pool (pending compiles are cancelled) and the mask thread."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)

@@ -206,11 +206,11 @@ class TensorParallelExecutor(ModelRunner):
         self._guarded(super().initialize_cache, num_blocks, max_model_len)
         self._guarded(self.workers.replies)
 
-    def launch(self, out, grammar_bitmask=None):
+    def launch(self, out, grammar_bitmask=None, defer_sampling=False):
         """ModelRunner.launch, after checking that every worker is there: a stopped group fails
         each step at once, before anything is prepared."""
         self._guarded(self.workers.peers)
-        return super().launch(out, grammar_bitmask)
+        return super().launch(out, grammar_bitmask, defer_sampling)
 
     def compute_logits(self, ids, positions, meta, rows, patch=None, logits_indices=None):
         """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]
