@@ -234,9 +234,10 @@ class CompiledGrammar:
 class GrammarMatcher:
     """One request's position in its grammar: fills its bitmask row, accepts tokens, rolls back.
 
-    The state questions (is_stopped, can_terminate, is_error, error) read flags cached when a token
-    is accepted or rolled back, never the llguidance matcher: the engine thread asks them while the
-    mask thread fills the matcher's next row (a fill leaves those flags as they are).
+    The state questions the engine asks (is_stopped, is_error, error, is_terminated) read flags
+    cached when a token is accepted or rolled back, never the llguidance matcher: the engine thread
+    asks them while the mask thread fills the matcher's next row (a fill leaves those flags as they
+    are). can_terminate asks the matcher itself (not while a fill runs).
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
@@ -248,11 +249,11 @@ class GrammarMatcher:
         self._read_state()
 
     def _read_state(self) -> None:
-        """Cache the llguidance matcher's flags (after every change of its position)."""
+        """Cache the llguidance matcher's flags (after every change of its position); an error
+        stops the matcher, so a running one is asked one question."""
         m = self._matcher
         self._is_stopped = m.is_stopped()
-        self._is_error = m.is_error()
-        self._is_accepting = m.is_accepting()
+        self._is_error = self._is_stopped and m.is_error()
         self._error = m.get_error() if self._is_error else ""
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
@@ -314,7 +315,7 @@ class GrammarMatcher:
 
     def can_terminate(self) -> bool:
         """EOS is allowed here: what was accepted so far is a complete sentence of the grammar."""
-        return self._terminated or (self._is_accepting and not self._is_error)
+        return self._terminated or (self._matcher.is_accepting() and not self._is_error)
 
     def is_error(self) -> bool:
         """A forbidden token was consumed; the matcher then allows only EOS."""
