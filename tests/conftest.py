@@ -5,6 +5,12 @@ from pathlib import Path
 
 import pytest
 
+# One BLAS thread in the test process and in every process it starts (set before NumPy is imported;
+# a value given outside wins): the models here are tiny, and OpenBLAS's second thread spun on the
+# other core for no gain (the engine tests took 61 s of CPU, 35 s with one thread, and less wall
+# time), taking it from the subprocesses and background builds that run beside them.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("MINILLM_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
 
