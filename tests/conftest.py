@@ -90,7 +90,7 @@ def pytest_collection_finish(session) -> None:
 
 def pytest_sessionfinish(session) -> None:
     """Stop what pytest_collection_finish started, whether or not its tests ran."""
-    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+    for module in {item.module for item in getattr(session, "items", []) if isinstance(item, pytest.Function)}:
         stop = getattr(module, "stop_background", None)
         if stop is not None:
             stop()
