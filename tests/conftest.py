@@ -77,15 +77,19 @@ def put_in_hf_cache(cache: Path, repo_id: str, files_from: Path, revision: str =
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the background work of the selected test modules (a module's start_in_background()),
-    so that it runs beside the tests before them. Not for --collect-only, nor under pytest-xdist,
-    whose every worker collects every module: the module's fixture starts it there."""
+    """Start the background work of the selected test modules (a module's start_in_background(its
+    selected tests)), so that it runs beside the tests before them. Not for --collect-only, nor under
+    pytest-xdist, whose every worker collects every module: the module's fixture starts it there."""
     if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
         return
-    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+    selected: dict = {}
+    for item in session.items:
+        if isinstance(item, pytest.Function):
+            selected.setdefault(item.module, []).append(item)
+    for module, items in selected.items():
         start = getattr(module, "start_in_background", None)
         if start is not None:
-            start()
+            start(items)
 
 
 def pytest_sessionfinish(session) -> None:
