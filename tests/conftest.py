@@ -5,6 +5,12 @@ from pathlib import Path
 
 import pytest
 
+# One BLAS thread in the test process and in every process it starts (set before NumPy is imported;
+# a value given outside wins): the models here are tiny, and OpenBLAS's second thread spun on the
+# other core for no gain (the engine tests took 61 s of CPU, 35 s with one thread, and less wall
+# time), taking it from the subprocesses and background builds that run beside them.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("MINILLM_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
 
@@ -71,20 +77,24 @@ def put_in_hf_cache(cache: Path, repo_id: str, files_from: Path, revision: str =
 
 
 def pytest_collection_finish(session) -> None:
-    """Start the background work of the selected test modules (a module's start_in_background()),
-    so that it runs beside the tests before them. Not under pytest-xdist, whose every worker
-    collects every module: the module's fixture starts it there."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    """Start the background work of the selected test modules (a module's start_in_background(its
+    selected tests)), so that it runs beside the tests before them. Not for --collect-only, nor under
+    pytest-xdist, whose every worker collects every module: the module's fixture starts it there."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or session.config.option.collectonly:
         return
-    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+    selected: dict = {}
+    for item in session.items:
+        if isinstance(item, pytest.Function):
+            selected.setdefault(item.module, []).append(item)
+    for module, items in selected.items():
         start = getattr(module, "start_in_background", None)
         if start is not None:
-            start()
+            start(items)
 
 
 def pytest_sessionfinish(session) -> None:
     """Stop what pytest_collection_finish started, whether or not its tests ran."""
-    for module in {item.module for item in session.items if isinstance(item, pytest.Function)}:
+    for module in {item.module for item in getattr(session, "items", []) if isinstance(item, pytest.Function)}:
         stop = getattr(module, "stop_background", None)
         if stop is not None:
             stop()

@@ -146,10 +146,12 @@ class NvccBuilds:
 _builds: NvccBuilds | None = None
 
 
-def start_in_background() -> None:
-    """Start the nvcc builds now, once (conftest.py calls this when the session has selected this module)."""
+def start_in_background(items: list | None = None) -> None:
+    """Start the nvcc builds now, once, if one of the tests (all when None) needs them (conftest.py
+    calls this with the tests the session selected here)."""
     global _builds
-    if NVCC is not None and _builds is None:
+    needed = items is None or any("nvcc_results" in item.fixturenames for item in items)
+    if NVCC is not None and _builds is None and needed:
         _builds = NvccBuilds()
 
 
