@@ -94,6 +94,42 @@ def test_tokens_taken_ahead_are_the_schedulers_results(tok, manager):
         other.accept_token(ids[1])
 
 
+def test_batched_advance_gives_each_matcher_its_own_results(tok, manager):
+    """The manager's advance feeds a step's tokens to many matchers in one llguidance call; each
+    request records what its matcher answers alone, token by token: accepted, refused (then in
+    error), an EOS after a complete output (which llguidance does not record), a token after an
+    EOS, and a verification step's several tokens in order (stopping at a refusal)."""
+    date, choice = compile_(manager, regex=DATE), compile_(manager, choice=CHOICES)
+    word = char_ids(tok, CHOICES[0])
+    cases = [(date, [], char_ids(tok, "2")), (date, [], char_ids(tok, "x")), (choice, word, [EOS]),
+             (choice, word + [EOS], char_ids(tok, "a")), (date, char_ids(tok, "20"), char_ids(tok, "2")),
+             (date, [], char_ids(tok, "1")), (date, [], char_ids(tok, "9x4"))]
+    requests, twins = [], []
+    for grammar, before, _ in cases:
+        request, twin = request_for(grammar), request_for(grammar)
+        for t in before:
+            request.accept_token(t)
+            twin.accept_token(t)
+        requests.append(request)
+        twins.append(twin)
+    seqs = [constrained_seq(request, placeholders=2) for request in requests]
+    for i, seq in enumerate(seqs):
+        seq.seq_id = i
+    manager.advance(seqs, {i: step for i, (_, _, step) in enumerate(cases)})
+    for request, twin, (_, _, step) in zip(requests, twins, cases):
+        expected = []
+        for t in step:
+            expected.append(twin.accept_token(t))
+            if not expected[-1]:
+                break
+        assert request.num_advanced == len(expected)
+        assert [request.accept_token(t) for t in step[:len(expected)]] == expected
+        assert flags(request.matcher) == flags(twin.matcher)
+        assert request.matcher.num_accepted == twin.matcher.num_accepted
+    assert [r.matcher.is_error() for r in requests] == [False, True, False, False, False, False, True]
+    assert requests[2].matcher.is_terminated() and not requests[3].accept_token(char_ids(tok, "a")[0])
+
+
 def constrained_seq(request, prompt=(1, 5, 6), outputs=(), placeholders=0) -> Sequence:
     seq = Sequence("r", 0, list(prompt), SamplingParams(), 0.0, np.random.default_rng(0), 64)
     seq.token_ids += list(outputs)
