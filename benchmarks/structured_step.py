@@ -67,6 +67,7 @@ SHAPES = {
 # it calls (work on other threads, such as masks filled on the mask thread, counts only where the
 # engine thread waits for it). The first five are the structured outputs' own.
 HOST_PARTS = [
+    ("minillm.model_runner", "InFlightStep", "wait", "wait"),    # on a GPU (the simulator counts its own)
     ("minillm.structured_output", "GrammarMatcher", "accept_token", "advance"),
     ("minillm.structured_output", "StructuredOutputManager", "advance", "advance"),
     ("minillm.structured_output", "StructuredOutputManager", "start_fill", "fill"),
@@ -193,7 +194,7 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
     if sim is not None:
         wait0, busy0 = sim.read_back_wait_s, sim.busy_s
     cpu0 = time.thread_time()
-    with parts.timing() if sim is not None else contextlib.nullcontext():
+    with parts.timing() if sim is not None or args.host_parts else contextlib.nullcontext():
         for _ in range(args.steps):
             start = time.perf_counter()
             engine.step()
@@ -202,15 +203,17 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
     cpu = time.thread_time() - cpu0
     after = engine.stats(cells=1)
     host = {}
-    if sim is not None:
+    if sim is not None or args.host_parts:
         total = sum(times)
-        parts.seconds["wait"] = sim.read_back_wait_s - wait0
+        if sim is not None:
+            parts.seconds["wait"] = sim.read_back_wait_s - wait0
         parts.seconds["rest"] = total - sum(parts.seconds.values())
         parts.cpu_seconds["rest"] = cpu - sum(parts.cpu_seconds.values())
         host = {"parts_ms": {k: parts.seconds[k] / args.steps * 1e3 for k in PART_NAMES},
                 "parts_cpu_ms": {k: parts.cpu_seconds[k] / args.steps * 1e3 for k in PART_NAMES},
-                "host_cpu_ms": cpu / args.steps * 1e3,
-                "device_idle": max(0.0, 1 - (sim.busy_s - busy0) / total)}
+                "host_cpu_ms": cpu / args.steps * 1e3}
+        if sim is not None:
+            host["device_idle"] = max(0.0, 1 - (sim.busy_s - busy0) / total)
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
@@ -240,6 +243,8 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--host-parts", action="store_true",
+                   help="on a GPU too: time the engine thread's parts of each step (always on with --device sim)")
     p.add_argument("--json", help="write the figures to this file")
     return p.parse_args(argv)
 
@@ -307,16 +312,19 @@ def report(args, runs: list[dict], compile_s: float) -> None:
 
 def report_host_parts(args, runs: list[dict]) -> None:
     """The engine thread's time per step by part (--device sim), medians over the runs."""
-    print(f"\nHost time per step on the engine thread (simulated device: forward {args.sim_forward_ms:g} ms, "
-          f"sampling {args.sim_sample_ms:g} ms a step), ms:")
+    sim = args.device == "sim"
+    where = (f"simulated device: forward {args.sim_forward_ms:g} ms, sampling {args.sim_sample_ms:g} ms a step"
+             if sim else f"{args.device}; the read-back wait is the device's time past the host's")
+    print(f"\nHost time per step on the engine thread ({where}), ms:")
     print("| constrained | step | " + " | ".join(PART_NAMES.values()) + " | engine thread CPU | device idle |")
     print("| --- " * (len(PART_NAMES) + 4) + "|")
     for num in (0, args.constrained):
         rs = [r for r in runs if r["constrained"] == num]
         med = lambda f: statistics.median(f(r) for r in rs)   # noqa: E731
         cells = [f"{med(lambda r: r['parts_ms'][k]):.2f}" for k in PART_NAMES]
+        idle = f"{med(lambda r: r['device_idle']):.0%}" if sim else "-"
         print(f"| {num} | {med(lambda r: r['step_ms_mean']):.2f} | " + " | ".join(cells)
-              + f" | {med(lambda r: r['host_cpu_ms']):.2f} | {med(lambda r: r['device_idle']):.0%} |")
+              + f" | {med(lambda r: r['host_cpu_ms']):.2f} | {idle} |")
     net = {num: statistics.median(r["step_ms_mean"] - r["parts_ms"]["simulator"] for r in runs
                                   if r["constrained"] == num) for num in (0, args.constrained)}
     print(f"Less the simulated kernels' host time: {net[0]:.2f} against {net[args.constrained]:.2f} ms a step, "
