@@ -35,6 +35,14 @@
 //     gets a short one (this assumes the hardware places one block on every multiprocessor before
 //     any gets a second; if it does not, the order only changes which blocks share one).
 //
+// Key splits (num_splits > 1, blockIdx.y = split): a small grid at a long context (a short chunk
+// over a long prefix: 16 blocks on 132 multiprocessors, each streaming every key) splits each
+// block's K/V tiles into num_splits even runs, one block each (flash-decoding applied to prefill
+// tiles). Each writes its rows' partials (normalised output, max in log2 units, sum) to part_o
+// [T, Hq, S, HEAD_DIM] / part_ml [T, Hq, S, 2] fp32 (T: the step's token rows; a split with no
+// tiles writes max -inf, sum 0), and prefill_attention_reduce (grid (Hq, T), 128 threads) merges
+// them into out.
+//
 // Shapes (minillm/ops/prefill_attention.py): "flash" = 4 warps x 32 rows, 2 stages, two blocks a
 // multiprocessor; "flash-8w" = 8 warps in 2 key groups x 4 warps x 32 rows, 3 stages, one block.
 // Registers at HEAD_DIM 128: O is 2 x 16 x 4 fp32 = 128, S of a 32-key step 2 x 4 x 4 = 32; nvcc 13.0
@@ -355,6 +363,35 @@ __device__ __forceinline__ void prefill_store(scalar_t* out, long long out_strid
     }
 }
 
+// Store this thread's rows as split `split`'s partials (see the header): the output normalised by
+// the split's own sum, and (max in log2 units, sum) once per row.
+__device__ __forceinline__ void prefill_store_partial(float* part_o, float* part_ml, float (&o)[PA_MT][PA_DT][4],
+                                                      float (&m)[PA_MT][2], float (&l)[PA_MT][2], int wrow0,
+                                                      int q_start, int q_len, int tok0, int kvh, int g, int tq,
+                                                      int num_heads, int split, int num_splits, float scale_log2) {
+#pragma unroll
+    for (int mi = 0; mi < PA_MT; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float sum = l[mi][h];
+            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int r = wrow0 + mi * 16 + h * 8 + g, tok = tok0 + r / GQA;
+            if (r >= PA_VALID_ROWS || tok >= q_len) continue;
+            const long long part = ((long long)(q_start + tok) * num_heads + kvh * GQA + r % GQA) * num_splits + split;
+            float* dst = part_o + part * HEAD_DIM + tq * 2;
+#pragma unroll
+            for (int d = 0; d < PA_DT; ++d)
+                *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
+            if (tq == 0) {
+                const float mx = m[mi][h] == -MINILLM_INF ? -MINILLM_INF : m[mi][h] * scale_log2;
+                *reinterpret_cast<float2*>(part_ml + part * 2) = make_float2(mx, sum);
+            }
+        }
+    }
+}
+
 #if PA_KSPLIT > 1
 // Per thread of a row warp: O fragments, then m, then l (floats), stored lane-minor.
 #define PA_PART_FLOATS (PA_MT * PA_DT * 4 + PA_MT * 4)
@@ -420,7 +457,8 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
                   long long q_stride, const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
                   const int* __restrict__ block_tables, long long bt_stride, const int* __restrict__ seq_lens,
                   const int* __restrict__ query_start_loc, int num_seqs, int num_kv_heads, int num_q_tiles,
-                  int block_size_log2, float scale_log2, int first_wave) {
+                  int block_size_log2, float scale_log2, int first_wave, float* __restrict__ part_o,
+                  float* __restrict__ part_ml, int num_splits) {
     extern __shared__ Vec16 pa_smem[];                         // Vec16: 16-byte aligned
     scalar_t* q_s = reinterpret_cast<scalar_t*>(pa_smem);     // [PA_BM][PA_LD]
     scalar_t* k_s = q_s + PA_BM * PA_LD;                       // [PA_STAGES][PA_BN][PA_LD]
@@ -432,7 +470,11 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     const int tok0 = w.tile * PA_TOKENS;
     const int pos0 = seq_lens[w.b] - q_len;                    // position of the chunk's token 0
     const int kv_end = pos0 + min(tok0 + PA_TOKENS, q_len);    // keys [0, kv_end) reach this block
-    const int num_tiles = (kv_end + PA_BN - 1) / PA_BN;
+    const int all_tiles = (kv_end + PA_BN - 1) / PA_BN;
+    // This split's run of tiles [j_begin, j_begin + num_tiles): all of them without splits.
+    const int per_split = (all_tiles + num_splits - 1) / num_splits;
+    const int j_begin = min(all_tiles, (int)blockIdx.y * per_split);
+    const int num_tiles = min(all_tiles - j_begin, per_split);
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int kgroup = warp / PA_ROW_WARPS, rwarp = warp % PA_ROW_WARPS;   // keys kgroup * PA_SPAN.. of a tile
@@ -451,8 +493,9 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
 #pragma unroll
     for (int t = 0; t < PA_STAGES - 1; ++t) {                  // tiles 0 .. PA_STAGES - 2, one group each
         if (t < num_tiles) {
-            prefill_kv_blocks(blk, bt, t * PA_BN, kv_end, block_size_log2);
-            prefill_load_kv(k_s + t * PA_BN * PA_LD, v_s + t * PA_BN * PA_LD, blk, k_cache, v_cache, t * PA_BN,
+            const int kt = (j_begin + t) * PA_BN;
+            prefill_kv_blocks(blk, bt, kt, kv_end, block_size_log2);
+            prefill_load_kv(k_s + t * PA_BN * PA_LD, v_s + t * PA_BN * PA_LD, blk, k_cache, v_cache, kt,
                             kv_end, block_size_log2, tok_stride, head_off);
         }
         cp_async_commit();
@@ -479,19 +522,19 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
 
     for (int j = 0; j < num_tiles; ++j) {
         const int stage = j % PA_STAGES, ahead = j + PA_STAGES - 1;
-        if (ahead < num_tiles) prefill_kv_blocks(blk, bt, ahead * PA_BN, kv_end, block_size_log2);
+        if (ahead < num_tiles) prefill_kv_blocks(blk, bt, (j_begin + ahead) * PA_BN, kv_end, block_size_log2);
         cp_async_wait_tile();
         __syncthreads();        // tile j is visible to all; every warp is done with tile j - 1's stage
         if (ahead < num_tiles) {
             const int next = (ahead % PA_STAGES) * PA_BN * PA_LD;
-            prefill_load_kv(k_s + next, v_s + next, blk, k_cache, v_cache, ahead * PA_BN, kv_end,
+            prefill_load_kv(k_s + next, v_s + next, blk, k_cache, v_cache, (j_begin + ahead) * PA_BN, kv_end,
                             block_size_log2, tok_stride, head_off);
         }
         cp_async_commit();
         if (!warp_active) continue;
 #pragma unroll
         for (int c = 0; c < PA_SPAN / PA_BC; ++c) {
-            const int kt = j * PA_BN + kgroup * PA_SPAN + c * PA_BC;
+            const int kt = (j_begin + j) * PA_BN + kgroup * PA_SPAN + c * PA_BC;
             if (kt > warp_max_pos) break;                    // the rest of the span is in this warp's future
             float s[PA_MT][PA_NT][4];
             prefill_scores(s, q_addr, k_addr0 + stage * stage_bytes + c * PA_BC * PA_LD * 2);
@@ -505,6 +548,35 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     prefill_merge_groups(reinterpret_cast<float*>(k_s), o, m, l, kgroup, rwarp, lane, warp_active, scale_log2);
     if (kgroup != 0) return;
 #endif
-    if (warp_active) prefill_store(out, out_stride, o, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq);
+    if (!warp_active) return;
+    if (num_splits == 1)
+        prefill_store(out, out_stride, o, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq);
+    else
+        prefill_store_partial(part_o, part_ml, o, m, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq,
+                              num_kv_heads * GQA, blockIdx.y, num_splits, scale_log2);
+}
+
+// out[t, h] = the splits' partials of token row t (< query_start_loc[num_seqs]) and query head h,
+// weighted by sum * 2^(max - the largest max). grid (Hq, rows), 128 threads; rows from row0.
+extern "C" __global__ void __launch_bounds__(128)
+prefill_attention_reduce(scalar_t* __restrict__ out, long long out_stride, const float* __restrict__ part_o,
+                         const float* __restrict__ part_ml, const int* __restrict__ query_start_loc,
+                         int num_seqs, int row0, int num_heads, int num_splits) {
+    const int h = blockIdx.x, t = row0 + blockIdx.y;
+    if (t >= query_start_loc[num_seqs]) return;               // padding rows past the last chunk
+    const long long base = ((long long)t * num_heads + h) * num_splits;
+    float mx = -MINILLM_INF;
+    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+    scalar_t* dst = out + (long long)t * out_stride + (long long)h * HEAD_DIM;
+    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
+        float sum = 0.0f, acc = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            const float ms = part_ml[(base + s) * 2];
+            const float w = ms == -MINILLM_INF ? 0.0f : part_ml[(base + s) * 2 + 1] * exp2f(ms - mx);
+            sum += w;
+            acc += w * part_o[(base + s) * HEAD_DIM + d];
+        }
+        dst[d] = from_float(sum > 0.0f ? acc / sum : 0.0f);
+    }
 }
 #endif

@@ -183,7 +183,7 @@ class VerifyGraphs(_CapturedForwards):
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(self.query_start_loc[:b + 1], self.seq_lens[:b], self.block_tables[:b],
                                  self.slot_mapping[:b * self.query_len], self.query_len, self.max_model_len,
-                                 False)
+                                 False, prefill_kv_splits=1)
 
     def _forward(self, b: int):
         t = b * self.query_len

@@ -97,3 +97,16 @@ def test_the_environment_sets_the_flag_or_fails_at_import(value, expect):
                             cwd=Path(__file__).resolve().parents[1])
     assert expect in result.stdout + result.stderr
     assert (result.returncode == 0) == (value != "bad")
+
+
+def test_key_splits_fill_a_small_grid_at_a_long_context():
+    # A 128-token chunk over 16,000 cached tokens: 16 blocks; about two a multiprocessor after splitting.
+    assert pa.kv_splits(16, 16128, H200_SMS, 128, 16, 128) == 17
+    # A grid of a multiprocessor's count or more never splits; nor a short context (4 tiles a split).
+    assert pa.kv_splits(H200_SMS, 16128, H200_SMS, 2048, 16, 128) == 1
+    assert pa.kv_splits(16, 7 * pa.KV_TILE, H200_SMS, 128, 16, 128) == 1
+    assert pa.kv_splits(16, 8 * pa.KV_TILE, H200_SMS, 128, 16, 128) == 2
+    # At most MAX_KV_SPLITS, and the partials stay within the workspace cap.
+    assert pa.kv_splits(1, 10 ** 6, H200_SMS, 16, 16, 128) == pa.MAX_KV_SPLITS
+    rows = pa.SPLIT_WORKSPACE_BYTES // (16 * 130 * 4 * 3)     # three splits' partials fit exactly
+    assert pa.kv_splits(1, 10 ** 6, H200_SMS, rows, 16, 128) == 3

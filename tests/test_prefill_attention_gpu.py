@@ -89,8 +89,9 @@ def batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, q_lens, pr
 
 
 def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
-                  fused_qkv=False):
-    """Run one ragged batch through `kernel` and hold it to the twin."""
+                  fused_qkv=False, kv_splits=None, num_decode_seqs=0):
+    """Run one ragged batch through `kernel` (its keys split kv_splits ways; None: as chosen) and
+    hold it to the twin; the first num_decode_seqs one-token sequences go to the decode kernel."""
     monkeypatch.setattr(ops, "PREFILL_ATTENTION", kernel)
     k32, v32, q_rows, meta, ref = batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, tuple(q_lens),
                                                       tuple(prefixes), fused_qkv)
@@ -101,8 +102,11 @@ def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_s
     chosen = prefill_attention.variant(kernel, q, k_cache, q, meta.max_query_len, len(q_lens), ops._num_multiprocessors())
     assert chosen is prefill_attention.VARIANTS.get(kernel, chosen) and chosen is not None
     out = ops.asarray(np.full((tokens, heads, head_dim), np.nan, np.float32), dtype)
-    got = to_host32(ops.paged_attention(q, k_cache, v_cache, device_meta(meta), head_dim ** -0.5, out=out))
-    what = f"{kernel} {dtype} hd{head_dim} {heads}/{kv_heads} bs{block_size} q={q_lens} prefix={prefixes}"
+    dmeta = device_meta(meta)
+    dmeta.prefill_kv_splits, dmeta.num_decode_seqs = kv_splits, num_decode_seqs
+    got = to_host32(ops.paged_attention(q, k_cache, v_cache, dmeta, head_dim ** -0.5, out=out))
+    what = (f"{kernel} {dtype} hd{head_dim} {heads}/{kv_heads} bs{block_size} q={q_lens} prefix={prefixes} "
+            f"splits={kv_splits} decode={num_decode_seqs}")
     assert np.isfinite(got).all(), f"{what}: non-finite output (an element was not written?)"
     np.testing.assert_allclose(got, ref, rtol=ATTN_TOL[dtype], atol=ATTN_TOL[dtype], err_msg=what)
     assert rel_error(got, ref) < REL_TOL[dtype], what
@@ -154,3 +158,40 @@ def test_paged_attention_runs_the_auto_choice(monkeypatch):
     small = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [129, 1], [40, 7])
     large = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1500] * 6, [0, 10, 20, 30, 40, 50])
     assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS["flash-4w"])
+
+
+SPLIT_CASES = [  # key splits, dtype, head_dim, heads, kv_heads, block_size, chunk lengths, prefixes
+    (3, "bfloat16", 128, 16, 8, 16, [129, 17, 1], [5, 1000, 0]),          # some blocks have fewer tiles than splits
+    (7, "bfloat16", 128, 16, 8, 16, [128], [16000]),                      # a small chunk at a long context
+    (17, "float16", 64, 8, 1, 32, [64, 1, 129], [14000, 5, 300]),         # GQA 8, idle splits
+    (2, "float16", 128, 6, 2, 16, [300, 2], [1000, 14000]),               # GQA 3: rows left idle
+    (32, "bfloat16", 64, 4, 4, 1, [33, 5], [2000, 0]),                    # one token a block
+]
+
+
+@pytest.mark.parametrize("kernel", sorted(prefill_attention.VARIANTS))
+@pytest.mark.parametrize("splits,dtype,head_dim,heads,kv_heads,block_size,q_lens,prefixes", SPLIT_CASES)
+def test_key_splits_match_twin(monkeypatch, kernel, splits, dtype, head_dim, heads, kv_heads, block_size, q_lens,
+                               prefixes):
+    """Blocks that split their keys write partials every row of which the reduce merges."""
+    check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
+                  kv_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_mixed_step_with_key_splits(monkeypatch, splits):
+    """Decode rows first (the decode kernel), then chunks whose rows start after them (the reduce's
+    first row), as a mixed step of decodes beside a long prompt's chunk runs them."""
+    check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1, 1, 1, 128, 40], [700, 0, 16000, 16000, 9],
+                  kv_splits=splits, num_decode_seqs=3)
+
+
+def test_a_small_chunk_at_a_long_context_splits_its_keys():
+    """The automatic choice: 2 query tiles x 8 KV heads = 16 blocks at 16,128 keys split ~17 ways on
+    the H200 (two blocks a multiprocessor); a 2,048-token chunk alone does not split."""
+    sms = ops._num_multiprocessors()
+    v = prefill_attention.VARIANTS["flash-4w"]
+    assert prefill_attention.kv_splits(16, 16128, sms, 128, 16, 128) == -(-2 * sms // 16)
+    assert prefill_attention.kv_splits(256, 2048, sms, 2048, 16, 128) == 1
+    blocks, _ = prefill_attention.grid_order(v, prefill_attention.num_q_tiles(v, 2, 128), 8, 1, sms)
+    assert blocks == 16

@@ -736,15 +736,16 @@ def _decode(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_seq_len: i
     return launches
 
 
-def _prefill(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_query_len: int,
-             fp8: dict) -> list[KernelLaunch]:
+def _prefill(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_query_len: int, max_seq_len: int,
+             kv_splits: int | None, row0: int, fp8: dict) -> list[KernelLaunch]:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
     flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, max_query_len, batch,
                                       _num_multiprocessors())
     if flash is not None:
-        return [prefill_attention.launch(flash, out, q, k_cache, None, qsl, seq_lens, tables, scale, max_query_len)]
+        return prefill_attention.launch(flash, out, q, k_cache, None, qsl, seq_lens, tables, scale, max_query_len,
+                                        max_seq_len, kv_splits, row0)
     q_stride = _row_stride(q, "q")
     use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)
                and q.data.ptr % 4 == 0 and q_stride % 2 == 0)
@@ -824,7 +825,7 @@ def attention_plan(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k
                                 int(meta.max_seq_len), num_splits, fp8)
         if nd < seq_lens.shape[0]:
             launches += _prefill(out, q, k_cache, qsl[nd:], seq_lens[nd:], tables[nd:], scale,
-                                 int(meta.max_query_len), fp8)
+                                 int(meta.max_query_len), int(meta.max_seq_len), meta.prefill_kv_splits, nd, fp8)
     return AttentionPlan(out, launches, bool(fp8), keep)
 
 
@@ -838,7 +839,9 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     kernel (num_splits forces its split count), as do the first meta.num_decode_seqs sequences of
     a mixed step; else the prefill kernel (tensor cores for fp16 / bf16 at head_dim 64 and 128:
     prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION is "mma" or the cache is
-    FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device.
+    FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device. A small grid of
+    prefill_attention.cu blocks at a long context splits their keys (meta.prefill_kv_splits
+    forces the count; 1: none).
     """
     plan = attention_plan(q, k_cache, v_cache, meta, scale, kv_scales, out, num_splits)
     return plan.run(k_cache, v_cache, kv_scales)

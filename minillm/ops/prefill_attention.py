@@ -23,6 +23,15 @@ AUTO = "flash"                  # the flag's value that picks the block shape fr
 # TFLOP/s with either shape, and over a 14,000-token prefix flash-4w ran at 310 against 250 for
 # flash-8w, so flash-4w is the default everywhere (0); flash-8w stays selectable by name.
 AUTO_8W_BLOCKS_PER_SM = 0
+# Key splits (see the source's header): a grid of fewer blocks than multiprocessors splits each
+# block's K/V tiles so that about SPLIT_BLOCKS_PER_SM blocks a multiprocessor run, each split at
+# least MIN_SPLIT_TILES tiles of the longest context (shorter ones gain less than the reduce costs).
+# A 128-token chunk over a 16,000-token prefix was 16 blocks on the H200's 132 (RESULTS.md, Long
+# prompts among decoders).
+SPLIT_BLOCKS_PER_SM = 2
+MIN_SPLIT_TILES = 4
+MAX_KV_SPLITS = 32
+SPLIT_WORKSPACE_BYTES = 256 << 20     # cap on the fp32 partials of one step
 
 
 @dataclass(frozen=True)
@@ -95,6 +104,17 @@ def grid_order(v: Variant, tiles: int, num_kv_heads: int, batch: int, num_sms: i
     return blocks, first_wave
 
 
+def kv_splits(blocks: int, max_seq_len: int, num_sms: int, num_tokens: int, num_heads: int, head_dim: int) -> int:
+    """Key splits of every block of a grid of `blocks` blocks whose longest context is max_seq_len
+    (1: none); the partials of num_tokens rows stay within SPLIT_WORKSPACE_BYTES."""
+    if blocks >= num_sms:
+        return 1
+    want = -(-SPLIT_BLOCKS_PER_SM * num_sms // max(1, blocks))
+    cap = -(-max(1, max_seq_len) // KV_TILE) // MIN_SPLIT_TILES
+    room = SPLIT_WORKSPACE_BYTES // max(1, num_tokens * num_heads * (head_dim + 2) * 4)
+    return int(max(1, min(want, cap, room, MAX_KV_SPLITS)))
+
+
 def _configure(fn, smem: int) -> None:
     """Raise the kernel's dynamic shared-memory limit (once per compiled kernel)."""
     with _lock:
@@ -105,25 +125,47 @@ def _configure(fn, smem: int) -> None:
         _configured.add(id(fn))
 
 
-def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_query_len: int):
-    """The launch of prefill_attention.cu over the batch (arguments as minillm/ops/cuda.py:_prefill
-    checked them), with the layer's caches left to bind: a minillm.ops.cuda.KernelLaunch."""
+def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_query_len: int,
+           max_seq_len: int, num_splits: int | None = None, row0: int = 0) -> list:
+    """The launches of prefill_attention.cu over the batch (arguments as minillm/ops/cuda.py:_prefill
+    checked them), with the layer's caches left to bind: minillm.ops.cuda.KernelLaunch's.
+
+    q and out hold every token row of the step; the batch's chunks start at row row0 (a mixed
+    step's decode rows come first). num_splits forces the key splits (None: kv_splits()).
+    """
     from minillm.ops import cuda as ops
 
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group, batch = num_heads // num_kv_heads, seq_lens.shape[0]
     tiles = num_q_tiles(v, group, max_query_len)
-    blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, ops._num_multiprocessors())
+    sms = ops._num_multiprocessors()
+    blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, sms)
+    splits = num_splits or kv_splits(blocks, max_seq_len, sms, num_tokens, num_heads, head_dim)
     defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines()}
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
     smem = v.smem_bytes(head_dim)
     _configure(fn, smem)
-    return ops.KernelLaunch(
-        fn, (blocks,), (32 * v.warps,),
-        [ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
+    out_stride = ops._i64(out.strides[0] // out.dtype.itemsize)
+    if splits > 1:
+        cp = ops._require_cupy()
+        part_o = cp.empty((num_tokens, num_heads, splits, head_dim), np.float32)
+        part_ml = cp.empty((num_tokens, num_heads, splits, 2), np.float32)
+        parts, keep = [ops._ptr(part_o), ops._ptr(part_ml)], (part_o, part_ml)
+    else:
+        parts, keep = [np.uint64(0), np.uint64(0)], ()
+    launches = [ops.KernelLaunch(
+        fn, (blocks, splits), (32 * v.warps,),
+        [ops._ptr(out), out_stride, ops._ptr(q),
          ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
          ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
          ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
-         np.float32(scale * ops.LOG2E), ops._i32(first_wave)],
-        shared_mem=smem)
+         np.float32(scale * ops.LOG2E), ops._i32(first_wave), *parts, ops._i32(splits)],
+        shared_mem=smem, keep=keep)]
+    if splits > 1 and num_tokens > row0:
+        reduce = ops._kernel(SOURCE, q.dtype, "prefill_attention_reduce", **defines)
+        launches.append(ops.KernelLaunch(
+            reduce, (num_heads, num_tokens - row0), (128,),
+            [ops._ptr(out), out_stride, *parts, ops._ptr(qsl), ops._i32(batch), ops._i32(row0),
+             ops._i32(num_heads), ops._i32(splits)], keep=keep))
+    return launches
