@@ -262,23 +262,14 @@ class GrammarMatcher:
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one sampled token; False (and the matcher in error) if the grammar forbids it."""
-        decided = self._accept_without_matcher(int(token_id))
-        if decided is not None:
-            return decided
-        return self._consumed(int(token_id), self._matcher.consume_token(int(token_id)))
-
-    def _accept_without_matcher(self, token_id: int) -> bool | None:
-        """accept_token's result where llguidance's matcher is not asked (after an EOS; an EOS
-        after a stop, which llguidance takes without recording); None: consume it."""
         if self._terminated:
             return False
+        token_id = int(token_id)
         if token_id in self._eos and self._is_stopped and not self._is_error:
+            # llguidance takes an EOS after a stop without recording it.
             self._terminated = self._eos_unrecorded = True
             return True
-        return None
-
-    def _consumed(self, token_id: int, ok: bool) -> bool:
-        """Record the llguidance matcher's answer for a consumed token; returns ok."""
+        ok = self._matcher.consume_token(token_id)
         if ok:
             self._num_tokens += 1
             self._terminated = token_id in self._eos
@@ -378,11 +369,6 @@ class StructuredOutputRequest:
             self._advanced.append((int(token), accepted))
             if not accepted:
                 break
-
-    def record_advanced(self, token_id: int, accepted: bool) -> None:
-        """Keep the result of one token fed to the matcher ahead of the scheduler (by the manager's
-        batched advance) for accept_token."""
-        self._advanced.append((int(token_id), accepted))
 
     @property
     def num_advanced(self) -> int:
@@ -649,30 +635,10 @@ class StructuredOutputManager:
         """Feed a read-back step's tokens to the matchers of its constrained sampling sequences
         (those still waiting for them) before the scheduler appends them, so the next step's
         masks can be filled while the scheduler works; its accept_token takes the results."""
-        batch: list[tuple[StructuredOutputRequest, int]] = []   # one token each, for llguidance's threads
         for seq in seqs:
             request = seq.structured_output
-            if request is None or not seq.num_output_placeholders or not (tokens := sampled.get(seq.seq_id)):
-                continue
-            if len(tokens) > 1:
-                request.advance(tokens)            # a verification step's tokens: in order, stop at a refusal
-                continue
-            token = int(tokens[0])
-            decided = request.matcher._accept_without_matcher(token)
-            if decided is None:
-                batch.append((request, token))
-            else:
-                request.record_advanced(token, decided)
-        if len(batch) < 2:
-            for request, token in batch:
-                request.advance([token])
-            return
-        # One call for the whole batch: llguidance consumes on its threads with the GIL released,
-        # so neither this thread's time nor the GIL grows with the constrained rows.
-        results = llg_numpy.consume_token_par(self._fill_executor(),
-                                              [(request.matcher._matcher, token) for request, token in batch])
-        for (request, token), ok in zip(batch, results):
-            request.record_advanced(token, request.matcher._consumed(token, bool(ok)))
+            if request is not None and seq.num_output_placeholders and (tokens := sampled.get(seq.seq_id)):
+                request.advance(tokens)
 
     def start_fill(self, seqs: Sequence) -> PendingBitmask | None:
         """Start filling, on the mask thread, the masks of the constrained sequences among one
