@@ -19,6 +19,7 @@ def test_long_prompt_mix_runs_both_budgets_and_reports_them(stories_path, tmp_pa
     assert b["max_step_ms"] == 2.0 * a["plain_decode_step_ms"]       # twice run (a)'s plain decode step
     for run in (a, b):
         assert len(run["long_ttft_ms"]) == 2 and run["ttft_alone_ms"] > 0 and run["plain_decode_step_ms"] > 0
+        assert run["user_requests_before_measure"] >= 2 * 3        # the users' steady state: each one ended one
         assert run["steps_while_long_prefills"] >= 200 // 32         # the prompts took chunks at least
         assert 0 < run["step_ms_p50"] <= run["step_ms_p99"] <= run["step_ms_worst"]
         assert 0 < run["itl_ms_p50"] <= run["itl_ms_p99"]
