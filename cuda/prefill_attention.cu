@@ -341,10 +341,15 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PA_MT][PA_DT][4], const un
     }
 }
 
-// Normalise and store this thread's rows (rows past the chunk, or idle rows, are not written).
-__device__ __forceinline__ void prefill_store(scalar_t* out, long long out_stride, float (&o)[PA_MT][PA_DT][4],
-                                              float (&l)[PA_MT][2], int wrow0, int q_start, int q_len,
-                                              int tok0, int kvh, int g, int tq) {
+// Normalise and store this thread's rows (rows past the chunk, or idle rows, are not written): into
+// out, or with PARTIAL as split `split`'s partials (see the header): the output normalised by the
+// split's own sum, and (max in log2 units, sum) once per row.
+template <bool PARTIAL>
+__device__ __forceinline__ void prefill_store(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
+                                              float (&o)[PA_MT][PA_DT][4], float (&m)[PA_MT][2],
+                                              float (&l)[PA_MT][2], int wrow0, int q_start, int q_len, int tok0,
+                                              int kvh, int g, int tq, int num_heads, int split, int num_splits,
+                                              float scale_log2) {
 #pragma unroll
     for (int mi = 0; mi < PA_MT; ++mi) {
 #pragma unroll
@@ -355,38 +360,22 @@ __device__ __forceinline__ void prefill_store(scalar_t* out, long long out_strid
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             const int r = wrow0 + mi * 16 + h * 8 + g, tok = tok0 + r / GQA;
             if (r >= PA_VALID_ROWS || tok >= q_len) continue;
-            scalar_t* dst = out + (long long)(q_start + tok) * out_stride + (long long)(kvh * GQA + r % GQA) * HEAD_DIM + tq * 2;
+            const int head = kvh * GQA + r % GQA;
+            if constexpr (PARTIAL) {
+                const long long part = ((long long)(q_start + tok) * num_heads + head) * num_splits + split;
+                float* dst = part_o + part * HEAD_DIM + tq * 2;
 #pragma unroll
-            for (int d = 0; d < PA_DT; ++d)
-                *reinterpret_cast<unsigned int*>(dst + d * 8) = pack2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
-        }
-    }
-}
-
-// Store this thread's rows as split `split`'s partials (see the header): the output normalised by
-// the split's own sum, and (max in log2 units, sum) once per row.
-__device__ __forceinline__ void prefill_store_partial(float* part_o, float* part_ml, float (&o)[PA_MT][PA_DT][4],
-                                                      float (&m)[PA_MT][2], float (&l)[PA_MT][2], int wrow0,
-                                                      int q_start, int q_len, int tok0, int kvh, int g, int tq,
-                                                      int num_heads, int split, int num_splits, float scale_log2) {
+                for (int d = 0; d < PA_DT; ++d)
+                    *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
+                if (tq == 0) {
+                    const float mx = m[mi][h] == -MINILLM_INF ? -MINILLM_INF : m[mi][h] * scale_log2;
+                    *reinterpret_cast<float2*>(part_ml + part * 2) = make_float2(mx, sum);
+                }
+            } else {
+                scalar_t* dst = out + (long long)(q_start + tok) * out_stride + (long long)head * HEAD_DIM + tq * 2;
 #pragma unroll
-    for (int mi = 0; mi < PA_MT; ++mi) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float sum = l[mi][h];
-            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            const int r = wrow0 + mi * 16 + h * 8 + g, tok = tok0 + r / GQA;
-            if (r >= PA_VALID_ROWS || tok >= q_len) continue;
-            const long long part = ((long long)(q_start + tok) * num_heads + kvh * GQA + r % GQA) * num_splits + split;
-            float* dst = part_o + part * HEAD_DIM + tq * 2;
-#pragma unroll
-            for (int d = 0; d < PA_DT; ++d)
-                *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
-            if (tq == 0) {
-                const float mx = m[mi][h] == -MINILLM_INF ? -MINILLM_INF : m[mi][h] * scale_log2;
-                *reinterpret_cast<float2*>(part_ml + part * 2) = make_float2(mx, sum);
+                for (int d = 0; d < PA_DT; ++d)
+                    *reinterpret_cast<unsigned int*>(dst + d * 8) = pack2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
             }
         }
     }
@@ -550,10 +539,11 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
 #endif
     if (!warp_active) return;
     if (num_splits == 1)
-        prefill_store(out, out_stride, o, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq);
+        prefill_store<false>(out, out_stride, part_o, part_ml, o, m, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq,
+                             num_kv_heads * GQA, 0, 1, scale_log2);
     else
-        prefill_store_partial(part_o, part_ml, o, m, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq,
-                              num_kv_heads * GQA, blockIdx.y, num_splits, scale_log2);
+        prefill_store<true>(out, out_stride, part_o, part_ml, o, m, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq,
+                            num_kv_heads * GQA, blockIdx.y, num_splits, scale_log2);
 }
 
 // out[t, h] = the splits' partials of token row t (< query_start_loc[num_seqs]) and query head h,
