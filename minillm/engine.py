@@ -6,6 +6,7 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
@@ -343,17 +344,20 @@ class LLMEngine:
             self._fill_due = None
             if masks and masks[0] is not None:
                 masks[0].abandon()
-            if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
-                raise
-            self._abort_step(out)
-            raise StepError(sorted({seq.request_id for seq in out.seqs}), exc) from exc
+            self._fail_step(out, exc)
         if in_flight.sampled_by is not None:
             self._deferred_out = out
         return in_flight
 
-    def _abort_step(self, out: SchedulerOutput) -> None:
-        for request_id in sorted({seq.request_id for seq in out.seqs}):
+    def _fail_step(self, out: SchedulerOutput, exc: Exception) -> NoReturn:
+        """Raise for a step that failed to launch or sample: exc itself when it leaves the device
+        unsound, else a StepError after aborting the step's requests (the engine goes on)."""
+        if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
+            raise exc
+        request_ids = sorted({seq.request_id for seq in out.seqs})
+        for request_id in request_ids:
             self.abort_request(request_id)
+        raise StepError(request_ids, exc) from exc
 
     def _start_fill(self, out: SchedulerOutput):
         """Start filling out's masks; a failure is kept for the sampling to raise (that step's error)."""
@@ -372,10 +376,7 @@ class LLMEngine:
         try:
             self.runner.sample_deferred()
         except Exception as exc:
-            if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
-                raise
-            self._abort_step(out)
-            raise StepError(sorted({seq.request_id for seq in out.seqs}), exc) from exc
+            self._fail_step(out, exc)
 
     def _grammar_bitmask(self, out: SchedulerOutput, masks: list):
         """The runner's call for out's masks, just before its sampling is queued. A step sampled
