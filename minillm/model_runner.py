@@ -7,6 +7,7 @@ through the backend's device object (minillm/device.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from types import ModuleType
@@ -245,9 +246,8 @@ class ModelRunner:
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         a = self.ops.asarray
-        return AttentionMetadata(a(meta.query_start_loc), a(meta.seq_lens), a(meta.block_tables),
-                                 a(meta.slot_mapping), meta.max_query_len, meta.max_seq_len,
-                                 meta.is_decode_only, meta.num_decode_seqs)
+        return dataclasses.replace(meta, query_start_loc=a(meta.query_start_loc), seq_lens=a(meta.seq_lens),
+                                   block_tables=a(meta.block_tables), slot_mapping=a(meta.slot_mapping))
 
     def launch(self, out: SchedulerOutput, grammar_bitmask=None, defer_sampling: bool = False) -> "InFlightStep":
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the

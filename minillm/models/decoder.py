@@ -131,11 +131,10 @@ class DecoderModel:
         out, _ = ops.add_rms_norm(h, residual, self.final_norm, eps, **into)
         return out
 
-    def attention(self, layer: int, q, meta: AttentionMetadata, kv_pool, out=None):
+    def attention(self, layer: int, q, meta: AttentionMetadata, kv_pool):
         """Layer `layer`'s paged attention of q [T, Hq, Dh] over its KV cache -> [T, Hq, Dh]."""
-        into = {} if out is None else {"out": out}
         return self.ops.paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], meta, self.scale,
-                                        self.kv_scales[layer], **into)
+                                        self.kv_scales[layer])
 
     def _calibrate_and_append(self, q, k, v, lw: LayerWeights, positions, k_cache, v_cache,
                               meta: AttentionMetadata, scales):

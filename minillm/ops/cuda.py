@@ -744,7 +744,7 @@ def _prefill(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_query_len
     flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, max_query_len, batch,
                                       _num_multiprocessors())
     if flash is not None:
-        return prefill_attention.launch(flash, out, q, k_cache, None, qsl, seq_lens, tables, scale, max_query_len,
+        return prefill_attention.launch(flash, out, q, k_cache, qsl, seq_lens, tables, scale, max_query_len,
                                         max_seq_len, kv_splits, row0)
     q_stride = _row_stride(q, "q")
     use_mma = (q.dtype.name in ("float16", "bfloat16") and head_dim in (64, 128)

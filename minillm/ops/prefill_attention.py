@@ -125,7 +125,7 @@ def _configure(fn, smem: int) -> None:
         _configured.add(id(fn))
 
 
-def launch(v: Variant, out, q, k_cache, v_cache, qsl, seq_lens, tables, scale: float, max_query_len: int,
+def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max_query_len: int,
            max_seq_len: int, num_splits: int | None = None, row0: int = 0) -> list:
     """The launches of prefill_attention.cu over the batch (arguments as minillm/ops/cuda.py:_prefill
     checked them), with the layer's caches left to bind: minillm.ops.cuda.KernelLaunch's.
