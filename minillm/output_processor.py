@@ -65,8 +65,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
 
 
 def _ended_by_stop_token(seq: Sequence, token: int) -> bool:
-    if seq.status != SequenceStatus.FINISHED_STOPPED:
-        return False
+    """Whether token is what stopped seq (its status FINISHED_STOPPED, as the caller checked)."""
     if seq.stop_reason is None and seq.structured_output is not None:
         return seq.structured_output.is_terminated    # a complete grammar's last token is text; its EOS is not
     return seq.stop_reason == token or seq.stop_reason is None

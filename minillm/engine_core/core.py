@@ -35,7 +35,7 @@ from minillm.engine_core import messages as m
 from minillm.engine_core.heap import freeze_startup_heap
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
-from minillm.sequence import Sequence, SequenceStatus
+from minillm.sequence import Sequence
 
 logger = logging.getLogger("minillm.engine_core")
 
@@ -108,14 +108,10 @@ class TokenOutputs:
         if seq.kv_transfer_params is not None or seq.kv_transfer_stats is not None:
             kv_params, kv_stats = new_kv_reports(state, seq)
         status = seq.status
-        if status in FINISHED:
-            return m.SeqOutput(seq.index, new, rows, status.value, seq.stop_reason, state.grammar_terminated,
+        if status.is_finished:
+            return m.SeqOutput(seq.index, new, rows, status.finish_reason, seq.stop_reason, state.grammar_terminated,
                                kv_params, kv_stats)
         return m.SeqOutput(seq.index, new, rows, None, None, state.grammar_terminated, kv_params, kv_stats)
-
-
-# The finished statuses, whose value is the finish reason (a set test, not an enum property, per token).
-FINISHED = frozenset(s for s in SequenceStatus if s.is_finished)
 
 
 def new_kv_reports(state: TokenState, seq: Sequence) -> tuple[dict | None, dict | None]:

@@ -44,8 +44,8 @@ class SequenceMirror:
 
     @property
     def is_finished(self) -> bool:
-        """True once the API server's view has it ended (a mirror is running or finished, never waiting)."""
-        return self.status is not SequenceStatus.RUNNING
+        """True once the API server's view has it ended."""
+        return self.status.is_finished
 
     @property
     def final_reason(self) -> str:
@@ -79,7 +79,7 @@ class FrontendRequest:
     def is_finished(self) -> bool:
         """True when every sequence has ended in this side's view."""
         for seq in self.seqs:
-            if seq.status is SequenceStatus.RUNNING:
+            if not seq.status.is_finished:
                 return False
         return True
 
