@@ -240,12 +240,7 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
                  http: str = "auto") -> None:
-        # proto TCP, not 0: asyncio sets TCP_NODELAY only on connections of a TCP-proto socket, and
-        # without it Nagle holds each keep-alive response ~40 ms for the client's delayed ACK.
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                                  socket.IPPROTO_TCP)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = port_socket(host, port, reuse_port=False)
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn_config(app, app.state.ctx.limits, http, log_level=log_level, timeout_graceful_shutdown=2)
         self.stopping = app.state.ctx.stopping
@@ -415,13 +410,17 @@ def run_api_server(spec: APIServerSpec) -> None:
     sys.exit(1 if engine.has_failed else 0)
 
 
-def port_socket(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to host:port that other processes of ours can bind too (SO_REUSEPORT): each
-    API server listens on its own, and the kernel spreads connections over the listening ones."""
+def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
+    """A TCP socket bound to host:port (port 0: a free one). With reuse_port other processes of ours
+    can bind it too (SO_REUSEPORT): each API server listens on its own, and the kernel spreads
+    connections over the listening ones."""
+    # proto TCP, not 0: asyncio sets TCP_NODELAY only on connections of a TCP-proto socket, and
+    # without it Nagle holds each keep-alive response ~40 ms for the client's delayed ACK.
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)     # so that asyncio sets TCP_NODELAY (ServerThread says why)
+                         socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
 
