@@ -248,3 +248,24 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
     float t = lane < num_warps ? scratch[lane] : -MINILLM_INF;
     return warp_max(t);
 }
+
+// Split-K attention partials of one (query row, head) merged into dst[0..D): each split's output
+// (normalised by its own sum) weighted by its sum * 2^(its max - the largest max), where partial s
+// is part_o[(base + s) * D ..] and part_ml[(base + s) * 2 ..] = (max in log2 units, sum); a split
+// with max -inf (no keys) weighs nothing. Thread i of the block writes dims i, i + blockDim.x, ...
+template <int D>
+__device__ __forceinline__ void merge_split_partials(scalar_t* dst, const float* part_o, const float* part_ml,
+                                                     long long base, int num_splits) {
+    float mx = -MINILLM_INF;
+    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float sum = 0.0f, acc = 0.0f;
+        for (int s = 0; s < num_splits; ++s) {
+            const float ms = part_ml[(base + s) * 2];
+            const float w = ms == -MINILLM_INF ? 0.0f : part_ml[(base + s) * 2 + 1] * exp2f(ms - mx);
+            sum += w;
+            acc += w * part_o[(base + s) * D + d];
+        }
+        dst[d] = from_float(sum > 0.0f ? acc / sum : 0.0f);
+    }
+}

@@ -383,20 +383,8 @@ paged_decode_reduce(scalar_t* out, long long out_stride, const float* part_o,
                     const float* part_ml, const int* query_start_loc, int num_heads,
                     int num_splits) {
     const int h = blockIdx.x, b = blockIdx.y;
-    const long long base = ((long long)b * num_heads + h) * num_splits;
-    float mx = -MINILLM_INF;
-    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
     scalar_t* dst = out + (long long)query_start_loc[b] * out_stride + (long long)h * HEAD_DIM;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-        float sum = 0.0f, o = 0.0f;
-        for (int s = 0; s < num_splits; ++s) {
-            float ms = part_ml[(base + s) * 2];
-            float w = ms == -MINILLM_INF ? 0.0f : part_ml[(base + s) * 2 + 1] * exp2f(ms - mx);
-            sum += w;
-            o += w * part_o[(base + s) * HEAD_DIM + d];
-        }
-        dst[d] = from_float(sum > 0.0f ? o / sum : 0.0f);
-    }
+    merge_split_partials<HEAD_DIM>(dst, part_o, part_ml, ((long long)b * num_heads + h) * num_splits, num_splits);
 }
 
 // ---------------------------------------------------------------------------------------------

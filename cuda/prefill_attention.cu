@@ -546,27 +546,16 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
                             num_kv_heads * GQA, blockIdx.y, num_splits, scale_log2);
 }
 
-// out[t, h] = the splits' partials of token row t (< query_start_loc[num_seqs]) and query head h,
-// weighted by sum * 2^(max - the largest max). grid (Hq, rows), 128 threads; rows from row0.
+// out[t, h] = the splits' partials of token row t (< query_start_loc[num_seqs]) and query head h
+// merged (merge_split_partials, as paged_decode_reduce does per sequence). grid (Hq, rows), 128
+// threads; rows from row0.
 extern "C" __global__ void __launch_bounds__(128)
 prefill_attention_reduce(scalar_t* __restrict__ out, long long out_stride, const float* __restrict__ part_o,
                          const float* __restrict__ part_ml, const int* __restrict__ query_start_loc,
                          int num_seqs, int row0, int num_heads, int num_splits) {
     const int h = blockIdx.x, t = row0 + blockIdx.y;
     if (t >= query_start_loc[num_seqs]) return;               // padding rows past the last chunk
-    const long long base = ((long long)t * num_heads + h) * num_splits;
-    float mx = -MINILLM_INF;
-    for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, part_ml[(base + s) * 2]);
     scalar_t* dst = out + (long long)t * out_stride + (long long)h * HEAD_DIM;
-    for (int d = threadIdx.x; d < HEAD_DIM; d += blockDim.x) {
-        float sum = 0.0f, acc = 0.0f;
-        for (int s = 0; s < num_splits; ++s) {
-            const float ms = part_ml[(base + s) * 2];
-            const float w = ms == -MINILLM_INF ? 0.0f : part_ml[(base + s) * 2 + 1] * exp2f(ms - mx);
-            sum += w;
-            acc += w * part_o[(base + s) * HEAD_DIM + d];
-        }
-        dst[d] = from_float(sum > 0.0f ? acc / sum : 0.0f);
-    }
+    merge_split_partials<HEAD_DIM>(dst, part_o, part_ml, ((long long)t * num_heads + h) * num_splits, num_splits);
 }
 #endif
