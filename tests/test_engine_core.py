@@ -4,6 +4,7 @@ visibly, never outlives the server, and is the only process that touches CUDA.""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -14,12 +15,13 @@ from collections import Counter, deque
 from pathlib import Path
 
 import pytest
+import zmq
 from test_server_helpers import wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.engine_core import messages as m
-from minillm.engine_core.core import SAMPLING_FIELDS, EngineCore
+from minillm.engine_core.core import SAMPLING_FIELDS, CoreSpec, EngineCore, EngineCoreProc, _connect
 from minillm.engine_core.output_processor import OutputProcessor
 from minillm.sampling_params import SamplingParams
 from minillm.server.async_llm import AsyncLLM
@@ -131,6 +133,43 @@ def test_token_outputs_detokenised_apart_match_the_engine(config, reference, sto
     stats = core.engine.stats()
     assert stats.num_running == stats.num_waiting == 0 and stats.kv_num_used_blocks == 0
     core.engine.shutdown()
+
+
+def test_an_abort_that_has_reached_the_core_is_applied_before_its_next_step(config):
+    """The core's loop takes every command waiting in its socket before it launches a step."""
+    ctx = zmq.Context()
+    commands, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    commands.bind("inproc://commands")
+    outputs.bind("inproc://outputs")
+    parent_end, _child_end = multiprocessing.Pipe(duplex=False)
+    spec = CoreSpec(config, ["inproc://commands"], ["inproc://outputs"], parent_end)
+    input_sock, output_socks = _connect(ctx, spec)
+    core = EngineCore(config, log=lambda _: None)
+    proc, encoder, decoder = EngineCoreProc(core, spec, input_sock, output_socks), m.encoder(), m.up_decoder()
+    ids = core.engine.tokenizer.encode("Once upon a time", add_special_tokens=True)
+    fields = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+    try:
+        for rid in ("kept", "aborted"):
+            commands.send(encoder.encode(m.AddRequest(rid, ids, fields, time.time())))
+        while core.engine.metrics.num_steps < 4:
+            assert proc.run_once()
+        assert core.engine.stats().kv_num_used_blocks > 0
+        commands.send(encoder.encode(m.AbortRequests(["aborted"])))
+        assert input_sock.poll(30_000), "the abort never reached the core's socket"
+        steps = core.engine.metrics.num_steps
+        while outputs.poll(0):
+            outputs.recv()          # what the steps so far sent
+        assert proc.run_once()
+        assert core.engine.metrics.num_steps == steps + 1
+        step = decoder.decode(outputs.recv())
+        by_id = {out.request_id: out.seqs[0] for out in step.outputs}
+        assert by_id["aborted"].finish_reason == "abort" and by_id["aborted"].new_token_ids == []
+        assert len(by_id["kept"].new_token_ids) == 1 and by_id["kept"].finish_reason is None
+        assert core.engine.metrics.finished["abort"] == 1
+        assert [req.request_id for req in core.engine.requests.values() if not req.is_finished] == ["kept"]
+    finally:
+        core.engine.shutdown()
+        ctx.destroy(linger=0)
 
 
 # ---- the core in its own process -------------------------------------------------------------

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import threading
 import time
@@ -70,51 +69,23 @@ def test_64_concurrent_streams_under_preemption_match_alone(server):
     assert stats["num_waiting"] == 0 and stats["requests"] == []
 
 
-@contextlib.contextmanager
-def _abort_sent_times(engine):
-    """Watch the server's side: when it sends each abort down to the engine, by request id."""
-    sent: dict[str, float] = {}
-    real_abort = engine.abort
-
-    def abort(request_id):
-        sent.setdefault(request_id, time.time())
-        return real_abort(request_id)
-
-    engine.abort = abort
-    try:
-        yield sent
-    finally:
-        del engine.abort
-
-
-def _steps_between(steps: list[dict], start: float, end: float) -> int:
-    """Engine steps (EngineStats.recent_steps) launched after `start` and up to `end`."""
-    return sum(1 for step in steps if start < step["time"] <= end)
-
-
 def test_disconnected_stream_is_aborted_and_frees_blocks(server):
     url, engine = server
     before = get_stats(url)
     num_aborted = len(call_utility(engine, "aborted_requests"))
-    with _abort_sent_times(engine) as sent:
-        sock = raw_stream(url, _body("Once upon a time", 300), num_chunks=3)
-        hung_up_at = time.time()
-        sock.close()
-        aborted = wait_for(lambda: call_utility(engine, "aborted_requests")[num_aborted:], timeout=60)
-        assert aborted, "no abort reached the engine after the hang-up"
-    (request_id, applied_at, _, _), = aborted
+    sock = raw_stream(url, _body("Once upon a time", 300), num_chunks=3)
+    sock.close()
+    aborted = wait_for(lambda: call_utility(engine, "aborted_requests")[num_aborted:], timeout=60)
+    assert aborted, "no abort reached the engine after the hang-up"
+    (_, _, _, num_output_tokens), = aborted
+    assert num_output_tokens < 300, "the request ran to its end before the abort"
     # The abort's count reaches the core's snapshots once the API server has seen the step that ended
     # the request, which may be a snapshot after the one with the freed blocks: wait for both.
+    # (That the core applies an abort before its next step is test_engine_core's.)
     aborts = before["num_requests_finished"].get("abort", 0) + 1
     stats = wait_for(lambda: ((s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0
                               and s["num_requests_finished"].get("abort", 0) >= aborts and s), timeout=60)
     assert stats, "the request kept its blocks after its client left"
-    # Counted in the engine's own step records: from the server sending the abort to the engine acting
-    # on it, at most two steps begin (commands are taken before every step); from the hang-up, a few
-    # more while the server notices it (steps take about a millisecond here; two busy cores).
-    assert stats["num_steps"] - stats["recent_steps"][0]["step"] < len(stats["recent_steps"]), "steps rolled off"
-    assert _steps_between(stats["recent_steps"], sent[request_id], applied_at) <= 2
-    assert _steps_between(stats["recent_steps"], hung_up_at, applied_at) <= 4
     assert stats["num_requests_finished"].get("abort", 0) == aborts
     assert stats["generation_tokens_total"] - before["generation_tokens_total"] < 300
 

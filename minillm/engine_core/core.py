@@ -240,18 +240,24 @@ class EngineCoreProc:
 
     def run(self) -> None:
         """Take commands and step until told to stop or the API server goes away."""
-        while True:
-            timeout = 0
-            if not self.engine.has_unfinished_requests():   # block only when there is nothing to do
-                wait = self.engine.service_kv_transfers()    # (a KV producer's leases may want it sooner)
-                timeout = None if wait is None else max(1, int(wait * 1000))
-            events = dict(self.poller.poll(timeout))
-            if self.spec.parent_pipe.fileno() in events:
-                return      # the API server's process has gone: nobody to serve
-            if self.input in events and not self.run_commands():
-                return
-            if self.engine.has_unfinished_requests():
-                self.send_step(self.core.step())
+        while self.run_once():
+            pass
+
+    def run_once(self) -> bool:
+        """The commands that have arrived, then one step if any request is unfinished (waiting for
+        a command while there is none); False once told to stop or the API server has gone."""
+        timeout = 0
+        if not self.engine.has_unfinished_requests():   # block only when there is nothing to do
+            wait = self.engine.service_kv_transfers()    # (a KV producer's leases may want it sooner)
+            timeout = None if wait is None else max(1, int(wait * 1000))
+        events = dict(self.poller.poll(timeout))
+        if self.spec.parent_pipe.fileno() in events:
+            return False    # the API server's process has gone: nobody to serve
+        if self.input in events and not self.run_commands():
+            return False
+        if self.engine.has_unfinished_requests():
+            self.send_step(self.core.step())
+        return True
 
     def run_commands(self) -> bool:
         """Handle a bounded batch of waiting commands; False once told to shut down."""
