@@ -15,7 +15,7 @@ from minillm.engine import StepError
 def install(engine) -> None:
     """Give the engine the utilities below."""
     real_step, real_abort, real_stats = engine.step, engine.abort_request, engine.stats
-    state = {"log": None, "fail_for": None, "fatal": None, "stats_calls": 0, "aborts": []}
+    state = {"log": None, "fail_for": None, "fatal": None, "stats_calls": 0, "aborts": [], "pace": 0.0}
 
     def step():
         if state["fatal"] is not None:
@@ -29,7 +29,12 @@ def install(engine) -> None:
             raise StepError(request_ids=hit, cause=RuntimeError("injected kernel fault"))
         if state["log"] is not None:
             state["log"].append("step")
-        return real_step()
+        started = time.perf_counter()
+        outputs = real_step()
+        # A step as long as a large batch's on a GPU: counts of steps between two processes' events
+        # then measure the engine, not the time a message spends between processes on a busy machine.
+        time.sleep(max(0.0, state["pace"] - (time.perf_counter() - started)))
+        return outputs
 
     def abort_request(request_id):
         if state["log"] is not None:
@@ -51,6 +56,10 @@ def install(engine) -> None:
     def fail_every_step(message):
         """Every step from now on raises RuntimeError(message): a failure that cannot be contained."""
         state["fatal"] = message
+
+    def pace_steps(seconds):
+        """From now on each step lasts at least `seconds` (0: as long as it takes)."""
+        state["pace"] = float(seconds)
 
     def start_log():
         """Record "step" and "abort" in the order they happen, from now on."""
@@ -74,6 +83,6 @@ def install(engine) -> None:
         return [req.prompt_token_ids for req in engine.requests.values() if not req.is_finished]
 
     engine.step, engine.abort_request, engine.stats = step, abort_request, stats
-    for utility in (fail_next_step_for, fail_every_step, start_log, take_log, stats_calls, aborted_requests,
+    for utility in (fail_next_step_for, fail_every_step, pace_steps, start_log, take_log, stats_calls, aborted_requests,
                     unfinished_prompts):
         setattr(engine, utility.__name__, utility)

@@ -15,10 +15,12 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -27,7 +29,7 @@ import httpx
 import pytest
 from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, choice_texts, get_stats, sse_events, wait_for
 
-from minillm.kv_connector.transport import SEGMENT_PREFIX, SHM_DIR, sweep_stale_segments
+from minillm.kv_connector.transport import SEGMENT_PREFIX, SHM_DIR, SHM_DIR_ENV, sweep_stale_segments
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "stories"
@@ -45,13 +47,13 @@ def free_port() -> int:
 class Process:
     """A `minillm serve` or `minillm router` process on a free port, its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", *args, "--port", str(self.port)],
-                                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, stdout=out,
                                          stderr=subprocess.STDOUT)
 
     def wait_up(self, timeout: float = 180) -> "Process":
@@ -90,22 +92,25 @@ class Process:
                 self.proc.wait(10)
 
 
-def serve(stories_path: Path, role: str, lease_s: float, log: Path) -> Process:
+def serve(stories_path: Path, role: str, lease_s: float, log: Path, env: dict | None = None) -> Process:
     return Process(["serve", str(stories_path), "--device", "cpu", "--served-model-name", MODEL, "--chat-template",
-                    CHAT_TEMPLATE, "--kv-role", role, "--kv-lease-s", str(lease_s)], log)
+                    CHAT_TEMPLATE, "--kv-role", role, "--kv-lease-s", str(lease_s)], log, env)
 
 
-def start_trio(stories_path: Path, tmp: Path, lease_s: float, extra_prefill: list[str] = ()):
-    """A prefill server, a decode server and the router between them, started together."""
-    prefill = serve(stories_path, "producer", lease_s, tmp / "prefill.log")
-    decode = serve(stories_path, "consumer", lease_s, tmp / "decode.log")
+def start_trio(stories_path: Path, tmp: Path, lease_s: float, extra_prefill: list[str] = (),
+               shm_dir: Path | None = None):
+    """A prefill server, a decode server and the router between them, started together (their KV
+    segments in shm_dir when given)."""
+    env = {SHM_DIR_ENV: str(shm_dir)} if shm_dir is not None else None
+    prefill = serve(stories_path, "producer", lease_s, tmp / "prefill.log", env)
+    decode = serve(stories_path, "consumer", lease_s, tmp / "decode.log", env)
     router = Process(["router", "--prefill", prefill.url, *[a for u in extra_prefill for a in ("--prefill", u)],
                       "--decode", decode.url, "--connect-timeout", "2"], tmp / "router.log")
     return prefill.wait_up(), decode.wait_up(), router.wait_up()
 
 
-def segments_of(pid: int) -> list[Path]:
-    return list(SHM_DIR.glob(f"{SEGMENT_PREFIX}{pid}-*"))
+def segments_of(pid: int, directory: Path = SHM_DIR) -> list[Path]:
+    return list(directory.glob(f"{SEGMENT_PREFIX}{pid}-*"))
 
 
 def pools_free(*servers: Process) -> bool:
@@ -290,7 +295,9 @@ def stream_until_killed(url: str, body: dict, started: threading.Event, result: 
 
 def test_killing_the_decode_then_the_prefill_server(stories_path, tmp_path):
     lease_s = 3.0
-    prefill, decode, router = start_trio(stories_path, tmp_path, lease_s=lease_s)
+    # Segments of their own: a producer started by another test meanwhile sweeps those of dead processes.
+    shm = Path(tempfile.mkdtemp(prefix="minillm-test-", dir=SHM_DIR))
+    prefill, decode, router = start_trio(stories_path, tmp_path, lease_s=lease_s, shm_dir=shm)
     try:
         # A lease nobody claims runs out (the decode server then says so).
         kv = lease_for(prefill, "The cat sat on the mat all day")
@@ -336,9 +343,10 @@ def test_killing_the_decode_then_the_prefill_server(stories_path, tmp_path):
         assert time.monotonic() - t0 < 30
         assert httpx.get(f"{router.url}/health", timeout=30).status_code == 503
         # The crashed prefill engine left its shared pool behind; the next producer sweeps it.
-        assert len(segments_of(prefill_core)) == 1
-        sweep_stale_segments()
-        assert not segments_of(prefill_core)
+        assert len(segments_of(prefill_core, shm)) == 1
+        sweep_stale_segments(shm)
+        assert not segments_of(prefill_core, shm)
     finally:
         for server in (router, decode, prefill):
             server.stop()
+        shutil.rmtree(shm, ignore_errors=True)

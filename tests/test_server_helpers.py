@@ -201,3 +201,56 @@ def raw_stream(url: str, body: dict, num_chunks: int) -> socket.socket:
         received += chunk
     assert b" 200 " in received.split(b"\r\n", 1)[0]
     return sock
+
+
+# Each step of a paced core lasts at least this long, as a large batch's does on a GPU: steps counted
+# between events of two processes then measure the engine, not how long a message takes to cross
+# between processes on a busy machine (milliseconds, where an idle stories260K step takes one).
+STEP_PACE_S = 0.05
+
+
+@dataclasses.dataclass
+class HangUp:
+    """A streaming client that left: its request's abort as the API server sent it and the core applied it."""
+
+    request_id: str
+    num_output_tokens: int      # the request's tokens when the core aborted it
+    steps_after_sent: int       # engine steps that ended after the API server sent the abort, up to the abort
+    steps_after_hang_up: int    # the same, counted from the client's hang-up
+    stats: dict                 # /v1/stats once the request's blocks were free
+
+
+def hang_up_stream(url: str, server_engine, core_engine, body: dict) -> HangUp:
+    """Stream `body` from `url` on a core paced at STEP_PACE_S (core_hooks.install), hang up after three
+    events, and wait until the core has aborted the request and freed its blocks."""
+    num_aborted = len(call_utility(core_engine, "aborted_requests"))
+    sent: dict[str, float] = {}
+    real_abort = server_engine.abort
+
+    def abort(request_id):
+        sent.setdefault(request_id, time.time())
+        return real_abort(request_id)
+
+    server_engine.abort = abort
+    call_utility(core_engine, "pace_steps", STEP_PACE_S)
+    try:
+        sock = raw_stream(url, body, num_chunks=3)
+        hung_up_at = time.time()
+        sock.close()
+        aborted = wait_for(lambda: call_utility(core_engine, "aborted_requests")[num_aborted:], timeout=60)
+    finally:
+        call_utility(core_engine, "pace_steps", 0)
+        del server_engine.abort
+    assert aborted, "no abort reached the core after the hang-up"
+    (request_id, applied_at, _, num_output_tokens), = aborted
+    assert list(sent) == [request_id], "the API server aborted something else"
+    stats = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0 and s,
+                     timeout=60)
+    assert stats, "the request kept its blocks after its client left"
+    steps = stats["recent_steps"]
+    assert stats["num_steps"] - steps[0]["step"] < len(steps), "steps rolled off"
+
+    def ended_between(start: float) -> int:
+        return sum(1 for step in steps if start < step["time"] <= applied_at)
+
+    return HangUp(request_id, num_output_tokens, ended_between(sent[request_id]), ended_between(hung_up_at), stats)

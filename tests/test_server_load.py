@@ -9,7 +9,8 @@ import time
 import httpx
 import pytest
 from core_hooks import install
-from test_server_helpers import call_utility, get_stats, raw_stream, running_server, sse_events, wait_for
+from test_server_helpers import (call_utility, get_stats, hang_up_stream, running_server, sse_events,
+                                 wait_for)
 
 from minillm.benchmarks import serving as bench
 from minillm.benchmarks.cli_args import BenchUsageError
@@ -72,20 +73,16 @@ def test_64_concurrent_streams_under_preemption_match_alone(server):
 def test_disconnected_stream_is_aborted_and_frees_blocks(server):
     url, engine = server
     before = get_stats(url)
-    num_aborted = len(call_utility(engine, "aborted_requests"))
-    sock = raw_stream(url, _body("Once upon a time", 300), num_chunks=3)
-    sock.close()
-    aborted = wait_for(lambda: call_utility(engine, "aborted_requests")[num_aborted:], timeout=60)
-    assert aborted, "no abort reached the engine after the hang-up"
-    (_, _, _, num_output_tokens), = aborted
-    assert num_output_tokens < 300, "the request ran to its end before the abort"
+    gone = hang_up_stream(url, engine, engine, _body("Once upon a time", 300))
+    # From the API server sending the abort to the core applying it, at most two steps end (commands
+    # are taken before every step); from the hang-up, a few more while the server notices it.
+    assert gone.steps_after_sent <= 2 and gone.steps_after_hang_up <= 4
+    assert gone.num_output_tokens < 300
     # The abort's count reaches the core's snapshots once the API server has seen the step that ended
-    # the request, which may be a snapshot after the one with the freed blocks: wait for both.
-    # (That the core applies an abort before its next step is test_engine_core's.)
+    # the request, which may be a snapshot after the one with the freed blocks: wait for it.
     aborts = before["num_requests_finished"].get("abort", 0) + 1
-    stats = wait_for(lambda: ((s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0
-                              and s["num_requests_finished"].get("abort", 0) >= aborts and s), timeout=60)
-    assert stats, "the request kept its blocks after its client left"
+    stats = wait_for(lambda: (s := get_stats(url))["num_requests_finished"].get("abort", 0) >= aborts and s,
+                     timeout=60)
     assert stats["num_requests_finished"].get("abort", 0) == aborts
     assert stats["generation_tokens_total"] - before["generation_tokens_total"] < 300
 

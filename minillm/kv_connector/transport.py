@@ -23,6 +23,7 @@ import numpy as np
 
 SHM_DIR = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 SEGMENT_PREFIX = "minillm-kv-"
+SHM_DIR_ENV = "MINILLM_KV_SHM_DIR"     # another directory for the segments (both engines must agree)
 REGION_KINDS = ("shm", "cuda_ipc")
 
 
@@ -85,8 +86,15 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments(directory: Path = SHM_DIR) -> list[Path]:
+def shm_dir() -> Path:
+    """Where KV segments live: $MINILLM_KV_SHM_DIR, else /dev/shm (the temporary directory without one)."""
+    chosen = os.environ.get(SHM_DIR_ENV)
+    return Path(chosen).resolve() if chosen else SHM_DIR
+
+
+def sweep_stale_segments(directory: Path | None = None) -> list[Path]:
     """Remove segments left by producers that died without unlinking them; returns what was removed."""
+    directory = directory or shm_dir()
     removed = []
     for path in directory.glob(f"{SEGMENT_PREFIX}*"):
         pid = path.name[len(SEGMENT_PREFIX):].split("-", 1)[0]
@@ -111,7 +119,8 @@ class SharedSegment:
     whose producer died is found and removed by the next producer on the machine. Its name goes
     with unlink(), or when the segment is collected, or when the interpreter exits."""
 
-    def __init__(self, nbytes: int, directory: Path = SHM_DIR):
+    def __init__(self, nbytes: int, directory: Path | None = None):
+        directory = directory or shm_dir()
         sweep_stale_segments(directory)
         self.path = directory / f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.nbytes = nbytes
@@ -139,7 +148,7 @@ def attach_segment(region: KVRegion) -> np.ndarray:
     except TypeError:
         raise ValueError(f"the KV region's dtype {region.dtype!r} is not one a host segment holds") from None
     path = Path(region.handle if isinstance(region.handle, str) else region.handle.decode())
-    if path.parent != SHM_DIR or not path.name.startswith(SEGMENT_PREFIX):
+    if path.parent != shm_dir() or not path.name.startswith(SEGMENT_PREFIX):
         raise ValueError(f"the KV region {str(path)!r} is not a minillm KV segment")
     nbytes = int(np.prod(region.shape)) * dtype.itemsize
     try:
