@@ -189,20 +189,20 @@ def test_a_kv_region_is_checked_before_it_is_mapped(tmp_path):
             KVRegion.from_dict(bad)
 
 
-def test_segments_of_dead_producers_are_swept_and_live_ones_kept():
+def test_segments_of_dead_producers_are_swept_and_live_ones_kept(tmp_path):
+    # A directory of its own: producers that other tests start meanwhile sweep the shared one.
     dead_pid = 2**22 + 12345            # above pid_max's default: no such process
-    stale = SHM_DIR / f"{SEGMENT_PREFIX}{dead_pid}-feedbeef"
-    live = SharedSegment(16)
+    stale = tmp_path / f"{SEGMENT_PREFIX}{dead_pid}-feedbeef"
+    live = SharedSegment(16, directory=tmp_path)
     try:
         stale.write_bytes(b"\0" * 16)
-        removed = sweep_stale_segments()
-        assert stale in removed and not stale.exists() and live.path.exists()
+        removed = sweep_stale_segments(tmp_path)
+        assert removed == [stale] and live.path.exists()
         stale.write_bytes(b"\0" * 16)
-        SharedSegment(16).unlink()      # a new producer's segment sweeps first
+        SharedSegment(16, directory=tmp_path).unlink()      # a new producer's segment sweeps first
         assert not stale.exists() and live.path.exists()
     finally:
         live.unlink()
-        stale.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
