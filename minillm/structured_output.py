@@ -131,6 +131,11 @@ class StructuredOutputsParams:
         return key
 
 
+def _first_line(message: str) -> str:
+    """llguidance's error without the parser state it appends."""
+    return message.strip().split("\n", 1)[0]
+
+
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list",
          "grammar": "Lark grammar", "json_object": "json_object"}
 
@@ -254,7 +259,7 @@ class GrammarMatcher:
         m = self._matcher
         self._is_stopped = m.is_stopped()
         self._is_error = self._is_stopped and m.is_error()
-        self._error = m.get_error() if self._is_error else ""
+        self._error = _first_line(m.get_error()) if self._is_error else ""
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (only EOS once stopped or in error)."""
@@ -265,7 +270,13 @@ class GrammarMatcher:
         if self._terminated:
             return False
         token_id = int(token_id)
-        if token_id in self._eos and self._is_stopped and not self._is_error:
+        if token_id in self._eos:
+            # A fill that ran into one of llguidance's limits leaves the matcher in error, allowing
+            # only EOS: that EOS is refused, so the sequence ends with the grammar's error, not a stop.
+            self._read_state()
+            if self._is_error:
+                return False
+        if token_id in self._eos and self._is_stopped:
             # llguidance takes an EOS after a stop without recording it.
             self._terminated = self._eos_unrecorded = True
             return True
@@ -543,7 +554,14 @@ class StructuredOutputManager:
         template = llguidance.LLMatcher(tok, grammar, log_level=_LOG_LEVEL)
         if template.is_error():
             raise StructuredOutputsError(key[0].value, f"invalid {_WHAT[key[0].value]}: {template.get_error()}")
-        template.deep_copy().compute_bitmask()       # builds the first lexer states, on this thread
+        # Build the first lexer states on this thread. Copies share them and one of llguidance's
+        # limits counts them all (a{1000000} passes the first mask and fails the next): two masks.
+        for _ in range(2):
+            probe = template.deep_copy()
+            probe.compute_bitmask()
+            if probe.is_error():
+                raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: "
+                                                           f"{_first_line(probe.get_error())}")
         seconds = time.perf_counter() - start
         with self._lock:
             self._num_compiled += 1

@@ -6,6 +6,7 @@ import re
 import threading
 
 import jsonschema
+import llguidance
 import numpy as np
 import pytest
 
@@ -353,6 +354,20 @@ def test_a_failed_compile_is_not_cached(manager, monkeypatch):
     retried = manager.grammar_init(params)
     assert retried is not failed and retried.result(timeout=120).key == params.key
     assert manager.grammar_init(params) is retried
+
+
+def test_a_grammar_past_llguidance_limits_fails_its_compile_and_a_matcher_that_hits_one_refuses_eos(manager):
+    # a{1000000} is a valid regex whose lexer outgrows llguidance's limit on its second mask.
+    with pytest.raises(StructuredOutputsError, match="regular expression too large to match: lexer error"):
+        manager.grammar_init(StructuredOutputsParams(regex="a{1000000}")).result(timeout=120)
+    # A matcher that runs into the limit while its mask is filled (past the compile's probe) allows
+    # only EOS; taking it ends the sequence with the grammar's error, never as a clean stop.
+    template = llguidance.LLMatcher(manager.ll_tokenizer, so.serialize_grammar(
+        StructuredOutputsParams(regex="a{1000000}").key))
+    first, second = (GrammarMatcher(template.deep_copy(), frozenset({EOS})) for _ in range(2))
+    assert EOS not in allowed(first) and allowed(second) == {EOS}
+    assert not second.accept_token(EOS) and second.is_error() and not second.is_terminated()
+    assert second.error == "lexer error: too many expressions constructed"
 
 
 def test_batch_fill_writes_only_the_given_rows(tok, manager):
