@@ -39,7 +39,8 @@ def flags(matcher):
 
 def live_flags(matcher):
     m = matcher._matcher
-    return matcher.is_terminated() or m.is_stopped(), m.is_error(), m.get_error(), matcher.is_terminated()
+    error = m.get_error().split("\n", 1)[0]           # the message without the parser state after it
+    return matcher.is_terminated() or m.is_stopped(), m.is_error(), error, matcher.is_terminated()
 
 
 @pytest.mark.parametrize("kwargs", GRAMMARS, ids=["json", "regex", "choice", "lark"])
