@@ -107,6 +107,22 @@ def test_stats_has_engine_stats_fields_and_bounded_block_map(http):
         assert set(default["recent_steps"][-1]) == {f.name for f in dataclasses.fields(StepStats)}
 
 
+def test_the_host_tier_block_map_is_downsampled_like_the_pools(stories_path):
+    from minillm import LLM, SamplingParams
+    from minillm.engine_core.core import FULL_RESOLUTION
+    from minillm.server.stats_hub import StatsHub, with_cells
+    llm = LLM(str(stories_path), device="cpu", num_kv_blocks=16, max_model_len=64, kv_offload_gib=0.01)
+    llm.generate(["Once upon a time"] * 4, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    full = llm.engine.stats(FULL_RESOLUTION)
+    assert len(full.kv_offload_block_map) == full.kv_offload_num_blocks > 100
+    small = with_cells(full, 16)
+    assert len(small.block_map) == 16 and 1 <= len(small.kv_offload_block_map) <= 16
+    # The stats stream's event at that resolution is the same snapshot.
+    event = StatsHub(engine=None, min_interval=0.1, max_subscribers=1)._render(full, 16)
+    assert event.startswith("data: ") and event.endswith("\n\n")
+    assert json.loads(event[len("data: "):]) == json.loads(json.dumps(small.to_dict()))
+
+
 def test_stats_stream_pushes_several_snapshots_a_second(server, http):
     url, _ = server
     stop = threading.Event()

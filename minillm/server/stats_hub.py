@@ -22,11 +22,20 @@ if TYPE_CHECKING:
     from minillm.server.async_engine import EngineClient
 
 
+# The fields that depend on the resolution asked for; the rest of a snapshot is the same for all.
+PER_RESOLUTION = ("block_map", "block_map_blocks_per_cell", "kv_offload_block_map")
+
+
 def with_cells(full: EngineStats, cells: int) -> EngineStats:
-    """The snapshot with its full-resolution block map downsampled to at most `cells` cells."""
+    """The snapshot with its full-resolution block maps (the KV pool's, the host tier's)
+    downsampled to at most `cells` cells each."""
     states = np.asarray(full.block_map, dtype=np.int64)   # [num_blocks]
     block_map, per = downsample_block_map(states, cells)
-    return dataclasses.replace(full, block_map=block_map, block_map_blocks_per_cell=per)
+    offload = full.kv_offload_block_map                    # [host tier blocks], empty without one
+    if offload:
+        offload = downsample_block_map(np.asarray(offload, dtype=np.int64), cells)[0]
+    return dataclasses.replace(full, block_map=block_map, block_map_blocks_per_cell=per,
+                               kv_offload_block_map=offload)
 
 
 class StatsHub:
@@ -83,10 +92,11 @@ class StatsHub:
 
     def _render(self, snapshot: EngineStats, cells: int) -> str:
         if self._head is None:
-            # Everything but the block map is the same for every resolution: serialise it once.
-            rest = dataclasses.replace(snapshot, block_map=[], block_map_blocks_per_cell=1).to_dict()
-            del rest["block_map"], rest["block_map_blocks_per_cell"]
+            # Everything but the block maps is the same for every resolution: serialise it once.
+            rest = dataclasses.replace(snapshot, block_map=[], kv_offload_block_map=[]).to_dict()
+            for name in PER_RESOLUTION:
+                del rest[name]
             self._head = json.dumps(rest, separators=(",", ":"), ensure_ascii=False)[:-1]
-        block_map, per = downsample_block_map(np.asarray(snapshot.block_map, dtype=np.int64), cells)
-        return (f'data: {self._head},"block_map":{json.dumps(block_map, separators=(",", ":"))},'
-                f'"block_map_blocks_per_cell":{per}}}\n\n')
+        maps = with_cells(snapshot, cells)
+        tail = json.dumps({name: getattr(maps, name) for name in PER_RESOLUTION}, separators=(",", ":"))
+        return f"data: {self._head},{tail[1:]}\n\n"
