@@ -15,6 +15,7 @@ from types import ModuleType
 import numpy as np
 
 from minillm.attention import AttentionMetadata
+from minillm.block_tables import BlockTables
 from minillm.config import EngineConfig, ModelConfig, is_fp8_kv_cache
 from minillm.fp8 import kv_cache_storage
 from minillm.models.decoder import DecoderModel
@@ -46,6 +47,7 @@ class ModelRunner:
             self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
         self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
         self.sampler = Sampler(ops, eos_token_ids, device, config.max_num_seqs)
+        self.block_tables = BlockTables(2 * config.max_num_seqs)   # the steps' block tables, on the host
         self.verifier = None             # verifies draft tokens (only with speculative decoding)
         if config.speculative_config is not None:
             from minillm.spec_decode.verifier import DraftVerifier
@@ -211,7 +213,7 @@ class ModelRunner:
         np.cumsum(counts, out=qsl[1:])
         owner = np.repeat(np.arange(len(counts)), counts)                    # [T] sequence of each token
         positions = np.arange(row, dtype=np.int64) - np.repeat(qsl[:-1] - starts, counts)   # [T]
-        tables = self._block_tables(out)
+        tables = self.block_tables.table(out.seqs)
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (starts + counts).astype(np.int32)
         meta = AttentionMetadata(
@@ -232,17 +234,9 @@ class ModelRunner:
         pos = np.asarray(positions, np.int32)
         meta = AttentionMetadata(
             query_start_loc=np.arange(len(positions) + 1, dtype=np.int32), seq_lens=pos + 1,
-            block_tables=self._block_tables(out), slot_mapping=np.asarray(slots, np.int32),
+            block_tables=self.block_tables.table(out.seqs), slot_mapping=np.asarray(slots, np.int32),
             max_query_len=1, max_seq_len=int(pos.max()) + 1, is_decode_only=True)
         return ids, pos, meta, holes
-
-    @staticmethod
-    def _block_tables(out: SchedulerOutput) -> np.ndarray:
-        """block_tables: [B, max_blocks] int32, padded with 0."""
-        tables = np.zeros((len(out.seqs), max(len(s.block_table) for s in out.seqs)), dtype=np.int32)
-        for b, seq in enumerate(out.seqs):
-            tables[b, :len(seq.block_table)] = seq.block_table
-        return tables
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
         a = self.ops.asarray
