@@ -80,6 +80,7 @@ HOST_PARTS = [
     ("minillm.sampler", "Sampler", "sample_no_sync", "sample"),
     ("minillm.scheduler", "Scheduler", "update_from_output", "update"),
     ("minillm.output_processor", "TextOutputs", "add_token", "detokenize"),
+    ("minillm.engine_core.core", "TokenOutputs", "add_token", "detokenize"),
     ("minillm.engine", "LLMEngine", "_take_outputs", "outputs"),
     # The simulated kernels' own host time (picking tokens inside the masks): the harness's, not the engine's.
     ("minillm.benchmarks.simulated_device", "SimulatedSamplerOps", "apply_token_bitmask", "simulator"),
@@ -87,7 +88,7 @@ HOST_PARTS = [
 ]
 PART_NAMES = {"wait": "read-back wait", "advance": "matcher advance", "fill": "mask fill",
               "upload": "mask upload/apply", "schedule": "schedule", "prepare": "inputs", "sample": "sampling",
-              "update": "update", "detokenize": "detokenize", "outputs": "outputs", "rest": "the rest",
+              "update": "update", "detokenize": "per-token output", "outputs": "outputs", "rest": "the rest",
               "simulator": "simulated kernels"}
 
 
@@ -170,9 +171,13 @@ def warm_up(engine, schema: dict) -> None:
         engine.step()
 
 
-def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dict:
-    """Per-step wall seconds of --steps decode steps, with num_constrained requests under schema."""
+def timed_run(engine, args, num_constrained: int, schema: dict, run: int, core=None) -> dict:
+    """Per-step wall seconds of --steps decode steps, with num_constrained requests under schema
+    (with core, an EngineCore over engine: each step also encodes its message)."""
     from minillm import SamplingParams, StructuredOutputsParams
+    from minillm.engine_core.messages import encoder
+
+    encode = encoder().encode
 
     rng = np.random.default_rng(run)
     max_tokens = args.warmup + args.steps + 64
@@ -194,10 +199,11 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int) -> dic
     if sim is not None:
         wait0, busy0 = sim.read_back_wait_s, sim.busy_s
     cpu0 = time.thread_time()
+    step = engine.step if core is None else lambda: encode(core.step())   # core: the step's message, as sent
     with parts.timing() if sim is not None or args.host_parts else contextlib.nullcontext():
         for _ in range(args.steps):
             start = time.perf_counter()
-            engine.step()
+            step()
             times.append(time.perf_counter() - start)
             batch.append(engine.metrics.recent_steps[-1].num_seqs)
     cpu = time.thread_time() - cpu0
@@ -245,6 +251,10 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--host-parts", action="store_true",
                    help="on a GPU too: time the engine thread's parts of each step (always on with --device sim)")
+    p.add_argument("--outputs", choices=("core", "text"), default="core",
+                   help="core: the engine as `minillm serve` runs it in its engine core process (token ids out, "
+                        "the API server detokenises); text: the in-process engine's cumulative text outputs "
+                        "(`--engine-core thread`)")
     p.add_argument("--json", help="write the figures to this file")
     return p.parse_args(argv)
 
@@ -252,6 +262,8 @@ def parse_args(argv):
 def main(argv=None) -> None:
     from minillm.config import EngineConfig
     from minillm.engine import LLMEngine
+    from minillm.engine_core.core import EngineCore
+    from minillm.engine_core.heap import freeze_startup_heap
 
     args = parse_args(argv)
     simulated = args.device == "sim"
@@ -260,11 +272,13 @@ def main(argv=None) -> None:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "model", SHAPES[args.shape])
-        engine = LLMEngine(EngineConfig(
+        config = EngineConfig(
             model=str(model_dir), device="cpu" if simulated else args.device, dtype=dtype, load_format="dummy",
             max_num_seqs=args.batch, max_num_batched_tokens=max(8192, args.batch * args.prompt_len),
             max_model_len=args.prompt_len + args.warmup + args.steps + 128,
-            async_scheduling=True if simulated else None))
+            async_scheduling=True if simulated else None)
+        core = EngineCore(config) if args.outputs == "core" else None
+        engine = core.engine if core is not None else LLMEngine(config)
         if simulated:
             from minillm.benchmarks.simulated_device import SimulatedDevice
             engine.simulated_device = SimulatedDevice(args.sim_forward_ms / 1e3, args.sim_sample_ms / 1e3,
@@ -273,9 +287,11 @@ def main(argv=None) -> None:
         runs = []
         try:
             warm_up(engine, SCHEMAS[args.schema])
+            if core is not None:
+                freeze_startup_heap()    # as the core process does once it has started
             for r in range(args.repeats):
                 for num_constrained in (0, args.constrained):
-                    runs.append(timed_run(engine, args, num_constrained, SCHEMAS[args.schema], len(runs)))
+                    runs.append(timed_run(engine, args, num_constrained, SCHEMAS[args.schema], len(runs), core))
                     print(f"# {json.dumps(runs[-1])}", file=sys.stderr)
             compile_s = engine.stats(cells=1).grammar_compile_time_s
         finally:
@@ -291,7 +307,7 @@ def report(args, runs: list[dict], compile_s: float) -> None:
     fill_wait = statistics.median(r.get("fill_wait_ms_per_step", 0.0) for r in held)
     overhead = constrained / plain - 1
     print(f"Structured outputs in the step: {args.shape} shape, random weights, vocabulary 151,936 (byte-level "
-          f"tokenizer), {args.device}; batch {args.batch} decoding, {args.constrained} under the "
+          f"tokenizer), {args.device}, {args.outputs} outputs; batch {args.batch} decoding, {args.constrained} under the "
           f"{args.schema!r} JSON schema; medians of {args.repeats} runs x {args.steps} steps. Ceiling: "
           f"{ALLOWED_OVERHEAD:.0%} more step time than unconstrained.")
     print("| batch | constrained | step (ms) | mask fill per step (ms) | engine thread's wait for the masks (ms) "
