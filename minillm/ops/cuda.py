@@ -694,19 +694,39 @@ K_CACHE, V_CACHE, KV_SCALES = object(), object(), object()
 
 
 class KernelLaunch:
-    """One kernel launch with its grid and arguments fixed, except the layer's caches and scales."""
+    """One kernel launch with its grid and arguments fixed, except the layer's caches and scales.
+
+    The arguments are packed once, as cuLaunchKernel reads them (each in an 8-byte slot, with an
+    array of the slots' addresses), so a launch writes the three addresses of its layer and calls
+    the driver: a step of piecewise graphs makes a few launches a layer, and CuPy's generic call,
+    which converts every argument each time, cost the host more than the device spent on them.
+    """
 
     def __init__(self, fn, grid: tuple, block: tuple, args: list, shared_mem: int = 0, keep: tuple = ()):
         self.fn, self.grid, self.block, self.shared_mem = fn, grid, block, shared_mem
         self.args = args
         self._slots = [(i, a) for i, a in enumerate(args) if a is K_CACHE or a is V_CACHE or a is KV_SCALES]
         self._keep = keep                # device buffers the arguments point to
+        self._values = np.zeros(len(args), np.uint64)                  # [n] argument i's bytes in slot i
+        raw = self._values.view(np.uint8).reshape(len(args), 8)
+        for i, a in enumerate(args):
+            if a is K_CACHE or a is V_CACHE or a is KV_SCALES:
+                continue
+            if not isinstance(a, np.generic) or a.dtype.itemsize > 8:
+                raise TypeError(f"kernel argument {i} must be a NumPy scalar of at most 8 bytes, got {type(a).__name__}")
+            raw[i, :a.dtype.itemsize] = np.frombuffer(a.tobytes(), np.uint8)
+        slots = np.arange(len(args), dtype=np.uint64)
+        self._params = np.uint64(self._values.ctypes.data) + np.uint64(8) * slots     # [n] void*: slot addresses
+        self._dims = (*grid, *(1,) * (3 - len(grid)), *block, *(1,) * (3 - len(block)))
+        self._function = getattr(fn, "kernel", fn).ptr    # a RawKernel's CUfunction on this device
 
     def __call__(self, k_ptr, v_ptr, scales_ptr) -> None:
-        args = list(self.args)
+        values = self._values
         for i, a in self._slots:
-            args[i] = k_ptr if a is K_CACHE else v_ptr if a is V_CACHE else scales_ptr
-        self.fn(self.grid, self.block, tuple(args), shared_mem=self.shared_mem)
+            values[i] = k_ptr if a is K_CACHE else v_ptr if a is V_CACHE else scales_ptr
+        cuda = _require_cupy().cuda
+        cuda.driver.launchKernel(self._function, *self._dims, self.shared_mem, cuda.get_current_stream().ptr,
+                                 self._params.ctypes.data, 0)
 
 
 def _decode(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_seq_len: int,
