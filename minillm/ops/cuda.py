@@ -698,8 +698,8 @@ class KernelLaunch:
 
     The arguments are packed once, as cuLaunchKernel reads them (each in an 8-byte slot, with an
     array of the slots' addresses), so a launch writes the three addresses of its layer and calls
-    the driver: a step of piecewise graphs makes a few launches a layer, and CuPy's generic call,
-    which converts every argument each time, cost the host more than the device spent on them.
+    the driver; CuPy's generic call converts every argument on each call, and a step of piecewise
+    graphs makes a few launches a layer from the host.
     """
 
     def __init__(self, fn, grid: tuple, block: tuple, args: list, shared_mem: int = 0, keep: tuple = ()):
