@@ -374,7 +374,7 @@ def generate(
     choice: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=STRUCTURE_PANEL, help="Output exactly one of these strings (repeat the option).")] = None,
     grammar: Annotated[Optional[Path], typer.Option(
-        rich_help_panel=STRUCTURE_PANEL, help="Output a sentence of the Lark grammar in this file.")] = None,
+        rich_help_panel=STRUCTURE_PANEL, help="Output a sentence of the grammar (Lark or GBNF) in this file.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="JSON lines out, one per prompt.")] = False,
     *,
     engine_options: dict,

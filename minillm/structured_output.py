@@ -85,7 +85,8 @@ class StructuredOutputsParams:
 
     json: a JSON schema (a dict or its text); regex: a regular expression the whole output must
     match (Rust regex syntax: \\d and \\w are Unicode, as in Python's re); choice: the output is
-    one of these strings; grammar: a Lark grammar in llguidance's syntax (rule `start`);
+    one of these strings; grammar: a Lark grammar in llguidance's syntax (rule `start`) or a GBNF
+    one (llama.cpp's, rule `root`);
     json_object: any JSON object. disable_any_whitespace (vLLM's option): JSON with no whitespace
     between its tokens; None takes the engine's default (StructuredOutputManager's, True: a model
     free to add whitespace can spend its whole budget on it). Construction validates and
@@ -137,7 +138,7 @@ def _first_line(message: str) -> str:
 
 
 _WHAT = {"json": "JSON schema", "regex": "regular expression", "choice": "choice list",
-         "grammar": "Lark grammar", "json_object": "json_object"}
+         "grammar": "grammar", "json_object": "json_object"}
 
 
 def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
@@ -185,7 +186,9 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     if kind is StructuredOutputOptions.CHOICE:
         # Each choice as a Lark string literal (JSON string syntax is Lark's).
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
-    return llguidance.LLMatcher.grammar_from_lark(text)
+    # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
+    # them), which llguidance converts to Lark.
+    return llguidance.LLMatcher.grammar_from_lark(llguidance.grammar_from("grammar", text))
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -123,6 +123,8 @@ def compile_(manager, **kwargs):
     (dict(grammar="start: undefined_rule"), "grammar"),
     (dict(grammar="start: 'a' | "), "grammar"),
     (dict(grammar=""), "grammar"),
+    (dict(grammar='root ::= "a" | undefined'), "grammar"),         # GBNF with a rule it never defines
+    (dict(grammar='root ::= "a" "b'), "grammar"),
     (dict(choice=[]), "choice"),
     (dict(choice=["a", 3]), "choice"),
     (dict(choice="abc"), "choice"),
@@ -240,6 +242,31 @@ def test_lark_arithmetic_grammar(tok, manager):
     open_paren.accept_tokens(char_ids(tok, "(12+3"))
     assert not open_paren.can_terminate() and EOS not in allowed(open_paren)
     assert char_ids(tok, ")")[0] in allowed(open_paren)
+
+
+# ARITHMETIC in llama.cpp's GBNF, as vLLM's examples write grammars.
+ARITHMETIC_GBNF = """
+root ::= expr
+expr ::= term (("+" | "-") term)*
+term ::= factor (("*" | "/") factor)*
+factor ::= number | "(" expr ")"
+number ::= [0-9]+
+"""
+
+
+def test_a_gbnf_grammar_is_taken_as_the_same_language_as_its_lark_form(tok, manager):
+    gbnf, lark = compile_(manager, grammar=ARITHMETIC_GBNF), compile_(manager, grammar=ARITHMETIC)
+    assert allowed(gbnf.new_matcher()) == allowed(lark.new_matcher())
+    for sentence in ["(12+3)*4-5/6", "((1))", "7", "1*(2-(3+4))/5"]:
+        matcher = gbnf.new_matcher()
+        walk(tok, matcher, char_ids(tok, sentence))
+        assert matcher.can_terminate() and matcher.accept_token(EOS) and matcher.is_terminated()
+    for prefix in ["(12+3", "1+"]:
+        matcher = gbnf.new_matcher()
+        matcher.accept_tokens(char_ids(tok, prefix))
+        assert not matcher.can_terminate() and EOS not in allowed(matcher)
+    refused = gbnf.new_matcher()
+    assert not refused.accept_tokens(char_ids(tok, "1+)"))
 
 
 def test_rollback_restores_the_earlier_state(tok, manager):
