@@ -367,6 +367,9 @@ def generate(
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
     ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
+    logit_bias: Annotated[Optional[list[str]], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, metavar="ID=BIAS",
+        help="Add BIAS (in [-100, 100]) to token ID's logit before sampling (repeatable).")] = None,
     json_schema: Annotated[Optional[Path], typer.Option(
         rich_help_panel=STRUCTURE_PANEL, help="Output JSON valid under the JSON schema in this file.")] = None,
     regex: Annotated[Optional[str], typer.Option(
@@ -386,6 +389,7 @@ def generate(
                             stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos,
+                            logit_bias=logit_bias_option(logit_bias),
                             structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar))
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"])
@@ -399,6 +403,22 @@ def generate(
 
 
 _STRUCTURE_OPTIONS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
+
+
+def logit_bias_option(pairs: list[str] | None) -> dict[int, float] | None:
+    """--logit-bias ID=BIAS options as SamplingParams' logit_bias (None when none is given)."""
+    if not pairs:
+        return None
+    bias = {}
+    for pair in pairs:
+        token, sep, value = pair.partition("=")
+        try:
+            if not sep or not token.strip().isdigit():
+                raise ValueError
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise CliError(f"--logit-bias: expected ID=BIAS (a token id and a number), got {pair!r}") from None
+    return bias
 
 
 def structured_outputs_option(json_schema: Path | None, regex: str | None, choice: list[str] | None,

@@ -6,7 +6,8 @@ from types import ModuleType
 
 import numpy as np
 
-from minillm.sampling_metadata import SamplingInputBuffer, SamplingMetadata, banned_entries, penalty_entries
+from minillm.sampling_metadata import (SamplingInputBuffer, SamplingMetadata, banned_entries, bias_entries,
+                                       penalty_entries)
 from minillm.sequence import Sequence
 
 
@@ -54,7 +55,11 @@ class Sampler:
         return SamplerOutput(ids, raw_logprobs, rows)
 
     def apply_metadata_penalties(self, logits, meta: SamplingMetadata) -> None:
-        """logits: [B, V] float32, in place: the penalties and min_tokens bans packed in meta."""
+        """logits: [B, V] float32, in place: the logit biases, penalties and min_tokens bans packed
+        in meta (biases first, as vLLM's sampler orders them)."""
+        if meta.logit_bias is not None:
+            rows, tokens, bias = meta.logit_bias
+            logits[rows, tokens] += bias                  # one entry per (row, token): no repeats
         if meta.penalty_entries is not None:
             self.ops.apply_penalties(logits, *meta.penalty_entries, meta.repetition_penalty,
                                      meta.presence_penalty, meta.frequency_penalty)
@@ -65,7 +70,9 @@ class Sampler:
         """logits: [B, V] float32, in place: repetition / presence / frequency penalties, and the
         min_tokens ban of EOS and stop tokens. seqs: one per row (a Sequence or a view with its
         params, prompt_token_ids, output_counts and num_output_tokens). The rows of a step verifying
-        drafts come here (one upload per array); plain steps take the packed path above."""
+        drafts come here (one upload per array); plain steps take the packed path above. The
+        logit biases go first, as there."""
+        self._apply_logit_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         self._block_early_stops(logits, seqs)
 
@@ -89,6 +96,13 @@ class Sampler:
         bitmask = self._bitmask[:batch]                                 # [B, W]
         bitmask[rows] = uploaded
         ops.apply_token_bitmask(logits, bitmask, rows)
+
+    def _apply_logit_bias(self, logits, seqs) -> None:
+        rows, tokens, bits = bias_entries(seqs, [b for b, s in enumerate(seqs) if s.params.logit_bias])
+        if rows:
+            a = self.ops.asarray
+            logits[a(np.array(rows, np.int32)), a(np.array(tokens, np.int32))] += \
+                a(np.array(bits, np.int32).view(np.float32))
 
     def _apply_penalties(self, logits, seqs) -> None:
         rows, tokens, counts, in_prompt = penalty_entries(

@@ -7,7 +7,8 @@ float fields are float32 views of the same words), `cap` rows per field:
                                   frequency | logprob rows        written when the batch changes
     uniforms  [cap]               one draw per non-greedy row     written every step that has one
     entries   [entry_cap]         penalty entries (rows | tokens | counts | in_prompt, N each),
-                                  then min_tokens bans (rows | tokens, M each)
+                                  then min_tokens bans (rows | tokens, M each), then logit_bias
+                                  entries (rows | tokens | float32 biases, K each)
                                                                   written every step that has them
 
 Each step packs what changed into a pinned host slot and queues one host-to-device copy of the
@@ -52,6 +53,7 @@ class SamplingMetadata:
     penalty_entries: tuple | None    # (rows, token_ids, output_counts, in_prompt): [N] int32 each
     banned: tuple | None             # (rows, token_ids): [M] int32, logits set to -inf
     copied: tuple[int, int] | None   # words [start, end) uploaded this step; None: no upload
+    logit_bias: tuple | None = None  # (rows, token_ids [K] int32, biases [K] float32), added to the logits
 
 
 def row_values(params) -> tuple:
@@ -89,6 +91,17 @@ def banned_entries(seqs, rows, eos_token_ids, vocab: int) -> tuple[list[int], li
             out_rows.extend([b] * len(banned))
             tokens.extend(banned)
     return out_rows, tokens
+
+
+def bias_entries(seqs, rows) -> tuple[list[int], list[int], list[int]]:
+    """logit_bias of the rows: (rows, tokens, biases as float32 bit patterns), one entry a token."""
+    out_rows, tokens, bits = [], [], []
+    for b in rows:
+        bias = seqs[b].params.logit_bias
+        out_rows.extend([b] * len(bias))
+        tokens.extend(bias)
+        bits.extend(np.asarray(list(bias.values()), np.float32).view(np.int32).tolist())
+    return out_rows, tokens, bits
 
 
 def _grown(size: int, need: int) -> int:
@@ -181,18 +194,20 @@ class SamplingInputBuffer:
             self._penalty_rows = [b for b, p in enumerate(params) if p.needs_output_counts]
             self._min_tokens_rows = [b for b, p in enumerate(params) if p.min_tokens > 0]
             self._logprob_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
+            self._bias_rows = [b for b, p in enumerate(params) if p.logit_bias]
         uniforms = [seqs[b].rng.random() for b in self._sampled_rows]
         pen = penalty_entries(seqs, self._penalty_rows) if self._penalty_rows else ([], [], [], [])
         ban = banned_entries(seqs, self._min_tokens_rows, self.eos_token_ids, vocab) if self._min_tokens_rows \
             else ([], [])
-        num_pen, num_ban = len(pen[0]), len(ban[0])
-        num_entries = 4 * num_pen + 2 * num_ban
+        bias = bias_entries(seqs, self._bias_rows) if self._bias_rows else ([], [], [])
+        num_pen, num_ban, num_bias = len(pen[0]), len(ban[0]), len(bias[0])
+        num_entries = 4 * num_pen + 2 * num_ban + 3 * num_bias
         if batch > self.cap or num_entries > self.entry_cap or not self._slots:
             self._allocate(_grown(max(self.cap, self._initial[0]), batch),
                            _grown(max(self.entry_cap, self._initial[1]), num_entries))
             unchanged = False
-        copied = self._upload(batch, params, uniforms, pen + ban, num_entries, unchanged)
-        return self._metadata(batch, num_pen, num_ban, copied)
+        copied = self._upload(batch, params, uniforms, pen + ban + bias, num_entries, unchanged)
+        return self._metadata(batch, num_pen, num_ban, num_bias, copied)
 
     def _upload(self, batch: int, params, uniforms, entries, num_entries: int, unchanged: bool):
         """Pack the needed sections into the next host slot and queue one copy; returns its range."""
@@ -235,13 +250,16 @@ class SamplingInputBuffer:
         lp = (NUM_STATIC - 1) * cap
         slot.words[lp:lp + len(self._logprob_rows)] = self._logprob_rows
 
-    def _metadata(self, batch: int, num_pen: int, num_ban: int, copied) -> SamplingMetadata:
+    def _metadata(self, batch: int, num_pen: int, num_ban: int, num_bias: int, copied) -> SamplingMetadata:
         views = self._field_views(batch)
         e, w = self.entries_offset, self.words
         pen = tuple(w[e + i * num_pen:e + (i + 1) * num_pen] for i in range(4)) if num_pen else None
         b0 = e + 4 * num_pen
         ban = (w[b0:b0 + num_ban], w[b0 + num_ban:b0 + 2 * num_ban]) if num_ban else None
+        k0 = b0 + 2 * num_ban
+        bias = (w[k0:k0 + num_bias], w[k0 + num_bias:k0 + 2 * num_bias],
+                self.floats[k0 + 2 * num_bias:k0 + 3 * num_bias]) if num_bias else None
         lp = (NUM_STATIC - 1) * self.cap
         return SamplingMetadata(**views, logprob_rows=list(self._logprob_rows),
                                 logprob_rows_device=w[lp:lp + len(self._logprob_rows)],
-                                penalty_entries=pen, banned=ban, copied=copied)
+                                penalty_entries=pen, banned=ban, copied=copied, logit_bias=bias)

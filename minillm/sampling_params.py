@@ -21,6 +21,9 @@ def __getattr__(name: str):
 # A seed is handed to numpy's generator as an unsigned 64-bit number.
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20
+# logit_bias: OpenAI's range for a bias, and a bound on the entries the sampler adds each step.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 def short_repr(value: object, limit: int = 60) -> str:
@@ -42,8 +45,13 @@ def _is_int(value: object) -> bool:
 
 
 def _is_finite(value: object) -> bool:
-    """A real number (not a bool) that is neither NaN nor infinite."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    """A real number (not a bool) that is neither NaN nor infinite (nor an integer past float's range)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 @dataclass
@@ -68,6 +76,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
     # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
     extra_args: dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -82,6 +91,8 @@ class SamplingParams:
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {short_repr(self.logit_bias)}")
         self.validate()
 
     @property
@@ -143,10 +154,26 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a dict")
+        if self.logit_bias is not None:
+            self._validate_logit_bias()
         if self.structured_outputs is not None:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {short_repr(bias)}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}")
+        bad_ids = [t for t in bias if not _is_int(t) or t < 0]
+        if bad_ids:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {short_repr(bad_ids)}")
+        bad_values = [v for v in bias.values() if not _is_finite(v) or abs(v) > MAX_LOGIT_BIAS]
+        if bad_values:
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {short_repr(bad_values)}")
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a field whose token ids or counts fall outside a vocabulary of vocab_size.
@@ -160,3 +187,6 @@ class SamplingParams:
         outside = [t for t in self.stop_token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
+        outside = [t for t in (self.logit_bias or ()) if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {short_repr(outside)}")

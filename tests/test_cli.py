@@ -280,6 +280,19 @@ def test_generate_flags_for_penalties_and_logprobs_match_llm_generate():
     assert "logprobs (cumulative" in penalised.stdout
 
 
+@needs_stories
+def test_generate_logit_bias_flag_reaches_the_sampler_and_bad_pairs_name_the_option():
+    result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+                     "--max-tokens", "4", "--logit-bias", "300=100", "--logit-bias", "2=-5", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["outputs"][0]["token_ids"] == [300] * 4
+    for pair, message in (("x=1", "--logit-bias: expected ID=BIAS"), ("300", "--logit-bias: expected ID=BIAS"),
+                          ("5=101", "logit_bias values must be numbers in [-100, 100]"),
+                          ("600=1", "logit_bias keys must be token ids in [0, 512)")):
+        bad = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once", "--logit-bias", pair)
+        assert bad.returncode != 0 and message in bad.stderr, (pair, bad.stderr)
+
+
 # ---- minillm bench ---------------------------------------------------------------------------------
 
 def test_bench_throughput_without_a_gpu_says_so_at_once():

@@ -128,6 +128,14 @@ def test_stats_snapshot(stories_path):
     (dict(top_k=-5), "top_k"),
     (dict(min_p=2.0), "min_p"),
     (dict(n=0), "n"),
+    (dict(temperature=10**400), "temperature"),          # past float's range: a ValueError, not an OverflowError
+    (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={True: 1.0}), "logit_bias"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias"),
+    (dict(logit_bias=[5]), "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
 ])
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):

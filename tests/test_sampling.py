@@ -66,6 +66,23 @@ def test_stop_token_ids(llm):
     assert out.finish_reason == "stop"
 
 
+def test_logit_bias_moves_only_its_rows_tokens(llm):
+    greedy = gen(llm, temperature=0, max_tokens=12, ignore_eos=True)[0].token_ids
+    # -100 on greedy's first token: the next best is taken there
+    banned = gen(llm, temperature=0, max_tokens=1, logit_bias={greedy[0]: -100.0})[0].token_ids
+    assert banned != greedy[:1]
+    # +100 forces a token at any temperature and seed
+    for seed in (1, 2):
+        assert gen(llm, temperature=1.0, seed=seed, max_tokens=4, logit_bias={300: 100.0})[0].token_ids == [300] * 4
+    # a bias on a token the row never prefers changes nothing; neighbours in the batch are untouched
+    outs = llm.generate([PROMPT, PROMPT], [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                          logit_bias={300: 100.0})])
+    assert outs[0].outputs[0].token_ids == greedy and outs[1].outputs[0].token_ids == [300] * 12
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids in"):
+        gen(llm, logit_bias={512: 1.0})                      # stories260K's vocabulary is 512
+
+
 def test_min_tokens_holds_back_eos(eos_model_path):
     llm = LLM(str(eos_model_path), device="cpu")
     full = gen(llm, temperature=0, max_tokens=450)[0]

@@ -29,9 +29,9 @@ def mixed_batch() -> list[Sequence]:
     """Greedy and sampled rows with every per-row parameter the kernels read set somewhere."""
     params = [
         SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=11),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, seed=11, logit_bias={3: 2.5, 60: -1.0}),
         SamplingParams(temperature=1.3, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3,
-                       frequency_penalty=0.2, seed=12),
+                       frequency_penalty=0.2, seed=12, logit_bias={4: 1.5, 9: -100.0}),
         SamplingParams(temperature=0.0, logprobs=3, min_tokens=5, stop_token_ids=[7, 9]),
         SamplingParams(temperature=1.0, top_k=-1, logprobs=0, seed=13),
         SamplingParams(temperature=0.6, top_p=0.95, frequency_penalty=0.5, min_tokens=2, seed=14),
@@ -66,7 +66,8 @@ def test_views_equal_the_per_field_arrays():
     for got, want in zip(meta.penalty_entries, (rows, tokens, counts, in_prompt)):
         np.testing.assert_array_equal(got, want)
     assert sorted(zip(meta.banned[0].tolist(), meta.banned[1].tolist())) == [(3, 0), (3, 7), (3, 9), (5, 0)]
-    assert meta.copied == (0, buf.entries_offset + 4 * len(rows) + 2 * 4)   # one copy: everything
+    assert meta.logit_bias[0].tolist() == [1, 1, 2, 2] and meta.logit_bias[2].tolist() == [2.5, -1.0, 1.5, -100.0]
+    assert meta.copied == (0, buf.entries_offset + 4 * len(rows) + 2 * 4 + 3 * 4)   # one copy: everything
 
 
 def test_no_upload_when_nothing_changed_and_all_rows_greedy():
@@ -144,6 +145,24 @@ def test_a_changed_row_uploads_the_static_words(change):
     meta = buf.prepare(seqs, VOCAB)
     assert meta.copied is not None and meta.copied[0] == 0
     np.testing.assert_array_equal(meta.top_k, [s.params.top_k for s in seqs])
+
+
+def test_logit_bias_is_added_before_the_penalties_and_uploaded_every_step():
+    seqs = mixed_batch()
+    buf = SamplingInputBuffer(npops, CpuDevice(), 8, EOS)
+    for _ in range(2):
+        meta = buf.prepare(seqs, VOCAB)
+        rows, tokens, bias = meta.logit_bias
+        assert list(zip(rows.tolist(), tokens.tolist(), bias.tolist())) == [(1, 3, 2.5), (1, 60, -1.0),
+                                                                            (2, 4, 1.5), (2, 9, -100.0)]
+        assert meta.copied is not None and meta.copied[1] == buf.entries_offset + len(meta.penalty_entries[0]) * 4 \
+            + len(meta.banned[0]) * 2 + 4 * 3
+    # the order: logits + bias, then the repetition penalty divides the positive ones
+    logits = np.ones((len(seqs), VOCAB), np.float32)
+    Sampler(npops, EOS, CpuDevice()).apply_metadata_penalties(logits, meta)
+    assert logits[1, 3] == 3.5 and logits[1, 60] == 0.0 and logits[0, 3] == 1.0
+    row2_token4 = (1.0 + 1.5) / 1.2 - 2 * 0.2 - 0.3          # output count 2: frequency x2, presence once
+    assert logits[2, 4] == pytest.approx(row2_token4, rel=1e-6)
 
 
 def test_penalties_upload_their_entries_every_step():

@@ -142,6 +142,14 @@ CASES = [
      "messages.0.role"),
     ("surrogate-name", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "a", "name": "\\ud800"}]}', 400, "messages.0.name"),
+    # logit_bias: OpenAI's shape (token ids as object keys, biases in [-100, 100]), ids inside the vocabulary.
+    ("logit-bias-key-not-an-id", "/v1/completions", _completion(logit_bias={"the": 1}), 400, "logit_bias"),
+    ("logit-bias-negative-key", "/v1/completions", _completion(logit_bias={"-3": 1}), 400, "logit_bias"),
+    ("logit-bias-past-vocab", "/v1/completions", _completion(logit_bias={"512": 1}), 400, "logit_bias"),
+    ("logit-bias-past-100", "/v1/chat/completions", _chat(logit_bias={"5": 100.5}), 400, "logit_bias"),
+    ("logit-bias-nan", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "logit_bias": {"5": NaN}}', 400,
+     "logit_bias.5"),
+    ("logit-bias-string-value", "/v1/completions", _completion(logit_bias={"5": "high"}), 400, "logit_bias.5"),
     # Chat fields this server refuses rather than ignores.
     ("role-wizard", "/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
      "messages.0.role"),

@@ -50,6 +50,7 @@ def sampling_fields() -> dict:
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
         "user": PLAIN,
+        "logit_bias": st.dictionaries(st.integers(0, 511).map(str), st.floats(-100, 100), max_size=3),
     }
 
 

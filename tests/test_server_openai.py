@@ -110,6 +110,23 @@ def test_stop_token_ids_and_sampling_knobs(client, golden):
     assert penalised != greedy
 
 
+def test_logit_bias_through_the_openai_client(client, golden):
+    after_prompt = golden["greedy_from_bos_200_ids"][len(golden["prompt_ids"]):]
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0)
+    banned = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       logit_bias={str(after_prompt[0]): -100})
+    assert banned.choices[0].text != plain.choices[0].text           # greedy's token is out of reach
+    # +100 on one token: sampling at temperature 1 takes it whatever the seed, in both endpoints
+    sample = dict(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=1.0)
+    forced = [client.completions.create(**sample, seed=seed, logit_bias={"300": 100}).choices[0].text
+              for seed in (5, 6)]
+    free = [client.completions.create(**sample, seed=seed).choices[0].text for seed in (5, 6)]
+    assert forced[0] == forced[1] and forced != free
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                          temperature=1.0, seed=7, logit_bias={"300": 100})
+    assert chat.choices[0].message.content.strip() == forced[0].strip()
+
+
 def test_n_and_seeded_sampling(client):
     args = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=1.0, n=2, seed=1234)
     first = client.completions.create(**args)

@@ -54,7 +54,7 @@ def prompts(golden) -> list[list[int]]:
 
 def params_for(i: int) -> SamplingParams:
     """Greedy with a mix of rules that speculation must keep: plain, EOS-free, stop tokens and
-    strings, min_tokens, penalties, logprobs."""
+    strings, min_tokens, penalties, logprobs, logit biases."""
     kind = i % 8
     if kind == 3:
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[267])
@@ -64,6 +64,9 @@ def params_for(i: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=8, repetition_penalty=1.2)
     if kind == 7:
         return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2, ignore_eos=True)
+    if kind == 4:
+        return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                              logit_bias={286: -100.0, 376: 2.5, 261: -3.0})
     return SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=kind % 2 == 0)
 
 

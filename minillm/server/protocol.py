@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -154,8 +154,6 @@ def unknown_fields(req: _GenerationRequest) -> list[str]:
 
 def check_unsupported(req: _GenerationRequest) -> None:
     """Refuse options this server does not implement instead of silently ignoring them."""
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -198,12 +196,24 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            logit_bias=logit_bias_ids(req.logit_bias),
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params
+
+
+def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token ids as JSON object keys) keyed by int; None when empty."""
+    if not bias:
+        return None
+    bad = [k for k in bias if not (k.isascii() and k.isdigit())]
+    if bad:
+        raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {short_repr(bad)}",
+                       param="logit_bias")
+    return {int(k): v for k, v in bias.items()}
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
