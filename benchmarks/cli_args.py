@@ -86,3 +86,38 @@ def run_main(main: Callable[[list[str]], int], prog: str, argv: list[str] | None
     except BenchError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+
+
+def add_engine_model_options(p: BenchParser) -> None:
+    """--model (default: random Qwen3-0.6B-shaped weights), --device and --gpu-memory-utilization."""
+    p.add_argument("--model", help="Model directory (default: random weights in the Qwen3-0.6B shape, GPU only).")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="Backend.")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="Share of the GPU's memory (GPU only).")
+
+
+def resolve_engine_device(args) -> None:
+    """args.device -> "cuda" or "cpu"; the random default weights need a GPU (a BenchError without one)."""
+    from minillm.engine import choose_backend
+
+    backend = choose_backend(args.device)
+    if backend == "numpy" and args.model is None:
+        raise BenchError("no CUDA GPU here, and the default (random Qwen3-0.6B-shaped weights) needs one; on the "
+                         "CPU give a small model, e.g. --model ../shared/models/stories260K --device cpu")
+    args.device = "cuda" if backend == "cuda" else "cpu"
+
+
+def engine_model_options(args, model: str, **options) -> dict:
+    """EngineConfig fields for args' model (random weights in bf16 when --model is not given) and device."""
+    out = dict(model=model, device=args.device, **options)
+    if args.model is None:
+        out.update(dtype="bfloat16", load_format="dummy")
+    if args.device == "cuda":
+        out["gpu_memory_utilization"] = args.gpu_memory_utilization
+    return out
+
+
+def require_positive(args, *names: str) -> None:
+    """A BenchError naming the first of these integer options that is below 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

@@ -30,7 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+from minillm.benchmarks.cli_args import (BenchError, BenchParser, add_engine_model_options, engine_model_options,
+                                         require_positive, resolve_engine_device, run_main)
 from minillm.benchmarks.workload import write_random_model_dir
 
 PROMPT_BUCKETS = (("decode only", 0, 0), ("1-512 prompt tokens", 1, 512), ("over 512 prompt tokens", 513, None))
@@ -39,8 +40,7 @@ PROMPT_BUCKETS = (("decode only", 0, 0), ("1-512 prompt tokens", 1, 512), ("over
 def parse_args(argv):
     """Command-line options."""
     p = BenchParser("python3 -m minillm.benchmarks.engine_itl", __doc__.splitlines()[0])
-    p.add_argument("--model", help="Model directory (default: random weights in the Qwen3-0.6B shape, GPU only).")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="Backend.")
+    add_engine_model_options(p)
     p.add_argument("--users", type=int, default=64, help="Requests in flight.")
     p.add_argument("--num-requests", type=int, default=512, help="Requests to finish.")
     p.add_argument("--prompt-len", type=int, default=512, help="Prompt tokens of each request (random ids).")
@@ -49,13 +49,10 @@ def parse_args(argv):
     p.add_argument("--step-budget-factor", type=float, default=None,
                    help="Run again with max_step_ms at this factor times the first run's ITL p50.")
     p.add_argument("--max-step-ms", type=float, default=None, help="Run again with this max_step_ms.")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="Share of the GPU's memory (GPU only).")
     p.add_argument("--seed", type=int, default=0, help="Seeds the random prompts.")
     p.add_argument("--json", help="Write the figures to this file.")
     args = p.parse_args(argv)
-    for name in ("users", "num_requests", "prompt_len", "output_len"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(args, "users", "num_requests", "prompt_len", "output_len")
     if (args.step_budget_factor is not None and args.step_budget_factor <= 0) or \
             (args.max_step_ms is not None and args.max_step_ms <= 0):
         raise BenchError("--step-budget-factor and --max-step-ms must be > 0")
@@ -101,12 +98,8 @@ def run(args, model: str, max_step_ms: float | None) -> RunFigures:
     from minillm.engine_core.heap import freeze_startup_heap
     from minillm.engine_core.messages import encoder
 
-    options = dict(model=model, device=args.device, max_num_seqs=max(args.users, 1), max_step_ms=max_step_ms,
-                   max_model_len=args.prompt_len + args.output_len + 16)
-    if args.model is None:
-        options.update(dtype="bfloat16", load_format="dummy")
-    if args.device == "cuda":
-        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    options = engine_model_options(args, model, max_num_seqs=args.users, max_step_ms=max_step_ms,
+                                   max_model_len=args.prompt_len + args.output_len + 16)
     if args.max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     core = EngineCore(EngineConfig(**options))
@@ -184,14 +177,8 @@ def format_run(f: RunFigures) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minillm.engine import choose_backend
-
     args = parse_args(argv)
-    backend = choose_backend(args.device)
-    if backend == "numpy" and args.model is None:
-        raise BenchError("no CUDA GPU here, and the default (random Qwen3-0.6B-shaped weights) needs one; on the "
-                         "CPU give a small model, e.g. --model ../shared/models/stories260K --device cpu")
-    args.device = "cuda" if backend == "cuda" else "cpu"
+    resolve_engine_device(args)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(write_random_model_dir(Path(tmp) / "qwen3"))
         print(f"Engine-side inter-token latency: {args.users} users, {args.num_requests} requests of "

@@ -24,26 +24,23 @@ from pathlib import Path
 
 import numpy as np
 
-from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+from minillm.benchmarks.cli_args import (BenchError, BenchParser, add_engine_model_options, engine_model_options,
+                                         require_positive, resolve_engine_device, run_main)
 from minillm.benchmarks.workload import write_random_model_dir
 
 
 def parse_args(argv):
     """Command-line options."""
     p = BenchParser("python3 -m minillm.benchmarks.mixed_step", __doc__.splitlines()[0])
-    p.add_argument("--model", help="Model directory (default: random weights in the Qwen3-0.6B shape, GPU only).")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="Backend.")
+    add_engine_model_options(p)
     p.add_argument("--decodes", type=int, default=64, help="Requests decoding beside the chunk.")
     p.add_argument("--prompt-len", type=int, default=512, help="Prompt tokens of each decoding request.")
     p.add_argument("--chunks", type=int, nargs="+", default=[16, 64, 256, 1024, 4096], help="Chunk sizes.")
     p.add_argument("--warmup", type=int, default=80, help="Decode steps before anything is timed.")
     p.add_argument("--repeats", type=int, default=5, help="Mixed steps timed per chunk size.")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="Share of the GPU's memory (GPU only).")
     p.add_argument("--json", help="Write the figures to this file.")
     args = p.parse_args(argv)
-    for name in ("decodes", "prompt_len", "warmup", "repeats"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    require_positive(args, "decodes", "prompt_len", "warmup", "repeats")
     if min(args.chunks) < 1:
         raise BenchError(f"--chunks must be at least 1, got {min(args.chunks)}")
     return args
@@ -100,14 +97,10 @@ def measure(args, model: str) -> list[StepCost]:
     from minillm.config import EngineConfig
     from minillm.engine import LLMEngine
 
-    options = dict(model=model, device=args.device, max_num_seqs=args.decodes + 1,
-                   max_num_batched_tokens=max(8192, args.decodes + max(args.chunks)),
-                   max_model_len=max(args.prompt_len + args.warmup + 8 * args.repeats * (len(args.chunks) + 1) + 64,
-                                     max(args.chunks) + 1))
-    if args.model is None:
-        options.update(dtype="bfloat16", load_format="dummy")
-    if args.device == "cuda":
-        options["gpu_memory_utilization"] = args.gpu_memory_utilization
+    options = engine_model_options(
+        args, model, max_num_seqs=args.decodes + 1, max_num_batched_tokens=max(8192, args.decodes + max(args.chunks)),
+        max_model_len=max(args.prompt_len + args.warmup + 8 * args.repeats * (len(args.chunks) + 1) + 64,
+                          max(args.chunks) + 1))
     engine = LLMEngine(EngineConfig(**options))
     attention = AttentionTimer() if args.device == "cuda" else None
     try:
@@ -163,14 +156,8 @@ def _median(rows: list[dict], key: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from minillm.engine import choose_backend
-
     args = parse_args(argv)
-    backend = choose_backend(args.device)
-    if backend == "numpy" and args.model is None:
-        raise BenchError("no CUDA GPU here, and the default (random Qwen3-0.6B-shaped weights) needs one; on the "
-                         "CPU give a small model, e.g. --model ../shared/models/stories260K --device cpu")
-    args.device = "cuda" if backend == "cuda" else "cpu"
+    resolve_engine_device(args)
     with tempfile.TemporaryDirectory() as tmp:
         costs = measure(args, args.model or str(write_random_model_dir(Path(tmp) / "qwen3")))
     base = costs[0]
