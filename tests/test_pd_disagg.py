@@ -74,6 +74,12 @@ class Process:
     def crash(self) -> None:
         """SIGKILL the server and its engine core, as a machine failure would."""
         core = self.core_pid
+        # Frozen first: else the core may see its API server die and exit cleanly (freeing what a
+        # crash leaves behind) before its own SIGKILL comes.
+        try:
+            os.kill(core, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
         self.proc.kill()
         self.proc.wait(30)
         try:
