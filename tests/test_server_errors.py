@@ -150,6 +150,12 @@ CASES = [
     ("logit-bias-nan", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "logit_bias": {"5": NaN}}', 400,
      "logit_bias.5"),
     ("logit-bias-string-value", "/v1/completions", _completion(logit_bias={"5": "high"}), 400, "logit_bias.5"),
+    # vLLM's fields that would change the output, not implemented: refused rather than ignored.
+    ("prompt-logprobs", "/v1/completions", _completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("prompt-logprobs-0", "/v1/completions", _completion(prompt_logprobs=0), 400, "prompt_logprobs"),
+    ("bad-words", "/v1/chat/completions", _chat(bad_words=["the"]), 400, "bad_words"),
+    ("allowed-token-ids", "/v1/completions", _completion(allowed_token_ids=[1, 2]), 400, "allowed_token_ids"),
+    ("use-beam-search", "/v1/completions", _completion(use_beam_search=True), 400, "use_beam_search"),
     # Chat fields this server refuses rather than ignores.
     ("role-wizard", "/v1/chat/completions", _chat(messages=[{"role": "wizard", "content": "hi"}]), 400,
      "messages.0.role"),

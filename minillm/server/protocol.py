@@ -152,8 +152,19 @@ def unknown_fields(req: _GenerationRequest) -> list[str]:
     return names
 
 
+# vLLM's request fields that change what comes back and that this server does not implement: refused
+# when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
+VLLM_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
+                    "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids")
+
+
 def check_unsupported(req: _GenerationRequest) -> None:
     """Refuse options this server does not implement instead of silently ignoring them."""
+    extra = req.model_extra or {}
+    for name in VLLM_UNSUPPORTED:
+        value = extra.get(name)
+        if value is not None and value is not False and value != [] and value != {}:   # prompt_logprobs=0 asks
+            raise APIError(400, f"{name} is not supported", param=name)
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
