@@ -175,9 +175,9 @@ class SimulatedDevice:
             raise ValueError("the simulated device replaces the CPU backend's forward pass")
         vocab = engine.model_config.vocab_size
 
-        def compute_logits(ids, positions, meta, rows, patch=None, logits_indices=None):
-            if logits_indices is not None:
-                raise ValueError("the simulated device runs no draft verification")
+        def compute_logits(ids, positions, meta, rows, patch=None, logits_indices=None, prompt_plan=None):
+            if logits_indices is not None or prompt_plan is not None:
+                raise ValueError("the simulated device runs no draft verification and no prompt scoring")
             self.queue(self.forward_s)
             return SimulatedLogits(len(rows), vocab) if rows else None
 

@@ -289,10 +289,15 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     return list(prompts)
 
 
-def output_record(out, tokenizer=None, num_top: int = 0) -> dict:
-    """One JSON line: the prompt, its ids and every completion (with logprobs when they were asked for)."""
-    return {"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
-            "outputs": [completion_record(c, tokenizer, num_top) for c in out.outputs]}
+def output_record(out, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0) -> dict:
+    """One JSON line: the prompt, its ids and every completion (with logprobs when they were asked
+    for, and the prompt's when prompt_logprobs was: None for its first token)."""
+    record = {"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
+              "outputs": [completion_record(c, tokenizer, num_top) for c in out.outputs]}
+    if getattr(out, "prompt_logprobs", None) is not None:
+        record["prompt_logprobs"] = [None if lps is None else token_logprobs(t, lps, tokenizer, num_prompt_top)
+                                     for t, lps in zip(out.prompt_token_ids, out.prompt_logprobs)]
+    return record
 
 
 def completion_record(c, tokenizer=None, num_top: int = 0) -> dict:
@@ -364,6 +369,9 @@ def generate(
         rich_help_panel=SAMPLING_PANEL, help="In [-2, 2]: subtracted per occurrence in the output.")] = 0.0,
     logprobs: Annotated[Optional[int], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="Show each token's logprob and this many top alternatives (0-20).")] = None,
+    prompt_logprobs: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL,
+        help="The same for each prompt token (0-20), in the --json records' prompt_logprobs.")] = None,
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
     ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
@@ -389,7 +397,7 @@ def generate(
                             stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
                             repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
                             frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos,
-                            logit_bias=logit_bias_option(logit_bias),
+                            logit_bias=logit_bias_option(logit_bias), prompt_logprobs=prompt_logprobs,
                             structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar))
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"])
@@ -397,7 +405,8 @@ def generate(
     tokenizer = llm.get_tokenizer()
     if as_json:
         for out in outputs:
-            typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0), ensure_ascii=False))
+            typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0, prompt_logprobs or 0),
+                                  ensure_ascii=False))
     else:
         print_plain(outputs, tokenizer, logprobs or 0)
 

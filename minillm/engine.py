@@ -44,6 +44,9 @@ class Request:
     states: list                      # per sequence, the output processor's state
     metrics: RequestMetrics
     final_only: bool = False          # report only once finished (offline batch)
+    # With params.prompt_logprobs: one entry per prompt token, None for the first (its own module:
+    # minillm/prompt_logprobs.py); filled as the prompt's chunks run.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def is_finished(self) -> bool:
@@ -197,6 +200,8 @@ class LLMEngine:
         params = params or SamplingParams()
         params.validate()
         params.validate_for_vocab(self.model_config.vocab_size)
+        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -216,7 +221,8 @@ class LLMEngine:
         incremental = output_kind == "cumulative"
         states = [self.output_processor.new_state(s, incremental) for s in seqs]
         req = Request(request_id, text, list(ids), seqs, states,
-                      RequestMetrics(arrival_time=now), final_only=not incremental)
+                      RequestMetrics(arrival_time=now), final_only=not incremental,
+                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         if params.structured_outputs is not None:
             self._structured_output_manager().attach(seqs, params.structured_outputs)
         self.requests[request_id] = req
@@ -411,6 +417,8 @@ class LLMEngine:
         waited = time.time()
         step = in_flight.wait()
         t0 = time.perf_counter()
+        if step.prompt_logprobs:
+            self._add_prompt_logprobs(out, step.prompt_logprobs)
         if self.structured_outputs is not None:
             self.structured_outputs.advance(out.sampling_seqs, step.sampled)
             if self._fill_due is not None:
@@ -427,6 +435,20 @@ class LLMEngine:
         if self.scheduler.step_cost is not None and (seconds := measured_seconds(step.timings)) is not None:
             self.scheduler.record_step_time(out, seconds)
             self.metrics.record_device_step_time(out, seconds)
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput, entries: dict) -> None:
+        """A step's prompt log-probabilities into their requests' lists (entries a prompt computed
+        again after a preemption, or by another of the request's n sequences, are there already)."""
+        by_id = {seq.seq_id: seq for seq in out.seqs}
+        for seq_id, (first, dicts) in entries.items():
+            seq = by_id.get(seq_id)
+            req = self.requests.get(seq.request_id) if seq is not None else None
+            if req is None or req.prompt_logprobs is None:
+                continue
+            have = len(req.prompt_logprobs)
+            if first <= have < first + len(dicts):
+                req.prompt_logprobs.extend(dicts[have - first:])
+                self._changed[req.request_id] = req
 
     def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:
         """Feed seq's i-th new token of the step to its request's output; returns the stop string
@@ -468,7 +490,8 @@ class LLMEngine:
                                          [self.output_processor.completion_output(st, s)
                                           for st, s in zip(req.states, req.seqs)],
                                          finished, req.metrics, req.seqs[0].kv_transfer_params,
-                                         req.seqs[0].kv_transfer_stats))
+                                         req.seqs[0].kv_transfer_stats,
+                                         None if req.prompt_logprobs is None else list(req.prompt_logprobs)))
         return outputs
 
     # ---- stats and lifetime ------------------------------------------------------------------

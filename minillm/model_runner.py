@@ -19,6 +19,7 @@ from minillm.block_tables import BlockTables
 from minillm.config import EngineConfig, ModelConfig, is_fp8_kv_cache
 from minillm.fp8 import kv_cache_storage
 from minillm.models.decoder import DecoderModel
+from minillm.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from minillm.sampler import Sampler
 from minillm.stats import MemoryStats
 from minillm.step import SchedulerOutput, StepOutput
@@ -64,6 +65,7 @@ class ModelRunner:
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
         self._deferred = None            # (InFlightStep, logits, grammar_bitmask) of a launch whose sampling waits
+        self._prompt_logprobs = None     # what compute_logits queued for the step's prompt log-probabilities
         self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
 
     def _device_arrays(self):
@@ -260,20 +262,24 @@ class ModelRunner:
         patch = self._placeholder_patch(holes)
         seqs = out.sampling_seqs
         spec = self.verifier.metadata(out, meta.query_start_loc) if out.scheduled_spec_decode_tokens else None
+        prompt_plan = plan_prompt_logprobs(out, meta.query_start_loc) if out.num_prefill_tokens else None
         t1 = time.perf_counter()
         with self.device.compute():
             timer = self.device.timer() if self.profile else None
             logits = self.compute_logits(ids, positions, meta, out.sampling_rows, patch,
-                                   spec.logits_indices if spec is not None else None)
+                                         spec.logits_indices if spec is not None else None, prompt_plan)
+            prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
             if timer:
                 timer.mark()
             t2 = time.perf_counter()
             if logits is None:
                 self._last_sampled = None
-                return InFlightStep([], None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, timer)
+                return InFlightStep([], None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, timer,
+                                    prompt_logprobs=prompt_logprobs)
             if defer_sampling and spec is None and timer is None:
                 self._last_sampled = None
-                step = InFlightStep(seqs, None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, None)
+                step = InFlightStep(seqs, None, None, [], {"prepare": t1 - t0, "forward_host": t2 - t1}, None,
+                                    prompt_logprobs=prompt_logprobs)
                 step.sampled_by = self
                 self._deferred = (step, logits, grammar_bitmask)
                 return step
@@ -295,7 +301,7 @@ class ModelRunner:
             logprobs = self.device.to_host_async(sampled.logprobs) if sampled.logprobs is not None else None
         host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t3}
         verify = (self.verifier, spec) if spec is not None else None
-        return InFlightStep(seqs, tokens, logprobs, sampled.logprob_rows, host, timer, verify)
+        return InFlightStep(seqs, tokens, logprobs, sampled.logprob_rows, host, timer, verify, prompt_logprobs)
 
     def sample_deferred(self) -> None:
         """Queue the sampling of the step launched with defer_sampling (nothing when there is none):
@@ -333,16 +339,18 @@ class ModelRunner:
             ids_dev[self.ops.asarray(dst)] = last_ids[self.ops.asarray(src)]
 
     def compute_logits(self, ids, positions, meta: AttentionMetadata, rows: list[int], patch=None,
-                       logits_indices=None):
+                       logits_indices=None, prompt_plan=None):
         """Logits [len(rows), V] of the sampling rows (None when no row samples), or of the token
-        rows logits_indices [N] names (a step verifying drafts)."""
+        rows logits_indices [N] names (a step verifying drafts). With prompt_plan (rows that score
+        prompt tokens) their log-probabilities are queued too (taken from _prompt_logprobs)."""
         calibrate = self._kv_scales_pending      # the first step runs eagerly, before anything is stored
-        if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)) and not calibrate:
+        whole = calibrate or prompt_plan is not None   # a path that has every row's hidden state
+        if meta.is_decode_only and self.graphs is not None and self.graphs.can_run(len(ids)) and not whole:
             logits = self.graphs.run(ids, meta, lambda ids_dev: self._apply_patch(ids_dev, patch))
             if len(rows) < len(ids):
                 logits = logits[self.ops.asarray(np.asarray(rows, np.int32))] if rows else None
             return logits
-        if (self.verify_graphs is not None and not calibrate and rows
+        if (self.verify_graphs is not None and not whole and rows
                 and self.verify_graphs.can_run(meta, len(ids))):
             logits = self.verify_graphs.run(ids, positions, meta, lambda ids_dev: self._apply_patch(ids_dev, patch))
             if logits_indices is None:
@@ -360,6 +368,8 @@ class ModelRunner:
             self._kv_scales_pending = False
             hidden = self.model.forward(ids_dev, self.ops.asarray(positions), self._to_device(meta), self.kv_pool,
                                         calculate_kv_scales=calibrate)
+        if prompt_plan is not None:
+            self._prompt_logprobs = compute_prompt_logprobs(prompt_plan, hidden, self.model, self.ops, self.device)
         if not rows:
             return None
         if logits_indices is None:
@@ -378,10 +388,11 @@ class InFlightStep:
     """A launched step: its sampling sequences and the read-backs of their tokens."""
 
     def __init__(self, seqs, tokens, logprobs, logprob_rows: list[int], host_timings: dict[str, float], timer,
-                 verify=None):
+                 verify=None, prompt_logprobs=None):
         self.seqs, self._tokens, self._logprobs, self._logprob_rows = seqs, tokens, logprobs, logprob_rows
         self._host_timings, self._timer = host_timings, timer
         self._verify = verify            # (DraftVerifier, SpecDecodeMetadata) of a step with drafts
+        self._prompt_logprobs = prompt_logprobs   # PendingPromptLogprobs, when a row scores its prompt
         self.sampled_by = None           # the runner that still has to queue its sampling (defer_sampling)
 
     def set_sampled(self, tokens, logprobs, logprob_rows: list[int], sample_host_s: float) -> None:
@@ -411,5 +422,7 @@ class InFlightStep:
         if self._timer is not None:
             for name, seconds in zip(("forward_device", "sample_device"), self._timer.elapsed()):
                 timings[name] = seconds
+        prompt = self._prompt_logprobs.result() if self._prompt_logprobs is not None else {}
         timings["wait"] = time.perf_counter() - t0
-        return StepOutput(sampled=sampled, logprobs=logprobs, timings=timings, num_accepted_tokens=accepted)
+        return StepOutput(sampled=sampled, logprobs=logprobs, timings=timings, num_accepted_tokens=accepted,
+                          prompt_logprobs=prompt)

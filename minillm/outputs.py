@@ -54,3 +54,6 @@ class RequestOutput:
     # decode engine, in the response; kv_transfer_stats: what loading the prompt took on a decode engine.
     kv_transfer_params: dict | None = None
     kv_transfer_stats: dict | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the token itself
+    # and its top alternatives), None for the first; the entries computed so far while it runs.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

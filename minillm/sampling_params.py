@@ -73,6 +73,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None     # number of top log-probabilities per generated token
+    prompt_logprobs: int | None = None   # the same for each prompt token (the first has none)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar
@@ -141,8 +142,10 @@ class SamplingParams:
             bad("min_tokens", "must be a non-negative integer")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
             bad("seed", "must be an integer in [0, 2**64 - 1]")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):

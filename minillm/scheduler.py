@@ -184,9 +184,12 @@ class Scheduler:
             if seq.structured_output is not None and not seq.structured_output.is_ready:
                 skipped.append(self.waiting.popleft())   # its grammar still compiles: let the next by
                 continue
-            cached = self.block_manager.find_cached_blocks(seq)
+            # Prompt log-probabilities need every prompt token's logits: no cached or loaded prefix.
+            scores_prompt = seq.params.prompt_logprobs is not None
+            cached = self.block_manager.find_cached_blocks(seq) if not scores_prompt else []
             num_computed = len(cached) * self.block_manager.block_size
-            num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) if self.kv_connector else 0
+            num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) \
+                if self.kv_connector and not scores_prompt else 0
             n = min(seq.num_tokens - num_computed - num_external, budget)
             if chunks is not None:
                 n = chunks.size(num_computed + num_external, n)

@@ -56,3 +56,5 @@ class StepOutput:
     logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)             # phase -> seconds (this step)
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)   # seq_id -> drafts accepted
+    # seq_id -> (first prompt index, one {token id: logprob} per prompt token scored this step)
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)

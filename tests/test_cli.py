@@ -293,6 +293,23 @@ def test_generate_logit_bias_flag_reaches_the_sampler_and_bad_pairs_name_the_opt
         assert bad.returncode != 0 and message in bad.stderr, (pair, bad.stderr)
 
 
+@needs_stories
+def test_generate_prompt_logprobs_flag_scores_each_prompt_token_in_the_json_record():
+    from minillm import LLM, SamplingParams
+
+    result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+                     "--max-tokens", "2", "--prompt-logprobs", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    entries, ids = record["prompt_logprobs"], record["prompt_token_ids"]
+    assert len(entries) == len(ids) and entries[0] is None
+    want = LLM(str(STORIES), device="cpu").generate(
+        ["Once upon a time"], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))[0].prompt_logprobs
+    for i, entry in enumerate(entries[1:], start=1):
+        assert entry["token_id"] == ids[i] and len(entry["top_logprobs"]) == 2
+        assert entry["logprob"] == want[i][ids[i]]
+
+
 # ---- minillm bench ---------------------------------------------------------------------------------
 
 def test_bench_throughput_without_a_gpu_says_so_at_once():

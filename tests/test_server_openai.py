@@ -171,10 +171,15 @@ def test_completion_logprobs_and_echo(client, tok):
     choice = out.choices[0]
     lp = choice.logprobs
     assert choice.text.startswith(PROMPT)
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
-    assert "".join(lp.tokens) == choice.text[len(PROMPT):]
-    assert lp.text_offset[0] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
-    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    # With echo the prompt's tokens come first (OpenAI's legacy shape): the first has no logprob.
+    num_prompt = out.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 8
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 and len(top) == 3 for v, top in zip(lp.token_logprobs[1:num_prompt], lp.top_logprobs[1:]))
+    assert "".join(lp.tokens[num_prompt:]) == choice.text[len(PROMPT):]
+    assert lp.text_offset[num_prompt] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
+    for token, logprob, top in zip(lp.tokens[num_prompt:], lp.token_logprobs[num_prompt:],
+                                   lp.top_logprobs[num_prompt:]):
         assert len(top) <= 3 and logprob <= 0
         assert max(top.values()) == pytest.approx(logprob, abs=1e-5)   # greedy picks the argmax
         assert token in top

@@ -141,6 +141,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None) -> None:
         self.engine = LLMEngine(config, log=log, output_processor=TokenOutputs)
+        self._prompt_logprobs_sent: dict[str, int] = {}   # request id -> prompt_logprobs entries reported
 
     def add_request(self, command: m.AddRequest) -> str | None:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
@@ -164,7 +165,18 @@ class EngineCore:
             failed.append(m.FailedRequests(list(exc.request_ids), *error_fields(cause)))
             outputs = []
         return m.StepOutputs(self.engine.metrics.num_steps, time.time(),
-                             [request_step_output(o) for o in outputs], failed)
+                             [self._step_output(o) for o in outputs], failed)
+
+    def _step_output(self, out: RequestOutput) -> m.RequestStepOutput:
+        """A request's message, with the prompt_logprobs entries it has not reported yet."""
+        message = request_step_output(out)
+        if out.prompt_logprobs is not None:
+            sent = self._prompt_logprobs_sent.pop(out.request_id, 0)
+            if len(out.prompt_logprobs) > sent:
+                message.new_prompt_logprobs = out.prompt_logprobs[sent:]
+            if not out.finished:
+                self._prompt_logprobs_sent[out.request_id] = len(out.prompt_logprobs)
+        return message
 
     def utility(self, call: m.UtilityCall) -> m.UtilityReply:
         """Run a method of the engine (a public one) between steps."""

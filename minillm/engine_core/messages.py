@@ -96,6 +96,8 @@ class RequestStepOutput(msgspec.Struct, array_like=True):
     first_scheduled_time: float | None
     first_token_time: float | None
     last_token_time: float | None
+    # prompt_logprobs entries since the request's last report (the first report starts with None)
+    new_prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class FailedRequests(msgspec.Struct, array_like=True):

@@ -74,6 +74,7 @@ class FrontendRequest:
     is_counted: bool = False    # its finish reasons are in the tally
     kv_transfer_params: dict | None = None   # a KV transfer's word on it, as the core sent it
     kv_transfer_stats: dict | None = None
+    prompt_logprobs: list | None = None      # with params.prompt_logprobs: the entries the core has sent
 
     @property
     def is_finished(self) -> bool:
@@ -108,7 +109,8 @@ class OutputProcessor:
         seqs = [SequenceMirror(i, ids, params) for i in range(params.n)]
         states = [new_state(self.tokenizer, s, incremental=True) for s in seqs]
         self.requests[request_id] = FrontendRequest(request_id, prompt, ids, seqs, states,
-                                                    RequestMetrics(arrival_time=arrival_time), handle)
+                                                    RequestMetrics(arrival_time=arrival_time), handle,
+                                                    prompt_logprobs=[] if params.prompt_logprobs is not None else None)
 
     def remove(self, request_id: str) -> None:
         """Forget a request the core refused."""
@@ -134,6 +136,8 @@ class OutputProcessor:
                 continue
             moved = False
             seqs = req.seqs
+            if out.new_prompt_logprobs and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(out.new_prompt_logprobs)
             for seq_out in out.seqs:
                 moved |= self._apply(req, seqs[seq_out.index], seq_out, stops)
             metrics = req.metrics
@@ -187,7 +191,8 @@ class OutputProcessor:
             self._count(req)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
                              [completion_output(st, s) for st, s in zip(req.states, req.seqs)],
-                             finished, req.metrics, req.kv_transfer_params, req.kv_transfer_stats)
+                             finished, req.metrics, req.kv_transfer_params, req.kv_transfer_stats,
+                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
 
     def _count(self, req: FrontendRequest) -> None:
         req.is_counted = True

@@ -212,9 +212,12 @@ class TensorParallelExecutor(ModelRunner):
         self._guarded(self.workers.peers)
         return super().launch(out, grammar_bitmask, defer_sampling)
 
-    def compute_logits(self, ids, positions, meta, rows, patch=None, logits_indices=None):
+    def compute_logits(self, ids, positions, meta, rows, patch=None, logits_indices=None, prompt_plan=None):
         """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]
-        (or of the token rows logits_indices names, in a step verifying draft tokens)."""
+        (or of the token rows logits_indices names, in a step verifying draft tokens). Prompt
+        log-probabilities are refused where requests enter (the LM head is gathered over the ranks)."""
+        if prompt_plan is not None:
+            raise ValueError("prompt_logprobs is not supported with tensor parallelism")
         ids = self._fill_placeholders(ids, patch)
         self._send("execute_model", ids, positions, meta, list(rows), logits_indices)
         return self._guarded(super().compute_logits, ids, positions, meta, rows, None, logits_indices)

@@ -62,6 +62,27 @@ class LogprobCursor:
         return rows
 
 
+def prompt_logprob_rows(texts: TokenTexts, prompt_token_ids: list[int], entries: list, num_top: int,
+                        skip_special_tokens: bool) -> list[tuple[str, float | None, list | None, int]]:
+    """(token text, its logprob, top alternatives, text offset) for each prompt token, as
+    LogprobCursor.advance gives them for a completion's; the first token has no logprob (None)."""
+    detok = IncrementalDetokenizer(texts.tokenizer, skip_special_tokens=skip_special_tokens)
+    rows, prev = [], None
+    for i, token_id in enumerate(prompt_token_ids):
+        offset = len(detok.text)
+        detok.add(token_id)
+        text = texts.text(prev, token_id)
+        candidates = entries[i] if i < len(entries) else None
+        if candidates is None:
+            rows.append((text, None, None, offset))
+        else:
+            top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
+            top_rows = [(text if tid == token_id else texts.text(prev, tid), _finite(lp)) for tid, lp in top]
+            rows.append((text, _finite(candidates.get(token_id)), top_rows, offset))
+        prev = token_id
+    return rows
+
+
 def _finite(logprob: float | None) -> float | None:
     # JSON has no -inf; a token masked out by top-k/top-p reads as a very unlikely one.
     return None if logprob is None else max(float(logprob), -9999.0)
@@ -72,7 +93,7 @@ def completion_logprobs(rows: list[tuple[str, float | None, list[tuple[str, floa
     return {
         "tokens": [r[0] for r in rows],
         "token_logprobs": [r[1] for r in rows],
-        "top_logprobs": [dict(r[2]) for r in rows],
+        "top_logprobs": [None if r[2] is None else dict(r[2]) for r in rows],
         "text_offset": [r[3] for r in rows],
     }
 

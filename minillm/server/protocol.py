@@ -164,7 +164,8 @@ def check_unsupported(req: _GenerationRequest) -> None:
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
         if value is not None and value is not False and value != [] and value != {}:   # prompt_logprobs=0 asks
-            raise APIError(400, f"{name} is not supported", param=name)
+            hint = "; /v1/completions with echo and logprobs scores the prompt" if name == "prompt_logprobs" else ""
+            raise APIError(400, f"{name} is not supported{hint}", param=name)
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -180,10 +181,12 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
-                       vocab_size: int | None = None, structured_outputs=None) -> SamplingParams:
+                       vocab_size: int | None = None, structured_outputs=None,
+                       prompt_logprobs: int | None = None) -> SamplingParams:
     """Build validated SamplingParams; a bad value becomes a 400 naming the field.
 
-    structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None."""
+    structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None;
+    prompt_logprobs: completions with echo and logprobs score the prompt too."""
     def pick(value, default):
         return default if value is None else value
 
@@ -208,6 +211,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=structured_outputs,
             logit_bias=logit_bias_ids(req.logit_bias),
+            prompt_logprobs=prompt_logprobs,
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)

@@ -10,7 +10,7 @@ from fastapi import Request
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.async_engine import RequestStream
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
-from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs
+from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows
 from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.protocol import (
     CompletionRequest, check_unsupported, completion_prompts, to_sampling_params, unknown_fields,
@@ -51,8 +51,10 @@ class CompletionJob:
         max_tokens to each."""
         self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
         self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking(self._tokenize)
+        scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
         self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.req.max_tokens),
-                                          self.req.logprobs, self.ctx.engine.vocab_size, self.structured)
+                                          self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
+                                          scores_prompt)
                        for ids in self.prompt_ids]
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
@@ -75,6 +77,13 @@ class CompletionJob:
         base = len(self.prompt_texts[prompt_index]) if self.req.echo else 0
         return LogprobCursor(self.texts, self.prompt_ids[prompt_index], base, self.req.skip_special_tokens)
 
+    def _prompt_rows(self, prompt_index: int, output: RequestOutput) -> list:
+        """The echoed prompt's logprob rows (echo with logprobs), before the completion's."""
+        if not self.req.echo or output.prompt_logprobs is None:
+            return []
+        return prompt_logprob_rows(self.texts, self.prompt_ids[prompt_index], output.prompt_logprobs,
+                                   self.req.logprobs, self.req.skip_special_tokens)
+
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.req.n + completion.index
 
@@ -91,8 +100,8 @@ class CompletionJob:
                 cursor = self._cursor(pi)
                 logprobs = None
                 if cursor is not None:
-                    logprobs = completion_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [],
-                                                                  self.req.logprobs))
+                    logprobs = completion_logprobs(self._prompt_rows(pi, final) + cursor.advance(
+                        comp.token_ids, comp.logprobs or [], self.req.logprobs))
                 choices.append({"index": self._choice_index(pi, comp), "text": text, "logprobs": logprobs,
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
         choices.sort(key=lambda c: c["index"])
@@ -148,6 +157,8 @@ class CompletionJob:
                 state.is_started = True
                 if self.req.echo:
                     delta = self.prompt_texts[pi] + delta
+                    if state.cursor is not None:
+                        rows = self._prompt_rows(pi, output) + rows
             if state.cursor is None and finish is None:   # a token's chunk: only the text is new
                 choices.append(text_choice_json(index, delta))
                 continue
