@@ -257,6 +257,10 @@ def test_calls_larger_than_the_channel_move_it_and_workers_never_outlive_the_eng
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["llama"][1]
     assert llm.engine.runner.workers.channel.capacity > 256
+    # prompt_logprobs needs the LM head on rank 0 alone: refused where the request enters, the group goes on
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["llama"][1]
     pids = llm.engine.runner.workers.pids
     del llm                                         # never shut down: the engine's __del__ does it
     gc.collect()
