@@ -35,6 +35,7 @@ class PromptLogprobsPlan:
 
     @property
     def max_top(self) -> int:
+        """The largest top-k of the groups (one top-k pass serves them all; each keeps its own k)."""
         return max(self.num_top)
 
 
