@@ -124,6 +124,22 @@ def test_echo_with_logprobs_scores_the_prompt_on_the_server(stories_path, long_p
                         streamed["token_logprobs"] += part["token_logprobs"]
         assert streamed["tokens"] == lp["tokens"]
         np.testing.assert_allclose(streamed["token_logprobs"][1:], lp["token_logprobs"][1:], rtol=1e-6)
+        # max_tokens 0 with echo (vLLM's echo without generation): the prompt back, scored
+        bare = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 0}, timeout=60).json()
+        choice = bare["choices"][0]
+        assert choice["finish_reason"] == "length" and bare["usage"]["completion_tokens"] == 0
+        assert choice["logprobs"]["tokens"] == lp["tokens"][:n]
+        np.testing.assert_allclose(choice["logprobs"]["token_logprobs"][1:], want, rtol=1e-4, atol=1e-5)
+        events = []
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "max_tokens": 0, "stream": True, "n": 2},
+                          timeout=60) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert sorted(e["choices"][0]["index"] for e in events) == [0, 1]
+        for e in events:
+            c = e["choices"][0]
+            assert c["text"] == choice["text"] and c["logprobs"]["tokens"] == lp["tokens"][:n]
+        without_echo = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 0, "echo": False}, timeout=60)
+        assert without_echo.status_code == 400 and without_echo.json()["error"]["param"] == "max_tokens"
         # vLLM's own field is refused with a pointer to echo, not ignored
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 2, "prompt_logprobs": 1},
                        timeout=60)

@@ -39,7 +39,11 @@ class CompletionJob:
         for prompt in self.prompts:
             if not isinstance(prompt, str):
                 ctx.check_token_ids(prompt)
-        to_sampling_params(req, req.max_tokens, req.logprobs, ctx.engine.vocab_size)   # field errors first
+        # echo with max_tokens 0 (vLLM's echo without generation): the prompt back, scored when
+        # logprobs are asked; one token is generated and dropped.
+        self.echo_only = req.echo and req.max_tokens == 0
+        self.max_tokens = 1 if self.echo_only else req.max_tokens
+        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size)   # field errors first
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
@@ -52,7 +56,7 @@ class CompletionJob:
         self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
         self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking(self._tokenize)
         scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
-        self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.req.max_tokens),
+        self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
                                           self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
                                           scores_prompt)
                        for ids in self.prompt_ids]
@@ -89,13 +93,22 @@ class CompletionJob:
 
     def _usage(self, finals: list[RequestOutput]) -> dict:
         return usage(sum(len(o.prompt_token_ids) for o in finals),
-                     sum(len(c.token_ids) for o in finals for c in o.outputs))
+                     0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs))
+
+    def _echo_only_choice(self, pi: int, output: RequestOutput, comp: CompletionOutput) -> dict:
+        """A choice of an echo without generation: the prompt, its logprobs, finish 'length'."""
+        logprobs = completion_logprobs(self._prompt_rows(pi, output)) if self.req.logprobs is not None else None
+        return {"index": self._choice_index(pi, comp), "text": self.prompt_texts[pi], "logprobs": logprobs,
+                "finish_reason": "length", "stop_reason": None}
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The non-streaming response body."""
         choices = []
         for pi, final in enumerate(finals):
             for comp in final.outputs:
+                if self.echo_only:
+                    choices.append(self._echo_only_choice(pi, final, comp))
+                    continue
                 text = (self.prompt_texts[pi] if self.req.echo else "") + comp.text
                 cursor = self._cursor(pi)
                 logprobs = None
@@ -122,7 +135,7 @@ class CompletionJob:
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """Server-sent events: a chunk per completion whose text moved, then usage and [DONE]."""
-        progress: dict[int, ChoiceProgress] = {}
+        progress: dict[int, ChoiceProgress | None] = {}   # None: an echo without generation, sent
         finals: dict[int, RequestOutput] = {}
         chunks = ChunkFormat(self.request_id, "text_completion", self.created, self.ctx.model_name,
                              self.req.include_usage)
@@ -141,11 +154,16 @@ class CompletionJob:
             yield sse(chunk)
         yield SSE_DONE
 
-    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[str]:
+    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress | None]) -> list[str]:
         """Stream choices, as JSON, for the completions of one output that have something new."""
         choices = []
         for comp in output.outputs:
             index = self._choice_index(pi, comp)
+            if self.echo_only:            # one chunk a choice, once its (dropped) token is there
+                if comp.finish_reason is not None and index not in progress:
+                    progress[index] = None
+                    choices.append(json_dumps(self._echo_only_choice(pi, output, comp)))
+                continue
             state = progress.get(index)
             if state is None:
                 state = progress[index] = ChoiceProgress(index, self._cursor(pi), self.req.logprobs or 0)
