@@ -279,10 +279,9 @@ class GrammarMatcher:
             self._read_state()
             if self._is_error:
                 return False
-        if token_id in self._eos and self._is_stopped:
-            # llguidance takes an EOS after a stop without recording it.
-            self._terminated = self._eos_unrecorded = True
-            return True
+            if self._is_stopped:       # llguidance takes an EOS after a stop without recording it
+                self._terminated = self._eos_unrecorded = True
+                return True
         ok = self._matcher.consume_token(token_id)
         if ok:
             self._num_tokens += 1

@@ -43,9 +43,10 @@ class LogprobCursor:
         self.text_base = text_base       # characters before the completion (the echoed prompt)
         self.num_done = 0
 
-    def advance(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int
-                ) -> list[tuple[str, float | None, list[tuple[str, float]], int]]:
-        """(token text, its logprob, top alternatives, text offset) for each new token."""
+    def advance(self, token_ids: list[int], logprobs: list[dict[int, float] | None], num_top: int
+                ) -> list[tuple[str, float | None, list[tuple[str, float]] | None, int]]:
+        """(token text, its logprob, top alternatives, text offset) for each new token; a token
+        without log-probabilities (a prompt's first) gets None for both."""
         rows = []
         end = min(len(token_ids), len(logprobs))
         for i in range(self.num_done, end):
@@ -53,10 +54,13 @@ class LogprobCursor:
             offset = self.text_base + len(self.detok.text)
             self.detok.add(token_id)
             text = self.texts.text(self.prev_id, token_id)
-            top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
-            top_rows = [(text if tid == token_id else self.texts.text(self.prev_id, tid), lp) for tid, lp in top]
-            top_rows = [(t, _finite(lp)) for t, lp in top_rows]
-            rows.append((text, _finite(candidates.get(token_id)), top_rows, offset))
+            if candidates is None:
+                rows.append((text, None, None, offset))
+            else:
+                top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
+                top_rows = [(text if tid == token_id else self.texts.text(self.prev_id, tid), _finite(lp))
+                            for tid, lp in top]
+                rows.append((text, _finite(candidates.get(token_id)), top_rows, offset))
             self.prev_id = token_id
         self.num_done = max(self.num_done, end)
         return rows
@@ -64,23 +68,8 @@ class LogprobCursor:
 
 def prompt_logprob_rows(texts: TokenTexts, prompt_token_ids: list[int], entries: list, num_top: int,
                         skip_special_tokens: bool) -> list[tuple[str, float | None, list | None, int]]:
-    """(token text, its logprob, top alternatives, text offset) for each prompt token, as
-    LogprobCursor.advance gives them for a completion's; the first token has no logprob (None)."""
-    detok = IncrementalDetokenizer(texts.tokenizer, skip_special_tokens=skip_special_tokens)
-    rows, prev = [], None
-    for i, token_id in enumerate(prompt_token_ids):
-        offset = len(detok.text)
-        detok.add(token_id)
-        text = texts.text(prev, token_id)
-        candidates = entries[i] if i < len(entries) else None
-        if candidates is None:
-            rows.append((text, None, None, offset))
-        else:
-            top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
-            top_rows = [(text if tid == token_id else texts.text(prev, tid), _finite(lp)) for tid, lp in top]
-            rows.append((text, _finite(candidates.get(token_id)), top_rows, offset))
-        prev = token_id
-    return rows
+    """LogprobCursor.advance's rows for a prompt's own tokens (prompt_logprobs entries: None first)."""
+    return LogprobCursor(texts, [], 0, skip_special_tokens).advance(prompt_token_ids, entries, num_top)
 
 
 def _finite(logprob: float | None) -> float | None:

@@ -48,6 +48,7 @@ class CompletionJob:
         self.prompt_texts: list[str] = []
         self.params: list = []
         self.texts = TokenTexts(ctx.tokenizer)
+        self._prompt_row_cache: dict[int, list] = {}   # prompt index -> its echoed logprob rows
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
 
     async def prepare(self) -> None:
@@ -82,11 +83,17 @@ class CompletionJob:
         return LogprobCursor(self.texts, self.prompt_ids[prompt_index], base, self.req.skip_special_tokens)
 
     def _prompt_rows(self, prompt_index: int, output: RequestOutput) -> list:
-        """The echoed prompt's logprob rows (echo with logprobs), before the completion's."""
+        """The echoed prompt's logprob rows (echo with logprobs), before the completion's; made
+        once a prompt, for all its n choices."""
         if not self.req.echo or output.prompt_logprobs is None:
             return []
-        return prompt_logprob_rows(self.texts, self.prompt_ids[prompt_index], output.prompt_logprobs,
-                                   self.req.logprobs, self.req.skip_special_tokens)
+        rows = self._prompt_row_cache.get(prompt_index)
+        if rows is None:
+            rows = prompt_logprob_rows(self.texts, self.prompt_ids[prompt_index], output.prompt_logprobs,
+                                       self.req.logprobs, self.req.skip_special_tokens)
+            if len(rows) == len(self.prompt_ids[prompt_index]):     # every entry is in: final
+                self._prompt_row_cache[prompt_index] = rows
+        return rows
 
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.req.n + completion.index
