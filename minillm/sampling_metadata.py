@@ -94,13 +94,14 @@ def banned_entries(seqs, rows, eos_token_ids, vocab: int) -> tuple[list[int], li
 
 
 def bias_entries(seqs, rows) -> tuple[list[int], list[int], list[int]]:
-    """logit_bias of the rows: (rows, tokens, biases as float32 bit patterns), one entry a token."""
+    """logit_bias of the rows: (rows, tokens, biases as float32 bit patterns), one entry a token
+    (each request's were packed when its parameters were validated)."""
     out_rows, tokens, bits = [], [], []
     for b in rows:
-        bias = seqs[b].params.logit_bias
-        out_rows.extend([b] * len(bias))
-        tokens.extend(bias)
-        bits.extend(np.asarray(list(bias.values()), np.float32).view(np.int32).tolist())
+        ids, values = seqs[b].params._logit_bias_entries
+        out_rows.extend([b] * len(ids))
+        tokens.extend(ids)
+        bits.extend(values)
     return out_rows, tokens, bits
 
 

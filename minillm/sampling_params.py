@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -81,6 +82,9 @@ class SamplingParams:
     # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
     extra_args: dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    # logit_bias as the sampler uploads it, made when it is validated: (token ids, float32 bit patterns)
+    _logit_bias_entries: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False,
+                                                                     compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -157,8 +161,12 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a dict")
+        self._logit_bias_entries = None
         if self.logit_bias is not None:
             self._validate_logit_bias()
+            n = len(self.logit_bias)
+            bits = struct.unpack(f"<{n}i", struct.pack(f"<{n}f", *self.logit_bias.values()))
+            self._logit_bias_entries = (list(self.logit_bias), list(bits))
         if self.structured_outputs is not None:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
