@@ -8,11 +8,11 @@ overlaps the "device" as it does a GPU under async scheduling.
 What stays real: scheduling, input preparation, the sampling metadata's packing, the structured
 outputs glue (read-back, matcher advance, mask fill, the mask's upload calls and host staging),
 the scheduler's update and the output processor. What is simulated: the model's logits (none are
-computed), the sampler's kernels and the device's mask buffers (SimulatedBuffer: an upload into
-one, a scatter between two, only note which host row each row holds, as a GPU's copy engine and
-kernels take that work off the host). Each queued kernel starts when the device is free (or when
-it is queued, if later) and ends its device time after; nothing runs on a thread, so the device's
-progress never waits for the GIL (a GPU's does not). A read-back (np.asarray of the sampled ids)
+computed), the sampler's kernels and the device's mask buffer (SimulatedBuffer: an upload into it
+only notes which host row each row holds, as a GPU's copy engine takes that work off the host).
+Each queued kernel starts when the device is free (or when it is queued, if later) and ends its
+device time after; nothing runs on a thread, so the device's progress never waits for the GIL
+(a GPU's does not). A read-back (np.asarray of the sampled ids)
 sleeps until the sampling's end, GIL-free as a CUDA event wait is; that time is counted
 (read_back_wait_s).
 
@@ -54,7 +54,8 @@ class SimulatedLogits:
 
 class SimulatedBuffer:
     """A [rows, W] buffer in the simulated device's memory: each row only notes the host row
-    (array, index) it holds. Slicing rows gives a view; writes copy nothing on the host."""
+    (array, index) it holds. Slicing rows gives a view; uploads copy nothing on the host; read
+    flat (reshape(-1)), it gives the host rows it holds."""
 
     def __init__(self, shape, dtype, holds: list | None = None, start: int = 0) -> None:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
@@ -72,14 +73,15 @@ class SimulatedBuffer:
             raise ValueError("a simulated buffer is sliced by consecutive rows")
         return SimulatedBuffer((stop - start,) + self.shape[1:], self.dtype, self._holds, self._start + start)
 
-    def __setitem__(self, rows, value) -> None:
-        """self[rows[i]] = value[i]: a scatter kernel (value: a simulated buffer, or a host array)."""
-        for i, r in enumerate(np.asarray(rows).tolist()):
-            self._holds[self._start + r] = value.held(i) if isinstance(value, SimulatedBuffer) else (value, i)
-
     def upload(self, src: np.ndarray) -> None:
         """self[...] = src, a host-to-device copy."""
         self._holds[self._start:self._start + len(src)] = [(src, i) for i in range(len(src))]
+
+    def reshape(self, *shape) -> np.ndarray:
+        """The rows' contents as one flat array (what a kernel reading them flat would see)."""
+        if shape not in ((-1,), ((-1,),)):
+            raise ValueError("a simulated buffer is read flat only")
+        return np.concatenate([source[i] for source, i in map(self.held, range(self.shape[0]))])
 
     def held(self, row: int) -> tuple[np.ndarray, int]:
         """The host (array, row) this row holds."""
@@ -131,16 +133,19 @@ class SimulatedSamplerOps:
     def apply_token_bitmask(self, logits: SimulatedLogits, bitmask, rows) -> None:
         """Queue the mask kernel (no device time of its own here); the rows' tokens are picked now."""
         rows = np.asarray(rows, np.int64)
-        rows = rows[(rows >= 0) & (rows < logits.shape[0])]
+        kept = np.flatnonzero((rows >= 0) & (rows < logits.shape[0]))      # mask rows that apply
+        if not kept.size:
+            self._sim.queue(0.0)
+            return
         if isinstance(bitmask, SimulatedBuffer):
-            held = [bitmask.held(int(r)) for r in rows]
+            held = [bitmask.held(int(i)) for i in kept]
             sources = {id(a): a for a, _ in held}
             if len(sources) != 1:
                 raise ValueError("the simulated mask kernel reads rows uploaded from one host array")
             source, source_rows = next(iter(sources.values())), np.array([i for _, i in held], np.int64)
         else:
-            source, source_rows = bitmask, rows
-        logits.masked.update(zip(rows.tolist(), self._sim.pick_allowed(source, source_rows).tolist()))
+            source, source_rows = bitmask, kept
+        logits.masked.update(zip(rows[kept].tolist(), self._sim.pick_allowed(source, source_rows).tolist()))
         self._sim.queue(0.0)
 
     def sample(self, logits: SimulatedLogits, temperature, top_k, top_p, min_p, uniforms) -> SimulatedTokens:

@@ -1,9 +1,10 @@
 // token_bitmask.cu: structured outputs: set the logits of tokens a grammar forbids to -inf.
 //
-// Layout: logits [B, V] float32 packed; bitmask [B, W] int32 packed with W >= ceil(V / 32): bit j
-// of word w in row r is token 32 w + j, 1 = allowed, 0 = forbidden; rows [N] int32 names the
-// logits rows to mask (row r reads bitmask row r). Entries outside [0, B) are skipped, so a
-// fixed-size rows array padded with -1 serves a captured graph; rows not named are not touched.
+// Layout: logits [B, V] float32 packed; bitmask [N, W] int32 packed with W >= ceil(V / 32): bit j
+// of word w in a mask row is token 32 w + j, 1 = allowed, 0 = forbidden; rows [N] int32 names the
+// logits row each mask row applies to (mask i to row rows[i]), so the host uploads only the
+// constrained rows' masks. Entries outside [0, B) are skipped, so a fixed-size rows array padded
+// with -1 serves a captured graph; rows not named are not touched.
 // The rule is the one of minillm/ops/numpy.py:apply_token_bitmask.
 // Launch: grid = (blocks_per_row, N), BITMASK_THREADS (256) threads a block; thread i of block x
 // walks tokens x * 256 + i, stepping by blocks_per_row * 256 (the launcher sizes blocks_per_row
@@ -21,7 +22,7 @@ apply_token_bitmask_kernel(float* __restrict__ logits, const int* __restrict__ b
     const int row = rows[blockIdx.y];
     if (row < 0 || row >= batch) return;                     // uniform over the block
     float* out = logits + (long long)row * vocab;
-    const unsigned int* bits = reinterpret_cast<const unsigned int*>(bitmask) + (long long)row * words_per_row;
+    const unsigned int* bits = reinterpret_cast<const unsigned int*>(bitmask) + (long long)blockIdx.y * words_per_row;
     const int step = gridDim.x * BITMASK_THREADS;
     for (int t = blockIdx.x * BITMASK_THREADS + threadIdx.x; t < vocab; t += step) {
         const unsigned int word = bits[t >> 5];

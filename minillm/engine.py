@@ -338,8 +338,8 @@ class LLMEngine:
         pass and the host never waits for the masks in between."""
         grammar_bitmask, masks, defer = None, [], False
         manager = self.structured_outputs
-        if manager is not None and manager.is_constrained(out.sampling_seqs):
-            if self._in_flight and manager.has_token_in_flight(out.sampling_seqs):
+        if manager is not None and out.structured_rows:
+            if self._in_flight and manager.has_token_in_flight(out.structured_rows):
                 self._fill_due, defer = (out, masks), True
             else:
                 masks.append(self._start_fill(out))   # every matcher is current: fill during the forward pass
@@ -369,7 +369,7 @@ class LLMEngine:
         """Start filling out's masks; a failure is kept for the sampling to raise (that step's error)."""
         from minillm.structured_output import PendingBitmask
         try:
-            return self.structured_outputs.start_fill(out.sampling_seqs)
+            return self.structured_outputs.start_fill(out.structured_rows)
         except Exception as exc:
             return PendingBitmask.failed(exc)
 
@@ -420,7 +420,7 @@ class LLMEngine:
         if step.prompt_logprobs:
             self._add_prompt_logprobs(out, step.prompt_logprobs)
         if self.structured_outputs is not None:
-            self.structured_outputs.advance(out.sampling_seqs, step.sampled)
+            self.structured_outputs.advance(out.structured_rows, step.sampled)
             if self._fill_due is not None:
                 due, masks = self._fill_due
                 self._fill_due = None

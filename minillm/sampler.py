@@ -35,8 +35,7 @@ class Sampler:
             device = make_device(ops.name)
         self.device = device
         self.inputs = SamplingInputBuffer(ops, device, max_num_seqs, self.eos_token_ids)
-        self._bitmask_rows = None            # [cap, W] int32 on the device: the uploaded mask rows
-        self._bitmask = None                 # [cap, W] int32 on the device: the same, at their logits rows
+        self._bitmask = None                 # [H + cap, W] int32 on the device: the rows, then the masks
 
     def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
@@ -77,25 +76,26 @@ class Sampler:
         self._block_early_stops(logits, seqs)
 
     def apply_grammar_bitmask(self, logits, mask) -> None:
-        """Tokens a constrained row's grammar forbids get -inf: the filled rows go up in one async
-        copy (mask.bitmask is page-locked on the GPU: nothing is staged on the host), are
-        scattered into a [B, W] buffer whose other rows the kernel never reads, and masked. The
-        device buffers are kept from step to step: on one stream a step's copy runs after the
-        last step's kernels have read them."""
+        """Tokens a constrained row's grammar forbids get -inf. On a device the masks go up in one
+        async copy (mask.packed: the rows and their masks, page-locked, nothing staged on the
+        host) into a buffer kept from step to step (on one stream a step's copy runs after the
+        last step's kernels have read it), and the kernel reads mask i for logits row rows[i]."""
         ops = self.ops
+        if ops.xp is np:                                   # the CPU backend: no upload
+            ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
+            return
         num_rows, num_words = mask.bitmask.shape
-        batch = logits.shape[0]
+        h = 1 if mask.packed is None else mask.packed.shape[0] - num_rows     # rows before the masks
         kept = self._bitmask
-        if kept is None or kept.shape[0] < max(num_rows, batch) or kept.shape[1] != num_words:
-            cap = max(num_rows, batch, self.inputs.cap)
-            self._bitmask_rows = ops.xp.empty((cap, num_words), dtype=np.int32)
-            self._bitmask = ops.xp.empty((cap, num_words), dtype=np.int32)
-        uploaded = self._bitmask_rows[:num_rows]                       # [N, W]
-        self.device.copy_to_device_async(uploaded, np.ascontiguousarray(mask.bitmask))
-        rows = ops.asarray(mask.rows)                                   # [N] int32
-        bitmask = self._bitmask[:batch]                                 # [B, W]
-        bitmask[rows] = uploaded
-        ops.apply_token_bitmask(logits, bitmask, rows)
+        if kept is None or kept.shape[0] < h + num_rows or kept.shape[1] != num_words:
+            self._bitmask = kept = ops.xp.empty((h + max(num_rows, self.inputs.cap), num_words), dtype=np.int32)
+        if mask.packed is not None:
+            self.device.copy_to_device_async(kept[:h + num_rows], mask.packed)    # [H + N, W]
+            rows = kept[:h].reshape(-1)[:num_rows]                              # [N] int32
+        else:
+            self.device.copy_to_device_async(kept[h:h + num_rows], np.ascontiguousarray(mask.bitmask))
+            rows = ops.asarray(mask.rows)
+        ops.apply_token_bitmask(logits, kept[h:h + num_rows], rows)
 
     def _apply_logit_bias(self, logits, seqs) -> None:
         rows, tokens, bits = bias_entries(seqs, [b for b, s in enumerate(seqs) if s.params.logit_bias])

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,10 +42,17 @@ class SchedulerOutput:
         """True when nothing was scheduled."""
         return not self.seqs
 
-    @property
+    @cached_property
     def sampling_seqs(self) -> list["Sequence"]:
-        """The sequences that sample a token, in batch order."""
+        """The sequences that sample a token, in batch order (built once a step: the engine, the
+        runner and the scheduler each walk it)."""
         return [self.seqs[b] for b in self.sampling_rows]
+
+    @cached_property
+    def structured_rows(self) -> list[tuple[int, "Sequence"]]:
+        """(index into sampling_seqs, sequence) of the sampling sequences under a grammar, in batch
+        order: what the structured-output glue walks each step instead of the whole batch."""
+        return [(i, seq) for i, seq in enumerate(self.sampling_seqs) if seq.structured_output is not None]
 
 
 @dataclass

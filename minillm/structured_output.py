@@ -419,6 +419,9 @@ class GrammarBitmask:
 
     bitmask: np.ndarray      # [N, ceil(vocab / 32)] int32: row i is the mask of sampling row rows[i]
     rows: np.ndarray         # [N] int32: indices into the step's sampling sequences
+    # [H + N, W] int32 (page-locked where the device has such memory): the first H rows start with
+    # rows, the last N are bitmask, so the sampler uploads both in one copy. None: they lie apart.
+    packed: np.ndarray | None = None
 
     def at_rows(self, rows) -> "GrammarBitmask":
         """The same masks for other logits rows (e.g. a verification step's row of each sequence)."""
@@ -428,9 +431,9 @@ class GrammarBitmask:
 class PendingBitmask:
     """A step's masks while the mask thread fills them; result() waits for them (on the engine thread)."""
 
-    def __init__(self, manager: StructuredOutputManager, future: Future, bitmask: np.ndarray, rows: np.ndarray) -> None:
+    def __init__(self, manager: StructuredOutputManager, future: Future, mask: GrammarBitmask) -> None:
         self._manager, self._future = manager, future
-        self._mask = GrammarBitmask(bitmask, rows)
+        self._mask = mask
         self.fill_time_s: float | None = None     # set by result()
 
     def result(self) -> GrammarBitmask:
@@ -449,7 +452,7 @@ class PendingBitmask:
         """A fill that could not start: result() raises error."""
         future: Future = Future()
         future.set_exception(error)
-        return cls(None, future, np.zeros((0, 0), np.int32), np.zeros(0, np.int32))
+        return cls(None, future, GrammarBitmask(np.zeros((0, 0), np.int32), np.zeros(0, np.int32)))
 
 
 # ----------------------------------------------------------------------------- manager
@@ -483,14 +486,17 @@ class StructuredOutputManager:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
         self._max_cached = max_cached_grammars
-        # Two host buffers [max_num_seqs, W] the steps' masks are filled into in turn (pinned memory
-        # from empty_host, so the sampler's upload is a plain async copy): a step's fill never
-        # writes the buffer the step before may still be uploading from.
-        self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
+        # Two host buffers [H + max_num_seqs, W] the steps' masks are filled into in turn (pinned
+        # memory from empty_host, so the sampler's upload is a plain async copy): a step's fill
+        # never writes the buffer the step before may still be uploading from. The first H rows
+        # take the step's sampling rows, the rest the masks: one copy uploads a [H + N, W] prefix.
+        words = bitmask_words(self.vocab_size)
+        self._header_rows = -(-max_num_seqs // words)
+        self._bitmasks = [empty_host((self._header_rows + max_num_seqs, words), np.int32) for _ in range(2)]
         for buffer in self._bitmasks:
             buffer[...] = -1
         self._next_bitmask = 0
-        self.bitmask = self._bitmasks[0]
+        self.bitmask = self._bitmasks[0][self._header_rows:]
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
         self._num_compiled = 0                     # written on the pool under _lock
@@ -641,36 +647,36 @@ class StructuredOutputManager:
             concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     @staticmethod
-    def is_constrained(seqs: Sequence) -> bool:
-        """True when any of these sequences carries a constraint."""
-        return any(s.structured_output is not None for s in seqs)
-
-    @staticmethod
-    def has_token_in_flight(seqs: Sequence) -> bool:
+    def has_token_in_flight(rows: Sequence[tuple[int, Any]]) -> bool:
         """True when a constrained sequence samples while its previous token is still on the
-        device: its matcher must accept that token before its mask can be filled."""
-        return any(s.structured_output is not None and s.num_output_placeholders > 1 for s in seqs)
+        device: its matcher must accept that token before its mask can be filled. rows: a step's
+        (sampling index, sequence) pairs (SchedulerOutput.structured_rows)."""
+        return any(s.num_output_placeholders > 1 for _, s in rows if s.structured_output is not None)
 
-    def advance(self, seqs: Sequence, sampled: dict[int, list[int]]) -> None:
+    def advance(self, rows: Sequence[tuple[int, Any]], sampled: dict[int, list[int]]) -> None:
         """Feed a read-back step's tokens to the matchers of its constrained sampling sequences
         (those still waiting for them) before the scheduler appends them, so the next step's
-        masks can be filled while the scheduler works; its accept_token takes the results."""
-        for seq in seqs:
+        masks can be filled while the scheduler works; its accept_token takes the results.
+        rows: the step's (sampling index, sequence) pairs; unconstrained ones are skipped."""
+        for _, seq in rows:
             request = seq.structured_output
             if request is not None and seq.num_output_placeholders and (tokens := sampled.get(seq.seq_id)):
                 request.advance(tokens)
 
-    def start_fill(self, seqs: Sequence) -> PendingBitmask | None:
-        """Start filling, on the mask thread, the masks of the constrained sequences among one
-        step's sampling sequences that go on (rows into seqs); None when there are none.
+    def start_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:
+        """Start filling, on the mask thread, the masks of one step's constrained sampling
+        sequences that go on; None when there are none. rows: the step's (sampling index,
+        sequence) pairs (SchedulerOutput.structured_rows; unconstrained ones are skipped).
 
         Each matcher must have taken its sequence's latest token (through the scheduler, or
         ahead of it through advance()). Until the result is taken, the engine thread asks those
         matchers only their cached flags. A sequence whose grammar is done (complete, or a token
         refused) is left out: the scheduler ends it when it appends that token.
         """
-        rows, matchers = [], []
-        for b, seq in enumerate(seqs):
+        h = self._header_rows
+        buffer = self._bitmasks[self._next_bitmask]          # [H + max_num_seqs, W]
+        header, pairs = buffer[:h].reshape(-1), []           # [H * W] int32: the rows first
+        for b, seq in rows:
             request = seq.structured_output
             if request is None or seq.is_finished:
                 continue
@@ -680,21 +686,22 @@ class StructuredOutputManager:
             expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
             if matcher is None or matcher.num_accepted != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
-            rows.append(b)
-            matchers.append(matcher)
-        if not rows:
+            header[len(pairs)] = b
+            pairs.append((matcher._matcher, len(pairs)))
+        if not pairs:
             return None
-        bitmask = self._bitmasks[self._next_bitmask][:len(rows)]
+        n = len(pairs)
         self._next_bitmask = 1 - self._next_bitmask
+        packed = buffer[:h + n]
+        mask = GrammarBitmask(packed[h:], header[:n].copy(), packed)
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
-        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
         started = threading.Event()
-        future = self._mask_thread.submit(self._fill_job, pairs, bitmask, started)
+        future = self._mask_thread.submit(self._fill_job, pairs, mask.bitmask, started)
         # A thread that wants the GIL while this one runs Python gets it only after the switch
         # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
         started.wait()
-        return PendingBitmask(self, future, bitmask, np.asarray(rows, np.int32))
+        return PendingBitmask(self, future, mask)
 
     def _fill_job(self, pairs: list, bitmask: np.ndarray, started: threading.Event) -> float:
         """The mask thread's fill of bitmask[i] for pairs[i]; returns its wall seconds (up to

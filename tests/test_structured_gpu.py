@@ -41,12 +41,16 @@ def random_logits(rng, batch: int, vocab: int) -> np.ndarray:
 
 
 def random_rows(rng, batch: int) -> np.ndarray:
-    """About two thirds of the rows, shuffled, plus -1 padding and an out-of-range entry."""
+    """About two thirds of the rows, shuffled, plus -1 padding and an out-of-range entry (at most
+    batch + 3 entries: a bitmask of batch + 3 rows covers them)."""
     chosen = rng.permutation(batch)[: max(1, (2 * batch) // 3)]
     return np.concatenate([chosen, [-1, batch, -1]]).astype(np.int32)
 
 
 def check(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
+    """The kernel against the NumPy twin: mask row i for logits row rows[i] (the first len(rows)
+    rows of bitmask)."""
+    bitmask = np.ascontiguousarray(bitmask[:len(rows)])
     expect = logits.copy()
     npops.apply_token_bitmask(expect, bitmask, rows)
     dev = cupy.asarray(logits)
@@ -60,7 +64,7 @@ def check(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
 @pytest.mark.parametrize("batch", [1, 2, 7, 33, 64, 128, 255, 256])
 def test_bitmask_kernel_matches_numpy_at_qwen_vocab(batch):
     rng = np.random.default_rng(batch)
-    check(random_logits(rng, batch, VOCAB), random_bitmask(rng, batch, VOCAB), random_rows(rng, batch))
+    check(random_logits(rng, batch, VOCAB), random_bitmask(rng, batch + 3, VOCAB), random_rows(rng, batch))
 
 
 @pytest.mark.parametrize("batch,vocab,extra_words", [(3, 1, 0), (5, 31, 0), (4, 33, 0), (16, 1000 + 7, 0),
@@ -68,7 +72,7 @@ def test_bitmask_kernel_matches_numpy_at_qwen_vocab(batch):
 def test_bitmask_kernel_matches_numpy_at_other_shapes(batch, vocab, extra_words):
     """Vocabularies off a multiple of 32 and bitmasks wider than the vocabulary needs."""
     rng = np.random.default_rng(vocab + batch)
-    check(random_logits(rng, batch, vocab), random_bitmask(rng, batch, vocab, extra_words),
+    check(random_logits(rng, batch, vocab), random_bitmask(rng, batch + 3, vocab, extra_words),
           random_rows(rng, batch))
 
 
@@ -110,11 +114,42 @@ def test_bitmask_kernel_replays_in_a_cuda_graph():
             np.testing.assert_array_equal(cupy.asnumpy(logits), expect)
 
 
+def test_sampler_uploads_the_packed_masks_in_one_copy():
+    """The sampler's device path: a page-locked block as the manager fills it (the rows first, then the masks)
+    goes up in one copy into a kept buffer, and the kernel reads the rows from there; masks moved
+    to other rows (a verification step's) go up apart. Both equal the NumPy twin, step after step
+    with the buffer growing and the block's header taking one or two rows."""
+    from minillm.sampler import Sampler
+    from minillm.structured_output import GrammarBitmask, bitmask_words
+    from minillm.device import make_device
+
+    device = make_device("cuda")
+    sampler = Sampler(ops, [0], device)
+    rng = np.random.default_rng(5)
+    words = bitmask_words(VOCAB)
+    for batch, n, header in ((8, 3, 1), (64, 40, 1), (256, 256, 1), (300, 5, 2)):
+        block = device.empty_pinned((header + n, words), np.int32)
+        rows = rng.permutation(batch)[:n].astype(np.int32)
+        block[:header].reshape(-1)[:n] = rows
+        block[header:] = random_bitmask(rng, n, VOCAB)
+        mask = GrammarBitmask(block[header:], rows.copy(), block)
+        for moved in (False, True):
+            logits = random_logits(rng, batch, VOCAB)
+            expect = logits.copy()
+            npops.apply_token_bitmask(expect, block[header:], rows)
+            with device.stream:
+                dev = cupy.asarray(logits)
+                sampler.apply_grammar_bitmask(dev, mask.at_rows(rows) if moved else mask)
+                got = cupy.asnumpy(dev, stream=device.stream)
+            device.synchronize()
+            np.testing.assert_array_equal(got, expect)
+
+
 def test_bitmask_launcher_checks_its_arguments():
     logits = cupy.zeros((4, 100), np.float32)
     rows = cupy.arange(4, dtype=np.int32)
     for bad in (cupy.zeros((4, 3), np.int32),           # too few words
-                cupy.zeros((5, 4), np.int32),           # rows of the bitmask != B
+                cupy.zeros((5, 4), np.int32),           # not one mask row per entry of rows
                 cupy.zeros((4, 4), np.uint32),          # not int32
                 cupy.zeros((4, 8), np.int32)[:, ::2]):  # not contiguous
         with pytest.raises(ValueError):

@@ -423,12 +423,14 @@ def test_batch_fill_writes_only_the_given_rows(tok, manager):
 # ----------------------------------------------------------------------------- the mask op
 
 def reference_mask(logits, bitmask, rows):
-    """The rule written out token by token."""
+    """The rule written out token by token: mask row i for logits row rows[i]."""
     out = logits.copy()
     batch, vocab = logits.shape
-    for r in set(int(r) for r in rows if 0 <= r < batch):
+    for i, r in enumerate(int(r) for r in rows):
+        if not 0 <= r < batch:
+            continue
         for t in range(vocab):
-            if not (int(bitmask[r, t // 32]) >> (t % 32)) & 1:
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
                 out[r, t] = -np.inf
     return out
 
@@ -437,8 +439,8 @@ def reference_mask(logits, bitmask, rows):
 def test_numpy_mask_op_sets_exactly_the_forbidden_ids(batch, vocab, extra_words):
     rng = np.random.default_rng(vocab)
     logits = rng.standard_normal((batch, vocab)).astype(np.float32)
-    bitmask = rng.integers(-2**31, 2**31, (batch, bitmask_words(vocab) + extra_words)).astype(np.int32)
     rows = np.array([batch - 1, -1, 0, batch + 3][: max(1, batch)], np.int32)
+    bitmask = rng.integers(-2**31, 2**31, (len(rows), bitmask_words(vocab) + extra_words)).astype(np.int32)
     expect = reference_mask(logits, bitmask, rows)
     ops.apply_token_bitmask(logits, bitmask, rows)
     assert np.array_equal(logits, expect)
@@ -451,11 +453,11 @@ def test_numpy_mask_op_sets_exactly_the_forbidden_ids(batch, vocab, extra_words)
 def test_numpy_mask_op_checks_its_arguments():
     logits = np.zeros((2, 64), np.float32)
     with pytest.raises(ValueError):
-        ops.apply_token_bitmask(logits, np.zeros((2, 1), np.int32), np.array([0], np.int32))
+        ops.apply_token_bitmask(logits, np.zeros((1, 1), np.int32), np.array([0], np.int32))     # too few words
     with pytest.raises(ValueError):
-        ops.apply_token_bitmask(logits, np.zeros((3, 2), np.int32), np.array([0], np.int32))
+        ops.apply_token_bitmask(logits, np.zeros((3, 2), np.int32), np.array([0], np.int32))     # a mask row each
     with pytest.raises(ValueError):
-        ops.apply_token_bitmask(logits, np.zeros((2, 2), np.uint32), np.array([0], np.int32))
+        ops.apply_token_bitmask(logits, np.zeros((1, 2), np.uint32), np.array([0], np.int32))
     all_allowed = allocate_token_bitmask(2, 64)
     ops.apply_token_bitmask(logits, all_allowed, np.array([0, 1], np.int32))
     assert (logits == 0).all()

@@ -5,6 +5,7 @@ step), a failed fill, the sampler's kept mask buffers, and the simulated device 
 benchmark."""
 import json
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, StepError
 from minillm.sampler import Sampler
 from minillm.sequence import Sequence, SequenceStatus
-from minillm.structured_output import (GrammarBitmask, StructuredOutputRequest, allocate_token_bitmask,
+from minillm.structured_output import (GrammarBitmask, StructuredOutputRequest,
                                        bitmask_words)
 from test_structured_engine import CHECKS, PROMPT
 from test_structured_output import ARITHMETIC_BOUNDED, CHOICES, DATE, SCHEMA, VOCAB, allowed, char_ids, compile_
@@ -116,7 +117,7 @@ def test_batched_advance_gives_each_matcher_its_own_results(tok, manager):
     seqs = [constrained_seq(request, placeholders=2) for request in requests]
     for i, seq in enumerate(seqs):
         seq.seq_id = i
-    manager.advance(seqs, {i: step for i, (_, _, step) in enumerate(cases)})
+    manager.advance(list(enumerate(seqs)), {i: step for i, (_, _, step) in enumerate(cases)})
     for request, twin, (_, _, step) in zip(requests, twins, cases):
         expected = []
         for t in step:
@@ -156,46 +157,79 @@ def test_start_fill_fills_the_rows_that_go_on_on_the_mask_thread(tok, manager):
     plain = constrained_seq(None)
     seqs = [plain, constrained_seq(request_for(date)), finished, constrained_seq(ahead, placeholders=2),
             constrained_seq(complete, outputs=char_ids(tok, CHOICES[0])), constrained_seq(request_for(choice))]
-    pending = manager.start_fill(seqs)
+    rows = list(enumerate(seqs))
+    pending = manager.start_fill(rows)
     mask = pending.result()
     assert mask.rows.tolist() == [1, 3, 5] and pending.fill_time_s > 0
     for i, b in enumerate(mask.rows):
         single = np.zeros((1, bitmask_words(VOCAB)), np.int32)
         seqs[b].structured_output.matcher.fill_bitmask(single, 0)
         assert np.array_equal(mask.bitmask[i], single[0])
-    second = manager.start_fill(seqs).result()
-    third = manager.start_fill(seqs).result()
+    # One upload: the packed block's first rows start with the rows, the masks follow them.
+    h = mask.packed.shape[0] - 3
+    assert h >= 1 and mask.packed.shape[1] == bitmask_words(VOCAB)
+    assert mask.packed[:h].reshape(-1)[:3].tolist() == [1, 3, 5]
+    assert np.array_equal(mask.packed[h:], mask.bitmask) and np.shares_memory(mask.packed, mask.bitmask)
+    second = manager.start_fill(rows).result()
+    third = manager.start_fill(rows).result()
     assert not np.shares_memory(mask.bitmask, second.bitmask) and np.shares_memory(mask.bitmask, third.bitmask)
-    assert manager.start_fill([plain, finished]) is None
+    assert mask.rows.tolist() == [1, 3, 5]        # its own copy: the third fill rewrote the packed rows
+    assert manager.start_fill([(0, plain), (1, finished)]) is None
     behind = constrained_seq(request_for(date), outputs=char_ids(tok, "1"))   # its token never reached the matcher
     with pytest.raises(RuntimeError, match="not at its latest token"):
-        manager.start_fill([behind])
+        manager.start_fill([(0, behind)])
 
 
 def test_a_fill_error_is_raised_where_the_masks_are_taken(tok, manager, monkeypatch):
     def broken(pairs, out):
         raise ValueError("the fill broke")
     monkeypatch.setattr(manager, "_fill_rows", broken)
-    pending = manager.start_fill([constrained_seq(request_for(compile_(manager, regex=DATE)))])
+    pending = manager.start_fill([(0, constrained_seq(request_for(compile_(manager, regex=DATE))))])
     with pytest.raises(ValueError, match="the fill broke"):
         pending.result()
 
 
-def test_sampler_masks_through_kept_buffers(stories_path):
-    """The mask buffers are kept from step to step and grow with the batch; each step masks
-    exactly its rows as the NumPy op does."""
-    sampler = Sampler(npops, [EOS])
+class DeviceLikeOps:
+    """The NumPy ops behind an array module that is not NumPy's: the sampler takes its device
+    path (uploads into a kept buffer) over host arrays."""
+
+    xp = SimpleNamespace(empty=np.empty)
+
+    def __getattr__(self, name):
+        return getattr(npops, name)
+
+
+def masked_token_by_token(logits, words, rows):
+    """The mask rule written out: words[i] masks logits row rows[i]."""
+    out = logits.copy()
+    for i, r in enumerate(rows):
+        for t in range(logits.shape[1]):
+            if not (int(words[i, t // 32]) >> (t % 32)) & 1:
+                out[r, t] = -np.inf
+    return out
+
+
+@pytest.mark.parametrize("device_path", [False, True])
+def test_sampler_masks_exactly_its_rows(device_path):
+    """The CPU backend masks in place from the host masks; a device path uploads the packed block
+    (or, for masks moved to other rows, the masks and the rows apart) into a buffer kept from
+    step to step that grows with the number of masks. Each step masks exactly its rows."""
+    sampler = Sampler(DeviceLikeOps() if device_path else npops, [EOS])
     rng = np.random.default_rng(3)
     for batch, rows in ((6, [0, 4]), (3, [2]), (9, [8, 1, 5])):
-        logits = rng.standard_normal((batch, 100)).astype(np.float32)
-        words = rng.integers(-2**31, 2**31, (len(rows), bitmask_words(100)), dtype=np.int64).astype(np.int32)
-        expect = logits.copy()
-        full = allocate_token_bitmask(batch, 100)
-        full[rows] = words
-        npops.apply_token_bitmask(expect, full, np.asarray(rows, np.int32))
-        sampler.apply_grammar_bitmask(logits, GrammarBitmask(words, np.asarray(rows, np.int32)))
-        assert np.array_equal(logits, expect)
-    assert sampler._bitmask.shape[0] >= 9
+        for h, packed in ((1, True), (2, True), (1, False)):      # h: rows of the block the rows take
+            logits = rng.standard_normal((batch, 100)).astype(np.float32)
+            block = np.full((h + len(rows), bitmask_words(100)), -1, np.int32)
+            block[:h].reshape(-1)[:len(rows)] = rows
+            block[h:] = rng.integers(-2**31, 2**31, (len(rows), bitmask_words(100)), dtype=np.int64).astype(np.int32)
+            expect = masked_token_by_token(logits, block[h:], rows)
+            mask = GrammarBitmask(block[h:], np.asarray(rows, np.int32), block)
+            sampler.apply_grammar_bitmask(logits, mask if packed else mask.at_rows(rows))
+            assert np.array_equal(logits, expect)
+    if device_path:
+        assert sampler._bitmask.shape[0] >= 2 + 3          # the rows' rows, then a row a mask
+    else:
+        assert sampler._bitmask is None
 
 
 # ----------------------------------------------------------------------------- the engine's order
@@ -234,7 +268,7 @@ def test_async_a_constrained_step_samples_at_the_start_of_the_next_one(stories_p
         engine.step()
         if engine._in_flight and engine._in_flight[-1][1].sampled_by is not None:
             num_deferred += 1
-            assert engine.structured_outputs.is_constrained(engine._in_flight[-1][0].sampling_seqs)
+            assert engine._in_flight[-1][0].structured_rows
     engine.shutdown()
     assert num_deferred > 10
     text = " ".join(log)
@@ -304,12 +338,14 @@ def test_simulated_device_picks_allowed_tokens_and_keeps_time():
     assert all(bits[r, t] for r, t in enumerate(picked)) and picked[0] == 7 * 32 + 31 and picked[4] == 39 * 32
     from minillm.benchmarks.simulated_device import SimulatedBuffer, SimulatedLogits, SimulatedSamplerOps
     ops = SimulatedSamplerOps(sim, npops)
-    uploaded, full = ops.xp.empty((8, 40), np.int32), ops.xp.empty((8, 40), np.int32)
-    assert isinstance(uploaded, SimulatedBuffer) and uploaded[:5].nbytes == words.nbytes
-    uploaded[:5].upload(words)                                  # a copy of the host rows, then a scatter
-    full[:6][np.array([5, 0, 3, 1, 2])] = uploaded[:5]
+    buffer = ops.xp.empty((8, 40), np.int32)
+    packed = np.vstack([np.full((1, 40), -1, np.int32), words])
+    packed[0, :5] = [5, 0, 3, 1, 2]
+    assert isinstance(buffer, SimulatedBuffer) and buffer[:6].nbytes == packed.nbytes
+    buffer[:6].upload(packed)                                   # the rows and their masks in one copy
+    assert buffer[:1].reshape(-1)[:5].tolist() == [5, 0, 3, 1, 2]
     logits = SimulatedLogits(6, 40 * 32)
-    ops.apply_token_bitmask(logits, full[:6], np.array([5, 0, 3, 1, 2], np.int32))
+    ops.apply_token_bitmask(logits, buffer[1:6], buffer[:1].reshape(-1)[:5])
     assert logits.masked[5] == 7 * 32 + 31 and logits.masked[2] == 39 * 32
     assert all(bits[i, logits.masked[r]] for i, r in enumerate([5, 0, 3, 1, 2]))
     end = sim.queue(2e-3)

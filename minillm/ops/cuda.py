@@ -944,21 +944,22 @@ _MAX_GRID_Y = 65535
 def apply_token_bitmask(logits, bitmask, rows) -> None:
     """Set the logits of forbidden tokens to -inf, in place, in the listed rows (see numpy.py).
 
-    logits: [B, V] float32 packed; bitmask: [B, W] int32 packed, W >= ceil(V / 32), 1 bits
-    allowed; rows: [N] int32 (a device array when capturing), entries outside [0, B) skipped.
+    logits: [B, V] float32 packed; bitmask: [N, W] int32 packed, W >= ceil(V / 32), 1 bits
+    allowed, mask i for logits row rows[i]; rows: [N] int32 (a device array when capturing),
+    entries outside [0, B) skipped.
     """
     _check_logits(logits)
     _check_device(bitmask, "bitmask")
     batch, vocab = logits.shape
     num_words = (vocab + 31) // 32
-    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < num_words:
-        raise ValueError(f"bitmask must be int32 [{batch}, >= {num_words}], got {bitmask.dtype} "
-                         f"{tuple(bitmask.shape)}")
-    _check_contiguous(bitmask, "bitmask")
     rows = _as_device(rows, np.int32, "rows")
     if rows.ndim != 1:
         raise ValueError(f"rows must be [N], got {tuple(rows.shape)}")
     num_rows = rows.shape[0]
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != num_rows or bitmask.shape[1] < num_words:
+        raise ValueError(f"bitmask must be int32 [{num_rows} (one per row), >= {num_words}], got {bitmask.dtype} "
+                         f"{tuple(bitmask.shape)}")
+    _check_contiguous(bitmask, "bitmask")
     if num_rows > _MAX_GRID_Y:
         raise ValueError(f"rows may name at most {_MAX_GRID_Y} rows, got {num_rows}")
     if num_rows == 0 or batch == 0 or vocab == 0:

@@ -277,20 +277,23 @@ def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
     """Structured outputs: set the logits of forbidden tokens to -inf, in place, in the listed rows.
 
-    logits: [B, V] float32; bitmask: [B, W] int32 with W >= ceil(V / 32), bit j of word w is token
-    32 w + j (1: allowed, 0: forbidden); rows: [N] int32, the rows to mask (the constrained ones).
-    Row r of logits reads row r of bitmask; entries outside [0, B) are skipped (-1 pads a
+    logits: [B, V] float32; bitmask: [N, W] int32 with W >= ceil(V / 32), bit j of word w is token
+    32 w + j (1: allowed, 0: forbidden); rows: [N] int32, the logits row each mask row applies to
+    (mask i to logits row rows[i], rows distinct). Entries outside [0, B) are skipped (-1 pads a
     fixed-size rows array). Rows not listed are left untouched.
     """
     batch, vocab = logits.shape
     num_words = (vocab + 31) // 32
-    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != batch or bitmask.shape[1] < num_words:
-        raise ValueError(f"bitmask must be int32 [{batch}, >= {num_words}], got {bitmask.dtype} {bitmask.shape}")
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
-    rows = rows[(rows >= 0) & (rows < batch)]
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or bitmask.shape[0] != rows.shape[0] \
+            or bitmask.shape[1] < num_words:
+        raise ValueError(f"bitmask must be int32 [{rows.shape[0]} (one per row), >= {num_words}], got "
+                         f"{bitmask.dtype} {bitmask.shape}")
+    keep = (rows >= 0) & (rows < batch)
+    rows = rows[keep]
     if rows.size == 0 or vocab == 0:
         return
-    words = np.ascontiguousarray(bitmask[rows, :num_words], dtype="<i4")       # [N, ceil(V/32)]
+    words = np.ascontiguousarray(bitmask[keep, :num_words], dtype="<i4")       # [N, ceil(V/32)]
     # little-endian bytes, least significant bit first: bit j of word w lands at column 32 w + j
     allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)  # [N, V]
     logits[rows] = np.where(allowed, logits[rows], np.float32(-np.inf))
