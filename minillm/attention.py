@@ -24,6 +24,9 @@ class AttentionMetadata:
     # on the GPU a mixed step runs them through the decode kernel and the rest through the prefill
     # kernel, whose tiles would spend most of their work on a one-token chunk.
     num_decode_seqs: int = 0
-    # Key splits of the GPU's prefill kernel (None: chosen from the grid and max_seq_len; 1: none).
-    # Captured graphs replaying shorter contexts than their capture's set 1.
+    # Key splits of the GPU's prefill kernel (None: chosen from the grid and the chunks' longest
+    # context; 1: none). Captured graphs replaying shorter contexts than their capture's set 1.
     prefill_kv_splits: int | None = None
+    # The longest context among the chunks (the sequences after the decode rows); 0: max_seq_len.
+    # A fresh prompt's chunk beside long-running decodes splits no keys.
+    prefill_max_seq_len: int = 0

@@ -218,11 +218,12 @@ class ModelRunner:
         tables = self.block_tables.table(out.seqs)
         slots = tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = (starts + counts).astype(np.int32)
+        num_decode = next((b for b, n in enumerate(out.num_new_tokens) if n != 1), len(out.seqs))
         meta = AttentionMetadata(
             query_start_loc=qsl.astype(np.int32), seq_lens=seq_lens, block_tables=tables,
             slot_mapping=slots.astype(np.int32), max_query_len=int(counts.max()), max_seq_len=int(seq_lens.max()),
-            is_decode_only=False,
-            num_decode_seqs=next((b for b, n in enumerate(out.num_new_tokens) if n != 1), len(out.seqs)))
+            is_decode_only=False, num_decode_seqs=num_decode,
+            prefill_max_seq_len=int(seq_lens[num_decode:].max()) if num_decode < len(out.seqs) else 0)
         return np.asarray(ids, np.int32), positions.astype(np.int32), meta, holes
 
     def _prepare_decode(self, out: SchedulerOutput):
@@ -241,9 +242,18 @@ class ModelRunner:
         return ids, pos, meta, holes
 
     def _to_device(self, meta: AttentionMetadata) -> AttentionMetadata:
-        a = self.ops.asarray
-        return dataclasses.replace(meta, query_start_loc=a(meta.query_start_loc), seq_lens=a(meta.seq_lens),
-                                   block_tables=a(meta.block_tables), slot_mapping=a(meta.slot_mapping))
+        """meta with its arrays on the device: one upload of one int32 array, of which they are
+        views (each starting on a 16-byte boundary); a mixed step's host time is mostly launches."""
+        parts = [np.asarray(a, np.int32).reshape(-1) for a in
+                 (meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.slot_mapping)]
+        ends = np.cumsum([0] + [-(-p.size // 4) * 4 for p in parts])          # [5] padded offsets
+        flat = np.zeros(int(ends[-1]), np.int32)
+        for p, start in zip(parts, ends):
+            flat[start:start + p.size] = p
+        dev = self.ops.asarray(flat)
+        qsl, seq_lens, tables, slots = (dev[s:s + p.size] for p, s in zip(parts, ends))
+        return dataclasses.replace(meta, query_start_loc=qsl, seq_lens=seq_lens, slot_mapping=slots,
+                                   block_tables=tables.reshape(np.shape(meta.block_tables)))
 
     def launch(self, out: SchedulerOutput, grammar_bitmask=None, defer_sampling: bool = False) -> "InFlightStep":
         """Queue one forward pass and the sampling of out.sampling_rows; nothing waits for the

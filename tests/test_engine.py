@@ -181,3 +181,37 @@ def test_token_utilization_counts_shared_blocks_once(stories_path):
     s = engine.stats(cells=64)
     assert s.prefix_cache_hits > 0
     assert 0.0 < s.kv_token_utilization <= 1.0
+
+
+def test_a_mixed_step_describes_its_chunks_and_uploads_one_array(stories_path, prompts):
+    """A step of decodes beside a new prompt: the decode rows first, the chunk's own context apart
+    from the decodes' (the GPU's prefill kernel sizes its key splits by it), and the metadata on
+    the device as views of one upload equal to the host arrays."""
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", async_scheduling=False))
+    runner, seen = engine.runner, []
+    to_device = runner._to_device
+
+    def spy(meta):
+        dev = to_device(meta)
+        seen.append((meta, dev))
+        return dev
+
+    runner._to_device = spy
+    for i in range(3):
+        engine.add_request(f"d{i}", prompts[2 * i + 1], GREEDY)       # 41-47 tokens each
+    while not seen or engine.scheduler.num_waiting:
+        engine.step()
+    for _ in range(5):
+        engine.step()                                                 # decoding, contexts near 50
+    seen.clear()
+    engine.add_request("new", prompts[0][:4], GREEDY)
+    engine.step()
+    meta, dev = seen[-1]
+    assert meta.num_decode_seqs == 3 and not meta.is_decode_only
+    assert meta.prefill_max_seq_len == 4 < meta.max_seq_len
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        host, view = getattr(meta, name), getattr(dev, name)
+        assert view.shape == host.shape and np.array_equal(view, host), name
+    base = dev.query_start_loc.base
+    assert base is not None and all(getattr(dev, n).base is base for n in ("seq_lens", "slot_mapping"))
+    engine.shutdown()

@@ -89,9 +89,11 @@ def batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, q_lens, pr
 
 
 def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
-                  fused_qkv=False, kv_splits=None, num_decode_seqs=0):
+                  fused_qkv=False, kv_splits=None, num_decode_seqs=0, launches=None):
     """Run one ragged batch through `kernel` (its keys split kv_splits ways; None: as chosen) and
-    hold it to the twin; the first num_decode_seqs one-token sequences go to the decode kernel."""
+    hold it to the twin; the first num_decode_seqs one-token sequences go to the decode kernel (as
+    the runner builds a mixed step's metadata: with the chunks' longest context). launches: a list
+    that gets the kernels the step's plan launches."""
     monkeypatch.setattr(ops, "PREFILL_ATTENTION", kernel)
     k32, v32, q_rows, meta, ref = batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, tuple(q_lens),
                                                       tuple(prefixes), fused_qkv)
@@ -104,7 +106,12 @@ def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_s
     out = ops.asarray(np.full((tokens, heads, head_dim), np.nan, np.float32), dtype)
     dmeta = device_meta(meta)
     dmeta.prefill_kv_splits, dmeta.num_decode_seqs = kv_splits, num_decode_seqs
-    got = to_host32(ops.paged_attention(q, k_cache, v_cache, dmeta, head_dim ** -0.5, out=out))
+    if num_decode_seqs:
+        dmeta.prefill_max_seq_len = int(np.max(meta.seq_lens[num_decode_seqs:], initial=0))
+    plan = ops.attention_plan(q, k_cache, v_cache, dmeta, head_dim ** -0.5, out=out)
+    got = to_host32(plan.run(k_cache, v_cache))
+    if launches is not None:
+        launches.extend(launch.fn for launch in plan.launches)
     what = (f"{kernel} {dtype} hd{head_dim} {heads}/{kv_heads} bs{block_size} q={q_lens} prefix={prefixes} "
             f"splits={kv_splits} decode={num_decode_seqs}")
     assert np.isfinite(got).all(), f"{what}: non-finite output (an element was not written?)"
@@ -184,6 +191,29 @@ def test_mixed_step_with_key_splits(monkeypatch, splits):
     first row), as a mixed step of decodes beside a long prompt's chunk runs them."""
     check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1, 1, 1, 128, 40], [700, 0, 16000, 16000, 9],
                   kv_splits=splits, num_decode_seqs=3)
+
+
+def kernel_names(fns) -> list[str]:
+    return [getattr(getattr(fn, "kernel", fn), "name", "?") for fn in fns]
+
+
+def test_many_decodes_beside_a_fresh_chunk_launch_two_kernels(monkeypatch):
+    """64 decode rows at contexts near 600 fill the card unsplit (no reduce), and a fresh 16-token
+    chunk splits no keys although the decodes' contexts are long: one decode and one prefill
+    launch (measured faster on the H200: RESULTS.md). Eight decodes keep their splits, and a
+    chunk at a long context its key splits. Each equals the twin."""
+    fns = []
+    check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1] * 64 + [16], list(range(600, 664)) + [0],
+                  num_decode_seqs=64, launches=fns)
+    assert len(fns) == 2, kernel_names(fns)
+    fns = []
+    check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1] * 8 + [16], [4000] * 8 + [0],
+                  num_decode_seqs=8, launches=fns)
+    assert len(fns) == 3, kernel_names(fns)                 # decode, its reduce, prefill
+    fns = []
+    check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1] * 64 + [128], list(range(600, 664)) + [16000],
+                  num_decode_seqs=64, launches=fns)
+    assert len(fns) == 3, kernel_names(fns)                 # decode, prefill, its key-split reduce
 
 
 def test_a_small_chunk_at_a_long_context_splits_its_keys():
