@@ -79,3 +79,51 @@ def test_chat_without_any_template_says_so(llm):
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts, params, needle", [
+    (None, GREEDY, "prompts must be a prompt or a list of prompts"),
+    (5, GREEDY, "prompts must be a prompt or a list of prompts"),
+    ([3.5], GREEDY, "prompt must be a string, a list of token ids or a prompt dict"),
+    ("a \ud800 b", GREEDY, "prompt is not valid Unicode: a lone surrogate at index 2"),
+    ("Once", {"max_tokens": 2}, "sampling_params must be a SamplingParams"),
+    (["Once", "Lily"], [GREEDY, 7], "sampling_params must be a SamplingParams"),
+])
+def test_bad_generate_arguments_are_value_errors_naming_the_argument(llm, prompts, params, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(prompts, params)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_engine_refuses_params_that_are_not_sampling_params(llm):
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        llm.llm_engine.add_request("not-params", "Once", {"max_tokens": 2})
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_joins_text_parts_and_refuses_other_content(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "one."}]}]
+    [joined] = llm.chat(parts, GREEDY, chat_template=CHATML)
+    [plain] = llm.chat([{"role": "user", "content": "Tell me one."}], GREEDY, chat_template=CHATML)
+    assert joined.prompt == plain.prompt and joined.outputs[0].token_ids == plain.outputs[0].token_ids
+    bad = [([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only"),
+           ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
+           ([{"role": "user", "content": "a\udc80"}], "not valid Unicode"),
+           ("hello", "messages must be a list of message dicts"),
+           (None, "messages must be a list of message dicts")]
+    for messages, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            llm.chat(messages, GREEDY, chat_template=CHATML)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_continue_final_message_matches_transformers(stories_path, llm):
+    transformers = pytest.importorskip("transformers")
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(stories_path))
+    want = hf.apply_chat_template(messages, chat_template=CHATML, add_generation_prompt=False,
+                                  continue_final_message=True, tokenize=False)
+    [out] = llm.chat(messages, GREEDY, chat_template=CHATML, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt == want and want.endswith("Once upon a")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(messages, GREEDY, chat_template=CHATML, continue_final_message=True)
