@@ -102,6 +102,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
 
 
 class ContentPart(BaseModel):
@@ -134,6 +135,15 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Any = None
     chat_template: Text | None = None            # vLLM's: a Jinja template for this request only
     chat_template_kwargs: dict[Text, Any] | None = None   # extra variables for the template
+    # vLLM's: how the conversation is rendered (the assistant's turn opened, or the last message
+    # continued), whether the reply starts with the last message's text, and whether the tokenizer
+    # adds its special tokens on top of what the template writes.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -155,7 +165,8 @@ def unknown_fields(req: _GenerationRequest) -> list[str]:
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
 VLLM_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
-                    "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids")
+                    "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "prompt_embeds",
+                    "return_token_ids")
 
 
 def check_unsupported(req: _GenerationRequest) -> None:
@@ -166,6 +177,14 @@ def check_unsupported(req: _GenerationRequest) -> None:
         if value is not None and value is not False and value != [] and value != {}:   # prompt_logprobs=0 asks
             hint = "; /v1/completions with echo and logprobs scores the prompt" if name == "prompt_logprobs" else ""
             raise APIError(400, f"{name} is not supported{hint}", param=name)
+    stream_extra = (req.stream_options.model_extra or {}) if req.stream_options is not None else {}
+    if stream_extra.get("continuous_usage_stats"):     # usage in every chunk: not implemented
+        raise APIError(400, "stream_options.continuous_usage_stats is not supported (include_usage is)",
+                       param="stream_options.continuous_usage_stats")
+    priority = extra.get("priority")
+    if priority is not None and priority != 0:         # vLLM refuses it too without priority scheduling
+        raise APIError(400, "priority is not supported (requests are served first come, first served)",
+                       param="priority")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -178,6 +197,13 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
         if req.function_call not in (None, "none"):
             raise APIError(400, "function_call is not supported", param="function_call")
+        if req.tool_choice not in (None, "none", "auto"):   # "required" or a named tool needs tools
+            raise APIError(400, "tool_choice other than 'none' or 'auto' needs tools, which are not supported",
+                           param="tool_choice")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                           "(set add_generation_prompt to false to continue the last message)",
+                           param="continue_final_message")
 
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
@@ -254,8 +280,12 @@ def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
     for i, msg in enumerate(req.messages):
         content = msg.content
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise APIError(400, f"content part type {short_repr(part.type)} is not supported (only 'text')",
+                                   param=f"messages.{i}.content.{j}.type")
+                if part.text is None:
+                    raise APIError(400, "a text content part needs its text", param=f"messages.{i}.content.{j}.text")
             content = "".join(part.text for part in content)
         item = {"role": msg.role, "content": content or ""}
         if msg.name is not None:
