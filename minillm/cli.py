@@ -489,7 +489,7 @@ def serve(
     model: Annotated[Optional[str], typer.Argument(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require this bearer token.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         help="The model name clients use (default: MODEL).")] = None,
@@ -608,7 +608,7 @@ def router_command(
     decode: Annotated[list[str], typer.Option(
         "--decode", help="A decode server (minillm serve --kv-role consumer); repeat for several.")],
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     connect_timeout: Annotated[float, typer.Option(
         help="Seconds to wait for a server to accept a connection before trying the next.")] = 3.0,
     timeout: Annotated[float, typer.Option(help="Seconds a server may take to answer.")] = 600.0,

@@ -441,3 +441,20 @@ def test_serve_kv_transfer_options_are_checked_before_loading(args, message):
 def test_router_options_are_checked(args, message):
     result = minillm("router", *args)
     assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+@needs_stories
+def test_serve_refuses_a_port_it_cannot_listen_on_before_loading_the_model():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [(("--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
+                 (("--host", "999.1.1.1", "--port", "0"), "cannot listen on 999.1.1.1:0"),
+                 (("--port", "70000"), "--port"), (("--port", "-1"), "--port"),
+                 (("--api-key", "", "--port", "0"), "api_key must not be empty")]
+        for args, needle in cases:
+            result = minillm("serve", str(STORIES), "--device", "cpu", *args)
+            assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and needle in lines[0], result.stderr   # one line: no model was loaded
