@@ -127,3 +127,21 @@ def test_continue_final_message_matches_transformers(stories_path, llm):
     assert out.prompt == want and want.endswith("Once upon a")
     with pytest.raises(ValueError, match="cannot both be true"):
         llm.chat(messages, GREEDY, chat_template=CHATML, continue_final_message=True)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"max_model_len": "128"}, "max_model_len must be an integer, got '128'"),
+    ({"max_model_len": 64.5}, "max_model_len must be an integer"),
+    ({"max_num_seqs": True}, "max_num_seqs must be an integer, got True"),
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be true or false"),
+])
+def test_engine_arguments_of_the_wrong_kind_are_value_errors_naming_them(stories_path, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(stories_path), device="cpu", **kwargs)
+
+
+def test_a_model_that_is_not_a_path_is_a_value_error():
+    for model in (None, 5):
+        with pytest.raises(ValueError, match="model must be a model directory or hub id"):
+            LLM(model, device="cpu")
