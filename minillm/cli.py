@@ -280,7 +280,11 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     if prompts and prompts_file:
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
-        text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text()
+        try:
+            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"--prompts-file {prompts_file} is not UTF-8 text: {exc.reason} at byte "
+                           f"{exc.start}") from None
         prompts = [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")

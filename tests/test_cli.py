@@ -458,3 +458,20 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading_the_model():
             assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
             lines = result.stderr.strip().splitlines()
             assert len(lines) == 1 and needle in lines[0], result.stderr   # one line: no model was loaded
+
+
+@needs_stories
+def test_prompts_that_are_not_text_fail_in_one_line(tmp_path):
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\xff\xfe not text\n")
+    result = minillm("generate", str(STORIES), "--device", "cpu", "--prompts-file", str(binary))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"minillm: error: --prompts-file {binary} is not UTF-8 text: "
+                                                  "invalid start byte at byte 0"]
+    # A --prompt with bytes that are not UTF-8 arrives as lone surrogates: named, not a TypeError.
+    result = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu",
+                             "--max-tokens", "2", "--prompt", b"a\xffb"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "minillm: error: prompt is not valid Unicode: a lone surrogate at index 1"
