@@ -186,3 +186,36 @@ def test_add_special_tokens_adds_bos_as_vllm_does(http, tok, healthy_stream):
     assert chat[1] == chat[0] + 1
     # Text that tokenizes to nothing without its BOS is an empty prompt.
     _error(http.post("/v1/completions", json={"prompt": "", "add_special_tokens": False}), 400, "prompt")
+
+
+NULLABLE = ("n", "stream", "logprobs", "echo", "ignore_eos", "min_tokens", "skip_special_tokens",
+            "include_stop_str_in_output", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+            "top_logprobs", "stop", "seed", "top_p", "user", "tool_choice", "parallel_tool_calls")
+
+
+def test_null_optional_fields_mean_their_defaults_as_in_openais_api(http, healthy_stream):
+    want = http.post("/v1/chat/completions", json=_chat()).json()
+    nulls = {name: None for name in NULLABLE}
+    got = http.post("/v1/chat/completions", json=_chat(**nulls, messages=[{**MESSAGES[0], "name": None}]))
+    assert got.status_code == 200, got.text
+    assert got.json()["choices"] == want["choices"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 6, "temperature": 0}
+    want = http.post("/v1/completions", json=body).json()
+    nulls = {name: None for name in ("n", "stream", "echo", "ignore_eos", "min_tokens", "logprobs", "best_of",
+                                     "suffix", "add_special_tokens")}
+    streamed = {**body, **nulls, "stream": True, "stream_options": {"include_usage": None}}
+    got = http.post("/v1/completions", json=streamed)
+    assert got.status_code == 200, got.text
+    events = sse_events(got.text.splitlines())
+    assert "".join(c["text"] for e in events for c in e["choices"]) == want["choices"][0]["text"]
+    assert all("usage" not in e for e in events)        # include_usage null: no usage chunk
+    # A field whose own value may be null keeps it: max_tokens null runs to the end of the context.
+    rest = http.post("/v1/completions", json={**body, "max_tokens": None, "ignore_eos": True}).json()
+    assert rest["usage"]["total_tokens"] == server_max_model_len(http)
+    # A required field is still required.
+    _error(http.post("/v1/completions", json={**body, "prompt": None}), 400, "prompt")
+    _error(http.post("/v1/chat/completions", json=_chat(messages=None)), 400, "messages")
+
+
+def server_max_model_len(http) -> int:
+    return http.get("/v1/models").json()["data"][0]["max_model_len"]

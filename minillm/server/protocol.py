@@ -5,9 +5,10 @@ must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which 
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import SamplingParams, short_repr
@@ -45,18 +46,44 @@ def _check_json_text(value: Any) -> Any:
     return value
 
 
-class StreamOptions(BaseModel):
-    """stream_options: whether a final chunk carries the usage."""
+class _OpenAIModel(BaseModel):
+    """A request object whose optional fields take null as "the default", as OpenAI's API (and vLLM's)
+    do: `"n": null` is n 1, not a type error. A field whose own value may be None keeps the null
+    (max_tokens null asks for the rest of the context)."""
 
     model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _fields_without_none(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _fields_without_none(cls: type[BaseModel]) -> frozenset[str]:
+    """Names of cls's optional fields whose type does not admit None."""
+    names = []
+    for name, info in cls.model_fields.items():
+        annotation = info.annotation
+        admits_none = annotation is Any or annotation is type(None) or type(None) in get_args(annotation)
+        if not info.is_required() and not admits_none:
+            names.append(name)
+    return frozenset(names)
+
+
+class StreamOptions(_OpenAIModel):
+    """stream_options: whether a final chunk carries the usage."""
+
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_OpenAIModel):
     """Fields completions and chat completions share (OpenAI names plus vLLM's extensions)."""
 
     # Clients send fields we do not use (metadata, ...): accept them and log their names.
-    model_config = STRICT
 
     model: Text | None = None
     n: int = 1
@@ -113,10 +140,9 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_OpenAIModel):
     """One chat message."""
 
-    model_config = STRICT
     role: Literal[CHAT_ROLES]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
