@@ -145,3 +145,19 @@ def test_a_model_that_is_not_a_path_is_a_value_error():
     for model in (None, 5):
         with pytest.raises(ValueError, match="model must be a model directory or hub id"):
             LLM(model, device="cpu")
+
+
+def test_sampling_params_changed_after_construction_are_what_the_engine_uses(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, stop=["zzz"])
+    unstopped = llm.generate("Once upon a time", params)[0].outputs[0]
+    assert " was" in unstopped.text
+    params.stop = [" was"]
+    stopped = llm.generate("Once upon a time", params)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.text == unstopped.text.split(" was")[0]
+    for field, value, needle in (("stop", 5, "stop must be a string or a list"),
+                                 ("stop_token_ids", 5, "stop_token_ids must be a list of integers")):
+        bad = SamplingParams(max_tokens=2)
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=needle):
+            llm.generate("Once upon a time", bad)
+    assert not llm.llm_engine.has_unfinished_requests()
