@@ -93,6 +93,7 @@ class LLM:
             raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
                              f"got {short_repr(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        check_template_kwargs(chat_template_kwargs)
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
@@ -121,6 +122,22 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+# Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize")
+
+
+def check_template_kwargs(kwargs) -> None:
+    """ValueError unless chat_template_kwargs is None or a dict of names the renderer does not set itself."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict of names to values, got {short_repr(kwargs)}")
+    clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (LLM.chat takes them as arguments)")
 
 
 def plain_messages(conversation) -> list[dict]:

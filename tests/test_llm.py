@@ -161,3 +161,14 @@ def test_sampling_params_changed_after_construction_are_what_the_engine_uses(llm
         with pytest.raises(ValueError, match=needle):
             llm.generate("Once upon a time", bad)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"add_generation_prompt": False}, "may not set add_generation_prompt"),
+    ({"messages": []}, "may not set messages"),
+    ({"tokenize": True}, "may not set tokenize"),
+    (["enable_thinking"], "must be a dict"),
+])
+def test_chat_template_kwargs_that_clash_or_are_no_dict_are_value_errors(llm, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=CHATML, chat_template_kwargs=kwargs)
