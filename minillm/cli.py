@@ -280,7 +280,11 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     if prompts and prompts_file:
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
-        text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text()
+        try:
+            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"--prompts-file {prompts_file} is not UTF-8 text: {exc.reason} at byte "
+                           f"{exc.start}") from None
         prompts = [line for line in text.splitlines() if line.strip()]
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")
@@ -489,7 +493,7 @@ def serve(
     model: Annotated[Optional[str], typer.Argument(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require this bearer token.")] = None,
     served_model_name: Annotated[Optional[str], typer.Option(
         help="The model name clients use (default: MODEL).")] = None,
@@ -608,7 +612,7 @@ def router_command(
     decode: Annotated[list[str], typer.Option(
         "--decode", help="A decode server (minillm serve --kv-role consumer); repeat for several.")],
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to bind.")] = 8000,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     connect_timeout: Annotated[float, typer.Option(
         help="Seconds to wait for a server to accept a connection before trying the next.")] = 3.0,
     timeout: Annotated[float, typer.Option(help="Seconds a server may take to answer.")] = 600.0,

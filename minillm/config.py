@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +78,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -131,6 +134,28 @@ class EngineConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# EngineConfig's fields by the kind of value they take (None passes where the field's default is None).
+_INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
+               "max_model_len", "seed")
+_BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "calculate_kv_scales")
+
+
+def check_field_types(config: EngineConfig) -> None:
+    """ValueError naming the first field whose value is of the wrong kind (a string for a number, a
+    bool for a count), before any range check compares it."""
+    if not isinstance(config.model, (str, os.PathLike)):
+        raise ValueError(f"model must be a model directory or hub id, got {config.model!r}")
+    for name in _INT_FIELDS:
+        value = getattr(config, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    value = config.gpu_memory_utilization
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"gpu_memory_utilization must be a number, got {value!r}")
+    for name in _BOOL_FIELDS:
+        value = getattr(config, name)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
 def check_kv_cache_dtype(name) -> None:

@@ -197,7 +197,9 @@ class LLMEngine:
         """
         if output_kind not in ("cumulative", "final"):
             raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_vocab(self.model_config.vocab_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
@@ -249,6 +251,11 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if not prompt.isascii():
+                try:
+                    prompt.encode("utf-8")
+                except UnicodeEncodeError as exc:   # a lone surrogate: no tokenizer takes it
+                    raise ValueError(f"prompt is not valid Unicode: a lone surrogate at index {exc.start}") from None
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")

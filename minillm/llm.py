@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import SamplingParams, short_repr
 
 # What LLM.generate takes as one prompt (vLLM's TextPrompt and TokensPrompt are the two dicts).
 PromptType = str | list[int] | dict
@@ -39,6 +39,8 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
         unpacked = [_unpack_prompt(prompt) for prompt in prompts]
         texts, prompts = [text for text, _ in unpacked], [prompt for _, prompt in unpacked]
         if sampling_params is None:
@@ -46,6 +48,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+        if wrong is not None:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {short_repr(wrong)}")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -76,18 +81,30 @@ class LLM:
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
-        prompt is the rendered conversation.
+        prompt is the rendered conversation. A message's content is a string or a list of
+        {"type": "text", "text": ...} parts; continue_final_message (with add_generation_prompt
+        False) has the model continue the last message.
         """
+        if not isinstance(messages, Seq) or isinstance(messages, str):
+            raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
+                             f"got {short_repr(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        check_template_kwargs(chat_template_kwargs)
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(list(conversation), add_generation_prompt=add_generation_prompt,
-                                                 chat_template=chat_template, **(chat_template_kwargs or {}))
+            text = tokenizer.apply_chat_template(
+                plain_messages(conversation), add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            if not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:   # a lone surrogate in a message: no tokenizer takes it
+                    raise ValueError("messages hold text that is not valid Unicode (a lone surrogate)") from None
             # The template writes BOS itself where the model wants it.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -107,9 +124,48 @@ class LLM:
             self.engine.step()
 
 
+# Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize")
+
+
+def check_template_kwargs(kwargs) -> None:
+    """ValueError unless chat_template_kwargs is None or a dict of names the renderer does not set itself."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs must be a dict of names to values, got {short_repr(kwargs)}")
+    clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
+    if clash:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (LLM.chat takes them as arguments)")
+
+
+def plain_messages(conversation) -> list[dict]:
+    """A conversation's messages with multi-part text content joined into one string (as the
+    server does); ValueError naming the message for any other kind of part."""
+    if not isinstance(conversation, Seq) or isinstance(conversation, str):
+        raise ValueError(f"messages must be a list of message dicts, got {short_repr(conversation)}")
+    out = []
+    for i, message in enumerate(conversation):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
+                   for p in content):
+                raise ValueError(f"messages[{i}]['content'] may hold only {{'type': 'text', 'text': str}} parts, "
+                                 f"got {short_repr(content)}")
+            message = {**message, "content": "".join(p["text"] for p in content)}
+        if isinstance(message, dict) and not isinstance(message.get("content"), (str, type(None))):
+            raise ValueError(f"messages[{i}]['content'] must be a string or a list of text parts, "
+                             f"got {short_repr(message.get('content'))}")
+        out.append(message)
+    return out
+
+
 def _unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
     """(text or None, what the engine takes) for a str, a list of ids, or a prompt dict as vLLM has them."""
     if not isinstance(prompt, dict):
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {short_repr(prompt)}")
         return (prompt if isinstance(prompt, str) else None), prompt
     unknown = set(prompt) - {"prompt", "prompt_token_ids"}
     if unknown:

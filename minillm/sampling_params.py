@@ -87,18 +87,22 @@ class SamplingParams:
                                                                      compare=False)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def _normalize_stops(self) -> None:
+        """stop as the list the engine reads, stop_token_ids as a list; done again by every validate(),
+        so fields changed after construction (params.stop = [...]) are what the engine uses."""
         if isinstance(self.stop, str):
             self._stop_list = [self.stop]
         elif isinstance(self.stop, (list, tuple)):
             self._stop_list = list(self.stop)
-        elif self.stop is not None:
+        elif self.stop is None:
+            self._stop_list = []
+        else:
             raise ValueError(f"stop must be a string or a list of strings, got {short_repr(self.stop)}")
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
-            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {short_repr(self.logit_bias)}")
-        self.validate()
 
     @property
     def stop_strings(self) -> list[str]:
@@ -119,6 +123,8 @@ class SamplingParams:
         """Raise ValueError naming the first field that is out of range or of the wrong type."""
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name} {why}, got {short_repr(getattr(self, name))}")
+
+        self._normalize_stops()
 
         if not _is_int(self.n) or self.n < 1:
             bad("n", "must be an integer >= 1")

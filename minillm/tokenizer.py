@@ -226,21 +226,27 @@ class Tokenizer:
         return self._compiled_template
 
     def render_chat(self, messages: list[dict], template: str | None = None, add_generation_prompt: bool = True,
-                    **kwargs) -> str:
-        """Render messages with `template` (Jinja source), or with the model's chat template when None."""
+                    continue_final_message: bool = False, **kwargs) -> str:
+        """Render messages with `template` (Jinja source), or with the model's chat template when None.
+
+        continue_final_message (vLLM's and transformers' name): the text ends inside the last
+        message, so that the model continues it; it excludes add_generation_prompt."""
         compiled = self._template() if template is None else _compile_cached(template)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         # Keys set to None are dropped: templates test for a missing key, not for None.
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         context = {**self.special_tokens, **kwargs}
         try:
-            return compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
+            text = compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e}") from e
+        return cut_after_final_message(text, plain[-1].get("content")) if continue_final_message else text
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False, chat_template: str | None = None,
@@ -258,6 +264,18 @@ class Tokenizer:
         if any(not isinstance(t, str) for t in texts):
             raise ValueError("texts must be strings")
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+
+def cut_after_final_message(text: str, final: object) -> str:
+    """A rendered conversation cut just after the last message's content (what the template writes
+    after it, such as an end-of-turn token, goes), as transformers' continue_final_message does."""
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content to continue")
+    for needle in (final, final.strip()):   # some templates strip the content they render
+        end = text.rfind(needle)
+        if end >= 0:
+            return text[:end + len(needle)]
+    raise ValueError("continue_final_message: the chat template does not render the last message's content")
 
 
 def _compile_cached(source: str):

@@ -441,3 +441,37 @@ def test_serve_kv_transfer_options_are_checked_before_loading(args, message):
 def test_router_options_are_checked(args, message):
     result = minillm("router", *args)
     assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+@needs_stories
+def test_serve_refuses_a_port_it_cannot_listen_on_before_loading_the_model():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cases = [(("--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
+                 (("--host", "999.1.1.1", "--port", "0"), "cannot listen on 999.1.1.1:0"),
+                 (("--port", "70000"), "--port"), (("--port", "-1"), "--port"),
+                 (("--api-key", "", "--port", "0"), "api_key must not be empty")]
+        for args, needle in cases:
+            result = minillm("serve", str(STORIES), "--device", "cpu", *args)
+            assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and needle in lines[0], result.stderr   # one line: no model was loaded
+
+
+@needs_stories
+def test_prompts_that_are_not_text_fail_in_one_line(tmp_path):
+    binary = tmp_path / "prompts.txt"
+    binary.write_bytes(b"\xff\xfe not text\n")
+    result = minillm("generate", str(STORIES), "--device", "cpu", "--prompts-file", str(binary))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"minillm: error: --prompts-file {binary} is not UTF-8 text: "
+                                                  "invalid start byte at byte 0"]
+    # A --prompt with bytes that are not UTF-8 arrives as lone surrogates: named, not a TypeError.
+    result = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu",
+                             "--max-tokens", "2", "--prompt", b"a\xffb"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "minillm: error: prompt is not valid Unicode: a lone surrogate at index 1"

@@ -79,3 +79,96 @@ def test_chat_without_any_template_says_so(llm):
     with pytest.raises(ValueError, match="no chat template"):
         llm.chat([{"role": "user", "content": "hi"}], GREEDY)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("prompts, params, needle", [
+    (None, GREEDY, "prompts must be a prompt or a list of prompts"),
+    (5, GREEDY, "prompts must be a prompt or a list of prompts"),
+    ([3.5], GREEDY, "prompt must be a string, a list of token ids or a prompt dict"),
+    ("a \ud800 b", GREEDY, "prompt is not valid Unicode: a lone surrogate at index 2"),
+    ("Once", {"max_tokens": 2}, "sampling_params must be a SamplingParams"),
+    (["Once", "Lily"], [GREEDY, 7], "sampling_params must be a SamplingParams"),
+])
+def test_bad_generate_arguments_are_value_errors_naming_the_argument(llm, prompts, params, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(prompts, params)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_engine_refuses_params_that_are_not_sampling_params(llm):
+    with pytest.raises(ValueError, match="params must be a SamplingParams, got dict"):
+        llm.llm_engine.add_request("not-params", "Once", {"max_tokens": 2})
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_chat_joins_text_parts_and_refuses_other_content(llm):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "one."}]}]
+    [joined] = llm.chat(parts, GREEDY, chat_template=CHATML)
+    [plain] = llm.chat([{"role": "user", "content": "Tell me one."}], GREEDY, chat_template=CHATML)
+    assert joined.prompt == plain.prompt and joined.outputs[0].token_ids == plain.outputs[0].token_ids
+    bad = [([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only"),
+           ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
+           ([{"role": "user", "content": "a\udc80"}], "not valid Unicode"),
+           ("hello", "messages must be a list of message dicts"),
+           (None, "messages must be a list of message dicts")]
+    for messages, needle in bad:
+        with pytest.raises(ValueError, match=needle):
+            llm.chat(messages, GREEDY, chat_template=CHATML)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_continue_final_message_matches_transformers(stories_path, llm):
+    transformers = pytest.importorskip("transformers")
+    messages = [{"role": "user", "content": "Tell me a story."}, {"role": "assistant", "content": "Once upon a"}]
+    hf = transformers.AutoTokenizer.from_pretrained(str(stories_path))
+    want = hf.apply_chat_template(messages, chat_template=CHATML, add_generation_prompt=False,
+                                  continue_final_message=True, tokenize=False)
+    [out] = llm.chat(messages, GREEDY, chat_template=CHATML, add_generation_prompt=False, continue_final_message=True)
+    assert out.prompt == want and want.endswith("Once upon a")
+    with pytest.raises(ValueError, match="cannot both be true"):
+        llm.chat(messages, GREEDY, chat_template=CHATML, continue_final_message=True)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"max_model_len": "128"}, "max_model_len must be an integer, got '128'"),
+    ({"max_model_len": 64.5}, "max_model_len must be an integer"),
+    ({"max_num_seqs": True}, "max_num_seqs must be an integer, got True"),
+    ({"gpu_memory_utilization": "0.5"}, "gpu_memory_utilization must be a number"),
+    ({"enable_prefix_caching": "no"}, "enable_prefix_caching must be true or false"),
+])
+def test_engine_arguments_of_the_wrong_kind_are_value_errors_naming_them(stories_path, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(stories_path), device="cpu", **kwargs)
+
+
+def test_a_model_that_is_not_a_path_is_a_value_error():
+    for model in (None, 5):
+        with pytest.raises(ValueError, match="model must be a model directory or hub id"):
+            LLM(model, device="cpu")
+
+
+def test_sampling_params_changed_after_construction_are_what_the_engine_uses(llm):
+    params = SamplingParams(temperature=0, max_tokens=30, stop=["zzz"])
+    unstopped = llm.generate("Once upon a time", params)[0].outputs[0]
+    assert " was" in unstopped.text
+    params.stop = [" was"]
+    stopped = llm.generate("Once upon a time", params)[0].outputs[0]
+    assert stopped.finish_reason == "stop" and stopped.text == unstopped.text.split(" was")[0]
+    for field, value, needle in (("stop", 5, "stop must be a string or a list"),
+                                 ("stop_token_ids", 5, "stop_token_ids must be a list of integers")):
+        bad = SamplingParams(max_tokens=2)
+        setattr(bad, field, value)
+        with pytest.raises(ValueError, match=needle):
+            llm.generate("Once upon a time", bad)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"add_generation_prompt": False}, "may not set add_generation_prompt"),
+    ({"messages": []}, "may not set messages"),
+    ({"tokenize": True}, "may not set tokenize"),
+    (["enable_thinking"], "must be a dict"),
+])
+def test_chat_template_kwargs_that_clash_or_are_no_dict_are_value_errors(llm, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY, chat_template=CHATML, chat_template_kwargs=kwargs)

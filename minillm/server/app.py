@@ -68,6 +68,9 @@ class ServerOptions:
     api_server_count: int = 1                   # API server processes sharing the port and the one core
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            # An empty key (an unset variable in `--api-key "$KEY"`) must not quietly mean "no auth".
+            raise ValueError("api_key must not be empty (leave it out to serve without a key)")
         if self.engine_core not in ENGINE_CORE_MODES:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {self.engine_core!r}")
         if self.api_server_count < 1:
@@ -318,6 +321,7 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     options = options or ServerOptions(log_interval=5.0)
     if options.chat_template is not None:
         check_chat_template(options.chat_template)
+    check_can_listen(host, port)     # before the model loads: a taken port is known at once
     if options.api_server_count > 1:
         if monitor:
             raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
@@ -408,6 +412,17 @@ def run_api_server(spec: APIServerSpec) -> None:
     finally:
         engine.shutdown()
     sys.exit(1 if engine.has_failed else 0)
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """ValueError naming host and port when a socket cannot be bound there (port taken, no such
+    address); the socket is closed again."""
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port must be in [0, 65535], got {port}")
+    try:
+        port_socket(host, port, reuse_port=False).close()
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:

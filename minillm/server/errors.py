@@ -72,6 +72,11 @@ def safe_text(text: str, limit: int) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def short_text(text: str, limit: int = 60) -> str:
+    """text quoted, cut to `limit` characters."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 def default_error_type(status: int) -> str:
     """OpenAI's error type for a status code."""
     if status == 401:
@@ -109,13 +114,21 @@ def bad_request_from_value_error(exc: ValueError) -> APIError:
     return APIError(400, message, param=param_from_message(message))
 
 
-def _validation_to_api_error(exc: RequestValidationError) -> APIError:
+def _validation_to_api_error(exc: RequestValidationError, content_type: str = "application/json") -> APIError:
     """Turn pydantic's list of errors into one 400 that names the first bad field."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
     # A union (e.g. prompt: str | list[int]) reports one error per member: undecodable text says most.
     first = next((e for e in errors if e.get("type") == "invalid_text"), errors[0])
+    if tuple(first.get("loc", ())) == ("body",):     # the body as a whole, not one of its fields
+        if first.get("type") == "missing":
+            return APIError(400, "the request body is empty; send a JSON object")
+        media_type = content_type.split(";", 1)[0].strip().lower()
+        if media_type != "application/json" and not media_type.endswith("+json"):
+            # FastAPI parses JSON only under a JSON media type; anything else arrives as raw bytes.
+            return APIError(400, f"the request body must be JSON sent with Content-Type: application/json, "
+                            f"got Content-Type {short_text(content_type or 'none')}")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in request body: {first.get('msg', '')}".rstrip(": "),
                         code="json_invalid")
@@ -149,8 +162,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_to_api_error(exc))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_to_api_error(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -5,9 +5,10 @@ must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which 
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import functools
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import SamplingParams, short_repr
@@ -45,18 +46,44 @@ def _check_json_text(value: Any) -> Any:
     return value
 
 
-class StreamOptions(BaseModel):
-    """stream_options: whether a final chunk carries the usage."""
+class _OpenAIModel(BaseModel):
+    """A request object whose optional fields take null as "the default", as OpenAI's API (and vLLM's)
+    do: `"n": null` is n 1, not a type error. A field whose own value may be None keeps the null
+    (max_tokens null asks for the rest of the context)."""
 
     model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _fields_without_none(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _fields_without_none(cls: type[BaseModel]) -> frozenset[str]:
+    """Names of cls's optional fields whose type does not admit None."""
+    names = []
+    for name, info in cls.model_fields.items():
+        annotation = info.annotation
+        admits_none = annotation is Any or annotation is type(None) or type(None) in get_args(annotation)
+        if not info.is_required() and not admits_none:
+            names.append(name)
+    return frozenset(names)
+
+
+class StreamOptions(_OpenAIModel):
+    """stream_options: whether a final chunk carries the usage."""
+
     include_usage: bool = False
 
 
-class _GenerationRequest(BaseModel):
+class _GenerationRequest(_OpenAIModel):
     """Fields completions and chat completions share (OpenAI names plus vLLM's extensions)."""
 
     # Clients send fields we do not use (metadata, ...): accept them and log their names.
-    model_config = STRICT
 
     model: Text | None = None
     n: int = 1
@@ -102,6 +129,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: Text | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
 
 
 class ContentPart(BaseModel):
@@ -112,10 +140,9 @@ class ContentPart(BaseModel):
     text: Text | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_OpenAIModel):
     """One chat message."""
 
-    model_config = STRICT
     role: Literal[CHAT_ROLES]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
@@ -134,6 +161,15 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Any = None
     chat_template: Text | None = None            # vLLM's: a Jinja template for this request only
     chat_template_kwargs: dict[Text, Any] | None = None   # extra variables for the template
+    # vLLM's: how the conversation is rendered (the assistant's turn opened, or the last message
+    # continued), whether the reply starts with the last message's text, and whether the tokenizer
+    # adds its special tokens on top of what the template writes.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False
+    add_special_tokens: bool = False
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -155,7 +191,8 @@ def unknown_fields(req: _GenerationRequest) -> list[str]:
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
 VLLM_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
-                    "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids")
+                    "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "prompt_embeds",
+                    "return_token_ids")
 
 
 def check_unsupported(req: _GenerationRequest) -> None:
@@ -166,6 +203,14 @@ def check_unsupported(req: _GenerationRequest) -> None:
         if value is not None and value is not False and value != [] and value != {}:   # prompt_logprobs=0 asks
             hint = "; /v1/completions with echo and logprobs scores the prompt" if name == "prompt_logprobs" else ""
             raise APIError(400, f"{name} is not supported{hint}", param=name)
+    stream_extra = (req.stream_options.model_extra or {}) if req.stream_options is not None else {}
+    if stream_extra.get("continuous_usage_stats"):     # usage in every chunk: not implemented
+        raise APIError(400, "stream_options.continuous_usage_stats is not supported (include_usage is)",
+                       param="stream_options.continuous_usage_stats")
+    priority = extra.get("priority")
+    if priority is not None and priority != 0:         # vLLM refuses it too without priority scheduling
+        raise APIError(400, "priority is not supported (requests are served first come, first served)",
+                       param="priority")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -178,6 +223,13 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
         if req.function_call not in (None, "none"):
             raise APIError(400, "function_call is not supported", param="function_call")
+        if req.tool_choice not in (None, "none", "auto"):   # "required" or a named tool needs tools
+            raise APIError(400, "tool_choice other than 'none' or 'auto' needs tools, which are not supported",
+                           param="tool_choice")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                           "(set add_generation_prompt to false to continue the last message)",
+                           param="continue_final_message")
 
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
@@ -254,8 +306,12 @@ def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
     for i, msg in enumerate(req.messages):
         content = msg.content
         if isinstance(content, list):
-            if any(part.type != "text" or part.text is None for part in content):
-                raise APIError(400, "only text content parts are supported", param=f"messages.{i}.content")
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise APIError(400, f"content part type {short_repr(part.type)} is not supported (only 'text')",
+                                   param=f"messages.{i}.content.{j}.type")
+                if part.text is None:
+                    raise APIError(400, "a text content part needs its text", param=f"messages.{i}.content.{j}.text")
             content = "".join(part.text for part in content)
         item = {"role": msg.role, "content": content or ""}
         if msg.name is not None:

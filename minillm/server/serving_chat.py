@@ -24,7 +24,7 @@ from minillm.server.serving import (
 from minillm.server.structured import structured_outputs_params
 
 # Names render_chat takes itself: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt")
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt", "continue_final_message")
 
 
 def chat_template_for(ctx: ServingContext, req: ChatCompletionRequest) -> str | None:
@@ -53,6 +53,14 @@ def template_kwargs(req: ChatCompletionRequest) -> dict:
     return kwargs
 
 
+def echoed_text(req: ChatCompletionRequest, messages: list[dict]) -> str:
+    """What a reply starts with under vLLM's echo: the last message's text when it is the
+    assistant's own (the message continue_final_message continues), else nothing."""
+    if not req.echo or messages[-1]["role"] != "assistant":
+        return ""
+    return messages[-1]["content"]
+
+
 class ChatJob:
     """One /v1/chat/completions call and how its outputs become OpenAI responses.
 
@@ -72,6 +80,7 @@ class ChatJob:
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)
         self.template_kwargs = template_kwargs(req)
+        self.echo_text = echoed_text(req, self.messages)
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -92,14 +101,15 @@ class ChatJob:
         """Token ids of the conversation plus the assistant's turn opener."""
         tok = self.ctx.tokenizer
         try:
-            text = tok.render_chat(self.messages, template=self.template, add_generation_prompt=True,
-                                   **self.template_kwargs)
+            text = tok.render_chat(self.messages, template=self.template,
+                                   add_generation_prompt=self.req.add_generation_prompt,
+                                   continue_final_message=self.req.continue_final_message, **self.template_kwargs)
         except ValueError as exc:
             param = "chat_template" if self.req.chat_template is not None else "messages"
             raise APIError(400, str(exc), param=param) from None
         check_prompt_chars(self.ctx.limits, len(text), "messages")
-        # The template writes BOS itself where the model wants it.
-        return tok.encode_batch([text], add_special_tokens=False)[0]
+        # The template writes BOS itself where the model wants it (add_special_tokens adds more).
+        return tok.encode_batch([text], add_special_tokens=self.req.add_special_tokens)[0]
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:
@@ -115,7 +125,8 @@ class ChatJob:
             cursor = self._cursor()
             if cursor is not None:
                 logprobs = chat_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [], self.num_top))
-            choices.append({"index": comp.index, "message": {"role": "assistant", "content": comp.text},
+            message = {"role": "assistant", "content": self.echo_text + comp.text}
+            choices.append({"index": comp.index, "message": message,
                             "logprobs": logprobs, "finish_reason": comp.finish_reason,
                             "stop_reason": comp.stop_reason})
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
@@ -171,7 +182,7 @@ class ChatJob:
                 state = progress[comp.index] = ChoiceProgress(comp.index, self._cursor(), self.num_top or 0)
             if not state.is_started:
                 state.is_started = True
-                choices.append(self._choice(comp.index, {"role": "assistant", "content": ""}, None, None))
+                choices.append(self._choice(comp.index, {"role": "assistant", "content": self.echo_text}, None, None))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue

@@ -9,6 +9,7 @@ from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.async_engine import RequestStream
+from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows
 from minillm.server.limits import check_fan_out, check_prompt_chars
@@ -56,6 +57,8 @@ class CompletionJob:
         max_tokens to each."""
         self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
         self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking(self._tokenize)
+        if any(not ids for ids in self.prompt_ids):     # e.g. add_special_tokens false on text of no tokens
+            raise APIError(400, "prompt must not be empty: it tokenizes to no tokens", param="prompt")
         scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
         self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
                                           self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
@@ -65,7 +68,7 @@ class CompletionJob:
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
         tok = self.ctx.tokenizer
         texts = [p for p in self.prompts if isinstance(p, str)]
-        encoded = iter(tok.encode_batch(texts, add_special_tokens=True) if texts else [])
+        encoded = iter(tok.encode_batch(texts, add_special_tokens=self.req.add_special_tokens) if texts else [])
         ids, shown = [], []
         for prompt in self.prompts:
             if isinstance(prompt, str):
