@@ -24,12 +24,9 @@ from minillm.attention import AttentionMetadata
 
 
 def piecewise_token_sizes(max_num_tokens: int) -> list[int]:
-    """Padded token counts: 16, 32, steps of 32 to 256, of 64 to 1024, of 256 to 4096, of 512 to
-    8192, of 1024 beyond, capped at (and always including) max_num_tokens. A mixed step is its
-    decodes plus a chunk (64 + 256 tokens would pad to 512 with steps of 256, and the GEMMs' work
-    grows with the padded count), so the steps are fine where such steps fall."""
-    sizes = [16, 32] + list(range(64, 257, 32)) + list(range(320, 1025, 64)) + list(range(1280, 4097, 256))
-    sizes += list(range(4608, 8193, 512))
+    """Padded token counts: 16..256 doubling, steps of 256 to 4096, of 512 to 8192, of 1024 beyond,
+    capped at (and always including) max_num_tokens."""
+    sizes = [16, 32, 64, 128] + list(range(256, 4097, 256)) + list(range(4608, 8193, 512))
     sizes += list(range(9216, max_num_tokens + 1024, 1024))
     return sorted({min(s, max_num_tokens) for s in sizes})
 
