@@ -73,6 +73,17 @@ def choose_backend(device: str) -> str:
     if device == "cpu":
         return "numpy"
     if device == "cuda":
+        try:
+            import cupy
+        except ImportError as exc:
+            raise ValueError(f"device 'cuda' needs CuPy, which does not import ({exc}): install it with "
+                             f"pip install -e '.[cuda12]', or '.[cuda13]' for a CUDA 13 driver") from None
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:          # no driver, or CuPy built for another CUDA
+            raise ValueError(f"device 'cuda': CuPy finds no usable GPU ({type(exc).__name__}: {exc})") from None
+        if count == 0:
+            raise ValueError("device 'cuda': CuPy finds no GPU")
         return "cuda"
     try:
         import cupy

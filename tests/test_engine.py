@@ -215,3 +215,16 @@ def test_a_mixed_step_describes_its_chunks_and_uploads_one_array(stories_path, p
     base = dev.query_start_loc.base
     assert base is not None and all(getattr(dev, n).base is base for n in ("seq_lens", "slot_mapping"))
     engine.shutdown()
+
+
+def test_device_cuda_without_a_usable_gpu_says_what_is_missing(stories_path):
+    """No CuPy, or CuPy without a GPU: a ValueError naming the device and what to install or
+    check, before anything is loaded (was CuPy's bare ImportError)."""
+    try:
+        import cupy
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("a GPU is here")
+    except Exception:              # no CuPy, or CuPy without a driver: the cases under test
+        pass
+    with pytest.raises(ValueError, match=r"device 'cuda'.*(CuPy|GPU)"):
+        LLMEngine(EngineConfig(model=str(stories_path), device="cuda"))
