@@ -133,11 +133,14 @@ class BlockManager:
         seq.block_table.extend(self._pop_free_block() for _ in range(max(need, 0)))
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's newly full, computed blocks in the prefix cache."""
+    def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
+        """Register seq's newly full, computed blocks in the prefix cache (computed: its first
+        num_computed_tokens, by default seq.num_computed_tokens)."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        if num_computed_tokens is None:
+            num_computed_tokens = seq.num_computed_tokens
+        num_full = min(num_computed_tokens, seq.num_known_tokens) // self.block_size
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None

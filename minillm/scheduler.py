@@ -207,6 +207,11 @@ class Scheduler:
                 seq.num_cached_tokens = num_computed
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
+            # The blocks this step fills are shared from now on: a later admission in the same step
+            # (a sibling of an n > 1 request, the same prompt twice) reads them in this forward
+            # pass, whose layers append every row's K/V before any row attends. Nothing after this
+            # in schedule() frees blocks, so none is left cached without its K/V.
+            self.block_manager.cache_full_blocks(seq, num_computed + n)
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)

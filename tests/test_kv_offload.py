@@ -276,13 +276,16 @@ class FakeRunner:
         return SimInFlight(self.device, done, sampled)
 
     def _kernel(self, jobs) -> None:
+        # As the model does in each layer: every row's new K/V is appended, then every row attends
+        # (a row may read blocks another row of the step fills: a prefix shared at admission).
         pool = self.kv_pool
+        for blocks, slots, start, stamps in jobs:
+            pool[0, 0, blocks[start:], slots[start:], 0, 0] = stamps[start:]
+            pool[0, 1, blocks[start:], slots[start:], 0, 0] = -stamps[start:]
         for blocks, slots, start, stamps in jobs:
             read = pool[0, 0, blocks[:start], slots[:start], 0, 0]
             assert np.array_equal(read, stamps[:start]), "a step read KV that is not its prefix's"
             assert np.array_equal(pool[0, 1, blocks[:start], slots[:start], 0, 0], -stamps[:start])
-            pool[0, 0, blocks[start:], slots[start:], 0, 0] = stamps[start:]
-            pool[0, 1, blocks[start:], slots[start:], 0, 0] = -stamps[start:]
             self.num_reads_checked += start
 
 

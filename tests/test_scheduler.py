@@ -99,6 +99,27 @@ def test_min_tokens_defers_eos():
     assert seq.status is SequenceStatus.FINISHED_STOPPED
 
 
+def test_siblings_admitted_in_one_step_share_the_prompt_blocks_it_fills():
+    # n = 4 completions of a 30-token prompt (7 full blocks): the first admission's blocks are
+    # shared at once, so the others compute only the last 2 prompt tokens and the pool holds the
+    # prompt once.
+    sched = create_scheduler(num_blocks=20, block_size=4, budget=64)
+    seqs = [Sequence("n", i, [1 + (t % 50) for t in range(30)], SamplingParams(n=4, max_tokens=4, ignore_eos=True),
+                     0.0, np.random.default_rng(i), 4) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    out = run_step(sched)
+    assert out.num_new_tokens == [30, 2, 2, 2] and out.preempted == []
+    shared = seqs[0].block_table[:7]
+    assert all(s.block_table[:7] == shared for s in seqs)
+    assert all(sched.block_manager.ref_counts[b] == 4 for b in shared)
+    assert sched.block_manager.num_used_blocks == 7 + 4
+    assert [s.num_cached_tokens for s in seqs] == [0, 28, 28, 28]
+    while sched.has_unfinished():
+        run_step(sched)
+    assert sched.block_manager.num_used_blocks == 0
+
+
 def check_invariants(sched, out):
     bm = sched.block_manager
     assert out.num_tokens <= sched.max_num_batched_tokens

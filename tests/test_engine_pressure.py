@@ -1,0 +1,56 @@
+"""The engine under memory pressure on stories260K: small pools, n > 1, aborts at every stage.
+
+Every case ends with the pool empty and the greedy outputs of each request equal to its output
+alone on a roomy pool."""
+import json
+
+import pytest
+
+from minillm import SamplingParams
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+
+
+def make_engine(path, **kw):
+    return LLMEngine(EngineConfig(model=str(path), device="cpu", **kw), log=lambda msg: None)
+
+
+@pytest.fixture(scope="module")
+def golden(stories_path):
+    return json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
+
+
+def run_all(engine, requests):
+    """Add {request_id: (prompt, params)}, step to the end; {request_id: RequestOutput}."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert engine.block_manager.num_used_blocks == 0
+    return done
+
+
+def token_ids(done):
+    return {rid: [c.token_ids for c in out.outputs] for rid, out in done.items()}
+
+
+def test_n8_siblings_share_a_long_prompt_and_fit_a_pool_they_would_not_fit_apart(stories_path, golden):
+    # 8 + 3 completions of a 61-token prompt on 40 blocks of 4: apart they would need 11 x 17
+    # blocks; sharing the prompt's 15 full blocks they need 15 + 11 x 2, and nobody is preempted.
+    prompt = golden[:61]
+    requests = {"n8": (prompt, SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=6, ignore_eos=True)),
+                "g3": (prompt, SamplingParams(n=3, temperature=0, max_tokens=6, ignore_eos=True))}
+    roomy = token_ids(run_all(make_engine(stories_path, enable_prefix_caching=False, max_model_len=128), requests))
+    engine = make_engine(stories_path, block_size=4, num_kv_blocks=40, max_model_len=96)
+    engine.add_request("n8", *requests["n8"])
+    engine.step()
+    bm = engine.block_manager
+    assert engine.scheduler.num_running == 8 and bm.num_used_blocks == 15 + 8
+    assert all(bm.ref_counts[b] == 8 for b in engine.scheduler.running[0].block_table[:15])
+    engine.add_request("g3", *requests["g3"])
+    done = run_all(engine, {})
+    assert engine.scheduler.num_preemptions == 0
+    assert token_ids(done) == roomy
