@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import sys
 import time
 from collections import deque
@@ -24,7 +26,7 @@ from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import SamplingParams, short_repr
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
@@ -208,6 +210,12 @@ class LLMEngine:
         """
         if output_kind not in ("cumulative", "final"):
             raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
+        # The loop subtracts it from clock times (TTFT, latency): a string or NaN would fail or poison them there.
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be a finite number of seconds, got {short_repr(arrival_time)}")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -277,8 +285,9 @@ class LLMEngine:
         return None, [int(t) for t in prompt]
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its blocks; the next step() reports it with 'abort'."""
-        req = self.requests.get(request_id)
+        """Stop a request now and free its blocks; the next step() reports it with 'abort' (an
+        unknown or finished id is ignored)."""
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
         if req is None or req.is_finished:
             return
         for seq in req.seqs:
@@ -288,8 +297,8 @@ class LLMEngine:
     def stop_sequence(self, request_id: str, index: int, stop_string: str) -> None:
         """End completion `index` of a request with a stop string its text completed (found by an
         API server that detokenises apart from the engine); unknown or retired requests are ignored."""
-        req = self.requests.get(request_id)
-        if req is None or not 0 <= index < len(req.seqs):
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None or not isinstance(index, int) or not 0 <= index < len(req.seqs):
             return
         self.scheduler.stop(req.seqs[index], stop_string)
         self._changed[request_id] = req

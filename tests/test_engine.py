@@ -157,6 +157,13 @@ def test_bad_prompts_name_the_problem(stories_path):
     engine.add_request("ok", "Once", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("ok", "Once", SamplingParams(max_tokens=2))
+    for bad_id in (None, 7, ["x"]):
+        with pytest.raises(ValueError, match="request_id"):
+            engine.add_request(bad_id, "Once", SamplingParams(max_tokens=2))
+    for bad_time in ("now", float("nan"), float("inf"), True):   # the loop subtracts it from clock times
+        with pytest.raises(ValueError, match="arrival_time"):
+            engine.add_request("t", "Once", SamplingParams(max_tokens=2), arrival_time=bad_time)
+    engine.abort_request(["x"])                    # an id that cannot be known is as unknown as any other
     while engine.has_unfinished_requests():        # the good request is untouched
         engine.step()
     assert engine.block_manager.num_used_blocks == 0
