@@ -1,6 +1,7 @@
 """LLMEngine: add requests, step the scheduler and the model, hand back RequestOutputs."""
 from __future__ import annotations
 
+import copy
 import functools
 import math
 import numbers
@@ -221,6 +222,10 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_vocab(self.model_config.vocab_size)
+        # The request keeps its own copy (vLLM clones too): a caller that reuses one SamplingParams
+        # and changes it for its next request must not change this one's sampling and stops. The
+        # structured-output constraint is fixed once built (its key) and is shared, not copied.
+        params = copy.deepcopy(params, {id(params.structured_outputs): params.structured_outputs})
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:

@@ -54,3 +54,19 @@ def test_n8_siblings_share_a_long_prompt_and_fit_a_pool_they_would_not_fit_apart
     done = run_all(engine, {})
     assert engine.scheduler.num_preemptions == 0
     assert token_ids(done) == roomy
+
+
+def test_a_reused_sampling_params_changed_for_the_next_request_leaves_the_first_alone(stories_path, golden):
+    engine = make_engine(stories_path, max_model_len=64)
+    prompt = golden[:5]
+    alone = run_all(engine, {"alone": (prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", prompt, params)
+    engine.step()
+    params.temperature, params.ignore_eos, params.logprobs = 1.5, False, 2
+    params.stop_token_ids.append(alone["alone"].outputs[0].token_ids[3])
+    engine.add_request("b", prompt, params)
+    done = run_all(engine, {})
+    first = done["a"].outputs[0]
+    assert first.token_ids == alone["alone"].outputs[0].token_ids and first.finish_reason == "length"
+    assert first.logprobs is None
