@@ -151,6 +151,16 @@ class BlockManager:
                 self.key_to_block[key] = block
                 self.block_keys[block] = key
 
+    def uncache_blocks(self, blocks: list[int]) -> None:
+        """Forget the prefix-cache keys of blocks in use whose K/V will never be written (the step
+        that was to compute them failed), so that no later prompt hits them."""
+        for block in blocks:
+            key = self.block_keys[block]
+            if key is not None:
+                assert self.ref_counts[block] > 0, f"block {block} is free: only blocks in use are uncached"
+                del self.key_to_block[key]
+                self.block_keys[block] = None
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; hashed ones stay cached-free (tail evicted first), others go first."""
         self.release_blocks(seq.block_table)

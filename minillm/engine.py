@@ -392,6 +392,7 @@ class LLMEngine:
         unsound, else a StepError after aborting the step's requests (the engine goes on)."""
         if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
             raise exc
+        self.scheduler.forget_step_blocks(out)
         request_ids = sorted({seq.request_id for seq in out.seqs})
         for request_id in request_ids:
             self.abort_request(request_id)

@@ -70,3 +70,28 @@ def test_a_reused_sampling_params_changed_for_the_next_request_leaves_the_first_
     first = done["a"].outputs[0]
     assert first.token_ids == alone["alone"].outputs[0].token_ids and first.finish_reason == "length"
     assert first.logprobs is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_step_that_fails_to_launch_leaves_no_unwritten_block_in_the_prefix_cache(stories_path, golden,
+                                                                                     async_scheduling):
+    # A contained failure (say an allocation for the forward pass) aborts the step's requests; the
+    # blocks that step was to fill had their prefix keys already, and a later equal prompt must not
+    # read them.
+    from minillm.engine import StepError
+    engine = make_engine(stories_path, block_size=4, max_model_len=64, async_scheduling=async_scheduling)
+    prompt, greedy = golden[:18], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = run_all(make_engine(stories_path, max_model_len=64), {"r": (prompt, greedy)})["r"].outputs[0]
+    real = engine.runner.compute_logits
+
+    def fails(*args, **kwargs):
+        raise MemoryError("no room for the activations")
+    engine.runner.compute_logits = fails
+    engine.add_request("x", prompt, greedy)
+    with pytest.raises(StepError) as failure:
+        engine.step()
+    assert failure.value.request_ids == ["x"]
+    engine.runner.compute_logits = real
+    done = run_all(engine, {"y": (prompt, greedy)})
+    assert done["x"].outputs[0].finish_reason == "abort"
+    assert done["y"].outputs[0].token_ids == alone.token_ids
