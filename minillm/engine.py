@@ -101,6 +101,10 @@ def fit_max_model_len(config: EngineConfig, requested: int, num_blocks: int) -> 
     """max_model_len that the pool can hold: the requested one, or the pool's capacity when the
     model's default is larger (an explicit max_model_len that does not fit is an error)."""
     capacity = num_blocks * config.block_size
+    if min(requested, capacity) < 2:      # no request could have a prompt token and a generated one
+        raise ValueError(f"max_model_len {min(requested, capacity)} leaves no room for a prompt and a "
+                         f"generated token; raise max_model_len"
+                         + ("" if requested < 2 else " or num_kv_blocks (the pool holds 1 token)"))
     if requested <= capacity:
         return requested
     if config.max_model_len is not None:

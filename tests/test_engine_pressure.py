@@ -95,3 +95,12 @@ def test_a_step_that_fails_to_launch_leaves_no_unwritten_block_in_the_prefix_cac
     done = run_all(engine, {"y": (prompt, greedy)})
     assert done["x"].outputs[0].finish_reason == "abort"
     assert done["y"].outputs[0].token_ids == alone.token_ids
+
+
+@pytest.mark.parametrize("kwargs", [dict(max_model_len=1), dict(num_kv_blocks=1, block_size=1),
+                                    dict(num_kv_blocks=1, block_size=1, max_step_ms=1.0)])
+def test_a_context_of_one_token_is_a_start_up_error_naming_the_knob(stories_path, kwargs):
+    # No request fits one token (a prompt token and a generated one); the step budget's calibration
+    # failed on it with a bare RuntimeError.
+    with pytest.raises(ValueError, match="max_model_len 1 leaves no room"):
+        make_engine(stories_path, **kwargs)
