@@ -213,6 +213,8 @@ class LLMEngine:
 
         output_kind "cumulative" reports the request every step it changes; "final" only once done.
         """
+        if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
+            raise RuntimeError("the engine is shut down: it takes no more requests")
         if output_kind not in ("cumulative", "final"):
             raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
         if not isinstance(request_id, str):

@@ -104,3 +104,15 @@ def test_a_context_of_one_token_is_a_start_up_error_naming_the_knob(stories_path
     # failed on it with a bare RuntimeError.
     with pytest.raises(ValueError, match="max_model_len 1 leaves no room"):
         make_engine(stories_path, **kwargs)
+
+
+def test_a_shut_down_engine_refuses_new_requests_plainly(stories_path):
+    engine = make_engine(stories_path, max_model_len=64)
+    engine.add_request("a", "Once", SamplingParams(max_tokens=30))
+    engine.step()
+    engine.shutdown()
+    outs = engine.step()                           # the aborted request is still reported
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outs] == [("a", "abort")]
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.add_request("b", "Once", SamplingParams(max_tokens=3))
