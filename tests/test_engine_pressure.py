@@ -116,3 +116,67 @@ def test_a_shut_down_engine_refuses_new_requests_plainly(stories_path):
     assert not engine.has_unfinished_requests()
     with pytest.raises(RuntimeError, match="shut down"):
         engine.add_request("b", "Once", SamplingParams(max_tokens=3))
+
+
+def assert_pool_consistent(engine):
+    """Ref counts are the live sequences' holdings, the free queue is every unheld block once."""
+    bm, sched = engine.block_manager, engine.scheduler
+    holders = [0] * bm.num_blocks
+    for seq in [*sched.running, *sched.waiting]:
+        assert not seq.is_finished
+        for block in seq.block_table:
+            holders[block] += 1
+    assert holders == bm.ref_counts
+    assert set(bm.free_queue) == {b for b in range(bm.num_blocks) if holders[b] == 0}
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
+    assert bm.num_cached_free_blocks == sum(1 for b in bm.free_queue if bm.block_keys[b] is not None)
+
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.parametrize("config", [
+    dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=15, async_scheduling=True),
+    dict(block_size=1, num_kv_blocks=96, max_num_batched_tokens=17, max_num_seqs=3, speculative_config=SPEC),
+    dict(block_size=8, num_kv_blocks=12, max_num_batched_tokens=16, max_step_ms=0.001, async_scheduling=True,
+         speculative_config=SPEC),
+    dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=7, kv_offload_gib=0.0005),
+])
+def test_random_mixed_workload_keeps_the_pool_consistent_and_each_greedy_output_as_alone(stories_path, golden,
+                                                                                          config):
+    import random
+    rng = random.Random(5)
+    roomy = make_engine(stories_path, max_model_len=96)
+    requests, alone = {}, {}
+    for i in range(14):
+        prompt = golden[:rng.randint(1, 50)] + [rng.randint(3, 500) for _ in range(rng.randint(0, 12))]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 96 - len(prompt)), n=rng.choice([1, 1, 3]),
+                                ignore_eos=rng.random() < 0.7, stop=rng.choice([None, ["the"]]),
+                                logprobs=rng.choice([None, 1]))
+        requests[f"r{i}"] = (prompt, params)
+        alone[f"r{i}"] = token_ids(run_all(roomy, {"alone": (prompt, params)}))["alone"]
+    engine = make_engine(stories_path, max_model_len=96, **config)
+    pending, done, aborted = list(requests), {}, set()
+    for num_steps in range(5000):
+        if pending and rng.random() < 0.5:
+            rid = pending.pop(0)
+            engine.add_request(rid, *requests[rid])
+        if rng.random() < 0.03 and engine.requests:
+            rid = rng.choice(sorted(engine.requests))
+            engine.abort_request(rid)
+            engine.abort_request(rid)                # twice: the second is a no-op
+            aborted.add(rid)
+        for out in engine.step():
+            assert out.request_id not in done        # reported finished once
+            if out.finished:
+                done[out.request_id] = out
+        assert_pool_consistent(engine)
+        if not pending and not engine.has_unfinished_requests():
+            break
+    assert set(done) == set(requests) and engine.block_manager.num_used_blocks == 0
+    assert engine.scheduler.num_preemptions > 0 and aborted
+    outputs = token_ids(done)
+    assert {rid: outputs[rid] for rid in requests if rid not in aborted} == \
+           {rid: alone[rid] for rid in requests if rid not in aborted}
+    assert all(c.finish_reason == "abort" for rid in aborted for c in done[rid].outputs if len(c.token_ids) <
+               len(alone[rid][c.index]))
