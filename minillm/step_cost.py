@@ -242,6 +242,8 @@ class StepTimeBudget:
         limit, by the closed form of the quadratic t(q); 0 when not even one token fits."""
         if upper < 1 or self._estimate_with(1, start) > self.limit_s:
             return 0
+        if self._estimate_with(upper, start) <= self.limit_s:
+            return upper                 # a limit this large needs no closed form (its q can overflow int())
         a, m, b, c, d = self.model.coefficients
         f = self.features
         # For q >= 2: t(q) = t0 + c q^2 + (b + c s + d) q, the step mixed from then on.
@@ -251,12 +253,12 @@ class StepTimeBudget:
         if room < 0:
             return 1
         if c > 0:
-            q = int((-lin + math.sqrt(lin * lin + 4 * c * room)) / (2 * c))
+            q = (-lin + math.sqrt(lin * lin + 4 * c * room)) / (2 * c)
         elif lin > 0:
-            q = int(room / lin)
+            q = room / lin
         else:
             return upper
-        q = min(q, upper)
+        q = int(min(q, upper))
         while q >= 2 and self._estimate_with(q, start) > self.limit_s:   # rounding at the edge
             q -= 1
         return max(q, 1)

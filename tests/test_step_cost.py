@@ -116,6 +116,19 @@ def test_max_prefill_tokens_is_the_largest_chunk_that_fits(decode_contexts, star
         assert not fits(q + 1)
 
 
+@pytest.mark.parametrize("coefs", [TRUE, TRUE * [1, 1, 1, 0, 1], TRUE * [1, 1, 1e-30, 0, 0]])
+@pytest.mark.parametrize("limit_s", [1.7e305, 1e297])
+def test_a_limit_past_any_step_gives_the_whole_chunk_without_overflow(coefs, limit_s):
+    # max_step_ms is any finite number: the closed form's q went to infinity and int() raised inside
+    # the scheduler (OverflowError), or numpy warned of an overflow.
+    import warnings
+    budget = StepCostModel(coefs).budget(limit_s)
+    budget.add(1, 100, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert budget.max_prefill_tokens(50, 4096) == 4096
+
+
 def test_refit_follows_measured_steps_and_keeps_the_anchors():
     rng = np.random.default_rng(4)
     x = synthetic_steps(rng, 30)
