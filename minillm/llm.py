@@ -64,14 +64,26 @@ class LLM:
             raise
         finished: dict[str, RequestOutput] = {}
         bar = _progress_bar(len(ids)) if use_tqdm else None
-        while len(finished) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        wanted = set(ids)
+        try:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            # An interrupt or a failed step: this call's other requests must not run on into the next call.
+            for rid in ids:
+                self.engine.abort_request(rid)
+            try:
+                self._drain()
+            except Exception:        # the engine itself is broken: the first error is the one to report
+                pass
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         outputs = [finished[rid] for rid in ids]
         for out, text in zip(outputs, texts):
             if out.prompt is None and text is not None:   # ids were given with their text

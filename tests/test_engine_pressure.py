@@ -180,3 +180,23 @@ def test_random_mixed_workload_keeps_the_pool_consistent_and_each_greedy_output_
            {rid: alone[rid] for rid in requests if rid not in aborted}
     assert all(c.finish_reason == "abort" for rid in aborted for c in done[rid].outputs if len(c.token_ids) <
                len(alone[rid][c.index]))
+
+
+def test_an_interrupted_generate_leaves_nothing_for_the_next_call(stories_path):
+    from minillm import LLM
+    llm = LLM(str(stories_path), device="cpu", max_model_len=64, max_num_seqs=2)
+    engine, real_step, calls = llm.llm_engine, llm.llm_engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Once"] * 6, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
+    engine.step = real_step
+    # The next call got the leftovers' outputs first and failed with a KeyError on its own id.
+    out = llm.generate(["Lily"], SamplingParams(temperature=0, max_tokens=3))
+    assert out[0].prompt == "Lily" and len(out[0].outputs[0].token_ids) == 3
