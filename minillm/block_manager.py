@@ -151,15 +151,15 @@ class BlockManager:
                 self.key_to_block[key] = block
                 self.block_keys[block] = key
 
-    def uncache_blocks(self, blocks: list[int]) -> None:
-        """Forget the prefix-cache keys of blocks in use whose K/V will never be written (the step
-        that was to compute them failed), so that no later prompt hits them."""
-        for block in blocks:
+    def uncache_blocks(self, seq: Sequence, first: int) -> None:
+        """Forget the prefix-cache keys of seq's blocks from index `first` on: their K/V will never
+        be written (the step that was to compute them failed), so no later prompt may hit them."""
+        for block in seq.block_table[first:]:
             key = self.block_keys[block]
             if key is not None:
-                assert self.ref_counts[block] > 0, f"block {block} is free: only blocks in use are uncached"
                 del self.key_to_block[key]
                 self.block_keys[block] = None
+        del seq.block_hashes[first:]
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks; hashed ones stay cached-free (tail evicted first), others go first."""

@@ -338,10 +338,8 @@ class Scheduler:
     def forget_step_blocks(self, out: SchedulerOutput) -> None:
         """out failed before its K/V were surely written: the blocks it was to fill, registered in
         the prefix cache when it was scheduled, must not serve later prompts."""
-        block_size = self.block_manager.block_size
         for seq, start in zip(out.seqs, out.num_computed_tokens):
-            self.block_manager.uncache_blocks(seq.block_table[start // block_size:])
-            del seq.block_hashes[start // block_size:]
+            self.block_manager.uncache_blocks(seq, start // self.block_manager.block_size)
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

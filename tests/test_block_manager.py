@@ -88,8 +88,8 @@ def test_uncached_blocks_are_never_hit_and_free_as_plain_blocks():
     a = make_seq(range(13), "a")
     admit(bm, a)
     kept = a.block_table[0]
-    bm.uncache_blocks(a.block_table[1:])            # their step failed: keys without K/V
-    assert bm.find_cached_blocks(make_seq(range(13), "b")) == [kept]
+    bm.uncache_blocks(a, 1)                         # their step failed: keys without K/V
+    assert bm.find_cached_blocks(make_seq(range(13), "b")) == [kept] and a.block_hashes == [bm.block_keys[kept]]
     bm.free(a)
     assert bm.num_free_blocks == 8 and bm.num_cached_free_blocks == 1
     assert list(bm.key_to_block.values()) == [kept]
