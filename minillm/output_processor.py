@@ -17,6 +17,7 @@ class CompletionState:
     include_stop: bool
     want_logprobs: bool
     incremental: bool                # text every step (streaming, stop strings) or once at the end
+    min_tokens: int = 0              # stop strings are looked for only past this many output tokens
     text: str = ""
     num_text_tokens: int = 0         # output tokens that belong in the text
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -37,7 +38,7 @@ def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> 
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
                                    prompt_token_ids=seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
     return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
-                           p.logprobs is not None, incremental or bool(p.stop_strings))
+                           p.logprobs is not None, incremental or bool(p.stop_strings), p.min_tokens)
 
 
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
@@ -51,7 +52,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     if not state.incremental:
         return None
     delta = state.detokenizer.add(token)
-    if not delta or not state.stop:
+    if not delta or not state.stop or state.num_text_tokens <= state.min_tokens:   # vLLM: min_tokens holds stops off
         state.text += delta
         return None
     start = max(len(state.text) - state.holdback, 0)

@@ -17,9 +17,8 @@ class CompletionOutput:
     # logprobs[i]: {token_id: logprob} for generated token i (the sampled one and the top-k)
     logprobs: list[dict[int, float]] | None = None
 
-    @property
     def finished(self) -> bool:
-        """True once a finish reason is set."""
+        """True once a finish reason is set (a method, as vLLM's CompletionOutput.finished() is)."""
         return self.finish_reason is not None
 
 
@@ -57,3 +56,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the token itself
     # and its top alternatives), None for the first; the entries computed so far while it runs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
+        return None if self.metrics is None else self.metrics.num_cached_tokens
