@@ -58,3 +58,17 @@ def test_num_cached_tokens_counts_the_prefix_cache(llm):
     assert again.num_cached_tokens == again.metrics.num_cached_tokens
     assert again.num_cached_tokens >= 16 and again.num_cached_tokens % 16 == 0
     assert again.num_cached_tokens < len(again.prompt_token_ids)
+
+
+def test_a_prompt_near_the_context_end_is_cut_with_length_not_refused(stories_path):
+    """As in vLLM's LLM: max_tokens past max_model_len ends the output where the context does
+    ("length"), and the batch's other prompts run as asked; a prompt with no room left is refused."""
+    small = LLM(str(stories_path), device="cpu", max_model_len=64)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    near, plain = small.generate([[1] + [263] * 59, PROMPT], params)
+    assert len(near.outputs[0].token_ids) == 4 and near.outputs[0].finish_reason == "length"
+    assert len(plain.outputs[0].token_ids) == 16
+    [last] = small.generate([[1] + [263] * 62], params)
+    assert len(last.outputs[0].token_ids) == 1 and last.outputs[0].finish_reason == "length"
+    with pytest.raises(ValueError, match="64 tokens.*max_model_len 64"):
+        small.generate([[1] + [263] * 63], params)
