@@ -495,3 +495,45 @@ def test_bad_bytes_and_settings_in_a_terminal_print_no_traceback():
     child.expect(pytest.importorskip("pexpect").EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+@needs_stories
+def test_chat_over_http_fits_the_servers_context_as_the_local_chat_does():
+    """A server with a short context: the default max_tokens (256) is capped to the rest of the
+    context (it was a 400 for every message), old exchanges are dropped to make room, and a
+    message too long even alone is an error that leaves the history as it was."""
+    from test_server_helpers import CHAT_TEMPLATE, running_server
+
+    from minillm.chat import ChatSession
+    from minillm.chat_client import HttpChatBackend
+    from minillm.server.app import ServerOptions
+
+    lines = iter(["/set temperature 0", "Tom had a red ball.", "a " * 100, "/set max_tokens 40", "He threw it."])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    with running_server(STORIES, options=ServerOptions(chat_template=CHAT_TEMPLATE), max_model_len=64) as (url, _):
+        backend = HttpChatBackend(url)
+        assert backend.context_len == 64
+        out = io.StringIO()
+        session = ChatSession(backend, out=out)
+        history = []
+        session_send = session.send
+
+        def send(text):
+            session_send(text)
+            history.append([t["content"] for t in session.conversation.turns])
+
+        session.send = send
+        assert session.run(read_line) == 0
+    text = out.getvalue()
+    too_long, third = history[1], history[2]
+    assert "[the 64-token context is full: /reset starts over]" in text
+    assert "maximum context length is 64 tokens" in text            # the long message's error
+    assert len(history[0]) == 2 and too_long == history[0]          # the first exchange kept through it
+    assert "(dropped the 1 oldest exchange(s) to fit the 64-token context)" in text
+    assert third[0] == "He threw it." and len(third) == 2
