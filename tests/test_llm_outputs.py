@@ -72,3 +72,23 @@ def test_a_prompt_near_the_context_end_is_cut_with_length_not_refused(stories_pa
     assert len(last.outputs[0].token_ids) == 1 and last.outputs[0].finish_reason == "length"
     with pytest.raises(ValueError, match="64 tokens.*max_model_len 64"):
         small.generate([[1] + [263] * 63], params)
+
+
+def test_logprobs_read_as_vllms_logprob_objects(llm):
+    """vLLM users read out.logprobs[i][token_id].logprob (and .rank, .decoded_token); the values are
+    also plain floats, as minillm's own code and JSON writers take them."""
+    [out] = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=6, logprobs=3))
+    c = out.outputs[0]
+    tok = llm.get_tokenizer()
+    for token_id, entries in zip(c.token_ids, c.logprobs):
+        chosen = entries[token_id]
+        assert chosen.logprob == float(chosen) <= 0 and chosen.rank == 1         # greedy: the likeliest
+        assert chosen.decoded_token == tok.decode([token_id], skip_special_tokens=False)
+        ranked = sorted(entries.values(), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in ranked] == [1, 2, 3] and [float(lp) for lp in ranked] == sorted(
+            map(float, entries.values()), reverse=True)
+    assert math.isclose(c.cumulative_logprob, sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)),
+                        rel_tol=1e-6, abs_tol=1e-6)
+    [sampled] = llm.generate(PROMPT, SamplingParams(temperature=5.0, seed=1, max_tokens=12, logprobs=1))
+    below = [lp[t] for t, lp in zip(sampled.outputs[0].token_ids, sampled.outputs[0].logprobs) if len(lp) == 2]
+    assert below and all(lp.rank is None for lp in below)        # sampled below the top one asked for
