@@ -433,6 +433,27 @@ def test_chat_over_http_streams_from_a_running_server(served_stories):
     assert "measured by the client" in text
 
 
+def run_scripted(session, lines: list[str]) -> list[list[str]]:
+    """Run a chat session over these input lines (then end of input); returns the conversation's
+    turn texts after each message sent."""
+    pending, history = iter(lines), []
+    session_send = session.send
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(pending)
+        except StopIteration:
+            raise EOFError from None
+
+    def send(text):
+        session_send(text)
+        history.append([t["content"] for t in session.conversation.turns])
+
+    session.send = send
+    assert session.run(read_line) == 0
+    return history
+
+
 @needs_stories
 def test_a_message_too_long_even_alone_leaves_the_history_as_it_was():
     """Dropping old exchanges to fit is tried on a copy: when the new message cannot fit even
@@ -442,25 +463,9 @@ def test_a_message_too_long_even_alone_leaves_the_history_as_it_was():
     from minillm.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64))
-    lines = iter(["Tom had a red ball.", "a " * 200, "/set max_tokens 50", "He threw it."])
-
-    def read_line(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
     out = io.StringIO()
     session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=8), out=out)
-    history = []
-    session_send = session.send
-
-    def send(text):
-        session_send(text)
-        history.append([t["content"] for t in session.conversation.turns])
-
-    session.send = send
-    assert session.run(read_line) == 0
+    history = run_scripted(session, ["Tom had a red ball.", "a " * 200, "/set max_tokens 50", "He threw it."])
     text = out.getvalue()
     assert "error: message too long" in text and "dropped" in text.split("error: message too long")[1]
     first_exchange = history[0]
@@ -508,28 +513,12 @@ def test_chat_over_http_fits_the_servers_context_as_the_local_chat_does():
     from minillm.chat_client import HttpChatBackend
     from minillm.server.app import ServerOptions
 
-    lines = iter(["/set temperature 0", "Tom had a red ball.", "a " * 100, "/set max_tokens 40", "He threw it."])
-
-    def read_line(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
     with running_server(STORIES, options=ServerOptions(chat_template=CHAT_TEMPLATE), max_model_len=64) as (url, _):
         backend = HttpChatBackend(url)
         assert backend.context_len == 64
         out = io.StringIO()
-        session = ChatSession(backend, out=out)
-        history = []
-        session_send = session.send
-
-        def send(text):
-            session_send(text)
-            history.append([t["content"] for t in session.conversation.turns])
-
-        session.send = send
-        assert session.run(read_line) == 0
+        history = run_scripted(ChatSession(backend, out=out), ["/set temperature 0", "Tom had a red ball.", "a " * 100,
+                                                               "/set max_tokens 40", "He threw it."])
     text = out.getvalue()
     too_long, third = history[1], history[2]
     assert "[the 64-token context is full: /reset starts over]" in text

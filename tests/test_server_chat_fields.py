@@ -14,7 +14,6 @@ import pytest
 from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, running_server, sse_events
 
 from minillm.server.app import ServerOptions
-from minillm.tokenizer import Tokenizer
 
 MODEL = "stories"
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -26,17 +25,6 @@ def server(stories_path):
     with running_server(stories_path, served_model_name=MODEL,
                         options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
         yield url, engine
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tok(stories_path):
-    return Tokenizer.from_pretrained(stories_path)
 
 
 @pytest.fixture(scope="module")

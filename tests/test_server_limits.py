@@ -43,20 +43,9 @@ def server(stories_path):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def client(server):
     with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tok(stories_path):
-    return Tokenizer.from_pretrained(stories_path)
 
 
 @pytest.fixture(scope="module")
