@@ -39,6 +39,14 @@ def http(server):
         yield client
 
 
+@pytest.fixture
+def healthy_stream(healthy):
+    """A greedy stream in flight for the whole test (the module defines `healthy`, its
+    HealthyStreams); the streams are checked when the module ends."""
+    with healthy.in_flight():
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_tls_context_for_every_httpx_client():
     """httpx builds a TLS context from certifi's bundle for every client (about 25 ms of CPU), even

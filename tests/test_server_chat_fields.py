@@ -34,12 +34,6 @@ def healthy(server):
     streams.check()
 
 
-@pytest.fixture
-def healthy_stream(healthy):
-    with healthy.in_flight():
-        yield
-
-
 def _chat(**fields) -> dict:
     return {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, **fields}
 

@@ -32,13 +32,6 @@ def healthy(server):
     streams.check()
 
 
-@pytest.fixture
-def healthy_stream(healthy):
-    """A greedy stream in flight for the whole test; it is checked when the module ends."""
-    with healthy.in_flight():
-        yield
-
-
 def _completion(**fields) -> dict:
     return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, **fields}
 

@@ -57,12 +57,6 @@ def healthy(server):
     assert stats and stats["kv_num_used_blocks"] == 0 and server[1].is_healthy
 
 
-@pytest.fixture
-def healthy_stream(healthy):
-    with healthy.in_flight():
-        yield
-
-
 def _completion(**fields) -> dict:
     return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, **fields}
 
