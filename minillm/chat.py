@@ -58,7 +58,7 @@ class ChatSettings:
         try:
             value = parsers[key](text)
         except ValueError:
-            raise ValueError(f"{key} needs a {'number' if key in ('temperature', 'top_p') else 'integer'}, "
+            raise ValueError(f"{key} needs {'a number' if key in ('temperature', 'top_p') else 'an integer'}, "
                              f"got {text!r}") from None
         updated = replace(self, **{key: value})
         updated.sampling_params()   # validates the new value with the engine's own rules
@@ -200,18 +200,21 @@ class EngineChatBackend:
     def fit_prompt(self, conversation: Conversation, settings: ChatSettings) -> tuple[list[int], int]:
         """Prompt ids and max_tokens that fit max_model_len, dropping the oldest exchanges first."""
         max_len = self.engine.max_model_len
-        ids = conversation_prompt_ids(self.tokenizer, conversation, self.chat_template)
+        # Exchanges are dropped from a copy: a message too long even alone leaves the history as it was.
+        trial = Conversation(conversation.system, list(conversation.turns))
+        ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
         dropped = 0
-        while max_len - len(ids) < settings.max_tokens and conversation.drop_oldest_exchange():
-            ids = conversation_prompt_ids(self.tokenizer, conversation, self.chat_template)
+        while max_len - len(ids) < settings.max_tokens and trial.drop_oldest_exchange():
+            ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
             dropped += 1
-        if dropped:
-            self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit the "
-                                f"{max_len}-token context)")
         room = max_len - len(ids)
         if room < 1:
             raise ValueError(f"message too long: the prompt is {len(ids)} tokens and the context "
                              f"holds {max_len}")
+        if dropped:
+            conversation.turns[:] = trial.turns
+            self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit the "
+                                f"{max_len}-token context)")
         return ids, min(settings.max_tokens, room)
 
     def stream_reply(self, conversation: Conversation, settings: ChatSettings,
@@ -278,6 +281,23 @@ class EngineChatBackend:
 # ---------------------------------------------------------------------------------------------
 # Input and interrupts
 # ---------------------------------------------------------------------------------------------
+
+def valid_text(text: str) -> str:
+    """Text any tokenizer takes: bytes of the terminal that are not UTF-8 (which Python's stdin
+    hands on as lone surrogates) become U+FFFD, as a decoder with errors="replace" would show them."""
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        raw = text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:       # a surrogate that stands for no byte
+        raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8", "replace")
+
 
 def read_message(read_line: Callable[[str], str]) -> str:
     """One user message: a trailing backslash continues the line; triple quotes span lines."""
@@ -399,6 +419,7 @@ class ChatSession:
 
     def handle(self, text: str) -> None:
         """Run a /command or send a message."""
+        text = valid_text(text)
         if not text.strip():
             return
         if text.startswith("/"):

@@ -21,6 +21,7 @@ class HttpChatBackend:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.base_url, headers=headers,
                                    timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.context_len: int | None = None   # the model's max_model_len, as /v1/models lists it
         self.model = model or self._first_model()
         self.name = f"{self.model} at {self.base_url}"
         self.chat_template = chat_template   # sent with each request (vLLM's chat_template field)
@@ -38,12 +39,14 @@ class HttpChatBackend:
         models = response.json().get("data") or []
         if not models:
             raise RuntimeError(f"the server at {self.base_url} lists no models")
+        if isinstance(models[0].get("max_model_len"), int):
+            self.context_len = models[0]["max_model_len"]
         return models[0]["id"]
 
-    def _body(self, conversation: Conversation, settings: ChatSettings) -> dict:
-        """The request body for the current endpoint."""
+    def _body(self, conversation: Conversation, settings: ChatSettings, max_tokens: int | None) -> dict:
+        """The request body for the current endpoint (max_tokens None: the rest of the context)."""
         body: dict = {"model": self.model, "stream": True, "temperature": settings.temperature,
-                      "top_p": settings.top_p, "max_tokens": settings.max_tokens,
+                      "top_p": settings.top_p, "max_tokens": max_tokens,
                       "stream_options": {"include_usage": True}}
         if settings.top_k > 0:
             body["top_k"] = settings.top_k
@@ -57,10 +60,11 @@ class HttpChatBackend:
             body["prompt"] = conversation_text(conversation)
         return body
 
-    def _open(self, conversation: Conversation, settings: ChatSettings) -> httpx.Response:
+    def _open(self, conversation: Conversation, settings: ChatSettings,
+              max_tokens: int | None) -> httpx.Response:
         """Send the request and return the streaming response once its status is known good."""
         path = "/v1/chat/completions" if self.has_chat_template else "/v1/completions"
-        request = self.client.build_request("POST", path, json=self._body(conversation, settings))
+        request = self.client.build_request("POST", path, json=self._body(conversation, settings, max_tokens))
         try:
             response = self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -76,18 +80,43 @@ class HttpChatBackend:
         """Open the stream now (errors surface here); the iterator yields the text deltas."""
         started = time.time()
         try:
-            response = self._open(conversation, settings)
+            response, is_capped = self._open_fitted(conversation, settings)
+        except ContextLengthError:
+            raise
         except ValueError as exc:
             if self.chat_template or not (self.has_chat_template and "template" in str(exc).lower()):
                 raise
             self.has_chat_template = False
             self.notices.append("note: the served model has no chat template, so the "
                                 "conversation runs as plain text continuation.")
-            response = self._open(conversation, settings)
-        return self._stream(response, started, should_stop, settings.max_tokens)
+            response, is_capped = self._open_fitted(conversation, settings)
+        return self._stream(response, started, should_stop, settings.max_tokens, is_capped)
+
+    def _open_fitted(self, conversation: Conversation, settings: ChatSettings) -> tuple[httpx.Response, bool]:
+        """Open the stream within the server's context as the in-process chat fits its own: the
+        oldest exchanges go first (tried on a copy, kept only once the request fits), then the
+        reply is capped at the rest of the context; (response, whether max_tokens was capped)."""
+        trial = Conversation(conversation.system, list(conversation.turns))
+        dropped, max_tokens = 0, settings.max_tokens
+        while True:
+            try:
+                response = self._open(trial, settings, max_tokens)
+                break
+            except ContextLengthError as exc:
+                if trial.drop_oldest_exchange():
+                    dropped += 1
+                elif exc.param == "max_tokens" and max_tokens is not None:
+                    max_tokens = None          # the server gives the reply the rest of the context
+                else:
+                    raise
+        if dropped:
+            conversation.turns[:] = trial.turns
+            where = f"the {self.context_len}-token context" if self.context_len else "the server's context"
+            self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit {where})")
+        return response, max_tokens is None
 
     def _stream(self, response: httpx.Response, started: float,
-                should_stop: Callable[[], bool], max_tokens: int) -> Iterator[str]:
+                should_stop: Callable[[], bool], max_tokens: int, is_capped: bool = False) -> Iterator[str]:
         """Read server-sent events until [DONE]; closing the stream drops the connection."""
         first = last = None
         num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, 0
@@ -112,13 +141,15 @@ class HttpChatBackend:
             if usage:
                 prompt_tokens = usage.get("prompt_tokens", 0)
             num_tokens = usage.get("completion_tokens", num_chunks) if usage else num_chunks
+            if is_capped:      # the reply had only the rest of the context
+                max_tokens = self.context_len - prompt_tokens if self.context_len and prompt_tokens else num_tokens
             self.last_stats = ReplyStats(
                 prompt_tokens=prompt_tokens, output_tokens=num_tokens,
                 ttft_s=None if first is None else first - started,
                 decode_s=None if first is None else last - first,
                 total_s=time.time() - started,
                 finish_reason=finish_reason or ("abort" if should_stop() else None),
-                source="client", max_tokens=max_tokens)
+                source="client", max_tokens=max_tokens, context_len=self.context_len)
 
 
 def _events(response: httpx.Response) -> Iterator[dict]:
@@ -151,5 +182,26 @@ def _raise_for_status(response: httpx.Response) -> None:
         message = response.text.strip() or response.reason_phrase
     if response.status_code in (401, 403):
         raise RuntimeError(f"the server refused the API key ({response.status_code}): {message}")
+    text = f"server answered {response.status_code}: {message}"
+    error = _error_field(response)
+    if response.status_code == 400 and error.get("code") == "context_length_exceeded":
+        raise ContextLengthError(text, error.get("param"))
     cls = ValueError if 400 <= response.status_code < 500 else RuntimeError
-    raise cls(f"server answered {response.status_code}: {message}")
+    raise cls(text)
+
+
+def _error_field(response: httpx.Response) -> dict:
+    """The error object of an OpenAI-style error body ({} when there is none)."""
+    try:
+        error = response.json().get("error")
+    except (json.JSONDecodeError, AttributeError):
+        return {}
+    return error if isinstance(error, dict) else {}
+
+
+class ContextLengthError(ValueError):
+    """The server's 400 for a request that does not fit the context; param: the field it names."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -306,9 +306,10 @@ def output_record(out, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0
 
 def completion_record(c, tokenizer=None, num_top: int = 0) -> dict:
     """A completion as JSON; logprobs in the OpenAI shape: token, logprob and the top alternatives."""
-    record = {"text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason}
+    record = {"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+              "stop_reason": c.stop_reason}
     if c.logprobs is not None:
-        record["cumulative_logprob"] = c.cumulative_logprob
+        record["cumulative_logprob"] = json_logprob(c.cumulative_logprob)
         record["logprobs"] = [token_logprobs(t, lps, tokenizer, num_top)
                               for t, lps in zip(c.token_ids, c.logprobs)]
     return record
@@ -321,8 +322,14 @@ def token_logprobs(token_id: int, logprobs: dict[int, float], tokenizer=None, nu
 
     # logprobs holds the sampled token and the top num_top; the sampled one may rank below them
     top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num_top]
-    return {"token_id": token_id, "token": text(token_id), "logprob": logprobs.get(token_id),
-            "top_logprobs": [{"token_id": i, "token": text(i), "logprob": lp} for i, lp in top]}
+    return {"token_id": token_id, "token": text(token_id), "logprob": json_logprob(logprobs.get(token_id)),
+            "top_logprobs": [{"token_id": i, "token": text(i), "logprob": json_logprob(lp)} for i, lp in top]}
+
+
+def json_logprob(logprob: float | None) -> float | None:
+    """A logprob JSON can hold: -inf (a token a grammar or top-k ruled out) is -9999.0, as the server
+    and vLLM write it (json.dumps would write -Infinity, which JSON readers refuse)."""
+    return None if logprob is None else max(float(logprob), -9999.0)
 
 
 def print_plain(outputs, tokenizer=None, num_top: int = 0) -> None:

@@ -241,10 +241,10 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "
                              f"max_model_len {self.max_model_len}")
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(ids)
-        if len(ids) + max_tokens > self.max_model_len:
-            raise ValueError(f"max_tokens {max_tokens} plus the prompt's {len(ids)} tokens exceeds "
-                             f"max_model_len {self.max_model_len}")
+        # As in vLLM, generation stops with "length" where the context ends, whatever max_tokens asks
+        # (one long prompt of a batch must not fail the rest); the server refuses such a request first.
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = arrival_time if arrival_time is not None else time.time()
         seqs = []
         for i in range(params.n):

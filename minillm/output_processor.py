@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minillm.outputs import CompletionOutput
+from minillm.outputs import CompletionOutput, Logprob
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -17,6 +17,7 @@ class CompletionState:
     include_stop: bool
     want_logprobs: bool
     incremental: bool                # text every step (streaming, stop strings) or once at the end
+    min_tokens: int = 0              # stop strings are looked for only past this many output tokens
     text: str = ""
     num_text_tokens: int = 0         # output tokens that belong in the text
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -37,13 +38,13 @@ def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> 
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
                                    prompt_token_ids=seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
     return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
-                           p.logprobs is not None, incremental or bool(p.stop_strings))
+                           p.logprobs is not None, incremental or bool(p.stop_strings), p.min_tokens)
 
 
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
     """Feed the newest token; returns the stop string it completed, if any."""
     if state.want_logprobs and logprobs is not None:
-        state.logprobs.append(logprobs)
+        state.logprobs.append(_ranked(logprobs, seq.params.logprobs, state.detokenizer.tok))
         state.cumulative_logprob += logprobs.get(token, 0.0)
     if seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token) and not state.include_stop:
         return None
@@ -51,7 +52,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     if not state.incremental:
         return None
     delta = state.detokenizer.add(token)
-    if not delta or not state.stop:
+    if not delta or not state.stop or state.num_text_tokens <= state.min_tokens:   # vLLM: min_tokens holds stops off
         state.text += delta
         return None
     start = max(len(state.text) - state.holdback, 0)
@@ -62,6 +63,15 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
             state.text = state.text[:at + len(s)] if state.include_stop else state.text[:at]
             return s
     return None
+
+
+def _ranked(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
+    """A token's {id: logprob} as vLLM's Logprobs: the top num_top ranked 1.. in order; the sampled
+    token, when it falls below them, has no rank known here."""
+    order = sorted(logprobs, key=logprobs.__getitem__, reverse=True)
+    return {tid: Logprob(logprobs[tid], i + 1 if i < num_top else None,
+                         tokenizer.decode_token(tid, skip_special_tokens=False))
+            for i, tid in enumerate(order)}
 
 
 def _ended_by_stop_token(seq: Sequence, token: int) -> bool:

@@ -4,6 +4,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class Logprob(float):
+    """A token's log-probability: a float, which also answers vLLM's Logprob fields (.logprob,
+    .rank: 1 for the likeliest token, None for a sampled token below the top ones asked for,
+    .decoded_token: the token's text alone)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> "Logprob":
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    def __reduce__(self):
+        return (Logprob, (float(self), self.rank, self.decoded_token))
+
+    @property
+    def logprob(self) -> float:
+        """The value itself, as vLLM's Logprob.logprob."""
+        return float(self)
+
+
 @dataclass
 class CompletionOutput:
     """One of a request's n completions, cumulative so far."""
@@ -14,12 +36,11 @@ class CompletionOutput:
     finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     cumulative_logprob: float | None = None
-    # logprobs[i]: {token_id: logprob} for generated token i (the sampled one and the top-k)
-    logprobs: list[dict[int, float]] | None = None
+    # logprobs[i]: {token_id: Logprob} for generated token i (the sampled one and the top-k)
+    logprobs: list[dict[int, Logprob]] | None = None
 
-    @property
     def finished(self) -> bool:
-        """True once a finish reason is set."""
+        """True once a finish reason is set (a method, as vLLM's CompletionOutput.finished() is)."""
         return self.finish_reason is not None
 
 
@@ -57,3 +78,8 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the token itself
     # and its top alternatives), None for the first; the entries computed so far while it runs.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
+        return None if self.metrics is None else self.metrics.num_cached_tokens

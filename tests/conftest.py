@@ -23,6 +23,30 @@ def stories_path() -> Path:
     return STORIES
 
 
+@pytest.fixture(scope="module")
+def tok(stories_path):
+    """stories260K's tokenizer (a module may define its own)."""
+    from minillm.tokenizer import Tokenizer
+    return Tokenizer.from_pretrained(stories_path)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    """One HTTP client for the module's server (the module defines `server`, yielding (url, engine)):
+    building a client per request costs more than the request."""
+    import httpx
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def healthy_stream(healthy):
+    """A greedy stream in flight for the whole test (the module defines `healthy`, its
+    HealthyStreams); the streams are checked when the module ends."""
+    with healthy.in_flight():
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def one_tls_context_for_every_httpx_client():
     """httpx builds a TLS context from certifi's bundle for every client (about 25 ms of CPU), even

@@ -141,7 +141,8 @@ def spawn_chat(*args: str):
     env = {**os.environ, "TERM": "dumb", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     # Started with SIGINT ignored, as a background job of a script would be: Ctrl-C must still work.
     child = pexpect.spawn(sys.executable, ["-m", "minillm.cli", "chat", str(STORIES), "--device", "cpu", *args],
-                          cwd=str(REPO), env=env, encoding="utf-8", timeout=120, dimensions=(50, 400),
+                          cwd=str(REPO), env=env, encoding="utf-8", codec_errors="replace", timeout=120,
+                          dimensions=(50, 400),
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     child.expect_exact("/help lists commands")
     child.expect_exact(PROMPT)
@@ -430,3 +431,98 @@ def test_chat_over_http_streams_from_a_running_server(served_stories):
     assert stats.source == "client" and stats.output_tokens == 24 and stats.finish_reason == "length"
     assert stats.ttft_s is not None and stats.ttft_s > 0
     assert "measured by the client" in text
+
+
+def run_scripted(session, lines: list[str]) -> list[list[str]]:
+    """Run a chat session over these input lines (then end of input); returns the conversation's
+    turn texts after each message sent."""
+    pending, history = iter(lines), []
+    session_send = session.send
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(pending)
+        except StopIteration:
+            raise EOFError from None
+
+    def send(text):
+        session_send(text)
+        history.append([t["content"] for t in session.conversation.turns])
+
+    session.send = send
+    assert session.run(read_line) == 0
+    return history
+
+
+@needs_stories
+def test_a_message_too_long_even_alone_leaves_the_history_as_it_was():
+    """Dropping old exchanges to fit is tried on a copy: when the new message cannot fit even
+    alone, the error leaves the earlier exchanges in the conversation."""
+    from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64))
+    out = io.StringIO()
+    session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=8), out=out)
+    history = run_scripted(session, ["Tom had a red ball.", "a " * 200, "/set max_tokens 50", "He threw it."])
+    text = out.getvalue()
+    assert "error: message too long" in text and "dropped" in text.split("error: message too long")[1]
+    first_exchange = history[0]
+    assert len(first_exchange) == 2 and history[1] == first_exchange      # kept through the error
+    # the third message needs room for 50 tokens: the first exchange goes, and says so
+    assert history[2][0] == "He threw it." and len(history[2]) == 2
+
+
+def test_bytes_that_are_not_utf8_reach_the_model_as_replacement_characters():
+    from minillm.chat import valid_text
+    assert valid_text("ab\udcff\udcfe cd") == "ab\ufffd\ufffd cd"     # how stdin hands on bad bytes
+    assert valid_text("\u4e2d\udce4\udcb8") == "\u4e2d\ufffd"         # a character cut short
+    assert valid_text("\ud83d x") == "? x"                             # a surrogate that is no byte
+    assert valid_text("plain \u4e2d\U0001F600") == "plain \u4e2d\U0001F600"
+
+
+@needs_stories
+def test_bad_bytes_and_settings_in_a_terminal_print_no_traceback():
+    child = spawn_chat("--temperature", "0", "--max-tokens", "6")
+    for line, answer in (("/set top_k 1.5", "error: top_k needs an integer, got '1.5'"),
+                         ("/set temperature nan", "error: temperature must be a finite number"),
+                         ("/set seed -3", "error: seed must be an integer in [0, 2**64 - 1]"),
+                         ("/set max_tokens 0", "error: max_tokens must be an integer >= 1")):
+        assert answer in ask(child, line)
+    wait_until_reading_input(child)
+    os.write(child.child_fd, b"Tom \xff\xfe ball\r")      # bytes a terminal set to Latin-1 would send
+    child.expect_exact("Tom")
+    child.expect_exact(PROMPT)
+    reply = child.before
+    assert "Traceback" not in reply and "[max_tokens 6 reached" in reply
+    child.sendline("/exit")
+    child.expect(pytest.importorskip("pexpect").EOF)
+    child.close()
+    assert child.exitstatus == 0
+
+
+@needs_stories
+def test_chat_over_http_fits_the_servers_context_as_the_local_chat_does():
+    """A server with a short context: the default max_tokens (256) is capped to the rest of the
+    context (it was a 400 for every message), old exchanges are dropped to make room, and a
+    message too long even alone is an error that leaves the history as it was."""
+    from test_server_helpers import CHAT_TEMPLATE, running_server
+
+    from minillm.chat import ChatSession
+    from minillm.chat_client import HttpChatBackend
+    from minillm.server.app import ServerOptions
+
+    with running_server(STORIES, options=ServerOptions(chat_template=CHAT_TEMPLATE), max_model_len=64) as (url, _):
+        backend = HttpChatBackend(url)
+        assert backend.context_len == 64
+        out = io.StringIO()
+        history = run_scripted(ChatSession(backend, out=out), ["/set temperature 0", "Tom had a red ball.", "a " * 100,
+                                                               "/set max_tokens 40", "He threw it."])
+    text = out.getvalue()
+    too_long, third = history[1], history[2]
+    assert "[the 64-token context is full: /reset starts over]" in text
+    assert "maximum context length is 64 tokens" in text            # the long message's error
+    assert len(history[0]) == 2 and too_long == history[0]          # the first exchange kept through it
+    assert "(dropped the 1 oldest exchange(s) to fit the 64-token context)" in text
+    assert third[0] == "He threw it." and len(third) == 2

@@ -475,3 +475,31 @@ def test_prompts_that_are_not_text_fail_in_one_line(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last == "minillm: error: prompt is not valid Unicode: a lone surrogate at index 1"
+
+
+def _strict_json(line: str):
+    """json.loads that refuses NaN and Infinity, which JSON does not have (Python writes them)."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(line, parse_constant=refuse)
+
+
+@needs_stories
+def test_generate_json_is_strict_json_with_stop_reason():
+    """A grammar rules tokens out, so their logprobs are -inf: --json writes -9999.0 as the server
+    does; each completion carries its index and stop_reason (the stop string or token id)."""
+    result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Tom said", "--regex", "yes|no",
+                     "--logprobs", "3", "--prompt-logprobs", "2", "--temperature", "0", "--json")
+    assert result.returncode == 0, result.stderr
+    [out] = _strict_json(result.stdout)["outputs"]
+    assert out["text"] in ("yes", "no") and out["stop_reason"] is None and out["index"] == 0
+    tops = [t["logprob"] for e in out["logprobs"] for t in e["top_logprobs"]]
+    assert -9999.0 in tops and all(lp >= -9999.0 for lp in tops)
+    stopped = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "-p", "Lily",
+                      "--temperature", "0", "--max-tokens", "30", "--stop", "girl", "--stop-token-id", "298",
+                      "--n", "2", "--json")
+    assert stopped.returncode == 0, stopped.stderr
+    records = [_strict_json(line) for line in stopped.stdout.splitlines()]
+    assert [[c["index"] for c in r["outputs"]] for r in records] == [[0, 1], [0, 1]]
+    first = records[0]["outputs"][0]
+    assert first["finish_reason"] == "stop" and first["stop_reason"] == 298 and first["token_ids"][-1] == 298

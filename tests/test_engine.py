@@ -150,13 +150,13 @@ def test_bad_prompts_name_the_problem(stories_path):
         engine.add_request("e", [], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):
         engine.add_request("long", [1] * 65, SamplingParams())
-    with pytest.raises(ValueError, match="max_tokens"):
-        engine.add_request("sum", [1] * 60, SamplingParams(max_tokens=10))
+    engine.add_request("sum", [1] * 60, SamplingParams(max_tokens=10))   # capped by the context, as in vLLM
     with pytest.raises(ValueError, match="prompt token ids"):
         engine.add_request("v", [1, 100000], SamplingParams())
     engine.add_request("ok", "Once", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request_id"):
         engine.add_request("ok", "Once", SamplingParams(max_tokens=2))
+    done = {}
     for bad_id in (None, 7, ["x"]):
         with pytest.raises(ValueError, match="request_id"):
             engine.add_request(bad_id, "Once", SamplingParams(max_tokens=2))
@@ -165,8 +165,10 @@ def test_bad_prompts_name_the_problem(stories_path):
             engine.add_request("t", "Once", SamplingParams(max_tokens=2), arrival_time=bad_time)
     engine.abort_request(["x"])                    # an id that cannot be known is as unknown as any other
     while engine.has_unfinished_requests():        # the good request is untouched
-        engine.step()
+        done.update({o.request_id: o for o in engine.step() if o.finished})
     assert engine.block_manager.num_used_blocks == 0
+    assert len(done["sum"].outputs[0].token_ids) == 4 and done["sum"].outputs[0].finish_reason == "length"
+    assert len(done["ok"].outputs[0].token_ids) == 2
 
 
 def test_block_map_downsampling_keeps_the_commonest_state():

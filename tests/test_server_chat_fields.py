@@ -14,7 +14,6 @@ import pytest
 from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, running_server, sse_events
 
 from minillm.server.app import ServerOptions
-from minillm.tokenizer import Tokenizer
 
 MODEL = "stories"
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
@@ -29,27 +28,10 @@ def server(stories_path):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def tok(stories_path):
-    return Tokenizer.from_pretrained(stories_path)
-
-
-@pytest.fixture(scope="module")
 def healthy(server):
     streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300})
     yield streams
     streams.check()
-
-
-@pytest.fixture
-def healthy_stream(healthy):
-    with healthy.in_flight():
-        yield
 
 
 def _chat(**fields) -> dict:
@@ -74,6 +56,10 @@ REFUSED = [
      _chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}),
      "stream_options.continuous_usage_stats"),
     ("priority", "/v1/chat/completions", _chat(priority=3), "priority"),
+    ("stream-options-without-stream", "/v1/chat/completions", _chat(stream_options={"include_usage": True}),
+     "stream_options"),
+    ("stream-options-stream-false", "/v1/completions",
+     {"prompt": "Once", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     ("prompt-embeds", "/v1/completions", {"prompt": "Once", "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ("return-token-ids", "/v1/completions", {"prompt": "Once", "return_token_ids": True}, "return_token_ids"),
     ("return-token-ids-chat", "/v1/chat/completions", _chat(return_token_ids=True), "return_token_ids"),

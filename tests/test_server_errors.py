@@ -24,26 +24,12 @@ def server(stories_path):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    """One client for the module: building a client per request costs more than the request."""
-    with httpx.Client(base_url=server[0], timeout=30) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def healthy(server):
     """Healthy streams the tests leave running; at the end of the module each must have completed intact."""
     streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": HEALTHY_TOKENS},
                              headers=AUTH)
     yield streams
     streams.check()
-
-
-@pytest.fixture
-def healthy_stream(healthy):
-    """A greedy stream in flight for the whole test; it is checked when the module ends."""
-    with healthy.in_flight():
-        yield
 
 
 def _completion(**fields) -> dict:

@@ -43,20 +43,9 @@ def server(stories_path):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=60) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def client(server):
     with openai.OpenAI(base_url=f"{server[0]}/v1", api_key="unused", max_retries=0, timeout=60) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def tok(stories_path):
-    return Tokenizer.from_pretrained(stories_path)
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +55,6 @@ def healthy(server):
     streams.check()
     stats = wait_for(lambda: (s := get_stats(server[0]))["num_running"] == 0 and s)
     assert stats and stats["kv_num_used_blocks"] == 0 and server[1].is_healthy
-
-
-@pytest.fixture
-def healthy_stream(healthy):
-    with healthy.in_flight():
-        yield
 
 
 def _completion(**fields) -> dict:

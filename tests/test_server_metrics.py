@@ -37,12 +37,6 @@ def server(stories_path):
         yield url, engine
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server[0], timeout=30) as client:
-        yield client
-
-
 def scrape(http: httpx.Client) -> dict:
     """{(sample name, frozen labels): value} and the family types, from /metrics."""
     response = http.get("/metrics")

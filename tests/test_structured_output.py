@@ -64,11 +64,6 @@ SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def tok(stories_path):
-    return Tokenizer.from_pretrained(stories_path)
-
-
-@pytest.fixture(scope="module")
 def manager(tok):
     mgr = StructuredOutputManager.from_tokenizer(tok, VOCAB, max_num_seqs=256)
     yield mgr

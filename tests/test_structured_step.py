@@ -20,7 +20,7 @@ from minillm.structured_output import (GrammarBitmask, StructuredOutputRequest,
                                        bitmask_words)
 from test_structured_engine import CHECKS, PROMPT
 from test_structured_output import ARITHMETIC_BOUNDED, CHOICES, DATE, SCHEMA, VOCAB, allowed, char_ids, compile_
-from test_structured_output import manager, tok  # noqa: F401  (fixtures)
+from test_structured_output import manager  # noqa: F401  (a fixture)
 
 EOS = 2
 GRAMMARS = [dict(json=SCHEMA), dict(regex=DATE), dict(choice=CHOICES), dict(grammar=ARITHMETIC_BOUNDED)]

@@ -203,6 +203,8 @@ def check_unsupported(req: _GenerationRequest) -> None:
         if value is not None and value is not False and value != [] and value != {}:   # prompt_logprobs=0 asks
             hint = "; /v1/completions with echo and logprobs scores the prompt" if name == "prompt_logprobs" else ""
             raise APIError(400, f"{name} is not supported{hint}", param=name)
+    if req.stream_options is not None and not req.stream:      # OpenAI and vLLM refuse it too
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     stream_extra = (req.stream_options.model_extra or {}) if req.stream_options is not None else {}
     if stream_extra.get("continuous_usage_stats"):     # usage in every chunk: not implemented
         raise APIError(400, "stream_options.continuous_usage_stats is not supported (include_usage is)",
