@@ -71,6 +71,22 @@ class StepError(RuntimeError):
         self.cause = cause
 
 
+def own_sampling_params(params: SamplingParams) -> SamplingParams:
+    """A request's own copy of validated params (vLLM clones them too): a caller that reuses one
+    SamplingParams and changes it for its next request must not change this one's sampling and
+    stops. The containers the engine reads are copied; the structured-output constraint is fixed
+    once built and is shared; extra_args holds the caller's data and is copied one level deep."""
+    own = copy.copy(params)
+    own.stop_token_ids = list(params.stop_token_ids)
+    if isinstance(params.stop, list):
+        own.stop = list(params.stop)
+    if params.logit_bias is not None:
+        own.logit_bias = dict(params.logit_bias)
+    if params.extra_args is not None:
+        own.extra_args = dict(params.extra_args)
+    return own
+
+
 def choose_backend(device: str) -> str:
     """'cpu' -> numpy, 'cuda' -> cuda, 'auto' -> cuda when CuPy sees a GPU."""
     if device == "cpu":
@@ -228,10 +244,7 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_vocab(self.model_config.vocab_size)
-        # The request keeps its own copy (vLLM clones too): a caller that reuses one SamplingParams
-        # and changes it for its next request must not change this one's sampling and stops. The
-        # structured-output constraint is fixed once built (its key) and is shared, not copied.
-        params = copy.deepcopy(params, {id(params.structured_outputs): params.structured_outputs})
+        params = own_sampling_params(params)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:

@@ -70,6 +70,9 @@ def test_a_reused_sampling_params_changed_for_the_next_request_leaves_the_first_
     first = done["a"].outputs[0]
     assert first.token_ids == alone["alone"].outputs[0].token_ids and first.finish_reason == "length"
     assert first.logprobs is None
+    import threading                                 # extra_args is the caller's data: anything goes in it
+    engine.add_request("c", prompt, SamplingParams(max_tokens=2, extra_args={"lock": threading.Lock()}))
+    assert len(run_all(engine, {})["c"].outputs[0].token_ids) == 2
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
