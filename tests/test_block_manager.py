@@ -93,3 +93,16 @@ def test_uncached_blocks_are_never_hit_and_free_as_plain_blocks():
     bm.free(a)
     assert bm.num_free_blocks == 8 and bm.num_cached_free_blocks == 1
     assert list(bm.key_to_block.values()) == [kept]
+
+
+def test_block_keys_chain_a_digest_of_the_whole_prefix():
+    """A key is SHA-256 over the parent's key and the block's tokens: equal keys mean equal whole
+    prefixes, and a prefix that differs anywhere changes every key after it (not a 64-bit hash of
+    the parent, which a crafted prompt could collide with)."""
+    first = BlockManager.block_key(None, [1, 2, 3, 4])
+    assert isinstance(first, bytes) and len(first) == 32
+    assert first == BlockManager.block_key(None, [1, 2, 3, 4]) != BlockManager.block_key(None, [1, 2, 3, 5])
+    second = BlockManager.block_key(first, [5, 6, 7, 8])
+    other_parent = BlockManager.block_key(BlockManager.block_key(None, [0, 2, 3, 4]), [5, 6, 7, 8])
+    assert second != other_parent and second != BlockManager.block_key(None, [5, 6, 7, 8])
+    assert BlockManager.block_key(None, [2**40]) != BlockManager.block_key(None, [0])     # no truncation

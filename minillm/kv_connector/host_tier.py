@@ -80,8 +80,8 @@ class HostTierScheduler(KVConnectorScheduler):
         block_manager.freed, block_manager.evicted = [], []     # listen to its notices
         self.num_blocks = num_blocks
         self.bytes_per_block = bytes_per_block
-        self.block_keys: list[tuple | None] = [None] * num_blocks
-        self.key_to_block: dict[tuple, int] = {}
+        self.block_keys: list[bytes | None] = [None] * num_blocks
+        self.key_to_block: dict[bytes, int] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()   # host blocks holding a key, least recent first
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.num_steps = 0               # metadata built so far: the next step's number
@@ -148,7 +148,7 @@ class HostTierScheduler(KVConnectorScheduler):
         self.num_steps += 1
         return meta
 
-    def _store(self, key: tuple) -> int | None:
+    def _store(self, key: bytes) -> int | None:
         """The host block to save key's block into; None when it is there already or no block is free."""
         host = self.key_to_block.get(key)
         if host is not None:
