@@ -50,6 +50,8 @@ class FakeStatsHandler(BaseHTTPRequestHandler):
         events = [make_stats(k).to_dict() for k in range(3)]
         if mode == "error":
             events[1] = {"error": {"message": "engine loop died", "code": "engine_dead"}}
+        if mode == "nan":
+            events[1]["kv_usage"] = float("nan")   # json.dumps writes NaN, which json.loads takes
         body = ": ping\n\n" + "".join(f"event: stats\ndata: {json.dumps(e)}\n\n" for e in events)
         self._send(200, "text/event-stream", body)
 
@@ -120,6 +122,9 @@ def test_parse_stats_round_trips_the_dataclass():
     (("requests", 1, "prompt_tokens"), None, "missing field 'requests[1].prompt_tokens'"),
     (("block_map",), [0, "x"], "field 'block_map' should be a list of ints"),
     (("num_running",), True, "field 'num_running' should be int"),
+    (("kv_usage",), float("nan"), "field 'kv_usage' should be a finite number"),
+    (("recent_steps", 0, "step_time_s"), float("inf"), "field 'recent_steps[0].step_time_s' should be a finite"),
+    (("ttft_p50_s",), float("-inf"), "field 'ttft_p50_s' should be a finite number"),
 ])
 def test_parse_stats_names_the_bad_field(path, value, message):
     data = make_stats(2).to_dict()
@@ -167,6 +172,21 @@ async def test_wrong_url_garbage_and_refused_connections_are_explained(fake_serv
         assert problems and expected in problems[0].message, (base, events)
 
 
+async def test_url_without_scheme_or_with_the_openai_path_reaches_the_server(fake_server):
+    url, _ = fake_server
+    bare = url.removeprefix("http://")
+    for base in (f"{bare}/ok", f"{url}/ok/v1", f"{url}/ok/v1/", f"{url}/ok/v1/stats"):
+        events = await collect(LiveSource(base), 2)
+        assert events[0].text == f"live {url}/ok (stream)", base
+        assert isinstance(events[1], StatsFrame), (base, events)
+
+
+async def test_a_port_out_of_range_is_named_not_an_exception_group(fast_backoff):
+    events = await collect(LiveSource("http://127.0.0.1:99999"), 2)
+    assert isinstance(events[1], SourceProblem)
+    assert "port" in events[1].message and "ExceptionGroup" not in events[1].message, events[1].message
+
+
 async def test_retries_back_off_and_recover(fast_backoff):
     events = await collect(LiveSource(closed_port_url()), 8)
     delays = [e.retry_in_s for e in events if isinstance(e, SourceProblem)]
@@ -189,6 +209,19 @@ async def test_app_shows_a_banner_and_keeps_retrying(fast_backoff):
         assert banner.display and "cannot connect to" in banner.content.plain
         assert "retrying in" in banner.content.plain
         assert app.is_running and app.stats is None
+
+
+async def test_app_shows_non_finite_stats_as_a_problem_and_keeps_running(fake_server, fast_backoff):
+    url, _ = fake_server
+    app = MonitorApp(source=LiveSource(f"{url}/nan"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        banner = app.query_one("#banner")
+        for _ in range(200):
+            if banner.display and app.frames_shown >= 1:
+                break
+            await pilot.pause(0.05)
+        assert "bad stats from" in banner.content.plain and "finite number" in banner.content.plain
+        assert app.is_running and app.frames_shown >= 1
 
 
 async def test_app_records_what_it_sees_from_a_live_server(fake_server, tmp_path):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -62,6 +64,9 @@ def _check_value(value, annotation: str, where: str):
         wanted = _SCALAR_TYPES[annotation]
         if isinstance(value, bool) or not isinstance(value, wanted):
             raise StatsFormatError(f"field {where!r} should be {annotation}, got {value!r:.40}")
+        if isinstance(value, float) and not math.isfinite(value):
+            # json.loads takes NaN, Infinity and 1e999; the panels scale bars by these values.
+            raise StatsFormatError(f"field {where!r} should be a finite number, got {value!r}")
     elif annotation == "list[int]":
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
@@ -152,6 +157,8 @@ class HTTPStatusProblem(Exception):
 
 def describe_problem(exc: BaseException, base_url: str) -> str:
     """A one-line, user-facing explanation of why stats could not be read."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]   # anyio wraps some connect failures (a port over 65535) in a group
     if isinstance(exc, HTTPStatusProblem):
         if exc.status in (401, 403):
             return f"{base_url} refused the API key ({exc.status}): pass the server's key with --api-key"
@@ -184,11 +191,26 @@ async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+_HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
+
+
+def normalize_base_url(url: str) -> str:
+    """The server's root URL: http:// when no scheme is given, no trailing slash or /v1 (as the chat client)."""
+    url = url.strip()
+    if "://" not in url and _HOST_PORT.match(url):
+        url = f"http://{url}"
+    url = url.rstrip("/")
+    for suffix in ("/v1/stats/stream", "/v1/stats", "/v1"):
+        if url.endswith(suffix):
+            return url.removesuffix(suffix)
+    return url
+
+
 class LiveSource:
     """Frames from a running server: SSE at /v1/stats/stream, polling /v1/stats if that is missing."""
 
     def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S):
-        self.base_url = url.rstrip("/")
+        self.base_url = normalize_base_url(url)
         self.api_key = api_key
         self.interval_s = interval_s
         self.use_polling = False
