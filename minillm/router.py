@@ -59,6 +59,10 @@ class RouterConfig:
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ValueError(f"--{role} {url!r} is not an http(s) URL")
+        for name, value in (("connect timeout", self.connect_timeout_s), ("timeout", self.timeout_s),
+                            ("health timeout", self.health_timeout_s)):
+            if not value > 0:   # a negative one fails every request, NaN too
+                raise ValueError(f"the {name} must be a positive number of seconds, got {value}")
 
 
 class RouterError(Exception):
@@ -77,7 +81,8 @@ class Backends:
     """One role's servers, in turns."""
 
     def __init__(self, role: str, urls: tuple[str, ...]) -> None:
-        self.role, self.urls = role, [u.rstrip("/") for u in urls]
+        # A URL given as an OpenAI base URL (.../v1) names the same server: the routes add /v1.
+        self.role, self.urls = role, [u.rstrip("/").removesuffix("/v1") for u in urls]
         self._turn = itertools.count()
 
     def order(self) -> list[str]:

@@ -1,0 +1,96 @@
+"""The router against small fake backends in-process: URLs as people give them, refusals passed
+through with their body, bad timeouts refused up front."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+
+from minillm.router import RouterConfig, create_router_app
+
+pytestmark = pytest.mark.anyio
+
+KV = {"remote_lease_id": "lease-1", "remote_host": "127.0.0.1", "remote_port": 1}
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class FakeBackend(BaseHTTPRequestHandler):
+    """A prefill and decode server in one: the first path segment picks ok or refuse."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self.server.paths.append(self.path)
+        self._send(200 if self.path.endswith("/health") else 404, {"status": "ok"})
+
+    def do_POST(self) -> None:
+        self.server.paths.append(self.path)
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        kv = body.get("kv_transfer_params", {})
+        if self.path.startswith("/refuse/") and kv.get("do_remote_prefill") is None and "remote_lease_id" in kv:
+            return self._send(400, {"error": {"message": "max_tokens is too large", "param": "max_tokens"}})
+        if kv.get("do_remote_decode"):
+            return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": KV})
+        self._send(200, {"choices": [{"text": "decoded"}], "kv_seen": kv})
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture(scope="module")
+def backend():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeBackend)
+    server.paths = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+    server.server_close()
+
+
+async def post(config: RouterConfig, path: str = "/v1/completions", **body) -> httpx.Response:
+    app = create_router_app(config)
+    await app.state.router.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            if path == "/health":
+                return await client.get(path)
+            return await client.post(path, json={"prompt": "Once", "max_tokens": 4, **body})
+    finally:
+        await app.state.router.close()
+
+
+async def test_backend_urls_given_as_openai_base_urls_reach_the_routes(backend):
+    url, server = backend
+    config = RouterConfig((f"{url}/ok/v1/",), (f"{url}/ok/v1",))
+    response = await post(config)
+    assert response.status_code == 200 and response.json()["kv_seen"] == KV, response.text
+    assert (await post(config, "/health")).status_code == 200
+    assert not any("/v1/v1/" in p for p in server.paths), server.paths
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_decode_servers_refusal_passes_through_with_its_body(backend, stream):
+    url, _ = backend
+    response = await post(RouterConfig((f"{url}/ok",), (f"{url}/refuse",)), stream=stream)
+    assert response.status_code == 400
+    assert response.json()["error"] == {"message": "max_tokens is too large", "param": "max_tokens"}
+
+
+@pytest.mark.parametrize("field, value", [("timeout_s", -1.0), ("connect_timeout_s", 0.0),
+                                          ("health_timeout_s", float("nan"))])
+def test_timeouts_that_would_fail_every_request_are_refused(field, value):
+    with pytest.raises(ValueError, match="must be a positive number of seconds"):
+        RouterConfig(("http://a",), ("http://b",), **{field: value})
