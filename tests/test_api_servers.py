@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from core_hooks import install
-from test_server_failure import _serve, _Stream
+from test_server_failure import REPO, _serve, _Stream
 from test_server_helpers import get_stats, hang_up_stream, sse_events, wait_for
 
 from minillm.config import EngineConfig
@@ -158,3 +158,14 @@ def test_a_killed_core_is_seen_by_every_api_server(stories_path, tmp_path):
                         timeout=30)
         # The first server to see it exits; the serve process may then stop the other before it logs.
         assert log.read_text().count("the server exits in") >= 1
+
+
+def test_an_api_server_count_past_the_machines_means_is_refused_before_anything_starts(stories_path):
+    import subprocess
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    done = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu",
+                           "--api-server-count", str(too_many), "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 1, done.stderr
+    assert f"api_server_count must be at most {too_many - 1}" in done.stderr
+    assert "engine core in process" not in done.stderr and "Traceback" not in done.stderr

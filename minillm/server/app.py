@@ -75,8 +75,18 @@ class ServerOptions:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {self.engine_core!r}")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if self.api_server_count > max_api_server_count():
+            # Each is a process with two sockets to the core: a count in the thousands spawned
+            # processes until file descriptors ran out, then hung with the core dead.
+            raise ValueError(f"api_server_count must be at most {max_api_server_count()} (4 per CPU core), "
+                             f"got {self.api_server_count}")
         if self.api_server_count > 1 and self.engine_core != "process":
             raise ValueError("several API servers need the engine core in its own process (--engine-core process)")
+
+
+def max_api_server_count() -> int:
+    """The most API server processes one serve starts: more than a few per core only costs memory."""
+    return 4 * (os.cpu_count() or 1)
 
 
 def _stats_cells(cells: int) -> int:
