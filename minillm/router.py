@@ -91,6 +91,9 @@ class Backends:
         return self.urls[start:] + self.urls[:start]
 
 
+CLIENT_CLOSED = 499     # a request whose client went away before its response ended (nginx's status)
+
+
 @dataclass
 class RequestTiming:
     """Where one request's time went (seconds; transfer times as the decode server measured them)."""
@@ -115,12 +118,15 @@ class RouterStats:
 
     num_requests: int = 0
     num_failed: int = 0
+    num_client_closed: int = 0           # clients that left mid-stream (neither served whole nor failed)
     samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
     def record(self, timing: RequestTiming) -> None:
         """Count one finished request."""
         self.num_requests += 1
-        if timing.status != 200:
+        if timing.status == CLIENT_CLOSED:
+            self.num_client_closed += 1
+        elif timing.status != 200:
             self.num_failed += 1
         else:
             self.samples.append(timing)
@@ -135,7 +141,8 @@ class RouterStats:
             return {"mean": sum(ordered) / len(ordered), "p50": pick(0.5), "p99": pick(0.99)}
 
         s = list(self.samples)
-        return {"num_requests": self.num_requests, "num_failed": self.num_failed, "backends": backends,
+        return {"num_requests": self.num_requests, "num_failed": self.num_failed,
+                "num_client_closed": self.num_client_closed, "backends": backends,
                 "prefill_ms": summary([t.prefill_s for t in s]),
                 "kv_transfer_ms": summary([t.kv_claim_s + t.kv_copy_s for t in s]),
                 "kv_copy_ms": summary([t.kv_copy_s for t in s]),
@@ -285,6 +292,9 @@ class Router:
             message = f"the decode server {timing.decode_url} failed mid-stream: {type(exc).__name__}: {exc}"
             yield ("data: " + json.dumps(error_body(502, message, code="decode_server_failed")) + "\n\n").encode()
             yield SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            timing.status = CLIENT_CLOSED          # the client went away: the decode server's stream is closed
+            raise
         finally:
             await response.aclose()
             timing.decode_s = time.monotonic() - sent

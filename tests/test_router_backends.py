@@ -94,3 +94,41 @@ async def test_a_decode_servers_refusal_passes_through_with_its_body(backend, st
 def test_timeouts_that_would_fail_every_request_are_refused(field, value):
     with pytest.raises(ValueError, match="must be a positive number of seconds"):
         RouterConfig(("http://a",), ("http://b",), **{field: value})
+
+
+class SlowStream:
+    """A decode server's streamed response as _relay reads it: two events, then it would go on."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    async def aiter_raw(self):
+        yield b'data: {"choices": [{"text": "a"}]}\n\n'
+        yield b'data: {"choices": [{"text": "b"}]}\n\n'
+        while True:                      # a long generation: the client leaves before it ends
+            yield b'data: {"choices": [{"text": "c"}]}\n\n'
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_client_that_leaves_mid_stream_is_counted_apart_and_its_stream_closed():
+    from minillm.router import CLIENT_CLOSED, RequestTiming, Router
+    router = Router(RouterConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:2",)))
+    stream, timing = SlowStream(), RequestTiming()
+    relay = router._relay("r1", "/v1/completions", stream, timing, 0.0, 0.0)
+    assert b'"a"' in await relay.__anext__() and b'"b"' in await relay.__anext__()
+    await relay.aclose()                 # what the server does when the client disconnects
+    assert stream.closed and timing.status == CLIENT_CLOSED
+    stats = router.stats.to_dict({})
+    assert (stats["num_requests"], stats["num_failed"], stats["num_client_closed"]) == (1, 0, 1)
+    # A stream served whole still counts as served.
+    whole, timing = SlowStream(), RequestTiming()
+    whole.aiter_raw = lambda: _two_events()
+    assert len([chunk async for chunk in router._relay("r2", "/v1/completions", whole, timing, 0.0, 0.0)]) == 2
+    assert timing.status == 200 and router.stats.to_dict({})["num_client_closed"] == 1
+
+
+async def _two_events():
+    yield b'data: {"choices": [{"text": "a"}]}\n\n'
+    yield b'data: [DONE]\n\n'
