@@ -84,20 +84,25 @@ class BlockManager:
         digest.update(array("q", tokens).tobytes())
         return digest.digest()
 
+    def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """seq.token_block_keys hashed through its first num_blocks full blocks of known tokens
+        (fewer when fewer are known); each block is hashed once in the sequence's life."""
+        keys, bs = seq.token_block_keys, self.block_size
+        for i in range(len(keys), min(num_blocks, len(seq.token_ids) // bs)):
+            keys.append(self.block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        return keys
+
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
         """Blocks of the longest cached prefix of seq's full blocks (at least one token left to compute)."""
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = None
         max_blocks = (seq.num_tokens - 1) // self.block_size
-        for i in range(max_blocks):
-            key = self.block_key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+        for key in self.keys_of(seq, max_blocks)[:max_blocks]:
             block = self.key_to_block.get(key)
             if block is None:
                 break
             hits.append(block)
-            parent = key
         return hits
 
     # ---- allocation ------------------------------------------------------------------------
@@ -149,10 +154,10 @@ class BlockManager:
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
         num_full = min(num_computed_tokens, seq.num_known_tokens) // self.block_size
+        keys = self.keys_of(seq, num_full)
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
-            key = self.block_key(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            key = keys[i]
             seq.block_hashes.append(key)
             block = seq.block_table[i]
             if key not in self.key_to_block and self.block_keys[block] is None:

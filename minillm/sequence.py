@@ -63,7 +63,10 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)     # prompt + output known on the host
     num_computed_tokens: int = 0     # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)   # physical block ids, in order
-    block_hashes: list = field(default_factory=list)       # prefix-cache keys of full blocks
+    block_hashes: list = field(default_factory=list)       # prefix-cache keys of its registered full blocks
+    # Keys of its full blocks of known tokens, each hashed once (tokens only grow): a prefix of it
+    # is block_hashes; a waiting prompt looked up every step, and the host tier, reuse them.
+    token_block_keys: list = field(default_factory=list)
     num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -103,17 +103,12 @@ class HostTierScheduler(KVConnectorScheduler):
         max_blocks = (seq.num_tokens - 1) // bs          # at least one token is left to compute
         if first >= max_blocks or not self.key_to_block:
             return 0
-        tokens, parent = seq.token_ids, None
-        for i in range(first):
-            parent = bm.block_key(parent, tokens[i * bs:(i + 1) * bs])
         hits: list[int] = []
-        for i in range(first, max_blocks):
-            key = bm.block_key(parent, tokens[i * bs:(i + 1) * bs])
+        for key in bm.keys_of(seq, max_blocks)[first:max_blocks]:
             host = self.key_to_block.get(key)
             if host is None:
                 break
             hits.append(host)
-            parent = key
         if hits:
             self._matched[seq.seq_id] = (first, hits)
         return len(hits) * bs
