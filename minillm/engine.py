@@ -33,7 +33,7 @@ from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
 from minillm.step import SchedulerOutput, StepOutput
 from minillm.step_cost import measured_seconds
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import Tokenizer, check_unicode
 
 
 @dataclass
@@ -294,11 +294,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            if not prompt.isascii():
-                try:
-                    prompt.encode("utf-8")
-                except UnicodeEncodeError as exc:   # a lone surrogate: no tokenizer takes it
-                    raise ValueError(f"prompt is not valid Unicode: a lone surrogate at index {exc.start}") from None
+            check_unicode(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")

@@ -9,6 +9,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
+from minillm.tokenizer import check_unicode
 
 # What LLM.generate takes as one prompt (vLLM's TextPrompt and TokensPrompt are the two dicts).
 PromptType = str | list[int] | dict
@@ -112,11 +113,7 @@ class LLM:
             text = tokenizer.apply_chat_template(
                 plain_messages(conversation), add_generation_prompt=add_generation_prompt, chat_template=chat_template,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-            if not text.isascii():
-                try:
-                    text.encode("utf-8")
-                except UnicodeEncodeError:   # a lone surrogate in a message: no tokenizer takes it
-                    raise ValueError("messages hold text that is not valid Unicode (a lone surrogate)") from None
+            check_unicode(text, "messages")
             # The template writes BOS itself where the model wants it.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -266,6 +266,17 @@ class Tokenizer:
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
 
 
+def check_unicode(text: str, what: str) -> None:
+    """ValueError naming `what` when text holds a lone surrogate (Python strings may, and no
+    tokenizer takes one); plain ASCII is checked without encoding."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate at index {exc.start}") from None
+
+
 def cut_after_final_message(text: str, final: object) -> str:
     """A rendered conversation cut just after the last message's content (what the template writes
     after it, such as an end-of-turn token, goes), as transformers' continue_final_message does."""
