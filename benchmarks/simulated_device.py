@@ -54,8 +54,7 @@ class SimulatedLogits:
 
 class SimulatedBuffer:
     """A [rows, W] buffer in the simulated device's memory: each row only notes the host row
-    (array, index) it holds. Slicing rows gives a view; uploads copy nothing on the host; read
-    flat (reshape(-1)), it gives the host rows it holds."""
+    (array, index) it holds. Slicing rows gives a view; uploads copy nothing on the host."""
 
     def __init__(self, shape, dtype, holds: list | None = None, start: int = 0) -> None:
         self.shape, self.dtype = tuple(shape), np.dtype(dtype)
@@ -76,12 +75,6 @@ class SimulatedBuffer:
     def upload(self, src: np.ndarray) -> None:
         """self[...] = src, a host-to-device copy."""
         self._holds[self._start:self._start + len(src)] = [(src, i) for i in range(len(src))]
-
-    def reshape(self, *shape) -> np.ndarray:
-        """The rows' contents as one flat array (what a kernel reading them flat would see)."""
-        if shape not in ((-1,), ((-1,),)):
-            raise ValueError("a simulated buffer is read flat only")
-        return np.concatenate([source[i] for source, i in map(self.held, range(self.shape[0]))])
 
     def held(self, row: int) -> tuple[np.ndarray, int]:
         """The host (array, row) this row holds."""

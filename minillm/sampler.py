@@ -35,7 +35,7 @@ class Sampler:
             device = make_device(ops.name)
         self.device = device
         self.inputs = SamplingInputBuffer(ops, device, max_num_seqs, self.eos_token_ids)
-        self._bitmask = None                 # [H + cap, W] int32 on the device: the rows, then the masks
+        self._bitmask = None                 # [cap, W] int32 on the device: a step's masks
 
     def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
@@ -77,25 +77,19 @@ class Sampler:
 
     def apply_grammar_bitmask(self, logits, mask) -> None:
         """Tokens a constrained row's grammar forbids get -inf. On a device the masks go up in one
-        async copy (mask.packed: the rows and their masks, page-locked, nothing staged on the
-        host) into a buffer kept from step to step (on one stream a step's copy runs after the
-        last step's kernels have read it), and the kernel reads mask i for logits row rows[i]."""
+        async copy (mask.bitmask is page-locked: nothing is staged on the host) into a buffer kept
+        from step to step (on one stream a step's copy runs after the last step's kernels have
+        read it), and the kernel reads mask i for logits row rows[i]."""
         ops = self.ops
         if ops.xp is np:                                   # the CPU backend: no upload
             ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
             return
         num_rows, num_words = mask.bitmask.shape
-        h = 1 if mask.packed is None else mask.packed.shape[0] - num_rows     # rows before the masks
         kept = self._bitmask
-        if kept is None or kept.shape[0] < h + num_rows or kept.shape[1] != num_words:
-            self._bitmask = kept = ops.xp.empty((h + max(num_rows, self.inputs.cap), num_words), dtype=np.int32)
-        if mask.packed is not None:
-            self.device.copy_to_device_async(kept[:h + num_rows], mask.packed)    # [H + N, W]
-            rows = kept[:h].reshape(-1)[:num_rows]                              # [N] int32
-        else:
-            self.device.copy_to_device_async(kept[h:h + num_rows], np.ascontiguousarray(mask.bitmask))
-            rows = ops.asarray(mask.rows)
-        ops.apply_token_bitmask(logits, kept[h:h + num_rows], rows)
+        if kept is None or kept.shape[0] < num_rows or kept.shape[1] != num_words:
+            self._bitmask = kept = ops.xp.empty((max(num_rows, self.inputs.cap), num_words), dtype=np.int32)
+        self.device.copy_to_device_async(kept[:num_rows], np.ascontiguousarray(mask.bitmask))   # [N, W]
+        ops.apply_token_bitmask(logits, kept[:num_rows], ops.asarray(mask.rows))
 
     def _apply_logit_bias(self, logits, seqs) -> None:
         rows, tokens, bits = bias_entries(seqs, [b for b, s in enumerate(seqs) if s.params.logit_bias])

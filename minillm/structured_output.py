@@ -419,9 +419,6 @@ class GrammarBitmask:
 
     bitmask: np.ndarray      # [N, ceil(vocab / 32)] int32: row i is the mask of sampling row rows[i]
     rows: np.ndarray         # [N] int32: indices into the step's sampling sequences
-    # [H + N, W] int32 (page-locked where the device has such memory): the first H rows start with
-    # rows, the last N are bitmask, so the sampler uploads both in one copy. None: they lie apart.
-    packed: np.ndarray | None = None
 
     def at_rows(self, rows) -> "GrammarBitmask":
         """The same masks for other logits rows (e.g. a verification step's row of each sequence)."""
@@ -486,17 +483,14 @@ class StructuredOutputManager:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
         self._max_cached = max_cached_grammars
-        # Two host buffers [H + max_num_seqs, W] the steps' masks are filled into in turn (pinned
-        # memory from empty_host, so the sampler's upload is a plain async copy): a step's fill
-        # never writes the buffer the step before may still be uploading from. The first H rows
-        # take the step's sampling rows, the rest the masks: one copy uploads a [H + N, W] prefix.
-        words = bitmask_words(self.vocab_size)
-        self._header_rows = -(-max_num_seqs // words)
-        self._bitmasks = [empty_host((self._header_rows + max_num_seqs, words), np.int32) for _ in range(2)]
+        # Two host buffers [max_num_seqs, W] the steps' masks are filled into in turn (pinned memory
+        # from empty_host, so the sampler's upload is a plain async copy): a step's fill never
+        # writes the buffer the step before may still be uploading from.
+        self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
         for buffer in self._bitmasks:
             buffer[...] = -1
         self._next_bitmask = 0
-        self.bitmask = self._bitmasks[0][self._header_rows:]
+        self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
         self._num_compiled = 0                     # written on the pool under _lock
@@ -673,9 +667,7 @@ class StructuredOutputManager:
         matchers only their cached flags. A sequence whose grammar is done (complete, or a token
         refused) is left out: the scheduler ends it when it appends that token.
         """
-        h = self._header_rows
-        buffer = self._bitmasks[self._next_bitmask]          # [H + max_num_seqs, W]
-        header, pairs = buffer[:h].reshape(-1), []           # [H * W] int32: the rows first
+        filled, pairs = [], []            # sampling indices of the rows filled, (matcher, mask row)
         for b, seq in rows:
             request = seq.structured_output
             if request is None or seq.is_finished:
@@ -686,14 +678,12 @@ class StructuredOutputManager:
             expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
             if matcher is None or matcher.num_accepted != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
-            header[len(pairs)] = b
-            pairs.append((matcher._matcher, len(pairs)))
+            pairs.append((matcher._matcher, len(filled)))
+            filled.append(b)
         if not pairs:
             return None
-        n = len(pairs)
+        mask = GrammarBitmask(self._bitmasks[self._next_bitmask][:len(filled)], np.asarray(filled, np.int32))
         self._next_bitmask = 1 - self._next_bitmask
-        packed = buffer[:h + n]
-        mask = GrammarBitmask(packed[h:], header[:n].copy(), packed)
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
         started = threading.Event()

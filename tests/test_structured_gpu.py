@@ -114,11 +114,11 @@ def test_bitmask_kernel_replays_in_a_cuda_graph():
             np.testing.assert_array_equal(cupy.asnumpy(logits), expect)
 
 
-def test_sampler_uploads_the_packed_masks_in_one_copy():
-    """The sampler's device path: a page-locked block as the manager fills it (the rows first, then the masks)
-    goes up in one copy into a kept buffer, and the kernel reads the rows from there; masks moved
-    to other rows (a verification step's) go up apart. Both equal the NumPy twin, step after step
-    with the buffer growing and the block's header taking one or two rows."""
+def test_sampler_uploads_the_masks_in_one_copy():
+    """The sampler's device path: page-locked masks as the manager fills them go up in one copy
+    into a kept buffer and the kernel applies mask i to row rows[i], also for masks moved to other
+    rows (a verification step's); each equals the NumPy twin, step after step with the buffer
+    growing."""
     from minillm.sampler import Sampler
     from minillm.structured_output import GrammarBitmask, bitmask_words
     from minillm.device import make_device
@@ -127,16 +127,15 @@ def test_sampler_uploads_the_packed_masks_in_one_copy():
     sampler = Sampler(ops, [0], device)
     rng = np.random.default_rng(5)
     words = bitmask_words(VOCAB)
-    for batch, n, header in ((8, 3, 1), (64, 40, 1), (256, 256, 1), (300, 5, 2)):
-        block = device.empty_pinned((header + n, words), np.int32)
+    for batch, n in ((8, 3), (64, 40), (256, 256), (300, 5)):
+        block = device.empty_pinned((n, words), np.int32)
         rows = rng.permutation(batch)[:n].astype(np.int32)
-        block[:header].reshape(-1)[:n] = rows
-        block[header:] = random_bitmask(rng, n, VOCAB)
-        mask = GrammarBitmask(block[header:], rows.copy(), block)
+        block[...] = random_bitmask(rng, n, VOCAB)
         for moved in (False, True):
             logits = random_logits(rng, batch, VOCAB)
             expect = logits.copy()
-            npops.apply_token_bitmask(expect, block[header:], rows)
+            npops.apply_token_bitmask(expect, block, rows)
+            mask = GrammarBitmask(block, (rows[::-1] if moved else rows).copy())
             with device.stream:
                 dev = cupy.asarray(logits)
                 sampler.apply_grammar_bitmask(dev, mask.at_rows(rows) if moved else mask)

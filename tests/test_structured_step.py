@@ -165,15 +165,10 @@ def test_start_fill_fills_the_rows_that_go_on_on_the_mask_thread(tok, manager):
         single = np.zeros((1, bitmask_words(VOCAB)), np.int32)
         seqs[b].structured_output.matcher.fill_bitmask(single, 0)
         assert np.array_equal(mask.bitmask[i], single[0])
-    # One upload: the packed block's first rows start with the rows, the masks follow them.
-    h = mask.packed.shape[0] - 3
-    assert h >= 1 and mask.packed.shape[1] == bitmask_words(VOCAB)
-    assert mask.packed[:h].reshape(-1)[:3].tolist() == [1, 3, 5]
-    assert np.array_equal(mask.packed[h:], mask.bitmask) and np.shares_memory(mask.packed, mask.bitmask)
     second = manager.start_fill(rows).result()
     third = manager.start_fill(rows).result()
     assert not np.shares_memory(mask.bitmask, second.bitmask) and np.shares_memory(mask.bitmask, third.bitmask)
-    assert mask.rows.tolist() == [1, 3, 5]        # its own copy: the third fill rewrote the packed rows
+    assert mask.rows.tolist() == [1, 3, 5]        # its own array: the third fill reused the buffer
     assert manager.start_fill([(0, plain), (1, finished)]) is None
     behind = constrained_seq(request_for(date), outputs=char_ids(tok, "1"))   # its token never reached the matcher
     with pytest.raises(RuntimeError, match="not at its latest token"):
@@ -211,23 +206,21 @@ def masked_token_by_token(logits, words, rows):
 
 @pytest.mark.parametrize("device_path", [False, True])
 def test_sampler_masks_exactly_its_rows(device_path):
-    """The CPU backend masks in place from the host masks; a device path uploads the packed block
-    (or, for masks moved to other rows, the masks and the rows apart) into a buffer kept from
-    step to step that grows with the number of masks. Each step masks exactly its rows."""
+    """The CPU backend masks in place from the host masks; a device path uploads the masks into a
+    buffer kept from step to step that grows with the number of masks, the kernel reading mask i
+    for row rows[i] (also for masks moved to other rows). Each step masks exactly its rows."""
     sampler = Sampler(DeviceLikeOps() if device_path else npops, [EOS])
     rng = np.random.default_rng(3)
     for batch, rows in ((6, [0, 4]), (3, [2]), (9, [8, 1, 5])):
-        for h, packed in ((1, True), (2, True), (1, False)):      # h: rows of the block the rows take
+        for moved in (False, True):
             logits = rng.standard_normal((batch, 100)).astype(np.float32)
-            block = np.full((h + len(rows), bitmask_words(100)), -1, np.int32)
-            block[:h].reshape(-1)[:len(rows)] = rows
-            block[h:] = rng.integers(-2**31, 2**31, (len(rows), bitmask_words(100)), dtype=np.int64).astype(np.int32)
-            expect = masked_token_by_token(logits, block[h:], rows)
-            mask = GrammarBitmask(block[h:], np.asarray(rows, np.int32), block)
-            sampler.apply_grammar_bitmask(logits, mask if packed else mask.at_rows(rows))
+            words = rng.integers(-2**31, 2**31, (len(rows), bitmask_words(100)), dtype=np.int64).astype(np.int32)
+            expect = masked_token_by_token(logits, words, rows)
+            mask = GrammarBitmask(words, np.asarray(rows[::-1] if moved else rows, np.int32))
+            sampler.apply_grammar_bitmask(logits, mask.at_rows(rows) if moved else mask)
             assert np.array_equal(logits, expect)
     if device_path:
-        assert sampler._bitmask.shape[0] >= 2 + 3          # the rows' rows, then a row a mask
+        assert sampler._bitmask.shape[0] >= 3              # a row a mask
     else:
         assert sampler._bitmask is None
 
@@ -339,13 +332,10 @@ def test_simulated_device_picks_allowed_tokens_and_keeps_time():
     from minillm.benchmarks.simulated_device import SimulatedBuffer, SimulatedLogits, SimulatedSamplerOps
     ops = SimulatedSamplerOps(sim, npops)
     buffer = ops.xp.empty((8, 40), np.int32)
-    packed = np.vstack([np.full((1, 40), -1, np.int32), words])
-    packed[0, :5] = [5, 0, 3, 1, 2]
-    assert isinstance(buffer, SimulatedBuffer) and buffer[:6].nbytes == packed.nbytes
-    buffer[:6].upload(packed)                                   # the rows and their masks in one copy
-    assert buffer[:1].reshape(-1)[:5].tolist() == [5, 0, 3, 1, 2]
+    assert isinstance(buffer, SimulatedBuffer) and buffer[:5].nbytes == words.nbytes
+    buffer[:5].upload(words)                                    # the masks in one copy
     logits = SimulatedLogits(6, 40 * 32)
-    ops.apply_token_bitmask(logits, buffer[1:6], buffer[:1].reshape(-1)[:5])
+    ops.apply_token_bitmask(logits, buffer[:5], np.array([5, 0, 3, 1, 2], np.int32))
     assert logits.masked[5] == 7 * 32 + 31 and logits.masked[2] == 39 * 32
     assert all(bits[i, logits.masked[r]] for i, r in enumerate([5, 0, 3, 1, 2]))
     end = sim.queue(2e-3)
