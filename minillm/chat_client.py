@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 import httpx
 
 from minillm.chat import ChatSettings, Conversation, ReplyStats, conversation_text
+from minillm.urls import server_base_url
 
 
 class HttpChatBackend:
@@ -15,9 +16,7 @@ class HttpChatBackend:
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  timeout_s: float = 600.0, chat_template: str | None = None) -> None:
-        self.base_url = url.rstrip("/")
-        if self.base_url.endswith("/v1"):
-            self.base_url = self.base_url[:-3]
+        self.base_url = server_base_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.client = httpx.Client(base_url=self.base_url, headers=headers,
                                    timeout=httpx.Timeout(timeout_s, connect=10.0))

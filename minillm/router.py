@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minillm.server.errors import error_body
+from minillm.urls import server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
 logger = logging.getLogger("minillm.router")
@@ -82,7 +83,7 @@ class Backends:
 
     def __init__(self, role: str, urls: tuple[str, ...]) -> None:
         # A URL given as an OpenAI base URL (.../v1) names the same server: the routes add /v1.
-        self.role, self.urls = role, [u.rstrip("/").removesuffix("/v1") for u in urls]
+        self.role, self.urls = role, [server_base_url(u) for u in urls]
         self._turn = itertools.count()
 
     def order(self) -> list[str]:

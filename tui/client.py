@@ -5,7 +5,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
+from minillm.urls import server_base_url
 
 DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
@@ -191,26 +191,11 @@ async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
-_HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
-
-
-def normalize_base_url(url: str) -> str:
-    """The server's root URL: http:// when no scheme is given, no trailing slash or /v1 (as the chat client)."""
-    url = url.strip()
-    if "://" not in url and _HOST_PORT.match(url):
-        url = f"http://{url}"
-    url = url.rstrip("/")
-    for suffix in ("/v1/stats/stream", "/v1/stats", "/v1"):
-        if url.endswith(suffix):
-            return url.removesuffix(suffix)
-    return url
-
-
 class LiveSource:
     """Frames from a running server: SSE at /v1/stats/stream, polling /v1/stats if that is missing."""
 
     def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S):
-        self.base_url = normalize_base_url(url)
+        self.base_url = server_base_url(url)
         self.api_key = api_key
         self.interval_s = interval_s
         self.use_polling = False

@@ -1,0 +1,19 @@
+"""A server's root URL from what people type: host:port, a base URL ending in /v1, a stats URL."""
+from __future__ import annotations
+
+import re
+
+_HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
+
+
+def server_base_url(url: str) -> str:
+    """The server's root: http:// when no scheme is given, no trailing slash, and no /v1 (the
+    OpenAI base URL clients are told to use) or /v1/stats (the monitor's) at the end."""
+    url = url.strip()
+    if "://" not in url and _HOST_PORT.match(url):
+        url = f"http://{url}"
+    url = url.rstrip("/")
+    for suffix in ("/v1/stats/stream", "/v1/stats", "/v1"):
+        if url.endswith(suffix):
+            return url.removesuffix(suffix)
+    return url
