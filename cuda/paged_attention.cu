@@ -26,7 +26,8 @@
 //   kernel fits 128 registers (four blocks a multiprocessor).
 //   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
-//   128 threads) combines them.
+//   128 threads) combines them. A row with seq_lens[b] == 0 is skipped, its output row left as
+//   it was (the padding rows of minillm/mixed_graphs.py's captured grids; without splits only).
 // paged_prefill_mma (fp16 / bf16, HEAD_DIM 64 or 128): grid = (ceil(max_query_len / 64), Hq, B),
 //   128 threads; each warp owns 16 query rows, K/V tiles of 64 tokens go to shared memory by
 //   cp.async (zero-filled past the end; FP8 tiles are loaded 16 bytes at a time, widened exactly
@@ -339,12 +340,14 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
              int block_size_log2, float scale_log2, int num_splits, int min_partition,
              const float* kv_scales) {
     const int kvh = blockIdx.y, b = blockIdx.z;
+    const int seq_len = seq_lens[b];
+    if (seq_len <= 0) return;          // a padding row of a captured mixed step: nothing read or written
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int sub = lane / DEC_LPT, li = lane % DEC_LPT;
     const int num_heads = num_kv_heads * GQA;
     const long long q_row = query_start_loc[b];
     int t_begin, t_end;
-    decode_partition(seq_lens[b], num_splits, min_partition, &t_begin, &t_end);
+    decode_partition(seq_len, num_splits, min_partition, &t_begin, &t_end);
     const KVFactors kv_mul = kv_factors(kv_scales);
     const float score_mul = scale_log2 * kv_mul.x;
 

@@ -131,6 +131,11 @@ class CpuDevice:
         """Captured pieces of prefill and mixed steps, or None where there are none."""
         return None
 
+    def mixed_graphs(self, model, ops, kv_pool, max_num_tokens: int, max_num_seqs: int, max_model_len: int,
+                     block_size: int, decode_graphs):
+        """Small mixed steps captured whole, or None where there are none."""
+        return None
+
     def is_fatal(self, exc: BaseException) -> bool:
         """True when exc leaves the device unusable (no such error on the CPU)."""
         return False
@@ -329,6 +334,14 @@ class CudaDevice:
         memory pool."""
         from minillm.piecewise_graphs import PiecewiseGraphs
         return PiecewiseGraphs(model, ops, kv_pool, max_num_tokens, self.stream, decode_graphs.pool)
+
+    def mixed_graphs(self, model, ops, kv_pool, max_num_tokens: int, max_num_seqs: int, max_model_len: int,
+                     block_size: int, decode_graphs):
+        """Mixed steps of up to a thousand tokens captured whole, attention at a fixed grid, in the
+        decode graphs' memory pool."""
+        from minillm.mixed_graphs import MixedGraphs
+        return MixedGraphs(model, ops, kv_pool, max_num_tokens, max_num_seqs, max_model_len, block_size,
+                           self.stream, decode_graphs.pool)
 
     def is_fatal(self, exc: BaseException) -> bool:
         """CUDA errors are sticky: after one the context cannot be trusted."""

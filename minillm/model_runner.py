@@ -62,6 +62,7 @@ class ModelRunner:
         self.graphs = None
         self.verify_graphs = None        # steps of up to 1 + k tokens a sequence (speculative decoding)
         self.piecewise = None            # prefill and mixed steps: graphs between the attention calls
+        self.mixed_graphs = None         # small mixed steps: whole graphs, attention at a fixed grid
         self.profile = False             # when set, time forward and sampling on the device
         self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
         self._deferred = None            # (InFlightStep, logits, grammar_bitmask) of a launch whose sampling waits
@@ -168,6 +169,10 @@ class ModelRunner:
                 if self.graphs is not None and self._uses_piecewise_graphs():
                     self.piecewise = self.device.piecewise_graphs(
                         self.model, self.ops, self.kv_pool, self.config.max_num_batched_tokens, self.graphs)
+                    if os.environ.get("MINILLM_MIXED_GRAPHS", "1") != "0":
+                        self.mixed_graphs = self.device.mixed_graphs(
+                            self.model, self.ops, self.kv_pool, self.config.max_num_batched_tokens,
+                            self.config.max_num_seqs, max_model_len, self.block_size, self.graphs)
         self.device.synchronize()
 
     def register_kv_connector(self, worker) -> None:
@@ -178,6 +183,8 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()
+        if self.mixed_graphs is not None:
+            self.mixed_graphs.release()
         if self.piecewise is not None:
             self.piecewise.release()
         if self.verify_graphs is not None:
@@ -186,7 +193,8 @@ class ModelRunner:
             self.graphs.release()
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
-        self.graphs = self.verify_graphs = self.piecewise = self.kv_pool = self.model = self._last_sampled = None
+        self.graphs = self.verify_graphs = self.piecewise = self.mixed_graphs = None
+        self.kv_pool = self.model = self._last_sampled = None
         self.kv_connector = self._deferred = None
         self.device.release()
 
@@ -370,8 +378,11 @@ class ModelRunner:
             return logits[self.ops.asarray(np.asarray(logits_indices, np.int32))]
         if (self.piecewise is not None and not calibrate and not meta.is_decode_only
                 and self.piecewise.can_run(len(ids))):
-            hidden = self.piecewise.run(ids, positions, meta.slot_mapping, self._to_device(meta),
-                                        lambda ids_dev: self._apply_patch(ids_dev, patch))
+            fill = lambda ids_dev: self._apply_patch(ids_dev, patch)    # noqa: E731
+            if self.mixed_graphs is not None and self.mixed_graphs.can_run(meta, len(ids)):
+                hidden = self.mixed_graphs.run(ids, positions, meta, fill)
+            else:
+                hidden = self.piecewise.run(ids, positions, meta.slot_mapping, self._to_device(meta), fill)
         else:
             ids_dev = self.ops.asarray(ids)
             self._apply_patch(ids_dev, patch)

@@ -2,10 +2,39 @@
 CUDA GPU is there."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+
+from minillm.attention import AttentionMetadata
 
 cupy = pytest.importorskip("cupy")
 try:
     HAS_GPU = cupy.cuda.runtime.getDeviceCount() > 0
 except Exception:  # no driver
     HAS_GPU = False
+
+
+def mixed_step_inputs(rng, block_size: int, lens: list[int], ctx: list[int], num_decode_seqs: int = 0):
+    """The prefix-filling step and the step itself of a ragged batch, each (ids, positions, host
+    metadata), and the blocks used: sequence b has ctx[b] tokens in the cache and lens[b] new ones,
+    the first num_decode_seqs of them one each (as the scheduler orders a mixed step)."""
+    width = -(-max(c + n for c, n in zip(ctx, lens)) // block_size)
+    tables = np.zeros((len(lens), width), np.int32)
+    nxt = 1
+    for b, (n, c) in enumerate(zip(lens, ctx)):
+        blocks = -(-(c + n) // block_size)
+        tables[b, :blocks] = np.arange(nxt, nxt + blocks)
+        nxt += blocks
+
+    def step(starts, counts, decodes=0):
+        pos = [np.arange(s, s + n) for s, n in zip(starts, counts)]
+        slots = [tables[b, p // block_size] * block_size + p % block_size for b, p in enumerate(pos)]
+        qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        ends = np.asarray([s + n for s, n in zip(starts, counts)], np.int32)
+        meta = AttentionMetadata(qsl, ends, tables, np.concatenate(slots).astype(np.int32), max(counts),
+                                 int(ends.max()), False, num_decode_seqs=decodes,
+                                 prefill_max_seq_len=int(ends[decodes:].max()) if decodes else 0)
+        ids = rng.integers(1, 512, int(qsl[-1])).astype(np.int32)
+        return ids, np.concatenate(pos).astype(np.int32), meta
+
+    return step([0] * len(ctx), ctx), step(ctx, lens, num_decode_seqs), nxt

@@ -845,13 +845,40 @@ def attention_plan(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k
     else:                                             # one-token sequences first, then the chunks
         nd = int(meta.num_decode_seqs)
         if nd:
-            unsplit = nd * num_kv_heads >= MIXED_DECODE_UNSPLIT_BLOCKS_PER_SM * _num_multiprocessors()
             launches += _decode(out, q, k_cache, qsl[:nd + 1], seq_lens[:nd], tables[:nd], scale,
-                                int(meta.max_seq_len), num_splits or (1 if unsplit else None), fp8)
+                                int(meta.max_seq_len),
+                                num_splits or _mixed_decode_splits(nd, num_kv_heads, int(meta.max_seq_len)), fp8)
         if nd < seq_lens.shape[0]:
             launches += _prefill(out, q, k_cache, qsl[nd:], seq_lens[nd:], tables[nd:], scale, int(meta.max_query_len),
                                  int(meta.prefill_max_seq_len or meta.max_seq_len), meta.prefill_kv_splits, nd, fp8)
     return AttentionPlan(out, launches, bool(fp8), keep)
+
+
+def _mixed_decode_splits(num_decodes: int, num_kv_heads: int, max_seq_len: int) -> int:
+    """Key splits of a mixed step's decode rows: none once they alone make
+    MIXED_DECODE_UNSPLIT_BLOCKS_PER_SM blocks a multiprocessor (no reduce beside the chunks)."""
+    if num_decodes * num_kv_heads >= MIXED_DECODE_UNSPLIT_BLOCKS_PER_SM * _num_multiprocessors():
+        return 1
+    return decode_num_splits(num_decodes, num_kv_heads, max_seq_len)
+
+
+def mixed_step_splits_keys(q, k_cache, out, meta: AttentionMetadata) -> bool:
+    """True when attention_plan would split the keys of this mixed step's decode rows or chunks
+    (meta on the host; q [T, Hq, Dh] and out: the buffers attention would run on)."""
+    nd, batch, num_kv_heads = int(meta.num_decode_seqs), len(meta.seq_lens), k_cache.shape[2]
+    if nd and _mixed_decode_splits(nd, num_kv_heads, int(meta.max_seq_len)) > 1:
+        return True
+    if nd == batch or meta.prefill_kv_splits == 1:
+        return False
+    if meta.prefill_kv_splits is not None:
+        return True
+    sms = _num_multiprocessors()
+    flash = prefill_attention.variant(PREFILL_ATTENTION, q, k_cache, out, int(meta.max_query_len), batch - nd, sms)
+    if flash is None:                                 # the older kernels never split keys
+        return False
+    return prefill_attention.grid_kv_splits(flash, q.shape[0], q.shape[1], q.shape[2], num_kv_heads, batch - nd,
+                                            int(meta.max_query_len),
+                                            int(meta.prefill_max_seq_len or meta.max_seq_len), sms) > 1
 
 
 def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None, out=None,

@@ -115,6 +115,14 @@ def kv_splits(blocks: int, max_seq_len: int, num_sms: int, num_tokens: int, num_
     return int(max(1, min(want, cap, room, MAX_KV_SPLITS)))
 
 
+def grid_kv_splits(v: Variant, num_tokens: int, num_heads: int, head_dim: int, num_kv_heads: int, batch: int,
+                   max_query_len: int, max_seq_len: int, num_sms: int) -> int:
+    """The key splits launch() picks for a batch of `batch` chunks (1: none)."""
+    tiles = num_q_tiles(v, num_heads // num_kv_heads, max_query_len)
+    blocks, _ = grid_order(v, tiles, num_kv_heads, batch, num_sms)
+    return kv_splits(blocks, max_seq_len, num_sms, num_tokens, num_heads, head_dim)
+
+
 def _configure(fn, smem: int) -> None:
     """Raise the kernel's dynamic shared-memory limit (once per compiled kernel)."""
     with _lock:
@@ -141,7 +149,8 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
     tiles = num_q_tiles(v, group, max_query_len)
     sms = ops._num_multiprocessors()
     blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, sms)
-    splits = num_splits or kv_splits(blocks, max_seq_len, sms, num_tokens, num_heads, head_dim)
+    splits = num_splits or grid_kv_splits(v, num_tokens, num_heads, head_dim, num_kv_heads, batch, max_query_len,
+                                          max_seq_len, sms)
     defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines()}
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
     smem = v.smem_bytes(head_dim)
