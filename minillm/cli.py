@@ -112,6 +112,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "max_step_ms": (Annotated[Optional[float], _engine_option(
         "--max-step-ms", help="Step-time budget while decodes run: prompt chunks are sized to keep "
         "the estimated step within it (default: off, the token budget only).")], None),
+    "max_step_factor": (Annotated[Optional[float], _engine_option(
+        "--max-step-factor", help="Step-time budget relative to the batch: a step with prompt chunks may "
+        "take this many times the estimated step of its decodes alone, e.g. 1.4 (default: off).")], None),
     "max_model_len": (Annotated[Optional[int], _engine_option(
         "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
     "block_size": (Annotated[int, _engine_option(

@@ -55,6 +55,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_step_ms: float | None = None     # step-time budget while decodes run (None: the token budget only)
+    # A budget relative to the batch: a step with prompt rows may take this many times the estimated
+    # step of its decode rows alone (None: off; with max_step_ms too, the tighter of the two applies).
+    max_step_factor: float | None = None
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -76,6 +79,11 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     extra: dict = field(default_factory=dict)
+
+    @property
+    def has_step_budget(self) -> bool:
+        """True when prompt chunks are sized by a step-time budget (max_step_ms or max_step_factor)."""
+        return self.max_step_ms is not None or self.max_step_factor is not None
 
     def __post_init__(self) -> None:
         check_field_types(self)
@@ -101,6 +109,12 @@ class EngineConfig:
                                              or not isinstance(self.max_step_ms, (int, float))
                                              or not math.isfinite(self.max_step_ms) or self.max_step_ms <= 0):
             raise ValueError(f"max_step_ms must be a finite number > 0 (or None: off), got {self.max_step_ms!r}")
+        if self.max_step_factor is not None and (isinstance(self.max_step_factor, bool)
+                                                 or not isinstance(self.max_step_factor, (int, float))
+                                                 or not math.isfinite(self.max_step_factor)
+                                                 or self.max_step_factor < 1):
+            raise ValueError(f"max_step_factor must be a finite number >= 1 (or None: off), "
+                             f"got {self.max_step_factor!r}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

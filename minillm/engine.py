@@ -187,14 +187,14 @@ class LLMEngine:
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        step_cost = self._calibrate_step_cost() if config.max_step_ms is not None else None
+        step_cost = self._calibrate_step_cost() if config.has_step_budget else None
         self.kv_connector = make_kv_connector(config, self.runner, self.block_manager)   # None when off
         if self.kv_connector is not None and (line := self.kv_connector.describe()):
             self.log(f"minillm: {line}")
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
                                    speculative_config=config.speculative_config, step_cost=step_cost,
-                                   max_step_ms=config.max_step_ms)
+                                   max_step_ms=config.max_step_ms, max_step_factor=config.max_step_factor)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
@@ -218,8 +218,10 @@ class LLMEngine:
                                    self.max_model_len)
         self.runner.profile = True
         coefs = ", ".join(f"{name} {value * 1e3:.3g} ms" for name, value in model.snapshot().coefficients.items())
+        limits = ([f"{c.max_step_ms:g} ms"] if c.max_step_ms is not None else []) + \
+            ([f"{c.max_step_factor:g}x the decode rows' step"] if c.max_step_factor is not None else [])
         self.log(f"minillm: step cost model fitted on {len(model.anchor_y)} timed steps in {seconds:.1f} s "
-                 f"(per unit: {coefs}); step budget {c.max_step_ms:g} ms")
+                 f"(per unit: {coefs}); step budget {' and '.join(limits)}")
         return model
 
     # ---- requests ----------------------------------------------------------------------------

@@ -113,10 +113,11 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
 def _step_cost_fields(sched: SchedulerSnapshot) -> dict:
     """EngineStats' step-time budget fields (none when it is off)."""
     cost = sched.step_cost
-    if sched.max_step_ms is None or cost is None:
+    if (sched.max_step_ms is None and sched.max_step_factor is None) or cost is None:
         return {}
     ms = lambda s: None if s is None else s * 1e3   # noqa: E731
-    return dict(max_step_ms=sched.max_step_ms, step_cost_coefficients=dict(cost.coefficients),
+    return dict(max_step_ms=sched.max_step_ms, max_step_factor=sched.max_step_factor,
+                step_cost_coefficients=dict(cost.coefficients),
                 step_estimated_ms=ms(cost.last_estimated_s), step_measured_ms=ms(cost.last_measured_s),
                 step_cost_error_p50=cost.relative_error_p50, step_cost_num_refits=cost.num_refits)
 

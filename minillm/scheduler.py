@@ -28,6 +28,7 @@ what both budgets leave once every running sequence has its tokens.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ class SchedulerSnapshot:
     num_preemptions: int             # total so far
     max_step_ms: float | None = None           # the step-time budget (None: the token budget only)
     step_cost: StepCostSnapshot | None = None  # the step cost model, with a step-time budget
+    max_step_factor: float | None = None       # the budget relative to the decode rows' step (None: off)
 
 
 def check_stop(seq: Sequence, eos_token_ids: set[int],
@@ -125,9 +127,9 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
                  kv_connector=None, speculative_config=None, step_cost: StepCostModel | None = None,
-                 max_step_ms: float | None = None):
-        if max_step_ms is not None and step_cost is None:
-            raise ValueError("max_step_ms needs a step cost model")
+                 max_step_ms: float | None = None, max_step_factor: float | None = None):
+        if (max_step_ms is not None or max_step_factor is not None) and step_cost is None:
+            raise ValueError("max_step_ms and max_step_factor need a step cost model")
         self.block_manager = block_manager
         self.kv_connector = kv_connector     # scheduler side of a KV connector, or None
         self.max_num_seqs = max_num_seqs
@@ -139,6 +141,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.step_cost = step_cost           # estimates step times (with max_step_ms), or None
         self.max_step_ms = max_step_ms
+        self.max_step_factor = max_step_factor
         # Features of launched steps until their device time comes back (a few at most: one step
         # is in flight; a step that failed to launch drops off the end).
         self._launched_features: deque[tuple[SchedulerOutput, object]] = deque(maxlen=8)
@@ -176,7 +179,8 @@ class Scheduler:
                    for s, _ in zip(self.waiting, range(max_waiting_rows))]
         return SchedulerSnapshot([s.view("running") for s in self.running], waiting, len(self.waiting),
                                  sum(1 for s in self.waiting if s.num_preemptions), self.num_preemptions,
-                                 self.max_step_ms, self.step_cost.snapshot() if self.step_cost else None)
+                                 self.max_step_ms, self.step_cost.snapshot() if self.step_cost else None,
+                                 self.max_step_factor)
 
     # ---- the step --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -192,7 +196,8 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Sequence] = []
         spec: dict[int, list[int]] = {}
-        chunks = _PrefillChunks(self, spec) if self.max_step_ms is not None else None
+        chunks = _PrefillChunks(self, spec) if self.max_step_ms is not None or self.max_step_factor is not None \
+            else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -435,7 +440,7 @@ class _PrefillChunks:
     def _build(self) -> None:
         self.is_built = True
         sched = self.scheduler
-        budget = sched.step_cost.budget(sched.max_step_ms / 1e3)
+        budget = sched.step_cost.budget(sched.max_step_ms / 1e3 if sched.max_step_ms is not None else math.inf)
         for seq in sched.running:
             start = seq.num_computed_tokens
             if seq.spec_token_ids or not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
@@ -443,6 +448,8 @@ class _PrefillChunks:
             num_drafts = len(self.spec.get(seq.seq_id, ()))
             budget.add(1 + num_drafts, start, is_decode=not num_drafts)
             self.is_capping = True
+        if sched.max_step_factor is not None and self.is_capping:
+            budget.limit_to(sched.max_step_factor * budget.estimate())
         self.budget = budget
 
     def size(self, start: int, n: int) -> int:

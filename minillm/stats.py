@@ -143,10 +143,11 @@ class EngineStats:
     grammar_fill_time_s: float = 0.0
     grammar_fill_p50_s: float | None = None
     grammar_fill_p99_s: float | None = None
-    # The step-time budget (--max-step-ms; None: off) and the step cost model that sizes prompt chunks
+    # The step-time budget (--max-step-ms, --max-step-factor; None: off) and the step cost model that sizes prompt chunks
     # under it: seconds per unit of each feature (base, mixed, tokens, attention, kv_read), the
     # newest completed step's estimate and measured device time, and the median relative error.
     max_step_ms: float | None = None
+    max_step_factor: float | None = None     # --max-step-factor: the budget relative to the decode rows' step
     step_cost_coefficients: dict[str, float] = field(default_factory=dict)
     step_estimated_ms: float | None = None
     step_measured_ms: float | None = None

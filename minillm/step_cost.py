@@ -204,6 +204,10 @@ class StepTimeBudget:
         self.limit_s = limit_s * (1 + LIMIT_SLACK)
         self.features = np.zeros(NUM_FEATURES)
 
+    def limit_to(self, limit_s: float) -> None:
+        """Lower the limit to limit_s seconds (where it is higher)."""
+        self.limit_s = min(self.limit_s, limit_s * (1 + LIMIT_SLACK))
+
     def add(self, num_new_tokens: int, start: int, is_decode: bool) -> None:
         """Count one row in the step."""
         add_row(self.features, num_new_tokens, start, is_decode)

@@ -199,10 +199,10 @@ from minillm.step_cost import StepCostModel, is_decode_row, step_features  # noq
 PER_TOKEN = StepCostModel([1e-3, 0.0, 1e-4, 0.0, 0.0])
 
 
-def create_budget_scheduler(max_step_ms, cost=PER_TOKEN, **kw):
+def create_budget_scheduler(max_step_ms, cost=PER_TOKEN, max_step_factor=None, **kw):
     sched = create_scheduler(**kw)
     return Scheduler(sched.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
-                     [EOS], step_cost=cost, max_step_ms=max_step_ms)
+                     [EOS], step_cost=cost, max_step_ms=max_step_ms, max_step_factor=max_step_factor)
 
 
 def start_decoding(sched, num, prompt_len=3):
@@ -283,9 +283,36 @@ def test_step_budget_sizes_each_prefill_with_what_the_earlier_ones_left():
     assert out.estimated_step_s == pytest.approx(4e-3)
 
 
+def test_a_relative_budget_follows_the_batch_of_decodes():
+    # 1.5x the decode rows' step: 2 decodes (1.2 ms) leave 0.6 ms, 6 tokens; 10 decodes (2 ms)
+    # leave 1 ms, 10 tokens. Nothing decoding: the token budget alone.
+    for num_decodes, chunk in ((2, 6), (10, 10)):
+        sched = create_budget_scheduler(None, max_step_factor=1.5, budget=64, num_blocks=256, max_num_seqs=16)
+        start_decoding(sched, num_decodes)
+        sched.add(create_seq("long", 100, base=80))
+        out = run_step(sched)
+        assert out.num_new_tokens == [1] * num_decodes + [chunk]
+        assert out.estimated_step_s == pytest.approx(1.5 * (1e-3 + 1e-4 * num_decodes))
+    sched = create_budget_scheduler(None, max_step_factor=1.5, budget=64, num_blocks=128)
+    sched.add(create_seq("long", 100, base=80))
+    assert run_step(sched).num_new_tokens == [64]
+    assert sched.snapshot(4).max_step_factor == 1.5 and sched.snapshot(4).max_step_ms is None
+
+
+def test_with_both_budgets_the_tighter_one_sizes_the_chunk():
+    # 2 decodes: 1.2 ms; 3x that is 3.6 ms, against 2.0 ms absolute: 8 tokens; at 1.5x (1.8 ms): 6.
+    for max_step_ms, factor, chunk in ((2.0, 3.0, 8), (2.0, 1.5, 6)):
+        sched = create_budget_scheduler(max_step_ms, max_step_factor=factor, budget=64, num_blocks=128)
+        start_decoding(sched, 2)
+        sched.add(create_seq("long", 100, base=80))
+        assert run_step(sched).num_new_tokens == [1, 1, chunk]
+
+
 def test_step_budget_needs_a_cost_model():
     with pytest.raises(ValueError, match="cost model"):
         Scheduler(BlockManager(8, 4), 4, 16, 64, [EOS], max_step_ms=5.0)
+    with pytest.raises(ValueError, match="cost model"):
+        Scheduler(BlockManager(8, 4), 4, 16, 64, [EOS], max_step_factor=1.5)
 
 
 def test_measured_step_times_reach_the_cost_model_and_the_snapshot():

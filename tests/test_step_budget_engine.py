@@ -72,6 +72,25 @@ def test_stats_report_the_budget_and_the_estimated_and_measured_step_times(stori
     llm.shutdown()
 
 
+def test_a_relative_budget_changes_the_chunks_not_the_outputs(stories_path, prompts, token_budget_only):
+    from minillm.tui.client import parse_stats
+    llm = LLM(str(stories_path), max_step_factor=1.0, **ENGINE)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == token_budget_only
+    # At 1x no prompt token fits beside a decode: each such step carries the oldest chunk's one block.
+    mixed = [s for s in llm.engine.metrics.recent_steps if s.num_decode_tokens and s.num_prefill_tokens]
+    assert mixed and all(s.num_prefill_tokens <= 16 for s in mixed)
+    stats = llm.engine.stats()
+    assert stats.max_step_factor == 1.0 and stats.max_step_ms is None and stats.step_estimated_ms > 0
+    assert parse_stats(json.loads(json.dumps(stats.to_dict()))).max_step_factor == 1.0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("value", [0.5, float("nan"), float("inf"), True, "2"])
+def test_a_bad_step_factor_is_refused_by_name(stories_path, value):
+    with pytest.raises(ValueError, match="max_step_factor must be"):
+        EngineConfig(model=str(stories_path), max_step_factor=value)
+
+
 def test_without_a_step_budget_the_stats_say_so(stories_path):
     llm = LLM(str(stories_path), **ENGINE)
     llm.generate([[1, 2, 3]], GREEDY)

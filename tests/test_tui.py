@@ -484,6 +484,19 @@ async def test_batch_chart_draws_the_step_budget_line_when_set(tmp_path, max_ste
     assert "top row is the step budget" in help_text_plain()
 
 
+async def test_batch_chart_names_a_relative_step_budget(tmp_path):
+    path = tmp_path / "step_factor.jsonl"
+    with Recorder(path) as recorder:
+        stats = make_stats(0)
+        stats.max_step_factor = 1.4
+        recorder.write(stats.to_dict(), t=100.0)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 1)
+        chart = pilot.app.query_one(BatchChart).render()
+    assert f"budget {BUDGET} / 1.4x decode" in chart.plain
+
+
 async def test_block_grid_shows_a_kv_transfers_leases_and_loads(tmp_path):
     """A prefill server's leased blocks are their own colour; the subtitle has either role's figures."""
     from minillm.stats import CELL_LEASED

@@ -141,8 +141,10 @@ class BatchChart(Panel):
             [("▆", COLOR_SEQS), (f" seqs {last.num_seqs if last else 0}", "")],
             [(f" · budget {budget}", COLOR_DIM)],
         ]
-        if self.stats.max_step_ms is not None:
-            parts[-1] = [(f" · budget {budget} / {self.stats.max_step_ms:g} ms", COLOR_DIM)]
+        limits = ([f"{self.stats.max_step_ms:g} ms"] if self.stats.max_step_ms is not None else []) + \
+            ([f"{self.stats.max_step_factor:g}x decode"] if self.stats.max_step_factor is not None else [])
+        if limits:
+            parts[-1] = [(f" · budget {budget} / {' / '.join(limits)}", COLOR_DIM)]
         if last is not None:
             parts.append([(f" · {fmt_seconds(last.step_time_s)}/step", COLOR_DIM)])
         shown: list[tuple[str, str]] = []
