@@ -17,7 +17,8 @@ are random (load_format "dummy") in the Qwen3-0.6B shape.
 It reports ITL p50 / p90 / p99 over every request, and the step intervals (one engine step call to
 the next) by what the step read back held: decode rows only, or prompt tokens as well. With
 --step-budget-factor F the same loop runs a second time on a fresh engine with max_step_ms set to
-F times the first run's ITL p50 (or --max-step-ms).
+F times the first run's ITL p50 (or --max-step-ms), or with the engine's relative budget
+(--max-step-factor: each step with prompt rows within that factor of its decode rows' step).
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ def parse_args(argv):
     p.add_argument("--step-budget-factor", type=float, default=None,
                    help="Run again with max_step_ms at this factor times the first run's ITL p50.")
     p.add_argument("--max-step-ms", type=float, default=None, help="Run again with this max_step_ms.")
+    p.add_argument("--max-step-factor", type=float, default=None,
+                   help="Run again with the engine's relative budget (max_step_factor) at this value.")
     p.add_argument("--seed", type=int, default=0, help="Seeds the random prompts.")
     p.add_argument("--json", help="Write the figures to this file.")
     args = p.parse_args(argv)
@@ -56,8 +59,10 @@ def parse_args(argv):
     if (args.step_budget_factor is not None and args.step_budget_factor <= 0) or \
             (args.max_step_ms is not None and args.max_step_ms <= 0):
         raise BenchError("--step-budget-factor and --max-step-ms must be > 0")
-    if args.step_budget_factor is not None and args.max_step_ms is not None:
-        raise BenchError("give --step-budget-factor or --max-step-ms, not both")
+    if args.max_step_factor is not None and args.max_step_factor < 1:
+        raise BenchError("--max-step-factor must be at least 1")
+    if sum(a is not None for a in (args.step_budget_factor, args.max_step_ms, args.max_step_factor)) > 1:
+        raise BenchError("give one of --step-budget-factor, --max-step-ms and --max-step-factor, not both")
     return args
 
 
@@ -77,6 +82,7 @@ class RunFigures:
     """One run's figures (milliseconds unless named otherwise)."""
 
     max_step_ms: float | None
+    max_step_factor: float | None
     steps: int
     decode_tokens_per_s: float
     itl_ms_p50: float
@@ -84,13 +90,16 @@ class RunFigures:
     itl_ms_p99: float
     share_of_steps_with_prompt_tokens: float
     groups: list[StepGroup] = field(default_factory=list)
+    # With a step budget: the cost model at the end (ms per unit of each feature) and its median error.
+    step_cost_ms: dict[str, float] = field(default_factory=dict)
+    step_cost_error_p50: float | None = None
 
     @property
     def itl_p99_over_p50(self) -> float:
         return self.itl_ms_p99 / self.itl_ms_p50
 
 
-def run(args, model: str, max_step_ms: float | None) -> RunFigures:
+def run(args, model: str, max_step_ms: float | None, max_step_factor: float | None = None) -> RunFigures:
     """One closed loop on a fresh engine core."""
     from minillm import SamplingParams
     from minillm.config import EngineConfig
@@ -99,7 +108,7 @@ def run(args, model: str, max_step_ms: float | None) -> RunFigures:
     from minillm.engine_core.messages import encoder
 
     options = engine_model_options(args, model, max_num_seqs=args.users, max_step_ms=max_step_ms,
-                                   max_model_len=args.prompt_len + args.output_len + 16)
+                                   max_step_factor=max_step_factor, max_model_len=args.prompt_len + args.output_len + 16)
     if args.max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = args.max_num_batched_tokens
     core = EngineCore(EngineConfig(**options))
@@ -142,12 +151,17 @@ def run(args, model: str, max_step_ms: float | None) -> RunFigures:
                     last.pop(out.request_id, None)
                     if sent < args.num_requests:
                         send()
+        cost = engine.scheduler.step_cost.snapshot() if engine.scheduler.step_cost is not None else None
     finally:
         engine.shutdown()
-    return figures(max_step_ms, itl, intervals)
+    f = figures(max_step_ms, max_step_factor, itl, intervals)
+    if cost is not None:
+        f.step_cost_ms = {name: value * 1e3 for name, value in cost.coefficients.items()}
+        f.step_cost_error_p50 = cost.relative_error_p50
+    return f
 
 
-def figures(max_step_ms, itl: list[float], intervals: list[tuple[float, int, int]]) -> RunFigures:
+def figures(max_step_ms, max_step_factor, itl: list[float], intervals: list[tuple[float, int, int]]) -> RunFigures:
     """Percentiles of the ITL samples and the step intervals by prompt tokens."""
     if not itl:
         raise BenchError("no request got two tokens: nothing to measure")
@@ -161,18 +175,23 @@ def figures(max_step_ms, itl: list[float], intervals: list[tuple[float, int, int
         if mask.any():
             groups.append(StepGroup(name, int(mask.sum()), float(np.percentile(seconds[mask], 50) * 1e3),
                                     float(np.percentile(seconds[mask], 99) * 1e3), float(prompt[mask].mean())))
-    return RunFigures(max_step_ms, len(intervals), decode / float(seconds.sum()),
+    return RunFigures(max_step_ms, max_step_factor, len(intervals), decode / float(seconds.sum()),
                       *(float(np.percentile(ms, q)) for q in (50, 90, 99)), float(np.mean(prompt > 0)), groups)
 
 
 def format_run(f: RunFigures) -> str:
     """A run's lines."""
-    budget = f"max_step_ms {f.max_step_ms:g}" if f.max_step_ms is not None else "token budget only"
+    budget = (f"max_step_ms {f.max_step_ms:g}" if f.max_step_ms is not None else
+              f"max_step_factor {f.max_step_factor:g}" if f.max_step_factor is not None else "token budget only")
     lines = [f"{budget}: {f.steps} steps, {f.decode_tokens_per_s:,.0f} decode tok/s; ITL p50 {f.itl_ms_p50:.2f} "
              f"/ p90 {f.itl_ms_p90:.2f} / p99 {f.itl_ms_p99:.2f} ms (p99 {f.itl_p99_over_p50:.2f}x p50); "
              f"{f.share_of_steps_with_prompt_tokens:.1%} of the steps carried prompt tokens"]
     lines += [f"  {g.name:24s} {g.steps:6d} steps  interval p50 {g.interval_ms_p50:.2f} p99 {g.interval_ms_p99:.2f} ms"
               f"  prompt tokens a step {g.mean_prompt_tokens:.0f}" for g in f.groups]
+    if f.step_cost_ms:
+        error = f", median error {f.step_cost_error_p50:.1%}" if f.step_cost_error_p50 is not None else ""
+        lines.append("  step cost model at the end (ms a unit): "
+                     + ", ".join(f"{name} {v:.3g}" for name, v in f.step_cost_ms.items()) + error)
     return "\n".join(lines)
 
 
@@ -188,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.max_step_ms
         if args.step_budget_factor is not None:
             budget = round(args.step_budget_factor * runs[0].itl_ms_p50, 3)
-        if budget is not None:
-            runs.append(run(args, model, budget))
+        if budget is not None or args.max_step_factor is not None:
+            runs.append(run(args, model, budget, args.max_step_factor))
             print(format_run(runs[1]))
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=2))
