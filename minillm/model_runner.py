@@ -198,6 +198,14 @@ class ModelRunner:
         self.kv_connector = self._deferred = None
         self.device.release()
 
+    def padded_tokens(self, num_tokens: int, is_mixed: bool) -> int:
+        """The rows a step of num_tokens tokens runs its GEMMs on: the size of the graph that
+        replays it (a decode graph's batch, or a mixed step's token count), else num_tokens."""
+        graphs = self.piecewise if is_mixed else self.graphs
+        if graphs is None or not graphs.can_run(num_tokens):
+            return num_tokens
+        return next(s for s in graphs.sizes if s >= num_tokens)
+
     # ---- one step ----------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):
         """Host-side input ids [T], positions [T], attention metadata, and the token rows whose

@@ -4,7 +4,9 @@
 
     mixed      1 when a row runs more than one query token (the prefill path: on the GPU its
                kernels are launched one by one, a decode-only step replays a CUDA graph)
-    tokens     query tokens in the step (what the GEMMs see)
+    tokens     query tokens in the step as the GEMMs see them: padded to the captured graph's size
+               when the model is given the runner's padding (a step of 320 tokens replayed at 512
+               pays for 512 rows)
     attention  sum over prefill rows of q * L (q: the row's query tokens, L: its context once
                they are in, num_computed_tokens + q): the matrix work of prefill attention
     kv_read    sum over all rows of L: each row reads its cached K/V at least once (what a decode
@@ -27,6 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +76,17 @@ def step_features(out: SchedulerOutput) -> np.ndarray:
     attention = sum(n * (start + n) for seq, start, n in zip(out.seqs, starts, counts)
                     if n != 1 or start < len(seq.prompt_token_ids))     # the prefill rows
     return np.array([1.0, float(max(counts) > 1), tokens, attention, sum(starts) + tokens])
+
+
+def padded(features: np.ndarray, pad_tokens: Callable[[int, bool], int]) -> np.ndarray:
+    """features [5] with TOKENS replaced by pad_tokens(tokens, is_mixed)."""
+    tokens = int(features[TOKENS])
+    rows = pad_tokens(tokens, bool(features[MIXED])) if tokens else 0
+    if rows == tokens:
+        return features
+    out = features.copy()
+    out[TOKENS] = rows
+    return out
 
 
 def fit_nonnegative(x: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
@@ -133,9 +147,12 @@ class StepCostModel:
     """Estimates a step's device time; refits itself from measured steps."""
 
     def __init__(self, coefficients, anchor_x: np.ndarray | None = None, anchor_y: np.ndarray | None = None,
-                 window: int = WINDOW, refit_every: int = REFIT_EVERY):
+                 window: int = WINDOW, refit_every: int = REFIT_EVERY,
+                 pad_tokens: Callable[[int, bool], int] | None = None):
         self.coefficients = np.asarray(coefficients, np.float64)          # [5] seconds per unit
         assert self.coefficients.shape == (NUM_FEATURES,) and np.all(self.coefficients >= 0)
+        # (tokens, is_mixed) -> the rows the step's GEMMs run (None: as many as its tokens).
+        self.pad_tokens = pad_tokens
         # The start-up samples, kept in every refit: [n, 5] features, [n] seconds.
         self.anchor_x = np.zeros((0, NUM_FEATURES)) if anchor_x is None else np.asarray(anchor_x, np.float64)
         self.anchor_y = np.zeros(0) if anchor_y is None else np.asarray(anchor_y, np.float64)
@@ -151,13 +168,21 @@ class StepCostModel:
         self.last_measured_s: float | None = None
 
     @classmethod
-    def fit(cls, x: np.ndarray, y: np.ndarray, **kw) -> "StepCostModel":
+    def fit(cls, x: np.ndarray, y: np.ndarray, pad_tokens: Callable[[int, bool], int] | None = None,
+            **kw) -> "StepCostModel":
         """The model fitted on samples x [n, 5] (features), y [n] (seconds), kept as its anchors."""
-        return cls(fit_nonnegative(np.asarray(x, np.float64), np.asarray(y, np.float64)), x, y, **kw)
+        x = np.asarray(x, np.float64)
+        if pad_tokens is not None:
+            x = np.vstack([padded(row, pad_tokens) for row in x]) if len(x) else x
+        return cls(fit_nonnegative(x, np.asarray(y, np.float64)), x, y, pad_tokens=pad_tokens, **kw)
+
+    def padded(self, features: np.ndarray) -> np.ndarray:
+        """features [5] with the tokens the GEMMs run (a copy where padding changes them)."""
+        return features if self.pad_tokens is None else padded(features, self.pad_tokens)
 
     def estimate(self, features: np.ndarray) -> float:
         """Seconds a step of these features [5] takes."""
-        return float(features @ self.coefficients)
+        return float(self.padded(features) @ self.coefficients)
 
     def observe(self, features: np.ndarray, measured_s: float, estimated_s: float | None = None) -> None:
         """Add a completed step's measured device time; refits every refit_every observations."""
@@ -166,7 +191,7 @@ class StepCostModel:
         estimated = self.estimate(features) if estimated_s is None else estimated_s
         self.last_estimated_s, self.last_measured_s = estimated, measured_s
         self.errors.append(abs(estimated - measured_s) / measured_s)
-        self.live_x[self._next], self.live_y[self._next] = features, measured_s
+        self.live_x[self._next], self.live_y[self._next] = self.padded(features), measured_s
         self._next = (self._next + 1) % len(self.live_y)
         self.num_live = min(self.num_live + 1, len(self.live_y))
         self._since_refit += 1
@@ -236,36 +261,33 @@ class StepTimeBudget:
         """Seconds the step takes so far."""
         return self.model.estimate(self.features)
 
-    def _estimate_with(self, q: int, start: int) -> float:
-        f = self.features.copy()
-        add_row(f, q, start, False)
-        return self.model.estimate(f)
-
     def max_prefill_tokens(self, start: int, upper: int) -> int:
         """The largest q <= upper whose prefill row (q tokens after start) keeps the step within the
-        limit, by the closed form of the quadratic t(q); 0 when not even one token fits."""
-        if upper < 1 or self._estimate_with(1, start) > self.limit_s:
+        limit; 0 when not even one token fits. The estimate grows with q (padded tokens, attention
+        and reads all do), so a bisection finds it; with padding, a chunk grows into the rows its
+        graph runs anyway while the limit allows."""
+        a, m, b, c, d = map(float, self.model.coefficients)
+        f = [float(v) for v in self.features]
+        pad = self.model.pad_tokens
+
+        def estimate(q: int) -> float:                  # add_row(q, start, False), then the dot product
+            mixed = 1.0 if q > 1 or f[MIXED] else 0.0
+            tokens = int(f[TOKENS]) + q
+            rows = pad(tokens, bool(mixed)) if pad is not None else tokens
+            return a + m * mixed + b * rows + c * (f[ATTENTION] + q * (start + q)) + d * (f[KV_READ] + start + q)
+
+        if upper < 1 or estimate(1) > self.limit_s:
             return 0
-        if self._estimate_with(upper, start) <= self.limit_s:
-            return upper                 # a limit this large needs no closed form (its q can overflow int())
-        a, m, b, c, d = self.model.coefficients
-        f = self.features
-        # For q >= 2: t(q) = t0 + c q^2 + (b + c s + d) q, the step mixed from then on.
-        t0 = self.estimate() + m * (1.0 - f[MIXED]) + d * start
-        lin = b + c * start + d
-        room = self.limit_s - t0
-        if room < 0:
-            return 1
-        if c > 0:
-            q = (-lin + math.sqrt(lin * lin + 4 * c * room)) / (2 * c)
-        elif lin > 0:
-            q = room / lin
-        else:
+        if estimate(upper) <= self.limit_s:
             return upper
-        q = int(min(q, upper))
-        while q >= 2 and self._estimate_with(q, start) > self.limit_s:   # rounding at the edge
-            q -= 1
-        return max(q, 1)
+        lo, hi = 1, upper                               # estimate(lo) fits, estimate(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if estimate(mid) <= self.limit_s:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
 # ---- calibration: a short profiling pass at start-up ------------------------------------------------
@@ -357,4 +379,5 @@ def calibrate(runner, block_manager, max_num_seqs: int, max_num_batched_tokens: 
         runner.profile = profile
     if not ys:
         raise RuntimeError("the step cost calibration measured no step")
-    return StepCostModel.fit(np.vstack(xs), np.asarray(ys)), time.perf_counter() - started
+    return (StepCostModel.fit(np.vstack(xs), np.asarray(ys), pad_tokens=runner.padded_tokens),
+            time.perf_counter() - started)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.step_cost import (ATTENTION, FEATURE_NAMES, KV_READ, MIXED, NUM_FEATURES, TOKENS, StepCostModel,
-                               add_row, calibration_shapes, dummy_step, fit_nonnegative, is_decode_row,
+                               add_row, calibration_shapes, dummy_step, fit_nonnegative, is_decode_row, padded,
                                step_features)
 
 # seconds: 2 ms a step, 1.5 ms more for the eager path, 20 us a token, 0.5 ns per query x key,
@@ -114,6 +114,54 @@ def test_max_prefill_tokens_is_the_largest_chunk_that_fits(decode_contexts, star
         assert fits(q)
     if q < upper:
         assert not fits(q + 1)
+
+
+def pad_to_sizes(tokens: int, is_mixed: bool) -> int:
+    """Captured sizes: decode batches of 8, 16, 32; mixed steps of 64, 128, 256 tokens."""
+    sizes = (64, 128, 256) if is_mixed else (8, 16, 32)
+    return next((s for s in sizes if s >= tokens), tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 2_000), min_size=1, max_size=20), st.integers(0, 2_000), st.integers(1, 400),
+       st.floats(1e-3, 0.05))
+def test_with_padding_the_chunk_is_the_largest_whose_padded_step_fits(decode_contexts, start, upper, limit_s):
+    model = StepCostModel(TRUE, pad_tokens=pad_to_sizes)
+    budget = model.budget(limit_s)
+    for ctx in decode_contexts:
+        budget.add(1, ctx - 1, True)
+    q = budget.max_prefill_tokens(start, upper)
+
+    def fits(n):
+        f = budget.features.copy()
+        add_row(f, n, start, False)
+        return model.estimate(f) <= limit_s * (1 + 1e-9)
+
+    assert 0 <= q <= upper
+    if q:
+        assert fits(q)
+    if q < upper:
+        assert not fits(q + 1)
+
+
+def test_padding_counts_the_rows_a_graph_runs():
+    coefs = np.array([1e-3, 0.0, 1e-5, 0.0, 0.0])              # 1 ms a step, 10 us a row
+    model = StepCostModel(coefs, pad_tokens=pad_to_sizes)
+    f = step_features(dummy_step([(1, 10, True)] * 3 + [(70, 70, False)]))
+    assert f[TOKENS] == 73 and model.estimate(f) == pytest.approx(1e-3 + 128 * 1e-5)   # 73 rows run as 128
+    assert step_features(dummy_step([(1, 10, True)] * 9)) @ coefs == pytest.approx(1e-3 + 9e-5)
+    assert model.estimate(step_features(dummy_step([(1, 10, True)] * 9))) == pytest.approx(1e-3 + 16e-5)
+    # Under a limit of 2.28 ms, 3 decodes leave room for 128 rows: the chunk fills the padding.
+    budget = model.budget(2.28e-3)
+    for _ in range(3):
+        budget.add(1, 9, True)
+    assert budget.max_prefill_tokens(0, 500) == 125
+    # A fit on padded samples recovers coefficients the raw token counts would not.
+    rng = np.random.default_rng(2)
+    rows = [[(1, 50, True)] * int(b) + [(int(q), int(q), False)] for b, q in rng.integers(1, 60, (40, 2))]
+    x = np.vstack([step_features(dummy_step(r)) for r in rows])
+    y = np.array([coefs @ padded(row, pad_to_sizes) for row in x])
+    np.testing.assert_allclose(StepCostModel.fit(x, y, pad_tokens=pad_to_sizes).coefficients, coefs, atol=1e-9)
 
 
 @pytest.mark.parametrize("coefs", [TRUE, TRUE * [1, 1, 1, 0, 1], TRUE * [1, 1, 1e-30, 0, 0]])
