@@ -441,12 +441,22 @@ class _PrefillChunks:
         self.is_built = True
         sched = self.scheduler
         budget = sched.step_cost.budget(sched.max_step_ms / 1e3 if sched.max_step_ms is not None else math.inf)
+        # The decode rows' sums, as add_row would make them one row at a time (plain Python: every
+        # running sequence is visited on each step that sizes a prompt chunk).
+        tokens = attention = kv_read = 0
+        mixed, spec = False, self.spec
         for seq in sched.running:
             start = seq.num_computed_tokens
             if seq.spec_token_ids or not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
                 continue
-            num_drafts = len(self.spec.get(seq.seq_id, ()))
-            budget.add(1 + num_drafts, start, is_decode=not num_drafts)
+            n = 1 + (len(spec.get(seq.seq_id, ())) if spec else 0)
+            tokens += n
+            kv_read += start + n
+            if n > 1:                    # a row verifying drafts: the prefill path
+                mixed = True
+                attention += n * (start + n)
+        if tokens:
+            budget.add_sums(tokens, attention, kv_read, mixed)
             self.is_capping = True
         if sched.max_step_factor is not None and self.is_capping:
             budget.limit_to(sched.max_step_factor * budget.estimate())

@@ -237,6 +237,16 @@ class StepTimeBudget:
         """Count one row in the step."""
         add_row(self.features, num_new_tokens, start, is_decode)
 
+    def add_sums(self, num_tokens: int, attention: int, kv_read: int, mixed: bool) -> None:
+        """Count rows given by their sums (what add() would total over them)."""
+        f = self.features
+        f[BASE] = 1.0
+        if mixed:
+            f[MIXED] = 1.0
+        f[TOKENS] += num_tokens
+        f[ATTENTION] += attention
+        f[KV_READ] += kv_read
+
     def add_drafts(self, start: int, num_drafts: int) -> None:
         """A decode row counted with add() (one token after start) verifies num_drafts drafts too:
         it becomes a multi-token row."""

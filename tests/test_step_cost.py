@@ -144,6 +144,16 @@ def test_with_padding_the_chunk_is_the_largest_whose_padded_step_fits(decode_con
         assert not fits(q + 1)
 
 
+def test_rows_added_by_their_sums_count_as_rows_added_one_by_one():
+    rows = [(1, 40, True), (1, 7, True), (3, 100, False), (1, 0, True)]
+    one, summed = StepCostModel(TRUE).budget(1.0), StepCostModel(TRUE).budget(1.0)
+    for n, start, is_decode in rows:
+        one.add(n, start, is_decode)
+    summed.add_sums(sum(n for n, _, _ in rows), sum(n * (s + n) for n, s, d in rows if not d),
+                    sum(s + n for n, s, _ in rows), any(n > 1 for n, _, _ in rows))
+    np.testing.assert_array_equal(one.features, summed.features)
+
+
 def test_padding_counts_the_rows_a_graph_runs():
     coefs = np.array([1e-3, 0.0, 1e-5, 0.0, 0.0])              # 1 ms a step, 10 us a row
     model = StepCostModel(coefs, pad_tokens=pad_to_sizes)
