@@ -99,7 +99,12 @@ def test_features_of_a_step_count_decode_and_prefill_rows():
        st.floats(1e-3, 0.2), st.sampled_from([TRUE, TRUE * [1, 0, 1, 1, 1], TRUE * [1, 1, 1, 0, 1],
                                                TRUE * [1, 1, 0, 0, 0], TRUE * [1, 0, 0, 1, 0]]))
 def test_max_prefill_tokens_is_the_largest_chunk_that_fits(decode_contexts, start, upper, limit_s, coefs):
-    budget = StepCostModel(coefs).budget(limit_s)
+    check_largest_chunk(StepCostModel(coefs), decode_contexts, start, upper, limit_s)
+
+
+def check_largest_chunk(model: StepCostModel, decode_contexts, start: int, upper: int, limit_s: float) -> None:
+    """max_prefill_tokens beside these decode rows fits the limit and one token more would not."""
+    budget = model.budget(limit_s)
     for ctx in decode_contexts:
         budget.add(1, ctx - 1, True)
     q = budget.max_prefill_tokens(start, upper)
@@ -107,7 +112,7 @@ def test_max_prefill_tokens_is_the_largest_chunk_that_fits(decode_contexts, star
     def fits(n):
         f = budget.features.copy()
         add_row(f, n, start, False)
-        return f @ coefs <= limit_s * (1 + 1e-9)
+        return model.estimate(f) <= limit_s * (1 + 1e-9)
 
     assert 0 <= q <= upper
     if q:
@@ -126,22 +131,7 @@ def pad_to_sizes(tokens: int, is_mixed: bool) -> int:
 @given(st.lists(st.integers(1, 2_000), min_size=1, max_size=20), st.integers(0, 2_000), st.integers(1, 400),
        st.floats(1e-3, 0.05))
 def test_with_padding_the_chunk_is_the_largest_whose_padded_step_fits(decode_contexts, start, upper, limit_s):
-    model = StepCostModel(TRUE, pad_tokens=pad_to_sizes)
-    budget = model.budget(limit_s)
-    for ctx in decode_contexts:
-        budget.add(1, ctx - 1, True)
-    q = budget.max_prefill_tokens(start, upper)
-
-    def fits(n):
-        f = budget.features.copy()
-        add_row(f, n, start, False)
-        return model.estimate(f) <= limit_s * (1 + 1e-9)
-
-    assert 0 <= q <= upper
-    if q:
-        assert fits(q)
-    if q < upper:
-        assert not fits(q + 1)
+    check_largest_chunk(StepCostModel(TRUE, pad_tokens=pad_to_sizes), decode_contexts, start, upper, limit_s)
 
 
 def test_rows_added_by_their_sums_count_as_rows_added_one_by_one():
