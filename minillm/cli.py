@@ -284,11 +284,14 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
         try:
-            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
+            # utf-8-sig: a byte-order mark (editors on Windows write one) is no part of the first prompt
+            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as exc:
             raise CliError(f"--prompts-file {prompts_file} is not UTF-8 text: {exc.reason} at byte "
                            f"{exc.start}") from None
-        prompts = [line for line in text.splitlines() if line.strip()]
+        except OSError as exc:
+            raise CliError(f"--prompts-file: cannot read {prompts_file}: {exc.strerror or exc}") from None
+        prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")
     if not prompts:
@@ -744,6 +747,8 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: one line on stderr and a non-zero status for any user error."""
     try:
         status = app(args=argv, prog_name="minillm", standalone_mode=False)
+        if status == 130:     # typer turns Ctrl-C inside a command into status 130 and says nothing
+            status = _fail("minillm: interrupted", 130)
     except UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":   # a bare `minillm` or `minillm bench`
             print(exc.format_message())

@@ -1,0 +1,59 @@
+"""`minillm generate` as careless users run it: files with a byte-order mark, missing files, Ctrl-C."""
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+from test_cli import REPO, STORIES, minillm, needs_stories
+
+
+@needs_stories
+def test_a_prompts_file_with_a_byte_order_mark_reads_as_the_same_file_without_one(tmp_path):
+    plain, marked = tmp_path / "plain.txt", tmp_path / "marked.txt"
+    plain.write_text("Once upon\nLily\n", encoding="utf-8")
+    marked.write_text("Once upon\nLily\n", encoding="utf-8-sig")
+    args = ("generate", str(STORIES), "--device", "cpu", "--temperature", "0", "--max-tokens", "3", "--json")
+    want = minillm(*args, "--prompts-file", str(plain))
+    assert want.returncode == 0, want.stderr
+    for got in (minillm(*args, "--prompts-file", str(marked)),
+                minillm(*args, "--prompts-file", "-", stdin="\ufeffOnce upon\nLily\n")):
+        assert got.returncode == 0, got.stderr
+        records = [json.loads(line) for line in got.stdout.splitlines()]
+        assert records[0]["prompt"] == "Once upon"
+        assert got.stdout == want.stdout
+
+
+def test_a_prompts_file_that_cannot_be_read_is_one_line_naming_the_option(tmp_path):
+    for path, why in ((tmp_path / "missing.txt", "No such file or directory"), (tmp_path, "Is a directory")):
+        result = minillm("generate", str(STORIES), "--device", "cpu", "--prompts-file", str(path))
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines() == [f"minillm: error: --prompts-file: cannot read {path}: {why}"]
+
+
+@needs_stories
+def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n" * 64)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu", "--prompts-file",
+         str(prompts), "--max-tokens", "400", "--ignore-eos"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # Interrupt once the progress bar is up: the batch is running then (it takes far longer than this).
+    selector, seen, deadline = selectors.DefaultSelector(), b"", time.monotonic() + 120
+    selector.register(process.stderr, selectors.EVENT_READ)
+    while b"generate:" not in seen and time.monotonic() < deadline and process.poll() is None:
+        if selector.select(timeout=1):
+            seen += os.read(process.stderr.fileno(), 65536)
+    assert b"generate:" in seen, seen
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    stderr = (seen + err).decode()
+    assert process.returncode == 130 and "Traceback" not in stderr
+    assert stderr.rstrip().splitlines()[-1] == "minillm: interrupted"
+    assert out == b""
