@@ -270,6 +270,7 @@ def chat(
         path = resolve_chat_model(model, engine_options["download_dir"])
         engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
+        backend.check_settings(settings)      # --top-k past the vocabulary fails here, not at every message
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
 
