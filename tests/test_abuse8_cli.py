@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from test_cli import REPO, STORIES, minillm, needs_stories
 
 
@@ -57,3 +59,32 @@ def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback(tmp_pat
     assert process.returncode == 130 and "Traceback" not in stderr
     assert stderr.rstrip().splitlines()[-1] == "minillm: interrupted"
     assert out == b""
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--request-rate", "0"), "--request-rate must be > 0 requests per second (inf: all at once), got 0.0"),
+    (("--request-rate", "-2"), "--request-rate must be > 0 requests per second (inf: all at once), got -2.0"),
+    (("--request-rate", "nan"), "--request-rate must be > 0 requests per second (inf: all at once), got nan"),
+    (("--max-concurrency", "0"), "--max-concurrency must be >= 1 (leave it out for no cap), got 0"),
+    (("--timeout", "-1"), "--timeout must be > 0 seconds, got -1.0"),
+])
+def test_bench_serving_refuses_rates_and_caps_it_cannot_use_before_connecting(args, message):
+    # No server runs at this URL: an argument error must come first, not the connection failure.
+    result = minillm("bench", "serving", "--base-url", "http://127.0.0.1:9", *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"minillm bench serving: error: {message} (try 'minillm bench serving --help')"]
+
+
+@needs_stories
+def test_bench_output_files_that_cannot_be_written_fail_before_the_run(tmp_path):
+    missing = tmp_path / "no" / "such" / "figures.json"
+    result = minillm("bench", "throughput", "--model", str(STORIES), "--device", "cpu", "--json", str(missing))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stdout == ""                     # nothing ran: the workload line is not printed
+    assert result.stderr.strip().splitlines() == [
+        f"minillm bench throughput: error: --json {missing}: no such directory {missing.parent}"]
+    result = minillm("bench", "serving", "--base-url", "http://127.0.0.1:9", "--result-file", str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        f"minillm bench serving: error: --result-file {tmp_path} is a directory; give a file name"]
