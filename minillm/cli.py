@@ -181,9 +181,16 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
 # Loading
 # ---------------------------------------------------------------------------------------------
 
+def check_model_name(model: str | None) -> None:
+    """A CliError for an empty MODEL argument (it read as the current directory, or as the default model)."""
+    if model is not None and not model.strip():
+        raise CliError(f"MODEL is empty: give a model directory or a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
+
+
 def resolve_model(model: str, download_dir: str | None) -> str:
     """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
     from minillm.loader import resolve_model_path
+    check_model_name(model)
     return str(resolve_model_path(model, download_dir))
 
 
@@ -211,6 +218,7 @@ def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: 
 
 def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat") -> str:
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
+    check_model_name(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
         return resolve_model(name, download_dir)
@@ -676,6 +684,7 @@ def pull(
 ) -> None:
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
     from minillm.model_store import download_model, is_repo_id, no_such_directory
+    check_model_name(model)
     if Path(model).expanduser().is_dir():
         raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
                        f"(minillm chat {model})")

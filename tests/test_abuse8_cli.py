@@ -88,3 +88,14 @@ def test_bench_output_files_that_cannot_be_written_fail_before_the_run(tmp_path)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
         f"minillm bench serving: error: --result-file {tmp_path} is a directory; give a file name"]
+
+
+@pytest.mark.parametrize("args", [("generate", "", "-p", "Once"), ("chat", " "), ("serve", ""), ("pull", ""),
+                                  ("pull", "  ")])
+def test_an_empty_model_argument_is_named_not_read_as_the_current_directory(args):
+    # It was "model directory . has no config.json", " is a local directory: there is nothing to
+    # pull", or a fetch of the default model.
+    result = minillm(*args, "--device", "cpu", stdin="") if args[0] != "pull" else minillm(*args)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "minillm: error: MODEL is empty: give a model directory or a Hugging Face repo id such as Qwen/Qwen3-0.6B"]
