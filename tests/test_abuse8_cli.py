@@ -49,15 +49,16 @@ def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback(tmp_pat
     # Interrupt once the progress bar is up: the batch is running then (it takes far longer than this).
     selector, seen, deadline = selectors.DefaultSelector(), b"", time.monotonic() + 120
     selector.register(process.stderr, selectors.EVENT_READ)
-    while b"generate:" not in seen and time.monotonic() < deadline and process.poll() is None:
+    while b"req/s]" not in seen and time.monotonic() < deadline and process.poll() is None:
         if selector.select(timeout=1):
             seen += os.read(process.stderr.fileno(), 65536)
-    assert b"generate:" in seen, seen
+    assert b"req/s]" in seen, seen
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)
     stderr = (seen + err).decode()
     assert process.returncode == 130 and "Traceback" not in stderr
-    assert stderr.rstrip().splitlines()[-1] == "minillm: interrupted"
+    # The line is the last one; a Ctrl-C that lands while the bar is being drawn leaves it after the bar.
+    assert stderr.rstrip().splitlines()[-1].endswith("minillm: interrupted")
     assert out == b""
 
 
