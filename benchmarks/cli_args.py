@@ -6,6 +6,7 @@ BenchUsageError and a failure the user can fix is a BenchError, both printed as 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -121,3 +122,17 @@ def require_positive(args, *names: str) -> None:
     for name in names:
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """A BenchError naming the option when its output file could not be written, before the run
+    it records (a bad path found after minutes of measuring loses them)."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise BenchError(f"{option} {path} is a directory; give a file name")
+    if not os.path.isdir(parent):
+        raise BenchError(f"{option} {path}: no such directory {parent}")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise BenchError(f"{option} {path} cannot be written (permission denied)")

@@ -43,7 +43,7 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
 
 WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
          "ran", "saw", "played", "with", "and", "friend", "park", "ball", "day", "mom", "said", "home")
@@ -147,6 +147,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
     if args.num_client_processes < 1:
         p.error("--num-client-processes must be >= 1")
+    if not args.request_rate > 0:          # NaN too: 0 divided the Poisson draw by zero, < 0 meant all at once
+        p.error(f"--request-rate must be > 0 requests per second (inf: all at once), got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error(f"--max-concurrency must be >= 1 (leave it out for no cap), got {args.max_concurrency}")
+    if not args.timeout > 0:
+        p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.concurrency_sweep and args.peer_base_url:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
     try:
@@ -665,6 +671,7 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; 0 when every request succeeded."""
     args = parse_args(argv)
+    check_output_file(args.result_file, "--result-file")
     saved_args = {k: v for k, v in vars(args).items() if k != "api_key"}
     if args.mixed_users is not None:
         from minillm.benchmarks import serving_mixed

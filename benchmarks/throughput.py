@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
 from minillm.benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
 
 # nano-vllm's workload on a GPU; on the CPU (NumPy) a small one that finishes in seconds.
@@ -158,6 +158,7 @@ def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the figures beside their ceilings."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    check_output_file(args.json, "--json")
     config = resolve_defaults(args)
     w = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
     if config["vocab_size"] <= 10000:     # a small test model: fold the ids into its vocabulary

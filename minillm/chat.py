@@ -217,15 +217,26 @@ class EngineChatBackend:
                                 f"{max_len}-token context)")
         return ids, min(settings.max_tokens, room)
 
+    def check_settings(self, settings: ChatSettings) -> None:
+        """ValueError naming a setting this model cannot take (top_k past its vocabulary)."""
+        settings.sampling_params().validate_for_vocab(self.engine.model_config.vocab_size)
+
     def stream_reply(self, conversation: Conversation, settings: ChatSettings,
                      should_stop: Callable[[], bool]) -> Iterator[str]:
         """Add the request now (so bad input fails here); the iterator steps the engine."""
+        turns, num_notices = list(conversation.turns), len(self.notices)
         prompt_ids, max_tokens = self.fit_prompt(conversation, settings)
-        self.last_prompt_ids = prompt_ids
         request_id = f"chat-{next(self._request_ids)}"
         started = time.time()
-        self.engine.add_request(request_id, prompt_ids, settings.sampling_params(max_tokens),
-                                arrival_time=started)
+        try:
+            self.engine.add_request(request_id, prompt_ids, settings.sampling_params(max_tokens),
+                                    arrival_time=started)
+        except ValueError:
+            # The message was refused: the exchanges dropped to make room for it stay.
+            conversation.turns[:] = turns
+            del self.notices[num_notices:]
+            raise
+        self.last_prompt_ids = prompt_ids
         return self._stream(request_id, prompt_ids, started, should_stop, max_tokens)
 
     def _stream(self, request_id: str, prompt_ids: list[int], started: float,
@@ -459,7 +470,11 @@ class ChatSession:
             self.say(f"usage: /set {key} VALUE")
             return
         try:
-            self.settings = self.settings.with_value(key, value.strip())
+            settings = self.settings.with_value(key, value.strip())
+            check = getattr(self.backend, "check_settings", None)   # what only the model knows (its vocabulary)
+            if check is not None:
+                check(settings)
+            self.settings = settings
         except ValueError as exc:
             self.say(f"error: {exc}")
             return

@@ -181,9 +181,16 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
 # Loading
 # ---------------------------------------------------------------------------------------------
 
+def check_model_name(model: str | None) -> None:
+    """A CliError for an empty MODEL argument (it read as the current directory, or as the default model)."""
+    if model is not None and not model.strip():
+        raise CliError(f"MODEL is empty: give a model directory or a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
+
+
 def resolve_model(model: str, download_dir: str | None) -> str:
     """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
     from minillm.loader import resolve_model_path
+    check_model_name(model)
     return str(resolve_model_path(model, download_dir))
 
 
@@ -211,6 +218,7 @@ def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: 
 
 def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat") -> str:
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
+    check_model_name(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
         return resolve_model(name, download_dir)
@@ -270,6 +278,7 @@ def chat(
         path = resolve_chat_model(model, engine_options["download_dir"])
         engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
+        backend.check_settings(settings)      # --top-k past the vocabulary fails here, not at every message
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
 
@@ -284,11 +293,14 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
         try:
-            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
+            # utf-8-sig: a byte-order mark (editors on Windows write one) is no part of the first prompt
+            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as exc:
             raise CliError(f"--prompts-file {prompts_file} is not UTF-8 text: {exc.reason} at byte "
                            f"{exc.start}") from None
-        prompts = [line for line in text.splitlines() if line.strip()]
+        except OSError as exc:
+            raise CliError(f"--prompts-file: cannot read {prompts_file}: {exc.strerror or exc}") from None
+        prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")
     if not prompts:
@@ -672,6 +684,7 @@ def pull(
 ) -> None:
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
     from minillm.model_store import download_model, is_repo_id, no_such_directory
+    check_model_name(model)
     if Path(model).expanduser().is_dir():
         raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
                        f"(minillm chat {model})")
@@ -744,6 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point: one line on stderr and a non-zero status for any user error."""
     try:
         status = app(args=argv, prog_name="minillm", standalone_mode=False)
+        if status == 130:     # typer turns Ctrl-C inside a command into status 130 and says nothing
+            status = _fail("minillm: interrupted", 130)
     except UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError":   # a bare `minillm` or `minillm bench`
             print(exc.format_message())

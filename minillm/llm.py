@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import sys
 from collections.abc import Iterable, Sequence as Seq
+
+import numpy as np
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
@@ -36,9 +39,10 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A prompt is a string, a list of token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+        A prompt is a string, a list (or 1-D NumPy array) of token ids, {"prompt": text} or
+        {"prompt_token_ids": ids}.
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or _is_one_id_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Iterable):
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
@@ -170,8 +174,25 @@ def plain_messages(conversation) -> list[dict]:
     return out
 
 
+def _is_one_id_list(prompts) -> bool:
+    """True when prompts is one prompt of token ids (a list of integers, or a 1-D NumPy array), not a batch."""
+    if isinstance(prompts, np.ndarray):
+        return prompts.ndim <= 1      # a 0-d array reaches _array_ids, which names it
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
+
+
+def _array_ids(ids: np.ndarray, name: str) -> list[int]:
+    """A 1-D NumPy array of integers as a list of ids; ValueError naming the prompt otherwise."""
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"{name} must be a 1-D array of integer token ids, got an array of shape "
+                         f"{ids.shape} and dtype {ids.dtype}")
+    return ids.tolist()
+
+
 def _unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
     """(text or None, what the engine takes) for a str, a list of ids, or a prompt dict as vLLM has them."""
+    if isinstance(prompt, np.ndarray):
+        return None, _array_ids(prompt, "prompt")
     if not isinstance(prompt, dict):
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {short_repr(prompt)}")
@@ -182,6 +203,8 @@ def _unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
                          f"give 'prompt' (text) or 'prompt_token_ids'")
     if "prompt_token_ids" in prompt:
         ids = prompt["prompt_token_ids"]
+        if isinstance(ids, np.ndarray):
+            ids = _array_ids(ids, "prompt_token_ids")
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
         return prompt.get("prompt"), list(ids)

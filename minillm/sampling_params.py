@@ -25,12 +25,17 @@ MAX_LOGPROBS = 20
 # logit_bias: OpenAI's range for a bias, and a bound on the entries the sampler adds each step.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# The sampler holds temperature and repetition_penalty as float32: past its largest value a
+# temperature is inf (a masked logit over it is NaN, and the row falls back to the argmax), and a
+# penalty below its smallest normal value divides logits into inf.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 def short_repr(value: object, limit: int = 60) -> str:
     """repr(value) cut to about `limit` characters, so an error never echoes a huge input back."""
-    if _is_int(value) and abs(value).bit_length() > 128:
-        return f"an integer of {abs(value).bit_length()} bits"   # str() of a huge int is slow, or refused
+    if _is_int(value) and abs(int(value)).bit_length() > 128:   # int(): NumPy integers have no bit_length
+        return f"an integer of {abs(int(value)).bit_length()} bits"   # str() of a huge int is slow, or refused
     if isinstance(value, (list, tuple)) and len(value) > 8:
         head = ", ".join(short_repr(v, 16) for v in value[:5])
         return f"[{head}, ...] ({len(value)} items)"
@@ -134,6 +139,8 @@ class SamplingParams:
                 bad(name, "must be a finite number")
         if self.temperature < 0:
             bad("temperature", "must be non-negative")
+        if self.temperature > FLOAT32_MAX:
+            bad("temperature", f"must be at most {FLOAT32_MAX:.4g} (the sampler's float32)")
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -142,6 +149,9 @@ class SamplingParams:
             bad("min_p", "must be in [0, 1]")
         if self.repetition_penalty <= 0:
             bad("repetition_penalty", "must be positive")
+        if not FLOAT32_MIN_NORMAL <= self.repetition_penalty <= FLOAT32_MAX:
+            bad("repetition_penalty", f"must be in [{FLOAT32_MIN_NORMAL:.4g}, {FLOAT32_MAX:.4g}] "
+                                      f"(the sampler's float32)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
