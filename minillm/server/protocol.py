@@ -295,6 +295,11 @@ def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
 
 
+def chat_max_tokens_field(req: ChatCompletionRequest) -> str:
+    """The field chat_max_tokens read (what an error about the completion's length names)."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     """The number of top log-probabilities to compute for a chat request, or None."""
     if req.top_logprobs is not None and not req.logprobs:
