@@ -88,7 +88,7 @@ def test_compressed_body_is_refused_by_name(http, healthy_stream):
     (b'{"prompt": "a\xff\xfeb", "max_tokens": 2}', "not UTF-8"),
     (b'{"prompt": "a", "max_tokens": ' + b"9" * 5000 + b"}", "too many digits"),
     (b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
-    (b'{"prompt": "a", "max_tokens": }', "Expecting value at byte 30"),
+    (b'{"prompt": "a", "max_tokens": }', "Expecting value at character 30"),
 ], ids=["invalid-utf8", "huge-integer", "deep-nesting", "syntax"])
 def test_unreadable_json_says_why(http, healthy_stream, body, reason):
     response = http.post("/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
@@ -100,3 +100,10 @@ def test_logit_bias_key_of_thousands_of_digits_names_the_field(http, healthy_str
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "logit_bias": {"9" * 5000: 1.0}}
     error = _error(http.post("/v1/completions", json=body, headers=AUTH), 400, "logit_bias")
     assert "5000 digits" in error["message"]
+
+
+def test_field_name_that_is_not_unicode_is_called_a_field_name(http, healthy_stream):
+    body = b'{"model": "stories", "prompt": "Once", "max_tokens": 2, "\\ud800": 1}'
+    response = http.post("/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    error = _error(response, 400, None)
+    assert "field name that is not valid Unicode" in error["message"], error

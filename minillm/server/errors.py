@@ -141,6 +141,10 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
     param = ".".join(loc) if loc else None
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "a required field is missing"
+    elif first.get("type") == "string_unicode":
+        # Values are checked by protocol.check_text; what pydantic cannot read is a field name.
+        where = f"{param} has" if param else "the request body has"
+        message = f"{where} a field name that is not valid Unicode (a lone surrogate such as \\ud800)"
     elif param is None:
         message = f"request body must be a JSON object: {first.get('msg', '')}"
     else:
@@ -153,7 +157,7 @@ def _json_error_reason(error: dict) -> str:
     why = (error.get("ctx") or {}).get("error") or error.get("msg") or "JSON decode error"
     loc = error.get("loc", ())
     where = loc[1] if len(loc) == 2 and isinstance(loc[1], int) else None
-    return why if where is None else f"{why} at byte {where}"
+    return why if where is None else f"{why} at character {where}"
 
 
 def body_parse_error(cause: BaseException | None) -> APIError:
