@@ -7,6 +7,7 @@ and every such stream must end with the text of the same request made alone.
 from __future__ import annotations
 
 import gzip
+import json
 
 import pytest
 from test_server_helpers import HealthyStreams, running_server
@@ -107,3 +108,17 @@ def test_field_name_that_is_not_unicode_is_called_a_field_name(http, healthy_str
     response = http.post("/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
     error = _error(response, 400, None)
     assert "field name that is not valid Unicode" in error["message"], error
+
+
+def test_json_schema_with_integers_past_64_bits(http, healthy_stream):
+    # JSON has no integer limit and a schema may hold a large bound; the engine core is reached
+    # through msgpack, which has one.
+    schema = {"type": "object", "properties": {"id": {"const": 10**30}}, "required": ["id"],
+              "additionalProperties": False}
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 64, "temperature": 0,
+            "structured_outputs": {"json": schema}}
+    response = http.post("/v1/completions", json=body, headers=AUTH)
+    assert response.status_code == 200, response.text[:500]
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    assert json.loads(choice["text"]) == {"id": 10**30}
