@@ -49,6 +49,8 @@ logger = logging.getLogger("minillm.server")
 MAX_STATS_CELLS = 4096
 # Stats-stream subscribers share one engine snapshot per MIN_STATS_INTERVAL_S, however many they are.
 MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S = 0.1, 60.0
+# Probes and load balancers check with HEAD as well as GET (FastAPI adds no HEAD by itself).
+GET_OR_HEAD = ["GET", "HEAD"]
 # After the engine loop fails, open requests have this long to get their error before the process exits.
 ENGINE_FAILURE_DRAIN_S = 2.0
 
@@ -108,11 +110,11 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return {"id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
                 "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=GET_OR_HEAD)
     async def models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model:path}")
+    @app.api_route("/v1/models/{model:path}", methods=GET_OR_HEAD)
     async def model(model: str):
         ctx.check_model(model)
         return model_card()
@@ -122,13 +124,13 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     engine = ctx.engine
     hub = StatsHub(engine, MIN_STATS_INTERVAL_S, ctx.limits.max_stats_streams)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=GET_OR_HEAD)
     async def health():
         if engine.is_healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse(error_body(503, engine.dead_reason, code="engine_dead"), status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=GET_OR_HEAD)
     async def metrics():
         with contextlib.suppress(EngineDeadError):
             ctx.metrics.update(await engine.get_stats(cells=1))

@@ -14,6 +14,7 @@ EngineDeadError, later calls fail, and `ended` is set so the server can exit and
 from __future__ import annotations
 
 import asyncio
+import copy
 import itertools
 import logging
 import threading
@@ -37,6 +38,16 @@ from minillm.stats import EngineStats
 from minillm.tokenizer import Tokenizer
 
 logger = logging.getLogger("minillm.server")
+
+
+def _wire_constraint(constraint: Any) -> Any:
+    """A StructuredOutputsParams as it crosses to the core: a JSON schema as its text, since
+    msgpack carries no integer past 64 bits and a schema may hold one (a bound of 10**30)."""
+    if not isinstance(constraint.json, dict):
+        return constraint
+    wire = copy.copy(constraint)       # its key (the schema's canonical text) is already checked
+    wire.json = constraint.key[1]
+    return wire
 
 
 class AsyncLLM:
@@ -122,6 +133,8 @@ class AsyncLLM:
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text else prompt
         arrival = arrival_time or time.time()
         fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+        if params.structured_outputs is not None:
+            fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
         done = loop.create_future()
         with self._lock:
             if request_id in self.processor.requests or request_id in self._adds:

@@ -20,6 +20,8 @@ KNOWN_PARAMS = (
 # No error quotes more of what the client sent than this: a 1 MB field must not come back as a 1 MB error.
 MAX_MESSAGE_CHARS = 1000
 MAX_PARAM_CHARS = 100
+# FastAPI's HTTPException detail when reading a JSON body failed other than on syntax (its cause says why).
+FASTAPI_BODY_ERROR = "There was an error parsing the body"
 
 
 class APIError(Exception):
@@ -130,8 +132,7 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
             return APIError(400, f"the request body must be JSON sent with Content-Type: application/json, "
                             f"got Content-Type {short_text(content_type or 'none')}")
     if first.get("type") == "json_invalid":
-        return APIError(400, f"malformed JSON in request body: {first.get('msg', '')}".rstrip(": "),
-                        code="json_invalid")
+        return APIError(400, f"malformed JSON in request body: {_json_error_reason(first)}", code="json_invalid")
     loc = [str(p) for p in first.get("loc", ())]
     if loc and loc[0] in ("body", "query", "path", "header"):
         loc = loc[1:]
@@ -140,11 +141,37 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
     param = ".".join(loc) if loc else None
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "a required field is missing"
+    elif first.get("type") == "string_unicode":
+        # Values are checked by protocol.check_text; what pydantic cannot read is a field name.
+        where = f"{param} has" if param else "the request body has"
+        message = f"{where} a field name that is not valid Unicode (a lone surrogate such as \\ud800)"
     elif param is None:
         message = f"request body must be a JSON object: {first.get('msg', '')}"
     else:
         message = f"{param}: {first.get('msg', 'invalid value')}"
     return APIError(400, message, param=param)
+
+
+def _json_error_reason(error: dict) -> str:
+    """What the JSON decoder said and where (FastAPI's own message is only "JSON decode error")."""
+    why = (error.get("ctx") or {}).get("error") or error.get("msg") or "JSON decode error"
+    loc = error.get("loc", ())
+    where = loc[1] if len(loc) == 2 and isinstance(loc[1], int) else None
+    return why if where is None else f"{why} at character {where}"
+
+
+def body_parse_error(cause: BaseException | None) -> APIError:
+    """The 400 for a body FastAPI could not decode for a reason other than bad JSON syntax (it
+    says only "There was an error parsing the body"): cause is what json.loads raised."""
+    if isinstance(cause, UnicodeDecodeError):
+        why = f"the body is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at {cause.start})"
+    elif isinstance(cause, RecursionError):
+        why = "arrays or objects are nested too deeply"
+    elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        why = "a number has too many digits"       # Python refuses to read an int of over 4300 digits
+    else:
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else "the body could not be read"
+    return APIError(400, f"malformed JSON in request body: {why}", code="json_invalid")
 
 
 def _is_type_tag(part: str) -> bool:
@@ -167,8 +194,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
+            return error_response(body_parse_error(exc.__cause__))
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        return error_response(APIError(exc.status_code, message or HTTPStatus(exc.status_code).phrase))
+        response = error_response(APIError(exc.status_code, message or HTTPStatus(exc.status_code).phrase))
+        response.headers.update(exc.headers or {})    # a 405's Allow (RFC 9110 requires it)
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: Bearer-key check and a request-body size limit (both streaming-safe)."""
+"""Pure ASGI middleware: Bearer-key check and a request-body size and encoding check (both streaming-safe)."""
 from __future__ import annotations
 
 import hmac
@@ -24,21 +24,29 @@ class APIKeyMiddleware:
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
         if not hmac.compare_digest(given, self.expected):
             return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                                      code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
 
 
+def bearer_token(authorization: bytes) -> bytes:
+    """The token of an `Authorization: Bearer <token>` header, b"" for any other scheme: the scheme
+    is case-insensitive (RFC 9110 11.1; clients send "bearer" too) and spaces around it may repeat."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.strip(b" ") if scheme.lower() == b"bearer" else b""
+
+
 class BodyLimitMiddleware:
     """413 for a request body over max_bytes, checked on Content-Length and on the bytes received;
-    408 for one that does not arrive within timeout_s (a client trickling its body holds nothing long)."""
+    408 for one that does not arrive within timeout_s (a client trickling its body holds nothing long);
+    415 for a compressed one (Content-Encoding other than identity)."""
 
     def __init__(self, app, max_bytes: int, timeout_s: float = 60.0) -> None:
         self.app = app
@@ -48,7 +56,14 @@ class BodyLimitMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
+        if encoding not in (b"", b"identity"):
+            # The body would reach the JSON parser compressed; decompressing here would let a
+            # small gzip bomb past the size limit.
+            return await _send_error(send, 415, f"Content-Encoding {encoding.decode('latin-1')!r} is not "
+                                     "supported: send the body uncompressed.", code="unsupported_content_encoding")
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             return await self._too_large(send)
         # Read the whole body first (chunked uploads carry no length), then replay it.

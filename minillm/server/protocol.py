@@ -15,6 +15,7 @@ from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+MAX_TOKEN_ID_DIGITS = 20        # a logit_bias key longer than this is no token id of any vocabulary
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
@@ -282,12 +283,21 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bad:
         raise APIError(400, f"logit_bias keys must be token ids (decimal integers), got {short_repr(bad)}",
                        param="logit_bias")
+    # int() refuses over 4300 digits, with a ValueError that names no field.
+    long = [k for k in bias if len(k) > MAX_TOKEN_ID_DIGITS]
+    if long:
+        raise APIError(400, f"logit_bias keys must be token ids, got one of {len(long[0])} digits", param="logit_bias")
     return {int(k): v for k, v in bias.items()}
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
     """max_completion_tokens wins over the deprecated max_tokens."""
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+
+
+def chat_max_tokens_field(req: ChatCompletionRequest) -> str:
+    """The field chat_max_tokens read (what an error about the completion's length names)."""
+    return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

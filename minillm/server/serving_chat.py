@@ -14,7 +14,8 @@ from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
 from minillm.server.protocol import (
-    ChatCompletionRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens, check_unsupported,
+    ChatCompletionRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens, chat_max_tokens_field,
+    check_unsupported,
     message_chars, messages_as_dicts, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
@@ -53,6 +54,18 @@ def template_kwargs(req: ChatCompletionRequest) -> dict:
     return kwargs
 
 
+@contextlib.contextmanager
+def naming_max_tokens_field(req: ChatCompletionRequest):
+    """An error about max_tokens names max_completion_tokens instead when that is the field sent."""
+    try:
+        yield
+    except APIError as exc:
+        field = chat_max_tokens_field(req)
+        if exc.param == "max_tokens" and field != "max_tokens":
+            exc.param, exc.message = field, exc.message.replace("max_tokens", field)
+        raise
+
+
 def echoed_text(req: ChatCompletionRequest, messages: list[dict]) -> str:
     """What a reply starts with under vLLM's echo: the last message's text when it is the
     assistant's own (the message continue_final_message continues), else nothing."""
@@ -75,7 +88,8 @@ class ChatJob:
         self.num_top = requested_top_logprobs(req)
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
         # Field errors first, so a bad value is named even on a model without a template.
-        to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size)
+        with naming_max_tokens_field(req):
+            to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size)
         self.messages = messages_as_dicts(req)
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)
@@ -93,7 +107,8 @@ class ChatJob:
         self.prompt_ids = await self.ctx.run_blocking(self._render)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
-        max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
+        with naming_max_tokens_field(self.req):
+            max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
                                          self.structured)
 

@@ -1,0 +1,68 @@
+"""Chat requests whose errors must name the field the client sent: max_completion_tokens (which wins
+over max_tokens) and a message holding a field name that is not Unicode.
+
+A real server on loopback with a chat template (--chat-template); each test runs with a healthy
+greedy stream in flight, and every such stream must end with the text of the same request made alone.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, running_server
+
+from minillm.server.app import ServerOptions
+
+MODEL = "stories"
+MAX_MODEL_LEN = 256
+MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    with running_server(stories_path, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def healthy(server):
+    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200})
+    yield streams
+    streams.check()
+
+
+def _error(response, status: int, param: str | None, code: str | None = None) -> dict:
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
+
+
+@pytest.mark.parametrize("value", [-1, 0])
+def test_bad_max_completion_tokens_is_named(http, healthy_stream, value):
+    body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": value}
+    error = _error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens")
+    assert error["message"].startswith("max_completion_tokens "), error
+    # The deprecated field alone is still named as itself.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": value}
+    _error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
+
+
+def test_max_completion_tokens_past_the_context_is_named(http, healthy_stream):
+    body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": MAX_MODEL_LEN, "max_tokens": 4}
+    error = _error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens",
+                   "context_length_exceeded")
+    assert "max_completion_tokens" in error["message"] and "max_tokens." not in error["message"], error
+
+
+def test_message_field_name_that_is_not_unicode(http, healthy_stream):
+    body = ('{"model": "stories", "max_tokens": 2, "messages": '
+            '[{"role": "user", "content": "hi", "\\udc00": 1}]}').encode()
+    json.loads(body)      # valid JSON: the escape reads as a lone surrogate
+    response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    error = _error(response, 400, "messages.0")
+    assert "field name that is not valid Unicode" in error["message"], error
