@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, running_server
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, openai_error, running_server
 
 from minillm.server.app import ServerOptions
 
@@ -32,29 +32,19 @@ def healthy(server):
     streams.check()
 
 
-def _error(response, status: int, param: str | None, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text[:500]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param, error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
-
-
 @pytest.mark.parametrize("value", [-1, 0])
 def test_bad_max_completion_tokens_is_named(http, healthy_stream, value):
     body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": value}
-    error = _error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens")
+    error = openai_error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens")
     assert error["message"].startswith("max_completion_tokens "), error
     # The deprecated field alone is still named as itself.
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": value}
-    _error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
+    openai_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
 
 
 def test_max_completion_tokens_past_the_context_is_named(http, healthy_stream):
     body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": MAX_MODEL_LEN, "max_tokens": 4}
-    error = _error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens",
+    error = openai_error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens",
                    "context_length_exceeded")
     assert "max_completion_tokens" in error["message"] and "max_tokens." not in error["message"], error
 
@@ -64,5 +54,5 @@ def test_message_field_name_that_is_not_unicode(http, healthy_stream):
             '[{"role": "user", "content": "hi", "\\udc00": 1}]}').encode()
     json.loads(body)      # valid JSON: the escape reads as a lone surrogate
     response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
-    error = _error(response, 400, "messages.0")
+    error = openai_error(response, 400, "messages.0")
     assert "field name that is not valid Unicode" in error["message"], error

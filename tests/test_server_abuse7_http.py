@@ -10,7 +10,7 @@ import gzip
 import json
 
 import pytest
-from test_server_helpers import HealthyStreams, running_server
+from test_server_helpers import HealthyStreams, openai_error, running_server
 
 MODEL = "stories"
 KEY = "sk-abuse7"
@@ -31,17 +31,6 @@ def healthy(server):
     streams.check()
 
 
-def _error(response, status: int, param: str | None = None, code: str | None = None) -> dict:
-    assert response.status_code == status, response.text[:500]
-    assert response.headers["content-type"] == "application/json"
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param, error
-    if code is not None:
-        assert error["code"] == code, error
-    return error
-
-
 @pytest.mark.parametrize("method,path,allowed", [
     ("GET", "/v1/completions", {"POST"}),
     ("PUT", "/v1/chat/completions", {"POST"}),
@@ -50,7 +39,7 @@ def _error(response, status: int, param: str | None = None, code: str | None = N
 ])
 def test_method_not_allowed_names_the_allowed_methods(http, healthy_stream, method, path, allowed):
     response = http.request(method, path, headers=AUTH)
-    _error(response, 405)
+    openai_error(response, 405)
     # RFC 9110 15.5.6: a 405 must say which methods the resource takes.
     assert {m.strip() for m in response.headers["allow"].split(",")} == allowed
 
@@ -71,14 +60,14 @@ def test_bearer_scheme_is_case_insensitive(http, healthy_stream, authorization):
 @pytest.mark.parametrize("authorization", [f"bearer {KEY}x", f"Basic {KEY}", KEY, "Bearer", f"Bearer{KEY}",
                                            f"Bearer {KEY.upper()}"])
 def test_other_credentials_are_still_refused(http, healthy_stream, authorization):
-    _error(http.get("/v1/models", headers={"Authorization": authorization}), 401, code="invalid_api_key")
+    openai_error(http.get("/v1/models", headers={"Authorization": authorization}), 401, code="invalid_api_key")
 
 
 def test_compressed_body_is_refused_by_name(http, healthy_stream):
     body = gzip.compress(b'{"model": "stories", "prompt": "Once", "max_tokens": 2}')
     response = http.post("/v1/completions", content=body,
                          headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "gzip"})
-    error = _error(response, 415, code="unsupported_content_encoding")
+    error = openai_error(response, 415, code="unsupported_content_encoding")
     assert "gzip" in error["message"]
     plain = http.post("/v1/completions", content=gzip.decompress(body),
                       headers={**AUTH, "Content-Type": "application/json", "Content-Encoding": "identity"})
@@ -93,20 +82,20 @@ def test_compressed_body_is_refused_by_name(http, healthy_stream):
 ], ids=["invalid-utf8", "huge-integer", "deep-nesting", "syntax"])
 def test_unreadable_json_says_why(http, healthy_stream, body, reason):
     response = http.post("/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
-    error = _error(response, 400, code="json_invalid")
+    error = openai_error(response, 400, code="json_invalid")
     assert error["message"].startswith("malformed JSON in request body: ") and reason in error["message"], error
 
 
 def test_logit_bias_key_of_thousands_of_digits_names_the_field(http, healthy_stream):
     body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "logit_bias": {"9" * 5000: 1.0}}
-    error = _error(http.post("/v1/completions", json=body, headers=AUTH), 400, "logit_bias")
+    error = openai_error(http.post("/v1/completions", json=body, headers=AUTH), 400, "logit_bias")
     assert "5000 digits" in error["message"]
 
 
 def test_field_name_that_is_not_unicode_is_called_a_field_name(http, healthy_stream):
     body = b'{"model": "stories", "prompt": "Once", "max_tokens": 2, "\\ud800": 1}'
     response = http.post("/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})
-    error = _error(response, 400, None)
+    error = openai_error(response, 400, None)
     assert "field name that is not valid Unicode" in error["message"], error
 
 

@@ -254,3 +254,16 @@ def hang_up_stream(url: str, server_engine, core_engine, body: dict) -> HangUp:
         return sum(1 for step in steps if start < step["time"] <= applied_at)
 
     return HangUp(request_id, num_output_tokens, ended_between(sent[request_id]), ended_between(hung_up_at), stats)
+
+
+def openai_error(response, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """The error object of an OpenAI-style JSON error response, checked: its status, its four
+    fields, the field it names (param) and, when given, its code."""
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error
+    return error
