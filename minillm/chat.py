@@ -310,8 +310,17 @@ def valid_text(text: str) -> str:
     return raw.decode("utf-8", "replace")
 
 
+class EndOfInputInMessage(EOFError):
+    """Input ended inside a multi-line message (an open triple quote, a trailing backslash)."""
+
+    def __init__(self, text: str):
+        super().__init__("input ended inside a multi-line message")
+        self.text = text                 # what was typed of the message
+
+
 def read_message(read_line: Callable[[str], str]) -> str:
-    """One user message: a trailing backslash continues the line; triple quotes span lines."""
+    """One user message: a trailing backslash continues the line; triple quotes span lines.
+    EndOfInputInMessage carries the message so far when input ends inside one."""
     line = read_line(PROMPT)
     stripped = line.strip()
     if stripped.startswith(TRIPLE_QUOTE):
@@ -320,7 +329,7 @@ def read_message(read_line: Callable[[str], str]) -> str:
             return body[:-len(TRIPLE_QUOTE)]
         lines = [body] if body else []
         while True:
-            line = read_line(CONTINUATION_PROMPT)
+            line = _continuation(read_line, lines)
             if line.rstrip().endswith(TRIPLE_QUOTE):
                 lines.append(line.rstrip()[:-len(TRIPLE_QUOTE)])
                 return "\n".join(lines).strip("\n")
@@ -328,9 +337,17 @@ def read_message(read_line: Callable[[str], str]) -> str:
     lines = []
     while line.endswith("\\"):
         lines.append(line[:-1])
-        line = read_line(CONTINUATION_PROMPT)
+        line = _continuation(read_line, lines)
     lines.append(line)
     return "\n".join(lines)
+
+
+def _continuation(read_line: Callable[[str], str], lines: list[str]) -> str:
+    """The next line of a multi-line message; at end of input, EndOfInputInMessage with lines so far."""
+    try:
+        return read_line(CONTINUATION_PROMPT)
+    except EOFError:
+        raise EndOfInputInMessage("\n".join(lines).strip("\n")) from None
 
 
 class StopFlag:
@@ -417,6 +434,13 @@ class ChatSession:
         while self.is_running:
             try:
                 text = read_message(read_line)
+            except EndOfInputInMessage as exc:
+                # A script or a paste that never closed its message: send what came, and say so.
+                if exc.text.strip():
+                    self.say("(input ended inside a multi-line message: sending what came)")
+                    self.handle(exc.text)
+                self.say("")
+                break
             except EOFError:
                 self.say("")
                 break

@@ -365,6 +365,19 @@ def test_multiline_input_and_plain_text_rendering():
     read = lambda prompt: next(lines)   # noqa: E731
     assert read_message(read) == "first line\nsecond line\nthird"
     assert read_message(read) == "one \ntwo"
+    from minillm.chat import EndOfInputInMessage
+    for script, typed in ((['"""first', "second"], "first\nsecond"), (["one \\", "two \\"], "one \ntwo "),
+                          (['"""'], "")):
+        lines = iter(script)
+
+        def read(prompt):
+            try:
+                return next(lines)
+            except StopIteration:
+                raise EOFError from None
+        with pytest.raises(EndOfInputInMessage) as ended:
+            read_message(read)
+        assert ended.value.text == typed
     conv = Conversation(system="Be brief.", turns=[{"role": "user", "content": "Once upon a time"},
                                                     {"role": "assistant", "content": ", there was"},
                                                     {"role": "user", "content": "The end"}])
@@ -472,6 +485,20 @@ def test_a_message_too_long_even_alone_leaves_the_history_as_it_was():
     assert len(first_exchange) == 2 and history[1] == first_exchange      # kept through the error
     # the third message needs room for 50 tokens: the first exchange goes, and says so
     assert history[2][0] == "He threw it." and len(history[2]) == 2
+
+
+@needs_stories
+def test_input_that_ends_inside_a_multiline_message_sends_it_and_says_so():
+    from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64))
+    out = io.StringIO()
+    session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=4), out=out)
+    history = run_scripted(session, ["Tom had a red ball.", '"""Once upon a time', "there was a cat"])
+    assert [turns[-2] for turns in history] == ["Tom had a red ball.", "Once upon a time\nthere was a cat"]
+    assert "input ended inside a multi-line message: sending what came" in out.getvalue()
 
 
 def test_bytes_that_are_not_utf8_reach_the_model_as_replacement_characters():
