@@ -92,6 +92,12 @@ def test_logit_bias_key_of_thousands_of_digits_names_the_field(http, healthy_str
     assert "5000 digits" in error["message"]
 
 
+def test_logit_bias_naming_one_token_twice_is_refused(http, healthy_stream):
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 2, "logit_bias": {"5": 1.0, "0005": -100}}
+    error = openai_error(http.post("/v1/completions", json=body, headers=AUTH), 400, "logit_bias")
+    assert error["message"] == "logit_bias names token 5 twice ('5' and '0005')"
+
+
 def test_field_name_that_is_not_unicode_is_called_a_field_name(http, healthy_stream):
     body = b'{"model": "stories", "prompt": "Once", "max_tokens": 2, "\\ud800": 1}'
     response = http.post("/v1/completions", content=body, headers={**AUTH, "Content-Type": "application/json"})

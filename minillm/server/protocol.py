@@ -287,7 +287,15 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
     long = [k for k in bias if len(k) > MAX_TOKEN_ID_DIGITS]
     if long:
         raise APIError(400, f"logit_bias keys must be token ids, got one of {len(long[0])} digits", param="logit_bias")
-    return {int(k): v for k, v in bias.items()}
+    out: dict[int, float] = {}
+    named: dict[int, str] = {}                 # token id -> the key that named it
+    for k, v in bias.items():
+        token = int(k)
+        if token in named:                     # "5" and "0005": which bias was meant?
+            raise APIError(400, f"logit_bias names token {token} twice ({named[token]!r} and {k!r})",
+                           param="logit_bias")
+        named[token], out[token] = k, v
+    return out
 
 
 def chat_max_tokens(req: ChatCompletionRequest) -> int | None:
