@@ -702,6 +702,9 @@ def list_command(
     """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
     from minillm.engine_stats import human_bytes
     from minillm.model_store import list_local_models, model_store
+    store = Path(model_store(download_dir))
+    if store.exists() and not store.is_dir():
+        raise CliError(f"--download-dir {store} is not a directory")
     models = list_local_models(download_dir)
     if not models:
         typer.echo(f"no models in {model_store(download_dir)} (minillm pull MODEL fetches one)")

@@ -62,6 +62,14 @@ def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback(tmp_pat
     assert out == b""
 
 
+def test_list_with_a_file_for_its_store_is_one_line_naming_the_option(tmp_path):
+    store = tmp_path / "not-a-dir"
+    store.write_text("x")
+    result = minillm("list", "--download-dir", str(store))
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [f"minillm: error: --download-dir {store} is not a directory"]
+
+
 @pytest.mark.parametrize("args, message", [
     (("--request-rate", "0"), "--request-rate must be > 0 requests per second (inf: all at once), got 0.0"),
     (("--request-rate", "-2"), "--request-rate must be > 0 requests per second (inf: all at once), got -2.0"),
