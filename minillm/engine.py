@@ -252,6 +252,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep is not None:                  # the prompt's last tokens (the text stays as given)
+            ids = ids[-(self.max_model_len if keep == -1 else keep):]
         self._check_kv_transfer(ids, params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "

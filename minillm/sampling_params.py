@@ -84,6 +84,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
+    # vLLM's left truncation: keep only the prompt's last k tokens (-1: as many as the context holds)
+    truncate_prompt_tokens: int | None = None
     # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
     extra_args: dict | None = None
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
@@ -175,6 +177,10 @@ class SamplingParams:
             raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or self.truncate_prompt_tokens == 0
+                                                        or self.truncate_prompt_tokens < -1):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for the model's context length")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a dict")
         self._logit_bias_entries = None

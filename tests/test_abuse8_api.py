@@ -60,3 +60,21 @@ def test_the_largest_float32_temperature_still_samples_past_masked_tokens(llm):
     hot = llm.generate("Once upon", params)[0].outputs[0].token_ids
     greedy = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=6))[0].outputs[0].token_ids
     assert hot != greedy
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm):
+    ids = [1] + [3 + (7 * i) % 400 for i in range(99)]                # 100 tokens, past max_model_len 64
+    params = SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=20)
+    got = llm.generate([ids], params)[0]
+    want = llm.generate([ids[-20:]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert got.prompt_token_ids == ids[-20:] and got.outputs[0].token_ids == want.outputs[0].token_ids
+    # -1 keeps as many as the context holds, which leaves no room to generate (as vLLM refuses it)
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate([ids], SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))
+    assert llm.generate([ids[:10]], SamplingParams(temperature=0, max_tokens=2, truncate_prompt_tokens=-1))
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "8"])
+def test_a_bad_truncate_prompt_tokens_is_refused_by_name(value):
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1, or -1"):
+        SamplingParams(truncate_prompt_tokens=value)
