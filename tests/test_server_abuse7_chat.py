@@ -56,3 +56,10 @@ def test_message_field_name_that_is_not_unicode(http, healthy_stream):
     response = http.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
     error = openai_error(response, 400, "messages.0")
     assert "field name that is not valid Unicode" in error["message"], error
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_conversation(http, healthy_stream):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a " * 400}], "max_tokens": 3,
+            "truncate_prompt_tokens": 40}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] == 40, response.text

@@ -117,3 +117,19 @@ def test_json_schema_with_integers_past_64_bits(http, healthy_stream):
     choice = response.json()["choices"][0]
     assert choice["finish_reason"] == "stop", choice
     assert json.loads(choice["text"]) == {"id": 10**30}
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_a_prompt_past_the_context(http, healthy_stream):
+    ids = [1] + [3 + (11 * i) % 400 for i in range(299)]             # 300 tokens, past max_model_len 256
+    common = {"model": MODEL, "max_tokens": 5, "temperature": 0}
+    cut = http.post("/v1/completions", json={**common, "prompt": ids, "truncate_prompt_tokens": 50}, headers=AUTH)
+    alone = http.post("/v1/completions", json={**common, "prompt": ids[-50:]}, headers=AUTH)
+    assert cut.status_code == 200 and alone.status_code == 200, cut.text
+    assert cut.json()["usage"]["prompt_tokens"] == 50
+    assert cut.json()["choices"][0]["text"] == alone.json()["choices"][0]["text"]
+    echoed = http.post("/v1/completions", json={**common, "prompt": ids, "truncate_prompt_tokens": 50, "echo": True},
+                       headers=AUTH).json()["choices"][0]["text"]
+    assert len(echoed) > len(cut.json()["choices"][0]["text"]) and echoed.endswith(cut.json()["choices"][0]["text"])
+    for bad in (0, -2):
+        body = {**common, "prompt": ids, "truncate_prompt_tokens": bad}
+        openai_error(http.post("/v1/completions", json=body, headers=AUTH), 400, "truncate_prompt_tokens")

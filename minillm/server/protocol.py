@@ -109,6 +109,17 @@ class _GenerationRequest(_OpenAIModel):
     response_format: dict[Text, Any] | None = None      # read by server/structured.py
     structured_outputs: dict[Text, Any] | None = None   # vLLM's; read by server/structured.py
     kv_transfer_params: dict[Text, Any] | None = None   # vLLM's; read by server/kv_transfer.py
+    truncate_prompt_tokens: int | None = None           # vLLM's: keep the prompt's last k tokens (-1: the context)
+
+    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
+        """ids cut to their last truncate_prompt_tokens (all of them when unset); 400 for a bad value."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        if keep == 0 or keep < -1:
+            raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's context "
+                           f"length, got {keep}", param="truncate_prompt_tokens")
+        return ids[-(max_model_len if keep == -1 else keep):]
 
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod
@@ -192,7 +203,7 @@ def unknown_fields(req: _GenerationRequest) -> list[str]:
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
 VLLM_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
-                    "truncate_prompt_tokens", "logits_processors", "return_tokens_as_token_ids", "prompt_embeds",
+                    "logits_processors", "return_tokens_as_token_ids", "prompt_embeds",
                     "return_token_ids")
 
 

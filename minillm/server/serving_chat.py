@@ -124,7 +124,8 @@ class ChatJob:
             raise APIError(400, str(exc), param=param) from None
         check_prompt_chars(self.ctx.limits, len(text), "messages")
         # The template writes BOS itself where the model wants it (add_special_tokens adds more).
-        return tok.encode_batch([text], add_special_tokens=self.req.add_special_tokens)[0]
+        ids = tok.encode_batch([text], add_special_tokens=self.req.add_special_tokens)[0]
+        return self.req.truncated(ids, self.ctx.engine.max_model_len)
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:

@@ -70,13 +70,14 @@ class CompletionJob:
         texts = [p for p in self.prompts if isinstance(p, str)]
         encoded = iter(tok.encode_batch(texts, add_special_tokens=self.req.add_special_tokens) if texts else [])
         ids, shown = [], []
+        limit = self.ctx.engine.max_model_len
         for prompt in self.prompts:
-            if isinstance(prompt, str):
-                ids.append(next(encoded))
-                shown.append(prompt)
-            else:
-                ids.append(list(prompt))
-                shown.append(tok.decode(prompt) if self.req.echo else "")
+            given = next(encoded) if isinstance(prompt, str) else list(prompt)
+            kept = self.req.truncated(given, limit)
+            ids.append(kept)
+            # echo shows the prompt the model saw: the text as sent, or the kept ids decoded
+            shown.append(prompt if isinstance(prompt, str) and len(kept) == len(given)
+                         else tok.decode(kept) if self.req.echo else "")
         return ids, shown
 
     def _cursor(self, prompt_index: int) -> LogprobCursor | None:
