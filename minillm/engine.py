@@ -27,7 +27,7 @@ from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
-from minillm.sampling_params import SamplingParams, short_repr
+from minillm.sampling_params import SamplingParams, short_repr, truncate_prompt
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
@@ -252,9 +252,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep is not None:                  # the prompt's last tokens (the text stays as given)
-            ids = ids[-(self.max_model_len if keep == -1 else keep):]
+        ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)   # the text stays as given
         self._check_kv_transfer(ids, params)
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "

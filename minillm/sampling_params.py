@@ -32,6 +32,13 @@ FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """ids as truncate_prompt_tokens keeps them: the last `keep` (-1: max_model_len; None: all)."""
+    if keep is None:
+        return ids
+    return ids[-(max_model_len if keep == -1 else keep):]
+
+
 def short_repr(value: object, limit: int = 60) -> str:
     """repr(value) cut to about `limit` characters, so an error never echoes a huge input back."""
     if _is_int(value) and abs(int(value)).bit_length() > 128:   # int(): NumPy integers have no bit_length

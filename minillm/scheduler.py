@@ -151,6 +151,11 @@ class Scheduler:
             self.drafter = Drafter(speculative_config, max_model_len)
 
     # ---- questions -------------------------------------------------------------------------
+    @property
+    def has_step_budget(self) -> bool:
+        """True when prompt chunks are sized by a step-time budget (max_step_ms or max_step_factor)."""
+        return self.max_step_ms is not None or self.max_step_factor is not None
+
     def has_unfinished(self) -> bool:
         """True while any sequence waits or runs."""
         return bool(self.waiting or self.running)
@@ -196,8 +201,7 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Sequence] = []
         spec: dict[int, list[int]] = {}
-        chunks = _PrefillChunks(self, spec) if self.max_step_ms is not None or self.max_step_factor is not None \
-            else None
+        chunks = _PrefillChunks(self, spec) if self.has_step_budget else None
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]

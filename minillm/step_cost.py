@@ -58,13 +58,18 @@ def is_decode_row(num_new_tokens: int, start: int, num_prompt_tokens: int) -> bo
 def add_row(features: np.ndarray, num_new_tokens: int, start: int, is_decode: bool) -> None:
     """Add one row (num_new_tokens query tokens after start computed ones) to features [5]."""
     context = start + num_new_tokens
+    add_sums(features, num_new_tokens, 0 if is_decode else num_new_tokens * context, context, num_new_tokens > 1)
+
+
+def add_sums(features: np.ndarray, num_tokens: int, attention: int, kv_read: int, mixed: bool) -> None:
+    """Add rows given by their sums (query tokens, prefill q * L, contexts; any row of more than one
+    token) to features [5]: what add_row over each of them adds."""
     features[BASE] = 1.0
-    if num_new_tokens > 1:
+    if mixed:
         features[MIXED] = 1.0
-    features[TOKENS] += num_new_tokens
-    if not is_decode:
-        features[ATTENTION] += num_new_tokens * context
-    features[KV_READ] += context
+    features[TOKENS] += num_tokens
+    features[ATTENTION] += attention
+    features[KV_READ] += kv_read
 
 
 def step_features(out: SchedulerOutput) -> np.ndarray:
@@ -239,13 +244,7 @@ class StepTimeBudget:
 
     def add_sums(self, num_tokens: int, attention: int, kv_read: int, mixed: bool) -> None:
         """Count rows given by their sums (what add() would total over them)."""
-        f = self.features
-        f[BASE] = 1.0
-        if mixed:
-            f[MIXED] = 1.0
-        f[TOKENS] += num_tokens
-        f[ATTENTION] += attention
-        f[KV_READ] += kv_read
+        add_sums(self.features, num_tokens, attention, kv_read, mixed)
 
     def add_drafts(self, start: int, num_drafts: int) -> None:
         """A decode row counted with add() (one token after start) verifies num_drafts drafts too:

@@ -111,16 +111,6 @@ class _GenerationRequest(_OpenAIModel):
     kv_transfer_params: dict[Text, Any] | None = None   # vLLM's; read by server/kv_transfer.py
     truncate_prompt_tokens: int | None = None           # vLLM's: keep the prompt's last k tokens (-1: the context)
 
-    def truncated(self, ids: list[int], max_model_len: int) -> list[int]:
-        """ids cut to their last truncate_prompt_tokens (all of them when unset); 400 for a bad value."""
-        keep = self.truncate_prompt_tokens
-        if keep is None:
-            return ids
-        if keep == 0 or keep < -1:
-            raise APIError(400, f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's context "
-                           f"length, got {keep}", param="truncate_prompt_tokens")
-        return ids[-(max_model_len if keep == -1 else keep):]
-
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod
     def _constraint_text(cls, value: dict | None) -> dict | None:
@@ -278,6 +268,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             structured_outputs=structured_outputs,
             logit_bias=logit_bias_ids(req.logit_bias),
             prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import RequestOutput
+from minillm.sampling_params import truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -125,7 +126,7 @@ class ChatJob:
         check_prompt_chars(self.ctx.limits, len(text), "messages")
         # The template writes BOS itself where the model wants it (add_special_tokens adds more).
         ids = tok.encode_batch([text], add_special_tokens=self.req.add_special_tokens)[0]
-        return self.req.truncated(ids, self.ctx.engine.max_model_len)
+        return truncate_prompt(ids, self.req.truncate_prompt_tokens, self.ctx.engine.max_model_len)
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:

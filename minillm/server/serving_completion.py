@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -73,7 +74,7 @@ class CompletionJob:
         limit = self.ctx.engine.max_model_len
         for prompt in self.prompts:
             given = next(encoded) if isinstance(prompt, str) else list(prompt)
-            kept = self.req.truncated(given, limit)
+            kept = truncate_prompt(given, self.req.truncate_prompt_tokens, limit)
             ids.append(kept)
             # echo shows the prompt the model saw: the text as sent, or the kept ids decoded
             shown.append(prompt if isinstance(prompt, str) and len(kept) == len(given)
