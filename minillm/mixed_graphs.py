@@ -92,10 +92,6 @@ class MixedGraphs:
         self.num_runs = 0                # steps replayed (the tests read it)
         self._capture_all()
 
-    def static_bytes(self) -> int:
-        """Device bytes of the static buffers."""
-        return int(self.device.nbytes + self.q.nbytes + self.o.nbytes + self.hidden.nbytes)
-
     def _decodes(self, t: int) -> int:
         """Decode rows the graph of t tokens holds (a mixed step has a chunk token besides)."""
         return min(t, self.max_decodes)
