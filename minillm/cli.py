@@ -293,13 +293,13 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
         try:
-            # utf-8-sig: a byte-order mark (editors on Windows write one) is no part of the first prompt
-            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8-sig")
+            text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
             raise CliError(f"--prompts-file {prompts_file} is not UTF-8 text: {exc.reason} at byte "
                            f"{exc.start}") from None
         except OSError as exc:
             raise CliError(f"--prompts-file: cannot read {prompts_file}: {exc.strerror or exc}") from None
+        # A byte-order mark (editors on Windows write one) is no part of the first prompt.
         prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")
