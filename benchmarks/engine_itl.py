@@ -18,7 +18,7 @@ It reports ITL p50 / p90 / p99 over every request, and the step intervals (one e
 the next) by what the step read back held: decode rows only, or prompt tokens as well. With
 --step-budget-factor F the same loop runs a second time on a fresh engine with max_step_ms set to
 F times the first run's ITL p50 (or --max-step-ms), or with the engine's relative budget
-(--max-step-factor: each step with prompt rows within that factor of its decode rows' step).
+(--max-step-factor: each step with prompt rows within that factor of the batch's decode step).
 """
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "the estimated step within it (default: off, the token budget only).")], None),
     "max_step_factor": (Annotated[Optional[float], _engine_option(
         "--max-step-factor", help="Step-time budget relative to the batch: a step with prompt chunks may "
-        "take this many times the estimated step of its decodes alone, e.g. 1.4 (default: off).")], None),
+        "take this many times the estimated step of the batch's decodes (prompts waiting to join counted "
+        "as decodes), e.g. 1.4 (default: off).")], None),
     "max_model_len": (Annotated[Optional[int], _engine_option(
         "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
     "block_size": (Annotated[int, _engine_option(

@@ -56,7 +56,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_step_ms: float | None = None     # step-time budget while decodes run (None: the token budget only)
     # A budget relative to the batch: a step with prompt rows may take this many times the estimated
-    # step of its decode rows alone (None: off; with max_step_ms too, the tighter of the two applies).
+    # step of the batch's decode rows, the prompts waiting to join it counted as the rows they become
+    # (None: off; with max_step_ms too, the tighter of the two applies).
     max_step_factor: float | None = None
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True

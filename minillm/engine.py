@@ -219,7 +219,7 @@ class LLMEngine:
         self.runner.profile = True
         coefs = ", ".join(f"{name} {value * 1e3:.3g} ms" for name, value in model.snapshot().coefficients.items())
         limits = ([f"{c.max_step_ms:g} ms"] if c.max_step_ms is not None else []) + \
-            ([f"{c.max_step_factor:g}x the decode rows' step"] if c.max_step_factor is not None else [])
+            ([f"{c.max_step_factor:g}x the batch's decode step"] if c.max_step_factor is not None else [])
         self.log(f"minillm: step cost model fitted on {len(model.anchor_y)} timed steps in {seconds:.1f} s "
                  f"(per unit: {coefs}); step budget {' and '.join(limits)}")
         return model

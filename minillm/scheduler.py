@@ -23,11 +23,14 @@ With a step-time budget (max_step_ms, and a StepCostModel from minillm/step_cost
 in which decode rows run sizes its prompt chunks so that the estimated step time stays within the
 budget: each prefill row gets the largest chunk that fits (the cost model's closed form), and
 the oldest prefill row at least one KV block of tokens whatever the estimate says, so a long
-prompt always advances. A step with nothing decoding has only the token budget. Drafts take
-what both budgets leave once every running sequence has its tokens.
+prompt always advances. A step with nothing decoding has only the token budget. With
+max_step_factor the limit is that many times the estimated step of the batch's decode rows, the
+prompts still to join the batch counted as the rows they become. Drafts take what both budgets
+leave once every running sequence has its tokens.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -463,8 +466,32 @@ class _PrefillChunks:
             budget.add_sums(tokens, attention, kv_read, mixed)
             self.is_capping = True
         if sched.max_step_factor is not None and self.is_capping:
-            budget.limit_to(sched.max_step_factor * budget.estimate())
+            budget.limit_to(sched.max_step_factor * self._batch_decode_estimate(budget))
         self.budget = budget
+
+    def _batch_decode_estimate(self, decodes: StepTimeBudget) -> float:
+        """The estimated step of the batch's decode rows once the sequences still in their prompt
+        join them: the running ones and the waiting ones up to max_num_seqs, one row each at its
+        prompt's length. The relative budget is a multiple of it, so a few early decoders do not
+        hold a queue of prompts to the chunk their own small step leaves room for (the mixed
+        step's fixed cost alone is more than that room); with no prompt waiting it is the step
+        of the decode rows alone."""
+        sched = self.scheduler
+        rows = kv_read = 0
+        for seq in sched.running:
+            start = seq.num_computed_tokens
+            if not seq.spec_token_ids and not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
+                rows += 1
+                kv_read += seq.num_tokens + 1
+        for seq in itertools.islice(sched.waiting, max(0, sched.max_num_seqs - len(sched.running))):
+            rows += 1
+            kv_read += seq.num_tokens + 1
+        if not rows:
+            return decodes.estimate()
+        batch = StepTimeBudget(decodes.model, math.inf)
+        batch.features = decodes.features.copy()
+        batch.add_sums(rows, 0, kv_read, False)
+        return batch.estimate()
 
     def size(self, start: int, n: int) -> int:
         """Tokens a prefill row of up to n tokens after `start` computed ones gets this step."""

@@ -418,7 +418,7 @@ def test_max_step_ms_calibrates_at_start_up_and_keeps_greedy_text():
     assert "max_step_ms must be a finite number > 0" in line
     relative = minillm(*common, "--max-step-factor", "1.5")
     assert relative.returncode == 0, relative.stderr
-    assert relative.stdout == plain.stdout and "step budget 1.5x the decode rows' step" in relative.stderr
+    assert relative.stdout == plain.stdout and "step budget 1.5x the batch's decode step" in relative.stderr
 
 
 # ---- prefill/decode disaggregation -----------------------------------------------------------------

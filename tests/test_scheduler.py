@@ -146,6 +146,10 @@ def check_invariants(sched, out):
         if holders.get(block, 0) > 1:                 # shared only as a cached prefix block
             assert bm.block_keys[block] is not None
         assert (block in bm.free_queue) == (holders.get(block, 0) == 0)
+    # The snapshot's cached-free blocks (kept as they change) are the free blocks holding a key.
+    cached = [b for b in bm.free_queue if bm.block_keys[b] is not None]
+    assert sorted(bm.snapshot().cached_free_block_ids.tolist()) == sorted(cached)
+    assert bm.num_cached_free_blocks == len(cached)
     for s in sched.waiting:
         assert s.block_table == [] and s.num_computed_tokens == 0
     for s in sched.running:
@@ -284,24 +288,54 @@ def test_step_budget_sizes_each_prefill_with_what_the_earlier_ones_left():
 
 
 def test_a_relative_budget_follows_the_batch_of_decodes():
-    # 1.5x the decode rows' step: 2 decodes (1.2 ms) leave 0.6 ms, 6 tokens; 10 decodes (2 ms)
-    # leave 1 ms, 10 tokens. Nothing decoding: the token budget alone.
-    for num_decodes, chunk in ((2, 6), (10, 10)):
+    # 1.5x the step of the batch's decode rows, the waiting prompt counted as the row it becomes:
+    # 2 decodes + 1 (1.3 ms) allow 1.95 ms, 7 tokens beside the 2 decodes; 10 + 1 (2.1 ms) allow
+    # 3.15 ms, 11 tokens. Nothing decoding: the token budget alone.
+    for num_decodes, chunk in ((2, 7), (10, 11)):
         sched = create_budget_scheduler(None, max_step_factor=1.5, budget=64, num_blocks=256, max_num_seqs=16)
         start_decoding(sched, num_decodes)
         sched.add(create_seq("long", 100, base=80))
         out = run_step(sched)
         assert out.num_new_tokens == [1] * num_decodes + [chunk]
-        assert out.estimated_step_s == pytest.approx(1.5 * (1e-3 + 1e-4 * num_decodes))
+        limit = 1.5 * (1e-3 + 1e-4 * (num_decodes + 1))
+        assert out.estimated_step_s == pytest.approx(1e-3 + 1e-4 * (num_decodes + chunk))
+        assert out.estimated_step_s <= limit < out.estimated_step_s + 1e-4
     sched = create_budget_scheduler(None, max_step_factor=1.5, budget=64, num_blocks=128)
     sched.add(create_seq("long", 100, base=80))
     assert run_step(sched).num_new_tokens == [64]
     assert sched.snapshot(4).max_step_factor == 1.5 and sched.snapshot(4).max_step_ms is None
 
 
+def test_a_relative_budget_counts_the_prompts_that_wait_to_join_the_batch():
+    # A mixed step's fixed cost (1 ms) is more than 1.5x the step of 2 decodes alone leaves (0.6
+    # ms): sized by those two, the queue of prompts would get the one-block floor a step. Counted
+    # as the decode rows they become (up to max_num_seqs), they widen the limit to 1.5x the step
+    # of the whole batch.
+    cost = StepCostModel([1e-3, 1e-3, 1e-4, 0.0, 0.0])
+    sched = create_budget_scheduler(None, cost=cost, max_step_factor=1.5, budget=512, num_blocks=512,
+                                    max_num_seqs=16)
+    start_decoding(sched, 2)
+    for i in range(20):
+        sched.add(create_seq(f"p{i}", 40, base=100 + 40 * i))
+    out = run_step(sched)
+    # The batch: 2 decoding + 14 more of the waiting ones (max_num_seqs 16): 2.6 ms, so 3.9 ms a
+    # step; 2 ms of base and mixed leave 1.9 ms = 19 tokens with the 2 decodes, 17 of them prompt.
+    assert out.estimated_step_s == pytest.approx(1.5 * (1e-3 + 1e-4 * 16))
+    assert out.num_new_tokens == [1, 1, 17]
+    # With room for one more sequence only, the batch is 3 rows (1.3 ms, so 1.95 ms a step): below
+    # the mixed step's 2.3 ms with one token, so the prompt gets the floor, one KV block.
+    small = create_budget_scheduler(None, cost=cost, max_step_factor=1.5, budget=512, num_blocks=512,
+                                    max_num_seqs=3)
+    start_decoding(small, 2)
+    for i in range(20):
+        small.add(create_seq(f"p{i}", 40, base=100 + 40 * i))
+    assert run_step(small).num_new_tokens == [1, 1, small.block_manager.block_size]
+
+
 def test_with_both_budgets_the_tighter_one_sizes_the_chunk():
-    # 2 decodes: 1.2 ms; 3x that is 3.6 ms, against 2.0 ms absolute: 8 tokens; at 1.5x (1.8 ms): 6.
-    for max_step_ms, factor, chunk in ((2.0, 3.0, 8), (2.0, 1.5, 6)):
+    # 2 decodes and the waiting prompt: 1.3 ms; 3x that is 3.9 ms, against 2.0 ms absolute: 8
+    # tokens; at 1.5x (1.95 ms): 7.
+    for max_step_ms, factor, chunk in ((2.0, 3.0, 8), (2.0, 1.5, 7)):
         sched = create_budget_scheduler(max_step_ms, max_step_factor=factor, budget=64, num_blocks=128)
         start_decoding(sched, 2)
         sched.add(create_seq("long", 100, base=80))
