@@ -14,6 +14,8 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
+
 from minillm.sequence import Sequence
 
 
@@ -26,7 +28,7 @@ class BlockPoolSnapshot:
     num_used_blocks: int
     num_free_blocks: int             # cached-free included
     num_cached_free_blocks: int
-    cached_free_block_ids: list[int]
+    cached_free_block_ids: np.ndarray    # [num_cached_free_blocks] int64
     prefix_cache_queries: int        # prompt tokens looked up
     prefix_cache_hits: int           # prompt tokens found
 
@@ -43,6 +45,9 @@ class BlockManager:
         self.key_to_block: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._num_cached_free = 0        # free blocks whose key is still registered
+        # [num_blocks] bool: which blocks those are, kept as they change, so a stats snapshot finds
+        # them without a pass over the free queue (tens of thousands of blocks on a GPU).
+        self._is_cached_free = np.zeros(num_blocks, dtype=bool)
         self.prefix_cache_queries = 0    # prompt tokens looked up
         self.prefix_cache_hits = 0       # prompt tokens found
         # Notices for a KV connector, None unless one listens: blocks freed, and (block, key) of
@@ -68,7 +73,7 @@ class BlockManager:
 
     def snapshot(self) -> BlockPoolSnapshot:
         """A copy of the pool's state for stats; nothing in it aliases the manager's containers."""
-        cached = [b for b in self.free_queue if self.block_keys[b] is not None]
+        cached = np.flatnonzero(self._is_cached_free)
         return BlockPoolSnapshot(self.num_blocks, self.block_size, self.num_used_blocks, self.num_free_blocks,
                                  self._num_cached_free, cached, self.prefix_cache_queries, self.prefix_cache_hits)
 
@@ -113,6 +118,7 @@ class BlockManager:
             if self.evicted is not None:
                 self.evicted.append((block, key))
             self._num_cached_free -= 1
+            self._is_cached_free[block] = False
             del self.key_to_block[key]
             self.block_keys[block] = None
         self.ref_counts[block] = 1
@@ -130,6 +136,7 @@ class BlockManager:
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
                 self._num_cached_free -= 1
+                self._is_cached_free[block] = False
             self.ref_counts[block] += 1
         seq.block_table = list(cached_blocks)
         seq.block_hashes = [self.block_keys[b] for b in cached_blocks]
@@ -199,6 +206,7 @@ class BlockManager:
                     self.free_queue.move_to_end(block, last=False)
                 else:
                     self._num_cached_free += 1
+                    self._is_cached_free[block] = True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block's content."""
@@ -208,3 +216,4 @@ class BlockManager:
                 del self.key_to_block[key]
                 self.block_keys[block] = None
         self._num_cached_free = 0
+        self._is_cached_free[:] = False

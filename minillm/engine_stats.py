@@ -10,7 +10,7 @@ import numpy as np
 
 from minillm.block_manager import BlockPoolSnapshot
 from minillm.kv_connector.base import KVConnectorStats, KVTransferStats
-from minillm.metrics_tracker import MetricsTracker, percentile
+from minillm.metrics_tracker import MetricsTracker, percentiles
 from minillm.scheduler import SchedulerSnapshot
 from minillm.sequence import SequenceView
 from minillm.stats import (CELL_CACHED, CELL_FREE, CELL_LEASED, EngineStats, MemoryStats, RequestStats,
@@ -85,6 +85,7 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
     used = pool.num_used_blocks
     prompt_tps, gen_tps = metrics.throughput(now)
     m = metrics
+    (ttft_p50, ttft_p99), (itl_p50, itl_p99) = percentiles(m.ttft, (50, 99)), percentiles(m.itl, (50, 99))
     return EngineStats(
         time=now, model=info.model, device=info.device, dtype=info.dtype,
         num_running=len(sched.running), num_waiting=sched.num_waiting,
@@ -99,8 +100,7 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         num_steps=m.num_steps, prompt_tokens_total=m.prompt_tokens_total,
         generation_tokens_total=m.generation_tokens_total, num_requests_finished=dict(m.finished),
         prompt_throughput=prompt_tps, generation_throughput=gen_tps,
-        ttft_p50_s=percentile(m.ttft, 50), ttft_p99_s=percentile(m.ttft, 99),
-        itl_p50_s=percentile(m.itl, 50), itl_p99_s=percentile(m.itl, 99),
+        ttft_p50_s=ttft_p50, ttft_p99_s=ttft_p99, itl_p50_s=itl_p50, itl_p99_s=itl_p99,
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         # Copies: a step's measured device time is written into its row when the step completes.
         recent_steps=[copy.copy(s) for s in list(m.recent_steps)[-32:]], requests=rows,

@@ -96,4 +96,11 @@ class MetricsTracker:
 
 def percentile(samples, q: float) -> float | None:
     """The q-th percentile of the samples, or None when there are none."""
-    return float(np.percentile(np.fromiter(samples, float), q)) if samples else None
+    return percentiles(samples, (q,))[0]
+
+
+def percentiles(samples, qs: tuple[float, ...]) -> tuple[float | None, ...]:
+    """The qs-th percentiles of the samples in one pass (Nones when there are none)."""
+    if not samples:
+        return (None,) * len(qs)
+    return tuple(float(v) for v in np.percentile(np.fromiter(samples, float, len(samples)), qs))

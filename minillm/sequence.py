@@ -5,7 +5,7 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -125,9 +125,9 @@ class Sequence:
                             self.num_cached_tokens, self.structured_output is not None)
 
 
-@dataclass(frozen=True)
-class SequenceView:
-    """One sequence as a stats snapshot sees it (no reference into the live sequence)."""
+class SequenceView(NamedTuple):
+    """One sequence as a stats snapshot sees it (no reference into the live sequence; a tuple,
+    made for every sequence of each snapshot)."""
 
     request_id: str
     index: int
