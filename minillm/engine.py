@@ -194,7 +194,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
                                    speculative_config=config.speculative_config, step_cost=step_cost,
-                                   max_step_ms=config.max_step_ms, max_step_factor=config.max_step_factor)
+                                   max_step_ms=config.max_step_ms, max_step_factor=config.max_step_factor,
+                                   max_mixed_tokens=self.runner.max_mixed_graph_tokens)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back

@@ -198,6 +198,11 @@ class ModelRunner:
         self.kv_connector = self._deferred = None
         self.device.release()
 
+    @property
+    def max_mixed_graph_tokens(self) -> int | None:
+        """The most tokens a mixed step replayed as one captured graph holds (None: no such graphs)."""
+        return None if self.mixed_graphs is None else self.mixed_graphs.max_tokens
+
     def padded_tokens(self, num_tokens: int, is_mixed: bool) -> int:
         """The rows a step of num_tokens tokens runs its GEMMs on: the size of the graph that
         replays it (a decode graph's batch, or a mixed step's token count), else num_tokens."""

@@ -25,8 +25,10 @@ budget: each prefill row gets the largest chunk that fits (the cost model's clos
 the oldest prefill row at least one KV block of tokens whatever the estimate says, so a long
 prompt always advances. A step with nothing decoding has only the token budget. With
 max_step_factor the limit is that many times the estimated step of the batch's decode rows, the
-prompts still to join the batch counted as the rows they become. Drafts take what both budgets
-leave once every running sequence has its tokens.
+prompts still to join the batch counted as the rows they become. Under either budget a step with
+decode rows holds no more tokens than the runner's largest whole mixed graph (max_mixed_tokens),
+where the cost model's estimates hold. Drafts take what both budgets leave once every running
+sequence has its tokens.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from minillm.block_manager import BlockManager
 from minillm.sequence import Sequence, SequenceStatus, SequenceView
 from minillm.step import SchedulerOutput, StepOutput
-from minillm.step_cost import StepCostModel, StepCostSnapshot, StepTimeBudget, is_decode_row, step_features
+from minillm.step_cost import TOKENS, StepCostModel, StepCostSnapshot, StepTimeBudget, is_decode_row, step_features
 
 __all__ = ["Scheduler", "SchedulerOutput", "SchedulerSnapshot", "StepOutput", "check_stop"]
 
@@ -130,7 +132,8 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
                  kv_connector=None, speculative_config=None, step_cost: StepCostModel | None = None,
-                 max_step_ms: float | None = None, max_step_factor: float | None = None):
+                 max_step_ms: float | None = None, max_step_factor: float | None = None,
+                 max_mixed_tokens: int | None = None):
         if (max_step_ms is not None or max_step_factor is not None) and step_cost is None:
             raise ValueError("max_step_ms and max_step_factor need a step cost model")
         self.block_manager = block_manager
@@ -145,6 +148,10 @@ class Scheduler:
         self.step_cost = step_cost           # estimates step times (with max_step_ms), or None
         self.max_step_ms = max_step_ms
         self.max_step_factor = max_step_factor
+        # Under a step budget, the most tokens a step with decode rows may hold: the largest mixed
+        # step the runner replays as one captured graph (None: no such bound). Past it a step runs
+        # piecewise, at a fixed cost the cost model, fitted mostly on whole-graph steps, does not see.
+        self.max_mixed_tokens = max_mixed_tokens
         # Features of launched steps until their device time comes back (a few at most: one step
         # is in flight; a step that failed to launch drops off the end).
         self._launched_features: deque[tuple[SchedulerOutput, object]] = deque(maxlen=8)
@@ -499,8 +506,10 @@ class _PrefillChunks:
             self._build()
         if not self.is_capping:          # nothing decodes: the token budget alone
             return n
-        q = self.budget.max_prefill_tokens(start, n)
-        if not self.has_progress:
+        cap = self.scheduler.max_mixed_tokens
+        room = n if cap is None else min(n, max(0, cap - int(self.budget.features[TOKENS])))
+        q = self.budget.max_prefill_tokens(start, room) if room else 0
+        if not self.has_progress:        # the floor holds past the cap too: a prompt always advances
             q = max(q, min(n, self.min_tokens))
         if q:
             self.has_progress = True

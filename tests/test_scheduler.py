@@ -203,10 +203,11 @@ from minillm.step_cost import StepCostModel, is_decode_row, step_features  # noq
 PER_TOKEN = StepCostModel([1e-3, 0.0, 1e-4, 0.0, 0.0])
 
 
-def create_budget_scheduler(max_step_ms, cost=PER_TOKEN, max_step_factor=None, **kw):
+def create_budget_scheduler(max_step_ms, cost=PER_TOKEN, max_step_factor=None, max_mixed_tokens=None, **kw):
     sched = create_scheduler(**kw)
     return Scheduler(sched.block_manager, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len,
-                     [EOS], step_cost=cost, max_step_ms=max_step_ms, max_step_factor=max_step_factor)
+                     [EOS], step_cost=cost, max_step_ms=max_step_ms, max_step_factor=max_step_factor,
+                     max_mixed_tokens=max_mixed_tokens)
 
 
 def start_decoding(sched, num, prompt_len=3):
@@ -330,6 +331,24 @@ def test_a_relative_budget_counts_the_prompts_that_wait_to_join_the_batch():
     for i in range(20):
         small.add(create_seq(f"p{i}", 40, base=100 + 40 * i))
     assert run_step(small).num_new_tokens == [1, 1, small.block_manager.block_size]
+
+
+def test_under_a_step_budget_a_step_with_decodes_stays_within_the_largest_mixed_graph():
+    # 100 ms of budget would take the whole 64-token chunk; the largest whole mixed graph is 24
+    # tokens, 2 of them the decodes.
+    sched = create_budget_scheduler(100.0, budget=64, num_blocks=128, max_mixed_tokens=24)
+    start_decoding(sched, 2)
+    sched.add(create_seq("long", 100, base=80))
+    assert run_step(sched).num_new_tokens == [1, 1, 22]
+    # With nothing decoding the token budget alone applies; with the decodes filling the graph the
+    # oldest prompt still gets its one-block floor.
+    alone = create_budget_scheduler(100.0, budget=64, num_blocks=128, max_mixed_tokens=24)
+    alone.add(create_seq("long", 100, base=80))
+    assert run_step(alone).num_new_tokens == [64]
+    full = create_budget_scheduler(100.0, budget=64, num_blocks=128, max_mixed_tokens=2)
+    start_decoding(full, 2)
+    full.add(create_seq("long", 100, base=80))
+    assert run_step(full).num_new_tokens == [1, 1, full.block_manager.block_size]
 
 
 def test_with_both_budgets_the_tighter_one_sizes_the_chunk():
