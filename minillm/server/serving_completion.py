@@ -108,10 +108,12 @@ class CompletionJob:
                      0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs))
 
     def _echo_only_choice(self, pi: int, output: RequestOutput, comp: CompletionOutput) -> dict:
-        """A choice of an echo without generation: the prompt, its logprobs, finish 'length'."""
+        """A choice of an echo without generation: the prompt, its logprobs, finish 'length' (or the
+        request's 'error' and why, e.g. a constraint that failed to compile before the prompt was scored)."""
         logprobs = completion_logprobs(self._prompt_rows(pi, output)) if self.req.logprobs is not None else None
+        failed = comp.finish_reason == "error"
         return {"index": self._choice_index(pi, comp), "text": self.prompt_texts[pi], "logprobs": logprobs,
-                "finish_reason": "length", "stop_reason": None}
+                "finish_reason": "error" if failed else "length", "stop_reason": comp.stop_reason if failed else None}
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The non-streaming response body."""

@@ -1,0 +1,49 @@
+"""`minillm serve` given what hostile or careless OpenAI clients send: an echo without generation whose
+constraint fails, an empty model name, numbers past 64 bits, content parts as vLLM takes them.
+
+A real server on loopback with a chat template; each test runs with a healthy greedy stream in
+flight, and every such stream must end with the text of the same request made alone.
+"""
+from __future__ import annotations
+
+import pytest
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, openai_error, running_server, sse_events
+
+from minillm.server.app import ServerOptions
+
+MODEL = "stories"
+MAX_MODEL_LEN = 256
+# A constraint that passes the entry check but is too large for the engine to compile: the request
+# finishes with "error" before its prompt is scored.
+UNCOMPILABLE = {"regex": "a{1000000}"}
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    with running_server(stories_path, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module")
+def healthy(server):
+    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200})
+    yield streams
+    streams.check()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_an_echo_without_generation_that_failed_says_so(http, healthy_stream, stream):
+    body = {"model": MODEL, "prompt": ["Once upon", "The dog"], "n": 2, "max_tokens": 0, "echo": True,
+            "logprobs": 1, "structured_outputs": UNCOMPILABLE, "stream": stream}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    choices = ([c for e in sse_events(response.text.splitlines()) for c in e["choices"]] if stream
+               else response.json()["choices"])
+    assert sorted(c["index"] for c in choices) == [0, 1, 2, 3]
+    for choice in choices:
+        # The prompt's logprobs were never computed: "length" would pass a partial echo off as whole.
+        assert choice["finish_reason"] == "error", choice
+        assert "too large" in choice["stop_reason"], choice
+    plain = http.post("/v1/completions", json={**body, "structured_outputs": None, "stream": False}).json()
+    assert {c["finish_reason"] for c in plain["choices"]} == {"length"}
