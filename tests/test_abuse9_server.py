@@ -47,3 +47,16 @@ def test_an_echo_without_generation_that_failed_says_so(http, healthy_stream, st
         assert "too large" in choice["stop_reason"], choice
     plain = http.post("/v1/completions", json={**body, "structured_outputs": None, "stream": False}).json()
     assert {c["finish_reason"] for c in plain["choices"]} == {"length"}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 3, "temperature": 0}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}),
+], ids=["completion", "chat"])
+def test_an_empty_model_name_is_the_served_model_as_in_vllm(http, healthy_stream, path, body):
+    named = http.post(path, json={**body, "model": MODEL})
+    empty = http.post(path, json={**body, "model": ""})
+    assert named.status_code == empty.status_code == 200, empty.text
+    assert empty.json()["model"] == MODEL and empty.json()["choices"] == named.json()["choices"]
+    openai_error(http.post(path, json={**body, "model": " "}), 404, "model", "model_not_found")
+    openai_error(http.get("/v1/models/"), 404, "model", "model_not_found")    # a lookup still needs a name

@@ -116,6 +116,12 @@ class _GenerationRequest(_OpenAIModel):
     def _constraint_text(cls, value: dict | None) -> dict | None:
         return _check_json_text(value)
 
+    @field_validator("model")
+    @classmethod
+    def _empty_model_is_ours(cls, value: str | None) -> str | None:
+        # vLLM serves its model for "model": "" as for no model (clients with the name left blank send it).
+        return value or None
+
     @property
     def include_usage(self) -> bool:
         """True when a streamed response ends with a usage chunk."""
