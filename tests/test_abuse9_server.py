@@ -60,3 +60,18 @@ def test_an_empty_model_name_is_the_served_model_as_in_vllm(http, healthy_stream
     assert empty.json()["model"] == MODEL and empty.json()["choices"] == named.json()["choices"]
     openai_error(http.post(path, json={**body, "model": " "}), 404, "model", "model_not_found")
     openai_error(http.get("/v1/models/"), 404, "model", "model_not_found")    # a lookup still needs a name
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Once upon", "max_tokens": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}),
+], ids=["completion", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_truncate_prompt_tokens_past_the_context_is_named(http, healthy_stream, path, body, stream):
+    for keep in (MAX_MODEL_LEN + 1, 2**64, 10**30):
+        error = openai_error(http.post(path, json={**body, "model": MODEL, "stream": stream,
+                                                   "truncate_prompt_tokens": keep}), 400, "truncate_prompt_tokens")
+        assert f"at most max_model_len ({MAX_MODEL_LEN})" in error["message"], error
+    for keep in (MAX_MODEL_LEN, -1):
+        response = http.post(path, json={**body, "model": MODEL, "truncate_prompt_tokens": keep})
+        assert response.status_code == 200, response.text

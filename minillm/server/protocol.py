@@ -244,11 +244,12 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
                        vocab_size: int | None = None, structured_outputs=None,
-                       prompt_logprobs: int | None = None) -> SamplingParams:
+                       prompt_logprobs: int | None = None, max_model_len: int | None = None) -> SamplingParams:
     """Build validated SamplingParams; a bad value becomes a 400 naming the field.
 
     structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None;
-    prompt_logprobs: completions with echo and logprobs score the prompt too."""
+    prompt_logprobs: completions with echo and logprobs score the prompt too; max_model_len: the
+    context, which truncate_prompt_tokens may not exceed (vLLM's rule)."""
     def pick(value, default):
         return default if value is None else value
 
@@ -278,6 +279,11 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)
+        keep = params.truncate_prompt_tokens
+        if max_model_len is not None and keep is not None and keep > max_model_len:
+            # As vLLM refuses it; past 64 bits the value could not even reach the engine core.
+            raise ValueError(f"truncate_prompt_tokens must be at most max_model_len ({max_model_len}), or -1, "
+                             f"got {short_repr(keep)}")
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params

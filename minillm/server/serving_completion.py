@@ -45,7 +45,8 @@ class CompletionJob:
         # logprobs are asked; one token is generated and dropped.
         self.echo_only = req.echo and req.max_tokens == 0
         self.max_tokens = 1 if self.echo_only else req.max_tokens
-        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size)   # field errors first
+        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
+                           max_model_len=ctx.engine.max_model_len)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
