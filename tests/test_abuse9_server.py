@@ -75,3 +75,26 @@ def test_truncate_prompt_tokens_past_the_context_is_named(http, healthy_stream, 
     for keep in (MAX_MODEL_LEN, -1):
         response = http.post(path, json={**body, "model": MODEL, "truncate_prompt_tokens": keep})
         assert response.status_code == 200, response.text
+
+
+def _chat_reply(http, messages: list[dict]) -> dict:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    return {"usage": response.json()["usage"], "content": response.json()["choices"][0]["message"]["content"]}
+
+
+def test_content_parts_read_as_vllm_reads_them(http, healthy_stream):
+    # Text parts joined by newlines (as vLLM joins them for a template that reads a string), plain
+    # string parts, and the other part types vLLM reads as text: each as the same text sent whole.
+    parts = [{"role": "user", "content": ["Tell me", {"type": "input_text", "text": "a story"}, {"type": "text",
+                                                                                             "text": "now."}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+             {"role": "user", "content": [{"type": "output_text", "text": "Please?"}]}]
+    whole = [{"role": "user", "content": "Tell me\na story\nnow."}, {"role": "assistant", "content": "No."},
+             {"role": "user", "content": "Please?"}]
+    assert _chat_reply(http, parts) == _chat_reply(http, whole)
+    for part, param in [({"type": "image_url", "image_url": {"url": "http://x"}}, "messages.0.content.0.type"),
+                        ({"type": "refusal", "text": "No."}, "messages.0.content.0.refusal")]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}], "max_tokens": 2}
+        openai_error(http.post("/v1/chat/completions", json=body), 400, param)
