@@ -8,7 +8,9 @@ from __future__ import annotations
 import functools
 from typing import Annotated, Any, Literal, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import SamplingParams, short_repr
@@ -116,6 +118,12 @@ class _GenerationRequest(_OpenAIModel):
     def _constraint_text(cls, value: dict | None) -> dict | None:
         return _check_json_text(value)
 
+    @field_validator("model")
+    @classmethod
+    def _empty_model_is_ours(cls, value: str | None) -> str | None:
+        # vLLM serves its model for "model": "" as for no model (clients with the name left blank send it).
+        return value or None
+
     @property
     def include_usage(self) -> bool:
         """True when a streamed response ends with a usage chunk."""
@@ -134,19 +142,33 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
 
 
+# Content part types read as text, as vLLM reads them, and the key that holds the text.
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class ContentPart(BaseModel):
-    """One part of a multi-part message content; only text parts are supported."""
+    """One part of a multi-part message content; only text parts (TEXT_PART_KEYS) are supported."""
 
     model_config = STRICT
     type: Text
     text: Text | None = None
+    refusal: Text | None = None                  # an assistant's refusal part
+
+
+def _part_kind(value: Any) -> str:
+    return "str" if isinstance(value, str) else "dict"
+
+
+# A content part: a plain string (text, as vLLM takes it) or a part object; tagged by kind, so that an
+# error names the part's own field (the tags are left out of the path as type names).
+Part = Annotated[Annotated[Text, Tag("str")] | Annotated[ContentPart, Tag("dict")], Discriminator(_part_kind)]
 
 
 class ChatMessage(_OpenAIModel):
     """One chat message."""
 
     role: Literal[CHAT_ROLES]
-    content: Text | list[ContentPart] | None = None
+    content: Text | list[Part] | None = None
     name: Text | None = None
 
 
@@ -238,11 +260,12 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
                        vocab_size: int | None = None, structured_outputs=None,
-                       prompt_logprobs: int | None = None) -> SamplingParams:
+                       prompt_logprobs: int | None = None, max_model_len: int | None = None) -> SamplingParams:
     """Build validated SamplingParams; a bad value becomes a 400 naming the field.
 
     structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None;
-    prompt_logprobs: completions with echo and logprobs score the prompt too."""
+    prompt_logprobs: completions with echo and logprobs score the prompt too; max_model_len: the
+    context, which truncate_prompt_tokens may not exceed (vLLM's rule)."""
     def pick(value, default):
         return default if value is None else value
 
@@ -272,6 +295,11 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)
+        keep = params.truncate_prompt_tokens
+        if max_model_len is not None and keep is not None and keep > max_model_len:
+            # As vLLM refuses it; past 64 bits the value could not even reach the engine core.
+            raise ValueError(f"truncate_prompt_tokens must be at most max_model_len ({max_model_len}), or -1, "
+                             f"got {short_repr(keep)}")
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params
@@ -323,23 +351,32 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as the plain dicts a chat template reads; multi-part text is joined."""
+    """Messages as the plain dicts a chat template reads; multi-part text is joined by newlines, as
+    vLLM joins it for a template that reads content as a string."""
     out = []
     for i, msg in enumerate(req.messages):
         content = msg.content
         if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text":
-                    raise APIError(400, f"content part type {short_repr(part.type)} is not supported (only 'text')",
-                                   param=f"messages.{i}.content.{j}.type")
-                if part.text is None:
-                    raise APIError(400, "a text content part needs its text", param=f"messages.{i}.content.{j}.text")
-            content = "".join(part.text for part in content)
+            content = "\n".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(content))
         item = {"role": msg.role, "content": content or ""}
         if msg.name is not None:
             item["name"] = msg.name
         out.append(item)
     return out
+
+
+def _part_text(part: str | ContentPart, param: str) -> str:
+    """The text of one content part (param: where it is); 400 for a part that holds no text."""
+    if isinstance(part, str):
+        return part
+    key = TEXT_PART_KEYS.get(part.type)
+    if key is None:
+        raise APIError(400, f"content part type {short_repr(part.type)} is not supported (only text parts: "
+                       f"{', '.join(map(repr, TEXT_PART_KEYS))})", param=f"{param}.type")
+    text = getattr(part, key)
+    if text is None:
+        raise APIError(400, f"a {part.type} content part needs its {key}", param=f"{param}.{key}")
+    return text
 
 
 def message_chars(messages: list[dict]) -> int:

@@ -90,7 +90,8 @@ class ChatJob:
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
         # Field errors first, so a bad value is named even on a model without a template.
         with naming_max_tokens_field(req):
-            to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size)
+            to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size,
+                               max_model_len=ctx.engine.max_model_len)
         self.messages = messages_as_dicts(req)
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)

@@ -45,7 +45,8 @@ class CompletionJob:
         # logprobs are asked; one token is generated and dropped.
         self.echo_only = req.echo and req.max_tokens == 0
         self.max_tokens = 1 if self.echo_only else req.max_tokens
-        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size)   # field errors first
+        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
+                           max_model_len=ctx.engine.max_model_len)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
@@ -108,10 +109,12 @@ class CompletionJob:
                      0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs))
 
     def _echo_only_choice(self, pi: int, output: RequestOutput, comp: CompletionOutput) -> dict:
-        """A choice of an echo without generation: the prompt, its logprobs, finish 'length'."""
+        """A choice of an echo without generation: the prompt, its logprobs, finish 'length' (or the
+        request's 'error' and why, e.g. a constraint that failed to compile before the prompt was scored)."""
         logprobs = completion_logprobs(self._prompt_rows(pi, output)) if self.req.logprobs is not None else None
+        failed = comp.finish_reason == "error"
         return {"index": self._choice_index(pi, comp), "text": self.prompt_texts[pi], "logprobs": logprobs,
-                "finish_reason": "length", "stop_reason": None}
+                "finish_reason": "error" if failed else "length", "stop_reason": comp.stop_reason if failed else None}
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The non-streaming response body."""
