@@ -24,9 +24,11 @@ from minillm.attention import AttentionMetadata
 
 
 def piecewise_token_sizes(max_num_tokens: int) -> list[int]:
-    """Padded token counts: 16..256 doubling, steps of 256 to 4096, of 512 to 8192, of 1024 beyond,
-    capped at (and always including) max_num_tokens."""
-    sizes = [16, 32, 64, 128] + list(range(256, 4097, 256)) + list(range(4608, 8193, 512))
+    """Padded token counts: 16..128 doubling, steps of 64 to 512 and of 128 to 1024 (the mixed steps
+    of serving, a few hundred decodes and a prompt chunk, where padding rows cost GEMM time), of 256
+    to 4096, of 512 to 8192, of 1024 beyond, capped at (and always including) max_num_tokens."""
+    sizes = [16, 32, 64] + list(range(128, 513, 64)) + list(range(640, 1025, 128))
+    sizes += list(range(1280, 4097, 256)) + list(range(4608, 8193, 512))
     sizes += list(range(9216, max_num_tokens + 1024, 1024))
     return sorted({min(s, max_num_tokens) for s in sizes})
 
