@@ -268,6 +268,8 @@ def chat(
     """
     from minillm.chat import ChatSession, EngineChatBackend
     from minillm.tokenizer import read_chat_template
+    if sys.stdin is None:      # started with stdin closed (<&-): there is nothing to read messages from
+        raise CliError("chat reads your messages from stdin, which is closed")
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
     template = read_chat_template(chat_template) if chat_template else None
     if url:
@@ -292,6 +294,8 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     if prompts and prompts_file:
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
+        if str(prompts_file) == "-" and sys.stdin is None:   # started with stdin closed (<&-)
+            raise CliError("--prompts-file -: stdin is closed; give a file, or pipe the prompts in")
         try:
             text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
