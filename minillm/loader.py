@@ -27,8 +27,14 @@ def _read_config(path: Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"model directory {path} has no config.json")
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except ValueError as exc:      # not JSON, or not UTF-8
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return cfg
 
 
 def _architecture(cfg: dict) -> str:
@@ -48,6 +54,21 @@ def _require(cfg: dict, key: str) -> int:
     return value
 
 
+def _optional(cfg: dict, key: str, default: int) -> int:
+    """A positive integer field that may be absent or null (then default)."""
+    return default if cfg.get(key) is None else _require(cfg, key)
+
+
+def _positive_number(cfg: dict, key: str, default: float) -> float:
+    """A finite positive number field that may be absent or null (then default)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"config.json field {key!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling); transformers 5 writes both under "rope_parameters"."""
     params = dict(cfg.get("rope_parameters") or {})
@@ -58,8 +79,8 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     if scaling.get("rope_type", "default") == "default":
         scaling = None
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    return float(theta), scaling
+    theta = _positive_number(cfg if "rope_theta" in cfg else params, "rope_theta", 10000.0)
+    return theta, scaling
 
 
 def _check_supported_features(arch: str, cfg: dict) -> None:
@@ -89,10 +110,13 @@ def _checkpoint_dtype(path: Path, cfg: dict) -> str:
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(entry.dtype, "float32")
 
 
-def _token_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+def _token_ids(cfg: dict, key: str) -> tuple[int, ...]:
+    """A token id field (absent, null, an id or a list of ids) as a tuple of ids."""
+    value = cfg.get(key)
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"config.json field {key!r} must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -103,11 +127,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
     _check_supported_features(arch, cfg)
     num_heads = _require(cfg, "num_attention_heads")
     hidden = _require(cfg, "hidden_size")
-    num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+    num_kv_heads = _optional(cfg, "num_key_value_heads", num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"config.json num_attention_heads {num_heads} is not a multiple of "
                          f"num_key_value_heads {num_kv_heads}")
-    head_dim = cfg.get("head_dim") or hidden // num_heads
+    head_dim = _optional(cfg, "head_dim", hidden // num_heads)
     theta, scaling = _rope(cfg)
     bos = cfg.get("bos_token_id")
     return ModelConfig(
@@ -115,12 +139,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
         vocab_size=_require(cfg, "vocab_size"), hidden_size=hidden,
         intermediate_size=_require(cfg, "intermediate_size"), num_layers=_require(cfg, "num_hidden_layers"),
         num_heads=num_heads, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6), rope_theta=theta,
+        max_position_embeddings=_optional(cfg, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         rope_scaling=scaling, torch_dtype=_checkpoint_dtype(path, cfg),
-        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg.get("eos_token_id")))
+        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg, "eos_token_id"))
 
 
 # ---- safetensors -> numpy ------------------------------------------------------------------------

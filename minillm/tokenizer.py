@@ -24,8 +24,11 @@ def _read_json(path: Path) -> dict:
     """A JSON object from path, or {} when the file does not exist."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:      # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
@@ -149,7 +152,10 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(f"{path} has no tokenizer.json (only fast Hugging Face tokenizers are supported)")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:   # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{tokenizer_file} is not a tokenizer the tokenizers library can read: {exc}") from None
         tokenizer_config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         generation_config = _read_json(path / "generation_config.json")

@@ -2,9 +2,11 @@
 odd engine settings and unreadable option files."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,3 +28,70 @@ def test_a_closed_stdin_is_one_line_for_prompts_file_dash_and_for_chat():
     result = minillm_stdin_closed("chat", str(STORIES), "--device", "cpu")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == ["minillm: error: chat reads your messages from stdin, which is closed"]
+
+
+def model_copy(tmp_path, name: str = "model"):
+    """A copy of stories260K to break one file of."""
+    import shutil
+    return Path(shutil.copytree(STORIES, tmp_path / name))
+
+
+@needs_stories
+@pytest.mark.parametrize("file, text, why", [
+    ("config.json", "[1]", "config.json must hold a JSON object"),
+    ("config.json", "{bad", "config.json is not valid JSON: Expecting property name"),
+    ("config.json", b'{"a": "\xff"}', "config.json is not valid JSON: 'utf-8' codec can't decode"),
+    ("tokenizer_config.json", "{bad", "tokenizer_config.json is not valid JSON"),
+    ("generation_config.json", "{bad", "generation_config.json is not valid JSON"),
+    ("tokenizer.json", "", "tokenizer.json is not a tokenizer the tokenizers library can read"),
+    ("tokenizer.json", "{bad", "tokenizer.json is not a tokenizer the tokenizers library can read"),
+])
+def test_a_broken_file_of_the_model_directory_is_a_value_error_naming_it(tmp_path, file, text, why):
+    from minillm import LLM
+    path = model_copy(tmp_path)
+    (path / file).write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as info:
+        LLM(str(path), device="cpu")
+    assert f"{path / file}" in str(info.value) and why in str(info.value)
+
+
+@needs_stories
+@pytest.mark.parametrize("field, value, why", [
+    ("max_position_embeddings", "512", "'max_position_embeddings' must be a positive integer, got '512'"),
+    ("num_key_value_heads", "4", "'num_key_value_heads' must be a positive integer, got '4'"),
+    ("head_dim", -8, "'head_dim' must be a positive integer, got -8"),
+    ("eos_token_id", "x", "'eos_token_id' must be a token id or a list of them, got 'x'"),
+    ("eos_token_id", [2, None], "'eos_token_id' must be a token id or a list of them, got [2, None]"),
+    ("rms_norm_eps", "1e-5", "'rms_norm_eps' must be a positive number, got '1e-5'"),
+    ("rope_theta", float("nan"), "'rope_theta' must be a positive number, got nan"),
+])
+def test_config_fields_of_the_wrong_kind_are_value_errors_naming_the_field(tmp_path, field, value, why):
+    from minillm.loader import load_model_config
+    path = model_copy(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError, match="config.json field") as info:
+        load_model_config(path)
+    assert why in str(info.value)
+
+
+@needs_stories
+def test_null_optional_config_fields_read_as_absent_ones(tmp_path):
+    from minillm.loader import load_model_config
+    path = model_copy(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    want = load_model_config(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": None, "head_dim": None,
+                                                  "eos_token_id": None, "max_position_embeddings": None}))
+    got = load_model_config(path)
+    assert (got.num_kv_heads, got.head_dim, got.eos_token_id, got.max_position_embeddings) == (8, 8, (), 2048)
+    assert (want.num_kv_heads, want.head_dim, want.eos_token_id) == (4, 8, (2,))
+
+
+@needs_stories
+def test_a_broken_model_directory_is_one_line_in_the_cli(tmp_path):
+    path = model_copy(tmp_path)
+    (path / "tokenizer.json").write_text("")
+    result = minillm("generate", str(path), "--device", "cpu", "-p", "Hi")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(f"minillm: error: {path / 'tokenizer.json'} is not a tokenizer")
