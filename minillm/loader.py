@@ -9,7 +9,7 @@ import numpy as np
 
 from minillm.config import ModelConfig
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
-from minillm.model_store import list_local_models, resolve_model_path  # noqa: F401
+from minillm.model_store import index_weight_files, list_local_models, resolve_model_path  # noqa: F401
 
 # config.json "architectures" -> the decoder family minillm runs it as.
 SUPPORTED_ARCHITECTURES = {
@@ -40,10 +40,11 @@ def _read_config(path: Path) -> dict:
 def _architecture(cfg: dict) -> str:
     """The decoder family of a config, or a ValueError naming the architecture and the supported ones."""
     names = cfg.get("architectures") or []
+    names = names if isinstance(names, list) else [names]    # one name, written without its list
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if isinstance(name, str) and name in SUPPORTED_ARCHITECTURES:
             return name
-    shown = ", ".join(names) if names else f"none (model_type {cfg.get('model_type')!r})"
+    shown = ", ".join(map(str, names)) if names else f"none (model_type {cfg.get('model_type')!r})"
     raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
@@ -196,14 +197,23 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
         header_len = int.from_bytes(f.read(8), "little")
         if size < 8 or header_len > size - 8:
             raise ValueError(f"{file} is not a safetensors file (header length {header_len}, file size {size})")
-        header = json.loads(f.read(header_len))
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as exc:     # not JSON, or not UTF-8
+            raise ValueError(f"{file} is not a safetensors file (its header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
     base = 8 + header_len
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
-        entry = TensorEntry(file, info["dtype"], tuple(info["shape"]), base + begin, base + end)
+        try:
+            begin, end = info["data_offsets"]
+            entry = TensorEntry(file, info["dtype"], tuple(info["shape"]), base + int(begin), base + int(end))
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{file} is not a safetensors file (its header has no dtype, shape and "
+                             f"data_offsets for {name!r})") from None
         if entry.end > size or entry.start > entry.end:
             raise ValueError(f"{file}: tensor {name} lies outside the file (truncated download?)")
         entries[name] = entry
@@ -215,8 +225,7 @@ def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
+        files = sorted(path / f for f in index_weight_files(index))
         missing = [f for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"shard {missing[0].name} named in {index.name} is missing from {path}")

@@ -95,3 +95,59 @@ def test_a_broken_model_directory_is_one_line_in_the_cli(tmp_path):
     result = minillm("generate", str(path), "--device", "cpu", "-p", "Hi")
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith(f"minillm: error: {path / 'tokenizer.json'} is not a tokenizer")
+
+
+def write_header(file: Path, header: bytes) -> None:
+    """A safetensors file of only a header (its 8-byte length, then the bytes)."""
+    file.write_bytes(len(header).to_bytes(8, "little") + header)
+
+
+@needs_stories
+@pytest.mark.parametrize("break_it, why", [
+    (lambda p: write_header(p / "model.safetensors", b"{bad"), "model.safetensors is not a safetensors file (its header is not JSON"),
+    (lambda p: write_header(p / "model.safetensors", b"[1]"), "model.safetensors is not a safetensors file (its header is not a JSON object)"),
+    (lambda p: write_header(p / "model.safetensors", b'{"a": 5}'), "model.safetensors is not a safetensors file (its header has no dtype"),
+    (lambda p: (p / "model.safetensors.index.json").write_text("{bad"), "model.safetensors.index.json is not a safetensors index"),
+    (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+     "model.safetensors.index.json is not a safetensors index: its weight_map must map tensor names to files"),
+    (lambda p: (p / "model.safetensors.index.json").write_text("{}"), "model.safetensors.index.json is not a safetensors index"),
+])
+def test_broken_weight_files_are_value_errors_naming_the_file(tmp_path, break_it, why):
+    from minillm import LLM
+    path = model_copy(tmp_path)
+    break_it(path)
+    with pytest.raises(ValueError) as info:
+        LLM(str(path), device="cpu")
+    assert f"{path}/{why}" in str(info.value)
+
+
+@needs_stories
+def test_architectures_written_as_one_string_or_a_number_read_as_one_name(tmp_path):
+    from minillm.loader import load_model_config
+    path = model_copy(tmp_path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": "LlamaForCausalLM"}))
+    assert load_model_config(path).architecture == "llama"
+    (path / "config.json").write_text(json.dumps({**cfg, "architectures": 5}))
+    with pytest.raises(ValueError, match="unsupported architecture 5; supported: LlamaForCausalLM"):
+        load_model_config(path)
+
+
+@needs_stories
+def test_list_marks_snapshots_with_a_broken_config_or_index_and_lists_the_rest(tmp_path):
+    import shutil
+    store = tmp_path / "store"
+    for name in ("good", "list", "index"):
+        folder = store / f"models--org--{name}"
+        shutil.copytree(STORIES, folder / "snapshots" / "abc")
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("abc")
+    (store / "models--org--list" / "snapshots" / "abc" / "config.json").write_text("[1]")
+    (store / "models--org--index" / "snapshots" / "abc" / "model.safetensors.index.json").write_text('{"weight_map": 1}')
+    result = minillm("list", "--download-dir", str(store))
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert set(rows) == {"org/good", "org/list", "org/index"}
+    assert "cannot run" not in rows["org/good"]
+    assert rows["org/list"].endswith("(minillm cannot run it: unreadable config.json)")
+    assert rows["org/index"].endswith("(minillm cannot run it: incomplete download)")
