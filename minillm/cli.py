@@ -779,6 +779,8 @@ def main(argv: list[str] | None = None) -> int:
         status = _fail("minillm: aborted", 130)
     except KeyboardInterrupt:
         status = _fail("minillm: interrupted", 130)
+    except MemoryError as exc:      # e.g. --max-num-seqs far past what the host can hold
+        status = _fail(f"minillm: error: out of memory: {_one_line(exc)}", 1)
     except (CliError, ValueError, RuntimeError, OSError, ImportError) as exc:
         status = _fail(f"minillm: error: {_one_line(exc)}", 1)
     sys.exit(status if isinstance(status, int) else 0)

@@ -151,3 +151,24 @@ def test_list_marks_snapshots_with_a_broken_config_or_index_and_lists_the_rest(t
     assert "cannot run" not in rows["org/good"]
     assert rows["org/list"].endswith("(minillm cannot run it: unreadable config.json)")
     assert rows["org/index"].endswith("(minillm cannot run it: incomplete download)")
+
+
+@needs_stories
+@pytest.mark.parametrize("setting, why", [
+    ({"seed": -1}, "seed must be a non-negative integer, got -1"),
+    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be >= 1 (or None: sized by the engine), got 0"),
+    ({"kv_cache_memory_bytes": -5}, "kv_cache_memory_bytes must be >= 1 (or None: sized by the engine), got -5"),
+    ({"num_kv_blocks": 10**12}, "num_kv_blocks 1000000000000 needs 19073486.3 GiB of KV pool, more than the"),
+])
+def test_engine_settings_out_of_range_are_value_errors_naming_them(setting, why):
+    from minillm import LLM
+    with pytest.raises(ValueError) as info:
+        LLM(str(STORIES), device="cpu", **setting)
+    assert why in str(info.value)
+
+
+@needs_stories
+def test_settings_that_exhaust_memory_are_one_line_in_the_cli():
+    result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Hi", "--max-num-seqs", str(10**12))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("minillm: error: out of memory: Unable to allocate")
