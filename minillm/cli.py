@@ -475,7 +475,10 @@ def structured_outputs_option(json_schema: Path | None, regex: str | None, choic
     value = values[name]
     if name in ("json", "grammar"):
         try:
-            value = value.read_text()
+            value = value.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
+                           f"{exc.start}") from None
         except OSError as exc:
             raise CliError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
     from minillm.structured_output import StructuredOutputsParams

@@ -74,7 +74,7 @@ def read_chat_template(value: str) -> str:
     once here so a broken one fails at start-up."""
     path = Path(value).expanduser()
     if _is_file(path):
-        source = path.read_text(encoding="utf-8")
+        source = _read_template_file(path)
     elif "{" in value:   # Jinja markup: the template itself
         source = value
     else:
@@ -85,6 +85,14 @@ def read_chat_template(value: str) -> str:
         where = "" if source is value else f" in {value}"
         raise ValueError(f"chat template{where} does not compile: {type(e).__name__}: {e}") from None
     return source
+
+
+def _read_template_file(path: Path) -> str:
+    """A chat template file's text; ValueError naming the file when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"chat template file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def _is_file(path: Path) -> bool:
@@ -315,7 +323,7 @@ def chat_template_from_arg(value: str) -> str:
     path = Path(value)
     try:
         if path.is_file():
-            return path.read_text(encoding="utf-8")
+            return _read_template_file(path)
     except OSError:   # a template too long to be a file name
         pass
     if not any(c in value for c in "{}\n"):

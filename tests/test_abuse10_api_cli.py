@@ -172,3 +172,19 @@ def test_settings_that_exhaust_memory_are_one_line_in_the_cli():
     result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Hi", "--max-num-seqs", str(10**12))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("minillm: error: out of memory: Unable to allocate")
+
+
+@needs_stories
+def test_option_files_that_are_not_utf8_are_one_line_naming_the_option_or_file(tmp_path):
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes(b'{"type": "string", "description": "caf\xe9"}')
+    for option in ("--json-schema", "--grammar"):
+        result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Hi", option, str(latin1))
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"minillm: error: {option} {latin1} is not UTF-8 text: invalid continuation byte at byte 38"]
+    for command in ("chat", "serve"):
+        result = minillm(command, str(STORIES), "--device", "cpu", "--chat-template", str(latin1))
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.strip().splitlines()[-1] == (
+            f"minillm: error: chat template file {latin1} is not UTF-8 text: invalid continuation byte at byte 38")
