@@ -188,3 +188,28 @@ def test_option_files_that_are_not_utf8_are_one_line_naming_the_option_or_file(t
         assert result.returncode == 1 and "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines()[-1] == (
             f"minillm: error: chat template file {latin1} is not UTF-8 text: invalid continuation byte at byte 38")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from minillm import LLM
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"stories260K not found at {STORIES}")
+    engine = LLM(str(STORIES), device="cpu", max_model_len=128)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("prompts, why", [
+    (b"Once upon", "prompts must be a prompt or a list of prompts, got b'Once upon'"),
+    ({"prompt": 5, "prompt_token_ids": [1, 403]}, "a prompt dict's 'prompt' must be a string, got 5"),
+    ([{"prompt": ["Once"], "prompt_token_ids": [1, 403]}], "a prompt dict's 'prompt' must be a string, got ['Once']"),
+])
+def test_prompts_of_the_wrong_kind_are_value_errors_and_the_engine_runs_on(llm, prompts, why):
+    from minillm import SamplingParams
+    with pytest.raises(ValueError) as info:
+        llm.generate(prompts, SamplingParams(max_tokens=2))
+    assert str(info.value) == why
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate({"prompt": "Once", "prompt_token_ids": [1, 403]}, SamplingParams(temperature=0, max_tokens=3))
+    assert out[0].prompt == "Once" and out[0].outputs[0].text == " upon a time"
