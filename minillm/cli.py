@@ -269,6 +269,8 @@ def chat(
     """
     from minillm.chat import ChatSession, EngineChatBackend
     from minillm.tokenizer import read_chat_template
+    if sys.stdin is None:      # started with stdin closed (<&-): there is nothing to read messages from
+        raise CliError("chat reads your messages from stdin, which is closed")
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
     template = read_chat_template(chat_template) if chat_template else None
     if url:
@@ -293,6 +295,8 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     if prompts and prompts_file:
         raise CliError("give either --prompt or --prompts-file, not both")
     if prompts_file is not None:
+        if str(prompts_file) == "-" and sys.stdin is None:   # started with stdin closed (<&-)
+            raise CliError("--prompts-file -: stdin is closed; give a file, or pipe the prompts in")
         try:
             text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
@@ -472,7 +476,10 @@ def structured_outputs_option(json_schema: Path | None, regex: str | None, choic
     value = values[name]
     if name in ("json", "grammar"):
         try:
-            value = value.read_text()
+            value = value.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CliError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
+                           f"{exc.start}") from None
         except OSError as exc:
             raise CliError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
     from minillm.structured_output import StructuredOutputsParams
@@ -776,6 +783,8 @@ def main(argv: list[str] | None = None) -> int:
         status = _fail("minillm: aborted", 130)
     except KeyboardInterrupt:
         status = _fail("minillm: interrupted", 130)
+    except MemoryError as exc:      # e.g. --max-num-seqs far past what the host can hold
+        status = _fail(f"minillm: error: out of memory: {_one_line(exc)}", 1)
     except (CliError, ValueError, RuntimeError, OSError, ImportError) as exc:
         status = _fail(f"minillm: error: {_one_line(exc)}", 1)
     sys.exit(status if isinstance(status, int) else 0)

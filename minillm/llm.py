@@ -44,7 +44,7 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or _is_one_id_list(prompts):
             prompts = [prompts]
-        if not isinstance(prompts, Iterable):
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
         unpacked = [_unpack_prompt(prompt) for prompt in prompts]
         texts, prompts = [text for text, _ in unpacked], [prompt for _, prompt in unpacked]
@@ -202,6 +202,8 @@ def _unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
         raise ValueError(f"prompt dict has unsupported key(s) {sorted(unknown)}; "
                          f"give 'prompt' (text) or 'prompt_token_ids'")
     if "prompt_token_ids" in prompt:
+        if not isinstance(prompt.get("prompt"), (str, type(None))):   # it becomes the output's prompt
+            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {short_repr(prompt['prompt'])}")
         ids = prompt["prompt_token_ids"]
         if isinstance(ids, np.ndarray):
             ids = _array_ids(ids, "prompt_token_ids")

@@ -9,7 +9,7 @@ import numpy as np
 
 from minillm.config import ModelConfig
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
-from minillm.model_store import list_local_models, resolve_model_path  # noqa: F401
+from minillm.model_store import index_weight_files, list_local_models, resolve_model_path  # noqa: F401
 
 # config.json "architectures" -> the decoder family minillm runs it as.
 SUPPORTED_ARCHITECTURES = {
@@ -27,17 +27,24 @@ def _read_config(path: Path) -> dict:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise ValueError(f"model directory {path} has no config.json")
-    with open(file, encoding="utf-8") as f:
-        return json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except ValueError as exc:      # not JSON, or not UTF-8
+        raise ValueError(f"{file} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return cfg
 
 
 def _architecture(cfg: dict) -> str:
     """The decoder family of a config, or a ValueError naming the architecture and the supported ones."""
     names = cfg.get("architectures") or []
+    names = names if isinstance(names, list) else [names]    # one name, written without its list
     for name in names:
-        if name in SUPPORTED_ARCHITECTURES:
+        if isinstance(name, str) and name in SUPPORTED_ARCHITECTURES:
             return name
-    shown = ", ".join(names) if names else f"none (model_type {cfg.get('model_type')!r})"
+    shown = ", ".join(map(str, names)) if names else f"none (model_type {cfg.get('model_type')!r})"
     raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
@@ -46,6 +53,21 @@ def _require(cfg: dict, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"config.json field {key!r} must be a positive integer, got {value!r}")
     return value
+
+
+def _optional(cfg: dict, key: str, default: int) -> int:
+    """A positive integer field that may be absent or null (then default)."""
+    return default if cfg.get(key) is None else _require(cfg, key)
+
+
+def _positive_number(cfg: dict, key: str, default: float) -> float:
+    """A finite positive number field that may be absent or null (then default)."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"config.json field {key!r} must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
@@ -58,8 +80,8 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     if scaling.get("rope_type", "default") == "default":
         scaling = None
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    return float(theta), scaling
+    theta = _positive_number(cfg if "rope_theta" in cfg else params, "rope_theta", 10000.0)
+    return theta, scaling
 
 
 def _check_supported_features(arch: str, cfg: dict) -> None:
@@ -89,10 +111,13 @@ def _checkpoint_dtype(path: Path, cfg: dict) -> str:
     return {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}.get(entry.dtype, "float32")
 
 
-def _token_ids(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)
+def _token_ids(cfg: dict, key: str) -> tuple[int, ...]:
+    """A token id field (absent, null, an id or a list of ids) as a tuple of ids."""
+    value = cfg.get(key)
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"config.json field {key!r} must be a token id or a list of them, got {value!r}")
+    return tuple(ids)
 
 
 def load_model_config(path: str | Path) -> ModelConfig:
@@ -103,11 +128,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
     _check_supported_features(arch, cfg)
     num_heads = _require(cfg, "num_attention_heads")
     hidden = _require(cfg, "hidden_size")
-    num_kv_heads = cfg.get("num_key_value_heads") or num_heads
+    num_kv_heads = _optional(cfg, "num_key_value_heads", num_heads)
     if num_heads % num_kv_heads:
         raise ValueError(f"config.json num_attention_heads {num_heads} is not a multiple of "
                          f"num_key_value_heads {num_kv_heads}")
-    head_dim = cfg.get("head_dim") or hidden // num_heads
+    head_dim = _optional(cfg, "head_dim", hidden // num_heads)
     theta, scaling = _rope(cfg)
     bos = cfg.get("bos_token_id")
     return ModelConfig(
@@ -115,12 +140,12 @@ def load_model_config(path: str | Path) -> ModelConfig:
         vocab_size=_require(cfg, "vocab_size"), hidden_size=hidden,
         intermediate_size=_require(cfg, "intermediate_size"), num_layers=_require(cfg, "num_hidden_layers"),
         num_heads=num_heads, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6), rope_theta=theta,
+        max_position_embeddings=_optional(cfg, "max_position_embeddings", 2048),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         rope_scaling=scaling, torch_dtype=_checkpoint_dtype(path, cfg),
-        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg.get("eos_token_id")))
+        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg, "eos_token_id"))
 
 
 # ---- safetensors -> numpy ------------------------------------------------------------------------
@@ -172,14 +197,23 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
         header_len = int.from_bytes(f.read(8), "little")
         if size < 8 or header_len > size - 8:
             raise ValueError(f"{file} is not a safetensors file (header length {header_len}, file size {size})")
-        header = json.loads(f.read(header_len))
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as exc:     # not JSON, or not UTF-8
+            raise ValueError(f"{file} is not a safetensors file (its header is not JSON: {exc})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
     base = 8 + header_len
     entries = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
-        entry = TensorEntry(file, info["dtype"], tuple(info["shape"]), base + begin, base + end)
+        try:
+            begin, end = info["data_offsets"]
+            entry = TensorEntry(file, info["dtype"], tuple(info["shape"]), base + int(begin), base + int(end))
+        except (TypeError, KeyError, ValueError):
+            raise ValueError(f"{file} is not a safetensors file (its header has no dtype, shape and "
+                             f"data_offsets for {name!r})") from None
         if entry.end > size or entry.start > entry.end:
             raise ValueError(f"{file}: tensor {name} lies outside the file (truncated download?)")
         entries[name] = entry
@@ -191,8 +225,7 @@ def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted({path / f for f in weight_map.values()})
+        files = sorted(path / f for f in index_weight_files(index))
         missing = [f for f in files if not f.is_file()]
         if missing:
             raise ValueError(f"shard {missing[0].name} named in {index.name} is missing from {path}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from minillm.attention import AttentionMetadata
 from minillm.block_tables import BlockTables
-from minillm.config import EngineConfig, ModelConfig, is_fp8_kv_cache
+from minillm.config import EngineConfig, ModelConfig, available_host_bytes, is_fp8_kv_cache
 from minillm.fp8 import kv_cache_storage
 from minillm.models.decoder import DecoderModel
 from minillm.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
@@ -84,9 +84,15 @@ class ModelRunner:
     def determine_num_blocks(self, max_model_len: int) -> int:
         """KV blocks that fit the memory budget (a profiling forward pass measures activations)."""
         cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self._kv_pool_dtype().itemsize)
+        if cfg.num_kv_blocks is not None:
+            # A host pool past the memory there is would fail in the allocation (or the OOM killer).
+            available = None if self.device.kv_pool_fills_memory else available_host_bytes()
+            if available is not None and cfg.num_kv_blocks * per_block > available:
+                raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} needs {cfg.num_kv_blocks * per_block / 2**30:.1f} "
+                                 f"GiB of KV pool, more than the {available / 2**30:.1f} GiB of memory available; "
+                                 f"lower num_kv_blocks")
+            return cfg.num_kv_blocks
         # Decode graphs keep their own logits [max_num_seqs, V] fp32 and a batch's activations;
         # verification graphs theirs for up to 1 + k tokens a sequence.
         graph_rows = 0 if cfg.enforce_eager else cfg.max_num_seqs + self._verify_graph_tokens()

@@ -117,14 +117,29 @@ def _shown(path: Path, cwd: Path) -> str:
     return relative if relative.startswith("..") else f"./{relative}"
 
 
+def index_weight_files(index: Path) -> set[str]:
+    """The shard files a model.safetensors.index.json names; ValueError naming the file when it is no such index."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+    except (ValueError, AttributeError) as exc:    # not JSON, not UTF-8, or not an object
+        raise ValueError(f"{index} is not a safetensors index: {exc}") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index} is not a safetensors index: its weight_map must map tensor names to files")
+    return set(weight_map.values())
+
+
 def _is_complete(path: Path) -> bool:
-    """Whether a model directory has its config and every weight file it names."""
+    """Whether a model directory has its config and every weight file it names (an index that
+    cannot be read names none)."""
     if not (path / "config.json").is_file():
         return False
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
-        return all((path / f).is_file() for f in files)
+        try:
+            files = index_weight_files(index)
+        except ValueError:
+            return False
+        return bool(files) and all((path / f).is_file() for f in files)
     return any(path.glob("*.safetensors"))
 
 
@@ -217,8 +232,10 @@ def _runnable_note(path: Path) -> str:
         return "no safetensors weights" if not any(path.glob("*.safetensors")) else "incomplete download"
     try:
         names = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):      # AttributeError: JSON, but not an object
         return "unreadable config.json"
+    if not isinstance(names, list):
+        names = [str(names)]
     if not any(n in SUPPORTED_ARCHITECTURES for n in names):
         return f"architecture {', '.join(names) or 'unknown'} not supported"
     return ""

@@ -24,8 +24,11 @@ def _read_json(path: Path) -> dict:
     """A JSON object from path, or {} when the file does not exist."""
     if not path.is_file():
         return {}
-    with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:      # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object")
     return data
@@ -71,7 +74,7 @@ def read_chat_template(value: str) -> str:
     once here so a broken one fails at start-up."""
     path = Path(value).expanduser()
     if _is_file(path):
-        source = path.read_text(encoding="utf-8")
+        source = _read_template_file(path)
     elif "{" in value:   # Jinja markup: the template itself
         source = value
     else:
@@ -82,6 +85,14 @@ def read_chat_template(value: str) -> str:
         where = "" if source is value else f" in {value}"
         raise ValueError(f"chat template{where} does not compile: {type(e).__name__}: {e}") from None
     return source
+
+
+def _read_template_file(path: Path) -> str:
+    """A chat template file's text; ValueError naming the file when it is not UTF-8."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"chat template file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def _is_file(path: Path) -> bool:
@@ -149,7 +160,10 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ValueError(f"{path} has no tokenizer.json (only fast Hugging Face tokenizers are supported)")
-        backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:   # the tokenizers library raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{tokenizer_file} is not a tokenizer the tokenizers library can read: {exc}") from None
         tokenizer_config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         generation_config = _read_json(path / "generation_config.json")
@@ -309,7 +323,7 @@ def chat_template_from_arg(value: str) -> str:
     path = Path(value)
     try:
         if path.is_file():
-            return path.read_text(encoding="utf-8")
+            return _read_template_file(path)
     except OSError:   # a template too long to be a file name
         pass
     if not any(c in value for c in "{}\n"):
