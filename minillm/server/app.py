@@ -38,7 +38,7 @@ from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest
-from minillm.server.serving import ServingContext, sse_error
+from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
 from minillm.server.serving_completion import create_completion
 from minillm.server.stats_hub import StatsHub
@@ -153,7 +153,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
 
 
 async def _stats_events(hub: StatsHub, first: str, cells: int, interval: float,
-                        stopping: threading.Event) -> AsyncIterator[str]:
+                        stopping: ShutdownFlag) -> AsyncIterator[str]:
     """One event every `interval` seconds until the client leaves, the engine dies or the server stops."""
     event = first
     while True:
@@ -240,7 +240,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
 class _Server(uvicorn.Server):
     """uvicorn.Server that tells the app when shutdown begins, so endless streams can end."""
 
-    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+    def __init__(self, config: uvicorn.Config, stopping: ShutdownFlag) -> None:
         super().__init__(config)
         self.stopping = stopping
 
@@ -476,7 +476,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         servers.append(proc)
         print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
     parent_reader.close()
-    stopping = threading.Event()
+    stopping = ShutdownFlag()       # set in a signal handler: no lock
 
     def stop_servers(*_: Any) -> None:
         stopping.set()

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import json
 import logging
-import threading
 import uuid
 from json.encoder import encode_basestring
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,23 @@ logger = logging.getLogger("minillm.server")
 NUM_PREPROCESS_THREADS = 4
 
 
+class ShutdownFlag:
+    """Set once the server shuts down. Signal handlers set it, so it holds no lock: a threading.Event
+    takes one in set(), and a second signal arriving inside the first handler's set() (GNU timeout
+    signals the child and then its group; a quick double Ctrl-C) waited on it forever."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        """Mark the shutdown (one attribute store: safe in a signal handler and from any thread)."""
+        self._set = True
+
+    def is_set(self) -> bool:
+        """True once set() was called."""
+        return self._set
+
+
 @dataclass
 class ServingContext:
     """What every handler needs: the engine, the metrics, the name it serves under and the limits."""
@@ -43,7 +59,7 @@ class ServingContext:
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None                  # the server's template (--chat-template), else the model's
     trust_request_chat_template: bool = False         # whether a request may bring its own template
-    stopping: threading.Event = field(default_factory=threading.Event)   # set when the server shuts down
+    stopping: ShutdownFlag = field(default_factory=ShutdownFlag)   # set when the server shuts down
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_PREPROCESS_THREADS, thread_name_prefix="minillm-preprocess"))
     kv_claims: Any = None             # a decode server's ClaimClient (server/kv_transfer.py), made on first use
