@@ -12,7 +12,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
-from minillm.tokenizer import check_unicode
+from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS, check_unicode
 
 # What LLM.generate takes as one prompt (vLLM's TextPrompt and TokensPrompt are the two dicts).
 PromptType = str | list[int] | dict
@@ -102,9 +102,10 @@ class LLM:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
-        prompt is the rendered conversation. A message's content is a string or a list of
-        {"type": "text", "text": ...} parts; continue_final_message (with add_generation_prompt
-        False) has the model continue the last message.
+        prompt is the rendered conversation. A message's content is a string or a list of parts,
+        read as the server reads them: strings and text parts ({"type": "text", "text": ...};
+        input_text, output_text and refusal too) joined by newlines; continue_final_message (with
+        add_generation_prompt False) has the model continue the last message.
         """
         if not isinstance(messages, Seq) or isinstance(messages, str):
             raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
@@ -162,16 +163,24 @@ def plain_messages(conversation) -> list[dict]:
     for i, message in enumerate(conversation):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            if any(not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str)
-                   for p in content):
-                raise ValueError(f"messages[{i}]['content'] may hold only {{'type': 'text', 'text': str}} parts, "
-                                 f"got {short_repr(content)}")
-            message = {**message, "content": "".join(p["text"] for p in content)}
+            message = {**message, "content": PART_SEPARATOR.join(_part_text(p, i, j) for j, p in enumerate(content))}
         if isinstance(message, dict) and not isinstance(message.get("content"), (str, type(None))):
             raise ValueError(f"messages[{i}]['content'] must be a string or a list of text parts, "
                              f"got {short_repr(message.get('content'))}")
         out.append(message)
     return out
+
+
+def _part_text(part, i: int, j: int) -> str:
+    """The text of content part j of message i: a plain string, or a text part (TEXT_PART_KEYS)."""
+    if isinstance(part, str):
+        return part
+    key = TEXT_PART_KEYS.get(part.get("type")) if isinstance(part, dict) else None
+    if key is None or not isinstance(part.get(key), str):
+        raise ValueError(f"messages[{i}]['content'][{j}] must be a string or a text part "
+                         f"({', '.join(f'{{type: {t!r}, {k!r}: str}}' for t, k in TEXT_PART_KEYS.items())}); "
+                         f"only text parts are supported, got {short_repr(part)}")
+    return part[key]
 
 
 def _is_one_id_list(prompts) -> bool:

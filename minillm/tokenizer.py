@@ -17,6 +17,10 @@ REPLACEMENT_CHAR = "\ufffd"
 MAX_CACHED_TOKEN_ID = 1 << 20
 
 # Names of special tokens a tokenizer_config.json may define, as transformers passes them to templates.
+# Chat content part types read as text, as vLLM reads them, and the key that holds the text; a
+# message's text parts are joined by newlines (PART_SEPARATOR) into the string a template reads.
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+PART_SEPARATOR = "\n"
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 

@@ -102,11 +102,18 @@ def test_the_engine_refuses_params_that_are_not_sampling_params(llm):
 
 
 def test_chat_joins_text_parts_and_refuses_other_content(llm):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "one."}]}]
+    # As the server reads them (and vLLM): strings and text-like parts, joined by newlines.
+    parts = [{"role": "user", "content": ["Tell me", {"type": "input_text", "text": "a story"},
+                                         {"type": "text", "text": "now."}]},
+             {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+             {"role": "user", "content": [{"type": "output_text", "text": "Please?"}]}]
+    whole = [{"role": "user", "content": "Tell me\na story\nnow."}, {"role": "assistant", "content": "No."},
+             {"role": "user", "content": "Please?"}]
     [joined] = llm.chat(parts, GREEDY, chat_template=CHATML)
-    [plain] = llm.chat([{"role": "user", "content": "Tell me one."}], GREEDY, chat_template=CHATML)
+    [plain] = llm.chat(whole, GREEDY, chat_template=CHATML)
     assert joined.prompt == plain.prompt and joined.outputs[0].token_ids == plain.outputs[0].token_ids
-    bad = [([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only"),
+    bad = [([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "only text parts"),
+           ([{"role": "user", "content": [{"type": "refusal", "text": "No."}]}], r"\[0\]\['content'\]\[0\]"),
            ([{"role": "user", "content": 5}], "must be a string or a list of text parts"),
            ([{"role": "user", "content": "a\udc80"}], "not valid Unicode"),
            ("hello", "messages must be a list of message dicts"),

@@ -15,6 +15,7 @@ from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error
+from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
 
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID_DIGITS = 20        # a logit_bias key longer than this is no token id of any vocabulary
@@ -142,8 +143,6 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
 
 
-# Content part types read as text, as vLLM reads them, and the key that holds the text.
-TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 
 
 class ContentPart(BaseModel):
@@ -357,7 +356,7 @@ def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
     for i, msg in enumerate(req.messages):
         content = msg.content
         if isinstance(content, list):
-            content = "\n".join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(content))
+            content = PART_SEPARATOR.join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(content))
         item = {"role": msg.role, "content": content or ""}
         if msg.name is not None:
             item["name"] = msg.name
