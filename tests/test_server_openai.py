@@ -175,12 +175,14 @@ def test_completion_logprobs_and_echo(client, tok):
     num_prompt = out.usage.prompt_tokens
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 8
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert all(v <= 0 and len(top) == 3 for v, top in zip(lp.token_logprobs[1:num_prompt], lp.top_logprobs[1:]))
+    # The 3 most likely, and the chosen (here: prompt) token where it is not among them.
+    assert all(v <= 0 and 3 <= len(top) <= 4 and top[t] == v
+               for t, v, top in zip(lp.tokens[1:num_prompt], lp.token_logprobs[1:num_prompt], lp.top_logprobs[1:]))
     assert "".join(lp.tokens[num_prompt:]) == choice.text[len(PROMPT):]
     assert lp.text_offset[num_prompt] == len(PROMPT) and lp.text_offset == sorted(lp.text_offset)
     for token, logprob, top in zip(lp.tokens[num_prompt:], lp.token_logprobs[num_prompt:],
                                    lp.top_logprobs[num_prompt:]):
-        assert len(top) <= 3 and logprob <= 0
+        assert len(top) <= 4 and logprob <= 0
         assert max(top.values()) == pytest.approx(logprob, abs=1e-5)   # greedy picks the argmax
         assert token in top
 
@@ -282,3 +284,13 @@ def test_several_api_servers_listen_on_a_socket_whose_connections_get_tcp_nodela
                 writer.close()
 
     assert asyncio.run(nodelay_of_an_accepted_connection())
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_too():
+    from minillm.server.logprobs import completion_logprobs
+    rows = [("a", -0.1, [("a", -0.1), ("b", -2.0)], 0), ("c", -5.0, [("a", -0.2), ("b", -1.9)], 1),
+            ("<s>", None, None, 2)]
+    lp = completion_logprobs(rows)
+    # OpenAI: "the API will always return the logprob of the sampled token, so there may be up to
+    # logprobs+1 elements"
+    assert lp["top_logprobs"] == [{"a": -0.1, "b": -2.0}, {"a": -0.2, "b": -1.9, "c": -5.0}, None]

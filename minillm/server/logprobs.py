@@ -78,13 +78,23 @@ def _finite(logprob: float | None) -> float | None:
 
 
 def completion_logprobs(rows: list[tuple[str, float | None, list[tuple[str, float]], int]]) -> dict:
-    """The legacy completions logprobs object for some tokens."""
+    """The legacy completions logprobs object for some tokens. Each top_logprobs entry holds the
+    chosen token as well as the most likely ones, so up to logprobs + 1 entries (OpenAI's
+    documented shape, and vLLM's)."""
     return {
         "tokens": [r[0] for r in rows],
         "token_logprobs": [r[1] for r in rows],
-        "top_logprobs": [None if r[2] is None else dict(r[2]) for r in rows],
+        "top_logprobs": [None if r[2] is None else _with_chosen(r[2], r[0], r[1]) for r in rows],
         "text_offset": [r[3] for r in rows],
     }
+
+
+def _with_chosen(top: list[tuple[str, float]], text: str, logprob: float | None) -> dict[str, float]:
+    """The top alternatives as a dict, the chosen token's text added where it is not among them."""
+    out = dict(top)
+    if text not in out and logprob is not None:
+        out[text] = logprob
+    return out
 
 
 def _utf8(text: str) -> list[int]:
