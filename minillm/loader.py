@@ -9,7 +9,7 @@ import numpy as np
 
 from minillm.config import ModelConfig
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
-from minillm.model_store import index_weight_files, list_local_models, resolve_model_path  # noqa: F401
+from minillm.model_store import index_weight_files, list_local_models, read_json_object, resolve_model_path  # noqa: F401
 
 # config.json "architectures" -> the decoder family minillm runs it as.
 SUPPORTED_ARCHITECTURES = {
@@ -24,17 +24,7 @@ SUPPORTED_ARCHITECTURES = {
 
 
 def _read_config(path: Path) -> dict:
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ValueError(f"model directory {path} has no config.json")
-    try:
-        with open(file, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except ValueError as exc:      # not JSON, or not UTF-8
-        raise ValueError(f"{file} is not valid JSON: {exc}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{file} must hold a JSON object")
-    return cfg
+    return read_json_object(Path(path) / "config.json")
 
 
 def _architecture(cfg: dict) -> str:

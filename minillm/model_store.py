@@ -117,6 +117,23 @@ def _shown(path: Path, cwd: Path) -> str:
     return relative if relative.startswith("..") else f"./{relative}"
 
 
+def read_json_object(path: Path, missing_ok: bool = False) -> dict:
+    """The JSON object in the file at path; ValueError naming the file when it is not valid JSON (or
+    not UTF-8) or not an object; a missing file is {} with missing_ok, else a ValueError."""
+    if not path.is_file():
+        if missing_ok:
+            return {}
+        raise ValueError(f"model directory {path.parent} has no {path.name}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:      # not JSON, or not UTF-8
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return data
+
+
 def index_weight_files(index: Path) -> set[str]:
     """The shard files a model.safetensors.index.json names; ValueError naming the file when it is no such index."""
     try:

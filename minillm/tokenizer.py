@@ -9,6 +9,8 @@ from typing import Any
 
 import tokenizers
 
+from minillm.model_store import read_json_object
+
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -22,20 +24,6 @@ MAX_CACHED_TOKEN_ID = 1 << 20
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 PART_SEPARATOR = "\n"
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object from path, or {} when the file does not exist."""
-    if not path.is_file():
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except ValueError as exc:      # not JSON, or not UTF-8
-        raise ValueError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return data
 
 
 def _token_content(value: Any) -> str | None:
@@ -66,7 +54,7 @@ def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
         return jinja_file.read_text(encoding="utf-8")
     template = tokenizer_config.get("chat_template")
     if template is None:
-        template = _read_json(path / "chat_template.json").get("chat_template")
+        template = read_json_object(path / "chat_template.json", missing_ok=True).get("chat_template")
     if isinstance(template, list):
         # A list of named templates: [{"name": "default", "template": "..."}, ...]
         return {t["name"]: t["template"] for t in template}
@@ -168,10 +156,10 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:   # the tokenizers library raises a bare Exception for a file it cannot parse
             raise ValueError(f"{tokenizer_file} is not a tokenizer the tokenizers library can read: {exc}") from None
-        tokenizer_config = _read_json(path / "tokenizer_config.json")
-        special_map = _read_json(path / "special_tokens_map.json")
-        generation_config = _read_json(path / "generation_config.json")
-        model_config = _read_json(path / "config.json")
+        tokenizer_config = read_json_object(path / "tokenizer_config.json", missing_ok=True)
+        special_map = read_json_object(path / "special_tokens_map.json", missing_ok=True)
+        generation_config = read_json_object(path / "generation_config.json", missing_ok=True)
+        model_config = read_json_object(path / "config.json", missing_ok=True)
 
         special_tokens = {}
         for name in _SPECIAL_TOKEN_NAMES:

@@ -7,29 +7,14 @@ flight, and every such stream must end with the text of the same request made al
 from __future__ import annotations
 
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, openai_error, running_server, sse_events
-
-from minillm.server.app import ServerOptions
+from test_server_helpers import openai_error, sse_events
+from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
 MODEL = "stories"
 MAX_MODEL_LEN = 256
 # A constraint that passes the entry check but is too large for the engine to compile: the request
 # finishes with "error" before its prompt is scored.
 UNCOMPILABLE = {"regex": "a{1000000}"}
-
-
-@pytest.fixture(scope="module")
-def server(stories_path):
-    with running_server(stories_path, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
-                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
-        yield url, engine
-
-
-@pytest.fixture(scope="module")
-def healthy(server):
-    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200})
-    yield streams
-    streams.check()
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])

@@ -9,27 +9,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, openai_error, running_server
-
-from minillm.server.app import ServerOptions
+from test_server_helpers import openai_error
+from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
 MODEL = "stories"
 MAX_MODEL_LEN = 256
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
-
-
-@pytest.fixture(scope="module")
-def server(stories_path):
-    with running_server(stories_path, served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
-                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
-        yield url, engine
-
-
-@pytest.fixture(scope="module")
-def healthy(server):
-    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200})
-    yield streams
-    streams.check()
 
 
 @pytest.mark.parametrize("value", [-1, 0])

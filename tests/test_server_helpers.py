@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from minillm.config import EngineConfig
 from minillm.server.app import ServerOptions, ServerThread, create_app
@@ -123,6 +124,23 @@ def choice_texts(events: list[dict]) -> dict[int, str]:
         for choice in event.get("choices", []):
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     return texts
+
+
+@pytest.fixture(scope="module", name="server")
+def chat_template_server(stories_path):
+    """(url, engine) of a server named "stories" with max_model_len 256 and the tests' CHAT_TEMPLATE,
+    for the module; a test module takes it by importing this fixture."""
+    with running_server(stories_path, served_model_name="stories", max_model_len=256,
+                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
+        yield url, engine
+
+
+@pytest.fixture(scope="module", name="healthy")
+def story_streams(server):
+    """HealthyStreams of a 200-token story on that server, checked when the module ends."""
+    streams = HealthyStreams(server[0], {"model": "stories", "prompt": "Once upon a time", "max_tokens": 200})
+    yield streams
+    streams.check()
 
 
 class HealthyStreams:
