@@ -256,9 +256,14 @@ class Scheduler:
                 if self.kv_connector and not scores_prompt else 0
             n = min(seq.num_tokens - num_computed - num_external, budget)
             if chunks is not None:
-                n = chunks.size(num_computed + num_external, n)
-                if n == 0:
-                    break
+                start = num_computed + num_external
+                if is_decode_row(n, start, seq.num_prompt_tokens):    # resumed, cached to its last token
+                    if not chunks.admit_decode_row(start):
+                        break
+                else:
+                    n = chunks.size(start, n)
+                    if n == 0:
+                        break
             if not self.block_manager.allocate(seq, cached, num_external + n):
                 break
             if num_external:                 # loaded before the step's forward: computed, and shared at once
@@ -515,6 +520,18 @@ class _PrefillChunks:
             self.has_progress = True
             self.budget.add(q, start, is_decode=False)
         return q
+
+    def admit_decode_row(self, start: int) -> bool:
+        """Count a sequence that joins from the waiting queue as a decode row (preempted, its
+        prefix cached up to its last token); False when it must wait for the next step: this one
+        was sized with nothing decoding and already holds prompt chunks the token budget alone
+        sized. Not built yet: it is running when the step is built, and counted there."""
+        if not self.is_built:
+            return True
+        if not self.is_capping:
+            return False
+        self.budget.add(1, start, is_decode=True)
+        return True
 
     def max_drafts(self, seq: Sequence, n: int) -> int:
         """How many of n drafts the decode row of seq may verify within the step budget."""

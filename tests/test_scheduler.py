@@ -394,6 +394,20 @@ def check_step_budget(sched, out):
     assert estimate <= sched.max_step_ms / 1e3 * (1 + 1e-9) or prefill <= sched.block_manager.block_size
 
 
+def test_a_resumed_sequence_cached_to_its_last_token_counts_as_a_decode_under_the_step_budget():
+    # Two preempted sequences come back: "b" finds all but its last token in the prefix cache and
+    # decodes at once; "c" recomputes. Sized as a step with nothing decoding, "c" took its whole
+    # recompute beside b's decode, past the one-block floor a step with decodes may hold.
+    sched = create_budget_scheduler(max_step_ms=1e-3, cost=StepCostModel([1e-3, 5e-4, 0.0, 1e-6, 1e-6]),
+                                    num_blocks=13, block_size=4, max_num_seqs=3, budget=6, max_model_len=52)
+    for i, (plen, max_tokens, family) in enumerate([(29, 9, 0), (6, 1, 1), (10, 4, 2), (3, 3, 0)]):
+        sched.add(create_seq(str(i), plen, max_tokens, base=1 + family))
+    while sched.has_unfinished():
+        out = run_step(sched)
+        check_invariants(sched, out)
+        check_step_budget(sched, out)
+
+
 @settings(max_examples=100, deadline=None)
 @given(ops, st.integers(6, 40), st.integers(1, 6), st.integers(4, 48), st.booleans(),
        st.floats(0.0, 8.0), st.floats(0.0, 1e-3))
