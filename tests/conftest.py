@@ -4,12 +4,19 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # One BLAS thread in the test process and in every process it starts (set before NumPy is imported;
 # a value given outside wins): the models here are tiny, and OpenBLAS's second thread spun on the
 # other core for no gain (the engine tests took 61 s of CPU, 35 s with one thread, and less wall
 # time), taking it from the subprocesses and background builds that run beside them.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# Property tests draw the same examples on every run, so a red run is the code's doing and can be
+# run again; MINILLM_HYPOTHESIS=explore draws new ones (what to run locally to hunt for bugs).
+settings.register_profile("deterministic", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("MINILLM_HYPOTHESIS", "deterministic"))
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = Path(os.environ.get("MINILLM_TEST_MODEL", REPO.parent / "shared" / "models" / "stories260K"))
