@@ -672,12 +672,28 @@ def monitor_command(
     loops, and the title marks each new pass. Press ? inside for what each panel shows.
     """
     from minillm.tui.app import demo_recording, run_monitor
+    from minillm.tui.recording import Recorder
     if demo and replay:
         raise CliError("give either --demo or --replay FILE, not both")
-    source = demo_recording() if demo else replay
-    if source is not None and not source.is_file():
-        raise CliError(f"no such recording: {source}")
-    run_monitor(url, api_key=api_key, record=record, replay=source)
+    source = None
+    if demo or replay is not None:
+        source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
+    run_monitor(url, api_key=api_key, source=source, recorder=Recorder(record) if record else None)
+
+
+def open_recording(option: str, path: Path):
+    """The ReplaySource of a recording; a path that is no readable recording is a CliError naming OPTION."""
+    from minillm.tui.recording import ReplaySource
+    if path.is_dir():
+        raise CliError(f"{option} {path} is a directory, not a recording")
+    if not path.is_file():
+        raise CliError(f"{option}: no such recording: {path}")
+    try:
+        return ReplaySource(path)
+    except ValueError as exc:        # its message names the file, and the line where there is one
+        raise CliError(f"{option}: {_one_line(exc)}") from None
+    except OSError as exc:
+        raise CliError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""The CLI's file and path options, its server limits and its stdout as careless users give them:
+recordings that are no recordings, output paths that cannot be written, infinite timeouts, a closed stdout."""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_cli import REPO, STORIES, minillm, needs_stories
+
+
+def one_error_line(result: subprocess.CompletedProcess) -> str:
+    """The single stderr line of a failed command (asserting it failed without a traceback)."""
+    assert result.returncode == 1, result
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    return line
+
+
+def demo_copy(tmp_path: Path, name: str = "demo.jsonl.gz") -> Path:
+    """A copy of the recording shipped with minillm."""
+    from minillm.tui.app import demo_recording
+    return Path(shutil.copy(demo_recording(), tmp_path / name))
+
+
+# ---- monitor --replay ------------------------------------------------------------------------------
+
+def broken_recordings(tmp_path: Path) -> list[tuple[Path, str]]:
+    """(file, what the error must say) for recordings that cannot be read as one."""
+    demo = demo_copy(tmp_path).read_bytes()
+    damaged = bytearray(demo)
+    damaged[300] ^= 0xFF                          # inside the deflate stream
+    cases = [
+        ("latin1.jsonl", b'{"t": 1.0, "stats": "caf\xe9"}\n', "a recording is UTF-8 text, but this file is not"),
+        ("latin1.jsonl.gz", gzip.compress(b"caf\xe9\n"), "a recording is UTF-8 text, but this file is not"),
+        ("plain.gz", b'{"t": 1.0}\n', "not a readable gzip file (Not a gzipped file"),
+        ("cut.gz", demo[:200], "not a readable gzip file (Compressed file ended before the end-of-stream"),
+        ("damaged.gz", bytes(damaged), "not a readable gzip file (Error -3 while decompressing data"),
+    ]
+    files = []
+    for name, data, why in cases:
+        (tmp_path / name).write_bytes(data)
+        files.append((tmp_path / name, why))
+    return files
+
+
+def test_a_replay_file_that_is_no_readable_recording_is_one_line_naming_the_option_and_file(tmp_path):
+    for path, why in broken_recordings(tmp_path):
+        line = one_error_line(minillm("monitor", "--replay", str(path)))
+        assert line.startswith(f"minillm: error: --replay: {path}: {why}"), line
+    line = one_error_line(minillm("monitor", "--replay", str(tmp_path)))
+    assert line == f"minillm: error: --replay {tmp_path} is a directory, not a recording"
+    line = one_error_line(minillm("monitor", "--replay", str(tmp_path / "none.jsonl")))
+    assert line == f"minillm: error: --replay: no such recording: {tmp_path / 'none.jsonl'}"
+
+
+def test_load_recording_raises_value_errors_naming_the_file(tmp_path):
+    from minillm.tui.recording import ReplaySource
+    for path, why in broken_recordings(tmp_path):
+        with pytest.raises(ValueError) as info:
+            ReplaySource(path)
+        assert str(info.value).startswith(f"{path}: {why}")
