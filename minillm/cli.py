@@ -672,13 +672,14 @@ def monitor_command(
     loops, and the title marks each new pass. Press ? inside for what each panel shows.
     """
     from minillm.tui.app import demo_recording, run_monitor
-    from minillm.tui.recording import Recorder
     if demo and replay:
         raise CliError("give either --demo or --replay FILE, not both")
     source = None
     if demo or replay is not None:
         source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
-    run_monitor(url, api_key=api_key, source=source, recorder=Recorder(record) if record else None)
+    if record is not None and replay is not None and record.resolve() == replay.resolve():
+        raise CliError(f"--record {record} is the --replay file: recording would overwrite it")
+    run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
 
 
 def open_recording(option: str, path: Path):
@@ -694,6 +695,17 @@ def open_recording(option: str, path: Path):
         raise CliError(f"{option}: {_one_line(exc)}") from None
     except OSError as exc:
         raise CliError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def open_recorder(path: Path):
+    """A Recorder writing to PATH; one that cannot be created is a CliError naming --record."""
+    from minillm.tui.recording import Recorder
+    if path.is_dir():
+        raise CliError(f"--record {path} is a directory: give a file to write the recording to")
+    try:
+        return Recorder(path)
+    except OSError as exc:
+        raise CliError(f"--record: cannot write {path}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------

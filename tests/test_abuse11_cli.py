@@ -65,3 +65,24 @@ def test_load_recording_raises_value_errors_naming_the_file(tmp_path):
         with pytest.raises(ValueError) as info:
             ReplaySource(path)
         assert str(info.value).startswith(f"{path}: {why}")
+
+
+# ---- monitor --record ------------------------------------------------------------------------------
+
+def test_a_record_path_that_cannot_be_written_is_one_line_naming_the_option_and_path(tmp_path):
+    missing = tmp_path / "no" / "such" / "x.jsonl.gz"
+    line = one_error_line(minillm("monitor", "--demo", "--record", str(missing)))
+    assert line == f"minillm: error: --record: cannot write {missing}: No such file or directory"
+    under_a_file = demo_copy(tmp_path) / "x.jsonl"
+    line = one_error_line(minillm("monitor", "--demo", "--record", str(under_a_file)))
+    assert line == f"minillm: error: --record: cannot write {under_a_file}: Not a directory"
+    line = one_error_line(minillm("monitor", "--demo", "--record", str(tmp_path)))
+    assert line == f"minillm: error: --record {tmp_path} is a directory: give a file to write the recording to"
+
+
+def test_recording_over_the_replayed_file_is_refused_and_leaves_it_whole(tmp_path):
+    path = demo_copy(tmp_path)
+    before = path.read_bytes()
+    line = one_error_line(minillm("monitor", "--replay", str(path), "--record", str(tmp_path / "." / path.name)))
+    assert line == f"minillm: error: --record {tmp_path / '.' / path.name} is the --replay file: recording would overwrite it"
+    assert path.read_bytes() == before
