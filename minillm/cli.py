@@ -517,6 +517,25 @@ def _limit_default(name: str):
     return ServerLimits.__dataclass_fields__[name].default
 
 
+# ServerLimits field -> the serve option that sets it
+SERVER_LIMIT_OPTIONS = {
+    "max_n": "--max-n", "max_prompts_per_request": "--max-prompts-per-request",
+    "max_stop_strings": "--max-stop-strings", "max_stop_string_chars": "--max-stop-string-length",
+    "max_stop_token_ids": "--max-stop-token-ids", "max_prompt_chars": "--max-prompt-chars",
+    "max_stats_streams": "--max-stats-streams", "stream_timeout_s": "--stream-timeout",
+    "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
+    "timeout_keep_alive_s": "--timeout-keep-alive",
+}
+
+
+def server_limits(**values):
+    """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
+    from minillm.server.limits import ServerLimits, check_limit
+    for name, value in values.items():
+        check_limit(SERVER_LIMIT_OPTIONS[name], value)
+    return ServerLimits(**values)
+
+
 @app.command()
 @with_engine_options
 def serve(
@@ -588,9 +607,8 @@ def serve(
 
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
     """
-    from minillm.server.limits import ServerLimits
     from minillm.tokenizer import chat_template_from_arg
-    limits = ServerLimits(
+    limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
         max_prompt_chars=max_prompt_chars, max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,

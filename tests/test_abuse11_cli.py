@@ -86,3 +86,30 @@ def test_recording_over_the_replayed_file_is_refused_and_leaves_it_whole(tmp_pat
     line = one_error_line(minillm("monitor", "--replay", str(path), "--record", str(tmp_path / "." / path.name)))
     assert line == f"minillm: error: --record {tmp_path / '.' / path.name} is the --replay file: recording would overwrite it"
     assert path.read_bytes() == before
+
+
+# ---- serve's limits --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option, value, shown", [
+    ("--timeout-keep-alive", "inf", "inf"),
+    ("--timeout-keep-alive", "nan", "nan"),
+    ("--timeout-keep-alive", "-1", "-1.0"),
+    ("--stream-timeout", "inf", "inf"),
+    ("--header-timeout", "1e999", "inf"),
+    ("--body-timeout", "0", "0.0"),
+    ("--max-n", "0", "0"),
+    ("--max-stop-string-length", "-3", "-3"),
+])
+def test_serve_refuses_limits_that_are_no_limit_naming_the_option(tmp_path, option, value, shown):
+    # The limits are checked before the model is looked for: one that slipped through would end on
+    # the missing model directory instead of serving.
+    result = minillm("serve", str(tmp_path / "no-model"), "--device", "cpu", option, value)
+    assert one_error_line(result) == f"minillm: error: {option} must be a finite number > 0, got {shown}"
+
+
+def test_server_limits_must_be_finite_and_positive():
+    from minillm.server.limits import ServerLimits
+    for bad in (float("inf"), float("nan"), 0.0, -5.0, "5", True):
+        with pytest.raises(ValueError, match=r"^timeout_keep_alive_s must be a finite number > 0, got "):
+            ServerLimits(timeout_keep_alive_s=bad)
+    assert ServerLimits(timeout_keep_alive_s=0.5, max_n=1).timeout_keep_alive_s == 0.5
