@@ -1,5 +1,7 @@
 """The `minillm` command line: chat, generate, serve, monitor, pull, list, bench."""
+import contextlib
 import dataclasses
+import errno
 import functools
 import importlib
 import inspect
@@ -423,6 +425,7 @@ def generate(
 ) -> None:
     """Generate for a batch of prompts offline (LLM.generate)."""
     from minillm.sampling_params import SamplingParams
+    require_stdout("generate")
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
                             stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
@@ -434,12 +437,32 @@ def generate(
     path = resolve_model(model, engine_options["download_dir"])
     llm, outputs = run_generate(engine_config(path, engine_options), prompts, params)
     tokenizer = llm.get_tokenizer()
-    if as_json:
-        for out in outputs:
-            typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0, prompt_logprobs or 0),
-                                  ensure_ascii=False))
-    else:
-        print_plain(outputs, tokenizer, logprobs or 0)
+    with stdout_errors():
+        if as_json:
+            for out in outputs:
+                typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0, prompt_logprobs or 0),
+                                      ensure_ascii=False))
+        else:
+            print_plain(outputs, tokenizer, logprobs or 0)
+
+
+def require_stdout(command: str) -> None:
+    """A CliError when stdout is closed (`>&-`): COMMAND's output would be lost without a word."""
+    if sys.stdout is None:
+        raise CliError(f"{command} writes to stdout, which is closed; redirect it to a file (or to "
+                       "/dev/null to discard it)")
+
+
+@contextlib.contextmanager
+def stdout_errors():
+    """A failed write to stdout (a full disk) as a CliError that says so; a reader that went away
+    (`| head`) is left to click, which ends the command quietly."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            raise
+        raise CliError(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
 _STRUCTURE_OPTIONS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}

@@ -113,3 +113,46 @@ def test_server_limits_must_be_finite_and_positive():
         with pytest.raises(ValueError, match=r"^timeout_keep_alive_s must be a finite number > 0, got "):
             ServerLimits(timeout_keep_alive_s=bad)
     assert ServerLimits(timeout_keep_alive_s=0.5, max_n=1).timeout_keep_alive_s == 0.5
+
+
+# ---- stdout ----------------------------------------------------------------------------------------
+
+def minillm_stdout_closed(*args: str) -> subprocess.CompletedProcess:
+    """Run the CLI with file descriptor 1 closed, as `minillm ... >&-` in a shell does."""
+    return subprocess.run([sys.executable, "-m", "minillm.cli", *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, timeout=120, preexec_fn=lambda: os.close(1))
+
+
+@needs_stories
+def test_generate_with_stdout_closed_fails_before_loading_and_says_why():
+    result = minillm_stdout_closed("generate", str(STORIES), "--device", "cpu", "-p", "Once")
+    assert one_error_line(result) == ("minillm: error: generate writes to stdout, which is closed; redirect it "
+                                      "to a file (or to /dev/null to discard it)")
+
+
+@needs_stories
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_generate_into_a_full_device_names_stdout():
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu",
+                                 "-p", "Once"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "minillm: error: cannot write to stdout: No space left on device"
+
+
+@needs_stories
+def test_generate_into_a_pipe_whose_reader_left_stays_quiet():
+    """`minillm generate ... | head -1`: the reader is gone before the first line; no error line, no traceback."""
+    reader, writer = os.pipe()
+    os.close(reader)       # the model takes a while to load: every write comes after this
+    try:
+        result = subprocess.run([sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu",
+                                 "-p", "Once", "-p", "Lily"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(writer)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and "error" not in result.stderr
+    assert "generate: 100%" in result.stderr            # it ran to the end before writing
