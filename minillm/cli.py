@@ -34,6 +34,7 @@ app.add_typer(bench_app, name="bench")
 def _print_version(value: bool) -> None:
     if value:
         from minillm import __version__
+        require_stdout("--version")
         typer.echo(f"minillm {__version__}")
         raise typer.Exit()
 
@@ -273,6 +274,7 @@ def chat(
     from minillm.tokenizer import read_chat_template
     if sys.stdin is None:      # started with stdin closed (<&-): there is nothing to read messages from
         raise CliError("chat reads your messages from stdin, which is closed")
+    require_stdout("chat")     # its replies go there: input() said only "lost sys.stdout"
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
     template = read_chat_template(chat_template) if chat_template else None
     if url:
@@ -779,6 +781,7 @@ def list_command(
     """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
     from minillm.engine_stats import human_bytes
     from minillm.model_store import list_local_models, model_store
+    require_stdout("list")
     store = Path(model_store(download_dir))
     if store.exists() and not store.is_dir():
         raise CliError(f"--download-dir {store} is not a directory")
@@ -804,6 +807,7 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
 def run_benchmark(name: str, argv: list[str]) -> None:
     """minillm.benchmarks.<name>.main(argv): a bad argument or a benchmark that cannot run is one line."""
     from minillm.benchmarks.cli_args import BenchError, BenchUsageError
+    require_stdout(f"bench {name}")     # print() to a closed stdout drops the results table without a word
     module = importlib.import_module(f"minillm.benchmarks.{name}")
     try:
         status = module.main(list(argv))

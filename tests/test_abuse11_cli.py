@@ -156,3 +156,16 @@ def test_generate_into_a_pipe_whose_reader_left_stays_quiet():
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and "error" not in result.stderr
     assert "generate: 100%" in result.stderr            # it ran to the end before writing
+
+
+@needs_stories
+@pytest.mark.parametrize("args, command", [
+    (("--version",), "--version"),
+    (("list",), "list"),
+    (("chat", str(STORIES), "--device", "cpu"), "chat"),
+    (("bench", "serving", "--base-url", "http://127.0.0.1:9"), "bench serving"),
+])
+def test_commands_whose_output_is_the_point_refuse_a_closed_stdout(args, command):
+    result = minillm_stdout_closed(*args)
+    assert one_error_line(result) == (f"minillm: error: {command} writes to stdout, which is closed; redirect it "
+                                      "to a file (or to /dev/null to discard it)")
