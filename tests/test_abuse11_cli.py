@@ -169,3 +169,19 @@ def test_commands_whose_output_is_the_point_refuse_a_closed_stdout(args, command
     result = minillm_stdout_closed(*args)
     assert one_error_line(result) == (f"minillm: error: {command} writes to stdout, which is closed; redirect it "
                                       "to a file (or to /dev/null to discard it)")
+
+
+# ---- bench serving --prompts-file ------------------------------------------------------------------
+
+@pytest.mark.parametrize("make, why", [
+    (lambda d: d, "--prompts-file: cannot read {p}: Is a directory"),
+    (lambda d: d / "none.txt", "--prompts-file: cannot read {p}: No such file or directory"),
+    (lambda d: (d / "latin1.txt", (d / "latin1.txt").write_bytes(b"caf\xe9\n"))[0],
+     "--prompts-file {p} is not UTF-8 text: invalid continuation byte at byte 3"),
+    (lambda d: (d / "blank.txt", (d / "blank.txt").write_text("\n  \n"))[0], "--prompts-file {p} holds no prompts"),
+])
+def test_bench_serving_prompts_file_is_read_before_connecting_and_named(tmp_path, make, why):
+    path = make(tmp_path)
+    # Port 9 has no server: a file not read first would end on "no server answers" instead.
+    result = minillm("bench", "serving", "--base-url", "http://127.0.0.1:9", "--prompts-file", str(path))
+    assert one_error_line(result) == f"minillm bench serving: error: {why.format(p=path)}"
