@@ -191,10 +191,22 @@ def check_model_name(model: str | None) -> None:
         raise CliError(f"MODEL is empty: give a model directory or a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
 
 
+def check_download_dir(download_dir: str | None) -> None:
+    """A CliError when --download-dir is a file, or lies under one: the store is a folder."""
+    if download_dir is None:
+        return
+    path = Path(download_dir).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        under = "" if existing == path else f" ({existing} is a file)"
+        raise CliError(f"--download-dir {download_dir} is not a directory{under}")
+
+
 def resolve_model(model: str, download_dir: str | None) -> str:
     """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
     from minillm.loader import resolve_model_path
     check_model_name(model)
+    check_download_dir(download_dir)
     return str(resolve_model_path(model, download_dir))
 
 
@@ -223,6 +235,7 @@ def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: 
 def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat") -> str:
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
     check_model_name(model)
+    check_download_dir(download_dir)     # before the fallback below reads it as a failed fetch
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
         return resolve_model(name, download_dir)
@@ -764,6 +777,7 @@ def pull(
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
     from minillm.model_store import download_model, is_repo_id, no_such_directory
     check_model_name(model)
+    check_download_dir(download_dir)
     if Path(model).expanduser().is_dir():
         raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
                        f"(minillm chat {model})")
@@ -782,6 +796,7 @@ def list_command(
     from minillm.engine_stats import human_bytes
     from minillm.model_store import list_local_models, model_store
     require_stdout("list")
+    check_download_dir(download_dir)
     store = Path(model_store(download_dir))
     if store.exists() and not store.is_dir():
         raise CliError(f"--download-dir {store} is not a directory")

@@ -185,3 +185,19 @@ def test_bench_serving_prompts_file_is_read_before_connecting_and_named(tmp_path
     # Port 9 has no server: a file not read first would end on "no server answers" instead.
     result = minillm("bench", "serving", "--base-url", "http://127.0.0.1:9", "--prompts-file", str(path))
     assert one_error_line(result) == f"minillm bench serving: error: {why.format(p=path)}"
+
+
+# ---- --download-dir -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [
+    ("generate", str(STORIES), "-p", "Once"), ("chat",), ("serve",), ("pull", "someorg/somemodel"), ("list",),
+])
+def test_a_download_dir_that_is_a_file_or_under_one_is_one_line_naming_the_option(tmp_path, args):
+    a_file = tmp_path / "store"
+    a_file.write_text("x")
+    env = {"HF_HUB_OFFLINE": "1", "MINILLM_MODEL": ""}      # nothing may be fetched if the check slipped
+    result = minillm(*args, "--download-dir", str(a_file), env=env)
+    assert one_error_line(result) == f"minillm: error: --download-dir {a_file} is not a directory"
+    under = a_file / "hub"
+    result = minillm(*args, "--download-dir", str(under), env=env)
+    assert one_error_line(result) == f"minillm: error: --download-dir {under} is not a directory ({a_file} is a file)"
