@@ -289,7 +289,7 @@ def chat(
         raise CliError("chat reads your messages from stdin, which is closed")
     require_stdout("chat")     # its replies go there: input() said only "lost sys.stdout"
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
-    template = read_chat_template(chat_template) if chat_template else None
+    template = chat_template_option(chat_template, read_chat_template) if chat_template else None
     if url:
         from minillm.chat_client import HttpChatBackend
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
@@ -301,6 +301,28 @@ def chat(
         backend.check_settings(settings)      # --top-k past the vocabulary fails here, not at every message
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
+
+
+def chat_template_option(value: str, read: Callable[[str], str]) -> str:
+    """--chat-template read by READ (a file or the template itself); a directory, or a file that cannot
+    be read, is a CliError naming the option (a directory read as 'no such file')."""
+    path = Path(value).expanduser()
+    if _path_test(path.is_dir):
+        raise CliError(f"--chat-template {value} is a directory; give the template's file, or the template itself")
+    try:
+        if _path_test(path.is_file):
+            path.open("rb").close()   # serve's reader took an unreadable file for no file at all
+        return read(value)
+    except OSError as exc:
+        raise CliError(f"--chat-template: cannot read {value}: {exc.strerror or exc}") from None
+
+
+def _path_test(test: Callable[[], bool]) -> bool:
+    """Path.is_dir() or is_file() of a value that may be a template rather than a path."""
+    try:
+        return test()
+    except OSError:       # a template's text is often too long to be a file name
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -651,7 +673,7 @@ def serve(
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
         max_prompt_chars=max_prompt_chars, max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, timeout_keep_alive_s=timeout_keep_alive)
-    template = chat_template_from_arg(chat_template) if chat_template is not None else None
+    template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
     config = engine_config(path, engine_options, served_model_name=served_model_name or name,
@@ -716,7 +738,8 @@ def router_command(
 def monitor_command(
     url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
     api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
-    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE (.gz: compressed).")] = None,
+    record: Annotated[Optional[Path], typer.Option(   # written, not read: click's readable check is off
+        readable=False, help="Save the stats stream to FILE (.gz: compressed).")] = None,
     replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead of watching a server.")] = None,
     demo: Annotated[bool, typer.Option(
         "--demo", help="Replay the recording shipped with minillm (a loaded stories260K server): a look "

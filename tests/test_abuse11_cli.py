@@ -187,7 +187,42 @@ def test_bench_serving_prompts_file_is_read_before_connecting_and_named(tmp_path
     assert one_error_line(result) == f"minillm bench serving: error: {why.format(p=path)}"
 
 
-# ---- --download-dir -------------------------------------------------------------------------------
+# ---- --chat-template, --download-dir ----------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_chat_template_directory_is_named_as_one(tmp_path, command):
+    # Read before the model is looked for: the missing model directory is never reached.
+    result = minillm(command, str(tmp_path / "no-model"), "--chat-template", str(tmp_path))
+    assert one_error_line(result) == (f"minillm: error: --chat-template {tmp_path} is a directory; give the "
+                                      "template's file, or the template itself")
+
+
+def minillm_unprivileged(*args: str) -> subprocess.CompletedProcess:
+    """Run the CLI where file modes hold: as it is for a user; for root, under setpriv without the
+    capabilities that let root read and write any file (skipped where there is no setpriv)."""
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root reads a file whatever its mode, and there is no setpriv to drop that")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    return subprocess.run([*prefix, sys.executable, "-m", "minillm.cli", *args], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_unreadable_and_unwritable_option_files_are_one_line_naming_the_option(tmp_path):
+    locked = tmp_path / "locked"
+    locked.write_text("{{ messages }}\n")
+    locked.chmod(0)
+    for command in ("chat", "serve"):
+        # serve's reader took an unreadable file for no file ("looks like a file path, but there is no such file")
+        result = minillm_unprivileged(command, str(tmp_path / "no-model"), "--chat-template", str(locked))
+        assert one_error_line(result) == f"minillm: error: --chat-template: cannot read {locked}: Permission denied"
+    result = minillm_unprivileged("bench", "serving", "--base-url", "http://127.0.0.1:9", "--prompts-file", str(locked))
+    assert one_error_line(result) == f"minillm bench serving: error: --prompts-file: cannot read {locked}: Permission denied"
+    result = minillm_unprivileged("monitor", "--demo", "--record", str(locked))
+    assert one_error_line(result) == f"minillm: error: --record: cannot write {locked}: Permission denied"
+
 
 @pytest.mark.parametrize("args", [
     ("generate", str(STORIES), "-p", "Once"), ("chat",), ("serve",), ("pull", "someorg/somemodel"), ("list",),
