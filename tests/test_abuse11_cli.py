@@ -236,3 +236,20 @@ def test_a_download_dir_that_is_a_file_or_under_one_is_one_line_naming_the_optio
     under = a_file / "hub"
     result = minillm(*args, "--download-dir", str(under), env=env)
     assert one_error_line(result) == f"minillm: error: --download-dir {under} is not a directory ({a_file} is a file)"
+
+
+# ---- bench pd_disagg's output paths ----------------------------------------------------------------
+
+def test_bench_pd_disagg_output_paths_are_checked_before_any_server_starts(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [
+        (("--result-file", str(tmp_path)), f"--result-file {tmp_path} is a directory; give a file name"),
+        (("--result-file", str(tmp_path / "no" / "r.json")), f"--result-file {tmp_path / 'no' / 'r.json'}: no such "
+                                                              f"directory {tmp_path / 'no'}"),
+        (("--log-dir", str(a_file)), f"--log-dir {a_file} is a file, not a directory"),
+        (("--log-dir", str(a_file / "logs")), f"--log-dir {a_file / 'logs'}: cannot create it: Not a directory"),
+    ]
+    for args, why in cases:
+        result = minillm("bench", "pd_disagg", "--device", "cpu", "--small", *args)
+        assert one_error_line(result) == f"minillm bench pd_disagg: error: {why}"
