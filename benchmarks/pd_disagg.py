@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 
 import minillm
-from minillm.benchmarks.cli_args import BenchError, BenchParser, run_main
+from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
 from minillm.benchmarks.workload import QWEN3_0_6B, write_random_model_dir
 from minillm.engine_stats import human_bytes
 
@@ -449,9 +449,23 @@ def format_report(args, report: dict) -> str:
     return "\n".join(lines)
 
 
+def make_log_dir(path: str) -> None:
+    """Create --log-dir (and its parents); a BenchError naming the option when it cannot be."""
+    if Path(path).exists() and not Path(path).is_dir():
+        raise BenchError(f"--log-dir {path} is a file, not a directory")
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:       # a file on its path, or no permission
+        raise BenchError(f"--log-dir {path}: cannot create it: {exc.strerror or exc}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the phases; print the report; 0 when the texts matched and nothing failed."""
     args = parse_args(argv)
+    # Before the servers start: a bad path found after the run lost minutes of figures.
+    check_output_file(args.result_file, "--result-file")
+    if args.log_dir is not None:
+        make_log_dir(args.log_dir)
     if args.device == "cuda":
         try:
             import cupy

@@ -188,10 +188,7 @@ def offline_engine_args(args: argparse.Namespace) -> dict:
 
 def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     """Given prompts (cycled), or random ones of --input-len tokens (token ids, or words for chat)."""
-    given = list(args.prompt or [])
-    if args.prompts_file:
-        with open(args.prompts_file, encoding="utf-8") as f:
-            given += [line.rstrip("\n") for line in f if line.strip()]
+    given = list(args.prompt or []) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if given:
         return [given[i % len(given)] for i in range(args.num_prompts)]
     rng = random.Random(args.seed)
@@ -199,6 +196,21 @@ def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if args.endpoint == "/v1/chat/completions":
         return [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
     return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts of --prompts-file, one a line; a BenchError naming the option when the file cannot
+    be read, is not UTF-8 or holds none (an empty one fell back to random prompts without a word)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except UnicodeDecodeError as exc:
+        raise BenchError(f"--prompts-file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    except OSError as exc:
+        raise BenchError(f"--prompts-file: cannot read {path}: {exc.strerror or exc}") from None
+    if not prompts:
+        raise BenchError(f"--prompts-file {path} holds no prompts")
+    return prompts
 
 
 def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict:
@@ -672,6 +684,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; 0 when every request succeeded."""
     args = parse_args(argv)
     check_output_file(args.result_file, "--result-file")
+    if args.prompts_file:
+        read_prompts_file(args.prompts_file)        # before connecting: a bad file is found at once
     saved_args = {k: v for k, v in vars(args).items() if k != "api_key"}
     if args.mixed_users is not None:
         from minillm.benchmarks import serving_mixed

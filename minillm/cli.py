@@ -1,5 +1,7 @@
 """The `minillm` command line: chat, generate, serve, monitor, pull, list, bench."""
+import contextlib
 import dataclasses
+import errno
 import functools
 import importlib
 import inspect
@@ -32,6 +34,7 @@ app.add_typer(bench_app, name="bench")
 def _print_version(value: bool) -> None:
     if value:
         from minillm import __version__
+        require_stdout("--version")
         typer.echo(f"minillm {__version__}")
         raise typer.Exit()
 
@@ -188,10 +191,22 @@ def check_model_name(model: str | None) -> None:
         raise CliError(f"MODEL is empty: give a model directory or a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
 
 
+def check_download_dir(download_dir: str | None) -> None:
+    """A CliError when --download-dir is a file, or lies under one: the store is a folder."""
+    if download_dir is None:
+        return
+    path = Path(download_dir).expanduser()
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        under = "" if existing == path else f" ({existing} is a file)"
+        raise CliError(f"--download-dir {download_dir} is not a directory{under}")
+
+
 def resolve_model(model: str, download_dir: str | None) -> str:
     """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
     from minillm.loader import resolve_model_path
     check_model_name(model)
+    check_download_dir(download_dir)
     return str(resolve_model_path(model, download_dir))
 
 
@@ -220,6 +235,7 @@ def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: 
 def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat") -> str:
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
     check_model_name(model)
+    check_download_dir(download_dir)     # before the fallback below reads it as a failed fetch
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
         return resolve_model(name, download_dir)
@@ -271,8 +287,9 @@ def chat(
     from minillm.tokenizer import read_chat_template
     if sys.stdin is None:      # started with stdin closed (<&-): there is nothing to read messages from
         raise CliError("chat reads your messages from stdin, which is closed")
+    require_stdout("chat")     # its replies go there: input() said only "lost sys.stdout"
     settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
-    template = read_chat_template(chat_template) if chat_template else None
+    template = chat_template_option(chat_template, read_chat_template) if chat_template else None
     if url:
         from minillm.chat_client import HttpChatBackend
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
@@ -284,6 +301,28 @@ def chat(
         backend.check_settings(settings)      # --top-k past the vocabulary fails here, not at every message
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
+
+
+def chat_template_option(value: str, read: Callable[[str], str]) -> str:
+    """--chat-template read by READ (a file or the template itself); a directory, or a file that cannot
+    be read, is a CliError naming the option (a directory read as 'no such file')."""
+    path = Path(value).expanduser()
+    if _path_test(path.is_dir):
+        raise CliError(f"--chat-template {value} is a directory; give the template's file, or the template itself")
+    try:
+        if _path_test(path.is_file):
+            path.open("rb").close()   # serve's reader took an unreadable file for no file at all
+        return read(value)
+    except OSError as exc:
+        raise CliError(f"--chat-template: cannot read {value}: {exc.strerror or exc}") from None
+
+
+def _path_test(test: Callable[[], bool]) -> bool:
+    """Path.is_dir() or is_file() of a value that may be a template rather than a path."""
+    try:
+        return test()
+    except OSError:       # a template's text is often too long to be a file name
+        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +462,7 @@ def generate(
 ) -> None:
     """Generate for a batch of prompts offline (LLM.generate)."""
     from minillm.sampling_params import SamplingParams
+    require_stdout("generate")
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                             seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
                             stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
@@ -434,12 +474,32 @@ def generate(
     path = resolve_model(model, engine_options["download_dir"])
     llm, outputs = run_generate(engine_config(path, engine_options), prompts, params)
     tokenizer = llm.get_tokenizer()
-    if as_json:
-        for out in outputs:
-            typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0, prompt_logprobs or 0),
-                                  ensure_ascii=False))
-    else:
-        print_plain(outputs, tokenizer, logprobs or 0)
+    with stdout_errors():
+        if as_json:
+            for out in outputs:
+                typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0, prompt_logprobs or 0),
+                                      ensure_ascii=False))
+        else:
+            print_plain(outputs, tokenizer, logprobs or 0)
+
+
+def require_stdout(command: str) -> None:
+    """A CliError when stdout is closed (`>&-`): COMMAND's output would be lost without a word."""
+    if sys.stdout is None:
+        raise CliError(f"{command} writes to stdout, which is closed; redirect it to a file (or to "
+                       "/dev/null to discard it)")
+
+
+@contextlib.contextmanager
+def stdout_errors():
+    """A failed write to stdout (a full disk) as a CliError that says so; a reader that went away
+    (`| head`) is left to click, which ends the command quietly."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            raise
+        raise CliError(f"cannot write to stdout: {exc.strerror or exc}") from None
 
 
 _STRUCTURE_OPTIONS = {"json": "--json-schema", "regex": "--regex", "choice": "--choice", "grammar": "--grammar"}
@@ -517,6 +577,25 @@ def _limit_default(name: str):
     return ServerLimits.__dataclass_fields__[name].default
 
 
+# ServerLimits field -> the serve option that sets it
+SERVER_LIMIT_OPTIONS = {
+    "max_n": "--max-n", "max_prompts_per_request": "--max-prompts-per-request",
+    "max_stop_strings": "--max-stop-strings", "max_stop_string_chars": "--max-stop-string-length",
+    "max_stop_token_ids": "--max-stop-token-ids", "max_prompt_chars": "--max-prompt-chars",
+    "max_stats_streams": "--max-stats-streams", "stream_timeout_s": "--stream-timeout",
+    "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
+    "timeout_keep_alive_s": "--timeout-keep-alive",
+}
+
+
+def server_limits(**values):
+    """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
+    from minillm.server.limits import ServerLimits, check_limit
+    for name, value in values.items():
+        check_limit(SERVER_LIMIT_OPTIONS[name], value)
+    return ServerLimits(**values)
+
+
 @app.command()
 @with_engine_options
 def serve(
@@ -588,14 +667,13 @@ def serve(
 
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
     """
-    from minillm.server.limits import ServerLimits
     from minillm.tokenizer import chat_template_from_arg
-    limits = ServerLimits(
+    limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
         max_prompt_chars=max_prompt_chars, max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, timeout_keep_alive_s=timeout_keep_alive)
-    template = chat_template_from_arg(chat_template) if chat_template is not None else None
+    template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
     config = engine_config(path, engine_options, served_model_name=served_model_name or name,
@@ -660,7 +738,8 @@ def router_command(
 def monitor_command(
     url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
     api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
-    record: Annotated[Optional[Path], typer.Option(help="Save the stats stream to FILE (.gz: compressed).")] = None,
+    record: Annotated[Optional[Path], typer.Option(   # written, not read: click's readable check is off
+        readable=False, help="Save the stats stream to FILE (.gz: compressed).")] = None,
     replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead of watching a server.")] = None,
     demo: Annotated[bool, typer.Option(
         "--demo", help="Replay the recording shipped with minillm (a loaded stories260K server): a look "
@@ -674,10 +753,38 @@ def monitor_command(
     from minillm.tui.app import demo_recording, run_monitor
     if demo and replay:
         raise CliError("give either --demo or --replay FILE, not both")
-    source = demo_recording() if demo else replay
-    if source is not None and not source.is_file():
-        raise CliError(f"no such recording: {source}")
-    run_monitor(url, api_key=api_key, record=record, replay=source)
+    source = None
+    if demo or replay is not None:
+        source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
+    if record is not None and replay is not None and record.resolve() == replay.resolve():
+        raise CliError(f"--record {record} is the --replay file: recording would overwrite it")
+    run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
+
+
+def open_recording(option: str, path: Path):
+    """The ReplaySource of a recording; a path that is no readable recording is a CliError naming OPTION."""
+    from minillm.tui.recording import ReplaySource
+    if path.is_dir():
+        raise CliError(f"{option} {path} is a directory, not a recording")
+    if not path.is_file():
+        raise CliError(f"{option}: no such recording: {path}")
+    try:
+        return ReplaySource(path)
+    except ValueError as exc:        # its message names the file, and the line where there is one
+        raise CliError(f"{option}: {_one_line(exc)}") from None
+    except OSError as exc:
+        raise CliError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def open_recorder(path: Path):
+    """A Recorder writing to PATH; one that cannot be created is a CliError naming --record."""
+    from minillm.tui.recording import Recorder
+    if path.is_dir():
+        raise CliError(f"--record {path} is a directory: give a file to write the recording to")
+    try:
+        return Recorder(path)
+    except OSError as exc:
+        raise CliError(f"--record: cannot write {path}: {exc.strerror or exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -693,6 +800,7 @@ def pull(
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
     from minillm.model_store import download_model, is_repo_id, no_such_directory
     check_model_name(model)
+    check_download_dir(download_dir)
     if Path(model).expanduser().is_dir():
         raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
                        f"(minillm chat {model})")
@@ -710,6 +818,8 @@ def list_command(
     """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
     from minillm.engine_stats import human_bytes
     from minillm.model_store import list_local_models, model_store
+    require_stdout("list")
+    check_download_dir(download_dir)
     store = Path(model_store(download_dir))
     if store.exists() and not store.is_dir():
         raise CliError(f"--download-dir {store} is not a directory")
@@ -735,6 +845,7 @@ PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True,
 def run_benchmark(name: str, argv: list[str]) -> None:
     """minillm.benchmarks.<name>.main(argv): a bad argument or a benchmark that cannot run is one line."""
     from minillm.benchmarks.cli_args import BenchError, BenchUsageError
+    require_stdout(f"bench {name}")     # print() to a closed stdout drops the results table without a word
     module = importlib.import_module(f"minillm.benchmarks.{name}")
     try:
         status = module.main(list(argv))

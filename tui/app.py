@@ -219,11 +219,8 @@ def demo_recording() -> Path:
 def run_monitor(
     url: str = "http://127.0.0.1:8000",
     api_key: str | None = None,
-    record: str | Path | None = None,
-    replay: str | Path | None = None,
-    replay_loop: bool = True,
+    source: StatsSource | None = None,
+    recorder: Recorder | None = None,
 ) -> None:
-    """Run the dashboard against a server at `url`, or play `replay` back; `record` keeps the stream."""
-    source: StatsSource = ReplaySource(replay, loop=replay_loop) if replay else LiveSource(url, api_key)
-    recorder = Recorder(record) if record else None
-    MonitorApp(source=source, recorder=recorder).run()
+    """Run the dashboard against a server at `url`, or on `source` (a ReplaySource); `recorder` keeps the stream."""
+    MonitorApp(source=source or LiveSource(url, api_key), recorder=recorder).run()

@@ -6,6 +6,7 @@ import gzip
 import itertools
 import json
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -46,20 +47,28 @@ class Recorder:
 
 
 def load_recording(path: str | Path) -> list[tuple[float, StatsFrame]]:
-    """All (time, frame) pairs of a recording; raises ValueError naming the bad line."""
+    """All (time, frame) pairs of a recording; raises ValueError naming the file (and the bad line)."""
     frames = []
-    with _open_text(Path(path), "r") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                t = record["t"]
-                if not isinstance(t, (int, float)):
-                    raise StatsFormatError("field 't' should be a number")
-                frames.append((float(t), StatsFrame(stats=parse_stats(record["stats"]), raw=record["stats"])))
-            except (json.JSONDecodeError, KeyError, TypeError, StatsFormatError) as exc:
-                raise ValueError(f"{path}:{number}: not a stats recording line ({exc})") from None
+    try:
+        with _open_text(Path(path), "r") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    t = record["t"]
+                    if not isinstance(t, (int, float)):
+                        raise StatsFormatError("field 't' should be a number")
+                    frames.append((float(t), StatsFrame(stats=parse_stats(record["stats"]), raw=record["stats"])))
+                except (json.JSONDecodeError, KeyError, TypeError, StatsFormatError) as exc:
+                    raise ValueError(f"{path}:{number}: not a stats recording line ({exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: a recording is UTF-8 text, but this file is not ({exc.reason} at "
+                         f"byte {exc.start})") from None
+    # A .gz name over other data, or a cut-short or damaged one: gzip raises each of these, and
+    # EOFError would otherwise read as Ctrl-D to the command line.
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise ValueError(f"{path}: not a readable gzip file ({exc})") from None
     if not frames:
         raise ValueError(f"{path}: the recording holds no frames")
     return frames

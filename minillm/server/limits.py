@@ -5,6 +5,7 @@ is a 400 that names the field.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from minillm.server.errors import APIError
@@ -29,8 +30,14 @@ class ServerLimits:
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
-            if not value > 0:
-                raise ValueError(f"{name} must be positive, got {value!r}")
+            check_limit(name, value)
+
+
+def check_limit(name: str, value: object) -> None:
+    """ValueError naming NAME unless VALUE is a finite number > 0 (an infinite timeout or size is no
+    limit at all: one idle or slow client could hold its connection for ever)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def check_fan_out(limits: ServerLimits, n: int, num_prompts: int, stop: str | list[str] | None,
