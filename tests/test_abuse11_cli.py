@@ -107,6 +107,14 @@ def test_serve_refuses_limits_that_are_no_limit_naming_the_option(tmp_path, opti
     assert one_error_line(result) == f"minillm: error: {option} must be a finite number > 0, got {shown}"
 
 
+@needs_stories
+@pytest.mark.parametrize("value, shown", [("inf", "inf"), ("nan", "nan"), ("0", "0.0"), ("-1", "-1.0")])
+def test_serve_refuses_a_kv_lease_that_is_no_limit_naming_the_option(value, shown):
+    # Checked before the model loads (a lease that slipped through would start serving).
+    result = minillm("serve", str(STORIES), "--device", "cpu", "--kv-role", "producer", "--kv-lease-s", value)
+    assert one_error_line(result) == f"minillm: error: --kv-lease-s must be a finite number > 0, got {shown}"
+
+
 def test_server_limits_must_be_finite_and_positive():
     from minillm.server.limits import ServerLimits
     for bad in (float("inf"), float("nan"), 0.0, -5.0, "5", True):
