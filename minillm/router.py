@@ -198,7 +198,10 @@ class Router:
         """POST to the role's servers in turn until one accepts the connection; (its URL, its response)."""
         failures = []
         for url in backends.order():
-            request = self.client.build_request("POST", url + path, json=body, headers=headers)
+            # json.dumps as the client wrote it: NaN or Infinity goes on, for the server's 400 naming its
+            # field (httpx's json= refuses them, which was a 500 here).
+            request = self.client.build_request("POST", url + path, content=json.dumps(body).encode(),
+                                                headers={**headers, "content-type": "application/json"})
             try:
                 return url, await self.client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:

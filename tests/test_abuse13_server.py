@@ -1,0 +1,53 @@
+"""Abuse of the ops routes, the router and the monitor's client: what a client sends gets an
+OpenAI-shaped 4xx naming the field, never a 500, a wedged process or another request disturbed."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_server_helpers import running_server
+
+from minillm.router import RouterConfig, create_router_app
+
+pytestmark = pytest.mark.anyio
+
+MODEL = "stories"
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    """One real server, both the router's prefill and its decode backend (bad input fails before either role matters)."""
+    with running_server(stories_path, served_model_name=MODEL, engine_core="thread") as (url, engine):
+        yield url
+
+
+async def router_request(config: RouterConfig, method: str, path: str, **kwargs) -> httpx.Response:
+    """One request to a router app in-process."""
+    app = create_router_app(config)
+    await app.state.router.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router",
+                                     timeout=60) as client:
+            return await client.request(method, path, **kwargs)
+    finally:
+        await app.state.router.close()
+
+
+def check_error(response: httpx.Response, status: int, param: str | None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"], error
+    return error
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+async def test_router_passes_non_finite_numbers_on_for_the_servers_400(server, literal):
+    # httpx's json= refuses NaN: re-encoding the body raised inside the router, a bare 500.
+    body = f'{{"model": "{MODEL}", "prompt": "Once", "max_tokens": 2, "temperature": {literal}}}'
+    response = await router_request(RouterConfig((server,), (server,)), "POST", "/v1/completions",
+                                    content=body, headers={"content-type": "application/json"})
+    check_error(response, 400, "temperature")
