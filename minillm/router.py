@@ -32,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minillm.server.errors import error_body
+from minillm.server.errors import body_parse_error, error_body
 from minillm.urls import server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
@@ -219,6 +219,9 @@ class Router:
         timing = RequestTiming()
         try:
             body = await raw.json()
+        except RecursionError as exc:   # nested too deeply: the server's 400, not a 500
+            err = body_parse_error(exc)
+            return RouterError(400, err.message, err.code).response()
         except ValueError:
             body = None
         if not isinstance(body, dict):

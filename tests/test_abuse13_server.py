@@ -51,3 +51,15 @@ async def test_router_passes_non_finite_numbers_on_for_the_servers_400(server, l
     response = await router_request(RouterConfig((server,), (server,)), "POST", "/v1/completions",
                                     content=body, headers={"content-type": "application/json"})
     check_error(response, 400, "temperature")
+
+
+async def test_router_answers_a_too_deeply_nested_body_with_a_400(server):
+    body = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}"    # RecursionError in json.loads: was a 500
+    response = await router_request(RouterConfig((server,), (server,)), "POST", "/v1/completions",
+                                    content=body, headers={"content-type": "application/json"})
+    error = check_error(response, 400, None)
+    assert "nested too deeply" in error["message"]
+    # A well-formed body still reaches the server (whose answer, without --kv-role producer, is its 400).
+    after = await router_request(RouterConfig((server,), (server,)), "POST", "/v1/completions",
+                                 json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
+    check_error(after, 400, "kv_transfer_params")
