@@ -32,7 +32,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minillm.server.errors import body_parse_error, error_body
+from minillm.server.errors import body_parse_error, error_body, install_error_handlers
 from minillm.urls import server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
@@ -355,6 +355,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="minillm router", lifespan=lifespan)
     app.state.router = router
+    install_error_handlers(app)     # an unknown path or method is an OpenAI-shaped 404 / 405 too
     for path in ROUTES:
         app.add_api_route(path, _handler(router, path), methods=["POST"])
 

@@ -63,3 +63,11 @@ async def test_router_answers_a_too_deeply_nested_body_with_a_400(server):
     after = await router_request(RouterConfig((server,), (server,)), "POST", "/v1/completions",
                                  json={"model": MODEL, "prompt": "Once", "max_tokens": 2})
     check_error(after, 400, "kv_transfer_params")
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/completions", 405), ("PUT", "/v1/chat/completions", 405),
+                                                  ("GET", "/v1/nothing", 404), ("POST", "/v1/stats", 405)])
+async def test_router_answers_unknown_paths_and_methods_openai_shaped(method, path, status):
+    # FastAPI's own {"detail": "Not Found"} before; no backend is reached for these.
+    response = await router_request(RouterConfig(("http://127.0.0.1:9",), ("http://127.0.0.1:9",)), method, path)
+    check_error(response, status, None)
