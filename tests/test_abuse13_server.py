@@ -71,3 +71,28 @@ async def test_router_answers_unknown_paths_and_methods_openai_shaped(method, pa
     # FastAPI's own {"detail": "Not Found"} before; no backend is reached for these.
     response = await router_request(RouterConfig(("http://127.0.0.1:9",), ("http://127.0.0.1:9",)), method, path)
     check_error(response, status, None)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_router_refuses_a_body_over_the_limit_before_reading_it_whole(chunked):
+    # Before, the router read and parsed any body and sent it on twice; the backends (unreachable
+    # here: a body that got through would be a 503) are never asked.
+    config = RouterConfig(("http://127.0.0.1:9",), ("http://127.0.0.1:9",), max_body_bytes=1000)
+    body = b'{"prompt": "' + b"a" * 2000 + b'"}'
+
+    async def trickle():
+        for i in range(0, len(body), 100):
+            yield body[i:i + 100]
+    response = await router_request(config, "POST", "/v1/completions", content=trickle() if chunked else body,
+                                    headers={"content-type": "application/json"})
+    error = check_error(response, 413, None)
+    assert error["code"] == "request_too_large"
+    small = await router_request(config, "POST", "/v1/completions", json={"prompt": "a"})
+    assert small.status_code == 503, small.text
+
+
+@pytest.mark.parametrize("field, value", [("max_body_bytes", 0), ("max_body_bytes", float("inf")),
+                                          ("body_timeout_s", float("nan"))])
+def test_router_config_refuses_a_body_limit_that_is_no_limit(field, value):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(("http://a",), ("http://b",), **{field: value})
