@@ -367,7 +367,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     for path in ROUTES:
         app.add_api_route(path, _handler(router, path), methods=["POST"])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # probes and load balancers check with HEAD too
     async def health():
         return await router.health()
 

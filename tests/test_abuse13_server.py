@@ -96,3 +96,11 @@ async def test_router_refuses_a_body_over_the_limit_before_reading_it_whole(chun
 def test_router_config_refuses_a_body_limit_that_is_no_limit(field, value):
     with pytest.raises(ValueError, match=field):
         RouterConfig(("http://a",), ("http://b",), **{field: value})
+
+
+async def test_router_health_answers_head_as_the_server_does(server):
+    config = RouterConfig((server,), (server,))
+    head = await router_request(config, "HEAD", "/health")
+    assert head.status_code == 200 and head.content == b""
+    down = await router_request(RouterConfig(("http://127.0.0.1:9",), (server,)), "HEAD", "/health")
+    assert down.status_code == 503
