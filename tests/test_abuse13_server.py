@@ -104,3 +104,24 @@ async def test_router_health_answers_head_as_the_server_does(server):
     assert head.status_code == 200 and head.content == b""
     down = await router_request(RouterConfig(("http://127.0.0.1:9",), (server,)), "HEAD", "/health")
     assert down.status_code == 503
+
+
+async def test_monitor_gives_up_on_an_event_that_never_ends():
+    # A "server" that sends data lines and never the blank line ending the event: the monitor
+    # gathered them without end (its memory the limit).
+    from minillm.tui.client import MAX_EVENT_CHARS, StatsFormatError, iter_sse_data
+    sent = 0
+
+    async def endless():
+        nonlocal sent
+        yield "data: {}"
+        yield ""
+        while True:
+            sent += 1
+            yield "data: " + "x" * 1000
+
+    events = []
+    with pytest.raises(StatsFormatError, match="not a minillm server"):
+        async for data in iter_sse_data(endless()):
+            events.append(data)
+    assert events == ["{}"] and sent <= MAX_EVENT_CHARS // 1000 + 1
