@@ -32,7 +32,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minillm.server.errors import error_body
+from minillm.server.errors import body_parse_error, error_body, install_error_handlers
+from minillm.server.limits import ServerLimits, check_limit
+from minillm.server.middleware import BodyLimitMiddleware
 from minillm.urls import server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
@@ -52,6 +54,10 @@ class RouterConfig:
     connect_timeout_s: float = 3.0      # a server that does not accept in this long is down
     timeout_s: float = 600.0            # a response (a long prompt's prefill) may take this long
     health_timeout_s: float = 2.0
+    # A body larger than a server takes by default is refused here, before it is read whole and
+    # parsed on the event loop (a 1 GB one held the router's memory and loop, then was a 413 anyway).
+    max_body_bytes: int = ServerLimits.max_body_bytes
+    body_timeout_s: float = ServerLimits.body_timeout_s
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -64,6 +70,8 @@ class RouterConfig:
                             ("health timeout", self.health_timeout_s)):
             if not value > 0:   # a negative one fails every request, NaN too
                 raise ValueError(f"the {name} must be a positive number of seconds, got {value}")
+        check_limit("max_body_bytes", self.max_body_bytes)
+        check_limit("body_timeout_s", self.body_timeout_s)
 
 
 class RouterError(Exception):
@@ -198,7 +206,10 @@ class Router:
         """POST to the role's servers in turn until one accepts the connection; (its URL, its response)."""
         failures = []
         for url in backends.order():
-            request = self.client.build_request("POST", url + path, json=body, headers=headers)
+            # json.dumps as the client wrote it: NaN or Infinity goes on, for the server's 400 naming its
+            # field (httpx's json= refuses them, which was a 500 here).
+            request = self.client.build_request("POST", url + path, content=json.dumps(body).encode(),
+                                                headers={**headers, "content-type": "application/json"})
             try:
                 return url, await self.client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
@@ -216,6 +227,9 @@ class Router:
         timing = RequestTiming()
         try:
             body = await raw.json()
+        except RecursionError as exc:   # nested too deeply: the server's 400, not a 500
+            err = body_parse_error(exc)
+            return RouterError(400, err.message, err.code).response()
         except ValueError:
             body = None
         if not isinstance(body, dict):
@@ -349,10 +363,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="minillm router", lifespan=lifespan)
     app.state.router = router
+    install_error_handlers(app)     # an unknown path or method is an OpenAI-shaped 404 / 405 too
     for path in ROUTES:
         app.add_api_route(path, _handler(router, path), methods=["POST"])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])   # probes and load balancers check with HEAD too
     async def health():
         return await router.health()
 
@@ -364,6 +379,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def stats():
         return JSONResponse(router.stats.to_dict({"prefill": router.prefill.urls, "decode": router.decode.urls}))
 
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     return app
 
 

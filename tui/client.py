@@ -18,6 +18,9 @@ DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
+# One stats event is tens of KB even at MAX_CELLS; a stream whose "event" grows past this is not a
+# minillm server's, and gathering it without end would take the monitor's memory.
+MAX_EVENT_CHARS = 8 * 1024 * 1024
 
 
 class StatsFormatError(ValueError):
@@ -177,15 +180,20 @@ def describe_problem(exc: BaseException, base_url: str) -> str:
 
 
 async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
-    """The data payloads of server-sent events, one string per event."""
+    """The data payloads of server-sent events, one string per event; StatsFormatError for an event
+    over MAX_EVENT_CHARS."""
     data: list[str] = []
+    size = 0
     async for line in lines:
         if not line:
             if data:
                 yield "\n".join(data)
-                data = []
+                data, size = [], 0
         elif line.startswith("data:"):
             data.append(line[5:].removeprefix(" "))
+            size += len(data[-1]) + 1
+            if size > MAX_EVENT_CHARS:
+                raise StatsFormatError(f"a stats event over {MAX_EVENT_CHARS} characters: not a minillm server")
         # "event:", "id:", "retry:" and ": comment" lines carry nothing the monitor uses.
     if data:
         yield "\n".join(data)
