@@ -461,12 +461,18 @@ class _PrefillChunks:
         sched = self.scheduler
         budget = sched.step_cost.budget(sched.max_step_ms / 1e3 if sched.max_step_ms is not None else math.inf)
         # The decode rows' sums, as add_row would make them one row at a time (plain Python: every
-        # running sequence is visited on each step that sizes a prompt chunk).
+        # running sequence is visited on each step that sizes a prompt chunk), and the rows the
+        # running sequences still in their prompt will decode as (for a relative budget).
         tokens = attention = kv_read = 0
+        joining = joining_kv_read = 0
         mixed, spec = False, self.spec
         for seq in sched.running:
             start = seq.num_computed_tokens
-            if seq.spec_token_ids or not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
+            if seq.spec_token_ids:
+                continue
+            if not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
+                joining += 1
+                joining_kv_read += seq.num_tokens + 1
                 continue
             n = 1 + (len(spec.get(seq.seq_id, ())) if spec else 0)
             tokens += n
@@ -478,32 +484,11 @@ class _PrefillChunks:
             budget.add_sums(tokens, attention, kv_read, mixed)
             self.is_capping = True
         if sched.max_step_factor is not None and self.is_capping:
-            budget.limit_to(sched.max_step_factor * self._batch_decode_estimate(budget))
+            for seq in itertools.islice(sched.waiting, max(0, sched.max_num_seqs - len(sched.running))):
+                joining += 1
+                joining_kv_read += seq.num_tokens + 1
+            budget.limit_to(sched.max_step_factor * _batch_decode_estimate(budget, joining, joining_kv_read))
         self.budget = budget
-
-    def _batch_decode_estimate(self, decodes: StepTimeBudget) -> float:
-        """The estimated step of the batch's decode rows once the sequences still in their prompt
-        join them: the running ones and the waiting ones up to max_num_seqs, one row each at its
-        prompt's length. The relative budget is a multiple of it, so a few early decoders do not
-        hold a queue of prompts to the chunk their own small step leaves room for (the mixed
-        step's fixed cost alone is more than that room); with no prompt waiting it is the step
-        of the decode rows alone."""
-        sched = self.scheduler
-        rows = kv_read = 0
-        for seq in sched.running:
-            start = seq.num_computed_tokens
-            if not seq.spec_token_ids and not is_decode_row(seq.num_tokens - start, start, seq.num_prompt_tokens):
-                rows += 1
-                kv_read += seq.num_tokens + 1
-        for seq in itertools.islice(sched.waiting, max(0, sched.max_num_seqs - len(sched.running))):
-            rows += 1
-            kv_read += seq.num_tokens + 1
-        if not rows:
-            return decodes.estimate()
-        batch = StepTimeBudget(decodes.model, math.inf)
-        batch.features = decodes.features.copy()
-        batch.add_sums(rows, 0, kv_read, False)
-        return batch.estimate()
 
     def size(self, start: int, n: int) -> int:
         """Tokens a prefill row of up to n tokens after `start` computed ones gets this step."""
@@ -545,3 +530,18 @@ class _PrefillChunks:
         """A decode row now verifies num_drafts drafts as well (counted here once built)."""
         if self.budget is not None:
             self.budget.add_drafts(seq.num_computed_tokens, num_drafts)
+
+
+def _batch_decode_estimate(decodes: StepTimeBudget, joining: int, joining_kv_read: int) -> float:
+    """The estimated step of the batch's decode rows once the sequences still in their prompt join
+    them (joining rows reading joining_kv_read tokens of context in all: the running ones and the
+    waiting ones up to max_num_seqs, each at its prompt's length). The relative budget is a
+    multiple of it, so a few early decoders do not hold a queue of prompts to the chunk their own
+    small step leaves room for (the mixed step's fixed cost alone is more than that room); with no
+    prompt waiting it is the step of the decode rows alone."""
+    if not joining:
+        return decodes.estimate()
+    batch = StepTimeBudget(decodes.model, math.inf)
+    batch.features = decodes.features.copy()
+    batch.add_sums(joining, 0, joining_kv_read, False)
+    return batch.estimate()
