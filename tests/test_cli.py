@@ -429,7 +429,7 @@ def test_max_step_ms_calibrates_at_start_up_and_keeps_greedy_text():
     (("--kv-transfer-config", "{"), "--kv-transfer-config is not valid JSON"),
     (("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'), "disagree"),
     (("--kv-transfer-config", '{"kv_colour": 1}'), "kv_transfer_config has unknown keys kv_colour"),
-    (("--kv-role", "consumer", "--kv-lease-s", "-1"), "kv_lease_s must be a positive number"),
+    (("--kv-role", "consumer", "--kv-lease-s", "-1"), "--kv-lease-s must be a finite number > 0, got -1.0"),
 ])
 def test_serve_kv_transfer_options_are_checked_before_loading(args, message):
     result = minillm("serve", str(STORIES), "--device", "cpu", "--port", "9", *args)
