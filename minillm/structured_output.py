@@ -184,8 +184,11 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:
-        # Each choice as a Lark string literal (JSON string syntax is Lark's).
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
+        # Each choice as a Lark string literal (JSON string syntax is Lark's), all in one terminal:
+        # as alternatives of a rule, each is an item of the parser's row, and past 2,000 of them
+        # (llguidance's max_items_in_row) the first token is refused mid-output.
+        return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: "
+                                                      + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
     # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
     # them), which llguidance converts to Lark.
     return llguidance.LLMatcher.grammar_from_lark(llguidance.grammar_from("grammar", text))
