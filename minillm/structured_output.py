@@ -173,6 +173,9 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
 
 
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
+# llguidance's error when a mask allows no token at all and the output may not end there: the
+# constraint matches nothing (a regex like [^\s\S], a $ref cycle, a rule only left-recursive).
+_NO_TOKEN_ALLOWED = "NoExtensionBias"
 
 
 def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = False) -> str:
@@ -565,8 +568,11 @@ class StructuredOutputManager:
             probe = template.deep_copy()
             probe.compute_bitmask()
             if probe.is_error():
-                raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: "
-                                                           f"{_first_line(probe.get_error())}")
+                error = _first_line(probe.get_error())
+                if error == _NO_TOKEN_ALLOWED:
+                    raise StructuredOutputsError(key[0].value, f"no output satisfies the {_WHAT[key[0].value]} "
+                                                               "(it allows no first token and may not be empty)")
+                raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: {error}")
         seconds = time.perf_counter() - start
         with self._lock:
             self._num_compiled += 1

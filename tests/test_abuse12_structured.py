@@ -25,3 +25,21 @@ def test_a_choice_of_thousands_of_entries_is_generated_whole(llm):
         completion = out.outputs[0]
         assert completion.finish_reason == "stop", (completion.finish_reason, completion.text)
         assert completion.text in choices
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(regex=r"[^\s\S]"), "regex"),
+    (dict(json={"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "json"),
+    (dict(grammar='start: start "a"'), "grammar"),
+])
+def test_a_constraint_nothing_satisfies_ends_its_request_saying_so(llm, kwargs, field):
+    # These pass the entry check (no tokenizer there) and fail on the compile pool; the message
+    # used to call them "too large to match: NoExtensionBias". A healthy request beside them is
+    # untouched.
+    bad = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(**kwargs))
+    good = SamplingParams(temperature=0.0, max_tokens=8)
+    alone = llm.generate([PROMPT], [good])[0].outputs[0]
+    failed, healthy = (o.outputs[0] for o in llm.generate([PROMPT, PROMPT], [bad, good]))
+    assert failed.finish_reason == "error" and failed.text == ""
+    assert failed.stop_reason.startswith(f"structured_outputs.{field}: no output satisfies the"), failed.stop_reason
+    assert (healthy.finish_reason, healthy.token_ids) == (alone.finish_reason, alone.token_ids)
