@@ -624,11 +624,15 @@ class StructuredOutputManager:
 
     def take_failed(self) -> list[tuple[Any, str]]:
         """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
-        sequences whose grammar is done are forgotten."""
-        failed, still = [], []
+        sequences whose grammar is done are forgotten, and a compile that no unfinished sequence
+        waits for any more (its requests aborted) is cancelled if it has not started."""
+        failed, still, dropped = [], [], set()
         for seq in self._compiling:
             request = seq.structured_output
-            if seq.is_finished or request.is_ready:
+            if seq.is_finished:
+                dropped.add(request.grammar)
+                continue
+            if request.is_ready:
                 continue
             error = request.compile_error
             if error is not None:
@@ -636,6 +640,10 @@ class StructuredOutputManager:
             else:
                 still.append(seq)
         self._compiling = still
+        # Without this a client that sends many slow constraints and goes away keeps the pool busy
+        # with them, and every later request's grammar waits behind the queue.
+        for fut in dropped - {seq.structured_output.grammar for seq in still}:
+            fut.cancel()
         return failed
 
     @property

@@ -1,9 +1,14 @@
 """Hostile structured-output requests on stories260K (CPU): constraints that are valid but large,
 unsatisfiable or slow to compile must give a clean answer (an error naming the field, or a finished
 request), never a failure in the middle of the output or a stalled engine."""
+import re
+
 import pytest
 
 from minillm import LLM, SamplingParams, StructuredOutputsParams
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+from test_structured_engine import gated_compile, run_until  # noqa: F401 (a fixture)
 
 PROMPT = "Once upon a time"
 
@@ -43,3 +48,35 @@ def test_a_constraint_nothing_satisfies_ends_its_request_saying_so(llm, kwargs, 
     assert failed.finish_reason == "error" and failed.text == ""
     assert failed.stop_reason.startswith(f"structured_outputs.{field}: no output satisfies the"), failed.stop_reason
     assert (healthy.finish_reason, healthy.token_ids) == (alone.finish_reason, alone.token_ids)
+
+
+def test_compiles_of_aborted_requests_are_cancelled_and_do_not_hold_up_later_ones(stories_path, gated_compile):
+    # A client sends many distinct slow constraints and goes away: their queued compiles used to
+    # run anyway, one after another, ahead of every later request's grammar.
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu"))
+    def constrained(regex):
+        return SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=regex))
+    gates = []
+    for i in range(2):                      # both compile workers busy
+        busy = StructuredOutputsParams(regex=f"busy{i}")   # built before its gate: the entry check compiles too
+        gates.append(gated_compile(busy))
+        engine.add_request(f"busy{i}", PROMPT, SamplingParams(temperature=0, max_tokens=12, structured_outputs=busy))
+    for gate, entered in gates:
+        assert entered.wait(timeout=120)
+    for i in range(6):                      # queued behind them, then aborted
+        engine.add_request(f"gone{i}", PROMPT, constrained(f"gone{i}[a-z]"))
+    engine.add_request("shared", PROMPT, constrained("gone0[a-z]"))   # waits on an aborted one's compile
+    futures = {seq.request_id: seq.structured_output.grammar for seq in engine.structured_outputs._compiling}
+    for i in range(6):
+        engine.abort_request(f"gone{i}")
+    engine.add_request("later", PROMPT, constrained("later"))
+    engine.step()
+    assert all(futures[f"gone{i}"].cancelled() for i in range(1, 6))
+    assert not futures["shared"].cancelled()
+    for gate, _ in gates:
+        gate.set()
+    outs = run_until(engine, lambda o: all(k in o and o[k].finished for k in ("busy0", "busy1", "shared", "later")))
+    assert outs["later"].outputs[0].text == "later" and outs["later"].outputs[0].finish_reason == "stop"
+    assert re.fullmatch("gone0[a-z]", outs["shared"].outputs[0].text)
+    assert not engine.has_unfinished_requests()
+    engine.shutdown()
