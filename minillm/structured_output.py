@@ -149,12 +149,16 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
                 value = jsonlib.loads(value)
             except ValueError as e:
                 raise StructuredOutputsError("json", f"the schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise StructuredOutputsError("json", "the schema is nested too deeply") from None
         if not isinstance(value, dict):
             raise StructuredOutputsError("json", f"a JSON schema must be an object, got {type(value).__name__}")
         try:
             text = jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise StructuredOutputsError("json", f"the schema is not serialisable as JSON: {e}") from None
+        except RecursionError:
+            raise StructuredOutputsError("json", "the schema is nested too deeply") from None
         return StructuredOutputOptions.JSON, text
     if name == "json_object":
         if value is not True:

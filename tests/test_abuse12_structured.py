@@ -8,6 +8,7 @@ import pytest
 from minillm import LLM, SamplingParams, StructuredOutputsParams
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
+from minillm.structured_output import StructuredOutputsError
 from test_structured_engine import gated_compile, run_until  # noqa: F401 (a fixture)
 
 PROMPT = "Once upon a time"
@@ -80,3 +81,22 @@ def test_compiles_of_aborted_requests_are_cancelled_and_do_not_hold_up_later_one
     assert re.fullmatch("gone0[a-z]", outs["shared"].outputs[0].text)
     assert not engine.has_unfinished_requests()
     engine.shutdown()
+
+
+def nested_schema(depth: int) -> str:
+    return '{"type":"object","properties":{"a":' * depth + '{"type":"string"}' + "}}" * depth
+
+
+def nested_dict(depth: int) -> dict:
+    schema = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+@pytest.mark.parametrize("schema", [nested_schema(5000), nested_dict(5000)])
+def test_a_schema_nested_past_pythons_recursion_limit_is_a_value_error_naming_json(schema):
+    # It was a RecursionError from json (neither a ValueError nor a 400).
+    with pytest.raises(StructuredOutputsError, match="^json: the schema is nested too deeply") as info:
+        StructuredOutputsParams(json=schema)
+    assert info.value.field == "json"
