@@ -42,6 +42,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,14 +123,63 @@ class StructuredOutputsParams:
             raise StructuredOutputsError("disable_any_whitespace", "must be a boolean")
         name = chosen[0]
         key = _canonical_key(name, getattr(self, name))
-        # Whitespace does not change whether a schema is valid: check it in the default form.
-        try:
-            error = llguidance.LLMatcher.validate_grammar(serialize_grammar(key))
-        except ValueError as e:
-            error = str(e)
+        if key[0] in _RECURSIVE_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
+            raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
+                                               f"at most {MAX_CONSTRAINT_CHARS} are taken")
+        error = on_large_stack(_check_grammar, key)
         if error:
             raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
         return key
+
+
+def _check_grammar(key: StructuredOutputKey) -> str:
+    """llguidance's error for a constraint ('' when it is valid)."""
+    # Whitespace does not change whether a schema is valid: check it in the default form.
+    try:
+        return llguidance.LLMatcher.validate_grammar(serialize_grammar(key))
+    except ValueError as e:
+        return str(e)
+
+
+# llguidance recurses once per rule a grammar's rules chain through, and per $ref a schema's refs
+# chain through, on the calling thread's stack: a chain of a few hundred to a few thousand
+# overflows an 8 MiB stack and kills the process. So its work runs on threads with a large stack,
+# and a schema's or grammar's text is bounded, which keeps the deepest chain that fits well inside
+# that stack (about 13 KiB of stack per $ref at 30 characters or more each).
+_GRAMMAR_STACK_BYTES = 256 << 20
+MAX_CONSTRAINT_CHARS = 128 * 1024
+_stack_lock = threading.Lock()
+
+
+@contextmanager
+def _large_stack():
+    """Threads started inside get a _GRAMMAR_STACK_BYTES stack (the setting is process-wide:
+    it is held only while they start)."""
+    with _stack_lock:
+        old = threading.stack_size(_GRAMMAR_STACK_BYTES)
+        try:
+            yield
+        finally:
+            threading.stack_size(old)
+
+
+def on_large_stack(fn, *args):
+    """fn(*args) on a new thread with a large stack; returns what it returns or raises what it raises."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:      # handed to the caller's thread
+            result["error"] = e
+
+    with _large_stack():
+        thread = threading.Thread(target=run, name="minillm-grammar-check")
+        thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _first_line(message: str) -> str:
@@ -177,6 +227,7 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
 
 
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
+_RECURSIVE_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.GRAMMAR)   # rules, $refs
 # llguidance's error when a mask allows no token at all and the output may not end there: the
 # constraint matches nothing (a regex like [^\s\S], a $ref cycle, a rule only left-recursive).
 _NO_TOKEN_ALLOWED = "NoExtensionBias"
@@ -544,7 +595,8 @@ class StructuredOutputManager:
             if fut is not None and not _has_failed(fut):
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, params.key, no_whitespace)
+            with _large_stack():           # the pool starts its threads in submit
+                fut = self._pool.submit(self._compile, params.key, no_whitespace)
             self._cache[key] = fut
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)

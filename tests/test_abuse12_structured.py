@@ -1,7 +1,11 @@
 """Hostile structured-output requests on stories260K (CPU): constraints that are valid but large,
 unsatisfiable or slow to compile must give a clean answer (an error naming the field, or a finished
 request), never a failure in the middle of the output or a stalled engine."""
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +104,47 @@ def test_a_schema_nested_past_pythons_recursion_limit_is_a_value_error_naming_js
     with pytest.raises(StructuredOutputsError, match="^json: the schema is nested too deeply") as info:
         StructuredOutputsParams(json=schema)
     assert info.value.field == "json"
+
+
+CHAINS = '''
+import json, sys
+from minillm import LLM, SamplingParams, StructuredOutputsParams
+from minillm.structured_output import MAX_CONSTRAINT_CHARS as M
+rules, i = ["start: a0"], 0
+while sum(len(r) + 1 for r in rules) < M - 40:
+    rules.append(f"a{i}: a{i+1}"); i += 1
+lark = dict(grammar="\\n".join(rules + [f'a{i}: "x"']))
+defs, i = {}, 0
+while len(json.dumps(defs, separators=(",", ":"))) < M - 300:
+    nxt = {"$ref": f"#/$defs/{i+1}"}
+    defs[str(i)] = {"anyOf": [{"type": "object", "properties": {"k": {"allOf": [nxt]}}}, {"type": "integer"}]}
+    i += 1
+defs[str(i)] = {"type": "string"}
+refs = dict(json={"$defs": defs, "$ref": "#/$defs/0"})
+params = [StructuredOutputsParams(**kw) for kw in (lark, refs)]
+print("validated", flush=True)
+with LLM(sys.argv[1], device="cpu") as llm:
+    outs = llm.generate(["Once"] * 2, [SamplingParams(max_tokens=8, temperature=0, structured_outputs=p) for p in params])
+    print("generated", [o.outputs[0].finish_reason for o in outs], flush=True)
+'''
+
+
+def test_the_longest_rule_and_ref_chains_taken_do_not_overflow_the_stack(stories_path):
+    # llguidance recursed down a chain of ~2,500 Lark rules, or ~600 $refs, on the caller's 8 MiB
+    # stack and the process died (SIGSEGV) while the request was checked. In a child process, so a
+    # crash fails this test rather than the run.
+    proc = subprocess.run([sys.executable, "-c", CHAINS, str(stories_path)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "validated" in proc.stdout
+    assert "generated ['stop', 'length']" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(grammar="start: a0\n" + "\n".join(f"a{i}: a{i + 1}" for i in range(20000)) + '\na20000: "x"'), "grammar"),
+    (dict(json={"$defs": {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(10000)}, "$ref": "#/$defs/0"}), "json"),
+])
+def test_a_grammar_or_schema_past_the_size_bound_is_a_value_error_naming_it(kwargs, field):
+    with pytest.raises(StructuredOutputsError, match=f"^{field}: the .* characters long; at most ") as info:
+        StructuredOutputsParams(**kwargs)
+    assert info.value.field == field
