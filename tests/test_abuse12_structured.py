@@ -148,3 +148,32 @@ def test_a_grammar_or_schema_past_the_size_bound_is_a_value_error_naming_it(kwar
     with pytest.raises(StructuredOutputsError, match=f"^{field}: the .* characters long; at most ") as info:
         StructuredOutputsParams(**kwargs)
     assert info.value.field == field
+
+
+@pytest.fixture(scope="module")
+def server(stories_path, tmp_path_factory):
+    from test_server_helpers import chat_model_dir, running_server
+    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat-model"))
+    with running_server(model, served_model_name="stories") as (url, _engine):
+        yield url
+
+
+@pytest.mark.parametrize("endpoint,fields,param", [
+    ("completions", {"structured_outputs": {"json": nested_schema(3000)}}, "structured_outputs.json"),
+    ("completions", {"structured_outputs": {"grammar": "start: a0\n" + "\n".join(f"a{i}: a{i + 1}" for i in range(20000))}},
+     "structured_outputs.grammar"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "chain", "schema": {
+        "$defs": {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(10000)}, "$ref": "#/$defs/0"}}}},
+     "response_format.json_schema.schema"),
+])
+def test_the_server_answers_a_400_naming_the_field_and_goes_on(server, endpoint, fields, param):
+    # The nested schema text was a 500 (RecursionError); the chains could kill the API server.
+    import httpx
+    body = {"model": "stories", "max_tokens": 4, **fields}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if endpoint.startswith("chat") else {"prompt": PROMPT})
+    r = httpx.post(f"{server}/v1/{endpoint}", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    ok = httpx.post(f"{server}/v1/completions", json={"model": "stories", "prompt": PROMPT, "max_tokens": 4,
+                                                     "structured_outputs": {"choice": ["yes", "no"]}}, timeout=120)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] in ("yes", "no")
