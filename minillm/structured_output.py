@@ -42,6 +42,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,14 +123,63 @@ class StructuredOutputsParams:
             raise StructuredOutputsError("disable_any_whitespace", "must be a boolean")
         name = chosen[0]
         key = _canonical_key(name, getattr(self, name))
-        # Whitespace does not change whether a schema is valid: check it in the default form.
-        try:
-            error = llguidance.LLMatcher.validate_grammar(serialize_grammar(key))
-        except ValueError as e:
-            error = str(e)
+        if key[0] in _RECURSIVE_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
+            raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
+                                               f"at most {MAX_CONSTRAINT_CHARS} are taken")
+        error = on_large_stack(_check_grammar, key)
         if error:
             raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
         return key
+
+
+def _check_grammar(key: StructuredOutputKey) -> str:
+    """llguidance's error for a constraint ('' when it is valid)."""
+    # Whitespace does not change whether a schema is valid: check it in the default form.
+    try:
+        return llguidance.LLMatcher.validate_grammar(serialize_grammar(key))
+    except ValueError as e:
+        return str(e)
+
+
+# llguidance recurses once per rule a grammar's rules chain through, and per $ref a schema's refs
+# chain through, on the calling thread's stack: a chain of a few hundred to a few thousand
+# overflows an 8 MiB stack and kills the process. So its work runs on threads with a large stack,
+# and a schema's or grammar's text is bounded, which keeps the deepest chain that fits well inside
+# that stack (about 13 KiB of stack per $ref at 30 characters or more each).
+_GRAMMAR_STACK_BYTES = 256 << 20
+MAX_CONSTRAINT_CHARS = 128 * 1024
+_stack_lock = threading.Lock()
+
+
+@contextmanager
+def _large_stack():
+    """Threads started inside get a _GRAMMAR_STACK_BYTES stack (the setting is process-wide:
+    it is held only while they start)."""
+    with _stack_lock:
+        old = threading.stack_size(_GRAMMAR_STACK_BYTES)
+        try:
+            yield
+        finally:
+            threading.stack_size(old)
+
+
+def on_large_stack(fn, *args):
+    """fn(*args) on a new thread with a large stack; returns what it returns or raises what it raises."""
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn(*args)
+        except BaseException as e:      # handed to the caller's thread
+            result["error"] = e
+
+    with _large_stack():
+        thread = threading.Thread(target=run, name="minillm-grammar-check")
+        thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
 
 
 def _first_line(message: str) -> str:
@@ -149,12 +199,16 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
                 value = jsonlib.loads(value)
             except ValueError as e:
                 raise StructuredOutputsError("json", f"the schema is not valid JSON: {e}") from None
+            except RecursionError:
+                raise StructuredOutputsError("json", "the schema is nested too deeply") from None
         if not isinstance(value, dict):
             raise StructuredOutputsError("json", f"a JSON schema must be an object, got {type(value).__name__}")
         try:
             text = jsonlib.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         except (TypeError, ValueError) as e:
             raise StructuredOutputsError("json", f"the schema is not serialisable as JSON: {e}") from None
+        except RecursionError:
+            raise StructuredOutputsError("json", "the schema is nested too deeply") from None
         return StructuredOutputOptions.JSON, text
     if name == "json_object":
         if value is not True:
@@ -173,6 +227,10 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
 
 
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
+_RECURSIVE_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.GRAMMAR)   # rules, $refs
+# llguidance's error when a mask allows no token at all and the output may not end there: the
+# constraint matches nothing (a regex like [^\s\S], a $ref cycle, a rule only left-recursive).
+_NO_TOKEN_ALLOWED = "NoExtensionBias"
 
 
 def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = False) -> str:
@@ -184,8 +242,11 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:
-        # Each choice as a Lark string literal (JSON string syntax is Lark's).
-        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
+        # Each choice as a Lark string literal (JSON string syntax is Lark's), all in one terminal:
+        # as alternatives of a rule, each is an item of the parser's row, and past 2,000 of them
+        # (llguidance's max_items_in_row) the first token is refused mid-output.
+        return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: "
+                                                      + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
     # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
     # them), which llguidance converts to Lark.
     return llguidance.LLMatcher.grammar_from_lark(llguidance.grammar_from("grammar", text))
@@ -534,7 +595,8 @@ class StructuredOutputManager:
             if fut is not None and not _has_failed(fut):
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile, params.key, no_whitespace)
+            with _large_stack():           # the pool starts its threads in submit
+                fut = self._pool.submit(self._compile, params.key, no_whitespace)
             self._cache[key] = fut
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
@@ -562,8 +624,11 @@ class StructuredOutputManager:
             probe = template.deep_copy()
             probe.compute_bitmask()
             if probe.is_error():
-                raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: "
-                                                           f"{_first_line(probe.get_error())}")
+                error = _first_line(probe.get_error())
+                if error == _NO_TOKEN_ALLOWED:
+                    raise StructuredOutputsError(key[0].value, f"no output satisfies the {_WHAT[key[0].value]} "
+                                                               "(it allows no first token and may not be empty)")
+                raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: {error}")
         seconds = time.perf_counter() - start
         with self._lock:
             self._num_compiled += 1
@@ -615,11 +680,15 @@ class StructuredOutputManager:
 
     def take_failed(self) -> list[tuple[Any, str]]:
         """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
-        sequences whose grammar is done are forgotten."""
-        failed, still = [], []
+        sequences whose grammar is done are forgotten, and a compile that no unfinished sequence
+        waits for any more (its requests aborted) is cancelled if it has not started."""
+        failed, still, dropped = [], [], set()
         for seq in self._compiling:
             request = seq.structured_output
-            if seq.is_finished or request.is_ready:
+            if seq.is_finished:
+                dropped.add(request.grammar)
+                continue
+            if request.is_ready:
                 continue
             error = request.compile_error
             if error is not None:
@@ -627,6 +696,10 @@ class StructuredOutputManager:
             else:
                 still.append(seq)
         self._compiling = still
+        # Without this a client that sends many slow constraints and goes away keeps the pool busy
+        # with them, and every later request's grammar waits behind the queue.
+        for fut in dropped - {seq.structured_output.grammar for seq in still}:
+            fut.cancel()
         return failed
 
     @property
