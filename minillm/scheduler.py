@@ -21,7 +21,7 @@ every running sequence has its token: nobody is preempted to make room for them.
 
 With a step-time budget (max_step_ms, and a StepCostModel from minillm/step_cost.py), a step
 in which decode rows run sizes its prompt chunks so that the estimated step time stays within the
-budget: each prefill row gets the largest chunk that fits (the cost model's closed form), and
+budget: each prefill row gets the largest chunk whose estimate fits (a bisection), and
 the oldest prefill row at least one KV block of tokens whatever the estimate says, so a long
 prompt always advances. A step with nothing decoding has only the token budget. With
 max_step_factor the limit is that many times the estimated step of the batch's decode rows, the
