@@ -6,7 +6,6 @@ import functools
 import importlib
 import inspect
 import json
-import math
 import os
 import sys
 from enum import Enum
@@ -710,8 +709,8 @@ def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: fl
         config["kv_role"] = kv_role
     config.setdefault("kv_connector", "PDConnector")
     if lease_s is not None:
-        if isinstance(lease_s, bool) or not (math.isfinite(lease_s) and lease_s > 0):
-            raise CliError(f"--kv-lease-s must be a finite number > 0, got {lease_s!r}")
+        from minillm.server.limits import check_limit
+        check_limit("--kv-lease-s", lease_s)
         config["kv_lease_s"] = lease_s
     return config
 
