@@ -114,7 +114,7 @@ def run(args, model: str, max_step_ms: float | None, max_step_factor: float | No
     core = EngineCore(EngineConfig(**options))
     engine, encode = core.engine, encoder().encode
     try:
-        freeze_startup_heap(engine)
+        freeze_startup_heap()
         rng = np.random.default_rng(args.seed)
         vocab = engine.model_config.vocab_size
         params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)

@@ -288,7 +288,7 @@ def main(argv=None) -> None:
         try:
             warm_up(engine, SCHEMAS[args.schema])
             if core is not None:
-                freeze_startup_heap(engine)    # as the core process does once it has started
+                freeze_startup_heap()    # as the core process does once it has started
             for r in range(args.repeats):
                 for num_constrained in (0, args.constrained):
                     runs.append(timed_run(engine, args, num_constrained, SCHEMAS[args.schema], len(runs), core))

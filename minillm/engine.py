@@ -8,7 +8,6 @@ import numbers
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -200,9 +199,6 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
-        # Called right after each launch, while the device works (the serving processes' young
-        # garbage collections: engine_core.heap.collect_young); None: nothing.
-        self.after_launch: Callable[[], None] | None = None
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
         self._seed_rng = np.random.default_rng(config.seed)
@@ -356,8 +352,6 @@ class LLMEngine:
         out = self._schedule()
         if not out.is_empty:
             self._in_flight.append((out, self._launch(out)))
-            if self.after_launch is not None:
-                self.after_launch()
         elif not self._in_flight and self.structured_outputs is not None:
             self.structured_outputs.wait_for_compile(timeout=0.02)   # nothing runs until a grammar is ready
         elif not self._in_flight and self.scheduler.has_unfinished() and self._kv_connector_holds_blocks():

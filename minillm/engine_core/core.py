@@ -363,7 +363,7 @@ def run_engine_core(spec: CoreSpec) -> None:
         engine = core.engine
         proc.broadcast(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size,
                                engine.stats(cells=1)))
-        freeze_startup_heap(engine)
+        freeze_startup_heap()
         try:
             proc.run()
         except ConnectionError:
