@@ -163,23 +163,17 @@ def _large_stack():
             threading.stack_size(old)
 
 
+_checker: ThreadPoolExecutor | None = None    # the large-stack threads of on_large_stack, made on first use
+
+
 def on_large_stack(fn, *args):
-    """fn(*args) on a new thread with a large stack; returns what it returns or raises what it raises."""
-    result: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn(*args)
-        except BaseException as e:      # handed to the caller's thread
-            result["error"] = e
-
-    with _large_stack():
-        thread = threading.Thread(target=run, name="minillm-grammar-check")
-        thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
+    """fn(*args) on a thread with a large stack; returns what it returns or raises what it raises."""
+    global _checker
+    with _large_stack():               # the pool starts its threads in submit
+        if _checker is None:
+            _checker = ThreadPoolExecutor(max_workers=4, thread_name_prefix="minillm-grammar-check")
+        future = _checker.submit(fn, *args)
+    return future.result()
 
 
 def _first_line(message: str) -> str:
