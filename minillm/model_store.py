@@ -248,8 +248,8 @@ def _runnable_note(path: Path) -> str:
     if not _is_complete(path):
         return "no safetensors weights" if not any(path.glob("*.safetensors")) else "incomplete download"
     try:
-        names = json.loads((path / "config.json").read_text(encoding="utf-8")).get("architectures") or []
-    except (OSError, ValueError, AttributeError):      # AttributeError: JSON, but not an object
+        names = read_json_object(path / "config.json").get("architectures") or []
+    except (OSError, ValueError):      # not JSON, not UTF-8, or not an object
         return "unreadable config.json"
     if not isinstance(names, list):
         names = [str(names)]
