@@ -143,8 +143,6 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
 
 
-
-
 class ContentPart(BaseModel):
     """One part of a multi-part message content; only text parts (TEXT_PART_KEYS) are supported."""
 
