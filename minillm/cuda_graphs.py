@@ -19,6 +19,16 @@ import numpy as np
 from minillm.attention import AttentionMetadata
 
 
+def end_capture(stream):
+    """End the stream's capture and upload the executable graph at once.
+
+    A graph not uploaded is uploaded by its first launch: in serving, that cost would land on
+    the first step at each new batch size."""
+    graph = stream.end_capture()
+    graph.upload(stream)
+    return graph
+
+
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, capped at max_num_seqs."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 16, 16))
@@ -49,7 +59,7 @@ class _CapturedForwards:
                 self.stream.synchronize()
                 self.stream.begin_capture()
                 logits = self._forward(b)
-                graph = self.stream.end_capture()
+                graph = end_capture(self.stream)
                 self.graphs[b] = (graph, logits)
         self.stream.synchronize()
 

@@ -26,6 +26,7 @@ from types import ModuleType
 import numpy as np
 
 from minillm.attention import AttentionMetadata
+from minillm.cuda_graphs import end_capture
 from minillm.piecewise_graphs import piecewise_token_sizes
 
 MAX_TOKENS = 1024              # the largest step captured whole (steps past it run the pieces)
@@ -119,7 +120,7 @@ class MixedGraphs:
                 self.stream.synchronize()
                 self.stream.begin_capture()
                 model.forward(self.ids[:t], self.positions[:t], hooks.meta, self.kv_pool, split=hooks)
-                self.graphs[t] = (self.stream.end_capture(), hooks)
+                self.graphs[t] = (end_capture(self.stream), hooks)
         self.stream.synchronize()
 
     def release(self) -> None:

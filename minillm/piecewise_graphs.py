@@ -21,6 +21,7 @@ from types import ModuleType
 import numpy as np
 
 from minillm.attention import AttentionMetadata
+from minillm.cuda_graphs import end_capture
 
 
 def piecewise_token_sizes(max_num_tokens: int) -> list[int]:
@@ -42,7 +43,7 @@ class _Split:
 
     def attention(self, layer: int):
         """End the piece before layer's attention, start the next; attention's output buffer."""
-        self.pieces.append(self.stream.end_capture())
+        self.pieces.append(end_capture(self.stream))
         self.stream.begin_capture()
         return self.o
 
@@ -91,7 +92,7 @@ class PiecewiseGraphs:
                 split = _Split(self.stream, self.q[:t], self.o[:t], self.hidden[:t])
                 self.stream.begin_capture()
                 model.forward(self.ids[:t], self.positions[:t], meta, self.kv_pool, split=split)
-                split.pieces.append(self.stream.end_capture())
+                split.pieces.append(end_capture(self.stream))
                 self.chains[t] = split.pieces
         self.stream.synchronize()
 
