@@ -68,6 +68,7 @@ class ModelRunner:
         self._deferred = None            # (InFlightStep, logits, grammar_bitmask) of a launch whose sampling waits
         self._prompt_logprobs = None     # what compute_logits queued for the step's prompt log-probabilities
         self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
+        self._picked = self._logits = None   # [R, D], [R, V] the sampling rows of a step off the decode graphs
 
     def _device_arrays(self):
         m = self.model
@@ -164,10 +165,16 @@ class ModelRunner:
             self.kv_pool = self.device.kv_pool_zeros(
                 (mc.num_layers, 2, num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim),
                 self._kv_pool_dtype(), shared=transfer is not None and transfer.is_kv_producer)
+            # A step off the decode graphs writes its sampling rows into these: an allocation that grows
+            # with the batch would make the allocator wait for the device in the middle of a step.
+            spec = self.config.speculative_config
+            rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
+            xp = self.ops.xp
+            self._picked = xp.empty((rows, mc.hidden_size), self.model.embed.dtype)       # [R, D]
+            self._logits = xp.empty((rows, self.model.lm_head.shape[0]), np.float32)      # [R, V] (V / N on a rank)
             if not self.config.enforce_eager:
                 self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool,
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
-                spec = self.config.speculative_config
                 if spec is not None and self.graphs is not None:
                     self.verify_graphs = self.device.verify_graphs(
                         self.model, self.ops, self.kv_pool, self.config.max_num_seqs, max_model_len,
@@ -201,7 +208,7 @@ class ModelRunner:
             self.kv_connector.shutdown()
         self.graphs = self.verify_graphs = self.piecewise = self.mixed_graphs = None
         self.kv_pool = self.model = self._last_sampled = None
-        self.kv_connector = self._deferred = None
+        self.kv_connector = self._deferred = self._picked = self._logits = None
         self.device.release()
 
     @property
@@ -414,7 +421,11 @@ class ModelRunner:
             return None
         if logits_indices is None:
             logits_indices = meta.query_start_loc[np.asarray(rows) + 1] - 1
-        return self.model.compute_logits(hidden[self.ops.asarray(logits_indices)])   # [N, V]
+        n, index = len(logits_indices), self.ops.asarray(np.asarray(logits_indices, np.int32))
+        if self._logits is None or n > len(self._logits):
+            return self.model.compute_logits(hidden[index])                              # [N, V]
+        picked = self.ops.xp.take(hidden, index, axis=0, out=self._picked[:n])          # [N, D]
+        return self.model.compute_logits(picked, out=self._logits[:n])                  # [N, V]
 
     def memory_stats(self) -> MemoryStats:
         """Weights, KV pool and everything else, in bytes."""

@@ -114,3 +114,37 @@ def test_decode_rows_of_no_context_are_skipped():
     full = attend([20, 5, 31], None)
     assert (skipped[1] == 7.0).all()
     np.testing.assert_array_equal(skipped[[0, 2]], full[[0, 2]])
+
+
+def test_steps_off_the_decode_graphs_allocate_no_logits(stories_path):
+    """Mixed steps with more sampling rows each time write their logits into the runner's buffer:
+    no device allocation of a step's logits (one that grows makes the allocator wait for the device)."""
+    import cupy
+    from cupy.cuda import memory_hook
+
+    class Allocations(memory_hook.MemoryHook):
+        name = "allocations"
+
+        def __init__(self):
+            self.sizes = []
+
+        def alloc_postprocess(self, **kw):
+            self.sizes.append(kw["mem_size"])
+
+    llm = LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=16,
+              max_num_batched_tokens=512)
+    runner, vocab = llm.engine.runner, llm.engine.model_config.vocab_size
+    rng = np.random.default_rng(3)
+    for seed, decodes in enumerate((2, 5, 9, 14)):
+        lens, ctx = [1] * decodes + [40], [20 + 3 * i for i in range(decodes)] + [8]
+        (pre_ids, pre_pos, pre_meta), (ids, positions, meta), _ = mixed_step_inputs(
+            rng, runner.block_size, lens, ctx, decodes)
+        with runner.device.compute():
+            runner.compute_logits(pre_ids, pre_pos, pre_meta, [])
+            hook = Allocations()
+            with hook:
+                logits = runner.compute_logits(ids, positions, meta, list(range(len(lens))))
+            cupy.cuda.get_current_stream().synchronize()
+        assert logits.shape == (len(lens), vocab)
+        assert not [s for s in hook.sizes if s >= len(lens) * vocab * 4], (decodes, hook.sizes)
+    llm.shutdown()

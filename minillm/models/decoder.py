@@ -155,9 +155,10 @@ class DecoderModel:
         h = self.ops.embedding(xp.where(mine, local, 0).astype(np.int32), self.embed)
         return self.comm.all_reduce(h * mine[:, None].astype(h.dtype))
 
-    def compute_logits(self, hidden):
-        """hidden: [B, D] -> logits [B, V] in float32."""
-        logits = self.ops.linear(hidden, self.lm_head, out_dtype=np.float32)   # [B, V] ([B, V / N] on a rank)
+    def compute_logits(self, hidden, out=None):
+        """hidden: [B, D] -> logits [B, V] in float32 (the head's product written into out
+        [B, lm_head rows] when given)."""
+        logits = self.ops.linear(hidden, self.lm_head, out=out, out_dtype=np.float32)   # [B, V] ([B, V / N] on a rank)
         if self.comm is None:
             return logits
         logits = self.comm.all_gather(logits)                        # [B, N ceil(V / N)]

@@ -41,12 +41,18 @@ def prepare_linear_weight(w: np.ndarray, dtype) -> np.ndarray:
     return np.ascontiguousarray(w.astype(dtype))
 
 
-def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, out_dtype=None) -> np.ndarray:
-    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), accumulated in fp32."""
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None, out: np.ndarray | None = None,
+           out_dtype=None) -> np.ndarray:
+    """x: [T, K] @ w[N, K].T (+ bias[N]) -> [T, N] in x's dtype (or out_dtype), accumulated in fp32
+    (written into out [T, N] when given)."""
     y = np.matmul(x.astype(np.float32, copy=False), w.astype(np.float32, copy=False).T)
     if bias is not None:
         y += bias.astype(np.float32, copy=False)
-    return y.astype(out_dtype or x.dtype, copy=False)
+    y = y.astype(out_dtype or x.dtype, copy=False)
+    if out is None:
+        return y
+    out[...] = y
+    return out
 
 
 def embedding(ids: np.ndarray, table: np.ndarray) -> np.ndarray:
