@@ -19,6 +19,39 @@ import numpy as np
 from minillm.attention import AttentionMetadata
 
 
+class HostInputs:
+    """A graph's packed int32 inputs in two page-locked host copies, filled and copied up in turn.
+
+    A copy from pageable memory goes through the driver's staging memory, and while that grows the
+    host waits for the step ahead on the device. From page-locked memory the copy is only queued;
+    the host fills the other copy meanwhile, after the upload that last read it is done."""
+
+    def __init__(self, cp, initial: np.ndarray):
+        import cupyx
+
+        self.cp = cp
+        self._copies = [cupyx.empty_pinned(initial.shape, np.int32) for _ in range(2)]
+        for copy in self._copies:
+            copy[...] = initial
+        self._events = [cp.cuda.Event(block=False, disable_timing=True) for _ in range(2)]
+        self._next = 0
+
+    @property
+    def host(self) -> np.ndarray:
+        """The copy the next upload sends (once the upload that last read it is done)."""
+        event = self._events[self._next]
+        if not event.done:
+            event.synchronize()
+        return self._copies[self._next]
+
+    def upload(self, device, num_words: int, stream) -> None:
+        """Queue device[:num_words] = host[:num_words] on stream; the next fill takes the other copy."""
+        i = self._next
+        device[:num_words].set(self._copies[i][:num_words], stream=stream)
+        self._events[i].record(stream)
+        self._next = 1 - i
+
+
 def end_capture(stream):
     """End the stream's capture and upload the executable graph at once.
 
@@ -86,10 +119,10 @@ class DecodeGraphs(_CapturedForwards):
         g = self.sizes[-1]
         self.capacity = g
         # packed: [ids (g) | positions (g) | slot_mapping (g) | seq_lens (g) | block_tables (g * max_blocks)]
-        self.host = np.zeros(4 * g + g * self.max_blocks, np.int32)
-        self._init_host()
+        host = self._initial_host()
+        self.inputs = HostInputs(cp, host)
         with stream:                     # on the stream the graphs run on: ordered before the capture
-            self.device = cp.asarray(self.host)
+            self.device = cp.asarray(host)
             d = self.device
             self.ids, self.positions = d[0:g], d[g:2 * g]
             self.slot_mapping, self.seq_lens = d[2 * g:3 * g], d[3 * g:4 * g]
@@ -107,13 +140,13 @@ class DecodeGraphs(_CapturedForwards):
         hidden = self.model.forward(self.ids[:b], self.positions[:b], self._meta(b), self.kv_pool)
         return self.model.compute_logits(hidden)
 
-    def _init_host(self) -> None:
-        """Rows past the real batch: token 0 at position 0, no KV write, one key of block 0."""
+    def _initial_host(self) -> np.ndarray:
+        """Every row past the real batch: token 0 at position 0, no KV write, one key of block 0."""
         g = self.capacity
-        self.host[:4 * g] = 0
-        self.host[2 * g:3 * g] = -1
-        self.host[3 * g:4 * g] = 1
-        self.host[4 * g:] = 0
+        host = np.zeros(4 * g + g * self.max_blocks, np.int32)
+        host[2 * g:3 * g] = -1
+        host[3 * g:4 * g] = 1
+        return host
 
     def can_run(self, batch_size: int) -> bool:
         """True when a captured graph covers this decode batch."""
@@ -126,7 +159,7 @@ class DecodeGraphs(_CapturedForwards):
         """
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
-        g, h = self.capacity, self.host
+        g, h = self.capacity, self.inputs.host
         h[0:b], h[g:g + b] = ids, meta.seq_lens - 1
         h[2 * g:2 * g + b], h[3 * g:3 * g + b] = meta.slot_mapping, meta.seq_lens
         h[b:g], h[g + b:2 * g], h[2 * g + b:3 * g], h[3 * g + b:4 * g] = 0, 0, -1, 1
@@ -134,8 +167,7 @@ class DecodeGraphs(_CapturedForwards):
         width = meta.block_tables.shape[1]
         tables[:b, :width] = meta.block_tables
         tables[:b, width:] = 0
-        n = 4 * g + size * self.max_blocks          # copy only the rows the graph reads
-        self.device[:n].set(h[:n], stream=self.stream)
+        self.inputs.upload(self.device, 4 * g + size * self.max_blocks, self.stream)   # the rows the graph reads
         if before_launch is not None:
             before_launch(self.ids)
         graph, logits = self.graphs[size]
@@ -166,11 +198,11 @@ class VerifyGraphs(_CapturedForwards):
         # packed: [ids (t) | positions (t) | slot_mapping (t) | seq_lens (g) | query_start_loc (g + 1)
         #          | block_tables (g * max_blocks)]
         self._offsets = np.cumsum([0, t, t, t, g, g + 1])            # start of each region
-        self.host = np.zeros(int(self._offsets[-1]) + g * self.max_blocks, np.int32)
-        self._init_host()
+        host = self._initial_host()
+        self.inputs = HostInputs(cp, host)
         o = self._offsets
         with stream:
-            self.device = cp.asarray(self.host)
+            self.device = cp.asarray(host)
             d = self.device
             self.ids, self.positions, self.slot_mapping = d[o[0]:o[1]], d[o[1]:o[2]], d[o[2]:o[3]]
             self.seq_lens, self.query_start_loc = d[o[3]:o[4]], d[o[4]:o[5]]
@@ -180,15 +212,15 @@ class VerifyGraphs(_CapturedForwards):
         self.num_runs = 0                # replays so far (the stats and tests read it)
         self._capture_all()
 
-    def _init_host(self) -> None:
+    def _initial_host(self) -> np.ndarray:
         """Capture inputs: every sequence query_len tokens at positions 0.., no KV write, block 0."""
         o, q = self._offsets, self.query_len
-        h = self.host
-        h[:] = 0
+        h = np.zeros(int(o[-1]) + self.capacity * self.max_blocks, np.int32)
         h[o[1]:o[2]] = np.tile(np.arange(q, dtype=np.int32), self.capacity)
         h[o[2]:o[3]] = -1
         h[o[3]:o[4]] = q
         h[o[4]:o[5]] = np.arange(0, (self.capacity + 1) * q, q, dtype=np.int32)
+        return h
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(self.query_start_loc[:b + 1], self.seq_lens[:b], self.block_tables[:b],
@@ -213,7 +245,7 @@ class VerifyGraphs(_CapturedForwards):
         """
         b, t = len(meta.seq_lens), len(ids)
         size = next(s for s in self.sizes if s >= b)
-        o, h, g = self._offsets, self.host, self.capacity
+        o, h, g = self._offsets, self.inputs.host, self.capacity
         h[o[0]:o[0] + t], h[o[0] + t:o[1]] = ids, 0
         h[o[1]:o[1] + t], h[o[1] + t:o[2]] = positions, 0
         h[o[2]:o[2] + t], h[o[2] + t:o[3]] = meta.slot_mapping, -1
@@ -224,8 +256,7 @@ class VerifyGraphs(_CapturedForwards):
         tables[:b, :width] = meta.block_tables
         tables[:b, width:] = 0
         tables[b:size] = 0
-        n = int(o[5]) + size * self.max_blocks                       # copy only the rows the graph reads
-        self.device[:n].set(h[:n], stream=self.stream)
+        self.inputs.upload(self.device, int(o[5]) + size * self.max_blocks, self.stream)   # the rows it reads
         if before_launch is not None:
             before_launch(self.ids)
         graph, logits = self.graphs[size]

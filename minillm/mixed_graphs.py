@@ -26,7 +26,7 @@ from types import ModuleType
 import numpy as np
 
 from minillm.attention import AttentionMetadata
-from minillm.cuda_graphs import end_capture
+from minillm.cuda_graphs import HostInputs, end_capture
 from minillm.piecewise_graphs import piecewise_token_sizes
 
 MAX_TOKENS = 1024              # the largest step captured whole (steps past it run the pieces)
@@ -72,12 +72,13 @@ class MixedGraphs:
         # packed: [ids t | positions t | slot_mapping t | chunk qsl c+1 | chunk seq_lens c
         #          | decode qsl d+1 | decode seq_lens d | chunk tables c*mb | decode tables d*mb]
         self._offsets = np.cumsum([0, t, t, t, c + 1, c, d + 1, d, c * mb, d * mb])
-        self.host = np.zeros(int(self._offsets[-1]), np.int32)
         o = self._offsets
-        self.host[o[2]:o[3]] = -1
+        host = np.zeros(int(o[-1]), np.int32)
+        host[o[2]:o[3]] = -1
+        self.inputs = HostInputs(cp, host)
         mc = model.config
         with stream:
-            self.device = cp.asarray(self.host)
+            self.device = cp.asarray(host)
             dev = self.device
             self.ids, self.positions, self.slot_mapping = dev[o[0]:o[1]], dev[o[1]:o[2]], dev[o[2]:o[3]]
             self.chunk_qsl, self.chunk_seq_lens = dev[o[3]:o[4]], dev[o[4]:o[5]]
@@ -149,7 +150,7 @@ class MixedGraphs:
         """
         n, nd, batch = len(ids), int(meta.num_decode_seqs), len(meta.seq_lens)
         t = next(s for s in self.sizes if s >= n)
-        o, h, m, mb = self._offsets, self.host, self.max_tokens, self.max_blocks
+        o, h, m, mb = self._offsets, self.inputs.host, self.max_tokens, self.max_blocks
         h[:n], h[n:t] = ids, 0
         h[m:m + n], h[m + n:m + t] = positions, 0
         h[2 * m:2 * m + n], h[2 * m + n:2 * m + t] = meta.slot_mapping, -1
@@ -161,8 +162,7 @@ class MixedGraphs:
         h[o[6]:o[6] + nd], h[o[6] + nd:o[7]] = lens[:nd], 0
         h[o[7]:o[8]].reshape(MAX_CHUNKS, mb)[:nc, :width] = tables[nd:]
         h[o[8]:o[9]].reshape(self.max_decodes, mb)[:nd, :width] = tables[:nd]
-        end = int(o[8]) + nd * mb                                             # copy only the rows read
-        self.device[:end].set(h[:end], stream=self.stream)
+        self.inputs.upload(self.device, int(o[8]) + nd * mb, self.stream)   # the rows the graph reads
         if before_launch is not None:
             before_launch(self.ids)
         graph, _ = self.graphs[t]

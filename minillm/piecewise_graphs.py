@@ -21,7 +21,7 @@ from types import ModuleType
 import numpy as np
 
 from minillm.attention import AttentionMetadata
-from minillm.cuda_graphs import end_capture
+from minillm.cuda_graphs import HostInputs, end_capture
 
 
 def piecewise_token_sizes(max_num_tokens: int) -> list[int]:
@@ -59,10 +59,11 @@ class PiecewiseGraphs:
         t = self.max_tokens = self.sizes[-1]
         c = model.config
         # packed: [ids (t) | positions (t) | slot_mapping (t)]
-        self.host = np.zeros(3 * t, np.int32)
-        self.host[2 * t:] = -1
+        host = np.zeros(3 * t, np.int32)
+        host[2 * t:] = -1
+        self.inputs = HostInputs(cp, host)
         with stream:
-            self.device = cp.asarray(self.host)
+            self.device = cp.asarray(host)
             self.ids, self.positions, self.slot_mapping = self.device[:t], self.device[t:2 * t], self.device[2 * t:]
             dtype = model.embed.dtype
             self.q = cp.empty((t, c.num_heads, c.head_dim), dtype)          # [t, Hq, Dh] each layer's q
@@ -113,11 +114,11 @@ class PiecewiseGraphs:
         """
         n = len(ids)
         t = next(s for s in self.sizes if s >= n)
-        m, h = self.max_tokens, self.host
+        m, h = self.max_tokens, self.inputs.host
         h[:n], h[n:t] = ids, 0
         h[m:m + n], h[m + n:m + t] = positions, 0
         h[2 * m:2 * m + n], h[2 * m + n:2 * m + t] = slot_mapping, -1
-        self.device.set(h, stream=self.stream)
+        self.inputs.upload(self.device, 3 * m, self.stream)
         if before_launch is not None:
             before_launch(self.ids)
         pieces, model, pool = self.chains[t], self.model, self.kv_pool
