@@ -170,8 +170,14 @@ class ModelRunner:
             spec = self.config.speculative_config
             rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
             xp = self.ops.xp
-            self._picked = xp.empty((rows, mc.hidden_size), self.model.embed.dtype)       # [R, D]
+            self._picked = xp.zeros((rows, mc.hidden_size), self.model.embed.dtype)       # [R, D]
             self._logits = xp.empty((rows, self.model.lm_head.shape[0]), np.float32)      # [R, V] (V / N on a rank)
+            if xp is not np:
+                # The GEMM library picks its kernel by the row count and the driver loads a kernel on
+                # its first launch, waiting for the device: each row count a step may sample runs the
+                # head once here, not in the middle of serving.
+                for m in range(1, rows + 1):
+                    self.ops.linear(self._picked[:m], self.model.lm_head, out=self._logits[:m], out_dtype=np.float32)
             if not self.config.enforce_eager:
                 self.graphs = self.device.decode_graphs(self.model, self.ops, self.kv_pool,
                                                         self.config.max_num_seqs, max_model_len, self.block_size)
