@@ -61,6 +61,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     num_chunks: int = 0             # events that carried text
     error: str = ""
+    start_s: float = 0.0            # time.monotonic() when it was sent (one clock for every client process)
+    end_s: float = 0.0              # time.monotonic() when it ended, answered or not
 
 
 @dataclass
@@ -84,6 +86,7 @@ class BenchmarkResult:
     errors: list[str]
     total_chunks: int = 0           # streamed events that carried text (tokens / chunks: tokens per event)
     client_cpu_s: float = 0.0       # CPU seconds the client itself used (every client process), for its cost
+    requests: list[dict] | None = None   # --save-detailed: each request's start, TTFT and ITLs (ms)
 
     @property
     def client_cpu_us_per_token(self) -> float:
@@ -136,6 +139,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-every-s", type=float, default=2.0, help="Mixed workload: seconds between long prompts.")
     p.add_argument("--duration", type=float, default=60.0, help="Mixed workload: seconds of each phase.")
     p.add_argument("--result-file", default=None, help="Write the results as JSON here.")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="With --result-file: also each request's start (ms from the run's start), TTFT, "
+                        "inter-token latencies, output tokens and error, to place the tail in time.")
     args = p.parse_args(argv)
     if args.mixed_users is not None and (args.mixed_users < 1 or args.long_input_len < 1 or args.long_output_len < 1
                                          or args.long_every_s <= 0 or args.duration <= 0):
@@ -155,6 +161,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     if args.concurrency_sweep and args.peer_base_url:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
+    if args.save_detailed and not args.result_file:
+        p.error("--save-detailed needs --result-file")
     try:
         args.offline_engine_args = offline_engine_args(args)
     except ValueError as exc:
@@ -340,12 +348,13 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncI
 
 async def send_request(url: str, body: dict, headers: dict[str, str], timeout: float) -> RequestResult:
     """Stream one request and time its chunks (at most `timeout` seconds)."""
-    result = RequestResult(ok=False)
+    result = RequestResult(ok=False, start_s=time.monotonic())
     try:
-        return await asyncio.wait_for(_stream_request(url, body, headers, result), timeout)
+        await asyncio.wait_for(_stream_request(url, body, headers, result), timeout)
     except (asyncio.TimeoutError, TimeoutError):
         result.error = f"no answer within {timeout:g} s"
-        return result
+    result.end_s = time.monotonic()
+    return result
 
 
 async def _stream_request(url: str, body: dict, headers: dict[str, str], result: RequestResult) -> RequestResult:
@@ -518,8 +527,19 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     else:
         parts = run_shares(args, base_url, shares)
     results = [r for part in parts for r in part.results]
-    duration = max(p.end for p in parts) - min(p.start for p in parts)
-    return summarize(base_url.rstrip("/"), args.num_prompts, results, duration, sum(p.cpu_s for p in parts))
+    start = min(p.start for p in parts)
+    summary = summarize(base_url.rstrip("/"), args.num_prompts, results, max(p.end for p in parts) - start,
+                        sum(p.cpu_s for p in parts))
+    if args.save_detailed:
+        summary.requests = [request_detail(r, start) for r in results]
+    return summary
+
+
+def request_detail(r: RequestResult, run_start: float) -> dict:
+    """One request's timings for --save-detailed (milliseconds; start from the run's start)."""
+    return {"start_ms": 1000 * (r.start_s - run_start), "end_ms": 1000 * (r.end_s - run_start),
+            "ttft_ms": 1000 * r.ttft_s if r.ok else None, "itl_ms": [1000 * x for x in r.itl_s],
+            "output_tokens": r.output_tokens, "error": r.error or None}
 
 
 def _percentiles(values: list[float]) -> dict:

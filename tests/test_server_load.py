@@ -137,10 +137,22 @@ def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_pa
     url, _ = server
     result_file = tmp_path / "serving.json"
     rc = bench.main(["--base-url", url, "--num-prompts", "6", "--output-len", "6", "--max-concurrency", "2",
-                     "--prompt", "Once upon a time", "--prompt", "The cat", "--result-file", str(result_file)])
+                     "--prompt", "Once upon a time", "--prompt", "The cat", "--result-file", str(result_file),
+                     "--save-detailed"])
     assert rc == 0
     result = json.loads(result_file.read_text())["results"][0]
     assert result["completed"] == 6 and result["total_output_tokens"] == 36
+    # Each request's own timings: its tokens' gaps add up to its time after the first, and no
+    # more than two were ever in flight.
+    requests = result["requests"]
+    assert len(requests) == 6 and all(r["error"] is None and r["output_tokens"] == 6 for r in requests)
+    for r in requests:
+        assert 0 <= r["start_ms"] and 0 < r["ttft_ms"] and 1 <= len(r["itl_ms"]) <= 5
+        assert r["ttft_ms"] + sum(r["itl_ms"]) <= r["end_ms"] - r["start_ms"]
+    for r in requests:
+        assert sum(1 for o in requests if o["start_ms"] <= r["start_ms"] < o["end_ms"]) <= 2
+    with pytest.raises(BenchUsageError, match="--save-detailed needs --result-file"):
+        bench.parse_args(["--save-detailed"])
 
 
 def test_serving_benchmark_from_several_client_processes(server, tmp_path, capsys):
