@@ -303,6 +303,9 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
+        # The common case, plain ints, in C-speed passes (a per-token check took most of add_request).
+        if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab:
+            return None, list(prompt)
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
