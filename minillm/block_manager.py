@@ -161,6 +161,8 @@ class BlockManager:
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
         num_full = min(num_computed_tokens, seq.num_known_tokens) // self.block_size
+        if num_full <= len(seq.block_hashes):       # no block filled since the last call: most decode steps
+            return
         keys = self.keys_of(seq, num_full)
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)
