@@ -36,7 +36,8 @@ class MetricsTracker:
         self.num_steps += 1
         self.prompt_tokens_total += out.num_prefill_tokens
         stats = StepStats(self.num_steps, ended, out.num_prefill_tokens, out.num_decode_tokens, len(out.seqs),
-                          budget, ended - started, estimated_step_s=out.estimated_step_s)
+                          budget, ended - started, estimated_step_s=out.estimated_step_s,
+                          step_limit_s=out.step_limit_s)
         self.recent_steps.append(stats)
         if out.estimated_step_s is not None:
             self._awaiting_device_time.append((out, stats))

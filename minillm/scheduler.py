@@ -286,7 +286,10 @@ class Scheduler:
             counts.append(n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
-        return self._launch(seqs, counts, preempted, spec)
+        out = self._launch(seqs, counts, preempted, spec)
+        if chunks is not None:
+            out.step_limit_s = chunks.limit_s()
+        return out
 
     def _add_drafts(self, seqs: list[Sequence], counts: list[int], budget: int,
                     spec: dict[int, list[int]], preempted: bool, chunks: "_PrefillChunks | None") -> int:
@@ -505,6 +508,13 @@ class _PrefillChunks:
             self.has_progress = True
             self.budget.add(q, start, is_decode=False)
         return q
+
+    def limit_s(self) -> float | None:
+        """The step-time limit the step's prompt chunks were sized under (None: no chunk was sized
+        against decode rows, or no limit applied)."""
+        if not self.is_capping or not math.isfinite(self.budget.limit_s):
+            return None
+        return self.budget.limit_s
 
     def admit_decode_row(self, start: int) -> bool:
         """Count a sequence that joins from the waiting queue as a decode row (preempted, its

@@ -24,6 +24,7 @@ class StepStats:
     step_time_s: float
     estimated_step_s: float | None = None   # the step cost model's estimate (with a step-time budget)
     device_step_s: float | None = None      # measured on the device: forward and sampling (likewise)
+    step_limit_s: float | None = None       # the step-time limit its prompt chunks were sized under
 
 
 @dataclass

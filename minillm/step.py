@@ -31,6 +31,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
     kv_connector_metadata: object | None = None   # the KV connector's transfers for this step, when one is on
     estimated_step_s: float | None = None         # the step cost model's estimate (with max_step_ms only)
+    step_limit_s: float | None = None             # the step-time limit its prompt chunks were sized under
 
     @property
     def num_tokens(self) -> int:

@@ -227,7 +227,7 @@ def test_step_budget_caps_prompt_chunks_while_decodes_run():
     sched.add(long)
     out = run_step(sched)
     # 2 decode tokens + q prompt tokens within 3 ms: 1 + 0.1 (2 + q) <= 3, so q = 18 (the token budget gave 62).
-    assert out.num_new_tokens == [1, 1, 18]
+    assert out.num_new_tokens == [1, 1, 18] and out.step_limit_s == pytest.approx(3e-3)
     assert out.estimated_step_s == pytest.approx(1e-3 + 1e-4 * 20)
     assert out.estimated_step_s == PER_TOKEN.estimate(step_features(out))
     out = run_step(sched)
@@ -301,9 +301,11 @@ def test_a_relative_budget_follows_the_batch_of_decodes():
         limit = 1.5 * (1e-3 + 1e-4 * (num_decodes + 1))
         assert out.estimated_step_s == pytest.approx(1e-3 + 1e-4 * (num_decodes + chunk))
         assert out.estimated_step_s <= limit < out.estimated_step_s + 1e-4
+        assert out.step_limit_s == pytest.approx(limit)          # what the monitor draws the step against
     sched = create_budget_scheduler(None, max_step_factor=1.5, budget=64, num_blocks=128)
     sched.add(create_seq("long", 100, base=80))
-    assert run_step(sched).num_new_tokens == [64]
+    out = run_step(sched)
+    assert out.num_new_tokens == [64] and out.step_limit_s is None   # the token budget alone sized it
     assert sched.snapshot(4).max_step_factor == 1.5 and sched.snapshot(4).max_step_ms is None
 
 

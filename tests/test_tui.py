@@ -484,6 +484,38 @@ async def test_batch_chart_draws_the_step_budget_line_when_set(tmp_path, max_ste
     assert "top row is the step budget" in help_text_plain()
 
 
+async def test_batch_chart_draws_each_steps_own_limit_under_a_relative_budget(tmp_path):
+    """--max-step-factor: each step's device time against the limit it was sized under (which
+    differs from step to step); a step sized by the token budget alone draws no bar."""
+    path = tmp_path / "step_factor_strip.jsonl"
+    with Recorder(path) as recorder:
+        for k in range(3):
+            stats = make_stats(k)
+            stats.max_step_factor = 1.3
+            steps = []
+            for j in range(1, 9):
+                limit = 0.002 * j                              # every step its own limit
+                over = j % 4 == 0
+                steps.append(StepStats(step=k * 8 + j, time=1000.0 + k, num_prefill_tokens=64, num_decode_tokens=4,
+                                       num_seqs=5, token_budget=BUDGET, step_time_s=0.001, estimated_step_s=limit,
+                                       device_step_s=limit * (2.0 if over else 0.5),
+                                       step_limit_s=None if j == 1 else limit))
+            stats.recent_steps = steps
+            recorder.write(stats.to_dict(), t=100.0 + k)
+    app = MonitorApp(source=ReplaySource(path, loop=False, realtime=False))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_for_frames(pilot, 3)
+        chart = pilot.app.query_one(BatchChart).render()
+        lines = chart.plain.splitlines()
+    (top,) = [i for i, line in enumerate(lines) if line.startswith("1.3x┤")]
+    assert "┈" in lines[top] and lines[top + 1].startswith("time│")
+    # 24 steps: 3 with no limit draw nothing, the 6 over their limit fill the strip, 15 reach half.
+    assert lines[top].count("█") == 6
+    assert lines[top + 1].count("█") == 21
+    assert [span for span in chart.spans if str(span.style) == COLOR_OVER]
+    assert "budget 256 / 1.3x decode" in chart.plain
+
+
 async def test_batch_chart_names_a_relative_step_budget(tmp_path):
     path = tmp_path / "step_factor.jsonl"
     with Recorder(path) as recorder:

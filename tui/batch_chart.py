@@ -1,5 +1,6 @@
 """Batch composition per engine step: decode and prefill tokens stacked against the token budget,
-and, with a step-time budget (--max-step-ms), each step's device time against that budget."""
+and, with a step-time budget (--max-step-ms or --max-step-factor), each step's device time against
+the limit its prompt chunks were sized under."""
 from __future__ import annotations
 
 from rich.style import Style
@@ -39,10 +40,18 @@ def step_time_rows(rows: int) -> int:
     return min(3, rows // 3)
 
 
-def time_eighths(step: StepStats, budget_s: float, rows: int) -> tuple[int, bool] | None:
+def step_limit_s(step: StepStats, max_step_ms: float | None) -> float | None:
+    """The limit a step's device time is drawn against: the one its prompt chunks were sized under,
+    else the fixed step budget (a step with no decode rows is sized by the token budget alone)."""
+    if step.step_limit_s is not None:
+        return step.step_limit_s
+    return None if max_step_ms is None else max_step_ms / 1e3
+
+
+def time_eighths(step: StepStats, budget_s: float | None, rows: int) -> tuple[int, bool] | None:
     """(height in eighths, is over the budget) of a step's measured device time in a strip of
-    `rows` rows whose top is the step budget; None when the step was not timed."""
-    if step.device_step_s is None:
+    `rows` rows whose top is the step budget; None when the step was not timed or had no limit."""
+    if step.device_step_s is None or budget_s is None:
         return None
     height = rows * 8
     level = max(round(step.device_step_s / budget_s * height), 1)
@@ -77,7 +86,8 @@ class BatchChart(Panel):
     least one eighth of a cell, so a small decode batch under a large budget stays visible.
 
     With a step-time budget a strip below shows each step's measured device time; its top row is
-    the step budget (dotted), and a step over it fills the strip in red."""
+    the step budget (dotted: --max-step-ms, or each step's own limit under --max-step-factor), and
+    a step over it fills the strip in red."""
 
     PANEL_TITLE = "batch per step"
 
@@ -87,8 +97,8 @@ class BatchChart(Panel):
         width, height = self.content_size
         columns = max(width - AXIS_WIDTH, 1)
         rows = max(height - FOOTER_ROWS, 1)
-        step_budget_ms = self.stats.max_step_ms
-        time_rows = step_time_rows(rows) if step_budget_ms else 0
+        has_step_budget = self.stats.max_step_ms is not None or self.stats.max_step_factor is not None
+        time_rows = step_time_rows(rows) if has_step_budget else 0
         rows -= time_rows
         steps = list(self.history.steps)[-columns:]
         budget = max([self.stats.max_num_batched_tokens] + [s.token_budget for s in steps])
@@ -105,21 +115,23 @@ class BatchChart(Panel):
                 line.append(*_cell(decode8, total8, row, is_budget_row))
             lines.append(line)
         if time_rows:
-            lines.extend(self._step_time_strip(steps, pad, time_rows, step_budget_ms))
+            lines.extend(self._step_time_strip(steps, pad, time_rows))
         seqs = Text(f"{'seqs':>{AXIS_WIDTH - 1}}│", style=COLOR_DIM).append(pad)
         seqs.append_text(sparkline([s.num_seqs for s in steps], len(steps), self.stats.max_num_seqs, COLOR_SEQS))
         lines.append(seqs)
         lines.append(self._legend(steps[-1] if steps else None, budget, width))
         return Text("\n").join(lines)
 
-    @staticmethod
-    def _step_time_strip(steps: list[StepStats], pad: str, rows: int, budget_ms: float) -> list[Text]:
-        """Rows of each step's device time against the step budget (the dotted top row)."""
-        tops = [time_eighths(s, budget_ms / 1e3, rows) for s in steps]
+    def _step_time_strip(self, steps: list[StepStats], pad: str, rows: int) -> list[Text]:
+        """Rows of each step's device time against its step budget (the dotted top row): the fixed
+        --max-step-ms, or under --max-step-factor each step's own limit (labelled with the factor)."""
+        fixed_ms, factor = self.stats.max_step_ms, self.stats.max_step_factor
+        tops = [time_eighths(s, step_limit_s(s, fixed_ms), rows) for s in steps]
+        top_label = _ms_label(fixed_ms) if factor is None else f"{factor:g}x"[:AXIS_WIDTH - 1]
         lines = []
         for row in reversed(range(rows)):
             is_budget_row = row == rows - 1
-            label = _ms_label(budget_ms) if is_budget_row else ("ms" if row == 0 else "")
+            label = top_label if is_budget_row else (("ms" if factor is None else "time") if row == 0 else "")
             line = spaced((f"{label:>{AXIS_WIDTH - 1}}{'┤' if is_budget_row else '│'}", COLOR_DIM))
             line.append(("┈" if is_budget_row else " ") * len(pad), style=COLOR_DIM)
             for top in tops:

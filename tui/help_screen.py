@@ -38,8 +38,9 @@ def help_text() -> Text:
     text.append("one column per engine step: ")
     text.append("█", style=COLOR_DECODE).append(" decode tokens under ")
     text.append("█", style=COLOR_PREFILL).append(" prefill tokens; the top row is the token budget\n")
-    text.append("step time  ", style="bold").append("with --max-step-ms, a strip under the batch: each step's "
-                                                   "device time; its top row is the step budget, ")
+    text.append("step time  ", style="bold").append("with --max-step-ms or --max-step-factor, a strip under the "
+                                                   "batch: each step's device time; its top row is the step "
+                                                   "budget (with a factor, each step's own limit), ")
     text.append("█", style=COLOR_OVER).append(" a step over it\n")
     text.append("KV usage  ", style="bold").append("used blocks / all blocks; token util: tokens held / slots in used blocks\n")
     text.append("scheduler  ", style="bold").append("queues, preemptions, tok/s, TTFT and inter-token latency p50 / p99\n")
