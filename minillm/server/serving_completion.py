@@ -45,6 +45,10 @@ class CompletionJob:
         # logprobs are asked; one token is generated and dropped.
         self.echo_only = req.echo and req.max_tokens == 0
         self.max_tokens = 1 if self.echo_only else req.max_tokens
+        if self.echo_only and isinstance(req.min_tokens, int) and req.min_tokens > 0:
+            # checked against the 0 sent, not the 1 generated and dropped (which the error named)
+            raise APIError(400, f"min_tokens must not exceed max_tokens (0), got {req.min_tokens}",
+                           param="min_tokens")
         to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
                            max_model_len=ctx.engine.max_model_len)
         self.prompt_ids: list[list[int]] = []
