@@ -208,8 +208,8 @@ class CompletionJob:
 async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     """Validate, submit and answer (JSON, or an event stream)."""
     ctx.check_model(req.model)
+    check_unsupported(req)                   # a refused field is not also logged as ignored
     log_unknown_fields(unknown_fields(req))
-    check_unsupported(req)
     job = CompletionJob(ctx, req)
     await job.prepare()
     job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, job.prompt_ids, job.params, req.n,
