@@ -26,6 +26,11 @@ logger = logging.getLogger("minillm.kv_transfer")
 
 POLL_MS = 100          # how often the endpoint's thread looks at its stop flag
 MAX_ENDPOINTS = 64     # producers a decode API server keeps a socket to (the least recently used goes)
+# Frames past these sizes drop their peer's connection before they are held in memory. The
+# endpoint takes claims and releases (two short ids and two integers); a grant lists a prompt's
+# block ids (64 Ki blocks fit in about 320 KiB).
+MAX_REQUEST_BYTES = 64 << 10
+MAX_REPLY_BYTES = 16 << 20
 
 
 class KVClaim(msgspec.Struct, tag=True, array_like=True):
@@ -73,6 +78,7 @@ class TransferEndpoint:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             if port:
                 self.sock.bind(f"tcp://{host}:{port}")
@@ -185,6 +191,7 @@ class ClaimClient:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             try:
                 sock.connect(f"tcp://{host}:{port}")
             except zmq.ZMQError as exc:
