@@ -3,15 +3,28 @@ and what a peer sends to a transfer endpoint (or answers from one) gets a clear 
 never an exception in the engine loop, a 500, or another request's claim answered."""
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
+import httpx
 import msgspec
+import pytest
 import zmq
+from test_server_helpers import HealthyStreams, openai_error, running_server, wait_for
 
-from minillm.kv_connector.endpoint import KVClaim, KVGrant, Message, TransferEndpoint
-from minillm.kv_connector.lease import LeaseTable
+from minillm.kv_connector.endpoint import KVClaim, KVGrant, KVRelease, Message, TransferEndpoint
+from minillm.kv_connector.lease import LeaseTable, prompt_hash
+
+MODEL = "stories"
 
 REGION = {"kind": "shm", "handle": "/dev/shm/x", "shape": [1, 2, 3, 4, 5, 6], "dtype": "float32", "device": ""}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def recv_reply(sock, request_id: int, timeout: float = 30.0):
@@ -47,3 +60,87 @@ def test_an_oversized_frame_never_reaches_the_endpoint_and_it_keeps_answering():
     finally:
         sock.close()
         endpoint.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A decode server whose client points remote_host / remote_port at something that is no producer
+# ---------------------------------------------------------------------------------------------
+
+class HostilePeer:
+    """A ROUTER that answers each claim by its lease id's mode ("bad-region", "claim-type", "nan-lease",
+    "good") and keeps the lease ids released to it."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.released: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        decoder, encoder = msgspec.msgpack.Decoder(Message), msgspec.msgpack.Encoder()
+        while not self._stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            identity, data = self.sock.recv_multipart()
+            message = decoder.decode(data)
+            if isinstance(message, KVRelease):
+                self.released.append(message.lease_id)
+                continue
+            mode, rid = message.lease_id, message.request_id
+            reply = {"bad-region": KVGrant(rid, mode, [0, 1], {"kind": "weird"}, "e", 30.0),
+                     "claim-type": KVClaim(rid, mode, "hash", 3),
+                     "nan-lease": KVGrant(rid, mode, [0, 1], REGION, "e", float("nan"))}[mode]
+            self.sock.send_multipart([identity, encoder.encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def consumer(stories_path):
+    with running_server(stories_path, served_model_name=MODEL, engine_core="thread",
+                        kv_transfer_config={"kv_role": "kv_consumer"}) as (url, _):
+        yield url
+
+
+IDS = [1, 403, 411, 263, 358, 282, 281, 431, 266, 275, 268, 369, 301, 291, 358, 392, 300, 31]   # stories260K ids
+
+
+def decode_params(port: int, lease_id: str) -> dict:
+    return {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": port, "remote_lease_id": lease_id,
+            "remote_num_tokens": len(IDS), "remote_prompt_hash": prompt_hash(IDS)}
+
+
+def test_a_peer_that_answers_a_claim_with_no_usable_grant_is_a_502_and_its_lease_is_given_back(consumer):
+    # A grant with a malformed region, or a message of another kind, was a 500 (ValueError, AttributeError).
+    healthy = HealthyStreams(consumer, {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60})
+    peer = HostilePeer()
+    try:
+        with healthy.in_flight():
+            for mode, why in [("bad-region", "the KV region's kind"), ("claim-type", "a KVClaim message"),
+                              ("nan-lease", "lease of nan s")]:
+                r = httpx.post(f"{consumer}/v1/completions", timeout=60, json={
+                    "model": MODEL, "prompt": IDS, "max_tokens": 4, "kv_transfer_params": decode_params(peer.port, mode)})
+                error = openai_error(r, 502, "kv_transfer_params", "kv_transfer_bad_reply")
+                assert error["message"].startswith("kv_transfer_params: the transfer endpoint at 127.0.0.1:")
+                assert why in error["message"], error["message"]
+        assert wait_for(lambda: sorted(peer.released) == ["bad-region", "nan-lease"], timeout=30), peer.released
+    finally:
+        peer.close()
+    healthy.check()
+
+
+@pytest.mark.parametrize("field", ["remote_lease_id", "remote_prompt_hash", "remote_host"])
+def test_an_oversized_string_field_is_a_400_naming_it(consumer, field):
+    # A 100 000-character lease id went to the producer as a claim too large for its endpoint: a 503
+    # after the claim's 5 s timeout instead of the client's error.
+    kv = {**decode_params(free_port(), "0" * 32), field: "a" * 100_000}
+    r = httpx.post(f"{consumer}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": IDS, "max_tokens": 4, "kv_transfer_params": kv})
+    error = openai_error(r, 400, "kv_transfer_params")
+    assert f"{field} has 100000 characters" in error["message"]
