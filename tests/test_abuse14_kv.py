@@ -3,6 +3,7 @@ and what a peer sends to a transfer endpoint (or answers from one) gets a clear 
 never an exception in the engine loop, a 500, or another request's claim answered."""
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 import time
@@ -11,10 +12,12 @@ import httpx
 import msgspec
 import pytest
 import zmq
+from test_kv_transfer import PROMPTS, claim, engines, prefill, run, wait_until_free
 from test_server_helpers import HealthyStreams, openai_error, running_server, wait_for
 
 from minillm.kv_connector.endpoint import KVClaim, KVGrant, KVRelease, Message, TransferEndpoint
 from minillm.kv_connector.lease import LeaseTable, prompt_hash
+from minillm.sampling_params import SamplingParams
 
 MODEL = "stories"
 
@@ -144,3 +147,37 @@ def test_an_oversized_string_field_is_a_400_naming_it(consumer, field):
         "model": MODEL, "prompt": IDS, "max_tokens": 4, "kv_transfer_params": kv})
     error = openai_error(r, 400, "kv_transfer_params")
     assert f"{field} has 100000 characters" in error["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The Python API: kv_transfer_params straight into a consumer engine
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override, match", [
+    ({"remote_port": -1}, "remote_port must be in"),
+    ({"remote_port": 70000}, "remote_port must be in"),
+    ({"remote_host": "no such host!"}, "is not an address"),
+    ({"remote_host": ""}, "must be non-empty strings"),
+    ({"remote_lease_id": 5}, "must be non-empty strings"),
+    ({"load_by": float("nan")}, "load_by"),
+])
+def test_a_consumer_engine_refuses_a_release_address_it_cannot_use_where_the_request_enters(
+        stories_path, override, match):
+    # A port or host ZeroMQ refuses was taken, and raised ZMQError from the engine's step when the
+    # lease was released after the copy; a lease id that is no string was released in vain.
+    producer, consumer, plain = engines(stories_path)
+    try:
+        ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        expected = run(plain, "plain", ids, greedy).outputs[0].token_ids
+        good = claim(prefill(producer, "p", ids), ids)
+        with pytest.raises(ValueError, match=match) as info:
+            consumer.add_request("bad", ids, dataclasses.replace(
+                greedy, extra_args={"kv_transfer_params": {**good, **override}}))
+        assert str(info.value).startswith("kv_transfer_params") and not consumer.has_unfinished_requests()
+        out = run(consumer, "good", ids, dataclasses.replace(greedy, extra_args={"kv_transfer_params": good}))
+        assert out.outputs[0].token_ids == expected and out.kv_transfer_stats["num_tokens"] == len(ids) - 1
+        wait_until_free(producer)
+    finally:
+        for engine in (producer, consumer, plain):
+            engine.shutdown()

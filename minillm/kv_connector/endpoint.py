@@ -144,16 +144,25 @@ class LeaseReleaser:
         self.encoder = msgspec.msgpack.Encoder()
         self._socks: dict[tuple[str, int], zmq.Socket] = {}
 
-    def release(self, host: str, port: int, lease_id: str) -> None:
-        """Send a release without waiting."""
+    def connect(self, host: str, port: int):
+        """The socket to a producer's endpoint; ValueError for an address ZeroMQ cannot connect to."""
         sock = self._socks.get((host, port))
         if sock is None:
-            sock = self._socks[(host, port)] = self.ctx.socket(zmq.DEALER)
+            sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                sock.close()
+                raise ValueError(f"remote_host {host!r} with remote_port {port} is not an address: {exc}") from None
+            self._socks[(host, port)] = sock
+        return sock
+
+    def release(self, host: str, port: int, lease_id: str) -> None:
+        """Send a release without waiting."""
         try:
-            sock.send(self.encoder.encode(KVRelease(lease_id)), zmq.NOBLOCK)
-        except zmq.ZMQError:
+            self.connect(host, port).send(self.encoder.encode(KVRelease(lease_id)), zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError):
             logger.warning("kv transfer: the release of lease %s to %s:%d could not be sent", lease_id, host, port)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ producer may have reused.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -87,6 +88,13 @@ class RemotePrefill:
         ints = [out.port, out.num_tokens, *out.block_ids]
         if any(isinstance(v, bool) or not isinstance(v, int) for v in ints):
             raise ValueError(f"{PARAM}: remote_port, remote_num_tokens and remote_block_ids must be integers")
+        if not all(isinstance(v, str) and v for v in (out.lease_id, out.host, out.engine_id, out.prompt_hash)):
+            raise ValueError(f"{PARAM}: remote_lease_id, remote_host, remote_engine_id and remote_prompt_hash "
+                             f"must be non-empty strings")
+        if not 1 <= out.port <= 65535:
+            raise ValueError(f"{PARAM}: remote_port must be in [1, 65535], got {out.port}")
+        if math.isnan(out.load_by):
+            raise ValueError(f"{PARAM}: load_by must be a time, got nan")
         return out
 
 
@@ -181,6 +189,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             raise ValueError(f"{PARAM}: remote_block_ids outside the prefill engine's pool of "
                              f"{remote.region.num_blocks} blocks")
         try:
+            self.releaser.connect(remote.host, remote.port)    # the lease goes back there: a bad address fails here
             self.worker.attach(remote.region)
         except ValueError as exc:
             raise ValueError(f"{PARAM}: {exc}") from None
