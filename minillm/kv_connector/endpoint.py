@@ -185,7 +185,7 @@ class ClaimClient:
         self.ctx = zmq.asyncio.Context()
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
         self._socks: dict[tuple[str, int], tuple[Any, asyncio.Task]] = {}
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, tuple[Any, asyncio.Future]] = {}   # request id -> (the claim's socket, its reply)
         self._ids = itertools.count()
 
     @property
@@ -221,8 +221,12 @@ class ClaimClient:
                 reply = self.decoder.decode(data)
             except msgspec.DecodeError:
                 continue
-            waiter = self._waiting.pop(getattr(reply, "request_id", -1), None)
-            if waiter is not None and not waiter.done():
+            request_id = getattr(reply, "request_id", -1)
+            # Only the socket a claim went out on answers it: another peer (whose address a client
+            # chose) must not answer the claims made to other producers.
+            sock_of, waiter = self._waiting.get(request_id, (None, None))
+            if sock_of is sock and not waiter.done():
+                del self._waiting[request_id]
                 waiter.set_result(reply)
 
     async def claim(self, host: str, port: int, lease_id: str, prompt_hash: str, num_tokens: int
@@ -232,7 +236,7 @@ class ClaimClient:
         sock = self._sock(host, port)
         request_id = next(self._ids)
         waiter = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = waiter
+        self._waiting[request_id] = (sock, waiter)
 
         async def exchange() -> KVGrant | KVRefusal:
             await sock.send(self.encoder.encode(KVClaim(request_id, lease_id, prompt_hash, num_tokens)))
