@@ -246,3 +246,29 @@ def test_a_peer_cannot_answer_a_claim_made_to_another_producer():
         producer.close()
         hostile.close()
     assert isinstance(grant, KVGrant) and (grant.engine_id, grant.block_ids) == ("producer", [3, 4])
+
+
+def test_a_mapped_pool_named_again_with_a_larger_shape_is_refused_where_the_request_enters(stories_path):
+    # The pool was mapped once per handle and the shape of later requests went unchecked: block ids
+    # checked against a larger made-up shape raised IndexError from the step's copy.
+    producer, consumer, plain = engines(stories_path)
+    try:
+        ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+        greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        with_kv = lambda kv: dataclasses.replace(greedy, extra_args={"kv_transfer_params": kv})  # noqa: E731
+        expected = run(plain, "plain", ids, greedy).outputs[0].token_ids
+        assert run(consumer, "first", ids, with_kv(claim(prefill(producer, "p1", ids), ids))).outputs[0].token_ids \
+            == expected                                   # the producer's pool is mapped now
+        good = claim(prefill(producer, "p2", ids), ids)
+        shape = list(good["remote_region"]["shape"])
+        shape[2] *= 100
+        forged = {**good, "remote_region": {**good["remote_region"], "shape": shape},
+                  "remote_block_ids": [shape[2] - 1] * len(good["remote_block_ids"])}
+        with pytest.raises(ValueError, match="is mapped with shape") as info:
+            consumer.add_request("forged", ids, with_kv(forged))
+        assert str(info.value).startswith("kv_transfer_params") and not consumer.has_unfinished_requests()
+        assert run(consumer, "second", ids, with_kv(good)).outputs[0].token_ids == expected
+        wait_until_free(producer)
+    finally:
+        for engine in (producer, consumer, plain):
+            engine.shutdown()

@@ -356,6 +356,7 @@ class PDConnectorWorker(KVConnectorWorker):
         self.device = self.kv_pool = None
         self.bytes_per_block = 0
         self._sources: dict[str | bytes, object] = {}      # region handle -> the imported pool
+        self._regions: dict[str | bytes, KVRegion] = {}    # region handle -> the region checked when mapped
         self._timings: dict[int, tuple] = {}               # step -> (event before, event after) its loads
 
     def register_kv_cache(self, kv_pool, device) -> None:
@@ -369,10 +370,17 @@ class PDConnectorWorker(KVConnectorWorker):
 
     def attach(self, region: KVRegion) -> None:
         """Map a producer's pool once; ValueError when its blocks do not fit ours or it cannot be mapped."""
-        if region.handle in self._sources:
+        mapped = self._regions.get(region.handle)
+        if mapped is not None:
+            # The block ids were checked against this region's shape: it must be the one mapped.
+            if (mapped.kind, mapped.shape, mapped.dtype, mapped.device) != (region.kind, region.shape, region.dtype,
+                                                                            region.device):
+                raise ValueError(f"the KV region {region.handle!r} is mapped with shape {list(mapped.shape)} "
+                                 f"{mapped.dtype}, not {list(region.shape)} {region.dtype}")
             return
         region.check_compatible(tuple(self.kv_pool.shape), self.dtype)
         self._sources[region.handle] = self.device.import_kv_pool(region)
+        self._regions[region.handle] = region
 
     def start_load_kv(self, meta: PDMetadata | None) -> None:
         """Queue the step's copies on the compute stream: after the step in flight (which may still
@@ -389,6 +397,7 @@ class PDConnectorWorker(KVConnectorWorker):
         """Drop this engine's pool and the producers' pools it mapped."""
         self.kv_pool = None
         self._sources.clear()
+        self._regions.clear()
 
     def load_seconds(self, step: int) -> float:
         """Seconds the step's copies took (the step has finished, so its events are done)."""
