@@ -68,6 +68,68 @@ def test_an_oversized_frame_never_reaches_the_endpoint_and_it_keeps_answering():
         endpoint.close()
 
 
+class ScriptedPeer:
+    """A ROUTER on a thread that keeps the claims it receives and sends what the test hands it."""
+
+    def __init__(self) -> None:
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.claims: list[tuple[bytes, KVClaim]] = []
+        self.outbox: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        decoder, encoder = msgspec.msgpack.Decoder(Message), msgspec.msgpack.Encoder()
+        while not self._stop.is_set():
+            while not self.outbox.empty():
+                identity, reply = self.outbox.get()
+                self.sock.send_multipart([identity, encoder.encode(reply)])
+            if self.sock.poll(20):
+                identity, data = self.sock.recv_multipart()
+                message = decoder.decode(data)
+                if isinstance(message, KVClaim):
+                    self.claims.append((identity, message))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.sock.close()
+
+
+def test_a_peer_cannot_answer_a_claim_made_to_another_producer():
+    # Replies were matched by request id alone, from any socket: a peer at an address one client
+    # chose could answer another client's claim on a real producer with a grant of its own making.
+    producer, hostile = ScriptedPeer(), ScriptedPeer()
+
+    async def claims():
+        client = ClaimClient(timeout_s=30)
+        try:
+            victim = asyncio.ensure_future(client.claim("127.0.0.1", producer.port, "lease-v", "hash", 20))
+            assert await asyncio.to_thread(wait_for, lambda: producer.claims, 30)
+            own = asyncio.ensure_future(client.claim("127.0.0.1", hostile.port, "lease-h", "hash", 20))
+            assert await asyncio.to_thread(wait_for, lambda: hostile.claims, 30)
+            identity, mine = hostile.claims[0]
+            victim_id = producer.claims[0][1].request_id
+            hostile.outbox.put((identity, KVGrant(victim_id, "lease-v", [666], REGION, "hostile", 30.0)))
+            hostile.outbox.put((identity, KVRefusal(mine.request_id, "no")))
+            assert isinstance(await own, KVRefusal)     # sent after the forged grant: that one was read first
+            identity, theirs = producer.claims[0]
+            producer.outbox.put((identity, KVGrant(theirs.request_id, "lease-v", [3, 4], REGION, "producer", 30.0)))
+            return await victim
+        finally:
+            client.close()
+
+    try:
+        grant = asyncio.run(claims())
+    finally:
+        producer.close()
+        hostile.close()
+    assert isinstance(grant, KVGrant) and (grant.engine_id, grant.block_ids) == ("producer", [3, 4])
+
+
 # ---------------------------------------------------------------------------------------------
 # A decode server whose client points remote_host / remote_port at something that is no producer
 # ---------------------------------------------------------------------------------------------
@@ -184,68 +246,6 @@ def test_a_consumer_engine_refuses_a_release_address_it_cannot_use_where_the_req
     finally:
         for engine in (producer, consumer, plain):
             engine.shutdown()
-
-
-class ScriptedPeer:
-    """A ROUTER on a thread that keeps the claims it receives and sends what the test hands it."""
-
-    def __init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.claims: list[tuple[bytes, KVClaim]] = []
-        self.outbox: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        decoder, encoder = msgspec.msgpack.Decoder(Message), msgspec.msgpack.Encoder()
-        while not self._stop.is_set():
-            while not self.outbox.empty():
-                identity, reply = self.outbox.get()
-                self.sock.send_multipart([identity, encoder.encode(reply)])
-            if self.sock.poll(20):
-                identity, data = self.sock.recv_multipart()
-                message = decoder.decode(data)
-                if isinstance(message, KVClaim):
-                    self.claims.append((identity, message))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.sock.close()
-
-
-def test_a_peer_cannot_answer_a_claim_made_to_another_producer():
-    # Replies were matched by request id alone, from any socket: a peer at an address one client
-    # chose could answer another client's claim on a real producer with a grant of its own making.
-    producer, hostile = ScriptedPeer(), ScriptedPeer()
-
-    async def claims():
-        client = ClaimClient(timeout_s=30)
-        try:
-            victim = asyncio.ensure_future(client.claim("127.0.0.1", producer.port, "lease-v", "hash", 20))
-            assert await asyncio.to_thread(wait_for, lambda: producer.claims, 30)
-            own = asyncio.ensure_future(client.claim("127.0.0.1", hostile.port, "lease-h", "hash", 20))
-            assert await asyncio.to_thread(wait_for, lambda: hostile.claims, 30)
-            identity, mine = hostile.claims[0]
-            victim_id = producer.claims[0][1].request_id
-            hostile.outbox.put((identity, KVGrant(victim_id, "lease-v", [666], REGION, "hostile", 30.0)))
-            hostile.outbox.put((identity, KVRefusal(mine.request_id, "no")))
-            assert isinstance(await own, KVRefusal)     # sent after the forged grant: that one was read first
-            identity, theirs = producer.claims[0]
-            producer.outbox.put((identity, KVGrant(theirs.request_id, "lease-v", [3, 4], REGION, "producer", 30.0)))
-            return await victim
-        finally:
-            client.close()
-
-    try:
-        grant = asyncio.run(claims())
-    finally:
-        producer.close()
-        hostile.close()
-    assert isinstance(grant, KVGrant) and (grant.engine_id, grant.block_ids) == ("producer", [3, 4])
 
 
 def test_a_mapped_pool_named_again_with_a_larger_shape_is_refused_where_the_request_enters(stories_path):
