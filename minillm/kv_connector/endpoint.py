@@ -26,6 +26,11 @@ logger = logging.getLogger("minillm.kv_transfer")
 
 POLL_MS = 100          # how often the endpoint's thread looks at its stop flag
 MAX_ENDPOINTS = 64     # producers a decode API server keeps a socket to (the least recently used goes)
+# Frames past these sizes drop their peer's connection before they are held in memory. The
+# endpoint takes claims and releases (two short ids and two integers); a grant lists a prompt's
+# block ids (64 Ki blocks fit in about 320 KiB).
+MAX_REQUEST_BYTES = 64 << 10
+MAX_REPLY_BYTES = 16 << 20
 
 
 class KVClaim(msgspec.Struct, tag=True, array_like=True):
@@ -73,6 +78,7 @@ class TransferEndpoint:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
         try:
             if port:
                 self.sock.bind(f"tcp://{host}:{port}")
@@ -138,16 +144,25 @@ class LeaseReleaser:
         self.encoder = msgspec.msgpack.Encoder()
         self._socks: dict[tuple[str, int], zmq.Socket] = {}
 
-    def release(self, host: str, port: int, lease_id: str) -> None:
-        """Send a release without waiting."""
+    def connect(self, host: str, port: int):
+        """The socket to a producer's endpoint; ValueError for an address ZeroMQ cannot connect to."""
         sock = self._socks.get((host, port))
         if sock is None:
-            sock = self._socks[(host, port)] = self.ctx.socket(zmq.DEALER)
+            sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://{host}:{port}")
+            try:
+                sock.connect(f"tcp://{host}:{port}")
+            except zmq.ZMQError as exc:
+                sock.close()
+                raise ValueError(f"remote_host {host!r} with remote_port {port} is not an address: {exc}") from None
+            self._socks[(host, port)] = sock
+        return sock
+
+    def release(self, host: str, port: int, lease_id: str) -> None:
+        """Send a release without waiting."""
         try:
-            sock.send(self.encoder.encode(KVRelease(lease_id)), zmq.NOBLOCK)
-        except zmq.ZMQError:
+            self.connect(host, port).send(self.encoder.encode(KVRelease(lease_id)), zmq.NOBLOCK)
+        except (zmq.ZMQError, ValueError):
             logger.warning("kv transfer: the release of lease %s to %s:%d could not be sent", lease_id, host, port)
 
     def close(self) -> None:
@@ -170,7 +185,7 @@ class ClaimClient:
         self.ctx = zmq.asyncio.Context()
         self.encoder, self.decoder = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)
         self._socks: dict[tuple[str, int], tuple[Any, asyncio.Task]] = {}
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, tuple[Any, asyncio.Future]] = {}   # request id -> (the claim's socket, its reply)
         self._ids = itertools.count()
 
     @property
@@ -185,6 +200,7 @@ class ClaimClient:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             try:
                 sock.connect(f"tcp://{host}:{port}")
             except zmq.ZMQError as exc:
@@ -205,8 +221,12 @@ class ClaimClient:
                 reply = self.decoder.decode(data)
             except msgspec.DecodeError:
                 continue
-            waiter = self._waiting.pop(getattr(reply, "request_id", -1), None)
-            if waiter is not None and not waiter.done():
+            request_id = getattr(reply, "request_id", -1)
+            # Only the socket a claim went out on answers it: another peer (whose address a client
+            # chose) must not answer the claims made to other producers.
+            sock_of, waiter = self._waiting.get(request_id, (None, None))
+            if sock_of is sock and not waiter.done():
+                del self._waiting[request_id]
                 waiter.set_result(reply)
 
     async def claim(self, host: str, port: int, lease_id: str, prompt_hash: str, num_tokens: int
@@ -216,7 +236,7 @@ class ClaimClient:
         sock = self._sock(host, port)
         request_id = next(self._ids)
         waiter = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = waiter
+        self._waiting[request_id] = (sock, waiter)
 
         async def exchange() -> KVGrant | KVRefusal:
             await sock.send(self.encoder.encode(KVClaim(request_id, lease_id, prompt_hash, num_tokens)))

@@ -22,6 +22,7 @@ producer may have reused.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -87,6 +88,13 @@ class RemotePrefill:
         ints = [out.port, out.num_tokens, *out.block_ids]
         if any(isinstance(v, bool) or not isinstance(v, int) for v in ints):
             raise ValueError(f"{PARAM}: remote_port, remote_num_tokens and remote_block_ids must be integers")
+        if not all(isinstance(v, str) and v for v in (out.lease_id, out.host, out.engine_id, out.prompt_hash)):
+            raise ValueError(f"{PARAM}: remote_lease_id, remote_host, remote_engine_id and remote_prompt_hash "
+                             f"must be non-empty strings")
+        if not 1 <= out.port <= 65535:
+            raise ValueError(f"{PARAM}: remote_port must be in [1, 65535], got {out.port}")
+        if math.isnan(out.load_by):
+            raise ValueError(f"{PARAM}: load_by must be a time, got nan")
         return out
 
 
@@ -181,6 +189,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
             raise ValueError(f"{PARAM}: remote_block_ids outside the prefill engine's pool of "
                              f"{remote.region.num_blocks} blocks")
         try:
+            self.releaser.connect(remote.host, remote.port)    # the lease goes back there: a bad address fails here
             self.worker.attach(remote.region)
         except ValueError as exc:
             raise ValueError(f"{PARAM}: {exc}") from None
@@ -347,6 +356,7 @@ class PDConnectorWorker(KVConnectorWorker):
         self.device = self.kv_pool = None
         self.bytes_per_block = 0
         self._sources: dict[str | bytes, object] = {}      # region handle -> the imported pool
+        self._regions: dict[str | bytes, KVRegion] = {}    # region handle -> the region checked when mapped
         self._timings: dict[int, tuple] = {}               # step -> (event before, event after) its loads
 
     def register_kv_cache(self, kv_pool, device) -> None:
@@ -360,10 +370,17 @@ class PDConnectorWorker(KVConnectorWorker):
 
     def attach(self, region: KVRegion) -> None:
         """Map a producer's pool once; ValueError when its blocks do not fit ours or it cannot be mapped."""
-        if region.handle in self._sources:
+        mapped = self._regions.get(region.handle)
+        if mapped is not None:
+            # The block ids were checked against this region's shape: it must be the one mapped.
+            if (mapped.kind, mapped.shape, mapped.dtype, mapped.device) != (region.kind, region.shape, region.dtype,
+                                                                            region.device):
+                raise ValueError(f"the KV region {region.handle!r} is mapped with shape {list(mapped.shape)} "
+                                 f"{mapped.dtype}, not {list(region.shape)} {region.dtype}")
             return
         region.check_compatible(tuple(self.kv_pool.shape), self.dtype)
         self._sources[region.handle] = self.device.import_kv_pool(region)
+        self._regions[region.handle] = region
 
     def start_load_kv(self, meta: PDMetadata | None) -> None:
         """Queue the step's copies on the compute stream: after the step in flight (which may still
@@ -380,6 +397,7 @@ class PDConnectorWorker(KVConnectorWorker):
         """Drop this engine's pool and the producers' pools it mapped."""
         self.kv_pool = None
         self._sources.clear()
+        self._regions.clear()
 
     def load_seconds(self, step: int) -> float:
         """Seconds the step's copies took (the step has finished, so its events are done)."""

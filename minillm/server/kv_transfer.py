@@ -18,11 +18,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from minillm.kv_connector.endpoint import ClaimClient, KVGrant
+from minillm.kv_connector.endpoint import ClaimClient, KVGrant, KVRefusal
 from minillm.kv_connector.lease import prompt_hash
 from minillm.kv_connector.pd_connector import RemotePrefill
 from minillm.kv_connector.transport import KVRegion
@@ -35,6 +36,7 @@ PARAM = "kv_transfer_params"
 CLAIM_TIMEOUT_S = 5.0
 HEADER = "x-minillm-kv-transfer"      # a decode response's: what the transfer took (JSON)
 MAX_CLAIM_MARGIN_S = 2.0               # a claim is used only while this much of its lease is left
+MAX_FIELD_CHARS = 256                  # lease ids and hashes are 32 hex digits; a host name is at most 253
 
 
 @dataclass
@@ -64,6 +66,8 @@ def _field(kv: dict, name: str, kind: type, required: bool = True) -> Any:
         return None
     if isinstance(value, bool) or not isinstance(value, kind):
         raise _bad(f"{name} must be {'an integer' if kind is int else 'a string'}, got {short_repr(value)}")
+    if kind is str and len(value) > MAX_FIELD_CHARS:
+        raise _bad(f"{name} has {len(value)} characters, more than {MAX_FIELD_CHARS}")
     return value
 
 
@@ -126,11 +130,11 @@ async def _claim(ctx, kv: dict, ids: list[int]) -> Claim:
     except ValueError as exc:
         raise _bad(str(exc)) from None
     claim_s = time.monotonic() - started
-    if not isinstance(reply, KVGrant):
+    if isinstance(reply, KVRefusal):
         raise _bad(reply.reason)
+    region = _granted_region(ctx, reply, host, port, lease_id)
     remote = RemotePrefill(lease_id, host, port, reply.engine_id, list(reply.block_ids), num_tokens, digest,
-                           KVRegion.from_dict(reply.region),
-                           started + reply.lease_s - min(0.25 * reply.lease_s, MAX_CLAIM_MARGIN_S))
+                           region, started + reply.lease_s - min(0.25 * reply.lease_s, MAX_CLAIM_MARGIN_S))
     claim = Claim(remote, claim_s)
     if block_ids is not None and block_ids != remote.block_ids:
         release_claim(ctx, claim)
@@ -138,11 +142,31 @@ async def _claim(ctx, kv: dict, ids: list[int]) -> Claim:
     return claim
 
 
+def _granted_region(ctx, reply, host: str, port: int, lease_id: str) -> KVRegion:
+    """The region of a well-formed grant; a 502 for any other answer (the address is the client's,
+    and what listens there need not be a minillm engine), whose lease is given back."""
+    try:
+        if not isinstance(reply, KVGrant):
+            raise ValueError(f"it answered with a {type(reply).__name__} message")
+        if not math.isfinite(reply.lease_s) or reply.lease_s <= 0:
+            raise ValueError(f"its lease of {reply.lease_s!r} s is not a positive number")
+        return KVRegion.from_dict(reply.region)
+    except ValueError as exc:
+        if isinstance(reply, KVGrant):
+            _send_release(ctx, host, port, lease_id)
+        raise _bad(f"the transfer endpoint at {host}:{port} gave no usable grant: {exc}", status=502,
+                   code="kv_transfer_bad_reply") from None
+
+
+def _send_release(ctx, host: str, port: int, lease_id: str) -> None:
+    task = asyncio.ensure_future(ctx.kv_claims.release(host, port, lease_id))
+    ctx.background.add(task)
+    task.add_done_callback(ctx.background.discard)
+
+
 def release_claim(ctx, claim: Claim | None) -> None:
     """Give a claimed lease back without waiting (its request never reached the engine, or failed)."""
     if claim is None or ctx.kv_claims is None:
         return
     remote = claim.remote
-    task = asyncio.ensure_future(ctx.kv_claims.release(remote.host, remote.port, remote.lease_id))
-    ctx.background.add(task)
-    task.add_done_callback(ctx.background.discard)
+    _send_release(ctx, remote.host, remote.port, remote.lease_id)
