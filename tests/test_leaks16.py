@@ -6,13 +6,16 @@ queues and blocks), waiting on that state to drain, with a generous limit as a s
 """
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
 import sys
 import threading
 
 import httpx
 import pytest
 from core_hooks import install
-from test_server_helpers import call_utility, wait_for
+from test_server_helpers import call_utility, get_stats, running_server, wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine_core.client import CoreProcess
@@ -100,3 +103,93 @@ def test_a_failed_step_on_the_second_api_server_leaves_nothing_behind(two_server
     assert wait_for(lambda: not engines[1].processor.requests, timeout=DRAIN_S), \
         f"{len(engines[1].processor.requests)} failed requests still followed by the second API server"
     assert not engines[0].processor.requests
+
+
+STRUCTURED = {"json": {"structured_outputs": {"json": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                                       "required": ["a"]}}},
+              "regex": {"structured_outputs": {"regex": "[a-z]{3,8}( [a-z]+)?"}},
+              "choice": {"structured_outputs": {"choice": ["yes", "no", "maybe"]}}}
+# (how it ends, the body, how the client behaves: "read" to the end, "hang_up" mid-stream, "leave" at once)
+ENDINGS = [
+    ("length", {"max_tokens": 8, "ignore_eos": True}, "read"),
+    ("stop string", {"max_tokens": 40, "stop": ["the", "."]}, "read"),
+    ("eos", {"max_tokens": 200, "temperature": 0}, "read"),
+    ("logprobs", {"max_tokens": 10, "logprobs": 3, "echo": True}, "read"),
+    ("n=3 streamed", {"max_tokens": 12, "n": 3, "stream": True}, "read"),
+    ("two prompts", {"max_tokens": 6, "prompt": ["Once upon a time", "The little dog"]}, "read"),
+    ("json", {"max_tokens": 30, **STRUCTURED["json"]}, "read"),
+    ("regex", {"max_tokens": 20, **STRUCTURED["regex"]}, "read"),
+    ("choice streamed", {"max_tokens": 10, "stream": True, **STRUCTURED["choice"]}, "read"),
+    ("400 past the context", {"max_tokens": 5000}, "read"),
+    ("400 kv_transfer_params", {"max_tokens": 5, "kv_transfer_params": {"do_remote_prefill": True}}, "read"),
+    ("400 over a limit", {"max_tokens": 5, "n": 500}, "read"),
+    ("hang-up mid-stream", {"max_tokens": 200, "ignore_eos": True, "stream": True}, "hang_up"),
+    ("hang-up, n=2", {"max_tokens": 200, "ignore_eos": True, "stream": True, "n": 2}, "hang_up"),
+    ("hang-up, json", {"max_tokens": 200, "stream": True, "structured_outputs": {"json": {"type": "object"}}}, "hang_up"),
+    ("left, plain", {"max_tokens": 200, "ignore_eos": True}, "leave"),
+    ("left, regex", {"max_tokens": 200, "structured_outputs": {"regex": "[a-z ]{10,300}"}}, "leave"),
+]
+
+
+def _raw_post(url: str, body: dict, num_events: int) -> None:
+    """POST on a bare socket, read num_events events (none: not even the status) and hang up."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=DRAIN_S) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        received = b""
+        while received.count(b"data: ") < num_events:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            received += chunk
+
+
+async def _end_every_way(url: str, rounds: int) -> dict[str, set]:
+    """Each ending `rounds` times, 8 at a time; {ending: the statuses seen} (hang-ups: None)."""
+    seen: dict[str, set] = {}
+    gate = asyncio.Semaphore(8)
+    async with httpx.AsyncClient(timeout=DRAIN_S * 2) as client:
+        async def one(i: int) -> None:
+            name, extra, how = ENDINGS[i % len(ENDINGS)]
+            body = {"model": MODEL, "prompt": ["Once upon a time", "Lily and Ben", "One day"][i % 3], **extra}
+            async with gate:
+                if how != "read":
+                    await asyncio.to_thread(_raw_post, url, body, 1 + i % 3 if how == "hang_up" else 0)
+                    seen.setdefault(name, set()).add(None)
+                elif body.get("stream"):
+                    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                        async for _ in response.aiter_lines():
+                            pass
+                    seen.setdefault(name, set()).add(response.status_code)
+                else:
+                    response = await client.post(f"{url}/v1/completions", json=body)
+                    seen.setdefault(name, set()).add(response.status_code)
+        await asyncio.gather(*(one(i) for i in range(rounds * len(ENDINGS))))
+    return seen
+
+
+def _api_server_counts(engine) -> dict:
+    """Entries in the API server's per-request maps (either engine client)."""
+    if isinstance(engine, AsyncLLM):
+        return {"output processor": len(engine.processor.requests), "adds": len(engine._adds),
+                "calls": len(engine._calls), "stats batches": len(engine._stats_batches)}
+    return {"streams": len(engine._streams)}
+
+
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_requests_that_end_every_way_leave_nothing_behind(stories_path, engine_core):
+    """Finished (length, stop string, EOS, structured), refused (400s), left by their clients
+    (mid-stream, before any output), with preemptions on a small KV pool: afterwards nothing of
+    them is held by the API server or the engine."""
+    with running_server(stories_path, engine_core=engine_core, core_hook=install_with_counts,
+                        max_model_len=256, num_kv_blocks=20, block_size=16) as (url, engine):
+        seen = asyncio.run(_end_every_way(url, rounds=6))
+        stats = get_stats(url)
+        assert wait_for(lambda: _drained(call_utility(engine, "per_request_counts")), timeout=DRAIN_S), \
+            call_utility(engine, "per_request_counts")
+        assert wait_for(lambda: _drained(_api_server_counts(engine)), timeout=DRAIN_S), _api_server_counts(engine)
+    assert stats["num_preemptions"] > 0, "the pool was large enough: nothing was preempted"
+    assert seen["length"] == {200} and seen["json"] == {200} and seen["400 kv_transfer_params"] == {400}
+    assert seen["400 past the context"] == {400} and seen["400 over a limit"] == {400}
