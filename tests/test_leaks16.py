@@ -21,6 +21,7 @@ from minillm.config import EngineConfig
 from minillm.engine_core.client import CoreProcess
 from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.async_llm import AsyncLLM
+from minillm.server.limits import ServerLimits
 
 MODEL = "stories"
 DRAIN_S = 30.0     # a safety net only: every wait below polls state and returns as soon as it holds
@@ -193,3 +194,30 @@ def test_requests_that_end_every_way_leave_nothing_behind(stories_path, engine_c
     assert stats["num_preemptions"] > 0, "the pool was large enough: nothing was preempted"
     assert seen["length"] == {200} and seen["json"] == {200} and seen["400 kv_transfer_params"] == {400}
     assert seen["400 past the context"] == {400} and seen["400 over a limit"] == {400}
+
+
+def test_streams_cut_off_for_not_reading_leave_nothing_behind(stories_path):
+    """Clients that stop reading are dropped after the stream timeout; their requests go with them."""
+    options = ServerOptions(limits=ServerLimits(stream_timeout_s=1.0))
+    with running_server(stories_path, engine_core="process", core_hook=install_with_counts, max_model_len=256,
+                        send_buffer_bytes=4096, options=options) as (url, engine):
+        host, port = url.removeprefix("http://").split(":")
+        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 250, "ignore_eos": True,
+                           "stream": True, "n": 4, "logprobs": 5}).encode()
+        sockets = []
+        try:
+            for _ in range(6):
+                sock = socket.socket()
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)    # full after a few events
+                sock.connect((host, int(port)))
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                sockets.append(sock)
+            finished = wait_for(lambda: get_stats(url)["num_requests_finished"].get("abort", 0) == 6 * 4,
+                                timeout=DRAIN_S)
+            assert finished, get_stats(url)["num_requests_finished"]
+            assert wait_for(lambda: _drained(call_utility(engine, "per_request_counts")), timeout=DRAIN_S)
+            assert wait_for(lambda: _drained(_api_server_counts(engine)), timeout=DRAIN_S), _api_server_counts(engine)
+        finally:
+            for sock in sockets:
+                sock.close()
