@@ -244,7 +244,9 @@ class EngineCoreProc:
         for failure in step.failed:
             by_client: dict[int, list[str]] = defaultdict(list)
             for request_id in failure.request_ids:
-                by_client[self.client_of.pop(request_id, 0)].append(request_id)
+                # Kept until its finished output (the next step's): that too must reach its API
+                # server, whose output processor follows the request until the core's last word.
+                by_client[self.client_of.get(request_id, 0)].append(request_id)
             for client, ids in by_client.items():
                 failed[client].append(m.FailedRequests(ids, failure.error_type, failure.error))
         for client in sorted(outputs.keys() | failed.keys()):
