@@ -68,35 +68,54 @@ def test_an_oversized_frame_never_reaches_the_endpoint_and_it_keeps_answering():
         endpoint.close()
 
 
-class ScriptedPeer:
-    """A ROUTER on a thread that keeps the claims it receives and sends what the test hands it."""
+class RouterPeer:
+    """A ROUTER on a thread, at a random local port: each message it receives goes to handle()."""
 
     def __init__(self) -> None:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.claims: list[tuple[bytes, KVClaim]] = []
-        self.outbox: queue.Queue = queue.Queue()
+        self.encoder = msgspec.msgpack.Encoder()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        decoder, encoder = msgspec.msgpack.Decoder(Message), msgspec.msgpack.Encoder()
+        decoder = msgspec.msgpack.Decoder(Message)
         while not self._stop.is_set():
-            while not self.outbox.empty():
-                identity, reply = self.outbox.get()
-                self.sock.send_multipart([identity, encoder.encode(reply)])
+            self.before_poll()
             if self.sock.poll(20):
                 identity, data = self.sock.recv_multipart()
-                message = decoder.decode(data)
-                if isinstance(message, KVClaim):
-                    self.claims.append((identity, message))
+                self.handle(identity, decoder.decode(data))
+
+    def before_poll(self) -> None:
+        """Work of the peer's thread between polls (nothing by default)."""
+
+    def handle(self, identity: bytes, message) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(10)
         self.sock.close()
+
+
+class ScriptedPeer(RouterPeer):
+    """Keeps the claims it receives and sends what the test hands it."""
+
+    def __init__(self) -> None:
+        self.claims: list[tuple[bytes, KVClaim]] = []
+        self.outbox: queue.Queue = queue.Queue()
+        super().__init__()
+
+    def before_poll(self) -> None:
+        while not self.outbox.empty():
+            identity, reply = self.outbox.get()
+            self.sock.send_multipart([identity, self.encoder.encode(reply)])
+
+    def handle(self, identity: bytes, message) -> None:
+        if isinstance(message, KVClaim):
+            self.claims.append((identity, message))
 
 
 def test_a_peer_cannot_answer_a_claim_made_to_another_producer():
@@ -134,39 +153,23 @@ def test_a_peer_cannot_answer_a_claim_made_to_another_producer():
 # A decode server whose client points remote_host / remote_port at something that is no producer
 # ---------------------------------------------------------------------------------------------
 
-class HostilePeer:
-    """A ROUTER that answers each claim by its lease id's mode ("bad-region", "claim-type", "nan-lease",
-    "good") and keeps the lease ids released to it."""
+class HostilePeer(RouterPeer):
+    """Answers each claim by its lease id's mode ("bad-region", "claim-type", "nan-lease") and keeps
+    the lease ids released to it."""
 
     def __init__(self) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.released: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        super().__init__()
 
-    def _run(self) -> None:
-        decoder, encoder = msgspec.msgpack.Decoder(Message), msgspec.msgpack.Encoder()
-        while not self._stop.is_set():
-            if not self.sock.poll(50):
-                continue
-            identity, data = self.sock.recv_multipart()
-            message = decoder.decode(data)
-            if isinstance(message, KVRelease):
-                self.released.append(message.lease_id)
-                continue
-            mode, rid = message.lease_id, message.request_id
-            reply = {"bad-region": KVGrant(rid, mode, [0, 1], {"kind": "weird"}, "e", 30.0),
-                     "claim-type": KVClaim(rid, mode, "hash", 3),
-                     "nan-lease": KVGrant(rid, mode, [0, 1], REGION, "e", float("nan"))}[mode]
-            self.sock.send_multipart([identity, encoder.encode(reply)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        self.sock.close()
+    def handle(self, identity: bytes, message) -> None:
+        if isinstance(message, KVRelease):
+            self.released.append(message.lease_id)
+            return
+        mode, rid = message.lease_id, message.request_id
+        reply = {"bad-region": KVGrant(rid, mode, [0, 1], {"kind": "weird"}, "e", 30.0),
+                 "claim-type": KVClaim(rid, mode, "hash", 3),
+                 "nan-lease": KVGrant(rid, mode, [0, 1], REGION, "e", float("nan"))}[mode]
+        self.sock.send_multipart([identity, self.encoder.encode(reply)])
 
 
 @pytest.fixture(scope="module")

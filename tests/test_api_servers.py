@@ -13,12 +13,9 @@ import httpx
 import pytest
 from core_hooks import install
 from test_server_failure import REPO, _serve, _Stream
-from test_server_helpers import get_stats, hang_up_stream, sse_events, wait_for
+from test_server_helpers import api_servers_on_one_core, get_stats, hang_up_stream, sse_events, wait_for
 
 from minillm.config import EngineConfig
-from minillm.engine_core.client import CoreProcess
-from minillm.server.app import ServerOptions, ServerThread, create_app
-from minillm.server.async_llm import AsyncLLM
 
 MODEL = "stories"
 PROMPTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day, a cat"]
@@ -32,18 +29,8 @@ def _body(prompt: str, max_tokens: int, stream: bool = True) -> dict:
 @pytest.fixture(scope="module")
 def two_servers(stories_path):
     """One engine core for two API servers, both in this process (each with its own port and loop)."""
-    core = CoreProcess(EngineConfig(model=str(stories_path), device="cpu"), 2, install)
-    engines = [AsyncLLM(EngineConfig(model=str(stories_path), device="cpu"), link=link) for link in core.links]
-    servers = [ServerThread(create_app(engine, ServerOptions(served_model_name=MODEL))).start() for engine in engines]
-    try:
-        yield [server.url for server in servers], engines
-    finally:
-        for server in servers:
-            server.stop()
-        for engine in engines:
-            engine.shutdown()
-        core.stop()
-        core.close()
+    with api_servers_on_one_core(EngineConfig(model=str(stories_path), device="cpu"), 2, install, MODEL) as both:
+        yield both
 
 
 async def _stream_text(client: httpx.AsyncClient, url: str, body: dict) -> str:

@@ -15,11 +15,10 @@ import threading
 import httpx
 import pytest
 from core_hooks import install
-from test_server_helpers import call_utility, get_stats, running_server, wait_for
+from test_server_helpers import api_servers_on_one_core, call_utility, get_stats, running_server, wait_for
 
 from minillm.config import EngineConfig
-from minillm.engine_core.client import CoreProcess
-from minillm.server.app import ServerOptions, ServerThread, create_app
+from minillm.server.app import ServerOptions
 from minillm.server.async_llm import AsyncLLM
 from minillm.server.limits import ServerLimits
 
@@ -57,18 +56,8 @@ def _drained(counts: dict) -> bool:
 def two_servers(stories_path):
     """One engine core for two API servers in this process: ([urls], [AsyncLLM])."""
     config = EngineConfig(model=str(stories_path), device="cpu", max_model_len=256)
-    core = CoreProcess(config, 2, install_with_counts)
-    engines = [AsyncLLM(config, link=link) for link in core.links]
-    servers = [ServerThread(create_app(engine, ServerOptions(served_model_name=MODEL))).start() for engine in engines]
-    try:
-        yield [server.url for server in servers], engines
-    finally:
-        for server in servers:
-            server.stop()
-        for engine in engines:
-            engine.shutdown()
-        core.stop()
-        core.close()
+    with api_servers_on_one_core(config, 2, install_with_counts, MODEL) as both:
+        yield both
 
 
 def test_a_failed_step_on_the_second_api_server_leaves_nothing_behind(two_servers):

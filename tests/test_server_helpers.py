@@ -49,6 +49,28 @@ def engine_core_under_test(options: ServerOptions | None = None) -> str:
 
 
 @contextlib.contextmanager
+def api_servers_on_one_core(config: EngineConfig, count: int, core_hook, model_name: str):
+    """count API servers in this process (each its own port and loop) on one engine core process
+    built by core_hook: yield ([urls], [AsyncLLM]); stop them all after."""
+    from minillm.engine_core.client import CoreProcess
+    from minillm.server.async_llm import AsyncLLM
+
+    core = CoreProcess(config, count, core_hook)
+    engines = [AsyncLLM(config, link=link) for link in core.links]
+    servers = [ServerThread(create_app(engine, ServerOptions(served_model_name=model_name))).start()
+               for engine in engines]
+    try:
+        yield [server.url for server in servers], engines
+    finally:
+        for server in servers:
+            server.stop()
+        for engine in engines:
+            engine.shutdown()
+        core.stop()
+        core.close()
+
+
+@contextlib.contextmanager
 def running_server(model: Path, api_key: str | None = None, served_model_name: str = "stories",
                    max_body_bytes: int | None = None, log_interval: float | None = None,
                    options: ServerOptions | None = None, send_buffer_bytes: int | None = None,
