@@ -231,3 +231,51 @@ def test_speculative_decoding_with_aborts_and_preemption_leaves_no_drafter_state
     assert stats["num_preemptions"] > 0, "the pool was large enough: nothing was preempted"
     assert stats["spec_decode"] and stats["spec_decode"].get("num_draft_tokens", 0) > 0, stats["spec_decode"]
     assert max(left) <= 8, left      # one step's sequences at most, of the ~70 requests of each round
+
+
+def test_a_consumer_step_that_fails_with_its_loads_leaves_nothing_behind(stories_path):
+    """A decode engine's step that fails at launch while it loads a claimed prompt: its requests
+    are aborted (their leases released) and the connector forgets the step's loads, which it kept
+    for ever before (each held its request's sequence), one more per such failure."""
+    from test_kv_transfer import PROMPTS as LONG_PROMPTS
+    from test_kv_transfer import claim, engines, prefill, wait_until_free
+
+    from minillm.engine import StepError
+    from minillm.sampling_params import SamplingParams
+
+    producer, consumer, plain = engines(stories_path)
+    launch, failing = consumer.runner.launch, []
+
+    def failing_launch(*args, **kwargs):
+        if failing:
+            failing.pop()
+            raise RuntimeError("injected launch fault")
+        return launch(*args, **kwargs)
+
+    consumer.runner.launch = failing_launch
+    try:
+        for i in range(6):
+            ids = plain.tokenizer.encode(LONG_PROMPTS[i % len(LONG_PROMPTS)], add_special_tokens=True)
+            kv = claim(prefill(producer, f"p{i}", ids), ids)
+            consumer.add_request(f"d{i}", ids, SamplingParams(temperature=0, max_tokens=8,
+                                                              extra_args={"kv_transfer_params": kv}))
+            failing.append(True)
+            try:
+                consumer.step()        # its first step loads the prompt's blocks, and fails
+                raise AssertionError("the step did not fail")
+            except StepError as exc:
+                assert exc.request_ids == [f"d{i}"]
+            for _ in range(10):        # the next step hands out the aborted request's last output
+                if not consumer.has_unfinished_requests():
+                    break
+                consumer.step()
+            assert not consumer.has_unfinished_requests()
+            wait_until_free(producer)  # the abort released the lease
+        connector = consumer.kv_connector
+        assert (len(connector._loading), len(connector._claims), len(connector.worker._timings)) == (0, 0, 0), \
+            f"{len(connector._loading)} failed steps' loads still held"
+        assert consumer.stats(cells=1).kv_num_used_blocks == 0
+        assert producer.stats(cells=1).kv_transfer_leases_released == 6
+    finally:
+        for engine in (producer, consumer, plain):
+            engine.shutdown()
