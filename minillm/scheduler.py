@@ -365,6 +365,8 @@ class Scheduler:
     def forget_step_blocks(self, out: SchedulerOutput) -> None:
         """out failed before its K/V were surely written: the blocks it was to fill, registered in
         the prefix cache when it was scheduled, must not serve later prompts."""
+        if self.kv_connector is not None:
+            self.kv_connector.step_failed(out)
         for seq, start in zip(out.seqs, out.num_computed_tokens):
             self.block_manager.uncache_blocks(seq, start // self.block_manager.block_size)
 

@@ -98,6 +98,9 @@ class KVConnectorScheduler:
     def update_connector_output(self, out: SchedulerOutput) -> None:
         """Step `out` has finished on the device (its loads are done)."""
 
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """Step `out` failed: it never finishes, so what waits for its end is dropped here."""
+
     def request_finished(self, seq: Sequence) -> None:
         """seq has ended (any reason); its blocks are freed right after this returns."""
 

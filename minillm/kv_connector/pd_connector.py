@@ -255,6 +255,14 @@ class PDConnectorScheduler(KVConnectorScheduler):
             self._release(r.state)
         self.seconds += seconds
 
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """A failed step's loads never finish: forget them (their requests were aborted, which
+        released their leases); kept, each held its requests' sequences for ever."""
+        meta = out.kv_connector_metadata
+        if isinstance(meta, PDMetadata):
+            self._loading.pop(meta.step, None)
+            self.worker.load_seconds(meta.step)     # drops the step's timing events, if it had any
+
     def request_finished(self, seq: Sequence) -> None:
         """Producer: a do_remote_decode request that ran to its end leaves its prompt's blocks under a
         lease. Consumer: a claim not released yet is released (the request ended before its copy)."""
