@@ -147,9 +147,9 @@ def test_pd_requests_that_end_every_way_leave_nothing_behind(stories_path):
             kvs = [httpx.post(f"{p_url}/v1/completions", timeout=DRAIN_S, json={
                 "model": MODEL, "prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
             ).json()["kv_transfer_params"] for p in PROMPTS]
-        # The producer is gone (its engine shut down as its process would exit: the thread core's
-        # server stop leaves that to the owner): each decode request is refused, and leaves nothing behind.
-        p_eng.engine.shutdown()
+        # The producer is gone: stopping its server (a thread core) shut its engine down, transfer
+        # endpoint and pool included. Each decode request is refused, and leaves nothing behind.
+        assert p_eng.engine.is_shut_down
         for prompt, kv in list(zip(PROMPTS, kvs))[:2]:
             response = httpx.post(f"{d_url}/v1/completions", timeout=DRAIN_S * 2, json={
                 "model": MODEL, "prompt": prompt, "max_tokens": 8, "kv_transfer_params": kv})

@@ -227,6 +227,7 @@ class AsyncLLMEngine:
         # after each step gets an abort into the very next step. The CUDA backend releases the
         # GIL while it waits for the device, which is when the loop runs: no pause needed there.
         self._yield_each_step = getattr(engine, "backend", None) == "numpy"
+        self.owns_engine = False        # built here (from_config): shutdown() releases it too
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._thread.start()
 
@@ -237,7 +238,9 @@ class AsyncLLMEngine:
         engine = LLMEngine(config)
         if core_hook is not None:
             core_hook(engine)
-        return cls(engine)
+        async_engine = cls(engine)
+        async_engine.owns_engine = True
+        return async_engine
 
     @property
     def startup_stats(self) -> EngineStats:
@@ -317,12 +320,16 @@ class AsyncLLMEngine:
         return await done
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread (open requests get an error) and wait for it."""
+        """Stop the engine thread (open requests get an error) and wait for it; an engine built
+        here then lets go of its KV pool, weights and KV transfer endpoint (not while its thread
+        may still step it)."""
         with self._lock:
             if not self._stopped:
                 self._stopped = True
                 self._commands.put(_Stop())
         self._thread.join(timeout)
+        if self.owns_engine and not self._thread.is_alive():
+            self.engine.shutdown()
 
     # ---- engine thread ------------------------------------------------------------------
 
