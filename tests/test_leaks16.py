@@ -136,14 +136,17 @@ def _raw_post(url: str, body: dict, num_events: int) -> None:
             received += chunk
 
 
-async def _end_every_way(url: str, rounds: int) -> dict[str, set]:
-    """Each ending `rounds` times, 8 at a time; {ending: the statuses seen} (hang-ups: None)."""
+async def _end_every_way(url: str, rounds: int, endings=None, prompts=("Once upon a time", "Lily and Ben", "One day"),
+                         concurrency: int = 8) -> dict[str, set]:
+    """Each ending (default: ENDINGS) `rounds` times, `concurrency` at a time; {ending: the statuses
+    seen} (hang-ups: None)."""
+    endings = ENDINGS if endings is None else endings
     seen: dict[str, set] = {}
-    gate = asyncio.Semaphore(8)
+    gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=DRAIN_S * 2) as client:
         async def one(i: int) -> None:
-            name, extra, how = ENDINGS[i % len(ENDINGS)]
-            body = {"model": MODEL, "prompt": ["Once upon a time", "Lily and Ben", "One day"][i % 3], **extra}
+            name, extra, how = endings[i % len(endings)]
+            body = {"model": MODEL, "prompt": prompts[i % len(prompts)], **extra}
             async with gate:
                 if how != "read":
                     await asyncio.to_thread(_raw_post, url, body, 1 + i % 3 if how == "hang_up" else 0)
@@ -156,7 +159,7 @@ async def _end_every_way(url: str, rounds: int) -> dict[str, set]:
                 else:
                     response = await client.post(f"{url}/v1/completions", json=body)
                     seen.setdefault(name, set()).add(response.status_code)
-        await asyncio.gather(*(one(i) for i in range(rounds * len(ENDINGS))))
+        await asyncio.gather(*(one(i) for i in range(rounds * len(endings))))
     return seen
 
 

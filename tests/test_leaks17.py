@@ -16,7 +16,7 @@ import threading
 
 import httpx
 import uvicorn
-from test_leaks16 import _api_server_counts, _drained, _end_every_way, _raw_post, install_with_counts
+from test_leaks16 import _api_server_counts, _drained, _end_every_way, install_with_counts
 from test_server_helpers import call_utility, get_stats, running_server, wait_for
 
 from minillm.router import RouterConfig, create_router_app
@@ -102,26 +102,7 @@ PD_ENDINGS = [
 
 async def _pd_every_way(url: str, rounds: int) -> dict[str, set]:
     """Each PD ending `rounds` times through the router, 6 at a time; {ending: statuses} (hang-ups: None)."""
-    seen: dict[str, set] = {}
-    gate = asyncio.Semaphore(6)
-    async with httpx.AsyncClient(timeout=DRAIN_S * 2) as client:
-        async def one(i: int) -> None:
-            name, extra, how = PD_ENDINGS[i % len(PD_ENDINGS)]
-            body = {"model": MODEL, "prompt": PROMPTS[i % len(PROMPTS)], **extra}
-            async with gate:
-                if how != "read":
-                    await asyncio.to_thread(_raw_post, url, body, 1 + i % 3 if how == "hang_up" else 0)
-                    seen.setdefault(name, set()).add(None)
-                elif body.get("stream"):
-                    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                        async for _ in response.aiter_lines():
-                            pass
-                    seen.setdefault(name, set()).add(response.status_code)
-                else:
-                    response = await client.post(f"{url}/v1/completions", json=body)
-                    seen.setdefault(name, set()).add(response.status_code)
-        await asyncio.gather(*(one(i) for i in range(rounds * len(PD_ENDINGS))))
-    return seen
+    return await _end_every_way(url, rounds, PD_ENDINGS, PROMPTS, concurrency=6)
 
 
 def test_pd_requests_that_end_every_way_leave_nothing_behind(stories_path):
