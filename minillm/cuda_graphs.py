@@ -22,14 +22,13 @@ from minillm.attention import AttentionMetadata
 class HostInputs:
     """A graph's packed int32 inputs in two page-locked host copies, filled and copied up in turn.
 
-    A copy from pageable memory goes through the driver's staging memory, and while that grows the
-    host waits for the step ahead on the device. From page-locked memory the copy is only queued;
+    A copy from pageable memory is first copied by the host into the driver's staging memory (and
+    CUDA allows it to wait for the stream there). From page-locked memory the copy is only queued;
     the host fills the other copy meanwhile, after the upload that last read it is done."""
 
     def __init__(self, cp, initial: np.ndarray):
         import cupyx
 
-        self.cp = cp
         self._copies = [cupyx.empty_pinned(initial.shape, np.int32) for _ in range(2)]
         for copy in self._copies:
             copy[...] = initial

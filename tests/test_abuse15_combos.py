@@ -2,7 +2,6 @@
 one is an OpenAI-shaped 4xx naming the field, with the value the client sent."""
 from __future__ import annotations
 
-import httpx
 import pytest
 from test_server_helpers import running_server
 

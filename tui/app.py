@@ -21,7 +21,7 @@ from minillm.tui.history import StatsHistory
 from minillm.tui.memory_panel import MemoryPanel
 from minillm.tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
 from minillm.tui.queue_panel import QueuePanel
-from minillm.tui.recording import Recorder, ReplaySource
+from minillm.tui.recording import Recorder
 from minillm.tui.request_table import RequestTable
 from minillm.tui.usage_panel import UsagePanel
 

@@ -261,7 +261,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         meta = out.kv_connector_metadata
         if isinstance(meta, PDMetadata):
             self._loading.pop(meta.step, None)
-            self.worker.load_seconds(meta.step)     # drops the step's timing events, if it had any
+            self.worker.forget_step(meta.step)
 
     def request_finished(self, seq: Sequence) -> None:
         """Producer: a do_remote_decode request that ran to its end leaves its prompt's blocks under a
@@ -411,6 +411,10 @@ class PDConnectorWorker(KVConnectorWorker):
         """Seconds the step's copies took (the step has finished, so its events are done)."""
         timing = self._timings.pop(step, None)
         return self.device.elapsed_seconds(*timing) if timing is not None else 0.0
+
+    def forget_step(self, step: int) -> None:
+        """Drop a failed step's timing events unread (they may never be done)."""
+        self._timings.pop(step, None)
 
 
 def make_pd_connector(config: KVTransferConfig, runner, block_manager: BlockManager) -> PDConnectorScheduler:

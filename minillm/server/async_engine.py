@@ -208,8 +208,9 @@ def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result:
 class AsyncLLMEngine:
     """Runs an LLMEngine on its own thread and serves many asyncio requests."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, owns_engine: bool = False) -> None:
         self.engine = engine
+        self.owns_engine = owns_engine  # built for it (from_config): shutdown() releases the engine too
         self.tokenizer = engine.tokenizer
         self.config = engine.config
         self.max_model_len: int = engine.max_model_len
@@ -227,7 +228,6 @@ class AsyncLLMEngine:
         # after each step gets an abort into the very next step. The CUDA backend releases the
         # GIL while it waits for the device, which is when the loop runs: no pause needed there.
         self._yield_each_step = getattr(engine, "backend", None) == "numpy"
-        self.owns_engine = False        # built here (from_config): shutdown() releases it too
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._thread.start()
 
@@ -238,9 +238,7 @@ class AsyncLLMEngine:
         engine = LLMEngine(config)
         if core_hook is not None:
             core_hook(engine)
-        async_engine = cls(engine)
-        async_engine.owns_engine = True
-        return async_engine
+        return cls(engine, owns_engine=True)
 
     @property
     def startup_stats(self) -> EngineStats:
