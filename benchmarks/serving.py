@@ -489,34 +489,34 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
     return ShareResult(list(results), start, time.monotonic(), _cpu_seconds() - cpu)
 
 
-def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare, barrier, out) -> None:
-    """A client process's entry point: its share's result, or the error, goes to `out`."""
+def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare, barrier, out, w: int) -> None:
+    """A client process's entry point: its share's result, or the error, goes to `out` with its index `w`."""
     try:
-        out.put(asyncio.run(run_share(args, base_url, share, barrier)))
+        out.put((w, asyncio.run(run_share(args, base_url, share, barrier))))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         barrier.abort()
-        out.put(BenchError(f"a client process failed: {type(exc).__name__}: {exc}"))
+        out.put((w, BenchError(f"a client process failed: {type(exc).__name__}: {exc}")))
 
 
 def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare]) -> list[ShareResult]:
-    """Each share in its own spawned process, all starting together."""
+    """Each share in its own spawned process, all starting together; their results in the shares' order."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(len(shares)), ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(args, base_url, share, barrier, out), daemon=True)
-             for share in shares]
+    procs = [ctx.Process(target=_client_process, args=(args, base_url, share, barrier, out, w), daemon=True)
+             for w, share in enumerate(shares)]
     for proc in procs:
         proc.start()
     try:
-        got = [out.get() for _ in procs]
+        got = dict(out.get() for _ in procs)
     finally:
         for proc in procs:
             proc.join(10)
             if proc.is_alive():
                 proc.kill()
-    for item in got:
+    for item in got.values():
         if isinstance(item, BaseException):
             raise item
-    return got
+    return [got[w] for w in range(len(shares))]
 
 
 def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
@@ -531,13 +531,14 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     summary = summarize(base_url.rstrip("/"), args.num_prompts, results, max(p.end for p in parts) - start,
                         sum(p.cpu_s for p in parts))
     if args.save_detailed:
-        summary.requests = [request_detail(r, start) for r in results]
+        summary.requests = [request_detail(r, start, client) for client, part in enumerate(parts) for r in part.results]
     return summary
 
 
-def request_detail(r: RequestResult, run_start: float) -> dict:
-    """One request's timings for --save-detailed (milliseconds; start from the run's start)."""
-    return {"start_ms": 1000 * (r.start_s - run_start), "end_ms": 1000 * (r.end_s - run_start),
+def request_detail(r: RequestResult, run_start: float, client: int = 0) -> dict:
+    """One request's timings for --save-detailed (milliseconds; start from the run's start), and the
+    client process that sent it."""
+    return {"client": client, "start_ms": 1000 * (r.start_s - run_start), "end_ms": 1000 * (r.end_s - run_start),
             "ttft_ms": 1000 * r.ttft_s if r.ok else None, "itl_ms": [1000 * x for x in r.itl_s],
             "output_tokens": r.output_tokens, "error": r.error or None}
 

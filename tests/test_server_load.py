@@ -160,7 +160,7 @@ def test_serving_benchmark_from_several_client_processes(server, tmp_path, capsy
     result_file = tmp_path / "serving.json"
     rc = bench.main(["--base-url", url, "--num-prompts", "7", "--input-len", "8", "--output-len", "5",
                      "--max-concurrency", "4", "--num-client-processes", "2", "--vocab-range", "3", "500",
-                     "--result-file", str(result_file)])
+                     "--result-file", str(result_file), "--save-detailed"])
     assert rc == 0
     assert "Client CPU per output token (us)" in capsys.readouterr().out
     result = json.loads(result_file.read_text())["results"][0]
@@ -168,6 +168,8 @@ def test_serving_benchmark_from_several_client_processes(server, tmp_path, capsy
     assert result["total_input_tokens"] == 7 * 8 and result["total_output_tokens"] == 7 * 5
     assert 7 <= result["total_chunks"] <= 7 * 5      # every request streamed at least one event with text
     assert result["client_cpu_s"] > 0
+    # --save-detailed names the client process of each request: requests 0, 2, 4, 6 went from the first
+    assert sorted(r["client"] for r in result["requests"]) == [0, 0, 0, 0, 1, 1, 1]
     shares = bench.client_shares(bench.parse_args(["--num-prompts", "7", "--max-concurrency", "4",
                                                    "--num-client-processes", "3"]))
     assert sorted(i for share in shares for i in share.indices) == list(range(7))
