@@ -266,7 +266,7 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else int(self._seed_rng.integers(2**62))
-            seqs.append(Sequence(request_id, i, list(ids), params, now, np.random.default_rng(seed), max_tokens))
+            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens))
         incremental = output_kind == "cumulative"
         states = [self.output_processor.new_state(s, incremental) for s in seqs]
         req = Request(request_id, text, list(ids), seqs, states,

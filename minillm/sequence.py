@@ -56,7 +56,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    rng: np.random.Generator
+    rng_source: np.random.Generator | int | None   # its generator, or the seed it is built from on first use
     max_tokens: int                  # resolved: params.max_tokens or what max_model_len leaves
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
     status: SequenceStatus = SequenceStatus.WAITING
@@ -82,6 +82,14 @@ class Sequence:
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """Its random generator, built from its seed on first use (a greedy sequence never needs one,
+        and building one costs a fifth of admitting a request)."""
+        if not isinstance(self.rng_source, np.random.Generator):
+            self.rng_source = np.random.default_rng(self.rng_source)
+        return self.rng_source
 
     @property
     def num_tokens(self) -> int:
