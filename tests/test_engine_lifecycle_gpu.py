@@ -88,4 +88,10 @@ def test_six_engines_in_one_process_size_the_same_pool_and_never_fault(tmp_path)
             llm.shutdown()                          # explicit
         del llm, engine                             # even ones: dropping the last reference releases
         gc.collect()
-    assert max(pool_sizes) <= min(pool_sizes) * 1.01, pool_sizes
+    # The first engine sizes its pool before the process holds anything of CUDA's that outlives an
+    # engine: the kernels loaded on their first launch (the start-up pass of the head's GEMM at every
+    # row count loads cuBLAS's) stay loaded, so it may get up to 2 % more (seen: 9,756 against 9,644
+    # blocks). From the second engine on, a leak would shrink each pool after the one before.
+    later = pool_sizes[1:]
+    assert max(later) <= min(later) * 1.01, pool_sizes
+    assert min(later) <= pool_sizes[0] <= min(later) * 1.02, pool_sizes
