@@ -93,8 +93,15 @@ class BlockManager:
         """seq.token_block_keys hashed through its first num_blocks full blocks of known tokens
         (fewer when fewer are known); each block is hashed once in the sequence's life."""
         keys, bs = seq.token_block_keys, self.block_size
-        for i in range(len(keys), min(num_blocks, len(seq.token_ids) // bs)):
-            keys.append(self.block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs]))
+        first, end = len(keys), min(num_blocks, len(seq.token_ids) // bs)
+        if end > first:
+            # The blocks' ids as 8-byte integers in one conversion (a prompt's 32 blocks: 106 -> 79 us)
+            data = memoryview(array("q", seq.token_ids[first * bs:end * bs])).cast("B")   # [(end - first) * bs * 8]
+            width = 8 * bs
+            for j in range(end - first):
+                digest = hashlib.sha256(keys[-1] if keys else b"")
+                digest.update(data[j * width:(j + 1) * width])
+                keys.append(digest.digest())
         return keys
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:

@@ -106,3 +106,14 @@ def test_block_keys_chain_a_digest_of_the_whole_prefix():
     other_parent = BlockManager.block_key(BlockManager.block_key(None, [0, 2, 3, 4]), [5, 6, 7, 8])
     assert second != other_parent and second != BlockManager.block_key(None, [5, 6, 7, 8])
     assert BlockManager.block_key(None, [2**40]) != BlockManager.block_key(None, [0])     # no truncation
+
+
+def test_a_sequences_block_keys_are_the_block_key_chain_whether_hashed_at_once_or_block_by_block():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = [7, 2**40, 3, 9, 11, 0, 5, 5, 1, 2, 3, 4, 8, 6]        # three full blocks and two tokens
+    chain = []
+    for i in range(3):
+        chain.append(BlockManager.block_key(chain[-1] if chain else None, tokens[4 * i:4 * i + 4]))
+    assert bm.keys_of(make_seq(tokens, "a"), 5) == chain               # no key for the partial block
+    seq = make_seq(tokens, "b")
+    assert bm.keys_of(seq, 1) == chain[:1] and bm.keys_of(seq, 3) == chain
