@@ -87,6 +87,8 @@ class BenchmarkResult:
     total_chunks: int = 0           # streamed events that carried text (tokens / chunks: tokens per event)
     client_cpu_s: float = 0.0       # CPU seconds the client itself used (every client process), for its cost
     requests: list[dict] | None = None   # --save-detailed: each request's start, TTFT and ITLs (ms)
+    steps: list[dict] | None = None      # --step-trace: the engine's steps during the run (StepStats, t_ms)
+    steps_missed: int = 0                # --step-trace: steps no poll saw
 
     @property
     def client_cpu_us_per_token(self) -> float:
@@ -142,6 +144,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-detailed", action="store_true",
                    help="With --result-file: also each request's start (ms from the run's start), TTFT, "
                         "inter-token latencies, output tokens and error, to place the tail in time.")
+    p.add_argument("--step-trace", action="store_true",
+                   help="With --result-file: also the engine's steps during each run, polled from /v1/stats "
+                        "(each poll costs the engine a snapshot between two steps: trace a separate run).")
+    p.add_argument("--step-trace-interval", type=float, default=0.15, metavar="S",
+                   help="Seconds between two --step-trace polls (a snapshot holds the last 32 steps).")
     args = p.parse_args(argv)
     if args.mixed_users is not None and (args.mixed_users < 1 or args.long_input_len < 1 or args.long_output_len < 1
                                          or args.long_every_s <= 0 or args.duration <= 0):
@@ -163,6 +170,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
     if args.save_detailed and not args.result_file:
         p.error("--save-detailed needs --result-file")
+    if args.step_trace and not args.result_file:
+        p.error("--step-trace needs --result-file")
+    if not 0.01 <= args.step_trace_interval <= 10:
+        p.error(f"--step-trace-interval must be in [0.01, 10] seconds, got {args.step_trace_interval}")
     try:
         args.offline_engine_args = offline_engine_args(args)
     except ValueError as exc:
@@ -522,16 +533,27 @@ def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare
 def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     """Drive the whole workload against one server, from --num-client-processes processes (one: this one)."""
     shares = client_shares(args)
-    if len(shares) == 1:
-        parts = [asyncio.run(run_share(args, base_url, shares[0]))]
-    else:
-        parts = run_shares(args, base_url, shares)
+    tracer = None
+    if getattr(args, "step_trace", False):
+        from minillm.benchmarks.step_trace import StepTracer
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        tracer = StepTracer(base_url, args.step_trace_interval, headers).start()
+    try:
+        if len(shares) == 1:
+            parts = [asyncio.run(run_share(args, base_url, shares[0]))]
+        else:
+            parts = run_shares(args, base_url, shares)
+    finally:
+        if tracer is not None:
+            tracer.stop()
     results = [r for part in parts for r in part.results]
     start = min(p.start for p in parts)
     summary = summarize(base_url.rstrip("/"), args.num_prompts, results, max(p.end for p in parts) - start,
                         sum(p.cpu_s for p in parts))
     if args.save_detailed:
         summary.requests = [request_detail(r, start, client) for client, part in enumerate(parts) for r in part.results]
+    if tracer is not None:
+        summary.steps, summary.steps_missed = tracer.steps(start), tracer.missed()
     return summary
 
 
@@ -685,7 +707,8 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
 def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult, float | None]], str]:
     """The workload at each concurrency of the sweep against the server, then the ceiling at each."""
     # One request first, untimed, as `vllm bench serve` does: first-call costs are not throughput.
-    benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1}), args.base_url)
+    benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1, "step_trace": False}),
+              args.base_url)
     results = []
     for level in args.concurrency_sweep:
         results.append((level, benchmark(argparse.Namespace(**{**vars(args), "max_concurrency": level}),

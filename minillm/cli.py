@@ -871,6 +871,7 @@ _bench_command("throughput", "Offline throughput: a batch of prompts through the
 _bench_command("serving", "Online serving: requests at a rate against a running server.")
 _bench_command("kernels", "Kernel micro-benchmarks against their roofline.")
 _bench_command("pd_disagg", "Prefill/decode disaggregation on one GPU against one server with chunked prefill.")
+_bench_command("serving_gaps", "Where a serving run's long inter-token gaps sit (a bench serving --save-detailed file).")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ def test_bench_throughput_defaults_work_on_the_cpu():
 
 def test_bench_help_shows_every_default_like_the_rest_of_the_cli(capsys):
     helps = {}
-    for name in ("throughput", "serving", "kernels"):
+    for name in ("throughput", "serving", "kernels", "serving_gaps"):
         status, text, _ = run_main(capsys, "bench", name, "--help")
         assert status == 0
         assert text.startswith(f"Usage: minillm bench {name} [OPTIONS]") and "\nOptions:\n" in text
