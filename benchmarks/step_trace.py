@@ -1,8 +1,9 @@
 """The engine's steps during a serving run, polled from the server's /v1/stats (`bench serving --step-trace`).
 
-A snapshot carries the engine's last 32 steps (StepStats: when each ended, its prompt and decode
-tokens, its host time and, with a step-time budget, its estimated and measured device time and
-the limit it was sized under). Polled every --step-trace-interval seconds, the snapshots overlap,
+A snapshot carries the engine's last 32 steps (StepStats: when each was scheduled, its prompt and
+decode tokens, its scheduling time and, with a step-time budget, its estimated and measured device
+time and the limit it was sized under); under async scheduling a step is scheduled while the one
+before it runs, so the times between steps are the engine's step intervals. Polled every --step-trace-interval seconds, the snapshots overlap,
 so every step of the run is kept once as long as fewer than 32 steps pass between two polls (at
 0.15 s, a step every 4.7 ms or slower). Each poll builds a snapshot between two of the engine's
 steps (about 1-3 ms with 256 requests running), so a traced run's latencies carry that cost: the
@@ -63,7 +64,7 @@ class StepTracer:
             self._seen.setdefault(step["step"], step)
 
     def steps(self, run_start_monotonic: float) -> list[dict]:
-        """Every step seen, in order, each with t_ms: when it ended, in ms from the run's start
+        """Every step seen, in order, each with t_ms: when it was scheduled, in ms from the run's start
         (time.monotonic() of this machine; the server's clock is time.time() on the same host)."""
         offset = time.time() - time.monotonic()
         out = []
