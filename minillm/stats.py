@@ -16,7 +16,7 @@ class StepStats:
     """Composition and duration of one engine step."""
 
     step: int
-    time: float                  # time.time() at the end of the step
+    time: float                  # time.time() when its scheduling ended (it is launched next)
     num_prefill_tokens: int
     num_decode_tokens: int
     num_seqs: int
