@@ -74,6 +74,13 @@ class ServingContext:
         """Run fn in the preprocessing pool, so tokenising a long prompt does not stall the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
 
+    async def run_blocking_if(self, slow: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn in the preprocessing pool when it may be slow, else here: a hop through the pool costs
+        two thread hand-overs (and the GIL twice) for work of a few microseconds."""
+        if slow:
+            return await self.run_blocking(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
     def check_model(self, model: str | None) -> None:
         """404 for a model name this server does not serve (an omitted name means ours)."""
         if model is not None and model != self.model_name:

@@ -23,7 +23,7 @@ from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, ServingContext, answer, content_choice_json, json_dumps,
     log_unknown_fields, merged_outputs, new_request_id, sse, usage,
 )
-from minillm.server.structured import structured_outputs_params
+from minillm.server.structured import asks_for_structure, structured_outputs_params
 
 # Names render_chat takes itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt", "continue_final_message")
@@ -105,7 +105,8 @@ class ChatJob:
     async def prepare(self) -> None:
         """Check the output constraint and render and tokenise the conversation (in the
         preprocessing pool); fit max_tokens to it."""
-        self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
+        self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req), structured_outputs_params,
+                                                         self.req)
         self.prompt_ids = await self.ctx.run_blocking(self._render)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")

@@ -21,7 +21,7 @@ from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, ServingContext, answer, json_dumps, log_unknown_fields, merged_outputs,
     new_request_id, sse, text_choice_json, usage,
 )
-from minillm.server.structured import structured_outputs_params
+from minillm.server.structured import asks_for_structure, structured_outputs_params
 
 
 class CompletionJob:
@@ -61,8 +61,11 @@ class CompletionJob:
     async def prepare(self) -> None:
         """Check the output constraint and tokenise the prompts (in the preprocessing pool); fit
         max_tokens to each."""
-        self.structured = await self.ctx.run_blocking(structured_outputs_params, self.req)
-        self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking(self._tokenize)
+        self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req), structured_outputs_params,
+                                                         self.req)
+        # Token ids not echoed need no tokenizer: no hop through the pool (two thread hand-overs a request)
+        text_work = self.req.echo or any(isinstance(p, str) for p in self.prompts)
+        self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking_if(text_work, self._tokenize)
         if any(not ids for ids in self.prompt_ids):     # e.g. add_special_tokens false on text of no tokens
             raise APIError(400, "prompt must not be empty: it tokenizes to no tokens", param="prompt")
         scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too

@@ -24,6 +24,12 @@ _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
+def asks_for_structure(req: Any) -> bool:
+    """True when the request sets a field that structured_outputs_params() must check (a grammar or a
+    schema to compile in the pool); without one it returns None at once, or refuses a legacy field."""
+    return req.response_format is not None or req.structured_outputs is not None
+
+
 def structured_outputs_params(req: Any):
     """StructuredOutputsParams for a completions or chat request, or None when it asks for none."""
     extra = req.model_extra or {}
