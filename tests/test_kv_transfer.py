@@ -289,6 +289,21 @@ def test_a_decode_server_keeps_sockets_to_a_bounded_few_producers(monkeypatch):
     assert asyncio.run(connect()) == [("127.0.0.1", 7001), ("127.0.0.1", 7003)]
 
 
+def test_a_decode_engine_keeps_release_sockets_to_a_bounded_few_producers(monkeypatch):
+    """The decode engine releases leases at addresses that clients named: past the cap, the least
+    recently used socket is closed."""
+    from minillm.kv_connector import endpoint
+    monkeypatch.setattr(endpoint, "MAX_ENDPOINTS", 2)
+    releaser = LeaseReleaser()
+    try:
+        for port in (7001, 7002, 7001, 7003):      # nobody listens: a release is queued, never waited for
+            releaser.release("127.0.0.1", port, "lease")
+        releaser.release("no such host!", 7004, "lease")   # logged, not raised, and no socket kept
+        assert releaser.endpoints == [("127.0.0.1", 7001), ("127.0.0.1", 7003)]
+    finally:
+        releaser.close()
+
+
 def test_the_router_asks_the_prefill_server_for_one_token_and_takes_turns():
     body = {"prompt": "x", "max_tokens": 50, "min_tokens": 10, "stream": True,
             "stream_options": {"include_usage": True},

@@ -144,9 +144,18 @@ class LeaseReleaser:
         self.encoder = msgspec.msgpack.Encoder()
         self._socks: dict[tuple[str, int], zmq.Socket] = {}
 
+    @property
+    def endpoints(self) -> list[tuple[str, int]]:
+        """The producers it keeps a socket to, least recently used first."""
+        return list(self._socks)
+
     def connect(self, host: str, port: int):
-        """The socket to a producer's endpoint; ValueError for an address ZeroMQ cannot connect to."""
-        sock = self._socks.get((host, port))
+        """The socket to a producer's endpoint; ValueError for an address ZeroMQ cannot connect to.
+
+        The addresses are those of leases the API server claimed, which a client named: at most
+        MAX_ENDPOINTS sockets are kept, the least recently used closed first (a release still queued
+        on it is lost, which leaves its blocks to the lease's expiry)."""
+        sock = self._socks.pop((host, port), None)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -155,7 +164,9 @@ class LeaseReleaser:
             except zmq.ZMQError as exc:
                 sock.close()
                 raise ValueError(f"remote_host {host!r} with remote_port {port} is not an address: {exc}") from None
-            self._socks[(host, port)] = sock
+            while len(self._socks) >= MAX_ENDPOINTS:
+                self._socks.pop(next(iter(self._socks))).close()
+        self._socks[(host, port)] = sock               # most recently used last
         return sock
 
     def release(self, host: str, port: int, lease_id: str) -> None:
