@@ -116,6 +116,8 @@ def analyze(result: dict, level: int | None = None, factor: float = 1.5, window_
     if itls.size == 0:
         raise BenchError("no request streamed more than one chunk: no inter-token latency to place")
     p50, p99 = float(np.percentile(itls, 50)), float(np.percentile(itls, 99))
+    if not p50 > 0:
+        raise BenchError("the median inter-token latency is 0 ms: no gap can be measured against it")
     threshold = factor * p50
     gaps = [Gap(t[k], t[k + 1], client, i, k + 1)
             for i, (client, t) in enumerate(streams) for k in np.flatnonzero(np.diff(t) > threshold)]

@@ -47,6 +47,10 @@ def test_gaps_are_told_apart_by_who_else_saw_them_and_grouped_in_windows_with_th
 def test_a_result_without_requests_or_a_bad_file_is_one_line(tmp_path, capsys):
     with pytest.raises(BenchError, match="--save-detailed"):
         gaps.analyze({"requests": None})
+    with pytest.raises(BenchError, match="no request streamed more than one chunk"):
+        gaps.analyze({"requests": [stream(0.0, 5.0, [], 0)]})
+    with pytest.raises(BenchError, match="median inter-token latency is 0"):
+        gaps.analyze({"requests": [stream(0.0, 5.0, [0.0, 0.0, 3.0], 0)]})
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     with pytest.raises(BenchError, match="cannot read"):
