@@ -181,11 +181,14 @@ def format_report(report: GapReport, steps: list[dict] | None = None, max_window
     return "\n".join(lines)
 
 
-def _levels(doc: dict) -> list[tuple[int | None, dict]]:
-    if "sweep" in doc:
-        return [(level["max_concurrency"], level["result"]) for level in doc["sweep"]]
-    if "results" in doc:
-        return [(None, r) for r in doc["results"]]
+def _levels(doc) -> list[tuple[int | None, dict]]:
+    try:
+        if "sweep" in doc:
+            return [(level["max_concurrency"], level["result"]) for level in doc["sweep"]]
+        if "results" in doc:
+            return [(None, r) for r in doc["results"]]
+    except (KeyError, TypeError) as exc:
+        raise BenchError(f"not a bench serving result file ({type(exc).__name__}: {exc})") from None
     raise BenchError("not a bench serving result file (no 'sweep' or 'results')")
 
 
@@ -214,8 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     if not levels:
         raise BenchError(f"no run at level {args.level} in {args.result_file}")
     for level, result in levels:
-        report = analyze(result, level, args.factor, args.window_ms)
-        print(format_report(report, result.get("steps")))
+        try:
+            report = analyze(result, level, args.factor, args.window_ms)
+            text = format_report(report, result.get("steps"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:   # a file edited or of another shape
+            raise BenchError(f"{args.result_file} is not a bench serving result as saved: "
+                             f"{type(exc).__name__}: {exc}") from None
+        print(text)
     return 0
 
 

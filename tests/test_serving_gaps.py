@@ -59,6 +59,12 @@ def test_a_result_without_requests_or_a_bad_file_is_one_line(tmp_path, capsys):
     other.write_text("{}")
     with pytest.raises(BenchError, match="not a bench serving result"):
         gaps.main([str(other)])
+    for doc in ({"results": 5}, [], {"sweep": [{"result": {}}]},
+                {"results": [{"requests": [{"start_ms": 0, "ttft_ms": 1, "itl_ms": ["a", "b"], "end_ms": 3}]}]}):
+        edited = tmp_path / "edited.json"
+        edited.write_text(json.dumps(doc))
+        with pytest.raises(BenchError, match="not a bench serving result"):
+            gaps.main([str(edited)])
     with pytest.raises(BenchUsageError, match="--step-trace needs --result-file"):
         bench.parse_args(["--step-trace"])
     with pytest.raises(BenchUsageError, match="--step-trace-interval"):
