@@ -554,6 +554,9 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
         summary.requests = [request_detail(r, start, client) for client, part in enumerate(parts) for r in part.results]
     if tracer is not None:
         summary.steps, summary.steps_missed = tracer.steps(start), tracer.missed()
+        if tracer.polls == 0:    # a server with no /v1/stats (another engine): say so, the run stands
+            print(f"--step-trace: {base_url.rstrip('/')}/v1/stats answered no poll "
+                  f"({tracer.errors[-1] if tracer.errors else 'none made'}); no steps kept", file=sys.stderr)
     return summary
 
 

@@ -98,3 +98,30 @@ def test_a_traced_run_keeps_every_engine_step_once_and_the_gaps_report_reads_it(
     assert gaps.main([str(result_file)]) == 0
     first_line = capsys.readouterr().out.splitlines()[0]
     assert f"12 requests, {sum(len(r['itl_ms']) for r in requests)} ITLs" in first_line
+
+
+def test_a_server_without_v1_stats_leaves_the_trace_empty_and_says_why():
+    import http.server
+    import socketserver
+    import threading
+
+    from minillm.benchmarks.step_trace import StepTracer
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = socketserver.TCPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        tracer = StepTracer(f"http://127.0.0.1:{server.server_address[1]}", 10.0).start()
+        tracer.stop()                    # the first poll, then the last one
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert tracer.polls == 0 and len(tracer.errors) == 2 and "404" in tracer.errors[-1]
+    assert tracer.steps(0.0) == [] and tracer.missed() == 0
