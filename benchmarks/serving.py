@@ -534,7 +534,7 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     """Drive the whole workload against one server, from --num-client-processes processes (one: this one)."""
     shares = client_shares(args)
     tracer = None
-    if getattr(args, "step_trace", False):
+    if args.step_trace:
         from minillm.benchmarks.step_trace import StepTracer
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         tracer = StepTracer(base_url, args.step_trace_interval, headers).start()

@@ -3,9 +3,9 @@
 A snapshot carries the engine's last 32 steps (StepStats: when each was scheduled, its prompt and
 decode tokens, its scheduling time and, with a step-time budget, its estimated and measured device
 time and the limit it was sized under); under async scheduling a step is scheduled while the one
-before it runs, so the times between steps are the engine's step intervals. Polled every --step-trace-interval seconds, the snapshots overlap,
-so every step of the run is kept once as long as fewer than 32 steps pass between two polls (at
-0.15 s, a step every 4.7 ms or slower). Each poll builds a snapshot between two of the engine's
+before it runs, so the times between steps are the engine's step intervals. Polled every
+--step-trace-interval seconds, the snapshots overlap, so every step of the run is kept once as
+long as fewer than 32 steps pass between two polls (at 0.15 s, a step every 4.7 ms or slower). Each poll builds a snapshot between two of the engine's
 steps (about 1-3 ms with 256 requests running), so a traced run's latencies carry that cost: the
 trace says where the time went, the untraced run gives the figures.
 """
@@ -15,9 +15,6 @@ import threading
 import time
 
 import httpx
-
-SNAPSHOT_STEPS = 32   # recent_steps in an /v1/stats snapshot
-
 
 class StepTracer:
     """Poll base_url's /v1/stats on a thread until stop(); steps() gives every step seen, once."""

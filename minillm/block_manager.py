@@ -33,6 +33,18 @@ class BlockPoolSnapshot:
     prefix_cache_hits: int           # prompt tokens found
 
 
+def _chain_keys(keys: list[bytes], tokens: list[int], block_size: int) -> None:
+    """Append to keys (the chain so far) the keys of tokens' full blocks of block_size, each the
+    SHA-256 of the key before it and the block's ids as 8-byte integers. The ids are converted in one
+    pass (a prompt's 32 blocks: 106 -> 79 us against a conversion a block)."""
+    data = memoryview(array("q", tokens)).cast("B")     # [len(tokens) * 8]
+    width = 8 * block_size
+    for j in range(len(tokens) // block_size):
+        digest = hashlib.sha256(keys[-1] if keys else b"")
+        digest.update(data[j * width:(j + 1) * width])
+        keys.append(digest.digest())
+
+
 class BlockManager:
     """Allocates, shares (prefix cache) and frees fixed-size KV blocks; pure Python."""
 
@@ -85,9 +97,9 @@ class BlockManager:
     def block_key(parent: bytes | None, tokens: list[int]) -> bytes:
         """The prefix-cache key of a full block: SHA-256 of its parent's key (none for the first
         block) and its token ids as 8-byte integers (about 1.4 us a block)."""
-        digest = hashlib.sha256(parent or b"")
-        digest.update(array("q", tokens).tobytes())
-        return digest.digest()
+        keys = [parent] if parent is not None else []
+        _chain_keys(keys, tokens, len(tokens))
+        return keys[-1]
 
     def keys_of(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """seq.token_block_keys hashed through its first num_blocks full blocks of known tokens
@@ -95,13 +107,7 @@ class BlockManager:
         keys, bs = seq.token_block_keys, self.block_size
         first, end = len(keys), min(num_blocks, len(seq.token_ids) // bs)
         if end > first:
-            # The blocks' ids as 8-byte integers in one conversion (a prompt's 32 blocks: 106 -> 79 us)
-            data = memoryview(array("q", seq.token_ids[first * bs:end * bs])).cast("B")   # [(end - first) * bs * 8]
-            width = 8 * bs
-            for j in range(end - first):
-                digest = hashlib.sha256(keys[-1] if keys else b"")
-                digest.update(data[j * width:(j + 1) * width])
-                keys.append(digest.digest())
+            _chain_keys(keys, seq.token_ids[first * bs:end * bs], bs)
         return keys
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:
