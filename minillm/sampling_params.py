@@ -54,12 +54,15 @@ def short_repr(value: object, limit: int = 60) -> str:
 
 def _is_int(value: object) -> bool:
     """An integer, and not a bool (True is not 1 here)."""
+    if type(value) is int:          # the common case, before the slower abstract-class check
+        return True
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_finite(value: object) -> bool:
     """A real number (not a bool) that is neither NaN nor infinite (nor an integer past float's range)."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    if type(value) is not float and type(value) is not int and (
+            not isinstance(value, numbers.Real) or isinstance(value, bool)):
         return False
     try:
         return math.isfinite(value)
