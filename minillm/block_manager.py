@@ -45,6 +45,22 @@ def _chain_keys(keys: list[bytes], tokens: list[int], block_size: int) -> None:
         append(parent)
 
 
+def prompt_block_keys(prompt: list[int], block_size: int) -> list[bytes]:
+    """The prefix-cache keys of a prompt's full blocks, as the engine would compute them at
+    admission; an API server process computes them beside the tokenizer (AddRequest's
+    prompt_block_keys), so the engine core's one thread does not."""
+    keys: list[bytes] = []
+    _chain_keys(keys, prompt, block_size)
+    return keys
+
+
+def are_prompt_block_keys(keys: object, num_tokens: int, block_size: int) -> bool:
+    """True when keys has the shape of a prompt of num_tokens tokens' keys: one SHA-256 digest per
+    full block (what an API server sent is checked, not recomputed)."""
+    return (type(keys) is list and len(keys) == num_tokens // block_size
+            and all(type(k) is bytes and len(k) == 32 for k in keys))
+
+
 class BlockManager:
     """Allocates, shares (prefix cache) and frees fixed-size KV blocks; pure Python."""
 

@@ -15,7 +15,7 @@ from typing import Annotated, NoReturn
 import msgspec
 import numpy as np
 
-from minillm.block_manager import BlockManager
+from minillm.block_manager import BlockManager, are_prompt_block_keys
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
@@ -232,10 +232,13 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None, output_kind: str = "cumulative") -> None:
+                    arrival_time: float | None = None, output_kind: str = "cumulative",
+                    prompt_block_keys: list[bytes] | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         output_kind "cumulative" reports the request every step it changes; "final" only once done.
+        prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
+        (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
         """
         if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
             raise RuntimeError("the engine is shut down: it takes no more requests")
@@ -258,6 +261,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
+        num_given = len(ids)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)   # the text stays as given
         self._check_kv_transfer(ids, params)
         if len(ids) >= self.max_model_len:
@@ -272,6 +276,10 @@ class LLMEngine:
         for i in range(params.n):
             seed = params.seed + i if params.seed is not None else self._seed_rng.getrandbits(62)
             seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens))
+        if prompt_block_keys is not None and len(ids) == num_given and are_prompt_block_keys(
+                prompt_block_keys, len(ids), self.block_manager.block_size):
+            for seq in seqs:
+                seq.token_block_keys = list(prompt_block_keys)
         incremental = output_kind == "cumulative"
         states = [self.output_processor.new_state(s, incremental) for s in seqs]
         req = Request(request_id, text, list(ids), seqs, states,

@@ -117,3 +117,27 @@ def test_a_sequences_block_keys_are_the_block_key_chain_whether_hashed_at_once_o
     assert bm.keys_of(make_seq(tokens, "a"), 5) == chain               # no key for the partial block
     seq = make_seq(tokens, "b")
     assert bm.keys_of(seq, 1) == chain[:1] and bm.keys_of(seq, 3) == chain
+
+
+def test_prompt_block_keys_are_the_keys_admission_computes():
+    from minillm.block_manager import are_prompt_block_keys, prompt_block_keys
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = [5, 9, 2, 7, 1, 1, 3, 8, 6, 4, 0]                 # two full blocks and a partial one
+    seq = make_seq(prompt)
+    admit(bm, seq)
+    keys = prompt_block_keys(prompt, 4)
+    assert keys == seq.block_hashes == bm.keys_of(make_seq(prompt), 2)
+    assert are_prompt_block_keys(keys, len(prompt), 4)
+    assert not are_prompt_block_keys(keys[:1], len(prompt), 4)           # one short
+    assert not are_prompt_block_keys([k[:16] for k in keys], len(prompt), 4)   # not digests
+    assert not are_prompt_block_keys(tuple(keys), len(prompt), 4)
+
+
+def test_a_sequence_with_keys_given_finds_its_prefix_without_hashing_again():
+    from minillm.block_manager import prompt_block_keys
+    bm = BlockManager(num_blocks=16, block_size=4)
+    prompt = list(range(1, 13))
+    admit(bm, make_seq(prompt, "a"))
+    other = make_seq([9] * 12, "b")
+    other.token_block_keys = prompt_block_keys(prompt, 4)      # keys are taken as given: no rehash
+    assert len(bm.find_cached_blocks(other)) == 2              # the first prompt's blocks (at least one token left)

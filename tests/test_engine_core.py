@@ -289,3 +289,29 @@ def test_cuda_is_touched_in_the_core_process_only(stories_path, tmp_path):
     assert imported_here == "False" and device == "numpy"
     assert imports.read_text().split() == [core_pid]    # the core probed for a GPU; the server never did
     assert server_pid != core_pid
+
+
+def test_prompt_block_keys_sent_with_a_request_serve_its_prefix_lookup(config):
+    """An AddRequest's prompt_block_keys are what the core's prefix cache looks the prompt up by;
+    keys of the wrong shape, or for a prompt the core truncates, are ignored and it hashes itself."""
+    from minillm.block_manager import prompt_block_keys
+    core = EngineCore(config)
+    engine, bs = core.engine, core.engine.block_manager.block_size
+    prompt = [(7 * i) % 200 + 3 for i in range(4 * bs + 1)]
+    params = {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}
+
+    def cached_tokens(request_id, ids, keys, **extra):
+        assert core.add_request(m.AddRequest(request_id, ids, {**params, **extra}, time.time(), 0, keys)) is None
+        seq = engine.requests[request_id].seqs[0]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return seq.num_cached_tokens
+
+    assert cached_tokens("first", prompt, prompt_block_keys(prompt, bs)) == 0
+    assert cached_tokens("same", prompt, prompt_block_keys(prompt, bs)) == 4 * bs
+    other = [t + 1 for t in prompt]
+    # The core trusts the API server's keys: another prompt's keys find that prompt's blocks.
+    assert cached_tokens("trusted", other, prompt_block_keys(prompt, bs)) == 4 * bs
+    assert cached_tokens("short", other, prompt_block_keys(prompt, bs)[:2]) == 0
+    assert cached_tokens("truncated", [1] + other, prompt_block_keys([1] + prompt, bs),
+                         truncate_prompt_tokens=len(other)) == 4 * bs   # hashed again: `other` is cached now

@@ -148,7 +148,7 @@ class EngineCore:
         try:
             params = SamplingParams(**sampling_fields(command.params))
             self.engine.add_request(command.request_id, command.prompt_token_ids, params,
-                                    arrival_time=command.arrival_time)
+                                    arrival_time=command.arrival_time, prompt_block_keys=command.prompt_block_keys)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
             return str(exc)
         return None
@@ -363,8 +363,9 @@ def run_engine_core(spec: CoreSpec) -> None:
             return
         proc = EngineCoreProc(core, spec, input_sock, output_socks)
         engine = core.engine
+        blocks = engine.block_manager
         proc.broadcast(m.Ready(os.getpid(), engine.max_model_len, engine.model_config.vocab_size,
-                               engine.stats(cells=1)))
+                               engine.stats(cells=1), blocks.block_size if blocks.enable_prefix_caching else 0))
         freeze_startup_heap()
         try:
             proc.run()

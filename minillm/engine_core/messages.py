@@ -26,6 +26,9 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     params: dict[str, Any]              # SamplingParams' constructor fields
     arrival_time: float
     client_index: int = 0               # the API server that sent it: its outputs go there
+    # The prompt's prefix-cache keys (block_manager.prompt_block_keys), hashed by the API server so
+    # the core's thread does not; None: the core hashes the prompt itself.
+    prompt_block_keys: list[bytes] | None = None
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
@@ -146,6 +149,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     max_model_len: int
     vocab_size: int
     stats: EngineStats
+    prefix_block_size: int = 0          # the block size prompts are keyed by; 0: no prefix caching
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):
