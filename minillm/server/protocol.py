@@ -386,7 +386,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     prompt = req.prompt
     if isinstance(prompt, str):
         prompts: list = [prompt]
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    elif prompt and isinstance(prompt[0], int):     # validated as one of the union's lists: all ints
         prompts = [list(prompt)]
     else:
         prompts = list(prompt)

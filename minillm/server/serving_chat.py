@@ -20,8 +20,8 @@ from minillm.server.protocol import (
     message_chars, messages_as_dicts, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ChunkFormat, ServingContext, answer, content_choice_json, json_dumps,
-    log_unknown_fields, merged_outputs, new_request_id, sse, usage,
+    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, content_choice_json,
+    json_dumps, log_unknown_fields, merged_outputs, new_request_id, sse, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -178,6 +178,7 @@ class ChatJob:
         final: RequestOutput | None = None
         chunks = ChunkFormat(self.request_id, "chat.completion.chunk", self.created, self.ctx.model_name,
                              self.req.include_usage)
+        last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
             async for batch in batches:
                 for _, output in batch:
@@ -185,12 +186,15 @@ class ChatJob:
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events = [chunks.event(choice) for choice in self._choices(output, progress)]
                     if events:
-                        yield "".join(events)   # one write per wake-up, however many choices moved
+                        last = "".join(events)   # one write per wake-up, however many choices moved
+                        if not all_finished(streams):
+                            yield last
+                            last = ""
         if self.req.include_usage and final is not None:
             chunk = self._chunk([])
             chunk["usage"] = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
-            yield sse(chunk)
-        yield SSE_DONE
+            last += sse(chunk)
+        yield FinalEvent(last + SSE_DONE)
 
     def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[str]:
         """Stream choices as JSON (role opener, content delta, finish) for the completions that moved."""

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.sampling_params import truncate_prompt
+from minillm.sampling_params import SamplingParams, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -18,8 +18,8 @@ from minillm.server.protocol import (
     CompletionRequest, check_unsupported, completion_prompts, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ChunkFormat, ServingContext, answer, json_dumps, log_unknown_fields, merged_outputs,
-    new_request_id, sse, text_choice_json, usage,
+    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, json_dumps,
+    log_unknown_fields, merged_outputs, new_request_id, sse, text_choice_json, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -49,8 +49,9 @@ class CompletionJob:
             # checked against the 0 sent, not the 1 generated and dropped (which the error named)
             raise APIError(400, f"min_tokens must not exceed max_tokens (0), got {req.min_tokens}",
                            param="min_tokens")
-        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
-                           max_model_len=ctx.engine.max_model_len)
+        # field errors first; kept for the first prompt when prepare() would build the same again
+        self._checked_params: SamplingParams | None = to_sampling_params(
+            req, self.max_tokens, req.logprobs, ctx.engine.vocab_size, max_model_len=ctx.engine.max_model_len)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
@@ -69,10 +70,18 @@ class CompletionJob:
         if any(not ids for ids in self.prompt_ids):     # e.g. add_special_tokens false on text of no tokens
             raise APIError(400, "prompt must not be empty: it tokenizes to no tokens", param="prompt")
         scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
-        self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
-                                          self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
-                                          scores_prompt)
-                       for ids in self.prompt_ids]
+        self.params = [self._params_for(len(ids), scores_prompt) for ids in self.prompt_ids]
+
+    def _params_for(self, num_prompt_tokens: int, scores_prompt: int | None) -> SamplingParams:
+        """The SamplingParams of one prompt: the ones checked in the constructor when they are the same
+        (once: each prompt gets an object of its own)."""
+        max_tokens = self.ctx.resolve_max_tokens(num_prompt_tokens, self.max_tokens)
+        checked = self._checked_params
+        if checked is not None and max_tokens == self.max_tokens and self.structured is None and scores_prompt is None:
+            self._checked_params = None
+            return checked
+        return to_sampling_params(self.req, max_tokens, self.req.logprobs, self.ctx.engine.vocab_size,
+                                  self.structured, scores_prompt)
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
         tok = self.ctx.tokenizer
@@ -161,6 +170,7 @@ class CompletionJob:
         finals: dict[int, RequestOutput] = {}
         chunks = ChunkFormat(self.request_id, "text_completion", self.created, self.ctx.model_name,
                              self.req.include_usage)
+        last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
             async for batch in batches:
                 events = []
@@ -169,12 +179,15 @@ class CompletionJob:
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events.extend(chunks.event(choice) for choice in self._choices(pi, output, progress))
                 if events:
-                    yield "".join(events)   # one write per wake-up, however many choices moved
+                    last = "".join(events)   # one write per wake-up, however many choices moved
+                    if not all_finished(streams):
+                        yield last
+                        last = ""
         if self.req.include_usage:
             chunk = self._chunk([])
             chunk["usage"] = self._usage([finals[i] for i in sorted(finals)])
-            yield sse(chunk)
-        yield SSE_DONE
+            last += sse(chunk)
+        yield FinalEvent(last + SSE_DONE)
 
     def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress | None]) -> list[str]:
         """Stream choices, as JSON, for the completions of one output that have something new."""

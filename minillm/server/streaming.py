@@ -1,12 +1,86 @@
 """Server-sent event responses written with backpressure, and cut off when the client stops reading."""
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable
+import asyncio
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+T = TypeVar("T")
+_SCOPE_KEY = "minillm.hang_up"
+
+
+class ClientGone(Exception):
+    """The client hung up while HangUpWatch.run() waited."""
+
+
+class FinalEvent(str):
+    """The last event of a stream: sent with the end of the body in one write."""
+
+    __slots__ = ()
+
+
+class HangUpWatch:
+    """Notices a request's client hanging up, with one listener task for the request's whole life.
+
+    run(awaitable) awaits in the caller's own task and cancels it if the client leaves meanwhile:
+    a wait costs no task of its own, where each used to start (and cancel) a listener and a worker.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self.hung_up = False        # http.disconnect arrived (also the case once the response is complete)
+        self._target: asyncio.Task | None = None
+        self._fired = False         # the listener cancelled _target
+        self._listener = asyncio.ensure_future(self._listen(receive))
+
+    @classmethod
+    def of(cls, scope: Scope, receive: Receive) -> "HangUpWatch":
+        """The request's watch, made on first use."""
+        watch = scope.get(_SCOPE_KEY)
+        if watch is None:
+            watch = scope[_SCOPE_KEY] = cls(receive)
+        return watch
+
+    async def _listen(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.hung_up = True
+        if self._target is not None:
+            self._fired = True
+            self._target.cancel()
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        """awaitable's result; ClientGone (the awaitable cancelled) if the client hangs up first."""
+        if self.hung_up:
+            close = getattr(awaitable, "close", None)
+            if close is not None:
+                close()             # never started: no "never awaited" warning
+            raise ClientGone
+        task = asyncio.current_task()
+        self._target, self._fired = task, False
+        try:
+            result = await awaitable
+        except asyncio.CancelledError:
+            if not self._fired or _uncancel(task):
+                raise               # cancelled from elsewhere (shutdown) too: that goes on
+            raise ClientGone from None
+        except BaseException:
+            if self._fired:
+                _uncancel(task)     # our cancel became another error: it is no longer pending
+            raise
+        finally:
+            self._target = None
+        if self._fired:
+            _uncancel(task)         # the awaitable swallowed our cancel: it is no longer pending
+        return result
+
+
+def _uncancel(task: Any) -> int:
+    """task.uncancel() where there is one (3.11+): the cancel requests still pending."""
+    uncancel = getattr(task, "uncancel", None)
+    return uncancel() if uncancel is not None else 0
 
 
 class EventStreamResponse(StreamingResponse):
@@ -32,19 +106,32 @@ class EventStreamResponse(StreamingResponse):
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if self.first is not None:
-                await send({"type": "http.response.body", "body": self.first.encode(), "more_body": True})
+                if await self._send_event(send, self.first):
+                    return
             async for chunk in self.body_iterator:
-                body = chunk if isinstance(chunk, bytes) else chunk.encode()
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                if await self._send_event(send, chunk):
+                    return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()   # aborts whatever the stream's requests still have running
 
+    @staticmethod
+    async def _send_event(send: Send, chunk: str | bytes) -> bool:
+        """Send one chunk; True when it was the FinalEvent, sent with the end of the body (one write, not two)."""
+        body = chunk if isinstance(chunk, bytes) else chunk.encode()
+        final = isinstance(chunk, FinalEvent)
+        await send({"type": "http.response.body", "body": body, "more_body": not final})
+        return final
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Stream until the body ends or the client hangs up (the request's HangUpWatch: no task group,
+        no listener task of its own)."""
         try:
-            await super().__call__(scope, receive, send)
+            await HangUpWatch.of(scope, receive).run(self.stream_response(send))
+        except ClientGone:
+            pass
         finally:
             if self.on_close is not None:
                 self.on_close()
