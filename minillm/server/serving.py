@@ -6,7 +6,7 @@ import contextlib
 import functools
 import json
 import logging
-import os
+import uuid
 from json.encoder import encode_basestring
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -112,27 +112,8 @@ class ServingContext:
 
 
 def new_request_id(prefix: str) -> str:
-    """An id in OpenAI's style, e.g. cmpl-3f2a...: a version-4 UUID's hex, as uuid.uuid4().hex writes it."""
-    bits = int.from_bytes(_random_bytes(16), "big")
-    return f"{prefix}-{(bits & _UUID4_CLEAR) | _UUID4_SET:032x}"
-
-
-# uuid4()'s version (4) and variant (RFC 4122) bits; the rest random. Building the UUID object cost
-# more than the randomness, which is drawn from os.urandom a page at a time (one syscall per 256 ids).
-_UUID4_CLEAR = ~((0xF000 << 64) | (0xC000 << 48)) & ((1 << 128) - 1)
-_UUID4_SET = (0x4000 << 64) | (0x8000 << 48)
-_RANDOM_PAGE = 4096
-_random_pool = {"data": b"", "at": 0, "pid": 0}
-
-
-def _random_bytes(n: int) -> bytes:
-    """n bytes from os.urandom, read ahead a page at a time (the event loop's thread only)."""
-    pool = _random_pool
-    at = pool["at"]
-    if at + n > len(pool["data"]) or pool["pid"] != os.getpid():    # a forked child must not repeat its parent's
-        pool["data"], pool["pid"], at = os.urandom(_RANDOM_PAGE), os.getpid(), 0
-    pool["at"] = at + n
-    return pool["data"][at:at + n]
+    """An id in OpenAI's style, e.g. cmpl-3f2a..."""
+    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def log_unknown_fields(names: list[str]) -> None:
@@ -196,10 +177,7 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
 
 def all_finished(streams: list[RequestStream]) -> bool:
     """True once every stream has its final output (merged_outputs marks them as it hands them on)."""
-    for stream in streams:
-        if not stream.finished:
-            return False
-    return True
+    return all(stream.finished for stream in streams)
 
 
 async def final_outputs(ctx: ServingContext, streams: list[RequestStream]) -> list[RequestOutput]:

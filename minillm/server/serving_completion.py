@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.sampling_params import SamplingParams, truncate_prompt
+from minillm.sampling_params import truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -49,9 +49,8 @@ class CompletionJob:
             # checked against the 0 sent, not the 1 generated and dropped (which the error named)
             raise APIError(400, f"min_tokens must not exceed max_tokens (0), got {req.min_tokens}",
                            param="min_tokens")
-        # field errors first; kept for the first prompt when prepare() would build the same again
-        self._checked_params: SamplingParams | None = to_sampling_params(
-            req, self.max_tokens, req.logprobs, ctx.engine.vocab_size, max_model_len=ctx.engine.max_model_len)
+        to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
+                           max_model_len=ctx.engine.max_model_len)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
@@ -70,18 +69,10 @@ class CompletionJob:
         if any(not ids for ids in self.prompt_ids):     # e.g. add_special_tokens false on text of no tokens
             raise APIError(400, "prompt must not be empty: it tokenizes to no tokens", param="prompt")
         scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
-        self.params = [self._params_for(len(ids), scores_prompt) for ids in self.prompt_ids]
-
-    def _params_for(self, num_prompt_tokens: int, scores_prompt: int | None) -> SamplingParams:
-        """The SamplingParams of one prompt: the ones checked in the constructor when they are the same
-        (once: each prompt gets an object of its own)."""
-        max_tokens = self.ctx.resolve_max_tokens(num_prompt_tokens, self.max_tokens)
-        checked = self._checked_params
-        if checked is not None and max_tokens == self.max_tokens and self.structured is None and scores_prompt is None:
-            self._checked_params = None
-            return checked
-        return to_sampling_params(self.req, max_tokens, self.req.logprobs, self.ctx.engine.vocab_size,
-                                  self.structured, scores_prompt)
+        self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
+                                          self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
+                                          scores_prompt)
+                       for ids in self.prompt_ids]
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
         tok = self.ctx.tokenizer
