@@ -89,6 +89,7 @@ class BenchmarkResult:
     requests: list[dict] | None = None   # --save-detailed: each request's start, TTFT and ITLs (ms)
     steps: list[dict] | None = None      # --step-trace: the engine's steps during the run (StepStats, t_ms)
     steps_missed: int = 0                # --step-trace: steps no poll saw
+    start_monotonic_s: float | None = None   # --save-detailed: the run's start on the host's monotonic clock
 
     @property
     def client_cpu_us_per_token(self) -> float:
@@ -552,6 +553,7 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
                         sum(p.cpu_s for p in parts))
     if args.save_detailed:
         summary.requests = [request_detail(r, start, client) for client, part in enumerate(parts) for r in part.results]
+        summary.start_monotonic_s = start      # to line the requests up with the server's own logs
     if tracer is not None:
         summary.steps, summary.steps_missed = tracer.steps(start), tracer.missed()
         if tracer.polls == 0:    # a server with no /v1/stats (another engine): say so, the run stands

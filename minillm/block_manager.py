@@ -177,6 +177,8 @@ class BlockManager:
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow seq's table to hold num_new_tokens more tokens; False (nothing taken) if short."""
+        if seq.num_computed_tokens + num_new_tokens <= len(seq.block_table) * self.block_size:
+            return True                   # its blocks hold them: most decode steps
         need = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
         if need > self.num_free_blocks:
             return False
@@ -186,13 +188,12 @@ class BlockManager:
     def cache_full_blocks(self, seq: Sequence, num_computed_tokens: int | None = None) -> None:
         """Register seq's newly full, computed blocks in the prefix cache (computed: its first
         num_computed_tokens, by default seq.num_computed_tokens)."""
-        if not self.enable_prefix_caching:
-            return
         if num_computed_tokens is None:
             num_computed_tokens = seq.num_computed_tokens
-        num_full = min(num_computed_tokens, seq.num_known_tokens) // self.block_size
-        if num_full <= len(seq.block_hashes):       # no block filled since the last call: most decode steps
-            return
+        known = len(seq.token_ids)
+        num_full = (num_computed_tokens if num_computed_tokens < known else known) // self.block_size
+        if num_full <= len(seq.block_hashes) or not self.enable_prefix_caching:
+            return                                  # no block filled since the last call: most decode steps
         keys = self.keys_of(seq, num_full)
         while len(seq.block_hashes) < num_full:
             i = len(seq.block_hashes)

@@ -56,7 +56,10 @@ class Request:
     @property
     def is_finished(self) -> bool:
         """True when every sequence has finished."""
-        return all(s.is_finished for s in self.seqs)
+        for seq in self.seqs:            # a loop, not all(): asked of every request every step
+            if not seq.status._finished:
+                return False
+        return True
 
 
 # An engine whose waiting requests do not fit while a KV connector holds blocks (a prefill engine's

@@ -67,7 +67,7 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
     params = seq.params
     if stop_string is not None:
         return SequenceStatus.FINISHED_STOPPED, stop_string
-    num_outputs = len(seq.token_ids) - seq.num_prompt_tokens
+    num_outputs = len(seq.token_ids) - len(seq.prompt_token_ids)
     if num_outputs >= params.min_tokens and num_outputs > 0:
         token = seq.token_ids[-1]
         if token in params.stop_token_ids:
@@ -216,13 +216,15 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             # At its length limit its last token is on the device: nothing left to compute. With
-            # drafts in flight its length is unknown until they are read back.
-            if seq.is_at_length_limit or seq.spec_token_ids:
+            # drafts in flight its length is unknown until they are read back. (Sequence's
+            # properties spelled out: this loop runs for every running sequence every step.)
+            num_tokens = len(seq.token_ids) + seq.num_output_placeholders
+            if num_tokens - len(seq.prompt_token_ids) >= seq.max_tokens or seq.spec_token_ids:
                 i += 1
                 continue
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
-            if chunks is not None and not is_decode_row(remaining, seq.num_computed_tokens, seq.num_prompt_tokens):
+            remaining = num_tokens - seq.num_computed_tokens
+            n = remaining if remaining < budget else budget
+            if chunks is not None and not is_decode_row(remaining, seq.num_computed_tokens, len(seq.prompt_token_ids)):
                 n = chunks.size(seq.num_computed_tokens, n)
                 if n == 0:                   # over the step budget this step: it waits for the next
                     i += 1
@@ -332,7 +334,33 @@ class Scheduler:
             order = sorted(range(len(seqs)), key=lambda b: counts[b] != 1)
             seqs, counts = [seqs[b] for b in order], [counts[b] for b in order]
         starts = [s.num_computed_tokens for s in seqs]
-        num_drafts = [len(spec.get(s.seq_id, ())) for s in seqs] if spec else [0] * len(seqs)
+        if spec:
+            rows, num_decode = self._launch_with_drafts(seqs, counts, spec)
+        else:
+            rows, num_decode = [], 0
+            cache_full_blocks = self.block_manager.cache_full_blocks
+            for b, (seq, n) in enumerate(zip(seqs, counts)):
+                num_tokens = len(seq.token_ids) + seq.num_output_placeholders
+                seq.num_computed_tokens += n
+                cache_full_blocks(seq)
+                if seq.num_computed_tokens == num_tokens:       # at its end: it samples
+                    rows.append(b)
+                    num_decode += n == 1 and num_tokens > len(seq.prompt_token_ids)
+                    seq.num_output_placeholders += 1
+        out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
+                              scheduled_spec_decode_tokens=spec)
+        if self.step_cost is not None and seqs:
+            features = step_features(out)
+            out.estimated_step_s = self.step_cost.estimate(features)
+            self._launched_features.append((out, features))
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
+        return out
+
+    def _launch_with_drafts(self, seqs: list[Sequence], counts: list[int],
+                            spec: dict[int, list[int]]) -> tuple[list[int], int]:
+        """_launch's counting for a step where some sequences verify drafts: (sampling rows, decode tokens)."""
+        num_drafts = [len(spec.get(s.seq_id, ())) for s in seqs]
         rows = [b for b, (s, n) in enumerate(zip(seqs, counts))
                 if s.num_computed_tokens + n - num_drafts[b] == s.num_tokens]
         num_decode = sum(counts[b] for b in rows if counts[b] - num_drafts[b] == 1 and seqs[b].num_output_tokens > 0)
@@ -344,15 +372,7 @@ class Scheduler:
         for seq in seqs:
             if seq.seq_id in spec:
                 seq.spec_token_ids = spec[seq.seq_id]
-        out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
-                              scheduled_spec_decode_tokens=spec)
-        if self.step_cost is not None and seqs:
-            features = step_features(out)
-            out.estimated_step_s = self.step_cost.estimate(features)
-            self._launched_features.append((out, features))
-        if self.kv_connector is not None:
-            out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
-        return out
+        return rows, num_decode
 
     def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
         """A completed step's measured device time, for the step cost model's online correction."""
@@ -390,10 +410,11 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
         appended = []
+        sampled, eos_token_ids, cache_full_blocks = step.sampled, self.eos_token_ids, self.block_manager.cache_full_blocks
         for seq in out.sampling_seqs:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
                 continue
-            tokens = step.sampled[seq.seq_id]
+            tokens = sampled[seq.seq_id]
             num_drafts = len(seq.spec_token_ids)
             seq.num_output_placeholders -= 1 + num_drafts
             if num_drafts:
@@ -408,15 +429,15 @@ class Scheduler:
                 appended.append((seq, token))
                 if seq.structured_output is not None and not seq.structured_output.accept_token(token):
                     self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
-                elif (stop := check_stop(seq, self.eos_token_ids)) is not None:
+                elif (stop := check_stop(seq, eos_token_ids)) is not None:
                     self.finish(seq, *stop)
                 stop_string = on_token(seq, i) if on_token is not None else None
                 if stop_string is not None:
                     self.stop(seq, stop_string)
-                if seq.is_finished:
+                if seq.status._finished:
                     break
             else:
-                self.block_manager.cache_full_blocks(seq)
+                cache_full_blocks(seq)
         return appended
 
     def stop(self, seq: Sequence, stop_string: str) -> None:
