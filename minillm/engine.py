@@ -57,7 +57,7 @@ class Request:
     def is_finished(self) -> bool:
         """True when every sequence has finished."""
         for seq in self.seqs:            # a loop, not all(): asked of every request every step
-            if not seq.status._finished:
+            if not seq.is_finished:
                 return False
         return True
 

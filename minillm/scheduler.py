@@ -334,19 +334,21 @@ class Scheduler:
             order = sorted(range(len(seqs)), key=lambda b: counts[b] != 1)
             seqs, counts = [seqs[b] for b in order], [counts[b] for b in order]
         starts = [s.num_computed_tokens for s in seqs]
-        if spec:
-            rows, num_decode = self._launch_with_drafts(seqs, counts, spec)
-        else:
-            rows, num_decode = [], 0
-            cache_full_blocks = self.block_manager.cache_full_blocks
-            for b, (seq, n) in enumerate(zip(seqs, counts)):
-                num_tokens = len(seq.token_ids) + seq.num_output_placeholders
-                seq.num_computed_tokens += n
-                cache_full_blocks(seq)
-                if seq.num_computed_tokens == num_tokens:       # at its end: it samples
-                    rows.append(b)
-                    num_decode += n == 1 and num_tokens > len(seq.prompt_token_ids)
-                    seq.num_output_placeholders += 1
+        rows, num_decode = [], 0
+        cache_full_blocks = self.block_manager.cache_full_blocks
+        for b, (seq, n) in enumerate(zip(seqs, counts)):
+            drafts = spec.get(seq.seq_id) if spec else None
+            num_drafts = len(drafts) if drafts else 0
+            num_tokens = len(seq.token_ids) + seq.num_output_placeholders     # Sequence.num_tokens, spelled out
+            seq.num_computed_tokens += n
+            cache_full_blocks(seq)
+            if seq.num_computed_tokens - num_drafts == num_tokens:          # at its end: it samples
+                rows.append(b)
+                if n - num_drafts == 1 and num_tokens > len(seq.prompt_token_ids):
+                    num_decode += n
+                seq.num_output_placeholders += 1 + num_drafts
+            if drafts:
+                seq.spec_token_ids = drafts
         out = SchedulerOutput(seqs, counts, starts, rows, sum(counts) - num_decode, num_decode, preempted,
                               scheduled_spec_decode_tokens=spec)
         if self.step_cost is not None and seqs:
@@ -356,23 +358,6 @@ class Scheduler:
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta(out)
         return out
-
-    def _launch_with_drafts(self, seqs: list[Sequence], counts: list[int],
-                            spec: dict[int, list[int]]) -> tuple[list[int], int]:
-        """_launch's counting for a step where some sequences verify drafts: (sampling rows, decode tokens)."""
-        num_drafts = [len(spec.get(s.seq_id, ())) for s in seqs]
-        rows = [b for b, (s, n) in enumerate(zip(seqs, counts))
-                if s.num_computed_tokens + n - num_drafts[b] == s.num_tokens]
-        num_decode = sum(counts[b] for b in rows if counts[b] - num_drafts[b] == 1 and seqs[b].num_output_tokens > 0)
-        for seq, n in zip(seqs, counts):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
-        for b in rows:
-            seqs[b].num_output_placeholders += 1 + num_drafts[b]
-        for seq in seqs:
-            if seq.seq_id in spec:
-                seq.spec_token_ids = spec[seq.seq_id]
-        return rows, num_decode
 
     def record_step_time(self, out: SchedulerOutput, seconds: float) -> None:
         """A completed step's measured device time, for the step cost model's online correction."""
@@ -434,7 +419,7 @@ class Scheduler:
                 stop_string = on_token(seq, i) if on_token is not None else None
                 if stop_string is not None:
                     self.stop(seq, stop_string)
-                if seq.status._finished:
+                if seq.is_finished:
                     break
             else:
                 cache_full_blocks(seq)
