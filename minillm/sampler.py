@@ -36,6 +36,7 @@ class Sampler:
         self.device = device
         self.inputs = SamplingInputBuffer(ops, device, max_num_seqs, self.eos_token_ids)
         self._bitmask = None                 # [cap, W] int32 on the device: a step's masks
+        self._bitmask_rows = None            # [cap] int32 on the device: the logits row of each mask
 
     def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
@@ -87,9 +88,13 @@ class Sampler:
         num_rows, num_words = mask.bitmask.shape
         kept = self._bitmask
         if kept is None or kept.shape[0] < num_rows or kept.shape[1] != num_words:
-            self._bitmask = kept = ops.xp.empty((max(num_rows, self.inputs.cap), num_words), dtype=np.int32)
+            cap = max(num_rows, self.inputs.cap)
+            self._bitmask = kept = ops.xp.empty((cap, num_words), dtype=np.int32)
+            self._bitmask_rows = ops.xp.empty((cap,), dtype=np.int32)
+        rows = self._bitmask_rows[:num_rows]
         self.device.copy_to_device_async(kept[:num_rows], np.ascontiguousarray(mask.bitmask))   # [N, W]
-        ops.apply_token_bitmask(logits, kept[:num_rows], ops.asarray(mask.rows))
+        self.device.copy_to_device_async(rows, np.ascontiguousarray(mask.rows, dtype=np.int32))  # [N]
+        ops.apply_token_bitmask(logits, kept[:num_rows], rows)
 
     def _apply_logit_bias(self, logits, seqs) -> None:
         rows, tokens, bits = bias_entries(seqs, [b for b, s in enumerate(seqs) if s.params.logit_bias])

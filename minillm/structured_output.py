@@ -473,7 +473,7 @@ class GrammarBitmask:
     """One step's masks for its constrained sampling rows, filled on the host."""
 
     bitmask: np.ndarray      # [N, ceil(vocab / 32)] int32: row i is the mask of sampling row rows[i]
-    rows: np.ndarray         # [N] int32: indices into the step's sampling sequences
+    rows: np.ndarray         # [N] int32: indices into the step's sampling sequences (both pinned on a GPU)
 
     def at_rows(self, rows) -> "GrammarBitmask":
         """The same masks for other logits rows (e.g. a verification step's row of each sequence)."""
@@ -544,6 +544,7 @@ class StructuredOutputManager:
         self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
         for buffer in self._bitmasks:
             buffer[...] = -1
+        self._mask_rows = [empty_host((max_num_seqs,), np.int32) for _ in range(2)]   # each buffer's rows
         self._next_bitmask = 0
         self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
@@ -749,7 +750,10 @@ class StructuredOutputManager:
             filled.append(b)
         if not pairs:
             return None
-        mask = GrammarBitmask(self._bitmasks[self._next_bitmask][:len(filled)], np.asarray(filled, np.int32))
+        slot, num_rows = self._next_bitmask, len(filled)
+        rows = self._mask_rows[slot][:num_rows]
+        rows[:] = filled
+        mask = GrammarBitmask(self._bitmasks[slot][:num_rows], rows)
         self._next_bitmask = 1 - self._next_bitmask
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
