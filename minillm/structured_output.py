@@ -41,7 +41,7 @@ import json as jsonlib
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -281,17 +281,24 @@ def allocate_token_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
 
 @dataclass
 class CompiledGrammar:
-    """A constraint compiled for one tokenizer; new_matcher() copies its pristine matcher."""
+    """A constraint compiled for one tokenizer; new_matcher() copies its pristine matcher.
+
+    The copies share the template's lexer states, and llguidance's lexer limits count all of them:
+    one request that drives the lexer into a limit leaves every copy made after it unable to
+    match. on_error (the manager's: drop this grammar from the cache) runs when a copy first
+    reports an error, so the next request with the same constraint compiles it afresh.
+    """
 
     key: StructuredOutputKey
     grammar: str                      # the llguidance grammar text
     compile_time_s: float
     _template: llguidance.LLMatcher = field(repr=False)
     _eos_token_ids: frozenset[int] = field(repr=False)
+    on_error: Callable[[], None] | None = field(default=None, repr=False)
 
     def new_matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the output (a copy: microseconds, no recompilation)."""
-        return GrammarMatcher(self._template.deep_copy(), self._eos_token_ids)
+        return GrammarMatcher(self._template.deep_copy(), self._eos_token_ids, self.on_error)
 
 
 class GrammarMatcher:
@@ -303,9 +310,11 @@ class GrammarMatcher:
     are). can_terminate asks the matcher itself (not while a fill runs).
     """
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int],
+                 on_error: Callable[[], None] | None = None) -> None:
         self._matcher = matcher
         self._eos = eos_token_ids
+        self._on_error = on_error          # called once, when the matcher is first found in error
         self._num_tokens = 0              # tokens the llguidance matcher holds (what it can roll back)
         self._terminated = False          # an EOS was accepted
         self._eos_unrecorded = False      # that EOS came after the grammar stopped: the matcher did not record it
@@ -318,6 +327,9 @@ class GrammarMatcher:
         self._is_stopped = m.is_stopped()
         self._is_error = self._is_stopped and m.is_error()
         self._error = _first_line(m.get_error()) if self._is_error else ""
+        if self._is_error and self._on_error is not None:
+            on_error, self._on_error = self._on_error, None
+            on_error()
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (only EOS once stopped or in error)."""
@@ -545,6 +557,12 @@ class StructuredOutputManager:
         for buffer in self._bitmasks:
             buffer[...] = -1
         self._mask_rows = [empty_host((max_num_seqs,), np.int32) for _ in range(2)]   # each buffer's rows
+        eos = sorted(i for i in self._eos_token_ids if 0 <= i < self.vocab_size)
+        words = sorted({i // 32 for i in eos})
+        keep = np.full(len(words), -1, np.int32)             # per word: the bits of the EOS ids cleared
+        for i in eos:
+            keep[words.index(i // 32)] &= np.int32(~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF)
+        self._eos_words = (np.asarray(words, np.intp), keep)
         self._next_bitmask = 0
         self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
@@ -628,7 +646,16 @@ class StructuredOutputManager:
         with self._lock:
             self._num_compiled += 1
             self._compile_time_s += seconds
-        return CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids)
+        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids)
+        compiled.on_error = lambda: self._forget_compiled((key, disable_any_whitespace), compiled)
+        return compiled
+
+    def _forget_compiled(self, cache_key, compiled: CompiledGrammar) -> None:
+        """Drop compiled from the cache (one of its matchers ran into an error: see CompiledGrammar)."""
+        with self._lock:
+            fut = self._cache.get(cache_key)
+            if fut is not None and fut.done() and not _has_failed(fut) and fut.result() is compiled:
+                del self._cache[cache_key]
 
     def fill_bitmask(self, matchers: Sequence[GrammarMatcher], rows: Sequence[int],
                      out: np.ndarray | None = None) -> np.ndarray:
@@ -736,6 +763,7 @@ class StructuredOutputManager:
         refused) is left out: the scheduler ends it when it appends that token.
         """
         filled, pairs = [], []            # sampling indices of the rows filled, (matcher, mask row)
+        no_eos = []                       # mask rows of ignore_eos requests
         for b, seq in rows:
             request = seq.structured_output
             if request is None or seq.is_finished:
@@ -746,6 +774,8 @@ class StructuredOutputManager:
             expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
             if matcher is None or matcher.num_accepted != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
+            if seq.params.ignore_eos:
+                no_eos.append(len(filled))
             pairs.append((matcher._matcher, len(filled)))
             filled.append(b)
         if not pairs:
@@ -758,19 +788,32 @@ class StructuredOutputManager:
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
         started = threading.Event()
-        future = self._mask_thread.submit(self._fill_job, pairs, mask.bitmask, started)
+        future = self._mask_thread.submit(self._fill_job, pairs, mask.bitmask, no_eos, started)
         # A thread that wants the GIL while this one runs Python gets it only after the switch
         # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
         started.wait()
         return PendingBitmask(self, future, mask)
 
-    def _fill_job(self, pairs: list, bitmask: np.ndarray, started: threading.Event) -> float:
-        """The mask thread's fill of bitmask[i] for pairs[i]; returns its wall seconds (up to
-        when this thread has the GIL again)."""
+    def _fill_job(self, pairs: list, bitmask: np.ndarray, no_eos: list[int], started: threading.Event) -> float:
+        """The mask thread's fill of bitmask[i] for pairs[i], EOS taken out of the no_eos rows;
+        returns its wall seconds (up to when this thread has the GIL again)."""
         started.set()
         start = time.perf_counter()
         self._fill_rows(pairs, bitmask)
+        if no_eos:
+            self._forbid_eos(bitmask, no_eos)
         return time.perf_counter() - start
+
+    def _forbid_eos(self, bitmask: np.ndarray, rows: list[int]) -> None:
+        """ignore_eos under a grammar: EOS is not sampled while the grammar allows anything else
+        (the sequence goes on to its max_tokens, or until the grammar is complete, where it stops
+        without sampling EOS). A row that allows only EOS (a matcher in error) keeps it."""
+        words = self._eos_words                              # [E] word index, [E] bits to clear
+        for row in rows:
+            kept = bitmask[row, words[0]].copy()
+            bitmask[row, words[0]] &= words[1]
+            if not bitmask[row].any():
+                bitmask[row, words[0]] = kept
 
     def _record_fill(self, seconds: float) -> None:
         self._num_fill_steps += 1

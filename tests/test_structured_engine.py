@@ -150,6 +150,38 @@ def test_a_complete_grammar_stops_even_under_ignore_eos_and_min_tokens(stories_p
         assert llm.get_tokenizer().decode(c.token_ids) == c.text       # the last token is text, not EOS
 
 
+def test_ignore_eos_under_a_grammar_that_may_go_on_runs_to_max_tokens(stories_path):
+    # At temperature 5 the model samples EOS wherever the grammar may end; ignore_eos keeps it out.
+    params = [SamplingParams(temperature=5.0, seed=seed, max_tokens=200, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex="(a|b)*a[ab]{5}"))
+              for seed in range(8)]
+    with LLM(str(stories_path), device="cpu", max_num_seqs=8) as llm:
+        outs = llm.generate([PROMPT] * 8, params)
+    for out in outs:
+        c = out.outputs[0]
+        assert (c.finish_reason, len(c.token_ids)) == ("length", 200), c
+        assert re.fullmatch("[ab]*", c.text), c.text
+
+
+def test_a_grammar_a_request_drove_into_llguidances_limits_is_compiled_again_for_the_next(stories_path):
+    # The copies of a compiled grammar share its lexer states, and a limit counts them all: a
+    # request that runs into it must not leave the cached grammar failing every later request.
+    regex = "((a{1,100}){1,100}){1,97}"
+
+    def greedy(max_tokens):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                              structured_outputs=StructuredOutputsParams(regex=regex))
+
+    with LLM(str(stories_path), device="cpu") as llm:
+        before = llm.generate([PROMPT], [greedy(10)])[0].outputs[0]
+        long = llm.generate([PROMPT], [greedy(100)])[0].outputs[0]
+        after = [llm.generate([PROMPT], [greedy(10)])[0].outputs[0] for _ in range(2)]
+    assert (before.text, before.finish_reason) == ("a" * 10, "length")
+    assert long.finish_reason == "error" and "too many expressions" in long.stop_reason, long
+    for c in after:
+        assert (c.text, c.finish_reason) == ("a" * 10, "length"), c
+
+
 def run_until(engine, predicate, max_steps=2000):
     outputs = {}
     for _ in range(max_steps):
