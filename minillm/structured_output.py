@@ -203,6 +203,7 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
             raise StructuredOutputsError("json", f"the schema is not serialisable as JSON: {e}") from None
         except RecursionError:
             raise StructuredOutputsError("json", "the schema is nested too deeply") from None
+        _check_integer_bounds(value)
         return StructuredOutputOptions.JSON, text
     if name == "json_object":
         if value is not True:
@@ -218,6 +219,32 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
     if name == "grammar" and not value.strip():
         raise StructuredOutputsError("grammar", "must not be empty")
     return (StructuredOutputOptions.REGEX if name == "regex" else StructuredOutputOptions.GRAMMAR), value
+
+
+_INT64_MAX = 2 ** 63 - 1
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _check_integer_bounds(schema: Any) -> None:
+    """A bound of an integer past the 64-bit range is a StructuredOutputsError('json'): llguidance
+    matches integers as 64-bit and would clamp such a bound (a minimum of 1e19 let
+    9223372036854775807 through), so the output would break the schema it was held to."""
+    todo = [schema]
+    while todo:                                   # a loop, not recursion: schemas nest deeply
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+            for name in _BOUND_KEYS:
+                bound = node.get(name)
+                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and abs(bound) > _INT64_MAX:
+                    raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} lies outside the "
+                                                         f"64-bit range [-{_INT64_MAX}, {_INT64_MAX}] that can be matched")
+        todo.extend(node.values())
 
 
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)

@@ -165,6 +165,10 @@ def server(stories_path, tmp_path_factory):
     ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "chain", "schema": {
         "$defs": {str(i): {"$ref": f"#/$defs/{i + 1}"} for i in range(10000)}, "$ref": "#/$defs/0"}}}},
      "response_format.json_schema.schema"),
+    ("completions", {"structured_outputs": {"json": {"type": "integer", "minimum": 1e19, "maximum": 2e19}}},
+     "structured_outputs.json"),
+    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "maximum": -1e19}}}}, "response_format.json_schema.schema"),
 ])
 def test_the_server_answers_a_400_naming_the_field_and_goes_on(server, endpoint, fields, param):
     # The nested schema text was a 500 (RecursionError); the chains could kill the API server.

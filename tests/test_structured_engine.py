@@ -282,6 +282,10 @@ def test_no_structure_asked_no_manager_and_no_llguidance(stories_path):
     (dict(grammar="start: undefined_rule"), "grammar"),
     (dict(choice=[]), "choice"),
     (dict(json={"type": "object"}, regex="a"), "structured_outputs"),
+    # llguidance clamps an integer bound past 64 bits: 1e19 as a minimum let 2**63 - 1 through.
+    (dict(json={"type": "integer", "minimum": 1e19, "maximum": 2e19}), "json"),
+    (dict(json={"type": "object", "properties": {"n": {"type": ["integer", "null"], "exclusiveMaximum": -1e20}}}),
+     "json"),
 ])
 def test_bad_constraints_are_value_errors_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
