@@ -27,6 +27,13 @@ def test_bad_max_completion_tokens_is_named(http, healthy_stream, value):
     openai_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
 
 
+@pytest.mark.parametrize("value", [-5, 10 ** 30])
+def test_a_bad_max_tokens_beside_max_completion_tokens_is_named(http, healthy_stream, value):
+    # max_completion_tokens wins; the deprecated field beside it was not checked at all.
+    body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": 3, "max_tokens": value}
+    openai_error(http.post("/v1/chat/completions", json=body), 400, "max_tokens")
+
+
 def test_max_completion_tokens_past_the_context_is_named(http, healthy_stream):
     body = {"model": MODEL, "messages": MESSAGES, "max_completion_tokens": MAX_MODEL_LEN, "max_tokens": 4}
     error = openai_error(http.post("/v1/chat/completions", json=body), 400, "max_completion_tokens",

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import truncate_prompt
+from minillm.sampling_params import short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -92,6 +92,13 @@ class ChatJob:
         with naming_max_tokens_field(req):
             to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size,
                                max_model_len=ctx.engine.max_model_len)
+        if req.max_tokens is not None and req.max_completion_tokens is not None:
+            # max_completion_tokens wins, but a bad max_tokens beside it is still a bad request.
+            to_sampling_params(req, req.max_tokens, self.num_top, ctx.engine.vocab_size,
+                               max_model_len=ctx.engine.max_model_len)
+            if req.max_tokens > ctx.engine.max_model_len:
+                raise APIError(400, f"max_tokens must be at most the model's context ({ctx.engine.max_model_len}), "
+                                    f"got {short_repr(req.max_tokens)}", param="max_tokens")
         self.messages = messages_as_dicts(req)
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)
