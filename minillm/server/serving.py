@@ -344,4 +344,23 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
     except BaseException:
         abort_unfinished(ctx, streams)
         raise
+    refuse_uncompiled_constraint(job.req, finals)
     return JSONResponse(job.response(finals))
+
+
+def refuse_uncompiled_constraint(req, finals: list[RequestOutput]) -> None:
+    """A 400 for a request whose constraint the engine could not compile (a regex no output
+    satisfies, a grammar too large to match): checks that need the tokenizer run in the engine,
+    after the request was taken in. Streamed, such a request ends with finish_reason 'error'
+    and the same message instead (its first event is not waited for)."""
+    for output in finals:
+        for completion in output.outputs:
+            reason = completion.stop_reason
+            if completion.finish_reason == "error" and not completion.token_ids and isinstance(reason, str) \
+                    and reason.startswith("structured_outputs."):
+                field, _, message = reason.partition(": ")
+                fmt = getattr(req, "response_format", None)
+                if fmt is not None:           # the chat request gave it as response_format
+                    field = "response_format.json_schema.schema" if fmt.get("type") == "json_schema" \
+                        else "response_format"
+                raise APIError(400, f"{field}: {message}", param=field)
