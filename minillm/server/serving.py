@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import json
 import logging
 import uuid
@@ -345,7 +346,55 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
         abort_unfinished(ctx, streams)
         raise
     refuse_uncompiled_constraint(job.req, finals)
-    return JSONResponse(job.response(finals))
+    if response_entries(finals) < LARGE_RESPONSE_ENTRIES:
+        return JSONResponse(job.response(finals))
+    # Hundreds of thousands of log-probability entries take seconds of Python to turn into JSON:
+    # on a thread the event loop still gets the GIL every switch interval and serves the others,
+    # and the body is encoded a choice at a time (one json.dumps of it all holds the GIL throughout).
+    body = await asyncio.to_thread(build_without_collections, lambda: json_in_pieces(job.response(finals)))
+    return Response(body, media_type="application/json")
+
+
+def build_without_collections(build):
+    """build() with the cyclic collector off: a large answer allocates millions of containers,
+    none of them garbage until it is sent, and a full collection over them stalls every thread
+    (the event loop too) for a good part of a second."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return build()
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def json_in_pieces(content: dict) -> bytes:
+    """content as JSONResponse renders it, each item of a top-level list encoded on its own."""
+    def dumps(value) -> str:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+    parts = []
+    for key, value in content.items():
+        encoded = "[" + ",".join(dumps(v) for v in value) + "]" if isinstance(value, list) else dumps(value)
+        parts.append(f"{dumps(key)}:{encoded}")
+    return ("{" + ",".join(parts) + "}").encode()
+
+
+# Entries (tokens, and their top log-probabilities) past which a JSON answer is built off the loop.
+LARGE_RESPONSE_ENTRIES = 20_000
+
+
+def response_entries(finals: list[RequestOutput]) -> int:
+    """Tokens and log-probability entries a JSON answer will hold (what building it costs)."""
+    total = 0
+    for output in finals:
+        for completion in output.outputs:
+            rows = completion.logprobs
+            total += len(completion.token_ids) * (1 + (len(rows[0]) if rows else 0))
+        prompt_rows = output.prompt_logprobs
+        if prompt_rows:
+            total += len(prompt_rows) * (1 + max((len(r) for r in prompt_rows[-1:] if r), default=0))
+    return total
 
 
 def refuse_uncompiled_constraint(req, finals: list[RequestOutput]) -> None:
