@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,54 @@ def _is_file(path: Path) -> bool:
         return False
 
 
+# What one render of a chat template may do: a template (a request's own, with
+# --trust-request-chat-template) must not keep a preprocessing thread for minutes or build a
+# string of gigabytes. Hugging Face templates loop over the messages and make short strings.
+MAX_TEMPLATE_LOOP_STEPS = 1_000_000      # iterations of range() in one render, all loops together
+MAX_TEMPLATE_REPEAT_ITEMS = 1_000_000    # characters (items) of one `*` repetition
+_render_budget = threading.local()
+
+
+def _reset_render_budget() -> None:
+    _render_budget.left = MAX_TEMPLATE_LOOP_STEPS
+
+
+def _counted_range(*args):
+    """The sandbox's range(), each step counted against the render's budget."""
+    from jinja2.sandbox import safe_range
+    from jinja2.exceptions import SecurityError
+    for value in safe_range(*args):
+        left = getattr(_render_budget, "left", MAX_TEMPLATE_LOOP_STEPS) - 1
+        if left < 0:
+            raise SecurityError(f"the template ran more than {MAX_TEMPLATE_LOOP_STEPS} loop steps")
+        _render_budget.left = left
+        yield value
+
+
+@functools.cache
+def _bounded_sandbox_class():
+    """The sandbox class (made on first use: jinja2 is imported only for chat)."""
+    from jinja2.exceptions import SecurityError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class BoundedSandbox(ImmutableSandboxedEnvironment):
+        """The immutable sandbox, with `*` repetition and `**` kept small."""
+
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, times in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                            and len(seq) * times > MAX_TEMPLATE_REPEAT_ITEMS:
+                        raise SecurityError(f"the template repeats a sequence past {MAX_TEMPLATE_REPEAT_ITEMS} items")
+            elif isinstance(left, int) and isinstance(right, int) and abs(right) > 256 and abs(left) > 1:
+                raise SecurityError("the template raises an integer to a power past 256")
+            return super().call_binop(context, operator, left, right)
+
+    return BoundedSandbox
+
+
 @functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str):
     """A Jinja template compiled in the sandbox with the helpers Hugging Face chat templates expect."""
@@ -111,8 +160,8 @@ def compile_chat_template(source: str):
     def strftime_now(fmt):
         return datetime.now().strftime(fmt)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = _bounded_sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["range"] = _counted_range
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
@@ -249,6 +298,7 @@ class Tokenizer:
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         context = {**self.special_tokens, **kwargs}
         try:
+            _reset_render_budget()
             text = compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e}") from e

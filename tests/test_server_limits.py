@@ -231,7 +231,13 @@ def test_request_chat_template_and_kwargs_are_honoured(client, tok, healthy_stre
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
     ({"chat_template": ""}, "chat_template"),
-], ids=["does-not-compile", "raises", "kwargs-messages", "kwargs-add-generation-prompt", "empty"])
+    # A render must not hold a preprocessing thread for hours or build gigabytes.
+    ({"chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"},
+     "chat_template"),
+    ({"chat_template": "{{ 'a' * 100000000 }}"}, "chat_template"),
+    ({"chat_template": "{{ 10 ** 100000000 }}"}, "chat_template"),
+], ids=["does-not-compile", "raises", "kwargs-messages", "kwargs-add-generation-prompt", "empty", "loops",
+        "repeats", "power"])
 def test_bad_request_templates_are_400s(client, healthy_stream, extra, param):
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, extra_body=extra)
