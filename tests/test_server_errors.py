@@ -128,6 +128,12 @@ CASES = [
      "messages.0.role"),
     ("surrogate-name", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "a", "name": "\\ud800"}]}', 400, "messages.0.name"),
+    # ... and as an object's key: the param is the object's field, not the key read as U+FFFD.
+    ("surrogate-logit-bias-key", "/v1/completions", b'{"prompt": "abc", "logit_bias": {"\\ud800": 1}}', 400,
+     "logit_bias"),
+    ("surrogate-template-kwargs-key", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"\\ud800": 1}}', 400,
+     "chat_template_kwargs"),
     # logit_bias: OpenAI's shape (token ids as object keys, biases in [-100, 100]), ids inside the vocabulary.
     ("logit-bias-key-not-an-id", "/v1/completions", _completion(logit_bias={"the": 1}), 400, "logit_bias"),
     ("logit-bias-negative-key", "/v1/completions", _completion(logit_bias={"-3": 1}), 400, "logit_bias"),

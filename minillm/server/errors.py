@@ -138,6 +138,10 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
         loc = loc[1:]
     # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
     loc = [p for p in loc if not _is_type_tag(p)]
+    # A field name that is not Unicode reaches the path as U+FFFD (and a dict's key as "[key]"):
+    # the param is the field that holds it.
+    cut = next((i for i, p in enumerate(loc) if p == "[key]" or "\ufffd" in p or not p.isprintable()), len(loc))
+    loc = loc[:cut]
     param = ".".join(loc) if loc else None
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "a required field is missing"
