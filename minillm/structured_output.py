@@ -835,12 +835,21 @@ class StructuredOutputManager:
         """ignore_eos under a grammar: EOS is not sampled while the grammar allows anything else
         (the sequence goes on to its max_tokens, or until the grammar is complete, where it stops
         without sampling EOS). A row that allows only EOS (a matcher in error) keeps it."""
-        words = self._eos_words                              # [E] word index, [E] bits to clear
-        for row in rows:
-            kept = bitmask[row, words[0]].copy()
-            bitmask[row, words[0]] &= words[1]
-            if not bitmask[row].any():
-                bitmask[row, words[0]] = kept
+        cols, keep = self._eos_words                         # [E] words holding EOS ids, [E] their masks
+        rows = np.asarray(rows, np.intp)
+        before = bitmask[np.ix_(rows, cols)]                  # [R, E]
+        allowed = (before & ~keep).any(axis=1)                # [R] rows where the grammar may end here
+        if not allowed.any():
+            return
+        rows, before = rows[allowed], before[allowed]
+        bitmask[np.ix_(rows, cols)] = before & keep
+        # [R'] nothing left: EOS was all there was. Most rows allow one of the first 2,048 tokens
+        # (bytes, ASCII): only the others are scanned whole.
+        only_eos = ~bitmask[rows, :64].any(axis=1)
+        if only_eos.any():
+            only_eos[only_eos] = ~bitmask[rows[only_eos]].any(axis=1)
+        if only_eos.any():
+            bitmask[np.ix_(rows[only_eos], cols)] = before[only_eos]
 
     def _record_fill(self, seconds: float) -> None:
         self._num_fill_steps += 1
