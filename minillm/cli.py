@@ -481,6 +481,12 @@ def generate(
                                       ensure_ascii=False))
         else:
             print_plain(outputs, tokenizer, logprobs or 0)
+    failed = [c.stop_reason for out in outputs for c in out.outputs if c.finish_reason == "error"]
+    if failed:
+        # Printed above is what was generated before; the reason goes where errors go.
+        for reason in dict.fromkeys(str(r) for r in failed):
+            typer.echo(f"minillm generate: error: {reason}", err=True)
+        raise typer.Exit(1)
 
 
 def require_stdout(command: str) -> None:

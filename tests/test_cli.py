@@ -488,6 +488,15 @@ def _strict_json(line: str):
 
 
 @needs_stories
+def test_generate_says_why_a_request_failed_and_exits_1():
+    # A constraint the engine cannot compile used to print the bare prompt and exit 0.
+    result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon", "--regex", r"[^\s\S]")
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert "minillm generate: error: structured_outputs.regex: no output satisfies" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@needs_stories
 def test_generate_json_is_strict_json_with_stop_reason():
     """A grammar rules tokens out, so their logprobs are -inf: --json writes -9999.0 as the server
     does; each completion carries its index and stop_reason (the stop string or token id)."""
