@@ -53,9 +53,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
-        if wrong is not None:
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {short_repr(wrong)}")
+        wrong = [p for p in params if not isinstance(p, SamplingParams)]
+        if wrong:
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {short_repr(wrong[0])}")
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

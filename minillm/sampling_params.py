@@ -22,6 +22,8 @@ def __getattr__(name: str):
 # A seed is handed to numpy's generator as an unsigned 64-bit number.
 MAX_SEED = 2**64 - 1
 MAX_LOGPROBS = 20
+# Completions of one request: each is a sequence the engine tracks (the server's --max-n is lower).
+MAX_N = 4096
 # logit_bias: OpenAI's range for a bias, and a bound on the entries the sampler adds each step.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
@@ -143,8 +145,8 @@ class SamplingParams:
 
         self._normalize_stops()
 
-        if not _is_int(self.n) or self.n < 1:
-            bad("n", "must be an integer >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):
             if not _is_finite(getattr(self, name)):

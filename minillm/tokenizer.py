@@ -277,7 +277,11 @@ class Tokenizer:
                     raise ValueError(f"the tokenizer of {self.name or 'this model'} has several chat templates "
                                      f"and none named 'default': {sorted(source)}")
                 source = source["default"]
-            self._compiled_template = compile_chat_template(source)
+            try:
+                self._compiled_template = compile_chat_template(source)
+            except Exception as e:   # jinja2's TemplateSyntaxError and friends
+                raise ValueError(f"the chat template of {self.name or 'this model'} does not compile: "
+                                 f"{type(e).__name__}: {e}") from None
         return self._compiled_template
 
     def render_chat(self, messages: list[dict], template: str | None = None, add_generation_prompt: bool = True,

@@ -128,6 +128,7 @@ def test_stats_snapshot(stories_path):
     (dict(top_k=-5), "top_k"),
     (dict(min_p=2.0), "min_p"),
     (dict(n=0), "n"),
+    (dict(n=10**20), "n"),                               # built sequences until the process was killed
     (dict(temperature=10**400), "temperature"),          # past float's range: a ValueError, not an OverflowError
     (dict(logit_bias={5: 100.5}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"),

@@ -144,6 +144,7 @@ def test_config_is_frozen():
 @pytest.mark.parametrize("d,field", [
     ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"num_speculative_tokens": -2}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 10**9}, "num_speculative_tokens"),      # buffers of 60 TiB
     ({"num_speculative_tokens": 2.5}, "num_speculative_tokens"),
     ({"num_speculative_tokens": True}, "num_speculative_tokens"),
     ({"num_speculative_tokens": "4"}, "num_speculative_tokens"),

@@ -323,7 +323,7 @@ def test_cli_takes_speculative_config_as_json(stories_path):
     bad = generate("--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
-        "minillm: error: speculative_config: num_speculative_tokens must be an integer >= 1, got -1"]
+        "minillm: error: speculative_config: num_speculative_tokens must be an integer in [1, 64], got -1"]
     good = generate("--speculative-config", json.dumps(SPEC))
     plain = generate()
     assert good.returncode == plain.returncode == 0

@@ -346,3 +346,9 @@ def test_tensor_parallel_engine_gives_the_same_constrained_outputs(stories_path)
     assert [c.token_ids for c in two] == [c.token_ids for c in one]
     for kind, c in zip(CHECKS, two):
         assert_valid(kind, c)
+
+
+def test_a_missing_sampling_params_in_the_list_is_refused(stories_path):
+    with LLM(str(stories_path), device="cpu") as llm:
+        with pytest.raises(ValueError, match="sampling_params"):
+            llm.generate([PROMPT, PROMPT], [SamplingParams(max_tokens=2), None])

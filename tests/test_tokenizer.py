@@ -209,6 +209,15 @@ def test_no_chat_template_raises():
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+@needs_stories
+def test_a_models_chat_template_that_does_not_compile_is_a_value_error():
+    # It was jinja2's TemplateSyntaxError: a traceback in `minillm chat`, a 500 from the server.
+    tok = Tokenizer.from_pretrained(STORIES)
+    tok.chat_template = "{% for %}"
+    with pytest.raises(ValueError, match="chat template of .* does not compile: TemplateSyntaxError"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def _check_template_parity(path: Path) -> None:
     tok, ref = Tokenizer.from_pretrained(path), _auto(path)
     assert tok.has_chat_template

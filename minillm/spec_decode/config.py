@@ -9,6 +9,9 @@ from typing import Any
 _NGRAM_NAMES = ("ngram", "[ngram]")
 # vLLM's default when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# Drafts a step verifies per sequence: the verification step's buffers scale with it (n-gram
+# drafts past a few dozen tokens are never all accepted).
+MAX_SPECULATIVE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,8 @@ class SpeculativeConfig:
         if lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
         k = self.num_speculative_tokens
-        if not _is_int(k) or k < 1:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         d = self.disable_by_batch_size
         if d is not None and (not _is_int(d) or d < 2):
             raise ValueError(f"disable_by_batch_size must be an integer >= 2, got {d!r}")
