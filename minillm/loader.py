@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from minillm.config import ModelConfig
+from minillm.sampling_params import short_repr
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
 from minillm.model_store import index_weight_files, list_local_models, read_json_object, resolve_model_path  # noqa: F401
 
@@ -50,18 +51,22 @@ def _optional(cfg: dict, key: str, default: int) -> int:
     return default if cfg.get(key) is None else _require(cfg, key)
 
 
-def _positive_number(cfg: dict, key: str, default: float) -> float:
-    """A finite positive number field that may be absent or null (then default)."""
+def _positive_number(cfg: dict, key: str, default: float, where: str = "") -> float:
+    """A finite positive number field that may be absent or null (then default); where: the
+    field's parent in the error (e.g. "rope_scaling.")."""
     value = cfg.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise ValueError(f"config.json field {key!r} must be a positive number, got {value!r}")
+        raise ValueError(f"config.json field {where + key!r} must be a positive number, got {short_repr(value)}")
     return float(value)
 
 
 def _rope(cfg: dict) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling); transformers 5 writes both under "rope_parameters"."""
+    for key in ("rope_parameters", "rope_scaling"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise ValueError(f"config.json field {key!r} must be an object, got {short_repr(cfg[key])}")
     params = dict(cfg.get("rope_parameters") or {})
     scaling = cfg.get("rope_scaling")
     scaling = dict(scaling) if scaling else {k: v for k, v in params.items() if k != "rope_theta"}
@@ -70,8 +75,25 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     scaling.pop("type", None)
     if scaling.get("rope_type", "default") == "default":
         scaling = None
+    else:
+        _check_rope_scaling(scaling)
     theta = _positive_number(cfg if "rope_theta" in cfg else params, "rope_theta", 10000.0)
     return theta, scaling
+
+
+def _check_rope_scaling(scaling: dict) -> None:
+    """The fields the rotary tables read, named in the error when missing or out of range."""
+    kind = scaling.get("rope_type")
+    if kind not in ("linear", "llama3"):
+        raise ValueError(f"config.json rope_scaling type {short_repr(kind)} is not supported "
+                         "(supported: default, linear, llama3)")
+    if "factor" not in scaling:
+        raise ValueError(f"config.json rope_scaling ({kind}) needs a 'factor'")
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if key in scaling:
+            _positive_number(scaling, key, 1.0, where="rope_scaling.")
+    if kind == "llama3" and float(scaling.get("high_freq_factor", 4.0)) <= float(scaling.get("low_freq_factor", 1.0)):
+        raise ValueError("config.json rope_scaling.high_freq_factor must be greater than low_freq_factor")
 
 
 def _check_supported_features(arch: str, cfg: dict) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -241,6 +242,21 @@ def test_rope_parameters_of_transformers_5(tmp_path):
     assert c.rope_scaling == {k: v for k, v in params.items() if k != "rope_theta"}
     c = load_model_config(write_config(tmp_path / "plain", rope_parameters={"rope_theta": 1e6, "rope_type": "default"}))
     assert c.rope_theta == 1e6 and c.rope_scaling is None
+
+
+@pytest.mark.parametrize("scaling,message", [
+    ({"rope_type": "llama3"}, "needs a 'factor'"),                             # was a KeyError traceback
+    ([1, 2], "'rope_scaling' must be an object"),
+    ("yes", "'rope_scaling' must be an object"),
+    ({"rope_type": "linear", "factor": "abc"}, "'rope_scaling.factor' must be a positive number"),
+    ({"rope_type": "linear", "factor": 0}, "'rope_scaling.factor' must be a positive number"),   # NaN tables
+    ({"rope_type": "llama3", "factor": 8, "low_freq_factor": 2, "high_freq_factor": 2},
+     "high_freq_factor must be greater than low_freq_factor"),
+    ({"rope_type": "yarn", "factor": 4}, "rope_scaling type 'yarn' is not supported"),
+])
+def test_bad_rope_scaling_is_named(tmp_path, scaling, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_model_config(write_config(tmp_path / "r", rope_scaling=scaling))
 
 
 def test_mistral_only_without_sliding_window(tmp_path):
