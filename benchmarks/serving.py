@@ -167,6 +167,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--max-concurrency must be >= 1 (leave it out for no cap), got {args.max_concurrency}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    from minillm.urls import check_server_url
+    for option, url in (("--base-url", args.base_url), ("--peer-base-url", args.peer_base_url)):
+        if url is not None:
+            try:
+                check_server_url(url, option)
+            except ValueError as exc:
+                p.error(str(exc))
     if args.concurrency_sweep and args.peer_base_url:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
     if args.save_detailed and not args.result_file:

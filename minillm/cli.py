@@ -292,6 +292,7 @@ def chat(
     template = chat_template_option(chat_template, read_chat_template) if chat_template else None
     if url:
         from minillm.chat_client import HttpChatBackend
+        server_url_option(url, "--url")
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
                                   chat_template=template)
     else:
@@ -739,6 +740,10 @@ def router_command(
     returned kv_transfer_params to a decode server, whose stream is passed through.
     """
     from minillm.router import RouterConfig, run_router
+    for option, urls in (("--prefill", prefill), ("--decode", decode)):
+        for url in urls:
+            server_url_option(url, option)
+    check_can_bind(host, port)
     run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout), host=host, port=port)
 
 
@@ -766,7 +771,27 @@ def monitor_command(
         source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
     if record is not None and replay is not None and record.resolve() == replay.resolve():
         raise CliError(f"--record {record} is the --replay file: recording would overwrite it")
+    if source is None:
+        server_url_option(url, "URL")
     run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
+
+
+def server_url_option(url: str, option: str) -> str:
+    """The server's base URL, or a CliError naming option (a port past 65535, an open bracket)."""
+    from minillm.urls import check_server_url
+    try:
+        return check_server_url(url, option)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def check_can_bind(host: str, port: int) -> None:
+    """A CliError when host:port cannot be listened on (an unknown host, a port in use)."""
+    from minillm.server.app import check_can_listen
+    try:
+        check_can_listen(host, port)
+    except (OSError, ValueError) as exc:
+        raise CliError(str(exc)) from None
 
 
 def open_recording(option: str, path: Path):

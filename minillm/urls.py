@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 _HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
 
@@ -17,3 +18,17 @@ def server_base_url(url: str) -> str:
         if url.endswith(suffix):
             return url.removesuffix(suffix)
     return url
+
+
+def check_server_url(url: str, option: str) -> str:
+    """server_base_url(url), or a ValueError naming option when it is no http(s) URL a client can
+    connect to (a bad port, an unclosed IPv6 bracket, no host)."""
+    base = server_base_url(url)
+    try:
+        parts = urlsplit(base)
+        parts.port                    # ValueError for a port that is not a number in 0-65535
+    except ValueError as exc:
+        raise ValueError(f"{option}: not a server URL: {url!r} ({exc})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{option}: not a server URL: {url!r} (give http://host:port)")
+    return base
