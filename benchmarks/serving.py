@@ -167,6 +167,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--max-concurrency must be >= 1 (leave it out for no cap), got {args.max_concurrency}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    lo, hi = args.vocab_range
+    if not 0 <= lo < hi:
+        p.error(f"--vocab-range LO HI needs 0 <= LO < HI (the prompts' token ids are drawn from [LO, HI)), "
+                f"got {lo} {hi}")
     from minillm.urls import check_server_url
     for option, url in (("--base-url", args.base_url), ("--peer-base-url", args.peer_base_url)):
         if url is not None:

@@ -80,6 +80,10 @@ def resolve_defaults(args) -> dict:
     for name, value in (GPU_DEFAULTS if backend == "cuda" else CPU_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.peer == "hf" and backend != "cuda":
+        raise BenchError("--peer hf runs transformers on the GPU; there is no CUDA GPU here (leave --peer out)")
+    if args.peer_num_seqs is not None and args.peer_num_seqs < 1:
+        raise BenchError(f"--peer-num-seqs must be at least 1, got {args.peer_num_seqs}")
     for name in ("num_seqs", "max_input_len", "max_output_len"):
         if getattr(args, name) < 1:
             raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
