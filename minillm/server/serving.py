@@ -400,8 +400,8 @@ def response_entries(finals: list[RequestOutput]) -> int:
 def refuse_uncompiled_constraint(req, finals: list[RequestOutput]) -> None:
     """A 400 for a request whose constraint the engine could not compile (a regex no output
     satisfies, a grammar too large to match): checks that need the tokenizer run in the engine,
-    after the request was taken in. Streamed, such a request ends with finish_reason 'error'
-    and the same message instead (its first event is not waited for)."""
+    after the request was taken in. A stream calls it on its outputs until it first sends (its
+    status line waits for its first event)."""
     for output in finals:
         for completion in output.outputs:
             reason = completion.stop_reason

@@ -21,7 +21,7 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, content_choice_json,
-    json_dumps, log_unknown_fields, merged_outputs, new_request_id, sse, usage,
+    json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -186,15 +186,19 @@ class ChatJob:
         chunks = ChunkFormat(self.request_id, "chat.completion.chunk", self.created, self.ctx.model_name,
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
+        sent = False   # nothing sent yet: the status line is still ours to choose
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
             async for batch in batches:
                 for _, output in batch:
+                    if not sent:
+                        refuse_uncompiled_constraint(self.req, [output])
                     final = output
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events = [chunks.event(choice) for choice in self._choices(output, progress)]
                     if events:
                         last = "".join(events)   # one write per wake-up, however many choices moved
                         if not all_finished(streams):
+                            sent = True
                             yield last
                             last = ""
         if self.req.include_usage and final is not None:

@@ -19,7 +19,7 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, json_dumps,
-    log_unknown_fields, merged_outputs, new_request_id, sse, text_choice_json, usage,
+    log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, text_choice_json, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -162,16 +162,20 @@ class CompletionJob:
         chunks = ChunkFormat(self.request_id, "text_completion", self.created, self.ctx.model_name,
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
+        sent = False   # nothing sent yet: the status line is still ours to choose
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
             async for batch in batches:
                 events = []
                 for pi, output in batch:
+                    if not sent:
+                        refuse_uncompiled_constraint(self.req, [output])
                     finals[pi] = output
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events.extend(chunks.event(choice) for choice in self._choices(pi, output, progress))
                 if events:
                     last = "".join(events)   # one write per wake-up, however many choices moved
                     if not all_finished(streams):
+                        sent = True
                         yield last
                         last = ""
         if self.req.include_usage:
