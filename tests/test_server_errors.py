@@ -126,6 +126,8 @@ CASES = [
      "messages.0.content.0.text"),
     ("surrogate-role", "/v1/chat/completions", b'{"messages": [{"role": "us\\ud800er", "content": "a"}]}', 400,
      "messages.0.role"),
+    ("content-part-type-not-a-string", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": 5, "text": "a"}]}]}', 400, "messages.0.content.0.type"),
     ("surrogate-name", "/v1/chat/completions",
      b'{"messages": [{"role": "user", "content": "a", "name": "\\ud800"}]}', 400, "messages.0.name"),
     # ... and as an object's key: the param is the object's field, not the key read as U+FFFD.

@@ -122,7 +122,7 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
     if not errors:
         return APIError(400, "invalid request body")
     # A union (e.g. prompt: str | list[int]) reports one error per member: undecodable text says most.
-    first = next((e for e in errors if e.get("type") == "invalid_text"), errors[0])
+    first = next((e for e in errors if e.get("type") == "invalid_text"), None) or _deepest_of_first_field(errors)
     if tuple(first.get("loc", ())) == ("body",):     # the body as a whole, not one of its fields
         if first.get("type") == "missing":
             return APIError(400, "the request body is empty; send a JSON object")
@@ -176,6 +176,20 @@ def body_parse_error(cause: BaseException | None) -> APIError:
     else:
         why = f"{type(cause).__name__}: {cause}" if cause is not None else "the body could not be read"
     return APIError(400, f"malformed JSON in request body: {why}", code="json_invalid")
+
+
+def _deepest_of_first_field(errors: list[dict]) -> dict:
+    """The first error, or for a message one deeper inside the same field: a union (content: str |
+    list of parts) reports each member, and a part's bad "type" says more than "not a valid string"."""
+    def path(error):
+        parts = [str(p) for p in error.get("loc", ()) if not _is_type_tag(str(p))]
+        return parts[1:] if parts[:1] == ["body"] else parts
+
+    head = path(errors[0])
+    if head[:1] != ["messages"]:     # a prompt's union (text, ids, lists of them) reads best as a whole
+        return errors[0]
+    inside = [e for e in errors if path(e)[:len(head)] == head]
+    return max(inside, key=lambda e: len(path(e)))      # max keeps the first of equal depth
 
 
 def _is_type_tag(part: str) -> bool:
