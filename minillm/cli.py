@@ -740,9 +740,6 @@ def router_command(
     returned kv_transfer_params to a decode server, whose stream is passed through.
     """
     from minillm.router import RouterConfig, run_router
-    for option, urls in (("--prefill", prefill), ("--decode", decode)):
-        for url in urls:
-            server_url_option(url, option)
     check_can_bind(host, port)
     run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout), host=host, port=port)
 

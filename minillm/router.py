@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minillm.server.errors import body_parse_error, error_body, install_error_handlers
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import BodyLimitMiddleware
-from minillm.urls import server_base_url
+from minillm.urls import check_server_url, server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
 logger = logging.getLogger("minillm.router")
@@ -64,8 +64,7 @@ class RouterConfig:
             if not urls:
                 raise ValueError(f"give at least one --{role} URL")
             for url in urls:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"--{role} {url!r} is not an http(s) URL")
+                check_server_url(url, f"--{role}")
         for name, value in (("connect timeout", self.connect_timeout_s), ("timeout", self.timeout_s),
                             ("health timeout", self.health_timeout_s)):
             if not value > 0:   # a negative one fails every request, NaN too

@@ -92,13 +92,11 @@ class ChatJob:
         with naming_max_tokens_field(req):
             to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size,
                                max_model_len=ctx.engine.max_model_len)
-        if req.max_tokens is not None and req.max_completion_tokens is not None:
+        limit = ctx.engine.max_model_len
+        if req.max_tokens is not None and req.max_completion_tokens is not None and not 1 <= req.max_tokens <= limit:
             # max_completion_tokens wins, but a bad max_tokens beside it is still a bad request.
-            to_sampling_params(req, req.max_tokens, self.num_top, ctx.engine.vocab_size,
-                               max_model_len=ctx.engine.max_model_len)
-            if req.max_tokens > ctx.engine.max_model_len:
-                raise APIError(400, f"max_tokens must be at most the model's context ({ctx.engine.max_model_len}), "
-                                    f"got {short_repr(req.max_tokens)}", param="max_tokens")
+            raise APIError(400, f"max_tokens must be an integer in [1, {limit}] (the model's context), "
+                                f"got {short_repr(req.max_tokens)}", param="max_tokens")
         self.messages = messages_as_dicts(req)
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)
