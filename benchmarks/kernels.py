@@ -15,8 +15,8 @@ prefill_attention.cu in its two block shapes, "= flash" marking the one the defa
 the same run.
 Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
 FP8 rows (kv_cache_dtype="fp8") count K/V at one byte an element. Last, the nodes of a decode
-step's CUDA graph (Qwen3-0.6B shape, random weights) with the fused q/k norm + rotary + KV append
-kernel and without it.
+step's CUDA graph (Qwen3-0.6B shape, random weights, forward and logits as cuda_graphs.py captures
+them) with each of ops.cuda's fusions switched on in turn (FUSION_STAGES), by node type.
 """
 from __future__ import annotations
 
@@ -292,8 +292,14 @@ def fused_rows(cp, ops, copy_gbs: float, qkv, pos, cos_sin, slots) -> list[Row]:
 
 # ---- the nodes of a decode step's graph ------------------------------------------------------
 
-def _count_graph_nodes(graph: int) -> tuple[int, int] | None:
-    """(nodes, kernel nodes) of a cudaGraph_t through the driver API; None without libcuda."""
+# CUgraphNodeType values (cuda.h) -> the names printed.
+_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty", 6: "event wait",
+               7: "event record", 10: "mem alloc", 11: "mem free"}
+
+
+def _count_graph_nodes(graph: int) -> tuple[int, int, dict] | None:
+    """(nodes, kernel nodes, {node type: count}) of a cudaGraph_t through the driver API; None
+    without libcuda."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -304,11 +310,13 @@ def _count_graph_nodes(graph: int) -> tuple[int, int] | None:
     nodes = (ctypes.c_void_p * count.value)()
     if lib.cuGraphGetNodes(ctypes.c_void_p(graph), nodes, ctypes.byref(count)):
         return None
-    kernels, kind = 0, ctypes.c_int(0)
+    kinds: dict[str, int] = {}
+    kind = ctypes.c_int(0)
     for node in nodes:
         lib.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
-        kernels += kind.value == 0                       # CU_GRAPH_NODE_TYPE_KERNEL
-    return int(count.value), kernels
+        name = _NODE_TYPES.get(kind.value, f"type {kind.value}")
+        kinds[name] = kinds.get(name, 0) + 1
+    return int(count.value), kinds.get("kernel", 0), kinds
 
 
 def _count_launches(ops, fn) -> int:
@@ -355,13 +363,20 @@ def graph_node_count(cp, ops, fn) -> dict:
         finally:
             rt.graphDestroy(graph)
         if counted is not None:
-            return {"nodes": counted[0], "kernel_nodes": counted[1], "how": "cuGraphGetNodes"}
-        return {"nodes": _count_launches(ops, fn), "kernel_nodes": None, "how": "launches counted"}
+            return {"nodes": counted[0], "kernel_nodes": counted[1], "kinds": counted[2], "how": "cuGraphGetNodes"}
+        return {"nodes": _count_launches(ops, fn), "kernel_nodes": None, "kinds": None, "how": "launches counted"}
+
+
+# Fusion switches of minillm.ops.cuda, in the order they were added: a decode step's graph is
+# counted with none, with each in turn, and with all of them.
+FUSIONS = ("FUSE_QK_NORM_ROTARY_KV_APPEND", "FUSE_DECODE_APPEND", "FUSE_EMBEDDING_NORM")
+FUSION_STAGES = {"separate": 0, "fused q/k norm + rotary + append": 1, "+ append inside decode attention": 2,
+                 "+ embedding with the first norm": 3}
 
 
 def decode_graph_nodes(cp, ops, batch: int = 256, ctx: int = 1024) -> dict:
-    """A decode step of the Qwen3-0.6B shape (random weights): graph nodes with and without the
-    fused kernel, for a bf16 and an FP8 cache."""
+    """A decode step of the Qwen3-0.6B shape (random weights): graph nodes at each stage of
+    FUSION_STAGES, for a bf16 and an FP8 cache."""
     from minillm.benchmarks.kv_fp8_accuracy import random_model
     from minillm.benchmarks.workload import QWEN3_0_6B
 
@@ -380,23 +395,26 @@ def decode_graph_nodes(cp, ops, batch: int = 256, ctx: int = 1024) -> dict:
         pool = cp.zeros((mc.num_layers, 2, num_blocks, BLOCK, mc.num_kv_heads, mc.head_dim),
                         cp.uint8 if kv == "fp8" else ops.bfloat16_dtype())
         step = lambda: model.compute_logits(model.forward(ids, positions, meta, pool))   # noqa: E731
-        for fused in (False, True):
-            ops.FUSE_QK_NORM_ROTARY_KV_APPEND = fused
+        for stage, on in FUSION_STAGES.items():
+            for i, name in enumerate(FUSIONS):
+                setattr(ops, name, i < on)
             try:
-                out[f"{kv} {'fused' if fused else 'unfused'}"] = graph_node_count(cp, ops, step)
+                out[f"{kv} {stage}"] = graph_node_count(cp, ops, step)
             finally:
-                ops.FUSE_QK_NORM_ROTARY_KV_APPEND = True
+                for name in FUSIONS:
+                    setattr(ops, name, True)
     return out
 
 
 def print_graph_nodes(counts: dict, batch: int = 256) -> None:
-    print(f"\ndecode step CUDA graph, Qwen3-0.6B shape (28 layers), batch {batch}:")
+    print(f"\ndecode step CUDA graph, Qwen3-0.6B shape (28 layers), batch {batch} (nodes, kernel nodes, "
+          f"share of the separate kernels' count):")
     for kv in ("bf16", "fp8"):
-        before, after = counts[f"{kv} unfused"], counts[f"{kv} fused"]
-        kernels = (f" (kernel nodes {before['kernel_nodes']} -> {after['kernel_nodes']})"
-                   if after["kernel_nodes"] is not None else "")
-        print(f"  {kv} KV cache: {before['nodes']} -> {after['nodes']} nodes with the fused q/k norm + rotary "
-              f"+ KV append{kernels}, {after['nodes'] / before['nodes']:.0%} of before [{after['how']}]")
+        base = counts[f"{kv} separate"]["nodes"]
+        for stage in FUSION_STAGES:
+            c = counts[f"{kv} {stage}"]
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(c["kinds"].items())) if c["kinds"] else c["how"]
+            print(f"  {kv} KV cache, {stage}: {c['nodes']} nodes ({kinds}), {c['nodes'] / base:.1%}")
 
 
 def sampling_rows(cp, ops, copy_gbs: float) -> list[Row]:
@@ -530,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     only.add_argument("--decode-only", action="store_true",
                       help="Time only the copy ceiling and decode attention with the bf16 and the FP8 cache "
                            "at batch 256 context 1024 and batch 64 context 4096.")
+    only.add_argument("--graph-nodes-only", action="store_true",
+                      help="Count only the nodes of a decode step's CUDA graph at each fusion stage.")
     args = parser.parse_args(argv)
     try:
         import cupy as cp
@@ -542,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.runtime.getDevice())
     print(f"device: {props['name'].decode()}  SMs: {props['multiProcessorCount']}  "
           f"CuPy {cp.__version__}  CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}")
+    if args.graph_nodes_only:
+        counts = decode_graph_nodes(cp, ops)
+        print_graph_nodes(counts)
+        if args.json:
+            args.json.write_text(json.dumps([{"name": "decode step graph nodes", "counts": counts}], indent=1))
+        return 0
     copy_gbs = copy_bandwidth(cp)
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
     if args.decode_only:

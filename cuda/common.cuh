@@ -269,3 +269,53 @@ __device__ __forceinline__ void merge_split_partials(scalar_t* dst, const float*
         dst[d] = from_float(sum > 0.0f ? acc / sum : 0.0f);
     }
 }
+
+// ---- one head row held by a group of D / VEC_ELEMS lanes (lane j: its 16-byte vector j) -------
+// Used where a kernel normalises and rotates q / k heads itself (rotary.cu's fused append, the
+// decode kernel that does the append). D / VEC_ELEMS must be a power of two <= 32 and D a
+// multiple of 2 * VEC_ELEMS; every lane of the warp must take part (the shuffles).
+
+// Sum over the D / VEC_ELEMS lanes of a group, in the butterfly order of warp_sum (lanes past a
+// one-warp block's row add zeros there, which changes no bit).
+template <int D>
+__device__ __forceinline__ float head_group_sum(float v) {
+#pragma unroll
+    for (int o = D / VEC_ELEMS / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+// RMSNorm of the row as rms_norm_vec computes it (weight [D] in scalar_t), each value rounded to
+// scalar_t as its output is.
+template <int D>
+__device__ __forceinline__ void head_norm(float (&a)[VEC_ELEMS], const scalar_t* weight, int j, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int e = 0; e < VEC_ELEMS; ++e) ss += a[e] * a[e];
+    float total = head_group_sum<D>(ss);
+    float inv = 1.0f / sqrtf(__fadd_rn(total / (float)D, eps));
+    float w[VEC_ELEMS];
+    vec_to_floats(*reinterpret_cast<const Vec16*>(weight + j * VEC_ELEMS), w);
+#pragma unroll
+    for (int e = 0; e < VEC_ELEMS; ++e) a[e] = round_to_scalar(__fmul_rn(w[e], round_to_scalar(__fmul_rn(a[e], inv))));
+}
+
+// Neox rotary of the row at the position whose table row is cs ([D]: cos | sin), rotary_vec's
+// arithmetic (separate roundings), rounded to scalar_t; partners x[i], x[i + D/2] sit in lanes j
+// and j ^ (lanes / 2).
+template <int D>
+__device__ __forceinline__ void head_rotate(float (&a)[VEC_ELEMS], const float* cs, int j) {
+    constexpr int lanes = D / VEC_ELEMS, half = D / 2;
+    const bool first = j < lanes / 2;
+    const int c = (first ? j : j - lanes / 2) * VEC_ELEMS;      // column in the first half
+    float other[VEC_ELEMS];
+#pragma unroll
+    for (int e = 0; e < VEC_ELEMS; ++e) other[e] = __shfl_xor_sync(FULL_MASK, a[e], lanes / 2);
+#pragma unroll
+    for (int e = 0; e < VEC_ELEMS; ++e) {
+        float cosv = cs[c + e], sinv = cs[half + c + e];
+        float x1 = first ? a[e] : other[e], x2 = first ? other[e] : a[e];
+        float y = first ? __fsub_rn(__fmul_rn(x1, cosv), __fmul_rn(x2, sinv))
+                        : __fadd_rn(__fmul_rn(x2, cosv), __fmul_rn(x1, sinv));
+        a[e] = round_to_scalar(y);
+    }
+}

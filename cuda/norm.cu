@@ -1,5 +1,8 @@
 // norm.cu: RMSNorm and the fused residual-add + RMSNorm.
 //
+// embedding_rms_norm_*: the embedding gather and the first layer's RMSNorm in one launch (ids [T]
+// int32, table [V, D] packed; an id outside [0, V) reads as a zero row, as embedding.cu writes it):
+// s_out = the gathered rows, out = their RMSNorm, the same bits as embedding then rms_norm.
 // Layout: x [T, D] with a row stride (elements; rows need not be packed), or for rms_norm also
 // [T, H, D] with packed heads and a token stride; residual [T, D] with a row stride, weight [D] (scalar_t, or float32 for the *_wf32 kernels); outputs [T, D] packed.
 // Launch: one block per row, blockDim = a multiple of 32 (about D / VEC_ELEMS threads), grid = T.
@@ -93,6 +96,54 @@ __device__ __forceinline__ void rms_norm_row(scalar_t* out, scalar_t* s_out, con
     scale_row<W_F32, VEC>(out + row * dim, ADD ? sr : xr, weight, dim, inv);
 }
 
+// Pass 1 of embedding_rms_norm: the row gathered into sr (zeros when !valid) and its sum of
+// squares, in sum_squares' order.
+template <bool VEC>
+__device__ __forceinline__ float gather_sum_squares(const scalar_t* xr, scalar_t* sr, int dim, bool valid) {
+    float ss = 0.0f;
+    if (VEC) {
+        for (int j = threadIdx.x; j < dim / VEC_ELEMS; j += blockDim.x) {
+            Vec16 v = ld16(xr + j * VEC_ELEMS);
+            if (!valid) v.w[0] = v.w[1] = v.w[2] = v.w[3] = 0u;
+            stg16(sr + j * VEC_ELEMS, v);
+            float a[VEC_ELEMS];
+            vec_to_floats(v, a);
+#pragma unroll
+            for (int e = 0; e < VEC_ELEMS; ++e) ss += a[e] * a[e];
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            const scalar_t x = valid ? xr[i] : from_float(0.0f);
+            sr[i] = x;
+            const float a = to_float(x);
+            ss += a * a;
+        }
+    }
+    return ss;
+}
+
+template <bool W_F32, bool VEC>
+__device__ __forceinline__ void embedding_rms_norm_row(scalar_t* out, scalar_t* s_out, const int* ids,
+                                                       const scalar_t* table, int vocab, const void* weight,
+                                                       int dim, float eps) {
+    __shared__ float scratch[32];
+    const long long row = blockIdx.x;
+    const int id = ids[row];
+    const bool valid = id >= 0 && id < vocab;
+    scalar_t* sr = s_out + row * dim;
+    float ss = gather_sum_squares<VEC>(table + (long long)(valid ? id : 0) * dim, sr, dim, valid);
+    float total = block_sum(ss, scratch);
+    float inv = 1.0f / sqrtf(__fadd_rn(total / (float)dim, eps));
+    scale_row<W_F32, VEC>(out + row * dim, sr, weight, dim, inv);      // each thread reads what it wrote
+}
+
+#define EMBEDDING_RMS_NORM_KERNEL(NAME, W_F32, VEC)                                              \
+    extern "C" __global__ void NAME(scalar_t* out, scalar_t* s_out, const int* ids,             \
+                                    const scalar_t* table, int vocab, const void* weight,       \
+                                    int dim, float eps) {                                       \
+        embedding_rms_norm_row<W_F32, VEC>(out, s_out, ids, table, vocab, weight, dim, eps);    \
+    }
+
 #define RMS_NORM_KERNEL(NAME, W_F32, VEC)                                                        \
     extern "C" __global__ void NAME(scalar_t* out, const scalar_t* x, const void* weight,       \
                                     int dim, long long x_stride, float eps, int heads) {       \
@@ -116,3 +167,7 @@ ADD_RMS_NORM_KERNEL(add_rms_norm_vec, false, true)
 ADD_RMS_NORM_KERNEL(add_rms_norm_vec_wf32, true, true)
 ADD_RMS_NORM_KERNEL(add_rms_norm_scalar, false, false)
 ADD_RMS_NORM_KERNEL(add_rms_norm_scalar_wf32, true, false)
+EMBEDDING_RMS_NORM_KERNEL(embedding_rms_norm_vec, false, true)
+EMBEDDING_RMS_NORM_KERNEL(embedding_rms_norm_vec_wf32, true, true)
+EMBEDDING_RMS_NORM_KERNEL(embedding_rms_norm_scalar, false, false)
+EMBEDDING_RMS_NORM_KERNEL(embedding_rms_norm_scalar_wf32, true, false)

@@ -332,6 +332,49 @@ __device__ __forceinline__ void decode_tokens(DecodeState& st, const float (&qf)
     }
 }
 
+// This lane's elements of the GQA query rows of KV head kvh (rows HEAD_DIM apart at qh, global or
+// shared memory) as floats.
+__device__ __forceinline__ void decode_load_q(float (&qf)[GQA][DEC_ELEMS], const scalar_t* qh, int li) {
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+            for (int p = 0; p < KV_VEC / VEC_ELEMS; ++p)
+                vec_to_floats(*reinterpret_cast<const Vec16*>(qh + g * HEAD_DIM + lane_vec_offset(j, li) + p * VEC_ELEMS),
+                              &qf[g][j * KV_VEC + p * VEC_ELEMS]);
+        }
+    }
+}
+
+__device__ __forceinline__ void decode_state_init(DecodeState& st) {
+#pragma unroll
+    for (int g = 0; g < GQA; ++g) {
+        st.m[g] = -MINILLM_INF;
+        st.l[g] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] = 0.0f;
+    }
+}
+
+// Fold the cached keys [t_begin, t_attend) of this block's partition into the lanes' states.
+__device__ __forceinline__ void decode_cached(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
+                                              const cache_t* k_cache, const cache_t* v_cache, const int* bt,
+                                              int kvh, int num_kv_heads, int t_begin, int t_attend,
+                                              int block_size_log2, float score_mul) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int sub = lane / DEC_LPT, li = lane % DEC_LPT;
+    const unsigned int row_bytes = (unsigned int)(num_kv_heads * HEAD_DIM * sizeof(cache_t));
+    const long long lane_off = (long long)kvh * HEAD_DIM + lane_vec_offset(0, li);
+    const char* k_lane = reinterpret_cast<const char*>(k_cache + lane_off);
+    const char* v_lane = reinterpret_cast<const char*>(v_cache + lane_off);
+    const int c0 = t_begin + warp * DEC_CHUNK;
+    if ((1 << block_size_log2) >= DEC_CHUNK)
+        decode_tokens<true>(st, qf, k_lane, v_lane, bt, c0, t_attend, sub, block_size_log2, row_bytes, score_mul);
+    else
+        decode_tokens<false>(st, qf, k_lane, v_lane, bt, c0, t_attend, sub, block_size_log2, row_bytes, score_mul);
+}
+
 extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_MIN_BLOCKS)
 paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
              const scalar_t* q, long long q_stride, const cache_t* k_cache,
@@ -342,44 +385,157 @@ paged_decode(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int seq_len = seq_lens[b];
     if (seq_len <= 0) return;          // a padding row of a captured mixed step: nothing read or written
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int sub = lane / DEC_LPT, li = lane % DEC_LPT;
-    const int num_heads = num_kv_heads * GQA;
+    const int li = (threadIdx.x & 31) % DEC_LPT;
     const long long q_row = query_start_loc[b];
     int t_begin, t_end;
     decode_partition(seq_len, num_splits, min_partition, &t_begin, &t_end);
     const KVFactors kv_mul = kv_factors(kv_scales);
-    const float score_mul = scale_log2 * kv_mul.x;
-
     DecodeState st;
+    decode_state_init(st);
     float qf[GQA][DEC_ELEMS];
+    decode_load_q(qf, q + q_row * q_stride + (long long)kvh * GQA * HEAD_DIM, li);
+    decode_cached(st, qf, k_cache, v_cache, block_tables + (long long)b * bt_stride, kvh, num_kv_heads, t_begin,
+                  t_end, block_size_log2, scale_log2 * kv_mul.x);
+    decode_merge_lanes(st);
+    decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_kv_heads * GQA, num_splits, kv_mul.y);
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged_decode_append: paged_decode of a decode-only step that also does the layer's per-head q/k
+// RMSNorm (q_norm / k_norm [HEAD_DIM] in scalar_t, or null: none), rotary and KV append of the
+// step's token, which rotary.cu's qk_norm_rotary_kv_append does in a launch of its own; one graph
+// node a layer fewer. q, k, v [B, H*, HEAD_DIM] raw (views of the qkv projection, token strides
+// q_stride / k_stride / v_stride); positions [B] int32, cos_sin [max_pos, HEAD_DIM] float32,
+// slot_mapping [B] int32 as rotary.cu takes them (a slot outside [0, num_slots) is not stored).
+// Every split block of (b, kvh) normalises and rotates its GQA query rows into shared memory (the
+// same rounded values the separate kernel writes to q); the one split whose partition holds the
+// new token (position seq_lens[b] - 1) also builds that token's K and V as the cache stores them
+// (E4M3 bytes for FP8), writes them to the cache, and folds them into its attention from shared
+// memory: no block reads the slot it writes (the cache loads are non-coherent). The cache and
+// outputs hold the same bits as the two launches, except that the new token enters the softmax
+// before the cached ones (a different fp32 summation order).
+#define DA_LANES (HEAD_DIM / VEC_ELEMS)
+#if HEAD_DIM % (2 * VEC_ELEMS) == 0 && DA_LANES <= 32 && (DA_LANES & (DA_LANES - 1)) == 0
+
+// The new token's q rows into q_s, and (owner) its K / V rows into kv_s and the cache.
+__device__ __forceinline__ void decode_append_rows(scalar_t (&q_s)[GQA][HEAD_DIM], cache_t (&kv_s)[2][HEAD_DIM],
+                                                   cache_t* k_cache, cache_t* v_cache, const scalar_t* q_row,
+                                                   const scalar_t* k_row, const scalar_t* v_row,
+                                                   const scalar_t* q_norm, const scalar_t* k_norm, float eps,
+                                                   const float* cs, long long slot, bool store, bool owner,
+                                                   long long cache_row, KVFactors scales) {
+    const int j = threadIdx.x % DA_LANES, group = threadIdx.x / DA_LANES;
+    constexpr int num_groups = DEC_THREADS / DA_LANES;
+    const int num_tasks = GQA + (owner ? 2 : 0);                  // q heads, then k, v
+    // Every lane runs every round (the shuffles need the whole warp); a lane past the tasks idles.
+    for (int base = 0; base < num_tasks; base += num_groups) {
+        const int task = min(base + group, num_tasks - 1);
+        const bool active = base + group < num_tasks;
+        const bool is_q = task < GQA, is_v = task == GQA + 1;
+        const scalar_t* src = is_q ? q_row + task * HEAD_DIM : (is_v ? v_row : k_row);
+        float a[VEC_ELEMS], r[VEC_ELEMS];
+        vec_to_floats(ldg16(src + j * VEC_ELEMS), a);
 #pragma unroll
-    for (int g = 0; g < GQA; ++g) {
-        st.m[g] = -MINILLM_INF;
-        st.l[g] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] = 0.0f;
-        const scalar_t* qh = q + q_row * q_stride + (long long)(kvh * GQA + g) * HEAD_DIM;
-#pragma unroll
-        for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-            for (int p = 0; p < KV_VEC / VEC_ELEMS; ++p)
-                vec_to_floats(ldg16(qh + lane_vec_offset(j, li) + p * VEC_ELEMS), &qf[g][j * KV_VEC + p * VEC_ELEMS]);
+        for (int e = 0; e < VEC_ELEMS; ++e) r[e] = a[e];
+        // v rows normalise and rotate too (unused): the shuffles need every lane of the warp.
+        if (q_norm != nullptr) head_norm<HEAD_DIM>(r, is_q ? q_norm : k_norm, j, eps);
+        head_rotate<HEAD_DIM>(r, cs, j);
+        if (!active) continue;
+        if (is_q) {
+            *reinterpret_cast<Vec16*>(&q_s[task][j * VEC_ELEMS]) = floats_to_vec(r);
+        } else if (is_v) {                                            // v: as it came
+            store_cache_vec(&kv_s[1][j * VEC_ELEMS], a, scales.y);
+            if (store) store_cache_vec(v_cache + slot * cache_row + j * VEC_ELEMS, a, scales.y);
+        } else {
+            store_cache_vec(&kv_s[0][j * VEC_ELEMS], r, scales.x);
+            if (store) store_cache_vec(k_cache + slot * cache_row + j * VEC_ELEMS, r, scales.x);
         }
     }
-    const int* bt = block_tables + (long long)b * bt_stride;
-    const unsigned int row_bytes = (unsigned int)(num_kv_heads * HEAD_DIM * sizeof(cache_t));
-    const long long lane_off = (long long)kvh * HEAD_DIM + lane_vec_offset(0, li);
-    const char* k_lane = reinterpret_cast<const char*>(k_cache + lane_off);
-    const char* v_lane = reinterpret_cast<const char*>(v_cache + lane_off);
-    const int c0 = t_begin + warp * DEC_CHUNK;
-    if ((1 << block_size_log2) >= DEC_CHUNK)
-        decode_tokens<true>(st, qf, k_lane, v_lane, bt, c0, t_end, sub, block_size_log2, row_bytes, score_mul);
-    else
-        decode_tokens<false>(st, qf, k_lane, v_lane, bt, c0, t_end, sub, block_size_log2, row_bytes, score_mul);
-    decode_merge_lanes(st);
-    decode_write(st, out, q_row * out_stride, part_o, part_ml, b, kvh, num_heads, num_splits, kv_mul.y);
 }
+
+// Fold the new token (its K / V as stored, in kv_s) into warp 0's states, as decode_fold folds a
+// step whose only valid token sits in slot 0 (lanes of the other slots add nothing).
+__device__ __forceinline__ void decode_fold_new(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
+                                                const cache_t (&kv_s)[2][HEAD_DIM], float score_mul) {
+    const int lane = threadIdx.x & 31, sub = lane / DEC_LPT, li = lane % DEC_LPT;
+    float p[GQA];
+    {
+        float kf[DEC_NV][KV_VEC];
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) kv_to_floats(*reinterpret_cast<const KVVec*>(&kv_s[0][lane_vec_offset(j, li)]), kf[j]);
+#pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
+            }
+#pragma unroll
+            for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+            const float s = sub == 0 ? dot * score_mul : -MINILLM_INF;
+            const float mx = fmaxf(st.m[g], s);
+            const float ref = mx == -MINILLM_INF ? 0.0f : mx;
+            const float alpha = fast_exp2(st.m[g] - ref);
+            p[g] = fast_exp2(s - ref);
+            st.l[g] = st.l[g] * alpha + p[g];
+#pragma unroll
+            for (int e = 0; e < DEC_ELEMS; ++e) st.acc[g][e] *= alpha;
+            st.m[g] = mx;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < DEC_NV; ++j) {
+        float vf[KV_VEC];
+        kv_to_floats(*reinterpret_cast<const KVVec*>(&kv_s[1][lane_vec_offset(j, li)]), vf);
+#pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+#pragma unroll
+            for (int e = 0; e < KV_VEC; ++e) st.acc[g][j * KV_VEC + e] += p[g] * vf[e];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(DEC_THREADS, DEC_MIN_BLOCKS)
+paged_decode_append(scalar_t* out, long long out_stride, float* part_o, float* part_ml,
+                    const scalar_t* q, long long q_stride, const scalar_t* k, long long k_stride,
+                    const scalar_t* v, long long v_stride, const scalar_t* q_norm, const scalar_t* k_norm,
+                    float eps, const int* positions, const float* cos_sin, const int* slot_mapping,
+                    long long num_slots, cache_t* k_cache, cache_t* v_cache, const int* block_tables,
+                    long long bt_stride, const int* seq_lens, const int* query_start_loc, int num_kv_heads,
+                    int block_size_log2, float scale_log2, int num_splits, int min_partition,
+                    const float* kv_scales) {
+    __shared__ __align__(16) scalar_t q_s[GQA][HEAD_DIM];
+    __shared__ __align__(16) cache_t kv_s[2][HEAD_DIM];
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    const int seq_len = seq_lens[b];
+    if (seq_len <= 0) return;          // a padding row: nothing read or written
+    const int li = (threadIdx.x & 31) % DEC_LPT;
+    const long long t = query_start_loc[b];
+    int t_begin, t_end;
+    decode_partition(seq_len, num_splits, min_partition, &t_begin, &t_end);
+    const bool owner = t_begin < seq_len && seq_len - 1 < t_end;     // this split holds the new token
+    const long long slot = slot_mapping[t];
+    const KVFactors kv_mul = kv_factors(kv_scales);                  // the FP8 scales: append and read
+    decode_append_rows(q_s, kv_s, k_cache + (long long)kvh * HEAD_DIM, v_cache + (long long)kvh * HEAD_DIM,
+                       q + t * q_stride + (long long)kvh * GQA * HEAD_DIM, k + t * k_stride + (long long)kvh * HEAD_DIM,
+                       v + t * v_stride + (long long)kvh * HEAD_DIM, q_norm, k_norm, eps,
+                       cos_sin + (long long)positions[t] * HEAD_DIM, slot, owner && slot >= 0 && slot < num_slots,
+                       owner, (long long)num_kv_heads * HEAD_DIM, kv_mul);
+    __syncthreads();
+    const float score_mul = scale_log2 * kv_mul.x;
+    DecodeState st;
+    decode_state_init(st);
+    float qf[GQA][DEC_ELEMS];
+    decode_load_q(qf, &q_s[0][0], li);
+    // The new token first (nothing of it stays live through the cached keys' loop).
+    if (owner && threadIdx.x < 32) decode_fold_new(st, qf, kv_s, score_mul);
+    decode_cached(st, qf, k_cache, v_cache, block_tables + (long long)b * bt_stride, kvh, num_kv_heads, t_begin,
+                  owner ? seq_len - 1 : t_end, block_size_log2, score_mul);
+    decode_merge_lanes(st);
+    decode_write(st, out, t * out_stride, part_o, part_ml, b, kvh, num_kv_heads * GQA, num_splits, kv_mul.y);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(128)
 paged_decode_reduce(scalar_t* out, long long out_stride, const float* part_o,

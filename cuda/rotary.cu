@@ -18,8 +18,9 @@
 // slot_mapping and kv_scales as in kv_append.cu.
 // Launch: grid = T, blockDim = 128. A group of FG_LANES = HEAD_DIM / VEC_ELEMS lanes (a power of
 // two <= 32) owns one head row, lane j its 16-byte vector j; the block's groups walk the tasks
-// [q heads | k heads | v heads]. The RMS is a shuffle sum within the group (the order of rms_norm's
-// one-warp block_sum), rotary partners x[i], x[i + HEAD_DIM/2] sit in lanes j and j ^ FG_LANES/2.
+// [q heads | k heads | v heads] with common.cuh's head_norm / head_rotate (the RMS a shuffle sum
+// within the group in the order of rms_norm's one-warp block_sum; rotary partners in lanes j and
+// j ^ FG_LANES/2).
 #include "common.cuh"
 
 #ifndef HEAD_DIM
@@ -104,46 +105,6 @@ ROTARY_KERNEL(rotary_scalar, 1)
 #define FG_LANES (HEAD_DIM / VEC_ELEMS)
 #if HEAD_DIM % (2 * VEC_ELEMS) == 0 && FG_LANES <= 32 && (FG_LANES & (FG_LANES - 1)) == 0
 
-// Sum over the FG_LANES lanes of a group, in the butterfly order of warp_sum (lanes past a
-// one-warp block's row add zeros there, which changes no bit).
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = FG_LANES / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
-    return v;
-}
-
-// One head row in a[] (this lane's VEC_ELEMS elements, vector j of the row): RMSNorm as
-// rms_norm_vec computes it, each value rounded to scalar_t as its output is.
-__device__ __forceinline__ void norm_row(float (&a)[VEC_ELEMS], const scalar_t* weight, int j, float eps) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int e = 0; e < VEC_ELEMS; ++e) ss += a[e] * a[e];
-    float total = group_sum(ss);
-    float inv = 1.0f / sqrtf(__fadd_rn(total / (float)HEAD_DIM, eps));
-    float w[VEC_ELEMS];
-    vec_to_floats(*reinterpret_cast<const Vec16*>(weight + j * VEC_ELEMS), w);
-#pragma unroll
-    for (int e = 0; e < VEC_ELEMS; ++e) a[e] = round_to_scalar(__fmul_rn(w[e], round_to_scalar(__fmul_rn(a[e], inv))));
-}
-
-// Rotate this lane's elements against its partner's (rotary_vec's arithmetic), rounded to scalar_t.
-__device__ __forceinline__ void rotate_row(float (&a)[VEC_ELEMS], const float* cs, int j) {
-    constexpr int half = HEAD_DIM / 2;
-    const bool first = j < FG_LANES / 2;
-    const int c = (first ? j : j - FG_LANES / 2) * VEC_ELEMS;      // column in the first half
-    float other[VEC_ELEMS];
-#pragma unroll
-    for (int e = 0; e < VEC_ELEMS; ++e) other[e] = __shfl_xor_sync(FULL_MASK, a[e], FG_LANES / 2);
-#pragma unroll
-    for (int e = 0; e < VEC_ELEMS; ++e) {
-        float cosv = cs[c + e], sinv = cs[half + c + e];
-        float x1 = first ? a[e] : other[e], x2 = first ? other[e] : a[e];
-        float y = first ? __fsub_rn(__fmul_rn(x1, cosv), __fmul_rn(x2, sinv))
-                        : __fadd_rn(__fmul_rn(x2, cosv), __fmul_rn(x1, sinv));
-        a[e] = round_to_scalar(y);
-    }
-}
-
 template <bool QK_NORM>
 __device__ __forceinline__ void fused_token(scalar_t* q_out, cache_t* k_cache, cache_t* v_cache,
                                             const scalar_t* q, const scalar_t* k, const scalar_t* v,
@@ -175,11 +136,11 @@ __device__ __forceinline__ void fused_token(scalar_t* q_out, cache_t* k_cache, c
         const scalar_t* src = is_q ? q + t * q_stride : (is_v ? v + t * v_stride : k + t * k_stride);
         float a[VEC_ELEMS];
         vec_to_floats(*reinterpret_cast<const Vec16*>(src + (long long)head * HEAD_DIM + j * VEC_ELEMS), a);
-        if (QK_NORM) norm_row(a, is_q ? q_norm : k_norm, j, eps);   // v rows compute it too, unused
+        if (QK_NORM) head_norm<HEAD_DIM>(a, is_q ? q_norm : k_norm, j, eps);   // v rows compute it too, unused
         float r[VEC_ELEMS];
 #pragma unroll
         for (int e = 0; e < VEC_ELEMS; ++e) r[e] = a[e];
-        rotate_row(r, cs, j);
+        head_rotate<HEAD_DIM>(r, cs, j);
         if (!active) continue;
         const int col = head * HEAD_DIM + j * VEC_ELEMS;
         if (is_q) {

@@ -38,3 +38,17 @@ def mixed_step_inputs(rng, block_size: int, lens: list[int], ctx: list[int], num
         return ids, np.concatenate(pos).astype(np.int32), meta
 
     return step([0] * len(ctx), ctx), step(ctx, lens, num_decode_seqs), nxt
+
+
+def scattered_block_tables(rng, ctx_lens, block_size: int, spare_blocks: int, spare_columns: int = 0):
+    """(block tables [B, max blocks + spare_columns] int32, number of blocks): each sequence's
+    ceil(ctx / block_size) blocks drawn at random from a pool with spare_blocks more than needed."""
+    per_seq = [-(-c // block_size) for c in ctx_lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    perm = rng.permutation(num_blocks)
+    tables = np.zeros((len(ctx_lens), max(per_seq) + spare_columns), np.int32)
+    used = 0
+    for b, n in enumerate(per_seq):
+        tables[b, :n] = perm[used:used + n]
+        used += n
+    return tables, num_blocks

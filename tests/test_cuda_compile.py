@@ -220,10 +220,11 @@ def function_report(report: str, name: str) -> str:
 
 @needs_nvcc
 @pytest.mark.parametrize("dtype,fp8,head_dim,group", DECODE_BUILDS)
-def test_decode_attention_fits_128_registers_without_spills(dtype, fp8, head_dim, group, nvcc_results):
+@pytest.mark.parametrize("kernel", ["paged_decode", "paged_decode_append"])
+def test_decode_attention_fits_128_registers_without_spills(dtype, fp8, head_dim, group, kernel, nvcc_results):
     result = nvcc_results[f"decode-{dtype}-{fp8}-{head_dim}-{group}"]
     assert result.returncode == 0, result.stderr
-    report = function_report(result.stdout + result.stderr, "paged_decode")
+    report = function_report(result.stdout + result.stderr, kernel)
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     registers = int(report.split("Used ", 1)[1].split(" registers", 1)[0])
     assert registers <= 128, report

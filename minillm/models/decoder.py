@@ -97,12 +97,13 @@ class DecoderModel:
         eps = c.rms_norm_eps
         num_tokens = input_ids.shape[0]
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        h = ops.embedding(input_ids, self.embed) if self.comm is None else self._parallel_embedding(input_ids)
-        residual = None
+        if self.comm is None:                                        # the lookup and layer 0's norm: one launch
+            x, residual = ops.embedding_rms_norm(input_ids, self.embed, self.layers[0].input_norm, eps)
+        else:
+            residual = self._parallel_embedding(input_ids)
+            x = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for i, lw in enumerate(self.layers):
-            if residual is None:
-                x, residual = ops.rms_norm(h, lw.input_norm, eps), h
-            else:
+            if i:
                 x, residual = ops.add_rms_norm(h, residual, lw.input_norm, eps)
             qkv = ops.linear(x, lw.qkv, lw.qkv_bias)                  # [T, (Hq + 2 Hk) Dh]
             q = qkv[:, :q_size].reshape(num_tokens, c.num_heads, c.head_dim)
@@ -110,16 +111,18 @@ class DecoderModel:
             v = qkv[:, q_size + kv_size:].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             k_cache, v_cache = kv_pool[i, 0], kv_pool[i, 1]          # [num_blocks, bs, Hk, Dh]
             scales = self.kv_scales[i]                               # [2]: k_scale, v_scale
-            if calculate_kv_scales:
-                q = self._calibrate_and_append(q, k, v, lw, positions, k_cache, v_cache, meta, scales)
-            else:                                                    # q/k norm per head, rotary, append
-                into = {} if split is None else {"out": split.q}       # the CPU ops take no out=
-                q = ops.qk_norm_rotary_kv_append(q, k, v, lw.q_norm, lw.k_norm, eps, positions, self.cos_sin,
-                                                 k_cache, v_cache, meta.slot_mapping, scales, **into)
-            if split is None:
-                o = self.attention(i, q, meta, kv_pool)              # [T, Hq, Dh]
+            if split is None and meta.is_decode_only and not calculate_kv_scales:
+                # q/k norm per head, rotary, append and attention: one launch on the GPU
+                o = ops.decode_attention_append(q, k, v, lw.q_norm, lw.k_norm, eps, positions, self.cos_sin,
+                                                k_cache, v_cache, meta.slot_mapping, meta, self.scale, scales)
             else:
-                o = split.attention(i)
+                if calculate_kv_scales:
+                    q = self._calibrate_and_append(q, k, v, lw, positions, k_cache, v_cache, meta, scales)
+                else:                                                # q/k norm per head, rotary, append
+                    into = {} if split is None else {"out": split.q}   # the CPU ops take no out=
+                    q = ops.qk_norm_rotary_kv_append(q, k, v, lw.q_norm, lw.k_norm, eps, positions, self.cos_sin,
+                                                     k_cache, v_cache, meta.slot_mapping, scales, **into)
+                o = self.attention(i, q, meta, kv_pool) if split is None else split.attention(i)   # [T, Hq, Dh]
             h = ops.linear(o.reshape(num_tokens, q_size), lw.o)       # [T, D]
             if self.comm is not None:                                # each rank summed over its heads only
                 h = self.comm.all_reduce(h)

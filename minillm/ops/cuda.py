@@ -359,15 +359,20 @@ def linear(x, w, bias=None, out=None, out_dtype=None, candidate=None):
     return out
 
 
-def embedding(ids, table, out=None):
-    """ids: [T] int32, table: [V, D] -> [T, D] (ids outside [0, V) give zero rows)."""
+def _embedding_args(ids, table):
+    """The checked ids [T] (int32, on the device) and table [V, D] of a lookup, with T, V and D."""
     _check_device(table, "table")
     _check_float(table, "table")
     _check_contiguous(table, "table")
     ids = _as_device(ids, np.int32, "ids")
     if ids.ndim != 1 or table.ndim != 2:
         raise ValueError(f"embedding needs ids [T] and table [V, D], got {tuple(ids.shape)} and {tuple(table.shape)}")
-    num_tokens, (vocab, dim) = ids.shape[0], table.shape
+    return ids, ids.shape[0], *table.shape
+
+
+def embedding(ids, table, out=None):
+    """ids: [T] int32, table: [V, D] -> [T, D] (ids outside [0, V) give zero rows)."""
+    ids, num_tokens, vocab, dim = _embedding_args(ids, table)
     out = _out(out, (num_tokens, dim), table.dtype)
     if num_tokens == 0:
         return out
@@ -375,6 +380,29 @@ def embedding(ids, table, out=None):
     fn = _kernel("embedding.cu", table.dtype, "embedding_vec" if vec else "embedding_scalar")
     fn((num_tokens,), (128,), (_ptr(out), _ptr(ids), _ptr(table), _i32(vocab), _i32(dim)))
     return out
+
+
+# The embedding lookup and the first layer's norm in one launch.
+FUSE_EMBEDDING_NORM = True
+
+
+def embedding_rms_norm(ids, table, weight, eps: float, out=None):
+    """embedding then rms_norm in one launch: ids [T] int32, table [V, D] -> (rms_norm(h), h), both
+    [T, D] with h = table[ids] (zero rows for ids outside [0, V)); the same bits as the two calls.
+    out=(normed, h) may name preallocated packed buffers."""
+    ids, num_tokens, vocab, dim = _embedding_args(ids, table)
+    normed_out, h_out = out if out is not None else (None, None)
+    if not FUSE_EMBEDDING_NORM:
+        h = embedding(ids, table, out=h_out)
+        return rms_norm(h, weight, eps, out=normed_out), h
+    normed = _out(normed_out, (num_tokens, dim), table.dtype, "out[0]")
+    h = _out(h_out, (num_tokens, dim), table.dtype, "out[1]")
+    if num_tokens == 0:
+        return normed, h
+    fn, threads = _norm_kernel("embedding_rms_norm", table, weight, [(table, dim), (normed, dim), (h, dim)])
+    fn((num_tokens,), (threads,), (_ptr(normed), _ptr(h), _ptr(ids), _ptr(table), _i32(vocab), _ptr(weight),
+                                   _i32(dim), np.float32(eps)))
+    return normed, h
 
 
 def _norm_rows(x, what: str):
@@ -734,7 +762,7 @@ class KernelLaunch:
 
 
 def _decode(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_seq_len: int,
-            num_splits: int | None, fp8: dict) -> list[KernelLaunch]:
+            num_splits: int | None, fp8: dict, append: list | None = None) -> list[KernelLaunch]:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     batch = seq_lens.shape[0]
@@ -743,11 +771,13 @@ def _decode(out, q, k_cache, qsl, seq_lens, tables, scale: float, max_seq_len: i
     cp = _require_cupy()
     part_o = cp.empty((batch, num_heads, splits, head_dim), np.float32) if splits > 1 else out
     part_ml = cp.empty((batch, num_heads, splits, 2), np.float32) if splits > 1 else out
-    fn = _kernel("paged_attention.cu", q.dtype, "paged_decode", **defines)
+    # paged_decode_append (decode_attention_append) takes the raw k, v, the norms, rotary table and
+    # slots between q and the caches.
+    fn = _kernel("paged_attention.cu", q.dtype, "paged_decode" if append is None else "paged_decode_append", **defines)
     launches = [KernelLaunch(
         fn, (splits, num_kv_heads, batch), (128,),
         [_ptr(out), _i64(out.strides[0] // out.dtype.itemsize), _ptr(part_o), _ptr(part_ml), _ptr(q),
-         _i64(_row_stride(q, "q")), K_CACHE, V_CACHE, _ptr(tables),
+         _i64(_row_stride(q, "q")), *(append or ()), K_CACHE, V_CACHE, _ptr(tables),
          _i64(tables.strides[0] // 4), _ptr(seq_lens), _ptr(qsl), _i32(num_kv_heads),
          _i32(_log2_exact(block_size, "block_size")), np.float32(scale * LOG2E), _i32(splits),
          _i32(DECODE_MIN_PARTITION if splits > 1 else 0), KV_SCALES], keep=(part_o, part_ml))]
@@ -810,8 +840,9 @@ class AttentionPlan:
 
 
 def attention_plan(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales=None, out=None,
-                   num_splits: int | None = None) -> AttentionPlan:
-    """paged_attention's checks and launches for q, meta and caches shaped like k_cache / v_cache."""
+                   num_splits: int | None = None, append: list | None = None) -> AttentionPlan:
+    """paged_attention's checks and launches for q, meta and caches shaped like k_cache / v_cache
+    (append: decode_attention_append's extra kernel arguments, decode-only steps)."""
     _check_device(q, "q")
     _check_float(q, "q")
     fp8, _ = _check_caches(k_cache, v_cache, q.dtype, kv_scales)
@@ -841,7 +872,8 @@ def attention_plan(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, k
         if num_tokens != seq_lens.shape[0]:
             raise ValueError(f"decode-only batch needs one query token per sequence, got {num_tokens} "
                              f"tokens for {seq_lens.shape[0]} sequences")
-        launches += _decode(out, q, k_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits, fp8)
+        launches += _decode(out, q, k_cache, qsl, seq_lens, tables, scale, int(meta.max_seq_len), num_splits, fp8,
+                            append)
     else:                                             # one-token sequences first, then the chunks
         nd = int(meta.num_decode_seqs)
         if nd:
@@ -896,6 +928,42 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     forces the count; 1: none).
     """
     plan = attention_plan(q, k_cache, v_cache, meta, scale, kv_scales, out, num_splits)
+    return plan.run(k_cache, v_cache, kv_scales)
+
+
+# Decode-only steps: q/k norm, rotary and the KV append inside the decode attention kernel.
+FUSE_DECODE_APPEND = True
+
+
+def decode_attention_append(q, k, v, q_norm, k_norm, eps: float, positions, cos_sin, k_cache, v_cache,
+                            slot_mapping, meta: AttentionMetadata, scale: float, kv_scales=None, out=None):
+    """qk_norm_rotary_kv_append, then paged_attention of the rotated q: a layer's attention in a
+    decode-only step (meta.is_decode_only), from the raw q [B, Hq, Dh], k, v [B, Hk, Dh]; returns
+    [B, Hq, Dh] and leaves the token's K / V in the caches (see numpy.py).
+
+    One launch (paged_decode_append, plus the reduce when the keys are split) where the shapes
+    allow it (those of the fused append kernel); else the two calls. Same cache bits and, up to the
+    softmax's summation order, the same output."""
+    if not (FUSE_DECODE_APPEND and meta.is_decode_only and _can_fuse(q, k, v, q_norm, k_norm, cos_sin)):
+        q = qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
+                                     slot_mapping, kv_scales)
+        return paged_attention(q, k_cache, v_cache, meta, scale, kv_scales, out)
+    num_tokens = q.shape[0]
+    positions = _as_device(positions, np.int32, "positions")
+    slot_mapping = _as_device(slot_mapping, np.int32, "slot_mapping")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got {tuple(positions.shape)} "
+                         f"and {tuple(slot_mapping.shape)}")
+    if k_cache.shape[2:] != (k.shape[1], q.shape[2]):
+        raise ValueError(f"caches must be [num_blocks, block_size, {k.shape[1]}, {q.shape[2]}], got "
+                         f"{tuple(k_cache.shape)}")
+    no_norm = np.uint64(0)
+    append = [_ptr(k), _i64(_row_stride(k, "k")), _ptr(v), _i64(_row_stride(v, "v")),
+              _ptr(q_norm) if q_norm is not None else no_norm, _ptr(k_norm) if q_norm is not None else no_norm,
+              np.float32(eps), _ptr(positions), _ptr(cos_sin), _ptr(slot_mapping),
+              _i64(k_cache.shape[0] * k_cache.shape[1])]
+    plan = attention_plan(q, k_cache, v_cache, meta, scale, kv_scales, out, append=append)
+    plan._keep += (k, v, q_norm, k_norm, positions, cos_sin, slot_mapping)
     return plan.run(k_cache, v_cache, kv_scales)
 
 

@@ -67,6 +67,12 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (weight.astype(np.float32) * (x32 * inv).astype(x.dtype)).astype(x.dtype)
 
 
+def embedding_rms_norm(ids: np.ndarray, table: np.ndarray, weight: np.ndarray, eps: float):
+    """embedding then rms_norm: returns (rms_norm(h), h) with h = table[ids] [T, D] (one launch on the GPU)."""
+    h = embedding(ids, table)
+    return rms_norm(h, weight, eps), h
+
+
 def add_rms_norm(x: np.ndarray, residual: np.ndarray, weight: np.ndarray, eps: float):
     """Fused residual add then RMSNorm: s = x + residual; returns (rms_norm(s), s), both [T, D]."""
     s = (x.astype(np.float32) + residual.astype(np.float32)).astype(x.dtype)
@@ -142,6 +148,19 @@ def qk_norm_rotary_kv_append(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm
     q, k = rotary(q, k, positions, cos_sin)
     kv_append(k, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q
+
+
+def decode_attention_append(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_norm, k_norm, eps: float,
+                            positions: np.ndarray, cos_sin: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                            slot_mapping: np.ndarray, meta: AttentionMetadata, scale: float,
+                            kv_scales: np.ndarray | None = None) -> np.ndarray:
+    """A layer's attention in a decode-only step from the raw q [B, Hq, Dh], k, v [B, Hk, Dh]:
+    qk_norm_rotary_kv_append, then paged_attention of the rotated q -> [B, Hq, Dh].
+
+    The composition the CUDA backend runs as one launch (paged_decode_append)."""
+    q = qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
+                                 slot_mapping, kv_scales)
+    return paged_attention(q, k_cache, v_cache, meta, scale, kv_scales)
 
 
 def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
