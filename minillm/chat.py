@@ -390,6 +390,13 @@ def reply_mark(stats: ReplyStats | None, settings: ChatSettings, interrupted: bo
     return f" [max_tokens {settings.max_tokens} reached: /set max_tokens N for longer replies]"
 
 
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):      # closed or detached
+        return False
+
+
 class ChatSession:
     """The read-eval-print loop over a backend."""
 
@@ -402,6 +409,7 @@ class ChatSession:
         self.is_running = True
         self.type_ahead = TypeAhead()
         self.is_terminal = False     # run() reads the terminal itself: keys typed during replies are kept
+        self.num_failed_replies = 0  # messages answered with an error (a script's chat then exits 1)
 
     def say(self, text: str) -> None:
         """Print a line to the user."""
@@ -450,7 +458,9 @@ class ChatSession:
                 self.say("" if line else f"\n({QUIT_HINT})")
                 continue
             self.handle(text)
-        return 0
+        # Piped input is a script: a reply that failed makes its exit status 1 (as `ollama run`).
+        scripted = not (self.is_terminal and _stdin_is_terminal())
+        return 1 if scripted and self.num_failed_replies else 0
 
     def handle(self, text: str) -> None:
         """Run a /command or send a message."""
@@ -528,6 +538,7 @@ class ChatSession:
             self.print_notices()
             self.conversation.turns.pop()
             self.say(f"error: {exc}")
+            self.num_failed_replies += 1
             return
         self.say(reply_mark(self.backend.last_stats, self.settings, flag.is_set))
         self.conversation.turns.append({"role": "assistant", "content": reply})

@@ -21,26 +21,34 @@ class HttpChatBackend:
         self.client = httpx.Client(base_url=self.base_url, headers=headers,
                                    timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.context_len: int | None = None   # the model's max_model_len, as /v1/models lists it
-        self.model = model or self._first_model()
+        self.model = self._served_model(model)
         self.name = f"{self.model} at {self.base_url}"
         self.chat_template = chat_template   # sent with each request (vLLM's chat_template field)
         self.has_chat_template = True        # until the server says otherwise
         self.last_stats: ReplyStats | None = None
         self.notices: list[str] = []
 
-    def _first_model(self) -> str:
-        """The id of the first model the server lists."""
+    def _served_model(self, model: str | None) -> str:
+        """`model` (the first model the server lists when None), checked against /v1/models: a
+        server that is not there, or does not serve it, fails here rather than at the first message."""
         try:
             response = self.client.get("/v1/models")
         except httpx.HTTPError as exc:
             raise RuntimeError(f"cannot reach a minillm server at {self.base_url}: {exc}") from None
         _raise_for_status(response)
-        models = response.json().get("data") or []
+        try:
+            models = [m for m in response.json().get("data") or [] if isinstance(m, dict)]
+        except (ValueError, AttributeError):
+            raise RuntimeError(f"{self.base_url}/v1/models did not answer with a model list") from None
         if not models:
             raise RuntimeError(f"the server at {self.base_url} lists no models")
-        if isinstance(models[0].get("max_model_len"), int):
-            self.context_len = models[0]["max_model_len"]
-        return models[0]["id"]
+        chosen = models[0] if model is None else next((m for m in models if m.get("id") == model), None)
+        if chosen is None:
+            served = ", ".join(str(m.get("id")) for m in models)
+            raise RuntimeError(f"the server at {self.base_url} does not serve {model!r} (it serves: {served})")
+        if isinstance(chosen.get("max_model_len"), int):
+            self.context_len = chosen["max_model_len"]
+        return str(chosen["id"])
 
     def _body(self, conversation: Conversation, settings: ChatSettings, max_tokens: int | None) -> dict:
         """The request body for the current endpoint (max_tokens None: the rest of the context)."""

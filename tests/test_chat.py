@@ -445,10 +445,17 @@ def test_chat_over_http_streams_from_a_running_server(served_stories):
     assert stats.ttft_s is not None and stats.ttft_s > 0
     assert "measured by the client" in text
 
+    # A model the server does not serve fails at start (as a server that is not there does), naming
+    # what it serves; the served name itself is taken.
+    served = backend.model
+    with pytest.raises(RuntimeError, match=re.escape(f"does not serve 'nope' (it serves: {served})")):
+        HttpChatBackend(served_stories, model="nope")
+    assert HttpChatBackend(served_stories, model=served).model == served
 
-def run_scripted(session, lines: list[str]) -> list[list[str]]:
-    """Run a chat session over these input lines (then end of input); returns the conversation's
-    turn texts after each message sent."""
+
+def run_scripted(session, lines: list[str], status: int = 0) -> list[list[str]]:
+    """Run a chat session over these input lines (then end of input), which must end with exit
+    status `status` (1: a reply failed); returns the conversation's turn texts after each message sent."""
     pending, history = iter(lines), []
     session_send = session.send
 
@@ -463,7 +470,7 @@ def run_scripted(session, lines: list[str]) -> list[list[str]]:
         history.append([t["content"] for t in session.conversation.turns])
 
     session.send = send
-    assert session.run(read_line) == 0
+    assert session.run(read_line) == status
     return history
 
 
@@ -478,7 +485,8 @@ def test_a_message_too_long_even_alone_leaves_the_history_as_it_was():
     engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64))
     out = io.StringIO()
     session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=8), out=out)
-    history = run_scripted(session, ["Tom had a red ball.", "a " * 200, "/set max_tokens 50", "He threw it."])
+    history = run_scripted(session, ["Tom had a red ball.", "a " * 200, "/set max_tokens 50", "He threw it."],
+                           status=1)
     text = out.getvalue()
     assert "error: message too long" in text and "dropped" in text.split("error: message too long")[1]
     first_exchange = history[0]
@@ -545,7 +553,7 @@ def test_chat_over_http_fits_the_servers_context_as_the_local_chat_does():
         assert backend.context_len == 64
         out = io.StringIO()
         history = run_scripted(ChatSession(backend, out=out), ["/set temperature 0", "Tom had a red ball.", "a " * 100,
-                                                               "/set max_tokens 40", "He threw it."])
+                                                               "/set max_tokens 40", "He threw it."], status=1)
     text = out.getvalue()
     too_long, third = history[1], history[2]
     assert "[the 64-token context is full: /reset starts over]" in text
@@ -553,3 +561,28 @@ def test_chat_over_http_fits_the_servers_context_as_the_local_chat_does():
     assert len(history[0]) == 2 and too_long == history[0]          # the first exchange kept through it
     assert "(dropped the 1 oldest exchange(s) to fit the 64-token context)" in text
     assert third[0] == "He threw it." and len(third) == 2
+
+
+class _FailingBackend:
+    """Replies with an error every other message (as a server that went away between them)."""
+    name, has_chat_template, last_stats = "failing", True, None
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def stream_reply(self, conversation, settings, should_stop):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            raise RuntimeError("request to http://127.0.0.1:1 failed: [Errno 111] Connection refused")
+        yield "fine."
+
+
+def test_a_scripted_chat_whose_reply_failed_exits_1_and_one_without_failures_exits_0():
+    """Piped input is a script: an error reply makes its exit status 1 (the session goes on)."""
+    from minillm.chat import ChatSession
+
+    out = io.StringIO()
+    history = run_scripted(ChatSession(_FailingBackend(), out=out), ["one", "two", "three"], status=1)
+    assert "error: request to http://127.0.0.1:1 failed" in out.getvalue()
+    assert history[-1] == ["one", "fine.", "three", "fine."]        # the failed message is not kept
+    run_scripted(ChatSession(_FailingBackend(), out=io.StringIO()), ["one", "/help"], status=0)

@@ -209,11 +209,13 @@ def test_chunked_body_over_limit_is_413(http, healthy_stream):
                          ids=["missing", "wrong", "not-bearer"])
 def test_api_key_is_required(http, healthy_stream, headers):
     for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-                         ("GET", "/v1/stats"), ("GET", "/v1/stats/stream"), ("GET", "/metrics")):
+                         ("GET", "/v1/stats"), ("GET", "/v1/stats/stream"), ("GET", "/v1/nothing-here")):
         response = http.request(method, path, headers=headers, json=_completion())
         error = _check_error_shape(response, 401, None)
         assert error["code"] == "invalid_api_key"
+    # As vLLM: the key guards /v1; a health probe and a Prometheus scrape need none.
     assert http.get("/health").status_code == 200
+    assert http.get("/metrics").status_code == 200
     assert http.get("/v1/models", headers=AUTH).status_code == 200
 
 

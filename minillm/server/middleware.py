@@ -8,7 +8,8 @@ import anyio
 
 from minillm.server.errors import error_body
 
-OPEN_PATHS = ("/health",)
+# As vLLM: the key guards the API (/v1/...); /health and /metrics stay open to probes and scrapers.
+PROTECTED_PREFIX = "/v1"
 
 
 async def _send_error(send, status: int, message: str, code: str | None = None,
@@ -20,20 +21,24 @@ async def _send_error(send, status: int, message: str, code: str | None = None,
 
 
 class APIKeyMiddleware:
-    """401 for every path but /health unless the request carries `Authorization: Bearer <key>`."""
+    """401 for the /v1 paths unless the request carries `Authorization: Bearer <key>`."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope.get("method") == "OPTIONS":
+        if scope["type"] != "http" or not _is_protected(scope["path"]) or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
         given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
         if not hmac.compare_digest(given, self.expected):
             return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                                      code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
+
+
+def _is_protected(path: str) -> bool:
+    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
 
 
 def bearer_token(authorization: bytes) -> bytes:
