@@ -452,10 +452,17 @@ def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
     return sock
 
 
+# How long a stopping API server may take (its graceful HTTP shutdown, then the engine client's)
+# before it is killed. It was 15 s, and a SIGTERM'd two-server run on a loaded machine once ended
+# with status 1 and no error logged: a server killed at that limit is the likely cause, so the
+# limit doubled and a kill or a failed server is now logged by name.
+API_SERVER_EXIT_WAIT_S = 30
+
+
 def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, core_hook: Any = None) -> int:
     """Start the engine core and options.api_server_count API server processes on one port; supervise
     them until a signal or a failure; the exit status (1 when any of them failed)."""
-    from minillm.engine_core.client import CoreProcess
+    from minillm.engine_core.client import CoreProcess, describe_exit
     _configure_logging()
     count = options.api_server_count
     held = port_socket(host, port)     # bound, never listening: holds the port (and picks one for port 0)
@@ -497,8 +504,9 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         for proc in servers:
-            proc.join(15)
+            proc.join(API_SERVER_EXIT_WAIT_S)
             if proc.is_alive():
+                logger.error("%s did not stop within %d s; killing it", proc.name, API_SERVER_EXIT_WAIT_S)
                 proc.kill()
                 proc.join(5)
         parent_writer.close()
@@ -506,4 +514,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         core.stop(timeout=10)
         core.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    return 1 if any(proc.exitcode != 0 for proc in servers) else 0
+    failed = [proc for proc in servers if proc.exitcode != 0]
+    if failed:
+        logger.error("exit status 1: %s", ", ".join(f"{proc.name} {describe_exit(proc.exitcode)}" for proc in failed))
+    return 1 if failed else 0
