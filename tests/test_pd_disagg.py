@@ -263,7 +263,12 @@ def test_bad_kv_transfer_params_are_400s_and_the_decode_server_keeps_serving(tri
                    "remote_lease_id must be a string")
         assert_bad(decode_with(decode, x, {**kv, "do_remote_prefill": False}), "must set do_remote_decode")
         assert_bad(decode_with(decode, x, {**kv, "remote_block_size": 32}), "blocks hold 32 tokens")
-        assert_bad(decode_with(decode, x, kv, n=2), "n = 1")
+        # n and a list of prompts are named as the fields they are (a router's client sends no kv_transfer_params)
+        response = decode_with(decode, x, kv, n=2)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "n", response.text
+        assert "takes n = 1 only" in response.json()["error"]["message"]
+        response = decode_with(decode, [x, y], kv)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "prompt", response.text
         assert_bad(decode_with(decode, x, {"do_remote_decode": True}), "needs a prefill server")
         assert_bad(decode_with(prefill, x, kv), "needs a decode server")
         assert_bad(decode_with(prefill, x, {"do_remote_decode": True}, stream=True), "stream false")

@@ -80,8 +80,14 @@ async def apply_kv_transfer(ctx, kv: dict | None, prompt_ids: list[list[int]], p
     config = ctx.engine.config.kv_transfer_config
     if config is None:
         raise _bad("this server takes no part in KV transfers (start it with --kv-role producer or consumer)")
-    if len(prompt_ids) != 1 or n != 1:
-        raise _bad("work with one prompt and n = 1 only")
+    # A prefill server hands over one sequence's KV: the request (and so a request through
+    # `minillm router`) must make exactly one.
+    if n != 1:
+        raise APIError(400, f"n: a request with {PARAM} (or through minillm router) takes n = 1 only, got {n}",
+                       param="n")
+    if len(prompt_ids) != 1:
+        raise APIError(400, f"prompt: a request with {PARAM} (or through minillm router) takes one prompt, got "
+                            f"{len(prompt_ids)}", param="prompt")
     if kv.get("do_remote_decode") is True:
         if not config.is_kv_producer:
             raise _bad(f"do_remote_decode needs a prefill server (--kv-role producer); this one is {config.kv_role}")
