@@ -176,9 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters}
     print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
           f"{counters['preemptions']} preemptions, KV cache {counters['kv_cache_dtype']})")
-    if counters["timings_s"]:
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(counters["timings_s"].items(), key=lambda kv: -kv[1]))
-        print(f"where the {seconds:.2f} s went (s; *_gpu from CUDA events, the rest host time): {parts}")
+    timings = counters["timings_s"]
+    if args.device != "cuda":      # the CPU's "device" timers measure the host's own synchronous work again
+        timings = {k: v for k, v in timings.items() if not k.endswith("_device")}
+    if timings:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(timings.items(), key=lambda kv: -kv[1]))
+        how = "*_device from CUDA events, the rest host time" if args.device == "cuda" else "host time"
+        print(f"where the {seconds:.2f} s went (s; {how}): {parts}")
     if args.device != "cuda":
         print("ceiling:  the roofline is measured on a GPU only (NumPy on the CPU has none to hold it against)")
     elif not args.no_ceiling:
