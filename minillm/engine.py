@@ -191,6 +191,9 @@ class LLMEngine:
         del weights
         num_blocks = self.runner.determine_num_blocks(requested_len)
         self.max_model_len = fit_max_model_len(config, requested_len, num_blocks)
+        if self.max_model_len < requested_len:     # the model's own length does not fit: said once, here
+            self.log(f"minillm: max_model_len {self.max_model_len}, the {num_blocks} KV blocks' capacity (the "
+                     f"model allows {requested_len}; more KV memory or num_kv_blocks raises it)")
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         step_cost = self._calibrate_step_cost() if config.has_step_budget else None
