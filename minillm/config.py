@@ -1,6 +1,7 @@
 """Frozen configuration: the model's shape (from config.json) and the engine's knobs."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -95,8 +96,8 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.seed is not None and self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
@@ -107,8 +108,8 @@ class EngineConfig:
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
@@ -154,6 +155,10 @@ class EngineConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# Bounds past which a value only allocates memory for nothing (vLLM's CUDA blocks go to 128 tokens;
+# the sampler keeps per-row buffers of max_num_seqs rows).
+MAX_BLOCK_SIZE = 1024
+MAX_NUM_SEQS = 65536
 # EngineConfig's fields by the kind of value they take (None passes where the field's default is None).
 _INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "seed")
@@ -162,9 +167,13 @@ _BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "c
 
 def check_field_types(config: EngineConfig) -> None:
     """ValueError naming the first field whose value is of the wrong kind (a string for a number, a
-    bool for a count), before any range check compares it."""
+    bool for a count), before any range check compares it. None in a field whose default is not
+    None takes the default (vLLM's engine arguments read None as "the default")."""
     if not isinstance(config.model, (str, os.PathLike)):
         raise ValueError(f"model must be a model directory or hub id, got {config.model!r}")
+    for f in dataclasses.fields(config):
+        if getattr(config, f.name) is None and f.default is not None and f.default is not dataclasses.MISSING:
+            object.__setattr__(config, f.name, f.default)
     for name in _INT_FIELDS:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):

@@ -148,6 +148,30 @@ def test_engine_arguments_of_the_wrong_kind_are_value_errors_naming_them(stories
         LLM(str(stories_path), device="cpu", **kwargs)
 
 
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"block_size": 1 << 30}, r"block_size must be a power of two in \[1, 1024\], got 1073741824"),
+    ({"block_size": 24}, "block_size must be a power of two"),
+    ({"max_num_seqs": 10 ** 9}, r"max_num_seqs must be in \[1, 65536\], got 1000000000"),
+    ({"max_num_seqs": 10 ** 20}, "max_num_seqs must be in"),
+])
+def test_engine_arguments_past_their_bounds_are_value_errors_naming_them(kwargs, needle):
+    """Refused before anything is allocated (they were a NumPy MemoryError or 'dimension exceeded')."""
+    from minillm.config import EngineConfig
+    with pytest.raises(ValueError, match=needle):
+        EngineConfig(model="any", **kwargs)
+
+
+def test_none_for_an_engine_argument_with_a_default_takes_the_default():
+    """As vLLM's engine arguments: max_num_seqs=None is the default, not a TypeError."""
+    from minillm.config import EngineConfig
+    config = EngineConfig(model="any", max_num_seqs=None, block_size=None, enable_prefix_caching=None,
+                          max_num_batched_tokens=None)
+    default = EngineConfig(model="any")
+    assert (config.max_num_seqs, config.block_size, config.enable_prefix_caching, config.max_num_batched_tokens) == \
+        (default.max_num_seqs, default.block_size, default.enable_prefix_caching, default.max_num_batched_tokens)
+    assert config.max_model_len is None and config.num_kv_blocks is None      # None is these fields' default
+
+
 def test_a_model_that_is_not_a_path_is_a_value_error():
     for model in (None, 5):
         with pytest.raises(ValueError, match="model must be a model directory or hub id"):
