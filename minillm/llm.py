@@ -10,6 +10,7 @@ import numpy as np
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
+from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS, check_unicode
@@ -90,9 +91,13 @@ class LLM:
             if bar is not None:
                 bar.close()
         outputs = [finished[rid] for rid in ids]
-        for out, text in zip(outputs, texts):
+        for out, text, p in zip(outputs, texts, params):
             if out.prompt is None and text is not None:   # ids were given with their text
                 out.prompt = text
+            if out.prompt_logprobs is not None:           # vLLM's Logprob entries, as the outputs' own
+                out.prompt_logprobs = [None if entry is None else ranked_logprobs(entry, p.prompt_logprobs,
+                                                                                  self.engine.tokenizer)
+                                       for entry in out.prompt_logprobs]
         return outputs
 
     def chat(self, messages: list[dict] | Seq[list[dict]],

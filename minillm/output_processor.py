@@ -44,7 +44,7 @@ def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> 
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
     """Feed the newest token; returns the stop string it completed, if any."""
     if state.want_logprobs and logprobs is not None:
-        state.logprobs.append(_ranked(logprobs, seq.params.logprobs, state.detokenizer.tok))
+        state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs, state.detokenizer.tok))
         state.cumulative_logprob += logprobs.get(token, 0.0)
     if seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token) and not state.include_stop:
         return None
@@ -65,7 +65,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     return None
 
 
-def _ranked(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
+def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
     """A token's {id: logprob} as vLLM's Logprobs: the top num_top ranked 1.. in order; the sampled
     token, when it falls below them, has no rank known here."""
     order = sorted(logprobs, key=logprobs.__getitem__, reverse=True)

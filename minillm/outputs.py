@@ -77,7 +77,8 @@ class RequestOutput:
     kv_transfer_stats: dict | None = None
     # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the token itself
     # and its top alternatives), None for the first; the entries computed so far while it runs.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The engine's are floats; LLM.generate returns vLLM's Logprob objects, as for the outputs.
+    prompt_logprobs: list[dict[int, float] | dict[int, Logprob] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -49,6 +49,10 @@ def test_prompt_logprobs_are_transformers_log_softmax(stories_path, reference):
         assert set(entry) == top | {ids[i]}                                     # the token and the top 3
         for token, logprob in entry.items():
             assert logprob == pytest.approx(float(want[token]), abs=1e-4)
+            # vLLM's Logprob, as the outputs' own: the top ones ranked 1.., each with its text
+            assert logprob.logprob == float(logprob) and logprob.decoded_token is not None
+        ranks = sorted(lp.rank for t, lp in entry.items() if t in top)
+        assert ranks == list(range(1, TOP + 1))
 
 
 def test_the_same_entries_however_the_prompt_is_computed(stories_path, long_prompt):
