@@ -147,6 +147,11 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--kv-cache-dtype", metavar="[auto|fp8|fp8_e4m3]",
         help="KV cache storage: auto (the model dtype) or fp8 (FP8 E4M3, twice the tokens per byte).")],
         _default("kv_cache_dtype")),
+    "generation_config": (Annotated[str, _engine_option(
+        "--generation-config", metavar="[auto|vllm]",
+        help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
+             "take the model's generation_config.json values; vllm: ignore that file.")],
+        _default("generation_config")),
     "speculative_config": (Annotated[Optional[str], _engine_option(
         "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],

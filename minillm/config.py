@@ -8,6 +8,8 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from minillm.generation_config import check_generation_config
+
 if TYPE_CHECKING:
     from minillm.kv_connector.transfer_config import KVTransferConfig
     from minillm.spec_decode.config import SpeculativeConfig
@@ -80,6 +82,9 @@ class EngineConfig:
     # calculate_kv_scales), so the same memory holds twice the tokens.
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
+    # vLLM's generation_config: "auto" takes the sampling defaults of the model's
+    # generation_config.json for what a request leaves unset; "vllm" ignores the file.
+    generation_config: str = "auto"
     extra: dict = field(default_factory=dict)
 
     @property
@@ -96,6 +101,7 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_generation_config(self.generation_config)
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.seed is not None and self.seed < 0:

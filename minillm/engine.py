@@ -15,6 +15,7 @@ from typing import Annotated, NoReturn
 import msgspec
 import numpy as np
 
+from minillm.generation_config import describe as describe_defaults, model_sampling_defaults
 from minillm.block_manager import BlockManager, are_prompt_block_keys
 from minillm.config import EngineConfig
 from minillm.device import make_device
@@ -161,6 +162,11 @@ class LLMEngine:
         self.model_path = path
         self.model_config = load_model_config(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
+        # What a request that leaves them unset samples with (LLM.generate without params, the server).
+        self.sampling_defaults = model_sampling_defaults(config, self.tokenizer)
+        if self.sampling_defaults:
+            self.log(f"minillm: sampling defaults from the model's generation_config.json: "
+                     f"{describe_defaults(self.sampling_defaults)} (generation_config 'vllm' ignores them)")
         # Text and stop strings per sequence; an engine core passes one that reports token ids only.
         self.output_processor = output_processor(self.tokenizer)
         self.backend = choose_backend(config.device)

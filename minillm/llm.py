@@ -35,6 +35,12 @@ class LLM:
         """The model's tokenizer."""
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() and chat() use without sampling_params: SamplingParams() with the
+        model's generation_config.json defaults (temperature, top_p, top_k, min_p,
+        repetition_penalty, max_new_tokens as max_tokens), as vLLM's."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -49,8 +55,8 @@ class LLM:
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
         unpacked = [_unpack_prompt(prompt) for prompt in prompts]
         texts, prompts = [text for text, _ in unpacked], [prompt for _, prompt in unpacked]
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")

@@ -10,6 +10,7 @@ from typing import Any
 
 import tokenizers
 
+from minillm.generation_config import sampling_defaults
 from minillm.model_store import read_json_object
 
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
@@ -176,6 +177,8 @@ class Tokenizer:
                  chat_template: str | dict | None = None, name: str = "") -> None:
         self.backend = backend
         self.name = name
+        # The sampling defaults the model's generation_config.json recommends (minillm/generation_config.py).
+        self.generation_defaults: dict = {}
         self.special_tokens = dict(special_tokens or {})   # e.g. {"bos_token": "<s>", ...}
         self.bos_token_id = self._id_of("bos_token")
         eos = self._id_of("eos_token")
@@ -223,8 +226,10 @@ class Tokenizer:
         if not extra_eos and "eos_token" not in special_tokens:
             extra_eos = _as_id_list(model_config.get("eos_token_id"))
         pad = generation_config.get("pad_token_id")
-        return cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
-                   load_chat_template(path, tokenizer_config), name=str(path))
+        tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
+                        load_chat_template(path, tokenizer_config), name=str(path))
+        tokenizer.generation_defaults = sampling_defaults(generation_config)
+        return tokenizer
 
     @property
     def vocab_size(self) -> int:

@@ -30,6 +30,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from minillm.generation_config import model_sampling_defaults
 from minillm.engine_core.heap import freeze_startup_heap
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
@@ -212,7 +213,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     name = options.served_model_name or async_engine.config.served_model_name or str(async_engine.config.model)
     ctx = ServingContext(async_engine, ServerMetrics(name), name, limits=options.limits,
                          chat_template=options.chat_template,
-                         trust_request_chat_template=options.trust_request_chat_template)
+                         trust_request_chat_template=options.trust_request_chat_template,
+                         sampling_defaults=model_sampling_defaults(async_engine.config, async_engine.tokenizer))
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -257,26 +257,31 @@ def check_unsupported(req: _GenerationRequest) -> None:
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
                        vocab_size: int | None = None, structured_outputs=None,
-                       prompt_logprobs: int | None = None, max_model_len: int | None = None) -> SamplingParams:
+                       prompt_logprobs: int | None = None, max_model_len: int | None = None,
+                       defaults: dict | None = None) -> SamplingParams:
     """Build validated SamplingParams; a bad value becomes a 400 naming the field.
 
     structured_outputs: the request's StructuredOutputsParams (server/structured.py), or None;
     prompt_logprobs: completions with echo and logprobs score the prompt too; max_model_len: the
-    context, which truncate_prompt_tokens may not exceed (vLLM's rule)."""
-    def pick(value, default):
-        return default if value is None else value
+    context, which truncate_prompt_tokens may not exceed (vLLM's rule); defaults: the model's
+    sampling defaults (minillm/generation_config.py) for the fields the request leaves unset."""
+    defaults = defaults or {}
+
+    def pick(value, name: str, neutral):
+        """The request's value; else the model's default for the field; else the neutral one."""
+        return value if value is not None else defaults.get(name, neutral)
 
     try:
         params = SamplingParams(
             n=req.n,
-            temperature=pick(req.temperature, 1.0),
-            top_p=pick(req.top_p, 1.0),
-            top_k=pick(req.top_k, -1),
-            min_p=pick(req.min_p, 0.0),
+            temperature=pick(req.temperature, "temperature", 1.0),
+            top_p=pick(req.top_p, "top_p", 1.0),
+            top_k=pick(req.top_k, "top_k", -1),
+            min_p=pick(req.min_p, "min_p", 0.0),
             seed=req.seed,
-            presence_penalty=pick(req.presence_penalty, 0.0),
-            frequency_penalty=pick(req.frequency_penalty, 0.0),
-            repetition_penalty=pick(req.repetition_penalty, 1.0),
+            presence_penalty=pick(req.presence_penalty, "presence_penalty", 0.0),
+            frequency_penalty=pick(req.frequency_penalty, "frequency_penalty", 0.0),
+            repetition_penalty=pick(req.repetition_penalty, "repetition_penalty", 1.0),
             max_tokens=max_tokens,
             min_tokens=req.min_tokens,
             stop=req.stop,

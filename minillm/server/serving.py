@@ -64,6 +64,8 @@ class ServingContext:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_PREPROCESS_THREADS, thread_name_prefix="minillm-preprocess"))
     kv_claims: Any = None             # a decode server's ClaimClient (server/kv_transfer.py), made on first use
+    # The model's sampling defaults for fields a request leaves unset (minillm/generation_config.py).
+    sampling_defaults: dict = field(default_factory=dict)
     background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end
 
     @property
@@ -102,8 +104,8 @@ class ServingContext:
             raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
                            f"has {num_prompt_tokens} tokens, leaving no room for a completion.",
                            param=prompt_param, code="context_length_exceeded")
-        if max_tokens is None:
-            return limit - num_prompt_tokens
+        if max_tokens is None:           # the rest of the context, or the model's max_new_tokens if smaller
+            return min(limit - num_prompt_tokens, self.sampling_defaults.get("max_tokens", limit))
         if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "

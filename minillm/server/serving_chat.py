@@ -91,7 +91,7 @@ class ChatJob:
         # Field errors first, so a bad value is named even on a model without a template.
         with naming_max_tokens_field(req):
             to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size,
-                               max_model_len=ctx.engine.max_model_len)
+                               max_model_len=ctx.engine.max_model_len, defaults=ctx.sampling_defaults)
         limit = ctx.engine.max_model_len
         if req.max_tokens is not None and req.max_completion_tokens is not None and not 1 <= req.max_tokens <= limit:
             # max_completion_tokens wins, but a bad max_tokens beside it is still a bad request.
@@ -118,7 +118,7 @@ class ChatJob:
         with naming_max_tokens_field(self.req):
             max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
-                                         self.structured)
+                                         self.structured, defaults=self.ctx.sampling_defaults)
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener."""

@@ -50,7 +50,7 @@ class CompletionJob:
             raise APIError(400, f"min_tokens must not exceed max_tokens (0), got {req.min_tokens}",
                            param="min_tokens")
         to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
-                           max_model_len=ctx.engine.max_model_len)
+                           max_model_len=ctx.engine.max_model_len, defaults=ctx.sampling_defaults)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
@@ -71,7 +71,7 @@ class CompletionJob:
         scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
         self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
                                           self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
-                                          scores_prompt)
+                                          scores_prompt, defaults=self.ctx.sampling_defaults)
                        for ids in self.prompt_ids]
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
