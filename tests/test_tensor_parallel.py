@@ -296,3 +296,18 @@ def test_cli_generate_over_four_processes_matches_the_reference_text():
     expected = Tokenizer.from_pretrained(STORIES).decode(reference["greedy_from_bos_200_ids"][1:5 + 40])
     assert result.stdout.strip() == expected.strip()
     assert time.monotonic() - t0 < 60
+
+
+@pytest.mark.skipif(not (STORIES / "reference.json").is_file(), reason=f"stories260K not found at {STORIES}")
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
+    """Workers are spawned and import the script again: building the LLM at its top level is a clear
+    error in the worker and in the script (it was Python's bootstrapping RuntimeError and an EOFError)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from minillm import LLM\nLLM({str(STORIES)!r}, device='cpu', tensor_parallel_size=2)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 1
+    assert 'build the LLM under `if __name__ == "__main__":`' in result.stderr
+    assert "tensor-parallel worker rank 1 exited during start-up" in result.stderr.splitlines()[-1]
+    assert "EOFError" not in result.stderr and "bootstrapping phase" not in result.stderr

@@ -98,6 +98,12 @@ class WorkerGroup:
     def __init__(self, shard_config, model_config, config, backend: str, dtype: str,
                  weights: dict[str, np.ndarray], timeout: float = DEFAULT_TIMEOUT_S):
         size = config.tensor_parallel_size
+        if getattr(mp.current_process(), "_inheriting", False):
+            # A spawned process imports the main script again: one that builds the engine at its top
+            # level would start workers from every worker.
+            raise TensorParallelError(
+                "tensor_parallel_size > 1 starts its workers as new processes, which import the main script "
+                "again: build the LLM under `if __name__ == \"__main__\":` in the script")
         ctx = mp.get_context("spawn")    # fork would copy the server's threads and locks mid-flight
         self.timeout = timeout
         self.peers = _Peers()
@@ -137,7 +143,14 @@ class WorkerGroup:
         out = []
         for rank, conn in enumerate(self.peers.replies, 1):
             wait_for(conn.poll, f"rank {rank}'s reply", self.peers, self.timeout)
-            status, value = conn.recv()
+            try:
+                status, value = conn.recv()
+            except (EOFError, OSError):       # it exited before answering; what it printed says why
+                proc = self.peers.procs[rank - 1]
+                proc.join(5)
+                self.peers.failure = (f"tensor-parallel worker rank {rank} exited during start-up "
+                                      f"(exit status {proc.exitcode}; its own error is printed above)")
+                raise TensorParallelError(self.peers.failure) from None
             if status == "error":
                 self.peers.failure = f"tensor-parallel worker rank {rank} failed: {value}"
                 raise TensorParallelError(self.peers.failure)
