@@ -311,3 +311,17 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
     assert 'build the LLM under `if __name__ == "__main__":`' in result.stderr
     assert "tensor-parallel worker rank 1 exited during start-up" in result.stderr.splitlines()[-1]
     assert "EOFError" not in result.stderr and "bootstrapping phase" not in result.stderr
+
+
+@pytest.mark.skipif(not (STORIES / "reference.json").is_file(), reason=f"stories260K not found at {STORIES}")
+def test_a_server_over_two_ranks_refuses_echo_with_logprobs_naming_echo():
+    """Scoring the prompt is not done over ranks: the 400 names the field the client sent."""
+    import httpx
+    from test_server_helpers import running_server
+
+    with running_server(STORIES, tensor_parallel_size=2) as (url, _):
+        body = {"model": "stories", "prompt": "Tom", "max_tokens": 3, "temperature": 0}
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 1}, timeout=60)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo", refused.text
+        for extra in ({"echo": True}, {"logprobs": 1}):
+            assert httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=60).status_code == 200

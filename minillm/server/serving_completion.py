@@ -51,6 +51,9 @@ class CompletionJob:
                            param="min_tokens")
         to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
                            max_model_len=ctx.engine.max_model_len, defaults=ctx.sampling_defaults)
+        if req.echo and req.logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
+            raise APIError(400, "echo with logprobs scores the prompt, which this server cannot do with "
+                                "tensor_parallel_size > 1; send echo or logprobs alone", param="echo")
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
