@@ -619,6 +619,9 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option(
         help="The model name clients use (default: MODEL).")] = None,
     monitor: Annotated[bool, typer.Option(help="Show the live monitor in this terminal.")] = False,
+    seed: Annotated[int, typer.Option(
+        min=0, help="Seeds the seeds of requests that bring none (vLLM's --seed): the same requests in the same "
+                    "order sample alike after a restart.")] = 0,
     chat_template: Annotated[Optional[str], _server_option(
         "--chat-template", help="Chat template for /v1/chat/completions: a file, or the template itself "
         "(default: the model's).")] = None,
@@ -688,7 +691,7 @@ def serve(
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
-    config = engine_config(path, engine_options, served_model_name=served_model_name or name,
+    config = engine_config(path, engine_options, served_model_name=served_model_name or name, seed=seed,
                            kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
     from minillm.server.app import ServerOptions, run_server
     options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
