@@ -378,6 +378,13 @@ def chat_template_from_arg(value: str) -> str:
     except OSError:   # a template too long to be a file name
         pass
     if not any(c in value for c in "{}\n"):
+        try:
+            exists = path.exists()           # a device or FIFO (/dev/null) is no template file either
+        except OSError:
+            exists = False
+        if exists:
+            raise ValueError(f"--chat-template {value!r} is not a regular file; give the template's file, "
+                             f"or the template itself")
         raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
     # Inline, escapes such as \n are read as in a Python string, as vLLM does (non-Latin-1 text survives).
     return value.encode("latin-1", "backslashreplace").decode("unicode_escape")

@@ -260,6 +260,8 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
     assert chat_template_from_arg("{{ 'a' }}\\n{{ 'é' }}") == "{{ 'a' }}\n{{ 'é' }}"   # escapes as vLLM reads them
     with pytest.raises(ValueError, match="looks like a file path"):
         chat_template_from_arg(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="'/dev/null' is not a regular file"):   # it exists: not "no such file"
+        chat_template_from_arg("/dev/null")
 
 
 def test_serve_refuses_a_chat_template_that_does_not_compile(stories_path):
