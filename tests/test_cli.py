@@ -515,3 +515,12 @@ def test_generate_json_is_strict_json_with_stop_reason():
     assert [[c["index"] for c in r["outputs"]] for r in records] == [[0, 1], [0, 1]]
     first = records[0]["outputs"][0]
     assert first["finish_reason"] == "stop" and first["stop_reason"] == 298 and first["token_ids"][-1] == 298
+
+
+def test_serve_monitor_without_a_terminal_is_refused_before_anything_starts(stories_path):
+    """Its frames would go into the log that stdout is: one line instead, exit 1."""
+    result = minillm("serve", str(stories_path), "--device", "cpu", "--monitor", "--port", "0")
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        "minillm: error: --monitor draws the dashboard in this terminal, but stdout is not a terminal (a log would "
+        "get its frames); leave it out, and run `minillm monitor URL` in a terminal"]
