@@ -10,7 +10,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Protocol, TextIO
 
-from minillm.chat_terminal import StreamingKeys, TypeAhead, interrupted_line, read_with_type_ahead
+from minillm.chat_terminal import StreamingKeys, TypeAhead, interrupted_line, is_terminal, read_with_type_ahead
 from minillm.sampling_params import SamplingParams
 
 PROMPT = ">>> "
@@ -390,13 +390,6 @@ def reply_mark(stats: ReplyStats | None, settings: ChatSettings, interrupted: bo
     return f" [max_tokens {settings.max_tokens} reached: /set max_tokens N for longer replies]"
 
 
-def _stdin_is_terminal() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (ValueError, OSError):      # closed or detached
-        return False
-
-
 class ChatSession:
     """The read-eval-print loop over a backend."""
 
@@ -459,7 +452,7 @@ class ChatSession:
                 continue
             self.handle(text)
         # Piped input is a script: a reply that failed makes its exit status 1 (as `ollama run`).
-        scripted = not (self.is_terminal and _stdin_is_terminal())
+        scripted = not (self.is_terminal and is_terminal(sys.stdin))
         return 1 if scripted and self.num_failed_replies else 0
 
     def handle(self, text: str) -> None:

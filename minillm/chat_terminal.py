@@ -17,6 +17,15 @@ from typing import Callable, TextIO
 CTRL_D, CTRL_U, ESC = "\x04", "\x15", "\x1b"
 
 
+def is_terminal(stream) -> bool:
+    """True when stream (sys.stdin, sys.stdout) is a terminal; False for a pipe, a file, or a
+    stream that is closed or missing."""
+    try:
+        return stream is not None and stream.isatty()
+    except (ValueError, OSError):
+        return False
+
+
 @dataclass
 class TypeAhead:
     """What the user typed while a reply was streaming."""

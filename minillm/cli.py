@@ -682,8 +682,9 @@ def serve(
 
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
     """
+    from minillm.chat_terminal import is_terminal
     from minillm.tokenizer import chat_template_from_arg
-    if monitor and not _is_terminal(sys.stdout):
+    if monitor and not is_terminal(sys.stdout):
         raise CliError("--monitor draws the dashboard in this terminal, but stdout is not a terminal (a log "
                        "would get its frames); leave it out, and run `minillm monitor URL` in a terminal")
     limits = server_limits(
@@ -704,13 +705,6 @@ def serve(
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
-
-
-def _is_terminal(stream) -> bool:
-    try:
-        return stream is not None and stream.isatty()
-    except (ValueError, OSError):       # closed or detached
-        return False
 
 
 def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: float | None) -> dict | None:

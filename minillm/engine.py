@@ -15,11 +15,11 @@ from typing import Annotated, NoReturn
 import msgspec
 import numpy as np
 
-from minillm.generation_config import describe as describe_defaults, model_sampling_defaults
 from minillm.block_manager import BlockManager, are_prompt_block_keys
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
+from minillm.generation_config import describe as describe_defaults, model_sampling_defaults
 from minillm.kv_connector import make_kv_connector
 from minillm.kv_connector.base import refuse_kv_transfer_params
 from minillm.loader import load_model_config, load_weights, resolve_model_path

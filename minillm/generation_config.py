@@ -8,14 +8,14 @@ file (the neutral defaults: temperature 1.0, no truncation).
 from __future__ import annotations
 
 import logging
-import math
-import numbers
+
+from minillm.sampling_params import SamplingParams
 
 logger = logging.getLogger("minillm")
 
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 
-# generation_config.json key -> SamplingParams field, with the values the field takes.
+# generation_config.json key -> SamplingParams field.
 _KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
          "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
@@ -28,34 +28,22 @@ def check_generation_config(value) -> None:
 
 
 def sampling_defaults(generation_config: dict) -> dict:
-    """The SamplingParams fields a generation_config.json sets, by their SamplingParams names;
-    a value of the wrong kind or out of range is left out (and logged)."""
+    """The SamplingParams fields a generation_config.json sets, by their SamplingParams names; a
+    value SamplingParams would refuse is left out (and logged)."""
     out = {}
     for key, name in _KEYS.items():
         value = generation_config.get(key)
         if value is None:
             continue
-        if _valid(name, value):
-            out[name] = int(value) if name in ("top_k", "max_tokens") else float(value)
-        else:
+        if name in ("top_k", "max_tokens") and isinstance(value, float) and value.is_integer():
+            value = int(value)                 # JSON writers may give 20.0 for 20
+        try:
+            SamplingParams(**{name: value}).validate()
+        except (ValueError, TypeError):
             logger.warning("generation_config.json %s=%r is not a usable %s; left out", key, value, name)
-    if out.get("top_k") == 0:        # transformers' "no top-k"
-        out["top_k"] = -1
+            continue
+        out[name] = -1 if name == "top_k" and value == 0 else value     # transformers' top_k 0: off
     return out
-
-
-def _valid(name: str, value) -> bool:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        return False
-    if name in ("top_k", "max_tokens"):
-        return float(value).is_integer() and (value >= 1 if name == "max_tokens" else value >= -1)
-    if name == "temperature":
-        return value >= 0
-    if name == "top_p":
-        return 0 < value <= 1
-    if name == "min_p":
-        return 0 <= value <= 1
-    return value > 0                 # repetition_penalty
 
 
 def describe(defaults: dict) -> str:

@@ -623,16 +623,7 @@ def qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, eps: float, positions, cos
     fp8, scales_ptr = _check_caches(k_cache, v_cache, q.dtype, kv_scales)
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (k.shape[1], head_dim):
-        raise ValueError(f"caches must both be [num_blocks, block_size, {k.shape[1]}, {head_dim}], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    _check_contiguous(k_cache, "k_cache")
-    _check_contiguous(v_cache, "v_cache")
-    positions = _as_device(positions, np.int32, "positions")
-    slot_mapping = _as_device(slot_mapping, np.int32, "slot_mapping")
-    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got {tuple(positions.shape)} "
-                         f"and {tuple(slot_mapping.shape)}")
+    positions, slot_mapping = _append_targets(q, k, k_cache, v_cache, positions, slot_mapping)
     out = _out(out, q.shape, q.dtype)
     if num_tokens == 0:
         return out
@@ -645,6 +636,23 @@ def qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, eps: float, positions, cos
                                _i64(_row_stride(k, "k")), _i64(_row_stride(v, "v")), _i64(num_heads * head_dim),
                                _i64(num_blocks * block_size)))
     return out
+
+
+def _append_targets(q, k, k_cache, v_cache, positions, slot_mapping):
+    """The checked (positions, slot_mapping) [T] int32 on the device of a fused append of k into
+    caches [num_blocks, block_size, Hk, Dh] (ValueError naming what does not fit)."""
+    num_tokens, head_dim = q.shape[0], q.shape[2]
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != (k.shape[1], head_dim):
+        raise ValueError(f"caches must both be [num_blocks, block_size, {k.shape[1]}, {head_dim}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_contiguous(k_cache, "k_cache")
+    _check_contiguous(v_cache, "v_cache")
+    positions = _as_device(positions, np.int32, "positions")
+    slot_mapping = _as_device(slot_mapping, np.int32, "slot_mapping")
+    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got {tuple(positions.shape)} "
+                         f"and {tuple(slot_mapping.shape)}")
+    return positions, slot_mapping
 
 
 def _can_fuse(q, k, v, q_norm, k_norm, cos_sin) -> bool:
@@ -948,23 +956,14 @@ def decode_attention_append(q, k, v, q_norm, k_norm, eps: float, positions, cos_
         q = qk_norm_rotary_kv_append(q, k, v, q_norm, k_norm, eps, positions, cos_sin, k_cache, v_cache,
                                      slot_mapping, kv_scales)
         return paged_attention(q, k_cache, v_cache, meta, scale, kv_scales, out)
-    num_tokens = q.shape[0]
-    positions = _as_device(positions, np.int32, "positions")
-    slot_mapping = _as_device(slot_mapping, np.int32, "slot_mapping")
-    if positions.shape != (num_tokens,) or slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"positions and slot_mapping must be [{num_tokens}], got {tuple(positions.shape)} "
-                         f"and {tuple(slot_mapping.shape)}")
-    if k_cache.shape[2:] != (k.shape[1], q.shape[2]):
-        raise ValueError(f"caches must be [num_blocks, block_size, {k.shape[1]}, {q.shape[2]}], got "
-                         f"{tuple(k_cache.shape)}")
+    positions, slot_mapping = _append_targets(q, k, k_cache, v_cache, positions, slot_mapping)
     no_norm = np.uint64(0)
     append = [_ptr(k), _i64(_row_stride(k, "k")), _ptr(v), _i64(_row_stride(v, "v")),
               _ptr(q_norm) if q_norm is not None else no_norm, _ptr(k_norm) if q_norm is not None else no_norm,
               np.float32(eps), _ptr(positions), _ptr(cos_sin), _ptr(slot_mapping),
               _i64(k_cache.shape[0] * k_cache.shape[1])]
-    plan = attention_plan(q, k_cache, v_cache, meta, scale, kv_scales, out, append=append)
-    plan._keep += (k, v, q_norm, k_norm, positions, cos_sin, slot_mapping)
-    return plan.run(k_cache, v_cache, kv_scales)
+    return attention_plan(q, k_cache, v_cache, meta, scale, kv_scales, out, append=append).run(
+        k_cache, v_cache, kv_scales)
 
 
 # ----------------------------------------------------------------------------- sampling

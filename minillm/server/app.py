@@ -30,8 +30,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from minillm.generation_config import model_sampling_defaults
 from minillm.engine_core.heap import freeze_startup_heap
+from minillm.generation_config import model_sampling_defaults
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
