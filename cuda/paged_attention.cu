@@ -79,6 +79,26 @@ __device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
     return r;
 }
 
+__device__ __forceinline__ unsigned int smem_addr(const void* p) {
+    unsigned int r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// One KV vector copied from global to shared memory without passing through registers.
+__device__ __forceinline__ void cp_async_kv(KVVec* dst, const void* src) {
+#if KV_VEC_WORDS == 4
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+#else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(KV_VEC_WORDS * 4)
+                 : "memory");
+#endif
+}
+
 // A KV vector as KV_VEC floats: the values (bf16 / fp16 / fp32), or for FP8 the E4M3 values,
 // widened a pair at a time by one hardware conversion (the caller's factors carry the scale).
 // Decode widens each vector once and uses it for every GQA query head of its KV head.
@@ -127,6 +147,56 @@ constexpr int DEC_U = KV_FP8 ? clamp_int(16 / (GQA * DEC_NV), 1, clamp_int(16 / 
                              : clamp_int(16 / (GQA * DEC_NV), 1, 8);
 constexpr int DEC_CHUNK = DEC_TPW * DEC_U;                // tokens per warp step
 constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row held by a lane
+
+// DEC_STAGES > 0 (blocks at least a chunk long): each warp copies its next DEC_STAGES - 1 chunks'
+// K/V into shared memory by cp.async while it works on the current one, so loads stay in flight
+// through the arithmetic without holding registers; each lane reads back only what it copied
+// itself (no barrier). FP8 stages by default: a chunk of it is half the bytes of a bf16 chunk, and
+// with its loads held in registers the kernel waited on memory (benchmarks/RESULTS.md). At most
+// DEC_MAX_STAGES, as many as fit the 48 KB of static shared memory, none where two do not fit.
+#ifndef DEC_MAX_STAGES
+#define DEC_MAX_STAGES (KV_FP8 ? 3 : 0)
+#endif
+constexpr int DEC_SLOTS = 2 * DEC_U * DEC_NV;              // K then V vectors a lane copies a chunk
+constexpr int DEC_STAGE_BYTES = DEC_WARPS * DEC_SLOTS * 32 * (int)sizeof(KVVec);
+constexpr int DEC_FIT_STAGES = clamp_int(49152 / DEC_STAGE_BYTES, 0, DEC_MAX_STAGES);
+constexpr int DEC_STAGES = DEC_FIT_STAGES >= 2 ? DEC_FIT_STAGES : 0;
+constexpr int DEC_STAGE_VECS = DEC_STAGES > 0 ? DEC_STAGES * DEC_WARPS * DEC_SLOTS * 32 : 1;
+
+// The new token's rows in paged_decode_append: its GQA query rows, and its K / V as stored.
+struct alignas(16) DecodeFresh {
+    scalar_t q[GQA][HEAD_DIM];
+    cache_t kv[2][HEAD_DIM];
+};
+
+// The block's shared memory for decode, used in turn: the new token's rows (staged builds), the
+// chunks in flight, then the four warps' states as decode_write combines them.
+union alignas(16) DecodeShared {
+    DecodeFresh fresh;
+    KVVec stage[DEC_STAGE_VECS];       // [DEC_STAGES, DEC_WARPS, DEC_SLOTS, 32 lanes]
+    struct {
+        float acc[DEC_WARPS][GQA][HEAD_DIM];
+        float m[DEC_WARPS][GQA];
+        float l[DEC_WARPS][GQA];
+    } red;
+};
+
+__device__ __forceinline__ DecodeShared& decode_shared() {
+    __shared__ DecodeShared sh;
+    return sh;
+}
+
+// Where paged_decode_append keeps the new token's rows: inside decode_shared() where the staged
+// chunks make that the larger buffer (a barrier then parts them from the chunks), else apart.
+template <bool SHARED = (DEC_STAGES > 0)>
+__device__ __forceinline__ DecodeFresh& decode_fresh() {
+    if constexpr (SHARED) {
+        return decode_shared().fresh;
+    } else {
+        __shared__ DecodeFresh fresh;
+        return fresh;
+    }
+}
 
 // Element offset of vector j of this lane inside a row.
 __device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * KV_VEC; }
@@ -221,9 +291,10 @@ __device__ __forceinline__ void decode_partition(int ctx, int num_splits, int mi
 __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* out, long long out_row,
                                              float* part_o, float* part_ml, int b, int kvh,
                                              int num_heads, int num_splits, float out_mul) {
-    __shared__ float red_acc[DEC_WARPS][GQA][HEAD_DIM];
-    __shared__ float red_m[DEC_WARPS][GQA];
-    __shared__ float red_l[DEC_WARPS][GQA];
+    auto& red_acc = decode_shared().red.acc;
+    auto& red_m = decode_shared().red.m;
+    auto& red_l = decode_shared().red.l;
+    if (DEC_STAGES > 0) __syncthreads();    // every warp is done with its staged chunks
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int sub = lane / DEC_LPT, li = lane % DEC_LPT;
     if (sub == 0) {
@@ -261,6 +332,33 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
             if (d == 0) { part_ml[pi * 2] = mx; part_ml[pi * 2 + 1] = sum; }
         }
     }
+}
+
+// Scores of one step of DEC_U tokens for every GQA head (each K vector widened once for all of
+// them; tokens not valid score -inf), then their fold into the lane's state.
+__device__ __forceinline__ void decode_step(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
+                                            const KVVec (&kv)[DEC_U][DEC_NV], const KVVec (&vv)[DEC_U][DEC_NV],
+                                            const bool (&valid)[DEC_U], float score_mul) {
+    float s[DEC_U][GQA];
+#pragma unroll
+    for (int u = 0; u < DEC_U; ++u) {
+        float kf[DEC_NV][KV_VEC];
+#pragma unroll
+        for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
+#pragma unroll
+        for (int g = 0; g < GQA; ++g) {
+            float dot = 0.0f;
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+                for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
+            }
+#pragma unroll
+            for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+            s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
+        }
+    }
+    decode_fold(st, s, vv);
 }
 
 // Load this lane's K and V vectors of DEC_U tokens. k_lane / v_lane point at this lane's first
@@ -309,27 +407,68 @@ __device__ __forceinline__ void decode_tokens(DecodeState& st, const float (&qf)
         bool valid[DEC_U];
         decode_load<ONE_BLOCK>(kv, vv, valid, k_lane, v_lane, bt, c0, chunk_blk, t_end, sub,
                                block_size_log2, row_bytes);
-        float s[DEC_U][GQA];
+        decode_step(st, qf, kv, vv, valid, score_mul);
+    }
+}
+
+// decode_tokens<true> with the chunks staged through shared memory in STAGES buffers (DEC_STAGES).
+template <int STAGES>
+__device__ __forceinline__ void decode_tokens_staged(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
+                                                     const char* k_lane, const char* v_lane, const int* bt,
+                                                     int c0, int t_end, int sub, int block_size_log2,
+                                                     unsigned int row_bytes, float score_mul) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    constexpr int sb_vecs = DEC_WARPS * DEC_SLOTS * 32;        // vectors of one stage buffer
+    // This lane's vector of slot 0 in stage buffer 0; slot s of buffer sb is sb * sb_vecs + s * 32 on.
+    KVVec* stage = decode_shared().stage + warp * DEC_SLOTS * 32 + lane;
+    const int step = DEC_WARPS * DEC_CHUNK;
+    const unsigned int mask = (1u << block_size_log2) - 1u;
+    // Copy chunk c (in table block blk) into stage buffer sb; tokens past t_end copy the last one.
+    auto issue = [&](int c, int blk, int sb) {
 #pragma unroll
         for (int u = 0; u < DEC_U; ++u) {
-            float kf[DEC_NV][KV_VEC];                     // widened once for all GQA heads
+            const int t = min(c + u * DEC_TPW + sub, t_end - 1);
+            const unsigned int row = ((unsigned int)blk << block_size_log2) | ((unsigned int)t & mask);
+            const unsigned long long off = (unsigned long long)row * row_bytes;
 #pragma unroll
-            for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
-#pragma unroll
-            for (int g = 0; g < GQA; ++g) {
-                float dot = 0.0f;
-#pragma unroll
-                for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                    for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
-                }
-#pragma unroll
-                for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
-                s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
+            for (int j = 0; j < DEC_NV; ++j) {
+                const int jb = j * DEC_LPT * KV_VEC * (int)sizeof(cache_t);
+                cp_async_kv(stage + sb * sb_vecs + (u * DEC_NV + j) * 32, k_lane + off + jb);
+                cp_async_kv(stage + sb * sb_vecs + ((DEC_U + u) * DEC_NV + j) * 32, v_lane + off + jb);
             }
         }
-        decode_fold(st, s, vv);
+    };
+    int ci = c0;                                              // the next chunk to copy
+#pragma unroll
+    for (int sb = 0; sb < STAGES - 1; ++sb) {
+        if (ci < t_end) issue(ci, bt[ci >> block_size_log2], sb);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        ci += step;
     }
+    int next_blk = ci < t_end ? bt[ci >> block_size_log2] : 0;
+    int sb = 0;                                               // the stage holding chunk c0
+    for (; c0 < t_end; c0 += step) {
+        const int sb_issue = sb == 0 ? STAGES - 1 : sb - 1;      // read in the last step
+        if (ci < t_end) issue(ci, next_blk, sb_issue);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        ci += step;
+        if (ci < t_end) next_blk = bt[ci >> block_size_log2];
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES > 1 ? STAGES - 1 : 0) : "memory");
+        KVVec kv[DEC_U][DEC_NV], vv[DEC_U][DEC_NV];
+        bool valid[DEC_U];
+#pragma unroll
+        for (int u = 0; u < DEC_U; ++u) {
+            valid[u] = c0 + u * DEC_TPW + sub < t_end;
+#pragma unroll
+            for (int j = 0; j < DEC_NV; ++j) {
+                kv[u][j] = stage[sb * sb_vecs + (u * DEC_NV + j) * 32];
+                vv[u][j] = stage[sb * sb_vecs + ((DEC_U + u) * DEC_NV + j) * 32];
+            }
+        }
+        decode_step(st, qf, kv, vv, valid, score_mul);
+        sb = sb + 1 == STAGES ? 0 : sb + 1;
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
 }
 
 // This lane's elements of the GQA query rows of KV head kvh (rows HEAD_DIM apart at qh, global or
@@ -369,7 +508,10 @@ __device__ __forceinline__ void decode_cached(DecodeState& st, const float (&qf)
     const char* k_lane = reinterpret_cast<const char*>(k_cache + lane_off);
     const char* v_lane = reinterpret_cast<const char*>(v_cache + lane_off);
     const int c0 = t_begin + warp * DEC_CHUNK;
-    if ((1 << block_size_log2) >= DEC_CHUNK)
+    if ((1 << block_size_log2) >= DEC_CHUNK && DEC_STAGES > 0)
+        decode_tokens_staged<DEC_STAGES>(st, qf, k_lane, v_lane, bt, c0, t_attend, sub, block_size_log2, row_bytes,
+                                         score_mul);
+    else if ((1 << block_size_log2) >= DEC_CHUNK)
         decode_tokens<true>(st, qf, k_lane, v_lane, bt, c0, t_attend, sub, block_size_log2, row_bytes, score_mul);
     else
         decode_tokens<false>(st, qf, k_lane, v_lane, bt, c0, t_attend, sub, block_size_log2, row_bytes, score_mul);
@@ -505,8 +647,8 @@ paged_decode_append(scalar_t* out, long long out_stride, float* part_o, float* p
                     long long bt_stride, const int* seq_lens, const int* query_start_loc, int num_kv_heads,
                     int block_size_log2, float scale_log2, int num_splits, int min_partition,
                     const float* kv_scales) {
-    __shared__ __align__(16) scalar_t q_s[GQA][HEAD_DIM];
-    __shared__ __align__(16) cache_t kv_s[2][HEAD_DIM];
+    auto& q_s = decode_fresh().q;
+    auto& kv_s = decode_fresh().kv;
     const int kvh = blockIdx.y, b = blockIdx.z;
     const int seq_len = seq_lens[b];
     if (seq_len <= 0) return;          // a padding row: nothing read or written
@@ -530,6 +672,7 @@ paged_decode_append(scalar_t* out, long long out_stride, float* part_o, float* p
     decode_load_q(qf, &q_s[0][0], li);
     // The new token first (nothing of it stays live through the cached keys' loop).
     if (owner && threadIdx.x < 32) decode_fold_new(st, qf, kv_s, score_mul);
+    if (DEC_STAGES > 0) __syncthreads();   // q_s / kv_s share their memory with the chunks in flight
     decode_cached(st, qf, k_cache, v_cache, block_tables + (long long)b * bt_stride, kvh, num_kv_heads, t_begin,
                   owner ? seq_len - 1 : t_end, block_size_log2, score_mul);
     decode_merge_lanes(st);
@@ -662,16 +805,6 @@ paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, lon
 #define PM_BK 64
 #define PM_THREADS 128
 #define PM_LD (HEAD_DIM + 8)       // padded row: 8 rows of a fragment hit distinct banks
-
-__device__ __forceinline__ unsigned int smem_addr(const void* p) {
-    unsigned int r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 
 __device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
