@@ -23,7 +23,8 @@
 //   with FP8 16 elements where HEAD_DIM allows and GQA <= 2, else VEC_ELEMS bytes), 32 / LPT
 //   tokens are in flight side by side and each lane keeps DEC_U tokens' K and V loads in flight.
 //   Each K and V vector is widened to float once and used for all GQA heads. Up to GQA 4 the
-//   kernel fits 128 registers (four blocks a multiprocessor).
+//   kernel fits 128 registers (four blocks a multiprocessor). FP8 builds copy each warp's next
+//   chunks into shared memory by cp.async (DEC_STAGES buffers) instead of loading into registers.
 //   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them. A row with seq_lens[b] == 0 is skipped, its output row left as
