@@ -20,6 +20,8 @@ DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
 STORE_DEFAULT = "default: the Hugging Face cache, $HF_HUB_CACHE or $HF_HOME/hub"
 ENGINE_PANEL = "Engine options"
 SAMPLING_PANEL = "Sampling options"
+MODEL_DEFAULT = "Default: the model's generation_config.json value, else"
+CHAT_MODEL_DEFAULT = "Default: the model's generation_config.json value (without --url), else"
 STRUCTURE_PANEL = "Structured output (one of)"
 
 app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine with a paged KV cache.",
@@ -228,11 +230,11 @@ def load_engine(config: EngineConfig):
 # chat
 # ---------------------------------------------------------------------------------------------
 
-def sampling_settings(temperature: float, top_p: float, top_k: int, max_tokens: int, seed: int | None):
-    """ChatSettings from the command line, validated before anything loads."""
+def sampling_settings(chosen: dict, max_tokens: int, seed: int | None):
+    """ChatSettings from the command line (CHOSEN: the temperature, top_p and top_k given),
+    validated before anything loads."""
     from minillm.chat import ChatSettings
-    settings = ChatSettings(temperature=temperature, top_p=top_p, top_k=top_k,
-                            max_tokens=max_tokens, seed=seed)
+    settings = ChatSettings(**chosen, max_tokens=max_tokens, seed=seed)
     settings.sampling_params()
     return settings
 
@@ -276,9 +278,11 @@ def chat(
     chat_template: Annotated[Optional[str], typer.Option(
         help="A Jinja chat template, as a file or the template itself; replaces the model's own "
              "(a model without one needs it to chat in turns).")] = None,
-    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.7,
-    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.9,
-    top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
+    temperature: Annotated[Optional[float], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help=f"{CHAT_MODEL_DEFAULT} 0.7.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(rich_help_panel=SAMPLING_PANEL, help=f"{CHAT_MODEL_DEFAULT} 0.9.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help=f"-1: off. {CHAT_MODEL_DEFAULT} -1.")] = None,
     max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 256,
     seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
     *,
@@ -293,7 +297,8 @@ def chat(
     if sys.stdin is None:      # started with stdin closed (<&-): there is nothing to read messages from
         raise CliError("chat reads your messages from stdin, which is closed")
     require_stdout("chat")     # its replies go there: input() said only "lost sys.stdout"
-    settings = sampling_settings(temperature, top_p, top_k, max_tokens, seed)
+    chosen = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "top_k": top_k}.items() if v is not None}
+    settings = sampling_settings(chosen, max_tokens, seed)
     template = chat_template_option(chat_template, read_chat_template) if chat_template else None
     if url:
         from minillm.chat_client import HttpChatBackend
@@ -304,6 +309,8 @@ def chat(
         path = resolve_chat_model(model, engine_options["download_dir"])
         engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
+        model_defaults = {k: v for k, v in engine.sampling_defaults.items() if k in ("temperature", "top_p", "top_k")}
+        settings = dataclasses.replace(settings, **{**model_defaults, **chosen})
         backend.check_settings(settings)      # --top-k past the vocabulary fails here, not at every message
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
@@ -425,20 +432,24 @@ def generate(
         "--prompt", "-p", help="A prompt (repeat for a batch).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="A file with one prompt per line ('-': stdin).")] = None,
-    temperature: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL, help="0: greedy.")] = 1.0,
-    top_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 1.0,
-    top_k: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL, help="-1: off.")] = -1,
-    min_p: Annotated[float, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 0.0,
+    temperature: Annotated[Optional[float], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help=f"0: greedy. {MODEL_DEFAULT} 1.0.")] = None,
+    top_p: Annotated[Optional[float], typer.Option(rich_help_panel=SAMPLING_PANEL, help=f"{MODEL_DEFAULT} 1.0.")] = None,
+    top_k: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help=f"-1: off. {MODEL_DEFAULT} -1.")] = None,
+    min_p: Annotated[Optional[float], typer.Option(rich_help_panel=SAMPLING_PANEL, help=f"{MODEL_DEFAULT} 0.")] = None,
     seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
-    max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 16,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help=f"{MODEL_DEFAULT} 16 (max_new_tokens).")] = None,
     min_tokens: Annotated[int, typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="Generate at least this many tokens before EOS may stop.")] = 0,
     stop: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="A stop string (repeatable).")] = None,
     stop_token_ids: Annotated[Optional[list[int]], typer.Option(
         "--stop-token-id", rich_help_panel=SAMPLING_PANEL, help="A token id that stops (repeatable).")] = None,
-    repetition_penalty: Annotated[float, typer.Option(
-        rich_help_panel=SAMPLING_PANEL, help="> 1 discourages tokens already in the prompt or output.")] = 1.0,
+    repetition_penalty: Annotated[Optional[float], typer.Option(
+        rich_help_panel=SAMPLING_PANEL,
+        help=f"> 1 discourages tokens already in the prompt or output. {MODEL_DEFAULT} 1.")] = None,
     presence_penalty: Annotated[float, typer.Option(
         rich_help_panel=SAMPLING_PANEL, help="In [-2, 2]: subtracted once from every token already generated.")] = 0.0,
     frequency_penalty: Annotated[float, typer.Option(
@@ -469,16 +480,19 @@ def generate(
     """Generate for a batch of prompts offline (LLM.generate)."""
     from minillm.sampling_params import SamplingParams
     require_stdout("generate")
-    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                            seed=seed, max_tokens=max_tokens, min_tokens=min_tokens,
-                            stop=list(stop or []) or None, stop_token_ids=list(stop_token_ids or []),
-                            repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                            frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos,
-                            logit_bias=logit_bias_option(logit_bias), prompt_logprobs=prompt_logprobs,
-                            structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar))
+    # Left unset, these take the model's generation_config.json values (--generation-config auto).
+    model_defaulted = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+                       "max_tokens": max_tokens, "repetition_penalty": repetition_penalty}
+    options = dict(n=n, seed=seed, min_tokens=min_tokens, stop=list(stop or []) or None,
+                   stop_token_ids=list(stop_token_ids or []), presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos,
+                   logit_bias=logit_bias_option(logit_bias), prompt_logprobs=prompt_logprobs,
+                   structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar),
+                   **{k: v for k, v in model_defaulted.items() if v is not None})
+    SamplingParams(**options)               # a bad flag fails before the model loads
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"])
-    llm, outputs = run_generate(engine_config(path, engine_options), prompts, params)
+    llm, outputs = run_generate(engine_config(path, engine_options), prompts, options)
     tokenizer = llm.get_tokenizer()
     with stdout_errors():
         if as_json:
@@ -562,12 +576,14 @@ def structured_outputs_option(json_schema: Path | None, regex: str | None, choic
         raise CliError(f"{_STRUCTURE_OPTIONS[name]}: {message}") from None
 
 
-def run_generate(config: EngineConfig, prompts: list[str], params):
-    """LLM.generate over the prompts, with a progress bar on stderr: (the LLM, its outputs)."""
+def run_generate(config: EngineConfig, prompts: list[str], options: dict):
+    """LLM.generate over the prompts with SamplingParams(**options) over the model's sampling
+    defaults, a progress bar on stderr: (the LLM, its outputs)."""
     from minillm.engine_stats import describe_engine
     from minillm.llm import LLM
     llm = LLM(**dataclasses.asdict(config))
     typer.echo(describe_engine(llm.llm_engine.stats(cells=1)), err=True)
+    params = dataclasses.replace(llm.get_default_sampling_params(), **options)
     return llm, llm.generate(prompts, params, use_tqdm=True)
 
 

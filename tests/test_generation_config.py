@@ -67,3 +67,36 @@ def test_the_server_fills_what_a_request_leaves_unset(greedy_model):
                 for _ in range(2)]
         assert done[0]["choices"][0]["text"] == done[1]["choices"][0]["text"]
         assert done[0]["usage"]["completion_tokens"] == 16
+
+
+def _cli(*args: str, stdin: str | None = None):
+    import subprocess
+    import sys
+    from pathlib import Path
+    repo = Path(__file__).resolve().parents[1]
+    return subprocess.run([sys.executable, "-m", "minillm.cli", *args], cwd=repo, input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_generate_cli_takes_the_model_defaults_for_the_flags_it_is_not_given(greedy_model):
+    from minillm import LLM
+    greedy = LLM(str(greedy_model), device="cpu").generate(
+        "Tom", SamplingParams(temperature=0, max_tokens=7))[0].outputs[0].token_ids
+    unset = _cli("generate", str(greedy_model), "--device", "cpu", "-p", "Tom", "--json")
+    assert unset.returncode == 0, unset.stderr
+    record = json.loads(unset.stdout)
+    assert record["outputs"][0]["token_ids"] == list(greedy[:5])          # max_new_tokens 5, top_k 1
+    given = _cli("generate", str(greedy_model), "--device", "cpu", "-p", "Tom", "--json", "--max-tokens", "7",
+                 "--top-k", "-1", "--temperature", "0")
+    assert json.loads(given.stdout)["outputs"][0]["token_ids"] == list(greedy)   # flags win over the file
+    bad = _cli("generate", str(greedy_model), "--device", "cpu", "-p", "Tom", "--top-p", "2")
+    assert bad.returncode != 0 and "top_p" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_chat_cli_starts_from_the_model_defaults_unless_given(greedy_model):
+    shown = _cli("chat", str(greedy_model), "--device", "cpu", stdin="/set\n/exit\n")
+    assert shown.returncode == 0, shown.stderr
+    assert "temperature=0.7 top_p=0.9 top_k=1 " in shown.stdout       # the file's temperature and top_k
+    given = _cli("chat", str(greedy_model), "--device", "cpu", "--top-k", "5", "--temperature", "0.2",
+                 stdin="/set\n/exit\n")
+    assert "temperature=0.2 top_p=0.9 top_k=5 " in given.stdout
