@@ -319,3 +319,15 @@ __device__ __forceinline__ void head_rotate(float (&a)[VEC_ELEMS], const float* 
         a[e] = round_to_scalar(y);
     }
 }
+
+// The shared-memory address of p (a pointer into shared memory) for cp.async and ldmatrix.
+__device__ __forceinline__ unsigned int smem_u32(const void* p) {
+    unsigned int r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}

@@ -80,22 +80,12 @@ __device__ __forceinline__ KVVec ldg_kv(const cache_t* p) {
     return r;
 }
 
-__device__ __forceinline__ unsigned int smem_addr(const void* p) {
-    unsigned int r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 // One KV vector copied from global to shared memory without passing through registers.
 __device__ __forceinline__ void cp_async_kv(KVVec* dst, const void* src) {
 #if KV_VEC_WORDS == 4
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(dst)), "l"(src) : "memory");
 #else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(dst)), "l"(src), "n"(KV_VEC_WORDS * 4)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_u32(dst)), "l"(src), "n"(KV_VEC_WORDS * 4)
                  : "memory");
 #endif
 }
@@ -335,6 +325,19 @@ __device__ __forceinline__ void decode_write(const DecodeState& st, scalar_t* ou
     }
 }
 
+// q . k of one query head and one token row over the LPT lanes that share the row (every lane gets it).
+__device__ __forceinline__ float decode_dot(const float (&q)[DEC_ELEMS], const float (&kf)[DEC_NV][KV_VEC]) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DEC_NV; ++j) {
+#pragma unroll
+        for (int e = 0; e < KV_VEC; ++e) dot += q[j * KV_VEC + e] * kf[j][e];
+    }
+#pragma unroll
+    for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+    return dot;
+}
+
 // Scores of one step of DEC_U tokens for every GQA head (each K vector widened once for all of
 // them; tokens not valid score -inf), then their fold into the lane's state.
 __device__ __forceinline__ void decode_step(DecodeState& st, const float (&qf)[GQA][DEC_ELEMS],
@@ -348,14 +351,7 @@ __device__ __forceinline__ void decode_step(DecodeState& st, const float (&qf)[G
         for (int j = 0; j < DEC_NV; ++j) kv_to_floats(kv[u][j], kf[j]);
 #pragma unroll
         for (int g = 0; g < GQA; ++g) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
-            }
-#pragma unroll
-            for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+            const float dot = decode_dot(qf[g], kf);         // every lane: the shuffles need the warp
             s[u][g] = valid[u] ? dot * score_mul : -MINILLM_INF;
         }
     }
@@ -608,14 +604,7 @@ __device__ __forceinline__ void decode_fold_new(DecodeState& st, const float (&q
         for (int j = 0; j < DEC_NV; ++j) kv_to_floats(*reinterpret_cast<const KVVec*>(&kv_s[0][lane_vec_offset(j, li)]), kf[j]);
 #pragma unroll
         for (int g = 0; g < GQA; ++g) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < DEC_NV; ++j) {
-#pragma unroll
-                for (int e = 0; e < KV_VEC; ++e) dot += qf[g][j * KV_VEC + e] * kf[j][e];
-            }
-#pragma unroll
-            for (int o = DEC_LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(FULL_MASK, dot, o);
+            const float dot = decode_dot(qf[g], kf);
             const float s = sub == 0 ? dot * score_mul : -MINILLM_INF;
             const float mx = fmaxf(st.m[g], s);
             const float ref = mx == -MINILLM_INF ? 0.0f : mx;
@@ -912,8 +901,8 @@ __device__ __forceinline__ void mma_load_tile(scalar_t* ks, scalar_t* vs, const 
         bool valid = t < kv_end;
         long long src = 0;
         if (valid) src = ((((long long)bt[t >> block_size_log2]) << block_size_log2) | (t & mask)) * tok_stride + head_off + part * 8;
-        cp_async16(smem_addr(ks + key * PM_LD + part * 8), k_cache + src, valid ? 16 : 0);
-        cp_async16(smem_addr(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
+        cp_async16(smem_u32(ks + key * PM_LD + part * 8), k_cache + src, valid ? 16 : 0);
+        cp_async16(smem_u32(vs + key * PM_LD + part * 8), v_cache + src, valid ? 16 : 0);
     }
     asm volatile("cp.async.commit_group;");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -983,7 +972,7 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
 #pragma unroll
             for (int nj = 0; nj < PM_BK / 16; ++nj) {
                 unsigned int r[4];
-                ldsm_x4(smem_addr(ks + (nj * 16 + k_row) * PM_LD + kk * 16 + k_col), r);
+                ldsm_x4(smem_u32(ks + (nj * 16 + k_row) * PM_LD + kk * 16 + k_col), r);
                 mma_16816(s[2 * nj], qa[kk], r[0], r[1]);
                 mma_16816(s[2 * nj + 1], qa[kk], r[2], r[3]);
             }
@@ -1031,7 +1020,7 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
 #pragma unroll
             for (int np = 0; np < HEAD_DIM / 16; ++np) {
                 unsigned int r[4];
-                ldsm_x4_trans(smem_addr(vs + (kk * 16 + v_row) * PM_LD + np * 16 + v_col), r);
+                ldsm_x4_trans(smem_u32(vs + (kk * 16 + v_row) * PM_LD + np * 16 + v_col), r);
                 mma_16816(o[2 * np], pa[kk], r[0], r[1]);
                 mma_16816(o[2 * np + 1], pa[kk], r[2], r[3]);
             }

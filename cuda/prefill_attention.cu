@@ -97,17 +97,6 @@ static_assert(PA_TOKENS >= 1, "GQA must not exceed the rows of a block");
 static_assert(PA_THREADS % PA_PARTS == 0 && PA_BN % PA_KEYS_PER_PASS == 0, "K/V copy passes must tile");
 static_assert((PA_BM * PA_PARTS) % PA_THREADS == 0, "Q copy passes must tile");
 
-__device__ __forceinline__ unsigned int smem_u32(const void* p) {
-    unsigned int r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
