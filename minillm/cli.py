@@ -616,6 +616,17 @@ SERVER_LIMIT_OPTIONS = {
 }
 
 
+def json_list_option(value: str, option: str) -> tuple[str, ...]:
+    """OPTION's JSON list of strings, or a CliError naming it."""
+    try:
+        items = json.loads(value)
+    except ValueError:
+        items = None
+    if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
+        raise CliError(f"{option} takes a JSON list of strings, such as '[\"*\"]', got {value!r}")
+    return tuple(items)
+
+
 def server_limits(**values):
     """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
     from minillm.server.limits import ServerLimits, check_limit
@@ -653,6 +664,17 @@ def serve(
     api_server_count: Annotated[int, _server_option(
         "--api-server-count", min=1, help="API server processes sharing the port and the one engine core "
         "(HTTP, detokenising and streaming spread over them; needs --engine-core process).")] = 1,
+    allowed_origins: Annotated[str, _server_option(
+        "--allowed-origins", metavar="JSON", help='Origins a browser page may call the API from (CORS), as a JSON '
+        'list: ["https://app.example"].')] = '["*"]',
+    allowed_methods: Annotated[str, _server_option(
+        "--allowed-methods", metavar="JSON", help="HTTP methods allowed from other origins, as a JSON list.")] = '["*"]',
+    allowed_headers: Annotated[str, _server_option(
+        "--allowed-headers", metavar="JSON", help="Request headers allowed from other origins, as a JSON list.")]
+        = '["*"]',
+    allow_credentials: Annotated[bool, _server_option(
+        "--allow-credentials/--no-allow-credentials", help="Let cross-origin requests carry credentials "
+        "(cookies, Authorization).")] = False,
     max_n: Annotated[int, _server_option("--max-n", help="Most completions per prompt (n).")] = _limit_default("max_n"),
     max_prompts_per_request: Annotated[int, _server_option(
         "--max-prompts-per-request", help="Most prompts in one request, and most n x prompts.")] = (
@@ -708,6 +730,9 @@ def serve(
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
         max_prompt_chars=max_prompt_chars, max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, timeout_keep_alive_s=timeout_keep_alive)
+    cors = {"allowed_origins": json_list_option(allowed_origins, "--allowed-origins"),
+            "allowed_methods": json_list_option(allowed_methods, "--allowed-methods"),
+            "allowed_headers": json_list_option(allowed_headers, "--allowed-headers")}
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
@@ -717,7 +742,8 @@ def serve(
     options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
                             log_interval=5.0, exit_on_engine_error=exit_on_engine_error,
-                            engine_core=_plain(engine_core), api_server_count=api_server_count)
+                            engine_core=_plain(engine_core), api_server_count=api_server_count,
+                            allow_credentials=allow_credentials, **cors)
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)

@@ -65,6 +65,8 @@ def test_the_cli_imports_no_numpy_before_a_command_needs_it():
     (["generate", str(STORIES)], "--prompt"),
     (["chat", str(STORIES), "--top-p", "1.5"], "top_p"),
     (["serve", "--device", "tpu"], "--device"),
+    (["serve", str(STORIES), "--allowed-origins", "*"], "--allowed-origins"),
+    (["serve", str(STORIES), "--allowed-headers", '["x", 1]'], "--allowed-headers"),
 ])
 def test_bad_arguments_fail_in_one_line(args, needle):
     result = minillm(*args)

@@ -44,3 +44,5 @@ def test_chunk_format_matches_sse_of_the_whole_chunk(include_usage, object_name,
         if include_usage:
             chunk["usage"] = None
         assert chunks.event(json_dumps(choice)) == sse(chunk)
+        usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+        assert chunks.event(json_dumps(choice), usage) == sse({**chunk, "usage": usage})

@@ -28,6 +28,7 @@ from typing import Any, AsyncIterator
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from minillm.engine_core.heap import freeze_startup_heap
@@ -58,7 +59,7 @@ ENGINE_FAILURE_DRAIN_S = 2.0
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """How the server serves: auth, the model's name, chat templates, limits, the log, engine failures."""
+    """How the server serves: auth, CORS, the model's name, chat templates, limits, the log, engine failures."""
 
     api_key: str | None = None
     served_model_name: str | None = None
@@ -69,6 +70,12 @@ class ServerOptions:
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
     engine_core: str = "process"                # the engine core in its own process, or "thread" here
     api_server_count: int = 1                   # API server processes sharing the port and the one core
+    # CORS, as vLLM's --allowed-origins, --allowed-methods, --allowed-headers and --allow-credentials
+    # (every origin, method and header by default).
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -85,6 +92,12 @@ class ServerOptions:
                              f"got {self.api_server_count}")
         if self.api_server_count > 1 and self.engine_core != "process":
             raise ValueError("several API servers need the engine core in its own process (--engine-core process)")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            # A bare string would be read as its characters (--allowed-origins '"*"' is JSON for one).
+            if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))     # a list (json.loads of the flag) kept hashable
 
 
 def max_api_server_count() -> int:
@@ -235,7 +248,12 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,
                        timeout_s=options.limits.body_timeout_s)
     if options.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)  # added last: runs first
+        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+    # Added last, so it runs first: preflights are answered here, and every response, errors
+    # included (a 401, a 413), carries the CORS headers a browser needs to read it.
+    app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
+                       allow_methods=list(options.allowed_methods), allow_headers=list(options.allowed_headers),
+                       allow_credentials=options.allow_credentials)
     return app
 
 

@@ -6,6 +6,7 @@ must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which 
 from __future__ import annotations
 
 import functools
+import json
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
@@ -13,11 +14,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from minillm.sampling_params import SamplingParams, short_repr
+from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 MAX_TOKEN_ID_DIGITS = 20        # a logit_bias key longer than this is no token id of any vocabulary
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
@@ -53,7 +53,7 @@ def _check_json_text(value: Any) -> Any:
 class _OpenAIModel(BaseModel):
     """A request object whose optional fields take null as "the default", as OpenAI's API (and vLLM's)
     do: `"n": null` is n 1, not a type error. A field whose own value may be None keeps the null
-    (max_tokens null asks for the rest of the context)."""
+    (a chat's max_tokens null asks for the rest of the context)."""
 
     model_config = STRICT
 
@@ -79,9 +79,10 @@ def _fields_without_none(cls: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(_OpenAIModel):
-    """stream_options: whether a final chunk carries the usage."""
+    """stream_options: whether a final chunk carries the usage, and (vLLM's) every chunk too."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _GenerationRequest(_OpenAIModel):
@@ -130,12 +131,18 @@ class _GenerationRequest(_OpenAIModel):
         """True when a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """True when every streamed chunk carries the usage so far (vLLM's continuous_usage_stats,
+        which takes effect with include_usage only)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
 
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
     prompt: Text | list[int] | list[Text] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int = 16                         # null means 16 too, as in vLLM
     logprobs: int | None = None
     echo: bool = False
     suffix: Text | None = None
@@ -161,12 +168,52 @@ def _part_kind(value: Any) -> str:
 Part = Annotated[Annotated[Text, Tag("str")] | Annotated[ContentPart, Tag("dict")], Discriminator(_part_kind)]
 
 
-class ChatMessage(_OpenAIModel):
-    """One chat message."""
+class ToolCallFunction(_OpenAIModel):
+    """The function an earlier assistant turn called: its name and its arguments as JSON text."""
 
-    role: Literal[CHAT_ROLES]
+    name: Text
+    arguments: Text | None = None
+
+
+class ToolCall(_OpenAIModel):
+    """One tool call of an earlier assistant turn."""
+
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_OpenAIModel):
+    """One chat message; any role, as vLLM takes custom roles. tool_calls and reasoning are read on
+    an assistant's message, tool_call_id on a tool's, as vLLM reads them."""
+
+    role: Annotated[Text, Field(min_length=1)]
     content: Text | list[Part] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None       # the older name of reasoning
+
+
+class FunctionDefinition(_OpenAIModel):
+    """A tool's function: its name, what it does and its parameters' JSON schema."""
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _schema_text(cls, value: dict | None) -> dict | None:
+        return _check_json_text(value)
+
+
+class Tool(_OpenAIModel):
+    """One entry of a chat request's tools."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -177,7 +224,7 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[Tool] | None = None
     functions: list[dict] | None = None          # the legacy form of tools
     function_call: Any = None
     chat_template: Text | None = None            # vLLM's: a Jinja template for this request only
@@ -226,10 +273,6 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise APIError(400, f"{name} is not supported{hint}", param=name)
     if req.stream_options is not None and not req.stream:      # OpenAI and vLLM refuse it too
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    stream_extra = (req.stream_options.model_extra or {}) if req.stream_options is not None else {}
-    if stream_extra.get("continuous_usage_stats"):     # usage in every chunk: not implemented
-        raise APIError(400, "stream_options.continuous_usage_stats is not supported (include_usage is)",
-                       param="stream_options.continuous_usage_stats")
     priority = extra.get("priority")
     if priority is not None and priority != 0:         # vLLM refuses it too without priority scheduling
         raise APIError(400, "priority is not supported (requests are served first come, first served)",
@@ -240,19 +283,45 @@ def check_unsupported(req: _GenerationRequest) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
     if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise APIError(400, "tools are not supported", param="tools")
+        check_tool_choice(req)
         if req.functions:
             raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
         if req.function_call not in (None, "none"):
             raise APIError(400, "function_call is not supported", param="function_call")
-        if req.tool_choice not in (None, "none", "auto"):   # "required" or a named tool needs tools
-            raise APIError(400, "tool_choice other than 'none' or 'auto' needs tools, which are not supported",
-                           param="tool_choice")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
                            "(set add_generation_prompt to false to continue the last message)",
                            param="continue_final_message")
+
+
+def tool_choice_of(req: ChatCompletionRequest) -> Any:
+    """tool_choice, defaulted as vLLM defaults it: "auto" when tools are given, else "none"."""
+    if req.tool_choice is not None:
+        return req.tool_choice
+    return "auto" if req.tools else "none"
+
+
+def check_tool_choice(req: ChatCompletionRequest) -> None:
+    """400 for a tool_choice that needs a tool call parser (this server has none) or names no tools."""
+    choice = tool_choice_of(req)
+    if choice == "none":
+        return
+    if req.tools is None:
+        raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    if choice == "required" and not req.tools:
+        return        # no tool to call: "none", as vLLM (and OpenAI) take it
+    hint = "this server has no tool call parser; tool_choice \"none\" renders the tools into the prompt"
+    if choice == "auto":
+        raise APIError(400, f'"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                       f'set ({hint}; tool_choice defaults to "auto" when tools are given)', param="tool_choice")
+    raise APIError(400, f"tool_choice {short_repr(choice)} is not supported ({hint})", param="tool_choice")
+
+
+def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the chat template renders: vLLM passes them under tool_choice "none" too."""
+    if req.tools is None or tool_choice_of(req) != "none":
+        return None
+    return [tool.model_dump() for tool in req.tools]
 
 
 def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs: int | None,
@@ -276,7 +345,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             n=req.n,
             temperature=pick(req.temperature, "temperature", 1.0),
             top_p=pick(req.top_p, "top_p", 1.0),
-            top_k=pick(req.top_k, "top_k", -1),
+            top_k=whole_vocabulary_top_k(pick(req.top_k, "top_k", -1), vocab_size),
             min_p=pick(req.min_p, "min_p", 0.0),
             seed=req.seed,
             presence_penalty=pick(req.presence_penalty, "presence_penalty", 0.0),
@@ -307,8 +376,14 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
     return params
 
 
+def whole_vocabulary_top_k(top_k: int, vocab_size: int | None) -> int:
+    """top_k past the vocabulary is the whole vocabulary (-1, off), as vLLM takes it."""
+    return -1 if vocab_size is not None and top_k > vocab_size else top_k
+
+
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI's logit_bias (token ids as JSON object keys) keyed by int; None when empty."""
+    """OpenAI's logit_bias (token ids as JSON object keys) keyed by int, each bias clamped to
+    [-100, 100] as vLLM clamps it; None when empty."""
     if not bias:
         return None
     bad = [k for k in bias if not (k.isascii() and k.isdigit())]
@@ -326,7 +401,7 @@ def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
         if token in named:                     # "5" and "0005": which bias was meant?
             raise APIError(400, f"logit_bias names token {token} twice ({named[token]!r} and {k!r})",
                            param="logit_bias")
-        named[token], out[token] = k, v
+        named[token], out[token] = k, min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v))
     return out
 
 
@@ -353,8 +428,9 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
 
 
 def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
-    """Messages as the plain dicts a chat template reads; multi-part text is joined by newlines, as
-    vLLM joins it for a template that reads content as a string."""
+    """Messages as the plain dicts a chat template reads, as vLLM passes them: multi-part text joined
+    by newlines; an assistant's tool_calls (arguments parsed from JSON) and reasoning (also as
+    reasoning_content); a tool's tool_call_id."""
     out = []
     for i, msg in enumerate(req.messages):
         content = msg.content
@@ -363,8 +439,29 @@ def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
         item = {"role": msg.role, "content": content or ""}
         if msg.name is not None:
             item["name"] = msg.name
+        if msg.role == "assistant":
+            if msg.tool_calls:          # an empty list is left out: the template takes its plain path
+                item["tool_calls"] = [_tool_call_dict(call, f"messages.{i}.tool_calls.{j}")
+                                      for j, call in enumerate(msg.tool_calls)]
+            reasoning = msg.reasoning if msg.reasoning is not None else msg.reasoning_content
+            if reasoning is not None:
+                item["reasoning"] = item["reasoning_content"] = reasoning
+        elif msg.role == "tool" and msg.tool_call_id is not None:
+            item["tool_call_id"] = msg.tool_call_id
         out.append(item)
     return out
+
+
+def _tool_call_dict(call: ToolCall, param: str) -> dict:
+    """A tool call as templates read it: arguments as data, parsed from their JSON text ({} for none)."""
+    item = call.model_dump(exclude_none=True)
+    text = call.function.arguments
+    try:
+        item["function"]["arguments"] = _check_json_text(json.loads(text)) if text else {}
+    except (ValueError, RecursionError) as exc:     # PydanticCustomError (a lone surrogate) is a ValueError
+        raise APIError(400, f"tool call arguments must be JSON text: {exc}", param=f"{param}.function.arguments") \
+            from None
+    return item
 
 
 def _part_text(part: str | ContentPart, param: str) -> str:
@@ -383,7 +480,22 @@ def _part_text(part: str | ContentPart, param: str) -> str:
 
 def message_chars(messages: list[dict]) -> int:
     """Characters of text in a conversation (what rendering and tokenising will have to read)."""
-    return sum(len(m["content"]) + len(m.get("name", "")) for m in messages)
+    return sum(_text_chars(value) for m in messages for key, value in m.items() if key != "role")
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of the strings in JSON data, keys included (a loop: tool arguments nest deep)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return total
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

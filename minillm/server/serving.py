@@ -229,7 +229,8 @@ class ChunkFormat:
     differ from chunk to chunk, so a token's event costs one JSON string, not a whole object.
 
     event(choice) is byte for byte sse({"id": ..., "object": ..., "created": ..., "model": ...,
-    "choices": [choice], ("usage": None)}) with choice already JSON (tests/test_server_sse.py).
+    "choices": [choice], ("usage": None, or the usage given)}) with choice already JSON
+    (tests/test_server_sse.py).
     """
 
     def __init__(self, request_id: str, object_name: str, created: int, model: str, include_usage: bool) -> None:
@@ -237,9 +238,21 @@ class ChunkFormat:
                      f'"created":{int(created)},"model":{json_text(model)},"choices":[')
         self.tail = '],"usage":null}\n\n' if include_usage else ']}\n\n'
 
-    def event(self, choice_json: str) -> str:
-        """The event for one choice, given as JSON."""
+    def event(self, choice_json: str, usage: dict | None = None) -> str:
+        """The event for one choice, given as JSON; with usage, the chunk carries it (continuous usage stats)."""
+        if usage is not None:
+            return f'{self.head}{choice_json}],"usage":{json_dumps(usage)}}}\n\n'
         return self.head + choice_json + self.tail
+
+
+def stream_events(chunks: ChunkFormat, choices: list[tuple[str, int]], output: RequestOutput,
+                  continuous_usage: bool) -> list[str]:
+    """The events of one output's moved choices ((choice JSON, its completion tokens so far) each); with
+    continuous usage stats each carries the usage of its own completion so far, as vLLM's do."""
+    if not continuous_usage:
+        return [chunks.event(choice) for choice, _ in choices]
+    num_prompt_tokens = len(output.prompt_token_ids)
+    return [chunks.event(choice, usage(num_prompt_tokens, num_tokens)) for choice, num_tokens in choices]
 
 
 def text_choice_json(index: int, text: str) -> str:

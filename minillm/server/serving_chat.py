@@ -17,11 +17,12 @@ from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
 from minillm.server.protocol import (
     ChatCompletionRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens, chat_max_tokens_field,
     check_unsupported,
-    message_chars, messages_as_dicts, to_sampling_params, unknown_fields,
+    message_chars, messages_as_dicts, template_tools, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, content_choice_json,
-    json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, usage,
+    json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
+    usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -47,11 +48,15 @@ def chat_template_for(ctx: ServingContext, req: ChatCompletionRequest) -> str | 
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict:
-    """chat_template_kwargs, refusing names that the renderer sets itself."""
+    """chat_template_kwargs, refusing names that the renderer sets itself, plus the request's tools
+    (chat_template_kwargs may replace them, as in vLLM)."""
     kwargs = dict(req.chat_template_kwargs or {})
     clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
     if clash:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    tools = template_tools(req)
+    if tools is not None:
+        kwargs.setdefault("tools", tools)
     return kwargs
 
 
@@ -192,7 +197,8 @@ class ChatJob:
                         refuse_uncompiled_constraint(self.req, [output])
                     final = output
                     self.kv_transfer_stats = output.kv_transfer_stats
-                    events = [chunks.event(choice) for choice in self._choices(output, progress)]
+                    events = stream_events(chunks, self._choices(output, progress), output,
+                                           self.req.continuous_usage)
                     if events:
                         last = "".join(events)   # one write per wake-up, however many choices moved
                         if not all_finished(streams):
@@ -205,8 +211,9 @@ class ChatJob:
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 
-    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[str]:
-        """Stream choices as JSON (role opener, content delta, finish) for the completions that moved."""
+    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[tuple[str, int]]:
+        """Stream choices as JSON (role opener, content delta, finish) for the completions that moved,
+        each with its completion's tokens so far."""
         choices = []
         for comp in output.outputs:
             state = progress.get(comp.index)
@@ -214,14 +221,15 @@ class ChatJob:
                 state = progress[comp.index] = ChoiceProgress(comp.index, self._cursor(), self.num_top or 0)
             if not state.is_started:
                 state.is_started = True
-                choices.append(self._choice(comp.index, {"role": "assistant", "content": self.echo_text}, None, None))
+                choices.append((self._choice(comp.index, {"role": "assistant", "content": self.echo_text}, None, None),
+                                0))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue
             delta, rows, finish = update
             content = {"content": delta} if delta else {}
-            choices.append(self._choice(comp.index, content, rows if state.cursor is not None else None, finish,
-                                        comp.stop_reason if finish else None))
+            choices.append((self._choice(comp.index, content, rows if state.cursor is not None else None, finish,
+                                         comp.stop_reason if finish else None), len(comp.token_ids)))
         return choices
 
 

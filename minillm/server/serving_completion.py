@@ -19,7 +19,8 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, json_dumps,
-    log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, text_choice_json, usage,
+    log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
+    text_choice_json, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -174,7 +175,8 @@ class CompletionJob:
                         refuse_uncompiled_constraint(self.req, [output])
                     finals[pi] = output
                     self.kv_transfer_stats = output.kv_transfer_stats
-                    events.extend(chunks.event(choice) for choice in self._choices(pi, output, progress))
+                    events.extend(stream_events(chunks, self._choices(pi, output, progress), output,
+                                                self.req.continuous_usage))
                 if events:
                     last = "".join(events)   # one write per wake-up, however many choices moved
                     if not all_finished(streams):
@@ -187,15 +189,17 @@ class CompletionJob:
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 
-    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress | None]) -> list[str]:
-        """Stream choices, as JSON, for the completions of one output that have something new."""
+    def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress | None]
+                 ) -> list[tuple[str, int]]:
+        """Stream choices, as JSON, for the completions of one output that have something new, each with
+        its completion's tokens so far."""
         choices = []
         for comp in output.outputs:
             index = self._choice_index(pi, comp)
             if self.echo_only:            # one chunk a choice, once its (dropped) token is there
                 if comp.finish_reason is not None and index not in progress:
                     progress[index] = None
-                    choices.append(json_dumps(self._echo_only_choice(pi, output, comp)))
+                    choices.append((json_dumps(self._echo_only_choice(pi, output, comp)), 0))
                 continue
             state = progress.get(index)
             if state is None:
@@ -211,11 +215,12 @@ class CompletionJob:
                     if state.cursor is not None:
                         rows = self._prompt_rows(pi, output) + rows
             if state.cursor is None and finish is None:   # a token's chunk: only the text is new
-                choices.append(text_choice_json(index, delta))
+                choices.append((text_choice_json(index, delta), len(comp.token_ids)))
                 continue
-            choices.append(json_dumps({"index": index, "text": delta,
-                                       "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
-                                       "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}))
+            choices.append((json_dumps({"index": index, "text": delta,
+                                        "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
+                                        "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}),
+                            len(comp.token_ids)))
         return choices
 
 
