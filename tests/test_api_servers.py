@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -156,3 +157,43 @@ def test_an_api_server_count_past_the_machines_means_is_refused_before_anything_
     assert done.returncode == 1, done.stderr
     assert f"api_server_count must be at most {too_many - 1}" in done.stderr
     assert "engine core in process" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_cors_options_reach_every_api_server(stories_path, tmp_path):
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--api-server-count", "2",
+               "--allowed-origins", '["https://app.example"]', "--allowed-methods", '["POST"]']
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+    with _serve(tmp_path, command) as (proc, url, log):
+        for _ in range(6):          # new connections: the kernel hands them to either server
+            with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+                ok = client.options(f"{url}/v1/chat/completions", headers={**preflight, "Origin": "https://app.example"})
+                assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+                other = client.options(f"{url}/v1/chat/completions", headers={**preflight, "Origin": "https://evil.example"})
+                assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+                put = client.options(f"{url}/v1/chat/completions", headers={
+                    **preflight, "Origin": "https://app.example", "Access-Control-Request-Method": "PUT"})
+                assert put.status_code == 400
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0, log.read_text()
+        except subprocess.TimeoutExpired:
+            raise AssertionError(log.read_text()) from None
+
+
+def test_sigterm_while_the_api_servers_start_is_a_clean_stop(stories_path, tmp_path):
+    """A SIGTERM that reaches the API servers while they import and join the core (spawned with it
+    blocked, then taken as a stop) ends the run with status 0; it used to kill a server outright."""
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu",
+                                 "--port", "0", "--api-server-count", "2"], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        assert wait_for(lambda: "API server 1 in process" in log.read_text(), timeout=120), log.read_text()
+        proc.send_signal(signal.SIGTERM)          # both servers are spawned; neither serves yet
+        assert proc.wait(timeout=90) == 0, log.read_text()
+        assert "killed" not in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

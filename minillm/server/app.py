@@ -382,9 +382,10 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
 
 
 def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
-               sockets: list[socket.socket] | None = None, parent: Any = None) -> None:
+               sockets: list[socket.socket] | None = None, parent: Any = None,
+               stop: threading.Event | None = None) -> None:
     """Serve the app over `engine` with uvicorn until told to stop (or the engine fails, or `parent`,
-    a pipe's read end, reports its writer gone)."""
+    a pipe's read end, reports its writer gone, or `stop` is set)."""
     app = create_app(engine, options)
     uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=5, **uv_kwargs)
     server = _Server(uv_config, app.state.ctx.stopping)
@@ -394,6 +395,8 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     if parent is not None:
         threading.Thread(target=_exit_when_parent_gone, args=(parent, server), name="minillm-parent-watch",
                          daemon=True).start()
+    if stop is not None:
+        threading.Thread(target=_exit_when_set, args=(stop, server), name="minillm-stop-watch", daemon=True).start()
     freeze_startup_heap()
     server.run(sockets=sockets)
 
@@ -402,6 +405,13 @@ def _exit_when_parent_gone(parent: Any, server: _Server) -> None:
     """An API server of several: stop when the supervising process is gone, however it ended."""
     mp.connection.wait([parent])
     logger.error("the supervising minillm serve process is gone; this API server stops")
+    server.stopping.set()
+    server.should_exit = True
+
+
+def _exit_when_set(stop: threading.Event, server: _Server) -> None:
+    """An API server of several: stop once `stop` is set (a SIGTERM that came before uvicorn's handler)."""
+    stop.wait()
     server.stopping.set()
     server.should_exit = True
 
@@ -423,9 +433,14 @@ def run_api_server(spec: APIServerSpec) -> None:
     """An API server process's entry point: join the engine core, serve on the shared socket; exit 1
     if the engine failed."""
     os.setpgrp()    # signals come from the supervisor, once (a terminal's Ctrl-C reaches it alone)
-    # uvicorn shuts down gracefully on SIGTERM, then raises it again for the handler it found: that
-    # must not kill the process, whose exit status says whether the engine failed.
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    # The supervisor spawned this process with SIGTERM blocked, so one sent while it started is held,
+    # not fatal. From here a SIGTERM asks for a stop: before uvicorn takes the signals over (while this
+    # process joins the engine core) through `stop`; after, uvicorn shuts down gracefully and raises
+    # it again for this handler, which must not kill the process (its exit status says whether the
+    # engine failed).
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     _configure_logging()
     from minillm.server.async_llm import AsyncLLM
     try:
@@ -440,7 +455,7 @@ def run_api_server(spec: APIServerSpec) -> None:
     try:
         sock = port_socket(spec.host, spec.port)
         serve_http(engine, spec.options, {"log_level": "info" if spec.index == 0 else "warning"},
-                   sockets=[sock], parent=spec.parent)
+                   sockets=[sock], parent=spec.parent, stop=stop)
     finally:
         engine.shutdown()
     sys.exit(1 if engine.has_failed else 0)
@@ -473,9 +488,7 @@ def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
 
 
 # How long a stopping API server may take (its graceful HTTP shutdown, then the engine client's)
-# before it is killed. It was 15 s, and a SIGTERM'd two-server run on a loaded machine once ended
-# with status 1 and no error logged: a server killed at that limit is the likely cause, so the
-# limit doubled and a kill or a failed server is now logged by name.
+# before it is killed (and logged by name, as a failed server is).
 API_SERVER_EXIT_WAIT_S = 30
 
 
@@ -495,14 +508,6 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     spawn = mp.get_context("spawn")
     parent_reader, parent_writer = spawn.Pipe(duplex=False)
     servers = []
-    for i, link in enumerate(core.links):
-        server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
-        proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}",
-                             args=(APIServerSpec(config, server_options, link, host, port, parent_reader, i),))
-        proc.start()
-        servers.append(proc)
-        print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
-    parent_reader.close()
     stopping = ShutdownFlag()       # set in a signal handler: no lock
 
     def stop_servers(*_: Any) -> None:
@@ -514,6 +519,19 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
 
     previous = {sig: signal.signal(sig, stop_servers) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        # The servers start with SIGTERM blocked (a child inherits the mask) until they can take it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        try:
+            for i, link in enumerate(core.links):
+                server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
+                proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}", args=(
+                    APIServerSpec(config, server_options, link, host, port, parent_reader, i),))
+                proc.start()
+                servers.append(proc)
+                print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        parent_reader.close()
         while any(proc.is_alive() for proc in servers):
             mp.connection.wait([proc.sentinel for proc in servers if proc.is_alive()], timeout=1.0)
             if not stopping.is_set() and any(proc.exitcode is not None for proc in servers):
