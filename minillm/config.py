@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from minillm.generation_config import check_generation_config
+from minillm.sampling_params import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from minillm.kv_connector.transfer_config import KVTransferConfig
@@ -50,7 +51,7 @@ class EngineConfig:
 
     model: str
     device: str = "auto"                 # "cpu" | "cuda" | "auto"
-    dtype: str = "auto"                  # "auto" | "float32" | "float16" | "bfloat16"
+    dtype: str = "auto"                  # "auto" | "float32" | "float16" | "bfloat16" (vLLM's "float", "half")
     block_size: int = 16
     num_kv_blocks: int | None = None     # None: sized from the memory budget
     kv_cache_memory_bytes: int | None = None  # CPU budget for the pool (None: 1 GiB, capped by need)
@@ -67,6 +68,7 @@ class EngineConfig:
     enforce_eager: bool = False
     seed: int = 0
     download_dir: str | None = None      # None: the Hugging Face cache (model_store.hf_hub_cache)
+    revision: str | None = None          # a hub model's branch, tag or commit (None: main)
     served_model_name: str | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
@@ -85,6 +87,7 @@ class EngineConfig:
     # vLLM's generation_config: "auto" takes the sampling defaults of the model's
     # generation_config.json for what a request leaves unset; "vllm" ignores the file.
     generation_config: str = "auto"
+    max_logprobs: int = MAX_LOGPROBS     # the most log-probabilities a request may ask for, a token
     extra: dict = field(default_factory=dict)
 
     @property
@@ -96,8 +99,15 @@ class EngineConfig:
         check_field_types(self)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, got {self.dtype!r}")
+        if self.revision is not None and not isinstance(self.revision, str):
+            raise ValueError(f"revision must be a branch, tag or commit of a hub model, got {self.revision!r}")
+        if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (minillm returns at most "
+                             f"{MAX_LOGPROBS} log-probabilities a token), got {self.max_logprobs}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
@@ -161,13 +171,15 @@ class EngineConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's ModelDType also takes these names.
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # Bounds past which a value only allocates memory for nothing (vLLM's CUDA blocks go to 128 tokens;
 # the sampler keeps per-row buffers of max_num_seqs rows).
 MAX_BLOCK_SIZE = 1024
 MAX_NUM_SEQS = 65536
 # EngineConfig's fields by the kind of value they take (None passes where the field's default is None).
 _INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-               "max_model_len", "seed")
+               "max_model_len", "seed", "max_logprobs")
 _BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "calculate_kv_scales")
 
 

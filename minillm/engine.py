@@ -94,6 +94,12 @@ def own_sampling_params(params: SamplingParams) -> SamplingParams:
     return own
 
 
+def sequence_seed(seed: int, index: int) -> int:
+    """The generator seed of a request's index-th sequence: seed + index as an unsigned 64-bit value
+    (a negative seed reads as its two's complement), what NumPy's generator takes."""
+    return (seed + index) % 2**64
+
+
 def choose_backend(device: str) -> str:
     """'cpu' -> numpy, 'cuda' -> cuda, 'auto' -> cuda when CuPy sees a GPU."""
     if device == "cpu":
@@ -158,7 +164,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, log=None, output_processor=TextOutputs):
         self.config = config
         self.log = log or (lambda msg: print(msg, file=sys.stderr))
-        path = resolve_model_path(config.model, config.download_dir)
+        path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.model_path = path
         self.model_config = load_model_config(path)
         self.tokenizer = Tokenizer.from_pretrained(path)
@@ -188,6 +194,9 @@ class LLMEngine:
                              f"max_position_embeddings {model_max}")
         requested_len = config.max_model_len or model_max
         self.eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids))
+        # vLLM's update_from_generation_config: the EOS ids beyond the tokenizer's own stop a request
+        # as its stop token ids do, so the one that ends it is its stop_reason.
+        self.extra_eos_token_ids = [t for t in self.eos_token_ids if t != self.tokenizer.eos_token_id]
         if config.load_format == "dummy":
             weights = dummy_weights(self.model_config, self.dtype, config.seed)
         else:
@@ -267,7 +276,12 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_vocab(self.model_config.vocab_size)
+        for name in ("logprobs", "prompt_logprobs"):
+            if (value := getattr(params, name)) is not None and value > self.config.max_logprobs:
+                raise ValueError(f"{name} must be at most max_logprobs ({self.config.max_logprobs}), got {value}")
         params = own_sampling_params(params)
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:
@@ -286,7 +300,7 @@ class LLMEngine:
         now = arrival_time if arrival_time is not None else time.time()
         seqs = []
         for i in range(params.n):
-            seed = params.seed + i if params.seed is not None else self._seed_rng.getrandbits(62)
+            seed = sequence_seed(params.seed, i) if params.seed is not None else self._seed_rng.getrandbits(62)
             seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens))
         if prompt_block_keys is not None and len(ids) == num_given and are_prompt_block_keys(
                 prompt_block_keys, len(ids), self.block_manager.block_size):

@@ -1,10 +1,14 @@
 """LLM: the offline batch API, vLLM-compatible."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import itertools
 import numbers
+import os
 import sys
 from collections.abc import Iterable, Sequence as Seq
+from pathlib import Path
 
 import numpy as np
 
@@ -19,11 +23,64 @@ from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS, check_unicode
 PromptType = str | list[int] | dict
 
 
+# vLLM's LLM arguments that minillm has no setting for, taken where the value given is what minillm
+# does anyway: name -> (whether minillm honours the value, what minillm does). Any other value is a
+# ValueError naming the argument.
+VLLM_FIXED_ARGS = {
+    # minillm runs its own decoder for every model it loads, never code from a checkpoint: either value is safe.
+    "trust_remote_code": (lambda v: isinstance(v, bool), "minillm never runs a model's own code"),
+    "tokenizer_mode": (lambda v: v == "auto", "minillm reads tokenizer.json with the fast tokenizers library"),
+    "skip_tokenizer_init": (lambda v: v is False, "minillm always loads the tokenizer"),
+    "quantization": (lambda v: v is None, "minillm runs unquantized float32, float16 or bfloat16 weights"),
+    "disable_log_stats": (lambda v: v is True, "minillm's LLM logs no periodic stats (llm.llm_engine.stats() "
+                                               "reads them)"),
+    "enable_chunked_prefill": (lambda v: v is None or v is True, "minillm always chunks long prompts"),
+    "pipeline_parallel_size": (lambda v: _is_count(v, 1), "minillm has no pipeline parallelism"),
+    "data_parallel_size": (lambda v: _is_count(v, 1), "minillm runs one engine"),
+    "cpu_offload_gb": (lambda v: _is_count(v, 0), "minillm keeps every weight on the device"),
+}
+
+
+def _is_count(value, expected: int) -> bool:
+    """value is the number `expected` (not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == expected
+
+
+def engine_config(model, args: dict) -> EngineConfig:
+    """LLM's arguments as an EngineConfig: vLLM's names that minillm has no setting for are checked
+    against what it does (VLLM_FIXED_ARGS, tokenizer), an unknown name is a TypeError naming LLM."""
+    known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
+    for name in args:
+        if name not in known and name not in VLLM_FIXED_ARGS and name != "tokenizer":
+            close = difflib.get_close_matches(name, sorted(known | set(VLLM_FIXED_ARGS) | {"tokenizer"}), n=3)
+            hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
+    for name, (is_honoured, does) in VLLM_FIXED_ARGS.items():
+        if name in args and not is_honoured(args[name]):
+            raise ValueError(f"{name}={short_repr(args[name])} is not supported: {does}")
+    tokenizer = args.get("tokenizer")
+    if tokenizer is not None and not _same_path(tokenizer, model):
+        raise ValueError(f"tokenizer={short_repr(tokenizer)} is not supported: minillm reads the tokenizer from "
+                         f"the model's own directory (leave tokenizer unset, or give the model's path)")
+    return EngineConfig(model=model, **{k: v for k, v in args.items() if k in known})
+
+
+def _same_path(a, b) -> bool:
+    """Whether a and b name the same model (the same string, or the same directory)."""
+    if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
+        return False
+    return os.fspath(a) == os.fspath(b) or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+
+
 class LLM:
-    """Generate for many prompts at once through the engine's continuous batching."""
+    """Generate for many prompts at once through the engine's continuous batching.
+
+    Takes EngineConfig's fields by name, and vLLM's other common arguments where their value is
+    what minillm does anyway (VLLM_FIXED_ARGS, tokenizer as the model itself).
+    """
 
     def __init__(self, model: str, **engine_args):
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self.engine = LLMEngine(engine_config(model, engine_args))
         self._ids = itertools.count()
 
     @property

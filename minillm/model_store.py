@@ -45,22 +45,25 @@ def _looks_like_path(model: str) -> bool:
 # ---- resolving a name ------------------------------------------------------------------------------
 
 
-def resolve_model_path(model: str, download_dir: str | None = None) -> Path:
-    """A local model directory as is; a hub id from the store, fetched into it when missing."""
+def resolve_model_path(model: str, download_dir: str | None = None, revision: str | None = None) -> Path:
+    """A local model directory as is; a hub id from the store (at revision: a branch, tag or commit),
+    fetched into it when missing."""
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} names a version of a hub model; {model} is a local directory")
         return path
     if path.exists():
         raise ValueError(f"{model} is a file, not a model directory")
     if _looks_like_path(model) or not is_repo_id(model) or Path(model.split("/")[0]).expanduser().is_dir():
         # A path (or its first folder exists here): the user meant a directory, not the hub.
         raise FileNotFoundError(no_such_directory(model))
-    cached = cached_snapshot(model, download_dir)
+    cached = cached_snapshot(model, download_dir, revision)
     if cached is not None:
         return cached
-    return download_model(model, download_dir)
+    return download_model(model, download_dir, revision)
 
 
 def no_such_directory(model: str) -> str:
@@ -178,9 +181,15 @@ def _snapshots(folder: Path) -> list[Path]:
     return found
 
 
-def cached_snapshot(repo_id: str, download_dir: str | None = None) -> Path | None:
-    """The complete snapshot of REPO_ID in the store, or None (no network)."""
-    return next((s for s in _snapshots(_repo_folder(repo_id, download_dir)) if _is_complete(s)), None)
+def cached_snapshot(repo_id: str, download_dir: str | None = None, revision: str | None = None) -> Path | None:
+    """The complete snapshot of REPO_ID in the store (the one REVISION names, a ref or a commit, when
+    given), or None (no network)."""
+    folder = _repo_folder(repo_id, download_dir)
+    if revision is None:
+        return next((s for s in _snapshots(folder) if _is_complete(s)), None)
+    ref = folder / "refs" / revision
+    snapshot = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
+    return snapshot if snapshot.parent == folder / "snapshots" and _is_complete(snapshot) else None
 
 
 def _is_offline() -> bool:
@@ -188,21 +197,22 @@ def _is_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def download_model(repo_id: str, download_dir: str | None = None) -> Path:
+def download_model(repo_id: str, download_dir: str | None = None, revision: str | None = None) -> Path:
     """snapshot_download the files the engine needs into the store (huggingface_hub draws the bars)."""
     from huggingface_hub import snapshot_download
 
     store = model_store(download_dir)
     try:
-        path = Path(snapshot_download(repo_id, cache_dir=str(store), allow_patterns=DOWNLOAD_PATTERNS,
-                                      local_files_only=_is_offline()))
+        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(store),
+                                      allow_patterns=DOWNLOAD_PATTERNS, local_files_only=_is_offline()))
     except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         reason = reason if len(reason) <= 200 else reason[:197] + "..."
         nearby = nearby_model_dirs(repo_id.split("/")[-1])
         hint = f" (did you mean {' or '.join(nearby[:2])}?)" if nearby else ""
+        at = "" if revision is None else f" at revision {revision!r}"
         raise RuntimeError(f"no such directory: {repo_id}{hint}; as a Hugging Face repo id it could not be "
-                           f"fetched into {store} ({type(e).__name__}: {reason})") from e
+                           f"fetched{at} into {store} ({type(e).__name__}: {reason})") from e
     if not (path / "config.json").is_file():
         raise RuntimeError(f"model {repo_id!r} was fetched into {path} but has no config.json "
                            f"(minillm runs Hugging Face safetensors checkpoints)")

@@ -67,9 +67,9 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
 
 def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
     """A token's {id: logprob} as vLLM's Logprobs: the top num_top ranked 1.. in order; the sampled
-    token, when it falls below them, has no rank known here."""
+    (or prompt) token, when it falls below them, keeps the rank its Logprob carries from the sampler."""
     order = sorted(logprobs, key=logprobs.__getitem__, reverse=True)
-    return {tid: Logprob(logprobs[tid], i + 1 if i < num_top else None,
+    return {tid: Logprob(logprobs[tid], i + 1 if i < num_top else getattr(logprobs[tid], "rank", None),
                          tokenizer.decode_token(tid, skip_special_tokens=False))
             for i, tid in enumerate(order)}
 

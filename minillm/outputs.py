@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 class Logprob(float):
     """A token's log-probability: a float, which also answers vLLM's Logprob fields (.logprob,
-    .rank: 1 for the likeliest token, None for a sampled token below the top ones asked for,
+    .rank: 1 for the likeliest token, a sampled or prompt token's place in the whole vocabulary,
     .decoded_token: the token's text alone)."""
 
     __slots__ = ("rank", "decoded_token")

@@ -1,7 +1,7 @@
 """Prompt log-probabilities (vLLM's SamplingParams.prompt_logprobs): each prompt token's
-log-probability given the tokens before it, with the top-k alternatives, from a prefill's hidden
-states. Only requests that ask pay for it: the rows of their prompt chunks go through the LM head
-once more, beside the step's sampling rows.
+log-probability given the tokens before it, its rank, and the top-k alternatives, from a
+prefill's hidden states. Only requests that ask pay for it: the rows of their prompt chunks go
+through the LM head once more, beside the step's sampling rows.
 
     plan = plan_prompt_logprobs(out, query_start_loc)     # None when no row of the step asks
     pending = compute_prompt_logprobs(plan, hidden, model, ops, device)   # queued on the device
@@ -18,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from minillm.outputs import Logprob
 
 ROWS_PER_SLICE = 64      # rows of [rows, vocab] logits alive at once (151,936 x 64 x 4 B = 39 MB each)
 
@@ -65,14 +67,16 @@ def plan_prompt_logprobs(out, query_start_loc: np.ndarray) -> PromptLogprobsPlan
 class PendingPromptLogprobs:
     """A plan's log-probabilities on their way to the host."""
 
-    def __init__(self, plan: PromptLogprobsPlan, token_lp, top_ids, top_lp):
+    def __init__(self, plan: PromptLogprobsPlan, token_lp, token_rank, top_ids, top_lp):
         self.plan = plan
-        self._token_lp, self._top_ids, self._top_lp = token_lp, top_ids, top_lp   # host futures
+        self._token_lp, self._token_rank = token_lp, token_rank                    # host futures
+        self._top_ids, self._top_lp = top_ids, top_lp
 
     def result(self) -> dict[int, tuple[int, list[dict[int, float]]]]:
-        """seq_id -> (first prompt index, one {token id: logprob} per scored token: the token itself
-        and its top num_top alternatives)."""
+        """seq_id -> (first prompt index, one {token id: logprob} per scored token: the token itself,
+        a Logprob with its rank, and its top num_top alternatives)."""
         token_lp = self._token_lp.result()                               # [R]
+        token_rank = self._token_rank.result()                           # [R]
         top_ids = self._top_ids.result() if self._top_ids is not None else None   # [R, K]
         top_lp = self._top_lp.result() if self._top_lp is not None else None
         p, out, r = self.plan, {}, 0
@@ -83,7 +87,7 @@ class PendingPromptLogprobs:
                 entry = {}
                 if k:
                     entry = dict(zip(top_ids[i, :k].tolist(), top_lp[i, :k].tolist()))
-                entry[tokens[i]] = float(token_lp[i])
+                entry[tokens[i]] = Logprob(float(token_lp[i]), int(token_rank[i]))
                 entries.append(entry)
             out[seq_id] = (first, entries)
             r += count
@@ -91,21 +95,26 @@ class PendingPromptLogprobs:
 
 
 def compute_prompt_logprobs(plan: PromptLogprobsPlan, hidden, model, ops, device) -> PendingPromptLogprobs:
-    """Queue the LM head, log-softmax and top-k over the plan's rows of hidden [T, D] (on the device),
-    in slices of ROWS_PER_SLICE rows; the results go to the host asynchronously."""
+    """Queue the LM head, log-softmax, the tokens' ranks and top-k over the plan's rows of hidden
+    [T, D] (on the device), in slices of ROWS_PER_SLICE rows; the results go to the host
+    asynchronously. One expression over xp serves NumPy and CuPy alike."""
     xp = ops.xp
     rows, nxt = ops.asarray(plan.rows), ops.asarray(plan.next_tokens)
     k = plan.max_top
-    token_parts, id_parts, lp_parts = [], [], []
+    token_parts, rank_parts, id_parts, lp_parts = [], [], [], []
     for i in range(0, len(plan.rows), ROWS_PER_SLICE):
         j = min(i + ROWS_PER_SLICE, len(plan.rows))
         logprobs = ops.log_softmax(model.compute_logits(hidden[rows[i:j]]))      # [r, V] float32
-        token_parts.append(xp.take_along_axis(logprobs, nxt[i:j, None].astype(xp.int64), axis=1)[:, 0])
+        token = xp.take_along_axis(logprobs, nxt[i:j, None].astype(xp.int64), axis=1)     # [r, 1]
+        token_parts.append(token[:, 0])
+        # rank: the entries at least as likely as the token, itself included (as the sampler's token_rank)
+        rank_parts.append((logprobs >= token).sum(axis=1, dtype=xp.int32))         # [r]
         if k:
             top = xp.argpartition(-logprobs, k - 1, axis=1)[:, :k]                # [r, k], unordered
             id_parts.append(top.astype(xp.int32))
             lp_parts.append(xp.take_along_axis(logprobs, top, axis=1))
     token_lp = device.to_host_async(xp.concatenate(token_parts))
+    token_rank = device.to_host_async(xp.concatenate(rank_parts))
     top_ids = device.to_host_async(xp.concatenate(id_parts)) if k else None
     top_lp = device.to_host_async(xp.concatenate(lp_parts)) if k else None
-    return PendingPromptLogprobs(plan, token_lp, top_ids, top_lp)
+    return PendingPromptLogprobs(plan, token_lp, token_rank, top_ids, top_lp)

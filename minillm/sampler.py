@@ -6,6 +6,7 @@ from types import ModuleType
 
 import numpy as np
 
+from minillm.outputs import Logprob
 from minillm.sampling_metadata import (SamplingInputBuffer, SamplingMetadata, banned_entries, bias_entries,
                                        penalty_entries)
 from minillm.sequence import Sequence
@@ -124,17 +125,25 @@ class Sampler:
     @staticmethod
     def logprob_dicts(host: np.ndarray | None, rows: list[int], seqs: list[Sequence],
                       ids: list[int]) -> list[dict[int, float] | None]:
-        """host: [len(rows), V] log-probabilities -> per sequence {sampled id and top-k ids: logprob}."""
+        """host: [len(rows), V] log-probabilities -> per sequence {sampled id and top-k ids: logprob};
+        the sampled id's value is a Logprob with its rank in the row."""
         out: list[dict[int, float] | None] = [None] * len(seqs)
         if host is None:
             return out
         for r, b in enumerate(rows):
             k = seqs[b].params.logprobs
-            row = host[r]
-            d = {int(ids[b]): float(row[ids[b]])}
+            row = host[r]                                      # [V]
+            token = int(ids[b])
+            d = {token: Logprob(float(row[token]), token_rank(row, row[token]))}
             if k:
                 top = np.argpartition(-row, k - 1)[:k]
                 for t in top[np.argsort(-row[top], kind="stable")]:
                     d.setdefault(int(t), float(row[t]))
             out[b] = d
         return out
+
+
+def token_rank(row: np.ndarray, value: float) -> int:
+    """A token's rank in its row of log-probabilities: the entries at least as likely, itself
+    included (vLLM's batched_count_greater_than), so 1 for the likeliest."""
+    return int(np.count_nonzero(row >= value))

@@ -19,8 +19,9 @@ def __getattr__(name: str):
         return StructuredOutputsParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# A seed is handed to numpy's generator as an unsigned 64-bit number.
-MAX_SEED = 2**64 - 1
+# vLLM's seeds: a signed 64-bit integer (its server's bound), -1 meaning none. The sampler's generator
+# takes the unsigned 64-bit value of each sequence's seed (engine.sequence_seed).
+MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 MAX_LOGPROBS = 20
 # Completions of one request: each is a sequence the engine tracks (the server's --max-n is lower).
 MAX_N = 4096
@@ -81,7 +82,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1                 # -1 or 0: off
     min_p: float = 0.0
-    seed: int | None = None
+    seed: int | None = None         # -1: none, as None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -144,6 +145,8 @@ class SamplingParams:
             raise ValueError(f"{name} {why}, got {short_repr(getattr(self, name))}")
 
         self._normalize_stops()
+        if _is_int(self.seed) and self.seed == -1:     # vLLM: -1 is no seed
+            self.seed = None
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")
@@ -180,8 +183,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            bad("seed", "must be an integer in [0, 2**64 - 1]")
+        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            bad("seed", "must be an integer in [-2**63, 2**63 - 1] (-1: no seed)")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")

@@ -428,9 +428,10 @@ class Scheduler:
     def stop(self, seq: Sequence, stop_string: str) -> None:
         """The output processor found a stop string in seq's text: finish it with that reason.
 
-        A sequence that its last token finished by length reports the stop string instead."""
+        A sequence that the same token already finished (by length, a stop token or a grammar it
+        completed) reports the stop string instead, as vLLM's output processor does."""
         status, reason = check_stop(seq, self.eos_token_ids, stop_string)
-        if seq.status is SequenceStatus.FINISHED_LENGTH:
+        if seq.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED):
             seq.status, seq.stop_reason = status, reason
         else:
             self.finish(seq, status, reason)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import json
+import numbers
 import threading
 from datetime import datetime
 from pathlib import Path
@@ -236,6 +237,38 @@ class Tokenizer:
         """Number of token ids the tokenizer knows, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def __len__(self) -> int:
+        """The vocabulary size, added tokens included (len() of a Hugging Face tokenizer)."""
+        return self.vocab_size
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of the tokenizer's own eos_token, as Hugging Face's (eos_token_ids also lists the
+        generation config's)."""
+        return self._id_of("eos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        """The eos_token's text (None when the tokenizer names none)."""
+        return self.special_tokens.get("eos_token")
+
+    @property
+    def bos_token(self) -> str | None:
+        """The bos_token's text (None when the tokenizer names none)."""
+        return self.special_tokens.get("bos_token")
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id over the whole vocabulary, added tokens included (Hugging Face's get_vocab)."""
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    def convert_ids_to_tokens(self, ids: int | list[int], skip_special_tokens: bool = False) -> str | None | list:
+        """An id -> its vocabulary string (None outside the vocabulary); a list of ids -> a list, special
+        tokens left out when skip_special_tokens, as Hugging Face's."""
+        if isinstance(ids, numbers.Integral):
+            return self.id_to_token(ids)
+        skipped = set(self.all_special_ids) if skip_special_tokens else ()
+        return [self.id_to_token(i) for i in ids if i not in skipped]
+
     @property
     def all_special_ids(self) -> list[int]:
         """Ids of every special token (the ones skip_special_tokens drops)."""
@@ -264,7 +297,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None when out of range)."""
-        return self.backend.id_to_token(token_id)
+        return self.backend.id_to_token(int(token_id)) if 0 <= token_id < self.vocab_size else None
 
     @property
     def has_chat_template(self) -> bool:

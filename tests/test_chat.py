@@ -522,7 +522,7 @@ def test_bad_bytes_and_settings_in_a_terminal_print_no_traceback():
     child = spawn_chat("--temperature", "0", "--max-tokens", "6")
     for line, answer in (("/set top_k 1.5", "error: top_k needs an integer, got '1.5'"),
                          ("/set temperature nan", "error: temperature must be a finite number"),
-                         ("/set seed -3", "error: seed must be an integer in [0, 2**64 - 1]"),
+                         ("/set seed 9223372036854775808", "error: seed must be an integer in [-2**63, 2**63 - 1]"),
                          ("/set max_tokens 0", "error: max_tokens must be an integer >= 1")):
         assert answer in ask(child, line)
     wait_until_reading_input(child)

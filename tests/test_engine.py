@@ -82,10 +82,17 @@ def test_outputs_carry_text_reason_and_metrics(stories_path):
 
 
 def test_any_of_several_eos_ids_finishes_with_stop(eos_model_path):
+    """As vLLM's update_from_generation_config: the EOS ids beyond the tokenizer's own are stop token
+    ids, so the one that ends a completion is its stop_reason (the tokenizer's own gives None)."""
     llm = LLM(str(eos_model_path), device="cpu")
-    assert set(llm.engine.eos_token_ids) == {1, 2}
+    assert set(llm.engine.eos_token_ids) == {1, 2} and llm.get_tokenizer().eos_token_id == 2
     out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=450))[0].outputs[0]
-    assert out.finish_reason == "stop" and out.token_ids[-1] == 1 and out.stop_reason is None
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 1 and out.stop_reason == 1
+    assert "<s>" not in out.text and out.text == llm.get_tokenizer().decode(out.token_ids[:-1])
+    params = SamplingParams(temperature=0, max_tokens=4, logit_bias={2: 100.0}, stop_token_ids=[300])
+    own = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    assert own.token_ids == [2] and own.finish_reason == "stop" and own.stop_reason is None
+    assert params.stop_token_ids == [300]                       # the caller's params are left as given
     assert 1 not in out.token_ids[:-1]
     ignored = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=450,
                                                                 ignore_eos=True))[0].outputs[0]

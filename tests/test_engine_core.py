@@ -135,6 +135,17 @@ def test_token_outputs_detokenised_apart_match_the_engine(config, reference, sto
     core.engine.shutdown()
 
 
+def test_log_probabilities_with_their_ranks_cross_the_socket_as_floats():
+    from minillm.outputs import Logprob
+    seq = m.SeqOutput(0, [5], [{5: Logprob(-2.5, 7), 6: -0.25}])
+    step = m.StepOutputs(1, 0.0, [m.RequestStepOutput("r", [seq], False, 0, None, None, None,
+                                                      [None, {3: Logprob(-1.0, 2)}])])
+    [got] = m.up_decoder().decode(m.encoder().encode(step)).outputs
+    assert got.seqs[0].new_logprobs == [{5: -2.5, 6: -0.25}] and got.new_prompt_logprobs == [None, {3: -1.0}]
+    with pytest.raises(TypeError, match="Encoding objects of type object is unsupported"):
+        m.encoder().encode([object()])
+
+
 def test_an_abort_that_has_reached_the_core_is_applied_before_its_next_step(config):
     """The core's loop takes every command waiting in its socket before it launches a step."""
     ctx = zmq.Context()

@@ -91,3 +91,21 @@ def test_gpu_sampling_seeded_and_aborts_free_blocks(stories_path):
     engine.abort_request("x")
     engine.step()
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_stories_gpu_logprob_ranks_equal_cpu(stories_path):
+    """Each sampled and prompt token's Logprob rank (tokens outside the top-k included) and value on
+    the GPU equal the CPU engine's (fp32, greedy)."""
+    prompts = ["Once upon a time there was a banana", "The little dog ran"]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1, prompt_logprobs=2, ignore_eos=True)
+    runs = [LLM(str(stories_path), device="cpu").generate(prompts, params),
+            LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+            .generate(prompts, params)]
+    for cpu, gpu in zip(*runs):
+        assert gpu.outputs[0].token_ids == cpu.outputs[0].token_ids
+        pairs = list(zip(cpu.prompt_logprobs[1:] + cpu.outputs[0].logprobs,
+                         gpu.prompt_logprobs[1:] + gpu.outputs[0].logprobs))
+        assert any(max(lp.rank for lp in c.values()) > 3 for c, _ in pairs)    # ranks past the top-k occur
+        for c, g in pairs:
+            assert {t: lp.rank for t, lp in c.items()} == {t: lp.rank for t, lp in g.items()}
+            np.testing.assert_allclose([float(g[t]) for t in c], [float(c[t]) for t in c], atol=2e-4)

@@ -172,6 +172,61 @@ def test_none_for_an_engine_argument_with_a_default_takes_the_default():
     assert config.max_model_len is None and config.num_kv_blocks is None      # None is these fields' default
 
 
+def test_vllm_arguments_with_the_values_minillm_follows_are_taken(stories_path):
+    llm = LLM(str(stories_path), device="cpu", trust_remote_code=True, quantization=None, disable_log_stats=True,
+              enable_chunked_prefill=True, pipeline_parallel_size=1, data_parallel_size=1, cpu_offload_gb=0,
+              tokenizer=str(stories_path), tokenizer_mode="auto", skip_tokenizer_init=False, dtype="float",
+              max_logprobs=2)
+    assert llm.llm_engine.dtype == "float32"
+    [out] = llm.generate("Once upon a time", SamplingParams(max_tokens=2, logprobs=2, prompt_logprobs=2))
+    assert all(len(lp) <= 3 for lp in out.outputs[0].logprobs)
+    for field in ("logprobs", "prompt_logprobs"):       # vLLM's max_logprobs bounds both
+        with pytest.raises(ValueError, match=rf"{field} must be at most max_logprobs \(2\), got 3"):
+            llm.generate("Once upon a time", SamplingParams(max_tokens=2, **{field: 3}))
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert LLM(str(stories_path), device="cpu", trust_remote_code=False).generate("Once", GREEDY)
+    from minillm.config import EngineConfig
+    assert (EngineConfig(model="any", dtype="half").dtype, EngineConfig(model="any", dtype="float").dtype) == \
+        ("float16", "float32")                                      # vLLM's ModelDType aliases
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"quantization": "awq"}, "quantization='awq' is not supported: minillm runs unquantized"),
+    ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
+    ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
+    ({"disable_log_stats": False}, "disable_log_stats=False is not supported"),
+    ({"trust_remote_code": "yes"}, "trust_remote_code='yes' is not supported"),
+    ({"tokenizer": "other/tokenizer"}, "tokenizer='other/tokenizer' is not supported"),
+    ({"max_logprobs": -1}, r"max_logprobs must be an integer in \[0, 20\]"),
+    ({"max_logprobs": "5"}, "max_logprobs must be an integer"),
+    ({"dtype": "double"}, "dtype must be auto, float32"),
+    ({"revision": "main"}, "revision 'main' names a version of a hub model"),
+])
+def test_vllm_arguments_minillm_cannot_honour_are_value_errors_naming_them(stories_path, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(stories_path), device="cpu", **kwargs)
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("max_num_seq", r"LLM\(\) got an unexpected keyword argument 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"),
+    ("gpu_memory_util", r"'gpu_memory_util' \(did you mean 'gpu_memory_utilization'\?\)"),
+    ("swap_space", r"LLM\(\) got an unexpected keyword argument 'swap_space'$"),
+])
+def test_an_unknown_argument_is_named_with_the_close_ones(stories_path, name, needle):
+    with pytest.raises(TypeError, match=needle):
+        LLM(str(stories_path), device="cpu", **{name: 1})
+
+
+def test_a_revision_of_a_hub_model_is_loaded(stories_path, tmp_path, monkeypatch):
+    from conftest import put_in_hf_cache
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    put_in_hf_cache(tmp_path / "hub", "someorg/stories", stories_path, revision="0123abcd")
+    llm = LLM("someorg/stories", device="cpu", download_dir=str(tmp_path / "hub"), revision="0123abcd")
+    assert llm.generate("Once upon a time", GREEDY)[0].outputs[0].token_ids == \
+        LLM(str(stories_path), device="cpu").generate("Once upon a time", GREEDY)[0].outputs[0].token_ids
+
+
 def test_a_model_that_is_not_a_path_is_a_value_error():
     for model in (None, 5):
         with pytest.raises(ValueError, match="model must be a model directory or hub id"):

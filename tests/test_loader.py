@@ -368,6 +368,24 @@ def test_hub_ids_come_from_the_hugging_face_cache(tmp_path, monkeypatch):
     assert resolve_model_path("someorg/tiny-llama", download_dir=str(tmp_path / "elsewhere")) == other
 
 
+def test_a_revision_picks_its_snapshot_of_a_hub_model(tmp_path, monkeypatch):
+    """vLLM's revision: a branch or tag (a ref in the cache) or a commit names the snapshot; a local
+    directory has none to pick."""
+    import shutil
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    tiny = save_numpy_checkpoint(tmp_path / "src", "llama")[0]
+    store = tmp_path / "hub"
+    main = put_in_hf_cache(store, "someorg/tiny-llama", tiny, revision="0123abcd")
+    tagged = shutil.copytree(main, main.parent / "fedc9876", symlinks=True)
+    (main.parents[1] / "refs" / "v2").write_text("fedc9876")
+    for revision, want in ((None, main), ("main", main), ("0123abcd", main), ("v2", tagged), ("fedc9876", tagged)):
+        assert resolve_model_path("someorg/tiny-llama", str(store), revision) == want, revision
+    with pytest.raises(RuntimeError, match="could not be fetched at revision 'nope'"):
+        resolve_model_path("someorg/tiny-llama", str(store), "nope")
+    with pytest.raises(ValueError, match="revision 'main' names a version of a hub model; .* is a local directory"):
+        resolve_model_path(str(tiny), revision="main")
+
+
 def test_the_store_is_listed_with_what_minillm_cannot_run(tmp_path):
     cache = tmp_path / "hub"
     tiny = save_numpy_checkpoint(tmp_path / "src", "qwen2")[0]

@@ -55,6 +55,23 @@ def test_prompt_logprobs_are_transformers_log_softmax(stories_path, reference):
         assert ranks == list(range(1, TOP + 1))
 
 
+def test_each_prompt_token_carries_its_rank_in_the_vocabulary(stories_path, long_prompt):
+    """vLLM's rank for a prompt token (the entries at least as likely, itself included), whether or
+    not it is among the top ones asked for."""
+    from test_model_parity import minillm_prompt_logits
+    from test_sampling import rank_bounds
+    ids = long_prompt[:1] + long_prompt[1:30][::-1]            # backwards: tokens far down the ranking
+    want = npops.log_softmax(minillm_prompt_logits(stories_path, ids))       # [P, V]
+    llm = LLM(str(stories_path), device="cpu")
+    for k in (0, 2):
+        [out] = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=k))
+        ranks = [out.prompt_logprobs[i][ids[i]].rank for i in range(1, len(ids))]
+        for i, rank in enumerate(ranks, start=1):
+            low, high = rank_bounds(want[i - 1], ids[i])
+            assert low <= rank <= high, i
+        assert max(ranks) > 10
+
+
 def test_the_same_entries_however_the_prompt_is_computed(stories_path, long_prompt):
     whole = scored(LLM(str(stories_path), device="cpu"), [long_prompt])[0]
     assert len(whole.prompt_logprobs) == len(long_prompt)

@@ -33,6 +33,26 @@ def test_different_seeds_differ_and_n_gives_distinct_completions(llm):
     assert [c.index for c in two] == [0, 1] and two[0].token_ids == a and two[1].token_ids == b
 
 
+def test_seeds_take_vllms_signed_64_bit_range_and_minus_one_is_none(llm):
+    assert SamplingParams(seed=-1).seed is None
+    for seed in (-2**63, -5, 2**63 - 1):
+        assert SamplingParams(seed=seed).seed == seed
+    for seed in (2**63, -2**63 - 1, 2**64 - 1, "7", 1.0):
+        with pytest.raises(ValueError, match=r"seed must be an integer in \[-2\*\*63, 2\*\*63 - 1\]"):
+            SamplingParams(seed=seed)
+    params = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
+    params.seed = -1                                       # set after construction: unseeded all the same
+    unseeded = [llm.generate([PROMPT], params)[0].outputs[0].token_ids for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+    # A negative seed, and a largest one with n > 1 (its later sequences' seeds wrap), are reproducible.
+    for seed, n in ((-5, 1), (2**63 - 1, 3)):
+        runs = [[c.token_ids for c in gen(llm, temperature=1.0, seed=seed, n=n, max_tokens=20, ignore_eos=True)]
+                for _ in range(2)]
+        assert runs[0] == runs[1] and len({tuple(ids) for ids in runs[0]}) == n
+    assert gen(llm, temperature=1.0, seed=-5, max_tokens=20, ignore_eos=True)[0].token_ids != \
+        gen(llm, temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)[0].token_ids
+
+
 def test_top_k_1_equals_greedy(llm):
     greedy = gen(llm, temperature=0, max_tokens=30, ignore_eos=True)[0].token_ids
     assert gen(llm, temperature=1.5, top_k=1, seed=3, max_tokens=30, ignore_eos=True)[0].token_ids == greedy
@@ -104,6 +124,33 @@ def test_logprobs_match_log_softmax(llm, stories_path):
         top3 = set(np.argsort(-row)[:3].tolist())
         assert top3 <= set(lp) and len(lp) <= 4
     assert abs(out.cumulative_logprob - sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids))) < 1e-4
+
+
+def rank_bounds(row: np.ndarray, token: int, tol: float = 1e-4) -> tuple[int, int]:
+    """The rank vLLM gives token in a log-softmax row (the entries at least as likely, itself
+    included), as bounds that allow for rounding between two computations of the row."""
+    return int((row > row[token] + tol).sum()) + 1, int((row >= row[token] - tol).sum())
+
+
+def test_a_rank_counts_the_entries_at_least_as_likely_as_vllm_does():
+    from minillm.sampler import token_rank
+    row = np.array([-1.0, -0.5, -0.5, -3.0], np.float32)                # [V]
+    assert [token_rank(row, row[t]) for t in range(4)] == [3, 2, 2, 4]    # ties count as ahead
+
+
+def test_logprob_rank_is_the_tokens_place_in_the_vocabulary(llm, stories_path):
+    """vLLM's Logprob.rank for a sampled token, inside the top ones asked for or below them."""
+    from test_model_parity import minillm_prompt_logits
+    greedy = gen(llm, temperature=0, max_tokens=6, logprobs=0, ignore_eos=True)[0]
+    assert all(list(lp) == [t] and lp[t].rank == 1 for t, lp in zip(greedy.token_ids, greedy.logprobs))
+    hot = gen(llm, temperature=5.0, seed=1, max_tokens=12, logprobs=2, ignore_eos=True)[0]
+    prompt = llm.get_tokenizer().encode(PROMPT)
+    rows = npops.log_softmax(minillm_prompt_logits(stories_path, prompt + hot.token_ids[:-1]))[len(prompt) - 1:]
+    for row, token, lp in zip(rows, hot.token_ids, hot.logprobs):
+        low, high = rank_bounds(row, token)
+        assert low <= lp[token].rank <= high
+        assert [e.rank for e in sorted(lp.values(), reverse=True)[:2]] == [1, 2]       # the top two
+    assert max(lp[t].rank for t, lp in zip(hot.token_ids, hot.logprobs)) > 10     # far below the top two
 
 
 def test_repetition_penalty_changes_greedy_output(llm):

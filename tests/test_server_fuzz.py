@@ -37,7 +37,7 @@ def sampling_fields() -> dict:
         "top_p": st.floats(0.01, 1),
         "top_k": st.integers(-1, 512),
         "min_p": st.floats(0, 1),
-        "seed": st.integers(0, 2**64 - 1),
+        "seed": st.integers(-2**63, 2**63 - 1),
         "presence_penalty": st.floats(-2, 2),
         "frequency_penalty": st.floats(-2, 2),
         "repetition_penalty": st.floats(0.5, 2),

@@ -150,6 +150,18 @@ def test_a_complete_grammar_stops_even_under_ignore_eos_and_min_tokens(stories_p
         assert llm.get_tokenizer().decode(c.token_ids) == c.text       # the last token is text, not EOS
 
 
+def test_a_stop_string_on_the_token_that_completes_the_grammar_is_the_stop_reason(stories_path):
+    """The grammar and the stop string end the output on the same token: the text is cut at the stop
+    string, which is the stop_reason, as vLLM's output processor has it."""
+    regex = StructuredOutputsParams(regex="abc")
+    with LLM(str(stories_path), device="cpu") as llm:
+        outs = llm.generate(["Tom is"] * 3, [SamplingParams(temperature=0, max_tokens=20, stop=stop,
+                                                            structured_outputs=regex, include_stop_str_in_output=keep)
+                                             for stop, keep in ((["c"], False), (["bc"], True), (["b"], False))])
+    assert [(o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].stop_reason) for o in outs] == \
+        [("ab", "stop", "c"), ("abc", "stop", "bc"), ("a", "stop", "b")]
+
+
 def test_ignore_eos_under_a_grammar_that_may_go_on_runs_to_max_tokens(stories_path):
     # At temperature 5 the model samples EOS wherever the grammar may end; ignore_eos keeps it out.
     params = [SamplingParams(temperature=5.0, seed=seed, max_tokens=200, ignore_eos=True,

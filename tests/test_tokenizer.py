@@ -111,6 +111,22 @@ def test_stories_special_ids_match_transformers():
     assert not tok.has_chat_template
 
 
+@needs_stories
+def test_hugging_face_attributes_match_transformers():
+    """What users read of vLLM's get_tokenizer() (a Hugging Face tokenizer) reads the same here."""
+    tok, ref = Tokenizer.from_pretrained(STORIES), _auto(STORIES)
+    assert (tok.eos_token_id, tok.bos_token_id, tok.eos_token, tok.bos_token) == \
+        (ref.eos_token_id, ref.bos_token_id, ref.eos_token, ref.bos_token) == (2, 1, "</s>", "<s>")
+    assert len(tok) == len(ref) == 512 and tok.get_vocab() == ref.get_vocab()
+    ids = [1, 403, 2, 0, 5, 511]
+    assert tok.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
+    assert tok.convert_ids_to_tokens(ids, skip_special_tokens=True) == \
+        ref.convert_ids_to_tokens(ids, skip_special_tokens=True)
+    assert tok.convert_ids_to_tokens(403) == ref.convert_ids_to_tokens(403) == "\u2581Once"
+    assert tok.convert_ids_to_tokens(512) is ref.convert_ids_to_tokens(512) is None
+    assert tok.convert_ids_to_tokens(-1) is None
+
+
 # Leading whitespace is left out: transformers 5 rebuilds Llama tokenizers with a Metaspace
 # pre-tokenizer that drops the sentencepiece dummy prefix before a leading space (also right after
 # a special token such as "</s> x"); minillm follows
@@ -185,7 +201,8 @@ def test_bos_rule_matches_transformers(tmp_path, byte_bpe_json):
 def test_eos_list_merged_from_generation_config(tmp_path):
     path = _write_dir(tmp_path / "multi_eos", _stories_json(), _stories_config(),
                       {"bos_token_id": 1, "eos_token_id": [2, 13, 2]})
-    assert Tokenizer.from_pretrained(path).eos_token_ids == [2, 13]
+    tok = Tokenizer.from_pretrained(path)
+    assert tok.eos_token_ids == [2, 13] and tok.eos_token_id == 2      # eos_token_id: the tokenizer's own
 
 
 def test_missing_tokenizer_json_names_it(tmp_path):

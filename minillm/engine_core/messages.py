@@ -181,4 +181,11 @@ def up_decoder() -> msgspec.msgpack.Decoder:
 
 def encoder() -> msgspec.msgpack.Encoder:
     """An encoder for either direction."""
-    return msgspec.msgpack.Encoder()
+    return msgspec.msgpack.Encoder(enc_hook=_plain_float)
+
+
+def _plain_float(value: Any) -> float:
+    """A float subclass (a Logprob with its rank) travels as its value: the server's shapes carry no rank."""
+    if isinstance(value, float):
+        return float(value)
+    raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")
