@@ -718,7 +718,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible HTTP API.
 
-    Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics.
+    Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics, /tokenize,
+    /detokenize, /version.
     """
     from minillm.chat_terminal import is_terminal
     from minillm.tokenizer import chat_template_from_arg

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
@@ -39,10 +39,11 @@ from minillm.server.http import uvicorn_config
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
-from minillm.server.protocol import ChatCompletionRequest, CompletionRequest
+from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
 from minillm.server.serving_completion import create_completion
+from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
 from minillm.server.streaming import EventStreamResponse
 
@@ -132,6 +133,22 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def model(model: str):
         ctx.check_model(model)
         return model_card()
+
+
+def _add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
+    """vLLM's utility endpoints. Outside /v1, so the API key does not guard them (as in vLLM)."""
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any] = Body()):
+        return await create_tokenize(ctx, body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await create_detokenize(ctx, body)
+
+    @app.api_route("/version", methods=GET_OR_HEAD)
+    async def version():
+        from minillm import __version__
+        return {"version": __version__}
 
 
 def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -244,6 +261,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx)
+    _add_vllm_routes(app, ctx)
     _add_ops_routes(app, ctx)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,
                        timeout_s=options.limits.body_timeout_s)

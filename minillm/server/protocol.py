@@ -85,12 +85,23 @@ class StreamOptions(_OpenAIModel):
     continuous_usage_stats: bool = False
 
 
-class _GenerationRequest(_OpenAIModel):
+class _ModelRequest(_OpenAIModel):
+    """A request that may name the model it is for (every request of the API)."""
+
+    model: Text | None = None
+
+    @field_validator("model")
+    @classmethod
+    def _empty_model_is_ours(cls, value: str | None) -> str | None:
+        # vLLM serves its model for "model": "" as for no model (clients with the name left blank send it).
+        return value or None
+
+
+class _GenerationRequest(_ModelRequest):
     """Fields completions and chat completions share (OpenAI names plus vLLM's extensions)."""
 
     # Clients send fields we do not use (metadata, ...): accept them and log their names.
 
-    model: Text | None = None
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -119,12 +130,6 @@ class _GenerationRequest(_OpenAIModel):
     @classmethod
     def _constraint_text(cls, value: dict | None) -> dict | None:
         return _check_json_text(value)
-
-    @field_validator("model")
-    @classmethod
-    def _empty_model_is_ours(cls, value: str | None) -> str | None:
-        # vLLM serves its model for "model": "" as for no model (clients with the name left blank send it).
-        return value or None
 
     @property
     def include_usage(self) -> bool:
@@ -216,28 +221,19 @@ class Tool(_OpenAIModel):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(_GenerationRequest):
-    """POST /v1/chat/completions."""
+class ConversationRequest(_OpenAIModel):
+    """The fields that say how a conversation becomes a prompt: chat completions and /tokenize's chat
+    form share them, so both render the same token ids."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    functions: list[dict] | None = None          # the legacy form of tools
-    function_call: Any = None
     chat_template: Text | None = None            # vLLM's: a Jinja template for this request only
     chat_template_kwargs: dict[Text, Any] | None = None   # extra variables for the template
     # vLLM's: how the conversation is rendered (the assistant's turn opened, or the last message
-    # continued), whether the reply starts with the last message's text, and whether the tokenizer
-    # adds its special tokens on top of what the template writes.
+    # continued), and whether the tokenizer adds its special tokens on top of what the template writes.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    echo: bool = False
     add_special_tokens: bool = False
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -245,12 +241,47 @@ class ChatCompletionRequest(_GenerationRequest):
         return _check_json_text(value)
 
 
-def unknown_fields(req: _GenerationRequest) -> list[str]:
+class ChatCompletionRequest(ConversationRequest, _GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    functions: list[dict] | None = None          # the legacy form of tools
+    function_call: Any = None
+    echo: bool = False                           # vLLM's: the reply starts with the last message's text
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+class TokenizeCompletionRequest(_ModelRequest):
+    """POST /tokenize with a prompt (vLLM's TokenizeCompletionRequest)."""
+
+    prompt: Text
+    add_special_tokens: bool = True              # BOS (and such) before the text, as completions add them
+    return_token_strs: bool = False              # also each token's vocabulary string
+
+
+class TokenizeChatRequest(ConversationRequest, _ModelRequest):
+    """POST /tokenize with messages (vLLM's TokenizeChatRequest): rendered as a chat completion's are."""
+
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_ModelRequest):
+    """POST /detokenize (vLLM's DetokenizeRequest)."""
+
+    tokens: list[int]
+
+
+def unknown_fields(req: _ModelRequest) -> list[str]:
     """Names of the fields a request carried that this server ignores (nested ones as a dotted path)."""
     names = list(req.model_extra or {})
-    if req.stream_options is not None:
-        names += [f"stream_options.{k}" for k in req.stream_options.model_extra or {}]
-    if isinstance(req, ChatCompletionRequest):
+    stream_options = getattr(req, "stream_options", None)
+    if stream_options is not None:
+        names += [f"stream_options.{k}" for k in stream_options.model_extra or {}]
+    if isinstance(req, ConversationRequest):
         for i, message in enumerate(req.messages):
             names += [f"messages.{i}.{k}" for k in message.model_extra or {}]
     return names
@@ -288,10 +319,15 @@ def check_unsupported(req: _GenerationRequest) -> None:
             raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
         if req.function_call not in (None, "none"):
             raise APIError(400, "function_call is not supported", param="function_call")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
-                           "(set add_generation_prompt to false to continue the last message)",
-                           param="continue_final_message")
+        check_rendering(req)
+
+
+def check_rendering(req: ConversationRequest) -> None:
+    """400 for rendering fields that exclude each other."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                       "(set add_generation_prompt to false to continue the last message)",
+                       param="continue_final_message")
 
 
 def tool_choice_of(req: ChatCompletionRequest) -> Any:
@@ -317,9 +353,10 @@ def check_tool_choice(req: ChatCompletionRequest) -> None:
     raise APIError(400, f"tool_choice {short_repr(choice)} is not supported ({hint})", param="tool_choice")
 
 
-def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
-    """The tools the chat template renders: vLLM passes them under tool_choice "none" too."""
-    if req.tools is None or tool_choice_of(req) != "none":
+def template_tools(req: ConversationRequest) -> list[dict] | None:
+    """The tools the chat template renders: vLLM passes them under tool_choice "none" too (a chat
+    completion's other choices are refused); /tokenize has no tool_choice and renders them always."""
+    if req.tools is None or (isinstance(req, ChatCompletionRequest) and tool_choice_of(req) != "none"):
         return None
     return [tool.model_dump() for tool in req.tools]
 
@@ -427,7 +464,7 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return top
 
 
-def messages_as_dicts(req: ChatCompletionRequest) -> list[dict]:
+def messages_as_dicts(req: ConversationRequest) -> list[dict]:
     """Messages as the plain dicts a chat template reads, as vLLM passes them: multi-part text joined
     by newlines; an assistant's tool_calls (arguments parsed from JSON) and reasoning (also as
     reasoning_content); a tool's tool_call_id."""

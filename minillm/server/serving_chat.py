@@ -15,9 +15,9 @@ from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
 from minillm.server.protocol import (
-    ChatCompletionRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens, chat_max_tokens_field,
-    check_unsupported,
-    message_chars, messages_as_dicts, template_tools, to_sampling_params, unknown_fields,
+    ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
+    chat_max_tokens_field, check_unsupported, message_chars, messages_as_dicts, template_tools, to_sampling_params,
+    unknown_fields,
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, content_choice_json,
@@ -30,7 +30,7 @@ from minillm.server.structured import asks_for_structure, structured_outputs_par
 RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt", "continue_final_message")
 
 
-def chat_template_for(ctx: ServingContext, req: ChatCompletionRequest) -> str | None:
+def chat_template_for(ctx: ServingContext, req: ConversationRequest) -> str | None:
     """The template source to render with (None: the model's own); 400 when there is none to use."""
     if req.chat_template is not None:
         if not ctx.trust_request_chat_template:
@@ -47,7 +47,7 @@ def chat_template_for(ctx: ServingContext, req: ChatCompletionRequest) -> str | 
     return None
 
 
-def template_kwargs(req: ChatCompletionRequest) -> dict:
+def template_kwargs(req: ConversationRequest) -> dict:
     """chat_template_kwargs, refusing names that the renderer sets itself, plus the request's tools
     (chat_template_kwargs may replace them, as in vLLM)."""
     kwargs = dict(req.chat_template_kwargs or {})
@@ -70,6 +70,33 @@ def naming_max_tokens_field(req: ChatCompletionRequest):
         if exc.param == "max_tokens" and field != "max_tokens":
             exc.param, exc.message = field, exc.message.replace("max_tokens", field)
         raise
+
+
+class ConversationPrompt:
+    """A request's conversation, checked where it enters (its size, the template to use, the
+    template's variables); token_ids() renders and tokenises it. Chat completions and /tokenize's
+    chat form both go through it, so /tokenize counts what a chat completion feeds the engine."""
+
+    def __init__(self, ctx: ServingContext, req: ConversationRequest) -> None:
+        self.ctx, self.req = ctx, req
+        self.messages = messages_as_dicts(req)
+        check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
+        self.template = chat_template_for(ctx, req)
+        self.template_kwargs = template_kwargs(req)
+
+    def token_ids(self) -> list[int]:
+        """Token ids of the conversation plus the assistant's turn opener (slow: run it in the pool)."""
+        tok, req = self.ctx.tokenizer, self.req
+        try:
+            text = tok.render_chat(self.messages, template=self.template,
+                                   add_generation_prompt=req.add_generation_prompt,
+                                   continue_final_message=req.continue_final_message, **self.template_kwargs)
+        except ValueError as exc:
+            param = "chat_template" if req.chat_template is not None else "messages"
+            raise APIError(400, str(exc), param=param) from None
+        check_prompt_chars(self.ctx.limits, len(text), "messages")
+        # The template writes BOS itself where the model wants it (add_special_tokens adds more).
+        return tok.encode_batch([text], add_special_tokens=req.add_special_tokens)[0]
 
 
 def echoed_text(req: ChatCompletionRequest, messages: list[dict]) -> str:
@@ -102,11 +129,8 @@ class ChatJob:
             # max_completion_tokens wins, but a bad max_tokens beside it is still a bad request.
             raise APIError(400, f"max_tokens must be an integer in [1, {limit}] (the model's context), "
                                 f"got {short_repr(req.max_tokens)}", param="max_tokens")
-        self.messages = messages_as_dicts(req)
-        check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
-        self.template = chat_template_for(ctx, req)
-        self.template_kwargs = template_kwargs(req)
-        self.echo_text = echoed_text(req, self.messages)
+        self.conversation = ConversationPrompt(ctx, req)
+        self.echo_text = echoed_text(req, self.conversation.messages)
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -126,18 +150,8 @@ class ChatJob:
                                          self.structured, defaults=self.ctx.sampling_defaults)
 
     def _render(self) -> list[int]:
-        """Token ids of the conversation plus the assistant's turn opener."""
-        tok = self.ctx.tokenizer
-        try:
-            text = tok.render_chat(self.messages, template=self.template,
-                                   add_generation_prompt=self.req.add_generation_prompt,
-                                   continue_final_message=self.req.continue_final_message, **self.template_kwargs)
-        except ValueError as exc:
-            param = "chat_template" if self.req.chat_template is not None else "messages"
-            raise APIError(400, str(exc), param=param) from None
-        check_prompt_chars(self.ctx.limits, len(text), "messages")
-        # The template writes BOS itself where the model wants it (add_special_tokens adds more).
-        ids = tok.encode_batch([text], add_special_tokens=self.req.add_special_tokens)[0]
+        """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""
+        ids = self.conversation.token_ids()
         return truncate_prompt(ids, self.req.truncate_prompt_tokens, self.ctx.engine.max_model_len)
 
     def _cursor(self) -> LogprobCursor | None:
