@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, running_server, sse_events
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, openai_error, running_server, sse_events
 
 from minillm.server.app import ServerOptions
 
@@ -36,14 +36,6 @@ def healthy(server):
 
 def _chat(**fields) -> dict:
     return {"model": MODEL, "messages": MESSAGES, "max_tokens": 6, "temperature": 0, **fields}
-
-
-def _error(response: httpx.Response, status: int, param: str | None) -> dict:
-    assert response.status_code == status, response.text[:500]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param, error
-    return error
 
 
 # Fields vLLM accepts that would change what comes back, and that this server does not implement:
@@ -85,7 +77,7 @@ REFUSED = [
 
 @pytest.mark.parametrize("path,body,param", [c[1:] for c in REFUSED], ids=[c[0] for c in REFUSED])
 def test_fields_not_implemented_or_malformed_are_400s_naming_the_field(http, healthy_stream, path, body, param):
-    _error(http.post(path, json=body), 400, param)
+    openai_error(http.post(path, json=body), 400, param)
 
 
 @pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tools": [], "tool_choice": "required"}, {"tools": []},
@@ -100,12 +92,12 @@ def test_values_that_ask_for_nothing_pass(http, healthy_stream, fields):
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded"])
 def test_a_body_not_sent_as_json_says_which_content_type_to_use(http, healthy_stream, content_type):
     body = json.dumps({"prompt": "Once", "max_tokens": 2}).encode()
-    error = _error(http.post("/v1/completions", content=body, headers={"Content-Type": content_type}), 400, None)
+    error = openai_error(http.post("/v1/completions", content=body, headers={"Content-Type": content_type}), 400, None)
     assert "Content-Type: application/json" in error["message"]
 
 
 def test_an_empty_body_says_so(http, healthy_stream):
-    error = _error(http.post("/v1/completions", content=b"", headers={"Content-Type": "application/json"}), 400, None)
+    error = openai_error(http.post("/v1/completions", content=b"", headers={"Content-Type": "application/json"}), 400, None)
     assert "empty" in error["message"]
 
 
@@ -168,7 +160,7 @@ def test_add_special_tokens_adds_bos_as_vllm_does(http, tok, healthy_stream):
             for f in ({}, {"add_special_tokens": True})]
     assert chat[1] == chat[0] + 1
     # Text that tokenizes to nothing without its BOS is an empty prompt.
-    _error(http.post("/v1/completions", json={"prompt": "", "add_special_tokens": False}), 400, "prompt")
+    openai_error(http.post("/v1/completions", json={"prompt": "", "add_special_tokens": False}), 400, "prompt")
 
 
 NULLABLE = ("n", "stream", "logprobs", "echo", "ignore_eos", "min_tokens", "skip_special_tokens",
@@ -199,8 +191,8 @@ def test_null_optional_fields_mean_their_defaults_as_in_openais_api(http, health
     rest = http.post("/v1/chat/completions", json=_chat(max_tokens=None, ignore_eos=True)).json()
     assert rest["usage"]["total_tokens"] == server_max_model_len(http)
     # A required field is still required.
-    _error(http.post("/v1/completions", json={**body, "prompt": None}), 400, "prompt")
-    _error(http.post("/v1/chat/completions", json=_chat(messages=None)), 400, "messages")
+    openai_error(http.post("/v1/completions", json={**body, "prompt": None}), 400, "prompt")
+    openai_error(http.post("/v1/chat/completions", json=_chat(messages=None)), 400, "messages")
 
 
 def server_max_model_len(http) -> int:

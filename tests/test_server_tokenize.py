@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, api_servers_on_one_core, get_stats, running_server
+from test_server_helpers import CHAT_TEMPLATE, api_servers_on_one_core, get_stats, openai_error, running_server
 
 import minillm
 from minillm.config import EngineConfig
@@ -45,14 +45,6 @@ def _post(url: str, path: str, body) -> httpx.Response:
 def _ok(response: httpx.Response) -> dict:
     assert response.status_code == 200, response.text[:500]
     return response.json()
-
-
-def _error(response: httpx.Response, status: int, param: str | None) -> dict:
-    assert response.status_code == status, response.text[:500]
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    assert error["param"] == param, error
-    return error
 
 
 @pytest.mark.parametrize("add_special_tokens", [True, False, None])
@@ -180,7 +172,7 @@ ERRORS = [
 @pytest.mark.parametrize("path,body,status,param", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
 def test_bad_requests_are_openai_errors_naming_the_field(server, path, body, status, param):
     url, _ = server
-    _error(_post(url, path, body), status, param)
+    openai_error(_post(url, path, body), status, param)
 
 
 def test_a_wrong_model_is_the_completions_404(server):
@@ -219,6 +211,6 @@ def test_every_api_server_tokenizes_without_the_engine_core(two_servers):
         assert _ok(_post(url, "/detokenize", {"tokens": expected}))["prompt"] == \
             engines[0].tokenizer.decode(expected, skip_special_tokens=False)
         # No template on this model: the chat form is the chat completion's 400.
-        error = _error(_post(url, "/tokenize", {"messages": MESSAGES}), 400, "messages")
+        error = openai_error(_post(url, "/tokenize", {"messages": MESSAGES}), 400, "messages")
         assert error["code"] == "no_chat_template"
     assert get_stats(urls[0])["prompt_tokens_total"] == before      # nothing reached the engine core
