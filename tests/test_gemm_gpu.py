@@ -137,3 +137,59 @@ def test_a_shape_first_seen_during_a_capture_runs_the_default():
         stream.synchronize()
     assert rel_error(to_host32(out), ref) < TOL["bfloat16"]
     assert all(p.num_tokens == 8 for p in gemm.tune_results())
+
+
+def test_zero_workspace_configurations_are_correct_and_capture_as_one_kernel_node():
+    """An output-head-sized product (N >= 65,536, where cuBLAS's default zeroes a workspace counter
+    first): each lt0 candidate equals NumPy and captures as a single kernel node, no memset."""
+    from minillm.benchmarks.kernels import _count_graph_nodes
+
+    rng = np.random.default_rng(9)
+    tokens, k, n = 64, 1024, 65536
+    x, w, ref = operands(rng, tokens, k, n, "bfloat16")
+    out = cupy.empty((tokens, n), cupy.float32)
+    p = gemm.problem_of(out, x, w)
+    lt0 = [c for c in gemm.candidates(p) if c.kind == "lt0"]
+    assert lt0, "cuBLASLt offered no configuration without a workspace"
+    rt = cupy.cuda.runtime
+    stream = cupy.cuda.Stream(non_blocking=True)
+    for c in lt0:
+        out.fill(np.nan)
+        with stream:
+            gemm.run(p, c, out, x, w)
+            stream.synchronize()
+            assert rel_error(cupy.asnumpy(out), ref) < 1e-5, c.name
+            rt.streamBeginCapture(stream.ptr, rt.streamCaptureModeRelaxed)
+            try:
+                gemm.run(p, c, out, x, w)
+            finally:
+                graph = rt.streamEndCapture(stream.ptr)
+        try:
+            counted = _count_graph_nodes(graph)
+        finally:
+            rt.graphDestroy(graph)
+        assert counted is not None and counted[0] == 1 and counted[1] == 1, (c.name, counted)
+
+
+def test_a_product_too_large_to_tune_runs_a_zero_workspace_configuration(monkeypatch):
+    """A decode-sized product past TUNE_MAX_WEIGHT_BYTES (an output head) is not tuned: linear()
+    runs lt0/0, equal to NumPy, and its graph is that one kernel."""
+    from minillm.benchmarks.kernels import graph_node_count
+
+    rng = np.random.default_rng(10)
+    tokens, k, n = 64, 1024, 65536
+    x, w, ref = operands(rng, tokens, k, n, "bfloat16")
+    monkeypatch.setattr(gemm, "TUNE_MAX_WEIGHT_BYTES", 1 << 20)
+    gemm.clear_cache()
+    try:
+        got = ops.linear(x, w, out_dtype="float32")
+        p = gemm.problem_of(got, x, w)
+        assert not gemm.is_tunable(p) and gemm.untuned_choice(p) == gemm.Candidate("lt0", 0)
+        assert gemm.tune_results() == {}
+        assert rel_error(cupy.asnumpy(got), ref) < 1e-5
+        nodes = graph_node_count(cupy, ops, lambda: ops.linear(x, w, out_dtype="float32"))
+        assert (nodes["nodes"], nodes["kernel_nodes"]) == (1, 1), nodes
+        assert not gemm.is_tunable(gemm.problem_of(got[:3], x[:3], w))   # T = 3: not a decode size
+        assert gemm.untuned_choice(gemm.problem_of(got[:3], x[:3], w)) == gemm.DEFAULT
+    finally:
+        gemm.clear_cache()

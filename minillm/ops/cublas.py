@@ -336,8 +336,11 @@ class LtPlan:
     """One problem's cuBLASLt descriptors and the configurations its heuristic offers (best first)."""
 
     def __init__(self, num_tokens: int, n: int, k: int, x_stride: int, dtype_name: str, out_dtype_name: str,
-                 max_algos: int = 16):
+                 max_algos: int = 16, workspace_bytes: int = LT_WORKSPACE_BYTES):
+        if not 0 <= workspace_bytes <= LT_WORKSPACE_BYTES:
+            raise ValueError(f"workspace_bytes must be in [0, {LT_WORKSPACE_BYTES}], got {workspace_bytes}")
         self.lt = get_lt_handle()
+        self.workspace_bytes = workspace_bytes     # the heuristic's limit and what each call is given
         lib = self.lt.lib
         self.desc, self.a_layout, self.b_layout, self.c_layout = lt_describe(
             lib, num_tokens, n, k, x_stride, dtype_name, out_dtype_name)
@@ -345,7 +348,7 @@ class LtPlan:
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
         try:
             _set_attr(lib.cublasLtMatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                      ctypes.c_uint64(LT_WORKSPACE_BYTES))
+                      ctypes.c_uint64(workspace_bytes))
             for i in range(4):                  # A, B, C, D
                 _set_attr(lib.cublasLtMatmulPreferenceSetAttribute, pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES + i,
                           ctypes.c_uint32(LT_MIN_ALIGNMENT_BYTES))
@@ -357,7 +360,7 @@ class LtPlan:
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
         self.algos = [results[i].algo for i in range(count.value)
-                      if results[i].state == 0 and results[i].workspaceSize <= LT_WORKSPACE_BYTES]
+                      if results[i].state == 0 and results[i].workspaceSize <= workspace_bytes]
 
     def describe(self, i: int) -> str:
         """Configuration i in words: its id, tile, stages and split-K."""
@@ -380,6 +383,7 @@ class LtPlan:
         status = self.lt.lib.cublasLtMatmul(
             self.lt.handle, self.desc, ctypes.byref(alpha_v), ctypes.c_void_p(w.data.ptr), self.a_layout,
             ctypes.c_void_p(x.data.ptr), self.b_layout, ctypes.byref(beta_v), out_p, self.c_layout, out_p,
-            self.c_layout, ctypes.byref(self.algos[i]), ctypes.c_void_p(self.lt.workspace.ptr),
-            LT_WORKSPACE_BYTES, ctypes.c_void_p(cupy.cuda.get_current_stream().ptr))
+            self.c_layout, ctypes.byref(self.algos[i]),
+            ctypes.c_void_p(self.lt.workspace.ptr if self.workspace_bytes else None), self.workspace_bytes,
+            ctypes.c_void_p(cupy.cuda.get_current_stream().ptr))
         _check(status, f"cublasLtMatmul (configuration {i})")
