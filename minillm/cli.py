@@ -465,6 +465,11 @@ def generate(
     logit_bias: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=SAMPLING_PANEL, metavar="ID=BIAS",
         help="Add BIAS (in [-100, 100]) to token ID's logit before sampling (repeatable).")] = None,
+    allowed_token_ids: Annotated[Optional[list[int]], typer.Option(
+        "--allowed-token-id", rich_help_panel=SAMPLING_PANEL,
+        help="Sample only this token id and the others given (repeatable).")] = None,
+    bad_words: Annotated[Optional[list[str]], typer.Option(
+        "--bad-word", rich_help_panel=SAMPLING_PANEL, help="A word the output must not contain (repeatable).")] = None,
     json_schema: Annotated[Optional[Path], typer.Option(
         rich_help_panel=STRUCTURE_PANEL, help="Output JSON valid under the JSON schema in this file.")] = None,
     regex: Annotated[Optional[str], typer.Option(
@@ -487,6 +492,8 @@ def generate(
                    stop_token_ids=list(stop_token_ids or []), presence_penalty=presence_penalty,
                    frequency_penalty=frequency_penalty, logprobs=logprobs, ignore_eos=ignore_eos,
                    logit_bias=logit_bias_option(logit_bias), prompt_logprobs=prompt_logprobs,
+                   allowed_token_ids=list(allowed_token_ids) if allowed_token_ids else None,
+                   bad_words=list(bad_words) if bad_words else None,
                    structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar),
                    **{k: v for k, v in model_defaulted.items() if v is not None})
     SamplingParams(**options)               # a bad flag fails before the model loads

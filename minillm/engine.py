@@ -89,6 +89,10 @@ def own_sampling_params(params: SamplingParams) -> SamplingParams:
         own.stop = list(params.stop)
     if params.logit_bias is not None:
         own.logit_bias = dict(params.logit_bias)
+    if params.allowed_token_ids is not None:
+        own.allowed_token_ids = list(params.allowed_token_ids)
+    if params.bad_words is not None:
+        own.bad_words = list(params.bad_words)
     if params.extra_args is not None:
         own.extra_args = dict(params.extra_args)
     return own
@@ -280,6 +284,8 @@ class LLMEngine:
             if (value := getattr(params, name)) is not None and value > self.config.max_logprobs:
                 raise ValueError(f"{name} must be at most max_logprobs ({self.config.max_logprobs}), got {value}")
         params = own_sampling_params(params)
+        if params.bad_words:      # tokenized here for the sampler (the API server asked first: remembered)
+            params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:

@@ -6,6 +6,8 @@ from types import ModuleType
 
 import numpy as np
 
+from minillm.allowed_tokens import allowed_entries, keep_only_allowed
+from minillm.bad_words import bad_word_entries
 from minillm.outputs import Logprob
 from minillm.sampling_metadata import (SamplingInputBuffer, SamplingMetadata, banned_entries, bias_entries,
                                        penalty_entries)
@@ -56,8 +58,11 @@ class Sampler:
         return SamplerOutput(ids, raw_logprobs, rows)
 
     def apply_metadata_penalties(self, logits, meta: SamplingMetadata) -> None:
-        """logits: [B, V] float32, in place: the logit biases, penalties and min_tokens bans packed
-        in meta (biases first, as vLLM's sampler orders them)."""
+        """logits: [B, V] float32, in place: the allowed_token_ids masks, logit biases, penalties and
+        bans (min_tokens', bad words') packed in meta (masks first, then biases, as vLLM's sampler
+        orders them)."""
+        if meta.allowed is not None:
+            keep_only_allowed(logits, *meta.allowed)
         if meta.logit_bias is not None:
             rows, tokens, bias = meta.logit_bias
             logits[rows, tokens] += bias                  # one entry per (row, token): no repeats
@@ -68,14 +73,17 @@ class Sampler:
             logits[meta.banned[0], meta.banned[1]] = -np.inf
 
     def apply_penalties_and_bans(self, logits, seqs) -> None:
-        """logits: [B, V] float32, in place: repetition / presence / frequency penalties, and the
-        min_tokens ban of EOS and stop tokens. seqs: one per row (a Sequence or a view with its
-        params, prompt_token_ids, output_counts and num_output_tokens). The rows of a step verifying
-        drafts come here (one upload per array); plain steps take the packed path above. The
-        logit biases go first, as there."""
+        """logits: [B, V] float32, in place: repetition / presence / frequency penalties, the
+        min_tokens ban of EOS and stop tokens, and bad words' bans. seqs: one per row (a Sequence or
+        a view with its params, prompt_token_ids, output_counts, output_token_ids and
+        num_output_tokens). The rows of a step verifying drafts come here (one upload per array);
+        plain steps take the packed path above. The allowed_token_ids masks and then the logit
+        biases go first, as there."""
+        self._keep_only_allowed(logits, seqs)
         self._apply_logit_bias(logits, seqs)
         self._apply_penalties(logits, seqs)
         self._block_early_stops(logits, seqs)
+        self._ban_bad_words(logits, seqs)
 
     def apply_grammar_bitmask(self, logits, mask) -> None:
         """Tokens a constrained row's grammar forbids get -inf. On a device the masks go up in one
@@ -96,6 +104,13 @@ class Sampler:
         self.device.copy_to_device_async(kept[:num_rows], np.ascontiguousarray(mask.bitmask))   # [N, W]
         self.device.copy_to_device_async(rows, np.ascontiguousarray(mask.rows, dtype=np.int32))  # [N]
         ops.apply_token_bitmask(logits, kept[:num_rows], rows)
+
+    def _keep_only_allowed(self, logits, seqs) -> None:
+        rows, tokens, masked = allowed_entries(seqs, [b for b, s in enumerate(seqs) if s.params._allowed_entries])
+        if rows:
+            a = self.ops.asarray
+            keep_only_allowed(logits, a(np.array(rows, np.int32)), a(np.array(tokens, np.int32)),
+                              a(np.array(masked, np.int32)))
 
     def _apply_logit_bias(self, logits, seqs) -> None:
         rows, tokens, bits = bias_entries(seqs, [b for b, s in enumerate(seqs) if s.params.logit_bias])
@@ -119,6 +134,12 @@ class Sampler:
     def _block_early_stops(self, logits, seqs) -> None:
         """Below min_tokens, EOS and stop tokens cannot be sampled."""
         rows, tokens = banned_entries(seqs, range(len(seqs)), self.eos_token_ids, logits.shape[1])
+        if rows:
+            logits[self.ops.asarray(np.array(rows, np.int32)), self.ops.asarray(np.array(tokens, np.int32))] = -np.inf
+
+    def _ban_bad_words(self, logits, seqs) -> None:
+        """A token that would complete a bad word cannot be sampled."""
+        rows, tokens = bad_word_entries(seqs, [b for b, s in enumerate(seqs) if s.params._bad_word_ids])
         if rows:
             logits[self.ops.asarray(np.array(rows, np.int32)), self.ops.asarray(np.array(tokens, np.int32))] = -np.inf
 

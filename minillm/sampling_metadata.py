@@ -7,8 +7,9 @@ float fields are float32 views of the same words), `cap` rows per field:
                                   frequency | logprob rows        written when the batch changes
     uniforms  [cap]               one draw per non-greedy row     written every step that has one
     entries   [entry_cap]         penalty entries (rows | tokens | counts | in_prompt, N each),
-                                  then min_tokens bans (rows | tokens, M each), then logit_bias
-                                  entries (rows | tokens | float32 biases, K each)
+                                  then bans: min_tokens' and bad words' (rows | tokens, M each),
+                                  then logit_bias entries (rows | tokens | float32 biases, K each),
+                                  then allowed_token_ids (rows | tokens, A each | masked rows, R)
                                                                   written every step that has them
 
 Each step packs what changed into a pinned host slot and queues one host-to-device copy of the
@@ -28,6 +29,9 @@ import itertools
 from dataclasses import dataclass
 
 import numpy as np
+
+from minillm.allowed_tokens import allowed_entries
+from minillm.bad_words import bad_word_entries
 
 STATIC_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "logprob_rows")
@@ -54,6 +58,7 @@ class SamplingMetadata:
     banned: tuple | None             # (rows, token_ids): [M] int32, logits set to -inf
     copied: tuple[int, int] | None   # words [start, end) uploaded this step; None: no upload
     logit_bias: tuple | None = None  # (rows, token_ids [K] int32, biases [K] float32), added to the logits
+    allowed: tuple | None = None     # (rows, token_ids): [A] int32, masked rows: [R] int32; the rest get -inf
 
 
 def row_values(params) -> tuple:
@@ -196,19 +201,24 @@ class SamplingInputBuffer:
             self._min_tokens_rows = [b for b, p in enumerate(params) if p.min_tokens > 0]
             self._logprob_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
             self._bias_rows = [b for b, p in enumerate(params) if p.logit_bias]
+            self._allowed_rows = [b for b, p in enumerate(params) if p._allowed_entries]
+            self._bad_word_rows = [b for b, p in enumerate(params) if p._bad_word_ids]
         uniforms = [seqs[b].rng.random() for b in self._sampled_rows]
         pen = penalty_entries(seqs, self._penalty_rows) if self._penalty_rows else ([], [], [], [])
         ban = banned_entries(seqs, self._min_tokens_rows, self.eos_token_ids, vocab) if self._min_tokens_rows \
             else ([], [])
+        if self._bad_word_rows:
+            ban = tuple(a + b for a, b in zip(ban, bad_word_entries(seqs, self._bad_word_rows)))
         bias = bias_entries(seqs, self._bias_rows) if self._bias_rows else ([], [], [])
-        num_pen, num_ban, num_bias = len(pen[0]), len(ban[0]), len(bias[0])
-        num_entries = 4 * num_pen + 2 * num_ban + 3 * num_bias
+        allowed = allowed_entries(seqs, self._allowed_rows) if self._allowed_rows else ([], [], [])
+        counts = (len(pen[0]), len(ban[0]), len(bias[0]), len(allowed[0]), len(allowed[2]))
+        num_entries = 4 * counts[0] + 2 * counts[1] + 3 * counts[2] + 2 * counts[3] + counts[4]
         if batch > self.cap or num_entries > self.entry_cap or not self._slots:
             self._allocate(_grown(max(self.cap, self._initial[0]), batch),
                            _grown(max(self.entry_cap, self._initial[1]), num_entries))
             unchanged = False
-        copied = self._upload(batch, params, uniforms, pen + ban + bias, num_entries, unchanged)
-        return self._metadata(batch, num_pen, num_ban, num_bias, copied)
+        copied = self._upload(batch, params, uniforms, pen + ban + bias + allowed, num_entries, unchanged)
+        return self._metadata(batch, counts, copied)
 
     def _upload(self, batch: int, params, uniforms, entries, num_entries: int, unchanged: bool):
         """Pack the needed sections into the next host slot and queue one copy; returns its range."""
@@ -251,7 +261,9 @@ class SamplingInputBuffer:
         lp = (NUM_STATIC - 1) * cap
         slot.words[lp:lp + len(self._logprob_rows)] = self._logprob_rows
 
-    def _metadata(self, batch: int, num_pen: int, num_ban: int, num_bias: int, copied) -> SamplingMetadata:
+    def _metadata(self, batch: int, counts: tuple[int, ...], copied) -> SamplingMetadata:
+        """Views of the step's sections; counts: (penalty, ban, bias, allowed entries, masked rows)."""
+        num_pen, num_ban, num_bias, num_allowed, num_masked = counts
         views = self._field_views(batch)
         e, w = self.entries_offset, self.words
         pen = tuple(w[e + i * num_pen:e + (i + 1) * num_pen] for i in range(4)) if num_pen else None
@@ -260,7 +272,10 @@ class SamplingInputBuffer:
         k0 = b0 + 2 * num_ban
         bias = (w[k0:k0 + num_bias], w[k0 + num_bias:k0 + 2 * num_bias],
                 self.floats[k0 + 2 * num_bias:k0 + 3 * num_bias]) if num_bias else None
+        a0 = k0 + 3 * num_bias
+        allowed = (w[a0:a0 + num_allowed], w[a0 + num_allowed:a0 + 2 * num_allowed],
+                   w[a0 + 2 * num_allowed:a0 + 2 * num_allowed + num_masked]) if num_allowed else None
         lp = (NUM_STATIC - 1) * self.cap
         return SamplingMetadata(**views, logprob_rows=list(self._logprob_rows),
                                 logprob_rows_device=w[lp:lp + len(self._logprob_rows)],
-                                penalty_entries=pen, banned=ban, copied=copied, logit_bias=bias)
+                                penalty_entries=pen, banned=ban, copied=copied, logit_bias=bias, allowed=allowed)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from minillm.bad_words import BadWordIds
     from minillm.structured_output import StructuredOutputsParams
 
 
@@ -28,6 +29,8 @@ MAX_N = 4096
 # logit_bias: OpenAI's range for a bias, and a bound on the entries the sampler adds each step.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# bad_words: each word is tokenized (twice) where the request is added, and every step scans them.
+MAX_BAD_WORDS = 128
 # The sampler holds temperature and repetition_penalty as float32: past its largest value a
 # temperature is inf (a masked logit over it is NaN, and the row falls back to the argmax), and a
 # penalty below its smallest normal value divides logits into inf.
@@ -101,10 +104,16 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
     extra_args: dict | None = None
+    allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
+    bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py)
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     # logit_bias as the sampler uploads it, made when it is validated: (token ids, float32 bit patterns)
     _logit_bias_entries: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False,
                                                                      compare=False)
+    # allowed_token_ids as the sampler uploads them, made when they are validated: distinct, ascending
+    _allowed_entries: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+    # bad_words as token-id sequences, made where the tokenizer is known (update_from_tokenizer)
+    _bad_word_ids: BadWordIds | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -138,6 +147,27 @@ class SamplingParams:
     def needs_output_counts(self) -> bool:
         """True when a penalty reads the counts of earlier tokens."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def needs_output_tokens(self) -> bool:
+        """True when sampling reads earlier output tokens: a penalty's counts, or a bad word of
+        several tokens (its ban depends on the tokens before)."""
+        return self.needs_output_counts or (self._bad_word_ids is not None and self._bad_word_ids.max_prefix_len > 0)
+
+    @property
+    def bad_words_token_ids(self) -> tuple[tuple[int, ...], ...] | None:
+        """bad_words as token-id sequences (vLLM's name); None before update_from_tokenizer or without bad words."""
+        return None if self._bad_word_ids is None else self._bad_word_ids.sequences
+
+    def update_from_tokenizer(self, tokenizer, vocab_size: int | None = None) -> None:
+        """Tokenize bad_words (vLLM's name for the step); ValueError naming bad_words when a word
+        cannot be banned in a vocabulary of vocab_size (default: the tokenizer's)."""
+        if not self.bad_words:
+            self._bad_word_ids = None
+            return
+        from minillm.bad_words import bad_word_ids
+        self._bad_word_ids = bad_word_ids(tuple(self.bad_words), tokenizer,
+                                          len(tokenizer) if vocab_size is None else vocab_size)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range or of the wrong type."""
@@ -198,6 +228,7 @@ class SamplingParams:
             bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for the model's context length")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a dict")
+        self._validate_token_rules()
         self._logit_bias_entries = None
         if self.logit_bias is not None:
             self._validate_logit_bias()
@@ -223,6 +254,21 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                              f"got {short_repr(bad_values)}")
 
+    def _validate_token_rules(self) -> None:
+        """allowed_token_ids and bad_words: their types and sizes (the vocabulary is checked later)."""
+        self._allowed_entries = None
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple)) or not allowed or any(not _is_int(t) or t < 0 for t in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {short_repr(allowed)}")
+            self._allowed_entries = sorted(set(allowed))
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be a list of strings, got {short_repr(words)}")
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
+
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a field whose token ids or counts fall outside a vocabulary of vocab_size.
 
@@ -238,3 +284,6 @@ class SamplingParams:
         outside = [t for t in (self.logit_bias or ()) if t >= vocab_size]
         if outside:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
+        outside = [t for t in (self._allowed_entries or ()) if t >= vocab_size]
+        if outside:
+            raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")

@@ -182,9 +182,10 @@ class Scheduler:
 
     def needs_output_tokens(self) -> bool:
         """True when the step in flight must be read back before the next is scheduled: a running
-        sequence samples from its earlier tokens' counts (penalties) and one of those tokens is
-        still on the device, or speculation needs a sequence's tokens (see Drafter)."""
-        if any(s.num_output_placeholders and s.params.needs_output_counts for s in self.running):
+        sequence samples from its earlier tokens (penalties' counts, a bad word's first tokens) and
+        one of those tokens is still on the device, or speculation needs a sequence's tokens (see
+        Drafter)."""
+        if any(s.num_output_placeholders and s.params.needs_output_tokens for s in self.running):
             return True
         return self.drafter is not None and self.drafter.needs_output_tokens(self.running)
 

@@ -296,6 +296,23 @@ def test_generate_logit_bias_flag_reaches_the_sampler_and_bad_pairs_name_the_opt
 
 
 @needs_stories
+def test_generate_allowed_token_id_and_bad_word_flags_reach_the_sampler():
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        return minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+                       "--max-tokens", "12", "--json", *flags)
+
+    allowed = run("--allowed-token-id", "265", "--allowed-token-id", "376")
+    assert allowed.returncode == 0, allowed.stderr
+    assert set(json.loads(allowed.stdout)["outputs"][0]["token_ids"]) <= {265, 376}
+    plain, banned = run(), run("--bad-word", "Lily", "--bad-word", "girl")
+    assert plain.returncode == banned.returncode == 0, banned.stderr
+    assert "Lily" in json.loads(plain.stdout)["outputs"][0]["text"]
+    assert not {"Lily", "girl"} & set(json.loads(banned.stdout)["outputs"][0]["text"].replace(".", " ").split())
+    bad = run("--allowed-token-id", "600")
+    assert bad.returncode != 0 and "allowed_token_ids must be token ids in [0, 512)" in bad.stderr, bad.stderr
+
+
+@needs_stories
 def test_generate_prompt_logprobs_flag_scores_each_prompt_token_in_the_json_record():
     from minillm import LLM, SamplingParams
 

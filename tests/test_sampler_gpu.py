@@ -9,6 +9,7 @@ from minillm.ops import numpy as npops
 from minillm.sampler import Sampler
 from minillm.sampling_params import SamplingParams
 
+from test_bad_words import TableTokenizer
 from test_sampling_metadata import make_seq
 
 from gpu_support import HAS_GPU, cupy
@@ -90,3 +91,37 @@ def test_an_unchanged_greedy_batch_uploads_nothing_and_keeps_its_tokens():
     zeros = np.zeros(4, np.float32)
     np.testing.assert_array_equal(got, npops.sample(logits, zeros, np.array([0, 5, 0, 50], np.int32),
                                                     zeros + 1, zeros, zeros))
+
+
+def test_allowed_ids_and_bad_words_give_the_per_field_tokens_and_keep_their_rules():
+    rng = np.random.default_rng(2)
+    tokenizer = TableTokenizer({"ab": [7, 8], " ab": [9, 8], "c": [5], " c": [6]})
+    params = []
+    for i, p in enumerate(mixed_params(rng, 24)):
+        if i % 3 == 1:
+            p = SamplingParams(temperature=p.temperature, seed=p.seed, allowed_token_ids=[5, 7, 8, 9, 100_000])
+        if i % 4 == 2:
+            p = SamplingParams(temperature=p.temperature, seed=p.seed, bad_words=["ab", "c"],
+                               allowed_token_ids=[1, 5, 6, 7, 8, 9] if i % 8 == 2 else None)
+        p.update_from_tokenizer(tokenizer, VOCAB)
+        params.append(p)
+    seqs = [make_seq(p, 2000 + i, prompt=range(i, i + 40)) for i, p in enumerate(params)]
+    twins = [np.random.default_rng(2000 + i) for i in range(len(seqs))]
+    device = CudaDevice()
+    sampler, ref = Sampler(ops, EOS, device, max_num_seqs=32), Sampler(ops, EOS, device)
+    with device.compute():
+        for step in range(10):
+            logits = ops.asarray((rng.standard_normal((len(seqs), VOCAB)) * 3).astype(np.float32))
+            logits[:, [5, 6, 7, 8, 9]] += 6.0                 # the words' tokens lead, so the rules decide
+            want = cupy.asnumpy(reference_ids(ref, logits.copy(), seqs, twins))
+            got = cupy.asnumpy(sampler.sample_no_sync(logits, seqs).token_ids)
+            np.testing.assert_array_equal(got, want)
+            for s, t in zip(seqs, got.tolist()):              # read back before the next step: bad words need it
+                s.output_counts[t] = s.output_counts.get(t, 0) + 1
+                s.token_ids.append(t)
+    for s in seqs:
+        ids = s.output_token_ids
+        if s.params.allowed_token_ids:
+            assert set(ids) <= set(s.params.allowed_token_ids)
+        if s.params.bad_words:
+            assert not {5, 6} & set(ids) and not {(7, 8), (9, 8)} & set(zip(ids, ids[1:]))

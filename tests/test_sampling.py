@@ -103,6 +103,66 @@ def test_logit_bias_moves_only_its_rows_tokens(llm):
         gen(llm, logit_bias={512: 1.0})                      # stories260K's vocabulary is 512
 
 
+def test_allowed_token_ids_keep_greedy_output_inside_the_set(llm):
+    greedy = gen(llm, temperature=0, max_tokens=24, ignore_eos=True)[0].token_ids
+    allowed = sorted(set(greedy[4:12]) - {greedy[0]})          # no EOS among them: it runs to max_tokens
+    out = gen(llm, temperature=0, max_tokens=24, allowed_token_ids=allowed)[0]
+    assert set(out.token_ids) <= set(allowed) and out.token_ids[0] != greedy[0]
+    assert len(out.token_ids) == 24 and out.finish_reason == "length"
+    sampled = gen(llm, temperature=1.5, seed=4, max_tokens=24, allowed_token_ids=allowed)[0].token_ids
+    assert set(sampled) <= set(allowed)
+    # a set that holds every token greedy takes changes nothing
+    assert gen(llm, temperature=0, max_tokens=24, ignore_eos=True,
+               allowed_token_ids=sorted(set(greedy)))[0].token_ids == greedy
+
+
+# stories260K's greedy story names Lily (one token) and a girl ("g", "ir", "l").
+BAD_WORDS = ["Lily", "girl"]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_bad_words_never_appear_in_the_output(stories_path, async_scheduling):
+    llm = LLM(str(stories_path), device="cpu", async_scheduling=async_scheduling)
+    tok = llm.get_tokenizer()
+    lily, girl = (tok.encode(w, add_special_tokens=False) for w in BAD_WORDS)
+    assert len(lily) == 1 and len(girl) == 3
+    greedy = gen(llm, temperature=0, max_tokens=40, ignore_eos=True)[0].token_ids
+    out = gen(llm, temperature=0, max_tokens=40, ignore_eos=True, bad_words=BAD_WORDS)[0]
+    for ids, word in ((greedy, True), (out.token_ids, False)):
+        windows = {tuple(ids[i:i + 3]) for i in range(len(ids) - 2)}
+        assert (lily[0] in ids, tuple(girl) in windows) == (word, word)
+    assert out.token_ids[:5] == greedy[:5] and girl[:2] == out.token_ids[5:7]   # "g", "ir", then not "l"
+    assert "Lily" not in out.text and "girl" not in out.text
+
+
+def test_allowed_ids_and_bad_words_leave_the_rest_of_the_batch_alone(llm):
+    plain = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    prompts = [PROMPT, "Tom had", PROMPT, "The cat"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, plain)]
+    constrained = [SamplingParams(temperature=0, max_tokens=30, bad_words=BAD_WORDS, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=5, max_tokens=30, allowed_token_ids=[265, 286, 376])]
+    outs = llm.generate(prompts, [plain, constrained[0], plain, constrained[1]])
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [alone[0], alone[2]]
+    assert set(outs[3].outputs[0].token_ids) <= {265, 286, 376}
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(allowed_token_ids=[]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=[5, -1]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=[5, True]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=[5, 512]), "allowed_token_ids must be token ids in [0, 512), got [512]"),
+    (dict(bad_words="Lily"), "bad_words must be a list of strings"),
+    (dict(bad_words=["Lily", 3]), "bad_words must be a list of strings"),
+    (dict(bad_words=["Lily", " "]), "bad_words entries must tokenize to at least one token"),
+])
+def test_bad_allowed_token_ids_and_bad_words_are_value_errors_naming_the_field(llm, fields, says):
+    with pytest.raises(ValueError) as info:
+        gen(llm, max_tokens=4, **fields)
+    assert str(info.value).startswith(says)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_min_tokens_holds_back_eos(eos_model_path):
     llm = LLM(str(eos_model_path), device="cpu")
     full = gen(llm, temperature=0, max_tokens=450)[0]

@@ -15,6 +15,8 @@ from minillm.sampling_metadata import NUM_STATIC, SamplingInputBuffer, banned_en
 from minillm.sampling_params import SamplingParams
 from minillm.sequence import Sequence
 
+from test_bad_words import TOKENIZER
+
 VOCAB = 64
 EOS = [0]
 
@@ -106,6 +108,7 @@ CHANGES = {
     "frequency_penalty": dict(frequency_penalty=0.4),
     "logprobs": dict(logprobs=2),
     "min_tokens": dict(min_tokens=3),
+    "allowed_token_ids": dict(allowed_token_ids=[9, 3, 9]),
 }
 
 
@@ -124,8 +127,9 @@ def test_a_changed_field_of_one_row_uploads_the_static_words(name):
         assert getattr(meta, name)[2] == np.float32(want)
     again = buf.prepare(seqs, VOCAB).copied                  # clean again: only per-step sections
     u, e = buf.uniforms_offset, buf.entries_offset
-    # per step: the uniforms, the prompt tokens' repetition entries, an EOS ban
-    want = {"temperature": (u, u + 4), "repetition_penalty": (e, e + 12), "min_tokens": (e, e + 2)}.get(name)
+    # per step: the uniforms, the prompt tokens' repetition entries, an EOS ban, the allowed ids and their row
+    want = {"temperature": (u, u + 4), "repetition_penalty": (e, e + 12), "min_tokens": (e, e + 2),
+            "allowed_token_ids": (e, e + 5)}.get(name)
     assert again == want
 
 
@@ -163,6 +167,49 @@ def test_logit_bias_is_added_before_the_penalties_and_uploaded_every_step():
     assert logits[1, 3] == 3.5 and logits[1, 60] == 0.0 and logits[0, 3] == 1.0
     row2_token4 = (1.0 + 1.5) / 1.2 - 2 * 0.2 - 0.3          # output count 2: frequency x2, presence once
     assert logits[2, 4] == pytest.approx(row2_token4, rel=1e-6)
+
+
+def test_allowed_ids_mask_first_and_bad_words_join_the_bans():
+    allowed = SamplingParams(temperature=0.0, allowed_token_ids=[40, 9, 3, 9], logit_bias={9: 2.0, 11: 5.0})
+    worded = SamplingParams(temperature=0.8, seed=3, bad_words=["ab", "c"], min_tokens=4, stop_token_ids=[6])
+    worded.update_from_tokenizer(TOKENIZER, VOCAB)         # ((7, 8), (9, 8), (5,), (6,))
+    seqs = [make_seq(p, i) for i, p in enumerate([SamplingParams(temperature=0.0), allowed, worded])]
+    seqs[2].token_ids.append(9)                            # its last output starts " ab"
+    meta = SamplingInputBuffer(npops, CpuDevice(), 4, EOS).prepare(seqs, VOCAB)
+    assert [a.tolist() for a in meta.allowed] == [[1, 1, 1], [3, 9, 40], [1]]
+    # min_tokens' EOS and stop token, then the bad words' bans: 8 completes " ab", 5 and 6 are words
+    assert list(zip(*(a.tolist() for a in meta.banned))) == [(2, 0), (2, 6), (2, 8), (2, 5), (2, 6)]
+    logits = np.ones((3, VOCAB), np.float32)
+    Sampler(npops, EOS, CpuDevice()).apply_metadata_penalties(logits, meta)
+    assert np.flatnonzero(np.isfinite(logits[1])).tolist() == [3, 9, 40]
+    assert logits[1, 9] == 3.0 and logits[1, 3] == 1.0     # the bias of an allowed token counts, not 11's
+    assert np.flatnonzero(np.isinf(logits[2])).tolist() == [0, 5, 6, 8]
+    assert np.all(logits[0] == 1.0)
+
+
+def test_allowed_ids_and_bad_words_equal_the_per_field_path_over_steps():
+    rng = np.random.default_rng(6)
+    params = [SamplingParams(temperature=1.0, seed=21, allowed_token_ids=list(range(10, 30)), presence_penalty=0.5),
+              SamplingParams(temperature=0.0, bad_words=["ab", "dog"], min_tokens=3),
+              SamplingParams(temperature=0.9, seed=22, bad_words=["ab"], allowed_token_ids=[7, 8, 9, 5, 1])]
+    for p in params:
+        p.update_from_tokenizer(TOKENIZER, VOCAB)
+    seqs = mixed_batch()[:3] + [make_seq(p, 200 + i) for i, p in enumerate(params)]
+    twins = [np.random.default_rng(100 + i) for i in range(3)] + [np.random.default_rng(200 + i) for i in range(3)]
+    sampler = Sampler(npops, EOS, CpuDevice(), max_num_seqs=4)
+    for _ in range(12):
+        logits = (rng.standard_normal((len(seqs), VOCAB)) * 2).astype(np.float32)
+        out = sampler.sample_no_sync(logits.copy(), seqs)
+        np.testing.assert_array_equal(out.token_ids, reference_sample(logits.copy(), seqs, twins)[0])
+        for s, t in zip(seqs, out.token_ids.tolist()):
+            s.output_counts[t] = s.output_counts.get(t, 0) + 1
+            s.token_ids.append(t)
+    outputs = [s.output_token_ids for s in seqs[3:]]
+    assert set(outputs[0]) <= set(range(10, 30)) and set(outputs[2]) <= {7, 8, 9, 5, 1}
+    for ids in outputs[1:]:
+        pairs = set(zip(ids, ids[1:]))
+        assert not pairs & {(7, 8), (9, 8), (10, 11)}
+    assert {7, 9} & set(outputs[2][:-1])                   # a word was started: its ban was in force
 
 
 def test_penalties_upload_their_entries_every_step():

@@ -1,6 +1,6 @@
 """Behaviour the server shares with vLLM's: tool-call history and custom roles reach the chat template,
 tools under tool_choice "none", the tool choices that need a parser refused, max_tokens null, logit_bias
-clamped, top_k past the vocabulary, continuous usage stats, and CORS.
+clamped, allowed_token_ids and bad_words, top_k past the vocabulary, continuous usage stats, and CORS.
 
 A real server on loopback whose chat template renders tool calls; each test runs with a healthy greedy
 stream in flight, and every such stream must end with the text of the same request made alone.
@@ -161,6 +161,29 @@ def test_logit_bias_past_100_is_clamped_as_vllm_clamps_it(http, healthy_stream):
     lowered = {str(token_id): -1e9 for token_id in range(512) if token_id not in (300, 400)}
     assert text(lowered) == text({k: -100 for k in lowered}) == text({"300": 100, "400": 100})
     openai_error(http.post("/v1/completions", json=_completion(logit_bias={"the": 1e6})), 400, "logit_bias")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_allowed_token_ids_and_bad_words_are_taken_as_vllm_takes_them(http, tok, healthy_stream, path):
+    body_of = _completion if path == "/v1/completions" else _chat
+
+    def text(stream: bool = False, **fields) -> str:
+        body = body_of(max_tokens=24, ignore_eos=True, **fields)
+        if stream:
+            events = _streamed(http, path, body)
+            return "".join(c["text"] if "text" in c else c["delta"].get("content") or ""
+                           for e in events for c in e["choices"])
+        choice = _ok(http.post(path, json=body))["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+    the = tok.encode("the", add_special_tokens=False)
+    assert text(allowed_token_ids=the) == text(stream=True, allowed_token_ids=the) == " the" * 24
+    plain = text()
+    named = next(w for w in plain.split() if w.isalpha() and len(w) > 2)   # a word the reply says
+    for stream in (False, True):
+        banned = text(stream, bad_words=[named])
+        assert named not in banned.split() and banned != plain
+    openai_error(http.post(path, json=body_of(bad_words=[" "], stream=True)), 400, "bad_words")
 
 
 @pytest.mark.parametrize("top_k", [513, 2**31, 10**20, 10**300])

@@ -141,11 +141,21 @@ CASES = [
     ("logit-bias-nan", "/v1/completions", b'{"prompt": "Once", "max_tokens": 4, "logit_bias": {"5": NaN}}', 400,
      "logit_bias.5"),
     ("logit-bias-string-value", "/v1/completions", _completion(logit_bias={"5": "high"}), 400, "logit_bias.5"),
+    # vLLM's allowed_token_ids and bad_words: a non-empty list of ids in the vocabulary, words that tokenize.
+    ("allowed-token-ids-empty", "/v1/completions", _completion(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("allowed-token-ids-negative", "/v1/completions", _completion(allowed_token_ids=[1, -1]), 400,
+     "allowed_token_ids"),
+    ("allowed-token-ids-past-vocab", "/v1/completions", _completion(allowed_token_ids=[1, 512]), 400,
+     "allowed_token_ids"),
+    ("allowed-token-ids-not-ints", "/v1/completions", _completion(allowed_token_ids=[1, "2"]), 400,
+     "allowed_token_ids.1"),
+    ("bad-words-not-a-list", "/v1/chat/completions", _chat(bad_words="the"), 400, "bad_words"),
+    ("bad-words-not-strings", "/v1/completions", _completion(bad_words=["the", 5]), 400, "bad_words.1"),
+    ("bad-words-of-no-tokens", "/v1/completions", _completion(bad_words=["the", " "]), 400, "bad_words"),
+    ("bad-words-too-many", "/v1/completions", _completion(bad_words=["the"] * 129), 400, "bad_words"),
     # vLLM's fields that would change the output, not implemented: refused rather than ignored.
     ("prompt-logprobs", "/v1/completions", _completion(prompt_logprobs=1), 400, "prompt_logprobs"),
     ("prompt-logprobs-0", "/v1/completions", _completion(prompt_logprobs=0), 400, "prompt_logprobs"),
-    ("bad-words", "/v1/chat/completions", _chat(bad_words=["the"]), 400, "bad_words"),
-    ("allowed-token-ids", "/v1/completions", _completion(allowed_token_ids=[1, 2]), 400, "allowed_token_ids"),
     ("use-beam-search", "/v1/completions", _completion(use_beam_search=True), 400, "use_beam_search"),
     # Chat fields this server refuses rather than ignores.
     ("role-empty", "/v1/chat/completions", _chat(messages=[{"role": "", "content": "hi"}]), 400, "messages.0.role"),

@@ -24,6 +24,8 @@ from minillm.spec_decode import metrics as spec_metrics
 from minillm.spec_decode import rejection as rejection_mod
 from minillm.spec_decode.ngram import find_ngram_proposal
 
+from test_bad_words import TableTokenizer
+
 NUM_SAMPLES = 4000
 
 
@@ -671,4 +673,27 @@ def test_penalties_and_bans_of_each_row_see_the_drafts_before_it():
     assert penalised.output_counts == {5: 1, 6: 1}           # the sequence itself is untouched
     # each view counts the outputs before its row plus the one it samples (the sampler's rule)
     assert [v.num_output_tokens for v in views] == [3, 4, 5, 6, 1, 2]
+
+
+def test_allowed_ids_and_bad_words_of_each_row_see_the_drafts_before_it():
+    rng = np.random.default_rng(13)
+    vocab = 20
+    tokenizer = TableTokenizer({"ab": [5, 7], " ab": [5, 7]})
+    params = SamplingParams(temperature=1.0, allowed_token_ids=[2, 5, 7, 9], bad_words=["ab"])
+    params.update_from_tokenizer(tokenizer, vocab)
+    seq = make_seq(params, 1, prompt=[5])                    # the prompt's 5 starts no word: not an output
+    seq.token_ids += [3]
+    drafts = [5, 9, 5]
+    seq.num_output_placeholders = len(drafts) + 1
+    logits = (rng.standard_normal((len(drafts) + 1, vocab)) * 2).astype(np.float32)
+    sampler = Sampler(npops, eos_token_ids=[0])
+    got = logits.copy()
+    sampler.apply_penalties_and_bans(got, draft_row_views([seq], [drafts]))
+    for j in range(len(drafts) + 1):
+        want = logits[j:j + 1].copy()
+        sampler.apply_penalties_and_bans(want, [appended(seq, drafts[:j])])
+        np.testing.assert_array_equal(got[j], want[0])
+    assert [np.flatnonzero(np.isfinite(row)).tolist() for row in got] == [[2, 5, 7, 9], [2, 5, 9], [2, 5, 7, 9],
+                                                                         [2, 5, 9]]
+    assert seq.output_token_ids == [3]                       # the sequence itself is untouched
 

@@ -158,6 +158,25 @@ def test_aborts_leave_the_others_exact_and_the_pool_free(stories_path, prompts, 
     assert_pool_free(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_allowed_ids_and_bad_words_hold_under_speculation(stories_path, prompts, golden, async_scheduling):
+    """Greedy with bad words or allowed ids: speculation gives the plain tokens, which keep the rules."""
+    allowed = sorted(set(golden) - {426})                   # no "."
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, bad_words=["Lily", "know"])
+              if i % 2 else SamplingParams(temperature=0, max_tokens=MAX_TOKENS, allowed_token_ids=allowed)
+              for i in range(16)]
+    plain = LLM(str(stories_path), device="cpu", async_scheduling=async_scheduling)
+    want = plain.generate(prompts[:16], params)
+    llm = LLM(str(stories_path), device="cpu", speculative_config=SPEC, async_scheduling=async_scheduling)
+    got = llm.generate(prompts[:16], params)
+    assert summary(got) == summary(want)
+    assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    texts = [o.outputs[0].text for o in got]
+    assert not any("Lily" in t or "know" in t for t in texts[1::2])
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in got[::2])
+    assert_pool_free(llm)
+
+
 def test_stats_are_none_without_speculation_and_count_drafts_with_it(stories_path, golden):
     prompt = [1] + golden[1:20] + golden[1:6]
     plain = LLM(str(stories_path), device="cpu")

@@ -125,6 +125,8 @@ class _GenerationRequest(_ModelRequest):
     structured_outputs: dict[Text, Any] | None = None   # vLLM's; read by server/structured.py
     kv_transfer_params: dict[Text, Any] | None = None   # vLLM's; read by server/kv_transfer.py
     truncate_prompt_tokens: int | None = None           # vLLM's: keep the prompt's last k tokens (-1: the context)
+    allowed_token_ids: list[int] | None = None          # vLLM's: only these tokens may be sampled
+    bad_words: list[Text] | None = None                 # vLLM's: words the completion must not contain
 
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod
@@ -289,9 +291,8 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
-VLLM_UNSUPPORTED = ("prompt_logprobs", "bad_words", "allowed_token_ids", "use_beam_search", "length_penalty",
-                    "logits_processors", "return_tokens_as_token_ids", "prompt_embeds",
-                    "return_token_ids")
+VLLM_UNSUPPORTED = ("prompt_logprobs", "use_beam_search", "length_penalty", "logits_processors",
+                    "return_tokens_as_token_ids", "prompt_embeds", "return_token_ids")
 
 
 def check_unsupported(req: _GenerationRequest) -> None:
@@ -400,6 +401,8 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             logit_bias=logit_bias_ids(req.logit_bias),
             prompt_logprobs=prompt_logprobs,
             truncate_prompt_tokens=req.truncate_prompt_tokens,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)

@@ -127,6 +127,23 @@ def log_unknown_fields(names: list[str]) -> None:
         logger.warning("The following fields were present in the request but ignored: %s%s", shown, more)
 
 
+async def tokenize_bad_words(ctx: ServingContext, params: list[SamplingParams]) -> None:
+    """Tokenize the request's bad words onto each of its params in the preprocessing pool (the
+    engine's own tokenizing then finds them remembered); a word no token sequence can ban is a 400
+    naming bad_words."""
+    if not params or not params[0].bad_words:
+        return
+
+    def tokenize() -> None:
+        for sp in params:
+            sp.update_from_tokenizer(ctx.tokenizer, ctx.engine.vocab_size)
+
+    try:
+        await ctx.run_blocking(tokenize)
+    except ValueError as exc:
+        raise bad_request_from_value_error(exc) from None
+
+
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams]) -> list[RequestStream]:
     """Add one engine request per prompt, all feeding one queue; on a rejection abort those added."""

@@ -22,7 +22,7 @@ from minillm.server.protocol import (
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, content_choice_json,
     json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
-    usage,
+    tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -148,6 +148,7 @@ class ChatJob:
             max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
                                          self.structured, defaults=self.ctx.sampling_defaults)
+        await tokenize_bad_words(self.ctx, [self.params])
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""

@@ -20,7 +20,7 @@ from minillm.server.protocol import (
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, json_dumps,
     log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
-    text_choice_json, usage,
+    text_choice_json, tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -77,6 +77,7 @@ class CompletionJob:
                                           self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
                                           scores_prompt, defaults=self.ctx.sampling_defaults)
                        for ids in self.prompt_ids]
+        await tokenize_bad_words(self.ctx, self.params)
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
         tok = self.ctx.tokenizer

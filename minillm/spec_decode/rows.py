@@ -1,9 +1,10 @@
 """The rows of a verify step as the sampler's per-row rules see them.
 
 Row j of a sequence with drafts verifies draft j, and it is only read when drafts 0..j-1 were
-accepted; so penalties and the min_tokens ban of that row are those of the sequence with
-drafts[:j] appended. A DraftRowView carries what Sampler's per-row rules read (params, the prompt,
-output counts, the number of outputs), which lets them run unchanged over the N rows of a step.
+accepted; so penalties, bad words and the min_tokens ban of that row are those of the sequence
+with drafts[:j] appended. A DraftRowView carries what Sampler's per-row rules read (params, the
+prompt, output counts and ids, the number of outputs), which lets them run unchanged over the N
+rows of a step.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ class DraftRowView:
     prompt_token_ids: list[int]
     output_counts: dict[int, int]     # token id -> times generated, drafts[:j] included
     num_output_tokens: int            # outputs before this row, plus the one it samples (the sampler's rule)
+    # outputs known before this row, drafts[:j] included; only where bad words read them, else empty
+    output_token_ids: Seq[int] = ()
 
 
 def _has_penalties(params) -> bool:
@@ -43,8 +46,11 @@ def draft_row_views(seqs: Seq, draft_token_ids: Seq[Seq[int]]) -> list[DraftRowV
     for seq, drafts in zip(seqs, draft_token_ids):
         counts = seq.output_counts
         first = seq.num_output_tokens - len(drafts)
+        # Bad words read the outputs: the known ones, then the drafts before the row.
+        outputs = seq.output_token_ids + list(drafts) if seq.params.bad_words_token_ids else None
         for j in range(len(drafts) + 1):
-            views.append(DraftRowView(seq.params, seq.rng, seq.prompt_token_ids, counts, first + j))
+            views.append(DraftRowView(seq.params, seq.rng, seq.prompt_token_ids, counts, first + j,
+                                      () if outputs is None else outputs[:len(outputs) - len(drafts) + j]))
             if j < len(drafts) and _has_penalties(seq.params):
                 # Copied only where penalties read them; the sequence's own dict is never written.
                 counts = dict(counts)
