@@ -109,3 +109,20 @@ def test_stories_gpu_logprob_ranks_equal_cpu(stories_path):
         for c, g in pairs:
             assert {t: lp.rank for t, lp in c.items()} == {t: lp.rank for t, lp in g.items()}
             np.testing.assert_allclose([float(g[t]) for t in c], [float(c[t]) for t in c], atol=2e-4)
+
+
+def test_stories_gpu_allowed_ids_and_bad_words_equal_cpu(stories_path):
+    """allowed_token_ids and bad_words give the CPU engine's greedy tokens on the GPU, in one batch
+    with a plain request (graphs, async scheduling), and the plain request keeps its own tokens."""
+    prompt = "Once upon a time there was a little girl named"
+    cpu = LLM(str(stories_path), device="cpu")
+    gpu = LLM(str(stories_path), device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4)
+    plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    free = cpu.generate([prompt], plain)[0].outputs[0].token_ids
+    allowed = sorted(set(free[::2]))
+    params = [plain, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, allowed_token_ids=allowed),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, bad_words=["Lily", "girl"])]
+    want = [o.outputs[0].token_ids for o in cpu.generate([prompt] * 3, params)]
+    got = [o.outputs[0].token_ids for o in gpu.generate([prompt] * 3, params)]
+    assert got == want
+    assert want[0] == free and set(want[1]) <= set(allowed) and want[1] != free and want[2] != free
