@@ -11,15 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def allowed_entries(seqs, rows) -> tuple[list[int], list[int], list[int]]:
-    """(rows, tokens) with one entry per allowed token of the rows, and the rows once each (the
-    rows to mask). seqs: one per row (a Sequence or a view with params)."""
-    out_rows, tokens = [], []
-    for b in rows:
-        ids = seqs[b].params._allowed_entries
-        out_rows.extend([b] * len(ids))
-        tokens.extend(ids)
-    return out_rows, tokens, list(rows)
+def allowed_entries(seqs, rows) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(rows [A], tokens [A]) int32 with one entry per allowed token of the rows, and the rows once
+    each (the rows to mask). seqs: one per row (a Sequence or a view with params)."""
+    ids = [seqs[b].params._allowed_entries for b in rows]          # each [n_b] int32, distinct
+    out_rows = np.repeat(np.asarray(rows, np.int32), [len(a) for a in ids])
+    return out_rows, np.concatenate(ids), list(rows)
 
 
 def keep_only_allowed(logits, rows, tokens, masked_rows) -> None:

@@ -106,11 +106,11 @@ class Sampler:
         ops.apply_token_bitmask(logits, kept[:num_rows], rows)
 
     def _keep_only_allowed(self, logits, seqs) -> None:
-        rows, tokens, masked = allowed_entries(seqs, [b for b, s in enumerate(seqs) if s.params._allowed_entries])
-        if rows:
+        masked = [b for b, s in enumerate(seqs) if s.params._allowed_entries is not None]
+        if masked:
+            rows, tokens, _ = allowed_entries(seqs, masked)
             a = self.ops.asarray
-            keep_only_allowed(logits, a(np.array(rows, np.int32)), a(np.array(tokens, np.int32)),
-                              a(np.array(masked, np.int32)))
+            keep_only_allowed(logits, a(rows), a(tokens), a(np.array(masked, np.int32)))
 
     def _apply_logit_bias(self, logits, seqs) -> None:
         rows, tokens, bits = bias_entries(seqs, [b for b, s in enumerate(seqs) if s.params.logit_bias])

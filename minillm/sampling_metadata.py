@@ -25,7 +25,6 @@ step in flight, the copy of step t may not have run yet when the host packs step
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -201,7 +200,7 @@ class SamplingInputBuffer:
             self._min_tokens_rows = [b for b, p in enumerate(params) if p.min_tokens > 0]
             self._logprob_rows = [b for b, p in enumerate(params) if p.logprobs is not None]
             self._bias_rows = [b for b, p in enumerate(params) if p.logit_bias]
-            self._allowed_rows = [b for b, p in enumerate(params) if p._allowed_entries]
+            self._allowed_rows = [b for b, p in enumerate(params) if p._allowed_entries is not None]
             self._bad_word_rows = [b for b, p in enumerate(params) if p._bad_word_ids]
         uniforms = [seqs[b].rng.random() for b in self._sampled_rows]
         pen = penalty_entries(seqs, self._penalty_rows) if self._penalty_rows else ([], [], [], [])
@@ -242,8 +241,10 @@ class SamplingInputBuffer:
             if self._sampled_rows:
                 slot.floats[u + np.asarray(self._sampled_rows)] = uniforms
         if num_entries:
-            slot.words[e:e + num_entries] = np.fromiter(itertools.chain.from_iterable(entries), np.int32,
-                                                        num_entries)
+            pos = e
+            for section in entries:           # lists, or int32 arrays (allowed_token_ids: up to the vocabulary)
+                slot.words[pos:pos + len(section)] = section
+                pos += len(section)
         slot.event = self.device.copy_to_device_async(self.words[start:end], slot.words[start:end])
         self._retired = [s for s in self._retired if not s.event.done]
         self._is_clean = True

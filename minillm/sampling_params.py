@@ -7,6 +7,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from minillm.bad_words import BadWordIds
     from minillm.structured_output import StructuredOutputsParams
@@ -29,6 +31,8 @@ MAX_N = 4096
 # logit_bias: OpenAI's range for a bias, and a bound on the entries the sampler adds each step.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# allowed_token_ids travel as int32 (the vocabulary bounds them further).
+_MAX_TOKEN_ID = 2**31 - 1
 # bad_words: each word is tokenized (twice) where the request is added, and every step scans them.
 MAX_BAD_WORDS = 128
 # The sampler holds temperature and repetition_penalty as float32: past its largest value a
@@ -111,7 +115,7 @@ class SamplingParams:
     _logit_bias_entries: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False,
                                                                      compare=False)
     # allowed_token_ids as the sampler uploads them, made when they are validated: distinct, ascending
-    _allowed_entries: list[int] | None = field(default=None, init=False, repr=False, compare=False)
+    _allowed_entries: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)   # [A] int32
     # bad_words as token-id sequences, made where the tokenizer is known (update_from_tokenizer)
     _bad_word_ids: BadWordIds | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -259,9 +263,10 @@ class SamplingParams:
         self._allowed_entries = None
         allowed = self.allowed_token_ids
         if allowed is not None:
-            if not isinstance(allowed, (list, tuple)) or not allowed or any(not _is_int(t) or t < 0 for t in allowed):
+            if (not isinstance(allowed, (list, tuple)) or not allowed
+                    or any(not _is_int(t) or not 0 <= t <= _MAX_TOKEN_ID for t in allowed)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {short_repr(allowed)}")
-            self._allowed_entries = sorted(set(allowed))
+            self._allowed_entries = np.unique(np.array(allowed, dtype=np.int32))
         words = self.bad_words
         if words is not None:
             if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) for w in words):
@@ -284,6 +289,7 @@ class SamplingParams:
         outside = [t for t in (self.logit_bias or ()) if t >= vocab_size]
         if outside:
             raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
-        outside = [t for t in (self._allowed_entries or ()) if t >= vocab_size]
+        allowed = self._allowed_entries
+        outside = [] if allowed is None else allowed[allowed >= vocab_size].tolist()
         if outside:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")

@@ -152,6 +152,8 @@ def test_allowed_ids_and_bad_words_leave_the_rest_of_the_batch_alone(llm):
     (dict(allowed_token_ids=[5, True]), "allowed_token_ids must be a non-empty list of token ids"),
     (dict(allowed_token_ids=5), "allowed_token_ids must be a non-empty list of token ids"),
     (dict(allowed_token_ids=[5, 512]), "allowed_token_ids must be token ids in [0, 512), got [512]"),
+    (dict(allowed_token_ids=[5, 2**31]), "allowed_token_ids must be a non-empty list of token ids"),
+    (dict(allowed_token_ids=[7, 2**31 - 1, 9]), "allowed_token_ids must be token ids in [0, 512), got [2147483647]"),
     (dict(bad_words="Lily"), "bad_words must be a list of strings"),
     (dict(bad_words=["Lily", 3]), "bad_words must be a list of strings"),
     (dict(bad_words=["Lily", " "]), "bad_words entries must tokenize to at least one token"),
