@@ -142,7 +142,7 @@ def test_a_shape_first_seen_during_a_capture_runs_the_default():
 def test_zero_workspace_configurations_are_correct_and_capture_as_one_kernel_node():
     """An output-head-sized product (N >= 65,536, where cuBLAS's default zeroes a workspace counter
     first): each lt0 candidate equals NumPy and captures as a single kernel node, no memset."""
-    from minillm.benchmarks.kernels import _count_graph_nodes
+    from minillm.benchmarks.kernels import graph_node_count
 
     rng = np.random.default_rng(9)
     tokens, k, n = 64, 1024, 65536
@@ -151,25 +151,12 @@ def test_zero_workspace_configurations_are_correct_and_capture_as_one_kernel_nod
     p = gemm.problem_of(out, x, w)
     lt0 = [c for c in gemm.candidates(p) if c.kind == "lt0"]
     assert lt0, "cuBLASLt offered no configuration without a workspace"
-    rt = cupy.cuda.runtime
-    stream = cupy.cuda.Stream(non_blocking=True)
     for c in lt0:
         out.fill(np.nan)
-        with stream:
-            gemm.run(p, c, out, x, w)
-            stream.synchronize()
-            assert rel_error(cupy.asnumpy(out), ref) < 1e-5, c.name
-            rt.streamBeginCapture(stream.ptr, rt.streamCaptureModeRelaxed)
-            try:
-                gemm.run(p, c, out, x, w)
-            finally:
-                graph = rt.streamEndCapture(stream.ptr)
-        try:
-            counted = _count_graph_nodes(graph)
-        finally:
-            rt.graphDestroy(graph)
-        assert counted is not None and counted[0] == 1 and counted[1] == 1, (c.name, counted)
-
+        gemm.run(p, c, out, x, w)
+        assert rel_error(cupy.asnumpy(out), ref) < 1e-5, c.name
+        nodes = graph_node_count(cupy, ops, lambda c=c: gemm.run(p, c, out, x, w))
+        assert (nodes["nodes"], nodes["kernel_nodes"]) == (1, 1), (c.name, nodes)
 
 def test_a_product_too_large_to_tune_runs_a_zero_workspace_configuration(monkeypatch):
     """A decode-sized product past TUNE_MAX_WEIGHT_BYTES (an output head) is not tuned: linear()
