@@ -146,6 +146,20 @@ def test_log_probabilities_with_their_ranks_cross_the_socket_as_floats():
         m.encoder().encode([object()])
 
 
+def test_a_prompt_tokens_rank_travels_beside_its_prompt_logprobs_entry():
+    from minillm.outputs import Logprob
+    ids = [1, 3, 7]
+    entries = [None, {3: Logprob(-1.0, 2), 4: -0.5}, {7: Logprob(-9.0, 40), 4: -0.1}]
+    assert m.prompt_token_ranks(entries, ids, 0) == [None, 2, 40] and m.prompt_token_ranks(entries[2:], ids, 2) == [40]
+    sent = m.RequestStepOutput("r", [], False, 0, None, None, None, entries[1:],
+                               m.prompt_token_ranks(entries[1:], ids, 1))
+    got = m.up_decoder().decode(m.encoder().encode(m.StepOutputs(1, 0.0, [sent]))).outputs[0]
+    assert got.new_prompt_logprobs == [{3: -1.0, 4: -0.5}, {7: -9.0, 4: -0.1}]
+    rebuilt = m.with_prompt_token_ranks(got.new_prompt_logprobs, got.new_prompt_logprob_ranks, ids, 1)
+    assert [(e[t], e[t].rank) for e, t in zip(rebuilt, ids[1:])] == [(-1.0, 2), (-9.0, 40)]
+    assert type(rebuilt[0][4]) is float and type(rebuilt[1][4]) is float    # alternatives are ranked by their order
+
+
 def test_an_abort_that_has_reached_the_core_is_applied_before_its_next_step(config):
     """The core's loop takes every command waiting in its socket before it launches a step."""
     ctx = zmq.Context()

@@ -163,10 +163,9 @@ def test_echo_with_logprobs_scores_the_prompt_on_the_server(stories_path, long_p
             assert c["text"] == choice["text"] and c["logprobs"]["tokens"] == lp["tokens"][:n]
         without_echo = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 0, "echo": False}, timeout=60)
         assert without_echo.status_code == 400 and without_echo.json()["error"]["param"] == "max_tokens"
-        # vLLM's own field is refused with a pointer to echo, not ignored (nor logged as ignored)
+        # vLLM's own field is taken (tests/test_server_prompt_logprobs.py), not logged as ignored
         with caplog.at_level("WARNING", logger="minillm"):
             r = httpx.post(f"{url}/v1/completions", json={"prompt": "Once", "max_tokens": 2, "prompt_logprobs": 1},
                            timeout=60)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
-        assert "echo" in r.json()["error"]["message"]
+        assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == 2
         assert not [rec for rec in caplog.records if "ignored" in rec.getMessage()]

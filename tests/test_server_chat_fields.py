@@ -50,8 +50,6 @@ REFUSED = [
     ("stream-options-stream-false", "/v1/completions",
      {"prompt": "Once", "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
     ("prompt-embeds", "/v1/completions", {"prompt": "Once", "prompt_embeds": "AAAA"}, "prompt_embeds"),
-    ("return-token-ids", "/v1/completions", {"prompt": "Once", "return_token_ids": True}, "return_token_ids"),
-    ("return-token-ids-chat", "/v1/chat/completions", _chat(return_token_ids=True), "return_token_ids"),
     # Rendering fields with values that cannot work.
     ("continue-and-generation-prompt", "/v1/chat/completions", _chat(messages=CONTINUED, continue_final_message=True),
      "continue_final_message"),

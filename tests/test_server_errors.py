@@ -154,8 +154,6 @@ CASES = [
     ("bad-words-of-no-tokens", "/v1/completions", _completion(bad_words=["the", " "]), 400, "bad_words"),
     ("bad-words-too-many", "/v1/completions", _completion(bad_words=["the"] * 129), 400, "bad_words"),
     # vLLM's fields that would change the output, not implemented: refused rather than ignored.
-    ("prompt-logprobs", "/v1/completions", _completion(prompt_logprobs=1), 400, "prompt_logprobs"),
-    ("prompt-logprobs-0", "/v1/completions", _completion(prompt_logprobs=0), 400, "prompt_logprobs"),
     ("use-beam-search", "/v1/completions", _completion(use_beam_search=True), 400, "use_beam_search"),
     # Chat fields this server refuses rather than ignores.
     ("role-empty", "/v1/chat/completions", _chat(messages=[{"role": "", "content": "hi"}]), 400, "messages.0.role"),

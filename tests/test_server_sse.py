@@ -46,3 +46,6 @@ def test_chunk_format_matches_sse_of_the_whole_chunk(include_usage, object_name,
         assert chunks.event(json_dumps(choice)) == sse(chunk)
         usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
         assert chunks.event(json_dumps(choice), usage) == sse({**chunk, "usage": usage})
+        ids = [1, 403, 407]       # vLLM's return_token_ids: a chat's first chunks carry the prompt's
+        assert chunks.event(json_dumps(choice), None, ids) == sse({**chunk, "prompt_token_ids": ids})
+        assert chunks.event(json_dumps(choice), usage, ids) == sse({**chunk, "usage": usage, "prompt_token_ids": ids})

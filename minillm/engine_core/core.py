@@ -173,7 +173,9 @@ class EngineCore:
         if out.prompt_logprobs is not None:
             sent = self._prompt_logprobs_sent.pop(out.request_id, 0)
             if len(out.prompt_logprobs) > sent:
-                message.new_prompt_logprobs = out.prompt_logprobs[sent:]
+                new = out.prompt_logprobs[sent:]
+                message.new_prompt_logprobs = new
+                message.new_prompt_logprob_ranks = m.prompt_token_ranks(new, out.prompt_token_ids, sent)
             if not out.finished:
                 self._prompt_logprobs_sent[out.request_id] = len(out.prompt_logprobs)
         return message

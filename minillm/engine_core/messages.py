@@ -13,6 +13,7 @@ from typing import Any, Union
 
 import msgspec
 
+from minillm.outputs import Logprob
 from minillm.stats import EngineStats
 
 # ---- down: API server -> engine core ---------------------------------------------------------
@@ -99,8 +100,10 @@ class RequestStepOutput(msgspec.Struct, array_like=True):
     first_scheduled_time: float | None
     first_token_time: float | None
     last_token_time: float | None
-    # prompt_logprobs entries since the request's last report (the first report starts with None)
+    # prompt_logprobs entries since the request's last report (the first report starts with None),
+    # and the rank of each entry's own prompt token (prompt_token_ranks): the entries carry floats
     new_prompt_logprobs: list[dict[int, float] | None] | None = None
+    new_prompt_logprob_ranks: list[int | None] | None = None
 
 
 class FailedRequests(msgspec.Struct, array_like=True):
@@ -184,8 +187,24 @@ def encoder() -> msgspec.msgpack.Encoder:
     return msgspec.msgpack.Encoder(enc_hook=_plain_float)
 
 
+def prompt_token_ranks(entries: list, prompt_token_ids: list[int], first: int) -> list[int | None]:
+    """The rank of each entry's own prompt token (entries[j] scores prompt token first + j), or None."""
+    return [None if entry is None else getattr(entry.get(prompt_token_ids[first + j]), "rank", None)
+            for j, entry in enumerate(entries)]
+
+
+def with_prompt_token_ranks(entries: list, ranks: list[int | None] | None, prompt_token_ids: list[int],
+                            first: int) -> list:
+    """prompt_token_ranks' inverse: each prompt token's value a Logprob with its rank again (in place)."""
+    for j, (entry, rank) in enumerate(zip(entries, ranks or ())):
+        token = prompt_token_ids[first + j]
+        if entry is not None and rank is not None and token in entry:
+            entry[token] = Logprob(entry[token], rank)
+    return entries
+
+
 def _plain_float(value: Any) -> float:
-    """A float subclass (a Logprob with its rank) travels as its value: the server's shapes carry no rank."""
+    """A float subclass (a Logprob) travels as its value; the ranks a server shows travel beside it."""
     if isinstance(value, float):
         return float(value)
     raise TypeError(f"Encoding objects of type {type(value).__name__} is unsupported")

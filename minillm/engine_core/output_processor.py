@@ -137,7 +137,9 @@ class OutputProcessor:
             moved = False
             seqs = req.seqs
             if out.new_prompt_logprobs and req.prompt_logprobs is not None:
-                req.prompt_logprobs.extend(out.new_prompt_logprobs)
+                req.prompt_logprobs.extend(m.with_prompt_token_ranks(
+                    out.new_prompt_logprobs, out.new_prompt_logprob_ranks, req.prompt_token_ids,
+                    len(req.prompt_logprobs)))
             for seq_out in out.seqs:
                 moved |= self._apply(req, seqs[seq_out.index], seq_out, stops)
             metrics = req.metrics

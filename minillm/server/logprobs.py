@@ -1,9 +1,25 @@
-"""Log-probabilities in OpenAI's two shapes: legacy completions and chat's content list."""
+"""Log-probabilities in OpenAI's two shapes (legacy completions, chat's content), and vLLM's prompt_logprobs."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
+from minillm.output_processor import ranked_logprobs
 from minillm.tokenizer import IncrementalDetokenizer
+
+
+def token_id_placeholder(token_id: int) -> str:
+    """How a token is named under vLLM's return_tokens_as_token_ids."""
+    return f"token_id:{token_id}"
+
+
+class LogprobRow(NamedTuple):
+    """One token's log-probability row, as both OpenAI shapes are built from it."""
+
+    token: str                                  # its text, or token_id_placeholder under as_token_ids
+    logprob: float | None                       # None for a prompt's first token
+    top: list[tuple[str, float]] | None         # the likeliest alternatives (named as token is)
+    offset: int                                 # where its text starts in the choice's text
+    text: str                                   # its text (what chat's bytes hold, as in vLLM)
 
 
 class TokenTexts:
@@ -35,8 +51,9 @@ class LogprobCursor:
     """Walks one completion's tokens, producing their strings and text offsets incrementally."""
 
     def __init__(self, texts: TokenTexts, prompt_token_ids: list[int], text_base: int,
-                 skip_special_tokens: bool) -> None:
+                 skip_special_tokens: bool, as_token_ids: bool = False) -> None:
         self.texts = texts
+        self.as_token_ids = as_token_ids    # vLLM's return_tokens_as_token_ids: tokens named "token_id:<id>"
         self.prev_id: int | None = prompt_token_ids[-1] if prompt_token_ids else None
         self.detok = IncrementalDetokenizer(texts.tokenizer, skip_special_tokens=skip_special_tokens,
                                             prompt_token_ids=prompt_token_ids)
@@ -44,9 +61,8 @@ class LogprobCursor:
         self.num_done = 0
 
     def advance(self, token_ids: list[int], logprobs: list[dict[int, float] | None], num_top: int
-                ) -> list[tuple[str, float | None, list[tuple[str, float]] | None, int]]:
-        """(token text, its logprob, top alternatives, text offset) for each new token; a token
-        without log-probabilities (a prompt's first) gets None for both."""
+                ) -> list[LogprobRow]:
+        """A row for each new token (a prompt's first has no logprob and no alternatives)."""
         rows = []
         end = min(len(token_ids), len(logprobs))
         for i in range(self.num_done, end):
@@ -54,22 +70,44 @@ class LogprobCursor:
             offset = self.text_base + len(self.detok.text)
             self.detok.add(token_id)
             text = self.texts.text(self.prev_id, token_id)
+            token = token_id_placeholder(token_id) if self.as_token_ids else text
             if candidates is None:
-                rows.append((text, None, None, offset))
+                rows.append(LogprobRow(token, None, None, offset, text))
             else:
                 top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
-                top_rows = [(text if tid == token_id else self.texts.text(self.prev_id, tid), _finite(lp))
-                            for tid, lp in top]
-                rows.append((text, _finite(candidates.get(token_id)), top_rows, offset))
+                top_rows = [(self._name(tid, token_id, token), _finite(lp)) for tid, lp in top]
+                rows.append(LogprobRow(token, _finite(candidates.get(token_id)), top_rows, offset, text))
             self.prev_id = token_id
         self.num_done = max(self.num_done, end)
         return rows
 
+    def _name(self, token_id: int, chosen_id: int, chosen: str) -> str:
+        """How an alternative to the chosen token is named (in the chosen token's context)."""
+        if token_id == chosen_id:
+            return chosen
+        return token_id_placeholder(token_id) if self.as_token_ids else self.texts.text(self.prev_id, token_id)
+
 
 def prompt_logprob_rows(texts: TokenTexts, prompt_token_ids: list[int], entries: list, num_top: int,
-                        skip_special_tokens: bool) -> list[tuple[str, float | None, list | None, int]]:
+                        skip_special_tokens: bool, as_token_ids: bool = False) -> list[LogprobRow]:
     """LogprobCursor.advance's rows for a prompt's own tokens (prompt_logprobs entries: None first)."""
-    return LogprobCursor(texts, [], 0, skip_special_tokens).advance(prompt_token_ids, entries, num_top)
+    return LogprobCursor(texts, [], 0, skip_special_tokens, as_token_ids).advance(prompt_token_ids, entries, num_top)
+
+
+def prompt_logprobs_json(entries: list, prompt_token_ids: list[int], num_top: int, tokenizer: Any) -> list:
+    """vLLM's prompt_logprobs as JSON data: None, then {token id: {logprob, rank, decoded_token}} per token."""
+    # The prompt token first, then its num_top likeliest alternatives, ranked as LLM.generate ranks them.
+    out: list = []
+    for i, entry in enumerate(entries):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = ranked_logprobs(entry, num_top, tokenizer)
+        token = prompt_token_ids[i]
+        order = [token] + [tid for tid in ranked if tid != token] if token in ranked else list(ranked)
+        out.append({tid: {"logprob": _finite(ranked[tid]), "rank": ranked[tid].rank,
+                          "decoded_token": ranked[tid].decoded_token} for tid in order})
+    return out
 
 
 def _finite(logprob: float | None) -> float | None:
@@ -77,7 +115,7 @@ def _finite(logprob: float | None) -> float | None:
     return None if logprob is None else max(float(logprob), -9999.0)
 
 
-def completion_logprobs(rows: list[tuple[str, float | None, list[tuple[str, float]], int]]) -> dict:
+def completion_logprobs(rows: list[LogprobRow]) -> dict:
     """The legacy completions logprobs object for some tokens. Each top_logprobs entry holds the
     chosen token as well as the most likely ones, so up to logprobs + 1 entries (OpenAI's
     documented shape, and vLLM's)."""
@@ -101,10 +139,12 @@ def _utf8(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def chat_logprobs(rows: list[tuple[str, float | None, list[tuple[str, float]], int]]) -> dict:
+def chat_logprobs(rows: list[LogprobRow]) -> dict:
     """The chat logprobs object ({"content": [...]}) for some tokens."""
+    # As in vLLM, a token's bytes are its text's and an alternative's those of its name ("token_id:<id>"
+    # under return_tokens_as_token_ids).
     return {"content": [
-        {"token": text, "logprob": lp, "bytes": _utf8(text),
-         "top_logprobs": [{"token": t, "logprob": v, "bytes": _utf8(t)} for t, v in top]}
-        for text, lp, top, _ in rows
+        {"token": row.token, "logprob": row.logprob, "bytes": _utf8(row.text),
+         "top_logprobs": [{"token": t, "logprob": v, "bytes": _utf8(t)} for t, v in row.top]}
+        for row in rows
     ]}

@@ -127,6 +127,9 @@ class _GenerationRequest(_ModelRequest):
     truncate_prompt_tokens: int | None = None           # vLLM's: keep the prompt's last k tokens (-1: the context)
     allowed_token_ids: list[int] | None = None          # vLLM's: only these tokens may be sampled
     bad_words: list[Text] | None = None                 # vLLM's: words the completion must not contain
+    prompt_logprobs: int | None = None                  # vLLM's: each prompt token's logprob and top k
+    return_tokens_as_token_ids: bool | None = None      # vLLM's: logprobs name tokens "token_id:<id>"
+    return_token_ids: bool | None = None                # vLLM's: the prompt's and the completion's token ids
 
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod
@@ -291,8 +294,7 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
-VLLM_UNSUPPORTED = ("prompt_logprobs", "use_beam_search", "length_penalty", "logits_processors",
-                    "return_tokens_as_token_ids", "prompt_embeds", "return_token_ids")
+VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds")
 
 
 def check_unsupported(req: _GenerationRequest) -> None:
@@ -300,9 +302,8 @@ def check_unsupported(req: _GenerationRequest) -> None:
     extra = req.model_extra or {}
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
-        if value is not None and value is not False and value != [] and value != {}:   # prompt_logprobs=0 asks
-            hint = "; /v1/completions with echo and logprobs scores the prompt" if name == "prompt_logprobs" else ""
-            raise APIError(400, f"{name} is not supported{hint}", param=name)
+        if value is not None and value is not False and value != [] and value != {}:
+            raise APIError(400, f"{name} is not supported", param=name)
     if req.stream_options is not None and not req.stream:      # OpenAI and vLLM refuse it too
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     priority = extra.get("priority")
@@ -465,6 +466,25 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     if not 0 <= top <= 20:
         raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top}", param="top_logprobs")
     return top
+
+
+def requested_prompt_logprobs(req: _GenerationRequest, max_logprobs: int, vocab_size: int) -> int | None:
+    """vLLM's prompt_logprobs (-1: the whole vocabulary) as a count, or None; a 400 where vLLM refuses it."""
+    # vLLM refuses a value past max_logprobs, one below -1, and one above 0 on a stream (whose chunks
+    # have no place for them).
+    value = req.prompt_logprobs
+    if value is None:
+        return None
+    if req.stream and (value > 0 or value == -1):
+        raise APIError(400, "prompt_logprobs are not available when stream is true", param="prompt_logprobs")
+    if value < -1:
+        raise APIError(400, f"prompt_logprobs must be a non-negative integer, or -1 for the whole vocabulary, "
+                       f"got {short_repr(value)}", param="prompt_logprobs")
+    num_top = vocab_size if value == -1 else value
+    if num_top > max_logprobs:
+        raise APIError(400, f"Requested prompt logprobs of {short_repr(num_top)}, which is greater than max "
+                       f"allowed: {max_logprobs}", param="prompt_logprobs")
+    return num_top
 
 
 def messages_as_dicts(req: ConversationRequest) -> list[dict]:

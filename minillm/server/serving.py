@@ -11,7 +11,7 @@ import uuid
 from json.encoder import encode_basestring
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -246,30 +246,40 @@ class ChunkFormat:
     differ from chunk to chunk, so a token's event costs one JSON string, not a whole object.
 
     event(choice) is byte for byte sse({"id": ..., "object": ..., "created": ..., "model": ...,
-    "choices": [choice], ("usage": None, or the usage given)}) with choice already JSON
-    (tests/test_server_sse.py).
+    "choices": [choice], ("usage": None, or the usage given), ("prompt_token_ids": the ids given)})
+    with choice already JSON (tests/test_server_sse.py).
     """
 
     def __init__(self, request_id: str, object_name: str, created: int, model: str, include_usage: bool) -> None:
         self.head = (f'data: {{"id":{json_text(request_id)},"object":{json_text(object_name)},'
                      f'"created":{int(created)},"model":{json_text(model)},"choices":[')
-        self.tail = '],"usage":null}\n\n' if include_usage else ']}\n\n'
+        self.close = '],"usage":null' if include_usage else ']'    # the choices' end, and a null usage
+        self.tail = self.close + '}\n\n'
 
-    def event(self, choice_json: str, usage: dict | None = None) -> str:
-        """The event for one choice, given as JSON; with usage, the chunk carries it (continuous usage stats)."""
-        if usage is not None:
-            return f'{self.head}{choice_json}],"usage":{json_dumps(usage)}}}\n\n'
-        return self.head + choice_json + self.tail
+    def event(self, choice_json: str, usage: dict | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """The event for one choice given as JSON, with the usage and the prompt's token ids if given."""
+        if usage is None and prompt_token_ids is None:
+            return self.head + choice_json + self.tail
+        close = self.close if usage is None else f'],"usage":{json_dumps(usage)}'
+        if prompt_token_ids is not None:
+            close += f',"prompt_token_ids":{json_dumps(prompt_token_ids)}'
+        return f'{self.head}{choice_json}{close}}}\n\n'
 
 
-def stream_events(chunks: ChunkFormat, choices: list[tuple[str, int]], output: RequestOutput,
+class StreamChoice(NamedTuple):
+    """One streamed choice and what its chunk carries beside it."""
+
+    json: str
+    num_tokens: int                              # its completion's tokens so far (continuous usage stats)
+    prompt_token_ids: list[int] | None = None    # vLLM's return_token_ids, in a chat choice's first chunk
+
+
+def stream_events(chunks: ChunkFormat, choices: list[StreamChoice], output: RequestOutput,
                   continuous_usage: bool) -> list[str]:
-    """The events of one output's moved choices ((choice JSON, its completion tokens so far) each); with
-    continuous usage stats each carries the usage of its own completion so far, as vLLM's do."""
-    if not continuous_usage:
-        return [chunks.event(choice) for choice, _ in choices]
+    """The events of one output's moved choices (each with its own usage under continuous usage stats)."""
     num_prompt_tokens = len(output.prompt_token_ids)
-    return [chunks.event(choice, usage(num_prompt_tokens, num_tokens)) for choice, num_tokens in choices]
+    return [chunks.event(c.json, usage(num_prompt_tokens, c.num_tokens) if continuous_usage else None,
+                         c.prompt_token_ids) for c in choices]
 
 
 def text_choice_json(index: int, text: str) -> str:
@@ -313,6 +323,13 @@ class ChoiceProgress:
     pending_rows: list = field(default_factory=list)
     is_started: bool = False
     is_finished: bool = False
+    num_sent_tokens: int = 0      # output tokens already in a chunk's token_ids (vLLM's return_token_ids)
+
+    def new_token_ids(self, token_ids: list[int]) -> list[int]:
+        """The output tokens no chunk has carried yet (a chunk's token_ids), marked sent."""
+        new = token_ids[self.num_sent_tokens:]
+        self.num_sent_tokens = len(token_ids)
+        return new
 
     def update(self, text: str, token_ids: list[int], logprobs: list | None,
                finish_reason: str | None) -> tuple[str, list, str | None] | None:

@@ -13,16 +13,16 @@ from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.limits import check_fan_out, check_prompt_chars
-from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs
+from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, prompt_logprobs_json
 from minillm.server.protocol import (
     ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
-    chat_max_tokens_field, check_unsupported, message_chars, messages_as_dicts, template_tools, to_sampling_params,
-    unknown_fields,
+    chat_max_tokens_field, check_unsupported, message_chars, messages_as_dicts, requested_prompt_logprobs,
+    template_tools, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, content_choice_json,
-    json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
-    tokenize_bad_words, usage,
+    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
+    content_choice_json, json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint,
+    sse, stream_events, tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -129,6 +129,12 @@ class ChatJob:
             # max_completion_tokens wins, but a bad max_tokens beside it is still a bad request.
             raise APIError(400, f"max_tokens must be an integer in [1, {limit}] (the model's context), "
                                 f"got {short_repr(req.max_tokens)}", param="max_tokens")
+        asked = requested_prompt_logprobs(req, ctx.engine.config.max_logprobs, ctx.engine.vocab_size)
+        self.prompt_logprobs = None if req.stream else asked    # a stream (asking for 0) has no place for them
+        if self.prompt_logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
+            raise APIError(400, "prompt_logprobs is not supported with tensor_parallel_size > 1",
+                           param="prompt_logprobs")
+        self.as_token_ids = bool(req.return_tokens_as_token_ids)
         self.conversation = ConversationPrompt(ctx, req)
         self.echo_text = echoed_text(req, self.conversation.messages)
         self.prompt_ids: list[int] = []
@@ -147,7 +153,7 @@ class ChatJob:
         with naming_max_tokens_field(self.req):
             max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
-                                         self.structured, defaults=self.ctx.sampling_defaults)
+                                         self.structured, self.prompt_logprobs, defaults=self.ctx.sampling_defaults)
         await tokenize_bad_words(self.ctx, [self.params])
 
     def _render(self) -> list[int]:
@@ -158,7 +164,7 @@ class ChatJob:
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:
             return None
-        return LogprobCursor(self.texts, self.prompt_ids, 0, self.req.skip_special_tokens)
+        return LogprobCursor(self.texts, self.prompt_ids, 0, self.req.skip_special_tokens, self.as_token_ids)
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The non-streaming response body (a chat request has one prompt)."""
@@ -170,13 +176,20 @@ class ChatJob:
             if cursor is not None:
                 logprobs = chat_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [], self.num_top))
             message = {"role": "assistant", "content": self.echo_text + comp.text}
-            choices.append({"index": comp.index, "message": message,
-                            "logprobs": logprobs, "finish_reason": comp.finish_reason,
-                            "stop_reason": comp.stop_reason})
+            choice = {"index": comp.index, "message": message, "logprobs": logprobs,
+                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+            if self.req.return_token_ids:
+                choice["token_ids"] = list(comp.token_ids)
+            choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         body = {"id": self.request_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+        if final.prompt_logprobs is not None:       # vLLM's: on the response, after the usage
+            body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
+                                                           self.prompt_logprobs, self.ctx.tokenizer)
+        if self.req.return_token_ids:
+            body["prompt_token_ids"] = list(final.prompt_token_ids)
         self.kv_transfer_stats = final.kv_transfer_stats
         if final.kv_transfer_params is not None:     # a prefill server's, for the decode server
             body["kv_transfer_params"] = final.kv_transfer_params
@@ -189,13 +202,16 @@ class ChatJob:
             chunk["usage"] = None
         return chunk
 
-    def _choice(self, index: int, delta: dict, rows: list | None, finish: str | None, stop_reason=None) -> str:
-        if rows is None and finish is None and len(delta) == 1 and "content" in delta:
+    def _choice(self, index: int, delta: dict, rows: list | None, finish: str | None, stop_reason=None,
+                token_ids: list[int] | None = None) -> str:
+        if rows is None and finish is None and token_ids is None and len(delta) == 1 and "content" in delta:
             # A token's chunk: only the text is new.
             return content_choice_json(index, delta["content"])
-        logprobs = chat_logprobs(rows) if rows is not None else None
-        return json_dumps({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish,
-                           "stop_reason": stop_reason})
+        choice = {"index": index, "delta": delta, "logprobs": chat_logprobs(rows) if rows is not None else None,
+                  "finish_reason": finish, "stop_reason": stop_reason}
+        if token_ids is not None:        # vLLM's return_token_ids: the tokens since the last chunk
+            choice["token_ids"] = token_ids
+        return json_dumps(choice)
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """Server-sent events: the role, then content deltas, the finish, usage and [DONE]."""
@@ -226,25 +242,28 @@ class ChatJob:
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 
-    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[tuple[str, int]]:
-        """Stream choices as JSON (role opener, content delta, finish) for the completions that moved,
-        each with its completion's tokens so far."""
+    def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[StreamChoice]:
+        """Stream choices (role opener, content delta, finish) for the completions that moved."""
+        # With return_token_ids a choice's opener carries the prompt's ids and each later chunk its new tokens.
         choices = []
+        with_ids = bool(self.req.return_token_ids)
         for comp in output.outputs:
             state = progress.get(comp.index)
             if state is None:
                 state = progress[comp.index] = ChoiceProgress(comp.index, self._cursor(), self.num_top or 0)
             if not state.is_started:
                 state.is_started = True
-                choices.append((self._choice(comp.index, {"role": "assistant", "content": self.echo_text}, None, None),
-                                0))
+                opener = self._choice(comp.index, {"role": "assistant", "content": self.echo_text}, None, None)
+                choices.append(StreamChoice(opener, 0, list(output.prompt_token_ids) if with_ids else None))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue
             delta, rows, finish = update
             content = {"content": delta} if delta else {}
-            choices.append((self._choice(comp.index, content, rows if state.cursor is not None else None, finish,
-                                         comp.stop_reason if finish else None), len(comp.token_ids)))
+            choices.append(StreamChoice(self._choice(
+                comp.index, content, rows if state.cursor is not None else None, finish,
+                comp.stop_reason if finish else None, state.new_token_ids(comp.token_ids) if with_ids else None),
+                len(comp.token_ids)))
         return choices
 
 

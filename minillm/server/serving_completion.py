@@ -12,14 +12,17 @@ from minillm.sampling_params import truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
-from minillm.server.logprobs import LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows
+from minillm.server.logprobs import (
+    LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows, prompt_logprobs_json,
+)
 from minillm.server.limits import check_fan_out, check_prompt_chars
 from minillm.server.protocol import (
-    CompletionRequest, check_unsupported, completion_prompts, to_sampling_params, unknown_fields,
+    CompletionRequest, check_unsupported, completion_prompts, requested_prompt_logprobs, to_sampling_params,
+    unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, all_finished, answer, json_dumps,
-    log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
+    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
+    json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
     text_choice_json, tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -52,14 +55,26 @@ class CompletionJob:
                            param="min_tokens")
         to_sampling_params(req, self.max_tokens, req.logprobs, ctx.engine.vocab_size,   # field errors first
                            max_model_len=ctx.engine.max_model_len, defaults=ctx.sampling_defaults)
-        if req.echo and req.logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
+        asked = requested_prompt_logprobs(req, ctx.engine.config.max_logprobs, ctx.engine.vocab_size)
+        # As in vLLM: echo with logprobs scores the prompt with logprobs alternatives unless
+        # prompt_logprobs says how many; the choices carry the prompt's logprobs either way. A stream's
+        # chunks have no place for them (a stream may ask for 0): scored there only for echo to show.
+        scored = asked if asked is not None else req.logprobs if req.echo else None
+        is_shown = not req.stream or (req.echo and req.logprobs is not None)
+        self.prompt_logprobs = scored if is_shown else None     # what the engine computes
+        if self.prompt_logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
+            if asked is not None:
+                raise APIError(400, "prompt_logprobs is not supported with tensor_parallel_size > 1",
+                               param="prompt_logprobs")
             raise APIError(400, "echo with logprobs scores the prompt, which this server cannot do with "
                                 "tensor_parallel_size > 1; send echo or logprobs alone", param="echo")
+        self.as_token_ids = bool(req.return_tokens_as_token_ids)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
         self.texts = TokenTexts(ctx.tokenizer)
         self._prompt_row_cache: dict[int, list] = {}   # prompt index -> its echoed logprob rows
+        self._prompt_logprobs_json: dict[int, list] = {}   # prompt index -> its choices' prompt_logprobs
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
 
     async def prepare(self) -> None:
@@ -72,10 +87,9 @@ class CompletionJob:
         self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking_if(text_work, self._tokenize)
         if any(not ids for ids in self.prompt_ids):     # e.g. add_special_tokens false on text of no tokens
             raise APIError(400, "prompt must not be empty: it tokenizes to no tokens", param="prompt")
-        scores_prompt = self.req.logprobs if self.req.echo else None     # echo with logprobs: the prompt's too
         self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
                                           self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
-                                          scores_prompt, defaults=self.ctx.sampling_defaults)
+                                          self.prompt_logprobs, defaults=self.ctx.sampling_defaults)
                        for ids in self.prompt_ids]
         await tokenize_bad_words(self.ctx, self.params)
 
@@ -98,7 +112,8 @@ class CompletionJob:
         if self.req.logprobs is None:
             return None
         base = len(self.prompt_texts[prompt_index]) if self.req.echo else 0
-        return LogprobCursor(self.texts, self.prompt_ids[prompt_index], base, self.req.skip_special_tokens)
+        return LogprobCursor(self.texts, self.prompt_ids[prompt_index], base, self.req.skip_special_tokens,
+                             self.as_token_ids)
 
     def _prompt_rows(self, prompt_index: int, output: RequestOutput) -> list:
         """The echoed prompt's logprob rows (echo with logprobs), before the completion's; made
@@ -108,10 +123,25 @@ class CompletionJob:
         rows = self._prompt_row_cache.get(prompt_index)
         if rows is None:
             rows = prompt_logprob_rows(self.texts, self.prompt_ids[prompt_index], output.prompt_logprobs,
-                                       self.req.logprobs, self.req.skip_special_tokens)
+                                       self.req.logprobs, self.req.skip_special_tokens, self.as_token_ids)
             if len(rows) == len(self.prompt_ids[prompt_index]):     # every entry is in: final
                 self._prompt_row_cache[prompt_index] = rows
         return rows
+
+    def _prompt_fields(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> dict:
+        """vLLM's token_ids, prompt_logprobs and prompt_token_ids of a choice where asked, in vLLM's order."""
+        fields = {}
+        if self.req.return_token_ids:        # echo without generation: no token of the text was generated
+            fields["token_ids"] = [] if self.echo_only else list(completion.token_ids)
+        if output.prompt_logprobs is not None:
+            entries = self._prompt_logprobs_json.get(prompt_index)
+            if entries is None:
+                entries = self._prompt_logprobs_json[prompt_index] = prompt_logprobs_json(
+                    output.prompt_logprobs, output.prompt_token_ids, self.prompt_logprobs, self.ctx.tokenizer)
+            fields["prompt_logprobs"] = entries
+        if self.req.return_token_ids:
+            fields["prompt_token_ids"] = list(output.prompt_token_ids)
+        return fields
 
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.req.n + completion.index
@@ -134,7 +164,8 @@ class CompletionJob:
         for pi, final in enumerate(finals):
             for comp in final.outputs:
                 if self.echo_only:
-                    choices.append(self._echo_only_choice(pi, final, comp))
+                    choices.append({**self._echo_only_choice(pi, final, comp),
+                                    **self._prompt_fields(pi, final, comp)})
                     continue
                 text = (self.prompt_texts[pi] if self.req.echo else "") + comp.text
                 cursor = self._cursor(pi)
@@ -143,7 +174,8 @@ class CompletionJob:
                     logprobs = completion_logprobs(self._prompt_rows(pi, final) + cursor.advance(
                         comp.token_ids, comp.logprobs or [], self.req.logprobs))
                 choices.append({"index": self._choice_index(pi, comp), "text": text, "logprobs": logprobs,
-                                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason})
+                                "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
+                                **self._prompt_fields(pi, final, comp)})
         choices.sort(key=lambda c: c["index"])
         body = {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, "usage": self._usage(finals)}
@@ -191,7 +223,7 @@ class CompletionJob:
         yield FinalEvent(last + SSE_DONE)
 
     def _choices(self, pi: int, output: RequestOutput, progress: dict[int, ChoiceProgress | None]
-                 ) -> list[tuple[str, int]]:
+                 ) -> list[StreamChoice]:
         """Stream choices, as JSON, for the completions of one output that have something new, each with
         its completion's tokens so far."""
         choices = []
@@ -200,7 +232,10 @@ class CompletionJob:
             if self.echo_only:            # one chunk a choice, once its (dropped) token is there
                 if comp.finish_reason is not None and index not in progress:
                     progress[index] = None
-                    choices.append((json_dumps(self._echo_only_choice(pi, output, comp)), 0))
+                    choice = self._echo_only_choice(pi, output, comp)
+                    if self.req.return_token_ids:
+                        choice.update(prompt_token_ids=list(output.prompt_token_ids), token_ids=[])
+                    choices.append(StreamChoice(json_dumps(choice), 0))
                 continue
             state = progress.get(index)
             if state is None:
@@ -209,19 +244,23 @@ class CompletionJob:
             if update is None:
                 continue
             delta, rows, finish = update
-            if not state.is_started:
+            is_first = not state.is_started
+            if is_first:
                 state.is_started = True
                 if self.req.echo:
                     delta = self.prompt_texts[pi] + delta
                     if state.cursor is not None:
                         rows = self._prompt_rows(pi, output) + rows
-            if state.cursor is None and finish is None:   # a token's chunk: only the text is new
-                choices.append((text_choice_json(index, delta), len(comp.token_ids)))
+            if state.cursor is None and finish is None and not self.req.return_token_ids:
+                choices.append(StreamChoice(text_choice_json(index, delta), len(comp.token_ids)))   # text alone
                 continue
-            choices.append((json_dumps({"index": index, "text": delta,
-                                        "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
-                                        "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}),
-                            len(comp.token_ids)))
+            choice = {"index": index, "text": delta,
+                      "logprobs": completion_logprobs(rows) if state.cursor is not None else None,
+                      "finish_reason": finish, "stop_reason": comp.stop_reason if finish else None}
+            if self.req.return_token_ids:      # vLLM's: the prompt's ids in a choice's first chunk, null after
+                choice["prompt_token_ids"] = list(output.prompt_token_ids) if is_first else None
+                choice["token_ids"] = state.new_token_ids(comp.token_ids)
+            choices.append(StreamChoice(json_dumps(choice), len(comp.token_ids)))
         return choices
 
 
