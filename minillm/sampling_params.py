@@ -7,9 +7,9 @@ import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
+    import numpy as np
+
     from minillm.bad_words import BadWordIds
     from minillm.structured_output import StructuredOutputsParams
 
@@ -266,6 +266,8 @@ class SamplingParams:
             if (not isinstance(allowed, (list, tuple)) or not allowed
                     or any(not _is_int(t) or not 0 <= t <= _MAX_TOKEN_ID for t in allowed)):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {short_repr(allowed)}")
+            import numpy as np      # here, not at import: the CLI starts without numpy
+
             self._allowed_entries = np.unique(np.array(allowed, dtype=np.int32))
         words = self.bad_words
         if words is not None:
