@@ -158,8 +158,8 @@ class LLM:
             if out.prompt is None and text is not None:   # ids were given with their text
                 out.prompt = text
             if out.prompt_logprobs is not None:           # vLLM's Logprob entries, as the outputs' own
-                out.prompt_logprobs = [None if entry is None else ranked_logprobs(entry, p.prompt_logprobs,
-                                                                                  self.engine.tokenizer)
+                tokenizer = self.engine.tokenizer if p.detokenize else None
+                out.prompt_logprobs = [None if entry is None else ranked_logprobs(entry, p.prompt_logprobs, tokenizer)
                                        for entry in out.prompt_logprobs]
         return outputs
 

@@ -18,6 +18,7 @@ class CompletionState:
     want_logprobs: bool
     incremental: bool                # text every step (streaming, stop strings) or once at the end
     min_tokens: int = 0              # stop strings are looked for only past this many output tokens
+    detokenize: bool = True          # False: the text stays "" (SamplingParams.detokenize)
     text: str = ""
     num_text_tokens: int = 0         # output tokens that belong in the text
     logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -38,13 +39,15 @@ def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> 
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
                                    prompt_token_ids=seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
     return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
-                           p.logprobs is not None, incremental or bool(p.stop_strings), p.min_tokens)
+                           p.logprobs is not None, p.detokenize and (incremental or bool(p.stop_strings)),
+                           p.min_tokens, p.detokenize)
 
 
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
     """Feed the newest token; returns the stop string it completed, if any."""
     if state.want_logprobs and logprobs is not None:
-        state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs, state.detokenizer.tok))
+        state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs,
+                                              state.detokenizer.tok if state.detokenize else None))
         state.cumulative_logprob += logprobs.get(token, 0.0)
     if seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token) and not state.include_stop:
         return None
@@ -65,12 +68,13 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     return None
 
 
-def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer) -> dict[int, Logprob]:
+def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer | None) -> dict[int, Logprob]:
     """A token's {id: logprob} as vLLM's Logprobs: the top num_top ranked 1.. in order; the sampled
-    (or prompt) token, when it falls below them, keeps the rank its Logprob carries from the sampler."""
+    (or prompt) token, when it falls below them, keeps the rank its Logprob carries from the sampler.
+    Without a tokenizer (detokenize=False) decoded_token stays None."""
     order = sorted(logprobs, key=logprobs.__getitem__, reverse=True)
     return {tid: Logprob(logprobs[tid], i + 1 if i < num_top else getattr(logprobs[tid], "rank", None),
-                         tokenizer.decode_token(tid, skip_special_tokens=False))
+                         None if tokenizer is None else tokenizer.decode_token(tid, skip_special_tokens=False))
             for i, tid in enumerate(order)}
 
 
@@ -95,7 +99,7 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
     """The caller-facing view: while running, text withholds a possible partial stop string."""
     done = seq.is_finished
     if not state.incremental:
-        if done and not state.text:
+        if done and not state.text and state.detokenize:
             state.text = _final_text(state, seq)
     elif done:
         if not isinstance(seq.stop_reason, str):      # a stop string already cut the text

@@ -110,6 +110,7 @@ class SamplingParams:
     extra_args: dict | None = None
     allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
     bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py)
+    detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     # logit_bias as the sampler uploads it, made when it is validated: (token ids, float32 bit patterns)
     _logit_bias_entries: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False,
@@ -219,11 +220,13 @@ class SamplingParams:
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             bad("seed", "must be an integer in [-2**63, 2**63 - 1] (-1: no seed)")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
+        if self._stop_list and not self.detokenize:
+            bad("stop", "strings are only supported when detokenize is true (stop_token_ids are not text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)

@@ -258,3 +258,25 @@ def test_sample_distribution_respects_top_k_top_p_min_p():
     np.testing.assert_allclose(freq(min_p=0.45), [4 / 9, 3 / 9, 2 / 9, 0], atol=0.03)
     hot = freq(temperature=100.0)
     assert hot.min() > 0.2                          # temperature flattens the distribution
+
+
+def test_detokenize_false_gives_the_same_tokens_without_text(llm):
+    kw = dict(temperature=0.8, seed=11, max_tokens=20, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    full, bare = (llm.generate([PROMPT], SamplingParams(detokenize=d, **kw))[0] for d in (True, False))
+    assert full.outputs[0].text and bare.outputs[0].text == ""
+    assert bare.outputs[0].token_ids == full.outputs[0].token_ids
+    for got, want in zip(bare.outputs[0].logprobs + bare.prompt_logprobs[1:],
+                         full.outputs[0].logprobs + full.prompt_logprobs[1:]):
+        assert {t: (float(lp), lp.rank) for t, lp in got.items()} == {t: (float(lp), lp.rank) for t, lp in want.items()}
+        assert all(lp.decoded_token is None for lp in got.values())
+        assert all(isinstance(lp.decoded_token, str) for lp in want.values())
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(detokenize=False, stop=["Lily"]), "stop strings are only supported when detokenize is true"),
+    (dict(detokenize="no"), "detokenize must be true or false"),
+])
+def test_detokenize_is_a_boolean_and_excludes_stop_strings(fields, says):
+    with pytest.raises(ValueError, match=says):
+        SamplingParams(**fields)
+    assert SamplingParams(detokenize=False, stop_token_ids=[2]).stop_token_ids == [2]
