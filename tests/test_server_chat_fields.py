@@ -11,27 +11,12 @@ import json
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, openai_error, running_server, sse_events
-
-from minillm.server.app import ServerOptions
+from test_server_helpers import (CHAT_TEMPLATE, chat_template_server, openai_error, sse_events,  # noqa: F401
+                                 story_streams)
 
 MODEL = "stories"
 MESSAGES = [{"role": "user", "content": "Tell me a story."}]
 CONTINUED = MESSAGES + [{"role": "assistant", "content": "Once upon a"}]
-
-
-@pytest.fixture(scope="module")
-def server(stories_path):
-    with running_server(stories_path, served_model_name=MODEL,
-                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
-        yield url, engine
-
-
-@pytest.fixture(scope="module")
-def healthy(server):
-    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300})
-    yield streams
-    streams.check()
 
 
 def _chat(**fields) -> dict:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from starlette.testclient import TestClient
-from test_server_helpers import HealthyStreams, openai_error, running_server, sse_events
+from test_server_helpers import openai_error, running_server, sse_events, story_streams  # noqa: F401
 
 from minillm.server.app import ServerOptions, create_app
 
@@ -40,13 +40,6 @@ def server(stories_path):
     with running_server(stories_path, served_model_name=MODEL,
                         options=ServerOptions(chat_template=TOOL_TEMPLATE)) as (url, engine):
         yield url, engine
-
-
-@pytest.fixture(scope="module")
-def healthy(server):
-    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 300})
-    yield streams
-    streams.check()
 
 
 def _chat(**fields) -> dict:
