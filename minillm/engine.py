@@ -284,8 +284,9 @@ class LLMEngine:
             if (value := getattr(params, name)) is not None and value > self.config.max_logprobs:
                 raise ValueError(f"{name} must be at most max_logprobs ({self.config.max_logprobs}), got {value}")
         params = own_sampling_params(params)
-        if params.bad_words:      # tokenized here for the sampler (the API server asked first: remembered)
-            params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
+        # Tokenized here for the sampler (the API server asked first: remembered); no words clears
+        # token ids the caller's params may carry from an earlier update_from_tokenizer.
+        params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
         if self.extra_eos_token_ids and not params.ignore_eos:
             params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
