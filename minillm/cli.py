@@ -616,7 +616,8 @@ def _limit_default(name: str):
 SERVER_LIMIT_OPTIONS = {
     "max_n": "--max-n", "max_prompts_per_request": "--max-prompts-per-request",
     "max_stop_strings": "--max-stop-strings", "max_stop_string_chars": "--max-stop-string-length",
-    "max_stop_token_ids": "--max-stop-token-ids", "max_prompt_chars": "--max-prompt-chars",
+    "max_stop_token_ids": "--max-stop-token-ids", "max_allowed_token_ids": "--max-allowed-token-ids",
+    "max_prompt_chars": "--max-prompt-chars",
     "max_stats_streams": "--max-stats-streams", "stream_timeout_s": "--stream-timeout",
     "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
     "timeout_keep_alive_s": "--timeout-keep-alive",
@@ -693,6 +694,9 @@ def serve(
         _limit_default("max_stop_string_chars")),
     max_stop_token_ids: Annotated[int, _server_option(
         "--max-stop-token-ids", help="Most stop_token_ids in one request.")] = _limit_default("max_stop_token_ids"),
+    max_allowed_token_ids: Annotated[int, _server_option(
+        "--max-allowed-token-ids", help="Most allowed_token_ids in one request, counted once per prompt.")] = (
+        _limit_default("max_allowed_token_ids")),
     max_prompt_chars: Annotated[int, _server_option(
         "--max-prompt-chars", help="Most characters of prompt or message text in one request, checked "
         "before tokenising.")] = _limit_default("max_prompt_chars"),
@@ -736,7 +740,8 @@ def serve(
     limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
-        max_prompt_chars=max_prompt_chars, max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
+        max_allowed_token_ids=max_allowed_token_ids, max_prompt_chars=max_prompt_chars,
+        max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
         header_timeout_s=header_timeout, body_timeout_s=body_timeout, timeout_keep_alive_s=timeout_keep_alive)
     cors = {"allowed_origins": json_list_option(allowed_origins, "--allowed-origins"),
             "allowed_methods": json_list_option(allowed_methods, "--allowed-methods"),

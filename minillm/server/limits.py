@@ -20,6 +20,9 @@ class ServerLimits:
     max_stop_strings: int = 64
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
+    # allowed_token_ids, counted once per prompt: each prompt's params validate the whole list, here
+    # and in the engine core's loop (a whole vocabulary of the largest models fits).
+    max_allowed_token_ids: int = 262_144
     max_prompt_chars: int = 1_000_000       # prompt text (or message text) of one request, before tokenising
     max_body_bytes: int = 16 * 1024 * 1024
     max_stats_streams: int = 128            # open /v1/stats/stream connections
@@ -62,6 +65,15 @@ def check_fan_out(limits: ServerLimits, n: int, num_prompts: int, stop: str | li
     if stop_token_ids is not None and len(stop_token_ids) > limits.max_stop_token_ids:
         raise APIError(400, f"stop_token_ids may hold at most {limits.max_stop_token_ids} ids, "
                        f"got {len(stop_token_ids)}", param="stop_token_ids")
+
+
+def check_allowed_token_ids(limits: ServerLimits, allowed: list[int] | None, num_prompts: int) -> None:
+    """400 naming allowed_token_ids when the list, repeated for each prompt, holds more ids than allowed."""
+    if allowed is None or len(allowed) * num_prompts <= limits.max_allowed_token_ids:
+        return
+    per_prompt = f" for each of {num_prompts} prompts" if num_prompts > 1 else ""
+    raise APIError(400, f"allowed_token_ids may hold at most {limits.max_allowed_token_ids} ids in one request "
+                   f"(counted once per prompt), got {len(allowed)}{per_prompt}", param="allowed_token_ids")
 
 
 def check_prompt_chars(limits: ServerLimits, num_chars: int, param: str) -> None:

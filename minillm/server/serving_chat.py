@@ -12,7 +12,7 @@ from minillm.sampling_params import short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
-from minillm.server.limits import check_fan_out, check_prompt_chars
+from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, prompt_logprobs_json
 from minillm.server.protocol import (
     ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
@@ -120,6 +120,7 @@ class ChatJob:
         self.created = int(time.time())
         self.num_top = requested_top_logprobs(req)
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
+        check_allowed_token_ids(ctx.limits, req.allowed_token_ids, 1)
         # Field errors first, so a bad value is named even on a model without a template.
         with naming_max_tokens_field(req):
             to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size,

@@ -15,7 +15,7 @@ from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.logprobs import (
     LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows, prompt_logprobs_json,
 )
-from minillm.server.limits import check_fan_out, check_prompt_chars
+from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_prompt_chars
 from minillm.server.protocol import (
     CompletionRequest, check_unsupported, completion_prompts, requested_prompt_logprobs, to_sampling_params,
     unknown_fields,
@@ -41,6 +41,7 @@ class CompletionJob:
         self.created = int(time.time())
         self.prompts = completion_prompts(req)
         check_fan_out(ctx.limits, req.n, len(self.prompts), req.stop, req.stop_token_ids)
+        check_allowed_token_ids(ctx.limits, req.allowed_token_ids, len(self.prompts))
         check_prompt_chars(ctx.limits, sum(len(p) for p in self.prompts if isinstance(p, str)), "prompt")
         for prompt in self.prompts:
             if not isinstance(prompt, str):
