@@ -125,3 +125,17 @@ def test_allowed_ids_and_bad_words_give_the_per_field_tokens_and_keep_their_rule
             assert set(ids) <= set(s.params.allowed_token_ids)
         if s.params.bad_words:
             assert not {5, 6} & set(ids) and not {(7, 8), (9, 8)} & set(zip(ids, ids[1:]))
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (50, 0.9)])
+def test_a_row_with_every_token_masked_samples_id_0_as_the_twin(top_k, top_p):
+    rng = np.random.default_rng(3)
+    logits = rng.standard_normal((4, VOCAB)).astype(np.float32)
+    logits[1] = logits[3] = -np.inf                     # every token masked (contradictory rules)
+    b = len(logits)
+    args = (np.array([1.0, 1.0, 0.0, 0.7], np.float32), np.full(b, top_k, np.int32),
+            np.full(b, top_p, np.float32), np.zeros(b, np.float32), rng.random(b).astype(np.float32))
+    want = npops.sample(logits, *args)
+    got = ops.sample(ops.asarray(logits), *(ops.asarray(a) for a in args))
+    assert cupy.asnumpy(got).tolist() == want.tolist()
+    assert want[1] == want[3] == 0

@@ -1,4 +1,5 @@
 """Every sampling parameter changes what it should, and only that."""
+import warnings
 import numpy as np
 import pytest
 
@@ -280,3 +281,15 @@ def test_detokenize_is_a_boolean_and_excludes_stop_strings(fields, says):
     with pytest.raises(ValueError, match=says):
         SamplingParams(**fields)
     assert SamplingParams(detokenize=False, stop_token_ids=[2]).stop_token_ids == [2]
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 0.9)])
+def test_a_row_with_every_token_masked_samples_id_0_without_a_warning(top_k, top_p):
+    logits = np.full((2, 64), -np.inf, np.float32)
+    logits[1, 7] = 1.0                                  # a healthy row beside it
+    one = np.ones(2, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ids = npops.sample(logits, one, np.full(2, top_k, np.int32), np.full(2, top_p, np.float32),
+                           np.zeros(2, np.float32), np.full(2, 0.5, np.float32))
+    assert ids.tolist() == [0, 7]

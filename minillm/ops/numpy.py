@@ -260,7 +260,7 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     out = np.empty(batch, dtype=np.int32)
     for b in range(batch):
         row = logits[b].astype(np.float32)
-        if temperature[b] <= 0.0:
+        if temperature[b] <= 0.0 or row.max() == -np.inf:      # greedy, or every token masked (id 0)
             out[b] = int(np.argmax(row))
         elif not 0 < top_k[b] < vocab and top_p[b] >= 1.0:
             out[b] = _sample_in_id_order(row, temperature[b], min_p[b], uniforms[b])
