@@ -104,7 +104,7 @@ class HttpChatBackend:
         oldest exchanges go first (tried on a copy, kept only once the request fits), then the
         reply is capped at the rest of the context; (response, whether max_tokens was capped)."""
         trial = Conversation(conversation.system, list(conversation.turns))
-        dropped, max_tokens = 0, settings.max_tokens
+        dropped, max_tokens, is_capped = 0, settings.max_tokens, False
         while True:
             try:
                 response = self._open(trial, settings, max_tokens)
@@ -112,15 +112,32 @@ class HttpChatBackend:
             except ContextLengthError as exc:
                 if trial.drop_oldest_exchange():
                     dropped += 1
-                elif exc.param == "max_tokens" and max_tokens is not None:
-                    max_tokens = None          # the server gives the reply the rest of the context
+                elif exc.param == "max_tokens" and not is_capped:
+                    max_tokens, is_capped = self._rest_of_context(trial), True
                 else:
                     raise
         if dropped:
             conversation.turns[:] = trial.turns
             where = f"the {self.context_len}-token context" if self.context_len else "the server's context"
             self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit {where})")
-        return response, max_tokens is None
+        return response, is_capped
+
+    def _rest_of_context(self, conversation: Conversation) -> int | None:
+        """max_tokens for a reply that takes the rest of the context: None (the server's own
+        choice) for a chat completion; for a completion, whose default is 16 tokens, the context
+        less the prompt as the server's /tokenize counts it (None when it cannot say)."""
+        if self.has_chat_template:
+            return None
+        try:
+            response = self.client.post("/tokenize", json={"model": self.model,
+                                                           "prompt": conversation_text(conversation)})
+            answer = response.json() if response.status_code == 200 else {}
+            count, context = answer.get("count"), answer.get("max_model_len") or self.context_len
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        if isinstance(count, int) and isinstance(context, int) and context > count:
+            return context - count
+        return None
 
     def _stream(self, response: httpx.Response, started: float,
                 should_stop: Callable[[], bool], max_tokens: int, is_capped: bool = False) -> Iterator[str]:
