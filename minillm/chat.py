@@ -528,6 +528,8 @@ class ChatSession:
         except KeyboardInterrupt:
             flag.is_set = True
         except (ValueError, RuntimeError, OSError) as exc:
+            if reply and not reply.endswith("\n"):
+                self.say("")            # the error starts a line of its own, not the reply's last one
             self.print_notices()
             self.conversation.turns.pop()
             self.say(f"error: {exc}")

@@ -159,7 +159,11 @@ class HttpChatBackend:
                         num_chunks += 1
                         yield delta
         except httpx.HTTPError as exc:
+            finish_reason = "error"
             raise RuntimeError(f"the stream from {self.base_url} broke: {exc}") from None
+        except RuntimeError:
+            finish_reason = "error"
+            raise
         finally:
             response.close()
             if usage:

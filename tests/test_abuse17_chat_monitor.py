@@ -36,3 +36,19 @@ def test_a_reply_over_url_asked_for_more_than_the_context_gets_the_rest_of_it():
     assert stats.finish_reason == "length"
     assert stats.prompt_tokens + stats.output_tokens == 64, out.getvalue()
     assert "[the 64-token context is full: /reset starts over]" in out.getvalue()
+
+
+class _BreakingBackend:
+    """Writes part of a reply, then its connection breaks."""
+    name, has_chat_template, last_stats = "breaking", True, None
+
+    def stream_reply(self, conversation, settings, should_stop):
+        yield "Tom ran to the"
+        raise RuntimeError("the stream from http://127.0.0.1:1 broke: peer closed connection")
+
+
+def test_a_reply_broken_midway_puts_its_error_on_a_line_of_its_own():
+    out = io.StringIO()
+    history = run_scripted(ChatSession(_BreakingBackend(), out=out), ["hello"], status=1)
+    assert "Tom ran to the\nerror: the stream from http://127.0.0.1:1 broke" in out.getvalue()
+    assert history == [[]]          # the failed message is not kept
