@@ -351,18 +351,20 @@ def _continuation(read_line: Callable[[str], str], lines: list[str]) -> str:
 
 
 class StopFlag:
-    """Set by the first Ctrl-C while a reply streams; a second Ctrl-C raises KeyboardInterrupt."""
+    """Set by the first Ctrl-C while a reply streams; a second Ctrl-C raises KeyboardInterrupt
+    (the first too when at_once: a backend that may be stopped anywhere, as one waiting on a server)."""
 
-    def __init__(self) -> None:
+    def __init__(self, at_once: bool = False) -> None:
         self.is_set = False
+        self.at_once = at_once
 
     def __call__(self) -> bool:
         return self.is_set
 
     def on_sigint(self, signum, frame) -> None:
-        if self.is_set:
+        was_set, self.is_set = self.is_set, True
+        if was_set or self.at_once:
             raise KeyboardInterrupt
-        self.is_set = True
 
 
 @contextmanager
@@ -510,7 +512,7 @@ class ChatSession:
     def send(self, text: str) -> None:
         """Stream the assistant's reply to TEXT and keep both turns."""
         self.conversation.turns.append({"role": "user", "content": text})
-        reply, flag = "", StopFlag()
+        reply, flag = "", StopFlag(at_once=getattr(self.backend, "stops_anywhere", False))
         keys = StreamingKeys(self.type_ahead) if self.is_terminal else None
         try:
             with sigint_sets(flag), keys or nullcontext():

@@ -27,6 +27,7 @@ class HttpChatBackend:
         self.has_chat_template = True        # until the server says otherwise
         self.last_stats: ReplyStats | None = None
         self.notices: list[str] = []
+        self.stops_anywhere = True           # Ctrl-C need not wait for the next chunk of a stalled server
 
     def _served_model(self, model: str | None) -> str:
         """`model` (the first model the server lists when None), checked against /v1/models: a

@@ -3,6 +3,11 @@ mid-reply, a chat template that renders nothing, a system message longer than th
 from __future__ import annotations
 
 import io
+import json
+import os
+import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from test_chat import STORIES, needs_stories, run_scripted
@@ -52,3 +57,65 @@ def test_a_reply_broken_midway_puts_its_error_on_a_line_of_its_own():
     history = run_scripted(ChatSession(_BreakingBackend(), out=out), ["hello"], status=1)
     assert "Tom ran to the\nerror: the stream from http://127.0.0.1:1 broke" in out.getvalue()
     assert history == [[]]          # the failed message is not kept
+
+
+class _StallingServer(BaseHTTPRequestHandler):
+    """/v1/models, and a completion stream that sends one chunk and then nothing until released."""
+    release = threading.Event()
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"data": [{"id": "stalling", "max_model_len": 512}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Once upon"}, "finish_reason": None}]}
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.flush()
+        self.release.wait(60)
+
+
+def test_one_ctrl_c_stops_a_reply_from_a_server_that_stalls():
+    """README: Ctrl-C stops a reply. A server that stops sending must not need a second Ctrl-C."""
+    from minillm.chat_client import HttpChatBackend
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StallingServer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    out, sigints = io.StringIO(), []
+    write = out.write
+
+    def watch(text: str) -> int:
+        # Ctrl-C once the first chunk is on the screen; a second one only if the first did nothing.
+        written = write(text)
+        if text == "Once upon":
+            def press() -> None:
+                sigints.append(1)
+                os.kill(os.getpid(), signal.SIGINT)
+                if not stopped.wait(10):
+                    sigints.append(2)
+                    os.kill(os.getpid(), signal.SIGINT)
+            threading.Thread(target=press, daemon=True).start()
+        return written
+
+    stopped = threading.Event()
+    out.write = watch
+    session = ChatSession(HttpChatBackend(f"http://127.0.0.1:{server.server_address[1]}"), out=out)
+    try:
+        history = run_scripted(session, ["hello"])
+    finally:
+        stopped.set()
+        _StallingServer.release.set()
+        server.shutdown()
+        server.server_close()
+    assert "Once upon [interrupted]" in out.getvalue()
+    assert history == [["hello", "Once upon"]]
+    assert sigints == [1], "the first Ctrl-C left the chat waiting on the server"
