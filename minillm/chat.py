@@ -207,6 +207,8 @@ class EngineChatBackend:
         while max_len - len(ids) < settings.max_tokens and trial.drop_oldest_exchange():
             ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
             dropped += 1
+        if not ids:
+            raise ValueError("the chat template rendered an empty prompt")
         room = max_len - len(ids)
         if room < 1:
             raise ValueError(f"message too long: the prompt is {len(ids)} tokens and the context "

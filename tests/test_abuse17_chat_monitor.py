@@ -119,3 +119,12 @@ def test_one_ctrl_c_stops_a_reply_from_a_server_that_stalls():
     assert "Once upon [interrupted]" in out.getvalue()
     assert history == [["hello", "Once upon"]]
     assert sigints == [1], "the first Ctrl-C left the chat waiting on the server"
+
+
+@needs_stories
+def test_a_template_that_renders_nothing_is_named_not_the_prompt(engine):
+    out = io.StringIO()
+    backend = EngineChatBackend(engine, "stories", chat_template='{{ "" }}')
+    run_scripted(ChatSession(backend, ChatSettings(max_tokens=4), out=out), ["hello"], status=1)
+    assert "error: the chat template rendered an empty prompt" in out.getvalue()
+    assert not engine.has_unfinished_requests()
