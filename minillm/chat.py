@@ -169,6 +169,10 @@ class ReplyStats:
         return "\n".join(lines)
 
 
+class ContextTooShort(ValueError):
+    """The prompt leaves no room for a reply in the model's context."""
+
+
 class ChatBackend(Protocol):
     """Where replies come from."""
 
@@ -211,8 +215,8 @@ class EngineChatBackend:
             raise ValueError("the chat template rendered an empty prompt")
         room = max_len - len(ids)
         if room < 1:
-            raise ValueError(f"message too long: the prompt is {len(ids)} tokens and the context "
-                             f"holds {max_len}")
+            raise ContextTooShort(f"message too long: the prompt is {len(ids)} tokens and the context "
+                                  f"holds {max_len}")
         if dropped:
             conversation.turns[:] = trial.turns
             self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit the "
@@ -536,7 +540,9 @@ class ChatSession:
                 self.say("")            # the error starts a line of its own, not the reply's last one
             self.print_notices()
             self.conversation.turns.pop()
-            self.say(f"error: {exc}")
+            hint = (" (the system message counts too: /system alone clears it)"
+                    if isinstance(exc, ContextTooShort) and self.conversation.system else "")
+            self.say(f"error: {exc}{hint}")
             self.num_failed_replies += 1
             return
         self.say(reply_mark(self.backend.last_stats, self.settings, flag.is_set))

@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 import httpx
 
-from minillm.chat import ChatSettings, Conversation, ReplyStats, conversation_text
+from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text
 from minillm.urls import server_base_url
 
 
@@ -228,7 +228,7 @@ def _error_field(response: httpx.Response) -> dict:
     return error if isinstance(error, dict) else {}
 
 
-class ContextLengthError(ValueError):
+class ContextLengthError(ContextTooShort):
     """The server's 400 for a request that does not fit the context; param: the field it names."""
 
     def __init__(self, message: str, param: str | None) -> None:

@@ -37,10 +37,17 @@ def test_a_reply_over_url_asked_for_more_than_the_context_gets_the_rest_of_it():
         out = io.StringIO()
         run_scripted(ChatSession(backend, ChatSettings(temperature=0, max_tokens=1000), out=out),
                      ["Once upon a time"])
-    stats = backend.last_stats
-    assert stats.finish_reason == "length"
-    assert stats.prompt_tokens + stats.output_tokens == 64, out.getvalue()
-    assert "[the 64-token context is full: /reset starts over]" in out.getvalue()
+        stats = backend.last_stats
+        assert stats.finish_reason == "length"
+        assert stats.prompt_tokens + stats.output_tokens == 64, out.getvalue()
+        assert "[the 64-token context is full: /reset starts over]" in out.getvalue()
+
+        # A system message past the context fails every message, /reset or not: say how to clear it.
+        out = io.StringIO()
+        session = ChatSession(HttpChatBackend(url), ChatSettings(max_tokens=4), system="Tom had a ball. " * 20,
+                              out=out)
+        run_scripted(session, ["hi", "/reset", "hi"], status=1)
+        assert out.getvalue().count("(the system message counts too: /system alone clears it)") == 2
 
 
 class _BreakingBackend:
@@ -128,3 +135,16 @@ def test_a_template_that_renders_nothing_is_named_not_the_prompt(engine):
     run_scripted(ChatSession(backend, ChatSettings(max_tokens=4), out=out), ["hello"], status=1)
     assert "error: the chat template rendered an empty prompt" in out.getvalue()
     assert not engine.has_unfinished_requests()
+
+
+@needs_stories
+def test_a_system_message_past_the_context_says_how_to_clear_it(engine):
+    """/reset keeps the system message: a message that fails because of it says /system clears it."""
+    out = io.StringIO()
+    session = ChatSession(EngineChatBackend(engine, "stories", chat_template=TEMPLATE),
+                          ChatSettings(temperature=0, max_tokens=4), system="Tom had a ball. " * 20, out=out)
+    history = run_scripted(session, ["hi", "/reset", "hi", "/system", "hi"], status=1)
+    text = out.getvalue()
+    assert text.count("(the system message counts too: /system alone clears it)") == 2
+    assert "error: message too long" in text
+    assert history[-1][0] == "hi" and len(history[-1]) == 2      # answered once the system message was cleared
