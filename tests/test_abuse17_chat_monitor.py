@@ -1,7 +1,9 @@
 """`minillm chat` used roughly: replies past the context over --url, a server that breaks or stalls
-mid-reply, a chat template that renders nothing, a system message longer than the context."""
+mid-reply, a chat template that renders nothing, a system message longer than the context; and
+`minillm monitor`'s problem banner on an 80-column terminal."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -148,3 +150,29 @@ def test_a_system_message_past_the_context_says_how_to_clear_it(engine):
     assert text.count("(the system message counts too: /system alone clears it)") == 2
     assert "error: message too long" in text
     assert history[-1][0] == "hi" and len(history[-1]) == 2      # answered once the system message was cleared
+
+
+class _RefusingSource:
+    """A stats source whose server refuses the API key, as LiveSource reports it."""
+
+    async def events(self, cells):
+        from minillm.tui.client import SourceProblem
+        yield SourceProblem("http://127.0.0.1:8000 refused the API key (401): pass the server's key with "
+                            "--api-key", 0.5)
+        await asyncio.Event().wait()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_monitors_problem_banner_is_shown_whole_on_an_80_column_terminal(anyio_backend):
+    """The banner's end says what to do (--api-key) and when it retries: a one-row banner cut it off."""
+    from minillm.tui.app import MonitorApp
+    app = MonitorApp(_RefusingSource())
+    async with app.run_test(size=(80, 24)) as pilot:
+        while not app.banner.display:
+            await pilot.pause(0.02)
+        await pilot.pause()
+        text = app.banner.content.plain
+        assert text.endswith("--api-key · retrying in 0.5 s")
+        assert app.banner.size.height >= 2 and app.banner.size.height * app.banner.size.width >= len(text)
+        assert app.grid.size.height > 0
