@@ -1,9 +1,11 @@
 """Per-request sampling parameters, with vLLM's names and validation."""
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import struct
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -111,6 +113,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
     bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py)
     detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
+    # vLLM's name, taken for its fast-tokenizer behaviour: the decoder puts no spaces between special tokens
+    spaces_between_special_tokens: bool = True
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     # logit_bias as the sampler uploads it, made when it is validated: (token ids, float32 bit patterns)
     _logit_bias_entries: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False,
@@ -122,6 +126,28 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def from_optional(cls, **kwargs) -> "SamplingParams":
+        """vLLM's SamplingParams.from_optional: None for a field with a default (max_tokens aside, whose
+        None is no limit) takes that default; logit_bias keys may be strings and biases are clipped to [-100, 100]."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.default is not None
+                    and f.default is not dataclasses.MISSING and f.name != "max_tokens"}
+        args = {k: defaults[k] if v is None and k in defaults else v for k, v in kwargs.items()}
+        bias = args.get("logit_bias")
+        if isinstance(bias, dict):
+            try:
+                args["logit_bias"] = {int(k) if isinstance(k, str) else k:
+                                      min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) if _is_finite(v) else v
+                                      for k, v in bias.items()}
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {short_repr(list(bias))}") from None
+        return cls(**args)
+
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's clone); a structured-output constraint, fixed once built, is shared."""
+        memo = {} if self.structured_outputs is None else {id(self.structured_outputs): self.structured_outputs}
+        return copy.deepcopy(self, memo)
 
     def _normalize_stops(self) -> None:
         """stop as the list the engine reads, stop_token_ids as a list; done again by every validate(),
@@ -220,7 +246,8 @@ class SamplingParams:
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             bad("seed", "must be an integer in [-2**63, 2**63 - 1] (-1: no seed)")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                     "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
