@@ -3,7 +3,8 @@ from pathlib import Path as _Path
 
 from minillm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["CompletionOutput", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
+           "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 # In a checkout, tui/ and benchmarks/ sit beside this package; an install puts them inside it as
@@ -22,6 +23,12 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from minillm.engine import LLMEngine
         return LLMEngine
+    if name in ("TextPrompt", "TokensPrompt"):
+        from minillm import llm
+        return getattr(llm, name)
+    if name in ("RequestOutput", "CompletionOutput"):
+        from minillm import outputs
+        return getattr(outputs, name)
     if name == "StructuredOutputsParams":
         from minillm.structured_output import StructuredOutputsParams
         return StructuredOutputsParams

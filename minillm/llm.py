@@ -7,8 +7,10 @@ import itertools
 import numbers
 import os
 import sys
-from collections.abc import Iterable, Sequence as Seq
+import threading
+from collections.abc import Callable, Iterable, Sequence as Seq
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
@@ -19,8 +21,22 @@ from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS, check_unicode
 
-# What LLM.generate takes as one prompt (vLLM's TextPrompt and TokensPrompt are the two dicts).
-PromptType = str | list[int] | dict
+
+class TextPrompt(TypedDict):
+    """vLLM's TextPrompt: {"prompt": text}."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """vLLM's TokensPrompt: {"prompt_token_ids": ids}, with the ids' text as "prompt" if known."""
+
+    prompt_token_ids: list[int]
+    prompt: str
+
+
+# What LLM.generate takes as one prompt.
+PromptType = str | list[int] | TextPrompt | TokensPrompt | dict
 
 
 # vLLM's LLM arguments that minillm has no setting for, taken where the value given is what minillm
@@ -82,6 +98,8 @@ class LLM:
     def __init__(self, model: str, **engine_args):
         self.engine = LLMEngine(engine_config(model, engine_args))
         self._ids = itertools.count()
+        # One generate() at a time: each steps the engine and keeps only its own finished requests.
+        self._generate_lock = threading.Lock()
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -100,12 +118,17 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list (or 1-D NumPy array) of token ids, {"prompt": text} or
-        {"prompt_token_ids": ids}.
+        {"prompt_token_ids": ids}. use_tqdm may be a tqdm-like callable that makes the bar, as in vLLM.
+        Calls from several threads run one after another.
         """
+        with self._generate_lock:
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(self, prompts, sampling_params, use_tqdm) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or _is_one_id_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
@@ -123,6 +146,8 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
+                if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
+                    prompt = self.engine.tokenizer.encode("", add_special_tokens=True) or prompt
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p, output_kind="final")
                 ids.append(rid)
@@ -132,7 +157,7 @@ class LLM:
             self._drain()
             raise
         finished: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(ids)) if use_tqdm else None
+        bar = _progress_bar(len(ids), use_tqdm) if use_tqdm else None
         wanted = set(ids)
         try:
             while len(finished) < len(ids):
@@ -181,6 +206,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         check_template_kwargs(chat_template_kwargs)
         tokenizer = self.get_tokenizer()
+        if chat_template is None and not tokenizer.has_chat_template:
+            raise ValueError(f"the tokenizer of {tokenizer.name or 'this model'} has no chat template: pass one to "
+                             f"LLM.chat as chat_template (its Jinja source), or use generate with plain prompts")
         prompts = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
@@ -292,7 +320,9 @@ def _unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
     raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ids)")
 
 
-def _progress_bar(total: int):
-    """A tqdm bar on stderr (tqdm comes with huggingface-hub)."""
+def _progress_bar(total: int, use_tqdm):
+    """A tqdm bar on stderr (tqdm comes with huggingface-hub), or the one use_tqdm makes when it is callable."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
     from tqdm.auto import tqdm
     return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)

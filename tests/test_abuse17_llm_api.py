@@ -1,4 +1,6 @@
 """The offline API as a vLLM script uses it: names, prompt forms, progress bars, threads and SamplingParams helpers."""
+import threading
+
 import pytest
 
 from minillm import SamplingParams
@@ -12,6 +14,76 @@ def llm(stories_path):
     from minillm import LLM
     with LLM(str(stories_path), device="cpu", max_model_len=256) as model:
         yield model
+
+
+def test_vllm_names_are_exported():
+    """vLLM scripts import these from the package itself."""
+    from minillm import CompletionOutput, RequestOutput, TextPrompt, TokensPrompt
+    from minillm.outputs import CompletionOutput as Completion, RequestOutput as Request
+    assert (RequestOutput, CompletionOutput) == (Request, Completion)
+    assert TokensPrompt(prompt_token_ids=[1, 403]) == {"prompt_token_ids": [1, 403]}
+    assert TextPrompt(prompt="Once") == {"prompt": "Once"}
+
+
+def test_typed_prompts_generate_like_plain_ones(llm):
+    from minillm import TextPrompt, TokensPrompt
+    typed = llm.generate([TextPrompt(prompt="Once"), TokensPrompt(prompt_token_ids=[1, 403])], GREEDY)
+    plain = llm.generate(["Once", [1, 403]], GREEDY)
+    assert [o.outputs[0].token_ids for o in typed] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_generate_from_threads_finishes_with_each_threads_outputs(llm):
+    """Two threads calling generate at once spun forever, each stepping away the other's outputs."""
+    prompts = {i: [f"Once {i}", f"Lily {i}"] for i in range(3)}
+    expected = {i: [o.outputs[0].text for o in llm.generate(p, GREEDY)] for i, p in prompts.items()}
+    got, errors = {}, []
+
+    def run(i):
+        try:
+            got[i] = [o.outputs[0].text for o in llm.generate(prompts[i], GREEDY)]
+        except Exception as exc:       # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert not any(t.is_alive() for t in threads), "generate from several threads did not finish"
+    assert not errors
+    assert got == expected
+
+
+def test_use_tqdm_callable_makes_the_bar(llm):
+    """vLLM's use_tqdm may be a callable that builds the progress bar; it was ignored."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kwargs):
+            self.kwargs, self.n, self.closed = kwargs, 0, False
+            made.append(self)
+
+        def update(self, k=1):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    llm.generate(["Once", "Lily"], SamplingParams(max_tokens=2), use_tqdm=Bar)
+    assert len(made) == 1
+    assert made[0].kwargs["total"] == 2 and made[0].n == 2 and made[0].closed
+
+
+def test_empty_string_prompt_is_the_bos_token(llm):
+    """vLLM tokenizes "" to the tokenizer's BOS and generates from it; minillm refused the prompt."""
+    [out] = llm.generate("", GREEDY)
+    assert out.prompt == "" and out.prompt_token_ids == [1]
+    assert out.outputs[0].token_ids == llm.generate([[1]], GREEDY)[0].outputs[0].token_ids
+
+
+def test_chat_without_template_names_the_chat_template_argument(llm):
+    with pytest.raises(ValueError, match="chat_template"):
+        llm.chat([{"role": "user", "content": "hi"}], GREEDY)
 
 
 def test_sampling_params_clone_is_independent():
