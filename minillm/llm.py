@@ -191,20 +191,26 @@ class LLM:
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
         prompt is the rendered conversation. A message's content is a string or a list of parts,
         read as the server reads them: strings and text parts ({"type": "text", "text": ...};
         input_text, output_text and refusal too) joined by newlines; continue_final_message (with
-        add_generation_prompt False) has the model continue the last message.
+        add_generation_prompt False) has the model continue the last message. tools (vLLM's) reach the
+        template as `tools`, unless chat_template_kwargs sets them.
         """
         if not isinstance(messages, Seq) or isinstance(messages, str):
             raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
                              f"got {short_repr(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         check_template_kwargs(chat_template_kwargs)
+        if tools is not None:
+            if not isinstance(tools, Seq) or isinstance(tools, str) or not all(isinstance(t, dict) for t in tools):
+                raise ValueError(f"tools must be a list of tool dicts, got {short_repr(tools)}")
+            chat_template_kwargs = {"tools": list(tools), **(chat_template_kwargs or {})}
         tokenizer = self.get_tokenizer()
         if chat_template is None and not tokenizer.has_chat_template:
             raise ValueError(f"the tokenizer of {tokenizer.name or 'this model'} has no chat template: pass one to "

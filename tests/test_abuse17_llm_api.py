@@ -112,3 +112,13 @@ def test_spaces_between_special_tokens_is_taken(llm):
     assert llm.generate("Once", params)[0].outputs[0].text == llm.generate("Once", GREEDY)[0].outputs[0].text
     with pytest.raises(ValueError, match="spaces_between_special_tokens"):
         SamplingParams(spaces_between_special_tokens="no")
+
+
+def test_chat_tools_reach_the_template(llm):
+    """vLLM's LLM.chat takes tools and renders them with the template; it was a TypeError."""
+    template = "{{ bos_token }}{% for t in tools %}{{ t.function.name }};{% endfor %}{{ messages[0].content }}"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    [out] = llm.chat([{"role": "user", "content": "Tom"}], GREEDY, chat_template=template, tools=tools)
+    assert out.prompt == "<s>get_weather;Tom"
+    with pytest.raises(ValueError, match="tools"):
+        llm.chat([{"role": "user", "content": "Tom"}], GREEDY, chat_template=template, tools="get_weather")
