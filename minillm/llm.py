@@ -143,6 +143,7 @@ class LLM:
         wrong = [p for p in params if not isinstance(p, SamplingParams)]
         if wrong:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {short_repr(wrong[0])}")
+        bar = _progress_bar(len(prompts), use_tqdm) if use_tqdm else None   # before any request is queued
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
@@ -151,13 +152,14 @@ class LLM:
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p, output_kind="final")
                 ids.append(rid)
-        except ValueError:
+        except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             self._drain()
+            if bar is not None:
+                bar.close()
             raise
         finished: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(ids), use_tqdm) if use_tqdm else None
         wanted = set(ids)
         try:
             while len(finished) < len(ids):

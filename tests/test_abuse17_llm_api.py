@@ -122,3 +122,13 @@ def test_chat_tools_reach_the_template(llm):
     assert out.prompt == "<s>get_weather;Tom"
     with pytest.raises(ValueError, match="tools"):
         llm.chat([{"role": "user", "content": "Tom"}], GREEDY, chat_template=template, tools="get_weather")
+
+
+def test_a_failing_progress_bar_leaves_no_request_behind(llm):
+    """A use_tqdm callable that raised left the call's requests queued, to run inside the next call."""
+    def broken_bar(**kwargs):
+        raise RuntimeError("no terminal")
+
+    with pytest.raises(RuntimeError, match="no terminal"):
+        llm.generate(["Once", "Lily"], GREEDY, use_tqdm=broken_bar)
+    assert not llm.llm_engine.has_unfinished_requests()
