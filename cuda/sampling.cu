@@ -27,6 +27,7 @@
 #define SORT_CAP 4096
 #define RADIX_BINS 256
 #define NO_WINNER 0x7fffffff
+#define ROW_UNROLL 8          // loads in flight a thread in the passes over a row
 
 #define MODE_COUNT_GE 0
 #define MODE_MASS_GE 1
@@ -137,9 +138,19 @@ __device__ __forceinline__ V block_exclusive_scan(V v, V* scratch) {
 __device__ void row_argmax(const Row& r, SampleShared& sh, float* best_val, int* best_id) {
     float bv = -MINILLM_INF;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < r.vocab; i += blockDim.x) {
+    const int stride = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + (ROW_UNROLL - 1) * stride < r.vocab; i += ROW_UNROLL * stride) {
+        float v[ROW_UNROLL];                // ROW_UNROLL loads in flight a thread, then the compares
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) v[u] = r.x[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u)
+            if (v[u] > bv) { bv = v[u]; bi = i + u * stride; }   // ascending ids: the first maximum is kept
+    }
+    for (; i < r.vocab; i += stride) {
         float v = r.x[i];
-        if (v > bv) { bv = v; bi = i; }     // ascending i: the first maximum is kept
+        if (v > bv) { bv = v; bi = i; }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -360,8 +371,8 @@ __device__ __forceinline__ float warp_inclusive_scan(float v) {
     return v;
 }
 
-__device__ __forceinline__ float kept_weight(const Row& r, int i, float threshold) {
-    float e = weight_of(scaled_logit(r.x[i], r.temperature), r.smax);
+__device__ __forceinline__ float kept_weight(const Row& r, float logit, float threshold) {
+    float e = weight_of(scaled_logit(logit, r.temperature), r.smax);
     return e >= threshold ? e : 0.0f;
 }
 
@@ -375,7 +386,15 @@ __device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshol
     int chunk = ((r.vocab + num_warps - 1) / num_warps + 31) & ~31;
     int lo = min(warp * chunk, r.vocab), hi = min(lo + chunk, r.vocab);
     float s = 0.0f;
-    for (int i = lo + lane; i < hi; i += 32) s += kept_weight(r, i, threshold);
+    int i = lo + lane;
+    for (; i + (ROW_UNROLL - 1) * 32 < hi; i += ROW_UNROLL * 32) {
+        float x[ROW_UNROLL];                // the loads first, then the sum in the same order as one by one
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) x[u] = r.x[i + u * 32];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) s += kept_weight(r, x[u], threshold);
+    }
+    for (; i < hi; i += 32) s += kept_weight(r, r.x[i], threshold);
     for (int o = 16; o; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
     if (lane == 0) sh.scratch_f[warp] = s;
     if (threadIdx.x == 0) sh.res_id = fallback;
@@ -390,18 +409,31 @@ __device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshol
     if (s > 0.0f && excl <= target && target < incl) {       // the same answer on every lane
         float c = excl;
         int last = -1;
-        for (int base = lo; base < hi; base += 32) {
-            int i = base + lane;
-            float e = i < hi ? kept_weight(r, i, threshold) : 0.0f;
-            float x = warp_inclusive_scan(e);
-            unsigned hit = __ballot_sync(0xffffffffu, e > 0.0f && c + x > target);
-            unsigned kept = __ballot_sync(0xffffffffu, e > 0.0f);
-            if (hit) {
-                last = base + __ffs(hit) - 1;
-                break;
+        bool found = false;
+        // ROW_UNROLL tiles of 32 are loaded together, so the walk waits on memory once per group.
+        for (int group = lo; group < hi && !found; group += ROW_UNROLL * 32) {
+            float logit[ROW_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ROW_UNROLL; ++u) {
+                int i = group + u * 32 + lane;
+                logit[u] = i < hi ? r.x[i] : 0.0f;
             }
-            if (kept) last = base + 31 - __clz(kept);   // rounding may end the walk short
-            c += __shfl_sync(0xffffffffu, x, 31);
+#pragma unroll
+            for (int u = 0; u < ROW_UNROLL; ++u) {
+                int base = group + u * 32, i = base + lane;
+                if (found || base >= hi) break;
+                float e = i < hi ? kept_weight(r, logit[u], threshold) : 0.0f;
+                float x = warp_inclusive_scan(e);
+                unsigned hit = __ballot_sync(0xffffffffu, e > 0.0f && c + x > target);
+                unsigned kept = __ballot_sync(0xffffffffu, e > 0.0f);
+                if (hit) {
+                    last = base + __ffs(hit) - 1;
+                    found = true;
+                } else {
+                    if (kept) last = base + 31 - __clz(kept);   // rounding may end the walk short
+                    c += __shfl_sync(0xffffffffu, x, 31);
+                }
+            }
         }
         if (lane == 0 && last >= 0) sh.res_id = last;
     }
