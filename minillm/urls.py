@@ -22,7 +22,7 @@ def server_base_url(url: str) -> str:
 
 def check_server_url(url: str, option: str) -> str:
     """server_base_url(url), or a ValueError naming option when it is no http(s) URL a client can
-    connect to (a bad port, an unclosed IPv6 bracket, no host)."""
+    connect to (a bad port, an unclosed IPv6 bracket, no host, a query or fragment the paths would follow)."""
     base = server_base_url(url)
     try:
         parts = urlsplit(base)
@@ -31,4 +31,6 @@ def check_server_url(url: str, option: str) -> str:
         raise ValueError(f"{option}: not a server URL: {url!r} ({exc})") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{option}: not a server URL: {url!r} (give http://host:port)")
+    if parts.query or parts.fragment or "?" in base or "#" in base:
+        raise ValueError(f"{option}: not a server URL: {url!r} (no query or fragment: give http://host:port)")
     return base

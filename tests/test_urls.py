@@ -23,6 +23,9 @@ def test_a_server_url_is_its_root(typed, base):
     ("http://127.0.0.1:port", "Port could not be cast"),
     ("ftp://127.0.0.1:21", "give http://host:port"),
     ("http://:8000", "give http://host:port"),
+    ("http://127.0.0.1:8000?x=1", "no query or fragment"),
+    ("127.0.0.1:8000/v1#top", "no query or fragment"),
+    ("http://127.0.0.1:8000/?", "no query or fragment"),
 ])
 def test_a_url_no_client_can_connect_to_is_a_value_error_naming_the_option(url, reason):
     with pytest.raises(ValueError, match=f"--url: not a server URL: .*{reason}"):
@@ -32,6 +35,7 @@ def test_a_url_no_client_can_connect_to_is_a_value_error_naming_the_option(url, 
 @pytest.mark.parametrize("args,option", [
     (["chat", "--url", "http://[::1"], "--url"),
     (["monitor", "http://127.0.0.1:99999"], "URL"),
+    (["monitor", "http://127.0.0.1:8000?x=1"], "URL"),
     (["router", "--prefill", "http://[::1", "--decode", "http://127.0.0.1:8001"], "--prefill"),
     (["router", "--prefill", "http://127.0.0.1:8001", "--decode", "http://127.0.0.1:65536"], "--decode"),
 ])
