@@ -379,8 +379,9 @@ __device__ __forceinline__ float kept_weight(const Row& r, float logit, float th
 // Rows with neither top-k nor top-p: the kept tokens (weight e >= min_p, all when min_p is 0) in
 // id order, so nothing needs ordering. Warp w owns a contiguous range of ids and its lanes read it
 // 32 consecutive floats at a time (coalesced): one pass sums each warp's weight, a scan over the
-// warps gives each range its cumulative interval, and the one warp whose interval holds
-// u * total walks its range tile by tile with warp scans to find the token.
+// warps gives each range its cumulative interval; the range that holds u * total is then split
+// over the block's warps the same way, and the one warp whose part holds it walks that part (a few
+// tiles) with warp scans to find the token.
 __device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshold, float u, int fallback) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     int chunk = ((r.vocab + num_warps - 1) / num_warps + 31) & ~31;
@@ -404,25 +405,57 @@ __device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshol
         if (lane < num_warps) sh.bin_mass[lane] = w;
     }
     __syncthreads();
-    float incl = sh.bin_mass[warp], excl = warp ? sh.bin_mass[warp - 1] : 0.0f;
-    float target = u * sh.bin_mass[num_warps - 1];
-    if (s > 0.0f && excl <= target && target < incl) {       // the same answer on every lane
-        float c = excl;
+    const float target = u * sh.bin_mass[num_warps - 1];
+    if (warp == 0) {                    // the range whose interval holds the target (none: the fallback)
+        float incl = lane < num_warps ? sh.bin_mass[lane] : 0.0f;
+        float excl = (lane > 0 && lane < num_warps) ? sh.bin_mass[lane - 1] : 0.0f;
+        bool holds = lane < num_warps && sh.scratch_f[lane] > 0.0f && excl <= target && target < incl;
+        unsigned m = __ballot_sync(0xffffffffu, holds);
+        if (lane == 0) sh.win = m ? __ffs(m) - 1 : -1;
+    }
+    __syncthreads();
+    const int win = sh.win;
+    if (win < 0) return fallback;       // block-uniform
+    // Level 2: every warp sums its part of that range, so only one part (a few tiles) is walked.
+    const int wlo = min(win * chunk, r.vocab), whi = min(wlo + chunk, r.vocab);
+    const int sub = ((whi - wlo + num_warps - 1) / num_warps + 31) & ~31;
+    const int slo = min(wlo + warp * sub, whi), shi = min(slo + sub, whi);
+    float s2 = 0.0f;
+    for (int j = slo + lane; j < shi; j += 32) s2 += kept_weight(r, r.x[j], threshold);
+    for (int o = 16; o; o >>= 1) s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+    if (lane == 0) sh.radix_mass[warp] = s2;
+    __syncthreads();
+    if (warp == 0) {
+        float before = win ? sh.bin_mass[win - 1] : 0.0f;
+        float own = lane < num_warps ? sh.radix_mass[lane] : 0.0f;
+        float incl = before + warp_inclusive_scan(own);
+        float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = before;
+        unsigned m = __ballot_sync(0xffffffffu, lane < num_warps && own > 0.0f && excl <= target && target < incl);
+        unsigned pos = __ballot_sync(0xffffffffu, lane < num_warps && own > 0.0f);
+        // Rounding may leave the target past every part: the last part with weight is walked to its end.
+        int pick = m ? __ffs(m) - 1 : (pos ? 31 - __clz(pos) : -1);
+        if (lane == 0) sh.last = pick;
+        if (lane == pick) sh.base_mass = excl;
+    }
+    __syncthreads();
+    if (warp == sh.last) {              // the same answer on every lane
+        float c = sh.base_mass;
         int last = -1;
         bool found = false;
         // ROW_UNROLL tiles of 32 are loaded together, so the walk waits on memory once per group.
-        for (int group = lo; group < hi && !found; group += ROW_UNROLL * 32) {
+        for (int group = slo; group < shi && !found; group += ROW_UNROLL * 32) {
             float logit[ROW_UNROLL];
 #pragma unroll
             for (int u = 0; u < ROW_UNROLL; ++u) {
                 int i = group + u * 32 + lane;
-                logit[u] = i < hi ? r.x[i] : 0.0f;
+                logit[u] = i < shi ? r.x[i] : 0.0f;
             }
 #pragma unroll
             for (int u = 0; u < ROW_UNROLL; ++u) {
                 int base = group + u * 32, i = base + lane;
-                if (found || base >= hi) break;
-                float e = i < hi ? kept_weight(r, logit[u], threshold) : 0.0f;
+                if (found || base >= shi) break;
+                float e = i < shi ? kept_weight(r, logit[u], threshold) : 0.0f;
                 float x = warp_inclusive_scan(e);
                 unsigned hit = __ballot_sync(0xffffffffu, e > 0.0f && c + x > target);
                 unsigned kept = __ballot_sync(0xffffffffu, e > 0.0f);
