@@ -134,24 +134,29 @@ __device__ __forceinline__ V block_exclusive_scan(V v, V* scratch) {
     return scratch[warp] + (inc - v);
 }
 
+// f(i, logit) for this thread's ids of the row (i = threadIdx.x, + blockDim.x, ...), in ascending
+// order, with ROW_UNROLL loads in flight before their uses.
+template <typename F>
+__device__ __forceinline__ void for_each_logit(const Row& r, F&& f) {
+    const int stride = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + (ROW_UNROLL - 1) * stride < r.vocab; i += ROW_UNROLL * stride) {
+        float v[ROW_UNROLL];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) v[u] = r.x[i + u * stride];
+#pragma unroll
+        for (int u = 0; u < ROW_UNROLL; ++u) f(i + u * stride, v[u]);
+    }
+    for (; i < r.vocab; i += stride) f(i, r.x[i]);
+}
+
 // Max logit and its smallest id over the row; every thread gets both.
 __device__ void row_argmax(const Row& r, SampleShared& sh, float* best_val, int* best_id) {
     float bv = -MINILLM_INF;
     int bi = 0x7fffffff;
-    const int stride = blockDim.x;
-    int i = threadIdx.x;
-    for (; i + (ROW_UNROLL - 1) * stride < r.vocab; i += ROW_UNROLL * stride) {
-        float v[ROW_UNROLL];                // ROW_UNROLL loads in flight a thread, then the compares
-#pragma unroll
-        for (int u = 0; u < ROW_UNROLL; ++u) v[u] = r.x[i + u * stride];
-#pragma unroll
-        for (int u = 0; u < ROW_UNROLL; ++u)
-            if (v[u] > bv) { bv = v[u]; bi = i + u * stride; }   // ascending ids: the first maximum is kept
-    }
-    for (; i < r.vocab; i += stride) {
-        float v = r.x[i];
-        if (v > bv) { bv = v; bi = i; }
-    }
+    for_each_logit(r, [&](int i, float v) {
+        if (v > bv) { bv = v; bi = i; }     // ascending i: the first maximum is kept
+    });
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         float ov = __shfl_xor_sync(FULL_MASK, bv, o);
@@ -203,16 +208,17 @@ __device__ void radix_step(const Row& r, SampleShared& sh, int bin, int mode, fl
     if (t < RADIX_BINS) { sh.radix_cnt[t] = 0u; sh.radix_mass[t] = 0.0f; }
     __syncthreads();
     int shift = 56 - *pbits;
-    for (int i = t; i < r.vocab; i += blockDim.x) {
-        float logit = r.x[i];
+    const unsigned long long pre = *prefix;
+    const int bits = *pbits;
+    for_each_logit(r, [&](int i, float logit) {
         float s = scaled_logit(logit, r.temperature);
-        if (bin_of(s, r.smax) != bin) continue;
+        if (bin_of(s, r.smax) != bin) return;
         unsigned long long key = full_key(logit, i);
-        if (!prefix_matches(key, *prefix, *pbits)) continue;
+        if (!prefix_matches(key, pre, bits)) return;
         int d = (int)((key >> shift) & 255ull);
         atomicAdd(&sh.radix_cnt[d], 1u);
         atomicAdd(&sh.radix_mass[d], weight_of(s, r.smax));
-    }
+    });
     __syncthreads();
     // Thread t looks at digit 255 - t: larger digits come first in the order.
     unsigned int c = t < RADIX_BINS ? sh.radix_cnt[RADIX_BINS - 1 - t] : 0u;
@@ -243,14 +249,13 @@ __device__ int gather_sorted(const Row& r, SampleShared& sh, int bin, unsigned l
     int t = threadIdx.x;
     if (t == 0) sh.gather_count = 0;
     __syncthreads();
-    for (int i = t; i < r.vocab; i += blockDim.x) {
-        float logit = r.x[i];
-        if (bin_of(scaled_logit(logit, r.temperature), r.smax) != bin) continue;
+    for_each_logit(r, [&](int i, float logit) {
+        if (bin_of(scaled_logit(logit, r.temperature), r.smax) != bin) return;
         unsigned long long key = full_key(logit, i);
-        if (!prefix_matches(key, prefix, pbits)) continue;
+        if (!prefix_matches(key, prefix, pbits)) return;
         int pos = atomicAdd(&sh.gather_count, 1);
         if (pos < SORT_CAP) sh.keys[pos] = key;
-    }
+    });
     __syncthreads();
     int n = min(sh.gather_count, SORT_CAP);
     int size = 1;
@@ -346,8 +351,8 @@ __device__ void row_histogram(const Row& r, SampleShared& sh, float min_p, float
     __syncthreads();
     float zs = 0.0f, mm = 0.0f;
     unsigned int mc = 0u;
-    for (int i = t; i < r.vocab; i += blockDim.x) {
-        float s = scaled_logit(r.x[i], r.temperature);
+    for_each_logit(r, [&](int, float logit) {
+        float s = scaled_logit(logit, r.temperature);
         float e = weight_of(s, r.smax);
         int b = bin_of(s, r.smax);
         atomicAdd(&sh.bin_cnt[b], 1u);
@@ -355,7 +360,7 @@ __device__ void row_histogram(const Row& r, SampleShared& sh, float min_p, float
         zs += e;
         // p >= min_p * p_max with p_max = 1 / Z is e >= min_p.
         if (e >= min_p) { mc += 1u; mm += e; }
-    }
+    });
     *z = block_sum(zs, sh.scratch_f);
     *mp_mass = block_sum(mm, sh.scratch_f);
     *mp_cnt = (unsigned int)(block_sum((float)mc, sh.scratch_f) + 0.5f);
@@ -474,7 +479,8 @@ __device__ int sample_in_id_order(const Row& r, SampleShared& sh, float threshol
     return sh.res_id;
 }
 
-extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS)
+// Two blocks a multiprocessor (32 registers a thread): a batch of 256 rows runs in one wave.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2)
 sample_kernel(int* out, const float* logits, int vocab, const float* temperature,
               const int* top_k, const float* top_p, const float* min_p, const float* uniforms) {
     __shared__ SampleShared sh;
