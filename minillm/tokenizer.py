@@ -281,6 +281,20 @@ class Tokenizer:
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
+        """Hugging Face's call: {"input_ids", "attention_mask"} for a text, or lists of them for a list of texts."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+        if not isinstance(text, (list, tuple)):
+            raise ValueError(f"text must be a str or a list of them, got {type(text).__name__}")
+        ids = self.encode_batch(list(text), add_special_tokens)
+        return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        """decode() of each id list (Hugging Face's batch_decode)."""
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """token ids -> text (ids the tokenizer does not know decode to nothing)."""
         return self.backend.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)

@@ -127,6 +127,22 @@ def test_hugging_face_attributes_match_transformers():
     assert tok.convert_ids_to_tokens(-1) is None
 
 
+@needs_stories
+def test_calling_the_tokenizer_and_batch_decode_match_transformers():
+    """tokenizer(text)["input_ids"] and batch_decode, as vLLM users call a Hugging Face tokenizer."""
+    tok, ref = Tokenizer.from_pretrained(STORIES), _auto(STORIES)
+    texts = ["Once upon a time", "Lily ran.", ""]
+    for text in (texts[0], texts):
+        got, want = tok(text), ref(text)
+        assert got["input_ids"] == want["input_ids"] and got["attention_mask"] == want["attention_mask"]
+    assert tok(texts[1], add_special_tokens=False)["input_ids"] == ref(texts[1], add_special_tokens=False)["input_ids"]
+    ids = ref(texts)["input_ids"]
+    assert tok.batch_decode(ids, skip_special_tokens=True) == ref.batch_decode(ids, skip_special_tokens=True)
+    assert tok.batch_decode(ids, skip_special_tokens=False) == ref.batch_decode(ids, skip_special_tokens=False)
+    with pytest.raises(ValueError, match="text must be a str"):
+        tok(5)
+
+
 # Leading whitespace is left out: transformers 5 rebuilds Llama tokenizers with a Metaspace
 # pre-tokenizer that drops the sentencepiece dummy prefix before a leading space (also right after
 # a special token such as "</s> x"); minillm follows
