@@ -903,7 +903,7 @@ def pull(
                        f"(minillm chat {model})")
     if not is_repo_id(model) or model.startswith((".", "/", "~")):
         raise CliError(f"{no_such_directory(model)}; pull takes a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
-    path = download_model(model, download_dir)
+    path = download_model(model, download_dir, could_be_path=False)
     typer.echo(f"pulled {model} into {path}")
 
 

@@ -197,8 +197,10 @@ def _is_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
-def download_model(repo_id: str, download_dir: str | None = None, revision: str | None = None) -> Path:
-    """snapshot_download the files the engine needs into the store (huggingface_hub draws the bars)."""
+def download_model(repo_id: str, download_dir: str | None = None, revision: str | None = None,
+                   could_be_path: bool = True) -> Path:
+    """snapshot_download the files the engine needs into the store (huggingface_hub draws the bars).
+    could_be_path: the name was also tried as a local directory (the error says so first)."""
     from huggingface_hub import snapshot_download
 
     store = model_store(download_dir)
@@ -211,6 +213,8 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
         nearby = nearby_model_dirs(repo_id.split("/")[-1])
         hint = f" (did you mean {' or '.join(nearby[:2])}?)" if nearby else ""
         at = "" if revision is None else f" at revision {revision!r}"
+        if not could_be_path:
+            raise RuntimeError(f"{repo_id} could not be fetched{at} into {store} ({type(e).__name__}: {reason})") from e
         raise RuntimeError(f"no such directory: {repo_id}{hint}; as a Hugging Face repo id it could not be "
                            f"fetched{at} into {store} ({type(e).__name__}: {reason})") from e
     if not (path / "config.json").is_file():
