@@ -666,6 +666,9 @@ def serve(
     exit_on_engine_error: Annotated[bool, _server_option(
         "--exit-on-engine-error/--no-exit-on-engine-error", help="Exit with status 1 shortly after the "
         "engine fails, so that a supervisor restarts the server.")] = True,
+    timeout_graceful_shutdown: Annotated[float, _server_option(
+        "--timeout-graceful-shutdown", help="Seconds a stopping server (SIGTERM, Ctrl-C) gives open requests "
+        "to finish; those still open a second before the end get an error event (streams) or a 503.")] = 5.0,
     engine_core: Annotated[EngineCore, _server_option(
         "--engine-core", help="Where the engine core runs: its own process, apart from the HTTP server "
         "(process), or a thread of the server's process (thread).")] = EngineCore.process,
@@ -747,6 +750,8 @@ def serve(
             "allowed_methods": json_list_option(allowed_methods, "--allowed-methods"),
             "allowed_headers": json_list_option(allowed_headers, "--allowed-headers")}
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
+    if not 0 < timeout_graceful_shutdown <= 3600:
+        raise CliError(f"--timeout-graceful-shutdown must be in (0, 3600] seconds, got {timeout_graceful_shutdown}")
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
     config = engine_config(path, engine_options, served_model_name=served_model_name or name, seed=seed,
@@ -755,6 +760,7 @@ def serve(
     options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
                             log_interval=5.0, exit_on_engine_error=exit_on_engine_error,
+                            timeout_graceful_shutdown=timeout_graceful_shutdown,
                             engine_core=_plain(engine_core), api_server_count=api_server_count,
                             allow_credentials=allow_credentials, **cors)
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)

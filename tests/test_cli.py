@@ -543,3 +543,11 @@ def test_serve_monitor_without_a_terminal_is_refused_before_anything_starts(stor
     assert result.stderr.strip().splitlines() == [
         "minillm: error: --monitor draws the dashboard in this terminal, but stdout is not a terminal (a log would "
         "get its frames); leave it out, and run `minillm monitor URL` in a terminal"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
+def test_serve_refuses_a_graceful_shutdown_it_cannot_keep(value):
+    result = minillm("serve", "./no/such/model", "--device", "cpu", "--timeout-graceful-shutdown", value)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("minillm: error: --timeout-graceful-shutdown must be in (0, 3600] seconds"), line

@@ -255,3 +255,37 @@ def test_a_killed_engine_core_process_exits_the_server(stories_path, tmp_path):
         assert stream.first.wait(30)
         os.kill(core_pid, signal.SIGKILL)
         _expect_failure_handling(proc, url, log, stream, time.monotonic(), "killed by SIGKILL")
+
+
+@pytest.mark.parametrize("engine_core", ["process", "thread"])
+def test_a_stopped_server_ends_open_requests_with_the_engines_error_not_a_cut(stories_path, tmp_path, engine_core):
+    # uvicorn cancelled the handlers still open at its graceful-shutdown deadline: streams were cut
+    # without an error event or [DONE], a non-streaming request got an empty 500, the log tracebacks.
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--engine-core", engine_core,
+               "--timeout-graceful-shutdown", "1"]
+    with _serve(tmp_path, command) as (proc, url, log):
+        streams = [_Stream(url) for _ in range(6)]
+        assert all(s.first.wait(30) for s in streams)
+        plain: list = []
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+        waiter = threading.Thread(target=lambda: plain.append(httpx.post(f"{url}/v1/completions", json=body,
+                                                                         timeout=60)), daemon=True)
+        waiter.start()
+        assert wait_for(lambda: get_stats(url)["num_running"] == 7, timeout=30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM), log.read_text()   # uvicorn raises the signal again
+        ended_by_error = 0
+        for stream in streams:
+            stream.join(30)
+            assert not stream.is_alive()
+            assert [line for line in stream.lines if line][-1] == "data: [DONE]", stream.lines[-3:]
+            last = sse_events(stream.lines)[-1]
+            if "error" in last:
+                assert "shut down" in last["error"]["message"], last
+                ended_by_error += 1
+        assert ended_by_error, "every stream finished before the deadline: the test needs longer streams"
+        waiter.join(30)
+        [response] = plain
+        assert response.json()["error"]["code"] == "engine_dead" and "shut down" in response.json()["error"]["message"]
+        text = log.read_text()
+        assert "Traceback" not in text and "Exception in ASGI application" not in text, text[-3000:]

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import Body, FastAPI, Request
@@ -77,6 +77,9 @@ class ServerOptions:
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
     allow_credentials: bool = False
+    # Seconds a stopping server gives open requests (uvicorn's --timeout-graceful-shutdown); those
+    # still open shortly before it end with the engine's shutdown error instead of being cut.
+    timeout_graceful_shutdown: float = 5.0
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -86,6 +89,8 @@ class ServerOptions:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {self.engine_core!r}")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if not 0 < self.timeout_graceful_shutdown <= 3600:
+            raise ValueError(f"timeout_graceful_shutdown must be in (0, 3600] seconds, got {self.timeout_graceful_shutdown}")
         if self.api_server_count > max_api_server_count():
             # Each is a process with two sockets to the core: a count in the thousands spawned
             # processes until file descriptors ran out, then hung with the core dead.
@@ -276,15 +281,30 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn.Server that tells the app when shutdown begins, so endless streams can end."""
+    """uvicorn.Server that tells the app when shutdown begins, so endless streams can end.
 
-    def __init__(self, config: uvicorn.Config, stopping: ShutdownFlag) -> None:
+    end_requests (the engine client's shutdown): called on a thread once the open requests have had
+    all but the last second of the graceful shutdown, so that those still open end with the engine's
+    error (an error event and [DONE], or a 503) rather than being cancelled mid-response.
+    """
+
+    def __init__(self, config: uvicorn.Config, stopping: ShutdownFlag,
+                 end_requests: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.stopping = stopping
+        self.end_requests = end_requests
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.stopping.set()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.end_requests is not None:
+            timeout = self.config.timeout_graceful_shutdown or 0
+            grace = max(timeout - min(1.0, timeout / 2), 0.0)
+            asyncio.get_running_loop().call_later(grace, lambda: threading.Thread(
+                target=self.end_requests, name="minillm-end-requests", daemon=True).start())
+        await super().shutdown(sockets)
 
 
 class ServerThread:
@@ -405,8 +425,9 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     """Serve the app over `engine` with uvicorn until told to stop (or the engine fails, or `parent`,
     a pipe's read end, reports its writer gone, or `stop` is set)."""
     app = create_app(engine, options)
-    uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=5, **uv_kwargs)
-    server = _Server(uv_config, app.state.ctx.stopping)
+    uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=options.timeout_graceful_shutdown,
+                               **uv_kwargs)
+    server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown)
     if options.exit_on_engine_error:
         threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
                          name="minillm-exit-on-engine-error", daemon=True).start()

@@ -221,6 +221,7 @@ class AsyncLLMEngine:
         self._dead: BaseException | None = None
         self._failed = False            # the loop ended by an exception, not by shutdown()
         self._stopped = False
+        self._shutdown_lock = threading.Lock()   # one shutdown at a time (the HTTP server's, then the caller's)
         self.ended = threading.Event()  # set when the engine thread has ended (failure or shutdown)
         self.last_stats: EngineStats | None = None
         # The NumPy backend holds the GIL for most of a step, so without a pause the event loop
@@ -320,14 +321,15 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (open requests get an error) and wait for it; an engine built
         here then lets go of its KV pool, weights and KV transfer endpoint (not while its thread
-        may still step it)."""
-        with self._lock:
-            if not self._stopped:
-                self._stopped = True
-                self._commands.put(_Stop())
-        self._thread.join(timeout)
-        if self.owns_engine and not self._thread.is_alive():
-            self.engine.shutdown()
+        may still step it). A second call waits for the first."""
+        with self._shutdown_lock:
+            with self._lock:
+                if not self._stopped:
+                    self._stopped = True
+                    self._commands.put(_Stop())
+            self._thread.join(timeout)
+            if self.owns_engine and not self._thread.is_alive():
+                self.engine.shutdown()
 
     # ---- engine thread ------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class AsyncLLM:
         self.num_core_steps = 0                 # the core's step counter, as of its latest outputs
         self.processor = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()           # the processor, the pending calls, "is it dead?"
+        self._shut_down = threading.Event()     # set when the first shutdown() has finished
         self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
@@ -212,7 +213,8 @@ class AsyncLLM:
         return await self._call(lambda call_id: m.UtilityCall(call_id, method, list(args), self.client_index))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core we own, or leave the one we joined (open requests get an error), and wait."""
+        """Stop the core we own, or leave the one we joined (open requests get an error), and wait
+        (a second call waits for the first)."""
         with self._lock:
             first = not self._stopping
             self._stopping = True
@@ -222,13 +224,17 @@ class AsyncLLM:
                 except ConnectionError:
                     pass
         if not first:
+            self._shut_down.wait(timeout + 10)
             return
-        if self.core.owned is not None:
-            self.core.stop(timeout)
-        else:
-            self.core.wake()
-        self._thread.join(10)      # the reader sees the process end (or the wake), then fails what is still open
-        self.core.close()
+        try:
+            if self.core.owned is not None:
+                self.core.stop(timeout)
+            else:
+                self.core.wake()
+            self._thread.join(10)      # the reader sees the process end (or the wake), then fails what is still open
+            self.core.close()
+        finally:
+            self._shut_down.set()
 
     # ---- reader thread ------------------------------------------------------------------
 
