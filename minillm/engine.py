@@ -388,6 +388,10 @@ class LLMEngine:
     def _kv_connector_holds_blocks(self) -> bool:
         return self.kv_connector is not None and self.kv_connector.holds_blocks()
 
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's LLMEngine.get_tokenizer)."""
+        return self.tokenizer
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running or unreported, or a step is in flight."""
         return bool(self.requests) or bool(self._in_flight)

@@ -132,3 +132,8 @@ def test_a_failing_progress_bar_leaves_no_request_behind(llm):
     with pytest.raises(RuntimeError, match="no terminal"):
         llm.generate(["Once", "Lily"], GREEDY, use_tqdm=broken_bar)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_the_engine_hands_out_the_tokenizer_as_vllms_does(llm):
+    tok = llm.llm_engine.get_tokenizer()
+    assert tok is llm.get_tokenizer() and tok.decode(tok("Once upon a time")["input_ids"]) == "Once upon a time"
