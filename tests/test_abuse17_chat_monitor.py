@@ -12,7 +12,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from test_chat import STORIES, needs_stories, run_scripted
+from test_chat import STORIES, needs_stories, run_scripted, short_context_engine  # noqa: F401
 from test_server_helpers import running_server
 
 from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
@@ -21,12 +21,8 @@ TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from minillm.config import EngineConfig
-    from minillm.engine import LLMEngine
-    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64), log=lambda msg: None)
-    yield engine
-    engine.shutdown()
+def engine(short_context_engine):
+    return short_context_engine
 
 
 @needs_stories

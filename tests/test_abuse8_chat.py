@@ -5,17 +5,13 @@ from __future__ import annotations
 import io
 
 import pytest
-from test_chat import STORIES, needs_stories, run_scripted
+from test_chat import STORIES, needs_stories, run_scripted, short_context_engine  # noqa: F401
 from test_cli import minillm
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from minillm.config import EngineConfig
-    from minillm.engine import LLMEngine
-    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64), log=lambda msg: None)
-    yield engine
-    engine.shutdown()
+def engine(short_context_engine):
+    return short_context_engine
 
 
 @needs_stories

@@ -45,6 +45,16 @@ def hf_chat_ids(model_dir: Path, messages: list[dict]) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+@pytest.fixture(scope="module")
+def short_context_engine():
+    """stories260K on the CPU with a 64-token context, which a conversation outgrows in a few turns."""
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=64), log=lambda msg: None)
+    yield engine
+    engine.shutdown()
+
+
 @pytest.fixture
 def templated_model(tmp_path: Path) -> Path:
     """stories260K with a chat template added to its tokenizer_config.json."""
