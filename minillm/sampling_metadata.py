@@ -89,7 +89,8 @@ def banned_entries(seqs, rows, eos_token_ids, vocab: int) -> tuple[list[int], li
         s = seqs[b]
         if s.num_output_tokens - 1 < s.params.min_tokens:   # outputs before the one sampled now
             banned = set(s.params.stop_token_ids)
-            if not s.params.ignore_eos:
+            grammar = getattr(s, "structured_output", None)
+            if not s.params.ignore_eos and not (grammar is not None and grammar.empty_only):
                 banned |= set(eos_token_ids)
             banned = [t for t in banned if 0 <= t < vocab]
             out_rows.extend([b] * len(banned))

@@ -322,6 +322,7 @@ class CompiledGrammar:
     _template: llguidance.LLMatcher = field(repr=False)
     _eos_token_ids: frozenset[int] = field(repr=False)
     on_error: Callable[[], None] | None = field(default=None, repr=False)
+    empty_only: bool = False          # the empty output is the only sentence: EOS is the one token allowed at the start
 
     def new_matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the output (a copy: microseconds, no recompilation)."""
@@ -455,6 +456,11 @@ class StructuredOutputRequest:
         if self.matcher is None and self.grammar.done() and not _has_failed(self.grammar):
             self.matcher = self.grammar.result().new_matcher()
         return self.matcher is not None
+
+    @property
+    def empty_only(self) -> bool:
+        """The grammar allows nothing but EOS from its start (its one sentence is empty): EOS may not be banned."""
+        return self.matcher is not None and self.grammar.result().empty_only
 
     @property
     def compile_error(self) -> str | None:
@@ -662,7 +668,7 @@ class StructuredOutputManager:
         # limits counts them all (a{1000000} passes the first mask and fails the next): two masks.
         for _ in range(2):
             probe = template.deep_copy()
-            probe.compute_bitmask()
+            first_mask = np.frombuffer(probe.compute_bitmask(), np.uint8)
             if probe.is_error():
                 error = _first_line(probe.get_error())
                 if error == _NO_TOKEN_ALLOWED:
@@ -673,7 +679,9 @@ class StructuredOutputManager:
         with self._lock:
             self._num_compiled += 1
             self._compile_time_s += seconds
-        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids)
+        allowed = np.flatnonzero(np.unpackbits(first_mask, bitorder="little"))
+        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids,
+                                   empty_only=bool(len(allowed)) and set(allowed.tolist()) <= self._eos_token_ids)
         compiled.on_error = lambda: self._forget_compiled((key, disable_any_whitespace), compiled)
         return compiled
 
