@@ -22,6 +22,7 @@ _KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_white
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar", "guided_json_object": "json_object"}
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 
 
 def asks_for_structure(req: Any) -> bool:
@@ -55,6 +56,8 @@ def structured_outputs_params(req: Any):
 
 def _from_response_format(fmt: dict):
     kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        _refuse_unknown_keys(fmt, "response_format", ("type",))
     if kind == "text":
         return None
     if kind == "json_object":
@@ -63,10 +66,12 @@ def _from_response_format(fmt: dict):
         raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema', got "
                        f"{short_repr(kind)}",
                        param="response_format.type")
+    _refuse_unknown_keys(fmt, "response_format", ("type", "json_schema"))
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict):
         raise APIError(400, "response_format.json_schema must be an object with a name and a schema",
                        param="response_format.json_schema")
+    _refuse_unknown_keys(spec, "response_format.json_schema", _JSON_SCHEMA_KEYS)
     name = spec.get("name")
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise APIError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
@@ -77,6 +82,16 @@ def _from_response_format(fmt: dict):
     if spec.get("schema") is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
     return _params(lambda field: "response_format.json_schema.schema", json=spec["schema"])
+
+
+def _refuse_unknown_keys(obj: dict, where: str, known: tuple[str, ...]) -> None:
+    """A 400 for a key of obj outside known (a schema sent as {"type": "json_object", "schema": ...} is not dropped)."""
+    for key in obj:
+        if key not in known:
+            named = _SCHEMA_NAME.fullmatch(key) is not None
+            param = f"{where}.{key}" if named else where
+            what = param if named else f"{where}: {short_repr(key)}"
+            raise APIError(400, f"{what} is not supported here ({where} takes {', '.join(known)})", param=param)
 
 
 def _params(param_of, **fields):
