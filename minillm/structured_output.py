@@ -437,6 +437,12 @@ class GrammarMatcher:
 
 # ----------------------------------------------------------------------------- one sequence, one step
 
+# llguidance's error for a sampled token outside the grammar. The grammar's mask is applied before
+# sampling, so such a token means the request's other rules had masked every token it allows (a
+# row of nothing but -inf samples id 0).
+_TOKEN_REFUSED = "doesn't satisfy the grammar"
+
+
 class StructuredOutputRequest:
     """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher.
 
@@ -510,7 +516,12 @@ class StructuredOutputRequest:
 
     def rejection(self, token_id: int) -> str:
         """The error message of a token the matcher refused."""
-        return f"structured_outputs: token {token_id} is not allowed by the grammar ({self.matcher.error or 'refused'})"
+        error = self.matcher.error or "refused"
+        message = f"structured_outputs: token {token_id} is not allowed by the grammar ({error})"
+        if error == "refused" or _TOKEN_REFUSED in error:
+            message += ("; with the grammar's mask applied, that happens when no token the grammar allows "
+                        "is left to sample: the request's allowed_token_ids, bad_words or min_tokens excluded them all")
+        return message
 
 
 @dataclass

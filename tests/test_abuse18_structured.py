@@ -16,6 +16,17 @@ def llm(stories_path):
         yield engine
 
 
+def test_rules_that_exclude_every_token_the_grammar_allows_are_named_in_the_error(llm):
+    # The message was "token 0 is not allowed by the grammar (Parser Error: ...)", naming a token
+    # nobody asked for: a row with every token masked samples id 0.
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(temperature=0.0, max_tokens=5, structured_outputs=choice, allowed_token_ids=[5])
+    out = llm.generate([PROMPT], params)[0].outputs[0]
+    assert out.finish_reason == "error"
+    assert "no token the grammar allows is left to sample" in out.stop_reason
+    assert "allowed_token_ids, bad_words or min_tokens" in out.stop_reason
+
+
 @pytest.mark.parametrize("kwargs", [dict(regex=""), dict(regex="^$"), dict(grammar='start: ""')])
 def test_a_constraint_of_only_the_empty_output_stops_under_min_tokens(llm, kwargs):
     # The grammar allows only EOS and min_tokens banned it: every logit was -inf, token 0 was
