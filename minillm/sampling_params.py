@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import numbers
 import struct
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 

@@ -691,8 +691,8 @@ class StructuredOutputManager:
             self._num_compiled += 1
             self._compile_time_s += seconds
         allowed = np.flatnonzero(np.unpackbits(first_mask, bitorder="little"))
-        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids,
-                                   empty_only=bool(len(allowed)) and set(allowed.tolist()) <= self._eos_token_ids)
+        empty_only = 0 < len(allowed) <= len(self._eos_token_ids) and set(allowed.tolist()) <= self._eos_token_ids
+        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids, empty_only=empty_only)
         compiled.on_error = lambda: self._forget_compiled((key, disable_any_whitespace), compiled)
         return compiled
 
