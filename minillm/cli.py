@@ -154,6 +154,18 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
              "take the model's generation_config.json values; vllm: ignore that file.")],
         _default("generation_config")),
+    "revision": (Annotated[Optional[str], _engine_option(
+        "--revision", help="A hub model's branch, tag or commit (default: main).")], None),
+    "async_scheduling": (Annotated[Optional[bool], _engine_option(
+        "--async-scheduling/--no-async-scheduling",
+        help="Launch each step before the previous one is read back (default: on the GPU, off on the CPU).")],
+        _default("async_scheduling")),
+    "max_logprobs": (Annotated[int, _engine_option(
+        "--max-logprobs", help="The most log-probabilities a request may ask for, a token.")],
+        _default("max_logprobs")),
+    "calculate_kv_scales": (Annotated[bool, _engine_option(
+        "--calculate-kv-scales", help="With --kv-cache-dtype fp8: k_scale and v_scale from the first prefill "
+        "(default: 1.0).")], _default("calculate_kv_scales")),
     "speculative_config": (Annotated[Optional[str], _engine_option(
         "--speculative-config", metavar="JSON", help='Speculative decoding, as vLLM takes it: '
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}.')],
@@ -184,7 +196,9 @@ def _plain(value):
 
 
 def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
-    """The EngineConfig for a resolved model directory and the engine options given."""
+    """The EngineConfig for a resolved model directory and the engine options given (--revision
+    chose the directory: it is not passed on)."""
+    options = {k: v for k, v in options.items() if k != "revision"}
     return EngineConfig(model=model_path, **options, **overrides)
 
 
@@ -209,12 +223,12 @@ def check_download_dir(download_dir: str | None) -> None:
         raise CliError(f"--download-dir {download_dir} is not a directory{under}")
 
 
-def resolve_model(model: str, download_dir: str | None) -> str:
-    """A local model directory for MODEL: a path as it is, a hub id fetched into the store."""
+def resolve_model(model: str, download_dir: str | None, revision: str | None = None) -> str:
+    """A local model directory for MODEL: a path as it is, a hub id fetched into the store (at revision)."""
     from minillm.loader import resolve_model_path
     check_model_name(model)
     check_download_dir(download_dir)
-    return str(resolve_model_path(model, download_dir))
+    return str(resolve_model_path(model, download_dir, revision))
 
 
 def load_engine(config: EngineConfig):
@@ -239,15 +253,16 @@ def sampling_settings(chosen: dict, max_tokens: int, seed: int | None):
     return settings
 
 
-def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat") -> str:
+def resolve_chat_model(model: str | None, download_dir: str | None, command: str = "chat",
+                       revision: str | None = None) -> str:
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
     check_model_name(model)
     check_download_dir(download_dir)     # before the fallback below reads it as a failed fetch
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
-        return resolve_model(name, download_dir)
+        return resolve_model(name, download_dir, revision)
     try:
-        return resolve_model(name, download_dir)
+        return resolve_model(name, download_dir, revision)
     except Exception as exc:   # network, hub and disk errors all end the same way for the user
         root = exc.__cause__ or exc
         reason = f"{type(root).__name__}: {_one_line(root)}"
@@ -306,7 +321,8 @@ def chat(
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
                                   chat_template=template)
     else:
-        path = resolve_chat_model(model, engine_options["download_dir"])
+        path = resolve_chat_model(model, engine_options["download_dir"],
+                                  revision=engine_options["revision"])
         engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
         model_defaults = {k: v for k, v in engine.sampling_defaults.items() if k in ("temperature", "top_p", "top_k")}
@@ -498,7 +514,7 @@ def generate(
                    **{k: v for k, v in model_defaulted.items() if v is not None})
     SamplingParams(**options)               # a bad flag fails before the model loads
     prompts = read_prompts(prompt, prompts_file)
-    path = resolve_model(model, engine_options["download_dir"])
+    path = resolve_model(model, engine_options["download_dir"], engine_options["revision"])
     llm, outputs = run_generate(engine_config(path, engine_options), prompts, options)
     tokenizer = llm.get_tokenizer()
     with stdout_errors():
@@ -753,7 +769,8 @@ def serve(
     if not 0 < timeout_graceful_shutdown <= 3600:
         raise CliError(f"--timeout-graceful-shutdown must be in (0, 3600] seconds, got {timeout_graceful_shutdown}")
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
-    path = resolve_chat_model(model, engine_options["download_dir"], command="serve")
+    path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
+                              revision=engine_options["revision"])
     config = engine_config(path, engine_options, served_model_name=served_model_name or name, seed=seed,
                            kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
     from minillm.server.app import ServerOptions, run_server
@@ -899,6 +916,7 @@ def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
     download_dir: Annotated[Optional[str], typer.Option(
         help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
+    revision: Annotated[Optional[str], typer.Option(help="A branch, tag or commit (default: main).")] = None,
 ) -> None:
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
     from minillm.model_store import download_model, is_repo_id, no_such_directory
@@ -909,7 +927,7 @@ def pull(
                        f"(minillm chat {model})")
     if not is_repo_id(model) or model.startswith((".", "/", "~")):
         raise CliError(f"{no_such_directory(model)}; pull takes a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
-    path = download_model(model, download_dir, could_be_path=False)
+    path = download_model(model, download_dir, revision, could_be_path=False)
     typer.echo(f"pulled {model} into {path}")
 
 

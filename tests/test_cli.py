@@ -23,7 +23,8 @@ ENGINE_FLAGS = ("--device", "--dtype", "--max-num-seqs", "--max-num-batched-toke
                 "--block-size", "--num-kv-blocks", "--gpu-memory-utilization", "--enable-prefix-caching",
                 "--no-enable-prefix-caching", "--enforce-eager", "--tensor-parallel-size", "--load-format",
                 "--download-dir", "--kv-offload-gib", "--speculative-config", "--max-step-ms", "--max-step-factor",
-                "--kv-cache-dtype", "--generation-config")
+                "--kv-cache-dtype", "--generation-config", "--revision", "--async-scheduling",
+                "--no-async-scheduling", "--max-logprobs", "--calculate-kv-scales")
 
 
 def minillm(*args: str, env: dict | None = None, stdin: str | None = None,
@@ -46,7 +47,7 @@ def test_help_lists_every_command_and_the_engine_options():
     for name in ("chat", "generate", "serve"):
         flags = {f for p in group.commands[name].params for f in (*p.opts, *p.secondary_opts)}
         assert set(ENGINE_FLAGS) <= flags, name
-    assert len(ENGINE_OPTIONS) == 19
+    assert len(ENGINE_OPTIONS) == 23
 
 
 def test_the_cli_imports_no_numpy_before_a_command_needs_it():
@@ -438,6 +439,50 @@ def test_max_step_ms_calibrates_at_start_up_and_keeps_greedy_text():
     relative = minillm(*common, "--max-step-factor", "1.5")
     assert relative.returncode == 0, relative.stderr
     assert relative.stdout == plain.stdout and "step budget 1.5x the batch's decode step" in relative.stderr
+
+
+@needs_stories
+def test_revision_picks_the_hub_snapshot_the_model_loads_from(tmp_path):
+    from conftest import put_in_hf_cache
+    store = tmp_path / "hub"
+    main = put_in_hf_cache(store, "someorg/stories", STORIES, revision="0123abcd")
+    broken = main.parent / "fedc9876"
+    shutil.copytree(main, broken, symlinks=True)
+    (broken / "config.json").unlink()
+    (broken / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    (main.parents[1] / "refs" / "v2").write_text("fedc9876")
+    common = ("generate", "someorg/stories", "--download-dir", str(store), "--device", "cpu", "-p", "Once",
+              "--temperature", "0", "--max-tokens", "8")
+    env = {"HF_HUB_OFFLINE": "1"}
+    plain, at_main = minillm(*common, env=env), minillm(*common, "--revision", "0123abcd", env=env)
+    assert plain.returncode == 0 and at_main.returncode == 0, plain.stderr + at_main.stderr
+    assert at_main.stdout == plain.stdout and plain.stdout.startswith("Once")
+    tagged = minillm(*common, "--revision", "v2", env=env)
+    assert tagged.returncode != 0 and "Traceback" not in tagged.stderr
+    assert "unsupported architecture GPT2LMHeadModel" in tagged.stderr
+    local = minillm("generate", str(STORIES), "--revision", "main", "--device", "cpu", "-p", "Once")
+    assert local.returncode != 0 and "Traceback" not in local.stderr
+    assert "revision 'main' names a version of a hub model" in local.stderr
+
+
+@needs_stories
+def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
+    common = ("generate", str(STORIES), "--device", "cpu", "-p", "Once upon a time", "--temperature", "0",
+              "--max-tokens", "12")
+    plain = minillm(*common)
+    overlapped = minillm(*common, "--async-scheduling")
+    assert plain.returncode == 0 and overlapped.returncode == 0, overlapped.stderr
+    assert overlapped.stdout == plain.stdout                # same greedy text, steps overlapped
+    capped = minillm(*common, "--max-logprobs", "2", "--logprobs", "3")
+    assert capped.returncode != 0 and "Traceback" not in capped.stderr
+    assert "logprobs must be at most max_logprobs (2), got 3" in capped.stderr
+    allowed = minillm(*common, "--max-logprobs", "2", "--logprobs", "2", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    [record] = [json.loads(line) for line in allowed.stdout.splitlines()]
+    steps = record["outputs"][0]["logprobs"]
+    assert len(steps) == 12 and all(len(step["top_logprobs"]) == 2 for step in steps)
+    bad = minillm(*common, "--max-logprobs", "-1")
+    assert bad.returncode != 0 and "max_logprobs must be an integer in [0, 20]" in bad.stderr
 
 
 # ---- prefill/decode disaggregation -----------------------------------------------------------------
