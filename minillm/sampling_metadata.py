@@ -60,9 +60,16 @@ class SamplingMetadata:
     allowed: tuple | None = None     # (rows, token_ids): [A] int32, masked rows: [R] int32; the rest get -inf
 
 
+def sampler_temperature(params) -> float:
+    """The temperature the sampling kernels read: 0 (the argmax) for every greedy request, since a
+    temperature below vLLM's 1e-5 is greedy but, divided into the logits, would still weigh tokens
+    within a hair of the maximum (and the greedy row draws no uniform to choose among them)."""
+    return 0.0 if params.is_greedy else params.temperature
+
+
 def row_values(params) -> tuple:
     """The static words of one row, in STATIC_FIELDS order (less logprob_rows)."""
-    return (params.temperature, max(params.top_k, 0), params.top_p, params.min_p, params.repetition_penalty,
+    return (sampler_temperature(params), max(params.top_k, 0), params.top_p, params.min_p, params.repetition_penalty,
             params.presence_penalty, params.frequency_penalty)
 
 

@@ -26,6 +26,8 @@ from types import ModuleType
 
 import numpy as np
 
+from minillm.sampling_metadata import sampler_temperature
+
 
 @dataclass(frozen=True)
 class SpecDecodeMetadata:
@@ -189,7 +191,7 @@ class RejectionSampler:
                 d = int(num_drafts[b])
                 uniforms[starts[b]:starts[b] + d + 1] = s.rng.random(d + 1)
         return sample_rows_no_sync(
-            self.ops, logits, num_drafts, np.array([p.temperature for p in params], np.float32),
+            self.ops, logits, num_drafts, np.array([sampler_temperature(p) for p in params], np.float32),
             np.array([max(p.top_k, 0) for p in params], np.int32),
             np.array([p.top_p for p in params], np.float32),
             np.array([p.min_p for p in params], np.float32), uniforms)

@@ -1,0 +1,115 @@
+"""Sampling semantics held to an independent NumPy reference written from vLLM's definitions.
+
+The reference (below) follows vLLM's V1 sampler: raw log-probabilities are taken from the model's
+logits before any rule; then the allowed_token_ids mask, min_tokens' ban of EOS and stop tokens,
+logit_bias, the repetition penalty (prompt and output tokens: positive logits divided, negative
+multiplied), frequency and presence penalties (output tokens only); greedy is the argmax of those
+logits (temperature below 1e-5); otherwise softmax(logits / T), min_p against the largest
+probability, top_k, and top_p over what top_k and min_p left, renormalised.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.device import CpuDevice
+from minillm.ops import numpy as npops
+from minillm.sampler import Sampler
+from minillm.sequence import Sequence
+
+EOS = (2,)
+
+
+# ---- the reference ---------------------------------------------------------------------------
+
+def ref_log_softmax(x: np.ndarray) -> np.ndarray:
+    """x: [..., V] -> log-probabilities in float64."""
+    x = np.asarray(x, np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def ref_processed(raw: np.ndarray, prompt, outputs, p: SamplingParams, eos=EOS) -> np.ndarray:
+    """raw: [V] model logits -> the logits greedy takes the argmax of (vLLM's order)."""
+    x = np.asarray(raw, np.float64).copy()
+    if p.allowed_token_ids is not None:
+        keep = np.zeros(len(x), bool)
+        keep[list(p.allowed_token_ids)] = True
+        x[~keep] = -np.inf
+    if len(outputs) < p.min_tokens:
+        x[list(set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)))] = -np.inf
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=len(x)) if len(outputs) else np.zeros(len(x))
+    for t in set(prompt) | set(outputs):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+def ref_distribution(x: np.ndarray, p: SamplingParams) -> np.ndarray:
+    """Processed logits [V] -> the probability of sampling each token."""
+    q = np.zeros(len(x))
+    if p.temperature < 1e-5:
+        q[np.argmax(x)] = 1.0
+        return q
+    y = x / p.temperature
+    q = np.exp(y - y.max())
+    q /= q.sum()
+    if p.min_p > 0:
+        q[q < p.min_p * q.max()] = 0.0
+    order = np.lexsort((np.arange(len(x)), -q))          # descending, ties by id
+    if p.top_k > 0:
+        q[order[p.top_k:]] = 0.0
+    q /= q.sum()
+    if p.top_p < 1.0:
+        before = np.cumsum(q[order]) - q[order]
+        q[order[before >= p.top_p]] = 0.0
+        q /= q.sum()
+    return q
+
+
+def chi_square_p(counts: np.ndarray, q: np.ndarray) -> float:
+    """p-value of observed counts under probabilities q (cells expecting < 5 pooled); a count in a
+    cell of probability 0 gives 0."""
+    from scipy import stats
+    n = counts.sum()
+    if counts[q == 0].any():
+        return 0.0
+    expected = q * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] < 5:                                       # too small to stand alone: join the smallest cell
+        obs, exp = obs[:-1], exp[:-1]
+        obs[np.argmin(exp)] += counts[~big].sum()
+        exp[np.argmin(exp)] += expected[~big].sum()
+    if len(exp) < 2:
+        return 1.0
+    return float(stats.chi2.sf(((obs - exp) ** 2 / exp).sum(), len(exp) - 1))
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def make_seq(params: SamplingParams, seed: int, prompt=(1, 2, 3)) -> Sequence:
+    seq = Sequence("r", 0, list(prompt), params, 0.0, np.random.default_rng(seed), 1000)
+    seq.num_output_placeholders = 1          # the token being sampled, as at launch
+    return seq
+
+
+# ---- temperature below 1e-5 is greedy ---------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [1e-12, 1e-6, 9.99e-6])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"min_p": 0.1}])
+def test_a_temperature_below_1e_5_is_the_argmax_even_beside_a_near_tie(temperature, filters):
+    from minillm.spec_decode.rejection import RejectionSampler, SpecDecodeMetadata
+    logits = np.zeros((1, 64), np.float32)
+    logits[0, 10], logits[0, 40] = 1.0, 1.00001       # a lower id a hair below the maximum
+    params = SamplingParams(temperature=temperature, **filters)
+    assert params.is_greedy
+    out = Sampler(npops, list(EOS), CpuDevice()).sample_no_sync(logits.copy(), [make_seq(params, 1)])
+    assert out.token_ids.tolist() == [40]
+    # a step verifying a draft samples its rows by the same rule
+    meta = SpecDecodeMetadata.make([[10]], [2])
+    ids = RejectionSampler(npops)(np.repeat(logits, 2, axis=0), meta, [make_seq(params, 1)])
+    assert ids == [[40]]
