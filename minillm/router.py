@@ -12,7 +12,8 @@ of a role take turns (round robin); one that refuses the connection is skipped f
 role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
 when the stream had begun): never a hang, since connects time out. One log line per request says
 where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
-header, passed on to the client).
+header, passed on to the client). /v1/models, /tokenize, /detokenize and /version need no KV: a
+decode server answers them, with the client's credentials.
 """
 from __future__ import annotations
 
@@ -224,13 +225,13 @@ class Router:
         started = time.monotonic()
         request_id = f"router-{next(self._ids)}"
         timing = RequestTiming()
+        if not await raw.body():
+            return RouterError(400, "the request body is empty; send a JSON object", "invalid_body").response()
         try:
             body = await raw.json()
-        except RecursionError as exc:   # nested too deeply: the server's 400, not a 500
+        except (ValueError, RecursionError) as exc:   # bad JSON, not UTF-8, nested too deeply: the server's 400
             err = body_parse_error(exc)
             return RouterError(400, err.message, err.code).response()
-        except ValueError:
-            body = None
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object", "invalid_body").response()
         headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
@@ -339,14 +340,21 @@ class Router:
         return JSONResponse({"status": "ok" if ok else "unavailable", "prefill": prefill, "decode": decode},
                             status_code=200 if ok else 503)
 
-    async def models(self) -> Response:
-        """The model list of the first decode server that answers."""
+    async def forward(self, path: str, raw: Request) -> Response:
+        """A request that needs no KV (the model list, /tokenize, /detokenize, /version) answered by
+        the first decode server that takes the connection, with the client's credentials."""
+        content = await raw.body() if raw.method == "POST" else None
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
         for url in self.decode.order():
             try:
-                r = await self.client.get(url + "/v1/models", timeout=self.config.health_timeout_s)
-            except httpx.HTTPError:
+                r = await self.client.request(raw.method, url + path, content=content, headers=headers)
+            except (httpx.ConnectError, httpx.ConnectTimeout):
                 continue
-            return Response(r.content, status_code=r.status_code, media_type="application/json")
+            except httpx.HTTPError as exc:
+                return RouterError(502, f"the decode server {url} failed: {type(exc).__name__}: {exc}",
+                                   "decode_server_failed").response()
+            return Response(r.content, status_code=r.status_code,
+                            media_type=r.headers.get("content-type", "application/json"))
         return RouterError(503, "no decode server is reachable", "decode_unavailable").response()
 
 
@@ -370,9 +378,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def health():
         return await router.health()
 
-    @app.get("/v1/models")
-    async def models():
-        return await router.models()
+    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+        app.add_api_route(path, _forwarder(router, path), methods=[method])
 
     @app.get("/v1/stats")
     async def stats():
@@ -386,6 +393,12 @@ def _handler(router: Router, path: str):
     async def handle(raw: Request) -> Any:
         return await router.route(path, raw)
     return handle
+
+
+def _forwarder(router: Router, path: str):
+    async def forward(raw: Request) -> Response:
+        return await router.forward(path, raw)
+    return forward
 
 
 def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) -> None:

@@ -29,11 +29,15 @@ class FakeBackend(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.server.paths.append(self.path)
+        if self.path.endswith(("/v1/models", "/version")):
+            return self._send(200, {"path": self.path, "auth": self.headers.get("authorization")})
         self._send(200 if self.path.endswith("/health") else 404, {"status": "ok"})
 
     def do_POST(self) -> None:
         self.server.paths.append(self.path)
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.path.endswith("tokenize"):
+            return self._send(200, {"path": self.path, "auth": self.headers.get("authorization"), "body": body})
         kv = body.get("kv_transfer_params", {})
         if self.path.startswith("/refuse/") and kv.get("do_remote_prefill") is None and "remote_lease_id" in kv:
             return self._send(400, {"error": {"message": "max_tokens is too large", "param": "max_tokens"}})
@@ -87,6 +91,50 @@ async def test_a_decode_servers_refusal_passes_through_with_its_body(backend, st
     response = await post(RouterConfig((f"{url}/ok",), (f"{url}/refuse",)), stream=stream)
     assert response.status_code == 400
     assert response.json()["error"] == {"message": "max_tokens is too large", "param": "max_tokens"}
+
+
+async def call(config: RouterConfig, method: str, path: str, **kw) -> httpx.Response:
+    """One request of any shape to the router app."""
+    app = create_router_app(config)
+    await app.state.router.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            return await client.request(method, path, **kw)
+    finally:
+        await app.state.router.close()
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("GET", "/version"), ("POST", "/tokenize"),
+                                          ("POST", "/detokenize")])
+async def test_requests_that_need_no_kv_go_to_a_decode_server_with_the_clients_key(backend, method, path):
+    url, _ = backend
+    body = {"model": "m", "prompt": "Once"} if method == "POST" else None
+    response = await call(RouterConfig((f"{url}/prefill",), (f"{url}/decode",)), method, path, json=body,
+                          headers={"authorization": "Bearer k1"})
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["path"] == f"/decode{path}" and answer["auth"] == "Bearer k1"
+    assert answer.get("body") == body
+
+
+async def test_a_decode_server_nobody_serves_makes_the_model_list_a_503():
+    response = await call(RouterConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:1",), connect_timeout_s=2),
+                          "GET", "/v1/models")
+    assert response.status_code == 503 and response.json()["error"]["code"] == "decode_unavailable"
+
+
+@pytest.mark.parametrize("content, message, code", [
+    (b"{bad", "malformed JSON in request body: Expecting property name enclosed in double quotes at character 1",
+     "json_invalid"),
+    (b"", "the request body is empty; send a JSON object", "invalid_body"),
+    (b"\xff{}", "malformed JSON in request body: the body is not UTF-8 text (byte 0xff at 0)", "json_invalid"),
+    (b"[1, 2]", "the request body must be a JSON object", "invalid_body")])
+async def test_a_body_that_is_no_json_object_gets_the_servers_message(content, message, code):
+    # Refused before any backend is asked (none listens at these URLs).
+    response = await call(RouterConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:1",)), "POST",
+                          "/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == message and response.json()["error"]["code"] == code
 
 
 @pytest.mark.parametrize("field, value", [("timeout_s", -1.0), ("connect_timeout_s", 0.0),

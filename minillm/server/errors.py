@@ -170,6 +170,8 @@ def body_parse_error(cause: BaseException | None) -> APIError:
     says only "There was an error parsing the body"): cause is what json.loads raised."""
     if isinstance(cause, UnicodeDecodeError):
         why = f"the body is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at {cause.start})"
+    elif isinstance(cause, json.JSONDecodeError):
+        why = f"{cause.msg} at character {cause.pos}"
     elif isinstance(cause, RecursionError):
         why = "arrays or objects are nested too deeply"
     elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
