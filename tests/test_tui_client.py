@@ -39,10 +39,14 @@ class FakeStatsHandler(BaseHTTPRequestHandler):
         mode, _, rest = url.path.lstrip("/").partition("/")
         cells = int(parse_qs(url.query).get("cells", ["64"])[0])
         self.server.seen_cells.append(cells)
-        if mode == "missing" or (mode == "poll" and rest == "v1/stats/stream"):
+        if mode == "missing" or (mode in ("poll", "router") and rest == "v1/stats/stream"):
             return self._send(404, "application/json", json.dumps({"error": {"message": "Not Found"}}))
         if mode == "auth" and self.headers.get("Authorization") != f"Bearer {API_KEY}":
             return self._send(401, "application/json", json.dumps({"error": {"message": "Invalid API key"}}))
+        if mode == "router" and rest == "v1/stats":      # what `minillm router` answers
+            from minillm.router import RouterStats
+            stats = RouterStats().to_dict({"prefill": ["http://p:1"], "decode": ["http://d:2"]})
+            return self._send(200, "application/json", json.dumps(stats))
         if rest == "v1/stats":
             return self._send(200, "application/json", json.dumps(make_stats(1).to_dict()))
         if mode == "garbage":
@@ -166,6 +170,8 @@ async def test_wrong_url_garbage_and_refused_connections_are_explained(fake_serv
         f"{url}/missing": "has no /v1/stats (404)",
         f"{url}/garbage": "bad stats from",
         f"{url}/error": "the server reported: engine loop died",
+        f"{url}/router": "this is a minillm router, which has no KV cache of its own: watch one of its servers "
+                         "(http://d:2, http://p:1)",
         closed_port_url(): "cannot connect to",
         "not a url": "invalid server URL",
     }

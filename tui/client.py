@@ -129,6 +129,10 @@ def parse_frame(text: str) -> StatsFrame:
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         # The stream ends with an OpenAI-style error event when the engine fails.
         raise StatsFormatError(f"the server reported: {error_message(data) or data['error']}")
+    if isinstance(data, dict) and isinstance(data.get("backends"), dict) and "decode" in data["backends"]:
+        servers = [str(u) for role in ("decode", "prefill") for u in data["backends"].get(role) or []]
+        raise StatsFormatError("this is a minillm router, which has no KV cache of its own: watch one of its "
+                               f"servers ({', '.join(servers[:4]) or 'none listed'})")
     return StatsFrame(stats=parse_stats(data), raw=data)
 
 
