@@ -7,7 +7,8 @@
 // (sample_in_id_order: one pass, a block scan). Otherwise:
 // order the row by (logit descending, id ascending), p = softmax(logit / T),
 // keep the prefix allowed by top-k, min-p (p >= min_p * p_max) and top-p (mass strictly before a
-// token < top_p), and take the first kept token whose cumulative mass exceeds u * kept mass.
+// token < top_p times the mass top-k and min-p kept: vLLM renormalises before top-p), and take
+// the first kept token whose cumulative mass exceeds u * kept mass.
 // No full sort: every rule is "the first token in that order whose inclusive cumulative count or
 // mass reaches a target", found by
 //   1. a histogram of the row over NUM_BINS bins of (max - logit/T) (1/32 nat each; the order of
@@ -518,7 +519,7 @@ sample_kernel(int* out, const float* logits, int vocab, const float* temperature
         if (mp_cnt < kept) { kept = mp_cnt; kept_mass = mp_mass; }
     }
     if (tp < 1.0f) {
-        Pick p = select_first(r, sh, MODE_MASS_GE, tp * z);
+        Pick p = select_first(r, sh, MODE_MASS_GE, tp * kept_mass);
         if (p.found && p.rank < kept) { kept = p.rank; kept_mass = p.mass; }
     }
     Pick p = select_first(r, sh, MODE_MASS_GT, uniforms[b] * kept_mass);

@@ -113,3 +113,58 @@ def test_a_temperature_below_1e_5_is_the_argmax_even_beside_a_near_tie(temperatu
     meta = SpecDecodeMetadata.make([[10]], [2])
     ids = RejectionSampler(npops)(np.repeat(logits, 2, axis=0), meta, [make_seq(params, 1)])
     assert ids == [[40]]
+
+
+# ---- top-p is taken over what top-k and min-p kept ---------------------------------------------
+
+@pytest.mark.parametrize("probs, filters, kept", [
+    ([0.3, 0.3, 0.2, 0.2], dict(top_k=2, top_p=0.45), [1, 0, 0, 0]),       # renormalised: 0.5, 0.5
+    ([0.4, 0.3, 0.2, 0.1], dict(min_p=0.6, top_p=0.5), [1, 0, 0, 0]),       # renormalised: 4/7, 3/7
+    ([0.4, 0.3, 0.2, 0.1], dict(top_k=3, top_p=0.75), [4, 3, 0, 0]),        # 4/9 + 3/9 reaches 0.75
+])
+def test_top_p_is_a_share_of_what_top_k_and_min_p_kept(probs, filters, kept):
+    logits = np.log(np.array([probs], np.float32))
+    args = dict(top_k=0, top_p=1.0, min_p=0.0) | filters
+    ids = [npops.sample(logits, np.float32([1.0]), np.int32([args["top_k"]]), np.float32([args["top_p"]]),
+                        np.float32([args["min_p"]]), np.float32([u]))[0] for u in (np.arange(400) + 0.5) / 400]
+    want = np.array(kept, float) / sum(kept)
+    np.testing.assert_allclose(np.bincount(ids, minlength=4) / 400, want, atol=0.01)
+    q = ref_distribution(logits[0].astype(np.float64), SamplingParams(**filters))
+    np.testing.assert_allclose(q, want, atol=1e-6)           # the reference says the same
+
+
+# ---- the engine against the reference on stories260K -----------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    return LLM(str(stories_path), device="cpu")
+
+
+def model_logits(stories_path, ids) -> np.ndarray:
+    """[len(ids), V]: the NumPy decoder's logits at every position of ids."""
+    from test_model_parity import minillm_prompt_logits
+    return minillm_prompt_logits(stories_path, list(ids))
+
+
+LILY_AND = [1, 317, 269]      # "Lily and": a spread-out next token (0.22, 0.20, 0.18, 0.10, ...)
+NUM_DRAWS = 1000
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=5),
+    dict(temperature=1.0, top_k=3, top_p=0.6),
+    dict(temperature=1.5, min_p=0.05, top_p=0.5),
+    dict(temperature=0.8, top_k=20, top_p=0.9, min_p=0.02),
+    dict(temperature=2.0, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={317: 2.0, 269: 1.0}),
+    dict(temperature=0.5, top_p=0.95, frequency_penalty=2.0, allowed_token_ids=list(range(250, 512))),
+], ids=lambda kw: ",".join(kw))
+def test_first_token_frequencies_over_seeds_match_the_reference(llm, stories_path, kw):
+    """n draws of one request (seeds 7000, 7001, ...: fixed, so the test is deterministic); the
+    bound p < 1e-6 is far from chance, a token outside the reference's support fails outright."""
+    params = SamplingParams(n=NUM_DRAWS, seed=7000, max_tokens=1, **kw)
+    outs = llm.generate([{"prompt_token_ids": LILY_AND}], params, use_tqdm=False)[0].outputs
+    counts = np.bincount([o.token_ids[0] for o in outs], minlength=512)
+    q = ref_distribution(ref_processed(model_logits(stories_path, LILY_AND)[-1], LILY_AND, [], params), params)
+    assert 1 < np.count_nonzero(q) and np.count_nonzero(counts) > 1
+    assert chi_square_p(counts, q) > 1e-6, (np.flatnonzero(counts), np.flatnonzero(q))

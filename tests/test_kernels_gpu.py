@@ -330,17 +330,22 @@ def _sorted_probs(row: np.ndarray, temperature: float):
 
 
 def _kept_lengths(p: np.ndarray, top_k, top_p, min_p, eps: float) -> set[int]:
-    """Every kept-prefix length the rule can give when each p is off by about eps."""
+    """Every kept-prefix length the rule can give when each p is off by about eps (top-p over the
+    mass that top-k and min-p kept)."""
     n = p.size
     by_k = [int(top_k)] if 0 < top_k < n else [n]
-    by_min_p, by_top_p = [n], [n]
+    by_min_p = [n]
     if min_p > 0:
         thr = min_p * p[0]
         by_min_p = [int(np.count_nonzero(p >= thr * f)) for f in (1 + eps, 1.0, 1 - eps)]
-    if top_p < 1:
-        before = np.cumsum(p) - p
-        by_top_p = [int(np.count_nonzero(before < top_p + d)) for d in (-eps, 0.0, eps)]
-    return {max(1, min(a, b, c)) for a in by_k for b in by_min_p for c in by_top_p}
+    before = np.cumsum(p) - p
+    lengths = set()
+    for kept in {max(1, min(a, b)) for a in by_k for b in by_min_p}:
+        mass = p[:kept].sum()
+        by_top_p = [int(np.count_nonzero(before < (top_p + d) * mass)) for d in (-eps, 0.0, eps)] \
+            if top_p < 1 else [n]
+        lengths |= {max(1, min(kept, c)) for c in by_top_p}
+    return lengths
 
 
 def _is_clear_in_id_order(row, temperature, min_p, u, eps) -> bool:

@@ -253,8 +253,9 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     tokens with e >= min_p (p >= min_p * p_max). Without top-k and top-p the kept tokens are walked
     in id order (no sort needed, the fast path on the GPU); with either, tokens are ordered by
     descending logit (ties by id), the top_k first are kept (0: all) and then the smallest prefix
-    whose mass reaches top_p. The pick is the first kept token, in that order, whose cumulative
-    weight exceeds uniforms[b] times the kept weight.
+    whose mass reaches top_p of the mass top-k and min-p kept (vLLM renormalises before top-p).
+    The pick is the first kept token, in that order, whose cumulative weight exceeds uniforms[b]
+    times the kept weight.
     """
     batch, vocab = logits.shape
     out = np.empty(batch, dtype=np.int32)
@@ -291,7 +292,7 @@ def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
         keep &= p >= min_p * p[0]
     if top_p < 1.0:
         before = np.cumsum(p) - p                          # mass strictly before each token
-        keep &= before < top_p
+        keep &= before < top_p * p[keep].sum()             # of what top-k and min-p kept (a prefix)
     keep[0] = True
     p = np.where(keep, p, 0.0)
     cdf = np.cumsum(p)
