@@ -90,14 +90,16 @@ def penalty_entries(seqs, rows) -> tuple[list[int], list[int], list[int], list[i
 
 
 def banned_entries(seqs, rows, eos_token_ids, vocab: int) -> tuple[list[int], list[int]]:
-    """Below min_tokens, EOS and stop tokens cannot be sampled: (rows, tokens) to set to -inf."""
+    """Below min_tokens, EOS and stop tokens cannot be sampled: (rows, tokens) to set to -inf.
+    EOS is banned under ignore_eos too (vLLM's min_tokens bans every EOS id: ignore_eos only keeps
+    EOS from ending the output)."""
     out_rows, tokens = [], []
     for b in rows:
         s = seqs[b]
         if s.num_output_tokens - 1 < s.params.min_tokens:   # outputs before the one sampled now
             banned = set(s.params.stop_token_ids)
             grammar = getattr(s, "structured_output", None)
-            if not s.params.ignore_eos and not (grammar is not None and grammar.empty_only):
+            if not (grammar is not None and grammar.empty_only):
                 banned |= set(eos_token_ids)
             banned = [t for t in banned if 0 <= t < vocab]
             out_rows.extend([b] * len(banned))

@@ -168,3 +168,14 @@ def test_first_token_frequencies_over_seeds_match_the_reference(llm, stories_pat
     q = ref_distribution(ref_processed(model_logits(stories_path, LILY_AND)[-1], LILY_AND, [], params), params)
     assert 1 < np.count_nonzero(q) and np.count_nonzero(counts) > 1
     assert chi_square_p(counts, q) > 1e-6, (np.flatnonzero(counts), np.flatnonzero(q))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_holds_eos_back_with_ignore_eos_too(llm, temperature):
+    """vLLM: min_tokens is the number of tokens generated 'before EOS or stop_token_ids can be
+    generated'; ignore_eos only stops EOS from ending the output (vLLM bans every EOS id then too)."""
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=8, min_tokens=4, ignore_eos=True,
+                            logit_bias={2: 100.0, 9: 90.0}, stop_token_ids=[9])
+    out = llm.generate([{"prompt_token_ids": LILY_AND}], params, use_tqdm=False)[0].outputs[0]
+    assert 2 not in out.token_ids[:4] and 9 not in out.token_ids[:4], out.token_ids
+    assert out.token_ids[4] == 2 and len(out.token_ids) == 8 and out.finish_reason == "length"
