@@ -58,7 +58,7 @@ def ref_distribution(x: np.ndarray, p: SamplingParams) -> np.ndarray:
     q /= q.sum()
     if p.min_p > 0:
         q[q < p.min_p * q.max()] = 0.0
-    order = np.lexsort((np.arange(len(x)), -q))          # descending, ties by id
+    order = np.lexsort((np.arange(len(x)), -x))          # descending logit, ties by id
     if p.top_k > 0:
         q[order[p.top_k:]] = 0.0
     q /= q.sum()
@@ -179,3 +179,187 @@ def test_min_tokens_holds_eos_back_with_ignore_eos_too(llm, temperature):
     out = llm.generate([{"prompt_token_ids": LILY_AND}], params, use_tqdm=False)[0].outputs[0]
     assert 2 not in out.token_ids[:4] and 9 not in out.token_ids[:4], out.token_ids
     assert out.token_ids[4] == 2 and len(out.token_ids) == 8 and out.finish_reason == "length"
+
+
+def step_logits(stories_path, prompt, out) -> np.ndarray:
+    """[len(out), V]: the logits each output token was sampled from (the model's, unprocessed)."""
+    return model_logits(stories_path, list(prompt) + list(out[:-1]))[len(prompt) - 1:]
+
+
+ONCE = [1, 403, 407, 261, 378]     # "Once upon a time"
+GREEDY_COMBOS = [
+    dict(repetition_penalty=1.5), dict(repetition_penalty=0.7), dict(presence_penalty=2.0),
+    dict(presence_penalty=-2.0), dict(frequency_penalty=0.8), dict(frequency_penalty=-2.0),
+    dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),
+    dict(repetition_penalty=3.4e38), dict(repetition_penalty=1.2, logit_bias={300: 3.0, 432: -5.0}),
+    dict(min_tokens=20, stop_token_ids=[13, 400], frequency_penalty=0.3),
+    dict(temperature=1e-7, repetition_penalty=1.4, allowed_token_ids=list(range(250, 512))),
+    dict(logit_bias={t: 100.0 for t in range(512)}, presence_penalty=1.0),
+]
+
+
+def test_greedy_is_the_argmax_of_the_processed_logits_under_every_penalty(llm, stories_path):
+    params = [SamplingParams(**({"temperature": 0.0, "max_tokens": 32, "ignore_eos": True} | c)) for c in GREEDY_COMBOS]
+    outs = llm.generate([{"prompt_token_ids": ONCE}] * len(params), params, use_tqdm=False)
+    plain = llm.generate([{"prompt_token_ids": ONCE}], SamplingParams(temperature=0, max_tokens=32, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids
+    for p, out in zip(params, outs):
+        ids = out.outputs[0].token_ids
+        assert len(ids) == 32
+        for i, (raw, t) in enumerate(zip(step_logits(stories_path, ONCE, ids), ids)):
+            x = ref_processed(raw, ONCE, ids[:i], p)
+            assert x[t] >= x.max() - 1e-3, (p, i, t, int(np.argmax(x)))
+    assert sum(out.outputs[0].token_ids != plain for out in outs) >= len(params) - 1   # all but the +100 bias moved
+
+
+def check_logprob_entry(entry: dict, token: int, row: np.ndarray, num_top: int) -> None:
+    """One position's {id: Logprob} against a log-softmax row: the token present, the num_top
+    likeliest (ranked 1..num_top) and nothing else, every value and rank as the row says."""
+    top = np.argsort(-row, kind="stable")[:num_top].tolist()
+    assert token in entry and set(top) <= set(entry) and len(entry) == len(set(top) | {token})
+    for t, lp in entry.items():
+        assert abs(lp.logprob - row[t]) < 1e-4 and np.isfinite(lp.logprob)
+        assert int((row > row[t] + 1e-5).sum()) + 1 <= lp.rank <= int((row >= row[t] - 1e-5).sum()), (t, lp)
+    assert sorted(lp.rank for t, lp in entry.items() if t != token or token in top)[:num_top] == \
+        list(range(1, num_top + 1))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.0, logprobs=0, prompt_logprobs=0),
+    dict(temperature=0.0, logprobs=3, prompt_logprobs=2, repetition_penalty=1.5, logit_bias={300: 5.0}),
+    dict(temperature=1.3, seed=4, logprobs=5, top_k=10, presence_penalty=1.0, prompt_logprobs=3),
+    dict(temperature=0.9, seed=9, n=3, logprobs=2, min_p=0.1, frequency_penalty=0.5),
+    dict(temperature=2.0, seed=9, logprobs=1, allowed_token_ids=[5, 300, 400], prompt_logprobs=1),
+    dict(temperature=1.0, seed=2, n=2, logprobs=20, prompt_logprobs=20, top_p=0.8),
+], ids=lambda kw: ",".join(kw))
+def test_logprobs_are_the_raw_log_softmax_with_the_sampled_token_and_its_rank(llm, stories_path, kw):
+    """vLLM's default logprobs_mode (raw_logprobs): the model's log-softmax before penalties,
+    biases, masks, temperature and filters; each position holds the sampled (prompt) token and the
+    top k; prompt_logprobs start with None."""
+    prompt = LILY_AND + [261]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, **kw)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    if params.prompt_logprobs is not None:
+        rows = ref_log_softmax(model_logits(stories_path, prompt))
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i in range(1, len(prompt)):
+            check_logprob_entry(out.prompt_logprobs[i], prompt[i], rows[i - 1], params.prompt_logprobs)
+    else:
+        assert out.prompt_logprobs is None
+    assert len(out.outputs) == params.n
+    for c in out.outputs:
+        rows = ref_log_softmax(step_logits(stories_path, prompt, c.token_ids))
+        assert len(c.logprobs) == len(c.token_ids) == 10
+        for entry, token, row in zip(c.logprobs, c.token_ids, rows):
+            check_logprob_entry(entry, token, row, params.logprobs)
+        assert abs(c.cumulative_logprob - sum(e[t].logprob for e, t in zip(c.logprobs, c.token_ids))) < 1e-3
+    if params.n > 1:
+        assert len({tuple(c.token_ids) for c in out.outputs}) == params.n
+
+
+# ---- seeds ------------------------------------------------------------------------------------
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+@pytest.fixture(scope="module")
+def seeded_prompts(stories_path):
+    """8 token-id prompts, half sharing a 40-token prefix, and a seeded request for each."""
+    import json
+    golden = json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
+    prompts = [golden[:40] + golden[100 + i:101 + i + i % 5] if i % 2 else [1] + golden[1 + 3 * i:4 + 4 * i]
+               for i in range(8)]
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2),
+             dict(temperature=1.2, top_k=20, presence_penalty=0.5, frequency_penalty=0.3),
+             dict(temperature=0.9, min_p=0.05, n=2)]
+    params = [SamplingParams(seed=100 + i, max_tokens=32, ignore_eos=True, **kinds[i % 4]) for i in range(8)]
+    return prompts, params
+
+
+def token_ids(outputs) -> list[list[tuple[int, ...]]]:
+    return [[tuple(c.token_ids) for c in o.outputs] for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def seeded_alone(stories_path, seeded_prompts):
+    alone = LLM(str(stories_path), device="cpu", enable_prefix_caching=False)
+    return [token_ids(alone.generate([{"prompt_token_ids": p}], sp, use_tqdm=False))[0]
+            for p, sp in zip(*seeded_prompts)]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(async_scheduling=False),
+    dict(num_kv_blocks=24, block_size=4, max_model_len=96, async_scheduling=True),
+    dict(num_kv_blocks=24, block_size=4, max_model_len=96, speculative_config=SPEC),
+    dict(max_num_batched_tokens=16, max_num_seqs=5, async_scheduling=True),
+], ids=["batch", "preempted-async", "preempted-ngram", "chunked-async"])
+def test_a_seeded_request_samples_the_same_tokens_however_it_is_scheduled(stories_path, seeded_prompts,
+                                                                          seeded_alone, engine_args):
+    llm = LLM(str(stories_path), device="cpu", **engine_args)
+    prompts, params = seeded_prompts
+    together = token_ids(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False))
+    if "num_kv_blocks" in engine_args:
+        assert llm.engine.scheduler.num_preemptions > 0
+    if "speculative_config" in engine_args:
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    assert together == seeded_alone
+    # n > 1: distinct samples; different seeds: different samples
+    assert len(set(together[3])) == 2 and len({c[0] for c in together}) == len(prompts)
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    from test_server_helpers import running_server
+    with running_server(stories_path, served_model_name="stories") as running:
+        yield running
+
+
+def test_a_seeded_request_samples_the_same_on_the_server_as_through_llm(llm, http):
+    """The same seed, sampling fields and prompt: the server (its engine core wherever it runs,
+    streamed or not) gives the LLM API's tokens and log-probabilities."""
+    fields = dict(temperature=0.9, top_p=0.9, top_k=30, min_p=0.02, seed=42, n=3, presence_penalty=0.3,
+                  frequency_penalty=0.2, repetition_penalty=1.1, ignore_eos=True, max_tokens=20)
+    want = llm.generate(["Lily and"], SamplingParams(logprobs=2, **fields), use_tqdm=False)[0].outputs
+    body = dict(model="stories", prompt="Lily and", logprobs=2, return_token_ids=True, **fields)
+    got = http.post("/v1/completions", json=body).json()["choices"]
+    assert [c["token_ids"] for c in sorted(got, key=lambda c: c["index"])] == [c.token_ids for c in want]
+    for c in got:
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"],
+                                   [e[t].logprob for e, t in zip(want[c["index"]].logprobs, want[c["index"]].token_ids)],
+                                   atol=1e-5)
+    streamed: dict[int, list[int]] = {}
+    import json
+    with http.stream("POST", "/v1/completions", json=dict(body, stream=True)) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed.setdefault(c["index"], []).extend(c.get("token_ids") or [])
+    assert [streamed[i] for i in range(3)] == [c.token_ids for c in want]
+
+
+# ---- edge values -------------------------------------------------------------------------------
+
+def test_edge_values_sample_what_the_reference_says_without_nan(llm, stories_path):
+    """Values at the ends of their ranges: near-zero temperature and top_p, top_k 1, min_p 1 are the
+    argmax; a bias of +-100 on every token changes nothing; the largest repetition penalty and
+    presence penalties of +-2 sample inside the reference's support; logprobs stay finite."""
+    base = dict(max_tokens=12, ignore_eos=True, seed=5, logprobs=1)
+    greedy = llm.generate([{"prompt_token_ids": LILY_AND}], SamplingParams(temperature=0, **base),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    hot = llm.generate([{"prompt_token_ids": LILY_AND}], SamplingParams(temperature=1.0, **base),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    cases = [(dict(temperature=1e-5), greedy), (dict(temperature=0.0), greedy), (dict(top_p=1e-9), greedy),
+             (dict(top_k=1), greedy), (dict(min_p=1.0), greedy),
+             (dict(logit_bias={t: 100.0 for t in range(512)}), hot),
+             (dict(logit_bias={t: -100.0 for t in range(512)}), hot),
+             (dict(repetition_penalty=3.4e38), None), (dict(presence_penalty=2.0, frequency_penalty=-2.0), None),
+             (dict(presence_penalty=-2.0, top_k=3, min_p=0.5), None), (dict(temperature=3.4e38), None)]
+    params = [SamplingParams(**({"temperature": 1.0} | base | c)) for c, _ in cases]
+    outs = llm.generate([{"prompt_token_ids": LILY_AND}] * len(cases), params, use_tqdm=False)
+    for (case, want), p, out in zip(cases, params, outs):
+        c = out.outputs[0]
+        assert all(np.isfinite(e[t].logprob) for e, t in zip(c.logprobs, c.token_ids)), case
+        if want is not None:
+            assert c.token_ids == want, case
+        for i, (raw, t) in enumerate(zip(step_logits(stories_path, LILY_AND, c.token_ids), c.token_ids)):
+            assert ref_distribution(ref_processed(raw, LILY_AND, c.token_ids[:i], p), p)[t] > 0, (case, i, t)
