@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from minillm.outputs import CompletionOutput, Logprob
 from minillm.sequence import Sequence, SequenceStatus
-from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
+from minillm.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
@@ -91,8 +91,15 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
     context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
     out = seq.output_token_ids[:state.num_text_tokens]
     skip = det.skip_special_tokens
-    return det.tok.decode(context + out, skip_special_tokens=skip)[
+    text = det.tok.decode(context + out, skip_special_tokens=skip)[
         len(det.tok.decode(context, skip_special_tokens=skip)):]
+    if REPLACEMENT_CHAR not in text:
+        return text
+    # Bytes that are not UTF-8: a byte-fallback decoder replaces every byte of a broken run, while
+    # the incremental path has already emitted the valid ones before the run broke. Replay that
+    # path, so a request reads the same whether it was streamed or not.
+    replay = IncrementalDetokenizer(det.tok, skip_special_tokens=skip, prompt_token_ids=context)
+    return "".join([replay.add(t) for t in out] + [replay.flush()])
 
 
 def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput:

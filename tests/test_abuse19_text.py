@@ -1,0 +1,40 @@
+"""Text fidelity: the text a user gets is the same whichever path produced it, and is UTF-8 text.
+
+stories260K's tokenizer falls back to byte tokens (<0xE2>, ...), so a completion can hold
+characters split over several tokens and bytes that are no UTF-8 at all. Each defect found by
+driving such outputs through LLM.generate and the server has its test here.
+"""
+from __future__ import annotations
+
+import pytest
+
+from minillm import LLM, SamplingParams
+
+PROMPT = "Once upon a time"
+V, CONTINUATION = 3 + 0x76, 3 + 0xAD     # the byte tokens of "v" and of a lone continuation byte 0xAD
+
+
+def byte_token(b: int) -> int:
+    """stories260K's byte-fallback token of one byte (<0x00> is id 3)."""
+    return 3 + b
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    """The Python API on stories260K."""
+    return LLM(str(stories_path), device="cpu")
+
+
+def test_broken_bytes_read_the_same_with_and_without_stop_strings(llm):
+    """A valid byte before a run of bytes that is no UTF-8 ("v" then 0xAD) keeps its character in
+    LLM.generate's text, as in the text built token by token (stop strings, the server's streams);
+    before, the final decode turned every byte of the run into U+FFFD ("vx" read "\ufffd\ufffd")."""
+    common = dict(temperature=1.0, seed=7, n=16, max_tokens=6, allowed_token_ids=[V, CONTINUATION])
+    final = llm.generate([PROMPT], SamplingParams(**common))[0].outputs
+    stepwise = llm.generate([PROMPT], SamplingParams(**common, stop=["never said"]))[0].outputs
+    assert [o.token_ids for o in final] == [o.token_ids for o in stepwise]
+    assert any(o.token_ids[:2] == [V, CONTINUATION] for o in final), "no completion to check"
+    for a, b in zip(final, stepwise):
+        assert a.text == b.text
+        expected = bytes(t - 3 for t in a.token_ids).decode("utf-8", "replace")
+        assert a.text.startswith("v") == expected.startswith("v"), (a.token_ids, a.text)
