@@ -149,6 +149,24 @@ def test_equal_constraints_share_a_key():
     assert StructuredOutputsParams(choice=["a", "b"]).key != StructuredOutputsParams(choice=["b", "a"]).key
 
 
+def pattern_object(n: int) -> dict:
+    """An object whose keys are n disjoint patterns (p0..., p1..., ...), all strings."""
+    return {"type": "object", "patternProperties": {f"^p{i}[a-z]+$": {"type": "string"} for i in range(n)}}
+
+
+def test_an_object_with_too_many_pattern_properties_is_refused_up_front(manager):
+    from minillm.structured_output import MAX_PATTERN_PROPERTIES
+    nested = {"type": "object", "properties": {"inner": {"type": "array", "items": pattern_object(MAX_PATTERN_PROPERTIES + 1)}}}
+    for schema in (pattern_object(MAX_PATTERN_PROPERTIES + 1), nested):
+        with pytest.raises(StructuredOutputsError, match=f"has {MAX_PATTERN_PROPERTIES + 1} patternProperties; at most "
+                                                         f"{MAX_PATTERN_PROPERTIES} are taken") as info:
+            StructuredOutputsParams(json=schema)
+        assert info.value.field == "json"
+    # At the bound the schema compiles and its keys follow the patterns.
+    matcher = compile_(manager, json=pattern_object(MAX_PATTERN_PROPERTIES)).new_matcher()
+    assert allowed(matcher)
+
+
 # ----------------------------------------------------------------------------- matchers
 
 @pytest.mark.parametrize("no_whitespace", [True, False])
