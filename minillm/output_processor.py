@@ -5,7 +5,10 @@ from dataclasses import dataclass, field
 
 from minillm.outputs import CompletionOutput, Logprob
 from minillm.sequence import Sequence, SequenceStatus
-from minillm.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from minillm.tokenizer import (
+    MAX_CONTINUATION_TOKENS, PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer,
+    context_start,
+)
 
 
 @dataclass
@@ -30,14 +33,17 @@ class CompletionState:
         return max((len(s) for s in self.stop), default=1) - 1
 
 
-PROMPT_CONTEXT_TOKENS = 5   # prompt tokens decoded with the output so its first word spaces right
+def _prompt_tail(seq: Sequence) -> list[int]:
+    """The prompt's last ids, from which the decode window before the output is chosen
+    (tokenizer.context_start)."""
+    return seq.prompt_token_ids[-(PROMPT_CONTEXT_TOKENS + MAX_CONTINUATION_TOKENS):]
 
 
 def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> CompletionState:
     """Fresh output state for a sequence."""
     p = seq.params
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                   prompt_token_ids=seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+                                   prompt_token_ids=_prompt_tail(seq))
     return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
                            p.logprobs is not None, p.detokenize and (incremental or bool(p.stop_strings)),
                            p.min_tokens, p.detokenize)
@@ -88,9 +94,10 @@ def _ended_by_stop_token(seq: Sequence, token: int) -> bool:
 def _final_text(state: CompletionState, seq: Sequence) -> str:
     """Decode the whole output once, with the same prompt context the incremental path uses."""
     det = state.detokenizer
-    context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
-    out = seq.output_token_ids[:state.num_text_tokens]
     skip = det.skip_special_tokens
+    tail = _prompt_tail(seq)
+    context = tail[context_start(det.tok, tail, skip):]
+    out = seq.output_token_ids[:state.num_text_tokens]
     text = det.tok.decode(context + out, skip_special_tokens=skip)[
         len(det.tok.decode(context, skip_special_tokens=skip)):]
     if REPLACEMENT_CHAR not in text:
@@ -98,7 +105,7 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
     # Bytes that are not UTF-8: a byte-fallback decoder replaces every byte of a broken run, while
     # the incremental path has already emitted the valid ones before the run broke. Replay that
     # path, so a request reads the same whether it was streamed or not.
-    replay = IncrementalDetokenizer(det.tok, skip_special_tokens=skip, prompt_token_ids=context)
+    replay = IncrementalDetokenizer(det.tok, skip_special_tokens=skip, prompt_token_ids=tail)
     return "".join([replay.add(t) for t in out] + [replay.flush()])
 
 

@@ -445,6 +445,24 @@ def _register_special_tokens(backend: tokenizers.Tokenizer, contents: list[str |
         backend.add_special_tokens([tokenizers.AddedToken(c, special=True, normalized=False) for c in missing])
 
 
+# Prompt tokens decoded with the output, so that its first word spaces right (sentencepiece's
+# leading space), and how many more the window backs over so as not to start inside a character
+# whose bytes are tokens of their own (a byte-fallback decoder turns a run of byte tokens that
+# starts with a continuation byte into U+FFFD, byte for byte, the output's bytes included).
+PROMPT_CONTEXT_TOKENS = 5
+MAX_CONTINUATION_TOKENS = 3
+
+
+def context_start(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> int:
+    """Where the decode window over a prompt's ids starts: PROMPT_CONTEXT_TOKENS from the end, or a
+    few further back where that cuts a character."""
+    start = max(len(ids) - PROMPT_CONTEXT_TOKENS, 0)
+    floor = max(start - MAX_CONTINUATION_TOKENS, 0)
+    while start > floor and tok.decode(ids[start:], skip_special_tokens).startswith(REPLACEMENT_CHAR):
+        start -= 1
+    return start
+
+
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas without splitting a multi-byte character.
 
@@ -467,7 +485,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = prompt
         self._num_prompt = len(prompt)
         # A few prompt tokens give the first generated token its left context (its leading space).
-        self._prefix_offset = max(len(prompt) - 5, 0)
+        self._prefix_offset = context_start(tok, prompt, skip_special_tokens) if prompt else 0
         self._read_offset = len(prompt)
         self._prefix_chars: int | None = None   # len(decode(ids[prefix_offset:read_offset])) once known
         self.text = ""

@@ -6,7 +6,9 @@ driving such outputs through LLM.generate and the server has its test here.
 """
 from __future__ import annotations
 
+import httpx
 import pytest
+from test_server_helpers import chat_template_server, sse_events  # noqa: F401
 
 from minillm import LLM, SamplingParams
 
@@ -38,3 +40,34 @@ def test_broken_bytes_read_the_same_with_and_without_stop_strings(llm):
         assert a.text == b.text
         expected = bytes(t - 3 for t in a.token_ids).decode("utf-8", "replace")
         assert a.text.startswith("v") == expected.startswith("v"), (a.token_ids, a.text)
+
+
+@pytest.mark.parametrize("prompt", ["日本語", "Tom saw 😀😀"])
+def test_byte_token_prompt_end_keeps_the_output_characters(llm, prompt):
+    """A prompt ending in characters spelt with byte tokens, then an output spelt with byte tokens:
+    the output reads "はい". Before, the decode window over the prompt's last five tokens began
+    inside a character, and the byte-fallback decoder turned the whole run, the output's bytes
+    included, into U+FFFD (six of them, streamed or not)."""
+    from minillm.sampling_params import StructuredOutputsParams
+    regex = StructuredOutputsParams(regex="はい")
+    for stop in (None, ["never said"]):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, structured_outputs=regex,
+                                                    stop=stop))[0].outputs[0]
+        assert out.text == "はい", (stop, out.token_ids)
+
+
+def completion_texts(url: str, body: dict) -> tuple[str, str]:
+    """A completion's text, asked for once whole and once as a stream (its deltas joined)."""
+    body = {"model": "stories", "temperature": 0, **body}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert whole.status_code == 200, whole.text[:500]
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        deltas = [c["text"] for e in sse_events(r.iter_lines()) for c in e["choices"]]
+    assert all("\ufffd" not in d for d in deltas), deltas
+    return whole.json()["choices"][0]["text"], "".join(deltas)
+
+
+def test_byte_token_prompt_end_through_the_server(server):
+    """The same through the server, whole and streamed."""
+    body = {"prompt": "日本語", "max_tokens": 8, "structured_outputs": {"regex": "はい"}}
+    assert completion_texts(server[0], body) == ("はい", "はい")
