@@ -96,15 +96,16 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
     det = state.detokenizer
     skip = det.skip_special_tokens
     tail = _prompt_tail(seq)
-    context = tail[context_start(det.tok, tail, skip):]
+    context = tail[context_start(det.tok, tail):]
     out = seq.output_token_ids[:state.num_text_tokens]
-    text = det.tok.decode(context + out, skip_special_tokens=skip)[
-        len(det.tok.decode(context, skip_special_tokens=skip)):]
-    if REPLACEMENT_CHAR not in text:
+    head = det.tok.decode(context, skip_special_tokens=skip)
+    text = det.tok.decode(context + out, skip_special_tokens=skip)[len(head):]
+    if REPLACEMENT_CHAR not in text and not head.endswith(REPLACEMENT_CHAR):
         return text
-    # Bytes that are not UTF-8: a byte-fallback decoder replaces every byte of a broken run, while
-    # the incremental path has already emitted the valid ones before the run broke. Replay that
-    # path, so a request reads the same whether it was streamed or not.
+    # Bytes that are not UTF-8 (or a prompt that ends inside a character): a byte-fallback decoder
+    # replaces every byte of a broken run, while the incremental path has already emitted the
+    # valid ones before the run broke. Replay that path, so a request reads the same whether it
+    # was streamed or not.
     replay = IncrementalDetokenizer(det.tok, skip_special_tokens=skip, prompt_token_ids=tail)
     return "".join([replay.add(t) for t in out] + [replay.flush()])
 

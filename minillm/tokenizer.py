@@ -257,6 +257,20 @@ class Tokenizer:
         """The bos_token's text (None when the tokenizer names none)."""
         return self.special_tokens.get("bos_token")
 
+    @functools.cached_property
+    def continuation_byte_ids(self) -> frozenset[int]:
+        """Ids of the byte-fallback tokens <0x80>..<0xBF>: bytes that continue a character."""
+        return self._byte_token_ids(0x80, 0xC0)
+
+    @functools.cached_property
+    def high_byte_ids(self) -> frozenset[int]:
+        """Ids of the byte-fallback tokens <0x80>..<0xFF>: the bytes of characters past ASCII."""
+        return self._byte_token_ids(0x80, 0x100)
+
+    def _byte_token_ids(self, low: int, high: int) -> frozenset[int]:
+        ids = (self.backend.token_to_id(f"<0x{b:02X}>") for b in range(low, high))
+        return frozenset(i for i in ids if i is not None)
+
     def get_vocab(self) -> dict[str, int]:
         """Token string -> id over the whole vocabulary, added tokens included (Hugging Face's get_vocab)."""
         return self.backend.get_vocab(with_added_tokens=True)
@@ -453,12 +467,13 @@ PROMPT_CONTEXT_TOKENS = 5
 MAX_CONTINUATION_TOKENS = 3
 
 
-def context_start(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = True) -> int:
+def context_start(tok: Tokenizer, ids: list[int]) -> int:
     """Where the decode window over a prompt's ids starts: PROMPT_CONTEXT_TOKENS from the end, or a
     few further back where that cuts a character."""
     start = max(len(ids) - PROMPT_CONTEXT_TOKENS, 0)
     floor = max(start - MAX_CONTINUATION_TOKENS, 0)
-    while start > floor and tok.decode(ids[start:], skip_special_tokens).startswith(REPLACEMENT_CHAR):
+    continuation = tok.continuation_byte_ids
+    while start > floor and ids[start] in continuation:
         start -= 1
     return start
 
@@ -485,7 +500,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = prompt
         self._num_prompt = len(prompt)
         # A few prompt tokens give the first generated token its left context (its leading space).
-        self._prefix_offset = context_start(tok, prompt, skip_special_tokens) if prompt else 0
+        self._prefix_offset = context_start(tok, prompt) if prompt else 0
         self._read_offset = len(prompt)
         self._prefix_chars: int | None = None   # len(decode(ids[prefix_offset:read_offset])) once known
         self.text = ""
@@ -508,7 +523,26 @@ class IncrementalDetokenizer:
             if end - self._read_offset <= self.MAX_HELD_TOKENS:
                 return ""
             end, new_text = self._garbage_cut(prefix_len, new_text)
+        elif self._read_offset == self._num_prompt > 0 and self._ids[self._read_offset - 1] in self.tok.high_byte_ids:
+            prefix_len = self._completed_prompt_character(new_text, prefix_len)
         return self._emit(prefix_len, new_text, end)
+
+    def _completed_prompt_character(self, window_text: str, prefix_len: int) -> int:
+        """The emitted prefix's length once the output's first text completes a character that the
+        prompt's last byte tokens began (a prompt of token ids cut inside a character): read_offset
+        moves back to the character's start, for it to be the output's text rather than lost."""
+        if not self._decode(self._prefix_offset, self._read_offset).endswith(REPLACEMENT_CHAR):
+            return prefix_len      # the prompt ends with a whole character
+        floor = max(self._read_offset - MAX_CONTINUATION_TOKENS, self._prefix_offset)
+        for start in range(self._read_offset - 1, floor - 1, -1):
+            head = self._decode(self._prefix_offset, start)
+            if head.endswith(REPLACEMENT_CHAR) or not window_text.startswith(head):
+                continue
+            if window_text[len(head):].startswith(REPLACEMENT_CHAR):
+                break    # bytes no later byte completes: they stay the prompt's
+            self._read_offset, self._prefix_chars = start, len(head)
+            return len(head)
+        return prefix_len
 
     def _prefix_len(self) -> int:
         """Characters of the text already emitted as the window decodes it: decode(ids[prefix:read]),

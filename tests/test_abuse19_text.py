@@ -71,3 +71,30 @@ def test_byte_token_prompt_end_through_the_server(server):
     """The same through the server, whole and streamed."""
     body = {"prompt": "日本語", "max_tokens": 8, "structured_outputs": {"regex": "はい"}}
     assert completion_texts(server[0], body) == ("はい", "はい")
+
+
+EURO = [byte_token(b) for b in "€".encode()]       # E2 82 AC
+
+
+@pytest.mark.parametrize("stop", [None, ["never said"]])
+def test_output_completing_the_prompts_last_character(llm, stop):
+    """A prompt of token ids that ends inside a character (a client continuing an output cut there):
+    the output's byte that completes it gives the character. Before, the text was empty."""
+    params = SamplingParams(temperature=0, max_tokens=1, allowed_token_ids=[EURO[2]], stop=stop)
+    out = llm.generate([{"prompt_token_ids": [1, 400] + EURO[:2]}], params)[0].outputs[0]
+    assert (out.token_ids, out.text) == ([EURO[2]], "€")
+
+
+def test_output_completing_the_prompts_last_character_through_the_server(server):
+    """The same through the server, whole and streamed."""
+    body = {"prompt": [1, 400] + EURO[:2], "max_tokens": 1, "allowed_token_ids": [EURO[2]]}
+    assert completion_texts(server[0], body) == ("€", "€")
+
+
+def test_text_after_a_completed_prompt_character_is_kept(tok):
+    """The characters after it are kept too: before, "a" was lost ("b" came first)."""
+    from minillm.tokenizer import IncrementalDetokenizer
+    for cut in (1, 2):
+        detok = IncrementalDetokenizer(tok, prompt_token_ids=[1, 400] + EURO[:cut])
+        deltas = [detok.add(t) for t in EURO[cut:] + [tok.get_vocab()["a"], tok.get_vocab()["b"]]]
+        assert "".join(deltas) + detok.flush() == "€ab" and "\ufffd" not in "".join(deltas)
