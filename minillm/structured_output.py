@@ -218,6 +218,9 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
         raise StructuredOutputsError(name, f"must be a string, got {type(value).__name__}")
     if name == "grammar" and not value.strip():
         raise StructuredOutputsError("grammar", "must not be empty")
+    if name == "regex" and _ends_in_lone_backslash(value):
+        raise StructuredOutputsError("regex", "invalid regular expression: it ends in a lone backslash "
+                                              "(an escape with nothing to escape)")
     return (StructuredOutputOptions.REGEX if name == "regex" else StructuredOutputOptions.GRAMMAR), value
 
 
@@ -231,9 +234,7 @@ MAX_PATTERN_PROPERTIES = 64
 
 def _check_schema_bounds(schema: Any) -> None:
     """A StructuredOutputsError('json') for a schema that cannot be matched as written or that
-    would hold a compile thread for minutes: an integer bound past the 64-bit range (llguidance
-    matches integers as 64-bit and would clamp it: a minimum of 1e19 let 9223372036854775807
-    through), or an object with more than MAX_PATTERN_PROPERTIES patternProperties."""
+    would hold a compile thread for minutes: see _check_schema_node."""
     todo = [schema]
     while todo:                                   # a loop, not recursion: schemas nest deeply
         node = todo.pop()
@@ -242,19 +243,56 @@ def _check_schema_bounds(schema: Any) -> None:
             continue
         if not isinstance(node, dict):
             continue
-        patterns = node.get("patternProperties")
-        if isinstance(patterns, dict) and len(patterns) > MAX_PATTERN_PROPERTIES:
-            raise StructuredOutputsError("json", f"an object of the schema has {len(patterns)} patternProperties; "
-                                                 f"at most {MAX_PATTERN_PROPERTIES} are taken (compiling checks every "
-                                                 "pair of them for overlap)")
-        kind = node.get("type")
-        if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
-            for name in _BOUND_KEYS:
-                bound = node.get(name)
-                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and abs(bound) > _INT64_MAX:
-                    raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} lies outside the "
-                                                         f"64-bit range [-{_INT64_MAX}, {_INT64_MAX}] that can be matched")
+        _check_schema_node(node)
         todo.extend(node.values())
+
+
+def _check_schema_node(node: dict) -> None:
+    """One object of a schema: an integer bound past the 64-bit range (llguidance matches integers
+    as 64-bit and would clamp it: a minimum of 1e19 let 9223372036854775807 through), more than
+    MAX_PATTERN_PROPERTIES patternProperties, a pattern that ends in a lone backslash (llguidance
+    drops it and matches the rest), or a minProperties that repeated keys could meet."""
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict) and len(patterns) > MAX_PATTERN_PROPERTIES:
+        raise StructuredOutputsError("json", f"an object of the schema has {len(patterns)} patternProperties; "
+                                             f"at most {MAX_PATTERN_PROPERTIES} are taken (compiling checks every "
+                                             "pair of them for overlap)")
+    for pattern in [node.get("pattern"), *(patterns if isinstance(patterns, dict) else ())]:
+        if isinstance(pattern, str) and _ends_in_lone_backslash(pattern):
+            raise StructuredOutputsError("json", f"invalid JSON schema: the pattern {pattern!r} ends in a lone "
+                                                 "backslash (an escape with nothing to escape)")
+    kind = node.get("type")
+    if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
+        for name in _BOUND_KEYS:
+            bound = node.get(name)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and abs(bound) > _INT64_MAX:
+                raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} lies outside the "
+                                                     f"64-bit range [-{_INT64_MAX}, {_INT64_MAX}] that can be matched")
+    _check_min_properties(node)
+
+
+def _check_min_properties(node: dict) -> None:
+    """llguidance counts an object's members to meet minProperties, and keys outside `properties`
+    (additionalProperties, patternProperties) may repeat: {"": 1, "": 2} has two members and, once
+    parsed, one property. A repeat is harmless while one member past the listed properties is
+    enough; a minProperties that needs two or more of them is refused, not broken."""
+    least = node.get("minProperties")
+    if not isinstance(least, int) or isinstance(least, bool):
+        return
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    listed = len(set(properties) & {name for name in required if isinstance(name, str)})
+    free_keys = node.get("additionalProperties", True) is not False or bool(node.get("patternProperties"))
+    if free_keys and least - listed >= 2:
+        raise StructuredOutputsError("json", f"minProperties {least} is not supported here: it needs "
+                                             f"{least - listed} properties outside the required `properties`, "
+                                             "and those keys may repeat in the output (a repeated key counts once "
+                                             f"when parsed); list the properties, or ask for at most {listed + 1}")
+
+
+def _ends_in_lone_backslash(regex: str) -> bool:
+    """The regex ends in an odd run of backslashes: an escape of nothing (invalid, and dropped by llguidance)."""
+    return (len(regex) - len(regex.rstrip("\\"))) % 2 == 1
 
 
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
