@@ -302,12 +302,56 @@ _RECURSIVE_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.GRAMMA
 _NO_TOKEN_ALLOWED = "NoExtensionBias"
 
 
+# llguidance's date, date-time and time formats take a second 60 at any time of day, February 29
+# of any year and the year 0000, which Python's datetime, pydantic and jsonschema's format check
+# refuse. A schema that names one of them gets this pattern beside it (llguidance matches the
+# intersection): every day of the Gregorian calendar from the year 1, seconds 00-59.
+_YEAR = "(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+         f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$"}
+# Where a schema holds subschemas: a map of them, one, or a list of them.
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
+                   "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+
+
+def _with_strict_dates(text: str) -> str:
+    """The schema text with _FORMAT_PATTERNS added (in allOf) to every subschema that names one of
+    those formats; other text as it is. Only subschemas are visited: a const or enum value that
+    reads {"format": "date"} is data."""
+    if '"format"' not in text:
+        return text
+    schema = jsonlib.loads(text)
+    todo, changed = [schema], False
+    while todo:                                   # a loop, not recursion: schemas nest deeply
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        pattern = _FORMAT_PATTERNS.get(node.get("format")) if isinstance(node.get("format"), str) else None
+        if pattern is not None:
+            all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+            node["allOf"] = [*all_of, {"pattern": pattern}]
+            changed = True
+        for name in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(name), dict):
+                todo.extend(node[name].values())
+        todo.extend(node.get(name) for name in _SUBSCHEMA_KEYS)
+        for name in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(name), list):
+                todo.extend(node[name])
+    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
 def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = False) -> str:
     """The llguidance grammar (its JSON text) for a constraint key."""
     kind, text = key
     if kind in _JSON_KINDS:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            text, defaults={"whitespace_flexible": not disable_any_whitespace})
+            _with_strict_dates(text), defaults={"whitespace_flexible": not disable_any_whitespace})
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:

@@ -67,6 +67,9 @@ CORPUS = {
     "formats": obj(mail={"type": "string", "format": "email"}, id={"type": "string", "format": "uuid"},
                    ip={"type": "string", "format": "ipv4"}, ip6={"type": "string", "format": "ipv6"},
                    host={"type": "string", "format": "hostname"}, dur={"type": "string", "format": "duration"}),
+    "dates": obj(day={"type": "string", "format": "date"}, when={"type": "string", "format": "date-time"},
+                 at={"type": ["string", "null"], "format": "time"},
+                 span={"type": "array", "items": {"type": "string", "format": "date", "pattern": "^20"}, "maxItems": 2}),
     "patterns": obj(code={"type": "string", "pattern": "^[A-Z]{3}-\\d{2,4}$"},
                     short={"type": "string", "minLength": 2, "maxLength": 4},
                     free={"type": "string", "pattern": "b"},          # unanchored: contains a b
@@ -342,6 +345,37 @@ def test_an_escaped_backslash_at_the_end_is_taken(walker):
     for text, end in walker.walks(StructuredOutputsParams(regex="[ab]\\\\"), n=10):
         assert end == "stop" and re.fullmatch(r"[ab]\\", text), text
     assert walker.accepts(StructuredOutputsParams(json={"type": "string", "pattern": "^a\\\\$"}), '"a\\\\"')
+
+
+@pytest.mark.parametrize("fmt,text,ok", [
+    ("date", "2023-02-29", False), ("date", "1900-02-29", False), ("date", "0000-01-01", False),
+    ("date", "2023-04-31", False), ("date", "2024-02-29", True), ("date", "2000-02-29", True), ("date", "0001-12-31", True),
+    ("date-time", "2023-01-01T21:02:60Z", False), ("date-time", "2023-02-29T00:00:00Z", False),
+    ("date-time", "2024-02-29t23:59:59.25+05:30", True), ("time", "23:59:60Z", False), ("time", "12:00:00-01:00", True),
+])
+def test_date_formats_take_only_real_dates_and_times(walker, fmt, text, ok):
+    # llguidance's formats took February 29 of any year, the year 0000 and a second 60 at any time of
+    # day: datetime.fromisoformat, pydantic and jsonschema's format check refuse them.
+    params = StructuredOutputsParams(json={"type": "string", "format": fmt})
+    assert walker.accepts(params, json.dumps(text)) == ok
+    with_pattern = StructuredOutputsParams(json={"type": "string", "format": fmt, "pattern": "^[0-9]"})
+    assert walker.accepts(with_pattern, json.dumps(text)) == ok
+
+
+def test_date_walks_parse_with_datetime(walker):
+    import datetime
+    outs = walker.walks(StructuredOutputsParams(json=CORPUS["dates"]), n=40, p_close=0.6)
+    finished = [json.loads(text) for text, end in outs if end == "stop"]
+    assert len(finished) >= 10
+    for value in finished:
+        datetime.date.fromisoformat(value["day"])
+        datetime.datetime.fromisoformat(value["when"].upper())
+        assert value["at"] is None or datetime.time.fromisoformat(value["at"].upper())
+
+
+def test_a_format_inside_a_const_is_data(walker):
+    params = StructuredOutputsParams(json={"const": {"format": "date"}, "enum": [{"format": "date"}]})
+    assert walker.accepts(params, '{"format":"date"}')
 
 
 # ----------------------------------------------------------------------------- regexes and grammars
