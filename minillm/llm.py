@@ -19,7 +19,7 @@ from minillm.engine import LLMEngine
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
-from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS, check_unicode
+from minillm.tokenizer import TEXT_PART_KEYS, check_unicode
 
 
 class TextPrompt(TypedDict):
@@ -219,9 +219,9 @@ class LLM:
                              f"LLM.chat as chat_template (its Jinja source), or use generate with plain prompts")
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                plain_messages(conversation), add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            text = tokenizer.render_chat(
+                plain_messages(conversation), chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, content_parts=True, **(chat_template_kwargs or {}))
             check_unicode(text, "messages")
             # The template writes BOS itself where the model wants it.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
@@ -243,7 +243,7 @@ class LLM:
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt",
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt", "content_parts",
                             "continue_final_message", "tokenize")
 
 
@@ -259,16 +259,18 @@ def check_template_kwargs(kwargs) -> None:
 
 
 def plain_messages(conversation) -> list[dict]:
-    """A conversation's messages with multi-part text content joined into one string (as the
-    server does); ValueError naming the message for any other kind of part."""
+    """A conversation's messages with multi-part content as text parts {"type": "text", "text": ...}
+    (as the server reads them: render_chat joins them by newlines, or keeps them for a template that
+    reads parts); ValueError naming the message for any other kind of part."""
     if not isinstance(conversation, Seq) or isinstance(conversation, str):
         raise ValueError(f"messages must be a list of message dicts, got {short_repr(conversation)}")
     out = []
     for i, message in enumerate(conversation):
         content = message.get("content") if isinstance(message, dict) else None
         if isinstance(content, list):
-            message = {**message, "content": PART_SEPARATOR.join(_part_text(p, i, j) for j, p in enumerate(content))}
-        if isinstance(message, dict) and not isinstance(message.get("content"), (str, type(None))):
+            parts = [{"type": "text", "text": _part_text(p, i, j)} for j, p in enumerate(content)]
+            message = {**message, "content": parts}
+        if isinstance(message, dict) and not isinstance(message.get("content"), (str, list, type(None))):
             raise ValueError(f"messages[{i}]['content'] must be a string or a list of text parts, "
                              f"got {short_repr(message.get('content'))}")
         out.append(message)

@@ -4,8 +4,6 @@ from __future__ import annotations
 import functools
 import json
 import numbers
-import threading
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -97,77 +95,11 @@ def _is_file(path: Path) -> bool:
         return False
 
 
-# What one render of a chat template may do: a template (a request's own, with
-# --trust-request-chat-template) must not keep a preprocessing thread for minutes or build a
-# string of gigabytes. Hugging Face templates loop over the messages and make short strings.
-MAX_TEMPLATE_LOOP_STEPS = 1_000_000      # iterations of range() in one render, all loops together
-MAX_TEMPLATE_REPEAT_ITEMS = 1_000_000    # characters (items) of one `*` repetition
-_render_budget = threading.local()
-
-
-def _reset_render_budget() -> None:
-    _render_budget.left = MAX_TEMPLATE_LOOP_STEPS
-
-
-def _counted_range(*args):
-    """The sandbox's range(), each step counted against the render's budget."""
-    from jinja2.sandbox import safe_range
-    from jinja2.exceptions import SecurityError
-    for value in safe_range(*args):
-        left = getattr(_render_budget, "left", MAX_TEMPLATE_LOOP_STEPS) - 1
-        if left < 0:
-            raise SecurityError(f"the template ran more than {MAX_TEMPLATE_LOOP_STEPS} loop steps")
-        _render_budget.left = left
-        yield value
-
-
-@functools.cache
-def _bounded_sandbox_class():
-    """The sandbox class (made on first use: jinja2 is imported only for chat)."""
-    from jinja2.exceptions import SecurityError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class BoundedSandbox(ImmutableSandboxedEnvironment):
-        """The immutable sandbox, with `*` repetition and `**` kept small."""
-
-        intercepted_binops = frozenset(["*", "**"])
-
-        def call_binop(self, context, operator, left, right):
-            if operator == "*":
-                for seq, times in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
-                            and len(seq) * times > MAX_TEMPLATE_REPEAT_ITEMS:
-                        raise SecurityError(f"the template repeats a sequence past {MAX_TEMPLATE_REPEAT_ITEMS} items")
-            elif isinstance(left, int) and isinstance(right, int) and abs(right) > 256 and abs(left) > 1:
-                raise SecurityError("the template raises an integer to a power past 256")
-            return super().call_binop(context, operator, left, right)
-
-    return BoundedSandbox
-
-
-@functools.lru_cache(maxsize=16)
 def compile_chat_template(source: str):
-    """A Jinja template compiled in the sandbox with the helpers Hugging Face chat templates expect."""
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters, which templates do not want.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt):
-        return datetime.now().strftime(fmt)
-
-    env = _bounded_sandbox_class()(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.globals["range"] = _counted_range
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    """A Jinja template compiled in the bounded sandbox with the helpers Hugging Face chat templates
+    expect (minillm/chat_template.py)."""
+    from minillm.chat_template import compile_chat_template as compile_bounded
+    return compile_bounded(source)
 
 
 class Tokenizer:
@@ -332,31 +264,47 @@ class Tokenizer:
         """Whether the model directory carries a chat template."""
         return bool(self.chat_template)
 
-    def _template(self):
+    def template_source(self, name: str | None = None, tools: object = None) -> str:
+        """The model's chat template to render with, checked to compile: the one called `name` when
+        the model has several, else "tool_use" when tools are given and there is one, else
+        "default" (transformers' get_chat_template)."""
         if not self.chat_template:
             raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template; "
                              "send a plain prompt instead of chat messages")
-        if self._compiled_template is None:
-            source = self.chat_template
-            if isinstance(source, dict):
-                if "default" not in source:
-                    raise ValueError(f"the tokenizer of {self.name or 'this model'} has several chat templates "
-                                     f"and none named 'default': {sorted(source)}")
+        source = self.chat_template
+        if isinstance(source, dict):
+            if name is not None and name in source:
+                source = source[name]
+            elif tools is not None and "tool_use" in source:
+                source = source["tool_use"]
+            elif "default" in source:
                 source = source["default"]
-            try:
-                self._compiled_template = compile_chat_template(source)
-            except Exception as e:   # jinja2's TemplateSyntaxError and friends
-                raise ValueError(f"the chat template of {self.name or 'this model'} does not compile: "
-                                 f"{type(e).__name__}: {e}") from None
-        return self._compiled_template
+            else:
+                raise ValueError(f"the tokenizer of {self.name or 'this model'} has several chat templates "
+                                 f"and none named 'default': {sorted(source)}")
+        try:
+            compile_chat_template(source)
+        except Exception as e:   # jinja2's TemplateSyntaxError and friends
+            raise ValueError(f"the chat template of {self.name or 'this model'} does not compile: "
+                             f"{type(e).__name__}: {e}") from None
+        return source
 
     def render_chat(self, messages: list[dict], template: str | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, **kwargs) -> str:
-        """Render messages with `template` (Jinja source), or with the model's chat template when None.
+                    continue_final_message: bool = False, content_parts: bool = False, **kwargs) -> str:
+        """Render messages with `template` (Jinja source, or the name of one of the model's
+        templates), or with the model's chat template when None, as transformers renders them.
 
         continue_final_message (vLLM's and transformers' name): the text ends inside the last
-        message, so that the model continues it; it excludes add_generation_prompt."""
-        compiled = self._template() if template is None else _compile_cached(template)
+        message, so that the model continues it; it excludes add_generation_prompt. content_parts:
+        the messages are an OpenAI request's (content a string, None or a list of text parts
+        {"type": "text", "text": ...}), shaped as vLLM shapes them for the template: parts kept when
+        the template loops over a message's content, else joined by newlines."""
+        from minillm.chat_template import reads_content_parts, render, shape_content
+        if template is None or (isinstance(self.chat_template, dict) and template in self.chat_template):
+            source = self.template_source(template, kwargs.get("tools"))
+        else:
+            source = template
+            _compile_cached(source)
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, message in enumerate(messages):
@@ -364,15 +312,16 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role'")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-        # Keys set to None are dropped: templates test for a missing key, not for None.
+        # Keys set to None are dropped, as transformers drops them: templates test for a missing key.
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
-        context = {**self.special_tokens, **kwargs}
+        if content_parts:
+            plain = shape_content(plain, reads_content_parts(source))
         try:
-            _reset_render_budget()
-            text = compiled.render(messages=plain, add_generation_prompt=add_generation_prompt, **context)
+            return render(source, plain, add_generation_prompt, continue_final_message, {**self.special_tokens, **kwargs})
+        except MemoryError:
+            raise ValueError("chat template failed: it ran out of memory") from None
         except Exception as e:   # a template's raise_exception() or a bad message shape
-            raise ValueError(f"chat template failed: {e}") from e
-        return cut_after_final_message(text, plain[-1].get("content")) if continue_final_message else text
+            raise ValueError(f"chat template failed: {e or type(e).__name__}") from e
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tokenize: bool = False, chat_template: str | None = None,
@@ -401,18 +350,6 @@ def check_unicode(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid Unicode: a lone surrogate at index {exc.start}") from None
-
-
-def cut_after_final_message(text: str, final: object) -> str:
-    """A rendered conversation cut just after the last message's content (what the template writes
-    after it, such as an end-of-turn token, goes), as transformers' continue_final_message does."""
-    if not isinstance(final, str) or not final.strip():
-        raise ValueError("continue_final_message needs a last message with text content to continue")
-    for needle in (final, final.strip()):   # some templates strip the content they render
-        end = text.rfind(needle)
-        if end >= 0:
-            return text[:end + len(needle)]
-    raise ValueError("continue_final_message: the chat template does not render the last message's content")
 
 
 def _compile_cached(source: str):

@@ -38,9 +38,6 @@ REFUSED = [
     # Rendering fields with values that cannot work.
     ("continue-and-generation-prompt", "/v1/chat/completions", _chat(messages=CONTINUED, continue_final_message=True),
      "continue_final_message"),
-    ("continue-an-empty-message", "/v1/chat/completions",
-     _chat(messages=MESSAGES + [{"role": "assistant", "content": ""}], continue_final_message=True,
-           add_generation_prompt=False), "messages"),
     ("continue-through-template-kwargs", "/v1/chat/completions",
      _chat(chat_template_kwargs={"continue_final_message": True}), "chat_template_kwargs"),
     ("add-generation-prompt-string", "/v1/chat/completions", _chat(add_generation_prompt="no"),

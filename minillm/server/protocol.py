@@ -232,6 +232,8 @@ class ConversationRequest(_OpenAIModel):
 
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
+    # vLLM's: documents for retrieval-augmented templates, each a dict of strings ("title", "text").
+    documents: list[dict[Text, Text]] | None = None
     chat_template: Text | None = None            # vLLM's: a Jinja template for this request only
     chat_template_kwargs: dict[Text, Any] | None = None   # extra variables for the template
     # vLLM's: how the conversation is rendered (the assistant's turn opened, or the last message
@@ -488,15 +490,17 @@ def requested_prompt_logprobs(req: _GenerationRequest, max_logprobs: int, vocab_
 
 
 def messages_as_dicts(req: ConversationRequest) -> list[dict]:
-    """Messages as the plain dicts a chat template reads, as vLLM passes them: multi-part text joined
-    by newlines; an assistant's tool_calls (arguments parsed from JSON) and reasoning (also as
-    reasoning_content); a tool's tool_call_id."""
+    """Messages as the plain dicts a chat template reads, as vLLM passes them: multi-part content as
+    a list of text parts {"type": "text", "text": ...} (render_chat joins them by newlines, or keeps
+    them for a template that reads parts), no content as ""; an assistant's tool_calls (arguments
+    parsed from JSON) and reasoning (also as reasoning_content); a tool's tool_call_id."""
     out = []
     for i, msg in enumerate(req.messages):
         content = msg.content
         if isinstance(content, list):
-            content = PART_SEPARATOR.join(_part_text(part, f"messages.{i}.content.{j}") for j, part in enumerate(content))
-        item = {"role": msg.role, "content": content or ""}
+            content = [{"type": "text", "text": _part_text(part, f"messages.{i}.content.{j}")}
+                       for j, part in enumerate(content)]
+        item = {"role": msg.role, "content": "" if content is None else content}
         if msg.name is not None:
             item["name"] = msg.name
         if msg.role == "assistant":
@@ -510,6 +514,11 @@ def messages_as_dicts(req: ConversationRequest) -> list[dict]:
             item["tool_call_id"] = msg.tool_call_id
         out.append(item)
     return out
+
+
+def message_text(content: str | list[dict]) -> str:
+    """A message's content from messages_as_dicts as one string (text parts joined by newlines)."""
+    return content if isinstance(content, str) else PART_SEPARATOR.join(part["text"] for part in content)
 
 
 def _tool_call_dict(call: ToolCall, param: str) -> dict:

@@ -16,8 +16,8 @@ from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, prompt_logprobs_json
 from minillm.server.protocol import (
     ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
-    chat_max_tokens_field, check_unsupported, message_chars, messages_as_dicts, requested_prompt_logprobs,
-    template_tools, to_sampling_params, unknown_fields,
+    chat_max_tokens_field, check_unsupported, message_chars, message_text, messages_as_dicts,
+    requested_prompt_logprobs, template_tools, to_sampling_params, unknown_fields,
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
@@ -26,8 +26,10 @@ from minillm.server.serving import (
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
-# Names render_chat takes itself: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt", "continue_final_message")
+# Names render_chat takes itself: chat_template_kwargs may not set them (vLLM refuses chat_template
+# and tokenize too).
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "add_generation_prompt", "continue_final_message",
+                            "content_parts", "chat_template", "tokenize")
 
 
 def chat_template_for(ctx: ServingContext, req: ConversationRequest) -> str | None:
@@ -57,6 +59,8 @@ def template_kwargs(req: ConversationRequest) -> dict:
     tools = template_tools(req)
     if tools is not None:
         kwargs.setdefault("tools", tools)
+    if req.documents is not None:
+        kwargs.setdefault("documents", req.documents)
     return kwargs
 
 
@@ -90,7 +94,8 @@ class ConversationPrompt:
         try:
             text = tok.render_chat(self.messages, template=self.template,
                                    add_generation_prompt=req.add_generation_prompt,
-                                   continue_final_message=req.continue_final_message, **self.template_kwargs)
+                                   continue_final_message=req.continue_final_message, content_parts=True,
+                                   **self.template_kwargs)
         except ValueError as exc:
             param = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(400, str(exc), param=param) from None
@@ -104,7 +109,7 @@ def echoed_text(req: ChatCompletionRequest, messages: list[dict]) -> str:
     assistant's own (the message continue_final_message continues), else nothing."""
     if not req.echo or messages[-1]["role"] != "assistant":
         return ""
-    return messages[-1]["content"]
+    return message_text(messages[-1]["content"])
 
 
 class ChatJob:
