@@ -10,6 +10,7 @@ import functools
 import json
 import re
 import threading
+import time
 from datetime import datetime
 
 import jinja2
@@ -375,36 +376,71 @@ def _render_bounded(compiled, context: dict) -> str:
         return "".join(chunks)
 
 
+class _Watchdog:
+    """One thread for the process that raises TemplateTimeout into a render past its deadline
+    (Python code is interrupted between two bytecodes; the bounds above keep any one C call
+    short). A thread a render would cost more than the render: about 0.5 ms to start."""
+
+    POLL_S = 0.5                                   # how late past its deadline a render may be stopped
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.deadlines: dict[int, float] = {}      # thread id -> time.monotonic() deadline
+        self.fired: set[int] = set()               # threads a TemplateTimeout was raised into
+        self.thread: threading.Thread | None = None
+
+    def arm(self, seconds: float) -> None:
+        """Stop this thread's render after `seconds`."""
+        with self.lock:
+            self.deadlines[threading.get_ident()] = time.monotonic() + seconds
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="minillm-template-watchdog", daemon=True)
+                self.thread.start()
+
+    def disarm(self) -> bool:
+        """Forget this thread's deadline; True when it had passed (a TemplateTimeout not yet
+        raised is withdrawn, so it cannot surface later in the caller's code)."""
+        ident = threading.get_ident()
+        with self.lock:
+            self.deadlines.pop(ident, None)
+            if ident not in self.fired:
+                return False
+            self.fired.discard(ident)
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self.lock:
+                now = time.monotonic()
+                for ident, at in list(self.deadlines.items()):
+                    if at <= now:
+                        del self.deadlines[ident]
+                        self.fired.add(ident)
+                        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident),
+                                                                   ctypes.py_object(TemplateTimeout))
+                wait = min([self.POLL_S, *(at - now for at in self.deadlines.values())])
+            time.sleep(max(wait, 0.001))
+
+
+_WATCHDOG = _Watchdog()
+
+
 class _deadline:
-    """Raises TemplateTimeout into this thread when the block runs past `seconds` (Python code is
-    interrupted between two bytecodes; the bounds above keep any one C call short)."""
+    """Raises TemplateLimitError when the block runs past `seconds` (stopped by the watchdog)."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
-        self.lock = threading.Lock()
-        self.thread_id = threading.get_ident()
-        self.done = self.fired = False
-
-    def _expire(self) -> None:
-        with self.lock:
-            if not self.done:
-                self.fired = True
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id),
-                                                           ctypes.py_object(TemplateTimeout))
 
     def __enter__(self):
-        self.timer = threading.Timer(self.seconds, self._expire)
-        self.timer.daemon = True
-        self.timer.start()
+        _WATCHDOG.arm(self.seconds)
         return self
 
     def __exit__(self, *exc) -> bool:
-        with self.lock:
-            self.done = True
-            self.timer.cancel()
-            if self.fired:
-                # A timeout not yet raised here must not surface later, in the caller's code.
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread_id), None)
-        if self.fired:
+        try:
+            fired = _WATCHDOG.disarm()
+        except TemplateTimeout:                    # raised while disarming: it is spent
+            fired = _WATCHDOG.disarm() or True
+        if fired:
             raise TemplateLimitError(f"the template ran longer than {self.seconds:g} s") from None
         return False
