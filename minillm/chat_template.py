@@ -398,15 +398,14 @@ class _Watchdog:
                 self.thread.start()
 
     def disarm(self) -> bool:
-        """Forget this thread's deadline; True when it had passed (a TemplateTimeout not yet
-        raised is withdrawn, so it cannot surface later in the caller's code)."""
+        """Forget this thread's deadline; True when it had passed (its TemplateTimeout raised, or
+        about to be: see _take_pending_timeout)."""
         ident = threading.get_ident()
         with self.lock:
             self.deadlines.pop(ident, None)
             if ident not in self.fired:
                 return False
             self.fired.discard(ident)
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), None)
             return True
 
     def _run(self) -> None:
@@ -436,11 +435,26 @@ class _deadline:
         _WATCHDOG.arm(self.seconds)
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, kind, exc, tb) -> bool:
+        raised = kind is TemplateTimeout
         try:
             fired = _WATCHDOG.disarm()
-        except TemplateTimeout:                    # raised while disarming: it is spent
-            fired = _WATCHDOG.disarm() or True
+        except TemplateTimeout:                    # raised while disarming
+            fired, raised = _WATCHDOG.disarm() or True, True
+        if fired and not raised:
+            _take_pending_timeout()
         if fired:
             raise TemplateLimitError(f"the template ran longer than {self.seconds:g} s") from None
         return False
+
+
+def _take_pending_timeout() -> None:
+    """Let a TemplateTimeout the watchdog raised into this thread as the render ended surface here,
+    not later in the caller's code. It is taken, not withdrawn: CPython 3.11 withdrawing it
+    (PyThreadState_SetAsyncExc with NULL) leaves the interpreter's pending flag set for good, and
+    a thread with a trace function then loops forever at its next call."""
+    try:
+        for _ in range(100_000):                  # CPython raises it at the first backward jump
+            pass
+    except TemplateTimeout:
+        pass

@@ -9,6 +9,8 @@ Mixtral, Gemma, Gemma 3, Phi-3, ChatML, DeepSeek-R1), written out as data, on st
 from __future__ import annotations
 
 import copy
+import sys
+import threading
 import json
 import shutil
 from datetime import datetime, timedelta
@@ -739,6 +741,18 @@ def test_a_render_past_its_deadline_is_stopped(monkeypatch):
         chat_template.render(slow, [{"role": "user", "content": "hi"}], True, False, {})
     # The thread is not left with a pending timeout: the next render works.
     assert chat_template.render(CHATML, [{"role": "user", "content": "hi"}], True, False, {}).endswith("assistant\n")
+    # Nor the interpreter with a pending-exception flag that nothing clears (a timeout withdrawn
+    # instead of taken): under it a thread with a trace function loops forever at its next call.
+    def traced():
+        sys.settrace(lambda frame, event, arg: None)
+        try:
+            chat_template._strftime_now("%Y")
+        finally:
+            sys.settrace(None)
+    thread = threading.Thread(target=traced, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 def test_chat_completions_with_real_templates_generate(http):
