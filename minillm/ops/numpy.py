@@ -231,7 +231,8 @@ def apply_penalties(logits: np.ndarray, rows: np.ndarray, token_ids: np.ndarray,
     vals = logits[rows, token_ids]
     rep = repetition[rows]
     seen = (output_counts > 0) | (in_prompt > 0)
-    vals = np.where(seen, np.where(vals > 0, vals / rep, vals * rep), vals)
+    with np.errstate(over="ignore"):       # a penalty near 0 or 3.4e38 overflows to +-inf, as in float32 on the GPU
+        vals = np.where(seen, np.where(vals > 0, vals / rep, vals * rep), vals)
     counts = output_counts.astype(np.float32)
     vals = vals - frequency[rows] * counts - presence[rows] * (counts > 0)
     logits[rows, token_ids] = vals
