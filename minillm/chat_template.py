@@ -245,19 +245,23 @@ def compile_chat_template(source: str):
 
 # ---- vLLM's content format: does the template read a message's content as a list of parts? ----
 
-def _names_of(node) -> set[str]:
-    """The variable a loop or assignment reads, seen through filters, tests and slices ({} if none)."""
+def _unwrapped(node):
+    """node seen through filters, tests and slices (messages | reverse, messages[1:])."""
     while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or \
             (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
         node = node.node
+    return node
+
+
+def _names_of(node) -> set[str]:
+    """The variable a loop or assignment reads, seen through filters, tests and slices ({} if none)."""
+    node = _unwrapped(node)
     return {node.name} if isinstance(node, jinja2.nodes.Name) else set()
 
 
 def _content_of(node) -> set[str]:
     """The variable whose 'content' a loop reads (message.content, message['content'], filtered)."""
-    while isinstance(node, (jinja2.nodes.Filter, jinja2.nodes.Test)) or \
-            (isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice)):
-        node = node.node
+    node = _unwrapped(node)
     if isinstance(node, jinja2.nodes.Getattr) and node.attr == "content":
         return _names_of(node.node)
     if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Const) \

@@ -353,18 +353,13 @@ def check_unicode(text: str, what: str) -> None:
 
 
 def _compile_cached(source: str):
-    """compile_chat_template with a small cache (a server sees the same few templates again and again)."""
+    """compile_chat_template of a request's template, its errors as ValueError."""
     if not isinstance(source, str) or not source:
         raise ValueError("a chat template must be a non-empty string")
     try:
-        return _compile_lru(source)
+        return compile_chat_template(source)    # cached in chat_template
     except Exception as e:   # jinja2.TemplateSyntaxError and friends
         raise ValueError(f"chat template does not compile: {e}") from e
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_lru(source: str):
-    return compile_chat_template(source)
 
 
 def chat_template_from_arg(value: str) -> str:
