@@ -130,6 +130,7 @@ class _GenerationRequest(_ModelRequest):
     prompt_logprobs: int | None = None                  # vLLM's: each prompt token's logprob and top k
     return_tokens_as_token_ids: bool | None = None      # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool | None = None                # vLLM's: the prompt's and the completion's token ids
+    request_id: Text | None = None                      # vLLM's: names the response (X-Request-Id wins)
 
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod

@@ -119,6 +119,13 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def client_response_id(prefix: str, raw: Request, body_id: str | None) -> str | None:
+    """The id a response carries when the client chose one, as vLLM names it: prefix-<its
+    X-Request-Id header>, else prefix-<the body's request_id>; None when it chose none."""
+    chosen = raw.headers.get("x-request-id") or body_id
+    return f"{prefix}-{chosen}" if chosen else None
+
+
 def log_unknown_fields(names: list[str]) -> None:
     """Warn about the request fields this server ignored, by name (as vLLM does); they are still accepted."""
     if names:

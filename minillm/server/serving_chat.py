@@ -21,8 +21,8 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
-    content_choice_json, json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint,
-    sse, stream_events, tokenize_bad_words, usage,
+    client_response_id, content_choice_json, json_dumps, log_unknown_fields, merged_outputs, new_request_id,
+    refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -119,9 +119,10 @@ class ChatJob:
     renders and tokenises, off the event loop.
     """
 
-    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest) -> None:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, response_id: str | None = None) -> None:
         self.ctx, self.req = ctx, req
-        self.request_id = new_request_id("chatcmpl")
+        self.request_id = new_request_id("chatcmpl")        # the engine's, unique whatever the client sent
+        self.response_id = response_id or self.request_id
         self.created = int(time.time())
         self.num_top = requested_top_logprobs(req)
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
@@ -188,7 +189,7 @@ class ChatJob:
                 choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
-        body = {"id": self.request_id, "object": "chat.completion", "created": self.created,
+        body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
                 "usage": usage(len(final.prompt_token_ids), completion_tokens)}
         if final.prompt_logprobs is not None:       # vLLM's: on the response, after the usage
@@ -202,7 +203,7 @@ class ChatJob:
         return body
 
     def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+        chunk = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
                  "model": self.ctx.model_name, "choices": choices}
         if self.req.include_usage:
             chunk["usage"] = None
@@ -223,7 +224,7 @@ class ChatJob:
         """Server-sent events: the role, then content deltas, the finish, usage and [DONE]."""
         progress: dict[int, ChoiceProgress] = {}
         final: RequestOutput | None = None
-        chunks = ChunkFormat(self.request_id, "chat.completion.chunk", self.created, self.ctx.model_name,
+        chunks = ChunkFormat(self.response_id, "chat.completion.chunk", self.created, self.ctx.model_name,
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         sent = False   # nothing sent yet: the status line is still ours to choose
@@ -278,7 +279,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     ctx.check_model(req.model)
     check_unsupported(req)                   # a refused field is not also logged as ignored
     log_unknown_fields(unknown_fields(req))
-    job = ChatJob(ctx, req)
+    job = ChatJob(ctx, req, client_response_id("chatcmpl", raw, req.request_id))
     await job.prepare()
     [job.params], claim = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
                                                   req.n, req.stream)

@@ -22,8 +22,8 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
-    json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events,
-    text_choice_json, tokenize_bad_words, usage,
+    client_response_id, json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint,
+    sse, stream_events, text_choice_json, tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -35,9 +35,10 @@ class CompletionJob:
     off the event loop.
     """
 
-    def __init__(self, ctx: ServingContext, req: CompletionRequest) -> None:
+    def __init__(self, ctx: ServingContext, req: CompletionRequest, response_id: str | None = None) -> None:
         self.ctx, self.req = ctx, req
-        self.request_id = new_request_id("cmpl")
+        self.request_id = new_request_id("cmpl")        # the engine's, unique whatever the client sent
+        self.response_id = response_id or self.request_id
         self.created = int(time.time())
         self.prompts = completion_prompts(req)
         check_fan_out(ctx.limits, req.n, len(self.prompts), req.stop, req.stop_token_ids)
@@ -178,7 +179,7 @@ class CompletionJob:
                                 "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason,
                                 **self._prompt_fields(pi, final, comp)})
         choices.sort(key=lambda c: c["index"])
-        body = {"id": self.request_id, "object": "text_completion", "created": self.created,
+        body = {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, "usage": self._usage(finals)}
         if finals:
             self.kv_transfer_stats = finals[0].kv_transfer_stats
@@ -187,7 +188,7 @@ class CompletionJob:
         return body
 
     def _chunk(self, choices: list[dict]) -> dict:
-        chunk = {"id": self.request_id, "object": "text_completion", "created": self.created,
+        chunk = {"id": self.response_id, "object": "text_completion", "created": self.created,
                  "model": self.ctx.model_name, "choices": choices}
         if self.req.include_usage:
             chunk["usage"] = None
@@ -197,7 +198,7 @@ class CompletionJob:
         """Server-sent events: a chunk per completion whose text moved, then usage and [DONE]."""
         progress: dict[int, ChoiceProgress | None] = {}   # None: an echo without generation, sent
         finals: dict[int, RequestOutput] = {}
-        chunks = ChunkFormat(self.request_id, "text_completion", self.created, self.ctx.model_name,
+        chunks = ChunkFormat(self.response_id, "text_completion", self.created, self.ctx.model_name,
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         sent = False   # nothing sent yet: the status line is still ours to choose
@@ -270,7 +271,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     ctx.check_model(req.model)
     check_unsupported(req)                   # a refused field is not also logged as ignored
     log_unknown_fields(unknown_fields(req))
-    job = CompletionJob(ctx, req)
+    job = CompletionJob(ctx, req, client_response_id("cmpl", raw, req.request_id))
     await job.prepare()
     job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, job.prompt_ids, job.params, req.n,
                                                 req.stream)
