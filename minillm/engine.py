@@ -287,7 +287,10 @@ class LLMEngine:
         # Tokenized here for the sampler (the API server asked first: remembered); no words clears
         # token ids the caller's params may carry from an earlier update_from_tokenizer.
         params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
-        if self.extra_eos_token_ids and not params.ignore_eos:
+        if not params.ignore_eos:
+            # As vLLM checks EOS before stop_token_ids, the tokenizer's EOS ends a request with no
+            # stop_reason even where the caller lists it among them.
+            params.stop_token_ids = [t for t in params.stop_token_ids if t != self.tokenizer.eos_token_id]
             params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")

@@ -58,3 +58,21 @@ def test_requests_sharing_a_client_id_run_side_by_side(http, healthy_stream):
     for thread in threads:
         thread.join(60)
     assert results == [{f"{prefix}-same"}] * 3
+
+
+@pytest.mark.parametrize("kind", BODIES)
+def test_eos_listed_in_stop_token_ids_ends_with_no_stop_reason_as_in_vllm(http, healthy_stream, kind):
+    # vLLM checks EOS before stop_token_ids: an EOS the client also lists there (a common recipe:
+    # stop_token_ids=[eos, eot]) ends the output with stop_reason null; it read 2, the EOS id.
+    path, _, body = BODIES[kind]
+    body = {**body, "max_tokens": 5, "min_tokens": 2, "temperature": 0, "logit_bias": {"2": 100}}
+
+    def finish(**extra) -> tuple:
+        response = http.post(path, json={**body, **extra})
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return choice["finish_reason"], choice["stop_reason"], response.json()["usage"]["completion_tokens"]
+
+    assert finish() == finish(stop_token_ids=[2]) == finish(stop_token_ids=[5, 2]) == ("stop", None, 3)
+    # Under ignore_eos only the listed id stops it, and names it.
+    assert finish(stop_token_ids=[2], ignore_eos=True) == ("stop", 2, 3)
