@@ -1,5 +1,5 @@
 """`minillm serve` held to vLLM's server for what users of vLLM and of the openai client send: the
-request id a client chooses.
+request id a client chooses, and the stop reason of an EOS that stop_token_ids also list.
 
 A real server on loopback with a chat template; each test runs with a healthy greedy stream in
 flight, and every such stream must end with the text of the same request made alone.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 
+import httpx
 import pytest
 from test_server_helpers import sse_events
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
@@ -45,14 +46,18 @@ def test_the_clients_request_id_names_the_response_as_in_vllm(http, healthy_stre
     assert len(fresh) == 1 and fresh.pop().startswith(f"{prefix}-")
 
 
-def test_requests_sharing_a_client_id_run_side_by_side(http, healthy_stream):
-    # A client id is the response's name, not the engine's key: two requests in flight with the
-    # same one (a retry through a gateway) both complete.
+def test_requests_sharing_a_client_id_run_side_by_side(server, healthy_stream):
+    # A client id is the response's name, not the engine's key: requests in flight with the same
+    # one (a retry through a gateway) all complete.
     path, prefix, body = BODIES["completion"]
     body = {**body, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True}
     results: list[set[str]] = []
-    threads = [threading.Thread(target=lambda: results.append(_ids(http, path, body, {"X-Request-Id": "same"})))
-               for _ in range(3)]
+
+    def run() -> None:
+        with httpx.Client(base_url=server[0], timeout=60) as client:
+            results.append(_ids(client, path, body, {"X-Request-Id": "same"}))
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
