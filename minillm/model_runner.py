@@ -194,6 +194,13 @@ class ModelRunner:
                             self.config.max_num_seqs, max_model_len, self.block_size, self.graphs)
         self.device.synchronize()
 
+    def reset_kv_scales(self) -> None:
+        """Undo what dummy steps did to the FP8 scales: 1.0 again (in place: graphs read these
+        arrays), and with calculate_kv_scales the next eager forward pass sets them once more."""
+        with self.device.compute():
+            self.model.kv_scales[...] = 1.0
+        self._kv_scales_pending = self.is_fp8_kv_cache and self.config.calculate_kv_scales
+
     def register_kv_connector(self, worker) -> None:
         """Give a KV connector's runner side the pool; launch() queues its transfers first."""
         worker.register_kv_cache(self.kv_pool, self.device)

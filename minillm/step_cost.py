@@ -386,6 +386,7 @@ def calibrate(runner, block_manager, max_num_seqs: int, max_num_batched_tokens: 
                     ys.append(seconds)
     finally:
         runner.profile = profile
+        runner.reset_kv_scales()      # FP8 scales come from the first real prefill, not from dummy tokens
     if not ys:
         raise RuntimeError("the step cost calibration measured no step")
     return (StepCostModel.fit(np.vstack(xs), np.asarray(ys), pad_tokens=runner.padded_tokens),

@@ -219,6 +219,11 @@ class TensorParallelExecutor(ModelRunner):
         self._guarded(super().initialize_cache, num_blocks, max_model_len)
         self._guarded(self.workers.replies)
 
+    def reset_kv_scales(self) -> None:
+        """ModelRunner.reset_kv_scales on every rank (each keeps the scales of its own KV heads)."""
+        self._send("reset_kv_scales")
+        self._guarded(super().reset_kv_scales)
+
     def launch(self, out, grammar_bitmask=None, defer_sampling=False):
         """ModelRunner.launch, after checking that every worker is there: a stopped group fails
         each step at once, before anything is prepared."""

@@ -80,6 +80,8 @@ def _serve(runner, channel: ChannelReader, replies) -> None:
         if method == "execute_model":
             ids, positions, meta, rows, logits_indices = args
             runner.compute_logits(ids, positions, meta, rows, None, logits_indices)   # rank 0 samples the logits
+        elif method == "reset_kv_scales":
+            runner.reset_kv_scales()
         elif method == "determine_num_blocks":
             replies.send(("ok", runner.determine_num_blocks(*args)))
         elif method == "initialize_cache":
