@@ -51,3 +51,18 @@ def test_a_step_budget_leaves_the_fp8_scales_to_the_first_real_prefill(stories_p
     finally:
         plain.shutdown()
         budgeted.shutdown()
+
+
+def test_tensor_parallel_fp8_scales_are_the_layers_over_every_rank(stories_path, golden):
+    # Each rank set calculate_kv_scales' scales from its own KV heads: other scales than on one
+    # device, and another greedy output.
+    fp8 = dict(kv_cache_dtype="fp8", calculate_kv_scales=True)
+    request = [("a", golden[:40], SamplingParams(temperature=0, max_tokens=12))]
+    one, split = make_engine(stories_path, **fp8), make_engine(stories_path, tensor_parallel_size=2, **fp8)
+    try:
+        want, got = run(one, request)["a"].outputs[0], run(split, request)["a"].outputs[0]
+        np.testing.assert_allclose(split.runner.model.kv_scales, one.runner.model.kv_scales, rtol=1e-6)
+        assert got.token_ids == want.token_ids
+    finally:
+        one.shutdown()
+        split.shutdown()

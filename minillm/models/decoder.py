@@ -139,6 +139,10 @@ class DecoderModel:
         return self.ops.paged_attention(q, kv_pool[layer, 0], kv_pool[layer, 1], meta, self.scale,
                                         self.kv_scales[layer])
 
+    def _all_kv_heads(self, x):
+        """This rank's x [T, Hk / N, Dh] -> [T, Hk, Dh], every rank's KV heads (tensor parallelism)."""
+        return self.comm.all_gather(x.reshape(len(x), -1)).reshape(len(x), -1, x.shape[-1])
+
     def _calibrate_and_append(self, q, k, v, lw: LayerWeights, positions, k_cache, v_cache,
                               meta: AttentionMetadata, scales):
         """The unfused q/k norm and rotary, the layer's scales from the rotated k and v, then the append."""
@@ -146,7 +150,10 @@ class DecoderModel:
         if lw.q_norm is not None:
             q, k = ops.rms_norm(q, lw.q_norm, eps), ops.rms_norm(k, lw.k_norm, eps)
         q, k = ops.rotary(q, k, positions, self.cos_sin)
-        ops.calculate_kv_scales(k, v, scales)
+        if self.comm is None:
+            ops.calculate_kv_scales(k, v, scales)
+        else:                        # one scale a layer over every rank's KV heads, as on one device
+            ops.calculate_kv_scales(self._all_kv_heads(k), self._all_kv_heads(v), scales)
         ops.kv_append(k, v, k_cache, v_cache, meta.slot_mapping, scales)
         return q
 
