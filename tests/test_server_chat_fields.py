@@ -62,9 +62,11 @@ def test_fields_not_implemented_or_malformed_are_400s_naming_the_field(http, hea
 
 @pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tools": [], "tool_choice": "required"}, {"tools": []},
                                     {"parallel_tool_calls": False}, {"priority": 0}, {"return_token_ids": False},
-                                    {"stream_options": {"continuous_usage_stats": False}, "stream": True}],
+                                    {"stream_options": {"continuous_usage_stats": False}, "stream": True},
+                                    {"stream_options": {}}, {"stream_options": None, "stream": False}],
                          ids=["tool-choice-none", "tool-choice-required-no-tools", "no-tools", "parallel-tool-calls",
-                              "priority-0", "return-token-ids-false", "continuous-usage-false"])
+                              "priority-0", "return-token-ids-false", "continuous-usage-false",
+                              "empty-stream-options-no-stream", "null-stream-options-no-stream"])
 def test_values_that_ask_for_nothing_pass(http, healthy_stream, fields):
     assert http.post("/v1/chat/completions", json=_chat(**fields)).status_code == 200
 

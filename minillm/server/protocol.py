@@ -307,7 +307,9 @@ def check_unsupported(req: _GenerationRequest) -> None:
         value = extra.get(name)
         if value is not None and value is not False and value != [] and value != {}:
             raise APIError(400, f"{name} is not supported", param=name)
-    if req.stream_options is not None and not req.stream:      # OpenAI and vLLM refuse it too
+    options = req.stream_options
+    # OpenAI and vLLM refuse options without a stream; vLLM lets an empty object ({}) by, as here.
+    if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     priority = extra.get("priority")
     if priority is not None and priority != 0:         # vLLM refuses it too without priority scheduling
