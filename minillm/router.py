@@ -234,7 +234,8 @@ class Router:
             return RouterError(400, err.message, err.code).response()
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object", "invalid_body").response()
-        headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+        # The client's key, and its request id, which names the response as a single server would.
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "x-request-id")}
         try:
             kv = await self._prefill(path, body, headers, timing)
             if isinstance(kv, Response):        # the prefill server refused it: its answer is the client's

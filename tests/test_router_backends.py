@@ -35,6 +35,7 @@ class FakeBackend(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.server.paths.append(self.path)
+        self.server.request_ids.append((self.path, self.headers.get("x-request-id")))
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if self.path.endswith("tokenize"):
             return self._send(200, {"path": self.path, "auth": self.headers.get("authorization"), "body": body})
@@ -57,7 +58,7 @@ class FakeBackend(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def backend():
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeBackend)
-    server.paths = []
+    server.paths, server.request_ids = [], []
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server
     server.shutdown()
@@ -115,6 +116,15 @@ async def test_requests_that_need_no_kv_go_to_a_decode_server_with_the_clients_k
     answer = response.json()
     assert answer["path"] == f"/decode{path}" and answer["auth"] == "Bearer k1"
     assert answer.get("body") == body
+
+
+async def test_the_clients_request_id_reaches_both_servers(backend):
+    url, server = backend
+    server.request_ids.clear()
+    response = await call(RouterConfig((f"{url}/prefill",), (f"{url}/decode",)), "POST", "/v1/completions",
+                          json={"prompt": "Once", "max_tokens": 4}, headers={"X-Request-Id": "trace-42"})
+    assert response.status_code == 200, response.text
+    assert server.request_ids == [("/prefill/v1/completions", "trace-42"), ("/decode/v1/completions", "trace-42")]
 
 
 async def test_a_decode_server_nobody_serves_makes_the_model_list_a_503():
