@@ -130,7 +130,11 @@ class EngineCoreClient:
         self._poller.register(self.output, zmq.POLLIN)
         self._poller.register(self.sentinel, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
-        self.ready = self._wait_ready()
+        try:
+            self.ready = self._wait_ready()
+        except KeyboardInterrupt:     # Ctrl-C or SIGTERM while the model loads: the core goes with us
+            self.close()
+            raise
 
     @property
     def client_index(self) -> int:

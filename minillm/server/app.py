@@ -397,6 +397,12 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
             raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
         return run_api_servers(config, host, port, options, core_hook)
     _configure_logging()
+    with sigterm_as_interrupt():
+        return _serve_one(config, host, port, options, monitor, core_hook)
+
+
+def _serve_one(config: Any, host: str, port: int, options: ServerOptions, monitor: bool, core_hook: Any) -> int:
+    """run_server with one API server: load the engine, serve until stopped, shut the engine down."""
     engine = start_async_engine(config, options.engine_core, core_hook)
     from minillm.engine_stats import describe_engine
     if options.engine_core == "process":
@@ -413,10 +419,29 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
             uv_kwargs = {"host": host, "port": port, "log_level": "info"}
             serve_http(engine, options, uv_kwargs)
     except KeyboardInterrupt:
-        pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C for us
+        pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C (or SIGTERM) for us
     finally:
         engine.shutdown()
     return 1 if engine.has_failed else 0
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt("terminated")
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM taken as Ctrl-C, as vLLM's run_server takes it: it stops a model load, and the one uvicorn
+    raises again after its graceful shutdown reaches run_server's cleanup (by default it killed the
+    process there, leaving the engine core's socket directory behind and the exit status -15)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
