@@ -168,3 +168,16 @@ def test_sigterm_while_the_model_loads_stops_the_core_and_removes_its_sockets(st
     assert status != 0 and server.text().splitlines()[-1] == "minillm: interrupted", server.text()
     assert server.leftovers() == []
     assert "Traceback" not in server.text()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_several_api_servers_say_where_they_listen(stories_path, serve, host):
+    # uvicorn logs its address only when it binds the socket itself; the API servers are handed
+    # theirs, so with --port 0 nothing said which port to call.
+    server = serve(serve_command(stories_path, "--api-server-count", "2", "--host", host))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    assert re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):\d+", url) and not url.endswith(":0"), url
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.text()
+    assert server.text().count("Uvicorn running on") == 1, server.text()

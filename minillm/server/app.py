@@ -298,6 +298,12 @@ class _Server(uvicorn.Server):
         self.stopping.set()
         super().handle_exit(sig, frame)
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:    # uvicorn names only an address it bound itself
+            logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)",
+                                                    socket_url(sockets[0]))
+
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.end_requests is not None:
             timeout = self.config.timeout_graceful_shutdown or 0
@@ -534,6 +540,12 @@ def check_can_listen(host: str, port: int) -> None:
         port_socket(host, port, reuse_port=False).close()
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def socket_url(sock: socket.socket) -> str:
+    """The http:// URL of a bound socket's address (an IPv6 address in brackets)."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
