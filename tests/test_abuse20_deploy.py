@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import sse_events, wait_for
+from test_server_helpers import running_server, sse_events, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "stories"
@@ -181,3 +181,17 @@ def test_several_api_servers_say_where_they_listen(stories_path, serve, host):
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=60) == 0, server.text()
     assert server.text().count("Uvicorn running on") == 1, server.text()
+
+
+def test_ping_answers_as_health_does_to_get_head_and_post_without_the_key(stories_path):
+    # vLLM's /ping (SageMaker's health check) was a 404: a probe set up for vLLM restarted the server.
+    with running_server(stories_path, api_key="sekrit", engine_core="process") as (url, engine):
+        for method in ("GET", "HEAD", "POST"):
+            response = httpx.request(method, f"{url}/ping", timeout=30)
+            assert response.status_code == 200, (method, response.text)
+        assert httpx.get(f"{url}/ping", timeout=30).json() == httpx.get(f"{url}/health", timeout=30).json()
+        os.kill(engine.core_pid, signal.SIGKILL)
+        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, timeout=30)
+        for method in ("GET", "POST"):
+            response = httpx.request(method, f"{url}/ping", timeout=30)
+            assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead", response.text

@@ -166,6 +166,9 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
             return JSONResponse({"status": "ok"})
         return JSONResponse(error_body(503, engine.dead_reason, code="engine_dead"), status_code=503)
 
+    # vLLM's SageMaker health check: /health's answer, to GET and POST.
+    app.add_api_route("/ping", health, methods=[*GET_OR_HEAD, "POST"])
+
     @app.api_route("/metrics", methods=GET_OR_HEAD)
     async def metrics():
         with contextlib.suppress(EngineDeadError):
