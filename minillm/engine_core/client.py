@@ -26,6 +26,7 @@ from minillm.engine_core.core import CoreSpec, run_engine_core
 
 
 SEND_TIMEOUT_MS = 2000
+READY_POLL_MS = 100
 
 
 class CoreStartupError(RuntimeError):
@@ -155,7 +156,9 @@ class EngineCoreClient:
 
     def _wait_ready(self) -> m.Ready:
         while True:
-            events = dict(self._poller.poll())
+            # Never an endless poll: a signal caught just before it began (its handler runs only
+            # between bytecodes) would wait until the model had loaded, or for ever.
+            events = dict(self._poller.poll(READY_POLL_MS))
             if self.output in events:
                 message = self.decoder.decode(self.output.recv())
                 if isinstance(message, m.Ready):
