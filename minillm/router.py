@@ -410,6 +410,7 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) 
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO)
-    print(f"minillm router: http://{host}:{port}, prefill {', '.join(config.prefill_urls)}, decode "
+    shown = f"[{host}]" if ":" in host else host          # an IPv6 address in brackets, as in a URL
+    print(f"minillm router: http://{shown}:{port}, prefill {', '.join(config.prefill_urls)}, decode "
           f"{', '.join(config.decode_urls)}", file=sys.stderr, flush=True)
     uvicorn.run(create_router_app(config), host=host, port=port, log_level="warning", access_log=False)

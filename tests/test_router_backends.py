@@ -190,3 +190,11 @@ async def test_a_client_that_leaves_mid_stream_is_counted_apart_and_its_stream_c
 async def _two_events():
     yield b'data: {"choices": [{"text": "a"}]}\n\n'
     yield b'data: [DONE]\n\n'
+
+
+@pytest.mark.parametrize("host, url", [("::1", "http://[::1]:8123"), ("127.0.0.1", "http://127.0.0.1:8123")])
+def test_the_start_up_line_gives_a_url_that_can_be_called(monkeypatch, capsys, host, url):
+    import minillm.router as router_module
+    monkeypatch.setattr(router_module.uvicorn, "run", lambda *a, **kw: None)
+    router_module.run_router(RouterConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:1",)), host=host, port=8123)
+    assert capsys.readouterr().err.startswith(f"minillm router: {url}, prefill ")
