@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from minillm.server.errors import body_parse_error, error_body, install_error_handlers
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import BodyLimitMiddleware
-from minillm.urls import check_server_url, server_base_url
+from minillm.urls import check_server_url, http_url, server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
 logger = logging.getLogger("minillm.router")
@@ -410,7 +410,6 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) 
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO)
-    shown = f"[{host}]" if ":" in host else host          # an IPv6 address in brackets, as in a URL
-    print(f"minillm router: http://{shown}:{port}, prefill {', '.join(config.prefill_urls)}, decode "
+    print(f"minillm router: {http_url(host, port)}, prefill {', '.join(config.prefill_urls)}, decode "
           f"{', '.join(config.decode_urls)}", file=sys.stderr, flush=True)
     uvicorn.run(create_router_app(config), host=host, port=port, log_level="warning", access_log=False)

@@ -7,6 +7,11 @@ from urllib.parse import urlsplit
 _HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
 
 
+def http_url(host: str, port: int) -> str:
+    """http://host:port, an IPv6 address in brackets (http://[::1]:8000)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def server_base_url(url: str) -> str:
     """The server's root: http:// when no scheme is given, no trailing slash, and no /v1 (the
     OpenAI base URL clients are told to use) or /v1/stats (the monitor's) at the end."""

@@ -220,7 +220,7 @@ class TensorParallelExecutor(ModelRunner):
         self._guarded(self.workers.replies)
 
     def reset_kv_scales(self) -> None:
-        """ModelRunner.reset_kv_scales on every rank (each keeps the scales of its own KV heads)."""
+        """ModelRunner.reset_kv_scales on every rank (each holds a copy of the layers' scales)."""
         self._send("reset_kv_scales")
         self._guarded(super().reset_kv_scales)
 

@@ -46,6 +46,7 @@ from minillm.server.serving_completion import create_completion
 from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
 from minillm.server.streaming import EventStreamResponse
+from minillm.urls import http_url
 
 logger = logging.getLogger("minillm.server")
 
@@ -333,8 +334,7 @@ class ServerThread:
     @property
     def url(self) -> str:
         """Base URL, e.g. http://127.0.0.1:8000."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return http_url(self.host, self.port)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
         """Start serving and wait until the socket accepts connections."""
@@ -547,8 +547,7 @@ def check_can_listen(host: str, port: int) -> None:
 
 def socket_url(sock: socket.socket) -> str:
     """The http:// URL of a bound socket's address (an IPv6 address in brackets)."""
-    host, port = sock.getsockname()[:2]
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return http_url(*sock.getsockname()[:2])
 
 
 def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
