@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from minillm.config import EngineConfig
 
@@ -651,6 +652,41 @@ def json_list_option(value: str, option: str) -> tuple[str, ...]:
     return tuple(items)
 
 
+class SpreadValuesCommand(TyperCommand):
+    """A command whose options named in `spread_options` take several values after one flag, as vLLM's
+    nargs="+" options do (--served-model-name a b): click takes one value a flag, so the values are
+    handed to it one flag each (--served-model-name a --served-model-name b)."""
+
+    spread_options: tuple[str, ...] = ()
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_option_values(args, self.spread_options))
+
+
+def spread_option_values(args: list[str], options: tuple[str, ...]) -> list[str]:
+    """ARGS with each of OPTIONS repeated before each of its values: its values are the arguments up to
+    the next option, as argparse takes an nargs="+" option's (so MODEL goes before such an option)."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":                       # what follows is no option
+            return out + args[i - 1:]
+        if arg not in options:
+            out.append(arg)
+            continue
+        end = i
+        while end < len(args) and not args[end].startswith("-"):
+            end += 1
+        out += [arg] if end == i else [part for value in args[i:end] for part in (arg, value)]
+        i = end
+    return out
+
+
+class ServeCommand(SpreadValuesCommand):
+    spread_options = ("--served-model-name",)
+
+
 def server_limits(**values):
     """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
     from minillm.server.limits import ServerLimits, check_limit
@@ -659,7 +695,7 @@ def server_limits(**values):
     return ServerLimits(**values)
 
 
-@app.command()
+@app.command(cls=ServeCommand)
 @with_engine_options
 def serve(
     model: Annotated[Optional[str], typer.Argument(
@@ -667,8 +703,11 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require this bearer token.")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(
-        help="The model name clients use (default: MODEL).")] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        "--served-model-name", metavar="NAME...",
+        help="The names clients use for the model (default: MODEL). Several may follow the option, as in "
+             "vLLM: a request may name any of them, responses, /v1/models' first entry and the metrics "
+             "carry the first; MODEL goes before the option.")] = None,
     monitor: Annotated[bool, typer.Option(help="Show the live monitor in this terminal.")] = False,
     seed: Annotated[int, typer.Option(
         min=0, help="Seeds the seeds of requests that bring none (vLLM's --seed): the same requests in the same "
@@ -768,21 +807,36 @@ def serve(
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     if not 0 < timeout_graceful_shutdown <= 3600:
         raise CliError(f"--timeout-graceful-shutdown must be in (0, 3600] seconds, got {timeout_graceful_shutdown}")
+    names = served_names_option(served_model_name, model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
-    path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
-                              revision=engine_options["revision"])
-    config = engine_config(path, engine_options, served_model_name=served_model_name or name, seed=seed,
-                           kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
     from minillm.server.app import ServerOptions, run_server
-    options = ServerOptions(api_key=api_key, served_model_name=served_model_name or name, chat_template=template,
+    options = ServerOptions(api_key=api_key, served_model_name=names or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
                             log_interval=5.0, exit_on_engine_error=exit_on_engine_error,
                             timeout_graceful_shutdown=timeout_graceful_shutdown,
                             engine_core=_plain(engine_core), api_server_count=api_server_count,
                             allow_credentials=allow_credentials, **cors)
+    path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
+                              revision=engine_options["revision"])
+    config = engine_config(path, engine_options, served_model_name=options.served_model_name[0], seed=seed,
+                           kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
+
+
+def served_names_option(names: list[str] | None, model: str | None) -> tuple[str, ...] | None:
+    """--served-model-name's names (None: none given). With MODEL left out, a name that is a model
+    directory is MODEL written after the option, which took it as a name (as vLLM's does): a CliError
+    says so, rather than serving the default model under it."""
+    if not names:
+        return None
+    if model is None:
+        taken = next((n for n in names if (Path(n).expanduser() / "config.json").is_file()), None)
+        if taken is not None:
+            raise CliError(f"--served-model-name took {taken} as a name (its values run up to the next option, "
+                           f"as in vLLM); give the model first: minillm serve {taken} --served-model-name ...")
+    return tuple(names)
 
 
 def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: float | None) -> dict | None:

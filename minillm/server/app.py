@@ -64,7 +64,9 @@ class ServerOptions:
     """How the server serves: auth, CORS, the model's name, chat templates, limits, the log, engine failures."""
 
     api_key: str | None = None
-    served_model_name: str | None = None
+    # The names the model answers to (vLLM's --served-model-name NAME...): a request may name any of
+    # them, a response names the first. A bare string is one name; None: the engine config's name.
+    served_model_name: str | tuple[str, ...] | None = None
     chat_template: str | None = None            # replaces the model's (--chat-template)
     trust_request_chat_template: bool = False   # let a request's chat_template field be rendered
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -83,6 +85,13 @@ class ServerOptions:
     timeout_graceful_shutdown: float = 5.0
 
     def __post_init__(self) -> None:
+        if self.served_model_name is not None:
+            names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
+            if not isinstance(names, (list, tuple)) or not names or not all(
+                    isinstance(n, str) and n.strip() for n in names):
+                raise ValueError(f"served_model_name must be a name or a list of names, none empty, "
+                                 f"got {self.served_model_name!r}")
+            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
         if self.api_key is not None and not self.api_key.strip():
             # An empty key (an unset variable in `--api-key "$KEY"`) must not quietly mean "no auth".
             raise ValueError("api_key must not be empty (leave it out to serve without a key)")
@@ -127,18 +136,18 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         return await create_chat_completion(ctx, body, raw)
 
-    def model_card() -> dict:
-        return {"id": ctx.model_name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
+    def model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
                 "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
 
     @app.api_route("/v1/models", methods=GET_OR_HEAD)
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
 
     @app.api_route("/v1/models/{model:path}", methods=GET_OR_HEAD)
     async def model(model: str):
         ctx.check_model(model)
-        return model_card()
+        return model_card(model)
 
 
 def _add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -249,9 +258,9 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     """The OpenAI-compatible app over a running engine (AsyncLLM or AsyncLLMEngine; the caller owns and
     stops it)."""
     options = options or ServerOptions()
-    name = options.served_model_name or async_engine.config.served_model_name or str(async_engine.config.model)
-    ctx = ServingContext(async_engine, ServerMetrics(name), name, limits=options.limits,
-                         chat_template=options.chat_template,
+    names = options.served_model_name or (async_engine.config.served_model_name or str(async_engine.config.model),)
+    ctx = ServingContext(async_engine, ServerMetrics(names[0]), names[0], model_names=tuple(names),
+                         limits=options.limits, chat_template=options.chat_template,
                          trust_request_chat_template=options.trust_request_chat_template,
                          sampling_defaults=model_sampling_defaults(async_engine.config, async_engine.tokenizer))
 

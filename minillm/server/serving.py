@@ -52,11 +52,12 @@ class ShutdownFlag:
 
 @dataclass
 class ServingContext:
-    """What every handler needs: the engine, the metrics, the name it serves under and the limits."""
+    """What every handler needs: the engine, the metrics, the names it serves under and the limits."""
 
     engine: EngineClient
     metrics: ServerMetrics
-    model_name: str
+    model_name: str                                   # the name responses carry (the first served name)
+    model_names: tuple[str, ...] = ()                 # every name a request may give (default: model_name)
     limits: ServerLimits = field(default_factory=ServerLimits)
     chat_template: str | None = None                  # the server's template (--chat-template), else the model's
     trust_request_chat_template: bool = False         # whether a request may bring its own template
@@ -67,6 +68,9 @@ class ServingContext:
     # The model's sampling defaults for fields a request leaves unset (minillm/generation_config.py).
     sampling_defaults: dict = field(default_factory=dict)
     background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end
+
+    def __post_init__(self) -> None:
+        self.model_names = self.model_names or (self.model_name,)
 
     @property
     def tokenizer(self) -> Any:
@@ -86,7 +90,7 @@ class ServingContext:
 
     def check_model(self, model: str | None) -> None:
         """404 for a model name this server does not serve (an omitted name means ours)."""
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             raise APIError(404, f"The model {short_repr(model)} does not exist.", param="model",
                            code="model_not_found")
 
