@@ -687,6 +687,15 @@ class ServeCommand(SpreadValuesCommand):
     spread_options = ("--served-model-name",)
 
 
+class UvicornLogLevel(str, Enum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
 def server_limits(**values):
     """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
     from minillm.server.limits import ServerLimits, check_limit
@@ -771,6 +780,21 @@ def serve(
     timeout_keep_alive: Annotated[float, _server_option(
         "--timeout-keep-alive", help="Seconds an idle keep-alive connection stays open.")] = (
         _limit_default("timeout_keep_alive_s")),
+    enable_log_requests: Annotated[bool, _server_option(
+        "--enable-log-requests/--no-enable-log-requests", help="Log each request received: its id, sampling "
+        "params and prompt length, never its text (vLLM's --enable-log-requests).")] = False,
+    disable_log_requests: Annotated[bool, _server_option(
+        "--disable-log-requests", help="Log no requests, the default (vLLM's older flag, from when request "
+        "logs were on by default).")] = False,
+    disable_log_stats: Annotated[bool, _server_option(
+        "--disable-log-stats", help="Leave out the throughput line logged every 5 s while requests run "
+        "(vLLM's --disable-log-stats); /metrics and /v1/stats still count everything.")] = False,
+    uvicorn_log_level: Annotated[Optional[UvicornLogLevel], _server_option(
+        "--uvicorn-log-level", help="The HTTP server's log level: its start-up and shutdown lines and "
+        "its line per request (vLLM's --uvicorn-log-level; default: info).")] = None,
+    disable_uvicorn_access_log: Annotated[bool, _server_option(
+        "--disable-uvicorn-access-log", help="No log line per HTTP request (vLLM's "
+        "--disable-uvicorn-access-log).")] = False,
     kv_role: Annotated[Optional[KVRole], typer.Option(
         "--kv-role", rich_help_panel=KV_TRANSFER_PANEL, help="Take part in prefill/decode disaggregation: a "
         "producer (prefill server) leases its prompts' KV to consumers (decode servers); minillm router joins "
@@ -795,6 +819,11 @@ def serve(
     if monitor and not is_terminal(sys.stdout):
         raise CliError("--monitor draws the dashboard in this terminal, but stdout is not a terminal (a log "
                        "would get its frames); leave it out, and run `minillm monitor URL` in a terminal")
+    log_requests = log_requests_option(enable_log_requests, disable_log_requests)
+    if monitor and (log_requests or uvicorn_log_level is not None):
+        flag = "--enable-log-requests" if log_requests else "--uvicorn-log-level"
+        raise CliError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
+                       "leave one out (and run `minillm monitor URL` in another terminal to have both)")
     limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
@@ -812,10 +841,13 @@ def serve(
     from minillm.server.app import ServerOptions, run_server
     options = ServerOptions(api_key=api_key, served_model_name=names or name, chat_template=template,
                             trust_request_chat_template=trust_request_chat_template, limits=limits,
-                            log_interval=5.0, exit_on_engine_error=exit_on_engine_error,
+                            log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
+                            exit_on_engine_error=exit_on_engine_error,
                             timeout_graceful_shutdown=timeout_graceful_shutdown,
                             engine_core=_plain(engine_core), api_server_count=api_server_count,
-                            allow_credentials=allow_credentials, **cors)
+                            allow_credentials=allow_credentials,
+                            uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
+                            uvicorn_access_log=not disable_uvicorn_access_log, **cors)
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
     config = engine_config(path, engine_options, served_model_name=options.served_model_name[0], seed=seed,
@@ -823,6 +855,13 @@ def serve(
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
+
+
+def log_requests_option(enable: bool, disable: bool) -> bool:
+    """Whether to log each request, from vLLM's --enable-log-requests and its older --disable-log-requests."""
+    if enable and disable:
+        raise CliError("--enable-log-requests and --disable-log-requests disagree; give one")
+    return enable
 
 
 def served_names_option(names: list[str] | None, model: str | None) -> tuple[str, ...] | None:

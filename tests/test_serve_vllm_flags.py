@@ -3,13 +3,21 @@ are parsed from (in this process, the server's start stubbed), and a real server
 serves with them."""
 from __future__ import annotations
 
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+
 import httpx
 import pytest
-from test_cli import STORIES, needs_stories, run_main
-from test_server_helpers import CHAT_TEMPLATE, chat_model_dir, running_server, sse_events
+from test_cli import REPO, STORIES, needs_stories, run_main
+from test_server_failure import _free_port
+from test_server_helpers import CHAT_TEMPLATE, chat_model_dir, running_server, sse_events, wait_for
 
 from minillm.cli import spread_option_values
-from minillm.server.app import ServerOptions
+from minillm.server.app import ServerOptions, api_server_log_level
 
 KEY = "sk-test"
 NAMES = ("stories", "alias")
@@ -66,13 +74,70 @@ def test_a_model_written_after_served_model_name_is_not_taken_for_a_name(capsys,
                            "--served-model-name ...")
 
 
+FLAG_EFFECTS = [
+    (("--enable-log-requests",), "log_requests", True),
+    (("--enable-log-requests", "--no-enable-log-requests"), "log_requests", False),
+    (("--disable-log-requests",), "log_requests", False),
+    (("--disable-log-stats",), "log_interval", None),
+    (("--uvicorn-log-level", "warning"), "uvicorn_log_level", "warning"),
+    (("--disable-uvicorn-access-log",), "uvicorn_access_log", False),
+]
+
+
+@needs_stories
+@pytest.mark.parametrize("flags, field, value", FLAG_EFFECTS, ids=[" ".join(f[0]) for f in FLAG_EFFECTS])
+def test_each_flag_reaches_the_server_options(capsys, started, flags, field, value):
+    assert serve(capsys, *flags) == (0, "")
+    assert getattr(started["options"], field) == value
+
+
+@needs_stories
+def test_without_the_flags_serve_keeps_its_defaults(capsys, started):
+    assert serve(capsys) == (0, "")
+    options = started["options"]
+    assert (options.log_requests, options.log_interval, options.uvicorn_log_level, options.uvicorn_access_log) == (
+        False, 5.0, "info", True)
+
+
+@needs_stories
+@pytest.mark.parametrize("flags, message", [
+    (("--enable-log-requests", "--disable-log-requests"), "--enable-log-requests and --disable-log-requests disagree"),
+    (("--monitor", "--enable-log-requests"), "where --enable-log-requests would log over it"),
+    (("--monitor", "--uvicorn-log-level", "debug"), "where --uvicorn-log-level would log over it"),
+    (("--uvicorn-log-level", "loud"), "'loud' is not one of"),
+    (("--max-log-len", "100"), "No such option: --max-log-len"),     # no prompt text is logged to cut
+])
+def test_flags_that_cannot_work_fail_in_one_line_before_loading(capsys, started, monkeypatch, flags, message):
+    monkeypatch.setattr("minillm.chat_terminal.is_terminal", lambda stream: True)
+    status, err = serve(capsys, *flags)
+    assert status != 0 and not started
+    [line] = err.strip().splitlines()
+    assert message in line, line
+
+
+def test_the_other_api_servers_log_at_most_warnings():
+    assert [api_server_log_level("info", i) for i in (0, 1)] == ["info", "warning"]
+    assert [api_server_log_level("error", i) for i in (0, 1)] == ["error", "error"]
+    assert [api_server_log_level("debug", i) for i in (0, 1)] == ["debug", "warning"]
+
+
 # ---- a server with the flags ----------------------------------------------------------------------
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
 
 @pytest.fixture(scope="module")
 def server(stories_path, tmp_path_factory):
-    """A chat-capable stories260K server with --served-model-name stories alias and an API key."""
+    """A chat-capable stories260K server with --served-model-name stories alias, --enable-log-requests
+    and an API key."""
     model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
-    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    options = ServerOptions(chat_template=CHAT_TEMPLATE, log_requests=True)
     with running_server(model, api_key=KEY, served_model_name=NAMES, options=options) as running:
         yield running
 
@@ -81,6 +146,18 @@ def server(stories_path, tmp_path_factory):
 def http(server):
     with httpx.Client(base_url=server[0], timeout=60, headers={"Authorization": f"Bearer {KEY}"}) as client:
         yield client
+
+
+@pytest.fixture
+def logged():
+    """The minillm.server log lines written during the test."""
+    logger = logging.getLogger("minillm.server")
+    handler, level = _Lines(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler.messages
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 def _complete(http, model: str, **fields) -> httpx.Response:
@@ -111,3 +188,62 @@ def test_a_name_not_served_is_still_vllms_404(http):
         error = response.json()["error"]
         assert error["code"] == "model_not_found" and error["param"] == "model"
         assert error["message"] == "The model 'other' does not exist."
+
+
+def test_each_request_received_is_logged_with_its_id_and_params_never_its_text(http, logged):
+    response = http.post("/v1/completions", headers={"X-Request-Id": "mine"},
+                         json={"model": "alias", "prompt": ["Once upon a time", "The dog"], "max_tokens": 3,
+                               "stop": ["zebra"]})
+    assert response.status_code == 200 and response.json()["id"] == "cmpl-mine"
+    lines = [m for m in logged if m.startswith("Received request")]
+    assert len(lines) == 2, logged   # logged before the engine took them, so before the response came
+    ids = [re.match(r"Received request (cmpl-[0-9a-f]{32}-[01]) \(response cmpl-mine\): params: "
+                    r"SamplingParams\(n=1, ", line) for line in lines]
+    assert all(ids) and {m.group(1)[-2:] for m in ids} == {"-0", "-1"}, lines
+    assert all("max_tokens=3" in line and "stop=['zebra']" in line for line in lines)
+    counts = [int(re.search(r"num_prompt_tokens: (\d+)\.$", line).group(1)) for line in lines]
+    assert sum(counts) == response.json()["usage"]["prompt_tokens"] and min(counts) > 0
+    assert not any("upon" in line or "dog" in line or "_stop_list" in line for line in lines)
+
+
+def test_a_huge_request_is_logged_in_a_short_line(http, logged):
+    response = _complete(http, "stories", allowed_token_ids=list(range(500)), logit_bias={str(i): 1 for i in range(50)})
+    assert response.status_code == 200, response.text
+    [line] = [m for m in logged if m.startswith("Received request")]
+    assert "allowed_token_ids=[0, 1, 2, 3, 4, ...] (500 items)" in line and "logit_bias={...} (50 items)" in line
+    assert len(line) < 2000
+
+
+# ---- the logs of `minillm serve` ------------------------------------------------------------------
+
+@needs_stories
+def test_serve_logs_requests_and_leaves_out_uvicorns_info_and_access_lines(tmp_path):
+    """Through the console entry point: the uvicorn flags reach the server uvicorn runs."""
+    port, log = _free_port(), tmp_path / "serve.log"
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(STORIES), "--device", "cpu", "--port", str(port),
+               "--enable-log-requests", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        assert wait_for(up, timeout=120, interval=0.05), "the server did not come up"
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                              json={"prompt": "Once upon a time", "max_tokens": 3})
+        assert response.status_code == 200, response.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert re.search(r"INFO \S+ \S+ Received request cmpl-[0-9a-f]{32}: params: SamplingParams\(", text), text
+    assert "Uvicorn running" not in text and "Application startup complete" not in text, text
+    assert "POST /v1/completions" not in text and "GET /health" not in text, text

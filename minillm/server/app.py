@@ -57,6 +57,8 @@ MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S = 0.1, 60.0
 GET_OR_HEAD = ["GET", "HEAD"]
 # After the engine loop fails, open requests have this long to get their error before the process exits.
 ENGINE_FAILURE_DRAIN_S = 2.0
+# uvicorn's log levels, quietest first (--uvicorn-log-level).
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class ServerOptions:
     trust_request_chat_template: bool = False   # let a request's chat_template field be rendered
     limits: ServerLimits = field(default_factory=ServerLimits)
     log_interval: float | None = None           # seconds between throughput lines; None: no lines
+    log_requests: bool = False                  # a log line for each request received (--enable-log-requests)
+    uvicorn_log_level: str = "info"             # uvicorn's own log (--uvicorn-log-level)
+    uvicorn_access_log: bool = True             # uvicorn's line per request (off: --disable-uvicorn-access-log)
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
     engine_core: str = "process"                # the engine core in its own process, or "thread" here
     api_server_count: int = 1                   # API server processes sharing the port and the one core
@@ -92,6 +97,9 @@ class ServerOptions:
                 raise ValueError(f"served_model_name must be a name or a list of names, none empty, "
                                  f"got {self.served_model_name!r}")
             object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
         if self.api_key is not None and not self.api_key.strip():
             # An empty key (an unset variable in `--api-key "$KEY"`) must not quietly mean "no auth".
             raise ValueError("api_key must not be empty (leave it out to serve without a key)")
@@ -262,6 +270,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     ctx = ServingContext(async_engine, ServerMetrics(names[0]), names[0], model_names=tuple(names),
                          limits=options.limits, chat_template=options.chat_template,
                          trust_request_chat_template=options.trust_request_chat_template,
+                         log_requests=options.log_requests,
                          sampling_defaults=model_sampling_defaults(async_engine.config, async_engine.tokenizer))
 
     @contextlib.asynccontextmanager
@@ -434,7 +443,7 @@ def _serve_one(config: Any, host: str, port: int, options: ServerOptions, monito
                 from minillm.tui.app import run_monitor
                 run_monitor(server.url, api_key=options.api_key)
         else:
-            uv_kwargs = {"host": host, "port": port, "log_level": "info"}
+            uv_kwargs = {"host": host, "port": port, "log_level": options.uvicorn_log_level}
             serve_http(engine, options, uv_kwargs)
     except KeyboardInterrupt:
         pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C (or SIGTERM) for us
@@ -469,7 +478,7 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     a pipe's read end, reports its writer gone, or `stop` is set)."""
     app = create_app(engine, options)
     uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=options.timeout_graceful_shutdown,
-                               **uv_kwargs)
+                               access_log=options.uvicorn_access_log, **uv_kwargs)
     server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown)
     if options.exit_on_engine_error:
         threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
@@ -536,11 +545,19 @@ def run_api_server(spec: APIServerSpec) -> None:
         print(describe_engine(engine.startup_stats), file=sys.stderr, flush=True)
     try:
         sock = port_socket(spec.host, spec.port)
-        serve_http(engine, spec.options, {"log_level": "info" if spec.index == 0 else "warning"},
-                   sockets=[sock], parent=spec.parent, stop=stop)
+        log_level = api_server_log_level(spec.options.uvicorn_log_level, spec.index)
+        serve_http(engine, spec.options, {"log_level": log_level}, sockets=[sock], parent=spec.parent, stop=stop)
     finally:
         engine.shutdown()
     sys.exit(1 if engine.has_failed else 0)
+
+
+def api_server_log_level(level: str, index: int) -> str:
+    """uvicorn's log level for API server `index` of several: the first logs at the level given, the
+    others at most warnings (their start-up lines would repeat the first's)."""
+    if index == 0:
+        return level
+    return min(level, "warning", key=UVICORN_LOG_LEVELS.index)
 
 
 def check_can_listen(host: str, port: int) -> None:

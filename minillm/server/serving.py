@@ -10,7 +10,7 @@ import logging
 import uuid
 from json.encoder import encode_basestring
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Awaitable, Callable, NamedTuple, TypeVar
 
 from fastapi import Request
@@ -68,6 +68,7 @@ class ServingContext:
     # The model's sampling defaults for fields a request leaves unset (minillm/generation_config.py).
     sampling_defaults: dict = field(default_factory=dict)
     background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end
+    log_requests: bool = False                       # log each request received (--enable-log-requests)
 
     def __post_init__(self) -> None:
         self.model_names = self.model_names or (self.model_name,)
@@ -155,6 +156,32 @@ async def tokenize_bad_words(ctx: ServingContext, params: list[SamplingParams]) 
         raise bad_request_from_value_error(exc) from None
 
 
+def sub_request_id(request_id: str, index: int, num_prompts: int) -> str:
+    """The engine's id for prompt `index` of a request: the request's own id when it has one prompt."""
+    return request_id if num_prompts == 1 else f"{request_id}-{index}"
+
+
+def log_received(ctx: ServingContext, job, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+    """vLLM's --enable-log-requests line for each engine request of a job: its id (with the response's
+    where the client named it), its sampling params and its prompt's length (never the prompt's text)."""
+    if not ctx.log_requests:
+        return
+    named = "" if job.response_id == job.request_id else f" (response {job.response_id})"
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
+        logger.info("Received request %s%s: params: %s, num_prompt_tokens: %d.",
+                    sub_request_id(job.request_id, i, len(prompts)), named, params_for_log(sp), len(ids))
+
+
+def params_for_log(params: SamplingParams) -> str:
+    """SamplingParams(field=value, ...) with each value cut short: a request's allowed_token_ids,
+    logit_bias or schema could make a line of megabytes."""
+    def value(v: Any) -> str:
+        return f"{{...}} ({len(v)} items)" if isinstance(v, dict) and len(v) > 8 else short_repr(v, 80)
+
+    shown = ", ".join(f"{f.name}={value(getattr(params, f.name))}" for f in fields(params) if f.repr)
+    return f"{type(params).__name__}({shown})"
+
+
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams]) -> list[RequestStream]:
     """Add one engine request per prompt, all feeding one queue; on a rejection abort those added."""
@@ -162,7 +189,7 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
     shared = OutputQueue()
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
-            sub_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            sub_id = sub_request_id(request_id, i, len(prompts))
             timer = RequestTimer(ctx.metrics)
             streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
                                                         observer=timer.on_output))
@@ -397,6 +424,7 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
                  stream: bool) -> Response:
     """Submit a job's prompts, then stream its events or return its JSON response; a failure or
     a hang-up aborts whatever is still running."""
+    log_received(ctx, job, prompts, params)
     streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params))
     try:
         if stream:
