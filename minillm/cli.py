@@ -795,6 +795,18 @@ def serve(
     disable_uvicorn_access_log: Annotated[bool, _server_option(
         "--disable-uvicorn-access-log", help="No log line per HTTP request (vLLM's "
         "--disable-uvicorn-access-log).")] = False,
+    root_path: Annotated[Optional[str], _server_option(
+        "--root-path", metavar="PATH", help="The path prefix a proxy serves the API under, e.g. /llm (vLLM's "
+        "--root-path): paths are matched with it or without it, and /docs names its URLs under it.")] = None,
+    response_role: Annotated[str, _server_option(
+        "--response-role", help="A chat reply's role when the request opens a new turn (add_generation_prompt; "
+        "else the last message's role), as vLLM's --response-role.")] = "assistant",
+    disable_fastapi_docs: Annotated[bool, _server_option(
+        "--disable-fastapi-docs", help="Serve no /docs, /redoc and /openapi.json (vLLM's "
+        "--disable-fastapi-docs).")] = False,
+    enable_request_id_headers: Annotated[bool, _server_option(
+        "--enable-request-id-headers", help="Every response carries an X-Request-Id header: the client's own, "
+        "else a fresh id (vLLM's --enable-request-id-headers).")] = False,
     kv_role: Annotated[Optional[KVRole], typer.Option(
         "--kv-role", rich_help_panel=KV_TRANSFER_PANEL, help="Take part in prefill/decode disaggregation: a "
         "producer (prefill server) leases its prompts' KV to consumers (decode servers); minillm router joins "
@@ -845,7 +857,9 @@ def serve(
                             exit_on_engine_error=exit_on_engine_error,
                             timeout_graceful_shutdown=timeout_graceful_shutdown,
                             engine_core=_plain(engine_core), api_server_count=api_server_count,
-                            allow_credentials=allow_credentials,
+                            allow_credentials=allow_credentials, response_role=response_role,
+                            root_path=root_path or "", enable_docs=not disable_fastapi_docs,
+                            request_id_headers=enable_request_id_headers,
                             uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
                             uvicorn_access_log=not disable_uvicorn_access_log, **cors)
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",

@@ -81,6 +81,10 @@ FLAG_EFFECTS = [
     (("--disable-log-stats",), "log_interval", None),
     (("--uvicorn-log-level", "warning"), "uvicorn_log_level", "warning"),
     (("--disable-uvicorn-access-log",), "uvicorn_access_log", False),
+    (("--root-path", "/llm/"), "root_path", "/llm"),
+    (("--response-role", "narrator"), "response_role", "narrator"),
+    (("--disable-fastapi-docs",), "enable_docs", False),
+    (("--enable-request-id-headers",), "request_id_headers", True),
 ]
 
 
@@ -97,6 +101,8 @@ def test_without_the_flags_serve_keeps_its_defaults(capsys, started):
     options = started["options"]
     assert (options.log_requests, options.log_interval, options.uvicorn_log_level, options.uvicorn_access_log) == (
         False, 5.0, "info", True)
+    assert (options.root_path, options.response_role, options.enable_docs, options.request_id_headers) == (
+        "", "assistant", True, False)
 
 
 @needs_stories
@@ -105,6 +111,8 @@ def test_without_the_flags_serve_keeps_its_defaults(capsys, started):
     (("--monitor", "--enable-log-requests"), "where --enable-log-requests would log over it"),
     (("--monitor", "--uvicorn-log-level", "debug"), "where --uvicorn-log-level would log over it"),
     (("--uvicorn-log-level", "loud"), "'loud' is not one of"),
+    (("--root-path", "llm"), "root_path must be a path starting with /"),
+    (("--response-role", " "), "response_role must not be empty"),
     (("--max-log-len", "100"), "No such option: --max-log-len"),     # no prompt text is logged to cut
 ])
 def test_flags_that_cannot_work_fail_in_one_line_before_loading(capsys, started, monkeypatch, flags, message):
@@ -134,10 +142,12 @@ class _Lines(logging.Handler):
 
 @pytest.fixture(scope="module")
 def server(stories_path, tmp_path_factory):
-    """A chat-capable stories260K server with --served-model-name stories alias, --enable-log-requests
-    and an API key."""
+    """A chat-capable stories260K server with --served-model-name stories alias, --enable-log-requests,
+    --response-role narrator, --root-path /llm, --disable-fastapi-docs, --enable-request-id-headers and
+    an API key."""
     model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
-    options = ServerOptions(chat_template=CHAT_TEMPLATE, log_requests=True)
+    options = ServerOptions(chat_template=CHAT_TEMPLATE, log_requests=True, response_role="narrator",
+                            root_path="/llm", enable_docs=False, request_id_headers=True)
     with running_server(model, api_key=KEY, served_model_name=NAMES, options=options) as running:
         yield running
 
@@ -212,6 +222,43 @@ def test_a_huge_request_is_logged_in_a_short_line(http, logged):
     [line] = [m for m in logged if m.startswith("Received request")]
     assert "allowed_token_ids=[0, 1, 2, 3, 4, ...] (500 items)" in line and "logit_bias={...} (50 items)" in line
     assert len(line) < 2000
+
+
+def test_a_reply_opening_a_new_turn_takes_the_response_role(http):
+    body = {"model": "stories", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
+    assert http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["role"] == "narrator"
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        events = sse_events(response.iter_lines())
+    assert events[0]["choices"][0]["delta"]["role"] == "narrator"
+    # Without a new turn the reply continues the last message's, as vLLM names it; echo repeats that message.
+    unopened = http.post("/v1/chat/completions", json={**body, "add_generation_prompt": False, "echo": True})
+    message = unopened.json()["choices"][0]["message"]
+    assert message["role"] == "user" and message["content"].startswith("Hi")
+
+
+def test_paths_are_served_under_the_root_path_and_the_key_still_guards_them(http, server):
+    assert http.get("/llm/v1/models").json()["data"][0]["id"] == "stories"
+    assert http.get("/v1/models").status_code == 200             # a proxy that strips the prefix
+    assert _complete(http, "stories").status_code == 200
+    assert http.post("/llm/v1/completions", json={"model": "stories", "prompt": "Once", "max_tokens": 2}
+                     ).status_code == 200
+    for path in ("/llm/v1/models", "/v1/models"):
+        assert httpx.get(f"{server[0]}{path}", timeout=10).status_code == 401, path
+    assert httpx.get(f"{server[0]}/llm/health", timeout=10).status_code == 200
+
+
+def test_no_api_docs_are_served(http):
+    for path in ("/docs", "/redoc", "/openapi.json", "/llm/docs", "/llm/openapi.json"):
+        assert http.get(path).status_code == 404, path
+
+
+def test_every_response_carries_a_request_id_header(http, server):
+    assert re.fullmatch(r"[0-9a-f]{32}", _complete(http, "stories").headers["x-request-id"])
+    assert http.get("/health", headers={"X-Request-Id": "probe-1"}).headers["x-request-id"] == "probe-1"
+    refused = _complete(http, "other")
+    assert refused.status_code == 404 and re.fullmatch(r"[0-9a-f]{32}", refused.headers["x-request-id"])
+    unauthorised = httpx.get(f"{server[0]}/v1/models", headers={"X-Request-Id": "r2"}, timeout=10)
+    assert unauthorised.status_code == 401 and unauthorised.headers["x-request-id"] == "r2"
 
 
 # ---- the logs of `minillm serve` ------------------------------------------------------------------

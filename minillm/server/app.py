@@ -38,7 +38,7 @@ from minillm.server.errors import APIError, EngineDeadError, error_body, install
 from minillm.server.http import uvicorn_config
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
-from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
@@ -74,6 +74,10 @@ class ServerOptions:
     limits: ServerLimits = field(default_factory=ServerLimits)
     log_interval: float | None = None           # seconds between throughput lines; None: no lines
     log_requests: bool = False                  # a log line for each request received (--enable-log-requests)
+    response_role: str = "assistant"            # a chat reply's role when the request opens its turn
+    root_path: str = ""                         # the path prefix of a proxy in front of the server (--root-path)
+    enable_docs: bool = True                    # /docs, /redoc and /openapi.json (off: --disable-fastapi-docs)
+    request_id_headers: bool = False            # X-Request-Id on every response (--enable-request-id-headers)
     uvicorn_log_level: str = "info"             # uvicorn's own log (--uvicorn-log-level)
     uvicorn_access_log: bool = True             # uvicorn's line per request (off: --disable-uvicorn-access-log)
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
@@ -97,9 +101,15 @@ class ServerOptions:
                 raise ValueError(f"served_model_name must be a name or a list of names, none empty, "
                                  f"got {self.served_model_name!r}")
             object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
+        if not self.response_role.strip():
+            raise ValueError("response_role must not be empty")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise ValueError(f"root_path must be a path starting with /, such as /llm, got {self.root_path!r}")
+        # "/llm/" is "/llm" (the router would match no request under it); "/" is no prefix.
+        object.__setattr__(self, "root_path", self.root_path.rstrip("/"))
         if self.api_key is not None and not self.api_key.strip():
             # An empty key (an unset variable in `--api-key "$KEY"`) must not quietly mean "no auth".
             raise ValueError("api_key must not be empty (leave it out to serve without a key)")
@@ -270,7 +280,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     ctx = ServingContext(async_engine, ServerMetrics(names[0]), names[0], model_names=tuple(names),
                          limits=options.limits, chat_template=options.chat_template,
                          trust_request_chat_template=options.trust_request_chat_template,
-                         log_requests=options.log_requests,
+                         response_role=options.response_role, log_requests=options.log_requests,
                          sampling_defaults=model_sampling_defaults(async_engine.config, async_engine.tokenizer))
 
     @contextlib.asynccontextmanager
@@ -284,7 +294,11 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
             ctx.kv_claims.close()
         ctx.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="minillm", lifespan=lifespan)
+    docs = {} if options.enable_docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
+    app = FastAPI(title="minillm", lifespan=lifespan, **docs)
+    # As vLLM sets it: behind a proxy that serves the API under a prefix, a path is matched with the
+    # prefix or without it (whether or not the proxy strips it), and the docs name their URLs under it.
+    app.root_path = options.root_path
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx)
@@ -294,6 +308,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                        timeout_s=options.limits.body_timeout_s)
     if options.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+    if options.request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     # Added last, so it runs first: preflights are answered here, and every response, errors
     # included (a 401, a 413), carries the CORS headers a browser needs to read it.
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),

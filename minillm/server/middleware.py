@@ -1,8 +1,10 @@
-"""Pure ASGI middleware: Bearer-key check and a request-body size and encoding check (both streaming-safe)."""
+"""Pure ASGI middleware: Bearer-key check, a request-body size and encoding check (both streaming-safe),
+and vLLM's X-Request-Id response header."""
 from __future__ import annotations
 
 import hmac
 import json
+import uuid
 
 import anyio
 
@@ -28,7 +30,7 @@ class APIKeyMiddleware:
         self.expected = api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not _is_protected(scope["path"]) or scope.get("method") == "OPTIONS":
+        if scope["type"] != "http" or not _is_protected(scope) or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
         given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
         if not hmac.compare_digest(given, self.expected):
@@ -37,8 +39,40 @@ class APIKeyMiddleware:
         return await self.app(scope, receive, send)
 
 
-def _is_protected(path: str) -> bool:
-    return path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+def _is_protected(scope) -> bool:
+    """True for a /v1 path, as the client sent it or as the router matches it (behind --root-path)."""
+    return any(path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+               for path in (scope["path"], route_path(scope)))
+
+
+def route_path(scope) -> str:
+    """The path the router matches: the request's path less the app's root_path (--root-path) where it
+    starts with it, as Starlette's router strips it; a path without the prefix is matched as it is."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):]
+    return path
+
+
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the client's own
+    header echoed, else a fresh id."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start" and not any(
+                    name.lower() == b"x-request-id" for name, _ in message.get("headers", [])):
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
 
 
 def bearer_token(authorization: bytes) -> bytes:

@@ -68,6 +68,7 @@ class ServingContext:
     # The model's sampling defaults for fields a request leaves unset (minillm/generation_config.py).
     sampling_defaults: dict = field(default_factory=dict)
     background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end
+    response_role: str = "assistant"                 # a chat reply's role when the request opens its turn
     log_requests: bool = False                       # log each request received (--enable-log-requests)
 
     def __post_init__(self) -> None:

@@ -104,10 +104,16 @@ class ConversationPrompt:
         return tok.encode_batch([text], add_special_tokens=req.add_special_tokens)[0]
 
 
-def echoed_text(req: ChatCompletionRequest, messages: list[dict]) -> str:
-    """What a reply starts with under vLLM's echo: the last message's text when it is the
-    assistant's own (the message continue_final_message continues), else nothing."""
-    if not req.echo or messages[-1]["role"] != "assistant":
+def reply_role(ctx: ServingContext, req: ChatCompletionRequest, messages: list[dict]) -> str:
+    """The reply's role, as vLLM names it: the server's --response-role when the request opens a new
+    turn (add_generation_prompt), else the last message's role (the turn the reply continues)."""
+    return ctx.response_role if req.add_generation_prompt else messages[-1]["role"]
+
+
+def echoed_text(req: ChatCompletionRequest, messages: list[dict], role: str) -> str:
+    """What a reply starts with under vLLM's echo: the last message's text when it has the reply's
+    role (the message continue_final_message continues), else nothing."""
+    if not req.echo or messages[-1]["role"] != role:
         return ""
     return message_text(messages[-1]["content"])
 
@@ -143,7 +149,8 @@ class ChatJob:
                            param="prompt_logprobs")
         self.as_token_ids = bool(req.return_tokens_as_token_ids)
         self.conversation = ConversationPrompt(ctx, req)
-        self.echo_text = echoed_text(req, self.conversation.messages)
+        self.role = reply_role(ctx, req, self.conversation.messages)
+        self.echo_text = echoed_text(req, self.conversation.messages, self.role)
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -182,7 +189,7 @@ class ChatJob:
             cursor = self._cursor()
             if cursor is not None:
                 logprobs = chat_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [], self.num_top))
-            message = {"role": "assistant", "content": self.echo_text + comp.text}
+            message = {"role": self.role, "content": self.echo_text + comp.text}
             choice = {"index": comp.index, "message": message, "logprobs": logprobs,
                       "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
             if self.req.return_token_ids:
@@ -260,7 +267,7 @@ class ChatJob:
                 state = progress[comp.index] = ChoiceProgress(comp.index, self._cursor(), self.num_top or 0)
             if not state.is_started:
                 state.is_started = True
-                opener = self._choice(comp.index, {"role": "assistant", "content": self.echo_text}, None, None)
+                opener = self._choice(comp.index, {"role": self.role, "content": self.echo_text}, None, None)
                 choices.append(StreamChoice(opener, 0, list(output.prompt_token_ids) if with_ids else None))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
