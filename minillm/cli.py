@@ -103,6 +103,12 @@ class DType(str, Enum):
     float32 = "float32"
     float16 = "float16"
     bfloat16 = "bfloat16"
+    half = "half"
+    float = "float"
+
+
+# vLLM's other names for two dtypes (--dtype half is a common vLLM command line's).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
@@ -110,7 +116,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (Annotated[Device, _engine_option(
         "--device", help="Backend: cpu (NumPy), cuda (CuPy kernels) or auto.")], Device(_default("device"))),
     "dtype": (Annotated[DType, _engine_option(
-        "--dtype", help="Weights and activations dtype.")], DType(_default("dtype"))),
+        "--dtype", help="Weights and activations dtype (half and float: vLLM's names of float16 and "
+        "float32).")], DType(_default("dtype"))),
     "max_num_seqs": (Annotated[int, _engine_option(
         "--max-num-seqs", help="Most sequences in one step.")], _default("max_num_seqs")),
     "max_num_batched_tokens": (Annotated[int, _engine_option(
@@ -184,6 +191,7 @@ def with_engine_options(command: Callable) -> Callable:
     @functools.wraps(command)
     def wrapper(**kwargs):
         options = {name: _plain(kwargs.pop(name)) for name in ENGINE_OPTIONS}
+        options["dtype"] = DTYPE_ALIASES.get(options["dtype"], options["dtype"])
         return command(engine_options=options, **kwargs)
 
     wrapper.__signature__ = signature.replace(parameters=own + extra)
@@ -737,8 +745,8 @@ def serve(
         "--engine-core", help="Where the engine core runs: its own process, apart from the HTTP server "
         "(process), or a thread of the server's process (thread).")] = EngineCore.process,
     api_server_count: Annotated[int, _server_option(
-        "--api-server-count", min=1, help="API server processes sharing the port and the one engine core "
-        "(HTTP, detokenising and streaming spread over them; needs --engine-core process).")] = 1,
+        "--api-server-count", "-asc", min=1, help="API server processes sharing the port and the one engine "
+        "core (HTTP, detokenising and streaming spread over them; needs --engine-core process).")] = 1,
     allowed_origins: Annotated[str, _server_option(
         "--allowed-origins", metavar="JSON", help='Origins a browser page may call the API from (CORS), as a JSON '
         'list: ["https://app.example"].')] = '["*"]',
@@ -807,6 +815,14 @@ def serve(
     enable_request_id_headers: Annotated[bool, _server_option(
         "--enable-request-id-headers", help="Every response carries an X-Request-Id header: the client's own, "
         "else a fresh id (vLLM's --enable-request-id-headers).")] = False,
+    trust_remote_code: Annotated[bool, _server_option(
+        "--trust-remote-code", help="Taken for vLLM command lines, and changes nothing: minillm runs its own "
+        "decoder for every model it loads, never code from a checkpoint (one that needs its own code is "
+        "refused at load either way).")] = False,
+    enable_chunked_prefill: Annotated[Optional[bool], _server_option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill", help="minillm always splits a prompt into "
+        "chunks that fit the step's token budget (vLLM's --enable-chunked-prefill); --no-enable-chunked-prefill "
+        "is refused.")] = None,
     kv_role: Annotated[Optional[KVRole], typer.Option(
         "--kv-role", rich_help_panel=KV_TRANSFER_PANEL, help="Take part in prefill/decode disaggregation: a "
         "producer (prefill server) leases its prompts' KV to consumers (decode servers); minillm router joins "
@@ -836,6 +852,9 @@ def serve(
         flag = "--enable-log-requests" if log_requests else "--uvicorn-log-level"
         raise CliError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
                        "leave one out (and run `minillm monitor URL` in another terminal to have both)")
+    if enable_chunked_prefill is False:
+        raise CliError("--no-enable-chunked-prefill: minillm always splits a long prompt into chunks that fit "
+                       "the step's token budget (--max-num-batched-tokens); leave the option out")
     limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
@@ -862,6 +881,9 @@ def serve(
                             request_id_headers=enable_request_id_headers,
                             uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
                             uvicorn_access_log=not disable_uvicorn_access_log, **cors)
+    if trust_remote_code:
+        typer.echo("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every model "
+                   "it loads, never code from a checkpoint", err=True)
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
     config = engine_config(path, engine_options, served_model_name=options.served_model_name[0], seed=seed,

@@ -85,6 +85,7 @@ FLAG_EFFECTS = [
     (("--response-role", "narrator"), "response_role", "narrator"),
     (("--disable-fastapi-docs",), "enable_docs", False),
     (("--enable-request-id-headers",), "request_id_headers", True),
+    (("-asc", "2"), "api_server_count", 2),
 ]
 
 
@@ -106,8 +107,25 @@ def test_without_the_flags_serve_keeps_its_defaults(capsys, started):
 
 
 @needs_stories
+def test_engine_flags_of_vllm_reach_the_engine_config(capsys, started):
+    assert serve(capsys, "--dtype", "half", "--max-logprobs", "5", "--enable-chunked-prefill") == (0, "")
+    assert started["config"].dtype == "float16" and started["config"].max_logprobs == 5
+    assert serve(capsys, "--dtype", "float")[0] == 0
+    assert started["config"].dtype == "float32"
+
+
+@needs_stories
+def test_trust_remote_code_is_taken_and_says_it_changes_nothing(capsys, started):
+    status, err = serve(capsys, "--trust-remote-code")
+    assert status == 0 and started
+    assert err.strip() == ("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every "
+                           "model it loads, never code from a checkpoint")
+
+
+@needs_stories
 @pytest.mark.parametrize("flags, message", [
     (("--enable-log-requests", "--disable-log-requests"), "--enable-log-requests and --disable-log-requests disagree"),
+    (("--no-enable-chunked-prefill",), "--no-enable-chunked-prefill: minillm always splits a long prompt"),
     (("--monitor", "--enable-log-requests"), "where --enable-log-requests would log over it"),
     (("--monitor", "--uvicorn-log-level", "debug"), "where --uvicorn-log-level would log over it"),
     (("--uvicorn-log-level", "loud"), "'loud' is not one of"),
