@@ -179,7 +179,8 @@ MAX_BLOCK_SIZE = 1024
 MAX_NUM_SEQS = 65536
 # EngineConfig's fields by the kind of value they take (None passes where the field's default is None).
 _INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
-               "max_model_len", "seed", "max_logprobs")
+               "max_model_len", "seed", "max_logprobs", "tensor_parallel_size")
+_FLOAT_FIELDS = ("gpu_memory_utilization", "max_step_ms", "max_step_factor", "kv_offload_gib")
 _BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "calculate_kv_scales")
 
 
@@ -196,9 +197,15 @@ def check_field_types(config: EngineConfig) -> None:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
             raise ValueError(f"{name} must be an integer, got {value!r}")
+        if value is not None and type(value) is not int:   # a NumPy integer: random.Random(seed) refused one
+            object.__setattr__(config, name, int(value))
     value = config.gpu_memory_utilization
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"gpu_memory_utilization must be a number, got {value!r}")
+    for name in _FLOAT_FIELDS:        # NumPy floats as Python's, which the range checks below take
+        value = getattr(config, name)
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+            object.__setattr__(config, name, float(value))
     for name in _BOOL_FIELDS:
         value = getattr(config, name)
         if value is not None and not isinstance(value, bool):

@@ -42,6 +42,10 @@ MAX_BAD_WORDS = 128
 # penalty below its smallest normal value divides logits into inf.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# SamplingParams' numeric fields, which a caller may give as NumPy scalars (_normalize_numbers).
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -164,6 +168,20 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
 
+    def _normalize_numbers(self) -> None:
+        """NumPy integers and floats in the numeric fields as Python's own: the engine does Python
+        arithmetic on them (a NumPy seed overflowed int64 in seed % 2**64, a float16 temperature
+        overflowed against the float32 bound), and the server's JSON gives Python numbers anyway."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not int and _is_int(value):
+                setattr(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if type(value) is not float and type(value) is not int and isinstance(value, numbers.Real) \
+                    and not isinstance(value, bool):
+                setattr(self, name, float(value))
+
     @property
     def stop_strings(self) -> list[str]:
         """The stop strings as a list."""
@@ -206,6 +224,7 @@ class SamplingParams:
             raise ValueError(f"{name} {why}, got {short_repr(getattr(self, name))}")
 
         self._normalize_stops()
+        self._normalize_numbers()
         if _is_int(self.seed) and self.seed == -1:     # vLLM: -1 is no seed
             self.seed = None
 

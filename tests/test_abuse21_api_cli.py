@@ -1,0 +1,52 @@
+"""The offline API and the commands other than serve, with inputs a script brings along: NumPy
+numbers where ints and floats go, model directories whose tokenizer files hold fields of the
+wrong kind, API keys an HTTP header cannot carry, an empty --url, a template that renders nothing."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from minillm import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    """One stories260K LLM on the CPU for the module (a small pool: the tests are short)."""
+    from minillm import LLM
+    with LLM(str(stories_path), device="cpu", max_model_len=128, num_kv_blocks=64) as model:
+        yield model
+
+
+# ---- NumPy numbers ---------------------------------------------------------------------------------
+
+def test_numpy_numbers_in_sampling_params_sample_as_python_numbers(llm):
+    # A NumPy seed (np.random.randint's) raised OverflowError from add_request (seed % 2**64 in
+    # int64); a float16 temperature warned of an overflow against the float32 bound.
+    def texts(**kwargs):
+        out = llm.generate(["Once upon"], SamplingParams(max_tokens=6, n=2, **kwargs))[0]
+        return [c.text for c in out.outputs]
+
+    for seed in (np.int64(-5), np.uint64(7)):
+        assert texts(seed=seed) == texts(seed=int(seed))
+    assert SamplingParams(seed=np.int32(-1)).seed is None       # vLLM's -1: no seed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        params = SamplingParams(temperature=np.float16(0.5), top_p=np.float32(0.9), top_k=np.int8(5),
+                                max_tokens=np.int64(3), seed=np.int64(1))
+    assert type(params.seed) is int and type(params.temperature) is float and type(params.max_tokens) is int
+    assert texts(temperature=np.float16(0.5), seed=np.int64(3)) == texts(temperature=0.5, seed=3)
+
+
+def test_numpy_numbers_in_engine_arguments_are_taken_as_python_numbers(stories_path):
+    # LLM(seed=np.int64(3)) loaded the weights and then failed with random.Random's TypeError;
+    # tensor_parallel_size=np.int64(1) was refused as "must be an integer >= 1".
+    from minillm import LLM
+    from minillm.config import EngineConfig
+    config = EngineConfig(model=str(stories_path), seed=np.int64(3), tensor_parallel_size=np.int64(1),
+                          max_step_ms=np.float32(50.0), gpu_memory_utilization=np.float32(0.5))
+    assert (type(config.seed), type(config.tensor_parallel_size), type(config.max_step_ms)) == (int, int, float)
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    with LLM(str(stories_path), device="cpu", seed=np.int64(3), max_model_len=128, num_kv_blocks=16) as llm:
+        assert llm.generate("Once", greedy)[0].outputs[0].text == " upon a time"
