@@ -11,6 +11,7 @@ import tokenizers
 
 from minillm.generation_config import sampling_defaults
 from minillm.model_store import read_json_object
+from minillm.sampling_params import short_repr
 
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
@@ -34,13 +35,26 @@ def _token_content(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _as_id_list(value: Any) -> list[int]:
-    """An eos_token_id field (None, an int or a list of ints) -> a list of ints."""
+def _as_id_list(value: Any, where: str) -> list[int]:
+    """An eos_token_id field (None, an id or a list of ids) -> a list of ids; ValueError naming WHERE
+    (the file and field) for anything else, as config.json's own is checked (a float raised TypeError
+    here, a negative id was taken)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"{where} must be a token id or a list of them, got {short_repr(value)}")
+    return ids
+
+
+def _special_token_list(value: Any, where: str) -> list[str | None]:
+    """An additional_special_tokens field (a list of strings or AddedToken dicts) -> their texts;
+    ValueError naming WHERE for anything else (a string was read character by character, each
+    character then a special token that decoding dropped from every output)."""
     if value is None:
         return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
+    if not isinstance(value, list) or not all(isinstance(t, (str, dict)) for t in value):
+        raise ValueError(f"{where} must be a list of tokens (strings or {{\"content\": ...}} objects), "
+                         f"got {short_repr(value)}")
+    return [_token_content(t) for t in value]
 
 
 def _dedup(ids: list[int]) -> list[int]:
@@ -53,11 +67,17 @@ def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
+    source = path / "tokenizer_config.json"
     template = tokenizer_config.get("chat_template")
     if template is None:
-        template = read_json_object(path / "chat_template.json", missing_ok=True).get("chat_template")
+        source = path / "chat_template.json"
+        template = read_json_object(source, missing_ok=True).get("chat_template")
     if isinstance(template, list):
         # A list of named templates: [{"name": "default", "template": "..."}, ...]
+        if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
+                   for t in template):
+            raise ValueError(f"{source} field 'chat_template' must be a template or a list of "
+                             f"{{\"name\": ..., \"template\": ...}} objects, got {short_repr(template)}")
         return {t["name"]: t["template"] for t in template}
     return template
 
@@ -151,13 +171,18 @@ class Tokenizer:
             content = _token_content(tokenizer_config.get(name, special_map.get(name)))
             if content is not None:
                 special_tokens[name] = content
-        extra = tokenizer_config.get("additional_special_tokens") or special_map.get("additional_special_tokens") or []
-        _register_special_tokens(backend, list(special_tokens.values()) + [_token_content(t) for t in extra])
+        extra_file = "tokenizer_config.json" if tokenizer_config.get("additional_special_tokens") \
+            else "special_tokens_map.json"
+        extra = _special_token_list((tokenizer_config.get("additional_special_tokens")
+                                     or special_map.get("additional_special_tokens")),
+                                    f"{path / extra_file} field 'additional_special_tokens'")
+        _register_special_tokens(backend, list(special_tokens.values()) + extra)
 
         # generation_config.json names every id that ends a turn (Llama 3 lists several).
-        extra_eos = _as_id_list(generation_config.get("eos_token_id"))
+        extra_eos = _as_id_list(generation_config.get("eos_token_id"),
+                                f"{path / 'generation_config.json'} field 'eos_token_id'")
         if not extra_eos and "eos_token" not in special_tokens:
-            extra_eos = _as_id_list(model_config.get("eos_token_id"))
+            extra_eos = _as_id_list(model_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'")
         pad = generation_config.get("pad_token_id")
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
                         load_chat_template(path, tokenizer_config), name=str(path))

@@ -3,12 +3,16 @@ numbers where ints and floats go, model directories whose tokenizer files hold f
 wrong kind, API keys an HTTP header cannot carry, an empty --url, a template that renders nothing."""
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from minillm import SamplingParams
+from test_cli import minillm
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +54,60 @@ def test_numpy_numbers_in_engine_arguments_are_taken_as_python_numbers(stories_p
     greedy = SamplingParams(temperature=0, max_tokens=3)
     with LLM(str(stories_path), device="cpu", seed=np.int64(3), max_model_len=128, num_kv_blocks=16) as llm:
         assert llm.generate("Once", greedy)[0].outputs[0].text == " upon a time"
+
+
+# ---- tokenizer files with fields of the wrong kind ---------------------------------------------------
+
+def model_copy(stories_path: Path, tmp_path: Path, name: str, field: str, value) -> Path:
+    """A writable copy of stories260K whose NAME (a JSON file) sets FIELD to VALUE."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in stories_path.iterdir():
+        if f.name != "reference.json":
+            shutil.copyfile(f, model / f.name)
+    path = model / name
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[field] = value
+    path.write_text(json.dumps(data))
+    return model
+
+
+BROKEN_TOKENIZER_FIELDS = [
+    # A list entry without a template raised KeyError at load, one that is no object TypeError.
+    ("tokenizer_config.json", "chat_template", [{"name": "default"}]),
+    ("chat_template.json", "chat_template", ["{{ messages }}"]),
+    # A string was read character by character: 'a' and 'e' became special tokens that every
+    # output's text then lost; a number raised TypeError.
+    ("tokenizer_config.json", "additional_special_tokens", "ae"),
+    ("special_tokens_map.json", "additional_special_tokens", 3),
+    # A float raised TypeError, a string an unnamed ValueError; a negative id was taken.
+    ("generation_config.json", "eos_token_id", 2.5),
+    ("generation_config.json", "eos_token_id", ["x"]),
+    ("generation_config.json", "eos_token_id", -1),
+]
+
+
+@pytest.mark.parametrize("name,field,value", BROKEN_TOKENIZER_FIELDS)
+def test_tokenizer_files_with_fields_of_the_wrong_kind_are_value_errors_naming_file_and_field(
+        stories_path, tmp_path, name, field, value):
+    from minillm.tokenizer import Tokenizer
+    model = model_copy(stories_path, tmp_path, name, field, value)
+    with pytest.raises(ValueError, match=f"{name} field '{field}' must be"):
+        Tokenizer.from_pretrained(model)
+
+
+def test_a_broken_tokenizer_file_is_one_line_in_the_cli(stories_path, tmp_path):
+    model = model_copy(stories_path, tmp_path, "tokenizer_config.json", "chat_template", [{"name": "default"}])
+    result = minillm("generate", str(model), "--device", "cpu", "-p", "Once", "--max-tokens", "2")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("minillm: error: ") and "tokenizer_config.json field 'chat_template' must be" in line
+
+
+def test_well_formed_tokenizer_fields_still_load(stories_path, tmp_path):
+    from minillm.tokenizer import Tokenizer
+    model = model_copy(stories_path, tmp_path, "tokenizer_config.json", "chat_template",
+                       [{"name": "default", "template": "{{ messages[0].content }}"}])
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = Tokenizer.from_pretrained(model)
+    assert tok.eos_token_ids == [2, 0] and tok.render_chat([{"role": "user", "content": "hi"}], None) == "hi"
