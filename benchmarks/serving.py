@@ -44,6 +44,7 @@ import httpx
 import msgspec
 
 from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
+from minillm.urls import authorization_headers
 
 WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
          "ran", "saw", "played", "with", "and", "friend", "park", "ball", "day", "mom", "said", "home")
@@ -178,6 +179,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 check_server_url(url, option)
             except ValueError as exc:
                 p.error(str(exc))
+    try:
+        authorization_headers(args.api_key, "--api-key")
+    except ValueError as exc:
+        p.error(str(exc))
     if args.concurrency_sweep and args.peer_base_url:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
     if args.save_detailed and not args.result_file:
@@ -304,7 +309,7 @@ class StreamClosed(ConnectionError):
 
 
 @contextlib.asynccontextmanager
-async def open_stream(url: str, payload: bytes, headers: dict[str, str]):
+async def open_stream(url: str, payload: bytes, headers: dict[str, str | bytes]):
     """POST `payload` (JSON) to `url` on a connection of its own; yields (status, the body's pieces).
 
     A plain HTTP/1.1 client on asyncio streams: httpx's connection pool scans every connection
@@ -319,7 +324,8 @@ async def open_stream(url: str, payload: bytes, headers: dict[str, str]):
         host = parts.netloc.rpartition("@")[2]
         head = [f"POST {parts.path or '/'} HTTP/1.1", f"Host: {host}", "Content-Type: application/json",
                 f"Content-Length: {len(payload)}", "Connection: close", "Accept: text/event-stream"]
-        head += [f"{k}: {v}" for k, v in headers.items()]
+        # latin-1 round-trips each byte: a header given as bytes (an API key's UTF-8) goes as it is
+        head += [f"{k}: {v.decode('latin-1') if isinstance(v, bytes) else v}" for k, v in headers.items()]
         writer.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + payload)
         status_line = await reader.readline()
         fields = status_line.split(None, 2)
@@ -369,7 +375,7 @@ async def _body(reader: asyncio.StreamReader, headers: dict[str, str]) -> AsyncI
             yield b"".join(pieces)
 
 
-async def send_request(url: str, body: dict, headers: dict[str, str], timeout: float) -> RequestResult:
+async def send_request(url: str, body: dict, headers: dict[str, str | bytes], timeout: float) -> RequestResult:
     """Stream one request and time its chunks (at most `timeout` seconds)."""
     result = RequestResult(ok=False, start_s=time.monotonic())
     try:
@@ -380,7 +386,7 @@ async def send_request(url: str, body: dict, headers: dict[str, str], timeout: f
     return result
 
 
-async def _stream_request(url: str, body: dict, headers: dict[str, str], result: RequestResult) -> RequestResult:
+async def _stream_request(url: str, body: dict, headers: dict[str, str | bytes], result: RequestResult) -> RequestResult:
     start = last = time.perf_counter()
     num_chunks = 0
     buffer = bytearray()
@@ -490,7 +496,7 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
     """Drive one share of the workload against one server (after `barrier`, when given, lets every
     client process start together)."""
     base_url = base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = authorization_headers(args.api_key)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
         model = await resolve_model(client, base_url, args.model)
     prompts = build_prompts(args)
@@ -548,8 +554,7 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     tracer = None
     if args.step_trace:
         from minillm.benchmarks.step_trace import StepTracer
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        tracer = StepTracer(base_url, args.step_trace_interval, headers).start()
+        tracer = StepTracer(base_url, args.step_trace_interval, authorization_headers(args.api_key)).start()
     try:
         if len(shares) == 1:
             parts = [asyncio.run(run_share(args, base_url, shares[0]))]

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from minillm.benchmarks import serving
+from minillm.urls import authorization_headers
 
 
 @dataclass
@@ -110,7 +111,7 @@ async def _phase(args: argparse.Namespace, work: _Workload, url: str, headers: d
 async def run_mixed(args: argparse.Namespace) -> MixedResult:
     """The three phases against args.base_url."""
     base = args.base_url.rstrip("/")
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    headers = authorization_headers(args.api_key)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
         model = await serving.resolve_model(client, base, args.model)
     url = base + args.endpoint

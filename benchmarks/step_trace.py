@@ -19,7 +19,7 @@ import httpx
 class StepTracer:
     """Poll base_url's /v1/stats on a thread until stop(); steps() gives every step seen, once."""
 
-    def __init__(self, base_url: str, interval_s: float, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, base_url: str, interval_s: float, headers: dict[str, str | bytes] | None = None) -> None:
         self.url = base_url.rstrip("/") + "/v1/stats"
         self.interval_s = interval_s
         self.headers = headers or {}

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import httpx
 
 from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text
-from minillm.urls import server_base_url
+from minillm.urls import authorization_headers, server_base_url
 
 
 class HttpChatBackend:
@@ -17,8 +17,7 @@ class HttpChatBackend:
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  timeout_s: float = 600.0, chat_template: str | None = None) -> None:
         self.base_url = server_base_url(url)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.client = httpx.Client(base_url=self.base_url, headers=headers,
+        self.client = httpx.Client(base_url=self.base_url, headers=authorization_headers(api_key),
                                    timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.context_len: int | None = None   # the model's max_model_len, as /v1/models lists it
         self.model = self._served_model(model)

@@ -327,6 +327,7 @@ def chat(
     if url:
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
+        api_key_option(api_key)
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
                                   chat_template=template)
     else:
@@ -989,6 +990,7 @@ def monitor_command(
         raise CliError(f"--record {record} is the --replay file: recording would overwrite it")
     if source is None:
         server_url_option(url, "URL")
+        api_key_option(api_key)
     run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
 
 
@@ -997,6 +999,15 @@ def server_url_option(url: str, option: str) -> str:
     from minillm.urls import check_server_url
     try:
         return check_server_url(url, option)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+
+
+def api_key_option(api_key: str | None) -> None:
+    """A CliError naming --api-key for a key an HTTP header cannot carry (a line break, spaces at its ends)."""
+    from minillm.urls import authorization_headers
+    try:
+        authorization_headers(api_key, "--api-key")
     except ValueError as exc:
         raise CliError(str(exc)) from None
 

@@ -1,4 +1,5 @@
-"""A server's root URL from what people type: host:port, a base URL ending in /v1, a stats URL."""
+"""What people type to reach a server: its root URL (host:port, a base URL ending in /v1, a stats
+URL) and its API key."""
 from __future__ import annotations
 
 import re
@@ -39,3 +40,23 @@ def check_server_url(url: str, option: str) -> str:
     if parts.query or parts.fragment or "?" in base or "#" in base:
         raise ValueError(f"{option}: not a server URL: {url!r} (no query or fragment: give http://host:port)")
     return base
+
+
+def authorization_headers(api_key: str | None, option: str = "--api-key") -> dict[str, bytes]:
+    """{"Authorization": b"Bearer KEY"} for a client of the server (none without a key): the key as
+    UTF-8, as the server reads its own and curl sends it (httpx would encode a str as ASCII, and
+    refused "clé"). A ValueError naming option for a key an HTTP header cannot carry: a control
+    character (a line break), or spaces at its ends (the server strips them from what it is sent)."""
+    if not api_key:
+        return {}
+    bad = next((c for c in api_key if (c < " " and c != "\t") or c == "\x7f"), None)
+    if bad is not None:
+        raise ValueError(f"{option} holds a control character ({bad!r}), which an HTTP header cannot carry; "
+                         f"give the key alone")
+    if api_key != api_key.strip(" \t"):
+        raise ValueError(f"{option} starts or ends with a space, which an HTTP header cannot carry; give the key "
+                         f"without it")
+    try:       # surrogateescape: bytes of the command line that are not UTF-8 go as they were typed
+        return {"Authorization": b"Bearer " + api_key.encode("utf-8", "surrogateescape")}
+    except UnicodeEncodeError:
+        raise ValueError(f"{option} is not valid Unicode (a lone surrogate)") from None

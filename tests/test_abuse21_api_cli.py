@@ -3,8 +3,11 @@ numbers where ints and floats go, model directories whose tokenizer files hold f
 wrong kind, API keys an HTTP header cannot carry, an empty --url, a template that renders nothing."""
 from __future__ import annotations
 
+import asyncio
+import http.server
 import json
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -111,3 +114,74 @@ def test_well_formed_tokenizer_fields_still_load(stories_path, tmp_path):
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     tok = Tokenizer.from_pretrained(model)
     assert tok.eos_token_ids == [2, 0] and tok.render_chat([{"role": "user", "content": "hi"}], None) == "hi"
+
+
+# ---- API keys of the clients: chat --url, monitor, bench serving ------------------------------------
+
+KEY = "clé"          # the server takes its --api-key as UTF-8, as curl sends it
+
+
+@pytest.fixture
+def keyed_server():
+    """A stand-in for a server keyed KEY: 200 to a request that carries it (a model list for GET),
+    401 to any other; its URL and the Authorization headers it was sent, as bytes."""
+    seen: list[bytes] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(length)
+            auth = next((v for k, v in self.headers.raw_items() if k.lower() == "authorization"), "")
+            seen.append(auth.encode("latin-1"))     # http.server reads header bytes as latin-1
+            ok = seen[-1] == b"Bearer " + KEY.encode()
+            body = json.dumps({"data": [{"id": "m", "max_model_len": 64}]}).encode() if ok else b"{}"
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", str(len(body) if self.command == "GET" else 0))
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(body)
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    server.shutdown()
+    server.server_close()
+
+
+def test_clients_send_a_key_past_ascii_as_utf8(keyed_server):
+    # httpx encodes a str header as ASCII: chat --url, the monitor and bench serving failed with
+    # "'ascii' codec can't encode character" (naming no option) for a key the server takes.
+    from minillm.benchmarks import serving
+    from minillm.chat_client import HttpChatBackend
+    from minillm.tui.client import LiveSource
+    url, seen = keyed_server
+    assert HttpChatBackend(url, api_key=KEY).model == "m"
+
+    async def monitor_and_bench():
+        async with LiveSource(url, KEY)._client() as client:
+            monitor = (await client.get(f"{url}/v1/stats")).status_code
+        bench = await serving.send_request(f"{url}/v1/completions", {}, serving.authorization_headers(KEY), 10)
+        return monitor, bench.error
+    assert asyncio.run(monitor_and_bench()) == (200, "no tokens streamed")       # 200s with no tokens
+    assert set(seen) == {b"Bearer " + KEY.encode()}
+
+
+@pytest.mark.parametrize("key,why", [("a\nb", "holds a control character ('\\n')"),
+                                     ("key ", "starts or ends with a space")])
+def test_a_key_no_header_can_carry_is_one_line_naming_api_key_before_connecting(keyed_server, key, why):
+    # A line break or a trailing space failed as "cannot reach a minillm server at URL: Illegal
+    # header value b'Bearer ...'" (bench serving: "no server answers"), the monitor retried forever.
+    url, seen = keyed_server
+    for args in (["chat", "--url", url], ["monitor", url], ["bench", "serving", "--base-url", url]):
+        result = minillm(*args, "--api-key", key, stdin="")
+        assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert f"--api-key {why}" in line and "reach" not in line, line
+    assert seen == []

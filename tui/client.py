@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
-from minillm.urls import server_base_url
+from minillm.urls import authorization_headers, server_base_url
 
 DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
@@ -209,14 +209,14 @@ class LiveSource:
     def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S):
         self.base_url = server_base_url(url)
         self.api_key = api_key
+        self.headers = authorization_headers(api_key)   # a key no header can carry fails here, not in the loop
         self.interval_s = interval_s
         self.use_polling = False
 
     def _client(self) -> httpx.AsyncClient:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         # No read timeout on the stream beyond a generous one: a quiet server still sends events.
         timeout = httpx.Timeout(5.0, read=max(10.0, 20 * self.interval_s))
-        return httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False)
+        return httpx.AsyncClient(headers=self.headers, timeout=timeout, trust_env=False)
 
     async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
         """Yield frames forever; on any failure yield a SourceProblem and retry with backoff."""
