@@ -324,7 +324,7 @@ def chat(
     chosen = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "top_k": top_k}.items() if v is not None}
     settings = sampling_settings(chosen, max_tokens, seed)
     template = chat_template_option(chat_template, read_chat_template) if chat_template else None
-    if url:
+    if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
         api_key_option(api_key)

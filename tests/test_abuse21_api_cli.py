@@ -185,3 +185,12 @@ def test_a_key_no_header_can_carry_is_one_line_naming_api_key_before_connecting(
         [line] = result.stderr.strip().splitlines()
         assert f"--api-key {why}" in line and "reach" not in line, line
     assert seen == []
+
+
+def test_an_empty_chat_url_is_named_not_read_as_no_url(tmp_path):
+    # --url "" (an unset variable in `--url "$SERVER"`) loaded a model instead: the default one,
+    # fetched from the hub, or MODEL, which with --url is the served model's name.
+    result = minillm("chat", "--url", "", "--download-dir", str(tmp_path), stdin="")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line == "minillm: error: --url: not a server URL: '' (give http://host:port)"
