@@ -218,13 +218,17 @@ class LLM:
             raise ValueError(f"the tokenizer of {tokenizer.name or 'this model'} has no chat template: pass one to "
                              f"LLM.chat as chat_template (its Jinja source), or use generate with plain prompts")
         prompts = []
-        for conversation in conversations:
+        for i, conversation in enumerate(conversations):
             text = tokenizer.render_chat(
                 plain_messages(conversation), chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, content_parts=True, **(chat_template_kwargs or {}))
             check_unicode(text, "messages")
             # The template writes BOS itself where the model wants it.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if not ids:      # the engine's own error named the prompt, which the caller never gave
+                where = f" (conversation {i})" if len(conversations) > 1 else ""
+                raise ValueError(f"messages: the chat template rendered an empty prompt{where}")
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def shutdown(self) -> None:

@@ -194,3 +194,18 @@ def test_an_empty_chat_url_is_named_not_read_as_no_url(tmp_path):
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line == "minillm: error: --url: not a server URL: '' (give http://host:port)"
+
+
+# ---- LLM.chat ------------------------------------------------------------------------------------------
+
+def test_llm_chat_with_a_template_that_renders_nothing_names_the_template(llm):
+    # The engine's error came back: "prompt must be a non-empty string or a non-empty list of token
+    # ids", naming a prompt the caller never gave (the server and the chat command name the template).
+    hello = [{"role": "user", "content": "hi"}]
+    quiet = "{% if messages[0].content == 'hush' %}{% else %}{{ messages[0].content }}{% endif %}"
+    with pytest.raises(ValueError, match=r"^messages: the chat template rendered an empty prompt$"):
+        llm.chat([{"role": "user", "content": "hush"}], chat_template=quiet)
+    with pytest.raises(ValueError, match=r"rendered an empty prompt \(conversation 1\)"):
+        llm.chat([hello, [{"role": "user", "content": "hush"}]], chat_template=quiet)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.chat(hello, SamplingParams(max_tokens=2), chat_template=quiet)[0].prompt == "hi"
