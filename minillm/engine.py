@@ -9,6 +9,7 @@ import random
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated, NoReturn
 
@@ -363,9 +364,14 @@ class LLMEngine:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
         return None, [int(t) for t in prompt]
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request now and free its blocks; the next step() reports it with 'abort' (an
-        unknown or finished id is ignored)."""
+        unknown or finished id is ignored). A list of ids aborts each, as vLLM's takes them."""
+        if not isinstance(request_id, (str, bytes)) and isinstance(request_id, Iterable):
+            for one in list(request_id):
+                if isinstance(one, str):
+                    self.abort_request(one)
+            return
         req = self.requests.get(request_id) if isinstance(request_id, str) else None
         if req is None or req.is_finished:
             return

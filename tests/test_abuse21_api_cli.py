@@ -209,3 +209,20 @@ def test_llm_chat_with_a_template_that_renders_nothing_names_the_template(llm):
         llm.chat([hello, [{"role": "user", "content": "hush"}]], chat_template=quiet)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.chat(hello, SamplingParams(max_tokens=2), chat_template=quiet)[0].prompt == "hi"
+
+
+def test_the_engine_aborts_a_list_of_request_ids_as_vllms_does(llm):
+    # vLLM's LLMEngine.abort_request takes a list of ids (V1) or one id or an iterable (V0); a list
+    # was ignored without a word, so the requests ran on to their max_tokens.
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for rid in ("x", "y", "z"):
+        engine.add_request(rid, "Once upon", params)
+    engine.step()
+    engine.abort_request(["x", "y"])
+    engine.abort_request(("no-such-id", 5))
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert {rid: c.finish_reason for rid, c in finished.items()} == {"x": "abort", "y": "abort", "z": "length"}
+    assert len(finished["x"].token_ids) < 40 and len(finished["z"].token_ids) == 40
