@@ -16,6 +16,7 @@ import typer
 from typer.core import TyperCommand
 
 from minillm.config import EngineConfig
+from minillm.model_store import expand_user
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
 STORE_DEFAULT = "default: the Hugging Face cache, $HF_HUB_CACHE or $HF_HOME/hub"
@@ -225,7 +226,7 @@ def check_download_dir(download_dir: str | None) -> None:
     """A CliError when --download-dir is a file, or lies under one: the store is a folder."""
     if download_dir is None:
         return
-    path = Path(download_dir).expanduser()
+    path = expand_user(download_dir)
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if existing is not None and not existing.is_dir():
         under = "" if existing == path else f" ({existing} is a file)"
@@ -345,7 +346,7 @@ def chat(
 def chat_template_option(value: str, read: Callable[[str], str]) -> str:
     """--chat-template read by READ (a file or the template itself); a directory, or a file that cannot
     be read, is a CliError naming the option (a directory read as 'no such file')."""
-    path = Path(value).expanduser()
+    path = expand_user(value)
     if _path_test(path.is_dir):
         raise CliError(f"--chat-template {value} is a directory; give the template's file, or the template itself")
     try:
@@ -1062,7 +1063,7 @@ def pull(
     from minillm.model_store import download_model, is_repo_id, no_such_directory
     check_model_name(model)
     check_download_dir(download_dir)
-    if Path(model).expanduser().is_dir():
+    if expand_user(model).is_dir():
         raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
                        f"(minillm chat {model})")
     if not is_repo_id(model) or model.startswith((".", "/", "~")):

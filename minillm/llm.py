@@ -9,13 +9,13 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence as Seq
-from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
+from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
@@ -85,7 +85,7 @@ def _same_path(a, b) -> bool:
     """Whether a and b name the same model (the same string, or the same directory)."""
     if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
         return False
-    return os.fspath(a) == os.fspath(b) or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
+    return os.fspath(a) == os.fspath(b) or expand_user(a).resolve() == expand_user(b).resolve()
 
 
 class LLM:

@@ -17,19 +17,26 @@ _NEARBY_MAX_DIRS = 4000
 _SKIPPED_DIRS = {"node_modules", "__pycache__", "site-packages", "blobs"}
 
 
+def expand_user(path: str | os.PathLike) -> Path:
+    """PATH with a leading ~ or ~user expanded; a ~user that names no user stays as written
+    (Path.expanduser raised RuntimeError "Could not determine home directory.", naming nothing, and
+    so did an inline chat template that starts with ~)."""
+    return Path(os.path.expanduser(path))
+
+
 def hf_hub_cache() -> Path:
     """The Hugging Face hub cache, by huggingface_hub's rules, read now (it reads them once, at import)."""
     env = os.environ
     explicit = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE")
     if explicit:
-        return Path(explicit).expanduser()
+        return expand_user(explicit)
     home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
+    return expand_user(home) / "hub"
 
 
 def model_store(download_dir: str | None = None) -> Path:
     """Where hub models live: download_dir (laid out as a Hugging Face cache) or the shared cache."""
-    return Path(download_dir).expanduser().resolve() if download_dir else hf_hub_cache()
+    return expand_user(download_dir).resolve() if download_dir else hf_hub_cache()
 
 
 def is_repo_id(model: str) -> bool:
@@ -48,7 +55,7 @@ def _looks_like_path(model: str) -> bool:
 def resolve_model_path(model: str, download_dir: str | None = None, revision: str | None = None) -> Path:
     """A local model directory as is; a hub id from the store (at revision: a branch, tag or commit),
     fetched into it when missing."""
-    path = Path(model).expanduser()
+    path = expand_user(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")
@@ -57,7 +64,7 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
         return path
     if path.exists():
         raise ValueError(f"{model} is a file, not a model directory")
-    if _looks_like_path(model) or not is_repo_id(model) or Path(model.split("/")[0]).expanduser().is_dir():
+    if _looks_like_path(model) or not is_repo_id(model) or expand_user(model.split("/")[0]).is_dir():
         # A path (or its first folder exists here): the user meant a directory, not the hub.
         raise FileNotFoundError(no_such_directory(model))
     cached = cached_snapshot(model, download_dir, revision)

@@ -10,7 +10,7 @@ from typing import Any
 import tokenizers
 
 from minillm.generation_config import sampling_defaults
-from minillm.model_store import read_json_object
+from minillm.model_store import expand_user, read_json_object
 from minillm.sampling_params import short_repr
 
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
@@ -85,7 +85,7 @@ def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
 def read_chat_template(value: str) -> str:
     """A chat template given as a file path or as the template itself (vLLM's --chat-template), compiled
     once here so a broken one fails at start-up."""
-    path = Path(value).expanduser()
+    path = expand_user(value)
     if _is_file(path):
         source = _read_template_file(path)
     elif "{" in value:   # Jinja markup: the template itself

@@ -226,3 +226,19 @@ def test_the_engine_aborts_a_list_of_request_ids_as_vllms_does(llm):
         finished.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
     assert {rid: c.finish_reason for rid, c in finished.items()} == {"x": "abort", "y": "abort", "z": "length"}
     assert len(finished["x"].token_ids) < 40 and len(finished["z"].token_ids) == 40
+
+
+# ---- ~user paths ----------------------------------------------------------------------------------------
+
+def test_a_tilde_that_names_no_user_is_read_as_written(stories_path, tmp_path):
+    # Path.expanduser raised RuntimeError "Could not determine home directory." for ~nouser: the
+    # one line named nothing, and an inline --chat-template that starts with ~ could not be used.
+    template = "~{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    result = minillm("chat", str(stories_path), "--device", "cpu", "--max-tokens", "2", "--temperature", "0",
+                     "--chat-template", template, stdin="Once\n")
+    assert result.returncode == 0 and "error" not in result.stdout + result.stderr, result.stdout + result.stderr
+    result = minillm("generate", "~no-such-user-21/model", "-p", "Once", "--device", "cpu",
+                     "--download-dir", str(tmp_path))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("minillm: error: no such directory: ~no-such-user-21/model"), line
