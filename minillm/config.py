@@ -105,6 +105,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, got {self.dtype!r}")
         if self.revision is not None and not isinstance(self.revision, str):
             raise ValueError(f"revision must be a branch, tag or commit of a hub model, got {self.revision!r}")
+        if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
+            # it was read only to fetch a hub model, where it failed as "expected str, bytes or os.PathLike"
+            raise ValueError(f"download_dir must be a directory path, got {self.download_dir!r}")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (minillm returns at most "
                              f"{MAX_LOGPROBS} log-probabilities a token), got {self.max_logprobs}")

@@ -59,6 +59,16 @@ def test_numpy_numbers_in_engine_arguments_are_taken_as_python_numbers(stories_p
         assert llm.generate("Once", greedy)[0].outputs[0].text == " upon a time"
 
 
+
+@pytest.mark.parametrize("download_dir", [5, ["models"]])
+def test_a_download_dir_that_is_no_path_is_a_value_error_naming_it(download_dir):
+    # It was read only to fetch a hub model, and failed there with TypeError "expected str, bytes or
+    # os.PathLike object, not int" (for a local model it was taken without a word).
+    from minillm.config import EngineConfig
+    with pytest.raises(ValueError, match="download_dir must be a directory path"):
+        EngineConfig(model="someorg/somemodel", download_dir=download_dir)
+
+
 # ---- tokenizer files with fields of the wrong kind ---------------------------------------------------
 
 def model_copy(stories_path: Path, tmp_path: Path, name: str, field: str, value) -> Path:
