@@ -909,11 +909,17 @@ def served_names_option(names: list[str] | None, model: str | None) -> tuple[str
     if not names:
         return None
     if model is None:
-        taken = next((n for n in names if (Path(n).expanduser() / "config.json").is_file()), None)
+        taken = next((n for n in names if _is_model_dir(n)), None)
         if taken is not None:
             raise CliError(f"--served-model-name took {taken} as a name (its values run up to the next option, "
                            f"as in vLLM); give the model first: minillm serve {taken} --served-model-name ...")
     return tuple(names)
+
+
+def _is_model_dir(name: str) -> bool:
+    """Whether NAME, read as a path (~ and ~user expanded, an unknown ~user as written), is a model
+    directory; a name no path can be (too long, a NUL) is none."""
+    return os.path.isfile(expand_user(name) / "config.json")
 
 
 def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: float | None) -> dict | None:
