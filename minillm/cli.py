@@ -844,10 +844,10 @@ def serve(
     Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /v1/stats, /metrics, /tokenize,
     /detokenize, /version.
     """
-    from minillm.chat_terminal import is_terminal
     from minillm.tokenizer import chat_template_from_arg
-    if monitor and not is_terminal(sys.stdout):
-        raise CliError("--monitor draws the dashboard in this terminal, but stdout is not a terminal (a log "
+    stream = stream_not_a_terminal() if monitor else None
+    if stream is not None:
+        raise CliError(f"--monitor draws the dashboard in this terminal, but {stream} is not a terminal (a log "
                        "would get its frames); leave it out, and run `minillm monitor URL` in a terminal")
     log_requests = log_requests_option(enable_log_requests, disable_log_requests)
     if monitor and (log_requests or uvicorn_log_level is not None):
@@ -998,7 +998,22 @@ def monitor_command(
     if source is None:
         server_url_option(url, "URL")
         api_key_option(api_key)
+    if record is not None:
+        check_record_path(record)
+    stream = stream_not_a_terminal()
+    if stream is not None:
+        # Textual would draw frame after frame into the file or pipe, and never end.
+        where = "" if source is not None else f", or read one snapshot of the stats as JSON from {url}/v1/stats"
+        raise CliError(f"the monitor draws its dashboard in a terminal, but {stream} is not one (a file or a pipe "
+                       f"would get frames without end); run it in a terminal{where}")
     run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
+
+
+def stream_not_a_terminal() -> str | None:
+    """"stdout" or "stderr", the first of them that is not a terminal, or None: the dashboard is
+    drawn on stderr (Textual's output) and keeps a redirected stdout empty, so it needs both."""
+    from minillm.chat_terminal import is_terminal
+    return next((name for name in ("stdout", "stderr") if not is_terminal(getattr(sys, name))), None)
 
 
 def server_url_option(url: str, option: str) -> str:
@@ -1041,6 +1056,21 @@ def open_recording(option: str, path: Path):
         raise CliError(f"{option}: {_one_line(exc)}") from None
     except OSError as exc:
         raise CliError(f"{option}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+def check_record_path(path: Path) -> None:
+    """The CliError open_recorder would raise for PATH, found without truncating a file that is there
+    (nor leaving one behind that was not)."""
+    if path.is_dir():
+        raise CliError(f"--record {path} is a directory: give a file to write the recording to")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise CliError(f"--record: cannot write {path}: {exc.strerror or exc}") from None
+    if not existed:
+        path.unlink(missing_ok=True)
 
 
 def open_recorder(path: Path):

@@ -3,8 +3,12 @@ they would fail later or never end: served names, the monitor without a terminal
 commands' bounds, add_request's prompt forms, LLM.chat's content format, served_model_name."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
-from test_cli import STORIES, needs_stories, run_main
+from test_cli import REPO, STORIES, needs_stories, run_main
 
 
 # ---- serve --served-model-name ------------------------------------------------------------------------
@@ -38,3 +42,49 @@ def test_a_served_name_that_starts_with_an_unknown_tilde_user_is_a_name(capsys, 
     status, _, err = run_main(capsys, "serve", "--device", "cpu", "--served-model-name", "~/model")
     assert status == 1 and not started
     assert err.strip().startswith("minillm: error: --served-model-name took ~/model as a name")
+
+
+# ---- monitor without a terminal ---------------------------------------------------------------------
+
+def test_the_monitor_piped_to_a_file_is_one_line_and_ends(tmp_path):
+    # Textual drew frame after frame into the file and never ended (the demo loops).
+    out = tmp_path / "out.txt"
+    with out.open("w") as f:
+        result = subprocess.run([sys.executable, "-m", "minillm.cli", "monitor", "--demo"], stdout=f,
+                                stderr=subprocess.PIPE, text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 1 and out.read_text() == ""
+    assert result.stderr.splitlines() == [
+        "minillm: error: the monitor draws its dashboard in a terminal, but stdout is not one (a file or a pipe "
+        "would get frames without end); run it in a terminal"]
+
+
+def test_the_monitor_needs_a_terminal_on_stdout_and_stderr_and_runs_with_both(capsys, monkeypatch, tmp_path):
+    runs: list[dict] = []
+
+    def fake_run_monitor(url, api_key=None, source=None, recorder=None):
+        runs.append({"url": url, "source": source, "recorder": recorder})
+
+    monkeypatch.setattr("minillm.tui.app.run_monitor", fake_run_monitor)
+    status, out, err = run_main(capsys, "monitor", "http://127.0.0.1:9")     # no server: nothing connects
+    assert (status, out) == (1, "") and not runs
+    assert err.strip().endswith("run it in a terminal, or read one snapshot of the stats as JSON from "
+                                "http://127.0.0.1:9/v1/stats")
+    # A --record file is neither truncated nor left behind by the refusal.
+    kept, fresh = tmp_path / "kept.jsonl", tmp_path / "fresh.jsonl"
+    kept.write_text("earlier recording\n")
+    for path in (kept, fresh):
+        status, _, err = run_main(capsys, "monitor", "--demo", "--record", str(path))
+        assert status == 1 and "stdout is not one" in err
+    assert kept.read_text() == "earlier recording\n" and not fresh.exists()
+    # The dashboard is drawn on stderr: a terminal on stdout alone is not enough.
+    monkeypatch.setattr("minillm.chat_terminal.is_terminal", lambda stream: stream is sys.stdout)
+    status, _, err = run_main(capsys, "monitor", "--demo")
+    assert status == 1 and "but stderr is not one" in err and not runs
+    status, _, err = run_main(capsys, "serve", str(STORIES), "--monitor")
+    assert status == 1 and err.startswith("minillm: error: --monitor draws the dashboard in this terminal, "
+                                          "but stderr is not a terminal")
+    monkeypatch.setattr("minillm.chat_terminal.is_terminal", lambda stream: True)
+    assert run_main(capsys, "monitor", "--demo", "--record", str(fresh))[:2] == (0, "")
+    [run] = runs
+    assert run["source"] is not None and run["recorder"].path == fresh
+    run["recorder"].close()
