@@ -229,8 +229,8 @@ def test_continuous_usage_stats_put_the_usage_on_every_chunk(http, healthy_strea
     if path == "/v1/chat/completions":      # the role's chunk comes before any token
         openers = [e["usage"] for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
         assert [usage["completion_tokens"] for usage in openers] == [0, 0]
-    # Without include_usage, continuous_usage_stats adds nothing (as in vLLM).
-    events = _streamed(http, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    # include_usage false (or null) turns it off, continuous_usage_stats with it (as in vLLM).
+    events = _streamed(http, path, {**body, "stream_options": {"include_usage": False, "continuous_usage_stats": True}})
     assert all("usage" not in e for e in events)
 
 

@@ -79,9 +79,11 @@ def _fields_without_none(cls: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(_OpenAIModel):
-    """stream_options: whether a final chunk carries the usage, and (vLLM's) every chunk too."""
+    """stream_options: whether a final chunk carries the usage, and (vLLM's) every chunk too. As in
+    vLLM, include_usage is true unless the object says otherwise ({} and {"continuous_usage_stats":
+    true} ask for the usage); null, like false, leaves it out."""
 
-    include_usage: bool = False
+    include_usage: bool | None = True
     continuous_usage_stats: bool = False
 
 

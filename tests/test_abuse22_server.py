@@ -1,0 +1,47 @@
+"""`minillm serve` held to vLLM's server where a client of vLLM's would notice the difference.
+
+A real server on loopback with a chat template; each test runs with a healthy greedy stream in
+flight, and every such stream must end with the text of the same request made alone.
+"""
+from __future__ import annotations
+
+import pytest
+from test_server_helpers import openai_error, sse_events
+from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
+
+MODEL = "stories"
+MESSAGES = [{"role": "user", "content": "Tom had a ball."}]
+
+
+def _completion(**fields) -> dict:
+    return {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0, **fields}
+
+
+def _chat(**fields) -> dict:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "temperature": 0, **fields}
+
+
+def _events(http, path: str, body: dict) -> list[dict]:
+    response = http.post(path, json={**body, "stream": True})
+    assert response.status_code == 200, response.text[:500]
+    assert response.text.rstrip().endswith("data: [DONE]")
+    return sse_events(response.text.splitlines())
+
+
+BODIES = {"completion": ("/v1/completions", _completion(n=2)), "chat": ("/v1/chat/completions", _chat(n=2))}
+
+
+@pytest.mark.parametrize("kind", BODIES)
+def test_stream_options_include_the_usage_unless_told_not_to_as_in_vllm(http, healthy_stream, kind):
+    # vLLM's StreamOptions has include_usage true by default: {} and {"continuous_usage_stats": true}
+    # ask for the usage. Both streamed none here (continuous_usage_stats alone added nothing).
+    path, body = BODIES[kind]
+    [*chunks, last] = _events(http, path, {**body, "stream_options": {}})
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    assert all(chunk["usage"] is None for chunk in chunks)
+    [*chunks, last] = _events(http, path, {**body, "stream_options": {"continuous_usage_stats": True}})
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 8
+    assert chunks and all(chunk["usage"]["prompt_tokens"] == last["usage"]["prompt_tokens"] for chunk in chunks)
+    for off in ({"include_usage": False}, {"include_usage": None, "continuous_usage_stats": True}):
+        events = _events(http, path, {**body, "stream_options": off})
+        assert events[-1]["choices"] and all("usage" not in event for event in events)
