@@ -45,3 +45,15 @@ def test_stream_options_include_the_usage_unless_told_not_to_as_in_vllm(http, he
     for off in ({"include_usage": False}, {"include_usage": None, "continuous_usage_stats": True}):
         events = _events(http, path, {**body, "stream_options": off})
         assert events[-1]["choices"] and all("usage" not in event for event in events)
+
+
+def test_top_logprobs_zero_without_logprobs_asks_for_nothing(http, healthy_stream):
+    # vLLM's chat requests carry top_logprobs 0 by default and refuse only a count above it without
+    # logprobs; 0 was a 400 here, so a client that always sends the field could not chat.
+    want = http.post("/v1/chat/completions", json=_chat()).json()["choices"]
+    for logprobs in (False, None):
+        response = http.post("/v1/chat/completions", json=_chat(top_logprobs=0, logprobs=logprobs))
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"] == want and want[0]["logprobs"] is None
+    openai_error(http.post("/v1/chat/completions", json=_chat(top_logprobs=1)), 400, "top_logprobs")
+    openai_error(http.post("/v1/chat/completions", json=_chat(top_logprobs=1, logprobs=False)), 400, "top_logprobs")

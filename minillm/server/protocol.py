@@ -465,7 +465,8 @@ def chat_max_tokens_field(req: ChatCompletionRequest) -> str:
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     """The number of top log-probabilities to compute for a chat request, or None."""
-    if req.top_logprobs is not None and not req.logprobs:
+    # top_logprobs 0 asks for nothing, so it passes without logprobs (vLLM's default value of the field)
+    if req.top_logprobs is not None and req.top_logprobs != 0 and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if not req.logprobs:
         return None
