@@ -117,6 +117,40 @@ def engine_model_options(args, model: str, **options) -> dict:
     return out
 
 
+# Bounds of the benchmarks' options, past which a run only allocates or waits for nothing: a
+# workload's requests and token lengths are drawn before anything runs, and a long context is
+# still far below 2**20 tokens.
+MAX_REQUESTS = 65536              # 256 times nano-vllm's workload
+MAX_TOKENS = 1 << 20              # tokens of one prompt, output, context or step
+MAX_WORKLOAD_TOKENS = 1 << 25     # prompt tokens of a whole workload (128 times nano-vllm's)
+MAX_SECONDS = 86400.0             # a timeout, a phase or a wait: a day
+
+
+def check_bounds(prog: str, args, bounds: dict[str, tuple]) -> None:
+    """A usage error naming the first option (dest: (lo, hi) or (lo, hi, unit); lo None for none)
+    whose value, when given, lies outside its bounds (NaN too)."""
+    for dest, (lo, hi, *unit) in bounds.items():
+        value = getattr(args, dest)
+        if value is None or ((lo is None or lo <= value) and value <= hi):
+            continue
+        option, unit_text = f"--{dest.replace('_', '-')}", "".join(f" {u}" for u in unit)
+        allowed = f"at most {_bound(hi)}" if lo is None else f"in [{_bound(lo)}, {_bound(hi)}]"
+        raise BenchUsageError(prog, f"{option} must be {allowed}{unit_text}, got {value}")
+
+
+def check_workload_tokens(prog: str, count_option: str, count: int, length_option: str, length: int) -> None:
+    """A usage error naming both options when COUNT prompts of up to LENGTH tokens are more than a
+    workload may hold (the prompts are drawn up front, as lists of token ids)."""
+    if count * length > MAX_WORKLOAD_TOKENS:
+        raise BenchUsageError(prog, f"{count_option} {count} x {length_option} {length} = {count * length} "
+                                    f"prompt tokens are past the {MAX_WORKLOAD_TOKENS} a workload may hold; "
+                                    "lower one of them")
+
+
+def _bound(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
 def require_positive(args, *names: str) -> None:
     """A BenchError naming the first of these integer options that is below 1."""
     for name in names:

@@ -40,7 +40,8 @@ from pathlib import Path
 import httpx
 
 import minillm
-from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
+from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, BenchError, BenchParser,
+                                         check_bounds, check_output_file, run_main)
 from minillm.benchmarks.workload import QWEN3_0_6B, write_random_model_dir
 from minillm.engine_stats import human_bytes
 
@@ -96,10 +97,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         for key, value in SMALL.items():
             if getattr(args, key) == defaults[key]:
                 setattr(args, key, value)
+    if not args.long_every > 0 or not args.duration > 0:
+        p.error(f"--long-every and --duration must be > 0 seconds, got {args.long_every} and {args.duration}")
+    check_bounds(p.prog, args, option_bounds())
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not args.phases or set(args.phases) - {"equality", "mixed"}:
         p.error("--phases takes equality, mixed or both, comma-separated")
     return args
+
+
+def option_bounds() -> dict[str, tuple]:
+    """Each numeric option's bounds: past them the servers are started only to fail, or the run waits
+    for nothing."""
+    from minillm.config import MAX_NUM_SEQS
+    counts = {name: (1, MAX_REQUESTS) for name in ("num_equality", "users")}
+    tokens = {name: (1, MAX_TOKENS) for name in ("equality_prompt", "equality_output", "user_prompt", "user_output",
+                                                 "long_prompt", "long_output", "max_model_len", "prefill_budget",
+                                                 "single_budget")}
+    blocks = {name: (1, MAX_TOKENS) for name in ("prefill_blocks", "decode_blocks", "single_blocks")}
+    seconds = {name: (None, MAX_SECONDS, "seconds") for name in ("long_every", "duration")}
+    return counts | tokens | blocks | seconds | {"max_num_seqs": (1, MAX_NUM_SEQS)}
 
 
 def log(message: str) -> None:

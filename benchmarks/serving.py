@@ -43,7 +43,8 @@ from typing import AsyncIterator
 import httpx
 import msgspec
 
-from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
+from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, BenchError, BenchParser,
+                                         check_bounds, check_output_file, check_workload_tokens, run_main)
 from minillm.urls import authorization_headers
 
 WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
@@ -168,6 +169,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--max-concurrency must be >= 1 (leave it out for no cap), got {args.max_concurrency}")
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    check_bounds(p.prog, args, OPTION_BOUNDS)
+    if not (args.prompt or args.prompts_file):
+        check_workload_tokens(p.prog, "--num-prompts", args.num_prompts, "--input-len", args.input_len)
     lo, hi = args.vocab_range
     if not 0 <= lo < hi:
         p.error(f"--vocab-range LO HI needs 0 <= LO < HI (the prompts' token ids are drawn from [LO, HI)), "
@@ -196,6 +200,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+# Each numeric option's bounds, checked after the lower bounds above: past them a run allocates or
+# waits for nothing (the prompts are drawn up front; each client process is a process).
+OPTION_BOUNDS = {
+    "num_prompts": (1, MAX_REQUESTS), "input_len": (1, MAX_TOKENS), "output_len": (1, MAX_TOKENS),
+    "num_client_processes": (1, 256), "mixed_users": (1, MAX_REQUESTS), "long_input_len": (1, MAX_TOKENS),
+    "long_output_len": (1, MAX_TOKENS), "timeout": (None, MAX_SECONDS, "seconds"),
+    "long_every_s": (None, MAX_SECONDS, "seconds"), "duration": (None, MAX_SECONDS, "seconds"),
+}
 
 
 def _concurrency_list(text: str) -> list[int]:

@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from minillm.benchmarks.cli_args import BenchError, BenchParser, check_output_file, run_main
+from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
+                                         check_bounds, check_output_file, check_workload_tokens, run_main)
 from minillm.benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
 
 # nano-vllm's workload on a GPU; on the CPU (NumPy) a small one that finishes in seconds.
@@ -55,7 +56,22 @@ def parse_args(argv):
                    help="Skip timing each step's phases (CUDA events around forward and sampling).")
     p.add_argument("--no-ceiling", action="store_true", help="Skip measuring the card's ceilings.")
     p.add_argument("--json", help="Write the figures to this file.")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    check_bounds(p.prog, args, option_bounds())
+    from minillm.sampling_params import SamplingParams
+    try:
+        SamplingParams(temperature=args.temperature)
+    except ValueError as exc:
+        p.error(f"--temperature: {exc}")
+    return args
+
+
+def option_bounds() -> dict[str, tuple]:
+    """Each numeric option's [lo, hi]: past them a run allocates or waits for nothing."""
+    from minillm.config import MAX_NUM_SEQS
+    return {"num_seqs": (1, MAX_REQUESTS), "max_input_len": (1, MAX_TOKENS), "max_output_len": (1, MAX_TOKENS),
+            "max_num_seqs": (1, MAX_NUM_SEQS), "max_num_batched_tokens": (1, MAX_TOKENS),
+            "max_model_len": (1, MAX_TOKENS), "peer_num_seqs": (1, MAX_REQUESTS)}
 
 
 def resolve_defaults(args) -> dict:
@@ -82,19 +98,23 @@ def resolve_defaults(args) -> dict:
             setattr(args, name, value)
     if args.peer == "hf" and backend != "cuda":
         raise BenchError("--peer hf runs transformers on the GPU; there is no CUDA GPU here (leave --peer out)")
-    if args.peer_num_seqs is not None and args.peer_num_seqs < 1:
-        raise BenchError(f"--peer-num-seqs must be at least 1, got {args.peer_num_seqs}")
-    for name in ("num_seqs", "max_input_len", "max_output_len"):
-        if getattr(args, name) < 1:
-            raise BenchError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.peer_num_seqs is not None and args.peer_num_seqs > args.num_seqs:
+        raise BenchUsageError("minillm bench throughput", f"--peer-num-seqs {args.peer_num_seqs} is more than "
+                              f"the workload's {args.num_seqs} requests (--num-seqs)")
+    check_workload_tokens("minillm bench throughput", "--num-seqs", args.num_seqs, "--max-input-len",
+                          args.max_input_len)
     if args.model is not None:
         from minillm.loader import resolve_model_path
         args.model = str(resolve_model_path(args.model))
         config = json.loads((Path(args.model) / "config.json").read_text())
     else:
         config = QWEN3_0_6B
+    model_max = config.get("max_position_embeddings", MAX_TOKENS)
     if args.max_model_len is None:
-        args.max_model_len = min(MAX_MODEL_LEN, config.get("max_position_embeddings", MAX_MODEL_LEN))
+        args.max_model_len = min(MAX_MODEL_LEN, model_max)
+    elif args.max_model_len > model_max:
+        raise BenchError(f"--max-model-len {args.max_model_len} is past the model's max_position_embeddings "
+                         f"{model_max}; lower it")
     needed = args.max_input_len + args.max_output_len
     if needed > args.max_model_len:
         raise BenchError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} = "

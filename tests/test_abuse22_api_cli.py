@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from test_cli import REPO, STORIES, needs_stories, run_main
+from test_cli import REPO, STORIES, minillm, needs_stories, run_main
 
 
 # ---- serve --served-model-name ------------------------------------------------------------------------
@@ -88,3 +88,55 @@ def test_the_monitor_needs_a_terminal_on_stdout_and_stderr_and_runs_with_both(ca
     [run] = runs
     assert run["source"] is not None and run["recorder"].path == fresh
     run["recorder"].close()
+
+
+# ---- bench options past their bounds ------------------------------------------------------------------
+
+@needs_stories
+def test_bench_throughput_refuses_a_huge_workload_in_one_line_naming_the_option():
+    # --num-seqs 10**9 drew a billion prompts before anything ran, and never got to run.
+    result = minillm("bench", "throughput", "--model", str(STORIES), "--device", "cpu", "--num-seqs", str(10**9))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["minillm bench throughput: error: --num-seqs must be in [1, 65536], got "
+                                          "1000000000 (try 'minillm bench throughput --help')"]
+
+
+@pytest.mark.parametrize("module, args, message", [
+    ("throughput", ["--max-input-len", str(10**12)], "--max-input-len must be in [1, 1048576], got 1000000000000"),
+    ("throughput", ["--max-num-seqs", str(10**9)], "--max-num-seqs must be in [1, 65536], got 1000000000"),
+    ("throughput", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be in [1, 1048576], got 0"),
+    ("throughput", ["--peer-num-seqs", str(10**9)], "--peer-num-seqs must be in [1, 65536], got 1000000000"),
+    ("throughput", ["--temperature", "nan"], "--temperature: temperature must be a finite number, got nan"),
+    ("serving", ["--num-prompts", str(10**9)], "--num-prompts must be in [1, 65536], got 1000000000"),
+    ("serving", ["--num-prompts", "60000", "--input-len", "1000"],
+     "--num-prompts 60000 x --input-len 1000 = 60000000 prompt tokens are past the 33554432 a workload may hold"),
+    ("serving", ["--num-client-processes", str(10**6)], "--num-client-processes must be in [1, 256], got 1000000"),
+    ("serving", ["--timeout", "1e308"], "--timeout must be at most 86400 seconds, got 1e+308"),
+    ("serving", ["--mixed-users", "2", "--duration", "inf"], "--duration must be at most 86400 seconds, got inf"),
+    ("pd_disagg", ["--users", "0"], "--users must be in [1, 65536], got 0"),
+    ("pd_disagg", ["--prefill-blocks", str(10**12)], "--prefill-blocks must be in [1, 1048576], got 1000000000000"),
+    ("pd_disagg", ["--long-every", "inf"], "--long-every must be at most 86400 seconds, got inf"),
+])
+def test_bench_options_past_their_bounds_are_usage_errors_naming_them(module, args, message):
+    import importlib
+
+    from minillm.benchmarks.cli_args import BenchUsageError
+    with pytest.raises(BenchUsageError) as info:
+        importlib.import_module(f"minillm.benchmarks.{module}").parse_args(args)
+    assert info.value.message.startswith(message), info.value.message
+
+
+@needs_stories
+def test_bench_throughput_checks_the_workload_against_the_model_before_drawing_it():
+    from minillm.benchmarks import throughput
+    from minillm.benchmarks.cli_args import BenchError, BenchUsageError
+    model = ["--model", str(STORIES), "--device", "cpu"]
+    with pytest.raises(BenchUsageError, match=r"^--num-seqs 65536 x --max-input-len 1000 = 65536000 prompt tokens"):
+        throughput.resolve_defaults(throughput.parse_args([*model, "--num-seqs", "65536", "--max-input-len", "1000"]))
+    with pytest.raises(BenchUsageError, match=r"^--peer-num-seqs 17 is more than the workload's 16 requests"):
+        throughput.resolve_defaults(throughput.parse_args([*model, "--peer-num-seqs", "17"]))
+    with pytest.raises(BenchError, match=r"^--max-model-len 1000 is past the model's max_position_embeddings 512"):
+        throughput.resolve_defaults(throughput.parse_args([*model, "--max-model-len", "1000"]))
+    args = throughput.parse_args([*model, "--num-seqs", "3", "--peer-num-seqs", "3", "--max-model-len", "512"])
+    throughput.resolve_defaults(args)
+    assert (args.num_seqs, args.max_input_len, args.max_model_len) == (3, 128, 512)
