@@ -6,7 +6,7 @@ flight, and every such stream must end with the text of the same request made al
 from __future__ import annotations
 
 import pytest
-from test_server_helpers import openai_error, sse_events
+from test_server_helpers import openai_error, raw_stream, sse_events, wait_for
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
 MODEL = "stories"
@@ -57,3 +57,27 @@ def test_top_logprobs_zero_without_logprobs_asks_for_nothing(http, healthy_strea
         assert response.json()["choices"] == want and want[0]["logprobs"] is None
     openai_error(http.post("/v1/chat/completions", json=_chat(top_logprobs=1)), 400, "top_logprobs")
     openai_error(http.post("/v1/chat/completions", json=_chat(top_logprobs=1, logprobs=False)), 400, "top_logprobs")
+
+
+def test_load_counts_the_generation_requests_in_flight_as_vllm_does(http, server, healthy):
+    # vLLM's GET /load ({"server_load": N}, outside /v1) counts the completions and chat completions
+    # being answered, a stream until its last event; it was a 404 here.
+    healthy.check()                   # the healthy streams of earlier tests have ended: none in flight
+
+    def load() -> int:
+        response = http.get("/load")
+        assert response.status_code == 200 and set(response.json()) == {"server_load"}
+        return response.json()["server_load"]
+
+    assert load() == 0
+    openai_error(http.post("/v1/completions", json=_completion(max_tokens=0)), 400, "max_tokens")
+    assert http.post("/v1/chat/completions", json=_chat()).status_code == 200
+    assert http.post("/tokenize", json={"prompt": "Once"}).status_code == 200
+    assert load() == 0
+    body = _completion(max_tokens=200, ignore_eos=True, stream=True)
+    socks = [raw_stream(server[0], body, num_chunks=2) for _ in range(2)]
+    assert wait_for(lambda: load() == 2)
+    for sock in socks:
+        sock.close()                  # the client leaves: its stream ends, and with it its count
+    assert wait_for(lambda: load() == 0)
+    assert http.head("/load").status_code == 200

@@ -38,7 +38,9 @@ from minillm.server.errors import APIError, EngineDeadError, error_body, install
 from minillm.server.http import uvicorn_config
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
-from minillm.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware
+from minillm.server.middleware import (
+    APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware, ServerLoad, ServerLoadMiddleware,
+)
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
@@ -168,8 +170,12 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return model_card(model)
 
 
-def _add_vllm_routes(app: FastAPI, ctx: ServingContext) -> None:
+def _add_vllm_routes(app: FastAPI, ctx: ServingContext, load: ServerLoad) -> None:
     """vLLM's utility endpoints. Outside /v1, so the API key does not guard them (as in vLLM)."""
+    @app.api_route("/load", methods=GET_OR_HEAD)
+    async def server_load():
+        return {"server_load": load.num_requests}
+
     @app.post("/tokenize")
     async def tokenize(body: dict[str, Any] = Body()):
         return await create_tokenize(ctx, body)
@@ -302,8 +308,10 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     app.state.ctx = ctx
     install_error_handlers(app)
     _add_openai_routes(app, ctx)
-    _add_vllm_routes(app, ctx)
+    load = ServerLoad()
+    _add_vllm_routes(app, ctx, load)
     _add_ops_routes(app, ctx)
+    app.add_middleware(ServerLoadMiddleware, load=load)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,
                        timeout_s=options.limits.body_timeout_s)
     if options.api_key:

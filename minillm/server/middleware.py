@@ -1,5 +1,5 @@
 """Pure ASGI middleware: Bearer-key check, a request-body size and encoding check (both streaming-safe),
-and vLLM's X-Request-Id response header."""
+vLLM's X-Request-Id response header, and the count of generation requests in flight (vLLM's /load)."""
 from __future__ import annotations
 
 import hmac
@@ -52,6 +52,34 @@ def route_path(scope) -> str:
     if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
         return path[len(root):]
     return path
+
+
+class ServerLoadMiddleware:
+    """Counts the generation requests (completions and chat completions) this API server is
+    answering, from their arrival until their response has gone out, stream included: vLLM's
+    GET /load figure (server_load)."""
+
+    GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, load: "ServerLoad") -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in self.GENERATION_PATHS:
+            return await self.app(scope, receive, send)
+        self.load.num_requests += 1
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.load.num_requests -= 1
+
+
+class ServerLoad:
+    """The generation requests in flight in this API server (one event loop writes it)."""
+
+    def __init__(self) -> None:
+        self.num_requests = 0
 
 
 class RequestIdHeaderMiddleware:
