@@ -24,8 +24,8 @@ def __getattr__(name: str):
         from minillm.engine import LLMEngine
         return LLMEngine
     if name in ("TextPrompt", "TokensPrompt"):
-        from minillm import llm
-        return getattr(llm, name)
+        from minillm import prompts
+        return getattr(prompts, name)
     if name in ("RequestOutput", "CompletionOutput"):
         from minillm import outputs
         return getattr(outputs, name)

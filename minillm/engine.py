@@ -31,6 +31,7 @@ from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.prompts import PromptType, unpack_prompt
 from minillm.sampling_params import SamplingParams, short_repr, truncate_prompt
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
@@ -257,11 +258,13 @@ class LLMEngine:
         return model
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
                     prompt_block_keys: list[bytes] | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
+        prompt takes vLLM's forms, as LLM.generate does: a string, a list of token ids,
+        {"prompt": text} or {"prompt_token_ids": ids} (with "prompt", the ids' text, as the output's prompt).
         output_kind "cumulative" reports the request every step it changes; "final" only once done.
         prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
         (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
@@ -297,7 +300,8 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
+        text, prompt = unpack_prompt(prompt)
+        ids = self._prompt_ids(prompt)
         num_given = len(ids)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)   # the text stays as given
         self._check_kv_transfer(ids, params)
@@ -344,25 +348,25 @@ class LLMEngine:
                 empty_host=self.device.empty_pinned)
         return self.structured_outputs
 
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             check_unicode(prompt, "prompt")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size
         # The common case, plain ints in range, checked (and copied) by msgspec in C: 7 us for 500
         # ids, against 28 us for a type set and min/max in Python.
         try:
-            return None, msgspec.convert(prompt, self._prompt_ids_type)
+            return msgspec.convert(prompt, self._prompt_ids_type)
         except msgspec.ValidationError:
             pass
         for t in prompt:
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
-        return None, [int(t) for t in prompt]
+        return [int(t) for t in prompt]
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Stop a request now and free its blocks; the next step() reports it with 'abort' (an

@@ -9,8 +9,6 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence as Seq
-from typing import TypedDict
-
 import numpy as np
 
 from minillm.config import EngineConfig
@@ -18,25 +16,9 @@ from minillm.engine import LLMEngine
 from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
+from minillm.prompts import PromptType, TokensPrompt, array_ids, unpack_prompt
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_unicode
-
-
-class TextPrompt(TypedDict):
-    """vLLM's TextPrompt: {"prompt": text}."""
-
-    prompt: str
-
-
-class TokensPrompt(TypedDict, total=False):
-    """vLLM's TokensPrompt: {"prompt_token_ids": ids}, with the ids' text as "prompt" if known."""
-
-    prompt_token_ids: list[int]
-    prompt: str
-
-
-# What LLM.generate takes as one prompt.
-PromptType = str | list[int] | TextPrompt | TokensPrompt | dict
 
 
 # vLLM's LLM arguments that minillm has no setting for, taken where the value given is what minillm
@@ -133,8 +115,7 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
-        unpacked = [_unpack_prompt(prompt) for prompt in prompts]
-        texts, prompts = [text for text, _ in unpacked], [prompt for _, prompt in unpacked]
+        prompts = [unpack_prompt(prompt) for prompt in prompts]     # every prompt checked before any is queued
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
@@ -146,9 +127,11 @@ class LLM:
         bar = _progress_bar(len(prompts), use_tqdm) if use_tqdm else None   # before any request is queued
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, params):
+            for (text, prompt), p in zip(prompts, params):
                 if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
                     prompt = self.engine.tokenizer.encode("", add_special_tokens=True) or prompt
+                if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
+                    prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
                 self.engine.add_request(rid, prompt, p, output_kind="final")
                 ids.append(rid)
@@ -181,9 +164,7 @@ class LLM:
             if bar is not None:
                 bar.close()
         outputs = [finished[rid] for rid in ids]
-        for out, text, p in zip(outputs, texts, params):
-            if out.prompt is None and text is not None:   # ids were given with their text
-                out.prompt = text
+        for out, p in zip(outputs, params):
             if out.prompt_logprobs is not None:           # vLLM's Logprob entries, as the outputs' own
                 tokenizer = self.engine.tokenizer if p.detokenize else None
                 out.prompt_logprobs = [None if entry is None else ranked_logprobs(entry, p.prompt_logprobs, tokenizer)
@@ -296,42 +277,8 @@ def _part_text(part, i: int, j: int) -> str:
 def _is_one_id_list(prompts) -> bool:
     """True when prompts is one prompt of token ids (a list of integers, or a 1-D NumPy array), not a batch."""
     if isinstance(prompts, np.ndarray):
-        return prompts.ndim <= 1      # a 0-d array reaches _array_ids, which names it
+        return prompts.ndim <= 1      # a 0-d array reaches array_ids, which names it
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
-
-
-def _array_ids(ids: np.ndarray, name: str) -> list[int]:
-    """A 1-D NumPy array of integers as a list of ids; ValueError naming the prompt otherwise."""
-    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{name} must be a 1-D array of integer token ids, got an array of shape "
-                         f"{ids.shape} and dtype {ids.dtype}")
-    return ids.tolist()
-
-
-def _unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
-    """(text or None, what the engine takes) for a str, a list of ids, or a prompt dict as vLLM has them."""
-    if isinstance(prompt, np.ndarray):
-        return None, _array_ids(prompt, "prompt")
-    if not isinstance(prompt, dict):
-        if not isinstance(prompt, (str, list, tuple)):
-            raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {short_repr(prompt)}")
-        return (prompt if isinstance(prompt, str) else None), prompt
-    unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-    if unknown:
-        raise ValueError(f"prompt dict has unsupported key(s) {sorted(unknown)}; "
-                         f"give 'prompt' (text) or 'prompt_token_ids'")
-    if "prompt_token_ids" in prompt:
-        if not isinstance(prompt.get("prompt"), (str, type(None))):   # it becomes the output's prompt
-            raise ValueError(f"a prompt dict's 'prompt' must be a string, got {short_repr(prompt['prompt'])}")
-        ids = prompt["prompt_token_ids"]
-        if isinstance(ids, np.ndarray):
-            ids = _array_ids(ids, "prompt_token_ids")
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
-        return prompt.get("prompt"), list(ids)
-    if "prompt" in prompt and isinstance(prompt["prompt"], str):
-        return prompt["prompt"], prompt["prompt"]
-    raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ids)")
 
 
 def _progress_bar(total: int, use_tqdm):

@@ -140,3 +140,59 @@ def test_bench_throughput_checks_the_workload_against_the_model_before_drawing_i
     args = throughput.parse_args([*model, "--num-seqs", "3", "--peer-num-seqs", "3", "--max-model-len", "512"])
     throughput.resolve_defaults(args)
     assert (args.num_seqs, args.max_input_len, args.max_model_len) == (3, 128, 512)
+
+
+# ---- LLMEngine.add_request's prompt forms -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    from minillm import LLM
+    return LLM(str(stories_path), device="cpu")
+
+
+def run_to_end(engine) -> dict:
+    """Step the engine until it has nothing left; each finished request's output by id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished |= {out.request_id: out for out in engine.step() if out.finished}
+    return finished
+
+
+def test_add_request_takes_vllms_text_and_tokens_prompt_dicts(llm):
+    # A dict was "prompt must be a non-empty string or a non-empty list of token ids".
+    from minillm import SamplingParams, TextPrompt, TokensPrompt
+    engine, greedy = llm.llm_engine, SamplingParams(temperature=0, max_tokens=6)
+    ids = engine.tokenizer.encode("Once upon", add_special_tokens=True)
+    prompts = {"str": "Once upon", "text": TextPrompt(prompt="Once upon"), "ids": TokensPrompt(prompt_token_ids=ids),
+               "ids+text": {"prompt_token_ids": ids, "prompt": "Once upon"}}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, greedy, output_kind="final")
+    outs = run_to_end(engine)
+    assert {rid: out.prompt for rid, out in outs.items()} == {
+        "str": "Once upon", "text": "Once upon", "ids": None, "ids+text": "Once upon"}
+    assert all(out.prompt_token_ids == ids for out in outs.values())
+    assert len({tuple(out.outputs[0].token_ids) for out in outs.values()}) == 1
+    [generated] = llm.generate(prompts["ids+text"], greedy)
+    assert (generated.prompt, generated.outputs[0].token_ids) == ("Once upon", outs["str"].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({}, "a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ids)"),
+    ({"prompt": 5}, "a prompt dict's 'prompt' must be a string, got 5"),
+    ({"prompt_token_ids": [1, 403], "prompt": ["Once"]}, "a prompt dict's 'prompt' must be a string, got ['Once']"),
+    ({"prompt_token_ids": "1 403"}, "prompt_token_ids must be a list of token ids, got '1 403'"),
+    ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
+    ({"prompt_token_ids": [1, 10**9]}, "prompt token ids must be integers in [0, 512), got 1000000000"),
+    ({"prompt": "Once", "multi_modal_data": {}}, "prompt dict has unsupported key(s) ['multi_modal_data']"),
+    ({"prompt": "Once", 7: 1}, "prompt dict has unsupported key(s) [7]"),
+])
+def test_add_request_refuses_a_malformed_prompt_dict_naming_the_key(llm, prompt, message):
+    from minillm import SamplingParams
+    engine = llm.llm_engine
+    with pytest.raises(ValueError) as info:
+        engine.add_request("bad", prompt, SamplingParams(max_tokens=2))
+    assert str(info.value).startswith(message), str(info.value)
+    assert not engine.has_unfinished_requests()
+    with pytest.raises(ValueError) as info:           # LLM.generate reads prompts the same way
+        llm.generate(["Once", prompt], SamplingParams(max_tokens=2))
+    assert str(info.value).startswith(message) and not engine.has_unfinished_requests()
