@@ -175,7 +175,7 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
@@ -183,13 +183,19 @@ class LLM:
         read as the server reads them: strings and text parts ({"type": "text", "text": ...};
         input_text, output_text and refusal too) joined by newlines; continue_final_message (with
         add_generation_prompt False) has the model continue the last message. tools (vLLM's) reach the
-        template as `tools`, unless chat_template_kwargs sets them.
+        template as `tools`, unless chat_template_kwargs sets them. chat_template_content_format is
+        vLLM's: how the template gets each message's content, "string" (parts joined) or "openai"
+        (a list of text parts, a string content as one), "auto" picking "openai" for a template that
+        loops over a message's content.
         """
         if not isinstance(messages, Seq) or isinstance(messages, str):
             raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
                              f"got {short_repr(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         check_template_kwargs(chat_template_kwargs)
+        if not isinstance(chat_template_content_format, str) or chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be {', '.join(map(repr, CONTENT_FORMATS[:-1]))} "
+                             f"or {CONTENT_FORMATS[-1]!r}, got {short_repr(chat_template_content_format)}")
         if tools is not None:
             if not isinstance(tools, Seq) or isinstance(tools, str) or not all(isinstance(t, dict) for t in tools):
                 raise ValueError(f"tools must be a list of tool dicts, got {short_repr(tools)}")
@@ -202,7 +208,8 @@ class LLM:
         for i, conversation in enumerate(conversations):
             text = tokenizer.render_chat(
                 plain_messages(conversation), chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, content_parts=True, **(chat_template_kwargs or {}))
+                continue_final_message=continue_final_message, content_parts=chat_template_content_format,
+                **(chat_template_kwargs or {}))
             check_unicode(text, "messages")
             # The template writes BOS itself where the model wants it.
             ids = tokenizer.encode(text, add_special_tokens=False)
@@ -227,6 +234,9 @@ class LLM:
             self.engine.step()
 
 
+# vLLM's chat_template_content_format values: a message's content as one string or as a list of
+# text parts ("openai"), "auto" as the template reads it.
+CONTENT_FORMATS = ("auto", "string", "openai")
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt", "content_parts",
                             "continue_final_message", "tokenize")

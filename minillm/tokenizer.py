@@ -315,7 +315,7 @@ class Tokenizer:
         return source
 
     def render_chat(self, messages: list[dict], template: str | None = None, add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, content_parts: bool = False, **kwargs) -> str:
+                    continue_final_message: bool = False, content_parts: bool | str = False, **kwargs) -> str:
         """Render messages with `template` (Jinja source, or the name of one of the model's
         templates), or with the model's chat template when None, as transformers renders them.
 
@@ -323,7 +323,8 @@ class Tokenizer:
         message, so that the model continues it; it excludes add_generation_prompt. content_parts:
         the messages are an OpenAI request's (content a string, None or a list of text parts
         {"type": "text", "text": ...}), shaped as vLLM shapes them for the template: parts kept when
-        the template loops over a message's content, else joined by newlines."""
+        the template loops over a message's content, else joined by newlines. It may also name
+        vLLM's chat_template_content_format: "auto" (as True), "openai" (parts) or "string" (joined)."""
         from minillm.chat_template import reads_content_parts, render, shape_content
         if template is None or (isinstance(self.chat_template, dict) and template in self.chat_template):
             source = self.template_source(template, kwargs.get("tools"))
@@ -340,7 +341,8 @@ class Tokenizer:
         # Keys set to None are dropped, as transformers drops them: templates test for a missing key.
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         if content_parts:
-            plain = shape_content(plain, reads_content_parts(source))
+            as_parts = content_parts == "openai" or (content_parts in (True, "auto") and reads_content_parts(source))
+            plain = shape_content(plain, as_parts)
         try:
             return render(source, plain, add_generation_prompt, continue_final_message, {**self.special_tokens, **kwargs})
         except MemoryError:

@@ -196,3 +196,37 @@ def test_add_request_refuses_a_malformed_prompt_dict_naming_the_key(llm, prompt,
     with pytest.raises(ValueError) as info:           # LLM.generate reads prompts the same way
         llm.generate(["Once", prompt], SamplingParams(max_tokens=2))
     assert str(info.value).startswith(message) and not engine.has_unfinished_requests()
+
+
+# ---- LLM.chat's chat_template_content_format -----------------------------------------------------------
+
+# A template that loops over a message's content (vLLM's "auto" gives it parts), and one that does not.
+PARTS_TEMPLATE = ("{% for m in messages %}{% if m.content is string %}S:{{ m.content }}|{% else %}"
+                  "{% for p in m.content %}P:{{ p.text }};{% endfor %}{% endif %}{% endfor %}")
+STRING_TEMPLATE = ("{% for m in messages %}{% if m.content is string %}S:{{ m.content }}|{% else %}"
+                   "L:{{ m.content | length }}|{% endif %}{% endfor %}")
+PARTS_MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "Tom"}, {"type": "text", "text": "had a ball."}]},
+                  {"role": "user", "content": "Lily"}]
+
+
+@pytest.mark.parametrize("template, content_format, prompt", [
+    (PARTS_TEMPLATE, "auto", "P:Tom;P:had a ball.;P:Lily;"),
+    (PARTS_TEMPLATE, "string", "S:Tom\nhad a ball.|S:Lily|"),
+    (PARTS_TEMPLATE, "openai", "P:Tom;P:had a ball.;P:Lily;"),
+    (STRING_TEMPLATE, "auto", "S:Tom\nhad a ball.|S:Lily|"),
+    (STRING_TEMPLATE, "openai", "L:2|L:1|"),
+])
+def test_chat_template_content_format_shapes_content_as_vllm_does(llm, template, content_format, prompt):
+    # LLM.chat had no such argument (a TypeError): content was always shaped as "auto" shapes it.
+    from minillm import SamplingParams
+    [out] = llm.chat(PARTS_MESSAGES, SamplingParams(max_tokens=1), chat_template=template,
+                     chat_template_content_format=content_format)
+    assert out.prompt == prompt
+
+
+@pytest.mark.parametrize("value", ["OpenAI", "text", None, 5, ["auto"]])
+def test_an_unknown_chat_template_content_format_is_a_value_error_naming_it(llm, value):
+    with pytest.raises(ValueError) as info:
+        llm.chat(PARTS_MESSAGES, chat_template=PARTS_TEMPLATE, chat_template_content_format=value)
+    assert str(info.value) == f"chat_template_content_format must be 'auto', 'string' or 'openai', got {value!r}"
+    assert not llm.llm_engine.has_unfinished_requests()
