@@ -5,7 +5,10 @@ flight, and every such stream must end with the text of the same request made al
 """
 from __future__ import annotations
 
+import json
+
 import pytest
+from openai import OpenAI
 from test_server_helpers import openai_error, raw_stream, sse_events, wait_for
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
@@ -81,3 +84,85 @@ def test_load_counts_the_generation_requests_in_flight_as_vllm_does(http, server
         sock.close()                  # the client leaves: its stream ends, and with it its count
     assert wait_for(lambda: load() == 0)
     assert http.head("/load").status_code == 200
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}       # no parameters: any object
+NOW = {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}}}
+
+
+def _tool_chat(tool_choice, **fields) -> dict:
+    return _chat(**{"tools": [WEATHER, TIME], "tool_choice": tool_choice, "max_tokens": 80, **fields})
+
+
+def _streamed_calls(http, body: dict) -> tuple[list[dict], str]:
+    """The tool calls a stream adds up to (deltas joined by their index), and its finish reason."""
+    calls: dict[int, dict] = {}
+    finish = []
+    for event in _events(http, "/v1/chat/completions", body):
+        [choice] = event["choices"]
+        for delta in choice["delta"].get("tool_calls", []):
+            call = calls.setdefault(delta["index"], {"id": delta.get("id"), "type": delta.get("type"),
+                                                     "function": {"name": None, "arguments": ""}})
+            call["function"]["name"] = call["function"]["name"] or delta["function"].get("name")
+            call["function"]["arguments"] += delta["function"].get("arguments", "")
+        assert not choice["delta"].get("content")
+        finish += [choice["finish_reason"]] if choice["finish_reason"] else []
+    assert len(finish) == 1
+    return [calls[i] for i in sorted(calls)], finish[0]
+
+
+def test_a_named_tool_choice_is_called_without_a_parser_as_in_vllm(http, server, healthy_stream):
+    # vLLM serves a named tool choice without --tool-call-parser: the output is held to the tool's
+    # parameters schema and comes back as the call's arguments. It was a 400 here.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = http.post("/v1/chat/completions", json=_tool_chat(named)).json()
+    [choice] = reply["choices"]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["message"]["content"] == "" and choice["finish_reason"] == "stop"
+    assert call["id"].startswith("chatcmpl-tool-") and call["type"] == "function"
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["unit"] in "cf"
+    calls, finish = _streamed_calls(http, _tool_chat(named))
+    assert finish == "stop" and [c["function"] for c in calls] == [call["function"]]
+    assert calls[0]["id"].startswith("chatcmpl-tool-") and calls[0]["type"] == "function"
+    # The openai client reads it as its own tool call.
+    client = OpenAI(base_url=f"{server[0]}/v1", api_key="none")
+    message = client.chat.completions.create(**_tool_chat(named)).choices[0].message
+    assert message.tool_calls[0].function.arguments == call["function"]["arguments"]
+    # A tool without parameters takes any JSON object.
+    reply = http.post("/v1/chat/completions", json=_tool_chat({"type": "function", "function": {"name": "get_time"}}))
+    [call] = reply.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time" and call["function"]["arguments"].startswith("{")
+
+
+def test_tool_choice_required_calls_the_tools_without_a_parser_as_in_vllm(http, healthy_stream):
+    # vLLM holds the output to a JSON array of {"name", "parameters"} calls of the given tools and
+    # returns them as tool_calls, finish_reason "tool_calls". It was a 400 here.
+    body = _tool_chat("required", parallel_tool_calls=False, tools=[WEATHER, NOW])
+    [choice] = http.post("/v1/chat/completions", json=body).json()["choices"]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+    assert call["function"]["name"] in ("get_weather", "now")
+    assert isinstance(json.loads(call["function"]["arguments"]), dict)
+    calls, finish = _streamed_calls(http, body)
+    assert finish == "tool_calls" and [c["function"] for c in calls] == [call["function"]]
+    # Cut short, a reply carries the calls that were whole.
+    cut = _tool_chat("required", tools=[WEATHER, NOW], max_tokens=45)
+    [choice] = http.post("/v1/chat/completions", json=cut).json()["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["tool_calls"]
+    assert all(isinstance(json.loads(c["function"]["arguments"]), dict) for c in choice["message"]["tool_calls"])
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"tool_choice": {"type": "function", "function": {"name": "get_date"}}}, "tool_choice", "does not match"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice", "name"),
+    ({"tool_choice": {"type": "function"}}, "tool_choice", "function"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "tool call"),
+    ({"tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs", "tool call"),
+], ids=["unknown-tool", "no-name", "no-function", "with-response-format", "with-structured-outputs"])
+def test_a_tool_choice_that_names_no_tool_or_meets_another_constraint_is_a_400(http, healthy_stream, fields, param,
+                                                                             says):
+    error = openai_error(http.post("/v1/chat/completions", json=_tool_chat(**fields)), 400, param)
+    assert says in error["message"]

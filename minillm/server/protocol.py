@@ -16,6 +16,7 @@ from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error
+from minillm.server.tool_calls import check_named_tool_choice
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
 
 MAX_TOKEN_ID_DIGITS = 20        # a logit_bias key longer than this is no token id of any vocabulary
@@ -347,25 +348,33 @@ def tool_choice_of(req: ChatCompletionRequest) -> Any:
 
 
 def check_tool_choice(req: ChatCompletionRequest) -> None:
-    """400 for a tool_choice that needs a tool call parser (this server has none) or names no tools."""
+    """400 for a tool_choice that needs a tool call parser ("auto": this server has none), names no
+    tools or a tool not among them. "required" and a named tool are served as vLLM serves them
+    without a parser (server/tool_calls.py)."""
     choice = tool_choice_of(req)
     if choice == "none":
         return
     if req.tools is None:
         raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
-    if choice == "required" and not req.tools:
-        return        # no tool to call: "none", as vLLM (and OpenAI) take it
-    hint = "this server has no tool call parser; tool_choice \"none\" renders the tools into the prompt"
+    if choice == "required":
+        return        # with no tools, no tool to call: "none", as vLLM (and OpenAI) take it
+    if isinstance(choice, dict):
+        check_named_tool_choice(choice, [tool.function.name for tool in req.tools])
+        return
     if choice == "auto":
-        raise APIError(400, f'"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                       f'set ({hint}; tool_choice defaults to "auto" when tools are given)', param="tool_choice")
-    raise APIError(400, f"tool_choice {short_repr(choice)} is not supported ({hint})", param="tool_choice")
+        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                       'set (this server has no tool call parser: tool_choice "required" or a named tool holds '
+                       'the output to a call, "none" renders the tools into the prompt; tool_choice defaults to '
+                       '"auto" when tools are given)', param="tool_choice")
+    raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named tool '
+                   f'({{"type": "function", "function": {{"name": ...}}}}), got {short_repr(choice)}',
+                   param="tool_choice")
 
 
 def template_tools(req: ConversationRequest) -> list[dict] | None:
-    """The tools the chat template renders: vLLM passes them under tool_choice "none" too (a chat
-    completion's other choices are refused); /tokenize has no tool_choice and renders them always."""
-    if req.tools is None or (isinstance(req, ChatCompletionRequest) and tool_choice_of(req) != "none"):
+    """The tools the chat template renders, as vLLM passes them: under every tool_choice of a chat
+    completion that is served (none, required, a named tool); /tokenize has no tool_choice."""
+    if req.tools is None:
         return None
     return [tool.model_dump() for tool in req.tools]
 

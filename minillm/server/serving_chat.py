@@ -17,7 +17,7 @@ from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, pr
 from minillm.server.protocol import (
     ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
     chat_max_tokens_field, check_unsupported, message_chars, message_text, messages_as_dicts,
-    requested_prompt_logprobs, template_tools, to_sampling_params, unknown_fields,
+    requested_prompt_logprobs, template_tools, to_sampling_params, tool_choice_of, unknown_fields,
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
@@ -25,6 +25,7 @@ from minillm.server.serving import (
     refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, usage,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
+from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
 
 # Names render_chat takes itself: chat_template_kwargs may not set them (vLLM refuses chat_template
 # and tokenize too).
@@ -151,6 +152,9 @@ class ChatJob:
         self.conversation = ConversationPrompt(ctx, req)
         self.role = reply_role(ctx, req, self.conversation.messages)
         self.echo_text = echoed_text(req, self.conversation.messages, self.role)
+        # tool_choice "required" or a named tool: the output is the call, carried as tool_calls
+        self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
+        self.tool_streams: dict[int, ToolCallStream] = {}
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -159,8 +163,8 @@ class ChatJob:
     async def prepare(self) -> None:
         """Check the output constraint and render and tokenise the conversation (in the
         preprocessing pool); fit max_tokens to it."""
-        self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req), structured_outputs_params,
-                                                         self.req)
+        self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req) or self.forced is not None,
+                                                         self._constraint)
         self.prompt_ids = await self.ctx.run_blocking(self._render)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
@@ -169,6 +173,18 @@ class ChatJob:
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
                                          self.structured, self.prompt_logprobs, defaults=self.ctx.sampling_defaults)
         await tokenize_bad_words(self.ctx, [self.params])
+
+    def _constraint(self):
+        """The output's StructuredOutputsParams: the forced tool call's, or the request's own."""
+        asked = structured_outputs_params(self.req)
+        if self.forced is None:
+            return asked
+        if asked is not None:
+            field = "response_format" if self.req.response_format is not None else "structured_outputs"
+            raise APIError(400, f"tool_choice holds the output to a tool call; {field} cannot constrain it too",
+                           param=field)
+        from minillm.structured_output import StructuredOutputsParams
+        return StructuredOutputsParams(json=self.forced.schema)
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""
@@ -190,8 +206,12 @@ class ChatJob:
             if cursor is not None:
                 logprobs = chat_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [], self.num_top))
             message = {"role": self.role, "content": self.echo_text + comp.text}
+            finish_reason = comp.finish_reason
+            if self.forced is not None:
+                message = {"role": self.role, "content": self.echo_text, "tool_calls": self.forced.calls(comp.text)}
+                finish_reason = self.forced.finish_reason(finish_reason)
             choice = {"index": comp.index, "message": message, "logprobs": logprobs,
-                      "finish_reason": comp.finish_reason, "stop_reason": comp.stop_reason}
+                      "finish_reason": finish_reason, "stop_reason": comp.stop_reason}
             if self.req.return_token_ids:
                 choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
@@ -274,6 +294,13 @@ class ChatJob:
                 continue
             delta, rows, finish = update
             content = {"content": delta} if delta else {}
+            if self.forced is not None:
+                stream = self.tool_streams.setdefault(comp.index, self.forced.stream())
+                calls = stream.deltas(delta, comp.text)
+                content = {"tool_calls": calls} if calls else {}
+                finish = self.forced.finish_reason(finish)
+                if not content and finish is None and not (state.cursor is not None and rows):
+                    continue       # a required array's call not whole yet: nothing to send
             choices.append(StreamChoice(self._choice(
                 comp.index, content, rows if state.cursor is not None else None, finish,
                 comp.stop_reason if finish else None, state.new_token_ids(comp.token_ids) if with_ids else None),

@@ -1,0 +1,158 @@
+"""tool_choice "required" and a named tool, served as vLLM serves them without a tool-call parser:
+structured outputs hold the output to JSON that is the call, and the reply carries it as
+message.tool_calls (streamed: delta.tool_calls) instead of content.
+
+    {"type": "function", "function": {"name": N}}   the output is N's arguments, under the schema of
+                                                     its parameters ({"type": "object"} without one)
+    "required"                                       the output is a JSON array of {"name", "parameters"}
+                                                     objects, one a call of one of the tools (at least
+                                                     one; one at most with parallel_tool_calls false)
+
+A named call ends with the output's finish reason; a required one with "tool_calls" once the
+output is complete (its finish reason otherwise).
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from minillm.server.errors import APIError
+
+_DECODER = json.JSONDecoder()
+_WHITESPACE = " \t\n\r"
+
+
+def new_tool_call_id() -> str:
+    """A tool call's id, as vLLM makes one."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
+    """One entry of a message's tool_calls."""
+    return {"id": call_id or new_tool_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
+class ForcedToolCalls:
+    """What a tool_choice that forces a call asks of the output: the JSON schema that holds it, and
+    the named tool (None: "required", any of the tools)."""
+
+    schema: dict
+    name: str | None = None
+
+    def calls(self, text: str) -> list[dict]:
+        """The tool_calls of a finished output's text (a required array cut short: its whole items)."""
+        if self.name is not None:
+            return [tool_call(self.name, text)]
+        return [tool_call(*item) for item in ArrayItems().new_items(text)]
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """The choice's finish reason: "tool_calls" for a whole required array, else the output's."""
+        return "tool_calls" if self.name is None and finish_reason == "stop" else finish_reason
+
+    def stream(self) -> "ToolCallStream":
+        """The state of one streamed choice."""
+        return ToolCallStream(self)
+
+
+def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool | None) -> ForcedToolCalls | None:
+    """The ForcedToolCalls of a checked tool_choice ("required" or a named tool) over the request's
+    tools (each a dict as the chat template reads it); None for a choice that forces no call."""
+    functions = [tool["function"] for tool in tools]
+    if isinstance(choice, dict):
+        name = choice["function"]["name"]
+        [function] = [f for f in functions if f["name"] == name][:1]
+        return ForcedToolCalls(_parameters_schema(function), name)
+    if choice != "required" or not functions:
+        return None
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                                               "parameters": _parameters_schema(f)},
+              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
+    schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if parallel_tool_calls is False:
+        schema["maxItems"] = 1
+    return ForcedToolCalls(schema)
+
+
+def _parameters_schema(function: dict) -> dict:
+    parameters = function.get("parameters")
+    return parameters if parameters else {"type": "object"}
+
+
+def check_named_tool_choice(choice: dict, tool_names: list[str]) -> None:
+    """400 naming tool_choice unless it is {"type": "function", "function": {"name": one of the tools}}."""
+    usage = 'use {"type": "function", "function": {"name": "my_function"}}'
+    function = choice.get("function")
+    if choice.get("type", "function") != "function" or not isinstance(function, dict):
+        raise APIError(400, f"tool_choice names a tool as an object with a function: {usage}", param="tool_choice")
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, f"tool_choice.function.name must be a tool's name: {usage}", param="tool_choice")
+    if name not in tool_names:
+        raise APIError(400, "The tool specified in `tool_choice` does not match any of the specified `tools`",
+                       param="tool_choice")
+
+
+class ArrayItems:
+    """The whole items of a JSON array as its text grows ("[{...}, {...}, {..."): each item once."""
+
+    def __init__(self) -> None:
+        self.pos: int | None = None      # where the next item (or a separator) starts; None before the "["
+        self.after_item = False
+
+    def new_items(self, text: str) -> list[tuple[str, str]]:
+        """(name, arguments as JSON) of each item that is whole in text and was not returned before."""
+        items = []
+        if self.pos is None:
+            start = _skip(text, 0)
+            if start >= len(text) or text[start] != "[":
+                return items
+            self.pos = start + 1
+        while True:
+            i = _skip(text, self.pos)
+            if self.after_item:
+                if i >= len(text) or text[i] != ",":
+                    return items
+                i = _skip(text, i + 1)
+            if i >= len(text) or text[i] == "]":
+                return items
+            try:
+                item, end = _DECODER.raw_decode(text, i)
+            except (ValueError, RecursionError):
+                return items           # not whole yet
+            self.pos, self.after_item = end, True
+            if isinstance(item, dict) and isinstance(item.get("name"), str):
+                items.append((item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+
+
+def _skip(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WHITESPACE:
+        i += 1
+    return i
+
+
+@dataclass
+class ToolCallStream:
+    """One streamed choice's tool calls: the deltas each new piece of output text makes."""
+
+    forced: ForcedToolCalls
+    num_sent: int = 0                  # tool calls opened so far
+    items: ArrayItems = field(default_factory=ArrayItems)
+
+    def deltas(self, delta_text: str, text: str) -> list[dict]:
+        """delta.tool_calls for the output's new text (text: all of it so far)."""
+        if self.forced.name is not None:
+            if not delta_text and self.num_sent:
+                return []
+            if self.num_sent:          # the call is open: its arguments go on
+                return [{"index": 0, "function": {"arguments": delta_text}}]
+            self.num_sent = 1
+            return [{"index": 0, **tool_call(self.forced.name, delta_text)}]
+        deltas = []
+        for name, arguments in self.items.new_items(text):
+            deltas.append({"index": self.num_sent, **tool_call(name, arguments)})
+            self.num_sent += 1
+        return deltas
