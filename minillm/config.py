@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from minillm.generation_config import check_generation_config
-from minillm.sampling_params import MAX_LOGPROBS
+from minillm.sampling_params import MAX_LOGPROBS, short_repr
 
 if TYPE_CHECKING:
     from minillm.kv_connector.transfer_config import KVTransferConfig
@@ -69,7 +69,9 @@ class EngineConfig:
     seed: int = 0
     download_dir: str | None = None      # None: the Hugging Face cache (model_store.hf_hub_cache)
     revision: str | None = None          # a hub model's branch, tag or commit (None: main)
-    served_model_name: str | None = None
+    # vLLM's served_model_name: a name, or a list of names of which the engine goes by the first
+    # (None, "" or []: the model as given)
+    served_model_name: str | list[str] | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
     # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
@@ -103,6 +105,7 @@ class EngineConfig:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, got {self.dtype!r}")
+        object.__setattr__(self, "served_model_name", first_served_name(self.served_model_name))
         if self.revision is not None and not isinstance(self.revision, str):
             raise ValueError(f"revision must be a branch, tag or commit of a hub model, got {self.revision!r}")
         if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
@@ -213,6 +216,16 @@ def check_field_types(config: EngineConfig) -> None:
         value = getattr(config, name)
         if value is not None and not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def first_served_name(names) -> str | None:
+    """The name an engine goes by, of a served_model_name as vLLM takes it: a name or a list of
+    names (the first; an empty list: none); a ValueError naming served_model_name for anything else."""
+    if names is None or isinstance(names, str):
+        return names
+    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"served_model_name must be a name or a list of names, got {short_repr(names)}")
+    return names[0] if names else None
 
 
 def check_kv_cache_dtype(name) -> None:

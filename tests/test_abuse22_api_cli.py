@@ -230,3 +230,24 @@ def test_an_unknown_chat_template_content_format_is_a_value_error_naming_it(llm,
         llm.chat(PARTS_MESSAGES, chat_template=PARTS_TEMPLATE, chat_template_content_format=value)
     assert str(info.value) == f"chat_template_content_format must be 'auto', 'string' or 'openai', got {value!r}"
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+# ---- LLM(served_model_name=...) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("names", [5, True, b"stories", {"stories"}, ["stories", 5], [None]])
+def test_a_served_model_name_that_is_no_name_is_a_value_error_naming_it(stories_path, names):
+    # LLM(served_model_name=5) loaded the model and went by 5 in its stats.
+    from minillm import LLM
+    with pytest.raises(ValueError) as info:
+        LLM(str(stories_path), device="cpu", served_model_name=names)
+    assert str(info.value) == f"served_model_name must be a name or a list of names, got {names!r}"
+
+
+def test_served_model_name_takes_a_name_or_a_list_of_names_as_vllm_does(stories_path):
+    from minillm import LLM
+    from minillm.config import EngineConfig
+    assert EngineConfig(model=str(stories_path), served_model_name="stories").served_model_name == "stories"
+    assert EngineConfig(model=str(stories_path), served_model_name=[]).served_model_name is None   # the model's
+    llm = LLM(str(stories_path), device="cpu", served_model_name=["stories", "alias"])
+    assert llm.llm_engine.stats().model == "stories"          # the first name, as vLLM's engine goes by
+    llm.shutdown()
