@@ -5,7 +5,9 @@ of tokens stays reusable while free ("cached-free") until it is evicted to serve
 Only full blocks are shared; a block's key is the SHA-256 of its parent's key and its token ids,
 so equal keys mean equal whole prefixes. With Python's hash() of the parent, a prompt crafted for a
 colliding 64-bit hash would read another request's cached K/V (vLLM's advisory GHSA-rm76-4mrf-v9r8;
-vLLM hashes with SHA-256 by default since v0.10.2).
+vLLM hashes with SHA-256 by default since v0.10.2). A request with a cache salt (vLLM's cache_salt)
+chains its keys from the salt's digest instead of nothing, so only requests with the same salt share
+its blocks: another user cannot tell from the timing whether a prompt was cached.
 """
 from __future__ import annotations
 
@@ -33,25 +35,34 @@ class BlockPoolSnapshot:
     prefix_cache_hits: int           # prompt tokens found
 
 
-def _chain_keys(keys: list[bytes], tokens: list[int], block_size: int) -> None:
+def _chain_keys(keys: list[bytes], tokens: list[int], block_size: int, root: bytes = b"") -> None:
     """Append to keys (the chain so far) the keys of tokens' full blocks of block_size, each the
-    SHA-256 of the key before it and the block's ids as 8-byte integers. The ids are converted in one
-    pass and each key is one sha256() call (a prompt's 32 blocks: 40 -> 35 us on the development CPU)."""
+    SHA-256 of the key before it (root before the first) and the block's ids as 8-byte integers. The
+    ids are converted in one pass and each key is one sha256() call (a prompt's 32 blocks: 40 -> 35 us
+    on the development CPU)."""
     data = array("q", tokens).tobytes()                 # [len(tokens) * 8]
     width = 8 * block_size
-    parent, sha256, append = keys[-1] if keys else b"", hashlib.sha256, keys.append
+    parent, sha256, append = keys[-1] if keys else root, hashlib.sha256, keys.append
     for start in range(0, len(data) - width + 1, width):
         parent = sha256(parent + data[start:start + width]).digest()
         append(parent)
 
 
-def prompt_block_keys(prompt: list[int], block_size: int) -> list[bytes]:
+def prompt_block_keys(prompt: list[int], block_size: int, root: bytes = b"") -> list[bytes]:
     """The prefix-cache keys of a prompt's full blocks, as the engine would compute them at
-    admission; an API server process computes them beside the tokenizer (AddRequest's
-    prompt_block_keys), so the engine core's one thread does not."""
+    admission (root: cache_salt_root of the request's salt); an API server process computes them
+    beside the tokenizer (AddRequest's prompt_block_keys), so the engine core's one thread does not."""
     keys: list[bytes] = []
-    _chain_keys(keys, prompt, block_size)
+    _chain_keys(keys, prompt, block_size, root)
     return keys
+
+
+def cache_salt_root(cache_salt: str | None) -> bytes:
+    """The root of a request's prefix-cache key chain: nothing, or the digest of its cache salt (a 32-byte
+    root, where a key's parent is 32 bytes or, first, nothing: no salt collides with another chain)."""
+    if cache_salt is None:
+        return b""
+    return hashlib.sha256(b"minillm cache_salt\0" + cache_salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def are_prompt_block_keys(keys: object, num_tokens: int, block_size: int) -> bool:
@@ -123,7 +134,7 @@ class BlockManager:
         keys, bs = seq.token_block_keys, self.block_size
         first, end = len(keys), min(num_blocks, len(seq.token_ids) // bs)
         if end > first:
-            _chain_keys(keys, seq.token_ids[first * bs:end * bs], bs)
+            _chain_keys(keys, seq.token_ids[first * bs:end * bs], bs, seq.block_key_root)
         return keys
 
     def find_cached_blocks(self, seq: Sequence) -> list[int]:

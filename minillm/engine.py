@@ -16,7 +16,7 @@ from typing import Annotated, NoReturn
 import msgspec
 import numpy as np
 
-from minillm.block_manager import BlockManager, are_prompt_block_keys
+from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_salt_root
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
@@ -260,7 +260,7 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, output_kind: str = "cumulative",
-                    prompt_block_keys: list[bytes] | None = None) -> None:
+                    prompt_block_keys: list[bytes] | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         prompt takes vLLM's forms, as LLM.generate does: a string, a list of token ids,
@@ -268,6 +268,7 @@ class LLMEngine:
         output_kind "cumulative" reports the request every step it changes; "final" only once done.
         prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
         (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
+        cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
         """
         if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
             raise RuntimeError("the engine is shut down: it takes no more requests")
@@ -300,6 +301,8 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {short_repr(cache_salt)}")
         text, prompt = unpack_prompt(prompt)
         ids = self._prompt_ids(prompt)
         num_given = len(ids)
@@ -316,7 +319,8 @@ class LLMEngine:
         seqs = []
         for i in range(params.n):
             seed = sequence_seed(params.seed, i) if params.seed is not None else self._seed_rng.getrandbits(62)
-            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens))
+            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens,
+                                 block_key_root=cache_salt_root(cache_salt)))
         if prompt_block_keys is not None and len(ids) == num_given and are_prompt_block_keys(
                 prompt_block_keys, len(ids), self.block_manager.block_size):
             for seq in seqs:

@@ -67,6 +67,7 @@ class Sequence:
     # Keys of its full blocks of known tokens, each hashed once (tokens only grow): a prefix of it
     # is block_hashes; a waiting prompt looked up every step, and the host tier, reuse them.
     token_block_keys: list = field(default_factory=list)
+    block_key_root: bytes = b""      # what its key chain starts from: its cache salt's digest, or nothing
     num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None

@@ -166,3 +166,28 @@ def test_a_tool_choice_that_names_no_tool_or_meets_another_constraint_is_a_400(h
                                                                              says):
     error = openai_error(http.post("/v1/chat/completions", json=_tool_chat(**fields)), 400, param)
     assert says in error["message"]
+
+
+def test_a_cache_salt_keeps_prefix_cache_blocks_to_requests_of_the_same_salt(http, healthy_stream):
+    # vLLM's cache_salt: a request shares cached prompt blocks only with requests of the same salt, so
+    # one user cannot time whether another's prompt was cached. It was ignored here (blocks were
+    # shared with everyone), and an empty salt was taken.
+    prompt = "Ben and Mia found a tiny red boat by the blue lake near the tall old tree. " * 3
+
+    def hits_of(**fields) -> tuple[int, str]:
+        before = http.get("/v1/stats").json()["prefix_cache_hits"]
+        reply = http.post("/v1/completions", json=_completion(prompt=prompt, **fields))
+        assert reply.status_code == 200, reply.text
+        return http.get("/v1/stats").json()["prefix_cache_hits"] - before, reply.json()["choices"][0]["text"]
+
+    first, text = hits_of(cache_salt="user-a")
+    assert first == 0                                    # nobody has asked for this prompt yet
+    again = hits_of(cache_salt="user-a")
+    assert again[0] >= 32 and again[1] == text           # the same salt: its blocks are shared
+    assert hits_of(cache_salt="user-b") == (0, text)     # another salt finds none of them
+    assert hits_of() == (0, text)                        # nor does a request with no salt
+    assert hits_of()[0] >= 32                            # which has its own
+    for bad in ("", 5):
+        openai_error(http.post("/v1/completions", json=_completion(cache_salt=bad)), 400, "cache_salt")
+    chat = http.post("/v1/chat/completions", json=_chat(cache_salt="user-a"))
+    assert chat.status_code == 200, chat.text

@@ -148,7 +148,8 @@ class EngineCore:
         try:
             params = SamplingParams(**sampling_fields(command.params))
             self.engine.add_request(command.request_id, command.prompt_token_ids, params,
-                                    arrival_time=command.arrival_time, prompt_block_keys=command.prompt_block_keys)
+                                    arrival_time=command.arrival_time, prompt_block_keys=command.prompt_block_keys,
+                                    cache_salt=command.cache_salt)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
             return str(exc)
         return None

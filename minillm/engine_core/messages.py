@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     # The prompt's prefix-cache keys (block_manager.prompt_block_keys), hashed by the API server so
     # the core's thread does not; None: the core hashes the prompt itself.
     prompt_block_keys: list[bytes] | None = None
+    cache_salt: str | None = None       # vLLM's: shares prefix-cache blocks only with the same salt
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

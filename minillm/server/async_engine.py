@@ -53,6 +53,7 @@ class _Add:
     arrival_time: float
     stream: "RequestStream"
     done: asyncio.Future
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -175,7 +176,8 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
-                          observer: Callable[[RequestOutput, float], None] | None = None) -> RequestStream: ...
+                          observer: Callable[[RequestOutput, float], None] | None = None,
+                          cache_salt: str | None = None) -> RequestStream: ...
     def abort(self, request_id: str) -> None: ...
     async def get_full_stats(self) -> EngineStats: ...
     async def get_stats(self, cells: int = 64) -> EngineStats: ...
@@ -273,17 +275,19 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
-                          observer: Callable[[RequestOutput, float], None] | None = None) -> RequestStream:
+                          observer: Callable[[RequestOutput, float], None] | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it (ValueError if not).
 
         output_queue: where its outputs go (shared by the requests of one call); a new one if None.
         observer: called on the event loop with every output and the time it was seen.
+        cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer)
         done = loop.create_future()
-        self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done))
+        self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done, cache_salt))
         try:
             await done
         except asyncio.CancelledError:
@@ -421,7 +425,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time)
+                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt)
         except Exception as exc:  # noqa: BLE001 - ValueError is a 400; anything else a 500
             resolve_future(loop, command.done, error=exc)
             return

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from minillm.block_manager import prompt_block_keys
+from minillm.block_manager import cache_salt_root, prompt_block_keys
 from minillm.config import EngineConfig
 from minillm.engine_core import messages as m
 from minillm.engine_core.client import CoreLink, EngineCoreClient
@@ -126,8 +126,10 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
-                          observer: Callable[[RequestOutput, float], None] | None = None) -> RequestStream:
-        """Submit a request; returns its stream once the core accepted it (ValueError if not)."""
+                          observer: Callable[[RequestOutput, float], None] | None = None,
+                          cache_salt: str | None = None) -> RequestStream:
+        """Submit a request; returns its stream once the core accepted it (ValueError if not).
+        cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt."""
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer)
@@ -138,13 +140,13 @@ class AsyncLLM:
         fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
         if params.structured_outputs is not None:
             fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
-        keys = self._prompt_block_keys(ids, params)
+        keys = self._prompt_block_keys(ids, params, cache_salt)
         done = loop.create_future()
         with self._lock:
             if request_id in self.processor.requests or request_id in self._adds:
                 raise ValueError(f"request_id {request_id!r} is already in use")
             try:
-                self._send(m.AddRequest(request_id, ids, fields, arrival, self.client_index, keys))
+                self._send(m.AddRequest(request_id, ids, fields, arrival, self.client_index, keys, cache_salt))
             except (TypeError, OverflowError, msgspec.EncodeError) as exc:   # a value msgpack cannot carry
                 raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
             prompt_ids = list(ids) if isinstance(ids, (list, tuple)) else []   # the core refuses anything else
@@ -157,15 +159,16 @@ class AsyncLLM:
             raise
         return stream
 
-    def _prompt_block_keys(self, ids: Any, params: SamplingParams) -> list[bytes] | None:
+    def _prompt_block_keys(self, ids: Any, params: SamplingParams, cache_salt: str | None) -> list[bytes] | None:
         """The prompt's prefix-cache keys, hashed here rather than on the core's one thread (35 us a
         512-token prompt); None where the core keys nothing, would truncate the prompt first, or
-        will refuse it (ids that are no integers)."""
+        will refuse it (ids that are no integers, a salt that is no string)."""
         if not self.prefix_block_size or params.truncate_prompt_tokens is not None \
-                or not isinstance(ids, list) or len(ids) < self.prefix_block_size:
+                or not isinstance(ids, list) or len(ids) < self.prefix_block_size \
+                or not isinstance(cache_salt, (str, type(None))):
             return None
         try:
-            return prompt_block_keys(ids, self.prefix_block_size)
+            return prompt_block_keys(ids, self.prefix_block_size, cache_salt_root(cache_salt))
         except (TypeError, OverflowError):
             return None
 

@@ -134,6 +134,14 @@ class _GenerationRequest(_ModelRequest):
     return_tokens_as_token_ids: bool | None = None      # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool | None = None                # vLLM's: the prompt's and the completion's token ids
     request_id: Text | None = None                      # vLLM's: names the response (X-Request-Id wins)
+    cache_salt: Text | None = None                      # vLLM's: prefix-cache blocks shared only with the same salt
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _salt_not_empty(cls, value: str | None) -> str | None:
+        if value == "":       # as vLLM refuses it: an unset variable must not quietly mean "no salt"
+            raise PydanticCustomError("empty_salt", "cache_salt must be a non-empty string if provided")
+        return value
 
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")
     @classmethod

@@ -184,8 +184,9 @@ def params_for_log(params: SamplingParams) -> str:
 
 
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams]) -> list[RequestStream]:
-    """Add one engine request per prompt, all feeding one queue; on a rejection abort those added."""
+                 params: list[SamplingParams], cache_salt: str | None = None) -> list[RequestStream]:
+    """Add one engine request per prompt, all feeding one queue; on a rejection abort those added.
+    cache_salt: the request's (vLLM's), which keeps its prefix-cache blocks to requests of the same salt."""
     streams: list[RequestStream] = []
     shared = OutputQueue()
     try:
@@ -193,7 +194,7 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
             sub_id = sub_request_id(request_id, i, len(prompts))
             timer = RequestTimer(ctx.metrics)
             streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
-                                                        observer=timer.on_output))
+                                                        observer=timer.on_output, cache_salt=cache_salt))
     except BaseException as exc:
         for stream in streams:
             ctx.engine.abort(stream.request_id)
@@ -426,7 +427,7 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
     """Submit a job's prompts, then stream its events or return its JSON response; a failure or
     a hang-up aborts whatever is still running."""
     log_received(ctx, job, prompts, params)
-    streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params))
+    streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params, job.req.cache_salt))
     try:
         if stream:
             return await streaming_response(ctx, raw, job.events(streams))
