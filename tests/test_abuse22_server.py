@@ -191,3 +191,17 @@ def test_a_cache_salt_keeps_prefix_cache_blocks_to_requests_of_the_same_salt(htt
         openai_error(http.post("/v1/completions", json=_completion(cache_salt=bad)), 400, "cache_salt")
     chat = http.post("/v1/chat/completions", json=_chat(cache_salt="user-a"))
     assert chat.status_code == 200, chat.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_length_penalty_at_vllms_default_passes_and_another_value_is_refused(http, healthy_stream, path):
+    # vLLM's requests carry length_penalty 1.0 by default (it weighs beam search only), and clients
+    # that send every field send it; any length_penalty was a 400 here.
+    body = _completion() if path == "/v1/completions" else _chat()
+    want = http.post(path, json=body).json()["choices"]
+    for neutral in (1.0, 1):
+        response = http.post(path, json={**body, "length_penalty": neutral})
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"] == want
+    for bad in (0.5, True, "1.0"):
+        openai_error(http.post(path, json={**body, "length_penalty": bad}), 400, "length_penalty")

@@ -307,8 +307,10 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 
 
 # vLLM's request fields that change what comes back and that this server does not implement: refused
-# when set (a false or empty value changes nothing and passes), where an unknown field is only logged.
+# when set (a false or empty value, or the field's neutral value, changes nothing and passes), where
+# an unknown field is only logged.
 VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds")
+NEUTRAL_VALUES = {"length_penalty": 1.0}     # vLLM's default, which clients that send every field send
 
 
 def check_unsupported(req: _GenerationRequest) -> None:
@@ -316,7 +318,8 @@ def check_unsupported(req: _GenerationRequest) -> None:
     extra = req.model_extra or {}
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
-        if value is not None and value is not False and value != [] and value != {}:
+        if value is not None and value is not False and value != [] and value != {} \
+                and not (name in NEUTRAL_VALUES and _is_number(value) and value == NEUTRAL_VALUES[name]):
             raise APIError(400, f"{name} is not supported", param=name)
     options = req.stream_options
     # OpenAI and vLLM refuse options without a stream; vLLM lets an empty object ({}) by, as here.
@@ -338,6 +341,10 @@ def check_unsupported(req: _GenerationRequest) -> None:
         if req.function_call not in (None, "none"):
             raise APIError(400, "function_call is not supported", param="function_call")
         check_rendering(req)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_rendering(req: ConversationRequest) -> None:
