@@ -205,3 +205,13 @@ def test_length_penalty_at_vllms_default_passes_and_another_value_is_refused(htt
         assert response.json()["choices"] == want
     for bad in (0.5, True, "1.0"):
         openai_error(http.post(path, json={**body, "length_penalty": bad}), 400, "length_penalty")
+
+
+@pytest.mark.parametrize("field,value", [("structural_tag", '{"structures": [], "triggers": ["<f>"]}'),
+                                         ("guided_whitespace_pattern", "[ ]*"), ("best_of", 3)])
+def test_vllm_fields_that_would_change_a_chat_reply_are_refused_not_ignored(http, healthy_stream, field, value):
+    # vLLM's chat requests take these (a structural tag constraint, the whitespace of guided JSON, and
+    # best_of, which vLLM refuses past n); here a chat completion ignored them without a word.
+    openai_error(http.post("/v1/chat/completions", json=_chat(**{field: value})), 400, field)
+    openai_error(http.post("/v1/completions", json=_completion(**{field: value})), 400, field)
+    assert http.post("/v1/chat/completions", json=_chat(best_of=2, n=2)).status_code == 200

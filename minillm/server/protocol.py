@@ -134,6 +134,7 @@ class _GenerationRequest(_ModelRequest):
     return_tokens_as_token_ids: bool | None = None      # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool | None = None                # vLLM's: the prompt's and the completion's token ids
     request_id: Text | None = None                      # vLLM's: names the response (X-Request-Id wins)
+    best_of: int | None = None                          # beam search's width: only n (no search) is taken
     cache_salt: Text | None = None                      # vLLM's: prefix-cache blocks shared only with the same salt
 
     @field_validator("cache_salt")
@@ -168,7 +169,6 @@ class CompletionRequest(_GenerationRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: Text | None = None
-    best_of: int | None = None
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
 
 
@@ -309,7 +309,8 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value, or the field's neutral value, changes nothing and passes), where
 # an unknown field is only logged.
-VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds")
+VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds", "structural_tag",
+                    "guided_whitespace_pattern")
 NEUTRAL_VALUES = {"length_penalty": 1.0}     # vLLM's default, which clients that send every field send
 
 
@@ -318,7 +319,7 @@ def check_unsupported(req: _GenerationRequest) -> None:
     extra = req.model_extra or {}
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
-        if value is not None and value is not False and value != [] and value != {} \
+        if value is not None and value is not False and value not in ([], {}, "") \
                 and not (name in NEUTRAL_VALUES and _is_number(value) and value == NEUTRAL_VALUES[name]):
             raise APIError(400, f"{name} is not supported", param=name)
     options = req.stream_options
@@ -329,11 +330,10 @@ def check_unsupported(req: _GenerationRequest) -> None:
     if priority is not None and priority != 0:         # vLLM refuses it too without priority scheduling
         raise APIError(400, "priority is not supported (requests are served first come, first served)",
                        param="priority")
-    if isinstance(req, CompletionRequest):
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        if req.best_of is not None and req.best_of != req.n:
-            raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
+    if isinstance(req, CompletionRequest) and req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
     if isinstance(req, ChatCompletionRequest):
         check_tool_choice(req)
         if req.functions:
