@@ -6,7 +6,10 @@ flight, and every such stream must end with the text of the same request made al
 from __future__ import annotations
 
 import json
+import threading
+import time
 
+import httpx
 import pytest
 from openai import OpenAI
 from test_server_helpers import openai_error, raw_stream, sse_events, wait_for
@@ -215,3 +218,30 @@ def test_vllm_fields_that_would_change_a_chat_reply_are_refused_not_ignored(http
     openai_error(http.post("/v1/chat/completions", json=_chat(**{field: value})), 400, field)
     openai_error(http.post("/v1/completions", json=_completion(**{field: value})), 400, field)
     assert http.post("/v1/chat/completions", json=_chat(best_of=2, n=2)).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+def test_a_body_of_many_messages_leaves_the_event_loop_serving(server, healthy_stream, path):
+    # 150,000 small messages (6 MB) took pydantic over a second to read as a request, on the event loop:
+    # every stream and /health stood still meanwhile. Read in the preprocessing pool, the loop goes on.
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 7}] * 150_000}).encode()
+    done, latencies = threading.Event(), []
+
+    def probe() -> None:
+        with httpx.Client(base_url=server[0], timeout=30) as client:
+            while not done.is_set():
+                start = time.monotonic()
+                assert client.get("/health").status_code == 200
+                latencies.append(time.monotonic() - start)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        response = httpx.post(f"{server[0]}{path}", content=body, headers={"Content-Type": "application/json"},
+                              timeout=120)
+    finally:
+        done.set()
+        prober.join(60)
+    error = openai_error(response, 400, "messages", "prompt_too_long")      # 1.05M characters of text
+    assert "1050000" in error["message"]
+    assert len(latencies) >= 3 and max(latencies) < 0.75, sorted(latencies)[-5:]

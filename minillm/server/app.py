@@ -148,17 +148,20 @@ def _stats_cells(cells: int) -> int:
 
 
 def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+    # The bodies are read as requests by the handlers, off the event loop when large (serving.py).
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def completions(raw: Request, body: dict[str, Any] = Body()):
         return await create_completion(ctx, body, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    async def chat_completions(raw: Request, body: dict[str, Any] = Body()):
         return await create_chat_completion(ctx, body, raw)
 
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
                 "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
+
+    _document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
 
     @app.api_route("/v1/models", methods=GET_OR_HEAD)
     async def models():
@@ -170,6 +173,25 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return model_card(model)
 
 
+def _document_request_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
+    """/openapi.json shows these routes' request models, as it would for a typed body (the routes take
+    a plain object and validate it in the handler, off the event loop when it is large)."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = default()
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in bodies.items():
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}), **{model.__name__: schema})
+                content = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+                content["schema"] = {"$ref": f"#/components/schemas/{model.__name__}"}
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def _add_vllm_routes(app: FastAPI, ctx: ServingContext, load: ServerLoad) -> None:
     """vLLM's utility endpoints. Outside /v1, so the API key does not guard them (as in vLLM)."""
     @app.api_route("/load", methods=GET_OR_HEAD)
@@ -177,8 +199,8 @@ def _add_vllm_routes(app: FastAPI, ctx: ServingContext, load: ServerLoad) -> Non
         return {"server_load": load.num_requests}
 
     @app.post("/tokenize")
-    async def tokenize(body: dict[str, Any] = Body()):
-        return await create_tokenize(ctx, body)
+    async def tokenize(raw: Request, body: dict[str, Any] = Body()):
+        return await create_tokenize(ctx, body, raw)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):

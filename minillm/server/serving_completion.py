@@ -22,8 +22,8 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
-    client_response_id, json_dumps, log_unknown_fields, merged_outputs, new_request_id, refuse_uncompiled_constraint,
-    sse, stream_events, text_choice_json, tokenize_bad_words, usage,
+    client_response_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs, new_request_id,
+    refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words, usage, validate_request,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -266,12 +266,15 @@ class CompletionJob:
         return choices
 
 
-async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
-    """Validate, submit and answer (JSON, or an event stream)."""
+async def create_completion(ctx: ServingContext, body: dict, raw: Request):
+    """Validate, submit and answer (JSON, or an event stream); a large body is read as a request in the
+    preprocessing pool (its token ids are walked there too)."""
+    is_large = await is_large_body(raw)
+    req = await ctx.run_blocking_if(is_large, validate_request, CompletionRequest, body)
     ctx.check_model(req.model)
     check_unsupported(req)                   # a refused field is not also logged as ignored
     log_unknown_fields(unknown_fields(req))
-    job = CompletionJob(ctx, req, client_response_id("cmpl", raw, req.request_id))
+    job = await ctx.run_blocking_if(is_large, CompletionJob, ctx, req, client_response_id("cmpl", raw, req.request_id))
     await job.prepare()
     job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, job.prompt_ids, job.params, req.n,
                                                 req.stream)

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
+from fastapi import Request
 
 from minillm.server.errors import APIError
 from minillm.server.limits import check_prompt_chars
 from minillm.server.protocol import (
     DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, check_rendering, unknown_fields,
 )
-from minillm.server.serving import ServingContext, log_unknown_fields
+from minillm.server.serving import ServingContext, is_large_body, log_unknown_fields, validate_request
 from minillm.server.serving_chat import ConversationPrompt
 
 # Token ids past which checking and decoding them runs in the preprocessing pool, off the event loop.
@@ -30,21 +29,18 @@ def tokenize_request(body: dict[str, Any]) -> TokenizeCompletionRequest | Tokeni
     if has_messages and has_prompt:
         raise APIError(400, "send either prompt (text to tokenize) or messages (a conversation to render "
                        "and tokenize), not both", param="messages")
-    form = TokenizeChatRequest if has_messages else TokenizeCompletionRequest
-    try:
-        return form.model_validate(body)
-    except ValidationError as exc:   # as FastAPI reports a body model's errors: under "body"
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
+    return validate_request(TokenizeChatRequest if has_messages else TokenizeCompletionRequest, body)
 
 
-async def create_tokenize(ctx: ServingContext, body: dict[str, Any]) -> dict:
+async def create_tokenize(ctx: ServingContext, body: dict[str, Any], raw: Request) -> dict:
     """vLLM's TokenizeResponse: count, max_model_len, tokens and (return_token_strs) token_strs."""
-    req = tokenize_request(body)
+    is_large = await is_large_body(raw)
+    req = await ctx.run_blocking_if(is_large, tokenize_request, body)
     ctx.check_model(req.model)
     log_unknown_fields(unknown_fields(req))
     if isinstance(req, TokenizeChatRequest):
         check_rendering(req)
-        encode = ConversationPrompt(ctx, req).token_ids
+        encode = (await ctx.run_blocking_if(is_large, ConversationPrompt, ctx, req)).token_ids
     else:
         check_prompt_chars(ctx.limits, len(req.prompt), "prompt")
 
