@@ -245,3 +245,26 @@ def test_a_body_of_many_messages_leaves_the_event_loop_serving(server, healthy_s
     error = openai_error(response, 400, "messages", "prompt_too_long")      # 1.05M characters of text
     assert "1050000" in error["message"]
     assert len(latencies) >= 3 and max(latencies) < 0.75, sorted(latencies)[-5:]
+
+
+BAD_SCHEMA = {"type": "function", "function": {"name": "broken", "parameters": {"type": "frobnicate"}}}
+NEVER = {"type": "function", "function": {"name": "never", "parameters": {
+    "type": "object", "properties": {"a": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["a"]}}}
+
+LOOP = {"type": "function", "function": {"name": "loop", "parameters": {   # found only where the engine compiles it
+    "$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}
+
+
+@pytest.mark.parametrize("tool", [BAD_SCHEMA, NEVER, LOOP], ids=["invalid", "unsatisfiable", "self-reference"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_forced_call_of_a_tool_whose_schema_cannot_hold_it_is_a_400_naming_the_tool(http, healthy_stream, tool,
+                                                                                        stream):
+    # A tool's parameters schema that does not compile (or that nothing satisfies) was a 500 from a
+    # forced call of it, and the 500 closed the client's connection.
+    named = {"type": "function", "function": {"name": tool["function"]["name"]}}
+    for choice, tools, param in ((named, [WEATHER, tool], "tools.1.function.parameters"),
+                                 ("required", [tool], "tools")):   # beside WEATHER, "required" calls that
+        error = openai_error(http.post("/v1/chat/completions",
+                                       json=_tool_chat(choice, tools=tools, stream=stream)), 400, param)
+        assert "schema" in error["message"]
+    assert http.get("/health").status_code == 200

@@ -458,7 +458,7 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
     except BaseException:
         abort_unfinished(ctx, streams)
         raise
-    refuse_uncompiled_constraint(job.req, finals)
+    refuse_uncompiled_constraint(job.req, finals, getattr(job, "constraint_param", None))
     if response_entries(finals) < LARGE_RESPONSE_ENTRIES:
         return JSONResponse(job.response(finals))
     # Hundreds of thousands of log-probability entries take seconds of Python to turn into JSON:
@@ -510,11 +510,12 @@ def response_entries(finals: list[RequestOutput]) -> int:
     return total
 
 
-def refuse_uncompiled_constraint(req, finals: list[RequestOutput]) -> None:
+def refuse_uncompiled_constraint(req, finals: list[RequestOutput], param: str | None = None) -> None:
     """A 400 for a request whose constraint the engine could not compile (a regex no output
     satisfies, a grammar too large to match): checks that need the tokenizer run in the engine,
     after the request was taken in. A stream calls it on its outputs until it first sends (its
-    status line waits for its first event)."""
+    status line waits for its first event). param: the field that gave the constraint, where it is
+    not the request's response_format or structured_outputs (a forced tool call's schema)."""
     for output in finals:
         for completion in output.outputs:
             reason = completion.stop_reason
@@ -522,7 +523,9 @@ def refuse_uncompiled_constraint(req, finals: list[RequestOutput]) -> None:
                     and reason.startswith("structured_outputs."):
                 field, _, message = reason.partition(": ")
                 fmt = getattr(req, "response_format", None)
-                if fmt is not None:           # the chat request gave it as response_format
+                if param is not None:
+                    field = param
+                elif fmt is not None:         # the chat request gave it as response_format
                     field = "response_format.json_schema.schema" if fmt.get("type") == "json_schema" \
                         else "response_format"
                 raise APIError(400, f"{field}: {message}", param=field)

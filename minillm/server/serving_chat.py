@@ -155,6 +155,7 @@ class ChatJob:
         # tool_choice "required" or a named tool: the output is the call, carried as tool_calls
         self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
         self.tool_streams: dict[int, ToolCallStream] = {}
+        self.constraint_param = self.forced.param if self.forced is not None else None   # what holds the output
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -183,8 +184,7 @@ class ChatJob:
             field = "response_format" if self.req.response_format is not None else "structured_outputs"
             raise APIError(400, f"tool_choice holds the output to a tool call; {field} cannot constrain it too",
                            param=field)
-        from minillm.structured_output import StructuredOutputsParams
-        return StructuredOutputsParams(json=self.forced.schema)
+        return self.forced.constraint()
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""
@@ -259,7 +259,7 @@ class ChatJob:
             async for batch in batches:
                 for _, output in batch:
                     if not sent:
-                        refuse_uncompiled_constraint(self.req, [output])
+                        refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
                     final = output
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events = stream_events(chunks, self._choices(output, progress), output,

@@ -50,8 +50,8 @@ def structured_outputs_params(req: Any):
         param = f"structured_outputs.{key}" if named else "structured_outputs"
         what = param if named else f"structured_outputs: {short_repr(key)}"
         raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
-    return _params(lambda field: "structured_outputs" if field == "structured_outputs" else f"structured_outputs.{field}",
-                   **req.structured_outputs)
+    return checked_params(lambda field: "structured_outputs" if field == "structured_outputs"
+                          else f"structured_outputs.{field}", **req.structured_outputs)
 
 
 def _from_response_format(fmt: dict):
@@ -61,7 +61,7 @@ def _from_response_format(fmt: dict):
     if kind == "text":
         return None
     if kind == "json_object":
-        return _params(lambda field: "response_format", json_object=True)
+        return checked_params(lambda field: "response_format", json_object=True)
     if kind != "json_schema":
         raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema', got "
                        f"{short_repr(kind)}",
@@ -81,7 +81,7 @@ def _from_response_format(fmt: dict):
                        param="response_format.json_schema.strict")
     if spec.get("schema") is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
-    return _params(lambda field: "response_format.json_schema.schema", json=spec["schema"])
+    return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"])
 
 
 def _refuse_unknown_keys(obj: dict, where: str, known: tuple[str, ...]) -> None:
@@ -94,7 +94,7 @@ def _refuse_unknown_keys(obj: dict, where: str, known: tuple[str, ...]) -> None:
             raise APIError(400, f"{what} is not supported here ({where} takes {', '.join(known)})", param=param)
 
 
-def _params(param_of, **fields):
+def checked_params(param_of, **fields):
     """StructuredOutputsParams(**fields); its ValueError (which names a field) becomes a 400 whose
     param is param_of(that field)."""
     from minillm.structured_output import StructuredOutputsError, StructuredOutputsParams

@@ -37,11 +37,17 @@ def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
 
 @dataclass(frozen=True)
 class ForcedToolCalls:
-    """What a tool_choice that forces a call asks of the output: the JSON schema that holds it, and
-    the named tool (None: "required", any of the tools)."""
+    """What a tool_choice that forces a call asks of the output: the JSON schema that holds it, the
+    named tool (None: "required", any of the tools), and the field an error about the schema names."""
 
     schema: dict
     name: str | None = None
+    param: str = "tools"
+
+    def constraint(self):
+        """The output's StructuredOutputsParams; a schema that does not compile is a 400 naming param."""
+        from minillm.server.structured import checked_params
+        return checked_params(lambda field: self.param, json=self.schema)
 
     def calls(self, text: str) -> list[dict]:
         """The tool_calls of a finished output's text (a required array cut short: its whole items)."""
@@ -64,8 +70,8 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
     functions = [tool["function"] for tool in tools]
     if isinstance(choice, dict):
         name = choice["function"]["name"]
-        [function] = [f for f in functions if f["name"] == name][:1]
-        return ForcedToolCalls(_parameters_schema(function), name)
+        index = next(i for i, f in enumerate(functions) if f["name"] == name)
+        return ForcedToolCalls(_parameters_schema(functions[index]), name, f"tools.{index}.function.parameters")
     if choice != "required" or not functions:
         return None
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
