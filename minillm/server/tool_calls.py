@@ -74,10 +74,20 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
         return ForcedToolCalls(_parameters_schema(functions[index]), name, f"tools.{index}.function.parameters")
     if choice != "required" or not functions:
         return None
-    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                               "parameters": _parameters_schema(f)},
-              "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
+    # Each tool's $defs move to the array's top, where its "#/$defs/..." references point (as vLLM does).
+    defs: dict = {}
+    parameters = [dict(_parameters_schema(f)) for f in functions]
+    for i, params in enumerate(parameters):
+        for name, definition in (params.pop("$defs") if isinstance(params.get("$defs"), dict) else {}).items():
+            if defs.setdefault(name, definition) != definition:
+                raise APIError(400, f"tools define $defs {name!r} twice, differently (tool_choice \"required\" "
+                               f"puts every tool's $defs in one schema)", param=f"tools.{i}.function.parameters")
+    items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for f, params in zip(functions, parameters)]
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if defs:
+        schema["$defs"] = defs
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     return ForcedToolCalls(schema)
