@@ -62,7 +62,7 @@ SMALL = {"num_equality": 8, "equality_prompt": 48, "equality_output": 12, "users
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
-    p = BenchParser("python3 -m minillm.benchmarks.pd_disagg", __doc__.split("\n\n")[0])
+    p = BenchParser("minillm bench pd_disagg", __doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="Backend of both servers.")
     p.add_argument("--model", default=None, help="A model directory (default: random weights of the Qwen3-0.6B "
                    "shape, or of a tiny Qwen3 with --small).")
@@ -513,4 +513,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, "python3 -m minillm.benchmarks.pd_disagg"))
+    sys.exit(run_main(main, "minillm bench pd_disagg"))

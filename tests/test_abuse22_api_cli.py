@@ -124,6 +124,7 @@ def test_bench_options_past_their_bounds_are_usage_errors_naming_them(module, ar
     with pytest.raises(BenchUsageError) as info:
         importlib.import_module(f"minillm.benchmarks.{module}").parse_args(args)
     assert info.value.message.startswith(message), info.value.message
+    assert info.value.prog == f"minillm bench {module}"     # the command the error's --help hint names
 
 
 @needs_stories
