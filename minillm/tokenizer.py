@@ -350,16 +350,18 @@ class Tokenizer:
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e or type(e).__name__}") from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tokenize: bool = False, chat_template: str | None = None,
-                            **template_kwargs) -> str | list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = True, chat_template: str | None = None, return_dict: bool = False,
+                            **template_kwargs) -> str | list[int] | dict:
         """Render messages with the model's chat template, or CHAT_TEMPLATE (a template's source) when
-        given; tokenize=True returns ids (no specials added)."""
+        given, with the defaults of the transformers that vLLM's get_tokenizer() hands out: token ids
+        (no specials added; {"input_ids", "attention_mask"} with return_dict) unless tokenize=False,
+        and no generation prompt unless asked for."""
         text = self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
         if not tokenize:
             return text
         # The template writes BOS itself where the model wants it.
-        return self.encode(text, add_special_tokens=False)
+        return self(text, add_special_tokens=False) if return_dict else self.encode(text, add_special_tokens=False)
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts -> their token ids; unlike encode, the work runs without holding the GIL."""

@@ -53,7 +53,7 @@ def test_chat_renders_the_template_and_generates(llm):
     tok = llm.get_tokenizer()
     messages = [{"role": "system", "content": "You tell stories."}, {"role": "user", "content": "Tell me one."}]
     [out] = llm.chat(messages, GREEDY, chat_template=CHATML)
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, chat_template=CHATML)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, chat_template=CHATML)
     assert out.prompt == text and text.endswith("<|im_start|>assistant\n")
     [same] = llm.generate({"prompt_token_ids": tok.encode(text, add_special_tokens=False)}, GREEDY)
     assert out.prompt_token_ids == same.prompt_token_ids
@@ -61,7 +61,8 @@ def test_chat_renders_the_template_and_generates(llm):
     # A batch of conversations, one output each, in order.
     other = [{"role": "user", "content": "Lily?"}]
     outs = llm.chat([messages, other], GREEDY, chat_template=CHATML)
-    assert [o.prompt for o in outs] == [text, tok.apply_chat_template(other, chat_template=CHATML)]
+    want = tok.apply_chat_template(other, add_generation_prompt=True, tokenize=False, chat_template=CHATML)
+    assert [o.prompt for o in outs] == [text, want]
     assert outs[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 

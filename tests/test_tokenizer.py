@@ -255,7 +255,7 @@ def _check_template_parity(path: Path) -> None:
     tok, ref = Tokenizer.from_pretrained(path), _auto(path)
     assert tok.has_chat_template
     for gen in (True, False):
-        text = tok.apply_chat_template(CONVERSATION, add_generation_prompt=gen)
+        text = tok.apply_chat_template(CONVERSATION, add_generation_prompt=gen, tokenize=False)
         assert text == ref.apply_chat_template(CONVERSATION, add_generation_prompt=gen, tokenize=False)
     ids = tok.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
     assert ids == ref.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -272,7 +272,8 @@ def test_llama2_like_template_on_stories_matches_transformers(tmp_path):
 
 def test_chatml_template_matches_transformers(byte_bpe_dir):
     _check_template_parity(byte_bpe_dir)
-    text = Tokenizer.from_pretrained(byte_bpe_dir).apply_chat_template(CONVERSATION)
+    text = Tokenizer.from_pretrained(byte_bpe_dir).apply_chat_template(CONVERSATION, add_generation_prompt=True,
+                                                                    tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
 
 
@@ -293,7 +294,7 @@ def test_template_helpers_and_errors(tmp_path, byte_bpe_json):
     path = _write_dir(tmp_path / "helpers", byte_bpe_json,
                       {"eos_token": "<|im_end|>", "chat_template": template})
     tok = Tokenizer.from_pretrained(path)
-    text = tok.apply_chat_template([{"role": "user", "content": "ü<b>", "name": None}])
+    text = tok.apply_chat_template([{"role": "user", "content": "ü<b>", "name": None}], tokenize=False)
     assert text == '[{"role": "user", "content": "ü<b>"}]|4|<|im_end|>'
     with pytest.raises(ValueError, match="only one message"):
         tok.apply_chat_template([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])

@@ -1,0 +1,37 @@
+"""A vLLM offline script ported to minillm: the tokenizer LLM hands out, the LLM methods vLLM has,
+and the SamplingParams and constructor values vLLM takes, each doing what vLLM does or refused by name."""
+import pytest
+
+from minillm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}Tom:{% endif %}"
+MESSAGES = [{"role": "user", "content": "Lily had a red ball."}]
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    """One stories260K LLM on the CPU for the module."""
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
+        yield model
+
+
+def test_apply_chat_template_has_the_defaults_of_vllms_transformers_tokenizer(llm, stories_path):
+    """vLLM's get_tokenizer() is a transformers tokenizer (transformers < 5): apply_chat_template returns
+    token ids and adds no generation prompt unless asked. minillm's returned the text with the
+    generation prompt, so a ported script tokenized it again or counted characters as tokens."""
+    transformers = pytest.importorskip("transformers")
+    ref = transformers.AutoTokenizer.from_pretrained(str(stories_path))
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE)
+    assert ids == ref.apply_chat_template(MESSAGES, chat_template=TEMPLATE, return_dict=False)
+    assert tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, tokenize=False) == "<s>Lily had a red ball. "
+    assert tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, return_dict=True) == \
+        dict(ref.apply_chat_template(MESSAGES, chat_template=TEMPLATE, return_dict=True))
+    # The ids of the generation prompt are what LLM.chat generates from.
+    prompt_ids = tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True)
+    assert prompt_ids == ref.apply_chat_template(MESSAGES, chat_template=TEMPLATE, add_generation_prompt=True,
+                                                 return_dict=False)
+    [chat] = llm.chat(MESSAGES, GREEDY, chat_template=TEMPLATE)
+    [tokens] = llm.generate({"prompt_token_ids": prompt_ids}, GREEDY)
+    assert chat.prompt_token_ids == prompt_ids and chat.outputs[0].token_ids == tokens.outputs[0].token_ids
