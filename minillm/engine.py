@@ -413,6 +413,17 @@ class LLMEngine:
         """True while any request is queued, running or unreported, or a step is in flight."""
         return bool(self.requests) or bool(self._in_flight)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block, so later prompts are computed afresh (vLLM's name, for
+        benchmarks and changed weights); False, with nothing forgotten, while any block is in use."""
+        in_use = self.block_manager.num_used_blocks
+        if in_use or self.has_unfinished_requests():
+            self.log(f"minillm: reset_prefix_cache: nothing was reset ({len(self.requests)} requests unfinished, "
+                     f"{in_use} KV blocks in use)")
+            return False
+        self.block_manager.reset_prefix_cache()
+        return True
+
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and launch a step, then read back the one before it (on the GPU one step stays

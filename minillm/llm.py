@@ -92,6 +92,11 @@ class LLM:
         """The model's tokenizer."""
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache between generate() calls (vLLM's name); False while requests run."""
+        with self._generate_lock:
+            return self.engine.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling_params: SamplingParams() with the
         model's generation_config.json defaults (temperature, top_p, top_k, min_p,

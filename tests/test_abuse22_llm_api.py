@@ -35,3 +35,22 @@ def test_apply_chat_template_has_the_defaults_of_vllms_transformers_tokenizer(ll
     [chat] = llm.chat(MESSAGES, GREEDY, chat_template=TEMPLATE)
     [tokens] = llm.generate({"prompt_token_ids": prompt_ids}, GREEDY)
     assert chat.prompt_token_ids == prompt_ids and chat.outputs[0].token_ids == tokens.outputs[0].token_ids
+
+
+def test_reset_prefix_cache_forgets_the_cached_prompts(llm):
+    """vLLM's LLM.reset_prefix_cache (benchmarks call it between runs) was an AttributeError."""
+    prompt = "Once upon a time there was a little girl named Lily who liked to play in the park"
+    first = llm.generate(prompt, GREEDY)[0]
+    again = llm.generate(prompt, GREEDY)[0]
+    assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache() is True
+    fresh = llm.generate(prompt, GREEDY)[0]
+    assert fresh.num_cached_tokens == 0 and fresh.outputs[0].token_ids == first.outputs[0].token_ids
+    # While a request holds blocks nothing is forgotten, as in vLLM.
+    engine = llm.llm_engine
+    engine.add_request("running", prompt, GREEDY)
+    engine.step()
+    assert engine.reset_prefix_cache() is False
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert llm.generate(prompt, GREEDY)[0].num_cached_tokens >= 16
