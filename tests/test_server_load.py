@@ -147,7 +147,9 @@ def test_serving_benchmark_with_max_concurrency_and_given_prompts(server, tmp_pa
     requests = result["requests"]
     assert len(requests) == 6 and all(r["error"] is None and r["output_tokens"] == 6 for r in requests)
     for r in requests:
-        assert 0 <= r["start_ms"] and 0 < r["ttft_ms"] and 1 <= len(r["itl_ms"]) <= 5
+        # One gap per streamed event after the first: fewer than 5 when a busy server sent several
+        # tokens in one event (all 6 in one leaves none).
+        assert 0 <= r["start_ms"] and 0 < r["ttft_ms"] and len(r["itl_ms"]) <= 5
         assert r["ttft_ms"] + sum(r["itl_ms"]) <= r["end_ms"] - r["start_ms"]
     for r in requests:
         assert sum(1 for o in requests if o["start_ms"] <= r["start_ms"] < o["end_ms"]) <= 2
