@@ -92,6 +92,14 @@ class LLM:
         """The model's tokenizer."""
         return self.engine.tokenizer
 
+    def set_tokenizer(self, tokenizer) -> None:
+        """vLLM's: takes back the tokenizer get_tokenizer() returned (what was changed on it, such as
+        its chat_template, the engine uses already); ValueError naming tokenizer for any other."""
+        if tokenizer is not self.engine.tokenizer:
+            raise ValueError(f"set_tokenizer takes only the tokenizer get_tokenizer() returned, not another "
+                             f"{type(tokenizer).__name__}: minillm reads the model's own tokenizer.json (change "
+                             f"that tokenizer in place, such as its chat_template, or give LLM.chat a chat_template)")
+
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache between generate() calls (vLLM's name); False while requests run."""
         with self._generate_lock:

@@ -54,3 +54,21 @@ def test_reset_prefix_cache_forgets_the_cached_prompts(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert llm.generate(prompt, GREEDY)[0].num_cached_tokens >= 16
+
+
+def test_set_tokenizer_takes_back_the_tokenizer_get_tokenizer_returned(llm, stories_path):
+    """vLLM scripts set a chat template on llm.get_tokenizer() and hand it back with set_tokenizer,
+    which was an AttributeError; another tokenizer is refused by name, never taken without effect."""
+    from minillm.tokenizer import Tokenizer
+    tok = llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = TEMPLATE
+    try:
+        llm.set_tokenizer(tok)
+        [out] = llm.chat(MESSAGES, GREEDY)
+    finally:
+        tok.chat_template = saved
+    assert out.prompt == "<s>Lily had a red ball. Tom:"
+    with pytest.raises(ValueError, match="set_tokenizer takes only the tokenizer get_tokenizer"):
+        llm.set_tokenizer(Tokenizer.from_pretrained(stories_path))
+    assert llm.get_tokenizer() is tok
