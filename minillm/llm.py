@@ -39,6 +39,19 @@ VLLM_FIXED_ARGS = {
 }
 
 
+# vLLM's LLM methods that minillm has no counterpart for: name -> why, said by the AttributeError that
+# names the method (hasattr() stays False, so a script that looks before it calls takes its other path).
+VLLM_MISSING_METHODS = {
+    **dict.fromkeys(("encode", "embed", "classify", "score", "reward"),
+                    "minillm runs generative models only, with no pooling API (generate and chat give text)"),
+    "beam_search": "minillm has no beam search (SamplingParams(n=...) samples n completions)",
+    **dict.fromkeys(("sleep", "wake_up"), "minillm keeps its weights and KV pool in device memory until "
+                                          "shutdown(), which gives them back (a new LLM loads the model again)"),
+    **dict.fromkeys(("start_profile", "stop_profile"), "minillm has no torch profiler (`minillm bench throughput` "
+                                                       "says where each step's time goes)"),
+}
+
+
 def _is_count(value, expected: int) -> bool:
     """value is the number `expected` (not a bool)."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == expected
@@ -82,6 +95,13 @@ class LLM:
         self._ids = itertools.count()
         # One generate() at a time: each steps the engine and keeps only its own finished requests.
         self._generate_lock = threading.Lock()
+
+    def __getattr__(self, name: str):
+        """Only for names LLM lacks: vLLM's methods in VLLM_MISSING_METHODS are refused with the reason."""
+        why = VLLM_MISSING_METHODS.get(name)
+        if why is None:
+            raise AttributeError(f"'LLM' object has no attribute {name!r}")
+        raise AttributeError(f"LLM.{name}() is vLLM's and not supported: {why}")
 
     @property
     def llm_engine(self) -> LLMEngine:

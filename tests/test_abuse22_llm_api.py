@@ -72,3 +72,18 @@ def test_set_tokenizer_takes_back_the_tokenizer_get_tokenizer_returned(llm, stor
     with pytest.raises(ValueError, match="set_tokenizer takes only the tokenizer get_tokenizer"):
         llm.set_tokenizer(Tokenizer.from_pretrained(stories_path))
     assert llm.get_tokenizer() is tok
+
+
+@pytest.mark.parametrize("name, why", [
+    ("embed", "generative models only"), ("encode", "generative models only"), ("classify", "no pooling API"),
+    ("score", "no pooling API"), ("reward", "no pooling API"), ("beam_search", "no beam search"),
+    ("sleep", "until shutdown"), ("wake_up", "until shutdown"), ("start_profile", "no torch profiler"),
+    ("stop_profile", "no torch profiler"),
+])
+def test_vllm_methods_minillm_lacks_are_refused_with_the_reason(llm, name, why):
+    """They were bare AttributeErrors; hasattr() stays False, as a script that looks first needs."""
+    with pytest.raises(AttributeError, match=rf"LLM\.{name}\(\) is vLLM's and not supported: .*{why}"):
+        getattr(llm, name)("Once")
+    assert not hasattr(llm, name)
+    with pytest.raises(AttributeError, match="'LLM' object has no attribute 'generat'$"):
+        llm.generat
