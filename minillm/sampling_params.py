@@ -227,6 +227,9 @@ class SamplingParams:
         self._normalize_numbers()
         if _is_int(self.seed) and self.seed == -1:     # vLLM: -1 is no seed
             self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):     # vLLM: True asks for 1
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}]")

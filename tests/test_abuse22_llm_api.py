@@ -87,3 +87,15 @@ def test_vllm_methods_minillm_lacks_are_refused_with_the_reason(llm, name, why):
     assert not hasattr(llm, name)
     with pytest.raises(AttributeError, match="'LLM' object has no attribute 'generat'$"):
         llm.generat
+
+
+def test_logprobs_true_asks_for_one_as_in_vllm(llm):
+    """vLLM reads logprobs=True and prompt_logprobs=True as 1; minillm refused them."""
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=True, prompt_logprobs=True)
+    assert (params.logprobs, params.prompt_logprobs) == (1, 1)
+    [out] = llm.generate("Once upon", params)
+    [one] = llm.generate("Once upon", SamplingParams(temperature=0, max_tokens=3, logprobs=1, prompt_logprobs=1))
+    assert out.outputs[0].logprobs == one.outputs[0].logprobs and out.prompt_logprobs == one.prompt_logprobs
+    assert all(1 <= len(entry) <= 2 for entry in out.outputs[0].logprobs)
+    with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\], got False"):
+        SamplingParams(logprobs=False)

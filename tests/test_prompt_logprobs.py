@@ -113,7 +113,7 @@ def test_requests_that_do_not_ask_are_unchanged_and_get_none(stories_path, long_
     assert all(len(e) == 1 for e in both[1].prompt_logprobs[1:])              # prompt_logprobs=0: the token alone
 
 
-@pytest.mark.parametrize("value", [-1, 21, 1.5, True])
+@pytest.mark.parametrize("value", [-1, 21, 1.5, False])
 def test_bad_prompt_logprobs_name_the_field(value):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=value)
