@@ -36,6 +36,10 @@ VLLM_FIXED_ARGS = {
     "pipeline_parallel_size": (lambda v: _is_count(v, 1), "minillm has no pipeline parallelism"),
     "data_parallel_size": (lambda v: _is_count(v, 1), "minillm runs one engine"),
     "cpu_offload_gb": (lambda v: _is_count(v, 0), "minillm keeps every weight on the device"),
+    "swap_space": (lambda v: _is_count(v, 0), "minillm keeps no CPU swap space: a preempted request is "
+                                              "computed again"),
+    "hf_overrides": (lambda v: v is None or (isinstance(v, dict) and not v),
+                     "minillm reads the model's config.json as it is (edit a copy of the model directory)"),
 }
 
 

@@ -1,5 +1,7 @@
 """A vLLM offline script ported to minillm: the tokenizer LLM hands out, the LLM methods vLLM has,
 and the SamplingParams and constructor values vLLM takes, each doing what vLLM does or refused by name."""
+import re
+
 import pytest
 
 from minillm import LLM, SamplingParams
@@ -99,3 +101,16 @@ def test_logprobs_true_asks_for_one_as_in_vllm(llm):
     assert all(1 <= len(entry) <= 2 for entry in out.outputs[0].logprobs)
     with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\], got False"):
         SamplingParams(logprobs=False)
+
+
+def test_swap_space_and_hf_overrides_are_taken_where_minillm_does_the_same(stories_path):
+    """vLLM scripts pass swap_space and hf_overrides; both were TypeErrors that did not say why."""
+    model = LLM(str(stories_path), device="cpu", max_model_len=64, swap_space=0, hf_overrides={})
+    assert model.generate("Once", GREEDY)[0].outputs[0].text
+    model.shutdown()
+    for kwargs, needle in [({"swap_space": 4}, "swap_space=4 is not supported: minillm keeps no CPU swap space"),
+                           ({"hf_overrides": {"max_position_embeddings": 1024}},
+                            "hf_overrides={'max_position_embeddings': 1024} is not supported: minillm reads the "
+                            "model's config.json as it is")]:
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            LLM(str(stories_path), device="cpu", **kwargs)

@@ -212,7 +212,7 @@ def test_vllm_arguments_minillm_cannot_honour_are_value_errors_naming_them(stori
 @pytest.mark.parametrize("name, needle", [
     ("max_num_seq", r"LLM\(\) got an unexpected keyword argument 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"),
     ("gpu_memory_util", r"'gpu_memory_util' \(did you mean 'gpu_memory_utilization'\?\)"),
-    ("swap_space", r"LLM\(\) got an unexpected keyword argument 'swap_space'$"),
+    ("num_scheduler_steps", r"LLM\(\) got an unexpected keyword argument 'num_scheduler_steps'$"),
 ])
 def test_an_unknown_argument_is_named_with_the_close_ones(stories_path, name, needle):
     with pytest.raises(TypeError, match=needle):
