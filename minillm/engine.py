@@ -31,7 +31,7 @@ from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
-from minillm.prompts import PromptType, unpack_prompt
+from minillm.prompts import PromptType, cache_salt_of, unpack_prompt
 from minillm.sampling_params import SamplingParams, short_repr, truncate_prompt
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
@@ -268,7 +268,8 @@ class LLMEngine:
         output_kind "cumulative" reports the request every step it changes; "final" only once done.
         prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
         (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
-        cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
+        cache_salt: vLLM's (also a prompt dict's "cache_salt"); the request shares prefix-cache blocks
+        only with requests of the same salt.
         """
         if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
             raise RuntimeError("the engine is shut down: it takes no more requests")
@@ -301,8 +302,7 @@ class LLMEngine:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {short_repr(cache_salt)}")
+        cache_salt = cache_salt_of(prompt, cache_salt)
         text, prompt = unpack_prompt(prompt)
         ids = self._prompt_ids(prompt)
         num_given = len(ids)

@@ -16,7 +16,7 @@ from minillm.engine import LLMEngine
 from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
-from minillm.prompts import PromptType, TokensPrompt, array_ids, unpack_prompt
+from minillm.prompts import PromptType, TokensPrompt, array_ids, cache_salt_of, unpack_prompt
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_unicode
 
@@ -152,7 +152,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
-        prompts = [unpack_prompt(prompt) for prompt in prompts]     # every prompt checked before any is queued
+        # (text, the text or ids, cache salt) of each: every prompt checked before any is queued
+        prompts = [(*unpack_prompt(prompt), cache_salt_of(prompt)) for prompt in prompts]
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
@@ -164,13 +165,13 @@ class LLM:
         bar = _progress_bar(len(prompts), use_tqdm) if use_tqdm else None   # before any request is queued
         ids: list[str] = []
         try:
-            for (text, prompt), p in zip(prompts, params):
+            for (text, prompt, salt), p in zip(prompts, params):
                 if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
                     prompt = self.engine.tokenizer.encode("", add_special_tokens=True) or prompt
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, output_kind="final")
+                self.engine.add_request(rid, prompt, p, output_kind="final", cache_salt=salt)
                 ids.append(rid)
         except BaseException:
             for rid in ids:

@@ -1,5 +1,6 @@
 """vLLM's prompt forms, read once for LLM.generate and LLMEngine.add_request alike: a string, a list
-(or 1-D NumPy array) of token ids, {"prompt": text} or {"prompt_token_ids": ids}."""
+(or 1-D NumPy array) of token ids, {"prompt": text} or {"prompt_token_ids": ids} (either dict with
+vLLM's "cache_salt")."""
 from __future__ import annotations
 
 from typing import TypedDict
@@ -9,13 +10,19 @@ import numpy as np
 from minillm.sampling_params import short_repr
 
 
-class TextPrompt(TypedDict):
+class _PromptOptions(TypedDict, total=False):
+    """What vLLM's prompt dicts may carry besides the prompt."""
+
+    cache_salt: str     # prefix-cache blocks are shared only with requests of the same salt
+
+
+class TextPrompt(_PromptOptions):
     """vLLM's TextPrompt: {"prompt": text}."""
 
     prompt: str
 
 
-class TokensPrompt(TypedDict, total=False):
+class TokensPrompt(_PromptOptions, total=False):
     """vLLM's TokensPrompt: {"prompt_token_ids": ids}, with the ids' text as "prompt" if known."""
 
     prompt_token_ids: list[int]
@@ -35,10 +42,11 @@ def unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {short_repr(prompt)}")
         return (prompt if isinstance(prompt, str) else None), prompt
-    unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
     if unknown:
         raise ValueError(f"prompt dict has unsupported key(s) {sorted(unknown, key=repr)}; "
-                         f"give 'prompt' (text) or 'prompt_token_ids'")
+                         f"give 'prompt' (text) or 'prompt_token_ids', and 'cache_salt' if any")
+    cache_salt_of(prompt)
     if not isinstance(prompt.get("prompt"), (str, type(None))):   # the text, or the output's prompt
         raise ValueError(f"a prompt dict's 'prompt' must be a string, got {short_repr(prompt['prompt'])}")
     if "prompt_token_ids" in prompt:
@@ -53,6 +61,20 @@ def unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
     if isinstance(prompt.get("prompt"), str):
         return prompt["prompt"], prompt["prompt"]
     raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ids)")
+
+
+def cache_salt_of(prompt, cache_salt: str | None = None) -> str | None:
+    """A request's cache salt: a prompt dict's "cache_salt" (vLLM's key), else cache_salt; ValueError
+    naming cache_salt unless it is a non-empty string, or when the two are given and differ."""
+    salt = cache_salt
+    if isinstance(prompt, dict) and "cache_salt" in prompt:
+        salt = prompt["cache_salt"]
+        if cache_salt is not None and salt != cache_salt:
+            raise ValueError(f"cache_salt is given twice, {short_repr(salt)} in the prompt dict and "
+                             f"{short_repr(cache_salt)} as an argument")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {short_repr(salt)}")
+    return salt
 
 
 def array_ids(ids: np.ndarray, name: str) -> list[int]:

@@ -114,3 +114,30 @@ def test_swap_space_and_hf_overrides_are_taken_where_minillm_does_the_same(stori
                             "model's config.json as it is")]:
         with pytest.raises(ValueError, match=re.escape(needle)):
             LLM(str(stories_path), device="cpu", **kwargs)
+
+
+def test_a_prompt_dicts_cache_salt_keeps_its_prefix_cache_to_its_salt(llm):
+    """vLLM's TextPrompt and TokensPrompt take "cache_salt"; LLM.generate refused the key, though the
+    engine keeps a salted request's prefix-cache blocks to requests of the same salt."""
+    from minillm import TextPrompt, TokensPrompt
+    text = "Tom and Lily went to the park to play with a big red ball and a small blue kite one day"
+    ids = llm.get_tokenizer().encode(text)
+    salted = llm.generate(TextPrompt(prompt=text, cache_salt="user-a"), GREEDY)[0]
+    same = llm.generate(TokensPrompt(prompt_token_ids=ids, cache_salt="user-a"), GREEDY)[0]
+    other = llm.generate({"prompt": text, "cache_salt": "user-b"}, GREEDY)[0]
+    plain = llm.generate(text, GREEDY)[0]
+    assert same.num_cached_tokens >= 16 and other.num_cached_tokens == 0 == plain.num_cached_tokens
+    assert same.outputs[0].token_ids == salted.outputs[0].token_ids == other.outputs[0].token_ids
+    engine = llm.llm_engine
+    engine.add_request("salted", {"prompt": text, "cache_salt": "user-b"}, GREEDY)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].num_cached_tokens >= 16
+    for prompt, needle in [({"prompt": text, "cache_salt": ""}, "cache_salt must be a non-empty string"),
+                           ({"prompt": text, "cache_salt": 5}, "cache_salt must be a non-empty string, got 5")]:
+        with pytest.raises(ValueError, match=needle):
+            llm.generate(["Once", prompt], GREEDY)
+    with pytest.raises(ValueError, match="cache_salt is given twice"):
+        engine.add_request("twice", {"prompt": text, "cache_salt": "a"}, GREEDY, cache_salt="b")
+    assert not engine.has_unfinished_requests()
