@@ -26,6 +26,10 @@ MAX_CACHED_TOKEN_ID = 1 << 20
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 PART_SEPARATOR = "\n"
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
+# truncation, masks), which minillm's lists of ids do not have: taken only at their off values.
+_TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
+                     "tokenizer_kwargs")
 
 
 def _token_content(value: Any) -> str | None:
@@ -356,7 +360,13 @@ class Tokenizer:
         """Render messages with the model's chat template, or CHAT_TEMPLATE (a template's source) when
         given, with the defaults of the transformers that vLLM's get_tokenizer() hands out: token ids
         (no specials added; {"input_ids", "attention_mask"} with return_dict) unless tokenize=False,
-        and no generation prompt unless asked for."""
+        and no generation prompt unless asked for. transformers' tokenization options (_TOKENIZE_OPTIONS)
+        are a ValueError naming them unless off, never template variables."""
+        for name in _TOKENIZE_OPTIONS:
+            value = template_kwargs.pop(name, None)
+            if value not in (None, False) and value != {}:
+                raise ValueError(f"apply_chat_template: {name}={short_repr(value)} is not supported (minillm's "
+                                 f"tokenizer returns plain lists of token ids)")
         text = self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
         if not tokenize:
             return text

@@ -39,6 +39,20 @@ def test_apply_chat_template_has_the_defaults_of_vllms_transformers_tokenizer(ll
     assert chat.prompt_token_ids == prompt_ids and chat.outputs[0].token_ids == tokens.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("kwargs", [{"return_tensors": "np"}, {"padding": "longest"}, {"truncation": True},
+                                    {"max_length": 4}, {"return_assistant_tokens_mask": True}])
+def test_apply_chat_template_refuses_tokenization_options_it_cannot_honour(llm, kwargs):
+    """transformers' return_tensors, padding, truncation, ... reached the template as variables: the
+    ids came back as a plain, whole list without a word."""
+    tok = llm.get_tokenizer()
+    off = dict(padding=False, truncation=False, max_length=None, return_tensors=None, tokenizer_kwargs={})
+    assert tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, **off) == \
+        tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE)
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=rf"apply_chat_template: {name}=.* is not supported"):
+        tok.apply_chat_template(MESSAGES, chat_template=TEMPLATE, **kwargs)
+
+
 def test_reset_prefix_cache_forgets_the_cached_prompts(llm):
     """vLLM's LLM.reset_prefix_cache (benchmarks call it between runs) was an AttributeError."""
     prompt = "Once upon a time there was a little girl named Lily who liked to play in the park"
