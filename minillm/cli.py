@@ -112,6 +112,23 @@ class DType(str, Enum):
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
+def override_generation_config_option(value: str | None) -> dict | None:
+    """--override-generation-config's JSON object, checked as EngineConfig checks it; a bad one is a
+    usage error naming the option."""
+    if value is None:
+        return None
+    from minillm.generation_config import override_sampling_defaults
+    try:
+        override = json.loads(value)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint="'--override-generation-config'") from None
+    try:
+        override_sampling_defaults(override)
+    except ValueError as exc:
+        raise typer.BadParameter(" ".join(str(exc).split()), param_hint="'--override-generation-config'") from None
+    return override
+
+
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
 ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (Annotated[Device, _engine_option(
@@ -163,6 +180,12 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
              "take the model's generation_config.json values; vllm: ignore that file.")],
         _default("generation_config")),
+    "override_generation_config": (Annotated[Optional[str], _engine_option(
+        "--override-generation-config", metavar="JSON", callback=override_generation_config_option,
+        help='Sampling defaults by generation_config.json\'s names, as vLLM takes them: {"temperature": 0.5, '
+             '"max_new_tokens": 64} (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; null '
+             'unsets one), over the file\'s (--generation-config auto) or alone (vllm); max_new_tokens also caps '
+             'a server request\'s max_tokens.')], None),
     "revision": (Annotated[Optional[str], _engine_option(
         "--revision", help="A hub model's branch, tag or commit (default: main).")], None),
     "async_scheduling": (Annotated[Optional[bool], _engine_option(
@@ -697,6 +720,12 @@ class ServeCommand(SpreadValuesCommand):
     spread_options = ("--served-model-name",)
 
 
+class ChatTemplateContentFormat(str, Enum):
+    auto = "auto"
+    string = "string"
+    openai = "openai"
+
+
 class UvicornLogLevel(str, Enum):
     critical = "critical"
     error = "error"
@@ -734,6 +763,11 @@ def serve(
     chat_template: Annotated[Optional[str], _server_option(
         "--chat-template", help="Chat template for /v1/chat/completions: a file, or the template itself "
         "(default: the model's).")] = None,
+    chat_template_content_format: Annotated[ChatTemplateContentFormat, _server_option(
+        "--chat-template-content-format", help="How a message's content reaches the chat template (vLLM's "
+        "--chat-template-content-format): string (text parts joined by newlines), openai (a list of "
+        '{"type": "text", "text": ...} parts), or auto (parts for a template that loops over a message\'s '
+        "content, else the string).")] = ChatTemplateContentFormat.auto,
     trust_request_chat_template: Annotated[bool, _server_option(
         "--trust-request-chat-template", help="Render a chat_template sent with a request (it runs "
         "the client's Jinja code on this server).")] = False,
@@ -817,6 +851,17 @@ def serve(
     enable_request_id_headers: Annotated[bool, _server_option(
         "--enable-request-id-headers", help="Every response carries an X-Request-Id header: the client's own, "
         "else a fresh id (vLLM's --enable-request-id-headers).")] = False,
+    return_tokens_as_token_ids: Annotated[bool, _server_option(
+        "--return-tokens-as-token-ids/--no-return-tokens-as-token-ids", help="Logprobs name each token "
+        '"token_id:<id>" instead of its text, for requests that do not set return_tokens_as_token_ids '
+        "themselves (vLLM's --return-tokens-as-token-ids).")] = False,
+    enable_prompt_tokens_details: Annotated[bool, _server_option(
+        "--enable-prompt-tokens-details/--no-enable-prompt-tokens-details", help="Usage blocks carry "
+        "prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache (vLLM's "
+        "--enable-prompt-tokens-details).")] = False,
+    enable_server_load_tracking: Annotated[bool, _server_option(
+        "--enable-server-load-tracking/--no-enable-server-load-tracking", help="GET /load counts the "
+        "completions and chat completions in flight; without it /load answers 0, as vLLM's does.")] = False,
     trust_remote_code: Annotated[bool, _server_option(
         "--trust-remote-code", help="Taken for vLLM command lines, and changes nothing: minillm runs its own "
         "decoder for every model it loads, never code from a checkpoint (one that needs its own code is "
@@ -881,6 +926,10 @@ def serve(
                             allow_credentials=allow_credentials, response_role=response_role,
                             root_path=root_path or "", enable_docs=not disable_fastapi_docs,
                             request_id_headers=enable_request_id_headers,
+                            chat_template_content_format=_plain(chat_template_content_format),
+                            return_tokens_as_token_ids=return_tokens_as_token_ids,
+                            enable_prompt_tokens_details=enable_prompt_tokens_details,
+                            enable_server_load_tracking=enable_server_load_tracking,
                             uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
                             uvicorn_access_log=not disable_uvicorn_access_log, **cors)
     if trust_remote_code:

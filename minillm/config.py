@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from minillm.generation_config import check_generation_config
+from minillm.generation_config import check_generation_config, override_sampling_defaults
 from minillm.sampling_params import MAX_LOGPROBS, short_repr
 
 if TYPE_CHECKING:
@@ -89,6 +89,9 @@ class EngineConfig:
     # vLLM's generation_config: "auto" takes the sampling defaults of the model's
     # generation_config.json for what a request leaves unset; "vllm" ignores the file.
     generation_config: str = "auto"
+    # vLLM's override_generation_config: sampling defaults by generation_config.json's names
+    # ({"temperature": 0.5, "max_new_tokens": 64}) over the file's ("auto") or alone ("vllm").
+    override_generation_config: dict | None = None
     max_logprobs: int = MAX_LOGPROBS     # the most log-probabilities a request may ask for, a token
     extra: dict = field(default_factory=dict)
 
@@ -118,6 +121,12 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_generation_config(self.generation_config)
+        try:
+            override_sampling_defaults(self.override_generation_config)
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
+        if self.override_generation_config is not None:    # the caller's dict may change; this may not
+            object.__setattr__(self, "override_generation_config", dict(self.override_generation_config))
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.seed is not None and self.seed < 0:

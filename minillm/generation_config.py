@@ -3,13 +3,15 @@
 repetition_penalty or max_tokens unset gets, instead of the library's neutral defaults.
 
 Qwen3's file, for example, asks for temperature 0.6, top_p 0.95 and top_k 20. "vllm" ignores the
-file (the neutral defaults: temperature 1.0, no truncation).
+file (the neutral defaults: temperature 1.0, no truncation). vLLM's override_generation_config
+(--override-generation-config) sets some of them by the file's names over either: merged into the
+file's under "auto", alone under "vllm"; its max_new_tokens also caps a server request's max_tokens.
 """
 from __future__ import annotations
 
 import logging
 
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import SamplingParams, short_repr
 
 logger = logging.getLogger("minillm")
 
@@ -35,15 +37,52 @@ def sampling_defaults(generation_config: dict) -> dict:
         value = generation_config.get(key)
         if value is None:
             continue
-        if name in ("top_k", "max_tokens") and isinstance(value, float) and value.is_integer():
-            value = int(value)                 # JSON writers may give 20.0 for 20
         try:
-            SamplingParams(**{name: value}).validate()
-        except (ValueError, TypeError):
+            out[name] = sampling_default(name, value)
+        except ValueError:
             logger.warning("generation_config.json %s=%r is not a usable %s; left out", key, value, name)
-            continue
-        out[name] = -1 if name == "top_k" and value == 0 else value     # transformers' top_k 0: off
     return out
+
+
+def sampling_default(name: str, value):
+    """A generation config's value for SamplingParams field `name`, as SamplingParams takes it; a
+    ValueError saying why for one it would refuse."""
+    if name in ("top_k", "max_tokens") and isinstance(value, float) and value.is_integer():
+        value = int(value)                     # JSON writers may give 20.0 for 20
+    try:
+        SamplingParams(**{name: value}).validate()
+    except (ValueError, TypeError) as exc:
+        raise ValueError(str(exc)) from None
+    return -1 if name == "top_k" and value == 0 else value         # transformers' top_k 0: off
+
+
+def override_sampling_defaults(override) -> dict:
+    """vLLM's override_generation_config as SamplingParams fields: {name: value}, None where it
+    unsets the model's value (as a null does in vLLM). A ValueError saying what is wrong (the caller
+    names the option) for anything but a dict of the file's sampling keys with usable values: vLLM
+    reads no other key of it, so one is refused rather than ignored."""
+    if override is None:
+        return {}
+    if not isinstance(override, dict):
+        raise ValueError(f"it must be a JSON object of generation_config.json sampling keys, such as "
+                         f'{{"temperature": 0.5}}, got {short_repr(override)}')
+    out = {}
+    for key, value in override.items():
+        name = _KEYS.get(key)
+        if name is None:
+            raise ValueError(f"{short_repr(key)} is not a sampling default it can set (it sets "
+                             f"{', '.join(_KEYS)})")
+        try:
+            out[name] = None if value is None else sampling_default(name, value)
+        except ValueError as exc:
+            raise ValueError(f"{key} (SamplingParams' {name}): {exc}" if key != name else str(exc)) from None
+    return out
+
+
+def override_max_tokens(config) -> int | None:
+    """The cap on a server request's max_tokens that config's override_generation_config sets with
+    max_new_tokens, as vLLM's server applies it (None: no cap)."""
+    return override_sampling_defaults(config.override_generation_config).get("max_tokens")
 
 
 def describe(defaults: dict) -> str:
@@ -53,5 +92,11 @@ def describe(defaults: dict) -> str:
 
 def model_sampling_defaults(config, tokenizer) -> dict:
     """The defaults an engine (or API server) built from `config` applies: the model's file's under
-    generation_config "auto", none under "vllm"."""
-    return dict(tokenizer.generation_defaults) if config.generation_config == "auto" else {}
+    generation_config "auto", none under "vllm"; override_generation_config's over them."""
+    defaults = dict(tokenizer.generation_defaults) if config.generation_config == "auto" else {}
+    for name, value in override_sampling_defaults(config.override_generation_config).items():
+        if value is None:
+            defaults.pop(name, None)
+        else:
+            defaults[name] = value
+    return defaults

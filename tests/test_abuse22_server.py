@@ -67,7 +67,8 @@ def test_top_logprobs_zero_without_logprobs_asks_for_nothing(http, healthy_strea
 
 def test_load_counts_the_generation_requests_in_flight_as_vllm_does(http, server, healthy):
     # vLLM's GET /load ({"server_load": N}, outside /v1) counts the completions and chat completions
-    # being answered, a stream until its last event; it was a 404 here.
+    # being answered, a stream until its last event, under --enable-server-load-tracking (the server
+    # fixture's); it was a 404 here.
     healthy.check()                   # the healthy streams of earlier tests have ended: none in flight
 
     def load() -> int:

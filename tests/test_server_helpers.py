@@ -150,10 +150,12 @@ def choice_texts(events: list[dict]) -> dict[int, str]:
 
 @pytest.fixture(scope="module", name="server")
 def chat_template_server(stories_path):
-    """(url, engine) of a server named "stories" with max_model_len 256 and the tests' CHAT_TEMPLATE,
-    for the module; a test module takes it by importing this fixture."""
+    """(url, engine) of a server named "stories" with max_model_len 256, the tests' CHAT_TEMPLATE and
+    --enable-server-load-tracking (GET /load counts), for the module; a test module takes it by
+    importing this fixture."""
+    options = ServerOptions(chat_template=CHAT_TEMPLATE, enable_server_load_tracking=True)
     with running_server(stories_path, served_model_name="stories", max_model_len=256,
-                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, engine):
+                        options=options) as (url, engine):
         yield url, engine
 
 

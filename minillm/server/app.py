@@ -32,7 +32,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from minillm.engine_core.heap import freeze_startup_heap
-from minillm.generation_config import model_sampling_defaults
+from minillm.generation_config import model_sampling_defaults, override_max_tokens
+from minillm.llm import CONTENT_FORMATS
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
@@ -80,6 +81,12 @@ class ServerOptions:
     root_path: str = ""                         # the path prefix of a proxy in front of the server (--root-path)
     enable_docs: bool = True                    # /docs, /redoc and /openapi.json (off: --disable-fastapi-docs)
     request_id_headers: bool = False            # X-Request-Id on every response (--enable-request-id-headers)
+    # vLLM's --chat-template-content-format: message content handed to the template as one string
+    # ("string"), as a list of text parts ("openai"), or as the template reads it ("auto").
+    chat_template_content_format: str = "auto"
+    return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:<id>" unless a request says
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    enable_server_load_tracking: bool = False   # GET /load counts the requests in flight (else it stays 0)
     uvicorn_log_level: str = "info"             # uvicorn's own log (--uvicorn-log-level)
     uvicorn_access_log: bool = True             # uvicorn's line per request (off: --disable-uvicorn-access-log)
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
@@ -103,6 +110,9 @@ class ServerOptions:
                 raise ValueError(f"served_model_name must be a name or a list of names, none empty, "
                                  f"got {self.served_model_name!r}")
             object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
+        if self.chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+                             f"got {self.chat_template_content_format!r}")
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -194,6 +204,7 @@ def _document_request_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
 
 def _add_vllm_routes(app: FastAPI, ctx: ServingContext, load: ServerLoad) -> None:
     """vLLM's utility endpoints. Outside /v1, so the API key does not guard them (as in vLLM)."""
+    # The generation requests in flight with --enable-server-load-tracking (ServerLoadMiddleware), else 0.
     @app.api_route("/load", methods=GET_OR_HEAD)
     async def server_load():
         return {"server_load": load.num_requests}
@@ -309,7 +320,11 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                          limits=options.limits, chat_template=options.chat_template,
                          trust_request_chat_template=options.trust_request_chat_template,
                          response_role=options.response_role, log_requests=options.log_requests,
-                         sampling_defaults=model_sampling_defaults(async_engine.config, async_engine.tokenizer))
+                         sampling_defaults=model_sampling_defaults(async_engine.config, async_engine.tokenizer),
+                         max_tokens_cap=override_max_tokens(async_engine.config),
+                         chat_template_content_format=options.chat_template_content_format,
+                         return_tokens_as_token_ids=options.return_tokens_as_token_ids,
+                         enable_prompt_tokens_details=options.enable_prompt_tokens_details)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -333,7 +348,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     load = ServerLoad()
     _add_vllm_routes(app, ctx, load)
     _add_ops_routes(app, ctx)
-    app.add_middleware(ServerLoadMiddleware, load=load)
+    if options.enable_server_load_tracking:    # else /load answers 0, as vLLM's does without the flag
+        app.add_middleware(ServerLoadMiddleware, load=load)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,
                        timeout_s=options.limits.body_timeout_s)
     if options.api_key:

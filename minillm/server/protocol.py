@@ -119,6 +119,7 @@ class _GenerationRequest(_ModelRequest):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True        # vLLM's, as SamplingParams takes it
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -428,6 +429,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output,
             structured_outputs=structured_outputs,
             logit_bias=logit_bias_ids(req.logit_bias),

@@ -73,6 +73,10 @@ class ServingContext:
     background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end
     response_role: str = "assistant"                 # a chat reply's role when the request opens its turn
     log_requests: bool = False                       # log each request received (--enable-log-requests)
+    max_tokens_cap: int | None = None                # override_generation_config's max_new_tokens (vLLM's cap)
+    chat_template_content_format: str = "auto"       # how message content reaches the template (vLLM's)
+    return_tokens_as_token_ids: bool = False         # the default of the requests' field of that name
+    enable_prompt_tokens_details: bool = False       # usage carries prompt_tokens_details.cached_tokens
 
     def __post_init__(self) -> None:
         self.model_names = self.model_names or (self.model_name,)
@@ -120,7 +124,24 @@ class ServingContext:
                            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
                            f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
                            param="max_tokens", code="context_length_exceeded")
+        if self.max_tokens_cap is not None and isinstance(max_tokens, int) and max_tokens > self.max_tokens_cap:
+            return self.max_tokens_cap   # as vLLM caps a request's max_tokens by the override's max_new_tokens
         return max_tokens
+
+    def as_token_ids(self, req: Any) -> bool:
+        """Whether a request's logprobs name tokens "token_id:<id>": its return_tokens_as_token_ids,
+        else the server's (--return-tokens-as-token-ids), as vLLM decides it."""
+        asked = req.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if asked is None else asked
+
+    def usage(self, outputs: list[RequestOutput], completion_tokens: int) -> dict:
+        """The usage block of a response's final outputs: their prompt tokens and the completion
+        tokens given, with vLLM's prompt_tokens_details (the prompt tokens served from the prefix
+        cache) under --enable-prompt-tokens-details."""
+        block = usage(sum(len(o.prompt_token_ids) for o in outputs), completion_tokens)
+        if self.enable_prompt_tokens_details:
+            block["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+        return block
 
 
 # A request body past this many bytes is validated in the preprocessing pool, not on the event loop:

@@ -22,7 +22,7 @@ from minillm.server.protocol import (
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, content_choice_json, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
-    new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, usage, validate_request,
+    new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, validate_request,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
@@ -95,7 +95,8 @@ class ConversationPrompt:
         try:
             text = tok.render_chat(self.messages, template=self.template,
                                    add_generation_prompt=req.add_generation_prompt,
-                                   continue_final_message=req.continue_final_message, content_parts=True,
+                                   continue_final_message=req.continue_final_message,
+                                   content_parts=self.ctx.chat_template_content_format,
                                    **self.template_kwargs)
         except ValueError as exc:
             param = "chat_template" if req.chat_template is not None else "messages"
@@ -148,7 +149,7 @@ class ChatJob:
         if self.prompt_logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
             raise APIError(400, "prompt_logprobs is not supported with tensor_parallel_size > 1",
                            param="prompt_logprobs")
-        self.as_token_ids = bool(req.return_tokens_as_token_ids)
+        self.as_token_ids = ctx.as_token_ids(req)
         self.conversation = ConversationPrompt(ctx, req)
         self.role = reply_role(ctx, req, self.conversation.messages)
         self.echo_text = echoed_text(req, self.conversation.messages, self.role)
@@ -218,7 +219,7 @@ class ChatJob:
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices,
-                "usage": usage(len(final.prompt_token_ids), completion_tokens)}
+                "usage": self.ctx.usage([final], completion_tokens)}
         if final.prompt_logprobs is not None:       # vLLM's: on the response, after the usage
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
                                                            self.prompt_logprobs, self.ctx.tokenizer)
@@ -272,7 +273,7 @@ class ChatJob:
                             last = ""
         if self.req.include_usage and final is not None:
             chunk = self._chunk([])
-            chunk["usage"] = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs))
+            chunk["usage"] = self.ctx.usage([final], sum(len(c.token_ids) for c in final.outputs))
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 

@@ -23,7 +23,7 @@ from minillm.server.protocol import (
 from minillm.server.serving import (
     SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs, new_request_id,
-    refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words, usage, validate_request,
+    refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words, validate_request,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -70,7 +70,7 @@ class CompletionJob:
                                param="prompt_logprobs")
             raise APIError(400, "echo with logprobs scores the prompt, which this server cannot do with "
                                 "tensor_parallel_size > 1; send echo or logprobs alone", param="echo")
-        self.as_token_ids = bool(req.return_tokens_as_token_ids)
+        self.as_token_ids = ctx.as_token_ids(req)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
         self.params: list = []
@@ -149,8 +149,8 @@ class CompletionJob:
         return prompt_index * self.req.n + completion.index
 
     def _usage(self, finals: list[RequestOutput]) -> dict:
-        return usage(sum(len(o.prompt_token_ids) for o in finals),
-                     0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs))
+        num_generated = 0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
+        return self.ctx.usage(finals, num_generated)
 
     def _echo_only_choice(self, pi: int, output: RequestOutput, comp: CompletionOutput) -> dict:
         """A choice of an echo without generation: the prompt, its logprobs, finish 'length' (or the
