@@ -20,7 +20,7 @@ from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_sal
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
-from minillm.generation_config import describe as describe_defaults, model_sampling_defaults
+from minillm.generation_config import defaults_source, describe as describe_defaults, model_sampling_defaults
 from minillm.kv_connector import make_kv_connector
 from minillm.kv_connector.base import refuse_kv_transfer_params
 from minillm.loader import load_model_config, load_weights, resolve_model_path
@@ -177,8 +177,8 @@ class LLMEngine:
         # What a request that leaves them unset samples with (LLM.generate without params, the server).
         self.sampling_defaults = model_sampling_defaults(config, self.tokenizer)
         if self.sampling_defaults:
-            self.log(f"minillm: sampling defaults from the model's generation_config.json: "
-                     f"{describe_defaults(self.sampling_defaults)} (generation_config 'vllm' ignores them)")
+            self.log(f"minillm: sampling defaults from {defaults_source(config)}: "
+                     f"{describe_defaults(self.sampling_defaults)}")
         # Text and stop strings per sequence; an engine core passes one that reports token ids only.
         self.output_processor = output_processor(self.tokenizer)
         self.backend = choose_backend(config.device)

@@ -90,6 +90,17 @@ def describe(defaults: dict) -> str:
     return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in defaults.items())
 
 
+def defaults_source(config) -> str:
+    """Where the start-up log says an engine's sampling defaults came from."""
+    from_file = config.generation_config == "auto"
+    override = bool(config.override_generation_config)
+    if from_file and override:
+        return "the model's generation_config.json with override_generation_config over it"
+    if override:
+        return "override_generation_config"
+    return "the model's generation_config.json (generation_config 'vllm' ignores them)"
+
+
 def model_sampling_defaults(config, tokenizer) -> dict:
     """The defaults an engine (or API server) built from `config` applies: the model's file's under
     generation_config "auto", none under "vllm"; override_generation_config's over them."""

@@ -100,3 +100,22 @@ def test_chat_cli_starts_from_the_model_defaults_unless_given(greedy_model):
     given = _cli("chat", str(greedy_model), "--device", "cpu", "--top-k", "5", "--temperature", "0.2",
                  stdin="/set\n/exit\n")
     assert "temperature=0.2 top_p=0.9 top_k=5 " in given.stdout
+
+
+@pytest.mark.parametrize("generation_config, override, line", [
+    ("auto", None, "minillm: sampling defaults from the model's generation_config.json (generation_config "
+                   "'vllm' ignores them): temperature=0.7, top_k=1, max_tokens=5"),
+    ("auto", {"temperature": 0.2}, "minillm: sampling defaults from the model's generation_config.json with "
+                                   "override_generation_config over it: temperature=0.2, top_k=1, max_tokens=5"),
+    ("vllm", {"temperature": 0.2}, "minillm: sampling defaults from override_generation_config: temperature=0.2"),
+    ("vllm", None, None),
+])
+def test_the_start_up_line_names_where_the_defaults_came_from(greedy_model, generation_config, override, line):
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    lines: list[str] = []
+    config = EngineConfig(model=str(greedy_model), device="cpu", num_kv_blocks=16, generation_config=generation_config,
+                          override_generation_config=override)
+    LLMEngine(config, log=lines.append)
+    said = [x for x in lines if "sampling defaults" in x]
+    assert said == ([line] if line else [])
