@@ -413,6 +413,11 @@ class LLMEngine:
         """True while any request is queued, running or unreported, or a step is in flight."""
         return bool(self.requests) or bool(self._in_flight)
 
+    def get_num_unfinished_requests(self) -> int:
+        """Requests added and not yet finished or aborted (vLLM's LLMEngine.get_num_unfinished_requests);
+        a finished one whose last output step() has not returned yet is not counted."""
+        return sum(not req.is_finished for req in self.requests.values())
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, so later prompts are computed afresh (vLLM's name, for
         benchmarks and changed weights); False, with nothing forgotten, while any block is in use."""

@@ -155,3 +155,21 @@ def test_a_prompt_dicts_cache_salt_keeps_its_prefix_cache_to_its_salt(llm):
     with pytest.raises(ValueError, match="cache_salt is given twice"):
         engine.add_request("twice", {"prompt": text, "cache_salt": "a"}, GREEDY, cache_salt="b")
     assert not engine.has_unfinished_requests()
+
+
+def test_engine_counts_its_unfinished_requests_as_vllm_names_it(stories_path):
+    from minillm import SamplingParams
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", num_kv_blocks=32), log=lambda _: None)
+    assert engine.get_num_unfinished_requests() == 0
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, "Once upon a time", SamplingParams(temperature=0, max_tokens=4))
+    assert engine.get_num_unfinished_requests() == 3
+    engine.abort_request("b")
+    assert engine.get_num_unfinished_requests() == 2
+    finished = set()
+    while engine.has_unfinished_requests():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        assert engine.get_num_unfinished_requests() == 2 - len(finished - {"b"})
+    assert engine.get_num_unfinished_requests() == 0 and finished >= {"a", "c"}
