@@ -86,6 +86,11 @@ FLAG_EFFECTS = [
     (("--disable-fastapi-docs",), "enable_docs", False),
     (("--enable-request-id-headers",), "request_id_headers", True),
     (("-asc", "2"), "api_server_count", 2),
+    (("--chat-template-content-format", "openai"), "chat_template_content_format", "openai"),
+    (("--chat-template-content-format", "string"), "chat_template_content_format", "string"),
+    (("--return-tokens-as-token-ids",), "return_tokens_as_token_ids", True),
+    (("--enable-prompt-tokens-details",), "enable_prompt_tokens_details", True),
+    (("--enable-server-load-tracking",), "enable_server_load_tracking", True),
 ]
 
 

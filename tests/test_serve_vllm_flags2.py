@@ -27,20 +27,7 @@ MESSAGES = [{"role": "user", "content": "Tom had a ball."}]
 
 # ---- the command line -----------------------------------------------------------------------------
 
-FLAG_EFFECTS = [
-    (("--chat-template-content-format", "openai"), "chat_template_content_format", "openai"),
-    (("--chat-template-content-format", "string"), "chat_template_content_format", "string"),
-    (("--return-tokens-as-token-ids",), "return_tokens_as_token_ids", True),
-    (("--enable-prompt-tokens-details",), "enable_prompt_tokens_details", True),
-    (("--enable-server-load-tracking",), "enable_server_load_tracking", True),
-]
-
-
-@needs_stories
-@pytest.mark.parametrize("flags, field, value", FLAG_EFFECTS, ids=[" ".join(f[0]) for f in FLAG_EFFECTS])
-def test_each_flag_reaches_the_server_options(capsys, started, flags, field, value):
-    assert serve(capsys, *flags) == (0, "")
-    assert getattr(started["options"], field) == value
+# Each flag's effect on the server options: FLAG_EFFECTS of test_serve_vllm_flags.py.
 
 
 @needs_stories
