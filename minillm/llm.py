@@ -18,7 +18,7 @@ from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.prompts import PromptType, TokensPrompt, array_ids, cache_salt_of, unpack_prompt
 from minillm.sampling_params import SamplingParams, short_repr
-from minillm.tokenizer import TEXT_PART_KEYS, check_unicode
+from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode
 
 
 # vLLM's LLM arguments that minillm has no setting for, taken where the value given is what minillm
@@ -231,9 +231,7 @@ class LLM:
                              f"got {short_repr(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         check_template_kwargs(chat_template_kwargs)
-        if not isinstance(chat_template_content_format, str) or chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format must be {', '.join(map(repr, CONTENT_FORMATS[:-1]))} "
-                             f"or {CONTENT_FORMATS[-1]!r}, got {short_repr(chat_template_content_format)}")
+        check_content_format(chat_template_content_format)
         if tools is not None:
             if not isinstance(tools, Seq) or isinstance(tools, str) or not all(isinstance(t, dict) for t in tools):
                 raise ValueError(f"tools must be a list of tool dicts, got {short_repr(tools)}")
@@ -272,9 +270,6 @@ class LLM:
             self.engine.step()
 
 
-# vLLM's chat_template_content_format values: a message's content as one string or as a list of
-# text parts ("openai"), "auto" as the template reads it.
-CONTENT_FORMATS = ("auto", "string", "openai")
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt", "content_parts",
                             "continue_final_message", "tokenize")

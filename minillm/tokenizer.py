@@ -25,11 +25,22 @@ MAX_CACHED_TOKEN_ID = 1 << 20
 # message's text parts are joined by newlines (PART_SEPARATOR) into the string a template reads.
 TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
 PART_SEPARATOR = "\n"
+# vLLM's chat_template_content_format: a message's content handed to the template as one string,
+# as a list of text parts ("openai"), or as the template reads it ("auto").
+CONTENT_FORMATS = ("auto", "string", "openai")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
 # truncation, masks), which minillm's lists of ids do not have: taken only at their off values.
 _TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
                      "tokenizer_kwargs")
+
+
+def check_content_format(value) -> str:
+    """value if it is one of CONTENT_FORMATS; ValueError naming chat_template_content_format otherwise."""
+    if not isinstance(value, str) or value not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format must be {', '.join(map(repr, CONTENT_FORMATS[:-1]))} "
+                         f"or {CONTENT_FORMATS[-1]!r}, got {short_repr(value)}")
+    return value
 
 
 def _token_content(value: Any) -> str | None:

@@ -33,7 +33,6 @@ from fastapi.responses import JSONResponse, Response
 
 from minillm.engine_core.heap import freeze_startup_heap
 from minillm.generation_config import model_sampling_defaults, override_max_tokens
-from minillm.llm import CONTENT_FORMATS
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
@@ -49,6 +48,7 @@ from minillm.server.serving_completion import create_completion
 from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
 from minillm.server.streaming import EventStreamResponse
+from minillm.tokenizer import check_content_format
 from minillm.urls import http_url
 
 logger = logging.getLogger("minillm.server")
@@ -110,9 +110,7 @@ class ServerOptions:
                 raise ValueError(f"served_model_name must be a name or a list of names, none empty, "
                                  f"got {self.served_model_name!r}")
             object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
-        if self.chat_template_content_format not in CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
-                             f"got {self.chat_template_content_format!r}")
+        check_content_format(self.chat_template_content_format)
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
