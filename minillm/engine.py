@@ -316,11 +316,10 @@ class LLMEngine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         now = arrival_time if arrival_time is not None else time.time()
-        seqs = []
+        seqs, key_root = [], cache_salt_root(cache_salt)
         for i in range(params.n):
             seed = sequence_seed(params.seed, i) if params.seed is not None else self._seed_rng.getrandbits(62)
-            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens,
-                                 block_key_root=cache_salt_root(cache_salt)))
+            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens, block_key_root=key_root))
         if prompt_block_keys is not None and len(ids) == num_given and are_prompt_block_keys(
                 prompt_block_keys, len(ids), self.block_manager.block_size):
             for seq in seqs:
