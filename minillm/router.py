@@ -12,8 +12,10 @@ of a role take turns (round robin); one that refuses the connection is skipped f
 role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
 when the stream had begun): never a hang, since connects time out. One log line per request says
 where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
-header, passed on to the client). /v1/models, /tokenize, /detokenize and /version need no KV: a
-decode server answers them, with the client's credentials.
+header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
+(several prompts, n > 1) goes whole to a decode server, which computes its prompts itself.
+/v1/models, /tokenize, /detokenize and /version need no KV: a decode server answers them, with
+the client's credentials.
 """
 from __future__ import annotations
 
@@ -119,6 +121,7 @@ class RequestTiming:
     status: int = 200
     prefill_url: str = "-"
     decode_url: str = "-"
+    decode_only: str | None = None         # why the request went whole to a decode server (no prefill server)
 
 
 @dataclass
@@ -128,11 +131,13 @@ class RouterStats:
     num_requests: int = 0
     num_failed: int = 0
     num_client_closed: int = 0           # clients that left mid-stream (neither served whole nor failed)
+    num_decode_only: int = 0             # requests a decode server computed whole (several prompts or n > 1)
     samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
 
     def record(self, timing: RequestTiming) -> None:
         """Count one finished request."""
         self.num_requests += 1
+        self.num_decode_only += timing.decode_only is not None
         if timing.status == CLIENT_CLOSED:
             self.num_client_closed += 1
         elif timing.status != 200:
@@ -151,8 +156,9 @@ class RouterStats:
 
         s = list(self.samples)
         return {"num_requests": self.num_requests, "num_failed": self.num_failed,
-                "num_client_closed": self.num_client_closed, "backends": backends,
-                "prefill_ms": summary([t.prefill_s for t in s]),
+                "num_client_closed": self.num_client_closed, "num_decode_only": self.num_decode_only,
+                "backends": backends,
+                "prefill_ms": summary([t.prefill_s for t in s if t.decode_only is None]),
                 "kv_transfer_ms": summary([t.kv_claim_s + t.kv_copy_s for t in s]),
                 "kv_copy_ms": summary([t.kv_copy_s for t in s]),
                 "decode_first_token_ms": summary([t.decode_first_s for t in s if t.decode_first_s is not None]),
@@ -168,6 +174,29 @@ def prefill_body(body: dict) -> dict:
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     return out
+
+
+def _count(value: Any) -> int:
+    """A request's n or best_of as a number (1 when absent or not an integer: the server's 400 then)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+
+def _num_prompts(prompt: Any) -> int:
+    """How many prompts a completions request carries (a list of strings or of token-id lists)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        return len(prompt)
+    return 1
+
+
+def decode_only_reason(path: str, body: dict) -> str | None:
+    """Why one prompt's lease cannot carry this request (several prompts, or several completions of
+    one, which the protocol hands over one at a time); None when it can. Such a request goes whole
+    to a decode server, which computes its prompts itself."""
+    num_prompts = _num_prompts(body.get("prompt")) if path == "/v1/completions" else 1
+    if num_prompts > 1:
+        return f"{num_prompts} prompts"
+    n = max(_count(body.get("n")), _count(body.get("best_of")))
+    return f"n = {n}" if n > 1 else None
 
 
 def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
@@ -236,15 +265,17 @@ class Router:
             return RouterError(400, "the request body must be a JSON object", "invalid_body").response()
         # The client's key, and its request id, which names the response as a single server would.
         headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "x-request-id")}
+        timing.decode_only = decode_only_reason(path, body)
         try:
-            kv = await self._prefill(path, body, headers, timing)
-            if isinstance(kv, Response):        # the prefill server refused it: its answer is the client's
-                timing.status = kv.status_code
-                self._finish(request_id, path, timing, started)
-                return kv
+            if timing.decode_only is None:
+                kv = await self._prefill(path, body, headers, timing)
+                if isinstance(kv, Response):        # the prefill server refused it: its answer is the client's
+                    timing.status = kv.status_code
+                    self._finish(request_id, path, timing, started)
+                    return kv
+                body = {**body, "kv_transfer_params": kv}
             sent = time.monotonic()
-            timing.decode_url, response = await self.send(self.decode, path, {**body, "kv_transfer_params": kv},
-                                                          headers, stream=True)
+            timing.decode_url, response = await self.send(self.decode, path, body, headers, stream=True)
         except RouterError as exc:
             timing.status = exc.status
             self._finish(request_id, path, timing, started)
@@ -320,6 +351,11 @@ class Router:
         timing.total_s = time.monotonic() - started
         self.stats.record(timing)
         first = f"{timing.decode_first_s * 1e3:.1f} ms" if timing.decode_first_s is not None else "-"
+        if timing.decode_only is not None:
+            logger.info("%s %s: decode only (%s) · first token %s, all %.1f ms (%s) · total %.1f ms · status %d",
+                        request_id, path, timing.decode_only, first, timing.decode_s * 1e3, timing.decode_url,
+                        timing.total_s * 1e3, timing.status)
+            return
         logger.info("%s %s: prefill %.1f ms (%s) · kv transfer %.2f ms (claim %.2f, copy %.2f; %d tokens, %.2f MB) "
                     "· decode first token %s, all %.1f ms (%s) · total %.1f ms · status %d", request_id, path,
                     timing.prefill_s * 1e3, timing.prefill_url, (timing.kv_claim_s + timing.kv_copy_s) * 1e3,

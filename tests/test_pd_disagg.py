@@ -219,6 +219,22 @@ def test_chat_through_the_router_and_the_routers_health(trio):
     assert wait_for(lambda: pools_free(prefill, decode), timeout=30)
 
 
+def test_several_prompts_and_n_above_one_through_the_router_are_served_by_the_decode_server(trio):
+    prefill, decode, router = trio
+    batch = {"model": MODEL, "prompt": ["Once upon a time", "The little dog"], "max_tokens": 12, "temperature": 0}
+    several = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0.8, "seed": 7, "n": 2}
+    for body in (batch, several):
+        alone = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=60)
+        routed = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        assert routed.status_code == 200, routed.text
+        assert [c["text"] for c in routed.json()["choices"]] == [c["text"] for c in alone.json()["choices"]]
+        assert len(routed.json()["choices"]) == 2
+    lines = router.log.read_text().splitlines()
+    assert any("decode only (2 prompts)" in line for line in lines)
+    assert any("decode only (n = 2)" in line for line in lines)
+    assert wait_for(lambda: pools_free(prefill, decode), timeout=30)
+
+
 def lease_for(prefill: Process, text: str) -> dict:
     """The kv_transfer_params a prefill server returns for a prompt (its blocks leased)."""
     r = httpx.post(f"{prefill.url}/v1/completions", timeout=60, json={

@@ -3,6 +3,7 @@ through with their body, bad timeouts refused up front."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -198,3 +199,50 @@ def test_the_start_up_line_gives_a_url_that_can_be_called(monkeypatch, capsys, h
     monkeypatch.setattr(router_module.uvicorn, "run", lambda *a, **kw: None)
     router_module.run_router(RouterConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:1",)), host=host, port=8123)
     assert capsys.readouterr().err.startswith(f"minillm router: {url}, prefill ")
+
+
+@pytest.mark.parametrize("path, body, reason", [
+    ("/v1/completions", {"prompt": ["Once", "Tom"]}, "2 prompts"),
+    ("/v1/completions", {"prompt": [[1, 2], [3]]}, "2 prompts"),
+    ("/v1/completions", {"prompt": "Once", "n": 3}, "n = 3"),
+    ("/v1/completions", {"prompt": "Once", "n": 1, "best_of": 2}, "n = 2"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n = 2")])
+async def test_a_request_one_lease_cannot_carry_goes_whole_to_a_decode_server(backend, path, body, reason):
+    url, server = backend
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    server.paths.clear()
+    config = RouterConfig((f"{url}/prefill",), (f"{url}/decode",))
+    app = create_router_app(config)
+    await app.state.router.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            logger = logging.getLogger("minillm.router")
+            logger.addHandler(handler)
+            level, logger.level = logger.level, logging.INFO
+            try:
+                response = await client.post(path, json={"max_tokens": 4, **body})
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+            stats = (await client.get("/v1/stats")).json()
+    finally:
+        await app.state.router.close()
+    assert response.status_code == 200, response.text
+    assert response.json()["kv_seen"] == {}                  # no lease was asked for or passed on
+    assert server.paths == [f"/decode{path}"]
+    assert stats["num_decode_only"] == 1 and stats["prefill_ms"]["mean"] is None
+    assert len(lines) == 1 and f"decode only ({reason})" in lines[0], lines
+
+
+@pytest.mark.parametrize("body", [{"prompt": ["Once"]}, {"prompt": [1, 2, 3]}, {"prompt": "Once", "n": 1},
+                                  {"prompt": "Once", "n": "2"}, {"prompt": "Once", "n": True}])
+async def test_one_prompt_and_one_completion_still_go_through_the_prefill_server(backend, body):
+    url, server = backend
+    server.paths.clear()
+    response = await call(RouterConfig((f"{url}/prefill",), (f"{url}/decode",)), "POST", "/v1/completions",
+                          json={"max_tokens": 4, **body})
+    assert response.status_code == 200, response.text
+    assert server.paths == ["/prefill/v1/completions", "/decode/v1/completions"]
+    assert response.json()["kv_seen"] == KV
