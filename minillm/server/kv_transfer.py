@@ -83,10 +83,10 @@ async def apply_kv_transfer(ctx, kv: dict | None, prompt_ids: list[list[int]], p
     # A prefill server hands over one sequence's KV: the request (and so a request through
     # `minillm router`) must make exactly one.
     if n != 1:
-        raise APIError(400, f"n: a request with {PARAM} (or through minillm router) takes n = 1 only, got {n}",
+        raise APIError(400, f"n: a request with {PARAM} takes n = 1 only, got {n}",
                        param="n")
     if len(prompt_ids) != 1:
-        raise APIError(400, f"prompt: a request with {PARAM} (or through minillm router) takes one prompt, got "
+        raise APIError(400, f"prompt: a request with {PARAM} takes one prompt, got "
                             f"{len(prompt_ids)}", param="prompt")
     if kv.get("do_remote_decode") is True:
         if not config.is_kv_producer:
