@@ -726,6 +726,30 @@ class ChatTemplateContentFormat(str, Enum):
     openai = "openai"
 
 
+class ToolCallParser(str, Enum):
+    hermes = "hermes"
+    llama3_json = "llama3_json"
+
+
+class ReasoningParserName(str, Enum):
+    deepseek_r1 = "deepseek_r1"
+    qwen3 = "qwen3"
+
+
+def auto_tool_parser(enabled: bool, parser: ToolCallParser | None) -> str | None:
+    """The tool call parser tool_choice "auto" is served with. --enable-auto-tool-choice without a
+    parser is a usage error, as vLLM makes it; a parser without the flag is taken, as vLLM takes it,
+    and said to change nothing."""
+    if enabled and parser is None:
+        raise typer.BadParameter("--enable-auto-tool-choice requires --tool-call-parser",
+                                 param_hint="'--enable-auto-tool-choice'")
+    if parser is not None and not enabled:
+        typer.echo(f"minillm serve: --tool-call-parser {_plain(parser)} takes effect with --enable-auto-tool-choice "
+                   f'only; tool_choice "auto" stays refused', err=True)
+        return None
+    return _plain(parser) if parser is not None else None
+
+
 class UvicornLogLevel(str, Enum):
     critical = "critical"
     error = "error"
@@ -859,6 +883,16 @@ def serve(
         "--enable-prompt-tokens-details/--no-enable-prompt-tokens-details", help="Usage blocks carry "
         "prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache (vLLM's "
         "--enable-prompt-tokens-details).")] = False,
+    enable_auto_tool_choice: Annotated[bool, _server_option(
+        "--enable-auto-tool-choice", help='Serve tool_choice "auto" (the default when a request gives tools): '
+        "the model's own tool calls, found by --tool-call-parser, come back as tool_calls.")] = False,
+    tool_call_parser: Annotated[Optional[ToolCallParser], _server_option(
+        "--tool-call-parser", help="How the model writes a tool call: hermes (<tool_call> JSON </tool_call>: "
+        "Hermes, Qwen 2.5, Qwen3) or llama3_json (JSON objects: Llama 3.1-3.3).")] = None,
+    reasoning_parser: Annotated[Optional[ReasoningParserName], _server_option(
+        "--reasoning-parser", help="Chat replies carry the model's thinking (<think>...</think>) as "
+        "message.reasoning, apart from content: deepseek_r1, or qwen3 (which honours chat_template_kwargs "
+        "enable_thinking).")] = None,
     enable_server_load_tracking: Annotated[bool, _server_option(
         "--enable-server-load-tracking/--no-enable-server-load-tracking", help="GET /load counts the "
         "completions and chat completions in flight; without it /load answers 0, as vLLM's does.")] = False,
@@ -930,6 +964,8 @@ def serve(
                             return_tokens_as_token_ids=return_tokens_as_token_ids,
                             enable_prompt_tokens_details=enable_prompt_tokens_details,
                             enable_server_load_tracking=enable_server_load_tracking,
+                            reasoning_parser=_plain(reasoning_parser) if reasoning_parser else None,
+                            tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),
                             uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
                             uvicorn_access_log=not disable_uvicorn_access_log, **cors)
     if trust_remote_code:

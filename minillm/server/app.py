@@ -42,11 +42,13 @@ from minillm.server.middleware import (
     APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware, ServerLoad, ServerLoadMiddleware,
 )
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
+from minillm.server.reasoning_parsers import REASONING_PARSERS
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
 from minillm.server.serving_completion import create_completion
 from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
+from minillm.server.tool_parsers import TOOL_PARSERS
 from minillm.server.streaming import EventStreamResponse
 from minillm.tokenizer import check_content_format
 from minillm.urls import http_url
@@ -87,6 +89,9 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:<id>" unless a request says
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     enable_server_load_tracking: bool = False   # GET /load counts the requests in flight (else it stays 0)
+    reasoning_parser: str | None = None         # reasoning apart from content in chat replies (--reasoning-parser)
+    # tool_choice "auto" served by parsing the model's calls (--enable-auto-tool-choice --tool-call-parser)
+    tool_call_parser: str | None = None
     uvicorn_log_level: str = "info"             # uvicorn's own log (--uvicorn-log-level)
     uvicorn_access_log: bool = True             # uvicorn's line per request (off: --disable-uvicorn-access-log)
     exit_on_engine_error: bool = True           # exit (status 1) once the engine loop has failed
@@ -111,6 +116,11 @@ class ServerOptions:
                                  f"got {self.served_model_name!r}")
             object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
         check_content_format(self.chat_template_content_format)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
@@ -322,7 +332,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                          max_tokens_cap=override_max_tokens(async_engine.config),
                          chat_template_content_format=options.chat_template_content_format,
                          return_tokens_as_token_ids=options.return_tokens_as_token_ids,
-                         enable_prompt_tokens_details=options.enable_prompt_tokens_details)
+                         enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+                         reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

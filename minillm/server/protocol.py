@@ -273,6 +273,7 @@ class ChatCompletionRequest(ConversationRequest, _GenerationRequest):
     echo: bool = False                           # vLLM's: the reply starts with the last message's text
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    include_reasoning: bool = True               # vLLM's: false drops the reasoning a --reasoning-parser splits off
 
 
 class TokenizeCompletionRequest(_ModelRequest):
@@ -315,8 +316,9 @@ VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "p
 NEUTRAL_VALUES = {"length_penalty": 1.0}     # vLLM's default, which clients that send every field send
 
 
-def check_unsupported(req: _GenerationRequest) -> None:
-    """Refuse options this server does not implement instead of silently ignoring them."""
+def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False) -> None:
+    """Refuse options this server does not implement instead of silently ignoring them
+    (auto_tool_choice: the server has a tool call parser, so tool_choice "auto" is served)."""
     extra = req.model_extra or {}
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
@@ -336,7 +338,7 @@ def check_unsupported(req: _GenerationRequest) -> None:
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if isinstance(req, ChatCompletionRequest):
-        check_tool_choice(req)
+        check_tool_choice(req, auto_tool_choice)
         if req.functions:
             raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
         if req.function_call not in (None, "none"):
@@ -363,10 +365,10 @@ def tool_choice_of(req: ChatCompletionRequest) -> Any:
     return "auto" if req.tools else "none"
 
 
-def check_tool_choice(req: ChatCompletionRequest) -> None:
-    """400 for a tool_choice that needs a tool call parser ("auto": this server has none), names no
-    tools or a tool not among them. "required" and a named tool are served as vLLM serves them
-    without a parser (server/tool_calls.py)."""
+def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False) -> None:
+    """400 for a tool_choice that needs a tool call parser ("auto" on a server started without
+    --enable-auto-tool-choice), names no tools or a tool not among them. "required" and a named tool
+    are served as vLLM serves them without a parser (server/tool_calls.py)."""
     choice = tool_choice_of(req)
     if choice == "none":
         return
@@ -378,6 +380,8 @@ def check_tool_choice(req: ChatCompletionRequest) -> None:
         check_named_tool_choice(choice, [tool.function.name for tool in req.tools])
         return
     if choice == "auto":
+        if auto_tool_choice:
+            return
         raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                        'set (this server has no tool call parser: tool_choice "required" or a named tool holds '
                        'the output to a call, "none" renders the tools into the prompt; tool_choice defaults to '

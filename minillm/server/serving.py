@@ -77,6 +77,8 @@ class ServingContext:
     chat_template_content_format: str = "auto"       # how message content reaches the template (vLLM's)
     return_tokens_as_token_ids: bool = False         # the default of the requests' field of that name
     enable_prompt_tokens_details: bool = False       # usage carries prompt_tokens_details.cached_tokens
+    reasoning_parser: str | None = None              # --reasoning-parser (server/reasoning_parsers.py)
+    tool_call_parser: str | None = None              # with --enable-auto-tool-choice (server/tool_parsers.py)
 
     def __post_init__(self) -> None:
         self.model_names = self.model_names or (self.model_name,)

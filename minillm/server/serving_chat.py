@@ -25,6 +25,7 @@ from minillm.server.serving import (
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, validate_request,
 )
 from minillm.server.structured import asks_for_structure, structured_outputs_params
+from minillm.server.output_parsers import OutputParsers, OutputStream
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
 
 # Names render_chat takes itself: chat_template_kwargs may not set them (vLLM refuses chat_template
@@ -157,6 +158,11 @@ class ChatJob:
         self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.constraint_param = self.forced.param if self.forced is not None else None   # what holds the output
+        # --reasoning-parser and --tool-call-parser, for a reply that is free text
+        self.parsers = OutputParsers.for_request(
+            ctx.reasoning_parser, ctx.tool_call_parser, req.chat_template_kwargs, tool_choice_of(req),
+            self.forced is not None or asks_for_structure(req), req.include_reasoning)
+        self.output_streams: dict[int, OutputStream] = {}
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -208,6 +214,8 @@ class ChatJob:
                 logprobs = chat_logprobs(cursor.advance(comp.token_ids, comp.logprobs or [], self.num_top))
             message = {"role": self.role, "content": self.echo_text + comp.text}
             finish_reason = comp.finish_reason
+            if self.parsers is not None:
+                message, finish_reason = self.parsers.message(self.role, self.echo_text, comp.text, finish_reason)
             if self.forced is not None:
                 message = {"role": self.role, "content": self.echo_text, "tool_calls": self.forced.calls(comp.text)}
                 finish_reason = self.forced.finish_reason(finish_reason)
@@ -295,6 +303,11 @@ class ChatJob:
                 continue
             delta, rows, finish = update
             content = {"content": delta} if delta else {}
+            if self.parsers is not None:
+                stream = self.output_streams.setdefault(comp.index, self.parsers.stream())
+                content, finish = stream.delta(delta, finish)
+                if not content and finish is None and not (state.cursor is not None and rows):
+                    continue       # held back (a tag may be forming): nothing to send yet
             if self.forced is not None:
                 stream = self.tool_streams.setdefault(comp.index, self.forced.stream())
                 calls = stream.deltas(delta, comp.text)
@@ -315,7 +328,7 @@ async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
     is_large = await is_large_body(raw)
     req = await ctx.run_blocking_if(is_large, validate_request, ChatCompletionRequest, body)
     ctx.check_model(req.model)
-    check_unsupported(req)                   # a refused field is not also logged as ignored
+    check_unsupported(req, auto_tool_choice=ctx.tool_call_parser is not None)   # refused, so not logged as ignored
     log_unknown_fields(unknown_fields(req))
     job = await ctx.run_blocking_if(is_large, ChatJob, ctx, req, client_response_id("chatcmpl", raw, req.request_id))
     await job.prepare()

@@ -1,0 +1,88 @@
+"""A chat reply's text as vLLM's parsers shape it: reasoning split off first (--reasoning-parser),
+then tool calls out of what is left (--enable-auto-tool-choice --tool-call-parser).
+
+Only requests that can use them pay for them: a server without parsers, a request held to a
+structure (response_format, structured_outputs, a forced tool call: its output is the structure
+from the first token, with no reasoning before it), or tools not asked for (tool_choice "none",
+no tools) leave the reply as the plain text.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minillm.server.reasoning_parsers import ReasoningParser, ReasoningStream
+from minillm.server.tool_parsers import ToolCallStream, ToolParser
+
+
+@dataclass(frozen=True)
+class OutputParsers:
+    """One chat request's parsers (at least one set)."""
+
+    reasoning: ReasoningParser | None
+    tools: ToolParser | None
+    include_reasoning: bool = True      # the request's include_reasoning: false drops the reasoning
+
+    @classmethod
+    def for_request(cls, reasoning_parser: str | None, tool_call_parser: str | None, template_kwargs: dict | None,
+                    tool_choice, constrained: bool, include_reasoning: bool) -> OutputParsers | None:
+        """The parsers a request's reply goes through; None when it goes through none."""
+        if constrained:
+            return None
+        reasoning = ReasoningParser.for_request(reasoning_parser, template_kwargs) if reasoning_parser else None
+        tools = ToolParser(tool_call_parser) if tool_call_parser and tool_choice == "auto" else None
+        if reasoning is None and tools is None:
+            return None
+        return cls(reasoning, tools, include_reasoning)
+
+    def message(self, role: str, echo: str, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(message, finish reason) of a whole reply: "tool_calls" when it made calls."""
+        reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
+        calls = []
+        if self.tools is not None and content is not None:
+            content, calls = self.tools.split(content)
+        if echo:
+            content = echo + (content or "")
+        message = {"role": role, "content": content}
+        if self.include_reasoning and self.reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
+        if calls:
+            message["tool_calls"] = calls
+            finish_reason = "tool_calls"
+        return message, finish_reason
+
+    def stream(self) -> OutputStream:
+        """A choice's parsers while it streams."""
+        return OutputStream(self)
+
+
+class OutputStream:
+    """One streamed choice through the parsers: each text delta becomes a chat delta."""
+
+    def __init__(self, parsers: OutputParsers) -> None:
+        self.parsers = parsers
+        self.reasoning: ReasoningStream | None = parsers.reasoning.stream() if parsers.reasoning else None
+        self.tools: ToolCallStream | None = parsers.tools.stream() if parsers.tools else None
+
+    def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+        """(chat delta, finish reason) for text new since the last call; at the finish, what the
+        parsers held back goes too, and a choice that made calls finishes with "tool_calls"."""
+        reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
+        if finish_reason is not None and self.reasoning is not None:
+            more_reasoning, more_content = self.reasoning.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        calls = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if finish_reason is not None:
+                more_content, more_calls = self.tools.finish()
+                content, calls = content + more_content, calls + more_calls
+        delta = {}
+        if reasoning and self.parsers.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        if finish_reason is not None and self.tools is not None and self.tools.num_calls:
+            finish_reason = "tool_calls"
+        return delta, finish_reason

@@ -1,0 +1,99 @@
+"""`--reasoning-parser`: a thinking model's reasoning apart from its answer, as vLLM returns it.
+
+    deepseek_r1   <think> reasoning </think> answer; the template may open <think> in the prompt, so
+                  only </think> need appear; without it the whole output is reasoning (cut short)
+    qwen3         the same, and with chat_template_kwargs {"enable_thinking": false} (the template
+                  then closes the thinking block in the prompt) the whole output is the answer
+
+A chat completion's message then carries `reasoning` (and `reasoning_content`, its older name in
+vLLM) beside `content`; a stream's deltas carry the one or the other. The split is made on the
+text, so a tag spread over several tokens (or streamed across chunks) is found all the same: a
+stream holds back the end of a delta that could be the start of a tag until the next delta says.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+START, END = "<think>", "</think>"
+
+
+def partial_tag_len(text: str, tag: str) -> int:
+    """Length of the longest end of text that is a proper start of tag (held back in a stream)."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """One parser and what a request's chat_template_kwargs say of thinking."""
+
+    name: str
+    thinking: bool = True        # qwen3 with enable_thinking false: no reasoning to split off
+
+    def __post_init__(self) -> None:
+        if self.name not in REASONING_PARSERS:
+            raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {self.name!r}")
+
+    @classmethod
+    def for_request(cls, name: str, template_kwargs: dict | None) -> ReasoningParser:
+        """The parser as a request's chat_template_kwargs set it (qwen3's enable_thinking)."""
+        thinking = True
+        if name == "qwen3" and isinstance(template_kwargs, dict):
+            thinking = template_kwargs.get("enable_thinking", True) is not False
+        return cls(name, thinking)
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(reasoning, content) of a whole output; None where a part is empty."""
+        if not self.thinking:
+            return None, text
+        before, tag, after = text.partition(START)
+        text = after if tag and not before.strip() else text     # a <think> the model wrote itself
+        reasoning, tag, content = text.partition(END)
+        if not tag:
+            return text or None, None                             # no end: cut short while thinking
+        return reasoning or None, content or None
+
+    def stream(self) -> ReasoningStream:
+        """A choice's state while it streams."""
+        return ReasoningStream(self.thinking)
+
+
+class ReasoningStream:
+    """Splits one choice's streamed text into reasoning and content deltas."""
+
+    def __init__(self, thinking: bool) -> None:
+        self.in_reasoning = thinking
+        self._at_start = thinking      # a leading <think> may still come (and is dropped)
+        self._held = ""                # the end of the text so far that may begin a tag
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """(reasoning, content) that delta adds; text that may begin a tag waits for the next."""
+        if not self.in_reasoning:
+            return "", delta
+        text = self._held + delta
+        self._held = ""
+        if self._at_start:
+            stripped = text.lstrip()
+            if START.startswith(stripped) and len(stripped) < len(START):
+                self._held = text                       # could still be "<think>"
+                return "", ""
+            self._at_start = False
+            if stripped.startswith(START):
+                text = stripped[len(START):]
+        reasoning, tag, content = text.partition(END)
+        if tag:
+            self.in_reasoning = False
+            return reasoning, content
+        keep = partial_tag_len(text, END)
+        if keep:
+            self._held = text[-keep:]
+            text = text[:-keep]
+        return text, ""
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back, once the output has ended: reasoning it was."""
+        held, self._held = self._held, ""
+        return (held, "") if self.in_reasoning else ("", held)

@@ -1,0 +1,241 @@
+"""`--enable-auto-tool-choice --tool-call-parser NAME`: tool calls the model wrote in its own format
+returned as OpenAI tool_calls, for tool_choice "auto" (the default when a request gives tools).
+
+    hermes        <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them, after
+                  optional text (Hermes 2 Pro, Qwen 2.5, Qwen3); the text before the first call is the
+                  content, and a call cut short at the end still counts if its JSON is whole
+    llama3_json   an output that is JSON objects {"name": ..., "parameters" (or "arguments"): {...}}
+                  separated by ";", after an optional <|python_tag|> (Llama 3.1-3.3)
+
+A call whose JSON does not parse, or lacks its name or arguments, leaves the whole output as
+content with no calls, as vLLM's parsers do (a stream, which has sent the calls before such a
+call, sends its text as content). With calls, the finish reason is "tool_calls". A
+stream sends content as it comes (holding back what could begin a call) and each call whole, in
+one delta, once its closing tag (or the end of the output) shows it complete.
+"""
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass
+
+from minillm.server.reasoning_parsers import partial_tag_len
+from minillm.server.tool_calls import tool_call
+
+TOOL_PARSERS = ("hermes", "llama3_json")
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder()
+
+
+class NotACall(ValueError):
+    """Text that does not hold a well-formed call."""
+
+
+def _call(obj, arguments_keys: tuple[str, ...]) -> dict:
+    """An OpenAI tool call from a parsed {"name", <arguments>} object (NotACall if it is not one)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise NotACall("no name")
+    for key in arguments_keys:
+        if key in obj:
+            return tool_call(obj["name"], json.dumps(obj[key], ensure_ascii=False))
+    raise NotACall("no arguments")
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _hermes_call_at(text: str, pos: int) -> tuple[dict, int, bool]:
+    """The call whose <tool_call> opens at text[pos]: (call, where the text after it starts, whether
+    its </tool_call> arrived). The JSON is read whole first, so a tag inside one of its strings is
+    text. NotACall if it is no call (or not yet: a stream waits for more)."""
+    i = _skip_space(text, pos + len(HERMES_START))
+    try:
+        obj, j = _DECODER.raw_decode(text, i)
+    except ValueError as exc:
+        raise NotACall(str(exc)) from None
+    call = _call(obj, ("arguments",))
+    k = _skip_space(text, j)
+    if text.startswith(HERMES_END, k):
+        return call, k + len(HERMES_END), True
+    if HERMES_END.startswith(text[k:]):           # nothing after it yet, or its tag half there
+        return call, len(text), False
+    raise NotACall("text after the call's JSON")
+
+
+def _llama_calls(text: str) -> list[dict]:
+    """The calls of an output that is JSON objects separated by ';' (NotACall otherwise)."""
+    pos, calls = 0, []
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        try:
+            obj, pos = _DECODER.raw_decode(text, pos)
+        except ValueError as exc:
+            raise NotACall(str(exc)) from None
+        calls.append(_call(obj, ("arguments", "parameters")))
+        rest = text[pos:].lstrip()
+        if not rest:
+            return calls
+        if not rest.startswith(";"):
+            raise NotACall("text after a call")
+        pos = len(text) - len(rest) + 1
+
+
+def _llama_body(text: str) -> str | None:
+    """The JSON part of an output that opens as a call (after whitespace and <|python_tag|>), else None."""
+    stripped = text.lstrip()
+    if stripped.startswith(PYTHON_TAG):
+        stripped = stripped[len(PYTHON_TAG):].lstrip()
+    return stripped if stripped.startswith("{") else None
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    """A --tool-call-parser: whole outputs through split(), streams through stream()."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        if self.name not in TOOL_PARSERS:
+            raise ValueError(f"tool call parser must be one of {', '.join(TOOL_PARSERS)}, got {self.name!r}")
+
+    def split(self, text: str) -> tuple[str | None, list[dict]]:
+        """(content, tool calls) of a whole output; the content is None where it is empty."""
+        try:
+            content, calls = self._split(text)
+        except NotACall:
+            return text, []
+        return (content or None), calls
+
+    def _split(self, text: str) -> tuple[str, list[dict]]:
+        if self.name == "llama3_json":
+            body = _llama_body(text)
+            return (text, []) if body is None else ("", _llama_calls(body))
+        first = text.find(HERMES_START)
+        if first < 0:
+            return text, []
+        calls, pos = [], first
+        while pos >= 0:
+            call, pos, closed = _hermes_call_at(text, pos)
+            calls.append(call)
+            pos = text.find(HERMES_START, pos) if closed else -1
+        return text[:first], calls
+
+    def stream(self) -> ToolCallStream:
+        """A choice's state while it streams."""
+        return LlamaJsonStream() if self.name == "llama3_json" else HermesStream()
+
+
+class ToolCallStream(abc.ABC):
+    """One choice's streamed content split into content deltas and whole tool calls."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+
+    def _numbered(self, calls: list[dict]) -> list[dict]:
+        """Calls as stream deltas: each with its index among the choice's calls."""
+        out = []
+        for call in calls:
+            out.append({"index": self.num_calls, **call})
+            self.num_calls += 1
+        return out
+
+    @abc.abstractmethod
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        """(content, tool call deltas) that delta adds."""
+
+    @abc.abstractmethod
+    def finish(self) -> tuple[str, list[dict]]:
+        """(content, tool call deltas) of what was held back, once the output has ended."""
+
+
+class HermesStream(ToolCallStream):
+    """hermes: content up to the first <tool_call>, then each call once its </tool_call> arrives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""          # not yet sent: a possible tag start, or an open call
+        self._in_calls = False   # the first <tool_call> was seen: content is over
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        text = self._text + delta
+        content = ""
+        if not self._in_calls:
+            first = text.find(HERMES_START)
+            if first < 0:
+                keep = partial_tag_len(text, HERMES_START)
+                self._text = text[len(text) - keep:]
+                return text[:len(text) - keep], []
+            content, text, self._in_calls = text[:first], text[first:], True
+        calls = []
+        while (start := text.find(HERMES_START)) >= 0:
+            try:
+                call, end, closed = _hermes_call_at(text, start)
+            except NotACall:
+                break              # more may come; at the end, finish() says what it was
+            if not closed:
+                break
+            calls.append(call)
+            text = text[end:]
+        else:                      # no call open: what could not begin one is dropped, as split() drops it
+            text = text[len(text) - partial_tag_len(text, HERMES_START):]
+        self._text = text
+        return content, self._numbered(calls)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        text, self._text = self._text, ""
+        if not self._in_calls:
+            return text, []
+        start = text.find(HERMES_START)
+        if start < 0:
+            return "", []
+        calls, pos = [], start
+        try:
+            while pos >= 0:
+                call, pos, closed = _hermes_call_at(text, pos)
+                calls.append(call)
+                pos = text.find(HERMES_START, pos) if closed else -1
+        except NotACall:
+            return text[start:], []       # not a call: the client sees its text
+        return "", self._numbered(calls)
+
+
+class LlamaJsonStream(ToolCallStream):
+    """llama3_json: an output that opens with JSON is held and parsed whole at the end; any other
+    is content as it comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._text = ""
+        self._decided: bool | None = None      # None: too early to say; True: calls; False: content
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        if self._decided is False:
+            return delta, []
+        self._text += delta
+        if self._decided is None:
+            stripped = self._text.lstrip()
+            if not stripped or (PYTHON_TAG.startswith(stripped) and len(stripped) < len(PYTHON_TAG)):
+                return "", []
+            after = stripped[len(PYTHON_TAG):].lstrip() if stripped.startswith(PYTHON_TAG) else stripped
+            if not after and stripped.startswith(PYTHON_TAG):
+                return "", []
+            self._decided = after.startswith("{")
+            if not self._decided:
+                text, self._text = self._text, ""
+                return text, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[dict]]:
+        text, self._text = self._text, ""
+        body = _llama_body(text)
+        if body is None:
+            return text, []
+        try:
+            return "", self._numbered(_llama_calls(body))
+        except NotACall:
+            return text, []
