@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from minillm.engine_core.heap import freeze_startup_heap
 from minillm.generation_config import model_sampling_defaults, override_max_tokens
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
+from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
 from minillm.server.limits import ServerLimits
@@ -46,6 +47,7 @@ from minillm.server.reasoning_parsers import REASONING_PARSERS
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
 from minillm.server.serving_completion import create_completion
+from minillm.server.serving_responses import ResponsesRequest, create_response
 from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
 from minillm.server.tool_parsers import TOOL_PARSERS
@@ -175,11 +177,21 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def chat_completions(raw: Request, body: dict[str, Any] = Body()):
         return await create_chat_completion(ctx, body, raw)
 
+    @app.post("/v1/responses")
+    async def responses(raw: Request, body: dict[str, Any] = Body()):
+        return await create_response(ctx, body, raw)
+
+    @app.api_route("/v1/responses/{response_id}", methods=GET_OR_HEAD)
+    async def stored_response(response_id: str):
+        raise APIError(404, f"Response {short_repr(response_id)} not found: this server does not store responses",
+                       param="response_id", code="response_not_found")
+
     def model_card(name: str) -> dict:
         return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
                 "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
 
-    _document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest})
+    _document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+                                   "/v1/responses": ResponsesRequest})
 
     @app.api_route("/v1/models", methods=GET_OR_HEAD)
     async def models():

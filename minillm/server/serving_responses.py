@@ -1,0 +1,417 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path, as vLLM serves it for text models.
+
+A request's `instructions` and `input` (a string, or items: messages, function calls and their
+outputs, reasoning) become a chat conversation; `tools` (function tools), `tool_choice`,
+`text.format`, `max_output_tokens`, `temperature` and `top_p` become the chat request's fields; the
+chat job renders, samples and parses (structured outputs, --reasoning-parser, --tool-call-parser,
+forced tool calls) as it does for /v1/chat/completions, and its reply becomes output items:
+`reasoning`, a `message` of `output_text`, and `function_call`s. A stream sends the Responses
+events (response.created, output_item.added, output_text.delta, ..., response.completed, or
+response.incomplete when max_output_tokens cut it).
+
+Responses are not stored: `store` is answered false, and `previous_response_id` and `background`
+are 400s, as they are on a vLLM server without its response store.
+"""
+from __future__ import annotations
+
+import contextlib
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+
+from minillm.outputs import RequestOutput
+from minillm.server.async_engine import RequestStream
+from minillm.server.errors import APIError, _validation_to_api_error
+from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest, check_unsupported, unknown_fields
+from minillm.server.serving import (
+    FinalEvent, ServingContext, answer, client_response_id, is_large_body, json_dumps, log_unknown_fields,
+    merged_outputs, refuse_uncompiled_constraint, text_delta, validate_request,
+)
+from minillm.server.serving_chat import ChatJob
+
+# Chat fields (as errors raised on the chat side name them) -> the Responses field they came from;
+# the longest prefix of a param that is listed is replaced.
+CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens",
+               "response_format.json_schema": "text.format", "response_format": "text.format"}
+# vLLM's extensions a Responses request may carry, taken as a chat request takes them.
+CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
+               "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt")
+# include values there is nothing to include for (no encrypted reasoning is made): taken, changing nothing.
+INCLUDE_NOTHING = ("reasoning.encrypted_content",)
+
+
+class ResponsesRequest(_ModelRequest):
+    """POST /v1/responses (the fields of OpenAI's that a text model can serve; others are logged)."""
+
+    input: Text | list[dict[str, Any]]
+    instructions: Text | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    store: bool = True
+    previous_response_id: Text | None = None
+    background: bool = False
+    truncation: Text | None = None
+    metadata: dict[str, Any] | None = None
+    user: Text | None = None
+    include: list[Text] | None = None
+    request_id: Text | None = None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _check_unserved(req: ResponsesRequest) -> None:
+    """400 for what a server without a response store, or a text model, cannot do."""
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: this server does not store responses "
+                       "(send the conversation in input)", param="previous_response_id")
+    if req.background:
+        raise APIError(400, "background is not supported: this server does not store responses", param="background")
+    if req.truncation not in (None, "disabled"):
+        raise APIError(400, f'truncation must be "disabled" (a prompt past the context is a 400), got '
+                       f"{req.truncation!r}", param="truncation")
+    for name in req.include or []:
+        if name not in INCLUDE_NOTHING:
+            raise APIError(400, f"include: {name!r} is not supported", param="include")
+
+
+# ---- the request as a chat request ------------------------------------------------------------------
+
+def _content_parts(content: Any, where: str) -> Any:
+    """A Responses message's content as chat content: a string, or a list of text (and image) parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "input_image":
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+        else:
+            raise APIError(400, f"{where}.content[{j}].type must be input_text, output_text or input_image, "
+                           f"got {kind!r}", param=f"{where}.content[{j}].type")
+    return parts
+
+
+def _messages(req: ResponsesRequest) -> list[dict]:
+    """The chat conversation of instructions and input."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+    if isinstance(req.input, str):
+        return [*messages, {"role": "user", "content": req.input}]
+    reasoning = None                  # a reasoning item goes with the assistant turn after it
+    for i, item in enumerate(req.input):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
+                               param=f"{where}.role")
+            message = {"role": "system" if role == "developer" else role,
+                       "content": _content_parts(item.get("content"), where)}
+            if role == "assistant" and reasoning is not None:
+                message["reasoning"], reasoning = reasoning, None
+            messages.append(message)
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)
+            else:
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                if reasoning is not None:
+                    message["reasoning"], reasoning = reasoning, None
+                messages.append(message)
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else json_dumps(output)})
+        elif kind == "reasoning":
+            texts = [p.get("text") for p in (item.get("content") or item.get("summary") or [])
+                     if isinstance(p, dict) and isinstance(p.get("text"), str)]
+            reasoning = "\n".join(texts)
+        else:
+            raise APIError(400, f"{where}.type must be message, function_call, function_call_output or reasoning, "
+                           f"got {kind!r}", param=f"{where}.type")
+    return messages
+
+
+def _tools(tools: list[dict] | None) -> list[dict] | None:
+    """Function tools in the chat shape ({"type": "function", "function": {...}})."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise APIError(400, f"tools[{i}].type must be function (built-in tools are not served), got "
+                           f"{tool.get('type')!r}", param=f"tools[{i}].type")
+        out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
+
+
+def _response_format(text: dict | None) -> dict | None:
+    """text.format as a chat response_format (None for plain text)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+        raise APIError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def chat_body(req: ResponsesRequest) -> dict:
+    """The chat completion request that serves req."""
+    body = {"model": req.model, "messages": _messages(req), "stream": req.stream}
+    fields = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+              "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
+              "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+              "user": req.user}
+    body.update({k: v for k, v in fields.items() if v is not None})
+    for name in CHAT_EXTRAS:
+        if name in (req.model_extra or {}):          # vLLM's sampling extensions, taken as chat takes them
+            body[name] = req.model_extra[name]
+    return body
+
+
+def _renamed(exc: APIError) -> APIError:
+    """A chat-side error with its param, and the fields its message names, as the Responses request
+    names them (a message's index in input differs from its index in messages: the param is input)."""
+    param, message = exc.param, exc.message
+    for chat_name, name in CHAT_PARAMS.items():
+        if param is not None and (param == chat_name or param.startswith(chat_name + ".")):
+            param = name if chat_name == "messages" else name + param[len(chat_name):]
+        if chat_name != "messages":          # a word of prose too: only where it leads, as a field
+            message = message.replace(chat_name, name)
+        elif message.startswith("messages"):
+            message = "input" + message[len("messages"):]
+    return APIError(exc.status, message, param, exc.code, exc.type)
+
+
+# ---- the reply as output items ------------------------------------------------------------------------
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call: dict) -> dict:
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+class ResponsesJob(ChatJob):
+    """A chat job whose reply is a Responses object (or its event stream)."""
+
+    def __init__(self, ctx: ServingContext, req: ResponsesRequest, chat: ChatCompletionRequest,
+                 response_id: str | None) -> None:
+        super().__init__(ctx, chat)
+        self.responses_req = req
+        self.response_id = response_id or _new_id("resp")
+        self.sequence = 0
+
+    def _usage(self, final: RequestOutput) -> dict:
+        num_in, num_out = len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
+        return {"input_tokens": num_in, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
+                "output_tokens": num_out, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": num_in + num_out}
+
+    def _response(self, status: str, output: list[dict], final: RequestOutput | None) -> dict:
+        req = self.responses_req
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
+                "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
+                "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
+                "reasoning": req.reasoning, "store": False, "temperature": self.params.temperature,
+                "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
+                "tools": req.tools or [], "top_p": self.params.top_p, "truncation": "disabled",
+                "usage": self._usage(final) if final is not None else None, "user": req.user,
+                "metadata": req.metadata or {}}
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The Responses object of a finished reply."""
+        chat = super().response(finals)
+        choice = chat["choices"][0]
+        message = choice["message"]
+        output = []
+        if message.get("reasoning"):
+            output.append(_reasoning_item(_new_id("rs"), message["reasoning"]))
+        if message.get("content"):
+            output.append(_message_item(_new_id("msg"), message["content"]))
+        output += [_call_item(call) for call in message.get("tool_calls") or []]
+        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+        return self._response(status, output, finals[0])
+
+    def _event(self, kind: str, **fields) -> str:
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json_dumps({'type': kind, 'sequence_number': self.sequence - 1, **fields})}\n\n"
+
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """The Responses event stream, sent from the reply's first output on (so a request the engine
+        refuses is still an HTTP error)."""
+        writer = _EventWriter(self)
+        final: RequestOutput | None = None
+        pending = ""
+        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
+            async for batch in batches:
+                for _, output in batch:
+                    if final is None:
+                        try:
+                            refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
+                        except APIError as exc:
+                            raise _renamed(exc) from None
+                        pending += self._event("response.created", response=self._response("in_progress", [], None))
+                        pending += self._event("response.in_progress", response=self._response("in_progress", [], None))
+                    final = output
+                    pending += writer.update(output.outputs[0])
+                if pending and not all(s.finished for s in streams):
+                    yield pending
+                    pending = ""
+        if final is not None:
+            status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+            pending += self._event(f"response.{status}", response=self._response(status, writer.items, final))
+        yield FinalEvent(pending)
+
+
+class _EventWriter:
+    """One reply's text through the chat job's parsers into Responses output items and their events."""
+
+    def __init__(self, job: ResponsesJob) -> None:
+        self.job = job
+        self.items: list[dict] = []       # the output items, done
+        self.open: dict | None = None     # the reasoning or message item being streamed
+        self.text = ""                    # the open item's text so far
+        self.sent = ""                    # the reply's text already fed through
+        self.stream = job.parsers.stream() if job.parsers is not None else None
+
+    def update(self, comp) -> str:
+        """The events of comp's text since the last update (and, once finished, the closing ones)."""
+        delta = text_delta(self.sent, comp.text)
+        self.sent = comp.text
+        finish = comp.finish_reason
+        if self.job.forced is not None:           # a forced call: the calls once the reply is whole
+            return "" if finish is None else self._close() + "".join(
+                self._call(c) for c in self.job.forced.calls(comp.text))
+        if self.stream is not None:
+            parts, _ = self.stream.delta(delta, finish)
+        else:
+            parts = {"content": delta} if delta else {}
+        events = ""
+        if parts.get("reasoning") and self.job.parsers.include_reasoning:
+            events += self._text("reasoning", parts["reasoning"])
+        if parts.get("content"):
+            events += self._text("message", parts["content"])
+        for call in parts.get("tool_calls") or []:
+            events += self._close() + self._call(call)
+        if finish is not None:
+            events += self._close()
+        return events
+
+    def _text(self, kind: str, delta: str) -> str:
+        job, events = self.job, ""
+        if self.open is not None and self.open["type"] != kind:
+            events += self._close()
+        if self.open is None:
+            item_id = _new_id("rs" if kind == "reasoning" else "msg")
+            self.open = {"type": kind, "id": item_id}
+            index = len(self.items)
+            if kind == "reasoning":
+                events += job._event("response.output_item.added", output_index=index,
+                                     item={**_reasoning_item(item_id, ""), "status": "in_progress", "content": []})
+            else:
+                events += job._event("response.output_item.added", output_index=index,
+                                     item=_message_item(item_id, "", "in_progress"))
+                events += job._event("response.content_part.added", item_id=item_id, output_index=index,
+                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        self.text += delta
+        kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + job._event(kind_event, item_id=self.open["id"], output_index=len(self.items),
+                                   content_index=0, delta=delta, **extra)
+
+    def _close(self) -> str:
+        """The done events of the open item, if any."""
+        if self.open is None:
+            return ""
+        job, item_id, index, text = self.job, self.open["id"], len(self.items), self.text
+        if self.open["type"] == "reasoning":
+            item = _reasoning_item(item_id, text)
+            events = job._event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                                content_index=0, text=text)
+        else:
+            item = _message_item(item_id, text)
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            events = (job._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                                 text=text, logprobs=[])
+                      + job._event("response.content_part.done", item_id=item_id, output_index=index,
+                                   content_index=0, part=part))
+        events += job._event("response.output_item.done", output_index=index, item=item)
+        self.items.append(item)
+        self.open, self.text = None, ""
+        return events
+
+    def _call(self, call: dict) -> str:
+        """A whole function call's events."""
+        job, item, index = self.job, _call_item(call), len(self.items)
+        events = (job._event("response.output_item.added", output_index=index,
+                             item={**item, "arguments": "", "status": "in_progress"})
+                  + job._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                               delta=item["arguments"])
+                  + job._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               arguments=item["arguments"])
+                  + job._event("response.output_item.done", output_index=index, item=item))
+        self.items.append(item)
+        return events
+
+
+async def create_response(ctx: ServingContext, body: dict, raw: Request):
+    """Validate, translate into a chat request, submit and answer (JSON, or the Responses events)."""
+    is_large = await is_large_body(raw)
+    req = await ctx.run_blocking_if(is_large, validate_request, ResponsesRequest, body)
+    ctx.check_model(req.model)
+    _check_unserved(req)
+    try:
+        chat = validate_request(ChatCompletionRequest, chat_body(req))
+        check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
+        job = await ctx.run_blocking_if(is_large, ResponsesJob, ctx, req, chat,
+                                        client_response_id("resp", raw, req.request_id))
+        await job.prepare()
+    except RequestValidationError as exc:
+        raise _renamed(_validation_to_api_error(exc)) from None
+    except APIError as exc:
+        raise _renamed(exc) from None
+    log_unknown_fields([name for name in unknown_fields(req) if name not in CHAT_EXTRAS])
+    try:
+        return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+    except APIError as exc:           # a constraint the engine could not compile names the chat field
+        raise _renamed(exc) from None
