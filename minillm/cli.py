@@ -117,7 +117,7 @@ def override_generation_config_option(value: str | None) -> dict | None:
     usage error naming the option."""
     if value is None:
         return None
-    from minillm.generation_config import override_sampling_defaults
+    from minillm.generation_config import describe_ignored_override_keys, override_sampling_defaults
     try:
         override = json.loads(value)
     except ValueError as exc:
@@ -126,6 +126,9 @@ def override_generation_config_option(value: str | None) -> dict | None:
         override_sampling_defaults(override)
     except ValueError as exc:
         raise typer.BadParameter(" ".join(str(exc).split()), param_hint="'--override-generation-config'") from None
+    ignored = describe_ignored_override_keys(override)
+    if ignored is not None:
+        typer.echo(f"minillm: --override-generation-config: {ignored}", err=True)
     return override
 
 

@@ -58,9 +58,10 @@ def sampling_default(name: str, value):
 
 def override_sampling_defaults(override) -> dict:
     """vLLM's override_generation_config as SamplingParams fields: {name: value}, None where it
-    unsets the model's value (as a null does in vLLM). A ValueError saying what is wrong (the caller
-    names the option) for anything but a dict of the file's sampling keys with usable values: vLLM
-    reads no other key of it, so one is refused rather than ignored."""
+    unsets the model's value (as a null does in vLLM). Other keys are ignored, as vLLM's
+    get_diff_sampling_param merges the object into the file's and reads only the sampling keys
+    (describe_ignored_override_keys names them). A ValueError saying what is wrong (the caller
+    names the option) for anything but a JSON object, or for a sampling key's unusable value."""
     if override is None:
         return {}
     if not isinstance(override, dict):
@@ -70,13 +71,22 @@ def override_sampling_defaults(override) -> dict:
     for key, value in override.items():
         name = _KEYS.get(key)
         if name is None:
-            raise ValueError(f"{short_repr(key)} is not a sampling default it can set (it sets "
-                             f"{', '.join(_KEYS)})")
+            continue
         try:
             out[name] = None if value is None else sampling_default(name, value)
         except ValueError as exc:
             raise ValueError(f"{key} (SamplingParams' {name}): {exc}" if key != name else str(exc)) from None
     return out
+
+
+def describe_ignored_override_keys(override) -> str | None:
+    """A warning naming the keys of an override_generation_config object that set no sampling
+    default (vLLM ignores them), or None."""
+    ignored = [key for key in override if key not in _KEYS] if isinstance(override, dict) else []
+    if not ignored:
+        return None
+    return (f"ignoring {', '.join(short_repr(k) for k in ignored)}: as vLLM, it reads only the sampling keys "
+            f"{', '.join(_KEYS)}")
 
 
 def override_max_tokens(config) -> int | None:

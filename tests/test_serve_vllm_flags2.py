@@ -40,6 +40,17 @@ def test_override_generation_config_reaches_the_engine_config(capsys, started):
 
 
 @needs_stories
+def test_override_keys_that_set_no_sampling_default_are_ignored_with_a_warning(capsys, started):
+    # vLLM's get_diff_sampling_param reads only its sampling keys of the object; a do_sample or
+    # seed of a vLLM command line was a usage error here.
+    status, err = serve(capsys, "--override-generation-config", '{"temperature": 0.5, "do_sample": true, "seed": 1}')
+    assert status == 0 and started["config"].override_generation_config == {
+        "temperature": 0.5, "do_sample": True, "seed": 1}
+    [line] = err.strip().splitlines()
+    assert line.startswith("minillm: --override-generation-config: ignoring 'do_sample', 'seed'"), line
+
+
+@needs_stories
 def test_without_the_flags_serve_keeps_vllms_defaults(capsys, started):
     assert serve(capsys) == (0, "")
     options = started["options"]
@@ -53,7 +64,6 @@ def test_without_the_flags_serve_keeps_vllms_defaults(capsys, started):
     (("--chat-template-content-format", "html"), "'html' is not one of 'auto', 'string', 'openai'"),
     (("--override-generation-config", "{temperature: 1}"), "not valid JSON: Expecting property name"),
     (("--override-generation-config", "[1]"), "it must be a JSON object of generation_config.json sampling keys"),
-    (("--override-generation-config", '{"do_sample": true}'), "'do_sample' is not a sampling default it can set"),
     (("--override-generation-config", '{"temperature": -1}'), "temperature must be non-negative, got -1"),
     (("--override-generation-config", '{"max_new_tokens": 0}'), "max_new_tokens (SamplingParams' max_tokens)"),
 ])
@@ -77,8 +87,8 @@ def test_the_override_is_merged_into_the_models_defaults_or_stands_alone():
     assert defaults("auto", override) == {"temperature": 0.2, "max_tokens": 8, "top_p": 0.9}
     assert defaults("vllm", override) == {"temperature": 0.2, "max_tokens": 8, "top_p": 0.9}
     assert defaults("auto", None) == {"temperature": 0.6, "top_k": 20, "max_tokens": 64}
-    with pytest.raises(ValueError, match=r"^override_generation_config: 'seed' is not a sampling default"):
-        EngineConfig(model=str(STORIES), override_generation_config={"seed": 1})
+    # Keys that set no sampling default are ignored, as vLLM reads only its sampling keys of the object.
+    assert defaults("vllm", {**override, "seed": 1, "do_sample": True}) == defaults("vllm", override)
 
 
 # ---- one engine, served with the flags and without ------------------------------------------------
