@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import AsyncIterator
 
 from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.sampling_params import truncate_prompt
+from minillm.sampling_params import SamplingParams, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -73,6 +74,9 @@ class CompletionJob:
         self.as_token_ids = ctx.as_token_ids(req)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
+        # Prompts of an echo without generation that fill the whole context: the engine scores all but
+        # their last token and is made to "generate" that one (see _full_context_echo_params).
+        self.full_context_echoes: set[int] = set()
         self.params: list = []
         self.texts = TokenTexts(ctx.tokenizer)
         self._prompt_row_cache: dict[int, list] = {}   # prompt index -> its echoed logprob rows
@@ -89,11 +93,45 @@ class CompletionJob:
         self.prompt_ids, self.prompt_texts = await self.ctx.run_blocking_if(text_work, self._tokenize)
         if any(not ids for ids in self.prompt_ids):     # e.g. add_special_tokens false on text of no tokens
             raise APIError(400, "prompt must not be empty: it tokenizes to no tokens", param="prompt")
-        self.params = [to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens),
-                                          self.req.logprobs, self.ctx.engine.vocab_size, self.structured,
-                                          self.prompt_logprobs, defaults=self.ctx.sampling_defaults)
-                       for ids in self.prompt_ids]
+        self.params = []
+        for pi, ids in enumerate(self.prompt_ids):
+            if self.echo_only and len(ids) == self.ctx.engine.max_model_len:
+                self.full_context_echoes.add(pi)
+                self.params.append(self._full_context_echo_params(ids))
+                continue
+            self.params.append(to_sampling_params(
+                self.req, self.ctx.resolve_max_tokens(len(ids), self.max_tokens), self.req.logprobs,
+                self.ctx.engine.vocab_size, self.structured, self.prompt_logprobs, defaults=self.ctx.sampling_defaults))
         await tokenize_bad_words(self.ctx, self.params)
+
+    def _full_context_echo_params(self, ids: list[int]) -> SamplingParams:
+        """An echo without generation of a prompt of max_model_len tokens, which vLLM serves (a prompt
+        that fits, nothing generated) and the engine cannot take whole (it keeps room for a token): the
+        engine gets all but the last token, scores them, and samples the last one, the only one allowed;
+        its raw log-probabilities (taken before any mask) are the last prompt token's."""
+        params = to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids) - 1, 1), self.prompt_logprobs,
+                                    self.ctx.engine.vocab_size, None, self.prompt_logprobs,
+                                    defaults=self.ctx.sampling_defaults)
+        # Nothing may keep the one token from being sampled: no grammar, bad words, bias or stop token.
+        return dataclasses.replace(params, allowed_token_ids=[ids[-1]], bad_words=None, structured_outputs=None,
+                                   logit_bias=None, truncate_prompt_tokens=None, min_tokens=0, ignore_eos=True)
+
+    @property
+    def engine_prompt_ids(self) -> list[list[int]]:
+        """The prompts as the engine gets them (a full-context echo less its last token)."""
+        return [ids[:-1] if pi in self.full_context_echoes else ids for pi, ids in enumerate(self.prompt_ids)]
+
+    def _whole_prompt(self, prompt_index: int, output: RequestOutput) -> RequestOutput:
+        """output as if the engine had taken a full-context echo's whole prompt: its last token back in
+        the prompt, that token's sampled log-probabilities as its prompt entry."""
+        if prompt_index not in self.full_context_echoes:
+            return output
+        entries = output.prompt_logprobs
+        sampled = next((c.logprobs for c in output.outputs if c.logprobs), None)
+        if entries is not None and output.finished and sampled:
+            entries = [*entries, sampled[0]]
+        return dataclasses.replace(output, prompt_token_ids=list(self.prompt_ids[prompt_index]),
+                                   prompt_logprobs=entries)
 
     def _tokenize(self) -> tuple[list[list[int]], list[str]]:
         tok = self.ctx.tokenizer
@@ -162,6 +200,7 @@ class CompletionJob:
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The non-streaming response body."""
+        finals = [self._whole_prompt(pi, final) for pi, final in enumerate(finals)]
         choices = []
         for pi, final in enumerate(finals):
             for comp in final.outputs:
@@ -208,7 +247,7 @@ class CompletionJob:
                 for pi, output in batch:
                     if not sent:
                         refuse_uncompiled_constraint(self.req, [output])
-                    finals[pi] = output
+                    output = finals[pi] = self._whole_prompt(pi, output)
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events.extend(stream_events(chunks, self._choices(pi, output, progress), output,
                                                 self.req.continuous_usage))
@@ -276,10 +315,11 @@ async def create_completion(ctx: ServingContext, body: dict, raw: Request):
     log_unknown_fields(unknown_fields(req))
     job = await ctx.run_blocking_if(is_large, CompletionJob, ctx, req, client_response_id("cmpl", raw, req.request_id))
     await job.prepare()
-    job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, job.prompt_ids, job.params, req.n,
+    prompt_ids = job.engine_prompt_ids
+    job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, prompt_ids, job.params, req.n,
                                                 req.stream)
     try:
-        response = await answer(ctx, raw, job, job.prompt_ids, job.params, req.stream)
+        response = await answer(ctx, raw, job, prompt_ids, job.params, req.stream)
     except BaseException:
         release_claim(ctx, claim)
         raise
