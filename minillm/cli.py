@@ -923,7 +923,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible HTTP API.
 
-    Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/models, /v1/stats, /metrics, /tokenize,
+    Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/models, /v1/stats, /metrics,
+    /tokenize,
     /detokenize, /version.
     """
     from minillm.tokenizer import chat_template_from_arg

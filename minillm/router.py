@@ -13,7 +13,7 @@ role with no server reachable is a 503, a server that fails mid-request a 502 (a
 when the stream had begun): never a hang, since connects time out. One log line per request says
 where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
 header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
-(several prompts, n > 1, or any /v1/responses request) goes whole to a decode server, which
+(several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
 computes its prompts itself.
 /v1/models, /tokenize, /detokenize and /version need no KV: a decode server answers them, with
 the client's credentials.
@@ -44,7 +44,7 @@ from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
 logger = logging.getLogger("minillm.router")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 MAX_SAMPLES = 4096
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -192,10 +192,10 @@ def _num_prompts(prompt: Any) -> int:
 def decode_only_reason(path: str, body: dict) -> str | None:
     """Why one prompt's lease cannot carry this request (several prompts, or several completions of
     one, which the protocol hands over one at a time); None when it can. Such a request goes whole
-    to a decode server, which computes its prompts itself. A Responses API request (which carries
-    no kv_transfer_params) goes so too."""
-    if path == "/v1/responses":
-        return "the Responses API"
+    to a decode server, which computes its prompts itself. A Responses or Anthropic Messages API
+    request (which carries no kv_transfer_params) goes so too."""
+    if path in ("/v1/responses", "/v1/messages"):
+        return "the Responses API" if path == "/v1/responses" else "the Messages API"
     num_prompts = _num_prompts(body.get("prompt")) if path == "/v1/completions" else 1
     if num_prompts > 1:
         return f"{num_prompts} prompts"

@@ -207,7 +207,8 @@ def test_the_start_up_line_gives_a_url_that_can_be_called(monkeypatch, capsys, h
     ("/v1/completions", {"prompt": "Once", "n": 3}, "n = 3"),
     ("/v1/completions", {"prompt": "Once", "n": 1, "best_of": 2}, "n = 2"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n = 2"),
-    ("/v1/responses", {"input": "hi"}, "the Responses API")])
+    ("/v1/responses", {"input": "hi"}, "the Responses API"),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}]}, "the Messages API")])
 async def test_a_request_one_lease_cannot_carry_goes_whole_to_a_decode_server(backend, path, body, reason):
     url, server = backend
     lines = []

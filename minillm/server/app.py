@@ -47,6 +47,7 @@ from minillm.server.reasoning_parsers import REASONING_PARSERS
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
 from minillm.server.serving_chat import create_chat_completion
 from minillm.server.serving_completion import create_completion
+from minillm.server.serving_messages import MessagesRequest, count_message_tokens, create_message
 from minillm.server.serving_responses import ResponsesRequest, create_response
 from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
@@ -181,6 +182,14 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def responses(raw: Request, body: dict[str, Any] = Body()):
         return await create_response(ctx, body, raw)
 
+    @app.post("/v1/messages")
+    async def messages(raw: Request, body: dict[str, Any] = Body()):
+        return await create_message(ctx, body, raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(raw: Request, body: dict[str, Any] = Body()):
+        return await count_message_tokens(ctx, body, raw)
+
     @app.api_route("/v1/responses/{response_id}", methods=GET_OR_HEAD)
     async def stored_response(response_id: str):
         raise APIError(404, f"Response {short_repr(response_id)} not found: this server does not store responses",
@@ -191,7 +200,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
                 "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
 
     _document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-                                   "/v1/responses": ResponsesRequest})
+                                   "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest})
 
     @app.api_route("/v1/models", methods=GET_OR_HEAD)
     async def models():

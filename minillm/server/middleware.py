@@ -59,7 +59,7 @@ class ServerLoadMiddleware:
     answering, from their arrival until their response has gone out, stream included: vLLM's
     GET /load figure (server_load)."""
 
-    GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+    GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
     def __init__(self, app, load: "ServerLoad") -> None:
         self.app = app

@@ -1,0 +1,376 @@
+"""POST /v1/messages: Anthropic's Messages API over the chat path, as vLLM and llama.cpp serve it.
+
+A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
+conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools`
+(`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, and
+`thinking` {"type": "disabled"} the template's enable_thinking false. The chat job renders,
+samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
+/v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
+with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
+(message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+
+Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
+fields `param` and `code` in the same object, so either kind of client reads them.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from minillm.outputs import RequestOutput
+from minillm.server.async_engine import RequestStream
+from minillm.server.errors import APIError, _validation_to_api_error
+from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest, check_unsupported, unknown_fields
+from minillm.server.serving import (
+    FinalEvent, ServingContext, answer, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
+    refuse_uncompiled_constraint, text_delta, validate_request,
+)
+from minillm.server.serving_chat import ChatJob
+
+# Chat fields (as errors raised on the chat side name them) -> the Messages field they came from.
+CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}
+
+
+class MessagesRequest(_ModelRequest):
+    """POST /v1/messages (Anthropic's fields a text model can serve; others are logged)."""
+
+    max_tokens: int
+    messages: list[dict[str, Any]]
+    system: Text | list[dict[str, Any]] | None = None
+    stop_sequences: list[Text] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def error_json(exc: APIError) -> JSONResponse:
+    """An error as Anthropic clients read it, with OpenAI's param and code beside."""
+    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+            429: "rate_limit_error"}.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message, "param": exc.param,
+                                                    "code": exc.code}}, status_code=exc.status)
+
+
+# ---- the request as a chat request ------------------------------------------------------------------
+
+def _text_of(blocks: Any, where: str) -> str:
+    """The text of a string or of a list of text blocks (system, tool_result content)."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list):
+        raise APIError(400, f"{where} must be a string or a list of text blocks", param=where)
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            raise APIError(400, f"{where}[{j}] must be a text block", param=f"{where}[{j}]")
+        texts.append(block["text"])
+    return "\n".join(texts)
+
+
+def _message(i: int, message: dict) -> list[dict]:
+    """One Anthropic message as chat messages (tool results become tool messages)."""
+    where = f"messages[{i}]"
+    role = message.get("role")
+    if role not in ("user", "assistant"):
+        raise APIError(400, f"{where}.role must be user or assistant, got {role!r}", param=f"{where}.role")
+    content = message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content must be a string or a list of content blocks", param=f"{where}.content")
+    out, parts, calls, reasoning = [], [], [], None
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text":
+            parts.append({"type": "text", "text": block.get("text")})
+        elif kind == "image":
+            source = block.get("source") or {}
+            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data')}"
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": block.get("id"), "type": "function", "function": {
+                "name": block.get("name"), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                        "content": _text_of(result, f"{at}.content")})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            reasoning = block.get("thinking") if kind == "thinking" else reasoning
+        else:
+            raise APIError(400, f"{at}.type {kind!r} is not a content block a {role} message takes here",
+                           param=f"{at}.type")
+    if parts or calls or not out:
+        chat = {"role": role, "content": parts or (None if calls else "")}
+        if calls:
+            chat["tool_calls"] = calls
+        if reasoning is not None:
+            chat["reasoning"] = reasoning
+        out.append(chat)
+    return out
+
+
+def _tool_choice(choice: dict | None) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
+
+
+def chat_body(req: MessagesRequest) -> dict:
+    """The chat completion request that serves req."""
+    messages = [{"role": "system", "content": _text_of(req.system, "system")}] if req.system is not None else []
+    for i, message in enumerate(req.messages):
+        messages += _message(i, message)
+    body = {"model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_tokens}
+    tools = None
+    if req.tools is not None:
+        tools = []
+        for i, tool in enumerate(req.tools):
+            if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
+                raise APIError(400, f"tools[{i}] must be a custom tool with a name and an input_schema (server tools "
+                               f"are not served)", param=f"tools[{i}]")
+            tools.append({"type": "function", "function": {
+                "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
+    thinking = (req.thinking or {}).get("type")
+    fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
+              "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
+              "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None}
+    body.update({k: v for k, v in fields.items() if v is not None})
+    return body
+
+
+def _renamed(exc: APIError) -> APIError:
+    param = exc.param
+    if param is not None:
+        head, dot, rest = param.partition(".")
+        if head in CHAT_PARAMS:
+            param = CHAT_PARAMS[head] + ("" if head == "messages" else dot + rest)
+    message = exc.message.replace("max_completion_tokens", "max_tokens")
+    return APIError(exc.status, message, param, exc.code, exc.type)
+
+
+# ---- the reply as content blocks --------------------------------------------------------------------
+
+def _stop(finish_reason: str | None, stop_reason: Any, calls: bool) -> tuple[str, str | None]:
+    """(Anthropic stop_reason, stop_sequence) of a chat finish."""
+    if calls:
+        return "tool_use", None
+    if finish_reason == "stop" and isinstance(stop_reason, str):
+        return "stop_sequence", stop_reason
+    return STOP_REASONS.get(finish_reason, "end_turn"), None
+
+
+def _tool_use(call: dict) -> dict:
+    try:
+        arguments = json.loads(call["function"]["arguments"] or "{}")
+    except ValueError:
+        arguments = {}
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
+
+
+class MessagesJob(ChatJob):
+    """A chat job whose reply is an Anthropic message (or its event stream)."""
+
+    def __init__(self, ctx: ServingContext, req: MessagesRequest, chat: ChatCompletionRequest) -> None:
+        super().__init__(ctx, chat)
+        self.messages_req = req
+        self.response_id = f"msg_{uuid.uuid4().hex}"
+
+    def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
+        return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.ctx.model_name,
+                "content": content, "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
+
+    @staticmethod
+    def _usage(final: RequestOutput, num_output: int) -> dict:
+        return {"input_tokens": len(final.prompt_token_ids), "output_tokens": num_output,
+                "cache_read_input_tokens": final.num_cached_tokens or 0}
+
+    def response(self, finals: list[RequestOutput]) -> dict:
+        """The message of a finished reply."""
+        chat = super().response(finals)
+        choice = chat["choices"][0]
+        message = choice["message"]
+        content = []
+        if message.get("reasoning"):
+            content.append({"type": "thinking", "thinking": message["reasoning"], "signature": ""})
+        if message.get("content"):
+            content.append({"type": "text", "text": message["content"]})
+        calls = message.get("tool_calls") or []
+        content += [_tool_use(call) for call in calls]
+        comp = finals[0].outputs[0]
+        stop = _stop(choice["finish_reason"], comp.stop_reason, bool(calls))
+        return self._message(content, stop, self._usage(finals[0], len(comp.token_ids)))
+
+    def _event(self, kind: str, **fields) -> str:
+        return f"event: {kind}\ndata: {json_dumps({'type': kind, **fields})}\n\n"
+
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """Anthropic's event stream, from the reply's first output on (so a refused request is still
+        an HTTP error)."""
+        writer = _BlockWriter(self)
+        final: RequestOutput | None = None
+        pending = ""
+        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
+            async for batch in batches:
+                for _, output in batch:
+                    if final is None:
+                        try:
+                            refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
+                        except APIError as exc:
+                            raise _renamed(exc) from None
+                        start = self._message([], (None, None), self._usage(output, 0))
+                        pending += self._event("message_start", message=start) + self._event("ping")
+                    final = output
+                    pending += writer.update(output.outputs[0])
+                if pending and not all(s.finished for s in streams):
+                    yield pending
+                    pending = ""
+        if final is not None:
+            comp = final.outputs[0]
+            reason, sequence = _stop(writer.finish_reason, comp.stop_reason, writer.num_calls > 0)
+            pending += self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                                   usage={"output_tokens": len(comp.token_ids)})
+            pending += self._event("message_stop")
+        yield FinalEvent(pending)
+
+
+class _BlockWriter:
+    """One reply's text through the chat job's parsers into content blocks and their events."""
+
+    def __init__(self, job: MessagesJob) -> None:
+        self.job = job
+        self.index = 0                    # the next block's index
+        self.open: str | None = None      # "thinking" or "text": the block being streamed
+        self.sent = ""
+        self.num_calls = 0
+        self.finish_reason: str | None = None
+        self.stream = job.parsers.stream() if job.parsers is not None else None
+
+    def update(self, comp) -> str:
+        delta = text_delta(self.sent, comp.text)
+        self.sent = comp.text
+        finish = comp.finish_reason
+        if self.job.forced is not None:
+            if finish is None:
+                return ""
+            self.finish_reason = self.job.forced.finish_reason(finish)
+            return "".join(self._call(c) for c in self.job.forced.calls(comp.text))
+        if self.stream is not None:
+            parts, finish = self.stream.delta(delta, finish)
+        else:
+            parts = {"content": delta} if delta else {}
+        events = ""
+        if parts.get("reasoning") and self.job.parsers.include_reasoning:
+            events += self._text("thinking", parts["reasoning"])
+        if parts.get("content"):
+            events += self._text("text", parts["content"])
+        for call in parts.get("tool_calls") or []:
+            events += self._call(call)
+        if finish is not None:
+            self.finish_reason = finish
+            events += self._close()
+        return events
+
+    def _text(self, kind: str, delta: str) -> str:
+        job, events = self.job, ""
+        if self.open is not None and self.open != kind:
+            events += self._close()
+        if self.open is None:
+            self.open = kind
+            block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
+                {"type": "text", "text": ""}
+            events += job._event("content_block_start", index=self.index, content_block=block)
+        body = {"type": "thinking_delta", "thinking": delta} if kind == "thinking" else \
+            {"type": "text_delta", "text": delta}
+        return events + job._event("content_block_delta", index=self.index, delta=body)
+
+    def _close(self) -> str:
+        if self.open is None:
+            return ""
+        events = ""
+        if self.open == "thinking":
+            events += self.job._event("content_block_delta", index=self.index,
+                                      delta={"type": "signature_delta", "signature": ""})
+        events += self.job._event("content_block_stop", index=self.index)
+        self.open, self.index = None, self.index + 1
+        return events
+
+    def _call(self, call: dict) -> str:
+        job, block = self.job, _tool_use(call)
+        events = self._close()
+        events += job._event("content_block_start", index=self.index, content_block={**block, "input": {}})
+        events += job._event("content_block_delta", index=self.index,
+                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+        events += job._event("content_block_stop", index=self.index)
+        self.index += 1
+        self.num_calls += 1
+        return events
+
+
+async def create_message(ctx: ServingContext, body: dict, raw: Request):
+    """Validate, translate into a chat request, submit and answer (JSON, or Anthropic's events);
+    every error in Anthropic's shape."""
+    try:
+        is_large = await is_large_body(raw)
+        try:
+            req = await ctx.run_blocking_if(is_large, validate_request, MessagesRequest, body)
+        except RequestValidationError as exc:
+            raise _validation_to_api_error(exc) from None
+        ctx.check_model(req.model)
+        try:
+            chat = validate_request(ChatCompletionRequest, chat_body(req))
+            check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
+            job = await ctx.run_blocking_if(is_large, MessagesJob, ctx, req, chat)
+            await job.prepare()
+        except RequestValidationError as exc:
+            raise _renamed(_validation_to_api_error(exc)) from None
+        except APIError as exc:
+            raise _renamed(exc) from None
+        ignored = ["thinking.budget_tokens"] if "budget_tokens" in (req.thinking or {}) else []
+        log_unknown_fields(unknown_fields(req) + ignored)      # a thinking budget is not enforced
+        try:
+            return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+        except APIError as exc:
+            raise _renamed(exc) from None
+    except APIError as exc:
+        return error_json(exc)
+
+
+async def count_message_tokens(ctx: ServingContext, body: dict, raw: Request):
+    """POST /v1/messages/count_tokens: the prompt tokens a request would take ({"input_tokens": N})."""
+    try:
+        body = {"max_tokens": 1, **body, "stream": False}
+        try:
+            req = validate_request(MessagesRequest, body)
+        except RequestValidationError as exc:
+            raise _validation_to_api_error(exc) from None
+        ctx.check_model(req.model)
+        try:
+            job = MessagesJob(ctx, req, validate_request(ChatCompletionRequest, chat_body(req)))
+            job.prompt_ids = await ctx.run_blocking(job._render)
+        except RequestValidationError as exc:
+            raise _renamed(_validation_to_api_error(exc)) from None
+        except APIError as exc:
+            raise _renamed(exc) from None
+        return JSONResponse({"input_tokens": len(job.prompt_ids)})
+    except APIError as exc:
+        return error_json(exc)
