@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_server_helpers import chat_model_dir, running_server
-
-from minillm.server.app import ServerOptions, ServerThread, create_app
+from test_serve_responses import servers  # noqa: F401 (plain and deepseek_r1 apps over one engine)
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -15,17 +13,6 @@ GREEDY = {"extra_body": {"temperature": 0}}
 TOOL = {"name": "get_weather", "description": "The weather in a city",
         "input_schema": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
                          "required": ["unit"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def servers(stories_path, tmp_path_factory):
-    """{"plain", "r1"}: URLs of two apps over one engine, the second with --reasoning-parser deepseek_r1."""
-    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
-    with running_server(model, max_model_len=256) as (url, engine):
-        r1 = ServerThread(create_app(engine, ServerOptions(served_model_name="stories",
-                                                           reasoning_parser="deepseek_r1"))).start()
-        yield {"plain": url, "r1": r1.url}
-        r1.stop()
 
 
 def client(url: str):

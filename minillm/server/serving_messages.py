@@ -14,24 +14,19 @@ fields `param` and `code` in the same object, so either kind of client reads the
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from minillm.outputs import RequestOutput
-from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError, _validation_to_api_error
-from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest, check_unsupported, unknown_fields
-from minillm.server.serving import (
-    FinalEvent, ServingContext, answer, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
-    refuse_uncompiled_constraint, text_delta, validate_request,
-)
-from minillm.server.serving_chat import ChatJob
+from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest
+from minillm.server.serving import ServingContext, json_dumps, validate_request
+from minillm.server.translated_api import ReplyWriter, TranslatedJob, serve_translated
 
 # Chat fields (as errors raised on the chat side name them) -> the Messages field they came from.
 CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
@@ -187,10 +182,13 @@ def _tool_use(call: dict) -> dict:
     return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
 
 
-class MessagesJob(ChatJob):
+class MessagesJob(TranslatedJob):
     """A chat job whose reply is an Anthropic message (or its event stream)."""
 
-    def __init__(self, ctx: ServingContext, req: MessagesRequest, chat: ChatCompletionRequest) -> None:
+    rename = staticmethod(_renamed)
+
+    def __init__(self, ctx: ServingContext, req: MessagesRequest, chat: ChatCompletionRequest,
+                 raw: Request | None = None) -> None:
         super().__init__(ctx, chat)
         self.messages_req = req
         self.response_id = f"msg_{uuid.uuid4().hex}"
@@ -220,137 +218,80 @@ class MessagesJob(ChatJob):
         stop = _stop(choice["finish_reason"], comp.stop_reason, bool(calls))
         return self._message(content, stop, self._usage(finals[0], len(comp.token_ids)))
 
-    def _event(self, kind: str, **fields) -> str:
+    def event(self, kind: str, **fields) -> str:
+        """One server-sent event of Anthropic's stream."""
         return f"event: {kind}\ndata: {json_dumps({'type': kind, **fields})}\n\n"
 
-    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """Anthropic's event stream, from the reply's first output on (so a refused request is still
-        an HTTP error)."""
-        writer = _BlockWriter(self)
-        final: RequestOutput | None = None
-        pending = ""
-        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
-            async for batch in batches:
-                for _, output in batch:
-                    if final is None:
-                        try:
-                            refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
-                        except APIError as exc:
-                            raise _renamed(exc) from None
-                        start = self._message([], (None, None), self._usage(output, 0))
-                        pending += self._event("message_start", message=start) + self._event("ping")
-                    final = output
-                    pending += writer.update(output.outputs[0])
-                if pending and not all(s.finished for s in streams):
-                    yield pending
-                    pending = ""
-        if final is not None:
-            comp = final.outputs[0]
-            reason, sequence = _stop(writer.finish_reason, comp.stop_reason, writer.num_calls > 0)
-            pending += self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                                   usage={"output_tokens": len(comp.token_ids)})
-            pending += self._event("message_stop")
-        yield FinalEvent(pending)
+    def writer(self) -> _BlockWriter:
+        return _BlockWriter(self)
+
+    def start_events(self, first: RequestOutput) -> str:
+        start = self._message([], (None, None), self._usage(first, 0))
+        return self.event("message_start", message=start) + self.event("ping")
+
+    def end_events(self, final: RequestOutput, writer: _BlockWriter) -> str:
+        comp = final.outputs[0]
+        reason, sequence = _stop(writer.finish_reason, comp.stop_reason, writer.num_calls > 0)
+        return (self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
+                           usage={"output_tokens": len(comp.token_ids)})
+                + self.event("message_stop"))
 
 
-class _BlockWriter:
-    """One reply's text through the chat job's parsers into content blocks and their events."""
+class _BlockWriter(ReplyWriter):
+    """Content blocks and their events: thinking, text, tool_use."""
 
     def __init__(self, job: MessagesJob) -> None:
-        self.job = job
+        super().__init__(job)
         self.index = 0                    # the next block's index
         self.open: str | None = None      # "thinking" or "text": the block being streamed
-        self.sent = ""
         self.num_calls = 0
-        self.finish_reason: str | None = None
-        self.stream = job.parsers.stream() if job.parsers is not None else None
 
-    def update(self, comp) -> str:
-        delta = text_delta(self.sent, comp.text)
-        self.sent = comp.text
-        finish = comp.finish_reason
-        if self.job.forced is not None:
-            if finish is None:
-                return ""
-            self.finish_reason = self.job.forced.finish_reason(finish)
-            return "".join(self._call(c) for c in self.job.forced.calls(comp.text))
-        if self.stream is not None:
-            parts, finish = self.stream.delta(delta, finish)
-        else:
-            parts = {"content": delta} if delta else {}
-        events = ""
-        if parts.get("reasoning") and self.job.parsers.include_reasoning:
-            events += self._text("thinking", parts["reasoning"])
-        if parts.get("content"):
-            events += self._text("text", parts["content"])
-        for call in parts.get("tool_calls") or []:
-            events += self._call(call)
-        if finish is not None:
-            self.finish_reason = finish
-            events += self._close()
-        return events
-
-    def _text(self, kind: str, delta: str) -> str:
+    def text(self, kind: str, delta: str) -> str:
         job, events = self.job, ""
+        kind = "thinking" if kind == "reasoning" else "text"
         if self.open is not None and self.open != kind:
-            events += self._close()
+            events += self.close()
         if self.open is None:
             self.open = kind
             block = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else \
                 {"type": "text", "text": ""}
-            events += job._event("content_block_start", index=self.index, content_block=block)
+            events += job.event("content_block_start", index=self.index, content_block=block)
         body = {"type": "thinking_delta", "thinking": delta} if kind == "thinking" else \
             {"type": "text_delta", "text": delta}
-        return events + job._event("content_block_delta", index=self.index, delta=body)
+        return events + job.event("content_block_delta", index=self.index, delta=body)
 
-    def _close(self) -> str:
+    def close(self) -> str:
         if self.open is None:
             return ""
         events = ""
         if self.open == "thinking":
-            events += self.job._event("content_block_delta", index=self.index,
-                                      delta={"type": "signature_delta", "signature": ""})
-        events += self.job._event("content_block_stop", index=self.index)
+            events += self.job.event("content_block_delta", index=self.index,
+                                     delta={"type": "signature_delta", "signature": ""})
+        events += self.job.event("content_block_stop", index=self.index)
         self.open, self.index = None, self.index + 1
         return events
 
-    def _call(self, call: dict) -> str:
+    def call(self, call: dict) -> str:
         job, block = self.job, _tool_use(call)
-        events = self._close()
-        events += job._event("content_block_start", index=self.index, content_block={**block, "input": {}})
-        events += job._event("content_block_delta", index=self.index,
-                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
-        events += job._event("content_block_stop", index=self.index)
+        events = job.event("content_block_start", index=self.index, content_block={**block, "input": {}})
+        events += job.event("content_block_delta", index=self.index,
+                            delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+        events += job.event("content_block_stop", index=self.index)
         self.index += 1
         self.num_calls += 1
         return events
+
+
+def _ignored(req: MessagesRequest) -> list[str]:
+    """Fields taken without effect: a thinking budget is not enforced."""
+    return ["thinking.budget_tokens"] if "budget_tokens" in (req.thinking or {}) else []
 
 
 async def create_message(ctx: ServingContext, body: dict, raw: Request):
     """Validate, translate into a chat request, submit and answer (JSON, or Anthropic's events);
     every error in Anthropic's shape."""
     try:
-        is_large = await is_large_body(raw)
-        try:
-            req = await ctx.run_blocking_if(is_large, validate_request, MessagesRequest, body)
-        except RequestValidationError as exc:
-            raise _validation_to_api_error(exc) from None
-        ctx.check_model(req.model)
-        try:
-            chat = validate_request(ChatCompletionRequest, chat_body(req))
-            check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
-            job = await ctx.run_blocking_if(is_large, MessagesJob, ctx, req, chat)
-            await job.prepare()
-        except RequestValidationError as exc:
-            raise _renamed(_validation_to_api_error(exc)) from None
-        except APIError as exc:
-            raise _renamed(exc) from None
-        ignored = ["thinking.budget_tokens"] if "budget_tokens" in (req.thinking or {}) else []
-        log_unknown_fields(unknown_fields(req) + ignored)      # a thinking budget is not enforced
-        try:
-            return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
-        except APIError as exc:
-            raise _renamed(exc) from None
+        return await serve_translated(ctx, raw, body, MessagesRequest, chat_body, MessagesJob, _ignored)
     except APIError as exc:
         return error_json(exc)
 

@@ -14,22 +14,16 @@ are 400s, as they are on a vLLM server without its response store.
 """
 from __future__ import annotations
 
-import contextlib
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 
 from minillm.outputs import RequestOutput
-from minillm.server.async_engine import RequestStream
-from minillm.server.errors import APIError, _validation_to_api_error
-from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest, check_unsupported, unknown_fields
-from minillm.server.serving import (
-    FinalEvent, ServingContext, answer, client_response_id, is_large_body, json_dumps, log_unknown_fields,
-    merged_outputs, refuse_uncompiled_constraint, text_delta, validate_request,
-)
-from minillm.server.serving_chat import ChatJob
+from minillm.server.errors import APIError
+from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest
+from minillm.server.serving import ServingContext, client_response_id, json_dumps
+from minillm.server.translated_api import ReplyWriter, TranslatedJob, serve_translated
 
 # Chat fields (as errors raised on the chat side name them) -> the Responses field they came from;
 # the longest prefix of a param that is listed is replaced.
@@ -185,7 +179,8 @@ def _response_format(text: dict | None) -> dict | None:
 
 
 def chat_body(req: ResponsesRequest) -> dict:
-    """The chat completion request that serves req."""
+    """The chat completion request that serves req (a 400 for what this server does not do)."""
+    _check_unserved(req)
     body = {"model": req.model, "messages": _messages(req), "stream": req.stream}
     fields = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
               "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
@@ -229,14 +224,17 @@ def _call_item(call: dict) -> dict:
             "arguments": call["function"]["arguments"], "status": "completed"}
 
 
-class ResponsesJob(ChatJob):
+class ResponsesJob(TranslatedJob):
     """A chat job whose reply is a Responses object (or its event stream)."""
 
+    rename = staticmethod(_renamed)
+
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, chat: ChatCompletionRequest,
-                 response_id: str | None) -> None:
+                 raw: Request | None = None) -> None:
         super().__init__(ctx, chat)
         self.responses_req = req
-        self.response_id = response_id or _new_id("resp")
+        chosen = client_response_id("resp", raw, req.request_id) if raw is not None else None
+        self.response_id = chosen or _new_id("resp")
         self.sequence = 0
 
     def _usage(self, final: RequestOutput) -> dict:
@@ -272,146 +270,89 @@ class ResponsesJob(ChatJob):
         status = "incomplete" if choice["finish_reason"] == "length" else "completed"
         return self._response(status, output, finals[0])
 
-    def _event(self, kind: str, **fields) -> str:
+    def event(self, kind: str, **fields) -> str:
+        """One server-sent event of the Responses stream, numbered."""
         self.sequence += 1
         return f"event: {kind}\ndata: {json_dumps({'type': kind, 'sequence_number': self.sequence - 1, **fields})}\n\n"
 
-    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """The Responses event stream, sent from the reply's first output on (so a request the engine
-        refuses is still an HTTP error)."""
-        writer = _EventWriter(self)
-        final: RequestOutput | None = None
-        pending = ""
-        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
-            async for batch in batches:
-                for _, output in batch:
-                    if final is None:
-                        try:
-                            refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
-                        except APIError as exc:
-                            raise _renamed(exc) from None
-                        pending += self._event("response.created", response=self._response("in_progress", [], None))
-                        pending += self._event("response.in_progress", response=self._response("in_progress", [], None))
-                    final = output
-                    pending += writer.update(output.outputs[0])
-                if pending and not all(s.finished for s in streams):
-                    yield pending
-                    pending = ""
-        if final is not None:
-            status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
-            pending += self._event(f"response.{status}", response=self._response(status, writer.items, final))
-        yield FinalEvent(pending)
+    def writer(self) -> _EventWriter:
+        return _EventWriter(self)
+
+    def start_events(self, first: RequestOutput) -> str:
+        opening = self._response("in_progress", [], None)
+        return self.event("response.created", response=opening) + self.event("response.in_progress", response=opening)
+
+    def end_events(self, final: RequestOutput, writer: _EventWriter) -> str:
+        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        return self.event(f"response.{status}", response=self._response(status, writer.items, final))
 
 
-class _EventWriter:
-    """One reply's text through the chat job's parsers into Responses output items and their events."""
+class _EventWriter(ReplyWriter):
+    """Output items and their events: a reasoning item, a message item, function calls."""
 
     def __init__(self, job: ResponsesJob) -> None:
-        self.job = job
+        super().__init__(job)
         self.items: list[dict] = []       # the output items, done
         self.open: dict | None = None     # the reasoning or message item being streamed
-        self.text = ""                    # the open item's text so far
-        self.sent = ""                    # the reply's text already fed through
-        self.stream = job.parsers.stream() if job.parsers is not None else None
+        self.text_so_far = ""             # the open item's text so far
 
-    def update(self, comp) -> str:
-        """The events of comp's text since the last update (and, once finished, the closing ones)."""
-        delta = text_delta(self.sent, comp.text)
-        self.sent = comp.text
-        finish = comp.finish_reason
-        if self.job.forced is not None:           # a forced call: the calls once the reply is whole
-            return "" if finish is None else self._close() + "".join(
-                self._call(c) for c in self.job.forced.calls(comp.text))
-        if self.stream is not None:
-            parts, _ = self.stream.delta(delta, finish)
-        else:
-            parts = {"content": delta} if delta else {}
-        events = ""
-        if parts.get("reasoning") and self.job.parsers.include_reasoning:
-            events += self._text("reasoning", parts["reasoning"])
-        if parts.get("content"):
-            events += self._text("message", parts["content"])
-        for call in parts.get("tool_calls") or []:
-            events += self._close() + self._call(call)
-        if finish is not None:
-            events += self._close()
-        return events
-
-    def _text(self, kind: str, delta: str) -> str:
+    def text(self, kind: str, delta: str) -> str:
         job, events = self.job, ""
+        kind = "reasoning" if kind == "reasoning" else "message"
         if self.open is not None and self.open["type"] != kind:
-            events += self._close()
+            events += self.close()
+        index = len(self.items)
         if self.open is None:
             item_id = _new_id("rs" if kind == "reasoning" else "msg")
             self.open = {"type": kind, "id": item_id}
-            index = len(self.items)
             if kind == "reasoning":
-                events += job._event("response.output_item.added", output_index=index,
-                                     item={**_reasoning_item(item_id, ""), "status": "in_progress", "content": []})
+                events += job.event("response.output_item.added", output_index=index,
+                                    item={**_reasoning_item(item_id, ""), "status": "in_progress", "content": []})
             else:
-                events += job._event("response.output_item.added", output_index=index,
-                                     item=_message_item(item_id, "", "in_progress"))
-                events += job._event("response.content_part.added", item_id=item_id, output_index=index,
-                                     content_index=0, part={"type": "output_text", "text": "", "annotations": []})
-        self.text += delta
-        kind_event = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return events + job._event(kind_event, item_id=self.open["id"], output_index=len(self.items),
-                                   content_index=0, delta=delta, **extra)
+                events += job.event("response.output_item.added", output_index=index,
+                                    item=_message_item(item_id, "", "in_progress"))
+                events += job.event("response.content_part.added", item_id=item_id, output_index=index,
+                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        self.text_so_far += delta
+        if kind == "reasoning":
+            return events + job.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=index,
+                                      content_index=0, delta=delta)
+        return events + job.event("response.output_text.delta", item_id=self.open["id"], output_index=index,
+                                  content_index=0, delta=delta, logprobs=[])
 
-    def _close(self) -> str:
-        """The done events of the open item, if any."""
+    def close(self) -> str:
         if self.open is None:
             return ""
-        job, item_id, index, text = self.job, self.open["id"], len(self.items), self.text
+        job, item_id, index, text = self.job, self.open["id"], len(self.items), self.text_so_far
         if self.open["type"] == "reasoning":
             item = _reasoning_item(item_id, text)
-            events = job._event("response.reasoning_text.done", item_id=item_id, output_index=index,
-                                content_index=0, text=text)
+            events = job.event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                               content_index=0, text=text)
         else:
             item = _message_item(item_id, text)
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            events = (job._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                                 text=text, logprobs=[])
-                      + job._event("response.content_part.done", item_id=item_id, output_index=index,
-                                   content_index=0, part=part))
-        events += job._event("response.output_item.done", output_index=index, item=item)
+            events = (job.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                                text=text, logprobs=[])
+                      + job.event("response.content_part.done", item_id=item_id, output_index=index,
+                                  content_index=0, part=part))
+        events += job.event("response.output_item.done", output_index=index, item=item)
         self.items.append(item)
-        self.open, self.text = None, ""
+        self.open, self.text_so_far = None, ""
         return events
 
-    def _call(self, call: dict) -> str:
-        """A whole function call's events."""
+    def call(self, call: dict) -> str:
         job, item, index = self.job, _call_item(call), len(self.items)
-        events = (job._event("response.output_item.added", output_index=index,
-                             item={**item, "arguments": "", "status": "in_progress"})
-                  + job._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                               delta=item["arguments"])
-                  + job._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                               arguments=item["arguments"])
-                  + job._event("response.output_item.done", output_index=index, item=item))
+        events = (job.event("response.output_item.added", output_index=index,
+                            item={**item, "arguments": "", "status": "in_progress"})
+                  + job.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=item["arguments"])
+                  + job.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              arguments=item["arguments"])
+                  + job.event("response.output_item.done", output_index=index, item=item))
         self.items.append(item)
         return events
 
 
 async def create_response(ctx: ServingContext, body: dict, raw: Request):
     """Validate, translate into a chat request, submit and answer (JSON, or the Responses events)."""
-    is_large = await is_large_body(raw)
-    req = await ctx.run_blocking_if(is_large, validate_request, ResponsesRequest, body)
-    ctx.check_model(req.model)
-    _check_unserved(req)
-    try:
-        chat = validate_request(ChatCompletionRequest, chat_body(req))
-        check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
-        job = await ctx.run_blocking_if(is_large, ResponsesJob, ctx, req, chat,
-                                        client_response_id("resp", raw, req.request_id))
-        await job.prepare()
-    except RequestValidationError as exc:
-        raise _renamed(_validation_to_api_error(exc)) from None
-    except APIError as exc:
-        raise _renamed(exc) from None
-    log_unknown_fields([name for name in unknown_fields(req) if name not in CHAT_EXTRAS])
-    try:
-        return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
-    except APIError as exc:           # a constraint the engine could not compile names the chat field
-        raise _renamed(exc) from None
+    return await serve_translated(ctx, raw, body, ResponsesRequest, chat_body, ResponsesJob)

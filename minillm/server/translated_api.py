@@ -1,0 +1,145 @@
+"""What the APIs served over the chat path share (/v1/responses, /v1/messages): a request becomes a
+chat request, a ChatJob renders, samples and parses it, and its reply is reshaped, whole or as the
+API's own event stream; errors raised on the chat side are renamed to the API's fields.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+
+from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.server.async_engine import RequestStream
+from minillm.server.errors import APIError, _validation_to_api_error
+from minillm.server.protocol import ChatCompletionRequest, check_unsupported, unknown_fields
+from minillm.server.serving import (
+    FinalEvent, ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs,
+    refuse_uncompiled_constraint, text_delta, validate_request,
+)
+from minillm.server.serving_chat import ChatJob
+
+Rename = Callable[[APIError], APIError]
+
+
+class TranslatedJob(ChatJob):
+    """A chat job whose reply is another API's: response() reshapes the chat response; a stream is
+    start_events(), a ReplyWriter's events per output, then end_events()."""
+
+    rename: Rename
+
+    @abc.abstractmethod
+    def writer(self) -> ReplyWriter:
+        """The stream's writer of output events."""
+
+    @abc.abstractmethod
+    def start_events(self, first: RequestOutput) -> str:
+        """The events that open the stream (sent with the reply's first output)."""
+
+    @abc.abstractmethod
+    def end_events(self, final: RequestOutput, writer: ReplyWriter) -> str:
+        """The events that close it."""
+
+    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """The API's event stream, from the reply's first output on (so a request the engine refuses
+        is still an HTTP error)."""
+        writer = self.writer()
+        final: RequestOutput | None = None
+        pending = ""
+        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
+            async for batch in batches:
+                for _, output in batch:
+                    if final is None:
+                        try:
+                            refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
+                        except APIError as exc:
+                            raise type(self).rename(exc) from None
+                        pending += self.start_events(output)
+                    final = output
+                    pending += writer.update(output.outputs[0])
+                if pending and not all(s.finished for s in streams):
+                    yield pending
+                    pending = ""
+        if final is not None:
+            pending += self.end_events(final, writer)
+        yield FinalEvent(pending)
+
+
+class ReplyWriter(abc.ABC):
+    """One streamed reply through its job's parsers: reasoning and content text, and whole tool calls,
+    handed to text(), call() and close(), which write the API's events."""
+
+    def __init__(self, job: TranslatedJob) -> None:
+        self.job = job
+        self.sent = ""                            # the reply's text already fed through
+        self.finish_reason: str | None = None     # the chat finish reason, once finished ("tool_calls" with calls)
+        self.stream = job.parsers.stream() if job.parsers is not None else None
+
+    def update(self, comp: CompletionOutput) -> str:
+        """The events of comp's text since the last update (and, once finished, the closing ones)."""
+        delta = text_delta(self.sent, comp.text)
+        self.sent = comp.text
+        finish = comp.finish_reason
+        if self.job.forced is not None:           # a forced call: the calls once the reply is whole
+            if finish is None:
+                return ""
+            self.finish_reason = self.job.forced.finish_reason(finish)
+            return self.close() + "".join(self.call(c) for c in self.job.forced.calls(comp.text))
+        if self.stream is not None:
+            parts, finish = self.stream.delta(delta, finish)
+        else:
+            parts = {"content": delta} if delta else {}
+        events = ""
+        if parts.get("reasoning") and self.job.parsers.include_reasoning:
+            events += self.text("reasoning", parts["reasoning"])
+        if parts.get("content"):
+            events += self.text("content", parts["content"])
+        for call in parts.get("tool_calls") or []:
+            events += self.close() + self.call(call)
+        if finish is not None:
+            self.finish_reason = finish
+            events += self.close()
+        return events
+
+    @abc.abstractmethod
+    def text(self, kind: str, delta: str) -> str:
+        """Events for more text of a kind ("reasoning" or "content"), opening its item first."""
+
+    @abc.abstractmethod
+    def close(self) -> str:
+        """The done events of the open item, if any."""
+
+    @abc.abstractmethod
+    def call(self, call: dict) -> str:
+        """A whole tool call's events (no item is open)."""
+
+
+async def serve_translated(ctx: ServingContext, raw: Request, body: dict, request_model: type,
+                           to_chat: Callable[[Any], dict], job_class: type[TranslatedJob],
+                           ignored: Callable[[Any], list[str]] = lambda req: []):
+    """Validate body as request_model, serve it as the chat request to_chat(req) makes through
+    job_class(ctx, req, chat, raw), and answer (JSON, or the job's events). Every error is an APIError
+    named as the API names its fields; ignored(req) names fields taken without effect (logged)."""
+    rename = job_class.rename
+    is_large = await is_large_body(raw)
+    try:
+        req = await ctx.run_blocking_if(is_large, validate_request, request_model, body)
+    except RequestValidationError as exc:
+        raise _validation_to_api_error(exc) from None
+    ctx.check_model(req.model)
+    try:
+        chat = validate_request(ChatCompletionRequest, to_chat(req))
+        check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
+        job = await ctx.run_blocking_if(is_large, job_class, ctx, req, chat, raw)
+        await job.prepare()
+    except RequestValidationError as exc:
+        raise rename(_validation_to_api_error(exc)) from None
+    except APIError as exc:
+        raise rename(exc) from None
+    log_unknown_fields(unknown_fields(req) + ignored(req))
+    try:
+        return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+    except APIError as exc:           # e.g. a constraint the engine could not compile names the chat field
+        raise rename(exc) from None
