@@ -6,9 +6,15 @@ same request made alone.
 """
 from __future__ import annotations
 
+import json
+import socket
+
+import httpx
 import pytest
-from test_server_helpers import openai_error, sse_events
+from test_server_helpers import CHAT_TEMPLATE, choice_texts, openai_error, sse_events
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
+
+from minillm.server.app import ServerOptions, ServerThread, create_app
 
 MODEL = "stories"
 MAX_MODEL_LEN = 256          # the chat_template_server's
@@ -79,3 +85,102 @@ def test_echo_of_a_prompt_as_long_as_the_context_with_max_tokens_0_is_served_as_
     openai_error(http.post("/v1/completions", json={**body, "prompt": prompt + [300]}), 400, "prompt")
     openai_error(http.post("/v1/completions", json={**body, "max_tokens": 1}), 400, "prompt")
     openai_error(http.post("/v1/completions", json={**body, "echo": False}), 400, "max_tokens")
+
+
+# ---- bytes that are not HTTP --------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def any_protocol_url(request, server):
+    """(protocol, url): the module's server (httptools) and a second one over the same engine
+    speaking through h11."""
+    if request.param == "httptools":
+        yield request.param, server[0]
+        return
+    app = create_app(server[1], ServerOptions(served_model_name=MODEL, chat_template=CHAT_TEMPLATE))
+    with ServerThread(app, http="h11") as h11_server:
+        yield request.param, h11_server.url
+
+
+def _exchange(url: str, data: bytes) -> bytes:
+    """Send data on a fresh connection and read until the server closes it."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+    return received
+
+
+def _responses(raw: bytes) -> list[tuple[int, dict, bytes]]:
+    """(status, headers, body) of each HTTP/1.1 response in raw, bodies by Content-Length or chunked."""
+    out = []
+    while raw:
+        head, _, raw = raw.partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+        if "content-length" in headers:
+            size = int(headers["content-length"])
+            body, raw = raw[:size], raw[size:]
+        else:                                    # chunked
+            body = b""
+            while True:
+                size_line, _, raw = raw.partition(b"\r\n")
+                size = int(size_line, 16)
+                body, raw = body + raw[:size], raw[size + 2:]
+                if size == 0:
+                    break
+        out.append((int(status_line.split()[1]), headers, body))
+    return out
+
+
+def _invalid_http_error(response: tuple[int, dict, bytes]) -> dict:
+    status, headers, body = response
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert headers["connection"] == "close"
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] is None
+    assert error["code"] == "invalid_http_request" and error["type"] == "invalid_request_error"
+    assert error["message"].startswith("Invalid HTTP request")
+    return error
+
+
+MALFORMED = {
+    "request line": b"GARBAGE\r\n\r\n",
+    "header without a colon": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+    "chunk size": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n",
+    "content length": b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n{"a":1}',
+    "http version": b"GET /health HTTP/9.9\r\nHost: x\r\n\r\n",
+    "headers too large": b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("kind", MALFORMED)
+def test_bytes_that_are_not_http_get_a_json_400(any_protocol_url, healthy_stream, kind):
+    # uvicorn answers them itself, in plain text ("Invalid HTTP request received."): an OpenAI client
+    # reading the error's JSON got none.
+    protocol, url = any_protocol_url
+    if kind == "http version" and protocol == "h11":
+        pytest.skip("h11 takes any HTTP/1.x-looking version")
+    [response] = _responses(_exchange(url, MALFORMED[kind]))
+    _invalid_http_error(response)
+
+
+def test_a_400_for_bad_bytes_follows_the_responses_due_before_it(any_protocol_url, healthy_stream):
+    # Requests pipelined before the bad bytes get their answers first, whole; uvicorn (httptools)
+    # wrote its 400 over them and closed, so the request before it had no answer at all.
+    _, url = any_protocol_url
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    models = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    first, second, third = _responses(_exchange(url, health + models + b"GARBAGE\r\n\r\n"))
+    assert first[0] == 200 and json.loads(first[2]) == {"status": "ok"}
+    assert second[0] == 200 and json.loads(second[2])["data"][0]["id"] == MODEL
+    _invalid_http_error(third)
+    body = json.dumps(_completion(max_tokens=5, stream=True)).encode()
+    stream = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    events, error = _responses(_exchange(url, stream + b"GET / HTTP/1.1\r\nBad Header\r\n\r\n"))
+    assert events[0] == 200 and events[2].rstrip().endswith(b"data: [DONE]")
+    want = httpx.post(f"{url}/v1/completions", json=_completion(max_tokens=5)).json()["choices"][0]["text"]
+    assert choice_texts(sse_events(events[2].decode().splitlines())) == {0: want}
+    _invalid_http_error(error)

@@ -13,13 +13,21 @@ Nor does it drop a client that stops reading: the response waits (uvicorn's send
 the socket's buffer is full) and the connection, with its buffered output, stays. Here a
 connection whose writes have been blocked for write_timeout_s is aborted, its buffer discarded;
 the app sees the client as gone (and the stream's requests are aborted).
+
+Bytes that do not parse as HTTP (a bad request line or header, invalid chunked encoding, headers
+too large) get uvicorn's 400, here an OpenAI-style JSON error body instead of its plain text, and
+after the responses already due on the connection rather than written over them; then the
+connection closes (the parser cannot find where a next request would start).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
 from typing import Any
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -28,12 +36,17 @@ try:
 except ImportError:   # httptools not installed: h11 serves alone
     HttpToolsProtocol = None
 
+from minillm.server.errors import error_body
 from minillm.server.limits import ServerLimits
 
 logger = logging.getLogger("minillm.server")
 
 # h11 refuses a request line plus headers larger than this (uvicorn's default, made explicit).
 MAX_HEADER_BYTES = 16 * 1024
+
+
+class HeadersTooLarge(ValueError):
+    """A request line and headers past MAX_HEADER_BYTES (raised in httptools' callbacks)."""
 
 
 class _Deadlines:
@@ -45,8 +58,36 @@ class _Deadlines:
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._pending_400: bytes | None = None     # a 400 that waits for the responses due before it
         super().connection_made(transport)
         self._arm_header_timer()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes that are not HTTP, as JSON: now, or once the responses to the
+        requests parsed before them have gone out (uvicorn wrote it over them and closed)."""
+        why = sys.exc_info()[1]      # the parser's error, which uvicorn is handling (None: msg says it)
+        if isinstance(getattr(why, "__context__", None), HeadersTooLarge):
+            why = why.__context__    # raised in a parser callback, which httptools reports as its own error
+        message = f"Invalid HTTP request: {why}" if why is not None and str(why) else msg
+        self._pending_400 = json.dumps(error_body(400, message, code="invalid_http_request"), separators=(",", ":")).encode()
+        cycle = self.cycle
+        is_response_due = cycle is not None and not cycle.response_complete and (
+            cycle.response_started or not cycle.more_body)
+        if is_response_due or getattr(self, "pipeline", None):   # httptools queues parsed requests
+            self.flow.pause_reading()
+            return
+        self._write_pending_400()
+
+    def _write_pending_400(self) -> None:
+        body, self._pending_400 = self._pending_400, None
+        if self.transport.is_closing():
+            return
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                 b"connection: close\r\n\r\n", body]
+        self.transport.write(b"".join(head))
+        self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
@@ -73,6 +114,8 @@ class _Deadlines:
         self.transport.abort()   # close() would wait for the client to take the buffered output
 
     def on_response_complete(self) -> None:
+        if self._pending_400 is not None and not getattr(self, "pipeline", None):
+            self._write_pending_400()      # the last response due before the bad bytes is out
         if not self.transport.is_closing():
             self._arm_header_timer()       # before super(): it may start a pipelined request at once
         super().on_response_complete()
@@ -94,7 +137,22 @@ class _Deadlines:
 
 
 class TimedH11Protocol(_Deadlines, H11Protocol):
-    """H11Protocol (pure Python) that drops a client slow to send its headers, or that stops reading."""
+    """H11Protocol (pure Python) that drops a client slow to send its headers, or that stops reading,
+    and refuses headers past MAX_HEADER_BYTES that came whole in one read (h11's own limit holds
+    only headers still incomplete)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        next_event = self.conn.next_event
+
+        def next_event_within_limit():
+            event = next_event()
+            if isinstance(event, h11.Request) and len(event.target) + sum(
+                    len(name) + len(value) + 4 for name, value in event.headers) > MAX_HEADER_BYTES:
+                raise h11.RemoteProtocolError(f"the request line and headers exceed {MAX_HEADER_BYTES} bytes")
+            return event
+
+        self.conn.next_event = next_event_within_limit
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -123,7 +181,29 @@ if HttpToolsProtocol is not None:
             if self._is_in_headers and self._num_header_bytes > self.max_header_bytes \
                     and not self.transport.is_closing():
                 logger.warning("refusing a request whose headers exceed %d bytes", self.max_header_bytes)
-                self.send_400_response("Invalid HTTP request received.")
+                self.send_400_response(f"Invalid HTTP request: {self._too_large()}")
+
+        # Headers that arrive whole in one read are counted as they are parsed: data_received's count
+        # sees them end in the same read, and took them whatever their size.
+        def on_message_begin(self) -> None:
+            self._num_parsed_header_bytes = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._count_header_bytes(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count_header_bytes(len(name) + len(value) + 4)     # ": " and CRLF
+            super().on_header(name, value)
+
+        def _count_header_bytes(self, num_bytes: int) -> None:
+            self._num_parsed_header_bytes += num_bytes
+            if self._num_parsed_header_bytes > self.max_header_bytes:
+                raise HeadersTooLarge(self._too_large())
+
+        def _too_large(self) -> str:
+            return f"the request line and headers exceed {self.max_header_bytes} bytes"
 
         def on_headers_complete(self) -> None:
             self._is_in_headers = False
