@@ -139,3 +139,16 @@ def test_include_reasoning_false_drops_it_and_constrained_requests_get_no_parser
     assert OutputParsers.for_request("qwen3", "hermes", None, "auto", True, True) is None
     assert OutputParsers.for_request(None, "hermes", None, "none", False, True) is None   # tools not asked for
     assert OutputParsers.for_request(None, None, None, "auto", False, True) is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_only():
+    text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}'
+            '</tool_call>')
+    parsers = OutputParsers.for_request(None, "hermes", None, "auto", False, True, parallel_tool_calls=False)
+    message, finish = parsers.message("assistant", "", text, "stop")
+    assert calls_of(message["tool_calls"]) == [("a", {})] and finish == "tool_calls"
+    for cuts in ([], [50], list(range(1, len(text)))):
+        joined, finish = streamed(parsers, text, cuts)
+        assert calls_of(joined["tool_calls"]) == [("a", {})] and finish == "tool_calls"
+    both = OutputParsers.for_request(None, "hermes", None, "auto", False, True, parallel_tool_calls=True)
+    assert len(both.message("assistant", "", text, "stop")[0]["tool_calls"]) == 2

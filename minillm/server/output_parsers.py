@@ -21,10 +21,12 @@ class OutputParsers:
     reasoning: ReasoningParser | None
     tools: ToolParser | None
     include_reasoning: bool = True      # the request's include_reasoning: false drops the reasoning
+    max_calls: int | None = None        # 1 with parallel_tool_calls false: the calls after the first are dropped
 
     @classmethod
     def for_request(cls, reasoning_parser: str | None, tool_call_parser: str | None, template_kwargs: dict | None,
-                    tool_choice, constrained: bool, include_reasoning: bool) -> OutputParsers | None:
+                    tool_choice, constrained: bool, include_reasoning: bool,
+                    parallel_tool_calls: bool | None = None) -> OutputParsers | None:
         """The parsers a request's reply goes through; None when it goes through none."""
         if constrained:
             return None
@@ -32,7 +34,7 @@ class OutputParsers:
         tools = ToolParser(tool_call_parser) if tool_call_parser and tool_choice == "auto" else None
         if reasoning is None and tools is None:
             return None
-        return cls(reasoning, tools, include_reasoning)
+        return cls(reasoning, tools, include_reasoning, 1 if parallel_tool_calls is False else None)
 
     def message(self, role: str, echo: str, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(message, finish reason) of a whole reply: "tool_calls" when it made calls."""
@@ -40,6 +42,7 @@ class OutputParsers:
         calls = []
         if self.tools is not None and content is not None:
             content, calls = self.tools.split(content)
+            calls = calls[:self.max_calls]
         if echo:
             content = echo + (content or "")
         message = {"role": role, "content": content}
@@ -76,6 +79,8 @@ class OutputStream:
             if finish_reason is not None:
                 more_content, more_calls = self.tools.finish()
                 content, calls = content + more_content, calls + more_calls
+        if self.parsers.max_calls is not None:
+            calls = [c for c in calls if c["index"] < self.parsers.max_calls]
         delta = {}
         if reasoning and self.parsers.include_reasoning:
             delta["reasoning"] = delta["reasoning_content"] = reasoning

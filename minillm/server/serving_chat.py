@@ -161,7 +161,7 @@ class ChatJob:
         # --reasoning-parser and --tool-call-parser, for a reply that is free text
         self.parsers = OutputParsers.for_request(
             ctx.reasoning_parser, ctx.tool_call_parser, req.chat_template_kwargs, tool_choice_of(req),
-            self.forced is not None or asks_for_structure(req), req.include_reasoning)
+            self.forced is not None or asks_for_structure(req), req.include_reasoning, req.parallel_tool_calls)
         self.output_streams: dict[int, OutputStream] = {}
         self.prompt_ids: list[int] = []
         self.params = None
