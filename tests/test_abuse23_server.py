@@ -7,10 +7,14 @@ same request made alone.
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import sys
 
 import httpx
 import pytest
+from test_abuse20_deploy import SLOW_LOAD_SERVE, Serve, Stream, serve_command
+from test_abuse20_deploy import serve  # noqa: F401 (the fixture that starts `minillm serve` processes)
 from test_server_helpers import CHAT_TEMPLATE, choice_texts, openai_error, sse_events
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
@@ -184,3 +188,71 @@ def test_a_400_for_bad_bytes_follows_the_responses_due_before_it(any_protocol_ur
     want = httpx.post(f"{url}/v1/completions", json=_completion(max_tokens=5)).json()["choices"][0]["text"]
     assert choice_texts(sse_events(events[2].decode().splitlines())) == {0: want}
     _invalid_http_error(error)
+
+
+# ---- start-up and signals ------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slow_serve(serve, tmp_path, model, *args: str):
+    """A `minillm serve` whose model load waits for the file `go` (test_abuse20_deploy's script); it
+    and `go`, once the load has begun."""
+    script, go = tmp_path / "slow_serve.py", tmp_path / "go"
+    script.write_text(SLOW_LOAD_SERVE)
+    server = serve([sys.executable, str(script), str(go), *serve_command(model, *args)[3:]])
+    server.wait_line(r"minillm-test: loading in process \d+")
+    return server, go
+
+
+def test_the_port_is_held_while_the_model_loads_as_vllm_holds_it(serve, tmp_path, stories_path):
+    # The port was checked, closed again and bound only once the model had loaded: a second server
+    # started meanwhile passed the check, loaded its model too, and one of them failed at the end.
+    port = _free_port()
+    first, go = _slow_serve(serve, tmp_path, stories_path, "--port", str(port))
+    with pytest.raises(ConnectionRefusedError):        # bound, not listening yet: as vLLM's
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    (tmp_path / "second").mkdir()
+    second = Serve(serve_command(stories_path, "--port", str(port)), tmp_path / "second")
+    try:
+        assert second.proc.wait(timeout=60) == 1
+    finally:
+        second.stop()
+    assert f"cannot listen on 127.0.0.1:{port}" in second.text() and "loading" not in second.text(), second.text()
+    go.touch()
+    url = first.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    assert url == f"http://127.0.0.1:{port}" and httpx.get(f"{url}/health", timeout=10).status_code == 200
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=60) == 0, first.text()
+
+
+def test_a_second_ctrl_c_while_the_model_loads_exits_quietly_with_130(serve, tmp_path, stories_path):
+    # The second came while the process stopped (the interpreter's teardown among it): it died by
+    # SIGINT (status -2). Whenever the second lands, the exit is the first's.
+    server, go = _slow_serve(serve, tmp_path, stories_path)
+    server.proc.send_signal(signal.SIGINT)
+    server.proc.send_signal(signal.SIGINT)
+    status = server.proc.wait(timeout=60)
+    go.touch()
+    assert status == 130 and server.text().splitlines()[-1] == "minillm: interrupted", server.text()
+    assert "Traceback" not in server.text()
+
+
+def test_a_second_ctrl_c_while_serving_stops_quietly_with_0(serve, stories_path):
+    # uvicorn raised the signal again once per Ctrl-C after its shutdown, and the forced exit left
+    # the app's shutdown cancelled: the second came out as a traceback of the lifespan task.
+    server = serve(serve_command(stories_path))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    stream = Stream(url)
+    assert stream.first.wait(60), server.text()
+    server.proc.send_signal(signal.SIGINT)
+    server.wait_line(r"Shutting down")
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=60) == 0, server.text()
+    assert "Traceback" not in server.text() and "ERROR" not in server.text(), server.text()
+    stream.join(30)      # ended, whole or with the engine's shutdown error, never cut
+    assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
+    assert server.leftovers() == []

@@ -65,6 +65,8 @@ MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S = 0.1, 60.0
 GET_OR_HEAD = ["GET", "HEAD"]
 # After the engine loop fails, open requests have this long to get their error before the process exits.
 ENGINE_FAILURE_DRAIN_S = 2.0
+# A forced exit (a second Ctrl-C) gives the requests still open this long to end with the engine's error.
+FORCED_EXIT_WAIT_S = 1.0
 # uvicorn's log levels, quietest first (--uvicorn-log-level).
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -411,6 +413,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.stopping.set()
         super().handle_exit(sig, frame)
+        # uvicorn raises each signal it caught again once it has stopped: a second Ctrl-C (which
+        # forces the exit) raised two, and the second interrupted the shutdown with a traceback.
+        self._captured_signals = list(dict.fromkeys(self._captured_signals))
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -425,6 +430,21 @@ class _Server(uvicorn.Server):
             asyncio.get_running_loop().call_later(grace, lambda: threading.Thread(
                 target=self.end_requests, name="minillm-end-requests", daemon=True).start())
         await super().shutdown(sockets)
+        if self.force_exit:
+            await self._end_forcibly()
+
+    async def _end_forcibly(self) -> None:
+        """A forced exit (a second Ctrl-C) waits for no request and skips the app's shutdown: the
+        requests still open and the app were then cancelled as the loop closed, each logged with a
+        traceback. The requests end now with the engine's shutdown error (an error event and
+        [DONE]), within FORCED_EXIT_WAIT_S, and the app shuts down (it waits for nothing)."""
+        loop = asyncio.get_running_loop()
+        if self.end_requests is not None and self.server_state.tasks:
+            await asyncio.to_thread(self.end_requests)
+            deadline = loop.time() + FORCED_EXIT_WAIT_S
+            while self.server_state.tasks and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        await self.lifespan.shutdown()
 
 
 class ServerThread:
@@ -432,8 +452,8 @@ class ServerThread:
     "auto", "httptools" or "h11", the HTTP/1.1 implementation)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 http: str = "auto") -> None:
-        self.sock = port_socket(host, port, reuse_port=False)
+                 http: str = "auto", sock: socket.socket | None = None) -> None:
+        self.sock = sock if sock is not None else port_socket(host, port, reuse_port=False)   # sock: bound there
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn_config(app, app.state.ctx.limits, http, log_level=log_level, timeout_graceful_shutdown=2)
         self.stopping = app.state.ctx.stopping
@@ -504,25 +524,40 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
                monitor: bool = False, core_hook: Any = None) -> int:
     """Load the engine from an EngineConfig and serve the OpenAI API until interrupted; the exit status.
 
-    1 when the engine loop failed (with exit_on_engine_error the server stops by itself then).
-    core_hook (picklable) is called with the LLMEngine before it serves (benchmarks/host_cost.py paces it).
+    0 when stopped by a signal: SIGTERM at any time (a supervisor's stop, during the model load
+    too), Ctrl-C once serving; Ctrl-C while the model loads raises KeyboardInterrupt (the command
+    line's status 130). 1 when the engine loop failed (with exit_on_engine_error the server stops
+    by itself then). As vLLM's, the port is bound before the model loads: held during the load, and
+    a second server on it fails at once. core_hook (picklable) is called with the LLMEngine before it
+    serves (benchmarks/host_cost.py paces it).
     """
     options = options or ServerOptions(log_interval=5.0)
     if options.chat_template is not None:
         check_chat_template(options.chat_template)
-    check_can_listen(host, port)     # before the model loads: a taken port is known at once
     if options.api_server_count > 1:
+        check_can_listen(host, port)     # before the model loads: a taken port is known at once
         if monitor:
             raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
         return run_api_servers(config, host, port, options, core_hook)
+    sock = hold_port(host, port)         # bound (not listening) while the model loads
     _configure_logging()
-    with sigterm_as_interrupt():
-        return _serve_one(config, host, port, options, monitor, core_hook)
+    try:
+        with stop_signals_as_interrupt() as signals:
+            try:
+                return _serve_one(config, sock, options, monitor, core_hook)
+            except KeyboardInterrupt:
+                if signals.received != signal.SIGTERM:
+                    raise
+                print("minillm: stopped by SIGTERM while the model loaded", file=sys.stderr, flush=True)
+                return 0
+    finally:
+        sock.close()
 
 
-def _serve_one(config: Any, host: str, port: int, options: ServerOptions, monitor: bool, core_hook: Any) -> int:
-    """run_server with one API server: load the engine, serve until stopped, shut the engine down."""
+def _serve_one(config: Any, sock: socket.socket, options: ServerOptions, monitor: bool, core_hook: Any) -> int:
+    """run_server with one API server: load the engine, serve on sock until stopped, shut the engine down."""
     engine = start_async_engine(config, options.engine_core, core_hook)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # see hold_port: it listens now
     from minillm.engine_stats import describe_engine
     if options.engine_core == "process":
         print(f"minillm: engine core in process {engine.core_pid}", file=sys.stderr, flush=True)
@@ -531,12 +566,12 @@ def _serve_one(config: Any, host: str, port: int, options: ServerOptions, monito
         if monitor:
             # The dashboard owns the terminal: the server runs quietly on a thread.
             app = create_app(engine, dataclasses.replace(options, log_interval=None))
-            with ServerThread(app, host, port, log_level="critical") as server:
+            host = sock.getsockname()[0]
+            with ServerThread(app, host, log_level="critical", sock=sock) as server:
                 from minillm.tui.app import run_monitor
                 run_monitor(server.url, api_key=options.api_key)
         else:
-            uv_kwargs = {"host": host, "port": port, "log_level": options.uvicorn_log_level}
-            serve_http(engine, options, uv_kwargs)
+            serve_http(engine, options, {"log_level": options.uvicorn_log_level}, sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn has already shut down gracefully and re-raised Ctrl-C (or SIGTERM) for us
     finally:
@@ -544,23 +579,38 @@ def _serve_one(config: Any, host: str, port: int, options: ServerOptions, monito
     return 1 if engine.has_failed else 0
 
 
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt("terminated")
+class _StopSignals:
+    """The signal handler of a serve in the main thread: the first SIGINT or SIGTERM raises
+    KeyboardInterrupt (a model load stops there, and uvicorn's graceful shutdown, which raises the
+    signal again once done, reaches run_server's cleanup); later ones are ignored while the process
+    stops (a second Ctrl-C broke the cleanup off, and the process died by SIGINT)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None     # the first signal
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+            raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt():
-    """SIGTERM taken as Ctrl-C, as vLLM's run_server takes it: it stops a model load, and the one uvicorn
-    raises again after its graceful shutdown reaches run_server's cleanup (by default it killed the
-    process there, leaving the engine core's socket directory behind and the exit status -15)."""
+def stop_signals_as_interrupt():
+    """SIGINT and SIGTERM handled by a _StopSignals (yielded) in the block, as vLLM's run_server takes
+    SIGTERM as Ctrl-C; by default SIGTERM killed the process, leaving the engine core's socket
+    directory behind and the exit status -15. Once one has come, both stay ignored after the block:
+    the process is on its way out, and one more during the interpreter's teardown killed it (status
+    -2). Off the main thread: nothing is installed."""
+    handler = _StopSignals()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield handler
         return
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield handler
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old if handler.received is None else signal.SIG_IGN)
 
 
 def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
@@ -655,10 +705,26 @@ def api_server_log_level(level: str, index: int) -> str:
 def check_can_listen(host: str, port: int) -> None:
     """ValueError naming host and port when a socket cannot be bound there (port taken, no such
     address); the socket is closed again."""
+    bind_port(host, port).close()
+
+
+def hold_port(host: str, port: int) -> socket.socket:
+    """bind_port's socket, held for this server alone until it listens: Linux lets another socket
+    with SO_REUSEADDR bind a port whose sockets all have it and none listens, so it is cleared
+    (bound with it, the port is taken over connections of an earlier run in TIME_WAIT); set it again
+    before listening, or the connections it accepts leave TIME_WAITs that block the next run's bind."""
+    sock = bind_port(host, port)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    return sock
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port for one server alone (no SO_REUSEPORT); a ValueError naming host
+    and port when it cannot be (port taken, no such address)."""
     if not 0 <= port <= 65535:
         raise ValueError(f"port must be in [0, 65535], got {port}")
     try:
-        port_socket(host, port, reuse_port=False).close()
+        return port_socket(host, port, reuse_port=False)
     except OSError as exc:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
