@@ -129,3 +129,18 @@ def test_errors_are_anthropic_shaped_and_name_the_field(servers, body, param):
     assert data["type"] == "error" and data["error"]["param"] == param, data
     assert data["error"]["type"] in ("invalid_request_error", "not_found_error") and data["error"]["message"]
     assert "max_completion_tokens" not in data["error"]["message"]
+
+
+def test_the_api_key_is_taken_as_anthropic_clients_send_it(stories_path, tmp_path):
+    from test_server_helpers import chat_model_dir, running_server
+    model = chat_model_dir(stories_path, tmp_path / "chat_model")
+    with running_server(model, api_key="sk-local", max_model_len=128) as (url, _):
+        message = anthropic.Anthropic(base_url=url, api_key="sk-local", max_retries=0).messages.create(
+            model="stories", max_tokens=2, messages=[{"role": "user", "content": "Tom"}])
+        assert message.usage.output_tokens == 2
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(base_url=url, api_key="sk-other", max_retries=0).messages.create(
+                model="stories", max_tokens=2, messages=[{"role": "user", "content": "Tom"}])
+        bearer = httpx.post(f"{url}/v1/messages", headers={"authorization": "Bearer sk-local"}, timeout=60,
+                            json={"model": "stories", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+        assert bearer.status_code == 200

@@ -23,7 +23,8 @@ async def _send_error(send, status: int, message: str, code: str | None = None,
 
 
 class APIKeyMiddleware:
-    """401 for the /v1 paths unless the request carries `Authorization: Bearer <key>`."""
+    """401 for the /v1 paths unless the request carries `Authorization: Bearer <key>` (or, as
+    Anthropic's clients send it for /v1/messages, `x-api-key: <key>`)."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -32,8 +33,10 @@ class APIKeyMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not _is_protected(scope) or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        given = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
-        if not hmac.compare_digest(given, self.expected):
+        headers = dict(scope["headers"])
+        given = bearer_token(headers.get(b"authorization", b""))
+        if not hmac.compare_digest(given, self.expected) and not hmac.compare_digest(headers.get(b"x-api-key", b""),
+                                                                                        self.expected):
             return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
                                      code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
