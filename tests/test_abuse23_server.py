@@ -7,9 +7,11 @@ same request made alone.
 from __future__ import annotations
 
 import json
+import random
 import signal
 import socket
 import sys
+import threading
 
 import httpx
 import pytest
@@ -18,7 +20,10 @@ from test_abuse20_deploy import serve  # noqa: F401 (the fixture that starts `mi
 from test_server_helpers import CHAT_TEMPLATE, choice_texts, openai_error, sse_events
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
+from minillm.server import serving_tokenization
 from minillm.server.app import ServerOptions, ServerThread, create_app
+from minillm.server.protocol import DetokenizeRequest
+from minillm.server.serving_tokenization import decode_in_pieces
 
 MODEL = "stories"
 MAX_MODEL_LEN = 256          # the chat_template_server's
@@ -256,3 +261,102 @@ def test_a_second_ctrl_c_while_serving_stops_quietly_with_0(serve, stories_path)
     stream.join(30)      # ended, whole or with the engine's shutdown error, never cut
     assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
     assert server.leftovers() == []
+
+
+# ---- tokenization off the event loop -------------------------------------------------------------
+
+class Held:
+    """Wraps a callable so that its calls whose first argument is large wait for release() (and
+    say so through `entered`): what runs on the event loop then stalls every other request."""
+
+    def __init__(self, fn, is_large) -> None:
+        self.fn, self.is_large = fn, is_large
+        self.entered, self.released = threading.Event(), threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        if args and self.is_large(args[0]):
+            self.entered.set()
+            assert self.released.wait(60), "never released"
+        return self.fn(*args, **kwargs)
+
+
+def _is_long(value) -> bool:
+    return len(value) > 10_000 if isinstance(value, (list, str)) else False
+
+
+def _many_ids(body) -> bool:
+    return isinstance(body, dict) and _is_long(body.get("tokens")) or _is_long(body)
+
+
+IDS = [1] + [300, 301, 302] * 40_000
+HELD = {   # what a large request spends its time in, and the request
+    "detokenize: validating the ids": (DetokenizeRequest, "model_validate", _many_ids, "/detokenize", {"tokens": IDS}),
+    "detokenize: decoding": (None, "decode", _is_long, "/detokenize", {"tokens": IDS}),
+    "detokenize: writing the JSON": (serving_tokenization, "json_dumps", lambda obj: _is_long(obj.get("prompt")),
+                                     "/detokenize", {"tokens": IDS}),
+    "tokenize: encoding": (None, "encode_batch", lambda texts: _is_long(texts[0]), "/tokenize",
+                           {"prompt": "Once upon a time " * 40_000}),
+    "tokenize: writing the JSON": (serving_tokenization, "json_dumps", lambda obj: _is_long(obj.get("tokens")),
+                                   "/tokenize", {"prompt": "Once upon a time " * 40_000, "return_token_strs": True}),
+}
+
+
+@pytest.mark.parametrize("stage", HELD)
+def test_a_large_tokenization_request_leaves_the_event_loop_serving(server, http, healthy_stream, monkeypatch, stage):
+    # /detokenize validated its ids on the event loop and the tokenizer decoded two million of them
+    # holding the GIL (about a second, every stream and /health stalled meanwhile); /tokenize wrote
+    # its response's JSON there. Each stage is held here until /health and a completion have answered.
+    owner, name, is_large, path, body = HELD[stage]
+    owner = server[1].tokenizer if owner is None else owner
+    held = Held(getattr(owner, name), is_large)
+    monkeypatch.setattr(owner, name, held)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(response=httpx.post(f"{server[0]}{path}", json=body,
+                                                                              timeout=120)))
+    request.start()
+    try:
+        assert held.entered.wait(60), "the request never reached the held stage"
+        assert http.get("/health", timeout=10).status_code == 200
+        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
+    finally:
+        held.released.set()
+        request.join(120)
+    response = result["response"]
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json", response.text[:300]
+    if path == "/detokenize":
+        assert response.json() == {"prompt": server[1].tokenizer.decode(IDS, skip_special_tokens=False)}
+    else:
+        reply = response.json()
+        assert reply["count"] == len(reply["tokens"]) == len(reply["token_strs"] or reply["tokens"]) > 10_000
+
+
+def test_decoding_in_pieces_is_one_decode(server, monkeypatch):
+    # Pieces are decoded after a few ids of context; random ids, byte tokens among them (characters
+    # cut across pieces), give the text of one decode.
+    tok = server[1].tokenizer
+    monkeypatch.setattr(serving_tokenization, "DECODE_PIECE_IDS", 40)
+    rng = random.Random(23)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) if rng.random() < 0.5 else rng.randrange(3, 259)
+               for _ in range(rng.randint(1, 300))]
+        for skip in (False, True):
+            assert decode_in_pieces(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_detokenize_hands_the_tokenizer_a_piece_at_a_time(server, http, monkeypatch):
+    # The tokenizer holds the GIL through one decode, so off the event loop a decode of millions of
+    # ids still stalled it; in pieces the loop gets the GIL between them.
+    tok = server[1].tokenizer
+    sizes = []
+    decode = tok.decode
+
+    def recorded(ids, **kwargs):
+        sizes.append(len(ids))
+        return decode(ids, **kwargs)
+
+    monkeypatch.setattr(tok, "decode", recorded)
+    reply = http.post("/detokenize", json={"tokens": IDS})
+    monkeypatch.undo()
+    assert reply.status_code == 200 and reply.json()["prompt"] == tok.decode(IDS, skip_special_tokens=False)
+    limit = serving_tokenization.DECODE_PIECE_IDS + serving_tokenization.PIECE_CONTEXT_IDS
+    assert max(sizes) <= limit and sum(sizes) >= len(IDS)

@@ -245,8 +245,10 @@ def _add_vllm_routes(app: FastAPI, ctx: ServingContext, load: ServerLoad) -> Non
         return await create_tokenize(ctx, body, raw)
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        return await create_detokenize(ctx, body)
+    async def detokenize(raw: Request, body: dict[str, Any] = Body()):
+        return await create_detokenize(ctx, body, raw)
+
+    _document_request_bodies(app, {"/detokenize": DetokenizeRequest})
 
     @app.api_route("/version", methods=GET_OR_HEAD)
     async def version():
