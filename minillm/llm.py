@@ -112,8 +112,9 @@ class LLM:
         """The LLMEngine underneath (vLLM's name for it)."""
         return self.engine
 
-    def get_tokenizer(self):
-        """The model's tokenizer."""
+    def get_tokenizer(self, lora_request=None):
+        """The model's tokenizer (vLLM's lora_request may only be None: minillm loads no adapters)."""
+        check_lora_request(lora_request)
         return self.engine.tokenizer
 
     def set_tokenizer(self, tokenizer) -> None:
@@ -137,23 +138,34 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = False) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable = False, *, lora_request=None, priority: Seq[int] | None = None,
+                 tokenization_kwargs: dict | None = None, prompt_adapter_request=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list (or 1-D NumPy array) of token ids, {"prompt": text} or
         {"prompt_token_ids": ids}. use_tqdm may be a tqdm-like callable that makes the bar, as in vLLM.
+        vLLM's other arguments are taken where minillm does what they ask: lora_request and
+        prompt_adapter_request None, priority None or zeros (minillm schedules first come, first
+        served), tokenization_kwargs None or {"add_special_tokens": bool} (for text prompts).
         Calls from several threads run one after another.
         """
+        check_lora_request(lora_request)
+        if prompt_adapter_request is not None:
+            raise ValueError(f"prompt_adapter_request={short_repr(prompt_adapter_request)} is not supported: "
+                             f"minillm has no prompt adapters (leave it None)")
+        add_special_tokens = _add_special_tokens(tokenization_kwargs)
         with self._generate_lock:
-            return self._generate(prompts, sampling_params, use_tqdm)
+            return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens)
 
-    def _generate(self, prompts, sampling_params, use_tqdm) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm, priority=None,
+                  add_special_tokens: bool = True) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or _is_one_id_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
         # (text, the text or ids, cache salt) of each: every prompt checked before any is queued
         prompts = [(*unpack_prompt(prompt), cache_salt_of(prompt)) for prompt in prompts]
+        check_priority(priority, len(prompts))
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
@@ -166,8 +178,9 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, prompt, salt), p in zip(prompts, params):
-                if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
-                    prompt = self.engine.tokenizer.encode("", add_special_tokens=True) or prompt
+                if isinstance(prompt, str) and (not prompt or not add_special_tokens):
+                    # "": as in vLLM, the tokenizer's BOS alone, where it adds one
+                    prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) or prompt
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
@@ -213,7 +226,8 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, chat_template_content_format: str = "auto") -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_content_format: str = "auto", *,
+             lora_request=None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
@@ -224,8 +238,12 @@ class LLM:
         template as `tools`, unless chat_template_kwargs sets them. chat_template_content_format is
         vLLM's: how the template gets each message's content, "string" (parts joined) or "openai"
         (a list of text parts, a string content as one), "auto" picking "openai" for a template that
-        loops over a message's content.
+        loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None.
         """
+        check_lora_request(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError(f"mm_processor_kwargs={short_repr(mm_processor_kwargs)} is not supported: minillm "
+                             f"runs text-only models (leave it None)")
         if not isinstance(messages, Seq) or isinstance(messages, str):
             raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
                              f"got {short_repr(messages)}")
@@ -268,6 +286,50 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def check_lora_request(lora_request) -> None:
+    """ValueError unless vLLM's lora_request is None (or a list of Nones, one a prompt)."""
+    if lora_request is None or (isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)):
+        return
+    raise ValueError(f"lora_request={short_repr(lora_request)} is not supported: minillm runs the base model's own "
+                     f"weights and loads no LoRA adapters (merge the adapter into a copy of the model and load "
+                     f"that, or leave lora_request None)")
+
+
+def check_priority(priority, num_prompts: int) -> None:
+    """ValueError unless vLLM's priority is None or one integer a prompt, all 0: minillm schedules
+    first come, first served, as vLLM does without its priority scheduling policy."""
+    if priority is None:
+        return
+    if not isinstance(priority, Seq) or isinstance(priority, str) or not all(map(_is_int, priority)):
+        raise ValueError(f"priority must be a list of integers, one a prompt, got {short_repr(priority)}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")
+    if any(priority):
+        raise ValueError(f"priority={short_repr(list(priority))} is not supported: minillm schedules requests first "
+                         f"come, first served and has no priority scheduling (give 0, or leave priority None)")
+
+
+def _add_special_tokens(tokenization_kwargs) -> bool:
+    """add_special_tokens from vLLM's tokenization_kwargs, the one key minillm takes; ValueError otherwise."""
+    if tokenization_kwargs is None:
+        return True
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict, got {short_repr(tokenization_kwargs)}")
+    other = sorted(set(tokenization_kwargs) - {"add_special_tokens"}, key=repr)
+    if other:
+        raise ValueError(f"tokenization_kwargs {', '.join(map(short_repr, other))}: not supported, minillm takes "
+                         f"only add_special_tokens there (SamplingParams(truncate_prompt_tokens=k) keeps a "
+                         f"prompt's last k tokens)")
+    value = tokenization_kwargs.get("add_special_tokens", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be true or false, got {short_repr(value)}")
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.

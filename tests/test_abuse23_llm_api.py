@@ -1,0 +1,78 @@
+"""vLLM offline scripts against minillm's LLM, LLMEngine, SamplingParams and tokenizer: what vLLM
+accepts works the same here, or fails with a ValueError that says why."""
+import re
+
+import pytest
+
+from minillm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+PROMPTS = ["Once upon a time", "Lily had a red ball"]
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    """One stories260K LLM on the CPU for the module."""
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    """The greedy token ids of PROMPTS, generated plainly."""
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]
+
+
+def _ids(outputs):
+    return [out.outputs[0].token_ids for out in outputs]
+
+
+# ---- LLM.generate's and LLM.chat's other vLLM arguments -----------------------------------------
+
+def test_generate_takes_vllms_keyword_arguments_at_their_neutral_values(llm, expected):
+    """vLLM scripts pass lora_request=None, priority and use_tqdm=False; lora_request was a TypeError."""
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=None)) == expected
+    assert _ids(llm.generate(PROMPTS, GREEDY, lora_request=[None, None], priority=[0, 0])) == expected
+    assert _ids(llm.generate(PROMPTS, GREEDY, tokenization_kwargs={}, prompt_adapter_request=None)) == expected
+    [chat] = llm.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request=None, mm_processor_kwargs=None,
+                      chat_template="{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert chat.prompt == "<s>Hi"
+    assert llm.get_tokenizer(lora_request=None) is llm.get_tokenizer()
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"lora_request": object()}, "lora_request=<object object at .*> is not supported: minillm runs the base "
+                                 "model's own weights and loads no LoRA adapters"),
+    ({"lora_request": [None, "adapter"]}, r"lora_request=\[None, 'adapter'\] is not supported"),
+    ({"priority": [0, 1]}, r"priority=\[0, 1\] is not supported: minillm schedules requests first come, first served"),
+    ({"priority": [0]}, "priority has 1 entries for 2 prompts"),
+    ({"priority": 1}, "priority must be a list of integers, one a prompt, got 1"),
+    ({"prompt_adapter_request": "x"}, "prompt_adapter_request='x' is not supported: minillm has no prompt adapters"),
+    ({"tokenization_kwargs": {"truncation": True}}, "tokenization_kwargs 'truncation': not supported"),
+    ({"tokenization_kwargs": {"add_special_tokens": "no"}},
+     r"tokenization_kwargs\['add_special_tokens'\] must be true or false, got 'no'"),
+])
+def test_generate_refuses_what_it_cannot_do_by_name_and_queues_nothing(llm, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        llm.generate(PROMPTS, GREEDY, **kwargs)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_lora_request_is_refused_by_chat_and_get_tokenizer_too(llm):
+    for call in (lambda: llm.chat([{"role": "user", "content": "Hi"}], GREEDY, lora_request="adapter"),
+                 lambda: llm.get_tokenizer(lora_request="adapter")):
+        with pytest.raises(ValueError, match="lora_request='adapter' is not supported"):
+            call()
+    with pytest.raises(ValueError, match="mm_processor_kwargs=.* is not supported: minillm runs text-only models"):
+        llm.chat([{"role": "user", "content": "Hi"}], GREEDY, mm_processor_kwargs={"num_crops": 4})
+
+
+def test_tokenization_kwargs_add_special_tokens_false_leaves_out_bos(llm):
+    """vLLM's tokenization_kwargs={"add_special_tokens": False}: the prompt's ids without BOS, the text as given."""
+    tok = llm.get_tokenizer()
+    [out] = llm.generate("Once upon a time", GREEDY, tokenization_kwargs={"add_special_tokens": False})
+    assert out.prompt == "Once upon a time"
+    assert out.prompt_token_ids == tok.encode("Once upon a time", add_special_tokens=False)
+    assert out.prompt_token_ids[0] != tok.bos_token_id
+    [same] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY)
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
