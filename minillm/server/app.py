@@ -170,27 +170,21 @@ def _stats_cells(cells: int) -> int:
     return cells
 
 
+def _body_route(ctx: ServingContext, create: Callable):
+    """A POST route that hands its JSON object body and request to create(ctx, body, raw)."""
+    async def route(raw: Request, body: dict[str, Any] = Body()):
+        return await create(ctx, body, raw)
+    return route
+
+
 def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     # The bodies are read as requests by the handlers, off the event loop when large (serving.py).
-    @app.post("/v1/completions")
-    async def completions(raw: Request, body: dict[str, Any] = Body()):
-        return await create_completion(ctx, body, raw)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request, body: dict[str, Any] = Body()):
-        return await create_chat_completion(ctx, body, raw)
-
-    @app.post("/v1/responses")
-    async def responses(raw: Request, body: dict[str, Any] = Body()):
-        return await create_response(ctx, body, raw)
-
-    @app.post("/v1/messages")
-    async def messages(raw: Request, body: dict[str, Any] = Body()):
-        return await create_message(ctx, body, raw)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(raw: Request, body: dict[str, Any] = Body()):
-        return await count_message_tokens(ctx, body, raw)
+    for path, name, create in (("/v1/completions", "completions", create_completion),
+                               ("/v1/chat/completions", "chat_completions", create_chat_completion),
+                               ("/v1/responses", "responses", create_response),
+                               ("/v1/messages", "messages", create_message),
+                               ("/v1/messages/count_tokens", "count_tokens", count_message_tokens)):
+        app.add_api_route(path, _body_route(ctx, create), methods=["POST"], name=name)
 
     @app.api_route("/v1/responses/{response_id}", methods=GET_OR_HEAD)
     async def stored_response(response_id: str):
