@@ -25,6 +25,7 @@ from minillm.kv_connector import make_kv_connector
 from minillm.kv_connector.base import refuse_kv_transfer_params
 from minillm.loader import load_model_config, load_weights, resolve_model_path
 from minillm.metrics_tracker import MetricsTracker
+from minillm.model_config_view import EngineModelConfig, engine_model_config
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
@@ -237,6 +238,10 @@ class LLMEngine:
         spec = config.speculative_config
         self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)
         self.model_name = config.served_model_name or config.model
+        # From here the shape plus the values the engine runs with, as vLLM's model_config holds them
+        # (llm.llm_engine.model_config.max_model_len); the runner keeps the plain shape it was built with.
+        self.model_config = engine_model_config(self.model_config, config, path, self.max_model_len, self.dtype,
+                                                self.model_name)
         self.structured_outputs = None   # StructuredOutputManager, built when a request first asks for structure
         self._fill_due = None            # (step, its masks) whose fill starts once the step before is read back
         self._deferred_out = None        # the step launched without its sampling (structured outputs)
@@ -407,6 +412,10 @@ class LLMEngine:
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's LLMEngine.get_tokenizer)."""
         return self.tokenizer
+
+    def get_model_config(self) -> EngineModelConfig:
+        """The model's shape and the values the engine runs with (vLLM's LLMEngine.get_model_config)."""
+        return self.model_config
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running or unreported, or a step is in flight."""

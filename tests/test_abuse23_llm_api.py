@@ -76,3 +76,41 @@ def test_tokenization_kwargs_add_special_tokens_false_leaves_out_bos(llm):
     assert out.prompt_token_ids[0] != tok.bos_token_id
     [same] = llm.generate({"prompt_token_ids": out.prompt_token_ids}, GREEDY)
     assert same.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+# ---- llm.llm_engine.model_config -----------------------------------------------------------------
+
+def test_model_config_has_the_fields_vllm_scripts_read(llm, stories_path):
+    """vLLM scripts read llm.llm_engine.model_config.max_model_len (to size prompts); minillm's
+    model_config was the model's shape alone, an AttributeError for max_model_len."""
+    import dataclasses
+    import json
+    engine = llm.llm_engine
+    mc = engine.model_config
+    assert engine.get_model_config() is mc
+    assert (mc.max_model_len, mc.model, mc.tokenizer, mc.dtype) == (128, str(stories_path), str(stories_path), "float32")
+    assert mc.max_model_len == engine.max_model_len and mc.served_model_name == str(stories_path)
+    assert (mc.seed, mc.max_logprobs, mc.quantization, mc.revision, mc.generation_config) == (0, 20, None, None, "auto")
+    assert (mc.get_vocab_size(), mc.get_hidden_size(), mc.get_head_size(), mc.get_total_num_kv_heads()) == (512, 64, 8, 4)
+    on_disk = json.loads((stories_path / "config.json").read_text())
+    assert mc.hf_config.to_dict() == on_disk and mc.hf_text_config is mc.hf_config
+    assert mc.hf_config.num_hidden_layers == 5 and mc.hf_config.architectures == ["LlamaForCausalLM"]
+    assert "model_type" in mc.hf_config and "sliding_window" not in mc.hf_config
+    with pytest.raises(AttributeError, match="the model's config.json has no 'sliding_window'"):
+        mc.hf_config.sliding_window
+    assert getattr(mc.hf_config, "sliding_window", None) is None
+    # read-only: the engine runs with these values, so changing them must not seem to work
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        mc.max_model_len = 64
+    with pytest.raises(AttributeError, match="hf_config is read-only"):
+        mc.hf_config.vocab_size = 1
+    mc.hf_config.to_dict()["vocab_size"] = 1
+    assert mc.hf_config.vocab_size == 512 == mc.vocab_size
+
+
+def test_model_config_max_model_len_is_the_one_fitted_to_the_pool(stories_path):
+    """Without max_model_len the engine fits the model's 512 positions to a small pool: the view says what runs."""
+    with LLM(str(stories_path), device="cpu", num_kv_blocks=8, block_size=16, served_model_name="tiny") as small:
+        mc = small.llm_engine.model_config
+        assert mc.max_model_len == small.llm_engine.max_model_len == 128 < mc.max_position_embeddings == 512
+        assert mc.served_model_name == "tiny"
