@@ -33,7 +33,7 @@ from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import PromptType, cache_salt_of, unpack_prompt
-from minillm.sampling_params import SamplingParams, short_repr, truncate_prompt
+from minillm.sampling_params import RequestOutputKind, SamplingParams, short_repr, truncate_prompt
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
@@ -53,6 +53,8 @@ class Request:
     states: list                      # per sequence, the output processor's state
     metrics: RequestMetrics
     final_only: bool = False          # report only once finished (offline batch)
+    is_delta: bool = False            # report only what is new (RequestOutputKind.DELTA)
+    is_prompt_logprobs_sent: bool = False   # a delta request's prompt_logprobs go out once, whole
     # With params.prompt_logprobs: one entry per prompt token, None for the first (its own module:
     # minillm/prompt_logprobs.py); filled as the prompt's chunks run.
     prompt_logprobs: list[dict[int, float] | None] | None = None
@@ -64,6 +66,11 @@ class Request:
             if not seq.is_finished:
                 return False
         return True
+
+
+# add_request's output_kind names, as vLLM's RequestOutputKind members.
+OUTPUT_KINDS = {"cumulative": RequestOutputKind.CUMULATIVE, "delta": RequestOutputKind.DELTA,
+                "final": RequestOutputKind.FINAL_ONLY}
 
 
 # An engine whose waiting requests do not fit while a KV connector holds blocks (a prefill engine's
@@ -264,13 +271,14 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, output_kind: str = "cumulative",
+                    arrival_time: float | None = None, output_kind: str | RequestOutputKind | None = None,
                     prompt_block_keys: list[bytes] | None = None, cache_salt: str | None = None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         prompt takes vLLM's forms, as LLM.generate does: a string, a list of token ids,
         {"prompt": text} or {"prompt_token_ids": ids} (with "prompt", the ids' text, as the output's prompt).
-        output_kind "cumulative" reports the request every step it changes; "final" only once done.
+        output_kind "cumulative" reports the request every step it changes; "delta" only what is new
+        each time; "final" only once done (or vLLM's RequestOutputKind members); None: params.output_kind.
         prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
         (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
         cache_salt: vLLM's (also a prompt dict's "cache_salt"); the request shares prefix-cache blocks
@@ -278,8 +286,10 @@ class LLMEngine:
         """
         if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
             raise RuntimeError("the engine is shut down: it takes no more requests")
-        if output_kind not in ("cumulative", "final"):
-            raise ValueError(f"output_kind must be 'cumulative' or 'final', got {output_kind!r}")
+        if output_kind is not None and not isinstance(output_kind, RequestOutputKind) and not (
+                isinstance(output_kind, str) and output_kind in OUTPUT_KINDS):
+            raise ValueError(f"output_kind must be 'cumulative', 'delta', 'final' or a RequestOutputKind, "
+                             f"got {short_repr(output_kind)}")
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
         # The loop subtracts it from clock times (TTFT, latency): a string or NaN would fail or poison them there.
@@ -295,6 +305,8 @@ class LLMEngine:
             if (value := getattr(params, name)) is not None and value > self.config.max_logprobs:
                 raise ValueError(f"{name} must be at most max_logprobs ({self.config.max_logprobs}), got {value}")
         params = own_sampling_params(params)
+        if output_kind is not None:      # the request's own copy: the caller's params keep theirs
+            params.output_kind = OUTPUT_KINDS.get(output_kind, output_kind)
         # Tokenized here for the sampler (the API server asked first: remembered); no words clears
         # token ids the caller's params may carry from an earlier update_from_tokenizer.
         params.update_from_tokenizer(self.tokenizer, self.model_config.vocab_size)
@@ -329,10 +341,11 @@ class LLMEngine:
                 prompt_block_keys, len(ids), self.block_manager.block_size):
             for seq in seqs:
                 seq.token_block_keys = list(prompt_block_keys)
-        incremental = output_kind == "cumulative"
+        incremental = params.output_kind is not RequestOutputKind.FINAL_ONLY
         states = [self.output_processor.new_state(s, incremental) for s in seqs]
         req = Request(request_id, text, list(ids), seqs, states,
                       RequestMetrics(arrival_time=now), final_only=not incremental,
+                      is_delta=params.output_kind is RequestOutputKind.DELTA,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         if params.structured_outputs is not None:
             self._structured_output_manager().attach(seqs, params.structured_outputs)
@@ -639,9 +652,21 @@ class LLMEngine:
                                          [self.output_processor.completion_output(st, s)
                                           for st, s in zip(req.states, req.seqs)],
                                          finished, req.metrics, req.seqs[0].kv_transfer_params,
-                                         req.seqs[0].kv_transfer_stats,
-                                         None if req.prompt_logprobs is None else list(req.prompt_logprobs)))
+                                         req.seqs[0].kv_transfer_stats, self._reported_prompt_logprobs(req)))
         return outputs
+
+    @staticmethod
+    def _reported_prompt_logprobs(req: Request) -> list | None:
+        """The prompt log-probabilities a report carries: all computed so far, or for a delta
+        request all of them once the whole prompt has them, and None in its other reports."""
+        if req.prompt_logprobs is None:
+            return None
+        if not req.is_delta:
+            return list(req.prompt_logprobs)
+        if req.is_prompt_logprobs_sent or len(req.prompt_logprobs) < len(req.prompt_token_ids):
+            return None
+        req.is_prompt_logprobs_sent = True
+        return list(req.prompt_logprobs)
 
     # ---- stats and lifetime ------------------------------------------------------------------
     def stats(self, cells: int = 64) -> EngineStats:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minillm.outputs import CompletionOutput, Logprob
+from minillm.sampling_params import RequestOutputKind
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.tokenizer import (
     MAX_CONTINUATION_TOKENS, PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer,
@@ -26,6 +27,10 @@ class CompletionState:
     num_text_tokens: int = 0         # output tokens that belong in the text
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # DELTA output kind: each report carries only what the ones before did not (cumulative_logprob aside)
+    delta: bool = False
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
     @property
     def holdback(self) -> int:
@@ -39,14 +44,14 @@ def _prompt_tail(seq: Sequence) -> list[int]:
     return seq.prompt_token_ids[-(PROMPT_CONTEXT_TOKENS + MAX_CONTINUATION_TOKENS):]
 
 
-def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True) -> CompletionState:
-    """Fresh output state for a sequence."""
+def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True, delta: bool = False) -> CompletionState:
+    """Fresh output state for a sequence; delta: its reports carry only what is new."""
     p = seq.params
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
                                    prompt_token_ids=_prompt_tail(seq))
     return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
                            p.logprobs is not None, p.detokenize and (incremental or bool(p.stop_strings)),
-                           p.min_tokens, p.detokenize)
+                           p.min_tokens, p.detokenize, delta=delta)
 
 
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
@@ -122,6 +127,8 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
     text = state.text
     if not done and state.stop and state.holdback:
         text = text[:max(len(text) - state.holdback, 0)]
+    if state.delta:
+        return _delta_output(state, seq, text, done)
     if not state.want_logprobs:     # positional: this runs for every sequence of every step
         if not done:
             return CompletionOutput(seq.index, text, seq.output_token_ids)
@@ -130,6 +137,20 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
         index=seq.index, text=text, token_ids=seq.output_token_ids,
         finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
         cumulative_logprob=state.cumulative_logprob, logprobs=list(state.logprobs))
+
+
+def _delta_output(state: CompletionState, seq: Sequence, text: str, done: bool) -> CompletionOutput:
+    """The report of the DELTA output kind: the token ids, text and log-probabilities not reported
+    before (the text held back for a stop string comes once it cannot be one)."""
+    token_ids = seq.output_token_ids
+    new_ids, new_logprobs = token_ids[state.num_sent_tokens:], state.logprobs[state.num_sent_tokens:]
+    new_text = text[state.num_sent_chars:]
+    state.num_sent_tokens, state.num_sent_chars = len(token_ids), max(len(text), state.num_sent_chars)
+    return CompletionOutput(
+        index=seq.index, text=new_text, token_ids=new_ids,
+        finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
+        cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
+        logprobs=list(new_logprobs) if state.want_logprobs else None)
 
 
 class TextOutputs:
@@ -143,8 +164,8 @@ class TextOutputs:
         self.tokenizer = tokenizer
 
     def new_state(self, seq: Sequence, incremental: bool) -> CompletionState:
-        """Fresh output state for a sequence."""
-        return new_state(self.tokenizer, seq, incremental)
+        """Fresh output state for a sequence (its reports deltas where its params' output_kind asks)."""
+        return new_state(self.tokenizer, seq, incremental, seq.params.output_kind is RequestOutputKind.DELTA)
 
     def add_token(self, state: CompletionState, seq: Sequence, token: int,
                   logprobs: dict[int, float] | None) -> str | None:

@@ -7,6 +7,7 @@ import math
 import numbers
 import struct
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -86,6 +87,17 @@ def _is_finite(value: object) -> bool:
         return False
 
 
+class RequestOutputKind(Enum):
+    """What LLMEngine.step() reports of a request, as vLLM's enum: CUMULATIVE, everything so far each
+    time it changes; DELTA, only what is new since the last report (token ids, text, log-probabilities;
+    the prompt's log-probabilities once, whole); FINAL_ONLY, one report when it finishes.
+    LLM.generate returns finished outputs whatever the kind, as vLLM's does."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop."""
@@ -119,6 +131,7 @@ class SamplingParams:
     detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
     # vLLM's name, taken for its fast-tokenizer behaviour: the decoder puts no spaces between special tokens
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what LLMEngine.step() reports
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     # logit_bias as the sampler uploads it, made when it is validated: (token ids, float32 bit patterns)
     _logit_bias_entries: tuple[list[int], list[int]] | None = field(default=None, init=False, repr=False,
@@ -284,6 +297,10 @@ class SamplingParams:
             bad("truncate_prompt_tokens", "must be an integer >= 1, or -1 for the model's context length")
         if self.extra_args is not None and not isinstance(self.extra_args, dict):
             bad("extra_args", "must be a dict")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            if not _is_int(self.output_kind) or self.output_kind not in (0, 1, 2):   # msgpack carries the value
+                bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+            self.output_kind = RequestOutputKind(self.output_kind)
         self._validate_token_rules()
         self._logit_bias_entries = None
         if self.logit_bias is not None:

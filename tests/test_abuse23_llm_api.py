@@ -114,3 +114,78 @@ def test_model_config_max_model_len_is_the_one_fitted_to_the_pool(stories_path):
         mc = small.llm_engine.model_config
         assert mc.max_model_len == small.llm_engine.max_model_len == 128 < mc.max_position_embeddings == 512
         assert mc.served_model_name == "tiny"
+
+
+# ---- SamplingParams(output_kind=...) ----------------------------------------------------------------
+
+def _run(engine, request_id, prompt, params, **kwargs):
+    engine.add_request(request_id, prompt, params, **kwargs)
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.request_id == request_id]
+    return outs
+
+
+def test_output_kind_delta_reports_only_what_is_new(llm):
+    """vLLM's RequestOutputKind.DELTA: each step's output carries the new token ids, text and
+    logprobs; their concatenation is the cumulative output. SamplingParams refused the field."""
+    from minillm.sampling_params import RequestOutputKind
+    engine = llm.llm_engine
+    common = dict(temperature=0, max_tokens=10, logprobs=1, prompt_logprobs=1, stop=["girl"])
+    full = _run(engine, "cumulative", "Once upon a time", SamplingParams(**common))
+    deltas = _run(engine, "delta", "Once upon a time", SamplingParams(**common, output_kind=RequestOutputKind.DELTA))
+    last = full[-1].outputs[0]
+    assert last.finish_reason == "stop" and last.stop_reason == "girl"     # the stop string cuts the text
+    assert len(deltas) > 2 and all(len(d.outputs[0].token_ids) == 1 for d in deltas)
+    assert [d.finished for d in deltas] == [False] * (len(deltas) - 1) + [True]
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == last.token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == last.text
+    assert sum((d.outputs[0].logprobs for d in deltas), []) == last.logprobs
+    assert deltas[-1].outputs[0].cumulative_logprob == pytest.approx(last.cumulative_logprob)
+    assert (deltas[-1].outputs[0].finish_reason, deltas[-1].outputs[0].stop_reason) == ("stop", "girl")
+    assert [d.outputs[0].finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+    # the prompt's logprobs come once, whole; every delta names the prompt
+    assert deltas[0].prompt_logprobs == full[-1].prompt_logprobs and len(deltas[0].prompt_logprobs) == 5
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+    assert all(d.prompt_token_ids == full[-1].prompt_token_ids and d.prompt == "Once upon a time" for d in deltas)
+
+
+def test_output_kind_final_only_reports_once_and_n_deltas_keep_their_index(llm):
+    from minillm.sampling_params import RequestOutputKind
+    engine = llm.llm_engine
+    final = _run(engine, "final", "Once upon a time", SamplingParams(temperature=0, max_tokens=5,
+                                                                     output_kind=RequestOutputKind.FINAL_ONLY))
+    [cumulative] = [o for o in _run(engine, "c", "Once upon a time", SamplingParams(temperature=0, max_tokens=5))
+                    if o.finished]
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == cumulative.outputs[0].token_ids
+    assert final[0].outputs[0].text == cumulative.outputs[0].text
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5, output_kind=RequestOutputKind.DELTA)
+    deltas = _run(engine, "n", "Once upon a time", params)
+    [whole] = [o for o in _run(engine, "n-c", "Once upon a time",
+                               SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5)) if o.finished]
+    for index in (0, 1):
+        mine = [c for d in deltas for c in d.outputs if c.index == index]
+        assert sum((c.token_ids for c in mine), []) == whole.outputs[index].token_ids
+        assert "".join(c.text for c in mine) == whole.outputs[index].text
+
+
+def test_output_kind_leaves_llm_generate_whole_and_takes_vllms_values_only(llm, expected):
+    """As vLLM's LLM.generate, every kind returns the finished, whole outputs; the caller's params keep their kind."""
+    from minillm.sampling_params import RequestOutputKind
+    for kind in RequestOutputKind:
+        params = SamplingParams(temperature=0, max_tokens=6, output_kind=kind)
+        outs = llm.generate(PROMPTS, params)
+        assert _ids(outs) == expected and all(o.finished for o in outs) and params.output_kind is kind
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA      # msgpack carries the value
+    for value in ("delta", 3, True, None):
+        with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+            SamplingParams(output_kind=value)
+    engine = llm.llm_engine
+    deltas = _run(engine, "by-name", "Once upon a time", SamplingParams(temperature=0, max_tokens=3),
+                  output_kind="delta")
+    assert [len(d.outputs[0].token_ids) for d in deltas] == [1, 1, 1]
+    with pytest.raises(ValueError, match=r"output_kind must be 'cumulative', 'delta', 'final' or a "
+                                         r"RequestOutputKind, got \['delta'\]"):
+        engine.add_request("bad", "Once", GREEDY, output_kind=["delta"])
+    assert not engine.has_unfinished_requests()
