@@ -6,11 +6,16 @@ Qwen3's file, for example, asks for temperature 0.6, top_p 0.95 and top_k 20. "v
 file (the neutral defaults: temperature 1.0, no truncation). vLLM's override_generation_config
 (--override-generation-config) sets some of them by the file's names over either: merged into the
 file's under "auto", alone under "vllm"; its max_new_tokens also caps a server request's max_tokens.
+As vLLM's, generation_config may also be a folder holding a generation_config.json, read in place of
+the model's for these defaults.
 """
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
+from minillm.model_store import expand_user, read_json_object
 from minillm.sampling_params import SamplingParams, short_repr
 
 logger = logging.getLogger("minillm")
@@ -23,10 +28,27 @@ _KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_
 
 
 def check_generation_config(value) -> None:
-    """ValueError unless value is one of GENERATION_CONFIG_CHOICES."""
-    if value not in GENERATION_CONFIG_CHOICES:
-        raise ValueError(f"generation_config must be 'auto' (the model's generation_config.json) or 'vllm' "
-                         f"(ignore it), got {value!r}")
+    """ValueError unless value is one of GENERATION_CONFIG_CHOICES or, as vLLM takes it, a folder
+    holding a generation_config.json (read in place of the model's), which must be a JSON object."""
+    if isinstance(value, str) and value in GENERATION_CONFIG_CHOICES:
+        return
+    if not isinstance(value, (str, os.PathLike)) or not value:
+        raise ValueError(f"generation_config must be 'auto' (the model's generation_config.json), 'vllm' (ignore "
+                         f"it) or a folder holding a generation_config.json, got {short_repr(value)}")
+    folder = expand_user(value)
+    if not folder.is_dir():
+        raise ValueError(f"generation_config {short_repr(os.fspath(value), 300)} is neither 'auto', 'vllm' nor a folder "
+                         f"(give a folder holding a generation_config.json)")
+    if not (folder / "generation_config.json").is_file():
+        raise ValueError(f"generation_config folder {os.fspath(value)} holds no generation_config.json")
+    read_json_object(folder / "generation_config.json")
+
+
+def generation_config_file(value) -> Path | None:
+    """The generation_config.json a generation_config folder names (None for 'auto' and 'vllm')."""
+    if isinstance(value, str) and value in GENERATION_CONFIG_CHOICES:
+        return None
+    return expand_user(value) / "generation_config.json"
 
 
 def sampling_defaults(generation_config: dict) -> dict:
@@ -102,19 +124,26 @@ def describe(defaults: dict) -> str:
 
 def defaults_source(config) -> str:
     """Where the start-up log says an engine's sampling defaults came from."""
-    from_file = config.generation_config == "auto"
+    folder_file = generation_config_file(config.generation_config)
+    from_file = config.generation_config == "auto" or folder_file is not None
+    source = "the model's generation_config.json" if folder_file is None else str(folder_file)
     override = bool(config.override_generation_config)
     if from_file and override:
-        return "the model's generation_config.json with override_generation_config over it"
+        return f"{source} with override_generation_config over it"
     if override:
         return "override_generation_config"
-    return "the model's generation_config.json (generation_config 'vllm' ignores them)"
+    return f"{source} (generation_config 'vllm' ignores them)" if folder_file is None else source
 
 
 def model_sampling_defaults(config, tokenizer) -> dict:
     """The defaults an engine (or API server) built from `config` applies: the model's file's under
-    generation_config "auto", none under "vllm"; override_generation_config's over them."""
-    defaults = dict(tokenizer.generation_defaults) if config.generation_config == "auto" else {}
+    generation_config "auto", none under "vllm", a folder's generation_config.json's for a folder;
+    override_generation_config's over them."""
+    folder_file = generation_config_file(config.generation_config)
+    if folder_file is not None:
+        defaults = sampling_defaults(read_json_object(folder_file))
+    else:
+        defaults = dict(tokenizer.generation_defaults) if config.generation_config == "auto" else {}
     for name, value in override_sampling_defaults(config.override_generation_config).items():
         if value is None:
             defaults.pop(name, None)

@@ -189,3 +189,39 @@ def test_output_kind_leaves_llm_generate_whole_and_takes_vllms_values_only(llm, 
                                          r"RequestOutputKind, got \['delta'\]"):
         engine.add_request("bad", "Once", GREEDY, output_kind=["delta"])
     assert not engine.has_unfinished_requests()
+
+
+# ---- LLM(generation_config=<folder>) ---------------------------------------------------------------
+
+def test_generation_config_folder_gives_the_sampling_defaults(stories_path, tmp_path):
+    """vLLM takes generation_config as "auto", "vllm" or a folder holding generation_config.json;
+    minillm refused the folder."""
+    import json
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.25, "top_k": 7, "max_new_tokens": 9, "eos_token_id": 2}))
+    logged = []
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    with LLMEngine(EngineConfig(model=str(stories_path), device="cpu", max_model_len=64,
+                                generation_config=str(tmp_path)), log=logged.append) as engine:
+        assert engine.sampling_defaults == {"temperature": 0.25, "top_k": 7, "max_tokens": 9}
+        assert any(str(tmp_path / "generation_config.json") in line for line in logged)
+    with LLM(str(stories_path), device="cpu", max_model_len=64, generation_config=tmp_path,
+             override_generation_config={"top_k": 3}) as model:
+        params = model.get_default_sampling_params()
+        assert (params.temperature, params.top_k, params.max_tokens) == (0.25, 3, 9)
+        [out] = model.generate("Once upon a time")
+        assert len(out.outputs[0].token_ids) <= 9
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: d / "missing", "generation_config '.*missing' is neither 'auto', 'vllm' nor a folder"),
+    (lambda d: d, "generation_config folder .* holds no generation_config.json"),
+    (lambda d: (d / "generation_config.json").write_text("[1]") and d, "generation_config.json .*object"),
+    (lambda d: 5, "generation_config must be 'auto' .*, 'vllm' .* or a folder holding a generation_config.json, "
+                  "got 5"),
+    (lambda d: "", "generation_config must be 'auto'"),
+])
+def test_generation_config_that_is_no_such_folder_is_refused_by_name(stories_path, tmp_path, make, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(stories_path), device="cpu", max_model_len=64, generation_config=make(tmp_path))
