@@ -247,7 +247,7 @@ def main(argv=None) -> None:
     results = []
     if (args.model / "tokenizer.json").exists():
         tok = Tokenizer.from_pretrained(args.model)
-        vocab = max(tok.vocab_size, json.loads((args.model / "config.json").read_text()).get("vocab_size", 0))
+        vocab = max(len(tok), json.loads((args.model / "config.json").read_text()).get("vocab_size", 0))
         for schema_name in SCHEMAS:
             results.append(measure(args.model.name, tok.backend.to_str(), vocab, tok.eos_token_ids, schema_name, args))
     else:

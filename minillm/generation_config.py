@@ -37,8 +37,8 @@ def check_generation_config(value) -> None:
                          f"it) or a folder holding a generation_config.json, got {short_repr(value)}")
     folder = expand_user(value)
     if not folder.is_dir():
-        raise ValueError(f"generation_config {short_repr(os.fspath(value), 300)} is neither 'auto', 'vllm' nor a folder "
-                         f"(give a folder holding a generation_config.json)")
+        raise ValueError(f"generation_config {short_repr(os.fspath(value), 300)} is neither 'auto', 'vllm' nor a "
+                         f"folder (give a folder holding a generation_config.json)")
     if not (folder / "generation_config.json").is_file():
         raise ValueError(f"generation_config folder {os.fspath(value)} holds no generation_config.json")
     read_json_object(folder / "generation_config.json")

@@ -717,8 +717,8 @@ class StructuredOutputManager:
                        eos_token_ids: Sequence[int] | None = None, **kwargs) -> StructuredOutputManager:
         """A manager over minillm's Tokenizer; vocab_size is the LM head's (at least the tokenizer's);
         eos_token_ids default to the tokenizer's (the engine passes the model's too)."""
-        if tokenizer.vocab_size > vocab_size:
-            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}")
+        if len(tokenizer) > vocab_size:       # added tokens included
+            raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
         eos = tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
         return cls(tokenizer.backend.to_str(), vocab_size, eos, max_num_seqs, **kwargs)
 

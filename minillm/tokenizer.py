@@ -206,12 +206,12 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids the tokenizer knows, added tokens included."""
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        """The base vocabulary's size, added tokens left out (Hugging Face's vocab_size; len() counts them)."""
+        return self.backend.get_vocab_size(with_added_tokens=False)
 
     def __len__(self) -> int:
-        """The vocabulary size, added tokens included (len() of a Hugging Face tokenizer)."""
-        return self.vocab_size
+        """Number of token ids the tokenizer knows, added tokens included (len() of a Hugging Face tokenizer)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -277,13 +277,16 @@ class Tokenizer:
         ids = self.encode_batch(list(text), add_special_tokens)
         return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
-        """decode() of each id list (Hugging Face's batch_decode)."""
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+        """decode() of each id list (Hugging Face's batch_decode, special tokens kept unless skipped)."""
         return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """token ids -> text (ids the tokenizer does not know decode to nothing)."""
-        return self.backend.decode(ids if type(ids) is list else list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
+        """token ids (or one id) -> text, special tokens kept unless skip_special_tokens, as Hugging
+        Face's decode (ids the tokenizer does not know decode to nothing)."""
+        if type(ids) is not list:
+            ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """decode([token_id]), remembered (at most one entry per id of the vocabulary and flag)."""
@@ -297,7 +300,7 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None when out of range)."""
-        return self.backend.id_to_token(int(token_id)) if 0 <= token_id < self.vocab_size else None
+        return self.backend.id_to_token(int(token_id)) if 0 <= token_id < len(self) else None
 
     @property
     def has_chat_template(self) -> bool:

@@ -88,10 +88,12 @@ def test_model_config_has_the_fields_vllm_scripts_read(llm, stories_path):
     engine = llm.llm_engine
     mc = engine.model_config
     assert engine.get_model_config() is mc
-    assert (mc.max_model_len, mc.model, mc.tokenizer, mc.dtype) == (128, str(stories_path), str(stories_path), "float32")
+    path = str(stories_path)
+    assert (mc.max_model_len, mc.model, mc.tokenizer, mc.dtype) == (128, path, path, "float32")
     assert mc.max_model_len == engine.max_model_len and mc.served_model_name == str(stories_path)
     assert (mc.seed, mc.max_logprobs, mc.quantization, mc.revision, mc.generation_config) == (0, 20, None, None, "auto")
-    assert (mc.get_vocab_size(), mc.get_hidden_size(), mc.get_head_size(), mc.get_total_num_kv_heads()) == (512, 64, 8, 4)
+    assert (mc.get_vocab_size(), mc.get_hidden_size(), mc.get_head_size()) == (512, 64, 8)
+    assert mc.get_total_num_kv_heads() == 4
     on_disk = json.loads((stories_path / "config.json").read_text())
     assert mc.hf_config.to_dict() == on_disk and mc.hf_text_config is mc.hf_config
     assert mc.hf_config.num_hidden_layers == 5 and mc.hf_config.architectures == ["LlamaForCausalLM"]
@@ -225,3 +227,61 @@ def test_generation_config_folder_gives_the_sampling_defaults(stories_path, tmp_
 def test_generation_config_that_is_no_such_folder_is_refused_by_name(stories_path, tmp_path, make, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(str(stories_path), device="cpu", max_model_len=64, generation_config=make(tmp_path))
+
+
+# ---- llm.get_tokenizer() reads as transformers' tokenizer ------------------------------------------
+
+@pytest.fixture(scope="module")
+def added_tokens_dir(stories_path, tmp_path_factory):
+    """stories260K's tokenizer with two special tokens added past its 512 (ids 512, 513), as chat
+    models add theirs."""
+    import shutil
+
+    from tokenizers import AddedToken, Tokenizer as HFTokenizer
+    folder = tmp_path_factory.mktemp("added")
+    backend = HFTokenizer.from_file(str(stories_path / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    backend.save(str(folder / "tokenizer.json"))
+    shutil.copy(stories_path / "tokenizer_config.json", folder)
+    return folder
+
+
+def test_vocab_size_leaves_added_tokens_out_and_len_counts_them_as_transformers(added_tokens_dir):
+    """minillm's vocab_size counted the added tokens; a script sizing a logits mask by it got the wrong size."""
+    transformers = pytest.importorskip("transformers")
+    from minillm.tokenizer import Tokenizer
+    tok, ref = Tokenizer.from_pretrained(added_tokens_dir), transformers.AutoTokenizer.from_pretrained(added_tokens_dir)
+    assert (tok.vocab_size, len(tok)) == (ref.vocab_size, len(ref)) == (512, 514)
+    assert tok.get_vocab() == ref.get_vocab()
+    assert tok.convert_ids_to_tokens([511, 512, 513, 514]) == ref.convert_ids_to_tokens([511, 512, 513]) + [None]
+
+
+def test_decode_keeps_special_tokens_unless_asked_as_transformers(added_tokens_dir):
+    """transformers' decode and batch_decode keep special tokens by default; minillm's dropped them."""
+    import numpy as np
+    transformers = pytest.importorskip("transformers")
+    from minillm.tokenizer import Tokenizer
+    tok, ref = Tokenizer.from_pretrained(added_tokens_dir), transformers.AutoTokenizer.from_pretrained(added_tokens_dir)
+    for ids in ([1, 403, 512, 300, 513, 2], [2, 1, 2], [403]):
+        assert tok.decode(ids) == ref.decode(ids)
+        assert tok.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+        assert tok.decode(np.array(ids)) == ref.decode(ids)
+    assert tok.decode([1, 403, 512, 2]) == "<s> Once<|im_start|></s>"
+    assert tok.batch_decode([[1, 403], [513]]) == ref.batch_decode([[1, 403], [513]]) == ["<s> Once", "<|im_end|>"]
+    assert tok.batch_decode([[1, 403]], skip_special_tokens=True) == ["Once"]
+    assert tok.decode(403) == ref.decode(403) == "Once" == tok.decode(np.int64(403))   # one id, as transformers takes
+
+
+def test_generated_text_still_leaves_special_tokens_out(llm):
+    """The engine's text follows SamplingParams.skip_special_tokens (True, as vLLM's), not decode's default."""
+    tok = llm.get_tokenizer()
+    eos_third = SamplingParams(temperature=0, max_tokens=8, min_tokens=2, logit_bias={tok.eos_token_id: 100})
+    [out] = llm.generate("Once upon a time", eos_third)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop" and len(c.token_ids) == 3 and c.token_ids[-1] == tok.eos_token_id
+    assert "</s>" not in c.text and c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    bos_only = dict(temperature=0, max_tokens=2, allowed_token_ids=[tok.bos_token_id])
+    [skipped] = llm.generate("Once upon a time", SamplingParams(**bos_only))
+    [kept] = llm.generate("Once upon a time", SamplingParams(**bos_only, skip_special_tokens=False))
+    assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [1, 1]
+    assert (skipped.outputs[0].text, kept.outputs[0].text) == ("", "<s><s>")

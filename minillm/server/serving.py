@@ -107,7 +107,7 @@ class ServingContext:
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> None:
         """400 for token ids outside the vocabulary."""
-        vocab_size = self.tokenizer.vocab_size
+        vocab_size = len(self.tokenizer)      # added tokens included
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise APIError(400, f"{param} holds token ids outside [0, {vocab_size}): {short_repr(bad)}", param=param)

@@ -145,7 +145,7 @@ class CompletionJob:
             ids.append(kept)
             # echo shows the prompt the model saw: the text as sent, or the kept ids decoded
             shown.append(prompt if isinstance(prompt, str) and len(kept) == len(given)
-                         else tok.decode(kept) if self.req.echo else "")
+                         else tok.decode(kept, skip_special_tokens=True) if self.req.echo else "")
         return ids, shown
 
     def _cursor(self, prompt_index: int) -> LogprobCursor | None:
