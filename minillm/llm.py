@@ -168,7 +168,8 @@ class LLM:
         check_priority(priority, len(prompts))
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
-        params = list(sampling_params) if isinstance(sampling_params, Seq) else [sampling_params] * len(prompts)
+        is_list = isinstance(sampling_params, Seq) and not isinstance(sampling_params, (str, bytes))
+        params = list(sampling_params) if is_list else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         wrong = [p for p in params if not isinstance(p, SamplingParams)]

@@ -39,6 +39,9 @@ class CompletionOutput:
     # logprobs[i]: {token_id: Logprob} for generated token i (the sampled one and the top-k)
     logprobs: list[dict[int, Logprob]] | None = None
 
+    # vLLM's: the LoRA adapter that made it; minillm loads none
+    lora_request = None
+
     def finished(self) -> bool:
         """True once a finish reason is set (a method, as vLLM's CompletionOutput.finished() is)."""
         return self.finish_reason is not None
@@ -79,6 +82,10 @@ class RequestOutput:
     # and its top alternatives), None for the first; the entries computed so far while it runs.
     # The engine's are floats; LLM.generate returns vLLM's Logprob objects, as for the outputs.
     prompt_logprobs: list[dict[int, float] | dict[int, Logprob] | None] | None = None
+    # vLLM's, for the models and adapters minillm does not run: no LoRA adapter, no encoder prompt
+    lora_request = None
+    encoder_prompt = None
+    encoder_prompt_token_ids = None
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -278,7 +278,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
-                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+                whole = " (vLLM's -1, the whole vocabulary, is not supported)" if value == -1 else ""
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]{whole}")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             bad("seed", "must be an integer in [-2**63, 2**63 - 1] (-1: no seed)")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
@@ -364,3 +365,53 @@ class SamplingParams:
         outside = [] if allowed is None else allowed[allowed >= vocab_size].tolist()
         if outside:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
+
+
+# vLLM's SamplingParams fields (of one version or another) that minillm has no field for, taken where
+# the value given is what minillm does anyway: name -> (whether the value is that, what minillm does).
+# Any other value is a ValueError naming the field; the field itself is not kept.
+VLLM_FIXED_FIELDS = {
+    "best_of": (lambda v, n: v is None or (_is_int(v) and v == n),
+                "minillm returns all n completions it samples (no best-of selection): give best_of None or n"),
+    "use_beam_search": (lambda v, n: v is False, "minillm has no beam search (n samples n completions)"),
+    "length_penalty": (lambda v, n: _is_finite(v) and v == 1.0, "only beam search reads it, which minillm has not"),
+    "early_stopping": (lambda v, n: v is False, "only beam search reads it, which minillm has not"),
+    "logits_processors": (lambda v, n: v is None or v == [],
+                          "minillm runs no Python logits processors (logit_bias, allowed_token_ids, bad_words and "
+                          "structured_outputs shape the logits)"),
+    "guided_decoding": (lambda v, n: v is None, "vLLM's later name for it is structured_outputs: give "
+                                                "structured_outputs=StructuredOutputsParams(json=..., regex=..., "
+                                                "choice=..., grammar=...)"),
+    "flat_logprobs": (lambda v, n: v is False, "minillm gives logprobs as a list of {token id: Logprob} dicts"),
+    "stream_interval": (lambda v, n: v is None or (_is_int(v) and v == 1), "LLMEngine.step() reports every step"),
+    "skip_clone": (lambda v, n: isinstance(v, bool), "minillm always takes the request's own copy"),
+    "skip_reading_prefix_cache": (lambda v, n: v is None or v is False,
+                                  "minillm reads the prefix cache for every request (a cache_salt keeps a "
+                                  "request's blocks to its own salt)"),
+    "thinking_token_budget": (lambda v, n: v is None, "minillm has no thinking budget (max_tokens bounds the output)"),
+    "repetition_detection": (lambda v, n: v is None, "minillm has no repetition detection (repetition_penalty, "
+                                                     "frequency_penalty and presence_penalty discourage repeats)"),
+    "logprob_token_ids": (lambda v, n: v is None, "logprobs=k gives the top k and the sampled token"),
+    "prompt_logprob_token_ids": (lambda v, n: v is None, "prompt_logprobs=k gives the top k and the prompt's token"),
+    "prompt_logprob_start": (lambda v, n: v is None or (_is_int(v) and v == 0),
+                             "prompt_logprobs covers the whole prompt"),
+    "trace_decode_token_ids": (lambda v, n: v is None, "minillm samples every token"),
+}
+
+_dataclass_init = SamplingParams.__init__
+
+
+def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
+    """SamplingParams' own __init__, after VLLM_FIXED_FIELDS are checked and left out."""
+    if not kwargs.keys().isdisjoint(VLLM_FIXED_FIELDS):
+        n = kwargs.get("n", args[0] if args else 1)
+        for name in [k for k in kwargs if k in VLLM_FIXED_FIELDS]:
+            value = kwargs.pop(name)
+            is_done, does = VLLM_FIXED_FIELDS[name]
+            if not is_done(value, n):
+                raise ValueError(f"{name}={short_repr(value)} is not supported: {does}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init_taking_vllm_fields.__wrapped__ = _dataclass_init    # inspect.signature shows the fields
+SamplingParams.__init__ = _init_taking_vllm_fields

@@ -285,3 +285,76 @@ def test_generated_text_still_leaves_special_tokens_out(llm):
     [kept] = llm.generate("Once upon a time", SamplingParams(**bos_only, skip_special_tokens=False))
     assert skipped.outputs[0].token_ids == kept.outputs[0].token_ids == [1, 1]
     assert (skipped.outputs[0].text, kept.outputs[0].text) == ("", "<s><s>")
+
+
+# ---- SamplingParams fields of vLLM's that minillm has no setting for --------------------------------
+
+@pytest.mark.parametrize("kwargs", [
+    {"best_of": None}, {"best_of": 2, "n": 2}, {"use_beam_search": False}, {"length_penalty": 1.0},
+    {"early_stopping": False}, {"logits_processors": None}, {"logits_processors": []}, {"guided_decoding": None},
+    {"flat_logprobs": False}, {"stream_interval": 1}, {"stream_interval": None}, {"skip_clone": True},
+    {"skip_reading_prefix_cache": False}, {"thinking_token_budget": None}, {"repetition_detection": None},
+    {"logprob_token_ids": None}, {"prompt_logprob_token_ids": None}, {"prompt_logprob_start": 0},
+    {"trace_decode_token_ids": None},
+])
+def test_vllms_sampling_fields_are_taken_at_what_minillm_does(kwargs):
+    """They were TypeErrors (unexpected keyword argument) for a script ported as it was."""
+    params = SamplingParams(temperature=0, max_tokens=3, **kwargs)
+    assert params == SamplingParams(temperature=0, max_tokens=3, n=kwargs.get("n", 1))
+    assert SamplingParams.from_optional(temperature=None, **kwargs).temperature == 1.0
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"best_of": 3}, "best_of=3 is not supported: minillm returns all n completions it samples"),
+    ({"use_beam_search": True}, "use_beam_search=True is not supported: minillm has no beam search"),
+    ({"logits_processors": [abs]}, "logits_processors=.* is not supported: minillm runs no Python logits processors"),
+    ({"guided_decoding": {"json": {}}}, "guided_decoding=.* is not supported: vLLM's later name for it is "
+                                        "structured_outputs"),
+    ({"flat_logprobs": True}, "flat_logprobs=True is not supported"),
+    ({"stream_interval": 4}, "stream_interval=4 is not supported: LLMEngine.step.. reports every step"),
+    ({"thinking_token_budget": 100}, "thinking_token_budget=100 is not supported: minillm has no thinking budget"),
+    ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\] \(vLLM's -1, the whole vocabulary, is not "
+                       r"supported\), got -1"),
+])
+def test_vllms_sampling_fields_minillm_cannot_honour_are_refused_by_name(kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_keeps_its_signature_and_refuses_unknown_names():
+    import inspect
+    assert "output_kind" in inspect.signature(SamplingParams).parameters
+    assert SamplingParams(2).n == 2            # positional n, as the dataclass took it
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        SamplingParams(temprature=0.5)
+
+
+# ---- what else a vLLM script does with LLM.generate and its outputs ---------------------------------
+
+def test_sampling_params_given_as_a_string_is_named_not_counted(llm):
+    """A string was taken as a list of three SamplingParams ("sampling_params has 3 entries for 1 prompts")."""
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams or a list of them, got 'bad'"):
+        llm.generate("Once", "bad")
+
+
+def test_outputs_answer_vllms_fields_for_what_minillm_does_not_run(llm, expected):
+    out = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert out.lora_request is None and out.encoder_prompt is None and out.encoder_prompt_token_ids is None
+    assert out.outputs[0].lora_request is None
+    assert isinstance(out.prompt_token_ids, list) and out.finished is True and out.outputs[0].finished()
+    assert out.outputs[0].cumulative_logprob is None and out.outputs[0].logprobs is None   # no logprobs asked
+    assert out.outputs[0].token_ids == expected[0] and isinstance(out.outputs[0].token_ids, list)
+    with_logprobs = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6, logprobs=0))[0].outputs[0]
+    assert with_logprobs.cumulative_logprob == pytest.approx(
+        sum(entry[t].logprob for entry, t in zip(with_logprobs.logprobs, with_logprobs.token_ids)))
+
+
+def test_generate_takes_every_prompt_form_in_one_batch(llm):
+    tok = llm.get_tokenizer()
+    ids = tok.encode("Once upon a time")
+    forms = ["Once upon a time", ids, {"prompt": "Once upon a time"}, {"prompt_token_ids": ids}, tuple(ids)]
+    outs = llm.generate(forms, GREEDY)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.prompt for o in outs] == ["Once upon a time", None, "Once upon a time", None, None]
+    assert all(o.prompt_token_ids == ids for o in outs)
+    assert llm.generate([], GREEDY) == [] and llm.generate([], []) == []
