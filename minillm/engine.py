@@ -440,14 +440,17 @@ class LLMEngine:
         return sum(not req.is_finished for req in self.requests.values())
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prompt block, so later prompts are computed afresh (vLLM's name, for
-        benchmarks and changed weights); False, with nothing forgotten, while any block is in use."""
+        """Forget every cached prompt block, the host tier's too, so later prompts are computed afresh
+        (vLLM's name, for benchmarks and changed weights); False, with nothing forgotten, while any
+        block is in use."""
         in_use = self.block_manager.num_used_blocks
         if in_use or self.has_unfinished_requests():
             self.log(f"minillm: reset_prefix_cache: nothing was reset ({len(self.requests)} requests unfinished, "
                      f"{in_use} KV blocks in use)")
             return False
         self.block_manager.reset_prefix_cache()
+        if self.kv_connector is not None:     # the host tier would serve the same prompts again
+            self.kv_connector.reset_cache()
         return True
 
     # ---- the loop ----------------------------------------------------------------------------

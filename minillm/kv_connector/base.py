@@ -12,6 +12,7 @@ the blocks of a prompt that a prefill engine computed. One connector has two sid
         update_connector_output(out)         step `out` has finished on the device
         request_finished(seq)                seq ends; its blocks are freed right after
         process_pending()                    work that came from outside (releases, expiries)
+        reset_cache()                        forget the prefix blocks it keeps (reset_prefix_cache)
         (device blocks freed or evicted reach it as BlockManager notices: freed, evicted)
     KVConnectorWorker (the model runner calls it; the runner alone touches device memory)
         register_kv_cache(kv_pool, device)   the pool it loads into and saves from
@@ -103,6 +104,10 @@ class KVConnectorScheduler:
 
     def request_finished(self, seq: Sequence) -> None:
         """seq has ended (any reason); its blocks are freed right after this returns."""
+
+    def reset_cache(self) -> None:
+        """Forget every prefix block it could supply (the engine's reset_prefix_cache, called only
+        while no request is unfinished): later prompts are computed afresh."""
 
     def describe(self) -> str | None:
         """A start-up line on what it does (None: nothing worth a line)."""

@@ -168,6 +168,18 @@ class HostTierScheduler(KVConnectorScheduler):
             self.block_keys[host] = None
         return host
 
+    def reset_cache(self) -> None:
+        """Forget every host block's key (the engine is idle: no step copies to or from them), and
+        the device evictions not saved yet: a later prompt hits neither."""
+        self.key_to_block.clear()
+        self.block_keys = [None] * self.num_blocks
+        self.lru.clear()
+        self.free_blocks = deque(range(self.num_blocks))
+        self._matched.clear()
+        self._loads.clear()
+        self._pinned.clear()
+        self.block_manager.evicted.clear()
+
     def _count(self, num_saved: int, num_loaded: int) -> None:
         to_host, to_device = num_saved * self.bytes_per_block, num_loaded * self.bytes_per_block
         self.bytes_to_host += to_host
