@@ -40,6 +40,32 @@ VLLM_FIXED_ARGS = {
                                               "computed again"),
     "hf_overrides": (lambda v: v is None or (isinstance(v, dict) and not v),
                      "minillm reads the model's config.json as it is (edit a copy of the model directory)"),
+    # the rest of vLLM's LLM() signature and common engine arguments, at what minillm does
+    **dict.fromkeys(("task", "runner"), (lambda v: v in ("auto", "generate"), "minillm runs generative models only")),
+    "model_impl": (lambda v: v in ("auto", "vllm"), "minillm runs its own decoder for every model it loads"),
+    "config_format": (lambda v: v in ("auto", "hf"), "minillm reads the model's Hugging Face config.json"),
+    "tokenizer_revision": (lambda v: v is None, "minillm reads the tokenizer from the model's own directory, at "
+                                                "the model's revision"),
+    **dict.fromkeys(("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_media_domains"),
+                    (lambda v: v is None or v == {} or v == [], "minillm runs text-only models")),
+    "allowed_local_media_path": (lambda v: v == "", "minillm runs text-only models"),
+    **dict.fromkeys(("override_pooler_config", "pooler_config"),
+                    (lambda v: v is None, "minillm runs generative models only, with no pooling")),
+    "logits_processors": (lambda v: v is None or v == [], "minillm runs no Python logits processors (SamplingParams' "
+                                                          "logit_bias, allowed_token_ids and bad_words shape logits)"),
+    "enable_lora": (lambda v: v is None or v is False, "minillm loads no LoRA adapters"),
+    "enable_sleep_mode": (lambda v: v is False, "minillm has no sleep mode (shutdown() gives the memory back)"),
+    "scheduling_policy": (lambda v: v == "fcfs", "minillm schedules requests first come, first served"),
+    "compilation_config": (lambda v: v is None or v == {} or _is_count(v, 0),
+                           "minillm compiles no torch graphs (it captures CUDA graphs of its own kernels, which "
+                           "enforce_eager=True turns off)"),
+    "max_seq_len_to_capture": (lambda v: _is_int(v) and v > 0, "minillm chooses the CUDA graphs it captures"),
+    **dict.fromkeys(("disable_custom_all_reduce", "disable_async_output_proc"),
+                    (lambda v: isinstance(v, bool), "minillm has no such switch; either value runs the same")),
+    "hf_token": (lambda v: v is None or v is True, "minillm downloads with huggingface_hub's own token (set HF_TOKEN "
+                                                   "or run `huggingface-cli login`)"),
+    "distributed_executor_backend": (lambda v: v is None, "minillm starts its tensor-parallel workers itself"),
+    "structured_outputs_config": (lambda v: v is None, "minillm builds structured outputs with llguidance"),
 }
 
 

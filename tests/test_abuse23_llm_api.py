@@ -358,3 +358,35 @@ def test_generate_takes_every_prompt_form_in_one_batch(llm):
     assert [o.prompt for o in outs] == ["Once upon a time", None, "Once upon a time", None, None]
     assert all(o.prompt_token_ids == ids for o in outs)
     assert llm.generate([], GREEDY) == [] and llm.generate([], []) == []
+
+
+# ---- LLM()'s other vLLM arguments ------------------------------------------------------------------
+
+NEUTRAL_LLM_ARGS = dict(task="generate", runner="auto", model_impl="auto", config_format="hf", tokenizer_revision=None,
+                        mm_processor_kwargs=None, limit_mm_per_prompt={}, allowed_local_media_path="",
+                        override_pooler_config=None, logits_processors=None, enable_lora=False,
+                        enable_sleep_mode=False, scheduling_policy="fcfs", compilation_config=0,
+                        max_seq_len_to_capture=8192, disable_custom_all_reduce=False,
+                        disable_async_output_proc=False, hf_token=None, distributed_executor_backend=None,
+                        structured_outputs_config=None)
+
+
+def test_llm_takes_the_rest_of_vllms_signature_at_what_minillm_does(stories_path, expected):
+    """Each of these, at vLLM's default, was a TypeError (unexpected keyword argument)."""
+    with LLM(str(stories_path), device="cpu", max_model_len=128, **NEUTRAL_LLM_ARGS) as model:
+        assert _ids(model.generate(PROMPTS, GREEDY)) == expected
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"task": "embed"}, "task='embed' is not supported: minillm runs generative models only"),
+    ({"scheduling_policy": "priority"}, "scheduling_policy='priority' is not supported: minillm schedules requests "
+                                        "first come, first served"),
+    ({"enable_lora": True}, "enable_lora=True is not supported: minillm loads no LoRA adapters"),
+    ({"compilation_config": 3}, "compilation_config=3 is not supported: minillm compiles no torch graphs"),
+    ({"hf_token": "hf_x"}, "hf_token='hf_x' is not supported: minillm downloads with huggingface_hub's own token"),
+    ({"limit_mm_per_prompt": {"image": 1}}, "limit_mm_per_prompt=.* is not supported: minillm runs text-only models"),
+    ({"tokenizer_revision": "v2"}, "tokenizer_revision='v2' is not supported"),
+])
+def test_llm_refuses_vllm_arguments_it_cannot_honour_before_loading(stories_path, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(stories_path), device="cpu", **kwargs)
