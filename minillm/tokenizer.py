@@ -31,6 +31,8 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
 # truncation, masks), which minillm's lists of ids do not have: taken only at their off values.
+# transformers' PreTrainedTokenizerBase default for model_max_length when the config gives none
+VERY_LARGE_INTEGER = int(1e30)
 _TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
                      "tokenizer_kwargs")
 
@@ -157,6 +159,9 @@ class Tokenizer:
         self.unk_token_id = self._id_of("unk_token")
         self.chat_template = chat_template
         self._compiled_template = None
+        # transformers' names read from tokenizer_config.json (from_pretrained sets them)
+        self.additional_special_tokens: list[str] = []
+        self.model_max_length = VERY_LARGE_INTEGER
         # (token id, skip_special_tokens) -> the token's text decoded alone (a streaming detokenizer
         # asks for the same few thousand again and again).
         self._token_texts: dict[tuple[int, bool], str] = {}
@@ -202,6 +207,10 @@ class Tokenizer:
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
                         load_chat_template(path, tokenizer_config), name=str(path))
         tokenizer.generation_defaults = sampling_defaults(generation_config)
+        tokenizer.additional_special_tokens = [t for t in extra if t is not None]
+        max_length = tokenizer_config.get("model_max_length")
+        if isinstance(max_length, (int, float)) and not isinstance(max_length, bool) and max_length > 0:
+            tokenizer.model_max_length = int(max_length)
         return tokenizer
 
     @property
@@ -261,14 +270,20 @@ class Tokenizer:
         added = self.backend.get_added_tokens_decoder()
         return sorted(i for i, tok in added.items() if tok.special)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """text -> token ids; add_special_tokens adds BOS/EOS as the tokenizer's post-processor says."""
+    def encode(self, text: str, add_special_tokens: bool = True, **options) -> list[int]:
+        """text -> token ids; add_special_tokens adds BOS/EOS as the tokenizer's post-processor says.
+        transformers' tokenization options (padding, truncation, ...) are taken only when off."""
+        if options:
+            _check_options_off("encode", options, _TOKENIZE_OPTIONS)
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
-        """Hugging Face's call: {"input_ids", "attention_mask"} for a text, or lists of them for a list of texts."""
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options) -> dict:
+        """Hugging Face's call: {"input_ids", "attention_mask"} for a text, or lists of them for a list of
+        texts; transformers' tokenization options (padding, truncation, ...) are taken only when off."""
+        if options:
+            _check_options_off("calling the tokenizer", options, _TOKENIZE_OPTIONS)
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
             return {"input_ids": ids, "attention_mask": [1] * len(ids)}
@@ -277,13 +292,16 @@ class Tokenizer:
         ids = self.encode_batch(list(text), add_special_tokens)
         return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
 
-    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False) -> list[str]:
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False, **options) -> list[str]:
         """decode() of each id list (Hugging Face's batch_decode, special tokens kept unless skipped)."""
-        return [self.decode(ids, skip_special_tokens=skip_special_tokens) for ids in sequences]
+        return [self.decode(ids, skip_special_tokens=skip_special_tokens, **options) for ids in sequences]
 
-    def decode(self, ids: int | list[int], skip_special_tokens: bool = False) -> str:
+    def decode(self, ids: int | list[int], skip_special_tokens: bool = False, **options) -> str:
         """token ids (or one id) -> text, special tokens kept unless skip_special_tokens, as Hugging
-        Face's decode (ids the tokenizer does not know decode to nothing)."""
+        Face's decode (ids the tokenizer does not know decode to nothing); transformers'
+        clean_up_tokenization_spaces is taken only when off, as the tokenizer.json decoder decodes."""
+        if options:
+            _check_options_off("decode", options, ("clean_up_tokenization_spaces",))
         if type(ids) is not list:
             ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -297,6 +315,68 @@ class Tokenizer:
             if 0 <= token_id < MAX_CACHED_TOKEN_ID:
                 self._token_texts[key] = text
         return text
+
+    def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list:
+        """A token string -> its id (the unk token's id, else None, for one the vocabulary lacks); a
+        list -> a list, as Hugging Face's."""
+        if isinstance(tokens, str):
+            token_id = self.backend.token_to_id(tokens)
+            return self.unk_token_id if token_id is None else token_id
+        return [self.convert_tokens_to_ids(t) for t in tokens]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        """text -> its token strings (Hugging Face's tokenize: no special tokens unless asked)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """Token strings -> text through the tokenizer.json decoder, as Hugging Face's fast tokenizers."""
+        decoder = self.backend.decoder
+        return "".join(tokens) if decoder is None else decoder.decode(list(tokens))
+
+    @property
+    def unk_token(self) -> str | None:
+        """The unk_token's text (None when the tokenizer names none)."""
+        return self.special_tokens.get("unk_token")
+
+    @property
+    def pad_token(self) -> str | None:
+        """The pad_token's text (None when the tokenizer names none)."""
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def special_tokens_map(self) -> dict:
+        """The named special tokens' texts, and additional_special_tokens when any, as Hugging Face's."""
+        named = {k: v for k, v in self.special_tokens.items() if v is not None}
+        return {**named, "additional_special_tokens": list(self.additional_special_tokens)} \
+            if self.additional_special_tokens else named
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The texts of all_special_ids."""
+        return [self.backend.id_to_token(i) for i in self.all_special_ids]
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        """Id -> AddedToken of every added token (Hugging Face's added_tokens_decoder)."""
+        return self.backend.get_added_tokens_decoder()
+
+    def get_added_vocab(self) -> dict[str, int]:
+        """The added tokens' texts -> ids (Hugging Face's get_added_vocab)."""
+        return {tok.content: i for i, tok in sorted(self.backend.get_added_tokens_decoder().items())}
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """get_vocab(), as Hugging Face's vocab property."""
+        return self.get_vocab()
+
+    @property
+    def name_or_path(self) -> str:
+        """The model directory the tokenizer was read from (Hugging Face's name_or_path)."""
+        return self.name
+
+    is_fast = True       # a tokenizers (Rust) tokenizer, as transformers' fast ones
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (None when out of range)."""
@@ -392,6 +472,17 @@ class Tokenizer:
         if any(not isinstance(t, str) for t in texts):
             raise ValueError("texts must be strings")
         return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+
+
+def _check_options_off(where: str, options: dict, known: tuple[str, ...]) -> None:
+    """ValueError naming a transformers option that is on (minillm's tokenizer has none of them);
+    TypeError, as Python's own, for a name transformers does not have either."""
+    for name, value in options.items():
+        if name not in known:
+            raise TypeError(f"{where}: unexpected keyword argument {name!r}")
+        if value not in (None, False) and value != {}:
+            raise ValueError(f"{where}: {name}={short_repr(value)} is not supported (minillm's tokenizer returns "
+                             f"plain lists of token ids and the tokenizer.json decoder's text)")
 
 
 def check_unicode(text: str, what: str) -> None:

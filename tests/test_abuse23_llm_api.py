@@ -390,3 +390,49 @@ def test_llm_takes_the_rest_of_vllms_signature_at_what_minillm_does(stories_path
 def test_llm_refuses_vllm_arguments_it_cannot_honour_before_loading(stories_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(str(stories_path), device="cpu", **kwargs)
+
+
+# ---- the rest of what scripts read of transformers' tokenizer ----------------------------------------
+
+def test_tokenizer_answers_transformers_lookups(llm, stories_path, added_tokens_dir):
+    """convert_tokens_to_ids (how scripts find a stop token's id), tokenize, special_tokens_map, ...
+    were AttributeErrors."""
+    transformers = pytest.importorskip("transformers")
+    from minillm.tokenizer import Tokenizer
+    for folder in (stories_path, added_tokens_dir):
+        tok = Tokenizer.from_pretrained(folder)
+        ref = transformers.AutoTokenizer.from_pretrained(folder)
+        tokens = ["\u2581Once", "<s>", "no-such-token", "<|im_end|>"]
+        assert tok.convert_tokens_to_ids(tokens) == ref.convert_tokens_to_ids(tokens)
+        assert tok.convert_tokens_to_ids("</s>") == ref.convert_tokens_to_ids("</s>") == 2
+        for text in ("Once upon a time", "héllo 你好 😀 end", "<s>hi</s>x<|im_start|>"):
+            assert tok.tokenize(text) == ref.tokenize(text)
+            assert tok.convert_tokens_to_string(tok.tokenize(text)) == ref.convert_tokens_to_string(ref.tokenize(text))
+        assert (tok.unk_token, tok.pad_token, tok.model_max_length) == (ref.unk_token, ref.pad_token, 512)
+        assert tok.special_tokens_map == ref.special_tokens_map
+        assert tok.get_added_vocab() == ref.get_added_vocab()
+        assert {i: t.content for i, t in tok.added_tokens_decoder.items()} == \
+            {i: t.content for i, t in ref.added_tokens_decoder.items()}
+        assert tok.vocab == ref.vocab and tok.is_fast and tok.name_or_path == str(folder)
+    llm_tok = llm.get_tokenizer()
+    assert sorted(llm_tok.all_special_tokens) == ["</s>", "<s>", "<unk>"]
+    stop_id = llm_tok.convert_tokens_to_ids("\u2581time")
+    [out] = llm.generate("Once upon a", SamplingParams(temperature=0, max_tokens=5, stop_token_ids=[stop_id]))
+    assert out.outputs[0].stop_reason == stop_id and out.outputs[0].token_ids[-1] == stop_id
+
+
+def test_tokenizer_takes_transformers_options_only_when_off(llm):
+    tok = llm.get_tokenizer()
+    off = dict(padding=False, truncation=None, max_length=None, return_tensors=None)
+    assert tok.encode("Once upon", **off) == tok.encode("Once upon")
+    assert tok("Once upon", **off) == tok("Once upon")
+    assert tok.decode([1, 403], clean_up_tokenization_spaces=False) == tok.batch_decode(
+        [[1, 403]], clean_up_tokenization_spaces=None)[0] == "<s> Once"
+    for call, name in [(lambda: tok.encode("x", truncation=True, max_length=2), "encode: truncation=True"),
+                       (lambda: tok(["x"], return_tensors="np"), "calling the tokenizer: return_tensors='np'"),
+                       (lambda: tok.decode([1], clean_up_tokenization_spaces=True),
+                        "decode: clean_up_tokenization_spaces=True")]:
+        with pytest.raises(ValueError, match=f"{re.escape(name)} is not supported"):
+            call()
+    with pytest.raises(TypeError, match="encode: unexpected keyword argument 'add_special_token'"):
+        tok.encode("x", add_special_token=False)
