@@ -21,12 +21,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import field_validator
 
-from minillm.outputs import RequestOutput
+from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.errors import APIError, _validation_to_api_error
-from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest
+from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, validate_request
-from minillm.server.translated_api import ReplyWriter, TranslatedJob, serve_translated
+from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
 
 # Chat fields (as errors raised on the chat side name them) -> the Messages field they came from.
 CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
@@ -48,6 +49,12 @@ class MessagesRequest(_ModelRequest):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+
+    @field_validator("messages", "system", "tools", "tool_choice")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """Text deep in the blocks is checked here, so an error names this API's field."""
+        return _check_json_text(value)
 
 
 def error_json(exc: APIError) -> JSONResponse:
@@ -90,20 +97,20 @@ def _message(i: int, message: dict) -> list[dict]:
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
         if kind == "text":
-            parts.append({"type": "text", "text": block.get("text")})
-        elif kind == "image":
-            source = block.get("source") or {}
-            url = source.get("url") or f"data:{source.get('media_type')};base64,{source.get('data')}"
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append({"type": "text", "text": field_of(block, "text", at, str)})
+        elif kind in ("image", "document"):
+            raise APIError(400, f"{at}: {kind} blocks are not supported: this server's model reads text only",
+                           param=f"{at}.type")
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"), "arguments": json.dumps(block.get("input", {}), ensure_ascii=False)}})
+            arguments = field_of(block, "input", at, dict, optional=True) or {}
+            calls.append({"id": field_of(block, "id", at, str), "type": "function", "function": {
+                "name": field_of(block, "name", at, str), "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
-            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+            out.append({"role": "tool", "tool_call_id": field_of(block, "tool_use_id", at, str),
                         "content": _text_of(result, f"{at}.content")})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-            reasoning = block.get("thinking") if kind == "thinking" else reasoning
+            reasoning = field_of(block, "thinking", at, str) if kind == "thinking" else reasoning
         else:
             raise APIError(400, f"{at}.type {kind!r} is not a content block a {role} message takes here",
                            param=f"{at}.type")
@@ -126,8 +133,15 @@ def _tool_choice(choice: dict | None) -> Any:
     if kind == "any":
         return "required"
     if kind == "tool":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+        return {"type": "function", "function": {"name": field_of(choice, "name", "tool_choice", str)}}
     raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
+
+
+def _parallel_tool_calls(choice: dict | None) -> bool | None:
+    """tool_choice.disable_parallel_tool_use as the chat request's parallel_tool_calls (at most one call)."""
+    if choice is None or field_of(choice, "disable_parallel_tool_use", "tool_choice", bool, optional=True) is None:
+        return None
+    return not choice["disable_parallel_tool_use"]
 
 
 def chat_body(req: MessagesRequest) -> dict:
@@ -143,43 +157,59 @@ def chat_body(req: MessagesRequest) -> dict:
             if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
                 raise APIError(400, f"tools[{i}] must be a custom tool with a name and an input_schema (server tools "
                                f"are not served)", param=f"tools[{i}]")
+            field_of(tool, "description", f"tools[{i}]", str, optional=True)
+            field_of(tool, "input_schema", f"tools[{i}]", dict)
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
     thinking = (req.thinking or {}).get("type")
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
+              "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
               "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
 
 
 def _renamed(exc: APIError) -> APIError:
-    param = exc.param
+    """A chat-side error with its param as the Messages request names it."""
+    param = tool_param(exc.param, {"parameters": "input_schema"})
+    message = exc.message.replace(exc.param, param) if param != exc.param else exc.message
     if param is not None:
         head, dot, rest = param.partition(".")
         if head in CHAT_PARAMS:
             param = CHAT_PARAMS[head] + ("" if head == "messages" else dot + rest)
-    message = exc.message.replace("max_completion_tokens", "max_tokens")
+    message = message.replace("max_completion_tokens", "max_tokens")
     return APIError(exc.status, message, param, exc.code, exc.type)
 
 
 # ---- the reply as content blocks --------------------------------------------------------------------
 
-def _stop(finish_reason: str | None, stop_reason: Any, calls: bool) -> tuple[str, str | None]:
-    """(Anthropic stop_reason, stop_sequence) of a chat finish."""
+def _stop(finish_reason: str | None, comp: CompletionOutput, calls: list[dict]) -> tuple[str, str | None]:
+    """(Anthropic stop_reason, stop_sequence) of a chat finish: "tool_use" when every call is whole
+    (a forced array cut after a whole call too), "max_tokens" for an output cut short (a call's input
+    among it), as Anthropic reads them."""
+    if calls and all(_input_of(call) is not None for call in calls):
+        return "tool_use", None
+    if comp.finish_reason == "length":
+        return "max_tokens", None
     if calls:
         return "tool_use", None
-    if finish_reason == "stop" and isinstance(stop_reason, str):
-        return "stop_sequence", stop_reason
+    if finish_reason == "stop" and isinstance(comp.stop_reason, str):
+        return "stop_sequence", comp.stop_reason
     return STOP_REASONS.get(finish_reason, "end_turn"), None
 
 
-def _tool_use(call: dict) -> dict:
+def _input_of(call: dict) -> dict | None:
+    """A call's arguments as a tool_use block's input; None where they are no JSON object (cut short)."""
     try:
         arguments = json.loads(call["function"]["arguments"] or "{}")
     except ValueError:
-        arguments = {}
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": arguments}
+        return None
+    return arguments if isinstance(arguments, dict) else None
+
+
+def _tool_use(call: dict) -> dict:
+    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": _input_of(call) or {}}
 
 
 class MessagesJob(TranslatedJob):
@@ -215,7 +245,7 @@ class MessagesJob(TranslatedJob):
         calls = message.get("tool_calls") or []
         content += [_tool_use(call) for call in calls]
         comp = finals[0].outputs[0]
-        stop = _stop(choice["finish_reason"], comp.stop_reason, bool(calls))
+        stop = _stop(choice["finish_reason"], comp, calls)
         return self._message(content, stop, self._usage(finals[0], len(comp.token_ids)))
 
     def event(self, kind: str, **fields) -> str:
@@ -231,7 +261,7 @@ class MessagesJob(TranslatedJob):
 
     def end_events(self, final: RequestOutput, writer: _BlockWriter) -> str:
         comp = final.outputs[0]
-        reason, sequence = _stop(writer.finish_reason, comp.stop_reason, writer.num_calls > 0)
+        reason, sequence = _stop(writer.finish_reason, comp, writer.calls)
         return (self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                            usage={"output_tokens": len(comp.token_ids)})
                 + self.event("message_stop"))
@@ -244,7 +274,7 @@ class _BlockWriter(ReplyWriter):
         super().__init__(job)
         self.index = 0                    # the next block's index
         self.open: str | None = None      # "thinking" or "text": the block being streamed
-        self.num_calls = 0
+        self.calls: list[dict] = []       # the tool calls sent
 
     def text(self, kind: str, delta: str) -> str:
         job, events = self.job, ""
@@ -278,7 +308,7 @@ class _BlockWriter(ReplyWriter):
                             delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
         events += job.event("content_block_stop", index=self.index)
         self.index += 1
-        self.num_calls += 1
+        self.calls.append(call)
         return events
 
 

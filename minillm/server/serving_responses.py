@@ -14,16 +14,18 @@ are 400s, as they are on a vLLM server without its response store.
 """
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
 from fastapi import Request
+from pydantic import field_validator
 
-from minillm.outputs import RequestOutput
+from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.errors import APIError
-from minillm.server.protocol import ChatCompletionRequest, Text, _ModelRequest
+from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, client_response_id, json_dumps
-from minillm.server.translated_api import ReplyWriter, TranslatedJob, serve_translated
+from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
 
 # Chat fields (as errors raised on the chat side name them) -> the Responses field they came from;
 # the longest prefix of a param that is listed is replaced.
@@ -59,6 +61,12 @@ class ResponsesRequest(_ModelRequest):
     include: list[Text] | None = None
     request_id: Text | None = None
 
+    @field_validator("input", "tools", "tool_choice", "text")
+    @classmethod
+    def _json_text(cls, value: Any) -> Any:
+        """Text deep in the items is checked here, so an error names this API's field."""
+        return _check_json_text(value)
+
 
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
@@ -82,22 +90,45 @@ def _check_unserved(req: ResponsesRequest) -> None:
 # ---- the request as a chat request ------------------------------------------------------------------
 
 def _content_parts(content: Any, where: str) -> Any:
-    """A Responses message's content as chat content: a string, or a list of text (and image) parts."""
+    """Content of a Responses message (or a function_call_output's output, where names it) as chat
+    content: a string, or a list of text parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise APIError(400, f"{where}.content must be a string or a list of content parts", param=f"{where}.content")
+        raise APIError(400, f"{where} must be a string or a list of content parts", param=where)
     parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            parts.append({"type": "text", "text": part.get("text")})
-        elif kind == "input_image":
-            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+            parts.append({"type": "text", "text": field_of(part, "text", f"{where}[{j}]", str)})
+        elif kind in ("input_image", "input_file"):
+            raise APIError(400, f"{where}[{j}]: {kind} parts are not supported: this server's model reads text "
+                           f"only", param=f"{where}[{j}].type")
         else:
-            raise APIError(400, f"{where}.content[{j}].type must be input_text, output_text or input_image, "
-                           f"got {kind!r}", param=f"{where}.content[{j}].type")
+            raise APIError(400, f"{where}[{j}].type must be input_text or output_text, got {kind!r}",
+                           param=f"{where}[{j}].type")
     return parts
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """The text of a reasoning input item: its content's reasoning_text parts, else its summary's."""
+    texts = []
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if parts is not None and not isinstance(parts, list):
+            raise APIError(400, f"{where}.{key} must be a list of parts", param=f"{where}.{key}")
+        texts = texts or [p.get("text") for p in parts or [] if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return "\n".join(texts)
+
+
+def _arguments(item: dict, where: str) -> str:
+    """A function_call item's arguments: JSON text (a 400 naming them otherwise)."""
+    arguments = field_of(item, "arguments", where, str)
+    try:
+        json.loads(arguments)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"{where}.arguments must be JSON text: {exc}", param=f"{where}.arguments") from None
+    return arguments
 
 
 def _messages(req: ResponsesRequest) -> list[dict]:
@@ -115,13 +146,13 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                 raise APIError(400, f"{where}.role must be user, system, developer or assistant, got {role!r}",
                                param=f"{where}.role")
             message = {"role": "system" if role == "developer" else role,
-                       "content": _content_parts(item.get("content"), where)}
+                       "content": _content_parts(item.get("content"), f"{where}.content")}
             if role == "assistant" and reasoning is not None:
                 message["reasoning"], reasoning = reasoning, None
             messages.append(message)
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            call = {"id": field_of(item, "call_id", where, str), "type": "function",
+                    "function": {"name": field_of(item, "name", where, str), "arguments": _arguments(item, where)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
@@ -131,13 +162,10 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                     message["reasoning"], reasoning = reasoning, None
                 messages.append(message)
         elif kind == "function_call_output":
-            output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
-                             "content": output if isinstance(output, str) else json_dumps(output)})
+            messages.append({"role": "tool", "tool_call_id": field_of(item, "call_id", where, str),
+                             "content": _content_parts(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
-            texts = [p.get("text") for p in (item.get("content") or item.get("summary") or [])
-                     if isinstance(p, dict) and isinstance(p.get("text"), str)]
-            reasoning = "\n".join(texts)
+            reasoning = _reasoning_text(item, where)
         else:
             raise APIError(400, f"{where}.type must be message, function_call, function_call_output or reasoning, "
                            f"got {kind!r}", param=f"{where}.type")
@@ -153,6 +181,9 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
         if tool.get("type") != "function":
             raise APIError(400, f"tools[{i}].type must be function (built-in tools are not served), got "
                            f"{tool.get('type')!r}", param=f"tools[{i}].type")
+        field_of(tool, "name", f"tools[{i}]", str)
+        field_of(tool, "description", f"tools[{i}]", str, optional=True)
+        field_of(tool, "parameters", f"tools[{i}]", dict, optional=True)
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
 
@@ -196,7 +227,8 @@ def chat_body(req: ResponsesRequest) -> dict:
 def _renamed(exc: APIError) -> APIError:
     """A chat-side error with its param, and the fields its message names, as the Responses request
     names them (a message's index in input differs from its index in messages: the param is input)."""
-    param, message = exc.param, exc.message
+    param = tool_param(exc.param, {})
+    message = exc.message.replace(exc.param, param) if param != exc.param else exc.message
     for chat_name, name in CHAT_PARAMS.items():
         if param is not None and (param == chat_name or param.startswith(chat_name + ".")):
             param = name if chat_name == "messages" else name + param[len(chat_name):]
@@ -222,6 +254,12 @@ def _reasoning_item(item_id: str, text: str) -> dict:
 def _call_item(call: dict) -> dict:
     return {"type": "function_call", "id": _new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
             "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def response_status(comp: CompletionOutput) -> str:
+    """A finished reply's status, whole or streamed: "incomplete" when max_output_tokens cut the output
+    (by the output's own finish, so a call the parser found in an output cut short is incomplete too)."""
+    return "incomplete" if comp.finish_reason == "length" else "completed"
 
 
 class ResponsesJob(TranslatedJob):
@@ -267,8 +305,7 @@ class ResponsesJob(TranslatedJob):
         if message.get("content"):
             output.append(_message_item(_new_id("msg"), message["content"]))
         output += [_call_item(call) for call in message.get("tool_calls") or []]
-        status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-        return self._response(status, output, finals[0])
+        return self._response(response_status(finals[0].outputs[0]), output, finals[0])
 
     def event(self, kind: str, **fields) -> str:
         """One server-sent event of the Responses stream, numbered."""
@@ -283,7 +320,7 @@ class ResponsesJob(TranslatedJob):
         return self.event("response.created", response=opening) + self.event("response.in_progress", response=opening)
 
     def end_events(self, final: RequestOutput, writer: _EventWriter) -> str:
-        status = "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+        status = response_status(final.outputs[0])
         return self.event(f"response.{status}", response=self._response(status, writer.items, final))
 
 

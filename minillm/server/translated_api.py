@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import re
 from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import short_repr
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError, _validation_to_api_error
 from minillm.server.protocol import ChatCompletionRequest, check_unsupported, unknown_fields
@@ -22,6 +24,25 @@ from minillm.server.serving import (
 from minillm.server.serving_chat import ChatJob
 
 Rename = Callable[[APIError], APIError]
+_KIND_NAMES = {str: "a string", dict: "an object", list: "a list", bool: "a boolean"}
+
+
+def tool_param(param: str | None, names: dict[str, str]) -> str | None:
+    """A chat param inside a tool ("tools.2.function.parameters") as the API names it ("tools[2]." plus
+    names[field], the field's name there); any other param as it is."""
+    match = re.fullmatch(r"tools\.(\d+)\.function\.(\w+)(.*)", param or "")
+    if match is None:
+        return param
+    return f"tools[{match[1]}].{names.get(match[2], match[2])}{match[3]}"
+
+
+def field_of(obj: dict, key: str, where: str, kind: type, optional: bool = False) -> Any:
+    """obj[key] when it is a kind (or absent or null, where optional), else a 400 naming where.key as
+    the API names it: checked while translating, so the chat request's names never reach the client."""
+    value = obj.get(key)
+    if isinstance(value, kind) or (optional and value is None):
+        return value
+    raise APIError(400, f"{where}.{key} must be {_KIND_NAMES[kind]}, got {short_repr(value)}", param=f"{where}.{key}")
 
 
 class TranslatedJob(ChatJob):
