@@ -32,7 +32,9 @@ from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
-from minillm.prompts import PromptType, cache_salt_of, unpack_prompt
+from minillm.prompts import (
+    PromptType, cache_salt_of, check_lora_request, check_priority, tokenization_add_special_tokens, unpack_prompt,
+)
 from minillm.sampling_params import RequestOutputKind, SamplingParams, short_repr, truncate_prompt
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
@@ -272,7 +274,9 @@ class LLMEngine:
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, output_kind: str | RequestOutputKind | None = None,
-                    prompt_block_keys: list[bytes] | None = None, cache_salt: str | None = None) -> None:
+                    prompt_block_keys: list[bytes] | None = None, cache_salt: str | None = None, *,
+                    lora_request=None, priority: int = 0, tokenization_kwargs: dict | None = None,
+                    trace_headers=None) -> None:
         """Validate and queue a request; raises ValueError naming the bad field.
 
         prompt takes vLLM's forms, as LLM.generate does: a string, a list of token ids,
@@ -282,7 +286,9 @@ class LLMEngine:
         prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
         (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
         cache_salt: vLLM's (also a prompt dict's "cache_salt"); the request shares prefix-cache blocks
-        only with requests of the same salt.
+        only with requests of the same salt. vLLM's lora_request (None), priority (0), trace_headers
+        (None) and tokenization_kwargs (None or {"add_special_tokens": bool}) are taken where minillm
+        does what they ask, and named by a ValueError otherwise.
         """
         if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
             raise RuntimeError("the engine is shut down: it takes no more requests")
@@ -292,6 +298,13 @@ class LLMEngine:
                              f"got {short_repr(output_kind)}")
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
+        if lora_request is not None or type(priority) is not int or priority:     # vLLM's, at what minillm does
+            check_lora_request(lora_request)
+            check_priority(priority)
+        add_special_tokens = tokenization_kwargs is None or tokenization_add_special_tokens(tokenization_kwargs)
+        if trace_headers:
+            raise ValueError(f"trace_headers={short_repr(trace_headers)} is not supported: minillm has no "
+                             f"OpenTelemetry tracing (leave them None)")
         # The loop subtracts it from clock times (TTFT, latency): a string or NaN would fail or poison them there.
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, numbers.Real)
                                          or not math.isfinite(arrival_time)):
@@ -321,7 +334,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         cache_salt = cache_salt_of(prompt, cache_salt)
         text, prompt = unpack_prompt(prompt)
-        ids = self._prompt_ids(prompt)
+        ids = self._prompt_ids(prompt, add_special_tokens)
         num_given = len(ids)
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)   # the text stays as given
         self._check_kv_transfer(ids, params)
@@ -369,12 +382,15 @@ class LLMEngine:
                 empty_host=self.device.empty_pinned)
         return self.structured_outputs
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             check_unicode(prompt, "prompt")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+            if not ids:     # only without special tokens: text that tokenizes to nothing
+                raise ValueError(f"prompt {short_repr(prompt)} tokenizes to no tokens")
+            return ids
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         vocab = self.model_config.vocab_size

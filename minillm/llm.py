@@ -16,7 +16,10 @@ from minillm.engine import LLMEngine
 from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
-from minillm.prompts import PromptType, TokensPrompt, array_ids, cache_salt_of, unpack_prompt
+from minillm.prompts import (
+    PromptType, TokensPrompt, array_ids, cache_salt_of, check_lora_request, check_priority,
+    tokenization_add_special_tokens, unpack_prompt,
+)
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode
 
@@ -80,6 +83,11 @@ VLLM_MISSING_METHODS = {
     **dict.fromkeys(("start_profile", "stop_profile"), "minillm has no torch profiler (`minillm bench throughput` "
                                                        "says where each step's time goes)"),
 }
+
+
+def _is_int(value) -> bool:
+    """An integer, and not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_count(value, expected: int) -> bool:
@@ -179,7 +187,7 @@ class LLM:
         if prompt_adapter_request is not None:
             raise ValueError(f"prompt_adapter_request={short_repr(prompt_adapter_request)} is not supported: "
                              f"minillm has no prompt adapters (leave it None)")
-        add_special_tokens = _add_special_tokens(tokenization_kwargs)
+        add_special_tokens = tokenization_add_special_tokens(tokenization_kwargs)
         with self._generate_lock:
             return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens)
 
@@ -313,50 +321,6 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
-
-
-def check_lora_request(lora_request) -> None:
-    """ValueError unless vLLM's lora_request is None (or a list of Nones, one a prompt)."""
-    if lora_request is None or (isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)):
-        return
-    raise ValueError(f"lora_request={short_repr(lora_request)} is not supported: minillm runs the base model's own "
-                     f"weights and loads no LoRA adapters (merge the adapter into a copy of the model and load "
-                     f"that, or leave lora_request None)")
-
-
-def check_priority(priority, num_prompts: int) -> None:
-    """ValueError unless vLLM's priority is None or one integer a prompt, all 0: minillm schedules
-    first come, first served, as vLLM does without its priority scheduling policy."""
-    if priority is None:
-        return
-    if not isinstance(priority, Seq) or isinstance(priority, str) or not all(map(_is_int, priority)):
-        raise ValueError(f"priority must be a list of integers, one a prompt, got {short_repr(priority)}")
-    if len(priority) != num_prompts:
-        raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")
-    if any(priority):
-        raise ValueError(f"priority={short_repr(list(priority))} is not supported: minillm schedules requests first "
-                         f"come, first served and has no priority scheduling (give 0, or leave priority None)")
-
-
-def _add_special_tokens(tokenization_kwargs) -> bool:
-    """add_special_tokens from vLLM's tokenization_kwargs, the one key minillm takes; ValueError otherwise."""
-    if tokenization_kwargs is None:
-        return True
-    if not isinstance(tokenization_kwargs, dict):
-        raise ValueError(f"tokenization_kwargs must be a dict, got {short_repr(tokenization_kwargs)}")
-    other = sorted(set(tokenization_kwargs) - {"add_special_tokens"}, key=repr)
-    if other:
-        raise ValueError(f"tokenization_kwargs {', '.join(map(short_repr, other))}: not supported, minillm takes "
-                         f"only add_special_tokens there (SamplingParams(truncate_prompt_tokens=k) keeps a "
-                         f"prompt's last k tokens)")
-    value = tokenization_kwargs.get("add_special_tokens", True)
-    if not isinstance(value, bool):
-        raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be true or false, got {short_repr(value)}")
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.

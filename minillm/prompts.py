@@ -3,6 +3,8 @@
 vLLM's "cache_salt")."""
 from __future__ import annotations
 
+import numbers
+from collections.abc import Sequence
 from typing import TypedDict
 
 import numpy as np
@@ -83,3 +85,54 @@ def array_ids(ids: np.ndarray, name: str) -> list[int]:
         raise ValueError(f"{name} must be a 1-D array of integer token ids, got an array of shape "
                          f"{ids.shape} and dtype {ids.dtype}")
     return ids.tolist()
+
+
+# ---- vLLM's per-request arguments that minillm takes only at what it does ----------------------------
+
+def check_lora_request(lora_request) -> None:
+    """ValueError unless vLLM's lora_request is None (or a list of Nones, one a prompt)."""
+    if lora_request is None or (isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)):
+        return
+    raise ValueError(f"lora_request={short_repr(lora_request)} is not supported: minillm runs the base model's own "
+                     f"weights and loads no LoRA adapters (merge the adapter into a copy of the model and load "
+                     f"that, or leave lora_request None)")
+
+
+def check_priority(priority, num_prompts: int | None = None) -> None:
+    """ValueError unless vLLM's priority is 0 (LLMEngine.add_request's one integer) or, with
+    num_prompts (LLM.generate's), None or one 0 a prompt: minillm schedules first come, first
+    served, as vLLM does without its priority scheduling policy."""
+    if num_prompts is None:
+        given = [priority]
+    elif priority is None:
+        return
+    elif not isinstance(priority, Sequence) or isinstance(priority, str):
+        raise ValueError(f"priority must be a list of integers, one a prompt, got {short_repr(priority)}")
+    else:
+        given = list(priority)
+    if not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in given):
+        what = "an integer" if num_prompts is None else "a list of integers, one a prompt"
+        raise ValueError(f"priority must be {what}, got {short_repr(priority)}")
+    if num_prompts is not None and len(given) != num_prompts:
+        raise ValueError(f"priority has {len(given)} entries for {num_prompts} prompts")
+    if any(given):
+        raise ValueError(f"priority={short_repr(priority)} is not supported: minillm schedules requests first "
+                         f"come, first served and has no priority scheduling (give 0, or leave priority unset)")
+
+
+def tokenization_add_special_tokens(tokenization_kwargs) -> bool:
+    """add_special_tokens from vLLM's tokenization_kwargs, the one key minillm takes (default True);
+    ValueError naming any other key."""
+    if tokenization_kwargs is None:
+        return True
+    if not isinstance(tokenization_kwargs, dict):
+        raise ValueError(f"tokenization_kwargs must be a dict, got {short_repr(tokenization_kwargs)}")
+    other = sorted(set(tokenization_kwargs) - {"add_special_tokens"}, key=repr)
+    if other:
+        raise ValueError(f"tokenization_kwargs {', '.join(map(short_repr, other))}: not supported, minillm takes "
+                         f"only add_special_tokens there (SamplingParams(truncate_prompt_tokens=k) keeps a "
+                         f"prompt's last k tokens)")
+    value = tokenization_kwargs.get("add_special_tokens", True)
+    if not isinstance(value, bool):
+        raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be true or false, got {short_repr(value)}")
+    return value

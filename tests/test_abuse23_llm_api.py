@@ -436,3 +436,29 @@ def test_tokenizer_takes_transformers_options_only_when_off(llm):
             call()
     with pytest.raises(TypeError, match="encode: unexpected keyword argument 'add_special_token'"):
         tok.encode("x", add_special_token=False)
+
+
+# ---- LLMEngine.add_request's other vLLM arguments ---------------------------------------------------
+
+def test_engine_add_request_takes_vllms_arguments_at_what_minillm_does(llm):
+    """vLLM's LLMEngine.add_request takes lora_request, priority, tokenization_kwargs and trace_headers;
+    each was a TypeError."""
+    engine, tok = llm.llm_engine, llm.get_tokenizer()
+    [plain] = [o for o in _run(engine, "plain", "Once upon a time", GREEDY) if o.finished]
+    [same] = [o for o in _run(engine, "same", "Once upon a time", GREEDY, lora_request=None, priority=0,
+                              trace_headers=None, tokenization_kwargs={"add_special_tokens": True}) if o.finished]
+    assert same.outputs[0].token_ids == plain.outputs[0].token_ids
+    [no_bos] = [o for o in _run(engine, "no-bos", "Once upon a time", GREEDY,
+                                tokenization_kwargs={"add_special_tokens": False}) if o.finished]
+    assert no_bos.prompt_token_ids == tok.encode("Once upon a time", add_special_tokens=False)
+    assert no_bos.prompt == "Once upon a time"
+    for kwargs, needle in [({"lora_request": "adapter"}, "lora_request='adapter' is not supported"),
+                           ({"priority": 2}, "priority=2 is not supported: minillm schedules requests first come"),
+                           ({"priority": None}, "priority must be an integer, got None"),
+                           ({"trace_headers": {"traceparent": "00-ab"}}, "trace_headers=.* is not supported: minillm "
+                                                                        "has no OpenTelemetry tracing"),
+                           ({"tokenization_kwargs": {"max_length": 4}}, "tokenization_kwargs 'max_length': not "
+                                                                        "supported")]:
+        with pytest.raises(ValueError, match=needle):
+            engine.add_request("refused", "Once upon a time", GREEDY, **kwargs)
+    assert not engine.has_unfinished_requests()
