@@ -35,6 +35,14 @@ class TokensPrompt(_PromptOptions, total=False):
 PromptType = str | list[int] | TextPrompt | TokensPrompt | dict
 
 
+# vLLM's prompt-dict keys for inputs minillm does not take: taken only as None, else named with the reason.
+VLLM_PROMPT_KEYS = {
+    **dict.fromkeys(("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"), "minillm runs text-only models"),
+    "token_type_ids": "minillm runs decoder-only generative models, which read no token types",
+    "prompt_embeds": "minillm takes text or token ids, not embeddings",
+}
+
+
 def unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
     """(text or None, the text or the token ids) of one prompt in any of vLLM's forms; ValueError
     naming the key of a prompt dict that is malformed. The ids are checked where they are tokens."""
@@ -44,10 +52,12 @@ def unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {short_repr(prompt)}")
         return (prompt if isinstance(prompt, str) else None), prompt
-    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    unknown = {k for k in prompt if k not in ("prompt", "prompt_token_ids", "cache_salt")
+               and not (k in VLLM_PROMPT_KEYS and prompt[k] is None)}     # None: what minillm does anyway
     if unknown:
+        why = "".join(f" ({k}: {VLLM_PROMPT_KEYS[k]})" for k in sorted(unknown, key=repr) if k in VLLM_PROMPT_KEYS)
         raise ValueError(f"prompt dict has unsupported key(s) {sorted(unknown, key=repr)}; "
-                         f"give 'prompt' (text) or 'prompt_token_ids', and 'cache_salt' if any")
+                         f"give 'prompt' (text) or 'prompt_token_ids', and 'cache_salt' if any{why}")
     cache_salt_of(prompt)
     if not isinstance(prompt.get("prompt"), (str, type(None))):   # the text, or the output's prompt
         raise ValueError(f"a prompt dict's 'prompt' must be a string, got {short_repr(prompt['prompt'])}")

@@ -462,3 +462,16 @@ def test_engine_add_request_takes_vllms_arguments_at_what_minillm_does(llm):
         with pytest.raises(ValueError, match=needle):
             engine.add_request("refused", "Once upon a time", GREEDY, **kwargs)
     assert not engine.has_unfinished_requests()
+
+
+def test_prompt_dicts_take_vllms_other_keys_as_none_and_say_why_otherwise(llm, expected):
+    """Code that builds vLLM prompt dicts generically sets multi_modal_data=None and the like; that was refused."""
+    outs = llm.generate([{"prompt": PROMPTS[0], "multi_modal_data": None, "mm_processor_kwargs": None},
+                         {"prompt": PROMPTS[1], "token_type_ids": None, "multi_modal_uuids": None}], GREEDY)
+    assert _ids(outs) == expected
+    for prompt, why in [({"prompt": "Once", "multi_modal_data": {"image": b""}}, "multi_modal_data: minillm runs "
+                                                                                 "text-only models"),
+                        ({"prompt_embeds": [[0.5]]}, "prompt_embeds: minillm takes text or token ids, not embeddings")]:
+        with pytest.raises(ValueError, match=re.escape(why)):
+            llm.generate(prompt, GREEDY)
+    assert not llm.llm_engine.has_unfinished_requests()
