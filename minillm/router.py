@@ -15,8 +15,8 @@ where its time went: prefill, KV transfer, decode (the decode server's x-minillm
 header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
 (several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
 computes its prompts itself.
-/v1/models, /tokenize, /detokenize and /version need no KV: a decode server answers them, with
-the client's credentials.
+/v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
+server answers them, with the client's credentials (Authorization or x-api-key).
 """
 from __future__ import annotations
 
@@ -45,6 +45,8 @@ from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 logger = logging.getLogger("minillm.router")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+# Where a server takes --api-key from: OpenAI's clients send Authorization, Anthropic's x-api-key.
+KEY_HEADERS = ("authorization", "x-api-key")
 MAX_SAMPLES = 4096
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -267,8 +269,9 @@ class Router:
             return RouterError(400, err.message, err.code).response()
         if not isinstance(body, dict):
             return RouterError(400, "the request body must be a JSON object", "invalid_body").response()
-        # The client's key, and its request id, which names the response as a single server would.
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "x-request-id")}
+        # The client's key (either header a server takes it from), and its request id, which names
+        # the response as a single server would.
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in (*KEY_HEADERS, "x-request-id")}
         timing.decode_only = decode_only_reason(path, body)
         try:
             if timing.decode_only is None:
@@ -382,10 +385,11 @@ class Router:
                             status_code=200 if ok else 503)
 
     async def forward(self, path: str, raw: Request) -> Response:
-        """A request that needs no KV (the model list, /tokenize, /detokenize, /version) answered by
-        the first decode server that takes the connection, with the client's credentials."""
+        """A request that needs no KV (the model list, /tokenize, /detokenize, /version, a Messages
+        request's token count) answered by the first decode server that takes the connection, with
+        the client's credentials."""
         content = await raw.body() if raw.method == "POST" else None
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in (*KEY_HEADERS, "content-type")}
         for url in self.decode.order():
             try:
                 r = await self.client.request(raw.method, url + path, content=content, headers=headers)
@@ -419,7 +423,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def health():
         return await router.health()
 
-    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
+                         ("/v1/messages/count_tokens", "POST")):
         app.add_api_route(path, _forwarder(router, path), methods=[method])
 
     @app.get("/v1/stats")

@@ -176,3 +176,26 @@ def test_a_responses_status_follows_the_outputs_own_finish():
     # the Responses status reads the output's own finish, whole and streamed alike.
     assert response_status(CompletionOutput(0, "", [1], "length")) == "incomplete"
     assert response_status(CompletionOutput(0, "", [1], "stop")) == "completed"
+
+
+# ---- the router in front ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def router_url(server, parsers_url):
+    """A router whose decode server is the key-guarded app (the Messages API goes whole to it)."""
+    from test_leaks17 import running_router
+    with running_router(server[0], parsers_url) as (url, _):
+        yield url
+
+
+def test_the_router_passes_an_anthropic_clients_key_and_counts_tokens(router_url, parsers_url):
+    body = {**MESSAGES, "messages": [USER]}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        assert post(router_url, path, body, {"x-api-key": KEY}).status_code == 200
+        assert post(router_url, path, body, {"x-api-key": "wrong"}).status_code == 401
+    client = anthropic.Anthropic(base_url=router_url, api_key=KEY, max_retries=0)
+    direct = anthropic.Anthropic(base_url=parsers_url, api_key=KEY, max_retries=0)
+    count = client.messages.count_tokens(model="stories", system="Be kind.", messages=[USER])
+    assert count.input_tokens == direct.messages.count_tokens(model="stories", system="Be kind.",
+                                                              messages=[USER]).input_tokens > 0
+    assert client.messages.create(model="stories", max_tokens=3, messages=[USER]).usage.output_tokens == 3
