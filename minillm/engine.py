@@ -667,11 +667,15 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 for seq in req.seqs:
                     self.metrics.record_finish(seq.status.finish_reason)
-            outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                                         [self.output_processor.completion_output(st, s)
-                                          for st, s in zip(req.states, req.seqs)],
+            completions = [self.output_processor.completion_output(st, s) for st, s in zip(req.states, req.seqs)]
+            prompt_logprobs = self._reported_prompt_logprobs(req)
+            if req.is_delta:      # only the completions with news; a report only when there is some
+                completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
+                if not completions and prompt_logprobs is None and not finished:
+                    continue
+            outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
                                          finished, req.metrics, req.seqs[0].kv_transfer_params,
-                                         req.seqs[0].kv_transfer_stats, self._reported_prompt_logprobs(req)))
+                                         req.seqs[0].kv_transfer_stats, prompt_logprobs))
         return outputs
 
     @staticmethod

@@ -31,6 +31,7 @@ class CompletionState:
     delta: bool = False
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    is_finish_sent: bool = False
 
     @property
     def holdback(self) -> int:
@@ -141,14 +142,16 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
 
 def _delta_output(state: CompletionState, seq: Sequence, text: str, done: bool) -> CompletionOutput:
     """The report of the DELTA output kind: the token ids, text and log-probabilities not reported
-    before (the text held back for a stop string comes once it cannot be one)."""
+    before (the text held back for a stop string comes once it cannot be one); the finish reason once."""
     token_ids = seq.output_token_ids
     new_ids, new_logprobs = token_ids[state.num_sent_tokens:], state.logprobs[state.num_sent_tokens:]
     new_text = text[state.num_sent_chars:]
     state.num_sent_tokens, state.num_sent_chars = len(token_ids), max(len(text), state.num_sent_chars)
+    is_new_finish, state.is_finish_sent = done and not state.is_finish_sent, done
     return CompletionOutput(
         index=seq.index, text=new_text, token_ids=new_ids,
-        finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
+        finish_reason=seq.status.finish_reason if is_new_finish else None,
+        stop_reason=seq.stop_reason if is_new_finish else None,
         cumulative_logprob=state.cumulative_logprob if state.want_logprobs else None,
         logprobs=list(new_logprobs) if state.want_logprobs else None)
 

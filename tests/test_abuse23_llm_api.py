@@ -162,14 +162,19 @@ def test_output_kind_final_only_reports_once_and_n_deltas_keep_their_index(llm):
     assert len(final) == 1 and final[0].finished
     assert final[0].outputs[0].token_ids == cumulative.outputs[0].token_ids
     assert final[0].outputs[0].text == cumulative.outputs[0].text
-    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5, output_kind=RequestOutputKind.DELTA)
-    deltas = _run(engine, "n", "Once upon a time", params)
-    [whole] = [o for o in _run(engine, "n-c", "Once upon a time",
-                               SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=5)) if o.finished]
+    # n=2, the two completions ending at different steps (seed 4: the first at its stop string, the other later)
+    sampling = dict(n=2, temperature=1.0, seed=4, max_tokens=30, stop=["."])
+    deltas = _run(engine, "n", "Once upon a time", SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA))
+    [whole] = [o for o in _run(engine, "n-c", "Once upon a time", SamplingParams(**sampling)) if o.finished]
+    assert len(whole.outputs[0].token_ids) != len(whole.outputs[1].token_ids)
     for index in (0, 1):
         mine = [c for d in deltas for c in d.outputs if c.index == index]
         assert sum((c.token_ids for c in mine), []) == whole.outputs[index].token_ids
         assert "".join(c.text for c in mine) == whole.outputs[index].text
+        # a completion is reported while it has news: its finish reason comes once, in its last delta
+        assert [c.finish_reason for c in mine] == [None] * (len(mine) - 1) + ["stop"]
+        assert all(c.token_ids for c in mine)
+    assert all(d.outputs for d in deltas) and [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
 
 
 def test_output_kind_leaves_llm_generate_whole_and_takes_vllms_values_only(llm, expected):
