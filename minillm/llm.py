@@ -82,6 +82,10 @@ VLLM_MISSING_METHODS = {
                                           "shutdown(), which gives them back (a new LLM loads the model again)"),
     **dict.fromkeys(("start_profile", "stop_profile"), "minillm has no torch profiler (`minillm bench throughput` "
                                                        "says where each step's time goes)"),
+    "get_metrics": "minillm has no Prometheus metrics in-process (llm.llm_engine.stats() returns an EngineStats "
+                   "snapshot: queues, KV blocks, throughput, TTFT and inter-token latency)",
+    **dict.fromkeys(("collective_rpc", "apply_model"), "minillm's model is its own NumPy/CuPy decoder, not a torch "
+                                                      "module in worker processes"),
 }
 
 
