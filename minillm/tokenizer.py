@@ -301,6 +301,9 @@ class Tokenizer:
         Face's decode (ids the tokenizer does not know decode to nothing); transformers'
         clean_up_tokenization_spaces is taken only when off, as the tokenizer.json decoder decodes."""
         if options:
+            # transformers' fast tokenizers read no spaces_between_special_tokens (the decoder decides): either value
+            if isinstance(options.get("spaces_between_special_tokens"), bool):
+                options = {k: v for k, v in options.items() if k != "spaces_between_special_tokens"}
             _check_options_off("decode", options, ("clean_up_tokenization_spaces",))
         if type(ids) is not list:
             ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)

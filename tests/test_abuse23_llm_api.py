@@ -439,6 +439,8 @@ def test_tokenizer_takes_transformers_options_only_when_off(llm):
                         "decode: clean_up_tokenization_spaces=True")]:
         with pytest.raises(ValueError, match=f"{re.escape(name)} is not supported"):
             call()
+    for spaces in (True, False):      # transformers' fast tokenizers take it and decode the same
+        assert tok.decode([1, 403, 2, 2], spaces_between_special_tokens=spaces) == "<s> Once</s></s>"
     with pytest.raises(TypeError, match="encode: unexpected keyword argument 'add_special_token'"):
         tok.encode("x", add_special_token=False)
 
