@@ -6,6 +6,7 @@ import dataclasses
 import math
 import numbers
 import struct
+import sys
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -23,6 +24,9 @@ def __getattr__(name: str):
     if name == "StructuredOutputsParams":
         from minillm.structured_output import StructuredOutputsParams
         return StructuredOutputsParams
+    if name == "GuidedDecodingParams":      # vLLM's earlier name, with its options
+        from minillm.guided_decoding import GuidedDecodingParams
+        return GuidedDecodingParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # vLLM's seeds: a signed 64-bit integer (its server's bound), -1 meaning none. The sampler's generator
@@ -379,9 +383,9 @@ VLLM_FIXED_FIELDS = {
     "logits_processors": (lambda v, n: v is None or v == [],
                           "minillm runs no Python logits processors (logit_bias, allowed_token_ids, bad_words and "
                           "structured_outputs shape the logits)"),
-    "guided_decoding": (lambda v, n: v is None, "vLLM's later name for it is structured_outputs: give "
-                                                "structured_outputs=StructuredOutputsParams(json=..., regex=..., "
-                                                "choice=..., grammar=...)"),
+    "guided_decoding": (lambda v, n: v is None, "give a GuidedDecodingParams (or StructuredOutputsParams) "
+                                                "from minillm.sampling_params, or vLLM's later name "
+                                                "structured_outputs=StructuredOutputsParams(json=..., ...)"),
     "flat_logprobs": (lambda v, n: v is False, "minillm gives logprobs as a list of {token id: Logprob} dicts"),
     "stream_interval": (lambda v, n: v is None or (_is_int(v) and v == 1), "LLMEngine.step() reports every step"),
     "skip_clone": (lambda v, n: isinstance(v, bool), "minillm always takes the request's own copy"),
@@ -404,6 +408,7 @@ _dataclass_init = SamplingParams.__init__
 def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
     """SamplingParams' own __init__, after VLLM_FIXED_FIELDS are checked and left out."""
     if not kwargs.keys().isdisjoint(VLLM_FIXED_FIELDS):
+        _take_guided_decoding(kwargs)
         n = kwargs.get("n", args[0] if args else 1)
         for name in [k for k in kwargs if k in VLLM_FIXED_FIELDS]:
             value = kwargs.pop(name)
@@ -411,6 +416,18 @@ def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
             if not is_done(value, n):
                 raise ValueError(f"{name}={short_repr(value)} is not supported: {does}")
     _dataclass_init(self, *args, **kwargs)
+
+
+def _take_guided_decoding(kwargs: dict) -> None:
+    """vLLM's guided_decoding (its earlier name) given a constraint: it becomes structured_outputs."""
+    constraint = kwargs.get("guided_decoding")
+    module = sys.modules.get("minillm.structured_output")     # loaded wherever a constraint was made
+    if constraint is None or module is None or not isinstance(constraint, module.StructuredOutputsParams):
+        return
+    if kwargs.get("structured_outputs") is not None:
+        raise ValueError("guided_decoding and structured_outputs are the same setting under vLLM's two names: "
+                         "give one")
+    kwargs["structured_outputs"] = kwargs.pop("guided_decoding")
 
 
 _init_taking_vllm_fields.__wrapped__ = _dataclass_init    # inspect.signature shows the fields

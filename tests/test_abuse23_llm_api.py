@@ -313,8 +313,8 @@ def test_vllms_sampling_fields_are_taken_at_what_minillm_does(kwargs):
     ({"best_of": 3}, "best_of=3 is not supported: minillm returns all n completions it samples"),
     ({"use_beam_search": True}, "use_beam_search=True is not supported: minillm has no beam search"),
     ({"logits_processors": [abs]}, "logits_processors=.* is not supported: minillm runs no Python logits processors"),
-    ({"guided_decoding": {"json": {}}}, "guided_decoding=.* is not supported: vLLM's later name for it is "
-                                        "structured_outputs"),
+    ({"guided_decoding": {"json": {}}}, "guided_decoding=.* is not supported: give a GuidedDecodingParams .* or "
+                                        "vLLM's later name structured_outputs"),
     ({"flat_logprobs": True}, "flat_logprobs=True is not supported"),
     ({"stream_interval": 4}, "stream_interval=4 is not supported: LLMEngine.step.. reports every step"),
     ({"thinking_token_budget": 100}, "thinking_token_budget=100 is not supported: minillm has no thinking budget"),
@@ -491,3 +491,25 @@ def test_more_vllm_methods_minillm_lacks_say_why(llm, name, why):
         getattr(llm, name)()
     assert not hasattr(llm, name)
     assert llm.llm_engine.stats().kv_num_blocks > 0     # what get_metrics users are pointed to
+
+
+def test_guided_decoding_params_is_taken_under_vllms_earlier_name(llm):
+    """vLLM scripts before structured_outputs wrote SamplingParams(guided_decoding=GuidedDecodingParams(...));
+    both names were missing."""
+    from minillm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+    guided = GuidedDecodingParams(choice=["yes", "no"], backend="guidance", disable_fallback=True)
+    assert isinstance(guided, StructuredOutputsParams)
+    params = SamplingParams(temperature=0, max_tokens=8, guided_decoding=guided)
+    assert params.structured_outputs is guided
+    [out] = llm.generate("Once upon a time", params)
+    assert out.outputs[0].text in ("yes", "no") and out.outputs[0].finish_reason == "stop"
+    [same] = llm.generate("Once upon a time", SamplingParams(
+        temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+    assert same.outputs[0].token_ids == out.outputs[0].token_ids
+    with pytest.raises(ValueError, match="backend: 'xgrammar' is not supported: minillm builds every constraint "
+                                         "with llguidance"):
+        GuidedDecodingParams(json={"type": "object"}, backend="xgrammar")
+    with pytest.raises(ValueError, match="guided_decoding and structured_outputs are the same setting"):
+        SamplingParams(guided_decoding=guided, structured_outputs=guided)
+    with pytest.raises(ValueError, match="guided_decoding=.* is not supported: give a GuidedDecodingParams"):
+        SamplingParams(guided_decoding={"choice": ["yes"]})
