@@ -1,4 +1,20 @@
 """The `minillm` command line: chat, generate, serve, monitor, pull, list, bench."""
+import sys
+
+_excepthook_before_import = sys.excepthook
+
+
+def _interrupted_while_importing(exc_type, exc, tb) -> None:
+    """Ctrl-C while this module imports (the command starting up): one line, as later, not a
+    traceback of the imports; Python then ends the process by SIGINT, which the shell reads as 130."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        print("minillm: interrupted", file=sys.stderr)
+    else:
+        _excepthook_before_import(exc_type, exc, tb)
+
+
+sys.excepthook = _interrupted_while_importing   # put back at the end of this module
+
 import contextlib
 import dataclasses
 import errno
@@ -7,7 +23,7 @@ import importlib
 import inspect
 import json
 import os
-import sys
+import signal
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -1286,6 +1302,10 @@ def main(argv: list[str] | None = None) -> int:
         status = _fail(f"minillm: error: out of memory: {_one_line(exc)}", 1)
     except (CliError, ValueError, RuntimeError, OSError, ImportError) as exc:
         status = _fail(f"minillm: error: {_one_line(exc)}", 1)
+    if status == 130 and argv is None:
+        # The process winds down (a KV pool to free, threads to join): another Ctrl-C in that time
+        # ends it at once, by the signal, where Python would print a traceback of its shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.exit(status if isinstance(status, int) else 0)
 
 
@@ -1301,6 +1321,10 @@ def _fail(message: str, status: int) -> int:
     print(message, file=sys.stderr)
     return status
 
+
+# The module imported whole: Ctrl-C from here on is main()'s to report.
+if sys.excepthook is _interrupted_while_importing:
+    sys.excepthook = _excepthook_before_import
 
 if __name__ == "__main__":
     main()
