@@ -412,9 +412,16 @@ def _path_test(test: Callable[[], bool]) -> bool:
 # ---------------------------------------------------------------------------------------------
 
 def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
-    """The prompts from --prompt (repeatable) or --prompts-file (one a line; '-' is stdin)."""
+    """The prompts from --prompt (repeatable; '-' is the whole of stdin, one prompt) or --prompts-file
+    (one a line; '-' is stdin); bytes that are not UTF-8 are a CliError naming where they came from."""
     if prompts and prompts_file:
         raise CliError("give either --prompt or --prompts-file, not both")
+    if prompts and "-" in prompts:
+        if prompts.count("-") > 1:
+            raise CliError("--prompt - reads stdin, which holds one prompt: give '-' once")
+        prompts = [stdin_prompt() if p == "-" else p for p in prompts]
+    for p in prompts or []:
+        check_utf8(p, "--prompt")
     if prompts_file is not None:
         if str(prompts_file) == "-" and sys.stdin is None:   # started with stdin closed (<&-)
             raise CliError("--prompts-file -: stdin is closed; give a file, or pipe the prompts in")
@@ -425,6 +432,7 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
                            f"{exc.start}") from None
         except OSError as exc:
             raise CliError(f"--prompts-file: cannot read {prompts_file}: {exc.strerror or exc}") from None
+        check_utf8(text, f"--prompts-file {prompts_file}")
         # A byte-order mark (editors on Windows write one) is no part of the first prompt.
         prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
         if not prompts:
@@ -432,6 +440,37 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     if not prompts:
         raise CliError("give at least one --prompt TEXT or a --prompts-file FILE")
     return list(prompts)
+
+
+def stdin_prompt() -> str:
+    """--prompt -: the whole of stdin as one prompt (its lines kept), less the line break that ends it."""
+    if sys.stdin is None:      # started with stdin closed (<&-)
+        raise CliError("--prompt -: stdin is closed; pipe the prompt in, or give it as --prompt TEXT")
+    if sys.stdin.isatty():
+        typer.echo("minillm generate: reading the prompt from stdin (Ctrl-D ends it)", err=True)
+    try:
+        text = sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise CliError(f"--prompt -: stdin is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    text = text.rstrip("\r\n")
+    check_utf8(text, "--prompt - (stdin)")
+    if not text.strip():
+        raise CliError("--prompt -: stdin holds no prompt")
+    return text
+
+
+def check_utf8(text: str, where: str) -> None:
+    """A CliError naming WHERE when TEXT holds bytes that were not UTF-8: Python hands them on from
+    the command line and stdin as lone surrogates, which the tokenizer refuses only after the model
+    has loaded."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        byte = f" (byte 0x{ord(bad) - 0xDC00:02x})" if "\udc80" <= bad <= "\udcff" else ""
+        line = text.count("\n", 0, exc.start) + 1
+        place = f"line {line}" if "\n" in text else f"character {exc.start + 1}"
+        raise CliError(f"{where} is not UTF-8 text: {place}{byte}") from None
 
 
 def output_record(out, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0) -> dict:
@@ -498,7 +537,7 @@ def print_logprobs(record: dict) -> None:
 def generate(
     model: Annotated[str, typer.Argument(help="Model directory or hub id.")],
     prompt: Annotated[Optional[list[str]], typer.Option(
-        "--prompt", "-p", help="A prompt (repeat for a batch).")] = None,
+        "--prompt", "-p", help="A prompt (repeat for a batch; '-': all of stdin, one prompt).")] = None,
     prompts_file: Annotated[Optional[Path], typer.Option(
         help="A file with one prompt per line ('-': stdin).")] = None,
     temperature: Annotated[Optional[float], typer.Option(
