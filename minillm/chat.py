@@ -410,6 +410,7 @@ class ChatSession:
         self.is_running = True
         self.type_ahead = TypeAhead()
         self.is_terminal = False     # run() reads the terminal itself: keys typed during replies are kept
+        self.is_piped = False        # run() reads stdin itself, and it is a pipe or a file
         self.num_failed_replies = 0  # messages answered with an error (a script's chat then exits 1)
 
     def say(self, text: str) -> None:
@@ -426,6 +427,9 @@ class ChatSession:
     def run(self, read_line: Callable[[str], str] | None = None) -> int:
         """Loop until /exit or end of input (the terminal, or read_line when given); the exit status."""
         self.is_terminal = read_line is None
+        # Messages piped in (`minillm chat < script`): Ctrl-C ends the chat, as it ends any command
+        # that reads a pipe; there is no line of a terminal to clear.
+        self.is_piped = read_line is None and not is_terminal(sys.stdin)
         if read_line is None:
             def read_line(prompt: str) -> str:
                 return read_with_type_ahead(prompt, self.type_ahead, self.out)
@@ -454,6 +458,9 @@ class ChatSession:
                 self.say("")
                 break
             except KeyboardInterrupt:
+                if self.is_piped:
+                    self.say("")        # the prompt's line ends before the error's
+                    raise
                 # The line is dropped; on an empty one, say how to leave instead.
                 line = interrupted_line() if self.is_terminal else None
                 self.say("" if line else f"\n({QUIT_HINT})")
@@ -546,6 +553,8 @@ class ChatSession:
             self.num_failed_replies += 1
             return
         self.say(reply_mark(self.backend.last_stats, self.settings, flag.is_set))
+        if flag.is_set and self.is_piped:
+            raise KeyboardInterrupt     # the reply ends marked, and the chat with it
         self.conversation.turns.append({"role": "assistant", "content": reply})
 
     def print_notices(self) -> None:
