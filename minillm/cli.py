@@ -1150,7 +1150,9 @@ def monitor_command(
         where = "" if source is not None else f", or read one snapshot of the stats as JSON from {url}/v1/stats"
         raise CliError(f"the monitor draws its dashboard in a terminal, but {stream} is not one (a file or a pipe "
                        f"would get frames without end); run it in a terminal{where}")
-    run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
+    status = run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
+    if status:
+        raise typer.Exit(status)      # 130 (Ctrl-C): main() says "interrupted"
 
 
 def stream_not_a_terminal() -> str | None:

@@ -1,6 +1,8 @@
 """`minillm monitor`: a live dashboard of KV memory and scheduling, fed by a stats source."""
 from __future__ import annotations
 
+import asyncio
+import signal
 from pathlib import Path, PurePath
 from typing import Protocol
 
@@ -77,6 +79,8 @@ class MonitorApp(App[None]):
         Binding("tab", "focus_next", "next panel"),
         Binding("s", "sort_next", "sort"),
         Binding("S", "sort_reverse", "reverse", show=False),
+        # Ctrl-C leaves, as it leaves every other minillm command (Textual's own only says "press ctrl+q").
+        Binding("ctrl+c", "interrupt", "quit", show=False, priority=True),
     ]
 
     paused: reactive[bool] = reactive(False)
@@ -179,6 +183,10 @@ class MonitorApp(App[None]):
             self.show_stats(pending)
         self._redraw_title()
 
+    def action_interrupt(self) -> None:
+        """Quit with the exit status of an interrupted command (130)."""
+        self.exit(return_code=130)
+
     def action_toggle_pause(self) -> None:
         """Freeze the panels (frames keep arriving and the newest is shown on resume)."""
         self.paused = not self.paused
@@ -221,6 +229,16 @@ def run_monitor(
     api_key: str | None = None,
     source: StatsSource | None = None,
     recorder: Recorder | None = None,
-) -> None:
-    """Run the dashboard against a server at `url`, or on `source` (a ReplaySource); `recorder` keeps the stream."""
-    MonitorApp(source=source or LiveSource(url, api_key), recorder=recorder).run()
+) -> int:
+    """Run the dashboard against a server at `url`, or on `source` (a ReplaySource); `recorder` keeps the
+    stream. The exit status: 0, or 130 when Ctrl-C ended it."""
+    app = MonitorApp(source=source or LiveSource(url, api_key), recorder=recorder)
+    app.call_later(_quit_on_sigint, app)
+    app.run()
+    return app.return_code or 0
+
+
+def _quit_on_sigint(app: MonitorApp) -> None:
+    """A SIGINT from outside the terminal (kill -INT, a supervisor) quits as Ctrl-C does; Textual let
+    it end the app with status 0."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, app.action_interrupt)

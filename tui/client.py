@@ -272,5 +272,11 @@ class LiveSource:
                 return
             if response.status_code != 200:
                 raise HTTPStatusProblem(response.status_code, url, (await response.aread()).decode(errors="replace"))
+            content_type = response.headers.get("content-type", "").partition(";")[0].strip()
+            if content_type != "text/event-stream":
+                # Another web server on the port (a page for every path): its answer holds no event,
+                # and the monitor would wait for stats without end.
+                raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
+                                       "stats events: is this a minillm server?")
             async for data in iter_sse_data(response.aiter_lines()):
                 yield parse_frame(data)
