@@ -142,7 +142,8 @@ def serve(tmp_path):
 def test_sigterm_during_streams_ends_them_and_exits_0_leaving_nothing_behind(stories_path, serve, engine_core):
     # uvicorn raises SIGTERM again once it has shut down: its default action killed the process
     # there (status -15), so the engine was never shut down and its socket directory stayed in /tmp.
-    server = serve(serve_command(stories_path, "--engine-core", engine_core))
+    # A grace far past what the streams need on the busiest machine: they end whole, never by its timeout.
+    server = serve(serve_command(stories_path, "--engine-core", engine_core, "--timeout-graceful-shutdown", "300"))
     url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
     streams = [Stream(url) for _ in range(3)]
     assert all(stream.first.wait(60) for stream in streams), server.text()

@@ -237,15 +237,19 @@ def test_a_body_of_many_messages_leaves_the_event_loop_serving(server, healthy_s
 
     prober = threading.Thread(target=probe)
     prober.start()
+    started = time.monotonic()
     try:
         response = httpx.post(f"{server[0]}{path}", content=body, headers={"Content-Type": "application/json"},
                               timeout=120)
     finally:
+        took = time.monotonic() - started
         done.set()
         prober.join(60)
     error = openai_error(response, 400, "messages", "prompt_too_long")      # 1.05M characters of text
     assert "1050000" in error["message"]
-    assert len(latencies) >= 3 and max(latencies) < 0.75, sorted(latencies)[-5:]
+    # Held against the request's own time, so a busy machine slows both sides alike: a loop held for
+    # the reading of the request made one probe wait about as long as the request took.
+    assert len(latencies) >= 3 and max(latencies) < took / 2, (took, sorted(latencies)[-5:])
 
 
 BAD_SCHEMA = {"type": "function", "function": {"name": "broken", "parameters": {"type": "frobnicate"}}}
