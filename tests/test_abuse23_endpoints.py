@@ -217,3 +217,16 @@ def test_the_router_passes_an_anthropic_clients_key_and_counts_tokens(router_url
     assert count.input_tokens == direct.messages.count_tokens(model="stories", system="Be kind.",
                                                               messages=[USER]).input_tokens > 0
     assert client.messages.create(model="stories", max_tokens=3, messages=[USER]).usage.output_tokens == 3
+
+
+def test_a_wrong_key_on_the_messages_api_is_anthropics_401_naming_both_headers(parsers_url):
+    response = post(parsers_url, "/v1/messages", {**MESSAGES, "messages": [USER]}, {"x-api-key": "wrong"})
+    assert response.status_code == 401
+    body = response.json()
+    assert body["type"] == "error" and body["error"]["type"] == "authentication_error"
+    assert "x-api-key" in body["error"]["message"]
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=parsers_url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model="stories", messages=[USER])
+    # the OpenAI routes keep OpenAI's shape
+    assert "type" not in post(parsers_url, "/v1/responses", {**RESPONSES, "input": "hi"}).json()

@@ -15,8 +15,11 @@ PROTECTED_PREFIX = "/v1"
 
 
 async def _send_error(send, status: int, message: str, code: str | None = None,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
-    body = json.dumps(error_body(status, message, code=code)).encode()
+                      extra_headers: list[tuple[bytes, bytes]] | None = None, scope=None) -> None:
+    body = error_body(status, message, code=code)
+    if scope is not None and is_messages_path(route_path(scope)):
+        body = {"type": "error", **body}      # Anthropic's shape: the error object under a "type": "error"
+    body = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
@@ -37,9 +40,16 @@ class APIKeyMiddleware:
         given = bearer_token(headers.get(b"authorization", b""))
         if not hmac.compare_digest(given, self.expected) and not hmac.compare_digest(headers.get(b"x-api-key", b""),
                                                                                         self.expected):
-            return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>`.",
-                                     code="invalid_api_key", extra_headers=[(b"www-authenticate", b"Bearer")])
+            return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>` "
+                                     "or `x-api-key: <key>`.", code="invalid_api_key",
+                                     extra_headers=[(b"www-authenticate", b"Bearer")], scope=scope)
         return await self.app(scope, receive, send)
+
+
+def is_messages_path(path: str) -> bool:
+    """True for Anthropic's Messages API routes (/v1/messages and its count_tokens), whose errors
+    Anthropic's clients read in their own shape."""
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
 
 
 def _is_protected(scope) -> bool:
