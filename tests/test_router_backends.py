@@ -222,7 +222,8 @@ async def test_a_request_one_lease_cannot_carry_goes_whole_to_a_decode_server(ba
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
             logger = logging.getLogger("minillm.router")
             logger.addHandler(handler)
-            level, logger.level = logger.level, logging.INFO
+            level = logger.level
+            logger.setLevel(logging.INFO)       # setLevel, not .level: it clears the logger's cached levels
             try:
                 response = await client.post(path, json={"max_tokens": 4, **body})
             finally:
