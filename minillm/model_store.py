@@ -63,7 +63,13 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
             raise ValueError(f"revision {revision!r} names a version of a hub model; {model} is a local directory")
         return path
     if path.exists():
-        raise ValueError(f"{model} is a file, not a model directory")
+        hint = ""
+        if path.suffix.lower() == ".gguf":
+            hint = ("; GGUF files (llama.cpp, Ollama) are not read: give a Hugging Face model directory "
+                    "(config.json, tokenizer.json and safetensors weights) or a hub id")
+        elif path.suffix.lower() in (".safetensors", ".json", ".bin"):
+            hint = f"; give the directory that holds it ({path.parent})"
+        raise ValueError(f"{model} is a file, not a model directory{hint}")
     if _looks_like_path(model) or not is_repo_id(model) or expand_user(model.split("/")[0]).is_dir():
         # A path (or its first folder exists here): the user meant a directory, not the hub.
         raise FileNotFoundError(no_such_directory(model))

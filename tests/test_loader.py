@@ -437,3 +437,20 @@ def test_checkpoint_dtype_read_from_tensors_when_config_has_none(tmp_path):
     cfg.pop("dtype", None), cfg.pop("torch_dtype", None)
     (path / "config.json").write_text(json.dumps(cfg))
     assert load_model_config(path).torch_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("name, hint", [
+    ("model.Q4_K_M.gguf", "GGUF files (llama.cpp, Ollama) are not read: give a Hugging Face model directory"),
+    ("model.safetensors", "give the directory that holds it"),
+    ("notes.txt", None)])
+def test_a_file_given_as_the_model_says_what_to_give_instead(tmp_path, name, hint):
+    path = tmp_path / name
+    path.write_bytes(b"GGUF" if name.endswith(".gguf") else b"{}")
+    with pytest.raises(ValueError) as caught:
+        resolve_model_path(str(path))
+    message = str(caught.value)
+    assert message.startswith(f"{path} is a file, not a model directory")
+    if hint is None:
+        assert message == f"{path} is a file, not a model directory"
+    else:
+        assert hint in message and (hint != "give the directory that holds it" or str(tmp_path) in message)
