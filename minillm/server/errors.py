@@ -98,6 +98,18 @@ def error_body(status: int, message: str, param: str | None = None,
                       "param": None if param is None else safe_text(param, MAX_PARAM_CHARS), "code": code}}
 
 
+# Anthropic's error types by status (its Messages API's clients read these).
+ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                         413: "request_too_large", 429: "rate_limit_error"}
+
+
+def anthropic_error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """error_body in Anthropic's shape ({"type": "error", "error": {"type", "message", ...}}), its type
+    Anthropic's name for the status; OpenAI's param and code stay in the error object."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", **error_body(status, message, param, code, type=kind)}
+
+
 def error_response(err: APIError) -> JSONResponse:
     """Render an APIError as a JSONResponse."""
     from fastapi.responses import JSONResponse

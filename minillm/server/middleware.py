@@ -8,7 +8,7 @@ import uuid
 
 import anyio
 
-from minillm.server.errors import error_body
+from minillm.server.errors import anthropic_error_body, error_body
 
 # As vLLM: the key guards the API (/v1/...); /health and /metrics stay open to probes and scrapers.
 PROTECTED_PREFIX = "/v1"
@@ -16,10 +16,8 @@ PROTECTED_PREFIX = "/v1"
 
 async def _send_error(send, status: int, message: str, code: str | None = None,
                       extra_headers: list[tuple[bytes, bytes]] | None = None, scope=None) -> None:
-    body = error_body(status, message, code=code)
-    if scope is not None and is_messages_path(route_path(scope)):
-        body = {"type": "error", **body}      # Anthropic's shape: the error object under a "type": "error"
-    body = json.dumps(body).encode()
+    is_anthropic = scope is not None and is_messages_path(route_path(scope))
+    body = json.dumps((anthropic_error_body if is_anthropic else error_body)(status, message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})

@@ -19,15 +19,16 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.server.errors import APIError, _validation_to_api_error
+from minillm.server.errors import APIError, anthropic_error_body
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
-from minillm.server.serving import ServingContext, json_dumps, validate_request
-from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
+from minillm.server.serving import ServingContext, json_dumps
+from minillm.server.translated_api import (
+    ReplyWriter, TranslatedJob, field_of, named_as, serve_translated, tool_param, translated_job,
+)
 
 # Chat fields (as errors raised on the chat side name them) -> the Messages field they came from.
 CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
@@ -59,10 +60,7 @@ class MessagesRequest(_ModelRequest):
 
 def error_json(exc: APIError) -> JSONResponse:
     """An error as Anthropic clients read it, with OpenAI's param and code beside."""
-    kind = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-            429: "rate_limit_error"}.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message, "param": exc.param,
-                                                    "code": exc.code}}, status_code=exc.status)
+    return JSONResponse(anthropic_error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
 
 
 # ---- the request as a chat request ------------------------------------------------------------------
@@ -220,7 +218,6 @@ class MessagesJob(TranslatedJob):
     def __init__(self, ctx: ServingContext, req: MessagesRequest, chat: ChatCompletionRequest,
                  raw: Request | None = None) -> None:
         super().__init__(ctx, chat)
-        self.messages_req = req
         self.response_id = f"msg_{uuid.uuid4().hex}"
 
     def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
@@ -329,19 +326,10 @@ async def create_message(ctx: ServingContext, body: dict, raw: Request):
 async def count_message_tokens(ctx: ServingContext, body: dict, raw: Request):
     """POST /v1/messages/count_tokens: the prompt tokens a request would take ({"input_tokens": N})."""
     try:
-        body = {"max_tokens": 1, **body, "stream": False}
-        try:
-            req = validate_request(MessagesRequest, body)
-        except RequestValidationError as exc:
-            raise _validation_to_api_error(exc) from None
-        ctx.check_model(req.model)
-        try:
-            job = MessagesJob(ctx, req, validate_request(ChatCompletionRequest, chat_body(req)))
-            job.prompt_ids = await ctx.run_blocking(job._render)
-        except RequestValidationError as exc:
-            raise _renamed(_validation_to_api_error(exc)) from None
-        except APIError as exc:
-            raise _renamed(exc) from None
-        return JSONResponse({"input_tokens": len(job.prompt_ids)})
+        _, job = await translated_job(ctx, raw, {"max_tokens": 1, **body, "stream": False}, MessagesRequest,
+                                      chat_body, MessagesJob, check=False)
+        with named_as(_renamed):
+            prompt_ids = await ctx.run_blocking(job._render)
+        return JSONResponse({"input_tokens": len(prompt_ids)})
     except APIError as exc:
         return error_json(exc)

@@ -137,30 +137,43 @@ class ReplyWriter(abc.ABC):
         """A whole tool call's events (no item is open)."""
 
 
-async def serve_translated(ctx: ServingContext, raw: Request, body: dict, request_model: type,
-                           to_chat: Callable[[Any], dict], job_class: type[TranslatedJob],
-                           ignored: Callable[[Any], list[str]] = lambda req: []):
-    """Validate body as request_model, serve it as the chat request to_chat(req) makes through
-    job_class(ctx, req, chat, raw), and answer (JSON, or the job's events). Every error is an APIError
-    named as the API names its fields; ignored(req) names fields taken without effect (logged)."""
-    rename = job_class.rename
-    is_large = await is_large_body(raw)
+@contextlib.contextmanager
+def named_as(rename: Rename):
+    """Errors raised inside, a request's validation errors among them, as APIErrors renamed by rename."""
     try:
-        req = await ctx.run_blocking_if(is_large, validate_request, request_model, body)
-    except RequestValidationError as exc:
-        raise _validation_to_api_error(exc) from None
-    ctx.check_model(req.model)
-    try:
-        chat = validate_request(ChatCompletionRequest, to_chat(req))
-        check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
-        job = await ctx.run_blocking_if(is_large, job_class, ctx, req, chat, raw)
-        await job.prepare()
+        yield
     except RequestValidationError as exc:
         raise rename(_validation_to_api_error(exc)) from None
     except APIError as exc:
         raise rename(exc) from None
+
+
+async def translated_job(ctx: ServingContext, raw: Request, body: dict, request_model: type,
+                         to_chat: Callable[[Any], dict], job_class: type[TranslatedJob],
+                         check: bool = True) -> tuple[Any, TranslatedJob]:
+    """(request, job): body validated as request_model and made the chat request to_chat(req) makes
+    (check: refused where chat completions refuse it), served by job_class(ctx, req, chat, raw), not
+    yet prepared. Every error is an APIError named as the API names its fields."""
+    is_large = await is_large_body(raw)
+    with named_as(lambda exc: exc):
+        req = await ctx.run_blocking_if(is_large, validate_request, request_model, body)
+    ctx.check_model(req.model)
+    with named_as(job_class.rename):
+        chat = validate_request(ChatCompletionRequest, to_chat(req))
+        if check:
+            check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
+        job = await ctx.run_blocking_if(is_large, job_class, ctx, req, chat, raw)
+    return req, job
+
+
+async def serve_translated(ctx: ServingContext, raw: Request, body: dict, request_model: type,
+                           to_chat: Callable[[Any], dict], job_class: type[TranslatedJob],
+                           ignored: Callable[[Any], list[str]] = lambda req: []):
+    """Serve body as translated_job's job, and answer (JSON, or the job's events); ignored(req) names
+    fields taken without effect (logged)."""
+    req, job = await translated_job(ctx, raw, body, request_model, to_chat, job_class)
+    with named_as(job_class.rename):
+        await job.prepare()
     log_unknown_fields(unknown_fields(req) + ignored(req))
-    try:
+    with named_as(job_class.rename):     # e.g. a constraint the engine could not compile names the chat field
         return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
-    except APIError as exc:           # e.g. a constraint the engine could not compile names the chat field
-        raise rename(exc) from None
