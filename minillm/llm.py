@@ -217,13 +217,13 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, prompt, salt), p in zip(prompts, params):
-                if isinstance(prompt, str) and (not prompt or not add_special_tokens):
-                    # "": as in vLLM, the tokenizer's BOS alone, where it adds one
-                    prompt = self.engine.tokenizer.encode(prompt, add_special_tokens=add_special_tokens) or prompt
+                if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
+                    prompt = self.engine.tokenizer.encode("", add_special_tokens=add_special_tokens) or prompt
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p, output_kind="final", cache_salt=salt)
+                self.engine.add_request(rid, prompt, p, output_kind="final", cache_salt=salt,
+                                        tokenization_kwargs={"add_special_tokens": add_special_tokens})
                 ids.append(rid)
         except BaseException:
             for rid in ids:
