@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import json
 import numbers
 from pathlib import Path
 from typing import Any
@@ -459,11 +458,9 @@ class Tokenizer:
         (no specials added; {"input_ids", "attention_mask"} with return_dict) unless tokenize=False,
         and no generation prompt unless asked for. transformers' tokenization options (_TOKENIZE_OPTIONS)
         are a ValueError naming them unless off, never template variables."""
-        for name in _TOKENIZE_OPTIONS:
-            value = template_kwargs.pop(name, None)
-            if value not in (None, False) and value != {}:
-                raise ValueError(f"apply_chat_template: {name}={short_repr(value)} is not supported (minillm's "
-                                 f"tokenizer returns plain lists of token ids)")
+        options = {name: template_kwargs.pop(name) for name in _TOKENIZE_OPTIONS if name in template_kwargs}
+        if options:
+            _check_options_off("apply_chat_template", options, _TOKENIZE_OPTIONS)
         text = self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
         if not tokenize:
             return text
