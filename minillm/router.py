@@ -38,13 +38,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minillm.server.errors import body_parse_error, error_body, install_error_handlers
 from minillm.server.limits import ServerLimits, check_limit
-from minillm.server.middleware import BodyLimitMiddleware
+from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware
 from minillm.urls import check_server_url, http_url, server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
 logger = logging.getLogger("minillm.router")
 
-ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+ROUTES = GENERATION_PATHS      # the routes that generate, the server's own list
 # Where a server takes --api-key from: OpenAI's clients send Authorization, Anthropic's x-api-key.
 KEY_HEADERS = ("authorization", "x-api-key")
 MAX_SAMPLES = 4096

@@ -12,6 +12,8 @@ from minillm.server.errors import anthropic_error_body, error_body
 
 # As vLLM: the key guards the API (/v1/...); /health and /metrics stay open to probes and scrapers.
 PROTECTED_PREFIX = "/v1"
+# The routes that generate (what GET /load counts, and what minillm router sends through its servers).
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
 async def _send_error(send, status: int, message: str, code: str | None = None,
@@ -70,14 +72,13 @@ class ServerLoadMiddleware:
     answering, from their arrival until their response has gone out, stream included: vLLM's
     GET /load figure (server_load)."""
 
-    GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
     def __init__(self, app, load: "ServerLoad") -> None:
         self.app = app
         self.load = load
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in self.GENERATION_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
         self.load.num_requests += 1
         try:
