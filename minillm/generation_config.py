@@ -7,7 +7,8 @@ file (the neutral defaults: temperature 1.0, no truncation). vLLM's override_gen
 (--override-generation-config) sets some of them by the file's names over either: merged into the
 file's under "auto", alone under "vllm"; its max_new_tokens also caps a server request's max_tokens.
 As vLLM's, generation_config may also be a folder holding a generation_config.json, read in place of
-the model's for these defaults.
+the model's for these defaults; its eos_token_id (an id or a list, as Llama 3's) joins the stop token
+ids of every request that does not ignore EOS (folder_eos_token_ids).
 """
 from __future__ import annotations
 
@@ -49,6 +50,25 @@ def generation_config_file(value) -> Path | None:
     if isinstance(value, str) and value in GENERATION_CONFIG_CHOICES:
         return None
     return expand_user(value) / "generation_config.json"
+
+
+def token_id_list(value, where: str) -> list[int]:
+    """An eos_token_id field (None, an id or a list of ids) as a list of ids; ValueError naming WHERE
+    (the file and field) for anything else (a float raised TypeError, a negative id was taken)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise ValueError(f"{where} must be a token id or a list of them, got {short_repr(value)}")
+    return ids
+
+
+def folder_eos_token_ids(value) -> list[int]:
+    """The eos_token_id of the generation_config.json a generation_config folder names, as a list;
+    [] for 'auto' and 'vllm' (the model's own file is the tokenizer's to read, under either, as vLLM
+    reads the model's for EOS under both). vLLM adds these ids to every request's stop_token_ids."""
+    path = generation_config_file(value)
+    if path is None:
+        return []
+    return token_id_list(read_json_object(path).get("eos_token_id"), f"{path} field 'eos_token_id'")
 
 
 def sampling_defaults(generation_config: dict) -> dict:

@@ -8,7 +8,7 @@ from typing import Any
 
 import tokenizers
 
-from minillm.generation_config import sampling_defaults
+from minillm.generation_config import sampling_defaults, token_id_list
 from minillm.model_store import expand_user, read_json_object
 from minillm.sampling_params import short_repr
 
@@ -49,16 +49,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _as_id_list(value: Any, where: str) -> list[int]:
-    """An eos_token_id field (None, an id or a list of ids) -> a list of ids; ValueError naming WHERE
-    (the file and field) for anything else, as config.json's own is checked (a float raised TypeError
-    here, a negative id was taken)."""
-    ids = [] if value is None else value if isinstance(value, list) else [value]
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-        raise ValueError(f"{where} must be a token id or a list of them, got {short_repr(value)}")
-    return ids
 
 
 def _special_token_list(value: Any, where: str) -> list[str | None]:
@@ -198,10 +188,11 @@ class Tokenizer:
         _register_special_tokens(backend, list(special_tokens.values()) + extra)
 
         # generation_config.json names every id that ends a turn (Llama 3 lists several).
-        extra_eos = _as_id_list(generation_config.get("eos_token_id"),
-                                f"{path / 'generation_config.json'} field 'eos_token_id'")
+        extra_eos = token_id_list(generation_config.get("eos_token_id"),
+                                  f"{path / 'generation_config.json'} field 'eos_token_id'")
         if not extra_eos and "eos_token" not in special_tokens:
-            extra_eos = _as_id_list(model_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'")
+            extra_eos = token_id_list(model_config.get("eos_token_id"),
+                                      f"{path / 'config.json'} field 'eos_token_id'")
         pad = generation_config.get("pad_token_id")
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
                         load_chat_template(path, tokenizer_config), name=str(path))

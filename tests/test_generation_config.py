@@ -119,3 +119,87 @@ def test_the_start_up_line_names_where_the_defaults_came_from(greedy_model, gene
     LLMEngine(config, log=lines.append)
     said = [x for x in lines if "sampling defaults" in x]
     assert said == ([line] if line else [])
+
+
+# ---- a generation_config folder's eos_token_id (vLLM's update_from_generation_config) -------------
+
+def test_a_folders_eos_token_id_is_read_as_a_list_and_auto_and_vllm_read_none(tmp_path):
+    from minillm.generation_config import folder_eos_token_ids
+    file = tmp_path / "generation_config.json"
+    for value, ids in ((1, [1]), ([128001, 128008, 128009], [128001, 128008, 128009]), (None, [])):
+        file.write_text(json.dumps({"temperature": 0.6} if value is None else {"eos_token_id": value}))
+        assert folder_eos_token_ids(str(tmp_path)) == ids
+    assert folder_eos_token_ids("auto") == folder_eos_token_ids("vllm") == []
+    file.write_text(json.dumps({"eos_token_id": [2, 1.5]}))
+    with pytest.raises(ValueError, match=r"generation_config.json field 'eos_token_id' must be a token id or a list"):
+        folder_eos_token_ids(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def model_and_folders(stories_path, tmp_path_factory):
+    """stories260K (symlinked; its own generation_config.json names EOS 2 only) and generation_config
+    folders whose eos_token_id adds token 1, on which stories260K's stories end: as an int, and as a
+    list beside the primary EOS and an id past the 512-token vocabulary."""
+    root = tmp_path_factory.mktemp("eos-folders")
+    model = root / "model"
+    model.mkdir()
+    for f in stories_path.iterdir():
+        (model / f.name).symlink_to(f)
+    folders = {}
+    for name, eos in (("int", 1), ("list", [2, 1, 128009])):
+        folders[name] = root / name
+        folders[name].mkdir()
+        (folders[name] / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "eos_token_id": eos}))
+    return model, folders
+
+
+def _story(llm, **params):
+    return llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=450, **params))[0].outputs[0]
+
+
+@pytest.mark.parametrize("form", ["int", "list"])
+def test_a_folders_eos_ids_stop_every_request_that_does_not_ignore_eos(model_and_folders, form, caplog):
+    model, folders = model_and_folders
+    plain = _story(LLM(str(model), device="cpu", num_kv_blocks=64))
+    assert 1 in plain.token_ids                                     # the model's own EOS (2) does not stop there
+    with caplog.at_level("WARNING", logger="minillm"):
+        llm = LLM(str(model), device="cpu", num_kv_blocks=64, generation_config=str(folders[form]))
+    assert ("128009" in caplog.text) == (form == "list")            # past the vocabulary: left out, said so
+    assert llm.get_tokenizer().eos_token_id == 2 and llm.llm_engine.eos_token_ids == [2]   # the primary EOS as it was
+    params = SamplingParams(temperature=0, max_tokens=450, stop_token_ids=[300])
+    [out] = llm.generate("Once upon a time", params)
+    stopped = out.outputs[0]
+    first = plain.token_ids.index(1)
+    assert stopped.token_ids == plain.token_ids[:first + 1]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == 1     # a stop token id, as vLLM's
+    assert params.stop_token_ids == [300]                                 # the caller's params left as given
+    assert llm.get_default_sampling_params().stop_token_ids == []
+    # Without sampling_params, the folder's defaults (temperature 0) and its EOS ids both apply.
+    assert llm.generate("Once upon a time")[0].outputs[0].token_ids == plain.token_ids[:min(first + 1, 16)]
+    held = _story(llm, min_tokens=first + 5)                          # min_tokens holds them back, as EOS
+    assert 1 not in held.token_ids[:first + 4] and len(held.token_ids) >= first + 5
+    ignored = _story(llm, ignore_eos=True)
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 450
+    assert ignored.token_ids[:len(plain.token_ids)] == plain.token_ids
+
+
+def test_auto_and_vllm_take_eos_ids_from_the_models_own_file_only(model_and_folders, eos_model_path):
+    # vLLM reads the model's generation_config.json for EOS under both "auto" and "vllm" ("vllm" leaves
+    # out only its sampling defaults); a folder is read only when given.
+    model, _ = model_and_folders
+    for generation_config in ("auto", "vllm"):
+        own = _story(LLM(str(eos_model_path), device="cpu", num_kv_blocks=64, generation_config=generation_config))
+        assert (own.finish_reason, own.stop_reason, own.token_ids[-1]) == ("stop", 1, 1), generation_config
+        plain = _story(LLM(str(model), device="cpu", num_kv_blocks=64, generation_config=generation_config))
+        assert 1 in plain.token_ids[:-1], generation_config
+
+
+def test_generate_cli_stops_on_a_folders_eos_ids(model_and_folders):
+    model, folders = model_and_folders
+    common = ("generate", str(model), "--device", "cpu", "-p", "Once upon a time", "--max-tokens", "450",
+              "--json", "--temperature", "0")
+    plain, stopped = _cli(*common), _cli(*common, "--generation-config", str(folders["list"]))
+    assert plain.returncode == stopped.returncode == 0, stopped.stderr
+    plain_ids = json.loads(plain.stdout)["outputs"][0]["token_ids"]
+    record = json.loads(stopped.stdout)["outputs"][0]
+    assert record["token_ids"] == plain_ids[:plain_ids.index(1) + 1] and record["finish_reason"] == "stop"
