@@ -23,6 +23,7 @@ import importlib
 import inspect
 import json
 import os
+import re
 import signal
 from enum import Enum
 from pathlib import Path
@@ -195,9 +196,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         help="KV cache storage: auto (the model dtype) or fp8 (FP8 E4M3, twice the tokens per byte).")],
         _default("kv_cache_dtype")),
     "generation_config": (Annotated[str, _engine_option(
-        "--generation-config", metavar="[auto|vllm]",
+        "--generation-config", metavar="[auto|vllm|FOLDER]",
         help="auto: a request's unset temperature, top_p, top_k, min_p, repetition_penalty and max_tokens "
-             "take the model's generation_config.json values; vllm: ignore that file.")],
+             "take the model's generation_config.json values; vllm: ignore that file; a folder: its "
+             "generation_config.json in place of the model's.")],
         _default("generation_config")),
     "override_generation_config": (Annotated[Optional[str], _engine_option(
         "--override-generation-config", metavar="JSON", callback=override_generation_config_option,
@@ -252,6 +254,44 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
     chose the directory: it is not passed on)."""
     options = {k: v for k, v in options.items() if k != "revision"}
     return EngineConfig(model=model_path, **options, **overrides)
+
+
+@contextlib.contextmanager
+def option_values(ctx: typer.Context):
+    """Checks of option values in the block: a ValueError naming one of the command's options by its
+    Python name first, as SamplingParams and EngineConfig name a field ("top_p must be in (0, 1]"),
+    is a usage error (status 2) naming the option instead; any other goes on as it is."""
+    try:
+        yield
+    except ValueError as exc:
+        usage = option_usage_error(ctx, exc)
+        if usage is None:
+            raise
+        raise usage from None
+
+
+def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None:
+    """exc as click's usage error for the option its message starts with ("Invalid value for
+    '--top-p': must be in (0, 1], got 2.0"), or for the two options of "X and Y cannot be combined"
+    ("--kv-transfer-config and --kv-offload-gib cannot be combined"); None when it starts with no
+    option's name. Other names in the text are left as they are: they may be a JSON object's keys."""
+    options = {p.name: max(p.opts, key=len) for p in ctx.command.params
+               if p.param_type_name == "option" and p.opts}
+    name, _, rest = " ".join(str(exc).split()).partition(" ")
+    flag = options.get(name.rstrip(":"))
+    if flag is None:
+        return None
+    both = re.match(r"and (\w+) (.*)", rest)
+    if both is not None and both[1] in options:
+        return UsageError(f"{flag} and {options[both[1]]} {both[2]}", ctx=ctx)
+    return typer.BadParameter(rest, ctx=ctx, param_hint=f"'{flag}'")
+
+
+def check_engine_options(ctx: typer.Context, model: str | None, options: dict, **overrides) -> None:
+    """The engine options checked as EngineConfig checks them, before the model is fetched or loaded:
+    a bad value is a usage error naming its option."""
+    with option_values(ctx):
+        engine_config(model or "", options, **overrides)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,6 +375,7 @@ def _use_readline() -> None:
 @app.command()
 @with_engine_options
 def chat(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}); "
              "with --url, the served model name.")] = None,
@@ -365,7 +406,8 @@ def chat(
         raise CliError("chat reads your messages from stdin, which is closed")
     require_stdout("chat")     # its replies go there: input() said only "lost sys.stdout"
     chosen = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "top_k": top_k}.items() if v is not None}
-    settings = sampling_settings(chosen, max_tokens, seed)
+    with option_values(ctx):
+        settings = sampling_settings(chosen, max_tokens, seed)
     template = chat_template_option(chat_template, read_chat_template) if chat_template else None
     if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
@@ -374,6 +416,7 @@ def chat(
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
                                   chat_template=template)
     else:
+        check_engine_options(ctx, model, engine_options)
         path = resolve_chat_model(model, engine_options["download_dir"],
                                   revision=engine_options["revision"])
         engine = load_engine(engine_config(path, engine_options))
@@ -535,6 +578,7 @@ def print_logprobs(record: dict) -> None:
 @app.command()
 @with_engine_options
 def generate(
+    ctx: typer.Context,
     model: Annotated[str, typer.Argument(help="Model directory or hub id.")],
     prompt: Annotated[Optional[list[str]], typer.Option(
         "--prompt", "-p", help="A prompt (repeat for a batch; '-': all of stdin, one prompt).")] = None,
@@ -604,7 +648,9 @@ def generate(
                    bad_words=list(bad_words) if bad_words else None,
                    structured_outputs=structured_outputs_option(json_schema, regex, choice, grammar),
                    **{k: v for k, v in model_defaulted.items() if v is not None})
-    SamplingParams(**options)               # a bad flag fails before the model loads
+    with option_values(ctx):
+        SamplingParams(**options)           # a bad flag fails before the model loads
+    check_engine_options(ctx, model, engine_options)
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"], engine_options["revision"])
     llm, outputs = run_generate(engine_config(path, engine_options), prompts, options)
@@ -828,6 +874,7 @@ def server_limits(**values):
 @app.command(cls=ServeCommand)
 @with_engine_options
 def serve(
+    ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
@@ -1030,10 +1077,12 @@ def serve(
     if trust_remote_code:
         typer.echo("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every model "
                    "it loads, never code from a checkpoint", err=True)
+    engine_settings = dict(served_model_name=options.served_model_name[0], seed=seed,
+                           kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
+    check_engine_options(ctx, model, engine_options, **engine_settings)
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
-    config = engine_config(path, engine_options, served_model_name=options.served_model_name[0], seed=seed,
-                           kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
+    config = engine_config(path, engine_options, **engine_settings)
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)

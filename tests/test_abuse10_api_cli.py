@@ -171,8 +171,10 @@ def test_engine_settings_out_of_range_are_value_errors_naming_them(setting, why)
 def test_settings_that_would_exhaust_memory_are_one_line_in_the_cli():
     # Bounded before anything is allocated (it was "out of memory: Unable to allocate ...").
     result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Hi", "--max-num-seqs", str(10**12))
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == "minillm: error: max_num_seqs must be in [1, 65536], got 1000000000000"
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("minillm generate: error: Invalid value for '--max-num-seqs': "
+                                                      "must be in [1, 65536], got 1000000000000 (try 'minillm "
+                                                      "generate --help')")
 
 
 @needs_stories

@@ -61,10 +61,10 @@ def test_the_cli_imports_no_numpy_before_a_command_needs_it():
 @pytest.mark.parametrize("args, needle", [
     (["generate", "--prompt", "hi", "--frobnicate"], "--frobnicate"),
     (["generate", "--prompt", "hi"], "model"),
-    (["generate", str(STORIES), "--prompt", "hi", "--temperature", "-1"], "temperature"),
-    (["generate", str(STORIES), "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+    (["generate", str(STORIES), "--prompt", "hi", "--temperature", "-1"], "--temperature"),
+    (["generate", str(STORIES), "--prompt", "hi", "--max-tokens", "0"], "--max-tokens"),
     (["generate", str(STORIES)], "--prompt"),
-    (["chat", str(STORIES), "--top-p", "1.5"], "top_p"),
+    (["chat", str(STORIES), "--top-p", "1.5"], "--top-p"),
     (["serve", "--device", "tpu"], "--device"),
     (["serve", str(STORIES), "--allowed-origins", "*"], "--allowed-origins"),
     (["serve", str(STORIES), "--allowed-headers", '["x", 1]'], "--allowed-headers"),
@@ -238,6 +238,59 @@ def test_no_error_suggests_an_option_that_does_not_exist(tmp_path, monkeypatch, 
         assert flags <= helps[command], f"{args}: {line} names {flags - helps[command]}"
 
 
+@pytest.mark.parametrize("args, message", [
+    (["generate", "-p", "hi", "--temperature", "-1"],
+     "Invalid value for '--temperature': must be non-negative, got -1.0"),
+    (["generate", "-p", "hi", "--top-p", "2"], "Invalid value for '--top-p': must be in (0, 1], got 2.0"),
+    (["generate", "-p", "hi", "--max-tokens", "0"], "Invalid value for '--max-tokens': must be an integer >= 1, got 0"),
+    (["generate", "-p", "hi", "--top-k", "-5"],
+     "Invalid value for '--top-k': must be -1 (off), 0 (off) or a positive integer, got -5"),
+    (["generate", "-p", "hi", "--stop-token-id", "-2"],
+     "Invalid value for '--stop-token-id': must be non-negative integers, got [-2]"),
+    (["generate", "-p", "hi", "--min-tokens", "9", "--max-tokens", "4"],
+     "Invalid value for '--min-tokens': must not exceed max_tokens (4), got 9"),
+    (["serve", "--kv-role", "producer", "--kv-offload-gib", "1"],
+     "--kv-transfer-config and --kv-offload-gib cannot be combined: an engine has one KV connector"),
+    (["generate", "-p", "hi", "--max-num-seqs", "0"],
+     "Invalid value for '--max-num-seqs': must be in [1, 65536], got 0"),
+    (["generate", "-p", "hi", "-tp", "0"],
+     "Invalid value for '--tensor-parallel-size': must be an integer >= 1, got 0"),
+    (["chat", "--temperature", "-1"], "Invalid value for '--temperature': must be non-negative, got -1.0"),
+    (["chat", "--top-p", "2"], "Invalid value for '--top-p': must be in (0, 1], got 2.0"),
+    (["chat", "--max-tokens", "0"], "Invalid value for '--max-tokens': must be an integer >= 1, got 0"),
+    (["chat", "--block-size", "3"], "Invalid value for '--block-size': must be a power of two in [1, 1024], got 3"),
+    (["serve", "--gpu-memory-utilization", "2"],
+     "Invalid value for '--gpu-memory-utilization': must be in (0, 1], got 2.0"),
+    (["serve", "--max-model-len", "0"], "Invalid value for '--max-model-len': must be >= 1, got 0"),
+])
+def test_a_bad_sampling_or_engine_value_is_a_usage_error_naming_the_option(tmp_path, capsys, monkeypatch, args,
+                                                                           message):
+    # These exited 1 naming SamplingParams' or EngineConfig's field ("top_p must be in (0, 1]"), where
+    # click exits 2 for an option's bad value; checked before the model (missing here) is looked for.
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    command, *flags = args
+    status, out, err = run_main(capsys, command, str(tmp_path / "no-model"), *flags)
+    assert (status, out) == (2, "")
+    assert err.splitlines() == [f"minillm {command}: error: {message} (try 'minillm {command} --help')"]
+
+
+def test_a_bad_value_is_status_2_in_one_line_from_a_fresh_interpreter(tmp_path):
+    result = minillm("serve", "someorg/not-fetched", "--download-dir", str(tmp_path), "--max-num-seqs", "0",
+                     env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2 and result.stdout == "" and "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == ["minillm serve: error: Invalid value for '--max-num-seqs': must be in "
+                                          "[1, 65536], got 0 (try 'minillm serve --help')"]
+    assert not any(tmp_path.iterdir())                  # refused before anything was fetched
+
+
+@pytest.mark.parametrize("args", [["generate", "-p", "hi", "--seed", "-1"], ["chat", "--seed", "-3"]])
+def test_a_negative_sampling_seed_is_taken_as_vllm_takes_it(tmp_path, capsys, monkeypatch, args):
+    # SamplingParams' seed is any 64-bit integer (-1: none), as vLLM's; serve's engine --seed is >= 0.
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    status, _, err = run_main(capsys, args[0], str(tmp_path / "no-model"), *args[1:])
+    assert status == 1 and "no-model" in err
+
+
 # ---- vLLM's names ---------------------------------------------------------------------------------
 
 def test_version():
@@ -290,7 +343,7 @@ def test_generate_logit_bias_flag_reaches_the_sampler_and_bad_pairs_name_the_opt
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["outputs"][0]["token_ids"] == [300] * 4
     for pair, message in (("x=1", "--logit-bias: expected ID=BIAS"), ("300", "--logit-bias: expected ID=BIAS"),
-                          ("5=101", "logit_bias values must be numbers in [-100, 100]"),
+                          ("5=101", "Invalid value for '--logit-bias': values must be numbers in [-100, 100]"),
                           ("600=1", "logit_bias keys must be token ids in [0, 512)")):
         bad = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once", "--logit-bias", pair)
         assert bad.returncode != 0 and message in bad.stderr, (pair, bad.stderr)
@@ -435,7 +488,7 @@ def test_max_step_ms_calibrates_at_start_up_and_keeps_greedy_text():
     bad = minillm(*common, "--max-step-ms", "0")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     [line] = bad.stderr.strip().splitlines()
-    assert "max_step_ms must be a finite number > 0" in line
+    assert "Invalid value for '--max-step-ms': must be a finite number > 0" in line and bad.returncode == 2
     relative = minillm(*common, "--max-step-factor", "1.5")
     assert relative.returncode == 0, relative.stderr
     assert relative.stdout == plain.stdout and "step budget 1.5x the batch's decode step" in relative.stderr
@@ -482,7 +535,7 @@ def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
     steps = record["outputs"][0]["logprobs"]
     assert len(steps) == 12 and all(len(step["top_logprobs"]) == 2 for step in steps)
     bad = minillm(*common, "--max-logprobs", "-1")
-    assert bad.returncode != 0 and "max_logprobs must be an integer in [0, 20]" in bad.stderr
+    assert bad.returncode == 2 and "Invalid value for '--max-logprobs': must be an integer in [0, 20]" in bad.stderr
 
 
 # ---- prefill/decode disaggregation -----------------------------------------------------------------
@@ -492,7 +545,8 @@ def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
     (("--kv-lease-s", "3"), "--kv-lease-s needs --kv-role or --kv-transfer-config"),
     (("--kv-transfer-config", "{"), "--kv-transfer-config is not valid JSON"),
     (("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'), "disagree"),
-    (("--kv-transfer-config", '{"kv_colour": 1}'), "kv_transfer_config has unknown keys kv_colour"),
+    (("--kv-transfer-config", '{"kv_colour": 1}'), "Invalid value for '--kv-transfer-config': has unknown keys "
+                                                    "kv_colour"),
     (("--kv-role", "consumer", "--kv-lease-s", "-1"), "--kv-lease-s must be a finite number > 0, got -1.0"),
 ])
 def test_serve_kv_transfer_options_are_checked_before_loading(args, message):

@@ -144,8 +144,8 @@ def test_cli_reports_the_start_up_error_in_one_line(stories_path):
     from tests.test_cli import minillm
     result = minillm("generate", str(stories_path), "--device", "cpu", "-p", "Once",
                      "--kv-offload-gib", str(2 * available_host_bytes() / 2**30))
-    assert result.returncode == 1
-    assert result.stderr.strip().startswith("minillm: error: kv_offload_gib")
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("minillm generate: error: Invalid value for '--kv-offload-gib'")
     assert "available memory" in result.stderr and "Traceback" not in result.stderr
 
 

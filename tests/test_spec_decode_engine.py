@@ -340,9 +340,10 @@ def test_cli_takes_speculative_config_as_json(stories_path):
         return subprocess.run(args, cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)},
                               capture_output=True, text=True, timeout=120)
     bad = generate("--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}')
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().splitlines() == [
-        "minillm: error: speculative_config: num_speculative_tokens must be an integer in [1, 64], got -1"]
+        "minillm generate: error: Invalid value for '--speculative-config': num_speculative_tokens must be an "
+        "integer in [1, 64], got -1 (try 'minillm generate --help')"]
     good = generate("--speculative-config", json.dumps(SPEC))
     plain = generate()
     assert good.returncode == plain.returncode == 0
