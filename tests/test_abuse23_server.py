@@ -20,9 +20,10 @@ from test_abuse20_deploy import serve  # noqa: F401 (the fixture that starts `mi
 from test_server_helpers import CHAT_TEMPLATE, choice_texts, openai_error, sse_events
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
-from minillm.server import serving_tokenization
+from minillm.server import json_body, serving_tokenization
 from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.protocol import DetokenizeRequest
+from minillm.server.serving import LARGE_BODY_BYTES
 from minillm.server.serving_tokenization import decode_in_pieces
 
 MODEL = "stories"
@@ -360,3 +361,72 @@ def test_detokenize_hands_the_tokenizer_a_piece_at_a_time(server, http, monkeypa
     assert reply.status_code == 200 and reply.json()["prompt"] == tok.decode(IDS, skip_special_tokens=False)
     limit = serving_tokenization.DECODE_PIECE_IDS + serving_tokenization.PIECE_CONTEXT_IDS
     assert max(sizes) <= limit and sum(sizes) >= len(IDS)
+
+
+# ---- JSON bodies off the event loop ----------------------------------------------------------------
+
+CONVERSATION = {"model": MODEL, "messages": [{"role": "user", "content": "Tom had a red ball."}], "max_tokens": 4,
+                "temperature": 0}
+LARGE_BODIES = {   # a request, and where its reply's text is
+    "/v1/completions": (_completion(), lambda reply: reply["choices"][0]["text"]),
+    "/v1/chat/completions": (CONVERSATION, lambda reply: reply["choices"][0]["message"]["content"]),
+    "/v1/messages": (CONVERSATION, lambda reply: reply["content"][0]["text"]),
+}
+
+
+def _padded(body: dict) -> bytes:
+    """body as JSON past LARGE_BODY_BYTES: the same request, padded with JSON whitespace."""
+    return json.dumps(body).encode() + b" " * (LARGE_BODY_BYTES + 1)
+
+
+@pytest.mark.parametrize("path", LARGE_BODIES)
+def test_a_large_body_is_parsed_while_the_event_loop_serves(server, http, healthy_stream, monkeypatch, path):
+    # FastAPI parsed every body on the event loop (10-12 ms per MB of token ids or messages, during
+    # which no stream and no /health was served). The parse of a large body is held here until
+    # /health and a completion have answered.
+    body, reply_text = LARGE_BODIES[path]
+    alone = http.post(path, json=body)
+    assert alone.status_code == 200, alone.text
+    held = Held(json_body.loads_yielding, lambda content: len(content) > LARGE_BODY_BYTES)
+    monkeypatch.setattr(json_body, "loads_yielding", held)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(response=httpx.post(
+        f"{server[0]}{path}", content=_padded(body), headers={"content-type": "application/json"}, timeout=120)))
+    request.start()
+    try:
+        assert held.entered.wait(60), "the large body was never parsed on a thread"
+        assert http.get("/health", timeout=10).status_code == 200
+        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
+    finally:
+        held.released.set()
+        request.join(120)
+    response = result["response"]
+    assert response.status_code == 200, response.text[:300]
+    assert reply_text(response.json()) == reply_text(alone.json())
+
+
+UNPARSED = {   # bodies the JSON parser refuses, as the start of a large body
+    "bad syntax": b'{"model": "stories",' + b" " * LARGE_BODY_BYTES + b"}",
+    "not UTF-8": b'{"model": "caf\xe9", "pad": "' + b"x" * LARGE_BODY_BYTES + b'"}',
+    "a number too long": b'{"max_tokens": ' + b"9" * 5000 + b', "pad": "' + b"x" * LARGE_BODY_BYTES + b'"}',
+    "nested too deeply": b'{"x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    "not an object": b"[" + b" " * LARGE_BODY_BYTES + b"1]",
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize("case", UNPARSED)
+def test_a_large_body_that_does_not_parse_gets_the_error_it_got_on_the_event_loop(http, monkeypatch, path, case):
+    content = UNPARSED[case]
+    assert len(content) > LARGE_BODY_BYTES
+
+    def post():
+        return http.post(path, content=content, headers={"content-type": "application/json"})
+
+    on_thread = post()
+    monkeypatch.setattr(json_body, "LARGE_BODY_BYTES", len(content))     # parsed on the event loop
+    on_loop = post()
+    assert on_thread.status_code == on_loop.status_code == 400
+    assert on_thread.json() == on_loop.json()
+    error = on_thread.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"], error

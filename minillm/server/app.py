@@ -37,6 +37,7 @@ from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_a
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
 from minillm.server.http import uvicorn_config
+from minillm.server.json_body import JSONBodyRoute
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.middleware import (
@@ -371,6 +372,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     # prefix or without it (whether or not the proxy strips it), and the docs name their URLs under it.
     app.root_path = options.root_path
     app.state.ctx = ctx
+    app.router.route_class = JSONBodyRoute     # a large JSON body is parsed off the event loop
     install_error_handlers(app)
     _add_openai_routes(app, ctx)
     load = ServerLoad()

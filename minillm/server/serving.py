@@ -148,7 +148,8 @@ class ServingContext:
 
 # A request body past this many bytes is validated in the preprocessing pool, not on the event loop:
 # pydantic checks a chat's messages one by one, and 300,000 small ones held the loop for 2 s (every
-# stream stalled); in the pool the loop still gets the GIL between them.
+# stream stalled); in the pool the loop still gets the GIL between them. Such a body's JSON is
+# parsed on a thread too (json_body.py).
 LARGE_BODY_BYTES = 64 * 1024
 
 
