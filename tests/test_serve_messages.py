@@ -1,11 +1,20 @@
 """POST /v1/messages (Anthropic's Messages API) through the official anthropic client: replies equal to
 the chat completion of the same conversation, the event stream, tool_use blocks, stop sequences, thinking
-blocks, token counts, and errors in Anthropic's shape that name the field."""
+blocks, token counts, and every error in Anthropic's shape (those that name a field, and those raised
+before the handler: a body that cannot be read, the API key, the body limits, an unknown path)."""
 from __future__ import annotations
+
+import socket
 
 import httpx
 import pytest
 from test_serve_responses import servers  # noqa: F401 (plain and deepseek_r1 apps over one engine)
+from test_server_helpers import chat_model_dir, openai_error, running_server
+
+from minillm.server import serving_messages
+from minillm.server.app import ServerOptions
+from minillm.server.errors import APIError, EngineDeadError, anthropic_error_body
+from minillm.server.limits import ServerLimits
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -132,7 +141,6 @@ def test_errors_are_anthropic_shaped_and_name_the_field(servers, body, param):
 
 
 def test_the_api_key_is_taken_as_anthropic_clients_send_it(stories_path, tmp_path):
-    from test_server_helpers import chat_model_dir, running_server
     model = chat_model_dir(stories_path, tmp_path / "chat_model")
     with running_server(model, api_key="sk-local", max_model_len=128) as (url, _):
         message = anthropic.Anthropic(base_url=url, api_key="sk-local", max_retries=0).messages.create(
@@ -144,3 +152,145 @@ def test_the_api_key_is_taken_as_anthropic_clients_send_it(stories_path, tmp_pat
         bearer = httpx.post(f"{url}/v1/messages", headers={"authorization": "Bearer sk-local"}, timeout=60,
                             json={"model": "stories", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
         assert bearer.status_code == 200
+
+
+# ---- every error of the Messages API's routes in Anthropic's shape ------------------------------------
+
+KEY = "sk-local"
+BODY_LIMIT = 4096
+MESSAGES_ROUTES = ["/v1/messages", "/v1/messages/count_tokens"]
+REQUEST = {"model": "stories", "max_tokens": 4, "messages": [{"role": "user", "content": "Tom had a red ball."}]}
+
+
+@pytest.fixture(scope="module")
+def guarded(stories_path, tmp_path_factory):
+    """URL of a server with an API key, a body limit of BODY_LIMIT bytes and a body timeout of 1 s."""
+    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
+    options = ServerOptions(limits=ServerLimits(max_body_bytes=BODY_LIMIT, body_timeout_s=1.0))
+    with running_server(model, api_key=KEY, options=options, max_model_len=128) as (url, _):
+        yield url
+
+
+def anthropic_error(response, status: int, kind: str) -> dict:
+    """The error object of an Anthropic-shaped error response, checked: its status and its type."""
+    assert response.status_code == status, response.text[:500]
+    assert response.headers["content-type"] == "application/json"
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert body["error"]["type"] == kind and body["error"]["message"], body
+    return body["error"]
+
+
+def same_error_in_each_shape(post, status: int, kind: str) -> None:
+    """post(path)'s error is Anthropic's (of type kind) on the Messages API's routes, OpenAI's with the
+    same message on /v1/chat/completions."""
+    openai = post("/v1/chat/completions")
+    assert set(openai.json()) == {"error"}
+    message = openai_error(openai, status)["message"]
+    for path in MESSAGES_ROUTES:
+        assert anthropic_error(post(path), status, kind)["message"] == message
+
+
+@pytest.mark.parametrize("status, kind", [
+    (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+    (404, "not_found_error"), (405, "invalid_request_error"), (408, "invalid_request_error"),
+    (413, "request_too_large"), (415, "invalid_request_error"), (429, "rate_limit_error"), (500, "api_error"),
+    (503, "overloaded_error"), (504, "timeout_error"), (529, "overloaded_error"),
+])
+def test_each_status_has_anthropics_error_type(status, kind):
+    assert anthropic_error_body(status, "why", param="p", code="c") == {
+        "type": "error", "error": {"message": "why", "type": kind, "param": "p", "code": "c"}}
+
+
+UNREAD_BODIES = {   # bodies refused before the handler: (content, content type)
+    "malformed JSON": (b'{"model": "stories",}', "application/json"),
+    "no body": (b"", "application/json"),
+    "not an object": (b"[1, 2]", "application/json"),
+    "not UTF-8": (b'{"model": "caf\xe9"}', "application/json"),
+    "not sent as JSON": (b'{"model": "stories"}', "text/plain"),
+}
+
+
+@pytest.mark.parametrize("case", UNREAD_BODIES)
+def test_a_body_that_cannot_be_read_is_anthropics_400(servers, case):
+    content, content_type = UNREAD_BODIES[case]
+
+    def post(path):
+        return httpx.post(f"{servers['plain']}{path}", content=content, headers={"content-type": content_type},
+                          timeout=60)
+    same_error_in_each_shape(post, 400, "invalid_request_error")
+
+
+def test_an_unknown_path_or_method_is_anthropics_404_or_405(servers):
+    url = servers["plain"]
+    anthropic_error(httpx.post(f"{url}/v1/messages/batches", json=REQUEST, timeout=60), 404, "not_found_error")
+    wrong_method = httpx.get(f"{url}/v1/messages", timeout=60)
+    anthropic_error(wrong_method, 405, "invalid_request_error")
+    assert wrong_method.headers["allow"] == "POST"
+    assert set(httpx.get(f"{url}/v1/chat/completions", timeout=60).json()) == {"error"}
+
+
+@pytest.mark.parametrize("failure, status, kind, client_error", [
+    (RuntimeError("injected"), 500, "api_error", anthropic.InternalServerError),
+    (EngineDeadError("the engine loop has stopped: injected"), 500, "api_error", anthropic.InternalServerError),
+    (APIError(503, "injected: no KV transfer", code="kv_transfer_unavailable"), 503, "overloaded_error",
+     anthropic.ServiceUnavailableError),
+], ids=["internal", "engine dead", "unavailable"])
+def test_a_failure_inside_the_handler_is_anthropics(servers, monkeypatch, failure, status, kind, client_error):
+    def failing(req):
+        raise failure
+
+    monkeypatch.setattr(serving_messages, "chat_body", failing)
+    url = servers["plain"]     # a client each: uvicorn closes the connection of a request that raised
+    for call in (lambda: client(url).messages.create(**REQUEST),
+                 lambda: client(url).messages.count_tokens(model="stories", messages=REQUEST["messages"])):
+        with pytest.raises(client_error) as caught:
+            call()
+        assert caught.value.status_code == status
+        assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == kind
+        assert "injected" in caught.value.body["error"]["message"]
+
+
+def test_the_key_check_is_anthropics_401(guarded):
+    def post(path):
+        return httpx.post(f"{guarded}{path}", json=REQUEST, headers={"x-api-key": "sk-other"}, timeout=60)
+    same_error_in_each_shape(post, 401, "authentication_error")
+
+
+@pytest.mark.parametrize("how", ["declared", "chunked"])
+def test_a_body_over_the_limit_is_anthropics_413(guarded, how):
+    content = b'{"model": "stories", "pad": "' + b"x" * BODY_LIMIT + b'"}'
+
+    def post(path):
+        body = content if how == "declared" else iter([content[:100], content[100:]])   # chunked: no length
+        return httpx.post(f"{guarded}{path}", content=body, timeout=60,
+                          headers={"x-api-key": KEY, "authorization": f"Bearer {KEY}",
+                                   "content-type": "application/json"})
+    same_error_in_each_shape(post, 413, "request_too_large")
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        anthropic.Anthropic(base_url=guarded, api_key=KEY, max_retries=0).messages.create(
+            model="stories", max_tokens=4, messages=[{"role": "user", "content": "x" * BODY_LIMIT}])
+    assert caught.value.status_code == 413 and caught.value.body["error"]["type"] == "request_too_large"
+
+
+def test_a_compressed_body_is_anthropics_415(guarded):
+    def post(path):
+        return httpx.post(f"{guarded}{path}", json=REQUEST, timeout=60,
+                          headers={"x-api-key": KEY, "authorization": f"Bearer {KEY}", "content-encoding": "gzip"})
+    same_error_in_each_shape(post, 415, "invalid_request_error")
+
+
+def test_a_body_that_does_not_arrive_is_anthropics_408(guarded):
+    host, port = guarded.removeprefix("http://").split(":")
+
+    def post(path):
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nx-api-key: {KEY}\r\nAuthorization: Bearer {KEY}\r\n"
+                         "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"".encode())
+            reply = b""
+            while chunk := sock.recv(65536):      # the server answers once its body timeout has passed
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        return httpx.Response(int(head.split()[1]), headers=[line.split(b": ", 1) for line in head.split(b"\r\n")[1:]],
+                              content=body)
+    same_error_in_each_shape(post, 408, "invalid_request_error")

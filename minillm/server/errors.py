@@ -1,4 +1,5 @@
-"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status."""
+"""OpenAI-shaped errors: {"error": {"message", "type", "param", "code"}} with the right status (and
+Anthropic's shape, {"type": "error", "error": {...}}, on its Messages API's routes)."""
 from __future__ import annotations
 
 import json
@@ -98,9 +99,12 @@ def error_body(status: int, message: str, param: str | None = None,
                       "param": None if param is None else safe_text(param, MAX_PARAM_CHARS), "code": code}}
 
 
-# Anthropic's error types by status (its Messages API's clients read these).
+# Anthropic's error types by status (its Messages API's clients read these): any other 4xx is an
+# invalid_request_error and any other 5xx an api_error, as Anthropic's error reference says. A 503
+# (the server cannot take the request now: try again) is its overloaded_error, as its 529 is.
 ANTHROPIC_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                         413: "request_too_large", 429: "rate_limit_error"}
+                         413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+                         504: "timeout_error", 529: "overloaded_error"}
 
 
 def anthropic_error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -110,11 +114,12 @@ def anthropic_error_body(status: int, message: str, param: str | None = None, co
     return {"type": "error", **error_body(status, message, param, code, type=kind)}
 
 
-def error_response(err: APIError) -> JSONResponse:
-    """Render an APIError as a JSONResponse."""
+def error_response(err: APIError, is_anthropic: bool = False) -> JSONResponse:
+    """Render an APIError as a JSONResponse, in Anthropic's shape where is_anthropic."""
     from fastapi.responses import JSONResponse
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code, err.type),
-                        status_code=err.status)
+    body = anthropic_error_body(err.status, err.message, err.param, err.code) if is_anthropic else \
+        error_body(err.status, err.message, err.param, err.code, err.type)
+    return JSONResponse(body, status_code=err.status)
 
 
 def param_from_message(message: str) -> str | None:
@@ -212,32 +217,39 @@ def _is_type_tag(part: str) -> bool:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Make every error the app returns OpenAI-shaped."""
+    """Make every error the app returns OpenAI-shaped, or Anthropic-shaped on Anthropic's Messages API
+    routes: a body that does not parse, an unknown path or method, an internal failure, as well as
+    the errors the handlers raise."""
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
+    from minillm.server.middleware import is_messages_route
+
+    def respond(request: Request, err: APIError) -> JSONResponse:
+        return error_response(err, is_anthropic=is_messages_route(request.scope))
+
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_to_api_error(exc, request.headers.get("content-type", "")))
+        return respond(request, _validation_to_api_error(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == FASTAPI_BODY_ERROR:
-            return error_response(body_parse_error(exc.__cause__))
+            return respond(request, body_parse_error(exc.__cause__))
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
-        response = error_response(APIError(exc.status_code, message or HTTPStatus(exc.status_code).phrase))
+        response = respond(request, APIError(exc.status_code, message or HTTPStatus(exc.status_code).phrase))
         response.headers.update(exc.headers or {})    # a 405's Allow (RFC 9110 requires it)
         return response
 
     @app.exception_handler(EngineDeadError)
-    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(APIError(500, str(exc) or "the engine loop has stopped", code="engine_dead"))
+    async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return respond(request, APIError(500, str(exc) or "the engine loop has stopped", code="engine_dead"))
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))

@@ -16,10 +16,11 @@ PROTECTED_PREFIX = "/v1"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
-async def _send_error(send, status: int, message: str, code: str | None = None,
-                      extra_headers: list[tuple[bytes, bytes]] | None = None, scope=None) -> None:
-    is_anthropic = scope is not None and is_messages_path(route_path(scope))
-    body = json.dumps((anthropic_error_body if is_anthropic else error_body)(status, message, code=code)).encode()
+async def _send_error(scope, send, status: int, message: str, code: str | None = None,
+                      extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An error response sent before the app: OpenAI-shaped, or Anthropic-shaped on the Messages API's routes."""
+    shape = anthropic_error_body if is_messages_route(scope) else error_body
+    body = json.dumps(shape(status, message, code=code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": body})
@@ -40,9 +41,9 @@ class APIKeyMiddleware:
         given = bearer_token(headers.get(b"authorization", b""))
         if not hmac.compare_digest(given, self.expected) and not hmac.compare_digest(headers.get(b"x-api-key", b""),
                                                                                         self.expected):
-            return await _send_error(send, 401, "Invalid or missing API key: send `Authorization: Bearer <key>` "
-                                     "or `x-api-key: <key>`.", code="invalid_api_key",
-                                     extra_headers=[(b"www-authenticate", b"Bearer")], scope=scope)
+            return await _send_error(scope, send, 401, "Invalid or missing API key: send `Authorization: Bearer "
+                                     "<key>` or `x-api-key: <key>`.", code="invalid_api_key",
+                                     extra_headers=[(b"www-authenticate", b"Bearer")])
         return await self.app(scope, receive, send)
 
 
@@ -50,6 +51,11 @@ def is_messages_path(path: str) -> bool:
     """True for Anthropic's Messages API routes (/v1/messages and its count_tokens), whose errors
     Anthropic's clients read in their own shape."""
     return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
+def is_messages_route(scope) -> bool:
+    """True for a request to one of Anthropic's Messages API routes (behind --root-path too)."""
+    return is_messages_path(route_path(scope))
 
 
 def _is_protected(scope) -> bool:
@@ -140,11 +146,11 @@ class BodyLimitMiddleware:
         if encoding not in (b"", b"identity"):
             # The body would reach the JSON parser compressed; decompressing here would let a
             # small gzip bomb past the size limit.
-            return await _send_error(send, 415, f"Content-Encoding {encoding.decode('latin-1')!r} is not "
+            return await _send_error(scope, send, 415, f"Content-Encoding {encoding.decode('latin-1')!r} is not "
                                      "supported: send the body uncompressed.", code="unsupported_content_encoding")
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(send)
+            return await self._too_large(scope, send)
         # Read the whole body first (chunked uploads carry no length), then replay it.
         chunks, size, complete = [], 0, False
         with anyio.move_on_after(self.timeout_s):
@@ -155,13 +161,14 @@ class BodyLimitMiddleware:
                 chunks.append(message.get("body", b""))
                 size += len(chunks[-1])
                 if size > self.max_bytes:
-                    return await self._too_large(send)
+                    return await self._too_large(scope, send)
                 if not message.get("more_body", False):
                     complete = True
                     break
         if not complete:
-            return await _send_error(send, 408, f"The request body did not arrive within {self.timeout_s:g} s.",
-                                     code="request_timeout", extra_headers=[(b"connection", b"close")])
+            return await _send_error(scope, send, 408, f"The request body did not arrive within "
+                                     f"{self.timeout_s:g} s.", code="request_timeout",
+                                     extra_headers=[(b"connection", b"close")])
         body = b"".join(chunks)
         replayed = False
 
@@ -174,6 +181,6 @@ class BodyLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
-    async def _too_large(self, send) -> None:
-        await _send_error(send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes.",
+    async def _too_large(self, scope, send) -> None:
+        await _send_error(scope, send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes.",
                           code="request_too_large")

@@ -10,7 +10,9 @@ with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends
 (message_start, content_block_start / _delta / _stop, message_delta, message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
-fields `param` and `code` in the same object, so either kind of client reads them.
+fields `param` and `code` in the same object, so either kind of client reads them: those of the
+handlers here and those raised before them (errors.install_error_handlers and the middleware choose
+the shape by the route).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.server.errors import APIError, anthropic_error_body
+from minillm.server.errors import APIError
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps
 from minillm.server.translated_api import (
@@ -56,11 +58,6 @@ class MessagesRequest(_ModelRequest):
     def _json_text(cls, value: Any) -> Any:
         """Text deep in the blocks is checked here, so an error names this API's field."""
         return _check_json_text(value)
-
-
-def error_json(exc: APIError) -> JSONResponse:
-    """An error as Anthropic clients read it, with OpenAI's param and code beside."""
-    return JSONResponse(anthropic_error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status)
 
 
 # ---- the request as a chat request ------------------------------------------------------------------
@@ -315,21 +312,15 @@ def _ignored(req: MessagesRequest) -> list[str]:
 
 
 async def create_message(ctx: ServingContext, body: dict, raw: Request):
-    """Validate, translate into a chat request, submit and answer (JSON, or Anthropic's events);
-    every error in Anthropic's shape."""
-    try:
-        return await serve_translated(ctx, raw, body, MessagesRequest, chat_body, MessagesJob, _ignored)
-    except APIError as exc:
-        return error_json(exc)
+    """Validate, translate into a chat request, submit and answer (JSON, or Anthropic's events); an
+    error raised here reaches the client in Anthropic's shape (errors.install_error_handlers)."""
+    return await serve_translated(ctx, raw, body, MessagesRequest, chat_body, MessagesJob, _ignored)
 
 
 async def count_message_tokens(ctx: ServingContext, body: dict, raw: Request):
     """POST /v1/messages/count_tokens: the prompt tokens a request would take ({"input_tokens": N})."""
-    try:
-        _, job = await translated_job(ctx, raw, {"max_tokens": 1, **body, "stream": False}, MessagesRequest,
-                                      chat_body, MessagesJob, check=False)
-        with named_as(_renamed):
-            prompt_ids = await ctx.run_blocking(job._render)
-        return JSONResponse({"input_tokens": len(prompt_ids)})
-    except APIError as exc:
-        return error_json(exc)
+    _, job = await translated_job(ctx, raw, {"max_tokens": 1, **body, "stream": False}, MessagesRequest,
+                                  chat_body, MessagesJob, check=False)
+    with named_as(_renamed):
+        prompt_ids = await ctx.run_blocking(job._render)
+    return JSONResponse({"input_tokens": len(prompt_ids)})
