@@ -1,9 +1,11 @@
 """POST /v1/messages (Anthropic's Messages API) through the official anthropic client: replies equal to
 the chat completion of the same conversation, the event stream, tool_use blocks, stop sequences, thinking
 blocks, token counts, and every error in Anthropic's shape (those that name a field, and those raised
-before the handler: a body that cannot be read, the API key, the body limits, an unknown path)."""
+before the handler: a body that cannot be read, the API key, the body limits, an unknown path; and a
+stream's failure after it began)."""
 from __future__ import annotations
 
+import contextlib
 import socket
 
 import httpx
@@ -13,8 +15,9 @@ from test_server_helpers import chat_model_dir, openai_error, running_server
 
 from minillm.server import serving_messages
 from minillm.server.app import ServerOptions
-from minillm.server.errors import APIError, EngineDeadError, anthropic_error_body
+from minillm.server.errors import APIError, EngineDeadError, RequestFailedError, anthropic_error_body
 from minillm.server.limits import ServerLimits
+from minillm.server.serving_messages import MessagesJob
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -249,6 +252,31 @@ def test_a_failure_inside_the_handler_is_anthropics(servers, monkeypatch, failur
         assert caught.value.status_code == status
         assert caught.value.body["type"] == "error" and caught.value.body["error"]["type"] == kind
         assert "injected" in caught.value.body["error"]["message"]
+
+
+def test_a_stream_that_fails_after_it_began_ends_with_anthropics_error_event(servers, monkeypatch):
+    # The failure came as OpenAI's data-only event and [DONE]: the anthropic client skips an event
+    # without a name, and the reply just stopped short, without message_stop and without an error.
+    events_of = MessagesJob.events
+
+    async def failing_after_the_first(self, streams):
+        async with contextlib.aclosing(events_of(self, streams)) as events:
+            first = await anext(events)     # message_start and ping, and as much of the reply as came with them
+            yield first[:first.index("event: ping")]
+            raise RequestFailedError(self.request_id, RuntimeError("injected kernel fault"))
+
+    monkeypatch.setattr(MessagesJob, "events", failing_after_the_first)
+    kinds = []
+    with pytest.raises(anthropic.APIStatusError) as caught:
+        for event in client(servers["plain"]).messages.create(stream=True, **REQUEST):
+            kinds.append(event.type)
+    assert kinds == ["message_start"]
+    error = caught.value.body
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "injected kernel fault" in error["error"]["message"] and error["error"]["code"] == "engine_step_failed"
+    with httpx.stream("POST", f"{servers['plain']}/v1/messages", json={**REQUEST, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-2] == "event: error" and "[DONE]" not in "".join(lines)
 
 
 def test_the_key_check_is_anthropics_401(guarded):

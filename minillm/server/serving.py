@@ -380,11 +380,22 @@ def content_choice_json(index: int, content: str) -> str:
             f'"finish_reason":null,"stop_reason":null}}')
 
 
+def stream_failure(exc: BaseException) -> APIError:
+    """The error a stream reports when its request fails after the headers went out."""
+    if isinstance(exc, APIError):
+        return exc
+    return APIError(500, f"{type(exc).__name__}: {exc}", code="engine_dead")
+
+
 def sse_error(exc: BaseException) -> str:
     """The event a stream ends with when its request fails after the headers went out."""
-    if isinstance(exc, APIError):
-        return sse(error_body(exc.status, exc.message, exc.param, exc.code))
-    return sse(error_body(500, f"{type(exc).__name__}: {exc}", code="engine_dead"))
+    err = stream_failure(exc)
+    return sse(error_body(err.status, err.message, err.param, err.code))
+
+
+def openai_failure_events(exc: BaseException) -> str:
+    """The events that end an OpenAI stream whose request failed after the headers went out."""
+    return sse_error(exc) + SSE_DONE
 
 
 def text_delta(sent: str, text: str) -> str:
@@ -434,8 +445,10 @@ class ChoiceProgress:
         return delta, rows, finish_reason
 
 
-async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Errors before the first event propagate (a real HTTP error); later ones end the stream."""
+async def guard_stream(events: AsyncIterator[str],
+                       failure_events: Callable[[BaseException], str] = openai_failure_events) -> AsyncIterator[str]:
+    """Errors before the first event propagate (a real HTTP error); later ones end the stream with
+    failure_events(exc)."""
     started = False
     async with contextlib.aclosing(events):   # closing it at once is what aborts its requests
         try:
@@ -445,13 +458,14 @@ async def guard_stream(events: AsyncIterator[str]) -> AsyncIterator[str]:
         except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
             if not started:
                 raise
-            yield sse_error(exc)
-            yield SSE_DONE
+            yield failure_events(exc)
 
 
-async def streaming_response(ctx: ServingContext, request: Request, events: AsyncIterator[str]):
-    """Wait for the first event (so early failures get a status code), then stream the rest."""
-    guarded = guard_stream(events)
+async def streaming_response(ctx: ServingContext, request: Request, events: AsyncIterator[str],
+                             failure_events: Callable[[BaseException], str] = openai_failure_events):
+    """Wait for the first event (so early failures get a status code), then stream the rest (a
+    failure after the first ends the stream with failure_events(exc))."""
+    guarded = guard_stream(events, failure_events)
     try:
         first = await until_disconnected(request, anext(guarded))
     except StopAsyncIteration:
@@ -469,15 +483,16 @@ def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:
             ctx.engine.abort(stream.request_id)
 
 
-async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]], params: list,
-                 stream: bool) -> Response:
-    """Submit a job's prompts, then stream its events or return its JSON response; a failure or
-    a hang-up aborts whatever is still running."""
+async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]], params: list, stream: bool,
+                 failure_events: Callable[[BaseException], str] = openai_failure_events) -> Response:
+    """Submit a job's prompts, then stream its events (a failure once they have begun ends them with
+    failure_events(exc)) or return its JSON response; a failure or a hang-up aborts whatever is
+    still running."""
     log_received(ctx, job, prompts, params)
     streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params, job.req.cache_salt))
     try:
         if stream:
-            return await streaming_response(ctx, raw, job.events(streams))
+            return await streaming_response(ctx, raw, job.events(streams), failure_events)
         finals = await until_disconnected(raw, final_outputs(ctx, streams))
     except BaseException:
         abort_unfinished(ctx, streams)

@@ -12,7 +12,8 @@ with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
 fields `param` and `code` in the same object, so either kind of client reads them: those of the
 handlers here and those raised before them (errors.install_error_handlers and the middleware choose
-the shape by the route).
+the shape by the route), and a stream's failure after its first event, sent as Anthropic's `error`
+event.
 """
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.server.errors import APIError
+from minillm.server.errors import APIError, anthropic_error_body
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
-from minillm.server.serving import ServingContext, json_dumps
+from minillm.server.serving import ServingContext, json_dumps, stream_failure
 from minillm.server.translated_api import (
     ReplyWriter, TranslatedJob, field_of, named_as, serve_translated, tool_param, translated_job,
 )
@@ -245,6 +246,12 @@ class MessagesJob(TranslatedJob):
     def event(self, kind: str, **fields) -> str:
         """One server-sent event of Anthropic's stream."""
         return f"event: {kind}\ndata: {json_dumps({'type': kind, **fields})}\n\n"
+
+    def failure_events(self, exc: BaseException) -> str:
+        """Anthropic's error event (its clients raise it; they skip an event without a name, as
+        OpenAI's `data:` error is)."""
+        err = stream_failure(exc)
+        return self.event("error", error=anthropic_error_body(err.status, err.message, err.param, err.code)["error"])
 
     def writer(self) -> _BlockWriter:
         return _BlockWriter(self)

@@ -18,7 +18,7 @@ from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError, _validation_to_api_error
 from minillm.server.protocol import ChatCompletionRequest, check_unsupported, unknown_fields
 from minillm.server.serving import (
-    FinalEvent, ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs,
+    FinalEvent, ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs, openai_failure_events,
     refuse_uncompiled_constraint, text_delta, validate_request,
 )
 from minillm.server.serving_chat import ChatJob
@@ -62,6 +62,10 @@ class TranslatedJob(ChatJob):
     @abc.abstractmethod
     def end_events(self, final: RequestOutput, writer: ReplyWriter) -> str:
         """The events that close it."""
+
+    def failure_events(self, exc: BaseException) -> str:
+        """The events that end the stream when its request fails after the first went out."""
+        return openai_failure_events(exc)
 
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """The API's event stream, from the reply's first output on (so a request the engine refuses
@@ -176,4 +180,4 @@ async def serve_translated(ctx: ServingContext, raw: Request, body: dict, reques
         await job.prepare()
     log_unknown_fields(unknown_fields(req) + ignored(req))
     with named_as(job_class.rename):     # e.g. a constraint the engine could not compile names the chat field
-        return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+        return await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream, job.failure_events)
