@@ -12,7 +12,7 @@ one at batch 256 / context 1024 and batch 64 / context 4096, and prints FP8's ti
 Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
 prefill_attention.cu in its two block shapes, "= flash" marking the one the default picks) on a
 2048-token chunk alone and over 14,000 cached tokens, its TFLOP/s held against the GEMM rate of
-the same run.
+the same run; then over an FP8 cache, through the old kernel and prefill_attention.cu ("flash").
 Small activations stay in L2 between launches, so their GB/s can exceed the copy ceiling.
 FP8 rows (kv_cache_dtype="fp8") count K/V at one byte an element. Last, the nodes of a decode
 step's CUDA graph (Qwen3-0.6B shape, random weights, forward and logits as cuda_graphs.py captures
@@ -160,23 +160,18 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float, decode: bool = Tr
                 tag = " (auto)" if splits == auto else ""
                 rows.append(Row(f"decode attention{kv} splits={splits}{tag}", f"B{batch} ctx{ctx}", t * 1e6,
                                 kv_bytes / t / 1e9, "GB/s", copy_gbs))
-    chunk = 2048
-    tables = rng.permutation(num_blocks)[:chunk // BLOCK][None].astype(np.int32)
-    a = ops.asarray
-    meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([chunk], np.int32)), a(tables),
-                             a(np.zeros(chunk, np.int32)), chunk, chunk, False)
-    qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
-    flops = 4 * HEADS * HEAD_DIM * chunk * (chunk + 1) / 2          # causal QK^T and PV
-    t = time_graph(cp, lambda: ops.paged_attention(qp, k_fp8, v_fp8, meta, HEAD_DIM ** -0.5, scales), iters=10)
-    rows.append(Row("prefill attention fp8 (mma)", f"chunk {chunk}", t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+    rows += prefill_rows(cp, ops, rng, k_fp8, v_fp8, num_blocks, gemm_peak, scales, FP8_PREFILL_KERNELS)
     return rows + prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
 
 
 PREFILL_KERNELS = ("mma", "flash-4w", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, the new one's shapes
+FP8_PREFILL_KERNELS = ("mma", "flash")              # an FP8 cache: the old kernel, flash-4w's shape
 
 
-def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float) -> list[Row]:
-    """One 2048-token causal chunk alone and over a 14,000-token cached prefix, for each kernel.
+def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float, kv_scales=None,
+                 kernels=PREFILL_KERNELS) -> list[Row]:
+    """One 2048-token causal chunk alone and over a 14,000-token cached prefix, for each kernel
+    (with kv_scales, over an FP8 cache).
 
     FLOPs count the unmasked query-key pairs only: 4 * heads * head_dim * chunk * (prefix + (chunk + 1) / 2).
     """
@@ -186,6 +181,7 @@ def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: flo
     qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
     default = ops.PREFILL_ATTENTION
     auto = prefill_attention.variant(prefill_attention.AUTO, qp, k_cache, qp, chunk, 1, ops._num_multiprocessors())
+    kv = " fp8" if kv_scales is not None else ""
     for prefix in (0, 14000):
         ctx = prefix + chunk
         tables = rng.permutation(num_blocks)[:-(-ctx // BLOCK)][None].astype(np.int32)
@@ -193,16 +189,18 @@ def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: flo
                                  a(np.zeros(chunk, np.int32)), chunk, ctx, False)
         flops = 4 * HEADS * HEAD_DIM * chunk * (prefix + (chunk + 1) / 2)
         shape = f"{chunk} over {prefix} cached" if prefix else f"chunk {chunk}"
-        for kernel in PREFILL_KERNELS:
+        for kernel in kernels:
             ops.PREFILL_ATTENTION = kernel
             try:
-                t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5),
-                               iters=10 if prefix == 0 else 3)
+                t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5,
+                                                               kv_scales), iters=10 if prefix == 0 else 3)
             finally:
                 ops.PREFILL_ATTENTION = default
             tag = " = flash" if prefill_attention.VARIANTS.get(kernel) is auto else ""   # the default's pick
-            rows.append(Row(f"prefill attention ({kernel}{tag})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s",
+            rows.append(Row(f"prefill attention{kv} ({kernel}{tag})", shape, t * 1e6, flops / t / 1e12, "TFLOP/s",
                             gemm_peak))
+    if kv_scales is not None:
+        return rows
     return rows + small_chunk_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
 
 

@@ -2,6 +2,7 @@
 
     python3 -m minillm.benchmarks.long_prompt                  # 16,000 tokens, budgets 2048 and 16384
     python3 -m minillm.benchmarks.long_prompt --prompt-len 8000 --budgets 4096 --kernels flash
+    python3 -m minillm.benchmarks.long_prompt --kv-cache-dtype fp8 --kernels flash mma   # FP8 KV cache
 
 Qwen3-0.6B architecture with random bf16 weights (load_format "dummy"), one request of random
 token ids (fresh ids every run, so the prefix cache never serves it), max_tokens 1: the TTFT is the
@@ -47,6 +48,8 @@ def parse_args(argv):
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=KERNELS,
                    help="Prefill attention kernels to compare.")
     p.add_argument("--repeats", type=int, default=3, help="Timed prompts per (budget, kernel).")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="The KV cache's storage (fp8: E4M3, scales calibrated by the first prefill).")
     p.add_argument("--json", type=Path, help="Also write the figures as JSON here.")
     args = p.parse_args(argv)
     if args.prompt_len < 1 or args.repeats < 1 or min(args.budgets) < 1:
@@ -74,7 +77,8 @@ def run_budget(model_dir: str, budget: int, args, rng) -> list[dict]:
     blocks = 2 * -(-max_model_len // 16) + 64          # two prompts' worth: earlier ones get evicted
     rows, default = [], ops.PREFILL_ATTENTION
     with LLM(model_dir, device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=max_model_len,
-             max_num_seqs=8, max_num_batched_tokens=budget, num_kv_blocks=blocks, enforce_eager=True) as llm:
+             max_num_seqs=8, max_num_batched_tokens=budget, num_kv_blocks=blocks, enforce_eager=True,
+             kv_cache_dtype=args.kv_cache_dtype) as llm:
         try:
             for kernel in args.kernels:
                 ops.PREFILL_ATTENTION = kernel
@@ -106,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
         for budget in args.budgets:
             rows += run_budget(model_dir, budget, args, rng)
-    print(f"one {args.prompt_len}-token prompt alone, Qwen3-0.6B shape, random bf16 weights; floor "
+    print(f"one {args.prompt_len}-token prompt alone, Qwen3-0.6B shape, random bf16 weights, KV cache "
+          f"{args.kv_cache_dtype}; floor "
           f"{floor * 1e3:.1f} ms = {prefill_flops(QWEN3_0_6B, args.prompt_len) / 1e12:.1f} TFLOP of prefill "
           f"matrix work at {rate / 1e12:.0f} TFLOP/s (bf16 GEMM 8192^3, measured now)")
     print(f"{'budget':>8} {'kernel':>9} {'TTFT ms':>9} {'runs ms':>24} {'floor / TTFT':>13}")
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         runs = " ".join(f"{t * 1e3:.1f}" for t in r["ttft_runs_s"])
         print(f"{r['budget']:>8} {r['kernel']:>9} {r['ttft_s'] * 1e3:9.1f} {runs:>24} {floor / r['ttft_s']:12.0%}")
     if args.json:
-        args.json.write_text(json.dumps({"prompt_len": args.prompt_len, "matmul_flops": rate, "floor_s": floor,
+        args.json.write_text(json.dumps({"prompt_len": args.prompt_len, "kv_cache_dtype": args.kv_cache_dtype,
+                                         "matmul_flops": rate, "floor_s": floor,
                                          "rows": rows}, indent=1))
     return 0
 

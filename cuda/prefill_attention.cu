@@ -43,6 +43,15 @@
 // tiles writes max -inf, sum 0), and prefill_attention_reduce (grid (Hq, T), 128 threads) merges
 // them into out.
 //
+// FP8 caches (KV_FP8=1: uint8 E4M3 bits, kv_scales [2] = k_scale, v_scale in device memory, as in
+// paged_attention.cu): the tiles' bytes stream into PA_STAGES byte stages by the same cp.async
+// pipeline (half the bytes of a 16-bit cache), and each tile is widened once, after it lands, into
+// one fp16 K and V tile (cvt.rn.f16x2.e4m3x2: exact, every E4M3 value is an fp16) that the MMAs
+// read as above. The MMAs then run in fp16 whatever the activations' dtype: bf16 Q rows are
+// converted to fp16 in shared memory once (exact within fp16's range; larger values saturate at
+// +-65504), and P goes in fp16. k_scale multiplies the scores through scale_log2, v_scale the
+// output. One key group only (PA_KSPLIT 1).
+//
 // Shapes (minillm/ops/prefill_attention.py): "flash" = 4 warps x 32 rows, 2 stages, two blocks a
 // multiprocessor; "flash-8w" = 8 warps in 2 key groups x 4 warps x 32 rows, 3 stages, one block.
 // Registers at HEAD_DIM 128: O is 2 x 16 x 4 fp32 = 128, S of a 32-key step 2 x 4 x 4 = 32; nvcc 13.0
@@ -86,7 +95,12 @@
 #define PA_VALID_ROWS (PA_TOKENS * GQA)           // rows past this are idle (GQA not dividing PA_BM)
 #define PA_LD (HEAD_DIM + 8)                      // padded shared row, in elements
 #define PA_PARTS (HEAD_DIM / 8)                   // 16-byte pieces of a row
-#define PA_KEYS_PER_PASS (PA_THREADS / PA_PARTS)  // K/V rows one pass of the block copies
+#define PA_CP_ELEMS (16 / (int)sizeof(cache_t))   // cache elements of one 16-byte copy
+#define PA_CP_PARTS (HEAD_DIM / PA_CP_ELEMS)      // 16-byte pieces of a cache row
+#define PA_KEYS_PER_PASS (PA_THREADS / PA_CP_PARTS)   // K/V rows one pass of the block copies
+// MMA operands: fp16 for fp16 activations and for every FP8 cache (its values widen exactly to
+// fp16), bf16 otherwise.
+#define PA_MMA_F16 (MINILLM_DTYPE == 1 || KV_FP8)
 #define PA_NT (PA_BC / 8)                         // 8-key MMA tiles of S
 #define PA_DT (HEAD_DIM / 8)                      // 8-column MMA tiles of O
 
@@ -94,7 +108,8 @@ static_assert(PA_WARPS % PA_KSPLIT == 0 && PA_BN % PA_KSPLIT == 0, "key groups m
 static_assert(PA_SPAN % PA_BC == 0 && PA_BC % 16 == 0, "softmax steps must tile a key group's span");
 static_assert(PA_STAGES >= 2, "the next tile needs a stage of its own");
 static_assert(PA_TOKENS >= 1, "GQA must not exceed the rows of a block");
-static_assert(PA_THREADS % PA_PARTS == 0 && PA_BN % PA_KEYS_PER_PASS == 0, "K/V copy passes must tile");
+static_assert(PA_THREADS % PA_CP_PARTS == 0 && PA_BN % PA_KEYS_PER_PASS == 0, "K/V copy passes must tile");
+static_assert(!KV_FP8 || PA_KSPLIT == 1, "FP8 caches take one key group");
 static_assert((PA_BM * PA_PARTS) % PA_THREADS == 0, "Q copy passes must tile");
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -119,7 +134,7 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned int addr, unsigned int (&
 // c[16x8] += a[16x16] * b[16x8], fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
                                           unsigned int b1) {
-#if MINILLM_DTYPE == 2
+#if !PA_MMA_F16
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
                  "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -132,7 +147,18 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)
 #endif
 }
 
-// Two floats -> packed pair of 16-bit values, `lo` in the low half (the lower column).
+// Two floats -> packed pair of MMA operands (P), `lo` in the low half (the lower column).
+__device__ __forceinline__ unsigned int pack_mma(float lo, float hi) {
+    unsigned int r;
+#if PA_MMA_F16
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+// Two floats -> packed pair of 16-bit activations (scalar_t), `lo` in the low half.
 __device__ __forceinline__ unsigned int pack2(float lo, float hi) {
     unsigned int r;
 #if MINILLM_DTYPE == 2
@@ -194,7 +220,7 @@ __device__ __forceinline__ void prefill_load_q(scalar_t* q_s, const scalar_t* q,
 // so the table reads' latency hides behind the barrier).
 __device__ __forceinline__ void prefill_kv_blocks(int (&blk)[PA_KV_PASSES], const int* bt, int kt, int kv_end,
                                                   int block_size_log2) {
-    const int key0 = threadIdx.x / PA_PARTS;
+    const int key0 = threadIdx.x / PA_CP_PARTS;
 #pragma unroll
     for (int i = 0; i < PA_KV_PASSES; ++i) {
         const int t = kt + key0 + i * PA_KEYS_PER_PASS;
@@ -202,25 +228,68 @@ __device__ __forceinline__ void prefill_kv_blocks(int (&blk)[PA_KV_PASSES], cons
     }
 }
 
-// cp.async keys / values kt..kt+PA_BN-1 of one KV head into ks / vs (zero-filled from kv_end).
-__device__ __forceinline__ void prefill_load_kv(scalar_t* ks, scalar_t* vs, const int (&blk)[PA_KV_PASSES],
-                                                const scalar_t* k_cache, const scalar_t* v_cache, int kt,
+// cp.async keys / values kt..kt+PA_BN-1 of one KV head into ks / vs (zero-filled from kv_end):
+// rows of PA_LD elements, or with an FP8 cache rows of HEAD_DIM bytes (the byte stages).
+__device__ __forceinline__ void prefill_load_kv(cache_t* ks, cache_t* vs, const int (&blk)[PA_KV_PASSES],
+                                                const cache_t* k_cache, const cache_t* v_cache, int kt,
                                                 int kv_end, int block_size_log2, long long tok_stride,
                                                 long long head_off) {
-    const int part = threadIdx.x % PA_PARTS, key0 = threadIdx.x / PA_PARTS;
+    const int part = threadIdx.x % PA_CP_PARTS, key0 = threadIdx.x / PA_CP_PARTS;
     const int in_block = (1 << block_size_log2) - 1;
 #pragma unroll
     for (int i = 0; i < PA_KV_PASSES; ++i) {
         const int key = key0 + i * PA_KEYS_PER_PASS, t = kt + key;
         const bool valid = t < kv_end;
         const long long src = valid ? ((((long long)blk[i]) << block_size_log2) | (t & in_block)) * tok_stride
-                                          + head_off + part * 8
+                                          + head_off + part * PA_CP_ELEMS
                                     : 0;
-        const int off = key * PA_LD + part * 8;
+        const int off = key * (KV_FP8 ? HEAD_DIM : PA_LD) + part * PA_CP_ELEMS;
         cp_async16(smem_u32(ks + off), k_cache + src, valid ? 16 : 0);
         cp_async16(smem_u32(vs + off), v_cache + src, valid ? 16 : 0);
     }
 }
+
+#if KV_FP8
+// 16 E4M3 bytes -> 16 fp16 values (exact), in order: byte i is element i.
+__device__ __forceinline__ void widen_e4m3x16(const Vec16& b, Vec16& lo, Vec16& hi) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        Vec16& dst = w < 2 ? lo : hi;
+        dst.w[(w & 1) * 2] = e4m3x2_to_f16x2((unsigned short)(b.w[w] & 0xffffu));
+        dst.w[(w & 1) * 2 + 1] = e4m3x2_to_f16x2((unsigned short)(b.w[w] >> 16));
+    }
+}
+
+// The landed byte tile (k8, v8: [PA_BN][HEAD_DIM]) widened into the fp16 MMA tiles ks, vs.
+__device__ __forceinline__ void prefill_widen_kv(scalar_t* ks, scalar_t* vs, const cache_t* k8, const cache_t* v8) {
+#pragma unroll 1                                   // unrolled, it pushes the kernel past 255 registers
+    for (int i = threadIdx.x; i < PA_BN * PA_CP_PARTS; i += PA_THREADS) {
+        const int key = i / PA_CP_PARTS, part = i % PA_CP_PARTS;
+        Vec16 lo, hi;
+        widen_e4m3x16(*reinterpret_cast<const Vec16*>(k8 + key * HEAD_DIM + part * 16), lo, hi);
+        *reinterpret_cast<Vec16*>(ks + key * PA_LD + part * 16) = lo;
+        *reinterpret_cast<Vec16*>(ks + key * PA_LD + part * 16 + 8) = hi;
+        widen_e4m3x16(*reinterpret_cast<const Vec16*>(v8 + key * HEAD_DIM + part * 16), lo, hi);
+        *reinterpret_cast<Vec16*>(vs + key * PA_LD + part * 16) = lo;
+        *reinterpret_cast<Vec16*>(vs + key * PA_LD + part * 16 + 8) = hi;
+    }
+}
+
+#if MINILLM_DTYPE == 2
+// The landed bf16 Q rows as fp16 in place (the MMAs of an FP8 cache run in fp16): exact within
+// fp16's range, saturated at +-65504 past it, NaN kept.
+__device__ __forceinline__ void prefill_q_to_f16(scalar_t* q_s) {
+    for (int i = threadIdx.x; i < PA_BM * (HEAD_DIM / 2); i += PA_THREADS) {
+        unsigned int* p = reinterpret_cast<unsigned int*>(q_s + (i / (HEAD_DIM / 2)) * PA_LD) + i % (HEAD_DIM / 2);
+        float lo = bf16_bits_to_float((unsigned short)(*p & 0xffffu));
+        float hi = bf16_bits_to_float((unsigned short)(*p >> 16));
+        lo = fabsf(lo) > 65504.0f ? copysignf(65504.0f, lo) : lo;
+        hi = fabsf(hi) > 65504.0f ? copysignf(65504.0f, hi) : hi;
+        *p = pack_mma(lo, hi);
+    }
+}
+#endif
+#endif
 
 // s[mi][n] = Q rows (16 mi ..) of this warp times keys (8 n ..) of the tile, unscaled.
 __device__ __forceinline__ void prefill_scores(float (&s)[PA_MT][PA_NT][4], unsigned int q_addr,
@@ -293,7 +362,7 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[PA_MT][PA_NT][4], flo
                 const float p0 = fast_exp2(fmaf(s[mi][n][2 * h], scale_log2, -ref));
                 const float p1 = fast_exp2(fmaf(s[mi][n][2 * h + 1], scale_log2, -ref));
                 sum += p0 + p1;
-                pa[mi][n >> 1][(n & 1) * 2 + h] = pack2(p0, p1);
+                pa[mi][n >> 1][(n & 1) * 2 + h] = pack_mma(p0, p1);
             }
             l[mi][h] = l[mi][h] * alpha[mi][h] + sum;
         }
@@ -338,7 +407,7 @@ __device__ __forceinline__ void prefill_store(scalar_t* out, long long out_strid
                                               float (&o)[PA_MT][PA_DT][4], float (&m)[PA_MT][2],
                                               float (&l)[PA_MT][2], int wrow0, int q_start, int q_len, int tok0,
                                               int kvh, int g, int tq, int num_heads, int split, int num_splits,
-                                              float scale_log2) {
+                                              float scale_log2, float v_scale) {
 #pragma unroll
     for (int mi = 0; mi < PA_MT; ++mi) {
 #pragma unroll
@@ -346,7 +415,7 @@ __device__ __forceinline__ void prefill_store(scalar_t* out, long long out_strid
             float sum = l[mi][h];
             sum += __shfl_xor_sync(FULL_MASK, sum, 1);
             sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const float inv = sum > 0.0f ? v_scale / sum : 0.0f;
             const int r = wrow0 + mi * 16 + h * 8 + g, tok = tok0 + r / GQA;
             if (r >= PA_VALID_ROWS || tok >= q_len) continue;
             const int head = kvh * GQA + r % GQA;
@@ -356,7 +425,7 @@ __device__ __forceinline__ void prefill_store(scalar_t* out, long long out_strid
 #pragma unroll
                 for (int d = 0; d < PA_DT; ++d)
                     *reinterpret_cast<float2*>(dst + d * 8) = make_float2(o[mi][d][2 * h] * inv, o[mi][d][2 * h + 1] * inv);
-                if (tq == 0) {
+                if (tq == 0) {   // (the sum is the probabilities', so v_scale is in the output alone)
                     const float mx = m[mi][h] == -MINILLM_INF ? -MINILLM_INF : m[mi][h] * scale_log2;
                     *reinterpret_cast<float2*>(part_ml + part * 2) = make_float2(mx, sum);
                 }
@@ -432,15 +501,30 @@ __device__ __forceinline__ void prefill_merge_groups(float* part, float (&o)[PA_
 
 extern "C" __global__ void __launch_bounds__(PA_THREADS, PA_MIN_BLOCKS)
 prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar_t* __restrict__ q,
-                  long long q_stride, const scalar_t* __restrict__ k_cache, const scalar_t* __restrict__ v_cache,
+                  long long q_stride, const cache_t* __restrict__ k_cache, const cache_t* __restrict__ v_cache,
                   const int* __restrict__ block_tables, long long bt_stride, const int* __restrict__ seq_lens,
                   const int* __restrict__ query_start_loc, int num_seqs, int num_kv_heads, int num_q_tiles,
                   int block_size_log2, float scale_log2, int first_wave, float* __restrict__ part_o,
-                  float* __restrict__ part_ml, int num_splits) {
+                  float* __restrict__ part_ml, int num_splits, const float* __restrict__ kv_scales) {
     extern __shared__ Vec16 pa_smem[];                         // Vec16: 16-byte aligned
     scalar_t* q_s = reinterpret_cast<scalar_t*>(pa_smem);     // [PA_BM][PA_LD]
-    scalar_t* k_s = q_s + PA_BM * PA_LD;                       // [PA_STAGES][PA_BN][PA_LD]
+    scalar_t* k_s = q_s + PA_BM * PA_LD;                       // [PA_STAGES][PA_BN][PA_LD] (FP8: one tile)
+#if KV_FP8
+    scalar_t* v_s = k_s + PA_BN * PA_LD;                       // [PA_BN][PA_LD], fp16
+    cache_t* k8_s = reinterpret_cast<cache_t*>(v_s + PA_BN * PA_LD);   // [PA_STAGES][PA_BN][HEAD_DIM] bytes
+    cache_t* v8_s = k8_s + PA_STAGES * PA_BN * HEAD_DIM;
+    cache_t* k_dst = k8_s;                                     // where the copies land
+    cache_t* v_dst = v8_s;
+    constexpr int copy_stage = PA_BN * HEAD_DIM;
+    scale_log2 *= kv_scales[0];                                // the scores are Q (K / k_scale)^T
+    const float v_scale = kv_scales[1];
+#else
     scalar_t* v_s = k_s + PA_STAGES * PA_BN * PA_LD;           // [PA_STAGES][PA_BN][PA_LD]
+    cache_t* k_dst = k_s;
+    cache_t* v_dst = v_s;
+    constexpr int copy_stage = PA_BN * PA_LD;
+    constexpr float v_scale = 1.0f;
+#endif
 
     const PrefillWork w = prefill_work(query_start_loc, num_seqs, num_kv_heads, num_q_tiles, first_wave);
     if (w.tile < 0) return;                                    // block-uniform: before any barrier
@@ -473,11 +557,17 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
         if (t < num_tiles) {
             const int kt = (j_begin + t) * PA_BN;
             prefill_kv_blocks(blk, bt, kt, kv_end, block_size_log2);
-            prefill_load_kv(k_s + t * PA_BN * PA_LD, v_s + t * PA_BN * PA_LD, blk, k_cache, v_cache, kt,
+            prefill_load_kv(k_dst + t * copy_stage, v_dst + t * copy_stage, blk, k_cache, v_cache, kt,
                             kv_end, block_size_log2, tok_stride, head_off);
         }
         cp_async_commit();
     }
+
+#if KV_FP8 && MINILLM_DTYPE == 2
+    cp_async_wait_tile();       // Q landed with tile 0's group (before O's registers are live)
+    __syncthreads();
+    prefill_q_to_f16(q_s);      // read after the barrier that follows tile 0's widening
+#endif
 
     // ldmatrix row addresses of this lane (the fragment layouts of mma.m16n8k16): A rows of Q, B
     // (keys x dims) of K, and B transposed from V; the K/V ones start at this key group's span.
@@ -486,7 +576,7 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_col = (lane >> 4) * 8;
     const unsigned int k_addr0 = smem_u32(k_s + (kgroup * PA_SPAN + k_row) * PA_LD + k_col);
     const unsigned int v_addr0 = smem_u32(v_s + (kgroup * PA_SPAN + v_row) * PA_LD + v_col);
-    constexpr unsigned int stage_bytes = PA_BN * PA_LD * 2;
+    constexpr unsigned int stage_bytes = KV_FP8 ? 0 : PA_BN * PA_LD * 2;   // FP8: the one widened tile
 
     float o[PA_MT][PA_DT][4];
     float m[PA_MT][2], l[PA_MT][2];
@@ -504,11 +594,16 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
         cp_async_wait_tile();
         __syncthreads();        // tile j is visible to all; every warp is done with tile j - 1's stage
         if (ahead < num_tiles) {
-            const int next = (ahead % PA_STAGES) * PA_BN * PA_LD;
-            prefill_load_kv(k_s + next, v_s + next, blk, k_cache, v_cache, (j_begin + ahead) * PA_BN, kv_end,
+            const int next = (ahead % PA_STAGES) * copy_stage;
+            prefill_load_kv(k_dst + next, v_dst + next, blk, k_cache, v_cache, (j_begin + ahead) * PA_BN, kv_end,
                             block_size_log2, tok_stride, head_off);
         }
         cp_async_commit();
+#if KV_FP8
+        // Tile j's bytes into the fp16 tile (every warp is past tile j - 1: the barrier above).
+        prefill_widen_kv(k_s, v_s, k8_s + stage * copy_stage, v8_s + stage * copy_stage);
+        __syncthreads();
+#endif
         if (!warp_active) continue;
 #pragma unroll
         for (int c = 0; c < PA_SPAN / PA_BC; ++c) {
@@ -529,10 +624,10 @@ prefill_attention(scalar_t* __restrict__ out, long long out_stride, const scalar
     if (!warp_active) return;
     if (num_splits == 1)
         prefill_store<false>(out, out_stride, part_o, part_ml, o, m, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq,
-                             num_kv_heads * GQA, 0, 1, scale_log2);
+                             num_kv_heads * GQA, 0, 1, scale_log2, v_scale);
     else
         prefill_store<true>(out, out_stride, part_o, part_ml, o, m, l, wrow0, q_start, q_len, tok0, w.kvh, g, tq,
-                            num_kv_heads * GQA, blockIdx.y, num_splits, scale_log2);
+                            num_kv_heads * GQA, blockIdx.y, num_splits, scale_log2, v_scale);
 }
 
 // out[t, h] = the splits' partials of token row t (< query_start_loc[num_seqs]) and query head h

@@ -72,7 +72,10 @@ FP8_HEAD_SIZES = [(128, 2), (64, 4), (128, 8), (8, 2), (64, 1)]
 # shape); every build must keep its registers off the stack.
 PREFILL_BUILDS = [("bfloat16", 128, 2, "flash-4w"), ("float16", 64, 8, "flash-4w"), ("bfloat16", 128, 3, "flash-4w"),
                   ("float16", 128, 16, "flash-4w"), ("bfloat16", 128, 2, "flash-8w"), ("float16", 64, 3, "flash-8w"),
-                  ("bfloat16", 64, 1, "flash-8w")]
+                  ("bfloat16", 64, 1, "flash-8w"),
+                  # FP8 caches (-DKV_FP8=1: byte stages widened to fp16 tiles), flash-4w's shape only
+                  ("bfloat16", 128, 2, "flash-4w-fp8"), ("float16", 128, 2, "flash-4w-fp8"),
+                  ("bfloat16", 64, 4, "flash-4w-fp8"), ("bfloat16", 128, 16, "flash-4w-fp8")]
 
 # paged_decode at the benchmark's shapes (Qwen3-0.6B: head_dim 128, GQA 2; Llama-3.2-1B: 64, 4),
 # bf16 and FP8 caches: (dtype, KV_FP8, HEAD_DIM, GQA). Each must fit 128 registers with no spills
@@ -97,7 +100,9 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
         builds[f"fp8-attention-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
             "-DMINILLM_DTYPE=2", "-DKV_FP8=1", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}"])
     for dtype, head_dim, group, shape in PREFILL_BUILDS:
-        defines = [f"-D{k}={v}" for k, v in prefill_attention.VARIANTS[shape].defines().items()]
+        variant, fp8 = shape.removesuffix("-fp8"), shape.endswith("-fp8")
+        defines = [f"-D{k}={v}" for k, v in prefill_attention.VARIANTS[variant].defines().items()]
+        defines += ["-DKV_FP8=1"] if fp8 else []
         builds[f"prefill-{dtype}-{head_dim}-{group}-{shape}"] = (inlined_source("prefill_attention.cu"), [
             f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}", *defines,
             "--resource-usage"])
@@ -207,9 +212,10 @@ def test_fp8_attention_compiles_for_each_decode_layout(head_dim, group, nvcc_res
 def test_prefill_attention_builds_without_spills(dtype, head_dim, group, shape, nvcc_results):
     result = nvcc_results[f"prefill-{dtype}-{head_dim}-{group}-{shape}"]
     assert result.returncode == 0, result.stderr
-    report = result.stdout + result.stderr
-    assert "registers" in report, report                                # ptxas's resource report
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+    for kernel in ("prefill_attention", "prefill_attention_reduce"):     # each entry function's own report
+        report = function_report(result.stdout + result.stderr, kernel)
+        assert "registers" in report, report                            # ptxas's resource report
+        assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
 def function_report(report: str, name: str) -> str:

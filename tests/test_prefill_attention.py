@@ -73,10 +73,13 @@ def test_block_shapes_fit_the_multiprocessor():
     for v in pa.VARIANTS.values():
         assert v.rows == 128 and v.warps % v.key_groups == 0
         for head_dim in pa.HEAD_DIMS:
-            per_block = v.smem_bytes(head_dim) + SMEM_PER_BLOCK_RESERVED
-            assert v.min_blocks * per_block <= SMEM_PER_SM, (v, head_dim)
-            assert v.smem_bytes(head_dim) <= 227 * 1024                     # the opt-in limit of one block
+            for fp8 in (False, True) if v.key_groups == 1 else (False,):   # FP8 caches: one key group
+                per_block = v.smem_bytes(head_dim, fp8) + SMEM_PER_BLOCK_RESERVED
+                assert v.min_blocks * per_block <= SMEM_PER_SM, (v, head_dim, fp8)
+                assert v.smem_bytes(head_dim, fp8) <= 227 * 1024             # the opt-in limit of one block
         assert v.defines()["PA_STAGES"] == v.stages
+    # An FP8 block: Q, one widened K and V tile (padded fp16 rows), and two stages of K / V bytes.
+    assert pa.VARIANTS["flash-4w"].smem_bytes(128, True) == (128 + 2 * 64) * 136 * 2 + 2 * 2 * 64 * 128
 
 
 def test_grid_order_swaps_the_second_round_only_for_one_wave_of_two_block_shapes():

@@ -5,7 +5,8 @@ Skips without CuPy or a GPU. Fresh random inputs at every shape: chunk lengths 1
 them; head_dim 64 and 128; bfloat16 and float16; GQA groups 1, 2, 3, 4, 8 and 16; block sizes 1
 to 256 with the history on scattered blocks; both block shapes of the kernel ("flash": 4 warps of
 32 rows; "flash-8w": 8 warps in two key groups). Outputs are poisoned with NaN first, so an element
-the kernel does not write fails. The twin runs once per case; both shapes are held to it.
+the kernel does not write fails. The twin runs once per case; both shapes are held to it. The same
+cases over FP8 E4M3 caches (scaled), through "flash" (flash-4w's shape) and the older kernel.
 """
 from __future__ import annotations
 
@@ -225,3 +226,84 @@ def test_a_small_chunk_at_a_long_context_splits_its_keys():
     assert prefill_attention.kv_splits(256, 2048, sms, 2048, 16, 128) == 1
     blocks, _ = prefill_attention.grid_order(v, prefill_attention.num_q_tiles(v, 2, 128), 8, 1, sms)
     assert blocks == 16
+
+
+# ----------------------------------------------------------------------------- FP8 caches
+
+FP8_SCALES = (0.05, 0.02)           # k_scale, v_scale: standard normal K / V use E4M3 up to ~200
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes):
+    """batch_and_reference's inputs with the caches as E4M3 bytes (quantised by the twin's rule) and
+    the twin's output over them (it reads the bytes as their value times the scale)."""
+    from minillm.fp8 import encode_e4m3
+    k32, v32, q_rows, meta, _ = batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
+                                                    False)
+    k_bits, v_bits = encode_e4m3(k32, FP8_SCALES[0]), encode_e4m3(v32, FP8_SCALES[1])
+    tokens = q_rows.shape[0]
+    ref = npops.paged_attention(q_rows.reshape(tokens, heads, head_dim), k_bits, v_bits, meta, head_dim ** -0.5,
+                                np.asarray(FP8_SCALES, np.float32))
+    return k_bits, v_bits, q_rows, meta, ref
+
+
+def check_fp8_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
+                      kv_splits=None, num_decode_seqs=0):
+    """One ragged batch over FP8 caches through `kernel`, held to the twin; returns the block shape of
+    prefill_attention.cu that ran it (None: the older kernel)."""
+    monkeypatch.setattr(ops, "PREFILL_ATTENTION", kernel)
+    k_bits, v_bits, q_rows, meta, ref = fp8_batch_and_reference(dtype, head_dim, heads, kv_heads, block_size,
+                                                                tuple(q_lens), tuple(prefixes))
+    tokens = q_rows.shape[0]
+    k_cache, v_cache = ops.asarray(k_bits), ops.asarray(v_bits)
+    scales = ops.asarray(np.asarray(FP8_SCALES, np.float32))
+    q = ops.asarray(q_rows, dtype).reshape(tokens, heads, head_dim)
+    chosen = prefill_attention.variant(kernel, q, k_cache, q, meta.max_query_len, len(q_lens), ops._num_multiprocessors())
+    out = ops.asarray(np.full((tokens, heads, head_dim), np.nan, np.float32), dtype)
+    dmeta = device_meta(meta)
+    dmeta.prefill_kv_splits, dmeta.num_decode_seqs = kv_splits, num_decode_seqs
+    if num_decode_seqs:
+        dmeta.prefill_max_seq_len = int(np.max(meta.seq_lens[num_decode_seqs:], initial=0))
+    plan = ops.attention_plan(q, k_cache, v_cache, dmeta, head_dim ** -0.5, scales, out=out)
+    got = to_host32(plan.run(k_cache, v_cache, scales))
+    what = f"fp8 {kernel} {dtype} hd{head_dim} {heads}/{kv_heads} bs{block_size} q={q_lens} prefix={prefixes}"
+    assert np.isfinite(got).all(), f"{what}: non-finite output (an element was not written?)"
+    np.testing.assert_allclose(got, ref, rtol=ATTN_TOL[dtype], atol=ATTN_TOL[dtype], err_msg=what)
+    assert rel_error(got, ref) < REL_TOL[dtype], what
+    return chosen
+
+
+FP8_CASES = [case for case in CASES if case[0] != "float32"]
+
+
+@pytest.mark.parametrize("kernel", ["flash", prefill_attention.OLD_KERNEL])
+@pytest.mark.parametrize("dtype,head_dim,heads,kv_heads,block_size,q_lens,prefixes", FP8_CASES)
+def test_fp8_prefill_matches_twin(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens,
+                                  prefixes):
+    """An FP8 cache through prefill_attention.cu (its bytes widened to fp16 tiles) and through the
+    older kernel: each equals the twin at every shape the 16-bit cases cover."""
+    chosen = check_fp8_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes)
+    assert chosen is (prefill_attention.VARIANTS["flash-4w"] if kernel == "flash" else None), chosen
+
+
+@pytest.mark.parametrize("splits,dtype,head_dim,heads,kv_heads,block_size,q_lens,prefixes", SPLIT_CASES)
+def test_fp8_key_splits_match_twin(monkeypatch, splits, dtype, head_dim, heads, kv_heads, block_size, q_lens,
+                                   prefixes):
+    """v_scale reaches the split partials before the reduce merges them."""
+    chosen = check_fp8_prefill(monkeypatch, "flash", dtype, head_dim, heads, kv_heads, block_size, q_lens,
+                               prefixes, kv_splits=splits)
+    assert chosen is prefill_attention.VARIANTS["flash-4w"]
+
+
+def test_fp8_mixed_step_and_the_block_shapes(monkeypatch):
+    """Decode rows first, then chunks, over an FP8 cache; an FP8 cache takes flash-4w's shape (one key
+    group) whatever the grid, and the older kernel when flash-8w is asked for by name."""
+    check_fp8_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1, 1, 1, 128, 40], [700, 0, 16000, 16000, 9],
+                      num_decode_seqs=3)
+    q = ops.asarray(np.zeros((4, 16, 128), np.float32), "bfloat16")
+    k8 = ops.asarray(np.zeros((8, 16, 8, 128), np.uint8))
+    sms = ops._num_multiprocessors()
+    monkeypatch.setattr(prefill_attention, "AUTO_8W_BLOCKS_PER_SM", 4)
+    assert prefill_attention.variant("flash", q, k8, q, 4, 1, sms) is prefill_attention.VARIANTS["flash-4w"]
+    assert prefill_attention.variant("flash-4w", q, k8, q, 4, 1, sms) is prefill_attention.VARIANTS["flash-4w"]
+    assert prefill_attention.variant("flash-8w", q, k8, q, 4, 1, sms) is None

@@ -930,8 +930,8 @@ def paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, 
     query head h reads KV head h // (Hq // Hk). meta.is_decode_only picks the split-K decode
     kernel (num_splits forces its split count), as do the first meta.num_decode_seqs sequences of
     a mixed step; else the prefill kernel (tensor cores for fp16 / bf16 at head_dim 64 and 128:
-    prefill_attention.cu, or paged_prefill_mma when PREFILL_ATTENTION is "mma" or the cache is
-    FP8). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device. A small grid of
+    prefill_attention.cu, over a 16-bit or an FP8 cache, or paged_prefill_mma when PREFILL_ATTENTION
+    is "mma"). Caches in q's dtype, or uint8 FP8 with kv_scales [2] on the device. A small grid of
     prefill_attention.cu blocks at a long context splits their keys (meta.prefill_kv_splits
     forces the count; 1: none).
     """

@@ -1,9 +1,10 @@
-"""Launcher of cuda/prefill_attention.cu: tensor-core prefill attention for fp16 / bf16 caches.
+"""Launcher of cuda/prefill_attention.cu: tensor-core prefill attention for fp16 / bf16 and FP8 caches.
 
 minillm/ops/cuda.py:paged_attention calls `variant()` for every prefill; when it names a block
-shape (fp16 / bf16 with the cache in the same dtype, head_dim 64 or 128, GQA group up to 16, `out`
-4-byte aligned) `launch()` runs it, otherwise the older kernels of paged_attention.cu run (other
-dtypes, such as an FP8 cache, and other head sizes). The twin is minillm/ops/numpy.py:paged_attention.
+shape (fp16 / bf16 activations with the cache in the same dtype or in FP8 E4M3, head_dim 64 or
+128, GQA group up to 16, `out` 4-byte aligned) `launch()` runs it, otherwise the older kernels of
+paged_attention.cu run (float32, other head sizes). An FP8 cache takes flash-4w's shape (one key
+group). The twin is minillm/ops/numpy.py:paged_attention.
 """
 from __future__ import annotations
 
@@ -49,8 +50,11 @@ class Variant:
         """Query rows of one block (query tokens x the GQA heads sharing a KV head)."""
         return 16 * self.m_tiles * self.warps // self.key_groups
 
-    def smem_bytes(self, head_dim: int) -> int:
-        """Dynamic shared memory of one block: Q rows plus the K and V stages, padded rows."""
+    def smem_bytes(self, head_dim: int, fp8: bool = False) -> int:
+        """Dynamic shared memory of one block: Q rows plus the K and V stages, padded rows (FP8: one
+        widened fp16 K and V tile plus the stages of bytes)."""
+        if fp8:
+            return (self.rows + 2 * KV_TILE) * (head_dim + 8) * 2 + 2 * self.stages * KV_TILE * head_dim
         return (self.rows + 2 * self.stages * KV_TILE) * (head_dim + 8) * 2
 
     def defines(self) -> dict[str, int]:
@@ -78,13 +82,16 @@ def variant(kernel: str, q, k_cache, out, max_query_len: int, batch: int, num_sm
     """
     if kernel not in KERNELS:
         raise ValueError(f"prefill attention kernel must be one of {list(KERNELS)}, got {kernel!r}")
-    if kernel == OLD_KERNEL or q.dtype.name not in ("float16", "bfloat16") or k_cache.dtype != q.dtype:
+    fp8 = k_cache.dtype == np.uint8
+    if kernel == OLD_KERNEL or q.dtype.name not in ("float16", "bfloat16") or (k_cache.dtype != q.dtype and not fp8):
         return None
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if head_dim not in HEAD_DIMS or group > MAX_GROUP or out.data.ptr % 4:
         return None
+    if fp8:                                   # one key group (the source's PA_KSPLIT 1)
+        return VARIANTS["flash-4w"] if kernel in (AUTO, "flash-4w") else None
     if kernel != AUTO:
         return VARIANTS[kernel]
     blocks = num_q_tiles(VARIANTS["flash-4w"], group, max_query_len) * num_kv_heads * batch
@@ -151,9 +158,10 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
     blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, sms)
     splits = num_splits or grid_kv_splits(v, num_tokens, num_heads, head_dim, num_kv_heads, batch, max_query_len,
                                           max_seq_len, sms)
-    defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines()}
+    fp8 = k_cache.dtype == np.uint8
+    defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines(), **({"KV_FP8": 1} if fp8 else {})}
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
-    smem = v.smem_bytes(head_dim)
+    smem = v.smem_bytes(head_dim, fp8)
     _configure(fn, smem)
     out_stride = ops._i64(out.strides[0] // out.dtype.itemsize)
     if splits > 1:
@@ -169,7 +177,7 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
          ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
          ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
          ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
-         np.float32(scale * ops.LOG2E), ops._i32(first_wave), *parts, ops._i32(splits)],
+         np.float32(scale * ops.LOG2E), ops._i32(first_wave), *parts, ops._i32(splits), ops.KV_SCALES],
         shared_mem=smem, keep=keep)]
     if splits > 1 and num_tokens > row0:
         reduce = ops._kernel(SOURCE, q.dtype, "prefill_attention_reduce", **defines)
