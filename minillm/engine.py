@@ -1,7 +1,6 @@
 """LLMEngine: add requests, step the scheduler and the model, hand back RequestOutputs."""
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import numbers
