@@ -19,7 +19,7 @@ from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.prompts import (
-    PromptType, TokensPrompt, array_ids, cache_salt_of, check_lora_request, check_priority,
+    PromptType, TokensPrompt, cache_salt_of, check_lora_request, check_priority,
     tokenization_add_special_tokens, unpack_prompt,
 )
 from minillm.sampling_params import SamplingParams, short_repr

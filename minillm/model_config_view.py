@@ -30,8 +30,8 @@ class HFConfigView:
                                  f"keys: {', '.join(sorted(self._values))})") from None
 
     def __setattr__(self, name: str, value) -> None:
-        raise AttributeError(f"hf_config is read-only: minillm reads the model's config.json as it is "
-                             f"(edit a copy of the model directory)")
+        raise AttributeError("hf_config is read-only: minillm reads the model's config.json as it is "
+                             "(edit a copy of the model directory)")
 
     def __contains__(self, name: str) -> bool:
         return name in self._values
