@@ -1,8 +1,6 @@
 """minillm: a small, fast LLM inference engine with a paged KV cache and continuous batching."""
 from pathlib import Path as _Path
 
-from minillm.sampling_params import SamplingParams
-
 __all__ = ["CompletionOutput", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
            "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
@@ -16,7 +14,11 @@ if (_checkout / "pyproject.toml").is_file() and (_checkout / "tui" / "__init__.p
 
 
 def __getattr__(name: str):
-    # Import the engine lazily so `import minillm` stays light.
+    # Everything lazily: `import minillm` runs before the console script's Ctrl-C guard
+    # (minillm/entry.py) is in place, and a library user pays only for what it uses.
+    if name == "SamplingParams":
+        from minillm.sampling_params import SamplingParams
+        return SamplingParams
     if name == "LLM":
         from minillm.llm import LLM
         return LLM

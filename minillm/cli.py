@@ -1,19 +1,9 @@
 """The `minillm` command line: chat, generate, serve, monitor, pull, list, bench."""
 import sys
 
-_excepthook_before_import = sys.excepthook
-
-
-def _interrupted_while_importing(exc_type, exc, tb) -> None:
-    """Ctrl-C while this module imports (the command starting up): one line, as later, not a
-    traceback of the imports; Python then ends the process by SIGINT, which the shell reads as 130."""
-    if issubclass(exc_type, KeyboardInterrupt):
-        print("minillm: interrupted", file=sys.stderr)
-    else:
-        _excepthook_before_import(exc_type, exc, tb)
-
-
-sys.excepthook = _interrupted_while_importing   # put back at the end of this module
+if __name__ == "__main__":      # python -m minillm.cli: started as the console script starts it
+    from minillm.entry import main as _entry_main
+    _entry_main()
 
 import contextlib
 import dataclasses
@@ -1370,7 +1360,7 @@ _bench_command("serving_gaps", "Where a serving run's long inter-token gaps sit 
 # ---------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: one line on stderr and a non-zero status for any user error."""
+    """The command line (minillm/entry.py runs it): one line on stderr and a non-zero status for any user error."""
     try:
         status = app(args=argv, prog_name="minillm", standalone_mode=False)
         if status == 130:     # typer turns Ctrl-C inside a command into status 130 and says nothing
@@ -1410,11 +1400,3 @@ def _one_line(exc: BaseException) -> str:
 def _fail(message: str, status: int) -> int:
     print(message, file=sys.stderr)
     return status
-
-
-# The module imported whole: Ctrl-C from here on is main()'s to report.
-if sys.excepthook is _interrupted_while_importing:
-    sys.excepthook = _excepthook_before_import
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,4 @@
+"""`python -m minillm`: the console script."""
+from minillm.entry import main
+
+main()
