@@ -1,8 +1,9 @@
 """POST /v1/responses through the official openai client: replies equal to the chat completion of the
-same conversation, the event stream, structured and forced-tool outputs, reasoning items, and 400s
-that name the Responses field."""
+same conversation, the event stream, structured and forced-tool outputs, reasoning items, 400s that
+name the Responses field, and a stream that fails after it began ending with response.failed."""
 from __future__ import annotations
 
+import contextlib
 import json
 
 import httpx
@@ -12,6 +13,8 @@ import pytest
 from test_server_helpers import chat_model_dir, openai_error, running_server
 
 from minillm.server.app import ServerOptions, ServerThread, create_app
+from minillm.server.errors import APIError, EngineDeadError, RequestFailedError
+from minillm.server.serving_responses import ResponsesJob
 
 TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city",
         "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -163,3 +166,41 @@ def test_responses_are_not_stored(servers):
                  "response_not_found")
     with pytest.raises(openai.NotFoundError):
         client(servers["plain"]).responses.retrieve("resp_1")
+
+
+@pytest.mark.parametrize("failure, code, message", [
+    (RequestFailedError("r", RuntimeError("injected kernel fault")), "server_error",
+     "the request failed in the engine: RuntimeError: injected kernel fault"),
+    (EngineDeadError("the engine loop has stopped: injected"), "server_error",
+     "EngineDeadError: the engine loop has stopped: injected"),
+    (APIError(400, "injected: a bad request found late", param="input"), "invalid_prompt",
+     "injected: a bad request found late"),
+], ids=["request failed", "engine dead", "request error"])
+def test_a_stream_that_fails_after_it_began_ends_with_response_failed(servers, monkeypatch, failure, code, message):
+    # The failure came as chat's data-only error and [DONE]: not an event of the Responses API (the
+    # openai client raised a bare APIError), and the response that had begun never ended.
+    events_of = ResponsesJob.events
+
+    async def failing_after_the_first(self, streams):
+        async with contextlib.aclosing(events_of(self, streams)) as events:
+            yield await anext(events)     # response.created, in_progress, and the reply's first text
+            raise failure
+
+    monkeypatch.setattr(ResponsesJob, "events", failing_after_the_first)
+    request = dict(model="stories", input="Lily saw a cat.", max_output_tokens=100, temperature=0)
+    events = list(client(servers["plain"]).responses.create(stream=True, **request))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.failed", kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    failed = events[-1].response
+    assert failed.id == events[0].response.id and failed.status == "failed" and failed.usage is None
+    assert (failed.error.code, failed.error.message) == (code, message)
+    # The message item as far as it came, cut short.
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    [item] = failed.output
+    assert item.type == "message" and item.status == "incomplete" and item.content[0].text == text and text
+    with httpx.stream("POST", f"{servers['plain']}/v1/responses", json={**request, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-2] == "event: response.failed"
+    assert json.loads(lines[-1].removeprefix("data: "))["response"]["error"] == {"code": code, "message": message}
+    assert not any(line.startswith(("data: {\"error\"", "data: [DONE]")) for line in lines)

@@ -114,6 +114,42 @@ def anthropic_error_body(status: int, message: str, param: str | None = None, co
     return {"type": "error", **error_body(status, message, param, code, type=kind)}
 
 
+def responses_error(err: APIError) -> dict:
+    """The `error` of a failed Responses API response: OpenAI's code for err's status, and err's message."""
+    # The API's codes are an enum (server_error, rate_limit_exceeded, invalid_prompt, ...), not free text.
+    code = "rate_limit_exceeded" if err.status == 429 else "invalid_prompt" if err.status < 500 else "server_error"
+    return {"code": code, "message": safe_text(err.message, MAX_MESSAGE_CHARS)}
+
+
+def _sse_event(data: dict, kind: str | None = None) -> str:
+    """One server-sent event of compact JSON, named kind where given."""
+    head = f"event: {kind}\n" if kind is not None else ""
+    return f"{head}data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+def openai_error_event(err: APIError) -> str:
+    """OpenAI's in-band error of a completions or chat stream: a data-only event of the error body."""
+    return _sse_event(error_body(err.status, err.message, err.param, err.code))
+
+
+def openai_error_events(err: APIError) -> str:
+    """The end of a completions or chat stream that failed after it began: the error event, then [DONE]."""
+    return openai_error_event(err) + "data: [DONE]\n\n"
+
+
+def anthropic_error_event(err: APIError) -> str:
+    """The end of a Messages API stream that failed after it began: Anthropic's `error` event."""
+    # Its clients raise it; they skip an event without a name, as OpenAI's data-only error is.
+    return _sse_event(anthropic_error_body(err.status, err.message, err.param, err.code), "error")
+
+
+def response_failed_event(err: APIError, response: dict, sequence_number: int) -> str:
+    """The end of a Responses API stream that failed after it began: `response.failed`, response failed with err."""
+    failed = {**response, "status": "failed", "error": responses_error(err)}
+    return _sse_event({"type": "response.failed", "sequence_number": sequence_number, "response": failed},
+                      "response.failed")
+
+
 def error_response(err: APIError, is_anthropic: bool = False) -> JSONResponse:
     """Render an APIError as a JSONResponse, in Anthropic's shape where is_anthropic."""
     from fastapi.responses import JSONResponse

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
-from minillm.server.errors import APIError, bad_request_from_value_error, error_body
+from minillm.server.errors import APIError, bad_request_from_value_error, openai_error_event, openai_error_events
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import RequestTimer, ServerMetrics
 from minillm.server.streaming import ClientGone, EventStreamResponse, FinalEvent, HangUpWatch
@@ -389,13 +389,12 @@ def stream_failure(exc: BaseException) -> APIError:
 
 def sse_error(exc: BaseException) -> str:
     """The event a stream ends with when its request fails after the headers went out."""
-    err = stream_failure(exc)
-    return sse(error_body(err.status, err.message, err.param, err.code))
+    return openai_error_event(stream_failure(exc))
 
 
 def openai_failure_events(exc: BaseException) -> str:
     """The events that end an OpenAI stream whose request failed after the headers went out."""
-    return sse_error(exc) + SSE_DONE
+    return openai_error_events(stream_failure(exc))
 
 
 def text_delta(sent: str, text: str) -> str:

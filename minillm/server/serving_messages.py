@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.server.errors import APIError, anthropic_error_body
+from minillm.server.errors import APIError, anthropic_error_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
 from minillm.server.translated_api import (
@@ -248,10 +248,8 @@ class MessagesJob(TranslatedJob):
         return f"event: {kind}\ndata: {json_dumps({'type': kind, **fields})}\n\n"
 
     def failure_events(self, exc: BaseException) -> str:
-        """Anthropic's error event (its clients raise it; they skip an event without a name, as
-        OpenAI's `data:` error is)."""
-        err = stream_failure(exc)
-        return self.event("error", error=anthropic_error_body(err.status, err.message, err.param, err.code)["error"])
+        """Anthropic's error event."""
+        return anthropic_error_event(stream_failure(exc))
 
     def writer(self) -> _BlockWriter:
         return _BlockWriter(self)

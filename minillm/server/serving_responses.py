@@ -7,7 +7,8 @@ chat job renders, samples and parses (structured outputs, --reasoning-parser, --
 forced tool calls) as it does for /v1/chat/completions, and its reply becomes output items:
 `reasoning`, a `message` of `output_text`, and `function_call`s. A stream sends the Responses
 events (response.created, output_item.added, output_text.delta, ..., response.completed, or
-response.incomplete when max_output_tokens cut it).
+response.incomplete when max_output_tokens cut it; response.failed, with the response's error and its
+output as far as it came, when the request fails after the stream began).
 
 Responses are not stored: `store` is answered false, and `previous_response_id` and `background`
 are 400s, as they are on a vLLM server without its response store.
@@ -22,9 +23,9 @@ from fastapi import Request
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.server.errors import APIError
+from minillm.server.errors import APIError, response_failed_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
-from minillm.server.serving import ServingContext, client_response_id, json_dumps
+from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
 
 # Chat fields (as errors raised on the chat side name them) -> the Responses field they came from;
@@ -323,6 +324,12 @@ class ResponsesJob(TranslatedJob):
         status = response_status(final.outputs[0])
         return self.event(f"response.{status}", response=self._response(status, writer.items, final))
 
+    def failure_events(self, exc: BaseException) -> str:
+        """response.failed, numbered next: the response with its error and its output so far."""
+        output = self.reply_writer.output_so_far() if self.reply_writer is not None else []
+        number, self.sequence = self.sequence, self.sequence + 1
+        return response_failed_event(stream_failure(exc), self._response("failed", output, None), number)
+
 
 class _EventWriter(ReplyWriter):
     """Output items and their events: a reasoning item, a message item, function calls."""
@@ -356,6 +363,14 @@ class _EventWriter(ReplyWriter):
                                       content_index=0, delta=delta)
         return events + job.event("response.output_text.delta", item_id=self.open["id"], output_index=index,
                                   content_index=0, delta=delta, logprobs=[])
+
+    def output_so_far(self) -> list[dict]:
+        """The items done, and the open one as far as it came (status incomplete)."""
+        if self.open is None:
+            return list(self.items)
+        item_id, text = self.open["id"], self.text_so_far
+        item = _reasoning_item(item_id, text) if self.open["type"] == "reasoning" else _message_item(item_id, text)
+        return [*self.items, {**item, "status": "incomplete"}]
 
     def close(self) -> str:
         if self.open is None:

@@ -50,6 +50,7 @@ class TranslatedJob(ChatJob):
     start_events(), a ReplyWriter's events per output, then end_events()."""
 
     rename: Rename
+    reply_writer: ReplyWriter | None = None     # the stream's writer, once it has begun
 
     @abc.abstractmethod
     def writer(self) -> ReplyWriter:
@@ -70,7 +71,7 @@ class TranslatedJob(ChatJob):
     async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
         """The API's event stream, from the reply's first output on (so a request the engine refuses
         is still an HTTP error)."""
-        writer = self.writer()
+        writer = self.reply_writer = self.writer()
         final: RequestOutput | None = None
         pending = ""
         async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
