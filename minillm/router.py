@@ -10,7 +10,9 @@ Each request goes first to a prefill server with max_tokens 1, stream false and 
 request to a decode server, whose answer (an event stream or JSON) is passed through. Several URLs
 of a role take turns (round robin); one that refuses the connection is skipped for the next. A
 role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
-when the stream had begun): never a hang, since connects time out. One log line per request says
+when the stream had begun): never a hang, since connects time out. The router's own errors take the
+shape of the route's API, as a server's do: Anthropic's on /v1/messages (its `error` event
+mid-stream), and a Responses stream ends with response.failed. One log line per request says
 where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
 header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
 (several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
@@ -27,6 +29,7 @@ import json
 import logging
 import sys
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -36,9 +39,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from minillm.server.errors import body_parse_error, error_body, install_error_handlers
+from minillm.server.errors import (
+    APIError, anthropic_error_event, body_parse_error, error_response, install_error_handlers, openai_error_events,
+    response_failed_event,
+)
 from minillm.server.limits import ServerLimits, check_limit
-from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware
+from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
 from minillm.urls import check_server_url, http_url, server_base_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
@@ -48,7 +54,6 @@ ROUTES = GENERATION_PATHS      # the routes that generate, the server's own list
 # Where a server takes --api-key from: OpenAI's clients send Authorization, Anthropic's x-api-key.
 KEY_HEADERS = ("authorization", "x-api-key")
 MAX_SAMPLES = 4096
-SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
@@ -80,15 +85,15 @@ class RouterConfig:
 
 
 class RouterError(Exception):
-    """A failure the client sees as an OpenAI-shaped error with this status."""
+    """A failure the client sees as an error with this status, in the shape of its route's API."""
 
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
 
-    def response(self) -> JSONResponse:
-        """The error as a response."""
-        return JSONResponse(error_body(self.status, self.message, code=self.code), status_code=self.status)
+    def response(self, path: str) -> JSONResponse:
+        """The error as the response of a request to path (Anthropic's shape on the Messages API's routes)."""
+        return error_response(APIError(self.status, self.message, code=self.code), is_anthropic=is_messages_path(path))
 
 
 class Backends:
@@ -215,6 +220,48 @@ def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> Non
         pass
 
 
+class RelayedEvents:
+    """What the router has relayed of a decode server's stream, to end it as the route's API ends a failed one."""
+
+    def __init__(self, path: str, model: Any = None) -> None:
+        self.path = path
+        self.model = model                     # the request's, for a response the server never began
+        self.num_events = 0
+        self.response: dict | None = None      # the response.created event's
+        self.items: list[dict] = []            # the response.output_item.done events'
+
+    def note(self, events: bytes) -> None:
+        """Take note of whole events on their way to the client."""
+        if self.path != "/v1/responses":     # the other APIs' error events need nothing of the stream
+            return
+        # response.failed is numbered next and carries the response with the items done. Every event
+        # ends with a blank line, and the server's JSON has no raw newline.
+        self.num_events += events.count(b"\n\n")
+        if b"event: response.created\n" in events or b"event: response.output_item.done\n" in events:
+            for event in events.split(b"\n\n"):     # only these are parsed: a few per stream, not one per token
+                self._read(event)
+
+    def _read(self, event: bytes) -> None:
+        kind, _, data = event.partition(b"\ndata: ")
+        try:
+            if kind == b"event: response.created":
+                self.response = json.loads(data)["response"]
+            elif kind == b"event: response.output_item.done":
+                self.items.append(json.loads(data)["item"])
+        except (ValueError, KeyError, TypeError):
+            pass          # not the event a server writes: the failure says what it can without it
+
+    def failure_events(self, err: APIError) -> bytes:
+        """The events that end the stream with err, in the route's API's shape."""
+        if is_messages_path(self.path):
+            return anthropic_error_event(err).encode()
+        if self.path != "/v1/responses":
+            return openai_error_events(err).encode()
+        response = self.response or {"id": f"resp_{uuid.uuid4().hex}", "object": "response",
+                                     "created_at": int(time.time()), "model": self.model}
+        return response_failed_event(err, {**response, "output": self.items}, self.num_events).encode()
+
+
 class Router:
     """The proxy's state: its HTTP client, the backends of each role, the stats."""
 
@@ -261,14 +308,15 @@ class Router:
         request_id = f"router-{next(self._ids)}"
         timing = RequestTiming()
         if not await raw.body():
-            return RouterError(400, "the request body is empty; send a JSON object", "invalid_body").response()
+            return RouterError(400, "the request body is empty; send a JSON object",
+                               "invalid_body").response(path)
         try:
             body = await raw.json()
         except (ValueError, RecursionError) as exc:   # bad JSON, not UTF-8, nested too deeply: the server's 400
             err = body_parse_error(exc)
-            return RouterError(400, err.message, err.code).response()
+            return RouterError(400, err.message, err.code).response(path)
         if not isinstance(body, dict):
-            return RouterError(400, "the request body must be a JSON object", "invalid_body").response()
+            return RouterError(400, "the request body must be a JSON object", "invalid_body").response(path)
         # The client's key (either header a server takes it from), and its request id, which names
         # the response as a single server would.
         headers = {k: v for k, v in raw.headers.items() if k.lower() in (*KEY_HEADERS, "x-request-id")}
@@ -286,7 +334,7 @@ class Router:
         except RouterError as exc:
             timing.status = exc.status
             self._finish(request_id, path, timing, started)
-            return exc.response()
+            return exc.response(path)
         read_transfer_header(response, timing)
         passed = {k: v for k, v in response.headers.items() if k == KV_TRANSFER_HEADER}
         if response.status_code != 200 or not body.get("stream"):
@@ -296,7 +344,7 @@ class Router:
                 timing.status = 502
                 self._finish(request_id, path, timing, started)
                 return RouterError(502, f"the decode server {timing.decode_url} failed: {type(exc).__name__}: "
-                                   f"{exc}", "decode_server_failed").response()
+                                   f"{exc}", "decode_server_failed").response(path)
             finally:
                 await response.aclose()
             timing.decode_s, timing.status = time.monotonic() - sent, response.status_code
@@ -304,7 +352,8 @@ class Router:
             self._finish(request_id, path, timing, started)
             return Response(data, status_code=response.status_code, headers=passed,
                             media_type=response.headers.get("content-type", "application/json"))
-        return StreamingResponse(self._relay(request_id, path, response, timing, started, sent),
+        relayed = RelayedEvents(path, body.get("model"))
+        return StreamingResponse(self._relay(request_id, relayed, response, timing, started, sent),
                                  media_type="text/event-stream", headers=passed)
 
     async def _prefill(self, path: str, body: dict, headers: dict, timing: RequestTiming) -> dict | Response:
@@ -325,9 +374,9 @@ class Router:
                               f"--kv-role producer?)", "prefill_server_failed")
         return kv
 
-    async def _relay(self, request_id: str, path: str, response: httpx.Response, timing: RequestTiming,
+    async def _relay(self, request_id: str, relayed: RelayedEvents, response: httpx.Response, timing: RequestTiming,
                      started: float, sent: float) -> AsyncIterator[bytes]:
-        """The decode server's events, whole events at a time; if it fails mid-stream, an error event."""
+        """The decode server's events, whole events at a time; if it fails mid-stream, the API's error events."""
         buffer = b""
         try:
             async for chunk in response.aiter_raw():
@@ -337,22 +386,22 @@ class Router:
                 buffer += chunk
                 cut = buffer.rfind(b"\n\n")
                 if cut >= 0:
-                    yield buffer[:cut + 2]
-                    buffer = buffer[cut + 2:]
+                    events, buffer = buffer[:cut + 2], buffer[cut + 2:]
+                    relayed.note(events)
+                    yield events
             if buffer:
                 yield buffer
         except httpx.HTTPError as exc:
             timing.status = 502
             message = f"the decode server {timing.decode_url} failed mid-stream: {type(exc).__name__}: {exc}"
-            yield ("data: " + json.dumps(error_body(502, message, code="decode_server_failed")) + "\n\n").encode()
-            yield SSE_DONE
+            yield relayed.failure_events(APIError(502, message, code="decode_server_failed"))
         except (asyncio.CancelledError, GeneratorExit):
             timing.status = CLIENT_CLOSED          # the client went away: the decode server's stream is closed
             raise
         finally:
             await response.aclose()
             timing.decode_s = time.monotonic() - sent
-            self._finish(request_id, path, timing, started)
+            self._finish(request_id, relayed.path, timing, started)
 
     def _finish(self, request_id: str, path: str, timing: RequestTiming, started: float) -> None:
         timing.total_s = time.monotonic() - started
@@ -397,10 +446,10 @@ class Router:
                 continue
             except httpx.HTTPError as exc:
                 return RouterError(502, f"the decode server {url} failed: {type(exc).__name__}: {exc}",
-                                   "decode_server_failed").response()
+                                   "decode_server_failed").response(path)
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
-        return RouterError(503, "no decode server is reachable", "decode_unavailable").response()
+        return RouterError(503, "no decode server is reachable", "decode_unavailable").response(path)
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
