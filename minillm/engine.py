@@ -19,7 +19,8 @@ from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_sal
 from minillm.config import EngineConfig
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
-from minillm.generation_config import defaults_source, describe as describe_defaults, model_sampling_defaults
+from minillm.generation_config import (defaults_source, describe as describe_defaults, folder_stop_token_ids,
+                                       model_sampling_defaults)
 from minillm.kv_connector import make_kv_connector
 from minillm.kv_connector.base import refuse_kv_transfer_params
 from minillm.loader import load_model_config, load_weights, resolve_model_path
@@ -209,9 +210,14 @@ class LLMEngine:
                              f"max_position_embeddings {model_max}")
         requested_len = config.max_model_len or model_max
         self.eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids))
-        # vLLM's update_from_generation_config: the EOS ids beyond the tokenizer's own stop a request
-        # as its stop token ids do, so the one that ends it is its stop_reason.
-        self.extra_eos_token_ids = [t for t in self.eos_token_ids if t != self.tokenizer.eos_token_id]
+        # vLLM's update_from_generation_config: the EOS ids beyond the tokenizer's own (the model's, and a
+        # generation_config folder's) stop a request as its stop token ids do, so the one that ends it
+        # is its stop_reason. A bad folder fails here, before the weights load.
+        primary = self.tokenizer.eos_token_id
+        self.extra_eos_token_ids = [t for t in self.eos_token_ids if t != primary]
+        self.extra_eos_token_ids += [t for t in folder_stop_token_ids(config.generation_config, primary,
+                                                                      self.model_config.vocab_size)
+                                     if t not in self.extra_eos_token_ids]
         if config.load_format == "dummy":
             weights = dummy_weights(self.model_config, self.dtype, config.seed)
         else:

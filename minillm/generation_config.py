@@ -71,6 +71,19 @@ def folder_eos_token_ids(value) -> list[int]:
     return token_id_list(read_json_object(path).get("eos_token_id"), f"{path} field 'eos_token_id'")
 
 
+def folder_stop_token_ids(value, primary_eos: int | None, vocab_size: int) -> list[int]:
+    """The ids a generation_config folder's eos_token_id adds to every request's stop token ids (as
+    vLLM's update_from_generation_config): the tokenizer's own EOS left out (it ends a request as EOS
+    already), and ids past the vocabulary (never sampled, they would fail every request's check)
+    left out and logged. [] for 'auto' and 'vllm'."""
+    eos_ids = folder_eos_token_ids(value)
+    outside = [t for t in eos_ids if t >= vocab_size]
+    if outside:
+        logger.warning("generation_config eos_token_id %s lies outside the vocabulary of %d tokens; left out",
+                       outside, vocab_size)
+    return [t for t in dict.fromkeys(eos_ids) if t != primary_eos and t < vocab_size]
+
+
 def sampling_defaults(generation_config: dict) -> dict:
     """The SamplingParams fields a generation_config.json sets, by their SamplingParams names; a
     value SamplingParams would refuse is left out (and logged)."""

@@ -14,7 +14,6 @@ import numpy as np
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
-from minillm.generation_config import folder_eos_token_ids
 from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
@@ -137,12 +136,7 @@ class LLM:
 
     def __init__(self, model: str, **engine_args):
         config = engine_config(model, engine_args)
-        folder_eos = folder_eos_token_ids(config.generation_config)    # a bad file fails before the model loads
         self.engine = LLMEngine(config)
-        # vLLM's update_from_generation_config: a generation_config folder's EOS ids stop every request
-        # that does not ignore EOS, as its stop token ids (the one that ends it is its stop_reason).
-        self._generation_eos_ids = generation_stop_ids(folder_eos, self.engine.tokenizer.eos_token_id,
-                                                       self.engine.model_config.vocab_size)
         self._ids = itertools.count()
         # One generate() at a time: each steps the engine and keeps only its own finished requests.
         self._generate_lock = threading.Lock()
@@ -231,7 +225,7 @@ class LLM:
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, with_stop_ids(p, self._generation_eos_ids),
+                self.engine.add_request(rid, prompt, p,
                                         output_kind="final", cache_salt=salt,
                                         tokenization_kwargs={"add_special_tokens": add_special_tokens})
                 ids.append(rid)
@@ -335,27 +329,6 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
-
-
-def generation_stop_ids(eos_ids: list[int], primary_eos: int | None, vocab_size: int) -> list[int]:
-    """The EOS ids of a generation_config folder that requests add to their stop token ids: the
-    tokenizer's own EOS left out (it ends a request as EOS already, as vLLM discards it), and ids
-    past the vocabulary (never sampled, they would fail every request's check) left out and logged."""
-    outside = [t for t in eos_ids if t >= vocab_size]
-    if outside:
-        logger.warning("generation_config eos_token_id %s lies outside the vocabulary of %d tokens; left out",
-                       outside, vocab_size)
-    return [t for t in dict.fromkeys(eos_ids) if t != primary_eos and t < vocab_size]
-
-
-def with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
-    """params with stop_ids added to its stop_token_ids, unless it ignores EOS: a copy, the caller's
-    params left as given (params itself when nothing is added)."""
-    if not stop_ids or params.ignore_eos:
-        return params
-    params.validate()              # as the engine validates them: stop_token_ids a list, or a ValueError
-    missing = [t for t in stop_ids if t not in params.stop_token_ids]
-    return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + missing) if missing else params
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.

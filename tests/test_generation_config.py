@@ -183,6 +183,24 @@ def test_a_folders_eos_ids_stop_every_request_that_does_not_ignore_eos(model_and
     assert ignored.token_ids[:len(plain.token_ids)] == plain.token_ids
 
 
+def test_the_engine_itself_stops_on_a_folders_eos_ids(model_and_folders):
+    # The folder's ids join the engine's stop ids, so every path that adds requests to it (LLM, the
+    # chat, the server's engine core) stops on them, not LLM.generate alone.
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    model, folders = model_and_folders
+    plain = LLMEngine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", num_kv_blocks=64,
+                                    generation_config=str(folders["list"])))
+    assert 1 not in plain.extra_eos_token_ids and engine.extra_eos_token_ids == plain.extra_eos_token_ids + [1]
+    for eng in (plain, engine):
+        eng.add_request("r", "Once upon a time", SamplingParams(temperature=0, max_tokens=450))
+        while eng.has_unfinished_requests():
+            outputs = eng.step()
+    [out] = outputs
+    assert out.outputs[0].token_ids[-1] == 1 and out.outputs[0].stop_reason == 1
+
+
 def test_auto_and_vllm_take_eos_ids_from_the_models_own_file_only(model_and_folders, eos_model_path):
     # vLLM reads the model's generation_config.json for EOS under both "auto" and "vllm" ("vllm" leaves
     # out only its sampling defaults); a folder is read only when given.
