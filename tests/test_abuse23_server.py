@@ -20,7 +20,8 @@ from test_abuse20_deploy import serve  # noqa: F401 (the fixture that starts `mi
 from test_server_helpers import CHAT_TEMPLATE, choice_texts, openai_error, sse_events
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
-from minillm.server import json_body, serving_tokenization
+from minillm.server import json_body, serving_chat, serving_completion, serving_messages, serving_responses
+from minillm.server import serving_tokenization
 from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.protocol import DetokenizeRequest
 from minillm.server.serving import LARGE_BODY_BYTES
@@ -403,6 +404,50 @@ def test_a_large_body_is_parsed_while_the_event_loop_serves(server, http, health
     response = result["response"]
     assert response.status_code == 200, response.text[:300]
     assert reply_text(response.json()) == reply_text(alone.json())
+
+
+MANY_MESSAGES = [{"role": "user", "content": "hi"}] * 12_000
+WALKED = {   # what of a large request walks every message or token id, what is held there, and the request
+    "chat: its unknown fields": (serving_chat, "unknown_fields", lambda req: _is_long(req.messages),
+                                 "/v1/chat/completions", {**CONVERSATION, "messages": MANY_MESSAGES}),
+    "responses: its chat request": (serving_responses, "chat_body", lambda req: _is_long(req.input), "/v1/responses",
+                                    {"model": MODEL, "input": MANY_MESSAGES, "max_output_tokens": 4}),
+    "messages: its chat request": (serving_messages, "chat_body", lambda req: _is_long(req.messages), "/v1/messages",
+                                   {**CONVERSATION, "messages": MANY_MESSAGES}),
+    "completions: its token ids": (serving_completion, "truncate_prompt", _is_long, "/v1/completions",
+                                   _completion(prompt=IDS, truncate_prompt_tokens=8)),
+}
+
+
+def _reply(response: httpx.Response) -> tuple[int, object]:
+    """A reply's status and what it says: its error, or its completion's text."""
+    body = response.json()
+    return response.status_code, body.get("error") or body["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stage", WALKED)
+def test_a_large_request_is_walked_while_the_event_loop_serves(server, http, healthy_stream, monkeypatch, stage):
+    # A chat request's unknown fields were looked for in each of its messages on the event loop (110 ms
+    # of a 10 MB body), a Responses or Messages request became a chat request and was validated there
+    # (1.5-2.5 s), and a completion's token ids were copied there (5-25 ms). Each is held here until
+    # /health and a completion have answered.
+    owner, name, is_large, path, body = WALKED[stage]
+    assert len(json.dumps(body)) > LARGE_BODY_BYTES
+    alone = http.post(path, json=body)
+    held = Held(getattr(owner, name), is_large)
+    monkeypatch.setattr(owner, name, held)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(response=httpx.post(f"{server[0]}{path}", json=body,
+                                                                              timeout=120)))
+    request.start()
+    try:
+        assert held.entered.wait(60), "the request never reached the held stage"
+        assert http.get("/health", timeout=10).status_code == 200
+        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
+    finally:
+        held.released.set()
+        request.join(120)
+    assert _reply(result["response"]) == _reply(alone), alone.text[:300]
 
 
 UNPARSED = {   # bodies the JSON parser refuses, as the start of a large body

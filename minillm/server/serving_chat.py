@@ -329,7 +329,8 @@ async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
     req = await ctx.run_blocking_if(is_large, validate_request, ChatCompletionRequest, body)
     ctx.check_model(req.model)
     check_unsupported(req, auto_tool_choice=ctx.tool_call_parser is not None)   # refused, so not logged as ignored
-    log_unknown_fields(unknown_fields(req))
+    # unknown_fields walks every message (110 ms for a 10 MB body of 300,000 small ones): in the pool if large.
+    log_unknown_fields(await ctx.run_blocking_if(is_large, unknown_fields, req))
     job = await ctx.run_blocking_if(is_large, ChatJob, ctx, req, client_response_id("chatcmpl", raw, req.request_id))
     await job.prepare()
     [job.params], claim = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
