@@ -262,7 +262,7 @@ __device__ __forceinline__ void widen_e4m3x16(const Vec16& b, Vec16& lo, Vec16& 
 
 // The landed byte tile (k8, v8: [PA_BN][HEAD_DIM]) widened into the fp16 MMA tiles ks, vs.
 __device__ __forceinline__ void prefill_widen_kv(scalar_t* ks, scalar_t* vs, const cache_t* k8, const cache_t* v8) {
-#pragma unroll 1                                   // unrolled, it pushes the kernel past 255 registers
+#pragma unroll 1                                   // unrolled: no faster on the H200 (RESULTS.md)
     for (int i = threadIdx.x; i < PA_BN * PA_CP_PARTS; i += PA_THREADS) {
         const int key = i / PA_CP_PARTS, part = i % PA_CP_PARTS;
         Vec16 lo, hi;
