@@ -282,6 +282,22 @@ class Held:
         return self.fn(*args, **kwargs)
 
 
+def _served_while_held(http, held: Held, post, what: str):
+    """Start post() (a large request) on a thread; once it is held inside `held`, /health and a
+    completion must answer; then release it and return its response."""
+    result = {}
+    request = threading.Thread(target=lambda: result.update(response=post()))
+    request.start()
+    try:
+        assert held.entered.wait(60), what
+        assert http.get("/health", timeout=10).status_code == 200
+        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
+    finally:
+        held.released.set()
+        request.join(120)
+    return result["response"]
+
+
 def _is_long(value) -> bool:
     return len(value) > 10_000 if isinstance(value, (list, str)) else False
 
@@ -312,18 +328,8 @@ def test_a_large_tokenization_request_leaves_the_event_loop_serving(server, http
     owner = server[1].tokenizer if owner is None else owner
     held = Held(getattr(owner, name), is_large)
     monkeypatch.setattr(owner, name, held)
-    result = {}
-    request = threading.Thread(target=lambda: result.update(response=httpx.post(f"{server[0]}{path}", json=body,
-                                                                              timeout=120)))
-    request.start()
-    try:
-        assert held.entered.wait(60), "the request never reached the held stage"
-        assert http.get("/health", timeout=10).status_code == 200
-        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
-    finally:
-        held.released.set()
-        request.join(120)
-    response = result["response"]
+    response = _served_while_held(http, held, lambda: httpx.post(f"{server[0]}{path}", json=body, timeout=120),
+                                  "the request never reached the held stage")
     assert response.status_code == 200 and response.headers["content-type"] == "application/json", response.text[:300]
     if path == "/detokenize":
         assert response.json() == {"prompt": server[1].tokenizer.decode(IDS, skip_special_tokens=False)}
@@ -390,18 +396,9 @@ def test_a_large_body_is_parsed_while_the_event_loop_serves(server, http, health
     assert alone.status_code == 200, alone.text
     held = Held(json_body.loads_yielding, lambda content: len(content) > LARGE_BODY_BYTES)
     monkeypatch.setattr(json_body, "loads_yielding", held)
-    result = {}
-    request = threading.Thread(target=lambda: result.update(response=httpx.post(
-        f"{server[0]}{path}", content=_padded(body), headers={"content-type": "application/json"}, timeout=120)))
-    request.start()
-    try:
-        assert held.entered.wait(60), "the large body was never parsed on a thread"
-        assert http.get("/health", timeout=10).status_code == 200
-        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
-    finally:
-        held.released.set()
-        request.join(120)
-    response = result["response"]
+    response = _served_while_held(http, held, lambda: httpx.post(
+        f"{server[0]}{path}", content=_padded(body), headers={"content-type": "application/json"}, timeout=120),
+        "the large body was never parsed on a thread")
     assert response.status_code == 200, response.text[:300]
     assert reply_text(response.json()) == reply_text(alone.json())
 
@@ -436,18 +433,9 @@ def test_a_large_request_is_walked_while_the_event_loop_serves(server, http, hea
     alone = http.post(path, json=body)
     held = Held(getattr(owner, name), is_large)
     monkeypatch.setattr(owner, name, held)
-    result = {}
-    request = threading.Thread(target=lambda: result.update(response=httpx.post(f"{server[0]}{path}", json=body,
-                                                                              timeout=120)))
-    request.start()
-    try:
-        assert held.entered.wait(60), "the request never reached the held stage"
-        assert http.get("/health", timeout=10).status_code == 200
-        assert http.post("/v1/completions", json=_completion(), timeout=10).status_code == 200
-    finally:
-        held.released.set()
-        request.join(120)
-    assert _reply(result["response"]) == _reply(alone), alone.text[:300]
+    response = _served_while_held(http, held, lambda: httpx.post(f"{server[0]}{path}", json=body, timeout=120),
+                                  "the request never reached the held stage")
+    assert _reply(response) == _reply(alone), alone.text[:300]
 
 
 UNPARSED = {   # bodies the JSON parser refuses, as the start of a large body

@@ -6,6 +6,8 @@ import json
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
+SSE_DONE = "data: [DONE]\n\n"    # the last event of an OpenAI completions or chat stream
+
 if TYPE_CHECKING:   # FastAPI is imported where the app is built, not by the CLI that reads ServerLimits
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
@@ -134,7 +136,7 @@ def openai_error_event(err: APIError) -> str:
 
 def openai_error_events(err: APIError) -> str:
     """The end of a completions or chat stream that failed after it began: the error event, then [DONE]."""
-    return openai_error_event(err) + "data: [DONE]\n\n"
+    return openai_error_event(err) + SSE_DONE
 
 
 def anthropic_error_event(err: APIError) -> str:

@@ -24,7 +24,7 @@ from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
 from minillm.server.errors import APIError, bad_request_from_value_error, openai_error_event, openai_error_events
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import RequestTimer, ServerMetrics
-from minillm.server.streaming import ClientGone, EventStreamResponse, FinalEvent, HangUpWatch
+from minillm.server.streaming import ClientGone, EventStreamResponse, HangUpWatch
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -323,9 +323,6 @@ def json_dumps(obj: Any) -> str:
 
 # A str as a JSON string literal, exactly as json_dumps writes one (the json module's C encoder).
 json_text: Callable[[str], str] = encode_basestring
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class ChunkFormat:

@@ -10,7 +10,7 @@ from fastapi import Request
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
-from minillm.server.errors import APIError
+from minillm.server.errors import SSE_DONE, APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, prompt_logprobs_json
@@ -20,10 +20,11 @@ from minillm.server.protocol import (
     requested_prompt_logprobs, template_tools, to_sampling_params, tool_choice_of, unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
+    ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, content_choice_json, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, validate_request,
 )
+from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls

@@ -11,7 +11,7 @@ from fastapi import Request
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams, truncate_prompt
 from minillm.server.async_engine import RequestStream
-from minillm.server.errors import APIError
+from minillm.server.errors import SSE_DONE, APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
 from minillm.server.logprobs import (
     LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows, prompt_logprobs_json,
@@ -22,10 +22,11 @@ from minillm.server.protocol import (
     unknown_fields,
 )
 from minillm.server.serving import (
-    SSE_DONE, ChoiceProgress, ChunkFormat, FinalEvent, ServingContext, StreamChoice, all_finished, answer,
+    ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs, new_request_id,
     refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words, validate_request,
 )
+from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
 

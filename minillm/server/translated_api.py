@@ -18,10 +18,11 @@ from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError, _validation_to_api_error
 from minillm.server.protocol import ChatCompletionRequest, check_unsupported, unknown_fields
 from minillm.server.serving import (
-    FinalEvent, ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs, openai_failure_events,
+    ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs, openai_failure_events,
     refuse_uncompiled_constraint, text_delta, validate_request,
 )
 from minillm.server.serving_chat import ChatJob
+from minillm.server.streaming import FinalEvent
 
 Rename = Callable[[APIError], APIError]
 _KIND_NAMES = {str: "a string", dict: "an object", list: "a list", bool: "a boolean"}
