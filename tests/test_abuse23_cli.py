@@ -43,26 +43,6 @@ def run_bytes(*args: bytes | str, stdin: bytes = b"") -> subprocess.CompletedPro
 
 # ---- Ctrl-C at start-up and during shutdown -------------------------------------------------------------
 
-def test_ctrl_c_while_the_command_line_imports_is_one_line_not_a_traceback():
-    # Ctrl-C in the first third of a second (typer and click importing) printed a traceback of the imports.
-    # The interrupt is raised where typer is imported, as SIGINT would raise it there.
-    code = ("import runpy, sys\n"
-            "class Interrupt:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name == 'typer':\n"
-            "            raise KeyboardInterrupt\n"
-            "sys.meta_path.insert(0, Interrupt())\n"
-            "sys.argv = ['minillm', '--help']\n"
-            "runpy.run_module('minillm.cli', run_name='__main__')\n")
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
-                            timeout=120)
-    assert result.stderr == "minillm: interrupted\n"
-    assert result.returncode == 130          # as a Ctrl-C later on (python -m minillm.cli runs minillm/entry.py)
-    # Imported as a library, the module leaves SIGINT as it was (the entry holds it back until it runs).
-    import minillm.cli  # noqa: F401
-    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
-
-
 @needs_stories
 def test_a_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
     # The second Ctrl-C landed in Python's shutdown (a KV pool to free, threads to join) and printed

@@ -3,7 +3,6 @@
 console script runs it."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -36,7 +35,16 @@ def test_the_entry_holds_sigint_and_imports_nothing_heavy_before_main():
     assert result.stdout.splitlines() == ["['minillm', 'minillm.entry']", "True"]
 
 
-def test_ctrl_c_raised_while_typer_imports_is_one_line_and_status_130():
+def test_the_command_line_imported_as_a_library_leaves_sigint_alone():
+    # The entry holds SIGINT back only once it runs: importing minillm.cli from a program does not.
+    result = run_child("import signal\n"
+                       "import minillm.cli\n"
+                       "print(signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []))\n")
+    assert (result.returncode, result.stdout) == (0, "False\n"), result.stderr
+
+
+@pytest.mark.parametrize("module", ["minillm", "minillm.cli"])     # python -m minillm, python -m minillm.cli
+def test_ctrl_c_raised_while_typer_imports_is_one_line_and_status_130(module):
     # Ctrl-C in the first tenth of a second (typer and click importing) printed a traceback of the imports.
     code = ("import runpy, sys\n"
             "class Interrupt:\n"
@@ -45,7 +53,7 @@ def test_ctrl_c_raised_while_typer_imports_is_one_line_and_status_130():
             "            raise KeyboardInterrupt\n"
             "sys.meta_path.insert(0, Interrupt())\n"
             "sys.argv = ['minillm', '--help']\n"
-            "runpy.run_module('minillm', run_name='__main__')\n")
+            f"runpy.run_module({module!r}, run_name='__main__')\n")
     result = run_child(code)
     assert (result.returncode, result.stdout, result.stderr) == (130, "", "minillm: interrupted\n")
 
