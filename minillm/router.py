@@ -43,6 +43,7 @@ from minillm.server.errors import (
     APIError, anthropic_error_event, body_parse_error, error_response, install_error_handlers, openai_error_events,
     response_failed_event,
 )
+from minillm.server.json_body import parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
 from minillm.urls import check_server_url, http_url, server_base_url
@@ -287,10 +288,11 @@ class Router:
                    ) -> tuple[str, httpx.Response]:
         """POST to the role's servers in turn until one accepts the connection; (its URL, its response)."""
         failures = []
+        # json.dumps as the client wrote it: NaN or Infinity goes on, for the server's 400 naming its
+        # field (httpx's json= refuses them, which was a 500 here). Encoded once for every server tried.
+        content = json.dumps(body).encode()
         for url in backends.order():
-            # json.dumps as the client wrote it: NaN or Infinity goes on, for the server's 400 naming its
-            # field (httpx's json= refuses them, which was a 500 here).
-            request = self.client.build_request("POST", url + path, content=json.dumps(body).encode(),
+            request = self.client.build_request("POST", url + path, content=content,
                                                 headers={**headers, "content-type": "application/json"})
             try:
                 return url, await self.client.send(request, stream=stream)
@@ -307,11 +309,12 @@ class Router:
         started = time.monotonic()
         request_id = f"router-{next(self._ids)}"
         timing = RequestTiming()
-        if not await raw.body():
+        raw_body = await raw.body()
+        if not raw_body:
             return RouterError(400, "the request body is empty; send a JSON object",
                                "invalid_body").response(path)
         try:
-            body = await raw.json()
+            body = await parse_body(raw_body)     # a large one on a worker thread, as the servers parse it
         except (ValueError, RecursionError) as exc:   # bad JSON, not UTF-8, nested too deeply: the server's 400
             err = body_parse_error(exc)
             return RouterError(400, err.message, err.code).response(path)

@@ -24,7 +24,7 @@ from minillm.server import json_body, serving_chat, serving_completion, serving_
 from minillm.server import serving_tokenization
 from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.protocol import DetokenizeRequest
-from minillm.server.serving import LARGE_BODY_BYTES
+from minillm.server.json_body import LARGE_BODY_BYTES
 from minillm.server.serving_tokenization import decode_in_pieces
 
 MODEL = "stories"

@@ -416,3 +416,36 @@ def test_a_responses_stream_that_failed_before_its_first_event_still_ends_with_r
     assert response["id"].startswith("resp_") and (response["model"], response["output"]) == ("m", [])
     assert response["status"] == "failed" and response["error"] == {
         "code": "server_error", "message": "the decode server failed mid-stream"}
+
+
+async def test_a_large_body_is_parsed_off_the_routers_event_loop(backend, monkeypatch):
+    # The router parsed every body with the JSON scanner on its event loop (10 MB: 0.1-0.2 s of no other
+    # request). A large one now goes to a worker thread: held there, the router still answers /health.
+    import asyncio
+    from minillm.server import json_body
+    url, _ = backend
+    entered, released = threading.Event(), threading.Event()
+    loads = json_body.loads_yielding
+
+    def held(body):
+        entered.set()
+        assert released.wait(60), "never released"
+        return loads(body)
+    monkeypatch.setattr(json_body, "loads_yielding", held)
+    app = create_router_app(RouterConfig((f"{url}/ok",), (f"{url}/ok",)))
+    await app.state.router.start()
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+            body = {"prompt": "Once", "max_tokens": 4, "user": "x" * (json_body.LARGE_BODY_BYTES + 1)}
+            large = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            try:
+                assert await asyncio.to_thread(entered.wait, 60), "the large body was never parsed on a thread"
+                assert (await client.get("/health")).status_code == 200
+            finally:
+                released.set()
+            response = await large
+            small = await client.post("/v1/completions", json={"prompt": "Once", "max_tokens": 4})
+    finally:
+        await app.state.router.close()
+    assert response.status_code == small.status_code == 200, response.text
+    assert response.json()["kv_seen"] == small.json()["kv_seen"] == KV

@@ -24,7 +24,11 @@ from typing import Any, Callable, Coroutine
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from minillm.server.serving import LARGE_BODY_BYTES
+
+
+# A body past this many bytes is parsed on a worker thread here, and read as a request (validated,
+# its messages or token ids walked) in the server's preprocessing pool (serving.is_large_body).
+LARGE_BODY_BYTES = 64 * 1024
 
 
 # The json decoder's hooks: each returns what the C scanner would have made, from Python.
@@ -47,17 +51,20 @@ def loads_yielding(body: bytes) -> Any:
                       parse_float=_float_from_python)
 
 
+async def parse_body(body: bytes) -> Any:
+    """body parsed as JSON: on a worker thread with loads_yielding past LARGE_BODY_BYTES, here below
+    it (a thread hop costs more than a small body's parse); json.loads's value and errors."""
+    if len(body) > LARGE_BODY_BYTES:
+        return await asyncio.to_thread(loads_yielding, body)
+    return json.loads(body)
+
+
 class JSONBodyRequest(Request):
-    """A Request whose json() parses a large body on a worker thread (a small one here: a thread
-    hop costs more than its parse)."""
+    """A Request whose json() parses a large body on a worker thread (parse_body)."""
 
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = await self.body()
-            if len(body) > LARGE_BODY_BYTES:
-                self._json = await asyncio.to_thread(loads_yielding, body)
-            else:
-                self._json = json.loads(body)
+            self._json = await parse_body(await self.body())
         return self._json
 
 

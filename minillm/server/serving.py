@@ -22,6 +22,7 @@ from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
 from minillm.server.errors import APIError, bad_request_from_value_error, openai_error_event, openai_error_events
+from minillm.server.json_body import LARGE_BODY_BYTES
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import RequestTimer, ServerMetrics
 from minillm.server.streaming import ClientGone, EventStreamResponse, HangUpWatch
@@ -146,11 +147,10 @@ class ServingContext:
         return block
 
 
-# A request body past this many bytes is validated in the preprocessing pool, not on the event loop:
-# pydantic checks a chat's messages one by one, and 300,000 small ones held the loop for 2 s (every
-# stream stalled); in the pool the loop still gets the GIL between them. Such a body's JSON is
-# parsed on a thread too (json_body.py).
-LARGE_BODY_BYTES = 64 * 1024
+# A request body past LARGE_BODY_BYTES (json_body.py) is validated in the preprocessing pool, not on
+# the event loop: pydantic checks a chat's messages one by one, and 300,000 small ones held the loop
+# for 2 s (every stream stalled); in the pool the loop still gets the GIL between them. Such a body's
+# JSON is parsed on a thread too.
 
 
 async def is_large_body(raw: Request) -> bool:
