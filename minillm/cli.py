@@ -247,14 +247,15 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
 
 
 @contextlib.contextmanager
-def option_values(ctx: typer.Context):
+def option_values(ctx: typer.Context, unless: tuple[str, ...] = ()):
     """Checks of option values in the block: a ValueError naming one of the command's options by its
     Python name first, as SamplingParams and EngineConfig name a field ("top_p must be in (0, 1]"),
-    is a usage error (status 2) naming the option instead; any other goes on as it is."""
+    is a usage error (status 2) naming the option instead; any other goes on as it is, as does one
+    naming an option in `unless` (a value that did not come from it)."""
     try:
         yield
     except ValueError as exc:
-        usage = option_usage_error(ctx, exc)
+        usage = None if str(exc).split(" ", 1)[0] in unless else option_usage_error(ctx, exc)
         if usage is None:
             raise
         raise usage from None
@@ -643,7 +644,9 @@ def generate(
     check_engine_options(ctx, model, engine_options)
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"], engine_options["revision"])
-    llm, outputs = run_generate(engine_config(path, engine_options), prompts, options)
+    # Values only the model can judge (--top-k past its vocabulary, a prompt too long for its context).
+    with option_values(ctx, unless=("prompt",) if prompts_file is not None else ()):
+        llm, outputs = run_generate(engine_config(path, engine_options), prompts, options)
     tokenizer = llm.get_tokenizer()
     with stdout_errors():
         if as_json:

@@ -344,7 +344,7 @@ def test_generate_logit_bias_flag_reaches_the_sampler_and_bad_pairs_name_the_opt
     assert json.loads(result.stdout)["outputs"][0]["token_ids"] == [300] * 4
     for pair, message in (("x=1", "--logit-bias: expected ID=BIAS"), ("300", "--logit-bias: expected ID=BIAS"),
                           ("5=101", "Invalid value for '--logit-bias': values must be numbers in [-100, 100]"),
-                          ("600=1", "logit_bias keys must be token ids in [0, 512)")):
+                          ("600=1", "Invalid value for '--logit-bias': keys must be token ids in [0, 512)")):
         bad = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Once", "--logit-bias", pair)
         assert bad.returncode != 0 and message in bad.stderr, (pair, bad.stderr)
 
@@ -363,7 +363,8 @@ def test_generate_allowed_token_id_and_bad_word_flags_reach_the_sampler():
     assert "Lily" in json.loads(plain.stdout)["outputs"][0]["text"]
     assert not {"Lily", "girl"} & set(json.loads(banned.stdout)["outputs"][0]["text"].replace(".", " ").split())
     bad = run("--allowed-token-id", "600")
-    assert bad.returncode != 0 and "allowed_token_ids must be token ids in [0, 512)" in bad.stderr, bad.stderr
+    assert bad.returncode == 2, bad.stderr              # a usage error, though only the model can judge it
+    assert "Invalid value for '--allowed-token-id': must be token ids in [0, 512)" in bad.stderr, bad.stderr
 
 
 @needs_stories
@@ -527,8 +528,8 @@ def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
     assert plain.returncode == 0 and overlapped.returncode == 0, overlapped.stderr
     assert overlapped.stdout == plain.stdout                # same greedy text, steps overlapped
     capped = minillm(*common, "--max-logprobs", "2", "--logprobs", "3")
-    assert capped.returncode != 0 and "Traceback" not in capped.stderr
-    assert "logprobs must be at most max_logprobs (2), got 3" in capped.stderr
+    assert capped.returncode == 2 and "Traceback" not in capped.stderr
+    assert "Invalid value for '--logprobs': must be at most max_logprobs (2), got 3" in capped.stderr
     allowed = minillm(*common, "--max-logprobs", "2", "--logprobs", "2", "--json")
     assert allowed.returncode == 0, allowed.stderr
     [record] = [json.loads(line) for line in allowed.stdout.splitlines()]
@@ -649,3 +650,21 @@ def test_serve_refuses_a_graceful_shutdown_it_cannot_keep(value):
     assert result.returncode == 1 and "Traceback" not in result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("minillm: error: --timeout-graceful-shutdown must be in (0, 3600] seconds"), line
+
+
+def test_generate_values_only_the_model_can_judge_are_usage_errors_naming_the_option(tmp_path):
+    # Checked once the model is loaded (its vocabulary, its context), they exited 1 naming the Python
+    # field; a usage error like the values checked before the model loads.
+    cases = ((("--top-k", "100000"), "Invalid value for '--top-k': must be at most the vocabulary size 512"),
+             (("--max-model-len", "100000"), "Invalid value for '--max-model-len': 100000 exceeds the model's"),
+             (("-p", "hello " * 700), "Invalid value for '--prompt': has 2102 tokens, which leaves no room"))
+    for args, message in cases:
+        prompt = () if "-p" in args else ("-p", "Once")
+        bad = minillm("generate", str(STORIES), "--device", "cpu", "--max-tokens", "2", *prompt, *args)
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, (args, bad.stderr)
+    # A prompt from --prompts-file is not --prompt's: the engine's own message, status 1.
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("hello " * 700 + "\n")
+    long_file = minillm("generate", str(STORIES), "--device", "cpu", "--prompts-file", str(prompts))
+    assert long_file.returncode == 1 and "--prompt'" not in long_file.stderr, long_file.stderr
+    assert "prompt has 2102 tokens, which leaves no room under max_model_len 512" in long_file.stderr
