@@ -414,7 +414,9 @@ def chat(
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
         model_defaults = {k: v for k, v in engine.sampling_defaults.items() if k in ("temperature", "top_p", "top_k")}
         settings = dataclasses.replace(settings, **{**model_defaults, **chosen})
-        backend.check_settings(settings)      # --top-k past the vocabulary fails here, not at every message
+        # --top-k past the vocabulary fails here, not at every message (a model's own default is not the flag's).
+        with option_values(ctx, unless=tuple(k for k in model_defaults if k not in chosen)):
+            backend.check_settings(settings)
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
 

@@ -47,7 +47,8 @@ def test_a_refused_message_keeps_the_exchanges_it_would_have_dropped(engine):
 @needs_stories
 def test_chat_with_top_k_past_the_vocabulary_fails_in_one_line():
     result = minillm("chat", str(STORIES), "--device", "cpu", "--top-k", "99999", stdin="hello\n")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1] == ("minillm: error: top_k must be at most the vocabulary "
-                                                      "size 512 (or -1 for off), got 99999")
+    assert result.returncode == 2 and "Traceback" not in result.stderr      # a usage error, as generate's
+    assert result.stderr.strip().splitlines()[-1] == ("minillm chat: error: Invalid value for '--top-k': must be at "
+                                                      "most the vocabulary size 512 (or -1 for off), got 99999 "
+                                                      "(try 'minillm chat --help')")
     assert ">>>" not in result.stdout
