@@ -11,7 +11,8 @@
 // the softmax uses exp2. Compiled per (dtype, HEAD_DIM, GQA[, PA_WARPS, PA_MT]) with -D defines.
 //
 // Launch: 1-D grid of num_q_tiles * Hk * B blocks of PA_WARPS * 32 threads; dynamic shared memory
-// (PA_BM + 2 * PA_STAGES * 64) * (HEAD_DIM + 8) * 2 bytes (past 48 KB the function attribute must be
+// (PA_BM + 2 * PA_STAGES * 64) * (HEAD_DIM + 8) * 2 bytes, with an FP8 cache (PA_BM + 2 * 64) *
+// (HEAD_DIM + 8) * 2 + 2 * PA_STAGES * 64 * HEAD_DIM (past 48 KB the function attribute must be
 // raised). One block owns PA_BM query rows of one KV head: the GQA query heads that share the KV
 // head are packed as rows (row r = query token tok0 + r / GQA, head kvh * GQA + r % GQA), so every
 // K/V tile is read from memory once for all of them. A warp owns 16 * PA_MT rows; with PA_KSPLIT
