@@ -697,16 +697,18 @@ class LLMEngine:
         return list(req.prompt_logprobs)
 
     # ---- stats and lifetime ------------------------------------------------------------------
-    def stats(self, cells: int = 64) -> EngineStats:
-        """A snapshot of queues, KV pool, throughput and latency."""
+    def stats(self, cells: int = 64, summary: bool = False) -> EngineStats:
+        """A snapshot of queues, KV pool, throughput and latency; with summary, its counters and
+        gauges alone (a fraction of the cost at hundreds of requests: see EngineStats.is_summary)."""
         c = self.config
         info = EngineInfo(self.model_name, self.backend, self.dtype, c.max_num_seqs, c.max_num_batched_tokens,
                           self.max_model_len, self.runner.kv_cache_dtype)
-        ttft = {rid: req.metrics.ttft for rid, req in self.requests.items()}
+        ttft = {} if summary else {rid: req.metrics.ttft for rid, req in self.requests.items()}
         structured = self.structured_outputs.stats() if self.structured_outputs is not None else None
-        return build_stats(info, self.block_manager.snapshot(), self.scheduler.snapshot(MAX_WAITING_ROWS),
+        return build_stats(info, self.block_manager.snapshot(),
+                           self.scheduler.snapshot(MAX_WAITING_ROWS, views=not summary),
                            self.metrics, self.runner.memory_stats(), ttft, cells,
-                           self.kv_connector.snapshot() if self.kv_connector else None, structured)
+                           self.kv_connector.snapshot() if self.kv_connector else None, structured, summary)
 
     def shutdown(self) -> None:
         """Abort every request, wait for the device, and release the KV pool, graphs and weights."""

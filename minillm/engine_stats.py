@@ -52,48 +52,53 @@ class EngineInfo:
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
                 memory: MemoryStats, ttft: dict[str, float | None], cells: int,
                 connector: KVConnectorStats | KVTransferStats | None = None,
-                structured: StructuredOutputStats | None = None) -> EngineStats:
+                structured: StructuredOutputStats | None = None, summary: bool = False) -> EngineStats:
     """An EngineStats snapshot from the block pool's, the scheduler's (and the KV connector's)
     snapshots and the metrics.
 
     ttft: request id -> its time to first token (None before the first token); structured: the
-    structured-output manager's figures, None when no request has asked for structure.
+    structured-output manager's figures, None when no request has asked for structure. summary:
+    the counters and gauges alone (the throughput log's and /metrics' figures), none of the per-
+    request rows, block map, latency percentiles or recent steps, whose cost grows with the batch.
     """
     now = time.time()
     rows: list[RequestStats] = []
-    states = np.full(pool.num_blocks, CELL_FREE, dtype=np.int64)
-    states[pool.cached_free_block_ids] = CELL_CACHED
+    block_map, per, token_utilization = [], 1, None
     transfer = connector if isinstance(connector, KVTransferStats) else None
-    if transfer is not None:
-        states[transfer.leased_block_ids] = CELL_LEASED    # running sequences sharing one repaint it below
-    running = sched.running
-    rows.extend(_row(seq, ttft) for seq in running)
-    # Every running sequence's blocks at once (hundreds of sequences hold tens of thousands of blocks).
-    lengths = np.fromiter((len(seq.block_table) for seq in running), np.int64, len(running))     # [R]
-    blocks = np.fromiter(chain.from_iterable(seq.block_table for seq in running), np.int64,
-                         int(lengths.sum()))                                                      # [N]
-    owner = np.repeat(np.arange(len(running)), lengths)                                           # [N]
-    states[blocks] = owner                # a block two sequences share shows the later one, as before
-    computed = np.fromiter((seq.num_computed_tokens for seq in running), np.int64, len(running))
-    index = np.arange(len(blocks)) - np.repeat(np.cumsum(lengths) - lengths, lengths)            # [N] i in its table
-    held = np.clip(computed[owner] - index * pool.block_size, 0, pool.block_size)                # [N] tokens
-    filled = np.zeros(pool.num_blocks, np.int64)   # block -> tokens it holds (a shared block counts once)
-    np.maximum.at(filled, blocks, held)
-    tokens_held = int(filled.sum())
-    rows.extend(_row(seq, ttft) for seq in sched.waiting)
-    block_map, per = downsample_block_map(states, cells)
     used = pool.num_used_blocks
+    if not summary:
+        states = np.full(pool.num_blocks, CELL_FREE, dtype=np.int64)
+        states[pool.cached_free_block_ids] = CELL_CACHED
+        if transfer is not None:
+            states[transfer.leased_block_ids] = CELL_LEASED    # running sequences sharing one repaint it below
+        running = sched.running
+        rows.extend(_row(seq, ttft) for seq in running)
+        # Every running sequence's blocks at once (hundreds of sequences hold tens of thousands of blocks).
+        lengths = np.fromiter((len(seq.block_table) for seq in running), np.int64, len(running))     # [R]
+        blocks = np.fromiter(chain.from_iterable(seq.block_table for seq in running), np.int64,
+                             int(lengths.sum()))                                                      # [N]
+        owner = np.repeat(np.arange(len(running)), lengths)                                           # [N]
+        states[blocks] = owner                # a block two sequences share shows the later one, as before
+        computed = np.fromiter((seq.num_computed_tokens for seq in running), np.int64, len(running))
+        index = np.arange(len(blocks)) - np.repeat(np.cumsum(lengths) - lengths, lengths)            # [N] i in its table
+        held = np.clip(computed[owner] - index * pool.block_size, 0, pool.block_size)                # [N] tokens
+        filled = np.zeros(pool.num_blocks, np.int64)   # block -> tokens it holds (a shared block counts once)
+        np.maximum.at(filled, blocks, held)
+        token_utilization = int(filled.sum()) / (used * pool.block_size) if used else 0.0
+        rows.extend(_row(seq, ttft) for seq in sched.waiting)
+        block_map, per = downsample_block_map(states, cells)
     prompt_tps, gen_tps = metrics.throughput(now)
     m = metrics
-    (ttft_p50, ttft_p99), (itl_p50, itl_p99) = percentiles(m.ttft, (50, 99)), percentiles(m.itl, (50, 99))
+    (ttft_p50, ttft_p99), (itl_p50, itl_p99) = ((None, None), (None, None)) if summary else (
+        percentiles(m.ttft, (50, 99)), percentiles(m.itl, (50, 99)))
     return EngineStats(
         time=now, model=info.model, device=info.device, dtype=info.dtype,
-        num_running=len(sched.running), num_waiting=sched.num_waiting,
+        num_running=sched.num_running, num_waiting=sched.num_waiting,
         num_preempted=sched.num_preempted_waiting,
         num_preemptions=sched.num_preemptions, kv_num_blocks=pool.num_blocks, kv_num_used_blocks=used,
         kv_num_free_blocks=pool.num_free_blocks - pool.num_cached_free_blocks,
         kv_num_cached_blocks=pool.num_cached_free_blocks, kv_usage=used / pool.num_blocks,
-        kv_token_utilization=tokens_held / (used * pool.block_size) if used else 0.0,
+        kv_token_utilization=token_utilization,
         block_size=pool.block_size, max_num_seqs=info.max_num_seqs,
         max_num_batched_tokens=info.max_num_batched_tokens, max_model_len=info.max_model_len,
         prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
@@ -103,11 +108,12 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         ttft_p50_s=ttft_p50, ttft_p99_s=ttft_p99, itl_p50_s=itl_p50, itl_p99_s=itl_p99,
         memory=memory, block_map=block_map, block_map_blocks_per_cell=per,
         # Copies: a step's measured device time is written into its row when the step completes.
-        recent_steps=[copy.copy(s) for s in list(m.recent_steps)[-32:]], requests=rows,
+        recent_steps=[] if summary else [copy.copy(s) for s in list(m.recent_steps)[-32:]], requests=rows,
         kv_cache_dtype=info.kv_cache_dtype,
         step_time_breakdown_s=m.step_time_breakdown(), spec_decode=copy.deepcopy(m.spec_decode),
         **(_offload_fields(connector, cells) if isinstance(connector, KVConnectorStats) else {}),
-        **_transfer_fields(transfer), **(asdict(structured) if structured else {}), **_step_cost_fields(sched))
+        **_transfer_fields(transfer), **(asdict(structured) if structured else {}), **_step_cost_fields(sched),
+        is_summary=summary)
 
 
 def _step_cost_fields(sched: SchedulerSnapshot) -> dict:

@@ -50,8 +50,9 @@ __all__ = ["Scheduler", "SchedulerOutput", "SchedulerSnapshot", "StepOutput", "c
 class SchedulerSnapshot:
     """The queues as the stats see them (copies, in queue order)."""
 
-    running: list[SequenceView]
+    running: list[SequenceView]      # [] in a summary (Scheduler.snapshot with views=False)
     waiting: list[SequenceView]
+    num_running: int
     num_waiting: int
     num_preempted_waiting: int       # waiting sequences that were preempted and will resume
     num_preemptions: int             # total so far
@@ -189,14 +190,17 @@ class Scheduler:
             return True
         return self.drafter is not None and self.drafter.needs_output_tokens(self.running)
 
-    def snapshot(self, max_waiting_rows: int) -> SchedulerSnapshot:
-        """Copies of the queues for stats (at most max_waiting_rows waiting rows)."""
+    def snapshot(self, max_waiting_rows: int, views: bool = True) -> SchedulerSnapshot:
+        """Copies of the queues for stats (at most max_waiting_rows waiting rows); without views,
+        the counts alone."""
+        running = [s.view("running") for s in self.running] if views else []
         waiting = [s.view("preempted" if s.num_preemptions else "waiting")
-                   for s, _ in zip(self.waiting, range(max_waiting_rows))]
-        return SchedulerSnapshot([s.view("running") for s in self.running], waiting, len(self.waiting),
-                                 sum(1 for s in self.waiting if s.num_preemptions), self.num_preemptions,
-                                 self.max_step_ms, self.step_cost.snapshot() if self.step_cost else None,
-                                 self.max_step_factor)
+                   for s, _ in zip(self.waiting, range(max_waiting_rows if views else 0))]
+        return SchedulerSnapshot(running, waiting, num_running=len(self.running), num_waiting=len(self.waiting),
+                                 num_preempted_waiting=sum(1 for s in self.waiting if s.num_preemptions),
+                                 num_preemptions=self.num_preemptions, max_step_ms=self.max_step_ms,
+                                 step_cost=self.step_cost.snapshot() if self.step_cost else None,
+                                 max_step_factor=self.max_step_factor)
 
     # ---- the step --------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:

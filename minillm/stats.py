@@ -81,7 +81,7 @@ class EngineStats:
     kv_num_free_blocks: int      # truly free (no cached content)
     kv_num_cached_blocks: int    # free but holding a reusable prefix block
     kv_usage: float              # used / total, in [0, 1]
-    kv_token_utilization: float  # tokens held / slots in used blocks, in [0, 1]
+    kv_token_utilization: float | None  # tokens held / slots in used blocks, in [0, 1]; None in a summary
     block_size: int
     max_num_seqs: int
     max_num_batched_tokens: int
@@ -156,6 +156,9 @@ class EngineStats:
     step_cost_num_refits: int = 0
     # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
     kv_cache_dtype: str = ""
+    # A summary (the counters and gauges of the throughput log and /metrics): no request rows, block
+    # map, latency percentiles or recent steps, and kv_token_utilization None.
+    is_summary: bool = False
 
     def to_dict(self) -> dict:
         """A JSON-ready dict with the same field names."""

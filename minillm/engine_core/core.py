@@ -280,6 +280,7 @@ class EngineCoreProc:
         """Handle a bounded batch of waiting commands; False once told to shut down."""
         adds: dict[int, list[tuple[str, str | None]]] = defaultdict(list)
         stats: dict[int, list[int]] = defaultdict(list)
+        full_stats = False         # a GetStats of the batch asks for more than a summary
         started = time.perf_counter()
         running = True
         for count in range(MAX_COMMANDS_PER_STEP):
@@ -304,6 +305,7 @@ class EngineCoreProc:
                 self.finished.update(command.counts)
             elif isinstance(command, m.GetStats):
                 stats[command.client_index].append(command.call_id)   # one snapshot answers the batch's
+                full_stats |= not command.summary
             elif isinstance(command, m.UtilityCall):
                 self.send(self.core.utility(command), command.client_index)
             elif isinstance(command, m.Shutdown):
@@ -312,16 +314,16 @@ class EngineCoreProc:
         for client, results in adds.items():
             self.send(m.AddResults(results), client)
         if stats:
-            snapshot, error = self.snapshot()
+            snapshot, error = self.snapshot(summary=not full_stats)
             for client, call_ids in stats.items():
                 self.send(m.StatsReply(call_ids, snapshot, error), client)
         return running
 
-    def snapshot(self) -> tuple[Any, str | None]:
-        """(a full-resolution snapshot with the API servers' finish counts, None), or (None, why not):
-        a stats bug fails the callers, not serving."""
+    def snapshot(self, summary: bool = False) -> tuple[Any, str | None]:
+        """(a full-resolution snapshot, or a summary, with the API servers' finish counts, None), or
+        (None, why not): a stats bug fails the callers, not serving."""
         try:
-            stats = self.engine.stats(FULL_RESOLUTION)
+            stats = self.engine.stats(1, summary=True) if summary else self.engine.stats(FULL_RESOLUTION)
         except Exception as exc:  # noqa: BLE001
             return None, "%s: %s" % error_fields(exc)
         return dataclasses.replace(stats, num_requests_finished=dict(self.finished)), None

@@ -54,10 +54,12 @@ class FinishedCounts(msgspec.Struct, tag=True, array_like=True):
 
 
 class GetStats(msgspec.Struct, tag=True, array_like=True):
-    """Ask for a full-resolution EngineStats snapshot (one snapshot answers a batch of these)."""
+    """Ask for a full-resolution EngineStats snapshot, or with summary its counters and gauges alone
+    (one snapshot answers a batch of these: a full one if any asks for it)."""
 
     call_id: int
     client_index: int = 0
+    summary: bool = False
 
 
 class UtilityCall(msgspec.Struct, tag=True, array_like=True):

@@ -267,7 +267,7 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.api_route("/metrics", methods=GET_OR_HEAD)
     async def metrics():
         with contextlib.suppress(EngineDeadError):
-            ctx.metrics.update(await engine.get_stats(cells=1))
+            ctx.metrics.update(await engine.get_summary_stats())   # counters: no stall of the step loop
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/stats")
@@ -317,7 +317,7 @@ class ThroughputLogger:
         while True:
             await asyncio.sleep(self.interval)
             try:
-                stats = await self.engine.get_stats(cells=1)
+                stats = await self.engine.get_summary_stats()
             except EngineDeadError:
                 logger.error("engine loop is dead: %s", self.engine.dead_reason)
                 return

@@ -65,6 +65,7 @@ class _Abort:
 class _Stats:
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    summary: bool = False            # the counters and gauges alone (EngineStats.is_summary)
 
 
 @dataclass
@@ -181,6 +182,7 @@ class EngineClient(Protocol):
     def abort(self, request_id: str) -> None: ...
     async def get_full_stats(self) -> EngineStats: ...
     async def get_stats(self, cells: int = 64) -> EngineStats: ...
+    async def get_summary_stats(self) -> EngineStats: ...
     async def call_utility(self, method: str, *args: Any) -> Any: ...
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
@@ -313,6 +315,14 @@ class AsyncLLMEngine:
         """A consistent EngineStats snapshot whose block map has at most `cells` cells."""
         return with_cells(await self.get_full_stats(), cells)
 
+    async def get_summary_stats(self) -> EngineStats:
+        """The engine's counters and gauges (EngineStats.is_summary), taken on the engine thread:
+        what the throughput log and /metrics read, at a fraction of a full snapshot's cost."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(_Stats(done, loop, summary=True))
+        return await done
+
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Call a public method of the LLMEngine on the engine thread, between two steps; its result as plain data."""
         if method.startswith("_"):
@@ -409,13 +419,15 @@ class AsyncLLMEngine:
         return True
 
     def _answer_stats(self, commands: list[_Stats]) -> None:
+        summary = all(command.summary for command in commands)   # one snapshot answers them all
         try:
-            stats = self.engine.stats(FULL_RESOLUTION)
+            stats = self.engine.stats(1, summary=True) if summary else self.engine.stats(FULL_RESOLUTION)
         except Exception as exc:  # noqa: BLE001 - a stats bug must not kill serving
             for command in commands:
                 resolve_future(command.loop, command.done, error=exc)
             return
-        self.last_stats = stats
+        if not summary:
+            self.last_stats = stats
         for command in commands:
             resolve_future(command.loop, command.done, stats)
 

@@ -211,6 +211,11 @@ class AsyncLLM:
         """A consistent EngineStats snapshot whose block map has at most `cells` cells."""
         return with_cells(await self.get_full_stats(), cells)
 
+    async def get_summary_stats(self) -> EngineStats:
+        """The core's counters and gauges (EngineStats.is_summary): what the throughput log and /metrics
+        read, at a fraction of a full snapshot's cost to the core's step loop."""
+        return await self._call(lambda call_id: m.GetStats(call_id, self.client_index, summary=True))
+
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Call a public method of the core's LLMEngine between two steps; its result (plain data)."""
         return await self._call(lambda call_id: m.UtilityCall(call_id, method, list(args), self.client_index))
@@ -316,7 +321,7 @@ class AsyncLLM:
                 resolve_future(*pending, result=True, error=ValueError(error) if error is not None else None)
 
     def _on_stats(self, message: m.StatsReply) -> None:
-        if message.stats is not None:
+        if message.stats is not None and not message.stats.is_summary:
             self.last_stats = message.stats     # the core counted every API server's finished requests in
         for call_id in message.call_ids:
             error = RemoteError(*message.error.split(": ", 1)) if message.error else None
