@@ -227,7 +227,6 @@ class AsyncLLMEngine:
         self._stopped = False
         self._shutdown_lock = threading.Lock()   # one shutdown at a time (the HTTP server's, then the caller's)
         self.ended = threading.Event()  # set when the engine thread has ended (failure or shutdown)
-        self.last_stats: EngineStats | None = None
         # The NumPy backend holds the GIL for most of a step, so without a pause the event loop
         # waits for a forced switch (5 ms) to send tokens or pass on a client's hang-up; yielding
         # after each step gets an abort into the very next step. The CUDA backend releases the
@@ -426,8 +425,6 @@ class AsyncLLMEngine:
             for command in commands:
                 resolve_future(command.loop, command.done, error=exc)
             return
-        if not summary:
-            self.last_stats = stats
         for command in commands:
             resolve_future(command.loop, command.done, stats)
 

@@ -67,7 +67,6 @@ class AsyncLLM:
         self.vocab_size: int = ready.vocab_size
         self.startup_stats: EngineStats = ready.stats
         self.prefix_block_size: int = ready.prefix_block_size   # 0: the core caches no prefixes
-        self.last_stats: EngineStats | None = None
         self.num_core_steps = 0                 # the core's step counter, as of its latest outputs
         self.processor = OutputProcessor(self.tokenizer)
         self._lock = threading.Lock()           # the processor, the pending calls, "is it dead?"
@@ -321,8 +320,6 @@ class AsyncLLM:
                 resolve_future(*pending, result=True, error=ValueError(error) if error is not None else None)
 
     def _on_stats(self, message: m.StatsReply) -> None:
-        if message.stats is not None and not message.stats.is_summary:
-            self.last_stats = message.stats     # the core counted every API server's finished requests in
         for call_id in message.call_ids:
             error = RemoteError(*message.error.split(": ", 1)) if message.error else None
             self._settle_call(call_id, message.stats if error is None else None, error)
