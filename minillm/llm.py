@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
-import logging
 import numbers
 import os
 import sys
@@ -23,8 +22,6 @@ from minillm.prompts import (
 )
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode
-
-logger = logging.getLogger("minillm")
 
 # vLLM's LLM arguments that minillm has no setting for, taken where the value given is what minillm
 # does anyway: name -> (whether minillm honours the value, what minillm does). Any other value is a
@@ -135,8 +132,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **engine_args):
-        config = engine_config(model, engine_args)
-        self.engine = LLMEngine(config)
+        self.engine = LLMEngine(engine_config(model, engine_args))
         self._ids = itertools.count()
         # One generate() at a time: each steps the engine and keeps only its own finished requests.
         self._generate_lock = threading.Lock()

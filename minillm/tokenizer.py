@@ -28,10 +28,10 @@ PART_SEPARATOR = "\n"
 # as a list of text parts ("openai"), or as the template reads it ("auto").
 CONTENT_FORMATS = ("auto", "string", "openai")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-# transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
-# truncation, masks), which minillm's lists of ids do not have: taken only at their off values.
 # transformers' PreTrainedTokenizerBase default for model_max_length when the config gives none
 VERY_LARGE_INTEGER = int(1e30)
+# transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
+# truncation, masks), which minillm's lists of ids do not have: taken only at their off values.
 _TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
                      "tokenizer_kwargs")
 
@@ -357,7 +357,7 @@ class Tokenizer:
 
     def get_added_vocab(self) -> dict[str, int]:
         """The added tokens' texts -> ids (Hugging Face's get_added_vocab)."""
-        return {tok.content: i for i, tok in sorted(self.backend.get_added_tokens_decoder().items())}
+        return {tok.content: i for i, tok in sorted(self.added_tokens_decoder.items())}
 
     @property
     def vocab(self) -> dict[str, int]:

@@ -33,6 +33,17 @@ def read_until(process: subprocess.Popen, stream, needle: bytes, seen: bytes = b
     return seen
 
 
+def start_long_generate(tmp_path) -> subprocess.Popen:
+    """`minillm generate` of a batch that runs far longer than any test waits (64 prompts, 400 tokens
+    each), its stdout and stderr piped."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n" * 64)
+    return subprocess.Popen(
+        [sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu", "--prompts-file",
+         str(prompts), "--max-tokens", "400", "--ignore-eos"],
+        cwd=REPO, env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
 def run_bytes(*args: bytes | str, stdin: bytes = b"") -> subprocess.CompletedProcess:
     """The CLI in a fresh interpreter with bytes in (arguments and stdin), text out."""
     result = subprocess.run([sys.executable, "-m", "minillm.cli", *args], cwd=REPO, env=ENV, input=stdin,
@@ -47,12 +58,7 @@ def run_bytes(*args: bytes | str, stdin: bytes = b"") -> subprocess.CompletedPro
 def test_a_second_ctrl_c_while_generate_winds_down_prints_no_traceback(tmp_path):
     # The second Ctrl-C landed in Python's shutdown (a KV pool to free, threads to join) and printed
     # "Exception ignored in: <module 'threading'>" and a traceback under "minillm: interrupted".
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\n" * 64)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu", "--prompts-file",
-         str(prompts), "--max-tokens", "400", "--ignore-eos"],
-        cwd=REPO, env=ENV, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = start_long_generate(tmp_path)
     seen = read_until(process, process.stderr, b"req/s]")
     process.send_signal(signal.SIGINT)
     seen = read_until(process, process.stderr, b"minillm: interrupted", seen)

@@ -2,16 +2,12 @@
 from __future__ import annotations
 
 import json
-import os
-import selectors
 import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
-from test_cli import REPO, STORIES, minillm, needs_stories
+from test_abuse23_cli import read_until, start_long_generate
+from test_cli import STORIES, minillm, needs_stories
 
 
 @needs_stories
@@ -39,19 +35,9 @@ def test_a_prompts_file_that_cannot_be_read_is_one_line_naming_the_option(tmp_pa
 
 @needs_stories
 def test_ctrl_c_during_generate_exits_130_with_one_line_and_no_traceback(tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("Once upon a time\n" * 64)
-    process = subprocess.Popen(
-        [sys.executable, "-m", "minillm.cli", "generate", str(STORIES), "--device", "cpu", "--prompts-file",
-         str(prompts), "--max-tokens", "400", "--ignore-eos"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = start_long_generate(tmp_path)
     # Interrupt once the progress bar is up: the batch is running then (it takes far longer than this).
-    selector, seen, deadline = selectors.DefaultSelector(), b"", time.monotonic() + 120
-    selector.register(process.stderr, selectors.EVENT_READ)
-    while b"req/s]" not in seen and time.monotonic() < deadline and process.poll() is None:
-        if selector.select(timeout=1):
-            seen += os.read(process.stderr.fileno(), 65536)
+    seen = read_until(process, process.stderr, b"req/s]")
     assert b"req/s]" in seen, seen
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=120)

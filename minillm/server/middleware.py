@@ -78,7 +78,6 @@ class ServerLoadMiddleware:
     answering, from their arrival until their response has gone out, stream included: vLLM's
     GET /load figure (server_load)."""
 
-
     def __init__(self, app, load: "ServerLoad") -> None:
         self.app = app
         self.load = load
