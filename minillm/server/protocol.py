@@ -299,7 +299,8 @@ class DetokenizeRequest(_ModelRequest):
 def unknown_fields(req: _ModelRequest) -> list[str]:
     """Names of the fields a request carried that this server ignores (nested ones as a dotted path)."""
     names = list(req.model_extra or {})
-    stream_options = getattr(req, "stream_options", None)
+    # Only a generation request declares stream_options; elsewhere it is an unknown field, of any type.
+    stream_options = req.stream_options if isinstance(req, _GenerationRequest) else None
     if stream_options is not None:
         names += [f"stream_options.{k}" for k in stream_options.model_extra or {}]
     if isinstance(req, ConversationRequest):
