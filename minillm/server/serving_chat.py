@@ -219,7 +219,7 @@ class ChatJob:
                 message, finish_reason = self.parsers.message(self.role, self.echo_text, comp.text, finish_reason)
             if self.forced is not None:
                 message = {"role": self.role, "content": self.echo_text, "tool_calls": self.forced.calls(comp.text)}
-                finish_reason = self.forced.finish_reason(finish_reason)
+                finish_reason = self.forced.finish_reason(finish_reason, comp.stop_reason)
             choice = {"index": comp.index, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": comp.stop_reason}
             if self.req.return_token_ids:
@@ -313,7 +313,7 @@ class ChatJob:
                 stream = self.tool_streams.setdefault(comp.index, self.forced.stream())
                 calls = stream.deltas(delta, comp.text)
                 content = {"tool_calls": calls} if calls else {}
-                finish = self.forced.finish_reason(finish)
+                finish = self.forced.finish_reason(finish, comp.stop_reason)
                 if not content and finish is None and not (state.cursor is not None and rows):
                     continue       # a required array's call not whole yet: nothing to send
             choices.append(StreamChoice(self._choice(

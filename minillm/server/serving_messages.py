@@ -182,16 +182,16 @@ def _renamed(exc: APIError) -> APIError:
 
 def _stop(finish_reason: str | None, comp: CompletionOutput, calls: list[dict]) -> tuple[str, str | None]:
     """(Anthropic stop_reason, stop_sequence) of a chat finish: "tool_use" when every call is whole
-    (a forced array cut after a whole call too), "max_tokens" for an output cut short (a call's input
-    among it), as Anthropic reads them."""
+    (a forced array cut after a whole call too), "max_tokens" or "stop_sequence" for an output cut
+    short (a call's input among it), as Anthropic reads them."""
     if calls and all(_input_of(call) is not None for call in calls):
         return "tool_use", None
     if comp.finish_reason == "length":
         return "max_tokens", None
+    if comp.finish_reason == "stop" and isinstance(comp.stop_reason, str):
+        return "stop_sequence", comp.stop_reason
     if calls:
         return "tool_use", None
-    if finish_reason == "stop" and isinstance(comp.stop_reason, str):
-        return "stop_sequence", comp.stop_reason
     return STOP_REASONS.get(finish_reason, "end_turn"), None
 
 

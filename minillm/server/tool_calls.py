@@ -55,9 +55,11 @@ class ForcedToolCalls:
             return [tool_call(self.name, text)]
         return [tool_call(*item) for item in ArrayItems().new_items(text)]
 
-    def finish_reason(self, finish_reason: str | None) -> str | None:
-        """The choice's finish reason: "tool_calls" for a whole required array, else the output's."""
-        return "tool_calls" if self.name is None and finish_reason == "stop" else finish_reason
+    def finish_reason(self, finish_reason: str | None, stop_reason: int | str | None = None) -> str | None:
+        """The choice's finish reason: "tool_calls" for a whole required array, else the output's (a
+        stop string cuts the array short: "stop", as for any output it ends)."""
+        is_whole = finish_reason == "stop" and not isinstance(stop_reason, str)
+        return "tool_calls" if self.name is None and is_whole else finish_reason
 
     def stream(self) -> "ToolCallStream":
         """The state of one streamed choice."""

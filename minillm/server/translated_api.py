@@ -112,7 +112,7 @@ class ReplyWriter(abc.ABC):
         if self.job.forced is not None:           # a forced call: the calls once the reply is whole
             if finish is None:
                 return ""
-            self.finish_reason = self.job.forced.finish_reason(finish)
+            self.finish_reason = self.job.forced.finish_reason(finish, comp.stop_reason)
             return self.close() + "".join(self.call(c) for c in self.job.forced.calls(comp.text))
         if self.stream is not None:
             parts, finish = self.stream.delta(delta, finish)
