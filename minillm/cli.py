@@ -162,7 +162,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "block_size": (Annotated[int, _engine_option(
         "--block-size", help="Tokens per KV block (a power of two).")], _default("block_size")),
     "num_kv_blocks": (Annotated[Optional[int], _engine_option(
-        "--num-kv-blocks", help="KV pool size in blocks (default: sized from memory).")], None),
+        "--num-kv-blocks", "--num-gpu-blocks-override",
+        help="KV pool size in blocks (default: sized from memory; vLLM's --num-gpu-blocks-override).")], None),
     "gpu_memory_utilization": (Annotated[float, _engine_option(
         "--gpu-memory-utilization", help="Share of GPU memory the engine may use.")],
         _default("gpu_memory_utilization")),
@@ -266,7 +267,7 @@ def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None
     '--top-p': must be in (0, 1], got 2.0"), or for the two options of "X and Y cannot be combined"
     ("--kv-transfer-config and --kv-offload-gib cannot be combined"); None when it starts with no
     option's name. Other names in the text are left as they are: they may be a JSON object's keys."""
-    options = {p.name: max(p.opts, key=len) for p in ctx.command.params
+    options = {p.name: _long_name(p.opts) for p in ctx.command.params
                if p.param_type_name == "option" and p.opts}
     name, _, rest = " ".join(str(exc).split()).partition(" ")
     flag = options.get(name.rstrip(":"))
@@ -276,6 +277,11 @@ def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None
     if both is not None and both[1] in options:
         return UsageError(f"{flag} and {options[both[1]]} {both[2]}", ctx=ctx)
     return typer.BadParameter(rest, ctx=ctx, param_hint=f"'{flag}'")
+
+
+def _long_name(opts: list[str]) -> str:
+    """An option's name in messages: its first long name (--num-kv-blocks, not the vLLM alias after it)."""
+    return next((o for o in opts if o.startswith("--")), max(opts, key=len))
 
 
 def check_engine_options(ctx: typer.Context, model: str | None, options: dict, **overrides) -> None:

@@ -98,9 +98,14 @@ def _is_count(value, expected: int) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == expected
 
 
+# vLLM's names of settings minillm has under another name: vLLM's name -> minillm's.
+VLLM_RENAMED_ARGS = {"num_gpu_blocks_override": "num_kv_blocks"}
+
+
 def engine_config(model, args: dict) -> EngineConfig:
     """LLM's arguments as an EngineConfig: vLLM's names that minillm has no setting for are checked
     against what it does (VLLM_FIXED_ARGS, tokenizer), an unknown name is a TypeError naming LLM."""
+    args = renamed_args(args)
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     for name in args:
         if name not in known and name not in VLLM_FIXED_ARGS and name != "tokenizer":
@@ -115,6 +120,22 @@ def engine_config(model, args: dict) -> EngineConfig:
         raise ValueError(f"tokenizer={short_repr(tokenizer)} is not supported: minillm reads the tokenizer from "
                          f"the model's own directory (leave tokenizer unset, or give the model's path)")
     return EngineConfig(model=model, **{k: v for k, v in args.items() if k in known})
+
+
+def renamed_args(args: dict) -> dict:
+    """args with vLLM's names of minillm's settings (VLLM_RENAMED_ARGS) under minillm's; ValueError
+    when both names are given different values."""
+    args = dict(args)
+    for vllm_name, name in VLLM_RENAMED_ARGS.items():
+        if vllm_name not in args:
+            continue
+        value = args.pop(vllm_name)
+        if name in args and args[name] is not None and value is not None and args[name] != value:
+            raise ValueError(f"{vllm_name}={short_repr(value)} and {name}={short_repr(args[name])} are the same "
+                             f"setting under vLLM's name and minillm's: give one")
+        if value is not None:
+            args[name] = value
+    return args
 
 
 def _same_path(a, b) -> bool:

@@ -1,0 +1,37 @@
+"""vLLM scripts and command lines against minillm's LLM, LLMEngine, SamplingParams and CLI, on inputs
+earlier rounds did not try: what vLLM accepts works the same here, bad input is a ValueError (or a
+usage error, status 2) naming what was wrong, and no request corrupts another."""
+import pytest
+
+from minillm import LLM, SamplingParams
+from test_cli import minillm
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    """One stories260K LLM on the CPU for the module."""
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
+        yield model
+
+
+# ---- vLLM's names of engine settings -----------------------------------------------------------
+
+def test_num_gpu_blocks_override_sizes_the_pool_as_vllms_does(stories_path):
+    """vLLM's num_gpu_blocks_override (the way a script asks for a tiny KV pool) was a TypeError."""
+    with LLM(str(stories_path), device="cpu", block_size=4, num_gpu_blocks_override=40) as model:
+        assert model.llm_engine.stats().kv_num_blocks == 40
+        assert model.generate("Once", GREEDY)[0].outputs[0].text == " upon a time, there was"
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=40 and num_kv_blocks=30 are the same setting"):
+        LLM(str(stories_path), device="cpu", num_gpu_blocks_override=40, num_kv_blocks=30)
+
+
+def test_num_gpu_blocks_override_flag_sizes_the_pool_and_errors_name_the_flag_typed(stories_path):
+    """--num-gpu-blocks-override is vLLM's flag for --num-kv-blocks; a bad --num-kv-blocks still names itself."""
+    result = minillm("generate", str(stories_path), "--device", "cpu", "--num-gpu-blocks-override", "3",
+                     "-p", "Once", "--temperature", "0", "--max-tokens", "3")
+    assert result.returncode == 0, result.stderr
+    assert "KV pool float32 3 blocks" in result.stderr and result.stdout == "Once upon a time\n"
+    bad = minillm("generate", str(stories_path), "--device", "cpu", "--num-kv-blocks", "0", "-p", "Once")
+    assert bad.returncode == 2 and "Invalid value for '--num-kv-blocks': must be >= 1" in bad.stderr, bad.stderr
