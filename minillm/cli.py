@@ -204,6 +204,11 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--async-scheduling/--no-async-scheduling",
         help="Launch each step before the previous one is read back (default: on the GPU, off on the CPU).")],
         _default("async_scheduling")),
+    "grammar_process": (Annotated[Optional[bool], _engine_option(
+        "--grammar-process/--no-grammar-process",
+        help="Keep structured outputs' grammar matchers in a process of their own, off the engine's thread and "
+             "its GIL (default: on the GPU, off on the CPU).")],
+        _default("grammar_process")),
     "max_logprobs": (Annotated[int, _engine_option(
         "--max-logprobs", help="The most log-probabilities a request may ask for, a token.")],
         _default("max_logprobs")),
@@ -475,13 +480,20 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
         except OSError as exc:
             raise CliError(f"--prompts-file: cannot read {prompts_file}: {exc.strerror or exc}") from None
         check_utf8(text, f"--prompts-file {prompts_file}")
-        # A byte-order mark (editors on Windows write one) is no part of the first prompt.
-        prompts = [line for line in text.removeprefix("\ufeff").splitlines() if line.strip()]
+        prompts = prompt_lines(text)
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")
     if not prompts:
         raise CliError("give at least one --prompt TEXT or a --prompts-file FILE")
     return list(prompts)
+
+
+def prompt_lines(text: str) -> list[str]:
+    """The prompts of a --prompts-file's text: its lines that are not blank. Lines end at a line break
+    alone (\n, \r\n or \r), not at the other characters str.splitlines breaks at (a form feed, U+2028,
+    NEL), which a prompt may hold; a byte-order mark (editors on Windows write one) is no part of the first."""
+    lines = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    return [line for line in lines if line.strip()]
 
 
 def stdin_prompt() -> str:

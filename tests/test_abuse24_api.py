@@ -1,6 +1,8 @@
 """vLLM scripts and command lines against minillm's LLM, LLMEngine, SamplingParams and CLI, on inputs
 earlier rounds did not try: what vLLM accepts works the same here, bad input is a ValueError (or a
 usage error, status 2) naming what was wrong, and no request corrupts another."""
+import json
+
 import pytest
 
 from minillm import LLM, SamplingParams
@@ -35,3 +37,17 @@ def test_num_gpu_blocks_override_flag_sizes_the_pool_and_errors_name_the_flag_ty
     assert "KV pool float32 3 blocks" in result.stderr and result.stdout == "Once upon a time\n"
     bad = minillm("generate", str(stories_path), "--device", "cpu", "--num-kv-blocks", "0", "-p", "Once")
     assert bad.returncode == 2 and "Invalid value for '--num-kv-blocks': must be >= 1" in bad.stderr, bad.stderr
+
+
+# ---- the CLI's prompts file -------------------------------------------------------------------
+
+def test_a_prompts_file_line_holding_a_form_feed_or_unicode_separator_is_one_prompt(stories_path, tmp_path):
+    """One prompt a line: str.splitlines also broke lines at a form feed, U+2028 and NEL, so a file of
+    three lines ran six prompts, each a fragment of one."""
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("Once upon\x0ca time\nLily had\u2028a ball\r\nThe cat\x85 sat\rTom\n\n".encode())
+    result = minillm("generate", str(stories_path), "--device", "cpu", "--prompts-file", str(path),
+                     "--temperature", "0", "--max-tokens", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    prompts = [json.loads(line)["prompt"] for line in result.stdout.split("\n") if line]
+    assert prompts == ["Once upon\x0ca time", "Lily had\u2028a ball", "The cat\x85 sat", "Tom"]
