@@ -211,6 +211,12 @@ def decode_only_reason(path: str, body: dict) -> str | None:
     return f"n = {n}" if n > 1 else None
 
 
+def client_headers(raw: Request, names: tuple[str, ...]) -> dict[str, bytes]:
+    """The client's headers of these names as the bytes it sent: a value need not be ASCII (httpx
+    refuses to encode such a str, a 500 here), and the server reads the bytes as it would the client's."""
+    return {name.decode("latin-1"): value for name, value in raw.headers.raw if name.decode("latin-1") in names}
+
+
 def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
     """What the decode server says the KV transfer took (its x-minillm-kv-transfer header)."""
     try:
@@ -322,7 +328,7 @@ class Router:
             return RouterError(400, "the request body must be a JSON object", "invalid_body").response(path)
         # The client's key (either header a server takes it from), and its request id, which names
         # the response as a single server would.
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in (*KEY_HEADERS, "x-request-id")}
+        headers = client_headers(raw, (*KEY_HEADERS, "x-request-id"))
         timing.decode_only = decode_only_reason(path, body)
         try:
             if timing.decode_only is None:
@@ -441,7 +447,7 @@ class Router:
         request's token count) answered by the first decode server that takes the connection, with
         the client's credentials."""
         content = await raw.body() if raw.method == "POST" else None
-        headers = {k: v for k, v in raw.headers.items() if k.lower() in (*KEY_HEADERS, "content-type")}
+        headers = client_headers(raw, (*KEY_HEADERS, "content-type"))
         for url in self.decode.order():
             try:
                 r = await self.client.request(raw.method, url + path, content=content, headers=headers)

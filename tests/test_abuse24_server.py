@@ -6,10 +6,17 @@ flight, and every such stream must end with the text of the same request made al
 from __future__ import annotations
 
 import json
+import logging
+import socket
+import threading
 
+import httpx
 import pytest
-from test_server_helpers import sse_events
+import uvicorn
+from test_server_helpers import sse_events, wait_for
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
+
+from minillm.router import RouterConfig, create_router_app
 
 MODEL = "stories"
 
@@ -78,3 +85,38 @@ def test_a_forced_tool_use_cut_by_a_stop_sequence_stops_for_the_stop_sequence(ht
     [delta] = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: ")
                and json.loads(line[6:])["type"] == "message_delta"]
     assert (delta["delta"]["stop_reason"], delta["delta"]["stop_sequence"]) == ("stop_sequence", '"')
+
+
+# ---- the router passes the client's headers as it sent them ------------------------------------------
+
+@pytest.fixture(scope="module")
+def router_url(server):
+    """A router whose prefill and decode server is the module's server."""
+    app = create_router_app(RouterConfig((server[0],), (server[0],)))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    # log_config None: uvicorn leaves the process's logging alone (the router's log is read by other tests)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, log_config=None))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_for(lambda: http.started, timeout=30)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    http.should_exit = True
+    thread.join(30)
+    sock.close()
+    logger = logging.getLogger("minillm.router")
+    logger.setLevel(logger.level)       # clears the level cache our requests left (as test_abuse23_endpoints)
+
+
+@pytest.mark.parametrize("header", ["x-request-id", "x-api-key", "authorization"])
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/models"])
+def test_the_router_passes_a_header_that_is_not_ascii_as_the_client_sent_it(router_url, healthy_stream, header, path):
+    # HTTP carries header values as bytes (a server reads them as Latin-1, as a minillm server does);
+    # the router handed them to httpx as str, which httpx refuses to encode past ASCII: a 500.
+    headers = {header: "caf\u00e9".encode("latin-1")}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    if path == "/v1/models":
+        reply = httpx.get(router_url + path, headers=headers, timeout=60)
+    else:
+        reply = httpx.post(router_url + path, json=body, headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text[:500]
