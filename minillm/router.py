@@ -43,6 +43,7 @@ from minillm.server.errors import (
     APIError, anthropic_error_event, body_parse_error, error_response, install_error_handlers, openai_error_events,
     response_failed_event,
 )
+from minillm.server.http import uvicorn_settings
 from minillm.server.json_body import parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
@@ -515,4 +516,12 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) 
     logger.setLevel(logging.INFO)
     print(f"minillm router: {http_url(host, port)}, prefill {', '.join(config.prefill_urls)}, decode "
           f"{', '.join(config.decode_urls)}", file=sys.stderr, flush=True)
-    uvicorn.run(create_router_app(config), host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.run(create_router_app(config), host=host, port=port, **router_uvicorn_settings(config))
+
+
+def router_uvicorn_settings(config: RouterConfig) -> dict[str, Any]:
+    """uvicorn's settings for the proxy: the servers' HTTP protocol, with their deadlines for slow
+    clients, and bytes that are not HTTP answered with a JSON 400 after the responses due before
+    them (uvicorn's own protocol wrote a plain-text 400 over them)."""
+    limits = ServerLimits(max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
+    return {**uvicorn_settings(limits), "log_level": "warning", "access_log": False}

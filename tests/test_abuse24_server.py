@@ -120,3 +120,44 @@ def test_the_router_passes_a_header_that_is_not_ascii_as_the_client_sent_it(rout
     else:
         reply = httpx.post(router_url + path, json=body, headers=headers, timeout=60)
     assert reply.status_code == 200, reply.text[:500]
+
+
+@pytest.fixture
+def router_log_kept():
+    """The router logger's handlers, propagation and level as they were before run_router set them."""
+    logger = logging.getLogger("minillm.router")
+    kept = (list(logger.handlers), logger.propagate, logger.level)
+    yield
+    logger.handlers[:], logger.propagate = kept[0], kept[1]
+    logger.setLevel(kept[2])
+
+
+def test_the_router_answers_bytes_that_are_not_http_after_the_responses_due_as_a_server_does(
+        server, healthy_stream, monkeypatch, router_log_kept):
+    # `minillm router` ran uvicorn's own protocol: a request pipelined before bytes that are not HTTP
+    # lost its response to a plain-text 400 written in its place (a server answers it, then a JSON 400).
+    import minillm.router as router_module
+    settings = {}
+    monkeypatch.setattr(router_module.uvicorn, "run", lambda app, **kwargs: settings.update(app=app, **kwargs))
+    router_module.run_router(RouterConfig((server[0],), (server[0],)), host="127.0.0.1", port=0)
+    kwargs = {k: v for k, v in settings.items() if k not in ("app", "host", "port")}
+    http = uvicorn.Server(uvicorn.Config(settings["app"], **kwargs, log_config=None))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: http.started, timeout=30)
+        with socket.create_connection(sock.getsockname(), timeout=30) as client:
+            client.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\nNOT HTTP\r\n\r\n")
+            received = b""
+            while chunk := client.recv(65536):
+                received += chunk
+    finally:
+        http.should_exit = True
+        thread.join(30)
+        sock.close()
+    first, second = received.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"200 ") and json.loads(first.split(b"\r\n\r\n", 1)[1])["data"][0]["id"] == MODEL
+    assert second.startswith(b"400 ") and b"content-type: application/json" in second
+    assert json.loads(second.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "invalid_http_request"

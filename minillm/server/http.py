@@ -231,8 +231,12 @@ def timed_protocol(limits: ServerLimits, http: str = "auto") -> type:
                                          "write_timeout_s": limits.stream_timeout_s})
 
 
+def uvicorn_settings(limits: ServerLimits, http: str = "auto") -> dict[str, Any]:
+    """uvicorn's settings for the server's timeouts: keep-alive, request headers, stalled writes, header size."""
+    return {"http": timed_protocol(limits, http), "timeout_keep_alive": limits.timeout_keep_alive_s,
+            "h11_max_incomplete_event_size": MAX_HEADER_BYTES}
+
+
 def uvicorn_config(app: Any, limits: ServerLimits, http: str = "auto", **kwargs: Any) -> uvicorn.Config:
-    """uvicorn settings with the server's timeouts: keep-alive, request headers, stalled writes, header size."""
-    return uvicorn.Config(app, http=timed_protocol(limits, http),
-                          timeout_keep_alive=limits.timeout_keep_alive_s,
-                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **kwargs)
+    """uvicorn's Config of app with the server's timeouts (uvicorn_settings)."""
+    return uvicorn.Config(app, **uvicorn_settings(limits, http), **kwargs)
