@@ -712,7 +712,8 @@ def logit_bias_option(pairs: list[str] | None) -> dict[int, float] | None:
                 raise ValueError
             bias[int(token)] = float(value)
         except ValueError:
-            raise CliError(f"--logit-bias: expected ID=BIAS (a token id and a number), got {pair!r}") from None
+            # a usage error (status 2), as a bias out of range is
+            raise UsageError(f"--logit-bias: expected ID=BIAS (a token id and a number), got {pair!r}") from None
     return bias
 
 

@@ -51,3 +51,12 @@ def test_a_prompts_file_line_holding_a_form_feed_or_unicode_separator_is_one_pro
     assert result.returncode == 0, result.stderr
     prompts = [json.loads(line)["prompt"] for line in result.stdout.split("\n") if line]
     assert prompts == ["Once upon\x0ca time", "Lily had\u2028a ball", "The cat\x85 sat", "Tom"]
+
+
+@pytest.mark.parametrize("pair", ["x=1", "300", "=1"])
+def test_a_malformed_logit_bias_pair_is_a_usage_error_as_a_bias_out_of_range_is(stories_path, pair):
+    """--logit-bias 5=101 was status 2 naming the flag, --logit-bias x=1 status 1."""
+    result = minillm("generate", str(stories_path), "--device", "cpu", "-p", "Once", "--logit-bias", pair)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"minillm generate: error: --logit-bias: expected ID=BIAS (a token id and a "
+                                     f"number), got {pair!r} (try 'minillm generate --help')")
