@@ -257,6 +257,8 @@ def parse_args(argv):
                    help="core: the engine as `minillm serve` runs it in its engine core process (token ids out, "
                         "the API server detokenises); text: the in-process engine's cumulative text outputs "
                         "(`--engine-core thread`)")
+    p.add_argument("--grammar-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="the matchers in a grammar process (default: the engine's, on with a GPU)")
     p.add_argument("--json", help="write the figures to this file")
     return p.parse_args(argv)
 
@@ -278,7 +280,7 @@ def main(argv=None) -> None:
             model=str(model_dir), device="cpu" if simulated else args.device, dtype=dtype, load_format="dummy",
             max_num_seqs=args.batch, max_num_batched_tokens=max(8192, args.batch * args.prompt_len),
             max_model_len=args.prompt_len + args.warmup + args.steps + 128,
-            async_scheduling=True if simulated else None)
+            async_scheduling=True if simulated else None, grammar_process=args.grammar_process)
         core = EngineCore(config) if args.outputs == "core" else None
         engine = core.engine if core is not None else LLMEngine(config)
         if simulated:

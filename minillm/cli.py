@@ -204,6 +204,11 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--async-scheduling/--no-async-scheduling",
         help="Launch each step before the previous one is read back (default: on the GPU, off on the CPU).")],
         _default("async_scheduling")),
+    "grammar_process": (Annotated[Optional[bool], _engine_option(
+        "--grammar-process/--no-grammar-process",
+        help="Keep structured outputs' grammar matchers in a process of their own, off the engine's thread and "
+             "its GIL (default: on the GPU, off on the CPU).")],
+        _default("grammar_process")),
     "max_logprobs": (Annotated[int, _engine_option(
         "--max-logprobs", help="The most log-probabilities a request may ask for, a token.")],
         _default("max_logprobs")),

@@ -73,6 +73,8 @@ class EngineConfig:
     # (None, "" or []: the model as given)
     served_model_name: str | list[str] | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
+    # constrained requests' matchers in a process of their own (grammar_process.py; None: on the GPU)
+    grammar_process: bool | None = None
     load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
     # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
@@ -196,7 +198,8 @@ MAX_NUM_SEQS = 65536
 _INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "seed", "max_logprobs", "tensor_parallel_size")
 _FLOAT_FIELDS = ("gpu_memory_utilization", "max_step_ms", "max_step_factor", "kv_offload_gib")
-_BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "calculate_kv_scales")
+_BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "calculate_kv_scales",
+                "grammar_process")
 
 
 def check_field_types(config: EngineConfig) -> None:

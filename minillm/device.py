@@ -97,6 +97,10 @@ class CpuDevice:
         """A host array that copies to the device read from (plain memory on the CPU)."""
         return np.empty(shape, dtype=dtype)
 
+    def register_host(self, array: np.ndarray):
+        """Page-lock a host array that copies to the device read from (nothing to do on the CPU); returns the undo."""
+        return lambda: None
+
     def copy_to_device_async(self, dst, src: np.ndarray) -> CpuEvent:
         """dst[...] = src, done before it returns; the event after it."""
         dst[...] = src
@@ -262,6 +266,13 @@ class CudaDevice:
         """A host array in page-locked memory: a copy from it never makes the host wait."""
         import cupyx
         return cupyx.empty_pinned(shape, dtype=dtype)
+
+    def register_host(self, array: np.ndarray):
+        """Page-lock a host array (shared memory, say) so copies from it are plain async copies; returns the undo."""
+        rt = self.cp.cuda.runtime
+        ptr = array.ctypes.data
+        rt.hostRegister(ptr, array.nbytes, 0)
+        return lambda: rt.hostUnregister(ptr)
 
     def copy_to_device_async(self, dst, src: np.ndarray):
         """Queue dst[...] = src (src pinned, both packed, same bytes) on the current stream; returns

@@ -384,7 +384,9 @@ class LLMEngine:
             from minillm.structured_output import StructuredOutputManager
             self.structured_outputs = StructuredOutputManager.from_tokenizer(
                 self.tokenizer, self.model_config.vocab_size, self.config.max_num_seqs, self.eos_token_ids,
-                empty_host=self.device.empty_pinned)
+                empty_host=self.device.empty_pinned, register_host=self.device.register_host,
+                grammar_process=(self.config.grammar_process if self.config.grammar_process is not None
+                                 else self.backend == "cuda"))
         return self.structured_outputs
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:

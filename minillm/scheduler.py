@@ -396,39 +396,49 @@ class Scheduler:
         rejected drafts are forgotten, newly full blocks are cached. on_token(seq, i) is called
         after seq's i-th new token of the step is appended and may return a stop string it
         completed. Returns (sequence, token) in batch order for the tokens appended (sequences
-        finished since the launch get none)."""
+        finished since the launch get none), except that a constrained sequence whose matcher's
+        answer has not come back from the grammar process yet is read after the others."""
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
-        appended = []
-        sampled, eos_token_ids, cache_full_blocks = step.sampled, self.eos_token_ids, self.block_manager.cache_full_blocks
+        appended, waiting = [], []
         for seq in out.sampling_seqs:
-            if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
-                continue
-            tokens = sampled[seq.seq_id]
-            num_drafts = len(seq.spec_token_ids)
-            seq.num_output_placeholders -= 1 + num_drafts
-            if num_drafts:
-                seq.spec_token_ids = []
-                if seq.status is SequenceStatus.RUNNING:
-                    # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
-                    # their blocks stay with the sequence for those tokens.
-                    seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
-            for i, token in enumerate(tokens):
-                seq.token_ids.append(token)
-                seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
-                appended.append((seq, token))
-                if seq.structured_output is not None and not seq.structured_output.accept_token(token):
-                    self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
-                elif (stop := check_stop(seq, eos_token_ids)) is not None:
-                    self.finish(seq, *stop)
-                stop_string = on_token(seq, i) if on_token is not None else None
-                if stop_string is not None:
-                    self.stop(seq, stop_string)
-                if seq.is_finished:
-                    break
+            if seq.structured_output is not None and not seq.structured_output.is_settled:
+                waiting.append(seq)
             else:
-                cache_full_blocks(seq)
+                self._append_tokens(seq, step, on_token, appended)
+        for seq in waiting:
+            self._append_tokens(seq, step, on_token, appended)
         return appended
+
+    def _append_tokens(self, seq: Sequence, step: StepOutput, on_token, appended: list) -> None:
+        """update_from_output's work for one sequence of the step."""
+        sampled, eos_token_ids, cache_full_blocks = step.sampled, self.eos_token_ids, self.block_manager.cache_full_blocks
+        if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
+            return
+        tokens = sampled[seq.seq_id]
+        num_drafts = len(seq.spec_token_ids)
+        seq.num_output_placeholders -= 1 + num_drafts
+        if num_drafts:
+            seq.spec_token_ids = []
+            if seq.status is SequenceStatus.RUNNING:
+                # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
+                # their blocks stay with the sequence for those tokens.
+                seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+            appended.append((seq, token))
+            if seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
+            elif (stop := check_stop(seq, eos_token_ids)) is not None:
+                self.finish(seq, *stop)
+            stop_string = on_token(seq, i) if on_token is not None else None
+            if stop_string is not None:
+                self.stop(seq, stop_string)
+            if seq.is_finished:
+                break
+        else:
+            cache_full_blocks(seq)
 
     def stop(self, seq: Sequence, stop_string: str) -> None:
         """The output processor found a stop string in seq's text: finish it with that reason.

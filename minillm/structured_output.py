@@ -45,13 +45,16 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
 from minillm.stats import StructuredOutputStats
+
+if TYPE_CHECKING:
+    from minillm.grammar_process import GrammarProcess, RemoteMatcher
 
 # What llguidance's matcher logs by itself: nothing (errors are read back and raised or reported).
 _LOG_LEVEL = 0
@@ -389,6 +392,13 @@ def ll_tokenizer_from(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     return ll_tokenizer_from_json(tokenizer.backend.to_str(), vocab_size, tokenizer.eos_token_ids)
 
 
+def warm_ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids) -> llguidance.LLTokenizer:
+    """ll_tokenizer_from_json, with the token trie the first mask over it builds built now (not in a step)."""
+    tok = ll_tokenizer_from_json(tokenizer_json, vocab_size, sorted(eos_token_ids))
+    llguidance.LLMatcher(tok, serialize_grammar((StructuredOutputOptions.REGEX, "a")), log_level=_LOG_LEVEL).compute_bitmask()
+    return tok
+
+
 def bitmask_words(vocab_size: int) -> int:
     """int32 words per bitmask row: ceil(vocab_size / 32)."""
     return (int(vocab_size) + 31) // 32
@@ -418,6 +428,7 @@ class CompiledGrammar:
     _eos_token_ids: frozenset[int] = field(repr=False)
     on_error: Callable[[], None] | None = field(default=None, repr=False)
     empty_only: bool = False          # the empty output is the only sentence: EOS is the one token allowed at the start
+    remote_id: tuple[int, int] | None = field(default=None, repr=False)   # (grammar process, its id there), once sent
 
     def new_matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the output (a copy: microseconds, no recompilation)."""
@@ -508,6 +519,11 @@ class GrammarMatcher:
         """Tokens accepted so far (an EOS included)."""
         return self._num_tokens + int(self._eos_unrecorded)
 
+    @property
+    def num_fed(self) -> int:
+        """Tokens given to it that it holds (a refused one is not held): num_accepted."""
+        return self.num_accepted
+
     def is_terminated(self) -> bool:
         """An EOS has been accepted: the output is complete."""
         return self._terminated
@@ -546,16 +562,32 @@ class StructuredOutputRequest:
     then takes the result recorded for that token.
     """
 
-    def __init__(self, grammar: Future) -> None:
+    def __init__(self, grammar: Future, process: GrammarProcess | None = None) -> None:
         self.grammar = grammar
-        self.matcher: GrammarMatcher | None = None
-        self._advanced: deque[tuple[int, bool]] = deque()   # (token, accepted) taken ahead of accept_token
+        self.matcher: GrammarMatcher | RemoteMatcher | None = None
+        self._process = process           # the grammar process that holds the matcher, if one does
+        self._remote_error: str | None = None
+        # [token, accepted] taken ahead of accept_token (accepted None until the grammar process answers)
+        self._advanced: deque[list] = deque()
 
     @property
     def is_ready(self) -> bool:
-        """The grammar compiled and the sequence has its matcher: it may be scheduled."""
+        """The grammar compiled (in the grammar process too, where one holds the matchers) and the
+        sequence has its matcher: it may be scheduled."""
         if self.matcher is None and self.grammar.done() and not _has_failed(self.grammar):
-            self.matcher = self.grammar.result().new_matcher()
+            compiled = self.grammar.result()
+            if self._process is None:
+                self.matcher = compiled.new_matcher()
+            elif self._remote_error is None:
+                from minillm.grammar_process import GrammarProcessError
+                try:
+                    answer = self._process.compile(compiled)
+                    if self._process.is_compiled(answer):
+                        self._remote_error = answer.result()
+                        if self._remote_error is None:
+                            self.matcher = self._process.new_matcher(compiled, compiled.on_error)
+                except GrammarProcessError as exc:     # take_failed ends the sequence with it
+                    self._remote_error = str(exc)
         return self.matcher is not None
 
     @property
@@ -566,6 +598,8 @@ class StructuredOutputRequest:
     @property
     def compile_error(self) -> str | None:
         """Why the grammar did not compile; None while it compiles or once it has."""
+        if self._remote_error is not None:
+            return f"structured_outputs: the grammar process did not take the grammar: {self._remote_error}"
         if not _has_failed(self.grammar):
             return None
         if self.grammar.cancelled():
@@ -580,9 +614,14 @@ class StructuredOutputRequest:
         the first refused one: the scheduler ends the sequence there)."""
         for token in token_ids:
             accepted = self.matcher.accept_token(token)
-            self._advanced.append((int(token), accepted))
+            self._advanced.append([int(token), accepted])
             if not accepted:
                 break
+
+    @property
+    def is_settled(self) -> bool:
+        """accept_token will not wait: every token taken ahead has its answer (a grammar process's may be pending)."""
+        return not self._advanced or self._advanced[0][1] is not None
 
     @property
     def num_advanced(self) -> int:
@@ -593,6 +632,8 @@ class StructuredOutputRequest:
         """Advance the matcher by a sampled token; False when the grammar forbids it. A token
         advance() already fed returns its recorded result."""
         if self._advanced:
+            if self._advanced[0][1] is None:
+                self.matcher.settle()            # the grammar process's answer for it
             token, accepted = self._advanced.popleft()
             if token != int(token_id):
                 raise RuntimeError(f"the matcher took token {token} ahead, the scheduler appends {token_id}")
@@ -648,7 +689,10 @@ class PendingBitmask:
 
     def abandon(self) -> None:
         """Wait for the fill and drop it (a step that failed to launch): the matchers are free again."""
-        concurrent.futures.wait([self._future])
+        try:
+            self._future.result()
+        except Exception:  # noqa: BLE001 - a dropped fill's error is nobody's
+            pass
 
     @classmethod
     def failed(cls, error: BaseException) -> PendingBitmask:
@@ -656,6 +700,47 @@ class PendingBitmask:
         future: Future = Future()
         future.set_exception(error)
         return cls(None, future, GrammarBitmask(np.zeros((0, 0), np.int32), np.zeros(0, np.int32)))
+
+
+def eos_words(eos_token_ids, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """([E] bitmask words holding EOS ids, [E] each word with those ids' bits cleared): forbid_eos's table."""
+    eos = sorted(i for i in eos_token_ids if 0 <= i < vocab_size)
+    words = sorted({i // 32 for i in eos})
+    keep = np.full(len(words), -1, np.int32)
+    for i in eos:
+        keep[words.index(i // 32)] &= np.int32(~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF)
+    return np.asarray(words, np.intp), keep
+
+
+def forbid_eos(bitmask: np.ndarray, rows: list[int], eos_table: tuple[np.ndarray, np.ndarray]) -> None:
+    """ignore_eos under a grammar: EOS is not sampled while the grammar allows anything else
+    (the sequence goes on to its max_tokens, or until the grammar is complete, where it stops
+    without sampling EOS). A row that allows only EOS (a matcher in error) keeps it."""
+    cols, keep = eos_table                               # [E] words holding EOS ids, [E] their masks
+    rows = np.asarray(rows, np.intp)
+    before = bitmask[np.ix_(rows, cols)]                  # [R, E]
+    allowed = (before & ~keep).any(axis=1)                # [R] rows where the grammar may end here
+    if not allowed.any():
+        return
+    rows, before = rows[allowed], before[allowed]
+    bitmask[np.ix_(rows, cols)] = before & keep
+    # [R'] nothing left: EOS was all there was. Most rows allow one of the first 2,048 tokens
+    # (bytes, ASCII): only the others are scanned whole.
+    only_eos = ~bitmask[rows, :64].any(axis=1)
+    if only_eos.any():
+        only_eos[only_eos] = ~bitmask[rows[only_eos]].any(axis=1)
+    if only_eos.any():
+        bitmask[np.ix_(rows[only_eos], cols)] = before[only_eos]
+
+
+def fill_rows(executor: Callable[[], llguidance.LLExecutor], pairs: list[tuple[llguidance.LLMatcher, int]],
+              out: np.ndarray) -> None:
+    """llguidance fills out[row] for each (matcher, row), in parallel on executor()'s threads; the GIL
+    is released while it does."""
+    if len(pairs) == 1:
+        llg_numpy.fill_next_token_bitmask(pairs[0][0], out, pairs[0][1])
+    elif pairs:
+        llg_numpy.fill_next_token_bitmask_par(executor(), pairs, out)
 
 
 # ----------------------------------------------------------------------------- manager
@@ -670,12 +755,17 @@ class StructuredOutputManager:
 
     The tokenizer is built lazily on the compile pool (about a second for 150k tokens), so the
     step loop never waits for it. fill_bitmask writes only the rows it is given.
+
+    grammar_process: the requests' matchers live in a process of their own (grammar_process.py):
+    the engine thread then only sends each step's tokens and takes the answers, and no mask thread
+    shares its GIL; grammars are still compiled here first (errors, the cache), then there.
+    register_host(array) page-locks the shared mask buffers on a GPU and returns how to undo it.
     """
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  max_num_seqs: int, num_compile_workers: int = 2, num_fill_threads: int | None = None,
                  max_cached_grammars: int = 256, disable_any_whitespace: bool = True,
-                 empty_host=np.empty) -> None:
+                 empty_host=np.empty, grammar_process: bool = False, register_host=None) -> None:
         self.vocab_size = int(vocab_size)
         self.disable_any_whitespace = disable_any_whitespace   # for requests that leave it None
         self._tokenizer_json = tokenizer_json
@@ -692,16 +782,18 @@ class StructuredOutputManager:
         # Two host buffers [max_num_seqs, W] the steps' masks are filled into in turn (pinned memory
         # from empty_host, so the sampler's upload is a plain async copy): a step's fill never
         # writes the buffer the step before may still be uploading from.
-        self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
-        for buffer in self._bitmasks:
-            buffer[...] = -1
+        self._process: GrammarProcess | None = None
+        if grammar_process:
+            from minillm.grammar_process import GrammarProcess
+            self._process = GrammarProcess(tokenizer_json, self.vocab_size, self._eos_token_ids, max_num_seqs,
+                                           num_fill_threads, register_host)
+            self._bitmasks = self._process.bitmasks
+        else:
+            self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
+            for buffer in self._bitmasks:
+                buffer[...] = -1
         self._mask_rows = [empty_host((max_num_seqs,), np.int32) for _ in range(2)]   # each buffer's rows
-        eos = sorted(i for i in self._eos_token_ids if 0 <= i < self.vocab_size)
-        words = sorted({i // 32 for i in eos})
-        keep = np.full(len(words), -1, np.int32)             # per word: the bits of the EOS ids cleared
-        for i in eos:
-            keep[words.index(i // 32)] &= np.int32(~(1 << (i % 32)) if i % 32 != 31 else 0x7FFFFFFF)
-        self._eos_words = (np.asarray(words, np.intp), keep)
+        self._eos_words = eos_words(self._eos_token_ids, self.vocab_size)
         self._next_bitmask = 0
         self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
@@ -727,11 +819,7 @@ class StructuredOutputManager:
         """llguidance's tokenizer, built (and warmed) on first use; blocks until then."""
         with self._tokenizer_lock:
             if self._ll_tokenizer is None:
-                tok = ll_tokenizer_from_json(self._tokenizer_json, self.vocab_size, sorted(self._eos_token_ids))
-                # The first mask over a tokenizer builds its token trie: pay that here, not in a step.
-                warm = llguidance.LLMatcher(tok, serialize_grammar((StructuredOutputOptions.REGEX, "a")), log_level=_LOG_LEVEL)
-                warm.compute_bitmask()
-                self._ll_tokenizer = tok
+                self._ll_tokenizer = warm_ll_tokenizer(self._tokenizer_json, self.vocab_size, self._eos_token_ids)
             return self._ll_tokenizer
 
     def grammar_init(self, params: StructuredOutputsParams) -> Future:
@@ -819,12 +907,7 @@ class StructuredOutputManager:
         return out
 
     def _fill_rows(self, pairs: list[tuple[llguidance.LLMatcher, int]], out: np.ndarray) -> None:
-        """llguidance fills out[row] for each (matcher, row), in parallel on its threads; the GIL
-        is released while it does."""
-        if len(pairs) == 1:
-            llg_numpy.fill_next_token_bitmask(pairs[0][0], out, pairs[0][1])
-        elif pairs:
-            llg_numpy.fill_next_token_bitmask_par(self._fill_executor(), pairs, out)
+        fill_rows(self._fill_executor, pairs, out)
 
     def _fill_executor(self) -> llguidance.LLExecutor:
         with self._lock:
@@ -837,9 +920,21 @@ class StructuredOutputManager:
         """Give each sequence its StructuredOutputRequest (one compile, shared); the scheduler
         admits them once it is done."""
         grammar = self.grammar_init(params)
+        if self._process is not None and self._process.failed:
+            self._restart_process()
         for seq in seqs:
-            seq.structured_output = StructuredOutputRequest(grammar)
+            seq.structured_output = StructuredOutputRequest(grammar, self._process)
         self._compiling.extend(seqs)
+
+    def _restart_process(self) -> None:
+        """A new grammar process for new requests (the requests whose matchers were in the one that
+        failed end with its error)."""
+        from minillm.grammar_process import GrammarProcess
+        old = self._process
+        self._process = GrammarProcess(old.spec.tokenizer_json, self.vocab_size, self._eos_token_ids,
+                                       old.spec.num_rows, self._fill_threads, old.register_host)
+        self._bitmasks = self._process.bitmasks
+        old.shutdown()
 
     def take_failed(self) -> list[tuple[Any, str]]:
         """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
@@ -871,10 +966,13 @@ class StructuredOutputManager:
         return len(self._compiling)
 
     def wait_for_compile(self, timeout: float) -> None:
-        """Block until one of the pending compiles is done, or timeout seconds."""
+        """Block until one of the pending compiles is done (here or in the grammar process), or timeout seconds."""
         futures = {seq.structured_output.grammar for seq in self._compiling}
-        if futures:
-            concurrent.futures.wait(futures, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        pending = {f for f in futures if not f.done()}
+        if pending:
+            concurrent.futures.wait(pending, timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        elif futures and self._process is not None:     # compiled here: the grammar process's answer
+            self._process.wait_readable(timeout)
 
     @staticmethod
     def has_token_in_flight(rows: Sequence[tuple[int, Any]]) -> bool:
@@ -887,11 +985,20 @@ class StructuredOutputManager:
         """Feed a read-back step's tokens to the matchers of its constrained sampling sequences
         (those still waiting for them) before the scheduler appends them, so the next step's
         masks can be filled while the scheduler works; its accept_token takes the results.
-        rows: the step's (sampling index, sequence) pairs; unconstrained ones are skipped."""
+        rows: the step's (sampling index, sequence) pairs; unconstrained ones are skipped. With a
+        grammar process the tokens go there in one message and the answers are read when first asked for."""
+        remote = []
         for _, seq in rows:
             request = seq.structured_output
             if request is not None and seq.num_output_placeholders and (tokens := sampled.get(seq.seq_id)):
-                request.advance(tokens)
+                if self._process is None:
+                    request.advance(tokens)
+                else:
+                    remote.append((request, tokens))
+        if remote:
+            records = self._process.advance([(request.matcher, tokens) for request, tokens in remote])
+            for (request, _), recs in zip(remote, records):
+                request._advanced.extend(recs)
 
     def start_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:
         """Start filling, on the mask thread, the masks of one step's constrained sampling
@@ -901,7 +1008,9 @@ class StructuredOutputManager:
         Each matcher must have taken its sequence's latest token (through the scheduler, or
         ahead of it through advance()). Until the result is taken, the engine thread asks those
         matchers only their cached flags. A sequence whose grammar is done (complete, or a token
-        refused) is left out: the scheduler ends it when it appends that token.
+        refused) is left out: the scheduler ends it when it appends that token. (In a grammar
+        process the flags may be a token behind: a row whose grammar its last token ended is filled
+        there with EOS only, and the scheduler still ends its sequence.)
         """
         filled, pairs = [], []            # sampling indices of the rows filled, (matcher, mask row)
         no_eos = []                       # mask rows of ignore_eos requests
@@ -913,11 +1022,11 @@ class StructuredOutputManager:
             if matcher is not None and matcher.is_stopped():
                 continue
             expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
-            if matcher is None or matcher.num_accepted != expected:
+            if matcher is None or matcher.num_fed != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
             if seq.params.ignore_eos:
                 no_eos.append(len(filled))
-            pairs.append((matcher._matcher, len(filled)))
+            pairs.append((matcher if self._process is not None else matcher._matcher, len(filled)))
             filled.append(b)
         if not pairs:
             return None
@@ -926,6 +1035,8 @@ class StructuredOutputManager:
         rows[:] = filled
         mask = GrammarBitmask(self._bitmasks[slot][:num_rows], rows)
         self._next_bitmask = 1 - self._next_bitmask
+        if self._process is not None:
+            return PendingBitmask(self, self._process.fill(slot, [m for m, _ in pairs], no_eos), mask)
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
         started = threading.Event()
@@ -942,28 +1053,8 @@ class StructuredOutputManager:
         start = time.perf_counter()
         self._fill_rows(pairs, bitmask)
         if no_eos:
-            self._forbid_eos(bitmask, no_eos)
+            forbid_eos(bitmask, no_eos, self._eos_words)
         return time.perf_counter() - start
-
-    def _forbid_eos(self, bitmask: np.ndarray, rows: list[int]) -> None:
-        """ignore_eos under a grammar: EOS is not sampled while the grammar allows anything else
-        (the sequence goes on to its max_tokens, or until the grammar is complete, where it stops
-        without sampling EOS). A row that allows only EOS (a matcher in error) keeps it."""
-        cols, keep = self._eos_words                         # [E] words holding EOS ids, [E] their masks
-        rows = np.asarray(rows, np.intp)
-        before = bitmask[np.ix_(rows, cols)]                  # [R, E]
-        allowed = (before & ~keep).any(axis=1)                # [R] rows where the grammar may end here
-        if not allowed.any():
-            return
-        rows, before = rows[allowed], before[allowed]
-        bitmask[np.ix_(rows, cols)] = before & keep
-        # [R'] nothing left: EOS was all there was. Most rows allow one of the first 2,048 tokens
-        # (bytes, ASCII): only the others are scanned whole.
-        only_eos = ~bitmask[rows, :64].any(axis=1)
-        if only_eos.any():
-            only_eos[only_eos] = ~bitmask[rows[only_eos]].any(axis=1)
-        if only_eos.any():
-            bitmask[np.ix_(rows[only_eos], cols)] = before[only_eos]
 
     def _record_fill(self, seconds: float) -> None:
         self._num_fill_steps += 1
@@ -988,3 +1079,5 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
+        if self._process is not None:
+            self._process.shutdown()

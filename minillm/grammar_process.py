@@ -1,0 +1,500 @@
+"""Constrained requests' matchers in a process of their own.
+
+With every matcher in the engine's process, a constrained step costs the engine thread the
+matchers' advance (a Python call or three a row) and a Python mask thread that takes the GIL
+between llguidance's GIL-free fills; on a host-bound step both add to the step. Here the matchers
+live in a grammar process with its own interpreter: the engine thread sends each step's sampled
+tokens and the rows whose masks it wants, and reads back the matchers' answers and a filled-mask
+notice, the masks themselves written into two shared-memory buffers the sampler uploads from.
+
+    engine thread                                   grammar process
+    GrammarProcess.compile(grammar)   GRAMMAR ->    compiles it (its own pool), answers "grammar"
+    GrammarProcess.new_matcher(gid)   NEW ->        a GrammarMatcher for the handle
+    GrammarProcess.advance(items)     ADVANCE ->    consumes each row's tokens, answers "advanced"
+    GrammarProcess.fill(slot, ...)    FILL ->       fills mask buffer `slot`, answers "filled"
+    (a matcher or grammar let go)     FREE ->       drops them
+
+Answers come back in order on one pipe, and only the engine thread reads it: a wait for one answer
+applies every answer before it (an Answer is a Future the reading completes). Until its answer
+is read, a RemoteMatcher's flags are those of the answer before.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+
+# Commands (engine -> grammar process), the first item of each message.
+GRAMMAR, NEW, FREE, ADVANCE, FILL, STOP = range(6)
+_generations = itertools.count()
+
+
+class GrammarProcessError(RuntimeError):
+    """The grammar process failed a command, or is gone."""
+
+
+@dataclass
+class GrammarProcessSpec:
+    """What the grammar process starts from (pickled once, when it is spawned)."""
+
+    tokenizer_json: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    shm_name: str
+    num_rows: int                      # rows of each of the two mask buffers
+    num_fill_threads: int | None
+
+
+def _mask_buffers(shm: SharedMemory, num_rows: int, num_words: int) -> list[np.ndarray]:
+    """The two [num_rows, num_words] int32 mask buffers laid one after the other in shm."""
+    size = num_rows * num_words * 4
+    return [np.ndarray((num_rows, num_words), np.int32, buffer=shm.buf, offset=k * size) for k in range(2)]
+
+
+# ----------------------------------------------------------------------------- the engine's side
+
+class Answer(Future):
+    """A reply of the grammar process; result() reads the pipe (on the engine thread) until it is in."""
+
+    def __init__(self, process: GrammarProcess) -> None:
+        super().__init__()
+        self._process = process
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._process.wait_for(self)
+        return super().result(0)
+
+
+class RemoteMatcher:
+    """A GrammarMatcher in the grammar process, seen through the flags of its last answer
+    (GrammarMatcher's state questions, same meanings)."""
+
+    def __init__(self, process: GrammarProcess, handle: int, on_error: Callable[[], None] | None) -> None:
+        self._process, self.handle = process, handle
+        self._on_error = on_error          # called once, when an answer first reports an error
+        self.num_fed = 0                   # tokens sent to it (its answers may be pending)
+        self._pending: Answer | None = None
+        self._num_accepted = 0
+        self._terminated = self._stopped = False
+        self._error = ""
+        weakref.finalize(self, process.free, handle)
+
+    def apply(self, state: tuple[int, bool, bool, str]) -> None:
+        """Take an answer's (num_accepted, terminated, stopped, error) for this matcher."""
+        self._num_accepted, self._terminated, self._stopped, self._error = state
+        if self._error and self._on_error is not None:
+            on_error, self._on_error = self._on_error, None
+            on_error()
+
+    def settle(self) -> None:
+        """Wait for the answer to the tokens last sent to it (if the process failed, its records say
+        refused and its flags carry the error)."""
+        if self._pending is not None:
+            try:
+                self._pending.result()
+            except GrammarProcessError:
+                pass
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by one token now (a round trip: the engine sends whole steps through advance)."""
+        records = self._process.advance([(self, [int(token_id)])])[0]
+        self.settle()
+        return bool(records[0][1])
+
+    @property
+    def num_accepted(self) -> int:
+        return self._num_accepted
+
+    def is_terminated(self) -> bool:
+        return self._terminated
+
+    def is_stopped(self) -> bool:
+        return self._terminated or self._stopped
+
+    def is_error(self) -> bool:
+        return bool(self._error)
+
+    @property
+    def error(self) -> str:
+        return self._error
+
+
+class GrammarProcess:
+    """The engine's end of the grammar process: the commands, the answers, the shared mask buffers.
+
+    Everything but free() and forget() (which only queue a handle for the next command: weakref
+    finalizers call them, on whichever thread) is called on the engine thread.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int], num_rows: int,
+                 num_fill_threads: int | None = None,
+                 register_host: Callable[[np.ndarray], Callable[[], None]] | None = None) -> None:
+        from minillm.structured_output import bitmask_words
+        num_words = bitmask_words(vocab_size)
+        self._shm = SharedMemory(create=True, size=2 * num_rows * num_words * 4)
+        whole = np.ndarray((2 * num_rows * num_words,), np.int32, buffer=self._shm.buf)
+        whole[...] = -1
+        # Page-locked on a GPU (the sampler's upload is then a plain async copy), as the engine's own buffers.
+        self.register_host = register_host
+        self._unregister = register_host(whole) if register_host is not None else None
+        del whole
+        self.bitmasks = _mask_buffers(self._shm, num_rows, num_words)
+        self.spec = spec = GrammarProcessSpec(tokenizer_json, int(vocab_size), [int(i) for i in eos_token_ids],
+                                              self._shm.name, num_rows, num_fill_threads)
+        self._conn, self._proc = _start(spec)
+        self._generation = next(_generations)      # a grammar's remote_id names the process it was sent to
+        self._next_handle = self._next_gid = 0
+        self._compiled: dict[int, Answer] = {}
+        self._waiting: deque[tuple[Answer, Any]] = deque()    # sent commands' answers, in order
+        self._frees: list[int] = []
+        self._forgets: list[int] = []
+        self._error: str | None = None
+
+    # ---- commands
+    def _send(self, *message) -> None:
+        if self._error is not None:
+            raise GrammarProcessError(self._error)
+        if self._frees or self._forgets:
+            frees, self._frees = self._frees, []
+            forgets, self._forgets = self._forgets, []
+            self._post((FREE, frees, forgets))
+        self._post(message)
+
+    def _post(self, message) -> None:
+        try:
+            self._conn.send(message)
+        except (OSError, EOFError) as exc:
+            self._fail(f"the grammar process is gone ({type(exc).__name__})")
+
+    def compile(self, grammar) -> Answer:
+        """The answer (None, or why it failed) to compiling a CompiledGrammar's text in the process."""
+        if grammar.remote_id is None or grammar.remote_id[0] != self._generation:
+            gid, self._next_gid = self._next_gid, self._next_gid + 1
+            grammar.remote_id = (self._generation, gid)
+            self._compiled[gid] = Answer(self)
+            weakref.finalize(grammar, self.forget, gid)
+            self._send(GRAMMAR, gid, grammar.grammar)
+        return self._compiled[grammar.remote_id[1]]
+
+    def is_compiled(self, answer: Answer) -> bool:
+        """Whether a compile's answer is in (the answers that have arrived are read, none waited for)."""
+        self.poll()
+        return answer.done()
+
+    def new_matcher(self, grammar, on_error: Callable[[], None] | None) -> RemoteMatcher:
+        """A matcher at the start of a compiled grammar's output (its compile answered without error)."""
+        handle, self._next_handle = self._next_handle, self._next_handle + 1
+        self._send(NEW, handle, grammar.remote_id[1])
+        return RemoteMatcher(self, handle, on_error)
+
+    def free(self, handle: int) -> None:
+        """A matcher is let go: dropped with the next command."""
+        self._frees.append(handle)
+
+    def forget(self, gid: int) -> None:
+        """A compiled grammar is let go: its template is dropped with the next command."""
+        self._forgets.append(gid)
+        self._compiled.pop(gid, None)
+
+    def advance(self, items: list[tuple[RemoteMatcher, list[int]]]) -> list[list[list]]:
+        """Send a step's tokens; returns, per item, its [token, accepted] records (accepted None
+        until the answer is read; False for tokens after a refused one)."""
+        records = [[[int(t), None] for t in tokens] for _, tokens in items]
+        answer = Answer(self)
+        for m, tokens in items:
+            m.num_fed += len(tokens)
+            m._pending = answer
+        try:
+            self._send(ADVANCE, [(m.handle, [r[0] for r in recs]) for (m, _), recs in zip(items, records)])
+        except GrammarProcessError as exc:
+            self._refuse((items, records), str(exc))
+            answer.set_exception(exc)
+            return records
+        self._waiting.append((answer, (items, records)))
+        return records
+
+    def fill(self, slot: int, matchers: list[RemoteMatcher], no_eos: list[int]) -> Answer:
+        """Fill mask buffer slot's rows 0..len(matchers)-1 (EOS out of the no_eos rows); the answer is
+        the fill's seconds."""
+        answer = Answer(self)
+        try:
+            self._send(FILL, slot, [m.handle for m in matchers], no_eos)
+        except GrammarProcessError as exc:
+            answer.set_exception(exc)
+            return answer
+        self._waiting.append((answer, None))
+        return answer
+
+    # ---- answers
+    def poll(self) -> None:
+        """Read the answers that have arrived, without waiting."""
+        while self._error is None and self._readable(0):
+            self._read_one()
+
+    def wait_readable(self, timeout: float) -> None:
+        """Wait up to timeout seconds for an answer, and read those that have arrived."""
+        if self._error is None and self._readable(timeout):
+            self.poll()
+
+    def wait_for(self, answer: Answer) -> None:
+        """Read answers until this one is in (raises what it failed with, or if the process is gone)."""
+        while not answer.done():
+            if self._error is not None:
+                raise GrammarProcessError(self._error)
+            self._read_one()
+
+    def _readable(self, timeout: float) -> bool:
+        try:
+            return self._conn.poll(timeout)
+        except (OSError, EOFError):
+            return True                 # the read says what happened
+
+    def _read_one(self) -> None:
+        try:
+            reply = self._conn.recv()
+        except (OSError, EOFError) as exc:
+            self._fail(f"the grammar process is gone ({type(exc).__name__})")
+        kind = reply[0]
+        if kind == "grammar":
+            answer = self._compiled.get(reply[1])
+            if answer is not None and not answer.done():
+                answer.set_result(reply[2])
+            return
+        answer, context = self._waiting.popleft()
+        if kind == "error":
+            if context is not None:
+                self._refuse(context, reply[1])
+            answer.set_exception(GrammarProcessError(reply[1]))
+        elif kind == "advanced":
+            self._apply_advance(context, reply[1])
+            answer.set_result(None)
+        else:                            # "filled"
+            answer.set_result(reply[1])
+
+    @staticmethod
+    def _apply_advance(context, results: list[tuple[list[bool], tuple]]) -> None:
+        items, records = context
+        for (matcher, _), recs, (accepted, state) in zip(items, records, results):
+            for k, rec in enumerate(recs):
+                rec[1] = accepted[k] if k < len(accepted) else False
+            matcher.apply(state)
+
+    @staticmethod
+    def _refuse(context, message: str) -> None:
+        """An advance that got no answer: its tokens count as refused, its matchers in error."""
+        items, records = context
+        for (matcher, _), recs in zip(items, records):
+            for rec in recs:
+                rec[1] = False if rec[1] is None else rec[1]
+            matcher.apply((matcher.num_accepted, False, True, f"the grammar process failed: {message}"))
+
+    @property
+    def failed(self) -> bool:
+        """The process is gone: nothing sent to it is answered."""
+        return self._error is not None
+
+    def _fail(self, message: str):
+        """The process is unusable: every waiting answer and every later command fails with message."""
+        self._error = message
+        for answer, context in self._waiting:
+            if context is not None:
+                self._refuse(context, message)
+            if not answer.done():
+                answer.set_exception(GrammarProcessError(message))
+        self._waiting.clear()
+        for answer in list(self._compiled.values()):
+            if not answer.done():
+                answer.set_result(message)
+        raise GrammarProcessError(message)
+
+    def shutdown(self) -> None:
+        """Stop the process and release the shared buffers (once)."""
+        if self._shm is None:
+            return
+        if self._error is None:
+            try:
+                self._conn.send((STOP,))
+            except (OSError, EOFError):
+                pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._conn.close()
+        self.bitmasks = []
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        self._shm.unlink()
+        try:
+            self._shm.close()
+        except BufferError:       # a mask view is still held: the mapping goes with the last one
+            pass
+        self._shm = None
+
+
+def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:
+    """Start `python -m minillm.grammar_process FD` on one end of a socket pair and send it spec.
+    (Not multiprocessing's spawn: that runs the parent's __main__ again, and a script that builds an
+    engine without a __main__ guard would start another.)"""
+    parent, child = socket.socketpair()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "minillm.grammar_process", str(child.fileno())],
+                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+    finally:
+        child.close()
+    conn = Connection(parent.detach())
+    conn.send(spec)
+    return conn, proc
+
+
+# ----------------------------------------------------------------------------- the grammar process
+
+def run_grammar_process(conn, spec: GrammarProcessSpec) -> None:
+    """The grammar process: answer the engine's commands until told to stop or the engine is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the engine's to handle; it stops us
+    server = _GrammarServer(conn, spec)
+    try:
+        server.serve()
+    finally:
+        server.close()
+
+
+def _attach(name: str) -> SharedMemory:
+    """The engine's shared segment, which the engine unlinks: not tracked here (before Python 3.13 an
+    attached segment is tracked, and this process's exit would unlink it under the engine)."""
+    try:
+        return SharedMemory(name=name, track=False)
+    except TypeError:                      # Python < 3.13
+        from multiprocessing import resource_tracker
+        shm = SharedMemory(name=name)
+        resource_tracker.unregister(shm._name, "shared_memory")
+        return shm
+
+
+class _GrammarServer:
+    """The matchers and their compiled grammars, and the command loop over them."""
+
+    def __init__(self, conn, spec: GrammarProcessSpec) -> None:
+        from minillm import structured_output as so
+        self.so = so
+        self.conn, self.spec = conn, spec
+        self.shm = _attach(spec.shm_name)
+        self.bitmasks = _mask_buffers(self.shm, spec.num_rows, so.bitmask_words(spec.vocab_size))
+        self.eos = frozenset(spec.eos_token_ids)
+        self.eos_table = so.eos_words(self.eos, spec.vocab_size)
+        self.send_lock = threading.Lock()               # the loop and the compile pool both answer
+        with so._large_stack():                         # deep schemas recurse on the compiling thread
+            self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="minillm-grammar")
+            self.tokenizer = self.pool.submit(so.warm_ll_tokenizer, spec.tokenizer_json, spec.vocab_size, self.eos)
+        self.templates: dict[int, Future] = {}
+        self.matchers: dict[int, Any] = {}
+        self._executor = None
+
+    def reply(self, *message) -> None:
+        with self.send_lock:
+            self.conn.send(message)
+
+    def serve(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (OSError, EOFError):
+                return                                  # the engine is gone
+            kind = message[0]
+            if kind == STOP:
+                return
+            try:
+                self.handle(kind, message)
+            except Exception as exc:  # noqa: BLE001 - the engine gets the error, the loop goes on
+                if kind in (ADVANCE, FILL):
+                    self.reply("error", f"{type(exc).__name__}: {exc}")
+
+    def handle(self, kind: int, message: tuple) -> None:
+        if kind == GRAMMAR:
+            _, gid, text = message
+            with self.so._large_stack():               # the pool may start a thread in submit
+                self.templates[gid] = future = self.pool.submit(self.compile, text)
+            future.add_done_callback(lambda f, gid=gid: self.reply("grammar", gid, self.compile_error(f)))
+        elif kind == NEW:
+            _, handle, gid = message
+            template = self.templates[gid].result()
+            self.matchers[handle] = self.so.GrammarMatcher(template.deep_copy(), self.eos)
+        elif kind == FREE:
+            _, handles, gids = message
+            for handle in handles:
+                self.matchers.pop(handle, None)
+            for gid in gids:
+                self.templates.pop(gid, None)
+        elif kind == ADVANCE:
+            self.reply("advanced", [self.advance(handle, tokens) for handle, tokens in message[1]])
+        elif kind == FILL:
+            self.reply("filled", self.fill(*message[1:]))
+
+    def compile(self, text: str):
+        """A template matcher for a grammar text the engine compiled already, its first mask built."""
+        import llguidance
+        template = llguidance.LLMatcher(self.tokenizer.result(), text, log_level=self.so._LOG_LEVEL)
+        template.deep_copy().compute_bitmask()
+        return template
+
+    @staticmethod
+    def compile_error(future: Future) -> str | None:
+        error = future.exception()
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    def advance(self, handle: int, tokens: list[int]) -> tuple[list[bool], tuple]:
+        """Feed a matcher its tokens (up to the first refused); (each token's answer, its flags)."""
+        matcher = self.matchers[handle]
+        accepted = []
+        for token in tokens:
+            accepted.append(matcher.accept_token(token))
+            if not accepted[-1]:
+                break
+        state = (matcher.num_accepted, matcher.is_terminated(), matcher.is_stopped(),
+                 matcher.error if matcher.is_error() else "")
+        return accepted, state
+
+    def fill(self, slot: int, handles: list[int], no_eos: list[int]) -> float:
+        """Fill rows 0..len(handles)-1 of mask buffer slot; returns the fill's seconds."""
+        start = time.perf_counter()
+        bitmask = self.bitmasks[slot]
+        self.so.fill_rows(self.executor, [(self.matchers[h]._matcher, i) for i, h in enumerate(handles)], bitmask)
+        if no_eos:
+            self.so.forbid_eos(bitmask, no_eos, self.eos_table)
+        return time.perf_counter() - start
+
+    def executor(self):
+        if self._executor is None:
+            import llguidance
+            self._executor = llguidance.LLExecutor(self.spec.num_fill_threads)
+        return self._executor
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.matchers.clear()
+        self.templates.clear()
+        self.bitmasks = []
+        self.shm.close()
+
+
+if __name__ == "__main__":
+    _conn = Connection(int(sys.argv[1]))
+    run_grammar_process(_conn, _conn.recv())

@@ -1,0 +1,124 @@
+"""Structured outputs with the matchers in a grammar process (grammar_process=True, the GPU's
+default) on stories260K (CPU): every constrained output valid and each one equal to what the
+in-process matchers give, beside unconstrained requests that keep their alone output (async
+scheduling on and off); the grammar process killed mid-generation ends only the constrained
+requests in flight, and the next constrained request gets a new process; a script without a
+__main__ guard; shutdown leaves no process and no shared segment."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minillm import SamplingParams, StructuredOutputsParams
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
+from test_structured_engine import CHECKS, PROMPT, assert_valid, constrained
+
+
+def run(engine: LLMEngine, requests: dict[str, SamplingParams]) -> dict:
+    """Add the requests and step until all are done; request id -> its CompletionOutput."""
+    for request_id, params in requests.items():
+        engine.add_request(request_id, PROMPT, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    return done
+
+
+def new_engine(stories_path, grammar_process: bool, async_scheduling: bool = True, **kwargs) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(stories_path), device="cpu", grammar_process=grammar_process,
+                                  async_scheduling=async_scheduling, **kwargs), log=lambda m: None)
+
+
+def mixed_requests() -> dict[str, SamplingParams]:
+    """Every kind of constraint at three seeds and greedy, and unconstrained greedy requests."""
+    requests = {f"{kind}-{seed}": constrained(kind, seed) for kind in CHECKS for seed in (0, 1, 2, None)}
+    requests.update({f"plain-{i}": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for i in range(4)})
+    return requests
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_grammar_process_gives_what_in_process_matchers_give(stories_path, async_scheduling):
+    outs = {}
+    for grammar_process in (False, True):
+        engine = new_engine(stories_path, grammar_process, async_scheduling)
+        try:
+            outs[grammar_process] = run(engine, mixed_requests())
+        finally:
+            engine.shutdown()
+    alone = new_engine(stories_path, False, async_scheduling)
+    try:
+        plain = run(alone, {"alone": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)})["alone"]
+    finally:
+        alone.shutdown()
+    for request_id, out in outs[True].items():
+        assert (out.text, out.finish_reason) == (outs[False][request_id].text, outs[False][request_id].finish_reason)
+        if request_id.startswith("plain"):
+            assert out.token_ids == plain.token_ids
+        else:
+            assert_valid(request_id.split("-")[0], out, request_id)
+
+
+def test_a_killed_grammar_process_ends_only_the_constrained_requests_and_the_next_gets_a_new_one(stories_path):
+    engine = new_engine(stories_path, True)
+    try:
+        engine.add_request("c", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
+                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
+        done, tokens = {}, {"c": 0, "u": 0}
+        while tokens["c"] < 10:      # the constrained one decoding, its matcher in the grammar process
+            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        engine.add_request("u", PROMPT, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+        while tokens["u"] < 5:       # and the unconstrained one beside it
+            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        first = engine.structured_outputs._process
+        first._proc.kill()
+        first._proc.wait()
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        assert done["c"].finish_reason == "error" and len(done["c"].token_ids) < 200
+        alone = new_engine(stories_path, False)
+        try:
+            plain = run(alone, {"u": SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)})["u"]
+        finally:
+            alone.shutdown()
+        assert done["u"].token_ids == plain.token_ids and done["u"].finish_reason == "length"
+        again = run(engine, {"again": constrained("date", 3)})["again"]
+        assert_valid("date", again)
+        assert engine.structured_outputs._process is not first and first._proc.poll() is not None
+    finally:
+        engine.shutdown()
+
+
+NO_MAIN_GUARD = '''
+import sys
+from minillm import LLM, SamplingParams, StructuredOutputsParams
+llm = LLM(sys.argv[1], device="cpu", grammar_process=True)
+out = llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=20,
+                   structured_outputs=StructuredOutputsParams(regex="[0-9]{4}")))
+print("generated", repr(out[0].outputs[0].text), flush=True)
+'''
+
+
+def test_a_script_without_a_main_guard_starts_one_grammar_process(stories_path, tmp_path):
+    # multiprocessing's spawn would run the script again in the child, which would build another engine.
+    script = tmp_path / "script.py"
+    script.write_text(NO_MAIN_GUARD)
+    proc = subprocess.run([sys.executable, str(script), str(stories_path)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("generated") == 1
+    text = proc.stdout.split("generated ", 1)[1].strip()
+    assert len(text) == 6 and text[1:5].isdigit(), text
+
+
+def test_shutdown_stops_the_grammar_process_and_removes_its_shared_masks(stories_path):
+    engine = new_engine(stories_path, True)
+    out = run(engine, {"c": constrained("choice", 0)})["c"]
+    assert_valid("choice", out)
+    process = engine.structured_outputs._process
+    segment = Path("/dev/shm") / process.spec.shm_name.lstrip("/")
+    assert segment.exists() and process._proc.poll() is None
+    engine.shutdown()
+    assert process._proc.poll() is not None and not segment.exists()
