@@ -122,3 +122,22 @@ def test_shutdown_stops_the_grammar_process_and_removes_its_shared_masks(stories
     assert segment.exists() and process._proc.poll() is None
     engine.shutdown()
     assert process._proc.poll() is not None and not segment.exists()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_the_openai_client_gets_valid_json_through_a_server_whose_core_holds_a_grammar_process(
+        stories_path, tmp_path, stream):
+    openai = pytest.importorskip("openai")
+    from test_server_helpers import chat_model_dir, running_server
+    from test_server_structured import MESSAGES, chat_texts
+    from test_structured_output import SCHEMA
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    model = chat_model_dir(stories_path, tmp_path / "chat-model")
+    with running_server(model, engine_core="process", grammar_process=True) as (url, _), \
+            openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+        texts, finishes = chat_texts(client, stream, model="stories", messages=MESSAGES, max_tokens=96,
+                                     temperature=1.0, n=5, seed=13, response_format=response_format)
+    assert len(texts) == 5
+    for text, finish in zip(texts, finishes):
+        assert finish == "stop"
+        assert CHECKS["json"][1](text), text
