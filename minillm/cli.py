@@ -725,30 +725,31 @@ def logit_bias_option(pairs: list[str] | None) -> dict[int, float] | None:
 def structured_outputs_option(json_schema: Path | None, regex: str | None, choice: list[str] | None,
                               grammar: Path | None):
     """StructuredOutputsParams from generate's structure options (None when none is given); a bad
-    file or constraint is a CliError naming the option."""
+    file or constraint, or two of the options together, is a usage error (status 2) naming the option,
+    as every other bad option value is."""
     values = {"json": json_schema, "regex": regex, "choice": choice or None, "grammar": grammar}
     given = [name for name, value in values.items() if value is not None]
     if not given:
         return None
     if len(given) > 1:
-        raise CliError(f"give one of {', '.join(_STRUCTURE_OPTIONS.values())}, not "
-                       f"{' and '.join(_STRUCTURE_OPTIONS[g] for g in given)}")
+        raise UsageError(f"give one of {', '.join(_STRUCTURE_OPTIONS.values())}, not "
+                         f"{' and '.join(_STRUCTURE_OPTIONS[g] for g in given)}")
     name = given[0]
     value = values[name]
     if name in ("json", "grammar"):
         try:
             value = value.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise CliError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
-                           f"{exc.start}") from None
+            raise UsageError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
+                             f"{exc.start}") from None
         except OSError as exc:
-            raise CliError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
+            raise UsageError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
     from minillm.structured_output import StructuredOutputsParams
     try:
         return StructuredOutputsParams(**{name: value})
     except ValueError as exc:
-        message = str(exc).split(": ", 1)[-1]
-        raise CliError(f"{_STRUCTURE_OPTIONS[name]}: {message}") from None
+        message = " ".join(str(exc).split(": ", 1)[-1].split())    # llguidance's errors span lines
+        raise UsageError(f"{_STRUCTURE_OPTIONS[name]}: {message}") from None
 
 
 def run_generate(config: EngineConfig, prompts: list[str], options: dict):

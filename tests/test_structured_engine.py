@@ -344,9 +344,11 @@ def test_generate_options_constrain_the_output(stories_path, tmp_path):
     (["--regex", "a", "--choice", "b"], "give one of --json-schema, --regex, --choice, --grammar, not --regex and --choice"),
 ])
 def test_generate_refuses_bad_structure_options(stories_path, options, message):
+    """A usage error (status 2) naming the option, as every other bad option value is."""
     from test_cli import minillm
     result = minillm("generate", str(stories_path), "--device", "cpu", "-p", PROMPT, *options)
-    assert result.returncode == 1 and message in result.stderr and result.stdout == ""
+    assert result.returncode == 2 and message in result.stderr and result.stdout == ""
+    assert result.stderr.startswith("minillm generate: error: ")
 
 
 def test_tensor_parallel_engine_gives_the_same_constrained_outputs(stories_path):
