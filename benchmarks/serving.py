@@ -249,11 +249,13 @@ def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
 
 
 def read_prompts_file(path: str) -> list[str]:
-    """The prompts of --prompts-file, one a line; a BenchError naming the option when the file cannot
+    """The prompts of --prompts-file, one a line, split as minillm generate splits its --prompts-file
+    (a byte-order mark is no part of the first); a BenchError naming the option when the file cannot
     be read, is not UTF-8 or holds none (an empty one fell back to random prompts without a word)."""
+    from minillm.cli import prompt_lines
     try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            prompts = prompt_lines(f.read())
     except UnicodeDecodeError as exc:
         raise BenchError(f"--prompts-file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     except OSError as exc:

@@ -1,4 +1,5 @@
-"""Compatibility defects: generate's structure options as usage errors."""
+"""Compatibility defects: generate's structure options as usage errors, bench serving's
+prompts file with a byte-order mark."""
 import pytest
 
 from test_cli import minillm
@@ -36,3 +37,19 @@ def test_generate_invalid_json_schema_file_is_a_usage_error(stories_path, tmp_pa
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("minillm generate: error: --json-schema") and "\n" not in result.stderr.rstrip()
     assert message in result.stderr and result.stdout == ""
+
+
+# ---- bench serving --prompts-file: a byte-order mark is no part of the first prompt -----------------
+
+def test_bench_serving_prompts_file_drops_the_byte_order_mark(tmp_path):
+    from minillm.benchmarks.serving import read_prompts_file
+    path = tmp_path / "prompts.txt"
+    path.write_bytes("Once upon a time\r\n\r\nLily went\r\n".encode("utf-8-sig"))
+    assert read_prompts_file(str(path)) == ["Once upon a time", "Lily went"]
+
+
+def test_bench_serving_prompts_file_keeps_characters_that_are_not_line_breaks(tmp_path):
+    from minillm.benchmarks.serving import read_prompts_file
+    path = tmp_path / "prompts.txt"
+    path.write_text("a\fb\u2028c\nd\n", encoding="utf-8")
+    assert read_prompts_file(str(path)) == ["a\fb\u2028c", "d"]
