@@ -23,6 +23,8 @@ from minillm.prompts import (
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode
 
+_CHOOSES_GRAPHS = "minillm chooses the batch sizes it captures CUDA graphs for (enforce_eager=True turns them off)"
+
 # vLLM's LLM arguments that minillm has no setting for, taken where the value given is what minillm
 # does anyway: name -> (whether minillm honours the value, what minillm does). Any other value is a
 # ValueError naming the argument.
@@ -68,6 +70,16 @@ VLLM_FIXED_ARGS = {
                                                    "or run `huggingface-cli login`)"),
     "distributed_executor_backend": (lambda v: v is None, "minillm starts its tensor-parallel workers itself"),
     "structured_outputs_config": (lambda v: v is None, "minillm builds structured outputs with llguidance"),
+    # vLLM's defaults of these: 1, 1, 0, False, None (an empty list in older vLLM), None
+    **dict.fromkeys(("max_num_partial_prefills", "max_long_partial_prefills"),
+                    (lambda v: _is_count(v, 1), "minillm has no cap on the prompts being prefilled at once: "
+                                                "they share each step within max_num_batched_tokens")),
+    "long_prefill_token_threshold": (lambda v: _is_count(v, 0), "minillm sizes prompt chunks by the step's token "
+                                                                "budget (max_num_batched_tokens) and its step-time "
+                                                                "budget (max_step_ms), not by a prompt's length"),
+    "enable_prompt_embeds": (lambda v: v is False, "minillm takes text or token ids, not embeddings"),
+    "cuda_graph_sizes": (lambda v: v is None or v == [], _CHOOSES_GRAPHS),
+    "max_cudagraph_capture_size": (lambda v: v is None, _CHOOSES_GRAPHS),
 }
 
 

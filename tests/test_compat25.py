@@ -1,9 +1,12 @@
 """Compatibility defects: generate's structure options as usage errors, bench serving's
-prompts file with a byte-order mark."""
+prompts file with a byte-order mark, vLLM's LLM() arguments at their defaults."""
 import pytest
 
+from minillm.llm import LLM
+from minillm.sampling_params import SamplingParams
 from test_cli import minillm
 
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 PROMPT = "Once upon a time"
 
 
@@ -53,3 +56,32 @@ def test_bench_serving_prompts_file_keeps_characters_that_are_not_line_breaks(tm
     path = tmp_path / "prompts.txt"
     path.write_text("a\fb\u2028c\nd\n", encoding="utf-8")
     assert read_prompts_file(str(path)) == ["a\fb\u2028c", "d"]
+
+
+# ---- LLM(): vLLM's arguments at their defaults ----------------------------------------------------
+
+# vLLM's defaults (EngineArgs / SchedulerConfig / ModelConfig / CompilationConfig)
+VLLM_DEFAULTS = dict(max_num_partial_prefills=1, max_long_partial_prefills=1, long_prefill_token_threshold=0,
+                     enable_prompt_embeds=False, cuda_graph_sizes=None, max_cudagraph_capture_size=None)
+
+
+def test_llm_takes_vllms_defaults_of_arguments_minillm_has_no_setting_for(stories_path):
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate([PROMPT], GREEDY)]
+    with LLM(str(stories_path), device="cpu", max_model_len=128, **VLLM_DEFAULTS) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate([PROMPT], GREEDY)] == expected
+    with LLM(str(stories_path), device="cpu", max_model_len=128, cuda_graph_sizes=[]) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate([PROMPT], GREEDY)] == expected
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"max_num_partial_prefills": 4}, "max_num_partial_prefills=4 is not supported: minillm"),
+    ({"max_long_partial_prefills": 2}, "max_long_partial_prefills=2 is not supported: minillm"),
+    ({"long_prefill_token_threshold": 512}, "long_prefill_token_threshold=512 is not supported: minillm"),
+    ({"enable_prompt_embeds": True}, "enable_prompt_embeds=True is not supported: minillm takes text or token ids"),
+    ({"cuda_graph_sizes": [8, 16]}, r"cuda_graph_sizes=\[8, 16\] is not supported: minillm"),
+    ({"max_cudagraph_capture_size": 64}, "max_cudagraph_capture_size=64 is not supported: minillm"),
+])
+def test_llm_refuses_other_values_of_those_arguments_saying_what_minillm_does(stories_path, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        LLM(str(stories_path), device="cpu", **kwargs)
