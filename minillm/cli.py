@@ -92,6 +92,7 @@ class Device(str, Enum):
 
 class LoadFormat(str, Enum):
     auto = "auto"
+    safetensors = "safetensors"     # vLLM's name for what auto reads
     dummy = "dummy"
 
 
@@ -176,7 +177,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--tensor-parallel-size", "-tp", help="Processes the model is split over (CPU for now).")],
         _default("tensor_parallel_size")),
     "load_format": (Annotated[LoadFormat, _engine_option(
-        "--load-format", help="auto: the checkpoint's weights; dummy: random weights of its shape (benchmarks).")],
+        "--load-format", help="auto (or safetensors): the checkpoint's weights; dummy: random weights of its "
+                              "shape (benchmarks).")],
         LoadFormat(_default("load_format"))),
     "download_dir": (Annotated[Optional[str], _engine_option(
         "--download-dir", help=f"Where hub models are stored ({STORE_DEFAULT}).")], None),

@@ -75,7 +75,7 @@ class EngineConfig:
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     # constrained requests' matchers in a process of their own (grammar_process.py; None: on the GPU)
     grammar_process: bool | None = None
-    load_format: str = "auto"            # "auto": the checkpoint; "dummy": random weights of its shape
+    load_format: str = "auto"            # "auto" ("safetensors"): the checkpoint; "dummy": random weights of its shape
     # vLLM's speculative_config: a SpeculativeConfig, its dict or its JSON (None: no speculation)
     speculative_config: "SpeculativeConfig | dict[str, Any] | str | None" = None
     tensor_parallel_size: int = 1        # processes the model is split over (minillm/parallel/)
@@ -119,8 +119,11 @@ class EngineConfig:
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (minillm returns at most "
                              f"{MAX_LOGPROBS} log-probabilities a token), got {self.max_logprobs}")
+        if self.load_format == "safetensors":
+            object.__setattr__(self, "load_format", "auto")     # vLLM's name: "auto" reads the safetensors
         if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+            raise ValueError(f"load_format must be 'auto' (the checkpoint's safetensors; 'safetensors' is taken "
+                             f"as 'auto') or 'dummy', got {self.load_format!r}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_generation_config(self.generation_config)
         try:

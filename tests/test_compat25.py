@@ -1,7 +1,8 @@
-"""Compatibility defects: generate's structure options as usage errors, bench serving's
-prompts file with a byte-order mark, vLLM's LLM() arguments at their defaults."""
+"""Compatibility defects: generate's structure options as usage errors, bench serving's prompts file
+with a byte-order mark, vLLM's LLM() arguments at their defaults and load_format="safetensors"."""
 import pytest
 
+from minillm.config import EngineConfig
 from minillm.llm import LLM
 from minillm.sampling_params import SamplingParams
 from test_cli import minillm
@@ -85,3 +86,23 @@ def test_llm_takes_vllms_defaults_of_arguments_minillm_has_no_setting_for(storie
 def test_llm_refuses_other_values_of_those_arguments_saying_what_minillm_does(stories_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         LLM(str(stories_path), device="cpu", **kwargs)
+
+
+def test_load_format_safetensors_means_auto(stories_path):
+    assert EngineConfig(model="m", load_format="safetensors").load_format == "auto"
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate([PROMPT], GREEDY)]
+    with LLM(str(stories_path), device="cpu", max_model_len=128, load_format="safetensors") as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate([PROMPT], GREEDY)] == expected
+
+
+def test_load_format_other_than_checkpoint_or_dummy_is_still_refused():
+    with pytest.raises(ValueError, match="load_format must be 'auto' .*'dummy'"):
+        EngineConfig(model="m", load_format="pt")
+
+
+def test_cli_load_format_safetensors_generates_what_auto_does(stories_path):
+    runs = [minillm("generate", str(stories_path), "--device", "cpu", "-p", PROMPT, "--max-tokens", "4",
+                    "--temperature", "0", "--load-format", fmt) for fmt in ("auto", "safetensors")]
+    assert all(r.returncode == 0 for r in runs), runs[1].stderr
+    assert runs[1].stdout == runs[0].stdout and runs[0].stdout.strip()
