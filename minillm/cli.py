@@ -727,8 +727,8 @@ def logit_bias_option(pairs: list[str] | None) -> dict[int, float] | None:
 def structured_outputs_option(json_schema: Path | None, regex: str | None, choice: list[str] | None,
                               grammar: Path | None):
     """StructuredOutputsParams from generate's structure options (None when none is given); a bad
-    file or constraint, or two of the options together, is a usage error (status 2) naming the option,
-    as every other bad option value is."""
+    constraint, a file that cannot be read or holds no valid one, or two of the options together, is a
+    usage error (status 2) naming the option, as every other bad option value is."""
     values = {"json": json_schema, "regex": regex, "choice": choice or None, "grammar": grammar}
     given = [name for name, value in values.items() if value is not None]
     if not given:
@@ -742,8 +742,9 @@ def structured_outputs_option(json_schema: Path | None, regex: str | None, choic
         try:
             value = value.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            raise UsageError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
-                             f"{exc.start}") from None
+            # as a --chat-template or --prompts-file that is not UTF-8: the file's bytes, not the option
+            raise CliError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
+                           f"{exc.start}") from None
         except OSError as exc:
             raise UsageError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
     from minillm.structured_output import StructuredOutputsParams
