@@ -46,6 +46,7 @@ MAX_COMMAND_SECONDS_PER_STEP = 0.005
 # Stats are built at full resolution (one cell per block) and downsampled by each caller.
 FULL_RESOLUTION = sys.maxsize
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
+_SAMPLING_FIELD_SET = frozenset(SAMPLING_FIELDS)
 
 
 # ---- token outputs ---------------------------------------------------------------------------
@@ -64,8 +65,11 @@ class TokenState:
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """SamplingParams' constructor arguments from an AddRequest's fields (msgpack carried the
-    structured-output constraint as a plain dict)."""
-    out = {k: v for k, v in fields.items() if k in SAMPLING_FIELDS}
+    structured-output constraint as a plain dict). A new dict: fields is left as it is."""
+    if fields.keys() <= _SAMPLING_FIELD_SET:     # what an API server sends: one copy in C, no filtering
+        out = dict(fields)
+    else:
+        out = {k: v for k, v in fields.items() if k in _SAMPLING_FIELD_SET}
     constraint = out.get("structured_outputs")
     if isinstance(constraint, dict):   # llguidance is imported only for requests that use it
         from minillm.structured_output import StructuredOutputsParams
@@ -146,10 +150,10 @@ class EngineCore:
     def add_request(self, command: m.AddRequest) -> str | None:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
         try:
-            params = SamplingParams(**sampling_fields(command.params))
-            self.engine.add_request(command.request_id, command.prompt_token_ids, params,
-                                    arrival_time=command.arrival_time, prompt_block_keys=command.prompt_block_keys,
-                                    cache_salt=command.cache_salt)
+            params = SamplingParams(**sampling_fields(command.params))    # validated here, once
+            self.engine.add_request_with_own_params(command.request_id, command.prompt_token_ids, params,
+                                                    command.arrival_time, command.prompt_block_keys,
+                                                    command.cache_salt)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
             return str(exc)
         return None
