@@ -161,17 +161,17 @@ class GrammarProcess:
         self._next_handle = self._next_gid = 0
         self._compiled: dict[int, Answer] = {}
         self._waiting: deque[tuple[Answer, Any]] = deque()    # sent commands' answers, in order
-        self._frees: list[int] = []
-        self._forgets: list[int] = []
+        self._frees: deque[int] = deque()          # handles let go, for the next command
+        self._forgets: deque[int] = deque()        # grammar ids let go, likewise
         self._error: str | None = None
 
     # ---- commands
     def _send(self, *message) -> None:
         if self._error is not None:
             raise GrammarProcessError(self._error)
-        if self._frees or self._forgets:
-            frees, self._frees = self._frees, []
-            forgets, self._forgets = self._forgets, []
+        if self._frees or self._forgets:      # popleft: a finalizer may append meanwhile, on another thread
+            frees = [self._frees.popleft() for _ in range(len(self._frees))]
+            forgets = [self._forgets.popleft() for _ in range(len(self._forgets))]
             self._post((FREE, frees, forgets))
         self._post(message)
 
@@ -225,20 +225,27 @@ class GrammarProcess:
             self._refuse((items, records), str(exc))
             answer.set_exception(exc)
             return records
-        self._waiting.append((answer, (items, records)))
+        self._waiting.append((answer, [items, records]))
         return records
 
     def fill(self, slot: int, matchers: list[RemoteMatcher], no_eos: list[int]) -> Answer:
         """Fill mask buffer slot's rows 0..len(matchers)-1 (EOS out of the no_eos rows); the answer is
-        the fill's seconds."""
-        answer = Answer(self)
+        the fill's seconds. If the process is gone the rows allow every token (0 seconds): the step
+        goes on for the other requests, and these end with the process's error when their tokens
+        come back (advance)."""
+        answer, rows = Answer(self), (slot, len(matchers))
         try:
             self._send(FILL, slot, [m.handle for m in matchers], no_eos)
-        except GrammarProcessError as exc:
-            answer.set_exception(exc)
+        except GrammarProcessError:
+            self._allow_all(answer, rows)
             return answer
-        self._waiting.append((answer, None))
+        self._waiting.append((answer, rows))
         return answer
+
+    def _allow_all(self, answer: Answer, rows: tuple[int, int]) -> None:
+        slot, num_rows = rows
+        self.bitmasks[slot][:num_rows] = -1
+        answer.set_result(0.0)
 
     # ---- answers
     def poll(self) -> None:
@@ -277,7 +284,7 @@ class GrammarProcess:
             return
         answer, context = self._waiting.popleft()
         if kind == "error":
-            if context is not None:
+            if isinstance(context, list):       # an advance
                 self._refuse(context, reply[1])
             answer.set_exception(GrammarProcessError(reply[1]))
         elif kind == "advanced":
@@ -312,10 +319,11 @@ class GrammarProcess:
         """The process is unusable: every waiting answer and every later command fails with message."""
         self._error = message
         for answer, context in self._waiting:
-            if context is not None:
+            if isinstance(context, list):          # an advance
                 self._refuse(context, message)
-            if not answer.done():
                 answer.set_exception(GrammarProcessError(message))
+            else:                                  # a fill
+                self._allow_all(answer, context)
         self._waiting.clear()
         for answer in list(self._compiled.values()):
             if not answer.done():
