@@ -5,17 +5,13 @@ by max_tokens say so in each API's words."""
 from __future__ import annotations
 
 import json
-import logging
-import socket
-import threading
 
 import httpx
 import pytest
-import uvicorn
-from test_server_helpers import chat_model_dir, running_server, story_streams, wait_for  # noqa: F401 (healthy)
+from test_server_helpers import chat_model_dir, running_router, running_server, story_streams  # noqa: F401 (healthy)
 
 from minillm.outputs import CompletionOutput
-from minillm.router import RouterConfig, create_router_app
+from minillm.router import RouterConfig
 from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.serving_responses import response_status
 
@@ -188,22 +184,8 @@ def test_a_responses_status_follows_the_outputs_own_finish():
 @pytest.fixture(scope="module")
 def router_url(server, parsers_url):
     """A router whose decode server is the key-guarded app (the Messages API goes whole to it)."""
-    app = create_router_app(RouterConfig((server[0],), (parsers_url,)))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    # log_config None: uvicorn leaves the process's logging alone (the router's log is read by other tests)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, log_config=None))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert wait_for(lambda: http.started, timeout=30)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    http.should_exit = True
-    thread.join(30)
-    sock.close()
-    # Our requests left "INFO is off" in the logger's level cache; setLevel clears it, for the tests
-    # that turn the router's log on by assigning its level.
-    logger = logging.getLogger("minillm.router")
-    logger.setLevel(logger.level)
+    with running_router(RouterConfig((server[0],), (parsers_url,))) as url:
+        yield url
 
 
 def test_the_router_passes_an_anthropic_clients_key_and_counts_tokens(router_url, parsers_url):

@@ -13,10 +13,10 @@ import threading
 import httpx
 import pytest
 import uvicorn
-from test_server_helpers import sse_events, wait_for
+from test_server_helpers import running_router, sse_events, wait_for
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
-from minillm.router import RouterConfig, create_router_app
+from minillm.router import RouterConfig
 
 MODEL = "stories"
 
@@ -92,20 +92,8 @@ def test_a_forced_tool_use_cut_by_a_stop_sequence_stops_for_the_stop_sequence(ht
 @pytest.fixture(scope="module")
 def router_url(server):
     """A router whose prefill and decode server is the module's server."""
-    app = create_router_app(RouterConfig((server[0],), (server[0],)))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    # log_config None: uvicorn leaves the process's logging alone (the router's log is read by other tests)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, log_config=None))
-    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    assert wait_for(lambda: http.started, timeout=30)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    http.should_exit = True
-    thread.join(30)
-    sock.close()
-    logger = logging.getLogger("minillm.router")
-    logger.setLevel(logger.level)       # clears the level cache our requests left (as test_abuse23_endpoints)
+    with running_router(RouterConfig((server[0],), (server[0],))) as url:
+        yield url
 
 
 @pytest.mark.parametrize("header", ["x-request-id", "x-api-key", "authorization"])

@@ -309,3 +309,31 @@ def openai_error(response, status: int, param: str | None = None, code: str | No
     if code is not None:
         assert error["code"] == code, error
     return error
+
+
+@contextlib.contextmanager
+def running_router(config):
+    """Yield the base URL of a router app (minillm.router) for config, served by uvicorn on a thread."""
+    import logging
+
+    import uvicorn
+
+    from minillm.router import create_router_app
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    # log_config None: uvicorn leaves the process's logging alone (the router's log is read by other tests)
+    http = uvicorn.Server(uvicorn.Config(create_router_app(config), log_level="warning", access_log=False,
+                                         log_config=None))
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_for(lambda: http.started, timeout=30)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        http.should_exit = True
+        thread.join(30)
+        sock.close()
+        # Requests leave "INFO is off" in the router logger's level cache; setLevel clears it, for the
+        # tests that turn the router's log on by assigning its level.
+        logger = logging.getLogger("minillm.router")
+        logger.setLevel(logger.level)
