@@ -84,9 +84,11 @@ class BlockManager:
         self.key_to_block: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._num_cached_free = 0        # free blocks whose key is still registered
-        # [num_blocks] bool: which blocks those are, kept as they change, so a stats snapshot finds
-        # them without a pass over the free queue (tens of thousands of blocks on a GPU).
-        self._is_cached_free = np.zeros(num_blocks, dtype=bool)
+        # [num_blocks] 0/1: which blocks those are, kept as they change, so a stats snapshot finds
+        # them without a pass over the free queue (tens of thousands of blocks on a GPU). A
+        # bytearray, not a NumPy array: admission and freeing set it a block at a time, about 25 ns
+        # an item against 80 (or 2 us to convert an index list); the snapshot reads it as NumPy.
+        self._is_cached_free = bytearray(num_blocks)
         self.prefix_cache_queries = 0    # prompt tokens looked up
         self.prefix_cache_hits = 0       # prompt tokens found
         # Notices for a KV connector, None unless one listens: blocks freed, and (block, key) of
@@ -112,7 +114,7 @@ class BlockManager:
 
     def snapshot(self) -> BlockPoolSnapshot:
         """A copy of the pool's state for stats; nothing in it aliases the manager's containers."""
-        cached = np.flatnonzero(self._is_cached_free)
+        cached = np.flatnonzero(np.frombuffer(self._is_cached_free, dtype=np.bool_))
         return BlockPoolSnapshot(self.num_blocks, self.block_size, self.num_used_blocks, self.num_free_blocks,
                                  self._num_cached_free, cached, self.prefix_cache_queries, self.prefix_cache_hits)
 
@@ -158,7 +160,7 @@ class BlockManager:
             if self.evicted is not None:
                 self.evicted.append((block, key))
             self._num_cached_free -= 1
-            self._is_cached_free[block] = False
+            self._is_cached_free[block] = 0
             del self.key_to_block[key]
             self.block_keys[block] = None
         self.ref_counts[block] = 1
@@ -170,18 +172,20 @@ class BlockManager:
         num_computed = len(cached_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(cached_blocks)
         ref_counts = self.ref_counts
-        revived = [b for b in cached_blocks if ref_counts[b] == 0]     # cached-free: back in use
+        revived = [b for b in cached_blocks if not ref_counts[b]]     # cached-free: back in use
         if need > self.num_free_blocks - len(revived):
             return False
+        free_queue, is_cached_free = self.free_queue, self._is_cached_free
         for block in revived:
-            del self.free_queue[block]
+            del free_queue[block]
+            is_cached_free[block] = 0
         self._num_cached_free -= len(revived)
-        self._is_cached_free[revived] = False
         for block in cached_blocks:
             ref_counts[block] += 1
         seq.block_table = list(cached_blocks)
         seq.block_hashes = [self.block_keys[b] for b in cached_blocks]
-        seq.block_table.extend(self._pop_free_block() for _ in range(need))
+        if need > 0:
+            seq.block_table.extend([self._pop_free_block() for _ in range(need)])
         self.prefix_cache_queries += seq.num_tokens
         self.prefix_cache_hits += num_computed
         return True
@@ -250,7 +254,7 @@ class BlockManager:
                     self.free_queue.move_to_end(block, last=False)
                 else:
                     self._num_cached_free += 1
-                    self._is_cached_free[block] = True
+                    self._is_cached_free[block] = 1
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-free block's content."""
@@ -260,4 +264,4 @@ class BlockManager:
                 del self.key_to_block[key]
                 self.block_keys[block] = None
         self._num_cached_free = 0
-        self._is_cached_free[:] = False
+        self._is_cached_free[:] = bytes(self.num_blocks)

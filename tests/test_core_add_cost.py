@@ -122,3 +122,37 @@ def test_sampling_fields_leaves_out_unknown_names_and_leaves_its_input_alone():
     extra = {**fields, "not_a_field": 1, "best_of": 3}
     assert sampling_fields(extra) == fields
     assert "not_a_field" in extra and "best_of" in extra
+
+
+def test_the_pools_snapshot_lists_the_cached_free_blocks_as_they_change():
+    """The cached-free flags (a bytearray the admission sets a block at a time) read as the
+    snapshot's int64 ids of exactly the free blocks that keep a key."""
+    import numpy as np
+
+    from minillm.block_manager import BlockManager
+    from minillm.sequence import Sequence
+
+    bm = BlockManager(16, 4)
+
+    def seq(tokens, name):
+        return Sequence(name, 0, list(tokens), SamplingParams(), 0.0, 0, 8)
+
+    def cached_free():
+        return {b for b in bm.free_queue if bm.block_keys[b] is not None}
+
+    a = seq(range(13), "a")
+    assert bm.allocate(a, [], 13)
+    a.num_computed_tokens = 13
+    bm.cache_full_blocks(a)
+    bm.free(a)
+    snap = bm.snapshot()
+    assert snap.cached_free_block_ids.dtype == np.int64
+    assert set(snap.cached_free_block_ids.tolist()) == cached_free() and len(cached_free()) == 3
+    b = seq(range(13), "b")
+    hits = bm.find_cached_blocks(b)
+    assert len(hits) == 3 and bm.allocate(b, hits, 1)        # all three back in use
+    assert bm.snapshot().cached_free_block_ids.tolist() == [] and bm.num_cached_free_blocks == 0
+    bm.free(b)
+    assert set(bm.snapshot().cached_free_block_ids.tolist()) == cached_free() and bm.num_cached_free_blocks == 3
+    bm.reset_prefix_cache()
+    assert bm.snapshot().cached_free_block_ids.tolist() == [] and bm.num_cached_free_blocks == 0
