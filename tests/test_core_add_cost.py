@@ -156,3 +156,23 @@ def test_the_pools_snapshot_lists_the_cached_free_blocks_as_they_change():
     assert set(bm.snapshot().cached_free_block_ids.tolist()) == cached_free() and bm.num_cached_free_blocks == 3
     bm.reset_prefix_cache()
     assert bm.snapshot().cached_free_block_ids.tolist() == [] and bm.num_cached_free_blocks == 0
+
+
+def test_from_fields_builds_what_the_constructor_builds():
+    """SamplingParams.from_fields (the core's constructor) gives the instance SamplingParams(**fields)
+    gives, normalized and with containers of its own, and refuses a name that is no field."""
+    from minillm.sampling_params import SamplingParams as SP
+    cases = [{}, _fields(), _fields(seed=-1, logprobs=True, stop="x", stop_token_ids=(3, 4), output_kind=2, n=3,
+                                    temperature=0, logit_bias={5: 1.5}, allowed_token_ids=[9, 2, 9],
+                                    bad_words=["no"], extra_args={"k": 1}, truncate_prompt_tokens=-1)]
+    for fields in cases:
+        built, constructed = SP.from_fields(dict(fields)), SP(**fields)
+        assert built == constructed and vars(built).keys() == vars(constructed).keys()
+        assert built._logit_bias_entries == constructed._logit_bias_entries
+        assert (built._allowed_entries is None) == (constructed._allowed_entries is None)
+    a, b = SP.from_fields({}), SP.from_fields({})
+    assert a.stop_strings == [] and a.stop_strings is not b.stop_strings
+    with pytest.raises(TypeError, match="best_of"):
+        SP.from_fields({"best_of": 1})
+    with pytest.raises(ValueError, match="^temperature must be non-negative"):
+        SP.from_fields({"temperature": -1})

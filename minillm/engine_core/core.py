@@ -150,7 +150,7 @@ class EngineCore:
     def add_request(self, command: m.AddRequest) -> str | None:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
         try:
-            params = SamplingParams(**sampling_fields(command.params))    # validated here, once
+            params = SamplingParams.from_fields(sampling_fields(command.params))    # validated here, once
             self.engine.add_request_with_own_params(command.request_id, command.prompt_token_ids, params,
                                                     command.arrival_time, command.prompt_block_keys,
                                                     command.cache_salt)
