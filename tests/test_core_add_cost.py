@@ -176,3 +176,16 @@ def test_from_fields_builds_what_the_constructor_builds():
         SP.from_fields({"best_of": 1})
     with pytest.raises(ValueError, match="^temperature must be non-negative"):
         SP.from_fields({"temperature": -1})
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2], ids=["cumulative", "delta", "final_only"])
+def test_every_output_kind_through_the_core_reports_the_requests_tokens(core, kind):
+    # DELTA failed the core's step: the engine's delta filter read token_ids from the core's SeqOutputs.
+    assert _add(core, f"kind-{kind}", _fields(output_kind=kind, temperature=0, max_tokens=6, ignore_eos=True)) is None
+    tokens, finished = [], False
+    while not finished:
+        for out in core.step().outputs:
+            if out.request_id == f"kind-{kind}":
+                tokens += out.seqs[0].new_token_ids
+                finished = out.finished
+    assert len(tokens) == 6

@@ -34,7 +34,7 @@ from minillm.engine import LLMEngine, StepError
 from minillm.engine_core import messages as m
 from minillm.engine_core.heap import freeze_startup_heap
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import Sequence
 
 logger = logging.getLogger("minillm.engine_core")
@@ -151,6 +151,10 @@ class EngineCore:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
         try:
             params = SamplingParams.from_fields(sampling_fields(command.params))    # validated here, once
+            if params.output_kind is RequestOutputKind.DELTA:
+                # A core's reports are each step's new tokens already (TokenOutputs); the engine's
+                # DELTA filter reads text outputs, which a core does not make.
+                params.output_kind = RequestOutputKind.CUMULATIVE
             self.engine.add_request_with_own_params(command.request_id, command.prompt_token_ids, params,
                                                     command.arrival_time, command.prompt_block_keys,
                                                     command.cache_salt)
