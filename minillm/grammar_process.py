@@ -249,9 +249,13 @@ class GrammarProcess:
 
     # ---- answers
     def poll(self) -> None:
-        """Read the answers that have arrived, without waiting."""
-        while self._error is None and self._readable(0):
-            self._read_one()
+        """Read the answers that have arrived, without waiting (a process found gone is recorded:
+        failed, and every answer out resolved as _fail says)."""
+        try:
+            while self._error is None and self._readable(0):
+                self._read_one()
+        except GrammarProcessError:
+            pass
 
     def wait_readable(self, timeout: float) -> None:
         """Wait up to timeout seconds for an answer, and read those that have arrived."""
@@ -263,7 +267,11 @@ class GrammarProcess:
         while not answer.done():
             if self._error is not None:
                 raise GrammarProcessError(self._error)
-            self._read_one()
+            try:
+                self._read_one()
+            except GrammarProcessError:
+                if not answer.done():         # _fail resolves a fill (every token allowed): not an error
+                    raise
 
     def _readable(self, timeout: float) -> bool:
         try:

@@ -5,6 +5,7 @@ scheduling on and off); the grammar process killed mid-generation ends only the 
 requests in flight, and the next constrained request gets a new process; a script without a
 __main__ guard; shutdown leaves no process and no shared segment."""
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -141,3 +142,24 @@ def test_the_openai_client_gets_valid_json_through_a_server_whose_core_holds_a_g
     for text, finish in zip(texts, finishes):
         assert finish == "stop"
         assert CHECKS["json"][1](text), text
+
+
+def test_a_fill_out_when_the_grammar_process_dies_allows_every_token(stories_path):
+    # The fill's answer failed and the step with it: every request of the step was aborted.
+    engine = new_engine(stories_path, True)
+    try:
+        engine.add_request("c", PROMPT, constrained("date", 0))
+        while not engine.structured_outputs or not engine.structured_outputs._process or not any(
+                s.structured_output.matcher is not None for s in engine.requests["c"].seqs):
+            engine.step()
+        process = engine.structured_outputs._process
+        matcher = engine.requests["c"].seqs[0].structured_output.matcher
+        os.kill(process._proc.pid, signal.SIGSTOP)         # it cannot answer what follows
+        process.bitmasks[0][:1] = 0
+        answer = process.fill(0, [matcher], [])
+        process._proc.kill()
+        process._proc.wait()
+        assert answer.result() == 0.0 and (process.bitmasks[0][0] == -1).all()
+        assert process.failed
+    finally:
+        engine.shutdown()
