@@ -186,9 +186,13 @@ class GrammarProcess:
         if grammar.remote_id is None or grammar.remote_id[0] != self._generation:
             gid, self._next_gid = self._next_gid, self._next_gid + 1
             grammar.remote_id = (self._generation, gid)
-            self._compiled[gid] = Answer(self)
+            self._compiled[gid] = answer = Answer(self)
             weakref.finalize(grammar, self.forget, gid)
-            self._send(GRAMMAR, gid, grammar.grammar)
+            try:
+                self._send(GRAMMAR, gid, grammar.grammar)
+            except GrammarProcessError as exc:     # never sent, so never answered: it failed with the process
+                if not answer.done():
+                    answer.set_result(str(exc))
         return self._compiled[grammar.remote_id[1]]
 
     def is_compiled(self, answer: Answer) -> bool:
