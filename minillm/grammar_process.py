@@ -68,6 +68,33 @@ def _mask_buffers(shm: SharedMemory, num_rows: int, num_words: int) -> list[np.n
 
 # ----------------------------------------------------------------------------- the engine's side
 
+class SharedMasks:
+    """The two mask buffers in one shared segment (page-locked on a GPU). A restarted grammar process
+    takes over its predecessor's: a step in flight may still read them."""
+
+    def __init__(self, num_rows: int, num_words: int,
+                 register_host: Callable[[np.ndarray], Callable[[], None]] | None) -> None:
+        self.shm = SharedMemory(create=True, size=2 * num_rows * num_words * 4)
+        whole = np.ndarray((2 * num_rows * num_words,), np.int32, buffer=self.shm.buf)
+        whole[...] = -1
+        # Page-locked on a GPU (the sampler's upload is then a plain async copy), as the engine's own buffers.
+        self._unregister = register_host(whole) if register_host is not None else None
+        del whole
+        self.bitmasks = _mask_buffers(self.shm, num_rows, num_words)
+
+    def release(self) -> None:
+        """Unpin and remove the segment (no step may read the buffers any more: closing unmaps them)."""
+        self.bitmasks = []
+        if self._unregister is not None:
+            self._unregister()
+            self._unregister = None
+        self.shm.unlink()
+        try:
+            self.shm.close()
+        except BufferError:       # a mask view is still held: the mapping goes with the last one
+            pass
+
+
 class Answer(Future):
     """A reply of the grammar process; result() reads the pipe (on the engine thread) until it is in."""
 
@@ -124,14 +151,18 @@ class RemoteMatcher:
         return self._terminated
 
     def is_stopped(self) -> bool:
-        return self._terminated or self._stopped
+        return self._terminated or self._stopped or self._process.failed
 
     def is_error(self) -> bool:
-        return bool(self._error)
+        return bool(self.error)
 
     @property
     def error(self) -> str:
-        return self._error
+        """Its answer's error; the process's, once that failed, for a matcher still going (its next
+        token cannot be taken: it is not filled or sent to another process)."""
+        if self._error or not self._process.failed or self._terminated or self._stopped:
+            return self._error
+        return f"the grammar process failed: {self._process.error}"
 
 
 class GrammarProcess:
@@ -143,19 +174,14 @@ class GrammarProcess:
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int], num_rows: int,
                  num_fill_threads: int | None = None,
-                 register_host: Callable[[np.ndarray], Callable[[], None]] | None = None) -> None:
+                 register_host: Callable[[np.ndarray], Callable[[], None]] | None = None,
+                 masks: SharedMasks | None = None) -> None:
         from minillm.structured_output import bitmask_words
-        num_words = bitmask_words(vocab_size)
-        self._shm = SharedMemory(create=True, size=2 * num_rows * num_words * 4)
-        whole = np.ndarray((2 * num_rows * num_words,), np.int32, buffer=self._shm.buf)
-        whole[...] = -1
-        # Page-locked on a GPU (the sampler's upload is then a plain async copy), as the engine's own buffers.
         self.register_host = register_host
-        self._unregister = register_host(whole) if register_host is not None else None
-        del whole
-        self.bitmasks = _mask_buffers(self._shm, num_rows, num_words)
+        self._masks = masks if masks is not None else SharedMasks(num_rows, bitmask_words(vocab_size), register_host)
+        self.bitmasks = self._masks.bitmasks
         self.spec = spec = GrammarProcessSpec(tokenizer_json, int(vocab_size), [int(i) for i in eos_token_ids],
-                                              self._shm.name, num_rows, num_fill_threads)
+                                              self._masks.shm.name, num_rows, num_fill_threads)
         self._conn, self._proc = _start(spec)
         self._generation = next(_generations)      # a grammar's remote_id names the process it was sent to
         self._next_handle = self._next_gid = 0
@@ -327,6 +353,11 @@ class GrammarProcess:
         """The process is gone: nothing sent to it is answered."""
         return self._error is not None
 
+    @property
+    def error(self) -> str:
+        """Why the process failed ('' while it has not)."""
+        return self._error or ""
+
     def _fail(self, message: str):
         """The process is unusable: every waiting answer and every later command fails with message."""
         self._error = message
@@ -342,10 +373,26 @@ class GrammarProcess:
                 answer.set_result(message)
         raise GrammarProcessError(message)
 
+    def restarted(self) -> GrammarProcess:
+        """A new grammar process over this failed one's mask buffers (a step in flight may still read
+        them; they are unmapped when released); this one is stopped."""
+        spec = self.spec
+        new = GrammarProcess(spec.tokenizer_json, spec.vocab_size, spec.eos_token_ids, spec.num_rows,
+                             spec.num_fill_threads, self.register_host, self._masks)
+        self._masks = None
+        self.shutdown()
+        return new
+
     def shutdown(self) -> None:
         """Stop the process and release the shared buffers (once)."""
-        if self._shm is None:
-            return
+        if not self._conn.closed:
+            self._stop()
+        if self._masks is not None:
+            self._masks.release()
+            self._masks = None
+        self.bitmasks = []
+
+    def _stop(self) -> None:
         if self._error is None:
             try:
                 self._conn.send((STOP,))
@@ -357,16 +404,6 @@ class GrammarProcess:
             self._proc.kill()
             self._proc.wait()
         self._conn.close()
-        self.bitmasks = []
-        if self._unregister is not None:
-            self._unregister()
-            self._unregister = None
-        self._shm.unlink()
-        try:
-            self._shm.close()
-        except BufferError:       # a mask view is still held: the mapping goes with the last one
-            pass
-        self._shm = None
 
 
 def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:

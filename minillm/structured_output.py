@@ -929,12 +929,8 @@ class StructuredOutputManager:
     def _restart_process(self) -> None:
         """A new grammar process for new requests (the requests whose matchers were in the one that
         failed end with its error)."""
-        from minillm.grammar_process import GrammarProcess
-        old = self._process
-        self._process = GrammarProcess(old.spec.tokenizer_json, self.vocab_size, self._eos_token_ids,
-                                       old.spec.num_rows, self._fill_threads, old.register_host)
+        self._process = self._process.restarted()
         self._bitmasks = self._process.bitmasks
-        old.shutdown()
 
     def take_failed(self) -> list[tuple[Any, str]]:
         """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
@@ -995,9 +991,10 @@ class StructuredOutputManager:
                     request.advance(tokens)
                 else:
                     remote.append((request, tokens))
-        if remote:
-            records = self._process.advance([(request.matcher, tokens) for request, tokens in remote])
-            for (request, _), recs in zip(remote, records):
+        for process in {request._process for request, _ in remote}:    # a restart leaves two
+            mine = [(request, tokens) for request, tokens in remote if request._process is process]
+            records = process.advance([(request.matcher, tokens) for request, tokens in mine])
+            for (request, _), recs in zip(mine, records):
                 request._advanced.extend(recs)
 
     def start_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:

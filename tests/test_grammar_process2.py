@@ -33,3 +33,41 @@ def test_requests_sharing_a_grammar_end_when_the_process_died_before_it_was_sent
         assert_valid("date", run(engine, {"again": constrained("date", 3)})["again"])
     finally:
         engine.shutdown()
+
+
+def tokens_until(engine, counts: dict, request_id: str, num_tokens: int) -> None:
+    """Step until request_id has num_tokens output tokens (counts: request id -> its tokens so far)."""
+    while counts.get(request_id, 0) < num_tokens:
+        counts.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+
+
+def test_a_new_process_started_while_a_step_reads_the_old_ones_masks(stories_path):
+    # The restart unmapped the old process's mask buffers under the step in flight (a segfault),
+    # and then sent the old process's matcher handles to the new one (a KeyError there: the step
+    # failed, and the unconstrained request beside it was aborted).
+    plain = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    alone = new_engine(stories_path, False)
+    try:
+        expected = run(alone, {"u": plain})["u"].token_ids
+    finally:
+        alone.shutdown()
+    engine = new_engine(stories_path, True)
+    try:
+        engine.add_request("a", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
+                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
+        counts = {}
+        tokens_until(engine, counts, "a", 5)
+        engine.add_request("u", PROMPT, plain)
+        tokens_until(engine, counts, "u", 3)
+        first = engine.structured_outputs._process
+        first._proc.kill()
+        first._proc.wait()
+        first.poll()                      # found gone (as a compile check finds it)
+        engine.add_request("b", PROMPT, constrained("date", 3))     # starts the next process
+        done = step_until_done(engine)
+        assert done["u"].token_ids == expected and done["u"].finish_reason == "length"
+        assert done["a"].finish_reason == "error" and len(done["a"].token_ids) < 200
+        assert_valid("date", done["b"])
+        assert engine.structured_outputs._process is not first
+    finally:
+        engine.shutdown()
