@@ -27,6 +27,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import msgspec
 import zmq
 
 from minillm.config import EngineConfig
@@ -45,6 +46,9 @@ MAX_COMMANDS_PER_STEP = 64
 MAX_COMMAND_SECONDS_PER_STEP = 0.005
 # Stats are built at full resolution (one cell per block) and downsampled by each caller.
 FULL_RESOLUTION = sys.maxsize
+# The loop's own methods of LLMEngine: a utility call to one would take a step's outputs from the
+# requests' callers, shut the engine down under the loop, or add a request no caller follows.
+LOOP_METHODS = frozenset({"step", "shutdown", "add_request", "add_request_with_own_params"})
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.init)
 _SAMPLING_FIELD_SET = frozenset(SAMPLING_FIELDS)
 
@@ -191,10 +195,11 @@ class EngineCore:
 
     def utility(self, call: m.UtilityCall) -> m.UtilityReply:
         """Run a method of the engine (a public one) between steps."""
-        if call.method.startswith("_"):
+        if call.method.startswith("_") or call.method in LOOP_METHODS:
             return m.UtilityReply(call.call_id, error=f"AttributeError: no utility {call.method!r}")
         try:
-            return m.UtilityReply(call.call_id, getattr(self.engine, call.method)(*call.args))
+            # Plain data here: a result msgpack cannot carry (a Tokenizer) fails the call, not the loop.
+            return m.UtilityReply(call.call_id, msgspec.to_builtins(getattr(self.engine, call.method)(*call.args)))
         except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
             return m.UtilityReply(call.call_id, error="%s: %s" % error_fields(exc))
 
@@ -298,6 +303,9 @@ class EngineCoreProc:
                 command = self.decoder.decode(self.input.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
+            except msgspec.DecodeError as exc:    # a field of the wrong type: that command alone is lost
+                logger.error("the engine core dropped a command it could not decode: %s", exc)
+                continue
             if isinstance(command, m.AddRequest):
                 error = self.core.add_request(command)
                 adds[command.client_index].append((command.request_id, error))

@@ -23,12 +23,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
 from minillm.engine import StepError
-from minillm.engine_core.core import FULL_RESOLUTION, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP
+from minillm.engine_core.core import (
+    FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP,
+)
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.server.errors import EngineDeadError, RequestFailedError
@@ -179,12 +181,22 @@ class EngineClient(Protocol):
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
                           cache_salt: str | None = None) -> RequestStream: ...
-    def abort(self, request_id: str) -> None: ...
+    def abort(self, request_id: str | Iterable[str]) -> None: ...
     async def get_full_stats(self) -> EngineStats: ...
     async def get_stats(self, cells: int = 64) -> EngineStats: ...
     async def get_summary_stats(self) -> EngineStats: ...
     async def call_utility(self, method: str, *args: Any) -> Any: ...
     def shutdown(self, timeout: float = 10.0) -> None: ...
+
+
+def abort_ids(request_id: Any) -> list[str]:
+    """The ids an abort names: one id, or each of a list of them as vLLM's abort takes them (ids that
+    are no strings name no request: left out)."""
+    if isinstance(request_id, str):
+        return [request_id]
+    if isinstance(request_id, Iterable) and not isinstance(request_id, bytes):
+        return [one for one in list(request_id) if isinstance(one, str)]
+    return []
 
 
 def deliver_batch(batch: list[tuple[RequestStream, RequestOutput, float]]) -> None:
@@ -296,10 +308,11 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe, returns at once; unknown ids are ignored)."""
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of a list (thread-safe, returns at once; unknown ids are ignored)."""
         try:
-            self._send(_Abort(request_id))
+            for one in abort_ids(request_id):
+                self._send(_Abort(one))
         except EngineDeadError:
             pass
 
@@ -324,7 +337,9 @@ class AsyncLLMEngine:
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Call a public method of the LLMEngine on the engine thread, between two steps; its result as plain data."""
-        if method.startswith("_"):
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string, got {method!r}")
+        if method.startswith("_") or method in LOOP_METHODS:
             raise AttributeError(f"no utility {method!r}")
         loop = asyncio.get_running_loop()
         done = loop.create_future()

@@ -19,20 +19,22 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import msgspec
 
 from minillm.block_manager import cache_salt_root, prompt_block_keys
 from minillm.config import EngineConfig
+from minillm.engine import check_arrival_time
 from minillm.engine_core import messages as m
 from minillm.engine_core.client import CoreLink, EngineCoreClient
 from minillm.engine_core.core import SAMPLING_FIELDS
 from minillm.engine_core.output_processor import OutputProcessor
 from minillm.loader import resolve_model_path
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import SamplingParams
-from minillm.server.async_engine import OutputQueue, RequestStream, deliver_batch, resolve_future
+from minillm.prompts import cache_salt_of
+from minillm.sampling_params import SamplingParams, short_repr
+from minillm.server.async_engine import OutputQueue, RequestStream, abort_ids, deliver_batch, resolve_future
 from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
@@ -129,13 +131,21 @@ class AsyncLLM:
                           cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns its stream once the core accepted it (ValueError if not).
         cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt."""
+        # What the core's message decoder would refuse must be refused here: a message it cannot
+        # decode is dropped there, and its add would never be answered.
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        check_arrival_time(arrival_time)
+        cache_salt_of(prompt, cache_salt)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer)
-        params = params if params is not None else SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text else prompt
-        arrival = arrival_time or time.time()
+        arrival = float(arrival_time) if arrival_time else time.time()
         fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
         if params.structured_outputs is not None:
             fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
@@ -171,12 +181,17 @@ class AsyncLLM:
         except (TypeError, OverflowError):
             return None
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe, returns at once; unknown ids are passed on and ignored there)."""
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort a request, or each of a list of them as vLLM's takes them (thread-safe, returns at
+        once; unknown ids are passed on and ignored there, ids that are no strings ignored here)."""
+        request_ids = abort_ids(request_id)
+        if not request_ids:
+            return
         with self._lock:
-            self.processor.abandon(request_id)
+            for one in request_ids:
+                self.processor.abandon(one)
             try:
-                self._send(m.AbortRequests([request_id]))
+                self._send(m.AbortRequests(request_ids))
             except EngineDeadError:
                 pass
 
@@ -217,6 +232,8 @@ class AsyncLLM:
 
     async def call_utility(self, method: str, *args: Any) -> Any:
         """Call a public method of the core's LLMEngine between two steps; its result (plain data)."""
+        if not isinstance(method, str):
+            raise TypeError(f"method must be a string, got {short_repr(method)}")
         return await self._call(lambda call_id: m.UtilityCall(call_id, method, list(args), self.client_index))
 
     def shutdown(self, timeout: float = 10.0) -> None:
