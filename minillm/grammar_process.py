@@ -489,7 +489,7 @@ class _GrammarServer:
             _, gid, text = message
             with self.so._large_stack():               # the pool may start a thread in submit
                 self.templates[gid] = future = self.pool.submit(self.compile, text)
-            future.add_done_callback(lambda f, gid=gid: self.reply("grammar", gid, self.compile_error(f)))
+            future.add_done_callback(lambda f, gid=gid: self.answer_compile(gid, f))
         elif kind == NEW:
             _, handle, gid = message
             template = self.templates[gid].result()
@@ -511,6 +511,15 @@ class _GrammarServer:
         template = llguidance.LLMatcher(self.tokenizer.result(), text, log_level=self.so._LOG_LEVEL)
         template.deep_copy().compute_bitmask()
         return template
+
+    def answer_compile(self, gid: int, future: Future) -> None:
+        """Tell the engine how a grammar's compile ended: not a compile cancelled by the stop, nor to an engine gone."""
+        if future.cancelled():
+            return
+        try:
+            self.reply("grammar", gid, self.compile_error(future))
+        except OSError:
+            pass
 
     @staticmethod
     def compile_error(future: Future) -> str | None:

@@ -71,3 +71,21 @@ def test_a_new_process_started_while_a_step_reads_the_old_ones_masks(stories_pat
         assert engine.structured_outputs._process is not first
     finally:
         engine.shutdown()
+
+
+def test_a_process_stopped_with_compiles_queued_prints_no_traceback(stories_path, capfd):
+    # Stopping cancels the compiles still queued there, and the callback that answers a compile
+    # raised CancelledError from each of them: a traceback on the engine's stderr for every one.
+    engine = new_engine(stories_path, True)
+    try:
+        manager = engine._structured_output_manager()
+        grammars = [manager.grammar_init(StructuredOutputsParams(regex=f"x{i}[a-z]{{1,{i + 1}}}")).result()
+                    for i in range(24)]
+        process = manager._process
+        for grammar in grammars:
+            process.compile(grammar)
+        process.shutdown()
+        assert process._proc.returncode is not None
+    finally:
+        engine.shutdown()
+    assert "Traceback" not in capfd.readouterr().err
