@@ -920,8 +920,10 @@ class StructuredOutputManager:
         """Give each sequence its StructuredOutputRequest (one compile, shared); the scheduler
         admits them once it is done."""
         grammar = self.grammar_init(params)
-        if self._process is not None and self._process.failed:
-            self._restart_process()
+        if self._process is not None:
+            self._process.poll()          # one that died while idle is found gone now, not by these requests
+            if self._process.failed:
+                self._restart_process()
         for seq in seqs:
             seq.structured_output = StructuredOutputRequest(grammar, self._process)
         self._compiling.extend(seqs)

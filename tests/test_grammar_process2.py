@@ -89,3 +89,20 @@ def test_a_process_stopped_with_compiles_queued_prints_no_traceback(stories_path
     finally:
         engine.shutdown()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_requests_added_after_the_process_died_idle_get_a_new_one(stories_path):
+    # Nothing had found the process gone, so the new requests' grammars were sent to it: they
+    # ended with "the grammar process did not take the grammar", and only the next ones got a new process.
+    engine = new_engine(stories_path, True)
+    try:
+        assert_valid("date", run(engine, {"a": constrained("date", 0)})["a"])
+        first = engine.structured_outputs._process
+        first._proc.kill()
+        first._proc.wait()
+        done = run(engine, {"b": constrained("date", 1), "c": constrained("json", 1)})
+        assert_valid("date", done["b"])
+        assert_valid("json", done["c"])
+        assert engine.structured_outputs._process is not first
+    finally:
+        engine.shutdown()
