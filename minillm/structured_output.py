@@ -651,8 +651,10 @@ class StructuredOutputRequest:
         return self.matcher.is_terminated()
 
     def rejection(self, token_id: int) -> str:
-        """The error message of a token the matcher refused."""
+        """The error message of a token the matcher refused (or could not take: its grammar process failed)."""
         error = self.matcher.error or "refused"
+        if self._process is not None and self._process.failed:
+            return f"structured_outputs: {error}; the output stops before its constraint is complete"
         message = f"structured_outputs: token {token_id} is not allowed by the grammar ({error})"
         if error == "refused" or _TOKEN_REFUSED in error:
             message += ("; with the grammar's mask applied, that happens when no token the grammar allows "

@@ -106,3 +106,21 @@ def test_requests_added_after_the_process_died_idle_get_a_new_one(stories_path):
         assert engine.structured_outputs._process is not first
     finally:
         engine.shutdown()
+
+
+def test_a_request_cut_short_by_the_process_says_so_not_that_its_token_broke_the_grammar(stories_path):
+    # It read "token 413 is not allowed by the grammar (the grammar process failed: ...)".
+    engine = new_engine(stories_path, True)
+    try:
+        engine.add_request("a", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
+                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
+        tokens_until(engine, {}, "a", 5)
+        process = engine.structured_outputs._process
+        process._proc.kill()
+        process._proc.wait()
+        out = step_until_done(engine)["a"]
+        assert out.finish_reason == "error"
+        assert out.stop_reason.startswith("structured_outputs: the grammar process failed: the grammar process is gone")
+        assert "not allowed by the grammar" not in out.stop_reason
+    finally:
+        engine.shutdown()
