@@ -567,6 +567,7 @@ class StructuredOutputRequest:
         self.matcher: GrammarMatcher | RemoteMatcher | None = None
         self._process = process           # the grammar process that holds the matcher, if one does
         self._remote_error: str | None = None
+        self._moved = False               # move_to was called once
         # [token, accepted] taken ahead of accept_token (accepted None until the grammar process answers)
         self._advanced: deque[list] = deque()
 
@@ -582,13 +583,23 @@ class StructuredOutputRequest:
                 from minillm.grammar_process import GrammarProcessError
                 try:
                     answer = self._process.compile(compiled)
-                    if self._process.is_compiled(answer):
+                    if self._process.is_compiled(answer) and not self._process.failed:
                         self._remote_error = answer.result()
                         if self._remote_error is None:
                             self.matcher = self._process.new_matcher(compiled, compiled.on_error)
-                except GrammarProcessError as exc:     # take_failed ends the sequence with it
-                    self._remote_error = str(exc)
+                except GrammarProcessError:     # the manager moves it to a new process (move_to)
+                    pass
         return self.matcher is not None
+
+    def move_to(self, process: GrammarProcess) -> None:
+        """Wait for the grammar in a new process, the one it waited in having failed; once only (a
+        grammar that takes a process down ends with the error then, not in a loop of new ones)."""
+        if self.matcher is not None or self._remote_error is not None:
+            return
+        if self._moved:
+            self._remote_error = f"the grammar process failed: {self._process.error}"
+        else:
+            self._process, self._moved = process, True
 
     @property
     def empty_only(self) -> bool:
@@ -931,16 +942,20 @@ class StructuredOutputManager:
         self._compiling.extend(seqs)
 
     def _restart_process(self) -> None:
-        """A new grammar process for new requests (the requests whose matchers were in the one that
-        failed end with its error)."""
+        """A new grammar process for new requests and those waiting for their grammar (the requests
+        whose matchers were in the one that failed end with its error)."""
         self._process = self._process.restarted()
         self._bitmasks = self._process.bitmasks
+        for seq in self._compiling:
+            seq.structured_output.move_to(self._process)
 
     def take_failed(self) -> list[tuple[Any, str]]:
         """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
         sequences whose grammar is done are forgotten, and a compile that no unfinished sequence
         waits for any more (its requests aborted) is cancelled if it has not started."""
         failed, still, dropped = [], [], set()
+        if self._process is not None and self._process.failed and self._compiling:
+            self._restart_process()
         for seq in self._compiling:
             request = seq.structured_output
             if seq.is_finished:

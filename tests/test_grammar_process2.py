@@ -1,6 +1,6 @@
-"""Structured outputs with the grammar process, what went wrong when it died: requests sharing a
-grammar whose process was gone before they were sent there, and a new process started while a
-step still reads the old one's masks."""
+"""Structured outputs with the grammar process, what went wrong when it died: requests waiting for
+their grammar there, a new process started while a step still reads the old one's masks, requests
+added after it died idle, compiles queued at its stop, the message of a request it cut short."""
 from minillm import SamplingParams, StructuredOutputsParams
 from test_grammar_process import new_engine, run
 from test_structured_engine import PROMPT, assert_valid, constrained
@@ -16,9 +16,10 @@ def step_until_done(engine, max_steps: int = 2000) -> dict:
     raise AssertionError(f"requests still unfinished after {max_steps} steps: {sorted(engine.requests)}")
 
 
-def test_requests_sharing_a_grammar_end_when_the_process_died_before_it_was_sent(stories_path):
+def test_requests_waiting_for_their_grammar_when_the_process_died_get_a_new_one(stories_path):
     # The second grammar's compile was never sent (the process was found gone) and never answered:
-    # its second request waited for it forever.
+    # its second request waited for it forever. And every request still waiting for its grammar
+    # ended with the process's error, though nothing of it was lost with the process.
     engine = new_engine(stories_path, True)
     try:
         for kind in ("date", "choice"):
@@ -29,8 +30,30 @@ def test_requests_sharing_a_grammar_end_when_the_process_died_before_it_was_sent
         first._proc.wait()
         done = step_until_done(engine)
         assert sorted(done) == ["choice-0", "choice-1", "date-0", "date-1"]
-        assert all(out.finish_reason == "error" for out in done.values())
-        assert_valid("date", run(engine, {"again": constrained("date", 3)})["again"])
+        for request_id, out in done.items():
+            assert_valid(request_id.split("-")[0], out, request_id)
+        assert engine.structured_outputs._process is not first
+    finally:
+        engine.shutdown()
+
+
+def test_a_grammar_whose_process_dies_twice_ends_with_the_error(stories_path):
+    # A request moves to a new process once: a grammar that takes processes down does not start them forever.
+    engine = new_engine(stories_path, True)
+    try:
+        engine.add_request("c", PROMPT, constrained("date", 0))
+        done = {}
+        for _ in range(2):
+            process = engine.structured_outputs._process
+            process._proc.kill()
+            process._proc.wait()
+            for _ in range(1000):
+                if engine.structured_outputs._process is not process:
+                    break
+                done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+            assert engine.structured_outputs._process is not process, "no new process was started"
+        out = {**done, **step_until_done(engine)}["c"]
+        assert out.finish_reason == "error" and "the grammar process failed" in out.stop_reason
     finally:
         engine.shutdown()
 
