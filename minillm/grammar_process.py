@@ -172,6 +172,10 @@ class GrammarProcess:
     finalizers call them, on whichever thread) is called on the engine thread.
     """
 
+    # The longest wait for an answer before the process is taken for hung. A fill takes milliseconds
+    # and compiles run beside the command loop, so only a stuck process comes near it.
+    answer_timeout_s = 30.0
+
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int], num_rows: int,
                  num_fill_threads: int | None = None,
                  register_host: Callable[[np.ndarray], Callable[[], None]] | None = None,
@@ -293,11 +297,16 @@ class GrammarProcess:
             self.poll()
 
     def wait_for(self, answer: Answer) -> None:
-        """Read answers until this one is in (raises what it failed with, or if the process is gone)."""
+        """Read answers until this one is in (raises what it failed with, or if the process is gone).
+        A process that answers nothing for answer_timeout_s is stopped and counts as gone: the engine
+        thread, and every request of the step, would otherwise wait on it for ever."""
         while not answer.done():
             if self._error is not None:
                 raise GrammarProcessError(self._error)
             try:
+                if not self._readable(self.answer_timeout_s):
+                    self._proc.kill()
+                    self._fail(f"the grammar process did not answer for {self.answer_timeout_s:g} s")
                 self._read_one()
             except GrammarProcessError:
                 if not answer.done():         # _fail resolves a fill (every token allowed): not an error

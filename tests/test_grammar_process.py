@@ -163,3 +163,34 @@ def test_a_fill_out_when_the_grammar_process_dies_allows_every_token(stories_pat
         assert process.failed
     finally:
         engine.shutdown()
+
+
+def test_a_grammar_process_that_stops_answering_ends_only_the_constrained_requests(stories_path):
+    # Waiting for its answers had no bound: a stuck process held the engine thread, and every request, for ever.
+    engine = new_engine(stories_path, True)
+    try:
+        engine.add_request("c", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
+                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
+        tokens = {"c": 0, "u": 0}
+        while tokens["c"] < 5:
+            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        engine.add_request("u", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        while tokens["u"] < 3:
+            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        process = engine.structured_outputs._process
+        process.answer_timeout_s = 0.2
+        os.kill(process._proc.pid, signal.SIGSTOP)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        assert done["c"].finish_reason == "error" and "did not answer" in done["c"].stop_reason
+        assert process._proc.wait() != 0
+        alone = new_engine(stories_path, False)
+        try:
+            plain = run(alone, {"u": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)})["u"]
+        finally:
+            alone.shutdown()
+        assert done["u"].token_ids == plain.token_ids
+        assert_valid("date", run(engine, {"again": constrained("date", 1)})["again"])
+    finally:
+        engine.shutdown()
