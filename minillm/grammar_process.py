@@ -538,11 +538,7 @@ class _GrammarServer:
     def advance(self, handle: int, tokens: list[int]) -> tuple[list[bool], tuple]:
         """Feed a matcher its tokens (up to the first refused); (each token's answer, its flags)."""
         matcher = self.matchers[handle]
-        accepted = []
-        for token in tokens:
-            accepted.append(matcher.accept_token(token))
-            if not accepted[-1]:
-                break
+        accepted = matcher.accept_until_refused(tokens)
         state = (matcher.num_accepted, matcher.is_terminated(), matcher.is_stopped(),
                  matcher.error if matcher.is_error() else "")
         return accepted, state

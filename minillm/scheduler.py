@@ -82,6 +82,16 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
     return None
 
 
+def _settled_first(out: SchedulerOutput) -> list[Sequence]:
+    """out's sampling sequences with the constrained ones whose grammar process has not answered
+    yet moved last (each part in batch order), so the update reads the others while those answers come."""
+    waiting = [seq for _, seq in out.structured_rows if not seq.structured_output.is_settled]
+    if not waiting:
+        return out.sampling_seqs
+    later = {id(seq) for seq in waiting}
+    return [seq for seq in out.sampling_seqs if id(seq) not in later] + waiting
+
+
 class WaitingQueue:
     """The waiting sequences in FCFS order, with a deque's methods where the scheduler uses them,
     and removal from anywhere in O(1): a burst of aborts (clients gone) among thousands of waiting
@@ -389,56 +399,49 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update_from_output(self, out: SchedulerOutput, step: StepOutput,
-                           on_token: Callable[[Sequence, int], str | None] | None = None
-                           ) -> list[tuple[Sequence, int]]:
+                           on_token: Callable[[Sequence, int], str | None] | None = None,
+                           structured: bool = False) -> list[tuple[Sequence, int]]:
         """Read a finished step's tokens into its sequences: placeholders become tokens, appended
         one at a time through the stop rules (a sequence's later tokens are dropped once it stops),
         rejected drafts are forgotten, newly full blocks are cached. on_token(seq, i) is called
         after seq's i-th new token of the step is appended and may return a stop string it
         completed. Returns (sequence, token) in batch order for the tokens appended (sequences
-        finished since the launch get none), except that a constrained sequence whose matcher's
-        answer has not come back from the grammar process yet is read after the others."""
+        finished since the launch get none), except that, with structured (the step may hold
+        constrained sequences), a constrained sequence whose matcher's answer has not come back
+        from the grammar process yet is read after the others."""
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
-        appended, waiting = [], []
-        for seq in out.sampling_seqs:
-            if seq.structured_output is not None and not seq.structured_output.is_settled:
-                waiting.append(seq)
-            else:
-                self._append_tokens(seq, step, on_token, appended)
-        for seq in waiting:
-            self._append_tokens(seq, step, on_token, appended)
-        return appended
-
-    def _append_tokens(self, seq: Sequence, step: StepOutput, on_token, appended: list) -> None:
-        """update_from_output's work for one sequence of the step."""
+        appended = []
         sampled, eos_token_ids, cache_full_blocks = step.sampled, self.eos_token_ids, self.block_manager.cache_full_blocks
-        if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
-            return
-        tokens = sampled[seq.seq_id]
-        num_drafts = len(seq.spec_token_ids)
-        seq.num_output_placeholders -= 1 + num_drafts
-        if num_drafts:
-            seq.spec_token_ids = []
-            if seq.status is SequenceStatus.RUNNING:
-                # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
-                # their blocks stay with the sequence for those tokens.
-                seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
-        for i, token in enumerate(tokens):
-            seq.token_ids.append(token)
-            seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
-            appended.append((seq, token))
-            if seq.structured_output is not None and not seq.structured_output.accept_token(token):
-                self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
-            elif (stop := check_stop(seq, eos_token_ids)) is not None:
-                self.finish(seq, *stop)
-            stop_string = on_token(seq, i) if on_token is not None else None
-            if stop_string is not None:
-                self.stop(seq, stop_string)
-            if seq.is_finished:
-                break
-        else:
-            cache_full_blocks(seq)
+        seqs = _settled_first(out) if structured else out.sampling_seqs
+        for seq in seqs:
+            if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
+                continue
+            tokens = sampled[seq.seq_id]
+            num_drafts = len(seq.spec_token_ids)
+            seq.num_output_placeholders -= 1 + num_drafts
+            if num_drafts:
+                seq.spec_token_ids = []
+                if seq.status is SequenceStatus.RUNNING:
+                    # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
+                    # their blocks stay with the sequence for those tokens.
+                    seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
+            for i, token in enumerate(tokens):
+                seq.token_ids.append(token)
+                seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+                appended.append((seq, token))
+                if seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                    self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
+                elif (stop := check_stop(seq, eos_token_ids)) is not None:
+                    self.finish(seq, *stop)
+                stop_string = on_token(seq, i) if on_token is not None else None
+                if stop_string is not None:
+                    self.stop(seq, stop_string)
+                if seq.is_finished:
+                    break
+            else:
+                cache_full_blocks(seq)
+        return appended
 
     def stop(self, seq: Sequence, stop_string: str) -> None:
         """The output processor found a stop string in seq's text: finish it with that reason.

@@ -492,7 +492,16 @@ class GrammarMatcher:
 
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
         """accept_token for each id in order; stops at the first one refused."""
-        return all(self.accept_token(t) for t in token_ids)
+        return all(self.accept_until_refused(token_ids))
+
+    def accept_until_refused(self, token_ids: Sequence[int]) -> list[bool]:
+        """accept_token for each id in order, up to the first one refused; their answers."""
+        answers = []
+        for token in token_ids:
+            answers.append(self.accept_token(token))
+            if not answers[-1]:
+                break
+        return answers
 
     def validate_tokens(self, token_ids: Sequence[int]) -> list[int]:
         """The longest prefix of token_ids the grammar accepts from here, without advancing."""
@@ -623,11 +632,8 @@ class StructuredOutputRequest:
     def advance(self, token_ids: Sequence[int]) -> None:
         """Feed the matcher a step's tokens now, keeping each result for accept_token (stops at
         the first refused one: the scheduler ends the sequence there)."""
-        for token in token_ids:
-            accepted = self.matcher.accept_token(token)
-            self._advanced.append([int(token), accepted])
-            if not accepted:
-                break
+        answers = self.matcher.accept_until_refused(token_ids)
+        self._advanced.extend([int(token), accepted] for token, accepted in zip(token_ids, answers))
 
     @property
     def is_settled(self) -> bool:
