@@ -4,15 +4,13 @@ engine loop or the other requests; bad input is a ValueError/TypeError naming wh
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import time
 
 import pytest
-import zmq
+from test_engine_core import inproc_core
 
 from minillm.config import EngineConfig
 from minillm.engine_core import messages as m
-from minillm.engine_core.core import CoreSpec, EngineCore, EngineCoreProc, _connect
 from minillm.sampling_params import SamplingParams
 from minillm.server.async_engine import AsyncLLMEngine
 from minillm.server.async_llm import AsyncLLM
@@ -116,26 +114,14 @@ def test_the_loops_own_methods_are_no_utilities(request, engine_name, method):
 
 
 def test_a_command_the_core_cannot_decode_is_dropped_and_the_core_serves_on(config):
-    ctx = zmq.Context()
-    commands, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    commands.bind("inproc://commands")
-    outputs.bind("inproc://outputs")
-    parent_end, _child_end = multiprocessing.Pipe(duplex=False)
-    spec = CoreSpec(config, ["inproc://commands"], ["inproc://outputs"], parent_end)
-    input_sock, output_socks = _connect(ctx, spec)
-    core = EngineCore(config, log=lambda _: None)
-    proc, encoder, decoder = EngineCoreProc(core, spec, input_sock, output_socks), m.encoder(), m.up_decoder()
-    ids = core.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
-    try:
-        commands.send(encoder.encode(m.AbortRequests([5])))        # an id that is no string
-        commands.send(encoder.encode(m.AddRequest("kept", ids, {"max_tokens": 3}, time.time())))
-        assert input_sock.poll(30_000)
+    with inproc_core(config) as c:
+        ids = c.core.engine.tokenizer.encode(PROMPT, add_special_tokens=True)
+        c.commands.send(c.encoder.encode(m.AbortRequests([5])))        # an id that is no string
+        c.commands.send(c.encoder.encode(m.AddRequest("kept", ids, {"max_tokens": 3}, time.time())))
+        assert c.input_sock.poll(30_000)
         replies = []
         while not any(isinstance(r, m.AddResults) for r in replies):
-            assert proc.run_once()          # raised msgspec.ValidationError, which ended the core
-            while outputs.poll(0):
-                replies.append(decoder.decode(outputs.recv()))
+            assert c.proc.run_once()          # raised msgspec.ValidationError, which ended the core
+            while c.outputs.poll(0):
+                replies.append(c.decoder.decode(c.outputs.recv()))
         assert [r for r in replies if isinstance(r, m.AddResults)][0].results == [("kept", None)]
-    finally:
-        core.engine.shutdown()
-        ctx.destroy(linger=0)

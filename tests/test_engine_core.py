@@ -4,6 +4,7 @@ visibly, never outlives the server, and is the only process that touches CUDA.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing
 import os
 import signal
@@ -12,7 +13,9 @@ import sys
 import textwrap
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -160,8 +163,22 @@ def test_a_prompt_tokens_rank_travels_beside_its_prompt_logprobs_entry():
     assert type(rebuilt[0][4]) is float and type(rebuilt[1][4]) is float    # alternatives are ranked by their order
 
 
-def test_an_abort_that_has_reached_the_core_is_applied_before_its_next_step(config):
-    """The core's loop takes every command waiting in its socket before it launches a step."""
+@dataclass
+class InprocCore:
+    """An EngineCoreProc on this thread, its sockets over inproc: commands go in, outputs come out."""
+
+    commands: zmq.Socket           # PUSH: what an API server sends
+    outputs: zmq.Socket            # PULL: what the core sends back
+    input_sock: zmq.Socket         # the core's end of commands
+    core: EngineCore
+    proc: EngineCoreProc
+    encoder: Any
+    decoder: Any
+
+
+@contextlib.contextmanager
+def inproc_core(config):
+    """An InprocCore over config's engine; its engine is shut down and its sockets closed after."""
     ctx = zmq.Context()
     commands, outputs = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     commands.bind("inproc://commands")
@@ -170,31 +187,37 @@ def test_an_abort_that_has_reached_the_core_is_applied_before_its_next_step(conf
     spec = CoreSpec(config, ["inproc://commands"], ["inproc://outputs"], parent_end)
     input_sock, output_socks = _connect(ctx, spec)
     core = EngineCore(config, log=lambda _: None)
-    proc, encoder, decoder = EngineCoreProc(core, spec, input_sock, output_socks), m.encoder(), m.up_decoder()
-    ids = core.engine.tokenizer.encode("Once upon a time", add_special_tokens=True)
-    fields = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
     try:
-        for rid in ("kept", "aborted"):
-            commands.send(encoder.encode(m.AddRequest(rid, ids, fields, time.time())))
-        while core.engine.metrics.num_steps < 4:
-            assert proc.run_once()
-        assert core.engine.stats().kv_num_used_blocks > 0
-        commands.send(encoder.encode(m.AbortRequests(["aborted"])))
-        assert input_sock.poll(30_000), "the abort never reached the core's socket"
-        steps = core.engine.metrics.num_steps
-        while outputs.poll(0):
-            outputs.recv()          # what the steps so far sent
-        assert proc.run_once()
-        assert core.engine.metrics.num_steps == steps + 1
-        step = decoder.decode(outputs.recv())
-        by_id = {out.request_id: out.seqs[0] for out in step.outputs}
-        assert by_id["aborted"].finish_reason == "abort" and by_id["aborted"].new_token_ids == []
-        assert len(by_id["kept"].new_token_ids) == 1 and by_id["kept"].finish_reason is None
-        assert core.engine.metrics.finished["abort"] == 1
-        assert [req.request_id for req in core.engine.requests.values() if not req.is_finished] == ["kept"]
+        yield InprocCore(commands, outputs, input_sock, core, EngineCoreProc(core, spec, input_sock, output_socks),
+                         m.encoder(), m.up_decoder())
     finally:
         core.engine.shutdown()
         ctx.destroy(linger=0)
+
+
+def test_an_abort_that_has_reached_the_core_is_applied_before_its_next_step(config):
+    """The c.core's loop takes every command waiting in its socket before it launches a step."""
+    with inproc_core(config) as c:
+        ids = c.core.engine.tokenizer.encode("Once upon a time", add_special_tokens=True)
+        fields = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
+        for rid in ("kept", "aborted"):
+            c.commands.send(c.encoder.encode(m.AddRequest(rid, ids, fields, time.time())))
+        while c.core.engine.metrics.num_steps < 4:
+            assert c.proc.run_once()
+        assert c.core.engine.stats().kv_num_used_blocks > 0
+        c.commands.send(c.encoder.encode(m.AbortRequests(["aborted"])))
+        assert c.input_sock.poll(30_000), "the abort never reached the c.core's socket"
+        steps = c.core.engine.metrics.num_steps
+        while c.outputs.poll(0):
+            c.outputs.recv()          # what the steps so far sent
+        assert c.proc.run_once()
+        assert c.core.engine.metrics.num_steps == steps + 1
+        step = c.decoder.decode(c.outputs.recv())
+        by_id = {out.request_id: out.seqs[0] for out in step.outputs}
+        assert by_id["aborted"].finish_reason == "abort" and by_id["aborted"].new_token_ids == []
+        assert len(by_id["kept"].new_token_ids) == 1 and by_id["kept"].finish_reason is None
+        assert c.core.engine.metrics.finished["abort"] == 1
+        assert [req.request_id for req in c.core.engine.requests.values() if not req.is_finished] == ["kept"]
 
 
 # ---- the core in its own process -------------------------------------------------------------

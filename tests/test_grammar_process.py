@@ -33,6 +33,43 @@ def new_engine(stories_path, grammar_process: bool, async_scheduling: bool = Tru
                                   async_scheduling=async_scheduling, **kwargs), log=lambda m: None)
 
 
+def step_until_done(engine, max_steps: int = 2000) -> dict:
+    """Step until no request is left (at most max_steps); request id -> its CompletionOutput."""
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return done
+        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    raise AssertionError(f"requests still unfinished after {max_steps} steps: {sorted(engine.requests)}")
+
+
+def tokens_until(engine, counts: dict, request_id: str, num_tokens: int) -> None:
+    """Step until request_id has num_tokens output tokens (counts: request id -> its tokens so far)."""
+    while counts.get(request_id, 0) < num_tokens:
+        counts.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+
+
+def long_constrained(seed: int = 0) -> SamplingParams:
+    """A constrained request that goes on for 200 tokens (lowercase words)."""
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=200, ignore_eos=True,
+                          structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+
+
+def kill(process) -> None:
+    """Kill a grammar process and wait for it to be gone."""
+    process._proc.kill()
+    process._proc.wait()
+
+
+def alone(stories_path, params: SamplingParams, async_scheduling: bool = True):
+    """The CompletionOutput of an unconstrained request run alone on an in-process engine."""
+    engine = new_engine(stories_path, False, async_scheduling)
+    try:
+        return run(engine, {"alone": params})["alone"]
+    finally:
+        engine.shutdown()
+
+
 def mixed_requests() -> dict[str, SamplingParams]:
     """Every kind of constraint at three seeds and greedy, and unconstrained greedy requests."""
     requests = {f"{kind}-{seed}": constrained(kind, seed) for kind in CHECKS for seed in (0, 1, 2, None)}
@@ -49,11 +86,7 @@ def test_the_grammar_process_gives_what_in_process_matchers_give(stories_path, a
             outs[grammar_process] = run(engine, mixed_requests())
         finally:
             engine.shutdown()
-    alone = new_engine(stories_path, False, async_scheduling)
-    try:
-        plain = run(alone, {"alone": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)})["alone"]
-    finally:
-        alone.shutdown()
+    plain = alone(stories_path, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), async_scheduling)
     for request_id, out in outs[True].items():
         assert (out.text, out.finish_reason) == (outs[False][request_id].text, outs[False][request_id].finish_reason)
         if request_id.startswith("plain"):
@@ -65,26 +98,17 @@ def test_the_grammar_process_gives_what_in_process_matchers_give(stories_path, a
 def test_a_killed_grammar_process_ends_only_the_constrained_requests_and_the_next_gets_a_new_one(stories_path):
     engine = new_engine(stories_path, True)
     try:
-        engine.add_request("c", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
-                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
-        done, tokens = {}, {"c": 0, "u": 0}
-        while tokens["c"] < 10:      # the constrained one decoding, its matcher in the grammar process
-            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
-        engine.add_request("u", PROMPT, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
-        while tokens["u"] < 5:       # and the unconstrained one beside it
-            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        engine.add_request("c", PROMPT, long_constrained())
+        tokens = {}
+        tokens_until(engine, tokens, "c", 10)    # the constrained one decoding, its matcher in the grammar process
+        plain = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        engine.add_request("u", PROMPT, plain)
+        tokens_until(engine, tokens, "u", 5)     # and the unconstrained one beside it
         first = engine.structured_outputs._process
-        first._proc.kill()
-        first._proc.wait()
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        kill(first)
+        done = step_until_done(engine)
         assert done["c"].finish_reason == "error" and len(done["c"].token_ids) < 200
-        alone = new_engine(stories_path, False)
-        try:
-            plain = run(alone, {"u": SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)})["u"]
-        finally:
-            alone.shutdown()
-        assert done["u"].token_ids == plain.token_ids and done["u"].finish_reason == "length"
+        assert done["u"].token_ids == alone(stories_path, plain).token_ids and done["u"].finish_reason == "length"
         again = run(engine, {"again": constrained("date", 3)})["again"]
         assert_valid("date", again)
         assert engine.structured_outputs._process is not first and first._proc.poll() is not None
@@ -157,8 +181,7 @@ def test_a_fill_out_when_the_grammar_process_dies_allows_every_token(stories_pat
         os.kill(process._proc.pid, signal.SIGSTOP)         # it cannot answer what follows
         process.bitmasks[0][:1] = 0
         answer = process.fill(0, [matcher], [])
-        process._proc.kill()
-        process._proc.wait()
+        kill(process)
         assert answer.result() == 0.0 and (process.bitmasks[0][0] == -1).all()
         assert process.failed
     finally:
@@ -169,28 +192,19 @@ def test_a_grammar_process_that_stops_answering_ends_only_the_constrained_reques
     # Waiting for its answers had no bound: a stuck process held the engine thread, and every request, for ever.
     engine = new_engine(stories_path, True)
     try:
-        engine.add_request("c", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
-                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
-        tokens = {"c": 0, "u": 0}
-        while tokens["c"] < 5:
-            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
-        engine.add_request("u", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
-        while tokens["u"] < 3:
-            tokens.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
+        engine.add_request("c", PROMPT, long_constrained())
+        tokens = {}
+        tokens_until(engine, tokens, "c", 5)
+        plain = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        engine.add_request("u", PROMPT, plain)
+        tokens_until(engine, tokens, "u", 3)
         process = engine.structured_outputs._process
         process.answer_timeout_s = 0.2
         os.kill(process._proc.pid, signal.SIGSTOP)
-        done = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+        done = step_until_done(engine)
         assert done["c"].finish_reason == "error" and "did not answer" in done["c"].stop_reason
         assert process._proc.wait() != 0
-        alone = new_engine(stories_path, False)
-        try:
-            plain = run(alone, {"u": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)})["u"]
-        finally:
-            alone.shutdown()
-        assert done["u"].token_ids == plain.token_ids
+        assert done["u"].token_ids == alone(stories_path, plain).token_ids
         assert_valid("date", run(engine, {"again": constrained("date", 1)})["again"])
     finally:
         engine.shutdown()

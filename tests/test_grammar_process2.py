@@ -2,18 +2,8 @@
 their grammar there, a new process started while a step still reads the old one's masks, requests
 added after it died idle, compiles queued at its stop, the message of a request it cut short."""
 from minillm import SamplingParams, StructuredOutputsParams
-from test_grammar_process import new_engine, run
+from test_grammar_process import alone, kill, long_constrained, new_engine, run, step_until_done, tokens_until
 from test_structured_engine import PROMPT, assert_valid, constrained
-
-
-def step_until_done(engine, max_steps: int = 2000) -> dict:
-    """Step until no request is left (at most max_steps); request id -> its CompletionOutput."""
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return done
-        done.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
-    raise AssertionError(f"requests still unfinished after {max_steps} steps: {sorted(engine.requests)}")
 
 
 def test_requests_waiting_for_their_grammar_when_the_process_died_get_a_new_one(stories_path):
@@ -26,8 +16,7 @@ def test_requests_waiting_for_their_grammar_when_the_process_died_get_a_new_one(
             for seed in (0, 1):
                 engine.add_request(f"{kind}-{seed}", PROMPT, constrained(kind, seed))
         first = engine.structured_outputs._process
-        first._proc.kill()
-        first._proc.wait()
+        kill(first)
         done = step_until_done(engine)
         assert sorted(done) == ["choice-0", "choice-1", "date-0", "date-1"]
         for request_id, out in done.items():
@@ -45,8 +34,7 @@ def test_a_grammar_whose_process_dies_twice_ends_with_the_error(stories_path):
         done = {}
         for _ in range(2):
             process = engine.structured_outputs._process
-            process._proc.kill()
-            process._proc.wait()
+            kill(process)
             for _ in range(1000):
                 if engine.structured_outputs._process is not process:
                     break
@@ -58,33 +46,21 @@ def test_a_grammar_whose_process_dies_twice_ends_with_the_error(stories_path):
         engine.shutdown()
 
 
-def tokens_until(engine, counts: dict, request_id: str, num_tokens: int) -> None:
-    """Step until request_id has num_tokens output tokens (counts: request id -> its tokens so far)."""
-    while counts.get(request_id, 0) < num_tokens:
-        counts.update({o.request_id: len(o.outputs[0].token_ids) for o in engine.step()})
-
-
 def test_a_new_process_started_while_a_step_reads_the_old_ones_masks(stories_path):
     # The restart unmapped the old process's mask buffers under the step in flight (a segfault),
     # and then sent the old process's matcher handles to the new one (a KeyError there: the step
     # failed, and the unconstrained request beside it was aborted).
     plain = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    alone = new_engine(stories_path, False)
-    try:
-        expected = run(alone, {"u": plain})["u"].token_ids
-    finally:
-        alone.shutdown()
+    expected = alone(stories_path, plain).token_ids
     engine = new_engine(stories_path, True)
     try:
-        engine.add_request("a", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
-                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
+        engine.add_request("a", PROMPT, long_constrained())
         counts = {}
         tokens_until(engine, counts, "a", 5)
         engine.add_request("u", PROMPT, plain)
         tokens_until(engine, counts, "u", 3)
         first = engine.structured_outputs._process
-        first._proc.kill()
-        first._proc.wait()
+        kill(first)
         first.poll()                      # found gone (as a compile check finds it)
         engine.add_request("b", PROMPT, constrained("date", 3))     # starts the next process
         done = step_until_done(engine)
@@ -121,8 +97,7 @@ def test_requests_added_after_the_process_died_idle_get_a_new_one(stories_path):
     try:
         assert_valid("date", run(engine, {"a": constrained("date", 0)})["a"])
         first = engine.structured_outputs._process
-        first._proc.kill()
-        first._proc.wait()
+        kill(first)
         done = run(engine, {"b": constrained("date", 1), "c": constrained("json", 1)})
         assert_valid("date", done["b"])
         assert_valid("json", done["c"])
@@ -135,12 +110,10 @@ def test_a_request_cut_short_by_the_process_says_so_not_that_its_token_broke_the
     # It read "token 413 is not allowed by the grammar (the grammar process failed: ...)".
     engine = new_engine(stories_path, True)
     try:
-        engine.add_request("a", PROMPT, SamplingParams(temperature=1.0, seed=0, max_tokens=200, ignore_eos=True,
-                                                       structured_outputs=StructuredOutputsParams(regex="[a-z ]+")))
+        engine.add_request("a", PROMPT, long_constrained())
         tokens_until(engine, {}, "a", 5)
         process = engine.structured_outputs._process
-        process._proc.kill()
-        process._proc.wait()
+        kill(process)
         out = step_until_done(engine)["a"]
         assert out.finish_reason == "error"
         assert out.stop_reason.startswith("structured_outputs: the grammar process failed: the grammar process is gone")
