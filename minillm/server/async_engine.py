@@ -41,7 +41,7 @@ logger = logging.getLogger("minillm.server")
 
 __all__ = ["AsyncLLMEngine", "ENGINE_CORE_MODES", "EngineClient", "MAX_COMMANDS_PER_STEP",
            "MAX_COMMAND_SECONDS_PER_STEP", "FULL_RESOLUTION", "OutputQueue", "RequestStream", "StepError",
-           "start_async_engine"]
+           "generate_outputs", "start_async_engine"]
 
 # Where the engine core runs: its own process (apart from HTTP, as vLLM serves), or a thread here.
 ENGINE_CORE_MODES = ("process", "thread")
@@ -189,6 +189,20 @@ class EngineClient(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
+async def generate_outputs(engine: EngineClient, prompt: str | list[int], params: SamplingParams, request_id: str,
+                           arrival_time: float | None = None, cache_salt: str | None = None
+                           ) -> AsyncIterator[RequestOutput]:
+    """vLLM's AsyncLLM.generate over an engine client: the request's outputs as they come, the last
+    one finished; a caller that leaves first (the generator closed or its task cancelled) aborts it."""
+    stream = await engine.add_request(request_id, prompt, params, arrival_time, cache_salt=cache_salt)
+    try:
+        async for output, _ in stream:
+            yield output
+    finally:
+        if not stream.finished:
+            engine.abort(request_id)
+
+
 def abort_ids(request_id: Any) -> list[str]:
     """The ids an abort names: one id, or each of a list of them as vLLM's abort takes them (ids that
     are no strings name no request: left out)."""
@@ -307,6 +321,12 @@ class AsyncLLMEngine:
             self.abort(request_id)  # the caller left while the add was in flight
             raise
         return stream
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                 arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
+        says which), the last one finished; leaving the iteration early aborts the request."""
+        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort a request, or each of a list (thread-safe, returns at once; unknown ids are ignored)."""

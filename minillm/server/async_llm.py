@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, AsyncIterator, Callable, Iterable
 
 import msgspec
 
@@ -34,7 +34,9 @@ from minillm.loader import resolve_model_path
 from minillm.outputs import RequestOutput
 from minillm.prompts import cache_salt_of
 from minillm.sampling_params import SamplingParams, short_repr
-from minillm.server.async_engine import OutputQueue, RequestStream, abort_ids, deliver_batch, resolve_future
+from minillm.server.async_engine import (
+    OutputQueue, RequestStream, abort_ids, deliver_batch, generate_outputs, resolve_future,
+)
 from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
@@ -167,6 +169,12 @@ class AsyncLLM:
             self.abort(request_id)  # the caller left while the add was in flight
             raise
         return stream
+
+    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+                 arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
+        says which), the last one finished; leaving the iteration early aborts the request."""
+        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt)
 
     def _prompt_block_keys(self, ids: Any, params: SamplingParams, cache_salt: str | None) -> list[bytes] | None:
         """The prompt's prefix-cache keys, hashed here rather than on the core's one thread (35 us a
