@@ -6,15 +6,22 @@ import asyncio
 import contextlib
 
 import pytest
+from test_server_helpers import wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
-from minillm.sampling_params import SamplingParams
+from minillm.outputs import CompletionOutput
+from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.server.async_engine import AsyncLLMEngine
 from minillm.server.async_llm import AsyncLLM
 
 PROMPT = "Once upon a time"
 ENGINES = ["async_llm", "thread_engine"]
+DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+SAMPLING = {
+    "greedy-stop-logprobs": dict(temperature=0, max_tokens=40, stop=["park"], logprobs=2, ignore_eos=True),
+    "n-2-sampled": dict(n=2, temperature=1.0, seed=11, max_tokens=16, logprobs=1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +83,69 @@ def test_generate_yields_the_requests_outputs_and_leaving_early_aborts_it(reques
     assert [out.finished for out in outputs] == [False] * (len(outputs) - 1) + [True]
     assert outputs[-1].outputs[0].text == _offline_outputs(offline, params)[-1].outputs[0].text
     assert num_unfinished == 0
+
+
+def _added(held: CompletionOutput | None, new: CompletionOutput) -> CompletionOutput:
+    """A completion's delta added to what its earlier deltas made."""
+    if held is None:
+        return new
+    logprobs = None if new.logprobs is None else held.logprobs + new.logprobs
+    return CompletionOutput(new.index, held.text + new.text, held.token_ids + new.token_ids, new.finish_reason,
+                            new.stop_reason, new.cumulative_logprob, logprobs)
+
+
+def _snapshots(outputs: list, kind: RequestOutputKind) -> list[tuple]:
+    """The request as each output leaves it: (finished, {index: completion}); DELTA outputs added up."""
+    held: dict[int, CompletionOutput] = {}
+    shots = []
+    for out in outputs:
+        for completion in out.outputs:
+            held[completion.index] = _added(held.get(completion.index), completion) if kind is DELTA else completion
+        shots.append((out.finished, {i: (c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason,
+                                         c.stop_reason) for i, c in held.items()}))
+    return shots
+
+
+def _is_retired(engine, request_id: str) -> bool:
+    """The engine has handed on the request's last output (it is done with it)."""
+    if isinstance(engine, AsyncLLM):
+        return request_id not in engine.processor.requests
+    return request_id not in engine.engine.requests
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("sampling", SAMPLING)
+@pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda kind: kind.name)
+def test_each_output_kind_is_reported_as_the_offline_engine_reports_it(request, offline, engine_name, sampling, kind):
+    # AsyncLLM ignored output_kind: DELTA callers got cumulative outputs (the same text again each time).
+    engine = request.getfixturevalue(engine_name)
+    params = SamplingParams(**SAMPLING[sampling], output_kind=kind)
+    expected = _snapshots(_offline_outputs(offline, params), kind)
+    got = asyncio.run(_generated(engine, f"{sampling}-{kind.name}-{engine_name}", params))
+    shots = _snapshots(got, kind)
+    assert shots[-1] == expected[-1] and shots[-1][0]
+    assert [shot for shot in shots if shot not in expected] == []     # each output is one the engine makes
+    if kind is FINAL_ONLY:
+        assert len(got) == 1
+    if kind is DELTA:
+        assert all(c.token_ids or c.finish_reason for out in got for c in out.outputs)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_delta_outputs_a_slow_caller_has_not_taken_are_added_up_not_replaced(request, offline, engine_name):
+    # The stream kept only a request's newest output, right for cumulative ones: a DELTA caller
+    # that fell behind lost the text and tokens of every output it had not taken.
+    engine = request.getfixturevalue(engine_name)
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=1, ignore_eos=True, output_kind=DELTA)
+    request_id = f"slow-{engine_name}"
+
+    async def scenario():
+        outputs = engine.generate(PROMPT, params, request_id)
+        first = await anext(outputs)
+        # Held here, this event loop takes none of the outputs that come meanwhile.
+        assert wait_for(lambda: _is_retired(engine, request_id), timeout=60)
+        return [first] + [out async for out in outputs]
+
+    got = asyncio.run(scenario())
+    assert _snapshots(got, DELTA)[-1] == _snapshots(_offline_outputs(offline, params), DELTA)[-1]
+    assert len(got) < 30

@@ -6,6 +6,9 @@ in-process engine. When a stop string ends a sequence, the tokens after it are d
 stop goes down to the core, which frees the sequence's blocks; a token or two may still arrive
 for it meanwhile and are ignored.
 
+Each request's outputs are of the kind its params ask (RequestOutputKind), made here as the
+in-process engine makes them: the core reports every step's new tokens whatever the kind.
+
 Finished requests are counted here by their final reason (a stop string is "stop" even when the
 core had meanwhile reached max_tokens), as vLLM's frontend counts them, and reported to the core,
 which adds up every API server's counts into the stats snapshots it hands out.
@@ -19,7 +22,7 @@ from typing import Any
 from minillm.engine_core import messages as m
 from minillm.output_processor import CompletionState, add_token, completion_output, new_state
 from minillm.outputs import RequestMetrics, RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import SequenceStatus
 from minillm.tokenizer import Tokenizer
 
@@ -75,6 +78,9 @@ class FrontendRequest:
     kv_transfer_params: dict | None = None   # a KV transfer's word on it, as the core sent it
     kv_transfer_stats: dict | None = None
     prompt_logprobs: list | None = None      # with params.prompt_logprobs: the entries the core has sent
+    final_only: bool = False                 # RequestOutputKind.FINAL_ONLY: one output, once finished
+    is_delta: bool = False                   # RequestOutputKind.DELTA: each output only what is new
+    is_prompt_logprobs_sent: bool = False    # a delta request's prompt_logprobs go out once, whole
 
     @property
     def is_finished(self) -> bool:
@@ -93,8 +99,21 @@ class ProcessedStep:
     stops: list[tuple[str, int, str]]
 
 
+def _reported_prompt_logprobs(req: FrontendRequest) -> list | None:
+    """The prompt log-probabilities an output carries: those the core has sent so far, or for a
+    delta request all of them once the whole prompt has them, and None in its other outputs."""
+    if req.prompt_logprobs is None:
+        return None
+    if not req.is_delta:
+        return list(req.prompt_logprobs)
+    if req.is_prompt_logprobs_sent or len(req.prompt_logprobs) < len(req.prompt_token_ids):
+        return None
+    req.is_prompt_logprobs_sent = True
+    return list(req.prompt_logprobs)
+
+
 class OutputProcessor:
-    """Turns each step's token ids into cumulative RequestOutputs; not thread-safe (one caller at a time)."""
+    """Turns each step's token ids into RequestOutputs; not thread-safe (one caller at a time)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -107,10 +126,13 @@ class OutputProcessor:
         """Start following a request (before it is sent to the core)."""
         ids = list(prompt_token_ids)
         seqs = [SequenceMirror(i, ids, params) for i in range(params.n)]
-        states = [new_state(self.tokenizer, s, incremental=True) for s in seqs]
+        kind = params.output_kind
+        final_only, is_delta = kind is RequestOutputKind.FINAL_ONLY, kind is RequestOutputKind.DELTA
+        states = [new_state(self.tokenizer, s, incremental=not final_only, delta=is_delta) for s in seqs]
         self.requests[request_id] = FrontendRequest(request_id, prompt, ids, seqs, states,
                                                     RequestMetrics(arrival_time=arrival_time), handle,
-                                                    prompt_logprobs=[] if params.prompt_logprobs is not None else None)
+                                                    prompt_logprobs=[] if params.prompt_logprobs is not None else None,
+                                                    final_only=final_only, is_delta=is_delta)
 
     def remove(self, request_id: str) -> None:
         """Forget a request the core refused."""
@@ -148,7 +170,9 @@ class OutputProcessor:
             metrics.last_token_time = out.last_token_time
             metrics.num_cached_tokens = out.num_cached_tokens
             if req.handle is not None and not req.is_counted and (moved or req.is_finished):
-                outputs.append((req.handle, self._output(req, now)))
+                output = self._output(req, now)
+                if output is not None:
+                    outputs.append((req.handle, output))
             if out.finished:            # the core has retired it: nothing more will come
                 if not req.is_counted:
                     self._count(req)
@@ -186,15 +210,23 @@ class OutputProcessor:
             seq.status, seq.stop_reason = SequenceStatus(out.finish_reason), out.stop_reason
         return bool(tokens) or out.finish_reason is not None
 
-    def _output(self, req: FrontendRequest, now: float) -> RequestOutput:
+    def _output(self, req: FrontendRequest, now: float) -> RequestOutput | None:
+        """The request's output of its kind after a change; None where that kind reports nothing
+        now (as LLMEngine._take_outputs decides)."""
         finished = req.is_finished
+        if req.final_only and not finished:
+            return None
         if finished:
             req.metrics.finished_time = now
             self._count(req)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids,
-                             [completion_output(st, s) for st, s in zip(req.states, req.seqs)],
-                             finished, req.metrics, req.kv_transfer_params, req.kv_transfer_stats,
-                             None if req.prompt_logprobs is None else list(req.prompt_logprobs))
+        completions = [completion_output(st, s) for st, s in zip(req.states, req.seqs)]
+        prompt_logprobs = _reported_prompt_logprobs(req)
+        if req.is_delta:      # only the completions with news; an output only when there is some
+            completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
+            if not completions and prompt_logprobs is None and not finished:
+                return None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
+                             req.metrics, req.kv_transfer_params, req.kv_transfer_stats, prompt_logprobs)
 
     def _count(self, req: FrontendRequest) -> None:
         req.is_counted = True

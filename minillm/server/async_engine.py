@@ -18,6 +18,7 @@ ends the loop: every open request gets an EngineDeadError, later calls fail at o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -31,8 +32,8 @@ from minillm.engine import StepError
 from minillm.engine_core.core import (
     FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP,
 )
-from minillm.outputs import RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.server.errors import EngineDeadError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
@@ -84,11 +85,11 @@ class _Stop:
 
 
 class OutputQueue:
-    """Outputs of one API call's requests, newest only per request, on the caller's event loop.
+    """Outputs of one API call's requests, one waiting per request, on the caller's event loop.
 
-    Outputs are cumulative, so when the caller falls behind (a client that does not read) only the
-    newest of each request is kept: what waits is one output per request, not a growing backlog.
-    An error is final: later outputs of that request do not replace it.
+    When the caller falls behind (a client that does not read) a cumulative output replaces the one
+    waiting, and a DELTA output is added to it: what waits is one output per request, not a growing
+    backlog. An error is final: later outputs of that request do not replace it.
     """
 
     def __init__(self) -> None:
@@ -101,8 +102,11 @@ class OutputQueue:
     def put(self, stream: "RequestStream", payload: Any, seen: float | None) -> None:
         """Leave a request's newest output (or an exception); on the event loop."""
         held = self._latest.get(stream)
-        if held is not None and isinstance(held[0], BaseException):
-            return
+        if held is not None:
+            if isinstance(held[0], BaseException):
+                return
+            if stream.is_delta and isinstance(payload, RequestOutput):
+                payload = added_delta(held[0], payload)
         self._latest[stream] = (payload, seen)
         waiter = self._waiter
         if waiter is not None:
@@ -134,6 +138,7 @@ class RequestStream:
     queue: OutputQueue = field(default_factory=OutputQueue)
     observer: Callable[[RequestOutput, float], None] | None = None
     finished: bool = False
+    is_delta: bool = False      # its outputs are RequestOutputKind.DELTA ones: what waits is added up
 
     def deliver(self, payload: Any, seen: float | None) -> None:
         """On the event loop: note an output (or an exception) and queue it."""
@@ -201,6 +206,31 @@ async def generate_outputs(engine: EngineClient, prompt: str | list[int], params
     finally:
         if not stream.finished:
             engine.abort(request_id)
+
+
+def added_delta(held: RequestOutput, new: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of a request, one after the other, as one (vLLM's RequestOutput.add with
+    aggregate): each completion's text, token ids and log-probabilities joined, the rest the newer's."""
+    completions = {c.index: c for c in held.outputs}
+    for c in new.outputs:
+        before = completions.get(c.index)
+        completions[c.index] = c if before is None else _added_completion(before, c)
+    prompt_logprobs = held.prompt_logprobs if held.prompt_logprobs is not None else new.prompt_logprobs
+    return dataclasses.replace(new, outputs=[completions[i] for i in sorted(completions)],
+                               prompt_logprobs=prompt_logprobs)
+
+
+def _added_completion(held: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
+    logprobs = held.logprobs + new.logprobs if held.logprobs is not None and new.logprobs is not None else None
+    return CompletionOutput(new.index, held.text + new.text, held.token_ids + new.token_ids,
+                            new.finish_reason if new.finish_reason is not None else held.finish_reason,
+                            new.stop_reason if new.finish_reason is not None else held.stop_reason,
+                            new.cumulative_logprob, logprobs)
+
+
+def is_delta_stream(params: SamplingParams) -> bool:
+    """Whether a request's outputs are DELTA ones (its stream then adds up those waiting)."""
+    return params.output_kind is RequestOutputKind.DELTA
 
 
 def abort_ids(request_id: Any) -> list[str]:
@@ -312,7 +342,7 @@ class AsyncLLMEngine:
         """
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
-                               observer)
+                               observer, is_delta=isinstance(params, SamplingParams) and is_delta_stream(params))
         done = loop.create_future()
         self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done, cache_salt))
         try:

@@ -35,7 +35,7 @@ from minillm.outputs import RequestOutput
 from minillm.prompts import cache_salt_of
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
-    OutputQueue, RequestStream, abort_ids, deliver_batch, generate_outputs, resolve_future,
+    OutputQueue, RequestStream, abort_ids, deliver_batch, generate_outputs, is_delta_stream, resolve_future,
 )
 from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -144,7 +144,7 @@ class AsyncLLM:
         cache_salt_of(prompt, cache_salt)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
-                               observer)
+                               observer, is_delta=is_delta_stream(params))
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text else prompt
         arrival = float(arrival_time) if arrival_time else time.time()
