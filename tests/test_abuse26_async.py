@@ -19,7 +19,8 @@ PROMPT = "Once upon a time"
 ENGINES = ["async_llm", "thread_engine"]
 DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 SAMPLING = {
-    "greedy-stop-logprobs": dict(temperature=0, max_tokens=40, stop=["park"], logprobs=2, ignore_eos=True),
+    "greedy-stop-logprobs": dict(temperature=0, max_tokens=40, stop=["park"], logprobs=2, prompt_logprobs=1,
+                                 ignore_eos=True),
     "n-2-sampled": dict(n=2, temperature=1.0, seed=11, max_tokens=16, logprobs=1),
 }
 
@@ -95,14 +96,17 @@ def _added(held: CompletionOutput | None, new: CompletionOutput) -> CompletionOu
 
 
 def _snapshots(outputs: list, kind: RequestOutputKind) -> list[tuple]:
-    """The request as each output leaves it: (finished, {index: completion}); DELTA outputs added up."""
+    """The request as each output leaves it: (finished, prompt_logprobs, {index: completion}); DELTA
+    outputs added up (their prompt_logprobs come once)."""
     held: dict[int, CompletionOutput] = {}
-    shots = []
+    prompt_logprobs, shots = None, []
     for out in outputs:
+        assert kind is not DELTA or prompt_logprobs is None or out.prompt_logprobs is None
+        prompt_logprobs = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_logprobs
         for completion in out.outputs:
             held[completion.index] = _added(held.get(completion.index), completion) if kind is DELTA else completion
-        shots.append((out.finished, {i: (c.text, c.token_ids, c.logprobs, c.cumulative_logprob, c.finish_reason,
-                                         c.stop_reason) for i, c in held.items()}))
+        shots.append((out.finished, prompt_logprobs, {i: (c.text, c.token_ids, c.logprobs, c.cumulative_logprob,
+                                                          c.finish_reason, c.stop_reason) for i, c in held.items()}))
     return shots
 
 
