@@ -90,15 +90,15 @@ class SimulatedCopies:
     def __getattr__(self, name):
         return getattr(self._device, name)
 
-    def copy_to_device_async(self, dst, src: np.ndarray):
-        """Queue dst[...] = src; returns the event after it."""
+    def copy_to_device_async(self, dst, src: np.ndarray, event: bool = True):
+        """Queue dst[...] = src; returns the event after it (None with event=False)."""
         if not isinstance(dst, SimulatedBuffer):
-            return self._device.copy_to_device_async(dst, src)
+            return self._device.copy_to_device_async(dst, src, event)
         if dst.nbytes != src.nbytes:
             raise ValueError(f"copy_to_device_async needs equal sizes, got {dst.nbytes} and {src.nbytes} bytes")
         dst.upload(src)
         self._sim.queue(0.0)
-        return SimpleNamespace(done=True, synchronize=lambda: None)
+        return SimpleNamespace(done=True, synchronize=lambda: None) if event else None
 
 
 class SimulatedSamplerOps:

@@ -101,10 +101,10 @@ class CpuDevice:
         """Page-lock a host array that copies to the device read from (nothing to do on the CPU); returns the undo."""
         return lambda: None
 
-    def copy_to_device_async(self, dst, src: np.ndarray) -> CpuEvent:
-        """dst[...] = src, done before it returns; the event after it."""
+    def copy_to_device_async(self, dst, src: np.ndarray, event: bool = True) -> CpuEvent | None:
+        """dst[...] = src, done before it returns; the event after it (None with event=False)."""
         dst[...] = src
-        return CpuEvent()
+        return CpuEvent() if event else None
 
     def synchronize(self) -> None:
         """Wait for all queued work (none on the CPU)."""
@@ -274,15 +274,18 @@ class CudaDevice:
         rt.hostRegister(ptr, array.nbytes, 0)
         return lambda: rt.hostUnregister(ptr)
 
-    def copy_to_device_async(self, dst, src: np.ndarray):
+    def copy_to_device_async(self, dst, src: np.ndarray, event: bool = True):
         """Queue dst[...] = src (src pinned, both packed, same bytes) on the current stream; returns
-        the event after the copy (src must not be written before it is done)."""
+        the event after the copy (src must not be written before it is done), None with event=False
+        (the caller knows when the stream is past it)."""
         if dst.nbytes != src.nbytes or not dst.flags.c_contiguous or not src.flags.c_contiguous:
             raise ValueError(f"copy_to_device_async needs packed arrays of equal size, got {dst.nbytes} "
                              f"and {src.nbytes} bytes")
         rt = self.cp.cuda.runtime
         stream = self.cp.cuda.get_current_stream()
         rt.memcpyAsync(dst.data.ptr, src.ctypes.data, src.nbytes, rt.memcpyHostToDevice, stream.ptr)
+        if not event:
+            return None
         event = self.cp.cuda.Event(block=False, disable_timing=True)
         event.record(stream)
         return event

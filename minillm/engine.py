@@ -641,7 +641,8 @@ class LLMEngine:
             self.metrics.record_timings({"grammar_advance": time.perf_counter() - t0})
         now = time.time()
         appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now),
-                                                     self.structured_outputs is not None)
+                                                     self.structured_outputs is not None
+                                                     and self.structured_outputs.answers_pending())
         if out.scheduled_spec_decode_tokens:
             self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)

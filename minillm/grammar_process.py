@@ -96,73 +96,133 @@ class SharedMasks:
 
 
 class Answer(Future):
-    """A reply of the grammar process; result() reads the pipe (on the engine thread) until it is in."""
+    """A reply of the grammar process; result() reads the pipe (on the engine thread) until it is in.
+    `value` holds its result and `is_read` is set once it is in, for readers that ask per row
+    (a Future's own questions take its lock)."""
 
     def __init__(self, process: GrammarProcess) -> None:
         super().__init__()
         self._process = process
+        self.value: Any = None
+        self.is_read = False
+
+    def set_result(self, result: Any) -> None:
+        self.value, self.is_read = result, True
+        super().set_result(result)
+
+    def set_exception(self, exception: BaseException) -> None:
+        self.is_read = True
+        super().set_exception(exception)
 
     def result(self, timeout: float | None = None) -> Any:
-        self._process.wait_for(self)
+        if not self.is_read:
+            self._process.wait_for(self)
         return super().result(0)
+
+
+# The flags of a matcher in an advance's answer, one int a row.
+TERMINATED, STOPPED, ERROR = 1, 2, 4
 
 
 class RemoteMatcher:
     """A GrammarMatcher in the grammar process, seen through the flags of its last answer
-    (GrammarMatcher's state questions, same meanings)."""
+    (GrammarMatcher's state questions, same meanings). An advance's answer holds every row's
+    flags in a few lists; a matcher takes its row from them when it is first asked after the
+    answer was read."""
 
     def __init__(self, process: GrammarProcess, handle: int, on_error: Callable[[], None] | None) -> None:
         self._process, self.handle = process, handle
         self._on_error = on_error          # called once, when an answer first reports an error
         self.num_fed = 0                   # tokens sent to it (its answers may be pending)
-        self._pending: Answer | None = None
+        self._pending: Answer | None = None    # the last advance's answer, until its flags are taken
+        self._row = 0                          # this matcher's row in it
         self._num_accepted = 0
         self._terminated = self._stopped = False
         self._error = ""
         weakref.finalize(self, process.free, handle)
 
     def apply(self, state: tuple[int, bool, bool, str]) -> None:
-        """Take an answer's (num_accepted, terminated, stopped, error) for this matcher."""
+        """Take (num_accepted, terminated, stopped, error) as this matcher's flags."""
+        self._pending = None
         self._num_accepted, self._terminated, self._stopped, self._error = state
         if self._error and self._on_error is not None:
             on_error, self._on_error = self._on_error, None
             on_error()
 
+    def _sync(self) -> None:
+        """Take this matcher's row of the last advance's answer, once that has been read (a failed
+        one was applied by the process's _refuse)."""
+        answer = self._pending
+        if answer is None or answer.value is None:
+            return
+        _, num_accepted, flags, errors = answer.value
+        row, self._pending = self._row, None
+        flag = flags[row]
+        self._num_accepted = num_accepted[row]
+        self._terminated, self._stopped = bool(flag & TERMINATED), bool(flag & STOPPED)
+        if flag & ERROR:
+            self.apply((self._num_accepted, self._terminated, self._stopped, errors.get(row, "")))
+
     def settle(self) -> None:
-        """Wait for the answer to the tokens last sent to it (if the process failed, its records say
+        """Wait for the answer to the tokens last sent to it (if the process failed, they count as
         refused and its flags carry the error)."""
         if self._pending is not None:
             try:
                 self._pending.result()
             except GrammarProcessError:
                 pass
+            self._sync()
 
     def accept_token(self, token_id: int) -> bool:
         """Advance by one token now (a round trip: the engine sends whole steps through advance)."""
-        records = self._process.advance([(self, [int(token_id)])])[0]
+        answer = self._process.advance([self], [[int(token_id)]])
         self.settle()
-        return bool(records[0][1])
+        return tokens_taken(answer, 0) == 1
 
     @property
     def num_accepted(self) -> int:
+        if self._pending is not None:
+            self._sync()
         return self._num_accepted
 
     def is_terminated(self) -> bool:
+        if self._pending is not None:
+            self._sync()
         return self._terminated
 
     def is_stopped(self) -> bool:
+        if self._pending is not None:
+            self._sync()
         return self._terminated or self._stopped or self._process.failed
 
     def is_error(self) -> bool:
         return bool(self.error)
 
+    def is_complete(self) -> bool:
+        """Nothing but EOS may follow (or EOS was taken), and not for an error."""
+        if self._pending is not None:
+            self._sync()
+        return (self._terminated or self._stopped) and not self._error
+
     @property
     def error(self) -> str:
         """Its answer's error; the process's, once that failed, for a matcher still going (its next
         token cannot be taken: it is not filled or sent to another process)."""
+        if self._pending is not None:
+            self._sync()
         if self._error or not self._process.failed or self._terminated or self._stopped:
             return self._error
         return f"the grammar process failed: {self._process.error}"
+
+
+def tokens_taken(answer: Answer, row: int) -> int:
+    """How many of the tokens an advance sent for its row the matcher took (0 if the process failed)."""
+    if answer.value is None:
+        try:
+            answer.result()
+        except GrammarProcessError:
+            return 0
+    return answer.value[0][row]
 
 
 class GrammarProcess:
@@ -245,22 +305,23 @@ class GrammarProcess:
         self._forgets.append(gid)
         self._compiled.pop(gid, None)
 
-    def advance(self, items: list[tuple[RemoteMatcher, list[int]]]) -> list[list[list]]:
-        """Send a step's tokens; returns, per item, its [token, accepted] records (accepted None
-        until the answer is read; False for tokens after a refused one)."""
-        records = [[[int(t), None] for t in tokens] for _, tokens in items]
+    def advance(self, matchers: list[RemoteMatcher], tokens: list[list[int]]) -> Answer:
+        """Send a step's tokens, tokens[i] for matchers[i]; the answer, once read, says how many
+        each matcher took (tokens_taken(answer, i): up to the first refused) and holds their flags."""
         answer = Answer(self)
-        for m, tokens in items:
-            m.num_fed += len(tokens)
-            m._pending = answer
+        for row, m in enumerate(matchers):
+            if m._pending is not None:
+                m._sync()
+            m.num_fed += len(tokens[row])
+            m._pending, m._row = answer, row
         try:
-            self._send(ADVANCE, [(m.handle, [r[0] for r in recs]) for (m, _), recs in zip(items, records)])
+            self._send(ADVANCE, [m.handle for m in matchers], tokens)
         except GrammarProcessError as exc:
-            self._refuse((items, records), str(exc))
+            self._refuse(matchers, str(exc))
             answer.set_exception(exc)
-            return records
-        self._waiting.append((answer, [items, records]))
-        return records
+            return answer
+        self._waiting.append((answer, matchers))
+        return answer
 
     def fill(self, slot: int, matchers: list[RemoteMatcher], no_eos: list[int]) -> Answer:
         """Fill mask buffer slot's rows 0..len(matchers)-1 (EOS out of the no_eos rows); the answer is
@@ -331,31 +392,21 @@ class GrammarProcess:
             return
         answer, context = self._waiting.popleft()
         if kind == "error":
-            if isinstance(context, list):       # an advance
+            if isinstance(context, list):       # an advance: its matchers
                 self._refuse(context, reply[1])
             answer.set_exception(GrammarProcessError(reply[1]))
         elif kind == "advanced":
-            self._apply_advance(context, reply[1])
-            answer.set_result(None)
+            answer.set_result(reply[1:])
+            for row in reply[4]:                 # an error: the grammar is dropped from the cache now
+                context[row]._sync()
         else:                            # "filled"
             answer.set_result(reply[1])
 
     @staticmethod
-    def _apply_advance(context, results: list[tuple[list[bool], tuple]]) -> None:
-        items, records = context
-        for (matcher, _), recs, (accepted, state) in zip(items, records, results):
-            for k, rec in enumerate(recs):
-                rec[1] = accepted[k] if k < len(accepted) else False
-            matcher.apply(state)
-
-    @staticmethod
-    def _refuse(context, message: str) -> None:
+    def _refuse(matchers: list[RemoteMatcher], message: str) -> None:
         """An advance that got no answer: its tokens count as refused, its matchers in error."""
-        items, records = context
-        for (matcher, _), recs in zip(items, records):
-            for rec in recs:
-                rec[1] = False if rec[1] is None else rec[1]
-            matcher.apply((matcher.num_accepted, False, True, f"the grammar process failed: {message}"))
+        for matcher in matchers:
+            matcher.apply((matcher._num_accepted, False, True, f"the grammar process failed: {message}"))
 
     @property
     def failed(self) -> bool:
@@ -510,7 +561,7 @@ class _GrammarServer:
             for gid in gids:
                 self.templates.pop(gid, None)
         elif kind == ADVANCE:
-            self.reply("advanced", [self.advance(handle, tokens) for handle, tokens in message[1]])
+            self.reply("advanced", *self.advance(message[1], message[2]))
         elif kind == FILL:
             self.reply("filled", self.fill(*message[1:]))
 
@@ -535,13 +586,21 @@ class _GrammarServer:
         error = future.exception()
         return None if error is None else f"{type(error).__name__}: {error}"
 
-    def advance(self, handle: int, tokens: list[int]) -> tuple[list[bool], tuple]:
-        """Feed a matcher its tokens (up to the first refused); (each token's answer, its flags)."""
-        matcher = self.matchers[handle]
-        accepted = matcher.accept_until_refused(tokens)
-        state = (matcher.num_accepted, matcher.is_terminated(), matcher.is_stopped(),
-                 matcher.error if matcher.is_error() else "")
-        return accepted, state
+    def advance(self, handles: list[int], tokens: list[list[int]]) -> tuple[list, list, list, dict]:
+        """Feed each matcher its tokens (up to the first refused): per row the tokens taken, the
+        tokens accepted so far and the flags, and {row: error} for the rows in error."""
+        taken, num_accepted, flags, errors = [], [], [], {}
+        for row, (handle, ids) in enumerate(zip(handles, tokens)):
+            matcher = self.matchers[handle]
+            answers = matcher.accept_until_refused(ids)
+            taken.append(len(answers) - (not answers[-1]) if answers else 0)
+            num_accepted.append(matcher.num_accepted)
+            flag = (TERMINATED if matcher.is_terminated() else 0) | (STOPPED if matcher.is_stopped() else 0)
+            if matcher.is_error():
+                flag |= ERROR
+                errors[row] = matcher.error
+            flags.append(flag)
+        return taken, num_accepted, flags, errors
 
     def fill(self, slot: int, handles: list[int], no_eos: list[int]) -> float:
         """Fill rows 0..len(handles)-1 of mask buffer slot; returns the fill's seconds."""

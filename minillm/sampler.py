@@ -100,10 +100,11 @@ class Sampler:
             cap = max(num_rows, self.inputs.cap)
             self._bitmask = kept = ops.xp.empty((cap, num_words), dtype=np.int32)
             self._bitmask_rows = ops.xp.empty((cap,), dtype=np.int32)
-        rows = self._bitmask_rows[:num_rows]
-        self.device.copy_to_device_async(kept[:num_rows], np.ascontiguousarray(mask.bitmask))   # [N, W]
-        self.device.copy_to_device_async(rows, np.ascontiguousarray(mask.rows, dtype=np.int32))  # [N]
-        ops.apply_token_bitmask(logits, kept[:num_rows], rows)
+        rows, kept = self._bitmask_rows[:num_rows], kept[:num_rows]
+        # No events: a mask buffer is filled again two steps later, after this step was read back.
+        self.device.copy_to_device_async(kept, np.ascontiguousarray(mask.bitmask), event=False)   # [N, W]
+        self.device.copy_to_device_async(rows, np.ascontiguousarray(mask.rows, dtype=np.int32), event=False)  # [N]
+        ops.apply_token_bitmask(logits, kept, rows)
 
     def _keep_only_allowed(self, logits, seqs) -> None:
         masked = [b for b, s in enumerate(seqs) if s.params._allowed_entries is not None]

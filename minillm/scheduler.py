@@ -400,20 +400,20 @@ class Scheduler:
 
     def update_from_output(self, out: SchedulerOutput, step: StepOutput,
                            on_token: Callable[[Sequence, int], str | None] | None = None,
-                           structured: bool = False) -> list[tuple[Sequence, int]]:
+                           answers_pending: bool = False) -> list[tuple[Sequence, int]]:
         """Read a finished step's tokens into its sequences: placeholders become tokens, appended
         one at a time through the stop rules (a sequence's later tokens are dropped once it stops),
         rejected drafts are forgotten, newly full blocks are cached. on_token(seq, i) is called
         after seq's i-th new token of the step is appended and may return a stop string it
         completed. Returns (sequence, token) in batch order for the tokens appended (sequences
-        finished since the launch get none), except that, with structured (the step may hold
-        constrained sequences), a constrained sequence whose matcher's answer has not come back
-        from the grammar process yet is read after the others."""
+        finished since the launch get none), except that, with answers_pending (the grammar
+        process has not answered for some constrained tokens yet), a constrained sequence whose
+        matcher's answer is out is read after the others."""
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
         appended = []
         sampled, eos_token_ids, cache_full_blocks = step.sampled, self.eos_token_ids, self.block_manager.cache_full_blocks
-        seqs = _settled_first(out) if structured else out.sampling_seqs
+        seqs = _settled_first(out) if answers_pending else out.sampling_seqs
         for seq in seqs:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
                 continue

@@ -51,6 +51,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from minillm.grammar_process import tokens_taken
 from minillm.stats import StructuredOutputStats
 
 if TYPE_CHECKING:
@@ -549,6 +550,10 @@ class GrammarMatcher:
         """A forbidden token was consumed; the matcher then allows only EOS."""
         return self._is_error
 
+    def is_complete(self) -> bool:
+        """Nothing but EOS may follow (or EOS was taken), and not for an error: a whole sentence."""
+        return (self._terminated or self._is_stopped) and not self._is_error
+
     @property
     def error(self) -> str:
         """llguidance's message for the error state ('' when none)."""
@@ -577,8 +582,9 @@ class StructuredOutputRequest:
         self._process = process           # the grammar process that holds the matcher, if one does
         self._remote_error: str | None = None
         self._moved = False               # move_to was called once
-        # [token, accepted] taken ahead of accept_token (accepted None until the grammar process answers)
-        self._advanced: deque[list] = deque()
+        # Tokens taken ahead of accept_token: (token, accepted) here, (token, answer, row, k) for a
+        # grammar process (the k-th token of its row in an advance whose answer may not be read yet).
+        self._advanced: deque[tuple] = deque()
 
     @property
     def is_ready(self) -> bool:
@@ -633,12 +639,19 @@ class StructuredOutputRequest:
         """Feed the matcher a step's tokens now, keeping each result for accept_token (stops at
         the first refused one: the scheduler ends the sequence there)."""
         answers = self.matcher.accept_until_refused(token_ids)
-        self._advanced.extend([int(token), accepted] for token, accepted in zip(token_ids, answers))
+        self._advanced.extend((int(token), accepted) for token, accepted in zip(token_ids, answers))
+
+    def sent(self, token_ids: Sequence[int], answer, row: int) -> None:
+        """A step's tokens went to the grammar process as row `row` of an advance (answered by answer)."""
+        if len(token_ids) == 1:
+            self._advanced.append((token_ids[0], answer, row, 0))
+        else:
+            self._advanced.extend((token, answer, row, k) for k, token in enumerate(token_ids))
 
     @property
     def is_settled(self) -> bool:
         """accept_token will not wait: every token taken ahead has its answer (a grammar process's may be pending)."""
-        return not self._advanced or self._advanced[0][1] is not None
+        return not self._advanced or len(self._advanced[0]) == 2 or self._advanced[0][1].is_read
 
     @property
     def num_advanced(self) -> int:
@@ -649,18 +662,18 @@ class StructuredOutputRequest:
         """Advance the matcher by a sampled token; False when the grammar forbids it. A token
         advance() already fed returns its recorded result."""
         if self._advanced:
-            if self._advanced[0][1] is None:
-                self.matcher.settle()            # the grammar process's answer for it
-            token, accepted = self._advanced.popleft()
-            if token != int(token_id):
-                raise RuntimeError(f"the matcher took token {token} ahead, the scheduler appends {token_id}")
-            return accepted
+            taken = self._advanced.popleft()
+            if taken[0] != token_id:
+                raise RuntimeError(f"the matcher took token {taken[0]} ahead, the scheduler appends {token_id}")
+            if len(taken) == 2:
+                return taken[1]
+            return taken[3] < tokens_taken(taken[1], taken[2])    # waits for the answer if it is not in
         return self.matcher.accept_token(token_id)
 
     @property
     def is_complete(self) -> bool:
         """Nothing but EOS may follow (or EOS was taken): the output is a whole sentence."""
-        return self.matcher.is_stopped() and not self.matcher.is_error()
+        return self.matcher.is_complete()
 
     @property
     def is_terminated(self) -> bool:
@@ -817,6 +830,7 @@ class StructuredOutputManager:
         self.bitmask = self._bitmasks[0]
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
+        self._sent: list = []                      # the grammar process's answers to advance()'s last tokens
         self._num_compiled = 0                     # written on the pool under _lock
         self._compile_time_s = 0.0
         self._num_fill_steps = 0
@@ -1008,19 +1022,38 @@ class StructuredOutputManager:
         masks can be filled while the scheduler works; its accept_token takes the results.
         rows: the step's (sampling index, sequence) pairs; unconstrained ones are skipped. With a
         grammar process the tokens go there in one message and the answers are read when first asked for."""
-        remote = []
+        remote, tokens = [], []
         for _, seq in rows:
             request = seq.structured_output
-            if request is not None and seq.num_output_placeholders and (tokens := sampled.get(seq.seq_id)):
+            if request is not None and seq.num_output_placeholders and (ids := sampled.get(seq.seq_id)):
                 if self._process is None:
-                    request.advance(tokens)
+                    request.advance(ids)
                 else:
-                    remote.append((request, tokens))
-        for process in {request._process for request, _ in remote}:    # a restart leaves two
-            mine = [(request, tokens) for request, tokens in remote if request._process is process]
-            records = process.advance([(request.matcher, tokens) for request, tokens in mine])
-            for (request, _), recs in zip(mine, records):
-                request._advanced.extend(recs)
+                    remote.append(request)
+                    tokens.append(ids)
+        self._sent = []
+        if not remote:
+            return
+        processes = {request._process for request in remote}
+        for process in processes:                          # a restart leaves two
+            requests, ids = remote, tokens
+            if len(processes) > 1:
+                mine = [i for i, request in enumerate(remote) if request._process is process]
+                requests, ids = [remote[i] for i in mine], [tokens[i] for i in mine]
+            answer = process.advance([request.matcher for request in requests], ids)
+            for row, request in enumerate(requests):
+                request.sent(ids[row], answer, row)
+            self._sent.append(answer)
+
+    def answers_pending(self) -> bool:
+        """Whether the grammar process's answer to the tokens advance() last sent is still out
+        (the answers that have arrived are read, none waited for)."""
+        pending = False
+        for answer in self._sent:
+            if not answer.is_read:
+                answer._process.poll()
+                pending = pending or not answer.is_read
+        return pending
 
     def start_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:
         """Start filling, on the mask thread, the masks of one step's constrained sampling
@@ -1034,7 +1067,7 @@ class StructuredOutputManager:
         process the flags may be a token behind: a row whose grammar its last token ended is filled
         there with EOS only, and the scheduler still ends its sequence.)
         """
-        filled, pairs = [], []            # sampling indices of the rows filled, (matcher, mask row)
+        filled, matchers = [], []         # sampling indices of the rows filled, their matchers
         no_eos = []                       # mask rows of ignore_eos requests
         for b, seq in rows:
             request = seq.structured_output
@@ -1043,14 +1076,14 @@ class StructuredOutputManager:
             matcher = request.matcher
             if matcher is not None and matcher.is_stopped():
                 continue
-            expected = len(seq.token_ids) - seq.num_prompt_tokens + request.num_advanced
+            expected = len(seq.token_ids) - len(seq.prompt_token_ids) + len(request._advanced)
             if matcher is None or matcher.num_fed != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
             if seq.params.ignore_eos:
                 no_eos.append(len(filled))
-            pairs.append((matcher if self._process is not None else matcher._matcher, len(filled)))
+            matchers.append(matcher)
             filled.append(b)
-        if not pairs:
+        if not matchers:
             return None
         slot, num_rows = self._next_bitmask, len(filled)
         rows = self._mask_rows[slot][:num_rows]
@@ -1058,7 +1091,8 @@ class StructuredOutputManager:
         mask = GrammarBitmask(self._bitmasks[slot][:num_rows], rows)
         self._next_bitmask = 1 - self._next_bitmask
         if self._process is not None:
-            return PendingBitmask(self, self._process.fill(slot, [m for m, _ in pairs], no_eos), mask)
+            return PendingBitmask(self, self._process.fill(slot, matchers, no_eos), mask)
+        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
         started = threading.Event()
