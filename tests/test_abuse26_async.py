@@ -153,3 +153,25 @@ def test_delta_outputs_a_slow_caller_has_not_taken_are_added_up_not_replaced(req
     got = asyncio.run(scenario())
     assert _snapshots(got, DELTA)[-1] == _snapshots(_offline_outputs(offline, params), DELTA)[-1]
     assert len(got) < 30
+
+
+@pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda kind: kind.name)
+def test_a_stop_string_ends_the_request_in_the_core_whatever_the_output_kind(async_llm, offline, kind):
+    # With FINAL_ONLY the core reported the request once, at max_tokens: the stop string was found
+    # in the text only then, after the core had spent a step on every token up to max_tokens.
+    params = SamplingParams(temperature=0, max_tokens=300, stop=["Lily"], ignore_eos=True, output_kind=kind)
+
+    async def scenario():
+        before = await async_llm.call_utility("stats")
+        outputs = await _generated(async_llm, f"stop-{kind.name}", params)
+        return outputs, before, await async_llm.call_utility("stats"), await _num_unfinished(async_llm)
+
+    outputs, before, after, num_unfinished = asyncio.run(scenario())
+    last = _snapshots(outputs, kind)[-1]
+    assert last == _snapshots(_offline_outputs(offline, params), kind)[-1]
+    finished, _, completions = last
+    [(text, token_ids, _, _, finish_reason, stop_reason)] = completions.values()
+    assert finished and (finish_reason, stop_reason) == ("stop", "Lily") and text.endswith("named ") and len(token_ids) < 20
+    # The stop reached the core before the stats call did (one socket, in order): it has stopped.
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 300
+    assert num_unfinished == 0

@@ -155,10 +155,10 @@ class EngineCore:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
         try:
             params = SamplingParams.from_fields(sampling_fields(command.params))    # validated here, once
-            if params.output_kind is RequestOutputKind.DELTA:
-                # A core's reports are each step's new tokens already (TokenOutputs); the engine's
-                # DELTA filter reads text outputs, which a core does not make.
-                params.output_kind = RequestOutputKind.CUMULATIVE
+            # A core reports each step's new tokens whatever the kind (TokenOutputs): the API server
+            # makes the caller's kind of output from them, and looks for stop strings in their text
+            # as they come (a FINAL_ONLY report would bring them after max_tokens).
+            params.output_kind = RequestOutputKind.CUMULATIVE
             self.engine.add_request_with_own_params(command.request_id, command.prompt_token_ids, params,
                                                     command.arrival_time, command.prompt_block_keys,
                                                     command.cache_salt)
