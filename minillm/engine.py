@@ -358,6 +358,7 @@ class LLMEngine:
             # stop_reason even where the caller lists it among them.
             params.stop_token_ids = [t for t in params.stop_token_ids if t != self.tokenizer.eos_token_id]
             params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
+        params.check_masks(self.eos_token_ids, self.model_config.vocab_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         if request_id in self.requests:
@@ -643,6 +644,9 @@ class LLMEngine:
         appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now),
                                                      self.structured_outputs is not None
                                                      and self.structured_outputs.answers_pending())
+        while self.scheduler.masked_out:        # finished with no token: on_token did not report them
+            if (req := self.requests.get(self.scheduler.masked_out.pop().request_id)) is not None:
+                self._changed[req.request_id] = req
         if out.scheduled_spec_decode_tokens:
             self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)

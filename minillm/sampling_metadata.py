@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minillm.allowed_tokens import allowed_entries
+from minillm.allowed_tokens import allowed_entries, min_tokens_bans
 from minillm.bad_words import bad_word_entries
 
 STATIC_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -97,10 +97,8 @@ def banned_entries(seqs, rows, eos_token_ids, vocab: int) -> tuple[list[int], li
     for b in rows:
         s = seqs[b]
         if s.num_output_tokens - 1 < s.params.min_tokens:   # outputs before the one sampled now
-            banned = set(s.params.stop_token_ids)
             grammar = getattr(s, "structured_output", None)
-            if not (grammar is not None and grammar.empty_only):
-                banned |= set(eos_token_ids)
+            banned = min_tokens_bans(s.params, () if grammar is not None and grammar.empty_only else eos_token_ids)
             banned = [t for t in banned if 0 <= t < vocab]
             out_rows.extend([b] * len(banned))
             tokens.extend(banned)

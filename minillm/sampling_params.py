@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import numpy as np
 
+    from minillm.allowed_tokens import MaskedRowCheck
     from minillm.bad_words import BadWordIds
     from minillm.structured_output import StructuredOutputsParams
 
@@ -144,6 +145,8 @@ class SamplingParams:
     _allowed_entries: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)   # [A] int32
     # bad_words as token-id sequences, made where the tokenizer is known (update_from_tokenizer)
     _bad_word_ids: BadWordIds | None = field(default=None, init=False, repr=False, compare=False)
+    # set where the engine takes the request (check_masks) when its bans may leave a row nothing to sample
+    _masked_row_check: MaskedRowCheck | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -387,6 +390,20 @@ class SamplingParams:
         outside = [] if allowed is None else allowed[allowed >= vocab_size].tolist()
         if outside:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
+
+    def check_masks(self, eos_token_ids, vocab_size: int) -> None:
+        """Raise ValueError naming allowed_token_ids when bans leave the first token nothing to sample."""
+        # Called as the engine takes the request: bad_words tokenized, stop_token_ids complete. Bans
+        # that may leave a later token nothing set _masked_row_check: the scheduler then checks each
+        # token of the request (masked_out_error).
+        self._masked_row_check = None
+        if self._bad_word_ids is None and self.min_tokens == 0:
+            return
+        from minillm.allowed_tokens import first_token_error, masked_row_check
+        error = first_token_error(self, eos_token_ids, vocab_size)
+        if error is not None:
+            raise ValueError(error)
+        self._masked_row_check = masked_row_check(self, eos_token_ids, vocab_size)
 
 
 # What from_fields puts in a new instance's __dict__ besides the given fields, as the dataclass's

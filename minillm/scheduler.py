@@ -38,6 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from minillm.allowed_tokens import masked_out_error
 from minillm.block_manager import BlockManager
 from minillm.sequence import Sequence, SequenceStatus, SequenceView
 from minillm.step import SchedulerOutput, StepOutput
@@ -156,6 +157,9 @@ class Scheduler:
         self.waiting = WaitingQueue()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # Sequences update_from_output finished without appending a token: the row sampled for them
+        # had every logit -inf (masked_out_error). The engine reports them and empties the list.
+        self.masked_out: list[Sequence] = []
         self.step_cost = step_cost           # estimates step times (with max_step_ms), or None
         self.max_step_ms = max_step_ms
         self.max_step_factor = max_step_factor
@@ -405,7 +409,9 @@ class Scheduler:
         one at a time through the stop rules (a sequence's later tokens are dropped once it stops),
         rejected drafts are forgotten, newly full blocks are cached. on_token(seq, i) is called
         after seq's i-th new token of the step is appended and may return a stop string it
-        completed. Returns (sequence, token) in batch order for the tokens appended (sequences
+        completed. A token the sequence's own bans forbid (masked_out_error: its row had every
+        logit -inf) is not appended: the sequence ends there with an error and joins masked_out.
+        Returns (sequence, token) in batch order for the tokens appended (sequences
         finished since the launch get none), except that, with answers_pending (the grammar
         process has not answered for some constrained tokens yet), a constrained sequence whose
         matcher's answer is out is read after the others."""
@@ -427,6 +433,11 @@ class Scheduler:
                     # their blocks stay with the sequence for those tokens.
                     seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
             for i, token in enumerate(tokens):
+                if seq.params._masked_row_check is not None and \
+                        (error := masked_out_error(seq.params, seq.output_token_ids, token)) is not None:
+                    self.finish(seq, SequenceStatus.FINISHED_ERROR, error)   # the token is no sample: dropped
+                    self.masked_out.append(seq)
+                    break
                 seq.token_ids.append(token)
                 seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
                 appended.append((seq, token))
