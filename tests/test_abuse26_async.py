@@ -175,3 +175,36 @@ def test_a_stop_string_ends_the_request_in_the_core_whatever_the_output_kind(asy
     # The stop reached the core before the stats call did (one socket, in order): it has stopped.
     assert after["generation_tokens_total"] - before["generation_tokens_total"] < 300
     assert num_unfinished == 0
+
+
+async def _num_output_tokens(engine, request_id: str) -> int:
+    """The output tokens the engine has made for a request, as its stats row says (0 before it runs)."""
+    stats = await engine.get_stats()
+    return next((row.output_tokens for row in stats.requests if row.request_id == request_id), 0)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("kind", list(RequestOutputKind), ids=lambda kind: kind.name)
+def test_an_abort_ends_the_stream_being_read_with_an_aborted_output(request, engine_name, kind):
+    # The stream waited for ever: the abort made the engine forget who followed the request, so its
+    # last output (or, in AsyncLLM, any output) never reached the caller.
+    engine = request.getfixturevalue(engine_name)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, output_kind=kind)
+    request_id = f"aborted-{kind.name}-{engine_name}"
+
+    async def scenario():
+        reading = asyncio.create_task(_generated(engine, request_id, params))
+        while not reading.done() and await _num_output_tokens(engine, request_id) < 3:
+            pass    # each stats call is answered between two steps
+        engine.abort(request_id)
+        outputs = await asyncio.wait_for(reading, 60)
+        return outputs, await _num_unfinished(engine), await engine.get_stats()
+
+    outputs, num_unfinished, stats = asyncio.run(scenario())
+    finished, _, completions = _snapshots(outputs, kind)[-1]
+    [(text, token_ids, _, _, finish_reason, stop_reason)] = completions.values()
+    assert finished and (finish_reason, stop_reason) == ("abort", None)
+    assert 3 <= len(token_ids) < 400 and text
+    assert kind is not FINAL_ONLY or len(outputs) == 1
+    assert num_unfinished == 0 and stats.num_running == stats.num_waiting == 0 and stats.kv_num_used_blocks == 0
+    assert wait_for(lambda: _is_retired(engine, request_id))

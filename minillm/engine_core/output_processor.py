@@ -148,6 +148,19 @@ class OutputProcessor:
         handle, req.handle = req.handle, None
         return handle
 
+    def abort(self, request_id: str, now: float) -> tuple[Any, RequestOutput] | None:
+        """Its caller aborted the request: its sequences still running end with "abort" here, and
+        (its handle, its final output) comes back, None where nobody follows it or that output is
+        out already. It is kept until the core's last output for it, as abandon() keeps it."""
+        req = self.requests.get(request_id)
+        handle = self.abandon(request_id)
+        if handle is None or req.is_counted:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+        return handle, self._output(req, now)
+
     def process(self, step: m.StepOutputs, now: float) -> ProcessedStep:
         """Apply one step's outputs: detokenise, check stop strings, build the RequestOutputs."""
         done = ProcessedStep([], [])

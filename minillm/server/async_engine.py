@@ -359,7 +359,8 @@ class AsyncLLMEngine:
         return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort a request, or each of a list (thread-safe, returns at once; unknown ids are ignored)."""
+        """Abort a request, or each of a list (thread-safe, returns at once; unknown ids are ignored).
+        Its caller's stream ends with the engine's next output of it, finished by "abort"."""
         try:
             for one in abort_ids(request_id):
                 self._send(_Abort(one))
@@ -469,7 +470,8 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             self._handle_add(command)
         elif isinstance(command, _Abort):
-            self._streams.pop(command.request_id, None)
+            # Its stream stays: the engine's next step reports the request finished by "abort",
+            # which ends its caller's stream (vLLM's generate ends so too).
             self.engine.abort_request(command.request_id)
         elif isinstance(command, _Utility):
             try:
@@ -522,7 +524,7 @@ class AsyncLLMEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
-                continue  # aborted by its client: nobody waits for it
+                continue  # its step failed: its caller has had the error
             if output.finished:
                 del self._streams[output.request_id]
             batches.setdefault(stream.loop, []).append((stream, output, seen))

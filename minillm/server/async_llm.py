@@ -55,6 +55,18 @@ def _wire_constraint(constraint: Any) -> Any:
     return wire
 
 
+def _deliver(outputs: list[tuple[RequestStream, RequestOutput]], seen: float) -> None:
+    """Hand a step's outputs to their streams' event loops, one wake-up per loop."""
+    batches: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, output in outputs:
+        batches.setdefault(stream.loop, []).append((stream, output, seen))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(deliver_batch, batch)
+        except RuntimeError:
+            pass  # that loop is closed: nobody is listening any more
+
+
 class AsyncLLM:
     """The engine core in a spawned process; asyncio callers on any event loop."""
 
@@ -191,13 +203,18 @@ class AsyncLLM:
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort a request, or each of a list of them as vLLM's takes them (thread-safe, returns at
-        once; unknown ids are passed on and ignored there, ids that are no strings ignored here)."""
+        once; unknown ids are passed on and ignored there, ids that are no strings ignored here).
+        Its caller's stream ends at once with an output finished by "abort", as vLLM's does."""
         request_ids = abort_ids(request_id)
         if not request_ids:
             return
         with self._lock:
+            now = time.time()
             for one in request_ids:
-                self.processor.abandon(one)
+                ended = self.processor.abort(one, now)
+                if ended is not None:      # its caller's stream ends with it, as vLLM's does
+                    stream, output = ended
+                    stream.put_threadsafe(output, now)
             try:
                 self._send(m.AbortRequests(request_ids))
             except EngineDeadError:
@@ -323,15 +340,9 @@ class AsyncLLM:
                     self._send(m.FinishedCounts(finished))
             except EngineDeadError:
                 pass
+            # Handed on under the lock, so an abort's final output (abort()) never comes before them.
+            _deliver(done.outputs, step.time)
         self.num_core_steps = step.num_steps
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
-        for stream, output in done.outputs:
-            batches.setdefault(stream.loop, []).append((stream, output, step.time))
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(deliver_batch, batch)
-            except RuntimeError:
-                pass  # that loop is closed: nobody is listening any more
         for stream, error in failures:
             stream.put_threadsafe(error)
 
