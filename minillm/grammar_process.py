@@ -323,14 +323,14 @@ class GrammarProcess:
         self._waiting.append((answer, matchers))
         return answer
 
-    def fill(self, slot: int, matchers: list[RemoteMatcher], no_eos: list[int]) -> Answer:
-        """Fill mask buffer slot's rows 0..len(matchers)-1 (EOS out of the no_eos rows); the answer is
-        the fill's seconds. If the process is gone the rows allow every token (0 seconds): the step
-        goes on for the other requests, and these end with the process's error when their tokens
-        come back (advance)."""
-        answer, rows = Answer(self), (slot, len(matchers))
+    def fill(self, slot: int, handles: list[int], no_eos: list[int]) -> Answer:
+        """Fill mask buffer slot's rows 0..len(handles)-1 for those matchers (EOS out of the no_eos
+        rows); the answer is the fill's seconds. If the process is gone the rows allow every token
+        (0 seconds): the step goes on for the other requests, and these end with the process's
+        error when their tokens come back (advance)."""
+        answer, rows = Answer(self), (slot, len(handles))
         try:
-            self._send(FILL, slot, [m.handle for m in matchers], no_eos)
+            self._send(FILL, slot, handles, no_eos)
         except GrammarProcessError:
             self._allow_all(answer, rows)
             return answer

@@ -831,6 +831,7 @@ class StructuredOutputManager:
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
         self._sent: list = []                      # the grammar process's answers to advance()'s last tokens
+        self._fill_plan: tuple | None = None       # ((process, rows), filled, handles, no_eos) of the last remote fill
         self._num_compiled = 0                     # written on the pool under _lock
         self._compile_time_s = 0.0
         self._num_fill_steps = 0
@@ -1067,6 +1068,8 @@ class StructuredOutputManager:
         process the flags may be a token behind: a row whose grammar its last token ended is filled
         there with EOS only, and the scheduler still ends its sequence.)
         """
+        if self._process is not None:
+            return self._start_remote_fill(rows)
         filled, matchers = [], []         # sampling indices of the rows filled, their matchers
         no_eos = []                       # mask rows of ignore_eos requests
         for b, seq in rows:
@@ -1085,13 +1088,7 @@ class StructuredOutputManager:
             filled.append(b)
         if not matchers:
             return None
-        slot, num_rows = self._next_bitmask, len(filled)
-        rows = self._mask_rows[slot][:num_rows]
-        rows[:] = filled
-        mask = GrammarBitmask(self._bitmasks[slot][:num_rows], rows)
-        self._next_bitmask = 1 - self._next_bitmask
-        if self._process is not None:
-            return PendingBitmask(self, self._process.fill(slot, matchers, no_eos), mask)
+        slot, mask = self._next_mask(filled)
         pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
@@ -1101,6 +1098,44 @@ class StructuredOutputManager:
         # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
         started.wait()
         return PendingBitmask(self, future, mask)
+
+    def _next_mask(self, filled: list[int]) -> tuple[int, GrammarBitmask]:
+        """The next of the two mask buffers, its rows those of the sampling indices filled."""
+        slot, num_rows = self._next_bitmask, len(filled)
+        rows = self._mask_rows[slot][:num_rows]
+        rows[:] = filled
+        self._next_bitmask = 1 - slot
+        return slot, GrammarBitmask(self._bitmasks[slot][:num_rows], rows)
+
+    def _start_remote_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:
+        """start_fill with the matchers in the grammar process. In a steady batch a step's constrained
+        rows are the last step's: their plan (the rows to fill, the handles, the ignore_eos rows) is
+        kept, so nothing is asked per row. A row that finished or whose grammar is done since is then
+        filled all the same (EOS only for a done grammar); its token is dropped or ends it."""
+        key = (self._process, rows)
+        plan = self._fill_plan
+        if plan is None or plan[0][0] is not self._process or plan[0][1] != rows:
+            filled, handles, no_eos = [], [], []
+            for b, seq in rows:
+                request = seq.structured_output
+                if request is None or seq.is_finished:
+                    continue
+                matcher = request.matcher
+                if matcher is not None and matcher.is_stopped():
+                    continue
+                expected = len(seq.token_ids) - len(seq.prompt_token_ids) + len(request._advanced)
+                if matcher is None or matcher.num_fed != expected:
+                    raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
+                if seq.params.ignore_eos:
+                    no_eos.append(len(filled))
+                handles.append(matcher.handle)
+                filled.append(b)
+            self._fill_plan = plan = (key, filled, handles, no_eos)
+        _, filled, handles, no_eos = plan
+        if not filled:
+            return None
+        slot, mask = self._next_mask(filled)
+        return PendingBitmask(self, self._process.fill(slot, handles, no_eos), mask)
 
     def _fill_job(self, pairs: list, bitmask: np.ndarray, no_eos: list[int], started: threading.Event) -> float:
         """The mask thread's fill of bitmask[i] for pairs[i], EOS taken out of the no_eos rows;

@@ -180,7 +180,7 @@ def test_a_fill_out_when_the_grammar_process_dies_allows_every_token(stories_pat
         matcher = engine.requests["c"].seqs[0].structured_output.matcher
         os.kill(process._proc.pid, signal.SIGSTOP)         # it cannot answer what follows
         process.bitmasks[0][:1] = 0
-        answer = process.fill(0, [matcher], [])
+        answer = process.fill(0, [matcher.handle], [])
         kill(process)
         assert answer.result() == 0.0 and (process.bitmasks[0][0] == -1).all()
         assert process.failed
