@@ -18,6 +18,7 @@ event.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -174,8 +175,15 @@ def _renamed(exc: APIError) -> APIError:
         head, dot, rest = param.partition(".")
         if head in CHAT_PARAMS:
             param = CHAT_PARAMS[head] + ("" if head == "messages" else dot + rest)
+            message = _field_renamed(message, head, CHAT_PARAMS[head])
     message = message.replace("max_completion_tokens", "max_tokens")
     return APIError(exc.status, message, param, exc.code, exc.type)
+
+
+def _field_renamed(message: str, chat_name: str, name: str) -> str:
+    """message with the chat field it names ("stop must be ...", "each stop string ...") named as
+    this API names it; a quoted value that holds the word is left as it is."""
+    return re.sub(rf"^{chat_name}\b|(?<=^each ){chat_name}\b", name, message)
 
 
 # ---- the reply as content blocks --------------------------------------------------------------------
