@@ -38,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 import json as jsonlib
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -398,6 +399,12 @@ def warm_ll_tokenizer(tokenizer_json: str, vocab_size: int, eos_token_ids) -> ll
     tok = ll_tokenizer_from_json(tokenizer_json, vocab_size, sorted(eos_token_ids))
     llguidance.LLMatcher(tok, serialize_grammar((StructuredOutputOptions.REGEX, "a")), log_level=_LOG_LEVEL).compute_bitmask()
     return tok
+
+
+def default_fill_threads() -> int:
+    """llguidance's threads for a step's masks: half the cores, at most 8 (vLLM's choice), so that
+    a fill leaves cores to the engine thread it runs beside."""
+    return max(1, min((os.cpu_count() or 2) // 2, 8))
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -803,7 +810,7 @@ class StructuredOutputManager:
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=num_compile_workers, thread_name_prefix="minillm-grammar")
-        self._fill_threads = num_fill_threads
+        self._fill_threads = num_fill_threads if num_fill_threads is not None else default_fill_threads()
         self._executor: llguidance.LLExecutor | None = None
         self._mask_thread: ThreadPoolExecutor | None = None   # fills the step's masks beside the engine thread
         self._lock = threading.Lock()              # the cache
@@ -818,7 +825,7 @@ class StructuredOutputManager:
         if grammar_process:
             from minillm.grammar_process import GrammarProcess
             self._process = GrammarProcess(tokenizer_json, self.vocab_size, self._eos_token_ids, max_num_seqs,
-                                           num_fill_threads, register_host)
+                                           self._fill_threads, register_host)
             self._bitmasks = self._process.bitmasks
         else:
             self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
