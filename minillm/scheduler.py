@@ -158,7 +158,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Sequences update_from_output finished without appending a token: the row sampled for them
-        # had every logit -inf (masked_out_error). The engine reports them and empties the list.
+        # had every logit -inf (masked_out_error), or their grammar refused the token. The engine
+        # reports them and empties the list.
         self.masked_out: list[Sequence] = []
         self.step_cost = step_cost           # estimates step times (with max_step_ms), or None
         self.max_step_ms = max_step_ms
@@ -410,7 +411,8 @@ class Scheduler:
         rejected drafts are forgotten, newly full blocks are cached. on_token(seq, i) is called
         after seq's i-th new token of the step is appended and may return a stop string it
         completed. A token the sequence's own bans forbid (masked_out_error: its row had every
-        logit -inf) is not appended: the sequence ends there with an error and joins masked_out.
+        logit -inf), or that its grammar refuses, is not appended: the sequence ends there with an
+        error and joins masked_out.
         Returns (sequence, token) in batch order for the tokens appended (sequences
         finished since the launch get none), except that, with answers_pending (the grammar
         process has not answered for some constrained tokens yet), a constrained sequence whose
@@ -438,12 +440,16 @@ class Scheduler:
                     self.finish(seq, SequenceStatus.FINISHED_ERROR, error)   # the token is no sample: dropped
                     self.masked_out.append(seq)
                     break
+                if seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                    # Outside the grammar (its row had no token left that the grammar allows, or the
+                    # grammar process failed): not part of the output, which stops before it.
+                    self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
+                    self.masked_out.append(seq)
+                    break
                 seq.token_ids.append(token)
                 seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
                 appended.append((seq, token))
-                if seq.structured_output is not None and not seq.structured_output.accept_token(token):
-                    self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
-                elif (stop := check_stop(seq, eos_token_ids)) is not None:
+                if (stop := check_stop(seq, eos_token_ids)) is not None:
                     self.finish(seq, *stop)
                 stop_string = on_token(seq, i) if on_token is not None else None
                 if stop_string is not None:

@@ -573,6 +573,10 @@ class GrammarMatcher:
 # sampling, so such a token means the request's other rules had masked every token it allows (a
 # row of nothing but -inf samples id 0).
 _TOKEN_REFUSED = "doesn't satisfy the grammar"
+# llguidance's error when a special token was offered for forced text that holds its text (the
+# tokenizer reads "<s>" in forced bytes as the special token; the grammar takes only its bytes).
+# 'ÿ' is the byte that marks a special token there.
+_SPECIAL_FORCED = "applying '\u00ff'"
 
 
 class StructuredOutputRequest:
@@ -693,7 +697,10 @@ class StructuredOutputRequest:
         if self._process is not None and self._process.failed:
             return f"structured_outputs: {error}; the output stops before its constraint is complete"
         message = f"structured_outputs: token {token_id} is not allowed by the grammar ({error})"
-        if error == "refused" or _TOKEN_REFUSED in error:
+        if _SPECIAL_FORCED in error:
+            message += ("; the constraint's text holds the text of this special token of the tokenizer, which the "
+                        "grammar's mask offers in its place and the grammar then refuses: such text cannot be matched")
+        elif error == "refused" or _TOKEN_REFUSED in error:
             message += ("; with the grammar's mask applied, that happens when no token the grammar allows "
                         "is left to sample: the request's allowed_token_ids, bad_words or min_tokens excluded them all")
         return message
