@@ -1084,8 +1084,25 @@ class StructuredOutputManager:
         """
         if self._process is not None:
             return self._start_remote_fill(rows)
-        filled, matchers = [], []         # sampling indices of the rows filled, their matchers
-        no_eos = []                       # mask rows of ignore_eos requests
+        filled, matchers, no_eos = self._rows_to_fill(rows)
+        if not matchers:
+            return None
+        slot, mask = self._next_mask(filled)
+        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
+        started = threading.Event()
+        future = self._mask_thread.submit(self._fill_job, pairs, mask.bitmask, no_eos, started)
+        # A thread that wants the GIL while this one runs Python gets it only after the switch
+        # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
+        started.wait()
+        return PendingBitmask(self, future, mask)
+
+    @staticmethod
+    def _rows_to_fill(rows: Sequence[tuple[int, Any]]) -> tuple[list[int], list, list[int]]:
+        """(sampling indices, matchers, mask rows of ignore_eos requests) of the constrained rows that
+        go on (start_fill's rules); a matcher not at its sequence's latest token is a RuntimeError."""
+        filled, matchers, no_eos = [], [], []
         for b, seq in rows:
             request = seq.structured_output
             if request is None or seq.is_finished:
@@ -1100,18 +1117,7 @@ class StructuredOutputManager:
                 no_eos.append(len(filled))
             matchers.append(matcher)
             filled.append(b)
-        if not matchers:
-            return None
-        slot, mask = self._next_mask(filled)
-        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
-        started = threading.Event()
-        future = self._mask_thread.submit(self._fill_job, pairs, mask.bitmask, no_eos, started)
-        # A thread that wants the GIL while this one runs Python gets it only after the switch
-        # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
-        started.wait()
-        return PendingBitmask(self, future, mask)
+        return filled, matchers, no_eos
 
     def _next_mask(self, filled: list[int]) -> tuple[int, GrammarBitmask]:
         """The next of the two mask buffers, its rows those of the sampling indices filled."""
@@ -1129,22 +1135,8 @@ class StructuredOutputManager:
         key = (self._process, rows)
         plan = self._fill_plan
         if plan is None or plan[0][0] is not self._process or plan[0][1] != rows:
-            filled, handles, no_eos = [], [], []
-            for b, seq in rows:
-                request = seq.structured_output
-                if request is None or seq.is_finished:
-                    continue
-                matcher = request.matcher
-                if matcher is not None and matcher.is_stopped():
-                    continue
-                expected = len(seq.token_ids) - len(seq.prompt_token_ids) + len(request._advanced)
-                if matcher is None or matcher.num_fed != expected:
-                    raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
-                if seq.params.ignore_eos:
-                    no_eos.append(len(filled))
-                handles.append(matcher.handle)
-                filled.append(b)
-            self._fill_plan = plan = (key, filled, handles, no_eos)
+            filled, matchers, no_eos = self._rows_to_fill(rows)
+            self._fill_plan = plan = (key, filled, [m.handle for m in matchers], no_eos)
         _, filled, handles, no_eos = plan
         if not filled:
             return None
