@@ -31,7 +31,7 @@ from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
-from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.outputs import RequestMetrics, RequestOutput, reported_prompt_logprobs
 from minillm.prompts import (
     PromptType, cache_salt_of, check_lora_request, check_priority, tokenization_add_special_tokens, unpack_prompt,
 )
@@ -706,7 +706,7 @@ class LLMEngine:
                 for seq in req.seqs:
                     self.metrics.record_finish(seq.status.finish_reason)
             completions = [self.output_processor.completion_output(st, s) for st, s in zip(req.states, req.seqs)]
-            prompt_logprobs = self._reported_prompt_logprobs(req)
+            prompt_logprobs = reported_prompt_logprobs(req)
             if req.is_delta:      # only the completions with news; a report only when there is some
                 completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
                 if not completions and prompt_logprobs is None and not finished:
@@ -715,19 +715,6 @@ class LLMEngine:
                                          finished, req.metrics, req.seqs[0].kv_transfer_params,
                                          req.seqs[0].kv_transfer_stats, prompt_logprobs))
         return outputs
-
-    @staticmethod
-    def _reported_prompt_logprobs(req: Request) -> list | None:
-        """The prompt log-probabilities a report carries: all computed so far, or for a delta
-        request all of them once the whole prompt has them, and None in its other reports."""
-        if req.prompt_logprobs is None:
-            return None
-        if not req.is_delta:
-            return list(req.prompt_logprobs)
-        if req.is_prompt_logprobs_sent or len(req.prompt_logprobs) < len(req.prompt_token_ids):
-            return None
-        req.is_prompt_logprobs_sent = True
-        return list(req.prompt_logprobs)
 
     # ---- stats and lifetime ------------------------------------------------------------------
     def stats(self, cells: int = 64, summary: bool = False) -> EngineStats:

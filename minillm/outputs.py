@@ -91,3 +91,16 @@ class RequestOutput:
     def num_cached_tokens(self) -> int | None:
         """Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
         return None if self.metrics is None else self.metrics.num_cached_tokens
+
+
+def reported_prompt_logprobs(req) -> list | None:
+    """The prompt log-probabilities a request's output carries: all computed so far, or for a delta
+    request (req.is_delta) all of them once the whole prompt has them, and None in its other outputs."""
+    if req.prompt_logprobs is None:
+        return None
+    if not req.is_delta:
+        return list(req.prompt_logprobs)
+    if req.is_prompt_logprobs_sent or len(req.prompt_logprobs) < len(req.prompt_token_ids):
+        return None
+    req.is_prompt_logprobs_sent = True
+    return list(req.prompt_logprobs)

@@ -6,13 +6,12 @@ import asyncio
 import contextlib
 
 import pytest
+from test_abuse25_serving import async_llm, config, thread_engine  # noqa: F401 - the engines, as fixtures
 from test_server_helpers import wait_for
 
-from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.outputs import CompletionOutput
 from minillm.sampling_params import RequestOutputKind, SamplingParams
-from minillm.server.async_engine import AsyncLLMEngine
 from minillm.server.async_llm import AsyncLLM
 
 PROMPT = "Once upon a time"
@@ -23,25 +22,6 @@ SAMPLING = {
                                  ignore_eos=True),
     "n-2-sampled": dict(n=2, temperature=1.0, seed=11, max_tokens=16, logprobs=1),
 }
-
-
-@pytest.fixture(scope="module")
-def config(stories_path):
-    return EngineConfig(model=str(stories_path), device="cpu")
-
-
-@pytest.fixture(scope="module")
-def async_llm(config):
-    engine = AsyncLLM(config)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def thread_engine(config):
-    engine = AsyncLLMEngine.from_config(config)
-    yield engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")

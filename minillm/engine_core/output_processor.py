@@ -21,7 +21,7 @@ from typing import Any
 
 from minillm.engine_core import messages as m
 from minillm.output_processor import CompletionState, add_token, completion_output, new_state
-from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.outputs import RequestMetrics, RequestOutput, reported_prompt_logprobs
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import SequenceStatus
 from minillm.tokenizer import Tokenizer
@@ -97,19 +97,6 @@ class ProcessedStep:
 
     outputs: list[tuple[Any, RequestOutput]]
     stops: list[tuple[str, int, str]]
-
-
-def _reported_prompt_logprobs(req: FrontendRequest) -> list | None:
-    """The prompt log-probabilities an output carries: those the core has sent so far, or for a
-    delta request all of them once the whole prompt has them, and None in its other outputs."""
-    if req.prompt_logprobs is None:
-        return None
-    if not req.is_delta:
-        return list(req.prompt_logprobs)
-    if req.is_prompt_logprobs_sent or len(req.prompt_logprobs) < len(req.prompt_token_ids):
-        return None
-    req.is_prompt_logprobs_sent = True
-    return list(req.prompt_logprobs)
 
 
 class OutputProcessor:
@@ -233,7 +220,7 @@ class OutputProcessor:
             req.metrics.finished_time = now
             self._count(req)
         completions = [completion_output(st, s) for st, s in zip(req.states, req.seqs)]
-        prompt_logprobs = _reported_prompt_logprobs(req)
+        prompt_logprobs = reported_prompt_logprobs(req)
         if req.is_delta:      # only the completions with news; an output only when there is some
             completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
             if not completions and prompt_logprobs is None and not finished:

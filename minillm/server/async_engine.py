@@ -249,6 +249,19 @@ def deliver_batch(batch: list[tuple[RequestStream, RequestOutput, float]]) -> No
         stream.deliver(output, seen)
 
 
+def deliver(outputs: list[tuple[RequestStream, RequestOutput]], seen: float) -> None:
+    """Hand a step's outputs to their streams' event loops (from the engine's thread), one wake-up
+    per loop, not per request: fewer GIL hand-offs."""
+    batches: dict[asyncio.AbstractEventLoop, list] = {}
+    for stream, output in outputs:
+        batches.setdefault(stream.loop, []).append((stream, output, seen))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(deliver_batch, batch)
+        except RuntimeError:
+            pass  # that loop is closed: nobody is listening any more
+
+
 def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result: Any = None,
                    error: BaseException | None = None) -> None:
     """Complete a future that belongs to another thread's loop (if still wanted)."""
@@ -519,20 +532,15 @@ class AsyncLLMEngine:
                 stream.put_threadsafe(RequestFailedError(request_id, cause))
 
     def _route(self, outputs: list[RequestOutput], seen: float) -> None:
-        # One wake-up per event loop per step (not per request): fewer GIL hand-offs.
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        routed = []
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # its step failed: its caller has had the error
             if output.finished:
                 del self._streams[output.request_id]
-            batches.setdefault(stream.loop, []).append((stream, output, seen))
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(deliver_batch, batch)
-            except RuntimeError:
-                pass  # that loop is closed: nobody is listening any more
+            routed.append((stream, output))
+        deliver(routed, seen)
 
     def _die(self, exc: BaseException, log: bool = True) -> None:
         with self._lock:

@@ -35,7 +35,7 @@ from minillm.outputs import RequestOutput
 from minillm.prompts import cache_salt_of
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
-    OutputQueue, RequestStream, abort_ids, deliver_batch, generate_outputs, is_delta_stream, resolve_future,
+    OutputQueue, RequestStream, abort_ids, deliver, generate_outputs, is_delta_stream, resolve_future,
 )
 from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -53,18 +53,6 @@ def _wire_constraint(constraint: Any) -> Any:
     wire = copy.copy(constraint)       # its key (the schema's canonical text) is already checked
     wire.json = constraint.key[1]
     return wire
-
-
-def _deliver(outputs: list[tuple[RequestStream, RequestOutput]], seen: float) -> None:
-    """Hand a step's outputs to their streams' event loops, one wake-up per loop."""
-    batches: dict[asyncio.AbstractEventLoop, list] = {}
-    for stream, output in outputs:
-        batches.setdefault(stream.loop, []).append((stream, output, seen))
-    for loop, batch in batches.items():
-        try:
-            loop.call_soon_threadsafe(deliver_batch, batch)
-        except RuntimeError:
-            pass  # that loop is closed: nobody is listening any more
 
 
 class AsyncLLM:
@@ -341,7 +329,7 @@ class AsyncLLM:
             except EngineDeadError:
                 pass
             # Handed on under the lock, so an abort's final output (abort()) never comes before them.
-            _deliver(done.outputs, step.time)
+            deliver(done.outputs, step.time)
         self.num_core_steps = step.num_steps
         for stream, error in failures:
             stream.put_threadsafe(error)
