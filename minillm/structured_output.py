@@ -678,7 +678,10 @@ class StructuredOutputRequest:
                 raise RuntimeError(f"the matcher took token {taken[0]} ahead, the scheduler appends {token_id}")
             if len(taken) == 2:
                 return taken[1]
-            return taken[3] < tokens_taken(taken[1], taken[2])    # waits for the answer if it is not in
+            value = taken[1].value                 # the grammar process's answer: (taken, ...) by row
+            if value is None:
+                return taken[3] < tokens_taken(taken[1], taken[2])    # waits for the answer
+            return taken[3] < value[0][taken[2]]
         return self.matcher.accept_token(token_id)
 
     @property
