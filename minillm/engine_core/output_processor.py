@@ -162,6 +162,7 @@ class OutputProcessor:
                 req.prompt_logprobs.extend(m.with_prompt_token_ranks(
                     out.new_prompt_logprobs, out.new_prompt_logprob_ranks, req.prompt_token_ids,
                     len(req.prompt_logprobs)))
+                moved = True    # a prefill chunk's step: reported as the engine reports it (_output decides)
             for seq_out in out.seqs:
                 moved |= self._apply(req, seqs[seq_out.index], seq_out, stops)
             metrics = req.metrics
