@@ -3,13 +3,16 @@
 vLLM's "cache_salt")."""
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Sequence
-from typing import TypedDict
+from typing import Annotated, TypedDict
 
+import msgspec
 import numpy as np
 
 from minillm.sampling_params import short_repr
+from minillm.tokenizer import check_unicode
 
 
 class _PromptOptions(TypedDict, total=False):
@@ -87,6 +90,40 @@ def cache_salt_of(prompt, cache_salt: str | None = None) -> str | None:
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise ValueError(f"cache_salt must be a non-empty string, got {short_repr(salt)}")
     return salt
+
+
+def text_token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """A text prompt's token ids; ValueError when it is empty, holds a lone surrogate or tokenizes
+    to nothing (possible only without special tokens)."""
+    if not text:
+        raise ValueError("prompt must not be empty")
+    check_unicode(text, "prompt")
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids:
+        raise ValueError(f"prompt {short_repr(text)} tokenizes to no tokens")
+    return ids
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids_type(vocab_size: int) -> type:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab_size)]]
+
+
+def checked_token_ids(ids, vocab_size: int) -> list[int]:
+    """A token-id prompt as a new list of ints; ValueError unless it is a non-empty list (or tuple)
+    of integers (NumPy's too) in [0, vocab_size)."""
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+    # The common case, plain ints in range, checked (and copied) by msgspec in C: 7 us for 500
+    # ids, against 28 us for a type set and min/max in Python.
+    try:
+        return msgspec.convert(ids, _token_ids_type(vocab_size))
+    except msgspec.ValidationError:
+        pass
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {t!r}")
+    return [int(t) for t in ids]
 
 
 def array_ids(ids: np.ndarray, name: str) -> list[int]:

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from test_abuse25_serving import async_llm, config, thread_engine  # noqa: F401 - the engines, as fixtures
+from test_server_helpers import wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
@@ -103,3 +105,131 @@ def test_a_step_that_brings_only_prompt_logprobs_is_reported_as_the_offline_engi
     got = asyncio.run(_observed(engine, f"chunked-{kind.name}", LONG_IDS, params))
     assert [_view(out) for out in got] == expected
     assert kind is not RequestOutputKind.CUMULATIVE or len(expected) > 3    # the prompt's steps are there
+
+
+PROMPT_FORMS = {
+    "text-dict": {"prompt": PROMPT},
+    "ids-dict": {"prompt_token_ids": PROMPT_IDS},
+    "ids-dict-with-text": {"prompt_token_ids": PROMPT_IDS, "prompt": PROMPT},
+    "salted-text-dict": {"prompt": PROMPT, "cache_salt": "tenant-a"},
+    "salted-ids-dict": {"prompt_token_ids": PROMPT_IDS, "cache_salt": "tenant-a", "multi_modal_data": None},
+    "ids-array": np.array(PROMPT_IDS),
+}
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("form", PROMPT_FORMS)
+def test_vllms_prompt_dicts_are_taken_as_the_offline_engine_takes_them(request, offline, engine_name, form):
+    # AsyncLLM passed a dict on to the core as it was: its outputs had no prompt text and no prompt
+    # token ids, and with prompt_logprobs the reader thread failed indexing them (the engine died).
+    engine = request.getfixturevalue(engine_name)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    expected = [_view(out) for out in _offline_outputs(offline, PROMPT_FORMS[form], params)]
+    got = asyncio.run(_observed(engine, f"form-{form}-{engine_name}", PROMPT_FORMS[form], params))
+    assert [_view(out) for out in got] == expected and engine.is_healthy
+
+
+BAD_PROMPTS = {
+    "unknown-key": {"prompt": PROMPT, "bogus": 1},
+    "multi-modal": {"prompt": PROMPT, "multi_modal_data": {"image": object()}},
+    "text-no-string": {"prompt": 5},
+    "no-prompt": {"cache_salt": "x"},
+    "empty-ids": {"prompt_token_ids": []},
+    "ids-no-list": {"prompt_token_ids": "1 2 3"},
+    "ids-2d-array": {"prompt_token_ids": np.array([[1, 2]])},
+    "ids-past-vocab": {"prompt_token_ids": [1, 10**6]},
+    "salt-no-string": {"prompt": PROMPT, "cache_salt": 5},
+    "salt-twice": None,    # a dict's salt and another one as the argument
+    "empty-text": "",
+    "lone-surrogate": "Once \ud800",
+    "number": 5,
+}
+
+
+def _add(engine, request_id: str, prompt, params: SamplingParams, form: str):
+    """engine.add_request; the "salt-twice" case gives a salted dict and a different salt."""
+    if form == "salt-twice":
+        return engine.add_request(request_id, {"prompt": PROMPT, "cache_salt": "a"}, params, cache_salt="b")
+    return engine.add_request(request_id, prompt, params)
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("form", BAD_PROMPTS)
+def test_a_malformed_prompt_is_the_offline_engines_value_error_and_nothing_is_queued(
+        request, offline, engine_name, form):
+    # AsyncLLM: a value msgpack cannot carry was "cannot be sent to the engine core", a lone
+    # surrogate a TypeError from the tokenizer; the offline engine names the prompt's fault.
+    engine = request.getfixturevalue(engine_name)
+    with pytest.raises(ValueError) as offline_error:
+        _add(offline, "bad", BAD_PROMPTS[form], GREEDY, form)
+    request_id = f"bad-{form}-{engine_name}"
+
+    async def scenario():
+        with pytest.raises(ValueError) as error:
+            await _add(engine, request_id, BAD_PROMPTS[form], GREEDY, form)
+        return str(error.value), await _num_unfinished(engine)
+
+    message, num_unfinished = asyncio.run(scenario())
+    assert message == str(offline_error.value) and num_unfinished == 0
+    assert _is_retired(engine, request_id) and engine.is_healthy and not offline.has_unfinished_requests()
+
+
+def _params_with(**changes) -> SamplingParams:
+    """Greedy params with fields set after construction, as a caller may set them."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for name, value in changes.items():
+        setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("engine_name", ["offline", *ENGINES])
+@pytest.mark.parametrize("value", ["delta", 7, None])
+def test_an_output_kind_that_is_none_is_a_value_error_naming_it_and_nothing_is_queued(request, engine_name, value):
+    engine = request.getfixturevalue(engine_name)
+    params = _params_with(output_kind=value)
+    if engine_name == "offline":
+        with pytest.raises(ValueError, match="^output_kind must be"):
+            engine.add_request("kind", PROMPT, params)
+        assert not engine.has_unfinished_requests()
+        return
+
+    async def scenario():
+        with pytest.raises(ValueError, match="^output_kind must be"):
+            await engine.add_request(f"kind-{value}-{engine_name}", PROMPT, params)
+        return await _num_unfinished(engine)
+
+    assert asyncio.run(scenario()) == 0 and _is_retired(engine, f"kind-{value}-{engine_name}")
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_an_output_kind_set_as_its_number_is_that_kind_for_a_slow_caller_too(request, offline, engine_name):
+    # AsyncLLM's API side took 1 for CUMULATIVE (the core took it for DELTA); AsyncLLMEngine's stream
+    # did too, and kept only the newest of the deltas a slow caller had not taken.
+    engine = request.getfixturevalue(engine_name)
+    request_id = f"kind-number-{engine_name}"
+    expected = _offline_outputs(offline, PROMPT, _params_with(output_kind=RequestOutputKind.DELTA))
+
+    async def scenario():
+        outputs = engine.generate(PROMPT, _params_with(output_kind=1), request_id)
+        first = await anext(outputs)
+        # Held here, this event loop takes none of the outputs that come meanwhile.
+        assert wait_for(lambda: _is_retired(engine, request_id), timeout=60)
+        return [first] + [out async for out in outputs]
+
+    got = asyncio.run(scenario())
+    assert "".join(out.outputs[0].text for out in got) == "".join(out.outputs[0].text for out in expected)
+    assert sum(len(out.outputs[0].token_ids) for out in got) == 40
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("changes", [dict(stop="park"), dict(stop=["park"], include_stop_str_in_output=True),
+                                     dict(logprobs=2), dict(n=2, temperature=1.0, seed=3)],
+                         ids=["stop-string", "stop-list-included", "logprobs", "n-2"])
+def test_params_set_after_construction_are_read_as_the_offline_engine_reads_them(request, offline, engine_name,
+                                                                                  changes):
+    # AsyncLLM's API side read the caller's params unvalidated: a stop string set after
+    # construction never ended the text (the core had it, the detokenizer did not).
+    engine = request.getfixturevalue(engine_name)
+    expected = _offline_outputs(offline, PROMPT, _params_with(**changes))[-1]
+    got = asyncio.run(_observed(engine, f"changed-{'-'.join(changes)}-{engine_name}", PROMPT, _params_with(**changes)))
+    assert _view(got[-1]) == _view(expected)

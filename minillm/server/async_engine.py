@@ -28,11 +28,12 @@ from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
-from minillm.engine import StepError
+from minillm.engine import StepError, own_sampling_params
 from minillm.engine_core.core import (
     FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP,
 )
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.prompts import PromptType
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.server.errors import EngineDeadError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -51,7 +52,7 @@ ENGINE_CORE_MODES = ("process", "thread")
 @dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: PromptType
     params: SamplingParams
     arrival_time: float
     stream: "RequestStream"
@@ -182,7 +183,7 @@ class EngineClient(Protocol):
     @property
     def startup_stats(self) -> EngineStats: ...
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
                           cache_salt: str | None = None) -> RequestStream: ...
@@ -194,7 +195,7 @@ class EngineClient(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
-async def generate_outputs(engine: EngineClient, prompt: str | list[int], params: SamplingParams, request_id: str,
+async def generate_outputs(engine: EngineClient, prompt: PromptType, params: SamplingParams, request_id: str,
                            arrival_time: float | None = None, cache_salt: str | None = None
                            ) -> AsyncIterator[RequestOutput]:
     """vLLM's AsyncLLM.generate over an engine client: the request's outputs as they come, the last
@@ -226,6 +227,17 @@ def _added_completion(held: CompletionOutput, new: CompletionOutput) -> Completi
                             new.finish_reason if new.finish_reason is not None else held.finish_reason,
                             new.stop_reason if new.finish_reason is not None else held.stop_reason,
                             new.cumulative_logprob, logprobs)
+
+
+def request_params(params: SamplingParams | None) -> SamplingParams:
+    """The request's own validated copy of the caller's params, as LLMEngine.add_request makes it
+    (None: the defaults): a bad field, output_kind included, is a ValueError naming it before
+    anything is queued, and what the caller changes later is not this request's."""
+    params = SamplingParams() if params is None else params
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    return own_sampling_params(params)
 
 
 def is_delta_stream(params: SamplingParams) -> bool:
@@ -343,7 +355,7 @@ class AsyncLLMEngine:
                 raise EngineDeadError(self.dead_reason)
             self._commands.put(command)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
                           cache_salt: str | None = None) -> RequestStream:
@@ -353,9 +365,10 @@ class AsyncLLMEngine:
         observer: called on the event loop with every output and the time it was seen.
         cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
         """
+        params = request_params(params)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
-                               observer, is_delta=isinstance(params, SamplingParams) and is_delta_stream(params))
+                               observer, is_delta=is_delta_stream(params))
         done = loop.create_future()
         self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done, cache_salt))
         try:
@@ -365,7 +378,7 @@ class AsyncLLMEngine:
             raise
         return stream
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+    def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                  arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
         says which), the last one finished; leaving the iteration early aborts the request."""

@@ -32,10 +32,10 @@ from minillm.engine_core.core import SAMPLING_FIELDS
 from minillm.engine_core.output_processor import OutputProcessor
 from minillm.loader import resolve_model_path
 from minillm.outputs import RequestOutput
-from minillm.prompts import cache_salt_of
+from minillm.prompts import PromptType, cache_salt_of, checked_token_ids, text_token_ids, unpack_prompt
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
-    OutputQueue, RequestStream, abort_ids, deliver, generate_outputs, is_delta_stream, resolve_future,
+    OutputQueue, RequestStream, abort_ids, deliver, generate_outputs, is_delta_stream, request_params, resolve_future,
 )
 from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -127,26 +127,24 @@ class AsyncLLM:
         except ConnectionError as exc:
             raise EngineDeadError(str(exc)) from None
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
                           cache_salt: str | None = None) -> RequestStream:
         """Submit a request; returns its stream once the core accepted it (ValueError if not).
         cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt."""
         # What the core's message decoder would refuse must be refused here: a message it cannot
-        # decode is dropped there, and its add would never be answered.
+        # decode is dropped there, and its add would never be answered. The rest is checked here
+        # too, in the offline engine's order and words, so a bad request is never queued.
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_arrival_time(arrival_time)
-        cache_salt_of(prompt, cache_salt)
+        params = request_params(params)
+        cache_salt = cache_salt_of(prompt, cache_salt)
+        text, ids = self._prompt(prompt)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer, is_delta=is_delta_stream(params))
-        text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if text else prompt
         arrival = float(arrival_time) if arrival_time else time.time()
         fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
         if params.structured_outputs is not None:
@@ -160,8 +158,7 @@ class AsyncLLM:
                 self._send(m.AddRequest(request_id, ids, fields, arrival, self.client_index, keys, cache_salt))
             except (TypeError, OverflowError, msgspec.EncodeError) as exc:   # a value msgpack cannot carry
                 raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
-            prompt_ids = list(ids) if isinstance(ids, (list, tuple)) else []   # the core refuses anything else
-            self.processor.add(request_id, text, prompt_ids, params, arrival, stream)
+            self.processor.add(request_id, text, ids, params, arrival, stream)
             self._adds[request_id] = (loop, done)
         try:
             await done
@@ -170,11 +167,19 @@ class AsyncLLM:
             raise
         return stream
 
-    def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str, *,
+    def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                  arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
         says which), the last one finished; leaving the iteration early aborts the request."""
         return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt)
+
+    def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(the prompt's text or None, its token ids) for any of vLLM's prompt forms the offline engine
+        takes; ValueError as LLMEngine.add_request words it."""
+        text, given = unpack_prompt(prompt)
+        if isinstance(given, str):
+            return text, text_token_ids(self.tokenizer, given)
+        return text, checked_token_ids(given, self.vocab_size)
 
     def _prompt_block_keys(self, ids: Any, params: SamplingParams, cache_salt: str | None) -> list[bytes] | None:
         """The prompt's prefix-cache keys, hashed here rather than on the core's one thread (35 us a
