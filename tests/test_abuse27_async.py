@@ -4,6 +4,7 @@ where a request enters, and a program's ways of driving them as vLLM's AsyncLLM 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import numpy as np
 import pytest
@@ -233,3 +234,51 @@ def test_params_set_after_construction_are_read_as_the_offline_engine_reads_them
     expected = _offline_outputs(offline, PROMPT, _params_with(**changes))[-1]
     got = asyncio.run(_observed(engine, f"changed-{'-'.join(changes)}-{engine_name}", PROMPT, _params_with(**changes)))
     assert _view(got[-1]) == _view(expected)
+
+
+async def _end(engine, request_id: str, ending: str) -> None:
+    """Run a long request with this id and end it as a caller may: a stop string the API side finds,
+    an abort while its stream is read, or the caller leaving generate() early."""
+    long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, stop=["Lily"] if ending == "stop" else None)
+    async with contextlib.aclosing(engine.generate(PROMPT, long, request_id)) as outputs:
+        first = await anext(outputs)
+        if ending == "abort":
+            engine.abort(request_id)
+        if ending != "left":
+            last = [out async for out in outputs][-1] if not first.finished else first
+            assert last.outputs[0].finish_reason == ("stop" if ending == "stop" else "abort")
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("ending", ["stop", "abort", "left"])
+def test_a_request_id_is_free_again_once_its_caller_has_seen_it_end(request, offline, engine_name, ending):
+    # The id stayed "already in use" until the core's last word on it: AsyncLLM refused it after a
+    # stop string or an abort whose final output the caller had read; AsyncLLMEngine after an abort
+    # (vLLM's AsyncLLM takes an id again at once).
+    engine = request.getfixturevalue(engine_name)
+    request_id = f"again-{ending}-{engine_name}"
+    expected = _offline_outputs(offline, PROMPT, GREEDY)[-1]
+
+    async def scenario():
+        await _end(engine, request_id, ending)
+        return [out async for out in engine.generate(PROMPT, GREEDY, request_id)]
+
+    got = asyncio.run(scenario())
+    assert _view(got[-1])[1:] == _view(expected)[1:] and got[-1].request_id == request_id
+    assert wait_for(lambda: _is_retired(engine, request_id))
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+def test_a_request_id_is_refused_while_its_caller_follows_it(request, engine_name):
+    engine = request.getfixturevalue(engine_name)
+    request_id = f"followed-{engine_name}"
+
+    async def scenario():
+        long = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True)
+        async with contextlib.aclosing(engine.generate(PROMPT, long, request_id)) as outputs:
+            await anext(outputs)
+            with pytest.raises(ValueError, match="already in use"):
+                await engine.add_request(request_id, PROMPT, GREEDY)
+            return await anext(outputs)
+
+    assert not asyncio.run(scenario()).finished

@@ -83,6 +83,11 @@ class FrontendRequest:
     is_prompt_logprobs_sent: bool = False    # a delta request's prompt_logprobs go out once, whole
 
     @property
+    def is_followed(self) -> bool:
+        """True while its caller may still get outputs (its id is in use until then)."""
+        return self.handle is not None and not self.is_counted
+
+    @property
     def is_finished(self) -> bool:
         """True when every sequence has ended in this side's view."""
         for seq in self.seqs:
@@ -93,10 +98,12 @@ class FrontendRequest:
 
 @dataclass
 class ProcessedStep:
-    """What one StepOutputs message gives the API server: outputs to hand on, stops to send down."""
+    """What one StepOutputs message gives the API server: outputs to hand on, stops to send down,
+    and the ids of the requests the core has retired."""
 
     outputs: list[tuple[Any, RequestOutput]]
     stops: list[tuple[str, int, str]]
+    retired: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -178,6 +185,7 @@ class OutputProcessor:
                 if not req.is_counted:
                     self._count(req)
                 del self.requests[out.request_id]
+                done.retired.append(out.request_id)
         return done
 
     def _apply(self, req: FrontendRequest, seq: SequenceMirror, out: m.SeqOutput,

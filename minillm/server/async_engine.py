@@ -302,6 +302,8 @@ class AsyncLLMEngine:
         self.vocab_size: int = engine.model_config.vocab_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        # Adds whose id names a request that has ended (aborted) but not been reported yet: tried after each step.
+        self._deferred: list[_Add] = []
         self._lock = threading.Lock()   # orders "is it dead?" against "enqueue a command"
         self._dead: BaseException | None = None
         self._failed = False            # the loop ended by an exception, not by shutdown()
@@ -463,6 +465,9 @@ class AsyncLLMEngine:
             self._fail_requests(exc)
             return
         self._route(outputs, time.time())
+        deferred, self._deferred = self._deferred, []
+        for command in deferred:
+            self._handle_add(command)
         if self._yield_each_step:
             time.sleep(0)   # hand the GIL to the event loop (see __init__)
 
@@ -525,6 +530,10 @@ class AsyncLLMEngine:
         loop = command.stream.loop
         if command.done.cancelled():
             return
+        held = self.engine.requests.get(command.request_id)
+        if held is not None and held.is_finished:   # the engine retires it in its next step: vLLM takes the id
+            self._deferred.append(command)
+            return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time, cache_salt=command.cache_salt)
@@ -568,7 +577,7 @@ class AsyncLLMEngine:
         for stream in list(self._streams.values()):
             stream.put_threadsafe(error)
         self._streams.clear()
-        for command in pending:
+        for command in pending + self._deferred:
             if isinstance(command, _Add):
                 resolve_future(command.stream.loop, command.done, error=error)
             elif isinstance(command, (_Stats, _Utility)):

@@ -76,6 +76,8 @@ class AsyncLLM:
         self._lock = threading.Lock()           # the processor, the pending calls, "is it dead?"
         self._shut_down = threading.Event()     # set when the first shutdown() has finished
         self._adds: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        # Adds that wait for the core to retire a request their id names, which its caller has seen end.
+        self._retiring: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._call_ids = itertools.count()
         # Per event loop, the stats request being gathered: calls made in one loop iteration share it.
@@ -151,21 +153,36 @@ class AsyncLLM:
             fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
         keys = self._prompt_block_keys(ids, params, cache_salt)
         done = loop.create_future()
-        with self._lock:
-            if request_id in self.processor.requests or request_id in self._adds:
-                raise ValueError(f"request_id {request_id!r} is already in use")
-            try:
-                self._send(m.AddRequest(request_id, ids, fields, arrival, self.client_index, keys, cache_salt))
-            except (TypeError, OverflowError, msgspec.EncodeError) as exc:   # a value msgpack cannot carry
-                raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
-            self.processor.add(request_id, text, ids, params, arrival, stream)
-            self._adds[request_id] = (loop, done)
+        while (retired := self._send_add(m.AddRequest(request_id, ids, fields, arrival, self.client_index, keys,
+                                                      cache_salt), text, params, stream, done)) is not None:
+            await retired
         try:
             await done
         except asyncio.CancelledError:
             self.abort(request_id)  # the caller left while the add was in flight
             raise
         return stream
+
+    def _send_add(self, add: m.AddRequest, text: str | None, params: SamplingParams, stream: RequestStream,
+                  done: asyncio.Future) -> asyncio.Future | None:
+        """Send an add and follow its request: None once sent, or a future to wait for when its id
+        still names a request its caller has seen end (the core's last word on it is on its way;
+        the core would refuse the id until then). ValueError while a caller follows the id."""
+        with self._lock:
+            held = self.processor.requests.get(add.request_id)
+            if add.request_id in self._adds or (held is not None and held.is_followed):
+                raise ValueError(f"request_id {add.request_id!r} is already in use")
+            if held is not None:
+                retired = stream.loop.create_future()
+                self._retiring.setdefault(add.request_id, []).append((stream.loop, retired))
+                return retired
+            try:
+                self._send(add)
+            except (TypeError, OverflowError, msgspec.EncodeError) as exc:   # a value msgpack cannot carry
+                raise ValueError(f"the request cannot be sent to the engine core: {exc}") from None
+            self.processor.add(add.request_id, text, add.prompt_token_ids, params, add.arrival_time, stream)
+            self._adds[add.request_id] = (stream.loop, done)
+        return None
 
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                  arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -335,9 +352,12 @@ class AsyncLLM:
                 pass
             # Handed on under the lock, so an abort's final output (abort()) never comes before them.
             deliver(done.outputs, step.time)
+            waiting = [pending for request_id in done.retired for pending in self._retiring.pop(request_id, ())]
         self.num_core_steps = step.num_steps
         for stream, error in failures:
             stream.put_threadsafe(error)
+        for loop, retired in waiting:      # the ids are free: those adds go now
+            resolve_future(loop, retired, True)
 
     def _on_adds(self, message: m.AddResults) -> None:
         for request_id, error in message.results:
@@ -367,11 +387,13 @@ class AsyncLLM:
             streams = [req.handle for req in self.processor.requests.values() if req.handle is not None]
             self.processor.requests.clear()
             pending = list(self._adds.values()) + list(self._calls.values())
+            retiring = [waiter for waiters in self._retiring.values() for waiter in waiters]
             self._adds.clear()
             self._calls.clear()
+            self._retiring.clear()
         self.ended.set()    # before the callers hear of it: whoever sees the error sees the engine ended
         error = EngineDeadError(self.dead_reason)
         for stream in streams:
             stream.put_threadsafe(error)
-        for loop, future in pending:
+        for loop, future in pending + retiring:
             resolve_future(loop, future, error=error)
