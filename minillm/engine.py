@@ -30,8 +30,7 @@ from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput, reported_prompt_logprobs
 from minillm.prompts import (
-    PromptType, cache_salt_of, check_lora_request, check_priority, checked_token_ids, text_token_ids,
-    tokenization_add_special_tokens, unpack_prompt,
+    PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
 )
 from minillm.sampling_params import RequestOutputKind, SamplingParams, short_repr, truncate_prompt
 from minillm.scheduler import Scheduler
@@ -308,13 +307,7 @@ class LLMEngine:
                              f"got {short_repr(output_kind)}")
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
-        if lora_request is not None or type(priority) is not int or priority:     # vLLM's, at what minillm does
-            check_lora_request(lora_request)
-            check_priority(priority)
-        add_special_tokens = tokenization_kwargs is None or tokenization_add_special_tokens(tokenization_kwargs)
-        if trace_headers:
-            raise ValueError(f"trace_headers={short_repr(trace_headers)} is not supported: minillm has no "
-                             f"OpenTelemetry tracing (leave them None)")
+        add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
         check_arrival_time(arrival_time)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):

@@ -183,3 +183,17 @@ def tokenization_add_special_tokens(tokenization_kwargs) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"tokenization_kwargs['add_special_tokens'] must be true or false, got {short_repr(value)}")
     return value
+
+
+def request_add_special_tokens(lora_request=None, priority=0, tokenization_kwargs=None, trace_headers=None) -> bool:
+    """vLLM's per-request arguments of LLMEngine.add_request and AsyncLLM.generate, taken where minillm
+    does what they ask (lora_request None, priority 0, trace_headers None) and named by a ValueError
+    otherwise; whether the prompt's text gets special tokens (tokenization_kwargs)."""
+    if lora_request is not None or type(priority) is not int or priority:
+        check_lora_request(lora_request)
+        check_priority(priority)
+    add_special_tokens = tokenization_kwargs is None or tokenization_add_special_tokens(tokenization_kwargs)
+    if trace_headers:
+        raise ValueError(f"trace_headers={short_repr(trace_headers)} is not supported: minillm has no "
+                         f"OpenTelemetry tracing (leave them None)")
+    return add_special_tokens

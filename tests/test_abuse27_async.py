@@ -282,3 +282,52 @@ def test_a_request_id_is_refused_while_its_caller_follows_it(request, engine_nam
             return await anext(outputs)
 
     assert not asyncio.run(scenario()).finished
+
+
+VLLM_OPTIONS = {
+    "at-what-minillm-does": dict(lora_request=None, priority=0, trace_headers=None,
+                                 tokenization_kwargs={"add_special_tokens": True}),
+    "no-special-tokens": dict(tokenization_kwargs={"add_special_tokens": False}),
+}
+BAD_OPTIONS = {
+    "lora": dict(lora_request="adapter"),
+    "priority": dict(priority=3),
+    "priority-str": dict(priority="high"),
+    "tokenization-key": dict(tokenization_kwargs={"truncation": True}),
+    "trace-headers": dict(trace_headers={"traceparent": "x"}),
+}
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("options", VLLM_OPTIONS)
+def test_vllms_per_request_arguments_are_taken_as_the_offline_engine_takes_them(request, offline, engine_name,
+                                                                                 options):
+    # generate() and add_request() took none of them: a TypeError for a call vLLM's AsyncLLM takes.
+    engine = request.getfixturevalue(engine_name)
+    offline.add_request("offline", PROMPT, GREEDY, **VLLM_OPTIONS[options])
+    expected = []
+    while offline.has_unfinished_requests():
+        expected += offline.step()
+
+    async def scenario():
+        return [out async for out in engine.generate(PROMPT, GREEDY, f"options-{options}-{engine_name}",
+                                                     **VLLM_OPTIONS[options])]
+
+    assert _view(asyncio.run(scenario())[-1]) == _view(expected[-1])
+
+
+@pytest.mark.parametrize("engine_name", ENGINES)
+@pytest.mark.parametrize("options", BAD_OPTIONS)
+def test_a_per_request_argument_minillm_does_not_do_is_the_offline_engines_value_error(request, offline,
+                                                                                      engine_name, options):
+    engine = request.getfixturevalue(engine_name)
+    with pytest.raises(ValueError) as offline_error:
+        offline.add_request("offline", PROMPT, GREEDY, **BAD_OPTIONS[options])
+    request_id = f"bad-options-{options}-{engine_name}"
+
+    async def scenario():
+        with pytest.raises(ValueError) as error:
+            await anext(engine.generate(PROMPT, GREEDY, request_id, **BAD_OPTIONS[options]))
+        return str(error.value), await _num_unfinished(engine)
+
+    assert asyncio.run(scenario()) == (str(offline_error.value), 0) and _is_retired(engine, request_id)

@@ -33,7 +33,7 @@ from minillm.engine_core.core import (
     FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP,
 )
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.prompts import PromptType
+from minillm.prompts import PromptType, request_add_special_tokens
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.server.errors import EngineDeadError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -58,6 +58,7 @@ class _Add:
     stream: "RequestStream"
     done: asyncio.Future
     cache_salt: str | None = None
+    add_special_tokens: bool = True     # for a text prompt (vLLM's tokenization_kwargs)
 
 
 @dataclass
@@ -186,7 +187,8 @@ class EngineClient(Protocol):
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
-                          cache_salt: str | None = None) -> RequestStream: ...
+                          cache_salt: str | None = None, *, lora_request: Any = None, priority: int = 0,
+                          tokenization_kwargs: dict | None = None, trace_headers: Any = None) -> RequestStream: ...
     def abort(self, request_id: str | Iterable[str]) -> None: ...
     async def get_full_stats(self) -> EngineStats: ...
     async def get_stats(self, cells: int = 64) -> EngineStats: ...
@@ -196,11 +198,12 @@ class EngineClient(Protocol):
 
 
 async def generate_outputs(engine: EngineClient, prompt: PromptType, params: SamplingParams, request_id: str,
-                           arrival_time: float | None = None, cache_salt: str | None = None
+                           arrival_time: float | None = None, cache_salt: str | None = None, **options: Any
                            ) -> AsyncIterator[RequestOutput]:
     """vLLM's AsyncLLM.generate over an engine client: the request's outputs as they come, the last
-    one finished; a caller that leaves first (the generator closed or its task cancelled) aborts it."""
-    stream = await engine.add_request(request_id, prompt, params, arrival_time, cache_salt=cache_salt)
+    one finished; a caller that leaves first (the generator closed or its task cancelled) aborts it.
+    options: add_request's keyword arguments of vLLM's (lora_request, priority, ...)."""
+    stream = await engine.add_request(request_id, prompt, params, arrival_time, cache_salt=cache_salt, **options)
     try:
         async for output, _ in stream:
             yield output
@@ -360,19 +363,23 @@ class AsyncLLMEngine:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, *, lora_request: Any = None, priority: int = 0,
+                          tokenization_kwargs: dict | None = None, trace_headers: Any = None) -> RequestStream:
         """Submit a request; returns its stream once the engine accepted it (ValueError if not).
 
         output_queue: where its outputs go (shared by the requests of one call); a new one if None.
         observer: called on the event loop with every output and the time it was seen.
         cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
+        lora_request, priority, tokenization_kwargs, trace_headers: vLLM's, as LLMEngine.add_request takes them.
         """
+        add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
         params = request_params(params)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer, is_delta=is_delta_stream(params))
         done = loop.create_future()
-        self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done, cache_salt))
+        self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done, cache_salt,
+                        add_special_tokens))
         try:
             await done
         except asyncio.CancelledError:
@@ -381,10 +388,12 @@ class AsyncLLMEngine:
         return stream
 
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 **options: Any) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
-        says which), the last one finished; leaving the iteration early aborts the request."""
-        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt)
+        says which), the last one finished; leaving the iteration early aborts the request. options:
+        vLLM's lora_request, priority, tokenization_kwargs and trace_headers, as add_request takes them."""
+        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt, **options)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort a request, or each of a list (thread-safe, returns at once; unknown ids are ignored).
@@ -536,7 +545,8 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt)
+                                    arrival_time=command.arrival_time, cache_salt=command.cache_salt,
+                                    tokenization_kwargs={"add_special_tokens": command.add_special_tokens})
         except Exception as exc:  # noqa: BLE001 - ValueError is a 400; anything else a 500
             resolve_future(loop, command.done, error=exc)
             return

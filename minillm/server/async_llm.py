@@ -32,7 +32,9 @@ from minillm.engine_core.core import SAMPLING_FIELDS
 from minillm.engine_core.output_processor import OutputProcessor
 from minillm.loader import resolve_model_path
 from minillm.outputs import RequestOutput
-from minillm.prompts import PromptType, cache_salt_of, checked_token_ids, text_token_ids, unpack_prompt
+from minillm.prompts import (
+    PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
+)
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
     OutputQueue, RequestStream, abort_ids, deliver, generate_outputs, is_delta_stream, request_params, resolve_future,
@@ -132,18 +134,21 @@ class AsyncLLM:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           arrival_time: float | None = None, output_queue: OutputQueue | None = None,
                           observer: Callable[[RequestOutput, float], None] | None = None,
-                          cache_salt: str | None = None) -> RequestStream:
+                          cache_salt: str | None = None, *, lora_request: Any = None, priority: int = 0,
+                          tokenization_kwargs: dict | None = None, trace_headers: Any = None) -> RequestStream:
         """Submit a request; returns its stream once the core accepted it (ValueError if not).
-        cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt."""
+        cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
+        lora_request, priority, tokenization_kwargs, trace_headers: vLLM's, as LLMEngine.add_request takes them."""
         # What the core's message decoder would refuse must be refused here: a message it cannot
         # decode is dropped there, and its add would never be answered. The rest is checked here
         # too, in the offline engine's order and words, so a bad request is never queued.
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
+        add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
         check_arrival_time(arrival_time)
         params = request_params(params)
         cache_salt = cache_salt_of(prompt, cache_salt)
-        text, ids = self._prompt(prompt)
+        text, ids = self._prompt(prompt, add_special_tokens)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer, is_delta=is_delta_stream(params))
@@ -185,17 +190,19 @@ class AsyncLLM:
         return None
 
     def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                 arrival_time: float | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 **options: Any) -> AsyncIterator[RequestOutput]:
         """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
-        says which), the last one finished; leaving the iteration early aborts the request."""
-        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt)
+        says which), the last one finished; leaving the iteration early aborts the request. options:
+        vLLM's lora_request, priority, tokenization_kwargs and trace_headers, as add_request takes them."""
+        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt, **options)
 
-    def _prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prompt(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids) for any of vLLM's prompt forms the offline engine
         takes; ValueError as LLMEngine.add_request words it."""
         text, given = unpack_prompt(prompt)
         if isinstance(given, str):
-            return text, text_token_ids(self.tokenizer, given)
+            return text, text_token_ids(self.tokenizer, given, add_special_tokens)
         return text, checked_token_ids(given, self.vocab_size)
 
     def _prompt_block_keys(self, ids: Any, params: SamplingParams, cache_salt: str | None) -> list[bytes] | None:
