@@ -464,11 +464,14 @@ class LLMEngine:
         """Forget every cached prompt block, the host tier's too, so later prompts are computed afresh
         (vLLM's name, for benchmarks and changed weights); False, with nothing forgotten, while any
         block is in use."""
-        while self._in_flight and not self.requests:   # launched for requests that finished since: nothing to report
-            self.step()
+        unfinished = self.get_num_unfinished_requests()
+        if not unfinished:          # steps launched for requests finished (or aborted) since: their tokens are dropped
+            self._sample_deferred()
+            while self._in_flight:
+                self._complete(*self._in_flight.popleft())
         in_use = self.block_manager.num_used_blocks
-        if in_use or self.has_unfinished_requests():
-            self.log(f"minillm: reset_prefix_cache: nothing was reset ({len(self.requests)} requests unfinished, "
+        if in_use or unfinished:
+            self.log(f"minillm: reset_prefix_cache: nothing was reset ({unfinished} requests unfinished, "
                      f"{in_use} KV blocks in use)")
             return False
         self.block_manager.reset_prefix_cache()
