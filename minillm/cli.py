@@ -881,6 +881,15 @@ class UvicornLogLevel(str, Enum):
     trace = "trace"
 
 
+def host_option(value: str) -> str:
+    """--host, unless empty: an unset variable in `--host "$HOST"` would bind every interface, which
+    must be asked for by name."""
+    if not value.strip():
+        raise typer.BadParameter("is empty; give an address to bind, such as 127.0.0.1 (0.0.0.0 for every "
+                                 "interface)", param_hint="'--host'")
+    return value
+
+
 def server_limits(**values):
     """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
     from minillm.server.limits import ServerLimits, check_limit
@@ -895,7 +904,8 @@ def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).",
+                                      callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require this bearer token.")] = None,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
@@ -1166,7 +1176,8 @@ def router_command(
         "--prefill", help="A prefill server (minillm serve --kv-role producer); repeat for several.")],
     decode: Annotated[list[str], typer.Option(
         "--decode", help="A decode server (minillm serve --kv-role consumer); repeat for several.")],
-    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).",
+                                      callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     connect_timeout: Annotated[float, typer.Option(
         help="Seconds to wait for a server to accept a connection before trying the next.")] = 3.0,
