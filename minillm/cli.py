@@ -412,7 +412,7 @@ def chat(
     chosen = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "top_k": top_k}.items() if v is not None}
     with option_values(ctx):
         settings = sampling_settings(chosen, max_tokens, seed)
-    template = chat_template_option(chat_template, read_chat_template) if chat_template else None
+    template = chat_template_option(chat_template, read_chat_template) if chat_template is not None else None
     if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
@@ -436,7 +436,11 @@ def chat(
 
 def chat_template_option(value: str, read: Callable[[str], str]) -> str:
     """--chat-template read by READ (a file or the template itself); a directory, or a file that cannot
-    be read, is a CliError naming the option (a directory read as 'no such file')."""
+    be read, is a CliError naming the option (a directory read as 'no such file'); an empty one (an unset
+    variable in `--chat-template "$T"`) is a usage error, not the model's own template."""
+    if not value.strip():
+        raise typer.BadParameter("is empty; give the template's file, or the template itself",
+                                 param_hint="'--chat-template'")
     path = expand_user(value)
     if _path_test(path.is_dir):
         raise CliError(f"--chat-template {value} is a directory; give the template's file, or the template itself")

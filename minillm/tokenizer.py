@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # transformers' PreTrainedTokenizerBase default for model_max_length when the config gives none
 VERY_LARGE_INTEGER = int(1e30)
+# The longest chat template file read: the template sandbox's bound on a string (a pipe may never end).
+MAX_TEMPLATE_CHARS = 1 << 24
 # transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
 # truncation, masks), which minillm's lists of ids do not have: taken only at their off values.
 _TOKENIZE_OPTIONS = ("padding", "truncation", "max_length", "return_tensors", "return_assistant_tokens_mask",
@@ -91,34 +94,50 @@ def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
 def read_chat_template(value: str) -> str:
     """A chat template given as a file path or as the template itself (vLLM's --chat-template), compiled
     once here so a broken one fails at start-up."""
-    path = expand_user(value)
-    if _is_file(path):
-        source = _read_template_file(path)
-    elif "{" in value:   # Jinja markup: the template itself
-        source = value
-    else:
-        raise ValueError(f"chat template file not found: {value} (give a file, or the template itself)")
+    source = _template_file_text(value)
+    is_inline = source is None
+    if is_inline:
+        if "{" not in value:
+            raise ValueError(f"chat template file not found: {value} (give a file, or the template itself)")
+        source = _inline_template(value)
     try:
         compile_chat_template(source)
     except Exception as e:   # jinja2's TemplateSyntaxError and friends
-        where = "" if source is value else f" in {value}"
+        where = "" if is_inline else f" in {value}"
         raise ValueError(f"chat template{where} does not compile: {type(e).__name__}: {e}") from None
     return source
 
 
-def _read_template_file(path: Path) -> str:
-    """A chat template file's text; ValueError naming the file when it is not UTF-8."""
+def _template_file_text(value: str) -> str | None:
+    """The text of the chat template file VALUE names, a pipe too (bash's `<(...)`, which vLLM reads as a
+    file); None when it names nothing; a ValueError naming --chat-template for a device or such (/dev/null),
+    a file that is empty or not UTF-8, or one past MAX_TEMPLATE_CHARS."""
+    path = expand_user(value)
     try:
-        return path.read_text(encoding="utf-8")
+        mode = path.stat().st_mode
+    except (OSError, ValueError):     # no such file, or a template's text too long (or odd) to be a name
+        return None
+    if stat.S_ISDIR(mode):
+        return None                   # the callers name a directory themselves
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise ValueError(f"--chat-template {value!r} is not a regular file; give the template's file, "
+                         f"or the template itself")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(MAX_TEMPLATE_CHARS + 1)
     except UnicodeDecodeError as exc:
         raise ValueError(f"chat template file {path} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise ValueError(f"--chat-template: {value} holds more than {MAX_TEMPLATE_CHARS} characters")
+    if not text.strip():
+        raise ValueError(f"--chat-template: {value} is empty")
+    return text
 
 
-def _is_file(path: Path) -> bool:
-    try:
-        return path.is_file()
-    except OSError:   # a template's text is often too long to be a file name
-        return False
+def _inline_template(value: str) -> str:
+    """A template given inline, its escapes such as \\n read as in a Python string, as vLLM reads them
+    (non-Latin-1 text survives)."""
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def compile_chat_template(source: str):
@@ -499,23 +518,12 @@ def _compile_cached(source: str):
 
 def chat_template_from_arg(value: str) -> str:
     """A --chat-template value: the path of a file holding the template, or the template itself (as vLLM reads it)."""
-    path = Path(value)
-    try:
-        if path.is_file():
-            return _read_template_file(path)
-    except OSError:   # a template too long to be a file name
-        pass
+    source = _template_file_text(value)
+    if source is not None:
+        return source
     if not any(c in value for c in "{}\n"):
-        try:
-            exists = path.exists()           # a device or FIFO (/dev/null) is no template file either
-        except OSError:
-            exists = False
-        if exists:
-            raise ValueError(f"--chat-template {value!r} is not a regular file; give the template's file, "
-                             f"or the template itself")
         raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
-    # Inline, escapes such as \n are read as in a Python string, as vLLM does (non-Latin-1 text survives).
-    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    return _inline_template(value)
 
 
 def _register_special_tokens(backend: tokenizers.Tokenizer, contents: list[str | None]) -> None:

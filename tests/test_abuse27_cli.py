@@ -1,9 +1,16 @@
 """The command line and the LLM API as vLLM, Ollama and transformers users drive them."""
 from __future__ import annotations
 
+import io
+import os
+import threading
+
 import pytest
 
-from test_cli import run_main
+from test_cli import STORIES, needs_stories, run_main
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}"
+
 
 def one_line(err: str) -> str:
     """The single line a failed command printed (asserting there is one, and no traceback)."""
@@ -25,3 +32,67 @@ def test_an_empty_host_is_named_not_read_as_every_interface(capsys, command):
     assert status == 2 and out == ""
     line = one_line(err)
     assert "'--host'" in line and "0.0.0.0" in line, line
+
+
+# ---- --chat-template ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_an_empty_chat_template_is_named(capsys, monkeypatch, tmp_path, command):
+    # chat took --chat-template "" for no template at all (the model's own, or plain text); serve read
+    # it as the current directory ("--chat-template  is a directory"); an empty file gave chat plain text.
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("")
+    status, out, err = run_main(capsys, command, str(tmp_path / "no-model"), "--chat-template", "")
+    assert status == 2 and one_line(err) == (f"minillm {command}: error: Invalid value for '--chat-template': is "
+                                             f"empty; give the template's file, or the template itself (try "
+                                             f"'minillm {command} --help')")
+    status, out, err = run_main(capsys, command, str(tmp_path / "no-model"), "--chat-template", str(empty))
+    assert status == 1 and one_line(err) == f"minillm: error: --chat-template: {empty} is empty"
+
+
+def chat_replies(capsys, monkeypatch, template: str, messages: str) -> str:
+    """What `minillm chat STORIES --chat-template TEMPLATE` prints for MESSAGES piped in, greedy."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(messages))
+    status, out, err = run_main(capsys, "chat", str(STORIES), "--device", "cpu", "--temperature", "0",
+                                "--max-tokens", "8", "--chat-template", template)
+    assert status == 0, err
+    return out
+
+
+@needs_stories
+def test_a_chat_template_from_a_pipe_is_read_as_from_a_file(capsys, monkeypatch, tmp_path):
+    # `--chat-template <(curl ...)` (bash's process substitution, a pipe) was "chat template file not
+    # found: /dev/fd/63" in chat and "not a regular file" in serve; vLLM reads it.
+    file = tmp_path / "template.jinja"
+    file.write_text(TEMPLATE)
+    expected = chat_replies(capsys, monkeypatch, str(file), "Tom had a red ball.\n/stats\n")
+    fifo = tmp_path / "template.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_text, args=(TEMPLATE,))
+    writer.start()
+    try:
+        got = chat_replies(capsys, monkeypatch, str(fifo), "Tom had a red ball.\n/stats\n")
+    finally:
+        if writer.is_alive():        # the chat never opened the pipe: let the writer finish
+            with open(fifo):
+                pass
+        writer.join()
+    assert _replies(got) == _replies(expected)
+
+
+def _replies(out: str) -> list[str]:
+    """The chat's output without the banner line (it names the template's path) and timings."""
+    return [line for line in out.splitlines()[1:] if "tok/s" not in line]
+
+
+@needs_stories
+def test_chat_reads_escapes_of_an_inline_template_as_serve_and_vllm_do(capsys, monkeypatch, tmp_path):
+    # serve (and vLLM) read `\n` in an inline --chat-template as a line break; chat kept the backslash and
+    # the n, so the same template gave the model another prompt in chat than through the server.
+    file = tmp_path / "template.jinja"
+    file.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    inline = "{{ bos_token }}{% for m in messages %}{{ m.content }}\\n{% endfor %}"
+    script = "Tom had a red ball.\n/stats\n"
+    assert _replies(chat_replies(capsys, monkeypatch, inline, script)) == \
+        _replies(chat_replies(capsys, monkeypatch, str(file), script))
