@@ -71,10 +71,27 @@ class BenchParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         if "help" not in {a.dest for a in self._actions}:   # added last, so it is listed last
             self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
-        return super().parse_known_args(args, namespace)
+        parsed, rest = super().parse_known_args(args, namespace)
+        self._refuse_empty_values(parsed)
+        return parsed, rest
+
+    def _refuse_empty_values(self, parsed) -> None:
+        """A usage error naming the first option given an empty text (an unset variable in `--model "$M"`):
+        read on, it was the current directory (--model), or no file at all after the run (--json)."""
+        for action in self._actions:
+            value = getattr(parsed, action.dest, None)
+            if not action.option_strings or value is action.default:
+                continue
+            values = value if isinstance(value, list) else [value]
+            if any(isinstance(v, str) and not v.strip() for v in values):
+                self.error(f"{_long_option(action.option_strings)} is empty")
 
     def error(self, message: str):
         raise BenchUsageError(self.prog, message)
+
+
+def _long_option(option_strings: list[str]) -> str:
+    return next((o for o in option_strings if o.startswith("--")), option_strings[0])
 
 
 def run_main(main: Callable[[list[str]], int], prog: str, argv: list[str] | None = None) -> int:

@@ -354,6 +354,7 @@ def resolve_chat_model(model: str | None, download_dir: str | None, command: str
     """MODEL, else $MINILLM_MODEL, else the default; a failed fetch says how to use a local dir."""
     check_model_name(model)
     check_download_dir(download_dir)     # before the fallback below reads it as a failed fetch
+    check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
         return resolve_model(name, download_dir, revision)
@@ -365,6 +366,14 @@ def resolve_chat_model(model: str | None, download_dir: str | None, command: str
         reason = reason if len(reason) <= 160 else reason[:157] + "..."
         raise CliError(f"could not fetch the default model {name} ({reason}); pass a local model "
                        f"directory instead: minillm {command} path/to/model (or set MINILLM_MODEL)") from None
+
+
+def check_model_variable(model: str | None) -> None:
+    """A CliError for a $MINILLM_MODEL of spaces that MODEL left out would read (empty, it is unset)."""
+    value = os.environ.get("MINILLM_MODEL")
+    if model is None and value and not value.strip():
+        raise CliError("$MINILLM_MODEL is blank: set it to a model directory or a Hugging Face repo id such as "
+                       f"{DEFAULT_CHAT_MODEL}, or unset it")
 
 
 def _use_readline() -> None:
@@ -1087,6 +1096,7 @@ def serve(
     if not 0 < timeout_graceful_shutdown <= 3600:
         raise CliError(f"--timeout-graceful-shutdown must be in (0, 3600] seconds, got {timeout_graceful_shutdown}")
     names = served_names_option(served_model_name, model)
+    check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     from minillm.server.app import ServerOptions, run_server
     options = ServerOptions(api_key=api_key, served_model_name=names or name, chat_template=template,
@@ -1324,9 +1334,10 @@ def pull(
     revision: Annotated[Optional[str], typer.Option(help="A branch, tag or commit (default: main).")] = None,
 ) -> None:
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
-    from minillm.model_store import download_model, is_repo_id, no_such_directory
+    from minillm.model_store import check_store, download_model, is_repo_id, no_such_directory
     check_model_name(model)
     check_download_dir(download_dir)
+    check_store(download_dir)
     if expand_user(model).is_dir():
         raise CliError(f"{model} is a local directory: there is nothing to pull; use it as it is "
                        f"(minillm chat {model})")
@@ -1343,12 +1354,10 @@ def list_command(
 ) -> None:
     """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
     from minillm.engine_stats import human_bytes
-    from minillm.model_store import list_local_models, model_store
+    from minillm.model_store import check_store, list_local_models, model_store
     require_stdout("list")
     check_download_dir(download_dir)
-    store = Path(model_store(download_dir))
-    if store.exists() and not store.is_dir():
-        raise CliError(f"--download-dir {store} is not a directory")
+    check_store(download_dir)
     models = list_local_models(download_dir)
     if not models:
         typer.echo(f"no models in {model_store(download_dir)} (minillm pull MODEL fetches one)")

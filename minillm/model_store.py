@@ -34,6 +34,30 @@ def hf_hub_cache() -> Path:
     return expand_user(home) / "hub"
 
 
+def check_store(download_dir: str | None = None) -> None:
+    """A ValueError naming the environment variable ($HF_HUB_CACHE, $HF_HOME, ...) the Hugging Face cache
+    comes from when the cache is a file or lies under one (its files would be fetched into a file);
+    a download_dir is its caller's option to name."""
+    if download_dir:
+        return
+    store = hf_hub_cache()
+    existing = next((p for p in (store, *store.parents) if p.exists()), None)
+    if existing is None or existing.is_dir():
+        return
+    name, value = _cache_variable()
+    under = "" if existing == expand_user(value) else f" ({existing} is a file)"
+    raise ValueError(f"{name} {value} is not a directory{under}: it holds the Hugging Face cache, where hub "
+                     f"models are stored")
+
+
+def _cache_variable() -> tuple[str, str]:
+    """(the name, the value) of what hf_hub_cache() read the cache's place from."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        if os.environ.get(name):
+            return f"${name}", os.environ[name]
+    return "the default cache", "~/.cache/huggingface"
+
+
 def model_store(download_dir: str | None = None) -> Path:
     """Where hub models live: download_dir (laid out as a Hugging Face cache) or the shared cache."""
     return expand_user(download_dir).resolve() if download_dir else hf_hub_cache()
@@ -55,6 +79,8 @@ def _looks_like_path(model: str) -> bool:
 def resolve_model_path(model: str, download_dir: str | None = None, revision: str | None = None) -> Path:
     """A local model directory as is; a hub id from the store (at revision: a branch, tag or commit),
     fetched into it when missing."""
+    if isinstance(model, str) and not model.strip():     # expand_user("") is the current directory
+        raise ValueError("model is empty: give a model directory or a Hugging Face repo id")
     path = expand_user(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -73,6 +99,7 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     if _looks_like_path(model) or not is_repo_id(model) or expand_user(model.split("/")[0]).is_dir():
         # A path (or its first folder exists here): the user meant a directory, not the hub.
         raise FileNotFoundError(no_such_directory(model))
+    check_store(download_dir)
     cached = cached_snapshot(model, download_dir, revision)
     if cached is not None:
         return cached

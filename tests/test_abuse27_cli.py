@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from minillm import LLM
 from test_cli import STORIES, needs_stories, run_main
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}"
@@ -17,6 +18,15 @@ def one_line(err: str) -> str:
     assert "Traceback" not in err, err
     [line] = err.strip().splitlines()
     return line
+
+
+@pytest.fixture
+def no_store_variables(monkeypatch):
+    """The Hugging Face cache variables and $MINILLM_MODEL unset, the hub offline."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "MINILLM_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return monkeypatch
 
 
 # ---- serve's start-up flags --------------------------------------------------------------------------
@@ -96,3 +106,60 @@ def test_chat_reads_escapes_of_an_inline_template_as_serve_and_vllm_do(capsys, m
     script = "Tom had a red ball.\n/stats\n"
     assert _replies(chat_replies(capsys, monkeypatch, inline, script)) == \
         _replies(chat_replies(capsys, monkeypatch, str(file), script))
+
+
+# ---- the model store's environment -------------------------------------------------------------------
+
+@pytest.mark.parametrize("variable", ["HF_HUB_CACHE", "HF_HOME"])
+@pytest.mark.parametrize("command", [("list",), ("pull", "someorg/somemodel"),
+                                     ("generate", "someorg/somemodel", "-p", "hi")])
+def test_a_cache_variable_naming_a_file_is_named(capsys, tmp_path, no_store_variables, variable, command):
+    # HF_HUB_CACHE=<a file>: list blamed --download-dir, which was never given; HF_HOME=<a file>: list said
+    # "no models in <file>/hub"; pull and generate tried to fetch into the file.
+    a_file = tmp_path / "cache"
+    a_file.write_text("x")
+    no_store_variables.setenv(variable, str(a_file))
+    status, out, err = run_main(capsys, *command)
+    assert status == 1 and out == ""
+    line = one_line(err)
+    assert f"${variable} {a_file}" in line and "not a directory" in line and "--download-dir" not in line, line
+
+
+@needs_stories
+def test_a_cache_variable_naming_a_file_leaves_local_models_alone(capsys, no_store_variables, tmp_path):
+    a_file = tmp_path / "cache"
+    a_file.write_text("x")
+    no_store_variables.setenv("HF_HUB_CACHE", str(a_file))
+    status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "Once", "--max-tokens", "2")
+    assert status == 0 and out.startswith("Once"), err
+
+
+@pytest.mark.parametrize("command", ["chat", "serve"])
+def test_a_blank_minillm_model_variable_is_named(capsys, monkeypatch, no_store_variables, command):
+    # It read "could not fetch the default model   (CliError: MODEL is empty: ...)".
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    no_store_variables.setenv("MINILLM_MODEL", "  ")
+    status, out, err = run_main(capsys, command, "--device", "cpu")
+    line = one_line(err)
+    assert status == 1 and line.startswith("minillm: error: $MINILLM_MODEL is blank"), line
+    assert "CliError" not in line
+
+
+def test_an_empty_model_is_named_not_read_as_the_current_directory(capsys, stories_path, tmp_path, monkeypatch):
+    # LLM("") and `bench throughput --model ""` said "model directory . has no config.json".
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        LLM("", device="cpu")
+    assert str(info.value).startswith("model is empty"), info.value
+    status, out, err = run_main(capsys, "bench", "throughput", "--model", " ", "--device", "cpu")
+    line = one_line(err)
+    assert status == 2 and "--model" in line and "directory ." not in line, line
+
+
+def test_a_benchmark_output_file_that_is_empty_is_named(capsys, stories_path):
+    # `--json ""` (an unset variable) ran the whole benchmark and wrote nothing.
+    status, out, err = run_main(capsys, "bench", "throughput", "--model", str(stories_path), "--device", "cpu",
+                                "--json", "")
+    assert status == 2 and "workload" not in out
+    assert one_line(err) == ("minillm bench throughput: error: --json is empty (try 'minillm bench throughput "
+                             "--help')")
