@@ -326,6 +326,8 @@ class LLM:
             if not isinstance(tools, Seq) or isinstance(tools, str) or not all(isinstance(t, dict) for t in tools):
                 raise ValueError(f"tools must be a list of tool dicts, got {short_repr(tools)}")
             chat_template_kwargs = {"tools": list(tools), **(chat_template_kwargs or {})}
+        if isinstance(chat_template, str):
+            check_unicode(chat_template, "chat_template")   # else named as the messages it rendered
         tokenizer = self.get_tokenizer()
         if chat_template is None and not tokenizer.has_chat_template:
             raise ValueError(f"the tokenizer of {tokenizer.name or 'this model'} has no chat template: pass one to "

@@ -286,7 +286,11 @@ class Tokenizer:
             _check_options_off("encode", options, _TOKENIZE_OPTIONS)
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:        # "TextInputSequence must be str", of a str with a lone surrogate
+            check_unicode(text, "text")
+            raise
 
     def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options) -> dict:
         """Hugging Face's call: {"input_ids", "attention_mask"} for a text, or lists of them for a list of
@@ -303,7 +307,10 @@ class Tokenizer:
 
     def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False, **options) -> list[str]:
         """decode() of each id list (Hugging Face's batch_decode, special tokens kept unless skipped)."""
-        return [self.decode(ids, skip_special_tokens=skip_special_tokens, **options) for ids in sequences]
+        try:
+            return [self.decode(ids, skip_special_tokens=skip_special_tokens, **options) for ids in sequences]
+        except IdOutOfRange as exc:
+            raise IdOutOfRange(f"batch_decode{str(exc).removeprefix('decode')}") from None
 
     def decode(self, ids: int | list[int], skip_special_tokens: bool = False, **options) -> str:
         """token ids (or one id) -> text, special tokens kept unless skip_special_tokens, as Hugging
@@ -316,7 +323,11 @@ class Tokenizer:
             _check_options_off("decode", options, ("clean_up_tokenization_spaces",))
         if type(ids) is not list:
             ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        try:
+            return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        except OverflowError:    # the tokenizers library's ids are unsigned 32-bit integers
+            bad = next((i for i in ids if not 0 <= i < 1 << 32), ids)
+            raise IdOutOfRange(f"decode: token ids must be integers in [0, 2**32), got {bad}") from None
 
     def decode_token(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """decode([token_id]), remembered (at most one entry per id of the vocabulary and flag)."""
@@ -340,6 +351,7 @@ class Tokenizer:
         """text -> its token strings (Hugging Face's tokenize: no special tokens unless asked)."""
         if not isinstance(text, str):
             raise ValueError(f"text must be a str, got {type(text).__name__}")
+        check_unicode(text, "text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
 
     def convert_tokens_to_string(self, tokens: list[str]) -> str:
@@ -460,28 +472,44 @@ class Tokenizer:
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e or type(e).__name__}") from e
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+    def apply_chat_template(self, conversation: list[dict] | list[list[dict]], add_generation_prompt: bool = False,
                             tokenize: bool = True, chat_template: str | None = None, return_dict: bool = False,
-                            **template_kwargs) -> str | list[int] | dict:
-        """Render messages with the model's chat template, or CHAT_TEMPLATE (a template's source) when
-        given, with the defaults of the transformers that vLLM's get_tokenizer() hands out: token ids
-        (no specials added; {"input_ids", "attention_mask"} with return_dict) unless tokenize=False,
-        and no generation prompt unless asked for. transformers' tokenization options (_TOKENIZE_OPTIONS)
-        are a ValueError naming them unless off, never template variables."""
+                            **template_kwargs) -> str | list[int] | dict | list:
+        """Render a conversation (transformers' name; or a batch of them, one result each) with the model's
+        chat template, or CHAT_TEMPLATE (a template's source) when given, with the defaults of the
+        transformers that vLLM's get_tokenizer() hands out: token ids (no specials added; {"input_ids",
+        "attention_mask"} with return_dict) unless tokenize=False, and no generation prompt unless asked
+        for. transformers' tokenization options (_TOKENIZE_OPTIONS) are a ValueError naming them unless
+        off, never template variables."""
         options = {name: template_kwargs.pop(name) for name in _TOKENIZE_OPTIONS if name in template_kwargs}
         if options:
             _check_options_off("apply_chat_template", options, _TOKENIZE_OPTIONS)
-        text = self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
+        is_batch = isinstance(conversation, (list, tuple)) and bool(conversation) and \
+            isinstance(conversation[0], (list, tuple))
+        texts = [self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
+                 for messages in (conversation if is_batch else [conversation])]
         if not tokenize:
-            return text
+            return texts if is_batch else texts[0]
         # The template writes BOS itself where the model wants it.
-        return self(text, add_special_tokens=False) if return_dict else self.encode(text, add_special_tokens=False)
+        if return_dict:
+            return self(texts if is_batch else texts[0], add_special_tokens=False)
+        ids = [self.encode(text, add_special_tokens=False) for text in texts]
+        return ids if is_batch else ids[0]
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Several texts -> their token ids; unlike encode, the work runs without holding the GIL."""
         if any(not isinstance(t, str) for t in texts):
             raise ValueError("texts must be strings")
-        return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        try:
+            return [e.ids for e in self.backend.encode_batch(list(texts), add_special_tokens=add_special_tokens)]
+        except TypeError:        # a text with a lone surrogate
+            for i, text in enumerate(texts):
+                check_unicode(text, f"text[{i}]")
+            raise
+
+
+class IdOutOfRange(ValueError):
+    """A token id no tokenizer has (the tokenizers library's ids are unsigned 32-bit)."""
 
 
 def _check_options_off(where: str, options: dict, known: tuple[str, ...]) -> None:

@@ -7,10 +7,11 @@ import threading
 
 import pytest
 
-from minillm import LLM
+from minillm import LLM, SamplingParams
 from test_cli import STORIES, needs_stories, run_main
 
 TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}"
+HELLO = [{"role": "user", "content": "Tom had a red ball."}]
 
 
 def one_line(err: str) -> str:
@@ -18,6 +19,13 @@ def one_line(err: str) -> str:
     assert "Traceback" not in err, err
     [line] = err.strip().splitlines()
     return line
+
+
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    """One stories260K LLM on the CPU for the module."""
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
+        yield model
 
 
 @pytest.fixture
@@ -163,3 +171,49 @@ def test_a_benchmark_output_file_that_is_empty_is_named(capsys, stories_path):
     assert status == 2 and "workload" not in out
     assert one_line(err) == ("minillm bench throughput: error: --json is empty (try 'minillm bench throughput "
                              "--help')")
+
+
+# ---- the tokenizer's transformers names --------------------------------------------------------------
+
+def test_decode_refuses_ids_past_any_vocabulary_by_name(llm):
+    # OverflowError ("number too small to fit in target type") from the tokenizers library.
+    tok = llm.get_tokenizer()
+    for ids in ([-1], [5, 2**64], -3):
+        with pytest.raises(ValueError, match=r"^decode: token ids must be integers in \[0, 2\*\*32\)"):
+            tok.decode(ids)
+    with pytest.raises(ValueError, match=r"^batch_decode: token ids must be"):
+        tok.batch_decode([[1], [-1]])
+    assert tok.decode([10**6]) == ""        # an unknown id in range still decodes to nothing, as before
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda tok: tok.encode("a\ud800"), "text"), (lambda tok: tok.tokenize("a\ud800"), "text"),
+    (lambda tok: tok("a\ud800"), "text"), (lambda tok: tok(["ok", "a\ud800"]), "text[1]"),
+    (lambda tok: tok.encode_batch(["a\ud800"]), "text[0]"),
+])
+def test_text_with_a_lone_surrogate_is_a_value_error_naming_it(llm, call, name):
+    # TypeError "TextInputSequence must be str", of a str.
+    with pytest.raises(ValueError) as info:
+        call(llm.get_tokenizer())
+    assert str(info.value) == f"{name} is not valid Unicode: a lone surrogate at index 1"
+
+
+def test_apply_chat_template_takes_transformers_conversation_argument_and_batches(llm):
+    # conversation= (transformers' name of the first argument) was a TypeError; a batch of
+    # conversations was "messages[0] must be a dict with a 'role'".
+    tok = llm.get_tokenizer()
+    one = tok.apply_chat_template(HELLO, chat_template=TEMPLATE)
+    assert tok.apply_chat_template(conversation=HELLO, chat_template=TEMPLATE) == one
+    other = [{"role": "user", "content": "Lily"}]
+    assert tok.apply_chat_template([HELLO, other], chat_template=TEMPLATE) == \
+        [one, tok.apply_chat_template(other, chat_template=TEMPLATE)]
+    assert tok.apply_chat_template([HELLO, other], chat_template=TEMPLATE, tokenize=False) == \
+        ["<s>Tom had a red ball. ", "<s>Lily "]
+    with pytest.raises(TypeError, match="conversation"):
+        tok.apply_chat_template(HELLO, conversation=HELLO, chat_template=TEMPLATE)
+
+
+def test_llm_chat_names_a_template_with_a_lone_surrogate(llm):
+    # "messages is not valid Unicode", of messages that were plain ASCII.
+    with pytest.raises(ValueError, match="^chat_template is not valid Unicode"):
+        llm.chat(HELLO, SamplingParams(max_tokens=2), chat_template="{{ bos_token }}\ud800{{ messages[0].content }}")
