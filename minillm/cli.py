@@ -140,6 +140,15 @@ def override_generation_config_option(value: str | None) -> dict | None:
     return override
 
 
+def revision_option(value: str | None) -> str | None:
+    """--revision, unless empty: an unset variable in `--revision "$REV"` was sent to the hub as a
+    revision named ''."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty; give a branch, tag or commit, or leave it out (main)",
+                                 param_hint="'--revision'")
+    return value
+
+
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
 ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (Annotated[Device, _engine_option(
@@ -201,7 +210,7 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
              'unsets one), over the file\'s (--generation-config auto) or alone (vllm); max_new_tokens also caps '
              'a server request\'s max_tokens.')], None),
     "revision": (Annotated[Optional[str], _engine_option(
-        "--revision", help="A hub model's branch, tag or commit (default: main).")], None),
+        "--revision", callback=revision_option, help="A hub model's branch, tag or commit (default: main).")], None),
     "async_scheduling": (Annotated[Optional[bool], _engine_option(
         "--async-scheduling/--no-async-scheduling",
         help="Launch each step before the previous one is read back (default: on the GPU, off on the CPU).")],
@@ -1331,7 +1340,8 @@ def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
     download_dir: Annotated[Optional[str], typer.Option(
         help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
-    revision: Annotated[Optional[str], typer.Option(help="A branch, tag or commit (default: main).")] = None,
+    revision: Annotated[Optional[str], typer.Option(
+        callback=revision_option, help="A branch, tag or commit (default: main).")] = None,
 ) -> None:
     """Download a model from the Hugging Face Hub into the model store (or bring it up to date)."""
     from minillm.model_store import check_store, download_model, is_repo_id, no_such_directory

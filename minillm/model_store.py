@@ -81,6 +81,8 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     fetched into it when missing."""
     if isinstance(model, str) and not model.strip():     # expand_user("") is the current directory
         raise ValueError("model is empty: give a model directory or a Hugging Face repo id")
+    if isinstance(revision, str) and not revision.strip():
+        raise ValueError("revision is empty: give a branch, tag or commit, or leave it None (main)")
     path = expand_user(model)
     if path.is_dir():
         if not (path / "config.json").is_file():

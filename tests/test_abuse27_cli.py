@@ -217,3 +217,15 @@ def test_llm_chat_names_a_template_with_a_lone_surrogate(llm):
     # "messages is not valid Unicode", of messages that were plain ASCII.
     with pytest.raises(ValueError, match="^chat_template is not valid Unicode"):
         llm.chat(HELLO, SamplingParams(max_tokens=2), chat_template="{{ bos_token }}\ud800{{ messages[0].content }}")
+
+
+# ---- --revision ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [("generate", "someorg/somemodel", "-p", "hi"), ("pull", "someorg/somemodel")])
+def test_an_empty_revision_is_named_not_asked_of_the_hub(capsys, no_store_variables, command):
+    # --revision "" (an unset variable) went to the hub: "could not be fetched at revision '' ...".
+    status, out, err = run_main(capsys, *command, "--revision", "")
+    assert status == 2 and one_line(err).startswith(
+        f"minillm {command[0]}: error: Invalid value for '--revision': is empty"), err
+    with pytest.raises(ValueError, match="^revision is empty"):
+        LLM("someorg/somemodel", device="cpu", revision=" ")
