@@ -1,4 +1,7 @@
-"""The command line and the LLM API as vLLM, Ollama and transformers users drive them."""
+"""The command line and the LLM API as vLLM, Ollama and transformers users drive them: an empty --host or
+--revision, chat templates from pipes, empty files and inline escapes, a Hugging Face cache variable that
+names a file, a blank $MINILLM_MODEL, an empty model or benchmark option, and the tokenizer's
+transformers names with ids and text no tokenizer takes."""
 from __future__ import annotations
 
 import io
