@@ -1102,29 +1102,30 @@ def serve(
             "allowed_methods": json_list_option(allowed_methods, "--allowed-methods"),
             "allowed_headers": json_list_option(allowed_headers, "--allowed-headers")}
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
-    if not 0 < timeout_graceful_shutdown <= 3600:
-        raise CliError(f"--timeout-graceful-shutdown must be in (0, 3600] seconds, got {timeout_graceful_shutdown}")
     names = served_names_option(served_model_name, model)
     check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     from minillm.server.app import ServerOptions, run_server
-    options = ServerOptions(api_key=api_key, served_model_name=names or name, chat_template=template,
-                            trust_request_chat_template=trust_request_chat_template, limits=limits,
-                            log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
-                            exit_on_engine_error=exit_on_engine_error,
-                            timeout_graceful_shutdown=timeout_graceful_shutdown,
-                            engine_core=_plain(engine_core), api_server_count=api_server_count,
-                            allow_credentials=allow_credentials, response_role=response_role,
-                            root_path=root_path or "", enable_docs=not disable_fastapi_docs,
-                            request_id_headers=enable_request_id_headers,
-                            chat_template_content_format=_plain(chat_template_content_format),
-                            return_tokens_as_token_ids=return_tokens_as_token_ids,
-                            enable_prompt_tokens_details=enable_prompt_tokens_details,
-                            enable_server_load_tracking=enable_server_load_tracking,
-                            reasoning_parser=_plain(reasoning_parser) if reasoning_parser else None,
-                            tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),
-                            uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
-                            uvicorn_access_log=not disable_uvicorn_access_log, **cors)
+    # A value ServerOptions refuses is a usage error naming its flag (--root-path, not root_path); the
+    # served name taken from MODEL did not come from --served-model-name.
+    with option_values(ctx, unless=() if names else ("served_model_name",)):
+        options = ServerOptions(api_key=api_key, served_model_name=names or name, chat_template=template,
+                                trust_request_chat_template=trust_request_chat_template, limits=limits,
+                                log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
+                                exit_on_engine_error=exit_on_engine_error,
+                                timeout_graceful_shutdown=timeout_graceful_shutdown,
+                                engine_core=_plain(engine_core), api_server_count=api_server_count,
+                                allow_credentials=allow_credentials, response_role=response_role,
+                                root_path=root_path or "", enable_docs=not disable_fastapi_docs,
+                                request_id_headers=enable_request_id_headers,
+                                chat_template_content_format=_plain(chat_template_content_format),
+                                return_tokens_as_token_ids=return_tokens_as_token_ids,
+                                enable_prompt_tokens_details=enable_prompt_tokens_details,
+                                enable_server_load_tracking=enable_server_load_tracking,
+                                reasoning_parser=_plain(reasoning_parser) if reasoning_parser else None,
+                                tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),
+                                uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
+                                uvicorn_access_log=not disable_uvicorn_access_log, **cors)
     if trust_remote_code:
         typer.echo("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every model "
                    "it loads, never code from a checkpoint", err=True)

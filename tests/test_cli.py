@@ -575,7 +575,7 @@ def test_serve_refuses_a_port_it_cannot_listen_on_before_loading_the_model():
         cases = [(("--port", str(port)), f"cannot listen on 127.0.0.1:{port}"),
                  (("--host", "999.1.1.1", "--port", "0"), "cannot listen on 999.1.1.1:0"),
                  (("--port", "70000"), "--port"), (("--port", "-1"), "--port"),
-                 (("--api-key", "", "--port", "0"), "api_key must not be empty")]
+                 (("--api-key", "", "--port", "0"), "Invalid value for '--api-key': must not be empty")]
         for args, needle in cases:
             result = minillm("serve", str(STORIES), "--device", "cpu", *args)
             assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
@@ -648,9 +648,10 @@ def test_serve_monitor_without_a_terminal_is_refused_before_anything_starts(stor
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "3601"])
 def test_serve_refuses_a_graceful_shutdown_it_cannot_keep(value):
     result = minillm("serve", "./no/such/model", "--device", "cpu", "--timeout-graceful-shutdown", value)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
     [line] = result.stderr.strip().splitlines()
-    assert line.startswith("minillm: error: --timeout-graceful-shutdown must be in (0, 3600] seconds"), line
+    assert line.startswith("minillm serve: error: Invalid value for '--timeout-graceful-shutdown': must be in "
+                           "(0, 3600] seconds"), line
 
 
 def test_generate_values_only_the_model_can_judge_are_usage_errors_naming_the_option(tmp_path):

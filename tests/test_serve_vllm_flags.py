@@ -134,8 +134,8 @@ def test_trust_remote_code_is_taken_and_says_it_changes_nothing(capsys, started)
     (("--monitor", "--enable-log-requests"), "where --enable-log-requests would log over it"),
     (("--monitor", "--uvicorn-log-level", "debug"), "where --uvicorn-log-level would log over it"),
     (("--uvicorn-log-level", "loud"), "'loud' is not one of"),
-    (("--root-path", "llm"), "root_path must be a path starting with /"),
-    (("--response-role", " "), "response_role must not be empty"),
+    (("--root-path", "llm"), "Invalid value for '--root-path': must be a path starting with /"),
+    (("--response-role", " "), "Invalid value for '--response-role': must not be empty"),
     (("--max-log-len", "100"), "No such option: --max-log-len"),     # no prompt text is logged to cut
 ])
 def test_flags_that_cannot_work_fail_in_one_line_before_loading(capsys, started, monkeypatch, flags, message):
