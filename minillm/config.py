@@ -70,7 +70,7 @@ class EngineConfig:
     download_dir: str | None = None      # None: the Hugging Face cache (model_store.hf_hub_cache)
     revision: str | None = None          # a hub model's branch, tag or commit (None: main)
     # vLLM's served_model_name: a name, or a list of names of which the engine goes by the first
-    # (None, "" or []: the model as given)
+    # (None or []: the model as given; an empty name is refused, as the server refuses it)
     served_model_name: str | list[str] | None = None
     async_scheduling: bool | None = None  # launch step t+1 before reading step t (None: on the GPU)
     # constrained requests' matchers in a process of their own (grammar_process.py; None: on the GPU)
@@ -235,12 +235,16 @@ def check_field_types(config: EngineConfig) -> None:
 
 def first_served_name(names) -> str | None:
     """The name an engine goes by, of a served_model_name as vLLM takes it: a name or a list of
-    names (the first; an empty list: none); a ValueError naming served_model_name for anything else."""
-    if names is None or isinstance(names, str):
+    names (the first; an empty list: none); a ValueError naming served_model_name for anything else,
+    and for an empty or blank name, which ServerOptions refuses too."""
+    if names is None:
         return names
-    if not isinstance(names, (list, tuple)) or not all(isinstance(name, str) for name in names):
+    listed = [names] if isinstance(names, str) else names
+    if not isinstance(listed, (list, tuple)) or not all(isinstance(name, str) for name in listed):
         raise ValueError(f"served_model_name must be a name or a list of names, got {short_repr(names)}")
-    return names[0] if names else None
+    if not all(name.strip() for name in listed):
+        raise ValueError(f"served_model_name must be a name or a list of names, none empty, got {short_repr(names)}")
+    return listed[0] if listed else None
 
 
 def check_kv_cache_dtype(name) -> None:

@@ -48,3 +48,18 @@ def test_serve_values_server_options_refuses_are_usage_errors_naming_the_flag(ca
     line = one_line(err)
     assert f"Invalid value for '{flag}'" in line, line
     assert flag.lstrip("-").replace("-", "_") not in line, line
+
+
+# ---- LLM(served_model_name=...) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("names", ["", " ", ["stories", ""], ["\t"]])
+def test_an_empty_served_model_name_is_a_value_error_as_the_server_makes_it(stories_path, names):
+    # LLM(served_model_name="") was taken (as the model's name) where ServerOptions refuses it.
+    from minillm import LLM
+    from minillm.server.app import ServerOptions
+    with pytest.raises(ValueError, match="served_model_name"):
+        ServerOptions(served_model_name=names)
+    with pytest.raises(ValueError) as info:
+        LLM(str(stories_path), device="cpu", served_model_name=names)
+    assert str(info.value).startswith("served_model_name must be"), info.value
+    assert repr(names) in str(info.value), info.value
