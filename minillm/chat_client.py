@@ -149,9 +149,9 @@ class HttpChatBackend:
                 if should_stop():
                     finish_reason = "abort"
                     break
-                usage = event.get("usage") or usage
-                for choice in event.get("choices") or []:
-                    delta = choice.get("delta", {}).get("content") if "delta" in choice else choice.get("text")
+                usage = event.get("usage") if isinstance(event.get("usage"), dict) else usage
+                for choice in _choices(event):
+                    delta = _choice_text(choice)
                     finish_reason = choice.get("finish_reason") or finish_reason
                     if delta:
                         last = time.time()
@@ -167,8 +167,8 @@ class HttpChatBackend:
         finally:
             response.close()
             if usage:
-                prompt_tokens = usage.get("prompt_tokens", 0)
-            num_tokens = usage.get("completion_tokens", num_chunks) if usage else num_chunks
+                prompt_tokens = _count(usage.get("prompt_tokens"), 0)
+            num_tokens = _count(usage.get("completion_tokens"), num_chunks) if usage else num_chunks
             if is_capped:      # the reply had only the rest of the context
                 max_tokens = self.context_len - prompt_tokens if self.context_len and prompt_tokens else num_tokens
             self.last_stats = ReplyStats(
@@ -188,10 +188,43 @@ def _events(response: httpx.Response) -> Iterator[dict]:
         data = line[len("data:"):].strip()
         if data == "[DONE]":
             return
-        event = json.loads(data)
-        if "error" in event:
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            raise RuntimeError(f"the server sent a stream event that is not JSON: {data[:60]!r}") from None
+        if not isinstance(event, dict):
+            raise RuntimeError(f"the server sent a stream event that is not a JSON object: {data[:60]!r}")
+        if event.get("error") is not None:
             raise RuntimeError(f"server error: {_error_message(event)}")
         yield event
+
+
+def _choices(event: dict) -> list[dict]:
+    """The choices of a stream chunk; RuntimeError for a chunk that is not the OpenAI shape."""
+    choices = event.get("choices") or []
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise RuntimeError(f"the server sent a stream event whose choices are not a list of objects: "
+                           f"{json.dumps(choices)[:60]}")
+    return choices
+
+
+def _choice_text(choice: dict) -> str | None:
+    """The new text of one choice: delta.content (a chat completion) or text (a completion)."""
+    if "delta" in choice:
+        delta = choice["delta"]
+        if not isinstance(delta, dict):
+            raise RuntimeError(f"the server sent a stream event whose delta is not an object: {json.dumps(delta)[:60]}")
+        text, name = delta.get("content"), "delta.content"
+    else:
+        text, name = choice.get("text"), "text"
+    if text is not None and not isinstance(text, str):
+        raise RuntimeError(f"the server sent a stream event whose {name} is not a string: {json.dumps(text)[:60]}")
+    return text
+
+
+def _count(value, default: int) -> int:
+    """A token count from a usage object; default for anything but a non-negative integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
 
 
 def _error_message(payload: dict) -> str:

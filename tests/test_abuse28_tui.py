@@ -1,0 +1,92 @@
+"""`minillm chat --url` and `minillm monitor` against servers that answer oddly: stream events that are
+not the OpenAI chunk shape, a stream that ends without its [DONE], a page instead of a stream, a model
+list without ids, stats with numbers too large for a float, and a URL that carries a password."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from test_chat import run_scripted
+
+from minillm.chat import ChatSession, ChatSettings
+from minillm.chat_client import HttpChatBackend
+
+OK_CHUNK = json.dumps({"choices": [{"index": 0, "delta": {"content": "Tom ran"}, "finish_reason": None}]})
+
+
+class _OddServer(BaseHTTPRequestHandler):
+    """GET /v1/models answers server.models; POST streams server.events (raw `data:` payloads), then
+    `data: [DONE]` unless server.done is False; server.page: a text/html page instead of a stream."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._send("application/json", json.dumps(self.server.models).encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.page:
+            return self._send("text/html", b"<html><body>Welcome to nginx!</body></html>")
+        body = "".join(f"data: {event}\n\n" for event in self.server.events)
+        if self.server.done:
+            body += "data: [DONE]\n\n"
+        self._send("text/event-stream", body.encode())
+
+    def _send(self, content_type: str, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def odd_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _OddServer)
+    server.models = {"data": [{"id": "odd", "max_model_len": 512}]}
+    server.events, server.done, server.page = [OK_CHUNK], True, False
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+    server.server_close()
+
+
+def chat_over(url: str, lines: list[str], status: int) -> str:
+    """What a scripted chat against url printed."""
+    out = io.StringIO()
+    run_scripted(ChatSession(HttpChatBackend(url), ChatSettings(max_tokens=8), out=out), lines, status=status)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("event, named", [
+    ("[1, 2]", "not a JSON object"),
+    ("5", "not a JSON object"),
+    ("null", "not a JSON object"),
+    ("<html>", "not JSON"),
+    (json.dumps({"choices": ["x"]}), "choices"),
+    (json.dumps({"choices": {"a": 1}}), "choices"),
+    (json.dumps({"choices": [{"delta": None}]}), "delta"),
+    (json.dumps({"choices": [{"delta": {"content": 5}}]}), "content"),
+    (json.dumps({"choices": [{"text": ["a"]}]}), "text"),
+])
+def test_a_stream_event_of_the_wrong_shape_is_one_error_line_and_the_chat_goes_on(odd_server, event, named):
+    url, server = odd_server
+    server.events = [OK_CHUNK, event]
+    out = chat_over(url, ["hello", "/stats", "/help"], status=1)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and named in errors[0] and "Traceback" not in out, out
+    assert "commands:" in out          # /help after the failed reply still answers
+
+
+def test_a_usage_of_the_wrong_shape_is_ignored_not_a_crash_in_stats(odd_server):
+    url, server = odd_server
+    for usage in (5, {"completion_tokens": "many", "prompt_tokens": "x"}):
+        server.events = [OK_CHUNK, json.dumps({"choices": [], "usage": usage})]
+        out = chat_over(url, ["hello", "/stats"], status=0)
+        assert "Tom ran" in out and "last reply (measured by the client): 1 tokens" in out, out
