@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
-from minillm.engine import StepError, own_sampling_params
+from minillm.engine import StepError, check_arrival_time, own_sampling_params
 from minillm.engine_core.core import (
     FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP,
 )
@@ -373,12 +373,14 @@ class AsyncLLMEngine:
         lora_request, priority, tokenization_kwargs, trace_headers: vLLM's, as LLMEngine.add_request takes them.
         """
         add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
+        check_arrival_time(arrival_time)
         params = request_params(params)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer, is_delta=is_delta_stream(params))
         done = loop.create_future()
-        self._send(_Add(request_id, prompt, params, arrival_time or time.time(), stream, done, cache_salt,
+        arrival = time.time() if arrival_time is None else arrival_time     # 0 is a time, as offline
+        self._send(_Add(request_id, prompt, params, arrival, stream, done, cache_salt,
                         add_special_tokens))
         try:
             await done

@@ -152,7 +152,7 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer, is_delta=is_delta_stream(params))
-        arrival = float(arrival_time) if arrival_time else time.time()
+        arrival = time.time() if arrival_time is None else float(arrival_time)   # 0 is a time, as offline
         fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
         if params.structured_outputs is not None:
             fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
