@@ -80,6 +80,13 @@ class HttpChatBackend:
             response.read()
             response.close()
             _raise_for_status(response)
+        content_type = response.headers.get("content-type", "").partition(";")[0].strip()
+        if content_type != "text/event-stream":
+            # Another web server on the port, or a proxy's page: its body holds no event, and the
+            # reply would be empty without a word.
+            response.close()
+            raise RuntimeError(f"{self.base_url}{path} answered {content_type or 'no Content-Type'}, not a stream "
+                               "of events: is this a minillm server?")
         return response
 
     def stream_reply(self, conversation: Conversation, settings: ChatSettings,
@@ -145,7 +152,7 @@ class HttpChatBackend:
         first = last = None
         num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, 0
         try:
-            for event in _events(response):
+            for event in _events(response, self.base_url):
                 if should_stop():
                     finish_reason = "abort"
                     break
@@ -180,8 +187,9 @@ class HttpChatBackend:
                 source="client", max_tokens=max_tokens, context_len=self.context_len)
 
 
-def _events(response: httpx.Response) -> Iterator[dict]:
-    """The JSON payloads of a server-sent event stream, up to `data: [DONE]`."""
+def _events(response: httpx.Response, base_url: str) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream, up to `data: [DONE]`; RuntimeError when
+    the stream ends before it (a proxy or a server that cut the reply between two events)."""
     for line in response.iter_lines():
         if not line.startswith("data:"):
             continue
@@ -197,6 +205,7 @@ def _events(response: httpx.Response) -> Iterator[dict]:
         if event.get("error") is not None:
             raise RuntimeError(f"server error: {_error_message(event)}")
         yield event
+    raise RuntimeError(f"the stream from {base_url} ended before the reply finished (no data: [DONE])")
 
 
 def _choices(event: dict) -> list[dict]:

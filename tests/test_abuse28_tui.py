@@ -90,3 +90,18 @@ def test_a_usage_of_the_wrong_shape_is_ignored_not_a_crash_in_stats(odd_server):
         server.events = [OK_CHUNK, json.dumps({"choices": [], "usage": usage})]
         out = chat_over(url, ["hello", "/stats"], status=0)
         assert "Tom ran" in out and "last reply (measured by the client): 1 tokens" in out, out
+
+
+def test_a_stream_that_ends_without_its_done_is_an_error_not_a_whole_reply(odd_server):
+    """A proxy that cuts the stream between events: the reply is not kept as if it were whole."""
+    url, server = odd_server
+    server.done = False
+    out = chat_over(url, ["hello"], status=1)
+    assert "Tom ran\nerror: the stream from " in out and "ended before the reply finished" in out, out
+
+
+def test_a_page_instead_of_a_stream_is_named_not_an_empty_reply(odd_server):
+    url, server = odd_server
+    server.page = True
+    out = chat_over(url, ["hello"], status=1)
+    assert f"error: {url}/v1/chat/completions answered text/html, not a stream of events" in out, out
