@@ -37,8 +37,10 @@ class HttpChatBackend:
             raise RuntimeError(f"cannot reach a minillm server at {self.base_url}: {exc}") from None
         _raise_for_status(response)
         try:
-            models = [m for m in response.json().get("data") or [] if isinstance(m, dict)]
-        except (ValueError, AttributeError):
+            # An entry without a string id names no model a request could ask for.
+            models = [m for m in response.json().get("data") or []
+                      if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        except (ValueError, AttributeError, TypeError):
             raise RuntimeError(f"{self.base_url}/v1/models did not answer with a model list") from None
         if not models:
             raise RuntimeError(f"the server at {self.base_url} lists no models")
@@ -46,9 +48,10 @@ class HttpChatBackend:
         if chosen is None:
             served = ", ".join(str(m.get("id")) for m in models)
             raise RuntimeError(f"the server at {self.base_url} does not serve {model!r} (it serves: {served})")
-        if isinstance(chosen.get("max_model_len"), int):
-            self.context_len = chosen["max_model_len"]
-        return str(chosen["id"])
+        context_len = chosen.get("max_model_len")
+        if isinstance(context_len, int) and not isinstance(context_len, bool) and context_len > 0:
+            self.context_len = context_len
+        return chosen["id"]
 
     def _body(self, conversation: Conversation, settings: ChatSettings, max_tokens: int | None) -> dict:
         """The request body for the current endpoint (max_tokens None: the rest of the context)."""

@@ -105,3 +105,26 @@ def test_a_page_instead_of_a_stream_is_named_not_an_empty_reply(odd_server):
     server.page = True
     out = chat_over(url, ["hello"], status=1)
     assert f"error: {url}/v1/chat/completions answered text/html, not a stream of events" in out, out
+
+
+@pytest.mark.parametrize("models", [{"data": [{"object": "model"}]}, {"data": [{"id": {"a": 1}}]},
+                                    {"data": [{"id": None, "max_model_len": 64}]}])
+def test_a_model_list_without_model_ids_is_named_at_start(odd_server, models):
+    url, server = odd_server
+    server.models = models
+    with pytest.raises(RuntimeError, match="lists no models"):
+        HttpChatBackend(url)
+
+
+def test_a_model_list_that_is_a_number_is_named_at_start(odd_server):
+    url, server = odd_server
+    server.models = {"data": 5}
+    with pytest.raises(RuntimeError, match="did not answer with a model list"):
+        HttpChatBackend(url)
+
+
+@pytest.mark.parametrize("max_model_len", [True, -5, 0, "64"])
+def test_a_context_length_that_is_no_positive_integer_is_not_taken(odd_server, max_model_len):
+    url, server = odd_server
+    server.models = {"data": [{"id": "odd", "max_model_len": max_model_len}]}
+    assert HttpChatBackend(url).context_len is None
