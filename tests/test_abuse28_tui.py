@@ -128,3 +128,71 @@ def test_a_context_length_that_is_no_positive_integer_is_not_taken(odd_server, m
     url, server = odd_server
     server.models = {"data": [{"id": "odd", "max_model_len": max_model_len}]}
     assert HttpChatBackend(url).context_len is None
+
+
+class _StatsServer(BaseHTTPRequestHandler):
+    """GET /v1/stats/stream: server.events (JSON texts) as one stream of stats events."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = "".join(f"data: {event}\n\n" for event in self.server.events).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def stats_server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _StatsServer)
+    server.events = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+    server.server_close()
+
+
+def huge_stats(path: tuple[str, ...]) -> str:
+    """A stats event whose field at `path` is 10**400, an integer no float holds."""
+    from test_tui import make_stats
+    data = make_stats(1).to_dict()
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = 10 ** 400
+    return json.dumps(data)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("path", [("memory", "weights_bytes"), ("memory", "kv_pool_bytes")])
+async def test_the_monitor_shows_an_integer_past_a_float_as_a_problem_and_goes_on(anyio_backend, stats_server,
+                                                                                   path, monkeypatch):
+    """The memory panel converted weights_bytes to float: OverflowError ended the dashboard."""
+    import minillm.tui.client as client
+    from test_tui import make_stats
+    from minillm.tui.app import MonitorApp
+    from minillm.tui.client import LiveSource
+    monkeypatch.setattr(client, "BACKOFF_START_S", 0.01)
+    url, server = stats_server
+    server.events = [json.dumps(make_stats(0).to_dict()), huge_stats(path)]
+    app = MonitorApp(LiveSource(url))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.problem is not None)
+        assert f"'{'.'.join(path)}'" in app.problem and "64-bit" in app.problem, app.problem
+        server.events = [json.dumps(make_stats(2).to_dict())]
+        await wait_until(pilot, lambda: app.problem is None)     # the next good frame clears the banner
+        assert app.stats.num_steps == make_stats(2).num_steps
+
+
+async def wait_until(pilot, condition, limit_s: float = 20.0) -> None:
+    """Let the app run until condition() holds; fail when the app stopped or limit_s passed."""
+    import time
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert pilot.app.is_running and time.monotonic() < deadline, "the app stopped or the condition never held"
+        await pilot.pause(0.02)

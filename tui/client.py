@@ -54,6 +54,7 @@ SourceEvent = StatsFrame | SourceProblem | SourceStatus
 
 # Annotation strings (stats.py uses postponed annotations) mapped to the JSON types they accept.
 _NUMBER = (int, float)
+MAX_INT = 2**63 - 1      # what a server's counters hold; a longer integer overflows a float
 _SCALAR_TYPES = {"int": int, "float": _NUMBER, "str": str}
 
 
@@ -70,13 +71,18 @@ def _check_value(value, annotation: str, where: str):
         if isinstance(value, float) and not math.isfinite(value):
             # json.loads takes NaN, Infinity and 1e999; the panels scale bars by these values.
             raise StatsFormatError(f"field {where!r} should be a finite number, got {value!r}")
+        if isinstance(value, int) and not -MAX_INT <= value <= MAX_INT:
+            # json.loads takes integers of any length; the panels turn them into floats.
+            raise StatsFormatError(f"field {where!r} should be a 64-bit integer, got {value!r:.40}")
     elif annotation == "list[int]":
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) for v in value
         ):
             raise StatsFormatError(f"field {where!r} should be a list of ints")
     elif annotation == "dict[str, int]":
-        if not isinstance(value, dict) or not all(isinstance(v, int) for v in value.values()):
+        if not isinstance(value, dict) or not all(
+            isinstance(v, int) and -MAX_INT <= v <= MAX_INT for v in value.values()
+        ):
             raise StatsFormatError(f"field {where!r} should be an object of counts")
     return value
 
