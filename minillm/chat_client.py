@@ -8,6 +8,7 @@ from typing import Callable, Iterator
 import httpx
 
 from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text
+from minillm.tui.client import check_credentials, shown_url
 from minillm.urls import authorization_headers, server_base_url
 
 
@@ -17,11 +18,13 @@ class HttpChatBackend:
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
                  timeout_s: float = 600.0, chat_template: str | None = None) -> None:
         self.base_url = server_base_url(url)
+        check_credentials(self.base_url, api_key)
+        self.shown_url = shown_url(self.base_url)     # what messages say: no password
         self.client = httpx.Client(base_url=self.base_url, headers=authorization_headers(api_key),
                                    timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.context_len: int | None = None   # the model's max_model_len, as /v1/models lists it
         self.model = self._served_model(model)
-        self.name = f"{self.model} at {self.base_url}"
+        self.name = f"{self.model} at {self.shown_url}"
         self.chat_template = chat_template   # sent with each request (vLLM's chat_template field)
         self.has_chat_template = True        # until the server says otherwise
         self.last_stats: ReplyStats | None = None
@@ -34,20 +37,20 @@ class HttpChatBackend:
         try:
             response = self.client.get("/v1/models")
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"cannot reach a minillm server at {self.base_url}: {exc}") from None
+            raise RuntimeError(f"cannot reach a minillm server at {self.shown_url}: {exc}") from None
         _raise_for_status(response)
         try:
             # An entry without a string id names no model a request could ask for.
             models = [m for m in response.json().get("data") or []
                       if isinstance(m, dict) and isinstance(m.get("id"), str)]
         except (ValueError, AttributeError, TypeError):
-            raise RuntimeError(f"{self.base_url}/v1/models did not answer with a model list") from None
+            raise RuntimeError(f"{self.shown_url}/v1/models did not answer with a model list") from None
         if not models:
-            raise RuntimeError(f"the server at {self.base_url} lists no models")
+            raise RuntimeError(f"the server at {self.shown_url} lists no models")
         chosen = models[0] if model is None else next((m for m in models if m.get("id") == model), None)
         if chosen is None:
             served = ", ".join(str(m.get("id")) for m in models)
-            raise RuntimeError(f"the server at {self.base_url} does not serve {model!r} (it serves: {served})")
+            raise RuntimeError(f"the server at {self.shown_url} does not serve {model!r} (it serves: {served})")
         context_len = chosen.get("max_model_len")
         if isinstance(context_len, int) and not isinstance(context_len, bool) and context_len > 0:
             self.context_len = context_len
@@ -78,7 +81,7 @@ class HttpChatBackend:
         try:
             response = self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"request to {self.base_url} failed: {exc}") from None
+            raise RuntimeError(f"request to {self.shown_url} failed: {exc}") from None
         if response.status_code >= 400:
             response.read()
             response.close()
@@ -88,7 +91,7 @@ class HttpChatBackend:
             # Another web server on the port, or a proxy's page: its body holds no event, and the
             # reply would be empty without a word.
             response.close()
-            raise RuntimeError(f"{self.base_url}{path} answered {content_type or 'no Content-Type'}, not a stream "
+            raise RuntimeError(f"{self.shown_url}{path} answered {content_type or 'no Content-Type'}, not a stream "
                                "of events: is this a minillm server?")
         return response
 
@@ -155,7 +158,7 @@ class HttpChatBackend:
         first = last = None
         num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, 0
         try:
-            for event in _events(response, self.base_url):
+            for event in _events(response, self.shown_url):
                 if should_stop():
                     finish_reason = "abort"
                     break
@@ -170,7 +173,7 @@ class HttpChatBackend:
                         yield delta
         except httpx.HTTPError as exc:
             finish_reason = "error"
-            raise RuntimeError(f"the stream from {self.base_url} broke: {exc}") from None
+            raise RuntimeError(f"the stream from {self.shown_url} broke: {exc}") from None
         except RuntimeError:
             finish_reason = "error"
             raise

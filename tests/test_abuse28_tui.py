@@ -196,3 +196,35 @@ async def wait_until(pilot, condition, limit_s: float = 20.0) -> None:
     while not condition():
         assert pilot.app.is_running and time.monotonic() < deadline, "the app stopped or the condition never held"
         await pilot.pause(0.02)
+
+
+def with_userinfo(url: str, userinfo: str = "ann:hunter2") -> str:
+    return url.replace("://", f"://{userinfo}@")
+
+
+def test_chat_never_prints_the_password_of_its_url(odd_server):
+    url, server = odd_server
+    server.events, server.done = [OK_CHUNK], False      # a failing reply prints the URL too
+    out = io.StringIO()
+    run_scripted(ChatSession(HttpChatBackend(with_userinfo(url)), out=out), ["hello"], status=1)
+    assert "hunter2" not in out.getvalue() and "ann:***@127.0.0.1" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_the_monitor_never_shows_the_password_of_its_url(anyio_backend, monkeypatch):
+    import minillm.tui.client as client
+    from test_tui_client import closed_port_url, collect
+    monkeypatch.setattr(client, "BACKOFF_START_S", 0.01)
+    status, problem = await collect(client.LiveSource(with_userinfo(closed_port_url())), 2)
+    assert "ann:***@127.0.0.1" in status.text and "hunter2" not in status.text
+    assert "ann:***@127.0.0.1" in problem.message and "hunter2" not in problem.message
+
+
+def test_a_password_in_the_url_beside_an_api_key_is_refused_not_sent_instead_of_it():
+    """Both go in the Authorization header, where httpx put the URL's Basic one over the key."""
+    from minillm.tui.client import LiveSource
+    url = with_userinfo("http://127.0.0.1:1")
+    for make in (lambda: LiveSource(url, api_key="key"), lambda: HttpChatBackend(url, api_key="key")):
+        with pytest.raises(ValueError, match="the URL's user and password or --api-key, not both"):
+            make()

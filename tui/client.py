@@ -8,6 +8,7 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -21,6 +22,24 @@ BACKOFF_MAX_S = 8.0
 # One stats event is tens of KB even at MAX_CELLS; a stream whose "event" grows past this is not a
 # minillm server's, and gathering it without end would take the monitor's memory.
 MAX_EVENT_CHARS = 8 * 1024 * 1024
+
+
+def shown_url(base_url: str) -> str:
+    """base_url as it may be printed or drawn: a password in it becomes ***."""
+    parts = urlsplit(base_url)
+    if parts.password is None:
+        return base_url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def check_credentials(base_url: str, api_key: str | None) -> None:
+    """ValueError when base_url carries a user and password and an API key is given too: both go in
+    the one Authorization header, where httpx puts the URL's Basic credentials over the key."""
+    parts = urlsplit(base_url)
+    if api_key and (parts.username or parts.password):
+        raise ValueError(f"{shown_url(base_url)}: give the URL's user and password or --api-key, not both "
+                         "(both go in the Authorization header)")
 
 
 class StatsFormatError(ValueError):
@@ -214,6 +233,8 @@ class LiveSource:
 
     def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S):
         self.base_url = server_base_url(url)
+        check_credentials(self.base_url, api_key)
+        self.shown_url = shown_url(self.base_url)   # what the title and the banner say
         self.api_key = api_key
         self.headers = authorization_headers(api_key)   # a key no header can carry fails here, not in the loop
         self.interval_s = interval_s
@@ -231,14 +252,14 @@ class LiveSource:
             try:
                 async with self._client() as client:
                     mode = "polling" if self.use_polling else "stream"
-                    yield SourceStatus(f"live {self.base_url} ({mode})")
+                    yield SourceStatus(f"live {self.shown_url} ({mode})")
                     async for frame in self._frames(client, cells):
                         backoff = BACKOFF_START_S
                         yield frame
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every failure is shown and retried, never raised
-                yield SourceProblem(describe_problem(exc, self.base_url), backoff)
+                yield SourceProblem(describe_problem(exc, self.shown_url), backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
