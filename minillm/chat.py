@@ -482,8 +482,7 @@ class ChatSession:
 
     def command(self, text: str) -> None:
         """Dispatch one /command."""
-        name, _, arg = text.partition(" ")
-        arg = arg.strip()
+        name, arg = _split_word(text)
         if name in ("/exit", "/quit"):
             self.is_running = False
         elif name == "/help":
@@ -500,19 +499,19 @@ class ChatSession:
             stats = self.backend.last_stats
             self.say(stats.describe() if stats else "(no reply yet)")
         else:
-            self.say(f"unknown command {name} (try /help)")
+            self.say(f"unknown command {_shown(name)} (try /help)")
 
     def set_value(self, arg: str) -> None:
         """/set KEY VALUE, or /set alone to show the settings."""
-        key, _, value = arg.partition(" ")
+        key, value = _split_word(arg)
         if not key:
             self.say(self.settings.describe())
             return
-        if not value.strip():
-            self.say(f"usage: /set {key} VALUE")
+        if not value:
+            self.say(f"usage: /set {_shown(key)} VALUE")
             return
         try:
-            settings = self.settings.with_value(key, value.strip())
+            settings = self.settings.with_value(key, value)
             check = getattr(self.backend, "check_settings", None)   # what only the model knows (its vocabulary)
             if check is not None:
                 check(settings)
@@ -563,3 +562,15 @@ class ChatSession:
         for notice in notices:
             self.say(notice)
         notices.clear()
+
+
+def _split_word(text: str) -> tuple[str, str]:
+    """The first word of text and the rest, stripped; any whitespace (a tab too) separates them."""
+    parts = text.split(maxsplit=1)
+    return (parts[0] if parts else ""), (parts[1].strip() if len(parts) > 1 else "")
+
+
+def _shown(text: str) -> str:
+    """Text typed by the user as it may be echoed: quoted with escapes when it holds control
+    characters (an escape sequence would act on the terminal)."""
+    return text if text.isprintable() else repr(text)

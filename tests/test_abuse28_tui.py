@@ -228,3 +228,25 @@ def test_a_password_in_the_url_beside_an_api_key_is_refused_not_sent_instead_of_
     for make in (lambda: LiveSource(url, api_key="key"), lambda: HttpChatBackend(url, api_key="key")):
         with pytest.raises(ValueError, match="the URL's user and password or --api-key, not both"):
             make()
+
+
+class _SilentBackend:
+    """A backend for commands only: no message is sent."""
+    name, has_chat_template, last_stats = "silent", True, None
+
+
+def test_a_tab_separates_a_commands_words_as_a_space_does():
+    out = io.StringIO()
+    session = ChatSession(_SilentBackend(), out=out)
+    run_scripted(session, ["/set\ttemperature\t0.5", "/set top_k \t 3", "/system\tBe brief."])
+    assert session.settings.temperature == 0.5 and session.settings.top_k == 3, out.getvalue()
+    assert session.conversation.system == "Be brief."
+
+
+def test_control_characters_in_a_bad_command_are_shown_escaped_not_sent_to_the_terminal():
+    out = io.StringIO()
+    run_scripted(ChatSession(_SilentBackend(), out=out), ["/\x1b[2J\x07", "/set\x00 top_p 1", "/set top_p \x1b[31m"])
+    text = out.getvalue()
+    assert "\x1b" not in text and "\x07" not in text and "\x00" not in text, repr(text)
+    assert "unknown command '/\\x1b[2J\\x07' (try /help)" in text and "unknown command '/set\\x00'" in text
+    assert "error: top_p needs a number, got '\\x1b[31m'" in text
