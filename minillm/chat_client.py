@@ -254,7 +254,7 @@ def _raise_for_status(response: httpx.Response) -> None:
         return
     try:
         message = _error_message(response.json())
-    except (json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError):     # not JSON, or not UTF-8 (UnicodeDecodeError)
         message = response.text.strip() or response.reason_phrase
     if response.status_code in (401, 403):
         raise RuntimeError(f"the server refused the API key ({response.status_code}): {message}")
@@ -270,7 +270,7 @@ def _error_field(response: httpx.Response) -> dict:
     """The error object of an OpenAI-style error body ({} when there is none)."""
     try:
         error = response.json().get("error")
-    except (json.JSONDecodeError, AttributeError):
+    except (ValueError, AttributeError):
         return {}
     return error if isinstance(error, dict) else {}
 

@@ -19,7 +19,8 @@ OK_CHUNK = json.dumps({"choices": [{"index": 0, "delta": {"content": "Tom ran"},
 
 class _OddServer(BaseHTTPRequestHandler):
     """GET /v1/models answers server.models; POST streams server.events (raw `data:` payloads), then
-    `data: [DONE]` unless server.done is False; server.page: a text/html page instead of a stream."""
+    `data: [DONE]` unless server.done is False; server.page: a text/html page instead of a stream;
+    server.failure: (status, body) instead of a stream."""
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args) -> None:
@@ -30,6 +31,9 @@ class _OddServer(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.failure is not None:
+            status, body = self.server.failure
+            return self._send("application/json", body, status)
         if self.server.page:
             return self._send("text/html", b"<html><body>Welcome to nginx!</body></html>")
         body = "".join(f"data: {event}\n\n" for event in self.server.events)
@@ -37,8 +41,8 @@ class _OddServer(BaseHTTPRequestHandler):
             body += "data: [DONE]\n\n"
         self._send("text/event-stream", body.encode())
 
-    def _send(self, content_type: str, body: bytes) -> None:
-        self.send_response(200)
+    def _send(self, content_type: str, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -49,7 +53,7 @@ class _OddServer(BaseHTTPRequestHandler):
 def odd_server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), _OddServer)
     server.models = {"data": [{"id": "odd", "max_model_len": 512}]}
-    server.events, server.done, server.page = [OK_CHUNK], True, False
+    server.events, server.done, server.page, server.failure = [OK_CHUNK], True, False, None
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}", server
@@ -250,3 +254,12 @@ def test_control_characters_in_a_bad_command_are_shown_escaped_not_sent_to_the_t
     assert "\x1b" not in text and "\x07" not in text and "\x00" not in text, repr(text)
     assert "unknown command '/\\x1b[2J\\x07' (try /help)" in text and "unknown command '/set\\x00'" in text
     assert "error: top_p needs a number, got '\\x1b[31m'" in text
+
+
+@pytest.mark.parametrize("body", [b"\xc3\x28 engine down", b'{"error": {"message": "\xff"}}'])
+def test_an_error_body_that_is_not_utf8_is_still_the_servers_status(odd_server, body):
+    """json() of such a body raised UnicodeDecodeError: the line was a codec's message, not the 500."""
+    url, server = odd_server
+    server.failure = (500, body)
+    out = chat_over(url, ["hello"], status=1)
+    assert "error: server answered 500: " in out and "codec" not in out, out
