@@ -154,8 +154,8 @@ def test_an_api_server_count_past_the_machines_means_is_refused_before_anything_
     done = subprocess.run([sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu",
                            "--api-server-count", str(too_many), "--port", "0"],
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.returncode == 1, done.stderr
-    assert f"api_server_count must be at most {too_many - 1}" in done.stderr
+    assert done.returncode == 2, done.stderr            # a usage error naming the flag
+    assert f"Invalid value for '--api-server-count': must be at most {too_many - 1}" in done.stderr
     assert "engine core in process" not in done.stderr and "Traceback" not in done.stderr
 
 
