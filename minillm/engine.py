@@ -251,7 +251,6 @@ class LLMEngine:
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
-        # a prompt of token ids as msgspec checks it: plain ints (no bools) in the vocabulary
         self._seed_rng = random.Random(config.seed)   # unseeded requests' seeds (0.1 us a draw; NumPy's: 6 us)
         spec = config.speculative_config
         self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)

@@ -435,15 +435,15 @@ class Scheduler:
                     # their blocks stay with the sequence for those tokens.
                     seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
             for i, token in enumerate(tokens):
-                if seq.params._masked_row_check is not None and \
-                        (error := masked_out_error(seq.params, seq.output_token_ids, token)) is not None:
-                    self.finish(seq, SequenceStatus.FINISHED_ERROR, error)   # the token is no sample: dropped
-                    self.masked_out.append(seq)
-                    break
-                if seq.structured_output is not None and not seq.structured_output.accept_token(token):
-                    # Outside the grammar (its row had no token left that the grammar allows, or the
-                    # grammar process failed): not part of the output, which stops before it.
-                    self.finish(seq, SequenceStatus.FINISHED_ERROR, seq.structured_output.rejection(token))
+                # A token the sequence's own bans forbid (a row of -inf) or its grammar refuses (no token
+                # the grammar allows was left, or the grammar process failed) is no sample: the output
+                # stops before it.
+                error = masked_out_error(seq.params, seq.output_token_ids, token) \
+                    if seq.params._masked_row_check is not None else None
+                if error is None and seq.structured_output is not None and not seq.structured_output.accept_token(token):
+                    error = seq.structured_output.rejection(token)
+                if error is not None:
+                    self.finish(seq, SequenceStatus.FINISHED_ERROR, error)
                     self.masked_out.append(seq)
                     break
                 seq.token_ids.append(token)

@@ -43,7 +43,7 @@ logger = logging.getLogger("minillm.server")
 
 __all__ = ["AsyncLLMEngine", "ENGINE_CORE_MODES", "EngineClient", "MAX_COMMANDS_PER_STEP",
            "MAX_COMMAND_SECONDS_PER_STEP", "FULL_RESOLUTION", "OutputQueue", "RequestStream", "StepError",
-           "generate_outputs", "start_async_engine"]
+           "Generate", "start_async_engine"]
 
 # Where the engine core runs: its own process (apart from HTTP, as vLLM serves), or a thread here.
 ENGINE_CORE_MODES = ("process", "thread")
@@ -197,19 +197,23 @@ class EngineClient(Protocol):
     def shutdown(self, timeout: float = 10.0) -> None: ...
 
 
-async def generate_outputs(engine: EngineClient, prompt: PromptType, params: SamplingParams, request_id: str,
-                           arrival_time: float | None = None, cache_salt: str | None = None, **options: Any
-                           ) -> AsyncIterator[RequestOutput]:
-    """vLLM's AsyncLLM.generate over an engine client: the request's outputs as they come, the last
-    one finished; a caller that leaves first (the generator closed or its task cancelled) aborts it.
-    options: add_request's keyword arguments of vLLM's (lora_request, priority, ...)."""
-    stream = await engine.add_request(request_id, prompt, params, arrival_time, cache_salt=cache_salt, **options)
-    try:
-        async for output, _ in stream:
-            yield output
-    finally:
-        if not stream.finished:
-            engine.abort(request_id)
+class Generate:
+    """vLLM's AsyncLLM.generate over a class's add_request and abort (AsyncLLM's and AsyncLLMEngine's)."""
+
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
+                       arrival_time: float | None = None, cache_salt: str | None = None,
+                       **options: Any) -> AsyncIterator[RequestOutput]:
+        """The request's RequestOutputs as they come (params.output_kind says which), the last one
+        finished; a caller that leaves first (the generator closed or its task cancelled) aborts the
+        request. options: vLLM's lora_request, priority, tokenization_kwargs and trace_headers, as
+        add_request takes them."""
+        stream = await self.add_request(request_id, prompt, params, arrival_time, cache_salt=cache_salt, **options)
+        try:
+            async for output, _ in stream:
+                yield output
+        finally:
+            if not stream.finished:
+                self.abort(request_id)
 
 
 def added_delta(held: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -293,7 +297,7 @@ def resolve_future(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, result:
         pass
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(Generate):
     """Runs an LLMEngine on its own thread and serves many asyncio requests."""
 
     def __init__(self, engine: Any, owns_engine: bool = False) -> None:
@@ -388,14 +392,6 @@ class AsyncLLMEngine:
             self.abort(request_id)  # the caller left while the add was in flight
             raise
         return stream
-
-    def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                 arrival_time: float | None = None, cache_salt: str | None = None,
-                 **options: Any) -> AsyncIterator[RequestOutput]:
-        """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
-        says which), the last one finished; leaving the iteration early aborts the request. options:
-        vLLM's lora_request, priority, tokenization_kwargs and trace_headers, as add_request takes them."""
-        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt, **options)
 
     def abort(self, request_id: str | Iterable[str]) -> None:
         """Abort a request, or each of a list (thread-safe, returns at once; unknown ids are ignored).

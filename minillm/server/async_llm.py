@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, AsyncIterator, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import msgspec
 
@@ -37,7 +37,7 @@ from minillm.prompts import (
 )
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
-    OutputQueue, RequestStream, abort_ids, deliver, generate_outputs, is_delta_stream, request_params, resolve_future,
+    Generate, OutputQueue, RequestStream, abort_ids, deliver, is_delta_stream, request_params, resolve_future,
 )
 from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -57,7 +57,7 @@ def _wire_constraint(constraint: Any) -> Any:
     return wire
 
 
-class AsyncLLM:
+class AsyncLLM(Generate):
     """The engine core in a spawned process; asyncio callers on any event loop."""
 
     def __init__(self, config: EngineConfig, core_hook: Callable[[Any], None] | None = None,
@@ -188,14 +188,6 @@ class AsyncLLM:
             self.processor.add(add.request_id, text, add.prompt_token_ids, params, add.arrival_time, stream)
             self._adds[add.request_id] = (stream.loop, done)
         return None
-
-    def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                 arrival_time: float | None = None, cache_salt: str | None = None,
-                 **options: Any) -> AsyncIterator[RequestOutput]:
-        """vLLM's AsyncLLM.generate: the request's RequestOutputs as they come (params.output_kind
-        says which), the last one finished; leaving the iteration early aborts the request. options:
-        vLLM's lora_request, priority, tokenization_kwargs and trace_headers, as add_request takes them."""
-        return generate_outputs(self, prompt, params, request_id, arrival_time, cache_salt, **options)
 
     def _prompt(self, prompt: PromptType, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         """(the prompt's text or None, its token ids) for any of vLLM's prompt forms the offline engine
