@@ -1080,6 +1080,7 @@ def serve(
     /detokenize, /version.
     """
     from minillm.tokenizer import chat_template_from_arg
+    check_api_servers(api_server_count, engine_core, monitor)
     stream = stream_not_a_terminal() if monitor else None
     if stream is not None:
         raise CliError(f"--monitor draws the dashboard in this terminal, but {stream} is not a terminal (a log "
@@ -1138,6 +1139,17 @@ def serve(
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
+
+
+def check_api_servers(count: int, engine_core: EngineCore, monitor: bool) -> None:
+    """A usage error naming both flags when several API servers (--api-server-count) meet an option
+    that keeps to one: the engine core in the server's thread, or the dashboard of one server's engine."""
+    if count > 1 and engine_core is EngineCore.thread:
+        raise UsageError(f"--api-server-count {count} and --engine-core thread cannot be combined: several API "
+                         "servers share one engine core in its own process (--engine-core process)")
+    if count > 1 and monitor:
+        raise UsageError(f"--api-server-count {count} and --monitor cannot be combined: the dashboard shows one "
+                         "API server's engine (run `minillm monitor URL` in another terminal)")
 
 
 def log_requests_option(enable: bool, disable: bool) -> bool:

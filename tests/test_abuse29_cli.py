@@ -1,0 +1,133 @@
+"""The command line abused: serve's --api-server-count with --engine-core thread, chat commands given
+words they do not take, a finish_reason that is no string from a server, and a stop string of the
+replacement character."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
+from test_abuse28_tui import OK_CHUNK, chat_over, odd_server  # noqa: F401 - a server that answers oddly
+from test_chat import run_scripted
+from test_cli import STORIES, needs_stories, run_main
+
+from minillm import LLM, SamplingParams
+from minillm.chat import ChatSession, ChatSettings
+
+
+def one_line(err: str) -> str:
+    """The single line a failed command printed (asserting there is one, and no traceback)."""
+    assert "Traceback" not in err, err
+    [line] = err.strip().splitlines()
+    return line
+
+
+# ---- serve: options that cannot be combined -----------------------------------------------------------
+
+@needs_stories
+@pytest.mark.parametrize("flags, other", [(("--engine-core", "thread"), "--engine-core"), (("--monitor",), "--monitor")])
+def test_several_api_servers_with_an_option_of_one_server_is_a_usage_error_naming_both(capsys, started, flags,  # noqa: F811
+                                                                                       other):
+    # They exited 1 ("several API servers need the engine core in its own process"; "--monitor draws
+    # the dashboard in this terminal, but stdout is not a terminal"), after the model's files were
+    # looked up, where vLLM-style conflicts are usage errors naming both flags.
+    status, out, err = run_main(capsys, "serve", str(STORIES), "--device", "cpu", "--port", "0",
+                                "--api-server-count", "2", *flags)
+    assert (status, out, started) == (2, "", {})
+    line = one_line(err)
+    assert "--api-server-count 2 and " + other in line and "cannot be combined" in line, line
+
+
+@needs_stories
+def test_one_api_server_with_the_engine_core_in_a_thread_still_starts(capsys, started):  # noqa: F811
+    status, _, err = run_main(capsys, "serve", str(STORIES), "--device", "cpu", "--port", "0",
+                              "--api-server-count", "1", "--engine-core", "thread")
+    assert status == 0, err
+    assert started["options"].engine_core == "thread"
+
+
+# ---- chat: commands that take no words -------------------------------------------------------------------
+
+class _EchoBackend:
+    """Replies "fine." to every message."""
+    name, has_chat_template, last_stats = "echo", True, None
+
+    def stream_reply(self, conversation, settings, should_stop):
+        yield "fine."
+
+
+@pytest.mark.parametrize("command", ["/reset now", "/exit now", "/quit please", "/help me", "/stats all"])
+def test_a_command_given_words_it_does_not_take_says_so_and_does_nothing(command):
+    out = io.StringIO()
+    history = run_scripted(ChatSession(_EchoBackend(), out=out), ["hello", command, "again"])
+    name, extra = command.split()
+    text = out.getvalue()
+    assert f"usage: {name} (it takes no arguments, got {extra!r})" in text, text
+    # Nothing was done: the conversation was not cleared, the chat did not end.
+    assert history[-1] == ["hello", "fine.", "again", "fine."], history
+    assert "(conversation cleared)" not in text and "commands:" not in text
+
+
+def test_commands_without_words_still_act():
+    out = io.StringIO()
+    history = run_scripted(ChatSession(_EchoBackend(), out=out), ["hello", "/reset  ", "again", "/exit", "never"])
+    assert "(conversation cleared)" in out.getvalue()
+    assert history == [["hello", "fine."], ["again", "fine."]]
+
+
+# ---- chat --url: a finish_reason that is no string ---------------------------------------------------------
+
+@pytest.mark.parametrize("reason", [5, {"a": 1}, ["length"], True])
+def test_a_finish_reason_that_is_no_string_is_one_error_line(odd_server, reason):  # noqa: F811
+    url, server = odd_server
+    server.events = [OK_CHUNK, json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]})]
+    out = chat_over(url, ["hello", "/stats"], status=1)
+    errors = [line for line in out.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "finish_reason is not a string" in errors[0], out
+    assert f"finish reason {reason}" not in out, out
+
+
+def test_a_string_finish_reason_is_shown(odd_server):  # noqa: F811
+    url, server = odd_server
+    server.events = [OK_CHUNK, json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})]
+    out = chat_over(url, ["hello", "/stats"], status=0)
+    assert "finish reason length" in out, out
+
+
+# ---- the URL helpers have one home ---------------------------------------------------------------------
+
+def test_chat_and_the_monitor_take_the_url_helpers_from_minillm_urls():
+    import minillm.chat_client as chat_client
+    import minillm.tui.client as tui_client
+    from minillm import urls
+    assert chat_client.shown_url is urls.shown_url is tui_client.shown_url
+    assert chat_client.check_credentials is urls.check_credentials is tui_client.check_credentials
+    assert urls.shown_url("http://u:pw@h:1") == "http://u:***@h:1"
+    with pytest.raises(ValueError, match="not both"):
+        urls.check_credentials("http://u:pw@h:1", "key")
+
+
+# ---- a stop string of the replacement character ----------------------------------------------------------
+
+@pytest.mark.parametrize("stop", ["\ufffd", ["ok", "a\ufffdb"]])
+def test_a_stop_string_with_the_replacement_character_is_a_value_error_naming_stop(stop):
+    # It matched only where the decoder had given up on a run of bytes (7 tokens of them), never
+    # where a reply ended within them, whose text then held the "stop string" with finish "length".
+    with pytest.raises(ValueError, match=r"^stop .*U\+FFFD"):
+        SamplingParams(stop=stop)
+
+
+@needs_stories
+def test_generate_refuses_a_replacement_character_stop_naming_the_flag(capsys):
+    status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "Tom",
+                                "--stop", "\ufffd")
+    assert (status, out) == (2, "")
+    assert "Invalid value for '--stop'" in err and "U+FFFD" in err and "Traceback" not in err, err
+
+
+@needs_stories
+def test_bytes_that_are_no_text_still_read_as_replacement_characters(stories_path):
+    with LLM(str(stories_path), device="cpu", max_model_len=64) as llm:
+        [out] = llm.generate(["Tom"], SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=[258]))
+    assert out.outputs[0].text == "\ufffd" * 3      # byte 0xFF, three times
