@@ -17,6 +17,7 @@ PROMPT = ">>> "
 QUIT_HINT = "Ctrl-D or /exit quits"
 CONTINUATION_PROMPT = "... "
 TRIPLE_QUOTE = '"""'
+NO_ARGUMENT_COMMANDS = ("/exit", "/quit", "/help", "/reset", "/stats")
 
 HELP_TEXT = f"""\
 commands:
@@ -483,7 +484,9 @@ class ChatSession:
     def command(self, text: str) -> None:
         """Dispatch one /command."""
         name, arg = _split_word(text)
-        if name in ("/exit", "/quit"):
+        if name in NO_ARGUMENT_COMMANDS and arg:
+            self.say(f"usage: {name} (it takes no arguments, got {arg!r})")
+        elif name in ("/exit", "/quit"):
             self.is_running = False
         elif name == "/help":
             self.say(HELP_TEXT)
