@@ -165,7 +165,7 @@ class HttpChatBackend:
                 usage = event.get("usage") if isinstance(event.get("usage"), dict) else usage
                 for choice in _choices(event):
                     delta = _choice_text(choice)
-                    finish_reason = choice.get("finish_reason") or finish_reason
+                    finish_reason = _finish_reason(choice) or finish_reason
                     if delta:
                         last = time.time()
                         first = first or last
@@ -235,6 +235,15 @@ def _choice_text(choice: dict) -> str | None:
     if text is not None and not isinstance(text, str):
         raise RuntimeError(f"the server sent a stream event whose {name} is not a string: {json.dumps(text)[:60]}")
     return text
+
+
+def _finish_reason(choice: dict) -> str | None:
+    """The finish_reason of one choice (None while it runs); RuntimeError for one that is no string."""
+    reason = choice.get("finish_reason")
+    if reason is not None and not isinstance(reason, str):
+        raise RuntimeError(f"the server sent a stream event whose finish_reason is not a string: "
+                           f"{json.dumps(reason)[:60]}")
+    return reason
 
 
 def _count(value, default: int) -> int:
