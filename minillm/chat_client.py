@@ -8,8 +8,7 @@ from typing import Callable, Iterator
 import httpx
 
 from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text
-from minillm.tui.client import check_credentials, shown_url
-from minillm.urls import authorization_headers, server_base_url
+from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
 
 
 class HttpChatBackend:

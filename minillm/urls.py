@@ -1,9 +1,9 @@
 """What people type to reach a server: its root URL (host:port, a base URL ending in /v1, a stats
-URL) and its API key."""
+URL) and its API key, and the URL as it may be shown (no password)."""
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 _HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
 
@@ -60,3 +60,21 @@ def authorization_headers(api_key: str | None, option: str = "--api-key") -> dic
         return {"Authorization": b"Bearer " + api_key.encode("utf-8", "surrogateescape")}
     except UnicodeEncodeError:
         raise ValueError(f"{option} is not valid Unicode (a lone surrogate)") from None
+
+
+def shown_url(base_url: str) -> str:
+    """base_url as it may be printed or drawn: a password in it becomes ***."""
+    parts = urlsplit(base_url)
+    if parts.password is None:
+        return base_url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def check_credentials(base_url: str, api_key: str | None) -> None:
+    """ValueError when base_url carries a user and password and an API key is given too: both go in
+    the one Authorization header, where httpx puts the URL's Basic credentials over the key."""
+    parts = urlsplit(base_url)
+    if api_key and (parts.username or parts.password):
+        raise ValueError(f"{shown_url(base_url)}: give the URL's user and password or --api-key, not both "
+                         "(both go in the Authorization header)")

@@ -8,12 +8,11 @@ import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
-from minillm.urls import authorization_headers, server_base_url
+from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
 
 DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
@@ -22,24 +21,6 @@ BACKOFF_MAX_S = 8.0
 # One stats event is tens of KB even at MAX_CELLS; a stream whose "event" grows past this is not a
 # minillm server's, and gathering it without end would take the monitor's memory.
 MAX_EVENT_CHARS = 8 * 1024 * 1024
-
-
-def shown_url(base_url: str) -> str:
-    """base_url as it may be printed or drawn: a password in it becomes ***."""
-    parts = urlsplit(base_url)
-    if parts.password is None:
-        return base_url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
-
-
-def check_credentials(base_url: str, api_key: str | None) -> None:
-    """ValueError when base_url carries a user and password and an API key is given too: both go in
-    the one Authorization header, where httpx puts the URL's Basic credentials over the key."""
-    parts = urlsplit(base_url)
-    if api_key and (parts.username or parts.password):
-        raise ValueError(f"{shown_url(base_url)}: give the URL's user and password or --api-key, not both "
-                         "(both go in the Authorization header)")
 
 
 class StatsFormatError(ValueError):
