@@ -313,6 +313,11 @@ class SamplingParams:
                 bad(name, "must be true or false")
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
+        if any("\ufffd" in s for s in self._stop_list):
+            # The decoder's mark for bytes that are no UTF-8, shown only once it gives up on them (a
+            # few tokens later, or at the end): such a stop would match some runs of them, not others.
+            bad("stop", "must not contain U+FFFD (the replacement character), which stands for bytes that are not "
+                        "UTF-8, not for text the model writes")
         if self._stop_list and not self.detokenize:
             bad("stop", "strings are only supported when detokenize is true (stop_token_ids are not text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
