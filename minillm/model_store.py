@@ -86,7 +86,7 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     path = expand_user(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json")
+            raise ValueError(f"model directory {path} has no config.json{broken_link(path / 'config.json', ' (')}")
         if revision is not None:
             raise ValueError(f"revision {revision!r} names a version of a hub model; {model} is a local directory")
         return path
@@ -98,6 +98,8 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
         elif path.suffix.lower() in (".safetensors", ".json", ".bin"):
             hint = f"; give the directory that holds it ({path.parent})"
         raise ValueError(f"{model} is a file, not a model directory{hint}")
+    if path.is_symlink():        # a link to nothing, or a loop of links: a path here, not a hub id
+        raise FileNotFoundError(f"no such directory: {model}{broken_link(path, ': ')}")
     if _looks_like_path(model) or not is_repo_id(model) or expand_user(model.split("/")[0]).is_dir():
         # A path (or its first folder exists here): the user meant a directory, not the hub.
         raise FileNotFoundError(no_such_directory(model))
@@ -106,6 +108,21 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     if cached is not None:
         return cached
     return download_model(model, download_dir, revision)
+
+
+def broken_link(path: Path, lead: str) -> str:
+    """LEAD and why PATH, a symbolic link, leads nowhere ("it is a symbolic link to /gone, which does
+    not exist"), closed by a parenthesis when LEAD opens one; "" when PATH is no link."""
+    if not path.is_symlink():
+        return ""
+    try:
+        path.resolve(strict=True)
+        why = f"it is a symbolic link to {os.readlink(path)}, which cannot be read"
+    except FileNotFoundError:
+        why = f"it is a symbolic link to {os.readlink(path)}, which does not exist"
+    except (OSError, RuntimeError):     # ELOOP; Python before 3.13 raises RuntimeError for a loop
+        why = f"it is a symbolic link in a loop of links ({path} -> {os.readlink(path)} -> ...)"
+    return f"{lead}{why}{')' if lead.endswith('(') else ''}"
 
 
 def no_such_directory(model: str) -> str:

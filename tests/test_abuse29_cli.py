@@ -1,6 +1,6 @@
 """The command line abused: serve's --api-server-count with --engine-core thread, chat commands given
-words they do not take, a finish_reason that is no string from a server, and a stop string of the
-replacement character."""
+words they do not take, a finish_reason that is no string from a server, a stop string of the
+replacement character, and model paths that are symbolic links to nothing."""
 from __future__ import annotations
 
 import io
@@ -13,7 +13,8 @@ from test_chat import run_scripted
 from test_cli import STORIES, needs_stories, run_main
 
 from minillm import LLM, SamplingParams
-from minillm.chat import ChatSession, ChatSettings
+from minillm.chat import ChatSession
+from minillm.model_store import resolve_model_path
 
 
 def one_line(err: str) -> str:
@@ -131,3 +132,34 @@ def test_bytes_that_are_no_text_still_read_as_replacement_characters(stories_pat
     with LLM(str(stories_path), device="cpu", max_model_len=64) as llm:
         [out] = llm.generate(["Tom"], SamplingParams(max_tokens=3, temperature=0, allowed_token_ids=[258]))
     assert out.outputs[0].text == "\ufffd" * 3      # byte 0xFF, three times
+
+
+# ---- model paths that are links to nothing ------------------------------------------------------------
+
+def test_a_link_to_nothing_is_named_as_a_local_path_never_asked_of_the_hub(tmp_path, monkeypatch, capsys):
+    # A dangling link, or a loop of links, named by a bare name was taken for a hub id and fetched
+    # ("as a Hugging Face repo id it could not be fetched": a network call for a file here).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("minillm.model_store.download_model", lambda *a, **k: pytest.fail("asked the hub"))
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    with pytest.raises(FileNotFoundError, match=r"^no such directory: gone: it is a symbolic link to .*nowhere, which "
+                                                r"does not exist$"):
+        resolve_model_path("gone")
+    with pytest.raises(FileNotFoundError, match=r"^no such directory: loop1: it is a symbolic link in a loop of links"):
+        resolve_model_path("loop1")
+    status, out, err = run_main(capsys, "generate", "gone", "-p", "hi", "--device", "cpu")
+    assert (status, out) == (1, "") and "it is a symbolic link to" in one_line(err)
+
+
+def test_a_config_json_that_links_to_nothing_says_so(stories_path, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for f in stories_path.iterdir():
+        if f.name != "config.json":
+            (model / f.name).symlink_to(f)
+    (model / "config.json").symlink_to(tmp_path / "config-gone.json")
+    with pytest.raises(ValueError, match=r"has no config.json \(it is a symbolic link to .*config-gone.json, which "
+                                         r"does not exist\)"):
+        resolve_model_path(str(model))
