@@ -10,7 +10,7 @@ import numpy as np
 from minillm.config import ModelConfig
 from minillm.sampling_params import short_repr
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
-from minillm.model_store import index_weight_files, list_local_models, read_json_object, resolve_model_path  # noqa: F401
+from minillm.model_store import broken_link, index_weight_files, list_local_models, read_json_object, resolve_model_path  # noqa: F401
 
 # config.json "architectures" -> the decoder family minillm runs it as.
 SUPPORTED_ARCHITECTURES = {
@@ -216,20 +216,34 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
     if not isinstance(header, dict):
         raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
     base = 8 + header_len
-    entries = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = info["data_offsets"]
-            entry = TensorEntry(file, info["dtype"], tuple(info["shape"]), base + int(begin), base + int(end))
-        except (TypeError, KeyError, ValueError):
-            raise ValueError(f"{file} is not a safetensors file (its header has no dtype, shape and "
-                             f"data_offsets for {name!r})") from None
-        if entry.end > size or entry.start > entry.end:
+    entries = {name: _tensor_entry(file, name, info, base) for name, info in header.items() if name != "__metadata__"}
+    data_end = base
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].end)):
+        if entry.end > size:
             raise ValueError(f"{file}: tensor {name} lies outside the file (truncated download?)")
-        entries[name] = entry
+        if entry.start != data_end:
+            # The safetensors library's rule: tensors tile the data, in order, without gaps or overlaps.
+            raise ValueError(f"{file} is not a safetensors file (tensor {name}'s data_offsets "
+                             f"{'overlap another tensor' if entry.start < data_end else 'leave a gap before it'})")
+        data_end = entry.end
     return entries
+
+
+def _tensor_entry(file: Path, name: str, info, base: int) -> TensorEntry:
+    """The TensorEntry of one header item: a dtype name, a shape of non-negative integers and two
+    ordered non-negative integer data_offsets, as the safetensors library requires."""
+    def is_count(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
+            and isinstance(shape, list) and all(map(is_count, shape))
+            and isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))
+            and offsets[0] <= offsets[1]):
+        raise ValueError(f"{file} is not a safetensors file (its header has no dtype, shape and "
+                         f"data_offsets for {name!r})")
+    return TensorEntry(file, info["dtype"], tuple(shape), base + offsets[0], base + offsets[1])
 
 
 def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
@@ -245,6 +259,11 @@ def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model directory {path} has no *.safetensors weights")
+        unread = next((f for f in files if not f.is_file()), None)
+        if unread is not None:      # a folder of that name, or a link to a blob not fetched (a hub cache)
+            if unread.is_dir():
+                raise ValueError(f"{unread} is a directory, not safetensors weights")
+            raise ValueError(f"{unread} cannot be read{broken_link(unread, ': ') or ': it is no regular file'}")
     tensors: dict[str, TensorEntry] = {}
     for file in files:
         tensors.update(read_safetensors_header(file))

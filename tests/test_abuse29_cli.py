@@ -1,10 +1,14 @@
 """The command line abused: serve's --api-server-count with --engine-core thread, chat commands given
 words they do not take, a finish_reason that is no string from a server, a stop string of the
-replacement character, and model paths that are symbolic links to nothing."""
+replacement character, model paths that are symbolic links to nothing, and safetensors headers and
+weight files that are not what the safetensors library writes."""
 from __future__ import annotations
 
 import io
 import json
+import os
+import struct
+from pathlib import Path
 
 import pytest
 from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
@@ -14,6 +18,7 @@ from test_cli import STORIES, needs_stories, run_main
 
 from minillm import LLM, SamplingParams
 from minillm.chat import ChatSession
+from minillm.loader import checkpoint_tensors
 from minillm.model_store import resolve_model_path
 
 
@@ -163,3 +168,79 @@ def test_a_config_json_that_links_to_nothing_says_so(stories_path, tmp_path):
     with pytest.raises(ValueError, match=r"has no config.json \(it is a symbolic link to .*config-gone.json, which "
                                          r"does not exist\)"):
         resolve_model_path(str(model))
+
+
+# ---- safetensors headers and weight files ----------------------------------------------------------
+
+def model_with_header(stories_path: Path, out: Path, change) -> Path:
+    """A copy of stories260K (links to its files) whose model.safetensors header is changed by change(header)."""
+    out.mkdir()
+    for f in stories_path.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).symlink_to(f)
+    data = (stories_path / "model.safetensors").read_bytes()
+    [size] = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + size])
+    change(header)
+    raw = json.dumps(header).encode()
+    (out / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + size:])
+    return out
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: h[EMBED].update(shape=[512.0, 64]),          # TypeError from numpy's reshape, a traceback
+    lambda h: h[EMBED].update(dtype=["F32"]),               # TypeError: unhashable type: 'list'
+    lambda h: h[EMBED].update(data_offsets=[0.5, 131072]),  # read as 0
+    lambda h: h[EMBED].update(data_offsets=[True, 131072]),
+    lambda h: h[EMBED].update(shape="ab"),
+    lambda h: h[EMBED].update(shape=[-512, -64]),
+    lambda h: h.update({EMBED: [1, 2]}),
+], ids=["float-shape", "list-dtype", "float-offset", "bool-offset", "string-shape", "negative-shape", "list-entry"])
+def test_a_header_entry_of_the_wrong_types_is_a_value_error_naming_file_and_tensor(stories_path, tmp_path, change):
+    path = model_with_header(stories_path, tmp_path / "m", change)
+    with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file \(its header has no dtype, "
+                                         r"shape and data_offsets for 'model.embed_tokens.weight'\)"):
+        checkpoint_tensors(path)
+
+
+def test_tensors_whose_bytes_overlap_are_refused_as_the_safetensors_library_refuses_them(stories_path, tmp_path, capsys):
+    # The norm's offsets pointed into the embedding's bytes: the model loaded and wrote "hi\ufffdomld".
+    path = model_with_header(stories_path, tmp_path / "m", lambda h: h["model.norm.weight"].update(data_offsets=[0, 256]))
+    with pytest.raises(ValueError, match="is not a safetensors file .*data_offsets overlap another tensor"):
+        checkpoint_tensors(path)
+    status, out, err = run_main(capsys, "generate", str(path), "-p", "hi", "--device", "cpu", "--max-tokens", "3")
+    assert (status, out) == (1, "") and "overlap another tensor" in one_line(err)
+
+
+def test_a_gap_between_tensors_is_refused(stories_path, tmp_path):
+    def gap(header):
+        for name, info in header.items():
+            if name != "__metadata__" and info["data_offsets"][0] > 0:
+                info["data_offsets"] = [info["data_offsets"][0] + 4, info["data_offsets"][1] + 4]
+                return
+    with pytest.raises(ValueError, match="data_offsets leave a gap before it"):
+        checkpoint_tensors(model_with_header(stories_path, tmp_path / "m", gap))
+
+
+def test_a_weights_file_that_is_a_directory_or_a_link_to_nothing_is_named(stories_path, tmp_path):
+    # "[Errno 21] Is a directory" / "[Errno 2] No such file or directory", no more (a hub cache
+    # whose blob was never fetched leaves such a link).
+    for name, make in (("folder", os.mkdir), ("link", lambda p: os.symlink("../../blobs/abc", p))):
+        path = tmp_path / name
+        path.mkdir()
+        for f in stories_path.iterdir():
+            if f.name != "model.safetensors":
+                (path / f.name).symlink_to(f)
+        make(path / "model.safetensors")
+        why = "is a directory, not safetensors weights" if name == "folder" else \
+            "cannot be read: it is a symbolic link to ../../blobs/abc, which does not exist"
+        with pytest.raises(ValueError, match=f"model.safetensors {why}"):
+            checkpoint_tensors(path)
+
+
+def test_the_stories_header_still_reads(stories_path):
+    tensors = checkpoint_tensors(stories_path)
+    assert tensors[EMBED].shape == (512, 64) and tensors[EMBED].end - tensors[EMBED].start == 512 * 64 * 4
