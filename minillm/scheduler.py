@@ -420,7 +420,8 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
         appended = []
-        sampled, eos_token_ids, cache_full_blocks = step.sampled, self.eos_token_ids, self.block_manager.cache_full_blocks
+        sampled, eos_token_ids, block_manager = step.sampled, self.eos_token_ids, self.block_manager
+        block_size = block_manager.block_size
         seqs = _settled_first(out) if answers_pending else out.sampling_seqs
         for seq in seqs:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
@@ -447,7 +448,8 @@ class Scheduler:
                     self.masked_out.append(seq)
                     break
                 seq.token_ids.append(token)
-                seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+                if seq.counts_outputs:
+                    seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
                 appended.append((seq, token))
                 if (stop := check_stop(seq, eos_token_ids)) is not None:
                     self.finish(seq, *stop)
@@ -457,7 +459,8 @@ class Scheduler:
                 if seq.is_finished:
                     break
             else:
-                cache_full_blocks(seq)
+                if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:   # a block may have filled
+                    block_manager.cache_full_blocks(seq)
         return appended
 
     def stop(self, seq: Sequence, stop_string: str) -> None:

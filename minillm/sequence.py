@@ -71,7 +71,7 @@ class Sequence:
     num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated
+    output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated (if counts_outputs)
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet
     structured_output: StructuredOutputRequest | None = None   # its grammar and matcher, when constrained
     spec_token_ids: list[int] = field(default_factory=list)   # drafts launched for verification, not read back
@@ -79,10 +79,13 @@ class Sequence:
     # kv_transfer_params a decode engine needs; on a decode engine what loading its prompt took.
     kv_transfer_params: dict | None = None
     kv_transfer_stats: dict | None = None
+    # Whether output_counts is kept: only a penalty reads it (the params never change in a sequence's life).
+    counts_outputs: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.counts_outputs = self.params.needs_output_counts
 
     @property
     def rng(self) -> np.random.Generator:
