@@ -28,7 +28,7 @@ from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
 from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
-from minillm.outputs import RequestMetrics, RequestOutput, reported_prompt_logprobs
+from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import (
     PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
 )
@@ -667,11 +667,13 @@ class LLMEngine:
             self.metrics.record_itl(now - m.last_token_time)
         m.last_token_time = now
 
-    def _take_outputs(self) -> list[RequestOutput]:
-        """RequestOutputs of the requests with news since the last call; finished ones are retired."""
+    def _take_outputs(self) -> list:
+        """The reports (the output processor's request_output: a RequestOutput, or an engine core's
+        message) of the requests with news since the last call; finished ones are retired."""
         now = time.time()
         changed, self._changed = self._changed, {}
         outputs = []
+        request_output = self.output_processor.request_output
         for req in changed.values():
             finished = req.is_finished
             if req.final_only and not finished:
@@ -681,15 +683,8 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
                 for seq in req.seqs:
                     self.metrics.record_finish(seq.status.finish_reason)
-            completions = [self.output_processor.completion_output(st, s) for st, s in zip(req.states, req.seqs)]
-            prompt_logprobs = reported_prompt_logprobs(req)
-            if req.is_delta:      # only the completions with news; a report only when there is some
-                completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
-                if not completions and prompt_logprobs is None and not finished:
-                    continue
-            outputs.append(RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                                         finished, req.metrics, req.seqs[0].kv_transfer_params,
-                                         req.seqs[0].kv_transfer_stats, prompt_logprobs))
+            if (report := request_output(req, finished)) is not None:
+                outputs.append(report)
         return outputs
 
     # ---- stats and lifetime ------------------------------------------------------------------

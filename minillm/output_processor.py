@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from minillm.outputs import CompletionOutput, Logprob
+from minillm.outputs import CompletionOutput, Logprob, RequestOutput, reported_prompt_logprobs
 from minillm.sampling_params import RequestOutputKind
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.tokenizer import (
@@ -175,6 +175,13 @@ class TextOutputs:
         """Feed the newest token; returns the stop string it completed, if any."""
         return add_token(state, seq, token, logprobs)
 
-    def completion_output(self, state: CompletionState, seq: Sequence) -> CompletionOutput:
-        """The caller-facing view of a sequence."""
-        return completion_output(state, seq)
+    def request_output(self, req, finished: bool) -> RequestOutput | None:
+        """req's report after a step (req: the engine's Request); None for a delta request with nothing new."""
+        completions = [completion_output(st, s) for st, s in zip(req.states, req.seqs)]
+        prompt_logprobs = reported_prompt_logprobs(req)
+        if req.is_delta:      # only the completions with news; a report only when there is some
+            completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
+            if not completions and prompt_logprobs is None and not finished:
+                return None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics,
+                             req.seqs[0].kv_transfer_params, req.seqs[0].kv_transfer_stats, prompt_logprobs)

@@ -34,7 +34,6 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine, StepError
 from minillm.engine_core import messages as m
 from minillm.engine_core.heap import freeze_startup_heap
-from minillm.outputs import RequestOutput
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import Sequence
 
@@ -65,6 +64,7 @@ class TokenState:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     grammar_terminated: bool | None = None   # None: no grammar; else whether its last token was an accepted EOS
     is_kv_reported: tuple[bool, bool] = (False, False)   # kv_transfer_params, kv_transfer_stats sent
+    num_prompt_logprobs_sent: int = 0        # the request's prompt_logprobs entries reported (on its first sequence)
 
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
@@ -121,6 +121,21 @@ class TokenOutputs:
                                kv_params, kv_stats)
         return m.SeqOutput(seq.index, new, rows, None, None, state.grammar_terminated, kv_params, kv_stats)
 
+    def request_output(self, req, finished: bool) -> m.RequestStepOutput:
+        """req's message after a step (req: the engine's Request), with the prompt_logprobs entries it
+        has not reported yet. A core's requests are all cumulative: every report goes out."""
+        metrics = req.metrics
+        message = m.RequestStepOutput(req.request_id, [self.completion_output(st, s) for st, s in zip(req.states, req.seqs)],
+                                      finished, metrics.num_cached_tokens, metrics.first_scheduled_time,
+                                      metrics.first_token_time, metrics.last_token_time)
+        entries = req.prompt_logprobs
+        if entries is not None and len(entries) > (sent := (state := req.states[0]).num_prompt_logprobs_sent):
+            new = entries[sent:]
+            message.new_prompt_logprobs = new
+            message.new_prompt_logprob_ranks = m.prompt_token_ranks(new, req.prompt_token_ids, sent)
+            state.num_prompt_logprobs_sent = len(entries)
+        return message
+
 
 def new_kv_reports(state: TokenState, seq: Sequence) -> tuple[dict | None, dict | None]:
     """A KV transfer's kv_transfer_params and kv_transfer_stats, each the first time it is there."""
@@ -128,13 +143,6 @@ def new_kv_reports(state: TokenState, seq: Sequence) -> tuple[dict | None, dict 
     new = [value if value is not None and not sent else None for value, sent in zip(kv, state.is_kv_reported)]
     state.is_kv_reported = (kv[0] is not None, kv[1] is not None)
     return new[0], new[1]
-
-
-def request_step_output(out: RequestOutput) -> m.RequestStepOutput:
-    """A core RequestOutput (its outputs are SeqOutputs already) as its message."""
-    metrics = out.metrics
-    return m.RequestStepOutput(out.request_id, out.outputs, out.finished, metrics.num_cached_tokens,
-                               metrics.first_scheduled_time, metrics.first_token_time, metrics.last_token_time)
 
 
 def error_fields(exc: BaseException) -> tuple[str, str]:
@@ -149,7 +157,6 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig, log: Callable[[str], None] | None = None) -> None:
         self.engine = LLMEngine(config, log=log, output_processor=TokenOutputs)
-        self._prompt_logprobs_sent: dict[str, int] = {}   # request id -> prompt_logprobs entries reported
 
     def add_request(self, command: m.AddRequest) -> str | None:
         """Queue a request; None when accepted, else why not (the ValueError's text)."""
@@ -177,21 +184,7 @@ class EngineCore:
                          len(exc.request_ids), type(cause).__name__, cause)
             failed.append(m.FailedRequests(list(exc.request_ids), *error_fields(cause)))
             outputs = []
-        return m.StepOutputs(self.engine.metrics.num_steps, time.time(),
-                             [self._step_output(o) for o in outputs], failed)
-
-    def _step_output(self, out: RequestOutput) -> m.RequestStepOutput:
-        """A request's message, with the prompt_logprobs entries it has not reported yet."""
-        message = request_step_output(out)
-        if out.prompt_logprobs is not None:
-            sent = self._prompt_logprobs_sent.pop(out.request_id, 0)
-            if len(out.prompt_logprobs) > sent:
-                new = out.prompt_logprobs[sent:]
-                message.new_prompt_logprobs = new
-                message.new_prompt_logprob_ranks = m.prompt_token_ranks(new, out.prompt_token_ids, sent)
-            if not out.finished:
-                self._prompt_logprobs_sent[out.request_id] = len(out.prompt_logprobs)
-        return message
+        return m.StepOutputs(self.engine.metrics.num_steps, time.time(), outputs, failed)   # TokenOutputs' messages
 
     def utility(self, call: m.UtilityCall) -> m.UtilityReply:
         """Run a method of the engine (a public one) between steps."""
