@@ -92,6 +92,32 @@ def _is_finite(value: object) -> bool:
         return False
 
 
+def _plain(value: object) -> object:
+    """A NumPy integer, float or string as Python's int, float or str; anything else as it is."""
+    if type(value) in (int, float, str):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if _is_int(value):
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _are_plain(values, kind: type) -> bool:
+    """Whether every item of values is exactly of type kind (no NumPy scalar or other subclass)."""
+    for value in values:
+        if type(value) is not kind:
+            return False
+    return True
+
+
+def _plain_list(values) -> list:
+    """values as a list with each item _plain."""
+    return [_plain(value) for value in values]
+
+
 class RequestOutputKind(Enum):
     """What LLMEngine.step() reports of a request, as vLLM's enum: CUMULATIVE, everything so far each
     time it changes; DELTA, only what is new since the last report (token ids, text, log-probabilities;
@@ -333,6 +359,7 @@ class SamplingParams:
                 bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
             self.output_kind = RequestOutputKind(self.output_kind)
         self._validate_token_rules()
+        self._plain_containers()
         self._logit_bias_entries = None
         if self.logit_bias is not None:
             self._validate_logit_bias()
@@ -343,6 +370,26 @@ class SamplingParams:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
+
+    def _plain_containers(self) -> None:
+        """NumPy integers, floats and strings in the list and dict fields (checked or still to be) as
+        Python's own: msgpack, which carries a request to an engine core (AsyncLLM), refused them
+        ("Encoding objects of type int64 is unsupported") where LLMEngine ran them."""
+        if type(self.stop) is not str and isinstance(self.stop, str):
+            self.stop = str(self.stop)
+            self._stop_list = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and not _are_plain(self.stop, str):
+            self.stop = _plain_list(self.stop)
+            self._stop_list = list(self.stop)
+        if not _are_plain(self.stop_token_ids, int):
+            self.stop_token_ids = _plain_list(self.stop_token_ids)
+        for name in ("allowed_token_ids", "bad_words"):
+            values = getattr(self, name)
+            if isinstance(values, (list, tuple)) and not _are_plain(values, str if name == "bad_words" else int):
+                setattr(self, name, _plain_list(values))
+        bias = self.logit_bias
+        if isinstance(bias, dict) and not all(type(k) is int and type(v) in (float, int) for k, v in bias.items()):
+            self.logit_bias = {_plain(k): _plain(v) for k, v in bias.items()}
 
     def _validate_logit_bias(self) -> None:
         bias = self.logit_bias
