@@ -52,7 +52,8 @@ class ChatSettings:
         """A copy with KEY parsed from TEXT; ValueError names the key when it is invalid."""
         parsers: dict[str, Callable[[str], object]] = {
             "temperature": float, "top_p": float, "top_k": int, "max_tokens": int,
-            "seed": lambda s: None if s.lower() in ("none", "off", "random") else int(s),
+            # -1 is no seed, as SamplingParams (and vLLM) read it: shown as such
+            "seed": lambda s: None if s.lower() in ("none", "off", "random") or s.strip() == "-1" else int(s),
         }
         if key not in parsers:
             raise ValueError(f"unknown setting {key!r}; one of: {', '.join(parsers)}")
@@ -61,6 +62,8 @@ class ChatSettings:
         except ValueError:
             raise ValueError(f"{key} needs {'a number' if key in ('temperature', 'top_p') else 'an integer'}, "
                              f"got {text!r}") from None
+        if isinstance(value, float):
+            value += 0.0        # -0 is 0 (greedy), not shown as -0.0
         updated = replace(self, **{key: value})
         updated.sampling_params()   # validates the new value with the engine's own rules
         return updated

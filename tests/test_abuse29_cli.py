@@ -244,3 +244,14 @@ def test_a_weights_file_that_is_a_directory_or_a_link_to_nothing_is_named(storie
 def test_the_stories_header_still_reads(stories_path):
     tensors = checkpoint_tensors(stories_path)
     assert tensors[EMBED].shape == (512, 64) and tensors[EMBED].end - tensors[EMBED].start == 512 * 64 * 4
+
+
+# ---- chat: /set values read as SamplingParams reads them -----------------------------------------------
+
+def test_set_seed_minus_one_is_no_seed_and_minus_zero_is_zero():
+    # "/set seed -1" showed seed=-1, which SamplingParams reads as no seed; "-0" showed -0.0.
+    out = io.StringIO()
+    run_scripted(ChatSession(_EchoBackend(), out=out), ["/set seed 5", "/set seed -1", "/set temperature -0", "/set"])
+    text = out.getvalue()
+    assert "(seed = None)" in text and "(temperature = 0.0)" in text, text
+    assert "temperature=0.0 top_p=0.9 top_k=-1 max_tokens=256 seed=None" in text, text
