@@ -11,8 +11,9 @@ response; otherwise the connection is closed.
 
 Nor does it drop a client that stops reading: the response waits (uvicorn's send() blocks while
 the socket's buffer is full) and the connection, with its buffered output, stays. Here a
-connection whose writes have been blocked for write_timeout_s is aborted, its buffer discarded;
-the app sees the client as gone (and the stream's requests are aborted).
+connection whose writes are blocked and whose client has read none of its buffer for
+write_timeout_s is aborted, its buffer discarded; the app sees the client as gone (and the
+stream's requests are aborted). A client that reads, however slowly, is served.
 
 Bytes that do not parse as HTTP (a bad request line or header, invalid chunked encoding, headers
 too large) get uvicorn's 400, here an OpenAI-style JSON error body instead of its plain text, and
@@ -43,6 +44,8 @@ logger = logging.getLogger("minillm.server")
 
 # h11 refuses a request line plus headers larger than this (uvicorn's default, made explicit).
 MAX_HEADER_BYTES = 16 * 1024
+# Looks a blocked write buffer gets per stream timeout, to see whether its client read any of it.
+WRITE_CHECKS_PER_TIMEOUT = 4
 
 
 class HeadersTooLarge(ValueError):
@@ -97,7 +100,10 @@ class _Deadlines:
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._write_timer is None:
-            self._write_timer = self.loop.call_later(self.write_timeout_s, self._client_stopped_reading)
+            self._last_read_at = self.loop.time()
+            self._num_unread = self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(self._write_check_s(self.write_timeout_s),
+                                                     self._check_client_reads)
 
     def resume_writing(self) -> None:
         self._cancel_write_timer()
@@ -108,8 +114,24 @@ class _Deadlines:
             self._write_timer.cancel()
             self._write_timer = None
 
-    def _client_stopped_reading(self) -> None:
+    def _write_check_s(self, remaining_s: float) -> float:
+        """Seconds to the next look at a blocked write buffer: a quarter of the timeout at most, so a
+        client that read a little is dropped at most that late once it reads no more."""
+        return min(remaining_s, self.write_timeout_s / WRITE_CHECKS_PER_TIMEOUT)
+
+    def _check_client_reads(self) -> None:
+        """While writes are blocked nothing is added to the buffer, so a smaller buffer means the client
+        read some of it; one that has read nothing for write_timeout_s is dropped. (Waiting for the
+        buffer to drain to its low-water mark instead dropped a client reading steadily but slowly.)"""
         self._write_timer = None
+        now, num_unread = self.loop.time(), self.transport.get_write_buffer_size()
+        if num_unread < self._num_unread:
+            self._last_read_at = now
+        self._num_unread = num_unread
+        remaining_s = self._last_read_at + self.write_timeout_s - now
+        if remaining_s > 0:
+            self._write_timer = self.loop.call_later(self._write_check_s(remaining_s), self._check_client_reads)
+            return
         logger.warning("dropping a connection whose client read nothing for %.1f s", self.write_timeout_s)
         self.transport.abort()   # close() would wait for the client to take the buffered output
 
