@@ -365,7 +365,9 @@ class LLMEngine:
         # (one long prompt of a batch must not fail the rest); the server refuses such a request first.
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        now = arrival_time if arrival_time is not None else time.time()
+        now = time.time()
+        if arrival_time is not None and arrival_time < now:   # one in the future counts from now: it is here
+            now = arrival_time
         seqs, key_root = [], cache_salt_root(cache_salt)
         for i in range(params.n):
             seed = sequence_seed(params.seed, i) if params.seed is not None else self._seed_rng.getrandbits(62)

@@ -79,3 +79,17 @@ def test_numpy_values_in_sampling_params_reach_an_engine_core(engine, core, name
                   params.stop if isinstance(params.stop, list) else [params.stop] if params.stop else []):
         assert all(type(v) in (int, str) for v in value)
     assert all(type(k) is int and type(v) is float for k, v in (params.logit_bias or {}).items())
+
+
+def test_an_arrival_time_in_the_future_counts_from_the_add(engine):
+    # A request cannot arrive after it is added: a future arrival_time made its time to first token
+    # about -1e6 s, in its own metrics and in the engine's TTFT percentiles.
+    before = time.time()
+    engine.add_request("future", [1, 403], SamplingParams(max_tokens=3), arrival_time=before + 1e6)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    metrics = outputs[-1].metrics
+    assert before <= metrics.arrival_time <= time.time()
+    assert metrics.ttft is not None and metrics.ttft >= 0
+    assert engine.stats().ttft_p50_s >= 0
