@@ -465,6 +465,8 @@ class LLMEngine:
         """Forget every cached prompt block, the host tier's too, so later prompts are computed afresh
         (vLLM's name, for benchmarks and changed weights); False, with nothing forgotten, while any
         block is in use."""
+        if self.is_shut_down:
+            raise RuntimeError("the engine is shut down: its KV pool is released")
         unfinished = self.get_num_unfinished_requests()
         if not unfinished:          # steps launched for requests finished (or aborted) since: their tokens are dropped
             self._sample_deferred()

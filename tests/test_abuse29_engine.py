@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from minillm import SamplingParams
+from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.engine_core import messages as m
@@ -93,3 +93,11 @@ def test_an_arrival_time_in_the_future_counts_from_the_add(engine):
     assert before <= metrics.arrival_time <= time.time()
     assert metrics.ttft is not None and metrics.ttft >= 0
     assert engine.stats().ttft_p50_s >= 0
+
+
+def test_reset_prefix_cache_after_shutdown_says_the_engine_is_shut_down(stories_path):
+    # It returned True, as if a cache that no longer exists had been reset.
+    llm = LLM(str(stories_path), device="cpu")
+    llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.reset_prefix_cache()
