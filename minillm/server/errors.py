@@ -185,8 +185,9 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
         media_type = content_type.split(";", 1)[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
             # FastAPI parses JSON only under a JSON media type; anything else arrives as raw bytes.
+            given = f"Content-Type {short_text(content_type)}" if content_type else "no Content-Type"
             return APIError(400, f"the request body must be JSON sent with Content-Type: application/json, "
-                            f"got Content-Type {short_text(content_type or 'none')}")
+                            f"got {given}")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in request body: {_json_error_reason(first)}", code="json_invalid")
     loc = [str(p) for p in first.get("loc", ())]
