@@ -232,8 +232,11 @@ class MessagesJob(TranslatedJob):
 
     @staticmethod
     def _usage(final: RequestOutput, num_output: int) -> dict:
-        return {"input_tokens": len(final.prompt_token_ids), "output_tokens": num_output,
-                "cache_read_input_tokens": final.num_cached_tokens or 0}
+        """Anthropic's usage: input_tokens are the prompt tokens not read from the cache (clients add
+        cache_read_input_tokens to them for the whole input)."""
+        num_cached = final.num_cached_tokens or 0
+        return {"input_tokens": len(final.prompt_token_ids) - num_cached, "output_tokens": num_output,
+                "cache_read_input_tokens": num_cached}
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The message of a finished reply."""
