@@ -5,6 +5,7 @@ import asyncio
 import dataclasses
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ BACKOFF_MAX_S = 8.0
 # One stats event is tens of KB even at MAX_CELLS; a stream whose "event" grows past this is not a
 # minillm server's, and gathering it without end would take the monitor's memory.
 MAX_EVENT_CHARS = 8 * 1024 * 1024
+MAX_ERROR_BYTES = 64 * 1024     # of an error's body: its message is all the banner shows
 
 
 class StatsFormatError(ValueError):
@@ -132,6 +134,10 @@ def parse_frame(text: str) -> StatsFrame:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise StatsFormatError(f"not JSON ({exc.msg} at char {exc.pos}): {text[:60]!r}") from None
+    except RecursionError:
+        raise StatsFormatError(f"JSON nested too deeply to read: {text[:60]!r}") from None
+    except ValueError:          # an integer past Python's limit on digits (4300)
+        raise StatsFormatError(f"JSON with an integer too long to read: {text[:60]!r}") from None
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         # The stream ends with an OpenAI-style error event when the engine fails.
         raise StatsFormatError(f"the server reported: {error_message(data) or data['error']}")
@@ -187,6 +193,45 @@ def describe_problem(exc: BaseException, base_url: str) -> str:
     if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
         return f"invalid server URL {base_url!r}: {exc}"
     return f"lost {base_url}: {type(exc).__name__}: {exc}"
+
+
+_NEWLINE = re.compile(r"\r\n|\r|\n")     # the line ends of server-sent events
+
+
+async def bounded_lines(chunks: AsyncIterator[str], limit: int) -> AsyncIterator[str]:
+    """The lines of a text stream, as Response.aiter_lines splits them (a \\r\\n cut between two
+    chunks is one line end); StatsFormatError once a line runs past limit characters without its end
+    (aiter_lines gathers such a line without bound)."""
+    pending: list[str] = []
+    size, is_cr_held = 0, False
+    async for text in chunks:
+        if is_cr_held:
+            text, is_cr_held = "\r" + text, False
+        if text.endswith("\r"):          # the first half of a \r\n, perhaps
+            text, is_cr_held = text[:-1], True
+        pieces = _NEWLINE.split(text)
+        if len(pieces) > 1:
+            yield "".join(pending) + pieces[0]
+            for line in pieces[1:-1]:
+                yield line
+            pending, size = [], 0
+        if pieces[-1]:
+            pending.append(pieces[-1])
+            size += len(pieces[-1])
+            if size > limit:
+                raise StatsFormatError(f"a line over {limit} characters in the stats stream: not a minillm server")
+    if pending or is_cr_held:
+        yield "".join(pending)
+
+
+async def read_capped(response: httpx.Response, limit: int) -> tuple[str, bool]:
+    """At most limit bytes of response's body as text, and whether there was more (left unread)."""
+    data = bytearray()
+    async for chunk in response.aiter_bytes():
+        data += chunk
+        if len(data) > limit:
+            return data[:limit].decode(errors="replace"), True
+    return data.decode(errors="replace"), False
 
 
 async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -264,10 +309,14 @@ class LiveSource:
 
     async def _poll(self, client: httpx.AsyncClient, num_cells: int) -> StatsFrame:
         url = f"{self.base_url}/v1/stats"
-        response = await client.get(url, params={"cells": num_cells})
+        async with client.stream("GET", url, params={"cells": num_cells}) as response:
+            # A body without end (another server on the port) is read no further than one stats event.
+            text, is_cut = await read_capped(response, MAX_EVENT_CHARS)
         if response.status_code != 200:
-            raise HTTPStatusProblem(response.status_code, url, response.text)
-        return parse_frame(response.text)
+            raise HTTPStatusProblem(response.status_code, url, text)
+        if is_cut:
+            raise StatsFormatError(f"/v1/stats answered over {MAX_EVENT_CHARS} bytes: not a minillm server")
+        return parse_frame(text)
 
     async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
         url = f"{self.base_url}/v1/stats/stream"
@@ -279,12 +328,12 @@ class LiveSource:
                 yield await self._poll(client, num_cells)
                 return
             if response.status_code != 200:
-                raise HTTPStatusProblem(response.status_code, url, (await response.aread()).decode(errors="replace"))
+                raise HTTPStatusProblem(response.status_code, url, (await read_capped(response, MAX_ERROR_BYTES))[0])
             content_type = response.headers.get("content-type", "").partition(";")[0].strip()
             if content_type != "text/event-stream":
                 # Another web server on the port (a page for every path): its answer holds no event,
                 # and the monitor would wait for stats without end.
                 raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
                                        "stats events: is this a minillm server?")
-            async for data in iter_sse_data(response.aiter_lines()):
+            async for data in iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS)):
                 yield parse_frame(data)
