@@ -1,6 +1,6 @@
 """`minillm monitor` against servers that answer without end or oddly: an error body or a /v1/stats
-answer that never ends, a stream line that never ends, JSON nested past the stack or with an integer
-too long to read; the stream's lines split as httpx splits them."""
+answer that never ends, a stream line that never ends, JSON nested past the stack (an error body's
+too) or with an integer too long to read; the stream's lines split as httpx splits them."""
 from __future__ import annotations
 
 import json
@@ -21,7 +21,8 @@ def anyio_backend():
 
 class _EndlessServer(BaseHTTPRequestHandler):
     """server.mode: "error" (a 500 whose body never ends), "poll" (no stream; a /v1/stats whose body
-    never ends), "line" (a stats stream whose first line never ends)."""
+    never ends), "line" (a stats stream whose first line never ends), "nested" (a 500 whose body
+    is JSON nested past the stack)."""
     protocol_version = "HTTP/1.1"
 
     def log_message(self, *args) -> None:
@@ -32,6 +33,14 @@ class _EndlessServer(BaseHTTPRequestHandler):
         if mode == "poll" and "/stream" in self.path:
             body = b'{"error": {"message": "Not Found"}}'
             self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        if mode == "nested":
+            body = b"[" * 50_000
+            self.send_response(500)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
@@ -69,8 +78,9 @@ def endless_server(monkeypatch):
     ("error", "answered 500: xxxx"),
     ("poll", "/v1/stats answered over 65536 bytes: not a minillm server"),
     ("line", "a line over 65536 characters in the stats stream: not a minillm server"),
-], ids=["error-body", "poll-body", "stream-line"])
-async def test_an_answer_without_end_is_a_problem_not_a_monitor_that_reads_forever(anyio_backend, endless_server,
+    ("nested", "answered 500: [[[["),      # RecursionError out of the handler of errors: the monitor's end
+], ids=["error-body", "poll-body", "stream-line", "nested-error-body"])
+async def test_an_answer_without_end_or_past_the_parser_is_a_problem_the_monitor_shows(anyio_backend, endless_server,
                                                                                    fast_backoff, mode, named):  # noqa: F811
     # The monitor read each of them whole (response.aread(), client.get(), aiter_lines()): its memory
     # grew by gigabytes a minute and no problem was ever shown.

@@ -5,13 +5,14 @@ import asyncio
 import dataclasses
 import json
 import math
-import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import httpx
 
+from minillm import sse
+from minillm.sse import LineSplitter, LineTooLong
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
 from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
 
@@ -131,13 +132,11 @@ def parse_stats(data) -> EngineStats:
 def parse_frame(text: str) -> StatsFrame:
     """A StatsFrame from the JSON text of one snapshot; raises StatsFormatError."""
     try:
-        data = json.loads(text)
+        data = sse.loads(text)
     except json.JSONDecodeError as exc:
         raise StatsFormatError(f"not JSON ({exc.msg} at char {exc.pos}): {text[:60]!r}") from None
-    except RecursionError:
-        raise StatsFormatError(f"JSON nested too deeply to read: {text[:60]!r}") from None
-    except ValueError:          # an integer past Python's limit on digits (4300)
-        raise StatsFormatError(f"JSON with an integer too long to read: {text[:60]!r}") from None
+    except ValueError as exc:
+        raise StatsFormatError(f"{exc}: {text[:60]!r}") from None
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         # The stream ends with an OpenAI-style error event when the engine fails.
         raise StatsFormatError(f"the server reported: {error_message(data) or data['error']}")
@@ -158,8 +157,8 @@ def error_message(data) -> str | None:
 
 def _body_message(body: str) -> str:
     try:
-        message = error_message(json.loads(body))
-    except json.JSONDecodeError:
+        message = error_message(sse.loads(body))
+    except ValueError:          # not JSON, or JSON nested past the stack
         message = None
     return message or body.strip()[:100]
 
@@ -195,33 +194,18 @@ def describe_problem(exc: BaseException, base_url: str) -> str:
     return f"lost {base_url}: {type(exc).__name__}: {exc}"
 
 
-_NEWLINE = re.compile(r"\r\n|\r|\n")     # the line ends of server-sent events
-
-
 async def bounded_lines(chunks: AsyncIterator[str], limit: int) -> AsyncIterator[str]:
-    """The lines of a text stream, as Response.aiter_lines splits them (a \\r\\n cut between two
-    chunks is one line end); StatsFormatError once a line runs past limit characters without its end
-    (aiter_lines gathers such a line without bound)."""
-    pending: list[str] = []
-    size, is_cr_held = 0, False
-    async for text in chunks:
-        if is_cr_held:
-            text, is_cr_held = "\r" + text, False
-        if text.endswith("\r"):          # the first half of a \r\n, perhaps
-            text, is_cr_held = text[:-1], True
-        pieces = _NEWLINE.split(text)
-        if len(pieces) > 1:
-            yield "".join(pending) + pieces[0]
-            for line in pieces[1:-1]:
+    """The lines of a text stream (minillm.sse.LineSplitter); StatsFormatError once a line runs past
+    limit characters without its end."""
+    splitter = LineSplitter(limit)
+    try:
+        async for text in chunks:
+            for line in splitter.feed(text):
                 yield line
-            pending, size = [], 0
-        if pieces[-1]:
-            pending.append(pieces[-1])
-            size += len(pieces[-1])
-            if size > limit:
-                raise StatsFormatError(f"a line over {limit} characters in the stats stream: not a minillm server")
-    if pending or is_cr_held:
-        yield "".join(pending)
+    except LineTooLong as exc:
+        raise StatsFormatError(f"{exc} in the stats stream: not a minillm server") from None
+    for line in splitter.flush():
+        yield line
 
 
 async def read_capped(response: httpx.Response, limit: int) -> tuple[str, bool]:
