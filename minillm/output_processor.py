@@ -177,11 +177,18 @@ class TextOutputs:
 
     def request_output(self, req, finished: bool) -> RequestOutput | None:
         """req's report after a step (req: the engine's Request); None for a delta request with nothing new."""
-        completions = [completion_output(st, s) for st, s in zip(req.states, req.seqs)]
-        prompt_logprobs = reported_prompt_logprobs(req)
-        if req.is_delta:      # only the completions with news; a report only when there is some
-            completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
-            if not completions and prompt_logprobs is None and not finished:
-                return None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics,
-                             req.seqs[0].kv_transfer_params, req.seqs[0].kv_transfer_stats, prompt_logprobs)
+        return request_output(req, finished, req.seqs[0].kv_transfer_params, req.seqs[0].kv_transfer_stats)
+
+
+def request_output(req, finished: bool, kv_transfer_params: dict | None,
+                   kv_transfer_stats: dict | None) -> RequestOutput | None:
+    """A request's RequestOutput of its kind after a change (req: the engine's Request or an API
+    server's, with states and seqs); None for a delta request with nothing new to report."""
+    completions = [completion_output(st, s) for st, s in zip(req.states, req.seqs)]
+    prompt_logprobs = reported_prompt_logprobs(req)
+    if req.is_delta:      # only the completions with news; a report only when there is some
+        completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
+        if not completions and prompt_logprobs is None and not finished:
+            return None
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics,
+                         kv_transfer_params, kv_transfer_stats, prompt_logprobs)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minillm.engine_core import messages as m
-from minillm.output_processor import CompletionState, add_token, completion_output, new_state
-from minillm.outputs import RequestMetrics, RequestOutput, reported_prompt_logprobs
+from minillm.output_processor import CompletionState, add_token, new_state, request_output
+from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import SequenceStatus
 from minillm.tokenizer import Tokenizer
@@ -228,14 +228,7 @@ class OutputProcessor:
         if finished:
             req.metrics.finished_time = now
             self._count(req)
-        completions = [completion_output(st, s) for st, s in zip(req.states, req.seqs)]
-        prompt_logprobs = reported_prompt_logprobs(req)
-        if req.is_delta:      # only the completions with news; an output only when there is some
-            completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
-            if not completions and prompt_logprobs is None and not finished:
-                return None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished,
-                             req.metrics, req.kv_transfer_params, req.kv_transfer_stats, prompt_logprobs)
+        return request_output(req, finished, req.kv_transfer_params, req.kv_transfer_stats)
 
     def _count(self, req: FrontendRequest) -> None:
         req.is_counted = True
