@@ -3,6 +3,7 @@ Anthropic's shape, {"type": "error", "error": {...}}, on its Messages API's rout
 from __future__ import annotations
 
 import json
+import re
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -172,8 +173,10 @@ def bad_request_from_value_error(exc: ValueError) -> APIError:
     return APIError(400, message, param=param_from_message(message))
 
 
-def _validation_to_api_error(exc: RequestValidationError, content_type: str = "application/json") -> APIError:
-    """Turn pydantic's list of errors into one 400 that names the first bad field."""
+def _validation_to_api_error(exc: RequestValidationError, content_type: str = "application/json",
+                             indexed: bool = False) -> APIError:
+    """Turn pydantic's list of errors into one 400 that names the first bad field (its list indices
+    as input[0].content[1] where indexed, else as messages.0.content.1)."""
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
@@ -190,16 +193,16 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
                             f"got {given}")
     if first.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON in request body: {_json_error_reason(first)}", code="json_invalid")
-    loc = [str(p) for p in first.get("loc", ())]
+    loc = list(first.get("loc", ()))
     if loc and loc[0] in ("body", "query", "path", "header"):
         loc = loc[1:]
     # Union members add their type name to the path (e.g. prompt.str); keep the field path only.
-    loc = [p for p in loc if not _is_type_tag(p)]
+    loc = [p for p in loc if not _is_type_tag(str(p))]
     # A field name that is not Unicode reaches the path as U+FFFD (and a dict's key as "[key]"):
     # the param is the field that holds it.
-    cut = next((i for i, p in enumerate(loc) if p == "[key]" or "\ufffd" in p or not p.isprintable()), len(loc))
-    loc = loc[:cut]
-    param = ".".join(loc) if loc else None
+    cut = next((i for i, p in enumerate(loc) if isinstance(p, str) and (
+        p == "[key]" or "\ufffd" in p or not p.isprintable())), len(loc))
+    param = _param_of(loc[:cut], indexed)
     if first.get("type") == "missing":
         message = f"{param} is required" if param else "a required field is missing"
     elif first.get("type") == "string_unicode":
@@ -209,8 +212,19 @@ def _validation_to_api_error(exc: RequestValidationError, content_type: str = "a
     elif param is None:
         message = f"request body must be a JSON object: {first.get('msg', '')}"
     else:
-        message = f"{param}: {first.get('msg', 'invalid value')}"
+        # pydantic says "a valid dictionary or instance of ChatMessage": its class names are not the API's.
+        message = f"{param}: {re.sub(r' or instance of [A-Za-z_]+', '', first.get('msg', 'invalid value'))}"
     return APIError(400, message, param=param)
+
+
+def _param_of(loc: list, indexed: bool) -> str | None:
+    """A field path as a param: messages.0.content, or input[0].content where indexed."""
+    if not indexed:
+        return ".".join(str(p) for p in loc) or None
+    param = ""
+    for part in loc:
+        param += f"[{part}]" if isinstance(part, int) else f".{part}" if param else str(part)
+    return param or None
 
 
 def _json_error_reason(error: dict) -> str:
@@ -238,14 +252,17 @@ def body_parse_error(cause: BaseException | None) -> APIError:
 
 
 def _deepest_of_first_field(errors: list[dict]) -> dict:
-    """The first error, or for a message one deeper inside the same field: a union (content: str |
-    list of parts) reports each member, and a part's bad "type" says more than "not a valid string"."""
+    """The first error, or for a message or a Responses input one deeper inside the same field: a union
+    (content: str | list of parts) reports each member, and a part's bad "type" says more than "not a
+    valid string"."""
     def path(error):
         parts = [str(p) for p in error.get("loc", ()) if not _is_type_tag(str(p))]
         return parts[1:] if parts[:1] == ["body"] else parts
 
     head = path(errors[0])
-    if head[:1] != ["messages"]:     # a prompt's union (text, ids, lists of them) reads best as a whole
+    # A prompt's union (text, ids, lists of them) reads best as a whole; a conversation's (a Responses
+    # input is text or items) by the item that is wrong.
+    if head[:1] not in (["messages"], ["input"]):
         return errors[0]
     inside = [e for e in errors if path(e)[:len(head)] == head]
     return max(inside, key=lambda e: len(path(e)))      # max keeps the first of equal depth

@@ -137,7 +137,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     messages = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
     if isinstance(req.input, str):
         return [*messages, {"role": "user", "content": req.input}]
-    reasoning = None                  # a reasoning item goes with the assistant turn after it
+    reasoning, reasoning_at = None, ""    # a reasoning item goes with the assistant turn after it
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -166,10 +166,15 @@ def _messages(req: ResponsesRequest) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": field_of(item, "call_id", where, str),
                              "content": _content_parts(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":
-            reasoning = _reasoning_text(item, where)
+            reasoning, reasoning_at = _reasoning_text(item, where), where
         else:
             raise APIError(400, f"{where}.type must be message, function_call, function_call_output or reasoning, "
                            f"got {kind!r}", param=f"{where}.type")
+    if not messages and reasoning is not None:
+        # Only reasoning items: the chat request would have no messages ("at least 1 item", of an input that has some).
+        raise APIError(400, f"{reasoning_at} is a reasoning item with no message after it, and input has no message "
+                       f"to answer (a reasoning item goes with the assistant message or function_call after it)",
+                       param=reasoning_at)
     return messages
 
 

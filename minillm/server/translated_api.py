@@ -144,12 +144,13 @@ class ReplyWriter(abc.ABC):
 
 
 @contextlib.contextmanager
-def named_as(rename: Rename):
-    """Errors raised inside, a request's validation errors among them, as APIErrors renamed by rename."""
+def named_as(rename: Rename, indexed: bool = False):
+    """Errors raised inside, a request's validation errors among them, as APIErrors renamed by rename
+    (a validation error's list indices as the API names them, input[0].content, where indexed)."""
     try:
         yield
     except RequestValidationError as exc:
-        raise rename(_validation_to_api_error(exc)) from None
+        raise rename(_validation_to_api_error(exc, indexed=indexed)) from None
     except APIError as exc:
         raise rename(exc) from None
 
@@ -161,7 +162,7 @@ async def translated_job(ctx: ServingContext, raw: Request, body: dict, request_
     (check: refused where chat completions refuse it), served by job_class(ctx, req, chat, raw), not
     yet prepared. Every error is an APIError named as the API names its fields."""
     is_large = await is_large_body(raw)
-    with named_as(lambda exc: exc):
+    with named_as(lambda exc: exc, indexed=True):     # as the translation's own errors name items
         req = await ctx.run_blocking_if(is_large, validate_request, request_model, body)
     ctx.check_model(req.model)
 

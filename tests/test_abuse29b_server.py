@@ -1,0 +1,74 @@
+"""Tool calling and reasoning abused over /v1/chat/completions, /v1/responses and /v1/messages: bad
+items deep in a conversation are 400s naming the deepest place that is wrong (input[0], not input),
+Anthropic's tool_use ids are its own (toolu_...) and come back through the template, and a healthy
+stream of another client finishes unchanged after each."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_server_helpers import running_server, story_streams  # noqa: F401 (healthy)
+
+from minillm.server.app import ServerOptions
+
+# Renders tools, tool calls (id, name, arguments) and tool results (their tool_call_id), so that what a
+# request says of them can be read back from the prompt.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}{{ m.role }}{% if m.tool_call_id is defined %}[{{ m.tool_call_id }}]{% endif %}: "
+    "{{ m.content if m.content is string else m.content | tojson }}"
+    "{% for c in m.tool_calls or [] %} call {{ c.id }} {{ c.function.name }}({{ c.function.arguments | tojson }})"
+    "{% endfor %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    """(url, engine): stories260K with TOOL_TEMPLATE, --tool-call-parser hermes, --reasoning-parser deepseek_r1."""
+    options = ServerOptions(chat_template=TOOL_TEMPLATE, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    with running_server(stories_path, max_model_len=256, options=options) as running:
+        yield running
+
+
+def error_of(response: httpx.Response) -> dict:
+    assert response.status_code == 400, response.text
+    return response.json()["error"]
+
+
+# ---- a bad item names the item, not the field that holds it ---------------------------------------
+
+@pytest.mark.parametrize("body,param", [
+    ({"input": [None]}, "input[0]"),
+    ({"input": [{"role": "user", "content": "hi"}, 7]}, "input[1]"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]"),
+    ({"instructions": None, "input": [{"type": "reasoning", "summary": [{"type": "summary_text", "text": "x"}]},
+                                      {"type": "reasoning", "summary": []}]}, "input[1]"),
+])
+def test_responses_names_the_bad_input_item(http, healthy_stream, body, param):
+    error = error_of(http.post("/v1/responses", json={"model": "stories", "max_output_tokens": 2, **body}))
+    assert error["param"] == param
+    assert error["message"].startswith(param), error["message"]
+    assert "at least 1 item" not in error["message"]
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([None], "messages[0]"),
+    ([{"role": "user", "content": "hi"}, "x"], "messages[1]"),
+    ([{"role": "user", "content": [None]}], "messages[0].content[0].type"),
+])
+def test_messages_names_the_bad_message(http, healthy_stream, messages, param):
+    error = error_of(http.post("/v1/messages", json={"model": "stories", "max_tokens": 2, "messages": messages}))
+    assert error["param"] == param
+    assert error["message"].startswith(param), error["message"]
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([None], "messages.0"),
+    ([{"role": "user", "content": "hi"}, 3], "messages.1"),
+    ([{"role": "user", "content": [None]}], "messages.0.content.0"),
+    ([{"role": "assistant", "tool_calls": [None]}], "messages.0.tool_calls.0"),
+])
+def test_chat_names_the_bad_message(http, healthy_stream, messages, param):
+    error = error_of(http.post("/v1/chat/completions", json={"model": "stories", "max_tokens": 2,
+                                                             "messages": messages}))
+    assert error["param"] == param
+    assert error["message"].startswith(param), error["message"]
+    assert "instance of" not in error["message"]       # pydantic's class names are not the API's
