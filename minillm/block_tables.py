@@ -28,9 +28,15 @@ class BlockTables:
     def table(self, seqs: Seq[Sequence]) -> np.ndarray:
         """block_tables: [len(seqs), longest table] int32 of these sequences, padded with 0."""
         rows, width = [], 1
+        entries = self._entries
         for seq in seqs:
             table, n = seq.block_table, len(seq.block_table)
-            entry = self._entries.get(seq.seq_id)
+            entry = entries.get(seq.seq_id)
+            if entry is not None and entry[1] is table and entry[2] == n:   # most steps: the row is current
+                rows.append(entry[0])
+                if n > width:
+                    width = n
+                continue
             if entry is None:
                 entry = self._entries[seq.seq_id] = [self._take_row(seqs), None, 0]
             row = entry[0]
