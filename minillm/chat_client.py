@@ -7,8 +7,16 @@ from typing import Callable, Iterator
 
 import httpx
 
+from minillm import sse
 from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text
+from minillm.sse import LineSplitter, LineTooLong
 from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
+
+# What a server's answers may hold before the chat stops reading: one stream line (a chunk event is
+# a few hundred bytes), a whole answer that is no stream (a model list, an error), an error's text.
+MAX_LINE_CHARS = 8 * 1024 * 1024
+MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_MESSAGE_CHARS = 1000
 
 
 class HttpChatBackend:
@@ -34,15 +42,15 @@ class HttpChatBackend:
         """`model` (the first model the server lists when None), checked against /v1/models: a
         server that is not there, or does not serve it, fails here rather than at the first message."""
         try:
-            response = self.client.get("/v1/models")
+            response, body = self._fetch("GET", "/v1/models")
         except httpx.HTTPError as exc:
             raise RuntimeError(f"cannot reach a minillm server at {self.shown_url}: {exc}") from None
-        _raise_for_status(response)
+        _raise_for_status(response, body)
         try:
             # An entry without a string id names no model a request could ask for.
-            models = [m for m in response.json().get("data") or []
+            models = [m for m in _json(body).get("data") or []
                       if isinstance(m, dict) and isinstance(m.get("id"), str)]
-        except (ValueError, AttributeError, TypeError):
+        except (ValueError, AttributeError, TypeError):   # a body past MAX_BODY_BYTES too
             raise RuntimeError(f"{self.shown_url}/v1/models did not answer with a model list") from None
         if not models:
             raise RuntimeError(f"the server at {self.shown_url} lists no models")
@@ -54,6 +62,12 @@ class HttpChatBackend:
         if isinstance(context_len, int) and not isinstance(context_len, bool) and context_len > 0:
             self.context_len = context_len
         return chosen["id"]
+
+    def _fetch(self, method: str, path: str, **kwargs) -> tuple[httpx.Response, bytes]:
+        """The response to a request that is no stream, and its body: at most MAX_BODY_BYTES of it,
+        then b"" (a server whose answer never ends is not read without end)."""
+        with self.client.stream(method, path, **kwargs) as response:
+            return response, _read_capped(response)
 
     def _body(self, conversation: Conversation, settings: ChatSettings, max_tokens: int | None) -> dict:
         """The request body for the current endpoint (max_tokens None: the rest of the context)."""
@@ -82,9 +96,9 @@ class HttpChatBackend:
         except httpx.HTTPError as exc:
             raise RuntimeError(f"request to {self.shown_url} failed: {exc}") from None
         if response.status_code >= 400:
-            response.read()
+            body = _read_capped(response)
             response.close()
-            _raise_for_status(response)
+            _raise_for_status(response, body)
         content_type = response.headers.get("content-type", "").partition(";")[0].strip()
         if content_type != "text/event-stream":
             # Another web server on the port, or a proxy's page: its body holds no event, and the
@@ -141,9 +155,9 @@ class HttpChatBackend:
         if self.has_chat_template:
             return None
         try:
-            response = self.client.post("/tokenize", json={"model": self.model,
-                                                           "prompt": conversation_text(conversation)})
-            answer = response.json() if response.status_code == 200 else {}
+            response, body = self._fetch("POST", "/tokenize", json={"model": self.model,
+                                                                    "prompt": conversation_text(conversation)})
+            answer = _json(body) if response.status_code == 200 else {}
             count, context = answer.get("count"), answer.get("max_model_len") or self.context_len
         except (httpx.HTTPError, ValueError, AttributeError):
             return None
@@ -195,22 +209,50 @@ class HttpChatBackend:
 def _events(response: httpx.Response, base_url: str) -> Iterator[dict]:
     """The JSON payloads of a server-sent event stream, up to `data: [DONE]`; RuntimeError when
     the stream ends before it (a proxy or a server that cut the reply between two events)."""
-    for line in response.iter_lines():
+    for line in _lines(response):
         if not line.startswith("data:"):
             continue
         data = line[len("data:"):].strip()
         if data == "[DONE]":
             return
         try:
-            event = json.loads(data)
+            event = sse.loads(data)
         except json.JSONDecodeError:
             raise RuntimeError(f"the server sent a stream event that is not JSON: {data[:60]!r}") from None
+        except ValueError as exc:
+            raise RuntimeError(f"the server sent a stream event of {exc}: {data[:60]!r}") from None
         if not isinstance(event, dict):
             raise RuntimeError(f"the server sent a stream event that is not a JSON object: {data[:60]!r}")
         if event.get("error") is not None:
             raise RuntimeError(f"server error: {_error_message(event)}")
         yield event
     raise RuntimeError(f"the stream from {base_url} ended before the reply finished (no data: [DONE])")
+
+
+def _lines(response: httpx.Response) -> Iterator[str]:
+    """The stream's lines (minillm.sse.LineSplitter); RuntimeError for a line past MAX_LINE_CHARS."""
+    splitter = LineSplitter(MAX_LINE_CHARS)
+    try:
+        for text in response.iter_text():
+            yield from splitter.feed(text)
+    except LineTooLong as exc:
+        raise RuntimeError(f"the server sent {exc} in its stream: is this a minillm server?") from None
+    yield from splitter.flush()
+
+
+def _read_capped(response: httpx.Response) -> bytes:
+    """The body of a response read as a stream: b"" past MAX_BODY_BYTES (left unread)."""
+    data = bytearray()
+    for chunk in response.iter_bytes():
+        data += chunk
+        if len(data) > MAX_BODY_BYTES:
+            return b""
+    return bytes(data)
+
+
+def _json(body: bytes):
+    """The JSON value of a body; ValueError for one that is not UTF-8 JSON Python reads whole."""
+    return sse.loads(body.decode("utf-8"))
 
 
 def _choices(event: dict) -> list[dict]:
@@ -251,33 +293,33 @@ def _count(value, default: int) -> int:
 
 
 def _error_message(payload: dict) -> str:
-    """The message of an OpenAI-style error body."""
+    """The message of an OpenAI-style error body (its first MAX_MESSAGE_CHARS)."""
     error = payload.get("error", payload)
-    return error.get("message", str(error)) if isinstance(error, dict) else str(error)
+    return str(error.get("message", error) if isinstance(error, dict) else error)[:MAX_MESSAGE_CHARS]
 
 
-def _raise_for_status(response: httpx.Response) -> None:
+def _raise_for_status(response: httpx.Response, body: bytes) -> None:
     """ValueError for a 4xx (the request was bad), RuntimeError for anything else that failed."""
     if response.status_code < 400:
         return
     try:
-        message = _error_message(response.json())
+        message = _error_message(_json(body))
     except (ValueError, AttributeError):     # not JSON, or not UTF-8 (UnicodeDecodeError)
-        message = response.text.strip() or response.reason_phrase
+        message = body.decode("utf-8", "replace").strip()[:MAX_MESSAGE_CHARS] or response.reason_phrase
     if response.status_code in (401, 403):
         raise RuntimeError(f"the server refused the API key ({response.status_code}): {message}")
     text = f"server answered {response.status_code}: {message}"
-    error = _error_field(response)
+    error = _error_field(body)
     if response.status_code == 400 and error.get("code") == "context_length_exceeded":
         raise ContextLengthError(text, error.get("param"))
     cls = ValueError if 400 <= response.status_code < 500 else RuntimeError
     raise cls(text)
 
 
-def _error_field(response: httpx.Response) -> dict:
+def _error_field(body: bytes) -> dict:
     """The error object of an OpenAI-style error body ({} when there is none)."""
     try:
-        error = response.json().get("error")
+        error = _json(body).get("error")
     except (ValueError, AttributeError):
         return {}
     return error if isinstance(error, dict) else {}

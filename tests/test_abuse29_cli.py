@@ -1,13 +1,16 @@
 """The command line abused: serve's --api-server-count with --engine-core thread, chat commands given
 words they do not take, a finish_reason that is no string from a server, a stop string of the
-replacement character, model paths that are symbolic links to nothing, and safetensors headers and
-weight files that are not what the safetensors library writes."""
+replacement character, model paths that are symbolic links to nothing, safetensors headers and
+weight files that are not what the safetensors library writes, /set values, and chat --url against
+servers whose answers never end or hold JSON past Python's parser."""
 from __future__ import annotations
 
 import io
 import json
 import os
 import struct
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ from test_cli import STORIES, needs_stories, run_main
 
 from minillm import LLM, SamplingParams
 from minillm.chat import ChatSession
+from minillm.chat_client import HttpChatBackend
 from minillm.loader import checkpoint_tensors
 from minillm.model_store import resolve_model_path
 
@@ -255,3 +259,98 @@ def test_set_seed_minus_one_is_no_seed_and_minus_zero_is_zero():
     text = out.getvalue()
     assert "(seed = None)" in text and "(temperature = 0.0)" in text, text
     assert "temperature=0.0 top_p=0.9 top_k=-1 max_tokens=256 seed=None" in text, text
+
+
+# ---- chat --url: answers without end, JSON past the parser -----------------------------------------------
+
+class _EndlessChatServer(BaseHTTPRequestHandler):
+    """server.mode: "models" (a /v1/models without end), "error" (a 500 whose body never ends),
+    "line" (a stream whose second line never ends); the other answers are a model list and OK_CHUNK.
+    "Without end": 64 MiB, or until the client goes away (a client that reads all fails its test
+    rather than hangs it)."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        if self.server.mode == "models":
+            return self._endless(200, "application/json", b'{"data": [{"id": "odd"}], "pad": "')
+        body = json.dumps({"data": [{"id": "odd", "max_model_len": 512}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.server.mode == "error":
+            return self._endless(500, "text/plain", b"")
+        self._endless(200, "text/event-stream", f"data: {OK_CHUNK}\n\ndata: ".encode())
+
+    def _endless(self, status: int, content_type: str, head: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        chunk = b"x" * 4096
+        try:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(head + chunk), head + chunk))
+            for _ in range(64 * 1024 * 1024 // len(chunk)):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.wfile.write(b"0\r\n\r\n")
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def endless_chat_server(monkeypatch):
+    monkeypatch.setattr("minillm.chat_client.MAX_LINE_CHARS", 64 * 1024, raising=False)
+    monkeypatch.setattr("minillm.chat_client.MAX_BODY_BYTES", 64 * 1024, raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _EndlessChatServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", server
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("mode, named", [
+    ("line", "error: the server sent a line over 65536 characters in its stream: is this a minillm server?"),
+    ("error", "error: server answered 500: Internal Server Error"),
+])
+def test_chat_over_a_server_whose_answer_never_ends_is_one_error_line(endless_chat_server, mode, named):
+    # Each was read whole (iter_lines, response.read()): the chat's memory grew without end, no error came.
+    url, server = endless_chat_server
+    server.mode = mode
+    out = chat_over(url, ["hello"], status=1)
+    assert named in out, out
+
+
+def test_a_model_list_without_end_is_named_at_start(endless_chat_server):
+    url, server = endless_chat_server
+    server.mode = "models"
+    with pytest.raises(RuntimeError, match="did not answer with a model list"):
+        HttpChatBackend(url)
+
+
+@pytest.mark.parametrize("event, named", [
+    ("[" * 100_000 + "]" * 100_000, "a stream event of JSON nested too deeply to read"),
+    ("1" * 5000, "a stream event of JSON with an integer too long to read"),
+], ids=["nested", "integer"])
+def test_a_stream_event_past_the_json_parser_is_named(odd_server, event, named):  # noqa: F811
+    # "error: maximum recursion depth exceeded while decoding a JSON array from a unicode string",
+    # "error: Exceeds the limit (4300 digits) for integer string conversion: ... use sys.set_int_max_str_digits()".
+    url, server = odd_server
+    server.events = [OK_CHUNK, event]
+    out = chat_over(url, ["hello"], status=1)
+    assert f"error: the server sent {named}" in out, out
+
+
+def test_an_error_body_past_the_json_parser_is_the_servers_status(odd_server):  # noqa: F811
+    url, server = odd_server
+    server.failure = (500, b'{"error": {"message": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}")
+    out = chat_over(url, ["hello"], status=1)
+    [line] = [line for line in out.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: server answered 500: {") and len(line) < 1100 and "recursion" not in line, line
