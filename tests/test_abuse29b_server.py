@@ -4,6 +4,8 @@ Anthropic's tool_use ids are its own (toolu_...) and come back through the templ
 stream of another client finishes unchanged after each."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from test_server_helpers import running_server, story_streams  # noqa: F401 (healthy)
@@ -72,3 +74,43 @@ def test_chat_names_the_bad_message(http, healthy_stream, messages, param):
     assert error["param"] == param
     assert error["message"].startswith(param), error["message"]
     assert "instance of" not in error["message"]       # pydantic's class names are not the API's
+
+
+# ---- Anthropic's tool_use ids ---------------------------------------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "The weather in a city.",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                            "required": ["city"], "additionalProperties": False}}
+ASK = {"model": "stories", "max_tokens": 40, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+       "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+
+
+def _sse_data(lines) -> list[dict]:
+    return [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+
+
+def test_tool_use_ids_are_anthropic_ids_and_round_trip(http, healthy_stream):
+    """A tool_use block's id is toolu_..., streamed as whole; sent back as a tool_result's tool_use_id it
+    reaches the template as the assistant call's id and the tool message's tool_call_id."""
+    reply = http.post("/v1/messages", json=ASK)
+    assert reply.status_code == 200, reply.text
+    (use,) = [b for b in reply.json()["content"] if b["type"] == "tool_use"]
+    assert use["id"].startswith("toolu_") and use["name"] == "get_weather"
+    with http.stream("POST", "/v1/messages", json={**ASK, "stream": True}) as streamed:
+        events = _sse_data(streamed.iter_lines())
+    (started,) = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert started["type"] == "tool_use" and started["id"].startswith("toolu_") and started["id"] != use["id"]
+
+    turns = [*ASK["messages"], {"role": "assistant", "content": [use]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}]}]
+    counted = http.post("/v1/messages/count_tokens", json={**ASK, "messages": turns})
+    assert counted.status_code == 200, counted.text
+    call = {"id": use["id"], "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps(use["input"])}}
+    chat = [*ASK["messages"], {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": use["id"], "content": "sunny"}]
+    tokens = http.post("/tokenize", json={"model": "stories", "messages": chat, "tools": [
+        {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER["input_schema"]}}]}).json()
+    assert counted.json()["input_tokens"] == tokens["count"]
+    text = http.post("/detokenize", json={"model": "stories", "tokens": tokens["tokens"]}).json()["prompt"]
+    assert f"call {use['id']} get_weather(" in text and f"tool[{use['id']}]: sunny" in text

@@ -30,6 +30,7 @@ from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.server.errors import APIError, anthropic_error_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
+from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
 from minillm.server.translated_api import (
     ReplyWriter, TranslatedJob, field_of, named_as, serve_translated, tool_param, translated_job,
 )
@@ -213,7 +214,14 @@ def _input_of(call: dict) -> dict | None:
 
 
 def _tool_use(call: dict) -> dict:
-    return {"type": "tool_use", "id": call["id"], "name": call["function"]["name"], "input": _input_of(call) or {}}
+    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
+            "input": _input_of(call) or {}}
+
+
+def tool_use_id(call_id: str) -> str:
+    """A chat tool call's id as Anthropic's tool_use ids read (toolu_...: clients pass it back as a
+    tool_result's tool_use_id, and some check the prefix); the same call, whole or streamed, has one."""
+    return "toolu_" + call_id.removeprefix(TOOL_CALL_ID_PREFIX)
 
 
 class MessagesJob(TranslatedJob):

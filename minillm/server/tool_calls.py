@@ -24,9 +24,12 @@ _DECODER = json.JSONDecoder()
 _WHITESPACE = " \t\n\r"
 
 
+TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
+
+
 def new_tool_call_id() -> str:
     """A tool call's id, as vLLM makes one."""
-    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+    return f"{TOOL_CALL_ID_PREFIX}{uuid.uuid4().hex}"
 
 
 def tool_call(name: str, arguments: str, call_id: str | None = None) -> dict:
