@@ -15,12 +15,13 @@ def http_url(host: str, port: int) -> str:
 
 def server_base_url(url: str) -> str:
     """The server's root: http:// when no scheme is given, no trailing slash, and no /v1 (the
-    OpenAI base URL clients are told to use) or /v1/stats (the monitor's) at the end."""
+    OpenAI base URL clients are told to use), /v1/stats (the monitor's) or the URL of an endpoint
+    chat reads (/v1/chat/completions, as a curl line has it) at the end."""
     url = url.strip()
     if "://" not in url and _HOST_PORT.match(url):
         url = f"http://{url}"
     url = url.rstrip("/")
-    for suffix in ("/v1/stats/stream", "/v1/stats", "/v1"):
+    for suffix in ("/v1/stats/stream", "/v1/stats", "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1"):
         if url.endswith(suffix):
             return url.removesuffix(suffix)
     return url

@@ -354,3 +354,12 @@ def test_an_error_body_past_the_json_parser_is_the_servers_status(odd_server):  
     out = chat_over(url, ["hello"], status=1)
     [line] = [line for line in out.splitlines() if line.startswith("error:")]
     assert line.startswith("error: server answered 500: {") and len(line) < 1100 and "recursion" not in line, line
+
+
+@pytest.mark.parametrize("suffix", ["/v1/chat/completions", "/v1/completions/", "/v1/models"])
+def test_chat_given_an_endpoints_url_talks_to_its_server(odd_server, suffix):  # noqa: F811
+    # The endpoint's URL, as a curl line has it, was taken for the server's root: GET
+    # .../v1/chat/completions/v1/models, a 404 from a server that was there.
+    url, _ = odd_server
+    backend = HttpChatBackend(url + suffix)
+    assert backend.base_url == url and backend.model == "odd"
