@@ -114,3 +114,25 @@ def test_tool_use_ids_are_anthropic_ids_and_round_trip(http, healthy_stream):
     assert counted.json()["input_tokens"] == tokens["count"]
     text = http.post("/detokenize", json={"model": "stories", "tokens": tokens["tokens"]}).json()["prompt"]
     assert f"call {use['id']} get_weather(" in text and f"tool[{use['id']}]: sunny" in text
+
+
+# ---- tool_choice "required" names the tool whose schema is bad ------------------------------------
+
+GOOD = {"type": "object", "properties": {"city": {"type": "string"}}}
+BAD_SCHEMAS = [{"type": "frog"}, {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}]
+
+
+@pytest.mark.parametrize("bad", BAD_SCHEMAS)
+def test_required_tool_choice_names_the_tool_whose_schema_is_bad(http, healthy_stream, bad):
+    chat_tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in (("a", GOOD), ("b", bad))]
+    error = error_of(http.post("/v1/chat/completions", json={"model": "stories", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}], "tools": chat_tools, "tool_choice": "required"}))
+    assert error["param"] == "tools.1.function.parameters", error
+    responses_tools = [{"type": "function", "name": n, "parameters": p} for n, p in (("a", GOOD), ("b", bad))]
+    error = error_of(http.post("/v1/responses", json={"model": "stories", "max_output_tokens": 2, "input": "hi",
+                                                      "tools": responses_tools, "tool_choice": "required"}))
+    assert error["param"] == "tools[1].parameters", error
+    messages_tools = [{"name": n, "input_schema": p} for n, p in (("a", GOOD), ("b", bad))]
+    error = error_of(http.post("/v1/messages", json={"model": "stories", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}], "tools": messages_tools, "tool_choice": {"type": "any"}}))
+    assert error["param"] == "tools[1].input_schema", error

@@ -46,11 +46,18 @@ class ForcedToolCalls:
     schema: dict
     name: str | None = None
     param: str = "tools"
+    tool_schemas: tuple[dict, ...] = ()     # "required": each tool's parameters, to name the one at fault
 
     def constraint(self):
-        """The output's StructuredOutputsParams; a schema that does not compile is a 400 naming param."""
+        """The output's StructuredOutputsParams; a schema that does not compile is a 400 naming param
+        (or the tool whose parameters make the array's schema fail)."""
         from minillm.server.structured import checked_params
-        return checked_params(lambda field: self.param, json=self.schema)
+        try:
+            return checked_params(lambda field: self.param, json=self.schema)
+        except APIError:
+            for i, schema in enumerate(self.tool_schemas):
+                checked_params(lambda field: f"tools.{i}.function.parameters", json=schema)
+            raise
 
     def calls(self, text: str) -> list[dict]:
         """The tool_calls of a finished output's text (a required array cut short: its whole items)."""
@@ -95,7 +102,9 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
         schema["$defs"] = defs
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    return ForcedToolCalls(schema)
+    # Among several tools, an error names the one whose parameters fail (one tool: "tools" says which).
+    tool_schemas = tuple(_parameters_schema(f) for f in functions) if len(functions) > 1 else ()
+    return ForcedToolCalls(schema, tool_schemas=tool_schemas)
 
 
 def _parameters_schema(function: dict) -> dict:
