@@ -136,3 +136,22 @@ def test_required_tool_choice_names_the_tool_whose_schema_is_bad(http, healthy_s
     error = error_of(http.post("/v1/messages", json={"model": "stories", "max_tokens": 2, "messages": [
         {"role": "user", "content": "hi"}], "tools": messages_tools, "tool_choice": {"type": "any"}}))
     assert error["param"] == "tools[1].input_schema", error
+
+
+# ---- a Responses tool_choice is told in the Responses API's shape ---------------------------------
+
+@pytest.mark.parametrize("choice,param", [
+    ({"type": "function"}, "tool_choice.name"),
+    ({"type": "function", "name": 5}, "tool_choice.name"),
+    ({"type": "function", "function": {"name": "get_weather"}}, "tool_choice.name"),
+    ({"type": "file_search"}, "tool_choice.type"),
+    ({"name": "get_weather"}, "tool_choice.type"),
+    ("sometimes", "tool_choice"),
+    (5, "tool_choice"),
+])
+def test_responses_tool_choice_errors_speak_of_its_shape(http, healthy_stream, choice, param):
+    tools = [{"type": "function", "name": "get_weather", "parameters": GOOD}]
+    error = error_of(http.post("/v1/responses", json={"model": "stories", "max_output_tokens": 2, "input": "hi",
+                                                      "tools": tools, "tool_choice": choice}))
+    assert error["param"] == param, error
+    assert '"function": {' not in error["message"], error      # the chat API's shape of a named tool

@@ -23,6 +23,7 @@ from fastapi import Request
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, response_failed_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
@@ -195,9 +196,21 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
 
 
 def _tool_choice(choice: Any) -> Any:
-    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    return choice
+    """tool_choice ("none", "auto", "required" or {"type": "function", "name": N}) in the chat shape;
+    a 400 in this API's terms for any other (the chat request's would show its own shape)."""
+    usage = 'use {"type": "function", "name": "my_function"}'
+    if choice is None or choice in ("none", "auto", "required"):
+        return choice
+    if not isinstance(choice, dict):
+        raise APIError(400, f'tool_choice must be "none", "auto", "required" or a function tool ({usage}), got '
+                       f"{short_repr(choice)}", param="tool_choice")
+    if choice.get("type") != "function":
+        raise APIError(400, f"tool_choice.type must be function (built-in tools are not served): {usage}, got "
+                       f"{short_repr(choice.get('type'))}", param="tool_choice.type")
+    name = choice.get("name")
+    if not isinstance(name, str) or not name:
+        raise APIError(400, f"tool_choice.name must be a tool's name: {usage}", param="tool_choice.name")
+    return {"type": "function", "function": {"name": name}}
 
 
 def _response_format(text: dict | None) -> dict | None:
