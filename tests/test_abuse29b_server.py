@@ -155,3 +155,14 @@ def test_responses_tool_choice_errors_speak_of_its_shape(http, healthy_stream, c
                                                       "tools": tools, "tool_choice": choice}))
     assert error["param"] == param, error
     assert '"function": {' not in error["message"], error      # the chat API's shape of a named tool
+
+
+@pytest.mark.parametrize("thinking,param", [
+    ({"type": "bogus"}, "thinking.type"),
+    ({}, "thinking.type"),
+    ({"type": "enabled", "budget_tokens": "lots"}, "thinking.budget_tokens"),
+])
+def test_messages_thinking_of_an_unknown_kind_is_a_400(http, healthy_stream, thinking, param):
+    error = error_of(http.post("/v1/messages", json={"model": "stories", "max_tokens": 2, "thinking": thinking,
+                                                     "messages": [{"role": "user", "content": "hi"}]}))
+    assert error["param"] == param, error

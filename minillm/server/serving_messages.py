@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
+from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, anthropic_error_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
@@ -37,6 +38,7 @@ from minillm.server.translated_api import (
 
 # Chat fields (as errors raised on the chat side name them) -> the Messages field they came from.
 CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}
 
 
@@ -159,13 +161,28 @@ def chat_body(req: MessagesRequest) -> dict:
             field_of(tool, "input_schema", f"tools[{i}]", dict)
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
-    thinking = (req.thinking or {}).get("type")
+    thinking = _thinking_type(req.thinking)
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
               "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
+
+
+def _thinking_type(thinking: dict | None) -> str | None:
+    """thinking.type: enabled, adaptive or disabled (a budget, where given, an integer; it is not enforced)."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in THINKING_TYPES:
+        raise APIError(400, f"thinking.type must be {', '.join(THINKING_TYPES)}, got {short_repr(kind)}",
+                       param="thinking.type")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise APIError(400, f"thinking.budget_tokens must be an integer, got {short_repr(budget)}",
+                       param="thinking.budget_tokens")
+    return kind
 
 
 def _renamed(exc: APIError) -> APIError:
