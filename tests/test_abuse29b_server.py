@@ -166,3 +166,21 @@ def test_messages_thinking_of_an_unknown_kind_is_a_400(http, healthy_stream, thi
     error = error_of(http.post("/v1/messages", json={"model": "stories", "max_tokens": 2, "thinking": thinking,
                                                      "messages": [{"role": "user", "content": "hi"}]}))
     assert error["param"] == param, error
+
+
+# ---- tool call arguments that Python cannot read are told in JSON's terms -------------------------
+
+@pytest.mark.parametrize("arguments,why", [
+    ('{"a": ' + "9" * 5000 + "}", "a number has too many digits"),
+    ("[" * 100000 + "]" * 100000, "nested too deeply"),
+])
+def test_unreadable_tool_call_arguments_are_told_in_json_terms(http, healthy_stream, arguments, why):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    error = error_of(http.post("/v1/chat/completions", json={"model": "stories", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]}]}))
+    assert error["param"] == "messages.1.tool_calls.0.function.arguments" and why in error["message"], error
+    assert "sys." not in error["message"] and "unicode string" not in error["message"]
+    item = {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments}
+    error = error_of(http.post("/v1/responses", json={"model": "stories", "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "hi"}, item]}))
+    assert error["param"] == "input[1].arguments" and why in error["message"], error

@@ -240,15 +240,23 @@ def body_parse_error(cause: BaseException | None) -> APIError:
     says only "There was an error parsing the body"): cause is what json.loads raised."""
     if isinstance(cause, UnicodeDecodeError):
         why = f"the body is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at {cause.start})"
-    elif isinstance(cause, json.JSONDecodeError):
-        why = f"{cause.msg} at character {cause.pos}"
-    elif isinstance(cause, RecursionError):
-        why = "arrays or objects are nested too deeply"
-    elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
-        why = "a number has too many digits"       # Python refuses to read an int of over 4300 digits
+    elif isinstance(cause, (json.JSONDecodeError, RecursionError)) or (
+            isinstance(cause, ValueError) and "integer string conversion" in str(cause)):
+        why = json_error_reason(cause)
     else:
         why = f"{type(cause).__name__}: {cause}" if cause is not None else "the body could not be read"
     return APIError(400, f"malformed JSON in request body: {why}", code="json_invalid")
+
+
+def json_error_reason(exc: ValueError | RecursionError) -> str:
+    """Why json.loads refused some text, in JSON's terms (not Python's advice on its own limits)."""
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at character {exc.pos}"
+    if isinstance(exc, RecursionError):
+        return "arrays or objects are nested too deeply"
+    if "integer string conversion" in str(exc):
+        return "a number has too many digits"       # Python refuses to read an int of over 4300 digits
+    return str(exc)
 
 
 def _deepest_of_first_field(errors: list[dict]) -> dict:

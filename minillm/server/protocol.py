@@ -15,7 +15,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, short_repr
-from minillm.server.errors import APIError, bad_request_from_value_error
+from minillm.server.errors import APIError, bad_request_from_value_error, json_error_reason
 from minillm.server.tool_calls import check_named_tool_choice
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
 
@@ -565,8 +565,8 @@ def _tool_call_dict(call: ToolCall, param: str) -> dict:
     try:
         item["function"]["arguments"] = _check_json_text(json.loads(text)) if text else {}
     except (ValueError, RecursionError) as exc:     # PydanticCustomError (a lone surrogate) is a ValueError
-        raise APIError(400, f"tool call arguments must be JSON text: {exc}", param=f"{param}.function.arguments") \
-            from None
+        raise APIError(400, f"tool call arguments must be JSON text: {json_error_reason(exc)}",
+                       param=f"{param}.function.arguments") from None
     return item
 
 

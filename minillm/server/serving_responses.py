@@ -24,7 +24,7 @@ from pydantic import field_validator
 
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import short_repr
-from minillm.server.errors import APIError, response_failed_event
+from minillm.server.errors import APIError, json_error_reason, response_failed_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
@@ -129,7 +129,8 @@ def _arguments(item: dict, where: str) -> str:
     try:
         json.loads(arguments)
     except (ValueError, RecursionError) as exc:
-        raise APIError(400, f"{where}.arguments must be JSON text: {exc}", param=f"{where}.arguments") from None
+        raise APIError(400, f"{where}.arguments must be JSON text: {json_error_reason(exc)}",
+                       param=f"{where}.arguments") from None
     return arguments
 
 
