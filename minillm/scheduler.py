@@ -355,13 +355,14 @@ class Scheduler:
             seqs, counts = [seqs[b] for b in order], [counts[b] for b in order]
         starts = [s.num_computed_tokens for s in seqs]
         rows, num_decode = [], 0
-        cache_full_blocks = self.block_manager.cache_full_blocks
+        cache_full_blocks, block_size = self.block_manager.cache_full_blocks, self.block_manager.block_size
         for b, (seq, n) in enumerate(zip(seqs, counts)):
             drafts = spec.get(seq.seq_id) if spec else None
             num_drafts = len(drafts) if drafts else 0
             num_tokens = len(seq.token_ids) + seq.num_output_placeholders     # Sequence.num_tokens, spelled out
             seq.num_computed_tokens += n
-            cache_full_blocks(seq)
+            if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:   # a block may have filled
+                cache_full_blocks(seq)
             if seq.num_computed_tokens - num_drafts == num_tokens:          # at its end: it samples
                 rows.append(b)
                 if n - num_drafts == 1 and num_tokens > len(seq.prompt_token_ids):
