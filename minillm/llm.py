@@ -254,9 +254,14 @@ class LLM:
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
-                self.engine.add_request(rid, prompt, p,
-                                        output_kind="final", cache_salt=salt,
-                                        tokenization_kwargs={"add_special_tokens": add_special_tokens})
+                try:
+                    self.engine.add_request(rid, prompt, p,
+                                            output_kind="final", cache_salt=salt,
+                                            tokenization_kwargs={"add_special_tokens": add_special_tokens})
+                except ValueError as exc:
+                    if len(prompts) == 1:
+                        raise
+                    raise ValueError(f"prompt {len(ids) + 1} of {len(prompts)}: {exc}") from exc   # which one
                 ids.append(rid)
         except BaseException:
             for rid in ids:

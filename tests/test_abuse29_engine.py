@@ -101,3 +101,14 @@ def test_reset_prefix_cache_after_shutdown_says_the_engine_is_shut_down(stories_
     llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.reset_prefix_cache()
+
+
+def test_a_bad_prompt_among_several_is_named_by_its_place(stories_path):
+    # "prompt has 4002 tokens, which leaves no room under max_model_len 512" did not say which of
+    # the batch's prompts it was; nothing of the batch runs either way.
+    with LLM(str(stories_path), device="cpu") as llm:
+        with pytest.raises(ValueError, match=r"^prompt 2 of 3: prompt has \d+ tokens"):
+            llm.generate(["Tom", "Tom ran " * 1000, "Lily"], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match=r"^prompt has \d+ tokens"):        # one prompt: as it was
+            llm.generate("Tom ran " * 1000, SamplingParams(max_tokens=2))
+        assert [o.outputs[0].token_ids for o in llm.generate(["Tom"], SamplingParams(max_tokens=2))]
