@@ -269,7 +269,7 @@ def test_a_forced_call_of_a_tool_whose_schema_cannot_hold_it_is_a_400_naming_the
     named = {"type": "function", "function": {"name": tool["function"]["name"]}}
     cases = [(named, [WEATHER, tool], "tools.1.function.parameters")]
     if tool is not LOOP:     # in "required"'s array the loop is found only as the output runs into it
-        cases.append(("required", [tool], "tools"))      # (beside WEATHER, "required" would call that)
+        cases.append(("required", [tool], "tools.0.function.parameters"))   # (beside WEATHER, "required" would call that)
     for choice, tools, param in cases:
         error = openai_error(http.post("/v1/chat/completions",
                                        json=_tool_chat(choice, tools=tools, stream=stream)), 400, param)

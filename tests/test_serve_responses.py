@@ -117,7 +117,7 @@ def test_a_forced_tool_call_is_a_function_call_item(servers, stream):
     else:
         response = c.responses.create(**kwargs)
     [call] = response.output
-    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("chatcmpl-tool-")
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     assert json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit")
     assert response.status == "completed"
 

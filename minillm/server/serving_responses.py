@@ -27,6 +27,7 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
 from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
+from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
 from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
 
 # Chat fields (as errors raised on the chat side name them) -> the Responses field they came from;
@@ -272,8 +273,10 @@ def _reasoning_item(item_id: str, text: str) -> dict:
 
 
 def _call_item(call: dict) -> dict:
-    return {"type": "function_call", "id": _new_id("fc"), "call_id": call["id"], "name": call["function"]["name"],
-            "arguments": call["function"]["arguments"], "status": "completed"}
+    """A chat tool call as a function_call output item; its call_id is OpenAI's shape (call_...),
+    which the client sends back in the function_call_output item."""
+    return {"type": "function_call", "id": _new_id("fc"), "call_id": "call_" + call["id"].removeprefix(TOOL_CALL_ID_PREFIX),
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
 def response_status(comp: CompletionOutput) -> str:

@@ -102,8 +102,8 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
         schema["$defs"] = defs
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
-    # Among several tools, an error names the one whose parameters fail (one tool: "tools" says which).
-    tool_schemas = tuple(_parameters_schema(f) for f in functions) if len(functions) > 1 else ()
+    # An error names the tool whose parameters fail (tools.i.function.parameters).
+    tool_schemas = tuple(_parameters_schema(f) for f in functions)
     return ForcedToolCalls(schema, tool_schemas=tool_schemas)
 
 
