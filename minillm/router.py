@@ -47,7 +47,7 @@ from minillm.server.http import uvicorn_settings
 from minillm.server.json_body import parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
-from minillm.urls import check_server_url, http_url, server_base_url
+from minillm.urls import check_server_url, http_url, server_base_url, shown_url
 from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
 
 logger = logging.getLogger("minillm.router")
@@ -110,6 +110,11 @@ class Backends:
         """Every server, starting with the one whose turn it is."""
         start = next(self._turn) % len(self.urls)
         return self.urls[start:] + self.urls[:start]
+
+    @property
+    def shown_urls(self) -> list[str]:
+        """The URLs as they may be shown (a password in one as ***): /health and /v1/stats need no key."""
+        return [shown_url(u) for u in self.urls]
 
 
 CLIENT_CLOSED = 499     # a request whose client went away before its response ended (nginx's status)
@@ -293,7 +298,8 @@ class Router:
 
     async def send(self, backends: Backends, path: str, body: dict, headers: dict, stream: bool
                    ) -> tuple[str, httpx.Response]:
-        """POST to the role's servers in turn until one accepts the connection; (its URL, its response)."""
+        """POST to the role's servers in turn until one accepts the connection; (its URL as it may be
+        shown, its response)."""
         failures = []
         # json.dumps as the client wrote it: NaN or Infinity goes on, for the server's 400 naming its
         # field (httpx's json= refuses them, which was a 500 here). Encoded once for every server tried.
@@ -302,12 +308,12 @@ class Router:
             request = self.client.build_request("POST", url + path, content=content,
                                                 headers={**headers, "content-type": "application/json"})
             try:
-                return url, await self.client.send(request, stream=stream)
+                return shown_url(url), await self.client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                failures.append(f"{url}: {type(exc).__name__}")
+                failures.append(f"{shown_url(url)}: {type(exc).__name__}")
             except httpx.HTTPError as exc:
-                raise RouterError(502, f"the {backends.role} server {url} failed: {type(exc).__name__}: {exc}",
-                                  f"{backends.role}_server_failed") from None
+                raise RouterError(502, f"the {backends.role} server {shown_url(url)} failed: "
+                                  f"{type(exc).__name__}: {exc}", f"{backends.role}_server_failed") from None
         raise RouterError(503, f"no {backends.role} server is reachable ({'; '.join(failures)})",
                           f"{backends.role}_unavailable")
 
@@ -433,9 +439,9 @@ class Router:
         async def check(url: str) -> dict:
             try:
                 r = await self.client.get(url + "/health", timeout=self.config.health_timeout_s)
-                return {"url": url, "ok": r.status_code == 200, "status": r.status_code}
+                return {"url": shown_url(url), "ok": r.status_code == 200, "status": r.status_code}
             except httpx.HTTPError as exc:
-                return {"url": url, "ok": False, "error": type(exc).__name__}
+                return {"url": shown_url(url), "ok": False, "error": type(exc).__name__}
 
         prefill, decode = await asyncio.gather(asyncio.gather(*map(check, self.prefill.urls)),
                                                asyncio.gather(*map(check, self.decode.urls)))
@@ -455,7 +461,7 @@ class Router:
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 continue
             except httpx.HTTPError as exc:
-                return RouterError(502, f"the decode server {url} failed: {type(exc).__name__}: {exc}",
+                return RouterError(502, f"the decode server {shown_url(url)} failed: {type(exc).__name__}: {exc}",
                                    "decode_server_failed").response(path)
             return Response(r.content, status_code=r.status_code,
                             media_type=r.headers.get("content-type", "application/json"))
@@ -488,7 +494,7 @@ def create_router_app(config: RouterConfig) -> FastAPI:
 
     @app.get("/v1/stats")
     async def stats():
-        return JSONResponse(router.stats.to_dict({"prefill": router.prefill.urls, "decode": router.decode.urls}))
+        return JSONResponse(router.stats.to_dict({"prefill": router.prefill.shown_urls, "decode": router.decode.shown_urls}))
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
     return app
@@ -514,8 +520,8 @@ def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) 
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO)
-    print(f"minillm router: {http_url(host, port)}, prefill {', '.join(config.prefill_urls)}, decode "
-          f"{', '.join(config.decode_urls)}", file=sys.stderr, flush=True)
+    print(f"minillm router: {http_url(host, port)}, prefill {', '.join(map(shown_url, config.prefill_urls))}, "
+          f"decode {', '.join(map(shown_url, config.decode_urls))}", file=sys.stderr, flush=True)
     uvicorn.run(create_router_app(config), host=host, port=port, **router_uvicorn_settings(config))
 
 

@@ -1,0 +1,109 @@
+"""`minillm router` against fake backends and a real lease table: what becomes of a prompt's lease
+when no decode server takes it, a client that leaves a non-streamed request, a prefill server that
+takes no part in KV transfers, and backend URLs that carry a password."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import pytest
+from test_server_helpers import running_router
+
+from minillm.kv_connector.endpoint import TransferEndpoint
+from minillm.kv_connector.lease import LeaseTable
+from minillm.router import RouterConfig
+
+BODY = {"model": "m", "prompt": "Once", "max_tokens": 4}
+
+
+class Backend(BaseHTTPRequestHandler):
+    """A prefill server (leases from a real LeaseTable, served by a real transfer endpoint) and a
+    decode server in one; the path's first segment picks how it answers: ok, refuse (a 400),
+    hang (the decode server takes the request and answers only when its connection closes) or
+    norole (a server started without --kv-role)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._send(200, {"status": "ok"})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        mode = self.path.split("/")[1]
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("do_remote_decode"):
+            if mode == "norole":
+                return self._send(400, {"error": {
+                    "message": "kv_transfer_params: this server takes no part in KV transfers (start it with "
+                               "--kv-role producer or consumer)", "type": "invalid_request_error",
+                    "param": "kv_transfer_params", "code": None}})
+            lease = self.server.leases.create([3, 4], "hash", 5)
+            return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": {
+                "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": self.server.endpoint.port,
+                "remote_lease_id": lease.lease_id, "remote_num_tokens": 5, "remote_prompt_hash": "hash"}})
+        if mode == "refuse":
+            return self._send(400, {"error": {"message": "min_tokens must not exceed max_tokens", "type":
+                                              "invalid_request_error", "param": "min_tokens", "code": None}})
+        if mode == "hang":
+            self.server.taken.set()
+            self.connection.settimeout(30)
+            self.server.closed.set() if self.connection.recv(1) == b"" else None
+            return
+        self._send(200, {"choices": [{"text": "decoded"}]})
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def backend():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Backend)
+    server.daemon_threads = True
+    server.leases = LeaseTable(30.0)
+    server.endpoint = TransferEndpoint("127.0.0.1", 0, "engine", server.leases, {})
+    server.taken, server.closed = threading.Event(), threading.Event()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", server
+    finally:
+        server.shutdown()
+        server.server_close()
+        server.endpoint.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def released(server) -> int:
+    return server.leases.snapshot().num_released
+
+
+def test_a_password_in_a_backend_url_is_never_shown(backend, caplog):
+    # /health and /v1/stats (which need no key), error messages and the log printed it.
+    url, _ = backend
+    secret = url.replace("http://", "http://user:s3cret@")
+    nobody = f"http://user:s3cret@127.0.0.1:{free_port()}"
+    caplog.set_level(logging.INFO, logger="minillm.router")
+    with running_router(RouterConfig((secret,), (secret, nobody))) as router:
+        shown = [httpx.get(f"{router}/health").text, httpx.get(f"{router}/v1/stats").text]
+        for _ in range(2):         # one decode server refuses the connection: its error names it
+            shown.append(httpx.post(f"{router}/v1/completions", json=BODY, timeout=30).text)
+        with running_router(RouterConfig((nobody,), (nobody,))) as down:
+            shown.append(httpx.post(f"{down}/v1/completions", json=BODY, timeout=30).text)
+            shown.append(httpx.get(f"{down}/v1/models", timeout=30).text)
+    shown.append(caplog.text)
+    assert all("user:***@127.0.0.1" in text for text in shown[:2]), shown[:2]
+    assert not any("s3cret" in text for text in shown), shown
