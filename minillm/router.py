@@ -223,6 +223,18 @@ def client_headers(raw: Request, names: tuple[str, ...]) -> dict[str, bytes]:
     return {name.decode("latin-1"): value for name, value in raw.headers.raw if name.decode("latin-1") in names}
 
 
+def kv_transfer_refusal(response: httpx.Response) -> str | None:
+    """The message of a server's 4xx that names kv_transfer_params (the router writes that field for
+    a prefill server, whatever the client sent), else None."""
+    if not 400 <= response.status_code < 500:
+        return None
+    try:
+        error = response.json()["error"]
+        return str(error["message"]) if error.get("param") == "kv_transfer_params" else None
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
     """What the decode server says the KV transfer took (its x-minillm-kv-transfer header)."""
     try:
@@ -378,6 +390,10 @@ class Router:
         url, response = await self.send(self.prefill, path, prefill_body(body), headers, stream=False)
         timing.prefill_url = url
         timing.prefill_s = time.monotonic() - t0
+        refusal = kv_transfer_refusal(response)
+        if refusal is not None:      # a 400 naming the router's own field: the server is no prefill server
+            raise RouterError(502, f"the prefill server {url} refused the KV transfer: {refusal}",
+                              "prefill_server_failed")
         if response.status_code != 200:
             return Response(response.content, status_code=response.status_code,
                             media_type=response.headers.get("content-type", "application/json"))

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from test_server_helpers import running_router
+from test_server_helpers import openai_error, running_router
 
 from minillm.kv_connector.endpoint import TransferEndpoint
 from minillm.kv_connector.lease import LeaseTable
@@ -89,6 +89,15 @@ def free_port() -> int:
 
 def released(server) -> int:
     return server.leases.snapshot().num_released
+
+
+def test_a_prefill_server_that_takes_no_part_in_kv_transfers_is_a_502_not_the_clients_400(backend):
+    # Its 400 named kv_transfer_params, a field the client never sent (the router writes it).
+    url, _ = backend
+    with running_router(RouterConfig((url + "/norole",), (url,))) as router:
+        r = httpx.post(f"{router}/v1/completions", json=BODY, timeout=30)
+        error = openai_error(r, 502, code="prefill_server_failed")
+        assert "/norole" in error["message"] and "takes no part in KV transfers" in error["message"]
 
 
 def test_a_password_in_a_backend_url_is_never_shown(backend, caplog):
