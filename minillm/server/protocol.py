@@ -5,6 +5,7 @@ must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from typing import Annotated, Any, Literal, get_args
@@ -317,9 +318,11 @@ VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "p
 NEUTRAL_VALUES = {"length_penalty": 1.0}     # vLLM's default, which clients that send every field send
 
 
-def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False) -> None:
+def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
+                      tool_choices: ToolChoiceNames | None = None) -> None:
     """Refuse options this server does not implement instead of silently ignoring them
-    (auto_tool_choice: the server has a tool call parser, so tool_choice "auto" is served)."""
+    (auto_tool_choice: the server has a tool call parser, so tool_choice "auto" is served;
+    tool_choices: how the API the request came through spells tool_choice, for the refusal)."""
     extra = req.model_extra or {}
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
@@ -339,7 +342,7 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False) -
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if isinstance(req, ChatCompletionRequest):
-        check_tool_choice(req, auto_tool_choice)
+        check_tool_choice(req, auto_tool_choice, tool_choices or CHAT_TOOL_CHOICES)
         if req.functions:
             raise APIError(400, "functions (the legacy form of tools) are not supported", param="functions")
         if req.function_call not in (None, "none"):
@@ -366,10 +369,24 @@ def tool_choice_of(req: ChatCompletionRequest) -> Any:
     return "auto" if req.tools else "none"
 
 
-def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False) -> None:
+@dataclasses.dataclass(frozen=True)
+class ToolChoiceNames:
+    """How an API spells tool_choice's values, for the messages that name them."""
+
+    auto: str
+    none: str
+    forced: str         # the choices that force a call
+
+
+CHAT_TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or a named tool '
+                                    '({"type": "function", "function": {"name": ...}})')
+
+
+def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False,
+                      names: ToolChoiceNames = CHAT_TOOL_CHOICES) -> None:
     """400 for a tool_choice that needs a tool call parser ("auto" on a server started without
-    --enable-auto-tool-choice), names no tools or a tool not among them. "required" and a named tool
-    are served as vLLM serves them without a parser (server/tool_calls.py)."""
+    --enable-auto-tool-choice, told in names' spelling), names no tools or a tool not among them.
+    "required" and a named tool are served as vLLM serves them without a parser (server/tool_calls.py)."""
     choice = tool_choice_of(req)
     if choice == "none":
         return
@@ -383,10 +400,10 @@ def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False
     if choice == "auto":
         if auto_tool_choice:
             return
-        raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
-                       'set (this server has no tool call parser: tool_choice "required" or a named tool holds '
-                       'the output to a call, "none" renders the tools into the prompt; tool_choice defaults to '
-                       '"auto" when tools are given)', param="tool_choice")
+        raise APIError(400, f'{names.auto} tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                       f'to be set (this server has no tool call parser: tool_choice {names.forced} holds the '
+                       f'output to a call, {names.none} renders the tools into the prompt; tool_choice defaults '
+                       f'to {names.auto} when tools are given)', param="tool_choice")
     raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named tool '
                    f'({{"type": "function", "function": {{"name": ...}}}}), got {short_repr(choice)}',
                    param="tool_choice")

@@ -29,7 +29,7 @@ from pydantic import field_validator
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, anthropic_error_event
-from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
+from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
 from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
 from minillm.server.translated_api import (
@@ -39,6 +39,8 @@ from minillm.server.translated_api import (
 # Chat fields (as errors raised on the chat side name them) -> the Messages field they came from.
 CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
+TOOL_CHOICES = ToolChoiceNames('{"type": "auto"}', '{"type": "none"}',
+                               '{"type": "any"} or {"type": "tool", "name": ...}')
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}
 
 
@@ -245,6 +247,7 @@ class MessagesJob(TranslatedJob):
     """A chat job whose reply is an Anthropic message (or its event stream)."""
 
     rename = staticmethod(_renamed)
+    tool_choices = TOOL_CHOICES
 
     def __init__(self, ctx: ServingContext, req: MessagesRequest, chat: ChatCompletionRequest,
                  raw: Request | None = None) -> None:

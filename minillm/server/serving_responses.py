@@ -25,7 +25,7 @@ from pydantic import field_validator
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
-from minillm.server.protocol import ChatCompletionRequest, Text, _check_json_text, _ModelRequest
+from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
 from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
@@ -37,6 +37,11 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 # vLLM's extensions a Responses request may carry, taken as a chat request takes them.
 CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt")
+TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "function", "name": ...}')
+# reasoning's values as vLLM takes them (OpenAI's Reasoning type); effort changes nothing for a model
+# without an effort setting, but a value outside these is a client's mistake, refused as vLLM refuses it.
+REASONING_VALUES = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+                    "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise", "detailed")}
 # include values there is nothing to include for (no encrypted reasoning is made): taken, changing nothing.
 INCLUDE_NOTHING = ("reasoning.encrypted_content",)
 
@@ -88,6 +93,16 @@ def _check_unserved(req: ResponsesRequest) -> None:
     for name in req.include or []:
         if name not in INCLUDE_NOTHING:
             raise APIError(400, f"include: {name!r} is not supported", param="include")
+    _check_reasoning(req.reasoning)
+
+
+def _check_reasoning(reasoning: dict | None) -> None:
+    """400 naming reasoning.effort (or .summary) for a value OpenAI's API does not take."""
+    for key, values in REASONING_VALUES.items():
+        value = (reasoning or {}).get(key)
+        if value is not None and value not in values:
+            raise APIError(400, f"reasoning.{key} must be one of {', '.join(values)}, got {short_repr(value)}",
+                           param=f"reasoning.{key}")
 
 
 # ---- the request as a chat request ------------------------------------------------------------------
@@ -289,6 +304,7 @@ class ResponsesJob(TranslatedJob):
     """A chat job whose reply is a Responses object (or its event stream)."""
 
     rename = staticmethod(_renamed)
+    tool_choices = TOOL_CHOICES
 
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, chat: ChatCompletionRequest,
                  raw: Request | None = None) -> None:

@@ -16,7 +16,9 @@ from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import short_repr
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError, _validation_to_api_error
-from minillm.server.protocol import ChatCompletionRequest, check_unsupported, unknown_fields
+from minillm.server.protocol import (
+    CHAT_TOOL_CHOICES, ChatCompletionRequest, ToolChoiceNames, check_unsupported, unknown_fields,
+)
 from minillm.server.serving import (
     ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs, openai_failure_events,
     refuse_uncompiled_constraint, text_delta, validate_request,
@@ -51,6 +53,7 @@ class TranslatedJob(ChatJob):
     start_events(), a ReplyWriter's events per output, then end_events()."""
 
     rename: Rename
+    tool_choices: ToolChoiceNames = CHAT_TOOL_CHOICES     # how the API spells tool_choice, for refusals
     reply_writer: ReplyWriter | None = None     # the stream's writer, once it has begun
 
     @abc.abstractmethod
@@ -169,7 +172,8 @@ async def translated_job(ctx: ServingContext, raw: Request, body: dict, request_
     def make_job() -> TranslatedJob:
         chat = validate_request(ChatCompletionRequest, to_chat(req))
         if check:
-            check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None)
+            check_unsupported(chat, auto_tool_choice=ctx.tool_call_parser is not None,
+                              tool_choices=job_class.tool_choices)
         return job_class(ctx, req, chat, raw)
 
     # Translating and validating the chat request walks every message: 1.5-2.5 s of a 10 MB body of
