@@ -41,6 +41,7 @@ import json as jsonlib
 import os
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
@@ -927,11 +928,17 @@ class StructuredOutputManager:
         allowed = np.flatnonzero(np.unpackbits(first_mask, bitorder="little"))
         empty_only = 0 < len(allowed) <= len(self._eos_token_ids) and set(allowed.tolist()) <= self._eos_token_ids
         compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids, empty_only=empty_only)
-        compiled.on_error = lambda: self._forget_compiled((key, disable_any_whitespace), compiled)
+        # A weak reference: a closure over compiled itself would make a cycle, and an evicted grammar
+        # (its native tables, about half a MiB for a schema of a few hundred enum values) would wait
+        # for the cycle collector, which a busy server runs too seldom to bound its memory.
+        ref = weakref.ref(compiled)
+        compiled.on_error = lambda: self._forget_compiled((key, disable_any_whitespace), ref())
         return compiled
 
-    def _forget_compiled(self, cache_key, compiled: CompiledGrammar) -> None:
+    def _forget_compiled(self, cache_key, compiled: CompiledGrammar | None) -> None:
         """Drop compiled from the cache (one of its matchers ran into an error: see CompiledGrammar)."""
+        if compiled is None:
+            return
         with self._lock:
             fut = self._cache.get(cache_key)
             if fut is not None and fut.done() and not _has_failed(fut) and fut.result() is compiled:
