@@ -308,6 +308,8 @@ _RECURSIVE_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.GRAMMA
 # llguidance's error when a mask allows no token at all and the output may not end there: the
 # constraint matches nothing (a regex like [^\s\S], a $ref cycle, a rule only left-recursive).
 _NO_TOKEN_ALLOWED = "NoExtensionBias"
+# Tokens of an output walked when a grammar is compiled, to meet a parser limit there, not in a request.
+_PROBE_TOKENS = 8
 
 
 # llguidance's date, date-time and time formats take a second 60 at any time of day, February 29
@@ -921,6 +923,7 @@ class StructuredOutputManager:
                     raise StructuredOutputsError(key[0].value, f"no output satisfies the {_WHAT[key[0].value]} "
                                                                "(it allows no first token and may not be empty)")
                 raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: {error}")
+        self._probe_walk(template.deep_copy(), key)
         seconds = time.perf_counter() - start
         with self._lock:
             self._num_compiled += 1
@@ -934,6 +937,23 @@ class StructuredOutputManager:
         ref = weakref.ref(compiled)
         compiled.on_error = lambda: self._forget_compiled((key, disable_any_whitespace), ref())
         return compiled
+
+    def _probe_walk(self, probe: llguidance.LLMatcher, key: StructuredOutputKey) -> None:
+        """Walk the first _PROBE_TOKENS tokens of an output (the lowest allowed id each time): a
+        grammar whose parser outgrows one of llguidance's limits there (a row of more than 2,000
+        items: a rule of thousands of alternatives, an object of hundreds of optional properties)
+        would refuse every request's first tokens; it is a StructuredOutputsError now instead."""
+        for _ in range(_PROBE_TOKENS):
+            mask = np.unpackbits(np.frombuffer(probe.compute_bitmask(), np.uint8), bitorder="little")
+            allowed = [t for t in np.flatnonzero(mask[:self.vocab_size]).tolist() if t not in self._eos_token_ids]
+            if probe.is_error() or not allowed:
+                break
+            probe.consume_token(allowed[0])
+            if probe.is_stopped():
+                break
+        error = _first_line(probe.get_error()) if probe.is_error() else ""
+        if error and _SPECIAL_FORCED not in error:      # that one is the request's to report (rejection())
+            raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: {error}")
 
     def _forget_compiled(self, cache_key, compiled: CompiledGrammar | None) -> None:
         """Drop compiled from the cache (one of its matchers ran into an error: see CompiledGrammar)."""

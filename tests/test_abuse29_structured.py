@@ -7,7 +7,8 @@ import weakref
 
 import pytest
 
-from minillm.structured_output import StructuredOutputManager, StructuredOutputsParams
+from minillm import LLM, SamplingParams
+from minillm.structured_output import StructuredOutputManager, StructuredOutputsError, StructuredOutputsParams
 
 VOCAB = 512
 
@@ -42,3 +43,30 @@ def test_a_grammar_dropped_from_the_cache_is_freed_at_once(manager):
     finally:
         if was_enabled:
             gc.enable()
+
+
+WIDE = {
+    "grammar": "start: " + " | ".join(f'"w{i}"' for i in range(2500)),
+    "gbnf": "root ::= " + " | ".join(f'"w{i}"' for i in range(2500)),
+    "json": {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(700)},
+             "additionalProperties": False},
+}
+
+
+@pytest.mark.parametrize("name", list(WIDE))
+def test_a_grammar_whose_first_tokens_pass_the_parsers_row_limit_fails_its_compile(manager, name):
+    """A rule of 2,500 alternatives, or an object of 700 optional properties, makes one row of
+    llguidance's parser hold more than its 2,000 items: it compiled, and every request then ended
+    at its first token with finish_reason "error" and no text. The compile walks the first
+    tokens, so it is refused up front (a 400 on the server) naming the field."""
+    field = "json" if name == "json" else "grammar"
+    params = StructuredOutputsParams(**{field: WIDE[name]})
+    with pytest.raises(StructuredOutputsError, match=f"^{field}: .*too large to match.*2000"):
+        manager.grammar_init(params).result()
+
+
+def test_llm_generate_says_a_wide_grammar_is_too_large_rather_than_refusing_its_first_token(stories_path):
+    llm = LLM(str(stories_path), device="cpu")
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(grammar=WIDE["grammar"]))
+    out = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    assert out.finish_reason == "error" and "too large to match" in (out.stop_reason or ""), out
