@@ -16,7 +16,8 @@ mid-stream), and a Responses stream ends with response.failed. One log line per 
 where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
 header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
 (several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
-computes its prompts itself.
+computes its prompts itself. A lease no decode server takes (it refused the request, none was
+reachable, or the client left first) is given back to the prefill server at once, not left to run out.
 /v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
 server answers them, with the client's credentials (Authorization or x-api-key).
 """
@@ -37,7 +38,7 @@ from typing import Any, AsyncIterator
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from minillm.server.errors import (
     APIError, anthropic_error_event, body_parse_error, error_response, install_error_handlers, openai_error_events,
@@ -48,7 +49,9 @@ from minillm.server.json_body import parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
 from minillm.urls import check_server_url, http_url, server_base_url, shown_url
-from minillm.server.kv_transfer import HEADER as KV_TRANSFER_HEADER
+from minillm.kv_connector.endpoint import ClaimClient
+from minillm.server.kv_transfer import CLAIM_TIMEOUT_S, HEADER as KV_TRANSFER_HEADER
+from minillm.server.streaming import ClientGone, EventStreamResponse, HangUpWatch
 
 logger = logging.getLogger("minillm.router")
 
@@ -56,6 +59,7 @@ ROUTES = GENERATION_PATHS      # the routes that generate, the server's own list
 # Where a server takes --api-key from: OpenAI's clients send Authorization, Anthropic's x-api-key.
 KEY_HEADERS = ("authorization", "x-api-key")
 MAX_SAMPLES = 4096
+RELEASE_WAIT_S = 1.0     # how long closing waits for the lease releases already sent
 
 
 @dataclass(frozen=True)
@@ -137,6 +141,14 @@ class RequestTiming:
     prefill_url: str = "-"
     decode_url: str = "-"
     decode_only: str | None = None         # why the request went whole to a decode server (no prefill server)
+
+
+@dataclass
+class Handoff:
+    """A request's lease on a prefill server, until a decode server takes it."""
+
+    kv: dict | None = None        # the prefill server's kv_transfer_params
+    is_taken: bool = False        # a decode server answered 200, or may still hold the request
 
 
 @dataclass
@@ -295,6 +307,8 @@ class Router:
         self.prefill, self.decode = Backends("prefill", config.prefill_urls), Backends("decode", config.decode_urls)
         self.stats = RouterStats()
         self.client: httpx.AsyncClient | None = None
+        self.leases: ClaimClient | None = None     # gives back the leases no decode server took
+        self._releases: set[asyncio.Task] = set()
         self._ids = itertools.count()
 
     async def start(self) -> None:
@@ -304,9 +318,14 @@ class Router:
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
 
     async def close(self) -> None:
-        """Close the HTTP client."""
+        """Close the HTTP client, and the lease releases' sockets once the releases sent have gone
+        (a second at most: one still waiting then is left to the lease's end)."""
         if self.client is not None:
             await self.client.aclose()
+        if self._releases:
+            await asyncio.wait(self._releases, timeout=RELEASE_WAIT_S)
+        if self.leases is not None:
+            self.leases.close()
 
     async def send(self, backends: Backends, path: str, body: dict, headers: dict, stream: bool
                    ) -> tuple[str, httpx.Response]:
@@ -349,6 +368,24 @@ class Router:
         # the response as a single server would.
         headers = client_headers(raw, (*KEY_HEADERS, "x-request-id"))
         timing.decode_only = decode_only_reason(path, body)
+        handoff = Handoff()
+        try:
+            # A client that hangs up before the decode server's answer cancels the requests in flight
+            # (their connections close, which aborts them on the servers), as a server's own would.
+            return await HangUpWatch.of(raw.scope, raw.receive).run(
+                self._serve(request_id, path, body, headers, timing, started, handoff))
+        except ClientGone:
+            timing.status = CLIENT_CLOSED
+            self._finish(request_id, path, timing, started)
+            return RouterError(CLIENT_CLOSED, "client disconnected", "client_closed_request").response(path)
+        finally:
+            if handoff.kv is not None and not handoff.is_taken:
+                self._give_back(handoff.kv)
+
+    async def _serve(self, request_id: str, path: str, body: dict, headers: dict, timing: RequestTiming,
+                     started: float, handoff: "Handoff") -> Response:
+        """The request through a prefill server (unless a decode server computes it whole) and a decode
+        server: the decode server's answer, or its stream relayed."""
         try:
             if timing.decode_only is None:
                 kv = await self._prefill(path, body, headers, timing)
@@ -356,33 +393,56 @@ class Router:
                     timing.status = kv.status_code
                     self._finish(request_id, path, timing, started)
                     return kv
+                handoff.kv = kv
                 body = {**body, "kv_transfer_params": kv}
             sent = time.monotonic()
             timing.decode_url, response = await self.send(self.decode, path, body, headers, stream=True)
         except RouterError as exc:
+            # A 503 is a connection no decode server took; after any other failure one may hold the request.
+            handoff.is_taken = exc.status != 503
             timing.status = exc.status
             self._finish(request_id, path, timing, started)
             return exc.response(path)
+        # A decode server that refused the request holds no claim on the lease (it gives back one it made).
+        handoff.is_taken = response.status_code == 200
         read_transfer_header(response, timing)
         passed = {k: v for k, v in response.headers.items() if k == KV_TRANSFER_HEADER}
         if response.status_code != 200 or not body.get("stream"):
             try:
-                data = await response.aread()
+                data, failure = await response.aread(), None
             except httpx.HTTPError as exc:
-                timing.status = 502
-                self._finish(request_id, path, timing, started)
-                return RouterError(502, f"the decode server {timing.decode_url} failed: {type(exc).__name__}: "
-                                   f"{exc}", "decode_server_failed").response(path)
+                data, failure = b"", exc
             finally:
                 await response.aclose()
+            if failure is not None:
+                timing.status = 502
+                self._finish(request_id, path, timing, started)
+                return RouterError(502, f"the decode server {timing.decode_url} failed: {type(failure).__name__}: "
+                                   f"{failure}", "decode_server_failed").response(path)
             timing.decode_s, timing.status = time.monotonic() - sent, response.status_code
             timing.ttft_s = time.monotonic() - started
             self._finish(request_id, path, timing, started)
             return Response(data, status_code=response.status_code, headers=passed,
                             media_type=response.headers.get("content-type", "application/json"))
         relayed = RelayedEvents(path, body.get("model"))
-        return StreamingResponse(self._relay(request_id, relayed, response, timing, started, sent),
-                                 media_type="text/event-stream", headers=passed)
+        # Written as the servers write theirs: a client that hangs up ends the relay, which closes
+        # the decode server's stream (and so aborts its request there).
+        stream = EventStreamResponse(self._relay(request_id, relayed, response, timing, started, sent))
+        stream.headers.update(passed)
+        return stream
+
+    def _give_back(self, kv: dict) -> None:
+        """Release a lease no decode server took (it refused the request, none was reachable, or the
+        client left first), without waiting: its blocks go back to the prefill server's pool now, not
+        when the lease runs out. A decode server releases the leases it claims itself."""
+        host, port, lease_id = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_lease_id")
+        if not (isinstance(host, str) and isinstance(lease_id, str) and type(port) is int and 1 <= port <= 65535):
+            return              # not a lease the router can name: it runs out on the prefill server
+        if self.leases is None:
+            self.leases = ClaimClient(CLAIM_TIMEOUT_S)
+        task = asyncio.ensure_future(self.leases.release(host, port, lease_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
 
     async def _prefill(self, path: str, body: dict, headers: dict, timing: RequestTiming) -> dict | Response:
         """The prefill server's kv_transfer_params, or its error response to pass on."""

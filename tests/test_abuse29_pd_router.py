@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from test_server_helpers import openai_error, running_router
+from test_server_helpers import openai_error, running_router, wait_for
 
 from minillm.kv_connector.endpoint import TransferEndpoint
 from minillm.kv_connector.lease import LeaseTable
@@ -89,6 +89,50 @@ def free_port() -> int:
 
 def released(server) -> int:
     return server.leases.snapshot().num_released
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_lease_the_decode_server_refused_goes_back_to_the_prefill_server(backend, stream):
+    # The prefill server leased the prompt's blocks, the decode server refused the request (a field
+    # only it reads: min_tokens, which the prefill request leaves out, or a max_tokens past the
+    # context): the blocks stayed held for the whole lease (30 s by default), so a burst of such
+    # requests filled the prefill server's pool.
+    url, server = backend
+    with running_router(RouterConfig((url,), (url + "/refuse",))) as router:
+        r = httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
+        assert openai_error(r, 400, "min_tokens")["message"].startswith("min_tokens")
+        assert wait_for(lambda: released(server) == 1, timeout=10), server.leases.snapshot()
+    # A request a decode server serves leaves its lease to that server (which releases it once it has
+    # copied the blocks).
+    with running_router(RouterConfig((url,), (url,))) as router:
+        r = httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
+        assert r.json()["choices"][0]["text"] == "decoded"
+    assert server.leases.snapshot().num_created == 2 and released(server) == 1
+
+
+def test_a_lease_no_decode_server_could_take_goes_back_to_the_prefill_server(backend):
+    url, server = backend
+    with running_router(RouterConfig((url,), (f"http://127.0.0.1:{free_port()}",))) as router:
+        r = httpx.post(f"{router}/v1/completions", json=BODY, timeout=30)
+        openai_error(r, 503, code="decode_unavailable")
+        assert wait_for(lambda: released(server) == 1, timeout=10), server.leases.snapshot()
+
+
+def test_a_client_that_leaves_a_request_not_streamed_cancels_it_on_the_decode_server(backend):
+    # The router went on waiting for the whole answer (a server aborts such a request when its client
+    # hangs up): the decode server generated every token for nobody, the router counted it served.
+    url, server = backend
+    with running_router(RouterConfig((url,), (url + "/hang",))) as router:
+        port = int(router.rsplit(":", 1)[1])
+        data = json.dumps(BODY).encode()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json\r\n"
+                           b"content-length: %d\r\n\r\n%s" % (len(data), data))
+            assert server.taken.wait(10)
+        assert server.closed.wait(10), "the decode server's request was not closed"
+        stats = lambda: httpx.get(f"{router}/v1/stats").json()     # noqa: E731
+        assert wait_for(lambda: stats()["num_client_closed"] == 1, timeout=10), stats()
+        assert stats()["num_failed"] == 0
 
 
 def test_a_prefill_server_that_takes_no_part_in_kv_transfers_is_a_502_not_the_clients_400(backend):
