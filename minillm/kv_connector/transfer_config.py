@@ -86,10 +86,11 @@ class KVTransferConfig:
         if not isinstance(value, dict):
             raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        # Sorted as text: a dict from Python may have keys of several types, which do not compare.
+        unknown = sorted(set(value) - known, key=repr)
         if unknown:
-            raise ValueError(f"kv_transfer_config has unknown keys {', '.join(unknown)} "
-                             f"(known: {', '.join(sorted(known))})")
+            names = ", ".join(k if isinstance(k, str) else repr(k) for k in unknown)
+            raise ValueError(f"kv_transfer_config has unknown keys {names} (known: {', '.join(sorted(known))})")
         return cls(**value)
 
 

@@ -63,9 +63,10 @@ class SpeculativeConfig:
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - known)
+        # Sorted as text: a dict from Python may have keys of several types, which do not compare.
+        unknown = sorted(set(d) - known, key=repr)
         if unknown:
-            raise ValueError(f"speculative_config has unknown field {unknown[0]!r}; "
+            raise ValueError(f"speculative_config has unknown field {', '.join(map(repr, unknown))}; "
                              f"expected some of {sorted(known)}")
         if "num_speculative_tokens" not in d:
             raise ValueError("num_speculative_tokens must be given in speculative_config")
