@@ -39,6 +39,7 @@ import concurrent.futures
 import enum
 import json as jsonlib
 import os
+import re
 import threading
 import time
 import weakref
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
+from llguidance.gbnf_to_lark import is_lark_syntax
 import numpy as np
 
 from minillm.grammar_process import tokens_taken
@@ -373,7 +375,28 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
                                                       + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
     # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
     # them), which llguidance converts to Lark.
+    if not is_lark_syntax(text):
+        text = _GBNF_CODE_POINT.sub(_gbnf_code_point, text)
     return llguidance.LLMatcher.grammar_from_lark(llguidance.grammar_from("grammar", text))
+
+
+# A GBNF escape: an escaped backslash (kept, so that \\u0041 stays text), or a code point \uXXXX / \UXXXXXXXX.
+_GBNF_CODE_POINT = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
+
+
+def _gbnf_code_point(match: re.Match) -> str:
+    """A GBNF code point escape in a form llguidance's GBNF conversion keeps: \\xHH below 256 (escaped,
+    as it may be a quote, a bracket or a dash), the character itself above (the conversion drops the
+    leading zeros of \\u00e9, making the invalid \\ue9, and writes \\U0001F600 as \\U1F600)."""
+    digits = match.group(1) or match.group(2)
+    if digits is None:
+        return match.group(0)
+    code = int(digits, 16)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
+        return match.group(0)                     # no character: left for the conversion to refuse
+    return chr(code)
 
 
 # ----------------------------------------------------------------------------- tokenizer

@@ -3,6 +3,7 @@ grammars past llguidance's parser limits, on stories260K (CPU)."""
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import pytest
@@ -65,8 +66,30 @@ def test_a_grammar_whose_first_tokens_pass_the_parsers_row_limit_fails_its_compi
         manager.grammar_init(params).result()
 
 
-def test_llm_generate_says_a_wide_grammar_is_too_large_rather_than_refusing_its_first_token(stories_path):
-    llm = LLM(str(stories_path), device="cpu")
+@pytest.fixture(scope="module")
+def llm(stories_path):
+    with LLM(str(stories_path), device="cpu") as llm:
+        yield llm
+
+
+def test_llm_generate_says_a_wide_grammar_is_too_large_rather_than_refusing_its_first_token(llm):
     params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(grammar=WIDE["grammar"]))
     out = llm.generate(["Once upon a time"], params)[0].outputs[0]
     assert out.finish_reason == "error" and "too large to match" in (out.stop_reason or ""), out
+
+
+@pytest.mark.parametrize("grammar,pattern", [
+    (r'root ::= "caf\u00e9 " [\u0041-\u005A] "\u0021"', "café [A-Z]!"),
+    (r'root ::= "\U0001F600" [\u00e0-\u00ff]{2}', "😀[à-ÿ]{2}"),
+    (r'root ::= "\u005b" [\u005d\u002d]+ "\x41"', r"\[[\]-]+A"),
+    (r'root ::= "a\\u0041"', r"a\\u0041"),             # an escaped backslash, then the text u0041
+    ('root ::= "\u4e2d" [\u4e00-\u4e01]', "中[一丁]"),
+])
+def test_a_gbnf_grammar_takes_llama_cpps_unicode_escapes(llm, grammar, pattern):
+    """llama.cpp's GBNF writes a code point as \\uXXXX or \\UXXXXXXXX; llguidance's conversion to
+    Lark dropped their leading zeros ("\\u00e9" became "\\ue9"), and the grammar was refused as a
+    lexer error of a text the client never wrote."""
+    params = SamplingParams(max_tokens=16, temperature=1.0, seed=0,
+                            structured_outputs=StructuredOutputsParams(grammar=grammar))
+    out = llm.generate(["Once upon a time"], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (out.text, out.stop_reason)
