@@ -76,6 +76,9 @@ def _from_response_format(fmt: dict):
     if not isinstance(name, str) or not _SCHEMA_NAME.fullmatch(name):
         raise APIError(400, "response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'",
                        param="response_format.json_schema.name")
+    if spec.get("description") is not None and not isinstance(spec["description"], str):
+        raise APIError(400, "response_format.json_schema.description must be a string",
+                       param="response_format.json_schema.description")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
         raise APIError(400, "response_format.json_schema.strict must be a boolean",
                        param="response_format.json_schema.strict")
