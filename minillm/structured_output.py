@@ -261,7 +261,8 @@ def _check_schema_node(node: dict) -> None:
     """One object of a schema: an integer bound past the 64-bit range (llguidance matches integers
     as 64-bit and would clamp it: a minimum of 1e19 let 9223372036854775807 through), more than
     MAX_PATTERN_PROPERTIES patternProperties, a pattern that ends in a lone backslash (llguidance
-    drops it and matches the rest), or a minProperties that repeated keys could meet."""
+    drops it and matches the rest), prefixItems beside additionalItems with no items (prefixItems
+    unenforced), or a minProperties that repeated keys could meet."""
     patterns = node.get("patternProperties")
     if isinstance(patterns, dict) and len(patterns) > MAX_PATTERN_PROPERTIES:
         raise StructuredOutputsError("json", f"an object of the schema has {len(patterns)} patternProperties; "
@@ -271,6 +272,11 @@ def _check_schema_node(node: dict) -> None:
         if isinstance(pattern, str) and _ends_in_lone_backslash(pattern):
             raise StructuredOutputsError("json", f"invalid JSON schema: the pattern {pattern!r} ends in a lone "
                                                  "backslash (an escape with nothing to escape)")
+    if "prefixItems" in node and "additionalItems" in node and "items" not in node:
+        # llguidance then reads the array as draft 7 does, and prefixItems (2020-12's) is not enforced.
+        raise StructuredOutputsError("json", "an array of the schema has prefixItems and additionalItems but no "
+                                             "items: additionalItems (draft 7's) leaves prefixItems unenforced; "
+                                             "say what follows prefixItems with items (false, or a schema)")
     kind = node.get("type")
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
         for name in _BOUND_KEYS:

@@ -93,3 +93,20 @@ def test_a_gbnf_grammar_takes_llama_cpps_unicode_escapes(llm, grammar, pattern):
                             structured_outputs=StructuredOutputsParams(grammar=grammar))
     out = llm.generate(["Once upon a time"], params)[0].outputs[0]
     assert out.finish_reason == "stop" and re.fullmatch(pattern, out.text), (out.text, out.stop_reason)
+
+
+@pytest.mark.parametrize("rest", [False, {"type": "string"}])
+def test_prefix_items_beside_additional_items_without_items_is_refused(rest):
+    """With additionalItems (draft 7's keyword) and no items, llguidance left prefixItems unenforced:
+    {"prefixItems": [integer, boolean], "additionalItems": false} gave [0.3, 6691, false]."""
+    schema = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}], "additionalItems": rest}
+    with pytest.raises(StructuredOutputsError, match="^json: .*additionalItems.*items"):
+        StructuredOutputsParams(json={"type": "object", "properties": {"pair": schema}})
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "prefixItems": [{"type": "integer"}], "items": False, "additionalItems": False},
+    {"type": "array", "items": [{"type": "integer"}], "additionalItems": False},
+])
+def test_additional_items_beside_items_is_taken(manager, schema):
+    manager.grammar_init(StructuredOutputsParams(json=schema)).result()
