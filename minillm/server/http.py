@@ -96,6 +96,10 @@ class _Deadlines:
         self._disarm_header_timer()
         self._cancel_write_timer()
         super().connection_lost(exc)
+        # uvicorn cancels its keep-alive timer only for a clean close: a client that reset the
+        # connection left its protocol, transport and request state alive in the timer until it
+        # fired (timeout_keep_alive_s), so a client churning connections held thousands at once.
+        self._unset_keepalive_if_required()
 
     def pause_writing(self) -> None:
         super().pause_writing()
