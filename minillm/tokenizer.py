@@ -252,11 +252,6 @@ class Tokenizer:
         """Ids of the byte-fallback tokens <0x80>..<0xBF>: bytes that continue a character."""
         return self._byte_token_ids(0x80, 0xC0)
 
-    @functools.cached_property
-    def high_byte_ids(self) -> frozenset[int]:
-        """Ids of the byte-fallback tokens <0x80>..<0xFF>: the bytes of characters past ASCII."""
-        return self._byte_token_ids(0x80, 0x100)
-
     def _byte_token_ids(self, low: int, high: int) -> frozenset[int]:
         ids = (self.backend.token_to_id(f"<0x{b:02X}>") for b in range(low, high))
         return frozenset(i for i in ids if i is not None)
@@ -606,6 +601,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = context_start(tok, prompt) if prompt else 0
         self._read_offset = len(prompt)
         self._prefix_chars: int | None = None   # len(decode(ids[prefix_offset:read_offset])) once known
+        self._is_cut: bool | None = None         # the prompt's ids end inside a character, once known
         self.text = ""
 
     @property
@@ -626,16 +622,23 @@ class IncrementalDetokenizer:
             if end - self._read_offset <= self.MAX_HELD_TOKENS:
                 return ""
             end, new_text = self._garbage_cut(prefix_len, new_text)
-        elif self._read_offset == self._num_prompt > 0 and self._ids[self._read_offset - 1] in self.tok.high_byte_ids:
+        elif self._read_offset == self._num_prompt > 0 and self._is_prompt_cut():
             prefix_len = self._completed_prompt_character(new_text, prefix_len)
         return self._emit(prefix_len, new_text, end)
 
+    def _is_prompt_cut(self) -> bool:
+        """Whether the prompt's ids end inside a character (their window decodes to a trailing U+FFFD):
+        byte-fallback <0xNN> tokens, or a byte-level BPE token holding a character's first bytes.
+        Decoded once."""
+        if self._is_cut is None:
+            self._is_cut = self._decode(self._prefix_offset, self._read_offset).endswith(REPLACEMENT_CHAR)
+        return self._is_cut
+
     def _completed_prompt_character(self, window_text: str, prefix_len: int) -> int:
         """The emitted prefix's length once the output's first text completes a character that the
-        prompt's last byte tokens began (a prompt of token ids cut inside a character): read_offset
-        moves back to the character's start, for it to be the output's text rather than lost."""
-        if not self._decode(self._prefix_offset, self._read_offset).endswith(REPLACEMENT_CHAR):
-            return prefix_len      # the prompt ends with a whole character
+        prompt's last tokens began (a prompt of token ids cut inside a character): read_offset moves
+        back to the token where that character starts, for it to be the output's text rather than
+        lost (as vLLM's DecodeStream, primed with the prompt, emits it with the output)."""
         floor = max(self._read_offset - MAX_CONTINUATION_TOKENS, self._prefix_offset)
         for start in range(self._read_offset - 1, floor - 1, -1):
             head = self._decode(self._prefix_offset, start)
