@@ -70,10 +70,12 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     if not delta or not state.stop or state.num_text_tokens <= state.min_tokens:   # vLLM: min_tokens holds stops off
         state.text += delta
         return None
-    start = max(len(state.text) - state.holdback, 0)
+    before = len(state.text)
     state.text += delta
     for s in state.stop:
-        at = state.text.find(s, start)
+        # Only a match that ends in the new text (vLLM's check_stop_strings): one that lies wholly in
+        # text of the first min_tokens tokens, where stops were held off, ends nothing.
+        at = state.text.find(s, max(before - len(s) + 1, 0))
         if at != -1:
             state.text = state.text[:at + len(s)] if state.include_stop else state.text[:at]
             return s

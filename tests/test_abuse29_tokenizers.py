@@ -253,3 +253,77 @@ def test_encode_decode_match_transformers(families, name):
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (ref.bos_token_id, ref.eos_token_id,
                                                                      ref.pad_token_id)
     assert (len(tok), tok.vocab_size) == (len(ref), ref.vocab_size)
+
+
+def vllm_stop_text(tok, prompt, output, stop, include, min_tokens=0, skip=True) -> tuple[str, str | None, int]:
+    """(text, stop string, held back chars while running) as vLLM's detokenizer makes them: DecodeStream deltas,
+    each token's new text searched for each stop string in order from len(stop) - 1 characters before it
+    (check_stop_strings), text of the first min_tokens tokens left out of the search."""
+    text, held = "", max((len(s) for s in stop), default=1) - 1 if not include else 0
+    for n in range(1, len(output) + 1):
+        before = len(text)
+        text += decode_stream_text(tok, prompt, output[:n], skip)[len(text):]
+        if n <= min_tokens:
+            continue
+        for s in stop:
+            at = text.find(s, max(before - len(s) + 1, 0))
+            if at != -1:
+                return (text[:at + len(s)] if include else text[:at]), s, held
+    return text, None, held
+
+
+def run_frontend(tok, prompt, output, **params) -> tuple[list[str], str, str | int | None]:
+    """The API server's output processing of OUTPUT, one token a step, DELTA reports: (the streamed pieces, the
+    FINAL_ONLY text of the same tokens, the stop reason)."""
+    from minillm.engine_core import messages as m
+    from minillm.engine_core.output_processor import OutputProcessor
+    from minillm.sampling_params import RequestOutputKind, SamplingParams
+    results = {}
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+        proc = OutputProcessor(tok)
+        proc.add("r", None, prompt, SamplingParams(max_tokens=len(output), output_kind=kind, **params), 0.0, "h")
+        pieces, reason = [], None
+        for i, token in enumerate(output):
+            last = i == len(output) - 1
+            seq = m.SeqOutput(0, [token], finish_reason="length" if last else None)
+            done = proc.process(m.StepOutputs(i, 0.0, [m.RequestStepOutput("r", [seq], last, 0, None, None, None)]),
+                                0.0)
+            for _, out in done.outputs:
+                pieces.append(out.outputs[0].text)
+                reason = out.outputs[0].stop_reason
+            if done.stops:
+                break
+        results[kind] = pieces, reason
+    deltas, reason = results[RequestOutputKind.DELTA]
+    final, final_reason = results[RequestOutputKind.FINAL_ONLY]
+    assert len(final) == 1 and final_reason == reason
+    return deltas, final[0], reason
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3", "mistral", "stories"])
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_straddling_tokens_as_vllm(families, name, include):
+    """Stop strings cut out of the texts of random outputs (so that most straddle token boundaries, many inside a
+    multi-byte character's tokens): the streamed pieces add up to the final text, which is vLLM's; the text is
+    whole characters; nothing streamed is ever taken back."""
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(families[name])
+    rng = random.Random(f"{name}{include}")
+    checked = 0
+    for prompt, output, skip in random_splits(tok, rng, 300):
+        if "\ufffd" in tok.decode(prompt + output, skip_special_tokens=skip):
+            continue
+        full = decode_stream_text(tok, prompt, output, skip)
+        if len(full) < 2:
+            continue
+        at = rng.randrange(len(full) - 1)
+        stop = [full[at:at + rng.randrange(1, 5)], rng.choice(["zz", "\u200d👦", full[-1:]])]
+        min_tokens = rng.choice([0, 0, 1, 2])
+        text, reason, _ = vllm_stop_text(tok, prompt, output, stop, include, min_tokens, skip)
+        deltas, final, got_reason = run_frontend(tok, prompt, output, stop=stop, include_stop_str_in_output=include,
+                                                 min_tokens=min(min_tokens, len(output)), skip_special_tokens=skip)
+        assert "".join(deltas) == final == text, (prompt, output, stop, min_tokens)
+        assert got_reason == reason
+        final.encode("utf-8")
+        checked += 1
+    assert checked > 100
