@@ -35,7 +35,10 @@ class CompletionState:
 
     @property
     def holdback(self) -> int:
-        """Characters kept back while a stop string could still be forming."""
+        """Characters kept back while a stop string that is to be cut out could still be forming (one
+        kept in the output cuts nothing already sent: vLLM's stop_buffer_length)."""
+        if self.include_stop:
+            return 0
         return max((len(s) for s in self.stop), default=1) - 1
 
 

@@ -327,3 +327,20 @@ def test_stop_strings_straddling_tokens_as_vllm(families, name, include):
         final.encode("utf-8")
         checked += 1
     assert checked > 100
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stream_holds_back_only_text_a_stop_string_would_cut(families, include):
+    """While running, text that may begin a stop string is held back only when the stop string is to be cut out
+    (vLLM's stop_buffer_length); with include_stop_str_in_output each token's text streams at once."""
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(families["qwen"])
+    output = tok.encode("The quick brown fox jumps over the lazy dog.")
+    deltas, final, reason = run_frontend(tok, [], output, stop=["over the lazy"], include_stop_str_in_output=include)
+    assert reason == "over the lazy"
+    assert final == ("The quick brown fox jumps over the lazy" if include else "The quick brown fox jumps ")
+    if include:
+        assert deltas[:3] == [tok.decode(output[:1]), tok.decode(output[1:2]), tok.decode(output[2:3])]
+    else:
+        assert deltas[0] == ""          # "The" could be the start of a stop string of 13 characters
+    assert "".join(deltas) == final
