@@ -62,58 +62,144 @@ def _positive_number(cfg: dict, key: str, default: float, where: str = "") -> fl
     return float(value)
 
 
-def _rope(cfg: dict) -> tuple[float, dict | None]:
-    """(rope_theta, rope_scaling); transformers 5 writes both under "rope_parameters"."""
+# config.json fields transformers' config classes default differently from Llama's when the file
+# leaves them out (an explicit null keeps minillm's fallback).
+_ARCHITECTURE_DEFAULTS = {
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "num_key_value_heads": 8, "sliding_window": 4096},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "Qwen3ForCausalLM": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+
+
+def _rope(cfg: dict, head_dim: int, max_positions: int) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) as transformers reads them: a non-empty "rope_scaling" replaces
+    "rope_parameters" (transformers 5's name) whole, and a rope_theta inside it wins over the top-level one."""
     for key in ("rope_parameters", "rope_scaling"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise ValueError(f"config.json field {key!r} must be an object, got {short_repr(cfg[key])}")
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling")
-    scaling = dict(scaling) if scaling else {k: v for k, v in params.items() if k != "rope_theta"}
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    scaling.pop("type", None)
-    if scaling.get("rope_type", "default") == "default":
-        scaling = None
-    else:
-        _check_rope_scaling(scaling)
-    theta = _positive_number(cfg if "rope_theta" in cfg else params, "rope_theta", 10000.0)
-    return theta, scaling
+    where = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    params = dict(cfg.get(where) or {})
+    theta = (_positive_number(params, "rope_theta", 10000.0, where=where + ".") if "rope_theta" in params
+             else _positive_number(cfg, "rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":          # transformers' default rotary reads neither a factor nor partial_rotary_factor
+        return theta, None
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and (isinstance(partial, bool) or not isinstance(partial, (int, float))
+                                or int(head_dim * partial) != head_dim):
+        # transformers builds rotary tables of int(head_dim * factor) columns and fails on the full heads
+        raise ValueError(f"config.json partial_rotary_factor {short_repr(partial)} is not supported with "
+                         f"rope_scaling type {short_repr(kind)} (the whole head of {head_dim} is rotated)")
+    scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    scaling["rope_type"] = kind
+    return theta, _check_rope_scaling(scaling, head_dim, max_positions)
 
 
-def _check_rope_scaling(scaling: dict) -> None:
-    """The fields the rotary tables read, named in the error when missing or out of range."""
-    kind = scaling.get("rope_type")
-    if kind not in ("linear", "llama3"):
+def _check_rope_scaling(scaling: dict, head_dim: int, max_positions: int) -> dict:
+    """The scaling with the defaults transformers fills in (original_max_position_embeddings: the
+    model's max_position_embeddings; a yarn or longrope factor of null: their ratio), or a
+    ValueError naming the field that is missing, out of range or not reproduced exactly."""
+    kind = scaling["rope_type"]
+    if kind not in ROPE_TYPES:
         raise ValueError(f"config.json rope_scaling type {short_repr(kind)} is not supported "
-                         "(supported: default, linear, llama3)")
-    if "factor" not in scaling:
-        raise ValueError(f"config.json rope_scaling ({kind}) needs a 'factor'")
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if key in scaling:
-            _positive_number(scaling, key, 1.0, where="rope_scaling.")
-    if kind == "llama3" and float(scaling.get("high_freq_factor", 4.0)) <= float(scaling.get("low_freq_factor", 1.0)):
+                         f"(supported: {', '.join(ROPE_TYPES)})")
+    required = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                "longrope": ("short_factor", "long_factor")}[kind]
+    missing = [key for key in required if key not in scaling]
+    if missing:
+        raise ValueError(f"config.json rope_scaling ({kind}) needs a {missing[0]!r}")
+    out = dict(scaling)
+    if kind in ("llama3", "yarn", "longrope"):
+        out["original_max_position_embeddings"] = _positive_number(
+            scaling, "original_max_position_embeddings", max_positions, where="rope_scaling.")
+        if kind != "llama3" and out.get("factor") is None:
+            out["factor"] = max_positions / out["original_max_position_embeddings"]
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "attention_factor", "mscale", "mscale_all_dim"):
+        if out.get(key) is not None:
+            out[key] = _positive_number(out, key, 1.0, where="rope_scaling.")
+    for key in ("beta_fast", "beta_slow"):
+        if out.get(key):           # transformers reads 0 or null as the default (32, 1)
+            out[key] = _positive_number(out, key, 1.0, where="rope_scaling.")
+    if kind == "llama3" and out["high_freq_factor"] <= out["low_freq_factor"]:
         raise ValueError("config.json rope_scaling.high_freq_factor must be greater than low_freq_factor")
+    if kind == "longrope":
+        _check_longrope(out, head_dim, max_positions)
+    return out
 
 
-def _check_supported_features(arch: str, cfg: dict) -> None:
-    """Reject config options the decoder does not implement, naming the field."""
+def _check_longrope(scaling: dict, head_dim: int, max_positions: int) -> None:
+    """longrope's factor lists, and a context that never leaves the short factors: past
+    original_max_position_embeddings transformers switches every position to the long factors
+    for that forward pass only, which no position-indexed table reproduces."""
+    for key in ("short_factor", "long_factor"):
+        value = scaling[key]
+        if not (isinstance(value, list) and len(value) == head_dim // 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < float("inf") for x in value)):
+            raise ValueError(f"config.json rope_scaling.{key} must be a list of {head_dim // 2} positive "
+                             f"numbers, got {short_repr(value)}")
+    original = scaling["original_max_position_embeddings"]
+    if original < max_positions:
+        raise ValueError(f"config.json rope_scaling (longrope) with original_max_position_embeddings "
+                         f"{original:g} < max_position_embeddings {max_positions} is not supported (the long "
+                         f"factors transformers switches to past {original:g} positions are not implemented)")
+
+
+def _check_supported_features(arch: str, cfg: dict, max_positions: int, num_layers: int) -> None:
+    """Reject config options the decoder does not implement, naming the field; options the
+    architecture's transformers class ignores (Mistral's attention_bias) are ignored here too."""
     act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json hidden_act {act!r} is not supported (only 'silu')")
-    if cfg.get("mlp_bias"):
-        raise ValueError("config.json mlp_bias=true is not supported")
-    if arch != "Qwen2ForCausalLM" and cfg.get("attention_bias"):
+    if act not in ("silu", "swish"):      # transformers' ACT2FN maps both names to SiLU
+        raise ValueError(f"config.json hidden_act {short_repr(act)} is not supported (only 'silu', also named 'swish')")
+    if arch == "LlamaForCausalLM" and cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported (its MLP projections have biases)")
+    if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias"):
         raise ValueError(f"config.json attention_bias=true is not supported for {arch} (its o_proj has a bias)")
+    window = _sliding_window(arch, cfg, num_layers)
+    if window is not None and window < max_positions:
+        raise ValueError(f"config.json sliding_window={window} is not supported: transformers attends to the "
+                         f"last {window} positions only, below max_position_embeddings {max_positions}, and "
+                         f"attention here is full-context")
+
+
+def _sliding_window(arch: str, cfg: dict, num_layers: int) -> int | None:
+    """The attention window transformers gives some layer of this config, or None when every layer
+    is full-context (Mistral: sliding_window; Qwen2 and Qwen3: only with use_sliding_window, on the
+    layers layer_types names, else on those from max_window_layers on)."""
+    if arch == "LlamaForCausalLM":
+        return None
     window = cfg.get("sliding_window")
-    uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-    if uses_window and window is not None and window < cfg.get("max_position_embeddings", 0):
-        raise ValueError(f"config.json sliding_window={window} is not supported (attention is full-context)")
+    if arch != "MistralForCausalLM":
+        window = window if cfg.get("use_sliding_window") else None
+        types = cfg.get("layer_types")
+        if types is None:
+            first = cfg.get("max_window_layers", 28)
+            if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+                raise ValueError(f"config.json field 'max_window_layers' must be a non-negative integer, "
+                                 f"got {short_repr(first)}")
+            if first >= num_layers:
+                return None
+        else:
+            if not (isinstance(types, list) and len(types) == num_layers
+                    and all(t in ("full_attention", "sliding_attention") for t in types)):
+                raise ValueError(f"config.json field 'layer_types' must list 'full_attention' or "
+                                 f"'sliding_attention' for each of the {num_layers} layers, got {short_repr(types)}")
+            if "sliding_attention" not in types:
+                return None
+            if window is None:      # transformers fails building such a model's cache
+                raise ValueError("config.json layer_types names sliding_attention layers but the config has "
+                                 "no window (use_sliding_window false or sliding_window null)")
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json field 'sliding_window' must be a positive integer or null, got {short_repr(window)}")
+    return window
 
 
 def _checkpoint_dtype(path: Path, cfg: dict) -> str:
     """The dtype the weights were saved in: config.json's (torch_)dtype, else the first tensor's."""
-    name = cfg.get("torch_dtype") or cfg.get("dtype")
+    name = cfg.get("dtype") or cfg.get("torch_dtype")     # transformers 5 reads dtype first
     if isinstance(name, str):
         return name.replace("torch.", "")
     try:
@@ -137,7 +223,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     path = Path(path)
     cfg = _read_config(path)
     arch = _architecture(cfg)
-    _check_supported_features(arch, cfg)
+    cfg = {**_ARCHITECTURE_DEFAULTS.get(arch, {}), **cfg}
     num_heads = _require(cfg, "num_attention_heads")
     hidden = _require(cfg, "hidden_size")
     num_kv_heads = _optional(cfg, "num_key_value_heads", num_heads)
@@ -145,15 +231,18 @@ def load_model_config(path: str | Path) -> ModelConfig:
         raise ValueError(f"config.json num_attention_heads {num_heads} is not a multiple of "
                          f"num_key_value_heads {num_kv_heads}")
     head_dim = _optional(cfg, "head_dim", hidden // num_heads)
-    theta, scaling = _rope(cfg)
+    num_layers = _require(cfg, "num_hidden_layers")
+    max_positions = _optional(cfg, "max_position_embeddings", 2048)
+    _check_supported_features(arch, cfg, max_positions, num_layers)
+    theta, scaling = _rope(cfg, head_dim, max_positions)
     bos = cfg.get("bos_token_id")
     return ModelConfig(
         architecture=SUPPORTED_ARCHITECTURES[arch],
         vocab_size=_require(cfg, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_require(cfg, "intermediate_size"), num_layers=_require(cfg, "num_hidden_layers"),
+        intermediate_size=_require(cfg, "intermediate_size"), num_layers=num_layers,
         num_heads=num_heads, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
         rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6), rope_theta=theta,
-        max_position_embeddings=_optional(cfg, "max_position_embeddings", 2048),
+        max_position_embeddings=max_positions,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         rope_scaling=scaling, torch_dtype=_checkpoint_dtype(path, cfg),
@@ -317,13 +406,37 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str,
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
     tensors = checkpoint_tensors(path)
+    if config.tie_word_embeddings:
+        tensors = _tied_tensors(tensors)
     weights: dict[str, np.ndarray] = {}
     for name, shape in expected_weight_shapes(config).items():
-        entry = tensors.get(name)
-        if entry is None:
-            raise ValueError(f"checkpoint in {path} is missing tensor {name}")
-        if entry.shape != shape:
-            raise ValueError(f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} "
-                             f"from config.json")
-        weights[name] = _convert(_read_tensor(name, entry), entry.dtype, dtype)
+        weights[name] = _load_tensor(path, tensors, name, shape, dtype)
+    if "lm_head.weight" in tensors and "lm_head.weight" not in weights:
+        head_shape = (config.vocab_size, config.hidden_size)
+        weights["lm_head.weight"] = _load_tensor(path, tensors, "lm_head.weight", head_shape, dtype)
     return weights
+
+
+def _tied_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """A tied checkpoint's tensors as transformers 5 ties them: the embedding from lm_head.weight
+    when only that is saved; both kept when both are saved with different values (it does not tie
+    them then); the head dropped when it equals the embedding."""
+    embed, head = tensors.get("model.embed_tokens.weight"), tensors.get("lm_head.weight")
+    if head is None:
+        return tensors
+    if embed is None:
+        return {**tensors, "model.embed_tokens.weight": head}
+    same = (embed.dtype == head.dtype and embed.shape == head.shape and embed.dtype in _NUMPY_DTYPES
+            and np.array_equal(_read_tensor("model.embed_tokens.weight", embed), _read_tensor("lm_head.weight", head)))
+    return {name: entry for name, entry in tensors.items() if name != "lm_head.weight"} if same else tensors
+
+
+def _load_tensor(path, tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """One named tensor of the checkpoint, its shape checked against config.json's."""
+    entry = tensors.get(name)
+    if entry is None:
+        raise ValueError(f"checkpoint in {path} is missing tensor {name}")
+    if entry.shape != shape:
+        raise ValueError(f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} "
+                         f"from config.json")
+    return _convert(_read_tensor(name, entry), entry.dtype, dtype)

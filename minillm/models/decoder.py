@@ -47,8 +47,10 @@ class DecoderModel:
         lin = lambda w: ops.prepare_linear_weight(w, dtype)          # noqa: E731
         vec = lambda w: ops.asarray(w, dtype)                        # noqa: E731
         self.embed = vec(weights["model.embed_tokens.weight"])       # [V, D]
+        # A tied checkpoint's own lm_head.weight, when it differs from the embedding, is the head
+        # (transformers 5 leaves such a pair untied); the loader drops one equal to it.
         head = weights.get("lm_head.weight")
-        if config.tie_word_embeddings or head is None:
+        if head is None:
             head = weights["model.embed_tokens.weight"]
         self.lm_head = lin(head)                                     # [V, D] ([V / N, D] on a rank)
         # A rank's vocabulary rows start here; its embedding holds ceil(V / N) of them.
