@@ -31,6 +31,8 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # transformers' PreTrainedTokenizerBase default for model_max_length when the config gives none
 VERY_LARGE_INTEGER = int(1e30)
+# Where transformers' save_pretrained writes a tokenizer's templates other than the default, one NAME.jinja each.
+ADDITIONAL_TEMPLATES_DIR = "additional_chat_templates"
 # The longest chat template file read: the template sandbox's bound on a string (a pipe may never end).
 MAX_TEMPLATE_CHARS = 1 << 24
 # transformers' apply_chat_template arguments that shape the tokenized output (tensors, padding,
@@ -72,10 +74,12 @@ def _dedup(ids: list[int]) -> list[int]:
 
 
 def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
-    """The chat template of a model directory: chat_template.jinja wins over tokenizer_config.json."""
-    jinja_file = path / "chat_template.jinja"
-    if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
+    """The chat template of a model directory, or its named templates, as transformers reads them: the
+    files transformers' save_pretrained writes (chat_template.jinja, the default, and
+    additional_chat_templates/NAME.jinja) win over tokenizer_config.json's, all of them."""
+    files = _template_files(path)
+    if files:
+        return files["default"] if list(files) == ["default"] else files
     source = path / "tokenizer_config.json"
     template = tokenizer_config.get("chat_template")
     if template is None:
@@ -89,6 +93,19 @@ def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
                              f"{{\"name\": ..., \"template\": ...}} objects, got {short_repr(template)}")
         return {t["name"]: t["template"] for t in template}
     return template
+
+
+def _template_files(path: Path) -> dict[str, str]:
+    """Template name -> source of the template files in a model directory ("default" for chat_template.jinja)."""
+    files = {}
+    if (path / "chat_template.jinja").is_file():
+        files["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    folder = path / ADDITIONAL_TEMPLATES_DIR
+    if folder.is_dir():
+        for file in sorted(folder.glob("*.jinja")):
+            if file.is_file():
+                files[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    return files
 
 
 def read_chat_template(value: str) -> str:
