@@ -71,9 +71,19 @@ class BenchParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         if "help" not in {a.dest for a in self._actions}:   # added last, so it is listed last
             self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
+        args = [self._dashed(arg) for arg in (sys.argv[1:] if args is None else args)]
         parsed, rest = super().parse_known_args(args, namespace)
         self._refuse_empty_values(parsed)
         return parsed, rest
+
+    def _dashed(self, arg: str) -> str:
+        """ARG with the underscores of its option's name read as dashes (--num_seqs 4, --max_input_len=64),
+        as vLLM's parser reads them, when that names an option (other text is left as it is)."""
+        if not arg.startswith("--") or "_" not in arg.partition("=")[0]:
+            return arg
+        name, eq, value = arg.partition("=")
+        dashed = name.replace("_", "-")
+        return f"{dashed}{eq}{value}" if dashed in self._option_string_actions else arg
 
     def _refuse_empty_values(self, parsed) -> None:
         """A usage error naming the first option given an empty text (an unset variable in `--model "$M"`):

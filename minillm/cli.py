@@ -33,10 +33,19 @@ MODEL_DEFAULT = "Default: the model's generation_config.json value, else"
 CHAT_MODEL_DEFAULT = "Default: the model's generation_config.json value (without --url), else"
 STRUCTURE_PANEL = "Structured output (one of)"
 
+
+def dashed_option_name(name: str) -> str:
+    """An option's name as the commands declare it: underscores read as dashes (--max_model_len is
+    --max-model-len), as vLLM's FlexibleArgumentParser reads a command line. Click applies it to the
+    names of options (never to their values) and to both sides of a choice."""
+    return name.replace("_", "-")
+
+
 app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine with a paged KV cache.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None,
-                  context_settings={"help_option_names": ["-h", "--help"]})
+                  context_settings={"help_option_names": ["-h", "--help"],
+                                    "token_normalize_func": dashed_option_name})
 bench_app = typer.Typer(help="Benchmarks: offline throughput, online serving, kernels.",
                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
@@ -849,13 +858,14 @@ def spread_option_values(args: list[str], options: tuple[str, ...]) -> list[str]
         i += 1
         if arg == "--":                       # what follows is no option
             return out + args[i - 1:]
-        if arg not in options:
+        option = dashed_option_name(arg) if arg.startswith("--") else arg   # --served_model_name too
+        if option not in options:
             out.append(arg)
             continue
         end = i
         while end < len(args) and not args[end].startswith("-"):
             end += 1
-        out += [arg] if end == i else [part for value in args[i:end] for part in (arg, value)]
+        out += [option] if end == i else [part for value in args[i:end] for part in (option, value)]
         i = end
     return out
 

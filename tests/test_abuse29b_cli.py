@@ -1,0 +1,53 @@
+"""The command line as vLLM users type it: option names with underscores, as vLLM's parser takes
+them (--max_model_len), and unknown benchmark options answered with the close names."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
+from test_cli import STORIES, needs_stories, run_main
+
+
+def one_line(err: str) -> str:
+    """The single line a failed command printed (asserting there is one, and no traceback)."""
+    assert "Traceback" not in err, err
+    [line] = err.strip().splitlines()
+    return line
+
+
+# ---- option names with underscores, as vLLM's parser takes them -------------------------------------
+
+@needs_stories
+def test_serve_takes_vllms_option_names_with_underscores(capsys, started):  # noqa: F811
+    # vLLM's FlexibleArgumentParser reads --max_model_len as --max-model-len; minillm said "No such option".
+    status, _, err = run_main(capsys, "serve", str(STORIES), "--device", "cpu", "--port", "0",
+                              "--max_model_len", "64", "--gpu_memory_utilization=0.5",
+                              "--served_model_name", "a", "b", "--enable_prefix_caching")
+    assert status == 0, err
+    assert (started["config"].max_model_len, started["config"].gpu_memory_utilization) == (64, 0.5)
+    assert started["options"].served_model_name == ("a", "b")
+
+
+@needs_stories
+def test_generate_takes_underscores_in_option_names_and_leaves_values_alone(capsys):
+    status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "--temperature=0",
+                                "--max_tokens", "2", "-p", "--max_tokens", "--json")
+    assert status == 0, err
+    [record] = [json.loads(line) for line in out.splitlines()]
+    assert record["prompt"] == "--max_tokens" and len(record["outputs"][0]["token_ids"]) == 2
+
+
+def test_an_unknown_option_with_underscores_is_still_refused(capsys):
+    status, _, err = run_main(capsys, "generate", str(STORIES), "-p", "x", "--max_tokenz", "2")
+    assert status == 2
+    assert "No such option: --max-tokenz" in one_line(err)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--num_seqs", "0"), "--num-seqs must be in [1, 65536], got 0"),
+    (("--max_input_len=0",), "--max-input-len must be in [1, 1048576], got 0"),
+])
+def test_bench_takes_underscores_in_option_names(capsys, args, message):
+    status, _, err = run_main(capsys, "bench", "throughput", "--model", str(STORIES), "--device", "cpu", *args)
+    assert status == 2 and message in one_line(err)
