@@ -6,6 +6,7 @@ BenchUsageError and a failure the user can fix is a BenchError, both printed as 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 import textwrap
@@ -76,6 +77,14 @@ class BenchParser(argparse.ArgumentParser):
         self._refuse_empty_values(parsed)
         return parsed, rest
 
+    def parse_args(self, args=None, namespace=None):
+        """The options, as argparse parses them; an unknown one is a usage error naming the options
+        close to it, as click's commands name them."""
+        parsed, rest = self.parse_known_args(args, namespace)
+        if rest:
+            self.error(f"unrecognized arguments: {' '.join(rest)}{self._close_options(rest)}")
+        return parsed
+
     def _dashed(self, arg: str) -> str:
         """ARG with the underscores of its option's name read as dashes (--num_seqs 4, --max_input_len=64),
         as vLLM's parser reads them, when that names an option (other text is left as it is)."""
@@ -84,6 +93,15 @@ class BenchParser(argparse.ArgumentParser):
         name, eq, value = arg.partition("=")
         dashed = name.replace("_", "-")
         return f"{dashed}{eq}{value}" if dashed in self._option_string_actions else arg
+
+    def _close_options(self, unknown: list[str]) -> str:
+        """' (possible options: ...)': the options whose names are close to the first unknown one's."""
+        name = next((a.partition("=")[0] for a in unknown if a.startswith("--")), None)
+        if name is None:
+            return ""
+        options = sorted(o for o in self._option_string_actions if o.startswith("--"))
+        close = difflib.get_close_matches(name, options, n=3)
+        return f" (possible options: {', '.join(sorted(close))})" if close else ""
 
     def _refuse_empty_values(self, parsed) -> None:
         """A usage error naming the first option given an empty text (an unset variable in `--model "$M"`):

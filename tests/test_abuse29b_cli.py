@@ -51,3 +51,24 @@ def test_an_unknown_option_with_underscores_is_still_refused(capsys):
 def test_bench_takes_underscores_in_option_names(capsys, args, message):
     status, _, err = run_main(capsys, "bench", "throughput", "--model", str(STORIES), "--device", "cpu", *args)
     assert status == 2 and message in one_line(err)
+
+
+# ---- unknown benchmark options name the close ones, as click's commands do -----------------------------
+
+@pytest.mark.parametrize("args, close", [
+    (("--num-prompts", "4"), "--num-seqs"),            # vLLM's bench throughput name
+    (("--input-len", "32"), "--max-input-len"),
+    (("--tempreature", "0"), "--temperature"),
+])
+def test_an_unknown_bench_option_names_the_close_ones(capsys, args, close):
+    status, _, err = run_main(capsys, "bench", "throughput", "--model", str(STORIES), "--device", "cpu", *args)
+    line = one_line(err)
+    assert status == 2
+    assert f"unrecognized arguments: {' '.join(args)} (possible options: {close}" in line, line
+
+
+def test_an_unknown_bench_option_with_nothing_close_is_named_alone(capsys):
+    status, _, err = run_main(capsys, "bench", "throughput", "--frobnicate")
+    assert status == 2
+    assert one_line(err) == ("minillm bench throughput: error: unrecognized arguments: --frobnicate "
+                             "(try 'minillm bench throughput --help')")
