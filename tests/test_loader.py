@@ -252,7 +252,7 @@ def test_rope_parameters_of_transformers_5(tmp_path):
     ({"rope_type": "linear", "factor": 0}, "'rope_scaling.factor' must be a positive number"),   # NaN tables
     ({"rope_type": "llama3", "factor": 8, "low_freq_factor": 2, "high_freq_factor": 2},
      "high_freq_factor must be greater than low_freq_factor"),
-    ({"rope_type": "yarn", "factor": 4}, "rope_scaling type 'yarn' is not supported"),
+    ({"rope_type": "su", "factor": 4}, "rope_scaling type 'su' is not supported"),
 ])
 def test_bad_rope_scaling_is_named(tmp_path, scaling, message):
     with pytest.raises(ValueError, match=re.escape(message)):
