@@ -222,6 +222,10 @@ class Tokenizer:
                                      or special_map.get("additional_special_tokens")),
                                     f"{path / extra_file} field 'additional_special_tokens'")
         _register_special_tokens(backend, list(special_tokens.values()) + extra)
+        # transformers' split_special_tokens: special tokens' texts in a text are encoded as text (chat
+        # templates' output too), never as the special ids.
+        if tokenizer_config.get("split_special_tokens") is True:
+            backend.encode_special_tokens = True
 
         # generation_config.json names every id that ends a turn (Llama 3 lists several).
         extra_eos = token_id_list(generation_config.get("eos_token_id"),

@@ -344,3 +344,22 @@ def test_stream_holds_back_only_text_a_stop_string_would_cut(families, include):
     else:
         assert deltas[0] == ""          # "The" could be the start of a stop string of 13 characters
     assert "".join(deltas) == final
+
+
+@pytest.mark.parametrize("save", [save_qwen, save_mistral])
+def test_split_special_tokens_from_tokenizer_config(tmp_path, save):
+    """tokenizer_config.json's split_special_tokens: true encodes a special token's text as text (in chat template
+    output too), as transformers does; added tokens that are not special stay whole. It was ignored."""
+    import transformers
+    from minillm.tokenizer import Tokenizer
+    path = save(tmp_path / "split")
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "split_special_tokens": True}))
+    ref, tok = transformers.AutoTokenizer.from_pretrained(path), Tokenizer.from_pretrained(path)
+    for text in TEXTS:
+        for add in (True, False):
+            assert tok.encode(text, add_special_tokens=add) == ref.encode(text, add_special_tokens=add), text
+    assert tok.encode("<|im_end|>", add_special_tokens=False) != [tok.backend.token_to_id("<|im_end|>")]
+    conversation, template = [{"role": "user", "content": "x"}], "{{ '<s>[INST]' + messages[0].content + eos_token }}"
+    assert tok.apply_chat_template(conversation, chat_template=template) == \
+        list(ref.apply_chat_template(conversation, chat_template=template, return_dict=False))
