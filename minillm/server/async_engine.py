@@ -35,7 +35,7 @@ from minillm.engine_core.core import (
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.prompts import PromptType, request_add_special_tokens
 from minillm.sampling_params import RequestOutputKind, SamplingParams
-from minillm.server.errors import EngineDeadError, RequestFailedError
+from minillm.server.errors import EngineDeadError, EngineShutDownError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
 
@@ -354,14 +354,21 @@ class AsyncLLMEngine(Generate):
     @property
     def dead_reason(self) -> str:
         """Why the engine loop stopped, for error messages."""
+        if not self._failed and (self._stopped or self._dead is not None):
+            return "the engine was shut down"
         if self._dead is None:
             return "the engine loop is not running"
         return f"the engine loop has died: {type(self._dead).__name__}: {self._dead}"
 
+    def dead_error(self) -> EngineDeadError:
+        """The error of a request the engine can no longer serve: EngineShutDownError once shutdown()
+        began (a 503), else EngineDeadError (a 500)."""
+        return (EngineDeadError if self._failed else EngineShutDownError)(self.dead_reason)
+
     def _send(self, command: Any) -> None:
         with self._lock:
             if self._dead is not None or self._stopped:
-                raise EngineDeadError(self.dead_reason)
+                raise self.dead_error()
             self._commands.put(command)
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -462,7 +469,7 @@ class AsyncLLMEngine(Generate):
             self._failed = True
             self._die(exc)
             return
-        self._die(EngineDeadError("the engine was shut down"), log=False)
+        self._die(EngineShutDownError("the engine was shut down"), log=False)
 
     def _step(self) -> None:
         """One engine step; outputs to their streams, a contained failure to the requests it hit."""
@@ -581,7 +588,7 @@ class AsyncLLMEngine(Generate):
                     pending.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-        error = EngineDeadError(self.dead_reason)
+        error = self.dead_error()
         for stream in list(self._streams.values()):
             stream.put_threadsafe(error)
         self._streams.clear()

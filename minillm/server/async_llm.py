@@ -39,7 +39,7 @@ from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
     Generate, OutputQueue, RequestStream, abort_ids, deliver, is_delta_stream, request_params, resolve_future,
 )
-from minillm.server.errors import EngineDeadError, RemoteError, RequestFailedError
+from minillm.server.errors import EngineDeadError, EngineShutDownError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
 from minillm.tokenizer import Tokenizer
@@ -117,15 +117,20 @@ class AsyncLLM(Generate):
     def dead_reason(self) -> str:
         """Why the engine stopped, for error messages."""
         if self._dead is None:
-            return "the engine core is not running"
+            return "the engine core is shutting down" if self._stopping else "the engine core is not running"
         if not self._failed:
             return "the engine core was shut down"
         return f"the engine core has died: {self._dead}"
 
+    def dead_error(self) -> EngineDeadError:
+        """The error of a request the core can no longer serve: EngineShutDownError once shutdown()
+        began (a 503), else EngineDeadError (a 500)."""
+        return (EngineDeadError if self._failed else EngineShutDownError)(self.dead_reason)
+
     def _send(self, message: Any) -> None:
         """Send a command; the caller holds self._lock (which orders it against dying)."""
         if self._dead is not None or self._stopping:
-            raise EngineDeadError(self.dead_reason)
+            raise self.dead_error()
         try:
             self.core.send(message)
         except ConnectionError as exc:
@@ -311,7 +316,7 @@ class AsyncLLM(Generate):
             self._die(RemoteError(type(exc).__name__, str(exc)), failed=True)
             return
         if self._stopping:
-            self._die(EngineDeadError("the engine was shut down"), failed=False)
+            self._die(EngineShutDownError("the engine was shut down"), failed=False)
         else:
             exit_text = self.core.describe_end()
             logger.error("the engine core process ended unexpectedly (%s)", exit_text)
@@ -391,7 +396,7 @@ class AsyncLLM(Generate):
             self._calls.clear()
             self._retiring.clear()
         self.ended.set()    # before the callers hear of it: whoever sees the error sees the engine ended
-        error = EngineDeadError(self.dead_reason)
+        error = self.dead_error()
         for stream in streams:
             stream.put_threadsafe(error)
         for loop, future in pending + retiring:

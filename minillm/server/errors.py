@@ -46,6 +46,16 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can make progress."""
 
 
+class EngineShutDownError(EngineDeadError):
+    """The engine was shut down (the server is stopping): a 503, a server that cannot serve now, where
+    an engine that failed is a 500."""
+
+
+def engine_dead_status(exc: EngineDeadError) -> int:
+    """The HTTP status of a request the engine could not serve: 503 while it shuts down, else 500."""
+    return 503 if isinstance(exc, EngineShutDownError) else 500
+
+
 class RemoteError(Exception):
     """An exception raised in the engine core process, known here by its type's name and its message."""
 
@@ -312,7 +322,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return respond(request, APIError(500, str(exc) or "the engine loop has stopped", code="engine_dead"))
+        return respond(request, APIError(engine_dead_status(exc), str(exc) or "the engine loop has stopped",
+                                         code="engine_dead"))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

@@ -21,7 +21,9 @@ from pydantic import BaseModel, ValidationError
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
-from minillm.server.errors import APIError, bad_request_from_value_error, openai_error_event, openai_error_events
+from minillm.server.errors import (
+    APIError, EngineDeadError, bad_request_from_value_error, engine_dead_status, openai_error_event, openai_error_events,
+)
 from minillm.server.json_body import LARGE_BODY_BYTES
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import RequestTimer, ServerMetrics
@@ -381,7 +383,8 @@ def stream_failure(exc: BaseException) -> APIError:
     """The error a stream reports when its request fails after the headers went out."""
     if isinstance(exc, APIError):
         return exc
-    return APIError(500, f"{type(exc).__name__}: {exc}", code="engine_dead")
+    status = engine_dead_status(exc) if isinstance(exc, EngineDeadError) else 500
+    return APIError(status, f"{type(exc).__name__}: {exc}", code="engine_dead")
 
 
 def sse_error(exc: BaseException) -> str:
