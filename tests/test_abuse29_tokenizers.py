@@ -363,3 +363,44 @@ def test_split_special_tokens_from_tokenizer_config(tmp_path, save):
     conversation, template = [{"role": "user", "content": "x"}], "{{ '<s>[INST]' + messages[0].content + eos_token }}"
     assert tok.apply_chat_template(conversation, chat_template=template) == \
         list(ref.apply_chat_template(conversation, chat_template=template, return_dict=False))
+
+
+def _with_dummy_model(path: Path, vocab_size: int) -> Path:
+    """A tiny Qwen2 config beside the tokenizer files, for LLM(..., load_format="dummy")."""
+    config = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": vocab_size,
+              "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("save", [save_qwen, save_mistral])
+def test_engine_streamed_text_equals_final_text_with_stop_strings(tmp_path, save):
+    """Random outputs of a dummy-weight model (bytes that are no UTF-8 among them): each request's text streamed
+    (CUMULATIVE) equals its text made once at the end (FINAL_ONLY), with stop strings picked from those texts,
+    kept in the output or not."""
+    from minillm.llm import LLM
+    from minillm.sampling_params import RequestOutputKind, SamplingParams
+    from minillm.tokenizer import Tokenizer
+    path = save(tmp_path / "model")
+    llm = LLM(str(_with_dummy_model(path, len(Tokenizer.from_pretrained(path)))), load_format="dummy", device="cpu",
+              dtype="float32", seed=0, generation_config="vllm")
+    prompts = ["日本語 emoji 👩\u200d👩\u200d👧\u200d👦", "Hello", "[INST] hi <|im_end|>\n"] * 2
+
+    def texts(kind, stops=None):
+        params = [SamplingParams(max_tokens=40, seed=i, output_kind=kind, skip_special_tokens=bool(i % 2),
+                                 ignore_eos=True, stop=None if stops is None else stops[i],
+                                 include_stop_str_in_output=i % 3 == 0) for i in range(len(prompts))]
+        return [(o.outputs[0].text, o.outputs[0].stop_reason) for o in llm.generate(prompts, params)]
+
+    plain = texts(RequestOutputKind.CUMULATIVE)
+    assert plain == texts(RequestOutputKind.FINAL_ONLY)
+    rng = random.Random(0)
+    stops = []
+    for text, _ in plain:
+        words = [w for w in text.replace("\ufffd", " ").split(" ") if w]
+        stops.append([rng.choice(words)[-3:], "never"] if words else ["never"])
+    stopped = texts(RequestOutputKind.CUMULATIVE, stops)
+    assert stopped == texts(RequestOutputKind.FINAL_ONLY, stops)
+    assert sum(reason is not None for _, reason in stopped) >= 3
