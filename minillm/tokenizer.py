@@ -29,6 +29,8 @@ PART_SEPARATOR = "\n"
 # as a list of text parts ("openai"), or as the template reads it ("auto").
 CONTENT_FORMATS = ("auto", "string", "openai")
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the order of all_special_tokens
+_SPECIAL_TOKENS_ORDER = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # transformers' PreTrainedTokenizerBase default for model_max_length when the config gives none
 VERY_LARGE_INTEGER = int(1e30)
 # Where transformers' save_pretrained writes a tokenizer's templates other than the default, one NAME.jinja each.
@@ -291,9 +293,10 @@ class Tokenizer:
 
     @property
     def all_special_ids(self) -> list[int]:
-        """Ids of every special token (the ones skip_special_tokens drops)."""
-        added = self.backend.get_added_tokens_decoder()
-        return sorted(i for i, tok in added.items() if tok.special)
+        """The ids of all_special_tokens, as Hugging Face's: the named special tokens and
+        additional_special_tokens, not every added token marked special (those skip_special_tokens
+        drops in decode, as Hugging Face's decode drops them)."""
+        return self.convert_tokens_to_ids(self.all_special_tokens)
 
     def encode(self, text: str, add_special_tokens: bool = True, **options) -> list[int]:
         """text -> token ids; add_special_tokens adds BOS/EOS as the tokenizer's post-processor says.
@@ -394,8 +397,10 @@ class Tokenizer:
 
     @property
     def all_special_tokens(self) -> list[str]:
-        """The texts of all_special_ids."""
-        return [self.backend.id_to_token(i) for i in self.all_special_ids]
+        """The named special tokens' texts (in transformers' order) then additional_special_tokens',
+        each once, as Hugging Face's."""
+        named = [self.special_tokens[n] for n in _SPECIAL_TOKENS_ORDER if self.special_tokens.get(n) is not None]
+        return list(dict.fromkeys(named + self.additional_special_tokens))
 
     @property
     def added_tokens_decoder(self) -> dict:

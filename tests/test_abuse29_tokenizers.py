@@ -404,3 +404,17 @@ def test_engine_streamed_text_equals_final_text_with_stop_strings(tmp_path, save
     stopped = texts(RequestOutputKind.CUMULATIVE, stops)
     assert stopped == texts(RequestOutputKind.FINAL_ONLY, stops)
     assert sum(reason is not None for _, reason in stopped) >= 3
+
+
+@pytest.mark.parametrize("name", ["qwen", "llama3", "mistral", "stories"])
+def test_all_special_ids_as_transformers(families, name):
+    """all_special_tokens / all_special_ids are the named special tokens and additional_special_tokens, in
+    transformers' order (Llama 3's are BOS and EOS only, not its header and reserved specials), and
+    convert_ids_to_tokens(skip_special_tokens=True) leaves out those alone; every added token marked special was
+    listed, sorted by id."""
+    ref, tok = _pair(families, name)
+    assert tok.all_special_tokens == ref.all_special_tokens
+    assert tok.all_special_ids == ref.all_special_ids
+    ids = list(range(len(ref) - 12, len(ref))) + [0, 1, 2, 5]
+    assert tok.convert_ids_to_tokens(ids, skip_special_tokens=True) == \
+        ref.convert_ids_to_tokens(ids, skip_special_tokens=True)
