@@ -1441,6 +1441,29 @@ _bench_command("serving_gaps", "Where a serving run's long inter-token gaps sit 
 
 
 # ---------------------------------------------------------------------------------------------
+# help
+# ---------------------------------------------------------------------------------------------
+
+@app.command(name="help")
+def help_command(
+    ctx: typer.Context,
+    command: Annotated[Optional[list[str]], typer.Argument(
+        help="The command (and bench's subcommand) to explain; none: every command.", show_default=False)] = None,
+) -> None:
+    """Show a command's help, as COMMAND --help does (minillm help generate)."""
+    words = list(command or [])
+    group = ctx.parent.command
+    for i, word in enumerate(words):
+        commands = getattr(group, "commands", None)
+        if commands is None:
+            raise UsageError(f"'minillm {' '.join(words[:i])}' has no subcommand '{word}'.")
+        if word not in commands:
+            raise UsageError(f"No such command '{' '.join(words[:i + 1])}'.")
+        group = commands[word]
+    app(args=[*words, "--help"], prog_name="minillm", standalone_mode=False)
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry point
 # ---------------------------------------------------------------------------------------------
 
