@@ -1477,9 +1477,9 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":   # a bare `minillm` or `minillm bench`
             print(exc.format_message())
             sys.exit(0)
-        where = exc.ctx.command_path if exc.ctx else "minillm"
-        hint = f" (try '{where} --help')" if exc.ctx else ""
-        status = _fail(f"{where}: error: {exc.format_message()}{hint}", exc.exit_code)
+        # click's parser leaves out the context of an option missing its value: the words name the command
+        where = exc.ctx.command_path if exc.ctx else command_path(sys.argv[1:] if argv is None else argv)
+        status = _fail(f"{where}: error: {exc.format_message()} (try '{where} --help')", exc.exit_code)
     except ClickException as exc:
         status = _fail(f"minillm: error: {exc.format_message()}", exc.exit_code)
     except typer.Abort:
@@ -1495,6 +1495,18 @@ def main(argv: list[str] | None = None) -> int:
         # ends it at once, by the signal, where Python would print a traceback of its shutdown.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def command_path(args: list[str]) -> str:
+    """The command ARGS run, as click names it: "minillm bench serving" for bench serving --num-prompts."""
+    import typer.main
+    command, words = typer.main.get_command(app), ["minillm"]
+    for arg in args:
+        command = getattr(command, "commands", {}).get(arg)
+        if command is None:
+            break
+        words.append(arg)
+    return " ".join(words)
 
 
 def _one_line(exc: BaseException) -> str:

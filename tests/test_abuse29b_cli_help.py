@@ -1,4 +1,5 @@
-"""Help as git, ollama and cargo users ask for it: `minillm help generate`."""
+"""Help as git, ollama and cargo users ask for it (`minillm help generate`), and an option missing its
+value, or given one it does not take, named with its command as every other usage error is."""
 from __future__ import annotations
 
 import pytest
@@ -23,3 +24,17 @@ def test_help_for_a_command_that_does_not_exist_is_a_usage_error(capsys, words, 
     status, out, err = run_main(capsys, "help", *words)
     assert (status, out) == (2, "")
     assert one_line(err) == f"minillm help: error: {message} (try 'minillm help --help')"
+
+
+@pytest.mark.parametrize("args, command", [
+    (("generate", "m", "-p"), "minillm generate"),
+    (("generate", "m", "--json=true"), "minillm generate"),
+    (("bench", "serving", "--num-prompts"), "minillm bench serving"),
+    (("--version=1",), "minillm"),
+])
+def test_an_option_missing_its_value_is_named_with_its_command(capsys, args, command):
+    # "minillm: error: Option '-p' requires an argument.": the command and the hint to its help left out.
+    status, _, err = run_main(capsys, *args)
+    line = one_line(err)
+    assert status == 2
+    assert line.startswith(f"{command}: error: ") and line.endswith(f"(try '{command} --help')"), line
