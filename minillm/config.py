@@ -38,6 +38,9 @@ class ModelConfig:
     torch_dtype: str = "float32"     # dtype the checkpoint was saved in
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
+    # The attention window transformers gives some layer (Mistral, Qwen2/3 with use_sliding_window);
+    # attention here is full-context, which equals it for sequences of at most this many tokens.
+    sliding_window: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:

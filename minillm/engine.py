@@ -214,6 +214,17 @@ class LLMEngine:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings {model_max}")
         requested_len = config.max_model_len or model_max
+        window = self.model_config.sliding_window
+        if window is not None and requested_len > window:
+            # Attention here is full-context: it is the model's windowed attention only for sequences
+            # of at most `window` tokens (vLLM's --disable-sliding-window caps max_model_len the same way).
+            if config.max_model_len is not None:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's sliding_window "
+                                 f"{window}: attention here is full-context, the model's own only up to "
+                                 f"{window} tokens (give max_model_len {window} or less)")
+            requested_len = window
+            self.log(f"minillm: max_model_len {window}, the model's sliding_window (attention here is "
+                     f"full-context, the model's own up to that length)")
         self.eos_token_ids = sorted(set(self.model_config.eos_token_id) | set(self.tokenizer.eos_token_ids))
         # vLLM's update_from_generation_config: the EOS ids beyond the tokenizer's own (the model's, and a
         # generation_config folder's) stop a request as its stop token ids do, so the one that ends it

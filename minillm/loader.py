@@ -146,7 +146,7 @@ def _check_longrope(scaling: dict, head_dim: int, max_positions: int) -> None:
                          f"factors transformers switches to past {original:g} positions are not implemented)")
 
 
-def _check_supported_features(arch: str, cfg: dict, max_positions: int, num_layers: int) -> None:
+def _check_supported_features(arch: str, cfg: dict) -> None:
     """Reject config options the decoder does not implement, naming the field; options the
     architecture's transformers class ignores (Mistral's attention_bias) are ignored here too."""
     act = cfg.get("hidden_act", "silu")
@@ -156,11 +156,6 @@ def _check_supported_features(arch: str, cfg: dict, max_positions: int, num_laye
         raise ValueError("config.json mlp_bias=true is not supported (its MLP projections have biases)")
     if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") and cfg.get("attention_bias"):
         raise ValueError(f"config.json attention_bias=true is not supported for {arch} (its o_proj has a bias)")
-    window = _sliding_window(arch, cfg, num_layers)
-    if window is not None and window < max_positions:
-        raise ValueError(f"config.json sliding_window={window} is not supported: transformers attends to the "
-                         f"last {window} positions only, below max_position_embeddings {max_positions}, and "
-                         f"attention here is full-context")
 
 
 def _sliding_window(arch: str, cfg: dict, num_layers: int) -> int | None:
@@ -233,7 +228,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
     head_dim = _optional(cfg, "head_dim", hidden // num_heads)
     num_layers = _require(cfg, "num_hidden_layers")
     max_positions = _optional(cfg, "max_position_embeddings", 2048)
-    _check_supported_features(arch, cfg, max_positions, num_layers)
+    _check_supported_features(arch, cfg)
+    window = _sliding_window(arch, cfg, num_layers)
     theta, scaling = _rope(cfg, head_dim, max_positions)
     bos = cfg.get("bos_token_id")
     return ModelConfig(
@@ -246,7 +242,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         rope_scaling=scaling, torch_dtype=_checkpoint_dtype(path, cfg),
-        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg, "eos_token_id"))
+        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg, "eos_token_id"),
+        sliding_window=window if window is not None and window < max_positions else None)
 
 
 # ---- safetensors -> numpy ------------------------------------------------------------------------

@@ -10,6 +10,8 @@ import re
 
 import pytest
 
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
 from minillm.loader import load_model_config, load_weights
 
 from make_fixtures import prompt_ids, write_tokenizer
@@ -50,13 +52,6 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [
     ("llama", dict(attention_bias=True), (), "attention_bias=true"),
     ("llama", dict(mlp_bias=True), (), "mlp_bias=true"),
     ("qwen3", dict(attention_bias=True), (), "attention_bias=true"),
-    ("mistral", dict(sliding_window=16), (), "sliding_window=16"),
-    # transformers' MistralConfig windows 4096 positions when the field is left out (of 131072)
-    ("mistral", {}, ("sliding_window", "max_position_embeddings"), "sliding_window=4096"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), (), "sliding_window=16"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), (), "sliding_window=16"),
-    ("qwen3", dict(use_sliding_window=True, sliding_window=16, layer_types=["full_attention", "sliding_attention"]),
-     (), "sliding_window=16"),
     ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), (), "layer_types"),
     ("qwen2", dict(layer_types=["full_attention"]), (), "layer_types"),
     ("mistral", dict(sliding_window="16"), (), "'sliding_window' must be a positive integer"),
@@ -75,6 +70,39 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [
 def test_unsupported_variants_are_refused_by_name(tmp_path, arch, fields, drop, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         config_of(tmp_path, arch, drop, **fields)
+
+
+# ---- sliding windows: read, and the context held to them --------------------------------------------
+
+@pytest.mark.parametrize("arch, fields, drop, window", [
+    ("mistral", dict(sliding_window=16), (), 16),
+    # transformers' MistralConfig windows 4096 positions when the field is left out (of 131072)
+    ("mistral", {}, ("sliding_window", "max_position_embeddings"), 4096),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16, max_window_layers=1), (), 16),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, max_window_layers=0), (), 16),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=16, layer_types=["full_attention", "sliding_attention"]),
+     (), 16),
+    ("mistral", dict(sliding_window=256), (), None),            # as long as the context: no window
+])
+def test_a_sliding_window_is_read(tmp_path, arch, fields, drop, window):
+    assert config_of(tmp_path, arch, drop, **fields).sliding_window == window
+
+
+def test_the_context_is_held_to_the_window(tmp_path):
+    # A window below the model's context was refused, so a model such as Mistral-7B-v0.1 (window
+    # 4096 of 32768 positions) did not load at all; full-context attention is the model's own up to
+    # the window, so the context is capped there, and a longer max_model_len is refused by name.
+    config_of(tmp_path, "mistral", sliding_window=16)
+    write_tokenizer(tmp_path)
+    lines = []
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy"), log=lines.append)
+    assert engine.max_model_len == 16 and any("sliding_window" in line for line in lines)
+    engine.shutdown()
+    with pytest.raises(ValueError, match=r"max_model_len 64 exceeds the model's sliding_window 16"):
+        LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy", max_model_len=64))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy", max_model_len=12))
+    assert engine.max_model_len == 12
+    engine.shutdown()
 
 
 # ---- read as transformers reads them ---------------------------------------------------------------
@@ -192,6 +220,8 @@ LIVE = {   # name: (arch, config fields, saved weights' dtype, a config.json edi
     "partial-rotary-default": ("qwen2", {}, "float32", lambda c: c.update(partial_rotary_factor=0.5), None, None),
     "llama-head-dim-32": ("llama", dict(head_dim=32), "float32", None, None, None),
     "mistral-head-dim-32-window-256": ("mistral", dict(head_dim=32, sliding_window=256), "float32", None, None, None),
+    # prompt logits over the window's 16 positions, greedy 9 + 6: within it, where full attention is the window's
+    "mistral-window-16": ("mistral", dict(sliding_window=16), "float32", None, None, None),
     "mistral-bias-fields-ignored": ("mistral", dict(sliding_window=None), "float32",
                                     lambda c: c.update(attention_bias=True, mlp_bias=True), None, None),
     "qwen2-window-no-layer": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2),
@@ -234,10 +264,12 @@ def test_variant_matches_transformers(tmp_path, name):
         edit_tensors(path, tensors_edit)
     if folder_edit:
         folder_edit(path)
-    ids = prompt_ids(load_model_config(path).vocab_size)
-    ref, greedy = hf_prompt_logits_and_greedy(path, ids, 9, 12)
+    config = load_model_config(path)
+    ids = prompt_ids(config.vocab_size)[:config.sliding_window]      # a window: the positions it covers
+    num_tokens = 12 if config.sliding_window is None else config.sliding_window - 10
+    ref, greedy = hf_prompt_logits_and_greedy(path, ids, 9, num_tokens)
     assert rel_err(minillm_prompt_logits(path, ids), ref) < 1e-4
-    assert minillm_greedy(path, ids[:9], 12) == greedy
+    assert minillm_greedy(path, ids[:9], num_tokens) == greedy
 
 
 @live

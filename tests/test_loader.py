@@ -259,11 +259,11 @@ def test_bad_rope_scaling_is_named(tmp_path, scaling, message):
         load_model_config(write_config(tmp_path / "r", rope_scaling=scaling))
 
 
-def test_mistral_only_without_sliding_window(tmp_path):
+def test_mistral_runs_as_llama_with_its_window_read(tmp_path):
     c = load_model_config(write_config(tmp_path / "m", architectures=["MistralForCausalLM"], sliding_window=None))
-    assert c.architecture == "llama"
-    with pytest.raises(ValueError, match="sliding_window"):
-        load_model_config(write_config(tmp_path / "m1", architectures=["MistralForCausalLM"], sliding_window=16))
+    assert c.architecture == "llama" and c.sliding_window is None
+    c = load_model_config(write_config(tmp_path / "m1", architectures=["MistralForCausalLM"], sliding_window=16))
+    assert c.sliding_window == 16        # the engine holds max_model_len to it (tests/test_abuse29_models.py)
 
 
 def test_unknown_architecture_is_named(tmp_path):
