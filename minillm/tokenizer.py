@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import numbers
 import stat
 from pathlib import Path
@@ -507,6 +508,8 @@ class Tokenizer:
             _check_options_off("apply_chat_template", options, _TOKENIZE_OPTIONS)
         is_batch = isinstance(conversation, (list, tuple)) and bool(conversation) and \
             isinstance(conversation[0], (list, tuple))
+        if template_kwargs.get("tools") is not None:
+            template_kwargs["tools"] = tool_schemas(template_kwargs["tools"])
         texts = [self.render_chat(messages, chat_template or None, add_generation_prompt, **template_kwargs)
                  for messages in (conversation if is_batch else [conversation])]
         if not tokenize:
@@ -527,6 +530,36 @@ class Tokenizer:
             for i, text in enumerate(texts):
                 check_unicode(text, f"text[{i}]")
             raise
+
+
+def tool_schemas(tools) -> list[dict]:
+    """apply_chat_template's tools as transformers takes them: JSON schema dicts as they are, Python
+    functions (type hints and a Google-style docstring) turned into their schemas by transformers'
+    get_json_schema; a ValueError naming tools for anything else."""
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"tools must be a list of JSON schemas (dicts) or functions, got {short_repr(tools)}")
+    schemas = []
+    for i, tool in enumerate(tools):
+        if isinstance(tool, dict):
+            schemas.append(tool)
+        elif inspect.isfunction(tool) or inspect.ismethod(tool):
+            schemas.append(_function_schema(tool, f"tools[{i}]"))
+        else:
+            raise ValueError(f"tools[{i}] must be a JSON schema (a dict) or a function, got {short_repr(tool)}")
+    return schemas
+
+
+def _function_schema(function, where: str) -> dict:
+    """transformers' JSON schema of a Python function offered as a tool."""
+    try:
+        from transformers.utils import get_json_schema
+    except ImportError:
+        raise ValueError(f"{where} is a function: turning it into a JSON schema needs transformers installed; "
+                         f"give its JSON schema instead") from None
+    try:
+        return get_json_schema(function)
+    except Exception as exc:    # transformers' TypeHintParsingException / DocstringParsingException
+        raise ValueError(f"{where}: {exc}") from None
 
 
 class IdOutOfRange(ValueError):

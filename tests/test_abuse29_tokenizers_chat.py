@@ -469,3 +469,26 @@ def test_named_templates_are_read_as_transformers_reads_them(tmp_path):
         for options in ({}, {"tools": [TOOLS[0]]}, {"chat_template": "rag"}, {"chat_template": "tool_use",
                                                                              "tools": TOOLS}):
             assert _render(tok, conversation, **options) == _render(ref, conversation, **options), (layout, options)
+
+
+def get_weather(city: str, unit: str = "c"):
+    """Weather in a city.
+
+    Args:
+        city: The city.
+        unit: c or f.
+    """
+
+
+def test_python_functions_as_tools(tmp_path):
+    """apply_chat_template takes Python functions as tools, turned into their JSON schemas as transformers turns
+    them (they failed to render: "Object of type function is not JSON serializable"); anything but a dict or a
+    function is a ValueError naming it."""
+    from minillm.tokenizer import Tokenizer
+    path = save_qwen(tmp_path / "qwen", QWEN25, qwen3=False)
+    ref, tok = transformers.AutoTokenizer.from_pretrained(path), Tokenizer.from_pretrained(path)
+    conversation = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(conversation, tools=[get_weather, TOOLS[0]], tokenize=False) == \
+        ref.apply_chat_template(conversation, tools=[get_weather, TOOLS[0]], tokenize=False)
+    with pytest.raises(ValueError, match=r"tools\[1\]"):
+        tok.apply_chat_template(conversation, tools=[TOOLS[0], "get_weather"], tokenize=False)
