@@ -1216,6 +1216,13 @@ def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: fl
     return config
 
 
+def seconds_option(value: float) -> float:
+    """A timeout in seconds; one that is no positive number (0, -1, nan) is a usage error naming its option."""
+    if not value > 0:
+        raise typer.BadParameter(f"must be a positive number of seconds, got {value}")
+    return value
+
+
 @app.command(name="router")
 def router_command(
     prefill: Annotated[list[str], typer.Option(
@@ -1226,8 +1233,10 @@ def router_command(
                                       callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     connect_timeout: Annotated[float, typer.Option(
-        help="Seconds to wait for a server to accept a connection before trying the next.")] = 3.0,
-    timeout: Annotated[float, typer.Option(help="Seconds a server may take to answer.")] = 600.0,
+        callback=seconds_option, help="Seconds to wait for a server to accept a connection before trying the next.")]
+        = 3.0,
+    timeout: Annotated[float, typer.Option(callback=seconds_option, help="Seconds a server may take to answer.")]
+        = 600.0,
 ) -> None:
     """An OpenAI-compatible proxy for prefill/decode disaggregation.
 

@@ -1,0 +1,18 @@
+"""Values a command line gets wrong, named as usage errors or with what to give instead: the router's
+timeouts, generate's prompts given two ways or none, and a model given as its web address."""
+from __future__ import annotations
+
+import pytest
+from test_abuse29b_cli import one_line
+from test_cli import run_main
+
+ROUTER = ("router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", "0")
+
+
+@pytest.mark.parametrize("flag, value", [("--connect-timeout", "0"), ("--connect-timeout", "nan"),
+                                         ("--timeout", "-1")])
+def test_a_router_timeout_that_is_no_timeout_is_a_usage_error_naming_the_flag(capsys, flag, value):
+    # "minillm: error: the connect timeout must be a positive number of seconds", status 1, named no flag.
+    status, out, err = run_main(capsys, *ROUTER, flag, value)
+    assert (status, out) == (2, "")
+    assert f"Invalid value for '{flag}': must be a positive number of seconds, got " in one_line(err)
