@@ -493,9 +493,10 @@ def _path_test(test: Callable[[], bool]) -> bool:
 
 def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
     """The prompts from --prompt (repeatable; '-' is the whole of stdin, one prompt) or --prompts-file
-    (one a line; '-' is stdin); bytes that are not UTF-8 are a CliError naming where they came from."""
+    (one a line; '-' is stdin): both, or neither, is a usage error; bytes that are not UTF-8 are a
+    CliError naming where they came from."""
     if prompts and prompts_file:
-        raise CliError("give either --prompt or --prompts-file, not both")
+        raise UsageError("--prompt and --prompts-file cannot be combined: give the prompts one way")
     if prompts and "-" in prompts:
         if prompts.count("-") > 1:
             raise CliError("--prompt - reads stdin, which holds one prompt: give '-' once")
@@ -517,7 +518,7 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
         if not prompts:
             raise CliError(f"--prompts-file {prompts_file} holds no prompts")
     if not prompts:
-        raise CliError("give at least one --prompt TEXT or a --prompts-file FILE")
+        raise UsageError("give at least one --prompt TEXT or a --prompts-file FILE")
     return list(prompts)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from test_abuse29b_cli import one_line
-from test_cli import run_main
+from test_cli import STORIES, run_main
 
 ROUTER = ("router", "--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", "0")
 
@@ -16,3 +16,18 @@ def test_a_router_timeout_that_is_no_timeout_is_a_usage_error_naming_the_flag(ca
     status, out, err = run_main(capsys, *ROUTER, flag, value)
     assert (status, out) == (2, "")
     assert f"Invalid value for '{flag}': must be a positive number of seconds, got " in one_line(err)
+
+
+def test_prompt_and_prompts_file_together_or_neither_are_usage_errors(capsys, tmp_path):
+    # Both were status 1, where every other pair of options that cannot be combined, and a missing
+    # option, are usage errors (status 2).
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once\n")
+    status, _, err = run_main(capsys, "generate", str(STORIES), "-p", "x", "--prompts-file", str(prompts))
+    assert status == 2
+    assert one_line(err) == ("minillm generate: error: --prompt and --prompts-file cannot be combined: give the "
+                             "prompts one way (try 'minillm generate --help')")
+    status, _, err = run_main(capsys, "generate", str(STORIES))
+    assert status == 2
+    assert one_line(err) == ("minillm generate: error: give at least one --prompt TEXT or a --prompts-file FILE "
+                             "(try 'minillm generate --help')")
