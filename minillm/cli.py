@@ -320,10 +320,18 @@ def check_engine_options(ctx: typer.Context, model: str | None, options: dict, *
 # Loading
 # ---------------------------------------------------------------------------------------------
 
+# A model's page on the hub (https://huggingface.co/ORG/NAME/...), or Ollama's hf.co/ORG/NAME
+HUB_MODEL_URL = re.compile(r"(?:https?://)?(?:www\.)?(?:huggingface\.co|hf\.co)/(?!datasets/|spaces/)([^/?#]+/[^/?#]+)")
+
+
 def check_model_name(model: str | None) -> None:
-    """A CliError for an empty MODEL argument (it read as the current directory, or as the default model)."""
+    """A CliError for an empty MODEL argument (it read as the current directory, or as the default model),
+    or for a model's web address that is no local directory (it read as a path, not found)."""
     if model is not None and not model.strip():
         raise CliError(f"MODEL is empty: give a model directory or a Hugging Face repo id such as {DEFAULT_CHAT_MODEL}")
+    url = HUB_MODEL_URL.match(model or "")
+    if url is not None and not _path_test(expand_user(model).exists):
+        raise CliError(f"{model} is a web address; give the model's Hugging Face repo id: {url[1]}")
 
 
 def check_download_dir(download_dir: str | None) -> None:
@@ -376,6 +384,7 @@ def resolve_chat_model(model: str | None, download_dir: str | None, command: str
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     if model is not None:
         return resolve_model(name, download_dir, revision)
+    check_model_name(name)      # $MINILLM_MODEL as a web address: said as it is, not as a failed fetch
     try:
         return resolve_model(name, download_dir, revision)
     except Exception as exc:   # network, hub and disk errors all end the same way for the user

@@ -31,3 +31,35 @@ def test_prompt_and_prompts_file_together_or_neither_are_usage_errors(capsys, tm
     assert status == 2
     assert one_line(err) == ("minillm generate: error: give at least one --prompt TEXT or a --prompts-file FILE "
                              "(try 'minillm generate --help')")
+
+
+@pytest.mark.parametrize("model", ["https://huggingface.co/Qwen/Qwen3-0.6B", "hf.co/Qwen/Qwen3-0.6B",
+                                   "http://www.huggingface.co/Qwen/Qwen3-0.6B/tree/main/"])
+@pytest.mark.parametrize("command", [("generate", "-p", "x"), ("pull",), ("serve",)])
+def test_a_model_given_as_its_web_address_names_its_repo_id(capsys, monkeypatch, tmp_path, model, command):
+    # It was "no such directory: https://huggingface.co/Qwen/Qwen3-0.6B", pull's with "pull takes a
+    # Hugging Face repo id such as Qwen/Qwen3-0.6B" after it: the id the user had given, as a URL.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    status, _, err = run_main(capsys, command[0], model, *command[1:], "--download-dir", str(tmp_path))
+    assert status == 1
+    assert one_line(err) == (f"minillm: error: {model} is a web address; give the model's Hugging Face repo id: "
+                             "Qwen/Qwen3-0.6B")
+
+
+def test_a_local_directory_that_reads_as_a_web_address_is_still_a_directory(capsys, monkeypatch, tmp_path):
+    (tmp_path / "hf.co" / "Qwen").mkdir(parents=True)
+    (tmp_path / "hf.co" / "Qwen" / "Qwen3-0.6B").symlink_to(STORIES)
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_main(capsys, "pull", "hf.co/Qwen/Qwen3-0.6B")
+    assert status == 1 and "is a local directory: there is nothing to pull" in one_line(err)
+
+
+def test_minillm_model_given_as_a_web_address_names_its_repo_id(capsys, monkeypatch, tmp_path):
+    # It was "could not fetch the default model https://... (CliError: ...); pass a local model directory".
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("MINILLM_MODEL", "https://huggingface.co/Qwen/Qwen3-0.6B")
+    status, _, err = run_main(capsys, "serve", "--download-dir", str(tmp_path))
+    assert status == 1
+    assert one_line(err) == ("minillm: error: https://huggingface.co/Qwen/Qwen3-0.6B is a web address; give the "
+                             "model's Hugging Face repo id: Qwen/Qwen3-0.6B")
