@@ -158,6 +158,15 @@ def revision_option(value: str | None) -> str | None:
     return value
 
 
+def download_dir_option(value: str | None) -> str | None:
+    """--download-dir, unless empty or blank: an unset variable in `--download-dir "$DIR"` read as the
+    Hugging Face cache, and " " as a folder of that name in the working directory."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("is empty; give a directory, or leave it out (the Hugging Face cache)",
+                                 param_hint="'--download-dir'")
+    return value
+
+
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
 ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (Annotated[Device, _engine_option(
@@ -199,7 +208,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
                               "shape (benchmarks).")],
         LoadFormat(_default("load_format"))),
     "download_dir": (Annotated[Optional[str], _engine_option(
-        "--download-dir", help=f"Where hub models are stored ({STORE_DEFAULT}).")], None),
+        "--download-dir", callback=download_dir_option, help=f"Where hub models are stored ({STORE_DEFAULT}).")],
+        None),
     "kv_offload_gib": (Annotated[float, _engine_option(
         "--kv-offload-gib", help="Host-memory tier of the prefix cache, GiB (0: off).")], _default("kv_offload_gib")),
     "kv_cache_dtype": (Annotated[str, _engine_option(
@@ -1381,7 +1391,7 @@ def open_recorder(path: Path):
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
     download_dir: Annotated[Optional[str], typer.Option(
-        help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
+        callback=download_dir_option, help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
     revision: Annotated[Optional[str], typer.Option(
         callback=revision_option, help="A branch, tag or commit (default: main).")] = None,
 ) -> None:
@@ -1402,7 +1412,7 @@ def pull(
 @app.command(name="list")
 def list_command(
     download_dir: Annotated[Optional[str], typer.Option(
-        help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
+        callback=download_dir_option, help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
 ) -> None:
     """List the models in the store (downloads by minillm, transformers, vLLM, huggingface-cli)."""
     from minillm.engine_stats import human_bytes

@@ -63,3 +63,19 @@ def test_minillm_model_given_as_a_web_address_names_its_repo_id(capsys, monkeypa
     assert status == 1
     assert one_line(err) == ("minillm: error: https://huggingface.co/Qwen/Qwen3-0.6B is a web address; give the "
                              "model's Hugging Face repo id: Qwen/Qwen3-0.6B")
+
+
+@pytest.mark.parametrize("value", ["", " "])
+@pytest.mark.parametrize("command", [("list",), ("pull", "Qwen/Qwen3-0.6B"), ("generate", "Qwen/Qwen3-0.6B", "-p", "x"),
+                                     ("serve", "Qwen/Qwen3-0.6B")])
+def test_an_empty_download_dir_is_named_not_read_as_the_cache_or_a_folder_called_space(capsys, monkeypatch,
+                                                                                       tmp_path, command, value):
+    # An unset variable in `--download-dir "$DIR"` listed and pulled into the Hugging Face cache; " "
+    # was a folder of that name in the working directory.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = run_main(capsys, *command, "--download-dir", value)
+    assert (status, out) == (2, "")
+    assert "Invalid value for '--download-dir': is empty; give a directory, or leave it out (the Hugging Face " \
+           "cache)" in one_line(err)
+    assert list(tmp_path.iterdir()) == []
