@@ -99,8 +99,7 @@ class BenchParser(argparse.ArgumentParser):
         name = next((a.partition("=")[0] for a in unknown if a.startswith("--")), None)
         if name is None:
             return ""
-        options = sorted(o for o in self._option_string_actions if o.startswith("--"))
-        close = difflib.get_close_matches(name, options, n=3)
+        close = close_option_names(name, [o for o in self._option_string_actions if o.startswith("--")])
         return f" (possible options: {', '.join(sorted(close))})" if close else ""
 
     def _refuse_empty_values(self, parsed) -> None:
@@ -116,6 +115,14 @@ class BenchParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise BenchUsageError(self.prog, message)
+
+
+def close_option_names(name: str, options: list[str]) -> list[str]:
+    """The options a mistyped NAME likely meant: those it abbreviates first (--temp: --temperature; no
+    parser of minillm takes an abbreviation), then those spelled closest to it; three at most."""
+    abbreviated = sorted(o for o in options if o.startswith(name) and o != name)
+    close = difflib.get_close_matches(name, sorted(options), n=3)
+    return list(dict.fromkeys([*abbreviated, *close]))[:3]
 
 
 def _long_option(option_strings: list[str]) -> str:

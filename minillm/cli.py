@@ -1506,6 +1506,8 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":   # a bare `minillm` or `minillm bench`
             print(exc.format_message())
             sys.exit(0)
+        if type(exc).__name__ == "NoSuchOption" and exc.ctx is not None:
+            exc.possibilities = close_options(exc.option_name, exc.ctx)
         # click's parser leaves out the context of an option missing its value: the words name the command
         where = exc.ctx.command_path if exc.ctx else command_path(sys.argv[1:] if argv is None else argv)
         status = _fail(f"{where}: error: {exc.format_message()} (try '{where} --help')", exc.exit_code)
@@ -1524,6 +1526,14 @@ def main(argv: list[str] | None = None) -> int:
         # ends it at once, by the signal, where Python would print a traceback of its shutdown.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+def close_options(name: str, ctx) -> list[str]:
+    """The options of ctx's command a mistyped NAME likely meant, those it abbreviates first (click
+    offers only the closest spelled: --temp got --help, --stop and -tp, not --temperature)."""
+    from minillm.benchmarks.cli_args import close_option_names
+    return close_option_names(name, [o for p in ctx.command.get_params(ctx) if p.param_type_name == "option"
+                                     for o in (*p.opts, *p.secondary_opts)])
 
 
 def command_path(args: list[str]) -> str:

@@ -3,6 +3,7 @@ them (--max_model_len), and unknown benchmark options answered with the close na
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
@@ -72,3 +73,18 @@ def test_an_unknown_bench_option_with_nothing_close_is_named_alone(capsys):
     assert status == 2
     assert one_line(err) == ("minillm bench throughput: error: unrecognized arguments: --frobnicate "
                              "(try 'minillm bench throughput --help')")
+
+
+@pytest.mark.parametrize("args, close", [
+    (("generate", str(STORIES), "-p", "x", "--temp", "0.5"), "--temperature"),     # llama.cpp's name
+    (("generate", str(STORIES), "-p", "x", "--max-tok", "5"), "--max-tokens"),
+    (("bench", "throughput", "--temp", "0.5"), "--temperature"),
+    (("bench", "serving", "--num-prompt", "5"), "--num-prompts"),
+])
+def test_an_unknown_option_that_abbreviates_one_names_it(capsys, args, close):
+    # --temp named --help, --stop and -tp (spelled closer), never --temperature: options are not taken
+    # abbreviated, by click or by the benchmarks' parser, so the one abbreviated is the likeliest meant.
+    status, _, err = run_main(capsys, *args)
+    line = one_line(err)
+    assert status == 2
+    assert re.search(r"[Pp]ossible options: [^)]*" + re.escape(close) + r"[,)]", line), line
