@@ -36,7 +36,7 @@ from minillm.generation_config import model_sampling_defaults, override_max_toke
 from minillm.server.async_engine import ENGINE_CORE_MODES, EngineClient, start_async_engine
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, EngineDeadError, error_body, install_error_handlers
-from minillm.server.http import uvicorn_config
+from minillm.server.http import AcceptErrorLog, ListeningSocket, raise_open_files_limit, uvicorn_config
 from minillm.server.json_body import JSONBodyRoute
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -416,6 +416,7 @@ class _Server(uvicorn.Server):
         self._captured_signals = list(dict.fromkeys(self._captured_signals))
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
         await super().startup(sockets)
         if sockets and self.started:    # uvicorn names only an address it bound itself
             logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)",
@@ -628,6 +629,7 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
                          daemon=True).start()
     if stop is not None:
         threading.Thread(target=_exit_when_set, args=(stop, server), name="minillm-stop-watch", daemon=True).start()
+    raise_open_files_limit()
     freeze_startup_heap()
     server.run(sockets=sockets)
 
@@ -738,8 +740,8 @@ def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
     connections over the listening ones."""
     # proto TCP, not 0: asyncio sets TCP_NODELAY only on connections of a TCP-proto socket, and
     # without it Nagle holds each keep-alive response ~40 ms for the client's delayed ACK.
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                         socket.IPPROTO_TCP)
+    sock = ListeningSocket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                           socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

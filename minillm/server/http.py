@@ -15,6 +15,13 @@ connection whose writes are blocked and whose client has read none of its buffer
 write_timeout_s is aborted, its buffer discarded; the app sees the client as gone (and the
 stream's requests are aborted). A client that reads, however slowly, is served.
 
+A process has a limit on open files, and every connection takes one: the server raises its soft limit
+towards the hard one (raise_open_files_limit, as vLLM does). At the hard limit asyncio's accept loop
+tried every connection of the backlog (2048) on every pass, logging a traceback and arming a retry
+for each: tens of thousands of tries and log lines a second. A ListeningSocket lets one refused
+accept a pass through (asyncio then pauses accepting for a second), and AcceptErrorLog reports it once
+per ACCEPT_ERROR_LOG_S. Those connections wait in the backlog until others close.
+
 Bytes that do not parse as HTTP (a bad request line or header, invalid chunked encoding, headers
 too large) get uvicorn's 400, here an OpenAI-style JSON error body instead of its plain text, and
 after the responses already due on the connection rather than written over them; then the
@@ -23,9 +30,13 @@ connection closes (the parser cannot find where a next request would start).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
+import resource
+import socket
 import sys
+import time
 from typing import Any
 
 import h11
@@ -44,6 +55,13 @@ logger = logging.getLogger("minillm.server")
 
 # h11 refuses a request line plus headers larger than this (uvicorn's default, made explicit).
 MAX_HEADER_BYTES = 16 * 1024
+# The soft open-files limit the server asks for (vLLM's set_ulimit target), within the hard limit.
+OPEN_FILES_TARGET = 65535
+# The message asyncio's accept loop gives its exception handler when no file descriptor is left.
+ACCEPT_OUT_OF_RESOURCE = "socket.accept() out of system resource"
+ACCEPT_ERROR_LOG_S = 10.0        # at most one report of refused accepts per this many seconds
+# Under asyncio's one-second pause after a refused accept: the first accept of each pass is tried.
+ACCEPT_REFUSAL_GAP_S = 0.5
 # Looks a blocked write buffer gets per stream timeout, to see whether its client read any of it.
 WRITE_CHECKS_PER_TIMEOUT = 4
 
@@ -241,6 +259,72 @@ if HttpToolsProtocol is not None:
             self._is_in_headers, self._num_header_bytes = True, 0   # the next request's headers come next
 else:
     TimedHttpToolsProtocol = None
+
+
+def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> int:
+    """Raise the soft limit on open files (one per connection) to target, or to the hard limit if that
+    is lower; the soft limit now. A service manager's default of 1024 held the server to as many
+    connections."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            logger.warning("the open-files limit is %d (each connection takes one) and could not be raised: %s; "
+                           "raise it with ulimit -n", soft, exc)
+    return soft
+
+
+class ListeningSocket(socket.socket):
+    """A listening socket whose accept() is refused for want of file descriptors at most once per
+    ACCEPT_REFUSAL_GAP_S; the other tries of the same pass of asyncio's accept loop find nothing to
+    accept (BlockingIOError), which ends the pass. asyncio pauses accepting for a second after the one
+    refusal, so no pass spins."""
+
+    _refused_at = float("-inf")
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        try:
+            return super().accept()
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                raise
+            now = time.monotonic()
+            if now - self._refused_at < ACCEPT_REFUSAL_GAP_S:
+                raise BlockingIOError(errno.EAGAIN, "accepting is paused") from None
+            self._refused_at = now
+            raise
+
+
+class AcceptErrorLog:
+    """An event loop's exception handler: accepts refused for want of file descriptors reported once
+    per interval_s with their count (asyncio logged each with a traceback, for every connection of
+    the backlog on every try); anything else as the loop's default handler reports it."""
+
+    def __init__(self, interval_s: float = ACCEPT_ERROR_LOG_S) -> None:
+        self.interval_s = interval_s
+        self.num_refused = 0                  # refused accepts (each a pause of accepting) since the last report
+        self.reported_at = float("-inf")
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        args = getattr(context.get("handle"), "_args", None) or ()
+        if any(isinstance(arg, ListeningSocket) and arg.fileno() == -1 for arg in args):
+            return      # asyncio's retry of accepting on a socket the stopping server has closed since
+        if context.get("message") != ACCEPT_OUT_OF_RESOURCE:
+            loop.default_exception_handler(context)
+            return
+        self.num_refused += 1
+        now = time.monotonic()
+        if now - self.reported_at < self.interval_s:
+            return
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        logger.error("out of file descriptors (%s; the limit is %d open files): new connections wait in the "
+                     "backlog until others close (accepting paused %d times since the last report, at most every "
+                     "%.0f s); raise the limit with ulimit -n", context.get("exception"), limit, self.num_refused,
+                     self.interval_s)
+        self.num_refused, self.reported_at = 0, now
 
 
 def timed_protocol(limits: ServerLimits, http: str = "auto") -> type:
