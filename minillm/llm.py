@@ -1,6 +1,7 @@
 """LLM: the offline batch API, vLLM-compatible."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import itertools
@@ -234,7 +235,12 @@ class LLM:
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
             raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
         # (text, the text or ids, cache salt) of each: every prompt checked before any is queued
-        prompts = [(*unpack_prompt(prompt), cache_salt_of(prompt)) for prompt in prompts]
+        prompts = list(prompts)
+        unpacked = []
+        for prompt in prompts:
+            with _naming_prompt(len(unpacked), len(prompts)):
+                unpacked.append((*unpack_prompt(prompt), cache_salt_of(prompt)))
+        prompts = unpacked
         check_priority(priority, len(prompts))
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
@@ -254,14 +260,10 @@ class LLM:
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
-                try:
+                with _naming_prompt(len(ids), len(prompts)):
                     self.engine.add_request(rid, prompt, p,
                                             output_kind="final", cache_salt=salt,
                                             tokenization_kwargs={"add_special_tokens": add_special_tokens})
-                except ValueError as exc:
-                    if len(prompts) == 1:
-                        raise
-                    raise ValueError(f"prompt {len(ids) + 1} of {len(prompts)}: {exc}") from exc   # which one
                 ids.append(rid)
         except BaseException:
             for rid in ids:
@@ -412,6 +414,17 @@ def _part_text(part, i: int, j: int) -> str:
                          f"({', '.join(f'{{type: {t!r}, {k!r}: str}}' for t, k in TEXT_PART_KEYS.items())}); "
                          f"only text parts are supported, got {short_repr(part)}")
     return part[key]
+
+
+@contextlib.contextmanager
+def _naming_prompt(index: int, count: int):
+    """A ValueError about the index-th of count prompts says which one ("prompt 2 of 3: ..."); one prompt: as it is."""
+    try:
+        yield
+    except ValueError as exc:
+        if count == 1:
+            raise
+        raise ValueError(f"prompt {index + 1} of {count}: {exc}") from exc
 
 
 def _is_one_id_list(prompts) -> bool:

@@ -196,7 +196,7 @@ def test_add_request_refuses_a_malformed_prompt_dict_naming_the_key(llm, prompt,
     assert not engine.has_unfinished_requests()
     with pytest.raises(ValueError) as info:           # LLM.generate reads prompts the same way
         llm.generate(["Once", prompt], SamplingParams(max_tokens=2))
-    assert str(info.value).startswith(message) and not engine.has_unfinished_requests()
+    assert str(info.value).startswith(f"prompt 2 of 2: {message}") and not engine.has_unfinished_requests()
 
 
 # ---- LLM.chat's chat_template_content_format -----------------------------------------------------------
