@@ -263,12 +263,15 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
     from huggingface_hub import snapshot_download
 
     store = model_store(download_dir)
+    offline = _is_offline()
     try:
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(store),
-                                      allow_patterns=DOWNLOAD_PATTERNS, local_files_only=_is_offline()))
+                                      allow_patterns=DOWNLOAD_PATTERNS, local_files_only=offline))
     except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         reason = reason if len(reason) <= 200 else reason[:197] + "..."
+        if offline:          # huggingface_hub's words point at its own local_files_only argument
+            reason = "HF_HUB_OFFLINE is set, so nothing is fetched, and the store holds no snapshot of it"
         nearby = nearby_model_dirs(repo_id.split("/")[-1])
         hint = f" (did you mean {' or '.join(nearby[:2])}?)" if nearby else ""
         at = "" if revision is None else f" at revision {revision!r}"

@@ -79,3 +79,13 @@ def test_an_empty_download_dir_is_named_not_read_as_the_cache_or_a_folder_called
     assert "Invalid value for '--download-dir': is empty; give a directory, or leave it out (the Hugging Face " \
            "cache)" in one_line(err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_pull_under_hf_hub_offline_says_the_variable_forbids_fetching(capsys, monkeypatch, tmp_path):
+    # The reason was huggingface_hub's sentence cut at 200 characters ("... pass 'local_file..."),
+    # about an argument of its own that the user never gave.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    status, _, err = run_main(capsys, "pull", "Qwen/Qwen3-0.6B", "--download-dir", str(tmp_path))
+    assert status == 1
+    assert one_line(err).endswith("HF_HUB_OFFLINE is set, so nothing is fetched, and the store holds no snapshot "
+                                  "of it)")
