@@ -119,6 +119,10 @@ class EngineConfig:
         if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
             # it was read only to fetch a hub model, where it failed as "expected str, bytes or os.PathLike"
             raise ValueError(f"download_dir must be a directory path, got {self.download_dir!r}")
+        if isinstance(self.download_dir, str) and not self.download_dir.strip():
+            # "" read as the Hugging Face cache, " " as a folder of that name here (an unset variable, most likely)
+            raise ValueError(f"download_dir is {'empty' if not self.download_dir else 'blank'}: give a directory, "
+                             f"or None for the Hugging Face cache")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (minillm returns at most "
                              f"{MAX_LOGPROBS} log-probabilities a token), got {self.max_logprobs}")

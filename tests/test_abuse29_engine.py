@@ -112,3 +112,10 @@ def test_a_bad_prompt_among_several_is_named_by_its_place(stories_path):
         with pytest.raises(ValueError, match=r"^prompt has \d+ tokens"):        # one prompt: as it was
             llm.generate("Tom ran " * 1000, SamplingParams(max_tokens=2))
         assert [o.outputs[0].token_ids for o in llm.generate(["Tom"], SamplingParams(max_tokens=2))]
+
+
+@pytest.mark.parametrize("value", ["", " "])
+def test_an_empty_download_dir_is_named(stories_path, value):
+    # "" meant the Hugging Face cache and " " a folder named " " here, as the CLI refuses both.
+    with pytest.raises(ValueError, match="download_dir is (empty|blank)"):
+        EngineConfig(model=str(stories_path), device="cpu", download_dir=value)
