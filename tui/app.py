@@ -24,6 +24,7 @@ from minillm.tui.memory_panel import MemoryPanel
 from minillm.tui.messages import SourceProblemShown, SourceStatusChanged, StatsReceived
 from minillm.tui.queue_panel import QueuePanel
 from minillm.tui.recording import Recorder
+from minillm.tui.render import printable
 from minillm.tui.request_table import RequestTable
 from minillm.tui.usage_panel import UsagePanel
 
@@ -52,9 +53,10 @@ class TitleBar(Static):
         # that drop a run's leading spaces (see render.spaced).
         text = Text().append(" ", style="on #5fafff").append("minillm monitor ", style="bold #000000 on #5fafff")
         if stats is not None:
-            text.append("  ").append(f"{model_label(stats.model)} · {stats.device} · {stats.dtype}", style="bold")
+            text.append("  ").append(printable(f"{model_label(stats.model)} · {stats.device} · {stats.dtype}"),
+                                     style="bold")
         if source_text:
-            text.append("  ").append(source_text, style="#8a8a8a")
+            text.append("  ").append(printable(source_text), style="#8a8a8a")
         if num_restarts:
             times = f" ×{num_restarts}" if num_restarts > 1 else ""
             text.append("  ").append(f"↻ counters reset{times}", style="bold #ffd75f")
@@ -167,7 +169,7 @@ class MonitorApp(App[None]):
     def on_source_problem_shown(self, message: SourceProblemShown) -> None:
         self.problem = message.message
         retry = f" · retrying in {message.retry_in_s:.1f} s" if message.retry_in_s is not None else ""
-        self.banner.update(Text(f" ⚠ {message.message}{retry}", style="bold"))
+        self.banner.update(Text(f" ⚠ {printable(message.message)}{retry}", style="bold"))
         self.banner.display = True
 
     def on_source_status_changed(self, message: SourceStatusChanged) -> None:

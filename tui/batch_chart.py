@@ -16,7 +16,15 @@ FOOTER_ROWS = 2     # the sequences sparkline and the legend
 
 
 def _short(count: int) -> str:
-    return f"{count / 1000:.0f}k" if count >= 10_000 else str(count)
+    """A count in at most four characters: the axis label's room."""
+    if count < 10_000:
+        return str(count)
+    amount = float(count)
+    for suffix in "kMGTPE":
+        amount /= 1000
+        if amount < 999.5 or suffix == "E":
+            return f"{amount:.0f}{suffix}"
+    return str(count)
 
 
 def axis_max(peak: int, budget: int) -> int:
@@ -27,11 +35,13 @@ def axis_max(peak: int, budget: int) -> int:
 def column_eighths(step: StepStats, scale: float, rows: int) -> tuple[int, int]:
     """(decode top, prefill top) of a step's column in eighths of a cell from the bottom."""
     height = rows * 8
-    decode = step.num_decode_tokens / scale * height
-    total = (step.num_decode_tokens + step.num_prefill_tokens) / scale * height
+    # A count below zero (no server's) draws nothing rather than a sliver.
+    num_decode, num_prefill = max(step.num_decode_tokens, 0), max(step.num_prefill_tokens, 0)
+    decode = num_decode / scale * height
+    total = (num_decode + num_prefill) / scale * height
     # Any tokens at all show at least one eighth, so a lone decode token is not invisible.
-    decode8 = max(round(decode), 1 if step.num_decode_tokens else 0)
-    total8 = max(round(total), decode8 + (1 if step.num_prefill_tokens else 0))
+    decode8 = max(round(decode), 1 if num_decode else 0)
+    total8 = max(round(total), decode8 + (1 if num_prefill else 0))
     return min(decode8, height), min(total8, height)
 
 
@@ -54,14 +64,29 @@ def time_eighths(step: StepStats, budget_s: float | None, rows: int) -> tuple[in
     if step.device_step_s is None or budget_s is None:
         return None
     height = rows * 8
-    level = max(round(step.device_step_s / budget_s * height), 1)
-    return min(level, height), step.device_step_s > budget_s
+    if step.device_step_s > budget_s:
+        # Over: the strip's full height. (Dividing by a budget of zero, or one so small that the
+        # ratio is infinite, is left out.)
+        return height, True
+    level = round(step.device_step_s / budget_s * height) if budget_s > 0 else 0
+    return min(max(level, 1), height), False
 
 
 def _ms_label(ms: float) -> str:
     """A budget in milliseconds in at most four characters."""
-    text = f"{ms:.0f}" if ms >= 10 else f"{ms:.1f}" if ms >= 0.1 else f"{ms:.0e}"
-    return text[:AXIS_WIDTH - 1]
+    size = abs(ms)
+    text = f"{ms:.0f}" if 10 <= size < 1000 else f"{ms:.1f}" if 0.1 <= size < 10 or ms == 0 else f"{ms:.0e}"
+    text = text.replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+    # One that does not fit is not cut to another number: the legend gives it whole.
+    return text if len(text) <= AXIS_WIDTH - 1 else "…"
+
+
+def _factor_label(factor: float) -> str:
+    """A relative step budget ("1.3x") in at most four characters; "…" when none fits."""
+    for text in (f"{factor:g}x", f"{factor:.1f}x", f"{factor:.0f}x"):
+        if len(text) <= AXIS_WIDTH - 1:
+            return text
+    return "…"
 
 
 def _cell(decode8: int, total8: int, row: int, budget_row: bool) -> tuple[str, Style | str]:
@@ -127,7 +152,7 @@ class BatchChart(Panel):
         --max-step-ms, or under --max-step-factor each step's own limit (labelled with the factor)."""
         fixed_ms, factor = self.stats.max_step_ms, self.stats.max_step_factor
         tops = [time_eighths(s, step_limit_s(s, fixed_ms), rows) for s in steps]
-        top_label = _ms_label(fixed_ms) if factor is None else f"{factor:g}x"[:AXIS_WIDTH - 1]
+        top_label = _ms_label(fixed_ms) if factor is None else _factor_label(factor)
         lines = []
         for row in reversed(range(rows)):
             is_budget_row = row == rows - 1

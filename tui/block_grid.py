@@ -84,16 +84,24 @@ class BlockGrid(Panel):
 
     def on_resize(self) -> None:
         self.post_message(self.CellsWanted(self.capacity()))
+        # The cells now fold another number of blocks, though no frame came (paused, or a replay held).
+        self._update_subtitle()
 
     def show(self, stats, history) -> None:
         """Take a new snapshot; the subtitle says how many blocks one cell stands for."""
+        super().show(stats, history)
+        self._update_subtitle()
+
+    def _update_subtitle(self) -> None:
+        stats = self.stats
+        if stats is None:
+            return
         _, group = merge_cells(stats.block_map, self.capacity())
         blocks_per_cell = stats.block_map_blocks_per_cell * group
-        self.border_subtitle = f"{stats.kv_num_blocks} blocks × {stats.block_size} tok · {blocks_per_cell}/cell"
+        subtitle = f"{stats.kv_num_blocks} blocks × {stats.block_size} tok · {blocks_per_cell}/cell"
         if stats.kv_offload_num_blocks:
-            self.border_subtitle += f" · host {stats.kv_offload_num_used_blocks}/{stats.kv_offload_num_blocks}"
-        self.border_subtitle += transfer_summary(stats)
-        super().show(stats, history)
+            subtitle += f" · host {stats.kv_offload_num_used_blocks}/{stats.kv_offload_num_blocks}"
+        self.border_subtitle = subtitle + transfer_summary(stats)
 
     def render(self) -> Text:
         stats = self.stats

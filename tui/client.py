@@ -117,14 +117,22 @@ def _parse_list(cls):
     return parse
 
 
+def _checked(cls, kwargs: dict, where: str):
+    """cls(**kwargs); the ValueError of a dataclass that checks its fields is a StatsFormatError naming it."""
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise StatsFormatError(f"field {where!r}: {exc}") from None
+
+
 def parse_stats(data) -> EngineStats:
     """EngineStats from the JSON dict of EngineStats.to_dict(); raises StatsFormatError naming the field."""
     nested = {
         "memory": lambda d, where: MemoryStats(**_dataclass_kwargs(MemoryStats, d, where, {})),
         "recent_steps": _parse_list(StepStats),
         "requests": _parse_list(RequestStats),
-        "spec_decode": lambda d, where: None if d is None else SpecDecodeStats(
-            **_dataclass_kwargs(SpecDecodeStats, d, where, {})),
+        "spec_decode": lambda d, where: None if d is None else _checked(
+            SpecDecodeStats, _dataclass_kwargs(SpecDecodeStats, d, where, {}), where),
     }
     return EngineStats(**_dataclass_kwargs(EngineStats, data, "", nested))
 

@@ -14,7 +14,7 @@ class StatsHistory:
 
     def __init__(self, maxlen: int = HISTORY_LEN, max_steps: int = STEPS_LEN):
         self.kv_usage: deque[float] = deque(maxlen=maxlen)
-        self.token_utilization: deque[float] = deque(maxlen=maxlen)
+        self.token_utilization: deque[float | None] = deque(maxlen=maxlen)   # None: not reported (a summary)
         self.prompt_throughput: deque[float] = deque(maxlen=maxlen)
         self.generation_throughput: deque[float] = deque(maxlen=maxlen)
         self.steps: deque[StepStats] = deque(maxlen=max_steps)

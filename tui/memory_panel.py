@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from minillm.tui.panel import Panel
-from minillm.tui.render import COLOR_DIM, COLOR_FREE, fmt_bytes
+from minillm.tui.render import COLOR_DIM, COLOR_FREE, fmt_bytes, printable
 
 COLOR_WEIGHTS = "#ffaf5f"
 COLOR_KV = "#5fafff"
@@ -38,7 +38,8 @@ class MemoryPanel(Panel):
         """Take a new snapshot; the subtitle names the total and the device."""
         memory = stats.memory
         used = memory.weights_bytes + memory.kv_pool_bytes + memory.other_bytes
-        self.border_subtitle = f"{fmt_bytes(max(memory.total_bytes, used))} {stats.device}"
+        # A Text, not a str: Textual reads a str title as markup, and the device name is the server's.
+        self.border_subtitle = Text(printable(f"{fmt_bytes(max(memory.total_bytes, used))} {stats.device}"))
         super().show(stats, history)
 
     def render(self) -> Text:

@@ -6,7 +6,7 @@ from rich.text import Text
 
 from minillm.stats import EngineStats
 from minillm.tui.panel import Panel
-from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, spaced
+from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, printable, spaced
 
 COLOR_RUNNING = "#87d75f"
 COLOR_WAITING = "#ffd75f"
@@ -57,7 +57,7 @@ def _width(parts: Parts) -> int:
 
 
 def _finished(stats: EngineStats) -> str:
-    return " · ".join(f"{reason} {count}" for reason, count in sorted(stats.num_requests_finished.items()))
+    return " · ".join(f"{printable(reason)} {count}" for reason, count in sorted(stats.num_requests_finished.items()))
 
 
 def _queue_lines(stats: EngineStats) -> list[Parts]:
@@ -85,7 +85,9 @@ def _rate_lines(stats: EngineStats) -> list[Parts]:
 def _spec_decode_line(spec) -> Parts:
     """Speculative decoding: share of draft tokens accepted, tokens a verifying step yields."""
     rate, length = spec.acceptance_rate, spec.mean_acceptance_length
-    value = "no drafts yet" if rate is None else f"accept {rate:.0%} · len {length:.2f}"
+    # A server's totals may not add up (draft tokens but no drafts): each figure stands alone.
+    shown_length = "—" if length is None else f"{length:.2f}"
+    value = "no drafts yet" if rate is None else f"accept {rate:.0%} · len {shown_length}"
     return _pair("spec", value, COLOR_DECODE, RATE_LABEL_WIDTH)
 
 

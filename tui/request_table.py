@@ -5,11 +5,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from rich.cells import cell_len, set_cell_size
 from rich.text import Text
 from textual.widgets import DataTable
 
 from minillm.stats import EngineStats, RequestStats
-from minillm.tui.render import fmt_seconds, request_color
+from minillm.tui.render import fmt_seconds, printable, request_color
 
 ID_WIDTH = 18
 MAX_ROWS = 100   # DataTable re-measures every row on change; the rest are summarised in the subtitle
@@ -20,7 +21,9 @@ STATE_COLORS = {"running": "#87d75f", "preempted": "#ff5f87", "waiting": "#ffd75
 
 def natural_key(text: str) -> tuple:
     """Sort key that orders "req-2" before "req-10"."""
-    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text))
+    # The split alternates text and runs of digits: odd parts are the digits. (str.isdigit() is also
+    # true of "²", which int() refuses.)
+    return tuple(int(part) if i % 2 else part for i, part in enumerate(re.split(r"(\d+)", text)))
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,9 @@ COLUMNS = (
 
 
 def short_id(request_id: str, width: int = ID_WIDTH) -> str:
-    """A request id cut to `width` characters (server ids carry 32 hex digits)."""
-    return request_id if len(request_id) <= width else request_id[: width - 1] + "…"
+    """A request id cut to `width` terminal cells (server ids carry 32 hex digits), as it may be drawn."""
+    shown = printable(request_id)
+    return shown if cell_len(shown) <= width else set_cell_size(shown, width - 1) + "…"
 
 
 def row_cells(r: RequestStats, block_size: int) -> tuple:
@@ -59,7 +63,7 @@ def row_cells(r: RequestStats, block_size: int) -> tuple:
     marker = "◆ " if r.is_structured else "■ "         # ◆: its output is held to a grammar
     name = Text(marker, style=STATE_COLORS["finished"] if finished else request_color(r.request_id))
     name.append(short_id(r.request_id), style=STATE_COLORS["finished"] if finished else "")
-    state = Text(r.state, style=STATE_COLORS.get(r.state, ""))
+    state = Text(printable(r.state), style=STATE_COLORS.get(r.state, ""))
     # Only full blocks are shared, so cached tokens are always a whole number of blocks.
     numbers = (r.prompt_tokens, r.output_tokens, r.num_blocks, r.num_cached_tokens // max(block_size, 1))
     style = STATE_COLORS["finished"] if finished else ""

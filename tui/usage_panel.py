@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from minillm.tui.panel import Panel
-from minillm.tui.render import COLOR_CACHED, COLOR_DIM, fmt_percent, hbar, sparkline, spaced
+from minillm.tui.render import COLOR_CACHED, COLOR_DIM, fmt_percent, hbar, printable, sparkline, spaced
 
 COLOR_USAGE = "#5fafff"
 COLOR_UTIL = "#d787ff"
@@ -18,7 +18,9 @@ class UsagePanel(Panel):
 
     def show(self, stats, history) -> None:
         """Take a new snapshot; the title names what the pool stores (e.g. fp8_e4m3) when reported."""
-        self.border_title = f"{self.PANEL_TITLE} · {stats.kv_cache_dtype}" if stats.kv_cache_dtype else self.PANEL_TITLE
+        # A Text, not a str: Textual reads a str title as markup, and the dtype's name is the server's.
+        self.border_title = Text(printable(f"{self.PANEL_TITLE} · {stats.kv_cache_dtype}" if stats.kv_cache_dtype
+                                           else self.PANEL_TITLE))
         super().show(stats, history)
 
     def render(self) -> Text:
