@@ -5,11 +5,13 @@ import asyncio
 import gzip
 import itertools
 import json
+import math
 import time
 import zlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+from minillm import sse
 from minillm.tui.client import SourceEvent, SourceStatus, StatsFormatError, StatsFrame, parse_stats
 
 # One line per frame: {"t": <time.time() when received>, "stats": <EngineStats.to_dict()>}.
@@ -55,12 +57,12 @@ def load_recording(path: str | Path) -> list[tuple[float, StatsFrame]]:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
-                    t = record["t"]
-                    if not isinstance(t, (int, float)):
-                        raise StatsFormatError("field 't' should be a number")
-                    frames.append((float(t), StatsFrame(stats=parse_stats(record["stats"]), raw=record["stats"])))
-                except (json.JSONDecodeError, KeyError, TypeError, StatsFormatError) as exc:
+                    # sse.loads: JSON nested past the stack or with an integer past Python's limit on
+                    # digits is a ValueError saying so (json.loads let out RecursionError).
+                    record = sse.loads(line)
+                    frames.append((_frame_time(record["t"]),
+                                   StatsFrame(stats=parse_stats(record["stats"]), raw=record["stats"])))
+                except (ValueError, KeyError, TypeError) as exc:      # StatsFormatError is a ValueError
                     raise ValueError(f"{path}:{number}: not a stats recording line ({exc})") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: a recording is UTF-8 text, but this file is not ({exc.reason} at "
@@ -72,6 +74,20 @@ def load_recording(path: str | Path) -> list[tuple[float, StatsFrame]]:
     if not frames:
         raise ValueError(f"{path}: the recording holds no frames")
     return frames
+
+
+def _frame_time(t) -> float:
+    """A line's receive time as a float; StatsFormatError unless it is a finite number (an infinite
+    one would hold the replay on the frame before it for ever)."""
+    if isinstance(t, bool) or not isinstance(t, (int, float)):
+        raise StatsFormatError("field 't' should be a number")
+    try:
+        seconds = float(t)
+    except OverflowError:       # an integer past a float's range
+        seconds = math.inf
+    if not math.isfinite(seconds):
+        raise StatsFormatError(f"field 't' should be a finite number, got {t!r:.40}")
+    return seconds
 
 
 class ReplaySource:

@@ -23,14 +23,32 @@ def busiest_frame(recording: str | Path) -> int:
     return max(range(len(frames)), key=lambda i: interest(frames[i]))
 
 
+def check_frame(frame: int, num_frames: int) -> None:
+    """ValueError unless `frame` is an index of a recording of num_frames frames (counted from 0)."""
+    if not 0 <= frame < num_frames:
+        # Past the end the replay would never show it; below zero a slice would pick another frame.
+        raise ValueError(f"frame {frame}: the recording has frames 0 to {num_frames - 1}")
+
+
 async def render_svg(recording: str | Path, frame: int, size: tuple[int, int] = (120, 40)) -> str:
     """The SVG of the dashboard after replaying frames 0..frame (history included)."""
-    app = MonitorApp(source=ReplaySource(recording, loop=False, realtime=False, num_frames=frame + 1))
+    source = ReplaySource(recording, loop=False, realtime=False)
+    check_frame(frame, len(source.frames))
+    source.frames = source.frames[: frame + 1]
+    app = MonitorApp(source=source)
     async with app.run_test(size=size) as pilot:
-        while app.frames_shown < frame + 1 or "holding" not in app.source_text:
+        while app.is_running and (app.frames_shown < frame + 1 or "holding" not in app.source_text):
             await pilot.pause(0.01)
         await pilot.pause()
         return app.export_screenshot(title="minillm monitor")
+
+
+def parse_size(text: str) -> tuple[int, int] | None:
+    """(columns, rows) from "COLUMNSxROWS"; None unless both are positive integers."""
+    columns, x, rows = text.lower().partition("x")
+    if not (x and columns.isdecimal() and rows.isdecimal() and int(columns) > 0 and int(rows) > 0):
+        return None
+    return int(columns), int(rows)
 
 
 def main() -> None:
@@ -41,9 +59,19 @@ def main() -> None:
     parser.add_argument("--frame", type=int, default=None, help="frame index (default: the busiest)")
     parser.add_argument("--size", default="120x40", help="COLUMNSxROWS")
     args = parser.parse_args()
-    columns, rows = (int(n) for n in args.size.lower().split("x"))
+    size = parse_size(args.size)
+    if size is None:
+        parser.error(f"--size wants COLUMNSxROWS of positive integers (like 120x40), got {args.size!r}")
+    try:
+        num_frames = len(load_recording(args.recording))
+    except ValueError as exc:       # names the file, and the line where there is one
+        parser.error(str(exc))
+    except OSError as exc:
+        parser.error(f"cannot read {args.recording}: {exc.strerror or exc}")
+    if args.frame is not None and not 0 <= args.frame < num_frames:
+        parser.error(f"--frame {args.frame}: the recording has frames 0 to {num_frames - 1}")
     frame = busiest_frame(args.recording) if args.frame is None else args.frame
-    Path(args.out).write_text(asyncio.run(render_svg(args.recording, frame, (columns, rows))), encoding="utf-8")
+    Path(args.out).write_text(asyncio.run(render_svg(args.recording, frame, size)), encoding="utf-8")
     print(f"wrote {args.out} (frame {frame})")
 
 
