@@ -129,7 +129,11 @@ def completion_logprobs(rows: list[LogprobRow]) -> dict:
 
 def _with_chosen(top: list[tuple[str, float]], text: str, logprob: float | None) -> dict[str, float]:
     """The top alternatives as a dict, the chosen token's text added where it is not among them."""
-    out = dict(top)
+    # Tokens can read alike (a byte-fallback "n" and the token "n"): a text keeps its likeliest token's
+    # logprob (top is ranked), not the last one's.
+    out: dict[str, float] = {}
+    for name, top_logprob in top:
+        out.setdefault(name, top_logprob)
     if text not in out and logprob is not None:
         out[text] = logprob
     return out
