@@ -3,6 +3,8 @@
 unknown keys in text.format as the chat path refuses them in response_format."""
 from __future__ import annotations
 
+import pytest
+
 from minillm.server.logprobs import TokenTexts, completion_logprobs, prompt_logprob_rows
 from test_server_helpers import chat_template_server, openai_error, sse_events  # noqa: F401 (server)
 
@@ -76,3 +78,30 @@ def test_prompt_top_logprobs_keep_the_likeliest_of_same_text(tok):
     tops = completion_logprobs(rows)["top_logprobs"]
     assert tops[2] == {"n": -0.25, " a": -3.0}
     assert tops[1] == {" Once": -0.5, "n": -2.0}
+
+
+RESPONSES = {"model": "stories", "max_output_tokens": 2, "input": "hi"}
+DIGIT = {"type": "string", "enum": ["1", "2"]}
+
+
+@pytest.mark.parametrize("fmt,param", [
+    ({"type": "json_schema", "name": "a", "schema": DIGIT, "extra": 1}, "text.format.extra"),
+    ({"type": "json_schema", "name": "a", "schema": DIGIT, "json_schema": {"schema": DIGIT}}, "text.format.json_schema"),
+    ({"type": "json_object", "schema": {}}, "text.format.schema"),
+    ({"type": "text", "name": "a"}, "text.format.name"),
+    ({"type": "json_object", "bad key!": 1}, "text.format"),
+])
+def test_responses_refuses_unknown_text_format_keys(http, fmt, param):
+    response = http.post("/v1/responses", json={**RESPONSES, "text": {"format": fmt}})
+    error = openai_error(response, 400, param)
+    assert "text.format" in error["message"] and "response_format" not in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "name": "a", "schema": DIGIT, "strict": True, "description": "a digit"},
+    {"type": "json_object"},
+    {"type": "text"},
+])
+def test_responses_takes_known_text_format_keys(http, fmt):
+    response = http.post("/v1/responses", json={**RESPONSES, "text": {"format": fmt}})
+    assert response.status_code == 200, response.text

@@ -27,6 +27,7 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
 from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
+from minillm.server.structured import _refuse_unknown_keys
 from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
 from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
 
@@ -42,6 +43,9 @@ TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "func
 # without an effort setting, but a value outside these is a client's mistake, refused as vLLM refuses it.
 REASONING_VALUES = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
                     "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise", "detailed")}
+# text.format's keys for each of its types (OpenAI's ResponseFormatText, ...JSONObject, ...TextJSONSchemaConfig).
+TEXT_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
+                    "json_schema": ("type", "name", "schema", "strict", "description")}
 # include values there is nothing to include for (no encrypted reasoning is made): taken, changing nothing.
 INCLUDE_NOTHING = ("reasoning.encrypted_content",)
 
@@ -237,6 +241,9 @@ def _response_format(text: dict | None) -> dict | None:
         return None
     if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise APIError(400, "text.format.type must be text, json_object or json_schema", param="text.format")
+    # A key this server would drop (a schema sent with json_object, a misspelt name) is refused, as chat
+    # refuses one in response_format.
+    _refuse_unknown_keys(fmt, "text.format", TEXT_FORMAT_KEYS[fmt["type"]])
     if fmt["type"] == "text":
         return None
     if fmt["type"] == "json_object":
