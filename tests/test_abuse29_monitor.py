@@ -257,3 +257,28 @@ async def test_every_key_in_every_screen_at_the_smallest_and_largest_size():
                               *"pp", help_key, *"sSp", "escape")
             app.export_screenshot()
         assert app.is_running and app.frames_shown == 2
+
+
+class FoldingSource:
+    """A server that folds its block map into the cells asked for; its host tier appears at frame 3."""
+
+    async def events(self, cells):
+        yield SourceStatus("test source")
+        for k in range(1_000_000):
+            data = stats_dict(k % 10)
+            data["block_map"] = [k % 4 - 2] * cells()
+            if k >= 3:
+                data["kv_offload_num_blocks"], data["kv_offload_block_map"] = 64, [-2] * 32 + [-1] * 32
+            yield parse_frame(json.dumps(data))
+            await asyncio.sleep(0.01)
+
+
+async def test_the_grid_asks_for_fewer_cells_when_the_host_tier_takes_a_row():
+    """The host strip took a row from the grid, but the monitor went on asking for the old count: the
+    grid folded the server's cells two to one and drew half the panel empty, until a resize."""
+    app = MonitorApp(FoldingSource())
+    async with app.run_test(size=(120, 40)) as pilot:
+        grid = app.query_one(BlockGrid)
+        await wait_until(pilot, lambda: app.stats is not None and app.stats.kv_offload_num_blocks > 0)
+        await wait_until(pilot, lambda: len(app.stats.block_map) == grid.capacity(), limit_s=10)
+        assert blocks_per_cell(grid) == 1

@@ -63,9 +63,10 @@ class BlockGrid(Panel):
     """Each cell covers block_map_blocks_per_cell blocks; the server downsamples to our cell count."""
 
     PANEL_TITLE = "KV block pool"
+    _cells_asked = 0
 
     class CellsWanted(Message):
-        """The grid's size changed: ask the source for this many cells."""
+        """The grid's room changed (a resize, the host strip coming or going): ask the source for this many cells."""
 
         def __init__(self, cells: int) -> None:
             super().__init__()
@@ -83,14 +84,21 @@ class BlockGrid(Panel):
         return columns * rows
 
     def on_resize(self) -> None:
-        self.post_message(self.CellsWanted(self.capacity()))
+        self._ask_for_cells()
         # The cells now fold another number of blocks, though no frame came (paused, or a replay held).
         self._update_subtitle()
 
     def show(self, stats, history) -> None:
         """Take a new snapshot; the subtitle says how many blocks one cell stands for."""
         super().show(stats, history)
+        # The host tier's strip takes a row when it appears and gives it back when it goes.
+        if self.capacity() != self._cells_asked:
+            self._ask_for_cells()
         self._update_subtitle()
+
+    def _ask_for_cells(self) -> None:
+        self._cells_asked = self.capacity()
+        self.post_message(self.CellsWanted(self._cells_asked))
 
     def _update_subtitle(self) -> None:
         stats = self.stats
