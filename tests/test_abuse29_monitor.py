@@ -165,6 +165,18 @@ async def test_numbers_of_hundreds_of_digits_are_shown_short():
         assert "8.0 EiB" in app.query_one(MemoryPanel).border_subtitle
 
 
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)], ids=["full", "compact"])
+async def test_ratios_of_counts_that_do_not_add_up_are_shown_short(size):
+    """Prefix hits over queries and accepted draft tokens over drafts were printed in full: 21 digits."""
+    spec = {"num_spec_tokens": 2, "num_drafts": 1, "num_draft_tokens": 1, "num_accepted_tokens": 2**62,
+            "num_accepted_tokens_per_pos": [0, 0]}
+    data = stats_dict(1, prefix_cache_hits=2**62, prefix_cache_queries=1, spec_decode=spec)
+    async with monitor([data], size) as (app, _):
+        texts = [app.query_one(panel).render().plain for panel in (UsagePanel, QueuePanel)]
+        assert not re.search(r"\d{8}", "\n".join(texts)), texts
+        assert "hits 5e+20%" in texts[0] or "prefix hits 5e+20%" in texts[0], texts[0]
+
+
 async def test_negative_token_counts_draw_no_bar():
     steps = [dict(make_stats(1).to_dict()["recent_steps"][0], step=i, num_prefill_tokens=-50, num_decode_tokens=-3)
              for i in range(1, 6)]

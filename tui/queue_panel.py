@@ -6,7 +6,8 @@ from rich.text import Text
 
 from minillm.stats import EngineStats
 from minillm.tui.panel import Panel
-from minillm.tui.render import COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_rate, fmt_seconds, printable, spaced
+from minillm.tui.render import (COLOR_DECODE, COLOR_DIM, COLOR_PREFILL, fmt_number, fmt_percent, fmt_rate, fmt_seconds,
+                                printable, spaced)
 
 COLOR_RUNNING = "#87d75f"
 COLOR_WAITING = "#ffd75f"
@@ -86,8 +87,8 @@ def _spec_decode_line(spec) -> Parts:
     """Speculative decoding: share of draft tokens accepted, tokens a verifying step yields."""
     rate, length = spec.acceptance_rate, spec.mean_acceptance_length
     # A server's totals may not add up (draft tokens but no drafts): each figure stands alone.
-    shown_length = "—" if length is None else f"{length:.2f}"
-    value = "no drafts yet" if rate is None else f"accept {rate:.0%} · len {shown_length}"
+    shown_length = "—" if length is None else fmt_number(length)
+    value = "no drafts yet" if rate is None else f"accept {fmt_percent(rate, 0)} · len {shown_length}"
     return _pair("spec", value, COLOR_DECODE, RATE_LABEL_WIDTH)
 
 

@@ -126,9 +126,14 @@ def fmt_rate(value: float) -> str:
     return f"{value:.1f}"
 
 
-def fmt_percent(fraction: float | None) -> str:
+def fmt_percent(fraction: float | None, decimals: int = 1) -> str:
     """A fraction in [0, 1] as a percentage; None (not reported) as a dash."""
     if fraction is None:
         return "—"
     percent = fraction * 100
-    return f"{percent:.1f}%" if abs(percent) < EXPONENT_FROM else f"{percent:.0e}%"
+    return f"{percent:.{decimals}f}%" if abs(percent) < EXPONENT_FROM else f"{percent:.0e}%"
+
+
+def fmt_number(value: float, decimals: int = 2) -> str:
+    """A figure with `decimals` places, or with an exponent past EXPONENT_FROM."""
+    return f"{value:.{decimals}f}" if abs(value) < EXPONENT_FROM else f"{value:.0e}"

@@ -44,7 +44,7 @@ class UsagePanel(Panel):
             # Two-space gaps instead of " · " keep the hit rate inside a 32-column panel.
             footer = spaced((f"{stats.kv_num_used_blocks}/{stats.kv_num_blocks} blk", COLOR_DIM),
                             (f"  {stats.kv_num_cached_blocks} cached", COLOR_CACHED),
-                            (f"  hits {hits * 100:.0f}%", COLOR_DIM))
+                            (f"  hits {fmt_percent(hits, 0)}", COLOR_DIM))
         lines.append(footer)
         return Text("\n").join(lines)
 
