@@ -170,13 +170,13 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     q: [T, Hq, Dh]; returns [T, Hq, Dh]. Query row i of sequence b sits at position
     seq_lens[b] - q_len_b + i and attends to positions 0..that position. GQA: query head h reads
     KV head h // (Hq // Hk). Sequences of equal query and context lengths are computed together
-    (a batch of one engine step often holds many of them). An FP8 cache is read as
-    float(bits) * k_scale (v_scale) from kv_scales.
+    (a batch of one engine step often holds many of them), as many at once as ATTENTION_KV_BYTES
+    holds, each chunk in query tiles of at most ATTENTION_SCORE_BYTES of scores. An FP8 cache is
+    read as float(bits) * k_scale (v_scale) from kv_scales.
     """
     fp8 = is_fp8_cache(k_cache)
     k_scale, v_scale = _fp8_scales(kv_scales) if fp8 else (None, None)
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv_heads
+    num_kv_heads, head_dim = k_cache.shape[2:]
     out = np.empty_like(q)
     qsl = np.asarray(meta.query_start_loc)
     q_lens, ctxs = qsl[1:] - qsl[:-1], np.asarray(meta.seq_lens)
@@ -185,27 +185,66 @@ def paged_attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         if q_lens[b]:
             shapes.setdefault((int(q_lens[b]), int(ctxs[b])), []).append(b)
     for (q_len, ctx), rows in shapes.items():
-        rows = np.asarray(rows)
-        g = len(rows)
-        blocks = meta.block_tables[rows, : (ctx + block_size - 1) // block_size]      # [G, nblk]
-        keys = k_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]        # [G, ctx, Hk, Dh]
-        vals = v_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]
-        if fp8:
-            keys, vals = decode_e4m3(keys, k_scale), decode_e4m3(vals, v_scale)
-        token_rows = qsl[rows][:, None] + np.arange(q_len)                          # [G, q_len]
-        # Query row (i, j) is query token i of KV head k's j-th query head: [G, Hk, q_len * group, Dh].
-        qb = q[token_rows].reshape(g, q_len, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
-        qb = qb.reshape(g, num_kv_heads, q_len * group, head_dim).astype(np.float32, copy=False)
-        scores = qb @ keys.transpose(0, 2, 3, 1).astype(np.float32, copy=False) * scale   # [G, Hk, q*r, ctx]
-        q_pos = np.repeat(ctx - q_len + np.arange(q_len), group)
-        scores = np.where(np.arange(ctx)[None, :] > q_pos[:, None], -np.inf, scores)
-        scores -= scores.max(axis=-1, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(axis=-1, keepdims=True)
-        o = p @ vals.transpose(0, 2, 1, 3).astype(np.float32, copy=False)            # [G, Hk, q*r, Dh]
-        o = o.reshape(g, num_kv_heads, q_len, group, head_dim).transpose(0, 2, 1, 3, 4)
-        out[token_rows] = o.reshape(g, q_len, -1, head_dim).astype(q.dtype)
+        # K and V of one sequence in float32 (an FP8 cache's decoding holds two such copies a moment)
+        per_seq = 2 * ctx * num_kv_heads * head_dim * 4 * (2 if fp8 else 1)
+        step = max(1, ATTENTION_KV_BYTES // per_seq)
+        for i in range(0, len(rows), step):
+            keys, vals = _gather_kv(k_cache, v_cache, meta.block_tables, np.asarray(rows[i:i + step]), ctx,
+                                    k_scale, v_scale)
+            token_rows = qsl[rows[i:i + step]][:, None] + np.arange(q_len)              # [G, q_len]
+            _chunk_attention(q, keys, vals, token_rows, scale, out)
     return out
+
+
+# Scratch of paged_attention on the host. A chunk's scores in one piece take
+# Hq * q_len * ctx * 4 bytes: gigabytes a layer for a long prompt's chunk over a long context.
+ATTENTION_SCORE_BYTES = 32 << 20      # float32 scores of one query tile [G, Hk, tile * group, <= ctx]
+ATTENTION_KV_BYTES = 64 << 20         # K and V gathered for the sequences computed together
+
+
+def _gather_kv(k_cache, v_cache, block_tables, rows: np.ndarray, ctx: int, k_scale, v_scale):
+    """K and V of the sequences `rows` read from their blocks: two [G, ctx, Hk, Dh] float32."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    g = len(rows)
+    blocks = block_tables[rows, : (ctx + block_size - 1) // block_size]               # [G, nblk]
+    keys = k_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]             # [G, ctx, Hk, Dh]
+    vals = v_cache[blocks].reshape(g, -1, num_kv_heads, head_dim)[:, :ctx]
+    if k_scale is not None:
+        return decode_e4m3(keys, k_scale), decode_e4m3(vals, v_scale)
+    return keys.astype(np.float32, copy=False), vals.astype(np.float32, copy=False)
+
+
+def _chunk_attention(q: np.ndarray, keys: np.ndarray, vals: np.ndarray, token_rows: np.ndarray, scale: float,
+                     out: np.ndarray) -> None:
+    """Causal attention of G chunks, rows token_rows [G, q_len] of q [T, Hq, Dh], over the last
+    q_len of their ctx keys and values, keys / vals: [G, ctx, Hk, Dh] float32; into the same rows of out.
+
+    Computed in query tiles: a tile's rows are exactly those of the chunk in one piece (softmax over
+    the whole row in fp32); the keys past a tile's last position, masked for all its rows, are left out."""
+    g, q_len = token_rows.shape
+    num_heads, head_dim = q.shape[1:]
+    ctx, num_kv_heads = keys.shape[1:3]
+    group = num_heads // num_kv_heads
+    keys_t = keys.transpose(0, 2, 3, 1)                                                # [G, Hk, Dh, ctx]
+    vals_t = vals.transpose(0, 2, 1, 3)                                                # [G, Hk, ctx, Dh]
+    tile = max(1, ATTENTION_SCORE_BYTES // (g * num_heads * ctx * 4))
+    for t0 in range(0, q_len, tile):
+        t1 = min(q_len, t0 + tile)
+        rows = token_rows[:, t0:t1]
+        # Query row (i, j) is query token i of KV head k's j-th query head: [G, Hk, tile * group, Dh].
+        qb = q[rows].reshape(g, t1 - t0, num_kv_heads, group, head_dim).transpose(0, 2, 1, 3, 4)
+        qb = qb.reshape(g, num_kv_heads, (t1 - t0) * group, head_dim).astype(np.float32, copy=False)
+        num_keys = ctx - q_len + t1                          # positions 0..the tile's last one
+        scores = qb @ keys_t[..., :num_keys]                                            # [G, Hk, tile*r, n]
+        scores *= scale
+        q_pos = np.repeat(ctx - q_len + np.arange(t0, t1), group)
+        np.copyto(scores, -np.inf, where=np.arange(num_keys)[None, :] > q_pos[:, None])
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = scores @ vals_t[:, :, :num_keys]                                            # [G, Hk, tile*r, Dh]
+        o = o.reshape(g, num_kv_heads, t1 - t0, group, head_dim).transpose(0, 2, 1, 3, 4)
+        out[rows] = o.reshape(g, t1 - t0, num_heads, head_dim)
 
 
 def silu_and_mul(x: np.ndarray) -> np.ndarray:
