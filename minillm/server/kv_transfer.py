@@ -45,6 +45,14 @@ class Claim:
 
     remote: RemotePrefill
     claim_s: float                     # the claim's round trip
+    # The engine holds (or may hold) its request: from then on the engine's KV connector releases the
+    # lease when the request ends, after any copy planned from it. A release from here could reach the
+    # prefill server first, which may reuse the blocks before the copy reads them.
+    is_handed_over: bool = False
+
+    def hand_over(self) -> None:
+        """Mark the request as the engine's (release_claim leaves its lease to the connector)."""
+        self.is_handed_over = True
 
     def header(self, stats: dict | None) -> str:
         """The HEADER value: claim and copy times, tokens, blocks and bytes loaded."""
@@ -74,7 +82,8 @@ def _field(kv: dict, name: str, kind: type, required: bool = True) -> Any:
 async def apply_kv_transfer(ctx, kv: dict | None, prompt_ids: list[list[int]], params: list[SamplingParams],
                             n: int, stream: bool) -> tuple[list[SamplingParams], Claim | None]:
     """The requests' params with the engine's kv_transfer_params set, and the lease claimed for a
-    decode request (the caller releases it if the request never reaches the engine)."""
+    decode request (the caller marks it handed over once the engine has the request, and releases
+    it if the request never reaches the engine)."""
     if kv is None:
         return params, None
     config = ctx.engine.config.kv_transfer_config
@@ -171,8 +180,9 @@ def _send_release(ctx, host: str, port: int, lease_id: str) -> None:
 
 
 def release_claim(ctx, claim: Claim | None) -> None:
-    """Give a claimed lease back without waiting (its request never reached the engine, or failed)."""
-    if claim is None or ctx.kv_claims is None:
+    """Give a claimed lease back without waiting, unless its request was handed over to the engine
+    (then the engine's KV connector releases it)."""
+    if claim is None or claim.is_handed_over or ctx.kv_claims is None:
         return
     remote = claim.remote
     _send_release(ctx, remote.host, remote.port, remote.lease_id)

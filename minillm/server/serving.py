@@ -233,17 +233,27 @@ def params_for_log(params: SamplingParams) -> str:
 
 
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
-                 params: list[SamplingParams], cache_salt: str | None = None) -> list[RequestStream]:
+                 params: list[SamplingParams], cache_salt: str | None = None,
+                 on_handed_over: Callable[[], None] | None = None) -> list[RequestStream]:
     """Add one engine request per prompt, all feeding one queue; on a rejection abort those added.
-    cache_salt: the request's (vLLM's), which keeps its prefix-cache blocks to requests of the same salt."""
+    cache_salt: the request's (vLLM's), which keeps its prefix-cache blocks to requests of the same salt.
+    on_handed_over: called once the engine holds, or may hold, one of them (accepted; or cancelled
+    while its add was in flight, an add the engine may have taken and then aborts)."""
     streams: list[RequestStream] = []
     shared = OutputQueue()
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             sub_id = sub_request_id(request_id, i, len(prompts))
             timer = RequestTimer(ctx.metrics)
-            streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
-                                                        observer=timer.on_output, cache_salt=cache_salt))
+            try:
+                streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
+                                                            observer=timer.on_output, cache_salt=cache_salt))
+            except asyncio.CancelledError:
+                if on_handed_over is not None:
+                    on_handed_over()
+                raise
+            if on_handed_over is not None:
+                on_handed_over()
     except BaseException as exc:
         for stream in streams:
             ctx.engine.abort(stream.request_id)
@@ -483,12 +493,14 @@ def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:
 
 
 async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]], params: list, stream: bool,
-                 failure_events: Callable[[BaseException], str] = openai_failure_events) -> Response:
+                 failure_events: Callable[[BaseException], str] = openai_failure_events,
+                 on_handed_over: Callable[[], None] | None = None) -> Response:
     """Submit a job's prompts, then stream its events (a failure once they have begun ends them with
     failure_events(exc)) or return its JSON response; a failure or a hang-up aborts whatever is
-    still running."""
+    still running. on_handed_over: as submit takes it."""
     log_received(ctx, job, prompts, params)
-    streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params, job.req.cache_salt))
+    streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params, job.req.cache_salt,
+                                                   on_handed_over))
     try:
         if stream:
             return await streaming_response(ctx, raw, job.events(streams), failure_events)

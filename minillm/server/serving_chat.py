@@ -337,7 +337,8 @@ async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
     [job.params], claim = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
                                                   req.n, req.stream)
     try:
-        response = await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream)
+        response = await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream,
+                                on_handed_over=claim.hand_over if claim is not None else None)
     except BaseException:
         release_claim(ctx, claim)
         raise

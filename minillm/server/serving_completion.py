@@ -320,7 +320,8 @@ async def create_completion(ctx: ServingContext, body: dict, raw: Request):
     job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, prompt_ids, job.params, req.n,
                                                 req.stream)
     try:
-        response = await answer(ctx, raw, job, prompt_ids, job.params, req.stream)
+        response = await answer(ctx, raw, job, prompt_ids, job.params, req.stream,
+                                on_handed_over=claim.hand_over if claim is not None else None)
     except BaseException:
         release_claim(ctx, claim)
         raise
