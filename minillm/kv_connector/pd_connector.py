@@ -256,16 +256,20 @@ class PDConnectorScheduler(KVConnectorScheduler):
         self.seconds += seconds
 
     def step_failed(self, out: SchedulerOutput) -> None:
-        """A failed step's loads never finish: forget them (their requests were aborted, which
-        released their leases); kept, each held its requests' sequences for ever."""
+        """A failed step's loads never finish: forget them and release their leases (their requests
+        were aborted, which defers a release while a load is in flight); kept, each held its
+        requests' sequences for ever."""
         meta = out.kv_connector_metadata
         if isinstance(meta, PDMetadata):
-            self._loading.pop(meta.step, None)
+            for record in self._loading.pop(meta.step, []):
+                self._release(record.state)
             self.worker.forget_step(meta.step)
 
     def request_finished(self, seq: Sequence) -> None:
         """Producer: a do_remote_decode request that ran to its end leaves its prompt's blocks under a
-        lease. Consumer: a claim not released yet is released (the request ended before its copy)."""
+        lease. Consumer: a claim not released yet is released (the request ended before its copy),
+        unless a launched step still copies its blocks: the producer must not reuse them before the
+        copy has run, so that release waits for the step (update_connector_output, step_failed)."""
         kv = transfer_params(seq.params)
         if not isinstance(kv, dict):
             return
@@ -275,8 +279,12 @@ class PDConnectorScheduler(KVConnectorScheduler):
         elif kv.get("do_remote_prefill") is True and self.releaser is not None:
             state = self._claim(seq)
             self._claims.pop(seq.seq_id, None)
-            if state is not None and not state.is_released:
+            if state is not None and not state.is_released and not self._is_loading(state):
                 self._release(state)
+
+    def _is_loading(self, state: ClaimState) -> bool:
+        """Whether a launched step's load reads the claim's blocks."""
+        return any(record.state is state for records in self._loading.values() for record in records)
 
     def _lease(self, seq: Sequence) -> None:
         num_tokens = seq.num_prompt_tokens
