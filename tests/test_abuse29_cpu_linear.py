@@ -22,3 +22,24 @@ def test_linear_of_few_rows_equals_the_product_of_many(num_rows):
     assert npops.linear(x, w, out=out) is out
     np.testing.assert_allclose(out, (x @ w.T).astype(np.float16), rtol=1e-3, atol=1e-3)
     assert npops.linear(x.astype(np.float16), w, out_dtype=np.float32).dtype == np.float32
+
+
+def test_a_tied_head_shares_the_embeddings_memory():
+    """prepare_linear_weight() returns a packed float32 weight as it is: a tied lm_head is the
+    embedding's array (it was a second copy, 0.58 GiB of Qwen3-0.6B's 2.2 GiB in float32)."""
+    embed = np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32)
+    head = npops.prepare_linear_weight(embed, np.float32)
+    assert np.shares_memory(head, embed) and head.dtype == np.float32 and head.flags.c_contiguous
+    # a bf16 checkpoint's float32 tensor is a view of the uint32 array it was widened in: its whole buffer
+    widened = (np.zeros((64, 16), np.uint32) << 16).view(np.float32)
+    assert np.shares_memory(npops.prepare_linear_weight(widened, np.float32), widened)
+
+
+@pytest.mark.parametrize("view", ["rows", "columns", "float16"])
+def test_a_weight_that_is_part_of_a_larger_array_or_another_dtype_is_copied(view):
+    """A tensor-parallel rank's slice is packed into its own array, so the whole tensor can go."""
+    full = np.arange(64 * 16, dtype=np.float32).reshape(64, 16)
+    w = {"rows": full[16:32], "columns": full[:, 4:8], "float16": full.astype(np.float16)}[view]
+    got = npops.prepare_linear_weight(w, np.float32)
+    assert not np.shares_memory(got, full) and got.flags.c_contiguous and got.dtype == np.float32
+    np.testing.assert_array_equal(got, w.astype(np.float32))

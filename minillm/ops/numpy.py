@@ -37,8 +37,20 @@ def synchronize() -> None:
 
 
 def prepare_linear_weight(w: np.ndarray, dtype) -> np.ndarray:
-    """w: [N, K] (Hugging Face layout) -> the layout linear() takes."""
+    """w: [N, K] (Hugging Face layout) -> the layout linear() takes: w itself where it already is
+    and holds its whole buffer (a tied lm_head shares the embedding's memory), else a packed copy
+    (a tensor-parallel rank's slice does not keep the whole checkpoint tensor alive)."""
+    w = np.asarray(w)
+    if w.dtype == np.dtype(dtype) and w.flags.c_contiguous and w.nbytes == _buffer_of(w).nbytes:
+        return w
     return np.ascontiguousarray(w.astype(dtype))
+
+
+def _buffer_of(a: np.ndarray) -> np.ndarray:
+    """The array that owns a's memory (a itself when it is no view)."""
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
 
 
 FEW_ROWS = 128      # linear() computes up to this many rows as (w @ x.T).T
