@@ -37,8 +37,25 @@ STRUCTURE_PANEL = "Structured output (one of)"
 def dashed_option_name(name: str) -> str:
     """An option's name as the commands declare it: underscores read as dashes (--max_model_len is
     --max-model-len), as vLLM's FlexibleArgumentParser reads a command line. Click applies it to the
-    names of options (never to their values) and to both sides of a choice."""
-    return name.replace("_", "-")
+    names of options (never to their values) and to both sides of a choice: only a name that is the
+    command's option once dashed is changed, so choices keep their own spelling (llama3_json)."""
+    dashed = name.replace("_", "-")
+    if dashed == name:
+        return name
+    return dashed if dashed.lstrip("-") in _option_names() else name
+
+
+@functools.cache
+def _option_names() -> frozenset[str]:
+    """The long option names (without their dashes) of every command, bench's included."""
+    names, commands = set(), [typer.main.get_command(app)]
+    while commands:
+        command = commands.pop()
+        commands += getattr(command, "commands", {}).values()
+        for param in command.params:
+            names.update(opt.lstrip("-") for opt in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ()))
+                         if opt.startswith("--"))
+    return frozenset(names)
 
 
 app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine with a paged KV cache.",
