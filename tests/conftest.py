@@ -1,6 +1,7 @@
 """Shared fixtures: the stories260K model path and tiny Hugging Face models built on the fly."""
 import functools
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,12 @@ from hypothesis import settings
 # other core for no gain (the engine tests took 61 s of CPU, 35 s with one thread, and less wall
 # time), taking it from the subprocesses and background builds that run beside them.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# Ctrl-C's handler back where the run was started with SIGINT ignored (a background job of a shell
+# without job control, nohup, some CI runners): the programs the tests start inherit an ignored
+# SIGINT, and the tests that send them one would wait in vain.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Property tests draw the same examples on every run, so a red run is the code's doing and can be
 # run again; MINILLM_HYPOTHESIS=explore draws new ones (what to run locally to hunt for bugs).
