@@ -340,8 +340,11 @@ def _sample_in_id_order(row: np.ndarray, temperature, min_p, u) -> int:
 
 
 def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
-    vocab = len(row)
-    order = np.lexsort((np.arange(vocab), -row))          # descending logit, then id
+    if 0 < top_k < len(row) and not np.isnan(row).any():
+        order = _top_k_order(row, int(top_k))             # past top_k nothing is kept: no need to sort it
+    else:
+        order = np.lexsort((np.arange(len(row)), -row))   # descending logit, then id
+    vocab = len(order)
     x = row[order] / np.float32(temperature)
     p = np.exp(x - x[0])
     p /= p.sum()
@@ -358,6 +361,16 @@ def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
     cdf = np.cumsum(p)
     idx = min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), vocab - 1)
     return int(order[idx]) if keep[idx] else int(order[0])
+
+
+def _top_k_order(row: np.ndarray, k: int) -> np.ndarray:
+    """The first k ids of row in descending logit, then id order (a sort of the whole vocabulary
+    took 18 ms a row of Qwen3's 151,936; a partition and a sort of k take a few)."""
+    kth = row[np.argpartition(row, len(row) - k)[len(row) - k]]      # the k-th largest logit
+    above = np.flatnonzero(row > kth)
+    ties = np.flatnonzero(row == kth)[: k - len(above)]              # the lowest ids of the k-th logit
+    ids = np.concatenate([above, ties])
+    return ids[np.lexsort((ids, -row[ids]))]
 
 
 def apply_token_bitmask(logits: np.ndarray, bitmask: np.ndarray, rows: np.ndarray) -> None:
