@@ -46,7 +46,8 @@ class ModelRunner:
         # be running when a kernel on the compute stream reads the memory.
         with device.compute():
             self.model = DecoderModel(model_config, weights, ops, dtype, comm=comm)   # comm: minillm/parallel/
-        self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in self._device_arrays())
+        arrays = {id(a): a for a in self._device_arrays()}        # a tied head is the embedding: counted once
+        self.weights_bytes = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
         self.sampler = Sampler(ops, eos_token_ids, device, config.max_num_seqs)
         self.block_tables = BlockTables(2 * config.max_num_seqs)   # the steps' block tables, on the host
         self.verifier = None             # verifies draft tokens (only with speculative decoding)
