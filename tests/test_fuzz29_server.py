@@ -885,8 +885,6 @@ def _post(server, path: str, body: dict | str, timeout: float = 30) -> tuple[Ans
 NAMES_NO_TOOL = {"model": MODEL, "messages": USER_HI, "tool_choice": {"type": "tool", "name": "get_weather"}}
 
 
-@pytest.mark.xfail(strict=True, reason="count_tokens skips the tool_choice check: a tool_choice naming no tool of the "
-                   "request raises StopIteration in forced_tool_calls, a 500 with a traceback")
 @pytest.mark.parametrize("tools", [None, [{**MESSAGES_TOOL, "name": "other"}]], ids=["no tools", "another tool"])
 def test_count_tokens_of_a_tool_choice_naming_no_tool_of_the_request_is_a_400(fuzzed_server, tools):
     body = {**NAMES_NO_TOOL, **({"tools": tools} if tools else {})}
@@ -898,8 +896,6 @@ def test_count_tokens_of_a_tool_choice_naming_no_tool_of_the_request_is_a_400(fu
     assert answer.status == 400 and json.loads(answer.body)["error"]["param"] == "tool_choice"
 
 
-@pytest.mark.xfail(strict=True, reason="a body past 64 KiB makes its job in the pool, where the StopIteration of "
-                   "forced_tool_calls cannot be set on the Future (TypeError in asyncio): no answer, ever")
 def test_a_large_count_tokens_body_naming_no_tool_is_answered(fuzzed_server):
     host, port, log = fuzzed_server
     log.anomalies()

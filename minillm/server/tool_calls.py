@@ -81,6 +81,7 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
     tools (each a dict as the chat template reads it); None for a choice that forces no call."""
     functions = [tool["function"] for tool in tools]
     if isinstance(choice, dict):
+        check_named_tool_choice(choice, [f["name"] for f in functions])   # also where a route skipped the request's check
         name = choice["function"]["name"]
         index = next(i for i, f in enumerate(functions) if f["name"] == name)
         return ForcedToolCalls(_parameters_schema(functions[index]), name, f"tools.{index}.function.parameters")
