@@ -56,6 +56,15 @@ class ShutdownFlag:
         return self._set
 
 
+def _no_stop_iteration(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs), a StopIteration raised as a RuntimeError: asyncio cannot set a
+    StopIteration on a Future, and the request waiting on it would never be answered."""
+    try:
+        return fn(*args, **kwargs)
+    except StopIteration as exc:
+        raise RuntimeError(f"StopIteration in {getattr(fn, '__qualname__', fn)}") from exc
+
+
 @dataclass
 class ServingContext:
     """What every handler needs: the engine, the metrics, the names it serves under and the limits."""
@@ -93,7 +102,8 @@ class ServingContext:
 
     async def run_blocking(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run fn in the preprocessing pool, so tokenising a long prompt does not stall the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(
+            _no_stop_iteration, fn, *args, **kwargs))
 
     async def run_blocking_if(self, slow: bool, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn in the preprocessing pool when it may be slow, else here: a hop through the pool costs
