@@ -542,8 +542,6 @@ class AsyncLLMEngine(Generate):
 
     def _handle_add(self, command: _Add) -> None:
         loop = command.stream.loop
-        if command.done.cancelled():
-            return
         held = self.engine.requests.get(command.request_id)
         if held is not None and held.is_finished:   # the engine retires it in its next step: vLLM takes the id
             self._deferred.append(command)
@@ -554,6 +552,12 @@ class AsyncLLMEngine(Generate):
                                     tokenization_kwargs={"add_special_tokens": command.add_special_tokens})
         except Exception as exc:  # noqa: BLE001 - ValueError is a 400; anything else a 500
             resolve_future(loop, command.done, error=exc)
+            return
+        if command.done.cancelled():
+            # Its caller left while the add was queued, leaving to the engine what the request holds
+            # (a decode server's claimed KV lease): added and aborted, its KV connector releases it
+            # now. Its abort may have come first (an add deferred behind a retiring id).
+            self.engine.abort_request(command.request_id)
             return
         self._streams[command.request_id] = command.stream
         resolve_future(loop, command.done, True)

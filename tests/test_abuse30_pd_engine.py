@@ -1,0 +1,91 @@
+"""A decode engine on a thread of the API server (AsyncLLMEngine): a request whose caller leaves while
+its add is still queued gives its claimed lease back at once (its API server left the release to
+the engine, which may have taken the request), never leaving it to the lease's expiry."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from minillm import SamplingParams
+from minillm.kv_connector.endpoint import LeaseReleaser
+from minillm.server.async_engine import AsyncLLMEngine
+
+from test_kv_transfer import PROMPTS, claim, engines, prefill, wait_until_free
+
+
+@pytest.fixture
+def released(monkeypatch):
+    """Lease ids the decode engine sent releases for."""
+    seen: list[str] = []
+    real = LeaseReleaser.release
+
+    def release(self, host, port, lease_id):
+        seen.append(lease_id)
+        return real(self, host, port, lease_id)
+
+    monkeypatch.setattr(LeaseReleaser, "release", release)
+    return seen
+
+
+class Held:
+    """A utility of the engine that holds its thread until let go (commands queue up meanwhile)."""
+
+    def __init__(self, engine) -> None:
+        self.entered, self.gate = threading.Event(), threading.Event()
+        engine.hold_thread = self
+
+    def __call__(self) -> bool:
+        self.entered.set()
+        self.gate.wait(30)
+        return True
+
+
+async def cancel_queued_add(async_engine: AsyncLLMEngine, request_id: str, ids: list[int],
+                            params: SamplingParams, abort_first: bool) -> None:
+    """Queue an add behind a held engine thread and cancel its caller before the thread takes it
+    (abort_first: behind an abort of the running request of the same id, so the add is deferred
+    until that one is retired)."""
+    held = Held(async_engine.engine)
+    holding = asyncio.ensure_future(async_engine.call_utility("hold_thread"))
+    await asyncio.get_running_loop().run_in_executor(None, held.entered.wait, 30)
+    if abort_first:
+        async_engine.abort(request_id)
+    adding = asyncio.ensure_future(async_engine.add_request(request_id, ids, params))
+    await asyncio.sleep(0)                       # the add runs up to its wait: the command is queued
+    assert async_engine._commands.qsize() == 1 + abort_first
+    adding.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await adding
+    held.gate.set()
+    assert await holding is True
+    await async_engine.get_stats()               # every command queued before it has been handled
+
+
+@pytest.mark.parametrize("in_use", [False, True], ids=["fresh-id", "id-of-a-request-retiring"])
+def test_an_add_cancelled_in_flight_releases_its_lease_at_once(stories_path, released, in_use):
+    producer, consumer, plain = engines(stories_path, lease_s=60)
+    async_engine = AsyncLLMEngine(consumer)
+    try:
+        ids = plain.tokenizer.encode(PROMPTS[1], add_special_tokens=True)
+        kv = prefill(producer, "p", ids)
+        params = SamplingParams(temperature=0, max_tokens=8, extra_args={"kv_transfer_params": claim(kv, ids)})
+
+        async def main():
+            if in_use:   # the id names a running request, aborted just before the add: the add waits a step
+                await async_engine.add_request("d", ids[:4], SamplingParams(max_tokens=200, ignore_eos=True))
+            await cancel_queued_add(async_engine, "d", ids, params, abort_first=in_use)
+            while async_engine.engine.has_unfinished_requests():
+                await async_engine.get_stats()
+
+        asyncio.run(main())
+        assert released == [kv["remote_lease_id"]]
+        wait_until_free(producer)
+        stats = producer.stats(cells=1)
+        assert (stats.kv_transfer_leases_released, stats.kv_transfer_leases_expired) == (1, 0)
+        assert consumer.stats(cells=1).kv_num_used_blocks == 0
+    finally:
+        async_engine.shutdown()
+        for engine in (producer, consumer, plain):
+            engine.shutdown()
