@@ -28,6 +28,7 @@ import contextlib
 import itertools
 import json
 import logging
+import socket
 import sys
 import time
 import uuid
@@ -589,16 +590,28 @@ def _forwarder(router: Router, path: str):
 
 
 def run_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve the proxy until interrupted, one log line per request on stderr."""
+    """Serve the proxy until interrupted, one log line per request on stderr. The port is bound
+    before the start-up line, which names the one bound (port 0: a free one, as `minillm serve`)."""
+    from minillm.server.app import hold_port   # the server's socket: bound here, listened on by uvicorn
     if not logger.handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(logging.INFO)
-    print(f"minillm router: {http_url(host, port)}, prefill {', '.join(map(shown_url, config.prefill_urls))}, "
-          f"decode {', '.join(map(shown_url, config.decode_urls))}", file=sys.stderr, flush=True)
-    uvicorn.run(create_router_app(config), host=host, port=port, **router_uvicorn_settings(config))
+    sock = hold_port(host, port)
+    try:
+        print(f"minillm router: {http_url(host, sock.getsockname()[1])}, prefill "
+              f"{', '.join(map(shown_url, config.prefill_urls))}, decode {', '.join(map(shown_url, config.decode_urls))}",
+              file=sys.stderr, flush=True)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as hold_port says: it listens now
+        server = uvicorn.Server(uvicorn.Config(create_router_app(config), **router_uvicorn_settings(config)))
+        try:
+            server.run(sockets=[sock])     # a failed start-up exits with uvicorn's status 3
+        except KeyboardInterrupt:
+            pass     # uvicorn has shut down and raised the signal again, as uvicorn.run takes it
+    finally:
+        sock.close()
 
 
 def router_uvicorn_settings(config: RouterConfig) -> dict[str, Any]:
