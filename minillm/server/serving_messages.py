@@ -3,7 +3,8 @@
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools`
 (`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, and
-`thinking` {"type": "disabled"} the template's enable_thinking false. The chat job renders,
+`thinking` {"type": "disabled"} the template's enable_thinking false; a final assistant message
+is a prefill, continued (continue_final_message) instead of answered. The chat job renders,
 samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
 /v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
 with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
@@ -152,6 +153,8 @@ def chat_body(req: MessagesRequest) -> dict:
     for i, message in enumerate(req.messages):
         messages += _message(i, message)
     body = {"model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_tokens}
+    if _is_prefill(messages):
+        body.update(add_generation_prompt=False, continue_final_message=True)
     tools = None
     if req.tools is not None:
         tools = []
@@ -170,6 +173,13 @@ def chat_body(req: MessagesRequest) -> dict:
               "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
+
+
+def _is_prefill(messages: list[dict]) -> bool:
+    """Whether the conversation ends with an assistant's text, which Anthropic's API continues (a
+    prefill: the reply goes on from it) instead of answering with a new turn."""
+    last = messages[-1] if messages else {}
+    return last.get("role") == "assistant" and "tool_calls" not in last and bool(last.get("content"))
 
 
 def _thinking_type(thinking: dict | None) -> str | None:
