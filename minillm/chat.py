@@ -30,6 +30,7 @@ commands:
   /exit                 quit (Ctrl-D too)
 input:
   a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
+  (a message even when it starts with a slash)
   Ctrl-C stops the reply being written; at the prompt it clears the line ({QUIT_HINT})
   what you type while a reply is written is kept for the next prompt"""
 
@@ -211,6 +212,13 @@ class EngineChatBackend:
         # Exchanges are dropped from a copy: a message too long even alone leaves the history as it was.
         trial = Conversation(conversation.system, list(conversation.turns))
         ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
+        if max_len - len(ids) < settings.max_tokens and len(trial.turns) > 1:
+            # A message too long even alone is found with one more encoding, not one per exchange dropped.
+            alone = conversation_prompt_ids(self.tokenizer, Conversation(trial.system, trial.turns[-1:]),
+                                            self.chat_template)
+            if max_len - len(alone) < 1:
+                raise ContextTooShort(f"message too long: the prompt is {len(alone)} tokens and the context "
+                                      f"holds {max_len}")
         dropped = 0
         while max_len - len(ids) < settings.max_tokens and trial.drop_oldest_exchange():
             ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
@@ -323,41 +331,56 @@ def valid_text(text: str) -> str:
 class EndOfInputInMessage(EOFError):
     """Input ended inside a multi-line message (an open triple quote, a trailing backslash)."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, is_quoted: bool = False):
         super().__init__("input ended inside a multi-line message")
         self.text = text                 # what was typed of the message
+        self.is_quoted = is_quoted       # inside triple quotes: a message even when it starts with a slash
+
+
+@dataclass(frozen=True)
+class UserInput:
+    """One input: its text, and whether it came in triple quotes (then it is never a /command)."""
+
+    text: str
+    is_quoted: bool = False
 
 
 def read_message(read_line: Callable[[str], str]) -> str:
-    """One user message: a trailing backslash continues the line; triple quotes span lines.
-    EndOfInputInMessage carries the message so far when input ends inside one."""
+    """The text of one user input (see read_input)."""
+    return read_input(read_line).text
+
+
+def read_input(read_line: Callable[[str], str]) -> UserInput:
+    """One user input: a trailing backslash continues the line; triple quotes span lines (and make
+    the text a message whatever it starts with, as in Ollama's chat). EndOfInputInMessage carries
+    the message so far when input ends inside one."""
     line = read_line(PROMPT)
     stripped = line.strip()
     if stripped.startswith(TRIPLE_QUOTE):
         body = stripped[len(TRIPLE_QUOTE):]
         if body.endswith(TRIPLE_QUOTE):
-            return body[:-len(TRIPLE_QUOTE)]
+            return UserInput(body[:-len(TRIPLE_QUOTE)], is_quoted=True)
         lines = [body] if body else []
         while True:
-            line = _continuation(read_line, lines)
+            line = _continuation(read_line, lines, is_quoted=True)
             if line.rstrip().endswith(TRIPLE_QUOTE):
                 lines.append(line.rstrip()[:-len(TRIPLE_QUOTE)])
-                return "\n".join(lines).strip("\n")
+                return UserInput("\n".join(lines).strip("\n"), is_quoted=True)
             lines.append(line)
     lines = []
     while line.endswith("\\"):
         lines.append(line[:-1])
         line = _continuation(read_line, lines)
     lines.append(line)
-    return "\n".join(lines)
+    return UserInput("\n".join(lines))
 
 
-def _continuation(read_line: Callable[[str], str], lines: list[str]) -> str:
+def _continuation(read_line: Callable[[str], str], lines: list[str], is_quoted: bool = False) -> str:
     """The next line of a multi-line message; at end of input, EndOfInputInMessage with lines so far."""
     try:
         return read_line(CONTINUATION_PROMPT)
     except EOFError:
-        raise EndOfInputInMessage("\n".join(lines).strip("\n")) from None
+        raise EndOfInputInMessage("\n".join(lines).strip("\n"), is_quoted) from None
 
 
 class StopFlag:
@@ -450,12 +473,12 @@ class ChatSession:
         self.greet()
         while self.is_running:
             try:
-                text = read_message(read_line)
+                entry = read_input(read_line)
             except EndOfInputInMessage as exc:
                 # A script or a paste that never closed its message: send what came, and say so.
                 if exc.text.strip():
                     self.say("(input ended inside a multi-line message: sending what came)")
-                    self.handle(exc.text)
+                    self.handle(exc.text, is_quoted=exc.is_quoted)
                 self.say("")
                 break
             except EOFError:
@@ -469,17 +492,17 @@ class ChatSession:
                 line = interrupted_line() if self.is_terminal else None
                 self.say("" if line else f"\n({QUIT_HINT})")
                 continue
-            self.handle(text)
+            self.handle(entry.text, is_quoted=entry.is_quoted)
         # Piped input is a script: a reply that failed makes its exit status 1 (as `ollama run`).
         scripted = not (self.is_terminal and is_terminal(sys.stdin))
         return 1 if scripted and self.num_failed_replies else 0
 
-    def handle(self, text: str) -> None:
-        """Run a /command or send a message."""
+    def handle(self, text: str, is_quoted: bool = False) -> None:
+        """Run a /command or send a message (is_quoted: always a message)."""
         text = valid_text(text)
         if not text.strip():
             return
-        if text.startswith("/"):
+        if text.startswith("/") and not is_quoted:
             self.command(text.strip())
         else:
             self.send(text)

@@ -136,6 +136,8 @@ class HttpChatBackend:
                 response = self._open(trial, settings, max_tokens)
                 break
             except ContextLengthError as exc:
+                if exc.param != "max_tokens" and not dropped and self._is_too_long_alone(trial):
+                    raise     # found with one count, not a request per exchange dropped
                 if trial.drop_oldest_exchange():
                     dropped += 1
                 elif exc.param == "max_tokens" and not is_capped:
@@ -154,16 +156,36 @@ class HttpChatBackend:
         less the prompt as the server's /tokenize counts it (None when it cannot say)."""
         if self.has_chat_template:
             return None
-        try:
-            response, body = self._fetch("POST", "/tokenize", json={"model": self.model,
-                                                                    "prompt": conversation_text(conversation)})
-            answer = _json(body) if response.status_code == 200 else {}
-            count, context = answer.get("count"), answer.get("max_model_len") or self.context_len
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return None
-        if isinstance(count, int) and isinstance(context, int) and context > count:
+        count, context = self._count_tokens(conversation)
+        if count is not None and context is not None and context > count:
             return context - count
         return None
+
+    def _is_too_long_alone(self, conversation: Conversation) -> bool:
+        """Whether the newest message, with the system message only, fills the context (False when
+        there are no earlier turns to drop, or the server's /tokenize cannot say)."""
+        if len(conversation.turns) <= 1:
+            return False
+        count, context = self._count_tokens(Conversation(conversation.system, conversation.turns[-1:]))
+        return count is not None and context is not None and count >= context
+
+    def _count_tokens(self, conversation: Conversation) -> tuple[int | None, int | None]:
+        """(prompt tokens, context) of the conversation as the server's /tokenize counts it; None
+        for what it cannot say."""
+        body: dict = {"model": self.model}
+        if self.has_chat_template:
+            body["messages"] = conversation.messages()
+            if self.chat_template:
+                body["chat_template"] = self.chat_template
+        else:
+            body["prompt"] = conversation_text(conversation)
+        try:
+            response, data = self._fetch("POST", "/tokenize", json=body)
+            answer = _json(data) if response.status_code == 200 else {}
+            count, context = answer.get("count"), answer.get("max_model_len") or self.context_len
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None, None
+        return (count if _count(count, -1) >= 0 else None), (context if _count(context, 0) > 0 else None)
 
     def _stream(self, response: httpx.Response, started: float,
                 should_stop: Callable[[], bool], max_tokens: int, is_capped: bool = False) -> Iterator[str]:
