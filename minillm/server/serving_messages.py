@@ -3,7 +3,8 @@
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools`
 (`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, and
-`thinking` {"type": "disabled"} the template's enable_thinking false; a final assistant message
+`thinking` {"type": "disabled"} the template's enable_thinking false, `output_config.format` (a JSON
+schema) the response_format; a final assistant message
 is a prefill, continued (continue_final_message) instead of answered. The chat job renders,
 samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
 /v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
@@ -60,8 +61,9 @@ class MessagesRequest(_ModelRequest):
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
-    @field_validator("messages", "system", "tools", "tool_choice")
+    @field_validator("messages", "system", "tools", "tool_choice", "output_config")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """Text deep in the blocks is checked here, so an error names this API's field."""
@@ -170,7 +172,8 @@ def chat_body(req: MessagesRequest) -> dict:
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
-              "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None}
+              "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None,
+              "response_format": _response_format(req.output_config)}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
 
@@ -180,6 +183,19 @@ def _is_prefill(messages: list[dict]) -> bool:
     prefill: the reply goes on from it) instead of answering with a new turn."""
     last = messages[-1] if messages else {}
     return last.get("role") == "assistant" and "tool_calls" not in last and bool(last.get("content"))
+
+
+def _response_format(output_config: dict | None) -> dict | None:
+    """output_config.format ({"type": "json_schema", "schema": ...}, Anthropic's structured outputs) as
+    the chat request's response_format; None without one."""
+    fmt = field_of(output_config, "format", "output_config", dict, optional=True) if output_config else None
+    if fmt is None:
+        return None
+    if fmt.get("type") != "json_schema":
+        raise APIError(400, f"output_config.format.type must be 'json_schema', got {short_repr(fmt.get('type'))}",
+                       param="output_config.format.type")
+    schema = field_of(fmt, "schema", "output_config.format", dict)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
 def _thinking_type(thinking: dict | None) -> str | None:
@@ -200,6 +216,8 @@ def _thinking_type(thinking: dict | None) -> str | None:
 def _renamed(exc: APIError) -> APIError:
     """A chat-side error with its param as the Messages request names it."""
     param = tool_param(exc.param, {"parameters": "input_schema"})
+    if param is not None and param.startswith("response_format"):
+        param = re.sub(r"^response_format(\.json_schema)?", "output_config.format", param)
     message = exc.message.replace(exc.param, param) if param != exc.param else exc.message
     if param is not None:
         head, dot, rest = param.partition(".")
@@ -361,8 +379,10 @@ class _BlockWriter(ReplyWriter):
 
 
 def _ignored(req: MessagesRequest) -> list[str]:
-    """Fields taken without effect: a thinking budget is not enforced."""
-    return ["thinking.budget_tokens"] if "budget_tokens" in (req.thinking or {}) else []
+    """Fields taken without effect: a thinking budget is not enforced, nor output_config's other keys
+    (effort)."""
+    ignored = ["thinking.budget_tokens"] if "budget_tokens" in (req.thinking or {}) else []
+    return ignored + [f"output_config.{key}" for key in req.output_config or {} if key != "format"]
 
 
 async def create_message(ctx: ServingContext, body: dict, raw: Request):
