@@ -134,8 +134,6 @@ class StructuredOutputsParams:
         if key[0] in _RECURSIVE_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
-        if key[0] is StructuredOutputOptions.JSON:
-            key = (key[0], _with_strict_dates(key[1]))     # after the bound: it counts what the client wrote
         error = on_large_stack(_check_grammar, key)
         if error:
             raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
@@ -339,9 +337,11 @@ _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 def _with_strict_dates(text: str) -> str:
     """The schema text with _FORMAT_PATTERNS added (in allOf) to every subschema that names one of
-    those formats; other text as it is (done once, in the constraint's key, which is what is checked
-    and compiled). Only subschemas are visited: a const or enum value that reads {"format": "date"}
-    is data."""
+    those formats; other text as it is. Done where the schema is serialised for llguidance, never in
+    the constraint's key: the key's text is what an API server sends the engine core, which builds
+    the constraint from it again (patterns added there would be added twice, and counted against
+    the size bound as if the client had written them). Only subschemas are visited: a const or enum
+    value that reads {"format": "date"} is data."""
     if '"format"' not in text:
         return text
     schema = jsonlib.loads(text)
@@ -370,7 +370,7 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     kind, text = key
     if kind in _JSON_KINDS:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            text, defaults={"whitespace_flexible": not disable_any_whitespace})
+            _with_strict_dates(text), defaults={"whitespace_flexible": not disable_any_whitespace})
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:
