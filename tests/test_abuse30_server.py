@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from test_server_helpers import wait_for
 from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
 
 MODEL = "stories"
@@ -63,3 +64,64 @@ def test_messages_output_config_errors_name_its_fields(http, healthy_stream):
     bad_schema = error({"format": {"type": "json_schema", "schema": {"type": "bogus"}}})
     assert bad_schema["param"] == "output_config.format.schema", bad_schema
     assert "response_format" not in bad_schema["message"] and "bogus" in bad_schema["message"], bad_schema
+
+
+def _scrape(http) -> dict[str, float]:
+    """/metrics as {series with labels: value} (the model_name label dropped)."""
+    values = {}
+    for line in http.get("/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            series, value = line.rsplit(" ", 1)
+            name, _, labels = series.partition("{")
+            kept = [label for label in labels.rstrip("}").split(",") if label and not label.startswith("model_name=")]
+            values[name + ("{" + ",".join(kept) + "}" if kept else "")] = float(value)
+    return values
+
+
+def _idle(http) -> dict[str, float]:
+    """A scrape once no request runs or waits (the healthy stream of an earlier test has ended)."""
+    idle = wait_for(lambda: (lambda m: m if m["minillm:num_requests_running"] == 0
+                             and m["minillm:num_requests_waiting"] == 0 else None)(_scrape(http)), 60)
+    assert idle, "the server never went idle"
+    return idle
+
+
+PHASES = ("queue_time", "prefill_time", "decode_time", "inference_time", "time_per_output_token")
+
+
+def test_metrics_have_vllms_request_phase_histograms(http):
+    # vLLM's request_queue_time_seconds, request_prefill_time_seconds, request_decode_time_seconds,
+    # request_inference_time_seconds and request_time_per_output_token_seconds were missing.
+    before = _idle(http)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 5, "ignore_eos": True}
+    http.post("/v1/completions", json=body).raise_for_status()
+    after = _scrape(http)
+    e2e = after["minillm:e2e_request_latency_seconds_sum"] - before["minillm:e2e_request_latency_seconds_sum"]
+    for phase in PHASES:
+        name = f"minillm:request_{phase}_seconds"
+        assert after[f"{name}_count"] - before.get(f"{name}_count", 0) == 1, name
+        seconds = after[f"{name}_sum"] - before.get(f"{name}_sum", 0)
+        assert 0 <= seconds <= e2e, (name, seconds, e2e)
+    assert after['minillm:request_decode_time_seconds_bucket{le="+Inf"}'] >= 1
+
+
+def test_metrics_count_each_of_n_completions_as_a_request_as_vllm_does(http):
+    # One request with n=3 added 3 to request_success_total and 3 prompts to prompt_tokens_total, but 1
+    # to each histogram (and all 3 completions' tokens to one request_generation_tokens value), so the
+    # counters and the histograms disagreed on what a request is; vLLM counts each of n as one.
+    before = _idle(http)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "n": 3, "ignore_eos": True}
+    http.post("/v1/completions", json=body).raise_for_status()
+    after = _scrape(http)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0)
+
+    assert grew('minillm:request_success_total{finished_reason="length"}') == 3
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+                 "request_generation_tokens", "request_decode_time_seconds"):
+        assert grew(f"minillm:{name}_count") == 3, name
+    assert grew("minillm:request_generation_tokens_sum") == grew("minillm:generation_tokens_total") == 12
+    assert grew('minillm:request_generation_tokens_bucket{le="5.0"}') == 3
+    assert grew("minillm:request_prompt_tokens_sum") == grew("minillm:prompt_tokens_total")
+    assert grew("minillm:inter_token_latency_seconds_count") == 3 * 3     # 3 gaps in each of 3 completions

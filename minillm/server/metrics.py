@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from minillm.outputs import RequestOutput
+from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.spec_decode.metrics import COUNTERS as SPEC_DECODE_COUNTERS
 from minillm.spec_decode.metrics import PER_POSITION_COUNTER
 from minillm.stats import EngineStats
@@ -204,6 +204,19 @@ class ServerMetrics:
                                     "Prompt tokens per finished request.", _TOKEN_BUCKETS)
         self.generation_len = histogram("minillm:request_generation_tokens",
                                         "Generated tokens per finished request.", _TOKEN_BUCKETS)
+        # A finished request's phases, as vLLM splits them: waiting (arrival to first scheduled),
+        # prefill (to the first token), decode (first to last token), inference (scheduled to last token).
+        self.queue_time = histogram("minillm:request_queue_time_seconds",
+                                    "Time a request spent waiting before it was first scheduled.", _E2E_BUCKETS)
+        self.prefill_time = histogram("minillm:request_prefill_time_seconds",
+                                      "Time from a request's first scheduling to its first token.", _E2E_BUCKETS)
+        self.decode_time = histogram("minillm:request_decode_time_seconds",
+                                     "Time from a request's first token to its last.", _E2E_BUCKETS)
+        self.inference_time = histogram("minillm:request_inference_time_seconds",
+                                        "Time from a request's first scheduling to its last token.", _E2E_BUCKETS)
+        self.time_per_output_token = histogram("minillm:request_time_per_output_token_seconds",
+                                               "Mean time per output token after the first, per request.",
+                                               _LATENCY_BUCKETS)
 
     def update(self, stats: EngineStats) -> None:
         """Remember the latest snapshot for the next scrape."""
@@ -216,37 +229,59 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Feeds one request's token intervals and its final latencies into the histograms."""
+    """Feeds one request's token intervals and its final latencies into the histograms. Each of a
+    request's n completions counts as a request, as vLLM counts each (and as request_success counts
+    them here): its own token gaps, latencies and token counts."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
-        self.num_tokens = 0
-        self.last_seen: float | None = None
+        self.num_tokens: dict[int, int] = {}        # completion index -> its tokens so far
+        self.last_seen: dict[int, float] = {}       # completion index -> when its last token was seen
 
     def on_output(self, output: RequestOutput, seen: float) -> None:
-        """Record the interval since the previous token-bearing output (seen: engine-thread time)."""
-        outputs = output.outputs
-        num_tokens = len(outputs[0].token_ids) if len(outputs) == 1 else sum(len(c.token_ids) for c in outputs)
-        if num_tokens > self.num_tokens:
-            if self.last_seen is not None:
-                self.metrics.itl.observe(max(0.0, seen - self.last_seen))
-            self.last_seen = seen
-            self.num_tokens = num_tokens
+        """Record each completion's interval since its previous token (seen: engine-thread time)."""
+        for comp in output.outputs:
+            num_tokens = len(comp.token_ids)
+            if num_tokens > self.num_tokens.get(comp.index, 0):
+                last_seen = self.last_seen.get(comp.index)
+                if last_seen is not None:
+                    self.metrics.itl.observe(max(0.0, seen - last_seen))
+                self.last_seen[comp.index] = seen
+                self.num_tokens[comp.index] = num_tokens
         if output.finished:
             self._on_finish(output, seen)
 
     def _on_finish(self, output: RequestOutput, seen: float) -> None:
-        self.metrics.itl.flush()     # a scrape after the request sees all its gaps, on any API server
-        if any(c.finish_reason == "abort" for c in output.outputs):
-            return  # an aborted request's latency says nothing about serving speed
-        times = output.metrics
-        if times is not None:
-            if times.ttft is not None:
-                self.metrics.ttft.observe(times.ttft)
-            end = times.finished_time or seen
-            self.metrics.e2e.observe(max(0.0, end - times.arrival_time))
-        self.metrics.prompt_len.observe(len(output.prompt_token_ids))
-        self.metrics.generation_len.observe(self.num_tokens)
+        metrics = self.metrics
+        metrics.itl.flush()     # a scrape after the request sees all its gaps, on any API server
+        for comp in output.outputs:
+            if comp.finish_reason == "abort":
+                continue  # an aborted completion's latency says nothing about serving speed
+            num_tokens = self.num_tokens.get(comp.index, 0)
+            times = output.metrics
+            if times is not None:
+                self._observe_times(times, self.last_seen.get(comp.index, times.last_token_time), seen, num_tokens)
+            metrics.prompt_len.observe(len(output.prompt_token_ids))
+            metrics.generation_len.observe(num_tokens)
+
+    def _observe_times(self, times: RequestMetrics, last_token: float | None, seen: float, num_tokens: int) -> None:
+        """One completion's latencies: TTFT, end to end and vLLM's phases (those whose times are known)."""
+        metrics = self.metrics
+        if times.ttft is not None:
+            metrics.ttft.observe(times.ttft)
+        metrics.e2e.observe(max(0.0, (times.finished_time or seen) - times.arrival_time))
+        scheduled, first_token = times.first_scheduled_time, times.first_token_time
+        if scheduled is not None:
+            metrics.queue_time.observe(max(0.0, scheduled - times.arrival_time))
+        if scheduled is not None and first_token is not None:
+            metrics.prefill_time.observe(max(0.0, first_token - scheduled))
+        if first_token is not None and last_token is not None:
+            decode = max(0.0, last_token - first_token)
+            metrics.decode_time.observe(decode)
+            if num_tokens > 1:
+                metrics.time_per_output_token.observe(decode / (num_tokens - 1))
+        if scheduled is not None and last_token is not None:
+            metrics.inference_time.observe(max(0.0, last_token - scheduled))
 
 
 def spec_decode_families(stats: EngineStats, model_name: str):
