@@ -15,23 +15,17 @@ _FIXED_OPTIONS = {
                 "minillm builds every constraint with llguidance (vLLM's 'guidance' backend)"),
     "backend_was_auto": (lambda v: isinstance(v, bool), ""),
     "disable_fallback": (lambda v: isinstance(v, bool), ""),
-    "whitespace_pattern": (lambda v: v is None, "disable_any_whitespace=True keeps whitespace out of JSON"),
-    "disable_additional_properties": (lambda v: v is False, "the schema's own additionalProperties decides"),
-    "structural_tag": (lambda v: v is None, "minillm has no structural tags"),
 }
 
 
 @dataclass
 class GuidedDecodingParams(StructuredOutputsParams):
-    """StructuredOutputsParams under vLLM's earlier name, taking its other options where the value
-    is what minillm does (a StructuredOutputsError naming the option otherwise)."""
+    """StructuredOutputsParams under vLLM's earlier name, taking its options of the backend where the
+    value is what minillm does (a StructuredOutputsError naming the option otherwise)."""
 
     backend: str | None = None
     backend_was_auto: bool = False
     disable_fallback: bool = False
-    whitespace_pattern: str | None = None
-    disable_additional_properties: bool = False
-    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         for name, (is_done, does) in _FIXED_OPTIONS.items():

@@ -56,6 +56,7 @@ from llguidance.gbnf_to_lark import is_lark_syntax
 import numpy as np
 
 from minillm.grammar_process import tokens_taken
+from minillm.sampling_params import short_repr
 from minillm.stats import StructuredOutputStats
 
 if TYPE_CHECKING:
@@ -98,8 +99,10 @@ class StructuredOutputsParams:
     one (llama.cpp's, rule `root`);
     json_object: any JSON object. disable_any_whitespace (vLLM's option): JSON with no whitespace
     between its tokens; None takes the engine's default (StructuredOutputManager's, True: a model
-    free to add whitespace can spend its whole budget on it). Construction validates and
-    compile-checks the constraint (StructuredOutputsError, a ValueError naming the field).
+    free to add whitespace can spend its whole budget on it). disable_additional_properties (vLLM's):
+    every object schema with properties that does not say what other keys it takes takes none.
+    whitespace_pattern and structural_tag (vLLM's) are taken only as None. Construction validates
+    and compile-checks the constraint (StructuredOutputsError, a ValueError naming the field).
     """
 
     json: str | dict | None = None
@@ -108,6 +111,9 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
     _key: StructuredOutputKey | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -127,10 +133,11 @@ class StructuredOutputsParams:
             got = ", ".join(chosen) if chosen else "none"
             raise StructuredOutputsError("structured_outputs", f"exactly one of {', '.join(_CONSTRAINT_FIELDS)} "
                                          f"must be set, got {got}")
-        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
-            raise StructuredOutputsError("disable_any_whitespace", "must be a boolean")
+        self._check_options()
         name = chosen[0]
         key = _canonical_key(name, getattr(self, name))
+        if key[0] is StructuredOutputOptions.JSON and self.disable_additional_properties:
+            key = (key[0], _with_closed_objects(key[1]))    # before the bound: the core counts this text
         if key[0] in _RECURSIVE_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
@@ -138,6 +145,20 @@ class StructuredOutputsParams:
         if error:
             raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
         return key
+
+
+    def _check_options(self) -> None:
+        """A StructuredOutputsError naming the first option beside the constraint that is not taken."""
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise StructuredOutputsError(name, f"must be a boolean, got {short_repr(value)}")
+        if self.whitespace_pattern is not None:
+            raise StructuredOutputsError("whitespace_pattern", f"{short_repr(self.whitespace_pattern)} is not "
+                                         "supported: disable_any_whitespace sets JSON's whitespace (none, or any)")
+        if self.structural_tag is not None:
+            raise StructuredOutputsError("structural_tag", f"{short_repr(self.structural_tag)} is not supported: "
+                                         "minillm has no structural tags")
 
 
 def _check_grammar(key: StructuredOutputKey) -> str:
@@ -344,17 +365,37 @@ def _with_strict_dates(text: str) -> str:
     value that reads {"format": "date"} is data."""
     if '"format"' not in text:
         return text
-    schema = jsonlib.loads(text)
-    todo, changed = [schema], False
-    while todo:                                   # a loop, not recursion: schemas nest deeply
-        node = todo.pop()
-        if not isinstance(node, dict):
-            continue
+    schema, changed = jsonlib.loads(text), False
+    for node in _subschemas(schema):
         pattern = _FORMAT_PATTERNS.get(node.get("format")) if isinstance(node.get("format"), str) else None
         if pattern is not None:
             all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
             node["allOf"] = [*all_of, {"pattern": pattern}]
             changed = True
+    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
+def _with_closed_objects(text: str) -> str:
+    """The schema text with additionalProperties: false in every subschema that has properties or
+    patternProperties and no additionalProperties (vLLM's disable_additional_properties); const and
+    enum values are data and left as they are."""
+    schema, changed = jsonlib.loads(text), False
+    for node in _subschemas(schema):
+        if "additionalProperties" not in node and ("properties" in node or "patternProperties" in node):
+            node["additionalProperties"] = False
+            changed = True
+    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
+def _subschemas(schema: Any):
+    """Each object of a parsed schema that is a schema, the root first; what a caller adds to one
+    before taking the next is visited too."""
+    todo = [schema]
+    while todo:                                   # a loop, not recursion: schemas nest deeply
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        yield node
         for name in _SUBSCHEMA_MAPS:
             if isinstance(node.get(name), dict):
                 todo.extend(node[name].values())
@@ -362,7 +403,6 @@ def _with_strict_dates(text: str) -> str:
         for name in _SUBSCHEMA_LISTS:
             if isinstance(node.get(name), list):
                 todo.extend(node[name])
-    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
 
 
 def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = False) -> str:

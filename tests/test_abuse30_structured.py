@@ -1,15 +1,34 @@
-"""Structured outputs abused as vLLM users do, through the Python API (stories260K, CPU): a constraint
-as it crosses from an API server to the engine core."""
+"""Structured outputs abused as vLLM users do, through the Python API (stories260K, CPU): vLLM's
+StructuredOutputsParams options, and a constraint as it crosses from an API server to the engine core."""
 from __future__ import annotations
 
 import json
 
 import msgspec
+import pytest
 
 from minillm.engine_core.core import sampling_fields
 from minillm.engine_core.messages import encoder
 from minillm.server.async_llm import _wire_constraint
-from minillm.structured_output import MAX_CONSTRAINT_CHARS, StructuredOutputsParams
+from minillm.structured_output import (MAX_CONSTRAINT_CHARS, StructuredOutputManager, StructuredOutputsError,
+                                       StructuredOutputsParams)
+
+VOCAB = 512
+OPEN = {"type": "object", "properties": {"a": {"type": "integer"},
+                                         "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}
+
+
+@pytest.fixture(scope="module")
+def manager(tok):
+    mgr = StructuredOutputManager.from_tokenizer(tok, VOCAB, max_num_seqs=4)
+    yield mgr
+    mgr.shutdown()
+
+
+def accepts(manager, params: StructuredOutputsParams, text: str) -> bool:
+    """Whether the constraint takes text as a whole output."""
+    matcher = manager.grammar_init(params).result().new_matcher()
+    return matcher.accept_tokens(manager.ll_tokenizer.tokenize_str(text)) and matcher.can_terminate()
 
 
 def across_the_wire(params: StructuredOutputsParams) -> StructuredOutputsParams:
@@ -18,14 +37,46 @@ def across_the_wire(params: StructuredOutputsParams) -> StructuredOutputsParams:
     return sampling_fields({"structured_outputs": wire})["structured_outputs"]
 
 
+def test_vllms_options_at_their_defaults_are_taken():
+    # vLLM's StructuredOutputsParams has these fields; a script that names them at their defaults
+    # got a TypeError (an unexpected keyword argument).
+    params = StructuredOutputsParams(json={"type": "integer"}, disable_additional_properties=False,
+                                     whitespace_pattern=None, structural_tag=None)
+    assert params.key == StructuredOutputsParams(json={"type": "integer"}).key
+
+
+@pytest.mark.parametrize("name,value", [("whitespace_pattern", r"[ \n]*"), ("structural_tag", '{"triggers": []}'),
+                                        ("disable_additional_properties", "yes")])
+def test_vllms_options_minillm_does_not_do_are_a_value_error_naming_them(name, value):
+    with pytest.raises(StructuredOutputsError, match=f"^{name}: ") as err:
+        StructuredOutputsParams(json={"type": "object"}, **{name: value})
+    assert err.value.field == name
+
+
+def test_disable_additional_properties_closes_the_schemas_objects_as_vllm_does(manager):
+    # vLLM's guidance backend adds additionalProperties: false to every object schema with properties
+    # that does not say; here True was refused (and the keyword itself a TypeError).
+    closed = StructuredOutputsParams(json=OPEN, disable_additional_properties=True)
+    assert accepts(manager, closed, '{"a":1,"b":{"c":2}}')
+    assert not accepts(manager, closed, '{"a":1,"z":2}')
+    assert not accepts(manager, closed, '{"b":{"c":2,"z":3}}')
+    assert accepts(manager, StructuredOutputsParams(json=OPEN), '{"a":1,"z":2}')
+    said = {**OPEN, "additionalProperties": {"type": "integer"}}          # an object that says is left as it is
+    assert accepts(manager, StructuredOutputsParams(json=said, disable_additional_properties=True), '{"z":2}')
+    data = {"const": {"properties": {"x": 1}}}                             # a const is data, not a schema
+    assert accepts(manager, StructuredOutputsParams(json=data, disable_additional_properties=True),
+                   '{"properties":{"x":1}}')
+
+
 DATED = {"type": "object", "properties": {"when": {"type": "string", "format": "date-time"},
                                           "day": {"type": "string", "format": "date"}}, "required": ["when"]}
 
 
-def test_a_constraint_rebuilt_by_the_engine_core_is_the_same_constraint():
+@pytest.mark.parametrize("options", [{}, {"disable_additional_properties": True}])
+def test_a_constraint_rebuilt_by_the_engine_core_is_the_same_constraint(options):
     # The core rebuilt a schema from its key's text, which held the strict date patterns already:
     # each got a second copy in allOf (compiled twice over).
-    params = StructuredOutputsParams(json=DATED)
+    params = StructuredOutputsParams(json=DATED, **options)
     assert across_the_wire(params).key == params.key
 
 

@@ -5,7 +5,10 @@ turned into StructuredOutputsParams, or a 400 whose param names the bad field.
                      {"type": "json_object"}                   any JSON object
                      {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}
     structured_outputs: {"json" | "regex" | "choice" | "grammar" | "json_object": ...,
-                         "disable_any_whitespace": bool}       vLLM's names, exactly one constraint
+                         "disable_any_whitespace": bool,
+                         "disable_additional_properties": bool,
+                         "whitespace_pattern": null, "structural_tag": null}
+                                                               vLLM's names, exactly one constraint
 
 The schema is always enforced (strict or not). Nothing about structure is ignored: an unknown
 type or key, or vLLM's older guided_* fields, is a 400 too.
@@ -18,7 +21,8 @@ from typing import Any
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError
 
-_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "disable_additional_properties",
+         "whitespace_pattern", "structural_tag")
 _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar", "guided_json_object": "json_object"}
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
