@@ -89,3 +89,48 @@ def test_an_add_cancelled_in_flight_releases_its_lease_at_once(stories_path, rel
         async_engine.shutdown()
         for engine in (producer, consumer, plain):
             engine.shutdown()
+
+
+def model_copy(stories_path, out, change_weights: bool):
+    """stories260K in another directory: the same weights (linked), or one of its tensors changed."""
+    from minillm.loader import checkpoint_tensors
+    out.mkdir()
+    for f in stories_path.iterdir():
+        if f.name != "model.safetensors" or not change_weights:
+            (out / f.name).symlink_to(f)
+    if change_weights:
+        data = bytearray((stories_path / "model.safetensors").read_bytes())
+        entry = min(checkpoint_tensors(stories_path).values(), key=lambda e: e.start)
+        data[entry.start] ^= 0x01            # one bit of one weight: another fine-tune, as far as KV goes
+        (out / "model.safetensors").write_bytes(bytes(data))
+    return out
+
+
+@pytest.mark.parametrize("change_weights", [False, True], ids=["same-weights-elsewhere", "other-weights"])
+def test_a_decode_engine_refuses_kv_of_other_weights_of_the_same_shape(stories_path, tmp_path, change_weights):
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    producer_path = model_copy(stories_path, tmp_path / "producer", change_weights)
+    producer = LLMEngine(EngineConfig(str(producer_path), device="cpu", block_size=8,
+                                      kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}))
+    consumer = LLMEngine(EngineConfig(str(stories_path), device="cpu", block_size=8,
+                                      kv_transfer_config={"kv_role": "kv_consumer"}))
+    try:
+        ids = consumer.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+        params = SamplingParams(temperature=0, max_tokens=4,
+                                extra_args={"kv_transfer_params": claim(prefill(producer, "p", ids), ids)})
+        if change_weights:
+            with pytest.raises(ValueError, match=r"^kv_transfer_params: the prefill engine serves other weights "
+                                                 r"\(fingerprint \w{12}\) than this engine \(\w{12}\): both must "
+                                                 r"serve the same model"):
+                consumer.add_request("d", ids, params)
+            assert not consumer.has_unfinished_requests()
+        else:
+            consumer.add_request("d", ids, params)
+            while consumer.has_unfinished_requests():
+                consumer.step()
+            wait_until_free(producer)
+            assert consumer.stats(cells=1).kv_transfer_tokens == len(ids) - 1
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

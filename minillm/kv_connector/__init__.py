@@ -18,8 +18,9 @@ def make_kv_connector(config, runner, block_manager) -> KVConnectorScheduler | N
     """The configured connector: its runner side is handed to runner (whose KV pool exists), its
     scheduler side returned; None when none is configured."""
     if config.kv_transfer_config is not None:
+        from minillm.kv_connector.fingerprint import model_fingerprint
         from minillm.kv_connector.pd_connector import make_pd_connector
-        return make_pd_connector(config.kv_transfer_config, runner, block_manager)
+        return make_pd_connector(config.kv_transfer_config, runner, block_manager, model_fingerprint(config))
     if not config.kv_offload_gib:
         return None
     from minillm.kv_connector.host_tier import HostTierScheduler, HostTierWorker

@@ -21,6 +21,7 @@ producer may have reused.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -367,8 +368,8 @@ class PDConnectorScheduler(KVConnectorScheduler):
 class PDConnectorWorker(KVConnectorWorker):
     """The runner side: the producers' pools this engine has mapped, and the copies out of them."""
 
-    def __init__(self, dtype: str):
-        self.dtype = dtype
+    def __init__(self, dtype: str, model: str = ""):
+        self.dtype, self.model = dtype, model      # model: the fingerprint of the weights served
         self.device = self.kv_pool = None
         self.bytes_per_block = 0
         self._sources: dict[str | bytes, object] = {}      # region handle -> the imported pool
@@ -382,19 +383,19 @@ class PDConnectorWorker(KVConnectorWorker):
 
     def export(self) -> KVRegion:
         """How another process maps this engine's pool (allocated shared)."""
-        return self.device.export_kv_pool(self.kv_pool, self.dtype)
+        return dataclasses.replace(self.device.export_kv_pool(self.kv_pool, self.dtype), model=self.model)
 
     def attach(self, region: KVRegion) -> None:
         """Map a producer's pool once; ValueError when its blocks do not fit ours or it cannot be mapped."""
         mapped = self._regions.get(region.handle)
         if mapped is not None:
             # The block ids were checked against this region's shape: it must be the one mapped.
-            if (mapped.kind, mapped.shape, mapped.dtype, mapped.device) != (region.kind, region.shape, region.dtype,
-                                                                            region.device):
+            if (mapped.kind, mapped.shape, mapped.dtype, mapped.device, mapped.model) != (
+                    region.kind, region.shape, region.dtype, region.device, region.model):
                 raise ValueError(f"the KV region {region.handle!r} is mapped with shape {list(mapped.shape)} "
                                  f"{mapped.dtype}, not {list(region.shape)} {region.dtype}")
             return
-        region.check_compatible(tuple(self.kv_pool.shape), self.dtype)
+        region.check_compatible(tuple(self.kv_pool.shape), self.dtype, self.model)
         self._sources[region.handle] = self.device.import_kv_pool(region)
         self._regions[region.handle] = region
 
@@ -425,10 +426,12 @@ class PDConnectorWorker(KVConnectorWorker):
         self._timings.pop(step, None)
 
 
-def make_pd_connector(config: KVTransferConfig, runner, block_manager: BlockManager) -> PDConnectorScheduler:
+def make_pd_connector(config: KVTransferConfig, runner, block_manager: BlockManager,
+                      model: str = "") -> PDConnectorScheduler:
     """The connector of kv_transfer_config: its runner side registered with runner (whose pool a
-    producer allocated shared), its scheduler side returned."""
-    worker = PDConnectorWorker(runner.dtype)
+    producer allocated shared), its scheduler side returned. model: the fingerprint of the weights
+    served (fingerprint.py), which a consumer checks against each producer's."""
+    worker = PDConnectorWorker(runner.dtype, model)
     runner.register_kv_connector(worker)
     region = worker.export() if config.is_kv_producer else None
     return PDConnectorScheduler(config, block_manager, worker, region)

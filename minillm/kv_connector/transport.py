@@ -36,6 +36,7 @@ class KVRegion:
     shape: tuple[int, ...]
     dtype: str                   # the engine's dtype name: "float32", "bfloat16", ...
     device: str = ""             # cuda_ipc: the GPU's PCI bus id
+    model: str = ""              # the fingerprint of the weights whose KV it holds (fingerprint.py)
 
     @property
     def num_blocks(self) -> int:
@@ -45,7 +46,7 @@ class KVRegion:
     def to_dict(self) -> dict:
         """Plain data for a message."""
         return {"kind": self.kind, "handle": self.handle, "shape": list(self.shape), "dtype": self.dtype,
-                "device": self.device}
+                "device": self.device, "model": self.model}
 
     @classmethod
     def from_dict(cls, data) -> "KVRegion":
@@ -60,13 +61,14 @@ class KVRegion:
         if (not isinstance(shape, (list, tuple)) or len(shape) != 6
                 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape)):
             raise ValueError(f"the KV region's shape must be 6 positive integers, got {shape!r}")
-        dtype, device = data.get("dtype"), data.get("device", "")
-        if not isinstance(dtype, str) or not isinstance(device, str):
-            raise ValueError("the KV region's dtype and device must be strings")
-        return cls(kind, handle, tuple(shape), dtype, device)
+        dtype, device, model = data.get("dtype"), data.get("device", ""), data.get("model", "")
+        if not all(isinstance(v, str) for v in (dtype, device, model)):
+            raise ValueError("the KV region's dtype, device and model must be strings")
+        return cls(kind, handle, tuple(shape), dtype, device, model)
 
-    def check_compatible(self, shape: tuple[int, ...], dtype: str) -> None:
-        """ValueError unless blocks of this region fit a pool of `shape` and `dtype` one for one."""
+    def check_compatible(self, shape: tuple[int, ...], dtype: str, model: str = "") -> None:
+        """ValueError unless blocks of this region fit a pool of `shape` and `dtype` one for one, and
+        hold the KV of the weights with fingerprint `model` (where both regions name theirs)."""
         mine = (self.shape[:2], self.shape[3:], self.dtype)
         theirs = (tuple(shape[:2]), tuple(shape[3:]), dtype)
         if mine != theirs:
@@ -74,6 +76,9 @@ class KVRegion:
                              f"{list(mine[1])}, {mine[2]}) do not fit this engine's ({list(theirs[0])}, "
                              f"{list(theirs[1])}, {theirs[2]}): both must serve the same model with the "
                              f"same block size and dtype")
+        if self.model and model and self.model != model:
+            raise ValueError(f"the prefill engine serves other weights (fingerprint {self.model[:12]}) than this "
+                             f"engine ({model[:12]}): both must serve the same model")
 
 
 def _pid_alive(pid: int) -> bool:
