@@ -47,8 +47,10 @@ def model_label(model: str) -> str:
 class TitleBar(Static):
     """Model, device, where frames come from, and the PAUSED marker; no clock, so frames are stable."""
 
-    def show(self, stats: EngineStats | None, source_text: str, paused: bool, num_restarts: int = 0) -> None:
-        """Redraw the bar; num_restarts counts the times the counters went back to zero."""
+    def show(self, stats: EngineStats | None, source_text: str, paused: bool, num_restarts: int = 0,
+             warning: str = "") -> None:
+        """Redraw the bar; num_restarts counts the times the counters went back to zero; warning: a
+        problem that lasts (a recording that stopped)."""
         # Gaps get a style of their own: a gap inside the next run would be lost by SVG renderers
         # that drop a run's leading spaces (see render.spaced).
         text = Text().append(" ", style="on #5fafff").append("minillm monitor ", style="bold #000000 on #5fafff")
@@ -60,6 +62,8 @@ class TitleBar(Static):
         if num_restarts:
             times = f" ×{num_restarts}" if num_restarts > 1 else ""
             text.append("  ").append(f"↻ counters reset{times}", style="bold #ffd75f")
+        if warning:
+            text.append("  ").append(f"⚠ {printable(warning)}", style="bold #ff5f5f")
         if paused:
             text.append("  ").append(" ", style="on #ffd75f").append("❚❚ PAUSED ", style="bold #000000 on #ffd75f")
         self.update(text)
@@ -100,6 +104,7 @@ class MonitorApp(App[None]):
         self.frames_received = 0
         self.frames_shown = 0
         self.num_restarts = 0      # times the counters went back (a replay looped, a server restarted)
+        self.recording_problem = ""   # why the recording stopped, when it did
         self.title_bar: TitleBar | None = None
 
     def compose(self) -> ComposeResult:
@@ -131,7 +136,10 @@ class MonitorApp(App[None]):
 
     def on_unmount(self) -> None:
         if self.recorder is not None:
-            self.recorder.close()
+            try:
+                self.recorder.close()
+            except OSError:      # its last flush: the frames before it are on disk, and the dashboard is gone
+                pass
 
     @work(exclusive=True, group="stats")
     async def pump_stats(self) -> None:
@@ -139,7 +147,20 @@ class MonitorApp(App[None]):
         async for event in self.source.events(lambda: self.cells):
             self.post_message(_as_message(event))
             if isinstance(event, StatsFrame) and self.recorder is not None:
-                self.recorder.write(event.raw)
+                self.record(event.raw)
+
+    def record(self, raw: dict) -> None:
+        """Write a frame to the recording; one that fails (a full disk) ends the recording, not the dashboard."""
+        try:
+            self.recorder.write(raw)
+        except OSError as exc:
+            recorder, self.recorder = self.recorder, None
+            try:
+                recorder.close()
+            except OSError:
+                pass
+            self.recording_problem = f"recording stopped: {exc.strerror or exc}"
+            self._redraw_title()
 
     def on_stats_received(self, message: StatsReceived) -> None:
         self.frames_received += 1
@@ -208,7 +229,7 @@ class MonitorApp(App[None]):
 
     def _redraw_title(self) -> None:
         if self.title_bar is not None:  # None until composed (a watcher may fire first)
-            self.title_bar.show(self.stats, self.source_text, self.paused, self.num_restarts)
+            self.title_bar.show(self.stats, self.source_text, self.paused, self.num_restarts, self.recording_problem)
 
 
 def _as_message(event: SourceEvent):
