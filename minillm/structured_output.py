@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.numpy as llg_numpy
-from llguidance.gbnf_to_lark import is_lark_syntax
 import numpy as np
 
 from minillm.grammar_process import tokens_taken
@@ -421,9 +420,15 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
                                                       + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
     # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
     # them), which llguidance converts to Lark.
-    if not is_lark_syntax(text):
-        text = _GBNF_CODE_POINT.sub(_gbnf_code_point, text)
-    return llguidance.LLMatcher.grammar_from_lark(llguidance.grammar_from("grammar", text))
+    if not _LARK_START.search(text):
+        text = llguidance.grammar_from("grammar", _GBNF_CODE_POINT.sub(_gbnf_code_point, text))
+    return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+# A Lark grammar has a line that opens its start rule, as Lark writes it (`start:`, or `?start:`
+# inlined and `!start:` keeping its tokens, as in Lark's own grammars), or llguidance's %llguidance.
+# llguidance's is_lark_syntax misses the prefixed forms, which then went to the GBNF conversion.
+_LARK_START = re.compile(r"(?m)^\s*(?:%llguidance\b|[?!]?start\s*:)")
 
 
 # A GBNF escape: an escaped backslash (kept, so that \\u0041 stays text), or a code point \uXXXX / \UXXXXXXXX.

@@ -89,3 +89,12 @@ def test_a_schema_under_the_size_bound_is_taken_by_the_engine_core_too():
     assert len(json.dumps(schema, separators=(",", ":"))) < MAX_CONSTRAINT_CHARS
     params = StructuredOutputsParams(json=schema)
     assert across_the_wire(params).key == params.key
+
+
+@pytest.mark.parametrize("grammar", ['?start: value\n?value: "yes" | "no"', '// Lark\n!start: "yes" | "no"',
+                                     '%import common.WS\n?start : ANSWER\nANSWER: "yes" | "no"'])
+def test_a_lark_grammar_whose_start_rule_is_inlined_is_read_as_lark(manager, grammar):
+    # Lark writes ?start: (inlined) and !start: (tokens kept), as in its own example grammars, and
+    # llguidance's Lark takes them; they were read as GBNF, and refused as a GBNF syntax error.
+    params = StructuredOutputsParams(grammar=grammar)
+    assert accepts(manager, params, "yes") and not accepts(manager, params, "maybe")
