@@ -180,9 +180,10 @@ def _send_release(ctx, host: str, port: int, lease_id: str) -> None:
 
 
 def release_claim(ctx, claim: Claim | None) -> None:
-    """Give a claimed lease back without waiting, unless its request was handed over to the engine
-    (then the engine's KV connector releases it)."""
-    if claim is None or claim.is_handed_over or ctx.kv_claims is None:
+    """Give a claimed lease back without waiting, unless its request was handed over to an engine
+    that still runs (its KV connector releases it then). An engine that has died copies nothing
+    more, and would never release it: the lease is given back here, not left to run out."""
+    if claim is None or (claim.is_handed_over and not ctx.engine.has_failed) or ctx.kv_claims is None:
         return
     remote = claim.remote
     _send_release(ctx, remote.host, remote.port, remote.lease_id)
