@@ -125,3 +125,15 @@ def test_metrics_count_each_of_n_completions_as_a_request_as_vllm_does(http):
     assert grew('minillm:request_generation_tokens_bucket{le="5.0"}') == 3
     assert grew("minillm:request_prompt_tokens_sum") == grew("minillm:prompt_tokens_total")
     assert grew("minillm:inter_token_latency_seconds_count") == 3 * 3     # 3 gaps in each of 3 completions
+
+
+def test_messages_pass_chat_template_kwargs_to_the_template_as_vllm_does(http, healthy_stream):
+    # vLLM's /v1/messages takes chat_template_kwargs; here they were logged as an unknown field and
+    # dropped, so a client could not switch a template's options (and a reserved name went unnoticed).
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    response = http.post("/v1/messages", json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "chat_template_kwargs"
+    response = http.post("/v1/messages", json={**body, "chat_template_kwargs": {"enable_thinking": False},
+                                               "thinking": {"type": "enabled"}})
+    assert response.status_code == 200, response.text

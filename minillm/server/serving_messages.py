@@ -2,10 +2,10 @@
 
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools`
-(`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, and
-`thinking` {"type": "disabled"} the template's enable_thinking false, `output_config.format` (a JSON
-schema) the response_format; a final assistant message
-is a prefill, continued (continue_final_message) instead of answered. The chat job renders,
+(`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking`
+{"type": "disabled"} the template's enable_thinking false (vLLM's `chat_template_kwargs` are passed
+on), and `output_config.format` (a JSON schema) the response_format. A final assistant message is a
+prefill, continued (continue_final_message) instead of answered. The chat job renders,
 samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
 /v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
 with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
@@ -62,6 +62,7 @@ class MessagesRequest(_ModelRequest):
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None      # vLLM's, passed on to the template
 
     @field_validator("messages", "system", "tools", "tool_choice", "output_config")
     @classmethod
@@ -172,7 +173,7 @@ def chat_body(req: MessagesRequest) -> dict:
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
-              "chat_template_kwargs": {"enable_thinking": thinking != "disabled"} if thinking else None,
+              "chat_template_kwargs": _template_kwargs(req.chat_template_kwargs, thinking),
               "response_format": _response_format(req.output_config)}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
@@ -196,6 +197,14 @@ def _response_format(output_config: dict | None) -> dict | None:
                        param="output_config.format.type")
     schema = field_of(fmt, "schema", "output_config.format", dict)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def _template_kwargs(kwargs: dict | None, thinking: str | None) -> dict | None:
+    """The chat template's variables: the request's chat_template_kwargs, with enable_thinking as
+    `thinking` says where it is given."""
+    if thinking is not None:
+        return {**(kwargs or {}), "enable_thinking": thinking != "disabled"}
+    return kwargs
 
 
 def _thinking_type(thinking: dict | None) -> str | None:
