@@ -245,7 +245,7 @@ async def _two_events():
 @pytest.mark.parametrize("host, url", [("::1", "http://[::1]:8123"), ("127.0.0.1", "http://127.0.0.1:8123")])
 def test_the_start_up_line_gives_a_url_that_can_be_called(monkeypatch, capsys, host, url):
     import minillm.router as router_module
-    monkeypatch.setattr(router_module.uvicorn, "run", lambda *a, **kw: None)
+    monkeypatch.setattr(router_module.uvicorn.Server, "run", lambda *a, **kw: None)
     router_module.run_router(RouterConfig(("http://127.0.0.1:1",), ("http://127.0.0.1:1",)), host=host, port=8123)
     assert capsys.readouterr().err.startswith(f"minillm router: {url}, prefill ")
 
