@@ -420,7 +420,7 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
                                                       + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
     # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
     # them), which llguidance converts to Lark.
-    if not _LARK_START.search(text):
+    if "::=" in text and not _LARK_START.search(text):
         text = llguidance.grammar_from("grammar", _GBNF_CODE_POINT.sub(_gbnf_code_point, text))
     return llguidance.LLMatcher.grammar_from_lark(text)
 
@@ -428,6 +428,7 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
 # A Lark grammar has a line that opens its start rule, as Lark writes it (`start:`, or `?start:`
 # inlined and `!start:` keeping its tokens, as in Lark's own grammars), or llguidance's %llguidance.
 # llguidance's is_lark_syntax misses the prefixed forms, which then went to the GBNF conversion.
+# Text with neither is GBNF only if it has a `::=` rule; else it is Lark (whose error says what is missing).
 _LARK_START = re.compile(r"(?m)^\s*(?:%llguidance\b|[?!]?start\s*:)")
 
 

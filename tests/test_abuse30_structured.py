@@ -98,3 +98,13 @@ def test_a_lark_grammar_whose_start_rule_is_inlined_is_read_as_lark(manager, gra
     # llguidance's Lark takes them; they were read as GBNF, and refused as a GBNF syntax error.
     params = StructuredOutputsParams(grammar=grammar)
     assert accepts(manager, params, "yes") and not accepts(manager, params, "maybe")
+
+
+@pytest.mark.parametrize("grammar,error", [('value: "a"', "no start rule found"),
+                                           ('start: value\nvalue: ("a"', r"2\(\d+\): Expected token '\)'")])
+def test_a_lark_grammar_with_no_start_rule_or_a_syntax_error_is_told_as_lark(grammar, error):
+    # Text with no `::=` is no GBNF: it was converted as GBNF all the same when it had no start rule,
+    # and the error spoke of GBNF ("Expected ::= at line 1").
+    with pytest.raises(StructuredOutputsError, match=f"^grammar: invalid grammar: {error}") as err:
+        StructuredOutputsParams(grammar=grammar)
+    assert "GBNF" not in str(err.value)
