@@ -142,6 +142,8 @@ class StructuredOutputsParams:
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
         error = on_large_stack(_check_grammar, key)
         if error:
+            if _COERCE_ONE_OF in error:
+                error = error.strip() + _HOW_TO_COERCE_ONE_OF
             raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
         return key
 
@@ -158,6 +160,13 @@ class StructuredOutputsParams:
         if self.structural_tag is not None:
             raise StructuredOutputsError("structural_tag", f"{short_repr(self.structural_tag)} is not supported: "
                                          "minillm has no structural tags")
+
+
+# llguidance refuses a oneOf whose alternatives it cannot prove exclusive, asking to "enable" an
+# option that a schema sets itself, in its top-level "x-guidance" object; the error says where.
+_COERCE_ONE_OF = "Enable 'coerce_one_of'"
+_HOW_TO_COERCE_ONE_OF = (' (a schema reads its oneOf as anyOf with "x-guidance": {"coerce_one_of": true} at its top '
+                         "level: an output may then match more than one of the alternatives)")
 
 
 def _check_grammar(key: StructuredOutputKey) -> str:

@@ -108,3 +108,13 @@ def test_a_lark_grammar_with_no_start_rule_or_a_syntax_error_is_told_as_lark(gra
     with pytest.raises(StructuredOutputsError, match=f"^grammar: invalid grammar: {error}") as err:
         StructuredOutputsParams(grammar=grammar)
     assert "GBNF" not in str(err.value)
+
+
+def test_a_oneof_llguidance_cannot_prove_exclusive_says_how_to_read_it_as_anyof(manager):
+    # llguidance's error asks to "enable 'coerce_one_of'", an option no minillm or vLLM setting names;
+    # a schema sets it itself, in its top-level "x-guidance" object.
+    schema = {"type": "object", "properties": {"n": {"oneOf": [{"type": "integer"}, {"type": "number"}]}}}
+    with pytest.raises(StructuredOutputsError, match='"x-guidance": {"coerce_one_of": true}'):
+        StructuredOutputsParams(json=schema)
+    coerced = StructuredOutputsParams(json={**schema, "x-guidance": {"coerce_one_of": True}})
+    assert accepts(manager, coerced, '{"n":1.5}')
