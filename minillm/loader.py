@@ -28,15 +28,35 @@ def _read_config(path: Path) -> dict:
     return read_json_object(Path(path) / "config.json")
 
 
-def _architecture(cfg: dict) -> str:
-    """The decoder family of a config, or a ValueError naming the architecture and the supported ones."""
+# config.json "model_type" -> the architecture of a config that lists no "architectures" (transformers'
+# Auto classes pick the model class by model_type alone).
+MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def config_architecture(cfg: dict) -> str:
+    """The supported architecture a config names ("architectures", else its "model_type"), or a
+    ValueError naming what it names and the supported ones."""
     names = cfg.get("architectures") or []
     names = names if isinstance(names, list) else [names]    # one name, written without its list
     for name in names:
         if isinstance(name, str) and name in SUPPORTED_ARCHITECTURES:
             return name
-    shown = ", ".join(map(str, names)) if names else f"none (model_type {cfg.get('model_type')!r})"
-    raise ValueError(f"unsupported architecture {shown}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_type = cfg.get("model_type")
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    if names:
+        raise ValueError(f"unsupported architecture {', '.join(map(str, names))}; supported: {supported}")
+    if isinstance(model_type, str) and model_type in MODEL_TYPE_ARCHITECTURES:
+        return MODEL_TYPE_ARCHITECTURES[model_type]
+    if model_type is not None:
+        raise ValueError(f"unsupported model_type {short_repr(model_type)} (config.json lists no architectures); "
+                         f"supported: {supported} (model_type {', '.join(MODEL_TYPE_ARCHITECTURES)})")
+    raise ValueError(f'config.json names no architecture (neither "architectures" nor "model_type"); '
+                     f"supported: {supported}")
 
 
 def _require(cfg: dict, key: str) -> int:
@@ -217,7 +237,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
     """Read config.json into a ModelConfig (ValueError naming the field or architecture on bad input)."""
     path = Path(path)
     cfg = _read_config(path)
-    arch = _architecture(cfg)
+    arch = config_architecture(cfg)
     cfg = {**_ARCHITECTURE_DEFAULTS.get(arch, {}), **cfg}
     num_heads = _require(cfg, "num_attention_heads")
     hidden = _require(cfg, "hidden_size")

@@ -317,18 +317,19 @@ def list_local_models(download_dir: str | None = None) -> list[StoredModel]:
 
 def _runnable_note(path: Path) -> str:
     """Why minillm cannot run the snapshot at PATH ("" when it can)."""
-    from minillm.loader import SUPPORTED_ARCHITECTURES
+    from minillm.loader import config_architecture
 
     if not (path / "config.json").is_file():
         return "no config.json"
     if not _is_complete(path):
         return "no safetensors weights" if not any(path.glob("*.safetensors")) else "incomplete download"
     try:
-        names = read_json_object(path / "config.json").get("architectures") or []
+        cfg = read_json_object(path / "config.json")
     except (OSError, ValueError):      # not JSON, not UTF-8, or not an object
         return "unreadable config.json"
-    if not isinstance(names, list):
-        names = [str(names)]
-    if not any(n in SUPPORTED_ARCHITECTURES for n in names):
-        return f"architecture {', '.join(names) or 'unknown'} not supported"
+    try:
+        config_architecture(cfg)
+    except ValueError:
+        names = cfg.get("architectures") or cfg.get("model_type") or "unknown"
+        return f"architecture {', '.join(map(str, names)) if isinstance(names, list) else names} not supported"
     return ""
