@@ -111,6 +111,15 @@ def _template_files(path: Path) -> dict[str, str]:
     return files
 
 
+def _no_tokenizer_json(path: Path) -> str:
+    """Why a model directory without tokenizer.json cannot be read, and how to give it one."""
+    if not (path / "tokenizer.model").is_file():
+        return f"{path} has no tokenizer.json (only fast Hugging Face tokenizers are supported)"
+    return (f"{path} has tokenizer.model (a SentencePiece tokenizer) but no tokenizer.json, the fast tokenizer "
+            f"minillm reads; transformers (with sentencepiece) writes one beside it: python -c \"from transformers "
+            f"import AutoTokenizer; AutoTokenizer.from_pretrained({str(path)!r}).save_pretrained({str(path)!r})\"")
+
+
 def read_chat_template(value: str) -> str:
     """A chat template given as a file path or as the template itself (vLLM's --chat-template), compiled
     once here so a broken one fails at start-up."""
@@ -204,7 +213,7 @@ class Tokenizer:
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ValueError(f"{path} has no tokenizer.json (only fast Hugging Face tokenizers are supported)")
+            raise ValueError(_no_tokenizer_json(path))
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:   # the tokenizers library raises a bare Exception for a file it cannot parse
