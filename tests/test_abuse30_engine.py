@@ -136,6 +136,11 @@ CONFIGS = {
     "bs8-nocache-async": dict(block_size=8, num_kv_blocks=5, max_num_batched_tokens=9, max_num_seqs=3,
                               enable_prefix_caching=False, async_scheduling=True),
     "bs4-one-seq": dict(block_size=4, num_kv_blocks=9, max_num_batched_tokens=2, max_num_seqs=1),
+    "spec-async": dict(block_size=2, num_kv_blocks=16, max_num_batched_tokens=6, async_scheduling=True,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                                           "prompt_lookup_min": 1}),
+    "host-tier-step-factor": dict(block_size=4, num_kv_blocks=10, max_num_batched_tokens=8, kv_offload_gib=0.00005,
+                                  max_step_factor=2.0),
 }
 
 
@@ -145,11 +150,11 @@ def test_random_arrivals_and_aborts_keep_the_pool_consistent_and_outputs_as_alon
                                                                                   config, seed):
     rng = random.Random(seed)
     cfg = CONFIGS[config]
-    requests = [(f"r{i}", *random_request(rng, golden, MAX_MODEL_LEN, cfg["block_size"])) for i in range(9)]
+    requests = [(f"r{i}", *random_request(rng, golden, MAX_MODEL_LEN, cfg["block_size"])) for i in range(10)]
     engine = make_engine(stories_path, **cfg)
     pending, done, aborted, seen = list(requests), {}, set(), []
-    for _ in range(5000):
-        if pending and rng.random() < 0.4:
+    for num_steps in range(5000):
+        while pending and (num_steps == 0 and len(pending) > 6 or rng.random() < 0.4):
             rid, prompt, params = pending.pop(0)
             engine.add_request(rid, prompt, params)
             seen += engine.requests[rid].seqs
@@ -340,3 +345,22 @@ def test_priority_scheduling_is_refused_by_name_and_queues_nothing(stories_path)
     assert not engine.requests and not engine.scheduler.has_unfinished()
     with pytest.raises(ValueError, match="scheduling_policy"):
         LLM(str(stories_path), device="cpu", scheduling_policy="priority")
+
+
+def test_seeded_sampling_and_log_probabilities_under_preemption_are_as_alone(stories_path, golden, alone):
+    # A preempted sequence keeps its generator and its tokens: recomputing its K/V changes none of
+    # its samples, and its prompt log-probabilities (computed again) are reported once.
+    engine = make_engine(stories_path, block_size=2, num_kv_blocks=MAX_MODEL_LEN // 2, max_num_batched_tokens=5)
+    requests = {f"s{i}": (golden[i:2 * i + 5], SamplingParams(temperature=0.9, top_k=8, seed=i, n=1 + i % 2,
+                                                             logprobs=1, prompt_logprobs=i % 2, ignore_eos=True))
+                for i in range(6)}
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    done = drain(engine)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, (prompt, params) in requests.items():
+        assert completions(done[rid]) == alone(prompt, params), rid
+        out = done[rid]
+        assert all(len(c.logprobs) == len(c.token_ids) for c in out.outputs)
+        assert (out.prompt_logprobs is None) == (params.prompt_logprobs is None)
+        assert out.prompt_logprobs is None or len(out.prompt_logprobs) == len(prompt)
