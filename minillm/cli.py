@@ -184,6 +184,18 @@ def download_dir_option(value: str | None) -> str | None:
     return value
 
 
+def kv_cache_memory_bytes_option(value: str | None) -> int | None:
+    """--kv-cache-memory-bytes as vLLM reads it (4G, 512M, 1.5g, a plain byte count; 512MiB too); a
+    bad one is a usage error naming the option."""
+    if value is None:
+        return None
+    from minillm.config import parse_memory_bytes
+    try:
+        return parse_memory_bytes(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--kv-cache-memory-bytes'") from None
+
+
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
 ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (Annotated[Device, _engine_option(
@@ -210,8 +222,13 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--num-kv-blocks", "--num-gpu-blocks-override",
         help="KV pool size in blocks (default: sized from memory; vLLM's --num-gpu-blocks-override).")], None),
     "gpu_memory_utilization": (Annotated[float, _engine_option(
-        "--gpu-memory-utilization", help="Share of GPU memory the engine may use.")],
+        "--gpu-memory-utilization", help="Share of GPU memory the engine may use (not used on the CPU).")],
         _default("gpu_memory_utilization")),
+    "kv_cache_memory_bytes": (Annotated[Optional[str], _engine_option(
+        "--kv-cache-memory-bytes", metavar="BYTES", callback=kv_cache_memory_bytes_option,
+        help="Memory for the KV pool, as vLLM takes it: 4G or 512MiB (powers of two), 1.5g (powers of ten) or "
+             "bytes (default: on the GPU what --gpu-memory-utilization leaves; on the CPU $VLLM_CPU_KVCACHE_SPACE "
+             "GiB, else 4 GiB, capped at what --max-num-seqs sequences of --max-model-len can fill).")], None),
     "enable_prefix_caching": (Annotated[bool, _engine_option(
         "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prefixes.")],
         _default("enable_prefix_caching")),
@@ -338,9 +355,35 @@ def _long_name(opts: list[str]) -> str:
 
 def check_engine_options(ctx: typer.Context, model: str | None, options: dict, **overrides) -> None:
     """The engine options checked as EngineConfig checks them, before the model is fetched or loaded:
-    a bad value is a usage error naming its option."""
+    a bad value is a usage error naming its option. Then the CPU's settings (cpu_options)."""
     with option_values(ctx):
         engine_config(model or "", options, **overrides)
+    cpu_options(ctx, options)
+
+
+def cpu_options(ctx: typer.Context, options: dict) -> None:
+    """On the CPU backend, the KV budget checked against the memory there is (a usage error naming
+    --kv-cache-memory-bytes), and a line saying where it came from when a flag or the environment
+    set it, and that --gpu-memory-utilization is not used there."""
+    from importlib.util import find_spec
+
+    from minillm.device import KV_SPACE_VARIABLE, cpu_kv_budget
+    if not (options["device"] == "cpu" or options["device"] == "auto" and find_spec("cupy") is None):
+        return
+    notes = []
+    if options["num_kv_blocks"] is None:
+        with option_values(ctx):
+            budget = cpu_kv_budget(options["kv_cache_memory_bytes"])
+        if budget.source != "default":
+            from minillm.engine_stats import human_bytes
+            where = ("--kv-cache-memory-bytes" if budget.source == "kv_cache_memory_bytes"
+                     else f"{KV_SPACE_VARIABLE}={os.environ[KV_SPACE_VARIABLE].strip()}")
+            notes.append(f"CPU KV budget {human_bytes(budget.num_bytes)} from {where}")
+    if ctx.get_parameter_source("gpu_memory_utilization").name == "COMMANDLINE":
+        notes.append("--gpu-memory-utilization is not used on the CPU (--kv-cache-memory-bytes or "
+                     f"{KV_SPACE_VARIABLE} sizes the KV pool)")
+    if notes:
+        typer.echo(f"minillm: {'; '.join(notes)}", err=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -57,7 +58,9 @@ class EngineConfig:
     dtype: str = "auto"                  # "auto" | "float32" | "float16" | "bfloat16" (vLLM's "float", "half")
     block_size: int = 16
     num_kv_blocks: int | None = None     # None: sized from the memory budget
-    kv_cache_memory_bytes: int | None = None  # CPU budget for the pool (None: 1 GiB, capped by need)
+    # Bytes the KV pool may take (None: on the GPU what gpu_memory_utilization leaves; on the CPU
+    # VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB as vLLM's CPU backend; there capped by what it can use)
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -266,6 +269,32 @@ def check_kv_cache_dtype(name) -> None:
 def is_fp8_kv_cache(name: str) -> bool:
     """True when kv_cache_dtype asks for FP8 E4M3 storage."""
     return name in ("fp8", "fp8_e4m3")
+
+
+# vLLM's human_readable_int: lower-case suffixes are powers of ten (1k = 1000, decimals allowed),
+# upper-case ones powers of two (1K = 1024, whole numbers only); the IEC forms (Ki, MiB, ...) are taken too.
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)(?:([kmgt])|([KMGT])|([KMGT])iB?)?")
+SIZE_FORMS = "a number of bytes, with k/m/g/t for powers of ten (1.5g) or K/M/G/T, Ki/Mi/Gi/Ti or KiB/MiB/GiB/TiB " \
+             "for powers of two (4G, 512MiB)"
+
+
+def parse_memory_bytes(text: str) -> int:
+    """A byte count as vLLM's --kv-cache-memory-bytes reads one ("4G", "512M", "1.5g", "4096"),
+    or the IEC spelling ("512MiB"); a ValueError naming the forms for anything else."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(f"must be {SIZE_FORMS}; got {text!r}")
+    number, decimal, binary, iec = match.groups()
+    if decimal is not None:
+        return int(float(number) * _DECIMAL_SUFFIXES[decimal])
+    scale = _BINARY_SUFFIXES.get(binary or iec, 1)
+    if "." not in number:
+        return int(number) * scale
+    if iec is None:       # bytes, or vLLM's upper-case suffixes: whole numbers only, as vLLM takes them
+        raise ValueError(f"must be {SIZE_FORMS}; got {text!r}")
+    return int(float(number) * scale)
 
 
 def available_host_bytes() -> int | None:

@@ -15,12 +15,56 @@ segment, on the GPU as a plain cudaMalloc opened by CUDA IPC.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
-DEFAULT_CPU_KV_BYTES = 1 << 30
+from minillm.config import available_host_bytes
+
+# vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE GiB for the KV cache, 4 GiB when it is unset or 0.
+DEFAULT_CPU_KV_BYTES = 4 << 30
+KV_SPACE_VARIABLE = "VLLM_CPU_KVCACHE_SPACE"
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """The bytes a CPU KV pool may take and where the figure came from."""
+
+    num_bytes: int
+    source: str          # "kv_cache_memory_bytes", KV_SPACE_VARIABLE or "default"
+
+
+def cpu_kv_budget(kv_cache_memory_bytes: int | None) -> KVBudget:
+    """The CPU pool's budget: kv_cache_memory_bytes, else VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB
+    (at most half the memory available); a ValueError naming the setting past the available memory."""
+    available = available_host_bytes()
+    if kv_cache_memory_bytes:
+        budget = KVBudget(kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    elif (gib := kv_space_gib()) is not None:
+        budget = KVBudget(int(gib * 2**30), KV_SPACE_VARIABLE)
+    else:
+        return KVBudget(DEFAULT_CPU_KV_BYTES if available is None else min(DEFAULT_CPU_KV_BYTES, available // 2),
+                        "default")
+    if available is not None and budget.num_bytes > available:
+        raise ValueError(f"{budget.source} {budget.num_bytes / 2**30:.1f} GiB exceeds the {available / 2**30:.1f} "
+                         f"GiB of memory available; lower {budget.source}")
+    return budget
+
+
+def kv_space_gib() -> float | None:
+    """VLLM_CPU_KVCACHE_SPACE as a number of GiB (None when unset, empty or 0: the default)."""
+    text = os.environ.get(KV_SPACE_VARIABLE, "").strip()
+    try:
+        gib = float(text) if text else 0.0
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib < 0:
+        raise ValueError(f"{KV_SPACE_VARIABLE} must be a number of GiB for the CPU KV cache (0 or unset: "
+                         f"{DEFAULT_CPU_KV_BYTES >> 30} GiB), got {text!r}")
+    return gib or None
 
 
 def block_runs(src_ids: np.ndarray, dst_ids: np.ndarray) -> list[tuple[int, int, int]]:
@@ -111,8 +155,8 @@ class CpuDevice:
 
     def kv_cache_budget_bytes(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
                               activation_bytes, graph_bytes: int) -> int:
-        """Bytes the KV pool may take."""
-        return kv_cache_memory_bytes or DEFAULT_CPU_KV_BYTES
+        """Bytes the KV pool may take (cpu_kv_budget; gpu_memory_utilization is not used on the CPU)."""
+        return cpu_kv_budget(kv_cache_memory_bytes).num_bytes
 
     def used_bytes(self) -> int:
         """Memory the process holds (resident set)."""
