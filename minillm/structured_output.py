@@ -524,6 +524,7 @@ class CompiledGrammar:
     on_error: Callable[[], None] | None = field(default=None, repr=False)
     empty_only: bool = False          # the empty output is the only sentence: EOS is the one token allowed at the start
     remote_id: tuple[int, int] | None = field(default=None, repr=False)   # (grammar process, its id there), once sent
+    token_text: Callable[[int], str] | None = field(default=None, repr=False)  # a token's text (special ones too)
 
     def new_matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the output (a copy: microseconds, no recompilation)."""
@@ -664,6 +665,8 @@ _TOKEN_REFUSED = "doesn't satisfy the grammar"
 # tokenizer reads "<s>" in forced bytes as the special token; the grammar takes only its bytes).
 # 'ÿ' is the byte that marks a special token there.
 _SPECIAL_FORCED = "applying '\u00ff'"
+# The text forced where it failed: a token sampled from a row with nothing left fails there too.
+_FORCED_BYTES = re.compile(r"forced bytes: got '(.*?)'; applying")
 
 
 class StructuredOutputRequest:
@@ -787,13 +790,23 @@ class StructuredOutputRequest:
         if self._process is not None and self._process.failed:
             return f"structured_outputs: {error}; the output stops before its constraint is complete"
         message = f"structured_outputs: token {token_id} is not allowed by the grammar ({error})"
-        if _SPECIAL_FORCED in error:
+        if _SPECIAL_FORCED in error and self._is_forced_text(token_id, error):
             message += ("; the constraint's text holds the text of this special token of the tokenizer, which the "
                         "grammar's mask offers in its place and the grammar then refuses: such text cannot be matched")
         elif error == "refused" or _TOKEN_REFUSED in error:
             message += ("; with the grammar's mask applied, that happens when no token the grammar allows "
                         "is left to sample: the request's allowed_token_ids, bad_words or min_tokens excluded them all")
         return message
+
+    def _is_forced_text(self, token_id: int, error: str) -> bool:
+        """Whether the refused token's text and the text the grammar forced there begin alike: the mask
+        offered that special token for it. A row left with no token samples id 0 whatever is forced."""
+        forced = _FORCED_BYTES.search(error)
+        token_text = self.grammar.result().token_text
+        if forced is None or token_text is None:
+            return True
+        text = token_text(token_id)
+        return text.startswith(forced.group(1)) or forced.group(1).startswith(text)
 
 
 @dataclass
@@ -1014,7 +1027,8 @@ class StructuredOutputManager:
             self._compile_time_s += seconds
         allowed = np.flatnonzero(np.unpackbits(first_mask, bitorder="little"))
         empty_only = 0 < len(allowed) <= len(self._eos_token_ids) and set(allowed.tolist()) <= self._eos_token_ids
-        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids, empty_only=empty_only)
+        compiled = CompiledGrammar(key, grammar, seconds, template, self._eos_token_ids, empty_only=empty_only,
+                                   token_text=lambda token: tok.decode_str([token]))
         # A weak reference: a closure over compiled itself would make a cycle, and an evicted grammar
         # (its native tables, about half a MiB for a schema of a few hundred enum values) would wait
         # for the cycle collector, which a busy server runs too seldom to bound its memory.

@@ -7,6 +7,7 @@ import json
 import msgspec
 import pytest
 
+from minillm import LLM, SamplingParams
 from minillm.engine_core.core import sampling_fields
 from minillm.engine_core.messages import encoder
 from minillm.server.async_llm import _wire_constraint
@@ -118,3 +119,22 @@ def test_a_oneof_llguidance_cannot_prove_exclusive_says_how_to_read_it_as_anyof(
         StructuredOutputsParams(json=schema)
     coerced = StructuredOutputsParams(json={**schema, "x-guidance": {"coerce_one_of": True}})
     assert accepts(manager, coerced, '{"n":1.5}')
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["in-process", "grammar-process"])
+def llm(request, stories_path):
+    with LLM(str(stories_path), device="cpu", grammar_process=request.param) as llm:
+        yield llm
+
+
+@pytest.mark.parametrize("regex", ["yes", "[0-9]+"])
+def test_allowed_tokens_outside_a_forced_text_are_named_not_a_special_tokens_text(llm, regex):
+    # Where the grammar forces text ("yes"), the fully masked row's id 0 (a special token: <unk>) was
+    # refused with llguidance's "applying" error, and the message said the constraint's text held a
+    # special token's text, which it does not; the cause is allowed_token_ids.
+    letter = llm.get_tokenizer().encode("a", add_special_tokens=False)[-1]
+    params = SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[letter],
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "error" and out.token_ids == []
+    assert "excluded them all" in out.stop_reason and "special token" not in out.stop_reason, out.stop_reason
