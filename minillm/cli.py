@@ -229,6 +229,9 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         help="Memory for the KV pool, as vLLM takes it: 4G or 512MiB (powers of two), 1.5g (powers of ten) or "
              "bytes (default: on the GPU what --gpu-memory-utilization leaves; on the CPU $VLLM_CPU_KVCACHE_SPACE "
              "GiB, else 4 GiB, capped at what --max-num-seqs sequences of --max-model-len can fill).")], None),
+    "threads": (Annotated[Optional[int], _engine_option(
+        "--threads", "-t", min=1, metavar="N", help="BLAS threads of the CPU backend, as llama.cpp's -t (default: "
+        "$OPENBLAS_NUM_THREADS or $OMP_NUM_THREADS, else every CPU but one).")], None),
     "enable_prefix_caching": (Annotated[bool, _engine_option(
         "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prefixes.")],
         _default("enable_prefix_caching")),
@@ -312,7 +315,7 @@ def _plain(value):
 def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
     """The EngineConfig for a resolved model directory and the engine options given (--revision
     chose the directory: it is not passed on)."""
-    options = {k: v for k, v in options.items() if k != "revision"}
+    options = {k: v for k, v in options.items() if k not in ("revision", "threads")}
     return EngineConfig(model=model_path, **options, **overrides)
 
 
@@ -362,12 +365,16 @@ def check_engine_options(ctx: typer.Context, model: str | None, options: dict, *
 
 
 def cpu_options(ctx: typer.Context, options: dict) -> None:
-    """On the CPU backend, the KV budget checked against the memory there is (a usage error naming
+    """--threads for this process and those it starts (as OPENBLAS_NUM_THREADS and OMP_NUM_THREADS);
+    on the CPU backend, the KV budget checked against the memory there is (a usage error naming
     --kv-cache-memory-bytes), and a line saying where it came from when a flag or the environment
     set it, and that --gpu-memory-utilization is not used there."""
     from importlib.util import find_spec
 
-    from minillm.device import KV_SPACE_VARIABLE, cpu_kv_budget
+    from minillm.device import KV_SPACE_VARIABLE, THREAD_VARIABLES, cpu_kv_budget
+    if options["threads"] is not None:
+        for name in THREAD_VARIABLES:
+            os.environ[name] = str(options["threads"])
     if not (options["device"] == "cpu" or options["device"] == "auto" and find_spec("cupy") is None):
         return
     notes = []
