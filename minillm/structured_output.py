@@ -101,7 +101,9 @@ class StructuredOutputsParams:
     free to add whitespace can spend its whole budget on it). disable_additional_properties (vLLM's):
     every object schema with properties that does not say what other keys it takes takes none.
     whitespace_pattern and structural_tag (vLLM's) are taken only as None. Construction validates
-    and compile-checks the constraint (StructuredOutputsError, a ValueError naming the field).
+    and compile-checks the constraint (StructuredOutputsError, a ValueError naming the field); a
+    field set later is checked when the constraint is next used (a request added with it), as
+    vLLM reads the fields then. A dict or list changed in place is not seen: set the field anew.
     """
 
     json: str | dict | None = None
@@ -118,9 +120,17 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         self._key = self._validate()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if not name.startswith("_") and self.__dict__.get("_key") is not None:
+            super().__setattr__("_key", None)       # made anew, and checked, where it is next asked for
+
     @property
     def key(self) -> StructuredOutputKey:
-        """(kind, canonical text): equal constraints share a key, and so a compiled grammar."""
+        """(kind, canonical text): equal constraints share a key, and so a compiled grammar. A field
+        set since the key was made makes it anew (a StructuredOutputsError when it no longer holds)."""
+        if self._key is None:
+            self._key = self._validate()
         return self._key
 
     def _validate(self) -> StructuredOutputKey:

@@ -138,3 +138,18 @@ def test_allowed_tokens_outside_a_forced_text_are_named_not_a_special_tokens_tex
     out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "error" and out.token_ids == []
     assert "excluded them all" in out.stop_reason and "special token" not in out.stop_reason, out.stop_reason
+
+
+def test_a_constraint_changed_after_it_was_built_is_the_one_enforced(llm):
+    # vLLM reads a StructuredOutputsParams' fields when a request is added; here its key was made once,
+    # when it was built, and a script that set choice afterwards got the old choices ("pear").
+    constraint = StructuredOutputsParams(choice=["apple", "pear"])
+    constraint.choice = ["Lily", "Ben"]
+    params = SamplingParams(temperature=0, max_tokens=4, structured_outputs=constraint)
+    assert llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].text in ("Lily", "Ben")
+    constraint.choice = []
+    with pytest.raises(StructuredOutputsError, match="^choice: "):
+        llm.generate(["Once upon a time"], params, use_tqdm=False)
+    constraint.choice = None
+    constraint.json = {"type": "boolean"}
+    assert llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].text in ("true", "false")
