@@ -150,6 +150,15 @@ def error_fields(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
+def release_refused_claim(engine: LLMEngine, extra_args: Any) -> None:
+    """A refused add gives back the KV lease its params claimed: a decode server's API server
+    leaves the release to the engine once the add is on its way (its caller may have left while it
+    was in flight, and the refusal then reaches nobody)."""
+    connector = getattr(engine, "kv_connector", None)
+    if connector is not None and isinstance(extra_args, dict):
+        connector.request_refused(extra_args.get("kv_transfer_params"))
+
+
 # ---- the core --------------------------------------------------------------------------------
 
 class EngineCore:
@@ -170,6 +179,8 @@ class EngineCore:
                                                     command.arrival_time, command.prompt_block_keys,
                                                     command.cache_salt)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
+            extra = command.params.get("extra_args") if isinstance(command.params, dict) else None
+            release_refused_claim(self.engine, extra)
             return str(exc)
         return None
 

@@ -105,6 +105,10 @@ class KVConnectorScheduler:
     def request_finished(self, seq: Sequence) -> None:
         """seq has ended (any reason); its blocks are freed right after this returns."""
 
+    def request_refused(self, kv_transfer_params) -> None:
+        """The engine refused a request whose params held these kv_transfer_params (any value, as
+        the caller sent it): give back what they hold that the engine would have released."""
+
     def reset_cache(self) -> None:
         """Forget every prefix block it could supply (the engine's reset_prefix_cache, called only
         while no request is unfinished): later prompts are computed afresh."""

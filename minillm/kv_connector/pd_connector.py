@@ -283,6 +283,19 @@ class PDConnectorScheduler(KVConnectorScheduler):
             if state is not None and not state.is_released and not self._is_loading(state):
                 self._release(state)
 
+    def request_refused(self, kv_transfer_params) -> None:
+        """Consumer: release the lease a refused request claimed. Its API server may have left the
+        release to this engine (its caller left while the add was in flight); a second release of
+        a lease, from that server, is ignored by the producer."""
+        kv = kv_transfer_params
+        if self.releaser is None or not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True:
+            return
+        try:
+            remote = RemotePrefill.from_params(kv)
+        except (ValueError, TypeError):
+            return                              # no lease a claim could have granted
+        self.releaser.release(remote.host, remote.port, remote.lease_id)
+
     def _is_loading(self, state: ClaimState) -> bool:
         """Whether a launched step's load reads the claim's blocks."""
         return any(record.state is state for records in self._loading.values() for record in records)

@@ -30,7 +30,7 @@ import msgspec
 
 from minillm.engine import StepError, check_arrival_time, own_sampling_params
 from minillm.engine_core.core import (
-    FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP,
+    FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP, release_refused_claim,
 )
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.prompts import PromptType, request_add_special_tokens
@@ -551,6 +551,7 @@ class AsyncLLMEngine(Generate):
                                     arrival_time=command.arrival_time, cache_salt=command.cache_salt,
                                     tokenization_kwargs={"add_special_tokens": command.add_special_tokens})
         except Exception as exc:  # noqa: BLE001 - ValueError is a 400; anything else a 500
+            release_refused_claim(self.engine, command.params.extra_args)
             resolve_future(loop, command.done, error=exc)
             return
         if command.done.cancelled():
