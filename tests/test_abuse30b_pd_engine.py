@@ -50,7 +50,10 @@ def test_a_refused_add_whose_caller_left_releases_its_lease_thread_core(stories_
                 await async_engine.get_stats()
             return outputs
 
-        asyncio.run(main())
+        outputs = asyncio.run(main())
+        if refusal == "id-in-use":        # the caller that left aborted nothing of the request holding the id
+            assert outputs[-1].outputs[0].finish_reason == "length"
+            assert len(outputs[-1].outputs[0].token_ids) == 12
         wait_until_free(producer, timeout=10)
         assert lease_counts(producer) == (0, 1, 0)
         assert consumer.stats(cells=1).kv_num_used_blocks == 0

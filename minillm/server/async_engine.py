@@ -64,6 +64,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    stream: "RequestStream | None" = None   # only the request of this add (None: whichever holds the id)
 
 
 @dataclass
@@ -396,7 +397,12 @@ class AsyncLLMEngine(Generate):
         try:
             await done
         except asyncio.CancelledError:
-            self.abort(request_id)  # the caller left while the add was in flight
+            # The caller left while the add was in flight: abort its request if the engine took it,
+            # not another one that holds the id (an add refused as a duplicate aborts nothing).
+            try:
+                self._send(_Abort(request_id, stream))
+            except EngineDeadError:
+                pass
             raise
         return stream
 
@@ -517,7 +523,8 @@ class AsyncLLMEngine(Generate):
         elif isinstance(command, _Abort):
             # Its stream stays: the engine's next step reports the request finished by "abort",
             # which ends its caller's stream (vLLM's generate ends so too).
-            self.engine.abort_request(command.request_id)
+            if command.stream is None or self._streams.get(command.request_id) is command.stream:
+                self.engine.abort_request(command.request_id)
         elif isinstance(command, _Utility):
             try:
                 # Plain data, as the engine core process sends it.
