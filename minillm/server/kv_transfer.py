@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import heapq
+import itertools
 import json
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -39,19 +42,24 @@ MAX_CLAIM_MARGIN_S = 2.0               # a claim is used only while this much of
 MAX_FIELD_CHARS = 256                  # lease ids and hashes are 32 hex digits; a host name is at most 253
 
 
-@dataclass
+@dataclass(eq=False)
 class Claim:
     """A lease this decode server claimed for one request."""
 
     remote: RemotePrefill
     claim_s: float                     # the claim's round trip
+    lease_ends: float = math.inf       # time.monotonic() when the claimed lease runs out
+    handed: "HandedClaims | None" = None   # where it goes once handed over
     # The engine holds (or may hold) its request: from then on the engine's KV connector releases the
     # lease when the request ends, after any copy planned from it. A release from here could reach the
     # prefill server first, which may reuse the blocks before the copy reads them.
     is_handed_over: bool = False
 
     def hand_over(self) -> None:
-        """Mark the request as the engine's (release_claim leaves its lease to the connector)."""
+        """Mark the request as the engine's (release_claim leaves its lease to the connector, unless
+        the engine fails: then HandedClaims gives it back)."""
+        if not self.is_handed_over and self.handed is not None:
+            self.handed.add(self)
         self.is_handed_over = True
 
     def header(self, stats: dict | None) -> str:
@@ -62,6 +70,49 @@ class Claim:
                            "tokens": stats.get("num_tokens", 0), "blocks": stats.get("num_blocks", 0),
                            "bytes": stats.get("num_bytes", 0), "remote_engine_id": self.remote.engine_id},
                           separators=(",", ":"))
+
+
+class HandedClaims:
+    """The claims an engine holds (or may hold) the requests of, until their leases run out; all
+    given back when the engine fails. A request's API server may be done with it before the engine
+    is (its caller left and its abort is queued), and an engine that dies then releases nothing.
+    A lease that the engine had released already is ignored by its producer on a second release."""
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self._claims: list[tuple[float, int, Claim]] = []    # a heap by the time the lease runs out
+        self._order = itertools.count()
+        self._watcher: threading.Thread | None = None
+
+    def add(self, claim: Claim) -> None:
+        """Keep a claim handed to the engine (on the event loop), dropping those whose leases ran out."""
+        now = time.monotonic()
+        while self._claims and self._claims[0][0] <= now:
+            heapq.heappop(self._claims)
+        heapq.heappush(self._claims, (claim.lease_ends, next(self._order), claim))
+        if self._watcher is None:
+            loop = asyncio.get_running_loop()
+            self._watcher = threading.Thread(target=self._watch, args=(loop,), name="minillm-kv-claims",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        engine = self.ctx.engine
+        engine.ended.wait()
+        if engine.has_failed:
+            try:
+                loop.call_soon_threadsafe(self.release_all)
+            except RuntimeError:
+                pass                           # the loop is closed: the server is gone
+
+    def release_all(self) -> None:
+        """Give back every lease not run out yet (on the event loop; the engine has failed)."""
+        now = time.monotonic()
+        claims, self._claims = self._claims, []
+        for lease_ends, _, claim in claims:
+            if lease_ends > now:
+                remote = claim.remote
+                _send_release(self.ctx, remote.host, remote.port, remote.lease_id)
 
 
 def _bad(message: str, status: int = 400, code: str | None = None) -> APIError:
@@ -150,7 +201,9 @@ async def _claim(ctx, kv: dict, ids: list[int]) -> Claim:
     region = _granted_region(ctx, reply, host, port, lease_id)
     remote = RemotePrefill(lease_id, host, port, reply.engine_id, list(reply.block_ids), num_tokens, digest,
                            region, started + reply.lease_s - min(0.25 * reply.lease_s, MAX_CLAIM_MARGIN_S))
-    claim = Claim(remote, claim_s)
+    if ctx.kv_handed is None:
+        ctx.kv_handed = HandedClaims(ctx)
+    claim = Claim(remote, claim_s, started + reply.lease_s, ctx.kv_handed)
     if block_ids is not None and block_ids != remote.block_ids:
         release_claim(ctx, claim)
         raise _bad(f"remote_block_ids do not match lease {lease_id}'s blocks")

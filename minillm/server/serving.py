@@ -80,6 +80,7 @@ class ServingContext:
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_PREPROCESS_THREADS, thread_name_prefix="minillm-preprocess"))
     kv_claims: Any = None             # a decode server's ClaimClient (server/kv_transfer.py), made on first use
+    kv_handed: Any = None             # its HandedClaims (server/kv_transfer.py), made on first use
     # The model's sampling defaults for fields a request leaves unset (minillm/generation_config.py).
     sampling_defaults: dict = field(default_factory=dict)
     background: set = field(default_factory=set)   # fire-and-forget tasks, held until they end

@@ -1,0 +1,109 @@
+"""A decode server whose engine dies while a request it took holds a claimed lease: the API server
+gives the lease back at once (the dead engine would never release it), not at the lease's end;
+for a streamed request whose engine dies after its first token, and for a request whose caller left
+(its abort queued) just before the engine died, streamed or not."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+
+import httpx
+import pytest
+from core_hooks import install
+from test_server_helpers import CHAT_TEMPLATE, call_utility, get_stats, running_server, wait_for
+
+from minillm.server.app import ServerOptions
+
+BODY = {"model": "stories", "prompt": "Once upon a time there was a little girl named Lily who loved to play",
+        "temperature": 0, "max_tokens": 40, "ignore_eos": True}
+
+
+def leases_of(url: str) -> tuple[int, int, int]:
+    """A producer's (leases held, released, expired)."""
+    stats = get_stats(url)
+    return (stats["kv_transfer_num_leases"], stats["kv_transfer_leases_released"],
+            stats["kv_transfer_leases_expired"])
+
+
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_a_dead_decode_engine_gives_a_streamed_requests_lease_back(stories_path, engine_core):
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, engine_core="thread", options=options,
+                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
+            running_server(stories_path, engine_core=engine_core, options=options, core_hook=install,
+                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, d_engine):
+        first = httpx.post(f"{p_url}/v1/completions", timeout=60,
+                           json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert first.status_code == 200 and leases_of(p_url)[0] == 1
+        call_utility(d_engine, "pace_steps", 0.05)     # the stream cannot end before the engine dies
+        events = []
+        with httpx.stream("POST", f"{d_url}/v1/completions", timeout=60,
+                          json={**BODY, "stream": True,
+                                "kv_transfer_params": first.json()["kv_transfer_params"]}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 1:                   # the engine took the request and decodes it
+                    call_utility(d_engine, "fail_every_step", "injected fatal step failure")
+        assert events[-1] == "[DONE]" or "injected fatal step failure" in events[-1], events[-1]
+        error = next(json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e))
+        assert "injected fatal step failure" in error["error"]["message"]
+        assert wait_for(lambda: leases_of(p_url)[0] == 0, timeout=10)
+        assert leases_of(p_url) == (0, 1, 0)
+
+
+class BlockedFatalStep:
+    """A core_hook (engine on a thread): once armed, the next step waits to be let go, then raises an
+    error the engine cannot contain."""
+
+    def __init__(self) -> None:
+        self.is_armed = False
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def install(self, engine) -> None:
+        real_step = engine.step
+
+        def step():
+            if self.is_armed:
+                self.entered.set()
+                self.gate.wait(30)
+                raise RuntimeError("injected fatal step failure")
+            return real_step()
+
+        engine.step = step
+
+
+def http_post(url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST over a raw socket (closed by the caller: a client that hangs up) and return it."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_a_lease_whose_caller_left_just_before_its_engine_died_is_given_back(stories_path, stream):
+    fatal = BlockedFatalStep()
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, engine_core="thread", options=options,
+                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
+            running_server(stories_path, engine_core="thread", options=options, core_hook=fatal.install,
+                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, d_engine):
+        first = httpx.post(f"{p_url}/v1/completions", timeout=60,
+                           json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        assert first.status_code == 200 and leases_of(p_url)[0] == 1
+        fatal.is_armed = True
+        sock = http_post(d_url, "/v1/completions",
+                         {**BODY, "stream": stream, "kv_transfer_params": first.json()["kv_transfer_params"]})
+        assert fatal.entered.wait(30)             # the engine took the request and is in the step that loads it
+        sock.close()                              # the caller leaves: its API server queues the abort
+        assert wait_for(lambda: d_engine._commands.qsize() >= 1, timeout=10)   # its abort
+        fatal.gate.set()                          # the step fails before the abort is handled
+        assert d_engine.ended.wait(10) and d_engine.has_failed
+        assert wait_for(lambda: leases_of(p_url)[0] == 0, timeout=10)
+        assert leases_of(p_url) == (0, 1, 0)
