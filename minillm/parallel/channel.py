@@ -77,11 +77,16 @@ class ChannelWriter:
         return self._shm.size
 
     def close(self) -> None:
-        """Unmap and remove the segment."""
+        """Unmap and remove the segment, and drop the semaphores (the workers have stopped)."""
         if self._shm is not None:
             self._shm.close()
             self._shm.unlink()
             self._shm = None
+        # A spawn-context semaphore is named in /dev/shm until its last reference in this process
+        # goes: the handle's are the only ones, so dropping them removes the names now, not when
+        # the engine is garbage collected.
+        self.handle.ready.clear()
+        self.handle.ack = None
 
 
 class ChannelReader:

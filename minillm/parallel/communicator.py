@@ -64,11 +64,13 @@ class ShmGroup:
                                      [ctx.Semaphore(0) for _ in range(world_size)])
 
     def close(self) -> None:
-        """Unmap and remove the segment (ranks still attached keep their mapping until they exit)."""
+        """Unmap and remove the segment (ranks still attached keep their mapping until they exit),
+        and drop the barrier's semaphores (a collective after this is an error)."""
         if self.shm is not None:
             self.shm.close()
             self.shm.unlink()
             self.shm = None
+        self.handle.arrivals.clear()     # named in /dev/shm until rank 0's last reference goes
 
 
 class ShmCommunicator:
@@ -117,12 +119,14 @@ class ShmCommunicator:
             self._phase ^= 1
 
     def _barrier(self) -> None:
-        for r, sem in enumerate(self._arrivals):
-            if r != self.rank:
-                sem.release()
-        own = self._arrivals[self.rank]
+        # No semaphore is held in a local: the traceback of a failed wait keeps this frame, and
+        # a semaphore it held would keep its name in /dev/shm after the group is closed.
+        arrivals, rank = self._arrivals, self.rank
+        for r in range(self.world_size):
+            if r != rank:
+                arrivals[r].release()
         for _ in range(self.world_size - 1):
-            wait_for(lambda t: own.acquire(timeout=t), f"the other ranks at a collective (rank {self.rank})",
+            wait_for(lambda t: arrivals[rank].acquire(timeout=t), f"the other ranks at a collective (rank {rank})",
                      self._check_peers, self._timeout)
 
     def close(self) -> None:
