@@ -154,14 +154,23 @@ def fit_max_model_len(config: EngineConfig, requested: int, num_blocks: int) -> 
     if min(requested, capacity) < 2:      # no request could have a prompt token and a generated one
         raise ValueError(f"max_model_len {min(requested, capacity)} leaves no room for a prompt and a "
                          f"generated token; raise max_model_len"
-                         + ("" if requested < 2 else " or num_kv_blocks (the pool holds 1 token)"))
+                         + ("" if requested < 2 else f" or {pool_size_knob(config)} (the pool holds 1 token)"))
     if requested <= capacity:
         return requested
     if config.max_model_len is not None:
         raise ValueError(f"max_model_len {requested} needs {-(-requested // config.block_size)} "
                          f"KV blocks but the pool has {num_blocks}; lower max_model_len "
-                         f"or raise num_kv_blocks")
+                         f"or raise {pool_size_knob(config)}")
     return capacity
+
+
+def pool_size_knob(config: EngineConfig) -> str:
+    """The setting that sized the KV pool, for an error that asks for a larger one."""
+    if config.num_kv_blocks is not None:
+        return "num_kv_blocks"
+    if config.kv_cache_memory_bytes is not None:
+        return "kv_cache_memory_bytes"
+    return "kv_cache_memory_bytes (or gpu_memory_utilization on a GPU) or num_kv_blocks"
 
 
 def resolve_dtype(config: EngineConfig, backend: str, checkpoint_dtype: str) -> str:

@@ -104,7 +104,10 @@ class ModelRunner:
         budget = self.device.kv_cache_budget_bytes(
             cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
             lambda: activation_copies * self._profile_activation_bytes(max_model_len), graphs)
-        num_blocks = max(1, budget // per_block)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory_bytes {budget} holds no KV block: a block of "
+                             f"{self.block_size} tokens takes {per_block} bytes")
         if not self.device.kv_pool_fills_memory:
             enough = cfg.max_num_seqs * -(-max_model_len // self.block_size)
             num_blocks = min(num_blocks, enough)
