@@ -106,7 +106,8 @@ class ModelRunner:
             lambda: activation_copies * self._profile_activation_bytes(max_model_len), graphs)
         num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory_bytes {budget} holds no KV block: a block of "
+            source = "kv_cache_memory_bytes" if cfg.kv_cache_memory_bytes else "the KV budget"
+            raise ValueError(f"{source} {budget} holds no KV block: a block of "
                              f"{self.block_size} tokens takes {per_block} bytes")
         if not self.device.kv_pool_fills_memory:
             enough = cfg.max_num_seqs * -(-max_model_len // self.block_size)
