@@ -141,11 +141,31 @@ def run_main(main: Callable[[list[str]], int], prog: str, argv: list[str] | None
         return 1
 
 
+def memory_bytes(text: str) -> int:
+    """--kv-cache-memory-bytes's value as vLLM reads one ("4G", "512M", "1.5g", bytes), at least 1."""
+    from minillm.config import parse_memory_bytes
+    try:
+        value = parse_memory_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte; got {text!r}")
+    return value
+
+
+def add_kv_cache_memory_option(p: BenchParser) -> None:
+    """--kv-cache-memory-bytes: the KV pool's budget, as `minillm serve` takes it."""
+    p.add_argument("--kv-cache-memory-bytes", type=memory_bytes, default=None,
+                   help="Bytes of KV pool (4G, 512M, 1.5g or bytes; default: sized by the engine).")
+
+
 def add_engine_model_options(p: BenchParser) -> None:
-    """--model (default: random Qwen3-0.6B-shaped weights), --device and --gpu-memory-utilization."""
+    """--model (default: random Qwen3-0.6B-shaped weights), --device, --gpu-memory-utilization and
+    --kv-cache-memory-bytes."""
     p.add_argument("--model", help="Model directory (default: random weights in the Qwen3-0.6B shape, GPU only).")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"], help="Backend.")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.6, help="Share of the GPU's memory (GPU only).")
+    add_kv_cache_memory_option(p)
 
 
 def resolve_engine_device(args) -> None:
@@ -166,6 +186,8 @@ def engine_model_options(args, model: str, **options) -> dict:
         out.update(dtype="bfloat16", load_format="dummy")
     if args.device == "cuda":
         out["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.kv_cache_memory_bytes is not None:
+        out["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     return out
 
 

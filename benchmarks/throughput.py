@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
-                                         check_bounds, check_output_file, check_workload_tokens, run_main)
+                                         add_kv_cache_memory_option, check_bounds, check_output_file,
+                                         check_workload_tokens, run_main)
 from minillm.benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
 
 # nano-vllm's workload on a GPU; on the CPU (NumPy) a small one that finishes in seconds.
@@ -43,6 +44,7 @@ def parse_args(argv):
                    help="KV cache storage: auto (the model dtype) or fp8 (E4M3, one byte an element).")
     p.add_argument("--max-num-seqs", type=int, default=256, help="Most sequences in one step.")
     p.add_argument("--max-num-batched-tokens", type=int, default=16384, help="Token budget of one step.")
+    add_kv_cache_memory_option(p)
     p.add_argument("--max-model-len", type=int,
                    help=f"Longest prompt + output (default: {MAX_MODEL_LEN}, or the model's limit when lower).")
     p.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
@@ -130,7 +132,8 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     llm = LLM(model_dir, device=args.device, dtype=args.dtype, load_format="dummy" if dummy else "auto",
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype)
+              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
     llm.engine.metrics.timings.clear()

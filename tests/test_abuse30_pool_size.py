@@ -3,6 +3,8 @@ block is refused (it was rounded up to one block), and a max_model_len past the 
 the budget that was given, not for num_kv_blocks."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_cli import STORIES, run_main
 
@@ -38,3 +40,21 @@ def test_max_model_len_past_num_kv_blocks_still_names_num_kv_blocks(stories_path
     from minillm.llm import LLM
     with pytest.raises(ValueError, match="pool has 3; lower max_model_len or raise num_kv_blocks$"):
         LLM(str(stories_path), device="cpu", num_kv_blocks=3, max_model_len=512)
+
+
+def test_bench_throughput_takes_kv_cache_memory_bytes(capsys):
+    # bench parsed its own options without this one: "unrecognized arguments: --kv-cache-memory-bytes".
+    status, out, err = run_main(capsys, "bench", "throughput", "--model", str(STORIES), "--device", "cpu",
+                                "--num-seqs", "4", "--max-input-len", "16", "--max-output-len", "16",
+                                "--max-model-len", "48", "--kv-cache-memory-bytes", "64K", "--no-ceiling")
+    assert status == 0, err
+    # 64 KiB hold 3 blocks of 16 tokens: four requests of up to 32 tokens cannot all stay resident.
+    assert re.search(r"[1-9]\d* preemptions?\b", out), out
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "1.5G"])
+def test_bench_refuses_a_bad_kv_cache_memory_bytes_naming_it(capsys, value):
+    status, out, err = run_main(capsys, "bench", "throughput", "--model", str(STORIES), "--device", "cpu",
+                                "--kv-cache-memory-bytes", value)
+    assert (status, out) == (2, "")
+    assert "argument --kv-cache-memory-bytes:" in err and "Traceback" not in err
