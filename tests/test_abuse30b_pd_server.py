@@ -107,3 +107,29 @@ def test_a_lease_whose_caller_left_just_before_its_engine_died_is_given_back(sto
         assert d_engine.ended.wait(10) and d_engine.has_failed
         assert wait_for(lambda: leases_of(p_url)[0] == 0, timeout=10)
         assert leases_of(p_url) == (0, 1, 0)
+
+
+def serve_other_weights(engine) -> None:
+    """A core_hook: the decode engine's KV connector takes itself for an engine of other weights."""
+    engine.kv_connector.worker.model = "f" * 64
+
+
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_a_lease_released_twice_for_a_refused_add_is_released_once(stories_path, engine_core):
+    """The engine refuses a claimed request (a prefill engine of other weights): its API server and
+    its engine both give the lease back; the producer counts one release and nothing else changes."""
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, engine_core="thread", options=options,
+                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
+            running_server(stories_path, engine_core=engine_core, options=options, core_hook=serve_other_weights,
+                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, _):
+        for count in (1, 2):
+            first = httpx.post(f"{p_url}/v1/completions", timeout=60,
+                               json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+            assert first.status_code == 200
+            response = httpx.post(f"{d_url}/v1/completions", timeout=60,
+                                  json={**BODY, "kv_transfer_params": first.json()["kv_transfer_params"]})
+            assert response.status_code == 400 and "other weights" in response.text, response.text
+            assert response.json()["error"]["param"] == "kv_transfer_params"
+            assert wait_for(lambda: leases_of(p_url)[0] == 0, timeout=10)
+            assert leases_of(p_url) == (0, count, 0)
