@@ -904,6 +904,87 @@ def fill_rows(executor: Callable[[], llguidance.LLExecutor], pairs: list[tuple[l
 
 # ----------------------------------------------------------------------------- manager
 
+# A compile that runs longer fails its requests and stops holding a compile worker. llguidance's
+# lexer setup can take time that grows with the square of a regex's length (8,000 ".?" 4 s, a
+# regex of 16,000 [abc]{0,3} items 23 s, on one core), and the entry check does not build it.
+COMPILE_TIMEOUT_S = 10.0
+
+
+class _CompileFuture(Future):
+    """A compile's Future, with the constraint it compiles."""
+
+    def __init__(self, key: StructuredOutputKey) -> None:
+        super().__init__()
+        self.key = key
+
+
+class _CompileRunner:
+    """Compiles on threads of their own (with a large stack), at most num_workers of them counted
+    at a time, the rest queued in order (cancellable until they start). One that runs past
+    timeout_s is overdue and no longer counted: the queue moves on beside it (llguidance's work
+    cannot be stopped; its thread runs on to its end, and its result is cached as any)."""
+
+    def __init__(self, num_workers: int, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._num_workers = num_workers
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[_CompileFuture, Callable, tuple]] = deque()
+        self._running: dict[Future, float] = {}     # counted compiles -> when each started (monotonic)
+        self._overdue: set[Future] = set()          # compiles past timeout_s, still running
+        self._is_shut_down = False
+
+    def submit(self, key: StructuredOutputKey, fn: Callable, *args) -> _CompileFuture:
+        """A Future of fn(*args), run when a worker is free."""
+        fut = _CompileFuture(key)
+        with self._lock:
+            if self._is_shut_down:
+                raise RuntimeError("the compile pool is shut down")
+            self._queue.append((fut, fn, args))
+            self._start_queued()
+        return fut
+
+    def _start_queued(self) -> None:
+        """Start queued compiles while fewer than num_workers are counted (under _lock)."""
+        while self._queue and len(self._running) < self._num_workers and not self._is_shut_down:
+            fut, fn, args = self._queue.popleft()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            self._running[fut] = time.monotonic()
+            with _large_stack():
+                threading.Thread(target=self._run, args=(fut, fn, args), name="minillm-grammar", daemon=True).start()
+
+    def _run(self, fut: Future, fn: Callable, args: tuple) -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:         # the Future carries it to the requests
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+        with self._lock:
+            self._overdue.discard(fut)
+            if self._running.pop(fut, None) is not None:
+                self._start_queued()
+
+    def overdue(self) -> set[Future]:
+        """The compiles running past timeout_s (those found now stop being counted)."""
+        now = time.monotonic()
+        with self._lock:
+            for fut, started in list(self._running.items()):
+                if now - started > self.timeout_s:
+                    del self._running[fut]
+                    self._overdue.add(fut)
+            self._start_queued()
+            return set(self._overdue)
+
+    def shutdown(self) -> None:
+        """Cancel the queued compiles; running ones end on their own threads."""
+        with self._lock:
+            self._is_shut_down = True
+            queued, self._queue = self._queue, deque()
+        for fut, _, _ in queued:
+            fut.cancel()
+
+
 def _has_failed(fut: Future) -> bool:
     """A finished compile that raised or was cancelled (a pending one has not failed yet)."""
     return fut.done() and (fut.cancelled() or fut.exception() is not None)
@@ -924,12 +1005,14 @@ class StructuredOutputManager:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  max_num_seqs: int, num_compile_workers: int = 2, num_fill_threads: int | None = None,
                  max_cached_grammars: int = 256, disable_any_whitespace: bool = True,
-                 empty_host=np.empty, grammar_process: bool = False, register_host=None) -> None:
+                 empty_host=np.empty, grammar_process: bool = False, register_host=None,
+                 compile_timeout_s: float | None = None) -> None:
         self.vocab_size = int(vocab_size)
         self.disable_any_whitespace = disable_any_whitespace   # for requests that leave it None
         self._tokenizer_json = tokenizer_json
         self._eos_token_ids = frozenset(int(i) for i in eos_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers=num_compile_workers, thread_name_prefix="minillm-grammar")
+        self._pool = _CompileRunner(num_compile_workers,
+                                    COMPILE_TIMEOUT_S if compile_timeout_s is None else compile_timeout_s)
         self._fill_threads = num_fill_threads if num_fill_threads is not None else default_fill_threads()
         self._executor: llguidance.LLExecutor | None = None
         self._mask_thread: ThreadPoolExecutor | None = None   # fills the step's masks beside the engine thread
@@ -996,8 +1079,7 @@ class StructuredOutputManager:
             if fut is not None and not _has_failed(fut):
                 self._cache.move_to_end(key)
                 return fut
-            with _large_stack():           # the pool starts its threads in submit
-                fut = self._pool.submit(self._compile, params.key, no_whitespace)
+            fut = self._pool.submit(params.key, self._compile, params.key, no_whitespace)
             self._cache[key] = fut
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
@@ -1123,12 +1205,14 @@ class StructuredOutputManager:
             seq.structured_output.move_to(self._process)
 
     def take_failed(self) -> list[tuple[Any, str]]:
-        """(sequence, message) for the unfinished sequences whose grammar failed to compile; the
-        sequences whose grammar is done are forgotten, and a compile that no unfinished sequence
-        waits for any more (its requests aborted) is cancelled if it has not started."""
+        """(sequence, message) for the unfinished sequences whose grammar failed to compile, or
+        whose compile has run past the compile timeout; the sequences whose grammar is done are
+        forgotten, and a compile that no unfinished sequence waits for any more (its requests
+        aborted) is cancelled if it has not started."""
         failed, still, dropped = [], [], set()
         if self._process is not None and self._process.failed and self._compiling:
             self._restart_process()
+        overdue = self._pool.overdue() if self._compiling else set()
         for seq in self._compiling:
             request = seq.structured_output
             if seq.is_finished:
@@ -1137,6 +1221,10 @@ class StructuredOutputManager:
             if request.is_ready:
                 continue
             error = request.compile_error
+            if error is None and request.grammar in overdue:
+                kind = request.grammar.key[0].value
+                error = (f"structured_outputs.{kind}: the {_WHAT[kind]} took more than {self._pool.timeout_s:g} s "
+                         "to compile")
             if error is not None:
                 failed.append((seq, error))
             else:
@@ -1311,7 +1399,7 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         """Stop the compile pool (pending compiles are cancelled) and the mask thread."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
         if self._process is not None:

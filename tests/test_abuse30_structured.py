@@ -7,14 +7,20 @@ import json
 import msgspec
 import pytest
 
+import minillm.structured_output as so
 from minillm import LLM, SamplingParams
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine
 from minillm.engine_core.core import sampling_fields
 from minillm.engine_core.messages import encoder
 from minillm.server.async_llm import _wire_constraint
 from minillm.structured_output import (MAX_CONSTRAINT_CHARS, StructuredOutputManager, StructuredOutputsError,
                                        StructuredOutputsParams)
+import test_structured_engine
 
 VOCAB = 512
+gated_compile = test_structured_engine.gated_compile        # a fixture
+run_until = test_structured_engine.run_until
 OPEN = {"type": "object", "properties": {"a": {"type": "integer"},
                                          "b": {"type": "object", "properties": {"c": {"type": "integer"}}}}}
 
@@ -153,3 +159,36 @@ def test_a_constraint_changed_after_it_was_built_is_the_one_enforced(llm):
     constraint.choice = None
     constraint.json = {"type": "boolean"}
     assert llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0].text in ("true", "false")
+
+
+def test_a_compile_past_the_timeout_fails_its_requests_and_frees_its_worker(stories_path, gated_compile, monkeypatch):
+    # A regex of 16,000 [abc]{0,3} items takes llguidance 23 s to compile (8,000 ".?" 4 s; the time
+    # grows with the square of the length) and passes the entry check: two such requests held both
+    # compile workers, and every later constrained request, whatever its constraint, waited behind them.
+    monkeypatch.setattr(so, "COMPILE_TIMEOUT_S", 1.0)
+    engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu"))
+    gates = []
+    for i in range(2):                      # both compile workers held, as by a slow compile
+        slow = StructuredOutputsParams(regex=f"slow{i}")
+        gates.append(gated_compile(slow))
+        engine.add_request(f"slow{i}", "Once upon a time", SamplingParams(temperature=0, max_tokens=8,
+                                                                          structured_outputs=slow))
+    for _, entered in gates:
+        assert entered.wait(timeout=120)
+    later = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="later"))
+    engine.add_request("later", "Once upon a time", later)
+    engine.add_request("plain", "Once upon a time", SamplingParams(temperature=0, max_tokens=8))
+    try:
+        outs = run_until(engine, lambda o: all(k in o and o[k].finished for k in ("slow0", "slow1", "later", "plain")),
+                         max_steps=500)
+        for i in range(2):
+            failed = outs[f"slow{i}"].outputs[0]
+            assert failed.finish_reason == "error" and failed.token_ids == []
+            assert failed.stop_reason.startswith("structured_outputs.regex: the regular expression took more than 1 s "
+                                                 "to compile"), failed.stop_reason
+        assert (outs["later"].outputs[0].text, outs["later"].outputs[0].finish_reason) == ("later", "stop")
+        assert outs["plain"].outputs[0].finish_reason == "length"
+    finally:
+        for gate, _ in gates:
+            gate.set()
+        engine.shutdown()
