@@ -147,7 +147,7 @@ class StructuredOutputsParams:
         key = _canonical_key(name, getattr(self, name))
         if key[0] is StructuredOutputOptions.JSON and self.disable_additional_properties:
             key = (key[0], _with_closed_objects(key[1]))    # before the bound: the core counts this text
-        if key[0] in _RECURSIVE_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
+        if key[0] in _BOUNDED_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
         error = on_large_stack(_check_grammar, key)
@@ -192,7 +192,9 @@ def _check_grammar(key: StructuredOutputKey) -> str:
 # chain through, on the calling thread's stack: a chain of a few hundred to a few thousand
 # overflows an 8 MiB stack and kills the process. So its work runs on threads with a large stack,
 # and a schema's or grammar's text is bounded, which keeps the deepest chain that fits well inside
-# that stack (about 13 KiB of stack per $ref at 30 characters or more each).
+# that stack (about 13 KiB of stack per $ref at 30 characters or more each). A regex's text is
+# bounded too: llguidance's lexer setup for one can take time that grows with the square of its
+# length (see COMPILE_TIMEOUT_S), and a compile past the timeout still runs to its end.
 _GRAMMAR_STACK_BYTES = 256 << 20
 MAX_CONSTRAINT_CHARS = 128 * 1024
 _stack_lock = threading.Lock()
@@ -349,7 +351,8 @@ def _ends_in_lone_backslash(regex: str) -> bool:
 
 
 _JSON_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.JSON_OBJECT)
-_RECURSIVE_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.GRAMMAR)   # rules, $refs
+# Kinds whose text is bounded by MAX_CONSTRAINT_CHARS (rules and $refs recurse; a regex's setup is slow).
+_BOUNDED_KINDS = (StructuredOutputOptions.JSON, StructuredOutputOptions.GRAMMAR, StructuredOutputOptions.REGEX)
 # llguidance's error when a mask allows no token at all and the output may not end there: the
 # constraint matches nothing (a regex like [^\s\S], a $ref cycle, a rule only left-recursive).
 _NO_TOKEN_ALLOWED = "NoExtensionBias"

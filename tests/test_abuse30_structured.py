@@ -192,3 +192,12 @@ def test_a_compile_past_the_timeout_fails_its_requests_and_frees_its_worker(stor
         for gate, _ in gates:
             gate.set()
         engine.shutdown()
+
+
+def test_a_regex_past_the_size_bound_is_refused_where_it_enters():
+    # A schema or grammar past MAX_CONSTRAINT_CHARS was refused, a regex of any length taken: one of
+    # 16 MiB (what the server reads) would hold a compile thread for hours after its request failed.
+    with pytest.raises(StructuredOutputsError, match=f"^regex: the regular expression is {MAX_CONSTRAINT_CHARS + 1} "
+                                                     f"characters long; at most {MAX_CONSTRAINT_CHARS} are taken"):
+        StructuredOutputsParams(regex="a" * (MAX_CONSTRAINT_CHARS + 1))
+    assert StructuredOutputsParams(regex="a" * MAX_CONSTRAINT_CHARS).key[1] == "a" * MAX_CONSTRAINT_CHARS
