@@ -5,13 +5,13 @@ for a streamed request whose engine dies after its first token, and for a reques
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 
 import httpx
 import pytest
-from core_hooks import install
-from test_server_helpers import CHAT_TEMPLATE, call_utility, get_stats, running_server, wait_for
+from test_server_helpers import CHAT_TEMPLATE, get_stats, running_server, wait_for
 
 from minillm.server.app import ServerOptions
 
@@ -26,17 +26,50 @@ def leases_of(url: str) -> tuple[int, int, int]:
             stats["kv_transfer_leases_expired"])
 
 
+class FailAfterFirstOutput:
+    """A core_hook (picklable, for either engine core): the step after the first that returned an
+    output waits until the FIFO at path is opened for writing and closed, then raises an error the
+    engine cannot contain."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __call__(self, engine) -> None:
+        real_step, seen = engine.step, []
+
+        def step():
+            if seen:
+                with open(self.path) as fifo:
+                    fifo.read()
+                raise RuntimeError("injected fatal step failure")
+            outputs = real_step()
+            seen.extend(outputs)
+            return outputs
+
+        engine.step = step
+
+
+def let_go(path: str) -> None:
+    """Open the FIFO a FailAfterFirstOutput step waits on, and close it (a failure if it never waits)."""
+    opener = threading.Thread(target=lambda: open(path, "w").close(), daemon=True)
+    opener.start()
+    opener.join(30)
+    assert not opener.is_alive(), "the engine never waited on its FIFO"
+
+
 @pytest.mark.parametrize("engine_core", ["thread", "process"])
-def test_a_dead_decode_engine_gives_a_streamed_requests_lease_back(stories_path, engine_core):
+def test_a_dead_decode_engine_gives_a_streamed_requests_lease_back(stories_path, engine_core, tmp_path):
+    fifo = str(tmp_path / "fail")
+    os.mkfifo(fifo)
     options = ServerOptions(chat_template=CHAT_TEMPLATE)
     with running_server(stories_path, engine_core="thread", options=options,
                         kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
-            running_server(stories_path, engine_core=engine_core, options=options, core_hook=install,
-                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, d_engine):
+            running_server(stories_path, engine_core=engine_core, options=options,
+                           core_hook=FailAfterFirstOutput(fifo),
+                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, _):
         first = httpx.post(f"{p_url}/v1/completions", timeout=60,
                            json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
         assert first.status_code == 200 and leases_of(p_url)[0] == 1
-        call_utility(d_engine, "pace_steps", 0.05)     # the stream cannot end before the engine dies
         events = []
         with httpx.stream("POST", f"{d_url}/v1/completions", timeout=60,
                           json={**BODY, "stream": True,
@@ -47,8 +80,7 @@ def test_a_dead_decode_engine_gives_a_streamed_requests_lease_back(stories_path,
                     continue
                 events.append(line[6:])
                 if len(events) == 1:                   # the engine took the request and decodes it
-                    call_utility(d_engine, "fail_every_step", "injected fatal step failure")
-        assert events[-1] == "[DONE]" or "injected fatal step failure" in events[-1], events[-1]
+                    let_go(fifo)
         error = next(json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e))
         assert "injected fatal step failure" in error["error"]["message"]
         assert wait_for(lambda: leases_of(p_url)[0] == 0, timeout=10)
