@@ -16,16 +16,20 @@ are 400s, as they are on a vLLM server without its response store.
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from typing import Any
 
 from fastapi import Request
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
-from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
+from minillm.server.protocol import (
+    ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, check_text,
+)
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.structured import _refuse_unknown_keys
 from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
@@ -48,6 +52,34 @@ TEXT_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
                     "json_schema": ("type", "name", "schema", "strict", "description")}
 # include values there is nothing to include for (no encrypted reasoning is made): taken, changing nothing.
 INCLUDE_NOTHING = ("reasoning.encrypted_content",)
+# The request's fields of free JSON that the response carries back as they came.
+ECHOED_AS_SENT = ("tools", "tool_choice", "reasoning", "text")
+
+
+def check_json_value(value: Any, where: str) -> None:
+    """A 400 naming the place in value (where, as this API names fields) of a string with a lone
+    surrogate or a number that is NaN or infinite: neither can be written back as JSON. Iterative, so
+    that a value as deep as the JSON reader takes does not exhaust the stack."""
+    pending = [(value, where)]
+    while pending:
+        item, at = pending.pop()
+        if isinstance(item, str):
+            try:
+                check_text(item)
+            except PydanticCustomError as exc:
+                raise APIError(400, f"{at}: {exc.message()}", param=at) from None
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise APIError(400, f"{at}: Input should be a finite number, got {json.dumps(item)}", param=at)
+        elif isinstance(item, dict):
+            for key in item:
+                try:
+                    check_text(key)
+                except PydanticCustomError:
+                    raise APIError(400, f"{at} has a key that is not valid Unicode (a lone surrogate such as "
+                                   f"\\ud800)", param=at) from None
+            pending += reversed([(member, f"{at}.{key}") for key, member in item.items()])
+        elif isinstance(item, list):
+            pending += reversed([(member, f"{at}[{i}]") for i, member in enumerate(item)])
 
 
 class ResponsesRequest(_ModelRequest):
@@ -68,16 +100,24 @@ class ResponsesRequest(_ModelRequest):
     previous_response_id: Text | None = None
     background: bool = False
     truncation: Text | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: dict[Text, Text] | None = None          # OpenAI's (and vLLM's) metadata: strings to strings
     user: Text | None = None
     include: list[Text] | None = None
     request_id: Text | None = None
 
-    @field_validator("input", "tools", "tool_choice", "text")
+    @field_validator("input")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """Text deep in the items is checked here, so an error names this API's field."""
         return _check_json_text(value)
+
+    @model_validator(mode="after")
+    def _echoed_as_json(self) -> ResponsesRequest:
+        """The fields the response echoes as sent hold only what JSON can carry back (a 400 naming
+        where one does not: a 500, or a stream cut after its headers, otherwise)."""
+        for name in ECHOED_AS_SENT:
+            check_json_value(getattr(self, name), name)
+        return self
 
 
 def _new_id(prefix: str) -> str:

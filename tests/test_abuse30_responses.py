@@ -1,0 +1,115 @@
+"""POST /v1/responses as real clients send it: fields the response echoes must be ones JSON can carry
+back, the openai SDK's own reading of a reply and of a stream (plain, streamed, and its stream helper's
+final response), and the fields OpenAI's API bounds refused with a 400 that names them."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_server_helpers import chat_model_dir, openai_error, running_server
+
+STORY = "Tom had a red ball."
+
+
+@pytest.fixture(scope="module")
+def url(stories_path, tmp_path_factory):
+    """The base URL of a server of stories260K with a chat template, on the CPU."""
+    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
+    with running_server(model, max_model_len=256) as (base_url, _):
+        yield base_url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def post_text(url: str, text: str, stream: bool) -> httpx.Response:
+    """POST a body written as JSON text (bare NaN, escapes of lone surrogates) to /v1/responses."""
+    body = f'{{"model": "stories", "input": "Hi", "max_output_tokens": 2, "stream": {json.dumps(stream)}, {text}}}'
+    return httpx.post(f"{url}/v1/responses", content=body.encode(), timeout=60,
+                      headers={"Content-Type": "application/json"})
+
+
+# A field the response echoes, with a value JSON cannot carry back (a lone surrogate, NaN, Infinity):
+# (the field as JSON text, the param of the 400).
+UNWRITABLE = {
+    "metadata surrogate value": ('"metadata": {"k": "\\ud800"}', "metadata.k"),
+    "metadata surrogate key": ('"metadata": {"\\udfff": "v"}', "metadata"),
+    "metadata NaN": ('"metadata": {"k": NaN}', "metadata.k"),
+    "metadata 1e999": ('"metadata": {"k": 1e999}', "metadata.k"),
+    "tools Infinity": ('"tools": [{"type": "function", "name": "f", "parameters": {"type": "object", '
+                       '"properties": Infinity}}], "tool_choice": "none"', "tools[0].parameters.properties"),
+    "tools surrogate": ('"tools": [{"type": "function", "name": "f", "description": "\\ud800"}], '
+                        '"tool_choice": "none"', "tools[0].description"),
+    "tool_choice NaN": ('"tools": [{"type": "function", "name": "f"}], '
+                        '"tool_choice": {"type": "function", "name": "f", "x": NaN}', "tool_choice.x"),
+    "reasoning NaN": ('"reasoning": {"effort": "low", "x": NaN}', "reasoning.x"),
+    "reasoning surrogate": ('"reasoning": {"effort": "low", "x": ["\\udc00"]}', "reasoning.x[0]"),
+    "text NaN": ('"text": {"format": {"type": "text"}, "verbosity": NaN}', "text.verbosity"),
+    "text.format.schema -Infinity": ('"text": {"format": {"type": "json_schema", "name": "n", "schema": '
+                                     '{"type": "number", "maximum": -Infinity}}}', "text.format.schema.maximum"),
+    "instructions surrogate": ('"instructions": "\\ud800"', "instructions"),
+    "user surrogate": ('"user": "a\\udfffb"', "user"),
+    "include surrogate": ('"include": ["\\ud800"]', "include[0]"),
+    "previous_response_id surrogate": ('"previous_response_id": "\\ud800"', "previous_response_id"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+@pytest.mark.parametrize("field, param", list(UNWRITABLE.values()), ids=list(UNWRITABLE))
+def test_an_echoed_field_json_cannot_carry_back_is_a_400_naming_it(url, field, param, stream):
+    # The response echoed metadata, tools, tool_choice, reasoning and text as sent: a 500 (a lone
+    # surrogate cannot be encoded, NaN cannot be written), or a stream cut after its headers.
+    openai_error(post_text(url, field, stream), 400, param)
+
+
+def test_metadata_values_are_strings_as_in_openai_and_vllm(url):
+    # OpenAI's metadata (and vLLM's Metadata type) maps strings to strings; other values were echoed.
+    for value in (5, None, ["a"], {"b": "c"}, True):
+        response = httpx.post(f"{url}/v1/responses", timeout=60, json={
+            "model": "stories", "input": "Hi", "max_output_tokens": 1, "metadata": {"k": value}})
+        openai_error(response, 400, "metadata.k")
+    reply = client(url).responses.create(model="stories", input="Hi", max_output_tokens=1,
+                                         metadata={"topic": "ball", "ünï": "çödé"})
+    assert reply.metadata == {"topic": "ball", "ünï": "çödé"}
+
+
+# ---- the openai SDK's reading of a reply ---------------------------------------------------------------
+
+def test_a_reply_that_stopped_is_completed_and_one_cut_by_max_output_tokens_incomplete(url):
+    c = client(url)
+    stopped = c.responses.create(model="stories", input=STORY, temperature=0, extra_body={"stop": ["."]})
+    assert stopped.status == "completed" and stopped.incomplete_details is None and stopped.error is None
+    assert stopped.output_text and "." not in stopped.output_text
+    usage = stopped.usage
+    assert usage.output_tokens > 0 and usage.total_tokens == usage.input_tokens + usage.output_tokens
+    cut = c.responses.create(model="stories", input=STORY, temperature=0, max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3 and cut.output_text
+
+
+def test_a_stream_ends_with_response_completed_when_the_reply_stopped(url):
+    c = client(url)
+    request = dict(model="stories", input=STORY, temperature=0, extra_body={"stop": ["."]})
+    whole = c.responses.create(**request)
+    events = list(c.responses.create(stream=True, **request))
+    assert [e.type for e in events][-1] == "response.completed"
+    final = events[-1].response
+    assert (final.status, final.output_text, final.usage.output_tokens) == (
+        "completed", whole.output_text, whole.usage.output_tokens)
+    assert final.id == events[0].response.id and [e.sequence_number for e in events] == list(range(len(events)))
+    # The SDK's stream helper finds its final response in response.completed (it raises without one).
+    with c.responses.stream(**request) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        helper = stream.get_final_response()
+    assert helper.status == "completed" and helper.output_text == text == whole.output_text
+
+
+def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(url):
+    events = list(client(url).responses.create(model="stories", input=STORY, temperature=0, max_output_tokens=3,
+                                               stream=True))
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.status == "incomplete"
+    assert final.response.incomplete_details.reason == "max_output_tokens" and final.response.usage.output_tokens == 3
