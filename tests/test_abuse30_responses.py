@@ -10,6 +10,9 @@ import openai
 import pytest
 from test_server_helpers import chat_model_dir, openai_error, running_server
 
+from minillm.server.protocol import unknown_fields
+from minillm.server.serving_responses import ResponsesRequest, chat_body
+
 STORY = "Tom had a red ball."
 
 
@@ -113,3 +116,36 @@ def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(url):
     final = events[-1]
     assert final.type == "response.incomplete" and final.response.status == "incomplete"
     assert final.response.incomplete_details.reason == "max_output_tokens" and final.response.usage.output_tokens == 3
+
+
+# ---- fields OpenAI's API bounds, and vLLM's extensions ---------------------------------------------------
+
+@pytest.mark.parametrize("body, param", [
+    ({"text": {"verbosity": "loud"}}, "text.verbosity"),
+    ({"text": {"format": {"type": "text"}, "verbosity": 3}}, "text.verbosity"),
+    ({"top_logprobs": -1}, "top_logprobs"),
+    ({"top_logprobs": 21}, "top_logprobs"),
+    ({"top_logprobs": 1.5}, "top_logprobs"),
+    ({"top_logprobs": "3"}, "top_logprobs"),
+])
+def test_a_value_outside_what_openai_takes_is_a_400_naming_the_field(url, body, param):
+    # Taken without a word before: text.verbosity of any value, and top_logprobs of any type (logged as ignored).
+    response = httpx.post(f"{url}/v1/responses", timeout=60, json={"model": "stories", "input": "Hi",
+                                                                   "max_output_tokens": 1, **body})
+    openai_error(response, 400, param)
+
+
+def test_verbosity_and_top_logprobs_in_range_are_taken(url):
+    reply = client(url).responses.create(model="stories", input="Hi", max_output_tokens=1, top_logprobs=20,
+                                         text={"verbosity": "low"})
+    assert reply.status == "incomplete" and reply.top_logprobs == 20 and reply.text.verbosity == "low"
+
+
+def test_vllms_sampling_extensions_are_used_and_not_logged_as_ignored():
+    # stop, top_k, ... reach the chat request, but the log said "fields ... ignored: 'stop'".
+    extras = {"stop": ["."], "top_k": 5, "seed": 7, "repetition_penalty": 1.1}
+    req = ResponsesRequest.model_validate({"model": "stories", "input": "Hi", **extras})
+    assert unknown_fields(req) == []
+    assert {k: chat_body(req)[k] for k in extras} == extras
+    unused = ResponsesRequest.model_validate({"input": "Hi", "service_tier": "auto"})
+    assert unknown_fields(unused) == ["service_tier"] and "top_k" not in chat_body(unused)

@@ -21,7 +21,7 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from minillm.outputs import CompletionOutput, RequestOutput
@@ -43,8 +43,10 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt")
 TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "function", "name": ...}')
-# reasoning's values as vLLM takes them (OpenAI's Reasoning type); effort changes nothing for a model
-# without an effort setting, but a value outside these is a client's mistake, refused as vLLM refuses it.
+# reasoning's and text's values as vLLM takes them (OpenAI's Reasoning and ResponseTextConfig types); effort
+# and verbosity change nothing for a model without such settings, but a value outside these is a client's
+# mistake, refused as vLLM refuses it.
+TEXT_VALUES = {"verbosity": ("low", "medium", "high")}
 REASONING_VALUES = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
                     "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise", "detailed")}
 # text.format's keys for each of its types (OpenAI's ResponseFormatText, ...JSONObject, ...TextJSONSchemaConfig).
@@ -103,7 +105,21 @@ class ResponsesRequest(_ModelRequest):
     metadata: dict[Text, Text] | None = None          # OpenAI's (and vLLM's) metadata: strings to strings
     user: Text | None = None
     include: list[Text] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it (its logprobs are not served)
     request_id: Text | None = None
+    # vLLM's sampling extensions (CHAT_EXTRAS): declared, so that none is logged as ignored, and passed on
+    # as the chat request's fields, which check them.
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    seed: Any = None
+    stop: Any = None
+    chat_template_kwargs: Any = None
+    structured_outputs: Any = None
+    include_reasoning: Any = None
+    cache_salt: Any = None
 
     @field_validator("input")
     @classmethod
@@ -137,16 +153,17 @@ def _check_unserved(req: ResponsesRequest) -> None:
     for name in req.include or []:
         if name not in INCLUDE_NOTHING:
             raise APIError(400, f"include: {name!r} is not supported", param="include")
-    _check_reasoning(req.reasoning)
+    _check_values(req.reasoning, "reasoning", REASONING_VALUES)
+    _check_values(req.text, "text", TEXT_VALUES)
 
 
-def _check_reasoning(reasoning: dict | None) -> None:
-    """400 naming reasoning.effort (or .summary) for a value OpenAI's API does not take."""
-    for key, values in REASONING_VALUES.items():
-        value = (reasoning or {}).get(key)
+def _check_values(obj: dict | None, where: str, choices: dict[str, tuple[str, ...]]) -> None:
+    """400 naming where.key (reasoning.effort, text.verbosity) for a value OpenAI's API does not take."""
+    for key, values in choices.items():
+        value = (obj or {}).get(key)
         if value is not None and value not in values:
-            raise APIError(400, f"reasoning.{key} must be one of {', '.join(values)}, got {short_repr(value)}",
-                           param=f"reasoning.{key}")
+            raise APIError(400, f"{where}.{key} must be one of {', '.join(values)}, got {short_repr(value)}",
+                           param=f"{where}.{key}")
 
 
 # ---- the request as a chat request ------------------------------------------------------------------
@@ -301,9 +318,7 @@ def chat_body(req: ResponsesRequest) -> dict:
               "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
               "user": req.user}
     body.update({k: v for k, v in fields.items() if v is not None})
-    for name in CHAT_EXTRAS:
-        if name in (req.model_extra or {}):          # vLLM's sampling extensions, taken as chat takes them
-            body[name] = req.model_extra[name]
+    body.update({name: getattr(req, name) for name in CHAT_EXTRAS if name in req.model_fields_set})
     return body
 
 
@@ -375,8 +390,9 @@ class ResponsesJob(TranslatedJob):
                 "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
                 "reasoning": req.reasoning, "store": False, "temperature": self.params.temperature,
-                "text": req.text or {"format": {"type": "text"}}, "tool_choice": req.tool_choice or "auto",
-                "tools": req.tools or [], "top_p": self.params.top_p, "truncation": "disabled",
+                "text": {**(req.text or {}), "format": (req.text or {}).get("format") or {"type": "text"}},
+                "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_logprobs": req.top_logprobs,
+                "top_p": self.params.top_p, "truncation": "disabled",
                 "usage": self._usage(final) if final is not None else None, "user": req.user,
                 "metadata": req.metadata or {}}
 
