@@ -149,3 +149,25 @@ def test_vllms_sampling_extensions_are_used_and_not_logged_as_ignored():
     assert {k: chat_body(req)[k] for k in extras} == extras
     unused = ResponsesRequest.model_validate({"input": "Hi", "service_tier": "auto"})
     assert unknown_fields(unused) == ["service_tier"] and "top_k" not in chat_body(unused)
+
+
+# ---- what a server without a response store cannot do ---------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_a_previous_response_id_is_a_404_as_openai_and_vllm_answer_an_unknown_one(url, stream):
+    # No response is stored, so none is found: OpenAI (and vLLM without its store) answer 404
+    # previous_response_not_found; this was a 400, which clients read as a bad request, not a lost response.
+    response = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "model": "stories", "input": "Hi", "max_output_tokens": 1, "stream": stream, "previous_response_id": "resp_1"})
+    error = openai_error(response, 404, "previous_response_id", "previous_response_not_found")
+    assert "'resp_1' not found" in error["message"] and error["type"] == "invalid_request_error"
+    with pytest.raises(openai.NotFoundError):
+        client(url).responses.create(model="stories", input="Hi", previous_response_id="resp_1", stream=stream)
+
+
+@pytest.mark.parametrize("store", [True, False])
+def test_background_is_a_400_naming_it_with_or_without_store(url, store):
+    response = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "model": "stories", "input": "Hi", "background": True, "store": store})
+    openai_error(response, 400, "background")
+    assert client(url).responses.create(model="stories", input="Hi", max_output_tokens=1, store=True).store is False

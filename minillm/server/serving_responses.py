@@ -10,8 +10,8 @@ events (response.created, output_item.added, output_text.delta, ..., response.co
 response.incomplete when max_output_tokens cut it; response.failed, with the response's error and its
 output as far as it came, when the request fails after the stream began).
 
-Responses are not stored: `store` is answered false, and `previous_response_id` and `background`
-are 400s, as they are on a vLLM server without its response store.
+Responses are not stored: `store` is answered false, a `previous_response_id` is a 404 (none is
+found, as on a vLLM server without its response store) and `background` a 400.
 """
 from __future__ import annotations
 
@@ -141,10 +141,14 @@ def _new_id(prefix: str) -> str:
 
 
 def _check_unserved(req: ResponsesRequest) -> None:
-    """400 for what a server without a response store, or a text model, cannot do."""
+    """400 (404 for a previous response) for what a server without a response store, or a text model,
+    cannot do."""
     if req.previous_response_id is not None:
-        raise APIError(400, "previous_response_id is not supported: this server does not store responses "
-                       "(send the conversation in input)", param="previous_response_id")
+        # None is stored, so none is found: a 404, as OpenAI and vLLM (without its store) answer an unknown id.
+        raise APIError(404, f"Previous response with id {short_repr(req.previous_response_id)} not found: this "
+                       f"server does not store responses (send the conversation in input)",
+                       param="previous_response_id", code="previous_response_not_found",
+                       type="invalid_request_error")
     if req.background:
         raise APIError(400, "background is not supported: this server does not store responses", param="background")
     if req.truncation not in (None, "disabled"):
