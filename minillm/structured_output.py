@@ -370,6 +370,12 @@ _DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]
          f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 _FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$"}
+# The string formats llguidance enforces. JSON Schema makes "format" an annotation that a validator
+# ignores when it does not know it; llguidance refuses the whole schema instead ("Unknown format:
+# password"). pydantic writes such formats (SecretStr's password, bytes' binary, OpenAPI's int32),
+# so a format outside this set is left out where the schema is serialised: the value is any string.
+_LLGUIDANCE_FORMATS = frozenset({"date-time", "date", "time", "duration", "email", "hostname", "ipv4", "ipv6",
+                                 "uri", "uuid"})
 # Where a schema holds subschemas: a map of them, one, or a list of them.
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SUBSCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "if", "then", "else", "contains",
@@ -377,21 +383,27 @@ _SUBSCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "i
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
-def _with_strict_dates(text: str) -> str:
+def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_PATTERNS added (in allOf) to every subschema that names one of
-    those formats; other text as it is. Done where the schema is serialised for llguidance, never in
-    the constraint's key: the key's text is what an API server sends the engine core, which builds
-    the constraint from it again (patterns added there would be added twice, and counted against
-    the size bound as if the client had written them). Only subschemas are visited: a const or enum
-    value that reads {"format": "date"} is data."""
+    those formats and every format llguidance does not know left out; other text as it is. Done
+    where the schema is serialised for llguidance, never in the constraint's key: the key's text is
+    what an API server sends the engine core, which builds the constraint from it again (patterns
+    added there would be added twice, and counted against the size bound as if the client had
+    written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
+    is data."""
     if '"format"' not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
-        pattern = _FORMAT_PATTERNS.get(node.get("format")) if isinstance(node.get("format"), str) else None
-        if pattern is not None:
+        name = node.get("format")
+        if not isinstance(name, str):
+            continue
+        if name in _FORMAT_PATTERNS:
             all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
-            node["allOf"] = [*all_of, {"pattern": pattern}]
+            node["allOf"] = [*all_of, {"pattern": _FORMAT_PATTERNS[name]}]
+            changed = True
+        elif name not in _LLGUIDANCE_FORMATS:
+            del node["format"]
             changed = True
     return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
 
@@ -431,7 +443,7 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     kind, text = key
     if kind in _JSON_KINDS:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            _with_strict_dates(text), defaults={"whitespace_flexible": not disable_any_whitespace})
+            _with_known_formats(text), defaults={"whitespace_flexible": not disable_any_whitespace})
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:
