@@ -52,6 +52,8 @@ FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
+                "spaces_between_special_tokens")
 
 
 def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -90,6 +92,12 @@ def _is_finite(value: object) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _is_numpy_bool(value: object) -> bool:
+    """A NumPy bool (np.True_ or np.False_); False without NumPy loaded, as none can exist then."""
+    np = sys.modules.get("numpy")
+    return np is not None and isinstance(value, np.bool_)
 
 
 def _plain(value: object) -> object:
@@ -235,7 +243,8 @@ class SamplingParams:
     def _normalize_numbers(self) -> None:
         """NumPy integers and floats in the numeric fields as Python's own: the engine does Python
         arithmetic on them (a NumPy seed overflowed int64 in seed % 2**64, a float16 temperature
-        overflowed against the float32 bound), and the server's JSON gives Python numbers anyway."""
+        overflowed against the float32 bound), and the server's JSON gives Python numbers anyway.
+        (NumPy bools in the flag fields become Python's where validate checks them.)"""
         for name in _INT_FIELDS:
             value = getattr(self, name)
             if type(value) is not int and _is_int(value):
@@ -291,8 +300,12 @@ class SamplingParams:
         self._normalize_numbers()
         if _is_int(self.seed) and self.seed == -1:     # vLLM: -1 is no seed
             self.seed = None
-        for name in ("logprobs", "prompt_logprobs"):     # vLLM: True asks for 1
-            if getattr(self, name) is True:
+        for name in ("logprobs", "prompt_logprobs"):     # vLLM: True (NumPy's too) asks for 1
+            value = getattr(self, name)
+            if value is not None and type(value) is not int and _is_numpy_bool(value):
+                value = bool(value)
+                setattr(self, name, value)
+            if value is True:
                 setattr(self, name, 1)
 
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
@@ -333,10 +346,11 @@ class SamplingParams:
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]{whole}")
         if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             bad("seed", "must be an integer in [-2**63, 2**63 - 1] (-1: no seed)")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize",
-                     "spaces_between_special_tokens"):
+        for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
-                bad(name, "must be true or false")
+                if not _is_numpy_bool(getattr(self, name)):
+                    bad(name, "must be true or false")
+                setattr(self, name, bool(getattr(self, name)))
         if any(not isinstance(s, str) or not s for s in self._stop_list):
             raise ValueError(f"stop must be non-empty strings, got {short_repr(self.stop)}")
         if any("\ufffd" in s for s in self._stop_list):
