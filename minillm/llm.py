@@ -170,6 +170,7 @@ class LLM:
         self._ids = itertools.count()
         # One generate() at a time: each steps the engine and keeps only its own finished requests.
         self._generate_lock = threading.Lock()
+        self._generating_thread: int | None = None     # the thread holding _generate_lock
 
     def __getattr__(self, name: str):
         """Only for names LLM lacks: vLLM's methods in VLLM_MISSING_METHODS are refused with the reason."""
@@ -198,7 +199,7 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache between generate() calls (vLLM's name); False while requests run."""
-        with self._generate_lock:
+        with self._one_call("reset_prefix_cache"):
             return self.engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -225,8 +226,26 @@ class LLM:
             raise ValueError(f"prompt_adapter_request={short_repr(prompt_adapter_request)} is not supported: "
                              f"minillm has no prompt adapters (leave it None)")
         add_special_tokens = tokenization_add_special_tokens(tokenization_kwargs)
-        with self._generate_lock:
+        with self._one_call("generate"):
             return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens)
+
+    def _refuse_reentry(self, name: str) -> None:
+        """RuntimeError naming LLM.<name>() when this thread is inside generate() already."""
+        if self._generating_thread == threading.get_ident():
+            raise RuntimeError(f"LLM.{name}() was called while this thread's generate() runs (from its use_tqdm "
+                               f"progress bar?): the LLM runs one call at a time; call it after generate() returns")
+
+    @contextlib.contextmanager
+    def _one_call(self, name: str):
+        """Hold _generate_lock for LLM.<name>(); RuntimeError when this thread holds it already (a
+        use_tqdm callable calling back into the LLM), which would wait on itself for ever."""
+        self._refuse_reentry(name)
+        with self._generate_lock:
+            self._generating_thread = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._generating_thread = None
 
     def _generate(self, prompts, sampling_params, use_tqdm, priority=None,
                   add_special_tokens: bool = True) -> list[RequestOutput]:
@@ -319,6 +338,7 @@ class LLM:
         (a list of text parts, a string content as one), "auto" picking "openai" for a template that
         loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None.
         """
+        self._refuse_reentry("chat")
         check_lora_request(lora_request)
         if mm_processor_kwargs:
             raise ValueError(f"mm_processor_kwargs={short_repr(mm_processor_kwargs)} is not supported: minillm "
@@ -365,8 +385,11 @@ class LLM:
         self.shutdown()
 
     def _drain(self) -> None:
-        while self.engine.has_unfinished_requests():
-            self.engine.step()
+        """Step until no request is unfinished and a step reports nothing (so none is in flight).
+        Not until the engine holds no request: one that finished in a step interrupted while it made
+        the outputs is never reported, and would keep this loop going for ever."""
+        while self.engine.step() or self.engine.get_num_unfinished_requests():
+            pass
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
