@@ -171,3 +171,25 @@ def test_background_is_a_400_naming_it_with_or_without_store(url, store):
         "model": "stories", "input": "Hi", "background": True, "store": store})
     openai_error(response, 400, "background")
     assert client(url).responses.create(model="stories", input="Hi", max_output_tokens=1, store=True).store is False
+
+
+# ---- a tool-calling round trip, as the openai SDK's users write it ------------------------------------------
+
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city", "strict": True,
+        "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                       "required": ["unit"], "additionalProperties": False}}
+
+
+def test_a_required_call_without_parallel_calls_completes_and_its_output_goes_back_as_input(url):
+    c = client(url)
+    with c.responses.stream(model="stories", input="Weather?", tools=[TOOL], tool_choice="required",
+                            parallel_tool_calls=False, max_output_tokens=100, temperature=0) as stream:
+        reply = stream.get_final_response()
+    [call] = reply.output
+    assert reply.status == "completed" and call.type == "function_call" and reply.parallel_tool_calls is False
+    assert json.loads(call.arguments)["unit"] in ("celsius", "fahrenheit")
+    # The reply's items go back as input, with the call's output after them.
+    follow = c.responses.create(model="stories", tools=[TOOL], tool_choice="none", max_output_tokens=4, temperature=0,
+                                input=[{"role": "user", "content": "Weather?"}, *reply.output,
+                                       {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
+    assert follow.output_text and follow.usage.input_tokens > reply.usage.input_tokens
