@@ -193,3 +193,9 @@ def test_a_required_call_without_parallel_calls_completes_and_its_output_goes_ba
                                 input=[{"role": "user", "content": "Weather?"}, *reply.output,
                                        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
     assert follow.output_text and follow.usage.input_tokens > reply.usage.input_tokens
+
+
+def test_an_unwritable_echoed_field_of_a_large_body_is_a_400_too(url):
+    # A body past 64 KiB is read in the preprocessing pool: the refusal comes back from there.
+    field, param = UNWRITABLE["tool_choice NaN"]
+    openai_error(post_text(url, f'"instructions": "{"x" * 70_000}", {field}', stream=True), 400, param)
