@@ -279,11 +279,11 @@ class LLM:
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))
-                with _naming_prompt(len(ids), len(prompts)):
+                ids.append(rid)     # first: one interrupted inside add_request, registered or not, is aborted too
+                with _naming_prompt(len(ids) - 1, len(prompts)):
                     self.engine.add_request(rid, prompt, p,
                                             output_kind="final", cache_salt=salt,
                                             tokenization_kwargs={"add_special_tokens": add_special_tokens})
-                ids.append(rid)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

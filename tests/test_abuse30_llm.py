@@ -86,6 +86,31 @@ def test_an_interrupt_inside_a_step_leaves_generate_usable(llm, expected, where)
     assert [out.outputs[0].text for out in llm.generate(PROMPTS, SAMPLED)] == expected
 
 
+def test_an_interrupt_while_a_request_is_queued_leaves_generate_usable(llm, expected):
+    """Ctrl-C inside engine.add_request, after the request was registered and before all its n
+    sequences were queued: generate did not abort that request (only those already added), which
+    never finished, so the clean-up stepped for ever."""
+    scheduler = llm.engine.scheduler
+    real, calls = scheduler.add, [0]
+
+    def add(seq):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(seq)
+
+    scheduler.add = add
+    undo_steps = _bounded_steps(llm.engine, 200)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, SamplingParams(n=2, seed=1, max_tokens=4))
+    finally:
+        undo_steps()
+        vars(scheduler).pop("add", None)
+    assert not llm.engine.get_num_unfinished_requests()
+    assert [out.outputs[0].text for out in llm.generate(PROMPTS, SAMPLED)] == expected
+
+
 def _run_in_thread(fn):
     """fn() on a thread; its result or exception (a deadlock fails the test instead of hanging it)."""
     result = {}
