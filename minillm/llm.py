@@ -119,6 +119,8 @@ def engine_config(model, args: dict) -> EngineConfig:
     """LLM's arguments as an EngineConfig: vLLM's names that minillm has no setting for are checked
     against what it does (VLLM_FIXED_ARGS, tokenizer), an unknown name is a TypeError naming LLM."""
     args = renamed_args(args)
+    if "dtype" in args:
+        args["dtype"] = _dtype_name(args["dtype"])
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     for name in args:
         if name not in known and name not in VLLM_FIXED_ARGS and name != "tokenizer":
@@ -133,6 +135,14 @@ def engine_config(model, args: dict) -> EngineConfig:
         raise ValueError(f"tokenizer={short_repr(tokenizer)} is not supported: minillm reads the tokenizer from "
                          f"the model's own directory (leave tokenizer unset, or give the model's path)")
     return EngineConfig(model=model, **{k: v for k, v in args.items() if k in known})
+
+
+def _dtype_name(value):
+    """vLLM's dtype may be a torch.dtype (torch.bfloat16): its name, as EngineConfig takes a dtype
+    (torch is not imported for it); any other value as it is."""
+    if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+        return str(value).removeprefix("torch.")
+    return value
 
 
 def renamed_args(args: dict) -> dict:

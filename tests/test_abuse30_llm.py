@@ -205,3 +205,14 @@ def test_numpy_true_asks_for_one_logprob_as_true_does(llm):
         SamplingParams(logprobs=np.False_)      # as False is
     out = llm.generate("Once", params)[0]
     assert all(1 <= len(entry) <= 2 for entry in out.outputs[0].logprobs)
+
+
+def test_dtype_takes_a_torch_dtype_as_vllm_does(stories_path):
+    """vLLM's LLM(dtype=torch.float32): a torch.dtype was refused as "dtype must be auto, float32
+    (float), float16 (half) or bfloat16, got torch.float32"; it is taken by its name."""
+    torch = pytest.importorskip("torch")
+    with LLM(str(stories_path), device="cpu", max_model_len=64, dtype=torch.float32) as model:
+        assert model.engine.config.dtype == "float32"
+        assert model.generate("Once", SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="got 'float64'"):
+        LLM(str(stories_path), device="cpu", dtype=torch.float64)
