@@ -122,6 +122,11 @@ class LoadFormat(str, Enum):
     dummy = "dummy"
 
 
+class SchedulingPolicy(str, Enum):
+    fcfs = "fcfs"
+    priority = "priority"
+
+
 class EngineCore(str, Enum):
     process = "process"
     thread = "thread"
@@ -214,6 +219,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--max-step-factor", help="Step-time budget relative to the batch: a step with prompt chunks may "
         "take this many times the estimated step of the batch's decodes (prompts waiting to join counted "
         "as decodes), e.g. 1.4 (default: off).")], None),
+    "scheduling_policy": (Annotated[SchedulingPolicy, _engine_option(
+        "--scheduling-policy", help="fcfs: requests in arrival order; priority: by each request's priority "
+        "(lower first, then arrival; a server request's \"priority\" field), the lowest preempted first.")],
+        SchedulingPolicy(_default("scheduling_policy"))),
     "max_model_len": (Annotated[Optional[int], _engine_option(
         "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
     "block_size": (Annotated[int, _engine_option(

@@ -69,6 +69,9 @@ class EngineConfig:
     # step of the batch's decode rows, the prompts waiting to join it counted as the rows they become
     # (None: off; with max_step_ms too, the tighter of the two applies).
     max_step_factor: float | None = None
+    # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
+    # first, then arrival), and preempts the lowest first (minillm/request_queue.py).
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None     # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
@@ -168,6 +171,8 @@ class EngineConfig:
                                                  or self.max_step_factor < 1):
             raise ValueError(f"max_step_factor must be a finite number >= 1 (or None: off), "
                              f"got {self.max_step_factor!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {short_repr(self.scheduling_policy)}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -201,6 +206,7 @@ class EngineConfig:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's ModelDType also takes these names.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # Bounds past which a value only allocates memory for nothing (vLLM's CUDA blocks go to 128 tokens;

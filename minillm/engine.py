@@ -33,6 +33,7 @@ from minillm.prompts import (
     PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
 )
 from minillm.sampling_params import RequestOutputKind, SamplingParams, short_repr, truncate_prompt
+from minillm.request_queue import check_priority
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
@@ -265,7 +266,8 @@ class LLMEngine:
                                    self.max_model_len, self.eos_token_ids, kv_connector=self.kv_connector,
                                    speculative_config=config.speculative_config, step_cost=step_cost,
                                    max_step_ms=config.max_step_ms, max_step_factor=config.max_step_factor,
-                                   max_mixed_tokens=self.runner.max_mixed_graph_tokens)
+                                   max_mixed_tokens=self.runner.max_mixed_graph_tokens,
+                                   scheduling_policy=config.scheduling_policy)
         self.requests: dict[str, Request] = {}
         self._changed: dict[str, Request] = {}     # requests with news for the next outputs
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
@@ -314,9 +316,11 @@ class LLMEngine:
         prompt_block_keys: the token-id prompt's prefix-cache keys from block_manager.prompt_block_keys
         (an API server's, hashed off the engine's thread); used when they fit the prompt as queued.
         cache_salt: vLLM's (also a prompt dict's "cache_salt"); the request shares prefix-cache blocks
-        only with requests of the same salt. vLLM's lora_request (None), priority (0), trace_headers
-        (None) and tokenization_kwargs (None or {"add_special_tokens": bool}) are taken where minillm
-        does what they ask, and named by a ValueError otherwise.
+        only with requests of the same salt. priority: vLLM's, an integer; with scheduling_policy
+        "priority" a lower value is served earlier (and preempted later), under "fcfs" only 0 is taken.
+        vLLM's lora_request (None), trace_headers (None) and tokenization_kwargs (None or
+        {"add_special_tokens": bool}) are taken where minillm does what they ask, and named by a
+        ValueError otherwise.
         """
         if self.is_shut_down:                 # its runner has let go of the weights and the KV pool
             raise RuntimeError("the engine is shut down: it takes no more requests")
@@ -326,7 +330,8 @@ class LLMEngine:
                              f"got {short_repr(output_kind)}")
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
-        add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
+        add_special_tokens = request_add_special_tokens(lora_request, tokenization_kwargs, trace_headers)
+        priority = check_priority(priority, self.config.scheduling_policy)
         check_arrival_time(arrival_time)
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -335,11 +340,12 @@ class LLMEngine:
         params = own_sampling_params(params)
         if output_kind is not None:      # the request's own copy: the caller's params keep theirs
             params.output_kind = OUTPUT_KINDS.get(output_kind, output_kind)
-        self._queue_request(request_id, prompt, params, arrival_time, prompt_block_keys, cache_salt, add_special_tokens)
+        self._queue_request(request_id, prompt, params, arrival_time, prompt_block_keys, cache_salt, add_special_tokens,
+                            priority)
 
     def add_request_with_own_params(self, request_id: str, prompt: PromptType, params: SamplingParams,
                                     arrival_time: float | None = None, prompt_block_keys: list[bytes] | None = None,
-                                    cache_salt: str | None = None) -> None:
+                                    cache_salt: str | None = None, priority: int = 0) -> None:
         """add_request for params the caller has just built and hands over (the engine core's path):
         their constructor validated them and nothing else holds them, so they are neither validated
         again nor copied (about 5 us a request on the development CPU)."""
@@ -347,13 +353,15 @@ class LLMEngine:
             raise RuntimeError("the engine is shut down: it takes no more requests")
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
+        priority = check_priority(priority, self.config.scheduling_policy)
         check_arrival_time(arrival_time)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        self._queue_request(request_id, prompt, params, arrival_time, prompt_block_keys, cache_salt, True)
+        self._queue_request(request_id, prompt, params, arrival_time, prompt_block_keys, cache_salt, True, priority)
 
     def _queue_request(self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None,
-                       prompt_block_keys: list[bytes] | None, cache_salt: str | None, add_special_tokens: bool) -> None:
+                       prompt_block_keys: list[bytes] | None, cache_salt: str | None, add_special_tokens: bool,
+                       priority: int = 0) -> None:
         """The rest of add_request, for validated params that are the request's own."""
         params.validate_for_vocab(self.model_config.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
@@ -391,7 +399,8 @@ class LLMEngine:
         seqs, key_root = [], cache_salt_root(cache_salt)
         for i in range(params.n):
             seed = sequence_seed(params.seed, i) if params.seed is not None else self._seed_rng.getrandbits(62)
-            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens, block_key_root=key_root))
+            seqs.append(Sequence(request_id, i, list(ids), params, now, seed, max_tokens, block_key_root=key_root,
+                                 priority=priority))
         if prompt_block_keys is not None and len(ids) == num_given and are_prompt_block_keys(
                 prompt_block_keys, len(ids), self.block_manager.block_size):
             for seq in seqs:

@@ -18,9 +18,9 @@ from minillm.model_store import expand_user
 from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.prompts import (
-    PromptType, TokensPrompt, cache_salt_of, check_lora_request, check_priority,
-    tokenization_add_special_tokens, unpack_prompt,
+    PromptType, TokensPrompt, cache_salt_of, check_lora_request, tokenization_add_special_tokens, unpack_prompt,
 )
+from minillm.request_queue import check_priorities
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode
 
@@ -60,7 +60,6 @@ VLLM_FIXED_ARGS = {
                                                           "logit_bias, allowed_token_ids and bad_words shape logits)"),
     "enable_lora": (lambda v: v is None or v is False, "minillm loads no LoRA adapters"),
     "enable_sleep_mode": (lambda v: v is False, "minillm has no sleep mode (shutdown() gives the memory back)"),
-    "scheduling_policy": (lambda v: v == "fcfs", "minillm schedules requests first come, first served"),
     "compilation_config": (lambda v: v is None or v == {} or _is_count(v, 0),
                            "minillm compiles no torch graphs (it captures CUDA graphs of its own kernels, which "
                            "enforce_eager=True turns off)"),
@@ -226,9 +225,11 @@ class LLM:
 
         A prompt is a string, a list (or 1-D NumPy array) of token ids, {"prompt": text} or
         {"prompt_token_ids": ids}. use_tqdm may be a tqdm-like callable that makes the bar, as in vLLM.
+        priority (vLLM's): None, or an integer a prompt; with scheduling_policy "priority" a lower
+        value is served earlier (and preempted later), under "fcfs" only zeros are taken.
         vLLM's other arguments are taken where minillm does what they ask: lora_request and
-        prompt_adapter_request None, priority None or zeros (minillm schedules first come, first
-        served), tokenization_kwargs None or {"add_special_tokens": bool} (for text prompts).
+        prompt_adapter_request None, tokenization_kwargs None or {"add_special_tokens": bool} (for
+        text prompts).
         Calls from several threads run one after another.
         """
         check_lora_request(lora_request)
@@ -270,7 +271,7 @@ class LLM:
             with _naming_prompt(len(unpacked), len(prompts)):
                 unpacked.append((*unpack_prompt(prompt), cache_salt_of(prompt)))
         prompts = unpacked
-        check_priority(priority, len(prompts))
+        priority = check_priorities(priority, len(prompts), self.engine.config.scheduling_policy)
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
         is_list = isinstance(sampling_params, Seq) and not isinstance(sampling_params, (str, bytes))
@@ -283,7 +284,7 @@ class LLM:
         bar = _progress_bar(len(prompts), use_tqdm) if use_tqdm else None   # before any request is queued
         ids: list[str] = []
         try:
-            for (text, prompt, salt), p in zip(prompts, params):
+            for (text, prompt, salt), p, rank in zip(prompts, params, priority):
                 if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
                     prompt = self.engine.tokenizer.encode("", add_special_tokens=add_special_tokens) or prompt
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
@@ -292,7 +293,7 @@ class LLM:
                 ids.append(rid)     # first: one interrupted inside add_request, registered or not, is aborted too
                 with _naming_prompt(len(ids) - 1, len(prompts)):
                     self.engine.add_request(rid, prompt, p,
-                                            output_kind="final", cache_salt=salt,
+                                            output_kind="final", cache_salt=salt, priority=rank,
                                             tokenization_kwargs={"add_special_tokens": add_special_tokens})
         except BaseException:
             for rid in ids:
@@ -335,7 +336,8 @@ class LLM:
              use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None, chat_template_content_format: str = "auto", *,
-             lora_request=None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+             lora_request=None, mm_processor_kwargs: dict | None = None,
+             priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
@@ -347,6 +349,7 @@ class LLM:
         vLLM's: how the template gets each message's content, "string" (parts joined) or "openai"
         (a list of text parts, a string content as one), "auto" picking "openai" for a template that
         loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None.
+        priority: None, or an integer a conversation, as generate takes it.
         """
         self._refuse_reentry("chat")
         check_lora_request(lora_request)
@@ -357,6 +360,7 @@ class LLM:
             raise ValueError(f"messages must be a list of message dicts (or a list of such lists), "
                              f"got {short_repr(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        check_priorities(priority, len(conversations), self.engine.config.scheduling_policy)
         check_template_kwargs(chat_template_kwargs)
         check_content_format(chat_template_content_format)
         if tools is not None:
@@ -382,7 +386,7 @@ class LLM:
                 where = f" (conversation {i})" if len(conversations) > 1 else ""
                 raise ValueError(f"messages: the chat template rendered an empty prompt{where}")
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
 
     def shutdown(self) -> None:
         """Release the engine's device memory (KV pool, graphs, weights); the LLM is unusable after."""

@@ -4,8 +4,6 @@ vLLM's "cache_salt")."""
 from __future__ import annotations
 
 import functools
-import numbers
-from collections.abc import Sequence
 from typing import Annotated, TypedDict
 
 import msgspec
@@ -145,28 +143,6 @@ def check_lora_request(lora_request) -> None:
                      f"that, or leave lora_request None)")
 
 
-def check_priority(priority, num_prompts: int | None = None) -> None:
-    """ValueError unless vLLM's priority is 0 (LLMEngine.add_request's one integer) or, with
-    num_prompts (LLM.generate's), None or one 0 a prompt: minillm schedules first come, first
-    served, as vLLM does without its priority scheduling policy."""
-    if num_prompts is None:
-        given = [priority]
-    elif priority is None:
-        return
-    elif not isinstance(priority, Sequence) or isinstance(priority, str):
-        raise ValueError(f"priority must be a list of integers, one a prompt, got {short_repr(priority)}")
-    else:
-        given = list(priority)
-    if not all(isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in given):
-        what = "an integer" if num_prompts is None else "a list of integers, one a prompt"
-        raise ValueError(f"priority must be {what}, got {short_repr(priority)}")
-    if num_prompts is not None and len(given) != num_prompts:
-        raise ValueError(f"priority has {len(given)} entries for {num_prompts} prompts")
-    if any(given):
-        raise ValueError(f"priority={short_repr(priority)} is not supported: minillm schedules requests first "
-                         f"come, first served and has no priority scheduling (give 0, or leave priority unset)")
-
-
 def tokenization_add_special_tokens(tokenization_kwargs) -> bool:
     """add_special_tokens from vLLM's tokenization_kwargs, the one key minillm takes (default True);
     ValueError naming any other key."""
@@ -185,13 +161,13 @@ def tokenization_add_special_tokens(tokenization_kwargs) -> bool:
     return value
 
 
-def request_add_special_tokens(lora_request=None, priority=0, tokenization_kwargs=None, trace_headers=None) -> bool:
+def request_add_special_tokens(lora_request=None, tokenization_kwargs=None, trace_headers=None) -> bool:
     """vLLM's per-request arguments of LLMEngine.add_request and AsyncLLM.generate, taken where minillm
-    does what they ask (lora_request None, priority 0, trace_headers None) and named by a ValueError
-    otherwise; whether the prompt's text gets special tokens (tokenization_kwargs)."""
-    if lora_request is not None or type(priority) is not int or priority:
+    does what they ask (lora_request None, trace_headers None) and named by a ValueError otherwise;
+    whether the prompt's text gets special tokens (tokenization_kwargs). Their priority is
+    request_queue.check_priority's."""
+    if lora_request is not None:
         check_lora_request(lora_request)
-        check_priority(priority)
     add_special_tokens = tokenization_kwargs is None or tokenization_add_special_tokens(tokenization_kwargs)
     if trace_headers:
         raise ValueError(f"trace_headers={short_repr(trace_headers)} is not supported: minillm has no "

@@ -7,6 +7,12 @@ prompt chunks, in admission order), then waiting ones (FCFS) while the budget, m
 the block pool allow. When the pool runs dry the latest admitted sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
 
+With scheduling_policy "priority" (vLLM's; minillm/request_queue.py) the waiting queue is ordered
+by (priority, arrival_time), lower first; the sequence preempted when the pool runs dry is the
+running one with the largest (priority, arrival_time), its tokens taken back out of the step if it
+was already scheduled; and a waiting sequence that max_num_seqs or the pool keeps out preempts
+running ones of a strictly lower priority (a larger value) to get in.
+
 The scheduler is the one writer of a sequence's status. schedule() counts the scheduled tokens as
 computed at once and gives each sampling sequence an output placeholder (its token is on the
 device until update_from_output() reads it), so the next step can be scheduled while this one
@@ -93,6 +99,18 @@ def _settled_first(out: SchedulerOutput) -> list[Sequence]:
     return [seq for seq in out.sampling_seqs if id(seq) not in later] + waiting
 
 
+def _unschedule(seq: Sequence, seqs: list[Sequence], counts: list[int], spec: dict[int, list[int]]) -> int:
+    """Take seq out of the step being built (its row, its drafts); returns the tokens it had, 0 if
+    it was not in it. Under a step-time budget its row stays counted in the step's estimate: the
+    prompt chunks sized after it are only the smaller for it."""
+    for b, scheduled in enumerate(seqs):
+        if scheduled is seq:
+            del seqs[b]
+            spec.pop(seq.seq_id, None)
+            return counts.pop(b)
+    return 0
+
+
 class WaitingQueue:
     """The waiting sequences in FCFS order, with a deque's methods where the scheduler uses them,
     and removal from anywhere in O(1): a burst of aborts (clients gone) among thousands of waiting
@@ -145,7 +163,7 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
                  kv_connector=None, speculative_config=None, step_cost: StepCostModel | None = None,
                  max_step_ms: float | None = None, max_step_factor: float | None = None,
-                 max_mixed_tokens: int | None = None):
+                 max_mixed_tokens: int | None = None, scheduling_policy: str = "fcfs"):
         if (max_step_ms is not None or max_step_factor is not None) and step_cost is None:
             raise ValueError("max_step_ms and max_step_factor need a step cost model")
         self.block_manager = block_manager
@@ -154,7 +172,14 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
-        self.waiting = WaitingQueue()
+        self.by_priority = scheduling_policy == "priority"
+        if self.by_priority:
+            from minillm.request_queue import PriorityWaitingQueue
+            self.waiting = PriorityWaitingQueue()
+        elif scheduling_policy == "fcfs":
+            self.waiting = WaitingQueue()
+        else:
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         # Sequences update_from_output finished without appending a token: the row sampled for them
@@ -250,7 +275,14 @@ class Scheduler:
                     i += 1
                     continue
             while not self.block_manager.append_slots(seq, n):
-                victim = self.running.pop()
+                if self.by_priority:
+                    k = self._lowest_priority_index()
+                    victim = self.running.pop(k)
+                    if k < i:                # visited this step: its tokens, if scheduled, come back out
+                        i -= 1
+                        budget += _unschedule(victim, seqs, counts, spec)
+                else:
+                    victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -263,13 +295,20 @@ class Scheduler:
         if self.drafter is not None:
             budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted), chunks)
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+        is_short = bool(preempted)           # the running sequences alone outgrew the pool: admit none
+        by_priority = self.by_priority
+        while self.waiting and budget > 0 and not is_short and (by_priority or len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             if seq.num_output_placeholders:   # preempted with a token in flight: wait for it
                 break
             if seq.structured_output is not None and not seq.structured_output.is_ready:
                 skipped.append(self.waiting.popleft())   # its grammar still compiles: let the next by
                 continue
+            if by_priority and len(self.running) >= self.max_num_seqs:
+                refund = self._preempt_for(seq, seqs, counts, spec, preempted)
+                if refund is None:
+                    break
+                budget += refund
             # Prompt log-probabilities need every prompt token's logits: no cached or loaded prefix.
             scores_prompt = seq.params.prompt_logprobs is not None
             cached = self.block_manager.find_cached_blocks(seq) if not scores_prompt else []
@@ -286,7 +325,14 @@ class Scheduler:
                     n = chunks.size(start, n)
                     if n == 0:
                         break
-            if not self.block_manager.allocate(seq, cached, num_external + n):
+            is_allocated = self.block_manager.allocate(seq, cached, num_external + n)
+            while not is_allocated and by_priority:
+                refund = self._preempt_for(seq, seqs, counts, spec, preempted)
+                if refund is None:
+                    break
+                budget += refund
+                is_allocated = self.block_manager.allocate(seq, cached, num_external + n)
+            if not is_allocated:
                 break
             if num_external:                 # loaded before the step's forward: computed, and shared at once
                 self.kv_connector.update_state_after_alloc(seq, num_external)
@@ -395,6 +441,30 @@ class Scheduler:
             self.kv_connector.step_failed(out)
         for seq, start in zip(out.seqs, out.num_computed_tokens):
             self.block_manager.uncache_blocks(seq, start // self.block_manager.block_size)
+
+    def _lowest_priority_index(self) -> int:
+        """Index in the running queue of the sequence the priority policy preempts first."""
+        from minillm.request_queue import lowest_priority_index
+        return lowest_priority_index(self.running)
+
+    def _preempt_for(self, seq: Sequence, seqs: list[Sequence], counts: list[int], spec: dict[int, list[int]],
+                     preempted: list[Sequence]) -> int | None:
+        """Priority policy: preempt the running sequence of the largest (priority, arrival_time) so that
+        the waiting seq gets in, if seq's priority is strictly higher (a lower value: equal ones never
+        displace each other); None when none may go, else the tokens it had been scheduled this step,
+        which go back to the budget. Nothing it was scheduled this step was registered in the prefix
+        cache yet: a sequence admitted this step came before seq in the queue and is never the victim."""
+        if not self.running:
+            return None
+        k = self._lowest_priority_index()
+        victim = self.running[k]
+        if not seq.priority < victim.priority:
+            return None
+        del self.running[k]
+        refund = _unschedule(victim, seqs, counts, spec)
+        self._preempt(victim)
+        preempted.append(victim)
+        return refund
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)

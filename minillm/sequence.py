@@ -70,6 +70,7 @@ class Sequence:
     block_key_root: bytes = b""      # what its key chain starts from: its cache salt's digest, or nothing
     num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at admission
     num_preemptions: int = 0
+    priority: int = 0                # vLLM's: under the priority policy a lower value is served first
     stop_reason: int | str | None = None
     output_counts: dict[int, int] = field(default_factory=dict)   # token id -> times generated (if counts_outputs)
     num_output_placeholders: int = 0  # tokens sampled by launched steps, not read back yet

@@ -44,7 +44,7 @@ def test_generate_takes_vllms_keyword_arguments_at_their_neutral_values(llm, exp
     ({"lora_request": object()}, "lora_request=<object object at .*> is not supported: minillm runs the base "
                                  "model's own weights and loads no LoRA adapters"),
     ({"lora_request": [None, "adapter"]}, r"lora_request=\[None, 'adapter'\] is not supported"),
-    ({"priority": [0, 1]}, r"priority=\[0, 1\] is not supported: minillm schedules requests first come, first served"),
+    ({"priority": [0, 1]}, "priority must be 0 under scheduling_policy 'fcfs', got 1"),
     ({"priority": [0]}, "priority has 1 entries for 2 prompts"),
     ({"priority": 1}, "priority must be a list of integers, one a prompt, got 1"),
     ({"prompt_adapter_request": "x"}, "prompt_adapter_request='x' is not supported: minillm has no prompt adapters"),
@@ -384,8 +384,7 @@ def test_llm_takes_the_rest_of_vllms_signature_at_what_minillm_does(stories_path
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"task": "embed"}, "task='embed' is not supported: minillm runs generative models only"),
-    ({"scheduling_policy": "priority"}, "scheduling_policy='priority' is not supported: minillm schedules requests "
-                                        "first come, first served"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"),
     ({"enable_lora": True}, "enable_lora=True is not supported: minillm loads no LoRA adapters"),
     ({"compilation_config": 3}, "compilation_config=3 is not supported: minillm compiles no torch graphs"),
     ({"hf_token": "hf_x"}, "hf_token='hf_x' is not supported: minillm downloads with huggingface_hub's own token"),
@@ -460,7 +459,7 @@ def test_engine_add_request_takes_vllms_arguments_at_what_minillm_does(llm):
     assert no_bos.prompt_token_ids == tok.encode("Once upon a time", add_special_tokens=False)
     assert no_bos.prompt == "Once upon a time"
     for kwargs, needle in [({"lora_request": "adapter"}, "lora_request='adapter' is not supported"),
-                           ({"priority": 2}, "priority=2 is not supported: minillm schedules requests first come"),
+                           ({"priority": 2}, "priority must be 0 under scheduling_policy 'fcfs', got 2"),
                            ({"priority": None}, "priority must be an integer, got None"),
                            ({"trace_headers": {"traceparent": "00-ab"}}, "trace_headers=.* is not supported: minillm "
                                                                         "has no OpenTelemetry tracing"),

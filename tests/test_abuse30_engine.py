@@ -339,15 +339,15 @@ def test_reset_prefix_cache_is_refused_while_requests_run_and_forgets_everything
     assert drain(engine)["c"].num_cached_tokens == 0
 
 
-def test_priority_scheduling_is_refused_by_name_and_queues_nothing(stories_path):
-    # minillm schedules first come, first served (vLLM's default policy): a priority is refused,
-    # not silently ignored.
+def test_priority_under_fcfs_is_refused_by_name_and_queues_nothing(stories_path):
+    # Under first come, first served (vLLM's default policy) a priority is refused, not silently
+    # ignored; a policy that does not exist is refused by name.
     engine = make_engine(stories_path)
-    with pytest.raises(ValueError, match="priority"):
+    with pytest.raises(ValueError, match="priority must be 0 under scheduling_policy 'fcfs', got 1"):
         engine.add_request("p", [1, 403], SamplingParams(max_tokens=2), priority=1)
     assert not engine.requests and not engine.scheduler.has_unfinished()
-    with pytest.raises(ValueError, match="scheduling_policy"):
-        LLM(str(stories_path), device="cpu", scheduling_policy="priority")
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority', got 'lifo'"):
+        LLM(str(stories_path), device="cpu", scheduling_policy="lifo")
 
 
 def test_seeded_sampling_and_log_probabilities_under_preemption_are_as_alone(stories_path, golden, alone):

@@ -177,7 +177,7 @@ class EngineCore:
             params.output_kind = RequestOutputKind.CUMULATIVE
             self.engine.add_request_with_own_params(command.request_id, command.prompt_token_ids, params,
                                                     command.arrival_time, command.prompt_block_keys,
-                                                    command.cache_salt)
+                                                    command.cache_salt, command.priority)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
             extra = command.params.get("extra_args") if isinstance(command.params, dict) else None
             release_refused_claim(self.engine, extra)

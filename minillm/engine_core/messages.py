@@ -31,6 +31,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     # the core's thread does not; None: the core hashes the prompt itself.
     prompt_block_keys: list[bytes] | None = None
     cache_salt: str | None = None       # vLLM's: shares prefix-cache blocks only with the same salt
+    priority: int = 0                   # vLLM's: under the priority policy a lower value is served first
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):

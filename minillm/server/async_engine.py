@@ -34,6 +34,7 @@ from minillm.engine_core.core import (
 )
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.prompts import PromptType, request_add_special_tokens
+from minillm.request_queue import check_priority
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.server.errors import EngineDeadError, EngineShutDownError, RequestFailedError
 from minillm.server.stats_hub import with_cells
@@ -59,6 +60,7 @@ class _Add:
     done: asyncio.Future
     cache_salt: str | None = None
     add_special_tokens: bool = True     # for a text prompt (vLLM's tokenization_kwargs)
+    priority: int = 0                   # vLLM's (checked against the scheduling policy)
 
 
 @dataclass
@@ -384,7 +386,8 @@ class AsyncLLMEngine(Generate):
         cache_salt: vLLM's; the request shares prefix-cache blocks only with requests of the same salt.
         lora_request, priority, tokenization_kwargs, trace_headers: vLLM's, as LLMEngine.add_request takes them.
         """
-        add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
+        add_special_tokens = request_add_special_tokens(lora_request, tokenization_kwargs, trace_headers)
+        priority = check_priority(priority, self.engine.config.scheduling_policy)
         check_arrival_time(arrival_time)
         params = request_params(params)
         loop = asyncio.get_running_loop()
@@ -393,7 +396,7 @@ class AsyncLLMEngine(Generate):
         done = loop.create_future()
         arrival = time.time() if arrival_time is None else arrival_time     # 0 is a time, as offline
         self._send(_Add(request_id, prompt, params, arrival, stream, done, cache_salt,
-                        add_special_tokens))
+                        add_special_tokens, priority))
         try:
             await done
         except asyncio.CancelledError:
@@ -556,7 +559,8 @@ class AsyncLLMEngine(Generate):
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time, cache_salt=command.cache_salt,
-                                    tokenization_kwargs={"add_special_tokens": command.add_special_tokens})
+                                    tokenization_kwargs={"add_special_tokens": command.add_special_tokens},
+                                    priority=command.priority)
         except Exception as exc:  # noqa: BLE001 - ValueError is a 400; anything else a 500
             release_refused_claim(self.engine, command.params.extra_args)
             resolve_future(loop, command.done, error=exc)

@@ -35,6 +35,7 @@ from minillm.outputs import RequestOutput
 from minillm.prompts import (
     PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
 )
+from minillm.request_queue import check_priority
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import (
     Generate, OutputQueue, RequestStream, abort_ids, deliver, is_delta_stream, request_params, resolve_future,
@@ -149,7 +150,8 @@ class AsyncLLM(Generate):
         # too, in the offline engine's order and words, so a bad request is never queued.
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {short_repr(request_id)}")
-        add_special_tokens = request_add_special_tokens(lora_request, priority, tokenization_kwargs, trace_headers)
+        add_special_tokens = request_add_special_tokens(lora_request, tokenization_kwargs, trace_headers)
+        priority = check_priority(priority, self.config.scheduling_policy)
         check_arrival_time(arrival_time)
         params = request_params(params)
         cache_salt = cache_salt_of(prompt, cache_salt)
@@ -164,7 +166,7 @@ class AsyncLLM(Generate):
         keys = self._prompt_block_keys(ids, params, cache_salt)
         done = loop.create_future()
         while (retired := self._send_add(m.AddRequest(request_id, ids, fields, arrival, self.client_index, keys,
-                                                      cache_salt), text, params, stream, done)) is not None:
+                                                      cache_salt, priority), text, params, stream, done)) is not None:
             await retired
         try:
             await done
