@@ -20,7 +20,7 @@ KNOWN_PARAMS = (
     "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "logprobs", "prompt", "request_id", "ignore_eos", "skip_special_tokens",
     "include_stop_str_in_output", "kv_transfer_params", "logit_bias", "truncate_prompt_tokens",
-    "allowed_token_ids", "bad_words", "prompt_logprobs",
+    "allowed_token_ids", "bad_words", "prompt_logprobs", "priority",
 )
 # No error quotes more of what the client sent than this: a 1 MB field must not come back as a 1 MB error.
 MAX_MESSAGE_CHARS = 1000

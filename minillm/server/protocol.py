@@ -138,6 +138,8 @@ class _GenerationRequest(_ModelRequest):
     request_id: Text | None = None                      # vLLM's: names the response (X-Request-Id wins)
     best_of: int | None = None                          # beam search's width: only n (no search) is taken
     cache_salt: Text | None = None                      # vLLM's: prefix-cache blocks shared only with the same salt
+    # vLLM's: with --scheduling-policy priority a lower value is served first; under fcfs only 0 (or null)
+    priority: int | None = None
 
     @field_validator("cache_salt")
     @classmethod
@@ -333,10 +335,6 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
     # OpenAI and vLLM refuse options without a stream; vLLM lets an empty object ({}) by, as here.
     if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    priority = extra.get("priority")
-    if priority is not None and priority != 0:         # vLLM refuses it too without priority scheduling
-        raise APIError(400, "priority is not supported (requests are served first come, first served)",
-                       param="priority")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
     if isinstance(req, CompletionRequest) and req.suffix:

@@ -245,9 +245,10 @@ def params_for_log(params: SamplingParams) -> str:
 
 async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
                  params: list[SamplingParams], cache_salt: str | None = None,
-                 on_handed_over: Callable[[], None] | None = None) -> list[RequestStream]:
+                 on_handed_over: Callable[[], None] | None = None, priority: int = 0) -> list[RequestStream]:
     """Add one engine request per prompt, all feeding one queue; on a rejection abort those added.
     cache_salt: the request's (vLLM's), which keeps its prefix-cache blocks to requests of the same salt.
+    priority: the request's (vLLM's), which the engine checks against its scheduling policy.
     on_handed_over: called once the engine holds, or may hold, one of them (accepted; or cancelled
     while its add was in flight, an add the engine may have taken and then aborts)."""
     streams: list[RequestStream] = []
@@ -258,7 +259,8 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
             timer = RequestTimer(ctx.metrics)
             try:
                 streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
-                                                            observer=timer.on_output, cache_salt=cache_salt))
+                                                            observer=timer.on_output, cache_salt=cache_salt,
+                                                            priority=priority))
             except asyncio.CancelledError:
                 if on_handed_over is not None:
                     on_handed_over()
@@ -511,7 +513,7 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
     still running. on_handed_over: as submit takes it."""
     log_received(ctx, job, prompts, params)
     streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params, job.req.cache_salt,
-                                                   on_handed_over))
+                                                   on_handed_over, job.req.priority or 0))
     try:
         if stream:
             return await streaming_response(ctx, raw, job.events(streams), failure_events)

@@ -41,7 +41,8 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
                "response_format.json_schema": "text.format", "response_format": "text.format"}
 # vLLM's extensions a Responses request may carry, taken as a chat request takes them.
 CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
-               "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt")
+               "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt",
+               "priority")
 TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "function", "name": ...}')
 # reasoning's and text's values as vLLM takes them (OpenAI's Reasoning and ResponseTextConfig types); effort
 # and verbosity change nothing for a model without such settings, but a value outside these is a client's
@@ -120,6 +121,7 @@ class ResponsesRequest(_ModelRequest):
     structured_outputs: Any = None
     include_reasoning: Any = None
     cache_salt: Any = None
+    priority: Any = None
 
     @field_validator("input")
     @classmethod
