@@ -125,11 +125,13 @@ def test_the_router_answers_bytes_that_are_not_http_after_the_responses_due_as_a
     # `minillm router` ran uvicorn's own protocol: a request pipelined before bytes that are not HTTP
     # lost its response to a plain-text 400 written in its place (a server answers it, then a JSON 400).
     import minillm.router as router_module
-    settings = {}
-    monkeypatch.setattr(router_module.uvicorn, "run", lambda app, **kwargs: settings.update(app=app, **kwargs))
-    router_module.run_router(RouterConfig((server[0],), (server[0],)), host="127.0.0.1", port=0)
-    kwargs = {k: v for k, v in settings.items() if k not in ("app", "host", "port")}
-    http = uvicorn.Server(uvicorn.Config(settings["app"], **kwargs, log_config=None))
+    served = {}
+    monkeypatch.setattr(router_module.uvicorn.Server, "run", lambda self, sockets=None: served.update(config=self.config))
+    config = RouterConfig((server[0],), (server[0],))
+    router_module.run_router(config, host="127.0.0.1", port=0)
+    monkeypatch.undo()
+    http = uvicorn.Server(uvicorn.Config(served["config"].app, **router_module.router_uvicorn_settings(config),
+                                         log_config=None))
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -135,7 +135,6 @@ def test_reasoning_comes_as_a_reasoning_item(servers):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"truncation": "auto"}, "truncation"),
     ({"include": ["file_search_call.results"]}, "include"),
