@@ -87,20 +87,21 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
         return ForcedToolCalls(_parameters_schema(functions[index]), name, f"tools.{index}.function.parameters")
     if choice != "required" or not functions:
         return None
-    # Each tool's $defs move to the array's top, where its "#/$defs/..." references point (as vLLM does).
-    defs: dict = {}
+    # Each tool's $defs move to the array's top, where its "#/$defs/..." references point (as vLLM
+    # does), and so do its llguidance options ("x-guidance"), which only a schema's top level sets.
+    lifted: dict[str, dict] = {"$defs": {}, "x-guidance": {}}
     parameters = [dict(_parameters_schema(f)) for f in functions]
     for i, params in enumerate(parameters):
-        for name, definition in (params.pop("$defs") if isinstance(params.get("$defs"), dict) else {}).items():
-            if defs.setdefault(name, definition) != definition:
-                raise APIError(400, f"tools define $defs {name!r} twice, differently (tool_choice \"required\" "
-                               f"puts every tool's $defs in one schema)", param=f"tools.{i}.function.parameters")
+        for key, merged in lifted.items():
+            for name, value in (params.pop(key) if isinstance(params.get(key), dict) else {}).items():
+                if merged.setdefault(name, value) != value:
+                    raise APIError(400, f"tools set {key} {name!r} twice, differently (tool_choice \"required\" "
+                                   f"puts every tool's {key} in one schema)", param=f"tools.{i}.function.parameters")
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
               "required": ["name", "parameters"], "additionalProperties": False}
              for f, params in zip(functions, parameters)]
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    if defs:
-        schema["$defs"] = defs
+    schema.update((key, merged) for key, merged in lifted.items() if merged)
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     # An error names the tool whose parameters fail (tools.i.function.parameters).
