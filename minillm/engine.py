@@ -707,17 +707,24 @@ class LLMEngine:
         changed, self._changed = self._changed, {}
         outputs = []
         request_output = self.output_processor.request_output
-        for req in changed.values():
-            finished = req.is_finished
-            if req.final_only and not finished:
-                continue
-            if finished and req.metrics.finished_time is None:
-                req.metrics.finished_time = now
-                self.requests.pop(req.request_id, None)
-                for seq in req.seqs:
-                    self.metrics.record_finish(seq.status.finish_reason)
-            if (report := request_output(req, finished)) is not None:
-                outputs.append(report)
+        pending = iter(changed.items())
+        try:
+            for _, req in pending:
+                finished = req.is_finished
+                if req.final_only and not finished:
+                    continue
+                if finished and req.metrics.finished_time is None:
+                    req.metrics.finished_time = now
+                    self.requests.pop(req.request_id, None)
+                    for seq in req.seqs:
+                        self.metrics.record_finish(seq.status.finish_reason)
+                if (report := request_output(req, finished)) is not None:
+                    outputs.append(report)
+        except BaseException:
+            # A report that raised (an interrupt, a detokenizer's error) loses only its own news: the
+            # requests after it are reported by the next call, not left unfinished for ever.
+            self._changed.update(pending)
+            raise
         return outputs
 
     # ---- stats and lifetime ------------------------------------------------------------------
