@@ -6,6 +6,7 @@ import math
 import numbers
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -243,9 +244,12 @@ def check_field_types(config: EngineConfig) -> None:
         value = getattr(config, name)
         if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
             object.__setattr__(config, name, float(value))
+    numpy = sys.modules.get("numpy")            # a NumPy bool needs NumPy loaded: never imported here
     for name in _BOOL_FIELDS:
         value = getattr(config, name)
-        if value is not None and not isinstance(value, bool):
+        if numpy is not None and isinstance(value, numpy.bool_):     # NumPy's True and False, as Python's
+            object.__setattr__(config, name, bool(value))
+        elif value is not None and not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
