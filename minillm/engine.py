@@ -42,9 +42,10 @@ from minillm.step_cost import measured_seconds
 from minillm.tokenizer import Tokenizer
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
-    """A request: its prompt, its n sequences and their output states."""
+    """A request: its prompt, its n sequences and their output states (hashed by identity: an
+    aborted request and a new one that took its id are two requests until the first is reported)."""
 
     request_id: str
     prompt: str | None
@@ -268,8 +269,12 @@ class LLMEngine:
                                    max_step_ms=config.max_step_ms, max_step_factor=config.max_step_factor,
                                    max_mixed_tokens=self.runner.max_mixed_graph_tokens,
                                    scheduling_policy=config.scheduling_policy)
+        # By id: the unfinished requests, and finished ones until their last report (or until a new
+        # request takes the id of an aborted one, as vLLM's engines take it at once).
         self.requests: dict[str, Request] = {}
-        self._changed: dict[str, Request] = {}     # requests with news for the next outputs
+        # Requests with news for the next outputs, in the order of their first news (an ordered set:
+        # an aborted request's last report comes before those of a new request with its id).
+        self._changed: dict[Request, None] = {}
         self._in_flight: deque[tuple[SchedulerOutput, InFlightStep]] = deque()   # launched, not read back
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.backend == "cuda")
@@ -378,7 +383,8 @@ class LLMEngine:
         params.check_masks(self.eos_token_ids, self.model_config.vocab_size)
         if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
             raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
-        if request_id in self.requests:
+        held = self.requests.get(request_id)
+        if held is not None and not held.is_finished:
             raise ValueError(f"request_id {request_id!r} is already in use")
         cache_salt = cache_salt_of(prompt, cache_salt)
         text, prompt = unpack_prompt(prompt)
@@ -441,8 +447,9 @@ class LLMEngine:
         return checked_token_ids(prompt, self.model_config.vocab_size)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Stop a request now and free its blocks; the next step() reports it with 'abort' (an
-        unknown or finished id is ignored). A list of ids aborts each, as vLLM's takes them."""
+        """Stop a request now and free its blocks and its id (a new request may take the id at once,
+        as vLLM's engines allow); the next step() reports it with 'abort', before any report of
+        the new one (an unknown or finished id is ignored). A list of ids aborts each, as vLLM's takes them."""
         if not isinstance(request_id, (str, bytes)) and isinstance(request_id, Iterable):
             for one in list(request_id):
                 if isinstance(one, str):
@@ -453,7 +460,7 @@ class LLMEngine:
             return
         for seq in req.seqs:
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self._changed[request_id] = req
+        self._changed[req] = None
 
     def stop_sequence(self, request_id: str, index: int, stop_string: str) -> None:
         """End completion `index` of a request with a stop string its text completed (found by an
@@ -462,7 +469,7 @@ class LLMEngine:
         if req is None or not isinstance(index, int) or not 0 <= index < len(req.seqs):
             return
         self.scheduler.stop(req.seqs[index], stop_string)
-        self._changed[request_id] = req
+        self._changed[req] = None
 
     def service_kv_transfers(self) -> float | None:
         """For an idle engine loop: let the KV connector act on what came from outside (a prefill
@@ -483,7 +490,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is queued, running or unreported, or a step is in flight."""
-        return bool(self.requests) or bool(self._in_flight)
+        return bool(self.requests) or bool(self._changed) or bool(self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests added and not yet finished or aborted (vLLM's LLMEngine.get_num_unfinished_requests);
@@ -542,7 +549,7 @@ class LLMEngine:
                 and not self._kv_connector_holds_blocks():
             raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
         for seq in out.seqs:
-            req = self.requests.get(seq.request_id)
+            req = self._request_of(seq)
             if req is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = started
                 req.metrics.num_cached_tokens = seq.num_cached_tokens
@@ -583,10 +590,12 @@ class LLMEngine:
         if self.device.is_fatal(exc) or isinstance(exc, TensorParallelError):
             raise exc
         self.scheduler.forget_step_blocks(out)
-        request_ids = sorted({seq.request_id for seq in out.seqs})
-        for request_id in request_ids:
-            self.abort_request(request_id)
-        raise StepError(request_ids, exc) from exc
+        # The step's requests that the engine still holds (not an aborted one whose id a new
+        # request has taken since the step was launched: that one was not in the step).
+        requests = dict.fromkeys(req for seq in out.seqs if (req := self._request_of(seq)) is not None)
+        for req in requests:
+            self.abort_request(req.request_id)
+        raise StepError(sorted(req.request_id for req in requests), exc) from exc
 
     def _start_fill(self, out: SchedulerOutput):
         """Start filling out's masks; a failure is kept for the sampling to raise (that step's error)."""
@@ -627,11 +636,11 @@ class LLMEngine:
     def _finish_failed_grammars(self) -> None:
         """A sequence whose grammar failed to compile finishes with finish_reason 'error'."""
         for seq, message in self.structured_outputs.take_failed():
-            req = self.requests.get(seq.request_id)
+            req = self._request_of(seq)
             self.log(f"minillm: request {seq.request_id}: {message}")
             self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR, message)
             if req is not None:
-                self._changed[req.request_id] = req
+                self._changed[req] = None
 
     def _complete(self, out: SchedulerOutput, in_flight: InFlightStep) -> None:
         """Wait for a launched step and hand its tokens to the scheduler and the outputs. With
@@ -654,8 +663,8 @@ class LLMEngine:
                                                      self.structured_outputs is not None
                                                      and self.structured_outputs.answers_pending())
         while self.scheduler.masked_out:        # finished with no token: on_token did not report them
-            if (req := self.requests.get(self.scheduler.masked_out.pop().request_id)) is not None:
-                self._changed[req.request_id] = req
+            if (req := self._request_of(self.scheduler.masked_out.pop())) is not None:
+                self._changed[req] = None
         if out.scheduled_spec_decode_tokens:
             self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)
@@ -670,26 +679,34 @@ class LLMEngine:
         by_id = {seq.seq_id: seq for seq in out.seqs}
         for seq_id, (first, dicts) in entries.items():
             seq = by_id.get(seq_id)
-            req = self.requests.get(seq.request_id) if seq is not None else None
+            req = self._request_of(seq) if seq is not None else None
             if req is None or req.prompt_logprobs is None:
                 continue
             have = len(req.prompt_logprobs)
             if first <= have < first + len(dicts):
                 req.prompt_logprobs.extend(dicts[have - first:])
-                self._changed[req.request_id] = req
+                self._changed[req] = None
 
     def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:
         """Feed seq's i-th new token of the step to its request's output; returns the stop string
         it completed, if any (the scheduler then ends the sequence there)."""
-        req = self.requests.get(seq.request_id)
+        req = self._request_of(seq)
         if req is None:
             return None
         logprobs = step.logprobs.get(seq.seq_id)
         stop = self.output_processor.add_token(req.states[seq.index], seq, seq.token_ids[-1],
                                                logprobs[i] if logprobs else None)
         self._note_token(req, now)
-        self._changed[req.request_id] = req
+        self._changed[req] = None
         return stop
+
+    def _request_of(self, seq: Sequence) -> Request | None:
+        """The request seq belongs to while the engine holds it (None once it is retired, or once a
+        new request has taken the id of the aborted one it belonged to)."""
+        req = self.requests.get(seq.request_id)
+        if req is None or req.seqs[seq.index] is not seq:
+            return None
+        return req
 
     def _note_token(self, req: Request, now: float) -> None:
         m = req.metrics
@@ -707,15 +724,17 @@ class LLMEngine:
         changed, self._changed = self._changed, {}
         outputs = []
         request_output = self.output_processor.request_output
-        pending = iter(changed.items())
+        requests = self.requests
+        pending = iter(changed)
         try:
-            for _, req in pending:
+            for req in pending:
                 finished = req.is_finished
                 if req.final_only and not finished:
                     continue
                 if finished and req.metrics.finished_time is None:
                     req.metrics.finished_time = now
-                    self.requests.pop(req.request_id, None)
+                    if requests.get(req.request_id) is req:    # not a new request that took its id
+                        del requests[req.request_id]
                     for seq in req.seqs:
                         self.metrics.record_finish(seq.status.finish_reason)
                 if (report := request_output(req, finished)) is not None:
@@ -723,7 +742,7 @@ class LLMEngine:
         except BaseException:
             # A report that raised (an interrupt, a detokenizer's error) loses only its own news: the
             # requests after it are reported by the next call, not left unfinished for ever.
-            self._changed.update(pending)
+            self._changed.update(dict.fromkeys(pending))
             raise
         return outputs
 
