@@ -417,11 +417,23 @@ class LLMEngine:
                       RequestMetrics(arrival_time=now), final_only=not incremental,
                       is_delta=params.output_kind is RequestOutputKind.DELTA,
                       prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        if params.structured_outputs is not None:
-            self._structured_output_manager().attach(seqs, params.structured_outputs)
-        self.requests[request_id] = req
-        for seq in seqs:
-            self.scheduler.add(seq)
+        try:
+            if params.structured_outputs is not None:
+                self._structured_output_manager().attach(seqs, params.structured_outputs)
+            self.requests[request_id] = req
+            for seq in seqs:
+                self.scheduler.add(seq)
+        except BaseException:
+            # Whatever stopped the add half way (an interrupt), the request leaves no trace: none of
+            # its sequences waits or compiles a grammar, and an aborted request it was to replace
+            # is back, its last report still to come.
+            for seq in seqs:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            if held is not None:
+                self.requests[request_id] = held
+            elif self.requests.get(request_id) is req:
+                del self.requests[request_id]
+            raise
 
     def _check_kv_transfer(self, ids: list[int], params: SamplingParams) -> None:
         """A request's kv_transfer_params are the KV connector's to check; without one, an error."""

@@ -1,6 +1,6 @@
 """Request ids in the engine: an aborted request's id is free at once (vLLM's engines take it again
-at once), its last report still comes out and is never taken for the new request of that id. On
-the offline LLMEngine and the engine on a thread."""
+at once), its last report still comes out and is never taken for the new request of that id; an
+add that fails half way leaves no trace. On the offline LLMEngine and the engine on a thread."""
 from __future__ import annotations
 
 import asyncio
@@ -124,6 +124,56 @@ def test_an_id_whose_step_failed_is_free_at_once(stories_path, golden, alone):
         reports = drain(engine)["x"]
         assert reports[0].finished and reports[0].prompt_token_ids == golden[:4]
         assert view(reports[-1]) == view(alone(golden[8:12], SHORT))
+    finally:
+        engine.shutdown()
+
+
+class Interrupt(BaseException):
+    """An interrupt (as KeyboardInterrupt) raised inside add_request."""
+
+
+@pytest.mark.parametrize("failing", [1, 2, 3])
+def test_an_add_interrupted_half_way_leaves_no_trace(stories_path, golden, alone, monkeypatch, failing):
+    engine = make_engine(stories_path)
+    try:
+        calls = []
+        real_add = engine.scheduler.add
+
+        def add(seq):
+            calls.append(seq)
+            if len(calls) == failing:          # one of the request's three sequences
+                raise Interrupt()
+            real_add(seq)
+        monkeypatch.setattr(engine.scheduler, "add", add)
+        with pytest.raises(Interrupt):
+            engine.add_request("x", golden[:4], SamplingParams(temperature=0, max_tokens=6, n=3, ignore_eos=True))
+        monkeypatch.undo()
+        assert "x" not in engine.requests and not engine.has_unfinished_requests()
+        assert len(engine.scheduler.waiting) == 0 and engine.get_num_unfinished_requests() == 0
+        assert all(seq.is_finished for seq in calls)
+        assert drain(engine) == {}
+        engine.add_request("x", golden[:4], SHORT)     # the id is free, the engine serves on
+        assert view(drain(engine)["x"][-1]) == view(alone(golden[:4], SHORT))
+    finally:
+        engine.shutdown()
+
+
+def test_an_add_interrupted_over_an_aborted_id_leaves_the_aborted_ones_report(stories_path, golden, monkeypatch):
+    engine = make_engine(stories_path)
+    try:
+        engine.add_request("x", golden[:4], LONG)
+        engine.step()
+        engine.abort_request("x")
+
+        def add(seq):
+            raise Interrupt()
+        monkeypatch.setattr(engine.scheduler, "add", add)
+        with pytest.raises(Interrupt):
+            engine.add_request("x", golden[8:12], SHORT)
+        monkeypatch.undo()
+        reports = drain(engine)
+        assert [(out.prompt_token_ids, view(out)[0][1]) for out in reports["x"]] == [(golden[:4], "abort")]
+        assert not engine.requests and engine.block_manager.num_used_blocks == 0
     finally:
         engine.shutdown()
 
