@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
+from minillm.server.logprobs import LogprobRow, chat_logprobs
 from minillm.server.protocol import (
     ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, check_text,
 )
@@ -55,6 +56,8 @@ TEXT_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
                     "json_schema": ("type", "name", "schema", "strict", "description")}
 # include values there is nothing to include for (no encrypted reasoning is made): taken, changing nothing.
 INCLUDE_NOTHING = ("reasoning.encrypted_content",)
+# include's value that asks for each output_text's logprobs (top_logprobs alternatives a token), as vLLM serves it.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
 # The request's fields of free JSON that the response carries back as they came.
 ECHOED_AS_SENT = ("tools", "tool_choice", "reasoning", "text")
 
@@ -106,7 +109,7 @@ class ResponsesRequest(_ModelRequest):
     metadata: dict[Text, Text] | None = None          # OpenAI's (and vLLM's) metadata: strings to strings
     user: Text | None = None
     include: list[Text] | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it (its logprobs are not served)
+    top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it; used with include's OUTPUT_LOGPROBS
     request_id: Text | None = None
     # vLLM's sampling extensions (CHAT_EXTRAS): declared, so that none is logged as ignored, and passed on
     # as the chat request's fields, which check them.
@@ -157,7 +160,7 @@ def _check_unserved(req: ResponsesRequest) -> None:
         raise APIError(400, f'truncation must be "disabled" (a prompt past the context is a 400), got '
                        f"{req.truncation!r}", param="truncation")
     for name in req.include or []:
-        if name not in INCLUDE_NOTHING:
+        if name not in (*INCLUDE_NOTHING, OUTPUT_LOGPROBS):
             raise APIError(400, f"include: {name!r} is not supported", param="include")
     _check_values(req.reasoning, "reasoning", REASONING_VALUES)
     _check_values(req.text, "text", TEXT_VALUES)
@@ -315,6 +318,11 @@ def _response_format(text: dict | None) -> dict | None:
     return {"type": "json_schema", "json_schema": schema}
 
 
+def asks_for_logprobs(req: ResponsesRequest) -> bool:
+    """Whether req's include asks for the output_text parts' logprobs."""
+    return OUTPUT_LOGPROBS in (req.include or [])
+
+
 def chat_body(req: ResponsesRequest) -> dict:
     """The chat completion request that serves req (a 400 for what this server does not do)."""
     _check_unserved(req)
@@ -323,6 +331,8 @@ def chat_body(req: ResponsesRequest) -> dict:
               "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
               "user": req.user}
+    if asks_for_logprobs(req):      # vLLM's top_logprobs defaults to 0: each token's own logprob only
+        fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     body.update({k: v for k, v in fields.items() if v is not None})
     body.update({name: getattr(req, name) for name in CHAT_EXTRAS if name in req.model_fields_set})
     return body
@@ -345,9 +355,17 @@ def _renamed(exc: APIError) -> APIError:
 
 # ---- the reply as output items ------------------------------------------------------------------------
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if text else []}
+def _message_item(item_id: str, text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
+    """A message output item; logprobs: its text's tokens' (chat's logprobs content, OpenAI's Logprob shape)."""
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part] if text else []}
+
+
+def _event_logprobs(logprobs: list[dict]) -> list[dict]:
+    """Logprobs in the shape of output_text's delta and done events (OpenAI's ResponseTextDeltaEvent: no bytes)."""
+    return [{"token": lp["token"], "logprob": lp["logprob"],
+             "top_logprobs": [{"token": top["token"], "logprob": top["logprob"]} for top in lp["top_logprobs"]]}
+            for lp in logprobs]
 
 
 def _reasoning_item(item_id: str, text: str) -> dict:
@@ -411,7 +429,8 @@ class ResponsesJob(TranslatedJob):
         if message.get("reasoning"):
             output.append(_reasoning_item(_new_id("rs"), message["reasoning"]))
         if message.get("content"):
-            output.append(_message_item(_new_id("msg"), message["content"]))
+            logprobs = (choice["logprobs"] or {}).get("content")     # all the reply's tokens, as vLLM gives them
+            output.append(_message_item(_new_id("msg"), message["content"], logprobs=logprobs))
         output += [_call_item(call) for call in message.get("tool_calls") or []]
         return self._response(response_status(finals[0].outputs[0]), output, finals[0])
 
@@ -439,13 +458,34 @@ class ResponsesJob(TranslatedJob):
 
 
 class _EventWriter(ReplyWriter):
-    """Output items and their events: a reasoning item, a message item, function calls."""
+    """Output items and their events: a reasoning item, a message item, function calls.
+
+    With logprobs asked for, each output_text.delta carries the logprobs of the tokens since the last
+    one (a reasoning item's tokens go with the message's first delta, as the whole reply's message holds
+    every token's); those of tokens whose text never came (held back by a stop string) go in a last
+    delta of no text before output_text.done."""
 
     def __init__(self, job: ResponsesJob) -> None:
         super().__init__(job)
         self.items: list[dict] = []       # the output items, done
         self.open: dict | None = None     # the reasoning or message item being streamed
         self.text_so_far = ""             # the open item's text so far
+        self.cursor = job._cursor()       # None unless logprobs were asked for
+        self.pending_rows: list[LogprobRow] = []    # tokens no delta has carried yet
+        self.logprobs_so_far: list[dict] = []      # the open message's logprobs
+
+    def update(self, comp: CompletionOutput) -> str:
+        if self.cursor is not None:
+            self.pending_rows += self.cursor.advance(comp.token_ids, comp.logprobs or [], self.job.num_top)
+        return super().update(comp)
+
+    def _text_delta(self, delta: str) -> str:
+        """An output_text.delta of the open message, with the logprobs of the tokens pending."""
+        rows, self.pending_rows = self.pending_rows, []
+        logprobs = chat_logprobs(rows)["content"]
+        self.logprobs_so_far += logprobs
+        return self.job.event("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items),
+                              content_index=0, delta=delta, logprobs=_event_logprobs(logprobs))
 
     def text(self, kind: str, delta: str) -> str:
         job, events = self.job, ""
@@ -468,15 +508,17 @@ class _EventWriter(ReplyWriter):
         if kind == "reasoning":
             return events + job.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=index,
                                       content_index=0, delta=delta)
-        return events + job.event("response.output_text.delta", item_id=self.open["id"], output_index=index,
-                                  content_index=0, delta=delta, logprobs=[])
+        return events + self._text_delta(delta)
 
     def output_so_far(self) -> list[dict]:
         """The items done, and the open one as far as it came (status incomplete)."""
         if self.open is None:
             return list(self.items)
         item_id, text = self.open["id"], self.text_so_far
-        item = _reasoning_item(item_id, text) if self.open["type"] == "reasoning" else _message_item(item_id, text)
+        if self.open["type"] == "reasoning":
+            item = _reasoning_item(item_id, text)
+        else:
+            item = _message_item(item_id, text, logprobs=self.logprobs_so_far)
         return [*self.items, {**item, "status": "incomplete"}]
 
     def close(self) -> str:
@@ -488,15 +530,16 @@ class _EventWriter(ReplyWriter):
             events = job.event("response.reasoning_text.done", item_id=item_id, output_index=index,
                                content_index=0, text=text)
         else:
-            item = _message_item(item_id, text)
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            events = (job.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                                text=text, logprobs=[])
-                      + job.event("response.content_part.done", item_id=item_id, output_index=index,
-                                  content_index=0, part=part))
+            events = self._text_delta("") if self.pending_rows else ""
+            item = _message_item(item_id, text, logprobs=self.logprobs_so_far)
+            [part] = item["content"]
+            events += (job.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                                 text=text, logprobs=_event_logprobs(self.logprobs_so_far))
+                       + job.event("response.content_part.done", item_id=item_id, output_index=index,
+                                   content_index=0, part=part))
         events += job.event("response.output_item.done", output_index=index, item=item)
         self.items.append(item)
-        self.open, self.text_so_far = None, ""
+        self.open, self.text_so_far, self.logprobs_so_far = None, "", []
         return events
 
     def call(self, call: dict) -> str:
