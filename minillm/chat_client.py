@@ -78,13 +78,18 @@ class HttpChatBackend:
             body["top_k"] = settings.top_k
         if settings.seed is not None:
             body["seed"] = settings.seed
-        if self.has_chat_template:
-            body["messages"] = conversation.messages()
-            if self.chat_template:
-                body["chat_template"] = self.chat_template
-        else:
-            body["prompt"] = conversation_text(conversation)
+        body.update(self._prompt_fields(conversation))
         return body
+
+    def _prompt_fields(self, conversation: Conversation) -> dict:
+        """The conversation as the current endpoint takes it: messages (with the chat template the
+        chat was given) for a chat completion, the plain text continuation for a completion."""
+        if not self.has_chat_template:
+            return {"prompt": conversation_text(conversation)}
+        fields: dict = {"messages": conversation.messages()}
+        if self.chat_template:
+            fields["chat_template"] = self.chat_template
+        return fields
 
     def _open(self, conversation: Conversation, settings: ChatSettings,
               max_tokens: int | None) -> httpx.Response:
@@ -172,13 +177,7 @@ class HttpChatBackend:
     def _count_tokens(self, conversation: Conversation) -> tuple[int | None, int | None]:
         """(prompt tokens, context) of the conversation as the server's /tokenize counts it; None
         for what it cannot say."""
-        body: dict = {"model": self.model}
-        if self.has_chat_template:
-            body["messages"] = conversation.messages()
-            if self.chat_template:
-                body["chat_template"] = self.chat_template
-        else:
-            body["prompt"] = conversation_text(conversation)
+        body = {"model": self.model, **self._prompt_fields(conversation)}
         try:
             response, data = self._fetch("POST", "/tokenize", json=body)
             answer = _json(data) if response.status_code == 200 else {}
