@@ -12,13 +12,16 @@ from minillm.sampling_params import short_repr
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
 from minillm.model_store import broken_link, index_weight_files, list_local_models, read_json_object, resolve_model_path  # noqa: F401
 
-# config.json "architectures" -> the decoder family minillm runs it as.
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
+# config.json "architectures" -> (its model_type, the decoder family minillm runs it as). A config
+# that lists no architectures is read by its model_type, as transformers' Auto classes pick the class.
+_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "llama"),
+    "MistralForCausalLM": ("mistral", "llama"),
+    "Qwen2ForCausalLM": ("qwen2", "qwen2"),
+    "Qwen3ForCausalLM": ("qwen3", "qwen3"),
 }
+SUPPORTED_ARCHITECTURES = {arch: family for arch, (_, family) in _ARCHITECTURES.items()}
+MODEL_TYPE_ARCHITECTURES = {model_type: arch for arch, (model_type, _) in _ARCHITECTURES.items()}
 
 
 # ---- config.json -> ModelConfig ------------------------------------------------------------------
@@ -26,16 +29,6 @@ SUPPORTED_ARCHITECTURES = {
 
 def _read_config(path: Path) -> dict:
     return read_json_object(Path(path) / "config.json")
-
-
-# config.json "model_type" -> the architecture of a config that lists no "architectures" (transformers'
-# Auto classes pick the model class by model_type alone).
-MODEL_TYPE_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 
 
 def config_architecture(cfg: dict) -> str:
