@@ -351,22 +351,31 @@ def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(path / f for f in index_weight_files(index))
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise ValueError(f"shard {missing[0].name} named in {index.name} is missing from {path}")
+        named = f" named in {index.name}"
     else:
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model directory {path} has no *.safetensors weights")
-        unread = next((f for f in files if not f.is_file()), None)
-        if unread is not None:      # a folder of that name, or a link to a blob not fetched (a hub cache)
-            if unread.is_dir():
-                raise ValueError(f"{unread} is a directory, not safetensors weights")
-            raise ValueError(f"{unread} cannot be read{broken_link(unread, ': ') or ': it is no regular file'}")
+        named = ""
+    unread = next((f for f in files if not f.is_file()), None)
+    if unread is not None:
+        raise ValueError(_why_unreadable(unread, named))
     tensors: dict[str, TensorEntry] = {}
     for file in files:
         tensors.update(read_safetensors_header(file))
     return tensors
+
+
+def _why_unreadable(file: Path, named: str) -> str:
+    """Why a weights file (NAMED: where it is named, or "") cannot be read: a folder of that name,
+    a link to a blob never fetched (a hub cache), or nothing there at all."""
+    if file.is_dir():
+        return f"{file}{named} is a directory, not safetensors weights"
+    if file.is_symlink():
+        return f"{file}{named} cannot be read{broken_link(file, ': ')}"
+    if file.exists():
+        return f"{file}{named} cannot be read: it is no regular file"
+    return f"shard {file.name}{named} is missing from {file.parent}"
 
 
 def _read_tensor(name: str, entry: TensorEntry) -> np.ndarray:

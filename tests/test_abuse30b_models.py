@@ -1,0 +1,73 @@
+"""Model directories broken in the ways downloads, hand edits and half-finished exports break them:
+a shard that is a folder, safetensors offsets that run backwards or past the file, one tensor in two
+shards, a chat template that does not compile, a config whose sizes do not agree, a vocabulary
+smaller than the tokenizer's ids. Each is refused once at load with a message naming the file, the
+field or the tensor, or loads as transformers loads it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_abuse30_models import stories_copy
+from test_chat import needs_stories
+
+from minillm.loader import checkpoint_tensors
+
+pytestmark = needs_stories
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def shard(path: Path) -> dict[str, str]:
+    """Split path's model.safetensors into two shards and an index; the index's weight_map."""
+    from safetensors.numpy import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    weight_map = {}
+    for file, part in zip(SHARDS, (names[:len(names) // 2], names[len(names) // 2:])):
+        save_file({n: tensors[n] for n in part}, path / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, file))
+    write_index(path, weight_map)
+    return weight_map
+
+
+def write_index(path: Path, weight_map: dict[str, str]) -> None:
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def generate(capsys, path: Path) -> tuple[int, str, str]:
+    """`minillm generate PATH --device cpu -p hi`: (exit status, stdout, stderr on one line)."""
+    from minillm.cli import main
+    try:
+        status = main(["generate", str(path), "--device", "cpu", "-p", "hi", "--max-tokens", "3"])
+    except SystemExit as exc:
+        status = exc.code
+    out, err = capsys.readouterr()
+    return status, out, " ".join(err.split())
+
+
+# ---- safetensors shards and headers -------------------------------------------------------------------
+
+
+def test_a_shard_the_index_names_that_is_a_directory_is_named_as_a_directory(tmp_path, capsys):
+    """The index's shard was a folder of that name: "shard ... is missing from ...", which it is not."""
+    path = stories_copy(tmp_path)
+    shard(path)
+    (path / SHARDS[1]).unlink()
+    (path / SHARDS[1]).mkdir()
+    with pytest.raises(ValueError, match=f"{SHARDS[1]} named in model.safetensors.index.json is a directory, "
+                                         f"not safetensors weights"):
+        checkpoint_tensors(path)
+    status, out, err = generate(capsys, path)
+    assert (status, out) == (1, "") and "is a directory, not safetensors weights" in err and "missing" not in err
+
+
+def test_a_shard_the_index_names_that_is_a_link_to_nothing_says_where_it_leads(tmp_path):
+    path = stories_copy(tmp_path)
+    shard(path)
+    (path / SHARDS[1]).unlink()
+    (path / SHARDS[1]).symlink_to("../../blobs/abc")
+    with pytest.raises(ValueError, match=f"{SHARDS[1]} named in model.safetensors.index.json cannot be read: it is "
+                                         f"a symbolic link to ../../blobs/abc, which does not exist"):
+        checkpoint_tensors(path)
