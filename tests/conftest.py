@@ -45,6 +45,14 @@ def tok(stories_path):
 
 
 @pytest.fixture(scope="module")
+def llm(stories_path):
+    """One stories260K LLM on the CPU for the module, max_model_len 128 (a module may define its own)."""
+    from minillm import LLM
+    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
 def http(server):
     """One HTTP client for the module's server (the module defines `server`, yielding (url, engine)):
     building a client per request costs more than the request."""

@@ -11,13 +11,6 @@ PROMPTS = ["Once upon a time", "Lily had a red ball"]
 
 
 @pytest.fixture(scope="module")
-def llm(stories_path):
-    """One stories260K LLM on the CPU for the module."""
-    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
 def expected(llm):
     """The greedy token ids of PROMPTS, generated plainly."""
     return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY)]

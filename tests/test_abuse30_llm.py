@@ -12,13 +12,6 @@ PROMPTS = ["Once upon a time there was a girl named Lily who liked", "The dog", 
 
 
 @pytest.fixture(scope="module")
-def llm(stories_path):
-    """One stories260K LLM on the CPU for the module."""
-    with LLM(str(stories_path), device="cpu", max_model_len=128) as model:
-        yield model
-
-
-@pytest.fixture(scope="module")
 def expected(llm):
     """The texts of PROMPTS under SAMPLED, generated plainly."""
     return [out.outputs[0].text for out in llm.generate(PROMPTS, SAMPLED)]
