@@ -11,9 +11,8 @@ import threading
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, get_stats, running_server, wait_for
-
-from minillm.server.app import ServerOptions
+from test_abuse30_pd_server import prefill, producer_and_consumer
+from test_server_helpers import get_stats, wait_for
 
 BODY = {"model": "stories", "prompt": "Once upon a time there was a little girl named Lily who loved to play",
         "temperature": 0, "max_tokens": 40, "ignore_eos": True}
@@ -61,19 +60,12 @@ def let_go(path: str) -> None:
 def test_a_dead_decode_engine_gives_a_streamed_requests_lease_back(stories_path, engine_core, tmp_path):
     fifo = str(tmp_path / "fail")
     os.mkfifo(fifo)
-    options = ServerOptions(chat_template=CHAT_TEMPLATE)
-    with running_server(stories_path, engine_core="thread", options=options,
-                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
-            running_server(stories_path, engine_core=engine_core, options=options,
-                           core_hook=FailAfterFirstOutput(fifo),
-                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, _):
-        first = httpx.post(f"{p_url}/v1/completions", timeout=60,
-                           json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-        assert first.status_code == 200 and leases_of(p_url)[0] == 1
+    with producer_and_consumer(stories_path, FailAfterFirstOutput(fifo), engine_core) as (p_url, d_url, _):
+        kv_transfer_params = prefill(p_url, BODY)
+        assert leases_of(p_url)[0] == 1
         events = []
         with httpx.stream("POST", f"{d_url}/v1/completions", timeout=60,
-                          json={**BODY, "stream": True,
-                                "kv_transfer_params": first.json()["kv_transfer_params"]}) as response:
+                          json={**BODY, "stream": True, "kv_transfer_params": kv_transfer_params}) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
                 if not line.startswith("data: "):
@@ -121,17 +113,11 @@ def http_post(url: str, path: str, body: dict) -> socket.socket:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_lease_whose_caller_left_just_before_its_engine_died_is_given_back(stories_path, stream):
     fatal = BlockedFatalStep()
-    options = ServerOptions(chat_template=CHAT_TEMPLATE)
-    with running_server(stories_path, engine_core="thread", options=options,
-                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
-            running_server(stories_path, engine_core="thread", options=options, core_hook=fatal.install,
-                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, d_engine):
-        first = httpx.post(f"{p_url}/v1/completions", timeout=60,
-                           json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-        assert first.status_code == 200 and leases_of(p_url)[0] == 1
+    with producer_and_consumer(stories_path, fatal.install) as (p_url, d_url, d_engine):
+        kv_transfer_params = prefill(p_url, BODY)
+        assert leases_of(p_url)[0] == 1
         fatal.is_armed = True
-        sock = http_post(d_url, "/v1/completions",
-                         {**BODY, "stream": stream, "kv_transfer_params": first.json()["kv_transfer_params"]})
+        sock = http_post(d_url, "/v1/completions", {**BODY, "stream": stream, "kv_transfer_params": kv_transfer_params})
         assert fatal.entered.wait(30)             # the engine took the request and is in the step that loads it
         sock.close()                              # the caller leaves: its API server queues the abort
         assert wait_for(lambda: d_engine._commands.qsize() >= 1, timeout=10)   # its abort
@@ -150,17 +136,10 @@ def serve_other_weights(engine) -> None:
 def test_a_lease_released_twice_for_a_refused_add_is_released_once(stories_path, engine_core):
     """The engine refuses a claimed request (a prefill engine of other weights): its API server and
     its engine both give the lease back; the producer counts one release and nothing else changes."""
-    options = ServerOptions(chat_template=CHAT_TEMPLATE)
-    with running_server(stories_path, engine_core="thread", options=options,
-                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (p_url, _), \
-            running_server(stories_path, engine_core=engine_core, options=options, core_hook=serve_other_weights,
-                           kv_transfer_config={"kv_role": "kv_consumer"}) as (d_url, _):
+    with producer_and_consumer(stories_path, serve_other_weights, engine_core) as (p_url, d_url, _):
         for count in (1, 2):
-            first = httpx.post(f"{p_url}/v1/completions", timeout=60,
-                               json={**BODY, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
-            assert first.status_code == 200
             response = httpx.post(f"{d_url}/v1/completions", timeout=60,
-                                  json={**BODY, "kv_transfer_params": first.json()["kv_transfer_params"]})
+                                  json={**BODY, "kv_transfer_params": prefill(p_url, BODY)})
             assert response.status_code == 400 and "other weights" in response.text, response.text
             assert response.json()["error"]["param"] == "kv_transfer_params"
             assert wait_for(lambda: leases_of(p_url)[0] == 0, timeout=10)
