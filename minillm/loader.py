@@ -316,16 +316,30 @@ def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
         raise ValueError(f"{file} is not a safetensors file (its header is not a JSON object)")
     base = 8 + header_len
     entries = {name: _tensor_entry(file, name, info, base) for name, info in header.items() if name != "__metadata__"}
-    data_end = base
+    _check_tiling(file, entries, base, size)
+    return entries
+
+
+def _check_tiling(file: Path, entries: dict[str, TensorEntry], base: int, size: int) -> None:
+    """The safetensors library's rule: the tensors tile the data after the header, in order, without
+    gaps or overlaps, and end inside the file; a ValueError naming the tensor (and the one it
+    overlaps) otherwise."""
+    def offsets(entry: TensorEntry) -> str:
+        return f"[{entry.start - base}, {entry.end - base}]"
+
+    previous, data_end = None, base
     for name, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].end)):
         if entry.end > size:
-            raise ValueError(f"{file}: tensor {name} lies outside the file (truncated download?)")
-        if entry.start != data_end:
-            # The safetensors library's rule: tensors tile the data, in order, without gaps or overlaps.
-            raise ValueError(f"{file} is not a safetensors file (tensor {name}'s data_offsets "
-                             f"{'overlap another tensor' if entry.start < data_end else 'leave a gap before it'})")
-        data_end = entry.end
-    return entries
+            raise ValueError(f"{file} is not a safetensors file (tensor {name} has data_offsets {offsets(entry)}, "
+                             f"past the end of its data ({size - base} bytes; a truncated download?))")
+        if entry.start < data_end:
+            raise ValueError(f"{file} is not a safetensors file (tensor {name}'s data_offsets overlap another "
+                             f"tensor: {name} at {offsets(entry)}, {previous[0]} at {offsets(previous[1])})")
+        if entry.start > data_end:
+            raise ValueError(f"{file} is not a safetensors file (tensor {name}'s data_offsets leave a gap before "
+                             f"it: they start at {entry.start - base}, {entry.start - data_end} bytes after "
+                             f"{previous[0] if previous else 'the header'} ends)")
+        previous, data_end = (name, entry), entry.end
 
 
 def _tensor_entry(file: Path, name: str, info, base: int) -> TensorEntry:
@@ -338,10 +352,12 @@ def _tensor_entry(file: Path, name: str, info, base: int) -> TensorEntry:
     shape = info.get("shape") if isinstance(info, dict) else None
     if not (isinstance(info, dict) and isinstance(info.get("dtype"), str)
             and isinstance(shape, list) and all(map(is_count, shape))
-            and isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))
-            and offsets[0] <= offsets[1]):
+            and isinstance(offsets, list) and len(offsets) == 2 and all(map(is_count, offsets))):
         raise ValueError(f"{file} is not a safetensors file (its header has no dtype, shape and "
                          f"data_offsets for {name!r})")
+    if offsets[0] > offsets[1]:
+        raise ValueError(f"{file} is not a safetensors file (tensor {name} has data_offsets {offsets}: "
+                         f"its end comes before its start)")
     return TensorEntry(file, info["dtype"], tuple(shape), base + offsets[0], base + offsets[1])
 
 

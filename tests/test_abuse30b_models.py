@@ -9,8 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from test_abuse29_cli import EMBED, model_with_header
 from test_abuse30_models import stories_copy
-from test_chat import needs_stories
+from test_chat import STORIES, needs_stories
 
 from minillm.loader import checkpoint_tensors
 
@@ -70,4 +71,30 @@ def test_a_shard_the_index_names_that_is_a_link_to_nothing_says_where_it_leads(t
     (path / SHARDS[1]).symlink_to("../../blobs/abc")
     with pytest.raises(ValueError, match=f"{SHARDS[1]} named in model.safetensors.index.json cannot be read: it is "
                                          f"a symbolic link to ../../blobs/abc, which does not exist"):
+        checkpoint_tensors(path)
+
+
+@pytest.mark.parametrize("offsets, message", [
+    ([10, 5], "tensor model.embed_tokens.weight has data_offsets [10, 5]: its end comes before its start"),
+    ([0, 99_999_999], "tensor model.embed_tokens.weight has data_offsets [0, 99999999], past the end of "
+                      "its data (1040128 bytes; a truncated download?)"),
+], ids=["backwards", "past-the-end"])
+def test_data_offsets_backwards_or_past_the_end_are_named_precisely(tmp_path, capsys, offsets, message):
+    """[10, 5] was "its header has no dtype, shape and data_offsets", which it has."""
+    path = model_with_header(STORIES, tmp_path / "m", lambda h: h[EMBED].update(data_offsets=offsets))
+    with pytest.raises(ValueError) as raised:
+        checkpoint_tensors(path)
+    assert f"model.safetensors is not a safetensors file ({message})" in str(raised.value)
+    status, out, err = generate(capsys, path)
+    assert (status, out) == (1, "") and message in err
+
+
+def test_overlapping_data_offsets_name_both_tensors(tmp_path):
+    """The norm's bytes inside the embedding's: the error named the embedding alone, though it is
+    the norm's offsets that are wrong."""
+    path = model_with_header(STORIES, tmp_path / "m",
+                             lambda h: h["model.norm.weight"].update(data_offsets=[0, 256]))
+    with pytest.raises(ValueError, match=r"model.safetensors is not a safetensors file \(tensor "
+                                         r"model.embed_tokens.weight's data_offsets overlap another tensor: model.embed_tokens.weight "
+                                         r"at \[0, 131072\], model.norm.weight at \[0, 256\]\)"):
         checkpoint_tensors(path)
