@@ -12,6 +12,10 @@ output as far as it came, when the request fails after the stream began).
 
 Responses are not stored: `store` is answered false, a `previous_response_id` is a 404 (none is
 found, as on a vLLM server without its response store) and `background` a 400.
+
+`truncation` "auto" drops the conversation's earliest messages (never a system message or the instructions,
+and a tool's output only with its call) until the prompt and max_output_tokens fit the context, as OpenAI's
+API drops input items; "disabled", the default, leaves a prompt past the context a 400.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
 from minillm.server.logprobs import LogprobRow, chat_logprobs
 from minillm.server.protocol import (
-    ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, check_text,
+    ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, chat_max_tokens, check_text,
 )
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.structured import _refuse_unknown_keys
@@ -58,6 +62,7 @@ TEXT_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
 INCLUDE_NOTHING = ("reasoning.encrypted_content",)
 # include's value that asks for each output_text's logprobs (top_logprobs alternatives a token), as vLLM serves it.
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
+TRUNCATIONS = ("auto", "disabled")
 # The request's fields of free JSON that the response carries back as they came.
 ECHOED_AS_SENT = ("tools", "tool_choice", "reasoning", "text")
 
@@ -156,9 +161,10 @@ def _check_unserved(req: ResponsesRequest) -> None:
                        type="invalid_request_error")
     if req.background:
         raise APIError(400, "background is not supported: this server does not store responses", param="background")
-    if req.truncation not in (None, "disabled"):
-        raise APIError(400, f'truncation must be "disabled" (a prompt past the context is a 400), got '
-                       f"{req.truncation!r}", param="truncation")
+    if req.truncation not in (None, *TRUNCATIONS):
+        raise APIError(400, f'truncation must be "auto" (the earliest input items dropped until the rest fits the '
+                       f'context) or "disabled" (a prompt past the context is a 400), got {short_repr(req.truncation)}',
+                       param="truncation")
     for name in req.include or []:
         if name not in (*INCLUDE_NOTHING, OUTPUT_LOGPROBS):
             raise APIError(400, f"include: {name!r} is not supported", param="include")
@@ -380,6 +386,12 @@ def _call_item(call: dict) -> dict:
             "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
 
+def _kept_from(messages: list[dict], start: int) -> list[dict]:
+    """The messages truncation keeps when the conversation resumes at start: those from start on, and every
+    system message before it."""
+    return [message for message in messages[:start] if message["role"] == "system"] + messages[start:]
+
+
 def response_status(comp: CompletionOutput) -> str:
     """A finished reply's status, whole or streamed: "incomplete" when max_output_tokens cut the output
     (by the output's own finish, so a call the parser found in an output cut short is incomplete too)."""
@@ -400,6 +412,34 @@ class ResponsesJob(TranslatedJob):
         self.response_id = chosen or _new_id("resp")
         self.sequence = 0
 
+    def _render(self) -> list[int]:
+        """The conversation's token ids; under truncation "auto", those of its latest messages that fit the
+        context with max_output_tokens."""
+        ids = super()._render()
+        num_room = self.ctx.engine.max_model_len - (chat_max_tokens(self.req) or 1)
+        if self.responses_req.truncation != "auto" or len(ids) <= num_room:
+            return ids
+        messages = self.conversation.messages
+        # Where the kept messages may begin: not at a system message (all are kept) nor at a tool's output.
+        starts = [i for i, message in enumerate(messages) if message["role"] not in ("system", "tool")]
+        fitting: tuple[int, list[int]] | None = None     # (the earliest start found to fit, its token ids)
+        low, high = 0, len(starts)
+        while low < high:     # a binary search: a few renderings, however long the conversation
+            middle = (low + high) // 2
+            self.conversation.messages = _kept_from(messages, starts[middle])
+            ids = super()._render()
+            if len(ids) <= num_room:
+                fitting, high = (middle, ids), middle
+            else:
+                low = middle + 1
+        if fitting is None:       # ids: the last message's (the last start tried)
+            raise APIError(400, f"This model's maximum context length is {self.ctx.engine.max_model_len} tokens: "
+                           f"input's last message ({len(ids)} tokens with the instructions) and "
+                           f"max_output_tokens ({chat_max_tokens(self.req) or 1}) do not fit it, even with the "
+                           f"items before it dropped (truncation auto)", param="input", code="context_length_exceeded")
+        self.conversation.messages = _kept_from(messages, starts[fitting[0]])
+        return fitting[1]
+
     def _usage(self, final: RequestOutput) -> dict:
         num_in, num_out = len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
         return {"input_tokens": num_in, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
@@ -416,7 +456,7 @@ class ResponsesJob(TranslatedJob):
                 "reasoning": req.reasoning, "store": False, "temperature": self.params.temperature,
                 "text": {**(req.text or {}), "format": (req.text or {}).get("format") or {"type": "text"}},
                 "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_logprobs": req.top_logprobs,
-                "top_p": self.params.top_p, "truncation": "disabled",
+                "top_p": self.params.top_p, "truncation": req.truncation or "disabled",
                 "usage": self._usage(final) if final is not None else None, "user": req.user,
                 "metadata": req.metadata or {}}
 
