@@ -345,15 +345,19 @@ def option_values(ctx: typer.Context, unless: tuple[str, ...] = ()):
 
 def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None:
     """exc as click's usage error for the option its message starts with ("Invalid value for
-    '--top-p': must be in (0, 1], got 2.0"), or for the two options of "X and Y cannot be combined"
+    '--top-p': must be in (0, 1], got 2.0"; a key of an option's JSON object after a dot:
+    kv_transfer_config.kv_connector), or for the two options of "X and Y cannot be combined"
     ("--kv-transfer-config and --kv-offload-gib cannot be combined"); None when it starts with no
     option's name. Other names in the text are left as they are: they may be a JSON object's keys."""
     options = {p.name: _long_name(p.opts) for p in ctx.command.params
                if p.param_type_name == "option" and p.opts}
     name, _, rest = " ".join(str(exc).split()).partition(" ")
-    flag = options.get(name.rstrip(":"))
+    name, dot, key = name.rstrip(":").partition(".")      # kv_transfer_config.kv_connector: a key of the JSON
+    flag = options.get(name)
     if flag is None:
         return None
+    if dot:
+        rest = f"{key} {rest}"
     both = re.match(r"and (\w+) (.*)", rest)
     if both is not None and both[1] in options:
         return UsageError(f"{flag} and {options[both[1]]} {both[2]}", ctx=ctx)
@@ -370,6 +374,10 @@ def check_engine_options(ctx: typer.Context, model: str | None, options: dict, *
     a bad value is a usage error naming its option. Then the CPU's settings (cpu_options)."""
     with option_values(ctx):
         engine_config(model or "", options, **overrides)
+    if options["num_kv_blocks"] is not None and options["kv_cache_memory_bytes"] is not None:
+        # As vLLM's --num-gpu-blocks-override, the block count wins; the budget beside it is said unused.
+        typer.echo(f"minillm: --kv-cache-memory-bytes is not used: --num-kv-blocks sets the KV pool's size "
+                   f"({options['num_kv_blocks']} blocks)", err=True)
     cpu_options(ctx, options)
 
 
@@ -924,13 +932,14 @@ SERVER_LIMIT_OPTIONS = {
 
 
 def json_list_option(value: str, option: str) -> tuple[str, ...]:
-    """OPTION's JSON list of strings, or a CliError naming it."""
+    """OPTION's JSON list of strings, or a usage error naming it."""
     try:
         items = json.loads(value)
     except ValueError:
         items = None
     if not isinstance(items, list) or not all(isinstance(item, str) for item in items):
-        raise CliError(f"{option} takes a JSON list of strings, such as '[\"*\"]', got {value!r}")
+        raise typer.BadParameter(f"takes a JSON list of strings, such as '[\"*\"]', got {value!r}",
+                                 param_hint=f"'{option}'")
     return tuple(items)
 
 
@@ -1194,11 +1203,11 @@ def serve(
     log_requests = log_requests_option(enable_log_requests, disable_log_requests)
     if monitor and (log_requests or uvicorn_log_level is not None):
         flag = "--enable-log-requests" if log_requests else "--uvicorn-log-level"
-        raise CliError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
-                       "leave one out (and run `minillm monitor URL` in another terminal to have both)")
+        raise UsageError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
+                         "leave one out (and run `minillm monitor URL` in another terminal to have both)")
     if enable_chunked_prefill is False:
-        raise CliError("--no-enable-chunked-prefill: minillm always splits a long prompt into chunks that fit "
-                       "the step's token budget (--max-num-batched-tokens); leave the option out")
+        raise UsageError("--no-enable-chunked-prefill: minillm always splits a long prompt into chunks that fit "
+                         "the step's token budget (--max-num-batched-tokens); leave the option out")
     limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
@@ -1261,7 +1270,7 @@ def check_api_servers(count: int, engine_core: EngineCore, monitor: bool) -> Non
 def log_requests_option(enable: bool, disable: bool) -> bool:
     """Whether to log each request, from vLLM's --enable-log-requests and its older --disable-log-requests."""
     if enable and disable:
-        raise CliError("--enable-log-requests and --disable-log-requests disagree; give one")
+        raise UsageError("--enable-log-requests and --disable-log-requests disagree; give one")
     return enable
 
 
@@ -1289,20 +1298,21 @@ def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: fl
     """The kv_transfer_config of --kv-role, --kv-transfer-config and --kv-lease-s (None: no role)."""
     if role is None and config_json is None:
         if lease_s is not None:
-            raise CliError("--kv-lease-s needs --kv-role or --kv-transfer-config")
+            raise UsageError("--kv-lease-s needs --kv-role or --kv-transfer-config")
         return None
     config: dict = {}
     if config_json is not None:
         try:
             config = json.loads(config_json)
         except json.JSONDecodeError as exc:
-            raise CliError(f"--kv-transfer-config is not valid JSON: {exc}") from None
+            raise typer.BadParameter(f"is not valid JSON: {exc}", param_hint="'--kv-transfer-config'") from None
         if not isinstance(config, dict):
-            raise CliError("--kv-transfer-config must be a JSON object")
+            raise typer.BadParameter("must be a JSON object", param_hint="'--kv-transfer-config'")
     if role is not None:
         kv_role = f"kv_{_plain(role)}"
         if config.get("kv_role", kv_role) != kv_role:
-            raise CliError(f"--kv-role {_plain(role)} and --kv-transfer-config's kv_role {config['kv_role']} disagree")
+            raise UsageError(f"--kv-role {_plain(role)} and --kv-transfer-config's kv_role {config['kv_role']} "
+                             "disagree")
         config["kv_role"] = kv_role
     config.setdefault("kv_connector", "PDConnector")
     if lease_s is not None:

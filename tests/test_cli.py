@@ -546,7 +546,7 @@ def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
 @needs_stories
 @pytest.mark.parametrize("args, message", [
     (("--kv-lease-s", "3"), "--kv-lease-s needs --kv-role or --kv-transfer-config"),
-    (("--kv-transfer-config", "{"), "--kv-transfer-config is not valid JSON"),
+    (("--kv-transfer-config", "{"), "Invalid value for '--kv-transfer-config': is not valid JSON"),
     (("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'), "disagree"),
     (("--kv-transfer-config", '{"kv_colour": 1}'), "Invalid value for '--kv-transfer-config': has unknown keys "
                                                     "kv_colour"),
