@@ -25,7 +25,7 @@ import uuid
 from typing import Any
 
 from fastapi import Request
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from minillm.outputs import CompletionOutput, RequestOutput
@@ -93,7 +93,12 @@ def check_json_value(value: Any, where: str) -> None:
             pending += reversed([(member, f"{at}[{i}]") for i, member in enumerate(item)])
 
 
-class ResponsesRequest(_ModelRequest):
+# vLLM's sampling extensions (CHAT_EXTRAS): declared, so that none is logged as ignored, and passed on as
+# the chat request's fields, which check them.
+_WithChatExtras = create_model("_WithChatExtras", __base__=_ModelRequest, **{name: (Any, None) for name in CHAT_EXTRAS})
+
+
+class ResponsesRequest(_WithChatExtras):
     """POST /v1/responses (the fields of OpenAI's that a text model can serve; others are logged)."""
 
     input: Text | list[dict[str, Any]]
@@ -116,20 +121,6 @@ class ResponsesRequest(_ModelRequest):
     include: list[Text] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it; used with include's OUTPUT_LOGPROBS
     request_id: Text | None = None
-    # vLLM's sampling extensions (CHAT_EXTRAS): declared, so that none is logged as ignored, and passed on
-    # as the chat request's fields, which check them.
-    top_k: Any = None
-    min_p: Any = None
-    repetition_penalty: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    seed: Any = None
-    stop: Any = None
-    chat_template_kwargs: Any = None
-    structured_outputs: Any = None
-    include_reasoning: Any = None
-    cache_salt: Any = None
-    priority: Any = None
 
     @field_validator("input")
     @classmethod
