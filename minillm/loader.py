@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,7 +11,9 @@ import numpy as np
 from minillm.config import ModelConfig
 from minillm.sampling_params import short_repr
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
-from minillm.model_store import broken_link, index_weight_files, list_local_models, read_json_object, resolve_model_path  # noqa: F401
+from minillm.model_store import broken_link, index_weight_map, list_local_models, read_json_object, resolve_model_path  # noqa: F401
+
+logger = logging.getLogger("minillm")
 
 # config.json "architectures" -> (its model_type, the decoder family minillm runs it as). A config
 # that lists no architectures is read by its model_type, as transformers' Auto classes pick the class.
@@ -361,12 +364,14 @@ def _tensor_entry(file: Path, name: str, info, base: int) -> TensorEntry:
     return TensorEntry(file, info["dtype"], tuple(shape), base + offsets[0], base + offsets[1])
 
 
-def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
-    """Every tensor of a checkpoint, single-file or sharded (model.safetensors.index.json)."""
+def checkpoint_tensors(path: str | Path, log_conflicts: bool = False) -> dict[str, TensorEntry]:
+    """Every tensor of a checkpoint, single-file or sharded (model.safetensors.index.json); with
+    log_conflicts, a warning for a tensor in two shards and for one the index places in another."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(path / f for f in index_weight_files(index))
+    weight_map = index_weight_map(index) if index.is_file() else None
+    if weight_map is not None:
+        files = sorted(path / f for f in set(weight_map.values()))
         named = f" named in {index.name}"
     else:
         files = sorted(path.glob("*.safetensors"))
@@ -377,9 +382,34 @@ def checkpoint_tensors(path: str | Path) -> dict[str, TensorEntry]:
     if unread is not None:
         raise ValueError(_why_unreadable(unread, named))
     tensors: dict[str, TensorEntry] = {}
+    repeated: list[tuple[str, Path, Path]] = []      # (tensor, the file it was in first, the file it is used from)
     for file in files:
-        tensors.update(read_safetensors_header(file))
+        for name, entry in read_safetensors_header(file).items():
+            if name in tensors:
+                repeated.append((name, tensors[name].file, file))
+            tensors[name] = entry                      # the later shard's copy, as transformers and vLLM take it
+    if repeated and log_conflicts:
+        name, first, used = repeated[0]
+        logger.warning("tensor %s%s is in both %s and %s; the copy in %s is used", name, _more(repeated),
+                       first.name, used.name, used.name)
+    if weight_map is not None and log_conflicts:
+        _check_weight_map(index, weight_map, tensors)
     return tensors
+
+
+def _more(items: list) -> str:
+    return f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+
+
+def _check_weight_map(index: Path, weight_map: dict[str, str], tensors: dict[str, TensorEntry]) -> None:
+    """Log the tensors the index places in a shard they are not in (they load from where they are,
+    as transformers reads every tensor of every shard the index names)."""
+    misplaced = [(name, file) for name, file in weight_map.items()
+                 if name in tensors and tensors[name].file != index.parent / file]
+    if misplaced:
+        name, file = misplaced[0]
+        logger.warning("%s names %s for tensor %s%s, but it is in %s; loaded from there", index.name, file, name,
+                       _more(misplaced), tensors[name].file.name)
 
 
 def _why_unreadable(file: Path, named: str) -> str:
@@ -440,7 +470,7 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str,
     """Read the checkpoint into numpy arrays of dtype ("bfloat16": uint16 bf16 bits), checking names and shapes."""
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    tensors = checkpoint_tensors(path)
+    tensors = checkpoint_tensors(path, log_conflicts=True)
     if config.tie_word_embeddings:
         tensors = _tied_tensors(tensors)
     weights: dict[str, np.ndarray] = {}

@@ -196,15 +196,21 @@ def read_json_object(path: Path, missing_ok: bool = False) -> dict:
     return data
 
 
-def index_weight_files(index: Path) -> set[str]:
-    """The shard files a model.safetensors.index.json names; ValueError naming the file when it is no such index."""
+def index_weight_map(index: Path) -> dict[str, str]:
+    """The weight_map of a model.safetensors.index.json (tensor name -> shard file); ValueError naming
+    the file when it is no such index."""
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
     except (ValueError, AttributeError) as exc:    # not JSON, not UTF-8, or not an object
         raise ValueError(f"{index} is not a safetensors index: {exc}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise ValueError(f"{index} is not a safetensors index: its weight_map must map tensor names to files")
-    return set(weight_map.values())
+    return weight_map
+
+
+def index_weight_files(index: Path) -> set[str]:
+    """The shard files a model.safetensors.index.json names; ValueError naming the file when it is no such index."""
+    return set(index_weight_map(index).values())
 
 
 def _is_complete(path: Path) -> bool:

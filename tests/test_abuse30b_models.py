@@ -6,6 +6,7 @@ field or the tensor, or loads as transformers loads it."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,45 @@ def test_overlapping_data_offsets_name_both_tensors(tmp_path):
                                          r"model.embed_tokens.weight's data_offsets overlap another tensor: model.embed_tokens.weight "
                                          r"at \[0, 131072\], model.norm.weight at \[0, 256\]\)"):
         checkpoint_tensors(path)
+
+
+def test_one_tensor_in_two_shards_is_logged_with_both_files_and_the_copy_used(tmp_path, caplog):
+    """A tensor saved in both shards loaded without a word (the later shard's copy, as transformers
+    and vLLM take it)."""
+    from safetensors.numpy import load_file, save_file
+    path = stories_copy(tmp_path)
+    weight_map = shard(path)
+    name = next(n for n, f in weight_map.items() if f == SHARDS[1])
+    first = load_file(path / SHARDS[0])
+    first[name] = load_file(path / SHARDS[1])[name] * 0
+    save_file(first, path / SHARDS[0], metadata={"format": "pt"})
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        tensors = checkpoint_tensors(path, log_conflicts=True)
+    assert tensors[name].file.name == SHARDS[1]
+    assert f"tensor {name} is in both {SHARDS[0]} and {SHARDS[1]}; the copy in {SHARDS[1]} is used" in caplog.text
+
+
+def test_an_index_that_names_the_wrong_shard_for_a_tensor_is_logged_once(tmp_path, caplog):
+    path = stories_copy(tmp_path, torch_dtype=None)      # the dtype read from the weights: two reads
+    weight_map = shard(path)
+    moved = [n for n, f in weight_map.items() if f == SHARDS[0]][:3]
+    write_index(path, {**weight_map, **dict.fromkeys(moved, SHARDS[1])})
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        tensors = checkpoint_tensors(path, log_conflicts=True)
+    assert tensors[moved[0]].file.name == SHARDS[0]
+    warning = (f"model.safetensors.index.json names {SHARDS[1]} for tensor {moved[0]} (and 2 more), but it is in "
+               f"{SHARDS[0]}; loaded from there")
+    assert warning in caplog.text
+    caplog.clear()
+    from minillm import LLM, SamplingParams
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        out = LLM(str(path), device="cpu").generate(["Once"], SamplingParams(temperature=0, max_tokens=3))
+    assert out[0].outputs[0].text and caplog.text.count(warning) == 1
+
+
+def test_a_consistent_sharded_checkpoint_logs_nothing(tmp_path, caplog):
+    path = stories_copy(tmp_path)
+    shard(path)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        checkpoint_tensors(path, log_conflicts=True)
+    assert caplog.text == ""
