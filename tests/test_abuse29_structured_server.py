@@ -8,10 +8,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from test_server_helpers import HealthyStreams, chat_model_dir, running_server  # noqa: E402
+from test_server_helpers import chat_model_dir, long_story_streams, running_server  # noqa: E402, F401 (healthy)
 
 MODEL = "stories"
-PROMPT = "Once upon a time"
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"], "additionalProperties": False}
 
 
@@ -20,13 +19,6 @@ def server(stories_path, tmp_path_factory):
     model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat-model"))
     with running_server(model, served_model_name=MODEL) as (url, engine):
         yield url, engine
-
-
-@pytest.fixture(scope="module")
-def healthy(server):
-    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": PROMPT, "max_tokens": 400})
-    yield streams
-    streams.check()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from test_server_helpers import HealthyStreams, openai_error, running_server
+from test_server_helpers import long_story_streams, openai_error, running_server  # noqa: F401 (the healthy fixture)
 
 MODEL = "stories"
 PROMPT = "Once upon a time"
@@ -17,13 +17,6 @@ OPEN = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, 
 def server(stories_path):
     with running_server(stories_path, served_model_name=MODEL) as (url, engine):
         yield url, engine
-
-
-@pytest.fixture(scope="module")
-def healthy(server):
-    streams = HealthyStreams(server[0], {"model": MODEL, "prompt": PROMPT, "max_tokens": 400})
-    yield streams
-    streams.check()
 
 
 def complete(http, structured_outputs: dict):

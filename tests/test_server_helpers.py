@@ -159,12 +159,24 @@ def chat_template_server(stories_path):
         yield url, engine
 
 
+def _story_streams(server, max_tokens: int):
+    """HealthyStreams of a max_tokens story on the module's server "stories", checked when the module ends."""
+    streams = HealthyStreams(server[0], {"model": "stories", "prompt": "Once upon a time", "max_tokens": max_tokens})
+    yield streams
+    streams.check()
+
+
 @pytest.fixture(scope="module", name="healthy")
 def story_streams(server):
     """HealthyStreams of a 200-token story on that server, checked when the module ends."""
-    streams = HealthyStreams(server[0], {"model": "stories", "prompt": "Once upon a time", "max_tokens": 200})
-    yield streams
-    streams.check()
+    yield from _story_streams(server, 200)
+
+
+@pytest.fixture(scope="module", name="healthy")
+def long_story_streams(server):
+    """HealthyStreams of a 400-token story on the module's own server (named "stories"), checked when
+    the module ends; a test module takes it by importing this fixture."""
+    yield from _story_streams(server, 400)
 
 
 class HealthyStreams:
