@@ -978,6 +978,28 @@ def spread_option_values(args: list[str], options: tuple[str, ...]) -> list[str]
 class ServeCommand(SpreadValuesCommand):
     spread_options = ("--served-model-name",)
 
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except UsageError as exc:
+            # vLLM's --api-key takes several keys (nargs="+"): the second read as an extra argument.
+            if "unexpected extra argument" in exc.message and len(option_values_after(args, "--api-key")) > 1:
+                raise UsageError("--api-key takes one key: minillm serve checks a single key (vLLM's takes "
+                                 "several); give one", ctx=ctx) from None
+            raise
+
+
+def option_values_after(args: list[str], option: str) -> list[str]:
+    """The arguments after the last OPTION (or OPTION=VALUE) up to the next option: the values an
+    nargs="+" option would take."""
+    starts = [i for i, arg in enumerate(args) if dashed_option_name(arg.split("=", 1)[0]) == option]
+    if not starts:
+        return []
+    flag, rest = args[starts[-1]], args[starts[-1] + 1:]
+    first = [flag.split("=", 1)[1]] if "=" in flag else []
+    end = next((i for i, arg in enumerate(rest) if arg.startswith("-")), len(rest))
+    return [*first, *rest[:end]]
+
 
 class ChatTemplateContentFormat(str, Enum):
     auto = "auto"
@@ -1044,7 +1066,8 @@ def serve(
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).",
                                       callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(help="Require this bearer token.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="Require this bearer token on /v1 (default: $VLLM_API_KEY, as vLLM reads it; unset: none).")] = None,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
         "--served-model-name", metavar="NAME...",
         help="The names clients use for the model (default: MODEL). Several may follow the option, as in "
@@ -1219,6 +1242,7 @@ def serve(
             "allowed_headers": json_list_option(allowed_headers, "--allowed-headers")}
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     names = served_names_option(served_model_name, model)
+    api_key = api_key if api_key is not None else api_key_variable()
     check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     from minillm.server.app import ServerOptions, run_server
@@ -1265,6 +1289,15 @@ def check_api_servers(count: int, engine_core: EngineCore, monitor: bool) -> Non
     if count > 1 and monitor:
         raise UsageError(f"--api-server-count {count} and --monitor cannot be combined: the dashboard shows one "
                          "API server's engine (run `minillm monitor URL` in another terminal)")
+
+
+def api_key_variable() -> str | None:
+    """$VLLM_API_KEY, the key vLLM's server requires when --api-key is left out (empty: none); one of
+    spaces is a CliError, not a key nobody can send."""
+    value = os.environ.get("VLLM_API_KEY", "")
+    if value and not value.strip():
+        raise CliError("$VLLM_API_KEY is blank: set it to the key clients must send, or unset it")
+    return value or None
 
 
 def log_requests_option(enable: bool, disable: bool) -> bool:
