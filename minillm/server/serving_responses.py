@@ -352,10 +352,14 @@ def _renamed(exc: APIError) -> APIError:
 
 # ---- the reply as output items ------------------------------------------------------------------------
 
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    """An output_text part; logprobs: its tokens' (chat's logprobs content, OpenAI's Logprob shape)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
 def _message_item(item_id: str, text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
-    """A message output item; logprobs: its text's tokens' (chat's logprobs content, OpenAI's Logprob shape)."""
-    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": [part] if text else []}
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [_text_part(text, logprobs)] if text else []}
 
 
 def _event_logprobs(logprobs: list[dict]) -> list[dict]:
@@ -407,8 +411,8 @@ class ResponsesJob(TranslatedJob):
         """The conversation's token ids; under truncation "auto", those of its latest messages that fit the
         context with max_output_tokens."""
         ids = super()._render()
-        num_room = self.ctx.engine.max_model_len - (chat_max_tokens(self.req) or 1)
-        if self.responses_req.truncation != "auto" or len(ids) <= num_room:
+        max_prompt_tokens = self.ctx.engine.max_model_len - (chat_max_tokens(self.req) or 1)
+        if self.responses_req.truncation != "auto" or len(ids) <= max_prompt_tokens:
             return ids
         messages = self.conversation.messages
         # Where the kept messages may begin: not at a system message (all are kept) nor at a tool's output.
@@ -419,7 +423,7 @@ class ResponsesJob(TranslatedJob):
             middle = (low + high) // 2
             self.conversation.messages = _kept_from(messages, starts[middle])
             ids = super()._render()
-            if len(ids) <= num_room:
+            if len(ids) <= max_prompt_tokens:
                 fitting, high = (middle, ids), middle
             else:
                 low = middle + 1
@@ -562,8 +566,8 @@ class _EventWriter(ReplyWriter):
                                content_index=0, text=text)
         else:
             events = self._text_delta("") if self.pending_rows else ""
+            part = _text_part(text, self.logprobs_so_far)
             item = _message_item(item_id, text, logprobs=self.logprobs_so_far)
-            [part] = item["content"]
             events += (job.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
                                  text=text, logprobs=_event_logprobs(self.logprobs_so_far))
                        + job.event("response.content_part.done", item_id=item_id, output_index=index,
