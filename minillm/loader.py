@@ -241,6 +241,8 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if num_heads % num_kv_heads:
         raise ValueError(f"config.json num_attention_heads {num_heads} is not a multiple of "
                          f"num_key_value_heads {num_kv_heads}")
+    if arch == "LlamaForCausalLM" and hidden % num_heads:     # transformers' LlamaConfig refuses it, head_dim or not
+        raise ValueError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}")
     head_dim = _optional(cfg, "head_dim", hidden // num_heads)
     num_layers = _require(cfg, "num_hidden_layers")
     max_positions = _optional(cfg, "max_position_embeddings", 2048)

@@ -14,7 +14,7 @@ from test_abuse29_cli import EMBED, model_with_header
 from test_abuse30_models import stories_copy
 from test_chat import STORIES, needs_stories
 
-from minillm.loader import checkpoint_tensors
+from minillm.loader import checkpoint_tensors, load_model_config
 
 pytestmark = needs_stories
 SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
@@ -141,3 +141,13 @@ def test_a_consistent_sharded_checkpoint_logs_nothing(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="minillm"):
         checkpoint_tensors(path, log_conflicts=True)
     assert caplog.text == ""
+
+
+# ---- config.json ------------------------------------------------------------------------------------
+
+
+def test_a_llama_hidden_size_that_is_not_a_multiple_of_its_heads_is_refused_as_transformers_refuses_it(tmp_path):
+    """It was a shape error about q_proj ([60, 64] expected): transformers' LlamaConfig refuses the config."""
+    path = stories_copy(tmp_path, num_attention_heads=6, num_key_value_heads=3, head_dim=None)
+    with pytest.raises(ValueError, match=r"config.json hidden_size 64 is not a multiple of num_attention_heads 6"):
+        load_model_config(path)
