@@ -1063,6 +1063,8 @@ def serve(
     ctx: typer.Context,
     model: Annotated[Optional[str], typer.Argument(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
+    model_option: Annotated[Optional[str], typer.Option(
+        "--model", metavar="MODEL", help="MODEL given as an option, as vLLM's --model.")] = None,
     host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).",
                                       callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
@@ -1218,6 +1220,7 @@ def serve(
     /detokenize, /version.
     """
     from minillm.tokenizer import chat_template_from_arg
+    model = model_from_option(model, model_option)
     check_api_servers(api_server_count, engine_core, monitor)
     stream = stream_not_a_terminal() if monitor else None
     if stream is not None:
@@ -1278,6 +1281,15 @@ def serve(
     status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
+
+
+def model_from_option(model: str | None, option: str | None) -> str | None:
+    """MODEL, from the argument or from vLLM's --model; two that differ are a usage error."""
+    if option is None:
+        return model
+    if model is not None and model != option:
+        raise UsageError(f"MODEL {model} and --model {option} disagree; give the model once")
+    return option
 
 
 def check_api_servers(count: int, engine_core: EngineCore, monitor: bool) -> None:
@@ -1627,6 +1639,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(0)
         if type(exc).__name__ == "NoSuchOption" and exc.ctx is not None:
             exc.possibilities = close_options(exc.option_name, exc.ctx)
+            reason = vllm_flag_reason(exc.option_name, exc.ctx)
+            if reason is not None:         # a vLLM flag: why minillm has none, not the names it is close to
+                exc.message, exc.possibilities = f"{exc.message}: {reason}", None
         # click's parser leaves out the context of an option missing its value: the words name the command
         where = exc.ctx.command_path if exc.ctx else command_path(sys.argv[1:] if argv is None else argv)
         status = _fail(f"{where}: error: {exc.format_message()} (try '{where} --help')", exc.exit_code)
@@ -1645,6 +1660,45 @@ def main(argv: list[str] | None = None) -> int:
         # ends it at once, by the signal, where Python would print a traceback of its shutdown.
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     sys.exit(status if isinstance(status, int) else 0)
+
+
+_NO_LORA = "minillm loads no LoRA adapters"
+# vLLM's flags that minillm has no counterpart for, and why: an unknown option's error says it.
+VLLM_FLAGS_NOT_TAKEN = {
+    **dict.fromkeys(("--quantization", "-q"), "minillm runs unquantized weights only (fp32, fp16, bf16)"),
+    **dict.fromkeys(("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"), _NO_LORA),
+    **dict.fromkeys(("--pipeline-parallel-size", "-pp"), "minillm splits a model over processes by "
+                    "--tensor-parallel-size only"),
+    **dict.fromkeys(("--data-parallel-size", "-dp"), "minillm serves one engine (--api-server-count spreads "
+                    "the HTTP work over processes)"),
+    **dict.fromkeys(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"), "minillm serves plain HTTP; put a "
+                    "proxy that terminates TLS in front of it"),
+    "--uds": "minillm listens on TCP only (--host, --port)",
+    "--max-log-len": "--enable-log-requests logs no prompt text, so there is none to cut",
+    "--tokenizer": "minillm reads the tokenizer from the model directory",
+    "--config": "minillm takes its options from the command line only",
+    "--disable-frontend-multiprocessing": "minillm's counterpart is --engine-core thread",
+    "--cpu-offload-gb": "minillm keeps every weight on the device",
+    "--swap-space": "a preempted request is recomputed, never swapped out",
+    **dict.fromkeys(("--task", "--runner"), "minillm generates text only; leave the option out"),
+    **dict.fromkeys(("--guided-decoding-backend", "--structured-outputs-config"), "structured outputs always "
+                    "use llguidance"),
+    "--disable-sliding-window": "minillm always does that: a sliding-window model's context is held to its "
+                                "window; leave the option out",
+    "--limit-mm-per-prompt": "minillm serves text-only models",
+    "--hf-overrides": "minillm reads config.json as it is",
+    "--distributed-executor-backend": "tensor-parallel ranks are processes on this host",
+}
+
+
+def vllm_flag_reason(name: str, ctx) -> str | None:
+    """Why minillm has no counterpart of vLLM's flag NAME, where it says so in words of ctx's command (a
+    reason that points at another command's options is left out)."""
+    reason = VLLM_FLAGS_NOT_TAKEN.get(name.replace("_", "-"))
+    if reason is None:
+        return None
+    options = {o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts)}
+    return reason if set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", reason)) <= options else None
 
 
 def close_options(name: str, ctx) -> list[str]:
