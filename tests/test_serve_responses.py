@@ -136,7 +136,7 @@ def test_reasoning_comes_as_a_reasoning_item(servers):
 
 @pytest.mark.parametrize("body, param", [
     ({"background": True}, "background"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "bogus"}, "truncation"),
     ({"include": ["file_search_call.results"]}, "include"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "computer_call"}]}, "input[0].type"),
