@@ -95,6 +95,36 @@ def _click_class(name: str) -> type:
 
 UsageError = _click_class("UsageError")
 ClickException = _click_class("ClickException")
+NoSuchOption = sys.modules[UsageError.__module__].NoSuchOption
+
+
+class MinillmCommand(TyperCommand):
+    """A command whose help lists its options under their headings (Engine options, Sampling options, ...)
+    and that names vLLM's short flags of two letters (-pp, -dp) as such, not as -p given twice."""
+
+    def format_options(self, ctx, formatter) -> None:
+        arguments, groups = [], {"Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            if param.param_type_name == "argument":
+                arguments.append(record)
+            else:
+                groups.setdefault(getattr(param, "rich_help_panel", None) or "Options", []).append(record)
+        for heading, records in (("Arguments", arguments), *groups.items()):
+            if records:
+                with formatter.section(heading):
+                    formatter.write_dl(records)
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        short = {o for p in self.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if not o.startswith("--")}
+        for arg in args:
+            if arg == "--":
+                break
+            if arg in VLLM_FLAGS_NOT_TAKEN and not arg.startswith("--") and arg not in short and arg[:2] not in short:
+                raise NoSuchOption(arg, f"No such option: {arg}", ctx=ctx)
+        return super().parse_args(ctx, args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -506,7 +536,7 @@ def _use_readline() -> None:
             pass
 
 
-@app.command()
+@app.command(cls=MinillmCommand)
 @with_engine_options
 def chat(
     ctx: typer.Context,
@@ -723,7 +753,7 @@ def print_logprobs(record: dict) -> None:
         typer.echo(f"  {t['token']!r:>14} {t['logprob']:8.3f}" + (f"   top: {top}" if top else ""))
 
 
-@app.command()
+@app.command(cls=MinillmCommand)
 @with_engine_options
 def generate(
     ctx: typer.Context,
@@ -943,7 +973,7 @@ def json_list_option(value: str, option: str) -> tuple[str, ...]:
     return tuple(items)
 
 
-class SpreadValuesCommand(TyperCommand):
+class SpreadValuesCommand(MinillmCommand):
     """A command whose options named in `spread_options` take several values after one flag, as vLLM's
     nargs="+" options do (--served-model-name a b): click takes one value a flag, so the values are
     handed to it one flag each (--served-model-name a --served-model-name b)."""
@@ -1374,7 +1404,7 @@ def seconds_option(value: float) -> float:
     return value
 
 
-@app.command(name="router")
+@app.command(name="router", cls=MinillmCommand)
 def router_command(
     prefill: Annotated[list[str], typer.Option(
         "--prefill", help="A prefill server (minillm serve --kv-role producer); repeat for several.")],
@@ -1399,7 +1429,7 @@ def router_command(
     run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout), host=host, port=port)
 
 
-@app.command(name="monitor")
+@app.command(name="monitor", cls=MinillmCommand)
 def monitor_command(
     url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
     api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
@@ -1518,7 +1548,7 @@ def open_recorder(path: Path):
 # pull, list
 # ---------------------------------------------------------------------------------------------
 
-@app.command()
+@app.command(cls=MinillmCommand)
 def pull(
     model: Annotated[str, typer.Argument(help="Hub id, e.g. Qwen/Qwen3-0.6B.")],
     download_dir: Annotated[Optional[str], typer.Option(
@@ -1540,7 +1570,7 @@ def pull(
     typer.echo(f"pulled {model} into {path}")
 
 
-@app.command(name="list")
+@app.command(name="list", cls=MinillmCommand)
 def list_command(
     download_dir: Annotated[Optional[str], typer.Option(
         callback=download_dir_option, help=f"Where hub models are stored ({STORE_DEFAULT}).")] = None,
@@ -1604,7 +1634,7 @@ _bench_command("serving_gaps", "Where a serving run's long inter-token gaps sit 
 # help
 # ---------------------------------------------------------------------------------------------
 
-@app.command(name="help")
+@app.command(name="help", cls=MinillmCommand)
 def help_command(
     ctx: typer.Context,
     command: Annotated[Optional[list[str]], typer.Argument(

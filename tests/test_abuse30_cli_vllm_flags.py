@@ -19,6 +19,8 @@ serve, started = test_abuse30_cli.serve, test_abuse30_cli.started      # started
     (("--max-log-len", "100"), "no prompt text"),
     (("--enable-lora",), "LoRA"),
     (("--tokenizer", "x"), "model directory"),
+    (("-pp", "2"), "--tensor-parallel-size"),       # read as -p twice: "No such option: -p"
+    (("-dp", "2"), "one engine"),
 ])
 def test_a_vllm_flag_without_a_counterpart_says_why(capsys, started, flag, why):
     status, err = serve(capsys, *flag)

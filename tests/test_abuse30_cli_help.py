@@ -1,0 +1,24 @@
+"""The commands' help groups their options under headings (engine, sampling, server)."""
+from __future__ import annotations
+
+from test_cli import run_main
+
+
+def test_help_groups_the_options_under_their_headings(capsys):
+    """The options carry their groups (engine, sampling, server), but the plain help listed all of them
+    under one "Options:" heading, the engine's fifty among the command's own."""
+    from minillm.cli import ENGINE_OPTIONS
+    status, out, _ = run_main(capsys, "serve", "--help")
+    assert status == 0
+    headings = [line for line in out.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert headings == ["Arguments:", "Options:", "Server options:", "KV transfer (prefill/decode disaggregation):",
+                        "Engine options:"]
+    engine = out.split("\nEngine options:\n")[1]
+    for flag in ("--max-num-seqs", "--kv-cache-memory-bytes", "--scheduling-policy", "--kv-offload-gib"):
+        assert f"  {flag}" in engine and f"  {flag}" not in out.split("\nEngine options:\n")[0]
+    own = [line.split()[0] for line in out.split("\nServer options:\n")[0].splitlines() if line.startswith("  -")]
+    assert own == ["--model", "--host", "--port", "--api-key", "--served-model-name", "--monitor", "--seed", "-h,"]
+    assert len(ENGINE_OPTIONS) == sum(1 for line in engine.splitlines() if line.startswith("  -"))
+    status, out, _ = run_main(capsys, "generate", "--help")
+    assert "\nSampling options:\n" in out and "\nStructured output (one of):\n" in out
+    assert "  --temperature" in out.split("\nSampling options:\n")[1]
