@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import numbers
 import stat
 from pathlib import Path
@@ -13,6 +14,8 @@ import tokenizers
 from minillm.generation_config import sampling_defaults, token_id_list
 from minillm.model_store import expand_user, read_json_object
 from minillm.sampling_params import short_repr
+
+logger = logging.getLogger("minillm")
 
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
@@ -76,39 +79,57 @@ def _dedup(ids: list[int]) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
-def load_chat_template(path: Path, tokenizer_config: dict) -> str | dict | None:
+def load_chat_template(path: Path, tokenizer_config: dict) -> tuple[str | dict | None, dict[str, str]]:
     """The chat template of a model directory, or its named templates, as transformers reads them: the
     files transformers' save_pretrained writes (chat_template.jinja, the default, and
-    additional_chat_templates/NAME.jinja) win over tokenizer_config.json's, all of them."""
+    additional_chat_templates/NAME.jinja) win over tokenizer_config.json's, all of them. With it,
+    where each template was read (template name -> a file, or a file's field), "default" for one."""
     files = _template_files(path)
     if files:
-        return files["default"] if list(files) == ["default"] else files
+        sources = {name: text for name, (text, _) in files.items()}
+        where = {name: str(file) for name, (_, file) in files.items()}
+        return (sources["default"] if list(files) == ["default"] else sources), where
     source = path / "tokenizer_config.json"
     template = tokenizer_config.get("chat_template")
     if template is None:
         source = path / "chat_template.json"
         template = read_json_object(source, missing_ok=True).get("chat_template")
+    field = f"{source} field 'chat_template'"
     if isinstance(template, list):
         # A list of named templates: [{"name": "default", "template": "..."}, ...]
         if not all(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)
                    for t in template):
-            raise ValueError(f"{source} field 'chat_template' must be a template or a list of "
+            raise ValueError(f"{field} must be a template or a list of "
                              f"{{\"name\": ..., \"template\": ...}} objects, got {short_repr(template)}")
-        return {t["name"]: t["template"] for t in template}
-    return template
+        return ({t["name"]: t["template"] for t in template},
+                {t["name"]: f"{field}, the template named {t['name']!r}" for t in template})
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{field} must be a template (a string) or a list of "
+                         f"{{\"name\": ..., \"template\": ...}} objects, got {short_repr(template)}")
+    return template, ({"default": field} if template is not None else {})
 
 
-def _template_files(path: Path) -> dict[str, str]:
-    """Template name -> source of the template files in a model directory ("default" for chat_template.jinja)."""
+def _template_files(path: Path) -> dict[str, tuple[str, Path]]:
+    """Template name -> (source, file) of the template files in a model directory ("default" for
+    chat_template.jinja)."""
     files = {}
     if (path / "chat_template.jinja").is_file():
-        files["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        files["default"] = ((path / "chat_template.jinja").read_text(encoding="utf-8"), path / "chat_template.jinja")
     folder = path / ADDITIONAL_TEMPLATES_DIR
     if folder.is_dir():
         for file in sorted(folder.glob("*.jinja")):
             if file.is_file():
-                files[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+                files[file.name.removesuffix(".jinja")] = (file.read_text(encoding="utf-8"), file)
     return files
+
+
+def compile_error(exc: Exception, where: str = "") -> str:
+    """Why a chat template does not compile: the error's type and message, with WHERE the template
+    was read and the template's line when Jinja names one."""
+    line = getattr(exc, "lineno", None)
+    at = " of ".join(part for part in (f"line {line}" if line else "", where) if part)
+    message = getattr(exc, "message", None) or str(exc)
+    return f"{type(exc).__name__}{f' at {at}' if at else ''}: {message}"
 
 
 def _no_tokenizer_json(path: Path) -> str:
@@ -195,6 +216,8 @@ class Tokenizer:
             self.pad_token_id = pad_token_id
         self.unk_token_id = self._id_of("unk_token")
         self.chat_template = chat_template
+        # Where each of the model's templates was read (name -> file or field), for errors that name it.
+        self.template_origins: dict[str, str] = {}
         self._compiled_template = None
         # transformers' names read from tokenizer_config.json (from_pretrained sets them)
         self.additional_special_tokens: list[str] = []
@@ -246,8 +269,11 @@ class Tokenizer:
             extra_eos = token_id_list(model_config.get("eos_token_id"),
                                       f"{path / 'config.json'} field 'eos_token_id'")
         pad = generation_config.get("pad_token_id")
+        chat_template, template_origins = load_chat_template(path, tokenizer_config)
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
-                        load_chat_template(path, tokenizer_config), name=str(path))
+                        chat_template, name=str(path))
+        tokenizer.template_origins = template_origins
+        tokenizer.warn_of_broken_templates()
         tokenizer.generation_defaults = sampling_defaults(generation_config)
         tokenizer.additional_special_tokens = [t for t in extra if t is not None]
         max_length = tokenizer_config.get("model_max_length")
@@ -449,23 +475,37 @@ class Tokenizer:
         if not self.chat_template:
             raise ValueError(f"the tokenizer of {self.name or 'this model'} has no chat template; "
                              "send a plain prompt instead of chat messages")
-        source = self.chat_template
+        source, chosen = self.chat_template, "default"
         if isinstance(source, dict):
             if name is not None and name in source:
-                source = source[name]
+                chosen = name
             elif tools is not None and "tool_use" in source:
-                source = source["tool_use"]
-            elif "default" in source:
-                source = source["default"]
-            else:
+                chosen = "tool_use"
+            elif "default" not in source:
                 raise ValueError(f"the tokenizer of {self.name or 'this model'} has several chat templates "
                                  f"and none named 'default': {sorted(source)}")
+            source = source[chosen]
         try:
             compile_chat_template(source)
         except Exception as e:   # jinja2's TemplateSyntaxError and friends
             raise ValueError(f"the chat template of {self.name or 'this model'} does not compile: "
-                             f"{type(e).__name__}: {e}") from None
+                             f"{compile_error(e, self.template_origins.get(chosen, ''))}") from None
         return source
+
+    def warn_of_broken_templates(self) -> None:
+        """Log, once at load, each of the model's chat templates that does not compile, naming its
+        file and line: chat requests that use it fail, completions work (as vLLM warns when its
+        start-up render of the template fails, and serves on)."""
+        templates = self.chat_template if isinstance(self.chat_template, dict) else {"default": self.chat_template}
+        for name, source in templates.items():
+            if not source:
+                continue
+            try:
+                compile_chat_template(source)
+            except Exception as e:   # jinja2's TemplateSyntaxError and friends
+                logger.warning("the chat template of %s does not compile: %s; chat requests %s fail, completions "
+                               "work", self.name or "this model", compile_error(e, self.template_origins.get(name, "")),
+                               "with it" if isinstance(self.chat_template, dict) else "will")
 
     def render_chat(self, messages: list[dict], template: str | None = None, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, content_parts: bool | str = False, **kwargs) -> str:

@@ -151,3 +151,72 @@ def test_a_llama_hidden_size_that_is_not_a_multiple_of_its_heads_is_refused_as_t
     path = stories_copy(tmp_path, num_attention_heads=6, num_key_value_heads=3, head_dim=None)
     with pytest.raises(ValueError, match=r"config.json hidden_size 64 is not a multiple of num_attention_heads 6"):
         load_model_config(path)
+
+
+# ---- chat templates -----------------------------------------------------------------------------------
+
+BROKEN_TEMPLATE = "{% for m in messages %}\n{{ m['content'] }}\n{% endfor %\n"
+GOOD_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def with_tokenizer_config(path: Path, **changes) -> Path:
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, **changes}))
+    return path
+
+
+def test_a_chat_template_that_does_not_compile_is_logged_at_load_naming_its_file_and_line(tmp_path, caplog):
+    """It loaded without a word and failed every chat request, naming neither file nor line. As vLLM
+    (whose start-up render of the template logs "Chat template warmup failed" and serves on), the
+    load logs it and completions work; chat requests fail with the same words."""
+    from minillm import LLM, SamplingParams
+    path = with_tokenizer_config(stories_copy(tmp_path), chat_template=BROKEN_TEMPLATE)
+    where = f"TemplateSyntaxError at line 3 of {path / 'tokenizer_config.json'} field 'chat_template': expected token"
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        llm = LLM(str(path), device="cpu")
+    assert caplog.text.count(where) == 1 and "chat requests will fail, completions work" in caplog.text
+    assert llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].text
+    with pytest.raises(ValueError, match=f"does not compile: {where}"):
+        llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3))
+
+
+def test_a_chat_template_file_that_does_not_compile_is_named_with_its_line(tmp_path, caplog):
+    from minillm.tokenizer import Tokenizer
+    path = stories_copy(tmp_path)
+    (path / "chat_template.jinja").write_text(BROKEN_TEMPLATE)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        Tokenizer.from_pretrained(path)
+    assert f"TemplateSyntaxError at line 3 of {path / 'chat_template.jinja'}: expected token" in caplog.text
+
+
+def test_a_named_template_that_does_not_compile_is_named_and_the_others_work(tmp_path, caplog):
+    from minillm.tokenizer import Tokenizer
+    path = with_tokenizer_config(stories_copy(tmp_path), chat_template=[
+        {"name": "default", "template": GOOD_TEMPLATE}, {"name": "tool_use", "template": BROKEN_TEMPLATE}])
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        tok = Tokenizer.from_pretrained(path)
+    assert (f"at line 3 of {path / 'tokenizer_config.json'} field 'chat_template', the template named 'tool_use'"
+            in caplog.text) and "chat requests with it fail" in caplog.text
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages, tokenize=False) == "user: hi\n"
+    with pytest.raises(ValueError, match="the template named 'tool_use': expected token"):
+        tok.apply_chat_template(messages, tokenize=False, tools=[{"type": "function", "function": {"name": "f"}}])
+
+
+def test_templates_that_compile_log_nothing(tmp_path, caplog):
+    from minillm.tokenizer import Tokenizer
+    path = with_tokenizer_config(stories_copy(tmp_path), chat_template=GOOD_TEMPLATE)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        Tokenizer.from_pretrained(path)
+    assert caplog.text == ""
+
+
+@pytest.mark.parametrize("template", [5, {"default": GOOD_TEMPLATE}, True])
+def test_a_chat_template_of_the_wrong_type_is_refused_at_load_naming_the_field(tmp_path, template):
+    """A number failed each chat request ("does not compile: TypeError ..."); a JSON object was
+    read as named templates, which transformers writes as a list."""
+    from minillm.tokenizer import Tokenizer
+    path = with_tokenizer_config(stories_copy(tmp_path), chat_template=template)
+    with pytest.raises(ValueError, match=f"{path / 'tokenizer_config.json'} field 'chat_template' must be a "
+                                         f"template \\(a string\\) or a list of"):
+        Tokenizer.from_pretrained(path)
