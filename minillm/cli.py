@@ -98,6 +98,13 @@ ClickException = _click_class("ClickException")
 NoSuchOption = sys.modules[UsageError.__module__].NoSuchOption
 
 
+def _plain_metavar(names: str) -> str:
+    """An option's names and metavar as help shows them, typer's type names made plain: a repeatable
+    option's value is one value (<list[str]> -> <str>), and a range is in the text ([x>=1]), not the
+    metavar (<int range> -> <int>)."""
+    return re.sub(r"<list\[(\w+)\]>", r"<\1>", re.sub(r"<(int|float) range>", r"<\1>", names))
+
+
 class MinillmCommand(TyperCommand):
     """A command whose help lists its options under their headings (Engine options, Sampling options, ...)
     and that names vLLM's short flags of two letters (-pp, -dp) as such, not as -p given twice."""
@@ -108,6 +115,7 @@ class MinillmCommand(TyperCommand):
             record = param.get_help_record(ctx)
             if record is None:
                 continue
+            record = (_plain_metavar(record[0]), record[1])
             if param.param_type_name == "argument":
                 arguments.append(record)
             else:

@@ -1,6 +1,7 @@
 """The commands' help groups their options under headings (engine, sampling, server)."""
 from __future__ import annotations
 
+import pytest
 from test_cli import run_main
 
 
@@ -22,3 +23,12 @@ def test_help_groups_the_options_under_their_headings(capsys):
     status, out, _ = run_main(capsys, "generate", "--help")
     assert "\nSampling options:\n" in out and "\nStructured output (one of):\n" in out
     assert "  --temperature" in out.split("\nSampling options:\n")[1]
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "serve", "router", "monitor", "pull", "list"])
+def test_help_shows_a_value_as_one_value_of_its_type(capsys, command):
+    """typer's metavars read as Python types: -p, --prompt <list[str]> (one prompt a flag), --port
+    <int range>."""
+    status, out, _ = run_main(capsys, command, "--help")
+    assert status == 0
+    assert "<list[" not in out and " range>" not in out, out
