@@ -563,8 +563,10 @@ def chat(
     top_p: Annotated[Optional[float], typer.Option(rich_help_panel=SAMPLING_PANEL, help=f"{CHAT_MODEL_DEFAULT} 0.9.")] = None,
     top_k: Annotated[Optional[int], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help=f"-1: off. {CHAT_MODEL_DEFAULT} -1.")] = None,
-    max_tokens: Annotated[int, typer.Option(rich_help_panel=SAMPLING_PANEL)] = 256,
-    seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
+    max_tokens: Annotated[int, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Most tokens a reply (/set max_tokens N changes it).")] = 256,
+    seed: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Seed for sampling each reply (-1: none; default: none).")] = None,
     *,
     engine_options: dict,
 ) -> None:
@@ -776,7 +778,9 @@ def generate(
     top_k: Annotated[Optional[int], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help=f"-1: off. {MODEL_DEFAULT} -1.")] = None,
     min_p: Annotated[Optional[float], typer.Option(rich_help_panel=SAMPLING_PANEL, help=f"{MODEL_DEFAULT} 0.")] = None,
-    seed: Annotated[Optional[int], typer.Option(rich_help_panel=SAMPLING_PANEL)] = None,
+    seed: Annotated[Optional[int], typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Seed for sampling, a signed 64-bit integer (-1: none; default: "
+                                             "none), as SamplingParams' seed.")] = None,
     max_tokens: Annotated[Optional[int], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help=f"{MODEL_DEFAULT} 16 (max_new_tokens).")] = None,
     min_tokens: Annotated[int, typer.Option(
@@ -799,7 +803,8 @@ def generate(
         help="The same for each prompt token (0-20), in the --json records' prompt_logprobs.")] = None,
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
-    ignore_eos: Annotated[bool, typer.Option(rich_help_panel=SAMPLING_PANEL)] = False,
+    ignore_eos: Annotated[bool, typer.Option(
+        rich_help_panel=SAMPLING_PANEL, help="Go on past the end-of-sequence token, up to --max-tokens.")] = False,
     logit_bias: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=SAMPLING_PANEL, metavar="ID=BIAS",
         help="Add BIAS (in [-100, 100]) to token ID's logit before sampling (repeatable).")] = None,

@@ -32,3 +32,14 @@ def test_help_shows_a_value_as_one_value_of_its_type(capsys, command):
     status, out, _ = run_main(capsys, command, "--help")
     assert status == 0
     assert "<list[" not in out and " range>" not in out, out
+
+
+def test_every_option_says_what_it_does():
+    """chat's --max-tokens and --seed, generate's --seed and --ignore-eos had no help text."""
+    import typer
+
+    from minillm.cli import app
+    commands = typer.main.get_command(app).commands
+    bare = [(name, p.opts[0]) for name, command in commands.items() for p in command.params
+            if p.param_type_name == "option" and not (p.help or "").strip()]
+    assert bare == []
