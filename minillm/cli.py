@@ -262,7 +262,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "(lower first, then arrival; a server request's \"priority\" field), the lowest preempted first.")],
         SchedulingPolicy(_default("scheduling_policy"))),
     "max_model_len": (Annotated[Optional[int], _engine_option(
-        "--max-model-len", help="Longest prompt + output (default: the model's).")], None),
+        "--max-model-len", help="Longest prompt + output (default: the model's, lowered to what the KV pool "
+        "holds).")], None),
     "block_size": (Annotated[int, _engine_option(
         "--block-size", help="Tokens per KV block (a power of two).")], _default("block_size")),
     "num_kv_blocks": (Annotated[Optional[int], _engine_option(
@@ -1108,7 +1109,8 @@ def serve(
         help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
     model_option: Annotated[Optional[str], typer.Option(
         "--model", metavar="MODEL", help="MODEL given as an option, as vLLM's --model.")] = None,
-    host: Annotated[str, typer.Option(help="Address to bind (0.0.0.0: every interface).",
+    host: Annotated[str, typer.Option(help="Address to bind: this machine only by default, where vLLM binds every "
+                                           "interface (0.0.0.0: every interface).",
                                       callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(

@@ -43,3 +43,14 @@ def test_every_option_says_what_it_does():
     bare = [(name, p.opts[0]) for name, command in commands.items() for p in command.params
             if p.param_type_name == "option" and not (p.help or "").strip()]
     assert bare == []
+
+
+def test_help_says_what_a_default_left_out_does(capsys):
+    """--max-model-len is lowered to what the KV pool holds, and --host binds this machine alone where
+    vLLM's binds every interface: the help said "the model's" and "0.0.0.0: every interface" only."""
+    status, out, _ = run_main(capsys, "serve", "--help")
+    flat = " ".join(out.split())
+    assert status == 0
+    assert "--max-model-len <int> Longest prompt + output (default: the model's, lowered to what the KV pool holds)" \
+        in flat
+    assert "this machine only by default, where vLLM binds every interface" in flat
