@@ -132,6 +132,19 @@ def compile_error(exc: Exception, where: str = "") -> str:
     return f"{type(exc).__name__}{f' at {at}' if at else ''}: {message}"
 
 
+def _check_model_vocabulary(backend: tokenizers.Tokenizer, vocab_size, path: Path) -> None:
+    """ValueError naming config.json's vocab_size when the tokenizer has ids past it: the model has no
+    embedding row for them, and a text holding one failed inside the engine (transformers' forward
+    pass raises IndexError on it). A vocab_size that is no positive integer is the loader's to refuse."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        return
+    top = max(backend.get_vocab_size(with_added_tokens=False) - 1, *backend.get_added_tokens_decoder(), -1)
+    if top >= vocab_size:
+        raise ValueError(f"{path / 'config.json'} field 'vocab_size' is {vocab_size}, but {path / 'tokenizer.json'} "
+                         f"has token ids up to {top} ({backend.id_to_token(top)!r}): the model has no embedding "
+                         f"for ids from {vocab_size} on")
+
+
 def _no_tokenizer_json(path: Path) -> str:
     """Why a model directory without tokenizer.json cannot be read, and how to give it one."""
     if not (path / "tokenizer.model").is_file():
@@ -269,6 +282,7 @@ class Tokenizer:
             extra_eos = token_id_list(model_config.get("eos_token_id"),
                                       f"{path / 'config.json'} field 'eos_token_id'")
         pad = generation_config.get("pad_token_id")
+        _check_model_vocabulary(backend, model_config.get("vocab_size"), path)
         chat_template, template_origins = load_chat_template(path, tokenizer_config)
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
                         chat_template, name=str(path))

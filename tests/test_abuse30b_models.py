@@ -220,3 +220,30 @@ def test_a_chat_template_of_the_wrong_type_is_refused_at_load_naming_the_field(t
     with pytest.raises(ValueError, match=f"{path / 'tokenizer_config.json'} field 'chat_template' must be a "
                                          f"template \\(a string\\) or a list of"):
         Tokenizer.from_pretrained(path)
+
+
+# ---- the model's vocabulary against the tokenizer's ---------------------------------------------------
+
+
+def test_a_vocab_size_smaller_than_the_tokenizers_ids_is_refused_at_load_naming_the_field(tmp_path, capsys):
+    """vocab_size 256 with an embedding of 256 rows beside stories' 512-token tokenizer loaded, and the
+    first prompt holding an id past 255 failed inside the engine: "IndexError: index 403 is out of
+    bounds for axis 0 with size 256"."""
+    from safetensors.numpy import load_file, save_file
+    path = stories_copy(tmp_path, vocab_size=256)
+    tensors = load_file(path / "model.safetensors")
+    tensors[EMBED] = tensors[EMBED][:256].copy()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    message = (f"{path / 'config.json'} field 'vocab_size' is 256, but {path / 'tokenizer.json'} has token ids up "
+               f"to 511")
+    from minillm.tokenizer import Tokenizer
+    with pytest.raises(ValueError, match=message):
+        Tokenizer.from_pretrained(path)
+    status, out, err = generate(capsys, path)
+    assert (status, out) == (1, "") and message in err and "IndexError" not in err
+
+
+def test_a_vocab_size_larger_than_the_tokenizers_ids_loads_as_padded_vocabularies_do(tmp_path):
+    """Qwen2.5's 151936 rows for 151665 tokens: rows past the tokenizer are padding, never a refusal."""
+    from minillm.tokenizer import Tokenizer
+    assert len(Tokenizer.from_pretrained(stories_copy(tmp_path, vocab_size=600))) == 512
