@@ -210,8 +210,11 @@ def _sliding_window(arch: str, cfg: dict, num_layers: int) -> int | None:
 
 def _checkpoint_dtype(path: Path, cfg: dict) -> str:
     """The dtype the weights were saved in: config.json's (torch_)dtype, else the first tensor's."""
-    name = cfg.get("dtype") or cfg.get("torch_dtype")     # transformers 5 reads dtype first
-    if isinstance(name, str):
+    key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"     # transformers 5 reads dtype first
+    name = cfg.get(key)
+    if name is not None and not isinstance(name, str):
+        raise ValueError(f"config.json field {key!r} must be a dtype name such as 'bfloat16', got {short_repr(name)}")
+    if name:
         return name.replace("torch.", "")
     try:
         entry = next(iter(checkpoint_tensors(path).values()))
@@ -250,6 +253,11 @@ def load_model_config(path: str | Path) -> ModelConfig:
     window = _sliding_window(arch, cfg, num_layers)
     theta, scaling = _rope(cfg, head_dim, max_positions)
     bos = cfg.get("bos_token_id")
+    if bos is not None and (isinstance(bos, bool) or not isinstance(bos, int)):
+        raise ValueError(f"config.json field 'bos_token_id' must be a token id or null, got {short_repr(bos)}")
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):     # transformers' config classes refuse "false" and null alike
+        raise ValueError(f"config.json field 'tie_word_embeddings' must be true or false, got {short_repr(tied)}")
     return ModelConfig(
         architecture=SUPPORTED_ARCHITECTURES[arch],
         vocab_size=_require(cfg, "vocab_size"), hidden_size=hidden,
@@ -257,10 +265,10 @@ def load_model_config(path: str | Path) -> ModelConfig:
         num_heads=num_heads, num_kv_heads=int(num_kv_heads), head_dim=int(head_dim),
         rms_norm_eps=_positive_number(cfg, "rms_norm_eps", 1e-6), rope_theta=theta,
         max_position_embeddings=max_positions,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=tied,
         attention_bias=arch == "Qwen2ForCausalLM", qk_norm=arch == "Qwen3ForCausalLM",
         rope_scaling=scaling, torch_dtype=_checkpoint_dtype(path, cfg),
-        bos_token_id=bos if isinstance(bos, int) else None, eos_token_id=_token_ids(cfg, "eos_token_id"),
+        bos_token_id=bos, eos_token_id=_token_ids(cfg, "eos_token_id"),
         sliding_window=window if window is not None and window < max_positions else None)
 
 

@@ -247,3 +247,20 @@ def test_a_vocab_size_larger_than_the_tokenizers_ids_loads_as_padded_vocabularie
     """Qwen2.5's 151936 rows for 151665 tokens: rows past the tokenizer are padding, never a refusal."""
     from minillm.tokenizer import Tokenizer
     assert len(Tokenizer.from_pretrained(stories_copy(tmp_path, vocab_size=600))) == 512
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false, got 'false'"),
+    ("tie_word_embeddings", None, "'tie_word_embeddings' must be true or false, got None"),
+    ("bos_token_id", "1", "'bos_token_id' must be a token id or null, got '1'"),
+    ("torch_dtype", 5, "'torch_dtype' must be a dtype name such as 'bfloat16', got 5"),
+], ids=["tie-string", "tie-null", "bos-string", "dtype-number"])
+def test_config_fields_of_the_wrong_type_are_refused_as_transformers_refuses_them(tmp_path, field, value, message):
+    """A tie_word_embeddings of "false" was read as true (a non-empty string), null as false (then "missing
+    tensor lm_head.weight"); a bos_token_id of "1" was dropped, a torch_dtype of 5 ignored. transformers'
+    config classes refuse each (5 fails its model build)."""
+    path = stories_copy(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(ValueError, match=f"config.json field {message}"):
+        load_model_config(path)
