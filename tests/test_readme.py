@@ -1,5 +1,6 @@
 """README.md's examples print what the README shows: its commands and snippets run as written on
 stories260K (greedy, or sampled with a seed), and their output is compared with the text block after them."""
+import os
 import re
 import shlex
 import subprocess
@@ -86,3 +87,102 @@ def test_openai_client_example_prints_what_the_readme_shows(stories_path, capsys
     with running_server(stories_path, served_model_name="stories", engine_core="thread") as (url, _engine):
         exec(code.replace("http://127.0.0.1:8000", url), {})
     assert capsys.readouterr().out == shown
+
+
+def transcript(start: str) -> list[tuple[str, list[str]]]:
+    """The text block that begins with START as (command, the lines it printed) pairs: a command is a
+    line after "$ ", without its "# comment"."""
+    [block] = [text for _, text in readme_blocks() if text.startswith(start)]
+    pairs: list[tuple[str, list[str]]] = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            pairs.append((line[2:].split("  #")[0].strip(), []))
+        else:
+            pairs[-1][1].append(line)
+    return pairs
+
+
+def store_transcript() -> dict[str, list[str]]:
+    return dict(transcript("$ minillm pull "))
+
+
+def test_version_and_an_empty_store_print_what_the_readme_shows(tmp_path):
+    shown = store_transcript()
+    result = run_minillm(["--version"])
+    assert result.stdout.splitlines() == shown["minillm --version"]
+    [line] = shown["minillm list"]
+    result = subprocess.run([sys.executable, "-m", "minillm", "list"], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "HF_HUB_CACHE": str(tmp_path)}, timeout=300)
+    assert result.stdout == line.replace("/root/.cache/huggingface/hub", str(tmp_path)) + "\n"
+
+
+def test_a_mistyped_model_path_is_answered_as_the_readme_shows(tmp_path):
+    if not (REPO / README_MODEL / "config.json").is_file():
+        pytest.skip(f"the README's model path {README_MODEL} is not there from {REPO}")
+    [command] = [c for c in store_transcript() if c.startswith("minillm generate ")]
+    [shown] = store_transcript()[command]
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "minillm", *shlex.split(command)[1:]], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    # Up to the hub's own words, which say why the fetch failed (offline here, no network there).
+    assert result.stderr.split("; ")[0] == shown.split("; ")[0].replace("/root/.cache/huggingface/hub", str(tmp_path))
+
+
+def masked(line: str) -> str:
+    """LINE with its figures masked: timings, process ids and ports change from run to run."""
+    return re.sub(r"\d+(\.\d+)?", "N", line)
+
+
+def test_bench_throughput_prints_the_lines_the_readme_shows(stories_path):
+    [(command, shown)] = [(c, lines) for c, lines in store_transcript().items() if c.startswith("minillm bench ")]
+    result = run_minillm(shlex.split(with_test_model(command))[1:])
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [lines[0], lines[-1]] == [shown[0], shown[-1]]         # the workload, the ceiling
+    assert masked(lines[1]) == masked(shown[1])
+    # The phases are listed slowest first, an order that changes with the machine.
+    phases = [re.sub(r"^(.*: )|( N)$", "", part) for part in masked(lines[2]).split(", ")]
+    assert sorted(phases) == sorted(re.sub(r"^(.*: )|( N)$", "", part) for part in masked(shown[2]).split(", "))
+
+
+def test_serve_starts_with_the_lines_the_readme_shows(stories_path):
+    [(command, shown)] = transcript("$ minillm serve ../shared/models/stories260K --device cpu --served-model-name")
+    args = shlex.split(with_test_model(command))[1:] + ["--port", "0"]
+    server = subprocess.Popen([sys.executable, "-m", "minillm", *args], cwd=REPO, stderr=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, text=True)
+    lines = []
+    try:
+        for line in server.stderr:
+            lines.append(line.rstrip("\n"))
+            if "Uvicorn running on" in line:
+                break
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        server.stderr.close()
+    assert [masked(line) for line in lines] == [masked(with_test_model(line)) for line in shown]
+
+
+def option_names() -> set[str]:
+    """Every option of every minillm command, bench's (argparse) included."""
+    import typer
+
+    from minillm.cli import app
+    names, commands = set(), [typer.main.get_command(app)]
+    while commands:
+        command = commands.pop()
+        commands += getattr(command, "commands", {}).values()
+        names.update(o for p in command.params for o in (*p.opts, *p.secondary_opts))
+    for bench in ("throughput", "serving"):
+        names.update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", run_minillm(["bench", bench, "--help"]).stdout))
+    return names | {"--help"}
+
+
+def test_every_flag_the_readme_names_is_taken_or_refused_with_a_reason():
+    from minillm.cli import VLLM_FLAGS_NOT_TAKEN
+    text = (REPO / "README.md").read_text()
+    flags = {f.replace("_", "-") for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*|-[a-z]{2,})\b", text)}
+    flags -= {"-m", "-n", "-e"}         # pip's and pytest's
+    unknown = flags - option_names() - set(VLLM_FLAGS_NOT_TAKEN)
+    assert unknown == set()
