@@ -1689,7 +1689,9 @@ def main(argv: list[str] | None = None) -> int:
                 exc.message, exc.possibilities = f"{exc.message}: {reason}", None
         # click's parser leaves out the context of an option missing its value: the words name the command
         where = exc.ctx.command_path if exc.ctx else command_path(sys.argv[1:] if argv is None else argv)
-        status = _fail(f"{where}: error: {exc.format_message()} (try '{where} --help')", exc.exit_code)
+        # typer checks a choice through pydantic, whose message opens "Value error, 'bf16' is not one of ..."
+        message = exc.format_message().replace("': Value error, ", "': ", 1)
+        status = _fail(f"{where}: error: {message} (try '{where} --help')", exc.exit_code)
     except ClickException as exc:
         status = _fail(f"minillm: error: {exc.format_message()}", exc.exit_code)
     except typer.Abort:

@@ -48,3 +48,15 @@ def test_model_is_also_taken_as_vllms_model_option(capsys, started):
     status, _, err = run_main(capsys, "serve", "other", "--model", str(STORIES), "--device", "cpu")
     line = one_line(err)
     assert status == 2 and "MODEL other and --model" in line, line
+
+
+@pytest.mark.parametrize("flag, value, choices", [
+    ("--tool-call-parser", "mistral", "'hermes', 'llama3_json'"),
+    ("--dtype", "bf16", "'auto', 'float32', 'float16', 'bfloat16', 'half', 'float'"),
+])
+def test_a_vllm_choice_minillm_lacks_is_named_with_the_choices_it_has(capsys, flag, value, choices):
+    """The line read "Invalid value for '--dtype': Value error, 'bf16' is not one of ...", pydantic's words."""
+    status, _, err = run_main(capsys, "serve", "m", flag, value)
+    assert status == 2
+    assert one_line(err) == (f"minillm serve: error: Invalid value for '{flag}': '{value}' is not one of {choices}. "
+                             "(try 'minillm serve --help')")
