@@ -1094,11 +1094,20 @@ def host_option(value: str) -> str:
 
 
 def server_limits(**values):
-    """ServerLimits from serve's options; a value no limit may take is a ValueError naming its option."""
-    from minillm.server.limits import ServerLimits, check_limit
+    """ServerLimits from serve's options; a value no limit may take is a usage error naming its option."""
+    from minillm.server.limits import ServerLimits
     for name, value in values.items():
-        check_limit(SERVER_LIMIT_OPTIONS[name], value)
+        limit_option(SERVER_LIMIT_OPTIONS[name], value)
     return ServerLimits(**values)
+
+
+def limit_option(option: str, value: float) -> None:
+    """A usage error naming OPTION unless VALUE is a finite number > 0 (server.limits.check_limit)."""
+    from minillm.server.limits import check_limit
+    try:
+        check_limit(option, value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix(f"{option} "), param_hint=f"'{option}'") from None
 
 
 @app.command(cls=ServeCommand)
@@ -1406,8 +1415,7 @@ def kv_transfer_option(role: KVRole | None, config_json: str | None, lease_s: fl
         config["kv_role"] = kv_role
     config.setdefault("kv_connector", "PDConnector")
     if lease_s is not None:
-        from minillm.server.limits import check_limit
-        check_limit("--kv-lease-s", lease_s)
+        limit_option("--kv-lease-s", lease_s)
         config["kv_lease_s"] = lease_s
     return config
 
