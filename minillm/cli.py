@@ -400,7 +400,15 @@ def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None
     both = re.match(r"and (\w+) (.*)", rest)
     if both is not None and both[1] in options:
         return UsageError(f"{flag} and {options[both[1]]} {both[2]}", ctx=ctx)
-    return typer.BadParameter(rest, ctx=ctx, param_hint=f"'{flag}'")
+    return typer.BadParameter(in_flag_words(rest, name, flag), ctx=ctx, param_hint=f"'{flag}'")
+
+
+def in_flag_words(text: str, name: str, flag: str) -> str:
+    """TEXT of a ValueError about option NAME in the command line's words: the option's own Python name
+    is its FLAG ("lower kv_cache_memory_bytes" -> "lower --kv-cache-memory-bytes"), and "(or None: X)",
+    the Python API's way to turn it off, is "(or left out: X)"."""
+    text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, text)
+    return text.replace("(or None: ", "(or left out: ")
 
 
 def _long_name(opts: list[str]) -> str:
