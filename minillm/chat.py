@@ -239,6 +239,12 @@ class EngineChatBackend:
         """ValueError naming a setting this model cannot take (top_k past its vocabulary)."""
         settings.sampling_params().validate_for_vocab(self.engine.model_config.vocab_size)
 
+    def check_chat_template(self) -> None:
+        """ValueError naming the file and line when the model's chat template, the one every message
+        renders with, does not compile (a model without one chats in plain text; --chat-template replaces it)."""
+        if not self.chat_template and self.tokenizer.has_chat_template:
+            self.tokenizer.template_source()
+
     def stream_reply(self, conversation: Conversation, settings: ChatSettings,
                      should_stop: Callable[[], bool]) -> Iterator[str]:
         """Add the request now (so bad input fails here); the iterator steps the engine."""

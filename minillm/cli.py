@@ -604,6 +604,11 @@ def chat(
                                   revision=engine_options["revision"])
         engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
+        try:
+            backend.check_chat_template()
+        except ValueError as exc:      # the model's file is at fault, not a flag: status 1
+            raise CliError(f"{_one_line(exc)}; chat renders every message with the model's chat template: "
+                           "fix it, or give one with --chat-template") from None
         model_defaults = {k: v for k, v in engine.sampling_defaults.items() if k in ("temperature", "top_p", "top_k")}
         settings = dataclasses.replace(settings, **{**model_defaults, **chosen})
         # --top-k past the vocabulary fails here, not at every message (a model's own default is not the flag's).
