@@ -550,7 +550,8 @@ def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
     (("--kv-role", "producer", "--kv-transfer-config", '{"kv_role": "kv_consumer"}'), "disagree"),
     (("--kv-transfer-config", '{"kv_colour": 1}'), "Invalid value for '--kv-transfer-config': has unknown keys "
                                                     "kv_colour"),
-    (("--kv-role", "consumer", "--kv-lease-s", "-1"), "Invalid value for '--kv-lease-s': must be a finite number > 0, got -1.0"),
+    (("--kv-role", "consumer", "--kv-lease-s", "-1"),
+     "Invalid value for '--kv-lease-s': must be a finite number > 0, got -1.0"),
 ])
 def test_serve_kv_transfer_options_are_checked_before_loading(args, message):
     result = minillm("serve", str(STORIES), "--device", "cpu", "--port", "9", *args)
