@@ -77,6 +77,20 @@ class HangUpWatch:
         return result
 
 
+# U+2028, U+2029 and U+0085 as UTF-8, and as JSON escapes. An event's JSON may carry them raw (it is
+# valid JSON and valid SSE), but a client that splits the stream with str.splitlines (httpx's
+# iter_lines, for one) cuts the event there. They can stand only inside JSON strings (everything else
+# in an event is ASCII), where the escape reads back as the same character.
+_LINE_SEPARATORS = ((b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"), (b"\xc2\x85", b"\\u0085"))
+
+
+def escape_line_separators(body: bytes) -> bytes:
+    """An event's bytes with the Unicode line separators inside its JSON strings written as escapes."""
+    for raw, escaped in _LINE_SEPARATORS:
+        body = body.replace(raw, escaped)
+    return body
+
+
 def _uncancel(task: Any) -> int:
     """task.uncancel() where there is one (3.11+): the cancel requests still pending."""
     uncancel = getattr(task, "uncancel", None)
@@ -121,6 +135,8 @@ class EventStreamResponse(StreamingResponse):
     async def _send_event(send: Send, chunk: str | bytes) -> bool:
         """Send one chunk; True when it was the FinalEvent, sent with the end of the body (one write, not two)."""
         body = chunk if isinstance(chunk, bytes) else chunk.encode()
+        if b"\xe2\x80\xa8" in body or b"\xe2\x80\xa9" in body or b"\xc2\x85" in body:
+            body = escape_line_separators(body)
         final = isinstance(chunk, FinalEvent)
         await send({"type": "http.response.body", "body": body, "more_body": not final})
         return final
