@@ -650,13 +650,14 @@ def _path_test(test: Callable[[], bool]) -> bool:
 
 def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[str]:
     """The prompts from --prompt (repeatable; '-' is the whole of stdin, one prompt) or --prompts-file
-    (one a line; '-' is stdin): both, or neither, is a usage error; bytes that are not UTF-8 are a
-    CliError naming where they came from."""
+    (one a line; '-' is stdin): both, or neither, or '-' twice, is a usage error; bytes that are not
+    UTF-8 are a CliError naming where they came from."""
     if prompts and prompts_file:
         raise UsageError("--prompt and --prompts-file cannot be combined: give the prompts one way")
     if prompts and "-" in prompts:
         if prompts.count("-") > 1:
-            raise CliError("--prompt - reads stdin, which holds one prompt: give '-' once")
+            raise typer.BadParameter("'-' reads stdin, which holds one prompt: give '-' once",
+                                     param_hint="'--prompt'")
         prompts = [stdin_prompt() if p == "-" else p for p in prompts]
     for p in prompts or []:
         check_utf8(p, "--prompt")
@@ -1461,6 +1462,9 @@ def router_command(
     returned kv_transfer_params to a decode server, whose stream is passed through.
     """
     from minillm.router import RouterConfig, run_router
+    for option, urls in (("--prefill", prefill), ("--decode", decode)):
+        for url in urls:
+            server_url_option(url, option)
     check_can_bind(host, port)
     run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout), host=host, port=port)
 
@@ -1513,21 +1517,22 @@ def stream_not_a_terminal() -> str | None:
 
 
 def server_url_option(url: str, option: str) -> str:
-    """The server's base URL, or a CliError naming option (a port past 65535, an open bracket)."""
+    """The server's base URL; one no client can connect to (a port past 65535, an open bracket, an empty
+    one) is a usage error naming OPTION (--url, or the URL argument)."""
     from minillm.urls import check_server_url
     try:
         return check_server_url(url, option)
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        raise typer.BadParameter(str(exc).removeprefix(f"{option}: "), param_hint=f"'{option}'") from None
 
 
 def api_key_option(api_key: str | None) -> None:
-    """A CliError naming --api-key for a key an HTTP header cannot carry (a line break, spaces at its ends)."""
+    """A usage error naming --api-key for a key an HTTP header cannot carry (a line break, spaces at its ends)."""
     from minillm.urls import authorization_headers
     try:
         authorization_headers(api_key, "--api-key")
     except ValueError as exc:
-        raise CliError(str(exc)) from None
+        raise typer.BadParameter(str(exc).removeprefix("--api-key "), param_hint="'--api-key'") from None
 
 
 def check_can_bind(host: str, port: int) -> None:

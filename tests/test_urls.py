@@ -43,8 +43,8 @@ def test_the_commands_refuse_such_a_url_at_start(args, option):
     # chat and bench traced back (httpx.InvalidURL), the router answered every request with a 500,
     # the monitor retried forever.
     result = minillm(*args, stdin="")
-    assert result.returncode == 1, (result.stdout, result.stderr)
-    assert f"minillm: error: {option}: not a server URL" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2, (result.stdout, result.stderr)     # a usage error naming the flag
+    assert f"Invalid value for '{option}': not a server URL" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_the_router_refuses_a_host_it_cannot_listen_on():
