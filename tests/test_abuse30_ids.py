@@ -191,6 +191,11 @@ async def _collect(stream) -> list:
     return [out async for out, _ in stream]
 
 
+def run(scenario):
+    """Run a scenario; a stream that never ends fails it (in a minute) instead of hanging the run."""
+    return asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
 def test_thread_engine_an_aborted_id_taken_again_at_once_gets_only_its_own_outputs(thread_engine, golden, alone):
     async def scenario():
         old = await thread_engine.add_request("t", golden[:4], LONG)
@@ -203,7 +208,7 @@ def test_thread_engine_an_aborted_id_taken_again_at_once_gets_only_its_own_outpu
         third = await thread_engine.add_request("t2", golden[:4], SHORT)
         return [first] + await _collect(old), await _collect(new), await _collect(again), await _collect(third)
 
-    old, new, again, third = asyncio.run(scenario())
+    old, new, again, third = run(scenario)
     assert old[-1].finished and view(old[-1])[0][1] == "abort"
     assert all(out.prompt_token_ids == golden[:4] for out in old)
     assert all(out.prompt_token_ids == golden[8:12] for out in new)
@@ -223,7 +228,7 @@ def test_thread_engine_an_id_whose_step_failed_taken_again_gets_only_its_own_out
             await _collect(old)
         return await _collect(await thread_engine.add_request("f", golden[8:12], SHORT))
 
-    new = asyncio.run(scenario())
+    new = run(scenario)
     assert all(out.prompt_token_ids == golden[8:12] for out in new)
     assert view(new[-1]) == view(alone(golden[8:12], SHORT))
     assert wait_for(lambda: not thread_engine._streams)
@@ -242,7 +247,7 @@ def test_thread_engine_an_add_its_caller_left_does_not_take_the_next_ones_output
         last = await _collect(await thread_engine.add_request("c", golden[8:12], SHORT))
         return await _collect(old), last
 
-    old, last = asyncio.run(scenario())
+    old, last = run(scenario)
     assert old[-1].finished and view(old[-1])[0][1] == "abort"
     assert all(out.prompt_token_ids == golden[8:12] for out in last)
     assert view(last[-1]) == view(alone(golden[8:12], SHORT))

@@ -312,8 +312,11 @@ class AsyncLLMEngine(Generate):
         self.vocab_size: int = engine.model_config.vocab_size
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
-        # Adds whose id names a request that has ended (aborted) but not been reported yet: tried after each step.
-        self._deferred: list[_Add] = []
+        # By id, oldest first, the requests the engine has ended (aborted, or failed in a step) whose
+        # last report is still to come, where their stream has left _streams: a new request took
+        # the id (the engine takes an aborted one's at once), or the caller has had the error (None).
+        # The engine reports them in that order, before any report of the request now in _streams.
+        self._ending: dict[str, list[RequestStream | None]] = {}
         self._lock = threading.Lock()   # orders "is it dead?" against "enqueue a command"
         self._dead: BaseException | None = None
         self._failed = False            # the loop ended by an exception, not by shutdown()
@@ -488,9 +491,6 @@ class AsyncLLMEngine(Generate):
             self._fail_requests(exc)
             return
         self._route(outputs, time.time())
-        deferred, self._deferred = self._deferred, []
-        for command in deferred:
-            self._handle_add(command)
         if self._yield_each_step:
             time.sleep(0)   # hand the GIL to the event loop (see __init__)
 
@@ -552,10 +552,6 @@ class AsyncLLMEngine(Generate):
 
     def _handle_add(self, command: _Add) -> None:
         loop = command.stream.loop
-        held = self.engine.requests.get(command.request_id)
-        if held is not None and held.is_finished:   # the engine retires it in its next step: vLLM takes the id
-            self._deferred.append(command)
-            return
         try:
             self.engine.add_request(command.request_id, command.prompt, command.params,
                                     arrival_time=command.arrival_time, cache_salt=command.cache_salt,
@@ -565,13 +561,18 @@ class AsyncLLMEngine(Generate):
             release_refused_claim(self.engine, command.params.extra_args)
             resolve_future(loop, command.done, error=exc)
             return
+        request_id = command.request_id
+        if (ended := self._streams.pop(request_id, None)) is not None:
+            # The id was an aborted request's, whose last report is still to come (first).
+            self._ending.setdefault(request_id, []).append(ended)
         if command.done.cancelled():
             # Its caller left while the add was queued, leaving to the engine what the request holds
             # (a decode server's claimed KV lease): added and aborted, its KV connector releases it
-            # now. Its abort may have come first (an add deferred behind a retiring id).
-            self.engine.abort_request(command.request_id)
+            # now; nobody follows its last report.
+            self.engine.abort_request(request_id)
+            self._ending.setdefault(request_id, []).append(None)
             return
-        self._streams[command.request_id] = command.stream
+        self._streams[request_id] = command.stream
         resolve_future(loop, command.done, True)
 
     def _fail_requests(self, exc: StepError) -> None:
@@ -581,18 +582,25 @@ class AsyncLLMEngine(Generate):
                      len(exc.request_ids), type(cause).__name__, cause)
         for request_id in exc.request_ids:
             stream = self._streams.pop(request_id, None)
+            self._ending.setdefault(request_id, []).append(None)   # its last report (an abort) is still to come
             if stream is not None:
                 stream.put_threadsafe(RequestFailedError(request_id, cause))
 
     def _route(self, outputs: list[RequestOutput], seen: float) -> None:
         routed = []
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # its step failed: its caller has had the error
-            if output.finished:
-                del self._streams[output.request_id]
-            routed.append((stream, output))
+            request_id = output.request_id
+            ending = self._ending.get(request_id)
+            if ending:          # the last report of an ended request (see _ending)
+                stream = ending.pop(0)
+                if not ending:
+                    del self._ending[request_id]
+            else:
+                stream = self._streams.get(request_id)
+                if stream is not None and output.finished:
+                    del self._streams[request_id]
+            if stream is not None:
+                routed.append((stream, output))
         deliver(routed, seen)
 
     def _die(self, exc: BaseException, log: bool = True) -> None:
@@ -605,10 +613,12 @@ class AsyncLLMEngine(Generate):
                 except queue.Empty:
                     break
         error = self.dead_error()
-        for stream in list(self._streams.values()):
+        ending = [stream for streams in self._ending.values() for stream in streams if stream is not None]
+        for stream in list(self._streams.values()) + ending:
             stream.put_threadsafe(error)
         self._streams.clear()
-        for command in pending + self._deferred:
+        self._ending.clear()
+        for command in pending:
             if isinstance(command, _Add):
                 resolve_future(command.stream.loop, command.done, error=error)
             elif isinstance(command, (_Stats, _Utility)):
