@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import numbers
 import stat
@@ -145,6 +146,24 @@ def _check_model_vocabulary(backend: tokenizers.Tokenizer, vocab_size, path: Pat
                          f"for ids from {vocab_size} on")
 
 
+def read_generation_config(file: Path) -> dict:
+    """The model's generation_config.json ({} when it has none). One that is not valid JSON (or not
+    UTF-8) is left out with a warning naming it, as transformers and vLLM load the model without it;
+    valid JSON that is no object is a ValueError naming it, as transformers fails on it too."""
+    if not file.is_file():
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except ValueError as exc:      # not JSON, or not UTF-8
+        logger.warning("%s is not valid JSON (%s); the model is loaded without it: no sampling defaults or "
+                       "end-of-turn ids from it", file, exc)
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{file} must hold a JSON object")
+    return data
+
+
 def _no_tokenizer_json(path: Path) -> str:
     """Why a model directory without tokenizer.json cannot be read, and how to give it one."""
     if not (path / "tokenizer.model").is_file():
@@ -256,7 +275,7 @@ class Tokenizer:
             raise ValueError(f"{tokenizer_file} is not a tokenizer the tokenizers library can read: {exc}") from None
         tokenizer_config = read_json_object(path / "tokenizer_config.json", missing_ok=True)
         special_map = read_json_object(path / "special_tokens_map.json", missing_ok=True)
-        generation_config = read_json_object(path / "generation_config.json", missing_ok=True)
+        generation_config = read_generation_config(path / "generation_config.json")
         model_config = read_json_object(path / "config.json", missing_ok=True)
 
         special_tokens = {}
