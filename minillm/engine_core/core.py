@@ -232,7 +232,11 @@ class EngineCoreProc:
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
         self.poller.register(spec.parent_pipe.fileno(), zmq.POLLIN)
-        self.client_of: dict[str, int] = {}     # request id -> the API server that added it (several only)
+        # Request id -> the API servers whose requests of that id the engine holds, in the order they
+        # were added (several API servers only): an aborted request's id is free at once, so another
+        # may be added before the engine's last report of the first, which comes out before the
+        # new one's. The last is the one an abort or a stop string can still reach.
+        self.client_of: dict[str, list[int]] = {}
         self.finished = Counter()               # final reasons the API servers reported
 
     def send(self, message: Any, client: int = 0) -> None:
@@ -258,15 +262,25 @@ class EngineCoreProc:
             return
         outputs: dict[int, list] = defaultdict(list)
         failed: dict[int, list] = defaultdict(list)
+        client_of = self.client_of
         for out in step.outputs:
-            client = self.client_of.pop(out.request_id, 0) if out.finished else self.client_of.get(out.request_id, 0)
+            clients = client_of.get(out.request_id)
+            if clients is None:
+                client = 0
+            elif out.finished:          # the first's last report: the id's next request is the next's
+                client = clients.pop(0)
+                if not clients:
+                    del client_of[out.request_id]
+            else:
+                client = clients[0]
             outputs[client].append(out)
         for failure in step.failed:
             by_client: dict[int, list[str]] = defaultdict(list)
             for request_id in failure.request_ids:
-                # Kept until its finished output (the next step's): that too must reach its API
-                # server, whose output processor follows the request until the core's last word.
-                by_client[self.client_of.get(request_id, 0)].append(request_id)
+                # The newest of the id (the one the step ran). Kept until its finished output (the
+                # next step's): that too must reach its API server, whose output processor follows
+                # the request until the core's last word.
+                by_client[client_of[request_id][-1] if request_id in client_of else 0].append(request_id)
             for client, ids in by_client.items():
                 failed[client].append(m.FailedRequests(ids, failure.error_type, failure.error))
         for client in sorted(outputs.keys() | failed.keys()):
@@ -314,13 +328,15 @@ class EngineCoreProc:
                 error = self.core.add_request(command)
                 adds[command.client_index].append((command.request_id, error))
                 if error is None and len(self.outputs) > 1:
-                    self.client_of[command.request_id] = command.client_index
+                    self.client_of.setdefault(command.request_id, []).append(command.client_index)
             elif isinstance(command, m.AbortRequests):
                 for request_id in command.request_ids:
-                    self.engine.abort_request(request_id)
+                    if self.is_own(request_id, command.client_index):
+                        self.engine.abort_request(request_id)
             elif isinstance(command, m.StopSequences):
                 for request_id, index, stop_string in command.stops:
-                    self.engine.stop_sequence(request_id, index, stop_string)
+                    if self.is_own(request_id, command.client_index):
+                        self.engine.stop_sequence(request_id, index, stop_string)
             elif isinstance(command, m.FinishedCounts):
                 self.finished.update(command.counts)
             elif isinstance(command, m.GetStats):
@@ -338,6 +354,14 @@ class EngineCoreProc:
             for client, call_ids in stats.items():
                 self.send(m.StatsReply(call_ids, snapshot, error), client)
         return running
+
+    def is_own(self, request_id: str, client: int) -> bool:
+        """Whether the engine's request of this id (the id's newest) is this API server's: one server
+        must not end another's request that happens to have the same id."""
+        if len(self.outputs) == 1:
+            return True
+        clients = self.client_of.get(request_id)
+        return clients is not None and clients[-1] == client
 
     def snapshot(self, summary: bool = False) -> tuple[Any, str | None]:
         """(a full-resolution snapshot, or a summary, with the API servers' finish counts, None), or

@@ -35,15 +35,19 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
 
 
 class AbortRequests(msgspec.Struct, tag=True, array_like=True):
-    """Stop these requests now and free their blocks (unknown ids are ignored)."""
+    """Stop these requests now and free their blocks (unknown ids, and with several API servers
+    another server's requests, are ignored)."""
 
     request_ids: list[str]
+    client_index: int = 0               # the API server that sent it: only its own requests are aborted
 
 
 class StopSequences(msgspec.Struct, tag=True, array_like=True):
-    """The API server's detokenizer found stop strings: (request_id, sequence index, stop string)."""
+    """The API server's detokenizer found stop strings: (request_id, sequence index, stop string)
+    (with several API servers, only the sending server's requests are stopped)."""
 
     stops: list[tuple[str, int, str]]
+    client_index: int = 0
 
 
 class FinishedCounts(msgspec.Struct, tag=True, array_like=True):

@@ -232,7 +232,7 @@ class AsyncLLM(Generate):
                     stream, output = ended
                     stream.put_threadsafe(output, now)
             try:
-                self._send(m.AbortRequests(request_ids))
+                self._send(m.AbortRequests(request_ids, self.client_index))
             except EngineDeadError:
                 pass
 
@@ -351,7 +351,7 @@ class AsyncLLM(Generate):
             finished = self.processor.take_unreported()
             try:
                 if done.stops:
-                    self._send(m.StopSequences(done.stops))
+                    self._send(m.StopSequences(done.stops, self.client_index))
                 if finished:
                     self._send(m.FinishedCounts(finished))
             except EngineDeadError:
