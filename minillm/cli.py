@@ -1034,29 +1034,7 @@ def spread_option_values(args: list[str], options: tuple[str, ...]) -> list[str]
 
 
 class ServeCommand(SpreadValuesCommand):
-    spread_options = ("--served-model-name",)
-
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
-        try:
-            return super().parse_args(ctx, args)
-        except UsageError as exc:
-            # vLLM's --api-key takes several keys (nargs="+"): the second read as an extra argument.
-            if "unexpected extra argument" in exc.message and len(option_values_after(args, "--api-key")) > 1:
-                raise UsageError("--api-key takes one key: minillm serve checks a single key (vLLM's takes "
-                                 "several); give one", ctx=ctx) from None
-            raise
-
-
-def option_values_after(args: list[str], option: str) -> list[str]:
-    """The arguments after the last OPTION (or OPTION=VALUE) up to the next option: the values an
-    nargs="+" option would take."""
-    starts = [i for i, arg in enumerate(args) if dashed_option_name(arg.split("=", 1)[0]) == option]
-    if not starts:
-        return []
-    flag, rest = args[starts[-1]], args[starts[-1] + 1:]
-    first = [flag.split("=", 1)[1]] if "=" in flag else []
-    end = next((i for i, arg in enumerate(rest) if arg.startswith("-")), len(rest))
-    return [*first, *rest[:end]]
+    spread_options = ("--served-model-name", "--api-key")
 
 
 class ChatTemplateContentFormat(str, Enum):
@@ -1136,8 +1114,10 @@ def serve(
                                            "interface (0.0.0.0: every interface).",
                                       callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
-    api_key: Annotated[Optional[str], typer.Option(
-        help="Require this bearer token on /v1 (default: $VLLM_API_KEY, as vLLM reads it; unset: none).")] = None,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        "--api-key", metavar="KEY...", help="Require a bearer token on /v1: any of several keys, given after one "
+        "flag as vLLM takes them (--api-key k1 k2), or a flag each (default: $VLLM_API_KEY, one key, as vLLM reads "
+        "it; unset: none).")] = None,
     served_model_name: Annotated[Optional[list[str]], typer.Option(
         "--served-model-name", metavar="NAME...",
         help="The names clients use for the model (default: MODEL). Several may follow the option, as in "
@@ -1313,14 +1293,15 @@ def serve(
             "allowed_headers": json_list_option(allowed_headers, "--allowed-headers")}
     template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     names = served_names_option(served_model_name, model)
-    api_key = api_key if api_key is not None else api_key_variable()
+    keys, model = api_keys_option(api_key, model)
+    keys = keys if keys is not None else api_key_variable()
     check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     from minillm.server.app import ServerOptions, run_server
     # A value ServerOptions refuses is a usage error naming its flag (--root-path, not root_path); the
     # served name taken from MODEL did not come from --served-model-name.
     with option_values(ctx, unless=() if names else ("served_model_name",)):
-        options = ServerOptions(api_key=api_key, served_model_name=names or name, chat_template=template,
+        options = ServerOptions(api_key=keys, served_model_name=names or name, chat_template=template,
                                 trust_request_chat_template=trust_request_chat_template, limits=limits,
                                 log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
                                 exit_on_engine_error=exit_on_engine_error,
@@ -1369,6 +1350,17 @@ def check_api_servers(count: int, engine_core: EngineCore, monitor: bool) -> Non
     if count > 1 and monitor:
         raise UsageError(f"--api-server-count {count} and --monitor cannot be combined: the dashboard shows one "
                          "API server's engine (run `minillm monitor URL` in another terminal)")
+
+
+def api_keys_option(keys: list[str] | None, model: str | None) -> tuple[str | tuple[str, ...] | None, str | None]:
+    """(--api-key's keys, MODEL): one key as it is, several as a tuple, None when none was given. The keys
+    run up to the next option, as vLLM's: with MODEL left out, a model directory that ends them is MODEL
+    written after them (minillm serve --api-key KEY DIR), as after a flag that takes one value."""
+    if not keys:
+        return None, model
+    if model is None and len(keys) > 1 and _is_model_dir(keys[-1]):
+        keys, model = keys[:-1], keys[-1]
+    return (keys[0] if len(keys) == 1 else tuple(keys)), model
 
 
 def api_key_variable() -> str | None:

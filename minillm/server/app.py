@@ -76,7 +76,9 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 class ServerOptions:
     """How the server serves: auth, CORS, the model's name, chat templates, limits, the log, engine failures."""
 
-    api_key: str | None = None
+    # The bearer tokens /v1 requires (vLLM's --api-key KEY...): a request carrying any of them is served.
+    # A bare string is one key; None: no key.
+    api_key: str | tuple[str, ...] | None = None
     # The names the model answers to (vLLM's --served-model-name NAME...): a request may name any of
     # them, a response names the first. A bare string is one name; None: the engine config's name.
     served_model_name: str | tuple[str, ...] | None = None
@@ -136,7 +138,9 @@ class ServerOptions:
             raise ValueError(f"root_path must be a path starting with /, such as /llm, got {self.root_path!r}")
         # "/llm/" is "/llm" (the router would match no request under it); "/" is no prefix.
         object.__setattr__(self, "root_path", self.root_path.rstrip("/"))
-        if self.api_key is not None and not self.api_key.strip():
+        if self.api_key is not None and not isinstance(self.api_key, str):
+            object.__setattr__(self, "api_key", tuple(self.api_key))
+        if self.api_key is not None and (not self.api_keys or not all(k.strip() for k in self.api_keys)):
             # An empty key (an unset variable in `--api-key "$KEY"`) must not quietly mean "no auth".
             raise ValueError("api_key must not be empty (leave it out to serve without a key)")
         if self.engine_core not in ENGINE_CORE_MODES:
@@ -158,6 +162,13 @@ class ServerOptions:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))     # a list (json.loads of the flag) kept hashable
+
+    @property
+    def api_keys(self) -> tuple[str, ...]:
+        """The keys a request may carry, any of them (none: /v1 is open)."""
+        if self.api_key is None:
+            return ()
+        return (self.api_key,) if isinstance(self.api_key, str) else self.api_key
 
 
 def max_api_server_count() -> int:
@@ -382,8 +393,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
         app.add_middleware(ServerLoadMiddleware, load=load)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,
                        timeout_s=options.limits.body_timeout_s)
-    if options.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=options.api_key)
+    if options.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=options.api_keys)
     if options.request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
     # Added last, so it runs first: preflights are answered here, and every response, errors
@@ -519,6 +530,15 @@ def check_chat_template(source: str) -> None:
         raise ValueError(f"--chat-template does not compile: {exc}") from None
 
 
+def api_key_note(options: ServerOptions) -> str | None:
+    """The start-up line saying what /v1 requires: a key, or any of several (None: no key)."""
+    num_keys = len(options.api_keys)
+    if not num_keys:
+        return None
+    which = "an API key" if num_keys == 1 else f"any of {num_keys} API keys"
+    return f"minillm: /v1 requires {which} (Authorization: Bearer KEY, or x-api-key: KEY)"
+
+
 def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: ServerOptions | None = None,
                monitor: bool = False, core_hook: Any = None) -> int:
     """Load the engine from an EngineConfig and serve the OpenAI API until interrupted; the exit status.
@@ -533,6 +553,9 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     options = options or ServerOptions(log_interval=5.0)
     if options.chat_template is not None:
         check_chat_template(options.chat_template)
+    note = api_key_note(options)
+    if note is not None:
+        print(note, file=sys.stderr, flush=True)
     if options.api_server_count > 1:
         check_can_listen(host, port)     # before the model loads: a taken port is known at once
         if monitor:
@@ -568,7 +591,7 @@ def _serve_one(config: Any, sock: socket.socket, options: ServerOptions, monitor
             host = sock.getsockname()[0]
             with ServerThread(app, host, log_level="critical", sock=sock) as server:
                 from minillm.tui.app import run_monitor
-                run_monitor(server.url, api_key=options.api_key)
+                run_monitor(server.url, api_key=options.api_keys[0] if options.api_keys else None)
         else:
             serve_http(engine, options, {"log_level": options.uvicorn_log_level}, sockets=[sock])
     except KeyboardInterrupt:

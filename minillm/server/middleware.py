@@ -2,6 +2,7 @@
 vLLM's X-Request-Id response header, and the count of generation requests in flight (vLLM's /load)."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 import uuid
@@ -27,20 +28,31 @@ async def _send_error(scope, send, status: int, message: str, code: str | None =
 
 
 class APIKeyMiddleware:
-    """401 for the /v1 paths unless the request carries `Authorization: Bearer <key>` (or, as
-    Anthropic's clients send it for /v1/messages, `x-api-key: <key>`)."""
+    """401 for the /v1 paths unless the request carries one of the keys, `Authorization: Bearer <key>`
+    (or, as Anthropic's clients send it for /v1/messages, `x-api-key: <key>`). As vLLM's, the SHA-256
+    of what was sent is compared with each key's in constant time, every key each time: the time taken
+    tells neither which key nor how much of one matched, nor a key's length."""
 
-    def __init__(self, app, api_key: str) -> None:
+    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
+        if not api_keys:
+            raise ValueError("api_keys must hold at least one key")
         self.app = app
-        self.expected = api_key.encode()
+        self.expected_digests = [_digest(key.encode()) for key in api_keys]
+
+    def is_key(self, given: bytes) -> bool:
+        """Whether GIVEN is one of the keys, each compared (no early end on a match)."""
+        digest = _digest(given)
+        matched = False
+        for expected in self.expected_digests:
+            matched |= hmac.compare_digest(digest, expected)
+        return matched
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not _is_protected(scope) or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         given = bearer_token(headers.get(b"authorization", b""))
-        if not hmac.compare_digest(given, self.expected) and not hmac.compare_digest(headers.get(b"x-api-key", b""),
-                                                                                        self.expected):
+        if not (self.is_key(given) | self.is_key(headers.get(b"x-api-key", b""))):
             return await _send_error(scope, send, 401, "Invalid or missing API key: send `Authorization: Bearer "
                                      "<key>` or `x-api-key: <key>`.", code="invalid_api_key",
                                      extra_headers=[(b"www-authenticate", b"Bearer")])
@@ -118,6 +130,11 @@ class RequestIdHeaderMiddleware:
             await send(message)
 
         return await self.app(scope, receive, send_with_id)
+
+
+def _digest(token: bytes) -> bytes:
+    """SHA-256 of a key as sent (what APIKeyMiddleware compares: every digest is 32 bytes)."""
+    return hashlib.sha256(token).digest()
 
 
 def bearer_token(authorization: bytes) -> bytes:
