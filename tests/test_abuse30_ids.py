@@ -251,3 +251,31 @@ def test_thread_engine_an_add_its_caller_left_does_not_take_the_next_ones_output
     assert old[-1].finished and view(old[-1])[0][1] == "abort"
     assert all(out.prompt_token_ids == golden[8:12] for out in last)
     assert view(last[-1]) == view(alone(golden[8:12], SHORT))
+
+
+# ---- a caller that leaves generate() after its request's id was taken again ---------------------
+
+@pytest.fixture(scope="module")
+def async_llm(stories_path):
+    from minillm.server.async_llm import AsyncLLM
+    engine = AsyncLLM(EngineConfig(model=str(stories_path), device="cpu"))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("engine_name", ["thread_engine", "async_llm"])
+def test_leaving_generate_after_an_abort_leaves_the_next_request_of_the_id_alone(request, engine_name, golden,
+                                                                                  alone):
+    engine = request.getfixturevalue(engine_name)
+
+    async def scenario():
+        left = engine.generate(golden[:4], LONG, "g")
+        await anext(left)
+        engine.abort("g")
+        new = await engine.add_request("g", golden[8:12], SHORT)   # another caller takes the id
+        await left.aclose()          # the first caller leaves without reading its last output
+        return await _collect(new)
+
+    new = run(scenario)
+    assert all(out.prompt_token_ids == golden[8:12] for out in new)
+    assert view(new[-1]) == view(alone(golden[8:12], SHORT))

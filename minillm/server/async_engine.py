@@ -201,7 +201,7 @@ class EngineClient(Protocol):
 
 
 class Generate:
-    """vLLM's AsyncLLM.generate over a class's add_request and abort (AsyncLLM's and AsyncLLMEngine's)."""
+    """vLLM's AsyncLLM.generate over a class's add_request and _abort_stream (AsyncLLM's and AsyncLLMEngine's)."""
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        arrival_time: float | None = None, cache_salt: str | None = None,
@@ -216,7 +216,8 @@ class Generate:
                 yield output
         finally:
             if not stream.finished:
-                self.abort(request_id)
+                # Its own request only: its caller may have aborted it, and another taken the id since.
+                self._abort_stream(stream)
 
 
 def added_delta(held: RequestOutput, new: RequestOutput) -> RequestOutput:
@@ -405,10 +406,7 @@ class AsyncLLMEngine(Generate):
         except asyncio.CancelledError:
             # The caller left while the add was in flight: abort its request if the engine took it,
             # not another one that holds the id (an add refused as a duplicate aborts nothing).
-            try:
-                self._send(_Abort(request_id, stream))
-            except EngineDeadError:
-                pass
+            self._abort_stream(stream)
             raise
         return stream
 
@@ -418,6 +416,13 @@ class AsyncLLMEngine(Generate):
         try:
             for one in abort_ids(request_id):
                 self._send(_Abort(one))
+        except EngineDeadError:
+            pass
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        """Abort the request of this stream only (not a later request that has taken its id)."""
+        try:
+            self._send(_Abort(stream.request_id, stream))
         except EngineDeadError:
             pass
 

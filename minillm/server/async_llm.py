@@ -171,7 +171,7 @@ class AsyncLLM(Generate):
         try:
             await done
         except asyncio.CancelledError:
-            self.abort(request_id)  # the caller left while the add was in flight
+            self._abort_stream(stream)  # the caller left while the add was in flight
             raise
         return stream
 
@@ -225,16 +225,28 @@ class AsyncLLM(Generate):
         if not request_ids:
             return
         with self._lock:
-            now = time.time()
-            for one in request_ids:
-                ended = self.processor.abort(one, now)
-                if ended is not None:      # its caller's stream ends with it, as vLLM's does
-                    stream, output = ended
-                    stream.put_threadsafe(output, now)
-            try:
-                self._send(m.AbortRequests(request_ids, self.client_index))
-            except EngineDeadError:
-                pass
+            self._abort(request_ids)
+
+    def _abort_stream(self, stream: RequestStream) -> None:
+        """Abort the request a stream follows, if it still does: not a later request that has
+        taken its id since (its caller aborted it, another caller added the id again)."""
+        with self._lock:
+            req = self.processor.requests.get(stream.request_id)
+            if req is not None and req.handle is stream:
+                self._abort([stream.request_id])
+
+    def _abort(self, request_ids: list[str]) -> None:
+        """abort() under self._lock."""
+        now = time.time()
+        for one in request_ids:
+            ended = self.processor.abort(one, now)
+            if ended is not None:      # its caller's stream ends with it, as vLLM's does
+                stream, output = ended
+                stream.put_threadsafe(output, now)
+        try:
+            self._send(m.AbortRequests(request_ids, self.client_index))
+        except EngineDeadError:
+            pass
 
     async def _call(self, make: Callable[[int], Any]) -> Any:
         loop = asyncio.get_running_loop()
