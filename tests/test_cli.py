@@ -561,7 +561,7 @@ def test_serve_kv_transfer_options_are_checked_before_loading(args, message):
 
 @pytest.mark.parametrize("args, message", [
     (("--prefill", "http://127.0.0.1:9"), "Missing option '--decode'"),
-    (("--prefill", "ftp://x", "--decode", "http://127.0.0.1:9"), "--prefill: not a server URL"),
+    (("--prefill", "ftp://x", "--decode", "http://127.0.0.1:9"), "Invalid value for '--prefill': not a server URL"),
 ])
 def test_router_options_are_checked(args, message):
     result = minillm("router", *args)
