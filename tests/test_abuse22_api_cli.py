@@ -23,6 +23,7 @@ def started(monkeypatch):
         return 0
 
     monkeypatch.setattr("minillm.server.app.run_server", fake_run_server)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)      # a key in the environment is a key of the server
     return seen
 
 

@@ -3,22 +3,11 @@ refused as a usage error (status 2) that names it and says why; the help groups 
 from __future__ import annotations
 
 import pytest
+import test_abuse22_api_cli
 from test_abuse29b_cli import one_line
 from test_cli import STORIES, needs_stories, run_main
 
-
-@pytest.fixture
-def started(monkeypatch):
-    """serve's run_server stubbed: what it was started with ({"config", "options"}) once main() returns."""
-    seen: dict = {}
-
-    def fake_run_server(config, host="127.0.0.1", port=8000, options=None, monitor=False, core_hook=None):
-        seen.update(config=config, options=options)
-        return 0
-
-    monkeypatch.setattr("minillm.server.app.run_server", fake_run_server)
-    monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    return seen
+started = test_abuse22_api_cli.started      # a fixture
 
 
 def serve(capsys, *flags: str) -> tuple[int, str]:
