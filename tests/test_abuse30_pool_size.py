@@ -31,8 +31,8 @@ def test_max_model_len_past_the_budget_asks_for_more_of_the_budget(capsys):
     assert (status, out) == (2, ""), err
     assert "Traceback" not in err
     line = err.strip().splitlines()[-1]
-    assert "512 needs 32 KV blocks but the pool has 3; lower max_model_len or raise " \
-           "kv_cache_memory_bytes" in line
+    assert "512 needs 32 KV blocks but the pool has 3; lower --max-model-len or raise " in line
+    assert line.split(" or raise ", 1)[1].startswith(("kv_cache_memory_bytes", "--kv-cache-memory-bytes"))
     assert "num_kv_blocks" not in line and "num-kv-blocks" not in line
 
 
