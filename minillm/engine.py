@@ -199,7 +199,8 @@ class LLMEngine:
         path = resolve_model_path(config.model, config.download_dir, config.revision)
         self.model_path = path
         self.model_config = load_model_config(path)
-        self.tokenizer = Tokenizer.from_pretrained(path)
+        # An engine core's outputs are token ids: the API servers render chats and detokenize.
+        self.tokenizer = Tokenizer.from_pretrained(path, renders_chat=output_processor is TextOutputs)
         # What a request that leaves them unset samples with (LLM.generate without params, the server).
         self.sampling_defaults = model_sampling_defaults(config, self.tokenizer)
         if self.sampling_defaults:

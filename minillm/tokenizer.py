@@ -263,8 +263,10 @@ class Tokenizer:
         return None if content is None else self.backend.token_to_id(content)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and generation_config.json from a model directory."""
+    def from_pretrained(cls, path: str | Path, renders_chat: bool = True) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and generation_config.json from a model directory;
+        renders_chat False for a process that never renders a chat (an engine core beside its API
+        servers, which warn of a template that does not compile)."""
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -306,7 +308,8 @@ class Tokenizer:
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
                         chat_template, name=str(path))
         tokenizer.template_origins = template_origins
-        tokenizer.warn_of_broken_templates()
+        if renders_chat:
+            tokenizer.warn_of_broken_templates()
         tokenizer.generation_defaults = sampling_defaults(generation_config)
         tokenizer.additional_special_tokens = [t for t in extra if t is not None]
         max_length = tokenizer_config.get("model_max_length")
