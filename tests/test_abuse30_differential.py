@@ -198,3 +198,18 @@ def test_server_agrees_with_generate(cases, i, stream):
     num_generated = sum(len(c.token_ids) for c in out.outputs)
     assert response["usage"] == {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": num_generated,
                                  "total_tokens": len(out.prompt_token_ids) + num_generated}, body
+
+
+@pytest.mark.parametrize("prompt", ["Once upon a time", [1, 403, 416, 261]], ids=["text", "token_ids"])
+def test_echoed_offsets_index_the_text_whatever_skip_special_tokens(server, prompt):
+    """The echoed prompt never shows BOS, so with skip_special_tokens false too its tokens' text_offset
+    index the text the choice carries (they counted "<s>" and ran back at the first generated token)."""
+    body = {"model": "stories", "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "echo": True, "logprobs": 1}
+    with httpx.Client(base_url=server[0], timeout=60) as client:
+        skipped, kept = (client.post("/v1/completions", json={**body, "skip_special_tokens": skip}).json()
+                         for skip in (True, False))
+    assert kept["choices"][0]["text"] == skipped["choices"][0]["text"]
+    offsets = kept["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == skipped["choices"][0]["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets)

@@ -163,8 +163,10 @@ class CompletionJob:
             return []
         rows = self._prompt_row_cache.get(prompt_index)
         if rows is None:
+            # The echoed text shows no special token (BOS), whatever skip_special_tokens: the rows'
+            # text_offset index it as if they were skipped.
             rows = prompt_logprob_rows(self.texts, self.prompt_ids[prompt_index], output.prompt_logprobs,
-                                       self.req.logprobs, self.req.skip_special_tokens, self.as_token_ids)
+                                       self.req.logprobs, True, self.as_token_ids)
             if len(rows) == len(self.prompt_ids[prompt_index]):     # every entry is in: final
                 self._prompt_row_cache[prompt_index] = rows
         return rows
