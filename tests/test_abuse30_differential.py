@@ -43,9 +43,14 @@ def server(stories_path):
         yield running
 
 
-def random_body(rng: random.Random, words: list[str], vocab_size: int) -> dict:
-    """A /v1/completions body of random sampling fields, deterministic given rng."""
-    body: dict = {"prompt": " ".join(rng.choice(words) for _ in range(rng.randint(1, 8))),
+def random_body(rng: random.Random, words: list[str], tok) -> dict:
+    """A /v1/completions body of random prompts (one or two; text or token ids) and sampling fields,
+    deterministic given rng."""
+    vocab_size = tok.vocab_size
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(1, 8))) for _ in range(rng.choice([1, 1, 1, 2]))]
+    if rng.random() < 0.2:
+        prompts = [tok.encode(p) for p in prompts]
+    body: dict = {"prompt": prompts if len(prompts) > 1 else prompts[0],
                   "max_tokens": rng.choice([rng.randint(1, 40), rng.randint(60, 100)])}
     if rng.random() < 0.35:
         body["temperature"] = 0.0
@@ -82,12 +87,21 @@ def random_body(rng: random.Random, words: list[str], vocab_size: int) -> dict:
         body["allowed_token_ids"] = rng.sample(range(vocab_size), 20)
     if rng.random() < 0.15:
         body["skip_special_tokens"] = False
+    if rng.random() < 0.2:
+        body["prompt_logprobs"] = rng.randint(0, 3)
     if rng.random() < 0.3:
         body["logit_bias"] = {str(rng.randrange(vocab_size)): round(rng.uniform(-100, 100), 2)
                               for _ in range(rng.randint(1, 3))}
         if rng.random() < 0.5:
             body["logit_bias"][str(EOS)] = round(rng.uniform(30, 40), 2)  # EOS soon (raw logprob -29) past min_tokens
     return body
+
+
+def prompts_of(body: dict) -> list:
+    """The body's prompts as LLM.generate takes them."""
+    prompt = body["prompt"]
+    prompts = prompt if isinstance(prompt, list) and not isinstance(prompt[0], int) else [prompt]
+    return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
 
 
 def to_params(body: dict) -> SamplingParams:
@@ -101,10 +115,13 @@ def to_params(body: dict) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def cases(words, tok, model, server):
-    """[(body, the LLM's RequestOutput, the server's response body)] for NUM_REQUESTS random requests."""
+    """[(body, the LLM's RequestOutputs (one a prompt), the server's response body, its streamed
+    response joined)] for NUM_REQUESTS random requests."""
     rng = random.Random(30)
-    bodies = [random_body(rng, words, tok.vocab_size) for _ in range(NUM_REQUESTS)]
-    outputs = model.generate([b["prompt"] for b in bodies], [to_params(b) for b in bodies])
+    bodies = [random_body(rng, words, tok) for _ in range(NUM_REQUESTS)]
+    flat = [(prompt, to_params(b)) for b in bodies for prompt in prompts_of(b)]
+    flat_outputs = iter(model.generate([p for p, _ in flat], [params for _, params in flat]))
+    outputs = [[next(flat_outputs) for _ in prompts_of(b)] for b in bodies]
     responses, streamed = [], []
     with httpx.Client(base_url=server[0], timeout=60) as client:
         for body in bodies:
@@ -114,6 +131,7 @@ def cases(words, tok, model, server):
             assert response.status_code == 200, (body, response.text)
             responses.append(response.json())
             sent.update(stream=True, stream_options={"include_usage": True})
+            sent.pop("prompt_logprobs", None)     # refused with stream, as vLLM refuses it
             with client.stream("POST", "/v1/completions", json=sent) as response:
                 assert response.status_code == 200, body
                 streamed.append(joined_stream(sse_events(response.iter_lines())))
@@ -156,28 +174,33 @@ def test_the_requests_cover_the_fields(cases):
     bodies = [body for body, _, _, _ in cases]
     for field in ("seed", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "stop", "stop_token_ids", "min_tokens", "logprobs", "ignore_eos", "logit_bias", "bad_words",
-                  "allowed_token_ids", "skip_special_tokens"):
+                  "allowed_token_ids", "skip_special_tokens", "prompt_logprobs"):
         assert any(field in b for b in bodies), field
     assert {b["n"] for b in bodies} == {1, 2, 3}
     assert {b.get("logprobs") for b in bodies} >= {None, 0, 5}
     assert any(b["temperature"] == 0 for b in bodies) and any(b["temperature"] > 0 for b in bodies)
-    reasons = {c.finish_reason for _, out, _, _ in cases for c in out.outputs}
-    assert reasons >= {"stop", "length"}
-    stop_reasons = {type(c.stop_reason) for _, out, _, _ in cases for c in out.outputs if c.finish_reason == "stop"}
+    assert any(len(prompts_of(b)) == 2 for b in bodies)
+    assert any(isinstance(p, dict) for b in bodies for p in prompts_of(b))
+    completions = [c for _, outs, _, _ in cases for out in outs for c in out.outputs]
+    assert {c.finish_reason for c in completions} >= {"stop", "length"}
+    stop_reasons = {type(c.stop_reason) for c in completions if c.finish_reason == "stop"}
     assert stop_reasons == {str, int, type(None)}      # a stop string, a stop token id, EOS
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("i", range(NUM_REQUESTS))
 def test_server_agrees_with_generate(cases, i, stream):
-    body, out, response, streamed = cases[i]
+    body, outs, response, streamed = cases[i]
     if stream:
         response = streamed
     choices = sorted(response["choices"], key=lambda c: c["index"])
-    assert len(choices) == len(out.outputs) == body["n"], body
-    for choice, comp in zip(choices, out.outputs):
+    pairs = [(out, comp) for out in outs for comp in out.outputs]      # choice index: prompt * n + completion
+    assert len(choices) == len(pairs) == body["n"] * len(outs), body
+    for choice, (out, comp) in zip(choices, pairs):
         where = (body, choice["index"])
         assert choice["prompt_token_ids"] == out.prompt_token_ids, where
+        if not stream:      # vLLM's prompt_logprobs: in the JSON response's choices alone
+            assert_same_prompt_logprobs(choice.get("prompt_logprobs"), out.prompt_logprobs, where)
         assert choice["token_ids"] == comp.token_ids, where
         assert choice["text"] == comp.text, where
         assert choice["finish_reason"] == comp.finish_reason, where
@@ -195,9 +218,25 @@ def test_server_agrees_with_generate(cases, i, stream):
             expected = {f"token_id:{t}": lp for t, lp in row.items()}
             assert set(top) == set(expected), (where, j, top, expected)
             assert all(close(top[k], expected[k]) for k in top), (where, j, top, expected)
-    num_generated = sum(len(c.token_ids) for c in out.outputs)
-    assert response["usage"] == {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": num_generated,
-                                 "total_tokens": len(out.prompt_token_ids) + num_generated}, body
+    num_prompt = sum(len(out.prompt_token_ids) for out in outs)     # once a prompt, whatever n (vLLM's count)
+    num_generated = sum(len(comp.token_ids) for _, comp in pairs)
+    assert response["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
+                                 "total_tokens": num_prompt + num_generated}, body
+
+
+def assert_same_prompt_logprobs(served: list | None, entries: list | None, where) -> None:
+    """The server's prompt_logprobs ({token id: {logprob, rank, decoded_token}}) are LLM.generate's."""
+    if entries is None:
+        assert served is None, where
+        return
+    assert served is not None and len(served) == len(entries), where
+    assert served[0] is None and entries[0] is None, where
+    for j, (row, entry) in enumerate(zip(served[1:], entries[1:]), 1):
+        assert {int(t) for t in row} == set(entry), (where, j, row, entry)
+        for t, value in row.items():
+            logprob = entry[int(t)]
+            assert close(value["logprob"], logprob), (where, j, t)
+            assert (value["rank"], value["decoded_token"]) == (logprob.rank, logprob.decoded_token), (where, j, t)
 
 
 @pytest.mark.parametrize("prompt", ["Once upon a time", [1, 403, 416, 261]], ids=["text", "token_ids"])
