@@ -98,6 +98,7 @@ def test_recording_over_the_replayed_file_is_refused_and_leaves_it_whole(tmp_pat
     ("--header-timeout", "1e999", "inf"),
     ("--body-timeout", "0", "0.0"),
     ("--max-n", "0", "0"),
+    ("--max-prompts-per-request", "-1", "-1"),
     ("--max-stop-string-length", "-3", "-3"),
 ])
 def test_serve_refuses_limits_that_are_no_limit_naming_the_option(tmp_path, option, value, shown):

@@ -1,4 +1,4 @@
-"""Bad values of serve's limits and --kv-lease-s: usage errors naming the flag, not status 1."""
+"""Bad values of --kv-lease-s: usage errors naming the flag, not status 1 (serve's other limits: test_abuse11_cli)."""
 from __future__ import annotations
 
 import subprocess
@@ -16,20 +16,7 @@ def usage_error_line(result: subprocess.CompletedProcess) -> str:
     return line
 
 
-# ---- serve's limits and --kv-lease-s ---------------------------------------------------------------
-
-@pytest.mark.parametrize("option, value, shown", [
-    ("--max-n", "0", "0"),
-    ("--max-prompts-per-request", "-1", "-1"),
-    ("--timeout-keep-alive", "nan", "nan"),
-    ("--stream-timeout", "inf", "inf"),
-])
-def test_serve_limits_that_are_no_limit_are_usage_errors_naming_the_flag(tmp_path, option, value, shown):
-    # Checked before the model is looked for: the missing model directory is never reached.
-    result = minillm("serve", str(tmp_path / "no-model"), "--device", "cpu", option, value)
-    assert usage_error_line(result) == (f"minillm serve: error: Invalid value for '{option}': must be a finite "
-                                        f"number > 0, got {shown} (try 'minillm serve --help')")
-
+# ---- --kv-lease-s (serve's other limits: test_abuse11_cli) ------------------------------------------
 
 @pytest.mark.parametrize("value, shown", [("-1", "-1.0"), ("0", "0.0"), ("inf", "inf")])
 def test_a_kv_lease_that_is_no_limit_is_a_usage_error_naming_the_flag(tmp_path, value, shown):
