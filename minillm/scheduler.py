@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from minillm.allowed_tokens import masked_out_error
 from minillm.block_manager import BlockManager
+from minillm.request_queue import PriorityWaitingQueue, lowest_priority_index
 from minillm.sequence import Sequence, SequenceStatus, SequenceView
 from minillm.step import SchedulerOutput, StepOutput
 from minillm.step_cost import TOKENS, StepCostModel, StepCostSnapshot, StepTimeBudget, is_decode_row, step_features
@@ -174,7 +175,6 @@ class Scheduler:
         self.eos_token_ids = set(eos_token_ids)
         self.by_priority = scheduling_policy == "priority"
         if self.by_priority:
-            from minillm.request_queue import PriorityWaitingQueue
             self.waiting = PriorityWaitingQueue()
         elif scheduling_policy == "fcfs":
             self.waiting = WaitingQueue()
@@ -276,7 +276,7 @@ class Scheduler:
                     continue
             while not self.block_manager.append_slots(seq, n):
                 if self.by_priority:
-                    k = self._lowest_priority_index()
+                    k = lowest_priority_index(self.running)
                     victim = self.running.pop(k)
                     if k < i:                # visited this step: its tokens, if scheduled, come back out
                         i -= 1
@@ -442,11 +442,6 @@ class Scheduler:
         for seq, start in zip(out.seqs, out.num_computed_tokens):
             self.block_manager.uncache_blocks(seq, start // self.block_manager.block_size)
 
-    def _lowest_priority_index(self) -> int:
-        """Index in the running queue of the sequence the priority policy preempts first."""
-        from minillm.request_queue import lowest_priority_index
-        return lowest_priority_index(self.running)
-
     def _preempt_for(self, seq: Sequence, seqs: list[Sequence], counts: list[int], spec: dict[int, list[int]],
                      preempted: list[Sequence]) -> int | None:
         """Priority policy: preempt the running sequence of the largest (priority, arrival_time) so that
@@ -456,7 +451,7 @@ class Scheduler:
         cache yet: a sequence admitted this step came before seq in the queue and is never the victim."""
         if not self.running:
             return None
-        k = self._lowest_priority_index()
+        k = lowest_priority_index(self.running)
         victim = self.running[k]
         if not seq.priority < victim.priority:
             return None
