@@ -236,7 +236,7 @@ def run(args, model_dir: str, dummy: bool, vocab: int, max_step_ms: float | None
 def _long_prompts(engine, args, users: Users, rng, vocab: int, figures: RunFigures, SamplingParams) -> None:
     """Send the long prompts on their schedule among the users; step until each has its first token."""
     arrivals: dict[str, float] = {}
-    steps, prefill_before = [], engine.metrics.prompt_tokens_total
+    steps, prefill_before = [], engine.metrics.prefill_tokens_total
     long_tokens = 0
     users.is_recording = True
     start = time.perf_counter()
@@ -266,7 +266,7 @@ def _long_prompts(engine, args, users: Users, rng, vocab: int, figures: RunFigur
     figures.step_ms_worst = float(ms.max())
     if len(itl):
         figures.itl_ms_p50, figures.itl_ms_p99 = float(np.percentile(itl, 50)), float(np.percentile(itl, 99))
-    figures.user_prefill_tokens_in_window = engine.metrics.prompt_tokens_total - prefill_before - long_tokens
+    figures.user_prefill_tokens_in_window = engine.metrics.prefill_tokens_total - prefill_before - long_tokens
 
 
 def report(args, runs: list[tuple[str, RunFigures]]) -> None:

@@ -101,7 +101,7 @@ def run_chat(llm, w: Workload, concurrency: int) -> dict:
         "seconds": seconds, "requests": len(ttft), "prompt_tokens": prompt_tokens,
         "output_tokens": len(ttft) * w.output_len,
         "ttft_p50_s": float(np.percentile(ttft, 50)), "ttft_p99_s": float(np.percentile(ttft, 99)),
-        "prefill_tokens_computed": s.prompt_tokens_total - before.prompt_tokens_total,
+        "prefill_tokens_computed": s.prefill_tokens_total - before.prefill_tokens_total,
         "device_hit_tokens": s.prefix_cache_hits - before.prefix_cache_hits,
         "host_hit_tokens": s.kv_offload_hits - before.kv_offload_hits,
         "preemptions": s.num_preemptions - before.num_preemptions,

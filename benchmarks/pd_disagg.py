@@ -315,7 +315,7 @@ def equality_phase(args, model: str, dummy: bool, vocab: int, log_dir: Path) -> 
     return {"dtype": dtype, "num_requests": len(prompts), "num_equal": matches,
             "transferred_tokens": after["kv_transfer_tokens"] - before["kv_transfer_tokens"],
             "expected_transferred_tokens": len(prompts) * (args.equality_prompt - 1),
-            "decode_prompt_tokens_computed": after["prompt_tokens_total"] - before["prompt_tokens_total"],
+            "decode_prompt_tokens_computed": after["prefill_tokens_total"] - before["prefill_tokens_total"],
             "mismatched": [i for i, (a, b) in enumerate(zip(routed, alone)) if a != b][:8]}
 
 

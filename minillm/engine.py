@@ -709,6 +709,8 @@ class LLMEngine:
         logprobs = step.logprobs.get(seq.seq_id)
         stop = self.output_processor.add_token(req.states[seq.index], seq, seq.token_ids[-1],
                                                logprobs[i] if logprobs else None)
+        if len(seq.token_ids) == len(seq.prompt_token_ids) + 1:     # its first token: its prompt counts now
+            self.metrics.record_prompt(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_external_tokens)
         self._note_token(req, now)
         self._changed[req] = None
         return stop

@@ -103,6 +103,7 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
         max_num_batched_tokens=info.max_num_batched_tokens, max_model_len=info.max_model_len,
         prefix_cache_queries=pool.prefix_cache_queries, prefix_cache_hits=pool.prefix_cache_hits,
         num_steps=m.num_steps, prompt_tokens_total=m.prompt_tokens_total,
+        prefill_tokens_total=m.prefill_tokens_total, prompt_tokens_by_source=dict(m.prompt_tokens_by_source),
         generation_tokens_total=m.generation_tokens_total, num_requests_finished=dict(m.finished),
         prompt_throughput=prompt_tps, generation_throughput=gen_tps,
         ttft_p50_s=ttft_p50, ttft_p99_s=ttft_p99, itl_p50_s=itl_p50, itl_p99_s=itl_p99,

@@ -9,6 +9,8 @@ from minillm.step import SchedulerOutput
 from minillm.stats import StepStats
 
 THROUGHPUT_WINDOW_S = 5.0
+# Where a prompt's tokens came from (vLLM's source label): computed here, the prefix cache, a KV connector.
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 class MetricsTracker:
@@ -16,7 +18,9 @@ class MetricsTracker:
 
     def __init__(self, max_steps: int = 128, max_samples: int = 4096, num_spec_tokens: int | None = None):
         self.num_steps = 0
-        self.prompt_tokens_total = 0
+        self.prefill_tokens_total = 0                # prompt tokens computed by steps (recomputed ones again)
+        self.prompt_tokens_total = 0                 # each sequence's whole prompt, once, at its first token
+        self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
         self.generation_tokens_total = 0
         self.recent_steps: deque[StepStats] = deque(maxlen=max_steps)
         # Launched steps whose device time is still to come (with a step-time budget): (out, its row).
@@ -34,7 +38,7 @@ class MetricsTracker:
     def record_step(self, out: SchedulerOutput, started: float, ended: float, budget: int) -> None:
         """Account one launched step's composition and prompt tokens."""
         self.num_steps += 1
-        self.prompt_tokens_total += out.num_prefill_tokens
+        self.prefill_tokens_total += out.num_prefill_tokens
         stats = StepStats(self.num_steps, ended, out.num_prefill_tokens, out.num_decode_tokens, len(out.seqs),
                           budget, ended - started, estimated_step_s=out.estimated_step_s,
                           step_limit_s=out.step_limit_s)
@@ -73,6 +77,15 @@ class MetricsTracker:
         self._window.append((started, ended, prompt, generated))
         while self._window and self._window[0][1] < ended - THROUGHPUT_WINDOW_S:
             self._window.popleft()
+
+    def record_prompt(self, num_tokens: int, num_cached: int, num_external: int) -> None:
+        """Count one sequence's prompt at its first token, split by where its tokens came from."""
+        self.prompt_tokens_total += num_tokens
+        num_cached = min(num_cached, num_tokens)
+        by_source = self.prompt_tokens_by_source
+        by_source["external_kv_transfer"] += num_external
+        by_source["local_cache_hit"] += num_cached - num_external
+        by_source["local_compute"] += num_tokens - num_cached
 
     def record_ttft(self, seconds: float) -> None:
         """One time-to-first-token sample."""

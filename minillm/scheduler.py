@@ -341,7 +341,7 @@ class Scheduler:
                 self.block_manager.cache_full_blocks(seq)
             self.waiting.popleft()
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = num_computed
+                seq.num_cached_tokens, seq.num_external_tokens = num_computed, num_external
             seq.num_computed_tokens = num_computed
             seq.status = SequenceStatus.RUNNING
             # The blocks this step fills are shared from now on: a later admission in the same step

@@ -68,7 +68,8 @@ class Sequence:
     # is block_hashes; a waiting prompt looked up every step, and the host tier, reuse them.
     token_block_keys: list = field(default_factory=list)
     block_key_root: bytes = b""      # what its key chain starts from: its cache salt's digest, or nothing
-    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache at admission
+    num_cached_tokens: int = 0       # prompt tokens served from the prefix cache or a KV connector at admission
+    num_external_tokens: int = 0     # of those, loaded by the KV connector (host tier, prefill engine)
     num_preemptions: int = 0
     priority: int = 0                # vLLM's: under the priority policy a lower value is served first
     stop_reason: int | str | None = None

@@ -89,7 +89,7 @@ class EngineStats:
     prefix_cache_queries: int    # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int       # prompt tokens found there
     num_steps: int
-    prompt_tokens_total: int
+    prompt_tokens_total: int     # each sequence's whole prompt, once, at its first token (vLLM's)
     generation_tokens_total: int
     num_requests_finished: dict[str, int]   # finish reason -> count
     prompt_throughput: float     # tok/s over the last few seconds
@@ -132,7 +132,7 @@ class EngineStats:
     kv_transfer_leases_expired: int = 0      # ran out first
     kv_transfer_num_requests: int = 0        # consumer: requests whose prompt KV was loaded
     kv_transfer_blocks: int = 0
-    kv_transfer_tokens: int = 0              # prompt tokens loaded, not computed (prompt_tokens_total counts those)
+    kv_transfer_tokens: int = 0              # prompt tokens loaded, not computed
     kv_transfer_bytes: int = 0
     kv_transfer_seconds: float = 0.0         # copy time
     kv_transfer_bytes_per_s: float = 0.0     # over the last few seconds
@@ -154,6 +154,11 @@ class EngineStats:
     step_measured_ms: float | None = None
     step_cost_error_p50: float | None = None
     step_cost_num_refits: int = 0
+    # Prompt tokens the steps computed (tokens recomputed after a preemption again; cached ones not),
+    # and prompt_tokens_total split by where the tokens came from ("local_compute", "local_cache_hit",
+    # "external_kv_transfer").
+    prefill_tokens_total: int = 0
+    prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
     kv_cache_dtype: str = ""
     # A summary (the counters and gauges of the throughput log and /metrics): no request rows, block

@@ -149,9 +149,6 @@ def test_prompt_tokens_agree_between_metrics_and_stats(run):
     assert metric(samples, "minillm:prompt_tokens_total") == stats["prompt_tokens_total"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="minillm:prompt_tokens counts the prefill tokens computed (cached "
-                   "prefix tokens left out, tokens recomputed after a preemption counted again), not vLLM's "
-                   "whole prompt once per request")
 def test_prompt_tokens_count_each_completion_prompt_once(run):
     """vLLM counts a request's whole prompt once, when its first token comes (each of n as a
     request): cached prefix tokens count, tokens recomputed after a preemption do not count again."""

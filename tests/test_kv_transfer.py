@@ -398,7 +398,10 @@ def test_decoding_from_loaded_kv_gives_the_single_engines_text(stories_path, asy
             assert out.outputs[0].token_ids == reference.outputs[0].token_ids
             after = consumer.stats(cells=1)
             assert after.kv_transfer_tokens - before.kv_transfer_tokens == len(ids) - 1
-            assert after.prompt_tokens_total - before.prompt_tokens_total == 1     # the last prompt token only
+            assert after.prefill_tokens_total - before.prefill_tokens_total == 1     # the last prompt token only
+            assert after.prompt_tokens_total - before.prompt_tokens_total == len(ids)
+            assert after.prompt_tokens_by_source["external_kv_transfer"] \
+                - before.prompt_tokens_by_source["external_kv_transfer"] == len(ids) - 1
             assert out.kv_transfer_stats["num_tokens"] == len(ids) - 1
             wait_until_free(producer)
         assert consumer.stats(cells=1).kv_num_used_blocks == 0

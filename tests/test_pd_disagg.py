@@ -182,7 +182,11 @@ def test_32_concurrent_greedy_requests_through_the_router_give_the_single_server
     # The decode server computed one token of each prompt (the last, for its logits) and loaded the rest.
     assert after["kv_transfer_num_requests"] - before["kv_transfer_num_requests"] == 32
     assert after["kv_transfer_tokens"] - before["kv_transfer_tokens"] == sum(n - 1 for n in prompt_tokens)
-    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 32
+    assert after["prefill_tokens_total"] - before["prefill_tokens_total"] == 32
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == sum(prompt_tokens)
+    loaded = {k: after["prompt_tokens_by_source"][k] - before["prompt_tokens_by_source"].get(k, 0)
+              for k in after["prompt_tokens_by_source"]}
+    assert loaded["external_kv_transfer"] == sum(n - 1 for n in prompt_tokens) and loaded["local_compute"] == 32
     assert after["kv_transfer_bytes"] > before["kv_transfer_bytes"] and after["kv_transfer_seconds"] > 0
     assert wait_for(lambda: pools_free(prefill, decode), timeout=30), (get_stats(prefill.url), get_stats(decode.url))
     p = get_stats(prefill.url)

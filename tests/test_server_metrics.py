@@ -78,7 +78,14 @@ def test_counters_and_histograms_move_as_requests_complete(http):
     def moved(name: str, **labels) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert moved("minillm:prompt_tokens_total") == 3 * len(prompt) - moved("minillm:prefix_cache_hits_total")
+    # vLLM's meaning: each request's whole prompt once; the computed part is the prefill counter.
+    assert moved("minillm:prompt_tokens_total") == 3 * len(prompt)
+    assert moved("minillm:prefill_tokens_total") == 3 * len(prompt) - moved("minillm:prefix_cache_hits_total")
+    assert moved("minillm:prompt_tokens_by_source_total", source="local_compute") \
+        == moved("minillm:prefill_tokens_total")
+    assert moved("minillm:prompt_tokens_by_source_total", source="local_cache_hit") \
+        == moved("minillm:prompt_tokens_cached_total") == moved("minillm:prefix_cache_hits_total")
+    assert moved("minillm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
     assert moved("minillm:generation_tokens_total") == 3 * 8
     assert moved("minillm:request_success_total", finished_reason="length") == 3
     assert moved("minillm:prefix_cache_queries_total") >= 3 * len(prompt) - 3

@@ -339,7 +339,7 @@ class ThroughputLogger:
         now = time.monotonic()
         elapsed, self.last_time = max(now - self.last_time, 1e-9), now
         last, self.last = self.last, stats
-        prompt = stats.prompt_tokens_total - (last.prompt_tokens_total if last else 0)
+        prompt = stats.prefill_tokens_total - (last.prefill_tokens_total if last else 0)
         generated = stats.generation_tokens_total - (last.generation_tokens_total if last else 0)
         if not (prompt or generated or stats.num_running or stats.num_waiting):
             return

@@ -36,7 +36,7 @@ _COUNTERS = (
     ("minillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
     ("minillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
     ("minillm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
-    ("minillm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens_total"),
+    ("minillm:prompt_tokens", "Number of prompt tokens: each request's whole prompt, once.", "prompt_tokens_total"),
     ("minillm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"),
 )
 
@@ -61,6 +61,7 @@ class _SnapshotCollector(Collector):
         for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
+        yield from prompt_token_families(stats, self.model_name)
         yield from kv_offload_families(stats, self.model_name)
         yield from kv_transfer_families(stats, self.model_name)
         yield from _structured_output_summaries(self.model_name, stats)
@@ -74,6 +75,21 @@ def _one_value_families(kind, model_name: str, entries):
         family = kind(name, doc, labels=["model_name"])
         family.add_metric([model_name], float(value))
         yield family
+
+
+def prompt_token_families(stats: EngineStats, model_name: str):
+    """vLLM's prompt tokens by source (computed, prefix cache, KV connector) and cached."""
+    by_source = CounterMetricFamily("minillm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                    labels=["model_name", "source"])
+    for source, count in stats.prompt_tokens_by_source.items():
+        by_source.add_metric([model_name, source], float(count))
+    yield by_source
+    cached = stats.prompt_tokens_by_source.get("local_cache_hit", 0) \
+        + stats.prompt_tokens_by_source.get("external_kv_transfer", 0)
+    yield from _one_value_families(CounterMetricFamily, model_name, (
+        ("minillm:prompt_tokens_cached", "Number of cached prompt tokens (prefix cache or KV connector).", cached),
+        ("minillm:prefill_tokens", "Number of prompt tokens computed, counting those recomputed after a "
+         "preemption.", stats.prefill_tokens_total)))
 
 
 def kv_offload_families(stats: EngineStats, model_name: str):
