@@ -14,6 +14,12 @@ from minillm.server.reasoning_parsers import ReasoningParser, ReasoningStream
 from minillm.server.tool_parsers import ToolCallStream, ToolParser
 
 
+def calls_finish_reason(finish_reason: str | None) -> str | None:
+    """The finish reason of a reply that made calls: "tool_calls" where the model ended it; any other
+    ("length": max_tokens cut it, perhaps inside a call) as it is, so a client sees the turn was cut."""
+    return "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 @dataclass(frozen=True)
 class OutputParsers:
     """One chat request's parsers (at least one set)."""
@@ -37,7 +43,7 @@ class OutputParsers:
         return cls(reasoning, tools, include_reasoning, 1 if parallel_tool_calls is False else None)
 
     def message(self, role: str, echo: str, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-        """(message, finish reason) of a whole reply: "tool_calls" when it made calls."""
+        """(message, finish reason) of a whole reply: "tool_calls" when it made calls and ended itself."""
         reasoning, content = self.reasoning.split(text) if self.reasoning is not None else (None, text)
         calls = []
         if self.tools is not None and content is not None:
@@ -50,7 +56,7 @@ class OutputParsers:
             message["reasoning"] = message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
-            finish_reason = "tool_calls"
+            finish_reason = calls_finish_reason(finish_reason)
         return message, finish_reason
 
     def stream(self) -> OutputStream:
@@ -68,7 +74,7 @@ class OutputStream:
 
     def delta(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
         """(chat delta, finish reason) for text new since the last call; at the finish, what the
-        parsers held back goes too, and a choice that made calls finishes with "tool_calls"."""
+        parsers held back goes too, and a choice that made calls and ended itself finishes with "tool_calls"."""
         reasoning, content = self.reasoning.feed(text) if self.reasoning is not None else ("", text)
         if finish_reason is not None and self.reasoning is not None:
             more_reasoning, more_content = self.reasoning.finish()
@@ -89,5 +95,5 @@ class OutputStream:
         if calls:
             delta["tool_calls"] = calls
         if finish_reason is not None and self.tools is not None and self.tools.num_calls:
-            finish_reason = "tool_calls"
+            finish_reason = calls_finish_reason(finish_reason)
         return delta, finish_reason

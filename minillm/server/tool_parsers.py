@@ -9,9 +9,10 @@ returned as OpenAI tool_calls, for tool_choice "auto" (the default when a reques
 
 A call whose JSON does not parse, or lacks its name or arguments, leaves the whole output as
 content with no calls, as vLLM's parsers do (a stream, which has sent the calls before such a
-call, sends its text as content). With calls, the finish reason is "tool_calls". A
-stream sends content as it comes (holding back what could begin a call) and each call whole, in
-one delta, once its closing tag (or the end of the output) shows it complete.
+call, sends its text as content). With calls, the finish reason is "tool_calls" where the model
+ended the reply ("length" stays: max_tokens cut it). A stream sends content as it comes (holding
+back what could begin a call) and each call whole, in one delta, once its closing tag (or the end
+of the output) shows it complete.
 """
 from __future__ import annotations
 
