@@ -591,7 +591,11 @@ def chat(
     chosen = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "top_k": top_k}.items() if v is not None}
     with option_values(ctx):
         settings = sampling_settings(chosen, max_tokens, seed)
+    if system is not None:
+        check_utf8(system, "--system")      # else every message fails on it, naming neither the option nor the byte
     template = chat_template_option(chat_template, read_chat_template) if chat_template is not None else None
+    if template is not None:
+        check_utf8(template, "--chat-template")     # one given inline (a file's text is checked as it is read)
     if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
