@@ -376,9 +376,20 @@ def _reasoning_item(item_id: str, text: str) -> dict:
 
 def _call_item(call: dict) -> dict:
     """A chat tool call as a function_call output item; its call_id is OpenAI's shape (call_...),
-    which the client sends back in the function_call_output item."""
+    which the client sends back in the function_call_output item. Arguments that are no whole JSON (a
+    named call that max_output_tokens cut) make the item "incomplete", as OpenAI marks a cut item."""
+    arguments = call["function"]["arguments"]
     return {"type": "function_call", "id": _new_id("fc"), "call_id": "call_" + call["id"].removeprefix(TOOL_CALL_ID_PREFIX),
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+            "name": call["function"]["name"], "arguments": arguments,
+            "status": "completed" if _is_json(arguments) else "incomplete"}
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def _kept_from(messages: list[dict], start: int) -> list[dict]:
