@@ -360,6 +360,7 @@ def read_input(read_line: Callable[[str], str]) -> UserInput:
     """One user input: a trailing backslash continues the line; triple quotes span lines (and make
     the text a message whatever it starts with, as in Ollama's chat). EndOfInputInMessage carries
     the message so far when input ends inside one."""
+    read_line = _without_carriage_return(read_line)
     line = read_line(PROMPT)
     stripped = line.strip()
     if stripped.startswith(TRIPLE_QUOTE):
@@ -379,6 +380,12 @@ def read_input(read_line: Callable[[str], str]) -> UserInput:
         line = _continuation(read_line, lines)
     lines.append(line)
     return UserInput("\n".join(lines))
+
+
+def _without_carriage_return(read_line: Callable[[str], str]) -> Callable[[str], str]:
+    """READ_LINE whose lines lose the "\r" of a CRLF line end (a script saved on Windows): left on,
+    it went to the model, and a backslash before it continued no line."""
+    return lambda prompt: read_line(prompt).removesuffix("\r")
 
 
 def _continuation(read_line: Callable[[str], str], lines: list[str], is_quoted: bool = False) -> str:
