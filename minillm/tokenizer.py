@@ -229,6 +229,18 @@ def compile_chat_template(source: str):
     return compile_bounded(source)
 
 
+class BatchEncoding(dict):
+    """What calling the tokenizer returns, as transformers' BatchEncoding: {"input_ids", "attention_mask"}
+    read by key or as attributes (tokenizer(text).input_ids)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"'BatchEncoding' object has no attribute {name!r} (it holds "
+                                 f"{', '.join(map(repr, self))})") from None
+
+
 class Tokenizer:
     """A tokenizers.Tokenizer plus the special ids and chat template a model directory declares."""
 
@@ -383,18 +395,19 @@ class Tokenizer:
             check_unicode(text, "text")
             raise
 
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options) -> dict:
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, **options) -> BatchEncoding:
         """Hugging Face's call: {"input_ids", "attention_mask"} for a text, or lists of them for a list of
-        texts; transformers' tokenization options (padding, truncation, ...) are taken only when off."""
+        texts, readable as attributes too; transformers' tokenization options (padding, truncation, ...)
+        are taken only when off."""
         if options:
             _check_options_off("calling the tokenizer", options, _TOKENIZE_OPTIONS)
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
-            return {"input_ids": ids, "attention_mask": [1] * len(ids)}
+            return BatchEncoding(input_ids=ids, attention_mask=[1] * len(ids))
         if not isinstance(text, (list, tuple)):
             raise ValueError(f"text must be a str or a list of them, got {type(text).__name__}")
         ids = self.encode_batch(list(text), add_special_tokens)
-        return {"input_ids": ids, "attention_mask": [[1] * len(i) for i in ids]}
+        return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
 
     def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False, **options) -> list[str]:
         """decode() of each id list (Hugging Face's batch_decode, special tokens kept unless skipped)."""
