@@ -36,8 +36,10 @@ head is often padded) are never allowed.
 from __future__ import annotations
 
 import concurrent.futures
+import decimal
 import enum
 import json as jsonlib
+import math
 import os
 import re
 import threading
@@ -298,7 +300,8 @@ def _check_schema_bounds(schema: Any) -> None:
 
 def _check_schema_node(node: dict) -> None:
     """One object of a schema: an integer bound past the 64-bit range (llguidance matches integers
-    as 64-bit and would clamp it: a minimum of 1e19 let 9223372036854775807 through), more than
+    as 64-bit and would clamp it: a minimum of 1e19 let 9223372036854775807 through) or that a
+    64-bit float does not hold, a const or enum integer a float does not hold, more than
     MAX_PATTERN_PROPERTIES patternProperties, a pattern that ends in a lone backslash (llguidance
     drops it and matches the rest), prefixItems beside additionalItems with no items (prefixItems
     unenforced), or a minProperties that repeated keys could meet."""
@@ -320,10 +323,79 @@ def _check_schema_node(node: dict) -> None:
     if kind == "integer" or (isinstance(kind, list) and "integer" in kind):
         for name in _BOUND_KEYS:
             bound = node.get(name)
-            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and abs(bound) > _INT64_MAX:
-                raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} lies outside the "
-                                                     f"64-bit range [-{_INT64_MAX}, {_INT64_MAX}] that can be matched")
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool):
+                _check_integer_bound(name, bound)
+    data = [node["const"]] if "const" in node else []
+    for value in _numbers_in(data + [node["enum"]] if isinstance(node.get("enum"), list) else data):
+        _check_const_number(value)
     _check_min_properties(node)
+
+
+# llguidance reads a schema's numbers as 64-bit floats: integers past 2**53 in magnitude are
+# rounded to one (an exclusive bound's neighbour too: 2**60 - 1 is 2**60), and an integer range
+# that reaches -2**63 overflows its stack and kills the process (a const of -2**63 + 1 did).
+_FLOAT_EXACT_MAX = 2 ** 53
+
+
+def _check_integer_bound(name: str, bound: int | float) -> None:
+    """A StructuredOutputsError for an integer bound that is not matched as written."""
+    if abs(bound) > _INT64_MAX:
+        raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} lies outside the "
+                                             f"64-bit range [-{_INT64_MAX}, {_INT64_MAX}] that can be matched")
+    if name.startswith("exclusive"):      # matched from the integer next to it, inside
+        inside = bound - 1 if name == "exclusiveMaximum" else bound + 1
+        if abs(inside) > _FLOAT_EXACT_MAX:
+            raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} is read as a 64-bit float, "
+                                                 "which holds integers exactly only up to 2**53 in magnitude: the "
+                                                 f"integers next to it are not told apart; use {name[9:].lower()}")
+        return
+    as_float = float(bound)
+    if (as_float == bound and as_float > -2 ** 63) or bound == _INT64_MAX:   # 2**63 - 1 is read as 2**63, clamped back
+        return
+    if as_float <= -2 ** 63:
+        raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} is read as a 64-bit float at "
+                                             "-2**63, past the 64-bit integers that can be matched")
+    if (as_float > bound) == (name == "maximum"):
+        as_float = math.nextafter(as_float, -math.inf if name == "maximum" else math.inf)
+    raise StructuredOutputsError("json", f"the integer bound {name}={bound!r} is read as a 64-bit float, which "
+                                         "holds integers exactly only up to 2**53 in magnitude: it would be matched "
+                                         f"as another integer; the nearest one it holds inside is {int(as_float)}")
+
+
+def _numbers_in(values: list) -> list[int | float]:
+    """The numbers in JSON data (const and enum values), nested ones included."""
+    numbers, todo = [], list(values)
+    while todo:
+        value = todo.pop()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            numbers.append(value)
+        elif isinstance(value, list):
+            todo.extend(value)
+        elif isinstance(value, dict):
+            todo.extend(value.values())
+    return numbers
+
+
+def _check_const_number(value: int | float) -> None:
+    """A StructuredOutputsError for a const or enum number that is not matched as written: an
+    integer a 64-bit float does not hold, or written back otherwise (past the 64-bit range llguidance
+    writes the float's shortest digits: 2**63 as 9223372036854776000), or one at -2**63 or below."""
+    if (isinstance(value, float) and not value.is_integer()) or abs(value) <= _FLOAT_EXACT_MAX:
+        return
+    as_float = float(value)
+    if as_float <= -2 ** 63:
+        raise StructuredOutputsError("json", f"the number {value!r} of a const or enum is read as a 64-bit float "
+                                             "at or below -2**63, past the 64-bit integers that can be matched")
+    if isinstance(value, float):
+        return
+    if value <= _INT64_MAX:
+        written = _INT64_MAX if value == _INT64_MAX else int(as_float)
+    else:
+        written = int(decimal.Decimal(repr(as_float)))
+    if written != value:
+        raise StructuredOutputsError("json", f"the integer {value} of a const or enum is read as a 64-bit float, "
+                                             "which holds integers exactly only up to 2**53 in magnitude: "
+                                             f"it would be written as {written}")
 
 
 def _check_min_properties(node: dict) -> None:

@@ -1,0 +1,110 @@
+"""Structured outputs abused as vLLM users do, through the Python API (stories260K, CPU): large
+integers in JSON schemas, which llguidance reads as 64-bit floats."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minillm.structured_output import StructuredOutputManager, StructuredOutputsError, StructuredOutputsParams
+
+VOCAB = 512
+INT64_MIN = -2 ** 63
+
+
+@pytest.fixture(scope="module")
+def manager(tok):
+    mgr = StructuredOutputManager.from_tokenizer(tok, VOCAB, max_num_seqs=4)
+    yield mgr
+    mgr.shutdown()
+
+
+def accepts(manager, params: StructuredOutputsParams, text: str) -> bool:
+    """Whether the constraint takes text as a whole output."""
+    matcher = manager.grammar_init(params).result().new_matcher()
+    return matcher.accept_tokens(manager.ll_tokenizer.tokenize_str(text)) and matcher.can_terminate()
+
+
+# Each of these took the process down with a segmentation fault where the constraint was built (an
+# API server's request thread, or LLM.generate's caller): llguidance's integer range at -2**63.
+NEAR_INT64_MIN = [
+    {"const": INT64_MIN + 1},
+    {"const": INT64_MIN},
+    {"enum": [1, INT64_MIN + 1]},
+    {"const": {"id": [INT64_MIN + 1]}},
+    {"type": "integer", "const": -1e19},
+    {"type": "integer", "enum": [3, -1e300]},
+    {"type": "integer", "minimum": INT64_MIN + 1, "maximum": INT64_MIN + 1},
+]
+_BUILD_EACH = """
+import json, sys
+from minillm.server.errors import APIError
+from minillm.server.structured import checked_params
+for schema in json.loads(sys.argv[1]):
+    try:
+        checked_params(lambda field: "response_format.json_schema.schema", json=schema)
+    except APIError as e:
+        print(json.dumps([e.status, e.param, e.message]), flush=True)
+    else:
+        print(json.dumps(None), flush=True)
+"""
+
+
+def test_integers_at_the_64_bit_minimum_are_a_400_naming_the_schema_not_a_crash():
+    # In a process of its own: without the check the first schema kills the process that builds it.
+    run = subprocess.run([sys.executable, "-c", _BUILD_EACH, json.dumps(NEAR_INT64_MIN)],
+                         capture_output=True, text=True, timeout=120)
+    answers = [json.loads(line) for line in run.stdout.splitlines()]
+    assert run.returncode == 0 and len(answers) == len(NEAR_INT64_MIN), (run.returncode, run.stderr[-2000:])
+    for schema, answer in zip(NEAR_INT64_MIN, answers):
+        assert answer is not None and answer[:2] == [400, "response_format.json_schema.schema"], (schema, answer)
+        assert "64-bit" in answer[2], answer
+
+
+@pytest.mark.parametrize("schema", [
+    {"const": 2 ** 53 + 1},                      # matched as 9007199254740992
+    {"enum": ["a", 123456789012345678901234567890]},   # as 123456789012345680000000000000
+    {"const": 2 ** 63},                          # as 9223372036854776000
+    {"type": "array", "items": {"enum": [[10 ** 17 + 1]]}},
+])
+def test_an_integer_const_or_enum_a_float_does_not_hold_is_a_value_error_naming_json(schema):
+    # These compiled, and the output, finished with "stop", held another integer than the schema's.
+    with pytest.raises(StructuredOutputsError, match=r"^json: .*64-bit float") as err:
+        StructuredOutputsParams(json=schema)
+    assert err.value.field == "json"
+
+
+@pytest.mark.parametrize("value", [2 ** 53, -2 ** 53, 2 ** 60, 10 ** 17, 2 ** 63 - 1, INT64_MIN + 1024, 10 ** 30])
+def test_an_integer_const_a_float_holds_is_taken_and_matched_exactly(manager, value):
+    params = StructuredOutputsParams(json={"const": value})
+    assert accepts(manager, params, str(value))
+    assert not accepts(manager, params, str(value + 1))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "maximum": 999999999999999999},                   # let 10**18 through
+    {"type": "integer", "minimum": 2 ** 53 + 1, "maximum": 2 ** 53 + 8},  # 2**53
+    {"type": "integer", "exclusiveMaximum": 2 ** 60, "minimum": 0},       # 2**60
+    {"type": "integer", "exclusiveMinimum": 2 ** 53, "maximum": 2 ** 54},  # 2**53
+    {"type": ["integer", "null"], "exclusiveMinimum": -2 ** 60, "maximum": 0},   # -2**60
+])
+def test_an_integer_bound_a_float_does_not_hold_exactly_is_a_value_error_naming_json(schema):
+    # llguidance rounded the bound to a float (and took an exclusive bound's neighbour there as a
+    # float too), and let the integer in the comment, outside the bounds, through.
+    with pytest.raises(StructuredOutputsError, match=r"^json: .*64-bit float") as err:
+        StructuredOutputsParams(json=schema)
+    assert err.value.field == "json"
+
+
+@pytest.mark.parametrize("schema,inside,outside", [
+    ({"type": "integer", "maximum": 2 ** 60, "minimum": 0}, 2 ** 60, 2 ** 60 + 1),
+    ({"type": "integer", "maximum": 2 ** 63 - 1, "minimum": 0}, 2 ** 63 - 1, 2 ** 63),
+    ({"type": "integer", "exclusiveMaximum": 2 ** 53, "minimum": 0}, 2 ** 53 - 1, 2 ** 53),
+    ({"type": "integer", "minimum": -2 ** 60, "maximum": 0}, -2 ** 60, -2 ** 60 - 1),
+])
+def test_an_integer_bound_a_float_holds_is_taken_and_kept(manager, schema, inside, outside):
+    params = StructuredOutputsParams(json=schema)
+    assert accepts(manager, params, str(inside))
+    assert not accepts(manager, params, str(outside))
