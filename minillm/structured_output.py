@@ -136,6 +136,7 @@ class StructuredOutputsParams:
         return self._key
 
     def _validate(self) -> StructuredOutputKey:
+        self._check_options()            # first: vLLM counts structural_tag as a constraint, given alone too
         is_set = {"json": self.json is not None, "regex": self.regex is not None,
                   "choice": self.choice is not None, "grammar": self.grammar is not None,
                   "json_object": bool(self.json_object)}
@@ -144,7 +145,6 @@ class StructuredOutputsParams:
             got = ", ".join(chosen) if chosen else "none"
             raise StructuredOutputsError("structured_outputs", f"exactly one of {', '.join(_CONSTRAINT_FIELDS)} "
                                          f"must be set, got {got}")
-        self._check_options()
         name = chosen[0]
         key = _canonical_key(name, getattr(self, name))
         if key[0] is StructuredOutputOptions.JSON and self.disable_additional_properties:

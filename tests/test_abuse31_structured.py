@@ -108,3 +108,12 @@ def test_an_integer_bound_a_float_holds_is_taken_and_kept(manager, schema, insid
     params = StructuredOutputsParams(json=schema)
     assert accepts(manager, params, str(inside))
     assert not accepts(manager, params, str(outside))
+
+
+def test_a_structural_tag_alone_is_refused_by_its_name():
+    # vLLM counts structural_tag among the constraints, so a request may give it alone; the error was
+    # "exactly one of json, regex, choice, grammar, json_object must be set, got none", naming the
+    # whole object and telling the client it had set nothing.
+    with pytest.raises(StructuredOutputsError, match=r"^structural_tag: .*not supported") as err:
+        StructuredOutputsParams(structural_tag='{"type": "structural_tag", "structures": [], "triggers": []}')
+    assert err.value.field == "structural_tag"
