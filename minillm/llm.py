@@ -32,6 +32,10 @@ _CHOOSES_GRAPHS = "minillm chooses the batch sizes it captures CUDA graphs for (
 VLLM_FIXED_ARGS = {
     # minillm runs its own decoder for every model it loads, never code from a checkpoint: either value is safe.
     "trust_remote_code": (lambda v: isinstance(v, bool), "minillm never runs a model's own code"),
+    "code_revision": (lambda v: v is None, "minillm never runs a model's own code"),
+    "logprobs_mode": (lambda v: v == "raw_logprobs", "minillm's log-probabilities are the model's log-softmax "
+                                                     "before logit_bias, penalties, temperature and top-k/top-p/min-p "
+                                                     "(vLLM's raw_logprobs)"),
     "tokenizer_mode": (lambda v: v == "auto", "minillm reads tokenizer.json with the fast tokenizers library"),
     "skip_tokenizer_init": (lambda v: v is False, "minillm always loads the tokenizer"),
     "quantization": (lambda v: v is None, "minillm runs unquantized float32, float16 or bfloat16 weights"),
@@ -192,6 +196,11 @@ class LLM:
     def llm_engine(self) -> LLMEngine:
         """The LLMEngine underneath (vLLM's name for it)."""
         return self.engine
+
+    @property
+    def model_config(self):
+        """The engine's model config (vLLM's LLM.model_config): max_model_len, hf_config, dtype, ..."""
+        return self.engine.model_config
 
     def get_tokenizer(self, lora_request=None):
         """The model's tokenizer (vLLM's lora_request may only be None: minillm loads no adapters)."""

@@ -16,3 +16,27 @@ def test_tokenizer_call_result_reads_as_attributes_too(llm):
     assert chat.input_ids == tok.encode("Lily", add_special_tokens=False)
     with pytest.raises(AttributeError, match="token_type_ids"):
         enc.token_type_ids
+
+
+def test_llm_has_vllms_model_config_attribute(llm):
+    """vLLM's LLM keeps its engine's model config as llm.model_config (llm.model_config.max_model_len)."""
+    assert llm.model_config is llm.llm_engine.model_config
+    assert llm.model_config.max_model_len == 128
+
+
+@pytest.mark.parametrize("name, value", [("logprobs_mode", "raw_logprobs"), ("code_revision", None)])
+def test_vllm_engine_args_at_what_minillm_does_are_taken(stories_path, name, value):
+    """vLLM's logprobs_mode (its default, raw_logprobs: minillm's log-probabilities are the model's
+    before any penalty) and code_revision (None) are taken; other values are named."""
+    from minillm import LLM
+    with LLM(str(stories_path), device="cpu", max_model_len=64, **{name: value}) as model:
+        assert model.generate("Lily", max_tokens_params())[0].outputs[0].token_ids
+    other = {"logprobs_mode": "processed_logprobs", "code_revision": "main"}[name]
+    with pytest.raises(ValueError, match=f"^{name}="):
+        LLM(str(stories_path), device="cpu", max_model_len=64, **{name: other})
+
+
+def max_tokens_params(n: int = 2):
+    """Greedy SamplingParams of n tokens."""
+    from minillm import SamplingParams
+    return SamplingParams(temperature=0, max_tokens=n)
