@@ -64,3 +64,73 @@ def test_llama3_json_cut_by_max_tokens_finishes_with_length():
     assert names(message["tool_calls"]) == ["f"] and finish == "length"
     calls, stream_finish = streamed(parsers, text, 5, "length")
     assert names(calls) == ["f"] and stream_finish == "length"
+
+
+# ---- tool_choice "required": each tool's parameters keep their own references -----------------------
+
+def function_tool(name: str, parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def unit_tool(name: str, units: list[str], where: str = "$defs") -> dict:
+    """A tool whose parameters refer to a definition of theirs (draft-07 and pydantic v1 write
+    "definitions", pydantic v2 "$defs")."""
+    return function_tool(name, {where: {"Unit": {"enum": units}}, "type": "object",
+                                "properties": {"unit": {"$ref": f"#/{where}/Unit"}}, "required": ["unit"],
+                                "additionalProperties": False})
+
+
+def call_text(name: str, parameters) -> str:
+    return json.dumps([{"name": name, "parameters": parameters}], separators=(",", ":"))
+
+
+@pytest.fixture(scope="module")
+def manager(tok):
+    from minillm.structured_output import StructuredOutputManager
+    mgr = StructuredOutputManager.from_tokenizer(tok, 512, max_num_seqs=2)
+    yield mgr
+    mgr.shutdown()
+
+
+def accepts(manager, params, text: str) -> bool:
+    """Whether the constraint takes text as a whole output."""
+    matcher = manager.grammar_init(params).result().new_matcher()
+    return matcher.accept_tokens(manager.ll_tokenizer.tokenize_str(text)) and matcher.can_terminate()
+
+
+REFERRING = {
+    # zod-to-json-schema's default: a schema used twice is a reference to its first place
+    "a property": function_tool("f", {"type": "object", "properties": {"a": {"enum": ["x", "y"]},
+                                                                       "b": {"$ref": "#/properties/a"}},
+                                      "required": ["a", "b"], "additionalProperties": False}),
+    "definitions": unit_tool("f", ["c", "k"], "definitions"),
+    "the root": function_tool("f", {"type": "object", "properties": {"v": {"type": "integer"}, "kids": {
+        "type": "array", "items": {"$ref": "#"}}}, "required": ["v"], "additionalProperties": False}),
+}
+GOOD_AND_BAD = {
+    "a property": ({"a": "x", "b": "y"}, {"a": "x", "b": "z"}),
+    "definitions": ({"unit": "k"}, {"unit": "f"}),
+    "the root": ({"v": 1, "kids": [{"v": 2, "kids": []}]}, {"v": 1, "kids": [[{"name": "f", "parameters": {"v": 2}}]]}),
+}
+
+
+@pytest.mark.parametrize("key", list(REFERRING))
+def test_required_takes_parameters_that_refer_inside_themselves_as_a_named_choice_does(manager, key):
+    # Inside the array schema "#/..." pointed at the array's root: a 400 ("Pointer '/definitions/Unit'
+    # does not exist") for parameters a named tool_choice took, or (a "#" of a recursive schema) a
+    # constraint that let a call's arguments hold more calls.
+    from minillm.server.tool_calls import forced_tool_calls
+    good, bad = GOOD_AND_BAD[key]
+    params = forced_tool_calls("required", [REFERRING[key]], None).constraint()
+    assert accepts(manager, params, call_text("f", good))
+    assert not accepts(manager, params, call_text("f", bad))
+
+
+def test_two_tools_may_give_one_definition_name_different_schemas(manager):
+    # Both definitions went to the array's top, one name for two schemas: refused with a 400.
+    from minillm.server.tool_calls import forced_tool_calls
+    params = forced_tool_calls("required", [unit_tool("a", ["c"]), unit_tool("b", ["f"])], None).constraint()
+    assert accepts(manager, params, call_text("a", {"unit": "c"}))
+    assert accepts(manager, params, call_text("b", {"unit": "f"}))
+    assert not accepts(manager, params, call_text("a", {"unit": "f"}))
+    assert not accepts(manager, params, call_text("b", {"unit": "c"}))

@@ -25,6 +25,7 @@ _WHITESPACE = " \t\n\r"
 
 
 TOOL_CALL_ID_PREFIX = "chatcmpl-tool-"
+TOOL_SCHEMA_ID = "urn:minillm:tool-parameters:"    # + the tool's index: its parameters' $id under "required"
 
 
 def new_tool_call_id() -> str:
@@ -87,21 +88,24 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
         return ForcedToolCalls(_parameters_schema(functions[index]), name, f"tools.{index}.function.parameters")
     if choice != "required" or not functions:
         return None
-    # Each tool's $defs move to the array's top, where its "#/$defs/..." references point (as vLLM
-    # does), and so do its llguidance options ("x-guidance"), which only a schema's top level sets.
-    lifted: dict[str, dict] = {"$defs": {}, "x-guidance": {}}
+    # Each tool's parameters are a schema resource of their own ($id), so that their references
+    # ("#/$defs/...", "#/definitions/...", "#/properties/...", "#") point inside them, as under a
+    # named tool_choice, and two tools may define one name differently. Their llguidance options
+    # ("x-guidance"), which only a schema's top level sets, move to the array's top.
+    options: dict = {}
     parameters = [dict(_parameters_schema(f)) for f in functions]
     for i, params in enumerate(parameters):
-        for key, merged in lifted.items():
-            for name, value in (params.pop(key) if isinstance(params.get(key), dict) else {}).items():
-                if merged.setdefault(name, value) != value:
-                    raise APIError(400, f"tools set {key} {name!r} twice, differently (tool_choice \"required\" "
-                                   f"puts every tool's {key} in one schema)", param=f"tools.{i}.function.parameters")
+        params.setdefault("$id", f"{TOOL_SCHEMA_ID}{i}")
+        for name, value in (params.pop("x-guidance") if isinstance(params.get("x-guidance"), dict) else {}).items():
+            if options.setdefault(name, value) != value:
+                raise APIError(400, f"tools set x-guidance {name!r} twice, differently (tool_choice \"required\" "
+                               f"puts every tool's x-guidance in one schema)", param=f"tools.{i}.function.parameters")
     items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]}, "parameters": params},
               "required": ["name", "parameters"], "additionalProperties": False}
              for f, params in zip(functions, parameters)]
     schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
-    schema.update((key, merged) for key, merged in lifted.items() if merged)
+    if options:
+        schema["x-guidance"] = options
     if parallel_tool_calls is False:
         schema["maxItems"] = 1
     # An error names the tool whose parameters fail (tools.i.function.parameters).
