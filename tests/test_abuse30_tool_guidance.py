@@ -1,5 +1,5 @@
 """tool_choice "required" puts every tool's parameters inside one array schema; a tool's llguidance
-options ("x-guidance", read only at a schema's top level) move to the array's top with its $defs,
+options ("x-guidance", read only at a schema's top level) move to the array's top,
 so a tool whose oneOf needs coerce_one_of is taken there as it is under a named tool_choice."""
 from __future__ import annotations
 
