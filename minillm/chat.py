@@ -174,6 +174,16 @@ class ReplyStats:
         return "\n".join(lines)
 
 
+def reply_room(max_tokens: int, context_len: int, num_alone_tokens: int) -> int:
+    """The room the oldest exchanges are dropped to give a reply: max_tokens where the newest message
+    alone (NUM_ALONE_TOKENS with the system message) leaves it, else half the context (a room no
+    prompt leaves would cost every exchange at every message; llama.cpp's context shift keeps half
+    the context too); the reply may still run on into the rest of it."""
+    if max_tokens <= context_len - num_alone_tokens:
+        return max_tokens
+    return min(max_tokens, max(context_len // 2, 1))
+
+
 class ContextTooShort(ValueError):
     """The prompt leaves no room for a reply in the model's context."""
 
@@ -209,18 +219,20 @@ class EngineChatBackend:
     def fit_prompt(self, conversation: Conversation, settings: ChatSettings) -> tuple[list[int], int]:
         """Prompt ids and max_tokens that fit max_model_len, dropping the oldest exchanges first."""
         max_len = self.engine.max_model_len
+        wanted = settings.max_tokens
         # Exchanges are dropped from a copy: a message too long even alone leaves the history as it was.
         trial = Conversation(conversation.system, list(conversation.turns))
         ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
-        if max_len - len(ids) < settings.max_tokens and len(trial.turns) > 1:
+        if max_len - len(ids) < wanted and len(trial.turns) > 1:
             # A message too long even alone is found with one more encoding, not one per exchange dropped.
             alone = conversation_prompt_ids(self.tokenizer, Conversation(trial.system, trial.turns[-1:]),
                                             self.chat_template)
             if max_len - len(alone) < 1:
                 raise ContextTooShort(f"message too long: the prompt is {len(alone)} tokens and the context "
                                       f"holds {max_len}")
+            wanted = reply_room(settings.max_tokens, max_len, len(alone))
         dropped = 0
-        while max_len - len(ids) < settings.max_tokens and trial.drop_oldest_exchange():
+        while max_len - len(ids) < wanted and trial.drop_oldest_exchange():
             ids = conversation_prompt_ids(self.tokenizer, trial, self.chat_template)
             dropped += 1
         if not ids:

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 import httpx
 
 from minillm import sse
-from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text
+from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text, reply_room
 from minillm.sse import LineSplitter, LineTooLong
 from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
 
@@ -135,7 +135,10 @@ class HttpChatBackend:
         oldest exchanges go first (tried on a copy, kept only once the request fits), then the
         reply is capped at the rest of the context; (response, whether max_tokens was capped)."""
         trial = Conversation(conversation.system, list(conversation.turns))
-        dropped, max_tokens, is_capped = 0, settings.max_tokens, False
+        dropped, rest = self._drop_for_reply_room(trial, settings.max_tokens)
+        max_tokens, is_capped = settings.max_tokens, False
+        if rest is not None and rest < max_tokens:
+            max_tokens, is_capped = rest, True
         while True:
             try:
                 response = self._open(trial, settings, max_tokens)
@@ -154,6 +157,25 @@ class HttpChatBackend:
             where = f"the {self.context_len}-token context" if self.context_len else "the server's context"
             self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit {where})")
         return response, is_capped
+
+    def _drop_for_reply_room(self, trial: Conversation, max_tokens: int) -> tuple[int, int | None]:
+        """For a max_tokens that no prompt leaves room for (reply_room: half the context then), the
+        oldest exchanges dropped from TRIAL until the prompt leaves half, as the server's /tokenize
+        counts it: (exchanges dropped, the rest of the context); (0, None) when max_tokens is left
+        to the server's refusals, which drop exchanges until it fits, or /tokenize cannot say."""
+        if self.context_len is None or max_tokens <= self.context_len // 2 or len(trial.turns) <= 1:
+            return 0, None
+        num_alone, context = self._count_tokens(Conversation(trial.system, trial.turns[-1:]))
+        if num_alone is None or context is None or reply_room(max_tokens, context, num_alone) == max_tokens:
+            return 0, None
+        dropped = 0
+        while True:
+            count, context = self._count_tokens(trial)
+            if count is None or context is None:
+                return dropped, None
+            if context - count >= reply_room(max_tokens, context, num_alone) or not trial.drop_oldest_exchange():
+                return dropped, (context - count if context > count else None)
+            dropped += 1
 
     def _rest_of_context(self, conversation: Conversation) -> int | None:
         """max_tokens for a reply that takes the rest of the context: None (the server's own
