@@ -132,7 +132,7 @@ def conversation_prompt_ids(tokenizer, conversation: Conversation, chat_template
 class ReplyStats:
     """What was measured for one reply."""
 
-    prompt_tokens: int
+    prompt_tokens: int | None       # None: a server's count that never came
     output_tokens: int
     ttft_s: float | None
     decode_s: float | None          # first token to last token
@@ -164,6 +164,9 @@ class ReplyStats:
             f"finish reason {self.finish_reason}",
         ]
         prompt = f"prompt: {self.prompt_tokens} tokens"
+        if self.prompt_tokens is None:
+            prompt = ("prompt: not counted (" + ("the reply was stopped before the server counted it)"
+                                                 if self.finish_reason == "abort" else "the server sent no count)"))
         if self.cached_tokens is not None:
             prompt += f" ({self.cached_tokens} served from the prefix cache)"
         lines.append(prompt)

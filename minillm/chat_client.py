@@ -212,7 +212,7 @@ class HttpChatBackend:
                 should_stop: Callable[[], bool], max_tokens: int, is_capped: bool = False) -> Iterator[str]:
         """Read server-sent events until [DONE]; closing the stream drops the connection."""
         first = last = None
-        num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, 0
+        num_chunks, usage, finish_reason, prompt_tokens = 0, None, None, None
         try:
             for event in _events(response, self.shown_url):
                 if should_stop():
@@ -235,8 +235,8 @@ class HttpChatBackend:
             raise
         finally:
             response.close()
-            if usage:
-                prompt_tokens = _count(usage.get("prompt_tokens"), 0)
+            if usage and _count(usage.get("prompt_tokens"), -1) >= 0:
+                prompt_tokens = usage["prompt_tokens"]
             num_tokens = _count(usage.get("completion_tokens"), num_chunks) if usage else num_chunks
             if is_capped:      # the reply had only the rest of the context
                 max_tokens = self.context_len - prompt_tokens if self.context_len and prompt_tokens else num_tokens

@@ -110,3 +110,24 @@ def test_over_url_a_max_tokens_past_the_context_keeps_the_history_as_the_local_c
             assert (notice in out.getvalue()) if dropped else ("dropped" not in out.getvalue()), out.getvalue()
             assert len(session.conversation.turns) == 2 * (exchanges - (dropped or 0)) + 2
             assert backend.last_stats.prompt_tokens == 22
+
+
+# ---- /stats of a reply stopped over --url --------------------------------------------------------------------
+
+@needs_stories
+def test_stats_of_a_reply_stopped_over_url_do_not_say_the_prompt_was_0_tokens():
+    # The server counts the prompt in the usage of the stream's last event, which a stopped reply
+    # never reads: /stats said "prompt: 0 tokens" of a prompt of 5.
+    from minillm.chat import Conversation
+    from minillm.chat_client import HttpChatBackend
+    with running_server(STORIES) as (url, _):
+        backend = HttpChatBackend(url)
+        backend.has_chat_template = False
+        stopped = []
+        stream = backend.stream_reply(Conversation(turns=[{"role": "user", "content": "Once upon a time"}]),
+                                      ChatSettings(temperature=0, max_tokens=200), lambda: bool(stopped))
+        for _ in stream:
+            stopped.append(True)
+        stats = backend.last_stats
+    assert stats.finish_reason == "abort" and stats.prompt_tokens is None
+    assert "prompt: not counted (the reply was stopped before the server counted it)" in stats.describe()
