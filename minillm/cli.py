@@ -668,6 +668,8 @@ def read_prompts(prompts: list[str] | None, prompts_file: Path | None) -> list[s
     if prompts_file is not None:
         if str(prompts_file) == "-" and sys.stdin is None:   # started with stdin closed (<&-)
             raise CliError("--prompts-file -: stdin is closed; give a file, or pipe the prompts in")
+        if str(prompts_file) == "-" and sys.stdin.isatty():
+            typer.echo("minillm generate: reading the prompts from stdin, one a line (Ctrl-D ends them)", err=True)
         try:
             text = sys.stdin.read() if str(prompts_file) == "-" else prompts_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
