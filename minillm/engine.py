@@ -26,7 +26,7 @@ from minillm.model_config_view import EngineModelConfig, engine_model_config
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
-from minillm.output_processor import TextOutputs
+from minillm.output_processor import TextOutputs, ranked_logprobs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import (
@@ -687,8 +687,9 @@ class LLMEngine:
             self.metrics.record_device_step_time(out, seconds)
 
     def _add_prompt_logprobs(self, out: SchedulerOutput, entries: dict) -> None:
-        """A step's prompt log-probabilities into their requests' lists (entries a prompt computed
-        again after a preemption, or by another of the request's n sequences, are there already)."""
+        """A step's prompt log-probabilities into their requests' lists as vLLM's Logprobs (rank and
+        decoded token on each, as a completion's); entries a prompt computed again after a
+        preemption, or by another of the request's n sequences, are there already."""
         by_id = {seq.seq_id: seq for seq in out.seqs}
         for seq_id, (first, dicts) in entries.items():
             seq = by_id.get(seq_id)
@@ -697,7 +698,8 @@ class LLMEngine:
                 continue
             have = len(req.prompt_logprobs)
             if first <= have < first + len(dicts):
-                req.prompt_logprobs.extend(dicts[have - first:])
+                num_top, tokenizer = seq.params.prompt_logprobs, self.tokenizer if seq.params.detokenize else None
+                req.prompt_logprobs.extend(ranked_logprobs(entry, num_top, tokenizer) for entry in dicts[have - first:])
                 self._changed[req] = None
 
     def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:

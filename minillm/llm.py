@@ -15,7 +15,6 @@ import numpy as np
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.model_store import expand_user
-from minillm.output_processor import ranked_logprobs
 from minillm.outputs import RequestOutput
 from minillm.prompts import (
     PromptType, TokensPrompt, cache_salt_of, check_lora_request, tokenization_add_special_tokens, unpack_prompt,
@@ -332,13 +331,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-        outputs = [finished[rid] for rid in ids]
-        for out, p in zip(outputs, params):
-            if out.prompt_logprobs is not None:           # vLLM's Logprob entries, as the outputs' own
-                tokenizer = self.engine.tokenizer if p.detokenize else None
-                out.prompt_logprobs = [None if entry is None else ranked_logprobs(entry, p.prompt_logprobs, tokenizer)
-                                       for entry in out.prompt_logprobs]
-        return outputs
+        return [finished[rid] for rid in ids]
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

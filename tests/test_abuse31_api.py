@@ -40,3 +40,30 @@ def max_tokens_params(n: int = 2):
     """Greedy SamplingParams of n tokens."""
     from minillm import SamplingParams
     return SamplingParams(temperature=0, max_tokens=n)
+
+
+def _finished_outputs(engine) -> dict:
+    """Step the engine until it holds no request; the finished outputs by request id."""
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({out.request_id: out for out in engine.step() if out.finished})
+    return done
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_llm_engine_prompt_logprobs_are_vllms_logprobs(llm, detokenize):
+    """Through LLMEngine (as vLLM's llm_engine_example steps it), every prompt_logprobs entry is a
+    Logprob (.logprob, .rank, .decoded_token) as LLM.generate's are; the top alternatives were bare
+    floats, so entry[t].logprob raised AttributeError."""
+    from minillm import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2, detokenize=detokenize)
+    engine = llm.llm_engine
+    engine.add_request("plp", "Once upon a time", params)
+    got = _finished_outputs(engine)["plp"].prompt_logprobs
+    want = llm.generate("Once upon a time", params)[0].prompt_logprobs
+    assert got[0] is None and len(got) == len(want) == 5
+    for entry, wanted in zip(got[1:], want[1:]):
+        assert {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in entry.items()} == \
+            {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in wanted.items()}
+        assert sorted(lp.rank for lp in entry.values())[:2] == [1, 2]
+        assert all((lp.decoded_token is not None) == detokenize for lp in entry.values())
