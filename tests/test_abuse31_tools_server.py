@@ -81,3 +81,29 @@ def test_the_chat_stream_of_the_same_cut_call_finishes_with_length(url):
     arguments = "".join(d["function"]["arguments"] for c in choices for d in c["delta"].get("tool_calls", []))
     assert choices[-1]["finish_reason"] == "length"
     assert arguments == responses(url, max_output_tokens=4)["output"][0]["arguments"]
+
+
+# ---- tool_choice "required" over tools whose parameters refer inside themselves -----------------------
+
+DRAFT7 = {"definitions": {"City": {"enum": ["Paris", "Rome"]}}, "type": "object",
+          "properties": {"city": {"$ref": "#/definitions/City"}}, "required": ["city"], "additionalProperties": False}
+
+
+def test_every_api_forces_a_call_of_a_tool_with_draft7_definitions(url):
+    # Each was a 400 "Pointer '/definitions/City' does not exist" under "required" ("any").
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": "stories", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 40,
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": DRAFT7}}],
+        "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0})
+    assert chat.status_code == 200, chat.text
+    for call in chat.json()["choices"][0]["message"]["tool_calls"]:
+        assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
+    reply = responses(url, max_output_tokens=40, tool_choice="required",
+                      tools=[{"type": "function", "name": "get_weather", "parameters": DRAFT7}])
+    assert all(json.loads(item["arguments"])["city"] in ("Paris", "Rome") for item in reply["output"])
+    message = httpx.post(f"{url}/v1/messages", timeout=60, json={
+        "model": "stories", "messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 40,
+        "tools": [{"name": "get_weather", "input_schema": DRAFT7}], "tool_choice": {"type": "any"}})
+    assert message.status_code == 200, message.text
+    assert all(block["input"]["city"] in ("Paris", "Rome") for block in message.json()["content"]
+               if block["type"] == "tool_use")
