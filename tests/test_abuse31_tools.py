@@ -134,3 +134,25 @@ def test_two_tools_may_give_one_definition_name_different_schemas(manager):
     assert accepts(manager, params, call_text("b", {"unit": "f"}))
     assert not accepts(manager, params, call_text("a", {"unit": "f"}))
     assert not accepts(manager, params, call_text("b", {"unit": "c"}))
+
+
+# ---- a call whose "JSON" only Python reads ------------------------------------------------------------
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": [1, -Infinity]}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": 1e400}}</tool_call>'),    # a float past float's range
+    ("llama3_json", '{"name": "f", "parameters": {"x": Infinity}}'),
+])
+def test_a_call_with_nan_or_infinity_is_no_call(name, text):
+    # Python's json read them, and the call's arguments came back as "NaN" (no JSON a client can read;
+    # /v1/messages' tool_use input held a float NaN that its JSON response could not write: a 500).
+    parsers = OutputParsers(None, ToolParser(name))
+    message, finish = parsers.message("assistant", "", text, "stop")
+    assert message == {"role": "assistant", "content": text} and finish == "stop"
+    for cut in range(len(text) + 1):
+        stream = parsers.stream()
+        first, _ = stream.delta(text[:cut], None)
+        last, stream_finish = stream.delta(text[cut:], "stop")
+        assert "tool_calls" not in first and "tool_calls" not in last and stream_finish == "stop"
+        assert first.get("content", "") + last.get("content", "") == text

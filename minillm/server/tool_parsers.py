@@ -39,7 +39,11 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> dict:
         raise NotACall("no name")
     for key in arguments_keys:
         if key in obj:
-            return tool_call(obj["name"], json.dumps(obj[key], ensure_ascii=False))
+            try:      # NaN, Infinity (or a number past a float's range) that Python's json read: no JSON
+                arguments = json.dumps(obj[key], ensure_ascii=False, allow_nan=False)
+            except ValueError as exc:
+                raise NotACall(str(exc)) from None
+            return tool_call(obj["name"], arguments)
     raise NotACall("no arguments")
 
 
