@@ -20,6 +20,12 @@ class Logprob(float):
     def __reduce__(self):
         return (Logprob, (float(self), self.rank, self.decoded_token))
 
+    def __repr__(self) -> str:
+        """As vLLM's Logprob prints, so a printed output shows each token's rank and text."""
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    __str__ = float.__repr__        # str(), f-strings and JSON give the number, as a float's
+
     @property
     def logprob(self) -> float:
         """The value itself, as vLLM's Logprob.logprob."""

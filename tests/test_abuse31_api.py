@@ -2,6 +2,12 @@
 import pytest
 
 
+def greedy(**fields):
+    """Greedy SamplingParams of 2 tokens, with fields."""
+    from minillm import SamplingParams
+    return SamplingParams(**{"temperature": 0, "max_tokens": 2, **fields})
+
+
 def test_tokenizer_call_result_reads_as_attributes_too(llm):
     """transformers' BatchEncoding: tokenizer(text).input_ids, as vLLM's get_tokenizer() hands it out."""
     tok = llm.get_tokenizer()
@@ -30,16 +36,10 @@ def test_vllm_engine_args_at_what_minillm_does_are_taken(stories_path, name, val
     before any penalty) and code_revision (None) are taken; other values are named."""
     from minillm import LLM
     with LLM(str(stories_path), device="cpu", max_model_len=64, **{name: value}) as model:
-        assert model.generate("Lily", max_tokens_params())[0].outputs[0].token_ids
+        assert model.generate("Lily", greedy())[0].outputs[0].token_ids
     other = {"logprobs_mode": "processed_logprobs", "code_revision": "main"}[name]
     with pytest.raises(ValueError, match=f"^{name}="):
         LLM(str(stories_path), device="cpu", max_model_len=64, **{name: other})
-
-
-def max_tokens_params(n: int = 2):
-    """Greedy SamplingParams of n tokens."""
-    from minillm import SamplingParams
-    return SamplingParams(temperature=0, max_tokens=n)
 
 
 def _finished_outputs(engine) -> dict:
@@ -67,3 +67,14 @@ def test_llm_engine_prompt_logprobs_are_vllms_logprobs(llm, detokenize):
             {t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in wanted.items()}
         assert sorted(lp.rank for lp in entry.values())[:2] == [1, 2]
         assert all((lp.decoded_token is not None) == detokenize for lp in entry.values())
+
+
+def test_logprob_repr_shows_rank_and_decoded_token(llm):
+    """Printing an output shows each Logprob as vLLM's does (logprob, rank, decoded_token), not a bare
+    float that hides the rank and the token's text; str() and JSON still give the number."""
+    import json
+    out = llm.generate("Once upon", greedy(logprobs=1))[0].outputs[0]
+    lp = out.logprobs[0][out.token_ids[0]]
+    assert repr(lp) == f"Logprob(logprob={float(lp)!r}, rank=1, decoded_token={lp.decoded_token!r})"
+    assert lp.decoded_token and repr(lp) in repr(out)
+    assert str(lp) == f"{lp}" == str(float(lp)) and json.loads(json.dumps(lp)) == float(lp)
