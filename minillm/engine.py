@@ -699,7 +699,8 @@ class LLMEngine:
             have = len(req.prompt_logprobs)
             if first <= have < first + len(dicts):
                 num_top, tokenizer = seq.params.prompt_logprobs, self.tokenizer if seq.params.detokenize else None
-                req.prompt_logprobs.extend(ranked_logprobs(entry, num_top, tokenizer) for entry in dicts[have - first:])
+                req.prompt_logprobs.extend(ranked_logprobs(entry, num_top, tokenizer, req.prompt_token_ids[i])
+                                           for i, entry in enumerate(dicts[have - first:], start=have))
                 self._changed[req] = None
 
     def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:

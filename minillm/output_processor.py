@@ -62,7 +62,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     """Feed the newest token; returns the stop string it completed, if any."""
     if state.want_logprobs and logprobs is not None:
         state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs,
-                                              state.detokenizer.tok if state.detokenize else None))
+                                              state.detokenizer.tok if state.detokenize else None, token))
         state.cumulative_logprob += logprobs.get(token, 0.0)
     if seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token) and not state.include_stop:
         return None
@@ -85,14 +85,20 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     return None
 
 
-def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer | None) -> dict[int, Logprob]:
+def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer | None,
+                    first: int | None = None) -> dict[int, Logprob]:
     """A token's {id: logprob} as vLLM's Logprobs: the top num_top ranked 1.. in order; the sampled
     (or prompt) token, when it falls below them, keeps the rank its Logprob carries from the sampler.
-    Without a tokenizer (detokenize=False) decoded_token stays None."""
+    first, that sampled (or prompt) token, leads the dict, as in vLLM's. Without a tokenizer
+    (detokenize=False) decoded_token stays None."""
     order = sorted(logprobs, key=logprobs.__getitem__, reverse=True)
-    return {tid: Logprob(logprobs[tid], i + 1 if i < num_top else getattr(logprobs[tid], "rank", None),
+    ranks = {tid: i + 1 for i, tid in enumerate(order[:num_top])}
+    if first in logprobs and order[0] != first:
+        order.remove(first)
+        order.insert(0, first)
+    return {tid: Logprob(logprobs[tid], ranks[tid] if tid in ranks else getattr(logprobs[tid], "rank", None),
                          None if tokenizer is None else tokenizer.decode_token(tid, skip_special_tokens=False))
-            for i, tid in enumerate(order)}
+            for tid in order}
 
 
 def _ended_by_stop_token(seq: Sequence, token: int) -> bool:

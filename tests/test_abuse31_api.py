@@ -78,3 +78,17 @@ def test_logprob_repr_shows_rank_and_decoded_token(llm):
     assert repr(lp) == f"Logprob(logprob={float(lp)!r}, rank=1, decoded_token={lp.decoded_token!r})"
     assert lp.decoded_token and repr(lp) in repr(out)
     assert str(lp) == f"{lp}" == str(float(lp)) and json.loads(json.dumps(lp)) == float(lp)
+
+
+def test_logprobs_dicts_list_the_sampled_and_prompt_token_first(llm):
+    """vLLM builds each logprobs dict with the sampled (or prompt) token first and then the top k, so
+    next(iter(d.values())) is the chosen token's Logprob (as TRL reads it); minillm listed the top k
+    first, so that read the likeliest token's wherever sampling picked another."""
+    from minillm import SamplingParams
+    params = SamplingParams(temperature=3.0, seed=5, max_tokens=12, logprobs=2, prompt_logprobs=2)
+    out = llm.generate("Once upon a time there", params)[0]
+    completion = out.outputs[0]
+    assert any(d[t].rank > 1 for t, d in zip(completion.token_ids, completion.logprobs))   # the case at stake
+    assert [next(iter(d)) for d in completion.logprobs] == completion.token_ids
+    assert [next(iter(d)) for d in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+    assert any(d[t].rank > 1 for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
