@@ -65,6 +65,11 @@ class RequestMetrics:
     num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
 
     @property
+    def time_in_queue(self) -> float | None:
+        """Seconds from arrival to first being scheduled (vLLM's RequestMetrics.time_in_queue)."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
     def ttft(self) -> float | None:
         """Time to first token in seconds."""
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time

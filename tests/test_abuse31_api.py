@@ -92,3 +92,11 @@ def test_logprobs_dicts_list_the_sampled_and_prompt_token_first(llm):
     assert [next(iter(d)) for d in completion.logprobs] == completion.token_ids
     assert [next(iter(d)) for d in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
     assert any(d[t].rank > 1 for t, d in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+
+
+def test_request_metrics_time_in_queue(llm):
+    """vLLM's RequestMetrics.time_in_queue: seconds from arrival to first being scheduled (None before)."""
+    from minillm.outputs import RequestMetrics
+    metrics = llm.generate("Lily", greedy())[0].metrics
+    assert metrics.time_in_queue == metrics.first_scheduled_time - metrics.arrival_time >= 0
+    assert RequestMetrics(arrival_time=1.0).time_in_queue is None
