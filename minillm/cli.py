@@ -594,8 +594,6 @@ def chat(
     if system is not None:
         check_utf8(system, "--system")      # else every message fails on it, naming neither the option nor the byte
     template = chat_template_option(chat_template, read_chat_template) if chat_template is not None else None
-    if template is not None:
-        check_utf8(template, "--chat-template")     # one given inline (a file's text is checked as it is read)
     if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
@@ -623,8 +621,8 @@ def chat(
 
 
 def chat_template_option(value: str, read: Callable[[str], str]) -> str:
-    """--chat-template read by READ (a file or the template itself); a directory, or a file that cannot
-    be read, is a CliError naming the option (a directory read as 'no such file'); an empty one (an unset
+    """--chat-template read by READ (a file or the template itself); a directory, a file that cannot
+    be read, or an inline one that is not UTF-8 is a CliError naming the option (a directory read as 'no such file'); an empty one (an unset
     variable in `--chat-template "$T"`) is a usage error, not the model's own template."""
     if not value.strip():
         raise typer.BadParameter("is empty; give the template's file, or the template itself",
@@ -635,9 +633,11 @@ def chat_template_option(value: str, read: Callable[[str], str]) -> str:
     try:
         if _path_test(path.is_file):
             path.open("rb").close()   # serve's reader took an unreadable file for no file at all
-        return read(value)
+        template = read(value)
     except OSError as exc:
         raise CliError(f"--chat-template: cannot read {value}: {exc.strerror or exc}") from None
+    check_utf8(template, "--chat-template")     # one given inline (a file's text is checked as it is read)
+    return template
 
 
 def _path_test(test: Callable[[], bool]) -> bool:
