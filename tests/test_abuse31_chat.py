@@ -7,22 +7,11 @@ import io
 
 import pytest
 from test_abuse23_cli import run_bytes
+from test_abuse30_chat import _EchoBackend
 from test_chat import STORIES, needs_stories, run_scripted, short_context_engine  # noqa: F401
 from test_server_helpers import running_server
 
 from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
-
-
-class _EchoBackend:
-    """Replies "ok"; remembers every message it was sent."""
-    name, has_chat_template, last_stats = "echo", True, None
-
-    def __init__(self) -> None:
-        self.sent: list[str] = []
-
-    def stream_reply(self, conversation, settings, should_stop):
-        self.sent.append(conversation.turns[-1]["content"])
-        yield "ok"
 
 
 # ---- bytes that are not UTF-8 in the chat's text options --------------------------------------------------
