@@ -21,7 +21,7 @@ from minillm.prompts import (
 )
 from minillm.request_queue import check_priorities
 from minillm.sampling_params import SamplingParams, short_repr
-from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode
+from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode, template_file_text
 
 _CHOOSES_GRAPHS = "minillm chooses the batch sizes it captures CUDA graphs for (enforce_eager=True turns them off)"
 
@@ -369,9 +369,11 @@ class LLM:
             if not isinstance(tools, Seq) or isinstance(tools, str) or not all(isinstance(t, dict) for t in tools):
                 raise ValueError(f"tools must be a list of tool dicts, got {short_repr(tools)}")
             chat_template_kwargs = {"tools": list(tools), **(chat_template_kwargs or {})}
+        tokenizer = self.get_tokenizer()
         if isinstance(chat_template, str):
             check_unicode(chat_template, "chat_template")   # else named as the messages it rendered
-        tokenizer = self.get_tokenizer()
+            names = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {}
+            chat_template = chat_template if chat_template in names else chat_template_source(chat_template)
         if chat_template is None and not tokenizer.has_chat_template:
             raise ValueError(f"the tokenizer of {tokenizer.name or 'this model'} has no chat template: pass one to "
                              f"LLM.chat as chat_template (its Jinja source), or use generate with plain prompts")
@@ -422,6 +424,22 @@ def check_template_kwargs(kwargs) -> None:
     clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (LLM.chat takes them as arguments)")
+
+
+def chat_template_source(value: str) -> str:
+    """LLM.chat's chat_template other than the name of one of the model's templates: the template's
+    Jinja source, or the path of a file holding it, as vLLM's load_chat_template reads it (a text with
+    no brace and no line break is a path); ValueError naming chat_template for a path to no file."""
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        text = template_file_text(value)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--chat-template", "chat_template")) from None
+    if text is None:
+        raise ValueError(f"chat_template={short_repr(value)} looks like a file path, but there is no such file "
+                         f"(give the template's Jinja source, or the path of a file holding it)")
+    return text
 
 
 def plain_messages(conversation) -> list[dict]:

@@ -176,7 +176,7 @@ def _no_tokenizer_json(path: Path) -> str:
 def read_chat_template(value: str) -> str:
     """A chat template given as a file path or as the template itself (vLLM's --chat-template), compiled
     once here so a broken one fails at start-up."""
-    source = _template_file_text(value)
+    source = template_file_text(value)
     is_inline = source is None
     if is_inline:
         if "{" not in value:
@@ -190,7 +190,7 @@ def read_chat_template(value: str) -> str:
     return source
 
 
-def _template_file_text(value: str) -> str | None:
+def template_file_text(value: str) -> str | None:
     """The text of the chat template file VALUE names, a pipe too (bash's `<(...)`, which vLLM reads as a
     file); None when it names nothing; a ValueError naming --chat-template for a device or such (/dev/null),
     a file that is empty or not UTF-8, or one past MAX_TEMPLATE_CHARS."""
@@ -698,7 +698,7 @@ def _compile_cached(source: str):
 
 def chat_template_from_arg(value: str) -> str:
     """A --chat-template value: the path of a file holding the template, or the template itself (as vLLM reads it)."""
-    source = _template_file_text(value)
+    source = template_file_text(value)
     if source is not None:
         return source
     if not any(c in value for c in "{}\n"):

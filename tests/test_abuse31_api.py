@@ -100,3 +100,27 @@ def test_request_metrics_time_in_queue(llm):
     metrics = llm.generate("Lily", greedy())[0].metrics
     assert metrics.time_in_queue == metrics.first_scheduled_time - metrics.arrival_time >= 0
     assert RequestMetrics(arrival_time=1.0).time_in_queue is None
+
+
+def test_chat_template_may_be_the_path_of_a_file(llm, tmp_path):
+    """LLM.chat's chat_template names a file as vLLM's load_chat_template reads it; the path itself was
+    rendered as a template of plain text, so the prompt was the path and nothing of the messages."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    assert llm.chat(messages, greedy(), chat_template=str(template))[0].prompt == "Once upon a time"
+    with pytest.raises(ValueError, match="chat_template.*no such file"):
+        llm.chat(messages, greedy(), chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_chat_template_may_still_name_one_of_the_models_templates(llm):
+    """A name of one of the model's templates (tokenizer_config.json's list) selects it, as before."""
+    tok = llm.get_tokenizer()
+    saved = tok.chat_template
+    tok.chat_template = {"default": "default: {{ messages[0]['content'] }}",
+                         "tool_use": "tools: {{ messages[0]['content'] }}"}
+    try:
+        out = llm.chat([{"role": "user", "content": "Lily"}], greedy(), chat_template="tool_use")[0]
+    finally:
+        tok.chat_template = saved
+    assert out.prompt == "tools: Lily"
