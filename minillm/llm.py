@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import difflib
 import itertools
+import json
 import numbers
 import os
 import sys
@@ -457,8 +458,26 @@ def plain_messages(conversation) -> list[dict]:
         if isinstance(message, dict) and not isinstance(message.get("content"), (str, list, type(None))):
             raise ValueError(f"messages[{i}]['content'] must be a string or a list of text parts, "
                              f"got {short_repr(message.get('content'))}")
+        if isinstance(message, dict) and isinstance(message.get("tool_calls"), list):
+            message = {**message, "tool_calls": [_call_with_parsed_arguments(c, i, j)
+                                                 for j, c in enumerate(message["tool_calls"])]}
         out.append(message)
     return out
+
+
+def _call_with_parsed_arguments(call, i: int, j: int):
+    """Tool call j of message i with its arguments as data, as templates read them (and as the server
+    and vLLM's chat pass them): JSON text parsed, none or "" as {}; ValueError naming it for bad JSON."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), (dict, list)):
+        return call
+    text = function.get("arguments")
+    try:
+        arguments = json.loads(text) if text else {}
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise ValueError(f"messages[{i}]['tool_calls'][{j}]['function']['arguments'] must be JSON text, "
+                         f"got {short_repr(text)}: {exc}") from None
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _part_text(part, i: int, j: int) -> str:

@@ -124,3 +124,19 @@ def test_chat_template_may_still_name_one_of_the_models_templates(llm):
     finally:
         tok.chat_template = saved
     assert out.prompt == "tools: Lily"
+
+
+def test_chat_passes_tool_call_arguments_to_the_template_as_data(llm):
+    """vLLM's LLM.chat parses an assistant tool call's arguments before the template reads them (as the
+    server does): `arguments | tojson` rendered the JSON text quoted a second time here."""
+    template = ("{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }};"
+                "{% endfor %}{% endfor %}")
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Paris"}'}},
+             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": ""}}]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    out = llm.chat(messages, greedy(max_tokens=1), chat_template=template)
+    assert out[0].prompt == '{"city": "Paris"};{};'
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris"}'      # the caller's messages untouched
+    calls[0]["function"]["arguments"] = '{"city": '
+    with pytest.raises(ValueError, match=r"messages\[1\]\['tool_calls'\]\[0\]\['function'\]\['arguments'\] must be JSON"):
+        llm.chat(messages, greedy(max_tokens=1), chat_template=template)
