@@ -18,6 +18,8 @@ header, passed on to the client). A request the protocol cannot hand over as one
 (several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
 computes its prompts itself. A lease no decode server takes (it refused the request, none was
 reachable, or the client left first) is given back to the prefill server at once, not left to run out.
+A server's 400 naming the kv_transfer_params the router wrote (servers that do not fit together:
+another block size or model, no --kv-role) is the router's 502, not the client's 400.
 /v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
 server answers them, with the client's credentials (Authorization or x-api-key).
 """
@@ -420,6 +422,14 @@ class Router:
                 self._finish(request_id, path, timing, started)
                 return RouterError(502, f"the decode server {timing.decode_url} failed: {type(failure).__name__}: "
                                    f"{failure}", "decode_server_failed").response(path)
+            # A 400 naming the params the router wrote (not the client) says the servers do not fit
+            # together: another block size, no --kv-role. The lease goes back (it was not taken).
+            refusal = kv_transfer_refusal(response) if handoff.kv is not None else None
+            if refusal is not None:
+                timing.status = 502
+                self._finish(request_id, path, timing, started)
+                return RouterError(502, f"the decode server {timing.decode_url} refused the KV transfer: {refusal}",
+                                   "decode_server_failed").response(path)
             timing.decode_s, timing.status = time.monotonic() - sent, response.status_code
             timing.ttft_s = time.monotonic() - started
             self._finish(request_id, path, timing, started)
