@@ -26,7 +26,7 @@ from minillm.model_config_view import EngineModelConfig, engine_model_config
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
-from minillm.output_processor import TextOutputs, ranked_logprobs
+from minillm.output_processor import TextOutputs
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import (
@@ -672,14 +672,19 @@ class LLMEngine:
                 masks.append(self._start_fill(due))
             self.metrics.record_timings({"grammar_advance": time.perf_counter() - t0})
         now = time.time()
+        # Drafts count once their tokens reach a request: not those of a sequence ended (aborted,
+        # stopped by the API server) since the launch, whose tokens are dropped (vLLM skips it too).
+        spec = out.scheduled_spec_decode_tokens
+        drafts = {s.seq_id: spec[s.seq_id] for s in out.sampling_seqs
+                  if s.seq_id in spec and s.num_output_placeholders} if spec else None
         appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now),
                                                      self.structured_outputs is not None
                                                      and self.structured_outputs.answers_pending())
         while self.scheduler.masked_out:        # finished with no token: on_token did not report them
             if (req := self._request_of(self.scheduler.masked_out.pop())) is not None:
                 self._changed[req] = None
-        if out.scheduled_spec_decode_tokens:
-            self.metrics.record_spec_decode(out.scheduled_spec_decode_tokens, step.num_accepted_tokens)
+        if drafts:
+            self.metrics.record_spec_decode(drafts, step.num_accepted_tokens)
         self.metrics.record_generated(len(appended), waited, now)
         self.metrics.record_timings({**step.timings, "update": time.perf_counter() - t0})
         if self.scheduler.step_cost is not None and (seconds := measured_seconds(step.timings)) is not None:
@@ -698,8 +703,8 @@ class LLMEngine:
                 continue
             have = len(req.prompt_logprobs)
             if first <= have < first + len(dicts):
-                num_top, tokenizer = seq.params.prompt_logprobs, self.tokenizer if seq.params.detokenize else None
-                req.prompt_logprobs.extend(ranked_logprobs(entry, num_top, tokenizer, req.prompt_token_ids[i])
+                shape, prompt = self.output_processor.prompt_logprobs_entry, req.prompt_token_ids
+                req.prompt_logprobs.extend(shape(entry, seq.params, prompt[i])
                                            for i, entry in enumerate(dicts[have - first:], start=have))
                 self._changed[req] = None
 
