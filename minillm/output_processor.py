@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minillm.outputs import CompletionOutput, Logprob, RequestOutput, reported_prompt_logprobs
-from minillm.sampling_params import RequestOutputKind
+from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.tokenizer import (
     MAX_CONTINUATION_TOKENS, PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer,
@@ -83,6 +83,14 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
             state.text = state.text[:at + len(s)] if state.include_stop else state.text[:at]
             return s
     return None
+
+
+def prompt_logprobs_entry(entry: dict[int, float] | None, params: SamplingParams, token: int,
+                          tokenizer: Tokenizer) -> dict[int, Logprob] | None:
+    """One prompt position's entry (None for the first) as vLLM's Logprobs, the prompt token first."""
+    if entry is None:
+        return None
+    return ranked_logprobs(entry, params.prompt_logprobs, tokenizer if params.detokenize else None, token)
 
 
 def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer | None,
@@ -185,6 +193,11 @@ class TextOutputs:
                   logprobs: dict[int, float] | None) -> str | None:
         """Feed the newest token; returns the stop string it completed, if any."""
         return add_token(state, seq, token, logprobs)
+
+    def prompt_logprobs_entry(self, entry: dict[int, float] | None, params: SamplingParams,
+                              token: int) -> dict[int, Logprob] | None:
+        """One prompt position's {id: logprob} (token: the prompt's own) as vLLM's Logprobs."""
+        return prompt_logprobs_entry(entry, params, token, self.tokenizer)
 
     def request_output(self, req, finished: bool) -> RequestOutput | None:
         """req's report after a step (req: the engine's Request); None for a delta request with nothing new."""

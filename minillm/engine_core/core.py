@@ -105,6 +105,11 @@ class TokenOutputs:
         if state.want_logprobs and logprobs is not None:
             state.logprobs.append(logprobs)
 
+    def prompt_logprobs_entry(self, entry: dict[int, float] | None, params: SamplingParams,
+                              token: int) -> dict[int, float] | None:
+        """One prompt position's entry as it travels (the API server ranks and decodes it)."""
+        return entry
+
     def completion_output(self, state: TokenState, seq: Sequence) -> m.SeqOutput:
         """The tokens (and rows) gained since the last report, and the finish if it came."""
         new = seq.token_ids[state.num_prompt_tokens + state.num_sent:]
