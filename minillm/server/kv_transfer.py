@@ -125,6 +125,8 @@ def _field(kv: dict, name: str, kind: type, required: bool = True) -> Any:
         return None
     if isinstance(value, bool) or not isinstance(value, kind):
         raise _bad(f"{name} must be {'an integer' if kind is int else 'a string'}, got {short_repr(value)}")
+    if kind is str and not value:       # an empty host is an address ZeroMQ takes and never reaches
+        raise _bad(f"{name} must be a non-empty string, got ''")
     if kind is str and len(value) > MAX_FIELD_CHARS:
         raise _bad(f"{name} has {len(value)} characters, more than {MAX_FIELD_CHARS}")
     return value
