@@ -274,19 +274,25 @@ def test_a_decode_server_keeps_sockets_to_a_bounded_few_producers(monkeypatch):
     from minillm.kv_connector import endpoint
     monkeypatch.setattr(endpoint, "MAX_ENDPOINTS", 2)
 
+    producers = [TransferEndpoint("127.0.0.1", 0, f"engine-{i}", LeaseTable(30), {}) for i in range(3)]
+    ports = [p.port for p in producers]
+
     async def connect():
-        client = ClaimClient(timeout_s=0.05)
+        client = ClaimClient(timeout_s=30)
         try:
-            for port in (7001, 7002, 7001, 7003):     # nobody listens: each claim times out
-                with pytest.raises(asyncio.TimeoutError):
-                    await client.claim("127.0.0.1", port, "lease", "hash", 3)
+            for port in (ports[0], ports[1], ports[0], ports[2]):     # each answers: no such lease
+                assert isinstance(await client.claim("127.0.0.1", port, "lease", "hash", 3), KVRefusal)
             with pytest.raises(ValueError, match="is not an address"):
                 await client.claim("no such host!", 7004, "lease", "hash", 3)
             return client.endpoints
         finally:
             client.close()
 
-    assert asyncio.run(connect()) == [("127.0.0.1", 7001), ("127.0.0.1", 7003)]
+    try:
+        assert asyncio.run(connect()) == [("127.0.0.1", ports[0]), ("127.0.0.1", ports[2])]
+    finally:
+        for producer in producers:
+            producer.close()
 
 
 def test_a_decode_engine_keeps_release_sockets_to_a_bounded_few_producers(monkeypatch):

@@ -188,7 +188,8 @@ class ClaimClient:
     """The decode API server's side: claims leases from producers' endpoints on its event loop.
 
     One DEALER per producer (IMMEDIATE: a message waits for a live connection, never for a peer
-    that is not there), a reader task per socket handing replies to the waiting claims."""
+    that is not there), a reader task per socket handing replies to the waiting claims. The socket
+    to an address that let a claim or release time out is closed, not kept reconnecting."""
 
     def __init__(self, timeout_s: float) -> None:
         import zmq.asyncio
@@ -255,16 +256,38 @@ class ClaimClient:
 
         try:
             return await asyncio.wait_for(exchange(), self.timeout_s)
+        except asyncio.TimeoutError:
+            self._waiting.pop(request_id, None)
+            self._forget(host, port, sock)
+            raise
         finally:
             self._waiting.pop(request_id, None)
 
     async def release(self, host: str, port: int, lease_id: str) -> None:
         """Give a lease back (a claim whose request never reached the engine); waits at most timeout_s."""
         try:
-            await asyncio.wait_for(self._sock(host, port).send(self.encoder.encode(KVRelease(lease_id))),
-                                   self.timeout_s)
-        except (asyncio.TimeoutError, zmq.ZMQError, ValueError):
-            logger.warning("kv transfer: the release of lease %s to %s:%d could not be sent", lease_id, host, port)
+            sock = self._sock(host, port)
+        except ValueError:
+            sock = None
+        try:
+            if sock is not None:
+                await asyncio.wait_for(sock.send(self.encoder.encode(KVRelease(lease_id))), self.timeout_s)
+                return
+        except asyncio.TimeoutError:
+            self._forget(host, port, sock)
+        except zmq.ZMQError:
+            pass
+        logger.warning("kv transfer: the release of lease %s to %s:%d could not be sent", lease_id, host, port)
+
+    def _forget(self, host: str, port: int, sock) -> None:
+        """Close the socket to a producer that did not answer in time, unless a claim still waits on
+        it: ZeroMQ would go on reconnecting to that address (one a client chose) every 100 ms."""
+        entry = self._socks.get((host, port))
+        if entry is None or entry[0] is not sock or any(s is sock for s, _ in self._waiting.values()):
+            return
+        del self._socks[(host, port)]
+        entry[1].cancel()
+        sock.close()
 
     def close(self) -> None:
         """Stop the readers and close the sockets."""
