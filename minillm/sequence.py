@@ -133,10 +133,11 @@ class Sequence:
         return self.num_output_tokens >= self.max_tokens
 
     def view(self, state: str) -> "SequenceView":
-        """A frozen copy of what the stats show of this sequence."""
+        """A frozen copy of what the stats show of this sequence: its outputs count a step in flight's
+        sure token, not the drafts it verifies (those may be rejected)."""
         return SequenceView(self.request_id, self.index, self.params.n, state, self.num_prompt_tokens,
-                            self.num_output_tokens, list(self.block_table), self.num_computed_tokens,
-                            self.num_cached_tokens, self.structured_output is not None)
+                            self.num_output_tokens - len(self.spec_token_ids), list(self.block_table),
+                            self.num_computed_tokens, self.num_cached_tokens, self.structured_output is not None)
 
 
 class SequenceView(NamedTuple):

@@ -54,3 +54,19 @@ def test_drafts_of_a_request_ended_while_they_are_verified_are_not_counted(stori
     assert sum(after.num_accepted_tokens_per_pos) == accepted
     # the first token came from the prompt's step, then one token per step plus b's accepted drafts
     assert accepted <= len(in_flight["b"]) and b_tokens >= accepted + 1
+
+
+def test_a_request_row_never_counts_drafts_in_flight_as_output(stories_path, prompt):
+    """With async scheduling a step verifying drafts is still in flight when stats() is read: the
+    request's row counts its one sure token of that step, not its drafts (which may be rejected), so
+    output_tokens never goes down from one snapshot to the next."""
+    llm = LLM(str(stories_path), device="cpu", speculative_config=SPEC, async_scheduling=True)
+    engine = llm.engine
+    engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    counts, saw_drafts = [], False
+    while engine.has_unfinished_requests():
+        engine.step()
+        saw_drafts |= any(s.spec_token_ids for s in engine.scheduler.running)
+        counts += [row.output_tokens for row in engine.stats().requests if row.request_id == "r"]
+    assert saw_drafts
+    assert counts == sorted(counts) and counts[-1] <= 40
