@@ -266,6 +266,7 @@ class Tokenizer:
         # transformers' names read from tokenizer_config.json (from_pretrained sets them)
         self.additional_special_tokens: list[str] = []
         self.model_max_length = VERY_LARGE_INTEGER
+        self.padding_side = self.truncation_side = "right"     # transformers' defaults; minillm pads nothing
         # (token id, skip_special_tokens) -> the token's text decoded alone (a streaming detokenizer
         # asks for the same few thousand again and again).
         self._token_texts: dict[tuple[int, bool], str] = {}
@@ -327,6 +328,9 @@ class Tokenizer:
         max_length = tokenizer_config.get("model_max_length")
         if isinstance(max_length, (int, float)) and not isinstance(max_length, bool) and max_length > 0:
             tokenizer.model_max_length = int(max_length)
+        for side in ("padding_side", "truncation_side"):
+            if tokenizer_config.get(side) in ("left", "right"):
+                setattr(tokenizer, side, tokenizer_config[side])
         return tokenizer
 
     @property
@@ -409,6 +413,9 @@ class Tokenizer:
         ids = self.encode_batch(list(text), add_special_tokens)
         return BatchEncoding(input_ids=ids, attention_mask=[[1] * len(i) for i in ids])
 
+    encode_plus = __call__          # transformers' older names for the call
+    batch_encode_plus = __call__
+
     def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False, **options) -> list[str]:
         """decode() of each id list (Hugging Face's batch_decode, special tokens kept unless skipped)."""
         try:
@@ -416,7 +423,7 @@ class Tokenizer:
         except IdOutOfRange as exc:
             raise IdOutOfRange(f"batch_decode{str(exc).removeprefix('decode')}") from None
 
-    def decode(self, ids: int | list[int], skip_special_tokens: bool = False, **options) -> str:
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **options) -> str:
         """token ids (or one id) -> text, special tokens kept unless skip_special_tokens, as Hugging
         Face's decode (ids the tokenizer does not know decode to nothing); transformers'
         clean_up_tokenization_spaces is taken only when off, as the tokenizer.json decoder decodes."""
@@ -425,6 +432,7 @@ class Tokenizer:
             if isinstance(options.get("spaces_between_special_tokens"), bool):
                 options = {k: v for k, v in options.items() if k != "spaces_between_special_tokens"}
             _check_options_off("decode", options, ("clean_up_tokenization_spaces",))
+        ids = token_ids
         if type(ids) is not list:
             ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
         try:
@@ -472,6 +480,23 @@ class Tokenizer:
     def pad_token(self) -> str | None:
         """The pad_token's text (None when the tokenizer names none)."""
         return self.special_tokens.get("pad_token")
+
+    @pad_token.setter
+    def pad_token(self, value: str | None) -> None:
+        """Name a pad token (tok.pad_token = tok.eos_token, as with Hugging Face's); generation reads none."""
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"pad_token must be a string or None, got {short_repr(value)}")
+        self.special_tokens["pad_token"] = value
+        self.pad_token_id = None if value is None else self.backend.token_to_id(value)
+
+    @property
+    def max_token_id(self) -> int:
+        """The largest token id the tokenizer knows, added tokens included (vLLM's tokenizer attribute)."""
+        return max(self.backend.get_vocab(with_added_tokens=True).values())
+
+    def num_special_tokens_to_add(self, pair: bool = False) -> int:
+        """Special tokens encode() adds to a text (or to a pair of texts), as Hugging Face's."""
+        return self.backend.num_special_tokens_to_add(bool(pair))
 
     @property
     def special_tokens_map(self) -> dict:

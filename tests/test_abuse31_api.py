@@ -140,3 +140,21 @@ def test_chat_passes_tool_call_arguments_to_the_template_as_data(llm):
     calls[0]["function"]["arguments"] = '{"city": '
     with pytest.raises(ValueError, match=r"messages\[1\]\['tool_calls'\]\[0\]\['function'\]\['arguments'\] must be JSON"):
         llm.chat(messages, greedy(max_tokens=1), chat_template=template)
+
+
+def test_tokenizer_takes_the_transformers_idioms_user_code_reaches_for(stories_path):
+    """tok.pad_token = tok.eos_token, decode(token_ids=...), encode_plus, num_special_tokens_to_add,
+    padding_side and vLLM's max_token_id: each was an AttributeError or a TypeError."""
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(stories_path)
+    tok.pad_token = tok.eos_token
+    assert (tok.pad_token, tok.pad_token_id) == (tok.eos_token, tok.eos_token_id)
+    with pytest.raises(ValueError, match="pad_token must be a string"):
+        tok.pad_token = 3
+    ids = tok.encode("Once upon a time")
+    assert tok.decode(token_ids=ids) == tok.decode(ids)
+    assert tok.encode_plus("Once upon a time").input_ids == ids
+    assert tok.batch_encode_plus(["Lily"]).input_ids == [tok.encode("Lily")]
+    assert tok.num_special_tokens_to_add() == len(ids) - len(tok.encode("Once upon a time", add_special_tokens=False))
+    assert tok.max_token_id == len(tok) - 1
+    assert (tok.padding_side, tok.truncation_side) == ("right", "right")
