@@ -45,8 +45,9 @@ VLLM_FIXED_ARGS = {
     "pipeline_parallel_size": (lambda v: _is_count(v, 1), "minillm has no pipeline parallelism"),
     "data_parallel_size": (lambda v: _is_count(v, 1), "minillm runs one engine"),
     "cpu_offload_gb": (lambda v: _is_count(v, 0), "minillm keeps every weight on the device"),
-    "swap_space": (lambda v: _is_count(v, 0), "minillm keeps no CPU swap space: a preempted request is "
-                                              "computed again"),
+    # vLLM's V1 engine keeps its swap_space setting (default 4 GiB) but swaps nothing either: any size runs the same.
+    "swap_space": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and v >= 0,
+                   "minillm keeps no CPU swap space: a preempted request is computed again"),
     "hf_overrides": (lambda v: v is None or (isinstance(v, dict) and not v),
                      "minillm reads the model's config.json as it is (edit a copy of the model directory)"),
     # the rest of vLLM's LLM() signature and common engine arguments, at what minillm does

@@ -119,10 +119,11 @@ def test_logprobs_true_asks_for_one_as_in_vllm(llm):
 
 def test_swap_space_and_hf_overrides_are_taken_where_minillm_does_the_same(stories_path):
     """vLLM scripts pass swap_space and hf_overrides; both were TypeErrors that did not say why."""
-    model = LLM(str(stories_path), device="cpu", max_model_len=64, swap_space=0, hf_overrides={})
+    # swap_space at vLLM's default of 4 GiB too: vLLM's V1 engine recomputes a preempted request, as minillm does.
+    model = LLM(str(stories_path), device="cpu", max_model_len=64, swap_space=4, hf_overrides={})
     assert model.generate("Once", GREEDY)[0].outputs[0].text
     model.shutdown()
-    for kwargs, needle in [({"swap_space": 4}, "swap_space=4 is not supported: minillm keeps no CPU swap space"),
+    for kwargs, needle in [({"swap_space": -1}, "swap_space=-1 is not supported: minillm keeps no CPU swap space"),
                            ({"hf_overrides": {"max_position_embeddings": 1024}},
                             "hf_overrides={'max_position_embeddings': 1024} is not supported: minillm reads the "
                             "model's config.json as it is")]:
