@@ -316,11 +316,13 @@ class PDConnectorScheduler(KVConnectorScheduler):
             "remote_prompt_hash": lease.prompt_hash, "remote_block_size": self.block_size, "tp_size": 1}
 
     def _claim(self, seq: Sequence) -> ClaimState | None:
-        """seq's claim (made on first sight from its params, which check_request validated)."""
+        """seq's claim (made on first sight from its params, which check_request validated; a
+        do_remote_decode request, as check_request takes it, has none)."""
         state = self._claims.get(seq.seq_id)
         if state is None:
             kv = transfer_params(seq.params)
-            if not isinstance(kv, dict) or kv.get("do_remote_prefill") is not True or self.releaser is None:
+            if (not isinstance(kv, dict) or kv.get("do_remote_decode") is True
+                    or kv.get("do_remote_prefill") is not True or self.releaser is None):
                 return None
             state = self._claims[seq.seq_id] = ClaimState(seq, RemotePrefill.from_params(kv))
         return state
