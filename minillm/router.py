@@ -17,7 +17,8 @@ where its time went: prefill, KV transfer, decode (the decode server's x-minillm
 header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
 (several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
 computes its prompts itself. A lease no decode server takes (it refused the request, none was
-reachable, or the client left first) is given back to the prefill server at once, not left to run out.
+reachable, or the client left first) is given back to the prefill server at once, not left to run out;
+one a decode server claimed is left to that server, whose engine may still copy its blocks.
 A server's 400 naming the kv_transfer_params the router wrote (servers that do not fit together:
 another block size or model, no --kv-role) is the router's 502, not the client's 400.
 /v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
@@ -451,7 +452,9 @@ class Router:
             return              # not a lease the router can name: it runs out on the prefill server
         if self.leases is None:
             self.leases = ClaimClient(CLAIM_TIMEOUT_S)
-        task = asyncio.ensure_future(self.leases.release(host, port, lease_id))
+        # A decode server that claimed it (the client left while it held the request) releases it
+        # itself, once no copy of its engine reads the blocks: the producer ignores this one then.
+        task = asyncio.ensure_future(self.leases.release(host, port, lease_id, if_unclaimed=True))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
 

@@ -43,9 +43,12 @@ class KVClaim(msgspec.Struct, tag=True, array_like=True):
 
 
 class KVRelease(msgspec.Struct, tag=True, array_like=True):
-    """The consumer is done with the lease (copied, or gave up)."""
+    """The consumer is done with the lease (copied, or gave up). if_unclaimed: a give-back from a
+    party that never claimed it (the router), which leaves a claimed lease to its claimer: that
+    one may still copy the blocks."""
 
     lease_id: str
+    if_unclaimed: bool = False
 
 
 class KVGrant(msgspec.Struct, tag=True, array_like=True):
@@ -125,7 +128,10 @@ class TransferEndpoint:
                 reply = KVRefusal(message.request_id, f"{exc} on engine {self.engine_id}")
             self.sock.send_multipart([identity, self.encoder.encode(reply)])
         elif isinstance(message, KVRelease):
-            self.leases.release(message.lease_id)
+            if message.if_unclaimed:
+                self.leases.give_back(message.lease_id)
+            else:
+                self.leases.release(message.lease_id)
 
     def close(self) -> None:
         """Stop the thread and close the socket."""
@@ -263,15 +269,17 @@ class ClaimClient:
         finally:
             self._waiting.pop(request_id, None)
 
-    async def release(self, host: str, port: int, lease_id: str) -> None:
-        """Give a lease back (a claim whose request never reached the engine); waits at most timeout_s."""
+    async def release(self, host: str, port: int, lease_id: str, if_unclaimed: bool = False) -> None:
+        """Give a lease back (a claim whose request never reached the engine; if_unclaimed: a lease
+        this side never claimed, freed only while nobody has); waits at most timeout_s."""
         try:
             sock = self._sock(host, port)
         except ValueError:
             sock = None
         try:
             if sock is not None:
-                await asyncio.wait_for(sock.send(self.encoder.encode(KVRelease(lease_id))), self.timeout_s)
+                await asyncio.wait_for(sock.send(self.encoder.encode(KVRelease(lease_id, if_unclaimed))),
+                                       self.timeout_s)
                 return
         except asyncio.TimeoutError:
             self._forget(host, port, sock)

@@ -107,12 +107,22 @@ class LeaseTable:
     def release(self, lease_id: str) -> bool:
         """The consumer is done with the lease (copied, or gave up); False for an unknown or ended one."""
         with self._lock:
-            lease = self._active.pop(lease_id, None)
-            if lease is None:
-                return False
-            self._end(lease, "released")
-            self.num_released += 1
-            return True
+            return self._release(lease_id, if_unclaimed=False)
+
+    def give_back(self, lease_id: str) -> bool:
+        """Release a lease nobody has claimed (a router's, for a request no decode server took);
+        False for a claimed one, which its claimer releases once no copy reads its blocks."""
+        with self._lock:
+            return self._release(lease_id, if_unclaimed=True)
+
+    def _release(self, lease_id: str, if_unclaimed: bool) -> bool:
+        lease = self._active.get(lease_id)
+        if lease is None or (if_unclaimed and lease.is_claimed):
+            return False
+        del self._active[lease_id]
+        self._end(lease, "released")
+        self.num_released += 1
+        return True
 
     def take_ended(self) -> list[Lease]:
         """Leases released or expired since the last call, whose blocks the caller now frees."""
