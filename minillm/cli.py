@@ -1333,7 +1333,8 @@ def serve(
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
     config = engine_config(path, engine_options, **engine_settings)
-    status = run_server(config, host=host, port=port, options=options, monitor=monitor)
+    with option_values(ctx):     # the engine's start-up refusing a value names its flag, as generate's does
+        status = run_server(config, host=host, port=port, options=options, monitor=monitor)
     if status:
         raise typer.Exit(status)
 
