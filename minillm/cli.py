@@ -132,7 +132,86 @@ class MinillmCommand(TyperCommand):
                 break
             if arg in VLLM_FLAGS_NOT_TAKEN and not arg.startswith("--") and arg not in short and arg[:2] not in short:
                 raise NoSuchOption(arg, f"No such option: {arg}", ctx=ctx)
-        return super().parse_args(ctx, args)
+        json_options = {o for p in self.get_params(ctx) if getattr(p, "metavar", None) == "JSON" for o in p.opts}
+        return super().parse_args(ctx, dotted_json_options(args, json_options) if json_options else args)
+
+
+def dotted_json_options(args: list[str], options: set[str]) -> list[str]:
+    """vLLM's dotted form of a JSON option folded into the option: `--speculative-config.method ngram
+    --speculative-config.num_speculative_tokens 3` (or `--x.key=value`; `--x.key+ v` appends to a list)
+    is --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}', over the keys of a
+    --speculative-config JSON given too. A value is read as JSON where it is JSON, else as a string."""
+    end = args.index("--") if "--" in args else len(args)
+    dotted = {a.partition(".")[0] for a in args[:end] if a.partition(".")[0] in options and a.partition(".")[2]}
+    if not dotted:
+        return args
+    out, objects, where = [], {}, {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            out.extend(args[i:])
+            break
+        name, dot, path = arg.partition(".")
+        whole, eq, text = arg.partition("=")
+        if whole in dotted and (eq or i + 1 < len(args)):     # the whole JSON, merged with the dotted keys
+            where.setdefault(whole, len(out))
+            objects[whole] = {**_json_object_arg(text if eq else args[i + 1], whole), **objects.get(whole, {})}
+            i += 1 if eq else 2
+            continue
+        if not dot or name not in dotted or not path:
+            out.append(arg)
+            i += 1
+            continue
+        path, eq, value = path.partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise UsageError(f"{arg} needs a value")
+            value, i = args[i + 1], i + 1
+        where.setdefault(name, len(out))
+        _set_dotted(objects.setdefault(name, {}), path, _json_or_text(value), arg)
+        i += 1
+    for name, at in sorted(where.items(), key=lambda item: -item[1]):
+        out[at:at] = [name, json.dumps(objects[name])]
+    return out
+
+
+def _json_object_arg(value: str, option: str) -> dict:
+    """The JSON object given whole to OPTION beside dotted keys (else the option's own check speaks)."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise UsageError(f"{option} takes a JSON object when its keys are also given as {option}.KEY, got {value!r}")
+    return parsed
+
+
+def _json_or_text(value: str):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def _set_dotted(target: dict, path: str, value, arg: str) -> None:
+    """target[a][b]... = value for path "a.b..." ("a.b+" appends value to the list there)."""
+    keys = path.split(".")
+    append = keys[-1].endswith("+")
+    keys[-1] = keys[-1].removesuffix("+")
+    if not all(keys):
+        raise UsageError(f"{arg}: an empty key")
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+        if not isinstance(target, dict):
+            raise UsageError(f"{arg}: {key} is already given a value that is not an object")
+    if append:
+        items = target.setdefault(keys[-1], [])
+        if not isinstance(items, list):
+            raise UsageError(f"{arg}: {keys[-1]} is already given a value that is not a list")
+        items.append(value)
+    else:
+        target[keys[-1]] = value
 
 
 # ---------------------------------------------------------------------------------------------
