@@ -72,6 +72,12 @@ class KVRefusal(msgspec.Struct, tag=True, array_like=True):
 Message = Union[KVClaim, KVRelease, KVGrant, KVRefusal]
 
 
+def tcp_address(host: str, port: int | None = None) -> str:
+    """ZeroMQ's tcp:// address of host (an IPv6 literal in brackets) and port."""
+    host = f"[{host}]" if ":" in host and not host.startswith("[") else host
+    return f"tcp://{host}" if port is None else f"tcp://{host}:{port}"
+
+
 class TransferEndpoint:
     """The producer's endpoint: a ROUTER socket on a thread of its own answering claims from the
     lease table (thread-safe) and taking releases; the engine thread frees the ended leases' blocks."""
@@ -82,11 +88,12 @@ class TransferEndpoint:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self.sock.setsockopt(zmq.IPV6, 1)
         try:
             if port:
-                self.sock.bind(f"tcp://{host}:{port}")
+                self.sock.bind(tcp_address(host, port))
             else:
-                port = self.sock.bind_to_random_port(f"tcp://{host}")
+                port = self.sock.bind_to_random_port(tcp_address(host))
         except zmq.ZMQError as exc:
             self.sock.close()
             self.ctx.term()
@@ -165,8 +172,9 @@ class LeaseReleaser:
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
             try:
-                sock.connect(f"tcp://{host}:{port}")
+                sock.connect(tcp_address(host, port))
             except zmq.ZMQError as exc:
                 sock.close()
                 raise ValueError(f"remote_host {host!r} with remote_port {port} is not an address: {exc}") from None
@@ -217,10 +225,11 @@ class ClaimClient:
         if entry is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             try:
-                sock.connect(f"tcp://{host}:{port}")
+                sock.connect(tcp_address(host, port))
             except zmq.ZMQError as exc:
                 sock.close()
                 raise ValueError(f"remote_host {host!r} with remote_port {port} is not an address: {exc}") from None

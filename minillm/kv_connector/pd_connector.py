@@ -33,7 +33,7 @@ import numpy as np
 from minillm.block_manager import BlockManager
 from minillm.kv_connector.base import (KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker,
                                        KVTransferStats)
-from minillm.kv_connector.endpoint import LeaseReleaser, TransferEndpoint
+from minillm.kv_connector.endpoint import LeaseReleaser, TransferEndpoint, tcp_address
 from minillm.kv_connector.lease import LeaseTable, prompt_hash
 from minillm.kv_connector.transfer_config import KVTransferConfig
 from minillm.kv_connector.transport import KVRegion
@@ -338,7 +338,7 @@ class PDConnectorScheduler(KVConnectorScheduler):
         """The start-up line: role, engine id, and a producer's endpoint and lease."""
         line = f"KV transfer {self.config.kv_role}, engine {self.config.engine_id}"
         if self.endpoint is not None:
-            line += (f", transfer endpoint tcp://{self.endpoint.host}:{self.endpoint.port}, leases of "
+            line += (f", transfer endpoint {tcp_address(self.endpoint.host, self.endpoint.port)}, leases of "
                      f"{self.config.kv_lease_s:g} s")
         return line
 
