@@ -138,13 +138,15 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
     llm.engine.metrics.timings.clear()
     llm.engine.runner.profile = args.breakdown
+    before = llm.engine.stats()      # the engine's counters run from its start: the warm-up is taken off
     started = time.perf_counter()
     outs = llm.generate(w.prompts, params)
     seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
     s = llm.engine.stats()
-    return seconds, {"steps": s.num_steps, "preemptions": s.num_preemptions, "kv_blocks": s.kv_num_blocks,
+    return seconds, {"steps": s.num_steps - before.num_steps,
+                     "preemptions": s.num_preemptions - before.num_preemptions, "kv_blocks": s.kv_num_blocks,
                      "kv_cache_dtype": s.kv_cache_dtype, "timings_s": s.step_time_breakdown_s}
 
 
