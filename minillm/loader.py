@@ -109,6 +109,10 @@ def _rope(cfg: dict, head_dim: int, max_positions: int) -> tuple[float, dict | N
                          f"rope_scaling type {short_repr(kind)} (the whole head of {head_dim} is rotated)")
     scaling = {k: v for k, v in params.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
     scaling["rope_type"] = kind
+    if kind in ("llama3", "yarn", "longrope") and cfg.get("original_max_position_embeddings") is not None:
+        # transformers' standardize_rope_params: a config's own original_max_position_embeddings
+        # (Phi-3's spelling) wins over the one in the rope parameters
+        scaling["original_max_position_embeddings"] = _positive_number(cfg, "original_max_position_embeddings", 0.0)
     return theta, _check_rope_scaling(scaling, head_dim, max_positions)
 
 

@@ -1,0 +1,112 @@
+"""Checkpoints as users bring them: config.json spellings of every rope type, GQA ratios, saved
+dtypes and shardings run as transformers runs them; a checkpoint whose tensors, files or
+quantization minillm cannot run is refused at load naming the tensor, file or field.
+
+The config and file checks need no torch; with torch and transformers installed (`.[parity]`) tiny
+random models of each variant are saved by transformers and minillm's prompt logits and greedy
+continuation are compared with transformers' own.
+"""
+import pytest
+
+from minillm.loader import load_model_config
+
+from make_fixtures import prompt_ids, write_tokenizer
+from test_abuse29_models import build_model, config_of, edit_json, hf_prompt_logits_and_greedy, live, shard
+from test_model_parity import minillm_greedy, minillm_prompt_logits, rel_err
+
+try:
+    import torch
+except ImportError:          # the light test install: config and file checks only
+    torch = None
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+# ---- rope: a top-level original_max_position_embeddings ------------------------------------------
+
+@pytest.mark.parametrize("scaling", [LLAMA3, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}])
+def test_a_top_level_original_max_position_embeddings_wins_as_in_transformers(tmp_path, scaling):
+    # transformers' standardize_rope_params gives a config's own original_max_position_embeddings
+    # (Phi-3's spelling, kept by any config class) priority over the one in rope_scaling for llama3,
+    # yarn and longrope; minillm read only rope_scaling's, and its rotary table differed from
+    # transformers' at every position (prompt logits 90% off).
+    c = config_of(tmp_path, rope_scaling=scaling, original_max_position_embeddings=64)
+    assert c.rope_scaling["original_max_position_embeddings"] == 64
+
+
+def test_a_top_level_original_max_position_embeddings_leaves_other_rope_types_alone(tmp_path):
+    c = config_of(tmp_path / "a", rope_scaling={"rope_type": "linear", "factor": 2.0}, original_max_position_embeddings=64)
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    c = config_of(tmp_path / "b", rope_scaling=LLAMA3, original_max_position_embeddings=None)
+    assert c.rope_scaling["original_max_position_embeddings"] == 32
+
+
+# ---- against transformers, live --------------------------------------------------------------------
+
+def old_rope(scaling, theta=None):
+    """A config.json edit to transformers 4's spelling: rope_scaling (and a top-level rope_theta)."""
+    def edit(cfg):
+        cfg.pop("rope_parameters", None)
+        cfg["rope_scaling"] = scaling
+        if theta is not None:
+            cfg["rope_theta"] = theta
+    return edit
+
+
+def top_level_original(scaling, original):
+    def edit(cfg):
+        old_rope(scaling)(cfg)
+        cfg["original_max_position_embeddings"] = original
+    return edit
+
+
+LONG = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [4.0] * 8}
+LIVE = {   # name: (arch, config fields, saved weights' dtype, a config.json edit, a folder edit)
+    "llama-gqa-4": ("llama", dict(num_attention_heads=8, num_key_value_heads=2), "float32", None, None),
+    "llama-mqa": ("llama", dict(num_attention_heads=8, num_key_value_heads=1), "float32", None, None),
+    "mistral-mqa-no-window": ("mistral", dict(num_key_value_heads=1, sliding_window=None), "float32", None, None),
+    "qwen3-gqa-4-untied-head-dim-8": ("qwen3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=8),
+                                      "float32", None, None),
+    "qwen3-mqa-tied-head-dim-32": ("qwen3", dict(num_key_value_heads=1, head_dim=32, tie_word_embeddings=True),
+                                   "float32", None, None),
+    "qwen2-head-dim-32-tied-gqa-4": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=32,
+                                                   tie_word_embeddings=True), "float32", None, None),
+    "mistral-theta-1e6-head-dim-128": ("mistral", dict(rope_theta=1e6, head_dim=128, sliding_window=None),
+                                       "float32", None, None),
+    "llama-max-positions-32-eps-1e-5": ("llama", dict(max_position_embeddings=32, rms_norm_eps=1e-5), "float32",
+                                        None, None),
+    "llama31-old-spelling": ("llama", {}, "float32", old_rope(LLAMA3, 500000.0), None),
+    "qwen25-yarn-old-type-key": ("qwen2", {}, "float32", old_rope(
+        {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 1e6), None),
+    "dynamic-old-type-key": ("llama", {}, "float32", old_rope({"type": "dynamic", "factor": 2.0}), None),
+    "qwen3-llama3-rope-parameters": ("qwen3", dict(rope_parameters={**LLAMA3, "rope_theta": 1e6}), "float32", None, None),
+    "qwen3-longrope-rope-parameters": ("qwen3", dict(head_dim=16, rope_parameters={**LONG, "rope_theta": 1e4}),
+                                       "float32", None, None),
+    "mistral-yarn-rope-parameters": ("mistral", dict(sliding_window=None, rope_parameters={
+        "rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6, "original_max_position_embeddings": 128}),
+                                     "float32", None, None),
+    "llama3-top-level-original-max": ("llama", {}, "float32", top_level_original(LLAMA3, 64), None),
+    "yarn-top-level-original-max": ("llama", {}, "float32", top_level_original(
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 32), None),
+    "mistral-bf16-sharded": ("mistral", dict(sliding_window=None), "bfloat16", None, shard),
+    "qwen2-fp16-tied": ("qwen2", dict(tie_word_embeddings=True), "float16", None, None),
+    "llama-dtype-says-bf16-over-fp32-weights": ("llama", {}, "float32", lambda c: c.update(dtype="bfloat16"), None),
+}
+
+
+@live
+@pytest.mark.parametrize("name", list(LIVE))
+def test_variant_matches_transformers(tmp_path, name):
+    arch, fields, dtype, config_edit, folder_edit = LIVE[name]
+    path = tmp_path / name
+    build_model(arch, dtype, **{"vocab_size": 300, "max_position_embeddings": 128, **fields}).save_pretrained(path)
+    write_tokenizer(path)
+    if config_edit:
+        edit_json(path / "config.json", config_edit)
+    if folder_edit:
+        folder_edit(path)
+    ids = prompt_ids(load_model_config(path).vocab_size)[:30]
+    ref, greedy = hf_prompt_logits_and_greedy(path, ids, 9, 12)
+    assert rel_err(minillm_prompt_logits(path, ids), ref) < 1e-4
+    assert minillm_greedy(path, ids[:9], 12) == greedy
