@@ -271,6 +271,8 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
     store = model_store(download_dir)
     offline = _is_offline()
     try:
+        if not offline:
+            _ask_hub(repo_id, revision)
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(store),
                                       allow_patterns=DOWNLOAD_PATTERNS, local_files_only=offline))
     except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
@@ -278,6 +280,8 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
         reason = reason if len(reason) <= 200 else reason[:197] + "..."
         if offline:          # huggingface_hub's words point at its own local_files_only argument
             reason = "HF_HUB_OFFLINE is set, so nothing is fetched, and the store holds no snapshot of it"
+        elif isinstance(e, HubUnreachable):
+            reason = str(e)
         nearby = nearby_model_dirs(repo_id.split("/")[-1])
         hint = f" (did you mean {' or '.join(nearby[:2])}?)" if nearby else ""
         at = "" if revision is None else f" at revision {revision!r}"
@@ -289,6 +293,56 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
         raise RuntimeError(f"model {repo_id!r} was fetched into {path} but has no config.json "
                            f"(minillm runs Hugging Face safetensors checkpoints)")
     return path
+
+
+class HubUnreachable(ConnectionError):
+    """The Hugging Face Hub did not answer: no network, a wrong HF_ENDPOINT, a proxy that holds requests."""
+
+
+# Names of the exceptions of HTTP clients (httpx, requests) for a request that got no answer.
+_NETWORK_ERRORS = {"TimeoutException", "NetworkError", "ConnectError", "ConnectionError", "ProxyError", "Timeout"}
+
+
+def _ask_hub(repo_id: str, revision: str | None) -> None:
+    """The Hub's record of REPO_ID, asked within $HF_HUB_ETAG_TIMEOUT seconds (10 by default), as
+    huggingface_hub bounds its own metadata requests; HubUnreachable when no answer comes. snapshot_download
+    asks the same with no timeout, so a Hub that takes the connection and never answers held it forever."""
+    from huggingface_hub import HfApi, constants
+
+    timeout = _etag_timeout()
+    try:
+        HfApi().model_info(repo_id, revision=revision, timeout=timeout)
+    except Exception as exc:
+        cause = _network_error(exc)
+        if cause is None:
+            raise             # an answer (no such repo or revision, gated, ...): snapshot_download's words
+        endpoint = constants.ENDPOINT
+        if "timeout" in type(cause).__name__.lower():
+            what = f"did not answer within {timeout:g} s ($HF_HUB_ETAG_TIMEOUT)"
+        else:
+            what = f"cannot be reached ({type(cause).__name__}: {' '.join(str(cause).split()) or 'no answer'})"
+        raise HubUnreachable(f"the Hugging Face Hub at {endpoint} {what}; check the network and $HF_ENDPOINT, "
+                             f"or set HF_HUB_OFFLINE=1 to run only models already in the store") from None
+
+
+def _etag_timeout() -> float:
+    """$HF_HUB_ETAG_TIMEOUT read now (huggingface_hub reads it once, at import), 10 s when unset or unreadable."""
+    try:
+        value = float(os.environ.get("HF_HUB_ETAG_TIMEOUT", "10"))
+    except ValueError:
+        return 10.0
+    return value if 0 < value < float("inf") else 10.0
+
+
+def _network_error(exc: BaseException) -> BaseException | None:
+    """The exception in EXC's chain that says no answer came (a refused connection, a timeout, no DNS)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if _NETWORK_ERRORS & {cls.__name__ for cls in type(exc).__mro__}:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 # ---- listing the store -----------------------------------------------------------------------------
