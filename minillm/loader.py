@@ -169,6 +169,12 @@ def _check_longrope(scaling: dict, head_dim: int, max_positions: int) -> None:
 def _check_supported_features(arch: str, cfg: dict) -> None:
     """Reject config options the decoder does not implement, naming the field; options the
     architecture's transformers class ignores (Mistral's attention_bias) are ignored here too."""
+    quantization = cfg.get("quantization_config")
+    if quantization is not None:         # vLLM runs these with its quantized kernels; there are none here
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        what = f"quant_method {short_repr(method)}" if method is not None else short_repr(quantization)
+        raise ValueError(f"config.json quantization_config ({what}) is not supported: minillm runs "
+                         f"unquantized float32, float16 or bfloat16 weights")
     act = cfg.get("hidden_act", "silu")
     if act not in ("silu", "swish"):      # transformers' ACT2FN maps both names to SiLU
         raise ValueError(f"config.json hidden_act {short_repr(act)} is not supported (only 'silu', also named 'swish')")

@@ -6,6 +6,8 @@ The config and file checks need no torch; with torch and transformers installed 
 random models of each variant are saved by transformers and minillm's prompt logits and greedy
 continuation are compared with transformers' own.
 """
+import re
+
 import pytest
 
 from minillm.loader import load_model_config
@@ -40,6 +42,24 @@ def test_a_top_level_original_max_position_embeddings_leaves_other_rope_types_al
     assert c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     c = config_of(tmp_path / "b", rope_scaling=LLAMA3, original_max_position_embeddings=None)
     assert c.rope_scaling["original_max_position_embeddings"] == 32
+
+
+# ---- checkpoints minillm does not run --------------------------------------------------------------
+
+@pytest.mark.parametrize("quantization, message", [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "quant_method 'fp8'"),
+    ({"load_in_4bit": True}, "quantization_config"),
+])
+def test_a_quantized_checkpoint_is_refused_naming_its_quantization(tmp_path, quantization, message):
+    # A GPTQ checkpoint was "missing tensor model.layers.0.self_attn.q_proj.weight" (its qweight is
+    # there), a bitsandbytes config over unquantized weights ran unquantized.
+    with pytest.raises(ValueError, match=re.escape(message) + ".*unquantized"):
+        config_of(tmp_path, quantization_config=quantization)
+
+
+def test_a_null_quantization_config_is_none(tmp_path):
+    assert config_of(tmp_path, quantization_config=None)
 
 
 # ---- against transformers, live --------------------------------------------------------------------
