@@ -225,7 +225,7 @@ def _is_complete(path: Path) -> bool:
         except ValueError:
             return False
         return bool(files) and all((path / f).is_file() for f in files)
-    return any(path.glob("*.safetensors"))
+    return any(f.is_file() for f in path.glob("*.safetensors"))     # a link to a deleted blob is none
 
 
 def _repo_folder(repo_id: str, download_dir: str | None) -> Path:
@@ -383,6 +383,8 @@ def _runnable_note(path: Path) -> str:
         return "no config.json"
     if not _is_complete(path):
         return "no safetensors weights" if not any(path.glob("*.safetensors")) else "incomplete download"
+    if not (path / "tokenizer.json").is_file():       # the only tokenizer minillm reads
+        return "no tokenizer.json"
     try:
         cfg = read_json_object(path / "config.json")
     except (OSError, ValueError):      # not JSON, not UTF-8, or not an object
