@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -394,9 +395,12 @@ def checkpoint_tensors(path: str | Path, log_conflicts: bool = False) -> dict[st
         files = sorted(path / f for f in set(weight_map.values()))
         named = f" named in {index.name}"
     else:
-        files = sorted(path.glob("*.safetensors"))
+        # transformers reads model.safetensors alone, past consolidated.safetensors (Mistral's own
+        # format) or an adapter beside it; without it, every file is a shard, as vLLM reads them
+        single = path / "model.safetensors"
+        files = [single] if single.exists() or single.is_symlink() else sorted(path.glob("*.safetensors"))
         if not files:
-            raise ValueError(f"model directory {path} has no *.safetensors weights")
+            raise ValueError(_no_safetensors(path))
         named = ""
     unread = next((f for f in files if not f.is_file()), None)
     if unread is not None:
@@ -415,6 +419,17 @@ def checkpoint_tensors(path: str | Path, log_conflicts: bool = False) -> dict[st
     if weight_map is not None and log_conflicts:
         _check_weight_map(index, weight_map, tensors)
     return tensors
+
+
+def _no_safetensors(path: Path) -> str:
+    """Why a model directory without safetensors has no weights minillm reads, naming the PyTorch
+    pickle weights it holds instead."""
+    pickles = sorted(f.name for pattern in ("*.bin", "*.pt", "*.pth") for f in path.glob(pattern))
+    if not pickles:
+        return f"model directory {path} has no *.safetensors weights"
+    return (f"model directory {path} has PyTorch weights ({pickles[0]}{_more(pickles)}) but no *.safetensors "
+            f"weights, the only ones minillm reads: convert them (transformers' "
+            f"AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir) writes safetensors)")
 
 
 def _more(items: list) -> str:
@@ -499,7 +514,35 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str,
     if "lm_head.weight" in tensors and "lm_head.weight" not in weights:
         head_shape = (config.vocab_size, config.hidden_size)
         weights["lm_head.weight"] = _load_tensor(path, tensors, "lm_head.weight", head_shape, dtype)
+    _check_unread(path, config, tensors, weights)
     return weights
+
+
+# Buffers older exports saved beside the weights, recomputed from the config (vLLM skips them too).
+_ROTARY_CACHES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def _check_unread(path: Path, config: ModelConfig, tensors: dict[str, TensorEntry], read: dict) -> None:
+    """A ValueError naming a checkpoint tensor the model has no place for (vLLM refuses them: the
+    checkpoint is not the model config.json describes); a bias is logged and passed over, as
+    transformers and vLLM pass over it."""
+    unread = sorted(n for n in tensors if n not in read and not n.endswith(_ROTARY_CACHES))
+    if not unread:
+        return
+    arch = config_architecture(_read_config(path))
+    biases = [n for n in unread if n.endswith(".bias")]
+    if biases:
+        logger.warning("checkpoint tensor %s%s is not read: %s with this config.json has no bias there", biases[0],
+                       _more(biases), arch)
+    others = [n for n in unread if not n.endswith(".bias")]
+    if not others:
+        return
+    name = others[0]
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    hint = (f" (config.json's num_hidden_layers {config.num_layers}, the checkpoint has layer {layer[1]})"
+            if layer and int(layer[1]) >= config.num_layers else "")
+    raise ValueError(f"checkpoint in {path} has tensor {name}{_more(others)} in {tensors[name].file.name}, which "
+                     f"{arch} has no place for{hint}: is config.json this checkpoint's?")
 
 
 def _tied_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:

@@ -6,14 +6,17 @@ The config and file checks need no torch; with torch and transformers installed 
 random models of each variant are saved by transformers and minillm's prompt logits and greedy
 continuation are compared with transformers' own.
 """
+import logging
 import re
 
+import numpy as np
 import pytest
 
-from minillm.loader import load_model_config
+from minillm.loader import load_model_config, load_weights
 
 from make_fixtures import prompt_ids, write_tokenizer
 from test_abuse29_models import build_model, config_of, edit_json, hf_prompt_logits_and_greedy, live, shard
+from test_loader import save_numpy_checkpoint
 from test_model_parity import minillm_greedy, minillm_prompt_logits, rel_err
 
 try:
@@ -44,6 +47,57 @@ def test_a_top_level_original_max_position_embeddings_leaves_other_rope_types_al
     assert c.rope_scaling["original_max_position_embeddings"] == 32
 
 
+# ---- tensors the config has no place for ----------------------------------------------------------
+
+@pytest.mark.parametrize("family, extra, message", [
+    # a checkpoint of more layers than config.json's num_hidden_layers: the extra layer was dropped
+    ("llama", {"model.layers.2.mlp.up_proj.weight": (64, 32)},
+     r"tensor model\.layers\.2\.mlp\.up_proj\.weight .*num_hidden_layers 2"),
+    # Qwen3's q/k norms in a checkpoint that config.json calls Qwen2: the norms were dropped
+    ("qwen2", {"model.layers.0.self_attn.q_norm.weight": (8,), "model.layers.0.self_attn.k_norm.weight": (8,)},
+     r"tensor model\.layers\.0\.self_attn\.k_norm\.weight \(and 1 more\) in model\.safetensors, which "
+     r"Qwen2ForCausalLM has no place for"),
+    ("llama", {"model.vision_tower.proj.weight": (4, 4)}, r"tensor model\.vision_tower\.proj\.weight"),
+])
+def test_a_tensor_the_model_has_no_place_for_is_refused_naming_it(tmp_path, family, extra, message):
+    # Such tensors were read past without a word (vLLM refuses them: "There is no module or
+    # parameter named ..."), and the model ran as another one than the checkpoint's.
+    from safetensors.numpy import load_file, save_file
+    path, _ = save_numpy_checkpoint(tmp_path / "m", family)
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({name: np.ones(shape, np.float32) for name, shape in extra.items()})
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        load_weights(path, load_model_config(path), "float32")
+
+
+def test_rotary_caches_and_unused_biases_are_passed_over_as_transformers_and_vllm_do(tmp_path, caplog):
+    from safetensors.numpy import load_file, save_file
+    path, state = save_numpy_checkpoint(tmp_path / "m", "llama")
+    tensors = load_file(path / "model.safetensors")
+    tensors.update({"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32),
+                    "model.layers.0.self_attn.o_proj.bias": np.ones(32, np.float32)})
+    save_file(tensors, str(path / "model.safetensors"))
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        weights = load_weights(path, load_model_config(path), "float32")
+    assert set(weights) == set(state)
+    assert "model.layers.0.self_attn.o_proj.bias" in caplog.text and "inv_freq" not in caplog.text
+
+
+@pytest.mark.parametrize("other", ["consolidated.safetensors", "adapter_model.safetensors"])
+def test_other_safetensors_files_beside_model_safetensors_are_not_read(tmp_path, other, caplog):
+    # transformers reads model.safetensors alone when there is no index; Mistral's repos ship their
+    # own format beside it (consolidated.safetensors), a LoRA adapter lands beside it too. Their
+    # tensors were read as shards of the model's ("tensor model.norm.weight is in both ...").
+    from safetensors.numpy import save_file
+    path, state = save_numpy_checkpoint(tmp_path / "m", "llama")
+    save_file({"layers.0.attention.wq.weight": np.ones((4, 4), np.float32),
+               "model.norm.weight": np.zeros(32, np.float32)}, str(path / other))
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        weights = load_weights(path, load_model_config(path), "float32")
+    assert np.array_equal(weights["model.norm.weight"], state["model.norm.weight"]) and caplog.text == ""
+
+
 # ---- checkpoints minillm does not run --------------------------------------------------------------
 
 @pytest.mark.parametrize("quantization, message", [
@@ -60,6 +114,19 @@ def test_a_quantized_checkpoint_is_refused_naming_its_quantization(tmp_path, qua
 
 def test_a_null_quantization_config_is_none(tmp_path):
     assert config_of(tmp_path, quantization_config=None)
+
+
+@pytest.mark.parametrize("files", [["pytorch_model.bin"],
+                                   ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",
+                                    "pytorch_model.bin.index.json"]])
+def test_pytorch_bin_weights_are_named_with_what_to_do(tmp_path, files):
+    # "model directory ... has no *.safetensors weights" said nothing of the weights it does hold.
+    path, _ = save_numpy_checkpoint(tmp_path / "m", "llama")
+    (path / "model.safetensors").unlink()
+    for name in files:
+        (path / name).write_bytes(b"{}")
+    with pytest.raises(ValueError, match=re.escape(f"has PyTorch weights ({files[0]}") + ".*safetensors"):
+        load_weights(path, load_model_config(path), "float32")
 
 
 # ---- against transformers, live --------------------------------------------------------------------
