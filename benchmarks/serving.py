@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing as mp
+import os
 import random
 import resource
 import sys
@@ -104,16 +105,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = BenchParser("minillm bench serving", __doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server to measure.")
     p.add_argument("--peer-base-url", default=None, help="A second server to run the same workload against.")
-    p.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"],
-                   help="The API each request goes to.")
+    p.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
+                   help="The API each request goes to (default: /v1/completions; /v1/chat/completions with "
+                        "--backend openai-chat).")
+    p.add_argument("--backend", default="openai", choices=list(BACKENDS),
+                   help="vLLM's name for the API: vllm and openai send completions, openai-chat chat completions.")
+    p.add_argument("--dataset-name", default="random", choices=["random"],
+                   help="vLLM's workload name: the prompts are random token ids (or --prompt / --prompts-file).")
     p.add_argument("--model", default=None, help="Model name (default: the first one /v1/models lists).")
     p.add_argument("--api-key", default=None, help="Bearer token for the server.")
     p.add_argument("--num-prompts", type=int, default=100, help="Requests in the workload.")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Requests per second (Poisson arrivals); inf: all at once.")
     p.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight (default: no cap).")
-    p.add_argument("--input-len", type=int, default=128, help="Tokens per random prompt.")
-    p.add_argument("--output-len", type=int, default=128, help="Tokens each request generates.")
+    p.add_argument("--input-len", "--random-input-len", type=int, default=128, help="Tokens per random prompt.")
+    p.add_argument("--output-len", "--random-output-len", type=int, default=128,
+                   help="Tokens each request generates.")
     p.add_argument("--prompt", action="append", default=None, help="A given prompt (repeat; cycled).")
     p.add_argument("--prompts-file", default=None, help="One prompt per line (cycled).")
     p.add_argument("--vocab-range", type=int, nargs=2, default=(3, 500), metavar=("LO", "HI"),
@@ -144,6 +151,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--long-every-s", type=float, default=2.0, help="Mixed workload: seconds between long prompts.")
     p.add_argument("--duration", type=float, default=60.0, help="Mixed workload: seconds of each phase.")
     p.add_argument("--result-file", default=None, help="Write the results as JSON here.")
+    p.add_argument("--save-result", action="store_true",
+                   help="Write the results as JSON into --result-dir, as vLLM does (--result-file names the file "
+                        "itself).")
+    p.add_argument("--result-dir", default=None,
+                   help="With --save-result: the directory, made when missing (default: the current one).")
+    p.add_argument("--result-filename", default=None,
+                   help="With --save-result: the file's name (default, as vLLM names it: "
+                        "BACKEND-RATEqps[-concurrencyN]-MODEL-YYYYMMDD-HHMMSS.json).")
     p.add_argument("--save-detailed", action="store_true",
                    help="With --result-file: also each request's start (ms from the run's start), TTFT, "
                         "inter-token latencies, output tokens and error, to place the tail in time.")
@@ -189,10 +204,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(str(exc))
     if args.concurrency_sweep and args.peer_base_url:
         p.error("--concurrency-sweep runs against one server (leave out --peer-base-url)")
-    if args.save_detailed and not args.result_file:
-        p.error("--save-detailed needs --result-file")
-    if args.step_trace and not args.result_file:
-        p.error("--step-trace needs --result-file")
+    check_result_options(p, args)
+    if args.save_detailed and not (args.result_file or args.save_result):
+        p.error("--save-detailed needs --result-file (or --save-result)")
+    if args.step_trace and not (args.result_file or args.save_result):
+        p.error("--step-trace needs --result-file (or --save-result)")
     if not 0.01 <= args.step_trace_interval <= 10:
         p.error(f"--step-trace-interval must be in [0.01, 10] seconds, got {args.step_trace_interval}")
     try:
@@ -210,6 +226,48 @@ OPTION_BOUNDS = {
     "long_output_len": (1, MAX_TOKENS), "timeout": (None, MAX_SECONDS, "seconds"),
     "long_every_s": (None, MAX_SECONDS, "seconds"), "duration": (None, MAX_SECONDS, "seconds"),
 }
+
+
+# vLLM's --backend names for the APIs this client speaks, and the endpoint each sends to.
+BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+
+
+def check_result_options(p: BenchParser, args: argparse.Namespace) -> None:
+    """--endpoint from --backend when not given, and a usage error for vLLM's result options that
+    cannot work together (vLLM ignored --result-dir without --save-result, and saved nothing)."""
+    backend_endpoint = BACKENDS[args.backend]
+    if args.endpoint is None:
+        args.endpoint = backend_endpoint
+    elif args.backend == "openai-chat" and args.endpoint != backend_endpoint:
+        p.error(f"--backend openai-chat sends to {backend_endpoint}; --endpoint {args.endpoint} is another API")
+    for option in ("result_dir", "result_filename"):
+        if getattr(args, option) is not None and not args.save_result:
+            p.error(f"--{option.replace('_', '-')} needs --save-result (or give the file with --result-file)")
+    if args.save_result and args.result_file:
+        p.error("--save-result and --result-file both say where the results go; give one of them")
+
+
+def saved_result_path(args: argparse.Namespace) -> str:
+    """Where --save-result writes: --result-dir (made now) / --result-filename, or vLLM's name for the
+    run (the model's id from the server when --model is not given); a BenchError naming --result-dir
+    when it cannot be made."""
+    directory = args.result_dir or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise BenchError(f"--result-dir {args.result_dir} cannot be made ({exc.strerror or exc})") from None
+    name = args.result_filename
+    if name is None:
+        model = args.model or asyncio.run(_server_model(args))
+        rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate}"
+        concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+        name = f"{args.backend}-{rate}qps{concurrency}-{model.split('/')[-1]}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    return os.path.join(directory, name)
+
+
+async def _server_model(args: argparse.Namespace) -> str:
+    async with httpx.AsyncClient(headers=authorization_headers(args.api_key), timeout=args.timeout) as client:
+        return await resolve_model(client, args.base_url.rstrip("/"), None)
 
 
 def _concurrency_list(text: str) -> list[int]:
@@ -764,7 +822,11 @@ def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table; 0 when every request succeeded."""
     args = parse_args(argv)
-    check_output_file(args.result_file, "--result-file")
+    if args.save_result:
+        args.result_file = saved_result_path(args)
+        check_output_file(args.result_file, "--result-dir" if args.result_filename is None else "--result-filename")
+    else:
+        check_output_file(args.result_file, "--result-file")
     if args.prompts_file:
         read_prompts_file(args.prompts_file)        # before connecting: a bad file is found at once
     saved_args = {k: v for k, v in vars(args).items() if k != "api_key"}

@@ -1,0 +1,70 @@
+"""minillm bench serving driven with vLLM's `vllm bench serve` command lines: --dataset-name random,
+--random-input-len / --random-output-len, --backend, and --save-result with --result-dir /
+--result-filename (the directory made when missing, the file named as vLLM names it)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from test_server_helpers import running_server
+
+from minillm.benchmarks import serving as bench
+from minillm.benchmarks.cli_args import BenchUsageError
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    with running_server(stories_path, served_model_name="org/stories") as (url, engine):
+        yield url, engine
+
+
+def test_a_vllm_bench_serve_command_line_runs_and_saves_into_a_new_result_dir(server, tmp_path, capsys):
+    url, _ = server
+    result_dir = tmp_path / "results" / "run 1"          # neither exists yet: vLLM makes it
+    status = bench.main(["--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+                         "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4",
+                         "--num-prompts", "3", "--max-concurrency", "2", "--request-rate", "inf",
+                         "--save-result", "--result-dir", str(result_dir), "--result-filename", "r.json"])
+    assert status == 0
+    printed = capsys.readouterr().out
+    result = json.loads((result_dir / "r.json").read_text())["results"][0]
+    assert result["completed"] == 3 and result["total_input_tokens"] == 3 * 8 and result["total_output_tokens"] == 3 * 4
+    assert re.search(r"Total generated tokens:\s+12\n", printed), printed
+
+
+def test_save_result_names_the_file_as_vllm_does(server, tmp_path, monkeypatch):
+    url, _ = server
+    monkeypatch.chdir(tmp_path)                           # no --result-dir: the current directory
+    status = bench.main(["--base-url", url, "--random-input-len", "4", "--random-output-len", "2",
+                         "--num-prompts", "2", "--max-concurrency", "1", "--save-result"])
+    assert status == 0
+    [saved] = list(tmp_path.iterdir())
+    # {backend}-{request_rate}qps-concurrency{N}-{the model id's last part}-{YYYYMMDD-HHMMSS}.json
+    assert re.fullmatch(r"openai-infqps-concurrency1-stories-\d{8}-\d{6}\.json", saved.name), saved.name
+    assert json.loads(saved.read_text())["results"][0]["completed"] == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--result-dir", "x"], "--result-dir needs --save-result"),
+    (["--result-filename", "x.json"], "--result-filename needs --save-result"),
+    (["--save-result", "--result-file", "a.json"], "--save-result and --result-file"),
+    (["--dataset-name", "sharegpt"], "argument --dataset-name: invalid choice: 'sharegpt'"),
+    (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend openai-chat sends to /v1/chat/completions"),
+])
+def test_vllm_result_options_that_cannot_work_together_are_usage_errors(args, message):
+    with pytest.raises(BenchUsageError, match=re.escape(message)):
+        bench.parse_args(args)
+
+
+def test_backend_openai_chat_sends_to_the_chat_endpoint():
+    assert bench.parse_args(["--backend", "openai-chat"]).endpoint == "/v1/chat/completions"
+    assert bench.parse_args(["--random-input-len", "7"]).input_len == 7
+
+
+def test_a_result_dir_that_cannot_be_made_is_named_before_the_run(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(bench.BenchError, match=r"--result-dir .*file/sub"):
+        bench.main(["--save-result", "--result-dir", str(blocker / "sub"), "--model", "m",
+                    "--base-url", "http://127.0.0.1:9"])
