@@ -654,9 +654,10 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
 
 def request_detail(r: RequestResult, run_start: float, client: int = 0) -> dict:
     """One request's timings for --save-detailed (milliseconds; start from the run's start), and the
-    client process that sent it."""
+    client process that sent it: its TTFT, E2EL and ITLs are those the printed figures are made of."""
     return {"client": client, "start_ms": 1000 * (r.start_s - run_start), "end_ms": 1000 * (r.end_s - run_start),
-            "ttft_ms": 1000 * r.ttft_s if r.ok else None, "itl_ms": [1000 * x for x in r.itl_s],
+            "ttft_ms": 1000 * r.ttft_s if r.ok else None, "e2el_ms": 1000 * r.latency_s if r.ok else None,
+            "itl_ms": [1000 * x for x in r.itl_s],
             "output_tokens": r.output_tokens, "error": r.error or None}
 
 

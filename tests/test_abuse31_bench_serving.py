@@ -68,3 +68,21 @@ def test_a_result_dir_that_cannot_be_made_is_named_before_the_run(tmp_path):
     with pytest.raises(bench.BenchError, match=r"--result-dir .*file/sub"):
         bench.main(["--save-result", "--result-dir", str(blocker / "sub"), "--model", "m",
                     "--base-url", "http://127.0.0.1:9"])
+
+
+def test_the_saved_requests_give_back_the_printed_latencies(server, tmp_path):
+    # --save-detailed kept each request's TTFT and ITLs but not its E2EL: the printed E2EL and TPOT
+    # could not be computed again from the saved requests (end_ms - start_ms is not the same span).
+    url, _ = server
+    out = tmp_path / "r.json"
+    status = bench.main(["--base-url", url, "--random-input-len", "4", "--random-output-len", "5",
+                         "--num-prompts", "4", "--max-concurrency", "2", "--result-file", str(out), "--save-detailed"])
+    assert status == 0
+    result = json.loads(out.read_text())["results"][0]
+    requests = result["requests"]
+    e2el = [r["e2el_ms"] for r in requests]
+    assert sum(e2el) / len(e2el) == pytest.approx(result["e2el_ms"]["mean"])
+    tpot = [(r["e2el_ms"] - r["ttft_ms"]) / (r["output_tokens"] - 1) for r in requests]
+    assert sum(tpot) / len(tpot) == pytest.approx(result["tpot_ms"]["mean"])
+    ttft = [r["ttft_ms"] for r in requests]
+    assert sum(ttft) / len(ttft) == pytest.approx(result["ttft_ms"]["mean"])
