@@ -753,7 +753,7 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
         ("Total token throughput (tok/s)", [f"{r.total_token_throughput:.2f}" for r in results]),
         ("Output tokens per streamed event", [f"{r.total_output_tokens / max(r.total_chunks, 1):.2f}"
                                               for r in results]),
-        ("Client CPU per output token (us)", [f"{r.client_cpu_us_per_token:.1f}" for r in results]),
+        ("Client CPU per output token (us)", [_cpu_per_token(r) for r in results]),
     ]
     for title, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms")):
         for stat in ("mean", "median", "p99"):
@@ -779,6 +779,11 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
     return "\n".join(lines)
 
 
+def _cpu_per_token(r: BenchmarkResult) -> str:
+    """The client's CPU per output token as printed: "-" when no token came (nothing to divide by)."""
+    return f"{r.client_cpu_us_per_token:.1f}" if r.total_output_tokens else "-"
+
+
 def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: argparse.Namespace) -> str:
     """One row per concurrency: the server's output throughput beside the offline ceiling at that level."""
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
@@ -793,7 +798,7 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
         lines.append(f"| {level} | {r.output_throughput:,.0f} | {ceiling_text} | {ratio} | "
                      f"{r.itl_ms['median']:.1f} / {r.itl_ms['p99']:.1f} | "
                      f"{r.ttft_ms['median']:.0f} / {r.ttft_ms['p99']:.0f} | {r.failed} | "
-                     f"{r.total_output_tokens / max(r.total_chunks, 1):.2f} | {r.client_cpu_us_per_token:.1f} |")
+                     f"{r.total_output_tokens / max(r.total_chunks, 1):.2f} | {_cpu_per_token(r)} |")
     for _, r, _ in rows:
         for err in r.errors:
             lines.append(f"error ({r.base_url}): {err}")

@@ -86,3 +86,13 @@ def test_the_saved_requests_give_back_the_printed_latencies(server, tmp_path):
     assert sum(tpot) / len(tpot) == pytest.approx(result["tpot_ms"]["mean"])
     ttft = [r["ttft_ms"] for r in requests]
     assert sum(ttft) / len(ttft) == pytest.approx(result["ttft_ms"]["mean"])
+
+
+def test_a_run_where_every_request_failed_prints_no_cpu_per_token():
+    # With no output token the client's CPU was divided by 1 token: "1362.0 us" per token that never came.
+    failed = [bench.RequestResult(ok=False, error="HTTP 500: boom") for _ in range(3)]
+    summary = bench.summarize("http://127.0.0.1:9", 3, failed, 0.01, client_cpu_s=0.0014)
+    table = bench.format_results([summary], bench.parse_args(["--num-prompts", "3"]))
+    [row] = [line for line in table.splitlines() if line.startswith("Client CPU per output token")]
+    assert row.split()[-1] == "-", row
+    assert "Failed requests:" in table and "error (http://127.0.0.1:9): HTTP 500: boom" in table
