@@ -507,10 +507,19 @@ async def arrivals(n: int, rate: float, rng: random.Random):
             await asyncio.sleep(rng.expovariate(rate))
 
 
+# Seconds the server has to list its models before the run: an answer that needs no engine step, so
+# a server that holds it longer is stuck (the requests' own --timeout is 600 s by default).
+MODEL_LIST_TIMEOUT_S = 30.0
+
+
 async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | None) -> str:
     """The given model name, or the first one the server lists; BenchError when none answers."""
+    timeout = min(MODEL_LIST_TIMEOUT_S, client.timeout.read or MODEL_LIST_TIMEOUT_S)
     try:
-        response = await client.get(f"{base_url}/v1/models")
+        response = await client.get(f"{base_url}/v1/models", timeout=timeout)
+    except httpx.TimeoutException:
+        raise BenchError(f"no answer from {base_url}/v1/models within {timeout:g} s: the server takes "
+                         f"connections but does not answer") from None
     except httpx.HTTPError as exc:
         raise BenchError(f"no server answers at {base_url} ({type(exc).__name__}); start one with "
                          f"minillm serve MODEL, or point --base-url at it") from None

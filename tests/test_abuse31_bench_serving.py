@@ -96,3 +96,28 @@ def test_a_run_where_every_request_failed_prints_no_cpu_per_token():
     [row] = [line for line in table.splitlines() if line.startswith("Client CPU per output token")]
     assert row.split()[-1] == "-", row
     assert "Failed requests:" in table and "error (http://127.0.0.1:9): HTTP 500: boom" in table
+
+
+def test_a_server_that_takes_the_connection_and_never_answers_is_named_soon(monkeypatch):
+    # The model list was asked with the requests' --timeout (600 s by default): a stuck server held the
+    # benchmark ten minutes without a word before its first request.
+    import socket
+    import threading
+    monkeypatch.setattr(bench, "MODEL_LIST_TIMEOUT_S", 0.5, raising=False)
+    outcome = {}
+
+    def run(url):
+        try:
+            bench.main(["--base-url", url, "--num-prompts", "1"])
+        except bench.BenchError as exc:
+            outcome["error"] = str(exc)
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)                   # connections complete in the kernel; nobody answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        client = threading.Thread(target=run, args=(url,), daemon=True)
+        client.start()
+        client.join(30)
+    assert not client.is_alive(), "still waiting for the model list"
+    assert outcome["error"].startswith(f"no answer from {url}/v1/models within 0.5 s"), outcome
