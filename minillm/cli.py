@@ -1734,16 +1734,18 @@ def run_benchmark(name: str, argv: list[str]) -> None:
         raise typer.Exit(status)
 
 
-def _bench_command(name: str, summary: str) -> None:
+def _bench_command(name: str, summary: str, alias: str | None = None) -> None:
     def command(args: Annotated[Optional[list[str]], typer.Argument(
             help=f"Options of minillm bench {name} (--help lists them with their defaults).")] = None) -> None:
         run_benchmark(name, args or [])
     command.__doc__ = summary
     bench_app.command(name=name, context_settings=PASS_THROUGH, add_help_option=False)(command)
+    if alias is not None:      # vLLM's name for the same benchmark, left out of the list
+        bench_app.command(name=alias, context_settings=PASS_THROUGH, add_help_option=False, hidden=True)(command)
 
 
 _bench_command("throughput", "Offline throughput: a batch of prompts through the engine.")
-_bench_command("serving", "Online serving: requests at a rate against a running server.")
+_bench_command("serving", "Online serving: requests at a rate against a running server.", alias="serve")
 _bench_command("kernels", "Kernel micro-benchmarks against their roofline.")
 _bench_command("pd_disagg", "Prefill/decode disaggregation on one GPU against one server with chunked prefill.")
 _bench_command("serving_gaps", "Where a serving run's long inter-token gaps sit (a bench serving --save-detailed file).")

@@ -121,3 +121,12 @@ def test_a_server_that_takes_the_connection_and_never_answers_is_named_soon(monk
         client.join(30)
     assert not client.is_alive(), "still waiting for the model list"
     assert outcome["error"].startswith(f"no answer from {url}/v1/models within 0.5 s"), outcome
+
+
+def test_bench_serve_is_vllms_name_for_bench_serving(capsys):
+    # `vllm bench serve ...` retyped as `minillm bench serve ...` was "No such command 'serve'".
+    from test_cli import run_main
+    status, out, err = run_main(capsys, "bench", "serve", "--num-prompts", "0")
+    assert status == 2
+    assert err.strip() == ("minillm bench serving: error: --num-prompts, --input-len and --output-len must be >= 1 "
+                           "(try 'minillm bench serving --help')")
