@@ -117,3 +117,24 @@ def test_a_structural_tag_alone_is_refused_by_its_name():
     with pytest.raises(StructuredOutputsError, match=r"^structural_tag: .*not supported") as err:
         StructuredOutputsParams(structural_tag='{"type": "structural_tag", "structures": [], "triggers": []}')
     assert err.value.field == "structural_tag"
+
+
+@pytest.mark.parametrize("step", [2 ** 31, 1000003, 99991, 0.99991, 123456789e-20, -2 ** 31, -3, 0])
+def test_a_multiple_of_with_many_significant_digits_is_a_value_error_naming_json(step):
+    # llguidance matches multipleOf with an automaton of one state per multiple of its significant
+    # digits: 99991 took 0.6 s and held 50 MB per compiled grammar, 1000003 5 s, and 2**31 asked for
+    # gigabytes and aborted the engine process in its compile thread (the entry check passed it); a
+    # negative one, which JSON Schema refuses, was read as its opposite.
+    for kind in ("integer", "number"):
+        with pytest.raises(StructuredOutputsError, match=r"^json: .*multipleOf") as err:
+            StructuredOutputsParams(json={"type": "object", "properties": {"n": {"type": kind, "multipleOf": step}}})
+        assert err.value.field == "json"
+
+
+@pytest.mark.parametrize("step,inside,outside", [(86400, "172800", "86401"), (0.01, "1.25", "1.255"),
+                                                 (1024, "3072", "3073"), (2.5e-7, "0.00000075", "0.0000007"),
+                                                 (9999, "19998", "19999")])
+def test_a_multiple_of_with_few_significant_digits_is_taken_and_kept(manager, step, inside, outside):
+    params = StructuredOutputsParams(json={"type": "number", "multipleOf": step})
+    assert accepts(manager, params, inside)
+    assert not accepts(manager, params, outside)
