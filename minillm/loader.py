@@ -258,6 +258,9 @@ def load_model_config(path: str | Path) -> ModelConfig:
     if arch == "LlamaForCausalLM" and hidden % num_heads:     # transformers' LlamaConfig refuses it, head_dim or not
         raise ValueError(f"config.json hidden_size {hidden} is not a multiple of num_attention_heads {num_heads}")
     head_dim = _optional(cfg, "head_dim", hidden // num_heads)
+    if head_dim % 2:          # rotary turns pairs of a head's values; transformers refuses such a config too
+        derived = " (hidden_size / num_attention_heads)" if cfg.get("head_dim") is None else ""
+        raise ValueError(f"config.json head_dim {head_dim}{derived} is odd: rotary embeddings need an even head_dim")
     num_layers = _require(cfg, "num_hidden_layers")
     max_positions = _optional(cfg, "max_position_embeddings", 2048)
     _check_supported_features(arch, cfg)

@@ -47,6 +47,15 @@ def test_a_top_level_original_max_position_embeddings_leaves_other_rope_types_al
     assert c.rope_scaling["original_max_position_embeddings"] == 32
 
 
+@pytest.mark.parametrize("arch, fields", [("llama", dict(head_dim=15)), ("mistral", dict(hidden_size=60)),
+                                          ("qwen3", dict(head_dim=15))])
+def test_an_odd_head_dim_is_refused_at_load_as_transformers_refuses_it(tmp_path, arch, fields):
+    # Rotary embeddings turn pairs of a head's values: an odd head loaded, and every step then
+    # failed with "operands could not be broadcast together with shapes (3,4,8) (3,1,9)".
+    with pytest.raises(ValueError, match=r"head_dim 15( \(hidden_size / num_attention_heads\))? is odd"):
+        config_of(tmp_path, arch, **fields)
+
+
 # ---- tensors the config has no place for ----------------------------------------------------------
 
 @pytest.mark.parametrize("family, extra, message", [
