@@ -508,7 +508,7 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str,
     """Read the checkpoint into numpy arrays of dtype ("bfloat16": uint16 bf16 bits), checking names and shapes."""
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    tensors = checkpoint_tensors(path, log_conflicts=True)
+    tensors = _with_model_prefix(checkpoint_tensors(path, log_conflicts=True))
     if config.tie_word_embeddings:
         tensors = _tied_tensors(tensors)
     weights: dict[str, np.ndarray] = {}
@@ -546,6 +546,14 @@ def _check_unread(path: Path, config: ModelConfig, tensors: dict[str, TensorEntr
             if layer and int(layer[1]) >= config.num_layers else "")
     raise ValueError(f"checkpoint in {path} has tensor {name}{_more(others)} in {tensors[name].file.name}, which "
                      f"{arch} has no place for{hint}: is config.json this checkpoint's?")
+
+
+def _with_model_prefix(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """A checkpoint saved from the base model ("embed_tokens.weight", "layers.0. ...") under the
+    names of the causal LM's, as transformers adds its base_model_prefix "model." when no tensor has it."""
+    if any(name.startswith("model.") for name in tensors):
+        return tensors
+    return {name if name.startswith("lm_head.") else "model." + name: entry for name, entry in tensors.items()}
 
 
 def _tied_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:

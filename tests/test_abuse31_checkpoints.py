@@ -107,6 +107,20 @@ def test_other_safetensors_files_beside_model_safetensors_are_not_read(tmp_path,
     assert np.array_equal(weights["model.norm.weight"], state["model.norm.weight"]) and caplog.text == ""
 
 
+@pytest.mark.parametrize("family, tied", [("qwen3", True), ("llama", False)])
+def test_a_checkpoint_saved_without_the_model_prefix_loads_as_transformers_loads_it(tmp_path, family, tied):
+    # Tensors saved from the base model ("embed_tokens.weight", "layers.0. ...", as Qwen3-Embedding's
+    # are): transformers adds its base_model_prefix "model." and loads them; minillm said "missing
+    # tensor model.embed_tokens.weight".
+    from safetensors.numpy import load_file, save_file
+    path, state = save_numpy_checkpoint(tmp_path / "m", family, tie_word_embeddings=tied,
+                                        drop=("lm_head.weight",) if tied else ())
+    tensors = load_file(path / "model.safetensors")
+    save_file({name.removeprefix("model."): value for name, value in tensors.items()}, str(path / "model.safetensors"))
+    weights = load_weights(path, load_model_config(path), "float32")
+    assert set(weights) == set(state) and all(np.array_equal(weights[n], state[n]) for n in state)
+
+
 # ---- checkpoints minillm does not run --------------------------------------------------------------
 
 @pytest.mark.parametrize("quantization, message", [
@@ -157,6 +171,14 @@ def top_level_original(scaling, original):
     return edit
 
 
+def without_model_prefix(path):
+    """Save the tensors under the base model's names, as AutoModel's save_pretrained does."""
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(path / "model.safetensors")
+    save_file({name.removeprefix("model."): value for name, value in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+
+
 LONG = {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [4.0] * 8}
 LIVE = {   # name: (arch, config fields, saved weights' dtype, a config.json edit, a folder edit)
     "llama-gqa-4": ("llama", dict(num_attention_heads=8, num_key_value_heads=2), "float32", None, None),
@@ -187,6 +209,9 @@ LIVE = {   # name: (arch, config fields, saved weights' dtype, a config.json edi
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, 32), None),
     "mistral-bf16-sharded": ("mistral", dict(sliding_window=None), "bfloat16", None, shard),
     "qwen2-fp16-tied": ("qwen2", dict(tie_word_embeddings=True), "float16", None, None),
+    "qwen3-tied-without-model-prefix": ("qwen3", dict(head_dim=16, tie_word_embeddings=True), "float32", None,
+                                        without_model_prefix),
+    "llama-without-model-prefix": ("llama", {}, "float32", None, without_model_prefix),
     "llama-dtype-says-bf16-over-fp32-weights": ("llama", {}, "float32", lambda c: c.update(dtype="bfloat16"), None),
 }
 
