@@ -4,7 +4,7 @@ A request's `system` and `messages` (text, tool_use, tool_result and thinking bl
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools`
 (`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking`
 {"type": "disabled"} the template's enable_thinking false (vLLM's `chat_template_kwargs` are passed
-on), and `output_config.format` (a JSON schema) the response_format. A final assistant message is a
+on), and `output_config.format` (a JSON schema; the beta's `output_format` too) the response_format. A final assistant message is a
 prefill, continued (continue_final_message) instead of answered. The chat job renders,
 samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
 /v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import Request
@@ -62,9 +63,10 @@ class MessagesRequest(_ModelRequest):
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
     output_config: dict[str, Any] | None = None
+    output_format: dict[str, Any] | None = None     # the structured-outputs beta's name of output_config.format
     chat_template_kwargs: dict[str, Any] | None = None      # vLLM's, passed on to the template
 
-    @field_validator("messages", "system", "tools", "tool_choice", "output_config")
+    @field_validator("messages", "system", "tools", "tool_choice", "output_config", "output_format")
     @classmethod
     def _json_text(cls, value: Any) -> Any:
         """Text deep in the blocks is checked here, so an error names this API's field."""
@@ -174,7 +176,7 @@ def chat_body(req: MessagesRequest) -> dict:
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
               "chat_template_kwargs": _template_kwargs(req.chat_template_kwargs, thinking),
-              "response_format": _response_format(req.output_config)}
+              "response_format": _response_format(req)}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
 
@@ -186,16 +188,28 @@ def _is_prefill(messages: list[dict]) -> bool:
     return last.get("role") == "assistant" and "tool_calls" not in last and bool(last.get("content"))
 
 
-def _response_format(output_config: dict | None) -> dict | None:
-    """output_config.format ({"type": "json_schema", "schema": ...}, Anthropic's structured outputs) as
-    the chat request's response_format; None without one."""
-    fmt = field_of(output_config, "format", "output_config", dict, optional=True) if output_config else None
+# Where this request's format came from: output_config.format, or the beta's output_format (an error
+# about the schema, raised on the chat side as response_format's, is named by it).
+_FORMAT_FIELD: ContextVar[str] = ContextVar("messages_format_field", default="output_config.format")
+
+
+def _response_format(req: MessagesRequest) -> dict | None:
+    """output_config.format ({"type": "json_schema", "schema": ...}, Anthropic's structured outputs; the
+    beta's output_format likewise) as the chat request's response_format; None without one."""
+    fmt = field_of(req.output_config, "format", "output_config", dict, optional=True) if req.output_config else None
+    where = "output_config.format"
+    if req.output_format is not None:
+        if fmt is not None:
+            raise APIError(400, "give output_config.format or output_format (its beta name), not both",
+                           param="output_format")
+        fmt, where = req.output_format, "output_format"
+    _FORMAT_FIELD.set(where)
     if fmt is None:
         return None
     if fmt.get("type") != "json_schema":
-        raise APIError(400, f"output_config.format.type must be 'json_schema', got {short_repr(fmt.get('type'))}",
-                       param="output_config.format.type")
-    schema = field_of(fmt, "schema", "output_config.format", dict)
+        raise APIError(400, f"{where}.type must be 'json_schema', got {short_repr(fmt.get('type'))}",
+                       param=f"{where}.type")
+    schema = field_of(fmt, "schema", where, dict)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
 
 
@@ -226,7 +240,7 @@ def _renamed(exc: APIError) -> APIError:
     """A chat-side error with its param as the Messages request names it."""
     param = tool_param(exc.param, {"parameters": "input_schema"})
     if param is not None and param.startswith("response_format"):
-        param = re.sub(r"^response_format(\.json_schema)?", "output_config.format", param)
+        param = re.sub(r"^response_format(\.json_schema)?", _FORMAT_FIELD.get(), param)
     message = exc.message.replace(exc.param, param) if param != exc.param else exc.message
     if param is not None:
         head, dot, rest = param.partition(".")
