@@ -7,24 +7,14 @@ import subprocess
 import sys
 
 import pytest
+from test_abuse30_structured import accepts, manager  # noqa: F401 (a module fixture)
 
-from minillm.structured_output import StructuredOutputManager, StructuredOutputsError, StructuredOutputsParams
+from minillm.structured_output import StructuredOutputsError, StructuredOutputsParams
 
 VOCAB = 512
 INT64_MIN = -2 ** 63
 
 
-@pytest.fixture(scope="module")
-def manager(tok):
-    mgr = StructuredOutputManager.from_tokenizer(tok, VOCAB, max_num_seqs=4)
-    yield mgr
-    mgr.shutdown()
-
-
-def accepts(manager, params: StructuredOutputsParams, text: str) -> bool:
-    """Whether the constraint takes text as a whole output."""
-    matcher = manager.grammar_init(params).result().new_matcher()
-    return matcher.accept_tokens(manager.ll_tokenizer.tokenize_str(text)) and matcher.can_terminate()
 
 
 # Each of these took the process down with a segmentation fault where the constraint was built (an
