@@ -4,6 +4,8 @@
     minillm bench throughput --model DIR --peer hf
     minillm bench throughput --model ../shared/models/stories260K --device cpu    # a small CPU run
     minillm bench throughput --kv-cache-dtype fp8        # FP8 KV cache (floor printed for both caches)
+    minillm bench throughput --model DIR --num-prompts 100 --input-len 512 --output-len 128 \
+        --output-json out.json                           # vLLM's options: its random dataset, fixed lengths
 
 (python3 -m minillm.benchmarks.throughput takes the same options.)
 """
@@ -18,11 +20,16 @@ from pathlib import Path
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
                                          add_kv_cache_memory_option, check_bounds, check_output_file,
                                          check_workload_tokens, run_main)
-from minillm.benchmarks.workload import QWEN3_0_6B, Workload, nano_vllm_workload, roofline_seconds, write_random_model_dir
+from minillm.benchmarks.workload import (QWEN3_0_6B, Workload, nano_vllm_workload, random_length_range, random_workload,
+                                        roofline_seconds, write_random_model_dir)
 
 # nano-vllm's workload on a GPU; on the CPU (NumPy) a small one that finishes in seconds.
 GPU_DEFAULTS = {"num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
 CPU_DEFAULTS = {"num_seqs": 16, "max_input_len": 128, "max_output_len": 128}
+# vLLM's random dataset's lengths (its RandomDataset's defaults on a GPU; shorter prompts on the CPU).
+RANDOM_GPU_DEFAULTS = {"input_len": 1024, "output_len": 128}
+RANDOM_CPU_DEFAULTS = {"input_len": 128, "output_len": 128}
+PROG = "minillm bench throughput"
 MAX_MODEL_LEN = 4096
 
 
@@ -32,10 +39,12 @@ def parse_args(argv):
     p.add_argument("--model", help="Model directory or hub id (default: random weights in the Qwen3-0.6B "
                                    "shape, on a GPU only).")
     p.add_argument("--num-seqs", type=int, help="Requests in the workload (default: 256 on a GPU, 16 on the CPU).")
+    p.add_argument("--num-prompts", type=int, help="vLLM's name for --num-seqs.")
     p.add_argument("--max-input-len", type=int,
                    help="Longest prompt; lengths are drawn up from 100 (default: 1024 on a GPU, 128 on the CPU).")
     p.add_argument("--max-output-len", type=int,
                    help="Longest output; lengths are drawn up from 100 (default: 1024 on a GPU, 128 on the CPU).")
+    add_random_dataset_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="Backend; auto picks cuda when CuPy sees a GPU.")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
@@ -58,8 +67,10 @@ def parse_args(argv):
                    help="Skip timing each step's phases (CUDA events around forward and sampling).")
     p.add_argument("--no-ceiling", action="store_true", help="Skip measuring the card's ceilings.")
     p.add_argument("--json", help="Write the figures to this file.")
+    p.add_argument("--output-json", help="vLLM's name for --json.")
     args = p.parse_args(argv)
     check_bounds(p.prog, args, option_bounds())
+    fold_vllm_names(p, args)
     from minillm.sampling_params import SamplingParams
     try:
         SamplingParams(temperature=args.temperature)
@@ -68,10 +79,71 @@ def parse_args(argv):
     return args
 
 
+def add_random_dataset_options(p: BenchParser) -> None:
+    """vLLM's random dataset, as `vllm bench throughput` takes it: every request of --input-len prompt
+    and --output-len output tokens (spread by --random-range-ratio), instead of nano-vllm's workload."""
+    p.add_argument("--dataset-name", help="vLLM's workload name: random (vLLM's random dataset; the only one "
+                                          "without a file) (default: nano-vllm's workload).")
+    p.add_argument("--input-len", type=int, help="Tokens of every prompt: vLLM's random dataset, instead of "
+                                                 "--max-input-len (default: 1024 on a GPU, 128 on the CPU).")
+    p.add_argument("--output-len", type=int, help="Tokens every request generates: vLLM's random dataset, instead "
+                                                  "of --max-output-len (default: 128).")
+    p.add_argument("--random-input-len", type=int, help="vLLM's random dataset's name for --input-len.")
+    p.add_argument("--random-output-len", type=int, help="vLLM's random dataset's name for --output-len.")
+    p.add_argument("--random-range-ratio", type=float,
+                   help="vLLM's random dataset: each length drawn from [len * (1 - R), len * (1 + R)], R in [0, 1) "
+                        "(default: 0, every request of the lengths given).")
+
+
+# vLLM's names of minillm's options (dest: vLLM's dest): both given, they must agree.
+VLLM_NAMES = {"num_seqs": "num_prompts", "input_len": "random_input_len", "output_len": "random_output_len",
+              "json": "output_json"}
+# The options of each workload: vLLM's random dataset's, then nano-vllm's.
+RANDOM_OPTIONS = ("dataset_name", "input_len", "random_input_len", "output_len", "random_output_len",
+                  "random_range_ratio")
+NANO_OPTIONS = ("max_input_len", "max_output_len")
+
+
+def fold_vllm_names(p: BenchParser, args) -> None:
+    """vLLM's names folded into minillm's options (a usage error naming both when they disagree), and
+    args.workload: "random" (vLLM's random dataset) or "nano-vllm"; a usage error naming the options
+    of both workloads when they are mixed, or a dataset other than random."""
+    args.given_as = {}
+    for dest, vllm_dest in VLLM_NAMES.items():
+        ours, theirs = getattr(args, dest), getattr(args, vllm_dest)
+        if ours is not None and theirs is not None and ours != theirs:
+            p.error(f"{_flag(dest)} {ours} and {_flag(vllm_dest)} {theirs} disagree (two names of one option); "
+                    f"give one of them")
+        if ours is None and theirs is not None:
+            setattr(args, dest, theirs)
+            args.given_as[dest] = _flag(vllm_dest)
+    if args.dataset_name is not None and args.dataset_name != "random":
+        p.error(f"--dataset-name {args.dataset_name}: {p.prog} reads no dataset files; the one dataset it supports "
+                f"is random (vLLM's random prompts of --input-len / --output-len tokens)")
+    ratio = args.random_range_ratio
+    if ratio is not None and not 0 <= ratio < 1:       # NaN too
+        p.error(f"--random-range-ratio must be in [0, 1), got {ratio}")
+    random_given = [d for d in RANDOM_OPTIONS if getattr(args, d) is not None]
+    nano_given = [d for d in NANO_OPTIONS if getattr(args, d) is not None]
+    if random_given and nano_given:
+        first = args.given_as.get(random_given[0], _flag(random_given[0]))
+        first += " random" if random_given[0] == "dataset_name" else ""
+        p.error(f"{first} and {_flag(nano_given[0])} describe two workloads (vLLM's random dataset, every request "
+                f"of --input-len / --output-len tokens; nano-vllm's, lengths drawn up to --max-input-len / "
+                f"--max-output-len); give the options of one")
+    args.workload = "random" if random_given else "nano-vllm"
+
+
+def _flag(dest: str) -> str:
+    return f"--{dest.replace('_', '-')}"
+
+
 def option_bounds() -> dict[str, tuple]:
     """Each numeric option's [lo, hi]: past them a run allocates or waits for nothing."""
     from minillm.config import MAX_NUM_SEQS
-    return {"num_seqs": (1, MAX_REQUESTS), "max_input_len": (1, MAX_TOKENS), "max_output_len": (1, MAX_TOKENS),
+    return {"num_seqs": (1, MAX_REQUESTS), "num_prompts": (1, MAX_REQUESTS), "max_input_len": (1, MAX_TOKENS),
+            "max_output_len": (1, MAX_TOKENS), "input_len": (1, MAX_TOKENS), "random_input_len": (1, MAX_TOKENS),
+            "output_len": (1, MAX_TOKENS), "random_output_len": (1, MAX_TOKENS),
             "max_num_seqs": (1, MAX_NUM_SEQS), "max_num_batched_tokens": (1, MAX_TOKENS),
             "max_model_len": (1, MAX_TOKENS), "peer_num_seqs": (1, MAX_REQUESTS)}
 
@@ -95,16 +167,21 @@ def resolve_defaults(args) -> dict:
         raise BenchError("no CUDA GPU here, and the default workload (random Qwen3-0.6B-shaped weights, 256 "
                          "requests of up to 1024 + 1024 tokens) needs one; on the CPU give a small model, "
                          "e.g. minillm bench throughput --model ../shared/models/stories260K")
-    for name, value in (GPU_DEFAULTS if backend == "cuda" else CPU_DEFAULTS).items():
+    defaults = GPU_DEFAULTS if backend == "cuda" else CPU_DEFAULTS
+    if args.workload == "random":
+        lengths = RANDOM_GPU_DEFAULTS if backend == "cuda" else RANDOM_CPU_DEFAULTS
+        defaults = {"num_seqs": defaults["num_seqs"], **lengths}
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.peer == "hf" and backend != "cuda":
         raise BenchError("--peer hf runs transformers on the GPU; there is no CUDA GPU here (leave --peer out)")
+    count_option = args.given_as.get("num_seqs", "--num-seqs")
     if args.peer_num_seqs is not None and args.peer_num_seqs > args.num_seqs:
-        raise BenchUsageError("minillm bench throughput", f"--peer-num-seqs {args.peer_num_seqs} is more than "
-                              f"the workload's {args.num_seqs} requests (--num-seqs)")
-    check_workload_tokens("minillm bench throughput", "--num-seqs", args.num_seqs, "--max-input-len",
-                          args.max_input_len)
+        raise BenchUsageError(PROG, f"--peer-num-seqs {args.peer_num_seqs} is more than the workload's "
+                                    f"{args.num_seqs} requests ({count_option})")
+    (input_option, longest_input, input_text), (_, longest_output, output_text) = workload_lengths(args)
+    check_workload_tokens(PROG, count_option, args.num_seqs, input_option, longest_input)
     if args.model is not None:
         from minillm.loader import resolve_model_path
         args.model = str(resolve_model_path(args.model))
@@ -117,12 +194,36 @@ def resolve_defaults(args) -> dict:
     elif args.max_model_len > model_max:
         raise BenchError(f"--max-model-len {args.max_model_len} is past the model's max_position_embeddings "
                          f"{model_max}; lower it")
-    needed = args.max_input_len + args.max_output_len
+    needed = longest_input + longest_output
     if needed > args.max_model_len:
-        raise BenchError(f"--max-input-len {args.max_input_len} + --max-output-len {args.max_output_len} = "
-                         f"{needed} tokens do not fit in --max-model-len {args.max_model_len}; lower them")
+        raise BenchError(f"{input_text} + {output_text} = {needed} tokens do not fit in --max-model-len "
+                         f"{args.max_model_len}; lower them")
     args.device = "cuda" if backend == "cuda" else "cpu"
     return config
+
+
+def workload_lengths(args) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
+    """The longest prompt and output of the workload: each as (the option that gives it as the user
+    typed it, the longest length, the two described: "--input-len 300 (up to 450 with
+    --random-range-ratio 0.5)"); a usage error naming both options when vLLM's random dataset would
+    draw a prompt of no token."""
+    if args.workload != "random":
+        return (("--max-input-len", args.max_input_len, f"--max-input-len {args.max_input_len}"),
+                ("--max-output-len", args.max_output_len, f"--max-output-len {args.max_output_len}"))
+    ratio = args.random_range_ratio or 0.0
+    input_option = args.given_as.get("input_len", "--input-len")
+    output_option = args.given_as.get("output_len", "--output-len")
+    shortest_input, longest_input = random_length_range(args.input_len, ratio)
+    longest_output = random_length_range(args.output_len, ratio, least=1)[1]
+    if shortest_input < 1:
+        raise BenchUsageError(PROG, f"{input_option} {args.input_len} with --random-range-ratio {ratio:g} draws "
+                                    f"prompts of 0 tokens; raise {input_option} or lower --random-range-ratio")
+    input_text, output_text = f"{input_option} {args.input_len}", f"{output_option} {args.output_len}"
+    if ratio:
+        input_option = f"{input_option} with --random-range-ratio {ratio:g} up to"
+        input_text += f" (up to {longest_input} with --random-range-ratio {ratio:g})"
+        output_text += f" (up to {longest_output})"
+    return (input_option, longest_input, input_text), (output_option, longest_output, output_text)
 
 
 def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, dict]:
@@ -184,21 +285,34 @@ def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float
     return seconds
 
 
+def vllm_figures(num_requests: int, total_num_tokens: int, seconds: float) -> dict:
+    """The figures `vllm bench throughput --output-json` writes, under its names."""
+    return {"elapsed_time": seconds, "num_requests": num_requests, "total_num_tokens": total_num_tokens,
+            "requests_per_second": num_requests / seconds, "tokens_per_second": total_num_tokens / seconds}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the figures beside their ceilings."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    check_output_file(args.json, "--json")
+    check_output_file(args.json, args.given_as.get("json", "--json"))
     config = resolve_defaults(args)
-    w = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    if args.workload == "random":
+        w = random_workload(args.num_seqs, args.input_len, args.output_len, args.random_range_ratio or 0.0)
+        shape = (f" (vLLM's random dataset: {args.input_len} + {args.output_len} tokens each"
+                 f"{f', range ratio {args.random_range_ratio:g}' if args.random_range_ratio else ''})")
+    else:
+        w, shape = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len), ""
     if config["vocab_size"] <= 10000:     # a small test model: fold the ids into its vocabulary
         w = Workload([[t % config["vocab_size"] for t in p] for p in w.prompts], w.max_tokens)
-    print(f"workload: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, "
-          f"{w.num_output_tokens} output tokens, on {args.device}", flush=True)
+    num_prompt_tokens = sum(map(len, w.prompts))
+    print(f"workload: {len(w.prompts)} requests, {num_prompt_tokens} prompt tokens, "
+          f"{w.num_output_tokens} output tokens, on {args.device}{shape}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
         seconds, counters = run_minillm(args, model_dir, args.model is None, w)
     tok_s = w.num_output_tokens / seconds
-    figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters}
+    figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters,
+               **vllm_figures(len(w.prompts), num_prompt_tokens + w.num_output_tokens, seconds)}
     print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
           f"{counters['preemptions']} preemptions, KV cache {counters['kv_cache_dtype']})")
     timings = counters["timings_s"]

@@ -1,7 +1,8 @@
-"""The offline workload nano-vllm publishes, and the roofline floor it is held against."""
+"""The offline workloads (nano-vllm's, and vLLM's random dataset), and the roofline floor they are held against."""
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,26 @@ def nano_vllm_workload(num_seqs: int = 256, max_input_len: int = 1024, max_outpu
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(min(100, max_input_len), max_input_len))]
                for _ in range(num_seqs)]
     max_tokens = [random.randint(min(100, max_output_len), max_output_len) for _ in range(num_seqs)]
+    return Workload(prompts, max_tokens)
+
+
+def random_length_range(length: int, range_ratio: float, least: int = 0) -> tuple[int, int]:
+    """The lengths vLLM's random dataset draws around LENGTH: [floor(length * (1 - r)), ceil(length * (1 + r))],
+    the low end raised to LEAST (vLLM's outputs are at least 1 token)."""
+    return max(least, math.floor(length * (1 - range_ratio))), max(least, math.ceil(length * (1 + range_ratio)))
+
+
+def random_workload(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
+                    seed: int = 0) -> Workload:
+    """vLLM's random dataset: each request's prompt and output lengths drawn uniformly from
+    random_length_range (every request of input_len + output_len tokens at range_ratio 0), the
+    prompts of random token ids as nano_vllm_workload's."""
+    rng = random.Random(seed)
+    in_lo, in_hi = random_length_range(input_len, range_ratio)
+    out_lo, out_hi = random_length_range(output_len, range_ratio, least=1)
+    input_lens = [rng.randint(in_lo, in_hi) for _ in range(num_prompts)]
+    max_tokens = [rng.randint(out_lo, out_hi) for _ in range(num_prompts)]
+    prompts = [[rng.randint(0, 10000) for _ in range(n)] for n in input_lens]
     return Workload(prompts, max_tokens)
 
 

@@ -57,8 +57,8 @@ def test_bench_takes_underscores_in_option_names(capsys, args, message):
 # ---- unknown benchmark options name the close ones, as click's commands do -----------------------------
 
 @pytest.mark.parametrize("args, close", [
-    (("--num-prompts", "4"), "--num-seqs"),            # vLLM's bench throughput name
-    (("--input-len", "32"), "--max-input-len"),
+    (("--dataset-path", "x.json"), "--dataset-name"),   # vLLM's bench throughput name (minillm reads no dataset file)
+    (("--input-length", "32"), "--input-len"),
     (("--tempreature", "0"), "--temperature"),
 ])
 def test_an_unknown_bench_option_names_the_close_ones(capsys, args, close):
