@@ -167,6 +167,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(each poll costs the engine a snapshot between two steps: trace a separate run).")
     p.add_argument("--step-trace-interval", type=float, default=0.15, metavar="S",
                    help="Seconds between two --step-trace polls (a snapshot holds the last 32 steps).")
+    p.add_argument("--percentile-metrics", type=percentile_metrics, default="ttft,tpot,itl",
+                   metavar="M1,M2,...", help=f"The metrics ({', '.join(METRICS)}) whose mean, median and "
+                                             "percentiles are printed and saved, as vLLM's.")
+    p.add_argument("--metric-percentiles", type=metric_percentiles, default="99", metavar="P1,P2,...",
+                   help="The percentiles of each of --percentile-metrics (e.g. 25,50,90,99), as vLLM's.")
     args = p.parse_args(argv)
     if args.mixed_users is not None and (args.mixed_users < 1 or args.long_input_len < 1 or args.long_output_len < 1
                                          or args.long_every_s <= 0 or args.duration <= 0):
@@ -226,6 +231,41 @@ OPTION_BOUNDS = {
     "long_output_len": (1, MAX_TOKENS), "timeout": (None, MAX_SECONDS, "seconds"),
     "long_every_s": (None, MAX_SECONDS, "seconds"), "duration": (None, MAX_SECONDS, "seconds"),
 }
+
+
+# The metrics --percentile-metrics may select, with their names as printed and vLLM's section titles.
+METRICS = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
+           "itl": ("ITL", "Inter-token Latency"), "e2el": ("E2EL", "End-to-end Latency")}
+
+
+def percentile_metrics(text: str) -> list[str]:
+    """--percentile-metrics: metric names of METRICS, separated by commas (each once, in the order given)."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected metric names separated by commas ({','.join(METRICS)}), "
+                                         f"got {text!r}")
+    unknown = next((name for name in names if name not in METRICS), None)
+    if unknown is not None:
+        raise argparse.ArgumentTypeError(f"unknown metric {unknown!r}; the metrics are {', '.join(METRICS)}")
+    return list(dict.fromkeys(names))
+
+
+def metric_percentiles(text: str) -> list[float]:
+    """--metric-percentiles: numbers in [0, 100] separated by commas (each once, in the order given)."""
+    try:
+        values = [float(piece) for piece in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas (e.g. 25,50,99), got {text!r}"
+                                         ) from None
+    bad = next((v for v in values if not 0 <= v <= 100), None)      # NaN too
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"each percentile must be in [0, 100], got {percentile_word(bad)}")
+    return list(dict.fromkeys(values))
+
+
+def percentile_word(p: float) -> str:
+    """A percentile as vLLM names it in its figures: 99 (not 99.0), 99.9."""
+    return str(int(p)) if p == p and p not in (float("inf"), float("-inf")) and int(p) == p else str(p)
 
 
 # vLLM's --backend names for the APIs this client speaks, and the endpoint each sends to.
@@ -649,7 +689,7 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     results = [r for part in parts for r in part.results]
     start = min(p.start for p in parts)
     summary = summarize(base_url.rstrip("/"), args.num_prompts, results, max(p.end for p in parts) - start,
-                        sum(p.cpu_s for p in parts))
+                        sum(p.cpu_s for p in parts), args.metric_percentiles)
     if args.save_detailed:
         summary.requests = [request_detail(r, start, client) for client, part in enumerate(parts) for r in part.results]
         summary.start_monotonic_s = start      # to line the requests up with the server's own logs
@@ -670,10 +710,12 @@ def request_detail(r: RequestResult, run_start: float, client: int = 0) -> dict:
             "output_tokens": r.output_tokens, "error": r.error or None}
 
 
-def _percentiles(values: list[float]) -> dict:
-    """mean / median / p99 (and std) in milliseconds."""
+def _percentiles(values: list[float], percentiles: list[float] = ()) -> dict:
+    """mean / median / p99 (and std) in milliseconds, and each of percentiles as "p25", "p99.9", ...
+    (interpolated linearly between the closest ranks, as vLLM's np.percentile; all 0 for no value)."""
     if not values:
-        return {"mean": 0.0, "median": 0.0, "p99": 0.0, "std": 0.0}
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0, "std": 0.0, **{f"p{percentile_word(q)}": 0.0
+                                                                        for q in percentiles}}
     ordered = sorted(v * 1000 for v in values)
 
     def pct(q: float) -> float:
@@ -683,12 +725,30 @@ def _percentiles(values: list[float]) -> dict:
 
     mean = sum(ordered) / len(ordered)
     std = (sum((v - mean) ** 2 for v in ordered) / len(ordered)) ** 0.5
-    return {"mean": mean, "median": pct(50), "p99": pct(99), "std": std}
+    return {"mean": mean, "median": pct(50), "p99": pct(99), "std": std,
+            **{f"p{percentile_word(q)}": pct(q) for q in percentiles}}
+
+
+def vllm_metric_figures(r: BenchmarkResult, metrics: list[str], percentiles: list[float]) -> dict:
+    """The figures `vllm bench serve` saves for each selected metric: mean_ttft_ms, median_ttft_ms,
+    std_ttft_ms and p25_ttft_ms, p99_ttft_ms, ... for each of percentiles."""
+    out = {}
+    for metric in metrics:
+        figures = getattr(r, f"{metric}_ms")
+        for stat in ("mean", "median", "std", *(f"p{percentile_word(q)}" for q in percentiles)):
+            out[f"{stat}_{metric}_ms"] = figures[stat]
+    return out
+
+
+def result_record(r: BenchmarkResult, args: argparse.Namespace) -> dict:
+    """One server's result as saved: its fields, and vLLM's names of the selected metrics' figures."""
+    return {**asdict(r), **vllm_metric_figures(r, args.percentile_metrics, args.metric_percentiles)}
 
 
 def summarize(base_url: str, num_prompts: int, results: list[RequestResult], duration: float,
-              client_cpu_s: float = 0.0) -> BenchmarkResult:
-    """Turn per-request measurements into throughput and latency figures."""
+              client_cpu_s: float = 0.0, percentiles: list[float] = ()) -> BenchmarkResult:
+    """Turn per-request measurements into throughput and latency figures (percentiles: those kept
+    beside the median and p99 of each latency)."""
     ok = [r for r in results if r.ok]
     tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     total_in = sum(r.prompt_tokens for r in ok)
@@ -698,8 +758,9 @@ def summarize(base_url: str, num_prompts: int, results: list[RequestResult], dur
         duration_s=duration, total_input_tokens=total_in, total_output_tokens=total_out,
         request_throughput=len(ok) / duration, output_throughput=total_out / duration,
         total_token_throughput=(total_in + total_out) / duration,
-        ttft_ms=_percentiles([r.ttft_s for r in ok]), tpot_ms=_percentiles(tpot),
-        itl_ms=_percentiles([x for r in ok for x in r.itl_s]), e2el_ms=_percentiles([r.latency_s for r in ok]),
+        ttft_ms=_percentiles([r.ttft_s for r in ok], percentiles), tpot_ms=_percentiles(tpot, percentiles),
+        itl_ms=_percentiles([x for r in ok for x in r.itl_s], percentiles),
+        e2el_ms=_percentiles([r.latency_s for r in ok], percentiles),
         errors=sorted({r.error for r in results if not r.ok})[:5],
         total_chunks=sum(r.num_chunks for r in ok), client_cpu_s=client_cpu_s)
 
@@ -764,9 +825,12 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
                                               for r in results]),
         ("Client CPU per output token (us)", [_cpu_per_token(r) for r in results]),
     ]
-    for title, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2EL", "e2el_ms")):
-        for stat in ("mean", "median", "p99"):
-            rows.append((f"{stat.capitalize()} {title} (ms)", [f"{getattr(r, key)[stat]:.2f}" for r in results]))
+    for metric in args.percentile_metrics:          # as vLLM prints them: a section each, mean, median, P...
+        title, header = METRICS[metric]
+        rows.append((f"{header:-^60}", []))
+        for stat in ("mean", "median", *(f"p{percentile_word(q)}" for q in args.metric_percentiles)):
+            rows.append((f"{stat.capitalize()} {title} (ms)",
+                         [f"{getattr(r, f'{metric}_ms')[stat]:.2f}" for r in results]))
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
     lines = [f"Traffic: request rate {rate} req/s, max concurrency {args.max_concurrency or 'none'}, "
              f"{args.num_prompts} prompts, input {args.input_len} / output {args.output_len} tokens",
@@ -774,7 +838,7 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
     if len(results) > 1:
         lines.append(f"{'':<36}{'server':>12}{'peer':>12}")
     for name, values in rows:
-        lines.append(f"{name + ':':<36}" + "".join(f"{v:>12}" for v in values))
+        lines.append(f"{name + ':':<36}" + "".join(f"{v:>12}" for v in values) if values else name)
     if len(results) > 1 and results[1].output_throughput > 0:
         ratio = results[0].output_throughput / results[1].output_throughput
         lines.append(f"{'Output throughput vs peer:':<36}{ratio:>12.2f}x")
@@ -858,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         if args.result_file:
             with open(args.result_file, "w", encoding="utf-8") as f:
-                json.dump({"args": saved_args, "sweep": [{"max_concurrency": level, "result": asdict(r),
+                json.dump({"args": saved_args, "sweep": [{"max_concurrency": level, "result": result_record(r, args),
                                                           "offline_ceiling_tok_s": c} for level, r, c in rows]},
                           f, indent=2, default=str)
         return 0 if all(r.failed == 0 for _, r, _ in rows) else 1
@@ -868,7 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_results(results, args, ceiling))
     if args.result_file:
         with open(args.result_file, "w", encoding="utf-8") as f:
-            json.dump({"args": saved_args, "results": [asdict(r) for r in results], "offline_ceiling_tok_s": ceiling},
+            json.dump({"args": saved_args, "results": [result_record(r, args) for r in results],
+                       "offline_ceiling_tok_s": ceiling},
                       f, indent=2, default=str)
     return 0 if all(r.failed == 0 for r in results) else 1
 
