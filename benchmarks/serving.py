@@ -18,6 +18,8 @@ N processes, so that the client is never what limits a fast server.
 
     minillm bench serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
         --input-len 128 --output-len 128 --request-rate 16
+    minillm bench serve --host 127.0.0.1 --port 8000 --dataset-name random --random-input-len 128 \
+        --random-output-len 128 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99
     python -m benchmarks.serving --num-prompts 256 --input-len 32 --output-len 128 \
         --concurrency-sweep 1,16,64,256 --offline-model MODEL --offline-arg device=cpu
     python -m benchmarks.serving --mixed-users 64 --input-len 512 --output-len 512 \
@@ -34,6 +36,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import re
 import resource
 import sys
 import time
@@ -46,7 +49,7 @@ import msgspec
 
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, BenchError, BenchParser,
                                          check_bounds, check_output_file, check_workload_tokens, run_main)
-from minillm.urls import authorization_headers
+from minillm.urls import authorization_headers, http_url, server_base_url
 
 WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
          "ran", "saw", "played", "with", "and", "friend", "park", "ball", "day", "mom", "said", "home")
@@ -103,7 +106,10 @@ class BenchmarkResult:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options."""
     p = BenchParser("minillm bench serving", __doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="The server to measure.")
+    p.add_argument("--base-url", default=None, help="The server to measure, http://HOST:PORT when not given  "
+                                                     "[default: http://127.0.0.1:8000]")
+    p.add_argument("--host", default=None, help="The server's host, without --base-url (default: 127.0.0.1).")
+    p.add_argument("--port", type=int, default=None, help="The server's port, without --base-url (default: 8000).")
     p.add_argument("--peer-base-url", default=None, help="A second server to run the same workload against.")
     p.add_argument("--endpoint", default=None, choices=["/v1/completions", "/v1/chat/completions"],
                    help="The API each request goes to (default: /v1/completions; /v1/chat/completions with "
@@ -196,6 +202,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0 <= lo < hi:
         p.error(f"--vocab-range LO HI needs 0 <= LO < HI (the prompts' token ids are drawn from [LO, HI)), "
                 f"got {lo} {hi}")
+    resolve_base_url(p, args)
     from minillm.urls import check_server_url
     for option, url in (("--base-url", args.base_url), ("--peer-base-url", args.peer_base_url)):
         if url is not None:
@@ -231,6 +238,30 @@ OPTION_BOUNDS = {
     "long_output_len": (1, MAX_TOKENS), "timeout": (None, MAX_SECONDS, "seconds"),
     "long_every_s": (None, MAX_SECONDS, "seconds"), "duration": (None, MAX_SECONDS, "seconds"),
 }
+
+
+def resolve_base_url(p: BenchParser, args: argparse.Namespace) -> None:
+    """args.base_url from --host and --port when it is not given, as vLLM builds it (http://HOST:PORT,
+    an IPv6 host in brackets); a usage error naming both when --host or --port names another server
+    than --base-url, or when either cannot be one."""
+    if args.port is not None and not 1 <= args.port <= 65535:
+        p.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.host is not None and not re.fullmatch(r"\[?[\w.:%-]+\]?", args.host.strip()):
+        p.error(f"--host {args.host!r} is not a host name or an IP address")
+    host = (args.host or "127.0.0.1").strip().strip("[]")
+    port = args.port if args.port is not None else 8000
+    if args.base_url is None:
+        args.base_url = http_url(host, port)
+        return
+    try:
+        parts = urllib.parse.urlsplit(server_base_url(args.base_url))
+        url_host, url_port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return                       # a bad --base-url is named by its own check
+    if args.host is not None and url_host != host.lower():
+        p.error(f"--host {args.host} and --base-url {args.base_url} name different servers; give one of them")
+    if args.port is not None and url_port != port:
+        p.error(f"--port {args.port} and --base-url {args.base_url} name different servers; give one of them")
 
 
 # The metrics --percentile-metrics may select, with their names as printed and vLLM's section titles.

@@ -1,9 +1,10 @@
 """minillm bench serving driven with vLLM's `vllm bench serve` options: --percentile-metrics and
---metric-percentiles (printed and saved as vLLM prints and saves them)."""
+--metric-percentiles (printed and saved as vLLM prints and saves them), and --host / --port."""
 from __future__ import annotations
 
 import json
 import re
+import urllib.parse
 
 import pytest
 from test_server_helpers import running_server
@@ -91,3 +92,43 @@ def test_a_bad_percentile_option_exits_2_from_the_command_line(capsys):
     assert status == 2
     assert err.strip() == ("minillm bench serving: error: argument --metric-percentiles: each percentile must be in "
                            "[0, 100], got 200 (try 'minillm bench serving --help')")
+
+
+# ---- --host and --port -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, base_url", [
+    ([], "http://127.0.0.1:8000"),
+    (["--port", "9001"], "http://127.0.0.1:9001"),
+    (["--host", "::1", "--port", "9001"], "http://[::1]:9001"),
+    (["--host", "example.org"], "http://example.org:8000"),
+    (["--base-url", "http://127.0.0.1:8000", "--port", "8000"], "http://127.0.0.1:8000"),
+    (["--base-url", "http://LocalHost:8000", "--host", "localhost"], "http://LocalHost:8000"),
+    (["--base-url", "http://example.org", "--port", "80"], "http://example.org"),
+])
+def test_host_and_port_build_the_base_url_as_vllm_does(args, base_url):
+    assert bench.parse_args(args).base_url == base_url
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--base-url", "http://127.0.0.1:8000", "--port", "9000"],
+     "--port 9000 and --base-url http://127.0.0.1:8000 name different servers"),
+    (["--base-url", "http://localhost:8000", "--host", "127.0.0.1"],
+     "--host 127.0.0.1 and --base-url http://localhost:8000 name different servers"),
+    (["--port", "0"], "--port must be in [1, 65535], got 0"),
+    (["--port", "65536"], "--port must be in [1, 65535], got 65536"),
+    (["--host", "a b"], "--host 'a b' is not a host name or an IP address"),
+    (["--host", "h/x"], "--host 'h/x' is not a host name or an IP address"),
+])
+def test_host_and_port_that_cannot_be_are_usage_errors_naming_them(args, message):
+    with pytest.raises(BenchUsageError) as info:
+        bench.parse_args(args)
+    assert message in info.value.message, info.value.message
+
+
+def test_a_run_given_host_and_port_measures_that_server(server, capsys):
+    url, _ = server
+    parts = urllib.parse.urlsplit(url)
+    status = bench.main(["--host", parts.hostname, "--port", str(parts.port), "--num-prompts", "2",
+                         "--random-input-len", "4", "--random-output-len", "2"])
+    assert status == 0
+    assert re.search(r"Successful requests:\s+2\n", capsys.readouterr().out)
