@@ -35,6 +35,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import re
 import resource
@@ -42,7 +43,7 @@ import sys
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import httpx
 import msgspec
@@ -178,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                              "percentiles are printed and saved, as vLLM's.")
     p.add_argument("--metric-percentiles", type=metric_percentiles, default="99", metavar="P1,P2,...",
                    help="The percentiles of each of --percentile-metrics (e.g. 25,50,90,99), as vLLM's.")
+    p.add_argument("--disable-tqdm", action="store_true",
+                   help="No progress bar (one is drawn on stderr when it is a terminal).")
     args = p.parse_args(argv)
     if args.mixed_users is not None and (args.mixed_users < 1 or args.long_input_len < 1 or args.long_output_len < 1
                                          or args.long_every_s <= 0 or args.duration <= 0):
@@ -646,9 +649,10 @@ def client_shares(args: argparse.Namespace) -> list[ClientShare]:
     return shares
 
 
-async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare, barrier=None) -> ShareResult:
+async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare, barrier=None,
+                    done: Callable[[], None] | None = None) -> ShareResult:
     """Drive one share of the workload against one server (after `barrier`, when given, lets every
-    client process start together)."""
+    client process start together); `done`, when given, is called as each request ends."""
     base_url = base_url.rstrip("/")
     headers = authorization_headers(args.api_key)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
@@ -658,10 +662,11 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
 
     async def one(i: int) -> RequestResult:
         body = request_body(args, model, prompts[i])
-        if gate is None:
-            return await send_request(base_url + args.endpoint, body, headers, args.timeout)
-        async with gate:
-            return await send_request(base_url + args.endpoint, body, headers, args.timeout)
+        async with gate or contextlib.nullcontext():
+            result = await send_request(base_url + args.endpoint, body, headers, args.timeout)
+        if done is not None:
+            done()
+        return result
 
     if barrier is not None:
         barrier.wait()
@@ -672,25 +677,41 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
     return ShareResult(list(results), start, time.monotonic(), _cpu_seconds() - cpu)
 
 
-def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare, barrier, out, w: int) -> None:
-    """A client process's entry point: its share's result, or the error, goes to `out` with its index `w`."""
+def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare, barrier, out, w: int,
+                    num_done=None) -> None:
+    """A client process's entry point: its share's result, or the error, goes to `out` with its index `w`;
+    each request that ends adds one to `num_done` (a shared integer) when given."""
+    def done() -> None:
+        with num_done.get_lock():
+            num_done.value += 1
+
     try:
-        out.put((w, asyncio.run(run_share(args, base_url, share, barrier))))
+        out.put((w, asyncio.run(run_share(args, base_url, share, barrier, done if num_done is not None else None))))
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         barrier.abort()
         out.put((w, BenchError(f"a client process failed: {type(exc).__name__}: {exc}")))
 
 
-def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare]) -> list[ShareResult]:
-    """Each share in its own spawned process, all starting together; their results in the shares' order."""
+def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare], bar=None) -> list[ShareResult]:
+    """Each share in its own spawned process, all starting together; their results in the shares' order.
+    bar: a progress bar, brought up to the requests the processes have ended while they run."""
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(len(shares)), ctx.Queue()
-    procs = [ctx.Process(target=_client_process, args=(args, base_url, share, barrier, out, w), daemon=True)
-             for w, share in enumerate(shares)]
+    num_done = ctx.Value("q", 0) if bar is not None else None
+    procs = [ctx.Process(target=_client_process, args=(args, base_url, share, barrier, out, w, num_done),
+                         daemon=True) for w, share in enumerate(shares)]
     for proc in procs:
         proc.start()
     try:
-        got = dict(out.get() for _ in procs)
+        got: dict = {}
+        while len(got) < len(procs):
+            try:
+                w, item = out.get(timeout=None if bar is None else 0.1)
+                got[w] = item
+            except queue.Empty:
+                pass
+            if bar is not None:
+                bar.update(num_done.value - bar.n)
     finally:
         for proc in procs:
             proc.join(10)
@@ -705,18 +726,21 @@ def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare
 def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
     """Drive the whole workload against one server, from --num-client-processes processes (one: this one)."""
     shares = client_shares(args)
+    bar = progress_bar(args, args.num_prompts)
     tracer = None
     if args.step_trace:
         from minillm.benchmarks.step_trace import StepTracer
         tracer = StepTracer(base_url, args.step_trace_interval, authorization_headers(args.api_key)).start()
     try:
         if len(shares) == 1:
-            parts = [asyncio.run(run_share(args, base_url, shares[0]))]
+            parts = [asyncio.run(run_share(args, base_url, shares[0], done=None if bar is None else bar.update))]
         else:
-            parts = run_shares(args, base_url, shares)
+            parts = run_shares(args, base_url, shares, bar)
     finally:
         if tracer is not None:
             tracer.stop()
+        if bar is not None:
+            bar.close()
     results = [r for part in parts for r in part.results]
     start = min(p.start for p in parts)
     summary = summarize(base_url.rstrip("/"), args.num_prompts, results, max(p.end for p in parts) - start,
@@ -730,6 +754,15 @@ def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
             print(f"--step-trace: {base_url.rstrip('/')}/v1/stats answered no poll "
                   f"({tracer.errors[-1] if tracer.errors else 'none made'}); no steps kept", file=sys.stderr)
     return summary
+
+
+def progress_bar(args: argparse.Namespace, total: int):
+    """A tqdm bar of the requests ended, on stderr when it is a terminal, as vLLM draws one (None with
+    --disable-tqdm, or when stderr is a file or a pipe: the bar's redraws would fill it)."""
+    if args.disable_tqdm or sys.stderr is None or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm       # comes with huggingface-hub
+    return tqdm(total=total, file=sys.stderr, unit="req", dynamic_ncols=True)
 
 
 def request_detail(r: RequestResult, run_start: float, client: int = 0) -> dict:
@@ -912,8 +945,8 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
 def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult, float | None]], str]:
     """The workload at each concurrency of the sweep against the server, then the ceiling at each."""
     # One request first, untimed, as `vllm bench serve` does: first-call costs are not throughput.
-    benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1, "step_trace": False}),
-              args.base_url)
+    benchmark(argparse.Namespace(**{**vars(args), "num_prompts": 1, "max_concurrency": 1, "step_trace": False,
+                                    "disable_tqdm": True}), args.base_url)
     results = []
     for level in args.concurrency_sweep:
         results.append((level, benchmark(argparse.Namespace(**{**vars(args), "max_concurrency": level}),

@@ -1,9 +1,12 @@
 """minillm bench serving driven with vLLM's `vllm bench serve` options: --percentile-metrics and
---metric-percentiles (printed and saved as vLLM prints and saves them), and --host / --port."""
+--metric-percentiles (printed and saved as vLLM prints and saves them), --host / --port, and the
+progress bar on a terminal (--disable-tqdm)."""
 from __future__ import annotations
 
+import io
 import json
 import re
+import sys
 import urllib.parse
 
 import pytest
@@ -132,3 +135,34 @@ def test_a_run_given_host_and_port_measures_that_server(server, capsys):
                          "--random-input-len", "4", "--random-output-len", "2"])
     assert status == 0
     assert re.search(r"Successful requests:\s+2\n", capsys.readouterr().out)
+
+
+# ---- the progress bar ------------------------------------------------------------------------------------
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("extra, shown", [([], True), (["--disable-tqdm"], False),
+                                          (["--num-client-processes", "2"], True)])
+def test_a_progress_bar_is_drawn_on_a_terminal_unless_disabled(server, monkeypatch, capsys, extra, shown):
+    url, _ = server
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    status = bench.main(["--base-url", url, "--num-prompts", "3", "--random-input-len", "4",
+                         "--random-output-len", "2", *extra])
+    assert status == 0
+    drawn = terminal.getvalue()
+    assert ("3/3" in drawn) is shown, drawn
+    assert "3/3" not in capsys.readouterr().out       # never on stdout, which holds the results
+
+
+def test_no_progress_bar_when_stderr_is_no_terminal(server, capsys):
+    url, _ = server
+    status = bench.main(["--base-url", url, "--num-prompts", "2", "--random-input-len", "4",
+                         "--random-output-len", "2"])
+    assert status == 0
+    assert capsys.readouterr().err == ""
