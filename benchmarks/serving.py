@@ -207,10 +207,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"got {lo} {hi}")
     resolve_base_url(p, args)
     from minillm.urls import check_server_url
-    for option, url in (("--base-url", args.base_url), ("--peer-base-url", args.peer_base_url)):
-        if url is not None:
-            try:
-                check_server_url(url, option)
+    for option, attr in (("--base-url", "base_url"), ("--peer-base-url", "peer_base_url")):
+        if getattr(args, attr) is not None:
+            try:       # the server's root: a URL given with /v1 (as OpenAI clients take it) loses it
+                setattr(args, attr, check_server_url(getattr(args, attr), option))
             except ValueError as exc:
                 p.error(str(exc))
     try:

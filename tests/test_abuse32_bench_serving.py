@@ -166,3 +166,10 @@ def test_no_progress_bar_when_stderr_is_no_terminal(server, capsys):
                          "--random-output-len", "2"])
     assert status == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_base_url_given_with_v1_is_the_servers_root():
+    # OpenAI clients take http://host:port/v1; the benchmark kept it, then asked for /v1/v1/models.
+    from minillm.benchmarks import serving
+    args = serving.parse_args(["--base-url", "http://127.0.0.1:8000/v1", "--peer-base-url", "127.0.0.1:9/v1/"])
+    assert (args.base_url, args.peer_base_url) == ("http://127.0.0.1:8000", "http://127.0.0.1:9")
