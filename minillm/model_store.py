@@ -271,10 +271,14 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
     store = model_store(download_dir)
     offline = _is_offline()
     try:
+        ignore = None
         if not offline:
-            _ask_hub(repo_id, revision)
+            ignore = weights_left_out(repo_id, _ask_hub(repo_id, revision))
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(store),
-                                      allow_patterns=DOWNLOAD_PATTERNS, local_files_only=offline))
+                                      allow_patterns=DOWNLOAD_PATTERNS, ignore_patterns=ignore,
+                                      local_files_only=offline))
+    except NoSafetensors:
+        raise
     except Exception as e:   # offline, no such repo, gated repo, network error: all end the same way
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         reason = reason if len(reason) <= 200 else reason[:197] + "..."
@@ -303,15 +307,39 @@ class HubUnreachable(ConnectionError):
 _NETWORK_ERRORS = {"TimeoutException", "NetworkError", "ConnectError", "ConnectionError", "ProxyError", "Timeout"}
 
 
-def _ask_hub(repo_id: str, revision: str | None) -> None:
-    """The Hub's record of REPO_ID, asked within $HF_HUB_ETAG_TIMEOUT seconds (10 by default), as
-    huggingface_hub bounds its own metadata requests; HubUnreachable when no answer comes. snapshot_download
-    asks the same with no timeout, so a Hub that takes the connection and never answers held it forever."""
+class NoSafetensors(RuntimeError):
+    """A repo whose weights are all in another format (pytorch_model.bin, GGUF): nothing minillm reads."""
+
+
+def weights_left_out(repo_id: str, files: list[str] | None) -> list[str] | None:
+    """The ignore patterns for a repo of these files (None: the Hub did not list them): a Mistral
+    repo's consolidated.safetensors, a second copy of the weights beside the Hugging Face shards that
+    minillm never reads (vLLM leaves it out likewise); NoSafetensors when no weights are safetensors."""
+    if files is None:
+        return None
+    safetensors = [f for f in files if f.endswith(".safetensors")]
+    if not safetensors:
+        other = [f for f in files if f.endswith((".bin", ".pt", ".pth", ".gguf", ".ckpt"))]
+        if other:
+            raise NoSafetensors(f"{repo_id} has no safetensors weights ({', '.join(sorted(other)[:3])}"
+                                f"{', ...' if len(other) > 3 else ''}); minillm reads safetensors checkpoints: "
+                                f"pick a repo that has them, or convert (transformers' "
+                                f"save_pretrained(..., safe_serialization=True))")
+        return None
+    hf = [f for f in safetensors if not Path(f).name.startswith("consolidated")]
+    return ["consolidated*.safetensors", "*/consolidated*.safetensors"] if hf and len(hf) < len(safetensors) else None
+
+
+def _ask_hub(repo_id: str, revision: str | None) -> list[str] | None:
+    """The files of the Hub's record of REPO_ID (None where it lists none), asked within
+    $HF_HUB_ETAG_TIMEOUT seconds (10 by default), as huggingface_hub bounds its own metadata requests;
+    HubUnreachable when no answer comes. snapshot_download asks the same with no timeout, so a Hub that
+    takes the connection and never answers held it forever."""
     from huggingface_hub import HfApi, constants
 
     timeout = _etag_timeout()
     try:
-        HfApi().model_info(repo_id, revision=revision, timeout=timeout)
+        info = HfApi().model_info(repo_id, revision=revision, timeout=timeout)
     except Exception as exc:
         cause = _network_error(exc)
         if cause is None:
@@ -323,6 +351,8 @@ def _ask_hub(repo_id: str, revision: str | None) -> None:
             what = f"cannot be reached ({type(cause).__name__}: {' '.join(str(cause).split()) or 'no answer'})"
         raise HubUnreachable(f"the Hugging Face Hub at {endpoint} {what}; check the network and $HF_ENDPOINT, "
                              f"or set HF_HUB_OFFLINE=1 to run only models already in the store") from None
+    siblings = getattr(info, "siblings", None)
+    return None if siblings is None else [sibling.rfilename for sibling in siblings]
 
 
 def _etag_timeout() -> float:
