@@ -20,6 +20,7 @@ import dataclasses
 import logging
 from collections import Counter, defaultdict
 import os
+import shutil
 import signal
 import sys
 import time
@@ -243,6 +244,7 @@ class EngineCoreProc:
         # new one's. The last is the one an abort or a stop string can still reach.
         self.client_of: dict[str, list[int]] = {}
         self.finished = Counter()               # final reasons the API servers reported
+        self.orphaned = False                   # the process that started us went without stopping us
 
     def send(self, message: Any, client: int = 0) -> None:
         """Send a message to one API server (raises ConnectionError once it is gone)."""
@@ -305,6 +307,7 @@ class EngineCoreProc:
             timeout = None if wait is None else max(1, int(wait * 1000))
         events = dict(self.poller.poll(timeout))
         if self.spec.parent_pipe.fileno() in events:
+            self.orphaned = True
             return False    # the API server's process has gone: nobody to serve
         if self.input in events and not self.run_commands():
             return False
@@ -394,6 +397,14 @@ def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, list[zmq.Soc
     return input_sock, output_socks
 
 
+def remove_socket_dir(addresses: list[str]) -> None:
+    """Remove the private directory of these ipc:// sockets (the one CoreProcess made), if it is one."""
+    dirs = {os.path.dirname(a.removeprefix("ipc://")) for a in addresses if a.startswith("ipc://")}
+    for path in dirs:
+        if os.path.basename(path).startswith("minillm-core-"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run_engine_core(spec: CoreSpec) -> None:
     """The core process's entry point: build the engine, say Ready, serve; exit 1 on a fatal failure."""
     # Ctrl-C, or a supervisor's SIGTERM, may reach the whole process group: the API server handles
@@ -434,6 +445,8 @@ def run_engine_core(spec: CoreSpec) -> None:
                 pass
         finally:
             engine.shutdown()
+            if proc.orphaned:      # killed outright, the starter could not remove our socket directory
+                remove_socket_dir(spec.input_addresses + spec.output_addresses)
     finally:
         input_sock.close()
         for sock in output_socks:
