@@ -3,6 +3,7 @@ when no decode server takes it, a client that leaves a non-streamed request, a p
 takes no part in KV transfers, and backend URLs that carry a password."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -65,13 +66,15 @@ class Backend(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
 
-@pytest.fixture
-def backend():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Backend)
+@contextlib.contextmanager
+def prefill_backend(handler, **attributes):
+    """(URL, server) of a fake prefill server: handler over HTTP, a lease table and a transfer endpoint."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
     server.leases = LeaseTable(30.0)
     server.endpoint = TransferEndpoint("127.0.0.1", 0, "engine", server.leases, {})
-    server.taken, server.closed = threading.Event(), threading.Event()
+    for name, value in attributes.items():
+        setattr(server, name, value)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}", server
@@ -79,6 +82,12 @@ def backend():
         server.shutdown()
         server.server_close()
         server.endpoint.close()
+
+
+@pytest.fixture
+def backend():
+    with prefill_backend(Backend, taken=threading.Event(), closed=threading.Event()) as both:
+        yield both
 
 
 def free_port() -> int:

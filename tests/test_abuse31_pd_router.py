@@ -10,17 +10,14 @@ import asyncio
 import io
 import json
 import socket
-import threading
-from http.server import ThreadingHTTPServer
 
 import httpx
 import msgspec
 import pytest
-from test_abuse29_pd_router import BODY as FAKE_BODY, Backend
+from test_abuse29_pd_router import BODY as FAKE_BODY, Backend, prefill_backend
 from test_server_helpers import get_stats, openai_error, running_router, running_server, wait_for
 
-from minillm.kv_connector.endpoint import ClaimClient, KVRelease, Message, TransferEndpoint
-from minillm.kv_connector.lease import LeaseTable
+from minillm.kv_connector.endpoint import ClaimClient, KVRelease, Message
 from minillm.router import RouterConfig
 
 BODY = {"model": "stories", "prompt": "Once upon a time there was a little girl named Lily who loved to play",
@@ -90,18 +87,8 @@ class ClaimingBackend(Backend):
 
 @pytest.fixture
 def claiming_backend():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), ClaimingBackend)
-    server.daemon_threads = True
-    server.leases = LeaseTable(30.0)
-    server.endpoint = TransferEndpoint("127.0.0.1", 0, "engine", server.leases, {})
-    server.grants = []
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server
-    finally:
-        server.shutdown()
-        server.server_close()
-        server.endpoint.close()
+    with prefill_backend(ClaimingBackend, grants=[]) as both:
+        yield both
 
 
 def test_a_client_that_leaves_never_releases_a_lease_the_decode_server_claimed(claiming_backend):
