@@ -38,6 +38,8 @@ _COUNTERS = (
     ("minillm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
     ("minillm:prompt_tokens", "Number of prompt tokens: each request's whole prompt, once.", "prompt_tokens_total"),
     ("minillm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"),
+    ("minillm:prefill_tokens", "Number of prompt tokens computed, counting those recomputed after a preemption.",
+     "prefill_tokens_total"),
 )
 
 
@@ -87,9 +89,7 @@ def prompt_token_families(stats: EngineStats, model_name: str):
     cached = stats.prompt_tokens_by_source.get("local_cache_hit", 0) \
         + stats.prompt_tokens_by_source.get("external_kv_transfer", 0)
     yield from _one_value_families(CounterMetricFamily, model_name, (
-        ("minillm:prompt_tokens_cached", "Number of cached prompt tokens (prefix cache or KV connector).", cached),
-        ("minillm:prefill_tokens", "Number of prompt tokens computed, counting those recomputed after a "
-         "preemption.", stats.prefill_tokens_total)))
+        ("minillm:prompt_tokens_cached", "Number of cached prompt tokens (prefix cache or KV connector).", cached),))
 
 
 def kv_offload_families(stats: EngineStats, model_name: str):
