@@ -1,6 +1,7 @@
 """Log-probabilities in OpenAI's two shapes (legacy completions, chat's content), and vLLM's prompt_logprobs."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from minillm.output_processor import ranked_logprobs
@@ -25,15 +26,20 @@ class LogprobRow(NamedTuple):
 class TokenTexts:
     """Token id -> its text as it reads after a neighbour (keeps sentencepiece's leading space)."""
 
+    # Keys are (previous, token) pairs, so the vocabulary does not bound them: the least recently
+    # read pairs go first. A few thousand cover the tokens and alternatives of the requests in flight.
+    MAX_ENTRIES = 4096
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._cache: dict[tuple[int, int], str] = {}
+        self._cache: OrderedDict[tuple[int, int], str] = OrderedDict()
 
     def text(self, prev_id: int | None, token_id: int) -> str:
         """The text token_id adds after prev_id (decoded in that context, specials kept)."""
         key = (-1 if prev_id is None else prev_id, token_id)
         cached = self._cache.get(key)
         if cached is not None:
+            self._cache.move_to_end(key)
             return cached
         decode = self.tokenizer.decode
         if prev_id is None:
@@ -42,8 +48,9 @@ class TokenTexts:
             head = decode([prev_id], skip_special_tokens=False)
             both = decode([prev_id, token_id], skip_special_tokens=False)
             text = both[len(head):] if both.startswith(head) else decode([token_id], skip_special_tokens=False)
-        if len(self._cache) < 200_000:
-            self._cache[key] = text
+        self._cache[key] = text
+        if len(self._cache) > self.MAX_ENTRIES:
+            self._cache.popitem(last=False)
         return text
 
 
