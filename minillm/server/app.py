@@ -23,6 +23,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -204,8 +205,12 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
                        param="response_id", code="response_not_found")
 
     def model_card(name: str) -> dict:
-        return {"id": name, "object": "model", "created": int(time.time()), "owned_by": "minillm",
-                "root": str(ctx.engine.config.model), "max_model_len": ctx.engine.max_model_len}
+        # vLLM's ModelCard: parent names a LoRA adapter's base model (none here), permission is one
+        # ModelPermission of its defaults.
+        created = int(time.time())
+        return {"id": name, "object": "model", "created": created, "owned_by": "minillm",
+                "root": str(ctx.engine.config.model), "parent": None, "max_model_len": ctx.engine.max_model_len,
+                "permission": [model_permission(created)]}
 
     _document_request_bodies(app, {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
                                    "/v1/responses": ResponsesRequest, "/v1/messages": MessagesRequest})
@@ -218,6 +223,14 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def model(model: str):
         ctx.check_model(model)
         return model_card(model)
+
+
+def model_permission(created: int) -> dict:
+    """vLLM's ModelPermission with its defaults (what OpenAI's model objects once carried)."""
+    return {"id": f"modelperm-{uuid.uuid4().hex}", "object": "model_permission", "created": created,
+            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+            "organization": "*", "group": None, "is_blocking": False}
 
 
 def _document_request_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
