@@ -247,6 +247,7 @@ class GrammarProcess:
         self.spec = spec = GrammarProcessSpec(tokenizer_json, int(vocab_size), [int(i) for i in eos_token_ids],
                                               self._masks.shm.name, num_rows, num_fill_threads)
         self._conn, self._proc = _start(spec)
+        _reap_when_gone(self._proc)
         self._generation = next(_generations)      # a grammar's remote_id names the process it was sent to
         self._next_handle = self._next_gid = 0
         self._compiled: dict[int, Answer] = {}
@@ -462,8 +463,28 @@ class GrammarProcess:
             self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self._proc.kill()
-            self._proc.wait()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:    # only a _reap thread frozen at exit inside poll() holds it up
+                pass
         self._conn.close()
+
+
+def _reap_when_gone(proc: subprocess.Popen) -> None:
+    """Reap the process from a thread of its own as soon as it ends, so that one which dies while the
+    engine is idle is not left a zombie until the next constrained request finds its pipe closed."""
+    threading.Thread(target=_reap, args=(proc,), name=f"minillm-grammar-reaper-{proc.pid}", daemon=True).start()
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    # The blocking wait leaves the child unreaped (WNOWAIT) and holds none of Popen's locks: a daemon
+    # thread is frozen where it stands at interpreter exit, and one frozen inside Popen.wait would keep
+    # its lock from the engine's own wait in _stop. poll() then reaps without blocking.
+    try:
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:          # reaped already (by _stop's wait)
+        return
+    proc.poll()
 
 
 def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:
