@@ -13,6 +13,7 @@ from minillm.config import ModelConfig
 from minillm.sampling_params import short_repr
 # Finding a model (a local directory, or a hub id in the store) lives in model_store.
 from minillm.model_store import broken_link, index_weight_map, list_local_models, read_json_object, resolve_model_path  # noqa: F401
+from minillm.model_store import weights_index
 
 logger = logging.getLogger("minillm")
 
@@ -392,14 +393,14 @@ def checkpoint_tensors(path: str | Path, log_conflicts: bool = False) -> dict[st
     """Every tensor of a checkpoint, single-file or sharded (model.safetensors.index.json); with
     log_conflicts, a warning for a tensor in two shards and for one the index places in another."""
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    weight_map = index_weight_map(index) if index.is_file() else None
+    index = weights_index(path)
+    weight_map = index_weight_map(index) if index is not None else None
     if weight_map is not None:
         files = sorted(path / f for f in set(weight_map.values()))
         named = f" named in {index.name}"
     else:
-        # transformers reads model.safetensors alone, past consolidated.safetensors (Mistral's own
-        # format) or an adapter beside it; without it, every file is a shard, as vLLM reads them
+        # transformers reads model.safetensors alone, past an index, consolidated.safetensors (Mistral's
+        # own format) or an adapter beside it; without it, every file is a shard, as vLLM reads them
         single = path / "model.safetensors"
         files = [single] if single.exists() or single.is_symlink() else sorted(path.glob("*.safetensors"))
         if not files:

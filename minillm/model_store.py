@@ -2,6 +2,7 @@
 transformers, vLLM and huggingface-cli), fetched on first use; the same from any working directory."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -213,13 +214,20 @@ def index_weight_files(index: Path) -> set[str]:
     return set(index_weight_map(index).values())
 
 
+def weights_index(path: Path) -> Path | None:
+    """The model.safetensors.index.json the weights of a model directory are read through, or None.
+    As transformers' from_pretrained: a model.safetensors there is the checkpoint, past an index beside it."""
+    index = path / "model.safetensors.index.json"
+    return index if index.is_file() and not (path / "model.safetensors").is_file() else None
+
+
 def _is_complete(path: Path) -> bool:
     """Whether a model directory has its config and every weight file it names (an index that
     cannot be read names none)."""
     if not (path / "config.json").is_file():
         return False
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
+    index = weights_index(path)
+    if index is not None:
         try:
             files = index_weight_files(index)
         except ValueError:
@@ -312,9 +320,10 @@ class NoSafetensors(RuntimeError):
 
 
 def weights_left_out(repo_id: str, files: list[str] | None) -> list[str] | None:
-    """The ignore patterns for a repo of these files (None: the Hub did not list them): a Mistral
-    repo's consolidated.safetensors, a second copy of the weights beside the Hugging Face shards that
-    minillm never reads (vLLM leaves it out likewise); NoSafetensors when no weights are safetensors."""
+    """The ignore patterns for a repo of these files (None: the Hub did not list them): the other
+    weight files beside a model.safetensors, and a Mistral repo's consolidated.safetensors, a second
+    copy of the weights beside the Hugging Face shards that minillm never reads (vLLM leaves it out
+    likewise); NoSafetensors when no weights are safetensors."""
     if files is None:
         return None
     safetensors = [f for f in files if f.endswith(".safetensors")]
@@ -326,6 +335,11 @@ def weights_left_out(repo_id: str, files: list[str] | None) -> list[str] | None:
                                 f"pick a repo that has them, or convert (transformers' "
                                 f"save_pretrained(..., safe_serialization=True))")
         return None
+    if "model.safetensors" in safetensors:
+        # transformers fetches and reads model.safetensors alone (weights_index): the shards beside it
+        # would be the weights a second time. Each is left out by its own name, escaped for fnmatch.
+        others = [glob.escape(f) for f in safetensors if f != "model.safetensors" and "/" not in f]
+        return others or None
     hf = [f for f in safetensors if not Path(f).name.startswith("consolidated")]
     return ["consolidated*.safetensors", "*/consolidated*.safetensors"] if hf and len(hf) < len(safetensors) else None
 
