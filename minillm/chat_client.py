@@ -71,11 +71,10 @@ class HttpChatBackend:
 
     def _body(self, conversation: Conversation, settings: ChatSettings, max_tokens: int | None) -> dict:
         """The request body for the current endpoint (max_tokens None: the rest of the context)."""
+        # top_k always: -1 and 0 (off) must override a top_k the model's generation_config sets on the server
         body: dict = {"model": self.model, "stream": True, "temperature": settings.temperature,
-                      "top_p": settings.top_p, "max_tokens": max_tokens,
+                      "top_p": settings.top_p, "top_k": settings.top_k, "max_tokens": max_tokens,
                       "stream_options": {"include_usage": True}}
-        if settings.top_k > 0:
-            body["top_k"] = settings.top_k
         if settings.seed is not None:
             body["seed"] = settings.seed
         body.update(self._prompt_fields(conversation))
