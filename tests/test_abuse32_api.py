@@ -2,7 +2,11 @@
 their edges: each defect found there, pinned."""
 from __future__ import annotations
 
-from test_server_helpers import chat_template_server, story_streams  # noqa: F401 (the server and healthy fixtures)
+import httpx
+import pytest
+from test_server_helpers import chat_template_server, running_server, story_streams  # noqa: F401 (server, healthy)
+
+from minillm.server.app import ServerOptions
 
 
 def test_model_cards_carry_vllms_parent_and_permission(http):
@@ -16,3 +20,73 @@ def test_model_cards_carry_vllms_parent_and_permission(http):
                                            "allow_create_engine", "allow_fine_tuning", "group", "is_blocking")} == \
             {"allow_sampling": True, "allow_logprobs": True, "allow_view": True, "organization": "*",
              "allow_create_engine": False, "allow_fine_tuning": False, "group": None, "is_blocking": False}
+
+
+# A template that shows what it was given to render with: the reasoning effort and the thinking switch.
+EFFORT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                   "|effort={{ reasoning_effort }}|thinking={{ enable_thinking }}|")
+
+
+@pytest.fixture(scope="module")
+def thinking_url(stories_path):
+    """A server of stories260K with the qwen3 reasoning parser that renders a request's chat_template."""
+    options = ServerOptions(chat_template=EFFORT_TEMPLATE, trust_request_chat_template=True,
+                            reasoning_parser="qwen3")
+    with running_server(stories_path, max_model_len=256, options=options) as (url, _):
+        yield url
+
+
+def rendered(url: str, **body) -> str:
+    """The prompt a chat request was rendered to (its prompt_token_ids decoded)."""
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Lily"}], "max_tokens": 1, "return_token_ids": True, **body})
+    assert response.status_code == 200, response.text
+    ids = response.json()["prompt_token_ids"]
+    return httpx.post(f"{url}/detokenize", json={"tokens": ids}, timeout=10).json()["prompt"]
+
+
+@pytest.mark.parametrize("body, shown", [
+    ({}, "|effort=|thinking=|"),
+    ({"reasoning_effort": "low"}, "|effort=low|thinking=True|"),
+    ({"reasoning_effort": "none"}, "|effort=none|thinking=False|"),
+    # chat_template_kwargs' enable_thinking wins over the effort's; the request's effort over the kwargs'
+    ({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True, "reasoning_effort": "high"}},
+     "|effort=none|thinking=True|"),
+])
+def test_chat_reasoning_effort_reaches_the_template_as_in_vllm(thinking_url, body, shown):
+    """vLLM passes a chat request's reasoning_effort (OpenAI's field, which the openai client sends as
+    is) to the template, and enable_thinking = effort != "none" where chat_template_kwargs does not say;
+    the field was logged as unknown and dropped, so "none" left a thinking model thinking."""
+    assert rendered(thinking_url, **body).endswith(shown)
+
+
+def test_chat_reasoning_effort_none_leaves_no_reasoning_to_split_off(thinking_url):
+    """With reasoning_effort "none" the qwen3 parser takes the reply as the answer, as with
+    enable_thinking false (the template closed the thinking block): the reply went to reasoning."""
+    body = {"messages": [{"role": "user", "content": "Lily"}], "max_tokens": 4, "temperature": 0}
+    thinking = httpx.post(f"{thinking_url}/v1/chat/completions", json=body, timeout=60).json()
+    assert thinking["choices"][0]["message"]["content"] is None
+    reply = httpx.post(f"{thinking_url}/v1/chat/completions", json={**body, "reasoning_effort": "none"},
+                       timeout=60).json()["choices"][0]["message"]
+    assert reply["content"] and reply.get("reasoning") is None
+
+
+@pytest.mark.parametrize("value", ["extreme", 3, ""])
+def test_chat_reasoning_effort_outside_vllms_values_is_a_400_naming_it(http, healthy_stream, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "reasoning_effort": value}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "reasoning_effort"
+
+
+def test_responses_reasoning_effort_reaches_the_template_as_in_vllm(thinking_url):
+    """vLLM renders a Responses request with reasoning.effort as the template's reasoning_effort; it
+    was only echoed back."""
+    response = httpx.post(f"{thinking_url}/v1/responses", timeout=60, json={
+        "input": "Lily", "reasoning": {"effort": "none"}, "max_output_tokens": 4, "temperature": 0})
+    assert response.status_code == 200, response.text
+    [message] = response.json()["output"]
+    chat = httpx.post(f"{thinking_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "Lily"}], "max_tokens": 4, "temperature": 0,
+        "reasoning_effort": "none"}).json()
+    assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert response.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]

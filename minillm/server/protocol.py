@@ -264,6 +264,10 @@ class ConversationRequest(_OpenAIModel):
         return _check_json_text(value)
 
 
+# OpenAI's reasoning efforts, as vLLM takes them ("max": DeepSeek V4's).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
 class ChatCompletionRequest(ConversationRequest, _GenerationRequest):
     """POST /v1/chat/completions."""
 
@@ -277,6 +281,8 @@ class ChatCompletionRequest(ConversationRequest, _GenerationRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     include_reasoning: bool = True               # vLLM's: false drops the reasoning a --reasoning-parser splits off
+    # OpenAI's: the template's reasoning_effort, and its enable_thinking ("none": false) as vLLM renders it
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = None
 
 
 class TokenizeCompletionRequest(_ModelRequest):

@@ -54,17 +54,29 @@ def chat_template_for(ctx: ServingContext, req: ConversationRequest) -> str | No
 
 def template_kwargs(req: ConversationRequest) -> dict:
     """chat_template_kwargs, refusing names that the renderer sets itself, plus the request's tools
-    (chat_template_kwargs may replace them, as in vLLM)."""
+    (chat_template_kwargs may replace them, as in vLLM) and its reasoning effort (see effort_kwargs)."""
     kwargs = dict(req.chat_template_kwargs or {})
     clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
     if clash:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
+    kwargs.update(effort_kwargs(getattr(req, "reasoning_effort", None), kwargs))
     tools = template_tools(req)
     if tools is not None:
         kwargs.setdefault("tools", tools)
     if req.documents is not None:
         kwargs.setdefault("documents", req.documents)
     return kwargs
+
+
+def effort_kwargs(effort: str | None, kwargs: dict) -> dict:
+    """The template variables a reasoning effort sets, as vLLM sets them: reasoning_effort (over
+    chat_template_kwargs' own), and enable_thinking (false for "none") unless kwargs set it."""
+    if effort is None:
+        return {}
+    out = {"reasoning_effort": effort}
+    if "enable_thinking" not in kwargs:
+        out["enable_thinking"] = effort != "none"
+    return out
 
 
 @contextlib.contextmanager
@@ -160,8 +172,8 @@ class ChatJob:
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.constraint_param = self.forced.param if self.forced is not None else None   # what holds the output
         # --reasoning-parser and --tool-call-parser, for a reply that is free text
-        self.parsers = OutputParsers.for_request(
-            ctx.reasoning_parser, ctx.tool_call_parser, req.chat_template_kwargs, tool_choice_of(req),
+        self.parsers = OutputParsers.for_request(   # what the template was told of thinking, as it was told
+            ctx.reasoning_parser, ctx.tool_call_parser, self.conversation.template_kwargs, tool_choice_of(req),
             self.forced is not None or asks_for_structure(req), req.include_reasoning, req.parallel_tool_calls)
         self.output_streams: dict[int, OutputStream] = {}
         self.prompt_ids: list[int] = []

@@ -2,8 +2,8 @@
 
 A request's `instructions` and `input` (a string, or items: messages, function calls and their
 outputs, reasoning) become a chat conversation; `tools` (function tools), `tool_choice`,
-`text.format`, `max_output_tokens`, `temperature` and `top_p` become the chat request's fields; the
-chat job renders, samples and parses (structured outputs, --reasoning-parser, --tool-call-parser,
+`text.format`, `max_output_tokens`, `temperature`, `top_p` and `reasoning.effort` become the chat
+request's fields; the chat job renders, samples and parses (structured outputs, --reasoning-parser, --tool-call-parser,
 forced tool calls) as it does for /v1/chat/completions, and its reply becomes output items:
 `reasoning`, a `message` of `output_text`, and `function_call`s. A stream sends the Responses
 events (response.created, output_item.added, output_text.delta, ..., response.completed, or
@@ -33,7 +33,8 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
 from minillm.server.logprobs import LogprobRow, chat_logprobs
 from minillm.server.protocol import (
-    ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, chat_max_tokens, check_text,
+    REASONING_EFFORTS, ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, chat_max_tokens,
+    check_text,
 )
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.structured import _refuse_unknown_keys
@@ -53,7 +54,7 @@ TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "func
 # and verbosity change nothing for a model without such settings, but a value outside these is a client's
 # mistake, refused as vLLM refuses it.
 TEXT_VALUES = {"verbosity": ("low", "medium", "high")}
-REASONING_VALUES = {"effort": ("none", "minimal", "low", "medium", "high", "xhigh", "max"),
+REASONING_VALUES = {"effort": REASONING_EFFORTS,
                     "summary": ("auto", "concise", "detailed"), "generate_summary": ("auto", "concise", "detailed")}
 # text.format's keys for each of its types (OpenAI's ResponseFormatText, ...JSONObject, ...TextJSONSchemaConfig).
 TEXT_FORMAT_KEYS = {"text": ("type",), "json_object": ("type",),
@@ -327,7 +328,7 @@ def chat_body(req: ResponsesRequest) -> dict:
     fields = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
               "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
-              "user": req.user}
+              "user": req.user, "reasoning_effort": (req.reasoning or {}).get("effort")}
     if asks_for_logprobs(req):      # vLLM's top_logprobs defaults to 0: each token's own logprob only
         fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     body.update({k: v for k, v in fields.items() if v is not None})
