@@ -809,22 +809,40 @@ def result_record(r: BenchmarkResult, args: argparse.Namespace) -> dict:
     return {**asdict(r), **vllm_metric_figures(r, args.percentile_metrics, args.metric_percentiles)}
 
 
+def latency_figures(ok: list[RequestResult], percentiles: list[float] = ()) -> dict[str, dict]:
+    """ttft_ms, tpot_ms, itl_ms and e2el_ms of answered requests: each _percentiles' figures."""
+    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {"ttft_ms": _percentiles([r.ttft_s for r in ok], percentiles), "tpot_ms": _percentiles(tpot, percentiles),
+            "itl_ms": _percentiles([x for r in ok for x in r.itl_s], percentiles),
+            "e2el_ms": _percentiles([r.latency_s for r in ok], percentiles)}
+
+
+def latency_columns(args: argparse.Namespace) -> list[str]:
+    """A table's latency columns: one per metric of --percentile-metrics, its mean, median and each
+    of --metric-percentiles, as vLLM prints them ("TTFT mean / median / P99 (ms)")."""
+    stats = " / ".join(["mean", "median", *(f"P{percentile_word(q)}" for q in args.metric_percentiles)])
+    return [f"{METRICS[metric][0]} {stats} (ms)" for metric in args.percentile_metrics]
+
+
+def latency_cells(r, args: argparse.Namespace) -> list[str]:
+    """The latency_columns' cells of a result that holds ttft_ms, tpot_ms, itl_ms and e2el_ms."""
+    stats = ["mean", "median", *(f"p{percentile_word(q)}" for q in args.metric_percentiles)]
+    return [" / ".join(f"{getattr(r, f'{metric}_ms')[stat]:.1f}" for stat in stats)
+            for metric in args.percentile_metrics]
+
+
 def summarize(base_url: str, num_prompts: int, results: list[RequestResult], duration: float,
               client_cpu_s: float = 0.0, percentiles: list[float] = ()) -> BenchmarkResult:
     """Turn per-request measurements into throughput and latency figures (percentiles: those kept
     beside the median and p99 of each latency)."""
     ok = [r for r in results if r.ok]
-    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.output_tokens for r in ok)
     return BenchmarkResult(
         base_url=base_url, num_prompts=num_prompts, completed=len(ok), failed=len(results) - len(ok),
         duration_s=duration, total_input_tokens=total_in, total_output_tokens=total_out,
         request_throughput=len(ok) / duration, output_throughput=total_out / duration,
-        total_token_throughput=(total_in + total_out) / duration,
-        ttft_ms=_percentiles([r.ttft_s for r in ok], percentiles), tpot_ms=_percentiles(tpot, percentiles),
-        itl_ms=_percentiles([x for r in ok for x in r.itl_s], percentiles),
-        e2el_ms=_percentiles([r.latency_s for r in ok], percentiles),
+        total_token_throughput=(total_in + total_out) / duration, **latency_figures(ok, percentiles),
         errors=sorted({r.error for r in results if not r.ok})[:5],
         total_chunks=sum(r.num_chunks for r in ok), client_cpu_s=client_cpu_s)
 
@@ -922,24 +940,28 @@ def _cpu_per_token(r: BenchmarkResult) -> str:
 
 
 def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: argparse.Namespace) -> str:
-    """One row per concurrency: the server's output throughput beside the offline ceiling at that level."""
+    """One row per concurrency: the server's output throughput beside the offline ceiling at that level,
+    and the latencies --percentile-metrics and --metric-percentiles select."""
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+    columns = ["max concurrency", "server output tok/s", "offline ceiling tok/s", "server / ceiling",
+               *latency_columns(args), "failed", "tokens / event", "client CPU us / token"]
     lines = [f"Traffic: request rate {rate} req/s, {args.num_prompts} prompts, input {args.input_len} / "
-             f"output {args.output_len} tokens",
-             "| max concurrency | server output tok/s | offline ceiling tok/s | server / ceiling "
-             "| ITL p50 / p99 (ms) | TTFT p50 / p99 (ms) | failed | tokens / event | client CPU us / token |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"output {args.output_len} tokens", markdown_row(columns), markdown_row(["---"] * len(columns))]
     for level, r, ceiling in rows:
         ratio = f"{r.output_throughput / ceiling:.2f}" if ceiling else "-"
         ceiling_text = f"{ceiling:,.0f}" if ceiling else "-"
-        lines.append(f"| {level} | {r.output_throughput:,.0f} | {ceiling_text} | {ratio} | "
-                     f"{r.itl_ms['median']:.1f} / {r.itl_ms['p99']:.1f} | "
-                     f"{r.ttft_ms['median']:.0f} / {r.ttft_ms['p99']:.0f} | {r.failed} | "
-                     f"{r.total_output_tokens / max(r.total_chunks, 1):.2f} | {_cpu_per_token(r)} |")
+        lines.append(markdown_row([str(level), f"{r.output_throughput:,.0f}", ceiling_text, ratio,
+                                   *latency_cells(r, args), str(r.failed),
+                                   f"{r.total_output_tokens / max(r.total_chunks, 1):.2f}", _cpu_per_token(r)]))
     for _, r, _ in rows:
         for err in r.errors:
             lines.append(f"error ({r.base_url}): {err}")
     return "\n".join(lines)
+
+
+def markdown_row(cells: list[str]) -> str:
+    """One row of a Markdown table."""
+    return "| " + " | ".join(cells) + " |"
 
 
 def run_sweep(args: argparse.Namespace) -> tuple[list[tuple[int, BenchmarkResult, float | None]], str]:
@@ -979,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table)
         if args.result_file:
             with open(args.result_file, "w", encoding="utf-8") as f:
-                json.dump({"args": saved_args, "mixed": serving_mixed.as_dict(mixed)}, f, indent=2, default=str)
+                json.dump({"args": saved_args, "mixed": serving_mixed.as_dict(mixed, args)}, f, indent=2, default=str)
         return 0 if mixed.users_mixed.failed == 0 and mixed.long_mixed.failed == 0 else 1
     if args.concurrency_sweep:
         rows, table = run_sweep(args)

@@ -6,7 +6,8 @@ the next as soon as one ends (closed loop). Three phases run against the same se
 prompt of --long-input-len tokens alone (its TTFT alone), (2) the users alone for --duration
 seconds (their throughput, held against the offline engine's at the same concurrency when
 --offline-model is given), (3) the users again while a long prompt arrives every --long-every-s
-seconds for --duration seconds. Each class gets its TTFT and ITL p50 / p99; the long-prompt
+seconds for --duration seconds. Each class gets the latencies --percentile-metrics and
+--metric-percentiles select (mean, median and each percentile, as vLLM's); the long-prompt
 issue's ceilings are printed beside them (users' ITL p99 at most 2.5x their p50, long prompts'
 TTFT p50 within 3x their TTFT alone, users alone at least 90 % of the offline ceiling).
 """
@@ -34,6 +35,8 @@ class ClassFigures:
     seconds: float
     ttft_ms: dict
     itl_ms: dict
+    tpot_ms: dict
+    e2el_ms: dict
 
     @property
     def output_tok_s(self) -> float:
@@ -41,11 +44,11 @@ class ClassFigures:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
-def _figures(results: list[serving.RequestResult], seconds: float) -> ClassFigures:
+def _figures(results: list[serving.RequestResult], seconds: float, percentiles: list[float] = ()) -> ClassFigures:
+    """A class's figures; each latency's mean, median, p99 and std, and each of percentiles."""
     ok = [r for r in results if r.ok]
     return ClassFigures(len(results), len(results) - len(ok), sum(r.output_tokens for r in ok), seconds,
-                        serving._percentiles([r.ttft_s for r in ok]),
-                        serving._percentiles([x for r in ok for x in r.itl_s]))
+                        **serving.latency_figures(ok, percentiles))
 
 
 @dataclass
@@ -120,10 +123,12 @@ async def run_mixed(args: argparse.Namespace) -> MixedResult:
     alone = [await serving.send_request(url, work.long(), headers, args.timeout) for _ in range(2)]
     if not alone[-1].ok:
         raise serving.BenchError(f"the long prompt failed alone: {alone[-1].error}")
+    percentiles = args.metric_percentiles
     users, _, seconds = await _phase(args, work, url, headers, args.mixed_users, None)
-    users_alone = _figures(users, seconds)
+    users_alone = _figures(users, seconds, percentiles)
     users, longs, seconds = await _phase(args, work, url, headers, args.mixed_users, args.long_every_s)
-    return MixedResult(alone[-1].ttft_s * 1e3, users_alone, _figures(users, seconds), _figures(longs, seconds))
+    return MixedResult(alone[-1].ttft_s * 1e3, users_alone, _figures(users, seconds, percentiles),
+                       _figures(longs, seconds, percentiles))
 
 
 def offline_ceiling(args: argparse.Namespace) -> float:
@@ -138,16 +143,16 @@ def offline_ceiling(args: argparse.Namespace) -> float:
 
 
 def format_mixed(r: MixedResult, args: argparse.Namespace) -> str:
-    """One row per class and phase, the ceilings' verdicts after them."""
+    """One row per class and phase (the latencies --percentile-metrics and --metric-percentiles
+    select), the ceilings' verdicts after them."""
+    columns = ["phase", "class", "requests (failed)", "output tok/s", *serving.latency_columns(args)]
     lines = [f"Mixed serving: {args.mixed_users} users (prompt {args.input_len}, output {args.output_len}) for "
              f"{args.duration:g} s; long prompts of {args.long_input_len} tokens every {args.long_every_s:g} s",
-             "| phase | class | requests (failed) | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             serving.markdown_row(columns), serving.markdown_row(["---"] * len(columns))]
     for phase, name, f in (("users alone", "users", r.users_alone), ("mixed", "users", r.users_mixed),
                            ("mixed", "long prompts", r.long_mixed)):
-        lines.append(f"| {phase} | {name} | {f.requests} ({f.failed}) | {f.output_tok_s:,.0f} | "
-                     f"{f.ttft_ms['median']:.1f} / {f.ttft_ms['p99']:.1f} | "
-                     f"{f.itl_ms['median']:.2f} / {f.itl_ms['p99']:.2f} |")
+        lines.append(serving.markdown_row([phase, name, f"{f.requests} ({f.failed})", f"{f.output_tok_s:,.0f}",
+                                           *serving.latency_cells(f, args)]))
     itl = r.users_mixed.itl_ms
     ratio = itl["p99"] / itl["median"] if itl["median"] else float("inf")
     lines.append(f"users' ITL p99 / p50 while long prompts arrive: {ratio:.2f}x "
@@ -170,6 +175,11 @@ def main_mixed(args: argparse.Namespace) -> tuple[MixedResult, str]:
     return result, format_mixed(result, args)
 
 
-def as_dict(r: MixedResult) -> dict:
-    """The result as JSON-ready data."""
-    return asdict(r)
+def as_dict(r: MixedResult, args: argparse.Namespace) -> dict:
+    """The result as JSON-ready data; each class with vLLM's names of the selected metrics' figures
+    (mean_ttft_ms, median_ttft_ms, std_ttft_ms, p99_ttft_ms, ...)."""
+    out = asdict(r)
+    for name in ("users_alone", "users_mixed", "long_mixed"):
+        out[name].update(serving.vllm_metric_figures(getattr(r, name), args.percentile_metrics,
+                                                     args.metric_percentiles))
+    return out
