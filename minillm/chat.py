@@ -69,15 +69,19 @@ class ChatSettings:
         updated.sampling_params()   # validates the new value with the engine's own rules
         return updated
 
-    def sampling_params(self, max_tokens: int | None = None) -> SamplingParams:
-        """SamplingParams for one reply (max_tokens may be lowered to fit the context)."""
+    def sampling_params(self, max_tokens: int | None = None, **fixed) -> SamplingParams:
+        """SamplingParams for one reply (max_tokens may be lowered to fit the context); FIXED: other
+        fields, such as the model's defaults that /set does not change."""
         return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=max_tokens or self.max_tokens, seed=self.seed)
+                              max_tokens=max_tokens or self.max_tokens, seed=self.seed, **fixed)
 
     def describe(self) -> str:
         """One line with every setting."""
         return (f"temperature={self.temperature} top_p={self.top_p} top_k={self.top_k} "
                 f"max_tokens={self.max_tokens} seed={self.seed}")
+
+
+_SETTINGS = frozenset(ChatSettings.__dataclass_fields__)
 
 
 @dataclass
@@ -218,6 +222,9 @@ class EngineChatBackend:
         self.notices: list[str] = []    # things the chat loop should tell the user
         self._request_ids = itertools.count()
         self._kv_pool_blocks = engine.stats(cells=1).kv_num_blocks
+        # The model's generation_config defaults that /set does not change (min_p, repetition_penalty):
+        # every reply samples with them, as generate, LLM.chat and the server (chat --url) do.
+        self.model_defaults = {k: v for k, v in engine.sampling_defaults.items() if k not in _SETTINGS}
 
     def fit_prompt(self, conversation: Conversation, settings: ChatSettings) -> tuple[list[int], int]:
         """Prompt ids and max_tokens that fit max_model_len, dropping the oldest exchanges first."""
@@ -268,8 +275,8 @@ class EngineChatBackend:
         request_id = f"chat-{next(self._request_ids)}"
         started = time.time()
         try:
-            self.engine.add_request(request_id, prompt_ids, settings.sampling_params(max_tokens),
-                                    arrival_time=started)
+            params = settings.sampling_params(max_tokens, **self.model_defaults)
+            self.engine.add_request(request_id, prompt_ids, params, arrival_time=started)
         except ValueError:
             # The message was refused: the exchanges dropped to make room for it stay.
             conversation.turns[:] = turns
