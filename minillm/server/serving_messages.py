@@ -20,6 +20,7 @@ event.
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from contextvars import ContextVar
@@ -277,10 +278,29 @@ def _stop(finish_reason: str | None, comp: CompletionOutput, calls: list[dict]) 
 def _input_of(call: dict) -> dict | None:
     """A call's arguments as a tool_use block's input; None where they are no JSON object (cut short)."""
     try:
-        arguments = json.loads(call["function"]["arguments"] or "{}")
-    except ValueError:
+        arguments = _INPUT_DECODER.decode(call["function"]["arguments"] or "{}")
+    except (ValueError, RecursionError):
         return None
     return arguments if isinstance(arguments, dict) else None
+
+
+def _finite_or_null(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
+
+
+def _int_or_null(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:          # past Python's digit limit for int(str)
+        return None
+
+
+# A number the JSON of a response cannot hold as Python reads it (1e400 is an infinite float; an
+# integer past 4300 digits is refused) is null in a tool_use input, as JSON.stringify and pydantic
+# (vLLM's responses) write a number that is not finite: the response stays JSON. The chat and
+# Responses APIs pass the arguments on as the text the model wrote.
+_INPUT_DECODER = json.JSONDecoder(parse_float=_finite_or_null, parse_int=_int_or_null, parse_constant=lambda _: None)
 
 
 def _tool_use(call: dict) -> dict:

@@ -14,13 +14,20 @@ output is complete (its finish reason otherwise).
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from minillm.server.errors import APIError
 
-_DECODER = json.JSONDecoder()
+
+class NumberText(str):
+    """A JSON number (or NaN, Infinity) as its text."""
+
+
+# Numbers as their text: a structure is read whatever its numbers (1e400, 5000 digits).
+_DECODER = json.JSONDecoder(parse_int=NumberText, parse_float=NumberText, parse_constant=NumberText)
 _WHITESPACE = " \t\n\r"
 
 
@@ -132,36 +139,152 @@ def check_named_tool_choice(choice: dict, tool_names: list[str]) -> None:
                        param="tool_choice")
 
 
-class ArrayItems:
-    """The whole items of a JSON array as its text grows ("[{...}, {...}, {..."): each item once."""
+class JsonEnd:
+    """Where a JSON object, array or string that arrives in pieces ends: each character is read once
+    (the text inside a string is skipped by a regular expression), so a value of n characters costs
+    O(n) however many pieces it comes in. It reads the structure only; whether the text is JSON is
+    the decoder's to say, once, over the whole value (where it is JSON, it ends where this says)."""
 
     def __init__(self) -> None:
-        self.pos: int | None = None      # where the next item (or a separator) starts; None before the "["
-        self.after_item = False
+        self.is_container: bool | None = None   # None before the value's first character
+        self.depth = 0
+        self.in_string = False
+        self.escape = False                      # a backslash in a string ended the last piece
+
+    def feed(self, text: str, pos: int) -> int | None:
+        """Where the value ends in text (just past it), reading text[pos:] as its next piece; None
+        while it goes on, or where it is no object, array or string (is_container False)."""
+        if self.is_container is None:
+            pos = _skip(text, pos)
+            if pos >= len(text):
+                return None
+            self.is_container = text[pos] in '{["'
+        if not self.is_container:
+            return None
+        if self.escape and pos < len(text):
+            pos, self.escape = pos + 1, False
+        while (match := _STRUCTURE.search(text, pos)) is not None:
+            char, pos = match.group(), match.end()
+            if self.in_string:
+                if char == '"':
+                    self.in_string = False
+                    if self.depth == 0:
+                        return pos
+                elif char == "\\":
+                    if pos == len(text):
+                        self.escape = True
+                        return None
+                    pos += 1
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    return pos
+        return None
+
+
+_STRUCTURE = re.compile(r'["\\{}\[\]]')
+
+
+def arguments_text(raw: str) -> str:
+    """A call's arguments (JSON text as the model wrote it) as vLLM writes them, json.dumps of the value
+    read; the text as written where Python reads no value it can write back the same (a number past
+    a float's range, an integer past Python's digit limit): JSON as the client asked for it."""
+    try:
+        return json.dumps(json.loads(raw), ensure_ascii=False, allow_nan=False)
+    except (ValueError, RecursionError):
+        return raw
+
+
+def object_members(text: str) -> dict[str, tuple[Any, str]]:
+    """The members of the JSON object text: key -> (value read with every number as its text, the
+    value's text). ValueError where text is no JSON object."""
+    i = _skip(text, 0)
+    if not text.startswith("{", i):
+        raise ValueError("no object")
+    members: dict[str, tuple[Any, str]] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        return members
+    while True:
+        key, i = _DECODER.raw_decode(text, i)
+        i = _skip(text, i)
+        if not isinstance(key, str) or not text.startswith(":", i):
+            raise ValueError("no member")
+        start = _skip(text, i + 1)
+        value, i = _DECODER.raw_decode(text, start)
+        members[key] = (value, text[start:i])
+        i = _skip(text, i)
+        if text.startswith("}", i):
+            return members
+        if not text.startswith(",", i):
+            raise ValueError("no member")
+        i = _skip(text, i + 1)
+
+
+class ArrayItems:
+    """The whole items of a JSON array as its text grows ("[{...}, {...}, {..."): each item once,
+    each character read once (JsonEnd) however many times the text grows."""
+
+    def __init__(self) -> None:
+        self.pos: int | None = None      # where reading goes on; None before the "["
+        self.after_item = False          # a "," (or the "]") comes next
+        self.item_start: int | None = None
+        self.item_end = JsonEnd()
 
     def new_items(self, text: str) -> list[tuple[str, str]]:
         """(name, arguments as JSON) of each item that is whole in text and was not returned before."""
-        items = []
+        items: list[tuple[str, str]] = []
         if self.pos is None:
             start = _skip(text, 0)
             if start >= len(text) or text[start] != "[":
                 return items
             self.pos = start + 1
         while True:
-            i = _skip(text, self.pos)
-            if self.after_item:
-                if i >= len(text) or text[i] != ",":
+            if self.item_start is None:
+                i = _skip(text, self.pos)
+                if self.after_item:
+                    if i >= len(text) or text[i] != ",":
+                        self.pos = i
+                        return items
+                    self.after_item, i = False, _skip(text, i + 1)
+                self.pos = i
+                if i >= len(text) or text[i] == "]":
                     return items
-                i = _skip(text, i + 1)
-            if i >= len(text) or text[i] == "]":
+                self.item_start, self.item_end = i, JsonEnd()
+            end = self._item_end(text)
+            if end is None:
                 return items
+            item = _item(text[self.item_start:end])
+            if item is not None:
+                items.append(item)
+            self.pos, self.after_item, self.item_start = end, True, None
+
+    def _item_end(self, text: str) -> int | None:
+        """Where the item being read ends in text; None while it goes on."""
+        end = self.item_end.feed(text, self.pos)
+        self.pos = len(text)
+        if self.item_end.is_container is False:      # a number or a literal: short, read whole each time
             try:
-                item, end = _DECODER.raw_decode(text, i)
+                return _DECODER.raw_decode(text, self.item_start)[1]
             except (ValueError, RecursionError):
-                return items           # not whole yet
-            self.pos, self.after_item = end, True
-            if isinstance(item, dict) and isinstance(item.get("name"), str):
-                items.append((item["name"], json.dumps(item.get("parameters", {}), ensure_ascii=False)))
+                return None
+        return end
+
+
+def _item(text: str) -> tuple[str, str] | None:
+    """(name, arguments) of one item {"name": ..., "parameters": ...}; None where it is none."""
+    try:
+        members = object_members(text)
+    except (ValueError, RecursionError):
+        return None
+    name = members.get("name", (None, ""))[0]
+    if not isinstance(name, str) or isinstance(name, NumberText):
+        return None
+    return name, arguments_text(members["parameters"][1]) if "parameters" in members else "{}"
 
 
 def _skip(text: str, i: int) -> int:
