@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from minillm.server.reasoning_parsers import partial_tag_len
-from minillm.server.tool_calls import tool_call
+from minillm.server.tool_calls import JsonEnd, tool_call
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -159,54 +159,100 @@ class ToolCallStream(abc.ABC):
 
 
 class HermesStream(ToolCallStream):
-    """hermes: content up to the first <tool_call>, then each call once its </tool_call> arrives."""
+    """hermes: content up to the first <tool_call>, then each call once its </tool_call> arrives.
+    An open call's text is read once as it comes (JsonEnd) and decoded once, when its JSON is whole."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._text = ""          # not yet sent: a possible tag start, or an open call
+        self._text = ""          # not yet sent, outside a call: what could begin a <tool_call>
         self._in_calls = False   # the first <tool_call> was seen: content is over
+        self._call: _OpenCall | None = None
+        self._not_a_call: list[str] | None = None   # from a call that is none on: the content at the end
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
-        text = self._text + delta
+        if self._not_a_call is not None:
+            self._not_a_call.append(delta)
+            return "", []
         content = ""
-        if not self._in_calls:
-            first = text.find(HERMES_START)
-            if first < 0:
-                keep = partial_tag_len(text, HERMES_START)
-                self._text = text[len(text) - keep:]
-                return text[:len(text) - keep], []
-            content, text, self._in_calls = text[:first], text[first:], True
+        if self._call is None:
+            text = self._text + delta
+            if not self._in_calls:
+                first = text.find(HERMES_START)
+                if first < 0:
+                    keep = partial_tag_len(text, HERMES_START)
+                    self._text = text[len(text) - keep:]
+                    return text[:len(text) - keep], []
+                content, self._in_calls = text[:first], True
+            delta = text
         calls = []
-        while (start := text.find(HERMES_START)) >= 0:
-            try:
-                call, end, closed = _hermes_call_at(text, start)
-            except NotACall:
-                break              # more may come; at the end, finish() says what it was
-            if not closed:
+        while True:
+            if self._call is None:
+                start = delta.find(HERMES_START)
+                if start < 0:        # no call open: what could not begin one is dropped, as split() drops it
+                    self._text = delta[len(delta) - partial_tag_len(delta, HERMES_START):]
+                    break
+                self._call, self._text, delta = _OpenCall(), "", delta[start + len(HERMES_START):]
+            call, rest = self._call.feed(delta)
+            if call is None:
+                if rest is not None:     # no call: it and all after it are content, at the end
+                    self._not_a_call, self._call = [self._call.text()], None
                 break
             calls.append(call)
-            text = text[end:]
-        else:                      # no call open: what could not begin one is dropped, as split() drops it
-            text = text[len(text) - partial_tag_len(text, HERMES_START):]
-        self._text = text
+            self._call, delta = None, rest
         return content, self._numbered(calls)
 
     def finish(self) -> tuple[str, list[dict]]:
         text, self._text = self._text, ""
         if not self._in_calls:
             return text, []
-        start = text.find(HERMES_START)
-        if start < 0:
+        if self._not_a_call is not None:
+            return "".join(self._not_a_call), []
+        call, self._call = self._call, None
+        if call is None:
             return "", []
-        calls, pos = [], start
-        try:
-            while pos >= 0:
-                call, pos, closed = _hermes_call_at(text, pos)
-                calls.append(call)
-                pos = text.find(HERMES_START, pos) if closed else -1
-        except NotACall:
-            return text[start:], []       # not a call: the client sees its text
-        return "", self._numbered(calls)
+        if call.call is None:         # its JSON never ended
+            return call.text(), []
+        return "", self._numbered([call.call])    # whole, its </tool_call> cut short: a call
+
+
+class _OpenCall:
+    """A hermes call being streamed, from its <tool_call> on."""
+
+    def __init__(self) -> None:
+        self.pieces = [HERMES_START]    # its text so far
+        self.json_end = JsonEnd()
+        self.call: dict | None = None   # once its JSON is whole
+        self.after = ""                 # after its JSON, less the whitespace: what could be its </tool_call>
+
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def feed(self, delta: str) -> tuple[dict | None, str | None]:
+        """(the call, the text after its </tool_call>) once it is closed; (None, None) while it is
+        open; (None, "") where it is no call (it is kept as text)."""
+        self.pieces.append(delta)
+        if self.call is None:
+            end = self.json_end.feed(delta, 0)
+            if self.json_end.is_container is False:     # no object, array or string: no call
+                return None, ""
+            if end is None:
+                return None, None
+            body = self.text()
+            body_end = len(body) - (len(delta) - end)
+            try:
+                obj, obj_end = _DECODER.raw_decode(body[:body_end], _skip_space(body, len(HERMES_START)))
+                if obj_end != body_end:
+                    raise NotACall("text after the call's JSON")
+                self.call = _call(obj, ("arguments",))
+            except (NotACall, ValueError, RecursionError):
+                return None, ""
+            delta = delta[end:]
+        self.after = (self.after + delta).lstrip(" \t\r\n")
+        if self.after.startswith(HERMES_END):
+            return self.call, self.after[len(HERMES_END):]
+        if HERMES_END.startswith(self.after):
+            return None, None
+        return None, ""
 
 
 class LlamaJsonStream(ToolCallStream):

@@ -1,0 +1,122 @@
+"""Tool calls whose arguments hold numbers JSON carries but a Python float does not (1e400), and the
+work a streamed call costs the API server as it grows: each character read a bounded number of
+times, not once for every delta that follows it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minillm.server import tool_calls, tool_parsers
+from minillm.server.output_parsers import OutputParsers
+from minillm.server.serving_messages import _tool_use
+from minillm.server.tool_calls import forced_tool_calls
+from minillm.server.tool_parsers import ToolParser
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+def required_calls(text: str) -> list[dict]:
+    return forced_tool_calls("required", TOOLS, None).calls(text)
+
+
+# ---- numbers past a float's range --------------------------------------------------------------------
+
+def test_required_arguments_past_floats_range_are_the_text_the_model_wrote():
+    # They came back as '{"x": Infinity}': no JSON, where the model wrote JSON.
+    [call] = required_calls('[{"name": "f", "parameters": {"x": 1e400, "y": [-2E+999]}}]')
+    assert call["function"]["arguments"] == '{"x": 1e400, "y": [-2E+999]}'
+    json.loads(call["function"]["arguments"])
+    [call] = required_calls('[{"name": "f", "parameters": {"x": 1.5}}]')      # others as vLLM writes them
+    assert call["function"]["arguments"] == '{"x": 1.5}'
+
+
+def test_required_arguments_with_an_integer_past_pythons_digit_limit_are_a_call():
+    # The item never decoded (ValueError: "Exceeds the limit (4300 digits)"), so the call and every
+    # call after it were lost.
+    big = "9" * 5000
+    calls = required_calls(f'[{{"name": "f", "parameters": {{"n": {big}}}}}, {{"name": "f", "parameters": {{}}}}]')
+    assert [c["function"]["arguments"] for c in calls] == [f'{{"n": {big}}}', "{}"]
+
+
+def test_required_streamed_calls_match_the_whole_reply():
+    text = '[{"name": "f", "parameters": {"x": 1e400}}, {"name": "f", "parameters": {"s": "]}\\"{"}}]'
+    whole = [c["function"]["arguments"] for c in required_calls(text)]
+    for cut in range(len(text) + 1):
+        stream = forced_tool_calls("required", TOOLS, None).stream()
+        deltas = stream.deltas(text[:cut], text[:cut]) + stream.deltas(text[cut:], text)
+        assert [d["function"]["arguments"] for d in deltas] == whole, cut
+        assert [d["index"] for d in deltas] == [0, 1]
+
+
+@pytest.mark.parametrize("arguments, expected", [
+    ('{"x": 1e400, "y": 0}', {"x": None, "y": 0}),
+    ('{"x": [-1E999, 2.5]}', {"x": [None, 2.5]}),
+    ('{"n": ' + "1" * 5000 + "}", {"n": None}),
+], ids=["1e400", "-1E999", "5000 digits"])
+def test_a_tool_use_input_always_serialises(arguments, expected):
+    # {"x": inf} made the response's JSON fail: /v1/messages answered 500 (the stream wrote "Infinity").
+    block = _tool_use({"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "f", "arguments": arguments}})
+    assert block["input"] == expected
+    json.dumps(block, allow_nan=False)
+
+
+# ---- streamed parsing is linear -----------------------------------------------------------------------
+
+class CountingDecoder(json.JSONDecoder):
+    """A JSONDecoder that counts the characters it reads: those of each value it decodes, and all those
+    after the start of a value it could not decode (it read on to the end of the text)."""
+
+    def __init__(self, decoder: json.JSONDecoder) -> None:
+        super().__init__(parse_int=decoder.parse_int, parse_float=decoder.parse_float,
+                         parse_constant=decoder.parse_constant)
+        self.num_chars = 0
+
+    def raw_decode(self, s, idx=0):
+        try:
+            value, end = super().raw_decode(s, idx)
+        except ValueError:
+            self.num_chars += len(s) - idx
+            raise
+        self.num_chars += end - idx
+        return value, end
+
+
+def long_arguments(n: int) -> dict:
+    return {"items": [{"k": i, "s": 'a "quoted" \\ <tool_call> {[' * 3} for i in range(n)]}
+
+
+def hermes_work(monkeypatch, n: int) -> tuple[int, list[dict], str, int]:
+    decoder = CountingDecoder(tool_parsers._DECODER)
+    monkeypatch.setattr(tool_parsers, "_DECODER", decoder)
+    call = json.dumps({"name": "f", "arguments": long_arguments(n)})
+    text = f"Sure.<tool_call>\n{call}\n</tool_call>\n<tool_call>{call}</tool_call>"
+    stream = OutputParsers(None, ToolParser("hermes")).stream()
+    deltas = [stream.delta(text[i:i + 3], None)[0] for i in range(0, len(text), 3)]
+    deltas.append(stream.delta("", "stop")[0])
+    content = "".join(d.get("content", "") for d in deltas)
+    return decoder.num_chars, [c for d in deltas for c in d.get("tool_calls", [])], content, len(text)
+
+
+def test_a_streamed_hermes_call_is_parsed_once(monkeypatch):
+    # Each delta reparsed the open call from its start: a 56 KB call cost about 1 s of CPU.
+    num_chars, calls, content, length = hermes_work(monkeypatch, 400)
+    assert content == "Sure." and [c["index"] for c in calls] == [0, 1]
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [long_arguments(400)] * 2
+    assert num_chars <= 2 * length
+
+
+def required_work(monkeypatch, n: int) -> tuple[int, list[dict], int]:
+    decoder = CountingDecoder(tool_calls._DECODER)
+    monkeypatch.setattr(tool_calls, "_DECODER", decoder)
+    item = json.dumps({"name": "f", "parameters": long_arguments(n)})
+    text = f"[{item}, {item}]"
+    stream = forced_tool_calls("required", TOOLS, None).stream()
+    deltas = [d for i in range(0, len(text), 3) for d in stream.deltas(text[i:i + 3], text[:i + 3])]
+    return decoder.num_chars, deltas, len(text)
+
+
+def test_a_streamed_required_call_is_parsed_once(monkeypatch):
+    num_chars, deltas, length = required_work(monkeypatch, 400)
+    assert [json.loads(d["function"]["arguments"]) for d in deltas] == [long_arguments(400)] * 2
+    assert num_chars <= 3 * length
