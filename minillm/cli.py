@@ -1564,6 +1564,7 @@ def monitor_command(
     loops, and the title marks each new pass. Press ? inside for what each panel shows.
     """
     from minillm.tui.app import demo_recording, run_monitor
+    from minillm.urls import shown_url
     if demo and replay:
         raise CliError("give either --demo or --replay FILE, not both")
     source = None
@@ -1571,15 +1572,18 @@ def monitor_command(
         source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
     if record is not None and replay is not None and record.resolve() == replay.resolve():
         raise CliError(f"--record {record} is the --replay file: recording would overwrite it")
+    base_url = None
     if source is None:
-        server_url_option(url, "URL")
+        base_url = server_url_option(url, "URL")
         api_key_option(api_key)
     if record is not None:
         check_record_path(record)
     stream = stream_not_a_terminal()
     if stream is not None:
         # Textual would draw frame after frame into the file or pipe, and never end.
-        where = "" if source is not None else f", or read one snapshot of the stats as JSON from {url}/v1/stats"
+        # the server's address as the monitor reaches it (http:// added, /v1 and a password left out)
+        where = "" if base_url is None else \
+            f", or read one snapshot of the stats as JSON from {shown_url(base_url)}/v1/stats"
         raise CliError(f"the monitor draws its dashboard in a terminal, but {stream} is not one (a file or a pipe "
                        f"would get frames without end); run it in a terminal{where}")
     status = run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
