@@ -90,3 +90,32 @@ def test_responses_reasoning_effort_reaches_the_template_as_in_vllm(thinking_url
         "reasoning_effort": "none"}).json()
     assert message["content"][0]["text"] == chat["choices"][0]["message"]["content"]
     assert response.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+
+
+def responses_reply(http, **body) -> dict:
+    response = http.post("/v1/responses", json={"input": "Once upon a time", "temperature": 0, **body})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_responses_takes_vllms_sampling_extensions(http):
+    """vLLM's ResponsesRequest takes logit_bias, ignore_eos, skip_special_tokens and
+    include_stop_str_in_output; each was logged as unknown and dropped, so a reply that was to end at
+    once (</s> biased up) ran on, and one told to go on past </s> stopped."""
+    eos = {"2": 100}
+    stopped = responses_reply(http, logit_bias=eos, max_output_tokens=4)
+    assert stopped["status"] == "completed" and stopped["usage"]["output_tokens"] == 1
+    on = responses_reply(http, logit_bias=eos, ignore_eos=True, skip_special_tokens=False, max_output_tokens=3)
+    assert on["status"] == "incomplete" and on["output"][0]["content"][0]["text"] == "</s></s></s>"
+    plain = responses_reply(http, max_output_tokens=8)["output"][0]["content"][0]["text"]
+    stop = plain.split()[1]
+    kept = responses_reply(http, max_output_tokens=8, stop=[stop], include_stop_str_in_output=True)
+    assert kept["output"][0]["content"][0]["text"].endswith(stop)
+
+
+def test_responses_prompt_template_is_a_400_naming_it(http, healthy_stream):
+    """OpenAI's stored prompt templates are refused, as vLLM refuses them: the request was answered
+    without the template it named."""
+    response = http.post("/v1/responses", json={"input": "hi", "prompt": {"id": "pmpt_1", "version": "2"}})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert responses_reply(http, prompt=None, max_output_tokens=1)["status"] == "incomplete"

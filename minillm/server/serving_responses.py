@@ -48,7 +48,7 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 # vLLM's extensions a Responses request may carry, taken as a chat request takes them.
 CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt",
-               "priority")
+               "priority", "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "function", "name": ...}')
 # reasoning's and text's values as vLLM takes them (OpenAI's Reasoning and ResponseTextConfig types); effort
 # and verbosity change nothing for a model without such settings, but a value outside these is a client's
@@ -122,6 +122,7 @@ class ResponsesRequest(_WithChatExtras):
     include: list[Text] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it; used with include's OUTPUT_LOGPROBS
     request_id: Text | None = None
+    prompt: Any = None                  # OpenAI's stored prompt template (refused)
 
     @field_validator("input")
     @classmethod
@@ -153,6 +154,8 @@ def _check_unserved(req: ResponsesRequest) -> None:
                        type="invalid_request_error")
     if req.background:
         raise APIError(400, "background is not supported: this server does not store responses", param="background")
+    if req.prompt is not None:      # as vLLM refuses it: the template it names is not here to use
+        raise APIError(400, "prompt templates are not supported: send the conversation in input", param="prompt")
     if req.truncation not in (None, *TRUNCATIONS):
         raise APIError(400, f'truncation must be "auto" (the earliest input items dropped until the rest fits the '
                        f'context) or "disabled" (a prompt past the context is a 400), got {short_repr(req.truncation)}',
