@@ -120,3 +120,23 @@ def test_a_streamed_required_call_is_parsed_once(monkeypatch):
     num_chars, deltas, length = required_work(monkeypatch, 400)
     assert [json.loads(d["function"]["arguments"]) for d in deltas] == [long_arguments(400)] * 2
     assert num_chars <= 3 * length
+
+
+# ---- a call nested past the JSON reader's recursion limit ---------------------------------------------
+
+DEEP = "[" * 5000 + "]" * 5000
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"a": ' + DEEP + "}}</tool_call>"),
+    ("llama3_json", '{"name": "f", "parameters": {"a": ' + DEEP + "}}"),
+], ids=["hermes", "llama3_json"])
+def test_a_call_nested_too_deep_to_read_is_content(name, text):
+    # json raised RecursionError out of the parser: a chat reply with tools answered 500.
+    parsers = OutputParsers(None, ToolParser(name))
+    message, finish = parsers.message("assistant", "", text, "stop")
+    assert message == {"role": "assistant", "content": text} and finish == "stop"
+    stream = parsers.stream()
+    first, _ = stream.delta(text[:100], None)
+    last, _ = stream.delta(text[100:], "stop")
+    assert first.get("content", "") + last.get("content", "") == text

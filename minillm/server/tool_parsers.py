@@ -41,7 +41,7 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> dict:
         if key in obj:
             try:      # NaN, Infinity (or a number past a float's range) that Python's json read: no JSON
                 arguments = json.dumps(obj[key], ensure_ascii=False, allow_nan=False)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise NotACall(str(exc)) from None
             return tool_call(obj["name"], arguments)
     raise NotACall("no arguments")
@@ -60,7 +60,7 @@ def _hermes_call_at(text: str, pos: int) -> tuple[dict, int, bool]:
     i = _skip_space(text, pos + len(HERMES_START))
     try:
         obj, j = _DECODER.raw_decode(text, i)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:     # nested past the reader's depth: no call either
         raise NotACall(str(exc)) from None
     call = _call(obj, ("arguments",))
     k = _skip_space(text, j)
@@ -79,7 +79,7 @@ def _llama_calls(text: str) -> list[dict]:
             pos += 1
         try:
             obj, pos = _DECODER.raw_decode(text, pos)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise NotACall(str(exc)) from None
         calls.append(_call(obj, ("arguments", "parameters")))
         rest = text[pos:].lstrip()
