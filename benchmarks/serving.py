@@ -699,19 +699,24 @@ def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare
     barrier, out = ctx.Barrier(len(shares)), ctx.Queue()
     num_done = ctx.Value("q", 0) if bar is not None else None
     procs = [ctx.Process(target=_client_process, args=(args, base_url, share, barrier, out, w, num_done),
-                         daemon=True) for w, share in enumerate(shares)]
+                         name=f"minillm-bench-client-{w}", daemon=True) for w, share in enumerate(shares)]
     for proc in procs:
         proc.start()
+    got: dict = {}
     try:
-        got: dict = {}
         while len(got) < len(procs):
             try:
-                w, item = out.get(timeout=None if bar is None else 0.1)
+                w, item = out.get(timeout=0.1)
                 got[w] = item
             except queue.Empty:
-                pass
+                _check_client_processes(procs, got, out)
             if bar is not None:
                 bar.update(num_done.value - bar.n)
+    except BaseException:
+        barrier.abort()          # the others may wait there for one that is gone
+        for proc in procs:
+            proc.kill()
+        raise
     finally:
         for proc in procs:
             proc.join(10)
@@ -721,6 +726,24 @@ def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare
         if isinstance(item, BaseException):
             raise item
     return [got[w] for w in range(len(shares))]
+
+
+def _check_client_processes(procs: list, got: dict, out) -> None:
+    """A BenchError naming a client process that ended without putting its result in `out` (killed,
+    out of memory); a result it put before it ended is read into `got` first."""
+    gone = [w for w, proc in enumerate(procs) if w not in got and proc.exitcode is not None]
+    if not gone:
+        return
+    while True:                  # a process that ended has flushed what it put
+        try:
+            w, item = out.get(timeout=0.5)
+        except queue.Empty:
+            break
+        got[w] = item
+    gone = [w for w in gone if w not in got]
+    if gone:
+        raise BenchError(f"client process {gone[0]} of --num-client-processes ended without a result "
+                         f"(exit code {procs[gone[0]].exitcode})")
 
 
 def benchmark(args: argparse.Namespace, base_url: str) -> BenchmarkResult:
