@@ -140,3 +140,29 @@ def test_a_call_nested_too_deep_to_read_is_content(name, text):
     first, _ = stream.delta(text[:100], None)
     last, _ = stream.delta(text[100:], "stop")
     assert first.get("content", "") + last.get("content", "") == text
+
+
+# ---- a stream never copies what it holds for each delta -----------------------------------------------
+
+class Piece(str):
+    """A delta that counts the characters copied when a held text is joined to it (text + piece)."""
+
+    num_copied = 0
+
+    def __radd__(self, other: str) -> str:
+        Piece.num_copied += len(other)
+        return str.__add__(other, self)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("llama3_json", json.dumps({"name": "f", "parameters": long_arguments(300)})),
+    ("hermes", "<tool_call>" + json.dumps({"name": "f", "arguments": long_arguments(300)}) + "</tool_call>"),
+], ids=["llama3_json", "hermes"])
+def test_a_streamed_call_is_held_without_copying_it_for_each_delta(monkeypatch, name, text):
+    # llama3_json held the call as one string and appended each delta to it: O(n^2) characters copied.
+    monkeypatch.setattr(Piece, "num_copied", 0)
+    stream = ToolParser(name).stream()
+    calls = [c for i in range(0, len(text), 3) for c in stream.feed(Piece(text[i:i + 3]))[1]]
+    content, more = stream.finish()
+    assert content == "" and [json.loads(c["function"]["arguments"]) for c in calls + more] == [long_arguments(300)]
+    assert Piece.num_copied <= len(text)

@@ -256,33 +256,35 @@ class _OpenCall:
 
 
 class LlamaJsonStream(ToolCallStream):
-    """llama3_json: an output that opens with JSON is held and parsed whole at the end; any other
-    is content as it comes."""
+    """llama3_json: an output that opens with JSON is held (its deltas as they came) and parsed whole
+    at the end; any other is content as it comes."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._text = ""
+        self._pieces: list[str] = []
+        self._head = ""                        # the output so far less its whitespace: what decides
         self._decided: bool | None = None      # None: too early to say; True: calls; False: content
 
     def feed(self, delta: str) -> tuple[str, list[dict]]:
         if self._decided is False:
             return delta, []
-        self._text += delta
-        if self._decided is None:
-            stripped = self._text.lstrip()
-            if not stripped or (PYTHON_TAG.startswith(stripped) and len(stripped) < len(PYTHON_TAG)):
-                return "", []
-            after = stripped[len(PYTHON_TAG):].lstrip() if stripped.startswith(PYTHON_TAG) else stripped
-            if not after and stripped.startswith(PYTHON_TAG):
-                return "", []
-            self._decided = after.startswith("{")
-            if not self._decided:
-                text, self._text = self._text, ""
-                return text, []
+        self._pieces.append(delta)
+        if self._decided:
+            return "", []
+        head = (self._head + delta).lstrip()
+        if head.startswith(PYTHON_TAG):
+            head = PYTHON_TAG + head[len(PYTHON_TAG):].lstrip()
+        self._head = head
+        if not head or (PYTHON_TAG.startswith(head) and len(head) < len(PYTHON_TAG)) or head == PYTHON_TAG:
+            return "", []
+        self._decided = head.removeprefix(PYTHON_TAG).startswith("{")
+        if not self._decided:
+            text, self._pieces = "".join(self._pieces), []
+            return text, []
         return "", []
 
     def finish(self) -> tuple[str, list[dict]]:
-        text, self._text = self._text, ""
+        text, self._pieces = "".join(self._pieces), []
         body = _llama_body(text)
         if body is None:
             return text, []
