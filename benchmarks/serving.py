@@ -188,6 +188,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 "--duration > 0")
     if args.mixed_users is not None and (args.concurrency_sweep or args.peer_base_url):
         p.error("--mixed-users runs against one server, without --concurrency-sweep")
+    unused = [option for option, dest in _UNUSED_BY_MIXED if getattr(args, dest) != p.get_default(dest)]
+    if args.mixed_users is not None and unused:
+        p.error(f"{', '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used by --mixed-users (its users "
+                f"send requests of --input-len / --output-len tokens for --duration seconds)")
+    if args.concurrency_sweep and args.max_concurrency is not None:
+        p.error("--max-concurrency is not used by --concurrency-sweep (each run has the concurrency of its level)")
     if args.num_prompts < 1 or args.input_len < 1 or args.output_len < 1:
         p.error("--num-prompts, --input-len and --output-len must be >= 1")
     if args.num_client_processes < 1:
@@ -231,6 +237,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+# The workload options the mixed workload has no use for: (the option, its dest).
+_UNUSED_BY_MIXED = [("--num-prompts", "num_prompts"), ("--request-rate", "request_rate"),
+                    ("--max-concurrency", "max_concurrency"), ("--num-client-processes", "num_client_processes"),
+                    ("--prompt", "prompt"), ("--prompts-file", "prompts_file"), ("--save-detailed", "save_detailed"),
+                    ("--step-trace", "step_trace")]
 
 
 # Each numeric option's bounds, checked after the lower bounds above: past them a run allocates or
