@@ -119,3 +119,26 @@ def test_responses_prompt_template_is_a_400_naming_it(http, healthy_stream):
     response = http.post("/v1/responses", json={"input": "hi", "prompt": {"id": "pmpt_1", "version": "2"}})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert responses_reply(http, prompt=None, max_output_tokens=1)["status"] == "incomplete"
+
+
+@pytest.mark.parametrize("side", ["left", "right", None])
+def test_truncation_side_says_which_end_truncate_prompt_tokens_keeps(http, side):
+    """vLLM's truncation_side: "right" keeps the prompt's first truncate_prompt_tokens tokens, "left"
+    (and no side) its last; "right" was logged as unknown and the last tokens kept."""
+    ids = http.post("/tokenize", json={"prompt": "Once upon a time there was"}).json()["tokens"]
+    body = {"prompt": "Once upon a time there was", "max_tokens": 1, "truncate_prompt_tokens": 3,
+            "return_token_ids": True, "truncation_side": side}
+    kept = http.post("/v1/completions", json=body).json()["choices"][0]["prompt_token_ids"]
+    assert kept == (ids[:3] if side == "right" else ids[-3:])
+    messages = [{"role": "user", "content": "Once upon a time there was"}]
+    chat_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+    chat = {"messages": messages, "max_tokens": 1, "truncate_prompt_tokens": 4, "return_token_ids": True,
+            "truncation_side": side}
+    kept = http.post("/v1/chat/completions", json=chat).json()["prompt_token_ids"]
+    assert kept == (chat_ids[:4] if side == "right" else chat_ids[-4:])
+
+
+def test_truncation_side_outside_left_and_right_is_a_400_naming_it(http, healthy_stream):
+    body = {"prompt": "Once", "max_tokens": 1, "truncate_prompt_tokens": 1, "truncation_side": "middle"}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "truncation_side"
