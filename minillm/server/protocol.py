@@ -323,8 +323,10 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 # when set (a false or empty value, or the field's neutral value, changes nothing and passes), where
 # an unknown field is only logged.
 VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds", "structural_tag",
-                    "guided_whitespace_pattern")
-NEUTRAL_VALUES = {"length_penalty": 1.0}     # vLLM's default, which clients that send every field send
+                    "guided_whitespace_pattern", "logprob_token_ids", "thinking_token_budget", "repetition_detection",
+                    "watermarking")
+# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none)
+NEUTRAL_VALUES = {"length_penalty": 1.0, "thinking_token_budget": -1}
 
 
 def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
