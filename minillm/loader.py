@@ -326,7 +326,8 @@ class TensorEntry:
     end: int
 
 
-_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}   # bf16 kept as raw bits
+# bf16 kept as raw bits; F64 (transformers loads it, vLLM casts it) is cast to the dtype asked like the rest
+_NUMPY_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}
 
 
 def read_safetensors_header(file: Path) -> dict[str, TensorEntry]:
