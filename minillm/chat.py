@@ -449,26 +449,29 @@ def sigint_sets(flag: StopFlag):
 # The loop
 # ---------------------------------------------------------------------------------------------
 
-def reply_mark(stats: ReplyStats | None, settings: ChatSettings, interrupted: bool) -> str:
-    """What follows a reply on its last line: why it stopped, when that was not its own choice."""
+def reply_mark(stats: ReplyStats | None, settings: ChatSettings, interrupted: bool, is_one_shot: bool = False) -> str:
+    """What follows a reply on its last line: why it stopped, when that was not its own choice
+    (is_one_shot: a reply to --quick, which has no /commands to point at)."""
     if interrupted:
         return " [interrupted]"
     if stats is None or stats.finish_reason != "length":
         return ""
     if stats.max_tokens is not None and stats.max_tokens < settings.max_tokens:
-        return f" [the {stats.context_len}-token context is full: /reset starts over]"
-    return f" [max_tokens {settings.max_tokens} reached: /set max_tokens N for longer replies]"
+        return f" [the {stats.context_len}-token context is full{'' if is_one_shot else ': /reset starts over'}]"
+    longer = "--max-tokens N" if is_one_shot else "/set max_tokens N"
+    return f" [max_tokens {settings.max_tokens} reached: {longer} for longer replies]"
 
 
 class ChatSession:
     """The read-eval-print loop over a backend."""
 
     def __init__(self, backend: ChatBackend, settings: ChatSettings | None = None,
-                 system: str | None = None, out: TextIO | None = None) -> None:
+                 system: str | None = None, out: TextIO | None = None, log: TextIO | None = None) -> None:
         self.backend = backend
         self.settings = settings or ChatSettings()
         self.conversation = Conversation(system=system)
         self.out = out or sys.stdout
+        self.log = log       # errors and notices, when not on out (reply_once keeps them off the reply)
         self.is_running = True
         self.type_ahead = TypeAhead()
         self.is_terminal = False     # run() reads the terminal itself: keys typed during replies are kept
@@ -478,6 +481,17 @@ class ChatSession:
     def say(self, text: str) -> None:
         """Print a line to the user."""
         print(text, file=self.out, flush=True)
+
+    def note(self, text: str) -> None:
+        """Print an error or a notice (on log, else on out)."""
+        print(text, file=self.log or self.out, flush=True)
+
+    def reply_once(self, text: str) -> int:
+        """vLLM's chat --quick: TEXT sent as the one message (a leading slash too), its reply printed
+        alone; the exit status: 1 when it failed (the error on log). Ctrl-C ends it, as in a script."""
+        self.is_piped = True
+        self.send(text, is_one_shot=True)
+        return 1 if self.num_failed_replies else 0
 
     def greet(self) -> None:
         """The banner, and the one notice about plain-text mode."""
@@ -585,8 +599,8 @@ class ChatSession:
             return
         self.say(f"({key} = {getattr(self.settings, key)})")
 
-    def send(self, text: str) -> None:
-        """Stream the assistant's reply to TEXT and keep both turns."""
+    def send(self, text: str, is_one_shot: bool = False) -> None:
+        """Stream the assistant's reply to TEXT and keep both turns (is_one_shot: reply_once's)."""
         self.conversation.turns.append({"role": "user", "content": text})
         reply, flag = "", StopFlag(at_once=getattr(self.backend, "stops_anywhere", False))
         keys = StreamingKeys(self.type_ahead) if self.is_terminal else None
@@ -611,11 +625,17 @@ class ChatSession:
             self.print_notices()
             self.conversation.turns.pop()
             hint = (" (the system message counts too: /system alone clears it)"
-                    if isinstance(exc, ContextTooShort) and self.conversation.system else "")
-            self.say(f"error: {exc}{hint}")
+                    if isinstance(exc, ContextTooShort) and self.conversation.system and not is_one_shot else "")
+            self.note(f"error: {exc}{hint}")
             self.num_failed_replies += 1
             return
-        self.say(reply_mark(self.backend.last_stats, self.settings, flag.is_set))
+        mark = reply_mark(self.backend.last_stats, self.settings, flag.is_set, is_one_shot)
+        if is_one_shot:             # the reply alone on out; why it stopped short on log
+            self.say("")
+            if mark:
+                self.note(mark.strip())
+        else:
+            self.say(mark)
         if flag.is_set and self.is_piped:
             raise KeyboardInterrupt     # the reply ends marked, and the chat with it
         self.conversation.turns.append({"role": "assistant", "content": reply})
@@ -624,7 +644,7 @@ class ChatSession:
         """Pass on what the backend wants the user to know (trimmed history, fallbacks)."""
         notices = getattr(self.backend, "notices", [])
         for notice in notices:
-            self.say(notice)
+            self.note(notice)
         notices.clear()
 
 

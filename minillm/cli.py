@@ -641,8 +641,14 @@ def chat(
              "with --url, the served model name.")] = None,
     url: Annotated[Optional[str], typer.Option(
         help="Chat with a running `minillm serve` at this URL instead of loading a model.")] = None,
+    model_name: Annotated[Optional[str], typer.Option(
+        "--model-name", metavar="MODEL", help="MODEL given as an option, as vLLM's chat --model-name.")] = None,
     api_key: Annotated[Optional[str], typer.Option(help="API key for --url.")] = None,
-    system: Annotated[Optional[str], typer.Option(help="System message.")] = None,
+    system: Annotated[Optional[str], typer.Option(
+        "--system", "--system-prompt", help="System message (--system-prompt: vLLM's name).")] = None,
+    quick: Annotated[Optional[str], typer.Option(
+        "--quick", "-q", metavar="MESSAGE",
+        help="Send MESSAGE as the one message, print the reply and exit (as vLLM's chat --quick).")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
         help="A Jinja chat template, as a file or the template itself; replaces the model's own "
              "(a model without one needs it to chat in turns).")] = None,
@@ -664,7 +670,10 @@ def chat(
     """
     from minillm.chat import ChatSession, EngineChatBackend
     from minillm.tokenizer import read_chat_template
-    if sys.stdin is None:      # started with stdin closed (<&-): there is nothing to read messages from
+    model = model_from_option(model, model_name, "--model-name")
+    if quick is not None and not quick.strip():      # `-q "$MESSAGE"` with the variable unset
+        raise typer.BadParameter("is empty; give the message to send", param_hint="'--quick'")
+    if quick is None and sys.stdin is None:   # started with stdin closed (<&-): there is nothing to read messages from
         raise CliError("chat reads your messages from stdin, which is closed")
     require_stdout("chat")     # its replies go there: input() said only "lost sys.stdout"
     chosen = {k: v for k, v in {"temperature": temperature, "top_p": top_p, "top_k": top_k}.items() if v is not None}
@@ -672,6 +681,8 @@ def chat(
         settings = sampling_settings(chosen, max_tokens, seed)
     if system is not None:
         check_utf8(system, "--system")      # else every message fails on it, naming neither the option nor the byte
+    if quick is not None:
+        check_utf8(quick, "--quick")
     template = chat_template_option(chat_template, read_chat_template) if chat_template is not None else None
     if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
@@ -695,6 +706,8 @@ def chat(
         # --top-k past the vocabulary fails here, not at every message (a model's own default is not the flag's).
         with option_values(ctx, unless=tuple(k for k in model_defaults if k not in chosen)):
             backend.check_settings(settings)
+    if quick is not None:       # errors and notices on stderr: stdout holds the reply alone
+        raise typer.Exit(ChatSession(backend, settings, system=system, log=sys.stderr).reply_once(quick))
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
 
@@ -1418,12 +1431,13 @@ def serve(
         raise typer.Exit(status)
 
 
-def model_from_option(model: str | None, option: str | None) -> str | None:
-    """MODEL, from the argument or from vLLM's --model; two that differ are a usage error."""
+def model_from_option(model: str | None, option: str | None, flag: str = "--model") -> str | None:
+    """MODEL, from the argument or from vLLM's FLAG (serve's --model, chat's --model-name); two that
+    differ are a usage error."""
     if option is None:
         return model
     if model is not None and model != option:
-        raise UsageError(f"MODEL {model} and --model {option} disagree; give the model once")
+        raise UsageError(f"MODEL {model} and {flag} {option} disagree; give the model once")
     return option
 
 
