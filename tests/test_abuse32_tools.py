@@ -166,3 +166,32 @@ def test_a_streamed_call_is_held_without_copying_it_for_each_delta(monkeypatch, 
     content, more = stream.finish()
     assert content == "" and [json.loads(c["function"]["arguments"]) for c in calls + more] == [long_arguments(300)]
     assert Piece.num_copied <= len(text)
+
+
+# ---- a lone surrogate (JSON's "\ud800", which no UTF-8 text holds) in a call's arguments ---------------
+
+LONE = '{"x": "\\ud800", "y": "\\ud83d\\ude00 é"}'
+
+
+def test_hermes_arguments_with_a_lone_surrogate_keep_its_escape():
+    # json.dumps(ensure_ascii=False) wrote the surrogate itself: the reply could not be encoded (a 500).
+    text = f'<tool_call>{{"name": "f", "arguments": {LONE}}}</tool_call>'
+    parsers = OutputParsers(None, ToolParser("hermes"))
+    message, _ = parsers.message("assistant", "", text, "stop")
+    stream = parsers.stream()
+    streamed = stream.delta(text[:20], None)[0].get("tool_calls", []) + stream.delta(text[20:], "stop")[0]["tool_calls"]
+    for call in message["tool_calls"] + streamed:
+        arguments = call["function"]["arguments"]
+        arguments.encode()
+        assert json.loads(arguments) == json.loads(LONE)
+
+
+def test_required_arguments_with_a_lone_surrogate_are_the_text_as_written():
+    [call] = required_calls(f'[{{"name": "f", "parameters": {LONE}}}]')
+    assert call["function"]["arguments"] == LONE
+
+
+def test_a_tool_use_input_with_a_lone_surrogate_is_valid_unicode():
+    block = _tool_use({"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "f", "arguments": LONE}})
+    assert block["input"] == {"x": "\ufffd", "y": "\U0001F600 é"}
+    json.dumps(block, ensure_ascii=False).encode()

@@ -65,3 +65,14 @@ def test_chat_and_responses_pass_the_arguments_on_as_written(url):
                  "tool_choice": {"type": "function", "name": "f"}}
     [item] = post(url, "/v1/responses", responses)["output"]
     assert item["arguments"] == ARGUMENTS and item["status"] == "completed"
+
+
+def test_messages_answers_a_call_with_a_lone_surrogate_with_valid_unicode(url):
+    # A 500: "'utf-8' codec can't encode character '\ud800'".
+    lone = dict(HUGE, **{"x-guidance": {"key_separator": ': "\\\\ud800", "y": '}})   # a regex: \\ is one backslash
+    body = dict(MESSAGES, tools=[{"name": "f", "input_schema": lone}])
+    [block] = post(url, "/v1/messages", body)["content"]
+    assert block["input"] == {"x": "\ufffd", "y": 0}
+    events = [json.loads(line[len("data: "):]) for line in stream(url, "/v1/messages", body) if line.startswith("data: ")]
+    partial = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
+    assert json.loads(partial) == {"x": "\ufffd", "y": 0}

@@ -279,9 +279,33 @@ def _input_of(call: dict) -> dict | None:
     """A call's arguments as a tool_use block's input; None where they are no JSON object (cut short)."""
     try:
         arguments = _INPUT_DECODER.decode(call["function"]["arguments"] or "{}")
+        if isinstance(arguments, dict) and not _is_utf8(json.dumps(arguments, ensure_ascii=False)):
+            arguments = _well_formed(arguments)    # a lone surrogate ("\ud800"): the response's UTF-8 holds none
     except (ValueError, RecursionError):
         return None
     return arguments if isinstance(arguments, dict) else None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _well_formed(value: Any) -> Any:
+    """value with each lone surrogate in its strings (keys too) as U+FFFD, as a UTF-8 encoder replaces it."""
+    if isinstance(value, str):
+        return _LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_well_formed(item) for item in value]
+    if isinstance(value, dict):
+        return {_well_formed(key): _well_formed(item) for key, item in value.items()}
+    return value
 
 
 def _finite_or_null(text: str) -> float | None:

@@ -192,11 +192,14 @@ _STRUCTURE = re.compile(r'["\\{}\[\]]')
 def arguments_text(raw: str) -> str:
     """A call's arguments (JSON text as the model wrote it) as vLLM writes them, json.dumps of the value
     read; the text as written where Python reads no value it can write back the same (a number past
-    a float's range, an integer past Python's digit limit): JSON as the client asked for it."""
+    a float's range, an integer past Python's digit limit, a lone surrogate such as "\\ud800", which
+    no UTF-8 text holds): JSON as the model wrote it."""
     try:
-        return json.dumps(json.loads(raw), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(json.loads(raw), ensure_ascii=False, allow_nan=False)
+        text.encode()             # UnicodeEncodeError (a ValueError) for a lone surrogate
     except (ValueError, RecursionError):
         return raw
+    return text
 
 
 def object_members(text: str) -> dict[str, tuple[Any, str]]:

@@ -43,8 +43,18 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> dict:
                 arguments = json.dumps(obj[key], ensure_ascii=False, allow_nan=False)
             except (ValueError, RecursionError) as exc:
                 raise NotACall(str(exc)) from None
+            if not arguments.isascii() and not _is_utf8(arguments):    # a lone surrogate ("\ud800") stays escaped
+                arguments = json.dumps(obj[key], allow_nan=False)
             return tool_call(obj["name"], arguments)
     raise NotACall("no arguments")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _skip_space(text: str, pos: int) -> int:
