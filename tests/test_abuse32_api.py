@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_server_helpers import chat_template_server, running_server, story_streams  # noqa: F401 (server, healthy)
+from test_server_helpers import chat_template_server, running_server, sse_events, story_streams  # noqa: F401
 
 from minillm.server.app import ServerOptions
 
@@ -165,3 +165,21 @@ def test_vllm_fields_this_server_does_not_serve_are_refused_by_name(http, health
 def test_vllm_fields_at_their_neutral_values_pass(http, name, value):
     body = {"prompt": "Once", "max_tokens": 1, name: value}
     assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_chat_return_prompt_text_gives_the_rendered_prompt(http):
+    """vLLM's return_prompt_text: the response's prompt_text is the prompt the template rendered (on a
+    stream, in each choice's first chunk, beside prompt_token_ids); it was logged as unknown."""
+    messages = [{"role": "user", "content": "Once upon"}]
+    body = {"messages": messages, "max_tokens": 2, "return_prompt_text": True, "return_token_ids": True}
+    reply = http.post("/v1/chat/completions", json=body).json()
+    text = reply["prompt_text"]
+    assert text == "<s>user: Once upon\nassistant:"      # the tests' CHAT_TEMPLATE, BOS as text
+    assert http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"] == \
+        reply["prompt_token_ids"]
+    assert "prompt_text" not in http.post("/v1/chat/completions", json={**body, "return_prompt_text": False}).json()
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True, "n": 2}) as response:
+        events = sse_events(response.iter_lines())
+    openers = [e for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
+    assert len(openers) == 2 and all(e["prompt_text"] == text for e in openers)
+    assert not any("prompt_text" in e for e in events if e not in openers)

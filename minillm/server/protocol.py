@@ -284,6 +284,7 @@ class ChatCompletionRequest(ConversationRequest, _GenerationRequest):
     include_reasoning: bool = True               # vLLM's: false drops the reasoning a --reasoning-parser splits off
     # OpenAI's: the template's reasoning_effort, and its enable_thinking ("none": false) as vLLM renders it
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None
+    return_prompt_text: bool | None = None       # vLLM's: the prompt the template rendered, as prompt_text
 
 
 class TokenizeCompletionRequest(_ModelRequest):

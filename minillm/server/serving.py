@@ -355,7 +355,8 @@ class ChunkFormat:
     differ from chunk to chunk, so a token's event costs one JSON string, not a whole object.
 
     event(choice) is byte for byte sse({"id": ..., "object": ..., "created": ..., "model": ...,
-    "choices": [choice], ("usage": None, or the usage given), ("prompt_token_ids": the ids given)})
+    "choices": [choice], ("usage": None, or the usage given), ("prompt_token_ids": the ids given),
+    ("prompt_text": the text given)})
     with choice already JSON (tests/test_server_sse.py).
     """
 
@@ -365,13 +366,17 @@ class ChunkFormat:
         self.close = '],"usage":null' if include_usage else ']'    # the choices' end, and a null usage
         self.tail = self.close + '}\n\n'
 
-    def event(self, choice_json: str, usage: dict | None = None, prompt_token_ids: list[int] | None = None) -> str:
-        """The event for one choice given as JSON, with the usage and the prompt's token ids if given."""
-        if usage is None and prompt_token_ids is None:
+    def event(self, choice_json: str, usage: dict | None = None, prompt_token_ids: list[int] | None = None,
+              prompt_text: str | None = None) -> str:
+        """The event for one choice given as JSON, with the usage, the prompt's token ids and its
+        rendered text if given."""
+        if usage is None and prompt_token_ids is None and prompt_text is None:
             return self.head + choice_json + self.tail
         close = self.close if usage is None else f'],"usage":{json_dumps(usage)}'
         if prompt_token_ids is not None:
             close += f',"prompt_token_ids":{json_dumps(prompt_token_ids)}'
+        if prompt_text is not None:
+            close += f',"prompt_text":{json_text(prompt_text)}'
         return f'{self.head}{choice_json}{close}}}\n\n'
 
 
@@ -381,6 +386,7 @@ class StreamChoice(NamedTuple):
     json: str
     num_tokens: int                              # its completion's tokens so far (continuous usage stats)
     prompt_token_ids: list[int] | None = None    # vLLM's return_token_ids, in a chat choice's first chunk
+    prompt_text: str | None = None               # vLLM's return_prompt_text, in a chat choice's first chunk
 
 
 def stream_events(chunks: ChunkFormat, choices: list[StreamChoice], output: RequestOutput,
@@ -388,7 +394,7 @@ def stream_events(chunks: ChunkFormat, choices: list[StreamChoice], output: Requ
     """The events of one output's moved choices (each with its own usage under continuous usage stats)."""
     num_prompt_tokens = len(output.prompt_token_ids)
     return [chunks.event(c.json, usage(num_prompt_tokens, c.num_tokens) if continuous_usage else None,
-                         c.prompt_token_ids) for c in choices]
+                         c.prompt_token_ids, c.prompt_text) for c in choices]
 
 
 def text_choice_json(index: int, text: str) -> str:

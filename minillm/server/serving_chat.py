@@ -102,6 +102,7 @@ class ConversationPrompt:
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)
         self.template_kwargs = template_kwargs(req)
+        self.text: str | None = None        # the rendered prompt, once token_ids() has made it
 
     def token_ids(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener (slow: run it in the pool)."""
@@ -116,6 +117,7 @@ class ConversationPrompt:
             param = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(400, str(exc), param=param) from None
         check_prompt_chars(self.ctx.limits, len(text), "messages")
+        self.text = text
         # The template writes BOS itself where the model wants it (add_special_tokens adds more).
         return tok.encode_batch([text], add_special_tokens=req.add_special_tokens)[0]
 
@@ -246,6 +248,8 @@ class ChatJob:
                                                            self.prompt_logprobs, self.ctx.tokenizer)
         if self.req.return_token_ids:
             body["prompt_token_ids"] = list(final.prompt_token_ids)
+        if self.req.return_prompt_text:
+            body["prompt_text"] = self.conversation.text
         self.kv_transfer_stats = final.kv_transfer_stats
         if final.kv_transfer_params is not None:     # a prefill server's, for the decode server
             body["kv_transfer_params"] = final.kv_transfer_params
@@ -310,7 +314,8 @@ class ChatJob:
             if not state.is_started:
                 state.is_started = True
                 opener = self._choice(comp.index, {"role": self.role, "content": self.echo_text}, None, None)
-                choices.append(StreamChoice(opener, 0, list(output.prompt_token_ids) if with_ids else None))
+                choices.append(StreamChoice(opener, 0, list(output.prompt_token_ids) if with_ids else None,
+                                            self.conversation.text if self.req.return_prompt_text else None))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue
