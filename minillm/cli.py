@@ -79,7 +79,8 @@ def _print_version(value: bool) -> None:
 @app.callback()
 def _main_options(
     version: Annotated[Optional[bool], typer.Option(
-        "--version", callback=_print_version, is_eager=True, help="Print the version and exit.")] = None,
+        "--version", "-v", callback=_print_version, is_eager=True,
+        help="Print the version and exit (-v: vLLM's and Ollama's short name).")] = None,
 ) -> None:
     """minillm: a small LLM inference engine with a paged KV cache."""
 
