@@ -40,6 +40,7 @@ import random
 import re
 import resource
 import sys
+import threading
 import time
 import urllib.parse
 from dataclasses import asdict, dataclass, field
@@ -694,6 +695,8 @@ def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare,
                     num_done=None) -> None:
     """A client process's entry point: its share's result, or the error, goes to `out` with its index `w`;
     each request that ends adds one to `num_done` (a shared integer) when given."""
+    _exit_with_parent()
+
     def done() -> None:
         with num_done.get_lock():
             num_done.value += 1
@@ -703,6 +706,21 @@ def _client_process(args: argparse.Namespace, base_url: str, share: ClientShare,
     except BaseException as exc:  # noqa: BLE001 - the parent reports it
         barrier.abort()
         out.put((w, BenchError(f"a client process failed: {type(exc).__name__}: {exc}")))
+
+
+def _exit_with_parent() -> None:
+    """End this client process when the run's process ends: multiprocessing stops its daemons when
+    their parent exits, not when it is killed, and they went on sending the workload (or waited at
+    the start barrier) for ever."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()            # its sentinel closes when it ends, however it ends
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minillm-bench-parent-watch", daemon=True).start()
 
 
 def run_shares(args: argparse.Namespace, base_url: str, shares: list[ClientShare], bar=None) -> list[ShareResult]:

@@ -4,8 +4,13 @@ for its result for ever, and the others for it at the start barrier."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from test_server_helpers import running_server
@@ -54,3 +59,61 @@ def test_a_client_process_killed_ends_the_run_naming_it(server):
     [error] = outcome
     assert isinstance(error, BenchError) and "client process" in str(error) and "exit code -9" in str(error), error
     assert not [p for p in mp.active_children() if p.name.startswith("minillm-bench-client-")]
+
+
+def processes_started_by(pid: int) -> list[int]:
+    """The multiprocessing children (spawned) of process pid."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """Whether pid is a process that has not ended (a zombie has)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def wait_until(condition, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def test_client_processes_end_when_the_run_is_killed(server):
+    # They are daemons, which multiprocessing stops when the parent exits, not when it is killed:
+    # they went on sending the workload, or waited at the start barrier, for ever.
+    url, _ = server
+    code = ("import sys; from minillm.benchmarks import serving; "
+            "sys.exit(serving.main(sys.argv[1:]))")
+    parent = subprocess.Popen([sys.executable, "-c", code, "--base-url", url, "--num-prompts", "2000",
+                               "--input-len", "4", "--output-len", "64", "--max-concurrency", "2",
+                               "--num-client-processes", "2"],
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    clients: list[int] = []
+    try:
+        assert wait_until(lambda: len(processes_started_by(parent.pid)) == 2, 60), "no client processes started"
+        clients = processes_started_by(parent.pid)
+        parent.kill()
+        parent.wait()
+        assert wait_until(lambda: not any(map(is_running, clients)), 30), \
+            f"client processes {[p for p in clients if is_running(p)]} outlived the run"
+    finally:
+        parent.kill()
+        parent.wait()
+        for pid in clients:
+            if is_running(pid):
+                os.kill(pid, signal.SIGKILL)
