@@ -287,7 +287,8 @@ def _item(text: str) -> tuple[str, str] | None:
     name = members.get("name", (None, ""))[0]
     if not isinstance(name, str) or isinstance(name, NumberText):
         return None
-    return name, arguments_text(members["parameters"][1]) if "parameters" in members else "{}"
+    arguments = arguments_text(members["parameters"][1]) if "parameters" in members else "{}"
+    return name, arguments
 
 
 def _skip(text: str, i: int) -> int:
