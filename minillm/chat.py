@@ -18,6 +18,9 @@ QUIT_HINT = "Ctrl-D or /exit quits"
 CONTINUATION_PROMPT = "... "
 TRIPLE_QUOTE = '"""'
 NO_ARGUMENT_COMMANDS = ("/exit", "/quit", "/help", "/reset", "/stats")
+# Ollama's names of the same commands (`ollama run`): /bye, /clear, /? and /set parameter KEY VALUE.
+OLLAMA_COMMANDS = {"/bye": "/exit", "/clear": "/reset", "/?": "/help"}
+OLLAMA_PARAMETERS = {"num_predict": "max_tokens"}     # the rest share the names
 
 HELP_TEXT = f"""\
 commands:
@@ -28,6 +31,7 @@ commands:
                         (/set alone shows the current values; /set seed none unseeds)
   /stats                speed, time to first token and KV usage of the last reply
   /exit                 quit (Ctrl-D too)
+  Ollama's /bye, /clear, /?, /set parameter KEY VALUE (num_predict: max_tokens) and /set system TEXT work too
 input:
   a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
   (a message even when it starts with a slash)
@@ -558,9 +562,17 @@ class ChatSession:
 
     def command(self, text: str) -> None:
         """Dispatch one /command."""
-        name, arg = _split_word(text)
+        typed, arg = _split_word(text)
+        name = OLLAMA_COMMANDS.get(typed, typed)
+        if name == "/set":
+            key, value = _split_word(arg)
+            if key == "system":
+                name, arg = "/system", value
+            elif key == "parameter":
+                key, value = _split_word(value)
+                arg = f"{OLLAMA_PARAMETERS.get(key, key)} {value}".strip()
         if name in NO_ARGUMENT_COMMANDS and arg:
-            self.say(f"usage: {name} (it takes no arguments, got {arg!r})")
+            self.say(f"usage: {typed} (it takes no arguments, got {arg!r})")
         elif name in ("/exit", "/quit"):
             self.is_running = False
         elif name == "/help":
