@@ -233,7 +233,10 @@ def _is_complete(path: Path) -> bool:
         except ValueError:
             return False
         return bool(files) and all((path / f).is_file() for f in files)
-    return any(f.is_file() for f in path.glob("*.safetensors"))     # a link to a deleted blob is none
+    single = path / "model.safetensors"
+    if single.exists() or single.is_symlink():      # read alone (a link to a deleted blob is no file)
+        return single.is_file()
+    return any(f.is_file() for f in path.glob("*.safetensors"))
 
 
 def _repo_folder(repo_id: str, download_dir: str | None) -> Path:

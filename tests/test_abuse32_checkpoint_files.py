@@ -87,3 +87,21 @@ def test_a_pull_of_a_repo_with_model_safetensors_leaves_its_shards_out(hub, tmp_
     [call] = hub.calls
     assert set(call["ignore"]) >= {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
     assert "model.safetensors" not in call["ignore"]
+
+
+@needs_stories
+def test_a_snapshot_whose_model_safetensors_links_to_nothing_is_not_runnable_beside_other_weights(tmp_path):
+    # The loader (and transformers) reads model.safetensors alone when it is there, so another
+    # *.safetensors beside a link to a deleted blob does not make the snapshot runnable; it was listed
+    # as runnable and the load then failed.
+    from safetensors.numpy import save_file
+    folder = tmp_path / "store" / "models--org--gone"
+    snap = folder / "snapshots" / "abc"
+    shutil.copytree(STORIES, snap, ignore=shutil.ignore_patterns("model.safetensors"))
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("abc")
+    (snap / "model.safetensors").symlink_to("../../blobs/gone")
+    save_file({"layers.0.attention.wq.weight": np.ones((4, 4), np.float32)}, str(snap / "consolidated.safetensors"))
+    [model] = store.list_local_models(str(tmp_path / "store"))
+    assert model.note == "incomplete download"
+    assert store.cached_snapshot("org/gone", str(tmp_path / "store")) is None
