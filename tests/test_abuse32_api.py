@@ -183,3 +183,20 @@ def test_chat_return_prompt_text_gives_the_rendered_prompt(http):
     openers = [e for e in events if e["choices"] and "role" in e["choices"][0]["delta"]]
     assert len(openers) == 2 and all(e["prompt_text"] == text for e in openers)
     assert not any("prompt_text" in e for e in events if e not in openers)
+
+
+@pytest.mark.parametrize("status", ["incomplete", "in_progress", "completed"])
+def test_responses_continues_a_partial_assistant_message(http, status):
+    """vLLM continues the last input item when it is an assistant message left incomplete or in
+    progress (an output fed back to go on with it), as chat's continue_final_message does; it opened
+    a new assistant turn after it. A completed message is answered by a new turn, as before."""
+    partial = {"type": "message", "role": "assistant", "status": status,
+               "content": [{"type": "output_text", "text": "Once upon a"}]}
+    reply = responses_reply(http, input=[{"role": "user", "content": "Lily"}, partial], max_output_tokens=3)
+    continued = status != "completed"
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Lily"}, {"role": "assistant", "content": "Once upon a"}],
+        "max_tokens": 3, "temperature": 0, "continue_final_message": continued,
+        "add_generation_prompt": not continued}).json()
+    assert reply["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    assert reply["output"][-1]["content"][0]["text"] == chat["choices"][0]["message"]["content"]

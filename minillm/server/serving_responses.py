@@ -10,6 +10,9 @@ events (response.created, output_item.added, output_text.delta, ..., response.co
 response.incomplete when max_output_tokens cut it; response.failed, with the response's error and its
 output as far as it came, when the request fails after the stream began).
 
+An input that ends with an assistant message left incomplete or in progress is continued (chat's
+continue_final_message), as vLLM continues it.
+
 Responses are not stored: `store` is answered false, a `previous_response_id` is a 404 (none is
 found, as on a vLLM server without its response store) and `background` a 400.
 
@@ -336,7 +339,17 @@ def chat_body(req: ResponsesRequest) -> dict:
         fields.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     body.update({k: v for k, v in fields.items() if v is not None})
     body.update({name: getattr(req, name) for name in CHAT_EXTRAS if name in req.model_fields_set})
+    if ends_with_partial_message(req):
+        body.update(continue_final_message=True, add_generation_prompt=False)
     return body
+
+
+def ends_with_partial_message(req: ResponsesRequest) -> bool:
+    """Whether input ends with an assistant message left incomplete or in progress (an output fed back
+    to go on with), which the reply continues, as vLLM continues it."""
+    last = req.input[-1] if isinstance(req.input, list) and req.input else None
+    return isinstance(last, dict) and last.get("type", "message") == "message" and last.get("role") == "assistant" \
+        and last.get("status") in ("incomplete", "in_progress")
 
 
 def _renamed(exc: APIError) -> APIError:
