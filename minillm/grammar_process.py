@@ -480,6 +480,10 @@ def _reap(proc: subprocess.Popen) -> None:
     # The blocking wait leaves the child unreaped (WNOWAIT) and holds none of Popen's locks: a daemon
     # thread is frozen where it stands at interpreter exit, and one frozen inside Popen.wait would keep
     # its lock from the engine's own wait in _stop. poll() then reaps without blocking.
+    if not hasattr(os, "waitid"):      # macOS: look every second instead
+        while proc.poll() is None:
+            time.sleep(1.0)
+        return
     try:
         os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
     except ChildProcessError:          # reaped already (by _stop's wait)

@@ -8,6 +8,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from test_grammar_process import new_engine, run
 from test_structured_engine import assert_valid, constrained
 
@@ -30,7 +32,10 @@ def wait_until(condition, timeout_s: float = 10.0) -> bool:
     return condition()
 
 
-def test_a_grammar_process_killed_while_idle_is_reaped_and_replaced(stories_path):
+@pytest.mark.parametrize("has_waitid", [True, False], ids=["waitid", "no-waitid"])
+def test_a_grammar_process_killed_while_idle_is_reaped_and_replaced(stories_path, monkeypatch, has_waitid):
+    if not has_waitid:                    # as on macOS
+        monkeypatch.delattr(os, "waitid", raising=False)
     engine = new_engine(stories_path, True)
     try:
         assert_valid("date", run(engine, {"a": constrained("date", 0)})["a"])
