@@ -200,3 +200,15 @@ def test_responses_continues_a_partial_assistant_message(http, status):
         "add_generation_prompt": not continued}).json()
     assert reply["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
     assert reply["output"][-1]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+
+
+def test_responses_keeps_a_reasoning_item_that_ends_the_input(http):
+    """A reasoning item goes with the assistant turn after it; one that ends the input (no turn after
+    it) was dropped without a word. vLLM renders it as an assistant message of that reasoning."""
+    reasoning = {"type": "reasoning", "summary": [{"type": "summary_text", "text": "She likes cats"}]}
+    reply = responses_reply(http, input=[{"role": "user", "content": "Lily"}, reasoning], max_output_tokens=1)
+    chat = http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "Lily"},
+                     {"role": "assistant", "content": "", "reasoning": "She likes cats"}],
+        "max_tokens": 1}).json()
+    assert reply["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]

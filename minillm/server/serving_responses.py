@@ -267,6 +267,8 @@ def _messages(req: ResponsesRequest) -> list[dict]:
         raise APIError(400, f"{reasoning_at} is a reasoning item with no message after it, and input has no message "
                        f"to answer (a reasoning item goes with the assistant message or function_call after it)",
                        param=reasoning_at)
+    if reasoning is not None:           # it ends the input: an assistant turn of that reasoning, as vLLM renders it
+        messages.append({"role": "assistant", "content": "", "reasoning": reasoning})
     return messages
 
 
