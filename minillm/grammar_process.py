@@ -246,7 +246,12 @@ class GrammarProcess:
         self.bitmasks = self._masks.bitmasks
         self.spec = spec = GrammarProcessSpec(tokenizer_json, int(vocab_size), [int(i) for i in eos_token_ids],
                                               self._masks.shm.name, num_rows, num_fill_threads)
-        self._conn, self._proc = _start(spec)
+        try:
+            self._conn, self._proc = _start(spec)
+        except BaseException:
+            if masks is None:             # made here, so let go here (a restart's stay with the old process)
+                self._masks.release()
+            raise
         _reap_when_gone(self._proc)
         self._generation = next(_generations)      # a grammar's remote_id names the process it was sent to
         self._next_handle = self._next_gid = 0

@@ -69,3 +69,30 @@ def test_shutdown_leaves_no_grammar_process_or_thread_waiting_on_one(stories_pat
         engine.shutdown()
     assert process._proc.returncode is not None
     assert wait_until(lambda: f"minillm-grammar-reaper-{process._proc.pid}" not in reapers()), reapers()
+
+
+def test_a_grammar_process_that_cannot_start_leaves_no_shared_masks(stories_path, monkeypatch):
+    # The shared segment of its masks was made first and kept (in /dev/shm, page-locked on a GPU)
+    # until the engine's process ended.
+    from multiprocessing.shared_memory import SharedMemory
+
+    from minillm import grammar_process
+
+    made = []
+    real_masks = grammar_process.SharedMasks
+
+    def recorded(*args, **kwargs):
+        made.append(real_masks(*args, **kwargs))
+        return made[-1]
+
+    def cannot_start(spec):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(grammar_process, "SharedMasks", recorded)
+    monkeypatch.setattr(grammar_process, "_start", cannot_start)
+    tokenizer_json = (stories_path / "tokenizer.json").read_text()
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        grammar_process.GrammarProcess(tokenizer_json, 512, [2], num_rows=4)
+    [masks] = made
+    with pytest.raises(FileNotFoundError):
+        SharedMemory(name=masks.shm.name)
