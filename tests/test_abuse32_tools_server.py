@@ -76,3 +76,14 @@ def test_messages_answers_a_call_with_a_lone_surrogate_with_valid_unicode(url):
     events = [json.loads(line[len("data: "):]) for line in stream(url, "/v1/messages", body) if line.startswith("data: ")]
     partial = "".join(e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta")
     assert json.loads(partial) == {"x": "\ufffd", "y": 0}
+
+
+def test_messages_refuses_two_tools_of_one_name_as_anthropic_does(url):
+    # Taken: a tool_choice naming it, or a tool_use of it, went to whichever came first.
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    body = dict(MESSAGES, tools=[{"name": "f", "input_schema": weather}, {"name": "g", "input_schema": weather},
+                                 {"name": "f", "input_schema": HUGE}])
+    response = httpx.post(f"{url}/v1/messages", timeout=60, json={"model": "stories", **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "tools[2].name" and "unique" in error["message"]

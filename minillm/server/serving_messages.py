@@ -163,13 +163,17 @@ def chat_body(req: MessagesRequest) -> dict:
         body.update(add_generation_prompt=False, continue_final_message=True)
     tools = None
     if req.tools is not None:
-        tools = []
+        tools, names = [], set()
         for i, tool in enumerate(req.tools):
             if not isinstance(tool.get("name"), str) or tool.get("type") not in (None, "custom"):
                 raise APIError(400, f"tools[{i}] must be a custom tool with a name and an input_schema (server tools "
                                f"are not served)", param=f"tools[{i}]")
             field_of(tool, "description", f"tools[{i}]", str, optional=True)
             field_of(tool, "input_schema", f"tools[{i}]", dict)
+            if tool["name"] in names:        # Anthropic's API refuses it: which tool would a call name?
+                raise APIError(400, f"tools: Tool names must be unique ({short_repr(tool['name'])} is tools[{i}] "
+                               f"and an earlier tool)", param=f"tools[{i}].name")
+            names.add(tool["name"])
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
     thinking = _thinking_type(req.thinking)
