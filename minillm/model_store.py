@@ -324,9 +324,9 @@ class NoSafetensors(RuntimeError):
 
 def weights_left_out(repo_id: str, files: list[str] | None) -> list[str] | None:
     """The ignore patterns for a repo of these files (None: the Hub did not list them): the other
-    weight files beside a model.safetensors, and a Mistral repo's consolidated.safetensors, a second
+    weight files beside a model.safetensors, a Mistral repo's consolidated.safetensors, a second
     copy of the weights beside the Hugging Face shards that minillm never reads (vLLM leaves it out
-    likewise); NoSafetensors when no weights are safetensors."""
+    likewise), and the safetensors in subfolders; NoSafetensors when no weights are safetensors."""
     if files is None:
         return None
     safetensors = [f for f in files if f.endswith(".safetensors")]
@@ -338,13 +338,18 @@ def weights_left_out(repo_id: str, files: list[str] | None) -> list[str] | None:
                                 f"pick a repo that has them, or convert (transformers' "
                                 f"save_pretrained(..., safe_serialization=True))")
         return None
-    if "model.safetensors" in safetensors:
+    top = [f for f in safetensors if "/" not in f]
+    # The loader reads the weights at the top of the snapshot only, as transformers without subfolder=:
+    # copies in folders of their own (a quantized variant, an export) are never read.
+    nested = ["*/*.safetensors"] if top and len(top) < len(safetensors) else []
+    if "model.safetensors" in top:
         # transformers fetches and reads model.safetensors alone (weights_index): the shards beside it
         # would be the weights a second time. Each is left out by its own name, escaped for fnmatch.
-        others = [glob.escape(f) for f in safetensors if f != "model.safetensors" and "/" not in f]
-        return others or None
-    hf = [f for f in safetensors if not Path(f).name.startswith("consolidated")]
-    return ["consolidated*.safetensors", "*/consolidated*.safetensors"] if hf and len(hf) < len(safetensors) else None
+        others = [glob.escape(f) for f in top if f != "model.safetensors"]
+        return others + nested or None
+    hf = [f for f in top if not f.startswith("consolidated")]
+    consolidated = ["consolidated*.safetensors"] if hf and len(hf) < len(top) else []
+    return consolidated + nested or None
 
 
 def _ask_hub(repo_id: str, revision: str | None) -> list[str] | None:

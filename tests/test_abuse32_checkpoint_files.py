@@ -105,3 +105,19 @@ def test_a_snapshot_whose_model_safetensors_links_to_nothing_is_not_runnable_bes
     [model] = store.list_local_models(str(tmp_path / "store"))
     assert model.note == "incomplete download"
     assert store.cached_snapshot("org/gone", str(tmp_path / "store")) is None
+
+
+@pytest.mark.parametrize("weights", [["model.safetensors"],
+                                     ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                                      "model.safetensors.index.json"]])
+def test_a_pull_leaves_out_safetensors_in_subfolders(hub, tmp_path, weights):
+    # The loader reads the weights at the top of the snapshot only (as transformers without
+    # subfolder=): a repo's other copies in folders of their own (a quantized variant, an export)
+    # were fetched too and never read.
+    import fnmatch
+    nested = ["gptq-4bit/model.safetensors", "onnx/sub/model-00001-of-00001.safetensors"]
+    hub.files = ["config.json", "tokenizer.json", *weights, *nested]
+    store.download_model("org/variants", str(tmp_path / "store"))
+    [call] = hub.calls
+    ignored = [f for f in hub.files if any(fnmatch.fnmatch(f, pattern) for pattern in call["ignore"] or [])]
+    assert ignored == nested
