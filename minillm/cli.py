@@ -487,7 +487,7 @@ def in_flag_words(text: str, name: str, flag: str) -> str:
     """TEXT of a ValueError about option NAME in the command line's words: the option's own Python name
     is its FLAG ("lower kv_cache_memory_bytes" -> "lower --kv-cache-memory-bytes"), and "(or None: X)",
     the Python API's way to turn it off, is "(or left out: X)"."""
-    text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w)", flag, text)
+    text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w|\.\w)", flag, text)   # not generation_config.json
     return text.replace("(or None: ", "(or left out: ")
 
 
