@@ -1580,8 +1580,8 @@ def monitor_command(
     """
     from minillm.tui.app import demo_recording, run_monitor
     from minillm.urls import shown_url
-    if demo and replay:
-        raise CliError("give either --demo or --replay FILE, not both")
+    if demo and replay:      # two options that cannot be combined: a usage error, as everywhere else
+        raise UsageError("--demo and --replay cannot be combined: give either --demo or --replay FILE")
     source = None
     if demo or replay is not None:
         source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
