@@ -644,7 +644,8 @@ def chat(
         help="Chat with a running `minillm serve` at this URL instead of loading a model.")] = None,
     model_name: Annotated[Optional[str], typer.Option(
         "--model-name", metavar="MODEL", help="MODEL given as an option, as vLLM's chat --model-name.")] = None,
-    api_key: Annotated[Optional[str], typer.Option(help="API key for --url.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="API key for --url (default: $OPENAI_API_KEY, as vLLM's chat takes it).")] = None,
     system: Annotated[Optional[str], typer.Option(
         "--system", "--system-prompt", help="System message (--system-prompt: vLLM's name).")] = None,
     quick: Annotated[Optional[str], typer.Option(
@@ -689,6 +690,8 @@ def chat(
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
         api_key_option(api_key)
+        if api_key is None:
+            api_key = openai_key_variable()
         backend = HttpChatBackend(url, api_key=api_key, model=model,   # model None: the server's first
                                   chat_template=template)
     else:
@@ -1471,6 +1474,19 @@ def api_key_variable() -> str | None:
     if value and not value.strip():
         raise CliError("$VLLM_API_KEY is blank: set it to the key clients must send, or unset it")
     return value or None
+
+
+def openai_key_variable() -> str | None:
+    """$OPENAI_API_KEY, the key vLLM's chat sends when --api-key is left out (empty: none); one an
+    HTTP header cannot carry is a CliError naming the variable."""
+    value = os.environ.get("OPENAI_API_KEY") or None
+    if value is not None:
+        from minillm.urls import authorization_headers
+        try:
+            authorization_headers(value, "$OPENAI_API_KEY")
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+    return value
 
 
 def log_requests_option(enable: bool, disable: bool) -> bool:
