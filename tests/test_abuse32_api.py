@@ -212,3 +212,20 @@ def test_responses_keeps_a_reasoning_item_that_ends_the_input(http):
                      {"role": "assistant", "content": "", "reasoning": "She likes cats"}],
         "max_tokens": 1}).json()
     assert reply["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+
+
+def test_hidden_reasoning_leaks_through_no_logprobs_or_token_ids(thinking_url):
+    """include_reasoning false drops the reasoning a --reasoning-parser splits off; its tokens still came
+    back as logprobs and token_ids (the reasoning's text token by token). vLLM leaves both out then."""
+    body = {"messages": [{"role": "user", "content": "Lily"}], "max_tokens": 4, "temperature": 0,
+            "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    shown = httpx.post(f"{thinking_url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert shown["message"]["reasoning"] and shown["logprobs"]["content"] and shown["token_ids"]
+    hidden = httpx.post(f"{thinking_url}/v1/chat/completions", json={**body, "include_reasoning": False},
+                        timeout=60).json()["choices"][0]
+    assert "reasoning" not in hidden["message"] and hidden["logprobs"] is None and hidden["token_ids"] is None
+    with httpx.stream("POST", f"{thinking_url}/v1/chat/completions", timeout=60,
+                      json={**body, "include_reasoning": False, "stream": True}) as response:
+        choices = [c for e in sse_events(response.iter_lines()) for c in e["choices"]]
+    assert choices[-1]["finish_reason"] == "length"
+    assert all(c["logprobs"] is None and c.get("token_ids") is None for c in choices)

@@ -178,6 +178,12 @@ class ChatJob:
             ctx.reasoning_parser, ctx.tool_call_parser, self.conversation.template_kwargs, tool_choice_of(req),
             self.forced is not None or asks_for_structure(req), req.include_reasoning, req.parallel_tool_calls)
         self.output_streams: dict[int, OutputStream] = {}
+        # include_reasoning false hides the reasoning the parser splits off; its tokens' logprobs and ids
+        # would show it token by token, so neither is computed nor sent (as vLLM leaves them out)
+        self.hides_reasoning = not req.include_reasoning and self.parsers is not None \
+            and self.parsers.reasoning is not None
+        if self.hides_reasoning:
+            self.num_top = None
         self.prompt_ids: list[int] = []
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
@@ -237,7 +243,7 @@ class ChatJob:
             choice = {"index": comp.index, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": comp.stop_reason}
             if self.req.return_token_ids:
-                choice["token_ids"] = list(comp.token_ids)
+                choice["token_ids"] = None if self.hides_reasoning else list(comp.token_ids)
             choices.append(choice)
         completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
@@ -307,6 +313,7 @@ class ChatJob:
         # With return_token_ids a choice's opener carries the prompt's ids and each later chunk its new tokens.
         choices = []
         with_ids = bool(self.req.return_token_ids)
+        with_output_ids = with_ids and not self.hides_reasoning
         for comp in output.outputs:
             state = progress.get(comp.index)
             if state is None:
@@ -335,7 +342,7 @@ class ChatJob:
                     continue       # a required array's call not whole yet: nothing to send
             choices.append(StreamChoice(self._choice(
                 comp.index, content, rows if state.cursor is not None else None, finish,
-                comp.stop_reason if finish else None, state.new_token_ids(comp.token_ids) if with_ids else None),
+                comp.stop_reason if finish else None, state.new_token_ids(comp.token_ids) if with_output_ids else None),
                 len(comp.token_ids)))
         return choices
 
