@@ -236,6 +236,8 @@ class SamplingParams:
             self._stop_list = []
         else:
             raise ValueError(f"stop must be a string or a list of strings, got {short_repr(self.stop)}")
+        if type(self.stop) is not list:     # as vLLM's: a list ([] for None, [s] for one string)
+            self.stop = list(self._stop_list)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
