@@ -29,9 +29,8 @@ EFFORT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% e
 
 @pytest.fixture(scope="module")
 def thinking_url(stories_path):
-    """A server of stories260K with the qwen3 reasoning parser that renders a request's chat_template."""
-    options = ServerOptions(chat_template=EFFORT_TEMPLATE, trust_request_chat_template=True,
-                            reasoning_parser="qwen3")
+    """A server of stories260K with EFFORT_TEMPLATE and the qwen3 reasoning parser."""
+    options = ServerOptions(chat_template=EFFORT_TEMPLATE, reasoning_parser="qwen3")
     with running_server(stories_path, max_model_len=256, options=options) as (url, _):
         yield url
 
