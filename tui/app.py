@@ -174,8 +174,8 @@ class MonitorApp(App[None]):
 
     def show_stats(self, stats: EngineStats) -> None:
         """Fold a snapshot into the history and redraw every panel."""
-        if self.stats is not None and stats.num_steps < self.stats.num_steps:
-            # Counters went back: another run. Start the series over and say so in the title.
+        if self.stats is not None and is_new_run(self.stats, stats):
+            # Another run (a replay looped, a server restarted): start the series over and say so in the title.
             self.num_restarts += 1
             self.history = StatsHistory()
             self.table.forget_finished()
@@ -230,6 +230,20 @@ class MonitorApp(App[None]):
     def _redraw_title(self) -> None:
         if self.title_bar is not None:  # None until composed (a watcher may fire first)
             self.title_bar.show(self.stats, self.source_text, self.paused, self.num_restarts, self.recording_problem)
+
+
+# What a running engine never changes: another value is another engine (a server restarted with other options).
+_ENGINE_FIELDS = ("model", "device", "dtype", "kv_num_blocks", "block_size", "max_model_len")
+
+
+def is_new_run(before: EngineStats, after: EngineStats) -> bool:
+    """Whether AFTER comes from another run than BEFORE: its counters went back, or its engine is
+    another (a server restarted with another model or KV pool may count past the old run before the
+    monitor reconnects)."""
+    if after.num_steps < before.num_steps or after.prompt_tokens_total < before.prompt_tokens_total \
+            or after.generation_tokens_total < before.generation_tokens_total:
+        return True
+    return any(getattr(before, name) != getattr(after, name) for name in _ENGINE_FIELDS)
 
 
 def _as_message(event: SourceEvent):
