@@ -228,3 +228,19 @@ def test_hidden_reasoning_leaks_through_no_logprobs_or_token_ids(thinking_url):
         choices = [c for e in sse_events(response.iter_lines()) for c in e["choices"]]
     assert choices[-1]["finish_reason"] == "length"
     assert all(c["logprobs"] is None and c.get("token_ids") is None for c in choices)
+
+
+def test_chat_echo_scores_the_prompt_as_in_vllm(http):
+    """vLLM scores the prompt of a chat request with echo (prompt_logprobs = top_logprobs, 0 when not
+    given), so the response carries prompt_logprobs as with prompt_logprobs sent; it carried none."""
+    messages = [{"role": "user", "content": "Lily"}, {"role": "assistant", "content": "Once upon"}]
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0, "add_generation_prompt": False,
+            "continue_final_message": True, "echo": True}
+    echoed = http.post("/v1/chat/completions", json=body).json()
+    explicit = http.post("/v1/chat/completions", json={**body, "echo": False, "prompt_logprobs": 0}).json()
+    assert echoed["prompt_logprobs"] == explicit["prompt_logprobs"]
+    assert len(echoed["prompt_logprobs"]) == echoed["usage"]["prompt_tokens"]
+    top2 = http.post("/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2}).json()
+    assert top2["prompt_logprobs"] == http.post("/v1/chat/completions", json={
+        **body, "echo": False, "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 2}).json()["prompt_logprobs"]
+    assert "prompt_logprobs" not in http.post("/v1/chat/completions", json={**body, "echo": False}).json()

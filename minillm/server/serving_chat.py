@@ -165,6 +165,9 @@ class ChatJob:
         if self.prompt_logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
             raise APIError(400, "prompt_logprobs is not supported with tensor_parallel_size > 1",
                            param="prompt_logprobs")
+        if asked is None and req.echo and not req.stream and ctx.engine.config.tensor_parallel_size == 1:
+            # vLLM scores an echoed prompt: prompt_logprobs = top_logprobs (0 when not given)
+            self.prompt_logprobs = self.num_top or 0
         self.as_token_ids = ctx.as_token_ids(req)
         self.conversation = ConversationPrompt(ctx, req)
         self.role = reply_role(ctx, req, self.conversation.messages)
