@@ -1823,6 +1823,9 @@ def main(argv: list[str] | None = None) -> int:
         if type(exc).__name__ == "NoArgsIsHelpError":   # a bare `minillm` or `minillm bench`
             print(exc.format_message())
             sys.exit(0)
+        command_hint = other_tool_command(exc)
+        if command_hint is not None:
+            exc.message = f"{exc.message.rstrip('.')}: {command_hint}"
         if type(exc).__name__ == "NoSuchOption" and exc.ctx is not None:
             exc.possibilities = close_options(exc.option_name, exc.ctx)
             reason = vllm_flag_reason(exc.option_name, exc.ctx)
@@ -1877,6 +1880,22 @@ VLLM_FLAGS_NOT_TAKEN = {
     "--hf-overrides": "minillm reads config.json as it is",
     "--distributed-executor-backend": "tensor-parallel ranks are processes on this host",
 }
+
+
+# vLLM's and Ollama's commands that minillm has under another name (or not): an unknown command's error says so.
+OTHER_TOOLS_COMMANDS = {
+    "run": "Ollama's run is minillm chat MODEL (-q MESSAGE for one reply)",
+    "complete": "vLLM's complete is minillm generate MODEL -p TEXT offline, or minillm chat --url URL -q TEXT "
+                "against a server (a model without a chat template continues the text)",
+    "run-batch": "minillm reads no OpenAI batch files; minillm generate MODEL --prompts-file FILE --json runs a "
+                 "prompt a line offline",
+}
+
+
+def other_tool_command(exc) -> str | None:
+    """Which minillm command does what vLLM's or Ollama's command does, for click's 'No such command' error."""
+    match = re.fullmatch(r"No such command '([^']+)'\.?", getattr(exc, "message", "") or "")
+    return None if match is None else OTHER_TOOLS_COMMANDS.get(match[1])
 
 
 def vllm_flag_reason(name: str, ctx) -> str | None:
