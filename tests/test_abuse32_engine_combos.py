@@ -3,7 +3,7 @@ seeded) output is its output alone, whatever runs beside it and whatever the eng
 
 A draw mixes prefix caching, tiny pools (preemption by recompute), the host KV tier, chunked
 prefill under tiny token budgets, max_num_seqs 1 to 16, async scheduling, n-gram speculation (1 to
-5 drafts), the priority policy, a step-time factor and the FP8 cache (held to FP8 alone) with
+5 drafts), the priority policy, a step-time factor, the grammar process and the FP8 cache (held to FP8 alone) with
 per-request n > 1, seeds, stop strings and tokens, min_tokens, max_tokens 1, logprobs and
 prompt_logprobs, structured outputs, bad_words, allowed_token_ids, logit_bias, penalties, the three
 output kinds, prompts up to max_model_len - 1 and prompts of one repeated token. After every step
@@ -146,6 +146,8 @@ def random_config(rng):
         cfg["scheduling_policy"] = "priority"
     if rng.random() < 0.15:
         cfg["max_step_factor"] = rng.choice([1.0, 2.0, 4.0])
+    if rng.random() < 0.25:                  # the matchers in a process of their own, as on the GPU
+        cfg["grammar_process"] = True
     return cfg
 
 
