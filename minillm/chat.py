@@ -494,7 +494,7 @@ class ChatSession:
         """vLLM's chat --quick: TEXT sent as the one message (a leading slash too), its reply printed
         alone; the exit status: 1 when it failed (the error on log). Ctrl-C ends it, as in a script."""
         self.is_piped = True
-        self.send(text, is_one_shot=True)
+        self.send(valid_text(text), is_one_shot=True)
         return 1 if self.num_failed_replies else 0
 
     def greet(self) -> None:

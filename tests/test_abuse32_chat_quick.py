@@ -43,3 +43,15 @@ def test_bad_quick_and_model_name_values_are_usage_errors(args, message):
     result = minillm("chat", *args)
     assert (result.returncode, result.stdout) == (2, "")
     assert result.stderr.splitlines() == [f"minillm chat: error: {message} (try 'minillm chat --help')"]
+
+
+def test_reply_once_sends_text_any_tokenizer_takes():
+    # Bytes that were not UTF-8 (lone surrogates from the command line) go as U+FFFD, as a typed line does.
+    import io
+
+    from test_abuse30_chat import _EchoBackend
+
+    from minillm.chat import ChatSession
+    backend, out = _EchoBackend(), io.StringIO()
+    assert ChatSession(backend, out=out).reply_once("caf\udce9") == 0
+    assert backend.sent == ["caf\ufffd"] and out.getvalue() == "ok\n"
