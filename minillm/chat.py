@@ -31,7 +31,8 @@ commands:
                         (/set alone shows the current values; /set seed none unseeds)
   /stats                speed, time to first token and KV usage of the last reply
   /exit                 quit (Ctrl-D too)
-  Ollama's /bye, /clear, /?, /set parameter KEY VALUE (num_predict: max_tokens) and /set system TEXT work too
+  Ollama's /bye, /clear, /?, /set system TEXT and /set parameter KEY VALUE
+                        (num_predict: max_tokens) work too
 input:
   a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
   (a message even when it starts with a slash)
