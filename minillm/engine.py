@@ -725,9 +725,10 @@ class LLMEngine:
 
     def _request_of(self, seq: Sequence) -> Request | None:
         """The request seq belongs to while the engine holds it (None once it is retired, or once a
-        new request has taken the id of the aborted one it belonged to)."""
+        new request has taken the id of the aborted one it belonged to, with as many completions
+        or fewer: a step in flight still holds the old sequences)."""
         req = self.requests.get(seq.request_id)
-        if req is None or req.seqs[seq.index] is not seq:
+        if req is None or seq.index >= len(req.seqs) or req.seqs[seq.index] is not seq:
             return None
         return req
 
