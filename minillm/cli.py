@@ -269,6 +269,19 @@ class DType(str, Enum):
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
+def json_object_option(value: str | None, option: str) -> dict | None:
+    """OPTION's JSON object; anything else is a usage error naming the option."""
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not valid JSON: {exc}", param_hint=f"'{option}'") from None
+    if not isinstance(parsed, dict):
+        raise typer.BadParameter(f"must be a JSON object, got {value!r}", param_hint=f"'{option}'")
+    return parsed
+
+
 def override_generation_config_option(value: str | None) -> dict | None:
     """--override-generation-config's JSON object, checked as EngineConfig checks it; a bad one is a
     usage error naming the option."""
@@ -1328,6 +1341,14 @@ def serve(
         "--enable-prompt-tokens-details/--no-enable-prompt-tokens-details", help="Usage blocks carry "
         "prompt_tokens_details.cached_tokens: the prompt tokens served from the prefix cache (vLLM's "
         "--enable-prompt-tokens-details).")] = False,
+    enable_force_include_usage: Annotated[bool, _server_option(
+        "--enable-force-include-usage", help="Every stream ends with a usage chunk, whatever the request's "
+        "stream_options say (vLLM's --enable-force-include-usage).")] = False,
+    default_chat_template_kwargs: Annotated[Optional[str], _server_option(
+        "--default-chat-template-kwargs", metavar="JSON", callback=lambda v: json_object_option(
+            v, "--default-chat-template-kwargs"), help='Chat template variables every conversation gets unless '
+        'its chat_template_kwargs set them, e.g. \'{"enable_thinking": false}\' (vLLM\'s '
+        "--default-chat-template-kwargs).")] = None,
     enable_auto_tool_choice: Annotated[bool, _server_option(
         "--enable-auto-tool-choice", help='Serve tool_choice "auto" (the default when a request gives tools): '
         "the model's own tool calls, found by --tool-call-parser, come back as tool_calls.")] = False,
@@ -1415,6 +1436,8 @@ def serve(
                                 chat_template_content_format=_plain(chat_template_content_format),
                                 return_tokens_as_token_ids=return_tokens_as_token_ids,
                                 enable_prompt_tokens_details=enable_prompt_tokens_details,
+                                enable_force_include_usage=enable_force_include_usage,
+                                default_chat_template_kwargs=default_chat_template_kwargs,
                                 enable_server_load_tracking=enable_server_load_tracking,
                                 reasoning_parser=_plain(reasoning_parser) if reasoning_parser else None,
                                 tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),

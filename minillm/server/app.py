@@ -47,7 +47,7 @@ from minillm.server.middleware import (
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from minillm.server.reasoning_parsers import REASONING_PARSERS
 from minillm.server.serving import ServingContext, ShutdownFlag, sse_error
-from minillm.server.serving_chat import create_chat_completion
+from minillm.server.serving_chat import check_default_template_kwargs, create_chat_completion
 from minillm.server.serving_completion import create_completion
 from minillm.server.serving_messages import MessagesRequest, count_message_tokens, create_message
 from minillm.server.serving_responses import ResponsesRequest, create_response
@@ -97,6 +97,10 @@ class ServerOptions:
     chat_template_content_format: str = "auto"
     return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:<id>" unless a request says
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
+    enable_force_include_usage: bool = False    # every stream ends with a usage chunk, whatever stream_options say
+    # Chat template variables every conversation gets unless its chat_template_kwargs set them
+    # (vLLM's --default-chat-template-kwargs, e.g. {"enable_thinking": false}).
+    default_chat_template_kwargs: dict | None = None
     enable_server_load_tracking: bool = False   # GET /load counts the requests in flight (else it stays 0)
     reasoning_parser: str | None = None         # reasoning apart from content in chat replies (--reasoning-parser)
     # tool_choice "auto" served by parsing the model's calls (--enable-auto-tool-choice --tool-call-parser)
@@ -132,6 +136,7 @@ class ServerOptions:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         if not self.response_role.strip():
             raise ValueError("response_role must not be empty")
+        check_default_template_kwargs(self.default_chat_template_kwargs)
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
@@ -377,6 +382,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                          chat_template_content_format=options.chat_template_content_format,
                          return_tokens_as_token_ids=options.return_tokens_as_token_ids,
                          enable_prompt_tokens_details=options.enable_prompt_tokens_details,
+                         enable_force_include_usage=options.enable_force_include_usage,
+                         default_chat_template_kwargs=dict(options.default_chat_template_kwargs or {}),
                          reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser)
 
     @contextlib.asynccontextmanager

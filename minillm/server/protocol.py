@@ -159,6 +159,13 @@ class _GenerationRequest(_ModelRequest):
         """True when a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    def force_usage(self) -> None:
+        """Make a stream end with a usage chunk whatever its stream_options say (vLLM's
+        --enable-force-include-usage); continuous_usage_stats is kept as asked."""
+        if self.stream:
+            every = bool(self.stream_options and self.stream_options.continuous_usage_stats)
+            self.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=every)
+
     @property
     def continuous_usage(self) -> bool:
         """True when every streamed chunk carries the usage so far (vLLM's continuous_usage_stats,

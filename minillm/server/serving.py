@@ -90,6 +90,8 @@ class ServingContext:
     chat_template_content_format: str = "auto"       # how message content reaches the template (vLLM's)
     return_tokens_as_token_ids: bool = False         # the default of the requests' field of that name
     enable_prompt_tokens_details: bool = False       # usage carries prompt_tokens_details.cached_tokens
+    enable_force_include_usage: bool = False         # streams end with a usage chunk whatever they ask
+    default_chat_template_kwargs: dict = field(default_factory=dict)   # under each chat_template_kwargs
     reasoning_parser: str | None = None              # --reasoning-parser (server/reasoning_parsers.py)
     tool_call_parser: str | None = None              # with --enable-auto-tool-choice (server/tool_parsers.py)
 

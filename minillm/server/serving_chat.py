@@ -52,14 +52,28 @@ def chat_template_for(ctx: ServingContext, req: ConversationRequest) -> str | No
     return None
 
 
-def template_kwargs(req: ConversationRequest) -> dict:
-    """chat_template_kwargs, refusing names that the renderer sets itself, plus the request's tools
-    (chat_template_kwargs may replace them, as in vLLM) and its reasoning effort (see effort_kwargs)."""
-    kwargs = dict(req.chat_template_kwargs or {})
+def check_default_template_kwargs(kwargs: dict | None) -> None:
+    """ValueError naming default_chat_template_kwargs unless it is None or an object of variables the
+    renderer does not set itself."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise ValueError(f"default_chat_template_kwargs must be a JSON object, got {short_repr(kwargs)}")
     clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
     if clash:
+        raise ValueError(f"default_chat_template_kwargs may not set {', '.join(clash)}")
+
+
+def template_kwargs(req: ConversationRequest, defaults: dict | None = None) -> dict:
+    """The server's default template variables under the request's chat_template_kwargs (refusing
+    names that the renderer sets itself), plus the request's tools (chat_template_kwargs may replace
+    them, as in vLLM) and its reasoning effort (see effort_kwargs; it overrides a default)."""
+    own = dict(req.chat_template_kwargs or {})
+    clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in own]
+    if clash:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(clash)}", param="chat_template_kwargs")
-    kwargs.update(effort_kwargs(getattr(req, "reasoning_effort", None), kwargs))
+    kwargs = {**(defaults or {}), **own}
+    kwargs.update(effort_kwargs(getattr(req, "reasoning_effort", None), own))
     tools = template_tools(req)
     if tools is not None:
         kwargs.setdefault("tools", tools)
@@ -101,7 +115,7 @@ class ConversationPrompt:
         self.messages = messages_as_dicts(req)
         check_prompt_chars(ctx.limits, message_chars(self.messages), "messages")
         self.template = chat_template_for(ctx, req)
-        self.template_kwargs = template_kwargs(req)
+        self.template_kwargs = template_kwargs(req, ctx.default_chat_template_kwargs)
         self.text: str | None = None        # the rendered prompt, once token_ids() has made it
 
     def token_ids(self) -> list[int]:
@@ -356,6 +370,8 @@ async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
     is_large = await is_large_body(raw)
     req = await ctx.run_blocking_if(is_large, validate_request, ChatCompletionRequest, body)
     ctx.check_model(req.model)
+    if ctx.enable_force_include_usage:
+        req.force_usage()
     check_unsupported(req, auto_tool_choice=ctx.tool_call_parser is not None)   # refused, so not logged as ignored
     # unknown_fields walks every message (110 ms for a 10 MB body of 300,000 small ones): in the pool if large.
     log_unknown_fields(await ctx.run_blocking_if(is_large, unknown_fields, req))

@@ -314,6 +314,8 @@ async def create_completion(ctx: ServingContext, body: dict, raw: Request):
     is_large = await is_large_body(raw)
     req = await ctx.run_blocking_if(is_large, validate_request, CompletionRequest, body)
     ctx.check_model(req.model)
+    if ctx.enable_force_include_usage:
+        req.force_usage()
     check_unsupported(req)                   # a refused field is not also logged as ignored
     log_unknown_fields(unknown_fields(req))
     job = await ctx.run_blocking_if(is_large, CompletionJob, ctx, req, client_response_id("cmpl", raw, req.request_id))
