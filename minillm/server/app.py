@@ -42,7 +42,8 @@ from minillm.server.json_body import JSONBodyRoute
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.middleware import (
-    APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware, ServerLoad, ServerLoadMiddleware,
+    INVOCATIONS_PATH, APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware, ServerLoad,
+    ServerLoadMiddleware,
 )
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from minillm.server.reasoning_parsers import REASONING_PARSERS
@@ -203,6 +204,7 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
                                ("/v1/messages", "messages", create_message),
                                ("/v1/messages/count_tokens", "count_tokens", count_message_tokens)):
         app.add_api_route(path, _body_route(ctx, create), methods=["POST"], name=name)
+    app.add_api_route(INVOCATIONS_PATH, _body_route(ctx, invoke), methods=["POST"], name="invocations")
 
     @app.api_route("/v1/responses/{response_id}", methods=GET_OR_HEAD)
     async def stored_response(response_id: str):
@@ -228,6 +230,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def model(model: str):
         ctx.check_model(model)
         return model_card(model)
+
+
+async def invoke(ctx: ServingContext, body: dict, raw: Request):
+    """vLLM's /invocations (SageMaker's one route): a body with messages is a chat completion, one
+    with a prompt a completion; anything else is a 400 saying which it may be."""
+    if "messages" in body:
+        return await create_chat_completion(ctx, body, raw)
+    if "prompt" in body:
+        return await create_completion(ctx, body, raw)
+    raise APIError(400, "Cannot find suitable handler for request. Expected one of: [ChatCompletionRequest, "
+                   "CompletionRequest] (a body with messages or with a prompt)")
 
 
 def model_permission(created: int) -> dict:

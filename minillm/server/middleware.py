@@ -15,6 +15,9 @@ from minillm.server.errors import anthropic_error_body, error_body
 PROTECTED_PREFIX = "/v1"
 # The routes that generate (what GET /load counts, and what minillm router sends through its servers).
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
+# vLLM's SageMaker route: a chat completion or a completion by its body. It generates, so it is
+# counted by /load and, unlike vLLM's, guarded by the API key as /v1 is.
+INVOCATIONS_PATH = "/invocations"
 
 
 async def _send_error(scope, send, status: int, message: str, code: str | None = None,
@@ -28,7 +31,7 @@ async def _send_error(scope, send, status: int, message: str, code: str | None =
 
 
 class APIKeyMiddleware:
-    """401 for the /v1 paths unless the request carries one of the keys, `Authorization: Bearer <key>`
+    """401 for the /v1 paths and /invocations unless the request carries one of the keys, `Authorization: Bearer <key>`
     (or, as Anthropic's clients send it for /v1/messages, `x-api-key: <key>`). As vLLM's, the SHA-256
     of what was sent is compared with each key's in constant time, every key each time: the time taken
     tells neither which key nor how much of one matched, nor a key's length."""
@@ -71,8 +74,8 @@ def is_messages_route(scope) -> bool:
 
 
 def _is_protected(scope) -> bool:
-    """True for a /v1 path, as the client sent it or as the router matches it (behind --root-path)."""
-    return any(path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+    """True for a /v1 path or /invocations, as the client sent it or as the router matches it (behind --root-path)."""
+    return any(path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path == INVOCATIONS_PATH
                for path in (scope["path"], route_path(scope)))
 
 
@@ -95,7 +98,7 @@ class ServerLoadMiddleware:
         self.load = load
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in GENERATION_PATHS:
+        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in (*GENERATION_PATHS, INVOCATIONS_PATH):
             return await self.app(scope, receive, send)
         self.load.num_requests += 1
         try:
