@@ -36,6 +36,7 @@ from minillm.server.errors import APIError, anthropic_error_event
 from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
 from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
+from minillm.server.tool_parsers import is_utf8
 from minillm.server.translated_api import (
     ReplyWriter, TranslatedJob, field_of, named_as, serve_translated, tool_param, translated_job,
 )
@@ -283,19 +284,11 @@ def _input_of(call: dict) -> dict | None:
     """A call's arguments as a tool_use block's input; None where they are no JSON object (cut short)."""
     try:
         arguments = _INPUT_DECODER.decode(call["function"]["arguments"] or "{}")
-        if isinstance(arguments, dict) and not _is_utf8(json.dumps(arguments, ensure_ascii=False)):
+        if isinstance(arguments, dict) and not is_utf8(json.dumps(arguments, ensure_ascii=False)):
             arguments = _well_formed(arguments)    # a lone surrogate ("\ud800"): the response's UTF-8 holds none
     except (ValueError, RecursionError):
         return None
     return arguments if isinstance(arguments, dict) else None
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -43,13 +43,14 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> dict:
                 arguments = json.dumps(obj[key], ensure_ascii=False, allow_nan=False)
             except (ValueError, RecursionError) as exc:
                 raise NotACall(str(exc)) from None
-            if not arguments.isascii() and not _is_utf8(arguments):    # a lone surrogate ("\ud800") stays escaped
+            if not arguments.isascii() and not is_utf8(arguments):    # a lone surrogate ("\ud800") stays escaped
                 arguments = json.dumps(obj[key], allow_nan=False)
             return tool_call(obj["name"], arguments)
     raise NotACall("no arguments")
 
 
-def _is_utf8(text: str) -> bool:
+def is_utf8(text: str) -> bool:
+    """False where text holds a lone surrogate (a "\\ud800" escape decoded), which UTF-8 cannot encode."""
     try:
         text.encode()
     except UnicodeEncodeError:
