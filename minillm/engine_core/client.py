@@ -64,13 +64,24 @@ class CoreLink:
     alive: Any                  # the read end of a pipe only the core writes to: EOF once it is gone
 
 
+def socket_dir(longest_name: str) -> str:
+    """A private directory for the core's ipc sockets: in the temporary directory ($TMPDIR), or in
+    /tmp where a socket's path there would be too long to bind (sun_path holds about 107 bytes; a
+    deep $TMPDIR, as macOS's or a test runner's, passes it)."""
+    path = tempfile.mkdtemp(prefix="minillm-core-")
+    if len(os.fsencode(os.path.join(path, longest_name))) <= getattr(zmq, "IPC_PATH_MAX_LEN", 107):
+        return path
+    os.rmdir(path)
+    return tempfile.mkdtemp(prefix="minillm-core-", dir="/tmp")
+
+
 class CoreProcess:
     """The engine core process for `num_clients` API servers: its sockets' addresses (in a private
     directory), a link for each server, and the pipes that tie its life to ours."""
 
     def __init__(self, config: EngineConfig, num_clients: int = 1,
                  core_hook: Callable[[Any], None] | None = None) -> None:
-        self.dir = tempfile.mkdtemp(prefix="minillm-core-")
+        self.dir = socket_dir(f"output-{num_clients - 1}")
         inputs = [f"ipc://{self.dir}/input-{i}" for i in range(num_clients)]
         outputs = [f"ipc://{self.dir}/output-{i}" for i in range(num_clients)]
         spawn = mp.get_context("spawn")
