@@ -101,15 +101,22 @@ def write_header(file: Path, header: bytes) -> None:
     file.write_bytes(len(header).to_bytes(8, "little") + header)
 
 
+def sharded(path: Path, index: str) -> None:
+    """path's model.safetensors as a one-shard checkpoint whose index is INDEX."""
+    (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+    (path / "model.safetensors.index.json").write_text(index)
+
+
 @needs_stories
 @pytest.mark.parametrize("break_it, why", [
     (lambda p: write_header(p / "model.safetensors", b"{bad"), "model.safetensors is not a safetensors file (its header is not JSON"),
     (lambda p: write_header(p / "model.safetensors", b"[1]"), "model.safetensors is not a safetensors file (its header is not a JSON object)"),
     (lambda p: write_header(p / "model.safetensors", b'{"a": 5}'), "model.safetensors is not a safetensors file (its header has no dtype"),
-    (lambda p: (p / "model.safetensors.index.json").write_text("{bad"), "model.safetensors.index.json is not a safetensors index"),
-    (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": [1]}'),
+    # an index is read where there is no model.safetensors (beside one, transformers and minillm take the file)
+    (lambda p: sharded(p, "{bad"), "model.safetensors.index.json is not a safetensors index"),
+    (lambda p: sharded(p, '{"weight_map": [1]}'),
      "model.safetensors.index.json is not a safetensors index: its weight_map must map tensor names to files"),
-    (lambda p: (p / "model.safetensors.index.json").write_text("{}"), "model.safetensors.index.json is not a safetensors index"),
+    (lambda p: sharded(p, "{}"), "model.safetensors.index.json is not a safetensors index"),
 ])
 def test_broken_weight_files_are_value_errors_naming_the_file(tmp_path, break_it, why):
     from minillm import LLM
@@ -142,7 +149,7 @@ def test_list_marks_snapshots_with_a_broken_config_or_index_and_lists_the_rest(t
         (folder / "refs").mkdir()
         (folder / "refs" / "main").write_text("abc")
     (store / "models--org--list" / "snapshots" / "abc" / "config.json").write_text("[1]")
-    (store / "models--org--index" / "snapshots" / "abc" / "model.safetensors.index.json").write_text('{"weight_map": 1}')
+    sharded(store / "models--org--index" / "snapshots" / "abc", '{"weight_map": 1}')
     result = minillm("list", "--download-dir", str(store))
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
