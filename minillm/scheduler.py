@@ -295,6 +295,7 @@ class Scheduler:
         if self.drafter is not None:
             budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted), chunks)
         skipped: list[Sequence] = []
+        loaded_from: dict[int, int] = {}
         is_short = bool(preempted)           # the running sequences alone outgrew the pool: admit none
         by_priority = self.by_priority
         while self.waiting and budget > 0 and not is_short and (by_priority or len(self.running) < self.max_num_seqs):
@@ -336,6 +337,7 @@ class Scheduler:
                 break
             if num_external:                 # loaded before the step's forward: computed, and shared at once
                 self.kv_connector.update_state_after_alloc(seq, num_external)
+                loaded_from[seq.seq_id] = num_computed
                 num_computed += num_external
                 seq.num_computed_tokens = num_computed
                 self.block_manager.cache_full_blocks(seq)
@@ -355,6 +357,7 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         out = self._launch(seqs, counts, preempted, spec)
+        out.loaded_from = loaded_from
         if chunks is not None:
             out.step_limit_s = chunks.limit_s()
         return out
@@ -435,11 +438,12 @@ class Scheduler:
                 return
 
     def forget_step_blocks(self, out: SchedulerOutput) -> None:
-        """out failed before its K/V were surely written: the blocks it was to fill, registered in
-        the prefix cache when it was scheduled, must not serve later prompts."""
+        """out failed before its K/V were surely written: the blocks it was to fill or load into,
+        registered in the prefix cache when it was scheduled, must not serve later prompts."""
         if self.kv_connector is not None:
             self.kv_connector.step_failed(out)
         for seq, start in zip(out.seqs, out.num_computed_tokens):
+            start = out.loaded_from.get(seq.seq_id, start)     # a load's blocks were registered at admission
             self.block_manager.uncache_blocks(seq, start // self.block_manager.block_size)
 
     def _preempt_for(self, seq: Sequence, seqs: list[Sequence], counts: list[int], spec: dict[int, list[int]],

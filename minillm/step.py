@@ -30,6 +30,8 @@ class SchedulerOutput:
     # A sequence with d drafts runs [its last token] + drafts and may get up to d + 1 tokens back.
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
     kv_connector_metadata: object | None = None   # the KV connector's transfers for this step, when one is on
+    # seq_id -> the first token the KV connector loads for it this step (sequences admitted with a load)
+    loaded_from: dict[int, int] = field(default_factory=dict)
     estimated_step_s: float | None = None         # the step cost model's estimate (with max_step_ms only)
     step_limit_s: float | None = None             # the step-time limit its prompt chunks were sized under
 

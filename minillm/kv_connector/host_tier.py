@@ -143,19 +143,6 @@ class HostTierScheduler(KVConnectorScheduler):
         self.num_steps += 1
         return meta
 
-    def step_failed(self, out: SchedulerOutput) -> None:
-        """out failed, perhaps before its loads landed: the device blocks they were to fill got their
-        prefix keys at admission, so each sequence's keys are forgotten from its first loaded block
-        on (its blocks are freed with it right after; the host copies stay good)."""
-        meta = out.kv_connector_metadata
-        if not isinstance(meta, HostTierMetadata) or not meta.loads.num_blocks:
-            return
-        loaded = set(meta.loads.device_blocks.tolist())
-        for seq in out.seqs:
-            first = next((i for i, block in enumerate(seq.block_table) if block in loaded), None)
-            if first is not None:
-                self.block_manager.uncache_blocks(seq, first)
-
     def _store(self, key: bytes) -> int | None:
         """The host block to save key's block into; None when it is there already or no block is free."""
         host = self.key_to_block.get(key)
