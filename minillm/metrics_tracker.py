@@ -1,6 +1,7 @@
 """Rolling counters and latency samples the engine keeps for its stats snapshots."""
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import Counter, deque
 
 import numpy as np
@@ -11,6 +12,8 @@ from minillm.stats import StepStats
 THROUGHPUT_WINDOW_S = 5.0
 # Where a prompt's tokens came from (vLLM's source label): computed here, the prefix cache, a KV connector.
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# Upper bounds of vLLM's iteration_tokens_total buckets (tokens a step computed); a last one, +Inf, follows.
+ITERATION_TOKEN_BOUNDS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class MetricsTracker:
@@ -22,6 +25,10 @@ class MetricsTracker:
         self.prompt_tokens_total = 0                 # each sequence's whole prompt, once, at its first token
         self.prompt_tokens_by_source = dict.fromkeys(PROMPT_TOKEN_SOURCES, 0)
         self.generation_tokens_total = 0
+        # Steps by the tokens each computed (prompt and decode rows): a count per bucket of
+        # ITERATION_TOKEN_BOUNDS and +Inf (not cumulative), and the tokens summed over steps.
+        self.iteration_tokens_buckets = [0] * (len(ITERATION_TOKEN_BOUNDS) + 1)
+        self.iteration_tokens_sum = 0
         self.recent_steps: deque[StepStats] = deque(maxlen=max_steps)
         # Launched steps whose device time is still to come (with a step-time budget): (out, its row).
         self._awaiting_device_time: deque[tuple[SchedulerOutput, StepStats]] = deque(maxlen=8)
@@ -39,6 +46,9 @@ class MetricsTracker:
         """Account one launched step's composition and prompt tokens."""
         self.num_steps += 1
         self.prefill_tokens_total += out.num_prefill_tokens
+        num_tokens = out.num_prefill_tokens + out.num_decode_tokens
+        self.iteration_tokens_buckets[bisect_left(ITERATION_TOKEN_BOUNDS, num_tokens)] += 1
+        self.iteration_tokens_sum += num_tokens
         stats = StepStats(self.num_steps, ended, out.num_prefill_tokens, out.num_decode_tokens, len(out.seqs),
                           budget, ended - started, estimated_step_s=out.estimated_step_s,
                           step_limit_s=out.step_limit_s)

@@ -158,6 +158,10 @@ class EngineStats:
     # and prompt_tokens_total split by where the tokens came from ("local_compute", "local_cache_hit",
     # "external_kv_transfer").
     prefill_tokens_total: int = 0
+    # Steps by the tokens each computed: a count per bucket of metrics_tracker.ITERATION_TOKEN_BOUNDS
+    # then +Inf (not cumulative), and those tokens summed (vLLM's iteration_tokens_total histogram).
+    iteration_tokens_buckets: list[int] = field(default_factory=list)
+    iteration_tokens_sum: int = 0
     prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
     kv_cache_dtype: str = ""

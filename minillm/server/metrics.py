@@ -10,10 +10,14 @@ import os
 from bisect import bisect_left
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from minillm.metrics_tracker import ITERATION_TOKEN_BOUNDS
 
 from minillm.outputs import RequestMetrics, RequestOutput
+from minillm.sampling_params import SamplingParams
 from minillm.spec_decode.metrics import COUNTERS as SPEC_DECODE_COUNTERS
 from minillm.spec_decode.metrics import PER_POSITION_COUNTER
 from minillm.stats import EngineStats
@@ -25,6 +29,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 
 # (name, help, EngineStats field) for the snapshot-backed series.
 _GAUGES = (
@@ -64,6 +69,7 @@ class _SnapshotCollector(Collector):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
         yield from prompt_token_families(stats, self.model_name)
+        yield from iteration_token_families(stats, self.model_name)
         yield from kv_offload_families(stats, self.model_name)
         yield from kv_transfer_families(stats, self.model_name)
         yield from _structured_output_summaries(self.model_name, stats)
@@ -90,6 +96,21 @@ def prompt_token_families(stats: EngineStats, model_name: str):
         + stats.prompt_tokens_by_source.get("external_kv_transfer", 0)
     yield from _one_value_families(CounterMetricFamily, model_name, (
         ("minillm:prompt_tokens_cached", "Number of cached prompt tokens (prefix cache or KV connector).", cached),))
+
+
+def iteration_token_families(stats: EngineStats, model_name: str):
+    """vLLM's iteration_tokens_total: the engine's steps by the tokens each computed."""
+    counts = stats.iteration_tokens_buckets
+    if len(counts) != len(ITERATION_TOKEN_BOUNDS) + 1:
+        return      # a snapshot from an engine that does not count them
+    family = HistogramMetricFamily("minillm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                   labels=["model_name"])
+    cumulative, buckets = 0, []
+    for bound, count in zip((*ITERATION_TOKEN_BOUNDS, float("inf")), counts):
+        cumulative += count
+        buckets.append((floatToGoString(bound), float(cumulative)))
+    family.add_metric([model_name], buckets, float(stats.iteration_tokens_sum))
+    yield family
 
 
 def kv_offload_families(stats: EngineStats, model_name: str):
@@ -230,6 +251,14 @@ class ServerMetrics:
                                      "Time from a request's first token to its last.", _E2E_BUCKETS)
         self.inference_time = histogram("minillm:request_inference_time_seconds",
                                         "Time from a request's first scheduling to its last token.", _E2E_BUCKETS)
+        # What requests asked for (vLLM's): n once per request, max_tokens once per finished completion,
+        # and the most tokens a completion of the request generated.
+        self.params_n = histogram("minillm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.params_max_tokens = histogram("minillm:request_params_max_tokens",
+                                           "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS)
+        self.max_generation_len = histogram("minillm:request_max_num_generation_tokens",
+                                            "Histogram of maximum number of requested generation tokens.",
+                                            _TOKEN_BUCKETS)
         self.time_per_output_token = histogram("minillm:request_time_per_output_token_seconds",
                                                "Mean time per output token after the first, per request.",
                                                _LATENCY_BUCKETS)
@@ -249,8 +278,10 @@ class RequestTimer:
     request's n completions counts as a request, as vLLM counts each (and as request_success counts
     them here): its own token gaps, latencies and token counts."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, params: SamplingParams | None = None) -> None:
         self.metrics = metrics
+        self.max_tokens = params.max_tokens if params is not None else None
+        self.n = params.n if params is not None else 1
         self.num_tokens: dict[int, int] = {}        # completion index -> its tokens so far
         self.last_seen: dict[int, float] = {}       # completion index -> when its last token was seen
 
@@ -270,15 +301,22 @@ class RequestTimer:
     def _on_finish(self, output: RequestOutput, seen: float) -> None:
         metrics = self.metrics
         metrics.itl.flush()     # a scrape after the request sees all its gaps, on any API server
+        longest = None
         for comp in output.outputs:
             if comp.finish_reason == "abort":
                 continue  # an aborted completion's latency says nothing about serving speed
             num_tokens = self.num_tokens.get(comp.index, 0)
+            longest = max(longest or 0, num_tokens)
+            if self.max_tokens:
+                metrics.params_max_tokens.observe(self.max_tokens)
             times = output.metrics
             if times is not None:
                 self._observe_times(times, self.last_seen.get(comp.index, times.last_token_time), seen, num_tokens)
             metrics.prompt_len.observe(len(output.prompt_token_ids))
             metrics.generation_len.observe(num_tokens)
+        if longest is not None:
+            metrics.params_n.observe(self.n)
+            metrics.max_generation_len.observe(longest)
 
     def _observe_times(self, times: RequestMetrics, last_token: float | None, seen: float, num_tokens: int) -> None:
         """One completion's latencies: TTFT, end to end and vLLM's phases (those whose times are known)."""

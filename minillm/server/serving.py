@@ -258,7 +258,7 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
     try:
         for i, (ids, sp) in enumerate(zip(prompts, params)):
             sub_id = sub_request_id(request_id, i, len(prompts))
-            timer = RequestTimer(ctx.metrics)
+            timer = RequestTimer(ctx.metrics, sp)
             try:
                 streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
                                                             observer=timer.on_output, cache_salt=cache_salt,
