@@ -46,9 +46,8 @@ class MetricsTracker:
         """Account one launched step's composition and prompt tokens."""
         self.num_steps += 1
         self.prefill_tokens_total += out.num_prefill_tokens
-        num_tokens = out.num_prefill_tokens + out.num_decode_tokens
-        self.iteration_tokens_buckets[bisect_left(ITERATION_TOKEN_BOUNDS, num_tokens)] += 1
-        self.iteration_tokens_sum += num_tokens
+        self.iteration_tokens_buckets[bisect_left(ITERATION_TOKEN_BOUNDS, out.num_tokens)] += 1
+        self.iteration_tokens_sum += out.num_tokens
         stats = StepStats(self.num_steps, ended, out.num_prefill_tokens, out.num_decode_tokens, len(out.seqs),
                           budget, ended - started, estimated_step_s=out.estimated_step_s,
                           step_limit_s=out.step_limit_s)
