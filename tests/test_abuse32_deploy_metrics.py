@@ -80,3 +80,11 @@ def test_iteration_tokens_count_every_step_and_its_tokens(stories_path):
     assert metric(samples, "minillm:iteration_tokens_total_bucket", le="1.0") == stats["num_steps"] - 1
     assert metric(samples, "minillm:iteration_tokens_total_bucket", le="8.0") == stats["num_steps"]
     assert metric(samples, "minillm:iteration_tokens_total_bucket", le="+Inf") == stats["num_steps"]
+
+
+def test_request_success_has_every_finish_reason_a_request_can_end_with_from_the_start(server):
+    """vLLM creates a request_success series per finish reason up front (a rate over one that has
+    not happened yet is 0, not missing); minillm ends a request whose grammar failed with "error"."""
+    samples, _ = scrape(server)
+    for reason in ("stop", "length", "abort", "error"):
+        assert ("minillm:request_success_total", frozenset({("finished_reason", reason)})) in samples, reason

@@ -30,6 +30,9 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 60.0, 120.0, 240.0, 480.0, 960.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 _N_BUCKETS = (1, 2, 5, 10, 20)
+# The finish reasons a request_success series exists for from the start, as vLLM's (a request whose
+# grammar failed to compile ends with "error").
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # (name, help, EngineStats field) for the snapshot-backed series.
 _GAUGES = (
@@ -65,7 +68,7 @@ class _SnapshotCollector(Collector):
                                        ((name, doc, getattr(stats, attr)) for name, doc, attr in _COUNTERS))
         success = CounterMetricFamily("minillm:request_success", "Count of finished requests by reason.",
                                       labels=["model_name", "finished_reason"])
-        for reason in sorted(set(stats.num_requests_finished) | {"stop", "length", "abort"}):
+        for reason in sorted(set(stats.num_requests_finished) | set(FINISH_REASONS)):
             success.add_metric([self.model_name, reason], float(stats.num_requests_finished.get(reason, 0)))
         yield success
         yield from prompt_token_families(stats, self.model_name)
