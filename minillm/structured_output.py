@@ -464,7 +464,13 @@ _LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|
 _DATE = (f"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
          f"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)")
 _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$"}
+# llguidance's duration takes numbers of any length, and a model free to write digits writes them on
+# ("PT91004000000000000000..."); pydantic's timedelta refuses one past 999,999,999 days or past its
+# integers. Beside llguidance's RFC 3339 duration, each number has at most 6 digits: any of them
+# together then stay under pydantic's bound (P999999Y999999M999999DT999999H999999M999999S).
+_DURATION = "P(?:[0-9]{1,6}[YMWDHS]|T)+"
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
+                    "duration": f"^{_DURATION}$"}
 # The string formats llguidance enforces. JSON Schema makes "format" an annotation that a validator
 # ignores when it does not know it; llguidance refuses the whole schema instead ("Unknown format:
 # password"). pydantic writes such formats (SecretStr's password, bytes' binary, OpenAPI's int32),

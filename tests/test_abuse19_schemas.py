@@ -188,7 +188,9 @@ def validate(text: str, schema: dict) -> None:
 @pytest.mark.parametrize("name", list(CORPUS))
 def test_every_walk_under_a_schema_validates(walker, name):
     schema = CORPUS[name]
-    outs = walker.walks(StructuredOutputsParams(json=schema), n=25, max_tokens=400 if name == "deep_nesting" else 240)
+    # formats' email is free text a walk seldom closes (about one walk in six ends): more walks there.
+    outs = walker.walks(StructuredOutputsParams(json=schema), n=40 if name == "formats" else 25,
+                        max_tokens=400 if name == "deep_nesting" else 240)
     assert not [end for _, end in outs if end not in ("stop", "length")], outs
     finished = [text for text, end in outs if end == "stop"]
     assert len(finished) >= 5, outs
