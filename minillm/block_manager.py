@@ -89,7 +89,7 @@ class BlockManager:
         # bytearray, not a NumPy array: admission and freeing set it a block at a time, about 25 ns
         # an item against 80 (or 2 us to convert an index list); the snapshot reads it as NumPy.
         self._is_cached_free = bytearray(num_blocks)
-        self.prefix_cache_queries = 0    # prompt tokens looked up
+        self.prefix_cache_queries = 0    # prompt tokens of new sequences looked up (not of resumed ones)
         self.prefix_cache_hits = 0       # prompt tokens found
         # Notices for a KV connector, None unless one listens: blocks freed, and (block, key) of
         # cached blocks evicted; the connector takes them each step.
@@ -186,8 +186,9 @@ class BlockManager:
         seq.block_hashes = [self.block_keys[b] for b in cached_blocks]
         if need > 0:
             seq.block_table.extend([self._pop_free_block() for _ in range(need)])
-        self.prefix_cache_queries += seq.num_tokens
-        self.prefix_cache_hits += num_computed
+        if not seq.num_preemptions:     # a resumed sequence is no new query (vLLM's count)
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_computed
         return True
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:

@@ -86,7 +86,7 @@ class EngineStats:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    prefix_cache_queries: int    # prompt tokens looked up in the prefix cache
+    prefix_cache_queries: int    # prompt tokens of new sequences looked up in the prefix cache (not resumed ones)
     prefix_cache_hits: int       # prompt tokens found there
     num_steps: int
     prompt_tokens_total: int     # each sequence's whole prompt, once, at its first token (vLLM's)

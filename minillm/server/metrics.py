@@ -41,8 +41,9 @@ _GAUGES = (
     ("minillm:kv_cache_usage_perc", "KV-cache usage: 1 means every block is in use.", "kv_usage"),
 )
 _COUNTERS = (
-    ("minillm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries"),
-    ("minillm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits"),
+    ("minillm:prefix_cache_queries", "Prompt tokens of new requests looked up in the prefix cache.",
+     "prefix_cache_queries"),
+    ("minillm:prefix_cache_hits", "Prompt tokens of new requests found in the prefix cache.", "prefix_cache_hits"),
     ("minillm:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
     ("minillm:prompt_tokens", "Number of prompt tokens: each request's whole prompt, once.", "prompt_tokens_total"),
     ("minillm:generation_tokens", "Number of generation tokens processed.", "generation_tokens_total"),
