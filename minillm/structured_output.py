@@ -484,18 +484,74 @@ _SUBSCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "i
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
+# pydantic writes a Decimal's string form with look-arounds, which llguidance does not take: a model
+# with a Decimal field (a price) was refused whole. Its four patterns (by max_digits and
+# decimal_places) are read back to those numbers and written without look-arounds: strings the
+# pattern takes and pydantic reads, with a digit, at most max_digits of them past the leading zeros
+# and at most decimal_places after the dot. The zeros pydantic drops (leading ones past the first,
+# trailing ones past decimal_places) are left out where a bound is given: a model free to write
+# zeros writes them on (".9000000..."), and the bounded string then ends.
+_DECIMAL_HEAD = re.escape(r"^(?!^[-+.]*$)[+-]?0*")
+_DECIMAL_BODIES = (
+    re.escape(r"\d*\.?\d*$"),
+    re.escape(r"\d*\.?\d{0,") + "(?P<places>[0-9]+)" + re.escape("}0*$"),
+    (re.escape(r"(?:\d{0,") + "(?P<whole>[0-9]+)" + re.escape(r"}|(?=[\d.]{1,") + "(?P<width>[0-9]+)"
+     + re.escape(r"}0*$)\d{0,") + "[0-9]+" + re.escape(r"}\.\d{0,") + "(?P<places>[0-9]+)" + re.escape("}0*$)")),
+    (re.escape(r"(?:\d{0,") + "[0-9]+" + re.escape(r"}|(?=[\d.]{1,") + "(?P<width>[0-9]+)"
+     + re.escape(r"}0*$)\d*\.\d*0*$)")),
+)
+_DECIMAL_LOOK_AHEAD = "(?!^[-+.]*$)"           # in the schema's text: a pattern to look at
+_DECIMAL_FORMS = tuple(re.compile(_DECIMAL_HEAD + body) for body in _DECIMAL_BODIES)
+# A max_digits alone is written as an alternative per count of digits before the dot.
+MAX_DECIMAL_DIGITS = 64
+
+
+def _decimal_pattern(pattern: str) -> str | None:
+    """The pattern without look-arounds for one pydantic writes for a Decimal; None for any other."""
+    match = next(filter(None, (form.fullmatch(pattern) for form in _DECIMAL_FORMS)), None)
+    if match is None:
+        return None
+    found = {name: int(value) for name, value in match.groupdict().items() if value is not None}
+    digits = found["width"] - 1 if "width" in found else None     # the look-ahead's width counts the dot
+    if digits is not None and digits > MAX_DECIMAL_DIGITS:
+        return None
+    places = found.get("places")
+    if digits is not None:
+        places = digits if places is None else min(places, digits)
+    if places is None:
+        fraction, after_dot = "[0-9]*", "[0-9]+"
+    else:
+        fraction, after_dot = f"[0-9]{{0,{places}}}", f"[0-9]{{1,{places}}}" if places else "0"
+    alternatives = []
+    if digits is None:                                  # no max_digits
+        alternatives.append(f"[0-9]+(?:\\.{fraction})?")
+    elif "whole" in found:                              # max_digits and decimal_places
+        if found["whole"]:
+            alternatives.append(f"[0-9]{{1,{found['whole']}}}(?:\\.{fraction})?")
+    else:                                               # max_digits alone: both sides of the dot share it
+        alternatives += [f"[0-9]{{{j}}}(?:\\.[0-9]{{0,{digits - j}}})?" for j in range(1, digits + 1)]
+    alternatives.append(f"\\.{after_dot}")
+    zeros = "0*" if digits is None else "0?"
+    return f"^[+-]?{zeros}(?:" + "|".join(alternatives) + ")$"
+
+
 def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_PATTERNS added (in allOf) to every subschema that names one of
-    those formats and every format llguidance does not know left out; other text as it is. Done
+    those formats, every format llguidance does not know left out and pydantic's Decimal patterns
+    written without look-arounds (_decimal_pattern); other text as it is. Done
     where the schema is serialised for llguidance, never in the constraint's key: the key's text is
     what an API server sends the engine core, which builds the constraint from it again (patterns
     added there would be added twice, and counted against the size bound as if the client had
     written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
     is data."""
-    if '"format"' not in text:
+    if '"format"' not in text and _DECIMAL_LOOK_AHEAD not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str) and (plain := _decimal_pattern(pattern)) is not None:
+            node["pattern"] = plain
+            changed = True
         name = node.get("format")
         if not isinstance(name, str):
             continue
