@@ -535,19 +535,57 @@ def _decimal_pattern(pattern: str) -> str | None:
     return f"^[+-]?{zeros}(?:" + "|".join(alternatives) + ")$"
 
 
+# pydantic writes dict[Literal[...], V] and dict[SomeEnum, V] as additionalProperties V with
+# propertyNames an enum (through a $ref for an Enum), which llguidance does not implement (the whole
+# schema was refused). Such an object with no properties of its own is the object whose optional
+# properties are those keys, each a V, and no other: written so, it takes the same objects.
+_NAME_KEYS = frozenset({"enum", "const", "type", "title", "description"})
+
+
+def _property_name_keys(names: Any, root: Any) -> list[str] | None:
+    """The keys a propertyNames schema lists (an enum or const of strings, itself or through a
+    $ref into $defs or definitions); None for a schema of any other shape."""
+    if isinstance(names, dict) and set(names) == {"$ref"} and isinstance(names["$ref"], str):
+        where, _, name = names["$ref"].rpartition("/")
+        defs = root.get(where[2:]) if where in ("#/$defs", "#/definitions") and isinstance(root, dict) else None
+        names = defs.get(name) if isinstance(defs, dict) and not set(name) & set("~%") else None
+    if not isinstance(names, dict) or not set(names) <= _NAME_KEYS or ("enum" in names) == ("const" in names):
+        return None
+    keys = names["enum"] if "enum" in names else [names["const"]]
+    if names.get("type", "string") != "string" or not isinstance(keys, list) or not keys \
+            or not all(isinstance(key, str) for key in keys):
+        return None
+    return list(dict.fromkeys(keys))
+
+
+def _with_listed_names(node: dict, root: Any) -> bool:
+    """Write an object schema's propertyNames enum as its properties (see _property_name_keys); whether it did."""
+    keys = _property_name_keys(node.get("propertyNames"), root)
+    if keys is None or node.get("properties") or node.get("patternProperties"):
+        return False
+    value = jsonlib.dumps(node.get("additionalProperties", True))
+    node["properties"] = {key: jsonlib.loads(value) for key in keys}    # a copy each: later passes edit them
+    node["additionalProperties"] = False
+    del node["propertyNames"]
+    return True
+
+
 def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_PATTERNS added (in allOf) to every subschema that names one of
-    those formats, every format llguidance does not know left out and pydantic's Decimal patterns
-    written without look-arounds (_decimal_pattern); other text as it is. Done
+    those formats, every format llguidance does not know left out, pydantic's Decimal patterns
+    written without look-arounds (_decimal_pattern) and its dicts keyed by an enum written with
+    properties (_with_listed_names); other text as it is. Done
     where the schema is serialised for llguidance, never in the constraint's key: the key's text is
     what an API server sends the engine core, which builds the constraint from it again (patterns
     added there would be added twice, and counted against the size bound as if the client had
     written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
     is data."""
-    if '"format"' not in text and _DECIMAL_LOOK_AHEAD not in text:
+    if '"format"' not in text and _DECIMAL_LOOK_AHEAD not in text and '"propertyNames"' not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
+        if "propertyNames" in node and _with_listed_names(node, schema):
+            changed = True
         pattern = node.get("pattern")
         if isinstance(pattern, str) and (plain := _decimal_pattern(pattern)) is not None:
             node["pattern"] = plain

@@ -77,3 +77,34 @@ def test_a_pydantic_decimal_field_is_taken_and_what_ends_parses(manager, places)
 def test_a_look_ahead_pattern_of_another_shape_is_still_a_value_error_naming_json():
     with pytest.raises(ValueError, match="(?s)^json: .*look-around"):
         StructuredOutputsParams(json={"type": "string", "pattern": "^(?!^[-+.]*$)[a-z]*$"})
+
+
+def test_a_pydantic_dict_keyed_by_a_literal_or_an_enum_is_taken_with_only_those_keys(manager):
+    # pydantic writes dict[Literal[...], V] and dict[SomeEnum, V] with propertyNames, which llguidance
+    # does not implement: such a model was refused whole ("Unimplemented keys: propertyNames").
+    import enum
+    import typing
+    pydantic = pytest.importorskip("pydantic")
+
+    class Color(enum.Enum):
+        RED = "red"
+        BLUE = "blue"
+
+    model = pydantic.create_model("Tally", by_name=(dict[typing.Literal["x", "y"], int], ...),
+                                  by_color=(dict[Color, int], ...))
+    params = StructuredOutputsParams(json=model.model_json_schema())
+    for text in ['{"by_name":{"x":1,"y":2},"by_color":{"red":3}}', '{"by_name":{},"by_color":{"red":2,"blue":1}}']:
+        model.model_validate_json(text)
+        assert accepts(manager, params, text), text
+    for text in ['{"by_name":{"z":1},"by_color":{}}', '{"by_name":{},"by_color":{"green":1}}',
+                 '{"by_name":{"x":"a"},"by_color":{}}']:
+        with pytest.raises(pydantic.ValidationError):
+            model.model_validate_json(text)
+        assert not accepts(manager, params, text), text
+
+
+@pytest.mark.parametrize("names", [{"pattern": "^a"}, {"enum": ["a", 1]}, {"minLength": 2}])
+def test_property_names_of_another_shape_are_still_a_value_error_naming_json(names):
+    with pytest.raises(ValueError, match="(?s)^json: .*propertyNames"):
+        StructuredOutputsParams(json={"type": "object", "additionalProperties": {"type": "integer"},
+                                      "propertyNames": names})
