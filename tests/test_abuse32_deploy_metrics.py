@@ -88,3 +88,24 @@ def test_request_success_has_every_finish_reason_a_request_can_end_with_from_the
     samples, _ = scrape(server)
     for reason in ("stop", "length", "abort", "error"):
         assert ("minillm:request_success_total", frozenset({("finished_reason", reason)})) in samples, reason
+
+
+def test_a_decode_servers_stale_claims_are_a_counter(stories_path):
+    """A claimed lease that ran out before the engine loaded it means the decode server computed
+    that prompt itself: /v1/stats counted it and /metrics did not."""
+    import dataclasses
+
+    from minillm import LLM
+    from minillm.server.metrics import ServerMetrics
+    llm = LLM(str(stories_path), device="cpu")
+    try:
+        stats = dataclasses.replace(llm.engine.stats(summary=True), kv_transfer_role="kv_consumer",
+                                    kv_transfer_stale_claims=3)
+    finally:
+        llm.shutdown()
+    metrics = ServerMetrics(MODEL)
+    metrics.update(stats)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    family = families["minillm:kv_transfer_stale_claims"]
+    assert family.type == "counter"
+    assert [(s.name, s.value) for s in family.samples] == [("minillm:kv_transfer_stale_claims_total", 3.0)]

@@ -157,7 +157,9 @@ def kv_transfer_families(stats: EngineStats, model_name: str):
          stats.kv_transfer_tokens),
         ("minillm:kv_transfer_bytes", "Bytes of KV loaded from prefill engines.", stats.kv_transfer_bytes),
         ("minillm:kv_transfer_seconds", "Seconds spent copying KV from prefill engines.",
-         stats.kv_transfer_seconds)))
+         stats.kv_transfer_seconds),
+        ("minillm:kv_transfer_stale_claims", "Claimed leases that ran out before their load: the prompt was "
+         "computed here instead.", stats.kv_transfer_stale_claims)))
 
 
 def _structured_output_summaries(model_name: str, stats: EngineStats):
