@@ -497,7 +497,10 @@ class ResponsesJob(TranslatedJob):
             logprobs = (choice["logprobs"] or {}).get("content")     # all the reply's tokens, as vLLM gives them
             output.append(_message_item(_new_id("msg"), message["content"], logprobs=logprobs))
         output += [_call_item(call) for call in message.get("tool_calls") or []]
-        return self._response(response_status(finals[0].outputs[0]), output, finals[0])
+        status = response_status(finals[0].outputs[0])
+        if status == "incomplete" and output and output[-1]["type"] != "function_call":
+            output[-1]["status"] = "incomplete"         # the item max_output_tokens cut, as OpenAI marks it
+        return self._response(status, output, finals[0])
 
     def event(self, kind: str, **fields) -> str:
         """One server-sent event of the Responses stream, numbered."""
@@ -590,14 +593,15 @@ class _EventWriter(ReplyWriter):
         if self.open is None:
             return ""
         job, item_id, index, text = self.job, self.open["id"], len(self.items), self.text_so_far
+        status = "incomplete" if self.finish_reason == "length" else "completed"   # cut by max_output_tokens
         if self.open["type"] == "reasoning":
-            item = _reasoning_item(item_id, text)
+            item = {**_reasoning_item(item_id, text), "status": status}
             events = job.event("response.reasoning_text.done", item_id=item_id, output_index=index,
                                content_index=0, text=text)
         else:
             events = self._text_delta("") if self.pending_rows else ""
             part = _text_part(text, self.logprobs_so_far)
-            item = _message_item(item_id, text, logprobs=self.logprobs_so_far)
+            item = _message_item(item_id, text, status, logprobs=self.logprobs_so_far)
             events += (job.event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
                                  text=text, logprobs=_event_logprobs(self.logprobs_so_far))
                        + job.event("response.content_part.done", item_id=item_id, output_index=index,
