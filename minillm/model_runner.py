@@ -211,6 +211,13 @@ class ModelRunner:
         worker.register_kv_cache(self.kv_pool, self.device)
         self.kv_connector = worker
 
+    def worker_sentinels(self) -> list[int]:
+        """File descriptors that become readable when a worker process of this runner exits (none here)."""
+        return []
+
+    def check_workers(self) -> None:
+        """Raise if a worker process of this runner has died (none here)."""
+
     def shutdown(self) -> None:
         """Wait for the device, drop the graphs, pool and weights, and give the memory back."""
         self.device.synchronize()

@@ -238,6 +238,11 @@ class EngineCoreProc:
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
         self.poller.register(spec.parent_pipe.fileno(), zmq.POLLIN)
+        # A tensor-parallel worker that dies while the engine is idle wakes the loop, which then fails
+        # (EngineDead) instead of waiting for the next request to find it gone.
+        self.worker_sentinels = self.engine.runner.worker_sentinels()
+        for fd in self.worker_sentinels:
+            self.poller.register(fd, zmq.POLLIN)
         # Request id -> the API servers whose requests of that id the engine holds, in the order they
         # were added (several API servers only): an aborted request's id is free at once, so another
         # may be added before the engine's last report of the first, which comes out before the
@@ -309,6 +314,8 @@ class EngineCoreProc:
         if self.spec.parent_pipe.fileno() in events:
             self.orphaned = True
             return False    # the API server's process has gone: nobody to serve
+        if self.worker_sentinels and any(fd in events for fd in self.worker_sentinels):
+            self.engine.runner.check_workers()      # raises, naming the worker that exited
         if self.input in events and not self.run_commands():
             return False
         if self.engine.has_unfinished_requests():

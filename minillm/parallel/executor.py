@@ -267,6 +267,14 @@ class TensorParallelExecutor(ModelRunner):
                                           f"stopped: {type(exc).__name__}: {exc}") from exc
             raise
 
+    def worker_sentinels(self) -> list[int]:
+        """Each worker's process sentinel: readable once it has exited."""
+        return [proc.sentinel for proc in self.workers.peers.procs]
+
+    def check_workers(self) -> None:
+        """TensorParallelError naming the worker when one has died."""
+        self.workers.peers()
+
     def shutdown(self) -> None:
         """Stop the workers, then release rank 0's pool and weights."""
         self.workers.shutdown()
