@@ -460,6 +460,11 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
     return EngineConfig(model=model_path, **options, **overrides)
 
 
+# ctx.meta key: {field: option} for a field the command line set through another option than its
+# own (serve's kv_transfer_config from --kv-role alone), so that an error about it names that option.
+OPTION_ALIASES = "minillm.option_aliases"
+
+
 @contextlib.contextmanager
 def option_values(ctx: typer.Context, unless: tuple[str, ...] = ()):
     """Checks of option values in the block: a ValueError naming one of the command's options by its
@@ -483,6 +488,7 @@ def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None
     option's name. Other names in the text are left as they are: they may be a JSON object's keys."""
     options = {p.name: _long_name(p.opts) for p in ctx.command.params
                if p.param_type_name == "option" and p.opts}
+    options.update({name: options[alias] for name, alias in ctx.meta.get(OPTION_ALIASES, {}).items()})
     name, _, rest = " ".join(str(exc).split()).partition(" ")
     name, dot, key = name.rstrip(":").partition(".")      # kv_transfer_config.kv_connector: a key of the JSON
     flag = options.get(name)
@@ -1448,6 +1454,8 @@ def serve(
                    "it loads, never code from a checkpoint", err=True)
     engine_settings = dict(served_model_name=options.served_model_name[0], seed=seed,
                            kv_transfer_config=kv_transfer_option(kv_role, kv_transfer_config, kv_lease_s))
+    if kv_role is not None and kv_transfer_config is None:
+        ctx.meta[OPTION_ALIASES] = {"kv_transfer_config": "kv_role"}
     check_engine_options(ctx, model, engine_options, **engine_settings)
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
