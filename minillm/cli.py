@@ -1392,9 +1392,9 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible HTTP API.
 
-    Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/models, /v1/stats, /metrics,
-    /tokenize,
-    /detokenize, /version.
+    Endpoints: /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, /v1/messages/count_tokens,
+    /v1/models, /v1/stats, /v1/stats/stream, /metrics, /health, /ping, /load, /tokenize, /detokenize, /version,
+    /invocations.
     """
     from minillm.tokenizer import chat_template_from_arg
     model = model_from_option(model, model_option)
