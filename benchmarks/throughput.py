@@ -47,7 +47,7 @@ def parse_args(argv):
     add_random_dataset_options(p)
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="Backend; auto picks cuda when CuPy sees a GPU.")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "float", "half"],
                    help="Weights and activations (auto: the checkpoint's on a GPU, float32 on the CPU).")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="KV cache storage: auto (the model dtype) or fp8 (E4M3, one byte an element).")

@@ -349,6 +349,9 @@ def _raise_for_status(response: httpx.Response, body: bytes) -> None:
     except (ValueError, AttributeError):     # not JSON, or not UTF-8 (UnicodeDecodeError)
         message = body.decode("utf-8", "replace").strip()[:MAX_MESSAGE_CHARS] or response.reason_phrase
     if response.status_code in (401, 403):
+        if "authorization" not in response.request.headers:
+            raise RuntimeError(f"the server asks for an API key ({response.status_code}): pass --api-key KEY or "
+                               f"set $OPENAI_API_KEY")
         raise RuntimeError(f"the server refused the API key ({response.status_code}): {message}")
     text = f"server answered {response.status_code}: {message}"
     error = _error_field(body)
