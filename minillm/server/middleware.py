@@ -30,6 +30,14 @@ async def _send_error(scope, send, status: int, message: str, code: str | None =
     await send({"type": "http.response.body", "body": body})
 
 
+def _close_if_body_withheld(scope) -> list[tuple[bytes, bytes]]:
+    """`Connection: close` for a request whose client holds its body until 100 Continue (`Expect:
+    100-continue`), answered before the body was asked for: the body will not come, and the server
+    would read the client's next request on the connection as that body (RFC 9110 10.1.1)."""
+    expect = dict(scope["headers"]).get(b"expect", b"")
+    return [(b"connection", b"close")] if expect.strip().lower() == b"100-continue" else []
+
+
 class APIKeyMiddleware:
     """401 for the /v1 paths and /invocations unless the request carries one of the keys, `Authorization: Bearer <key>`
     (or, as Anthropic's clients send it for /v1/messages, `x-api-key: <key>`). As vLLM's, the SHA-256
@@ -58,7 +66,7 @@ class APIKeyMiddleware:
         if not (self.is_key(given) | self.is_key(headers.get(b"x-api-key", b""))):
             return await _send_error(scope, send, 401, "Invalid or missing API key: send `Authorization: Bearer "
                                      "<key>` or `x-api-key: <key>`.", code="invalid_api_key",
-                                     extra_headers=[(b"www-authenticate", b"Bearer")])
+                                     extra_headers=[(b"www-authenticate", b"Bearer"), *_close_if_body_withheld(scope)])
         return await self.app(scope, receive, send)
 
 
@@ -166,10 +174,11 @@ class BodyLimitMiddleware:
             # The body would reach the JSON parser compressed; decompressing here would let a
             # small gzip bomb past the size limit.
             return await _send_error(scope, send, 415, f"Content-Encoding {encoding.decode('latin-1')!r} is not "
-                                     "supported: send the body uncompressed.", code="unsupported_content_encoding")
+                                     "supported: send the body uncompressed.", code="unsupported_content_encoding",
+                                     extra_headers=_close_if_body_withheld(scope))
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._too_large(scope, send)
+            return await self._too_large(scope, send, _close_if_body_withheld(scope))
         # Read the whole body first (chunked uploads carry no length), then replay it.
         chunks, size, complete = [], 0, False
         with anyio.move_on_after(self.timeout_s):
@@ -200,6 +209,6 @@ class BodyLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
-    async def _too_large(self, scope, send) -> None:
+    async def _too_large(self, scope, send, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         await _send_error(scope, send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes.",
-                          code="request_too_large")
+                          code="request_too_large", extra_headers=extra_headers)
