@@ -1612,7 +1612,8 @@ def router_command(
 @app.command(name="monitor", cls=MinillmCommand)
 def monitor_command(
     url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
-    api_key: Annotated[Optional[str], typer.Option(help="API key of the server.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        help="API key of the server (default: $OPENAI_API_KEY, as chat --url takes it).")] = None,
     record: Annotated[Optional[Path], typer.Option(   # written, not read: click's readable check is off
         readable=False, help="Save the stats stream to FILE (.gz: compressed).")] = None,
     replay: Annotated[Optional[Path], typer.Option(help="Replay a recorded FILE instead of watching a server.")] = None,
@@ -1638,6 +1639,8 @@ def monitor_command(
     if source is None:
         base_url = server_url_option(url, "URL")
         api_key_option(api_key)
+        if api_key is None:
+            api_key = openai_key_variable()
     if record is not None:
         check_record_path(record)
     stream = stream_not_a_terminal()

@@ -161,7 +161,7 @@ async def test_api_key_is_sent_and_a_missing_one_is_explained(fake_server, fast_
     assert isinstance(events[1], StatsFrame)
     events = await collect(LiveSource(f"{url}/auth"), 2)
     assert isinstance(events[1], SourceProblem)
-    assert "refused the API key (401)" in events[1].message and "--api-key" in events[1].message
+    assert "asks for an API key (401)" in events[1].message and "--api-key" in events[1].message
 
 
 async def test_wrong_url_garbage_and_refused_connections_are_explained(fake_server, fast_backoff):

@@ -185,11 +185,13 @@ class HTTPStatusProblem(Exception):
         self.body = body
 
 
-def describe_problem(exc: BaseException, base_url: str) -> str:
-    """A one-line, user-facing explanation of why stats could not be read."""
+def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) -> str:
+    """A one-line, user-facing explanation of why stats could not be read (has_key: a key was sent)."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]   # anyio wraps some connect failures (a port over 65535) in a group
     if isinstance(exc, HTTPStatusProblem):
+        if exc.status in (401, 403) and not has_key:
+            return f"{base_url} asks for an API key ({exc.status}): pass --api-key KEY or set $OPENAI_API_KEY"
         if exc.status in (401, 403):
             return f"{base_url} refused the API key ({exc.status}): pass the server's key with --api-key"
         if exc.status == 404:
@@ -281,7 +283,7 @@ class LiveSource:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every failure is shown and retried, never raised
-                yield SourceProblem(describe_problem(exc, self.shown_url), backoff)
+                yield SourceProblem(describe_problem(exc, self.shown_url, self.api_key is not None), backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
