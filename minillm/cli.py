@@ -1611,7 +1611,10 @@ def router_command(
 
 @app.command(name="monitor", cls=MinillmCommand)
 def monitor_command(
-    url: Annotated[str, typer.Argument(help="The server to watch.")] = "http://127.0.0.1:8000",
+    url: Annotated[Optional[str], typer.Argument(
+        help="The server to watch.  [default: http://127.0.0.1:8000]", show_default=False)] = None,
+    url_option: Annotated[Optional[str], typer.Option(
+        "--url", help="The server to watch, named as chat --url names it.")] = None,
     api_key: Annotated[Optional[str], typer.Option(
         help="API key of the server (default: $OPENAI_API_KEY, as chat --url takes it).")] = None,
     record: Annotated[Optional[Path], typer.Option(   # written, not read: click's readable check is off
@@ -1630,6 +1633,10 @@ def monitor_command(
     from minillm.urls import shown_url
     if demo and replay:      # two options that cannot be combined: a usage error, as everywhere else
         raise UsageError("--demo and --replay cannot be combined: give either --demo or --replay FILE")
+    if url is not None and url_option is not None:
+        raise UsageError("the server is named twice (URL and --url): give one")
+    url_flag = "URL" if url_option is None else "--url"
+    url = next((u for u in (url, url_option) if u is not None), "http://127.0.0.1:8000")
     source = None
     if demo or replay is not None:
         source = open_recording("--demo" if demo else "--replay", demo_recording() if demo else replay)
@@ -1637,7 +1644,7 @@ def monitor_command(
         raise CliError(f"--record {record} is the --replay file: recording would overwrite it")
     base_url = None
     if source is None:
-        base_url = server_url_option(url, "URL")
+        base_url = server_url_option(url, url_flag)
         api_key_option(api_key)
         if api_key is None:
             api_key = openai_key_variable()
