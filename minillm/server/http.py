@@ -257,6 +257,21 @@ if HttpToolsProtocol is not None:
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._is_in_headers, self._num_header_bytes = True, 0   # the next request's headers come next
+
+        def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+            self._served_cycle = cycle      # the request whose response is going out
+            super()._start_asgi_task(cycle, app)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            """uvicorn tells only self.cycle, the last request parsed, that the client is gone: with
+            requests pipelined behind a response, that is one waiting its turn, and the request served
+            (a stream) went on writing to the closed socket to its end. Tell the served one too."""
+            served = getattr(self, "_served_cycle", None)
+            super().connection_lost(exc)
+            if served is not None and served is not self.cycle and not served.response_complete:
+                served.disconnected = True
+                served.message_event.set()      # its receive() answers http.disconnect
+            self.pipeline.clear()               # never to be served
 else:
     TimedHttpToolsProtocol = None
 
