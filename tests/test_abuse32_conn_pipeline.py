@@ -4,7 +4,8 @@ httptools' protocol keeps the requests it parsed while a response was still goin
 and takes the last one parsed as the connection's request: on the hang-up it told that queued
 request the client was gone and not the stream being served. The stream went on to its last token
 (its request never aborted, its blocks held), writing every event to the closed socket, each write
-after the fifth logged by asyncio ("socket.send() raised exception.").
+after the fifth logged by asyncio ("socket.send() raised exception."). A /v1/stats/stream, which has
+no last event, went on for ever.
 """
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ import logging
 import socket
 import struct
 
+import httpx
 import pytest
 from core_hooks import install
 from test_server_helpers import call_utility, get_stats, running_server, wait_for
+
+from minillm.server.app import ServerOptions
+from minillm.server.limits import ServerLimits
 
 MAX_TOKENS = 300
 # Each engine step lasts at least this long: the stream cannot end by itself while the test looks on.
@@ -65,3 +70,33 @@ def test_a_hang_up_with_requests_pipelined_behind_the_stream_aborts_it(server, c
     assert finished.get("length", 0) == before.get("length", 0)       # nothing ran to its end
     assert "socket.send() raised exception" not in caplog.text
     assert wait_for(lambda: not server.http.server.server_state.connections)
+
+
+@pytest.fixture(scope="module")
+def one_stats_stream_server(stories_path):
+    options = ServerOptions(limits=ServerLimits(max_stats_streams=1))
+    with running_server(stories_path, options=options, http="httptools") as running:
+        yield running
+
+
+def _stats_stream_status(url: str) -> int:
+    """The status of a new /v1/stats/stream (closed at once)."""
+    with httpx.stream("GET", f"{url}/v1/stats/stream", timeout=10) as response:
+        return response.status_code
+
+
+def test_a_stats_stream_with_a_request_pipelined_behind_it_ends_with_its_client(one_stats_stream_server):
+    """The endless stream went on for ever after its client left, holding the only subscriber's place."""
+    url, _ = one_stats_stream_server
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(b"GET /v1/stats/stream?interval=0.1 HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    received = b""
+    while received.count(b"data: ") < 2:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the stream early"
+        received += chunk
+    assert _stats_stream_status(url) == 503          # the one place is taken
+    sock.close()
+    assert wait_for(lambda: _stats_stream_status(url) == 200)
+    assert wait_for(lambda: not one_stats_stream_server.http.server.server_state.connections)
