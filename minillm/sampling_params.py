@@ -56,11 +56,13 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output
                 "spaces_between_special_tokens")
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """ids as truncate_prompt_tokens keeps them: the last `keep` (-1: max_model_len; None: all)."""
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: str | None = "left") -> list[int]:
+    """ids as truncate_prompt_tokens keeps them: the last `keep` (-1: max_model_len; None: all), or
+    the first under vLLM's truncation_side "right"."""
     if keep is None:
         return ids
-    return ids[-(max_model_len if keep == -1 else keep):]
+    keep = max_model_len if keep == -1 else keep
+    return ids[:keep] if side == "right" else ids[-keep:]
 
 
 def short_repr(value: object, limit: int = 60) -> str:

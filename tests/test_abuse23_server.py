@@ -411,7 +411,7 @@ WALKED = {   # what of a large request walks every message or token id, what is 
                                     {"model": MODEL, "input": MANY_MESSAGES, "max_output_tokens": 4}),
     "messages: its chat request": (serving_messages, "chat_body", lambda req: _is_long(req.messages), "/v1/messages",
                                    {**CONVERSATION, "messages": MANY_MESSAGES}),
-    "completions: its token ids": (serving_completion, "truncated_prompt", _is_long, "/v1/completions",
+    "completions: its token ids": (serving_completion, "truncate_prompt", _is_long, "/v1/completions",
                                    _completion(prompt=IDS, truncate_prompt_tokens=8)),
 }
 

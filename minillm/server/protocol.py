@@ -15,7 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, short_repr, truncate_prompt
+from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error, json_error_reason
 from minillm.server.tool_calls import check_named_tool_choice
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
@@ -485,15 +485,6 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params
-
-
-def truncated_prompt(ids: list[int], req: _GenerationRequest, max_model_len: int) -> list[int]:
-    """ids as the request's truncate_prompt_tokens keeps them: the last k, or the first k under
-    truncation_side "right" (vLLM's); -1 is max_model_len, None keeps all."""
-    keep = req.truncate_prompt_tokens
-    if req.truncation_side == "right" and keep is not None:
-        return ids[:max_model_len if keep == -1 else keep]
-    return truncate_prompt(ids, keep, max_model_len)
 
 
 def whole_vocabulary_top_k(top_k: int, vocab_size: int | None) -> int:

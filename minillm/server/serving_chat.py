@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import short_repr
+from minillm.sampling_params import short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import SSE_DONE, APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -17,7 +17,7 @@ from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, pr
 from minillm.server.protocol import (
     ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
     chat_max_tokens_field, check_unsupported, message_chars, message_text, messages_as_dicts,
-    requested_prompt_logprobs, template_tools, to_sampling_params, tool_choice_of, truncated_prompt, unknown_fields,
+    requested_prompt_logprobs, template_tools, to_sampling_params, tool_choice_of, unknown_fields,
 )
 from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
@@ -233,8 +233,8 @@ class ChatJob:
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""
-        ids = self.conversation.token_ids()
-        return truncated_prompt(ids, self.req, self.ctx.engine.max_model_len)
+        ids, req = self.conversation.token_ids(), self.req
+        return truncate_prompt(ids, req.truncate_prompt_tokens, self.ctx.engine.max_model_len, req.truncation_side)
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.sampling_params import SamplingParams
+from minillm.sampling_params import SamplingParams, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import SSE_DONE, APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -19,7 +19,7 @@ from minillm.server.logprobs import (
 from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_prompt_chars
 from minillm.server.protocol import (
     CompletionRequest, check_unsupported, completion_prompts, requested_prompt_logprobs, to_sampling_params,
-    truncated_prompt, unknown_fields,
+    unknown_fields,
 )
 from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
@@ -142,7 +142,7 @@ class CompletionJob:
         limit = self.ctx.engine.max_model_len
         for prompt in self.prompts:
             given = next(encoded) if isinstance(prompt, str) else list(prompt)
-            kept = truncated_prompt(given, self.req, limit)
+            kept = truncate_prompt(given, self.req.truncate_prompt_tokens, limit, self.req.truncation_side)
             ids.append(kept)
             # echo shows the prompt the model saw: the text as sent, or the kept ids decoded
             shown.append(prompt if isinstance(prompt, str) and len(kept) == len(given)
