@@ -35,8 +35,7 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, anthropic_error_event
 from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
-from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
-from minillm.server.tool_parsers import is_utf8
+from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX, is_utf8
 from minillm.server.translated_api import (
     ReplyWriter, TranslatedJob, field_of, named_as, serve_translated, tool_param, translated_job,
 )

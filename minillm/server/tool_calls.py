@@ -196,10 +196,18 @@ def arguments_text(raw: str) -> str:
     no UTF-8 text holds): JSON as the model wrote it."""
     try:
         text = json.dumps(json.loads(raw), ensure_ascii=False, allow_nan=False)
-        text.encode()             # UnicodeEncodeError (a ValueError) for a lone surrogate
     except (ValueError, RecursionError):
         return raw
-    return text
+    return text if is_utf8(text) else raw
+
+
+def is_utf8(text: str) -> bool:
+    """False where text holds a lone surrogate (a "\\ud800" escape decoded), which UTF-8 cannot encode."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def object_members(text: str) -> dict[str, tuple[Any, str]]:

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from minillm.server.reasoning_parsers import partial_tag_len
-from minillm.server.tool_calls import JsonEnd, tool_call
+from minillm.server.tool_calls import JsonEnd, is_utf8, tool_call
 
 TOOL_PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -47,15 +47,6 @@ def _call(obj, arguments_keys: tuple[str, ...]) -> dict:
                 arguments = json.dumps(obj[key], allow_nan=False)
             return tool_call(obj["name"], arguments)
     raise NotACall("no arguments")
-
-
-def is_utf8(text: str) -> bool:
-    """False where text holds a lone surrogate (a "\\ud800" escape decoded), which UTF-8 cannot encode."""
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _skip_space(text: str, pos: int) -> int:
