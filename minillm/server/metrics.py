@@ -15,7 +15,6 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from minillm.metrics_tracker import ITERATION_TOKEN_BOUNDS
-
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.spec_decode.metrics import COUNTERS as SPEC_DECODE_COUNTERS

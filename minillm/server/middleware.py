@@ -18,6 +18,7 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", 
 # vLLM's SageMaker route: a chat completion or a completion by its body. It generates, so it is
 # counted by /load and, unlike vLLM's, guarded by the API key as /v1 is.
 INVOCATIONS_PATH = "/invocations"
+LOADED_PATHS = frozenset((*GENERATION_PATHS, INVOCATIONS_PATH))
 
 
 async def _send_error(scope, send, status: int, message: str, code: str | None = None,
@@ -39,10 +40,11 @@ def _close_if_body_withheld(scope) -> list[tuple[bytes, bytes]]:
 
 
 class APIKeyMiddleware:
-    """401 for the /v1 paths and /invocations unless the request carries one of the keys, `Authorization: Bearer <key>`
-    (or, as Anthropic's clients send it for /v1/messages, `x-api-key: <key>`). As vLLM's, the SHA-256
-    of what was sent is compared with each key's in constant time, every key each time: the time taken
-    tells neither which key nor how much of one matched, nor a key's length."""
+    """401 for the /v1 paths and /invocations unless the request carries one of the keys,
+    `Authorization: Bearer <key>` (or, as Anthropic's clients send it for /v1/messages, `x-api-key:
+    <key>`). As vLLM's, the SHA-256 of what was sent is compared with each key's in constant time,
+    every key each time: the time taken tells neither which key nor how much of one matched, nor a
+    key's length."""
 
     def __init__(self, app, api_keys: tuple[str, ...]) -> None:
         if not api_keys:
@@ -82,7 +84,8 @@ def is_messages_route(scope) -> bool:
 
 
 def _is_protected(scope) -> bool:
-    """True for a /v1 path or /invocations, as the client sent it or as the router matches it (behind --root-path)."""
+    """True for a /v1 path or /invocations, as the client sent it or as the router matches it (behind
+    --root-path)."""
     return any(path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path == INVOCATIONS_PATH
                for path in (scope["path"], route_path(scope)))
 
@@ -106,7 +109,7 @@ class ServerLoadMiddleware:
         self.load = load
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in (*GENERATION_PATHS, INVOCATIONS_PATH):
+        if scope["type"] != "http" or scope.get("method") != "POST" or route_path(scope) not in LOADED_PATHS:
             return await self.app(scope, receive, send)
         self.load.num_requests += 1
         try:
