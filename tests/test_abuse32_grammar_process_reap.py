@@ -44,6 +44,8 @@ def test_a_grammar_process_killed_while_idle_is_reaped_and_replaced(stories_path
         os.kill(pid, signal.SIGKILL)          # outside Popen: nothing in the test waits on it
         assert wait_until(lambda: not is_zombie_or_running(pid)), \
             f"the killed grammar process {pid} is still in the process table: {Path(f'/proc/{pid}/stat').read_text()}"
+        # Popen sets returncode just after its waitpid has taken the process out of the table
+        assert wait_until(lambda: first._proc.returncode is not None)
         assert first._proc.returncode == -signal.SIGKILL
         done = run(engine, {"b": constrained("date", 1), "c": constrained("json", 1)})
         assert_valid("date", done["b"])
