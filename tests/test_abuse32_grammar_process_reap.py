@@ -18,7 +18,7 @@ def is_zombie_or_running(pid: int) -> bool:
     """Whether pid is still in the process table (a zombie counts: nobody reaped it)."""
     try:
         return bool(Path(f"/proc/{pid}/stat").read_text())
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):     # gone before the open, or between open and read
         return False
 
 
