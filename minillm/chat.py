@@ -262,10 +262,6 @@ class EngineChatBackend:
                                 f"{max_len}-token context)")
         return ids, min(settings.max_tokens, room)
 
-    def check_settings(self, settings: ChatSettings) -> None:
-        """ValueError naming a setting this model cannot take (top_k past its vocabulary)."""
-        settings.sampling_params().validate_for_vocab(self.engine.model_config.vocab_size)
-
     def check_chat_template(self) -> None:
         """ValueError naming the file and line when the model's chat template, the one every message
         renders with, does not compile (a model without one chats in plain text; --chat-template replaces it)."""
@@ -602,11 +598,7 @@ class ChatSession:
             self.say(f"usage: /set {_shown(key)} VALUE")
             return
         try:
-            settings = self.settings.with_value(key, value)
-            check = getattr(self.backend, "check_settings", None)   # what only the model knows (its vocabulary)
-            if check is not None:
-                check(settings)
-            self.settings = settings
+            self.settings = self.settings.with_value(key, value)
         except ValueError as exc:
             self.say(f"error: {exc}")
             return

@@ -726,9 +726,6 @@ def chat(
                            "fix it, or give one with --chat-template") from None
         model_defaults = {k: v for k, v in engine.sampling_defaults.items() if k in ("temperature", "top_p", "top_k")}
         settings = dataclasses.replace(settings, **{**model_defaults, **chosen})
-        # --top-k past the vocabulary fails here, not at every message (a model's own default is not the flag's).
-        with option_values(ctx, unless=tuple(k for k in model_defaults if k not in chosen)):
-            backend.check_settings(settings)
     if quick is not None:       # errors and notices on stderr: stdout holds the reply alone
         raise typer.Exit(ChatSession(backend, settings, system=system, log=sys.stderr).reply_once(quick))
     _use_readline()

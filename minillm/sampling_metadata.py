@@ -67,10 +67,16 @@ def sampler_temperature(params) -> float:
     return 0.0 if params.is_greedy else params.temperature
 
 
-def row_values(params) -> tuple:
+def sampler_top_k(params, vocab: int) -> int:
+    """The top_k the sampling kernels read: 0 (off) for -1 and 0, and for any top_k that keeps the
+    whole vocabulary (vLLM takes any top_k >= 1; the kernels read an int32 below the vocabulary)."""
+    return params.top_k if 0 < params.top_k < vocab else 0
+
+
+def row_values(params, vocab: int) -> tuple:
     """The static words of one row, in STATIC_FIELDS order (less logprob_rows)."""
-    return (sampler_temperature(params), max(params.top_k, 0), params.top_p, params.min_p, params.repetition_penalty,
-            params.presence_penalty, params.frequency_penalty)
+    return (sampler_temperature(params), sampler_top_k(params, vocab), params.top_p, params.min_p,
+            params.repetition_penalty, params.presence_penalty, params.frequency_penalty)
 
 
 def penalty_entries(seqs, rows) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -224,10 +230,10 @@ class SamplingInputBuffer:
             self._allocate(_grown(max(self.cap, self._initial[0]), batch),
                            _grown(max(self.entry_cap, self._initial[1]), num_entries))
             unchanged = False
-        copied = self._upload(batch, params, uniforms, pen + ban + bias + allowed, num_entries, unchanged)
+        copied = self._upload(batch, params, vocab, uniforms, pen + ban + bias + allowed, num_entries, unchanged)
         return self._metadata(batch, counts, copied)
 
-    def _upload(self, batch: int, params, uniforms, entries, num_entries: int, unchanged: bool):
+    def _upload(self, batch: int, params, vocab: int, uniforms, entries, num_entries: int, unchanged: bool):
         """Pack the needed sections into the next host slot and queue one copy; returns its range."""
         start, end = None, None
         u, e = self.uniforms_offset, self.entries_offset
@@ -243,7 +249,7 @@ class SamplingInputBuffer:
         self._next = 1 - self._next
         slot.wait()
         if not unchanged:
-            self._pack_static(slot, batch, params)
+            self._pack_static(slot, batch, params, vocab)
         if start <= u:
             slot.floats[u:u + batch] = 0.0
             if self._sampled_rows:
@@ -259,11 +265,11 @@ class SamplingInputBuffer:
         self.num_uploads += 1
         return start, end
 
-    def _pack_static(self, slot: _Slot, batch: int, params) -> None:
+    def _pack_static(self, slot: _Slot, batch: int, params, vocab: int) -> None:
         """Write the static fields of the rows into the host slot."""
         cap = self.cap
         if batch:
-            cols = np.array([row_values(p) for p in params], dtype=np.float64)   # [B, NUM_STATIC - 1]
+            cols = np.array([row_values(p, vocab) for p in params], dtype=np.float64)   # [B, NUM_STATIC - 1]
             for f, name in enumerate(STATIC_FIELDS[:-1]):
                 dst = slot.words if name in _INT_FIELDS else slot.floats
                 dst[f * cap:f * cap + batch] = cols[:, f]

@@ -146,7 +146,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1                 # -1 or 0: off
+    top_k: int = -1                 # -1 or 0: off; past the vocabulary: all of it
     min_p: float = 0.0
     seed: int | None = None         # -1: none, as None
     repetition_penalty: float = 1.0
@@ -445,11 +445,9 @@ class SamplingParams:
         """Raise ValueError naming a field whose token ids or counts fall outside a vocabulary of vocab_size.
 
         The sampler indexes [batch, vocab] arrays with these values, so they are checked where the
-        vocabulary is known (LLMEngine.add_request) as well as where requests enter.
+        vocabulary is known (LLMEngine.add_request) as well as where requests enter. A top_k past the
+        vocabulary keeps all of it, as in vLLM (sampling_metadata.sampler_top_k).
         """
-        if self.top_k > vocab_size:
-            raise ValueError(f"top_k must be at most the vocabulary size {vocab_size} (or -1 for off), "
-                             f"got {short_repr(self.top_k)}")
         outside = [t for t in self.stop_token_ids if t >= vocab_size]
         if outside:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")

@@ -1,4 +1,4 @@
-"""`minillm chat` given settings the model cannot take: refused when set, and a refused message
+"""`minillm chat` given a top_k past the vocabulary (all of it, as in vLLM), and a refused message
 leaves the conversation as it was."""
 from __future__ import annotations
 
@@ -15,40 +15,40 @@ def engine(short_context_engine):
 
 
 @needs_stories
-def test_set_top_k_past_the_vocabulary_is_refused_at_once(engine):
+def test_set_top_k_past_the_vocabulary_is_the_whole_vocabulary(engine):
+    # It was refused ("top_k must be at most the vocabulary size 512"); vLLM samples from all of it.
     from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
     out = io.StringIO()
     session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(temperature=0, max_tokens=4), out=out)
     history = run_scripted(session, ["/set top_k 99999", "Tom had a ball."])
     text = out.getvalue()
-    assert "error: top_k must be at most the vocabulary size 512" in text and "(top_k = 99999)" not in text
-    assert session.settings.top_k == -1
+    assert "(top_k = 99999)" in text and "error" not in text
+    assert session.settings.top_k == 99999
     assert len(history) == 1 and len(history[0]) == 2        # the message after it was answered
 
 
 @needs_stories
-def test_a_refused_message_keeps_the_exchanges_it_would_have_dropped(engine):
+def test_a_refused_message_keeps_the_exchanges_it_would_have_dropped(engine, monkeypatch):
     from minillm.chat import ChatSession, ChatSettings, EngineChatBackend
     out = io.StringIO()
-    # top_k past the vocabulary set without /set (as a program may): the engine refuses the request
-    # only after the oldest exchange was dropped to make room for 40 tokens.
-    session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(top_k=9999, max_tokens=40), out=out)
+    # The engine refuses the request only after the oldest exchange was dropped to make room for 40 tokens.
+    def refuse(*args, **kwargs):
+        raise ValueError("the engine refused it")
+    monkeypatch.setattr(engine, "add_request", refuse)
+    session = ChatSession(EngineChatBackend(engine, "stories"), ChatSettings(max_tokens=40), out=out)
     earlier = [{"role": "user", "content": "Tom had a red ball. " * 3},
                {"role": "assistant", "content": " He threw it to his dog every day."}]
     session.conversation.turns.extend(dict(t) for t in earlier)
     session.handle("Then what?")
     text = out.getvalue()
-    assert "error: top_k must be at most the vocabulary size 512" in text
+    assert "error: the engine refused it" in text
     assert "dropped" not in text
     assert session.conversation.turns == earlier
     assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
 
 
 @needs_stories
-def test_chat_with_top_k_past_the_vocabulary_fails_in_one_line():
-    result = minillm("chat", str(STORIES), "--device", "cpu", "--top-k", "99999", stdin="hello\n")
-    assert result.returncode == 2 and "Traceback" not in result.stderr      # a usage error, as generate's
-    assert result.stderr.strip().splitlines()[-1] == ("minillm chat: error: Invalid value for '--top-k': must be at "
-                                                      "most the vocabulary size 512 (or -1 for off), got 99999 "
-                                                      "(try 'minillm chat --help')")
-    assert ">>>" not in result.stdout
+def test_chat_with_top_k_past_the_vocabulary_replies():
+    result = minillm("chat", str(STORIES), "--device", "cpu", "--top-k", "99999", "--max-tokens", "4", stdin="hello\n")
+    assert result.returncode == 0 and "Traceback" not in result.stderr and "error" not in result.stderr, result.stderr
+    assert ">>>" in result.stdout

@@ -659,8 +659,7 @@ def test_serve_refuses_a_graceful_shutdown_it_cannot_keep(value):
 def test_generate_values_only_the_model_can_judge_are_usage_errors_naming_the_option(tmp_path):
     # Checked once the model is loaded (its vocabulary, its context), they exited 1 naming the Python
     # field; a usage error like the values checked before the model loads.
-    cases = ((("--top-k", "100000"), "Invalid value for '--top-k': must be at most the vocabulary size 512"),
-             (("--max-model-len", "100000"), "Invalid value for '--max-model-len': 100000 exceeds the model's"),
+    cases = ((("--max-model-len", "100000"), "Invalid value for '--max-model-len': 100000 exceeds the model's"),
              (("-p", "hello " * 700), "Invalid value for '--prompt': has 2102 tokens, which leaves no room"))
     for args, message in cases:
         prompt = () if "-p" in args else ("-p", "Once")

@@ -136,8 +136,9 @@ def test_requests_that_killed_the_engine_leave_it_serving(http, healthy_stream, 
 def test_the_engine_itself_refuses_ids_outside_the_vocabulary(stories_path):
     engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", num_kv_blocks=16), log=lambda _: None)
     vocab = engine.model_config.vocab_size
-    for params, field in ((SamplingParams(top_k=vocab + 1), "top_k"), (SamplingParams(top_k=2**63), "top_k"),
-                          (SamplingParams(min_tokens=2, stop_token_ids=[vocab]), "stop_token_ids")):
+    for params, field in ((SamplingParams(min_tokens=2, stop_token_ids=[vocab]), "stop_token_ids"),
+                          (SamplingParams(logit_bias={vocab: 1.0}), "logit_bias"),
+                          (SamplingParams(allowed_token_ids=[vocab]), "allowed_token_ids")):
         with pytest.raises(ValueError, match=f"^{field} "):
             engine.add_request("r", "Once", params)
     assert not engine.has_unfinished_requests()

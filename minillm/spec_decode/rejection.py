@@ -26,7 +26,7 @@ from types import ModuleType
 
 import numpy as np
 
-from minillm.sampling_metadata import sampler_temperature
+from minillm.sampling_metadata import sampler_temperature, sampler_top_k
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class RejectionSampler:
                 uniforms[starts[b]:starts[b] + d + 1] = s.rng.random(d + 1)
         return sample_rows_no_sync(
             self.ops, logits, num_drafts, np.array([sampler_temperature(p) for p in params], np.float32),
-            np.array([max(p.top_k, 0) for p in params], np.int32),
+            np.array([sampler_top_k(p, logits.shape[1]) for p in params], np.int32),
             np.array([p.top_p for p in params], np.float32),
             np.array([p.min_p for p in params], np.float32), uniforms)
 

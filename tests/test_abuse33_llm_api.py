@@ -1,0 +1,48 @@
+"""The offline API as vLLM users drive it: LLM.generate, LLM.chat and SamplingParams given what vLLM
+takes (top_k past the vocabulary, its progress-bar default, ...), with the same meaning here."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.sampling_metadata import row_values
+from test_cli import STORIES, needs_stories, run_main
+
+VOCAB = 512        # stories260K's
+SAMPLED = dict(temperature=1.0, seed=7, max_tokens=12)
+
+
+def _ids(outputs):
+    return [c.token_ids for out in outputs for c in out.outputs]
+
+
+# ---- top_k past the vocabulary: the whole vocabulary, as vLLM and minillm's server take it -------
+
+@pytest.mark.parametrize("top_k", [VOCAB, VOCAB + 1, 2**31, 2**63, 10**30])
+def test_generate_takes_top_k_past_the_vocabulary_as_off(llm, top_k):
+    # It was "top_k must be at most the vocabulary size 512" where vLLM (and minillm's server) sample
+    # from the whole vocabulary.
+    want = _ids(llm.generate(["Once upon a time"], SamplingParams(top_k=-1, **SAMPLED), use_tqdm=False))
+    got = _ids(llm.generate(["Once upon a time"], SamplingParams(top_k=top_k, **SAMPLED), use_tqdm=False))
+    assert got == want
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("top_k, packed", [(-1, 0), (0, 0), (1, 1), (VOCAB - 1, VOCAB - 1), (VOCAB, 0),
+                                           (VOCAB + 1, 0), (2**40, 0), (10**30, 0)])
+def test_the_sampler_reads_a_top_k_within_its_bounds(top_k, packed):
+    # The packed row is float64 then int32: 2**40 wrapped, 10**30 was undefined in the cast.
+    assert row_values(SamplingParams(top_k=top_k), VOCAB)[1] == packed
+
+
+@needs_stories
+def test_generate_cli_takes_top_k_past_the_vocabulary(capsys):
+    args = ("generate", str(STORIES), "--device", "cpu", "-p", "Once", "--max-tokens", "6", "--seed", "3")
+    status, want, err = run_main(capsys, *args, "--top-k", "-1")
+    assert status == 0, err
+    status, got, err = run_main(capsys, *args, "--top-k", "100000")
+    assert status == 0 and "Traceback" not in err, err
+    assert got == want
