@@ -2,14 +2,14 @@
 takes (top_k past the vocabulary, its progress-bar default, ...), with the same meaning here."""
 from __future__ import annotations
 
-import io
+import asyncio
 
-import numpy as np
 import pytest
-
-from minillm import LLM, SamplingParams
-from minillm.sampling_metadata import row_values
+from test_abuse25_serving import async_llm, config, thread_engine  # noqa: F401 - the engines, as fixtures
 from test_cli import STORIES, needs_stories, run_main
+
+from minillm import SamplingParams
+from minillm.sampling_metadata import row_values
 
 VOCAB = 512        # stories260K's
 SAMPLED = dict(temperature=1.0, seed=7, max_tokens=12)
@@ -46,3 +46,18 @@ def test_generate_cli_takes_top_k_past_the_vocabulary(capsys):
     status, got, err = run_main(capsys, *args, "--top-k", "100000")
     assert status == 0 and "Traceback" not in err, err
     assert got == want
+
+
+async def _ids_of(engine, request_id: str, params: SamplingParams) -> list[int]:
+    stream = await engine.add_request(request_id, "Once upon a time", params)
+    return [out async for out, _ in stream][-1].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("engine_name", ["async_llm", "thread_engine"])
+def test_async_engines_take_any_top_k_past_the_vocabulary(request, engine_name):
+    # AsyncLLM sent a top_k past 2**64 - 1 to its engine core through msgpack: "the request cannot be
+    # sent to the engine core: can't serialize ints ...", naming no field.
+    engine = request.getfixturevalue(engine_name)
+    want = asyncio.run(_ids_of(engine, f"{engine_name}-off", SamplingParams(top_k=-1, **SAMPLED)))
+    for top_k in (VOCAB + 1, 2**64, 10**30):
+        assert asyncio.run(_ids_of(engine, f"{engine_name}-{top_k}", SamplingParams(top_k=top_k, **SAMPLED))) == want

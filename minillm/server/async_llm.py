@@ -161,6 +161,8 @@ class AsyncLLM(Generate):
                                observer, is_delta=is_delta_stream(params))
         arrival = time.time() if arrival_time is None else float(arrival_time)   # 0 is a time, as offline
         fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+        if fields["top_k"] >= 2**31:      # past every vocabulary (ids are int32) and, past 2**64, msgpack's ints
+            fields["top_k"] = -1          # the whole vocabulary, as the sampler reads it
         if params.structured_outputs is not None:
             fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
         keys = self._prompt_block_keys(ids, params, cache_salt)
