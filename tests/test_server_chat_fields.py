@@ -29,6 +29,9 @@ REFUSED = [
     ("tool-choice-required", "/v1/chat/completions", _chat(tool_choice="required"), "tool_choice"),
     ("tool-choice-named", "/v1/chat/completions",
      _chat(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    # "required" with no tool to call: OpenAI refuses the empty tools array (it was taken as "none")
+    ("tool-choice-required-empty-tools", "/v1/chat/completions", _chat(tools=[], tool_choice="required"),
+     "tool_choice"),
     ("priority", "/v1/chat/completions", _chat(priority=3), "priority"),
     ("stream-options-without-stream", "/v1/chat/completions", _chat(stream_options={"include_usage": True}),
      "stream_options"),
@@ -60,11 +63,11 @@ def test_fields_not_implemented_or_malformed_are_400s_naming_the_field(http, hea
     openai_error(http.post(path, json=body), 400, param)
 
 
-@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tools": [], "tool_choice": "required"}, {"tools": []},
+@pytest.mark.parametrize("fields", [{"tool_choice": "none"}, {"tools": []},
                                     {"parallel_tool_calls": False}, {"priority": 0}, {"return_token_ids": False},
                                     {"stream_options": {"continuous_usage_stats": False}, "stream": True},
                                     {"stream_options": {}}, {"stream_options": None, "stream": False}],
-                         ids=["tool-choice-none", "tool-choice-required-no-tools", "no-tools", "parallel-tool-calls",
+                         ids=["tool-choice-none", "no-tools", "parallel-tool-calls",
                               "priority-0", "return-token-ids-false", "continuous-usage-false",
                               "empty-stream-options-no-stream", "null-stream-options-no-stream"])
 def test_values_that_ask_for_nothing_pass(http, healthy_stream, fields):

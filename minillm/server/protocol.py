@@ -391,6 +391,7 @@ class ToolChoiceNames:
     auto: str
     none: str
     forced: str         # the choices that force a call
+    required: str = '"required"'     # the one that forces a call of any of the tools
 
 
 CHAT_TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or a named tool '
@@ -408,7 +409,10 @@ def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False
     if req.tools is None:
         raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
     if choice == "required":
-        return        # with no tools, no tool to call: "none", as vLLM (and OpenAI) take it
+        if not req.tools:       # OpenAI refuses an empty tools array; a call must be of one of them
+            raise APIError(400, f"tool_choice {names.required} needs a tool to call, and tools is empty (send the "
+                           f"tools, or tool_choice {names.none})", param="tool_choice")
+        return
     if isinstance(choice, dict):
         check_named_tool_choice(choice, [tool.function.name for tool in req.tools])
         return

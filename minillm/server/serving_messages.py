@@ -44,7 +44,7 @@ from minillm.server.translated_api import (
 CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", "messages": "messages"}
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 TOOL_CHOICES = ToolChoiceNames('{"type": "auto"}', '{"type": "none"}',
-                               '{"type": "any"} or {"type": "tool", "name": ...}')
+                               '{"type": "any"} or {"type": "tool", "name": ...}', '{"type": "any"}')
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}
 
 
