@@ -219,7 +219,11 @@ def test_truncation_auto_never_starts_with_an_orphan_function_call_output(url):
     call, output = ({"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
                     {"type": "function_call_output", "call_id": "call_1", "output": "sunny " * 45})
     last = CONVERSATION[0]
-    assert respond(url, [output, last], "disabled").status_code == 200      # the output would fit...
+    # The output would fit (an output without its call is a 400 on /v1/responses: the chat request it would be)...
+    orphan = {"model": "stories", "max_tokens": 16, "messages": [
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "tool", "tool_call_id": "call_1", "content": output["output"]},
+        last]}
+    assert httpx.post(f"{url}/v1/chat/completions", json=orphan, timeout=60).status_code == 200
     assert respond(url, [call, output, last], "disabled").status_code == 400    # ...but not with its call
     reply = respond(url, [*CONVERSATION[:6], call, output, last], "auto").json()
     alone = respond(url, [last], "disabled").json()

@@ -11,7 +11,8 @@ response.incomplete when max_output_tokens cut it; response.failed, with the res
 output as far as it came, when the request fails after the stream began).
 
 An input that ends with an assistant message left incomplete or in progress is continued (chat's
-continue_final_message), as vLLM continues it.
+continue_final_message), as vLLM continues it. A function_call_output answers a function_call item
+before it in input (one whose call_id no such item has is a 400 naming input, as OpenAI refuses it).
 
 Responses are not stored: `store` is answered false, a `previous_response_id` is a 404 (none is
 found, as on a vLLM server without its response store) and `background` a 400.
@@ -230,6 +231,7 @@ def _messages(req: ResponsesRequest) -> list[dict]:
     if isinstance(req.input, str):
         return [*messages, {"role": "user", "content": req.input}]
     reasoning, reasoning_at = None, ""    # a reasoning item goes with the assistant turn after it
+    call_ids: set[str] = set()            # the function_call items' so far
     for i, item in enumerate(req.input):
         where = f"input[{i}]"
         kind = item.get("type", "message")
@@ -244,7 +246,9 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                 message["reasoning"], reasoning = reasoning, None
             messages.append(message)
         elif kind == "function_call":
-            call = {"id": field_of(item, "call_id", where, str), "type": "function",
+            call_id = field_of(item, "call_id", where, str)
+            call_ids.add(call_id)
+            call = {"id": call_id, "type": "function",
                     "function": {"name": field_of(item, "name", where, str), "arguments": _arguments(item, where)}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
@@ -255,8 +259,13 @@ def _messages(req: ResponsesRequest) -> list[dict]:
                     message["reasoning"], reasoning = reasoning, None
                 messages.append(message)
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": field_of(item, "call_id", where, str),
-                             "content": _content_parts(item.get("output"), f"{where}.output")})
+            call_id = field_of(item, "call_id", where, str)
+            content = _content_parts(item.get("output"), f"{where}.output")
+            if call_id not in call_ids:       # as OpenAI refuses it: which call would it answer?
+                shown = call_id if len(call_id) <= 64 else short_repr(call_id)
+                raise APIError(400, f"No tool call found for function call output with call_id {shown} ({where}: "
+                               f"no function_call item before it has that call_id)", param="input")
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
         elif kind == "reasoning":
             reasoning, reasoning_at = _reasoning_text(item, where), where
         else:
