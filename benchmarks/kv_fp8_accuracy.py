@@ -174,7 +174,7 @@ def stories_rows(path: Path) -> list[Row]:
         llm = LLM(str(path), device="cpu", kv_cache_dtype="fp8", calculate_kv_scales=calibrate,
                   num_kv_blocks=64, block_size=4)
         # The prompt holds the first 16 golden tokens so that a calibration sees more than BOS.
-        out = llm.generate([golden[:17].tolist()], greedy)[0].outputs[0]
+        out = llm.generate([golden[:17].tolist()], greedy, use_tqdm=False)[0].outputs[0]
         matched = np.asarray(out.token_ids) == golden[17:]
         rows.append(Row("stories260K", f"{label} (engine)", "golden greedy ids", 17, int(matched.size),
                         float("nan"), float("nan"), float(matched.mean())))

@@ -64,7 +64,7 @@ def time_to_first_token(llm, rng, prompt_len: int, vocab: int) -> float:
     from minillm import SamplingParams
 
     prompt = rng.integers(0, vocab, prompt_len).tolist()
-    out = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)[0]
     return out.metrics.ttft
 
 

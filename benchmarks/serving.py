@@ -911,7 +911,8 @@ class OfflineCeiling:
         self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
                                      ignore_eos=args.ignore_eos, seed=args.seed)
         self.llm = LLM(args.offline_model, **args.offline_engine_args)
-        self.llm.generate(self.prompts[:1], self.params)   # warm-up: first-call costs are not throughput
+        # warm-up: first-call costs are not throughput
+        self.llm.generate(self.prompts[:1], self.params, use_tqdm=False)
 
     def throughput(self, concurrency: int | None) -> float:
         """Output tok/s with `concurrency` requests in flight (all at once when None), a new one admitted

@@ -109,7 +109,8 @@ def own_output_prompts(llm, num: int, length: int, vocab: int) -> list[list[int]
     from minillm import SamplingParams
     rng = np.random.default_rng(0)
     starts = [rng.integers(0, vocab, 16).tolist() for _ in range(num)]
-    outs = llm.generate(starts, SamplingParams(temperature=0, max_tokens=length, ignore_eos=True))
+    outs = llm.generate(starts, SamplingParams(temperature=0, max_tokens=length, ignore_eos=True),
+                        use_tqdm=False)
     return [s + list(o.outputs[0].token_ids) for s, o in zip(starts, outs)]
 
 
@@ -176,7 +177,8 @@ def run(args, model_dir: str, dummy: bool, vocab: int) -> tuple[list[Figures], l
         try:
             if prompts is None:
                 prompts = own_output_prompts(llm, max(batches), args.own_output_len, vocab)
-            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))   # warm-up
+            llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),   # warm-up
+                         use_tqdm=False)
             for batch in batches:
                 f = max((measure(llm, prompts, batch, k, args) for _ in range(args.repeats)), key=lambda f: f.tok_s)
                 figures.append(f)

@@ -236,12 +236,12 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
               async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
               kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))          # warm-up
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)          # warm-up
     llm.engine.metrics.timings.clear()
     llm.engine.runner.profile = args.breakdown
     before = llm.engine.stats()      # the engine's counters run from its start: the warm-up is taken off
     started = time.perf_counter()
-    outs = llm.generate(w.prompts, params)
+    outs = llm.generate(w.prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"

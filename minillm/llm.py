@@ -229,12 +229,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable = False, *, lora_request=None, priority: Seq[int] | None = None,
+                 use_tqdm: bool | Callable = True, *, lora_request=None, priority: Seq[int] | None = None,
                  tokenization_kwargs: dict | None = None, prompt_adapter_request=None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, a list (or 1-D NumPy array) of token ids, {"prompt": text} or
-        {"prompt_token_ids": ids}. use_tqdm may be a tqdm-like callable that makes the bar, as in vLLM.
+        {"prompt_token_ids": ids}. use_tqdm (vLLM's, default True) shows a progress bar on stderr;
+        it may be a tqdm-like callable that makes the bar, as in vLLM.
         priority (vLLM's): None, or an integer a prompt; with scheduling_policy "priority" a lower
         value is served earlier (and preempted later), under "fcfs" only zeros are taken.
         vLLM's other arguments are taken where minillm does what they ask: lora_request and
@@ -337,7 +338,7 @@ class LLM:
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+             use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
              tools: list[dict] | None = None, chat_template_content_format: str = "auto", *,
              lora_request=None, mm_processor_kwargs: dict | None = None,
@@ -512,8 +513,37 @@ def _is_one_id_list(prompts) -> bool:
 
 
 def _progress_bar(total: int, use_tqdm):
-    """A tqdm bar on stderr (tqdm comes with huggingface-hub), or the one use_tqdm makes when it is callable."""
+    """A tqdm bar on stderr (tqdm comes with huggingface-hub), or the one use_tqdm makes when it is
+    callable; None without a stderr (sys.stderr None: pythonw, or started with it closed)."""
     if callable(use_tqdm):
         return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    if sys.stderr is None:
+        return None
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+    return tqdm(total=total, desc="generate", unit="req", file=_BarStream(sys.stderr))
+
+
+class _BarStream:
+    """The progress bar's stderr: the first write or flush that fails (a full disk, a closed
+    descriptor) turns the bar silent, as the bar is on by default and must never fail generate()."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.is_broken = False
+
+    def write(self, text: str) -> None:
+        self._quietly(self.stream.write, text)
+
+    def flush(self) -> None:
+        self._quietly(self.stream.flush)
+
+    def _quietly(self, call, *args) -> None:
+        if self.is_broken:
+            return
+        try:
+            call(*args)
+        except (OSError, ValueError):     # ValueError: a closed file
+            self.is_broken = True
+
+    def __getattr__(self, name: str):     # isatty, encoding, ... as tqdm reads them
+        return getattr(self.stream, name)

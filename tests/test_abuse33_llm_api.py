@@ -3,6 +3,8 @@ takes (top_k past the vocabulary, its progress-bar default, ...), with the same 
 from __future__ import annotations
 
 import asyncio
+import errno
+import io
 
 import pytest
 from test_abuse25_serving import async_llm, config, thread_engine  # noqa: F401 - the engines, as fixtures
@@ -61,3 +63,40 @@ def test_async_engines_take_any_top_k_past_the_vocabulary(request, engine_name):
     want = asyncio.run(_ids_of(engine, f"{engine_name}-off", SamplingParams(top_k=-1, **SAMPLED)))
     for top_k in (VOCAB + 1, 2**64, 10**30):
         assert asyncio.run(_ids_of(engine, f"{engine_name}-{top_k}", SamplingParams(top_k=top_k, **SAMPLED))) == want
+
+
+# ---- use_tqdm: vLLM's default, a progress bar on stderr -------------------------------------------
+
+def test_generate_and_chat_show_vllms_progress_bar_on_stderr_by_default(llm, capsys):
+    # vLLM's generate and chat default to use_tqdm=True; minillm's defaulted to no bar.
+    capsys.readouterr()
+    llm.generate(["Once", "Lily"], SamplingParams(max_tokens=2))
+    out, err = capsys.readouterr()
+    assert out == "" and "100%" in err and "2/2" in err, err
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=2),
+             chat_template="{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    out, err = capsys.readouterr()
+    assert out == "" and "1/1" in err, err
+    llm.generate(["Once", "Lily"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr() == ("", "")
+
+
+class _FullStream(io.TextIOBase):
+    """A stderr whose writes fail as on a full disk or a closed descriptor (`2>/dev/full`, `2>&-`)."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+
+@pytest.mark.parametrize("stderr", [None, _FullStream()], ids=["none", "full"])
+def test_the_default_progress_bar_never_fails_generate(llm, monkeypatch, stderr):
+    # With the bar on by default, a script run with stderr closed (sys.stderr None, as under pythonw)
+    # or full failed in generate ("'NoneType' object has no attribute 'write'", OSError) where the
+    # same script without a bar ran.
+    want = _ids(llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False))
+    monkeypatch.setattr("sys.stderr", stderr)
+    assert _ids(llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=3))) == want
+    assert not llm.llm_engine.has_unfinished_requests()
