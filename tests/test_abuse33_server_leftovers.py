@@ -199,3 +199,25 @@ def test_truncate_prompt_tokens_minus_one_without_max_tokens_names_truncate_prom
 def test_truncate_prompt_tokens_minus_one_leaves_a_short_prompt_whole(url):
     reply = post(url, "/v1/completions", {"prompt": "Once upon", "truncate_prompt_tokens": -1, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == 3, reply.text
+
+
+def test_a_required_calls_items_stream_each_once_it_is_whole(server):
+    # Every call came once the whole array was generated, where chat streams each call once whole.
+    body = {"model": "stories", **NAMED, "tool_choice": "required", "stream": True}
+    job = ResponsesJob(server[1], req := validate_request(ResponsesRequest, body),
+                       validate_request(ChatCompletionRequest, chat_body(req)))
+    writer = job.writer()
+
+    def update(text: str, finish: str | None = None) -> list[dict]:
+        events = writer.update(CompletionOutput(0, text, [0] * len(text), finish_reason=finish))
+        return [json.loads(line[len("data: "):]) for line in events.splitlines() if line.startswith("data: ")]
+
+    assert update('[{"name": "f", "parameters": {"a": "x"') == []
+    first = update('[{"name": "f", "parameters": {"a": "x"}}, {"name": "f"')
+    assert [e["type"] for e in first] == ["response.output_item.added", "response.function_call_arguments.delta",
+                                          "response.function_call_arguments.done", "response.output_item.done"]
+    assert first[-1]["item"]["arguments"] == '{"a": "x"}' and first[-1]["output_index"] == 0
+    last = update('[{"name": "f", "parameters": {"a": "x"}}, {"name": "f", "parameters": {"a": "y"}}]', "stop")
+    assert [e["item"]["arguments"] for e in last if e["type"] == "response.output_item.done"] == ['{"a": "y"}']
+    assert [item["arguments"] for item in writer.items] == ['{"a": "x"}', '{"a": "y"}']
+    assert writer.finish_reason == "tool_calls"

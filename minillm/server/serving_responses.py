@@ -42,7 +42,7 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.structured import _refuse_unknown_keys
-from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX
+from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX, tool_call
 from minillm.server.translated_api import ReplyWriter, TranslatedJob, field_of, serve_translated, tool_param
 
 # Chat fields (as errors raised on the chat side name them) -> the Responses field they came from;
@@ -550,6 +550,7 @@ class _EventWriter(ReplyWriter):
         self.cursor = job._cursor()       # None unless logprobs were asked for
         self.pending_rows: list[LogprobRow] = []    # tokens no delta has carried yet
         self.logprobs_so_far: list[dict] = []      # the open message's logprobs
+        self.open_call: dict | None = None         # a forced named call's item, its arguments streaming
 
     def update(self, comp: CompletionOutput) -> str:
         if self.cursor is not None:
@@ -587,8 +588,36 @@ class _EventWriter(ReplyWriter):
                                       content_index=0, delta=delta)
         return events + self._text_delta(delta)
 
+    def forced_events(self, delta: str, comp: CompletionOutput) -> str:
+        """A forced named call's item opened with the output's first text, its arguments streamed as
+        they are generated (function_call_arguments.delta), and closed as the whole reply has it."""
+        forced, job = self.job.forced, self.job
+        if forced.name is None:
+            return super().forced_events(delta, comp)
+        events, index = "", len(self.items)
+        if self.open_call is None and (delta or comp.finish_reason is not None):
+            self.open_call = _call_item(tool_call(forced.name, ""))
+            events += job.event("response.output_item.added", output_index=index,
+                                item={**self.open_call, "status": "in_progress"})
+        if delta:
+            events += job.event("response.function_call_arguments.delta", item_id=self.open_call["id"],
+                                output_index=index, delta=delta)
+        if comp.finish_reason is None:
+            return events
+        self.finish_reason = forced.finish_reason(comp.finish_reason, comp.stop_reason)
+        [call] = forced.calls(comp.text)
+        item = {**self.open_call, "arguments": call["function"]["arguments"]}
+        item["status"] = "completed" if _is_json(item["arguments"]) else "incomplete"
+        self.items.append(item)
+        self.open_call = None
+        return events + (job.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   arguments=item["arguments"])
+                         + job.event("response.output_item.done", output_index=index, item=item))
+
     def output_so_far(self) -> list[dict]:
         """The items done, and the open one as far as it came (status incomplete)."""
+        if self.open_call is not None:
+            return [*self.items, {**self.open_call, "arguments": self.sent, "status": "incomplete"}]
         if self.open is None:
             return list(self.items)
         item_id, text = self.open["id"], self.text_so_far

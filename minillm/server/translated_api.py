@@ -106,17 +106,16 @@ class ReplyWriter(abc.ABC):
         self.sent = ""                            # the reply's text already fed through
         self.finish_reason: str | None = None     # the chat finish reason, once finished ("tool_calls" with calls)
         self.stream = job.parsers.stream() if job.parsers is not None else None
+        # tool_choice "required": the calls of the array as each is whole
+        self.tool_stream = job.forced.stream() if job.forced is not None and job.forced.name is None else None
 
     def update(self, comp: CompletionOutput) -> str:
         """The events of comp's text since the last update (and, once finished, the closing ones)."""
         delta = text_delta(self.sent, comp.text)
         self.sent = comp.text
         finish = comp.finish_reason
-        if self.job.forced is not None:           # a forced call: the calls once the reply is whole
-            if finish is None:
-                return ""
-            self.finish_reason = self.job.forced.finish_reason(finish, comp.stop_reason)
-            return self.close() + "".join(self.call(c) for c in self.job.forced.calls(comp.text))
+        if self.job.forced is not None:           # a forced call: the output is the calls
+            return self.forced_events(delta, comp)
         if self.stream is not None:
             parts, finish = self.stream.delta(delta, finish)
         else:
@@ -132,6 +131,19 @@ class ReplyWriter(abc.ABC):
             self.finish_reason = finish
             events += self.close()
         return events
+
+    def forced_events(self, delta: str, comp: CompletionOutput) -> str:
+        """The events of a forced call's output: under "required" each call once it is whole, as chat
+        streams them; a named call once the reply is whole."""
+        forced, events = self.job.forced, ""
+        if self.tool_stream is not None:
+            events = "".join(self.call(call) for call in self.tool_stream.deltas(delta, comp.text))
+        if comp.finish_reason is None:
+            return events
+        self.finish_reason = forced.finish_reason(comp.finish_reason, comp.stop_reason)
+        if forced.name is None:
+            return events
+        return self.close() + "".join(self.call(call) for call in forced.calls(comp.text))
 
     @abc.abstractmethod
     def text(self, kind: str, delta: str) -> str:
