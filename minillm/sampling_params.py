@@ -56,13 +56,19 @@ _BOOL_FIELDS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output
                 "spaces_between_special_tokens")
 
 
-def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int, side: str | None = "left") -> list[int]:
-    """ids as truncate_prompt_tokens keeps them: the last `keep` (-1: max_model_len; None: all), or
+def truncate_prompt(ids: list[int], keep: int | None, max_prompt_len: int, side: str | None = "left") -> list[int]:
+    """ids as truncate_prompt_tokens keeps them: the last `keep` (-1: max_prompt_len; None: all), or
     the first under vLLM's truncation_side "right"."""
     if keep is None:
         return ids
-    keep = max_model_len if keep == -1 else keep
+    keep = max_prompt_len if keep == -1 else keep
     return ids[:keep] if side == "right" else ids[-keep:]
+
+
+def max_prompt_len(max_model_len: int, max_tokens: int | None) -> int:
+    """The prompt tokens truncate_prompt_tokens -1 keeps, as vLLM keeps them: the context less the
+    max_tokens asked for (none: the whole context); at least one."""
+    return max(max_model_len - (max_tokens or 0), 1)
 
 
 def short_repr(value: object, limit: int = 60) -> str:

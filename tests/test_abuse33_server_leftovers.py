@@ -187,13 +187,18 @@ def test_truncate_prompt_tokens_minus_one_keeps_room_for_max_tokens(url, path, b
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": LONG}),
-                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]})],
-                         ids=["completions", "chat"])
-def test_truncate_prompt_tokens_minus_one_without_max_tokens_names_truncate_prompt_tokens(url, path, body, stream):
-    error = openai_error(post(url, path, {**body, "truncate_prompt_tokens": -1, "stream": stream}), 400,
-                         "truncate_prompt_tokens")
+def test_truncate_prompt_tokens_minus_one_without_max_tokens_names_truncate_prompt_tokens(url, stream):
+    # A chat's max_tokens null asks for the rest of the context: -1 keeps all of it, and nothing is left.
+    body = {"messages": [{"role": "user", "content": LONG}], "truncate_prompt_tokens": -1, "stream": stream}
+    error = openai_error(post(url, "/v1/chat/completions", body), 400, "truncate_prompt_tokens")
     assert "max_tokens" in error["message"]
+
+
+def test_a_completions_default_max_tokens_is_kept_room_for(url):
+    reply = post(url, "/v1/completions", {"prompt": LONG, "truncate_prompt_tokens": -1})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"] == {"prompt_tokens": MAX_MODEL_LEN - 16, "completion_tokens": 16,
+                                     "total_tokens": MAX_MODEL_LEN}
 
 
 def test_truncate_prompt_tokens_minus_one_leaves_a_short_prompt_whole(url):

@@ -8,7 +8,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import RequestOutput
-from minillm.sampling_params import short_repr, truncate_prompt
+from minillm.sampling_params import max_prompt_len, short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import SSE_DONE, APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -233,8 +233,15 @@ class ChatJob:
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""
-        ids, req = self.conversation.token_ids(), self.req
-        return truncate_prompt(ids, req.truncate_prompt_tokens, self.ctx.engine.max_model_len, req.truncation_side)
+        ids, req, limit = self.conversation.token_ids(), self.req, self.ctx.engine.max_model_len
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens, max_prompt_len(limit, chat_max_tokens(req)),
+                               req.truncation_side)
+        if req.truncate_prompt_tokens == -1 and len(kept) >= limit:
+            raise APIError(400, f"truncate_prompt_tokens -1 keeps the prompt's last max_model_len - max_tokens tokens; "
+                           f"with no max_tokens (or max_completion_tokens) given that is the whole context ({limit} "
+                           f"tokens), which leaves no room for a completion: give max_tokens",
+                           param="truncate_prompt_tokens")
+        return kept
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:

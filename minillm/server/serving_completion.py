@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.sampling_params import SamplingParams, truncate_prompt
+from minillm.sampling_params import SamplingParams, max_prompt_len, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import SSE_DONE, APIError
 from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
@@ -142,7 +142,8 @@ class CompletionJob:
         limit = self.ctx.engine.max_model_len
         for prompt in self.prompts:
             given = next(encoded) if isinstance(prompt, str) else list(prompt)
-            kept = truncate_prompt(given, self.req.truncate_prompt_tokens, limit, self.req.truncation_side)
+            kept = truncate_prompt(given, self.req.truncate_prompt_tokens, max_prompt_len(limit, self.req.max_tokens),
+                                   self.req.truncation_side)
             ids.append(kept)
             # echo shows the prompt the model saw: the text as sent, or the kept ids decoded
             shown.append(prompt if isinstance(prompt, str) and len(kept) == len(given)
