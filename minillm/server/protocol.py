@@ -129,7 +129,7 @@ class _GenerationRequest(_ModelRequest):
     response_format: dict[Text, Any] | None = None      # read by server/structured.py
     structured_outputs: dict[Text, Any] | None = None   # vLLM's; read by server/structured.py
     kv_transfer_params: dict[Text, Any] | None = None   # vLLM's; read by server/kv_transfer.py
-    truncate_prompt_tokens: int | None = None           # vLLM's: keep the prompt's last k tokens (-1: the context less max_tokens)
+    truncate_prompt_tokens: int | None = None           # vLLM's: keep the prompt's last k tokens (-1: context - max_tokens)
     truncation_side: Literal["left", "right"] | None = None   # vLLM's: "right" keeps the first k instead
     allowed_token_ids: list[int] | None = None          # vLLM's: only these tokens may be sampled
     bad_words: list[Text] | None = None                 # vLLM's: words the completion must not contain
