@@ -338,11 +338,11 @@ class LLM:
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool | Callable = True, chat_template: str | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None, chat_template_content_format: str = "auto", *,
-             lora_request=None, mm_processor_kwargs: dict | None = None,
-             priority: Seq[int] | None = None) -> list[RequestOutput]:
+             use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None, *, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a batch of them, rendered with the chat template.
 
         chat_template replaces the model's own (a model without one needs it); each output's
@@ -353,7 +353,9 @@ class LLM:
         template as `tools`, unless chat_template_kwargs sets them. chat_template_content_format is
         vLLM's: how the template gets each message's content, "string" (parts joined) or "openai"
         (a list of text parts, a string content as one), "auto" picking "openai" for a template that
-        loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None.
+        loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None;
+        tokenization_kwargs (vLLM's) may set add_special_tokens, False by default: the template writes BOS
+        itself where the model wants it. The arguments come in vLLM's order.
         priority: None, or an integer a conversation, as generate takes it.
         """
         self._refuse_reentry("chat")
@@ -368,6 +370,10 @@ class LLM:
         check_priorities(priority, len(conversations), self.engine.config.scheduling_policy)
         check_template_kwargs(chat_template_kwargs)
         check_content_format(chat_template_content_format)
+        add_special_tokens = False
+        if tokenization_kwargs is not None:
+            tokenization_add_special_tokens(tokenization_kwargs)       # a ValueError naming a key it cannot take
+            add_special_tokens = tokenization_kwargs.get("add_special_tokens", False)
         if tools is not None:
             if not isinstance(tools, Seq) or isinstance(tools, str) or not all(isinstance(t, dict) for t in tools):
                 raise ValueError(f"tools must be a list of tool dicts, got {short_repr(tools)}")
@@ -387,8 +393,7 @@ class LLM:
                 continue_final_message=continue_final_message, content_parts=chat_template_content_format,
                 **(chat_template_kwargs or {}))
             check_unicode(text, "messages")
-            # The template writes BOS itself where the model wants it.
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
             if not ids:      # the engine's own error named the prompt, which the caller never gave
                 where = f" (conversation {i})" if len(conversations) > 1 else ""
                 raise ValueError(f"messages: the chat template rendered an empty prompt{where}")

@@ -100,3 +100,34 @@ def test_the_default_progress_bar_never_fails_generate(llm, monkeypatch, stderr)
     monkeypatch.setattr("sys.stderr", stderr)
     assert _ids(llm.generate(["Once"], SamplingParams(temperature=0, max_tokens=3))) == want
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+# ---- LLM.chat's arguments in vLLM's order, tokenization_kwargs among them -------------------------
+
+PLAIN = "{% for m in messages %}{{ m.content }}{% endfor %}"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def test_chat_takes_vllms_arguments_by_position(llm):
+    # vLLM's order is (messages, sampling_params, use_tqdm, lora_request, chat_template,
+    # chat_template_content_format, add_generation_prompt, continue_final_message, tools, ...); minillm's
+    # fourth was chat_template and its fifth add_generation_prompt, so a template given by position was
+    # taken for add_generation_prompt and the model's own (here: none) was used.
+    [out] = llm.chat(HI, SamplingParams(temperature=0, max_tokens=2), False, None, "<s>" + PLAIN, "string", False)
+    assert out.prompt == "<s>Hi"
+
+
+def test_chat_takes_tokenization_kwargs(llm):
+    # vLLM's chat takes tokenization_kwargs (its add_special_tokens defaults to False there: the template
+    # writes BOS where the model wants it); it was a TypeError.
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    [plain] = llm.chat(HI, greedy, use_tqdm=False, chat_template=PLAIN)
+    [special] = llm.chat(HI, greedy, use_tqdm=False, chat_template=PLAIN,
+                         tokenization_kwargs={"add_special_tokens": True})
+    bos = llm.get_tokenizer().bos_token_id
+    assert plain.prompt_token_ids[0] != bos and special.prompt_token_ids == [bos] + plain.prompt_token_ids
+    [empty] = llm.chat(HI, greedy, use_tqdm=False, chat_template=PLAIN, tokenization_kwargs={})
+    assert empty.prompt_token_ids == plain.prompt_token_ids
+    with pytest.raises(ValueError, match="^tokenization_kwargs 'truncation': not supported"):
+        llm.chat(HI, greedy, use_tqdm=False, chat_template=PLAIN, tokenization_kwargs={"truncation": True})
+    assert not llm.llm_engine.has_unfinished_requests()
