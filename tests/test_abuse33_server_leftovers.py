@@ -143,6 +143,8 @@ def test_a_forced_calls_arguments_stream_as_they_are_generated(server):
     assert added["type"] == "function_call" and added["name"] == "f" and added["arguments"] == ""
     assert added["status"] == "in_progress" and first[1]["delta"] == '{"a"' and first[1]["item_id"] == added["id"]
     assert update('{"a"', 2) == []
+    # A stream that fails now ends with the call as far as it came (response.failed's output).
+    assert writer.output_so_far() == [{**added, "arguments": '{"a"', "status": "incomplete"}]
     second = update('{"a": "x', 4)
     assert [(e["type"], e["delta"]) for e in second] == [("response.function_call_arguments.delta", ': "x')]
     last = update('{"a": "x"}', 6, "stop")
