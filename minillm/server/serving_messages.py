@@ -121,7 +121,8 @@ def _message(i: int, message: dict) -> list[dict]:
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             reasoning = field_of(block, "thinking", at, str) if kind == "thinking" else reasoning
         else:
-            raise APIError(400, f"{at}.type {kind!r} is not a content block a {role} message takes here",
+            article = "an" if role == "assistant" else "a"
+            raise APIError(400, f"{at}.type {kind!r} is not a content block {article} {role} message takes here",
                            param=f"{at}.type")
     if parts or calls or not out:
         chat = {"role": role, "content": parts or (None if calls else "")}
@@ -142,7 +143,11 @@ def _tool_choice(choice: dict | None) -> Any:
     if kind == "any":
         return "required"
     if kind == "tool":
-        return {"type": "function", "function": {"name": field_of(choice, "name", "tool_choice", str)}}
+        name = field_of(choice, "name", "tool_choice", str)
+        if not name:
+            raise APIError(400, "tool_choice.name must be the name of one of the tools, got ''",
+                           param="tool_choice.name")
+        return {"type": "function", "function": {"name": name}}
     raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice.type")
 
 
