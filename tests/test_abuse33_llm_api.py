@@ -131,3 +131,33 @@ def test_chat_takes_tokenization_kwargs(llm):
     with pytest.raises(ValueError, match="^tokenization_kwargs 'truncation': not supported"):
         llm.chat(HI, greedy, use_tqdm=False, chat_template=PLAIN, tokenization_kwargs={"truncation": True})
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("engine_name", ["async_llm", "thread_engine"])
+def test_async_engines_take_counts_past_the_context_as_the_offline_engine(request, engine_name):
+    # max_tokens, min_tokens and truncate_prompt_tokens past 2**64 - 1 (any past the context means the
+    # same) failed AsyncLLM's send: "the request cannot be sent to the engine core: can't serialize ints".
+    engine = request.getfixturevalue(engine_name)
+    greedy = dict(temperature=0, ignore_eos=True)
+    want = asyncio.run(_ids_of(engine, f"{engine_name}-plain", SamplingParams(max_tokens=None, **greedy)))
+    for name, fields in (("max", dict(max_tokens=10**30)), ("min", dict(max_tokens=None, min_tokens=10**30)),
+                         ("truncate", dict(max_tokens=None, truncate_prompt_tokens=10**30))):
+        params = SamplingParams(**fields, **greedy)
+        assert asyncio.run(_ids_of(engine, f"{engine_name}-{name}", params)) == want, name
+
+
+@pytest.mark.parametrize("engine_name", ["async_llm", "thread_engine"])
+@pytest.mark.parametrize("field, params", [
+    ("stop_token_ids", SamplingParams(stop_token_ids=[10**30])),
+    ("logit_bias", SamplingParams(logit_bias={10**30: 1.0})),
+    ("allowed_token_ids", SamplingParams(allowed_token_ids=[VOCAB])),
+])
+def test_async_engines_name_a_token_id_past_the_vocabulary(request, engine_name, field, params):
+    # AsyncLLM said "the request cannot be sent to the engine core: can't serialize ints ..." for ids
+    # past 2**64, naming no field, where LLMEngine names it.
+    engine = request.getfixturevalue(engine_name)
+
+    async def scenario():
+        with pytest.raises(ValueError, match=f"^{field}( keys)? must be token ids in \\[0, {VOCAB}\\)"):
+            await engine.add_request(f"{engine_name}-{field}", "Once", params)
+    asyncio.run(scenario())

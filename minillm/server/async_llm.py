@@ -58,6 +58,22 @@ def _wire_constraint(constraint: Any) -> Any:
     return wire
 
 
+# A count past any context, as an AddRequest carries it (msgpack carries no integer past 2**64 - 1).
+MAX_WIRE_COUNT = 2**63 - 1
+
+
+def wire_fields(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
+    """params' fields as an AddRequest carries them: a top_k past the vocabulary as -1 and counts past
+    MAX_WIRE_COUNT as that, which mean the same to the engine (the whole vocabulary, the whole context)."""
+    fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
+    if fields["top_k"] > vocab_size:
+        fields["top_k"] = -1
+    for name in ("max_tokens", "min_tokens", "truncate_prompt_tokens"):
+        if fields[name] is not None and fields[name] > MAX_WIRE_COUNT:
+            fields[name] = MAX_WIRE_COUNT
+    return fields
+
+
 class AsyncLLM(Generate):
     """The engine core in a spawned process; asyncio callers on any event loop."""
 
@@ -154,15 +170,14 @@ class AsyncLLM(Generate):
         priority = check_priority(priority, self.config.scheduling_policy)
         check_arrival_time(arrival_time)
         params = request_params(params)
+        params.validate_for_vocab(self.vocab_size)      # as LLMEngine does: ids past 2**64 cannot even be sent
         cache_salt = cache_salt_of(prompt, cache_salt)
         text, ids = self._prompt(prompt, add_special_tokens)
         loop = asyncio.get_running_loop()
         stream = RequestStream(request_id, loop, output_queue if output_queue is not None else OutputQueue(),
                                observer, is_delta=is_delta_stream(params))
         arrival = time.time() if arrival_time is None else float(arrival_time)   # 0 is a time, as offline
-        fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
-        if fields["top_k"] >= 2**31:      # past every vocabulary (ids are int32) and, past 2**64, msgpack's ints
-            fields["top_k"] = -1          # the whole vocabulary, as the sampler reads it
+        fields = wire_fields(params, self.vocab_size)
         if params.structured_outputs is not None:
             fields["structured_outputs"] = _wire_constraint(params.structured_outputs)
         keys = self._prompt_block_keys(ids, params, cache_salt)
