@@ -46,6 +46,47 @@ def count(client, messages: list[dict]) -> int:
     return client.messages.count_tokens(model="stories", messages=messages).input_tokens
 
 
+def test_consecutive_user_messages_are_one_turn(client):
+    # Anthropic's API combines them; they reached the template as two turns, which a template that
+    # requires alternating roles refused (400 'chat template failed').
+    apart = [{"role": "user", "content": "Tom had a red ball."}, {"role": "user", "content": "He liked it."}]
+    together = [{"role": "user", "content": [{"type": "text", "text": "Tom had a red ball."},
+                                             {"type": "text", "text": "He liked it."}]}]
+    assert reply(client, apart).content == reply(client, together).content
+    assert count(client, apart) == count(client, together)
+
+
+def test_consecutive_assistant_messages_are_one_turn_text_and_tool_use_alike(client):
+    call = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"unit": "celsius"}}
+    apart = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": "Let me look."},
+             {"role": "assistant", "content": [call]},
+             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+             {"role": "user", "content": "And tomorrow?"}]
+    together = [apart[0], {"role": "assistant", "content": [{"type": "text", "text": "Let me look."}, call]},
+                {"role": "user", "content": [apart[3]["content"][0], {"type": "text", "text": "And tomorrow?"}]}]
+    assert count(client, apart) == count(client, together)
+    assert reply(client, apart).content == reply(client, together).content
+
+
+def test_consecutive_assistant_messages_at_the_end_are_one_prefill(client):
+    apart = [{"role": "user", "content": "Lily"}, {"role": "assistant", "content": "Once upon"},
+             {"role": "assistant", "content": "a time"}]
+    together = [apart[0], {"role": "assistant", "content": "Once upon\na time"}]
+    assert reply(client, apart).content == reply(client, together).content
+
+
+@pytest.mark.parametrize("empty", ["", [], [{"type": "text", "text": ""}]])
+def test_an_empty_final_assistant_message_asks_for_a_new_turn(client, empty):
+    # Anthropic's API takes it (the one message whose content may be empty) and answers the user; it
+    # was rendered as an empty assistant turn followed by a new one (or, as an empty text block, as
+    # a prefill of nothing).
+    asked = [{"role": "user", "content": "Tom had a red ball."}]
+    with_empty = asked + [{"role": "assistant", "content": empty}]
+    assert count(client, with_empty) == count(client, asked)
+    assert reply(client, with_empty).content == reply(client, asked).content
+
+
 def events(url: str, body: dict) -> list[tuple[str, dict]]:
     """(event name, data) of each server-sent event of a streamed /v1/messages request."""
     with httpx.stream("POST", f"{url}/v1/messages", json={**body, "stream": True}, timeout=60) as response:

@@ -5,7 +5,8 @@ conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `
 (`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking`
 {"type": "disabled"} the template's enable_thinking false (vLLM's `chat_template_kwargs` are passed
 on), and `output_config.format` (a JSON schema; the beta's `output_format` too) the response_format. A final assistant message is a
-prefill, continued (continue_final_message) instead of answered. The chat job renders,
+prefill, continued (continue_final_message) instead of answered; an empty one asks for a new turn, and
+consecutive messages of one role are one turn, as Anthropic's API takes them. The chat job renders,
 samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
 /v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
 with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
@@ -161,8 +162,10 @@ def _parallel_tool_calls(choice: dict | None) -> bool | None:
 def chat_body(req: MessagesRequest) -> dict:
     """The chat completion request that serves req."""
     messages = [{"role": "system", "content": _text_of(req.system, "system")}] if req.system is not None else []
+    turns: list[dict] = []
     for i, message in enumerate(req.messages):
-        messages += _message(i, message)
+        turns += _message(i, message)
+    messages += _without_empty_prefill(_combined(turns))
     body = {"model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_tokens}
     if _is_prefill(messages):
         body.update(add_generation_prompt=False, continue_final_message=True)
@@ -189,6 +192,50 @@ def chat_body(req: MessagesRequest) -> dict:
               "response_format": _response_format(req)}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
+
+
+def _combined(messages: list[dict]) -> list[dict]:
+    """Consecutive user (or assistant) messages as one, as Anthropic's API combines consecutive turns of
+    one role: a template that requires alternating roles (Llama 2's, Mistral's) renders them."""
+    out: list[dict] = []
+    for message in messages:
+        last = out[-1] if out else {}
+        if message["role"] in ("user", "assistant") and last.get("role") == message["role"]:
+            out[-1] = _joined(last, message)
+        else:
+            out.append(message)
+    return out
+
+
+def _joined(first: dict, second: dict) -> dict:
+    """Two chat messages of one role as one: their text parts, tool calls and reasoning in order."""
+    parts = _parts(first) + _parts(second)
+    calls = first.get("tool_calls", []) + second.get("tool_calls", [])
+    joined = {"role": first["role"], "content": parts or (None if calls else "")}
+    if calls:
+        joined["tool_calls"] = calls
+    reasoning = [m["reasoning"] for m in (first, second) if m.get("reasoning") is not None]
+    if reasoning:
+        joined["reasoning"] = "\n".join(reasoning)
+    return joined
+
+
+def _parts(message: dict) -> list[dict]:
+    """A chat message's content as text parts (an empty string as none)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}] if content else []
+    return content or []
+
+
+def _without_empty_prefill(messages: list[dict]) -> list[dict]:
+    """messages without a final assistant message that holds no text (nor tool calls) after others:
+    Anthropic's API takes an empty one there and answers with a new turn, as without it."""
+    last = messages[-1] if len(messages) > 1 else {}
+    if last.get("role") == "assistant" and "tool_calls" not in last \
+            and not any(part["text"] for part in _parts(last)):
+        return messages[:-1]
+    return messages
 
 
 def _is_prefill(messages: list[dict]) -> bool:
