@@ -175,3 +175,19 @@ def test_a_client_that_hangs_up_mid_stream_frees_its_sequence(server):
     assert num_output_tokens < 200
     freed = wait_for(lambda: (s := get_stats(url))["num_running"] == 0 and s["kv_num_used_blocks"] == 0, timeout=60)
     assert freed, "the request kept its blocks after its client left"
+
+
+@pytest.mark.parametrize("kind", ["image", "document"])
+def test_an_image_or_document_in_a_tool_result_is_refused_as_one(server, kind):
+    # Anthropic's API takes them there; the 400 said "must be a text block", as of a malformed block.
+    block = {"type": kind, "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+    response = httpx.post(f"{server[0]}/v1/messages", timeout=60, json={
+        "model": "stories", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                          "content": [{"type": "text", "text": "a map:"}, block]}]}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages[2].content[0].content[1].type", error
+    assert f"{kind} blocks are not supported" in error["message"], error

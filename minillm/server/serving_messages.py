@@ -46,6 +46,7 @@ CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", 
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 TOOL_CHOICES = ToolChoiceNames('{"type": "auto"}', '{"type": "none"}',
                                '{"type": "any"} or {"type": "tool", "name": ...}', '{"type": "any"}')
+MEDIA_BLOCKS = ("image", "document")      # what Anthropic's models read besides text; refused here
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}
 
 
@@ -108,15 +109,17 @@ def _message(i: int, message: dict) -> list[dict]:
         at = f"{where}.content[{j}]"
         if kind == "text":
             parts.append({"type": "text", "text": field_of(block, "text", at, str)})
-        elif kind in ("image", "document"):
-            raise APIError(400, f"{at}: {kind} blocks are not supported: this server's model reads text only",
-                           param=f"{at}.type")
+        elif kind in MEDIA_BLOCKS:
+            _refuse_media(kind, at)
         elif kind == "tool_use" and role == "assistant":
             arguments = field_of(block, "input", at, dict, optional=True) or {}
             calls.append({"id": field_of(block, "id", at, str), "type": "function", "function": {
                 "name": field_of(block, "name", at, str), "arguments": json.dumps(arguments, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
+            for k, item in enumerate(result if isinstance(result, list) else []):
+                if isinstance(item, dict) and item.get("type") in MEDIA_BLOCKS:
+                    _refuse_media(item["type"], f"{at}.content[{k}]")
             out.append({"role": "tool", "tool_call_id": field_of(block, "tool_use_id", at, str),
                         "content": _text_of(result, f"{at}.content")})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
@@ -133,6 +136,12 @@ def _message(i: int, message: dict) -> list[dict]:
             chat["reasoning"] = reasoning
         out.append(chat)
     return out
+
+
+def _refuse_media(kind: str, at: str) -> None:
+    """The 400 of an image or document block (in a message, or in a tool_result's content)."""
+    raise APIError(400, f"{at}: {kind} blocks are not supported: this server's model reads text only",
+                   param=f"{at}.type")
 
 
 def _tool_choice(choice: dict | None) -> Any:
