@@ -36,9 +36,11 @@ class TokensPrompt(_PromptOptions, total=False):
 PromptType = str | list[int] | TextPrompt | TokensPrompt | dict
 
 
-# vLLM's prompt-dict keys for inputs minillm does not take: taken only as None, else named with the reason.
+# vLLM's prompt-dict keys for inputs minillm does not take: taken only as None (the multimodal ones,
+# dicts in vLLM, also empty), else named with the reason.
+_MULTIMODAL_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids")
 VLLM_PROMPT_KEYS = {
-    **dict.fromkeys(("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"), "minillm runs text-only models"),
+    **dict.fromkeys(_MULTIMODAL_KEYS, "minillm runs text-only models"),
     "token_type_ids": "minillm runs decoder-only generative models, which read no token types",
     "prompt_embeds": "minillm takes text or token ids, not embeddings",
 }
@@ -53,8 +55,8 @@ def unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
         if not isinstance(prompt, (str, list, tuple)):
             raise ValueError(f"prompt must be a string, a list of token ids or a prompt dict, got {short_repr(prompt)}")
         return (prompt if isinstance(prompt, str) else None), prompt
-    unknown = {k for k in prompt if k not in ("prompt", "prompt_token_ids", "cache_salt")
-               and not (k in VLLM_PROMPT_KEYS and prompt[k] is None)}     # None: what minillm does anyway
+    unknown = {k for k in prompt
+               if k not in ("prompt", "prompt_token_ids", "cache_salt") and not _asks_nothing(k, prompt[k])}
     if unknown:
         why = "".join(f" ({k}: {VLLM_PROMPT_KEYS[k]})" for k in sorted(unknown, key=repr) if k in VLLM_PROMPT_KEYS)
         raise ValueError(f"prompt dict has unsupported key(s) {sorted(unknown, key=repr)}; "
@@ -74,6 +76,13 @@ def unpack_prompt(prompt) -> tuple[str | None, str | list[int]]:
     if isinstance(prompt.get("prompt"), str):
         return prompt["prompt"], prompt["prompt"]
     raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids' (a list of ids)")
+
+
+def _asks_nothing(key, value) -> bool:
+    """Whether a vLLM prompt-dict key minillm has no input for holds what minillm does anyway."""
+    if key not in VLLM_PROMPT_KEYS:
+        return False
+    return value is None or (key in _MULTIMODAL_KEYS and isinstance(value, dict) and not value)
 
 
 def cache_salt_of(prompt, cache_salt: str | None = None) -> str | None:

@@ -185,7 +185,8 @@ def test_add_request_takes_vllms_text_and_tokens_prompt_dicts(llm):
     ({"prompt_token_ids": "1 403"}, "prompt_token_ids must be a list of token ids, got '1 403'"),
     ({"prompt_token_ids": []}, "prompt_token_ids must not be empty"),
     ({"prompt_token_ids": [1, 10**9]}, "prompt token ids must be integers in [0, 512), got 1000000000"),
-    ({"prompt": "Once", "multi_modal_data": {}}, "prompt dict has unsupported key(s) ['multi_modal_data']"),
+    ({"prompt": "Once", "multi_modal_data": {"image": "cat.png"}},
+     "prompt dict has unsupported key(s) ['multi_modal_data']"),
     ({"prompt": "Once", 7: 1}, "prompt dict has unsupported key(s) [7]"),
 ])
 def test_add_request_refuses_a_malformed_prompt_dict_naming_the_key(llm, prompt, message):

@@ -161,3 +161,14 @@ def test_async_engines_name_a_token_id_past_the_vocabulary(request, engine_name,
         with pytest.raises(ValueError, match=f"^{field}( keys)? must be token ids in \\[0, {VOCAB}\\)"):
             await engine.add_request(f"{engine_name}-{field}", "Once", params)
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("key", ["multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"])
+def test_an_empty_multimodal_key_of_a_prompt_dict_is_taken_as_none(llm, key):
+    # {"mm_processor_kwargs": {}} was "prompt dict has unsupported key(s)" where None was taken, and
+    # LLM.chat(mm_processor_kwargs={}) too: an empty dict asks for nothing minillm does not do.
+    greedy = SamplingParams(temperature=0, max_tokens=3)
+    want = _ids(llm.generate({"prompt": "Once"}, greedy, use_tqdm=False))
+    assert _ids(llm.generate({"prompt": "Once", key: {}}, greedy, use_tqdm=False)) == want
+    with pytest.raises(ValueError, match=f"unsupported key\\(s\\) \\['{key}'\\].*minillm runs text-only models"):
+        llm.generate({"prompt": "Once", key: {"image": "x"}}, greedy, use_tqdm=False)

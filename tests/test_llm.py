@@ -38,7 +38,7 @@ def test_prompt_dicts_as_vllm_has_them(llm):
 
 
 @pytest.mark.parametrize("prompt, needle", [
-    ({"prompt": "hi", "multi_modal_data": {}}, "multi_modal_data"),
+    ({"prompt": "hi", "multi_modal_data": {"image": "cat.png"}}, "multi_modal_data"),
     ({"prompt_token_ids": "1 2 3"}, "prompt_token_ids must be a list"),
     ({}, "needs 'prompt'"),
     ({"prompt_token_ids": [1, 10 ** 9]}, "prompt token ids must be integers"),
