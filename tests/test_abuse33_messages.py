@@ -191,3 +191,21 @@ def test_an_image_or_document_in_a_tool_result_is_refused_as_one(server, kind):
     error = response.json()["error"]
     assert error["param"] == "messages[2].content[0].content[1].type", error
     assert f"{kind} blocks are not supported" in error["message"], error
+
+
+def test_a_run_of_consecutive_messages_is_joined_once(monkeypatch):
+    # Joined pairwise, each join copied the parts so far: 300,000 one-word messages (a 10 MB body) took
+    # minutes of the server's thread, quadratic in the run's length.
+    from minillm.server import serving_messages
+    joins = []
+    real_joined = serving_messages._joined
+    monkeypatch.setattr(serving_messages, "_joined", lambda group: joins.append(len(group)) or real_joined(group))
+    messages = [{"role": "user", "content": f"w{i}"} for i in range(1000)]
+    messages += [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"},
+                 {"role": "user", "content": "c"}]
+    request = serving_messages.MessagesRequest(model="stories", max_tokens=4, messages=messages)
+    user, assistant, last = serving_messages.chat_body(request)["messages"]
+    assert joins == [1000, 2]
+    assert [part["text"] for part in user["content"]] == [f"w{i}" for i in range(1000)]
+    assert assistant["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert last == {"role": "user", "content": "c"}

@@ -206,24 +206,24 @@ def chat_body(req: MessagesRequest) -> dict:
 def _combined(messages: list[dict]) -> list[dict]:
     """Consecutive user (or assistant) messages as one, as Anthropic's API combines consecutive turns of
     one role: a template that requires alternating roles (Llama 2's, Mistral's) renders them."""
-    out: list[dict] = []
+    runs: list[list[dict]] = []
     for message in messages:
-        last = out[-1] if out else {}
-        if message["role"] in ("user", "assistant") and last.get("role") == message["role"]:
-            out[-1] = _joined(last, message)
+        if runs and message["role"] in ("user", "assistant") and runs[-1][0]["role"] == message["role"]:
+            runs[-1].append(message)
         else:
-            out.append(message)
-    return out
+            runs.append([message])
+    return [run[0] if len(run) == 1 else _joined(run) for run in runs]
 
 
-def _joined(first: dict, second: dict) -> dict:
-    """Two chat messages of one role as one: their text parts, tool calls and reasoning in order."""
-    parts = _parts(first) + _parts(second)
-    calls = first.get("tool_calls", []) + second.get("tool_calls", [])
-    joined = {"role": first["role"], "content": parts or (None if calls else "")}
+def _joined(run: list[dict]) -> dict:
+    """Chat messages of one role as one: their text parts, tool calls and reasoning in order (joined
+    once per run: joining pairwise copied the parts so far each time, quadratic in the run's length)."""
+    parts = [part for message in run for part in _parts(message)]
+    calls = [call for message in run for call in message.get("tool_calls", [])]
+    joined = {"role": run[0]["role"], "content": parts or (None if calls else "")}
     if calls:
         joined["tool_calls"] = calls
-    reasoning = [m["reasoning"] for m in (first, second) if m.get("reasoning") is not None]
+    reasoning = [message["reasoning"] for message in run if message.get("reasoning") is not None]
     if reasoning:
         joined["reasoning"] = "\n".join(reasoning)
     return joined
