@@ -103,7 +103,7 @@ def test_a_decode_servers_stale_claims_are_a_counter(stories_path):
                                     kv_transfer_stale_claims=3)
     finally:
         llm.shutdown()
-    metrics = ServerMetrics(MODEL)
+    metrics = ServerMetrics(MODEL, 128)
     metrics.update(stats)
     families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     family = families["minillm:kv_transfer_stale_claims"]

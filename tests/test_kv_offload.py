@@ -589,7 +589,7 @@ def tier_stats(stories_path, golden):
 
 def test_metrics_export_the_host_tier(tier_stats):
     from minillm.server.metrics import ServerMetrics
-    metrics = ServerMetrics("stories")
+    metrics = ServerMetrics("stories", 128)
     metrics.update(tier_stats)
     text = metrics.render().decode()
     s = tier_stats
@@ -603,7 +603,7 @@ def test_metrics_export_the_host_tier(tier_stats):
 
 def test_metrics_leave_the_host_tier_out_when_off(stories_path):
     from minillm.server.metrics import ServerMetrics
-    metrics = ServerMetrics("stories")
+    metrics = ServerMetrics("stories", 128)
     metrics.update(LLM(str(stories_path), device="cpu", num_kv_blocks=16, max_model_len=64).engine.stats())
     assert "kv_offload" not in metrics.render().decode()
 

@@ -255,16 +255,16 @@ def test_idle_engine_sleeps(server):
 def test_batched_histogram_counts_as_prometheus_observe_does():
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from minillm.server.metrics import _LATENCY_BUCKETS, BatchedHistogram
+    from minillm.server.metrics import TTFT_BUCKETS, BatchedHistogram
 
     def child(registry):
-        return Histogram("minillm:gap_seconds", "gaps", labelnames=["model_name"], buckets=_LATENCY_BUCKETS,
+        return Histogram("minillm:gap_seconds", "gaps", labelnames=["model_name"], buckets=TTFT_BUCKETS,
                          registry=registry).labels(MODEL)
 
     direct, batched_registry = CollectorRegistry(), CollectorRegistry()
     plain, batched = child(direct), BatchedHistogram(child(batched_registry))
     # Every bound exactly (a bucket holds values <= its bound), values between and beyond them, zero.
-    values = [0.0, *_LATENCY_BUCKETS, *(b * 1.5 for b in _LATENCY_BUCKETS), 1e9]
+    values = [0.0, *TTFT_BUCKETS, *(b * 1.5 for b in TTFT_BUCKETS), 1e9]
     values += [i * 0.0007 for i in range(3 * BatchedHistogram.FLUSH_EVERY)]   # flushes on its own too
     for v in values:
         plain.observe(v)

@@ -279,7 +279,7 @@ def test_metrics_and_monitor_show_the_spec_decode_counters(stories_path, golden)
     llm.generate([[1] + golden[1:20] + golden[1:6]] * 3, SamplingParams(temperature=0, max_tokens=16))
     stats = llm.engine.stats()
     spec = stats.spec_decode
-    metrics = ServerMetrics("m")
+    metrics = ServerMetrics("m", 128)
     metrics.update(stats)
     text = metrics.render().decode()
     assert f'minillm:spec_decode_num_drafts_total{{model_name="m"}} {float(spec.num_drafts)}' in text

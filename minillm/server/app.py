@@ -386,7 +386,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     stops it)."""
     options = options or ServerOptions()
     names = options.served_model_name or (async_engine.config.served_model_name or str(async_engine.config.model),)
-    ctx = ServingContext(async_engine, ServerMetrics(names[0]), names[0], model_names=tuple(names),
+    metrics = ServerMetrics(names[0], async_engine.max_model_len)
+    ctx = ServingContext(async_engine, metrics, names[0], model_names=tuple(names),
                          limits=options.limits, chat_template=options.chat_template,
                          trust_request_chat_template=options.trust_request_chat_template,
                          response_role=options.response_role, log_requests=options.log_requests,

@@ -23,12 +23,15 @@ from minillm.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                60.0, 120.0, 240.0, 480.0, 960.0)
-_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
-_N_BUCKETS = (1, 2, 5, 10, 20)
+# vLLM's bucket bounds (vllm/v1/metrics/loggers.py), so that a dashboard built for vLLM (histogram_quantile
+# over the `le` labels) reads these histograms alike.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+PER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+N_BUCKETS = (1, 2, 5, 10, 20)
 # The finish reasons a request_success series exists for from the start, as vLLM's (a request whose
 # grammar failed to compile ends with "error").
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -49,6 +52,18 @@ _COUNTERS = (
     ("minillm:prefill_tokens", "Number of prompt tokens computed, counting those recomputed after a preemption.",
      "prefill_tokens_total"),
 )
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value: vLLM's bounds of token counts (prompt, generation,
+    max_tokens) with max_value its max_model_len."""
+    bounds, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return bounds
+            bounds.append(mantissa * scale)
+        scale *= 10
 
 
 class _SnapshotCollector(Collector):
@@ -215,9 +230,10 @@ class BatchedHistogram:
 
 
 class ServerMetrics:
-    """The app's registry: snapshot series plus request-latency histograms."""
+    """The app's registry: snapshot series plus request-latency histograms (token counts bucketed up to
+    max_model_len, as vLLM's)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()     # what /metrics renders
         self._snapshot = _SnapshotCollector(model_name)
@@ -231,42 +247,47 @@ class ServerMetrics:
             MultiProcessCollector(self.registry, multiprocess_dir)
             histograms = CollectorRegistry()    # this process's own, written to the files, not rendered
 
-        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+        token_buckets = buckets_1_2_5(max_model_len)
+
+        def histogram(name: str, doc: str, buckets: tuple | list) -> Histogram:
             return Histogram(name, doc, labelnames=["model_name"], buckets=buckets,
                              registry=histograms).labels(model_name)
 
         self.ttft = histogram("minillm:time_to_first_token_seconds",
-                              "Time to first token in seconds.", _LATENCY_BUCKETS)
+                              "Time to first token in seconds.", TTFT_BUCKETS)
         self.itl = BatchedHistogram(histogram("minillm:inter_token_latency_seconds",
                                               "Time between consecutive tokens of a request in seconds.",
-                                              _LATENCY_BUCKETS))
+                                              PER_TOKEN_BUCKETS))
         self.e2e = histogram("minillm:e2e_request_latency_seconds",
-                             "End-to-end request latency in seconds.", _E2E_BUCKETS)
+                             "End-to-end request latency in seconds.", REQUEST_LATENCY_BUCKETS)
         self.prompt_len = histogram("minillm:request_prompt_tokens",
-                                    "Prompt tokens per finished request.", _TOKEN_BUCKETS)
+                                    "Prompt tokens per finished request.", token_buckets)
         self.generation_len = histogram("minillm:request_generation_tokens",
-                                        "Generated tokens per finished request.", _TOKEN_BUCKETS)
+                                        "Generated tokens per finished request.", token_buckets)
         # A finished request's phases, as vLLM splits them: waiting (arrival to first scheduled),
         # prefill (to the first token), decode (first to last token), inference (scheduled to last token).
         self.queue_time = histogram("minillm:request_queue_time_seconds",
-                                    "Time a request spent waiting before it was first scheduled.", _E2E_BUCKETS)
+                                    "Time a request spent waiting before it was first scheduled.",
+                                    REQUEST_LATENCY_BUCKETS)
         self.prefill_time = histogram("minillm:request_prefill_time_seconds",
-                                      "Time from a request's first scheduling to its first token.", _E2E_BUCKETS)
+                                      "Time from a request's first scheduling to its first token.",
+                                      REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("minillm:request_decode_time_seconds",
-                                     "Time from a request's first token to its last.", _E2E_BUCKETS)
+                                     "Time from a request's first token to its last.", REQUEST_LATENCY_BUCKETS)
         self.inference_time = histogram("minillm:request_inference_time_seconds",
-                                        "Time from a request's first scheduling to its last token.", _E2E_BUCKETS)
+                                        "Time from a request's first scheduling to its last token.",
+                                        REQUEST_LATENCY_BUCKETS)
         # What requests asked for (vLLM's): n once per request, max_tokens once per finished completion,
         # and the most tokens a completion of the request generated.
-        self.params_n = histogram("minillm:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self.params_n = histogram("minillm:request_params_n", "Histogram of the n request parameter.", N_BUCKETS)
         self.params_max_tokens = histogram("minillm:request_params_max_tokens",
-                                           "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS)
+                                           "Histogram of the max_tokens request parameter.", token_buckets)
         self.max_generation_len = histogram("minillm:request_max_num_generation_tokens",
                                             "Histogram of maximum number of requested generation tokens.",
-                                            _TOKEN_BUCKETS)
+                                            token_buckets)
         self.time_per_output_token = histogram("minillm:request_time_per_output_token_seconds",
                                                "Mean time per output token after the first, per request.",
-                                               _LATENCY_BUCKETS)
+                                               PER_TOKEN_BUCKETS)
 
     def update(self, stats: EngineStats) -> None:
         """Remember the latest snapshot for the next scrape."""
