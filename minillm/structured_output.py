@@ -402,7 +402,8 @@ def _numbers_in(values: list) -> list[int | float]:
 def _check_const_number(value: int | float) -> None:
     """A StructuredOutputsError for a const or enum number that is not matched as written: an
     integer a 64-bit float does not hold, or written back otherwise (past the 64-bit range llguidance
-    writes the float's shortest digits: 2**63 as 9223372036854776000), or one at -2**63 or below."""
+    writes the float's shortest digits: 2**63 as 9223372036854776000), a float from 2**63 up whose
+    shortest digits are another integer (1e300), or one at -2**63 or below."""
     if (isinstance(value, float) and not value.is_integer()) or abs(value) <= _FLOAT_EXACT_MAX:
         return
     as_float = float(value)
@@ -410,6 +411,12 @@ def _check_const_number(value: int | float) -> None:
         raise StructuredOutputsError("json", f"the number {value!r} of a const or enum is read as a 64-bit float "
                                              "at or below -2**63, past the 64-bit integers that can be matched")
     if isinstance(value, float):
+        written = int(decimal.Decimal(repr(value)))
+        if as_float >= 2 ** 63 and written != value:    # below 2**63 it is written exactly (_with_exact_integers)
+            raise StructuredOutputsError("json", f"the float {value!r} of a const or enum is written by its shortest "
+                                                 f"digits, as the integer {written}, which a JSON reader that keeps "
+                                                 f"integers exact (Python's) reads as another number than the float "
+                                                 f"{int(value)}; write that integer, or a number under 2**63")
         return
     if value <= _INT64_MAX:
         written = _INT64_MAX if value == _INT64_MAX else int(as_float)
@@ -419,6 +426,28 @@ def _check_const_number(value: int | float) -> None:
         raise StructuredOutputsError("json", f"the integer {value} of a const or enum is read as a 64-bit float, "
                                              "which holds integers exactly only up to 2**53 in magnitude: "
                                              f"it would be written as {written}")
+
+
+def _with_exact_integers(text: str) -> str:
+    """The schema text with each integer-valued float past 2**53 and under 2**63 in magnitude written
+    as its exact integer. llguidance writes a const or enum float by its shortest digits and no dot
+    or exponent: 2.0**60 as 1152921504606847000, which a reader that keeps integers exact (Python's
+    json) takes as that integer, another number than the float; written as an integer under 2**63 it
+    is matched exactly. Bounds are read as the same 64-bit float either way."""
+    if "e+" not in text:               # json.dumps writes every float from 1e16 up with an exponent
+        return text
+    changed = False
+
+    def exact(digits: str) -> float | int:
+        nonlocal changed
+        value = float(digits)
+        if value.is_integer() and _FLOAT_EXACT_MAX < abs(value) < 2 ** 63:
+            changed = True
+            return int(value)
+        return value
+
+    schema = jsonlib.loads(text, parse_float=exact)
+    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
 
 
 def _check_min_properties(node: dict) -> None:
@@ -638,7 +667,7 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     kind, text = key
     if kind in _JSON_KINDS:
         return llguidance.LLMatcher.grammar_from_json_schema(
-            _with_known_formats(text), defaults={"whitespace_flexible": not disable_any_whitespace})
+            _with_known_formats(_with_exact_integers(text)), defaults={"whitespace_flexible": not disable_any_whitespace})
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:

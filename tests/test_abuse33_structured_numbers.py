@@ -1,0 +1,60 @@
+"""Structured outputs abused as vLLM users do, through the Python API (stories260K, CPU): numbers
+in JSON schemas (const and enum floats, bounds, multipleOf), each output checked with jsonschema."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from minillm import SamplingParams
+from minillm.structured_output import StructuredOutputsError, StructuredOutputsParams
+
+SEEDS = 4
+
+
+def outputs(llm, schema: dict, seeds: int = SEEDS, max_tokens: int = 48) -> list[str]:
+    """The texts of `seeds` outputs at temperature 1 under the schema, each finished by its grammar."""
+    constraint = StructuredOutputsParams(json=schema)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=constraint)
+              for seed in range(seeds)]
+    done = llm.generate(["Once upon a time"] * seeds, params, use_tqdm=False)
+    assert [out.outputs[0].finish_reason for out in done] == ["stop"] * seeds
+    return [out.outputs[0].text for out in done]
+
+
+def assert_valid(llm, schema: dict, **kwargs) -> None:
+    for text in outputs(llm, schema, **kwargs):
+        jsonschema.validate(json.loads(text), schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"const": 2.0 ** 60},                                   # written 1152921504606847000
+    {"enum": [-1.2345678901234568e18, "x"]},                # -1234567890123456800
+    {"type": "number", "const": 9.199999999999998e18},      # 9199999999999998000
+    {"type": "array", "items": {"const": {"id": -7.777777777777777e17}}, "minItems": 1, "maxItems": 1},
+])
+def test_a_const_or_enum_float_past_2_53_is_matched_as_its_exact_integer(llm, schema):
+    # llguidance writes a float const by its shortest digits with no dot or exponent: 2.0**60 as
+    # 1152921504606847000, which JSON readers such as Python's take as that integer, not 2**60; every
+    # output failed the schema's own const.
+    assert_valid(llm, schema)
+
+
+@pytest.mark.parametrize("schema", [
+    {"const": 6.5159297272276296e19},                       # written 65159297272276296000
+    {"enum": [1.0, 1e300]},                                 # written 1000...000 (301 digits)
+    {"type": "object", "properties": {"x": {"const": [2.0 ** 64 + 2 ** 12]}}},
+])
+def test_a_const_or_enum_float_past_2_63_written_as_another_integer_is_a_value_error_naming_json(schema):
+    with pytest.raises(StructuredOutputsError, match=r"^json: .*float") as err:
+        StructuredOutputsParams(json=schema)
+    assert err.value.field == "json"
+
+
+@pytest.mark.parametrize("value", [1e22, 1e20, 1e16, 0.1234567890123, 3.141592653589793, 1e-30, -0.0, 1e-7])
+def test_a_const_float_written_as_itself_is_taken(llm, value):
+    # 1e22 and 2**64 are integers whose shortest digits are exact; the others are written positionally
+    # (1e-7 as 0.0000001), which reads back as the same float.
+    assert_valid(llm, {"const": value}, seeds=2, max_tokens=64)
+    assert_valid(llm, {"enum": [value, 2.5]}, seeds=2, max_tokens=64)
