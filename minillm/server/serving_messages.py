@@ -1,15 +1,16 @@
 """POST /v1/messages: Anthropic's Messages API over the chat path, as vLLM and llama.cpp serve it.
 
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
-conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools`
-(`input_schema`) and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking`
-{"type": "disabled"} the template's enable_thinking false (vLLM's `chat_template_kwargs` are passed
-on), and `output_config.format` (a JSON schema; the beta's `output_format` too) the response_format. A final assistant message is a
-prefill, continued (continue_final_message) instead of answered; an empty one asks for a new turn, and
-consecutive messages of one role are one turn, as Anthropic's API takes them. The chat job renders,
+conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`)
+and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking` {"type": "disabled"} the
+template's enable_thinking false (vLLM's `chat_template_kwargs` are passed on), and
+`output_config.format` (a JSON schema; the beta's `output_format` too) the response_format. A final
+assistant message is a prefill, continued (continue_final_message) instead of answered; an empty one
+asks for a new turn, and consecutive messages of one role are one turn, as Anthropic's API takes them; a
+tool_result block must answer a tool_use block of an earlier assistant message. The chat job renders,
 samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
-/v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`,
-with stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
+/v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`, with
+stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
 (message_start, content_block_start / _delta / _stop, message_delta, message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
@@ -92,8 +93,10 @@ def _text_of(blocks: Any, where: str) -> str:
     return "\n".join(texts)
 
 
-def _message(i: int, message: dict) -> list[dict]:
-    """One Anthropic message as chat messages (tool results become tool messages)."""
+def _message(i: int, message: dict, tool_use_ids: set[str]) -> list[dict]:
+    """One Anthropic message as chat messages (tool results become tool messages). tool_use_ids: the
+    ids of the earlier messages' tool_use blocks, which this message's tool_use blocks join and its
+    tool_result blocks must name."""
     where = f"messages[{i}]"
     role = message.get("role")
     if role not in ("user", "assistant"):
@@ -115,12 +118,13 @@ def _message(i: int, message: dict) -> list[dict]:
             arguments = field_of(block, "input", at, dict, optional=True) or {}
             calls.append({"id": field_of(block, "id", at, str), "type": "function", "function": {
                 "name": field_of(block, "name", at, str), "arguments": json.dumps(arguments, ensure_ascii=False)}})
+            tool_use_ids.add(block["id"])
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
             for k, item in enumerate(result if isinstance(result, list) else []):
                 if isinstance(item, dict) and item.get("type") in MEDIA_BLOCKS:
                     _refuse_media(item["type"], f"{at}.content[{k}]")
-            out.append({"role": "tool", "tool_call_id": field_of(block, "tool_use_id", at, str),
+            out.append({"role": "tool", "tool_call_id": _answered_call(block, at, tool_use_ids),
                         "content": _text_of(result, f"{at}.content")})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             reasoning = field_of(block, "thinking", at, str) if kind == "thinking" else reasoning
@@ -136,6 +140,17 @@ def _message(i: int, message: dict) -> list[dict]:
             chat["reasoning"] = reasoning
         out.append(chat)
     return out
+
+
+def _answered_call(block: dict, at: str, tool_use_ids: set[str]) -> str:
+    """A tool_result block's tool_use_id, which must name a tool_use block of an earlier assistant
+    message, as Anthropic's API requires (a result that answers no call is a 400 there)."""
+    tool_use_id = field_of(block, "tool_use_id", at, str)
+    if tool_use_id not in tool_use_ids:
+        raise APIError(400, f"{at}.tool_use_id: unexpected tool_use_id {short_repr(tool_use_id)} in a tool_result "
+                       f"block: each tool_result block must answer a tool_use block of an earlier assistant "
+                       f"message, and none has this id", param=f"{at}.tool_use_id")
+    return tool_use_id
 
 
 def _refuse_media(kind: str, at: str) -> None:
@@ -172,8 +187,9 @@ def chat_body(req: MessagesRequest) -> dict:
     """The chat completion request that serves req."""
     messages = [{"role": "system", "content": _text_of(req.system, "system")}] if req.system is not None else []
     turns: list[dict] = []
+    tool_use_ids: set[str] = set()
     for i, message in enumerate(req.messages):
-        turns += _message(i, message)
+        turns += _message(i, message, tool_use_ids)
     messages += _without_empty_prefill(_combined(turns))
     body = {"model": req.model, "messages": messages, "stream": req.stream, "max_completion_tokens": req.max_tokens}
     if _is_prefill(messages):
