@@ -135,5 +135,5 @@ def test_messages_pass_chat_template_kwargs_to_the_template_as_vllm_does(http, h
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "chat_template_kwargs"
     response = http.post("/v1/messages", json={**body, "chat_template_kwargs": {"enable_thinking": False},
-                                               "thinking": {"type": "enabled"}})
+                                               "thinking": {"type": "enabled", "budget_tokens": 1}})
     assert response.status_code == 200, response.text

@@ -1,6 +1,8 @@
-"""POST /v1/messages refuses a tool_result that answers no tool_use of an earlier assistant message, as
-Anthropic's API does, with a 400 in Anthropic's error shape naming the field, while a real tool round
-trip (its call split over consecutive assistant messages too) is served as before."""
+"""POST /v1/messages refuses what Anthropic's API refuses as a malformed conversation or thinking object:
+a tool_result that answers no tool_use of an earlier assistant message, and `thinking` enabled without a
+budget, with one below 1 or one that leaves max_tokens no room; each a 400 in Anthropic's error shape
+naming the field, while a real tool round trip (its call split over consecutive assistant messages
+too) is served as before."""
 from __future__ import annotations
 
 import httpx
@@ -77,3 +79,38 @@ def test_tool_round_trips_are_served(http, messages):
     response = post(http, messages)
     assert response.status_code == 200, response.text
     assert post(http, messages, "/v1/messages/count_tokens").status_code == 200
+
+
+# ---- thinking -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("thinking,max_tokens,words", [
+    ({"type": "enabled"}, 8, "required"),
+    ({"type": "enabled", "budget_tokens": None}, 8, "required"),
+    ({"type": "enabled", "budget_tokens": 0}, 8, "at least 1"),
+    ({"type": "enabled", "budget_tokens": -5}, 8, "at least 1"),
+    ({"type": "enabled", "budget_tokens": 8}, 8, "max_tokens must be greater"),
+    ({"type": "enabled", "budget_tokens": 1024}, 8, "max_tokens must be greater"),
+    ({"type": "enabled", "budget_tokens": 2**64}, 8, "max_tokens must be greater"),
+])
+def test_an_enabled_thinking_budget_that_is_missing_or_does_not_fit_is_a_400(http, thinking, max_tokens, words):
+    # Each was taken (the budget logged as ignored) where Anthropic's API answers 400.
+    error = anthropic_400(post(http, [USER], thinking=thinking, max_tokens=max_tokens))
+    assert error["param"] == "thinking.budget_tokens", error
+    assert words in error["message"], error
+
+
+@pytest.mark.parametrize("thinking,param", [
+    ("enabled", "thinking"),
+    ({"type": "enabled", "budget_tokens": 2.5}, "thinking.budget_tokens"),
+    ({"budget_tokens": 4}, "thinking.type"),
+])
+def test_a_malformed_thinking_object_is_a_400_naming_its_field(http, thinking, param):
+    assert anthropic_400(post(http, [USER], thinking=thinking, max_tokens=8))["param"] == param
+
+
+@pytest.mark.parametrize("thinking", [{"type": "enabled", "budget_tokens": 7}, {"type": "enabled", "budget_tokens": 1},
+                                      {"type": "adaptive"}, {"type": "disabled"}])
+def test_a_thinking_object_that_fits_is_served(http, thinking):
+    response = post(http, [USER], thinking=thinking, max_tokens=8)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["output_tokens"] <= 8

@@ -3,15 +3,16 @@
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`)
 and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking` {"type": "disabled"} the
-template's enable_thinking false (vLLM's `chat_template_kwargs` are passed on), and
-`output_config.format` (a JSON schema; the beta's `output_format` too) the response_format. A final
-assistant message is a prefill, continued (continue_final_message) instead of answered; an empty one
-asks for a new turn, and consecutive messages of one role are one turn, as Anthropic's API takes them; a
-tool_result block must answer a tool_use block of an earlier assistant message. The chat job renders,
-samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls) as for
-/v1/chat/completions, and its reply comes back as content blocks: `thinking`, `text`, `tool_use`, with
-stop_reason end_turn, max_tokens, stop_sequence or tool_use. A stream sends Anthropic's events
-(message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+template's enable_thinking false (an enabled one's budget_tokens, fewer than max_tokens, is not
+enforced; vLLM's `chat_template_kwargs` are passed on), and `output_config.format` (a JSON schema; the
+beta's `output_format` too) the response_format. A final assistant message is a prefill, continued
+(continue_final_message) instead of answered; an empty one asks for a new turn, and consecutive messages
+of one role are one turn, as Anthropic's API takes them; a tool_result block must answer a tool_use
+block of an earlier assistant message. The chat job renders, samples and parses (--reasoning-parser,
+--tool-call-parser, forced tool calls) as for /v1/chat/completions, and its reply comes back as content
+blocks: `thinking`, `text`, `tool_use`, with stop_reason end_turn, max_tokens, stop_sequence or
+tool_use. A stream sends Anthropic's events (message_start, content_block_start / _delta / _stop,
+message_delta, message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
 fields `param` and `code` in the same object, so either kind of client reads them: those of the
@@ -209,7 +210,7 @@ def chat_body(req: MessagesRequest) -> dict:
             names.add(tool["name"])
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
-    thinking = _thinking_type(req.thinking)
+    thinking = _thinking_type(req.thinking, req.max_tokens)
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
@@ -303,8 +304,11 @@ def _template_kwargs(kwargs: dict | None, thinking: str | None) -> dict | None:
     return kwargs
 
 
-def _thinking_type(thinking: dict | None) -> str | None:
-    """thinking.type: enabled, adaptive or disabled (a budget, where given, an integer; it is not enforced)."""
+def _thinking_type(thinking: dict | None, max_tokens: int) -> str | None:
+    """thinking.type: enabled, adaptive or disabled. An enabled one's budget_tokens is required, at
+    least 1 and less than max_tokens (thinking counts toward them), as Anthropic's API requires; it is
+    not enforced. Anthropic's floor of 1024 is not required: a local model's context is often too
+    short for it and the answer."""
     if thinking is None:
         return None
     kind = thinking.get("type")
@@ -315,7 +319,23 @@ def _thinking_type(thinking: dict | None) -> str | None:
     if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
         raise APIError(400, f"thinking.budget_tokens must be an integer, got {short_repr(budget)}",
                        param="thinking.budget_tokens")
+    if kind == "enabled":
+        _check_thinking_budget(budget, max_tokens)
     return kind
+
+
+def _check_thinking_budget(budget: int | None, max_tokens: int) -> None:
+    """The 400 of an enabled thinking's budget_tokens that is missing or leaves no room in max_tokens
+    (a max_tokens below 1 is told as such by the chat side)."""
+    if budget is None:
+        raise APIError(400, "thinking.budget_tokens is required when thinking.type is 'enabled' (the tokens "
+                       "the reply may spend thinking, fewer than max_tokens)", param="thinking.budget_tokens")
+    if budget < 1:
+        raise APIError(400, f"thinking.budget_tokens must be at least 1, got {budget}", param="thinking.budget_tokens")
+    if max_tokens >= 1 and budget >= max_tokens:
+        raise APIError(400, f"max_tokens must be greater than thinking.budget_tokens (thinking counts toward "
+                       f"max_tokens), got max_tokens {max_tokens} and thinking.budget_tokens {short_repr(budget)}",
+                       param="thinking.budget_tokens")
 
 
 def _renamed(exc: APIError) -> APIError:
