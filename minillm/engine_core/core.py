@@ -249,6 +249,7 @@ class EngineCoreProc:
         # new one's. The last is the one an abort or a stop string can still reach.
         self.client_of: dict[str, list[int]] = {}
         self.finished = Counter()               # final reasons the API servers reported
+        self.reported: dict[int, Counter] = defaultdict(Counter)   # API server -> its part of `finished`
         self.orphaned = False                   # the process that started us went without stopping us
 
     def send(self, message: Any, client: int = 0) -> None:
@@ -354,6 +355,7 @@ class EngineCoreProc:
                         self.engine.stop_sequence(request_id, index, stop_string)
             elif isinstance(command, m.FinishedCounts):
                 self.finished.update(command.counts)
+                self.reported[command.client_index].update(command.counts)
             elif isinstance(command, m.GetStats):
                 stats[command.client_index].append(command.call_id)   # one snapshot answers the batch's
                 full_stats |= not command.summary
@@ -367,7 +369,7 @@ class EngineCoreProc:
         if stats:
             snapshot, error = self.snapshot(summary=not full_stats)
             for client, call_ids in stats.items():
-                self.send(m.StatsReply(call_ids, snapshot, error), client)
+                self.send(m.StatsReply(call_ids, snapshot, error, dict(self.reported[client])), client)
         return running
 
     def is_own(self, request_id: str, client: int) -> bool:

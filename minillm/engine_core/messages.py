@@ -56,6 +56,7 @@ class FinishedCounts(msgspec.Struct, tag=True, array_like=True):
     so every server's stats show the whole engine's."""
 
     counts: dict[str, int]
+    client_index: int = 0
 
 
 class GetStats(msgspec.Struct, tag=True, array_like=True):
@@ -138,11 +139,17 @@ class AddResults(msgspec.Struct, tag=True, array_like=True):
 
 
 class StatsReply(msgspec.Struct, tag=True, array_like=True):
-    """One snapshot for every GetStats of a command batch (or why none could be built)."""
+    """One snapshot for every GetStats of a command batch (or why none could be built).
+
+    reported: the finish counts of the receiving API server's own FinishedCounts that the snapshot's
+    num_requests_finished holds. That server puts its own whole count in their place: it covers every
+    request of its the core finished before the snapshot, reports still on their way included, so a
+    snapshot that runs no request counts them all."""
 
     call_ids: list[int]
     stats: EngineStats | None
     error: str | None = None
+    reported: dict[str, int] = {}
 
 
 class UtilityReply(msgspec.Struct, tag=True, array_like=True):

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import itertools
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable, Iterable
 
 import msgspec
@@ -72,6 +74,16 @@ def wire_fields(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
         if fields[name] is not None and fields[name] > MAX_WIRE_COUNT:
             fields[name] = MAX_WIRE_COUNT
     return fields
+
+
+def with_own_finish_counts(stats: EngineStats, reported: dict[str, int], own: dict[str, int]) -> EngineStats:
+    """stats with this API server's whole finish counts (own) in place of the part of them that had
+    reached the core (reported): a request the core finished before the snapshot is counted even
+    while the report of how it ended is on its way, so the counters agree with the gauges."""
+    counts = Counter(stats.num_requests_finished)
+    counts.subtract(reported)
+    counts.update(own)
+    return dataclasses.replace(stats, num_requests_finished={reason: n for reason, n in counts.items() if n})
 
 
 class AsyncLLM(Generate):
@@ -382,7 +394,7 @@ class AsyncLLM(Generate):
                 if done.stops:
                     self._send(m.StopSequences(done.stops, self.client_index))
                 if finished:
-                    self._send(m.FinishedCounts(finished))
+                    self._send(m.FinishedCounts(finished, self.client_index))
             except EngineDeadError:
                 pass
             # Handed on under the lock, so an abort's final output (abort()) never comes before them.
@@ -404,9 +416,13 @@ class AsyncLLM(Generate):
                 resolve_future(*pending, result=True, error=ValueError(error) if error is not None else None)
 
     def _on_stats(self, message: m.StatsReply) -> None:
+        stats = message.stats
+        if stats is not None:
+            with self._lock:    # every step the core sent before the snapshot is processed: its finishes are counted
+                stats = with_own_finish_counts(stats, message.reported, self.processor.finished)
         for call_id in message.call_ids:
             error = RemoteError(*message.error.split(": ", 1)) if message.error else None
-            self._settle_call(call_id, message.stats if error is None else None, error)
+            self._settle_call(call_id, stats if error is None else None, error)
 
     def _settle_call(self, call_id: int, result: Any, error: BaseException | None) -> None:
         with self._lock:
