@@ -144,7 +144,8 @@ class StatsReply(msgspec.Struct, tag=True, array_like=True):
     reported: the finish counts of the receiving API server's own FinishedCounts that the snapshot's
     num_requests_finished holds. That server puts its own whole count in their place: it covers every
     request of its the core finished before the snapshot, reports still on their way included, so a
-    snapshot that runs no request counts them all."""
+    snapshot that runs no request counts them all (another API server's requests count once its
+    report has reached the core)."""
 
     call_ids: list[int]
     stats: EngineStats | None
