@@ -32,7 +32,9 @@ from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import (
     PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
 )
-from minillm.sampling_params import RequestOutputKind, SamplingParams, short_repr, truncate_prompt
+from minillm.sampling_params import (
+    RequestOutputKind, SamplingParams, check_truncate_prompt_tokens, short_repr, truncate_prompt,
+)
 from minillm.request_queue import check_priority
 from minillm.scheduler import Scheduler
 from minillm.sequence import Sequence, SequenceStatus
@@ -370,6 +372,7 @@ class LLMEngine:
                        priority: int = 0) -> None:
         """The rest of add_request, for validated params that are the request's own."""
         params.validate_for_vocab(self.model_config.vocab_size)
+        check_truncate_prompt_tokens(params.truncate_prompt_tokens, self.max_model_len)
         for name in ("logprobs", "prompt_logprobs"):
             if (value := getattr(params, name)) is not None and value > self.config.max_logprobs:
                 raise ValueError(f"{name} must be at most max_logprobs ({self.config.max_logprobs}), got {value}")

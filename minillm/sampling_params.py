@@ -65,6 +65,14 @@ def truncate_prompt(ids: list[int], keep: int | None, max_prompt_len: int, side:
     return ids[:keep] if side == "right" else ids[-keep:]
 
 
+def check_truncate_prompt_tokens(keep: int | None, max_model_len: int) -> None:
+    """ValueError naming truncate_prompt_tokens when it keeps more tokens than the context holds, as
+    vLLM refuses it offline and on its server (past 64 bits it could not even reach an engine core)."""
+    if keep is not None and keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens must be at most max_model_len ({max_model_len}), or -1, "
+                         f"got {short_repr(keep)}")
+
+
 def max_prompt_len(max_model_len: int, max_tokens: int | None) -> int:
     """The prompt tokens truncate_prompt_tokens -1 keeps, as vLLM keeps them: the context less the
     max_tokens asked for (none: the whole context); at least one."""

@@ -38,7 +38,7 @@ from minillm.prompts import (
     PromptType, cache_salt_of, checked_token_ids, request_add_special_tokens, text_token_ids, unpack_prompt,
 )
 from minillm.request_queue import check_priority
-from minillm.sampling_params import SamplingParams, short_repr
+from minillm.sampling_params import SamplingParams, check_truncate_prompt_tokens, short_repr
 from minillm.server.async_engine import (
     Generate, OutputQueue, RequestStream, abort_ids, deliver, is_delta_stream, request_params, resolve_future,
 )
@@ -70,7 +70,7 @@ def wire_fields(params: SamplingParams, vocab_size: int) -> dict[str, Any]:
     fields = {name: getattr(params, name) for name in SAMPLING_FIELDS}
     if fields["top_k"] > vocab_size:
         fields["top_k"] = -1
-    for name in ("max_tokens", "min_tokens", "truncate_prompt_tokens"):
+    for name in ("max_tokens", "min_tokens"):      # truncate_prompt_tokens past the context is refused first
         if fields[name] is not None and fields[name] > MAX_WIRE_COUNT:
             fields[name] = MAX_WIRE_COUNT
     return fields
@@ -183,6 +183,7 @@ class AsyncLLM(Generate):
         check_arrival_time(arrival_time)
         params = request_params(params)
         params.validate_for_vocab(self.vocab_size)      # as LLMEngine does: ids past 2**64 cannot even be sent
+        check_truncate_prompt_tokens(params.truncate_prompt_tokens, self.max_model_len)   # as LLMEngine does
         cache_salt = cache_salt_of(prompt, cache_salt)
         text, ids = self._prompt(prompt, add_special_tokens)
         loop = asyncio.get_running_loop()

@@ -15,7 +15,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, short_repr
+from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, check_truncate_prompt_tokens, short_repr
 from minillm.server.errors import APIError, bad_request_from_value_error, json_error_reason
 from minillm.server.tool_calls import check_named_tool_choice
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
@@ -481,11 +481,8 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)
-        keep = params.truncate_prompt_tokens
-        if max_model_len is not None and keep is not None and keep > max_model_len:
-            # As vLLM refuses it; past 64 bits the value could not even reach the engine core.
-            raise ValueError(f"truncate_prompt_tokens must be at most max_model_len ({max_model_len}), or -1, "
-                             f"got {short_repr(keep)}")
+        if max_model_len is not None:
+            check_truncate_prompt_tokens(params.truncate_prompt_tokens, max_model_len)
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params

@@ -1,0 +1,45 @@
+"""One request through the offline API (LLM.generate, LLMEngine.add_request, AsyncLLM) and through
+/v1/completions behaves the same way: the same inputs are taken or refused on both sides, as vLLM
+takes or refuses them."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_abuse25_serving import async_llm, config, thread_engine  # noqa: F401 - the engines, as fixtures
+
+from minillm import SamplingParams
+
+GREEDY = dict(temperature=0, max_tokens=2)
+
+
+# ---- truncate_prompt_tokens past the context ----------------------------------------------------------
+
+def test_generate_refuses_truncate_prompt_tokens_past_the_context_by_name(llm):
+    # The server refuses it (400 naming truncate_prompt_tokens), as vLLM's LLM.generate refuses it
+    # (TokenizeParams: "cannot be greater than max_model_len"); the offline API took it.
+    limit = llm.llm_engine.max_model_len
+    with pytest.raises(ValueError, match=rf"^truncate_prompt_tokens must be at most max_model_len \({limit}\), "
+                                         rf"or -1, got {limit + 1}$"):
+        llm.generate("Once upon", SamplingParams(truncate_prompt_tokens=limit + 1, **GREEDY), use_tqdm=False)
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens must be at most max_model_len"):
+        llm.llm_engine.add_request("past", "Once upon", SamplingParams(truncate_prompt_tokens=10**30, **GREEDY))
+    assert not llm.llm_engine.has_unfinished_requests()
+    [out] = llm.generate("Once upon", SamplingParams(truncate_prompt_tokens=limit, **GREEDY), use_tqdm=False)
+    assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("engine_name", ["async_llm", "thread_engine"])
+def test_async_engines_refuse_truncate_prompt_tokens_past_the_context_by_name(request, engine_name):
+    engine = request.getfixturevalue(engine_name)
+    limit = engine.max_model_len
+
+    async def scenario():
+        for keep in (limit + 1, 2**64, 10**30):
+            with pytest.raises(ValueError, match=rf"^truncate_prompt_tokens must be at most max_model_len "
+                                                 rf"\({limit}\), or -1, got"):
+                await engine.add_request(f"{engine_name}-{keep}", "Once", SamplingParams(truncate_prompt_tokens=keep))
+        stream = await engine.add_request(f"{engine_name}-ok", "Once",
+                                          SamplingParams(truncate_prompt_tokens=limit, **GREEDY))
+        return [out async for out, _ in stream][-1].outputs[0].finish_reason
+    assert asyncio.run(scenario()) == "length"
