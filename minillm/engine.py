@@ -397,8 +397,11 @@ class LLMEngine:
         ids = truncate_prompt(ids, params.truncate_prompt_tokens, self.max_model_len)   # the text stays as given
         self._check_kv_transfer(ids, params)
         if len(ids) >= self.max_model_len:
+            # -1 keeps the whole context, as vLLM's LLM keeps it (its server keeps the context less max_tokens)
+            hint = (": truncate_prompt_tokens -1 keeps max_model_len tokens offline; give "
+                    "truncate_prompt_tokens=max_model_len - max_tokens" if params.truncate_prompt_tokens == -1 else "")
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "
-                             f"max_model_len {self.max_model_len}")
+                             f"max_model_len {self.max_model_len}{hint}")
         # As in vLLM, generation stops with "length" where the context ends, whatever max_tokens asks
         # (one long prompt of a batch must not fail the rest); the server refuses such a request first.
         room = self.max_model_len - len(ids)

@@ -43,3 +43,20 @@ def test_async_engines_refuse_truncate_prompt_tokens_past_the_context_by_name(re
                                           SamplingParams(truncate_prompt_tokens=limit, **GREEDY))
         return [out async for out, _ in stream][-1].outputs[0].finish_reason
     assert asyncio.run(scenario()) == "length"
+
+
+# ---- truncate_prompt_tokens -1 -----------------------------------------------------------------------
+
+def test_generate_says_what_truncate_prompt_tokens_minus_one_kept(llm):
+    # Offline, -1 keeps max_model_len tokens (vLLM's LLM keeps them too, and its engine then refuses a
+    # prompt that fills the context), where the server keeps max_model_len - max_tokens. The error only
+    # said "prompt has 128 tokens, which leaves no room", of a prompt the caller had asked to be cut.
+    limit = llm.llm_engine.max_model_len
+    ids = [1] + [3 + (7 * i) % 400 for i in range(limit + 20)]
+    with pytest.raises(ValueError, match=rf"^prompt has {limit} tokens, which leaves no room under max_model_len "
+                                         rf"{limit}: truncate_prompt_tokens -1 keeps max_model_len tokens .*"
+                                         rf"truncate_prompt_tokens=max_model_len - max_tokens"):
+        llm.generate([ids], SamplingParams(truncate_prompt_tokens=-1, **GREEDY), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    [out] = llm.generate([ids], SamplingParams(truncate_prompt_tokens=limit - 2, **GREEDY), use_tqdm=False)
+    assert out.prompt_token_ids == ids[-(limit - 2):] and len(out.outputs[0].token_ids) == 2
