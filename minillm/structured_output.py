@@ -450,6 +450,58 @@ def _with_exact_integers(text: str) -> str:
     return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
 
 
+# llguidance matches a number bound by its digits written out (0.000012 for 1.2e-5), exactly only up
+# to this many of them: past it the bound's last digits are rounded (maximum 0.9999999999999999 let 1
+# through, minimum 0.9688114292759761 let 0.968811429275976 through).
+_BOUND_DIGITS = 15
+
+
+def _with_exact_bounds(text: str) -> str:
+    """The schema text with the bounds of each number schema (one whose type is not integer alone)
+    that llguidance does not keep as written rewritten, inside, as bounds it keeps (_exact_bound):
+    an exclusive bound as an inclusive one (llguidance took an integer exclusive bound itself when
+    the other bound lay within the unit interval beside it: "0" under exclusiveMinimum 0 and
+    exclusiveMaximum 0.5), and a bound of more than _BOUND_DIGITS digits written out as one of that
+    many. Bounds past 2**53 in magnitude, where floats are integers, are left as they are."""
+    if '"exclusiveM' not in text and '"minimum"' not in text and '"maximum"' not in text:
+        return text
+    schema, changed = jsonlib.loads(text), False
+    for node in _subschemas(schema):
+        kind = node.get("type")
+        if kind == "integer" or (isinstance(kind, list) and "number" not in kind):
+            continue
+        for name, inclusive, upper in (("exclusiveMinimum", "minimum", False), ("exclusiveMaximum", "maximum", True),
+                                       ("minimum", "minimum", False), ("maximum", "maximum", True)):
+            bound = node.get(name)
+            if isinstance(bound, bool) or not isinstance(bound, (int, float)) or abs(bound) > _FLOAT_EXACT_MAX:
+                continue
+            kept = _exact_bound(bound, upper, exclusive=name != inclusive)
+            if kept is bound:
+                continue
+            other = node.get(inclusive) if name != inclusive else None
+            if isinstance(other, (int, float)) and not isinstance(other, bool):
+                kept = min(kept, other) if upper else max(kept, other)
+            node.pop(name)
+            node[inclusive] = kept
+            changed = True
+    return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
+def _exact_bound(bound: int | float, upper: bool, exclusive: bool) -> int | float:
+    """The inclusive bound nearest to bound on its inside with at most _BOUND_DIGITS digits written
+    out; bound itself when it is inclusive and has no more. An exclusive one moves at least a unit of
+    its last kept digit inside, more than a float's rounding: no number read back as the bound is kept."""
+    value = decimal.Decimal(repr(float(bound)) if isinstance(bound, float) else bound)
+    places = _BOUND_DIGITS - max(1, value.adjusted() + 1)             # digits kept after the point
+    unit = decimal.Decimal(1).scaleb(-places)
+    kept = value.quantize(unit, rounding=decimal.ROUND_FLOOR if upper else decimal.ROUND_CEILING)
+    if kept == value:
+        if not exclusive:
+            return bound
+        kept = kept - unit if upper else kept + unit
+    return float(kept)
+
+
 def _check_min_properties(node: dict) -> None:
     """llguidance counts an object's members to meet minProperties, and keys outside `properties`
     (additionalProperties, patternProperties) may repeat: {"": 1, "": 2} has two members and, once
@@ -666,8 +718,9 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     """The llguidance grammar (its JSON text) for a constraint key."""
     kind, text = key
     if kind in _JSON_KINDS:
+        text = _with_known_formats(_with_exact_bounds(_with_exact_integers(text)))
         return llguidance.LLMatcher.grammar_from_json_schema(
-            _with_known_formats(_with_exact_integers(text)), defaults={"whitespace_flexible": not disable_any_whitespace})
+            text, defaults={"whitespace_flexible": not disable_any_whitespace})
     if kind is StructuredOutputOptions.REGEX:
         return llguidance.LLMatcher.grammar_from_regex(text)
     if kind is StructuredOutputOptions.CHOICE:

@@ -6,6 +6,7 @@ import json
 
 import jsonschema
 import pytest
+from test_abuse30_structured import accepts, manager  # noqa: F401,F811 (a module fixture)
 
 from minillm import SamplingParams
 from minillm.structured_output import StructuredOutputsError, StructuredOutputsParams
@@ -58,3 +59,44 @@ def test_a_const_float_written_as_itself_is_taken(llm, value):
     # (1e-7 as 0.0000001), which reads back as the same float.
     assert_valid(llm, {"const": value}, seeds=2, max_tokens=64)
     assert_valid(llm, {"enum": [value, 2.5]}, seeds=2, max_tokens=64)
+
+
+@pytest.mark.parametrize("schema,edge,inside", [
+    ({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 0.5}, "0", "0.25"),   # confloat(gt=0, lt=0.5)
+    ({"type": "number", "exclusiveMinimum": 0, "maximum": 0.1}, "0", "0.1"),
+    ({"type": ["number", "null"], "exclusiveMinimum": 5, "maximum": 5.5}, "5", "5.5"),
+    ({"type": "number", "exclusiveMaximum": 0, "minimum": -0.25}, "-0", "-0.25"),
+    ({"type": "number", "exclusiveMaximum": -3, "exclusiveMinimum": -3.5}, "-3", "-3.01"),
+])
+def test_an_exclusive_integer_bound_next_to_the_other_is_kept(manager, schema, edge, inside):
+    # llguidance took the integer bound itself when the other bound lay within the unit interval
+    # beside it: {"exclusiveMinimum": 0, "exclusiveMaximum": 0.5} let "0" through.
+    params = StructuredOutputsParams(json=schema)
+    assert not accepts(manager, params, edge)
+    assert accepts(manager, params, inside)
+
+
+@pytest.mark.parametrize("schema,edge", [
+    ({"type": "number", "exclusiveMinimum": 5, "exclusiveMaximum": 6}, "5.0000000000000000001"),
+    ({"type": "number", "exclusiveMaximum": 1}, "0.99999999999999999"),
+    ({"type": "number", "exclusiveMinimum": 0.1}, "0.10000000000000000001"),
+])
+def test_an_exclusive_bound_takes_no_number_that_reads_back_as_the_bound(manager, schema, edge):
+    # Above 5 as written, 5.0000000000000000001 is read as the float 5.0, which the bound excludes.
+    assert json.loads(edge) in (5.0, 1.0, 0.1)
+    assert not accepts(manager, StructuredOutputsParams(json=schema), edge)
+
+
+
+@pytest.mark.parametrize("schema,outside,inside", [
+    ({"type": "number", "maximum": 0.9999999999999999}, "1", "0.5"),
+    ({"type": "number", "maximum": 99.99999999999999}, "100", "99.5"),
+    ({"type": "number", "minimum": 0.9688114292759761}, "0.968811429275976", "0.97"),
+    ({"type": "number", "maximum": -977.8175310091901}, "-977.81753100919", "-978"),
+    ({"type": "number", "minimum": -3.9999999999999996, "maximum": 0}, "-4", "-3"),
+])
+def test_a_bound_of_sixteen_digits_or_more_is_kept(manager, schema, outside, inside):
+    # llguidance writes a bound's digits out and rounds past the 15th: maximum 0.9999999999999999 let 1 through.
+    params = StructuredOutputsParams(json=schema)
+    assert not accepts(manager, params, outside)
+    assert accepts(manager, params, inside)
