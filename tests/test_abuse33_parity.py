@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 from test_abuse25_serving import async_llm, config, thread_engine  # noqa: F401 - the engines, as fixtures
+from test_server_helpers import openai_error, running_server
 
 from minillm import SamplingParams
 
 GREEDY = dict(temperature=0, max_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def url(stories_path):
+    """A stories260K server on the CPU with the context of the `llm` fixture (128 tokens)."""
+    with running_server(stories_path, max_model_len=128) as running:
+        yield running[0]
+
+
+def complete(url: str, **fields) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "stories", **fields}, timeout=60)
 
 
 # ---- truncate_prompt_tokens past the context ----------------------------------------------------------
@@ -60,3 +73,23 @@ def test_generate_says_what_truncate_prompt_tokens_minus_one_kept(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     [out] = llm.generate([ids], SamplingParams(truncate_prompt_tokens=limit - 2, **GREEDY), use_tqdm=False)
     assert out.prompt_token_ids == ids[-(limit - 2):] and len(out.outputs[0].token_ids) == 2
+
+
+# ---- an empty string in a batch of prompts ------------------------------------------------------------
+
+def test_a_batch_may_hold_an_empty_string_as_generate_takes_it(url, llm):
+    # vLLM refuses a prompt that is "" (its validator), not "" in a list: that one is BOS alone, as
+    # LLM.generate takes it. The server refused any empty string of a batch ("prompt must not be empty").
+    prompts = ["Once upon", ""]
+    want = [out.outputs[0].text for out in llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)]
+    reply = complete(url, prompt=prompts, **GREEDY)
+    assert reply.status_code == 200, reply.text
+    assert [c["text"] for c in sorted(reply.json()["choices"], key=lambda c: c["index"])] == want
+    assert reply.json()["usage"]["prompt_tokens"] == 3 + 1
+
+
+@pytest.mark.parametrize("fields", [dict(prompt=""), dict(prompt=[]), dict(prompt=[[]]), dict(prompt=["a", []]),
+                                    dict(prompt=["a", ""], add_special_tokens=False)],
+                         ids=["empty-string", "empty-list", "empty-ids", "empty-ids-in-batch", "no-tokens"])
+def test_prompts_of_no_tokens_are_still_refused(url, fields):
+    openai_error(complete(url, **fields, **GREEDY), 400, "prompt")

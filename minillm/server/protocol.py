@@ -646,6 +646,8 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
         prompts = [list(prompt)]
     else:
         prompts = list(prompt)
-    if not prompts or any(len(p) == 0 for p in prompts):
+    # As vLLM: a prompt that is "" is refused, and token lists of nothing; "" in a batch is BOS alone
+    # (as LLM.generate takes it), or no tokens, refused once tokenized.
+    if prompt == "" or not prompts or any(isinstance(p, list) and not p for p in prompts):
         raise APIError(400, "prompt must not be empty", param="prompt")
     return prompts
