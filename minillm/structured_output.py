@@ -550,8 +550,13 @@ _TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[Zz]|[+-](?:
 # integers. Beside llguidance's RFC 3339 duration, each number has at most 6 digits: any of them
 # together then stay under pydantic's bound (P999999Y999999M999999DT999999H999999M999999S).
 _DURATION = "P(?:[0-9]{1,6}[YMWDHS]|T)+"
-_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$", "time": f"^{_TIME}$",
-                    "duration": f"^{_DURATION}$"}
+# llguidance's hostname takes any number of labels and its email any length of local part and of
+# domain label: beside them, RFC 1123's 253 characters for a hostname, and RFC 5321's 64 for a local
+# part, 63 for a label and 254 for an address.
+_EMAIL = r"^[^@]{1,64}@(?:[^.@]{1,63}\.)*[^.@]{1,63}$"
+_FORMAT_SCHEMAS = {"date": {"pattern": f"^{_DATE}$"}, "date-time": {"pattern": f"^{_DATE}[Tt]{_TIME}$"},
+                   "time": {"pattern": f"^{_TIME}$"}, "duration": {"pattern": f"^{_DURATION}$"},
+                   "hostname": {"maxLength": 253}, "email": {"pattern": _EMAIL, "maxLength": 254}}
 # The string formats llguidance enforces. JSON Schema makes "format" an annotation that a validator
 # ignores when it does not know it; llguidance refuses the whole schema instead ("Unknown format:
 # password"). pydantic writes such formats (SecretStr's password, bytes' binary, OpenAPI's int32),
@@ -652,7 +657,7 @@ def _with_listed_names(node: dict, root: Any) -> bool:
 
 
 def _with_known_formats(text: str) -> str:
-    """The schema text with _FORMAT_PATTERNS added (in allOf) to every subschema that names one of
+    """The schema text with _FORMAT_SCHEMAS added (in allOf) to every subschema that names one of
     those formats, every format llguidance does not know left out, pydantic's Decimal patterns
     written without look-arounds (_decimal_pattern) and its dicts keyed by an enum written with
     properties (_with_listed_names); other text as it is. Done
@@ -674,9 +679,9 @@ def _with_known_formats(text: str) -> str:
         name = node.get("format")
         if not isinstance(name, str):
             continue
-        if name in _FORMAT_PATTERNS:
+        if name in _FORMAT_SCHEMAS:
             all_of = node.get("allOf") if isinstance(node.get("allOf"), list) else []
-            node["allOf"] = [*all_of, {"pattern": _FORMAT_PATTERNS[name]}]
+            node["allOf"] = [*all_of, dict(_FORMAT_SCHEMAS[name])]
             changed = True
         elif name not in _LLGUIDANCE_FORMATS:
             del node["format"]

@@ -100,3 +100,22 @@ def test_a_bound_of_sixteen_digits_or_more_is_kept(manager, schema, outside, ins
     params = StructuredOutputsParams(json=schema)
     assert not accepts(manager, params, outside)
     assert accepts(manager, params, inside)
+
+
+HOST = {"type": "string", "format": "hostname"}
+EMAIL = {"type": "string", "format": "email"}
+
+
+@pytest.mark.parametrize("schema,text,ok", [
+    (HOST, ".".join(["a" * 63] * 4), False),                 # 255 characters: past RFC 1123's 253
+    (HOST, ".".join(["a" * 63] * 3 + ["a" * 61]), True),     # 253
+    (EMAIL, "a" * 65 + "@example.com", False),               # a local part past RFC 5321's 64
+    (EMAIL, "a" * 64 + "@example.com", True),
+    (EMAIL, "a@" + "b" * 64 + ".com", False),                # a domain label past 63
+    (EMAIL, "a@" + ".".join(["b" * 63] * 4), False),         # 256 characters: past 254
+    (EMAIL, "first.last@[192.168.0.1]", True),
+])
+def test_hostnames_and_emails_keep_to_the_rfc_lengths(manager, schema, text, ok):
+    # llguidance's hostname took any number of labels (stories260K wrote hostnames of 288 and 303
+    # characters), and its email any length of local part and of domain label.
+    assert accepts(manager, StructuredOutputsParams(json=schema), json.dumps(text)) is ok
