@@ -414,9 +414,9 @@ def _check_const_number(value: int | float) -> None:
         written = int(decimal.Decimal(repr(value)))
         if as_float >= 2 ** 63 and written != value:    # below 2**63 it is written exactly (_with_exact_integers)
             raise StructuredOutputsError("json", f"the float {value!r} of a const or enum is written by its shortest "
-                                                 f"digits, as the integer {written}, which a JSON reader that keeps "
-                                                 f"integers exact (Python's) reads as another number than the float "
-                                                 f"{int(value)}; write that integer, or a number under 2**63")
+                                                 "digits as an integer, which a JSON reader that keeps integers exact "
+                                                 "(Python's) reads as another number than the float; a const or enum "
+                                                 "float that is an integer is matched exactly under 2**63")
         return
     if value <= _INT64_MAX:
         written = _INT64_MAX if value == _INT64_MAX else int(as_float)
