@@ -321,13 +321,23 @@ def sample(logits: np.ndarray, temperature: np.ndarray, top_k: np.ndarray, top_p
     out = np.empty(batch, dtype=np.int32)
     for b in range(batch):
         row = logits[b].astype(np.float32)
-        if temperature[b] <= 0.0 or row.max() == -np.inf:      # greedy, or every token masked (id 0)
-            out[b] = int(np.argmax(row))
+        top = row.max()
+        if temperature[b] <= 0.0 or top == -np.inf or _is_infinite_over(top, temperature[b]):
+            out[b] = int(np.argmax(row))      # greedy, every token masked (id 0), or an infinite weight
         elif not 0 < top_k[b] < vocab and top_p[b] >= 1.0:
             out[b] = _sample_in_id_order(row, temperature[b], min_p[b], uniforms[b])
         else:
             out[b] = _sample_sorted(row, temperature[b], top_k[b], top_p[b], min_p[b], uniforms[b])
     return out
+
+
+def _is_infinite_over(top: np.float32, temperature) -> bool:
+    """Whether the row's largest logit over the temperature is +inf (a logit_bias of inf, or one
+    that a small temperature scales past float32): the tokens there outweigh all others without
+    bound and exp(x - max) is NaN for them, so the first of them is taken, as the CUDA kernel's
+    NaN weights fall back to its argmax."""
+    with np.errstate(over="ignore"):
+        return bool(np.float32(top) / np.float32(temperature) == np.inf)
 
 
 def _sample_in_id_order(row: np.ndarray, temperature, min_p, u) -> int:
