@@ -52,7 +52,8 @@ def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True, del
     """Fresh output state for a sequence; delta: its reports carry only what is new."""
     p = seq.params
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                   prompt_token_ids=_prompt_tail(seq))
+                                   prompt_token_ids=_prompt_tail(seq),
+                                   spaces_between_special_tokens=p.spaces_between_special_tokens)
     return CompletionState(detok, list(p.stop_strings), p.include_stop_str_in_output,
                            p.logprobs is not None, p.detokenize and (incremental or bool(p.stop_strings)),
                            p.min_tokens, p.detokenize, delta=delta)
@@ -125,13 +126,14 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
     out = seq.output_token_ids[:state.num_text_tokens]
     head = det.tok.decode(context, skip_special_tokens=skip)
     text = det.tok.decode(context + out, skip_special_tokens=skip)[len(head):]
-    if REPLACEMENT_CHAR not in text and not head.endswith(REPLACEMENT_CHAR):
+    if REPLACEMENT_CHAR not in text and not head.endswith(REPLACEMENT_CHAR) and det.spaces_between_special_tokens:
         return text
     # Bytes that are not UTF-8 (or a prompt that ends inside a character): a byte-fallback decoder
     # replaces every byte of a broken run, while the incremental path has already emitted the
     # valid ones before the run broke. Replay that path, so a request reads the same whether it
-    # was streamed or not.
-    replay = IncrementalDetokenizer(det.tok, skip_special_tokens=skip, prompt_token_ids=tail)
+    # was streamed or not (and so that added tokens lose the spaces between them as they do there).
+    replay = IncrementalDetokenizer(det.tok, skip_special_tokens=skip, prompt_token_ids=tail,
+                                    spaces_between_special_tokens=det.spaces_between_special_tokens)
     return "".join([replay.add(t) for t in out] + [replay.flush()])
 
 

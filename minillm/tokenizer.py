@@ -363,6 +363,12 @@ class Tokenizer:
         """Ids of the byte-fallback tokens <0x80>..<0xBF>: bytes that continue a character."""
         return self._byte_token_ids(0x80, 0xC0)
 
+    @functools.cached_property
+    def added_token_contents(self) -> dict[int, str]:
+        """Id -> text of every added token, special or not (what vLLM's spaces_between_special_tokens=False
+        writes bare)."""
+        return {i: t.content for i, t in self.backend.get_added_tokens_decoder().items()}
+
     def _byte_token_ids(self, low: int, high: int) -> frozenset[int]:
         ids = (self.backend.token_to_id(f"<0x{b:02X}>") for b in range(low, high))
         return frozenset(i for i in ids if i is not None)
@@ -773,9 +779,15 @@ class IncrementalDetokenizer:
     MAX_HELD_TOKENS_HARD = 64
 
     def __init__(self, tok: Tokenizer, skip_special_tokens: bool = True,
-                 prompt_token_ids: list[int] | None = None) -> None:
+                 prompt_token_ids: list[int] | None = None, spaces_between_special_tokens: bool = True) -> None:
         self.tok = tok
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        # vLLM's spaces_between_special_tokens=False (with special tokens kept): an added token right after
+        # another reads as its bare text, without the space a decoder (WordPiece's) joins tokens with.
+        self._bare_added = None if skip_special_tokens or spaces_between_special_tokens else \
+            (tok.added_token_contents or None)
+        self._is_last_added = False
         prompt = list(prompt_token_ids or [])
         self._ids: list[int] = prompt
         self._num_prompt = len(prompt)
@@ -806,7 +818,18 @@ class IncrementalDetokenizer:
             end, new_text = self._garbage_cut(prefix_len, new_text)
         elif self._read_offset == self._num_prompt > 0 and self._is_prompt_cut():
             prefix_len = self._completed_prompt_character(new_text, prefix_len)
-        return self._emit(prefix_len, new_text, end)
+        delta = self._emit(prefix_len, new_text, end)
+        return delta if self._bare_added is None else self._unspaced(int(token_id), delta)
+
+    def _unspaced(self, token_id: int, delta: str) -> str:
+        """delta as spaces_between_special_tokens=False has it: an added token's bare text when the token
+        before it was an added token too."""
+        content = self._bare_added.get(token_id)
+        if content is not None and self._is_last_added and delta:
+            self.text = self.text[:len(self.text) - len(delta)] + content
+            delta = content
+        self._is_last_added = content is not None
+        return delta
 
     def _is_prompt_cut(self) -> bool:
         """Whether the prompt's ids end inside a character (their window decodes to a trailing U+FFFD):

@@ -58,12 +58,15 @@ class LogprobCursor:
     """Walks one completion's tokens, producing their strings and text offsets incrementally."""
 
     def __init__(self, texts: TokenTexts, prompt_token_ids: list[int], text_base: int,
-                 skip_special_tokens: bool, as_token_ids: bool = False) -> None:
+                 skip_special_tokens: bool, as_token_ids: bool = False,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.texts = texts
         self.as_token_ids = as_token_ids    # vLLM's return_tokens_as_token_ids: tokens named "token_id:<id>"
         self.prev_id: int | None = prompt_token_ids[-1] if prompt_token_ids else None
+        # offsets index the completion's text, which spaces_between_special_tokens shapes too
         self.detok = IncrementalDetokenizer(texts.tokenizer, skip_special_tokens=skip_special_tokens,
-                                            prompt_token_ids=prompt_token_ids)
+                                            prompt_token_ids=prompt_token_ids,
+                                            spaces_between_special_tokens=spaces_between_special_tokens)
         self.text_base = text_base       # characters before the completion (the echoed prompt)
         self.num_done = 0
 

@@ -155,7 +155,7 @@ class CompletionJob:
             return None
         base = len(self.prompt_texts[prompt_index]) if self.req.echo else 0
         return LogprobCursor(self.texts, self.prompt_ids[prompt_index], base, self.req.skip_special_tokens,
-                             self.as_token_ids)
+                             self.as_token_ids, self.req.spaces_between_special_tokens)
 
     def _prompt_rows(self, prompt_index: int, output: RequestOutput) -> list:
         """The echoed prompt's logprob rows (echo with logprobs), before the completion's; made
