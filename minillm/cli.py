@@ -940,7 +940,7 @@ def generate(
         rich_help_panel=SAMPLING_PANEL, help="Go on past the end-of-sequence token, up to --max-tokens.")] = False,
     logit_bias: Annotated[Optional[list[str]], typer.Option(
         rich_help_panel=SAMPLING_PANEL, metavar="ID=BIAS",
-        help="Add BIAS (in [-100, 100]) to token ID's logit before sampling (repeatable).")] = None,
+        help="Add BIAS to token ID's logit before sampling (-inf bans it; repeatable).")] = None,
     allowed_token_ids: Annotated[Optional[list[int]], typer.Option(
         "--allowed-token-id", rich_help_panel=SAMPLING_PANEL,
         help="Sample only this token id and the others given (repeatable).")] = None,
@@ -1030,7 +1030,7 @@ def logit_bias_option(pairs: list[str] | None) -> dict[int, float] | None:
                 raise ValueError
             bias[int(token)] = float(value)
         except ValueError:
-            # a usage error (status 2), as a bias out of range is
+            # a usage error (status 2), as a NaN bias is
             raise UsageError(f"--logit-bias: expected ID=BIAS (a token id and a number), got {pair!r}") from None
     return bias
 

@@ -36,7 +36,8 @@ MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
 MAX_LOGPROBS = 20
 # Completions of one request: each is a sequence the engine tracks (the server's --max-n is lower).
 MAX_N = 4096
-# logit_bias: OpenAI's range for a bias, and a bound on the entries the sampler adds each step.
+# logit_bias: OpenAI's range for a bias (the server's clamp, as vLLM's server clamps it; offline any
+# bias is taken, as by vLLM's SamplingParams), and a bound on the entries the sampler adds each step.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # allowed_token_ids travel as int32 (the vocabulary bounds them further).
@@ -110,6 +111,37 @@ def _is_finite(value: object) -> bool:
         return False
 
 
+def _is_number(value: object) -> bool:
+    """A real number (not a bool) that is not NaN: finite, infinite, or an integer past float's range."""
+    if type(value) is float or type(value) is int:
+        return value == value
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not _is_nan(value)
+
+
+def _is_nan(value: numbers.Real) -> bool:
+    """math.isnan, False for an integer past float's range."""
+    try:
+        return math.isnan(value)
+    except OverflowError:
+        return False
+
+
+def _as_float(value: numbers.Real) -> float:
+    """value as Python's float; an integer past float's range as the infinity of its sign."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _float32_bits(values: list[float]) -> list[int]:
+    """values as float32 bit patterns; one past float32's range is the infinity of its sign (as
+    float32 rounds it: the bias still bans or forces its token), where struct refuses to pack it."""
+    values = [v if -FLOAT32_MAX <= v <= FLOAT32_MAX else math.copysign(math.inf, v) for v in values]
+    n = len(values)
+    return list(struct.unpack(f"<{n}i", struct.pack(f"<{n}f", *values)))
+
+
 def _is_numpy_bool(value: object) -> bool:
     """A NumPy bool (np.True_ or np.False_); False without NumPy loaded, as none can exist then."""
     np = sys.modules.get("numpy")
@@ -176,7 +208,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, regex, choice or grammar
-    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling, in [-100, 100]
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (-inf: a ban)
     # vLLM's left truncation: keep only the prompt's last k tokens (-1: as many as the context holds)
     truncate_prompt_tokens: int | None = None
     # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
@@ -204,7 +236,8 @@ class SamplingParams:
     @classmethod
     def from_optional(cls, **kwargs) -> "SamplingParams":
         """vLLM's SamplingParams.from_optional: None for a field with a default (max_tokens aside, whose
-        None is no limit) takes that default; logit_bias keys may be strings and biases are clipped to [-100, 100]."""
+        None is no limit) takes that default; logit_bias keys may be strings and biases are clipped to [-100, 100]
+        (its server's path: SamplingParams itself takes a bias of any size)."""
         defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.init and f.default is not None
                     and f.default is not dataclasses.MISSING and f.name != "max_tokens"}
         args = {k: defaults[k] if v is None and k in defaults else v for k, v in kwargs.items()}
@@ -212,7 +245,7 @@ class SamplingParams:
         if isinstance(bias, dict):
             try:
                 args["logit_bias"] = {int(k) if isinstance(k, str) else k:
-                                      min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) if _is_finite(v) else v
+                                      min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, v)) if _is_number(v) else v
                                       for k, v in bias.items()}
             except ValueError:
                 raise ValueError(f"logit_bias keys must be token ids, got {short_repr(list(bias))}") from None
@@ -395,9 +428,7 @@ class SamplingParams:
         self._logit_bias_entries = None
         if self.logit_bias is not None:
             self._validate_logit_bias()
-            n = len(self.logit_bias)
-            bits = struct.unpack(f"<{n}i", struct.pack(f"<{n}f", *self.logit_bias.values()))
-            self._logit_bias_entries = (list(self.logit_bias), list(bits))
+            self._logit_bias_entries = (list(self.logit_bias), _float32_bits(list(self.logit_bias.values())))
         if self.structured_outputs is not None:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -432,10 +463,13 @@ class SamplingParams:
         bad_ids = [t for t in bias if not _is_int(t) or t < 0]
         if bad_ids:
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {short_repr(bad_ids)}")
-        bad_values = [v for v in bias.values() if not _is_finite(v) or abs(v) > MAX_LOGIT_BIAS]
+        # Any size, as vLLM's SamplingParams takes it: -1e9 or -inf bans a token, 1e9 or inf forces it.
+        # NaN would make the token's logit NaN, which no rule orders.
+        bad_values = [v for v in bias.values() if not _is_number(v)]
         if bad_values:
-            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                             f"got {short_repr(bad_values)}")
+            raise ValueError(f"logit_bias values must be numbers (not NaN), got {short_repr(bad_values)}")
+        if not all(type(v) is float for v in bias.values()):
+            self.logit_bias = {k: _as_float(v) for k, v in bias.items()}
 
     def _validate_token_rules(self) -> None:
         """allowed_token_ids and bad_words: their types and sizes (the vocabulary is checked later)."""

@@ -25,7 +25,7 @@ BAD_FIELDS = [
     ("include_stop_str_in_output", 0), ("spaces_between_special_tokens", "x"),
     ("stop", 5), ("stop", [""]), ("stop", ["ok", 3]), ("stop_token_ids", 7), ("stop_token_ids", [-1]),
     ("truncate_prompt_tokens", 0), ("truncate_prompt_tokens", -2), ("extra_args", [1]),
-    ("output_kind", 3), ("output_kind", "delta"), ("logit_bias", [1]), ("logit_bias", {1: 101.0}),
+    ("output_kind", 3), ("output_kind", "delta"), ("logit_bias", [1]), ("logit_bias", {1: float("nan")}),
     ("logit_bias", {-1: 1.0}), ("allowed_token_ids", []), ("allowed_token_ids", [-5]),
     ("bad_words", "word"), ("bad_words", ["a"] * 129), ("structured_outputs", 5),
     # checked where the vocabulary and the engine's limits are known (a top_k past it is all of it)

@@ -137,7 +137,7 @@ def test_stats_snapshot(stories_path):
     (dict(n=0), "n"),
     (dict(n=10**20), "n"),                               # built sequences until the process was killed
     (dict(temperature=10**400), "temperature"),          # past float's range: a ValueError, not an OverflowError
-    (dict(logit_bias={5: 100.5}), "logit_bias"),
+    (dict(logit_bias={5: "high"}), "logit_bias"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"),
     (dict(logit_bias={True: 1.0}), "logit_bias"),
     (dict(logit_bias={"5": 1.0}), "logit_bias"),
