@@ -135,3 +135,11 @@ def test_async_llm_carries_a_bias_of_any_size_to_its_engine_core(stories_path):
         assert asyncio.run(last(engine, "banned", banned))[0] != first
     finally:
         engine.shutdown()
+
+
+def test_n_above_1_with_greedy_sampling_is_taken_and_gives_equal_completions(llm):
+    """vLLM refuses it ('n must be 1 when using greedy sampling'); minillm keeps serving it, as
+    OpenAI's API does (its server's tests and the engine's rely on n equal greedy completions)."""
+    outs = llm.generate([PROMPT], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)[0].outputs
+    assert len(outs) == 2 and outs[0].token_ids == outs[1].token_ids
