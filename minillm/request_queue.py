@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import numbers
+import sys
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
@@ -112,10 +113,12 @@ def check_priority(priority, scheduling_policy: str) -> int:
 
 
 def check_priorities(priority, num_prompts: int, scheduling_policy: str) -> list[int]:
-    """LLM.generate's priority (None, or a list of integers, one a prompt) as one int a prompt;
-    ValueError naming priority otherwise."""
+    """LLM.generate's priority (None, or a sequence of integers, one a prompt: a list, a tuple, a
+    1-D NumPy array of an integer dtype) as one int a prompt; ValueError naming priority otherwise."""
     if priority is None:
         return [0] * num_prompts
+    if _is_integer_array(priority):
+        priority = priority.tolist()
     if not isinstance(priority, Seq) or isinstance(priority, (str, bytes)):
         raise ValueError(f"priority must be a list of integers, one a prompt, got {short_repr(priority)}")
     if len(priority) != num_prompts:
@@ -123,3 +126,11 @@ def check_priorities(priority, num_prompts: int, scheduling_policy: str) -> list
     if any(isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in priority):
         raise ValueError(f"priority must be a list of integers, one a prompt, got {short_repr(priority)}")
     return [check_priority(p, scheduling_policy) for p in priority]
+
+
+def _is_integer_array(value) -> bool:
+    """A 1-D NumPy array of a signed or unsigned integer dtype (no bools, floats or strings); False
+    without NumPy loaded, as none can exist then."""
+    np = sys.modules.get("numpy")
+    return (np is not None and isinstance(value, np.ndarray) and value.ndim == 1
+            and np.issubdtype(value.dtype, np.integer))

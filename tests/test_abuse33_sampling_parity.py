@@ -143,3 +143,22 @@ def test_n_above_1_with_greedy_sampling_is_taken_and_gives_equal_completions(llm
     outs = llm.generate([PROMPT], SamplingParams(n=2, temperature=0, max_tokens=6, ignore_eos=True),
                         use_tqdm=False)[0].outputs
     assert len(outs) == 2 and outs[0].token_ids == outs[1].token_ids
+
+
+@pytest.mark.parametrize("priority", [(1, 0), np.array([1, 0]), np.array([1, 0], np.int8), [np.int32(1), 0],
+                                      range(1, -1, -1)])
+def test_generate_takes_priority_as_any_sequence_of_integers(llm, priority):
+    plain = llm.generate(["Lily", "Tom"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    outs = llm.generate(["Lily", "Tom"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
+                        priority=priority)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.parametrize("priority", [np.array([1.0, 0.0]), np.array([True, False]), [np.True_, 0],
+                                      [np.float64(1.0), 0], np.array([[1], [0]]), np.array(["1", "0"]),
+                                      (1.0, 0)])
+def test_generate_names_a_priority_of_floats_or_bools(llm, priority):
+    with pytest.raises(ValueError, match="priority"):
+        llm.generate(["Lily", "Tom"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
+                     priority=priority)
+    assert not llm.llm_engine.has_unfinished_requests()
