@@ -65,12 +65,16 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
         state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs,
                                               state.detokenizer.tok if state.detokenize else None, token))
         state.cumulative_logprob += logprobs.get(token, 0.0)
-    if seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token) and not state.include_stop:
-        return None
-    state.num_text_tokens += 1
+    is_text = not (seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token)
+                   and not state.include_stop)
+    if is_text:
+        state.num_text_tokens += 1
     if not state.incremental:
         return None
-    delta = state.detokenizer.add(token)
+    delta = state.detokenizer.add(token) if is_text else ""
+    if seq.is_finished:
+        # The text held back while a character was in progress is the output's last: a stop string may end in it.
+        delta += state.detokenizer.flush()
     if not delta or not state.stop or state.num_text_tokens <= state.min_tokens:   # vLLM: min_tokens holds stops off
         state.text += delta
         return None

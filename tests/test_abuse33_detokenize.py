@@ -111,3 +111,84 @@ def test_spaces_between_special_tokens_over_http(wordpiece_http, spaces, text, o
     streamed = [c for e in events for c in e["choices"]]
     assert "".join(c["text"] for c in streamed) == text
     assert [o for c in streamed if c.get("logprobs") for o in c["logprobs"]["text_offset"]] == offsets
+
+
+def frontend_text(tok, prompt: list[int], output: list[int], finish: tuple[str, int | None], **params):
+    """The API server's output processing of OUTPUT, one token a step, the last ending the request with FINISH
+    (finish_reason, stop_reason): (the streamed pieces, their stop reason, the FINAL_ONLY text and stop reason)."""
+    from minillm.engine_core import messages as m
+    from minillm.engine_core.output_processor import OutputProcessor
+    from minillm.sampling_params import RequestOutputKind, SamplingParams
+    results = []
+    for kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+        proc = OutputProcessor(tok)
+        proc.add("r", None, prompt, SamplingParams(max_tokens=len(output), output_kind=kind, **params), 0.0, "h")
+        pieces, reason = [], None
+        for i, token in enumerate(output):
+            last = i == len(output) - 1
+            seq = m.SeqOutput(0, [token], finish_reason=finish[0] if last else None,
+                              stop_reason=finish[1] if last else None)
+            done = proc.process(m.StepOutputs(i, 0.0, [m.RequestStepOutput("r", [seq], last, 0, None, None, None)]),
+                                0.0)
+            for _, out in done.outputs:
+                pieces.append(out.outputs[0].text)
+                reason = out.outputs[0].stop_reason
+            if done.stops:
+                break
+        results.append((pieces, reason))
+    (pieces, reason), (final, final_reason) = results
+    return pieces, reason, "".join(final), final_reason
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory) -> Path:
+    from test_abuse29_tokenizers import save_qwen
+    from minillm.tokenizer import Tokenizer
+    path = save_qwen(tmp_path_factory.mktemp("qwen"))
+    return _with_dummy_model(path, len(Tokenizer.from_pretrained(path)))
+
+
+def _text_then_broken_character(tok) -> tuple[int, str]:
+    """A byte-level token whose text is whole letters and then the first bytes of one more character ('na' and
+    the first byte of 'ï'), and those letters."""
+    for token_id in range(len(tok)):
+        text = tok.decode([token_id])
+        whole = text.rstrip("\ufffd")
+        if text.endswith("\ufffd") and len(whole) >= 2 and whole.isalpha() and "\ufffd" not in whole:
+            return token_id, whole
+    raise AssertionError("no token of whole characters and a broken one")
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("ending", ["length", "eos"])
+def test_stop_string_in_text_held_back_at_the_end(qwen, include, ending):
+    """The last tokens' text, held back while a character was in progress, comes out when the request ends (its
+    bytes as decode() has them); a stop string in it stops the request and cuts the text as anywhere else. It
+    was added after the stop strings were looked for: the final text held the stop string, finish_reason length."""
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(qwen)
+    token_id, whole = _text_then_broken_character(tok)
+    eos = tok.eos_token_ids[0]
+    output = tok.encode("hi ", add_special_tokens=False) + [token_id] + ([eos] if ending == "eos" else [])
+    finish = ("length", None) if ending == "length" else ("stop", eos)
+    stop = whole[-1]
+    pieces, reason, final, final_reason = frontend_text(tok, [1], output, finish, stop=[stop],
+                                                        include_stop_str_in_output=include)
+    text = "hi " + whole if include else "hi " + whole[:-1]
+    assert ("".join(pieces), reason) == (final, final_reason) == (text, stop)
+    pieces, reason, final, _ = frontend_text(tok, [1], output, finish, stop=["never"])
+    assert "".join(pieces) == final == tok.decode(output, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("kind", ["CUMULATIVE", "FINAL_ONLY"])
+def test_stop_string_in_text_held_back_at_the_end_in_llm_generate(qwen, kind):
+    """The same through LLM.generate: a request whose last token holds the stop string ends by it."""
+    from minillm.llm import LLM
+    from minillm.sampling_params import RequestOutputKind, SamplingParams
+    with LLM(str(qwen), load_format="dummy", device="cpu", dtype="float32", seed=0) as llm:
+        token_id, whole = _text_then_broken_character(llm.get_tokenizer())
+        params = SamplingParams(max_tokens=2, allowed_token_ids=[token_id], stop=[whole[-1]], ignore_eos=True,
+                                output_kind=RequestOutputKind[kind])
+        [out] = llm.generate({"prompt_token_ids": [1, 2]}, params, use_tqdm=False)
+    completion = out.outputs[0]
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == (whole[:-1], "stop", whole[-1])
