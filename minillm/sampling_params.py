@@ -214,7 +214,7 @@ class SamplingParams:
     # vLLM's extra_args: plain data for engine extensions; "kv_transfer_params" is the KV connector's
     extra_args: dict | None = None
     allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
-    bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py)
+    bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py); None: []
     detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
     # vLLM's name, taken for its fast-tokenizer behaviour: the decoder puts no spaces between special tokens
     spaces_between_special_tokens: bool = True
@@ -483,11 +483,15 @@ class SamplingParams:
 
             self._allowed_entries = np.unique(np.array(allowed, dtype=np.int32))
         words = self.bad_words
-        if words is not None:
-            if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) for w in words):
-                raise ValueError(f"bad_words must be a list of strings, got {short_repr(words)}")
-            if len(words) > MAX_BAD_WORDS:
-                raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
+        if words is None:           # a list, as vLLM makes it ([] for None), as stop and stop_token_ids
+            self.bad_words = []
+            return
+        if not isinstance(words, (list, tuple)) or any(not isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words must be a list of strings, got {short_repr(words)}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
+        if type(words) is not list:
+            self.bad_words = list(words)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Raise ValueError naming a field whose token ids or counts fall outside a vocabulary of vocab_size.

@@ -162,3 +162,15 @@ def test_generate_names_a_priority_of_floats_or_bools(llm, priority):
         llm.generate(["Lily", "Tom"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
                      priority=priority)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("given, kept", [(None, []), ((), []), (("cat", "dog"), ["cat", "dog"]), (["cat"], ["cat"])])
+def test_bad_words_is_a_list_as_in_vllm(given, kept):
+    """vLLM's __post_init__ makes bad_words a list ([] for None), as stop and stop_token_ids: code
+    that extends params.bad_words or takes its len() raised TypeError on None."""
+    assert SamplingParams.from_fields({"bad_words": given}).bad_words == kept
+    params = SamplingParams(bad_words=given)
+    assert type(params.bad_words) is list and params.bad_words == kept
+    params.bad_words.append("owl")
+    params.validate()
+    assert params.bad_words == kept + ["owl"]
