@@ -135,9 +135,11 @@ def _as_float(value: numbers.Real) -> float:
 
 
 def _float32_bits(values: list[float]) -> list[int]:
-    """values as float32 bit patterns; one past float32's range is the infinity of its sign (as
-    float32 rounds it: the bias still bans or forces its token), where struct refuses to pack it."""
-    values = [v if -FLOAT32_MAX <= v <= FLOAT32_MAX else math.copysign(math.inf, v) for v in values]
+    """Biases as float32 bit patterns (struct refuses a value past float32's range). One below its
+    range is -inf, which bans the token; one above (inf too) is float32's largest value, which
+    forces it: a token that allowed_token_ids or a grammar masked to -inf stays there (+inf would
+    make it NaN, which the sampler took)."""
+    values = [min(v, FLOAT32_MAX) if v >= -FLOAT32_MAX else -math.inf for v in values]
     n = len(values)
     return list(struct.unpack(f"<{n}i", struct.pack(f"<{n}f", *values)))
 

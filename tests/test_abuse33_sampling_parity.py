@@ -87,24 +87,26 @@ def test_a_huge_negative_bias_bans_the_token_as_in_vllm(llm, bias):
                                   dict(temperature=0.7, min_p=0.1), dict(temperature=0.5, top_p=0.9, min_p=0.1),
                                   dict(temperature=1.0, repetition_penalty=1.2, frequency_penalty=0.5)])
 def test_a_huge_positive_bias_forces_the_token_under_every_rule(llm, bias, rule):
-    """A bias past float32's range is +inf in the sampler's float32 (as in vLLM's tensor): the token's
-    logit is infinite, and every rule takes it (the NumPy sampler raised or took another token)."""
+    """A bias past float32's range is float32's largest value in the sampler (1e37 at temperature 0.05
+    is past it too): every rule takes the token (the NumPy sampler raised or took another token)."""
     assert gen(llm, seed=5, max_tokens=5, ignore_eos=True, logit_bias={300: bias}, **rule) == [300] * 5
 
 
-def test_the_packed_biases_are_float32_and_carry_an_overflowing_bias_as_infinite():
-    """The sampler uploads biases as float32 words: 1e39 and -1e300 (past its range) go up as +-inf,
-    1e9 and -1e30 as themselves, rather than failing to pack (struct's OverflowError)."""
+def test_the_packed_biases_are_float32_and_carry_an_overflowing_bias_as_a_ban_or_float32s_largest():
+    """The sampler uploads biases as float32 words: -1e300 (past its range) goes up as -inf, 1e39 as
+    float32's largest value, 1e9 and -1e30 as themselves, rather than failing to pack (struct's
+    OverflowError)."""
     from minillm.device import make_device
     from minillm.sequence import Sequence
 
-    params = SamplingParams(logit_bias={1: 1e39, 2: -1e300, 3: 1e9, 4: -1e30, 5: float("-inf")})
+    params = SamplingParams(logit_bias={1: 1e39, 2: -1e300, 3: 1e9, 4: -1e30, 5: float("-inf"), 6: float("inf")})
     seq = Sequence("r", 0, [1, 2, 3], params, 0.0, np.random.default_rng(0), 16)
     seq.num_output_placeholders = 1
     meta = SamplingInputBuffer(npops, make_device("numpy"), 4, [2]).prepare([seq], 512)
     rows, tokens, values = meta.logit_bias
-    assert values.dtype == np.float32 and tokens.tolist() == [1, 2, 3, 4, 5]
-    assert values.tolist() == [np.inf, -np.inf, np.float32(1e9), np.float32(-1e30), -np.inf]
+    largest = float(np.finfo(np.float32).max)
+    assert values.dtype == np.float32 and tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    assert values.tolist() == [largest, -np.inf, np.float32(1e9), np.float32(-1e30), -np.inf, largest]
 
 
 def test_the_server_still_clamps_biases_to_100_as_vllms_server_does():
@@ -174,3 +176,21 @@ def test_bad_words_is_a_list_as_in_vllm(given, kept):
     params.bad_words.append("owl")
     params.validate()
     assert params.bad_words == kept + ["owl"]
+
+
+@pytest.mark.parametrize("bias", [1e39, float("inf")], ids=repr_id)
+@pytest.mark.parametrize("rule", [dict(temperature=0), dict(temperature=1.0), dict(temperature=1.0, top_p=0.9)])
+def test_an_infinite_bias_on_a_token_allowed_token_ids_masks_leaves_it_masked(llm, bias, rule):
+    """The mask's -inf plus an infinite bias was NaN, and the sampler took that token, outside the set."""
+    out = gen(llm, seed=1, max_tokens=5, allowed_token_ids=[265, 376], logit_bias={300: bias, 376: bias}, **rule)
+    assert out == [376] * 5
+
+
+def test_an_infinite_bias_on_a_token_the_grammar_forbids_leaves_it_forbidden(llm):
+    from minillm.sampling_params import StructuredOutputsParams
+
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = [SamplingParams(temperature=0, max_tokens=5, structured_outputs=choice, logit_bias={300: bias})
+              for bias in (float("inf"), 1e39, 5.0)]
+    texts = [o.outputs[0].text for o in llm.generate([PROMPT] * 3, params, use_tqdm=False)]
+    assert texts == [texts[2]] * 3 and texts[2] in choice.choice
