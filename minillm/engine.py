@@ -26,7 +26,7 @@ from minillm.model_config_view import EngineModelConfig, engine_model_config
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
-from minillm.output_processor import TextOutputs
+from minillm.output_processor import TextOutputs, prompt_logprobs_context
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import (
@@ -710,7 +710,7 @@ class LLMEngine:
             have = len(req.prompt_logprobs)
             if first <= have < first + len(dicts):
                 shape, prompt = self.output_processor.prompt_logprobs_entry, req.prompt_token_ids
-                req.prompt_logprobs.extend(shape(entry, seq.params, prompt[i])
+                req.prompt_logprobs.extend(shape(entry, seq.params, prompt[i], prompt_logprobs_context(prompt, i))
                                            for i, entry in enumerate(dicts[have - first:], start=have))
                 self._changed[req] = None
 

@@ -7,8 +7,8 @@ from minillm.outputs import CompletionOutput, Logprob, RequestOutput, reported_p
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.tokenizer import (
-    MAX_CONTINUATION_TOKENS, PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer,
-    context_start,
+    MAX_CONTINUATION_TOKENS, MAX_LOGPROB_CONTEXT_TOKENS, PROMPT_CONTEXT_TOKENS, REPLACEMENT_CHAR,
+    IncrementalDetokenizer, Tokenizer, context_start,
 )
 
 
@@ -62,8 +62,11 @@ def new_state(tokenizer: Tokenizer, seq: Sequence, incremental: bool = True, del
 def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> str | None:
     """Feed the newest token; returns the stop string it completed, if any."""
     if state.want_logprobs and logprobs is not None:
+        # vLLM reads a token that ends inside a character after the output's tokens before it
+        num_prompt, end = len(seq.prompt_token_ids), len(seq.token_ids) - 1
+        context = seq.token_ids[max(num_prompt, end - MAX_LOGPROB_CONTEXT_TOKENS):end]
         state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs,
-                                              state.detokenizer.tok if state.detokenize else None, token))
+                                              state.detokenizer.tok if state.detokenize else None, token, context))
         state.cumulative_logprob += logprobs.get(token, 0.0)
     is_text = not (seq.status is SequenceStatus.FINISHED_STOPPED and _ended_by_stop_token(seq, token)
                    and not state.include_stop)
@@ -91,26 +94,34 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
 
 
 def prompt_logprobs_entry(entry: dict[int, float] | None, params: SamplingParams, token: int,
-                          tokenizer: Tokenizer) -> dict[int, Logprob] | None:
-    """One prompt position's entry (None for the first) as vLLM's Logprobs, the prompt token first."""
+                          tokenizer: Tokenizer, context: list[int] = ()) -> dict[int, Logprob] | None:
+    """One prompt position's entry (None for the first) as vLLM's Logprobs, the prompt token first;
+    context: the prompt's tokens before it (prompt_logprobs_context)."""
     if entry is None:
         return None
-    return ranked_logprobs(entry, params.prompt_logprobs, tokenizer if params.detokenize else None, token)
+    return ranked_logprobs(entry, params.prompt_logprobs, tokenizer if params.detokenize else None, token, context)
+
+
+def prompt_logprobs_context(prompt_token_ids: list[int], index: int) -> list[int]:
+    """The prompt tokens vLLM reads the INDEX-th one's logprob tokens after: those before it that have
+    entries of their own (the first has none), the last MAX_LOGPROB_CONTEXT_TOKENS."""
+    return prompt_token_ids[max(1, index - MAX_LOGPROB_CONTEXT_TOKENS):index]
 
 
 def ranked_logprobs(logprobs: dict[int, float], num_top: int, tokenizer: Tokenizer | None,
-                    first: int | None = None) -> dict[int, Logprob]:
+                    first: int | None = None, context: list[int] = ()) -> dict[int, Logprob]:
     """A token's {id: logprob} as vLLM's Logprobs: the top num_top ranked 1.. in order; the sampled
     (or prompt) token, when it falls below them, keeps the rank its Logprob carries from the sampler.
-    first, that sampled (or prompt) token, leads the dict, as in vLLM's. Without a tokenizer
-    (detokenize=False) decoded_token stays None."""
+    first, that sampled (or prompt) token, leads the dict, as in vLLM's. decoded_token is the
+    tokenizer's logprob_token_text, read after CONTEXT (the sequence's tokens before this position);
+    without a tokenizer (detokenize=False) it stays None."""
     order = sorted(logprobs, key=logprobs.__getitem__, reverse=True)
     ranks = {tid: i + 1 for i, tid in enumerate(order[:num_top])}
     if first in logprobs and order[0] != first:
         order.remove(first)
         order.insert(0, first)
     return {tid: Logprob(logprobs[tid], ranks[tid] if tid in ranks else getattr(logprobs[tid], "rank", None),
-                         None if tokenizer is None else tokenizer.decode_token(tid, skip_special_tokens=False))
+                         None if tokenizer is None else tokenizer.logprob_token_text(tid, context))
             for tid in order}
 
 
@@ -201,9 +212,10 @@ class TextOutputs:
         return add_token(state, seq, token, logprobs)
 
     def prompt_logprobs_entry(self, entry: dict[int, float] | None, params: SamplingParams,
-                              token: int) -> dict[int, Logprob] | None:
-        """One prompt position's {id: logprob} (token: the prompt's own) as vLLM's Logprobs."""
-        return prompt_logprobs_entry(entry, params, token, self.tokenizer)
+                              token: int, context: list[int] = ()) -> dict[int, Logprob] | None:
+        """One prompt position's {id: logprob} (token: the prompt's own; context: prompt_logprobs_context)
+        as vLLM's Logprobs."""
+        return prompt_logprobs_entry(entry, params, token, self.tokenizer, context)
 
     def request_output(self, req, finished: bool) -> RequestOutput | None:
         """req's report after a step (req: the engine's Request); None for a delta request with nothing new."""

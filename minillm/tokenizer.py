@@ -21,6 +21,10 @@ logger = logging.getLogger("minillm")
 # What a lossy UTF-8 decode puts where bytes do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
 
+# vLLM's logprobs read a token whose text ends inside a character with at most this many tokens before it
+# (a UTF-8 character has at most four bytes).
+MAX_LOGPROB_CONTEXT_TOKENS = 4
+
 # Token ids above this are decoded each time, not remembered (no vocabulary is near it; ids a
 # client sends are checked against the vocabulary, but nothing here relies on that).
 MAX_CACHED_TOKEN_ID = 1 << 20
@@ -270,6 +274,7 @@ class Tokenizer:
         # (token id, skip_special_tokens) -> the token's text decoded alone (a streaming detokenizer
         # asks for the same few thousand again and again).
         self._token_texts: dict[tuple[int, bool], str] = {}
+        self._logprob_texts: dict[int, str] = {}    # token id -> logprob_token_text without context
 
     def _id_of(self, name: str) -> int | None:
         content = self.special_tokens.get(name)
@@ -456,6 +461,59 @@ class Tokenizer:
             if 0 <= token_id < MAX_CACHED_TOKEN_ID:
                 self._token_texts[key] = text
         return text
+
+    def logprob_token_text(self, token_id: int, context: list[int] | tuple[int, ...] = ()) -> str:
+        """A token's text as vLLM's logprobs name it (Logprob.decoded_token): decoded alone, specials kept,
+        the leading spaces a SentencePiece (Metaspace) decoder strips from a token alone put back; one whose
+        bytes end inside a character is read after CONTEXT (the sequence's tokens before it, the last
+        MAX_LOGPROB_CONTEXT_TOKENS used): the text it completes, "" while the character is unfinished."""
+        text = self._logprob_texts.get(token_id)
+        if text is None:
+            text = self.decode_token(token_id, skip_special_tokens=False)
+            marker = self._leading_space_marker
+            if marker is not None and 0 <= token_id < len(self):
+                piece = self.backend.id_to_token(int(token_id)) or ""
+                missing = (len(piece) - len(piece.lstrip(marker))) - (len(text) - len(text.lstrip(" ")))
+                text = " " * missing + text if missing > 0 else text
+            if 0 <= token_id < MAX_CACHED_TOKEN_ID:
+                self._logprob_texts[token_id] = text
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text
+        return self._completed_text(token_id, list(context[-MAX_LOGPROB_CONTEXT_TOKENS:]))
+
+    def _completed_text(self, token_id: int, context: list[int]) -> str:
+        """vLLM's reading of a token that ends inside a character: decoded after the fewest of CONTEXT's
+        last tokens that complete it, less the text of the context tokens that came before the character
+        began (those whose own text ends broken are its first bytes, and named "" themselves)."""
+        for num_context in range(1, len(context) + 1):
+            before = context[-num_context:]
+            whole = self.decode(before + [token_id])
+            if whole.endswith(REPLACEMENT_CHAR):
+                continue
+            clean = len(before)
+            while clean > 0 and self.decode_token(before[clean - 1], skip_special_tokens=False).endswith(
+                    REPLACEMENT_CHAR):
+                clean -= 1
+            head = self.decode(before[:clean]) if clean else ""
+            same = next((i for i, (a, b) in enumerate(zip(head, whole)) if a != b), min(len(head), len(whole)))
+            return whole[same:]
+        return ""
+
+    @functools.cached_property
+    def _leading_space_marker(self) -> str | None:
+        """The replacement character of a Metaspace pre-tokenizer (SentencePiece's "▁"), alone or in a
+        sequence: the one whose leading run decode() strips from a token alone. None for others."""
+        pre = self.backend.pre_tokenizer
+        if pre is None:
+            return None
+        try:
+            state = json.loads(pre.__getstate__())
+        except (TypeError, ValueError, AttributeError):
+            return None
+        for part in [state] + list(state.get("pretokenizers") or []):
+            if isinstance(part, dict) and part.get("type") == "Metaspace":
+                return part.get("replacement", "\u2581")
+        return None
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list:
         """A token string -> its id (the unk token's id, else None, for one the vocabulary lacks); a

@@ -192,3 +192,67 @@ def test_stop_string_in_text_held_back_at_the_end_in_llm_generate(qwen, kind):
         [out] = llm.generate({"prompt_token_ids": [1, 2]}, params, use_tqdm=False)
     completion = out.outputs[0]
     assert (completion.text, completion.finish_reason, completion.stop_reason) == (whole[:-1], "stop", whole[-1])
+
+
+def frontend_logprobs(tok, prompt: list[int], output: list[int], alternative: int) -> list[dict]:
+    """Each output token's logprobs as the API server's output processing makes them (LLM.generate's shape), the
+    token itself and ALTERNATIVE offered at every position."""
+    from minillm.engine_core import messages as m
+    from minillm.engine_core.output_processor import OutputProcessor
+    from minillm.sampling_params import SamplingParams
+    proc = OutputProcessor(tok)
+    proc.add("r", None, prompt, SamplingParams(max_tokens=len(output), logprobs=1), 0.0, "h")
+    logprobs = []
+    for i, token in enumerate(output):
+        last = i == len(output) - 1
+        row = {token: -0.5, alternative: -1.0} if token != alternative else {token: -0.5}
+        seq = m.SeqOutput(0, [token], [row], finish_reason="length" if last else None)
+        done = proc.process(m.StepOutputs(i, 0.0, [m.RequestStepOutput("r", [seq], last, 0, None, None, None)]), 0.0)
+        for _, out in done.outputs:
+            logprobs = out.outputs[0].logprobs
+    return logprobs
+
+
+def test_logprob_tokens_of_a_character_in_byte_tokens_as_vllm(stories_path):
+    """A character the model writes as several byte-fallback tokens: vLLM names each byte token that leaves the
+    character unfinished "" and the one that completes it by the whole character, read with the tokens before it
+    (Logprob.decoded_token); every one was U+FFFD. A token offered beside them keeps its own text."""
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(stories_path)
+    output = tok.encode("a中", add_special_tokens=False)
+    pieces = [tok.id_to_token(t) for t in output]
+    assert pieces[-3:] == ["<0xE4>", "<0xB8>", "<0xAD>"], pieces
+    alternative = tok.encode("x", add_special_tokens=False)[-1]
+    rows = frontend_logprobs(tok, [1], output, alternative)
+    assert [row[t].decoded_token for row, t in zip(rows, output)][-3:] == ["", "", "中"]
+    assert all(row[alternative].decoded_token == tok.decode([alternative]) for row in rows if alternative in row)
+    # a byte token offered beside another is read after the same sampled tokens (E4 B8 then B8 is 丸, AD 中)
+    rows = frontend_logprobs(tok, [1], output[:-1] + [output[-2]], output[-1])
+    assert (rows[-1][output[-2]].decoded_token, rows[-1][output[-1]].decoded_token) == ("丸", "中")
+
+
+def test_prompt_logprob_tokens_of_a_character_in_byte_tokens_as_vllm(stories_path):
+    """The same for prompt_logprobs, the prompt's earlier tokens (its first, which has no entry, aside) the context."""
+    from minillm import LLM
+    from minillm.sampling_params import SamplingParams
+    with LLM(str(stories_path), device="cpu", max_model_len=64) as llm:
+        tok = llm.get_tokenizer()
+        prompt = tok.encode("Once 中")
+        [out] = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                             use_tqdm=False)
+    names = [entry[t].decoded_token for entry, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+    assert names[-3:] == ["", "", "中"], names
+
+
+def test_logprob_tokens_keep_the_sentencepiece_leading_space_as_vllm(tmp_path):
+    """A Metaspace tokenizer's "▁the" is named " the" (decode() of the token alone strips the space a first
+    token's "▁" stands for; vLLM puts it back, so that "▁the" and "the" differ); it was "the"."""
+    from test_abuse29_tokenizers import save_mistral
+    from minillm.tokenizer import Tokenizer
+    tok = Tokenizer.from_pretrained(save_mistral(tmp_path / "mistral"))
+    vocab = tok.get_vocab()
+    word = next(w for w in sorted(vocab) if w.isalpha() and len(w) > 1 and "▁" + w in vocab)
+    spaced, bare = vocab["▁" + word], vocab[word]
+    assert tok.decode([spaced]) == tok.decode([bare]) == word
+    rows = frontend_logprobs(tok, [1], [spaced], bare)
+    assert (rows[0][spaced].decoded_token, rows[0][bare].decoded_token) == (" " + word, word)

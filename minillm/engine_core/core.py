@@ -107,8 +107,8 @@ class TokenOutputs:
             state.logprobs.append(logprobs)
 
     def prompt_logprobs_entry(self, entry: dict[int, float] | None, params: SamplingParams,
-                              token: int) -> dict[int, float] | None:
-        """One prompt position's entry as it travels (the API server ranks and decodes it)."""
+                              token: int, context: list[int] = ()) -> dict[int, float] | None:
+        """One prompt position's entry as it travels (the API server ranks and decodes it, after context)."""
         return entry
 
     def completion_output(self, state: TokenState, seq: Sequence) -> m.SeqOutput:

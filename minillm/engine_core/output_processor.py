@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minillm.engine_core import messages as m
-from minillm.output_processor import CompletionState, add_token, new_state, prompt_logprobs_entry, request_output
+from minillm.output_processor import (
+    CompletionState, add_token, new_state, prompt_logprobs_context, prompt_logprobs_entry, request_output,
+)
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import RequestOutputKind, SamplingParams
 from minillm.sequence import SequenceStatus
@@ -169,7 +171,8 @@ class OutputProcessor:
                 first, params, prompt = len(req.prompt_logprobs), seqs[0].params, req.prompt_token_ids
                 entries = m.with_prompt_token_ranks(out.new_prompt_logprobs, out.new_prompt_logprob_ranks,
                                                     prompt, first)
-                req.prompt_logprobs.extend(prompt_logprobs_entry(entry, params, prompt[i], self.tokenizer)
+                req.prompt_logprobs.extend(prompt_logprobs_entry(entry, params, prompt[i], self.tokenizer,
+                                                                 prompt_logprobs_context(prompt, i))
                                            for i, entry in enumerate(entries, start=first))
                 moved = True    # a prefill chunk's step: reported as the engine reports it (_output decides)
             for seq_out in out.seqs:

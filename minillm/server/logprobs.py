@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, NamedTuple
 
-from minillm.output_processor import ranked_logprobs
+from minillm.output_processor import prompt_logprobs_context, ranked_logprobs
 from minillm.tokenizer import IncrementalDetokenizer
 
 
@@ -112,7 +112,7 @@ def prompt_logprobs_json(entries: list, prompt_token_ids: list[int], num_top: in
         if entry is None:
             out.append(None)
             continue
-        ranked = ranked_logprobs(entry, num_top, tokenizer)
+        ranked = ranked_logprobs(entry, num_top, tokenizer, context=prompt_logprobs_context(prompt_token_ids, i))
         token = prompt_token_ids[i]
         order = [token] + [tid for tid in ranked if tid != token] if token in ranked else list(ranked)
         out.append({tid: {"logprob": _finite(ranked[tid]), "rank": ranked[tid].rank,
