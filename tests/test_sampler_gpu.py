@@ -139,3 +139,22 @@ def test_a_row_with_every_token_masked_samples_id_0_as_the_twin(top_k, top_p):
     got = ops.sample(ops.asarray(logits), *(ops.asarray(a) for a in args))
     assert cupy.asnumpy(got).tolist() == want.tolist()
     assert want[1] == want[3] == 0
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 1.0, 0.0), (50, 0.9, 0.0), (0, 0.9, 0.1), (20, 1.0, 0.05)])
+def test_a_row_whose_largest_logit_over_the_temperature_is_inf_takes_its_argmax_as_the_twin(top_k, top_p, min_p):
+    # A logit_bias packed as float32's largest value, or a tiny repetition penalty, puts a logit at
+    # or near float32's top; over a temperature below 1 it is +inf, and exp(x - max) is NaN there.
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal((4, VOCAB)).astype(np.float32)
+    big = np.finfo(np.float32).max
+    logits[0, 1234] = big
+    logits[1, 77] = np.inf
+    logits[2, 9] = logits[2, 99_000] = big              # two infinite weights: the first is taken
+    b = len(logits)
+    args = (np.array([0.5, 1.0, 0.3, 0.7], np.float32), np.full(b, top_k, np.int32),
+            np.full(b, top_p, np.float32), np.full(b, min_p, np.float32), rng.random(b).astype(np.float32))
+    want = npops.sample(logits, *args)
+    got = ops.sample(ops.asarray(logits), *(ops.asarray(a) for a in args))
+    assert want[:3].tolist() == [1234, 77, 9]
+    assert cupy.asnumpy(got).tolist() == want.tolist()
