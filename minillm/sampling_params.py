@@ -218,7 +218,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
     bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py); None: []
     detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
-    # vLLM's name, taken for its fast-tokenizer behaviour: the decoder puts no spaces between special tokens
+    # vLLM's: False reads an added token right after another as its bare text (no space the decoder puts between)
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE   # what LLMEngine.step() reports
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
