@@ -516,7 +516,10 @@ def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:
 
 def run_grammar_process(conn, spec: GrammarProcessSpec) -> None:
     """The grammar process: answer the engine's commands until told to stop or the engine is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the engine's to handle; it stops us
+    # Ctrl-C, or a service manager's SIGTERM to the whole process group, is the engine's to handle: it
+    # stops us once its open requests are done (dying of it failed every constrained request in flight).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     server = _GrammarServer(conn, spec)
     try:
         server.serve()

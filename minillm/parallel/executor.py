@@ -79,15 +79,12 @@ def _close_segments(segments: list) -> None:
 
 
 def _stop(procs: list, closers: list) -> None:
-    """Terminate what is still running, then remove the shared-memory segments."""
+    """Kill what is still running (a worker ignores SIGTERM), then remove the shared-memory segments."""
     for proc in procs:
-        if proc.is_alive():
-            proc.terminate()
-    for proc in procs:
-        proc.join(SHUTDOWN_WAIT_S)
         if proc.is_alive():
             proc.kill()
-            proc.join()
+    for proc in procs:
+        proc.join(SHUTDOWN_WAIT_S)
     for close in closers:
         close()
 

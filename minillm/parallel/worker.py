@@ -38,7 +38,10 @@ class WorkerSpec:
 
 def run_worker(spec: WorkerSpec) -> None:
     """The worker process's main function."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is rank 0's to handle; it stops the workers
+    # Ctrl-C, or a service manager's SIGTERM to the whole process group, is rank 0's to handle: it stops
+    # the workers once its open requests are done (a worker that died of it took the engine with it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     def check_parent() -> None:
         if os.getppid() != spec.parent_pid:

@@ -1,0 +1,106 @@
+"""`minillm serve` stopped and started as service managers do it: a SIGTERM to the whole process group
+(systemd's default KillMode=control-group, `kill -TERM -PGID`, supervisord's stopasgroup)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from test_abuse20_deploy import MODEL, REPO, Serve, serve_command
+from test_server_helpers import sse_events, wait_for
+
+
+class GroupServe(Serve):
+    """A `minillm serve` process leading a process group of its own (its children join it), as a
+    service manager starts it."""
+
+    def __init__(self, command: list[str], tmp_path: Path) -> None:
+        self.tmp = tmp_path / "tmp"
+        self.tmp.mkdir()
+        env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(self.tmp)}
+        self.proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def members(self) -> list[int]:
+        """The live processes of its group (zombies left for an init that never reaps them do not count)."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                state, _, pgrp = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if int(pgrp) == self.proc.pid and state not in ("Z", "X"):
+                found.append(int(entry.name))
+        return found
+
+    def stop(self) -> None:
+        """Kill the whole group if the test left any of it running."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def group_serve(tmp_path):
+    started: list[GroupServe] = []
+
+    def start(command: list[str]) -> GroupServe:
+        started.append(GroupServe(command, tmp_path))
+        return started[-1]
+    yield start
+    for server in started:
+        server.stop()
+
+
+class BodyStream(threading.Thread):
+    """A streamed completion of `body` read on a thread; `first` is set once its first event is in."""
+
+    def __init__(self, url: str, body: dict) -> None:
+        super().__init__(daemon=True)
+        self.url, self.body, self.lines, self.first = url, body, [], threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=self.body, timeout=60) as r:
+            for line in r.iter_lines():
+                self.lines.append(line)
+                self.first.set()
+
+
+# ---- SIGTERM to the whole process group --------------------------------------------------------------
+
+@pytest.mark.parametrize("options, constraint", [
+    (("--tensor-parallel-size", "2"), {"ignore_eos": True}),
+    (("--grammar-process",), {"structured_outputs": {"regex": "[a-z ]{300,}"}}),
+], ids=["tensor-parallel-workers", "grammar-process"])
+def test_a_sigterm_to_the_whole_group_lets_open_streams_finish(stories_path, group_serve, options, constraint):
+    # The engine core ignores SIGTERM (the API server stops it), but the processes it starts did not:
+    # a tensor-parallel worker died at once, the engine with it, and every open stream ended with
+    # EngineDeadError, the server with status 1 and a traceback; a grammar process died, and every
+    # constrained stream ended with finish_reason "error".
+    server = group_serve(serve_command(stories_path, "--timeout-graceful-shutdown", "300", *options))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True, **constraint}
+    streams = [BodyStream(url, body) for _ in range(3)]
+    assert all(stream.first.wait(60) for stream in streams), server.text()
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.text()
+    for stream in streams:
+        stream.join(30)
+        assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
+        last = sse_events(stream.lines)[-1]
+        assert "error" not in last and last["choices"][0]["finish_reason"] == "length", last
+    assert "Traceback" not in server.text(), server.text()
+    assert wait_for(lambda: not server.members(), timeout=30), f"left running: {server.members()}"
+    assert server.leftovers() == []
