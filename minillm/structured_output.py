@@ -56,6 +56,7 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from minillm.gbnf import gbnf_to_lark
 from minillm.grammar_process import tokens_taken
 from minillm.sampling_params import short_repr
 from minillm.stats import StructuredOutputStats
@@ -185,7 +186,7 @@ def _check_grammar(key: StructuredOutputKey) -> str:
     """llguidance's error for a constraint ('' when it is valid)."""
     # Whitespace does not change whether a schema is valid: check it in the default form.
     try:
-        return llguidance.LLMatcher.validate_grammar(serialize_grammar(key))
+        return _without_options_line(llguidance.LLMatcher.validate_grammar(serialize_grammar(key)))
     except ValueError as e:
         return str(e)
 
@@ -734,11 +735,13 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
         # (llguidance's max_items_in_row) the first token is refused mid-output.
         return llguidance.LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: "
                                                       + " | ".join(jsonlib.dumps(c) for c in jsonlib.loads(text)))
-    # A grammar in Lark syntax, or in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write
-    # them), which llguidance converts to Lark.
+    # A grammar in llama.cpp's GBNF (`root ::= ...`, as vLLM's examples write them), turned into
+    # Lark one character a lexeme (gbnf.py), or a Lark grammar. In a Lark grammar llguidance's forced
+    # bytes ran on forever where a greedy lexeme could only grow (`start: A "ab"`, A: /a+/), inside
+    # the step that consumed the token before: the model chooses the bytes there instead.
     if "::=" in text and not _LARK_START.search(text):
-        text = llguidance.grammar_from("grammar", _GBNF_CODE_POINT.sub(_gbnf_code_point, text))
-    return llguidance.LLMatcher.grammar_from_lark(text)
+        return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(text))
+    return llguidance.LLMatcher.grammar_from_lark(text + _NO_FORCING)
 
 
 # A Lark grammar has a line that opens its start rule, as Lark writes it (`start:`, or `?start:`
@@ -748,23 +751,13 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
 _LARK_START = re.compile(r"(?m)^\s*(?:%llguidance\b|[?!]?start\s*:)")
 
 
-# A GBNF escape: an escaped backslash (kept, so that \\u0041 stays text), or a code point \uXXXX / \UXXXXXXXX.
-_GBNF_CODE_POINT = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
+# Appended to a Lark grammar (last, so that the lines of llguidance's errors are the client's).
+_NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 
 
-def _gbnf_code_point(match: re.Match) -> str:
-    """A GBNF code point escape in a form llguidance's GBNF conversion keeps: \\xHH below 256 (escaped,
-    as it may be a quote, a bracket or a dash), the character itself above (the conversion drops the
-    leading zeros of \\u00e9, making the invalid \\ue9, and writes \\U0001F600 as \\U1F600)."""
-    digits = match.group(1) or match.group(2)
-    if digits is None:
-        return match.group(0)
-    code = int(digits, 16)
-    if code < 0x100:
-        return f"\\x{code:02x}"
-    if code > 0x10FFFF or 0xD800 <= code <= 0xDFFF:
-        return match.group(0)                     # no character: left for the conversion to refuse
-    return chr(code)
+def _without_options_line(message: str) -> str:
+    """llguidance's error for a Lark grammar, without the line of it that shows _NO_FORCING."""
+    return re.sub(r'\n *[0-9]+ \| %llguidance \{"no_forcing": true\}(?=\n|$)', "", message)
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -1397,7 +1390,8 @@ class StructuredOutputManager:
         grammar = serialize_grammar(key, disable_any_whitespace)
         template = llguidance.LLMatcher(tok, grammar, log_level=_LOG_LEVEL)
         if template.is_error():
-            raise StructuredOutputsError(key[0].value, f"invalid {_WHAT[key[0].value]}: {template.get_error()}")
+            raise StructuredOutputsError(key[0].value, f"invalid {_WHAT[key[0].value]}: "
+                                                       f"{_without_options_line(template.get_error())}")
         # Build the first lexer states on this thread. Copies share them and one of llguidance's
         # limits counts them all (a{1000000} passes the first mask and fails the next): two masks.
         for _ in range(2):
