@@ -757,7 +757,7 @@ _NO_FORCING = '\n%llguidance {"no_forcing": true}\n'
 
 def _without_options_line(message: str) -> str:
     """llguidance's error for a Lark grammar, without the line of it that shows _NO_FORCING."""
-    return re.sub(r'\n *[0-9]+ \| %llguidance \{"no_forcing": true\}(?=\n|$)', "", message)
+    return re.sub(r'\n *[0-9]+ \| %llguidance \{"no_forcing": true\}(?:\n *[0-9]+ \|[ \t]*)?(?=\n|$)', "", message)
 
 
 # ----------------------------------------------------------------------------- tokenizer

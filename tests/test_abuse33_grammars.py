@@ -105,3 +105,12 @@ def test_llama_cpps_regular_grammars_are_enforced_over_many_seeds(llm, name):
         assert comp.finish_reason in ("stop", "length"), comp
         # a finished output is a sentence; one cut at max_tokens is the start of one
         assert regex.fullmatch(pattern, comp.text, partial=comp.finish_reason == "length"), comp.text
+
+
+@pytest.mark.parametrize("grammar", ['start: "a', 'start: ("a"', 'start: "a" |\n%%%'])
+def test_a_lark_grammars_error_shows_the_clients_lines_only(grammar):
+    import llguidance
+    with pytest.raises(StructuredOutputsError) as err:
+        StructuredOutputsParams(grammar=grammar)
+    own = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar))
+    assert str(err.value) == f"grammar: invalid grammar: {own.strip()}"
