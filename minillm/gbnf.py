@@ -287,12 +287,19 @@ def _check(rules: dict[str, Node]) -> None:
         for ref in _refs(body):
             if ref not in rules:
                 raise ValueError(f"the rule {name!r} refers to {ref!r}, which is not defined")
+    # Which rules can end: a rule is looked at again only when a rule it refers to is found to
+    # (a sweep over all rules until none changes took a minute on a chain of 10,000 rules).
+    users: dict[str, set[str]] = {name: set() for name in rules}
+    for name, body in rules.items():
+        for ref in _refs(body):
+            users[ref].add(name)
     ending: set[str] = set()
-    while True:
-        more = {name for name, body in rules.items() if name not in ending and _can_end(body, ending)}
-        if not more:
-            break
-        ending |= more
+    todo = list(rules)
+    while todo:
+        name = todo.pop()
+        if name not in ending and _can_end(rules[name], ending):
+            ending.add(name)
+            todo.extend(users[name] - ending)
     if "root" not in ending:
         raise ValueError("root can never end: every text it starts goes on forever (a rule that always "
                          "refers to itself again)")
