@@ -5,12 +5,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import httpx
 import pytest
-from test_abuse20_deploy import MODEL, REPO, Serve, serve_command
+from test_abuse20_deploy import MODEL, REPO, SLOW_LOAD_SERVE, Serve, is_gone, serve_command
 from test_server_helpers import sse_events, wait_for
 
 
@@ -104,3 +105,30 @@ def test_a_sigterm_to_the_whole_group_lets_open_streams_finish(stories_path, gro
     assert "Traceback" not in server.text(), server.text()
     assert wait_for(lambda: not server.members(), timeout=30), f"left running: {server.members()}"
     assert server.leftovers() == []
+
+
+# ---- the model load, cut short -----------------------------------------------------------------------
+
+def slow_load_command(tmp_path: Path, stories_path: Path, *args: str) -> tuple[list[str], Path]:
+    """`minillm serve` whose engine core's model load waits until the returned file exists (60 s at most)."""
+    script, go = tmp_path / "slow_serve.py", tmp_path / "go"
+    script.write_text(SLOW_LOAD_SERVE)
+    return [sys.executable, str(script), str(go), *serve_command(stories_path, *args)[3:]], go
+
+
+def test_an_engine_core_whose_server_is_killed_during_the_model_load_stops_loading(stories_path, group_serve, tmp_path):
+    # The core looked for its server only once serving: killed outright while the model loaded (by the
+    # OOM killer, or a supervisor's SIGKILL), the server left its core loading, for minutes with a large
+    # model, holding the device's memory that the restarted server then needs.
+    command, go = slow_load_command(tmp_path, stories_path)
+    server = group_serve(command)
+    core_pid = int(server.wait_line(r"minillm-test: loading in process (\d+)").group(1))
+    server.proc.kill()
+    server.proc.wait()
+    try:
+        assert wait_for(lambda: is_gone(core_pid), timeout=30), "the engine core went on loading"
+        assert wait_for(lambda: server.leftovers() == [], timeout=30), server.leftovers()
+    finally:
+        go.touch()
+    assert "Traceback" not in server.text(), server.text()
+

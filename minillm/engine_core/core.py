@@ -16,13 +16,16 @@ as EngineDead and the process exits with status 1; the API server sees the exit 
 """
 from __future__ import annotations
 
+import _thread
 import dataclasses
 import logging
+import multiprocessing.connection
 from collections import Counter, defaultdict
 import os
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -414,12 +417,55 @@ def remove_socket_dir(addresses: list[str]) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+class StarterGone(BaseException):
+    """The process that started the core went away, or let it go, before the model had loaded."""
+
+
+class LoadWatch:
+    """Ends the model load once the parent pipe reports the core's starter gone (killed outright, or
+    letting the core go): the loop looks at that pipe only once serving, and a core left loading held
+    the device for minutes. A thread waits on the pipe and raises StarterGone in the main thread,
+    through the SIGTERM handler (which otherwise ignores SIGTERM: Ctrl-C, or a supervisor's SIGTERM,
+    may reach the whole process group, and the API server handles it and shuts the core down; a
+    handler, not SIG_IGN, so processes the core spawns keep SIGTERM)."""
+
+    def __init__(self, parent_pipe: Any) -> None:
+        self._lock = threading.Lock()
+        self._phase = "loading"                     # then "serving", or "leaving" and "left"
+        self._loaded_r, self._loaded_w = os.pipe()
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        threading.Thread(target=self._watch, args=(parent_pipe,), name="minillm-core-load-watch",
+                         daemon=True).start()
+
+    def _watch(self, parent_pipe: Any) -> None:
+        multiprocessing.connection.wait([parent_pipe, self._loaded_r])
+        with self._lock:
+            if self._phase == "loading":
+                self._phase = "leaving"
+                _thread.interrupt_main(signal.SIGTERM)
+        os.close(self._loaded_r)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._phase == "leaving":                # never takes the lock: the main thread may hold it
+            self._phase = "left"
+            raise StarterGone()
+
+    def loaded(self) -> bool:
+        """Mark the model loaded; False when the starter went first (StarterGone may not have come)."""
+        with self._lock:
+            if self._phase == "loading":
+                self._phase = "serving"
+            elif self._phase == "leaving":
+                self._phase = "left"                # too late to raise: the caller leaves
+        os.write(self._loaded_w, b"x")
+        os.close(self._loaded_w)
+        return self._phase == "serving"
+
+
 def run_engine_core(spec: CoreSpec) -> None:
     """The core process's entry point: build the engine, say Ready, serve; exit 1 on a fatal failure."""
-    # Ctrl-C, or a supervisor's SIGTERM, may reach the whole process group: the API server handles
-    # it and shuts the core down (a handler, not SIG_IGN, so processes the core spawns keep SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: None)
+    watch = LoadWatch(spec.parent_pipe)
     ctx = zmq.Context()
     input_sock, output_socks = _connect(ctx, spec)
     encoder = m.encoder()
@@ -429,11 +475,18 @@ def run_engine_core(spec: CoreSpec) -> None:
             core = EngineCore(spec.config)
             if spec.core_hook is not None:
                 spec.core_hook(core.engine)
+        except StarterGone:
+            remove_socket_dir(spec.input_addresses + spec.output_addresses)
+            return
         except Exception as exc:  # noqa: BLE001 - the API servers re-raise it
             failed = encoder.encode(m.StartupFailed(*error_fields(exc)))
             for sock in output_socks:
                 sock.send(failed)
             status = 1
+            return
+        if not watch.loaded():
+            core.engine.shutdown()
+            remove_socket_dir(spec.input_addresses + spec.output_addresses)
             return
         proc = EngineCoreProc(core, spec, input_sock, output_socks)
         engine = core.engine
