@@ -132,3 +132,25 @@ def test_an_engine_core_whose_server_is_killed_during_the_model_load_stops_loadi
         go.touch()
     assert "Traceback" not in server.text(), server.text()
 
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT])
+def test_several_api_servers_stopped_during_the_model_load_stop_at_once(stories_path, group_serve, tmp_path, stop):
+    # The API servers took a SIGTERM while they waited for the core as a note for later: the stop came
+    # once the model had loaded, after the servers had started serving. A supervisor's stop during a
+    # long load hung until its own timeout, then killed everything (--api-server-count 1 stops at once).
+    command, go = slow_load_command(tmp_path, stories_path, "--api-server-count", "2")
+    server = group_serve(command)
+    core_pid = int(server.wait_line(r"minillm-test: loading in process (\d+)").group(1))
+    server.wait_line(r"API server 1 in process \d+")
+    os.killpg(server.proc.pid, stop)        # a terminal's Ctrl-C reaches the whole group
+    try:
+        assert server.proc.wait(timeout=30) == 0, server.text()
+        assert wait_for(lambda: is_gone(core_pid), timeout=30), "the engine core went on loading"
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"still running:\n{server.text()}") from None
+    finally:
+        go.touch()
+    assert "minillm: stopped while the model loaded" in server.text(), server.text()
+    assert "Uvicorn running" not in server.text() and "Traceback" not in server.text(), server.text()
+    assert wait_for(lambda: not server.members(), timeout=30), f"left running: {server.members()}"
+    assert server.leftovers() == []

@@ -723,18 +723,34 @@ def run_api_server(spec: APIServerSpec) -> None:
     """An API server process's entry point: join the engine core, serve on the shared socket; exit 1
     if the engine failed."""
     os.setpgrp()    # signals come from the supervisor, once (a terminal's Ctrl-C reaches it alone)
-    # The supervisor spawned this process with SIGTERM blocked, so one sent while it started is held,
-    # not fatal. From here a SIGTERM asks for a stop: before uvicorn takes the signals over (while this
-    # process joins the engine core) through `stop`; after, uvicorn shuts down gracefully and raises
-    # it again for this handler, which must not kill the process (its exit status says whether the
-    # engine failed).
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    _configure_logging()
-    from minillm.server.async_llm import AsyncLLM
+    # The supervisor spawned this process with SIGTERM and SIGINT blocked, so one sent while it started
+    # is held, not fatal; a Ctrl-C that reached the group before setpgrp is the supervisor's, dropped
+    # here (SIG_IGN discards it). A SIGTERM asks for a stop: while this process joins the engine core
+    # (the model may still be loading) it ends the join (the supervisor then lets the core go); once
+    # serving, through `stop` until uvicorn takes the signals over; after, uvicorn shuts down gracefully
+    # and raises it again for this handler, which must not kill the process (its exit status says
+    # whether the engine failed).
+    stop, joining = threading.Event(), threading.Event()
+    joining.set()
+
+    def on_sigterm(*_: Any) -> None:
+        stop.set()
+        if joining.is_set():
+            joining.clear()
+            raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+        _configure_logging()
+        from minillm.server.async_llm import AsyncLLM
         engine = AsyncLLM(spec.config, link=spec.link)
+        joining.clear()
+    except KeyboardInterrupt:    # stopped before the core was ready
+        if spec.index == 0:
+            print("minillm: stopped while the model loaded", file=sys.stderr, flush=True)
+        sys.exit(0)
     except Exception as exc:  # noqa: BLE001 - the core did not start; the supervisor exits 1
         if spec.index == 0:
             print(f"minillm serve: error: {exc}", file=sys.stderr, flush=True)
@@ -838,8 +854,9 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
 
     previous = {sig: signal.signal(sig, stop_servers) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        # The servers start with SIGTERM blocked (a child inherits the mask) until they can take it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        # The servers start with SIGTERM and SIGINT blocked (a child inherits the mask) until they can
+        # take them: a Ctrl-C while they imported killed them with a traceback each.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         try:
             for i, link in enumerate(core.links):
                 server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
@@ -849,7 +866,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
                 servers.append(proc)
                 print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         parent_reader.close()
         while any(proc.is_alive() for proc in servers):
             mp.connection.wait([proc.sentinel for proc in servers if proc.is_alive()], timeout=1.0)
