@@ -1262,6 +1262,10 @@ def serve(
     timeout_graceful_shutdown: Annotated[float, _server_option(
         "--timeout-graceful-shutdown", help="Seconds a stopping server (SIGTERM, Ctrl-C) gives open requests "
         "to finish; those still open a second before the end get an error event (streams) or a 503.")] = 5.0,
+    shutdown_timeout: Annotated[Optional[float], _server_option(
+        "--shutdown-timeout", metavar="SECONDS", help="vLLM's name for --timeout-graceful-shutdown, which it "
+        "replaces: seconds a stopping server gives open requests; 0 ends them at once with an error event "
+        "or a 503 (vLLM's default, an abort).")] = None,
     engine_core: Annotated[EngineCore, _server_option(
         "--engine-core", help="Where the engine core runs: its own process, apart from the HTTP server "
         "(process), or a thread of the server's process (thread).")] = EngineCore.process,
@@ -1432,6 +1436,8 @@ def serve(
                                 log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
                                 exit_on_engine_error=exit_on_engine_error,
                                 timeout_graceful_shutdown=timeout_graceful_shutdown,
+                                shutdown_timeout=shutdown_timeout_option(ctx, shutdown_timeout,
+                                                                         timeout_graceful_shutdown),
                                 engine_core=_plain(engine_core), api_server_count=api_server_count,
                                 allow_credentials=allow_credentials, response_role=response_role,
                                 root_path=root_path or "", enable_docs=not disable_fastapi_docs,
@@ -1515,6 +1521,15 @@ def openai_key_variable() -> str | None:
         except ValueError as exc:
             raise CliError(str(exc)) from None
     return value
+
+
+def shutdown_timeout_option(ctx, shutdown_timeout: float | None, timeout_graceful_shutdown: float) -> float | None:
+    """vLLM's --shutdown-timeout; a usage error where --timeout-graceful-shutdown is given another value."""
+    if shutdown_timeout is not None and shutdown_timeout != timeout_graceful_shutdown and \
+            ctx.get_parameter_source("timeout_graceful_shutdown").name == "COMMANDLINE":
+        raise UsageError(f"--shutdown-timeout and --timeout-graceful-shutdown disagree ({shutdown_timeout:g} and "
+                         f"{timeout_graceful_shutdown:g} seconds); give one")
+    return shutdown_timeout
 
 
 def log_requests_option(enable: bool, disable: bool) -> bool:

@@ -154,3 +154,51 @@ def test_several_api_servers_stopped_during_the_model_load_stop_at_once(stories_
     assert "Uvicorn running" not in server.text() and "Traceback" not in server.text(), server.text()
     assert wait_for(lambda: not server.members(), timeout=30), f"left running: {server.members()}"
     assert server.leftovers() == []
+
+
+# ---- vLLM's --shutdown-timeout ------------------------------------------------------------------------
+
+def test_vllms_shutdown_timeout_gives_open_streams_that_long(stories_path, group_serve):
+    # vLLM's Kubernetes guide (and KServe's, llm-d's) runs `vllm serve ... --shutdown-timeout 45`:
+    # minillm refused the flag, so such a deployment never started.
+    server = group_serve(serve_command(stories_path, "--shutdown-timeout", "300"))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    streams = [BodyStream(url, body) for _ in range(3)]
+    assert all(stream.first.wait(60) for stream in streams), server.text()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.text()
+    for stream in streams:
+        stream.join(30)
+        assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
+        assert sse_events(stream.lines)[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_shutdown_timeout_0_ends_open_streams_at_once_with_the_shutdown_error(stories_path, group_serve):
+    # vLLM's default: a SIGTERM aborts the requests in flight. Each stream still ends with an error
+    # event and [DONE], never cut.
+    server = group_serve(serve_command(stories_path, "--shutdown-timeout", "0"))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    streams = [BodyStream(url, body) for _ in range(3)]
+    assert all(stream.first.wait(60) for stream in streams), server.text()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(timeout=60) == 0, server.text()
+    ended_by_error = 0
+    for stream in streams:
+        stream.join(30)
+        assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
+        last = sse_events(stream.lines)[-1]
+        if "error" in last:
+            assert "shut down" in last["error"]["message"], last
+            ended_by_error += 1
+    assert ended_by_error, "every stream finished before the stop: the test needs longer streams"
+    assert "Traceback" not in server.text() and "Cancel" not in server.text(), server.text()
+
+
+def test_shutdown_timeout_and_timeout_graceful_shutdown_that_disagree_are_a_usage_error(stories_path):
+    result = subprocess.run(serve_command(stories_path, "--shutdown-timeout", "30", "--timeout-graceful-shutdown",
+                                          "10"), cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "--shutdown-timeout and --timeout-graceful-shutdown disagree" in result.stderr, result.stderr

@@ -120,6 +120,9 @@ class ServerOptions:
     # Seconds a stopping server gives open requests (uvicorn's --timeout-graceful-shutdown); those
     # still open shortly before it end with the engine's shutdown error instead of being cut.
     timeout_graceful_shutdown: float = 5.0
+    # vLLM's --shutdown-timeout, which replaces it where given: 0 ends open requests at once with the
+    # engine's shutdown error (vLLM's default, an abort); None: timeout_graceful_shutdown.
+    shutdown_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None:
@@ -156,6 +159,8 @@ class ServerOptions:
             raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
         if not 0 < self.timeout_graceful_shutdown <= 3600:
             raise ValueError(f"timeout_graceful_shutdown must be in (0, 3600] seconds, got {self.timeout_graceful_shutdown}")
+        if self.shutdown_timeout is not None and not 0 <= self.shutdown_timeout <= 3600:
+            raise ValueError(f"shutdown_timeout must be in [0, 3600] seconds, got {self.shutdown_timeout}")
         if self.api_server_count > max_api_server_count():
             # Each is a process with two sockets to the core: a count in the thousands spawned
             # processes until file descriptors ran out, then hung with the core dead.
@@ -169,6 +174,11 @@ class ServerOptions:
             if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
             object.__setattr__(self, name, tuple(value))     # a list (json.loads of the flag) kept hashable
+
+    @property
+    def graceful_shutdown_s(self) -> float:
+        """Seconds a stopping server gives open requests (0: none, they end at once)."""
+        return self.timeout_graceful_shutdown if self.shutdown_timeout is None else self.shutdown_timeout
 
     @property
     def api_keys(self) -> tuple[str, ...]:
@@ -448,10 +458,11 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, stopping: ShutdownFlag,
-                 end_requests: Callable[[], None] | None = None) -> None:
+                 end_requests: Callable[[], None] | None = None, end_at_once: bool = False) -> None:
         super().__init__(config)
         self.stopping = stopping
         self.end_requests = end_requests
+        self.end_at_once = end_at_once      # open requests end as the shutdown begins, not near its end
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.stopping.set()
@@ -470,7 +481,7 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.end_requests is not None:
             timeout = self.config.timeout_graceful_shutdown or 0
-            grace = max(timeout - min(1.0, timeout / 2), 0.0)
+            grace = 0.0 if self.end_at_once else max(timeout - min(1.0, timeout / 2), 0.0)
             asyncio.get_running_loop().call_later(grace, lambda: threading.Thread(
                 target=self.end_requests, name="minillm-end-requests", daemon=True).start())
         await super().shutdown(sockets)
@@ -675,9 +686,11 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     """Serve the app over `engine` with uvicorn until told to stop (or the engine fails, or `parent`,
     a pipe's read end, reports its writer gone, or `stop` is set)."""
     app = create_app(engine, options)
-    uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=options.timeout_graceful_shutdown,
+    # With no time for open requests they end at once, and get FORCED_EXIT_WAIT_S to send their error.
+    graceful_s = options.graceful_shutdown_s
+    uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=graceful_s or FORCED_EXIT_WAIT_S,
                                access_log=options.uvicorn_access_log, **uv_kwargs)
-    server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown)
+    server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown, end_at_once=not graceful_s)
     if options.exit_on_engine_error:
         threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
                          name="minillm-exit-on-engine-error", daemon=True).start()
