@@ -16,11 +16,9 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -41,6 +39,7 @@ from minillm.server.http import AcceptErrorLog, ListeningSocket, raise_open_file
 from minillm.server.json_body import JSONBodyRoute
 from minillm.server.limits import ServerLimits
 from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
+from minillm.server.metrics_dir import join_metrics_dir, make_metrics_dir
 from minillm.server.middleware import (
     INVOCATIONS_PATH, APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware, ServerLoad,
     ServerLoadMiddleware,
@@ -730,11 +729,20 @@ class APIServerSpec:
     port: int                   # the port every API server listens on (SO_REUSEPORT)
     parent: Any                 # a pipe's read end: EOF once the supervising process is gone
     index: int
+    metrics_dir: str            # the API servers' Prometheus directory, which the last process out removes
 
 
 def run_api_server(spec: APIServerSpec) -> None:
     """An API server process's entry point: join the engine core, serve on the shared socket; exit 1
-    if the engine failed."""
+    if the engine failed. The last process out of the Prometheus directory removes it."""
+    metrics_dir = join_metrics_dir(spec.metrics_dir)
+    try:
+        _run_api_server(spec)
+    finally:
+        metrics_dir.leave()
+
+
+def _run_api_server(spec: APIServerSpec) -> None:
     os.setpgrp()    # signals come from the supervisor, once (a terminal's Ctrl-C reaches it alone)
     # The supervisor spawned this process with SIGTERM and SIGINT blocked, so one sent while it started
     # is held, not fatal; a Ctrl-C that reached the group before setpgrp is the supervisor's, dropped
@@ -848,9 +856,10 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     count = options.api_server_count
     held = port_socket(host, port)     # bound, never listening: holds the port (and picks one for port 0)
     port = held.getsockname()[1]
-    # Each API server writes its latency histograms here; /metrics on any of them adds all up.
-    metrics_dir = tempfile.mkdtemp(prefix="minillm-metrics-")
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    # Each API server writes its latency histograms here; /metrics on any of them adds all up. The
+    # last process to leave removes it: the supervisor, or its API servers when it was killed outright.
+    metrics_dir = make_metrics_dir()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.path
     core = CoreProcess(config, count, core_hook)
     print(f"minillm: engine core in process {core.pid}", file=sys.stderr, flush=True)
     spawn = mp.get_context("spawn")
@@ -874,7 +883,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
             for i, link in enumerate(core.links):
                 server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
                 proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}", args=(
-                    APIServerSpec(config, server_options, link, host, port, parent_reader, i),))
+                    APIServerSpec(config, server_options, link, host, port, parent_reader, i, metrics_dir.path),))
                 proc.start()
                 servers.append(proc)
                 print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
@@ -900,7 +909,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         held.close()
         core.stop(timeout=10)
         core.close()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
+        metrics_dir.leave()
     failed = [proc for proc in servers if proc.exitcode != 0]
     if failed:
         logger.error("exit status 1: %s", ", ".join(f"{proc.name} {describe_exit(proc.exitcode)}" for proc in failed))
