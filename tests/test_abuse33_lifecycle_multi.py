@@ -1,13 +1,17 @@
-"""`minillm serve --api-server-count N` ended as operators end it: killed outright."""
+"""`minillm serve --api-server-count N` ended as operators end it: killed outright, or Ctrl-C twice."""
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
-from test_abuse20_deploy import Serve, is_gone, serve_command
-from test_server_helpers import wait_for
+from test_abuse20_deploy import MODEL, Serve, is_gone, serve_command
+from test_abuse33_lifecycle import BodyStream
+from test_server_helpers import sse_events, wait_for
 
 
 @pytest.fixture
@@ -45,3 +49,56 @@ def test_a_sigkill_to_the_supervisor_of_several_api_servers_leaves_no_metrics_di
     server.proc.wait()
     assert wait_for(lambda: all(is_gone(pid) for pid in pids), timeout=60), "an API server or the core went on"
     assert wait_for(lambda: server.leftovers() == [], timeout=30), server.leftovers()
+
+
+# A serve whose engine takes 0.25 s a step: a stream of 480 tokens lasts two minutes.
+PACED_SERVE = """
+import sys, time
+import minillm.engine
+
+real_step = minillm.engine.LLMEngine.step
+
+def paced_step(self, *args, **kwargs):
+    started = time.perf_counter()
+    outputs = real_step(self, *args, **kwargs)
+    time.sleep(max(0.0, 0.25 - (time.perf_counter() - started)))
+    return outputs
+
+minillm.engine.LLMEngine.step = paced_step
+
+if __name__ == "__main__":
+    from minillm.cli import main
+    main(sys.argv[1:])
+"""
+
+
+def paced_command(tmp_path: Path, stories_path: Path, *args: str) -> list[str]:
+    """`minillm serve` whose engine core takes 0.25 s a step."""
+    script = tmp_path / "paced_serve.py"
+    script.write_text(PACED_SERVE)
+    return [sys.executable, str(script), *serve_command(stories_path, *args)[3:]]
+
+
+def test_a_second_ctrl_c_forces_the_exit_of_several_api_servers(stories_path, serve_multi, tmp_path):
+    # The supervisor passed every signal on as SIGTERM, which uvicorn never takes as forcing: a second
+    # Ctrl-C left the streams running for the whole --timeout-graceful-shutdown (one server ends them).
+    server = serve_multi(paced_command(tmp_path, stories_path, "--api-server-count", "2",
+                                       "--timeout-graceful-shutdown", "600"))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    streams = [BodyStream(url, body) for _ in range(4)]
+    assert all(stream.first.wait(60) for stream in streams), server.text()
+    server.proc.send_signal(signal.SIGINT)
+    server.wait_line(r"Shutting down")
+    server.proc.send_signal(signal.SIGINT)
+    try:
+        assert server.proc.wait(timeout=30) == 0, server.text()
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"a second Ctrl-C did not force the exit:\n{server.text()}") from None
+    for stream in streams:
+        stream.join(30)
+        assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
+        last = sse_events(stream.lines)[-1]
+        assert "shut down" in last["error"]["message"], last
+    assert "Traceback" not in server.text(), server.text()
+    assert server.leftovers() == []

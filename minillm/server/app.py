@@ -457,14 +457,20 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, stopping: ShutdownFlag,
-                 end_requests: Callable[[], None] | None = None, end_at_once: bool = False) -> None:
+                 end_requests: Callable[[], None] | None = None, end_at_once: bool = False,
+                 interrupt_forces: bool = False) -> None:
         super().__init__(config)
         self.stopping = stopping
         self.end_requests = end_requests
         self.end_at_once = end_at_once      # open requests end as the shutdown begins, not near its end
+        self.interrupt_forces = interrupt_forces    # a SIGINT is the second Ctrl-C, even if it comes first
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.stopping.set()
+        if sig == signal.SIGINT and self.interrupt_forces:
+            # The supervisor sends its SIGTERM first, but a pending SIGINT is delivered first (the
+            # lower number): taken as a first Ctrl-C it would only ask for the graceful stop again.
+            self.should_exit = True
         super().handle_exit(sig, frame)
         # uvicorn raises each signal it caught again once it has stopped: a second Ctrl-C (which
         # forces the exit) raised two, and the second interrupted the shutdown with a traceback.
@@ -681,15 +687,17 @@ def stop_signals_as_interrupt():
 
 def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
                sockets: list[socket.socket] | None = None, parent: Any = None,
-               stop: threading.Event | None = None) -> None:
+               stop: threading.Event | None = None, interrupt_forces: bool = False) -> None:
     """Serve the app over `engine` with uvicorn until told to stop (or the engine fails, or `parent`,
-    a pipe's read end, reports its writer gone, or `stop` is set)."""
+    a pipe's read end, reports its writer gone, or `stop` is set). interrupt_forces: a SIGINT forces
+    the exit at once (an API server of several, whose supervisor sends one for a second Ctrl-C)."""
     app = create_app(engine, options)
     # With no time for open requests they end at once, and get FORCED_EXIT_WAIT_S to send their error.
     graceful_s = options.graceful_shutdown_s
     uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=graceful_s or FORCED_EXIT_WAIT_S,
                                access_log=options.uvicorn_access_log, **uv_kwargs)
-    server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown, end_at_once=not graceful_s)
+    server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown, end_at_once=not graceful_s,
+                     interrupt_forces=interrupt_forces)
     if options.exit_on_engine_error:
         threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
                          name="minillm-exit-on-engine-error", daemon=True).start()
@@ -782,7 +790,8 @@ def _run_api_server(spec: APIServerSpec) -> None:
     try:
         sock = port_socket(spec.host, spec.port)
         log_level = api_server_log_level(spec.options.uvicorn_log_level, spec.index)
-        serve_http(engine, spec.options, {"log_level": log_level}, sockets=[sock], parent=spec.parent, stop=stop)
+        serve_http(engine, spec.options, {"log_level": log_level}, sockets=[sock], parent=spec.parent, stop=stop,
+                   interrupt_forces=True)
     finally:
         engine.shutdown()
     sys.exit(1 if engine.has_failed else 0)
@@ -867,12 +876,15 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     servers = []
     stopping = ShutdownFlag()       # set in a signal handler: no lock
 
-    def stop_servers(*_: Any) -> None:
+    def stop_servers(signum: int | None = None, frame: Any = None) -> None:
+        # A Ctrl-C while stopping forces the exit, as uvicorn's second one does: the servers get it as
+        # SIGINT (they take their supervisor's SIGINT as forcing); anything else asks for a graceful stop.
+        forced = signum == signal.SIGINT and stopping.is_set()
         stopping.set()
         for proc in servers:
             if proc.is_alive():
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
+                    os.kill(proc.pid, signal.SIGINT if forced else signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, stop_servers) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
