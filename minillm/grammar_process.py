@@ -5,7 +5,9 @@ matchers' advance (a Python call or three a row) and a Python mask thread that t
 between llguidance's GIL-free fills; on a host-bound step both add to the step. Here the matchers
 live in a grammar process with its own interpreter: the engine thread sends each step's sampled
 tokens and the rows whose masks it wants, and reads back the matchers' answers and a filled-mask
-notice, the masks themselves written into two shared-memory buffers the sampler uploads from.
+notice, the masks themselves written into two shared-memory buffers the sampler uploads from. The
+buffers are an anonymous mapping (a memfd) passed down as a file descriptor: nothing names it, so
+nothing is left behind however either process ends.
 
     engine thread                                   grammar process
     GrammarProcess.compile(grammar)   GRAMMAR ->    compiles it (its own pool), answers "grammar"
@@ -21,11 +23,13 @@ is read, a RemoteMatcher's flags are those of the answer before.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -34,7 +38,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
 import numpy as np
@@ -55,15 +58,37 @@ class GrammarProcessSpec:
     tokenizer_json: str
     vocab_size: int
     eos_token_ids: list[int]
-    shm_name: str
+    mask_fd: int                       # the masks' memory, passed down under the same number
     num_rows: int                      # rows of each of the two mask buffers
     num_fill_threads: int | None
 
 
-def _mask_buffers(shm: SharedMemory, num_rows: int, num_words: int) -> list[np.ndarray]:
-    """The two [num_rows, num_words] int32 mask buffers laid one after the other in shm."""
+def _mask_buffers(mapping: mmap.mmap, num_rows: int, num_words: int) -> list[np.ndarray]:
+    """The two [num_rows, num_words] int32 mask buffers laid one after the other in mapping."""
     size = num_rows * num_words * 4
-    return [np.ndarray((num_rows, num_words), np.int32, buffer=shm.buf, offset=k * size) for k in range(2)]
+    return [np.ndarray((num_rows, num_words), np.int32, buffer=mapping, offset=k * size) for k in range(2)]
+
+
+def _masks_size(num_rows: int, num_words: int) -> int:
+    """Bytes of the two mask buffers."""
+    return 2 * num_rows * num_words * 4
+
+
+def _anonymous_file(size: int) -> int:
+    """The descriptor of `size` zero bytes of memory that no file name reaches (a memfd; where there is
+    none, a temporary file unlinked at once). A named shared-memory segment outlived an engine killed
+    outright, or was removed by its resource tracker with a warning about a leak."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("minillm-grammar-masks", os.MFD_CLOEXEC)
+    else:
+        with tempfile.TemporaryFile() as file:
+            fd = os.dup(file.fileno())
+    try:
+        os.ftruncate(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # ----------------------------------------------------------------------------- the engine's side
@@ -74,23 +99,25 @@ class SharedMasks:
 
     def __init__(self, num_rows: int, num_words: int,
                  register_host: Callable[[np.ndarray], Callable[[], None]] | None) -> None:
-        self.shm = SharedMemory(create=True, size=2 * num_rows * num_words * 4)
-        whole = np.ndarray((2 * num_rows * num_words,), np.int32, buffer=self.shm.buf)
+        self.fd = _anonymous_file(_masks_size(num_rows, num_words))   # the grammar process maps it too
+        self.mapping = mmap.mmap(self.fd, _masks_size(num_rows, num_words))
+        whole = np.ndarray((2 * num_rows * num_words,), np.int32, buffer=self.mapping)
         whole[...] = -1
         # Page-locked on a GPU (the sampler's upload is then a plain async copy), as the engine's own buffers.
         self._unregister = register_host(whole) if register_host is not None else None
         del whole
-        self.bitmasks = _mask_buffers(self.shm, num_rows, num_words)
+        self.bitmasks = _mask_buffers(self.mapping, num_rows, num_words)
 
     def release(self) -> None:
-        """Unpin and remove the segment (no step may read the buffers any more: closing unmaps them)."""
+        """Unpin and let go of the buffers (no step may read them any more: closing unmaps them); the
+        memory goes once the grammar process has let go too."""
         self.bitmasks = []
         if self._unregister is not None:
             self._unregister()
             self._unregister = None
-        self.shm.unlink()
+        os.close(self.fd)
         try:
-            self.shm.close()
+            self.mapping.close()
         except BufferError:       # a mask view is still held: the mapping goes with the last one
             pass
 
@@ -245,7 +272,7 @@ class GrammarProcess:
         self._masks = masks if masks is not None else SharedMasks(num_rows, bitmask_words(vocab_size), register_host)
         self.bitmasks = self._masks.bitmasks
         self.spec = spec = GrammarProcessSpec(tokenizer_json, int(vocab_size), [int(i) for i in eos_token_ids],
-                                              self._masks.shm.name, num_rows, num_fill_threads)
+                                              self._masks.fd, num_rows, num_fill_threads)
         try:
             self._conn, self._proc = _start(spec)
         except BaseException:
@@ -504,7 +531,7 @@ def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
         proc = subprocess.Popen([sys.executable, "-m", "minillm.grammar_process", str(child.fileno())],
-                                pass_fds=(child.fileno(),), stdin=subprocess.DEVNULL, env=env)
+                                pass_fds=(child.fileno(), spec.mask_fd), stdin=subprocess.DEVNULL, env=env)
     finally:
         child.close()
     conn = Connection(parent.detach())
@@ -527,16 +554,12 @@ def run_grammar_process(conn, spec: GrammarProcessSpec) -> None:
         server.close()
 
 
-def _attach(name: str) -> SharedMemory:
-    """The engine's shared segment, which the engine unlinks: not tracked here (before Python 3.13 an
-    attached segment is tracked, and this process's exit would unlink it under the engine)."""
+def _attach(fd: int, size: int) -> mmap.mmap:
+    """The engine's mask buffers, mapped from the descriptor it passed down (closed once mapped)."""
     try:
-        return SharedMemory(name=name, track=False)
-    except TypeError:                      # Python < 3.13
-        from multiprocessing import resource_tracker
-        shm = SharedMemory(name=name)
-        resource_tracker.unregister(shm._name, "shared_memory")
-        return shm
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 class _GrammarServer:
@@ -546,8 +569,9 @@ class _GrammarServer:
         from minillm import structured_output as so
         self.so = so
         self.conn, self.spec = conn, spec
-        self.shm = _attach(spec.shm_name)
-        self.bitmasks = _mask_buffers(self.shm, spec.num_rows, so.bitmask_words(spec.vocab_size))
+        num_words = so.bitmask_words(spec.vocab_size)
+        self.mapping = _attach(spec.mask_fd, _masks_size(spec.num_rows, num_words))
+        self.bitmasks = _mask_buffers(self.mapping, spec.num_rows, num_words)
         self.eos = frozenset(spec.eos_token_ids)
         self.eos_table = so.eos_words(self.eos, spec.vocab_size)
         self.send_lock = threading.Lock()               # the loop and the compile pool both answer
@@ -655,7 +679,10 @@ class _GrammarServer:
         self.matchers.clear()
         self.templates.clear()
         self.bitmasks = []
-        self.shm.close()
+        try:
+            self.mapping.close()
+        except BufferError:       # a fill still holds a view: the mapping goes with the process
+            pass
 
 
 if __name__ == "__main__":

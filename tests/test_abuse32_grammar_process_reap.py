@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_grammar_process import new_engine, run
+from test_grammar_process import mask_inodes, new_engine, run
 from test_structured_engine import assert_valid, constrained
 
 
@@ -74,10 +74,8 @@ def test_shutdown_leaves_no_grammar_process_or_thread_waiting_on_one(stories_pat
 
 
 def test_a_grammar_process_that_cannot_start_leaves_no_shared_masks(stories_path, monkeypatch):
-    # The shared segment of its masks was made first and kept (in /dev/shm, page-locked on a GPU)
-    # until the engine's process ended.
-    from multiprocessing.shared_memory import SharedMemory
-
+    # The shared memory of its masks was made first and kept (page-locked on a GPU) until the engine's
+    # process ended.
     from minillm import grammar_process
 
     made = []
@@ -93,8 +91,8 @@ def test_a_grammar_process_that_cannot_start_leaves_no_shared_masks(stories_path
     monkeypatch.setattr(grammar_process, "SharedMasks", recorded)
     monkeypatch.setattr(grammar_process, "_start", cannot_start)
     tokenizer_json = (stories_path / "tokenizer.json").read_text()
+    before = mask_inodes()
     with pytest.raises(OSError, match="Resource temporarily unavailable"):
         grammar_process.GrammarProcess(tokenizer_json, 512, [2], num_rows=4)
     [masks] = made
-    with pytest.raises(FileNotFoundError):
-        SharedMemory(name=masks.shm.name)
+    assert masks.mapping.closed and mask_inodes() == before

@@ -1,4 +1,5 @@
-"""`minillm serve --api-server-count N` ended as operators end it: killed outright, or Ctrl-C twice."""
+"""`minillm serve --api-server-count N` ended as operators end it: killed outright, or Ctrl-C twice; and
+the grammar process's shared masks when the engine core is killed."""
 from __future__ import annotations
 
 import os
@@ -10,18 +11,19 @@ from pathlib import Path
 import httpx
 import pytest
 from test_abuse20_deploy import MODEL, Serve, is_gone, serve_command
-from test_abuse33_lifecycle import BodyStream
+from test_abuse33_lifecycle import BodyStream, GroupServe
 from test_server_helpers import sse_events, wait_for
 
 
 @pytest.fixture
 def serve_multi(tmp_path):
-    """Start a `minillm serve` (a Serve); the processes it names are killed at the end if still running
-    (its API servers lead process groups of their own, so a kill of its group misses them)."""
+    """Start a `minillm serve` (a Serve, or a GroupServe leading a process group when group is true); the
+    processes it names are killed at the end if still running (its API servers lead process groups of
+    their own, so a kill of its group misses them)."""
     started: list[Serve] = []
 
-    def start(command: list[str]) -> Serve:
-        started.append(Serve(command, tmp_path))
+    def start(command: list[str], group: bool = False) -> Serve:
+        started.append((GroupServe if group else Serve)(command, tmp_path))
         return started[-1]
     yield start
     for server in started:
@@ -102,3 +104,39 @@ def test_a_second_ctrl_c_forces_the_exit_of_several_api_servers(stories_path, se
         assert "shut down" in last["error"]["message"], last
     assert "Traceback" not in server.text(), server.text()
     assert server.leftovers() == []
+
+
+def shared_segments(pid: int) -> set[str]:
+    """The /dev/shm files that process `pid` has mapped."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {line.split(None, 5)[5].strip() for line in maps if " /dev/shm/" in line}
+
+
+def test_a_killed_engine_core_leaves_its_grammar_masks_quietly(stories_path, serve_multi):
+    # The core's resource tracker removed the masks' shared segment once the core was killed, and said
+    # "There appear to be 1 leaked shared_memory objects to clean up at shutdown".
+    server = serve_multi(serve_command(stories_path, "--grammar-process"))
+    core_pid = int(server.wait_line(r"engine core in process (\d+)").group(1))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 5, "structured_outputs": {"regex": "[a-z]{5}"}}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    segments = shared_segments(core_pid)
+    os.kill(core_pid, signal.SIGKILL)
+    assert server.proc.wait(timeout=60) == 1, server.text()
+    assert wait_for(lambda: not any(os.path.exists(path) for path in segments), timeout=30), segments
+    assert "leaked" not in server.text() and "resource_tracker" not in server.text(), server.text()
+
+
+def test_a_sigkill_to_the_whole_group_leaves_no_grammar_masks(stories_path, serve_multi):
+    # The masks were a named shared-memory segment that only the engine, or its resource tracker, removed:
+    # with the whole group killed (a supervisor's SIGKILL after its stop timeout) it stayed in /dev/shm.
+    server = serve_multi(serve_command(stories_path, "--grammar-process"), group=True)
+    core_pid = int(server.wait_line(r"engine core in process (\d+)").group(1))
+    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
+    body = {"model": MODEL, "prompt": "Once", "max_tokens": 5, "structured_outputs": {"regex": "[a-z]{5}"}}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    segments = shared_segments(core_pid)
+    os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+    assert wait_for(lambda: not server.members(), timeout=30), f"left running: {server.members()}"
+    assert not [path for path in segments if os.path.exists(path)], segments
