@@ -140,3 +140,22 @@ def test_a_sigkill_to_the_whole_group_leaves_no_grammar_masks(stories_path, serv
     server.proc.wait()
     assert wait_for(lambda: not server.members(), timeout=30), f"left running: {server.members()}"
     assert not [path for path in segments if os.path.exists(path)], segments
+
+
+def test_an_engine_core_that_cannot_start_leaves_no_metrics_directory(tmp_path, monkeypatch):
+    # The supervisor made the directory (and bound the port) before starting the core, and let go of
+    # neither when the start failed (a fork refused under a process limit, say).
+    import tempfile
+
+    from minillm.engine_core import client
+    from minillm.server.app import ServerOptions, run_api_servers
+
+    def cannot_start(*args):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "")
+    monkeypatch.setattr(client, "CoreProcess", cannot_start)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        run_api_servers(None, "127.0.0.1", 0, ServerOptions(api_server_count=2))
+    assert os.listdir(tmp_path) == []

@@ -869,7 +869,12 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     # last process to leave removes it: the supervisor, or its API servers when it was killed outright.
     metrics_dir = make_metrics_dir()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir.path
-    core = CoreProcess(config, count, core_hook)
+    try:
+        core = CoreProcess(config, count, core_hook)
+    except BaseException:
+        held.close()
+        metrics_dir.leave()
+        raise
     print(f"minillm: engine core in process {core.pid}", file=sys.stderr, flush=True)
     spawn = mp.get_context("spawn")
     parent_reader, parent_writer = spawn.Pipe(duplex=False)
