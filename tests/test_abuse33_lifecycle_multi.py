@@ -102,7 +102,7 @@ def test_a_second_ctrl_c_forces_the_exit_of_several_api_servers(stories_path, se
         assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
         last = sse_events(stream.lines)[-1]
         assert "shut down" in last["error"]["message"], last
-    assert "Traceback" not in server.text(), server.text()
+    assert "Traceback" not in server.text() and "ERROR" not in server.text(), server.text()
     assert server.leftovers() == []
 
 
