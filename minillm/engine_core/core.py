@@ -82,7 +82,9 @@ def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
     if isinstance(constraint, dict):   # llguidance is imported only for requests that use it
         from minillm.structured_output import StructuredOutputsParams
         init = {f.name for f in dataclasses.fields(StructuredOutputsParams) if f.init}
-        out["structured_outputs"] = StructuredOutputsParams(**{k: v for k, v in constraint.items() if k in init})
+        # The API server compile-checked it: checked again here, it would hold the step loop.
+        out["structured_outputs"] = StructuredOutputsParams.from_checked(**{k: v for k, v in constraint.items()
+                                                                            if k in init})
     return out
 
 
@@ -431,7 +433,7 @@ class LoadWatch:
 
     def __init__(self, parent_pipe: Any) -> None:
         self._lock = threading.Lock()
-        self._phase = "loading"                     # then "serving", or "leaving" and "left"
+        self._phase = "loading"                     # then "serving" or "failed", or "leaving" and "left"
         self._loaded_r, self._loaded_w = os.pipe()
         signal.signal(signal.SIGTERM, self._on_sigterm)
         threading.Thread(target=self._watch, args=(parent_pipe,), name="minillm-core-load-watch",
@@ -450,11 +452,13 @@ class LoadWatch:
             self._phase = "left"
             raise StarterGone()
 
-    def loaded(self) -> bool:
-        """Mark the model loaded; False when the starter went first (StarterGone may not have come)."""
+    def loaded(self, ok: bool = True) -> bool:
+        """Mark the load ended (ok: the model loaded; else it failed, and the failure is to be sent
+        without a StarterGone raised into the send); False when the starter went first (StarterGone
+        may not have come)."""
         with self._lock:
             if self._phase == "loading":
-                self._phase = "serving"
+                self._phase = "serving" if ok else "failed"
             elif self._phase == "leaving":
                 self._phase = "left"                # too late to raise: the caller leaves
         os.write(self._loaded_w, b"x")
@@ -479,6 +483,7 @@ def run_engine_core(spec: CoreSpec) -> None:
             remove_socket_dir(spec.input_addresses + spec.output_addresses)
             return
         except Exception as exc:  # noqa: BLE001 - the API servers re-raise it
+            watch.loaded(ok=False)      # the starter exits on the failure: its pipe must not interrupt the send
             failed = encoder.encode(m.StartupFailed(*error_fields(exc)))
             for sock in output_socks:
                 sock.send(failed)
