@@ -36,6 +36,7 @@ head is often padded) are never allowed.
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import decimal
 import enum
 import json as jsonlib
@@ -128,6 +129,18 @@ class StructuredOutputsParams:
         if not name.startswith("_") and self.__dict__.get("_key") is not None:
             super().__setattr__("_key", None)       # made anew, and checked, where it is next asked for
 
+    @classmethod
+    def from_checked(cls, **fields: Any) -> StructuredOutputsParams:
+        """The constraint an API server built and compile-checked, rebuilt by the engine core: its
+        fields are checked again, its grammar is not (llguidance's check of a large grammar takes a
+        quarter of a second, and the core runs it on its step loop); one that does not compile ends
+        its request with the compile's error, reported from the compile pool."""
+        token = _IS_GRAMMAR_CHECKED.set(True)
+        try:
+            return cls(**fields)
+        finally:
+            _IS_GRAMMAR_CHECKED.reset(token)
+
     @property
     def key(self) -> StructuredOutputKey:
         """(kind, canonical text): equal constraints share a key, and so a compiled grammar. A field
@@ -153,11 +166,9 @@ class StructuredOutputsParams:
         if key[0] in _BOUNDED_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
-        error = on_large_stack(_check_grammar, key)
+        error = "" if _IS_GRAMMAR_CHECKED.get() else on_large_stack(_check_grammar, key)
         if error:
-            if _COERCE_ONE_OF in error:
-                error = error.strip() + _HOW_TO_COERCE_ONE_OF
-            raise StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error.strip()}")
+            raise _invalid(name, error)
         return key
 
 
@@ -180,6 +191,18 @@ class StructuredOutputsParams:
 _COERCE_ONE_OF = "Enable 'coerce_one_of'"
 _HOW_TO_COERCE_ONE_OF = (' (a schema reads its oneOf as anyOf with "x-guidance": {"coerce_one_of": true} at its top '
                          "level: an output may then match more than one of the alternatives)")
+
+
+# True while StructuredOutputsParams.from_checked builds a constraint: its grammar is not checked.
+_IS_GRAMMAR_CHECKED = contextvars.ContextVar("minillm_is_grammar_checked", default=False)
+
+
+def _invalid(name: str, error: str) -> StructuredOutputsError:
+    """The StructuredOutputsError of a constraint llguidance refused with error."""
+    error = error.strip()
+    if _COERCE_ONE_OF in error:
+        error += _HOW_TO_COERCE_ONE_OF
+    return StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error}")
 
 
 def _check_grammar(key: StructuredOutputKey) -> str:
@@ -1387,11 +1410,15 @@ class StructuredOutputManager:
     def _compile(self, key: StructuredOutputKey, disable_any_whitespace: bool) -> CompiledGrammar:
         tok = self.ll_tokenizer
         start = time.perf_counter()
-        grammar = serialize_grammar(key, disable_any_whitespace)
+        try:
+            grammar = serialize_grammar(key, disable_any_whitespace)
+        except StructuredOutputsError:
+            raise
+        except ValueError as e:           # a constraint the engine core took unchecked (from_checked)
+            raise _invalid(key[0].value, str(e)) from None
         template = llguidance.LLMatcher(tok, grammar, log_level=_LOG_LEVEL)
         if template.is_error():
-            raise StructuredOutputsError(key[0].value, f"invalid {_WHAT[key[0].value]}: "
-                                                       f"{_without_options_line(template.get_error())}")
+            raise _invalid(key[0].value, _without_options_line(template.get_error()))
         # Build the first lexer states on this thread. Copies share them and one of llguidance's
         # limits counts them all (a{1000000} passes the first mask and fails the next): two masks.
         for _ in range(2):
