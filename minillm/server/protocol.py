@@ -457,7 +457,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             n=req.n,
             temperature=pick(req.temperature, "temperature", 1.0),
             top_p=pick(req.top_p, "top_p", 1.0),
-            top_k=whole_vocabulary_top_k(pick(req.top_k, "top_k", -1), vocab_size),
+            top_k=pick(req.top_k, "top_k", -1),     # past the vocabulary: all of it (sampler_top_k)
             min_p=pick(req.min_p, "min_p", 0.0),
             seed=req.seed,
             presence_penalty=pick(req.presence_penalty, "presence_penalty", 0.0),
@@ -486,11 +486,6 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params
-
-
-def whole_vocabulary_top_k(top_k: int, vocab_size: int | None) -> int:
-    """top_k past the vocabulary is the whole vocabulary (-1, off), as vLLM takes it."""
-    return -1 if vocab_size is not None and top_k > vocab_size else top_k
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
