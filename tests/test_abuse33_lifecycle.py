@@ -158,16 +158,23 @@ def test_several_api_servers_stopped_during_the_model_load_stop_at_once(stories_
 
 # ---- vLLM's --shutdown-timeout ------------------------------------------------------------------------
 
-def test_vllms_shutdown_timeout_gives_open_streams_that_long(stories_path, group_serve):
-    # vLLM's Kubernetes guide (and KServe's, llm-d's) runs `vllm serve ... --shutdown-timeout 45`:
-    # minillm refused the flag, so such a deployment never started.
-    server = group_serve(serve_command(stories_path, "--shutdown-timeout", "300"))
+
+def _streams_then_sigterm(server, max_tokens: int) -> list:
+    """Three streams open on the server once each has its first event, then a SIGTERM to it, which
+    exits with status 0."""
     url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     streams = [BodyStream(url, body) for _ in range(3)]
     assert all(stream.first.wait(60) for stream in streams), server.text()
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=60) == 0, server.text()
+    return streams
+
+def test_vllms_shutdown_timeout_gives_open_streams_that_long(stories_path, group_serve):
+    # vLLM's Kubernetes guide (and KServe's, llm-d's) runs `vllm serve ... --shutdown-timeout 45`:
+    # minillm refused the flag, so such a deployment never started.
+    server = group_serve(serve_command(stories_path, "--shutdown-timeout", "300"))
+    streams = _streams_then_sigterm(server, max_tokens=400)
     for stream in streams:
         stream.join(30)
         assert not stream.is_alive() and stream.lines[-2:] == ["data: [DONE]", ""], stream.lines[-3:]
@@ -178,12 +185,7 @@ def test_shutdown_timeout_0_ends_open_streams_at_once_with_the_shutdown_error(st
     # vLLM's default: a SIGTERM aborts the requests in flight. Each stream still ends with an error
     # event and [DONE], never cut.
     server = group_serve(serve_command(stories_path, "--shutdown-timeout", "0"))
-    url = server.wait_line(r"Uvicorn running on (http://\S+)").group(1)
-    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True, "stream": True}
-    streams = [BodyStream(url, body) for _ in range(3)]
-    assert all(stream.first.wait(60) for stream in streams), server.text()
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(timeout=60) == 0, server.text()
+    streams = _streams_then_sigterm(server, max_tokens=480)
     ended_by_error = 0
     for stream in streams:
         stream.join(30)
