@@ -165,7 +165,7 @@ class WorkerGroup:
         return [p.pid for p in self.peers.procs]
 
     def shutdown(self) -> None:
-        """Ask the workers to exit, wait for them (terminate if they do not), remove the segments."""
+        """Ask the workers to exit, wait for them (kill those that do not), remove the segments."""
         if not self._finalizer.alive:
             return
         if self.peers.failure is None:
