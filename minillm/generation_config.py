@@ -145,9 +145,12 @@ def describe_ignored_override_keys(override) -> str | None:
 
 
 def override_max_tokens(config) -> int | None:
-    """The cap on a server request's max_tokens that config's override_generation_config sets with
-    max_new_tokens, as vLLM's server applies it (None: no cap)."""
-    return override_sampling_defaults(config.override_generation_config).get("max_tokens")
+    """The cap on a server request's max_tokens, as vLLM's server applies it (None: no cap): under
+    "auto" and "vllm" the max_new_tokens of override_generation_config; for a generation_config folder
+    that of its generation_config.json, the override's over it (vLLM caps by all the defaults then)."""
+    if generation_config_file(config.generation_config) is None:
+        return override_sampling_defaults(config.override_generation_config).get("max_tokens")
+    return model_sampling_defaults(config, None).get("max_tokens")
 
 
 def describe(defaults: dict) -> str:
