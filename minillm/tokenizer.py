@@ -308,6 +308,8 @@ class Tokenizer:
         extra = _special_token_list((tokenizer_config.get("additional_special_tokens")
                                      or special_map.get("additional_special_tokens")),
                                     f"{path / extra_file} field 'additional_special_tokens'")
+        _apply_added_tokens_decoder(backend, tokenizer_config.get("added_tokens_decoder"),
+                                    set(special_tokens.values()))
         _register_special_tokens(backend, list(special_tokens.values()) + extra)
         # transformers' split_special_tokens: special tokens' texts in a text are encoded as text (chat
         # templates' output too), never as the special ids.
@@ -793,6 +795,40 @@ def chat_template_from_arg(value: str) -> str:
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
     return _inline_template(value)
+
+
+# The flags of an AddedToken as tokenizer_config.json's added_tokens_decoder writes them.
+_ADDED_TOKEN_FLAGS = ("single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _added_token(entry) -> tokenizers.AddedToken | None:
+    """An added_tokens_decoder entry ({"content": ..., "special": ..., ...}) as an AddedToken; None for
+    an entry of no such shape."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("content"), str) or not entry["content"]:
+        return None
+    flags = {k: entry[k] for k in _ADDED_TOKEN_FLAGS if isinstance(entry.get(k), bool)}
+    return tokenizers.AddedToken(entry["content"], **flags)
+
+
+def _apply_added_tokens_decoder(backend: tokenizers.Tokenizer, decoder, named: set[str]) -> None:
+    """tokenizer_config.json's added_tokens_decoder over tokenizer.json's added tokens, as transformers
+    applies it: a token whose flags there differ from tokenizer.json's (special, so decode skips it;
+    lstrip/rstrip, so encode eats the spaces beside it), or a vocabulary token listed there, is added
+    again with them (a named special token stays special). Tokens the tokenizer lacks are left out:
+    the model has no embedding for the ids they would get."""
+    if not isinstance(decoder, dict):
+        return
+    current = {repr(t) for t in backend.get_added_tokens_decoder().values()}
+    tokens = []
+    for entry in decoder.values():
+        token = _added_token(entry)
+        if token is None or backend.token_to_id(token.content) is None or repr(token) in current:
+            continue
+        if token.content in named and not token.special:
+            token = _added_token({**entry, "special": True})
+        tokens.append(token)
+    if tokens:
+        backend.add_tokens(tokens)
 
 
 def _register_special_tokens(backend: tokenizers.Tokenizer, contents: list[str | None]) -> None:

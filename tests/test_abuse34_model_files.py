@@ -7,7 +7,18 @@ import json
 import httpx
 import pytest
 
+from test_abuse29_tokenizers import save_mistral, save_qwen
 from test_server_helpers import running_server
+
+
+def edit_tokenizer_config(folder, **changes):
+    """folder with its tokenizer_config.json's added_tokens_decoder entries updated: content -> flags."""
+    path = folder / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for entry in config["added_tokens_decoder"].values():
+        entry.update(changes.get(entry["content"], {}))
+    path.write_text(json.dumps(config))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -29,3 +40,32 @@ def test_a_generation_config_folders_max_new_tokens_caps_a_requests_max_tokens(s
                 "temperature": 0}
         done = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert done["usage"]["completion_tokens"] == expected, done
+
+
+def test_added_tokens_decoder_flags_in_tokenizer_config_are_taken_as_transformers_takes_them(tmp_path):
+    """tokenizer_config.json's added_tokens_decoder wins over tokenizer.json's flags: <think> marked special
+    there is dropped by decode(skip_special_tokens=True), and [INST] with lstrip/rstrip there eats the
+    spaces beside it; minillm read tokenizer.json's flags alone (and a token of the vocabulary listed
+    there is an added token, matched whole)."""
+    transformers = pytest.importorskip("transformers")
+    from minillm.tokenizer import Tokenizer
+    qwen = edit_tokenizer_config(save_qwen(tmp_path / "qwen"), **{"<think>": {"special": True},
+                                                                   "<|im_end|>": {"special": False}})
+    mistral = save_mistral(tmp_path / "mistral")
+    word = Tokenizer.from_pretrained(mistral).id_to_token(300)
+    config = json.loads((mistral / "tokenizer_config.json").read_text())
+    config["added_tokens_decoder"]["300"] = {"content": word, "lstrip": False, "rstrip": False,
+                                             "normalized": False, "single_word": False, "special": True}
+    (mistral / "tokenizer_config.json").write_text(json.dumps(config))
+    edit_tokenizer_config(mistral, **{"[INST]": {"lstrip": True, "rstrip": True}})
+    texts = {qwen: ["<think>plan</think> answer<|im_end|>", "a <think> b"],
+             mistral: ["x  [INST]  hi [/INST] ok", f"hello {word.replace(chr(0x2581), ' ')} there"]}
+    for folder, cases in texts.items():
+        ours, theirs = Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
+        for text in cases:
+            ids = theirs.encode(text)
+            assert ours.encode(text) == ids, text
+            for skip in (True, False):
+                assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert Tokenizer.from_pretrained(qwen).decode(Tokenizer.from_pretrained(qwen).encode("<think>x"),
+                                                  skip_special_tokens=True) == "x"
