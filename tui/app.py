@@ -178,7 +178,7 @@ class MonitorApp(App[None]):
             # Another run (a replay looped, a server restarted): start the series over and say so in the title.
             self.num_restarts += 1
             self.history = StatsHistory()
-            self.table.forget_finished()
+            self.table.forget_run()
         self.stats = stats
         self.history.add(stats)
         for panel in self.panels:

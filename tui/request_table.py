@@ -15,6 +15,9 @@ from minillm.tui.render import fmt_seconds, printable, request_color
 ID_WIDTH = 18
 MAX_ROWS = 100   # DataTable re-measures every row on change; the rest are summarised in the subtitle
 FINISHED_SHOWN_S = 10.0   # a request that left the engine stays this long (snapshot time), marked finished
+# The most finished rows kept, the newest: a server that ends thousands of requests within FINISHED_SHOWN_S
+# would have every frame sort them all (a quarter of a second a frame at 20,000).
+MAX_FINISHED_ROWS = 1024
 STATE_ORDER = {"running": 0, "preempted": 1, "waiting": 2, "finished": 3}
 STATE_COLORS = {"running": "#87d75f", "preempted": "#ff5f87", "waiting": "#ffd75f", "finished": "#6c6c6c"}
 
@@ -71,11 +74,17 @@ def row_cells(r: RequestStats, block_size: int) -> tuple:
             Text(fmt_seconds(r.ttft_s), justify="right", style=style))
 
 
+def is_queue_cut(stats: EngineStats) -> bool:
+    """Whether the snapshot lists only the head of the waiting queue (the engine lists at most a few
+    hundred): a request put back at its front (a preempted one) then pushes the last listed past it."""
+    return sum(1 for r in stats.requests if r.state in ("waiting", "preempted")) < stats.num_waiting
+
+
 class RequestTable(DataTable):
     """Sorted by one column at a time: `s` cycles the column, `S` flips the order, headers click.
 
     A request that leaves the engine's snapshot stays for FINISHED_SHOWN_S more, marked finished,
-    so a short one can be seen at all.
+    so a short one can be seen at all (the newest MAX_FINISHED_ROWS of them).
     """
 
     def __init__(self, *, id: str | None = None) -> None:
@@ -97,19 +106,23 @@ class RequestTable(DataTable):
     def show(self, stats: EngineStats) -> None:
         """Show the snapshot's requests, and those that left it lately, in the current sort order."""
         current = {r.request_id: r for r in stats.requests}
+        # A waiting row missing from a cut queue may still wait: it is dropped, not shown finished.
+        unlisted = ("finished", "waiting", "preempted") if is_queue_cut(stats) else ("finished",)
         for r in self._requests:
-            if r.request_id not in current and r.state != "finished":
+            if r.request_id not in current and r.state not in unlisted:
                 self._finished[r.request_id] = (replace(r, state="finished"), stats.time)
-        self._finished = {rid: (r, left) for rid, (r, left) in self._finished.items()
-                          if rid not in current and 0 <= stats.time - left <= FINISHED_SHOWN_S}
+        recent = [(rid, (r, left)) for rid, (r, left) in self._finished.items()
+                  if rid not in current and 0 <= stats.time - left <= FINISHED_SHOWN_S]
+        self._finished = dict(recent[-MAX_FINISHED_ROWS:])   # in the order they left: the newest last
         self._requests = list(stats.requests) + [r for r, _ in self._finished.values()]
         self._block_size = stats.block_size
         self._redraw()
 
-    def forget_finished(self) -> None:
-        """Drop the finished rows (the counters started over: they belong to another run)."""
+    def forget_run(self) -> None:
+        """Drop every row (the counters started over: they belong to another run, whose open requests
+        ended with it and must not be shown as finished in the new one)."""
         self._finished.clear()
-        self._requests = [r for r in self._requests if r.state != "finished"]
+        self._requests = []
 
     def cycle_sort(self) -> None:
         """Sort by the next column, in that column's natural direction."""
