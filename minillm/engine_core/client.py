@@ -8,6 +8,7 @@ API servers (which, with several, are not the core's parent) when the core is go
 """
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import shutil
@@ -130,11 +131,10 @@ class EngineCoreClient:
         # A send waits while there is no core at the other end (connecting, or gone), at most this long.
         self.input.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
         self.input.setsockopt(zmq.LINGER, 0)
-        self.input.bind(self.link.input_address)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.setsockopt(zmq.LINGER, 0)
-        self.output.bind(self.link.output_address)
+        self._bind()
         self.encoder, self.decoder = m.encoder(), m.up_decoder()
         self._send_lock = threading.Lock()      # zmq sockets are not thread-safe
         self._wake_r, self._wake_w = os.pipe()  # stop() wakes the reader out of its poll
@@ -146,6 +146,22 @@ class EngineCoreClient:
             self.ready = self._wait_ready()
         except KeyboardInterrupt:     # Ctrl-C or SIGTERM while the model loads: the core goes with us
             self.close()
+            raise
+
+    def _bind(self) -> None:
+        """Bind both sockets in the core's socket directory. A joining API server that finds the
+        directory gone was started by a process that has since died: the core saw that and left."""
+        try:
+            self.input.bind(self.link.input_address)
+            self.output.bind(self.link.output_address)
+        except zmq.ZMQError as exc:
+            self.ctx.destroy(linger=0)
+            if self.owned is None and exc.errno == errno.ENOENT:
+                raise CoreStartupError("the engine core ended before this API server could join it (its socket "
+                                       "directory is gone: the process that started them has ended)") from None
+            if self.owned is not None:
+                self.owned.stop(timeout=0)
+                self.owned.close()
             raise
 
     @property

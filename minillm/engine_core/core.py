@@ -432,11 +432,16 @@ class LoadWatch:
     handler, not SIG_IGN, so processes the core spawns keep SIGTERM)."""
 
     def __init__(self, parent_pipe: Any) -> None:
+        self._parent_pipe = parent_pipe
         self._lock = threading.Lock()
         self._phase = "loading"                     # then "serving" or "failed", or "leaving" and "left"
         self._loaded_r, self._loaded_w = os.pipe()
+
+    def start(self) -> None:
+        """Start watching: from here on StarterGone may be raised in the main thread, at once if the
+        starter is already gone (so the caller starts it inside the try that handles it)."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
-        threading.Thread(target=self._watch, args=(parent_pipe,), name="minillm-core-load-watch",
+        threading.Thread(target=self._watch, args=(self._parent_pipe,), name="minillm-core-load-watch",
                          daemon=True).start()
 
     def _watch(self, parent_pipe: Any) -> None:
@@ -476,6 +481,7 @@ def run_engine_core(spec: CoreSpec) -> None:
     status = 0
     try:
         try:
+            watch.start()
             core = EngineCore(spec.config)
             if spec.core_hook is not None:
                 spec.core_hook(core.engine)
