@@ -139,8 +139,8 @@ def _final_text(state: CompletionState, seq: Sequence) -> str:
     tail = _prompt_tail(seq)
     context = tail[context_start(det.tok, tail):]
     out = seq.output_token_ids[:state.num_text_tokens]
-    head = det.tok.decode(context, skip_special_tokens=skip)
-    text = det.tok.decode(context + out, skip_special_tokens=skip)[len(head):]
+    head = det.tok.decode_raw(context, skip)
+    text = det.tok.decode_raw(context + out, skip)[len(head):]
     if REPLACEMENT_CHAR not in text and not head.endswith(REPLACEMENT_CHAR) and det.spaces_between_special_tokens:
         return text
     # Bytes that are not UTF-8 (or a prompt that ends inside a character): a byte-fallback decoder

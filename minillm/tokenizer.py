@@ -271,6 +271,10 @@ class Tokenizer:
         self.additional_special_tokens: list[str] = []
         self.model_max_length = VERY_LARGE_INTEGER
         self.padding_side = self.truncation_side = "right"     # transformers' defaults; minillm pads nothing
+        # transformers' clean_up_tokenization_spaces (tokenizer_config.json's, False without it): decode's default
+        self.clean_up_tokenization_spaces = False
+        # transformers' clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output
+        self.cleans_up_bpe = False
         # (token id, skip_special_tokens) -> the token's text decoded alone (a streaming detokenizer
         # asks for the same few thousand again and again).
         self._token_texts: dict[tuple[int, bool], str] = {}
@@ -335,6 +339,9 @@ class Tokenizer:
         max_length = tokenizer_config.get("model_max_length")
         if isinstance(max_length, (int, float)) and not isinstance(max_length, bool) and max_length > 0:
             tokenizer.model_max_length = int(max_length)
+        tokenizer.clean_up_tokenization_spaces = tokenizer_config.get("clean_up_tokenization_spaces") is True
+        tokenizer.cleans_up_bpe = tokenizer_config.get(
+            "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output") is True
         for side in ("padding_side", "truncation_side"):
             if tokenizer_config.get(side) in ("left", "right"):
                 setattr(tokenizer, side, tokenizer_config[side])
@@ -436,15 +443,29 @@ class Tokenizer:
         except IdOutOfRange as exc:
             raise IdOutOfRange(f"batch_decode{str(exc).removeprefix('decode')}") from None
 
-    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False, **options) -> str:
+    def decode(self, token_ids: int | list[int], skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None, **options) -> str:
         """token ids (or one id) -> text, special tokens kept unless skip_special_tokens, as Hugging
-        Face's decode (ids the tokenizer does not know decode to nothing); transformers'
-        clean_up_tokenization_spaces is taken only when off, as the tokenizer.json decoder decodes."""
+        Face's decode (ids the tokenizer does not know decode to nothing); clean_up_tokenization_spaces
+        (None: the tokenizer_config.json's) drops the spaces before punctuation and contractions as
+        transformers' does, which leaves a BPE tokenizer's text alone (unless its config forces it)."""
         if options:
             # transformers' fast tokenizers read no spaces_between_special_tokens (the decoder decides): either value
             if isinstance(options.get("spaces_between_special_tokens"), bool):
                 options = {k: v for k, v in options.items() if k != "spaces_between_special_tokens"}
-            _check_options_off("decode", options, ("clean_up_tokenization_spaces",))
+            _check_options_off("decode", options, ())
+        text = self.decode_raw(token_ids, skip_special_tokens)
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
+        return clean_up_tokenization(text) if clean_up_tokenization_spaces and self._cleans_up else text
+
+    @functools.cached_property
+    def _cleans_up(self) -> bool:
+        """Whether clean_up_tokenization_spaces changes this tokenizer's text (transformers skips a BPE model's)."""
+        return type(self.backend.model).__name__ != "BPE" or self.cleans_up_bpe
+
+    def decode_raw(self, token_ids: int | list[int], skip_special_tokens: bool) -> str:
+        """The tokenizer.json decoder's text of token ids, as vLLM's streaming detokenizer reads it."""
         ids = token_ids
         if type(ids) is not list:
             ids = [ids] if isinstance(ids, numbers.Integral) else list(ids)
@@ -459,7 +480,7 @@ class Tokenizer:
         key = (token_id, skip_special_tokens)
         text = self._token_texts.get(key)
         if text is None:
-            text = self.decode([token_id], skip_special_tokens=skip_special_tokens)
+            text = self.decode_raw([token_id], skip_special_tokens)
             if 0 <= token_id < MAX_CACHED_TOKEN_ID:
                 self._token_texts[key] = text
         return text
@@ -766,6 +787,15 @@ def _check_options_off(where: str, options: dict, known: tuple[str, ...]) -> Non
                              f"plain lists of token ids and the tokenizer.json decoder's text)")
 
 
+def clean_up_tokenization(text: str) -> str:
+    """text without the spaces a WordPiece tokenizer leaves before punctuation and contractions
+    (transformers' clean_up_tokenization)."""
+    for spaced, joined in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                           (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(spaced, joined)
+    return text
+
+
 def check_unicode(text: str, what: str) -> None:
     """ValueError naming `what` when text holds a lone surrogate (Python strings may, and no
     tokenizer takes one); plain ASCII is checked without encoding."""
@@ -898,7 +928,7 @@ class IncrementalDetokenizer:
         return self._ids[self._num_prompt:]
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tok.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+        return self.tok.decode_raw(self._ids[start:end], self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one id; return the text it completes (may be "" while a character is unfinished)."""

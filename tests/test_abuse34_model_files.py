@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from test_abuse29_tokenizers import save_mistral, save_qwen
+from test_abuse29_tokenizers import CORPUS, save_llama3, save_mistral, save_qwen
 from test_server_helpers import running_server
 
 
@@ -69,3 +69,60 @@ def test_added_tokens_decoder_flags_in_tokenizer_config_are_taken_as_transformer
                 assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     assert Tokenizer.from_pretrained(qwen).decode(Tokenizer.from_pretrained(qwen).encode("<think>x"),
                                                   skip_special_tokens=True) == "x"
+
+
+def save_unigram(out, clean_up: bool):
+    """A SentencePiece Unigram tokenizer directory (T5 / XGLM style, Metaspace), clean_up_tokenization_spaces
+    as given."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    out.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(CORPUS, trainers.UnigramTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                           unk_token="<unk>", show_progress=False))
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "</s>", "unk_token": "<unk>", "clean_up_tokenization_spaces": clean_up,
+        "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return out
+
+
+CLEAN_UP_TEXTS = ["Hello world . It 's fine , is n't it ? yes ! I 'm here , we 're ' quoted ' ok",
+                  "def main ( ) : return 42 ."]
+
+
+@pytest.mark.parametrize("clean_up", [True, False])
+def test_decode_cleans_up_tokenization_spaces_as_transformers_does(tmp_path, clean_up):
+    """decode() follows tokenizer_config.json's clean_up_tokenization_spaces, and a call's own value, as
+    transformers' decode: the spaces before punctuation go for a Unigram (or WordPiece) tokenizer, a BPE
+    tokenizer's text is left alone (clean_up_tokenization_spaces=True was a ValueError, and the config's
+    setting was never read)."""
+    transformers = pytest.importorskip("transformers")
+    from minillm.tokenizer import Tokenizer
+    folders = [save_unigram(tmp_path / "unigram", clean_up), save_llama3(tmp_path / "llama3")]
+    for folder in folders:
+        ours, theirs = Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder)
+        for text in CLEAN_UP_TEXTS:
+            ids = theirs.encode(text)
+            assert ours.decode(ids) == theirs.decode(ids), text
+            for flag in (True, False):
+                assert ours.decode(ids, clean_up_tokenization_spaces=flag) == \
+                    theirs.decode(ids, clean_up_tokenization_spaces=flag)
+                assert ours.batch_decode([ids], clean_up_tokenization_spaces=flag) == \
+                    theirs.batch_decode([ids], clean_up_tokenization_spaces=flag)
+    unigram = Tokenizer.from_pretrained(folders[0])
+    ids = unigram.encode("It 's fine .")
+    assert unigram.decode(ids) == ("It's fine." if clean_up else "It 's fine .")
+
+
+def test_streamed_text_is_the_decoders_own_as_vllms_detokenizer_reads_it(tmp_path):
+    """The text a request streams is the tokenizer.json decoder's, as vLLM's DecodeStream gives it, whatever
+    clean_up_tokenization_spaces says (transformers applies it in decode() alone)."""
+    from minillm.tokenizer import IncrementalDetokenizer, Tokenizer
+    tok = Tokenizer.from_pretrained(save_unigram(tmp_path / "unigram", True))
+    ids = tok.encode("Say it . It 's fine , I 'm here !")
+    det = IncrementalDetokenizer(tok, prompt_token_ids=ids[:2])
+    text = "".join(det.add(i) for i in ids[2:]) + det.flush()
+    assert text.endswith(" . It 's fine , I 'm here !")
+    assert tok.decode(ids).endswith(". It's fine, I'm here!")
