@@ -11,11 +11,14 @@ import json
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator,
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from minillm.sampling_params import MAX_LOGIT_BIAS, SamplingParams, check_truncate_prompt_tokens, short_repr
+from minillm.sampling_params import (
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, check_truncate_prompt_tokens, short_repr,
+)
 from minillm.server.errors import APIError, bad_request_from_value_error, json_error_reason
 from minillm.server.tool_calls import check_named_tool_choice
 from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
@@ -182,6 +185,53 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: Text | None = None
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_form(cls, value: Any, handler):
+        # The union's own error names one member ("should be a valid string" for [1.0]): say which form
+        # the prompt took and where it broke it. A lone surrogate keeps its own error.
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if any(e["type"] == "invalid_text" for e in exc.errors()):
+                raise
+            raise PydanticCustomError("prompt_form", prompt_form_error(value)) from None
+
+
+PROMPT_FORMS = "a string, a list of strings, a list of token ids (integers) or a list of token id lists"
+
+
+def _json_kind(value: Any) -> str:
+    """What a JSON value is, in words."""
+    if value is None:
+        return "null"
+    kinds = ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"), (list, "a list"),
+             (dict, "an object"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
+
+
+def _first_not(items: list, kind: str) -> int | None:
+    """Index of the first item that is not of kind ("an integer", "a string"), or None."""
+    return next((i for i, item in enumerate(items) if _json_kind(item) != kind), None)
+
+
+def prompt_form_error(value: Any) -> str:
+    """Why a completion's prompt is none of its forms: which form it took, and its first item that breaks it."""
+    if not isinstance(value, list):
+        return f"must be {PROMPT_FORMS}, got {_json_kind(value)}"
+    first = _json_kind(value[0])
+    if first in ("an integer", "a string"):
+        form = "token ids" if first == "an integer" else "strings"
+        i = _first_not(value, first)
+        return f"a list of {form} holds {_json_kind(value[i])} at index {i} (must be {PROMPT_FORMS})"
+    if first == "a list":
+        for i, ids in enumerate(value):
+            j = _first_not(ids, "an integer") if isinstance(ids, list) else None
+            if not isinstance(ids, list) or j is not None:
+                where, kind = (f"{i}", _json_kind(ids)) if j is None else (f"{i}.{j}", _json_kind(ids[j]))
+                return f"a list of token id lists holds {kind} at index {where} (must be {PROMPT_FORMS})"
+    return f"must be {PROMPT_FORMS}, got a list whose first item is {first}"
 
 
 class ContentPart(BaseModel):
@@ -522,16 +572,19 @@ def chat_max_tokens_field(req: ChatCompletionRequest) -> str:
     return "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
 
 
-def chat_logprobs(req: ChatCompletionRequest) -> int | None:
-    """The number of top log-probabilities to compute for a chat request, or None."""
+def chat_logprobs(req: ChatCompletionRequest, max_logprobs: int = MAX_LOGPROBS) -> int | None:
+    """The number of top log-probabilities to compute for a chat request, or None; max_logprobs: the
+    server's bound (a count past it is a 400 naming top_logprobs, the field that asked for it)."""
     # top_logprobs 0 asks for nothing, so it passes without logprobs (vLLM's default value of the field)
     if req.top_logprobs is not None and req.top_logprobs != 0 and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if not req.logprobs:
         return None
     top = req.top_logprobs or 0
-    if not 0 <= top <= 20:
-        raise APIError(400, f"top_logprobs must be an integer in [0, 20], got {top}", param="top_logprobs")
+    if not 0 <= top <= max_logprobs:
+        bound = "" if max_logprobs == MAX_LOGPROBS else " (the server's max_logprobs)"
+        raise APIError(400, f"top_logprobs must be an integer in [0, {max_logprobs}]{bound}, got {top}",
+                       param="top_logprobs")
     return top
 
 

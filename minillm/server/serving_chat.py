@@ -162,7 +162,7 @@ class ChatJob:
         self.request_id = new_request_id("chatcmpl")        # the engine's, unique whatever the client sent
         self.response_id = response_id or self.request_id
         self.created = int(time.time())
-        self.num_top = requested_top_logprobs(req)
+        self.num_top = requested_top_logprobs(req, ctx.engine.config.max_logprobs)
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
         check_allowed_token_ids(ctx.limits, req.allowed_token_ids, 1)
         # Field errors first, so a bad value is named even on a model without a template.
