@@ -229,7 +229,7 @@ def timed_run(engine, args, num_constrained: int, schema: dict, run: int, core=N
     fill_steps = after.num_grammar_fill_steps - before.num_grammar_fill_steps
     waited = after.step_time_breakdown_s.get("grammar_fill_wait", 0.0) - before.step_time_breakdown_s.get(
         "grammar_fill_wait", 0.0)
-    return {"constrained": num_constrained, "step_ms_median": statistics.median(times) * 1e3,
+    return {"run": run, "constrained": num_constrained, "step_ms_median": statistics.median(times) * 1e3,
             "step_ms_mean": statistics.fmean(times) * 1e3, "batch_mean": statistics.fmean(batch),
             "fill_ms_per_step": (after.grammar_fill_time_s - before.grammar_fill_time_s) / fill_steps * 1e3
             if fill_steps else 0.0,
@@ -251,6 +251,9 @@ def parse_args(argv):
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--order", choices=("alternate", "plain-first"), default="alternate",
+                   help="alternate: every other repeat runs its constrained batch first, so a drift of the host "
+                        "within a pair favours neither; plain-first: the unconstrained batch first in every pair")
     p.add_argument("--host-parts", action="store_true",
                    help="on a GPU too: time the engine thread's parts of each step (always on with --device sim)")
     p.add_argument("--outputs", choices=("core", "text"), default="core",
@@ -294,7 +297,8 @@ def main(argv=None) -> None:
             if core is not None:
                 freeze_startup_heap()    # as the core process does once it has started
             for r in range(args.repeats):
-                for num_constrained in (0, args.constrained):
+                held_first = args.order == "alternate" and r % 2 == 1
+                for num_constrained in ((args.constrained, 0) if held_first else (0, args.constrained)):
                     runs.append(timed_run(engine, args, num_constrained, SCHEMAS[args.schema], len(runs), core))
                     print(f"# {json.dumps(runs[-1])}", file=sys.stderr)
             compile_s = engine.stats(cells=1).grammar_compile_time_s
@@ -311,8 +315,8 @@ def report(args, runs: list[dict], compile_s: float) -> None:
     fill_wait = statistics.median(r.get("fill_wait_ms_per_step", 0.0) for r in held)
     # Each repeat runs its unconstrained and constrained batches back to back: the ratio within a
     # pair is what a slower or faster stretch of the host leaves alone, so its median is the figure.
-    pairs = [held_run["step_ms_median"] / plain_run["step_ms_median"] - 1
-             for plain_run, held_run in zip(runs[0::2], runs[1::2])]
+    couples = [sorted(runs[i:i + 2], key=lambda r: r["constrained"]) for i in range(0, len(runs) - 1, 2)]
+    pairs = [held_run["step_ms_median"] / plain_run["step_ms_median"] - 1 for plain_run, held_run in couples]
     overhead = statistics.median(pairs)
     print(f"Structured outputs in the step: {args.shape} shape, random weights, vocabulary 151,936 (byte-level "
           f"tokenizer), {args.device}, {args.outputs} outputs; batch {args.batch} decoding, {args.constrained} under the "
@@ -325,8 +329,9 @@ def report(args, runs: list[dict], compile_s: float) -> None:
     print(f"| {args.batch} | 0 | {plain:.2f} | - | - | - |")
     print(f"| {args.batch} | {args.constrained} | {constrained:.2f} | {fill:.2f} | {fill_wait:.2f} | {overhead:+.1%} "
           f"({'within' if overhead <= ALLOWED_OVERHEAD else 'over'} the {ALLOWED_OVERHEAD:.0%} ceiling) |")
-    print("each repeat's pair: " + ", ".join(f"{r['step_ms_median']:.2f} -> {h['step_ms_median']:.2f} ms ({x:+.1%})"
-                                          for r, h, x in zip(runs[0::2], runs[1::2], pairs)))
+    print("each repeat's pair (unconstrained -> constrained; * the constrained run went first): " + ", ".join(
+        f"{r['step_ms_median']:.2f} -> {h['step_ms_median']:.2f} ms ({x:+.1%}){'*' if h['run'] < r['run'] else ''}"
+        for (r, h), x in zip(couples, pairs)))
     print(f"grammar compile (once, on the pool, tokenizer build excluded): {compile_s * 1e3:.1f} ms; "
           f"mean batch in the constrained windows: {statistics.fmean(r['batch_mean'] for r in held):.1f}")
     if "parts_ms" in runs[0]:

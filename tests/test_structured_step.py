@@ -358,6 +358,22 @@ def test_structured_step_benchmark_runs_on_the_simulated_device(tmp_path):
     assert runs[1]["fill_steps"] == 6 and runs[1]["parts_ms"]["advance"] > 0
 
 
+def test_structured_step_benchmark_alternates_which_run_of_a_pair_goes_first(tmp_path, capsys):
+    """Every other repeat runs its constrained batch first; each pair still compares constrained with unconstrained."""
+    from minillm.benchmarks import structured_step
+    out = tmp_path / "sim.json"
+    structured_step.main(["--device", "sim", "--batch", "4", "--constrained", "1", "--prompt-len", "8",
+                          "--warmup", "1", "--steps", "2", "--repeats", "2", "--json", str(out)])
+    figures = json.loads(out.read_text())
+    runs = figures["runs"]
+    assert [r["constrained"] for r in runs] == [0, 1, 1, 0]
+    plain, held = runs[3]["step_ms_median"], runs[2]["step_ms_median"]
+    assert figures["pair_overheads"][1] == pytest.approx(held / plain - 1)
+    line = next(li for li in capsys.readouterr().out.splitlines() if li.startswith("each repeat's pair"))
+    first, second = line.split("first): ")[1].split(", ")
+    assert not first.endswith("*") and second.endswith("*")
+
+
 def test_async_abort_while_a_steps_sampling_is_deferred(stories_path):
     """A constrained request aborted while its step's sampling waits: its token is dropped, the
     other requests give their alone output."""
