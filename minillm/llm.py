@@ -239,17 +239,20 @@ class LLM:
         priority (vLLM's): None, or an integer a prompt; with scheduling_policy "priority" a lower
         value is served earlier (and preempted later), under "fcfs" only zeros are taken.
         vLLM's other arguments are taken where minillm does what they ask: lora_request and
-        prompt_adapter_request None, tokenization_kwargs None or {"add_special_tokens": bool} (for
-        text prompts).
+        prompt_adapter_request None (or lora_request a list of Nones, one a prompt), tokenization_kwargs
+        None or a dict of add_special_tokens (for text prompts) and truncate_prompt_tokens (vLLM 0.17's
+        place for it, as SamplingParams.truncate_prompt_tokens: a prompt's last k tokens, -1 all that fit).
         Calls from several threads run one after another.
         """
         check_lora_request(lora_request)
         if prompt_adapter_request is not None:
             raise ValueError(f"prompt_adapter_request={short_repr(prompt_adapter_request)} is not supported: "
                              f"minillm has no prompt adapters (leave it None)")
+        tokenization_kwargs, truncate_prompt_tokens = split_truncation(tokenization_kwargs)
         add_special_tokens = tokenization_add_special_tokens(tokenization_kwargs)
         with self._one_call("generate"):
-            return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens)
+            return self._generate(prompts, sampling_params, use_tqdm, priority, add_special_tokens,
+                                  truncate_prompt_tokens, lora_request)
 
     def _refuse_reentry(self, name: str) -> None:
         """RuntimeError naming LLM.<name>() when this thread is inside generate() already."""
@@ -269,8 +272,8 @@ class LLM:
             finally:
                 self._generating_thread = None
 
-    def _generate(self, prompts, sampling_params, use_tqdm, priority=None,
-                  add_special_tokens: bool = True) -> list[RequestOutput]:
+    def _generate(self, prompts, sampling_params, use_tqdm, priority=None, add_special_tokens: bool = True,
+                  truncate_prompt_tokens: int | None = None, lora_request=None) -> list[RequestOutput]:
         if isinstance(prompts, (str, dict)) or _is_one_id_list(prompts):
             prompts = [prompts]
         if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):   # bytes: not ids one by one
@@ -283,6 +286,8 @@ class LLM:
                 unpacked.append((*unpack_prompt(prompt), cache_salt_of(prompt)))
         prompts = unpacked
         priority = check_priorities(priority, len(prompts), self.engine.config.scheduling_policy)
+        if isinstance(lora_request, (list, tuple)) and len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts")
         if sampling_params is None:          # vLLM's get_default_sampling_params: the model's generation config
             sampling_params = self.get_default_sampling_params()
         is_list = isinstance(sampling_params, Seq) and not isinstance(sampling_params, (str, bytes))
@@ -292,6 +297,7 @@ class LLM:
         wrong = [p for p in params if not isinstance(p, SamplingParams)]
         if wrong:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {short_repr(wrong[0])}")
+        params = with_truncation(params, truncate_prompt_tokens)
         bar = _progress_bar(len(prompts), use_tqdm) if use_tqdm else None   # before any request is queued
         ids: list[str] = []
         try:
@@ -355,7 +361,7 @@ class LLM:
         (a list of text parts, a string content as one), "auto" picking "openai" for a template that
         loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None;
         tokenization_kwargs (vLLM's) may set add_special_tokens, False by default: the template writes BOS
-        itself where the model wants it. The arguments come in vLLM's order.
+        itself where the model wants it; and truncate_prompt_tokens, as generate takes it. The arguments come in vLLM's order.
         priority: None, or an integer a conversation, as generate takes it.
         """
         self._refuse_reentry("chat")
@@ -371,6 +377,7 @@ class LLM:
         check_template_kwargs(chat_template_kwargs)
         check_content_format(chat_template_content_format)
         add_special_tokens = False
+        tokenization_kwargs, truncate_prompt_tokens = split_truncation(tokenization_kwargs)
         if tokenization_kwargs is not None:
             tokenization_add_special_tokens(tokenization_kwargs)       # a ValueError naming a key it cannot take
             add_special_tokens = tokenization_kwargs.get("add_special_tokens", False)
@@ -398,7 +405,9 @@ class LLM:
                 where = f" (conversation {i})" if len(conversations) > 1 else ""
                 raise ValueError(f"messages: the chat template rendered an empty prompt{where}")
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+        truncation = None if truncate_prompt_tokens is None else {"truncate_prompt_tokens": truncate_prompt_tokens}
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority,
+                             tokenization_kwargs=truncation)
 
     def shutdown(self) -> None:
         """Release the engine's device memory (KV pool, graphs, weights); the LLM is unusable after."""
@@ -416,6 +425,35 @@ class LLM:
         the outputs is never reported, and would keep this loop going for ever."""
         while self.engine.step() or self.engine.get_num_unfinished_requests():
             pass
+
+
+def split_truncation(tokenization_kwargs):
+    """vLLM's tokenization_kwargs (0.17 on) as (the other keys, truncate_prompt_tokens or None): vLLM
+    moved truncate_prompt_tokens there from SamplingParams."""
+    if not isinstance(tokenization_kwargs, dict) or "truncate_prompt_tokens" not in tokenization_kwargs:
+        return tokenization_kwargs, None
+    rest = {k: v for k, v in tokenization_kwargs.items() if k != "truncate_prompt_tokens"}
+    return rest, tokenization_kwargs["truncate_prompt_tokens"]
+
+
+def with_truncation(params: list[SamplingParams], keep) -> list[SamplingParams]:
+    """params with tokenization_kwargs' truncate_prompt_tokens set on a copy of each (the caller's are
+    left as they are); ValueError naming truncate_prompt_tokens for a bad value, or for params that set
+    another."""
+    if keep is None:
+        return params
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) in copies:
+            continue
+        if p.truncate_prompt_tokens is not None and p.truncate_prompt_tokens != keep:
+            raise ValueError(f"truncate_prompt_tokens is {short_repr(keep)} in tokenization_kwargs and "
+                             f"{short_repr(p.truncate_prompt_tokens)} in sampling_params: give one")
+        own = p.clone()
+        own.truncate_prompt_tokens = keep
+        own.validate()
+        copies[id(p)] = own
+    return [copies[id(p)] for p in params]
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.

@@ -7,7 +7,7 @@ import math
 import numbers
 import struct
 import sys
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -192,6 +192,9 @@ class SamplingParams:
     """How to pick each next token and when to stop."""
 
     n: int = 1
+    # vLLM's SamplingParams takes its fields in another order (n, presence_penalty, frequency_penalty, ...):
+    # by name only after n, so SamplingParams(1, 0.5) is a TypeError, not another field set
+    _: KW_ONLY
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                 # -1 or 0: off; past the vocabulary: all of it
@@ -415,6 +418,8 @@ class SamplingParams:
             bad("stop", "strings are only supported when detokenize is true (stop_token_ids are not text)")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
+        if len(set(self.stop_token_ids)) < len(self.stop_token_ids):     # as vLLM's: first of each, in order
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
         if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
                                                         or self.truncate_prompt_tokens == 0
                                                         or self.truncate_prompt_tokens < -1):
@@ -492,7 +497,11 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of strings, got {short_repr(words)}")
         if len(words) > MAX_BAD_WORDS:
             raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(words)}")
-        if type(words) is not list:
+        if not all(words):
+            raise ValueError(f"bad_words cannot contain an empty string, got {short_repr(words)}")
+        if len(set(words)) < len(words):    # as vLLM's: first of each, in order
+            self.bad_words = list(dict.fromkeys(words))
+        elif type(words) is not list:
             self.bad_words = list(words)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
@@ -559,7 +568,9 @@ VLLM_FIXED_FIELDS = {
     "skip_reading_prefix_cache": (lambda v, n: v is None or v is False,
                                   "minillm reads the prefix cache for every request (a cache_salt keeps a "
                                   "request's blocks to its own salt)"),
-    "thinking_token_budget": (lambda v, n: v is None, "minillm has no thinking budget (max_tokens bounds the output)"),
+    # vLLM's -1 is no budget, as None
+    "thinking_token_budget": (lambda v, n: v is None or (_is_int(v) and v == -1),
+                              "minillm has no thinking budget (max_tokens bounds the output): give None or -1"),
     "repetition_detection": (lambda v, n: v is None, "minillm has no repetition detection (repetition_penalty, "
                                                      "frequency_penalty and presence_penalty discourage repeats)"),
     "logprob_token_ids": (lambda v, n: v is None, "logprobs=k gives the top k and the sampled token"),

@@ -53,7 +53,7 @@ def test_a_word_is_tokenized_bare_and_after_a_space_where_that_spells_it_otherwi
 
 
 @pytest.mark.parametrize("words, says", [
-    ([""], "bad_words entries must tokenize to at least one token"),
+    ([""], "bad_words cannot contain an empty string"),
     ([" "], "bad_words entries must tokenize to at least one token"),
     (["big"], "bad_words tokenize to ids outside the vocabulary [0, 64): [70, 71]"),
     (["\ud800"], "bad_words is not valid Unicode"),
