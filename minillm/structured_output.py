@@ -39,6 +39,7 @@ import concurrent.futures
 import contextvars
 import decimal
 import enum
+import hashlib
 import json as jsonlib
 import math
 import os
@@ -166,7 +167,7 @@ class StructuredOutputsParams:
         if key[0] in _BOUNDED_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
-        error = "" if _IS_GRAMMAR_CHECKED.get() else on_large_stack(_check_grammar, key)
+        error = "" if _IS_GRAMMAR_CHECKED.get() else _checked_grammar(key)
         if error:
             raise _invalid(name, error)
         return key
@@ -203,6 +204,29 @@ def _invalid(name: str, error: str) -> StructuredOutputsError:
     if _COERCE_ONE_OF in error:
         error += _HOW_TO_COERCE_ONE_OF
     return StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error}")
+
+
+# llguidance's answers for the constraints checked last, by a digest of their key: an API server
+# that gets the same large schema in many requests serialises and validates it once (a grammar of
+# 4,000 rules took 0.25 s a check).
+_MAX_CHECKED = 256
+_checked: OrderedDict[tuple[StructuredOutputOptions, bytes], str] = OrderedDict()
+_checked_lock = threading.Lock()
+
+
+def _checked_grammar(key: StructuredOutputKey) -> str:
+    """_check_grammar's answer for key, from the cache of the last _MAX_CHECKED constraints checked."""
+    digest = (key[0], hashlib.blake2b(key[1].encode("utf-8", "surrogatepass"), digest_size=16).digest())
+    with _checked_lock:
+        if digest in _checked:
+            _checked.move_to_end(digest)
+            return _checked[digest]
+    error = on_large_stack(_check_grammar, key)
+    with _checked_lock:
+        _checked[digest] = error
+        if len(_checked) > _MAX_CHECKED:
+            _checked.popitem(last=False)
+    return error
 
 
 def _check_grammar(key: StructuredOutputKey) -> str:
@@ -320,6 +344,7 @@ def _check_schema_bounds(schema: Any) -> None:
             continue
         _check_schema_node(node)
         todo.extend(node.values())
+    _check_intersected_steps(schema)
 
 
 def _check_schema_node(node: dict) -> None:
@@ -397,16 +422,137 @@ MAX_MULTIPLE_OF_DIGITS = 10_000
 
 
 def _check_multiple_of(step: int | float) -> None:
-    """A StructuredOutputsError for a multipleOf not above 0 (JSON Schema's rule; llguidance took -3 as 3)
-    or whose significant digits make too large an automaton."""
+    """A StructuredOutputsError for a multipleOf not above 0 (JSON Schema's rule; llguidance took -3 as 3),
+    whose significant digits make too large an automaton, or whose digits llguidance does not read
+    as written (_llguidance_step: 0.07 was refused as "too many digits: 7000000000000001")."""
     if step <= 0:
         raise StructuredOutputsError("json", f"invalid JSON schema: multipleOf must be greater than 0, got {step!r}")
-    digits = decimal.Decimal(step if isinstance(step, int) else repr(step)).normalize().as_tuple().digits
-    significant = int("".join(map(str, digits)))
+    wanted = _decimal_step(step)
+    significant = _significant_digits(wanted[0])
     if significant > MAX_MULTIPLE_OF_DIGITS:
         raise StructuredOutputsError("json", f"multipleOf {step!r} is not supported: its significant digits "
                                              f"({significant}) are matched by an automaton of as many states; at "
                                              f"most {MAX_MULTIPLE_OF_DIGITS} are taken")
+    if isinstance(step, float) and wanted[0] <= _U32_MAX and _llguidance_step(step) != wanted:
+        raise StructuredOutputsError("json", f"multipleOf {step!r} is not supported: llguidance finds a step's "
+                                             "decimal digits by multiplying its binary float by 10 until it is a "
+                                             f"whole number, which for {step!r} does not come to {wanted[0]}, and "
+                                             "it cannot be matched exactly")
+
+
+def _significant_digits(coef: int) -> int:
+    """coef without its trailing zeros."""
+    while coef and coef % 10 == 0:
+        coef //= 10
+    return coef
+
+
+def _decimal_step(step: int | float) -> tuple[int, int]:
+    """(coef, exp) with step = coef * 10**-exp as written (its shortest digits), exp >= 0 and as small
+    as it can be: llguidance's Decimal of a step it reads exactly."""
+    value = decimal.Decimal(step if isinstance(step, int) else repr(step)).normalize()
+    _, digits, exp = value.as_tuple()
+    coef = int("".join(map(str, digits)))
+    return (coef * 10 ** exp, 0) if exp >= 0 else (coef, -exp)
+
+
+_U32_MAX = 2 ** 32 - 1
+
+
+def _llguidance_step(step: float) -> tuple[int, int] | None:
+    """(coef, exp) as llguidance reads a multipleOf (numeric.rs, Decimal::try_from): the float
+    multiplied by 10 until it is whole, then its trailing zeros dropped; None where it refuses it."""
+    value, exp = step, 0
+    while value != math.floor(value):
+        value *= 10.0
+        exp += 1
+    if value > _U32_MAX:
+        return None
+    coef = int(value)
+    while exp and coef % 10 == 0:
+        coef //= 10
+        exp -= 1
+    return coef, exp
+
+
+# llguidance intersects the subschemas of an allOf, and a $ref with the keywords beside it: two
+# multipleOf become their least common multiple, computed in 32-bit integers (Decimal::lcm), which
+# wrap past 2**32 (multipleOf 9973 with 1e-9 took only 0) and make an automaton of a state per unit
+# of its significant digits (8192 with 9999: 82 million, and the engine process aborted for memory
+# at its first mask). Every number that lcm multiplies divides the combined step written at the
+# finest exponent, so one of at most 2**16 - 1 keeps their products inside 32 bits.
+_MAX_COMBINED_STEP = 2 ** 16 - 1
+# Keys beside a $ref that do not make an intersection.
+_REF_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "title", "description", "default", "examples",
+                              "$comment", "$schema", "$id"})
+
+
+def _check_intersected_steps(schema: Any) -> None:
+    """A StructuredOutputsError when multipleOf values llguidance may intersect combine into a step it
+    cannot match (_MAX_COMBINED_STEP, MAX_MULTIPLE_OF_DIGITS); each value alone is checked already."""
+    if _combined_step(_steps_in(schema)) is None:
+        return                                   # all of them together fit: so does every group
+    for group in _intersected_step_groups(schema):
+        combined = _combined_step(group)
+        if combined is not None:
+            listed = ", ".join(sorted(_decimal_text(coef, exp) for coef, exp in group))
+            raise StructuredOutputsError("json", f"multipleOf {listed} of subschemas that are intersected (allOf, "
+                                                 "or a $ref beside other keywords) combine into the step "
+                                                 f"{_decimal_text(*combined)}, which cannot be matched: a combined "
+                                                 f"step is taken up to {_MAX_COMBINED_STEP} units of its finest "
+                                                 f"place and {MAX_MULTIPLE_OF_DIGITS} significant digits")
+
+
+def _combined_step(steps: set[tuple[int, int]]) -> tuple[int, int] | None:
+    """The least common multiple (coef, exp) of two or more steps when it is too large to match; None
+    when it fits (or there are fewer than two)."""
+    if len(steps) < 2:
+        return None
+    finest = max(exp for _, exp in steps)
+    combined = 1
+    for coef, exp in steps:
+        combined = math.lcm(combined, coef * 10 ** (finest - exp))
+    if combined <= _MAX_COMBINED_STEP and _significant_digits(combined) <= MAX_MULTIPLE_OF_DIGITS:
+        return None
+    return combined, finest
+
+
+def _decimal_text(coef: int, exp: int) -> str:
+    """coef * 10**-exp written out."""
+    return format(decimal.Decimal(coef).scaleb(-exp).normalize(), "f")
+
+
+def _steps_in(*schemas: Any) -> set[tuple[int, int]]:
+    """The (coef, exp) of every multipleOf in the subschemas of these schemas."""
+    return {step for schema in schemas for node in _subschemas(schema) if (step := _step_of(node)) is not None}
+
+
+def _step_of(node: dict) -> tuple[int, int] | None:
+    """The (coef, exp) of one subschema's own multipleOf; None without one."""
+    step = node.get("multipleOf")
+    if isinstance(step, bool) or not isinstance(step, (int, float)) or step <= 0:
+        return None
+    return _decimal_step(step)
+
+
+def _intersected_step_groups(schema: Any):
+    """For each outermost allOf, or $ref beside other keywords, the steps it may intersect: those inside
+    it, and those where its $refs may lead (the definitions, or for another $ref the whole schema)."""
+    definitions = [schema.get(name) for name in ("$defs", "definitions")] if isinstance(schema, dict) else []
+    defined = _steps_in(*(value for d in definitions if isinstance(d, dict) for value in d.values()))
+    everything, inside = _steps_in(schema), set()
+    for node in _subschemas(schema):
+        if id(node) in inside or not (isinstance(node.get("allOf"), list)
+                                      or ("$ref" in node and set(node) - _REF_ANNOTATIONS)):
+            continue
+        group, refs = set(), set()
+        for inner in _subschemas(node):
+            inside.add(id(inner))
+            if (step := _step_of(inner)) is not None:
+                group.add(step)
+            if isinstance(inner.get("$ref"), str):
+                refs.add(inner["$ref"].startswith(("#/$defs/", "#/definitions/")))
+        yield group | (defined if True in refs else set()) | (everything if False in refs else set())
 
 
 def _numbers_in(values: list) -> list[int | float]:
