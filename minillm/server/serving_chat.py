@@ -28,6 +28,7 @@ from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
+from minillm.server.tool_parsers import keeps_special_tokens
 
 # Names render_chat takes itself: chat_template_kwargs may not set them (vLLM refuses chat_template
 # and tokenize too).
@@ -159,6 +160,8 @@ class ChatJob:
 
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, response_id: str | None = None) -> None:
         self.ctx, self.req = ctx, req
+        if keeps_special_tokens(ctx.tool_call_parser, req.tools, tool_choice_of(req)):
+            req.skip_special_tokens = False       # a <tool_call> that is a special token stays in the text
         self.request_id = new_request_id("chatcmpl")        # the engine's, unique whatever the client sent
         self.response_id = response_id or self.request_id
         self.created = int(time.time())

@@ -13,6 +13,10 @@ call, sends its text as content). With calls, the finish reason is "tool_calls" 
 ended the reply ("length" stays: max_tokens cut it). A stream sends content as it comes (holding
 back what could begin a call) and each call whole, in one delta, once its closing tag (or the end
 of the output) shows it complete.
+
+hermes decodes the output of a request that may call tools with its special tokens, as vLLM's
+parser does (adjust_request): some models' <tool_call> is a special token, which
+skip_special_tokens would drop from the text, leaving the call's JSON as content.
 """
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ TOOL_PARSERS = ("hermes", "llama3_json")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 _DECODER = json.JSONDecoder()
+
+
+def keeps_special_tokens(parser: str | None, tools: list | None, tool_choice) -> bool:
+    """Whether a request's output keeps its special tokens for the parser: hermes, tools given, tool_choice not "none"."""
+    return parser == "hermes" and bool(tools) and tool_choice != "none"
 
 
 class NotACall(ValueError):
