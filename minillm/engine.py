@@ -7,6 +7,7 @@ import numbers
 import random
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -285,6 +286,7 @@ class LLMEngine:
         spec = config.speculative_config
         self.metrics = MetricsTracker(num_spec_tokens=spec.num_speculative_tokens if spec else None)
         self.model_name = config.served_model_name or config.model
+        self.run_id = uuid.uuid4().hex     # this engine's, in its stats: a restarted server's engine has another
         # From here the shape plus the values the engine runs with, as vLLM's model_config holds them
         # (llm.llm_engine.model_config.max_model_len); the runner keeps the plain shape it was built with.
         self.model_config = engine_model_config(self.model_config, config, path, self.max_model_len, self.dtype,
@@ -782,7 +784,7 @@ class LLMEngine:
         gauges alone (a fraction of the cost at hundreds of requests: see EngineStats.is_summary)."""
         c = self.config
         info = EngineInfo(self.model_name, self.backend, self.dtype, c.max_num_seqs, c.max_num_batched_tokens,
-                          self.max_model_len, self.runner.kv_cache_dtype)
+                          self.max_model_len, self.runner.kv_cache_dtype, self.run_id)
         ttft = {} if summary else {rid: req.metrics.ttft for rid, req in self.requests.items()}
         structured = self.structured_outputs.stats() if self.structured_outputs is not None else None
         return build_stats(info, self.block_manager.snapshot(),

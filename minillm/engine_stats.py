@@ -47,6 +47,7 @@ class EngineInfo:
     max_num_batched_tokens: int
     max_model_len: int
     kv_cache_dtype: str = ""     # what the KV pool stores: the model dtype or "fp8_e4m3"
+    run_id: str = ""             # chosen when the engine started (see EngineStats.run_id)
 
 
 def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnapshot, metrics: MetricsTracker,
@@ -92,7 +93,7 @@ def build_stats(info: EngineInfo, pool: BlockPoolSnapshot, sched: SchedulerSnaps
     (ttft_p50, ttft_p99), (itl_p50, itl_p99) = ((None, None), (None, None)) if summary else (
         percentiles(m.ttft, (50, 99)), percentiles(m.itl, (50, 99)))
     return EngineStats(
-        time=now, model=info.model, device=info.device, dtype=info.dtype,
+        time=now, run_id=info.run_id, model=info.model, device=info.device, dtype=info.dtype,
         num_running=sched.num_running, num_waiting=sched.num_waiting,
         num_preempted=sched.num_preempted_waiting,
         num_preemptions=sched.num_preemptions, kv_num_blocks=pool.num_blocks, kv_num_used_blocks=used,

@@ -165,6 +165,9 @@ class EngineStats:
     prompt_tokens_by_source: dict[str, int] = field(default_factory=dict)
     # What the KV pool stores: the model dtype ("bfloat16", ...) or "fp8_e4m3" (kv_cache_dtype="fp8").
     kv_cache_dtype: str = ""
+    # A random id the engine chose when it started: a snapshot with another comes from another engine (a
+    # server restarted), whatever its counters say; "" from a server or recording that had none.
+    run_id: str = ""
     # A summary (the counters and gauges of the throughput log and /metrics): no request rows, block
     # map, latency percentiles or recent steps, and kv_token_utilization None.
     is_summary: bool = False

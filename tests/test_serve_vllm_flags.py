@@ -230,9 +230,10 @@ def test_each_request_received_is_logged_with_its_id_and_params_never_its_text(h
     assert response.status_code == 200 and response.json()["id"] == "cmpl-mine"
     lines = [m for m in logged if m.startswith("Received request")]
     assert len(lines) == 2, logged   # logged before the engine took them, so before the response came
-    ids = [re.match(r"Received request (cmpl-[0-9a-f]{32}-[01]) \(response cmpl-mine\): params: "
-                    r"SamplingParams\(n=1, ", line) for line in lines]
-    assert all(ids) and {m.group(1)[-2:] for m in ids} == {"-0", "-1"}, lines
+    # The engine's ids, as vLLM's: the response's id, the prompt's index and 8 random hex digits.
+    ids = [re.match(r"Received request cmpl-mine-([01])-[0-9a-f]{8}: params: SamplingParams\(n=1, ", line)
+           for line in lines]
+    assert all(ids) and {m.group(1) for m in ids} == {"0", "1"}, lines
     assert all("max_tokens=3" in line and "stop=['zebra']" in line for line in lines)
     counts = [int(re.search(r"num_prompt_tokens: (\d+)\.$", line).group(1)) for line in lines]
     assert sum(counts) == response.json()["usage"]["prompt_tokens"] and min(counts) > 0
@@ -314,6 +315,7 @@ def test_serve_logs_requests_and_leaves_out_uvicorns_info_and_access_lines(tmp_p
             proc.kill()
             proc.wait()
     text = log.read_text()
-    assert re.search(r"INFO \S+ \S+ Received request cmpl-[0-9a-f]{32}: params: SamplingParams\(", text), text
+    assert re.search(r"INFO \S+ \S+ Received request cmpl-[0-9a-f]{32}-0-[0-9a-f]{8}: params: SamplingParams\(",
+                     text), text
     assert "Uvicorn running" not in text and "Application startup complete" not in text, text
     assert "POST /v1/completions" not in text and "GET /health" not in text, text

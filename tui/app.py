@@ -237,9 +237,11 @@ _ENGINE_FIELDS = ("model", "device", "dtype", "kv_num_blocks", "block_size", "ma
 
 
 def is_new_run(before: EngineStats, after: EngineStats) -> bool:
-    """Whether AFTER comes from another run than BEFORE: its counters went back, or its engine is
-    another (a server restarted with another model or KV pool may count past the old run before the
-    monitor reconnects)."""
+    """Whether AFTER comes from another run than BEFORE: its engine's run id is another, its counters
+    went back, or its engine is another (a server restarted with another model or KV pool may count
+    past the old run before the monitor reconnects; a replay that loops keeps its run id)."""
+    if before.run_id and after.run_id and before.run_id != after.run_id:
+        return True
     if after.num_steps < before.num_steps or after.prompt_tokens_total < before.prompt_tokens_total \
             or after.generation_tokens_total < before.generation_tokens_total:
         return True

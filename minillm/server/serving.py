@@ -219,20 +219,24 @@ async def tokenize_bad_words(ctx: ServingContext, params: list[SamplingParams]) 
         raise bad_request_from_value_error(exc) from None
 
 
-def sub_request_id(request_id: str, index: int, num_prompts: int) -> str:
-    """The engine's id for prompt `index` of a request: the request's own id when it has one prompt."""
-    return request_id if num_prompts == 1 else f"{request_id}-{index}"
+def engine_request_id(external_id: str) -> str:
+    """The engine's id for a request the server names external_id, as vLLM's input processor makes it:
+    that name and 8 random hex digits, so requests sent with the same client id never meet in the
+    engine (where the abort of one would end the other)."""
+    return f"{external_id}-{uuid.uuid4().hex[:8]}"
 
 
-def log_received(ctx: ServingContext, job, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-    """vLLM's --enable-log-requests line for each engine request of a job: its id (with the response's
-    where the client named it), its sampling params and its prompt's length (never the prompt's text)."""
+def log_received(ctx: ServingContext, job, engine_ids: list[str], prompts: list[list[int]],
+                 params: list[SamplingParams]) -> None:
+    """vLLM's --enable-log-requests line for each engine request of a job: its engine id (with the
+    response's where that is not its stem), its sampling params and its prompt's length (never the
+    prompt's text)."""
     if not ctx.log_requests:
         return
     named = "" if job.response_id == job.request_id else f" (response {job.response_id})"
-    for i, (ids, sp) in enumerate(zip(prompts, params)):
+    for engine_id, ids, sp in zip(engine_ids, prompts, params):
         logger.info("Received request %s%s: params: %s, num_prompt_tokens: %d.",
-                    sub_request_id(job.request_id, i, len(prompts)), named, params_for_log(sp), len(ids))
+                    engine_id, named, params_for_log(sp), len(ids))
 
 
 def params_for_log(params: SamplingParams) -> str:
@@ -245,10 +249,11 @@ def params_for_log(params: SamplingParams) -> str:
     return f"{type(params).__name__}({shown})"
 
 
-async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
+async def submit(ctx: ServingContext, request_ids: list[str], prompts: list[list[int]],
                  params: list[SamplingParams], cache_salt: str | None = None,
                  on_handed_over: Callable[[], None] | None = None, priority: int = 0) -> list[RequestStream]:
-    """Add one engine request per prompt, all feeding one queue; on a rejection abort those added.
+    """Add one engine request per prompt (request_ids[i] for prompts[i]), all feeding one queue; on a
+    rejection abort those added.
     cache_salt: the request's (vLLM's), which keeps its prefix-cache blocks to requests of the same salt.
     priority: the request's (vLLM's), which the engine checks against its scheduling policy.
     on_handed_over: called once the engine holds, or may hold, one of them (accepted; or cancelled
@@ -256,11 +261,10 @@ async def submit(ctx: ServingContext, request_id: str, prompts: list[list[int]],
     streams: list[RequestStream] = []
     shared = OutputQueue()
     try:
-        for i, (ids, sp) in enumerate(zip(prompts, params)):
-            sub_id = sub_request_id(request_id, i, len(prompts))
+        for engine_id, ids, sp in zip(request_ids, prompts, params):
             timer = RequestTimer(ctx.metrics, sp)
             try:
-                streams.append(await ctx.engine.add_request(sub_id, ids, sp, output_queue=shared,
+                streams.append(await ctx.engine.add_request(engine_id, ids, sp, output_queue=shared,
                                                             observer=timer.on_output, cache_salt=cache_salt,
                                                             priority=priority))
             except asyncio.CancelledError:
@@ -519,8 +523,9 @@ async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]
     """Submit a job's prompts, then stream its events (a failure once they have begun ends them with
     failure_events(exc)) or return its JSON response; a failure or a hang-up aborts whatever is
     still running. on_handed_over: as submit takes it."""
-    log_received(ctx, job, prompts, params)
-    streams = await until_disconnected(raw, submit(ctx, job.request_id, prompts, params, job.req.cache_salt,
+    engine_ids = job.engine_request_ids(len(prompts))
+    log_received(ctx, job, engine_ids, prompts, params)
+    streams = await until_disconnected(raw, submit(ctx, engine_ids, prompts, params, job.req.cache_salt,
                                                    on_handed_over, job.req.priority or 0))
     try:
         if stream:

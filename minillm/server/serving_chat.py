@@ -21,8 +21,9 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
-    client_response_id, content_choice_json, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
-    new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words, validate_request,
+    client_response_id, content_choice_json, engine_request_id, is_large_body, json_dumps, log_unknown_fields,
+    merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words,
+    validate_request,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -162,8 +163,9 @@ class ChatJob:
         self.ctx, self.req = ctx, req
         if keeps_special_tokens(ctx.tool_call_parser, req.tools, tool_choice_of(req)):
             req.skip_special_tokens = False       # a <tool_call> that is a special token stays in the text
-        self.request_id = new_request_id("chatcmpl")        # the engine's, unique whatever the client sent
-        self.response_id = response_id or self.request_id
+        # The client's id (vLLM's chatcmpl-<X-Request-Id or request_id>) or a fresh one: the response's
+        # (another API's job may name its response otherwise), and the stem of the engine's id.
+        self.request_id = self.response_id = response_id or new_request_id("chatcmpl")
         self.created = int(time.time())
         self.num_top = requested_top_logprobs(req, ctx.engine.config.max_logprobs)
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
@@ -208,6 +210,10 @@ class ChatJob:
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
+
+    def engine_request_ids(self, num_prompts: int) -> list[str]:
+        """The engine's id of the conversation (num_prompts is 1): request_id made unique by engine_request_id."""
+        return [engine_request_id(self.request_id)]
 
     async def prepare(self) -> None:
         """Check the output constraint and render and tokenise the conversation (in the

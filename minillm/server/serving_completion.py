@@ -23,8 +23,9 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
-    client_response_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs, new_request_id,
-    refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words, validate_request,
+    client_response_id, engine_request_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
+    new_request_id, refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words,
+    validate_request,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -39,8 +40,9 @@ class CompletionJob:
 
     def __init__(self, ctx: ServingContext, req: CompletionRequest, response_id: str | None = None) -> None:
         self.ctx, self.req = ctx, req
-        self.request_id = new_request_id("cmpl")        # the engine's, unique whatever the client sent
-        self.response_id = response_id or self.request_id
+        # The client's id (vLLM's cmpl-<X-Request-Id or request_id>) or a fresh one: the response's, and
+        # the stem of each prompt's engine id (engine_request_ids).
+        self.request_id = self.response_id = response_id or new_request_id("cmpl")
         self.created = int(time.time())
         self.prompts = completion_prompts(req)
         check_fan_out(ctx.limits, req.n, len(self.prompts), req.stop, req.stop_token_ids)
@@ -83,6 +85,10 @@ class CompletionJob:
         self._prompt_row_cache: dict[int, list] = {}   # prompt index -> its echoed logprob rows
         self._prompt_logprobs_json: dict[int, list] = {}   # prompt index -> its choices' prompt_logprobs
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
+
+    def engine_request_ids(self, num_prompts: int) -> list[str]:
+        """The engine's id of each prompt: vLLM's request_id-i, made unique by engine_request_id."""
+        return [engine_request_id(f"{self.request_id}-{i}") for i in range(num_prompts)]
 
     async def prepare(self, is_large: bool = False) -> None:
         """Check the output constraint and tokenise the prompts (in the preprocessing pool); fit max_tokens to each."""
