@@ -40,20 +40,20 @@ def test_an_interrupt_while_the_outputs_are_made_leaves_generate_usable(llm, exp
     left them finished and never reported; generate's clean-up then stepped the engine for ever,
     so the interrupted call hung instead of raising KeyboardInterrupt."""
     tokenizer = llm.engine.tokenizer
-    real_decode = tokenizer.decode
+    real_decode = tokenizer.decode_raw       # what the detokenizer calls
 
     def decode(*args, **kwargs):
         raise KeyboardInterrupt
 
-    tokenizer.decode = decode
+    tokenizer.decode_raw = decode
     undo_steps = _bounded_steps(llm.engine, 200)
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(PROMPTS, SAMPLED)
     finally:
         undo_steps()
-        vars(tokenizer).pop("decode", None)
-    assert tokenizer.decode == real_decode
+        vars(tokenizer).pop("decode_raw", None)
+    assert tokenizer.decode_raw == real_decode
     assert [out.outputs[0].text for out in llm.generate(PROMPTS, SAMPLED)] == expected
 
 
