@@ -5,6 +5,7 @@ leaves the other; each engine's stats carry a run id the monitor tells restarts 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import socket
 import threading
@@ -46,7 +47,7 @@ GATE = StepGate()
 @pytest.fixture(scope="module")
 def server(stories_path):
     """(url, engine) of a server whose steps wait while GATE is closed."""
-    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    options = ServerOptions(chat_template=CHAT_TEMPLATE, log_requests=True)
     with running_server(stories_path, engine_core="thread", options=options, core_hook=GATE.install,
                         max_model_len=256) as running:
         yield running
@@ -138,6 +139,34 @@ def test_two_clients_sending_one_request_id_are_two_engine_requests_and_one_leav
     assert stays.response.status_code == 200, stays.response.text
     [choice] = stays.response.json()["choices"]
     assert choice["finish_reason"] == "length" and stays.response.json()["usage"]["completion_tokens"] == 12
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("client_id", ["x\nINFO forged", "a\rb\x1b[2Jc", "t\tu\u2028v"])
+def test_a_client_id_with_control_characters_is_logged_escaped_on_one_line(server, client_id):
+    # The request log shows the engine id, which holds the client's: a newline in it wrote a forged line.
+    logger, records = logging.getLogger("minillm.server"), _Records()
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        response = httpx.post(f"{server[0]}/v1/completions", json={**STORY, "request_id": client_id}, timeout=60)
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert response.status_code == 200 and response.json()["id"] == f"cmpl-{client_id}"
+    [line] = [m for m in records.messages if m.startswith("Received request")]
+    assert line.isprintable(), line
+    escaped = client_id.encode("unicode_escape").decode("ascii")
+    assert re.match(rf"Received request cmpl-{re.escape(escaped)}-0-{HEX8}: params: ", line), line
 
 
 # ---- the engine's run id ---------------------------------------------------------------------------

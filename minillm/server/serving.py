@@ -233,10 +233,15 @@ def log_received(ctx: ServingContext, job, engine_ids: list[str], prompts: list[
     prompt's text)."""
     if not ctx.log_requests:
         return
-    named = "" if job.response_id == job.request_id else f" (response {job.response_id})"
+    named = "" if job.response_id == job.request_id else f" (response {loggable(job.response_id)})"
     for engine_id, ids, sp in zip(engine_ids, prompts, params):
         logger.info("Received request %s%s: params: %s, num_prompt_tokens: %d.",
-                    engine_id, named, params_for_log(sp), len(ids))
+                    loggable(engine_id), named, params_for_log(sp), len(ids))
+
+
+def loggable(text: str) -> str:
+    """text with its control characters escaped: a client's id must not start log lines of its own."""
+    return text if text.isprintable() else text.encode("unicode_escape").decode("ascii")
 
 
 def params_for_log(params: SamplingParams) -> str:
