@@ -10,7 +10,7 @@ def full_sort_sample(row, temperature, top_k, top_p, min_p, u) -> int:
     vocab = len(row)
     order = np.lexsort((np.arange(vocab), -row))
     x = row[order] / np.float32(temperature)
-    p = np.exp(x - x[0])
+    p = np.exp(x - x[0]).astype(np.float64)          # the sampler sums in float64
     p /= p.sum()
     keep = np.ones(vocab, dtype=bool)
     if 0 < top_k < vocab:

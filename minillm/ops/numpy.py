@@ -344,9 +344,30 @@ def _sample_in_id_order(row: np.ndarray, temperature, min_p, u) -> int:
     x = row / np.float32(temperature)
     e = np.exp(x - x.max())
     w = np.where(e >= min_p, e, np.float32(0.0)) if min_p > 0.0 else e
-    cdf = np.cumsum(w)
-    idx = min(int(np.searchsorted(cdf, np.float32(u) * cdf[-1], side="right")), len(row) - 1)
+    idx = _first_past_share(w, float(u))
     return idx if w[idx] > 0 else int(np.argmax(row))
+
+
+_PICK_CHUNK = 1024
+
+
+def _first_past_share(w: np.ndarray, u: float) -> int:
+    """w: [V] weights >= 0 -> the first index whose cumulative weight exceeds u times the total, summed
+    in float64 (a float32 running sum never reached a token weighing under half an ulp of the sum
+    before it: past 65,536 likely tokens of 200,000, the 0.7 % of the tail's mass was never drawn).
+    Chunk sums find the chunk and a cumulative sum of that chunk alone the token: a float32 cumsum
+    of Qwen3's 151,936 took 1.3 ms, this 0.16 ms."""
+    n = len(w)
+    full = n - n % _PICK_CHUNK
+    sums = np.add.reduce(w[:full].reshape(-1, _PICK_CHUNK), axis=1, dtype=np.float64)   # [V // chunk]
+    if full < n:
+        sums = np.append(sums, w[full:].sum(dtype=np.float64))
+    cum = np.cumsum(sums)
+    target = u * cum[-1]
+    c = min(int(np.searchsorted(cum, target, side="right")), len(cum) - 1)
+    start = c * _PICK_CHUNK
+    local = np.cumsum(w[start:start + _PICK_CHUNK], dtype=np.float64) + (cum[c - 1] if c else 0.0)
+    return start + min(int(np.searchsorted(local, target, side="right")), len(local) - 1)
 
 
 def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
@@ -358,7 +379,7 @@ def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
         return _sample_nucleus(row, temperature, top_p, min_p, u)
     vocab = len(order)
     x = row[order] / np.float32(temperature)
-    p = np.exp(x - x[0])
+    p = np.exp(x - x[0]).astype(np.float64)              # float64 sums, as _sample_nucleus's
     p /= p.sum()
     keep = np.ones(vocab, dtype=bool)
     if 0 < top_k < vocab:
