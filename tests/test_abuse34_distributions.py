@@ -11,7 +11,9 @@ stories260K's joint distribution of the first tokens after a prompt is computed 
 logits (one forward pass per prefix) and compared with thousands of seeded samples from the engine
 by a G-test. Seeds are fixed, so a run is deterministic; the bound P_MIN = 1e-7 is one a correct
 sampler misses with probability below 1e-6, and each test shows the same counts fail the bound
-against a distribution with one rule done wrong, so it would catch that bias.
+against a distribution with one rule done wrong, so it would catch that bias. The NumPy sampler's
+pick is checked exactly over a 200,000-token vocabulary, and a seed's tokens across batches,
+speculation and async scheduling.
 """
 from __future__ import annotations
 
@@ -282,3 +284,36 @@ def test_two_tokens_under_masks_bans_and_biases_follow_vllms_rules(llm, logits, 
                   reference(logits, LILY_AND, SamplingParams(**{**MASKS_AND_BIASES, "min_tokens": 0}), bad),
                   reference(logits, LILY_AND, SamplingParams(**{**MASKS_AND_BIASES, "logit_bias": {368: 1.5}}), bad)):
         assert g_test_p(samples, wrong) < P_MIN
+
+
+# ---- seeds ---------------------------------------------------------------------------------------
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+SEEDED_KINDS = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9, repetition_penalty=1.2),
+                dict(temperature=1.2, top_k=20, presence_penalty=-0.5, frequency_penalty=0.3),
+                dict(temperature=0.9, min_p=0.05, n=2), dict(temperature=0.7, logit_bias={268: 3.0}, min_tokens=5),
+                dict(temperature=0.6, bad_words=["the"], allowed_token_ids=list(range(3, 400)))]
+
+
+def seeded_outputs(path, prompts, params, **engine_args) -> list[list[tuple[int, ...]]]:
+    llm = LLM(str(path), device="cpu", **engine_args)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if "speculative_config" in engine_args:
+        assert llm.engine.stats().spec_decode.num_accepted_tokens > 0
+    return [[tuple(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def test_a_seed_gives_the_same_tokens_alone_in_a_batch_and_with_speculation(stories_path):
+    """vLLM's per-request seed: the same tokens whatever shares the batch, with drafts verified or
+    not (the n-th token takes the n-th uniform of the request's stream), scheduled synchronously or
+    one step ahead; different seeds differ."""
+    import json
+    golden = json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
+    prompt = [1] + golden[37:45] + golden[37:45] + golden[37:42]          # drafts from the first decode step
+    params = [SamplingParams(seed=100 + i, max_tokens=24, ignore_eos=True, **SEEDED_KINDS[i % len(SEEDED_KINDS)])
+              for i in range(12)]
+    alone = [seeded_outputs(stories_path, [prompt], [p])[0] for p in params[:len(SEEDED_KINDS)]]
+    for engine_args in (dict(), dict(speculative_config=SPEC), dict(speculative_config=SPEC, async_scheduling=True)):
+        together = seeded_outputs(stories_path, [prompt] * len(params), params, **engine_args)
+        assert together[:len(SEEDED_KINDS)] == alone, engine_args
+    assert len({o[0] for o in together}) == len(params) and len(set(together[3])) == 2
