@@ -161,11 +161,12 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
     elif done:
         if not isinstance(seq.stop_reason, str):      # a stop string already cut the text
             state.text += state.detokenizer.flush()
-    text = state.text
+    end = len(state.text)
     if not done and state.stop and state.holdback:
-        text = text[:max(len(text) - state.holdback, 0)]
+        end = max(end - state.holdback, 0)
     if state.delta:
-        return _delta_output(state, seq, text, done)
+        return _delta_output(state, seq, end, done)
+    text = state.text if end == len(state.text) else state.text[:end]
     if not state.want_logprobs:     # positional: this runs for every sequence of every step
         if not done:
             return CompletionOutput(seq.index, text, seq.output_token_ids)
@@ -176,13 +177,15 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
         cumulative_logprob=state.cumulative_logprob, logprobs=list(state.logprobs))
 
 
-def _delta_output(state: CompletionState, seq: Sequence, text: str, done: bool) -> CompletionOutput:
-    """The report of the DELTA output kind: the token ids, text and log-probabilities not reported
-    before (the text held back for a stop string comes once it cannot be one); the finish reason once."""
-    token_ids = seq.output_token_ids
-    new_ids, new_logprobs = token_ids[state.num_sent_tokens:], state.logprobs[state.num_sent_tokens:]
-    new_text = text[state.num_sent_chars:]
-    state.num_sent_tokens, state.num_sent_chars = len(token_ids), max(len(text), state.num_sent_chars)
+def _delta_output(state: CompletionState, seq: Sequence, end: int, done: bool) -> CompletionOutput:
+    """The report of the DELTA output kind: the token ids, text (up to end, past which it is held back
+    for a stop string) and log-probabilities not reported before; the finish reason once. Each report
+    copies only what is new, so a long output costs the same per token throughout."""
+    new_ids = seq.output_token_ids_after(state.num_sent_tokens)
+    new_logprobs = state.logprobs[state.num_sent_tokens:]
+    new_text = state.text[state.num_sent_chars:end]
+    state.num_sent_tokens += len(new_ids)
+    state.num_sent_chars = max(end, state.num_sent_chars)
     is_new_finish, state.is_finish_sent = done and not state.is_finish_sent, done
     return CompletionOutput(
         index=seq.index, text=new_text, token_ids=new_ids,

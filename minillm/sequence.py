@@ -117,6 +117,10 @@ class Sequence:
         """The generated ids known on the host."""
         return self.token_ids[len(self.prompt_token_ids):]
 
+    def output_token_ids_after(self, num_seen: int) -> list[int]:
+        """The generated ids known on the host past the first num_seen (a copy of those alone)."""
+        return self.token_ids[len(self.prompt_token_ids) + num_seen:]
+
     @property
     def is_finished(self) -> bool:
         """True once stopped, length-capped or aborted."""

@@ -47,6 +47,10 @@ class SequenceMirror:
         """A copy of the output tokens (an output handed on must not grow with later steps)."""
         return list(self.token_ids)
 
+    def output_token_ids_after(self, num_seen: int) -> list[int]:
+        """A copy of the output tokens past the first num_seen."""
+        return self.token_ids[num_seen:]
+
     @property
     def is_finished(self) -> bool:
         """True once the API server's view has it ended."""
