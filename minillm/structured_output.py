@@ -105,7 +105,10 @@ class StructuredOutputsParams:
     between its tokens; None takes the engine's default (StructuredOutputManager's, True: a model
     free to add whitespace can spend its whole budget on it). disable_additional_properties (vLLM's):
     every object schema with properties that does not say what other keys it takes takes none.
-    whitespace_pattern and structural_tag (vLLM's) are taken only as None. Construction validates
+    whitespace_pattern and structural_tag (vLLM's) are taken only as None. reasoning (minillm's: vLLM
+    sets it for the whole engine with --reasoning-parser) is the (start, end) token ids of a thinking
+    block: the output is free until the end token and the grammar holds what follows it (from the first
+    token when the prompt's last start or end token is the end). Construction validates
     and compile-checks the constraint (StructuredOutputsError, a ValueError naming the field); a
     field set later is checked when the constraint is next used (a request added with it), as
     vLLM reads the fields then. A dict or list changed in place is not seen: set the field anew.
@@ -120,6 +123,7 @@ class StructuredOutputsParams:
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
+    reasoning: tuple[int, int] | None = None
     _key: StructuredOutputKey | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -179,6 +183,9 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise StructuredOutputsError(name, f"must be a boolean, got {short_repr(value)}")
+        if self.reasoning is not None and not _is_token_pair(self.reasoning):
+            raise StructuredOutputsError("reasoning", "must be the (start, end) token ids of a thinking block, "
+                                         f"two different non-negative integers, got {short_repr(self.reasoning)}")
         if self.whitespace_pattern is not None:
             raise StructuredOutputsError("whitespace_pattern", f"{short_repr(self.whitespace_pattern)} is not "
                                          "supported: disable_any_whitespace sets JSON's whitespace (none, or any)")
@@ -196,6 +203,24 @@ _HOW_TO_COERCE_ONE_OF = (' (a schema reads its oneOf as anyOf with "x-guidance":
 
 # True while StructuredOutputsParams.from_checked builds a constraint: its grammar is not checked.
 _IS_GRAMMAR_CHECKED = contextvars.ContextVar("minillm_is_grammar_checked", default=False)
+
+
+def _is_token_pair(value: Any) -> bool:
+    """Whether value is two different token ids (a list too: msgpack carries a tuple as one)."""
+    return (isinstance(value, (tuple, list)) and len(value) == 2 and value[0] != value[1]
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value))
+
+
+def prompt_ends_reasoning(prompt_token_ids: Sequence[int], reasoning: Sequence[int]) -> bool:
+    """Whether the prompt's last thinking tag is the end one (vLLM's is_reasoning_end): a template that
+    closed the thinking block (Qwen3's enable_thinking false) leaves the output to the grammar at once."""
+    start, end = reasoning
+    for token in reversed(prompt_token_ids):
+        if token == start:
+            return False
+        if token == end:
+            return True
+    return False
 
 
 def _invalid(name: str, error: str) -> StructuredOutputsError:
@@ -1138,16 +1163,30 @@ _SPECIAL_FORCED = "applying '\u00ff'"
 _FORCED_BYTES = re.compile(r"forced bytes: got '(.*?)'; applying")
 
 
+# What StructuredOutputRequest records for a reasoning token taken ahead of the scheduler (no matcher's answer).
+_REASONING = object()
+
+
 class StructuredOutputRequest:
     """One sequence's constraint: its grammar (a Future while the pool compiles it), then its matcher.
 
     A step's token reaches the matcher ahead of the scheduler (advance(), as soon as it is read
     back, so the next mask can be filled while the scheduler works); the scheduler's accept_token
     then takes the result recorded for that token.
+
+    reasoning_end_id: the token that ends a thinking block (None: the grammar holds the output from its
+    first token). Until it comes the sequence is no constrained row (no mask, no matcher work); the
+    tokens up to it, itself included, never reach the matcher (vLLM's should_advance).
     """
 
-    def __init__(self, grammar: Future, process: GrammarProcess | None = None) -> None:
+    def __init__(self, grammar: Future, process: GrammarProcess | None = None, reasoning_end_id: int | None = None,
+                 reasoning_epoch: list[int] | None = None) -> None:
         self.grammar = grammar
+        self.reasoning_end_id = reasoning_end_id
+        self.reasoning_ended = reasoning_end_id is None   # by the tokens the scheduler has appended
+        self.is_masked = self.reasoning_ended             # by every token taken (ahead of the scheduler too)
+        self._num_reasoning = 0                           # output tokens taken as reasoning (the end one too)
+        self._reasoning_epoch = reasoning_epoch           # [n]: bumped when a sequence's reasoning ends
         self.matcher: GrammarMatcher | RemoteMatcher | None = None
         self._process = process           # the grammar process that holds the matcher, if one does
         self._remote_error: str | None = None
@@ -1189,7 +1228,7 @@ class StructuredOutputRequest:
     @property
     def empty_only(self) -> bool:
         """The grammar allows nothing but EOS from its start (its one sentence is empty): EOS may not be banned."""
-        return self.matcher is not None and self.grammar.result().empty_only
+        return self.reasoning_ended and self.matcher is not None and self.grammar.result().empty_only
 
     @property
     def compile_error(self) -> str | None:
@@ -1208,8 +1247,36 @@ class StructuredOutputRequest:
     def advance(self, token_ids: Sequence[int]) -> None:
         """Feed the matcher a step's tokens now, keeping each result for accept_token (stops at
         the first refused one: the scheduler ends the sequence there)."""
-        answers = self.matcher.accept_until_refused(token_ids)
-        self._advanced.extend((int(token), accepted) for token, accepted in zip(token_ids, answers))
+        token_ids = self.take_reasoning(token_ids)
+        if token_ids:
+            answers = self.matcher.accept_until_refused(token_ids)
+            self._advanced.extend((int(token), accepted) for token, accepted in zip(token_ids, answers))
+
+    def take_reasoning(self, token_ids: Sequence[int]) -> Sequence[int]:
+        """The tokens of a step the matcher takes: those after the reasoning's end (the reasoning
+        ones are kept for accept_token, which lets them through)."""
+        if self.is_masked:
+            return token_ids
+        for k, token in enumerate(token_ids):
+            self._advanced.append((int(token), _REASONING))
+            if self._take_reasoning_token(token):
+                return token_ids[k + 1:]
+        return ()
+
+    def _take_reasoning_token(self, token_id: int) -> bool:
+        """Count a reasoning token; True when it ends the reasoning (the next one is masked)."""
+        self._num_reasoning += 1
+        if token_id != self.reasoning_end_id:
+            return False
+        self.is_masked = True
+        if self._reasoning_epoch is not None:
+            self._reasoning_epoch[0] += 1
+        return True
+
+    @property
+    def num_fed_expected(self) -> int:
+        """Tokens the matcher holds once it has taken num_outputs + num_advanced output tokens, less the reasoning."""
+        return len(self._advanced) - self._num_reasoning
 
     def sent(self, token_ids: Sequence[int], answer, row: int) -> None:
         """A step's tokens went to the grammar process as row `row` of an advance (answered by answer)."""
@@ -1235,23 +1302,29 @@ class StructuredOutputRequest:
             taken = self._advanced.popleft()
             if taken[0] != token_id:
                 raise RuntimeError(f"the matcher took token {taken[0]} ahead, the scheduler appends {token_id}")
+            if taken[1] is _REASONING:
+                self.reasoning_ended = self.reasoning_ended or token_id == self.reasoning_end_id
+                return True
             if len(taken) == 2:
                 return taken[1]
             value = taken[1].value                 # the grammar process's answer: (taken, ...) by row
             if value is None:
                 return taken[3] < tokens_taken(taken[1], taken[2])    # waits for the answer
             return taken[3] < value[0][taken[2]]
+        if not self.is_masked:
+            self.reasoning_ended = self._take_reasoning_token(token_id)
+            return True
         return self.matcher.accept_token(token_id)
 
     @property
     def is_complete(self) -> bool:
-        """Nothing but EOS may follow (or EOS was taken): the output is a whole sentence."""
-        return self.matcher.is_complete()
+        """Nothing but EOS may follow (or EOS was taken): the output is a whole sentence (never while it reasons)."""
+        return self.reasoning_ended and self.matcher.is_complete()
 
     @property
     def is_terminated(self) -> bool:
-        """The last token accepted was an EOS."""
-        return self.matcher.is_terminated()
+        """The last token accepted was an EOS (a sequence still reasoning stops on nothing else)."""
+        return not self.reasoning_ended or self.matcher.is_terminated()
 
     def rejection(self, token_id: int) -> str:
         """The error message of a token the matcher refused (or could not take: its grammar process failed)."""
@@ -1500,7 +1573,8 @@ class StructuredOutputManager:
         self.last_fill_time_s = 0.0
         self._compiling: list = []                 # sequences whose grammar is not done yet (engine thread)
         self._sent: list = []                      # the grammar process's answers to advance()'s last tokens
-        self._fill_plan: tuple | None = None       # ((process, rows), filled, handles, no_eos) of the last remote fill
+        self._fill_plan: tuple | None = None       # ((process, rows, epoch), filled, handles, no_eos) of the last remote fill
+        self._reasoning_epoch = [0]                # how many sequences' reasoning has ended (a new constrained row)
         self._num_compiled = 0                     # written on the pool under _lock
         self._compile_time_s = 0.0
         self._num_fill_steps = 0
@@ -1651,13 +1725,18 @@ class StructuredOutputManager:
     def attach(self, seqs: Sequence, params: StructuredOutputsParams) -> None:
         """Give each sequence its StructuredOutputRequest (one compile, shared); the scheduler
         admits them once it is done."""
+        reasoning = params.reasoning
+        if reasoning is not None and max(reasoning) >= self.vocab_size:
+            raise StructuredOutputsError("reasoning", f"token ids must be below the vocabulary's size {self.vocab_size}, "
+                                         f"got {short_repr(reasoning)}")
         grammar = self.grammar_init(params)
         if self._process is not None:
             self._process.poll()          # one that died while idle is found gone now, not by these requests
             if self._process.failed:
                 self._restart_process()
         for seq in seqs:
-            seq.structured_output = StructuredOutputRequest(grammar, self._process)
+            end = None if reasoning is None or prompt_ends_reasoning(seq.prompt_token_ids, reasoning) else reasoning[1]
+            seq.structured_output = StructuredOutputRequest(grammar, self._process, end, self._reasoning_epoch)
         self._compiling.extend(seqs)
 
     def _restart_process(self) -> None:
@@ -1733,7 +1812,7 @@ class StructuredOutputManager:
             if request is not None and seq.num_output_placeholders and (ids := sampled.get(seq.seq_id)):
                 if self._process is None:
                     request.advance(ids)
-                else:
+                elif ids := request.take_reasoning(ids):
                     remote.append(request)
                     tokens.append(ids)
         self._sent = []
@@ -1795,12 +1874,12 @@ class StructuredOutputManager:
         filled, matchers, no_eos = [], [], []
         for b, seq in rows:
             request = seq.structured_output
-            if request is None or seq.is_finished:
+            if request is None or seq.is_finished or not request.is_masked:
                 continue
             matcher = request.matcher
             if matcher is not None and matcher.is_stopped():
                 continue
-            expected = len(seq.token_ids) - len(seq.prompt_token_ids) + len(request._advanced)
+            expected = len(seq.token_ids) - len(seq.prompt_token_ids) + request.num_fed_expected
             if matcher is None or matcher.num_fed != expected:
                 raise RuntimeError(f"request {seq.request_id}: its matcher is not at its latest token")
             if seq.params.ignore_eos:
@@ -1822,9 +1901,9 @@ class StructuredOutputManager:
         rows are the last step's: their plan (the rows to fill, the handles, the ignore_eos rows) is
         kept, so nothing is asked per row. A row that finished or whose grammar is done since is then
         filled all the same (EOS only for a done grammar); its token is dropped or ends it."""
-        key = (self._process, rows)
+        key = (self._process, rows, self._reasoning_epoch[0])
         plan = self._fill_plan
-        if plan is None or plan[0][0] is not self._process or plan[0][1] != rows:
+        if plan is None or plan[0][0] is not self._process or plan[0][1] != rows or plan[0][2] != key[2]:
             filled, matchers, no_eos = self._rows_to_fill(rows)
             self._fill_plan = plan = (key, filled, [m.handle for m in matchers], no_eos)
         _, filled, handles, no_eos = plan

@@ -2,9 +2,10 @@
 then tool calls out of what is left (--enable-auto-tool-choice --tool-call-parser).
 
 Only requests that can use them pay for them: a server without parsers, a request held to a
-structure (response_format, structured_outputs, a forced tool call: its output is the structure
-from the first token, with no reasoning before it), or tools not asked for (tool_choice "none",
-no tools) leave the reply as the plain text.
+structure from its first token (a forced tool call; response_format or structured_outputs without
+--reasoning-parser), or tools not asked for (tool_choice "none", no tools) leave the reply as the
+plain text. A structure held after the reasoning (reasoning_first) goes through the reasoning parser
+alone: the reasoning, then the structure as the content.
 """
 from __future__ import annotations
 
@@ -32,12 +33,12 @@ class OutputParsers:
     @classmethod
     def for_request(cls, reasoning_parser: str | None, tool_call_parser: str | None, template_kwargs: dict | None,
                     tool_choice, constrained: bool, include_reasoning: bool,
-                    parallel_tool_calls: bool | None = None) -> OutputParsers | None:
+                    parallel_tool_calls: bool | None = None, reasoning_first: bool = False) -> OutputParsers | None:
         """The parsers a request's reply goes through; None when it goes through none."""
-        if constrained:
+        if constrained and not (reasoning_first and reasoning_parser):
             return None
         reasoning = ReasoningParser.for_request(reasoning_parser, template_kwargs) if reasoning_parser else None
-        tools = ToolParser(tool_call_parser) if tool_call_parser and tool_choice == "auto" else None
+        tools = ToolParser(tool_call_parser) if tool_call_parser and tool_choice == "auto" and not constrained else None
         if reasoning is None and tools is None:
             return None
         return cls(reasoning, tools, include_reasoning, 1 if parallel_tool_calls is False else None)

@@ -9,6 +9,10 @@ A chat completion's message then carries `reasoning` (and `reasoning_content`, i
 vLLM) beside `content`; a stream's deltas carry the one or the other. The split is made on the
 text, so a tag spread over several tokens (or streamed across chunks) is found all the same: a
 stream holds back the end of a delta that could be the start of a tag until the next delta says.
+
+Under a constraint (response_format, structured_outputs) the engine leaves the reasoning free and
+holds only what follows </think> to the grammar (vLLM's structured outputs with a reasoning parser):
+the tags must then be added tokens of the tokenizer, whose ids the engine watches for.
 """
 from __future__ import annotations
 
@@ -59,6 +63,15 @@ class ReasoningParser:
     def stream(self) -> ReasoningStream:
         """A choice's state while it streams."""
         return ReasoningStream(self.thinking)
+
+
+def thinking_token_ids(tokenizer) -> tuple[int, int] | None:
+    """(start, end) ids of <think> and </think> as added tokens of the tokenizer (vLLM's parsers look them
+    up in the vocabulary); None when either is not one token there."""
+    ids = {text: i for i, text in tokenizer.added_token_contents.items()}
+    if START not in ids or END not in ids:
+        return None
+    return ids[START], ids[END]
 
 
 class ReasoningStream:

@@ -28,6 +28,7 @@ from minillm.server.serving import (
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
+from minillm.server.reasoning_parsers import ReasoningParser, thinking_token_ids
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
 from minillm.server.tool_parsers import keeps_special_tokens
 
@@ -195,10 +196,14 @@ class ChatJob:
         self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.constraint_param = self.forced.param if self.forced is not None else None   # what holds the output
-        # --reasoning-parser and --tool-call-parser, for a reply that is free text
+        # response_format or structured_outputs under --reasoning-parser: the grammar holds what follows the thinking
+        self.reasoning_first = self.forced is None and asks_for_structure(req) and ctx.reasoning_parser is not None \
+            and ReasoningParser.for_request(ctx.reasoning_parser, self.conversation.template_kwargs).thinking
+        # --reasoning-parser and --tool-call-parser, for a reply that is free text (or a structure after the thinking)
         self.parsers = OutputParsers.for_request(   # what the template was told of thinking, as it was told
             ctx.reasoning_parser, ctx.tool_call_parser, self.conversation.template_kwargs, tool_choice_of(req),
-            self.forced is not None or asks_for_structure(req), req.include_reasoning, req.parallel_tool_calls)
+            self.forced is not None or asks_for_structure(req), req.include_reasoning, req.parallel_tool_calls,
+            self.reasoning_first)
         self.output_streams: dict[int, OutputStream] = {}
         # include_reasoning false hides the reasoning the parser splits off; its tokens' logprobs and ids
         # would show it token by token, so neither is computed nor sent (as vLLM leaves them out)
@@ -231,7 +236,7 @@ class ChatJob:
 
     def _constraint(self):
         """The output's StructuredOutputsParams: the forced tool call's, or the request's own."""
-        asked = structured_outputs_params(self.req)
+        asked = structured_outputs_params(self.req, self._thinking_token_ids() if self.reasoning_first else None)
         if self.forced is None:
             return asked
         if asked is not None:
@@ -239,6 +244,16 @@ class ChatJob:
             raise APIError(400, f"tool_choice holds the output to a tool call; {field} cannot constrain it too",
                            param=field)
         return self.forced.constraint()
+
+    def _thinking_token_ids(self) -> tuple[int, int]:
+        """The ids of <think> and </think>, which the engine watches for; a 400 when they are not single tokens."""
+        ids = thinking_token_ids(self.ctx.tokenizer)
+        if ids is None:
+            field = "response_format" if self.req.response_format is not None else "structured_outputs"
+            raise APIError(400, f"{field} under --reasoning-parser {self.ctx.reasoning_parser} holds the output to "
+                           "its structure after </think>, but <think> and </think> are not single tokens of this "
+                           "model's tokenizer", param=field)
+        return ids
 
     def _render(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener, truncated as asked."""

@@ -35,13 +35,14 @@ def asks_for_structure(req: Any) -> bool:
     return req.response_format is not None or req.structured_outputs is not None
 
 
-def structured_outputs_params(req: Any):
-    """StructuredOutputsParams for a completions or chat request, or None when it asks for none."""
+def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None):
+    """StructuredOutputsParams for a completions or chat request, or None when it asks for none;
+    reasoning: the (start, end) ids of a thinking block the grammar holds the output only after."""
     extra = req.model_extra or {}
     for name, key in _LEGACY.items():
         if extra.get(name) is not None:
             raise APIError(400, f"{name} is not supported; send structured_outputs: {{\"{key}\": ...}}", param=name)
-    from_format = _from_response_format(req.response_format) if req.response_format is not None else None
+    from_format = _from_response_format(req.response_format, reasoning) if req.response_format is not None else None
     if req.structured_outputs is None:
         return from_format
     if from_format is not None:
@@ -55,17 +56,17 @@ def structured_outputs_params(req: Any):
         what = param if named else f"structured_outputs: {short_repr(key)}"
         raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
     return checked_params(lambda field: "structured_outputs" if field == "structured_outputs"
-                          else f"structured_outputs.{field}", **req.structured_outputs)
+                          else f"structured_outputs.{field}", **req.structured_outputs, reasoning=reasoning)
 
 
-def _from_response_format(fmt: dict):
+def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None):
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         _refuse_unknown_keys(fmt, "response_format", ("type",))
     if kind == "text":
         return None
     if kind == "json_object":
-        return checked_params(lambda field: "response_format", json_object=True)
+        return checked_params(lambda field: "response_format", json_object=True, reasoning=reasoning)
     if kind != "json_schema":
         raise APIError(400, "response_format.type must be 'text', 'json_object' or 'json_schema', got "
                        f"{short_repr(kind)}",
@@ -88,7 +89,7 @@ def _from_response_format(fmt: dict):
                        param="response_format.json_schema.strict")
     if spec.get("schema") is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
-    return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"])
+    return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"], reasoning=reasoning)
 
 
 def _refuse_unknown_keys(obj: dict, where: str, known: tuple[str, ...]) -> None:
