@@ -63,8 +63,7 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
     """Feed the newest token; returns the stop string it completed, if any."""
     if state.want_logprobs and logprobs is not None:
         # vLLM reads a token that ends inside a character after the output's tokens before it
-        num_prompt, end = len(seq.prompt_token_ids), len(seq.token_ids) - 1
-        context = seq.token_ids[max(num_prompt, end - MAX_LOGPROB_CONTEXT_TOKENS):end]
+        context = seq.output_tail(MAX_LOGPROB_CONTEXT_TOKENS + 1)[:-1]
         state.logprobs.append(ranked_logprobs(logprobs, seq.params.logprobs,
                                               state.detokenizer.tok if state.detokenize else None, token, context))
         state.cumulative_logprob += logprobs.get(token, 0.0)

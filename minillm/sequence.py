@@ -121,6 +121,10 @@ class Sequence:
         """The generated ids known on the host past the first num_seen (a copy of those alone)."""
         return self.token_ids[len(self.prompt_token_ids) + num_seen:]
 
+    def output_tail(self, count: int) -> list[int]:
+        """The last `count` generated ids known on the host (fewer while there are fewer)."""
+        return self.token_ids[max(len(self.prompt_token_ids), len(self.token_ids) - count):]
+
     @property
     def is_finished(self) -> bool:
         """True once stopped, length-capped or aborted."""

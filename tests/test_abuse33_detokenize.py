@@ -229,6 +229,10 @@ def test_logprob_tokens_of_a_character_in_byte_tokens_as_vllm(stories_path):
     # a byte token offered beside another is read after the same sampled tokens (E4 B8 then B8 is 丸, AD 中)
     rows = frontend_logprobs(tok, [1], output[:-1] + [output[-2]], output[-1])
     assert (rows[-1][output[-2]].decoded_token, rows[-1][output[-1]].decoded_token) == ("丸", "中")
+    # A prompt longer than the output: the API server's sequence holds only output tokens, and its context
+    # was cut at the prompt's length (empty), so the last byte token read alone was "\ufffd".
+    rows = frontend_logprobs(tok, tok.encode("Once upon a time there was a"), output, alternative)
+    assert [row[t].decoded_token for row, t in zip(rows, output)][-3:] == ["", "", "中"]
 
 
 def test_prompt_logprob_tokens_of_a_character_in_byte_tokens_as_vllm(stories_path):

@@ -47,6 +47,10 @@ class SequenceMirror:
         """A copy of the output tokens (an output handed on must not grow with later steps)."""
         return list(self.token_ids)
 
+    def output_tail(self, count: int) -> list[int]:
+        """The last `count` output tokens (fewer while there are fewer)."""
+        return self.token_ids[-count:]
+
     def output_token_ids_after(self, num_seen: int) -> list[int]:
         """A copy of the output tokens past the first num_seen."""
         return self.token_ids[num_seen:]
