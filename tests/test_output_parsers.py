@@ -17,14 +17,14 @@ def calls_of(calls: list[dict]) -> list[tuple[str, dict]]:
 @pytest.mark.parametrize("name, text, reasoning, content", [
     ("deepseek_r1", "<think>a plan</think>The answer", "a plan", "The answer"),
     ("deepseek_r1", "a plan</think>The answer", "a plan", "The answer"),     # <think> opened in the prompt
-    ("deepseek_r1", "\n<think>\nx\n</think>\n\nY", "\nx\n", "\n\nY"),
+    ("deepseek_r1", "\n<think>\nx\n</think>\n\nY", "\n\nx\n", "\n\nY"),   # text before <think>: reasoning
     ("deepseek_r1", "still thinking", "still thinking", None),               # cut short: all reasoning
     ("deepseek_r1", "plan</think>", "plan", None),
-    ("deepseek_r1", "</think>only an answer", None, "only an answer"),
+    ("deepseek_r1", "</think>only an answer", "", "only an answer"),      # empty reasoning: "", as in vLLM
     ("deepseek_r1", "a</think>b</think>c", "a", "b</think>c"),
-    ("deepseek_r1", "", None, None),
+    ("deepseek_r1", "", "", None),
     ("qwen3", "<think>hmm</think>\n\nHello", "hmm", "\n\nHello"),
-    ("qwen3", "Hello <think> is a tag", "Hello <think> is a tag", None),     # only a leading <think> is dropped
+    ("qwen3", "Hello <think> is a tag", "Hello  is a tag", None),      # <think> tags are no reasoning
 ])
 def test_reasoning_split(name, text, reasoning, content):
     assert ReasoningParser(name).split(text) == (reasoning, content)

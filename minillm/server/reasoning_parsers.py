@@ -10,6 +10,13 @@ vLLM) beside `content`; a stream's deltas carry the one or the other. The split 
 text, so a tag spread over several tokens (or streamed across chunks) is found all the same: a
 stream holds back the end of a delta that could be the start of a tag until the next delta says.
 
+Whole and streamed replies split alike, as vLLM streams them token by token: everything before the
+first </think> is reasoning, less its <think> tags (text before a <think> is reasoning too: vLLM's
+non-streamed path drops it, its stream keeps it), and what follows is the content as written. A
+whole reply's reasoning is "" (not null) where it is empty, its content null, as vLLM returns them;
+a stream sends no empty delta. qwen3 with thinking off leaves every output whole as the content (as
+vLLM's stream does; its non-streamed path still splits at a </think> the model writes).
+
 Under a constraint (response_format, structured_outputs) the engine leaves the reasoning free and
 holds only what follows </think> to the grammar (vLLM's structured outputs with a reasoning parser):
 the tags must then be added tokens of the tokenizer, whose ids the engine watches for.
@@ -50,15 +57,12 @@ class ReasoningParser:
         return cls(name, thinking)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole output; None where a part is empty."""
+        """(reasoning, content) of a whole output: reasoning "" where empty (None with thinking off),
+        content None where empty (without </think> the output was cut short while thinking)."""
         if not self.thinking:
             return None, text
-        before, tag, after = text.partition(START)
-        text = after if tag and not before.strip() else text     # a <think> the model wrote itself
-        reasoning, tag, content = text.partition(END)
-        if not tag:
-            return text or None, None                             # no end: cut short while thinking
-        return reasoning or None, content or None
+        reasoning, _, content = text.partition(END)
+        return reasoning.replace(START, ""), content or None
 
     def stream(self) -> ReasoningStream:
         """A choice's state while it streams."""
@@ -79,7 +83,6 @@ class ReasoningStream:
 
     def __init__(self, thinking: bool) -> None:
         self.in_reasoning = thinking
-        self._at_start = thinking      # a leading <think> may still come (and is dropped)
         self._held = ""                # the end of the text so far that may begin a tag
 
     def feed(self, delta: str) -> tuple[str, str]:
@@ -87,24 +90,13 @@ class ReasoningStream:
         if not self.in_reasoning:
             return "", delta
         text = self._held + delta
-        self._held = ""
-        if self._at_start:
-            stripped = text.lstrip()
-            if START.startswith(stripped) and len(stripped) < len(START):
-                self._held = text                       # could still be "<think>"
-                return "", ""
-            self._at_start = False
-            if stripped.startswith(START):
-                text = stripped[len(START):]
         reasoning, tag, content = text.partition(END)
         if tag:
-            self.in_reasoning = False
-            return reasoning, content
-        keep = partial_tag_len(text, END)
-        if keep:
-            self._held = text[-keep:]
-            text = text[:-keep]
-        return text, ""
+            self.in_reasoning, self._held = False, ""
+            return reasoning.replace(START, ""), content
+        keep = max(partial_tag_len(text, END), partial_tag_len(text, START))
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep].replace(START, ""), ""
 
     def finish(self) -> tuple[str, str]:
         """What was held back, once the output has ended: reasoning it was."""

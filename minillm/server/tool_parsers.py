@@ -5,7 +5,10 @@ returned as OpenAI tool_calls, for tool_choice "auto" (the default when a reques
                   optional text (Hermes 2 Pro, Qwen 2.5, Qwen3); the text before the first call is the
                   content, and a call cut short at the end still counts if its JSON is whole
     llama3_json   an output that is JSON objects {"name": ..., "parameters" (or "arguments"): {...}}
-                  separated by ";", after an optional <|python_tag|> (Llama 3.1-3.3)
+                  separated by ";", after an optional <|python_tag|> (Llama 3.1-3.3). Only an output
+                  that opens with a call (after whitespace) is read for calls, whole or streamed, as
+                  vLLM's stream reads it; vLLM's non-streamed path takes a call's JSON anywhere in
+                  the text ("Sure: {...}"), which its stream sends as content.
 
 A call whose JSON does not parse, or lacks its name or arguments, leaves the whole output as
 content with no calls, as vLLM's parsers do (a stream, which has sent the calls before such a
