@@ -85,6 +85,7 @@ class FrontendRequest:
     metrics: RequestMetrics
     handle: Any                 # where its outputs go (the caller's stream); None once nobody follows it
     is_counted: bool = False    # its finish reasons are in the tally
+    is_accepted: bool = False   # the core took its add (a refused one is never counted)
     kv_transfer_params: dict | None = None   # a KV transfer's word on it, as the core sent it
     kv_transfer_stats: dict | None = None
     prompt_logprobs: list | None = None      # with params.prompt_logprobs: the entries the core has sent
@@ -142,6 +143,15 @@ class OutputProcessor:
         """Forget a request the core refused."""
         self.requests.pop(request_id, None)
 
+    def accepted(self, request_id: str) -> None:
+        """The core took the request's add: one its caller aborted meanwhile is counted now."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.is_accepted = True
+        if req.handle is None and req.is_finished and not req.is_counted:
+            self._count(req)
+
     def abandon(self, request_id: str) -> Any:
         """Nobody follows the request any more (client gone, or its step failed); returns its handle.
 
@@ -155,7 +165,8 @@ class OutputProcessor:
     def abort(self, request_id: str, now: float) -> tuple[Any, RequestOutput] | None:
         """Its caller aborted the request: its sequences still running end with "abort" here, and
         (its handle, its final output) comes back, None where nobody follows it or that output is
-        out already. It is kept until the core's last output for it, as abandon() keeps it."""
+        out already. It is kept until the core's last output for it, as abandon() keeps it; while its
+        add is on its way it is counted only once the core takes it (accepted())."""
         req = self.requests.get(request_id)
         handle = self.abandon(request_id)
         if handle is None or req.is_counted:
@@ -163,7 +174,7 @@ class OutputProcessor:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
-        return handle, self._output(req, now)
+        return handle, self._output(req, now, count=req.is_accepted)
 
     def process(self, step: m.StepOutputs, now: float) -> ProcessedStep:
         """Apply one step's outputs: detokenise, check stop strings, build the RequestOutputs."""
@@ -173,6 +184,7 @@ class OutputProcessor:
             req = requests.get(out.request_id)
             if req is None:
                 continue
+            req.is_accepted = True      # the core reports only requests it took
             moved = False
             seqs = req.seqs
             if out.new_prompt_logprobs and req.prompt_logprobs is not None:
@@ -232,15 +244,16 @@ class OutputProcessor:
             seq.status, seq.stop_reason = SequenceStatus(out.finish_reason), out.stop_reason
         return bool(tokens) or out.finish_reason is not None
 
-    def _output(self, req: FrontendRequest, now: float) -> RequestOutput | None:
+    def _output(self, req: FrontendRequest, now: float, count: bool = True) -> RequestOutput | None:
         """The request's output of its kind after a change; None where that kind reports nothing
-        now (as LLMEngine._take_outputs decides)."""
+        now (as LLMEngine._take_outputs decides). A finished one is counted, with count."""
         finished = req.is_finished
         if req.final_only and not finished:
             return None
         if finished:
             req.metrics.finished_time = now
-            self._count(req)
+            if count:
+                self._count(req)
         return request_output(req, finished, req.kv_transfer_params, req.kv_transfer_stats)
 
     def _count(self, req: FrontendRequest) -> None:

@@ -413,6 +413,8 @@ class AsyncLLM(Generate):
                 pending = self._adds.pop(request_id, None)
                 if error is not None:
                     self.processor.remove(request_id)
+                else:
+                    self.processor.accepted(request_id)
             if pending is not None:
                 resolve_future(*pending, result=True, error=ValueError(error) if error is not None else None)
 
