@@ -440,7 +440,8 @@ class MessagesJob(TranslatedJob):
     def __init__(self, ctx: ServingContext, req: MessagesRequest, chat: ChatCompletionRequest,
                  raw: Request | None = None) -> None:
         super().__init__(ctx, chat)
-        self.response_id = f"msg_{uuid.uuid4().hex}"
+        # The message's id is also the stem of the engine's (msg_<hex>-<8 hex>): /v1/stats shows it.
+        self.request_id = self.response_id = f"msg_{uuid.uuid4().hex}"
 
     def _message(self, content: list[dict], stop: tuple[str | None, str | None], usage: dict) -> dict:
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": self.ctx.model_name,

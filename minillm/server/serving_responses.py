@@ -443,7 +443,8 @@ class ResponsesJob(TranslatedJob):
         super().__init__(ctx, chat)
         self.responses_req = req
         chosen = client_response_id("resp", raw, req.request_id) if raw is not None else None
-        self.response_id = chosen or _new_id("resp")
+        # The response's id is also the stem of the engine's (resp-<id>-<8 hex>), as chat's is: /v1/stats shows it.
+        self.request_id = self.response_id = chosen or _new_id("resp")
         self.sequence = 0
 
     def _render(self) -> list[int]:
