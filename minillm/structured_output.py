@@ -46,6 +46,7 @@ import os
 import re
 import threading
 import time
+import urllib.parse
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -258,9 +259,10 @@ def _check_grammar(key: StructuredOutputKey) -> str:
     """llguidance's error for a constraint ('' when it is valid)."""
     # Whitespace does not change whether a schema is valid: check it in the default form.
     try:
-        return _without_options_line(llguidance.LLMatcher.validate_grammar(serialize_grammar(key)))
+        error = _without_options_line(llguidance.LLMatcher.validate_grammar(serialize_grammar(key)))
     except ValueError as e:
-        return str(e)
+        error = str(e)
+    return _with_client_patterns(key, error)
 
 
 # llguidance recurses once per rule a grammar's rules chain through, and per $ref a schema's refs
@@ -370,6 +372,209 @@ def _check_schema_bounds(schema: Any) -> None:
         _check_schema_node(node)
         todo.extend(node.values())
     _check_intersected_steps(schema)
+    for node in _subschemas(schema):        # schemas, not const or enum data
+        _check_patterns(node)
+        _check_number_bounds(node)
+    _check_finite_instance(schema)
+
+
+def _check_patterns(node: dict) -> None:
+    """A StructuredOutputsError for a pattern (or patternProperties name) whose ECMA-262 meaning is not kept."""
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    for pattern in [node.get("pattern"), *patterns]:
+        if not isinstance(pattern, str) or _decimal_pattern(pattern) is not None:
+            continue
+        try:
+            _ecma_pattern(pattern)
+        except _PatternError as e:
+            raise StructuredOutputsError("json", f"the pattern {jsonlib.dumps(pattern, ensure_ascii=False)} is "
+                                                 f"not supported: {e}") from None
+
+
+def _check_finite_instance(schema: Any) -> None:
+    """A StructuredOutputsError for a schema whose every instance holds another instance of one of its
+    $ref targets (a required property, a non-empty array's item, an allOf, every anyOf or oneOf branch
+    leads back): it has no finite instance, and llguidance's parser grows until it reaches a limit."""
+    if not isinstance(schema, dict) or not _has_local_ref(schema):
+        return
+    graph = _InstanceGraph(schema)
+    if not graph.is_finite(schema, follow_refs=False) or graph.is_finite(schema, follow_refs=True):
+        return                              # without its $refs it has no instance either: not a cycle's doing
+    refs, is_inside_value = graph.unfinished_refs(schema)
+    if not is_inside_value:
+        return
+    named = ", ".join(jsonlib.dumps(ref) for ref in refs[:4]) + (f" and {len(refs) - 4} more" if len(refs) > 4 else "")
+    raise StructuredOutputsError("json", f"the schema has no finite instance: every instance of {named} holds "
+                                         "another one (a required property, an item of an array whose minItems is "
+                                         "above 0, an allOf, or every branch of an anyOf or oneOf leads back); let "
+                                         "the recursion end: a property not required, an array that may be empty, "
+                                         "or an anyOf branch without it")
+
+
+def _has_local_ref(schema: dict) -> bool:
+    """Whether some subschema has a $ref within the document (the only way a schema recurses)."""
+    return any(isinstance(node.get("$ref"), str) and node["$ref"].startswith("#") for node in _subschemas(schema))
+
+
+_ALL_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+
+
+class _InstanceGraph:
+    """Which subschemas of a schema have a finite instance, as a least fixed point over what each one's
+    instance must hold; keywords it does not read count as satisfiable, and `false` as not."""
+
+    def __init__(self, schema: dict) -> None:
+        self.root = schema
+        self.nodes = list(_subschemas(schema))
+        self.node_ids = {id(node) for node in self.nodes}
+        self.follow_refs = True
+        self.finite: set[int] = set()
+
+    def is_finite(self, schema: Any, follow_refs: bool) -> bool:
+        """Whether schema has a finite instance (a $ref taken as satisfiable when not follow_refs)."""
+        self.follow_refs = follow_refs
+        self.finite = set()
+        dependents: dict[int, list[dict]] = {}
+        for node in self.nodes:
+            for child in self._needs(node):
+                if isinstance(child, dict):
+                    dependents.setdefault(id(child), []).append(node)
+        todo = list(self.nodes)
+        while todo:
+            node = todo.pop()
+            if id(node) not in self.finite and self._holds(node):
+                self.finite.add(id(node))
+                todo.extend(dependents.get(id(node), ()))
+        return self._is_done(schema)
+
+    def unfinished_refs(self, schema: Any) -> tuple[list[str], bool]:
+        """The $refs without a finite instance reached from schema through what its instance must hold, and
+        whether one of those is held inside a value (a property, an item), not only through $ref and allOf,
+        anyOf or oneOf (a loop of those alone allows no first token: llguidance's compile says so)."""
+        refs, seen, todo, is_inside_value = [], set(), [schema], False
+        while todo:
+            node = todo.pop()
+            if not isinstance(node, dict) or id(node) in seen or self._is_done(node):
+                continue
+            seen.add(id(node))
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not self._is_done(self._target(ref)) and ref not in refs:
+                refs.append(ref)
+            values = self._value_needs(node)
+            is_inside_value = is_inside_value or not all(self._is_done(s) for s in values)
+            todo.extend(self._needs(node))
+        return sorted(refs), is_inside_value
+
+    def _is_done(self, schema: Any) -> bool:
+        """Whether schema has a finite instance as far as is known (a schema outside the graph has)."""
+        if isinstance(schema, bool):
+            return schema
+        return not isinstance(schema, dict) or id(schema) in self.finite or id(schema) not in self.node_ids
+
+    def _needs(self, node: dict) -> list[Any]:
+        """Every subschema whose instance node's instance may have to hold."""
+        needs = [self._target(node["$ref"])] if self.follow_refs and isinstance(node.get("$ref"), str) else []
+        for name in ("allOf", "anyOf", "oneOf"):
+            if isinstance(node.get(name), list):
+                needs.extend(node[name])
+        return needs + self._value_needs(node)
+
+    @staticmethod
+    def _value_needs(node: dict) -> list[Any]:
+        """The subschemas that a property or an item of node's instance may have to match."""
+        needs = [schema for name in _required_names(node) for schema in _property_schemas(node, name)]
+        return needs + _item_schemas(node) + _extra_property_schemas(node)
+
+    def _holds(self, node: dict) -> bool:
+        """Whether node has a finite instance, given those of its subschemas known so far."""
+        if self.follow_refs and isinstance(node.get("$ref"), str) and not self._is_done(self._target(node["$ref"])):
+            return False
+        if isinstance(node.get("allOf"), list) and not all(self._is_done(s) for s in node["allOf"]):
+            return False
+        for name in ("anyOf", "oneOf"):
+            if isinstance(node.get(name), list) and not any(self._is_done(s) for s in node[name]):
+                return False
+        if "const" in node or isinstance(node.get("enum"), list):
+            return True                       # an instance is given (whether it fits is llguidance's to check)
+        kinds = node.get("type", _ALL_TYPES)
+        kinds = [kinds] if isinstance(kinds, str) else kinds if isinstance(kinds, list) else _ALL_TYPES
+        return any(kind not in ("object", "array") or self._holds_as(node, kind) for kind in kinds)
+
+    def _holds_as(self, node: dict, kind: str) -> bool:
+        """Whether node has a finite object (kind "object") or array instance."""
+        if kind == "array":
+            return all(self._is_done(s) for s in _item_schemas(node))
+        if not all(self._is_done(s) for name in _required_names(node) for s in _property_schemas(node, name)):
+            return False
+        extra = _extra_property_schemas(node)
+        return not extra or any(self._is_done(s) for s in extra)
+
+    def _target(self, ref: str) -> Any:
+        """The subschema a $ref within the document names; None for any other $ref."""
+        if ref == "#":
+            return self.root
+        if not ref.startswith("#/"):
+            return None
+        node = self.root
+        for part in ref[2:].split("/"):
+            part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict):
+                node = node.get(part)
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+
+def _required_names(node: dict) -> list[str]:
+    """The property names an object instance of node must have."""
+    required = node.get("required")
+    return [name for name in required if isinstance(name, str)] if isinstance(required, list) else []
+
+
+def _property_schemas(node: dict, name: str) -> list[Any]:
+    """The subschemas the value of property name must match: its own, patternProperties' that match
+    the name, or additionalProperties."""
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    schemas = [properties[name]] if name in properties else []
+    for pattern, schema in patterns.items():
+        try:
+            if re.search(pattern, name):
+                schemas.append(schema)
+        except (re.error, TypeError):
+            return []                          # not read here: counted as satisfiable
+    if not schemas:
+        schemas.append(node.get("additionalProperties", True))
+    return schemas
+
+
+def _extra_property_schemas(node: dict) -> list[Any]:
+    """When minProperties asks for more properties than are required, the subschemas one more of them
+    may match (an optional property's, a patternProperties', additionalProperties); else none."""
+    least = node.get("minProperties")
+    required = set(_required_names(node))
+    if not isinstance(least, int) or isinstance(least, bool) or least <= len(required):
+        return []
+    properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    return ([schema for name, schema in properties.items() if name not in required] + list(patterns.values())
+            + [node.get("additionalProperties", True)])
+
+
+def _item_schemas(node: dict) -> list[Any]:
+    """The subschemas the items of an array instance of node must match up to its minItems."""
+    least = node.get("minItems")
+    if not isinstance(least, int) or isinstance(least, bool) or least <= 0:
+        return []
+    items = node.get("items", True)
+    if isinstance(items, list):                # draft 7's tuple form
+        prefix, rest = items, node.get("additionalItems", True)
+    else:
+        prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+        rest = items
+    return prefix[:least] + ([rest] if least > len(prefix) else [])
 
 
 def _check_schema_node(node: dict) -> None:
@@ -697,6 +902,35 @@ def _exact_bound(bound: int | float, upper: bool, exclusive: bool) -> int | floa
     return float(kept)
 
 
+
+def _check_number_bounds(node: dict) -> None:
+    """A StructuredOutputsError naming the client's bounds of a number schema when those llguidance is given
+    (_with_exact_bounds) leave no number between them: llguidance's own error names the rewritten ones
+    (minimum 1e-300 and maximum 2e-300 as "minimum (0.00000000000001) is greater than maximum (0)")."""
+    kind = node.get("type")
+    if kind != "number" and not (isinstance(kind, list) and "number" in kind and set(kind) <= {"number", "integer"}):
+        return                                 # bounds kept as written, or another type's instance is taken
+    lower = upper = None                       # (kept bound, name, client's bound)
+    for name, is_upper in (("minimum", False), ("exclusiveMinimum", False), ("maximum", True),
+                           ("exclusiveMaximum", True)):
+        bound = node.get(name)
+        if isinstance(bound, bool) or not isinstance(bound, (int, float)) or abs(bound) > _FLOAT_EXACT_MAX:
+            continue
+        kept = (_exact_bound(bound, is_upper, exclusive=name.startswith("exclusive")), name, bound)
+        if is_upper and (upper is None or kept[0] < upper[0]):
+            upper = kept
+        elif not is_upper and (lower is None or kept[0] > lower[0]):
+            lower = kept
+    if lower is None or upper is None or lower[0] <= upper[0]:
+        return
+    (_, low_name, low), (_, high_name, high) = lower, upper
+    if low > high or (low == high and (low_name + high_name).count("exclusive")):
+        raise StructuredOutputsError("json", f"invalid JSON schema: no number lies between {low_name} {low!r} "
+                                             f"and {high_name} {high!r}")
+    raise StructuredOutputsError("json", f"the bounds {low_name} {low!r} and {high_name} {high!r} are not supported: "
+                                         f"a number bound is matched by its digits written out, at most {_BOUND_DIGITS} "
+                                         "of them, and no number written so lies between these two")
+
 def _check_min_properties(node: dict) -> None:
     """llguidance counts an object's members to meet minProperties, and keys outside `properties`
     (additionalProperties, patternProperties) may repeat: {"": 1, "": 2} has two members and, once
@@ -765,6 +999,95 @@ _SUBSCHEMA_KEYS = ("items", "additionalProperties", "additionalItems", "not", "i
 _SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 
 
+
+# JSON Schema's `pattern` is an ECMA-262 regular expression; llguidance reads Rust's regex syntax.
+# Where they read the same text differently, the pattern is written in Rust's syntax for the meaning
+# ECMA-262 gives it (_ecma_pattern), or refused. ECMA-262's classes: \d [0-9], \w [0-9A-Za-z_], \s the
+# whitespace and line terminators below (Rust's \s is Unicode's White_Space: U+0085, not U+FEFF), `.`
+# any character but a line terminator (Rust's takes \r, U+2028 and U+2029); \p{..} reads as under the
+# `u` flag, which JSON Schema asks for.
+_ECMA_SPACE = r"\t\n\x0B\x0C\r \xA0\x{1680}\x{2000}-\x{200A}\x{2028}\x{2029}\x{202F}\x{205F}\x{3000}\x{FEFF}"
+_ECMA_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": _ECMA_SPACE}
+_ECMA_DOT = r"[^\n\r\x{2028}\x{2029}]"
+# Escapes of a letter that ECMA-262 defines (\c, \x, \u, \p take what follows; \k and \b are left to
+# llguidance, which refuses backreferences and word boundaries).
+_ECMA_LETTER_ESCAPES = frozenset("dDwWsSbBtnvfrcxupPk")
+_INLINE_FLAGS = re.compile(r"\(\?[a-zA-Z-]*[sxU][a-zA-Z-]*[:)]")
+
+
+class _PatternError(ValueError):
+    """A pattern whose ECMA-262 meaning is not kept; the message says why."""
+
+
+def _ecma_pattern(pattern: str) -> str:
+    """pattern (ECMA-262) in Rust's regex syntax with the same meaning; _PatternError where it cannot be."""
+    if _INLINE_FLAGS.search(pattern):
+        raise _PatternError("inline flags s, x and U are not ECMA-262 (a JSON Schema pattern has no flags)")
+    out, i, class_start = [], 0, None       # class_start: where the open character class's items begin
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            text, i = _ecma_escape(pattern, i, class_start is not None)
+            out.append(text)
+        elif class_start is None:
+            if c == "[":
+                class_start = i + 2 if pattern.startswith("[^", i) else i + 1
+                if pattern.startswith("]", class_start):
+                    if class_start == i + 1:
+                        raise _PatternError("[] is an empty class, which matches no character in ECMA-262")
+                    out.append(r"[\x{0}-\x{10FFFF}]")          # [^]: any character
+                    i, class_start = class_start + 1, None
+                    continue
+                out.append(pattern[i:class_start])
+                i = class_start
+                continue
+            out.append(_ECMA_DOT if c == "." else c)
+            i += 1
+        else:
+            text, i, is_closed = _ecma_class_char(pattern, i)
+            out.append(text)
+            if is_closed:
+                class_start = None
+    return "".join(out)
+
+
+def _ecma_class_char(pattern: str, i: int) -> tuple[str, int, bool]:
+    """(Rust text, next index, whether it closed the class) for the unescaped character at i in a class."""
+    c = pattern[i]
+    if c == "]":
+        return c, i + 1, True
+    if pattern.startswith("[:", i):
+        raise _PatternError("[: in a character class is a POSIX class ([[:alpha:]]) in some dialects, and "
+                            "the characters [ and : in ECMA-262; write the class's characters (e.g. [A-Za-z])")
+    if pattern.startswith("--", i):
+        raise _PatternError("-- in a character class is a class difference in some dialects and a range "
+                            "ending in - in ECMA-262; escape the - (\\-)")
+    if c in "[&~":                                 # nesting and set operations in Rust, characters in ECMA-262
+        return "\\" + c, i + 1, False
+    return c, i + 1, False
+
+
+def _ecma_escape(pattern: str, i: int, is_in_class: bool) -> tuple[str, int]:
+    """(Rust text, next index) for the escape at pattern[i] (a backslash)."""
+    e = pattern[i + 1] if i + 1 < len(pattern) else ""
+    if e.lower() in _ECMA_CLASSES:
+        members = _ECMA_CLASSES[e.lower()]
+        negated = "^" if e.isupper() else ""
+        return (members if is_in_class and not negated else f"[{negated}{members}]"), i + 2
+    if e == "c" and i + 2 < len(pattern) and pattern[i + 2].isascii() and pattern[i + 2].isalpha():
+        return f"\\x{ord(pattern[i + 2]) % 32:02X}", i + 3             # a control character
+    if e == "0" and not pattern[i + 2:i + 3].isdigit():
+        return r"\x00", i + 2
+    if e == "b" and is_in_class:
+        return r"\x08", i + 2                                          # backspace
+    if e == "x" and not re.fullmatch(r"[0-9A-Fa-f]{2}", pattern[i + 2:i + 4]):
+        raise _PatternError(f"\\x{pattern[i + 2:i + 3]} is not an ECMA-262 escape (\\x takes two hex digits)")
+    if e in "pP" and not pattern.startswith("{", i + 2):
+        raise _PatternError(f"\\{e}{pattern[i + 2:i + 3]} is not an ECMA-262 escape (\\{e} takes a {{name}})")
+    if e.isascii() and e.isalpha() and e not in _ECMA_LETTER_ESCAPES:
+        raise _PatternError(f"\\{e} is not an ECMA-262 escape (it reads as the letter {e}, or is an error)")
+    return pattern[i:i + 2], i + 2
+
 # pydantic writes a Decimal's string form with look-arounds, which llguidance does not take: a model
 # with a Decimal field (a price) was refused whole. Its four patterns (by max_digits and
 # decimal_places) are read back to those numbers and written without look-arounds: strings the
@@ -781,7 +1104,6 @@ _DECIMAL_BODIES = (
     (re.escape(r"(?:\d{0,") + "[0-9]+" + re.escape(r"}|(?=[\d.]{1,") + "(?P<width>[0-9]+)"
      + re.escape(r"}0*$)\d*\.\d*0*$)")),
 )
-_DECIMAL_LOOK_AHEAD = "(?!^[-+.]*$)"           # in the schema's text: a pattern to look at
 _DECIMAL_FORMS = tuple(re.compile(_DECIMAL_HEAD + body) for body in _DECIMAL_BODIES)
 # A max_digits alone is written as an alternative per count of digits before the dot.
 MAX_DECIMAL_DIGITS = 64
@@ -851,6 +1173,44 @@ def _with_listed_names(node: dict, root: Any) -> bool:
     return True
 
 
+def _with_client_patterns(key: StructuredOutputKey, error: str) -> str:
+    """llguidance's error about a JSON schema with each pattern it quotes as the client wrote it, not as
+    _ecma_pattern wrote it for llguidance."""
+    if not error or key[0] is not StructuredOutputOptions.JSON or '"pattern' not in key[1]:
+        return error
+    written = {}
+    for node in _subschemas(jsonlib.loads(key[1])):
+        patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+        for pattern in [node.get("pattern"), *patterns]:
+            if isinstance(pattern, str) and _decimal_pattern(pattern) is None:
+                try:
+                    written[_ecma_pattern(pattern)] = pattern
+                except _PatternError:
+                    continue
+    for ours in sorted(written, key=len, reverse=True):
+        if ours != written[ours]:
+            error = error.replace(ours, written[ours])
+    return error
+
+
+def _with_ecma_patterns(node: dict) -> bool:
+    """Write a subschema's pattern and patternProperties names in Rust's syntax for their ECMA-262 meaning
+    (pydantic's Decimal patterns without look-arounds); whether any changed. Each was checked already."""
+    changed = False
+    pattern = node.get("pattern")
+    if isinstance(pattern, str):
+        plain = _decimal_pattern(pattern)
+        node["pattern"] = _ecma_pattern(pattern) if plain is None else plain
+        changed = node["pattern"] != pattern
+    patterns = node.get("patternProperties")
+    if isinstance(patterns, dict):
+        written = {_ecma_pattern(name): schema for name, schema in patterns.items()}
+        if list(written) != list(patterns):
+            node["patternProperties"] = written
+            changed = True
+    return changed
+
+
 def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_SCHEMAS added (in allOf) to every subschema that names one of
     those formats, every format llguidance does not know left out, pydantic's Decimal patterns
@@ -861,16 +1221,13 @@ def _with_known_formats(text: str) -> str:
     added there would be added twice, and counted against the size bound as if the client had
     written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
     is data."""
-    if '"format"' not in text and _DECIMAL_LOOK_AHEAD not in text and '"propertyNames"' not in text:
+    if '"format"' not in text and '"pattern' not in text and '"propertyNames"' not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
         if "propertyNames" in node and _with_listed_names(node, schema):
             changed = True
-        pattern = node.get("pattern")
-        if isinstance(pattern, str) and (plain := _decimal_pattern(pattern)) is not None:
-            node["pattern"] = plain
-            changed = True
+        changed = _with_ecma_patterns(node) or changed
         name = node.get("format")
         if not isinstance(name, str):
             continue
@@ -1638,7 +1995,7 @@ class StructuredOutputManager:
             raise _invalid(key[0].value, str(e)) from None
         template = llguidance.LLMatcher(tok, grammar, log_level=_LOG_LEVEL)
         if template.is_error():
-            raise _invalid(key[0].value, _without_options_line(template.get_error()))
+            raise _invalid(key[0].value, _with_client_patterns(key, _without_options_line(template.get_error())))
         # Build the first lexer states on this thread. Copies share them and one of llguidance's
         # limits counts them all (a{1000000} passes the first mask and fails the next): two masks.
         for _ in range(2):
