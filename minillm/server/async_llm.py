@@ -208,11 +208,12 @@ class AsyncLLM(Generate):
     def _send_add(self, add: m.AddRequest, text: str | None, params: SamplingParams, stream: RequestStream,
                   done: asyncio.Future) -> asyncio.Future | None:
         """Send an add and follow its request: None once sent, or a future to wait for when its id
-        still names a request its caller has seen end (the core's last word on it is on its way;
-        the core would refuse the id until then). ValueError while a caller follows the id."""
+        still names a request its caller has seen end or left (the core's last word on it, or its
+        answer to the add, is on its way; the core would refuse the id until then). ValueError while
+        a caller follows the id."""
         with self._lock:
             held = self.processor.requests.get(add.request_id)
-            if add.request_id in self._adds or (held is not None and held.is_followed):
+            if held is not None and held.is_followed:
                 raise ValueError(f"request_id {add.request_id!r} is already in use")
             if held is not None:
                 retired = stream.loop.create_future()
@@ -409,14 +410,18 @@ class AsyncLLM(Generate):
 
     def _on_adds(self, message: m.AddResults) -> None:
         for request_id, error in message.results:
+            waiting = ()
             with self._lock:
                 pending = self._adds.pop(request_id, None)
-                if error is not None:
+                if error is not None:   # the id is free: adds waiting for it go now
                     self.processor.remove(request_id)
+                    waiting = self._retiring.pop(request_id, ())
                 else:
                     self.processor.accepted(request_id)
             if pending is not None:
                 resolve_future(*pending, result=True, error=ValueError(error) if error is not None else None)
+            for loop, retired in waiting:
+                resolve_future(loop, retired, True)
 
     def _on_stats(self, message: m.StatsReply) -> None:
         stats = message.stats
