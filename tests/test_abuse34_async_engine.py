@@ -1,5 +1,7 @@
 """The API server's engine clients, driven without an engine: AsyncLLM's handlers called in the order a
-race would make (an add that reuses the id of a request whose add the core refuses)."""
+race would make (an add that reuses the id of a request whose add the core refuses), and costs that must
+grow with what a request holds, not with its square (a DELTA stream nobody reads), counted in ids and
+characters copied, never timed."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +12,9 @@ import pytest
 
 from minillm.engine_core import messages as m
 from minillm.engine_core.output_processor import OutputProcessor
+from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams
+from minillm.server.async_engine import OutputQueue, RequestStream
 from minillm.server.async_llm import AsyncLLM
 
 RID = "r"
@@ -105,4 +109,107 @@ def test_an_add_waiting_for_an_accepted_requests_id_goes_once_the_core_retires_i
     stream = asyncio.run(scenario())
     assert stream.request_id == RID
     assert llm.processor.finished == {"abort": 1}
+
+
+NUM_OUTPUTS = 1500
+
+
+class CountingIds(list):
+    """A list that counts the items copied out of it by slices, iteration and concatenation; what
+    concatenation makes counts into the same tally."""
+
+    def __init__(self, items=(), tally=None) -> None:
+        super().__init__(items)
+        self.tally = tally if tally is not None else [0]
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if isinstance(index, slice):
+            self.tally[0] += len(item)
+        return item
+
+    def __iter__(self):
+        self.tally[0] += len(self)
+        return super().__iter__()
+
+    def __add__(self, other):
+        self.tally[0] += len(self) + len(other)
+        return CountingIds(list.__add__(self, list(other)), self.tally)
+
+    def __radd__(self, other):
+        self.tally[0] += len(self) + len(other)
+        return CountingIds(list(other) + list.__iter__(self), self.tally)
+
+
+class CountingText(str):
+    """A str that counts the characters copied by concatenating it; what that makes counts too."""
+
+    tally = [0]
+
+    def __add__(self, other):
+        CountingText.tally[0] += len(self) + len(other)
+        return CountingText(str.__add__(self, other))
+
+    def __radd__(self, other):
+        CountingText.tally[0] += len(self) + len(other)
+        return CountingText(str.__add__(other, self))
+
+
+def delta(index: int, step: int, tally: list[int], finish_reason: str | None = None) -> CompletionOutput:
+    """Completion index's delta of one step: one token, its text and its log-probability."""
+    return CompletionOutput(index, CountingText(f"w{step} "), CountingIds([step], tally), finish_reason,
+                            None, -float(step), CountingIds([{step: -1.0}], tally))
+
+
+def test_a_delta_stream_nobody_reads_copies_each_output_once(tok):
+    # The backlog of a caller that did not read was rebuilt at each step (held text + new text, held ids +
+    # new ids): 1500 steps copied 1.1 million ids, as many log-probabilities and 7 million characters.
+    tally, CountingText.tally[0] = [0], 0
+
+    async def scenario():
+        loop, queue = asyncio.get_running_loop(), OutputQueue()
+        stream = RequestStream(RID, loop, queue, is_delta=True)
+        for step in range(NUM_OUTPUTS):
+            done = step == NUM_OUTPUTS - 1
+            stream.deliver(RequestOutput(RID, None, [1], [delta(0, step, tally, "length" if done else None)], done,
+                                         prompt_logprobs=[None, {1: -0.5}] if step == 0 else None), float(step))
+        assert len(queue) == 1
+        return await queue.get_all()
+
+    [(_, out, seen)] = asyncio.run(scenario())
+    [completion] = out.outputs
+    assert completion.token_ids == list(range(NUM_OUTPUTS))
+    assert completion.logprobs == [{step: -1.0} for step in range(NUM_OUTPUTS)]
+    assert completion.text == "".join(f"w{step} " for step in range(NUM_OUTPUTS))
+    assert (completion.finish_reason, completion.cumulative_logprob) == ("length", -float(NUM_OUTPUTS - 1))
+    assert out.finished and out.prompt_logprobs == [None, {1: -0.5}] and seen == NUM_OUTPUTS - 1
+    # ids and log-probabilities once each, whatever the backlog
+    assert tally[0] <= 4 * NUM_OUTPUTS and CountingText.tally[0] <= 8 * NUM_OUTPUTS
+
+
+def test_a_delta_backlog_of_several_completions_adds_each_up_apart():
+    tally = [0]
+
+    async def scenario():
+        loop, queue = asyncio.get_running_loop(), OutputQueue()
+        stream = RequestStream(RID, loop, queue, is_delta=True)
+        outputs = [[delta(0, 0, tally), delta(1, 0, tally)],
+                   [delta(0, 1, tally, "stop")],                      # 0 ends; 1 has nothing new
+                   [CompletionOutput(1, "", [], None, None, 0.0, None)],   # 1: a step without log-probabilities
+                   [delta(1, 3, tally, "length"), delta(2, 3, tally)]]
+        for step, completions in enumerate(outputs):
+            stream.deliver(RequestOutput(RID, None, [1], completions, False), float(step))
+        [(_, out, _)] = await queue.get_all()
+        stream.deliver(RequestOutput(RID, None, [1], [delta(2, 4, tally, "abort")], True), 4.0)
+        [(_, last, _)] = await queue.get_all()
+        return out, last
+
+    out, last = asyncio.run(scenario())
+    got = [(c.index, c.text, c.token_ids, c.finish_reason, c.cumulative_logprob, c.logprobs) for c in out.outputs]
+    assert got == [(0, "w0 w1 ", [0, 1], "stop", -1.0, [{0: -1.0}, {1: -1.0}]),
+                   (1, "w0 w3 ", [0, 3], "length", -3.0, None),
+                   (2, "w3 ", [3], None, -3.0, [{3: -1.0}])]
+    assert not out.finished
+    assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in last.outputs] == [(2, "w4 ", [4], "abort")]
+    assert last.finished
 

@@ -111,7 +111,9 @@ class OutputQueue:
             if isinstance(held[0], BaseException):
                 return
             if stream.is_delta and isinstance(payload, RequestOutput):
-                payload = added_delta(held[0], payload)
+                backlog = held[0] if isinstance(held[0], DeltaBacklog) else DeltaBacklog(held[0])
+                backlog.add(payload)
+                payload = backlog
         self._latest[stream] = (payload, seen)
         waiter = self._waiter
         if waiter is not None:
@@ -124,7 +126,8 @@ class OutputQueue:
         while not self._latest:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        items = [(stream, payload, seen) for stream, (payload, seen) in self._latest.items()]
+        items = [(stream, payload.output() if isinstance(payload, DeltaBacklog) else payload, seen)
+                 for stream, (payload, seen) in self._latest.items()]
         self._latest.clear()
         return items
 
@@ -220,24 +223,68 @@ class Generate:
                 self._abort_stream(stream)
 
 
-def added_delta(held: RequestOutput, new: RequestOutput) -> RequestOutput:
-    """Two DELTA outputs of a request, one after the other, as one (vLLM's RequestOutput.add with
-    aggregate): each completion's text, token ids and log-probabilities joined, the rest the newer's."""
-    completions = {c.index: c for c in held.outputs}
-    for c in new.outputs:
-        before = completions.get(c.index)
-        completions[c.index] = c if before is None else _added_completion(before, c)
-    prompt_logprobs = held.prompt_logprobs if held.prompt_logprobs is not None else new.prompt_logprobs
-    return dataclasses.replace(new, outputs=[completions[i] for i in sorted(completions)],
-                               prompt_logprobs=prompt_logprobs)
+class DeltaBacklog:
+    """DELTA outputs of one request its caller has not taken yet, added up as vLLM's RequestOutput.add
+    (aggregate) adds them: each completion's text, token ids and log-probabilities joined, the rest the
+    newest output's. They grow in place, and the text is joined once, when the caller takes it: a
+    backlog of k outputs costs O(k) however far the caller has fallen behind."""
+
+    def __init__(self, first: RequestOutput) -> None:
+        self.latest = first
+        self.prompt_logprobs = first.prompt_logprobs
+        self.completions: dict[int, _CompletionBacklog] = {}
+        self._add_completions(first)
+
+    def add(self, new: RequestOutput) -> None:
+        """Add the request's next DELTA output."""
+        self.latest = new
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = new.prompt_logprobs
+        self._add_completions(new)
+
+    def _add_completions(self, output: RequestOutput) -> None:
+        completions = self.completions
+        for c in output.outputs:
+            held = completions.get(c.index)
+            if held is None:
+                completions[c.index] = _CompletionBacklog(c)
+            else:
+                held.add(c)
+
+    def output(self) -> RequestOutput:
+        """The backlog as one RequestOutput."""
+        outputs = [self.completions[i].output() for i in sorted(self.completions)]
+        return dataclasses.replace(self.latest, outputs=outputs, prompt_logprobs=self.prompt_logprobs)
 
 
-def _added_completion(held: CompletionOutput, new: CompletionOutput) -> CompletionOutput:
-    logprobs = held.logprobs + new.logprobs if held.logprobs is not None and new.logprobs is not None else None
-    return CompletionOutput(new.index, held.text + new.text, held.token_ids + new.token_ids,
-                            new.finish_reason if new.finish_reason is not None else held.finish_reason,
-                            new.stop_reason if new.finish_reason is not None else held.stop_reason,
-                            new.cumulative_logprob, logprobs)
+class _CompletionBacklog:
+    """One completion's DELTA outputs added up (DeltaBacklog's)."""
+
+    def __init__(self, first: CompletionOutput) -> None:
+        self.latest = first
+        self.texts = [first.text]
+        self.token_ids = list(first.token_ids)
+        self.logprobs = None if first.logprobs is None else list(first.logprobs)
+        self.finish_reason, self.stop_reason = first.finish_reason, first.stop_reason
+
+    def add(self, new: CompletionOutput) -> None:
+        """Add the completion's next delta: a finish reason (and its stop reason) once it comes."""
+        self.latest = new
+        self.texts.append(new.text)
+        self.token_ids.extend(new.token_ids)
+        if self.logprobs is not None:
+            if new.logprobs is None:
+                self.logprobs = None
+            else:
+                self.logprobs.extend(new.logprobs)
+        if new.finish_reason is not None:
+            self.finish_reason, self.stop_reason = new.finish_reason, new.stop_reason
+
+    def output(self) -> CompletionOutput:
+        """The deltas as one CompletionOutput (the text joined here, once)."""
+        return dataclasses.replace(self.latest, text="".join(self.texts), token_ids=self.token_ids,
+                                   finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+                                   logprobs=self.logprobs)
 
 
 def request_params(params: SamplingParams | None) -> SamplingParams:
