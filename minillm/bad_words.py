@@ -70,11 +70,12 @@ def banned_next_tokens(ids: BadWordIds, outputs: list[int]) -> list[int]:
 
 def bad_word_entries(seqs, rows) -> tuple[list[int], list[int]]:
     """(rows, tokens) to set to -inf for the rows' bad words. seqs: one per row (a Sequence or a
-    view with params and output_token_ids)."""
+    view with params and output_tail). Each row copies only the outputs a ban looks at."""
     out_rows, tokens = [], []
     for b in rows:
         s = seqs[b]
-        banned = banned_next_tokens(s.params._bad_word_ids, s.output_token_ids)
+        ids = s.params._bad_word_ids
+        banned = banned_next_tokens(ids, s.output_tail(ids.max_prefix_len) if ids.max_prefix_len else ())
         out_rows.extend([b] * len(banned))
         tokens.extend(banned)
     return out_rows, tokens

@@ -75,7 +75,7 @@ class Sampler:
     def apply_penalties_and_bans(self, logits, seqs) -> None:
         """logits: [B, V] float32, in place: repetition / presence / frequency penalties, the
         min_tokens ban of EOS and stop tokens, and bad words' bans. seqs: one per row (a Sequence or
-        a view with its params, prompt_token_ids, output_counts, output_token_ids and
+        a view with its params, prompt_token_ids, output_counts, output_tail and
         num_output_tokens). The rows of a step verifying drafts come here (one upload per array);
         plain steps take the packed path above. The allowed_token_ids masks and then the logit
         biases go first, as there."""

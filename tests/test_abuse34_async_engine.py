@@ -1,21 +1,25 @@
 """The API server's engine clients, driven without an engine: AsyncLLM's handlers called in the order a
 race would make (an add that reuses the id of a request whose add the core refuses), and costs that must
-grow with what a request holds, not with its square (a DELTA stream nobody reads), counted in ids and
-characters copied, never timed."""
+grow with what a request holds, not with its square (a DELTA stream nobody reads; bad words' look at the
+output, each step, plain and verifying drafts), counted in ids and characters copied, never timed."""
 from __future__ import annotations
 
 import asyncio
 import threading
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
+from minillm.bad_words import bad_word_entries, banned_next_tokens
 from minillm.engine_core import messages as m
 from minillm.engine_core.output_processor import OutputProcessor
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams
 from minillm.server.async_engine import OutputQueue, RequestStream
 from minillm.server.async_llm import AsyncLLM
+from minillm.sequence import Sequence
+from minillm.spec_decode import draft_row_views
 
 RID = "r"
 
@@ -213,3 +217,53 @@ def test_a_delta_backlog_of_several_completions_adds_each_up_apart():
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in last.outputs] == [(2, "w4 ", [4], "abort")]
     assert last.finished
 
+
+def story_ids(tok, count: int) -> list[int]:
+    """count ids of ordinary text (repeated as needed)."""
+    ids = tok.encode("Once upon a time, there was a little girl named Lily. She liked to play outside. ",
+                     add_special_tokens=False)
+    return [ids[i % len(ids)] for i in range(count)]
+
+
+def bad_words_seq(tok) -> Sequence:
+    """A sequence whose bad words are words of the story, several tokens each, its ids counted."""
+    params = SamplingParams(temperature=1.0, bad_words=["little girl", "play outside", "Lily"])
+    params.update_from_tokenizer(tok, tok.vocab_size)
+    assert params._bad_word_ids.max_prefix_len >= 2
+    seq = Sequence(RID, 0, tok.encode("Once upon a time"), params, 0.0, np.random.default_rng(0), 10**6)
+    seq.token_ids = CountingIds(seq.token_ids)
+    return seq
+
+
+def test_bad_words_read_only_the_last_outputs_each_step(tok):
+    # Each step copied every output id of each row with bad words (output_token_ids): 1500 steps, 1.1
+    # million ids; a ban looks at max_prefix_len of them.
+    seq = bad_words_seq(tok)
+    ids, outputs, num_banned = seq.params._bad_word_ids, [], 0
+    for token in story_ids(tok, NUM_OUTPUTS):
+        seq.token_ids.append(token)
+        outputs.append(token)
+        rows, banned = bad_word_entries([seq], [0])
+        assert banned == banned_next_tokens(ids, outputs) and rows == [0] * len(banned)
+        num_banned += len(banned) > 1           # a word's last token, after its first ones
+    assert num_banned > 0
+    assert seq.token_ids.tally[0] <= (ids.max_prefix_len + 1) * NUM_OUTPUTS
+
+
+def test_bad_words_of_rows_verifying_drafts_read_only_the_last_outputs(tok):
+    seq = bad_words_seq(tok)
+    ids, outputs, num_banned = seq.params._bad_word_ids, [], 0
+    story = story_ids(tok, NUM_OUTPUTS + 2)
+    for step in range(NUM_OUTPUTS):
+        drafts = story[step:step + 3]
+        seq.num_output_placeholders = len(drafts) + 1
+        views = draft_row_views([seq], [drafts])
+        for j, view in enumerate(views):
+            banned = bad_word_entries([view], [0])[1]
+            assert banned == banned_next_tokens(ids, outputs + drafts[:j])
+            num_banned += len(banned) > 1
+        seq.num_output_placeholders = 0
+        seq.token_ids.append(story[step])
+        outputs.append(story[step])
+    assert num_banned > 0
+    assert seq.token_ids.tally[0] <= (ids.max_prefix_len + 1) * NUM_OUTPUTS

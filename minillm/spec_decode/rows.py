@@ -3,8 +3,8 @@
 Row j of a sequence with drafts verifies draft j, and it is only read when drafts 0..j-1 were
 accepted; so penalties, bad words and the min_tokens ban of that row are those of the sequence
 with drafts[:j] appended. A DraftRowView carries what Sampler's per-row rules read (params, the
-prompt, output counts and ids, the number of outputs), which lets them run unchanged over the N
-rows of a step.
+prompt, output counts, the last output ids, the number of outputs), which lets them run unchanged
+over the N rows of a step.
 """
 from __future__ import annotations
 
@@ -24,13 +24,24 @@ class DraftRowView:
     prompt_token_ids: list[int]
     output_counts: dict[int, int]     # token id -> times generated, drafts[:j] included
     num_output_tokens: int            # outputs before this row, plus the one it samples (the sampler's rule)
-    # outputs known before this row, drafts[:j] included; only where bad words read them, else empty
-    output_token_ids: Seq[int] = ()
+    # the last outputs known before this row, drafts[:j] included: as many as bad words read, else none
+    recent_output_ids: Seq[int] = ()
+
+    def output_tail(self, count: int) -> list[int]:
+        """The last `count` outputs before this row (at most those recent_output_ids holds)."""
+        recent = self.recent_output_ids
+        return list(recent[max(len(recent) - count, 0):]) if count else []
 
 
 def _has_penalties(params) -> bool:
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
+
+
+def _bad_word_prefix_len(params) -> int:
+    """The most earlier outputs params' bad words look at (0: none, or no bad words)."""
+    ids = params._bad_word_ids
+    return 0 if ids is None else ids.max_prefix_len
 
 
 def draft_row_views(seqs: Seq, draft_token_ids: Seq[Seq[int]]) -> list[DraftRowView]:
@@ -46,11 +57,13 @@ def draft_row_views(seqs: Seq, draft_token_ids: Seq[Seq[int]]) -> list[DraftRowV
     for seq, drafts in zip(seqs, draft_token_ids):
         counts = seq.output_counts
         first = seq.num_output_tokens - len(drafts)
-        # Bad words read the outputs: the known ones, then the drafts before the row.
-        outputs = seq.output_token_ids + list(drafts) if seq.params.bad_words_token_ids else None
+        # Bad words read the last outputs: the known ones, then the drafts before the row.
+        keep = _bad_word_prefix_len(seq.params)
+        outputs = seq.output_tail(keep) + list(drafts) if keep else None
         for j in range(len(drafts) + 1):
+            end = 0 if outputs is None else len(outputs) - len(drafts) + j
             views.append(DraftRowView(seq.params, seq.rng, seq.prompt_token_ids, counts, first + j,
-                                      () if outputs is None else outputs[:len(outputs) - len(drafts) + j]))
+                                      () if outputs is None else outputs[max(end - keep, 0):end]))
             if j < len(drafts) and _has_penalties(seq.params):
                 # Copied only where penalties read them; the sequence's own dict is never written.
                 counts = dict(counts)
