@@ -260,3 +260,17 @@ def test_logprob_tokens_keep_the_sentencepiece_leading_space_as_vllm(tmp_path):
     assert tok.decode([spaced]) == tok.decode([bare]) == word
     rows = frontend_logprobs(tok, [1], [spaced], bare)
     assert (rows[0][spaced].decoded_token, rows[0][bare].decoded_token) == (" " + word, word)
+
+
+def test_a_sequences_output_tail_on_both_sides():
+    """output_tail(count): the last count output tokens (none for 0) of an engine sequence and of the API
+    server's mirror of it alike."""
+    from minillm.engine_core.output_processor import SequenceMirror
+    from minillm.sampling_params import SamplingParams
+    from minillm.sequence import Sequence
+    params = SamplingParams()
+    seq = Sequence("r", 0, [5, 6, 7], params, 0.0, None, 16)
+    seq.token_ids += [1, 2]
+    mirror = SequenceMirror(0, [5, 6, 7], params, token_ids=[1, 2])
+    for count, tail in [(0, []), (1, [2]), (2, [1, 2]), (9, [1, 2])]:
+        assert seq.output_tail(count) == mirror.output_tail(count) == tail

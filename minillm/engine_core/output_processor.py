@@ -49,7 +49,7 @@ class SequenceMirror:
 
     def output_tail(self, count: int) -> list[int]:
         """The last `count` output tokens (fewer while there are fewer)."""
-        return self.token_ids[-count:]
+        return self.token_ids[-count:] if count > 0 else []
 
     def output_token_ids_after(self, num_seen: int) -> list[int]:
         """A copy of the output tokens past the first num_seen."""
