@@ -1366,6 +1366,12 @@ def serve(
         "--reasoning-parser", help="Chat replies carry the model's thinking (<think>...</think>) as "
         "message.reasoning, apart from content: deepseek_r1, or qwen3 (which honours chat_template_kwargs "
         "enable_thinking).")] = None,
+    structured_outputs_config: Annotated[Optional[str], _server_option(
+        "--structured-outputs-config", metavar="JSON", callback=lambda v: json_object_option(
+            v, "--structured-outputs-config"), help='As vLLM takes it: \'{"enable_in_reasoning": true}\' holds '
+        "a reasoning model's output to response_format, structured_outputs or a forced tool call from its first "
+        "token (by default only what follows </think> is held); backend auto or guidance, reasoning_parser (as "
+        "--reasoning-parser) and disable_fallback are taken too.")] = None,
     enable_server_load_tracking: Annotated[bool, _server_option(
         "--enable-server-load-tracking/--no-enable-server-load-tracking", help="GET /load counts the "
         "completions and chat completions in flight; without it /load answers 0, as vLLM's does.")] = False,
@@ -1449,6 +1455,7 @@ def serve(
                                 default_chat_template_kwargs=default_chat_template_kwargs,
                                 enable_server_load_tracking=enable_server_load_tracking,
                                 reasoning_parser=_plain(reasoning_parser) if reasoning_parser else None,
+                                structured_outputs_config=structured_outputs_config,
                                 tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),
                                 uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
                                 uvicorn_access_log=not disable_uvicorn_access_log, **cors)
@@ -1925,8 +1932,7 @@ VLLM_FLAGS_NOT_TAKEN = {
     "--cpu-offload-gb": "minillm keeps every weight on the device",
     "--swap-space": "a preempted request is recomputed, never swapped out",
     **dict.fromkeys(("--task", "--runner"), "minillm generates text only; leave the option out"),
-    **dict.fromkeys(("--guided-decoding-backend", "--structured-outputs-config"), "structured outputs always "
-                    "use llguidance"),
+    "--guided-decoding-backend": "structured outputs always use llguidance",
     "--disable-sliding-window": "minillm always does that: a sliding-window model's context is held to its "
                                 "window; leave the option out",
     "--limit-mm-per-prompt": "minillm serves text-only models",

@@ -144,6 +144,9 @@ def test_a_constrained_reply_is_all_content(servers):
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
     message = chat(servers["plain"], **body).json()["choices"][0]["message"]
     assert message["content"] and message["content"].lstrip().startswith("{") and "reasoning" not in message
+    # a forced call too: the model reasons first (test_abuse34_reasoning_switch serves one with the tokens)
     forced = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
-    message = chat(servers["r1"], **forced).json()["choices"][0]["message"]
+    response = chat(servers["r1"], **forced)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    message = chat(servers["plain"], **forced).json()["choices"][0]["message"]
     assert message["tool_calls"][0]["function"]["name"] == "get_weather" and "reasoning" not in message

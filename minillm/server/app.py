@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -103,6 +104,10 @@ class ServerOptions:
     default_chat_template_kwargs: dict | None = None
     enable_server_load_tracking: bool = False   # GET /load counts the requests in flight (else it stays 0)
     reasoning_parser: str | None = None         # reasoning apart from content in chat replies (--reasoning-parser)
+    # vLLM's --structured-outputs-config: enable_in_reasoning true holds a reasoning model's output to its
+    # constraint from the first token (else from </think> on); its other keys as check_structured_outputs_config
+    # takes them (its reasoning_parser is reasoning_parser's other spelling).
+    structured_outputs_config: dict | None = None
     # tool_choice "auto" served by parsing the model's calls (--enable-auto-tool-choice --tool-call-parser)
     tool_call_parser: str | None = None
     uvicorn_log_level: str = "info"             # uvicorn's own log (--uvicorn-log-level)
@@ -132,6 +137,12 @@ class ServerOptions:
                                  f"got {self.served_model_name!r}")
             object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
         check_content_format(self.chat_template_content_format)
+        if self.structured_outputs_config is not None:
+            named = check_structured_outputs_config(self.structured_outputs_config)
+            if named and self.reasoning_parser not in (None, named):
+                raise ValueError(f"structured_outputs_config.reasoning_parser {named!r} disagrees with the reasoning "
+                                 f"parser {self.reasoning_parser!r} (--reasoning-parser); give the parser once")
+            object.__setattr__(self, "reasoning_parser", self.reasoning_parser or named or None)
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -175,6 +186,11 @@ class ServerOptions:
             object.__setattr__(self, name, tuple(value))     # a list (json.loads of the flag) kept hashable
 
     @property
+    def structured_outputs_in_reasoning(self) -> bool:
+        """Whether constraints hold a reasoning model's output from its first token (vLLM's enable_in_reasoning)."""
+        return bool((self.structured_outputs_config or {}).get("enable_in_reasoning"))
+
+    @property
     def graceful_shutdown_s(self) -> float:
         """Seconds a stopping server gives open requests (0: none, they end at once)."""
         return self.timeout_graceful_shutdown if self.shutdown_timeout is None else self.shutdown_timeout
@@ -185,6 +201,47 @@ class ServerOptions:
         if self.api_key is None:
             return ()
         return (self.api_key,) if isinstance(self.api_key, str) else self.api_key
+
+
+_VLLM_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
+# vLLM's StructuredOutputsConfig keys, each with the values minillm serves as vLLM does (None: any) and
+# why the others are refused.
+_STRUCTURED_OUTPUTS_KEYS: dict[str, tuple[type, tuple | None, str]] = {
+    "backend": (str, ("auto", "guidance"), "minillm's grammars are always llguidance's (vLLM's guidance "
+                "backend): give auto or guidance, or leave the key out"),
+    "disable_fallback": (bool, None, ""),                  # one backend: there is nothing to fall back to
+    "disable_any_whitespace": (bool, (True,), "minillm's JSON grammars leave whitespace out by default; a "
+                               "request that wants it sets structured_outputs.disable_any_whitespace false"),
+    "disable_additional_properties": (bool, (False,), "a request sets structured_outputs."
+                                      "disable_additional_properties true"),
+    "reasoning_parser": (str, ("", *REASONING_PARSERS), f"it must be one of {', '.join(REASONING_PARSERS)} "
+                         "(--reasoning-parser's names)"),
+    "reasoning_parser_plugin": (str, ("",), "minillm loads no reasoning parser plugins: --reasoning-parser "
+                                f"takes {', '.join(REASONING_PARSERS)}"),
+    "enable_in_reasoning": (bool, None, ""),
+}
+
+
+def check_structured_outputs_config(config: Any) -> str:
+    """vLLM's structured_outputs_config checked key by key (a ValueError naming the key minillm does not
+    serve as vLLM does); the reasoning parser it names, "" for none."""
+    if not isinstance(config, dict):
+        raise ValueError(f"structured_outputs_config must be a JSON object, got {short_repr(config)}")
+    for key, value in config.items():
+        if key not in _STRUCTURED_OUTPUTS_KEYS:
+            raise ValueError(f"structured_outputs_config.{key} is not a key of vLLM's structured outputs config "
+                             f"({', '.join(_STRUCTURED_OUTPUTS_KEYS)})")
+        kind, served, why = _STRUCTURED_OUTPUTS_KEYS[key]
+        if not isinstance(value, kind):
+            raise ValueError(f"structured_outputs_config.{key} must be a {'boolean' if kind is bool else 'string'}, "
+                             f"got {short_repr(value)}")
+        if key == "backend" and value not in _VLLM_BACKENDS:
+            raise ValueError(f"structured_outputs_config.backend must be one of {', '.join(_VLLM_BACKENDS)}, "
+                             f"got {short_repr(value)}")
+        if served is not None and value not in served:
+            shown = json.dumps(value) if isinstance(value, bool) else short_repr(value)
+            raise ValueError(f"structured_outputs_config.{key} {shown} is not supported: {why}")
+    return config.get("reasoning_parser", "")
 
 
 def max_api_server_count() -> int:
@@ -407,7 +464,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                          enable_prompt_tokens_details=options.enable_prompt_tokens_details,
                          enable_force_include_usage=options.enable_force_include_usage,
                          default_chat_template_kwargs=dict(options.default_chat_template_kwargs or {}),
-                         reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser)
+                         reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser,
+                         structured_outputs_in_reasoning=options.structured_outputs_in_reasoning)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

@@ -2,10 +2,11 @@
 then tool calls out of what is left (--enable-auto-tool-choice --tool-call-parser).
 
 Only requests that can use them pay for them: a server without parsers, a request held to a
-structure from its first token (a forced tool call; response_format or structured_outputs without
---reasoning-parser), or tools not asked for (tool_choice "none", no tools) leave the reply as the
-plain text. A structure held after the reasoning (reasoning_first) goes through the reasoning parser
-alone: the reasoning, then the structure as the content.
+structure from its first token (response_format, structured_outputs or a forced tool call without
+--reasoning-parser, or with --structured-outputs-config enable_in_reasoning), or tools not asked for
+(tool_choice "none", no tools) leave the reply as the plain text. A structure held after the reasoning
+(reasoning_first) goes through the reasoning parser alone: the reasoning, then the structure as the
+content (a forced call's: its tool calls).
 """
 from __future__ import annotations
 

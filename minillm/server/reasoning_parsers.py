@@ -17,9 +17,10 @@ whole reply's reasoning is "" (not null) where it is empty, its content null, as
 a stream sends no empty delta. qwen3 with thinking off leaves every output whole as the content (as
 vLLM's stream does; its non-streamed path still splits at a </think> the model writes).
 
-Under a constraint (response_format, structured_outputs) the engine leaves the reasoning free and
-holds only what follows </think> to the grammar (vLLM's structured outputs with a reasoning parser):
-the tags must then be added tokens of the tokenizer, whose ids the engine watches for.
+Under a constraint (response_format, structured_outputs, a forced tool call) the engine leaves the
+reasoning free and holds only what follows </think> to the grammar (vLLM's structured outputs with a
+reasoning parser; --structured-outputs-config enable_in_reasoning holds every token instead): the tags
+must then be added tokens of the tokenizer, whose ids the engine watches for.
 """
 from __future__ import annotations
 

@@ -94,6 +94,7 @@ class ServingContext:
     default_chat_template_kwargs: dict = field(default_factory=dict)   # under each chat_template_kwargs
     reasoning_parser: str | None = None              # --reasoning-parser (server/reasoning_parsers.py)
     tool_call_parser: str | None = None              # with --enable-auto-tool-choice (server/tool_parsers.py)
+    structured_outputs_in_reasoning: bool = False    # constraints hold the thinking too (vLLM's enable_in_reasoning)
 
     def __post_init__(self) -> None:
         self.model_names = self.model_names or (self.model_name,)

@@ -196,8 +196,10 @@ class ChatJob:
         self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.constraint_param = self.forced.param if self.forced is not None else None   # what holds the output
-        # response_format or structured_outputs under --reasoning-parser: the grammar holds what follows the thinking
-        self.reasoning_first = self.forced is None and asks_for_structure(req) and ctx.reasoning_parser is not None \
+        # A structure (response_format, structured_outputs, a forced tool call) under --reasoning-parser: the
+        # grammar holds what follows the thinking, unless --structured-outputs-config enable_in_reasoning
+        self.reasoning_first = (self.forced is not None or asks_for_structure(req)) \
+            and ctx.reasoning_parser is not None and not ctx.structured_outputs_in_reasoning \
             and ReasoningParser.for_request(ctx.reasoning_parser, self.conversation.template_kwargs).thinking
         # --reasoning-parser and --tool-call-parser, for a reply that is free text (or a structure after the thinking)
         self.parsers = OutputParsers.for_request(   # what the template was told of thinking, as it was told
@@ -236,20 +238,22 @@ class ChatJob:
 
     def _constraint(self):
         """The output's StructuredOutputsParams: the forced tool call's, or the request's own."""
-        asked = structured_outputs_params(self.req, self._thinking_token_ids() if self.reasoning_first else None)
+        reasoning = self._thinking_token_ids() if self.reasoning_first else None
+        asked = structured_outputs_params(self.req, reasoning)
         if self.forced is None:
             return asked
         if asked is not None:
             field = "response_format" if self.req.response_format is not None else "structured_outputs"
             raise APIError(400, f"tool_choice holds the output to a tool call; {field} cannot constrain it too",
                            param=field)
-        return self.forced.constraint()
+        return self.forced.constraint(reasoning)
 
     def _thinking_token_ids(self) -> tuple[int, int]:
         """The ids of <think> and </think>, which the engine watches for; a 400 when they are not single tokens."""
         ids = thinking_token_ids(self.ctx.tokenizer)
         if ids is None:
             field = "response_format" if self.req.response_format is not None else "structured_outputs"
+            field = "tool_choice" if self.forced is not None else field
             raise APIError(400, f"{field} under --reasoning-parser {self.ctx.reasoning_parser} holds the output to "
                            "its structure after </think>, but <think> and </think> are not single tokens of this "
                            "model's tokenizer", param=field)
@@ -286,8 +290,7 @@ class ChatJob:
             if self.parsers is not None:
                 message, finish_reason = self.parsers.message(self.role, self.echo_text, comp.text, finish_reason)
             if self.forced is not None:
-                message = {"role": self.role, "content": self.echo_text, "tool_calls": self.forced.calls(comp.text)}
-                finish_reason = self.forced.finish_reason(finish_reason, comp.stop_reason)
+                message, finish_reason = self._forced_message(comp)
             choice = {"index": comp.index, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": comp.stop_reason}
             if self.req.return_token_ids:
@@ -308,6 +311,17 @@ class ChatJob:
         if final.kv_transfer_params is not None:     # a prefill server's, for the decode server
             body["kv_transfer_params"] = final.kv_transfer_params
         return body
+
+    def _forced_message(self, comp) -> tuple[dict, str | None]:
+        """(message, finish reason) of a forced call's output: the calls, after the reasoning where the
+        model reasons first (none while it never left the reasoning)."""
+        message, text = {"role": self.role, "content": self.echo_text}, comp.text
+        if self.parsers is not None:
+            reasoning, text = self.parsers.reasoning.split(comp.text)
+            if self.parsers.include_reasoning:
+                message["reasoning"] = message["reasoning_content"] = reasoning
+        message["tool_calls"] = self.forced.calls(text) if text is not None else []
+        return message, self.forced.finish_reason(comp.finish_reason, comp.stop_reason)
 
     def _chunk(self, choices: list[dict]) -> dict:
         chunk = {"id": self.response_id, "object": "chat.completion.chunk", "created": self.created,
@@ -383,8 +397,13 @@ class ChatJob:
                     continue       # held back (a tag may be forming): nothing to send yet
             if self.forced is not None:
                 stream = self.tool_streams.setdefault(comp.index, self.forced.stream())
-                calls = stream.deltas(delta, comp.text)
-                content = {"tool_calls": calls} if calls else {}
+                if self.parsers is None:
+                    calls = stream.deltas(delta, comp.text)
+                else:       # the reasoning first: the calls are what follows it
+                    call_text = content.pop("content", "")
+                    calls = stream.feed(call_text) if call_text else []
+                if calls:
+                    content["tool_calls"] = calls
                 finish = self.forced.finish_reason(finish, comp.stop_reason)
                 if not content and finish is None and not (state.cursor is not None and rows):
                     continue       # a required array's call not whole yet: nothing to send

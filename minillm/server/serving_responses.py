@@ -606,7 +606,7 @@ class _EventWriter(ReplyWriter):
         if comp.finish_reason is None:
             return events
         self.finish_reason = forced.finish_reason(comp.finish_reason, comp.stop_reason)
-        [call] = forced.calls(comp.text)
+        [call] = forced.calls(self.call_text)
         item = {**self.open_call, "arguments": call["function"]["arguments"]}
         item["status"] = "completed" if _is_json(item["arguments"]) else "incomplete"
         self.items.append(item)
@@ -618,7 +618,7 @@ class _EventWriter(ReplyWriter):
     def output_so_far(self) -> list[dict]:
         """The items done, and the open one as far as it came (status incomplete)."""
         if self.open_call is not None:
-            return [*self.items, {**self.open_call, "arguments": self.sent, "status": "incomplete"}]
+            return [*self.items, {**self.open_call, "arguments": self.call_text, "status": "incomplete"}]
         if self.open is None:
             return list(self.items)
         item_id, text = self.open["id"], self.text_so_far

@@ -9,7 +9,8 @@ message.tool_calls (streamed: delta.tool_calls) instead of content.
                                                      one; one at most with parallel_tool_calls false)
 
 A named call ends with the output's finish reason; a required one with "tool_calls" once the
-output is complete (its finish reason otherwise).
+output is complete (its finish reason otherwise). Under --reasoning-parser the model reasons first, as
+vLLM lets it: the grammar holds what follows </think>, and the reply carries the reasoning too.
 """
 from __future__ import annotations
 
@@ -56,12 +57,13 @@ class ForcedToolCalls:
     param: str = "tools"
     tool_schemas: tuple[dict, ...] = ()     # "required": each tool's parameters, to name the one at fault
 
-    def constraint(self):
-        """The output's StructuredOutputsParams; a schema that does not compile is a 400 naming param
-        (or the tool whose parameters make the array's schema fail)."""
+    def constraint(self, reasoning: tuple[int, int] | None = None):
+        """The output's StructuredOutputsParams (held after a thinking block of those (start, end) ids, where
+        given); a schema that does not compile is a 400 naming param (or the tool whose parameters make the
+        array's schema fail)."""
         from minillm.server.structured import checked_params
         try:
-            return checked_params(lambda field: self.param, json=self.schema)
+            return checked_params(lambda field: self.param, json=self.schema, reasoning=reasoning)
         except APIError:
             for i, schema in enumerate(self.tool_schemas):
                 checked_params(lambda field: f"tools.{i}.function.parameters", json=schema)
@@ -312,6 +314,12 @@ class ToolCallStream:
     forced: ForcedToolCalls
     num_sent: int = 0                  # tool calls opened so far
     items: ArrayItems = field(default_factory=ArrayItems)
+    text: str = ""                     # the calls' text so far, where feed() is given it
+
+    def feed(self, delta_text: str) -> list[dict]:
+        """delta.tool_calls for more of the calls' text (the output's after its reasoning)."""
+        self.text += delta_text
+        return self.deltas(delta_text, self.text)
 
     def deltas(self, delta_text: str, text: str) -> list[dict]:
         """delta.tool_calls for the output's new text (text: all of it so far)."""

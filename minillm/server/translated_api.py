@@ -108,6 +108,8 @@ class ReplyWriter(abc.ABC):
         self.stream = job.parsers.stream() if job.parsers is not None else None
         # tool_choice "required": the calls of the array as each is whole
         self.tool_stream = job.forced.stream() if job.forced is not None and job.forced.name is None else None
+        # a forced call's text so far: the output's, or what follows the reasoning (None until it begins)
+        self.call_text: str | None = None if self.stream is not None else ""
 
     def update(self, comp: CompletionOutput) -> str:
         """The events of comp's text since the last update (and, once finished, the closing ones)."""
@@ -115,7 +117,7 @@ class ReplyWriter(abc.ABC):
         self.sent = comp.text
         finish = comp.finish_reason
         if self.job.forced is not None:           # a forced call: the output is the calls
-            return self.forced_events(delta, comp)
+            return self.reasoning_then_calls(delta, comp)
         if self.stream is not None:
             parts, finish = self.stream.delta(delta, finish)
         else:
@@ -132,18 +134,40 @@ class ReplyWriter(abc.ABC):
             events += self.close()
         return events
 
+    def reasoning_then_calls(self, delta: str, comp: CompletionOutput) -> str:
+        """The events of a forced call's output: its reasoning first, where the model reasons before the
+        call (the reasoning parser splits it off), then forced_events of the call's text."""
+        events = ""
+        if self.stream is not None:
+            parts, _ = self.stream.delta(delta, comp.finish_reason)
+            if parts.get("reasoning") and self.job.parsers.include_reasoning:
+                events += self.text("reasoning", parts["reasoning"])
+            delta = parts.get("content", "")
+            if delta or self.call_text is not None:
+                self.call_text = (self.call_text or "") + delta
+        else:
+            self.call_text += delta
+        if self.call_text is None:            # still reasoning: no call yet
+            if comp.finish_reason is not None:
+                self.finish_reason = self.job.forced.finish_reason(comp.finish_reason, comp.stop_reason)
+                events += self.close()
+            return events
+        if delta or comp.finish_reason is not None:
+            events += self.close()           # the reasoning item, before the call's
+        return events + self.forced_events(delta, comp)
+
     def forced_events(self, delta: str, comp: CompletionOutput) -> str:
-        """The events of a forced call's output: under "required" each call once it is whole, as chat
-        streams them; a named call once the reply is whole."""
+        """The events of a forced call's text (call_text, delta new): under "required" each call once it is
+        whole, as chat streams them; a named call once the reply is whole."""
         forced, events = self.job.forced, ""
         if self.tool_stream is not None:
-            events = "".join(self.call(call) for call in self.tool_stream.deltas(delta, comp.text))
+            events = "".join(self.call(call) for call in self.tool_stream.deltas(delta, self.call_text))
         if comp.finish_reason is None:
             return events
         self.finish_reason = forced.finish_reason(comp.finish_reason, comp.stop_reason)
         if forced.name is None:
             return events
-        return self.close() + "".join(self.call(call) for call in forced.calls(comp.text))
+        return self.close() + "".join(self.call(call) for call in forced.calls(self.call_text))
 
     @abc.abstractmethod
     def text(self, kind: str, delta: str) -> str:
