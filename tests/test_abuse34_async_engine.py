@@ -59,6 +59,18 @@ async def until(condition, what: str) -> None:
     raise AssertionError(f"never came: {what}")
 
 
+async def second_add_after_a_cancelled_first(llm, prompt):
+    """Add RID, cancel its caller while the add is in flight, add RID again: the second add (a task) waits for the id."""
+    first = asyncio.ensure_future(llm.add_request(RID, prompt, SamplingParams(max_tokens=4)))
+    await until(lambda: len(llm.core.adds()) == 1, "the first add")
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    second = asyncio.ensure_future(llm.add_request(RID, prompt, SamplingParams(max_tokens=4)))
+    await until(lambda: RID in llm._retiring, "the second add waiting for the id")
+    return second
+
+
 def test_an_add_waiting_for_a_refused_requests_id_goes_once_the_core_refuses_it(tok):
     # The first caller left while its add was in flight; a second add of the same id waited for the core's
     # last word on the first request. The core refused that add, so no step ever retired it: the second
@@ -67,14 +79,8 @@ def test_an_add_waiting_for_a_refused_requests_id_goes_once_the_core_refuses_it(
     prompt = tok.encode("Once upon a time")
 
     async def scenario():
-        first = asyncio.ensure_future(llm.add_request(RID, prompt, SamplingParams(max_tokens=4)))
-        await until(lambda: len(llm.core.adds()) == 1, "the first add")
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
+        second = await second_add_after_a_cancelled_first(llm, prompt)
         assert RID in llm.processor.requests and not llm.processor.requests[RID].is_followed
-        second = asyncio.ensure_future(llm.add_request(RID, prompt, SamplingParams(max_tokens=4)))
-        await until(lambda: RID in llm._retiring, "the second add waiting for the id")
         llm._on_adds(m.AddResults([(RID, "prompt is too long")]))     # the first add, refused
         await until(lambda: len(llm.core.adds()) == 2, "the second add sent")
         assert llm._retiring == {}
@@ -93,13 +99,7 @@ def test_an_add_waiting_for_an_accepted_requests_id_goes_once_the_core_retires_i
     prompt = tok.encode("Once upon a time")
 
     async def scenario():
-        first = asyncio.ensure_future(llm.add_request(RID, prompt, SamplingParams(max_tokens=4)))
-        await until(lambda: len(llm.core.adds()) == 1, "the first add")
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
-        second = asyncio.ensure_future(llm.add_request(RID, prompt, SamplingParams(max_tokens=4)))
-        await until(lambda: RID in llm._retiring, "the second add waiting for the id")
+        second = await second_add_after_a_cancelled_first(llm, prompt)
         llm._on_adds(m.AddResults([(RID, None)]))
         for _ in range(5):
             await asyncio.sleep(0)

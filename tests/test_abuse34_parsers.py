@@ -34,9 +34,9 @@ def install_script(engine) -> None:
     engine._queue_request, engine.script = queue, script
 
 
-def special_tool_call_model(src, dst):
-    """A copy of src whose tokens TOOL_CALL_ID and TOOL_CALL_END_ID are the special tokens <tool_call>
-    and </tool_call> (as in models whose template wraps calls in special tokens)."""
+def model_with_added_tokens(src, dst, tags: dict[int, str], special: bool):
+    """A copy of the model folder src in dst whose tokens tags' ids are the added tokens of tags' texts
+    (special or not), in place of the pieces they held."""
     dst.mkdir(parents=True, exist_ok=True)
     for item in src.iterdir():
         if item.is_file():
@@ -44,13 +44,19 @@ def special_tool_call_model(src, dst):
     tokenizer = json.loads((dst / "tokenizer.json").read_text())
     vocab = tokenizer["model"]["vocab"]
     by_id = {i: piece for piece, i in vocab.items()}
-    for token_id, tag in ((TOOL_CALL_ID, "<tool_call>"), (TOOL_CALL_END_ID, "</tool_call>")):
+    for token_id, tag in tags.items():
         del vocab[by_id[token_id]]
         vocab[tag] = token_id
         tokenizer["added_tokens"].append({"id": token_id, "content": tag, "single_word": False, "lstrip": False,
-                                          "rstrip": False, "normalized": False, "special": True})
+                                          "rstrip": False, "normalized": False, "special": special})
     (dst / "tokenizer.json").write_text(json.dumps(tokenizer))
     return dst
+
+
+def special_tool_call_model(src, dst):
+    """A copy of src whose tokens TOOL_CALL_ID and TOOL_CALL_END_ID are the special tokens <tool_call>
+    and </tool_call> (as in models whose template wraps calls in special tokens)."""
+    return model_with_added_tokens(src, dst, {TOOL_CALL_ID: "<tool_call>", TOOL_CALL_END_ID: "</tool_call>"}, True)
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import json
 import httpx
 import jsonschema
 import pytest
+from test_abuse34_parsers import model_with_added_tokens
 from test_server_helpers import running_server
 
 from minillm.config import EngineConfig
@@ -29,20 +30,7 @@ MODE_IDS = ["sync", "async", "sync-grammar-process", "async-grammar-process"]
 
 def thinking_model(src, dst):
     """A copy of src whose tokens 510 and 511 are the added (not special) tokens <think> and </think>."""
-    dst.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
-        if item.is_file():
-            (dst / item.name).write_bytes(item.read_bytes())
-    tokenizer = json.loads((dst / "tokenizer.json").read_text())
-    vocab = tokenizer["model"]["vocab"]
-    by_id = {i: piece for piece, i in vocab.items()}
-    for token_id, tag in ((THINK, "<think>"), (END_THINK, "</think>")):
-        del vocab[by_id[token_id]]
-        vocab[tag] = token_id
-        tokenizer["added_tokens"].append({"id": token_id, "content": tag, "single_word": False, "lstrip": False,
-                                          "rstrip": False, "normalized": False, "special": False})
-    (dst / "tokenizer.json").write_text(json.dumps(tokenizer))
-    return dst
+    return model_with_added_tokens(src, dst, {THINK: "<think>", END_THINK: "</think>"}, False)
 
 
 @pytest.fixture(scope="module")

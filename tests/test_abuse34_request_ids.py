@@ -13,6 +13,7 @@ import threading
 import httpx
 import pytest
 from test_abuse29_monitor import monitor, stats_dict
+from test_abuse29d_server_pd import StepGate
 from test_server_helpers import CHAT_TEMPLATE, get_stats, running_server, wait_for
 
 from minillm.server.app import ServerOptions
@@ -20,25 +21,6 @@ from minillm.tui.app import is_new_run
 from minillm.tui.client import parse_stats
 
 HEX8 = "[0-9a-f]{8}"
-
-
-class StepGate:
-    """A core_hook: while closed, the engine takes requests (and aborts, and stats calls) but runs no step."""
-
-    def __init__(self) -> None:
-        self.is_open = threading.Event()
-        self.is_open.set()
-
-    def install(self, engine) -> None:
-        real_step = engine.step
-
-        def step():
-            if not self.is_open.is_set():
-                self.is_open.wait(0.01)
-                return []
-            return real_step()
-
-        engine.step = step
 
 
 GATE = StepGate()

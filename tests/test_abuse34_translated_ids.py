@@ -5,27 +5,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_abuse34_request_ids import HEX8, Post, StepGate, engine_ids, rows_matching
-from test_server_helpers import CHAT_TEMPLATE, running_server, wait_for
-
-from minillm.server.app import ServerOptions
-
-GATE = StepGate()
-
-
-@pytest.fixture(scope="module")
-def server(stories_path):
-    options = ServerOptions(chat_template=CHAT_TEMPLATE, log_requests=True)
-    with running_server(stories_path, engine_core="thread", options=options, core_hook=GATE.install,
-                        max_model_len=256) as running:
-        yield running
-
-
-@pytest.fixture
-def gated():
-    GATE.is_open.clear()
-    yield
-    GATE.is_open.set()
+from test_abuse34_request_ids import GATE, HEX8, Post, engine_ids, gated, rows_matching, server  # noqa: F401 (fixtures)
+from test_server_helpers import wait_for
 
 
 RESPONSES = {"model": "stories", "input": "Hi", "max_output_tokens": 4}
