@@ -24,8 +24,10 @@ TOOL_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def server(stories_path):
-    """(url, engine): stories260K with TOOL_TEMPLATE, --tool-call-parser hermes, --reasoning-parser deepseek_r1."""
-    options = ServerOptions(chat_template=TOOL_TEMPLATE, tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    """(url, engine): stories260K with TOOL_TEMPLATE, --tool-call-parser hermes, --reasoning-parser deepseek_r1;
+    stories260K has no <think> token, so a forced call is held from the first token (enable_in_reasoning)."""
+    options = ServerOptions(chat_template=TOOL_TEMPLATE, tool_call_parser="hermes", reasoning_parser="deepseek_r1",
+                            structured_outputs_config={"enable_in_reasoning": True})
     with running_server(stories_path, max_model_len=256, options=options) as running:
         yield running
 

@@ -256,7 +256,8 @@ class ChatJob:
             field = "tool_choice" if self.forced is not None else field
             raise APIError(400, f"{field} under --reasoning-parser {self.ctx.reasoning_parser} holds the output to "
                            "its structure after </think>, but <think> and </think> are not single tokens of this "
-                           "model's tokenizer", param=field)
+                           "model's tokenizer (--structured-outputs-config '{\"enable_in_reasoning\": true}' holds "
+                           "it from the first token instead)", param=field)
         return ids
 
     def _render(self) -> list[int]:
@@ -399,6 +400,7 @@ class ChatJob:
                 stream = self.tool_streams.setdefault(comp.index, self.forced.stream())
                 if self.parsers is None:
                     calls = stream.deltas(delta, comp.text)
+                    content = {}           # the output is the calls' text: no content beside them
                 else:       # the reasoning first: the calls are what follows it
                     call_text = content.pop("content", "")
                     calls = stream.feed(call_text) if call_text else []
