@@ -157,9 +157,10 @@ def drop_whole_text_word_cache(backend: tokenizers.Tokenizer) -> bool:
     # 256 bytes (up to 8 KiB an entry), 10,000 of them per encoding thread (measured with tokenizers
     # 0.23: 4 threads held 40,000, about 70 MiB for 40-character prompts), and a hit saves nothing
     # measurable (46.5 us against 46.6 for a 170-character prompt).
-    if backend.pre_tokenizer is not None or not isinstance(backend.model, tokenizers.models.BPE):
+    resize = getattr(backend.model, "_resize_cache", None)      # tokenizers 0.21 on; older ones keep theirs
+    if backend.pre_tokenizer is not None or not isinstance(backend.model, tokenizers.models.BPE) or resize is None:
         return False
-    backend.model._resize_cache(0)
+    resize(0)
     return True
 
 
@@ -476,7 +477,7 @@ class Tokenizer:
     @functools.cached_property
     def _cleans_up(self) -> bool:
         """Whether clean_up_tokenization_spaces changes this tokenizer's text (transformers skips a BPE model's)."""
-        return type(self.backend.model).__name__ != "BPE" or self.cleans_up_bpe
+        return not isinstance(self.backend.model, tokenizers.models.BPE) or self.cleans_up_bpe
 
     def decode_raw(self, token_ids: int | list[int], skip_special_tokens: bool) -> str:
         """The tokenizer.json decoder's text of token ids, as vLLM's streaming detokenizer reads it."""
