@@ -4,6 +4,7 @@
     minillm bench throughput --model DIR --peer hf
     minillm bench throughput --model ../shared/models/stories260K --device cpu    # a small CPU run
     minillm bench throughput --kv-cache-dtype fp8        # FP8 KV cache (floor printed for both caches)
+    minillm bench throughput --kernel-profile            # also the device time by kernel (needs torch)
     minillm bench throughput --model DIR --num-prompts 100 --input-len 512 --output-len 128 \
         --output-json out.json                           # vLLM's options: its random dataset, fixed lengths
 
@@ -66,9 +67,14 @@ def parse_args(argv):
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="Skip timing each step's phases (CUDA events around forward and sampling).")
     p.add_argument("--no-ceiling", action="store_true", help="Skip measuring the card's ceilings.")
+    p.add_argument("--kernel-profile", action="store_true",
+                   help="GPU: record every kernel of the timed run (torch.profiler, CUPTI) and print the device "
+                        "time by kind and by kernel; the profiler's cost is inside that run's figure.")
     p.add_argument("--json", help="Write the figures to this file.")
     p.add_argument("--output-json", help="vLLM's name for --json.")
     args = p.parse_args(argv)
+    if args.kernel_profile and args.device == "cpu":
+        p.error("--kernel-profile: records CUDA kernels; it needs --device cuda")
     check_bounds(p.prog, args, option_bounds())
     fold_vllm_names(p, args)
     from minillm.sampling_params import SamplingParams
@@ -241,14 +247,18 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     llm.engine.runner.profile = args.breakdown
     before = llm.engine.stats()      # the engine's counters run from its start: the warm-up is taken off
     started = time.perf_counter()
-    outs = llm.generate(w.prompts, params, use_tqdm=False)
+    if args.kernel_profile:
+        from minillm.benchmarks.kernel_profile import profile_kernels
+        outs, kernels = profile_kernels(lambda: llm.generate(w.prompts, params, use_tqdm=False))
+    else:
+        outs, kernels = llm.generate(w.prompts, params, use_tqdm=False), None
     seconds = time.perf_counter() - started
     produced = sum(len(o.outputs[0].token_ids) for o in outs)
     assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
     s = llm.engine.stats()
     return seconds, {"steps": s.num_steps - before.num_steps,
                      "preemptions": s.num_preemptions - before.num_preemptions, "kv_blocks": s.kv_num_blocks,
-                     "kv_cache_dtype": s.kv_cache_dtype, "timings_s": s.step_time_breakdown_s}
+                     "kv_cache_dtype": s.kv_cache_dtype, "timings_s": s.step_time_breakdown_s, "kernels": kernels}
 
 
 def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float:
@@ -310,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
         seconds, counters = run_minillm(args, model_dir, args.model is None, w)
+    kernels = counters.pop("kernels")
     tok_s = w.num_output_tokens / seconds
     figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters,
                **vllm_figures(len(w.prompts), num_prompt_tokens + w.num_output_tokens, seconds)}
@@ -322,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(timings.items(), key=lambda kv: -kv[1]))
         how = "*_device from CUDA events, the rest host time" if args.device == "cuda" else "host time"
         print(f"where the {seconds:.2f} s went (s; {how}): {parts}")
+    if kernels is not None:
+        from minillm.benchmarks.kernel_profile import by_kind, report
+        print(report(kernels, seconds, counters["steps"]))
+        figures["kernel_seconds_by_kind"] = {k: us / 1e6 for k, _, us in by_kind(kernels)}
     if args.device != "cuda":
         print("ceiling:  the roofline is measured on a GPU only (NumPy on the CPU has none to hold it against)")
     elif not args.no_ceiling:
