@@ -476,8 +476,11 @@ class ResponsesJob(TranslatedJob):
         return fitting[1]
 
     def _usage(self, final: RequestOutput) -> dict:
+        # cache_write_tokens: OpenAI's (its SDK's InputTokensDetails requires it); the prefix cache
+        # keeps blocks on its own, no request writes a cache entry it is billed for.
         num_in, num_out = len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
-        return {"input_tokens": num_in, "input_tokens_details": {"cached_tokens": final.num_cached_tokens or 0},
+        details = {"cached_tokens": final.num_cached_tokens or 0, "cache_write_tokens": 0}
+        return {"input_tokens": num_in, "input_tokens_details": details,
                 "output_tokens": num_out, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": num_in + num_out}
 
