@@ -75,22 +75,25 @@ def by_kind(rows: list[KernelRow]) -> list[tuple[str, int, float]]:
     return sorted(((k, n, us) for k, (n, us) in sums.items()), key=lambda t: -t[2])
 
 
-def report(rows: list[KernelRow], wall_s: float, steps: int, top: int = 20) -> str:
-    """Tables of device time by kind and by kernel (name and grid), against the run's wall time."""
+def report(rows: list[KernelRow], wall_s: float, steps: int, top: int = 8) -> str:
+    """Tables of device time by kind, then each kind's longest (kernel, grid) rows, against the run's wall time."""
     busy_us = sum(r.total_us for r in rows)
     per_step = f", {busy_us / 1e3 / steps:.2f} ms a step over {steps} steps" if steps else ""
     lines = [f"device busy {busy_us / 1e6:.2f} s of the profiled run's {wall_s:.2f} s "
              f"({busy_us / 1e6 / wall_s:.0%}){per_step}",
              "| kind | launches | seconds | share of device time | us a launch |", "| --- | --- | --- | --- | --- |"]
-    for kind, n, us in by_kind(rows):
+    kinds = by_kind(rows)
+    for kind, n, us in kinds:
         lines.append(f"| {kind} | {n} | {us / 1e6:.3f} | {us / busy_us:.1%} | {us / n:.1f} |")
-    lines += ["", f"the {top} longest (kernel, grid):",
-              "| kernel | grid | launches | seconds | share | us a launch |", "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows[:top]:
-        name = r.name if len(r.name) <= 70 else r.name[:67] + "..."
-        grid = "x".join(map(str, r.grid)) or "-"
-        lines.append(f"| {name} | {grid} | {r.count} | {r.total_us / 1e6:.3f} | {r.total_us / busy_us:.1%} "
-                     f"| {r.total_us / r.count:.1f} |")
+    lines += ["", f"each kind's {top} longest (kernel, grid):",
+              "| kind | kernel | grid | launches | seconds | share | us a launch |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for kind, _, _ in kinds:
+        for r in [r for r in rows if r.kind == kind][:top]:
+            name = r.name if len(r.name) <= 70 else r.name[:67] + "..."
+            grid = "x".join(map(str, r.grid)) or "-"
+            lines.append(f"| {kind} | {name} | {grid} | {r.count} | {r.total_us / 1e6:.3f} | "
+                         f"{r.total_us / busy_us:.1%} | {r.total_us / r.count:.1f} |")
     return "\n".join(lines)
 
 

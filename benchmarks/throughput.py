@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         from minillm.benchmarks.kernel_profile import by_kind, report
         print(report(kernels, seconds, counters["steps"]))
         figures["kernel_seconds_by_kind"] = {k: us / 1e6 for k, _, us in by_kind(kernels)}
+        figures["kernels"] = [{"name": r.name, "grid": list(r.grid), "launches": r.count, "seconds": r.total_us / 1e6}
+                              for r in kernels]
     if args.device != "cuda":
         print("ceiling:  the roofline is measured on a GPU only (NumPy on the CPU has none to hold it against)")
     elif not args.no_ceiling:

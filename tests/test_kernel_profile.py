@@ -44,10 +44,11 @@ def test_report_shares_add_up_and_name_the_busy_time():
     kinds = by_kind(rows)
     assert [k for k, _, _ in kinds][0] == "decode attention"
     assert sum(us for _, _, us in kinds) == 500.0
-    text = report(rows, wall_s=0.001, steps=2, top=2)
+    text = report(rows, wall_s=0.001, steps=2, top=1)
     assert "device busy 0.00 s of the profiled run's 0.00 s (50%), 0.25 ms a step over 2 steps" in text
     assert "| decode attention | 1 | 0.000 | 60.0% | 300.0 |" in text
-    assert text.count("| cutlass_gemm |") + text.count("| rms_norm |") == 1     # top=2 keeps two kernels
+    assert "| decode attention | paged_decode | 1 | 1 | 0.000 | 60.0% | 300.0 |" in text
+    assert text.count("| paged_decode |") == 1 and text.count("| cutlass_gemm |") == 1
 
 
 def test_kernel_profile_needs_a_gpu_device():
