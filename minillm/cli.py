@@ -840,29 +840,44 @@ def check_utf8(text: str, where: str) -> None:
 def output_record(out, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0) -> dict:
     """One JSON line: the prompt, its ids and every completion (with logprobs when they were asked
     for, and the prompt's when prompt_logprobs was: None for its first token)."""
-    record = {"prompt": out.prompt, "prompt_token_ids": list(out.prompt_token_ids),
-              "outputs": [completion_record(c, tokenizer, num_top) for c in out.outputs]}
+    prompt_ids = list(out.prompt_token_ids)
+    record = {"prompt": out.prompt, "prompt_token_ids": prompt_ids,
+              "outputs": [completion_record(c, tokenizer, num_top, prompt_ids) for c in out.outputs]}
     if getattr(out, "prompt_logprobs", None) is not None:
-        record["prompt_logprobs"] = [None if lps is None else token_logprobs(t, lps, tokenizer, num_prompt_top)
-                                     for t, lps in zip(out.prompt_token_ids, out.prompt_logprobs)]
+        record["prompt_logprobs"] = logprob_records(prompt_ids, out.prompt_logprobs, tokenizer, num_prompt_top)
     return record
 
 
-def completion_record(c, tokenizer=None, num_top: int = 0) -> dict:
+def completion_record(c, tokenizer=None, num_top: int = 0, prompt_token_ids: list[int] = ()) -> dict:
     """A completion as JSON; logprobs in the OpenAI shape: token, logprob and the top alternatives."""
     record = {"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
               "stop_reason": c.stop_reason}
     if c.logprobs is not None:
         record["cumulative_logprob"] = json_logprob(c.cumulative_logprob)
-        record["logprobs"] = [token_logprobs(t, lps, tokenizer, num_top)
-                              for t, lps in zip(c.token_ids, c.logprobs)]
+        prev_id = prompt_token_ids[-1] if len(prompt_token_ids) else None
+        record["logprobs"] = logprob_records(list(c.token_ids), c.logprobs, tokenizer, num_top, prev_id)
     return record
 
 
-def token_logprobs(token_id: int, logprobs: dict[int, float], tokenizer=None, num_top: int = 0) -> dict:
-    """{token_id, token, logprob, top_logprobs} of one generated token."""
+def logprob_records(token_ids: list[int], entries: list, tokenizer=None, num_top: int = 0,
+                    prev_id: int | None = None) -> list:
+    """token_logprobs of each token (None where its entry is), each token named as it reads after the one
+    before it, as the server names them: the tokens of a completion spell its text."""
+    from minillm.server.logprobs import TokenTexts
+    texts = None if tokenizer is None else TokenTexts(tokenizer)
+    records = []
+    for token_id, entry in zip(token_ids, entries):
+        records.append(None if entry is None else token_logprobs(token_id, entry, texts, num_top, prev_id))
+        prev_id = token_id
+    return records
+
+
+def token_logprobs(token_id: int, logprobs: dict[int, float], texts=None, num_top: int = 0,
+                   prev_id: int | None = None) -> dict:
+    """{token_id, token, logprob, top_logprobs} of one generated token; TEXTS (a TokenTexts) names each
+    candidate as it reads after PREV_ID."""
     def text(i: int) -> str | None:
-        return None if tokenizer is None else tokenizer.decode([i], skip_special_tokens=False)
+        return None if texts is None else texts.text(prev_id, i)
 
     # logprobs holds the sampled token and the top num_top; the sampled one may rank below them
     top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num_top]
@@ -885,7 +900,7 @@ def print_plain(outputs, tokenizer=None, num_top: int = 0) -> None:
             label = f"[{c.index}] " if len(out.outputs) > 1 else ""
             typer.echo(f"{label}{out.prompt}{c.text}")
             if c.logprobs is not None:
-                print_logprobs(completion_record(c, tokenizer, num_top))
+                print_logprobs(completion_record(c, tokenizer, num_top, list(out.prompt_token_ids)))
 
 
 def print_logprobs(record: dict) -> None:
