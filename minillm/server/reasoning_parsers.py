@@ -24,6 +24,8 @@ must then be added tokens of the tokenizer, whose ids the engine watches for.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -69,6 +71,16 @@ class ReasoningParser:
         """A choice's state while it streams."""
         return ReasoningStream(self.thinking)
 
+    def count_reasoning_tokens(self, token_ids: Sequence[int], tags: ThinkingTagIds) -> int:
+        """How many of an output's tokens are its reasoning (vLLM's count_reasoning_tokens, reported as
+        reasoning_tokens): those before the first </think>, less the <think> tags among them (all of
+        them without </think>, cut short while thinking); 0 with thinking off."""
+        if not self.thinking:
+            return 0
+        end = find_subsequence(token_ids, tags.end)
+        reasoning = token_ids[:end] if end >= 0 else token_ids
+        return len(reasoning) - len(tags.start) * count_subsequence(reasoning, tags.start)
+
 
 def thinking_token_ids(tokenizer) -> tuple[int, int] | None:
     """(start, end) ids of <think> and </think> as added tokens of the tokenizer (vLLM's parsers look them
@@ -77,6 +89,42 @@ def thinking_token_ids(tokenizer) -> tuple[int, int] | None:
     if START not in ids or END not in ids:
         return None
     return ids[START], ids[END]
+
+
+@dataclass(frozen=True)
+class ThinkingTagIds:
+    """<think> and </think> as the token ids an output holds them by."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=8)
+def thinking_tag_ids(tokenizer) -> ThinkingTagIds:
+    """The tags' ids: their added tokens', else their encodings (as vLLM's ReasoningConfig tokenizes
+    think_start_str and think_end_str)."""
+    single = thinking_token_ids(tokenizer)
+    if single is not None:
+        return ThinkingTagIds((single[0],), (single[1],))
+    return ThinkingTagIds(tuple(tokenizer.encode(START, add_special_tokens=False)),
+                          tuple(tokenizer.encode(END, add_special_tokens=False)))
+
+
+def find_subsequence(token_ids: Sequence[int], sub: Sequence[int], begin: int = 0) -> int:
+    """Where sub first occurs in token_ids from begin on; -1 where it does not (or is empty)."""
+    n = len(sub)
+    for i in range(begin, len(token_ids) - n + 1 if n else begin):
+        if token_ids[i] == sub[0] and tuple(token_ids[i:i + n]) == tuple(sub):
+            return i
+    return -1
+
+
+def count_subsequence(token_ids: Sequence[int], sub: Sequence[int]) -> int:
+    """How many times sub occurs in token_ids, without overlap."""
+    count, at = 0, find_subsequence(token_ids, sub)
+    while at >= 0:
+        count, at = count + 1, find_subsequence(token_ids, sub, at + len(sub))
+    return count
 
 
 class ReasoningStream:

@@ -28,7 +28,7 @@ from minillm.server.serving import (
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
-from minillm.server.reasoning_parsers import ReasoningParser, thinking_token_ids
+from minillm.server.reasoning_parsers import ReasoningParser, thinking_tag_ids, thinking_token_ids
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
 from minillm.server.tool_parsers import keeps_special_tokens
 
@@ -297,10 +297,8 @@ class ChatJob:
             if self.req.return_token_ids:
                 choice["token_ids"] = None if self.hides_reasoning else list(comp.token_ids)
             choices.append(choice)
-        completion_tokens = sum(len(c.token_ids) for c in final.outputs)
         body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices,
-                "usage": self.ctx.usage([final], completion_tokens)}
+                "model": self.ctx.model_name, "choices": choices, "usage": self.usage(final)}
         if final.prompt_logprobs is not None:       # vLLM's: on the response, after the usage
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
                                                            self.prompt_logprobs, self.ctx.tokenizer)
@@ -312,6 +310,21 @@ class ChatJob:
         if final.kv_transfer_params is not None:     # a prefill server's, for the decode server
             body["kv_transfer_params"] = final.kv_transfer_params
         return body
+
+    def reasoning_tokens(self, final: RequestOutput) -> int | None:
+        """How many of the outputs' tokens are reasoning, where a reasoning parser splits the reply (else None)."""
+        if self.parsers is None or self.parsers.reasoning is None:
+            return None
+        tags = thinking_tag_ids(self.ctx.tokenizer)
+        return sum(self.parsers.reasoning.count_reasoning_tokens(comp.token_ids, tags) for comp in final.outputs)
+
+    def usage(self, final: RequestOutput) -> dict:
+        """The reply's usage, with vLLM's completion_tokens_details.reasoning_tokens under a reasoning parser."""
+        block = self.ctx.usage([final], sum(len(c.token_ids) for c in final.outputs))
+        num_reasoning = self.reasoning_tokens(final)
+        if num_reasoning is not None:
+            block["completion_tokens_details"] = {"reasoning_tokens": num_reasoning}
+        return block
 
     def _forced_message(self, comp) -> tuple[dict, str | None]:
         """(message, finish reason) of a forced call's output: the calls, after the reasoning where the
@@ -367,7 +380,7 @@ class ChatJob:
                             last = ""
         if self.req.include_usage and final is not None:
             chunk = self._chunk([])
-            chunk["usage"] = self.ctx.usage([final], sum(len(c.token_ids) for c in final.outputs))
+            chunk["usage"] = self.usage(final)
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 

@@ -480,8 +480,9 @@ class ResponsesJob(TranslatedJob):
         # keeps blocks on its own, no request writes a cache entry it is billed for.
         num_in, num_out = len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs)
         details = {"cached_tokens": final.num_cached_tokens or 0, "cache_write_tokens": 0}
+        num_reasoning = self.reasoning_tokens(final) or 0      # the reasoning item's tokens (vLLM's count)
         return {"input_tokens": num_in, "input_tokens_details": details,
-                "output_tokens": num_out, "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": num_out, "output_tokens_details": {"reasoning_tokens": num_reasoning},
                 "total_tokens": num_in + num_out}
 
     def _response(self, status: str, output: list[dict], final: RequestOutput | None) -> dict:
