@@ -187,3 +187,22 @@ def test_every_flag_the_readme_names_is_taken_or_refused_with_a_reason():
     flags -= {"-m", "-n", "-e"}         # pip's and pytest's
     unknown = flags - option_names() - set(VLLM_FLAGS_NOT_TAKEN)
     assert unknown == set()
+
+
+def test_structured_outputs_example_prints_a_complete_object_of_the_schema(stories_path, capsys, monkeypatch):
+    """The README's structured-outputs snippet, run after the Python API example it continues, prints
+    a whole object of its schema (its max_tokens leaves room for the grammar to complete)."""
+    import json
+    api, _ = block_after("from minillm import LLM, SamplingParams\n")
+    [structured] = [text for lang, text in readme_blocks() if lang == "python"
+                    and text.startswith("from minillm import StructuredOutputsParams")]
+    monkeypatch.chdir(REPO)
+    namespace = {}
+    exec(with_test_model(api), namespace)
+    capsys.readouterr()
+    try:
+        exec(structured, namespace)
+    finally:
+        namespace["llm"].shutdown()
+    value = json.loads(capsys.readouterr().out)
+    assert set(value) == {"age"} and isinstance(value["age"], int) and 0 <= value["age"] <= 120
