@@ -13,8 +13,11 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket
+import stat
 import tempfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -28,6 +31,8 @@ from minillm.engine_core.core import CoreSpec, run_engine_core
 
 SEND_TIMEOUT_MS = 2000
 READY_POLL_MS = 100
+SOCKET_DIR_PREFIX = "minillm-core-"
+STALE_DIR_GRACE_S = 60.0     # a socket directory changed more recently may be one whose server is binding
 
 
 class CoreStartupError(RuntimeError):
@@ -68,12 +73,62 @@ class CoreLink:
 def socket_dir(longest_name: str) -> str:
     """A private directory for the core's ipc sockets: in the temporary directory ($TMPDIR), or in
     /tmp where a socket's path there would be too long to bind (sun_path holds about 107 bytes; a
-    deep $TMPDIR, as macOS's or a test runner's, passes it)."""
-    path = tempfile.mkdtemp(prefix="minillm-core-")
+    deep $TMPDIR, as macOS's or a test runner's, passes it). Stale ones there are swept first."""
+    sweep_stale_socket_dirs([tempfile.gettempdir(), "/tmp"])
+    path = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
     if len(os.fsencode(os.path.join(path, longest_name))) <= getattr(zmq, "IPC_PATH_MAX_LEN", 107):
         return path
     os.rmdir(path)
-    return tempfile.mkdtemp(prefix="minillm-core-", dir="/tmp")
+    return tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX, dir="/tmp")
+
+
+def _refuses(path: str) -> bool:
+    """Whether the unix socket at path is one nobody listens on any more (its process is gone)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except OSError:
+            return False
+    return False
+
+
+def is_stale_socket_dir(path: str, now: float) -> bool:
+    """Whether path is a core's socket directory left by processes that all died (a crash, or a
+    SIGKILL of both an API server and its core, leaves it): unchanged for STALE_DIR_GRACE_S, and
+    holding sockets only, none of which takes a connection."""
+    try:
+        if now - os.stat(path).st_mtime < STALE_DIR_GRACE_S:
+            return False
+        names = os.listdir(path)
+    except OSError:
+        return False
+    sockets = [os.path.join(path, name) for name in names]
+    return bool(sockets) and all(_is_socket(p) and _refuses(p) for p in sockets)
+
+
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def sweep_stale_socket_dirs(parents: list[str]) -> list[str]:
+    """Remove the stale core socket directories (is_stale_socket_dir) in these directories; what was removed."""
+    removed, now = [], time.time()
+    for parent in dict.fromkeys(os.path.realpath(p) for p in parents):
+        try:
+            names = [n for n in os.listdir(parent) if n.startswith(SOCKET_DIR_PREFIX)]
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(parent, name)
+            if is_stale_socket_dir(path, now):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
 
 
 class CoreProcess:
