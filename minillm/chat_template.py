@@ -298,15 +298,18 @@ def shape_content(messages: list[dict], as_parts: bool) -> list[dict]:
     """Messages of an OpenAI request (content a string, None, or a list of text parts
     {"type": "text", "text": ...}) shaped as vLLM hands them to the template: the parts as a list
     when the template reads parts (as_parts), else joined by newlines; no content is "" or [].
-    A tool's text parts are always joined, as vLLM joins them."""
+    A tool's text parts are always joined, as vLLM joins them. Joined parts leave out the empty ones, as
+    vLLM's string format drops them (a tool's parts in the "openai" format are joined whole)."""
     out = []
     for message in messages:
         content = message.get("content")
         parts = [] if content is None else [content] if isinstance(content, str) else [p["text"] for p in content]
-        if as_parts and message.get("role") != "tool":
-            shaped = [{"type": "text", "text": text} for text in parts]
-        else:
+        if not as_parts:
+            shaped = "\n".join(text for text in parts if text)
+        elif message.get("role") == "tool":
             shaped = "\n".join(parts)
+        else:
+            shaped = [{"type": "text", "text": text} for text in parts]
         out.append({**message, "content": shaped})
     return out
 
