@@ -1,13 +1,16 @@
 """What a check of the server's replies against vLLM and the official SDKs left: the reasoning tokens
-counted in usage (Responses' output_tokens_details, chat's completion_tokens_details)."""
+counted in usage (Responses' output_tokens_details, chat's completion_tokens_details); the tool_use input
+of a forced call that max_tokens cut (Anthropic's messages)."""
 from __future__ import annotations
 
 import json
 
+import anthropic
 import httpx
+import jiter
 import pytest
 from test_abuse34_reasoning_structured import END_THINK, THINK, thinking_model
-from test_server_helpers import running_server
+from test_server_helpers import chat_model_dir, running_server
 
 from minillm.server.app import ServerOptions
 from minillm.server.reasoning_parsers import ReasoningParser, ThinkingTagIds
@@ -110,3 +113,61 @@ def test_no_reasoning_tokens_with_thinking_off(thinking_url):
     response = post(thinking_url, "/v1/responses", body)
     thinking_off = response["output"][0]["type"] == "message"     # qwen3's switch; deepseek_r1 has none
     assert response["usage"]["output_tokens_details"]["reasoning_tokens"] == (0 if thinking_off else 5)
+
+
+# ---- Anthropic's tool_use input, cut by max_tokens -------------------------------------------------------------
+
+PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city", "days"]}
+
+
+@pytest.fixture(scope="module")
+def url(stories_path, tmp_path_factory):
+    """A server of stories260K with a chat template, on the CPU."""
+    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
+    with running_server(model, max_model_len=256) as running:
+        yield running[0]
+
+
+def forced_call(max_tokens: int, parameters: dict = PARAMETERS) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "temperature": 0,
+            "tools": [{"name": "get_weather", "input_schema": parameters}],
+            "tool_choice": {"type": "tool", "name": "get_weather"}}
+
+
+@pytest.mark.parametrize("max_tokens", [6, 20, 30])
+def test_a_cut_tool_use_keeps_what_was_generated(url, max_tokens):
+    # The cut arguments came back as "input": {} and the stream sent partial_json "{}".
+    body = forced_call(max_tokens)
+    events = stream_events(url, "/v1/messages", body)
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    assert partial.startswith('{"city"') and partial != "{}"
+    with pytest.raises(ValueError):
+        json.loads(partial)                 # cut short
+    stop = [e["delta"]["stop_reason"] for e in events if e["type"] == "message_delta"]
+    assert stop == ["max_tokens"]
+    message = post(url, "/v1/messages", body)
+    assert message["stop_reason"] == "max_tokens"
+    (block,) = message["content"]
+    # the object Anthropic's SDK reads from the streamed partial JSON: the members whole, a cut value dropped
+    assert block["input"] == jiter.from_json(partial.encode(), partial_mode=True)
+    client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+    sdk_body = {k: v for k, v in body.items() if k != "temperature"}
+    with client.messages.stream(model="stories", **sdk_body, extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].input == block["input"]
+    if max_tokens >= 20:
+        assert isinstance(block["input"]["city"], str)
+
+
+def test_a_whole_tool_use_streams_its_input(url):
+    body = forced_call(60, {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+                                "additionalProperties": False})
+    message = post(url, "/v1/messages", body)
+    assert message["stop_reason"] == "tool_use"
+    (block,) = message["content"]
+    events = stream_events(url, "/v1/messages", body)
+    partial = "".join(e["delta"]["partial_json"] for e in events
+                      if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == block["input"] and block["input"]["city"] in ("Paris", "Rome")

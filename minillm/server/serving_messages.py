@@ -29,6 +29,7 @@ import uuid
 from contextvars import ContextVar
 from typing import Any
 
+import jiter
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import field_validator
@@ -406,10 +407,10 @@ def _finite_or_null(text: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _int_or_null(text: str) -> int | None:
+def _int_or_null(number: str | int) -> int | None:
     try:
-        return int(text)
-    except ValueError:          # past Python's digit limit for int(str)
+        return int(str(number))
+    except ValueError:          # past Python's digit limit for int(str) and str(int)
         return None
 
 
@@ -420,9 +421,46 @@ def _int_or_null(text: str) -> int | None:
 _INPUT_DECODER = json.JSONDecoder(parse_float=_finite_or_null, parse_int=_int_or_null, parse_constant=lambda _: None)
 
 
+def _partial_input(arguments: str) -> dict | None:
+    """The input of arguments cut short as Anthropic's SDK reads a streamed tool_use's partial JSON (jiter's
+    partial mode: whole members kept, a member whose value was cut dropped); None where no object parses."""
+    try:
+        value = jiter.from_json(arguments.encode("utf-8", "surrogatepass"), partial_mode=True)
+    except ValueError:
+        return None
+    return _json_safe(value) if isinstance(value, dict) else None
+
+
+def _json_safe(value: Any) -> Any:
+    """value with each number the response's JSON cannot hold (not finite, past Python's digit limit) as
+    null, as _INPUT_DECODER reads them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _int_or_null(value)
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    return value
+
+
 def _tool_use(call: dict) -> dict:
-    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"],
-            "input": _input_of(call) or {}}
+    """A call as a tool_use block: its input the arguments' object, or for arguments max_tokens cut, the
+    object Anthropic's SDK reads from them ({} where none parses)."""
+    arguments = _input_of(call)
+    if arguments is None:
+        arguments = _partial_input(call["function"]["arguments"] or "") or {}
+    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"], "input": arguments}
+
+
+def _input_json(call: dict, block: dict) -> str:
+    """A tool_use's input_json_delta text: the arguments as generated where max_tokens cut them (a JSON
+    prefix Anthropic's SDK reads), else the input's JSON."""
+    arguments = call["function"]["arguments"] or ""
+    if _input_of(call) is None and _partial_input(arguments) is not None:
+        return arguments
+    return json.dumps(block["input"])
 
 
 def tool_use_id(call_id: str) -> str:
@@ -532,7 +570,7 @@ class _BlockWriter(ReplyWriter):
         job, block = self.job, _tool_use(call)
         events = job.event("content_block_start", index=self.index, content_block={**block, "input": {}})
         events += job.event("content_block_delta", index=self.index,
-                            delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                            delta={"type": "input_json_delta", "partial_json": _input_json(call, block)})
         events += job.event("content_block_stop", index=self.index)
         self.index += 1
         self.calls.append(call)
