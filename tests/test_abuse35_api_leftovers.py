@@ -1,6 +1,6 @@
 """What a check of the server's replies against vLLM and the official SDKs left: the reasoning tokens
 counted in usage (Responses' output_tokens_details, chat's completion_tokens_details); the tool_use input
-of a forced call that max_tokens cut (Anthropic's messages)."""
+of a forced call that max_tokens cut (Anthropic's messages); the keys of a whole chat or text completion."""
 from __future__ import annotations
 
 import json
@@ -171,3 +171,39 @@ def test_a_whole_tool_use_streams_its_input(url):
     partial = "".join(e["delta"]["partial_json"] for e in events
                       if e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta")
     assert json.loads(partial) == block["input"] and block["input"]["city"] in ("Paris", "Rome")
+
+
+# ---- the keys of whole chat and text completions ----------------------------------------------------------------
+
+# vLLM's ChatCompletionResponse and CompletionResponse (and their choices) as its server sends them: the
+# model_dump of each, every field there, null where there is nothing.
+CHAT_KEYS = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+             "prompt_logprobs", "prompt_token_ids", "kv_transfer_params"]
+CHAT_CHOICE_KEYS = ["index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids"]
+COMPLETION_KEYS = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+                   "kv_transfer_params"]
+COMPLETION_CHOICE_KEYS = ["index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
+                          "prompt_logprobs", "prompt_token_ids"]
+
+
+def test_a_chat_completion_has_vllms_keys(url):
+    # system_fingerprint (and vLLM's null fields) were left out.
+    body = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert list(body) == CHAT_KEYS and list(body["choices"][0]) == CHAT_CHOICE_KEYS
+    assert [body[k] for k in CHAT_KEYS[5:7] + CHAT_KEYS[8:]] == [None] * 5
+    assert body["choices"][0]["token_ids"] is None
+    asked = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                               "return_token_ids": True, "prompt_logprobs": 1})
+    assert list(asked) == CHAT_KEYS and len(asked["choices"][0]["token_ids"]) == 3
+    assert asked["prompt_logprobs"][0] is None and len(asked["prompt_logprobs"]) == len(asked["prompt_token_ids"])
+
+
+def test_a_completion_has_vllms_keys(url):
+    body = post(url, "/v1/completions", {"prompt": ["Once", "Lily"], "max_tokens": 3})
+    assert list(body) == COMPLETION_KEYS
+    assert all(list(choice) == COMPLETION_CHOICE_KEYS for choice in body["choices"])
+    assert [body[k] for k in ("service_tier", "system_fingerprint", "kv_transfer_params")] == [None] * 3
+    assert all(choice[k] is None for choice in body["choices"] for k in COMPLETION_CHOICE_KEYS[5:])
+    asked = post(url, "/v1/completions", {"prompt": "Once", "max_tokens": 3, "return_token_ids": True})
+    (choice,) = asked["choices"]
+    assert list(choice) == COMPLETION_CHOICE_KEYS and len(choice["token_ids"]) == 3 and choice["prompt_token_ids"]

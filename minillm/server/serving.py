@@ -342,6 +342,10 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
         raise APIError(499, "client disconnected", code="client_closed_request") from None
 
 
+# OpenAI's keys of a whole chat or text completion that this server has no value for: null, as vLLM sends them.
+UNSERVED_FIELDS = {"service_tier": None, "system_fingerprint": None}
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     """OpenAI's usage block."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -23,7 +23,7 @@ from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, content_choice_json, engine_request_id, is_large_body, json_dumps, log_unknown_fields,
     merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words,
-    validate_request,
+    UNSERVED_FIELDS, validate_request,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -294,12 +294,15 @@ class ChatJob:
                 message, finish_reason = self._forced_message(comp)
             choice = {"index": comp.index, "message": message, "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": comp.stop_reason}
-            if self.req.return_token_ids:
-                choice["token_ids"] = None if self.hides_reasoning else list(comp.token_ids)
+            choice["token_ids"] = None
+            if self.req.return_token_ids and not self.hides_reasoning:
+                choice["token_ids"] = list(comp.token_ids)
             choices.append(choice)
+        # vLLM's keys, in its order, null where there is nothing (its whole response is its model_dump)
         body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, "usage": self.usage(final)}
-        if final.prompt_logprobs is not None:       # vLLM's: on the response, after the usage
+                "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS, "usage": self.usage(final),
+                "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None}
+        if final.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
                                                            self.prompt_logprobs, self.ctx.tokenizer)
         if self.req.return_token_ids:
@@ -307,8 +310,7 @@ class ChatJob:
         if self.req.return_prompt_text:
             body["prompt_text"] = self.conversation.text
         self.kv_transfer_stats = final.kv_transfer_stats
-        if final.kv_transfer_params is not None:     # a prefill server's, for the decode server
-            body["kv_transfer_params"] = final.kv_transfer_params
+        body["kv_transfer_params"] = final.kv_transfer_params     # a prefill server's, for the decode server
         return body
 
     def reasoning_tokens(self, final: RequestOutput) -> int | None:
