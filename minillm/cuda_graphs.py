@@ -104,6 +104,11 @@ class _CapturedForwards:
         self.pool.free_all_blocks()
 
 
+def longest_first(seq_lens: np.ndarray) -> np.ndarray:
+    """Row indices [B] int32 by decreasing context (ties in row order)."""
+    return np.argsort(-np.asarray(seq_lens, np.int64), kind="stable").astype(np.int32)
+
+
 class DecodeGraphs(_CapturedForwards):
     """Captured decode forward passes (ids -> logits) for each padded batch size."""
 
@@ -117,16 +122,19 @@ class DecodeGraphs(_CapturedForwards):
         self.max_blocks = -(-max_model_len // block_size)
         g = self.sizes[-1]
         self.capacity = g
-        # packed: [ids (g) | positions (g) | slot_mapping (g) | seq_lens (g) | block_tables (g * max_blocks)]
+        # packed: [ids (g) | positions (g) | slot_mapping (g) | attention's rows: seq_lens (g)
+        #          | query_start_loc (g + 1), padded to 16 bytes | block_tables (g * max_blocks)]. ids,
+        # positions and slot_mapping are in the batch's order; attention's rows longest context first
+        # (see run), each naming its token row in query_start_loc.
+        self._tables_at = -(-(5 * g + 1) // 4) * 4
         host = self._initial_host()
         self.inputs = HostInputs(cp, host)
         with stream:                     # on the stream the graphs run on: ordered before the capture
             self.device = cp.asarray(host)
             d = self.device
-            self.ids, self.positions = d[0:g], d[g:2 * g]
-            self.slot_mapping, self.seq_lens = d[2 * g:3 * g], d[3 * g:4 * g]
-            self.block_tables = d[4 * g:].reshape(g, self.max_blocks)
-            self.query_start_loc = cp.arange(g + 1, dtype=cp.int32)
+            self.ids, self.positions, self.slot_mapping = d[0:g], d[g:2 * g], d[2 * g:3 * g]
+            self.seq_lens, self.query_start_loc = d[3 * g:4 * g], d[4 * g:5 * g + 1]
+            self.block_tables = d[self._tables_at:].reshape(g, self.max_blocks)
         self.pool = cp.cuda.MemoryPool()
         self.graphs: dict[int, tuple[object, object]] = {}
         self._capture_all()
@@ -142,9 +150,10 @@ class DecodeGraphs(_CapturedForwards):
     def _initial_host(self) -> np.ndarray:
         """Every row past the real batch: token 0 at position 0, no KV write, one key of block 0."""
         g = self.capacity
-        host = np.zeros(4 * g + g * self.max_blocks, np.int32)
+        host = np.zeros(self._tables_at + g * self.max_blocks, np.int32)
         host[2 * g:3 * g] = -1
         host[3 * g:4 * g] = 1
+        host[4 * g:5 * g + 1] = np.arange(g + 1)
         return host
 
     def can_run(self, batch_size: int) -> bool:
@@ -159,14 +168,19 @@ class DecodeGraphs(_CapturedForwards):
         b = len(ids)
         size = next(s for s in self.sizes if s >= b)
         g, h = self.capacity, self.inputs.host
-        h[0:b], h[g:g + b] = ids, meta.seq_lens - 1
-        h[2 * g:2 * g + b], h[3 * g:3 * g + b] = meta.slot_mapping, meta.seq_lens
-        h[b:g], h[g + b:2 * g], h[2 * g + b:3 * g], h[3 * g + b:4 * g] = 0, 0, -1, 1
-        tables = h[4 * g:].reshape(g, self.max_blocks)
+        seq_lens = np.asarray(meta.seq_lens)
+        h[0:b], h[g:g + b], h[2 * g:2 * g + b] = ids, seq_lens - 1, meta.slot_mapping
+        h[b:g], h[g + b:2 * g], h[2 * g + b:3 * g] = 0, 0, -1
+        # Attention's blocks start in row order: the longest contexts first, so that the last wave
+        # holds short blocks, not a long one that leaves the other multiprocessors idle.
+        order = longest_first(seq_lens)
+        h[3 * g:3 * g + b], h[3 * g + b:4 * g] = seq_lens[order], 1
+        h[4 * g:4 * g + b], h[4 * g + b:5 * g + 1] = order, np.arange(b, g + 1)
+        tables = h[self._tables_at:].reshape(g, self.max_blocks)
         width = meta.block_tables.shape[1]
-        tables[:b, :width] = meta.block_tables
+        tables[:b, :width] = np.asarray(meta.block_tables)[order]
         tables[:b, width:] = 0
-        self.inputs.upload(self.device, 4 * g + size * self.max_blocks, self.stream)   # the rows the graph reads
+        self.inputs.upload(self.device, self._tables_at + size * self.max_blocks, self.stream)   # the rows it reads
         if before_launch is not None:
             before_launch(self.ids)
         graph, logits = self.graphs[size]

@@ -14,3 +14,11 @@ def test_graph_sizes_cover_every_step_they_are_asked_for():
     assert verify_graph_batch_sizes(256, 5) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96]
     assert all(s * 7 <= VERIFY_GRAPH_MAX_TOKENS for s in verify_graph_batch_sizes(256, 7)[1:])
     assert verify_graph_batch_sizes(16, 600) == [1]
+
+
+def test_decode_graphs_order_attention_rows_longest_context_first():
+    """The order decode graphs give attention's rows: by decreasing context, ties in the batch's order."""
+    import numpy as np
+    from minillm.cuda_graphs import longest_first
+    assert longest_first(np.array([5, 9, 5, 12, 1], np.int32)).tolist() == [3, 1, 0, 2, 4]
+    assert longest_first(np.array([], np.int32)).tolist() == []
