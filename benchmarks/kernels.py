@@ -9,6 +9,8 @@ and prints time and achieved GB/s or TFLOP/s beside those ceilings. Model shapes
 16 heads, 8 KV heads, head_dim 128, intermediate 3072, vocab 151936, block_size 16, bf16.
 `--decode-only` times just the copy ceiling and decode attention with the bf16 cache and the FP8
 one at batch 256 / context 1024 and batch 64 / context 4096, and prints FP8's time over bf16's.
+`--decode-workload` times decode attention at the batches and contexts of nano-vllm's workload, rows
+in the batch's order against longest context first (the order the decode graphs give them).
 Prefill attention runs once per kernel (ops.PREFILL_ATTENTION: the old paged_prefill_mma, then
 prefill_attention.cu in its two block shapes, "= flash" marking the one the default picks) on a
 2048-token chunk alone and over 14,000 cached tokens, its TFLOP/s held against the GEMM rate of
@@ -520,6 +522,46 @@ def decode_cache_rows(cp, ops, copy_gbs: float) -> list[Row]:
     return rows
 
 
+WORKLOAD_BATCHES = (256, 192, 128, 96, 80, 64, 48, 32, 16, 8)
+
+
+def workload_decode_rows(cp, ops, copy_gbs: float) -> list[Row]:
+    """Decode attention (bf16) at the contexts of nano-vllm's workload when `batch` sequences are left
+    (each its prompt plus the steps so far), rows in the batch's order against longest context first
+    (the decode graphs' order), at the automatic split count and at one split."""
+    from minillm.benchmarks.workload import nano_vllm_workload
+    from minillm.cuda_graphs import longest_first
+    w = nano_vllm_workload(256, 1024, 1024)
+    prompt = np.array([len(p) for p in w.prompts])
+    output = np.array(w.max_tokens)
+    max_len = int(prompt.max() + output.max())
+    num_blocks = 256 * -(-max_len // BLOCK) + 1
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    k_cache, v_cache = random_bf16(cp, ops, shape), random_bf16(cp, ops, shape)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in WORKLOAD_BATCHES:
+        step = int(np.sort(output)[::-1][batch - 1]) - 1          # the step at which `batch` are left
+        lens = (prompt[output > step][:batch] + step + 1).astype(np.int32)
+        width = -(-int(lens.max()) // BLOCK)
+        tables = (rng.permutation(num_blocks - 1)[:batch * width].reshape(batch, width) + 1).astype(np.int32)
+        q = random_bf16(cp, ops, (batch, HEADS, HEAD_DIM))
+        kv_bytes = 2 * int(lens.sum()) * KV_HEADS * HEAD_DIM * 2
+        auto = ops.decode_num_splits(batch, KV_HEADS, 4096)
+        for order_name, order in (("batch order", np.arange(batch, dtype=np.int32)), ("longest first", longest_first(lens))):
+            qsl = np.append(order, batch).astype(np.int32)         # [B + 1] row b reads token row order[b]
+            meta = AttentionMetadata(ops.asarray(qsl), ops.asarray(lens[order]), ops.asarray(tables[order]),
+                                     ops.asarray(np.zeros(batch, np.int32)), 1, 4096, True)
+            for splits in sorted({auto, 1}):
+                t = time_graph(cp, lambda: ops.paged_attention(q, k_cache, v_cache, meta, HEAD_DIM ** -0.5,
+                                                               num_splits=splits), iters=20)
+                tag = " (auto)" if splits == auto else ""
+                rows.append(Row(f"decode, {order_name}, splits={splits}{tag}",
+                                f"B{batch} ctx {lens.min()}-{lens.max()}", t * 1e6, kv_bytes / t / 1e9, "GB/s",
+                                copy_gbs))
+    return rows
+
+
 def print_decode_ratios(rows: list[Row]) -> None:
     """FP8 time against bf16 time per shape (the FP8 cache reads half the bytes: 0.5 is its floor)."""
     times = {(r.shape, r.name.split()[2]): r.time_us for r in rows if r.name.startswith("decode attention ")}
@@ -547,6 +589,9 @@ def main(argv: list[str] | None = None) -> int:
     only.add_argument("--decode-only", action="store_true",
                       help="Time only the copy ceiling and decode attention with the bf16 and the FP8 cache "
                            "at batch 256 context 1024 and batch 64 context 4096.")
+    only.add_argument("--decode-workload", action="store_true",
+                      help="Time only the copy ceiling and decode attention at nano-vllm's workload's batches and "
+                           "contexts, rows in the batch's order against longest context first.")
     only.add_argument("--graph-nodes-only", action="store_true",
                       help="Count only the nodes of a decode step's CUDA graph at each fusion stage.")
     args = parser.parse_args(argv)
@@ -569,6 +614,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     copy_gbs = copy_bandwidth(cp)
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
+    if args.decode_workload:
+        rows += workload_decode_rows(cp, ops, copy_gbs)
+        print_table(rows)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))
+        return 0
     if args.decode_only:
         rows += decode_cache_rows(cp, ops, copy_gbs)
         print_table(rows)
