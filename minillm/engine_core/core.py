@@ -47,6 +47,7 @@ logger = logging.getLogger("minillm.engine_core")
 # flood (of stats polls, say) delays generation by a few milliseconds, never by whole seconds.
 MAX_COMMANDS_PER_STEP = 64
 MAX_COMMAND_SECONDS_PER_STEP = 0.005
+LAST_WORD_LINGER_MS = 2000      # how long a failing core waits for its EngineDead to reach the API servers
 # Stats are built at full resolution (one cell per block) and downsampled by each caller.
 FULL_RESOLUTION = sys.maxsize
 # The loop's own methods of LLMEngine: a utility call to one would take a step's outputs from the
@@ -405,7 +406,7 @@ def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, list[zmq.Soc
     for address in spec.output_addresses:
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.LINGER, 2000)   # a last EngineDead must reach the API servers before we exit
+        sock.setsockopt(zmq.LINGER, LAST_WORD_LINGER_MS)
         sock.connect(address)
         output_socks.append(sock)
     return input_sock, output_socks
@@ -521,10 +522,13 @@ def run_engine_core(spec: CoreSpec) -> None:
             if proc.orphaned:      # killed outright, the starter could not remove our socket directory
                 remove_socket_dir(spec.input_addresses + spec.output_addresses)
     finally:
-        input_sock.close()
+        # A failure's last message (EngineDead, StartupFailed) must reach the API servers; after a stop
+        # what is still queued is for servers that have left, and waiting on it held the exit 2 s.
+        linger = LAST_WORD_LINGER_MS if status else 0
+        input_sock.close(linger=0)
         for sock in output_socks:
-            sock.close()
-        ctx.destroy(linger=2000)
+            sock.close(linger=linger)
+        ctx.destroy(linger=linger)
         sys.stderr.flush()
         if status:
             os._exit(status)    # skip interpreter teardown: the API server is waiting on our exit

@@ -805,6 +805,11 @@ def run_api_server(spec: APIServerSpec) -> None:
     try:
         _run_api_server(spec)
     finally:
+        # On its way out, its status is its own: the supervisor's SIGTERM (sent to every server once
+        # one has ended) reached a server exiting with status 1 after the interpreter's teardown had
+        # put the default action back, and killed it (status -15).
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         metrics_dir.leave()
 
 
@@ -910,15 +915,52 @@ def port_socket(host: str, port: int, reuse_port: bool = True) -> socket.socket:
     return sock
 
 
-# How long a stopping API server may take (its graceful HTTP shutdown, then the engine client's)
-# before it is killed (and logged by name, as a failed server is).
-API_SERVER_EXIT_WAIT_S = 30
+# As vLLM's --shutdown-timeout, a stop of several API servers has one deadline, not a wait per
+# process: the graceful shutdown's seconds (FORCED_EXIT_WAIT_S where it is 0), then this long for a
+# server's own exit (uvicorn's forced close, the app's and the engine client's shutdown). A server
+# still up then is killed (and logged by name, as a failed one is); the core gets what is left of the
+# deadline, at least CORE_EXIT_WAIT_S (it exits within a step once let go).
+API_SERVER_EXIT_MARGIN_S = 1.0
+CORE_EXIT_WAIT_S = 5.0
+
+
+def shutdown_deadline(options: ServerOptions, since: float) -> float:
+    """The time.monotonic() by which every API server of a stop that began at `since` must have exited."""
+    return since + (options.graceful_shutdown_s or FORCED_EXIT_WAIT_S) + API_SERVER_EXIT_MARGIN_S
+
+
+class ProcessEnds:
+    """The supervised processes' ends, in the order the supervisor saw them, and which were failures:
+    a nonzero status, but not the death by a stop signal the supervisor itself sent that process."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.seen: set[str] = set()
+        self.signalled: dict[str, int] = {}     # process name -> the stop signal the supervisor sent it
+
+    def saw(self, name: str, exitcode: int | None) -> bool:
+        """Note once that process `name` ended with `exitcode`; whether that was a failure."""
+        if exitcode is None or name in self.seen:
+            return False
+        self.seen.add(name)
+        if exitcode == 0 or exitcode == -self.signalled.get(name, 0):
+            return False
+        from minillm.engine_core.client import describe_exit
+        self.failures.append(f"{name} {describe_exit(exitcode)}")
+        return True
+
+    def summary(self) -> str | None:
+        """The closing log line: the first failure (the cause) first; None when nothing failed."""
+        if not self.failures:
+            return None
+        first, *after = self.failures
+        return f"exit status 1: {first}" + (f"; after it: {', '.join(after)}" if after else "")
 
 
 def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, core_hook: Any = None) -> int:
     """Start the engine core and options.api_server_count API server processes on one port; supervise
     them until a signal or a failure; the exit status (1 when any of them failed)."""
-    from minillm.engine_core.client import CoreProcess, describe_exit
+    from minillm.engine_core.client import CoreProcess
     _configure_logging()
     count = options.api_server_count
     held = port_socket(host, port)     # bound, never listening: holds the port (and picks one for port 0)
@@ -938,16 +980,22 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     parent_reader, parent_writer = spawn.Pipe(duplex=False)
     servers = []
     stopping = ShutdownFlag()       # set in a signal handler: no lock
+    stop_began: list[float] = []    # when the first stop signal went out
+    ends = ProcessEnds()
 
     def stop_servers(signum: int | None = None, frame: Any = None) -> None:
         # A Ctrl-C while stopping forces the exit, as uvicorn's second one does: the servers get it as
         # SIGINT (they take their supervisor's SIGINT as forcing); anything else asks for a graceful stop.
         forced = signum == signal.SIGINT and stopping.is_set()
+        if not stopping.is_set():
+            stop_began.append(time.monotonic())
         stopping.set()
+        sig = signal.SIGINT if forced else signal.SIGTERM
         for proc in servers:
             if proc.is_alive():
+                ends.signalled.setdefault(proc.name, sig)
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGINT if forced else signal.SIGTERM)
+                    os.kill(proc.pid, sig)
 
     previous = {sig: signal.signal(sig, stop_servers) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -965,27 +1013,65 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
         parent_reader.close()
-        while any(proc.is_alive() for proc in servers):
-            mp.connection.wait([proc.sentinel for proc in servers if proc.is_alive()], timeout=1.0)
-            if not stopping.is_set() and any(proc.exitcode is not None for proc in servers):
-                logger.error("an API server ended (%s); stopping the others", ", ".join(
-                    f"{proc.name}: exit code {proc.exitcode}" for proc in servers if proc.exitcode is not None))
-                stop_servers()
+        _supervise(servers, core.proc, stopping, stop_servers, ends,
+                   lambda: shutdown_deadline(options, stop_began[0]) if stop_began else None)
     finally:
+        if not stopping.is_set():
+            stop_servers()
+        deadline = shutdown_deadline(options, stop_began[0])
+        _join_servers(servers, deadline, deadline - stop_began[0], ends)   # a second Ctrl-C still forces
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for proc in servers:
-            proc.join(API_SERVER_EXIT_WAIT_S)
-            if proc.is_alive():
-                logger.error("%s did not stop within %d s; killing it", proc.name, API_SERVER_EXIT_WAIT_S)
-                proc.kill()
-                proc.join(5)
         parent_writer.close()
         held.close()
-        core.stop(timeout=10)
+        core.stop(timeout=max(deadline - time.monotonic(), CORE_EXIT_WAIT_S))
+        ends.saw(core.proc.name, core.proc.exitcode)
         core.close()
         metrics_dir.leave()
-    failed = [proc for proc in servers if proc.exitcode != 0]
-    if failed:
-        logger.error("exit status 1: %s", ", ".join(f"{proc.name} {describe_exit(proc.exitcode)}" for proc in failed))
-    return 1 if failed else 0
+    summary = ends.summary()
+    if summary:
+        logger.error("%s", summary)
+    return 1 if summary else 0
+
+
+def _supervise(servers: list, core: Any, stopping: ShutdownFlag, stop_servers: Callable[[], None],
+               ends: ProcessEnds, deadline: Callable[[], float | None]) -> None:
+    """Wait until every API server has ended or the stop's deadline (None before a stop) has passed,
+    noting each end (the core's too) as it comes; once a server ends by itself, stop the others. A core
+    that ends is logged and left to the servers, which see it and exit after their drain (or answer
+    503, with --no-exit-on-engine-error)."""
+    while any(proc.is_alive() for proc in servers):
+        until = deadline()
+        if until is not None and time.monotonic() >= until:
+            return
+        watched = {proc.sentinel: proc for proc in servers if proc.name not in ends.seen}
+        if core.name not in ends.seen:
+            watched[core.sentinel] = core
+        wait_s = 1.0 if until is None else min(1.0, until - time.monotonic())
+        for sentinel in mp.connection.wait(list(watched), timeout=max(wait_s, 0.0)):
+            watched[sentinel].join(1.0)        # it is exiting: reap it, so its status is known
+        from minillm.engine_core.client import describe_exit
+        if core.exitcode is not None and core.name not in ends.seen:
+            ends.saw(core.name, core.exitcode)
+            logger.error("the engine core process ended (%s)", describe_exit(core.exitcode))
+        ended = [proc for proc in servers if proc.exitcode is not None and proc.name not in ends.seen]
+        for proc in ended:
+            ends.saw(proc.name, proc.exitcode)
+        if ended and not stopping.is_set():
+            logger.error("an API server ended (%s); stopping the others", ", ".join(
+                f"{proc.name}: {describe_exit(proc.exitcode)}" for proc in ended))
+            stop_servers()
+
+
+def _join_servers(servers: list, deadline: float, allowed_s: float, ends: ProcessEnds) -> None:
+    """Wait for the API servers until `deadline` (one for all, allowed_s after the stop), kill those
+    still up, note each end."""
+    for proc in servers:
+        proc.join(max(deadline - time.monotonic(), 0.0))
+    for proc in servers:
+        if proc.is_alive():
+            logger.error("%s did not stop within %.1f s; killing it", proc.name, allowed_s)
+            proc.kill()
+    for proc in servers:
+        proc.join(5)
+        ends.saw(proc.name, proc.exitcode)
