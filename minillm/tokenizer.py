@@ -30,9 +30,11 @@ MAX_LOGPROB_CONTEXT_TOKENS = 4
 MAX_CACHED_TOKEN_ID = 1 << 20
 
 # Names of special tokens a tokenizer_config.json may define, as transformers passes them to templates.
-# Chat content part types read as text, as vLLM reads them, and the key that holds the text; a
-# message's text parts are joined by newlines (PART_SEPARATOR) into the string a template reads.
-TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+# Chat content part types read as text, as vLLM reads them, and the key that holds the text (a
+# "thinking" part's text is content, not reasoning, as in vLLM's chat_utils); a message's text parts
+# are joined by newlines (PART_SEPARATOR) into the string a template reads.
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                  "thinking": "thinking"}
 PART_SEPARATOR = "\n"
 # vLLM's chat_template_content_format: a message's content handed to the template as one string,
 # as a list of text parts ("openai"), or as the template reads it ("auto").
@@ -694,12 +696,8 @@ class Tokenizer:
         {"type": "text", "text": ...}), shaped as vLLM shapes them for the template: parts kept when
         the template loops over a message's content, else joined by newlines. It may also name
         vLLM's chat_template_content_format: "auto" (as True), "openai" (parts) or "string" (joined)."""
-        from minillm.chat_template import reads_content_parts, render, shape_content
-        if template is None or (isinstance(self.chat_template, dict) and template in self.chat_template):
-            source = self.template_source(template, kwargs.get("tools"))
-        else:
-            source = template
-            _compile_cached(source)
+        from minillm.chat_template import render, shape_content
+        source = self._chat_source(template, kwargs.get("tools"))
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         for i, message in enumerate(messages):
@@ -710,14 +708,27 @@ class Tokenizer:
         # Keys set to None are dropped, as transformers drops them: templates test for a missing key.
         plain = [{k: v for k, v in m.items() if v is not None} for m in messages]
         if content_parts:
-            as_parts = content_parts == "openai" or (content_parts in (True, "auto") and reads_content_parts(source))
-            plain = shape_content(plain, as_parts)
+            plain = shape_content(plain, _content_as_parts(source, content_parts))
         try:
             return render(source, plain, add_generation_prompt, continue_final_message, {**self.special_tokens, **kwargs})
         except MemoryError:
             raise ValueError("chat template failed: it ran out of memory") from None
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e or type(e).__name__}") from e
+
+    def content_as_parts(self, template: str | None = None, content_format: bool | str = "auto",
+                         tools: object = None) -> bool:
+        """Whether render_chat hands an OpenAI message's content to `template` (as render_chat takes it)
+        as a list of text parts rather than one string: vLLM's chat_template_content_format "openai",
+        or "auto" (True) for a template that loops over a message's content."""
+        return _content_as_parts(self._chat_source(template, tools), content_format)
+
+    def _chat_source(self, template: str | None, tools: object) -> str:
+        """The Jinja source render_chat renders `template` with, checked to compile."""
+        if template is None or (isinstance(self.chat_template, dict) and template in self.chat_template):
+            return self.template_source(template, tools)
+        _compile_cached(template)
+        return template
 
     def apply_chat_template(self, conversation: list[dict] | list[list[dict]], add_generation_prompt: bool = False,
                             tokenize: bool = True, chat_template: str | None = None, return_dict: bool = False,
@@ -820,6 +831,16 @@ def check_unicode(text: str, what: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise ValueError(f"{what} is not valid Unicode: a lone surrogate at index {exc.start}") from None
+
+
+def _content_as_parts(source: str, content_format: bool | str) -> bool:
+    """Whether a template's source gets message content as a list of parts under a content format."""
+    if content_format == "openai":
+        return True
+    if content_format not in (True, "auto"):
+        return False
+    from minillm.chat_template import reads_content_parts
+    return reads_content_parts(source)
 
 
 def _compile_cached(source: str):

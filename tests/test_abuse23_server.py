@@ -73,7 +73,8 @@ def test_echo_of_a_prompt_as_long_as_the_context_with_max_tokens_0_is_served_as_
     [choice] = reply.json()["choices"]
     assert (choice["text"], choice["finish_reason"], choice["logprobs"]) == (text, "length", None)
     assert reply.json()["usage"] == {"prompt_tokens": MAX_MODEL_LEN, "completion_tokens": 0,
-                                     "total_tokens": MAX_MODEL_LEN}
+                                     "total_tokens": MAX_MODEL_LEN, "prompt_tokens_details": None,
+                                     "completion_tokens_details": None}
     # Scored: each prompt token, its last one as the model scores it after the others.
     reply = http.post("/v1/completions", json={**body, "logprobs": 2, "n": 2})
     assert reply.status_code == 200, reply.text

@@ -65,7 +65,7 @@ def test_a_required_tool_call_cut_by_a_stop_string_finishes_for_the_stop_string(
     reply = http.post("/v1/chat/completions", json=body)
     assert reply.status_code == 200, reply.text[:500]
     [choice] = reply.json()["choices"]
-    assert choice["message"]["tool_calls"] == []
+    assert "tool_calls" not in choice["message"]     # none: vLLM leaves an empty list out
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", '"')
     [last] = _stream_finish(http, "/v1/chat/completions", body)
     assert (last["finish_reason"], last["stop_reason"]) == ("stop", '"')

@@ -220,8 +220,10 @@ def test_server_agrees_with_generate(cases, i, stream):
             assert all(close(top[k], expected[k]) for k in top), (where, j, top, expected)
     num_prompt = sum(len(out.prompt_token_ids) for out in outs)     # once a prompt, whatever n (vLLM's count)
     num_generated = sum(len(comp.token_ids) for _, comp in pairs)
+    # a whole response's usage has vLLM's details as null; a stream's usage chunk leaves them out
+    details = {} if stream else {"prompt_tokens_details": None, "completion_tokens_details": None}
     assert response["usage"] == {"prompt_tokens": num_prompt, "completion_tokens": num_generated,
-                                 "total_tokens": num_prompt + num_generated}, body
+                                 "total_tokens": num_prompt + num_generated, **details}, body
 
 
 def assert_same_prompt_logprobs(served: list | None, entries: list | None, where) -> None:

@@ -200,7 +200,8 @@ def test_a_completions_default_max_tokens_is_kept_room_for(url):
     reply = post(url, "/v1/completions", {"prompt": LONG, "truncate_prompt_tokens": -1})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"] == {"prompt_tokens": MAX_MODEL_LEN - 16, "completion_tokens": 16,
-                                     "total_tokens": MAX_MODEL_LEN}
+                                     "total_tokens": MAX_MODEL_LEN, "prompt_tokens_details": None,
+                                     "completion_tokens_details": None}
 
 
 def test_truncate_prompt_tokens_minus_one_leaves_a_short_prompt_whole(url):

@@ -191,7 +191,8 @@ def test_enable_in_reasoning_holds_a_forced_call_from_the_first_token(from_first
 def test_a_forced_call_cut_short_in_its_reasoning_has_no_call(after_thinking):
     body = chat(0, tools=[TOOL], tool_choice=NAMED, max_tokens=3, logit_bias={str(END_THINK): -100})
     reply = post(after_thinking, "/v1/chat/completions", body)["choices"][0]
-    assert reply["finish_reason"] == "length" and reply["message"]["tool_calls"] == []
+    # no call: vLLM leaves an empty tool_calls out of the message (vllm-project/vllm#44105)
+    assert reply["finish_reason"] == "length" and "tool_calls" not in reply["message"]
     assert reply["message"]["reasoning_content"]
     reasoning, calls, finish = joined_chat_stream(stream_lines(after_thinking, "/v1/chat/completions", body))
     assert (reasoning, calls, finish) == (reply["message"]["reasoning_content"], [], "length")

@@ -14,6 +14,8 @@ from test_server_helpers import chat_model_dir, openai_error, running_server, ss
 from minillm.server.app import ServerOptions, ServerThread, create_app
 
 MESSAGES = [{"role": "user", "content": "Tom had a red ball."}]
+# The keys of vLLM's ChatMessage a whole reply's message carries as null here.
+NULL_MESSAGE_FIELDS = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
@@ -99,12 +101,13 @@ def test_a_reply_without_an_end_of_thinking_is_all_reasoning_to_deepseek_r1(serv
     text = chat(servers["plain"]).json()["choices"][0]["message"]["content"]
     assert text
     reply = chat(servers["r1"]).json()["choices"][0]
-    assert reply["message"] == {"role": "assistant", "content": None, "reasoning": text, "reasoning_content": text}
+    assert reply["message"] == {"role": "assistant", "content": None, **NULL_MESSAGE_FIELDS, "reasoning": text,
+                                "reasoning_content": text}
     assert reply["finish_reason"] == "length"
     deltas, finish = streamed(servers["r1"])
     assert joined(deltas, "reasoning") == joined(deltas, "reasoning_content") == text
     assert joined(deltas, "content") == "" and finish == "length"
-    assert "reasoning" not in chat(servers["plain"]).json()["choices"][0]["message"]
+    assert chat(servers["plain"]).json()["choices"][0]["message"]["reasoning"] is None
 
 
 def test_qwen3_with_thinking_off_gives_the_reply_as_content(servers):
@@ -119,7 +122,7 @@ def test_qwen3_with_thinking_off_gives_the_reply_as_content(servers):
 
 def test_include_reasoning_false_leaves_the_reasoning_out(servers):
     message = chat(servers["r1"], include_reasoning=False).json()["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": None}
+    assert message == {"role": "assistant", "content": None, **NULL_MESSAGE_FIELDS, "reasoning": None}
     deltas, _ = streamed(servers["r1"], include_reasoning=False)
     assert all("reasoning" not in d for d in deltas)
 
@@ -143,10 +146,10 @@ def test_a_constrained_reply_is_all_content(servers):
     response = chat(servers["r1"], **body)
     assert response.status_code == 400 and response.json()["error"]["param"] == "response_format"
     message = chat(servers["plain"], **body).json()["choices"][0]["message"]
-    assert message["content"] and message["content"].lstrip().startswith("{") and "reasoning" not in message
+    assert message["content"] and message["content"].lstrip().startswith("{") and message["reasoning"] is None
     # a forced call too: the model reasons first (test_abuse34_reasoning_switch serves one with the tokens)
     forced = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     response = chat(servers["r1"], **forced)
     assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
     message = chat(servers["plain"], **forced).json()["choices"][0]["message"]
-    assert message["tool_calls"][0]["function"]["name"] == "get_weather" and "reasoning" not in message
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather" and message["reasoning"] is None

@@ -21,7 +21,7 @@ from minillm.sampling_params import (
 )
 from minillm.server.errors import APIError, bad_request_from_value_error, json_error_reason
 from minillm.server.tool_calls import check_named_tool_choice
-from minillm.tokenizer import PART_SEPARATOR, TEXT_PART_KEYS
+from minillm.tokenizer import TEXT_PART_KEYS
 
 MAX_TOKEN_ID_DIGITS = 20        # a logit_bias key longer than this is no token id of any vocabulary
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
@@ -241,6 +241,7 @@ class ContentPart(BaseModel):
     type: Text
     text: Text | None = None
     refusal: Text | None = None                  # an assistant's refusal part
+    thinking: Text | None = None                 # a thinking part (vLLM's), read as text
 
 
 def _part_kind(value: Any) -> str:
@@ -267,19 +268,6 @@ class ToolCall(_OpenAIModel):
     function: ToolCallFunction
 
 
-class ChatMessage(_OpenAIModel):
-    """One chat message; any role, as vLLM takes custom roles. tool_calls and reasoning are read on
-    an assistant's message, tool_call_id on a tool's, as vLLM reads them."""
-
-    role: Annotated[Text, Field(min_length=1)]
-    content: Text | list[Part] | None = None
-    name: Text | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: Text | None = None
-    reasoning: Text | None = None
-    reasoning_content: Text | None = None       # the older name of reasoning
-
-
 class FunctionDefinition(_OpenAIModel):
     """A tool's function: its name, what it does and its parameters' JSON schema."""
 
@@ -298,6 +286,22 @@ class Tool(_OpenAIModel):
 
     type: Literal["function"] = "function"
     function: FunctionDefinition
+
+
+class ChatMessage(_OpenAIModel):
+    """One chat message; any role, as vLLM takes custom roles. tool_calls and reasoning are read on
+    an assistant's message, tool_call_id on a tool's, tools on a developer's, name and task on any, as
+    vLLM reads them."""
+
+    role: Annotated[Text, Field(min_length=1)]
+    content: Text | list[Part] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    reasoning: Text | None = None
+    reasoning_content: Text | None = None       # the older name of reasoning
+    tools: list[Tool] | None = None             # a developer's tools (vLLM's), for the template
+    task: Text | None = None                    # a model's task marker (vLLM's, for DeepSeek V4)
 
 
 class ConversationRequest(_OpenAIModel):
@@ -611,7 +615,8 @@ def messages_as_dicts(req: ConversationRequest) -> list[dict]:
     """Messages as the plain dicts a chat template reads, as vLLM passes them: multi-part content as
     a list of text parts {"type": "text", "text": ...} (render_chat joins them by newlines, or keeps
     them for a template that reads parts), no content as ""; an assistant's tool_calls (arguments
-    parsed from JSON) and reasoning (also as reasoning_content); a tool's tool_call_id."""
+    parsed from JSON) and reasoning (also as reasoning_content); a tool's tool_call_id; a developer's
+    tools; any message's name and task."""
     out = []
     for i, msg in enumerate(req.messages):
         content = msg.content
@@ -621,6 +626,10 @@ def messages_as_dicts(req: ConversationRequest) -> list[dict]:
         item = {"role": msg.role, "content": "" if content is None else content}
         if msg.name is not None:
             item["name"] = msg.name
+        if msg.task is not None:
+            item["task"] = msg.task
+        if msg.role == "developer" and msg.tools is not None:
+            item["tools"] = [tool.model_dump(exclude_none=True) for tool in msg.tools]
         if msg.role == "assistant":
             if msg.tool_calls:          # an empty list is left out: the template takes its plain path
                 item["tool_calls"] = [_tool_call_dict(call, f"messages.{i}.tool_calls.{j}")
@@ -632,11 +641,6 @@ def messages_as_dicts(req: ConversationRequest) -> list[dict]:
             item["tool_call_id"] = msg.tool_call_id
         out.append(item)
     return out
-
-
-def message_text(content: str | list[dict]) -> str:
-    """A message's content from messages_as_dicts as one string (text parts joined by newlines)."""
-    return content if isinstance(content, str) else PART_SEPARATOR.join(part["text"] for part in content)
 
 
 def _tool_call_dict(call: ToolCall, param: str) -> dict:

@@ -352,6 +352,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def whole_usage(block: dict) -> dict:
+    """A whole reply's usage block as vLLM's UsageInfo dumps it: its keys in vLLM's order, the details
+    null where there are none (a stream's usage chunk, sent exclude_unset, keeps the block as it is)."""
+    return {"prompt_tokens": block["prompt_tokens"], "total_tokens": block["total_tokens"],
+            "completion_tokens": block["completion_tokens"],
+            "prompt_tokens_details": block.get("prompt_tokens_details"),
+            "completion_tokens_details": block.get("completion_tokens_details")}
+
+
 def sse(obj: Any) -> str:
     """One server-sent event carrying a JSON object."""
     return f"data: {json_dumps(obj)}\n\n"

@@ -16,14 +16,14 @@ from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, prompt_logprobs_json
 from minillm.server.protocol import (
     ChatCompletionRequest, ConversationRequest, chat_logprobs as requested_top_logprobs, chat_max_tokens,
-    chat_max_tokens_field, check_unsupported, message_chars, message_text, messages_as_dicts,
+    chat_max_tokens_field, check_unsupported, message_chars, messages_as_dicts,
     requested_prompt_logprobs, template_tools, to_sampling_params, tool_choice_of, unknown_fields,
 )
 from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, content_choice_json, engine_request_id, is_large_body, json_dumps, log_unknown_fields,
     merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words,
-    UNSERVED_FIELDS, validate_request,
+    UNSERVED_FIELDS, validate_request, whole_usage,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -120,21 +120,24 @@ class ConversationPrompt:
         self.template = chat_template_for(ctx, req)
         self.template_kwargs = template_kwargs(req, ctx.default_chat_template_kwargs)
         self.text: str | None = None        # the rendered prompt, once token_ids() has made it
+        self.content_as_parts = False       # whether the template got content as a list of parts, once rendered
 
     def token_ids(self) -> list[int]:
         """Token ids of the conversation plus the assistant's turn opener (slow: run it in the pool)."""
         tok, req = self.ctx.tokenizer, self.req
         try:
+            as_parts = tok.content_as_parts(self.template, self.ctx.chat_template_content_format,
+                                            self.template_kwargs.get("tools"))
             text = tok.render_chat(self.messages, template=self.template,
                                    add_generation_prompt=req.add_generation_prompt,
                                    continue_final_message=req.continue_final_message,
-                                   content_parts=self.ctx.chat_template_content_format,
+                                   content_parts="openai" if as_parts else "string",
                                    **self.template_kwargs)
         except ValueError as exc:
             param = "chat_template" if req.chat_template is not None else "messages"
             raise APIError(400, str(exc), param=param) from None
         check_prompt_chars(self.ctx.limits, len(text), "messages")
-        self.text = text
+        self.text, self.content_as_parts = text, as_parts
         # The template writes BOS itself where the model wants it (add_special_tokens adds more).
         return tok.encode_batch([text], add_special_tokens=req.add_special_tokens)[0]
 
@@ -145,12 +148,30 @@ def reply_role(ctx: ServingContext, req: ChatCompletionRequest, messages: list[d
     return ctx.response_role if req.add_generation_prompt else messages[-1]["role"]
 
 
-def echoed_text(req: ChatCompletionRequest, messages: list[dict], role: str) -> str:
-    """What a reply starts with under vLLM's echo: the last message's text when it has the reply's
-    role (the message continue_final_message continues), else nothing."""
-    if not req.echo or messages[-1]["role"] != role:
+def echoed_text(req: ChatCompletionRequest, conversation: ConversationPrompt, role: str) -> str:
+    """What a reply starts with under vLLM's echo: the last message's content as the template got it
+    (joined parts less the empty ones; parts handed over as a list joined whole, by newlines) when it
+    has the reply's role (the message continue_final_message continues), else nothing."""
+    from minillm.chat_template import shape_content
+    last = conversation.messages[-1]
+    if not req.echo or last["role"] != role:
         return ""
-    return message_text(messages[-1]["content"])
+    content = shape_content([last], conversation.content_as_parts)[0]["content"]
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
+
+
+def whole_message(message: dict) -> dict:
+    """A whole reply's message as vLLM's ChatMessage dumps it: its keys in vLLM's order, null where
+    there is nothing; tool_calls only where there are some (vLLM drops an empty list); the
+    reasoning's older name, reasoning_content, after it where a reasoning parser gives it."""
+    whole = {"role": message["role"], "content": message.get("content"), "refusal": None, "annotations": None,
+             "audio": None, "function_call": None}
+    if message.get("tool_calls"):
+        whole["tool_calls"] = message["tool_calls"]
+    whole["reasoning"] = message.get("reasoning")
+    if "reasoning_content" in message:
+        whole["reasoning_content"] = message["reasoning_content"]
+    return whole
 
 
 class ChatJob:
@@ -191,7 +212,6 @@ class ChatJob:
         self.as_token_ids = ctx.as_token_ids(req)
         self.conversation = ConversationPrompt(ctx, req)
         self.role = reply_role(ctx, req, self.conversation.messages)
-        self.echo_text = echoed_text(req, self.conversation.messages, self.role)
         # tool_choice "required" or a named tool: the output is the call, carried as tool_calls
         self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
         self.tool_streams: dict[int, ToolCallStream] = {}
@@ -217,6 +237,11 @@ class ChatJob:
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
+
+    @property
+    def echo_text(self) -> str:
+        """What each choice starts with (see echoed_text): known once the conversation is rendered."""
+        return echoed_text(self.req, self.conversation, self.role)
 
     def engine_request_ids(self, num_prompts: int) -> list[str]:
         """The engine's id of the conversation (num_prompts is 1): request_id made unique by engine_request_id."""
@@ -292,7 +317,7 @@ class ChatJob:
                 message, finish_reason = self.parsers.message(self.role, self.echo_text, comp.text, finish_reason)
             if self.forced is not None:
                 message, finish_reason = self._forced_message(comp)
-            choice = {"index": comp.index, "message": message, "logprobs": logprobs,
+            choice = {"index": comp.index, "message": whole_message(message), "logprobs": logprobs,
                       "finish_reason": finish_reason, "stop_reason": comp.stop_reason}
             choice["token_ids"] = None
             if self.req.return_token_ids and not self.hides_reasoning:
@@ -300,8 +325,9 @@ class ChatJob:
             choices.append(choice)
         # vLLM's keys, in its order, null where there is nothing (its whole response is its model_dump)
         body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS, "usage": self.usage(final),
-                "prompt_logprobs": None, "prompt_token_ids": None, "kv_transfer_params": None}
+                "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS,
+                "usage": whole_usage(self.usage(final)), "prompt_logprobs": None, "prompt_token_ids": None,
+                "kv_transfer_params": None}
         if final.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
                                                            self.prompt_logprobs, self.ctx.tokenizer)

@@ -25,7 +25,7 @@ from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, engine_request_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words,
-    UNSERVED_FIELDS, validate_request,
+    UNSERVED_FIELDS, validate_request, whole_usage,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -230,8 +230,8 @@ class CompletionJob:
                                 **self._prompt_fields(pi, final, comp)})
         choices.sort(key=lambda c: c["index"])
         body = {"id": self.response_id, "object": "text_completion", "created": self.created,
-                "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS, "usage": self._usage(finals),
-                "kv_transfer_params": None}
+                "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS,
+                "usage": whole_usage(self._usage(finals)), "kv_transfer_params": None}
         if finals:
             self.kv_transfer_stats = finals[0].kv_transfer_stats
             body["kv_transfer_params"] = finals[0].kv_transfer_params     # a prefill server's, for the decode server
