@@ -67,20 +67,22 @@ def _core_socket_dirs(pid: int) -> set[str]:
     return found
 
 
-def _serve(stories_path: Path, port: int, log: Path) -> subprocess.Popen:
+def _serve(stories_path: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    """A server on a port the kernel picks (--port 0: a port chosen here and closed could be taken by
+    any process's connection before the server binds it), and the URL its log names once it is up."""
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu",
-                                 "--port", str(port)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                                 "--port", "0"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                                 stdout=out, stderr=subprocess.STDOUT)
 
-    def up():
+    def url():
         assert proc.poll() is None, log.read_text()
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-    assert wait_for(up, timeout=120, interval=0.1), log.read_text()
-    return proc
+        found = re.search(r"Uvicorn running on (http://\S+)", log.read_text())
+        return found and found.group(1)
+    address = wait_for(url, timeout=120, interval=0.1)
+    assert address, log.read_text()
+    assert httpx.get(f"{address}/health", timeout=30).status_code == 200, log.read_text()
+    return proc, address
 
 
 def _crash(proc: subprocess.Popen, core: int) -> None:
@@ -93,11 +95,8 @@ def _crash(proc: subprocess.Popen, core: int) -> None:
     assert wait_for(lambda: not Path(f"/proc/{core}").exists(), timeout=30)
 
 
-def test_a_crashed_servers_socket_directory_is_swept_when_it_restarts_on_its_port(stories_path, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = _serve(stories_path, port, tmp_path / "first.log")
+def test_a_crashed_servers_socket_directory_is_swept_when_it_restarts(stories_path, tmp_path):
+    proc, _ = _serve(stories_path, tmp_path / "first.log")
     try:
         core = int(re.search(r"engine core in process (\d+)", (tmp_path / "first.log").read_text()).group(1))
         (left,) = _core_socket_dirs(proc.pid)
@@ -108,10 +107,10 @@ def test_a_crashed_servers_socket_directory_is_swept_when_it_restarts_on_its_por
             proc.wait()
     assert sorted(os.listdir(left)) == ["input-0", "output-0"]      # nothing could remove it
     _backdate(Path(left))
-    again = _serve(stories_path, port, tmp_path / "second.log")
+    again, url = _serve(stories_path, tmp_path / "second.log")
     try:
         assert not os.path.exists(left)
-        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        assert httpx.post(f"{url}/v1/completions", timeout=60,
                           json={"prompt": "Once upon a time", "max_tokens": 4}).status_code == 200
     finally:
         again.send_signal(signal.SIGTERM)
