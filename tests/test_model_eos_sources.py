@@ -33,8 +33,11 @@ def test_config_json_eos_ids_count_only_without_a_generation_config(stories_path
                                                                     stops_on_1):
     path = model_dir(stories_path, tmp_path / "model", generation_config)
     llm = LLM(str(path), device="cpu", num_kv_blocks=64)
-    assert (1 in llm.llm_engine.eos_token_ids) == stops_on_1
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=450))[0].outputs[0]
+    try:
+        assert (1 in llm.llm_engine.eos_token_ids) == stops_on_1
+        out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=450))[0].outputs[0]
+    finally:
+        llm.shutdown()
     if stops_on_1:
         assert out.finish_reason == "stop" and out.token_ids[-1] == 1 and out.stop_reason == 1
     else:
