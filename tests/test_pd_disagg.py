@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, choice_texts, get_stats, sse_events, wait_for
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, choice_texts, get_stats, sse_events, started_url, wait_for
 
 from minillm.kv_connector.transport import SEGMENT_PREFIX, SHM_DIR, SHM_DIR_ENV, sweep_stale_segments
 
@@ -45,16 +45,22 @@ def free_port() -> int:
 
 
 class Process:
-    """A `minillm serve` or `minillm router` process on a free port, its output in a log file."""
+    """A `minillm serve` or `minillm router` process on a port the kernel picks, its output in a log file."""
 
     def __init__(self, args: list[str], log: Path, env: dict | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        self._url: str | None = None
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", *args, "--port", str(self.port)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", *args, "--port", "0"],
                                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})}, stdout=out,
                                          stderr=subprocess.STDOUT)
+
+    @property
+    def url(self) -> str:
+        """The base URL the process names in its log once its port (the kernel's pick) is bound."""
+        if self._url is None:
+            self._url = started_url(self.proc, self.log)
+        return self._url
 
     def wait_up(self, timeout: float = 180) -> "Process":
         def up():

@@ -13,8 +13,7 @@ import sys
 import httpx
 import pytest
 from test_cli import REPO, STORIES, needs_stories, run_main
-from test_server_failure import _free_port
-from test_server_helpers import CHAT_TEMPLATE, chat_model_dir, running_server, sse_events, wait_for
+from test_server_helpers import CHAT_TEMPLATE, chat_model_dir, listening_url, running_server, sse_events
 
 from minillm.cli import spread_option_values
 from minillm.server.app import ServerOptions, api_server_log_level
@@ -290,22 +289,16 @@ def test_every_response_carries_a_request_id_header(http, server):
 @needs_stories
 def test_serve_logs_requests_and_leaves_out_uvicorns_info_and_access_lines(tmp_path):
     """Through the console entry point: the uvicorn flags reach the server uvicorn runs."""
-    port, log = _free_port(), tmp_path / "serve.log"
-    command = [sys.executable, "-m", "minillm.cli", "serve", str(STORIES), "--device", "cpu", "--port", str(port),
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(STORIES), "--device", "cpu", "--port", "0",
                "--enable-log-requests", "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        def up() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        assert wait_for(up, timeout=120, interval=0.05), "the server did not come up"
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+        url = listening_url(proc, log, timeout=120)     # the log names no URL at this log level
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200, log.read_text()
+        response = httpx.post(f"{url}/v1/completions", timeout=60,
                               json={"prompt": "Once upon a time", "max_tokens": 3})
         assert response.status_code == 200, response.text
         proc.send_signal(signal.SIGTERM)

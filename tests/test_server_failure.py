@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 from core_hooks import install
-from test_server_helpers import HealthyStreams, call_utility, get_stats, running_server, sse_events, wait_for
+from test_server_helpers import HealthyStreams, call_utility, get_stats, running_server, sse_events, started_url, wait_for
 
 from minillm.sampling_params import SamplingParams
 
@@ -168,29 +167,17 @@ if __name__ == "__main__":
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def _serve(tmp_path: Path, command: list[str]):
-    """Run `command` + serve options on a free port; yield (process, url, log) once /health says ok."""
-    port, log = _free_port(), tmp_path / "serve.log"
-    url = f"http://127.0.0.1:{port}"
+    """Run `command` + serve options on a port the kernel picks; yield (process, url, log) once /health says ok."""
+    log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command + ["--device", "cpu", "--port", str(port), "--served-model-name", MODEL],
+        proc = subprocess.Popen(command + ["--device", "cpu", "--port", "0", "--served-model-name", MODEL],
                                 cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        def up():
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{url}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_for(up, timeout=120, interval=0.1), "the server did not come up"
+        url = started_url(proc, log, timeout=120)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200, log.read_text()
         yield proc, url, log
     finally:
         if proc.poll() is None:

@@ -6,8 +6,10 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -124,6 +126,42 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
         time.sleep(interval)
         value = predicate()
     return value
+
+
+SERVER_URL_LINE = re.compile(r"(?:Uvicorn running on|minillm router:) (http://[^\s,]+)")
+
+
+def started_url(proc: subprocess.Popen, log: Path, timeout: float = 180) -> str:
+    """The base URL that a `minillm serve` or `minillm router` started with --port 0 writes to its log
+    once bound (a port picked by binding 0 and closing could be any connection's local port before
+    the server binds it)."""
+    def url():
+        assert proc.poll() is None, log.read_text()
+        found = SERVER_URL_LINE.search(log.read_text())
+        return found and found.group(1)
+    address = wait_for(url, timeout=timeout, interval=0.05)
+    assert address, f"no URL in the log after {timeout} s:\n{log.read_text()}"
+    return address
+
+
+def listening_url(proc: subprocess.Popen, log: Path, timeout: float = 180) -> str:
+    """The base URL of the IPv4 TCP port proc listens on, read from /proc: for a server started with
+    --port 0 whose log names no URL (uvicorn's info lines turned off)."""
+    def url():
+        assert proc.poll() is None, log.read_text()
+        inodes = set()
+        for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+            with contextlib.suppress(OSError):
+                inodes.add(os.readlink(f"/proc/{proc.pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+        with open(f"/proc/{proc.pid}/net/tcp") as table:
+            for fields in (line.split() for line in list(table)[1:]):
+                if fields[3] == "0A" and fields[9] in inodes:        # 0A: LISTEN
+                    address, port = fields[1].split(":")
+                    return f"http://{socket.inet_ntoa(bytes.fromhex(address)[::-1])}:{int(port, 16)}"
+        return None
+    address = wait_for(url, timeout=timeout, interval=0.05)
+    assert address, f"nothing listening after {timeout} s:\n{log.read_text()}"
+    return address
 
 
 def sse_events(lines) -> list:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, engine_core_under_test, get_stats, sse_events, wait_for
+from test_server_helpers import (CHAT_TEMPLATE, HealthyStreams, engine_core_under_test, get_stats, sse_events,
+                                 started_url, wait_for)
 
 from minillm.server.app import MIN_STATS_INTERVAL_S
 
@@ -29,30 +30,18 @@ MAX_STATS_STREAMS = 100
 MAX_PROMPT_CHARS = 500_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(stories_path, tmp_path_factory):
-    port, log = _free_port(), tmp_path_factory.mktemp("serve") / "serve.log"
-    url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu", "--port", str(port),
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    args = [sys.executable, "-m", "minillm.cli", "serve", str(stories_path), "--device", "cpu", "--port", "0",
             "--served-model-name", MODEL, "--chat-template", CHAT_TEMPLATE, "--engine-core", engine_core_under_test(),
             "--max-stats-streams", str(MAX_STATS_STREAMS), "--max-prompt-chars", str(MAX_PROMPT_CHARS)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        def up():
-            assert proc.poll() is None, log.read_text()
-            try:
-                return httpx.get(f"{url}/health", timeout=5).status_code == 200
-            except httpx.TransportError:
-                return False
-        assert wait_for(up, timeout=120, interval=0.1), "the server did not come up"
+        url = started_url(proc, log, timeout=120)
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200, log.read_text()
         yield url
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200
     finally:
