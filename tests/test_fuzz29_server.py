@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, wait_for
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, started_url, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "stories"
@@ -726,33 +726,23 @@ class LogWatch:
 # ---------------------------------------------------------------------------------------------
 # The server.
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextlib.contextmanager
 def serve(model: Path, log: Path, extra_args: list[str] = ()):
-    """`minillm serve` of model on the CPU, its output to log: yield (host, port) once /health is 200."""
-    port = free_port()
-    command = [sys.executable, "-m", "minillm.cli", "serve", str(model), "--device", "cpu", "--port", str(port),
+    """`minillm serve` of model on the CPU on a port the kernel picks, its output to log: yield (host,
+    port) once /health is 200."""
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(model), "--device", "cpu", "--port", "0",
                "--served-model-name", MODEL, "--chat-template", CHAT_TEMPLATE, "--max-model-len", str(MAX_MODEL_LEN),
                "--timeout-graceful-shutdown", "1", *extra_args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        def up():
-            assert proc.poll() is None, log.read_text()
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                return conn.getresponse().status == 200
-            except OSError:
-                return False
-        assert wait_for(up, timeout=120, interval=0.1), "the server did not come up"
-        yield "127.0.0.1", port
+        host, port = started_url(proc, log, timeout=120).removeprefix("http://").rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200, log.read_text()
+        conn.close()
+        yield host, int(port)
     finally:
         proc.terminate()
         try:

@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_fuzz29_server import (MODEL, QUIET_LOG, Answer, Case, LogWatch, Raw, free_port, judge, send,
-                                strict_json)
-from test_server_helpers import CHAT_TEMPLATE, wait_for
+from test_fuzz29_server import MODEL, QUIET_LOG, Answer, Case, LogWatch, Raw, judge, send, strict_json
+from test_server_helpers import CHAT_TEMPLATE, started_url, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120.0            # a request's answer (a stream's end): only a hang takes this long
@@ -597,15 +596,15 @@ SERVERS = {"priority": ["--scheduling-policy", "priority", "--kv-role", "both", 
            "fcfs": ["--scheduling-policy", "fcfs"]}
 
 
-def _launch(model: Path, log: Path, args: list[str]) -> tuple[subprocess.Popen, int]:
-    port = free_port()
-    command = [sys.executable, "-m", "minillm.cli", "serve", str(model), "--device", "cpu", "--port", str(port),
+def _launch(model: Path, log: Path, args: list[str]) -> subprocess.Popen:
+    """`minillm serve` of model on a port the kernel picks (its log names the port once up)."""
+    command = [sys.executable, "-m", "minillm.cli", "serve", str(model), "--device", "cpu", "--port", "0",
                "--served-model-name", MODEL, "--chat-template", CHAT_TEMPLATE, "--max-model-len", "256",
                "--enable-server-load-tracking", "--timeout-graceful-shutdown", "1", *args]
     with open(log, "wb") as out:
         proc = subprocess.Popen(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
                                 stderr=subprocess.STDOUT)
-    return proc, port
+    return proc
 
 
 def _get(port: int, path: str) -> tuple[int, bytes]:
@@ -630,16 +629,18 @@ def _is_up(proc: subprocess.Popen, port: int, log: Path) -> bool:
 def servers(stories_path, tmp_path_factory):
     """{policy: (host, port, LogWatch)} of two `minillm serve` of stories260K on the CPU, started together."""
     folder = tmp_path_factory.mktemp("fuzz30")
-    started = {name: (*_launch(stories_path, folder / f"{name}.log", args), folder / f"{name}.log")
-               for name, args in SERVERS.items()}
+    launched = {name: (_launch(stories_path, folder / f"{name}.log", args), folder / f"{name}.log")
+                for name, args in SERVERS.items()}
+    started = {}
     try:
-        for proc, port, log in started.values():
-            assert wait_for(lambda: _is_up(proc, port, log), timeout=120, interval=0.1), "a server did not come up"
+        for name, (proc, log) in launched.items():
+            started[name] = (proc, int(started_url(proc, log, timeout=120).rsplit(":", 1)[1]), log)
+            assert _is_up(proc, started[name][1], log), log.read_text()
         yield {name: ("127.0.0.1", port, LogWatch(log)) for name, (_, port, log) in started.items()}
     finally:
-        for proc, _, _ in started.values():
+        for proc, _ in launched.values():
             proc.terminate()
-        for proc, _, _ in started.values():
+        for proc, _ in launched.values():
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
