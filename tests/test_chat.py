@@ -395,30 +395,20 @@ def test_multiline_input_and_plain_text_rendering():
 
 
 @pytest.fixture
-def served_stories():
-    """`minillm serve` on stories260K at a free local port; stopped after the test."""
-    import socket
+def served_stories(tmp_path):
+    """`minillm serve` on stories260K at a local port the kernel picks; stopped after the test."""
     import subprocess
     import httpx
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from test_server_helpers import started_url
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    server = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", str(STORIES), "--device", "cpu",
-                               "--host", "127.0.0.1", "--port", str(port)],
-                              cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", str(STORIES), "--device", "cpu",
+                                   "--host", "127.0.0.1", "--port", "0"],
+                                  cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.time() > deadline:
-                pytest.fail(f"minillm serve did not start: {server.stderr.read()}")
-            time.sleep(0.1)
+        url = started_url(server, log, timeout=60)
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200, log.read_text()
         yield url
     finally:
         server.terminate()

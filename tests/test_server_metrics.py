@@ -5,7 +5,7 @@ import dataclasses
 import json
 import logging
 import os
-import socket
+import re
 import sys
 import threading
 import time
@@ -175,13 +175,11 @@ def test_run_server_with_monitor_serves_while_the_dashboard_runs(stories_path, m
                                   timeout=10).json()["kv_num_blocks"]
 
     monkeypatch.setitem(sys.modules, "minillm.tui.app", types.SimpleNamespace(run_monitor=fake_run_monitor))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    status = run_server(EngineConfig(model=str(stories_path), device="cpu"), port=port,
+    # Port 0: the server binds a free port and hands the dashboard the URL it bound.
+    status = run_server(EngineConfig(model=str(stories_path), device="cpu"), port=0,
                         options=ServerOptions(api_key="k"), monitor=True)
     assert status == 0
-    assert seen["url"] == f"http://127.0.0.1:{port}" and seen["api_key"] == "k"
+    assert re.fullmatch(r"http://127\.0\.0\.1:[1-9]\d*", seen["url"]) and seen["api_key"] == "k"
     assert seen["health"] == 200 and seen["stats"] > 0
 
 
