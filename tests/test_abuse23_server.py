@@ -200,17 +200,26 @@ def test_a_400_for_bad_bytes_follows_the_responses_due_before_it(any_protocol_ur
 
 # ---- start-up and signals ------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+# SLOW_LOAD_SERVE that also names the port it holds while the model loads: started on port 0, as a
+# port picked by binding 0 and closing could be any connection's local port before the server binds it.
+PORT_SHOWN_SLOW_SERVE = SLOW_LOAD_SERVE.replace("\nif __name__", """
+import minillm.server.app
+real_hold_port = minillm.server.app.hold_port
+
+def shown_hold_port(host, port):
+    sock = real_hold_port(host, port)
+    print(f"minillm-test: holding port {sock.getsockname()[1]}", file=sys.stderr, flush=True)
+    return sock
+
+minillm.server.app.hold_port = shown_hold_port
+\nif __name__""", 1)
 
 
-def _slow_serve(serve, tmp_path, model, *args: str):
+def _slow_serve(serve, tmp_path, model, *args: str, script_text: str = SLOW_LOAD_SERVE):
     """A `minillm serve` whose model load waits for the file `go` (test_abuse20_deploy's script); it
     and `go`, once the load has begun."""
     script, go = tmp_path / "slow_serve.py", tmp_path / "go"
-    script.write_text(SLOW_LOAD_SERVE)
+    script.write_text(script_text)
     server = serve([sys.executable, str(script), str(go), *serve_command(model, *args)[3:]])
     server.wait_line(r"minillm-test: loading in process \d+")
     return server, go
@@ -219,8 +228,8 @@ def _slow_serve(serve, tmp_path, model, *args: str):
 def test_the_port_is_held_while_the_model_loads_as_vllm_holds_it(serve, tmp_path, stories_path):
     # The port was checked, closed again and bound only once the model had loaded: a second server
     # started meanwhile passed the check, loaded its model too, and one of them failed at the end.
-    port = _free_port()
-    first, go = _slow_serve(serve, tmp_path, stories_path, "--port", str(port))
+    first, go = _slow_serve(serve, tmp_path, stories_path, script_text=PORT_SHOWN_SLOW_SERVE)
+    port = int(first.wait_line(r"minillm-test: holding port (\d+)").group(1))
     with pytest.raises(ConnectionRefusedError):        # bound, not listening yet: as vLLM's
         socket.create_connection(("127.0.0.1", port), timeout=10).close()
     (tmp_path / "second").mkdir()
