@@ -8,6 +8,7 @@ import json
 
 import httpx
 import pytest
+from test_abuse35_api_leftovers import stream_events
 from test_server_helpers import chat_model_dir, openai_error, running_server
 
 from minillm import LLM, SamplingParams
@@ -46,17 +47,6 @@ def ok(url: str, path: str, body: dict) -> dict:
     reply = post(url, path, body)
     assert reply.status_code == 200, reply.text
     return reply.json()
-
-
-def stream_events(url: str, path: str, body: dict) -> list[dict]:
-    """The data of each server-sent event of a stream, [DONE] left out."""
-    events = []
-    with httpx.stream("POST", f"{url}{path}", json={"model": "stories", **body, "stream": True}, timeout=60) as reply:
-        assert reply.status_code == 200, reply.read()
-        for line in reply.iter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]":
-                events.append(json.loads(line[5:]))
-    return events
 
 
 def prompt_text(url: str, messages: list[dict], template: str, **body) -> str:
