@@ -11,7 +11,6 @@ import uuid
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
 from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_salt_root
@@ -241,10 +240,7 @@ class LLMEngine:
             requested_len = window
             self.log(f"minillm: max_model_len {window}, the model's sliding_window (attention here is "
                      f"full-context, the model's own up to that length)")
-        # config.json's eos_token_id counts only where the model has no generation_config.json: vLLM reads
-        # that file for EOS, and transformers' GenerationConfig falls back to config.json without it.
-        model_eos = () if (Path(path) / "generation_config.json").is_file() else self.model_config.eos_token_id
-        self.eos_token_ids = sorted(set(model_eos) | set(self.tokenizer.eos_token_ids))
+        self.eos_token_ids = sorted(set(self.tokenizer.eos_token_ids))    # the files' EOS ids (Tokenizer)
         # vLLM's update_from_generation_config: the EOS ids beyond the tokenizer's own (the model's, and a
         # generation_config folder's) stop a request as its stop token ids do, so the one that ends it
         # is its stop_reason. A bad folder fails here, before the weights load.

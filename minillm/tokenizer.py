@@ -337,12 +337,13 @@ class Tokenizer:
         if tokenizer_config.get("split_special_tokens") is True:
             backend.encode_special_tokens = True
 
-        # generation_config.json names every id that ends a turn (Llama 3 lists several).
+        # generation_config.json names every id that ends a turn (Llama 3 lists several). config.json's
+        # eos_token_id counts where that file is missing (as vLLM reads EOS: transformers'
+        # GenerationConfig falls back to config.json only then), or where nothing else names an EOS.
         extra_eos = token_id_list(generation_config.get("eos_token_id"),
                                   f"{path / 'generation_config.json'} field 'eos_token_id'")
-        if not extra_eos and "eos_token" not in special_tokens:
-            extra_eos = token_id_list(model_config.get("eos_token_id"),
-                                      f"{path / 'config.json'} field 'eos_token_id'")
+        if not (path / "generation_config.json").is_file() or (not extra_eos and "eos_token" not in special_tokens):
+            extra_eos += token_id_list(model_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'")
         pad = generation_config.get("pad_token_id")
         _check_model_vocabulary(backend, model_config.get("vocab_size"), path)
         chat_template, template_origins = load_chat_template(path, tokenizer_config)
