@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from typing import AsyncIterator
 
 from fastapi import Request
 
+from minillm.chat_template import shape_content
 from minillm.outputs import RequestOutput
 from minillm.sampling_params import max_prompt_len, short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
@@ -152,7 +154,6 @@ def echoed_text(req: ChatCompletionRequest, conversation: ConversationPrompt, ro
     """What a reply starts with under vLLM's echo: the last message's content as the template got it
     (joined parts less the empty ones; parts handed over as a list joined whole, by newlines) when it
     has the reply's role (the message continue_final_message continues), else nothing."""
-    from minillm.chat_template import shape_content
     last = conversation.messages[-1]
     if not req.echo or last["role"] != role:
         return ""
@@ -238,9 +239,9 @@ class ChatJob:
         self.texts = TokenTexts(ctx.tokenizer)
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
 
-    @property
+    @functools.cached_property
     def echo_text(self) -> str:
-        """What each choice starts with (see echoed_text): known once the conversation is rendered."""
+        """What each choice starts with (see echoed_text): read once the conversation is rendered."""
         return echoed_text(self.req, self.conversation, self.role)
 
     def engine_request_ids(self, num_prompts: int) -> list[str]:

@@ -445,22 +445,22 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def _tool_use(call: dict) -> dict:
-    """A call as a tool_use block: its input the arguments' object, or for arguments max_tokens cut, the
-    object Anthropic's SDK reads from them ({} where none parses)."""
-    arguments = _input_of(call)
-    if arguments is None:
-        arguments = _partial_input(call["function"]["arguments"] or "") or {}
-    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"], "input": arguments}
-
-
-def _input_json(call: dict, block: dict) -> str:
-    """A tool_use's input_json_delta text: the arguments as generated where max_tokens cut them (a JSON
-    prefix Anthropic's SDK reads), else the input's JSON."""
+def _call_input(call: dict) -> tuple[dict, str | None]:
+    """A call's tool_use input, and the arguments as generated where max_tokens cut them and Anthropic's SDK
+    reads them as a JSON prefix (else None): the object it reads from them then ({} where none parses)."""
+    whole = _input_of(call)
+    if whole is not None:
+        return whole, None
     arguments = call["function"]["arguments"] or ""
-    if _input_of(call) is None and _partial_input(arguments) is not None:
-        return arguments
-    return json.dumps(block["input"])
+    partial = _partial_input(arguments)
+    return (partial, arguments) if partial is not None else ({}, None)
+
+
+def _tool_use(call: dict, tool_input: dict | None = None) -> dict:
+    """A call as a tool_use block holding tool_input (by default the call's own, _call_input)."""
+    if tool_input is None:
+        tool_input = _call_input(call)[0]
+    return {"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["function"]["name"], "input": tool_input}
 
 
 def tool_use_id(call_id: str) -> str:
@@ -567,10 +567,11 @@ class _BlockWriter(ReplyWriter):
         return events
 
     def call(self, call: dict) -> str:
-        job, block = self.job, _tool_use(call)
-        events = job.event("content_block_start", index=self.index, content_block={**block, "input": {}})
+        tool_input, partial_json = _call_input(call)
+        job, block = self.job, _tool_use(call, {})
+        events = job.event("content_block_start", index=self.index, content_block=block)
         events += job.event("content_block_delta", index=self.index,
-                            delta={"type": "input_json_delta", "partial_json": _input_json(call, block)})
+                            delta={"type": "input_json_delta", "partial_json": partial_json or json.dumps(tool_input)})
         events += job.event("content_block_stop", index=self.index)
         self.index += 1
         self.calls.append(call)
