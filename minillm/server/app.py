@@ -1040,6 +1040,7 @@ def _supervise(servers: list, core: Any, stopping: ShutdownFlag, stop_servers: C
     noting each end (the core's too) as it comes; once a server ends by itself, stop the others. A core
     that ends is logged and left to the servers, which see it and exit after their drain (or answer
     503, with --no-exit-on-engine-error)."""
+    from minillm.engine_core.client import describe_exit
     while any(proc.is_alive() for proc in servers):
         until = deadline()
         if until is not None and time.monotonic() >= until:
@@ -1050,7 +1051,6 @@ def _supervise(servers: list, core: Any, stopping: ShutdownFlag, stop_servers: C
         wait_s = 1.0 if until is None else min(1.0, until - time.monotonic())
         for sentinel in mp.connection.wait(list(watched), timeout=max(wait_s, 0.0)):
             watched[sentinel].join(1.0)        # it is exiting: reap it, so its status is known
-        from minillm.engine_core.client import describe_exit
         if core.exitcode is not None and core.name not in ends.seen:
             ends.saw(core.name, core.exitcode)
             logger.error("the engine core process ended (%s)", describe_exit(core.exitcode))
