@@ -46,6 +46,8 @@ def check_limit(name: str, value: object) -> None:
 def check_fan_out(limits: ServerLimits, n: int, num_prompts: int, stop: str | list[str] | None,
                   stop_token_ids: list[int] | None) -> None:
     """400 naming the field when a request asks for more completions, prompts or stop conditions than allowed."""
+    if n < 1:      # vLLM's words; SamplingParams' own error would name its offline bound, not --max-n
+        raise APIError(400, f"n must be at least 1, got {n}", param="n")
     if n > limits.max_n:
         raise APIError(400, f"n must be at most {limits.max_n}, got {n}", param="n")
     if num_prompts > limits.max_prompts_per_request:
