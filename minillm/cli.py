@@ -332,6 +332,17 @@ def kv_cache_memory_bytes_option(value: str | None) -> int | None:
         raise typer.BadParameter(str(exc), param_hint="'--kv-cache-memory-bytes'") from None
 
 
+def max_model_len_option(value: str | None) -> int | None:
+    """--max-model-len as vLLM reads it (2048, 1k, 1K, auto, -1); a bad one is a usage error naming the option."""
+    if value is None:
+        return None
+    from minillm.config import parse_max_model_len
+    try:
+        return parse_max_model_len(value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc).removeprefix("max_model_len "), param_hint="'--max-model-len'") from None
+
+
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
 ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
     "device": (Annotated[Device, _engine_option(
@@ -354,9 +365,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--scheduling-policy", help="fcfs: requests in arrival order; priority: by each request's priority "
         "(lower first, then arrival; a server request's \"priority\" field), the lowest preempted first.")],
         SchedulingPolicy(_default("scheduling_policy"))),
-    "max_model_len": (Annotated[Optional[int], _engine_option(
-        "--max-model-len", help="Longest prompt + output (default: the model's, lowered to what the KV pool "
-        "holds).")], None),
+    "max_model_len": (Annotated[Optional[str], _engine_option(
+        "--max-model-len", metavar="<int>", callback=max_model_len_option,
+        help="Longest prompt + output (default: the model's, lowered to what the KV pool holds), as vLLM takes "
+             "it: 2048, 1k (1000), 1K (1024), or auto (or -1) for the default.")], None),
     "block_size": (Annotated[int, _engine_option(
         "--block-size", help="Tokens per KV block (a power of two).")], _default("block_size")),
     "num_kv_blocks": (Annotated[Optional[int], _engine_option(

@@ -113,6 +113,8 @@ class EngineConfig:
         return self.max_step_ms is not None or self.max_step_factor is not None
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_model_len, numbers.Integral) and self.max_model_len == -1:   # vLLM's "auto"
+            object.__setattr__(self, "max_model_len", None)
         check_field_types(self)
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
@@ -305,6 +307,25 @@ def parse_memory_bytes(text: str) -> int:
     if iec is None:       # bytes, or vLLM's upper-case suffixes: whole numbers only, as vLLM takes them
         raise ValueError(f"must be {SIZE_FORMS}; got {text!r}")
     return int(float(number) * scale)
+
+
+# vLLM's human-readable counts: k, m, g, t in powers of ten (decimals allowed), K, M, G, T in powers of two.
+_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])?")
+_COUNT_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+MAX_MODEL_LEN_FORMS = "a token count (2048, 1k = 1000, 1K = 1024, 25.6k), or auto (or -1) for the model's length"
+
+
+def parse_max_model_len(value: str | int) -> int | None:
+    """max_model_len as vLLM reads --max-model-len: a count with an optional k/m/g/t (powers of ten)
+    or K/M/G/T (powers of two, whole numbers only) suffix; "auto" or -1 is None, the model's length
+    fitted to the KV pool. ValueError naming max_model_len for anything else."""
+    text = str(value).strip()
+    if text == "-1" or text.lower() == "auto":
+        return None
+    match = _COUNT.fullmatch(text)
+    if match is None or ("." in match[1] and (match[2] is None or match[2].isupper())):
+        raise ValueError(f"max_model_len must be {MAX_MODEL_LEN_FORMS}, got {short_repr(value)}")
+    return int(float(match[1]) * _COUNT_SUFFIXES[match[2]]) if match[2] else int(match[1])
 
 
 def available_host_bytes() -> int | None:
