@@ -4,7 +4,7 @@ Completions, chat (with tools), Responses and Messages requests, streamed or not
 logprobs, echo, prompt_logprobs, stop strings and ids, min_tokens, penalties, logit_bias, seeds,
 greedy and sampled decoding, structured outputs, max_tokens 1, ignore_eos and token ids from one
 seeded generator; some clients leave mid-stream and some requests are invalid. The server runs
-ngram speculation, async scheduling, prefix caching and a KV pool small enough to preempt.
+ngram speculation, async scheduling, prefix caching, 4 sequences a step and a pool of 20 KV blocks.
 
 Each reply is checked on its own (the SDKs' types, usage against the tokens returned, the finish
 reason against the text and max_tokens, structured outputs valid, logit_bias +-100 obeyed); greedy
