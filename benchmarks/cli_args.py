@@ -117,12 +117,30 @@ class BenchParser(argparse.ArgumentParser):
         raise BenchUsageError(self.prog, message)
 
 
+# How alike two option names must be (difflib's ratio of the names without their dashes) for one to be
+# named for the other: at click's and argparse's 0.6, counted with the dashes, --bogus named --host.
+CLOSE_OPTION_CUTOFF = 0.7
+
+
 def close_option_names(name: str, options: list[str]) -> list[str]:
     """The options a mistyped NAME likely meant: those it abbreviates first (--temp: --temperature; no
-    parser of minillm takes an abbreviation), then those spelled closest to it; three at most."""
-    abbreviated = sorted(o for o in options if o.startswith(name) and o != name)
-    close = difflib.get_close_matches(name, sorted(options), n=3)
-    return list(dict.fromkeys([*abbreviated, *close]))[:3]
+    parser of minillm takes an abbreviation), then those spelled closest to it; three at most. Names
+    are compared without their dashes, a long name with long options and a short one with short ones."""
+    bare = {o: _bare_option(o) for o in sorted(options) if _is_long(o) == _is_long(name) and o != name}
+    typed = _bare_option(name)
+    abbreviated = [o for o, b in bare.items() if b.startswith(typed) and b != typed]
+    close = difflib.get_close_matches(typed, list(dict.fromkeys(bare.values())), n=3, cutoff=CLOSE_OPTION_CUTOFF)
+    spelled = [o for b in close for o, ob in bare.items() if ob == b]
+    return list(dict.fromkeys([*abbreviated, *spelled]))[:3]
+
+
+def _is_long(option: str) -> bool:
+    return option.startswith("--")
+
+
+def _bare_option(option: str) -> str:
+    """OPTION's name as it is compared: no leading dashes, underscores read as dashes (--max_tokens)."""
+    return option.lstrip("-").replace("_", "-")
 
 
 def _long_option(option_strings: list[str]) -> str:
