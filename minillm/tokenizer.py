@@ -194,14 +194,14 @@ def _no_tokenizer_json(path: Path) -> str:
 
 
 def read_chat_template(value: str) -> str:
-    """A chat template given as a file path or as the template itself (vLLM's --chat-template), compiled
-    once here so a broken one fails at start-up."""
+    """A chat template given as a file path or as the template itself, taken as given (vLLM's
+    --chat-template), compiled once here so a broken one fails at start-up."""
     source = template_file_text(value)
     is_inline = source is None
     if is_inline:
         if "{" not in value:
             raise ValueError(f"chat template file not found: {value} (give a file, or the template itself)")
-        source = _inline_template(value)
+        source = value
     try:
         compile_chat_template(source)
     except Exception as e:   # jinja2's TemplateSyntaxError and friends
@@ -234,12 +234,6 @@ def template_file_text(value: str) -> str | None:
     if not text.strip():
         raise ValueError(f"--chat-template: {value} is empty")
     return text
-
-
-def _inline_template(value: str) -> str:
-    """A template given inline, its escapes such as \\n read as in a Python string, as vLLM reads them
-    (non-Latin-1 text survives)."""
-    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
 def compile_chat_template(source: str):
@@ -855,13 +849,14 @@ def _compile_cached(source: str):
 
 
 def chat_template_from_arg(value: str) -> str:
-    """A --chat-template value: the path of a file holding the template, or the template itself (as vLLM reads it)."""
+    """A --chat-template value: the path of a file holding the template, or the template itself, taken as
+    given (vLLM's load_chat_template reads no escapes in it: a backslash and an n stay two characters)."""
     source = template_file_text(value)
     if source is not None:
         return source
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template {value!r} looks like a file path, but there is no such file")
-    return _inline_template(value)
+    return value
 
 
 # The flags of an AddedToken as tokenizer_config.json's added_tokens_decoder writes them.

@@ -108,11 +108,11 @@ def _replies(out: str) -> list[str]:
 
 
 @needs_stories
-def test_chat_reads_escapes_of_an_inline_template_as_serve_and_vllm_do(capsys, monkeypatch, tmp_path):
-    # serve (and vLLM) read `\n` in an inline --chat-template as a line break; chat kept the backslash and
-    # the n, so the same template gave the model another prompt in chat than through the server.
+def test_chat_reads_an_inline_template_as_serve_and_vllm_do(capsys, monkeypatch, tmp_path):
+    # chat and serve read an inline --chat-template alike: as given, no escape read (current vLLM's
+    # load_chat_template); the same text in a file gives the same prompt.
     file = tmp_path / "template.jinja"
-    file.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}\n{% endfor %}")
+    file.write_text("{{ bos_token }}{% for m in messages %}{{ m.content }}\\n{% endfor %}")
     inline = "{{ bos_token }}{% for m in messages %}{{ m.content }}\\n{% endfor %}"
     script = "Tom had a red ball.\n/stats\n"
     assert _replies(chat_replies(capsys, monkeypatch, inline, script)) == \

@@ -257,7 +257,7 @@ def test_chat_template_flag_takes_a_file_or_the_template(tmp_path):
     path.write_text(CHAT_TEMPLATE, encoding="utf-8")
     assert chat_template_from_arg(str(path)) == CHAT_TEMPLATE
     assert chat_template_from_arg(CHAT_TEMPLATE) == CHAT_TEMPLATE
-    assert chat_template_from_arg("{{ 'a' }}\\n{{ 'é' }}") == "{{ 'a' }}\n{{ 'é' }}"   # escapes as vLLM reads them
+    assert chat_template_from_arg("{{ 'a' }}\\n{{ 'é' }}") == "{{ 'a' }}\\n{{ 'é' }}"   # no escapes read, as vLLM
     with pytest.raises(ValueError, match="looks like a file path"):
         chat_template_from_arg(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="'/dev/null' is not a regular file"):   # it exists: not "no such file"
