@@ -178,19 +178,20 @@ def test_a_whole_tool_use_streams_its_input(url):
 # vLLM's ChatCompletionResponse and CompletionResponse (and their choices) as its server sends them: the
 # model_dump of each, every field there, null where there is nothing.
 CHAT_KEYS = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
-             "prompt_logprobs", "prompt_token_ids", "kv_transfer_params"]
-CHAT_CHOICE_KEYS = ["index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids"]
+             "prompt_logprobs", "prompt_token_ids", "prompt_text", "kv_transfer_params", "ec_transfer_params",
+             "metrics"]
+CHAT_CHOICE_KEYS = ["index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts"]
 COMPLETION_KEYS = ["id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
-                   "kv_transfer_params"]
+                   "kv_transfer_params", "ec_transfer_params", "metrics"]
 COMPLETION_CHOICE_KEYS = ["index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                          "prompt_logprobs", "prompt_token_ids"]
+                          "prompt_logprobs", "prompt_token_ids", "routed_experts"]
 
 
 def test_a_chat_completion_has_vllms_keys(url):
     # system_fingerprint (and vLLM's null fields) were left out.
     body = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert list(body) == CHAT_KEYS and list(body["choices"][0]) == CHAT_CHOICE_KEYS
-    assert [body[k] for k in CHAT_KEYS[5:7] + CHAT_KEYS[8:]] == [None] * 5
+    assert [body[k] for k in CHAT_KEYS[5:7] + CHAT_KEYS[8:]] == [None] * 8
     assert body["choices"][0]["token_ids"] is None
     asked = post(url, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
                                                "return_token_ids": True, "prompt_logprobs": 1})
@@ -204,6 +205,7 @@ def test_a_completion_has_vllms_keys(url):
     assert all(list(choice) == COMPLETION_CHOICE_KEYS for choice in body["choices"])
     assert [body[k] for k in ("service_tier", "system_fingerprint", "kv_transfer_params")] == [None] * 3
     assert all(choice[k] is None for choice in body["choices"] for k in COMPLETION_CHOICE_KEYS[5:])
+    assert body["ec_transfer_params"] is None and body["metrics"] is None
     asked = post(url, "/v1/completions", {"prompt": "Once", "max_tokens": 3, "return_token_ids": True})
     (choice,) = asked["choices"]
     assert list(choice) == COMPLETION_CHOICE_KEYS and len(choice["token_ids"]) == 3 and choice["prompt_token_ids"]

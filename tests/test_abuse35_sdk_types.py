@@ -19,12 +19,13 @@ PARAMETERS = {"type": "object", "properties": {"city": {"type": "string"}}, "req
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}]
 RESPONSE_TOOLS = [{"type": "function", "name": "get_weather", "parameters": PARAMETERS}]
 
-# Fields past the SDK's types: vLLM's (stop_reason, prompt_logprobs, token_ids, prompt_token_ids and
-# kv_transfer_params, null where not asked; a text completion's service_tier, null; a chat message's
-# reasoning, null without a reasoning parser; a model card's root, parent, max_model_len and permission)
-# and the Responses API's store, which OpenAI sends and its SDK omits.
-VLLM_FIELDS = {"stop_reason", "prompt_logprobs", "token_ids", "prompt_token_ids", "kv_transfer_params",
-               "service_tier", "reasoning", "root", "parent", "max_model_len", "permission", "store"}
+# Fields past the SDK's types: vLLM's (stop_reason, prompt_logprobs, token_ids, prompt_token_ids, prompt_text,
+# kv_transfer_params, ec_transfer_params, metrics and routed_experts, null where not asked; a text completion's
+# service_tier, null; a chat message's reasoning, null without a reasoning parser; a model card's root, parent,
+# max_model_len and permission) and the Responses API's store, which OpenAI sends and its SDK omits.
+VLLM_FIELDS = {"stop_reason", "prompt_logprobs", "token_ids", "prompt_token_ids", "prompt_text", "kv_transfer_params",
+               "ec_transfer_params", "metrics", "routed_experts", "service_tier", "reasoning", "root", "parent",
+               "max_model_len", "permission", "store"}
 
 
 @pytest.fixture(scope="module")

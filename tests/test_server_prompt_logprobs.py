@@ -110,7 +110,7 @@ def test_completion_token_ids_are_the_prompts_and_the_completions(http, llm, hea
         assert choice["prompt_token_ids"] == _ok(http.post("/tokenize", json={"prompt": prompt}))["tokens"]
         assert choice["token_ids"] == reference.outputs[0].token_ids and choice["text"] == reference.outputs[0].text
         assert list(choice) == ["index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids",
-                                "prompt_logprobs", "prompt_token_ids"] and choice["prompt_logprobs"] is None
+                                "prompt_logprobs", "prompt_token_ids", "routed_experts"] and choice["prompt_logprobs"] is None
     assert body["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in body["choices"])
 
 

@@ -344,12 +344,15 @@ async def until_disconnected(request: Request, awaitable: Awaitable[T]) -> T:
 
 # OpenAI's keys of a whole chat or text completion that this server has no value for: null, as vLLM sends them.
 UNSERVED_FIELDS = {"service_tier": None, "system_fingerprint": None}
+# vLLM's keys after kv_transfer_params in a whole chat or text completion: an encoder cache's transfer (a
+# multimodal model's) and the per-request timings of --enable-per-request-metrics, which minillm has not.
+UNSERVED_TAIL_FIELDS = {"ec_transfer_params": None, "metrics": None}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    """OpenAI's usage block."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    """OpenAI's usage block, its keys in the order of vLLM's UsageInfo (a stream's usage is written so)."""
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
 
 
 def whole_usage(block: dict) -> dict:
@@ -382,7 +385,8 @@ class ChunkFormat:
     event(choice) is byte for byte sse({"id": ..., "object": ..., "created": ..., "model": ...,
     "choices": [choice], ("usage": None, or the usage given), ("prompt_token_ids": the ids given),
     ("prompt_text": the text given)})
-    with choice already JSON (tests/test_server_sse.py).
+    with choice already JSON (tests/test_server_sse.py); with_prompt_fields writes both prompt keys,
+    null where not given (vLLM's first chunk of a chat choice sets them either way).
     """
 
     def __init__(self, request_id: str, object_name: str, created: int, model: str, include_usage: bool) -> None:
@@ -392,16 +396,16 @@ class ChunkFormat:
         self.tail = self.close + '}\n\n'
 
     def event(self, choice_json: str, usage: dict | None = None, prompt_token_ids: list[int] | None = None,
-              prompt_text: str | None = None) -> str:
+              prompt_text: str | None = None, with_prompt_fields: bool = False) -> str:
         """The event for one choice given as JSON, with the usage, the prompt's token ids and its
-        rendered text if given."""
-        if usage is None and prompt_token_ids is None and prompt_text is None:
+        rendered text if given (or, with_prompt_fields, null if not)."""
+        if usage is None and prompt_token_ids is None and prompt_text is None and not with_prompt_fields:
             return self.head + choice_json + self.tail
         close = self.close if usage is None else f'],"usage":{json_dumps(usage)}'
-        if prompt_token_ids is not None:
+        if prompt_token_ids is not None or with_prompt_fields:
             close += f',"prompt_token_ids":{json_dumps(prompt_token_ids)}'
-        if prompt_text is not None:
-            close += f',"prompt_text":{json_text(prompt_text)}'
+        if prompt_text is not None or with_prompt_fields:
+            close += f',"prompt_text":{json_dumps(prompt_text)}'
         return f'{self.head}{choice_json}{close}}}\n\n'
 
 
@@ -412,14 +416,26 @@ class StreamChoice(NamedTuple):
     num_tokens: int                              # its completion's tokens so far (continuous usage stats)
     prompt_token_ids: list[int] | None = None    # vLLM's return_token_ids, in a chat choice's first chunk
     prompt_text: str | None = None               # vLLM's return_prompt_text, in a chat choice's first chunk
+    is_opener: bool = False                      # a chat choice's first chunk (its role)
+    num_reasoning: int | None = None             # its reasoning tokens so far, under a reasoning parser
 
 
 def stream_events(chunks: ChunkFormat, choices: list[StreamChoice], output: RequestOutput,
-                  continuous_usage: bool) -> list[str]:
-    """The events of one output's moved choices (each with its own usage under continuous usage stats)."""
+                  continuous_usage: bool, with_completion_details: bool = False) -> list[str]:
+    """The events of one output's moved choices (each with its own usage under continuous usage stats;
+    a chat's also with vLLM's completion_tokens_details, null without a reasoning parser)."""
     num_prompt_tokens = len(output.prompt_token_ids)
-    return [chunks.event(c.json, usage(num_prompt_tokens, c.num_tokens) if continuous_usage else None,
-                         c.prompt_token_ids, c.prompt_text) for c in choices]
+    return [chunks.event(c.json, chunk_usage(num_prompt_tokens, c, with_completion_details) if continuous_usage
+                         else None, c.prompt_token_ids, c.prompt_text, c.is_opener) for c in choices]
+
+
+def chunk_usage(num_prompt_tokens: int, choice: StreamChoice, with_completion_details: bool) -> dict:
+    """A chunk's usage under continuous usage stats, as vLLM writes its UsageInfo (exclude_unset)."""
+    block = usage(num_prompt_tokens, choice.num_tokens)
+    if with_completion_details:
+        is_counted = choice.num_reasoning is not None
+        block["completion_tokens_details"] = {"reasoning_tokens": choice.num_reasoning} if is_counted else None
+    return block
 
 
 def text_choice_json(index: int, text: str) -> str:

@@ -25,7 +25,7 @@ from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, content_choice_json, engine_request_id, is_large_body, json_dumps, log_unknown_fields,
     merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words,
-    UNSERVED_FIELDS, validate_request, whole_usage,
+    UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -323,12 +323,13 @@ class ChatJob:
             choice["token_ids"] = None
             if self.req.return_token_ids and not self.hides_reasoning:
                 choice["token_ids"] = list(comp.token_ids)
+            choice["routed_experts"] = None       # vLLM's MoE routing (--enable-return-routed-experts)
             choices.append(choice)
         # vLLM's keys, in its order, null where there is nothing (its whole response is its model_dump)
         body = {"id": self.response_id, "object": "chat.completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS,
                 "usage": whole_usage(self.usage(final)), "prompt_logprobs": None, "prompt_token_ids": None,
-                "kv_transfer_params": None}
+                "prompt_text": None, "kv_transfer_params": None, **UNSERVED_TAIL_FIELDS}
         if final.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs, final.prompt_token_ids,
                                                            self.prompt_logprobs, self.ctx.tokenizer)
@@ -400,7 +401,7 @@ class ChatJob:
                     final = output
                     self.kv_transfer_stats = output.kv_transfer_stats
                     events = stream_events(chunks, self._choices(output, progress), output,
-                                           self.req.continuous_usage)
+                                           self.req.continuous_usage, with_completion_details=True)
                     if events:
                         last = "".join(events)   # one write per wake-up, however many choices moved
                         if not all_finished(streams):
@@ -427,7 +428,8 @@ class ChatJob:
                 state.is_started = True
                 opener = self._choice(comp.index, {"role": self.role, "content": self.echo_text}, None, None)
                 choices.append(StreamChoice(opener, 0, list(output.prompt_token_ids) if with_ids else None,
-                                            self.conversation.text if self.req.return_prompt_text else None))
+                                            self.conversation.text if self.req.return_prompt_text else None,
+                                            is_opener=True, num_reasoning=self._num_reasoning(())))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue
@@ -454,8 +456,15 @@ class ChatJob:
             choices.append(StreamChoice(self._choice(
                 comp.index, content, rows if state.cursor is not None else None, finish,
                 comp.stop_reason if finish else None, state.new_token_ids(comp.token_ids) if with_output_ids else None),
-                len(comp.token_ids)))
+                len(comp.token_ids), num_reasoning=self._num_reasoning(comp.token_ids)))
         return choices
+
+    def _num_reasoning(self, token_ids) -> int | None:
+        """The reasoning tokens among a choice's tokens so far, for a chunk's continuous usage (None
+        without a reasoning parser, or without continuous usage stats to carry it)."""
+        if not self.req.continuous_usage or self.parsers is None or self.parsers.reasoning is None:
+            return None
+        return self.parsers.reasoning.count_reasoning_tokens(token_ids, thinking_tag_ids(self.ctx.tokenizer))
 
 
 async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):

@@ -25,7 +25,7 @@ from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
     client_response_id, engine_request_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words,
-    UNSERVED_FIELDS, validate_request, whole_usage,
+    UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
@@ -179,8 +179,8 @@ class CompletionJob:
         return rows
 
     def _prompt_fields(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput) -> dict:
-        """vLLM's token_ids, prompt_logprobs and prompt_token_ids of a choice, in vLLM's order: null where not
-        asked (vLLM's whole response is its model_dump, every field there)."""
+        """vLLM's token_ids, prompt_logprobs, prompt_token_ids and routed_experts of a choice, in vLLM's order:
+        null where not asked (vLLM's whole response is its model_dump, every field there)."""
         fields = {"token_ids": None, "prompt_logprobs": None, "prompt_token_ids": None}
         if self.req.return_token_ids:        # echo without generation: no token of the text was generated
             fields["token_ids"] = [] if self.echo_only else list(completion.token_ids)
@@ -192,6 +192,7 @@ class CompletionJob:
             fields["prompt_logprobs"] = entries
         if self.req.return_token_ids:
             fields["prompt_token_ids"] = list(output.prompt_token_ids)
+        fields["routed_experts"] = None       # vLLM's MoE routing (--enable-return-routed-experts)
         return fields
 
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
@@ -231,7 +232,7 @@ class CompletionJob:
         choices.sort(key=lambda c: c["index"])
         body = {"id": self.response_id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name, "choices": choices, **UNSERVED_FIELDS,
-                "usage": whole_usage(self._usage(finals)), "kv_transfer_params": None}
+                "usage": whole_usage(self._usage(finals)), "kv_transfer_params": None, **UNSERVED_TAIL_FIELDS}
         if finals:
             self.kv_transfer_stats = finals[0].kv_transfer_stats
             body["kv_transfer_params"] = finals[0].kv_transfer_params     # a prefill server's, for the decode server
