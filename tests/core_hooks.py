@@ -45,9 +45,9 @@ def install(engine) -> None:
                                     sum(seq.num_output_tokens for seq in req.seqs)))
         return real_abort(request_id)
 
-    def stats(cells=64):
+    def stats(cells=64, **kwargs):
         state["stats_calls"] += 1
-        return real_stats(cells)
+        return real_stats(cells, **kwargs)
 
     def fail_next_step_for(prompts):
         """The next step fails for the requests with these prompt ids only (a contained failure)."""

@@ -68,6 +68,14 @@ class CoreLink:
     input_address: str          # this server binds a PUSH here; the core's PULL connects
     output_address: str         # this server binds a PULL here; the core's PUSH for it connects
     alive: Any                  # the read end of a pipe only the core writes to: EOF once it is gone
+    # The write end of a pipe only the core reads, held by this API server alone once its process has
+    # started (hand_over): EOF there tells the core that the server is gone, and it aborts its requests.
+    presence: Any = None
+
+    def hand_over(self) -> None:
+        """Close this process's copy of `presence`: the API server process started with this link holds its own."""
+        if self.presence is not None:
+            self.presence.close()
 
 
 def socket_dir(longest_name: str) -> str:
@@ -143,14 +151,17 @@ class CoreProcess:
         spawn = mp.get_context("spawn")
         reader, self._parent_pipe = spawn.Pipe(duplex=False)
         self._alive, alive_writer = spawn.Pipe(duplex=False)
+        presences = [spawn.Pipe(duplex=False) for _ in range(num_clients)]    # (core's reader, server's writer)
         # Not a daemon: a core with tensor parallelism spawns workers of its own.
-        self.proc = spawn.Process(target=run_engine_core, name="minillm-engine-core",
-                                  args=(CoreSpec(config, inputs, outputs, reader, alive_writer, core_hook),))
+        self.proc = spawn.Process(target=run_engine_core, name="minillm-engine-core", args=(CoreSpec(
+            config, inputs, outputs, reader, alive_writer, core_hook, [r for r, _ in presences]),))
         self.proc.start()
         reader.close()
         alive_writer.close()    # the core holds the only write end now
+        for presence_reader, _ in presences:
+            presence_reader.close()
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, 0.0)   # never outlive this process
-        self.links = [CoreLink(i, inputs[i], outputs[i], self._alive) for i in range(num_clients)]
+        self.links = [CoreLink(i, inputs[i], outputs[i], self._alive, presences[i][1]) for i in range(num_clients)]
 
     @property
     def pid(self) -> int:
@@ -166,6 +177,8 @@ class CoreProcess:
     def close(self) -> None:
         """Remove the socket directory (once the core and its API servers are done with it)."""
         self._alive.close()
+        for link in self.links:
+            link.hand_over()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

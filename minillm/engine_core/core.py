@@ -8,7 +8,9 @@ stats requests with one snapshot, then steps and sends the step's outputs up in 
 
 With several API servers (--api-server-count) the core pulls commands from all of them on one
 socket, remembers which server added each request, and pushes each server only its own
-requests' outputs and its own replies, on a socket per server.
+requests' outputs and its own replies, on a socket per server. Each server holds the only write end
+of a pipe the core watches: once a server's process is gone (a crash, SIGKILL), the core aborts its
+requests, which nobody can read any more, and counts them as aborted.
 
 Failures: a StepError (a step failed for some requests only; the engine aborted them and is
 intact) is reported in that step's message and the loop goes on. Any other exception is sent up
@@ -191,10 +193,14 @@ class EngineCore:
                                                     command.arrival_time, command.prompt_block_keys,
                                                     command.cache_salt, command.priority)
         except (ValueError, TypeError) as exc:   # a bad field, or one of the wrong type
-            extra = command.params.get("extra_args") if isinstance(command.params, dict) else None
-            release_refused_claim(self.engine, extra)
+            self.refuse(command)
             return str(exc)
         return None
+
+    def refuse(self, command: m.AddRequest) -> None:
+        """Leave an add out of the engine, giving back the KV lease its params claimed."""
+        extra = command.params.get("extra_args") if isinstance(command.params, dict) else None
+        release_refused_claim(self.engine, extra)
 
     def step(self) -> m.StepOutputs:
         """One engine step as a message; a contained failure is reported with the requests it hit."""
@@ -230,6 +236,8 @@ class CoreSpec:
     parent_pipe: Any              # readable (EOF) once the process that started us is gone
     alive_pipe: Any = None        # a write end only we hold: the API servers see its EOF when we are gone
     core_hook: Callable[[LLMEngine], None] | None = None   # called with the engine before serving (tests)
+    # By client index, the read end of a pipe whose write end only that API server holds: EOF once it is gone.
+    presence_pipes: list = field(default_factory=list)
 
 
 class EngineCoreProc:
@@ -249,6 +257,10 @@ class EngineCoreProc:
         self.worker_sentinels = self.engine.runner.worker_sentinels()
         for fd in self.worker_sentinels:
             self.poller.register(fd, zmq.POLLIN)
+        self.presences = {pipe.fileno(): client for client, pipe in enumerate(spec.presence_pipes)}
+        for fd in self.presences:
+            self.poller.register(fd, zmq.POLLIN)
+        self.gone: set[int] = set()             # the API servers whose process has ended
         # Request id -> the API servers whose requests of that id the engine holds, in the order they
         # were added (several API servers only): an aborted request's id is free at once, so another
         # may be added before the engine's last report of the first, which comes out before the
@@ -259,7 +271,10 @@ class EngineCoreProc:
         self.orphaned = False                   # the process that started us went without stopping us
 
     def send(self, message: Any, client: int = 0) -> None:
-        """Send a message to one API server (raises ConnectionError once it is gone)."""
+        """Send a message to one API server (raises ConnectionError once it is gone); one whose
+        process has ended gets nothing."""
+        if client in self.gone:
+            return
         try:
             self.outputs[client].send(self.encoder.encode(message), zmq.NOBLOCK)
         except zmq.Again:
@@ -268,7 +283,9 @@ class EngineCoreProc:
     def broadcast(self, message: Any) -> None:
         """Send a message to every API server."""
         data = self.encoder.encode(message)
-        for sock in self.outputs:
+        for client, sock in enumerate(self.outputs):
+            if client in self.gone:
+                continue
             try:
                 sock.send(data, zmq.NOBLOCK)
             except zmq.Again:
@@ -325,9 +342,33 @@ class EngineCoreProc:
             self.engine.runner.check_workers()      # raises, naming the worker that exited
         if self.input in events and not self.run_commands():
             return False
+        for fd in [fd for fd in self.presences if fd in events]:   # after the commands it sent before it went
+            self.api_server_gone(self.presences[fd], fd)
         if self.engine.has_unfinished_requests():
             self.send_step(self.core.step())
         return True
+
+    def api_server_gone(self, client: int, fd: int) -> None:
+        """An API server's process has ended (a crash, a SIGKILL, or its exit): abort its requests, which
+        no client can read any more, counting them as aborted (it cannot report them), and send it
+        nothing more. The other servers' requests go on."""
+        self.poller.unregister(fd)
+        del self.presences[fd]
+        self.gone.add(client)
+        live = self.live_requests_of(client)
+        for request_id in live:
+            self.engine.abort_request(request_id)
+        if live:
+            self.finished["abort"] += len(live)
+            logger.warning("API server %d is gone; aborted its %d request(s)", client, len(live))
+        self.outputs[client].close(linger=0)    # what was queued for it is for nobody
+
+    def live_requests_of(self, client: int) -> list[str]:
+        """The ids of the unfinished requests in the engine that API server `client` added."""
+        requests = self.engine.requests
+        ids = requests if len(self.outputs) == 1 else [rid for rid, clients in self.client_of.items()
+                                                       if clients[-1] == client]
+        return [rid for rid in ids if rid in requests and not requests[rid].is_finished]
 
     def run_commands(self) -> bool:
         """Handle a bounded batch of waiting commands; False once told to shut down."""
@@ -347,6 +388,9 @@ class EngineCoreProc:
                 logger.error("the engine core dropped a command it could not decode: %s", exc)
                 continue
             if isinstance(command, m.AddRequest):
+                if command.client_index in self.gone:     # sent just before it went: nobody would read it
+                    self.core.refuse(command)
+                    continue
                 error = self.core.add_request(command)
                 adds[command.client_index].append((command.request_id, error))
                 if error is None and len(self.outputs) > 1:

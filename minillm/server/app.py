@@ -6,6 +6,9 @@ SO_REUSEPORT, so the kernel spreads new connections evenly over them (one shared
 goes mostly to whichever process wakes first; each joined to the core by its own ZeroMQ pair; the core sends each only its own
 requests' outputs), then supervises them: a signal is passed on to the servers, and when one
 ends by a failure (the core dying is seen by all) the others are stopped and the exit status is 1.
+As in vLLM (wait_for_completion_or_failure), an API server that dies (a crash, SIGKILL) stops the
+whole server; the core has already aborted the dead server's requests, which nobody can read, and
+the others get the stop's graceful time for their open requests.
 """
 from __future__ import annotations
 
@@ -1008,6 +1011,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
                 proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}", args=(
                     APIServerSpec(config, server_options, link, host, port, parent_reader, i, metrics_dir.path),))
                 proc.start()
+                link.hand_over()    # the server holds the core's only sign of its life now
                 servers.append(proc)
                 print(f"minillm: API server {i} in process {proc.pid}", file=sys.stderr, flush=True)
         finally:
@@ -1037,9 +1041,9 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
 def _supervise(servers: list, core: Any, stopping: ShutdownFlag, stop_servers: Callable[[], None],
                ends: ProcessEnds, deadline: Callable[[], float | None]) -> None:
     """Wait until every API server has ended or the stop's deadline (None before a stop) has passed,
-    noting each end (the core's too) as it comes; once a server ends by itself, stop the others. A core
-    that ends is logged and left to the servers, which see it and exit after their drain (or answer
-    503, with --no-exit-on-engine-error)."""
+    noting each end (the core's too) as it comes; once a server ends by itself, stop the others (the
+    core aborts a dead server's requests on its own). A core that ends is logged and left to the
+    servers, which see it and exit after their drain (or answer 503, with --no-exit-on-engine-error)."""
     from minillm.engine_core.client import describe_exit
     while any(proc.is_alive() for proc in servers):
         until = deadline()
