@@ -23,8 +23,9 @@
 //   with FP8 16 elements where HEAD_DIM allows and GQA <= 2, else VEC_ELEMS bytes), 32 / LPT
 //   tokens are in flight side by side and each lane keeps DEC_U tokens' K and V loads in flight.
 //   Each K and V vector is widened to float once and used for all GQA heads. Up to GQA 4 the
-//   kernel fits 128 registers (four blocks a multiprocessor). FP8 builds copy each warp's next
-//   chunks into shared memory by cp.async (DEC_STAGES buffers) instead of loading into registers.
+//   kernel fits 128 registers (four blocks a multiprocessor). Each warp copies its next chunks
+//   into shared memory by cp.async (DEC_STAGES buffers) instead of loading into registers, where
+//   the stages fit and a block holds a whole chunk.
 //   num_splits == 1 writes out directly; otherwise partials (normalised output, max, sum) go to
 //   part_o [B, Hq, S, HEAD_DIM] / part_ml [B, Hq, S, 2] and paged_decode_reduce (grid (Hq, B),
 //   128 threads) combines them. A row with seq_lens[b] == 0 is skipped, its output row left as
@@ -134,19 +135,25 @@ constexpr int DEC_NV = DEC_VECS / DEC_LPT;                // vectors per lane pe
 constexpr int DEC_TPW = 32 / DEC_LPT;                     // tokens side by side in a warp
 // Tokens per lane per step; FP8 keeps a warp step within 16 tokens so that a chunk stays inside
 // one block of the default size (one block-table read per chunk).
-constexpr int DEC_U = KV_FP8 ? clamp_int(16 / (GQA * DEC_NV), 1, clamp_int(16 / DEC_TPW, 1, 8))
-                             : clamp_int(16 / (GQA * DEC_NV), 1, 8);
+// fp16 / bf16 take steps of at most 4 tokens a lane, so that three stages of chunks fit the 48 KB (with
+// 8, a chunk of the Qwen3 shape is 32 KB and nothing stages); DEC_MAX_U overrides (tests, probes).
+#ifndef DEC_MAX_U
+#define DEC_MAX_U (!KV_FP8 && sizeof(cache_t) == 2 ? 4 : 8)
+#endif
+constexpr int DEC_U = KV_FP8 ? clamp_int(16 / (GQA * DEC_NV), 1, clamp_int(16 / DEC_TPW, 1, DEC_MAX_U))
+                             : clamp_int(16 / (GQA * DEC_NV), 1, DEC_MAX_U);
 constexpr int DEC_CHUNK = DEC_TPW * DEC_U;                // tokens per warp step
 constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row held by a lane
 
 // DEC_STAGES > 0 (blocks at least a chunk long): each warp copies its next DEC_STAGES - 1 chunks'
 // K/V into shared memory by cp.async while it works on the current one, so loads stay in flight
 // through the arithmetic without holding registers; each lane reads back only what it copied
-// itself (no barrier). FP8 stages by default: a chunk of it is half the bytes of a bf16 chunk, and
-// with its loads held in registers the kernel waited on memory (benchmarks/RESULTS.md). At most
-// DEC_MAX_STAGES, as many as fit the 48 KB of static shared memory, none where two do not fit.
+// itself (no barrier). With its loads held in registers the kernel waited on memory, FP8 most
+// (benchmarks/RESULTS.md); bf16 staged takes 3.5 % less time over the throughput workload's
+// batches on an H100. At most DEC_MAX_STAGES, as many as fit the 48 KB of static shared memory,
+// none where two do not fit (fp32 rows at 8 tokens a lane).
 #ifndef DEC_MAX_STAGES
-#define DEC_MAX_STAGES (KV_FP8 ? 3 : 0)
+#define DEC_MAX_STAGES 3
 #endif
 constexpr int DEC_SLOTS = 2 * DEC_U * DEC_NV;              // K then V vectors a lane copies a chunk
 constexpr int DEC_STAGE_BYTES = DEC_WARPS * DEC_SLOTS * 32 * (int)sizeof(KVVec);

@@ -662,26 +662,32 @@ def test_fp8_decode_forced_splits_and_block_sizes():
                              num_splits=splits)
 
 
+@pytest.mark.parametrize("cache", ["fp8", "bfloat16", "float16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (32, 8, 64), (16, 16, 64)])
-def test_fp8_decode_staged_through_shared_memory_equals_register_loads(monkeypatch, heads, kv_heads, head_dim):
-    """FP8 decode copies its chunks through shared memory (DEC_STAGES); the same kernel built with
-    its loads in registers (DEC_MAX_STAGES=0) sums in the same order, so the outputs are the same
-    bits: contexts of one token to many chunks a warp, a partial last chunk, forced splits."""
+def test_decode_staged_through_shared_memory_equals_register_loads(monkeypatch, cache, heads, kv_heads, head_dim):
+    """Decode copies its chunks through shared memory (DEC_STAGES); the same kernel built with its
+    loads in registers (DEC_MAX_STAGES=0) sums in the same order, so the outputs are the same bits:
+    contexts of one token to many chunks a warp, a partial last chunk, forced splits; FP8 and
+    16-bit caches."""
     rng = np.random.default_rng(heads + head_dim)
-    scales, scales_h = _fp8_scales(0.8, 1.7)
     ctx = [1, 15, 16, 17, 63, 64, 65, 200, 1000, 3001]
-    k_cache, v_cache, _, _, meta = _fp8_paged_batch(rng, ctx, [1] * len(ctx), kv_heads, head_dim, 16, scales_h)
-    q, _ = to_device(rng.standard_normal((len(ctx), heads, head_dim), np.float32), "bfloat16")
-    check = ops._check_caches
+    if cache == "fp8":
+        scales, scales_h = _fp8_scales(0.8, 1.7)
+        k_cache, v_cache, _, _, meta = _fp8_paged_batch(rng, ctx, [1] * len(ctx), kv_heads, head_dim, 16, scales_h)
+    else:
+        scales = None
+        k_cache, v_cache, _, _, meta = _paged_batch(rng, ctx, [1] * len(ctx), kv_heads, head_dim, 16, cache)
+    dtype = "bfloat16" if cache == "fp8" else cache
+    q, _ = to_device(rng.standard_normal((len(ctx), heads, head_dim), np.float32), dtype)
+    kernel = ops._kernel
     outs = []
     for extra in ({}, {"DEC_MAX_STAGES": 0}):
-        def with_extra(*a, extra=extra):
-            defines, ptr = check(*a)
-            return {**defines, **extra}, ptr
-        monkeypatch.setattr(ops, "_check_caches", with_extra)
+        def with_extra(filename, dtype, name, extra=extra, **defines):
+            return kernel(filename, dtype, name, **defines, **(extra if name.startswith("paged_decode") else {}))
+        monkeypatch.setattr(ops, "_kernel", with_extra)
         for splits in (None, 3):
             got = ops.paged_attention(q, k_cache, v_cache, _device_meta(meta), head_dim ** -0.5, scales,
-                                      out=poisoned(q.shape, "bfloat16"), num_splits=splits)
+                                      out=poisoned(q.shape, dtype), num_splits=splits)
             outs.append(to_host32(got))
     np.testing.assert_array_equal(outs[0], outs[2])
     np.testing.assert_array_equal(outs[1], outs[3])
