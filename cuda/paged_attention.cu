@@ -149,7 +149,7 @@ constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row h
 // K/V into shared memory by cp.async while it works on the current one, so loads stay in flight
 // through the arithmetic without holding registers; each lane reads back only what it copied
 // itself (no barrier). With its loads held in registers the kernel waited on memory, FP8 most
-// (benchmarks/RESULTS.md); bf16 staged takes 3.5 % less time over the throughput workload's
+// (benchmarks/RESULTS.md); bf16 staged takes 3.0 % less time over the throughput workload's
 // batches on an H100. At most DEC_MAX_STAGES, as many as fit the 48 KB of static shared memory,
 // none where two do not fit (fp32 rows at 8 tokens a lane).
 #ifndef DEC_MAX_STAGES
