@@ -15,7 +15,7 @@ from test_abuse35_api_leftovers import (
     BIAS, CHAT_CHOICE_KEYS, CHAT_KEYS, COMPLETION_CHOICE_KEYS, COMPLETION_KEYS, post, stream_events,
 )
 from test_cli import REPO, STORIES, needs_stories, run_main
-from test_server_helpers import chat_model_dir, running_server, started_url
+from test_server_helpers import chat_model_dir, running_server, started_url, stop_server
 
 from minillm.benchmarks.cli_args import close_option_names
 from minillm.server.app import ServerOptions
@@ -88,11 +88,7 @@ def test_serve_renders_an_inline_template_as_given(tmp_path):
         assert reply.status_code == 200, reply.text
         assert reply.json()["prompt_text"] == RENDERED
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server, timeout=10)
 
 
 # ---- the keys of whole chat and text completions, and of a stream's usage ------------------------------------------

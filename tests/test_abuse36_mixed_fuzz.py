@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, started_url
+from test_server_helpers import CHAT_TEMPLATE, started_url, stop_server
 
 openai_types = pytest.importorskip("openai.types")
 anthropic_types = pytest.importorskip("anthropic.types")
@@ -626,12 +626,7 @@ def served(stories_path, tmp_path_factory):
     try:
         yield started_url(proc, log, timeout=120)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def test_mixed_requests_keep_every_invariant(served):

@@ -399,7 +399,7 @@ def served_stories(tmp_path):
     """`minillm serve` on stories260K at a local port the kernel picks; stopped after the test."""
     import subprocess
     import httpx
-    from test_server_helpers import started_url
+    from test_server_helpers import started_url, stop_server
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
@@ -411,11 +411,7 @@ def served_stories(tmp_path):
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200, log.read_text()
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server, timeout=10)
 
 
 @needs_stories

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, started_url, wait_for
+from test_server_helpers import CHAT_TEMPLATE, HealthyStreams, started_url, stop_server, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "stories"
@@ -744,12 +744,7 @@ def serve(model: Path, log: Path, extra_args: list[str] = ()):
         conn.close()
         yield host, int(port)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
 
 
 def health(host: str, port: int) -> int | None:

@@ -131,6 +131,16 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
 SERVER_URL_LINE = re.compile(r"(?:Uvicorn running on|minillm router:) (http://[^\s,]+)")
 
 
+def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM a server process and wait for it; SIGKILL it if it outlives timeout."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def started_url(proc: subprocess.Popen, log: Path, timeout: float = 180) -> str:
     """The base URL that a `minillm serve` or `minillm router` started with --port 0 writes to its log
     once bound (a port picked by binding 0 and closing could be any connection's local port before
