@@ -5,11 +5,15 @@ import asyncio
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 import httpx
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup   # Python 3.10: anyio's groups are the backport's
 
 from minillm import sse
 from minillm.sse import LineSplitter, LineTooLong
