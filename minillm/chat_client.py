@@ -10,7 +10,7 @@ import httpx
 from minillm import sse
 from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text, reply_room
 from minillm.sse import LineSplitter, LineTooLong
-from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
+from minillm.urls import authorization_headers, check_credentials, client_endpoint, server_base_url, shown_url
 
 # What a server's answers may hold before the chat stops reading: one stream line (a chunk event is
 # a few hundred bytes), a whole answer that is no stream (a model list, an error), an error's text.
@@ -27,8 +27,10 @@ class HttpChatBackend:
         self.base_url = server_base_url(url)
         check_credentials(self.base_url, api_key)
         self.shown_url = shown_url(self.base_url)     # what messages say: no password
-        self.client = httpx.Client(base_url=self.base_url, headers=authorization_headers(api_key),
-                                   timeout=httpx.Timeout(timeout_s, connect=10.0))
+        http_base, uds = client_endpoint(self.base_url)
+        self.client = httpx.Client(base_url=http_base, headers=authorization_headers(api_key),
+                                   timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                   transport=httpx.HTTPTransport(uds=uds) if uds else None)
         self.context_len: int | None = None   # the model's max_model_len, as /v1/models lists it
         self.model = self._served_model(model)
         self.name = f"{self.model} at {self.shown_url}"

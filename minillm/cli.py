@@ -1259,6 +1259,26 @@ def serve(
                                            "interface (0.0.0.0: every interface).",
                                       callback=host_option)] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="Port to bind.")] = 8000,
+    uds: Annotated[Optional[str], typer.Option(
+        "--uds", metavar="PATH", help="Unix domain socket path. If set, host and port arguments are ignored "
+        "(vLLM's --uds); clients reach it as unix:PATH.")] = None,
+    ssl_keyfile: Annotated[Optional[str], _server_option(
+        "--ssl-keyfile", metavar="FILE", help="The file path to the SSL key file (PEM).")] = None,
+    ssl_certfile: Annotated[Optional[str], _server_option(
+        "--ssl-certfile", metavar="FILE", help="The file path to the SSL cert file (PEM): the server speaks "
+        "HTTPS.")] = None,
+    ssl_ca_certs: Annotated[Optional[str], _server_option(
+        "--ssl-ca-certs", metavar="FILE", help="The CA certificates file client certificates are checked "
+        "against.")] = None,
+    ssl_cert_reqs: Annotated[int, _server_option(
+        "--ssl-cert-reqs", help="Whether client certificate is required (see stdlib ssl module's): 0 none, "
+        "1 optional, 2 required.")] = 0,
+    ssl_ciphers: Annotated[Optional[str], _server_option(
+        "--ssl-ciphers", metavar="CIPHERS", help="SSL cipher suites for HTTPS (TLS 1.2 and below only), e.g. "
+        "'ECDHE-RSA-AES256-GCM-SHA384:ECDHE-RSA-CHACHA20-POLY1305'.")] = None,
+    enable_ssl_refresh: Annotated[bool, _server_option(
+        "--enable-ssl-refresh", help="Refresh SSL Context when SSL certificate files change (new connections "
+        "get the new certificate).")] = False,
     api_key: Annotated[Optional[list[str]], typer.Option(
         "--api-key", metavar="KEY...", help="Require a bearer token on /v1: any of several keys, given after one "
         "flag as vLLM takes them (--api-key k1 k2), or a flag each (default: $VLLM_API_KEY, one key, as vLLM reads "
@@ -1433,6 +1453,9 @@ def serve(
     from minillm.tokenizer import chat_template_from_arg
     model = model_from_option(model, model_option)
     check_api_servers(api_server_count, engine_core, monitor)
+    if monitor and ssl_certfile is not None:
+        raise UsageError("--monitor and --ssl-certfile cannot be combined: run `minillm monitor https://HOST:PORT` "
+                         "in another terminal (SSL_CERT_FILE names a CA of your own)")
     stream = stream_not_a_terminal() if monitor else None
     if stream is not None:
         raise CliError(f"--monitor draws the dashboard in this terminal, but {stream} is not a terminal (a log "
@@ -1461,10 +1484,14 @@ def serve(
     check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     from minillm.server.app import ServerOptions, run_server
+    from minillm.server.transport import TransportOptions
     # A value ServerOptions refuses is a usage error naming its flag (--root-path, not root_path); the
     # served name taken from MODEL did not come from --served-model-name.
     with option_values(ctx, unless=() if names else ("served_model_name",)):
-        options = ServerOptions(api_key=keys, served_model_name=names or name, chat_template=template,
+        transport = TransportOptions(uds=uds, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
+                                     ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs, ssl_ciphers=ssl_ciphers,
+                                     enable_ssl_refresh=enable_ssl_refresh)
+        options = ServerOptions(transport=transport, api_key=keys, served_model_name=names or name, chat_template=template,
                                 trust_request_chat_template=trust_request_chat_template, limits=limits,
                                 log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
                                 exit_on_engine_error=exit_on_engine_error,
@@ -1949,9 +1976,6 @@ VLLM_FLAGS_NOT_TAKEN = {
                     "--tensor-parallel-size only"),
     **dict.fromkeys(("--data-parallel-size", "-dp"), "minillm serves one engine (--api-server-count spreads "
                     "the HTTP work over processes)"),
-    **dict.fromkeys(("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"), "minillm serves plain HTTP; put a "
-                    "proxy that terminates TLS in front of it"),
-    "--uds": "minillm listens on TCP only (--host, --port)",
     "--max-log-len": "--enable-log-requests logs no prompt text, so there is none to cut",
     "--tokenizer": "minillm reads the tokenizer from the model directory",
     "--config": "minillm takes its options from the command line only",

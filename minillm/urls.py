@@ -2,7 +2,9 @@
 URL) and its API key, and the URL as it may be shown (no password)."""
 from __future__ import annotations
 
+import os
 import re
+import ssl
 from urllib.parse import urlsplit, urlunsplit
 
 _HOST_PORT = re.compile(r"[\w.\-]+(:\d+)?(/|$)")    # host[:port][/path], as people type it
@@ -31,6 +33,10 @@ def check_server_url(url: str, option: str) -> str:
     """server_base_url(url), or a ValueError naming option when it is no http(s) URL a client can
     connect to (a bad port, an unclosed IPv6 bracket, no host, a query or fragment the paths would follow)."""
     base = server_base_url(url)
+    if base.startswith("unix:"):          # a server on a Unix socket (serve --uds PATH)
+        if not unix_socket_path(base):
+            raise ValueError(f"{option}: not a server URL: {url!r} (give unix:PATH, the path serve --uds took)")
+        return base
     try:
         parts = urlsplit(base)
         parts.port                    # ValueError for a port that is not a number in 0-65535
@@ -41,6 +47,26 @@ def check_server_url(url: str, option: str) -> str:
     if parts.query or parts.fragment or "?" in base or "#" in base:
         raise ValueError(f"{option}: not a server URL: {url!r} (no query or fragment: give http://host:port)")
     return base
+
+
+def unix_socket_path(base_url: str) -> str | None:
+    """PATH of a server URL unix:PATH (serve --uds PATH), else None."""
+    return base_url.removeprefix("unix:") if base_url.startswith("unix:") else None
+
+
+def client_endpoint(base_url: str) -> tuple[str, str | None]:
+    """(the http(s) base URL a client sends requests to, the Unix socket they go through or None)."""
+    path = unix_socket_path(base_url)
+    return ("http://localhost", path) if path is not None else (base_url, None)
+
+
+def env_ssl_verify() -> ssl.SSLContext | bool:
+    """The CAs a client trusts for https: $SSL_CERT_FILE or $SSL_CERT_DIR where set (as httpx reads them
+    with trust_env, and the openai client through it), else True (certifi's)."""
+    cafile, capath = os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None
+    if cafile is None and capath is None:
+        return True
+    return ssl.create_default_context(cafile=cafile, capath=capath)
 
 
 def authorization_headers(api_key: str | None, option: str = "--api-key") -> dict[str, bytes]:

@@ -14,7 +14,6 @@ serve, started = test_abuse30_cli.serve, test_abuse30_cli.started      # started
     (("--quantization", "awq"), "unquantized"),
     (("--quantization=fp8",), "unquantized"),
     (("--pipeline-parallel-size", "2"), "--tensor-parallel-size"),
-    (("--ssl-keyfile", "key.pem"), "plain HTTP"),
     (("--disable-frontend-multiprocessing",), "--engine-core thread"),
     (("--max-log-len", "100"), "no prompt text"),
     (("--enable-lora",), "LoRA"),

@@ -128,7 +128,8 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
     return value
 
 
-SERVER_URL_LINE = re.compile(r"(?:Uvicorn running on|minillm router:) (http://[^\s,]+)")
+# http://, https:// (--ssl-certfile) or unix:PATH (--uds)
+SERVER_URL_LINE = re.compile(r"(?:Uvicorn running on|minillm router:) ((?:https?://|unix:)[^\s,]+)")
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30) -> None:

@@ -18,7 +18,8 @@ if sys.version_info < (3, 11):
 from minillm import sse
 from minillm.sse import LineSplitter, LineTooLong
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
-from minillm.urls import authorization_headers, check_credentials, server_base_url, shown_url
+from minillm.urls import (authorization_headers, check_credentials, client_endpoint, env_ssl_verify, server_base_url,
+                          shown_url)
 
 DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
@@ -263,6 +264,7 @@ class LiveSource:
         self.base_url = server_base_url(url)
         check_credentials(self.base_url, api_key)
         self.shown_url = shown_url(self.base_url)   # what the title and the banner say
+        self.http_base, self.uds = client_endpoint(self.base_url)   # uds: serve --uds's socket, else None
         self.api_key = api_key
         self.headers = authorization_headers(api_key)   # a key no header can carry fails here, not in the loop
         self.interval_s = interval_s
@@ -271,7 +273,10 @@ class LiveSource:
     def _client(self) -> httpx.AsyncClient:
         # No read timeout on the stream beyond a generous one: a quiet server still sends events.
         timeout = httpx.Timeout(5.0, read=max(10.0, 20 * self.interval_s))
-        return httpx.AsyncClient(headers=self.headers, timeout=timeout, trust_env=False)
+        # trust_env off (no proxy from the environment); $SSL_CERT_FILE is still honoured, as chat honours it.
+        transport = httpx.AsyncHTTPTransport(uds=self.uds, verify=env_ssl_verify()) if self.uds else None
+        return httpx.AsyncClient(headers=self.headers, timeout=timeout, trust_env=False, verify=env_ssl_verify(),
+                                 transport=transport)
 
     async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
         """Yield frames forever; on any failure yield a SourceProblem and retry with backoff."""
@@ -310,7 +315,7 @@ class LiveSource:
                 await asyncio.sleep(self.interval_s)  # the server ended the stream: reopen it gently
 
     async def _poll(self, client: httpx.AsyncClient, num_cells: int) -> StatsFrame:
-        url = f"{self.base_url}/v1/stats"
+        url = f"{self.http_base}/v1/stats"
         async with client.stream("GET", url, params={"cells": num_cells}) as response:
             # A body without end (another server on the port) is read no further than one stats event.
             text, is_cut = await read_capped(response, MAX_EVENT_CHARS)
@@ -321,7 +326,7 @@ class LiveSource:
         return parse_frame(text)
 
     async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
-        url = f"{self.base_url}/v1/stats/stream"
+        url = f"{self.http_base}/v1/stats/stream"
         params = {"cells": num_cells, "interval": self.interval_s}
         async with client.stream("GET", url, params=params) as response:
             if response.status_code in (404, 405):

@@ -19,6 +19,7 @@ import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
+from multiprocessing import resource_sharer
 import os
 import signal
 import socket
@@ -58,6 +59,7 @@ from minillm.server.serving_responses import ResponsesRequest, create_response
 from minillm.server.serving_tokenization import create_detokenize, create_tokenize
 from minillm.server.stats_hub import StatsHub
 from minillm.server.tool_parsers import TOOL_PARSERS
+from minillm.server.transport import TransportOptions, bind_uds, listen_url, refresh_ssl_files, remove_uds
 from minillm.server.streaming import EventStreamResponse
 from minillm.tokenizer import check_content_format
 from minillm.urls import http_url
@@ -130,6 +132,8 @@ class ServerOptions:
     # vLLM's --shutdown-timeout, which replaces it where given: 0 ends open requests at once with the
     # engine's shutdown error (vLLM's default, an abort); None: timeout_graceful_shutdown.
     shutdown_timeout: float | None = None
+    # A Unix domain socket instead of host and port (--uds), and TLS (--ssl-*), as vLLM's flags set them.
+    transport: TransportOptions = field(default_factory=TransportOptions)
 
     def __post_init__(self) -> None:
         if self.served_model_name is not None:
@@ -519,9 +523,11 @@ class _Server(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, stopping: ShutdownFlag,
                  end_requests: Callable[[], None] | None = None, end_at_once: bool = False,
-                 interrupt_forces: bool = False) -> None:
+                 interrupt_forces: bool = False, transport: TransportOptions | None = None) -> None:
         super().__init__(config)
         self.stopping = stopping
+        self.transport = transport or TransportOptions()
+        self.ssl_refresh: asyncio.Task | None = None
         self.end_requests = end_requests
         self.end_at_once = end_at_once      # open requests end as the shutdown begins, not near its end
         self.interrupt_forces = interrupt_forces    # a SIGINT is the second Ctrl-C, even if it comes first
@@ -542,9 +548,14 @@ class _Server(uvicorn.Server):
         await super().startup(sockets)
         if sockets and self.started:    # uvicorn names only an address it bound itself
             logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)",
-                                                    socket_url(sockets[0]))
+                                                    listen_url(sockets[0], self.config.is_ssl))
+        if self.started and self.transport.enable_ssl_refresh:
+            self.ssl_refresh = asyncio.get_running_loop().create_task(
+                refresh_ssl_files(self.config.ssl, self.transport))
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.ssl_refresh is not None:
+            self.ssl_refresh.cancel()
         if self.end_requests is not None:
             timeout = self.config.timeout_graceful_shutdown or 0
             grace = 0.0 if self.end_at_once else max(timeout - min(1.0, timeout / 2), 0.0)
@@ -573,18 +584,23 @@ class ServerThread:
     "auto", "httptools" or "h11", the HTTP/1.1 implementation)."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 http: str = "auto", sock: socket.socket | None = None) -> None:
+                 http: str = "auto", sock: socket.socket | None = None,
+                 transport: TransportOptions | None = None) -> None:
         self.sock = sock if sock is not None else port_socket(host, port, reuse_port=False)   # sock: bound there
-        self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn_config(app, app.state.ctx.limits, http, log_level=log_level, timeout_graceful_shutdown=2)
+        self.transport = transport or TransportOptions()
+        self.host, self.port = host, (self.sock.getsockname()[1] if self.sock.family != socket.AF_UNIX else None)
+        config = uvicorn_config(app, app.state.ctx.limits, http, log_level=log_level, timeout_graceful_shutdown=2,
+                                **self.transport.uvicorn_kwargs())
         self.stopping = app.state.ctx.stopping
-        self.server = _Server(config, self.stopping)
+        self.server = _Server(config, self.stopping, transport=self.transport)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="minillm-http", daemon=True)
 
     @property
     def url(self) -> str:
-        """Base URL, e.g. http://127.0.0.1:8000."""
+        """Base URL, e.g. http://127.0.0.1:8000 (https:// with TLS; unix:PATH on a Unix socket)."""
+        if self.sock.family == socket.AF_UNIX or self.transport.is_tls:
+            return listen_url(self.sock, self.transport.is_tls)
         return http_url(self.host, self.port)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
@@ -662,17 +678,19 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
     serves (benchmarks/host_cost.py paces it).
     """
     options = options or ServerOptions(log_interval=5.0)
+    options.transport.check_tls_files()     # before the model loads, as a bad flag
     if options.chat_template is not None:
         check_chat_template(options.chat_template)
     note = api_key_note(options)
     if note is not None:
         print(note, file=sys.stderr, flush=True)
     if options.api_server_count > 1:
-        check_can_listen(host, port)     # before the model loads: a taken port is known at once
+        if options.transport.uds is None:
+            check_can_listen(host, port)     # before the model loads: a taken port is known at once
         if monitor:
             raise ValueError("--monitor shows one API server's engine: leave out --api-server-count")
         return run_api_servers(config, host, port, options, core_hook)
-    sock = hold_port(host, port)         # bound (not listening) while the model loads
+    sock = server_socket(host, port, options.transport)      # bound (not listening) while the model loads
     _configure_logging()
     try:
         with stop_signals_as_interrupt() as signals:
@@ -684,13 +702,25 @@ def run_server(config: Any, host: str = "127.0.0.1", port: int = 8000, options: 
                 print("minillm: stopped by SIGTERM while the model loaded", file=sys.stderr, flush=True)
                 return 0
     finally:
-        sock.close()
+        close_server_socket(sock)
+
+
+def server_socket(host: str, port: int, transport: TransportOptions) -> socket.socket:
+    """The socket one server listens on, bound: transport.uds, else host:port (hold_port)."""
+    return bind_uds(transport.uds) if transport.uds is not None else hold_port(host, port)
+
+
+def close_server_socket(sock: socket.socket) -> None:
+    """Close a server's socket; a Unix socket's file is removed (the next start binds the path afresh)."""
+    remove_uds(sock)      # a Unix socket's file (nothing for TCP)
+    sock.close()
 
 
 def _serve_one(config: Any, sock: socket.socket, options: ServerOptions, monitor: bool, core_hook: Any) -> int:
     """run_server with one API server: load the engine, serve on sock until stopped, shut the engine down."""
     engine = start_async_engine(config, options.engine_core, core_hook)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # see hold_port: it listens now
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # see hold_port: it listens now
     from minillm.engine_stats import describe_engine
     if options.engine_core == "process":
         print(f"minillm: engine core in process {engine.core_pid}", file=sys.stderr, flush=True)
@@ -699,8 +729,8 @@ def _serve_one(config: Any, sock: socket.socket, options: ServerOptions, monitor
         if monitor:
             # The dashboard owns the terminal: the server runs quietly on a thread.
             app = create_app(engine, dataclasses.replace(options, log_interval=None))
-            host = sock.getsockname()[0]
-            with ServerThread(app, host, log_level="critical", sock=sock) as server:
+            host = sock.getsockname()[0] if sock.family != socket.AF_UNIX else ""
+            with ServerThread(app, host, log_level="critical", sock=sock, transport=options.transport) as server:
                 from minillm.tui.app import run_monitor
                 run_monitor(server.url, api_key=options.api_keys[0] if options.api_keys else None)
         else:
@@ -756,9 +786,10 @@ def serve_http(engine: EngineClient, options: ServerOptions, uv_kwargs: dict,
     # With no time for open requests they end at once, and get FORCED_EXIT_WAIT_S to send their error.
     graceful_s = options.graceful_shutdown_s
     uv_config = uvicorn_config(app, options.limits, timeout_graceful_shutdown=graceful_s or FORCED_EXIT_WAIT_S,
-                               access_log=options.uvicorn_access_log, **uv_kwargs)
+                               access_log=options.uvicorn_access_log, **options.transport.uvicorn_kwargs(),
+                               **uv_kwargs)
     server = _Server(uv_config, app.state.ctx.stopping, end_requests=engine.shutdown, end_at_once=not graceful_s,
-                     interrupt_forces=interrupt_forces)
+                     interrupt_forces=interrupt_forces, transport=options.transport)
     if options.exit_on_engine_error:
         threading.Thread(target=_exit_when_engine_fails, args=(engine, server, ENGINE_FAILURE_DRAIN_S),
                          name="minillm-exit-on-engine-error", daemon=True).start()
@@ -799,6 +830,9 @@ class APIServerSpec:
     parent: Any                 # a pipe's read end: EOF once the supervising process is gone
     index: int
     metrics_dir: str            # the API servers' Prometheus directory, which the last process out removes
+    # --uds: the one listening Unix socket all API servers accept on (a resource_sharer.DupFd), as vLLM's
+    # API servers share the socket their supervisor bound; None: each binds host:port with SO_REUSEPORT.
+    shared_sock: Any = None
 
 
 def run_api_server(spec: APIServerSpec) -> None:
@@ -854,13 +888,20 @@ def _run_api_server(spec: APIServerSpec) -> None:
         from minillm.engine_stats import describe_engine
         print(describe_engine(engine.startup_stats), file=sys.stderr, flush=True)
     try:
-        sock = port_socket(spec.host, spec.port)
+        sock = api_server_socket(spec)
         log_level = api_server_log_level(spec.options.uvicorn_log_level, spec.index)
         serve_http(engine, spec.options, {"log_level": log_level}, sockets=[sock], parent=spec.parent, stop=stop,
                    interrupt_forces=True)
     finally:
         engine.shutdown()
     sys.exit(1 if engine.has_failed else 0)
+
+
+def api_server_socket(spec: APIServerSpec) -> socket.socket:
+    """The socket API server spec.index listens on: the supervisor's Unix socket, else its own on the shared port."""
+    if spec.shared_sock is None:
+        return port_socket(spec.host, spec.port)
+    return ListeningSocket(fileno=spec.shared_sock.detach())
 
 
 def api_server_log_level(level: str, index: int) -> str:
@@ -966,8 +1007,10 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     from minillm.engine_core.client import CoreProcess
     _configure_logging()
     count = options.api_server_count
-    held = port_socket(host, port)     # bound, never listening: holds the port (and picks one for port 0)
-    port = held.getsockname()[1]
+    uds = options.transport.uds
+    # bound: the Unix socket the servers share, or the port held, never listening (port 0 picks one)
+    held = bind_uds(uds) if uds is not None else port_socket(host, port)
+    port = held.getsockname()[1] if uds is None else 0
     # Each API server writes its latency histograms here; /metrics on any of them adds all up. The
     # last process to leave removes it: the supervisor, or its API servers when it was killed outright.
     metrics_dir = make_metrics_dir()
@@ -975,7 +1018,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     try:
         core = CoreProcess(config, count, core_hook)
     except BaseException:
-        held.close()
+        close_server_socket(held)
         metrics_dir.leave()
         raise
     print(f"minillm: engine core in process {core.pid}", file=sys.stderr, flush=True)
@@ -1008,8 +1051,10 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         try:
             for i, link in enumerate(core.links):
                 server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
+                shared = None if uds is None else resource_sharer.DupFd(held.fileno())
                 proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}", args=(
-                    APIServerSpec(config, server_options, link, host, port, parent_reader, i, metrics_dir.path),))
+                    APIServerSpec(config, server_options, link, host, port, parent_reader, i, metrics_dir.path,
+                                  shared),))
                 proc.start()
                 link.hand_over()    # the server holds the core's only sign of its life now
                 servers.append(proc)
@@ -1027,7 +1072,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         parent_writer.close()
-        held.close()
+        close_server_socket(held)
         core.stop(timeout=max(deadline - time.monotonic(), CORE_EXIT_WAIT_S))
         ends.saw(core.proc.name, core.proc.exitcode)
         core.close()
