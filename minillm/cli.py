@@ -354,6 +354,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "--max-num-seqs", help="Most sequences in one step.")], _default("max_num_seqs")),
     "max_num_batched_tokens": (Annotated[int, _engine_option(
         "--max-num-batched-tokens", help="Token budget of one step.")], _default("max_num_batched_tokens")),
+    "enable_chunked_prefill": (Annotated[bool, _engine_option(
+        "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split a long prompt into chunks that fit "
+        "the step's token budget (vLLM's); --no-enable-chunked-prefill runs each prompt whole in one step, and "
+        "needs --max-num-batched-tokens of at least --max-model-len.")], _default("enable_chunked_prefill")),
     "max_step_ms": (Annotated[Optional[float], _engine_option(
         "--max-step-ms", help="Step-time budget while decodes run: prompt chunks are sized to keep "
         "the estimated step within it (default: off, the token budget only).")], None),
@@ -497,9 +501,10 @@ def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None
     '--top-p': must be in (0, 1], got 2.0"; a key of an option's JSON object after a dot:
     kv_transfer_config.kv_connector), or for the two options of "X and Y cannot be combined"
     ("--kv-transfer-config and --kv-offload-gib cannot be combined"); None when it starts with no
-    option's name. Other names in the text are left as they are: they may be a JSON object's keys."""
-    options = {p.name: _long_name(p.opts) for p in ctx.command.params
-               if p.param_type_name == "option" and p.opts}
+    option's name. Other names in the text are flags only where they are the engine's settings
+    ("raise num_kv_blocks" -> "raise --num-kv-blocks"): any other may be a JSON object's key."""
+    params = [p for p in ctx.command.params if p.param_type_name == "option" and p.opts]
+    options = {p.name: _long_name(p.opts) for p in params}
     options.update({name: options[alias] for name, alias in ctx.meta.get(OPTION_ALIASES, {}).items()})
     name, _, rest = " ".join(str(exc).split()).partition(" ")
     name, dot, key = name.rstrip(":").partition(".")      # kv_transfer_config.kv_connector: a key of the JSON
@@ -511,13 +516,31 @@ def option_usage_error(ctx: typer.Context, exc: ValueError) -> UsageError | None
     both = re.match(r"and (\w+) (.*)", rest)
     if both is not None and both[1] in options:
         return UsageError(f"{flag} and {options[both[1]]} {both[2]}", ctx=ctx)
-    return typer.BadParameter(in_flag_words(rest, name, flag), ctx=ctx, param_hint=f"'{flag}'")
+    engine = {} if dot else engine_setting_flags(params)
+    return typer.BadParameter(in_flag_words(rest, name, flag, engine), ctx=ctx, param_hint=f"'{flag}'")
 
 
-def in_flag_words(text: str, name: str, flag: str) -> str:
+def engine_setting_flags(params) -> dict[str, tuple[str, str | None]]:
+    """The command's options that set an EngineConfig field of a snake_case name, by that name:
+    (its flag, its --no- form or None)."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig) if "_" in f.name}
+    return {p.name: (_long_name(p.opts), p.secondary_opts[0] if p.secondary_opts else None)
+            for p in params if p.name in fields}
+
+
+def in_flag_words(text: str, name: str, flag: str, engine: dict[str, tuple[str, str | None]] | None = None) -> str:
     """TEXT of a ValueError about option NAME in the command line's words: the option's own Python name
     is its FLAG ("lower kv_cache_memory_bytes" -> "lower --kv-cache-memory-bytes"), and "(or None: X)",
-    the Python API's way to turn it off, is "(or left out: X)"."""
+    the Python API's way to turn it off, is "(or left out: X)". ENGINE (engine_setting_flags) names
+    the engine's settings the text may name besides: each is its flag ("raise num_kv_blocks" ->
+    "raise --num-kv-blocks", "enable_chunked_prefill False" -> "--no-enable-chunked-prefill"), but not
+    quoted ('max_model_len', a key the text quotes) nor in a file name."""
+    for other, (on, off) in (engine or {}).items():
+        word = rf"(?<![\w'\"-]){re.escape(other)}(?![\w'\"]|\.\w)"
+        if off is not None:
+            text = re.sub(rf"{word} False\b", off, text)
+            text = re.sub(rf"{word} True\b", on, text)
+        text = re.sub(word, on, text)
     text = re.sub(rf"(?<![\w-]){re.escape(name)}(?!\w|\.\w)", flag, text)   # not generation_config.json
     return text.replace("(or None: ", "(or left out: ")
 
@@ -729,7 +752,8 @@ def chat(
         check_engine_options(ctx, model, engine_options)
         path = resolve_chat_model(model, engine_options["download_dir"],
                                   revision=engine_options["revision"])
-        engine = load_engine(engine_config(path, engine_options))
+        with option_values(ctx):     # the engine's start-up refusing a value names its flag
+            engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
         try:
             backend.check_chat_template()
@@ -1426,10 +1450,6 @@ def serve(
         "--trust-remote-code", help="Taken for vLLM command lines, and changes nothing: minillm runs its own "
         "decoder for every model it loads, never code from a checkpoint (one that needs its own code is "
         "refused at load either way).")] = False,
-    enable_chunked_prefill: Annotated[Optional[bool], _server_option(
-        "--enable-chunked-prefill/--no-enable-chunked-prefill", help="minillm always splits a prompt into "
-        "chunks that fit the step's token budget (vLLM's --enable-chunked-prefill); --no-enable-chunked-prefill "
-        "is refused.")] = None,
     kv_role: Annotated[Optional[KVRole], typer.Option(
         "--kv-role", rich_help_panel=KV_TRANSFER_PANEL, help="Take part in prefill/decode disaggregation: a "
         "producer (prefill server) leases its prompts' KV to consumers (decode servers); minillm router joins "
@@ -1465,9 +1485,6 @@ def serve(
         flag = "--enable-log-requests" if log_requests else "--uvicorn-log-level"
         raise UsageError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
                          "leave one out (and run `minillm monitor URL` in another terminal to have both)")
-    if enable_chunked_prefill is False:
-        raise UsageError("--no-enable-chunked-prefill: minillm always splits a long prompt into chunks that fit "
-                         "the step's token budget (--max-num-batched-tokens); leave the option out")
     limits = server_limits(
         max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
         max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,

@@ -74,6 +74,9 @@ class EngineConfig:
     # first, then arrival), and preempts the lowest first (minillm/request_queue.py).
     scheduling_policy: str = "fcfs"
     max_model_len: int | None = None     # None: the model's max_position_embeddings
+    # vLLM's: prompts split into chunks that fit the step's token budget; False runs each prompt whole
+    # in one step (it waits for a step with room for it), so max_num_batched_tokens must hold max_model_len.
+    enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     seed: int = 0
@@ -174,6 +177,8 @@ class EngineConfig:
                                                  or self.max_step_factor < 1):
             raise ValueError(f"max_step_factor must be a finite number >= 1 (or None: off), "
                              f"got {self.max_step_factor!r}")
+        if not self.enable_chunked_prefill:
+            check_unchunked_prefill(self, self.max_model_len)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {short_repr(self.scheduling_policy)}")
         if self.max_model_len is not None and self.max_model_len < 1:
@@ -221,7 +226,7 @@ _INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_
                "max_model_len", "seed", "max_logprobs", "tensor_parallel_size")
 _FLOAT_FIELDS = ("gpu_memory_utilization", "max_step_ms", "max_step_factor", "kv_offload_gib")
 _BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "calculate_kv_scales",
-                "grammar_process")
+                "grammar_process", "enable_chunked_prefill")
 
 
 def check_field_types(config: EngineConfig) -> None:
@@ -253,6 +258,54 @@ def check_field_types(config: EngineConfig) -> None:
             object.__setattr__(config, name, bool(value))
         elif value is not None and not isinstance(value, bool):
             raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def check_unchunked_prefill(config: EngineConfig, max_model_len: int | None) -> None:
+    """With enable_chunked_prefill False a prompt runs whole in one step: ValueError when the step's
+    token budget is under max_model_len (as vLLM refuses it: a longer prompt could never run), or
+    when a step-time budget, which sizes prompt chunks, is set."""
+    if config.has_step_budget:
+        name = "max_step_ms" if config.max_step_ms is not None else "max_step_factor"
+        raise ValueError(f"{name} sizes prompt chunks, which enable_chunked_prefill False leaves none of; "
+                         f"leave one of them out")
+    if max_model_len is not None and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens} is smaller than max_model_len "
+                         f"{max_model_len}: with enable_chunked_prefill False a prompt runs whole in one step, "
+                         f"so a longer one could never run; raise max_num_batched_tokens or lower max_model_len")
+
+
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, and minillm's name of it: 1 (or true) allows a max_model_len
+# past the model's max_position_embeddings, with a warning.
+LONG_MAX_MODEL_LEN_VARIABLES = ("MINILLM_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+# Rotary scalings whose table past max_position_embeddings is not the one built up to it.
+_ROPE_TYPES_BOUND_TO_LENGTH = ("dynamic", "longrope")
+
+
+def long_max_model_len_variable() -> str | None:
+    """The variable that allows a max_model_len past the model's length (read as vLLM reads its own:
+    1 or true), or None."""
+    return next((name for name in LONG_MAX_MODEL_LEN_VARIABLES
+                 if os.environ.get(name, "0").strip().lower() in ("1", "true")), None)
+
+
+def check_max_model_len_in_model(max_model_len: int, model: ModelConfig) -> str | None:
+    """None when max_model_len is within the model's max_position_embeddings; past it, the warning
+    to log where MINILLM_ALLOW_LONG_MAX_MODEL_LEN (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) allows
+    it, else a ValueError naming the variables."""
+    model_max = model.max_position_embeddings
+    if max_model_len <= model_max:
+        return None
+    said = f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}"
+    rope_type = (model.rope_scaling or {}).get("rope_type")
+    if rope_type in _ROPE_TYPES_BOUND_TO_LENGTH:
+        raise ValueError(f"{said}, which its rope_scaling ({rope_type}) computes no positions past")
+    variable = long_max_model_len_variable()
+    if variable is None:
+        raise ValueError(f"{said}; to allow it anyway, set MINILLM_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's "
+                         f"VLLM_ALLOW_LONG_MAX_MODEL_LEN=1): the model was not trained on positions past "
+                         f"{model_max}, and its output there may be garbage")
+    return (f"{said}, allowed by {variable}: the model was not trained on positions past {model_max}, and "
+            f"its output there may be garbage")
 
 
 def first_served_name(names) -> str | None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_salt_root
-from minillm.config import EngineConfig
+from minillm.config import EngineConfig, check_max_model_len_in_model, check_unchunked_prefill
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
 from minillm.generation_config import (defaults_source, describe as describe_defaults, folder_stop_token_ids,
@@ -225,9 +225,9 @@ class LLMEngine:
             from minillm.parallel.sharding import check_tensor_parallel_size
             check_tensor_parallel_size(self.model_config, config.tensor_parallel_size, self.ops.name)
         model_max = self.model_config.max_position_embeddings
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {model_max}")
+        if config.max_model_len is not None and (warning := check_max_model_len_in_model(config.max_model_len,
+                                                                                          self.model_config)):
+            self.log(f"minillm: warning: {warning}")
         requested_len = config.max_model_len or model_max
         window = self.model_config.sliding_window
         if window is not None and requested_len > window:
@@ -261,6 +261,8 @@ class LLMEngine:
         if self.max_model_len < requested_len:     # the model's own length does not fit: said once, here
             self.log(f"minillm: max_model_len {self.max_model_len}, the {num_blocks} KV blocks' capacity (the "
                      f"model allows {requested_len}; more KV memory or num_kv_blocks raises it)")
+        if not config.enable_chunked_prefill:     # the model's length, fitted: known only now
+            check_unchunked_prefill(config, self.max_model_len)
         self.runner.initialize_cache(num_blocks, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         step_cost = self._calibrate_step_cost() if config.has_step_budget else None
@@ -272,7 +274,8 @@ class LLMEngine:
                                    speculative_config=config.speculative_config, step_cost=step_cost,
                                    max_step_ms=config.max_step_ms, max_step_factor=config.max_step_factor,
                                    max_mixed_tokens=self.runner.max_mixed_graph_tokens,
-                                   scheduling_policy=config.scheduling_policy)
+                                   scheduling_policy=config.scheduling_policy,
+                                   enable_chunked_prefill=config.enable_chunked_prefill)
         # By id: the unfinished requests, and finished ones until their last report (or until a new
         # request takes the id of an aborted one, as vLLM's engines take it at once).
         self.requests: dict[str, Request] = {}

@@ -41,7 +41,6 @@ VLLM_FIXED_ARGS = {
     "quantization": (lambda v: v is None, "minillm runs unquantized float32, float16 or bfloat16 weights"),
     "disable_log_stats": (lambda v: v is True, "minillm's LLM logs no periodic stats (llm.llm_engine.stats() "
                                                "reads them)"),
-    "enable_chunked_prefill": (lambda v: v is None or v is True, "minillm always chunks long prompts"),
     "pipeline_parallel_size": (lambda v: _is_count(v, 1), "minillm has no pipeline parallelism"),
     "data_parallel_size": (lambda v: _is_count(v, 1), "minillm runs one engine"),
     "cpu_offload_gb": (lambda v: _is_count(v, 0), "minillm keeps every weight on the device"),
@@ -302,8 +301,6 @@ class LLM:
         ids: list[str] = []
         try:
             for (text, prompt, salt), p, rank in zip(prompts, params, priority):
-                if isinstance(prompt, str) and not prompt:   # as in vLLM: the tokenizer's BOS alone, where it adds one
-                    prompt = self.engine.tokenizer.encode("", add_special_tokens=add_special_tokens) or prompt
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
                     prompt = TokensPrompt(prompt_token_ids=prompt, prompt=text)
                 rid = str(next(self._ids))

@@ -100,12 +100,13 @@ def cache_salt_of(prompt, cache_salt: str | None = None) -> str | None:
 
 
 def text_token_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    """A text prompt's token ids; ValueError when it is empty, holds a lone surrogate or tokenizes
-    to nothing (possible only without special tokens)."""
-    if not text:
-        raise ValueError("prompt must not be empty")
+    """A text prompt's token ids: "" is the tokenizer's BOS alone, as vLLM's engine takes it; ValueError
+    when it holds a lone surrogate or tokenizes to nothing (an empty one without a BOS token)."""
     check_unicode(text, "prompt")
     ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    if not ids and not text:
+        raise ValueError("prompt must not be empty: an empty text has no tokens without a BOS token "
+                         "(add_special_tokens false, or a tokenizer that adds none)")
     if not ids:
         raise ValueError(f"prompt {short_repr(text)} tokenizes to no tokens")
     return ids

@@ -7,6 +7,10 @@ prompt chunks, in admission order), then waiting ones (FCFS) while the budget, m
 the block pool allow. When the pool runs dry the latest admitted sequence is preempted by
 recompute: its blocks are freed and it goes back to the front of the waiting queue.
 
+With enable_chunked_prefill False (vLLM's --no-enable-chunked-prefill) a waiting sequence is
+admitted only with all its tokens in one step: the first one that does not fit the budget left
+ends admission for the step, as in vLLM.
+
 With scheduling_policy "priority" (vLLM's; minillm/request_queue.py) the waiting queue is ordered
 by (priority, arrival_time), lower first; the sequence preempted when the pool runs dry is the
 running one with the largest (priority, arrival_time), its tokens taken back out of the step if it
@@ -164,7 +168,8 @@ class Scheduler:
                  max_num_batched_tokens: int, max_model_len: int, eos_token_ids: list[int],
                  kv_connector=None, speculative_config=None, step_cost: StepCostModel | None = None,
                  max_step_ms: float | None = None, max_step_factor: float | None = None,
-                 max_mixed_tokens: int | None = None, scheduling_policy: str = "fcfs"):
+                 max_mixed_tokens: int | None = None, scheduling_policy: str = "fcfs",
+                 enable_chunked_prefill: bool = True):
         if (max_step_ms is not None or max_step_factor is not None) and step_cost is None:
             raise ValueError("max_step_ms and max_step_factor need a step cost model")
         self.block_manager = block_manager
@@ -172,6 +177,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill   # False: a prompt runs whole in one step
         self.eos_token_ids = set(eos_token_ids)
         self.by_priority = scheduling_policy == "priority"
         if self.by_priority:
@@ -316,7 +322,10 @@ class Scheduler:
             num_computed = len(cached) * self.block_manager.block_size
             num_external = self.kv_connector.get_num_new_matched_tokens(seq, num_computed) \
                 if self.kv_connector and not scores_prompt else 0
-            n = min(seq.num_tokens - num_computed - num_external, budget)
+            n = seq.num_tokens - num_computed - num_external
+            if n > budget and not self.enable_chunked_prefill:
+                break                        # vLLM's: it waits for a step with room for all of it
+            n = min(n, budget)
             if chunks is not None:
                 start = num_computed + num_external
                 if is_decode_row(n, start, seq.num_prompt_tokens):    # resumed, cached to its last token

@@ -141,7 +141,6 @@ BAD_PROMPTS = {
     "ids-past-vocab": {"prompt_token_ids": [1, 10**6]},
     "salt-no-string": {"prompt": PROMPT, "cache_salt": 5},
     "salt-twice": None,    # a dict's salt and another one as the argument
-    "empty-text": "",
     "lone-surrogate": "Once \ud800",
     "number": 5,
 }

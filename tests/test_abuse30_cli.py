@@ -20,7 +20,8 @@ def serve(capsys, *flags: str) -> tuple[int, str]:
 @needs_stories
 @pytest.mark.parametrize("flags, message", [
     (("--enable-log-requests", "--disable-log-requests"), "--enable-log-requests and --disable-log-requests"),
-    (("--no-enable-chunked-prefill",), "--no-enable-chunked-prefill"),
+    (("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64", "--max-model-len", "128"),
+     "--no-enable-chunked-prefill"),
     (("--monitor", "--enable-log-requests"), "--enable-log-requests would log over it"),
     (("--kv-lease-s", "3"), "--kv-lease-s needs --kv-role or --kv-transfer-config"),
     (("--kv-transfer-config", "{"), "'--kv-transfer-config': is not valid JSON"),

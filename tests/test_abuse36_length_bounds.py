@@ -36,7 +36,7 @@ def test_max_model_len_minus_one_in_the_python_api_is_the_models_length():
 def test_generate_takes_a_max_model_len_with_a_suffix(capsys):
     status, _, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "--max-model-len", "0.1k",
                               "-p", WORDS, "--max-tokens", "1")
-    assert status == 2 and "has 121 tokens, which leaves no room under max_model_len 100" in err, err
+    assert status == 2 and "has 121 tokens, which leaves no room under --max-model-len 100" in err, err
     status, _, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "--max-model-len", "1K",
                               "-p", "Once")
     assert status == 2 and "'--max-model-len': 1024 exceeds the model's max_position_embeddings 512" in one_line(err)

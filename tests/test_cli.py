@@ -49,7 +49,7 @@ def test_help_lists_every_command_and_the_engine_options():
     for name in ("chat", "generate", "serve"):
         flags = {f for p in group.commands[name].params for f in (*p.opts, *p.secondary_opts)}
         assert set(ENGINE_FLAGS) <= flags, name
-    assert len(ENGINE_OPTIONS) == 28
+    assert len(ENGINE_OPTIONS) == 29
 
 
 def test_the_cli_imports_no_numpy_before_a_command_needs_it():
@@ -531,7 +531,7 @@ def test_async_scheduling_and_max_logprobs_flags_reach_the_engine():
     assert overlapped.stdout == plain.stdout                # same greedy text, steps overlapped
     capped = minillm(*common, "--max-logprobs", "2", "--logprobs", "3")
     assert capped.returncode == 2 and "Traceback" not in capped.stderr
-    assert "Invalid value for '--logprobs': must be at most max_logprobs (2), got 3" in capped.stderr
+    assert "Invalid value for '--logprobs': must be at most --max-logprobs (2), got 3" in capped.stderr
     allowed = minillm(*common, "--max-logprobs", "2", "--logprobs", "2", "--json")
     assert allowed.returncode == 0, allowed.stderr
     [record] = [json.loads(line) for line in allowed.stdout.splitlines()]

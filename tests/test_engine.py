@@ -152,8 +152,8 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 
 def test_bad_prompts_name_the_problem(stories_path):
     engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", max_model_len=64))
-    with pytest.raises(ValueError, match="prompt"):
-        engine.add_request("e", "", SamplingParams())
+    with pytest.raises(ValueError, match="prompt"):      # "" without BOS: no tokens ("" alone is BOS, as in vLLM)
+        engine.add_request("e", "", SamplingParams(), tokenization_kwargs={"add_special_tokens": False})
     with pytest.raises(ValueError, match="prompt"):
         engine.add_request("e", [], SamplingParams())
     with pytest.raises(ValueError, match="max_model_len"):

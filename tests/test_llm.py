@@ -193,7 +193,8 @@ def test_vllm_arguments_with_the_values_minillm_follows_are_taken(stories_path):
 
 @pytest.mark.parametrize("kwargs, needle", [
     ({"quantization": "awq"}, "quantization='awq' is not supported: minillm runs unquantized"),
-    ({"enable_chunked_prefill": False}, "enable_chunked_prefill=False is not supported"),
+    ({"enable_chunked_prefill": False, "max_num_batched_tokens": 64, "max_model_len": 128},
+     "max_num_batched_tokens 64 is smaller than max_model_len 128"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
     ({"disable_log_stats": False}, "disable_log_stats=False is not supported"),

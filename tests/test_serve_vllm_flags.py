@@ -129,7 +129,8 @@ def test_trust_remote_code_is_taken_and_says_it_changes_nothing(capsys, started)
 @needs_stories
 @pytest.mark.parametrize("flags, message", [
     (("--enable-log-requests", "--disable-log-requests"), "--enable-log-requests and --disable-log-requests disagree"),
-    (("--no-enable-chunked-prefill",), "--no-enable-chunked-prefill: minillm always splits a long prompt"),
+    (("--no-enable-chunked-prefill", "--max-num-batched-tokens", "64", "--max-model-len", "128"),
+     "'--max-num-batched-tokens': 64 is smaller than --max-model-len 128: with --no-enable-chunked-prefill"),
     (("--monitor", "--enable-log-requests"), "where --enable-log-requests would log over it"),
     (("--monitor", "--uvicorn-log-level", "debug"), "where --uvicorn-log-level would log over it"),
     (("--uvicorn-log-level", "loud"), "'loud' is not one of"),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 from typing import AsyncIterator
 
@@ -100,13 +101,16 @@ def effort_kwargs(effort: str | None, kwargs: dict) -> dict:
 
 @contextlib.contextmanager
 def naming_max_tokens_field(req: ChatCompletionRequest):
-    """An error about max_tokens names max_completion_tokens instead when that is the field sent."""
+    """An error about max_tokens, or one that names it (min_tokens over it), names max_completion_tokens
+    instead when that is the field sent."""
     try:
         yield
     except APIError as exc:
         field = chat_max_tokens_field(req)
-        if exc.param == "max_tokens" and field != "max_tokens":
-            exc.param, exc.message = field, exc.message.replace("max_tokens", field)
+        if field != "max_tokens":
+            exc.message = re.sub(r"\bmax_tokens\b", field, exc.message)
+            if exc.param == "max_tokens":
+                exc.param = field
         raise
 
 
