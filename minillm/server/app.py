@@ -833,6 +833,9 @@ class APIServerSpec:
     # --uds: the one listening Unix socket all API servers accept on (a resource_sharer.DupFd), as vLLM's
     # API servers share the socket their supervisor bound; None: each binds host:port with SO_REUSEPORT.
     shared_sock: Any = None
+    # Set as the process begins to serve HTTP: one still unset at a stop's deadline (importing, or joining
+    # the core, on a slow host) holds no request, and is killed as part of the stop, not as a failure.
+    serving: Any = None
 
 
 def run_api_server(spec: APIServerSpec) -> None:
@@ -890,6 +893,8 @@ def _run_api_server(spec: APIServerSpec) -> None:
     try:
         sock = api_server_socket(spec)
         log_level = api_server_log_level(spec.options.uvicorn_log_level, spec.index)
+        if spec.serving is not None:
+            spec.serving.set()
         serve_http(engine, spec.options, {"log_level": log_level}, sockets=[sock], parent=spec.parent, stop=stop,
                    interrupt_forces=True)
     finally:
@@ -1025,6 +1030,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
     spawn = mp.get_context("spawn")
     parent_reader, parent_writer = spawn.Pipe(duplex=False)
     servers = []
+    serving = []                    # by server: set as it begins to serve (APIServerSpec.serving)
     stopping = ShutdownFlag()       # set in a signal handler: no lock
     stop_began: list[float] = []    # when the first stop signal went out
     ends = ProcessEnds()
@@ -1052,9 +1058,10 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
             for i, link in enumerate(core.links):
                 server_options = dataclasses.replace(options, log_interval=options.log_interval if i == 0 else None)
                 shared = None if uds is None else resource_sharer.DupFd(held.fileno())
+                serving.append(spawn.Event())
                 proc = spawn.Process(target=run_api_server, name=f"minillm-api-server-{i}", args=(
                     APIServerSpec(config, server_options, link, host, port, parent_reader, i, metrics_dir.path,
-                                  shared),))
+                                  shared, serving[-1]),))
                 proc.start()
                 link.hand_over()    # the server holds the core's only sign of its life now
                 servers.append(proc)
@@ -1068,7 +1075,8 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         if not stopping.is_set():
             stop_servers()
         deadline = shutdown_deadline(options, stop_began[0])
-        _join_servers(servers, deadline, deadline - stop_began[0], ends)   # a second Ctrl-C still forces
+        # a second Ctrl-C still forces
+        _join_servers(servers, serving, deadline, deadline - stop_began[0], ends)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         parent_writer.close()
@@ -1112,15 +1120,22 @@ def _supervise(servers: list, core: Any, stopping: ShutdownFlag, stop_servers: C
             stop_servers()
 
 
-def _join_servers(servers: list, deadline: float, allowed_s: float, ends: ProcessEnds) -> None:
+def _join_servers(servers: list, serving: list, deadline: float, allowed_s: float,
+                  ends: ProcessEnds) -> None:
     """Wait for the API servers until `deadline` (one for all, allowed_s after the stop), kill those
-    still up, note each end."""
+    still up, note each end. One not yet serving (its `serving` event unset: importing or joining the
+    core on a slow host) holds no request: its kill is part of the stop, not a failure."""
     for proc in servers:
         proc.join(max(deadline - time.monotonic(), 0.0))
-    for proc in servers:
-        if proc.is_alive():
+    for proc, is_serving in zip(servers, serving):
+        if not proc.is_alive():
+            continue
+        if is_serving.is_set():
             logger.error("%s did not stop within %.1f s; killing it", proc.name, allowed_s)
-            proc.kill()
+        else:
+            logger.info("%s was not serving yet at the stop's deadline; stopping it", proc.name)
+            ends.signalled[proc.name] = signal.SIGKILL
+        proc.kill()
     for proc in servers:
         proc.join(5)
         ends.saw(proc.name, proc.exitcode)
