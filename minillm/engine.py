@@ -10,7 +10,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_salt_root
@@ -27,7 +27,7 @@ from minillm.model_config_view import EngineModelConfig, engine_model_config
 from minillm.model_runner import InFlightStep, ModelRunner
 from minillm.models.dummy import dummy_weights
 from minillm.ops import get_ops
-from minillm.output_processor import TextOutputs, prompt_logprobs_context
+from minillm.output_processor import TextOutputs, note_finishes, prompt_logprobs_context
 from minillm.parallel.errors import TensorParallelError
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.prompts import (
@@ -62,6 +62,7 @@ class Request:
     # With params.prompt_logprobs: one entry per prompt token, None for the first (its own module:
     # minillm/prompt_logprobs.py); filled as the prompt's chunks run.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    finish_order: dict[int, None] = field(default_factory=dict)   # n > 1: its sequences' indices as they finished
 
     @property
     def is_finished(self) -> bool:
@@ -763,6 +764,8 @@ class LLMEngine:
         pending = iter(changed)
         try:
             for req in pending:
+                if len(req.seqs) > 1:
+                    note_finishes(req)
                 finished = req.is_finished
                 if req.final_only and not finished:
                     continue

@@ -235,4 +235,25 @@ def request_output(req, finished: bool, kv_transfer_params: dict | None,
         if not completions and prompt_logprobs is None and not finished:
             return None
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics,
-                         kv_transfer_params, kv_transfer_stats, prompt_logprobs)
+                         kv_transfer_params, kv_transfer_stats, prompt_logprobs,
+                         reported_num_cached_tokens(req, finished))
+
+
+def note_finishes(req) -> None:
+    """Add the sequences of req (one with n > 1, called after each step) that finished since the last
+    call to req.finish_order, in index order (the order of vLLM's children's outputs within a step)."""
+    order = req.finish_order
+    if len(order) == len(req.seqs):
+        return
+    for seq in req.seqs:
+        if seq.is_finished and seq.index not in order:
+            order[seq.index] = None
+
+
+def reported_num_cached_tokens(req, finished: bool) -> int:
+    """The prefix-cache count of req's output, as vLLM's parent request of n children reports it: its
+    final output is made by the last child to finish (ParentRequest.get_outputs) and carries that
+    child's count; an earlier one the first scheduled child's (the first output, read by vLLM's streams)."""
+    if not finished or len(req.seqs) == 1 or not req.finish_order:
+        return req.metrics.num_cached_tokens
+    return req.seqs[next(reversed(req.finish_order))].num_cached_tokens

@@ -62,7 +62,7 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0           # prompt tokens served from the prefix cache (its first scheduled completion's)
 
     @property
     def time_in_queue(self) -> float | None:
@@ -93,15 +93,14 @@ class RequestOutput:
     # and its top alternatives), None for the first; the entries computed so far while it runs.
     # The engine's are floats; LLM.generate returns vLLM's Logprob objects, as for the outputs.
     prompt_logprobs: list[dict[int, float] | dict[int, Logprob] | None] | None = None
+    # Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens). With n > 1
+    # vLLM's output is one child's and carries that child's count: a final output the last to finish
+    # (it completes the parent), an earlier one the first scheduled (output_processor.py: reported_num_cached_tokens).
+    num_cached_tokens: int | None = None
     # vLLM's, for the models and adapters minillm does not run: no LoRA adapter, no encoder prompt
     lora_request = None
     encoder_prompt = None
     encoder_prompt_token_ids = None
-
-    @property
-    def num_cached_tokens(self) -> int | None:
-        """Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens)."""
-        return None if self.metrics is None else self.metrics.num_cached_tokens
 
 
 def reported_prompt_logprobs(req) -> list | None:

@@ -122,6 +122,10 @@ class TokenOutputs:
     def completion_output(self, state: TokenState, seq: Sequence) -> m.SeqOutput:
         """The tokens (and rows) gained since the last report, and the finish if it came."""
         new = seq.token_ids[state.num_prompt_tokens + state.num_sent:]
+        status = seq.status
+        # an n > 1 request's final output reports the count of its last sequence to finish: each sends its own, once
+        is_first_news = state.num_sent == 0 and (new or status.is_finished)
+        cached = seq.num_cached_tokens if is_first_news and seq.params.n > 1 else None
         state.num_sent += len(new)
         rows = None
         if state.want_logprobs:
@@ -129,11 +133,10 @@ class TokenOutputs:
         kv_params = kv_stats = None
         if seq.kv_transfer_params is not None or seq.kv_transfer_stats is not None:
             kv_params, kv_stats = new_kv_reports(state, seq)
-        status = seq.status
         if status.is_finished:
             return m.SeqOutput(seq.index, new, rows, status.finish_reason, seq.stop_reason, state.grammar_terminated,
-                               kv_params, kv_stats)
-        return m.SeqOutput(seq.index, new, rows, None, None, state.grammar_terminated, kv_params, kv_stats)
+                               kv_params, kv_stats, cached)
+        return m.SeqOutput(seq.index, new, rows, None, None, state.grammar_terminated, kv_params, kv_stats, cached)
 
     def request_output(self, req, finished: bool) -> m.RequestStepOutput:
         """req's message after a step (req: the engine's Request), with the prompt_logprobs entries it

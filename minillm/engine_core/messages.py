@@ -97,6 +97,7 @@ class SeqOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     grammar_terminated: bool | None = None               # constrained: its matcher took an EOS (not text)
     kv_transfer_params: dict[str, Any] | None = None     # a KV transfer's word on it, sent once each
     kv_transfer_stats: dict[str, Any] | None = None      # (RequestOutput's fields of these names)
+    num_cached_tokens: int | None = None                 # its prefix-cache count, in its first report with news
 
 
 class RequestStepOutput(msgspec.Struct, array_like=True):

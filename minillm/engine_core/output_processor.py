@@ -21,7 +21,8 @@ from typing import Any
 
 from minillm.engine_core import messages as m
 from minillm.output_processor import (
-    CompletionState, add_token, new_state, prompt_logprobs_context, prompt_logprobs_entry, request_output,
+    CompletionState, add_token, new_state, note_finishes, prompt_logprobs_context, prompt_logprobs_entry,
+    request_output,
 )
 from minillm.outputs import RequestMetrics, RequestOutput
 from minillm.sampling_params import RequestOutputKind, SamplingParams
@@ -41,6 +42,7 @@ class SequenceMirror:
     stop_reason: int | str | None = None
     core_finish_reason: str | None = None    # how the core ended it, once it says
     structured_output: GrammarState | None = None   # constrained: what the core says of its matcher
+    num_cached_tokens: int = 0               # its prefix-cache count (the core sends it for n > 1)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -92,6 +94,7 @@ class FrontendRequest:
     final_only: bool = False                 # RequestOutputKind.FINAL_ONLY: one output, once finished
     is_delta: bool = False                   # RequestOutputKind.DELTA: each output only what is new
     is_prompt_logprobs_sent: bool = False    # a delta request's prompt_logprobs go out once, whole
+    finish_order: dict[int, None] = field(default_factory=dict)   # n > 1: its sequences' indices as they finished
 
     @property
     def is_followed(self) -> bool:
@@ -174,6 +177,8 @@ class OutputProcessor:
         for seq in req.seqs:
             if not seq.is_finished:
                 seq.status = SequenceStatus.FINISHED_ABORTED
+        if len(req.seqs) > 1:
+            note_finishes(req)
         return handle, self._output(req, now, count=req.is_accepted)
 
     def process(self, step: m.StepOutputs, now: float) -> ProcessedStep:
@@ -197,6 +202,8 @@ class OutputProcessor:
                 moved = True    # a prefill chunk's step: reported as the engine reports it (_output decides)
             for seq_out in out.seqs:
                 moved |= self._apply(req, seqs[seq_out.index], seq_out, stops)
+            if len(seqs) > 1:
+                note_finishes(req)
             metrics = req.metrics
             metrics.first_scheduled_time = out.first_scheduled_time
             metrics.first_token_time = out.first_token_time
@@ -225,6 +232,8 @@ class OutputProcessor:
             req.kv_transfer_params = out.kv_transfer_params
         if out.kv_transfer_stats is not None:
             req.kv_transfer_stats = out.kv_transfer_stats
+        if out.num_cached_tokens is not None:
+            seq.num_cached_tokens = out.num_cached_tokens
         if req.handle is None or seq.is_finished:
             return False
         tokens, rows = out.new_token_ids, out.new_logprobs

@@ -153,14 +153,26 @@ class ServingContext:
         asked = req.return_tokens_as_token_ids
         return self.return_tokens_as_token_ids if asked is None else asked
 
-    def usage(self, outputs: list[RequestOutput], completion_tokens: int) -> dict:
+    def usage(self, outputs: list[RequestOutput], completion_tokens: int, is_stream: bool = False) -> dict:
         """The usage block of a response's final outputs: their prompt tokens and the completion
         tokens given, with vLLM's prompt_tokens_details (the prompt tokens served from the prefix
-        cache) under --enable-prompt-tokens-details."""
+        cache) under --enable-prompt-tokens-details: a stream's as its first output counted them."""
         block = usage(sum(len(o.prompt_token_ids) for o in outputs), completion_tokens)
         if self.enable_prompt_tokens_details:
-            block["prompt_tokens_details"] = {"cached_tokens": sum(o.num_cached_tokens or 0 for o in outputs)}
+            count = first_output_cached_tokens if is_stream else final_cached_tokens
+            block["prompt_tokens_details"] = {"cached_tokens": sum(count(o) for o in outputs)}
         return block
+
+
+def final_cached_tokens(output: RequestOutput) -> int:
+    """A request's prefix-cache hits as its final output counts them (with n > 1 its last finisher's)."""
+    return output.num_cached_tokens or 0
+
+
+def first_output_cached_tokens(output: RequestOutput) -> int:
+    """A request's prefix-cache hits as its first output counted them, which vLLM's streams report
+    (first_iteration): with n > 1 its first scheduled completion's."""
+    return 0 if output.metrics is None else output.metrics.num_cached_tokens
 
 
 # A request body past LARGE_BODY_BYTES (json_body.py) is validated in the preprocessing pool, not on

@@ -352,9 +352,9 @@ class ChatJob:
         tags = thinking_tag_ids(self.ctx.tokenizer)
         return sum(self.parsers.reasoning.count_reasoning_tokens(comp.token_ids, tags) for comp in final.outputs)
 
-    def usage(self, final: RequestOutput) -> dict:
+    def usage(self, final: RequestOutput, is_stream: bool = False) -> dict:
         """The reply's usage, with vLLM's completion_tokens_details.reasoning_tokens under a reasoning parser."""
-        block = self.ctx.usage([final], sum(len(c.token_ids) for c in final.outputs))
+        block = self.ctx.usage([final], sum(len(c.token_ids) for c in final.outputs), is_stream)
         num_reasoning = self.reasoning_tokens(final)
         if num_reasoning is not None:
             block["completion_tokens_details"] = {"reasoning_tokens": num_reasoning}
@@ -414,7 +414,7 @@ class ChatJob:
                             last = ""
         if self.req.include_usage and final is not None:
             chunk = self._chunk([])
-            chunk["usage"] = self.usage(final)
+            chunk["usage"] = self.usage(final, is_stream=True)
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 

@@ -198,9 +198,9 @@ class CompletionJob:
     def _choice_index(self, prompt_index: int, completion: CompletionOutput) -> int:
         return prompt_index * self.req.n + completion.index
 
-    def _usage(self, finals: list[RequestOutput]) -> dict:
+    def _usage(self, finals: list[RequestOutput], is_stream: bool = False) -> dict:
         num_generated = 0 if self.echo_only else sum(len(c.token_ids) for o in finals for c in o.outputs)
-        return self.ctx.usage(finals, num_generated)
+        return self.ctx.usage(finals, num_generated, is_stream)
 
     def _echo_only_choice(self, pi: int, output: RequestOutput, comp: CompletionOutput) -> dict:
         """A choice of an echo without generation: the prompt, its logprobs, finish 'length' (or the
@@ -271,7 +271,7 @@ class CompletionJob:
                         last = ""
         if self.req.include_usage:
             chunk = self._chunk([])
-            chunk["usage"] = self._usage([finals[i] for i in sorted(finals)])
+            chunk["usage"] = self._usage([finals[i] for i in sorted(finals)], is_stream=True)
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 
