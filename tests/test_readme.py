@@ -184,7 +184,7 @@ def test_every_flag_the_readme_names_is_taken_or_refused_with_a_reason():
     from minillm.cli import VLLM_FLAGS_NOT_TAKEN
     text = (REPO / "README.md").read_text()
     flags = {f.replace("_", "-") for f in re.findall(r"(?<![\w-])(--[a-z][a-z0-9_-]*|-[a-z]{2,})\b", text)}
-    flags -= {"-m", "-n", "-e"}         # pip's and pytest's
+    flags -= {"-m", "-n", "-e", "--unix-socket"}         # pip's, pytest's and curl's
     unknown = flags - option_names() - set(VLLM_FLAGS_NOT_TAKEN)
     assert unknown == set()
 
