@@ -1,5 +1,5 @@
 """Parallel sampling (n > 1) where minillm differed from vLLM: which child's prefix-cache count a
-request's output carries."""
+request's output carries, and the order of a chat stream's opening chunks."""
 from __future__ import annotations
 
 import json
@@ -157,3 +157,49 @@ def test_usage_counts_cached_tokens_of_n_completions_as_vllm_does(url, path):
         "prompt_tokens_details"] == {"cached_tokens": 0}
     again = _events(url, path, _body(path, text, stream_options={"include_usage": True}))[-1]["usage"]
     assert again["prompt_tokens_details"] == {"cached_tokens": (again["prompt_tokens"] - 1) // BLOCK * BLOCK}
+
+
+# ---- a chat stream's opening chunks --------------------------------------------------------------------
+# vLLM's chat_completion_stream_generator, on its first output, sends one chunk per choice index with
+# the role (content "", logprobs and finish_reason null; prompt_token_ids and prompt_text set, null
+# unless asked), then one per index with the echoed last message where echo repeats one, then content.
+
+
+def _role_choice(index: int) -> dict:
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["plain", "prompt_fields"])
+def test_a_chat_stream_opens_with_every_choices_role_before_any_content(url, asked):
+    # Each choice's role chunk came just before its first content: role 0, content 0, role 1, ...
+    fields = {"return_token_ids": True, "return_prompt_text": True} if asked else {}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    events = _events(url, "/v1/chat/completions",
+                     _body("/v1/chat/completions", "Tom had a ball.", n=3, stream_options=options, **fields))
+    openers, rest = events[:3], events[3:]
+    assert [e["choices"] for e in openers] == [[_role_choice(i)] for i in range(3)]
+    whole = httpx.post(f"{url}/v1/chat/completions", json=_body(
+        "/v1/chat/completions", "Tom had a ball.", max_tokens=1, return_token_ids=True, return_prompt_text=True),
+        timeout=60).json()
+    for event in openers:
+        assert event["prompt_token_ids"] == (whole["prompt_token_ids"] if asked else None)
+        assert event["prompt_text"] == (whole["prompt_text"] if asked else None)
+        assert event["usage"]["completion_tokens"] == 0
+    assert all("role" not in c["delta"] and "prompt_text" not in e for e in rest for c in e["choices"])
+    assert {c["index"] for e in rest for c in e["choices"]} == {0, 1, 2}
+
+
+def test_an_echoed_message_follows_every_choices_role(url):
+    # The echo rode in the role chunk's content, each choice's just before its content.
+    messages = [{"role": "user", "content": "Tell a story"}, {"role": "assistant", "content": "Once upon a"}]
+    body = {"model": "stories", "messages": messages, "n": 2, "max_tokens": 3, "echo": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    events = _events(url, "/v1/chat/completions", body)
+    assert [e["choices"] for e in events[:2]] == [[_role_choice(i)] for i in range(2)]
+    assert [e["choices"] for e in events[2:4]] == [
+        [{"index": i, "delta": {"content": "Once upon a"}, "logprobs": None, "finish_reason": None}] for i in range(2)]
+    assert all("prompt_token_ids" not in e for e in events[2:])
+    whole = httpx.post(f"{url}/v1/chat/completions", json={**body, "temperature": 0, "n": 1}, timeout=60).json()
+    streamed = _events(url, "/v1/chat/completions", {**body, "temperature": 0, "n": 1})
+    text = "".join(c["delta"].get("content") or "" for e in streamed for c in e["choices"])
+    assert text == whole["choices"][0]["message"]["content"]

@@ -402,10 +402,13 @@ class ChatJob:
                 for _, output in batch:
                     if not sent:
                         refuse_uncompiled_constraint(self.req, [output], self.constraint_param)
+                    choices = self._choices(output, progress)
+                    if final is None:      # the first output: every choice's opening chunks go first
+                        choices = self._openers(output) + choices
                     final = output
                     self.kv_transfer_stats = output.kv_transfer_stats
-                    events = stream_events(chunks, self._choices(output, progress), output,
-                                           self.req.continuous_usage, with_completion_details=True)
+                    events = stream_events(chunks, choices, output, self.req.continuous_usage,
+                                           with_completion_details=True)
                     if events:
                         last = "".join(events)   # one write per wake-up, however many choices moved
                         if not all_finished(streams):
@@ -418,22 +421,29 @@ class ChatJob:
             last += sse(chunk)
         yield FinalEvent(last + SSE_DONE)
 
+    def _openers(self, output: RequestOutput) -> list[StreamChoice]:
+        """A stream's first chunks, sent with its first output as vLLM sends them (its first_iteration):
+        the n choices' roles (content ""), each with the prompt's ids and text where asked, then the
+        n choices' echo of the last message where echo repeats one."""
+        num_choices, num_reasoning = self.req.n, self._num_reasoning(())
+        prompt_ids = list(output.prompt_token_ids) if self.req.return_token_ids else None
+        prompt_text = self.conversation.text if self.req.return_prompt_text else None
+        openers = [StreamChoice(opening_choice_json(i, {"role": self.role, "content": ""}), 0, prompt_ids,
+                                prompt_text, is_opener=True, num_reasoning=num_reasoning) for i in range(num_choices)]
+        if self.echo_text:
+            openers += [StreamChoice(opening_choice_json(i, {"content": self.echo_text}), 0,
+                                     num_reasoning=num_reasoning) for i in range(num_choices)]
+        return openers
+
     def _choices(self, output: RequestOutput, progress: dict[int, ChoiceProgress]) -> list[StreamChoice]:
-        """Stream choices (role opener, content delta, finish) for the completions that moved."""
-        # With return_token_ids a choice's opener carries the prompt's ids and each later chunk its new tokens.
+        """Stream choices (content delta, finish) for the completions that moved."""
+        # With return_token_ids each chunk carries its new tokens (the prompt's are in the openers).
         choices = []
-        with_ids = bool(self.req.return_token_ids)
-        with_output_ids = with_ids and not self.hides_reasoning
+        with_output_ids = bool(self.req.return_token_ids) and not self.hides_reasoning
         for comp in output.outputs:
             state = progress.get(comp.index)
             if state is None:
                 state = progress[comp.index] = ChoiceProgress(comp.index, self._cursor(), self.num_top or 0)
-            if not state.is_started:
-                state.is_started = True
-                opener = self._choice(comp.index, {"role": self.role, "content": self.echo_text}, None, None)
-                choices.append(StreamChoice(opener, 0, list(output.prompt_token_ids) if with_ids else None,
-                                            self.conversation.text if self.req.return_prompt_text else None,
-                                            is_opener=True, num_reasoning=self._num_reasoning(())))
             update = state.update(comp.text, comp.token_ids, comp.logprobs, comp.finish_reason)
             if update is None:
                 continue
@@ -469,6 +479,11 @@ class ChatJob:
         if not self.req.continuous_usage or self.parsers is None or self.parsers.reasoning is None:
             return None
         return self.parsers.reasoning.count_reasoning_tokens(token_ids, thinking_tag_ids(self.ctx.tokenizer))
+
+
+def opening_choice_json(index: int, delta: dict) -> str:
+    """A choice of a stream's first chunks as vLLM writes it (exclude_unset: no stop_reason)."""
+    return json_dumps({"index": index, "delta": delta, "logprobs": None, "finish_reason": None})
 
 
 async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
