@@ -150,10 +150,11 @@ constexpr int DEC_ELEMS = DEC_NV * KV_VEC;                // elements of a row h
 // through the arithmetic without holding registers; each lane reads back only what it copied
 // itself (no barrier). With its loads held in registers the kernel waited on memory, FP8 most
 // (benchmarks/RESULTS.md); bf16 staged takes 3.0 % less time over the throughput workload's
-// batches on an H100. At most DEC_MAX_STAGES, as many as fit the 48 KB of static shared memory,
-// none where two do not fit (fp32 rows at 8 tokens a lane).
+// batches on an H100. 16-bit caches above GQA 2 keep their loads in registers: staged, the GQA 4
+// build spills (tests/test_cuda_compile.py). At most DEC_MAX_STAGES, as many as fit the 48 KB of
+// static shared memory, none where two do not fit (fp32 rows at 8 tokens a lane).
 #ifndef DEC_MAX_STAGES
-#define DEC_MAX_STAGES 3
+#define DEC_MAX_STAGES (KV_FP8 || GQA <= 2 ? 3 : 0)
 #endif
 constexpr int DEC_SLOTS = 2 * DEC_U * DEC_NV;              // K then V vectors a lane copies a chunk
 constexpr int DEC_STAGE_BYTES = DEC_WARPS * DEC_SLOTS * 32 * (int)sizeof(KVVec);

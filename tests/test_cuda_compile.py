@@ -81,7 +81,7 @@ PREFILL_BUILDS = [("bfloat16", 128, 2, "flash-4w"), ("float16", 64, 8, "flash-4w
 # bf16 and FP8 caches: (dtype, KV_FP8, HEAD_DIM, GQA). Each must fit 128 registers with no spills
 # (four blocks of 128 threads a multiprocessor; more registers would drop one).
 DECODE_BUILDS = [("bfloat16", 0, 128, 2), ("bfloat16", 1, 128, 2), ("float16", 1, 128, 2), ("bfloat16", 1, 64, 4),
-                 ("bfloat16", 0, 64, 4)]
+                 ("bfloat16", 0, 64, 4), ("bfloat16", 0, 64, 1), ("float16", 0, 128, 1)]
 
 
 def nvcc_builds() -> dict[str, tuple[str, list[str]]]:

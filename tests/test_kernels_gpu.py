@@ -667,8 +667,8 @@ def test_fp8_decode_forced_splits_and_block_sizes():
 def test_decode_staged_through_shared_memory_equals_register_loads(monkeypatch, cache, heads, kv_heads, head_dim):
     """Decode copies its chunks through shared memory (DEC_STAGES); the same kernel built with its
     loads in registers (DEC_MAX_STAGES=0) sums in the same order, so the outputs are the same bits:
-    contexts of one token to many chunks a warp, a partial last chunk, forced splits; FP8 and
-    16-bit caches."""
+    contexts of one token to many chunks a warp, a partial last chunk, forced splits; FP8 caches, and
+    16-bit ones at GQA 1 and 2 (above, 16-bit builds keep their loads in registers: both sides alike)."""
     rng = np.random.default_rng(heads + head_dim)
     ctx = [1, 15, 16, 17, 63, 64, 65, 200, 1000, 3001]
     if cache == "fp8":
