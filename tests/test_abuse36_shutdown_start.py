@@ -6,7 +6,18 @@ import signal
 import threading
 import time
 
+import pytest
+
+from minillm.server import app
 from minillm.server.app import ProcessEnds, _join_servers
+
+
+@pytest.fixture
+def server_log(caplog, monkeypatch):
+    """caplog of the server's logger, which a served app in the same process stops from propagating."""
+    monkeypatch.setattr(app.logger, "propagate", True)
+    caplog.set_level(logging.INFO, logger=app.logger.name)
+    return caplog
 
 
 class FakeServer:
@@ -37,25 +48,23 @@ def _serving(flag: bool) -> threading.Event:
     return event
 
 
-def test_a_server_not_serving_yet_at_the_deadline_is_stopped_without_a_failure(caplog):
+def test_a_server_not_serving_yet_at_the_deadline_is_stopped_without_a_failure(server_log):
     servers = [FakeServer("minillm-api-server-0", exits_on_stop=True),
                FakeServer("minillm-api-server-1", exits_on_stop=False)]
     ends = ProcessEnds()
     for proc in servers:
         ends.signalled[proc.name] = signal.SIGTERM
-    with caplog.at_level(logging.INFO, logger="minillm"):
-        _join_servers(servers, [_serving(True), _serving(False)], time.monotonic(), 5.0, ends)
+    _join_servers(servers, [_serving(True), _serving(False)], time.monotonic(), 5.0, ends)
     assert servers[1].exitcode == -signal.SIGKILL
     assert ends.summary() is None                      # the exit status stays 0
-    assert "was not serving yet at the stop's deadline" in caplog.text
-    assert "did not stop within" not in caplog.text
+    assert "was not serving yet at the stop's deadline" in server_log.text
+    assert "did not stop within" not in server_log.text
 
 
-def test_a_started_server_that_does_not_stop_is_still_a_failure(caplog):
+def test_a_started_server_that_does_not_stop_is_still_a_failure(server_log):
     servers = [FakeServer("minillm-api-server-0", exits_on_stop=False)]
     ends = ProcessEnds()
     ends.signalled[servers[0].name] = signal.SIGTERM
-    with caplog.at_level(logging.INFO, logger="minillm"):
-        _join_servers(servers, [_serving(True)], time.monotonic(), 5.0, ends)
-    assert "minillm-api-server-0 did not stop within 5.0 s; killing it" in caplog.text
+    _join_servers(servers, [_serving(True)], time.monotonic(), 5.0, ends)
+    assert "minillm-api-server-0 did not stop within 5.0 s; killing it" in server_log.text
     assert ends.summary() == "exit status 1: minillm-api-server-0 killed by SIGKILL"
