@@ -17,7 +17,7 @@ import pytest
 import zmq
 from core_hooks import install
 from test_server_failure import REPO
-from test_server_helpers import call_utility, get_stats, sse_events, started_url, wait_for
+from test_server_helpers import call_utility, get_stats, listening_address, sse_events, started_url, wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine_core import messages as m
@@ -211,6 +211,8 @@ def test_serve_stops_every_api_server_when_one_dies_and_the_core_aborts_the_dead
     try:
         url = started_url(proc, log, timeout=120)
         victim = int(re.search(r"API server 1 in process (\d+)", log.read_text()).group(1))
+        # The log's URL is the first server's: the connections wait until the victim listens too.
+        assert wait_for(lambda: listening_address(victim), timeout=120), log.read_text()
         # Sixteen connections: the kernel puts some on each server (all on one: 1 in 32,768).
         streams = [_Stream(url, 250) for _ in range(16)]
         assert all(stream.first.wait(60) for stream in streams)

@@ -155,21 +155,26 @@ def started_url(proc: subprocess.Popen, log: Path, timeout: float = 180) -> str:
     return address
 
 
+def listening_address(pid: int) -> str | None:
+    """The base URL of an IPv4 TCP port process pid listens on, read from /proc; None while it listens on none."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            inodes.add(os.readlink(f"/proc/{pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
+    with open(f"/proc/{pid}/net/tcp") as table:
+        for fields in (line.split() for line in list(table)[1:]):
+            if fields[3] == "0A" and fields[9] in inodes:        # 0A: LISTEN
+                address, port = fields[1].split(":")
+                return f"http://{socket.inet_ntoa(bytes.fromhex(address)[::-1])}:{int(port, 16)}"
+    return None
+
+
 def listening_url(proc: subprocess.Popen, log: Path, timeout: float = 180) -> str:
     """The base URL of the IPv4 TCP port proc listens on, read from /proc: for a server started with
     --port 0 whose log names no URL (uvicorn's info lines turned off)."""
     def url():
         assert proc.poll() is None, log.read_text()
-        inodes = set()
-        for fd in os.listdir(f"/proc/{proc.pid}/fd"):
-            with contextlib.suppress(OSError):
-                inodes.add(os.readlink(f"/proc/{proc.pid}/fd/{fd}").removeprefix("socket:[").removesuffix("]"))
-        with open(f"/proc/{proc.pid}/net/tcp") as table:
-            for fields in (line.split() for line in list(table)[1:]):
-                if fields[3] == "0A" and fields[9] in inodes:        # 0A: LISTEN
-                    address, port = fields[1].split(":")
-                    return f"http://{socket.inet_ntoa(bytes.fromhex(address)[::-1])}:{int(port, 16)}"
-        return None
+        return listening_address(proc.pid)
     address = wait_for(url, timeout=timeout, interval=0.05)
     assert address, f"nothing listening after {timeout} s:\n{log.read_text()}"
     return address
