@@ -29,7 +29,8 @@ def config(stories_path):
 
 
 class TwoClients:
-    """An EngineCoreProc for two API servers on this thread, its sockets over inproc."""
+    """An EngineCoreProc for two API servers on this thread, its sockets over inproc; `presences` holds
+    the write end of each server's presence pipe (closing one is that server's process ending)."""
 
     def __init__(self, config):
         self.ctx = zmq.Context()
@@ -39,7 +40,10 @@ class TwoClients:
         for i, sock in enumerate(self.outputs):
             sock.bind(f"inproc://outputs-{i}")
         self.parent_end, self.child_end = multiprocessing.Pipe(duplex=False)
-        spec = CoreSpec(config, ["inproc://commands"], ["inproc://outputs-0", "inproc://outputs-1"], self.parent_end)
+        pipes = [multiprocessing.Pipe(duplex=False) for _ in range(2)]
+        self.presences = [writer for _, writer in pipes]
+        spec = CoreSpec(config, ["inproc://commands"], ["inproc://outputs-0", "inproc://outputs-1"], self.parent_end,
+                        presence_pipes=[reader for reader, _ in pipes])
         input_sock, output_socks = _connect(self.ctx, spec)
         self.input_sock = input_sock
         self.core = EngineCore(config, log=lambda _: None)

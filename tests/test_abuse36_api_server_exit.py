@@ -10,18 +10,16 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import httpx
 import pytest
-import zmq
 from core_hooks import install
+from test_abuse30_ids_core import TwoClients, _add, _live
 from test_server_failure import REPO
 from test_server_helpers import call_utility, get_stats, listening_address, sse_events, started_url, wait_for
 
 from minillm.config import EngineConfig
 from minillm.engine_core import messages as m
-from minillm.engine_core.core import CoreSpec, EngineCore, EngineCoreProc, _connect
 from minillm.server.app import ServerOptions, ServerThread, create_app
 
 MODEL = "stories"
@@ -65,66 +63,22 @@ class _Stream(threading.Thread):
                 and events[-1]["choices"][0]["finish_reason"] == "length")
 
 
-class _CoreOfTwo:
-    """An EngineCoreProc for two API servers on this thread (inproc sockets); `presences` holds the
-    write end of each server's presence pipe."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        self.ctx = zmq.Context()
-        self.commands = self.ctx.socket(zmq.PUSH)
-        self.commands.bind("inproc://commands")
-        self.outputs = [self.ctx.socket(zmq.PULL) for _ in range(2)]
-        for i, sock in enumerate(self.outputs):
-            sock.bind(f"inproc://outputs-{i}")
-        parent_end, self.starter = mp.Pipe(duplex=False)
-        pipes = [mp.Pipe(duplex=False) for _ in range(2)]
-        self.presences = [writer for _, writer in pipes]
-        spec = CoreSpec(config, ["inproc://commands"], ["inproc://outputs-0", "inproc://outputs-1"], parent_end,
-                        presence_pipes=[reader for reader, _ in pipes])
-        self.input_sock, output_socks = _connect(self.ctx, spec)
-        self.core = EngineCore(config, log=lambda _: None)
-        self.proc = EngineCoreProc(self.core, spec, self.input_sock, output_socks)
-        self.encoder, self.decoder = m.encoder(), m.up_decoder()
-        self.ids = self.core.engine.tokenizer.encode("Once upon a time", add_special_tokens=True)
-
-    def add(self, request_id: str, client: int) -> None:
-        """Send an add from a server and run the core once it has arrived (its batch, then a step)."""
-        fields = {"max_tokens": GHOST_TOKENS, "temperature": 0.0, "ignore_eos": True}
-        self.commands.send(self.encoder.encode(m.AddRequest(request_id, self.ids, fields, time.time(), client)))
-        assert self.input_sock.poll(30_000), "the add never reached the core's socket"
-        assert self.proc.run_once()
-
-    def live(self) -> list[str]:
-        """The ids of the engine's unfinished requests."""
-        return sorted(rid for rid, req in self.core.engine.requests.items() if not req.is_finished)
-
-    def taken(self, client: int) -> list:
-        """Every message sent to a server so far."""
-        got = []
-        while self.outputs[client].poll(0):
-            got.append(self.decoder.decode(self.outputs[client].recv()))
-        return got
-
-    def close(self) -> None:
-        self.core.engine.shutdown()
-        self.ctx.destroy(linger=0)
-
-
 def test_the_core_aborts_only_a_gone_servers_requests_and_refuses_its_late_adds(stories_path):
-    core = _CoreOfTwo(EngineConfig(model=str(stories_path), device="cpu"))
+    core = TwoClients(EngineConfig(model=str(stories_path), device="cpu"))
+    ghost = {"max_tokens": GHOST_TOKENS, "temperature": 0.0, "ignore_eos": True}
     try:
         for request_id, client in (("a", 0), ("b", 1), ("c", 1)):
-            core.add(request_id, client)
-        assert core.live() == ["a", "b", "c"]
+            core.send(_add(core, request_id, client, ghost))
+        assert _live(core) == ["a", "b", "c"]
         core.presences[1].close()           # its process is gone
         assert core.proc.run_once()
-        assert core.live() == ["a"]
+        assert _live(core) == ["a"]
         assert core.proc.snapshot(summary=True)[0].num_requests_finished == {"abort": 2}
-        core.taken(0)
-        core.add("d", 1)                    # sent before it went, read after: nobody would read its outputs
-        assert core.live() == ["a"]
+        core.take(0)
+        core.send(_add(core, "d", 1, ghost))  # sent before it went, read after: nobody would read its outputs
+        assert _live(core) == ["a"]
         assert core.proc.run_once()
-        reports = [out for message in core.taken(0) if isinstance(message, m.StepOutputs) for out in message.outputs]
+        reports = [out for message in core.take(0) if isinstance(message, m.StepOutputs) for out in message.outputs]
         assert reports and {out.request_id for out in reports} == {"a"} and not any(out.finished for out in reports)
     finally:
         core.close()
