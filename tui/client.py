@@ -274,8 +274,9 @@ class LiveSource:
         # No read timeout on the stream beyond a generous one: a quiet server still sends events.
         timeout = httpx.Timeout(5.0, read=max(10.0, 20 * self.interval_s))
         # trust_env off (no proxy from the environment); $SSL_CERT_FILE is still honoured, as chat honours it.
-        transport = httpx.AsyncHTTPTransport(uds=self.uds, verify=env_ssl_verify()) if self.uds else None
-        return httpx.AsyncClient(headers=self.headers, timeout=timeout, trust_env=False, verify=env_ssl_verify(),
+        verify = env_ssl_verify()
+        transport = httpx.AsyncHTTPTransport(uds=self.uds, verify=verify) if self.uds else None
+        return httpx.AsyncClient(headers=self.headers, timeout=timeout, trust_env=False, verify=verify,
                                  transport=transport)
 
     async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:

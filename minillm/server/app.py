@@ -1075,7 +1075,7 @@ def run_api_servers(config: Any, host: str, port: int, options: ServerOptions, c
         if not stopping.is_set():
             stop_servers()
         deadline = shutdown_deadline(options, stop_began[0])
-        # a second Ctrl-C still forces
+        # While it waits, a second Ctrl-C still forces the servers' exit (stop_servers is the handler).
         _join_servers(servers, serving, deadline, deadline - stop_began[0], ends)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -51,11 +51,11 @@ class TransportOptions:
         if not self.is_tls:
             for name in ("ssl_keyfile", "ssl_ca_certs", "ssl_ciphers", "enable_ssl_refresh", "ssl_cert_reqs"):
                 if getattr(self, name):
-                    raise ValueError(f"{name} and ssl_certfile go together: it takes effect with TLS, which the certificate "
-                                     "file turns on; give that too")
+                    raise ValueError(f"{name} and ssl_certfile go together: it takes effect with TLS, which the "
+                                     "certificate file turns on; give that too")
         if self.ssl_cert_reqs and not self.ssl_ca_certs:
-            raise ValueError(f"ssl_cert_reqs and ssl_ca_certs go together: checking client certificates ({self.ssl_cert_reqs}) "
-                             "needs the CA file to check them against; give that too")
+            raise ValueError(f"ssl_cert_reqs and ssl_ca_certs go together: checking client certificates "
+                             f"({self.ssl_cert_reqs}) needs the CA file to check them against; give that too")
 
     @property
     def is_tls(self) -> bool:
