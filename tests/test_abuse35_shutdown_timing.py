@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 from test_server_failure import REPO, _serve, _Stream
-from test_server_helpers import sse_events
+from test_server_helpers import listening_address, sse_events, wait_for
 
 from minillm.server.app import API_SERVER_EXIT_MARGIN_S, ProcessEnds
 
@@ -75,6 +75,8 @@ def test_an_api_server_that_does_not_stop_is_killed_at_the_one_shutdown_deadline
     with _serve(tmp_path, _two_servers(stories_path, "--timeout-graceful-shutdown", str(timeout_s))) \
             as (proc, url, log):
         stuck = int(re.search(r"API server 1 in process (\d+)", log.read_text()).group(1))
+        # The log's URL is the first server's: the streams wait until the second listens (and serves) too.
+        assert wait_for(lambda: listening_address(stuck), timeout=120), log.read_text()
         _streams_in_flight(url, 20)     # the kernel spreads them over both servers
         os.kill(stuck, signal.SIGSTOP)  # its share of the core's outputs piles up in the core
         try:

@@ -123,8 +123,10 @@ def test_uds_with_two_api_servers_shares_one_socket(tmp_path):
                           timeout=60) as client:
             response = client.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 200, response.text
-        # both API servers hold the one listening socket (each accepts on it)
-        assert all(_holds_socket(pid, path) for pid in _api_server_pids(log)), log.read_text()
+        # both API servers hold the one listening socket (each accepts on it); the log's URL line is the
+        # first one's, so the second may still be taking the socket over
+        pids = _api_server_pids(log)
+        assert wait_for(lambda: all(_holds_socket(pid, path) for pid in pids), timeout=120), log.read_text()
     finally:
         stop_server(proc)
     assert proc.returncode == 0, log.read_text()

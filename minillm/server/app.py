@@ -891,10 +891,10 @@ def _run_api_server(spec: APIServerSpec) -> None:
         from minillm.engine_stats import describe_engine
         print(describe_engine(engine.startup_stats), file=sys.stderr, flush=True)
     try:
+        if spec.serving is not None:       # before it listens: a server seen listening is one that serves
+            spec.serving.set()
         sock = api_server_socket(spec)
         log_level = api_server_log_level(spec.options.uvicorn_log_level, spec.index)
-        if spec.serving is not None:
-            spec.serving.set()
         serve_http(engine, spec.options, {"log_level": log_level}, sockets=[sock], parent=spec.parent, stop=stop,
                    interrupt_forces=True)
     finally:
