@@ -375,7 +375,7 @@ def _check_schema_bounds(schema: Any) -> None:
     for node in _subschemas(schema):        # schemas, not const or enum data
         _check_patterns(node)
         _check_number_bounds(node)
-    _check_finite_instance(schema)
+    check_finite_instance(schema)
 
 
 def _check_patterns(node: dict) -> None:
@@ -391,7 +391,7 @@ def _check_patterns(node: dict) -> None:
                                                  f"not supported: {e}") from None
 
 
-def _check_finite_instance(schema: Any) -> None:
+def check_finite_instance(schema: Any) -> None:
     """A StructuredOutputsError for a schema whose every instance holds another instance of one of its
     $ref targets (a required property, a non-empty array's item, an allOf, every anyOf or oneOf branch
     leads back): it has no finite instance, and llguidance's parser grows until it reaches a limit."""
@@ -426,6 +426,7 @@ class _InstanceGraph:
     def __init__(self, schema: dict) -> None:
         self.root = schema
         self.nodes = list(_subschemas(schema))
+        self.resource = _resource_roots(schema, self.nodes)
         self.node_ids = {id(node) for node in self.nodes}
         self.follow_refs = True
         self.finite: set[int] = set()
@@ -458,7 +459,7 @@ class _InstanceGraph:
                 continue
             seen.add(id(node))
             ref = node.get("$ref")
-            if isinstance(ref, str) and not self._is_done(self._target(ref)) and ref not in refs:
+            if isinstance(ref, str) and not self._is_done(self._target(ref, node)) and ref not in refs:
                 refs.append(ref)
             values = self._value_needs(node)
             is_inside_value = is_inside_value or not all(self._is_done(s) for s in values)
@@ -473,7 +474,7 @@ class _InstanceGraph:
 
     def _needs(self, node: dict) -> list[Any]:
         """Every subschema whose instance node's instance may have to hold."""
-        needs = [self._target(node["$ref"])] if self.follow_refs and isinstance(node.get("$ref"), str) else []
+        needs = [self._target(node["$ref"], node)] if self.follow_refs and isinstance(node.get("$ref"), str) else []
         for name in ("allOf", "anyOf", "oneOf"):
             if isinstance(node.get(name), list):
                 needs.extend(node[name])
@@ -487,7 +488,8 @@ class _InstanceGraph:
 
     def _holds(self, node: dict) -> bool:
         """Whether node has a finite instance, given those of its subschemas known so far."""
-        if self.follow_refs and isinstance(node.get("$ref"), str) and not self._is_done(self._target(node["$ref"])):
+        ref = node.get("$ref") if self.follow_refs else None
+        if isinstance(ref, str) and not self._is_done(self._target(ref, node)):
             return False
         if isinstance(node.get("allOf"), list) and not all(self._is_done(s) for s in node["allOf"]):
             return False
@@ -509,13 +511,15 @@ class _InstanceGraph:
         extra = _extra_property_schemas(node)
         return not extra or any(self._is_done(s) for s in extra)
 
-    def _target(self, ref: str) -> Any:
-        """The subschema a $ref within the document names; None for any other $ref."""
+    def _target(self, ref: str, holder: dict) -> Any:
+        """The subschema a $ref within holder's resource (the document, or the nearest enclosing
+        subschema with an $id) names; None for any other $ref."""
+        root = self.resource.get(id(holder), self.root)
         if ref == "#":
-            return self.root
+            return root
         if not ref.startswith("#/"):
             return None
-        node = self.root
+        node = root
         for part in ref[2:].split("/"):
             part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict):
@@ -525,6 +529,17 @@ class _InstanceGraph:
             else:
                 return None
         return node
+
+
+def _resource_roots(schema: dict, nodes: list[dict]) -> dict[int, dict]:
+    """Each node's (by id) resource root: the nearest subschema above or at it with an $id, else schema;
+    nodes: _subschemas(schema), each after the node that holds it."""
+    roots = {id(schema): schema}
+    for node in nodes:
+        for child in _children(node):
+            if isinstance(child, dict) and id(child) not in roots:
+                roots[id(child)] = child if isinstance(child.get("$id"), str) else roots[id(node)]
+    return roots
 
 
 def _required_names(node: dict) -> list[str]:
@@ -1262,13 +1277,18 @@ def _subschemas(schema: Any):
         if not isinstance(node, dict):
             continue
         yield node
-        for name in _SUBSCHEMA_MAPS:
-            if isinstance(node.get(name), dict):
-                todo.extend(node[name].values())
-        todo.extend(node.get(name) for name in _SUBSCHEMA_KEYS)
-        for name in _SUBSCHEMA_LISTS:
-            if isinstance(node.get(name), list):
-                todo.extend(node[name])
+        todo.extend(_children(node))
+
+
+def _children(node: dict) -> list[Any]:
+    """The values of node's subschema keywords (not all of them dicts)."""
+    children = [child for name in _SUBSCHEMA_MAPS if isinstance(node.get(name), dict)
+                for child in node[name].values()]
+    children.extend(node.get(name) for name in _SUBSCHEMA_KEYS)
+    for name in _SUBSCHEMA_LISTS:
+        if isinstance(node.get(name), list):
+            children.extend(node[name])
+    return children
 
 
 def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = False) -> str:

@@ -62,12 +62,24 @@ class ForcedToolCalls:
         given); a schema that does not compile is a 400 naming param (or the tool whose parameters make the
         array's schema fail)."""
         from minillm.server.structured import checked_params
+        self._check_each_tool_ends()
         try:
             return checked_params(lambda field: self.param, json=self.schema, reasoning=reasoning)
         except APIError:
             for i, schema in enumerate(self.tool_schemas):
                 checked_params(lambda field: f"tools.{i}.function.parameters", json=schema)
             raise
+
+    def _check_each_tool_ends(self) -> None:
+        """A 400 naming the tool whose parameters have no finite instance: under "required" another tool's
+        branch keeps the array's schema finite, and llguidance's parser then grows past its limits."""
+        from minillm.structured_output import StructuredOutputsError, check_finite_instance
+        for i, schema in enumerate(self.tool_schemas):
+            try:
+                check_finite_instance(schema)
+            except StructuredOutputsError as exc:
+                param = f"tools.{i}.function.parameters"
+                raise APIError(400, f"{param}: {str(exc).split(': ', 1)[-1]}", param=param) from None
 
     def calls(self, text: str) -> list[dict]:
         """The tool_calls of a finished output's text (a required array cut short: its whole items)."""
