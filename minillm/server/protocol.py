@@ -144,12 +144,22 @@ class _GenerationRequest(_ModelRequest):
     cache_salt: Text | None = None                      # vLLM's: prefix-cache blocks shared only with the same salt
     # vLLM's: with --scheduling-policy priority a lower value is served first; under fcfs only 0 (or null)
     priority: int | None = None
+    # vLLM's: a stream sends a chunk once a completion has this many new tokens (and its first and last at once)
+    stream_interval: int | None = None
 
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
         if value == "":       # as vLLM refuses it: an unset variable must not quietly mean "no salt"
             raise PydanticCustomError("empty_salt", "cache_salt must be a non-empty string if provided")
+        return value
+
+    @field_validator("stream_interval")
+    @classmethod
+    def _interval_positive(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:     # vLLM's Field(ge=1)
+            raise PydanticCustomError("stream_interval", "stream_interval must be an integer >= 1, got {value}",
+                                      {"value": value})
         return value
 
     @field_validator("response_format", "structured_outputs", "kv_transfer_params")

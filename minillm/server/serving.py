@@ -300,17 +300,20 @@ async def submit(ctx: ServingContext, request_ids: list[str], prompts: list[list
     return streams
 
 
-async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
+async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stream_interval: int = 1
                          ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Per wake-up, [(prompt index, latest output)] for the streams that moved; leaving early aborts.
 
     Outputs are cumulative, so when several steps passed while the caller was busy only the
     newest of each request is passed on (the queue keeps no more): a loaded server sends fewer,
     larger chunks instead of falling further behind. Every output still fed the latency
-    histograms as it arrived (the streams' observers).
+    histograms as it arrived (the streams' observers). stream_interval (vLLM's): an output is
+    held back until one of its completions has that many tokens not yet passed on, has its first
+    token or has finished (is_due).
     """
     queue = streams[0].queue          # submit() gives the streams of one call a shared queue
     index_of = {id(s): i for i, s in enumerate(streams)}
+    passed_on: dict[int, list[int]] = {}   # prompt index -> each completion's tokens when last passed on
     remaining = len(streams)
     try:
         while remaining:
@@ -324,11 +327,24 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream]
                 if payload.finished:
                     stream.finished = True
                     remaining -= 1
-            yield sorted(latest.items())
+            due = [(i, out) for i, out in sorted(latest.items()) if is_due(out, passed_on.get(i), stream_interval)]
+            for i, out in due:
+                passed_on[i] = [len(c.token_ids) for c in out.outputs]
+            if due:
+                yield due
     finally:
         for stream in streams:
             if not stream.finished:
                 ctx.engine.abort(stream.request_id)
+
+
+def is_due(output: RequestOutput, passed_on: list[int] | None, stream_interval: int) -> bool:
+    """Whether a stream's output goes out now under vLLM's stream_interval: its first, its last, or one
+    where a completion has its first token, has finished or has stream_interval tokens not yet passed on."""
+    if output.finished or passed_on is None or stream_interval <= 1:
+        return True
+    return any(c.finished() or (n := len(c.token_ids)) - sent >= stream_interval or (sent == 0 and n > 0)
+               for c, sent in zip(output.outputs, passed_on))
 
 
 def all_finished(streams: list[RequestStream]) -> bool:

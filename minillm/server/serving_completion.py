@@ -253,7 +253,8 @@ class CompletionJob:
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         sent = False   # nothing sent yet: the status line is still ours to choose
-        async with contextlib.aclosing(merged_outputs(self.ctx, streams)) as batches:
+        outputs = merged_outputs(self.ctx, streams, self.req.stream_interval or 1)
+        async with contextlib.aclosing(outputs) as batches:
             async for batch in batches:
                 events = []
                 for pi, output in batch:
