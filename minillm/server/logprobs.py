@@ -5,7 +5,7 @@ from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from minillm.output_processor import prompt_logprobs_context, ranked_logprobs
-from minillm.tokenizer import IncrementalDetokenizer
+from minillm.tokenizer import MAX_LOGPROB_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
 def token_id_placeholder(token_id: int) -> str:
@@ -53,14 +53,24 @@ class TokenTexts:
             self._cache.popitem(last=False)
         return text
 
+    def named(self, prev_id: int | None, token_id: int, context: list[int]) -> str:
+        """text(), but a token that ends inside a character is named as vLLM's Logprob.decoded_token names it:
+        read after CONTEXT (the tokens before it), the character it completes, or "" while unfinished."""
+        text = self.text(prev_id, token_id)
+        if not text.endswith(REPLACEMENT_CHAR):
+            return text
+        return self.tokenizer.logprob_token_text(token_id, context)
+
 
 class LogprobCursor:
     """Walks one completion's tokens, producing their strings and text offsets incrementally."""
 
     def __init__(self, texts: TokenTexts, prompt_token_ids: list[int], text_base: int,
                  skip_special_tokens: bool, as_token_ids: bool = False,
-                 spaces_between_special_tokens: bool = True) -> None:
+                 spaces_between_special_tokens: bool = True, context_floor: int = 0) -> None:
         self.texts = texts
+        # a token is named after those of token_ids before it from this index on (a prompt's first has no entry)
+        self.context_floor = context_floor
         self.as_token_ids = as_token_ids    # vLLM's return_tokens_as_token_ids: tokens named "token_id:<id>"
         self.prev_id: int | None = prompt_token_ids[-1] if prompt_token_ids else None
         # offsets index the completion's text, which spaces_between_special_tokens shapes too
@@ -79,29 +89,32 @@ class LogprobCursor:
             token_id, candidates = token_ids[i], logprobs[i]
             offset = self.text_base + len(self.detok.text)
             self.detok.add(token_id)
-            text = self.texts.text(self.prev_id, token_id)
+            context = token_ids[max(self.context_floor, i - MAX_LOGPROB_CONTEXT_TOKENS):i]
+            text = self.texts.named(self.prev_id, token_id, context)
             token = token_id_placeholder(token_id) if self.as_token_ids else text
             if candidates is None:
                 rows.append(LogprobRow(token, None, None, offset, text))
             else:
                 top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
-                top_rows = [(self._name(tid, token_id, token), _finite(lp)) for tid, lp in top]
+                top_rows = [(self._name(tid, token_id, token, context), _finite(lp)) for tid, lp in top]
                 rows.append(LogprobRow(token, _finite(candidates.get(token_id)), top_rows, offset, text))
             self.prev_id = token_id
         self.num_done = max(self.num_done, end)
         return rows
 
-    def _name(self, token_id: int, chosen_id: int, chosen: str) -> str:
+    def _name(self, token_id: int, chosen_id: int, chosen: str, context: list[int]) -> str:
         """How an alternative to the chosen token is named (in the chosen token's context)."""
         if token_id == chosen_id:
             return chosen
-        return token_id_placeholder(token_id) if self.as_token_ids else self.texts.text(self.prev_id, token_id)
+        return token_id_placeholder(token_id) if self.as_token_ids else self.texts.named(self.prev_id, token_id,
+                                                                                          context)
 
 
 def prompt_logprob_rows(texts: TokenTexts, prompt_token_ids: list[int], entries: list, num_top: int,
                         skip_special_tokens: bool, as_token_ids: bool = False) -> list[LogprobRow]:
     """LogprobCursor.advance's rows for a prompt's own tokens (prompt_logprobs entries: None first)."""
-    return LogprobCursor(texts, [], 0, skip_special_tokens, as_token_ids).advance(prompt_token_ids, entries, num_top)
+    cursor = LogprobCursor(texts, [], 0, skip_special_tokens, as_token_ids, context_floor=1)
+    return cursor.advance(prompt_token_ids, entries, num_top)
 
 
 def prompt_logprobs_json(entries: list, prompt_token_ids: list[int], num_top: int, tokenizer: Any) -> list:
