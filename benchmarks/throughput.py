@@ -23,6 +23,7 @@ from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, B
                                          check_workload_tokens, run_main)
 from minillm.benchmarks.workload import (QWEN3_0_6B, Workload, nano_vllm_workload, random_length_range, random_workload,
                                         roofline_seconds, write_random_model_dir)
+from minillm.cli import add_engine_arguments, engine_flag_words
 
 # nano-vllm's workload on a GPU; on the CPU (NumPy) a small one that finishes in seconds.
 GPU_DEFAULTS = {"num_seqs": 256, "max_input_len": 1024, "max_output_len": 1024}
@@ -57,9 +58,8 @@ def parse_args(argv):
     add_kv_cache_memory_option(p)
     p.add_argument("--max-model-len", type=int,
                    help=f"Longest prompt + output (default: {MAX_MODEL_LEN}, or the model's limit when lower).")
-    p.add_argument("--enforce-eager", action="store_true", help="Never capture CUDA graphs.")
-    p.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false", default=None,
-                   help="Read each step's tokens before launching the next.")
+    p.add_argument("--seed", type=int, default=0,
+                   help="Seeds vLLM's random dataset and the engine's sampling (vLLM's --seed).")
     p.add_argument("--temperature", type=float, default=0.6, help="Sampling temperature of every request.")
     p.add_argument("--peer", choices=["hf"], help="Run the same workload through a peer in this run.")
     p.add_argument("--peer-num-seqs", type=int, default=None,
@@ -72,17 +72,40 @@ def parse_args(argv):
                         "time by kind and by kernel; the profiler's cost is inside that run's figure.")
     p.add_argument("--json", help="Write the figures to this file.")
     p.add_argument("--output-json", help="vLLM's name for --json.")
+    engine_names = add_engine_arguments(p)
     args = p.parse_args(argv)
     if args.kernel_profile and args.device == "cpu":
         p.error("--kernel-profile: records CUDA kernels; it needs --device cuda")
     check_bounds(p.prog, args, option_bounds())
     fold_vllm_names(p, args)
+    args.engine_names = [*OWN_ENGINE_OPTIONS, *engine_names]
+    check_engine_arguments(p, args)
     from minillm.sampling_params import SamplingParams
     try:
         SamplingParams(temperature=args.temperature)
     except ValueError as exc:
         p.error(f"--temperature: {exc}")
     return args
+
+
+# This benchmark's own options that set an EngineConfig field (its own defaults and help).
+OWN_ENGINE_OPTIONS = ("device", "dtype", "kv_cache_dtype", "max_num_seqs", "max_num_batched_tokens",
+                      "kv_cache_memory_bytes", "max_model_len", "seed")
+
+
+def engine_arguments(args) -> dict:
+    """The EngineConfig fields the command line sets (LLM's keyword arguments)."""
+    return {name: getattr(args, name) for name in args.engine_names}
+
+
+def check_engine_arguments(p: BenchParser, args) -> None:
+    """The engine options checked as EngineConfig checks them, before anything loads: a bad value
+    is a usage error naming its flag."""
+    from minillm.config import EngineConfig
+    try:
+        EngineConfig(model="", **engine_arguments(args))
+    except ValueError as exc:
+        p.error(engine_flag_words(exc, "seed") or " ".join(str(exc).split()))
 
 
 def add_random_dataset_options(p: BenchParser) -> None:
@@ -190,7 +213,10 @@ def resolve_defaults(args) -> dict:
     check_workload_tokens(PROG, count_option, args.num_seqs, input_option, longest_input)
     if args.model is not None:
         from minillm.loader import resolve_model_path
-        args.model = str(resolve_model_path(args.model))
+        try:
+            args.model = str(resolve_model_path(args.model, args.download_dir, args.revision))
+        except (OSError, ValueError) as exc:
+            raise BenchError(" ".join(str(exc).split())) from None
         config = json.loads((Path(args.model) / "config.json").read_text())
     else:
         config = QWEN3_0_6B
@@ -236,11 +262,13 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     """Seconds for the whole workload through LLM.generate, and the engine's counters."""
     from minillm import LLM, SamplingParams
 
-    llm = LLM(model_dir, device=args.device, dtype=args.dtype, load_format="dummy" if dummy else "auto",
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    try:
+        llm = LLM(model_dir, **{**engine_arguments(args), "load_format": "dummy" if dummy else args.load_format})
+    except ValueError as exc:      # settings the model's own limits refuse ("raise --max-num-batched-tokens")
+        message = engine_flag_words(exc, "seed")
+        if message is None:
+            raise
+        raise BenchUsageError(PROG, message) from None
     params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)          # warm-up
     llm.engine.metrics.timings.clear()
@@ -307,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     check_output_file(args.json, args.given_as.get("json", "--json"))
     config = resolve_defaults(args)
     if args.workload == "random":
-        w = random_workload(args.num_seqs, args.input_len, args.output_len, args.random_range_ratio or 0.0)
+        w = random_workload(args.num_seqs, args.input_len, args.output_len, args.random_range_ratio or 0.0,
+                            seed=args.seed)
         shape = (f" (vLLM's random dataset: {args.input_len} + {args.output_len} tokens each"
                  f"{f', range ratio {args.random_range_ratio:g}' if args.random_range_ratio else ''})")
     else:

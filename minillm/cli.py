@@ -5,6 +5,7 @@ if __name__ == "__main__":      # python -m minillm.cli: started as the console 
     from minillm.entry import main as _entry_main
     _entry_main()
 
+import argparse
 import contextlib
 import dataclasses
 import errno
@@ -474,6 +475,71 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
     chose the directory: it is not passed on)."""
     options = {k: v for k, v in options.items() if k not in ("revision", "threads")}
     return EngineConfig(model=model_path, **options, **overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine options in a benchmark's argparse parser (minillm bench throughput takes generate's)
+# ---------------------------------------------------------------------------------------------
+
+# Engine options that set no EngineConfig field (--threads sets this process's BLAS threads).
+NOT_ENGINE_FIELDS = ("threads",)
+
+
+def add_engine_arguments(parser) -> list[str]:
+    """ENGINE_OPTIONS as options of an argparse PARSER, with the names, help and defaults `minillm
+    generate` gives them; one PARSER already has (by its dest) keeps its own. Returns the names added."""
+    have, added = {a.dest for a in parser._actions}, []
+    for name, (annotation, default) in ENGINE_OPTIONS.items():
+        if name in have or name in NOT_ENGINE_FIELDS:
+            continue
+        kind, info = annotation.__args__[0], annotation.__metadata__[0]
+        decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("-")]
+        kw = dict(dest=name, default=_plain(default), help=info.help)
+        if kind in (bool, Optional[bool]):
+            on, _, off = decls[0].partition("/")
+            parser.add_argument(on, *decls[1:], action=_Toggle if off else "store_true", **kw)
+        else:
+            kind = next(k for k in getattr(kind, "__args__", (kind,)) if k is not type(None))
+            choices = [m.value for m in kind] if isinstance(kind, type) and issubclass(kind, Enum) else None
+            parser.add_argument(*decls, type=None if choices else _argument_type(info, kind), choices=choices,
+                                metavar=info.metavar or (None if choices else f"<{kind.__name__}>"), **kw)
+        added.append(name)
+    return added
+
+
+class _Toggle(argparse.BooleanOptionalAction):
+    """argparse's --x/--no-x action, without the "(default: ...)" it adds to the help."""
+
+    def __init__(self, option_strings, dest, default=None, help=None, **kw):
+        super().__init__(option_strings, dest, default=default, **kw)
+        self.help = help
+
+
+def _argument_type(info, kind: type) -> Callable:
+    """The argparse type of an engine option: its typer callback or type, and its least value."""
+    def convert(text: str):
+        value = kind(text) if info.callback is None else text
+        if info.min is not None and value < info.min:
+            raise argparse.ArgumentTypeError(f"must be at least {info.min}, got {value}")
+        try:
+            return value if info.callback is None else info.callback(value)
+        except typer.BadParameter as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+    convert.__name__ = kind.__name__      # argparse's "invalid int value: 'x'"
+    return convert
+
+
+def engine_flag_words(exc: ValueError, *others: str) -> str | None:
+    """An EngineConfig ValueError in the words of the engine options and of the OTHERS named ("block_size
+    must be a power of two" -> "--block-size must be ..."); None when it starts with none of their names."""
+    flags = {name: (f"--{name.replace('_', '-')}", None) for name in others}
+    for name, (annotation, _) in ENGINE_OPTIONS.items():
+        info = annotation.__metadata__[0]
+        on, _, off = next(d for d in (info.default, *info.param_decls) if str(d).startswith("--")).partition("/")
+        flags[name] = (on, off or None)
+    text = " ".join(str(exc).split())
+    name = text.split(" ", 1)[0].rstrip(":").partition(".")[0]
+    return None if name not in flags else in_flag_words(text, name, flags[name][0], flags)
 
 
 # ctx.meta key: {field: option} for a field the command line set through another option than its
