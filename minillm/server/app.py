@@ -104,6 +104,9 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False    # logprobs name tokens "token_id:<id>" unless a request says
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (prefix-cache hits)
     enable_force_include_usage: bool = False    # every stream ends with a usage chunk, whatever stream_options say
+    # vLLM's --stream-interval: streams send a chunk once a completion has this many new tokens (its
+    # first and last at once); a request's stream_interval may raise it, never lower it.
+    stream_interval: int = 1
     # Chat template variables every conversation gets unless its chat_template_kwargs set them
     # (vLLM's --default-chat-template-kwargs, e.g. {"enable_thinking": false}).
     default_chat_template_kwargs: dict | None = None
@@ -174,6 +177,9 @@ class ServerOptions:
             raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORE_MODES)}, got {self.engine_core!r}")
         if self.api_server_count < 1:
             raise ValueError(f"api_server_count must be >= 1, got {self.api_server_count}")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) or \
+                self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if not 0 < self.timeout_graceful_shutdown <= 3600:
             raise ValueError(f"timeout_graceful_shutdown must be in (0, 3600] seconds, got {self.timeout_graceful_shutdown}")
         if self.shutdown_timeout is not None and not 0 <= self.shutdown_timeout <= 3600:
@@ -472,7 +478,8 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                          enable_force_include_usage=options.enable_force_include_usage,
                          default_chat_template_kwargs=dict(options.default_chat_template_kwargs or {}),
                          reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser,
-                         structured_outputs_in_reasoning=options.structured_outputs_in_reasoning)
+                         structured_outputs_in_reasoning=options.structured_outputs_in_reasoning,
+                         stream_interval=options.stream_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):

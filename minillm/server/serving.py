@@ -95,6 +95,7 @@ class ServingContext:
     reasoning_parser: str | None = None              # --reasoning-parser (server/reasoning_parsers.py)
     tool_call_parser: str | None = None              # with --enable-auto-tool-choice (server/tool_parsers.py)
     structured_outputs_in_reasoning: bool = False    # constraints hold the thinking too (vLLM's enable_in_reasoning)
+    stream_interval: int = 1                         # streams send every this many tokens (--stream-interval)
 
     def __post_init__(self) -> None:
         self.model_names = self.model_names or (self.model_name,)
@@ -300,17 +301,18 @@ async def submit(ctx: ServingContext, request_ids: list[str], prompts: list[list
     return streams
 
 
-async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stream_interval: int = 1
+async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stream_interval: int | None = None
                          ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
     """Per wake-up, [(prompt index, latest output)] for the streams that moved; leaving early aborts.
 
     Outputs are cumulative, so when several steps passed while the caller was busy only the
     newest of each request is passed on (the queue keeps no more): a loaded server sends fewer,
     larger chunks instead of falling further behind. Every output still fed the latency
-    histograms as it arrived (the streams' observers). stream_interval (vLLM's): an output is
-    held back until one of its completions has that many tokens not yet passed on, has its first
-    token or has finished (is_due).
+    histograms as it arrived (the streams' observers). stream_interval (a request's, vLLM's, raised
+    to the server's --stream-interval): an output is held back until one of its completions has that
+    many tokens not yet passed on, has its first token or has finished (is_due).
     """
+    stream_interval = effective_stream_interval(ctx.stream_interval, stream_interval)
     queue = streams[0].queue          # submit() gives the streams of one call a shared queue
     index_of = {id(s): i for i, s in enumerate(streams)}
     passed_on: dict[int, list[int]] = {}   # prompt index -> each completion's tokens when last passed on
@@ -336,6 +338,11 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stre
         for stream in streams:
             if not stream.finished:
                 ctx.engine.abort(stream.request_id)
+
+
+def effective_stream_interval(server_interval: int, request_interval: int | None) -> int:
+    """A request's stream_interval as vLLM applies it: the server's --stream-interval is its floor."""
+    return server_interval if request_interval is None else max(request_interval, server_interval)
 
 
 def is_due(output: RequestOutput, passed_on: list[int] | None, stream_interval: int) -> bool:

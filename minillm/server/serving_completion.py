@@ -253,7 +253,7 @@ class CompletionJob:
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         sent = False   # nothing sent yet: the status line is still ours to choose
-        outputs = merged_outputs(self.ctx, streams, self.req.stream_interval or 1)
+        outputs = merged_outputs(self.ctx, streams, self.req.stream_interval)
         async with contextlib.aclosing(outputs) as batches:
             async for batch in batches:
                 events = []
