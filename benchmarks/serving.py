@@ -135,7 +135,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Token ids of random prompts are drawn from [LO, HI).")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="Let requests stop at EOS (default: always generate --output-len tokens).")
+    p.add_argument("--ignore-eos", dest="ignore_eos", action="store_true",
+                   help="vLLM's flag: generate --output-len tokens past EOS (the default here).")
     p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature.")
+    for name, kind in SAMPLING_OPTIONS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None,
+                       help=f"Each request's {name}, as vLLM's bench serve sends it (default: the server's).")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="vLLM's: gaps between arrivals drawn from a gamma distribution of this shape at "
+                        "--request-rate; 1 is a Poisson process, lower is burstier, higher more even.")
     p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts, arrivals and sampling.")
     p.add_argument("--timeout", type=float, default=600.0, help="Seconds per request.")
     p.add_argument("--num-client-processes", type=int, default=1,
@@ -201,6 +209,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--num-client-processes must be >= 1")
     if not args.request_rate > 0:          # NaN too: 0 divided the Poisson draw by zero, < 0 meant all at once
         p.error(f"--request-rate must be > 0 requests per second (inf: all at once), got {args.request_rate}")
+    if not 0 < args.burstiness < float("inf"):       # NaN too
+        p.error(f"--burstiness must be a finite number > 0, got {args.burstiness}")
+    check_sampling_options(p, args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1 (leave it out for no cap), got {args.max_concurrency}")
     if not args.timeout > 0:
@@ -242,9 +253,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # The workload options the mixed workload has no use for: (the option, its dest).
 _UNUSED_BY_MIXED = [("--num-prompts", "num_prompts"), ("--request-rate", "request_rate"),
-                    ("--max-concurrency", "max_concurrency"), ("--num-client-processes", "num_client_processes"),
-                    ("--prompt", "prompt"), ("--prompts-file", "prompts_file"), ("--save-detailed", "save_detailed"),
-                    ("--step-trace", "step_trace")]
+                    ("--burstiness", "burstiness"), ("--max-concurrency", "max_concurrency"),
+                    ("--num-client-processes", "num_client_processes"), ("--prompt", "prompt"),
+                    ("--prompts-file", "prompts_file"), ("--save-detailed", "save_detailed"), ("--step-trace", "step_trace")]
 
 
 # Each numeric option's bounds, checked after the lower bounds above: past them a run allocates or
@@ -411,10 +422,30 @@ def read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
+# vLLM bench serve's sampling options, sent with each request when given: name -> type.
+SAMPLING_OPTIONS = {"top_p": float, "top_k": int, "min_p": float}
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    """The SAMPLING_OPTIONS given on the command line."""
+    return {name: getattr(args, name) for name in SAMPLING_OPTIONS if getattr(args, name) is not None}
+
+
+def check_sampling_options(p: BenchParser, args: argparse.Namespace) -> None:
+    """--temperature and SAMPLING_OPTIONS checked as SamplingParams checks them: a usage error naming the flag."""
+    from minillm.sampling_params import SamplingParams
+    try:
+        SamplingParams(temperature=args.temperature, **sampling_options(args))
+    except ValueError as exc:
+        name, _, rest = " ".join(str(exc).split()).partition(" ")
+        p.error(f"--{name.replace('_', '-')} {rest}")
+
+
 def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict:
     """The JSON body of one streaming request."""
     body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
-            "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
+            **sampling_options(args), "ignore_eos": args.ignore_eos, "stream": True,
+            "stream_options": {"include_usage": True}}
     if args.endpoint == "/v1/chat/completions":
         body["messages"] = [{"role": "user", "content": prompt if isinstance(prompt, str) else str(prompt)}]
     else:
@@ -587,12 +618,14 @@ async def _stream_request(url: str, body: dict, headers: dict[str, str | bytes],
     return result
 
 
-async def arrivals(n: int, rate: float, rng: random.Random):
-    """Yield request indices at Poisson arrival times (all at once when rate is inf)."""
+async def arrivals(n: int, rate: float, rng: random.Random, burstiness: float = 1.0):
+    """Yield request indices at arrival times of a Poisson process (all at once when rate is inf), or
+    as vLLM's --burstiness draws them: gamma-distributed gaps of shape burstiness and mean 1 / rate."""
     for i in range(n):
         yield i
         if rate != float("inf") and i < n - 1:
-            await asyncio.sleep(rng.expovariate(rate))
+            gap = rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
+            await asyncio.sleep(gap)
 
 
 # Seconds the server has to list its models before the run: an answer that needs no engine step, so
@@ -686,7 +719,8 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
         barrier.wait()
     cpu, start = _cpu_seconds(), time.monotonic()
     tasks = [asyncio.create_task(one(share.indices[k]))
-             async for k in arrivals(len(share.indices), share.request_rate, random.Random(share.seed))]
+             async for k in arrivals(len(share.indices), share.request_rate, random.Random(share.seed),
+                                     args.burstiness)]
     results = await asyncio.gather(*tasks)
     return ShareResult(list(results), start, time.monotonic(), _cpu_seconds() - cpu)
 
@@ -909,7 +943,7 @@ class OfflineCeiling:
 
         self.prompts = build_prompts(args)
         self.params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
-                                     ignore_eos=args.ignore_eos, seed=args.seed)
+                                     ignore_eos=args.ignore_eos, seed=args.seed, **sampling_options(args))
         self.llm = LLM(args.offline_model, **args.offline_engine_args)
         # warm-up: first-call costs are not throughput
         self.llm.generate(self.prompts[:1], self.params, use_tqdm=False)

@@ -92,3 +92,51 @@ def test_a_model_that_is_not_there_is_one_line_from_the_script_too(capsys, tmp_p
     status = run_bench_main(throughput.main, throughput.PROG, ["--model", str(tmp_path / "none"), "--device", "cpu"])
     assert status == 1
     assert one_line(capsys.readouterr().err) == f"minillm bench throughput: error: no such directory: {tmp_path}/none"
+
+
+# bench serving: vLLM bench serve's --ignore-eos, --top-p / --top-k / --min-p and --burstiness were
+# each 'unrecognized arguments'.
+
+def test_serving_sends_vllms_sampling_options_with_each_request():
+    from minillm.benchmarks import serving
+    args = serving.parse_args(["--ignore-eos", "--top-p", "0.9", "--top-k", "5", "--min-p", "0.1"])
+    body = serving.request_body(args, "m", "hi")
+    assert (body["ignore_eos"], body["top_p"], body["top_k"], body["min_p"]) == (True, 0.9, 5, 0.1)
+    assert "top_p" not in serving.request_body(serving.parse_args([]), "m", "hi")     # the server's default
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    (["--top-k", "-3"], "--top-k must be -1 (off), 0 (off) or a positive integer, got -3"),
+    (["--min-p", "nan"], "--min-p must be a finite number, got nan"),
+    (["--burstiness", "0"], "--burstiness must be a finite number > 0, got 0.0"),
+    (["--burstiness", "inf"], "--burstiness must be a finite number > 0, got inf"),
+    (["--mixed-users", "2", "--burstiness", "2"], "--burstiness is not used by --mixed-users"),
+])
+def test_serving_refuses_a_bad_vllm_option_naming_it(args, message):
+    from minillm.benchmarks import serving
+    with pytest.raises(BenchUsageError) as info:
+        serving.parse_args(args)
+    assert message in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize("burstiness", [1.0, 0.25])
+def test_burstiness_draws_gamma_gaps_of_the_rates_mean(monkeypatch, burstiness):
+    import asyncio
+    import random
+
+    from minillm.benchmarks import serving
+    gaps = []
+
+    async def record(seconds):
+        gaps.append(seconds)
+    monkeypatch.setattr(serving.asyncio, "sleep", record)
+
+    async def drain():
+        return [i async for i in serving.arrivals(5, 4.0, random.Random(7), burstiness)]
+    assert asyncio.run(drain()) == list(range(5))
+    rng = random.Random(7)
+    # a shape of 1 is the Poisson process's exponential gaps, as vLLM draws them
+    expected = [rng.expovariate(4.0) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (4.0 * burstiness))
+                for _ in range(4)]
+    assert gaps == expected
