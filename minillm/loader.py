@@ -100,7 +100,7 @@ def _rope(cfg: dict, head_dim: int, max_positions: int) -> tuple[float, dict | N
     params = dict(cfg.get(where) or {})
     theta = (_positive_number(params, "rope_theta", 10000.0, where=where + ".") if "rope_theta" in params
              else _positive_number(cfg, "rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = _rope_type(params)
     if kind == "default":          # transformers' default rotary reads neither a factor nor partial_rotary_factor
         return theta, None
     partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -116,6 +116,27 @@ def _rope(cfg: dict, head_dim: int, max_positions: int) -> tuple[float, dict | N
         # (Phi-3's spelling) wins over the one in the rope parameters
         scaling["original_max_position_embeddings"] = _positive_number(cfg, "original_max_position_embeddings", 0.0)
     return theta, _check_rope_scaling(scaling, head_dim, max_positions)
+
+
+def _rope_type(params: dict):
+    """The rope type of rope parameters as vLLM's patch_legacy_rope_type reads them: rope_type, else the
+    legacy "type"; a ValueError when the two disagree; legacy "su" is longrope and "mrope" (text
+    positions) the default rotary."""
+    kind, legacy = params.get("rope_type"), params.get("type")
+    if "rope_type" in params and "type" in params and kind != legacy \
+            and (legacy, kind) not in (("su", "longrope"), ("mrope", "default")):
+        raise ValueError(f"config.json rope_scaling has conflicting rope_type {short_repr(kind)} (modern field) "
+                         f"and type {short_repr(legacy)} (legacy field); give only one of them")
+    kind = kind if "rope_type" in params else legacy if "type" in params else "default"
+    if kind == "su":
+        logger.warning("config.json rope_scaling type 'su' is read as 'longrope', its current name")
+        return "longrope"
+    if kind == "mrope":
+        if "mrope_section" not in params:
+            raise ValueError("config.json rope_scaling type 'mrope' needs an 'mrope_section'")
+        logger.warning("config.json rope_scaling type 'mrope' is read as 'default' (text positions)")
+        return "default"
+    return kind
 
 
 def _check_rope_scaling(scaling: dict, head_dim: int, max_positions: int) -> dict:
@@ -514,6 +535,7 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str,
     if config.tie_word_embeddings:
         tensors = _tied_tensors(tensors)
     weights: dict[str, np.ndarray] = {}
+    _check_layer_count(path, config, tensors)
     for name, shape in expected_weight_shapes(config).items():
         weights[name] = _load_tensor(path, tensors, name, shape, dtype)
     if "lm_head.weight" in tensors and "lm_head.weight" not in weights:
@@ -572,12 +594,22 @@ def _tied_tensors(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
     return {name: entry for name, entry in tensors.items() if name != "lm_head.weight"} if same else tensors
 
 
+def _check_layer_count(path: Path, config: ModelConfig, tensors: dict[str, TensorEntry]) -> None:
+    """A ValueError when config.json names more layers than the checkpoint holds (before the names of
+    every layer it names are listed: a num_hidden_layers of 10**9 listed them for minutes)."""
+    held = {int(m[1]) for m in map(re.compile(r"model\.layers\.(\d+)\.").match, tensors) if m}
+    if held and max(held) + 1 < config.num_layers:
+        missing = f"model.layers.{max(held) + 1}.input_layernorm.weight"
+        raise ValueError(f"checkpoint in {path} is missing tensor {missing} (config.json's num_hidden_layers "
+                         f"{config.num_layers}, the checkpoint has layers up to {max(held)})")
+
+
 def _load_tensor(path, tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """One named tensor of the checkpoint, its shape checked against config.json's."""
     entry = tensors.get(name)
     if entry is None:
         raise ValueError(f"checkpoint in {path} is missing tensor {name}")
     if entry.shape != shape:
-        raise ValueError(f"tensor {name} has shape {list(entry.shape)}, expected {list(shape)} "
-                         f"from config.json")
+        raise ValueError(f"tensor {name} in {entry.file.name} has shape {list(entry.shape)}, expected "
+                         f"{list(shape)} from config.json")
     return _convert(_read_tensor(name, entry), entry.dtype, dtype)

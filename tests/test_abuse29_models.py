@@ -63,7 +63,7 @@ LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [
     ("llama", dict(rope_scaling={**LONGROPE, "short_factor": [1.0] * 4}), (), "rope_scaling.short_factor"),
     ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}), (),
      "needs a 'low_freq_factor'"),
-    ("llama", dict(rope_scaling={"rope_type": "su", "factor": 2.0}), (), "rope_scaling type 'su'"),
+    ("llama", dict(rope_scaling={"rope_type": "su", "factor": 2.0}), (), "(longrope) needs a 'short_factor'"),
     ("llama", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}), (),
      "rope_scaling.beta_fast"),
 ])

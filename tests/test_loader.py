@@ -252,7 +252,7 @@ def test_rope_parameters_of_transformers_5(tmp_path):
     ({"rope_type": "linear", "factor": 0}, "'rope_scaling.factor' must be a positive number"),   # NaN tables
     ({"rope_type": "llama3", "factor": 8, "low_freq_factor": 2, "high_freq_factor": 2},
      "high_freq_factor must be greater than low_freq_factor"),
-    ({"rope_type": "su", "factor": 4}, "rope_scaling type 'su' is not supported"),
+    ({"rope_type": "dual", "factor": 4}, "rope_scaling type 'dual' is not supported"),
 ])
 def test_bad_rope_scaling_is_named(tmp_path, scaling, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -305,8 +305,8 @@ def test_wrong_shape_names_tensor_and_shapes(tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["intermediate_size"] = 40
     (path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight has shape \[48, 32\], "
-                                         r"expected \[40, 32\]"):
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj\.weight in model\.safetensors has "
+                                         r"shape \[48, 32\], expected \[40, 32\]"):
         load_weights(path, load_model_config(path), "float32")
 
 
