@@ -946,7 +946,8 @@ def output_record(out, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0
     record = {"prompt": out.prompt, "prompt_token_ids": prompt_ids,
               "outputs": [completion_record(c, tokenizer, num_top, prompt_ids) for c in out.outputs]}
     if getattr(out, "prompt_logprobs", None) is not None:
-        record["prompt_logprobs"] = logprob_records(prompt_ids, out.prompt_logprobs, tokenizer, num_prompt_top)
+        record["prompt_logprobs"] = logprob_records(prompt_ids, out.prompt_logprobs, tokenizer, num_prompt_top,
+                                                    context_floor=1)
     return record
 
 
@@ -962,24 +963,27 @@ def completion_record(c, tokenizer=None, num_top: int = 0, prompt_token_ids: lis
 
 
 def logprob_records(token_ids: list[int], entries: list, tokenizer=None, num_top: int = 0,
-                    prev_id: int | None = None) -> list:
-    """token_logprobs of each token (None where its entry is), each token named as it reads after the one
-    before it, as the server names them: the tokens of a completion spell its text."""
+                    prev_id: int | None = None, context_floor: int = 0) -> list:
+    """token_logprobs of each token (None where its entry is), each token named as the server and
+    LLM.generate's decoded_token name it: as it reads after the one before it, and one that ends inside a
+    character read after the tokens before it from CONTEXT_FLOOR on ("" while the character is unfinished)."""
     from minillm.server.logprobs import TokenTexts
+    from minillm.tokenizer import MAX_LOGPROB_CONTEXT_TOKENS
     texts = None if tokenizer is None else TokenTexts(tokenizer)
     records = []
-    for token_id, entry in zip(token_ids, entries):
-        records.append(None if entry is None else token_logprobs(token_id, entry, texts, num_top, prev_id))
+    for i, (token_id, entry) in enumerate(zip(token_ids, entries)):
+        context = token_ids[max(context_floor, i - MAX_LOGPROB_CONTEXT_TOKENS):i]
+        records.append(None if entry is None else token_logprobs(token_id, entry, texts, num_top, prev_id, context))
         prev_id = token_id
     return records
 
 
 def token_logprobs(token_id: int, logprobs: dict[int, float], texts=None, num_top: int = 0,
-                   prev_id: int | None = None) -> dict:
+                   prev_id: int | None = None, context: list[int] = ()) -> dict:
     """{token_id, token, logprob, top_logprobs} of one generated token; TEXTS (a TokenTexts) names each
-    candidate as it reads after PREV_ID."""
+    candidate as it reads after PREV_ID, or after CONTEXT when it ends inside a character."""
     def text(i: int) -> str | None:
-        return None if texts is None else texts.text(prev_id, i)
+        return None if texts is None else texts.named(prev_id, i, list(context))
 
     # logprobs holds the sampled token and the top num_top; the sampled one may rank below them
     top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num_top]
