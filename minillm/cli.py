@@ -64,7 +64,7 @@ app = typer.Typer(name="minillm", help="minillm: a small LLM inference engine wi
                   rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"],
                                     "token_normalize_func": dashed_option_name})
-bench_app = typer.Typer(help="Benchmarks: offline throughput, online serving, kernels.",
+bench_app = typer.Typer(help="Benchmarks: offline throughput and latency, online serving, kernels.",
                         no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
 
@@ -1988,6 +1988,7 @@ def _bench_command(name: str, summary: str, alias: str | None = None) -> None:
 
 
 _bench_command("throughput", "Offline throughput: a batch of prompts through the engine.")
+_bench_command("latency", "Latency of one fixed batch through the engine, as vllm bench latency measures it.")
 _bench_command("serving", "Online serving: requests at a rate against a running server.", alias="serve")
 _bench_command("kernels", "Kernel micro-benchmarks against their roofline.")
 _bench_command("pd_disagg", "Prefill/decode disaggregation on one GPU against one server with chunked prefill.")

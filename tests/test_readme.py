@@ -175,7 +175,7 @@ def option_names() -> set[str]:
         command = commands.pop()
         commands += getattr(command, "commands", {}).values()
         names.update(o for p in command.params for o in (*p.opts, *p.secondary_opts))
-    for bench in ("throughput", "serving"):
+    for bench in ("throughput", "latency", "serving"):
         names.update(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", run_minillm(["bench", bench, "--help"]).stdout))
     return names | {"--help"}
 
