@@ -52,7 +52,8 @@ class _ClickLikeFormatter(argparse.HelpFormatter):
     def _get_help_string(self, action) -> str:
         text = action.help or ""
         default = action.default
-        shown = default not in (None, argparse.SUPPRESS, False, True) and action.nargs != 0
+        hidden = default is None or default is argparse.SUPPRESS or isinstance(default, bool)   # 1 == True: test by type
+        shown = not hidden and action.nargs != 0
         if shown and "default" not in text:
             value = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
             text = f"{text}  [default: {value}]".strip()

@@ -4,6 +4,7 @@ takes its engine arguments): --num-gpu-blocks-override, --block-size, --enable-p
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from test_abuse29b_cli import one_line
@@ -140,3 +141,13 @@ def test_burstiness_draws_gamma_gaps_of_the_rates_mean(monkeypatch, burstiness):
     expected = [rng.expovariate(4.0) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (4.0 * burstiness))
                 for _ in range(4)]
     assert gaps == expected
+
+
+def test_help_shows_defaults_of_one_and_zero_but_not_of_switches(capsys):
+    # 1 == True and 0 == False: a default of 1 or 0 was hidden as if it were a switch's
+    status, out, err = run_main(capsys, "bench", "throughput", "--help")
+    assert status == 0, err
+    options = [" ".join(o.split()) for o in re.split(r"\n  --", out)]     # an option's line and its help
+    seed = next(o for o in options if o.startswith("seed <int>"))
+    assert "[default: 0]" in seed
+    assert not [o for o in options if "[default: True]" in o or "[default: False]" in o]
