@@ -15,9 +15,10 @@ import httpx
 import pytest
 from test_abuse29_cli import one_line
 from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
+from core_hooks import install
 from test_cli import STORIES, needs_stories, run_main
 from test_server_failure import _serve
-from test_server_helpers import chat_model_dir, running_server, sse_events, wait_for
+from test_server_helpers import STEP_PACE_S, call_utility, chat_model_dir, running_server, sse_events, wait_for
 
 from minillm.server.app import ServerOptions
 
@@ -26,12 +27,14 @@ MESSAGES = [{"role": "user", "content": "Once upon"}]
 
 
 @pytest.fixture(scope="module")
-def url(stories_path, tmp_path_factory):
-    """A server of stories260K with a chat template and --stream-interval 3, on the CPU."""
+def server(stories_path, tmp_path_factory):
+    """(url, engine): stories260K with a chat template and --stream-interval 3, on the CPU."""
     model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
     options = ServerOptions(stream_interval=SERVER_INTERVAL)
-    with running_server(model, options=options, max_model_len=256) as running:
-        yield running[0]
+    # a token budget of 48 splits a long prompt's prefills, so that n > 1 completions start steps apart
+    with running_server(model, options=options, max_model_len=256, max_num_batched_tokens=48,
+                        core_hook=install) as running:
+        yield running
 
 
 def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
@@ -90,7 +93,8 @@ def test_server_options_refuse_a_stream_interval_below_one_naming_it(value):
 
 @pytest.mark.parametrize("request_interval, held", [(None, SERVER_INTERVAL), (1, SERVER_INTERVAL), (5, 5)],
                          ids=["server's", "lower-clamped-up", "higher-raises"])
-def test_text_completion_streams_hold_the_larger_of_the_two_intervals(url, request_interval, held):
+def test_text_completion_streams_hold_the_larger_of_the_two_intervals(server, request_interval, held):
+    url = server[0]
     body = {"prompt": "Once upon a time", "max_tokens": 13, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     if request_interval is not None:
@@ -101,13 +105,34 @@ def test_text_completion_streams_hold_the_larger_of_the_two_intervals(url, reque
     assert "".join(c["text"] for chunk in chunks for c in chunk["choices"]) == whole["text"]
 
 
-def test_chat_streams_hold_the_servers_interval(url):
+def test_chat_streams_hold_the_servers_interval(server):
+    url = server[0]
     body = {"messages": MESSAGES, "max_tokens": 11, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     whole = httpx.post(f"{url}/v1/chat/completions", json={"model": "stories", **body}, timeout=60).json()
     chunks = stream_chunks(url, "/v1/chat/completions", body)
     assert_held_to(token_counts(chunks), SERVER_INTERVAL, 11)
     assert "".join(c["delta"].get("content") or "" for chunk in chunks for c in chunk["choices"]) == \
         whole["choices"][0]["message"]["content"]
+
+
+def test_each_of_n_completions_is_held_to_the_interval_on_its_own(server):
+    # vLLM holds each child request of n > 1 on its own. A completion that started a step later
+    # (its prompt's prefill split by the token budget) made the others go out with it: choices 0
+    # and 1 came in chunks of [1, 1, 3, 3, ...] tokens, the second sent with choice 2's first.
+    url, engine = server
+    body = {"prompt": "Once upon a time there was a little girl named Lily who liked to play in the park with "
+                      "her dog", "max_tokens": 16, "n": 3, "temperature": 1, "seed": 3, "ignore_eos": True,
+            "return_token_ids": True}
+    call_utility(engine, "pace_steps", STEP_PACE_S)    # a reader that keeps up gets every step's output
+    try:
+        chunks = stream_chunks(url, "/v1/completions", body)
+    finally:
+        call_utility(engine, "pace_steps", 0)
+    firsts = [next(i for i, chunk in enumerate(chunks) if any(c["index"] == index and c.get("token_ids")
+                                                             for c in chunk["choices"])) for index in range(3)]
+    assert len(set(firsts)) > 1, firsts         # the completions did start apart
+    for index in range(3):
+        assert_held_to(token_counts(chunks, index), SERVER_INTERVAL, 16)
 
 
 # ---- several API servers --------------------------------------------------------------------------------------

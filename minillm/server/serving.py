@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import json
@@ -18,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
-from minillm.outputs import RequestOutput
+from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
 from minillm.server.errors import (
@@ -309,13 +310,14 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stre
     newest of each request is passed on (the queue keeps no more): a loaded server sends fewer,
     larger chunks instead of falling further behind. Every output still fed the latency
     histograms as it arrived (the streams' observers). stream_interval (a request's, vLLM's, raised
-    to the server's --stream-interval): an output is held back until one of its completions has that
-    many tokens not yet passed on, has its first token or has finished (is_due).
+    to the server's --stream-interval) holds each completion back as vLLM holds each of its child
+    requests: one goes out with its first token, once finished, or once it has that many tokens not
+    yet passed on; until then an output passed on for another carries it as it was last passed on.
     """
     stream_interval = effective_stream_interval(ctx.stream_interval, stream_interval)
     queue = streams[0].queue          # submit() gives the streams of one call a shared queue
     index_of = {id(s): i for i, s in enumerate(streams)}
-    passed_on: dict[int, list[int]] = {}   # prompt index -> each completion's tokens when last passed on
+    passed_on: dict[int, dict[int, CompletionOutput]] = {}   # prompt index -> completion index -> last passed on
     remaining = len(streams)
     try:
         while remaining:
@@ -329,9 +331,11 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stre
                 if payload.finished:
                     stream.finished = True
                     remaining -= 1
-            due = [(i, out) for i, out in sorted(latest.items()) if is_due(out, passed_on.get(i), stream_interval)]
-            for i, out in due:
-                passed_on[i] = [len(c.token_ids) for c in out.outputs]
+            due = []
+            for i, out in sorted(latest.items()):
+                out = due_output(out, passed_on.setdefault(i, {}), stream_interval)
+                if out is not None:
+                    due.append((i, out))
             if due:
                 yield due
     finally:
@@ -345,13 +349,29 @@ def effective_stream_interval(server_interval: int, request_interval: int | None
     return server_interval if request_interval is None else max(request_interval, server_interval)
 
 
-def is_due(output: RequestOutput, passed_on: list[int] | None, stream_interval: int) -> bool:
-    """Whether a stream's output goes out now under vLLM's stream_interval: its first, its last, or one
-    where a completion has its first token, has finished or has stream_interval tokens not yet passed on."""
-    if output.finished or passed_on is None or stream_interval <= 1:
+def due_output(output: RequestOutput, passed_on: dict[int, CompletionOutput], stream_interval: int
+               ) -> RequestOutput | None:
+    """output as it goes out under stream_interval, its completions not yet due as last passed on
+    (PASSED_ON, by completion index, is updated); None when none is due. A final output goes out whole."""
+    if stream_interval <= 1:
+        return output
+    comps = [c if is_due(c, passed_on.get(c.index), stream_interval) else passed_on[c.index] for c in output.outputs]
+    is_moved = [c is new for c, new in zip(comps, output.outputs)]
+    passed_on.update((c.index, c) for c in comps)
+    if output.finished or all(is_moved):
+        return output
+    return dataclasses.replace(output, outputs=comps) if any(is_moved) else None
+
+
+def is_due(comp: CompletionOutput, sent: CompletionOutput | None, stream_interval: int) -> bool:
+    """Whether a completion goes out now under vLLM's stream_interval, given what of it was SENT: its
+    first output, its first token, its finish, or stream_interval tokens not yet sent."""
+    if sent is None:
         return True
-    return any(c.finished() or (n := len(c.token_ids)) - sent >= stream_interval or (sent == 0 and n > 0)
-               for c, sent in zip(output.outputs, passed_on))
+    if comp.finished():
+        return not sent.finished()
+    num_sent = len(sent.token_ids)
+    return len(comp.token_ids) - num_sent >= stream_interval or (num_sent == 0 and len(comp.token_ids) > 0)
 
 
 def all_finished(streams: list[RequestStream]) -> bool:
