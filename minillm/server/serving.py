@@ -331,6 +331,9 @@ async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stre
                 if payload.finished:
                     stream.finished = True
                     remaining -= 1
+            if stream_interval <= 1:          # every output is due: no bookkeeping on the common path
+                yield sorted(latest.items())
+                continue
             due = []
             for i, out in sorted(latest.items()):
                 out = due_output(out, passed_on.setdefault(i, {}), stream_interval)
@@ -353,8 +356,6 @@ def due_output(output: RequestOutput, passed_on: dict[int, CompletionOutput], st
                ) -> RequestOutput | None:
     """output as it goes out under stream_interval, its completions not yet due as last passed on
     (PASSED_ON, by completion index, is updated); None when none is due. A final output goes out whole."""
-    if stream_interval <= 1:
-        return output
     comps = [c if is_due(c, passed_on.get(c.index), stream_interval) else passed_on[c.index] for c in output.outputs]
     is_moved = [c is new for c, new in zip(comps, output.outputs)]
     passed_on.update((c.index, c) for c in comps)
