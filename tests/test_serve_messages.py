@@ -240,7 +240,7 @@ def test_an_unknown_path_or_method_is_anthropics_404_or_405(servers):
      anthropic.ServiceUnavailableError),
 ], ids=["internal", "engine dead", "unavailable"])
 def test_a_failure_inside_the_handler_is_anthropics(servers, monkeypatch, failure, status, kind, client_error):
-    def failing(req):
+    def failing(req, **kwargs):
         raise failure
 
     monkeypatch.setattr(serving_messages, "chat_body", failing)

@@ -22,6 +22,7 @@ event.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -185,8 +186,8 @@ def _parallel_tool_calls(choice: dict | None) -> bool | None:
     return not choice["disable_parallel_tool_use"]
 
 
-def chat_body(req: MessagesRequest) -> dict:
-    """The chat completion request that serves req."""
+def chat_body(req: MessagesRequest, counting: bool = False) -> dict:
+    """The chat completion request that serves req (counting: for count_tokens, which takes no max_tokens)."""
     messages = [{"role": "system", "content": _text_of(req.system, "system")}] if req.system is not None else []
     turns: list[dict] = []
     tool_use_ids: set[str] = set()
@@ -211,7 +212,7 @@ def chat_body(req: MessagesRequest) -> dict:
             names.add(tool["name"])
             tools.append({"type": "function", "function": {
                 "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
-    thinking = _thinking_type(req.thinking, req.max_tokens)
+    thinking = _thinking_type(req.thinking, None if counting else req.max_tokens)
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
@@ -305,11 +306,11 @@ def _template_kwargs(kwargs: dict | None, thinking: str | None) -> dict | None:
     return kwargs
 
 
-def _thinking_type(thinking: dict | None, max_tokens: int) -> str | None:
+def _thinking_type(thinking: dict | None, max_tokens: int | None) -> str | None:
     """thinking.type: enabled, adaptive or disabled. An enabled one's budget_tokens is required, at
-    least 1 and less than max_tokens (thinking counts toward them), as Anthropic's API requires; it is
-    not enforced. Anthropic's floor of 1024 is not required: a local model's context is often too
-    short for it and the answer."""
+    least 1 and less than max_tokens (thinking counts toward them; None, as count_tokens has, holds it to
+    none), as Anthropic's API requires; it is not enforced. Anthropic's floor of 1024 is not required: a
+    local model's context is often too short for it and the answer."""
     if thinking is None:
         return None
     kind = thinking.get("type")
@@ -325,7 +326,7 @@ def _thinking_type(thinking: dict | None, max_tokens: int) -> str | None:
     return kind
 
 
-def _check_thinking_budget(budget: int | None, max_tokens: int) -> None:
+def _check_thinking_budget(budget: int | None, max_tokens: int | None) -> None:
     """The 400 of an enabled thinking's budget_tokens that is missing or leaves no room in max_tokens
     (a max_tokens below 1 is told as such by the chat side)."""
     if budget is None:
@@ -333,7 +334,7 @@ def _check_thinking_budget(budget: int | None, max_tokens: int) -> None:
                        "the reply may spend thinking, fewer than max_tokens)", param="thinking.budget_tokens")
     if budget < 1:
         raise APIError(400, f"thinking.budget_tokens must be at least 1, got {budget}", param="thinking.budget_tokens")
-    if max_tokens >= 1 and budget >= max_tokens:
+    if max_tokens is not None and max_tokens >= 1 and budget >= max_tokens:
         raise APIError(400, f"max_tokens must be greater than thinking.budget_tokens (thinking counts toward "
                        f"max_tokens), got max_tokens {max_tokens} and thinking.budget_tokens {short_repr(budget)}",
                        param="thinking.budget_tokens")
@@ -594,7 +595,7 @@ async def create_message(ctx: ServingContext, body: dict, raw: Request):
 async def count_message_tokens(ctx: ServingContext, body: dict, raw: Request):
     """POST /v1/messages/count_tokens: the prompt tokens a request would take ({"input_tokens": N})."""
     _, job = await translated_job(ctx, raw, {"max_tokens": 1, **body, "stream": False}, MessagesRequest,
-                                  chat_body, MessagesJob, check=False)
+                                  functools.partial(chat_body, counting=True), MessagesJob, check=False)
     with named_as(_renamed):
         prompt_ids = await ctx.run_blocking(job._render)
     return JSONResponse({"input_tokens": len(prompt_ids)})

@@ -1,0 +1,33 @@
+"""/v1/responses and /v1/messages as the official openai and anthropic clients drive them: fields those
+APIs define that were refused, or answered otherwise than Anthropic's and OpenAI's APIs answer them."""
+from __future__ import annotations
+
+import pytest
+from test_server_helpers import CHAT_TEMPLATE, running_server
+
+from minillm.server.app import ServerOptions
+
+anthropic = pytest.importorskip("anthropic")
+
+USER = {"role": "user", "content": "Hi"}
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, max_model_len=256, options=options) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    return anthropic.Anthropic(base_url=server[0], api_key="none", max_retries=0)
+
+
+def test_count_tokens_takes_an_enabled_thinking_budget_without_max_tokens(claude):
+    # count_tokens takes no max_tokens: the budget was held to the 1 put in its place (a 400 "max_tokens
+    # must be greater than thinking.budget_tokens" for every budget).
+    plain = claude.messages.count_tokens(model="stories", messages=[USER]).input_tokens
+    thinking = claude.messages.count_tokens(model="stories", messages=[USER],
+                                            thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens
+    assert thinking == plain > 0
