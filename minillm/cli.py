@@ -425,6 +425,17 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
              'a server request\'s max_tokens.')], None),
     "revision": (Annotated[Optional[str], _engine_option(
         "--revision", callback=revision_option, help="A hub model's branch, tag or commit (default: main).")], None),
+    "tokenizer": (Annotated[Optional[str], _engine_option(
+        "--tokenizer", metavar="DIR_OR_HUB_ID",
+        help="Read tokenizer.json, tokenizer_config.json and the chat template from this directory or hub id instead "
+             "of the model's (vLLM's); config.json and generation_config.json stay the model's.")], None),
+    "tokenizer_revision": (Annotated[Optional[str], _engine_option(
+        "--tokenizer-revision", help="A hub tokenizer's branch, tag or commit (default: --revision, as vLLM's).")],
+        None),
+    "tokenizer_mode": (Annotated[str, _engine_option(
+        "--tokenizer-mode", metavar="[auto|hf]", help="vLLM's: auto and hf both read tokenizer.json with the fast "
+                                                      "tokenizers library (slow, mistral and custom are not taken).")],
+        _default("tokenizer_mode")),
     "async_scheduling": (Annotated[Optional[bool], _engine_option(
         "--async-scheduling/--no-async-scheduling",
         help="Launch each step before the previous one is read back (default: on the GPU, off on the CPU).")],
@@ -694,6 +705,22 @@ def resolve_model(model: str, download_dir: str | None, revision: str | None = N
     return str(resolve_model_path(model, download_dir, revision))
 
 
+def resolve_tokenizer(ctx: typer.Context, model: str, model_path: str, options: dict) -> dict:
+    """The engine options with --tokenizer as a local directory: a hub id's tokenizer files from the
+    store (fetched when missing) at --tokenizer-revision, else --revision, as vLLM's; --tokenizer-revision
+    alone names a version of MODEL's (the model as given). A tokenizer that cannot be read, or that
+    does not fit the model at MODEL_PATH, is a usage error naming its flag before any process starts."""
+    if options["tokenizer"] is None and options["tokenizer_revision"] is None:
+        return options
+    from minillm.model_store import resolve_tokenizer_path
+    from minillm.tokenizer import Tokenizer
+    with option_values(ctx):
+        path = resolve_tokenizer_path(options["tokenizer"] or model, options["download_dir"],
+                                      options["tokenizer_revision"], options["revision"])
+        Tokenizer.from_pretrained(path, renders_chat=False, model_path=model_path)
+    return {**options, "tokenizer": str(path), "tokenizer_revision": None}
+
+
 def load_engine(config: EngineConfig):
     """Build an LLMEngine and report what was loaded on stderr."""
     from minillm.engine import LLMEngine
@@ -818,6 +845,8 @@ def chat(
         check_engine_options(ctx, model, engine_options)
         path = resolve_chat_model(model, engine_options["download_dir"],
                                   revision=engine_options["revision"])
+        engine_options = resolve_tokenizer(ctx, model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL,
+                                           path, engine_options)
         with option_values(ctx):     # the engine's start-up refusing a value names its flag
             engine = load_engine(engine_config(path, engine_options))
         backend = EngineChatBackend(engine, name=model or Path(path).name, chat_template=template)
@@ -1098,6 +1127,7 @@ def generate(
     check_engine_options(ctx, model, engine_options)
     prompts = read_prompts(prompt, prompts_file)
     path = resolve_model(model, engine_options["download_dir"], engine_options["revision"])
+    engine_options = resolve_tokenizer(ctx, model, path, engine_options)
     # Values only the model can judge (--top-k past its vocabulary, a prompt too long for its context).
     with option_values(ctx, unless=("prompt",) if prompts_file is not None else ()):
         llm, outputs = run_generate(engine_config(path, engine_options), prompts, options)
@@ -1617,6 +1647,7 @@ def serve(
     check_engine_options(ctx, model, engine_options, **engine_settings)
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
+    engine_options = resolve_tokenizer(ctx, name, path, engine_options)
     config = engine_config(path, engine_options, **engine_settings)
     with option_values(ctx):     # the engine's start-up refusing a value names its flag, as generate's does
         status = run_server(config, host=host, port=port, options=options, monitor=monitor)
@@ -2072,7 +2103,6 @@ VLLM_FLAGS_NOT_TAKEN = {
     **dict.fromkeys(("--data-parallel-size", "-dp"), "minillm serves one engine (--api-server-count spreads "
                     "the HTTP work over processes)"),
     "--max-log-len": "--enable-log-requests logs no prompt text, so there is none to cut",
-    "--tokenizer": "minillm reads the tokenizer from the model directory",
     "--config": "minillm takes its options from the command line only",
     "--disable-frontend-multiprocessing": "minillm's counterpart is --engine-core thread",
     "--cpu-offload-gb": "minillm keeps every weight on the device",

@@ -82,6 +82,12 @@ class EngineConfig:
     seed: int = 0
     download_dir: str | None = None      # None: the Hugging Face cache (model_store.hf_hub_cache)
     revision: str | None = None          # a hub model's branch, tag or commit (None: main)
+    # vLLM's tokenizer: a directory or hub id whose tokenizer.json, tokenizer_config.json and chat
+    # templates are read in place of the model's (None: the model's own); config.json and
+    # generation_config.json stay the model's. tokenizer_revision: its hub version (None: revision).
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    tokenizer_mode: str = "auto"         # vLLM's; "auto" and "hf" both read tokenizer.json (the fast tokenizer)
     # vLLM's served_model_name: a name, or a list of names of which the engine goes by the first
     # (None or []: the model as given; an empty name is refused, as the server refuses it)
     served_model_name: str | list[str] | None = None
@@ -128,6 +134,7 @@ class EngineConfig:
         object.__setattr__(self, "served_model_name", first_served_name(self.served_model_name))
         if self.revision is not None and not isinstance(self.revision, str):
             raise ValueError(f"revision must be a branch, tag or commit of a hub model, got {self.revision!r}")
+        check_tokenizer_fields(self)
         if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
             # it was read only to fetch a hub model, where it failed as "expected str, bytes or os.PathLike"
             raise ValueError(f"download_dir must be a directory path, got {self.download_dir!r}")
@@ -211,6 +218,31 @@ class EngineConfig:
             if self.tensor_parallel_size > 1:
                 raise ValueError("kv_offload_gib works with tensor_parallel_size 1 only: the host tier "
                                  "copies rank 0's KV pool")
+
+
+# vLLM's tokenizer_mode values minillm takes: both read tokenizer.json with the tokenizers library.
+TOKENIZER_MODES = ("auto", "hf")
+
+
+def check_tokenizer_fields(config: EngineConfig) -> None:
+    """ValueError naming tokenizer, tokenizer_revision or tokenizer_mode when one is of the wrong kind,
+    blank, or a mode minillm has no counterpart of; a path-like tokenizer is kept as its string."""
+    tokenizer = config.tokenizer
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        raise ValueError(f"tokenizer must be a directory with tokenizer.json or a hub id, got {short_repr(tokenizer)}")
+    if tokenizer is not None:
+        object.__setattr__(config, "tokenizer", os.fspath(tokenizer))
+        if not config.tokenizer.strip():
+            raise ValueError("tokenizer is empty: give a directory with tokenizer.json or a hub id (or None: "
+                             "the model's own)")
+    revision = config.tokenizer_revision
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise ValueError(f"tokenizer_revision must be a branch, tag or commit of a hub tokenizer, got "
+                         f"{short_repr(revision)}")
+    if config.tokenizer_mode not in TOKENIZER_MODES:
+        raise ValueError(f"tokenizer_mode {short_repr(config.tokenizer_mode)} is not supported: minillm reads "
+                         f"tokenizer.json with the fast tokenizers library ('auto' or 'hf'); vLLM's slow, "
+                         f"mistral and custom tokenizers have no counterpart here")
 
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")

@@ -42,7 +42,7 @@ from minillm.sequence import Sequence, SequenceStatus
 from minillm.stats import EngineStats
 from minillm.step import SchedulerOutput, StepOutput
 from minillm.step_cost import measured_seconds
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import Tokenizer, engine_tokenizer
 
 
 @dataclass(eq=False)
@@ -204,7 +204,7 @@ class LLMEngine:
         self.model_path = path
         self.model_config = load_model_config(path)
         # An engine core's outputs are token ids: the API servers render chats and detokenize.
-        self.tokenizer = Tokenizer.from_pretrained(path, renders_chat=output_processor is TextOutputs)
+        self.tokenizer = engine_tokenizer(config, path, renders_chat=output_processor is TextOutputs)
         # What a request that leaves them unset samples with (LLM.generate without params, the server).
         self.sampling_defaults = model_sampling_defaults(config, self.tokenizer)
         if self.sampling_defaults:

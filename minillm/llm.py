@@ -7,7 +7,6 @@ import difflib
 import itertools
 import json
 import numbers
-import os
 import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence as Seq
@@ -15,7 +14,6 @@ import numpy as np
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
-from minillm.model_store import expand_user
 from minillm.outputs import RequestOutput
 from minillm.prompts import (
     PromptType, TokensPrompt, cache_salt_of, check_lora_request, tokenization_add_special_tokens, unpack_prompt,
@@ -36,7 +34,6 @@ VLLM_FIXED_ARGS = {
     "logprobs_mode": (lambda v: v == "raw_logprobs", "minillm's log-probabilities are the model's log-softmax "
                                                      "before logit_bias, penalties, temperature and top-k/top-p/min-p "
                                                      "(vLLM's raw_logprobs)"),
-    "tokenizer_mode": (lambda v: v == "auto", "minillm reads tokenizer.json with the fast tokenizers library"),
     "skip_tokenizer_init": (lambda v: v is False, "minillm always loads the tokenizer"),
     "quantization": (lambda v: v is None, "minillm runs unquantized float32, float16 or bfloat16 weights"),
     "disable_log_stats": (lambda v: v is True, "minillm's LLM logs no periodic stats (llm.llm_engine.stats() "
@@ -53,8 +50,6 @@ VLLM_FIXED_ARGS = {
     **dict.fromkeys(("task", "runner"), (lambda v: v in ("auto", "generate"), "minillm runs generative models only")),
     "model_impl": (lambda v: v in ("auto", "vllm"), "minillm runs its own decoder for every model it loads"),
     "config_format": (lambda v: v in ("auto", "hf"), "minillm reads the model's Hugging Face config.json"),
-    "tokenizer_revision": (lambda v: v is None, "minillm reads the tokenizer from the model's own directory, at "
-                                                "the model's revision"),
     **dict.fromkeys(("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_media_domains"),
                     (lambda v: v is None or v == {} or v == [], "minillm runs text-only models")),
     "allowed_local_media_path": (lambda v: v == "", "minillm runs text-only models"),
@@ -120,23 +115,19 @@ VLLM_RENAMED_ARGS = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 def engine_config(model, args: dict) -> EngineConfig:
     """LLM's arguments as an EngineConfig: vLLM's names that minillm has no setting for are checked
-    against what it does (VLLM_FIXED_ARGS, tokenizer), an unknown name is a TypeError naming LLM."""
+    against what it does (VLLM_FIXED_ARGS), an unknown name is a TypeError naming LLM."""
     args = renamed_args(args)
     if "dtype" in args:
         args["dtype"] = _dtype_name(args["dtype"])
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}
     for name in args:
-        if name not in known and name not in VLLM_FIXED_ARGS and name != "tokenizer":
-            close = difflib.get_close_matches(name, sorted(known | set(VLLM_FIXED_ARGS) | {"tokenizer"}), n=3)
+        if name not in known and name not in VLLM_FIXED_ARGS:
+            close = difflib.get_close_matches(name, sorted(known | set(VLLM_FIXED_ARGS)), n=3)
             hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
             raise TypeError(f"LLM() got an unexpected keyword argument {name!r}{hint}")
     for name, (is_honoured, does) in VLLM_FIXED_ARGS.items():
         if name in args and not is_honoured(args[name]):
             raise ValueError(f"{name}={short_repr(args[name])} is not supported: {does}")
-    tokenizer = args.get("tokenizer")
-    if tokenizer is not None and not _same_path(tokenizer, model):
-        raise ValueError(f"tokenizer={short_repr(tokenizer)} is not supported: minillm reads the tokenizer from "
-                         f"the model's own directory (leave tokenizer unset, or give the model's path)")
     return EngineConfig(model=model, **{k: v for k, v in args.items() if k in known})
 
 
@@ -164,18 +155,11 @@ def renamed_args(args: dict) -> dict:
     return args
 
 
-def _same_path(a, b) -> bool:
-    """Whether a and b name the same model (the same string, or the same directory)."""
-    if not isinstance(a, (str, os.PathLike)) or not isinstance(b, (str, os.PathLike)):
-        return False
-    return os.fspath(a) == os.fspath(b) or expand_user(a).resolve() == expand_user(b).resolve()
-
-
 class LLM:
     """Generate for many prompts at once through the engine's continuous batching.
 
     Takes EngineConfig's fields by name, and vLLM's other common arguments where their value is
-    what minillm does anyway (VLLM_FIXED_ARGS, tokenizer as the model itself).
+    what minillm does anyway (VLLM_FIXED_ARGS).
     """
 
     def __init__(self, model: str, **engine_args):
@@ -212,8 +196,9 @@ class LLM:
         its chat_template, the engine uses already); ValueError naming tokenizer for any other."""
         if tokenizer is not self.engine.tokenizer:
             raise ValueError(f"set_tokenizer takes only the tokenizer get_tokenizer() returned, not another "
-                             f"{type(tokenizer).__name__}: minillm reads the model's own tokenizer.json (change "
-                             f"that tokenizer in place, such as its chat_template, or give LLM.chat a chat_template)")
+                             f"{type(tokenizer).__name__}: minillm reads one tokenizer.json at start-up (LLM's "
+                             f"tokenizer argument chooses it; change that tokenizer in place, such as its "
+                             f"chat_template, or give LLM.chat a chat_template)")
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache between generate() calls (vLLM's name); False while requests run."""

@@ -92,7 +92,7 @@ def engine_model_config(shape: ModelConfig, config: EngineConfig, model_path: Pa
     hf = read_json_object(Path(model_path) / "config.json", missing_ok=True)
     fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(ModelConfig)}
     return EngineModelConfig(
-        **fields, model=config.model, tokenizer=config.model, max_model_len=max_model_len, dtype=dtype,
-        seed=config.seed, served_model_name=served_model_name, max_logprobs=config.max_logprobs,
+        **fields, model=config.model, tokenizer=config.tokenizer or config.model, max_model_len=max_model_len,
+        dtype=dtype, seed=config.seed, served_model_name=served_model_name, max_logprobs=config.max_logprobs,
         revision=config.revision, generation_config=config.generation_config, hf_config=HFConfigView(hf),
         enforce_eager=config.enforce_eager)

@@ -6,11 +6,14 @@ import glob
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 # Only what the engine reads: weights, configs, tokenizer files and chat templates.
 DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "merges.txt", "vocab.txt"]
+# What a tokenizer given apart from the model (vLLM's tokenizer) is read from: its files and chat templates.
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")    # org/name, or a legacy bare name
 # How far the "did you mean" search for a mistyped local path looks, so it stays instant.
 _NEARBY_DEPTH = 3
@@ -109,6 +112,42 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     if cached is not None:
         return cached
     return download_model(model, download_dir, revision)
+
+
+def resolve_tokenizer_path(tokenizer: str | os.PathLike, download_dir: str | None = None,
+                           revision: str | None = None, model_revision: str | None = None) -> Path:
+    """vLLM's tokenizer: a local directory holding tokenizer.json as it is; a hub id's tokenizer files
+    from the store, fetched into it when missing, at REVISION (vLLM's tokenizer_revision), else at the
+    model's (MODEL_REVISION, as vLLM defaults it). A ValueError naming tokenizer when there is none."""
+    name = os.fspath(tokenizer)
+    path = expand_user(name)
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"tokenizer_revision {revision!r} names a version of a hub tokenizer; {name} is a "
+                             f"local directory")
+        if not (path / "tokenizer.json").is_file():
+            from minillm.tokenizer import no_tokenizer_json
+            raise ValueError(f"tokenizer {no_tokenizer_json(path)}")
+        return path
+    if path.exists():
+        raise ValueError(f"tokenizer {name} is a file, not a directory (give the directory that holds it: "
+                         f"{path.parent})")
+    if path.is_symlink() or _looks_like_path(name) or not is_repo_id(name) \
+            or expand_user(name.split("/")[0]).is_dir():
+        raise ValueError(f"tokenizer: {no_such_directory(name)}{broken_link(path, ': ')}")
+    check_store(download_dir)
+    revision = revision if revision is not None else model_revision
+    has_tokenizer = lambda snapshot: (snapshot / "tokenizer.json").is_file()   # noqa: E731
+    path = cached_snapshot(name, download_dir, revision, is_complete=has_tokenizer)
+    if path is None:
+        try:
+            path = _fetch(name, download_dir, revision, True, TOKENIZER_PATTERNS)
+        except RuntimeError as exc:
+            raise ValueError(f"tokenizer: {exc}") from exc
+    if not has_tokenizer(path):
+        raise ValueError(f"tokenizer {name!r} was fetched into {path} but has no tokenizer.json (only fast Hugging "
+                         f"Face tokenizers are supported)")
+    return path
 
 
 def broken_link(path: Path, lead: str) -> str:
@@ -257,15 +296,16 @@ def _snapshots(folder: Path) -> list[Path]:
     return found
 
 
-def cached_snapshot(repo_id: str, download_dir: str | None = None, revision: str | None = None) -> Path | None:
+def cached_snapshot(repo_id: str, download_dir: str | None = None, revision: str | None = None,
+                    is_complete: Callable[[Path], bool] = _is_complete) -> Path | None:
     """The complete snapshot of REPO_ID in the store (the one REVISION names, a ref or a commit, when
-    given), or None (no network)."""
+    given), or None (no network); is_complete says what a snapshot needs (a model's weights by default)."""
     folder = _repo_folder(repo_id, download_dir)
     if revision is None:
-        return next((s for s in _snapshots(folder) if _is_complete(s)), None)
+        return next((s for s in _snapshots(folder) if is_complete(s)), None)
     ref = folder / "refs" / revision
     snapshot = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
-    return snapshot if snapshot.parent == folder / "snapshots" and _is_complete(snapshot) else None
+    return snapshot if snapshot.parent == folder / "snapshots" and is_complete(snapshot) else None
 
 
 def _is_offline() -> bool:
@@ -277,6 +317,17 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
                    could_be_path: bool = True) -> Path:
     """snapshot_download the files the engine needs into the store (huggingface_hub draws the bars).
     could_be_path: the name was also tried as a local directory (the error says so first)."""
+    path = _fetch(repo_id, download_dir, revision, could_be_path, DOWNLOAD_PATTERNS)
+    if not (path / "config.json").is_file():
+        raise RuntimeError(f"model {repo_id!r} was fetched into {path} but has no config.json "
+                           f"(minillm runs Hugging Face safetensors checkpoints)")
+    return path
+
+
+def _fetch(repo_id: str, download_dir: str | None, revision: str | None, could_be_path: bool,
+           patterns: list[str]) -> Path:
+    """snapshot_download the files of PATTERNS into the store; with DOWNLOAD_PATTERNS, the weights
+    minillm reads and no others (weights_left_out). A RuntimeError saying why nothing came."""
     from huggingface_hub import snapshot_download
 
     store = model_store(download_dir)
@@ -284,9 +335,10 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
     try:
         ignore = None
         if not offline:
-            ignore = weights_left_out(repo_id, _ask_hub(repo_id, revision))
+            files = _ask_hub(repo_id, revision)
+            ignore = weights_left_out(repo_id, files) if patterns is DOWNLOAD_PATTERNS else None
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=str(store),
-                                      allow_patterns=DOWNLOAD_PATTERNS, ignore_patterns=ignore,
+                                      allow_patterns=patterns, ignore_patterns=ignore,
                                       local_files_only=offline))
     except NoSafetensors:
         raise
@@ -304,9 +356,6 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
             raise RuntimeError(f"{repo_id} could not be fetched{at} into {store} ({type(e).__name__}: {reason})") from e
         raise RuntimeError(f"no such directory: {repo_id}{hint}; as a Hugging Face repo id it could not be "
                            f"fetched{at} into {store} ({type(e).__name__}: {reason})") from e
-    if not (path / "config.json").is_file():
-        raise RuntimeError(f"model {repo_id!r} was fetched into {path} but has no config.json "
-                           f"(minillm runs Hugging Face safetensors checkpoints)")
     return path
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import tokenizers
 
 from minillm.generation_config import sampling_defaults, token_id_list
-from minillm.model_store import expand_user, read_json_object
+from minillm.model_store import expand_user, read_json_object, resolve_tokenizer_path
 from minillm.sampling_params import short_repr
 
 logger = logging.getLogger("minillm")
@@ -139,17 +139,23 @@ def compile_error(exc: Exception, where: str = "") -> str:
     return f"{type(exc).__name__}{f' at {at}' if at else ''}: {message}"
 
 
-def _check_model_vocabulary(backend: tokenizers.Tokenizer, vocab_size, path: Path) -> None:
+def _check_model_vocabulary(backend: tokenizers.Tokenizer, vocab_size, path: Path, model_path: Path) -> None:
     """ValueError naming config.json's vocab_size when the tokenizer has ids past it: the model has no
     embedding row for them, and a text holding one failed inside the engine (transformers' forward
-    pass raises IndexError on it). A vocab_size that is no positive integer is the loader's to refuse."""
+    pass raises IndexError on it); naming tokenizer when it was given apart from the model (MODEL_PATH).
+    A vocab_size that is no positive integer is the loader's to refuse."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
         return
     top = max(backend.get_vocab_size(with_added_tokens=False) - 1, *backend.get_added_tokens_decoder(), -1)
-    if top >= vocab_size:
-        raise ValueError(f"{path / 'config.json'} field 'vocab_size' is {vocab_size}, but {path / 'tokenizer.json'} "
-                         f"has token ids up to {top} ({backend.id_to_token(top)!r}): the model has no embedding "
-                         f"for ids from {vocab_size} on")
+    if top < vocab_size:
+        return
+    has_ids = f"has token ids up to {top} ({backend.id_to_token(top)!r})"
+    if path != model_path:
+        raise ValueError(f"tokenizer {path} {has_ids}, past the model's vocabulary ({model_path / 'config.json'} "
+                         f"field 'vocab_size' is {vocab_size}): the model has no embedding for ids from "
+                         f"{vocab_size} on")
+    raise ValueError(f"{path / 'config.json'} field 'vocab_size' is {vocab_size}, but {path / 'tokenizer.json'} "
+                     f"{has_ids}: the model has no embedding for ids from {vocab_size} on")
 
 
 def drop_whole_text_word_cache(backend: tokenizers.Tokenizer) -> bool:
@@ -184,13 +190,23 @@ def read_generation_config(file: Path) -> dict:
     return data
 
 
-def _no_tokenizer_json(path: Path) -> str:
+def no_tokenizer_json(path: Path) -> str:
     """Why a model directory without tokenizer.json cannot be read, and how to give it one."""
     if not (path / "tokenizer.model").is_file():
         return f"{path} has no tokenizer.json (only fast Hugging Face tokenizers are supported)"
     return (f"{path} has tokenizer.model (a SentencePiece tokenizer) but no tokenizer.json, the fast tokenizer "
             f"minillm reads; transformers (with sentencepiece) writes one beside it: python -c \"from transformers "
             f"import AutoTokenizer; AutoTokenizer.from_pretrained({str(path)!r}).save_pretrained({str(path)!r})\"")
+
+
+def engine_tokenizer(config, model_path: Path, renders_chat: bool = True) -> Tokenizer:
+    """The tokenizer of an engine of CONFIG (an EngineConfig) whose model is at MODEL_PATH: the files of
+    config.tokenizer at tokenizer_revision (vLLM's), else the model's own."""
+    source = model_path
+    if config.tokenizer is not None or config.tokenizer_revision is not None:
+        source = resolve_tokenizer_path(config.tokenizer or config.model, config.download_dir,
+                                        config.tokenizer_revision, config.revision)
+    return Tokenizer.from_pretrained(source, renders_chat, model_path=model_path)
 
 
 def read_chat_template(value: str) -> str:
@@ -295,14 +311,17 @@ class Tokenizer:
         return None if content is None else self.backend.token_to_id(content)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, renders_chat: bool = True) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and generation_config.json from a model directory;
-        renders_chat False for a process that never renders a chat (an engine core beside its API
-        servers, which warn of a template that does not compile)."""
+    def from_pretrained(cls, path: str | Path, renders_chat: bool = True,
+                        model_path: str | Path | None = None) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and the chat templates from PATH, and config.json and
+        generation_config.json from MODEL_PATH (default: PATH), as vLLM reads a --tokenizer apart from
+        the model; renders_chat False for a process that never renders a chat (an engine core beside
+        its API servers, which warn of a template that does not compile)."""
         path = Path(path)
+        model_path = path if model_path is None else Path(model_path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
-            raise ValueError(_no_tokenizer_json(path))
+            raise ValueError(no_tokenizer_json(path) if path == model_path else f"tokenizer {no_tokenizer_json(path)}")
         try:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:   # the tokenizers library raises a bare Exception for a file it cannot parse
@@ -310,8 +329,8 @@ class Tokenizer:
         drop_whole_text_word_cache(backend)
         tokenizer_config = read_json_object(path / "tokenizer_config.json", missing_ok=True)
         special_map = read_json_object(path / "special_tokens_map.json", missing_ok=True)
-        generation_config = read_generation_config(path / "generation_config.json")
-        model_config = read_json_object(path / "config.json", missing_ok=True)
+        generation_config = read_generation_config(model_path / "generation_config.json")
+        model_config = read_json_object(model_path / "config.json", missing_ok=True)
 
         special_tokens = {}
         for name in _SPECIAL_TOKEN_NAMES:
@@ -335,11 +354,13 @@ class Tokenizer:
         # eos_token_id counts where that file is missing (as vLLM reads EOS: transformers'
         # GenerationConfig falls back to config.json only then), or where nothing else names an EOS.
         extra_eos = token_id_list(generation_config.get("eos_token_id"),
-                                  f"{path / 'generation_config.json'} field 'eos_token_id'")
-        if not (path / "generation_config.json").is_file() or (not extra_eos and "eos_token" not in special_tokens):
-            extra_eos += token_id_list(model_config.get("eos_token_id"), f"{path / 'config.json'} field 'eos_token_id'")
+                                  f"{model_path / 'generation_config.json'} field 'eos_token_id'")
+        if not (model_path / "generation_config.json").is_file() \
+                or (not extra_eos and "eos_token" not in special_tokens):
+            extra_eos += token_id_list(model_config.get("eos_token_id"),
+                                       f"{model_path / 'config.json'} field 'eos_token_id'")
         pad = generation_config.get("pad_token_id")
-        _check_model_vocabulary(backend, model_config.get("vocab_size"), path)
+        _check_model_vocabulary(backend, model_config.get("vocab_size"), path, model_path)
         chat_template, template_origins = load_chat_template(path, tokenizer_config)
         tokenizer = cls(backend, special_tokens, extra_eos, pad if isinstance(pad, int) else None,
                         chat_template, name=str(path))

@@ -382,7 +382,6 @@ def test_llm_takes_the_rest_of_vllms_signature_at_what_minillm_does(stories_path
     ({"compilation_config": 3}, "compilation_config=3 is not supported: minillm compiles no torch graphs"),
     ({"hf_token": "hf_x"}, "hf_token='hf_x' is not supported: minillm downloads with huggingface_hub's own token"),
     ({"limit_mm_per_prompt": {"image": 1}}, "limit_mm_per_prompt=.* is not supported: minillm runs text-only models"),
-    ({"tokenizer_revision": "v2"}, "tokenizer_revision='v2' is not supported"),
 ])
 def test_llm_refuses_vllm_arguments_it_cannot_honour_before_loading(stories_path, kwargs, needle):
     with pytest.raises(ValueError, match=needle):

@@ -17,7 +17,6 @@ serve, started = test_abuse30_cli.serve, test_abuse30_cli.started      # started
     (("--disable-frontend-multiprocessing",), "--engine-core thread"),
     (("--max-log-len", "100"), "no prompt text"),
     (("--enable-lora",), "LoRA"),
-    (("--tokenizer", "x"), "model directory"),
     (("-pp", "2"), "--tensor-parallel-size"),       # read as -p twice: "No such option: -p"
     (("-dp", "2"), "one engine"),
 ])

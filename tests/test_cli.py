@@ -26,7 +26,7 @@ ENGINE_FLAGS = ("--device", "--dtype", "--max-num-seqs", "--max-num-batched-toke
                 "--kv-cache-dtype", "--generation-config", "--revision", "--async-scheduling",
                 "--no-async-scheduling", "--max-logprobs", "--calculate-kv-scales", "--override-generation-config",
                 "--grammar-process", "--no-grammar-process", "--kv-cache-memory-bytes", "--threads",
-                "--scheduling-policy")
+                "--scheduling-policy", "--tokenizer", "--tokenizer-revision", "--tokenizer-mode")
 
 
 def minillm(*args: str, env: dict | None = None, stdin: str | None = None,
@@ -49,7 +49,7 @@ def test_help_lists_every_command_and_the_engine_options():
     for name in ("chat", "generate", "serve"):
         flags = {f for p in group.commands[name].params for f in (*p.opts, *p.secondary_opts)}
         assert set(ENGINE_FLAGS) <= flags, name
-    assert len(ENGINE_OPTIONS) == 29
+    assert len(ENGINE_OPTIONS) == 32
 
 
 def test_the_cli_imports_no_numpy_before_a_command_needs_it():

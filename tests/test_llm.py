@@ -199,7 +199,7 @@ def test_vllm_arguments_with_the_values_minillm_follows_are_taken(stories_path):
     ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
     ({"disable_log_stats": False}, "disable_log_stats=False is not supported"),
     ({"trust_remote_code": "yes"}, "trust_remote_code='yes' is not supported"),
-    ({"tokenizer": "other/tokenizer"}, "tokenizer='other/tokenizer' is not supported"),
+    ({"tokenizer": "./no/such/tokenizer"}, "tokenizer: no such directory: ./no/such/tokenizer"),
     ({"max_logprobs": -1}, r"max_logprobs must be an integer in \[0, 20\]"),
     ({"max_logprobs": "5"}, "max_logprobs must be an integer"),
     ({"dtype": "double"}, "dtype must be auto, float32"),

@@ -45,7 +45,7 @@ from minillm.server.async_engine import (
 from minillm.server.errors import EngineDeadError, EngineShutDownError, RemoteError, RequestFailedError
 from minillm.server.stats_hub import with_cells
 from minillm.stats import EngineStats
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import engine_tokenizer
 
 logger = logging.getLogger("minillm.server")
 
@@ -94,7 +94,8 @@ class AsyncLLM(Generate):
         """Start the engine core for `config`, or (with a link) join one started for several API servers."""
         self.config = config
         # Only text work here: the core alone picks the device (CUDA is never touched in this process).
-        self.tokenizer = Tokenizer.from_pretrained(resolve_model_path(config.model, config.download_dir))
+        model_path = resolve_model_path(config.model, config.download_dir, config.revision)
+        self.tokenizer = engine_tokenizer(config, model_path)
         self.core = EngineCoreClient(config, core_hook) if link is None else EngineCoreClient(link=link)
         self.client_index = self.core.client_index
         ready = self.core.ready
