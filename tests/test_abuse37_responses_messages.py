@@ -31,3 +31,13 @@ def test_count_tokens_takes_an_enabled_thinking_budget_without_max_tokens(claude
     thinking = claude.messages.count_tokens(model="stories", messages=[USER],
                                             thinking={"type": "enabled", "budget_tokens": 1024}).input_tokens
     assert thinking == plain > 0
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_messages_request_without_a_model_is_a_400_naming_it(http, path):
+    # Anthropic's API and vLLM's require model; a request without one was served.
+    response = http.post(path, json={"max_tokens": 4, "messages": [USER]})
+    assert response.status_code == 400, response.text
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
+    assert error["error"]["param"] == "model" and "model" in error["error"]["message"]

@@ -57,6 +57,7 @@ STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_
 class MessagesRequest(_ModelRequest):
     """POST /v1/messages (Anthropic's fields a text model can serve; others are logged)."""
 
+    model: Text | None       # required, as Anthropic's API and vLLM's require it ("" is this server's model)
     max_tokens: int
     messages: list[dict[str, Any]]
     system: Text | list[dict[str, Any]] | None = None
