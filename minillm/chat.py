@@ -10,7 +10,8 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Protocol, TextIO
 
-from minillm.chat_terminal import StreamingKeys, TypeAhead, interrupted_line, is_terminal, read_with_type_ahead
+from minillm.chat_terminal import (StreamingKeys, TypeAhead, interrupted_line, is_terminal, read_with_type_ahead,
+                                   terminal_safe)
 from minillm.sampling_params import SamplingParams
 
 PROMPT = ">>> "
@@ -481,11 +482,12 @@ class ChatSession:
 
     def say(self, text: str) -> None:
         """Print a line to the user."""
-        print(text, file=self.out, flush=True)
+        print(_for_stream(self.out, text), file=self.out, flush=True)
 
     def note(self, text: str) -> None:
         """Print an error or a notice (on log, else on out)."""
-        print(text, file=self.log or self.out, flush=True)
+        stream = self.log or self.out
+        print(_for_stream(stream, text), file=stream, flush=True)
 
     def reply_once(self, text: str) -> int:
         """vLLM's chat --quick: TEXT sent as the one message (a leading slash too), its reply printed
@@ -616,7 +618,7 @@ class ChatSession:
                 try:
                     for delta in stream:
                         reply += delta
-                        self.out.write(delta)
+                        self.out.write(_for_stream(self.out, delta))
                         self.out.flush()
                         if keys is not None:
                             keys.poll()
@@ -651,6 +653,11 @@ class ChatSession:
         for notice in notices:
             self.note(notice)
         notices.clear()
+
+
+def _for_stream(stream: TextIO, text: str) -> str:
+    """TEXT as it is written to STREAM: control characters escaped on a terminal; a file or a pipe gets it as it is."""
+    return terminal_safe(text) if is_terminal(stream) else text
 
 
 def _split_word(text: str) -> tuple[str, str]:

@@ -9,12 +9,16 @@ and a Ctrl-D on an empty line ends the chat after the reply.
 from __future__ import annotations
 
 import os
+import re
 import select
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, TextIO
 
 CTRL_D, CTRL_U, ESC = "\x04", "\x15", "\x1b"
+# What a terminal acts on rather than draws, but for the tab and the line ends: C0 and C1 control
+# characters and DEL (an ESC begins a sequence that can reset the terminal, switch its screen, set its title).
+_CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
 
 
 def is_terminal(stream) -> bool:
@@ -24,6 +28,12 @@ def is_terminal(stream) -> bool:
         return stream is not None and stream.isatty()
     except (ValueError, OSError):
         return False
+
+
+def terminal_safe(text: str) -> str:
+    """TEXT as it may be written to a terminal: each control character but tab and line ends shown
+    escaped (a reply sampled at a high temperature holds byte tokens such as ESC)."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 @dataclass
