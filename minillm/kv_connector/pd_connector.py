@@ -36,7 +36,7 @@ from minillm.kv_connector.base import (KVConnectorMetadata, KVConnectorScheduler
 from minillm.kv_connector.endpoint import LeaseReleaser, TransferEndpoint, tcp_address
 from minillm.kv_connector.lease import LeaseTable, prompt_hash
 from minillm.kv_connector.transfer_config import KVTransferConfig
-from minillm.kv_connector.transport import KVRegion
+from minillm.kv_connector.transport import KVRegion, is_region_gone
 from minillm.sequence import Sequence, SequenceStatus
 from minillm.step import SchedulerOutput
 
@@ -201,9 +201,9 @@ class PDConnectorScheduler(KVConnectorScheduler):
         state = self._claim(seq)
         if state is None or state.is_released:
             return 0
-        if time.monotonic() > state.remote.load_by:
-            logger.warning("kv transfer: request %s waited past its claim on lease %s; its prompt is computed "
-                           "here instead", seq.request_id, state.remote.lease_id)
+        if time.monotonic() > state.remote.load_by or not self.worker.is_attached(state.remote.region):
+            logger.warning("kv transfer: request %s waited past its claim on lease %s (or its prefill engine has "
+                           "gone); its prompt is computed here instead", seq.request_id, state.remote.lease_id)
             self.num_stale += 1
             self._release(state)
             return 0
@@ -411,8 +411,21 @@ class PDConnectorWorker(KVConnectorWorker):
                                  f"{mapped.dtype}, not {list(region.shape)} {region.dtype}")
             return
         region.check_compatible(tuple(self.kv_pool.shape), self.dtype, self.model)
+        self._forget_gone_regions()
         self._sources[region.handle] = self.device.import_kv_pool(region)
         self._regions[region.handle] = region
+
+    def is_attached(self, region: KVRegion) -> bool:
+        """Whether region's pool is mapped here (a gone producer's is dropped when another is mapped)."""
+        return region.handle in self._sources
+
+    def _forget_gone_regions(self) -> None:
+        """Unmap the pools of producers that have gone: kept, a restarted prefill server's old pool
+        stayed held (its segment's memory) for as long as this engine ran. Loads are planned and
+        run within one step, never across a new mapping, so none reads a pool dropped here."""
+        for handle, region in list(self._regions.items()):
+            if is_region_gone(region):
+                del self._regions[handle], self._sources[handle]
 
     def start_load_kv(self, meta: PDMetadata | None) -> None:
         """Queue the step's copies on the compute stream: after the step in flight (which may still

@@ -146,6 +146,13 @@ class SharedSegment:
         self._unlinker()
 
 
+def is_region_gone(region: KVRegion) -> bool:
+    """Whether a producer's exported pool has lost its name: its producer exited (or died and a new
+    producer swept it), so no lease of it can be claimed again. Only a shm segment tells."""
+    return region.kind == "shm" and not Path(region.handle if isinstance(region.handle, str)
+                                              else region.handle.decode()).exists()
+
+
 def attach_segment(region: KVRegion) -> np.ndarray:
     """A read-only view of a producer's shm pool; ValueError when it is gone or not what it says."""
     try:
