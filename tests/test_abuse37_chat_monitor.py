@@ -1,8 +1,14 @@
 """Using chat and monitor as people do: what a reply or a server's error holds must not act on the terminal."""
 from __future__ import annotations
 
+import asyncio
 import io
+import ssl
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 from test_chat import run_scripted
 
 from minillm.chat import ChatSession
@@ -45,3 +51,55 @@ def test_a_reply_to_a_file_or_a_pipe_is_written_as_it_came():
     out = io.StringIO()
     run_scripted(ChatSession(_RawBackend(), out=out), ["hello"])
     assert RAW_REPLY in out.getvalue()
+
+
+# ---- the monitor over https ---------------------------------------------------------------------------------
+
+class _Silent(BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextmanager
+def _http_server(tls_files: dict | None = None):
+    """A web server on 127.0.0.1 (TLS with tls_files' certificate): its port."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Silent)
+    if tls_files is not None:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(tls_files["cert"], tls_files["key"])
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _first_problem(url: str) -> str:
+    """The banner the monitor shows first for url."""
+    from minillm.tui.client import LiveSource, SourceProblem
+
+    async def first() -> str:
+        async for event in LiveSource(url).events(lambda: 8):
+            if isinstance(event, SourceProblem):
+                return event.message
+    return asyncio.run(first())
+
+
+def test_the_monitor_says_a_server_that_is_up_speaks_no_tls_to_https():
+    # It said "cannot connect to https://127.0.0.1:PORT: is `minillm serve` running there?"
+    with _http_server() as port:
+        message = _first_problem(f"https://127.0.0.1:{port}")
+    assert message == f"TLS with https://127.0.0.1:{port} failed: the server does not speak TLS: is it http://, " \
+                      "not https://?"
+
+
+def test_the_monitor_says_how_to_trust_a_private_ca(tmp_path, monkeypatch):
+    make_tls_files = pytest.importorskip("test_abuse36_serve_transport").make_tls_files
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    with _http_server(make_tls_files(tmp_path)) as port:
+        message = _first_problem(f"https://127.0.0.1:{port}")
+    assert message.startswith(f"TLS with https://127.0.0.1:{port} failed: unable to get local issuer certificate")
+    assert message.endswith("$SSL_CERT_FILE (its CA's certificate)")
