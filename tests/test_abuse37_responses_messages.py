@@ -10,11 +10,13 @@ from minillm.server.app import ServerOptions
 anthropic = pytest.importorskip("anthropic")
 
 USER = {"role": "user", "content": "Hi"}
+# The tests' template, with the reasoning effort a request sets.
+TEMPLATE = "{% if reasoning_effort %}effort: {{ reasoning_effort }}\n{% endif %}" + CHAT_TEMPLATE
 
 
 @pytest.fixture(scope="module")
 def server(stories_path):
-    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    options = ServerOptions(chat_template=TEMPLATE)
     with running_server(stories_path, max_model_len=256, options=options) as running:
         yield running
 
@@ -41,3 +43,17 @@ def test_a_messages_request_without_a_model_is_a_400_naming_it(http, path):
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert error["error"]["param"] == "model" and "model" in error["error"]["message"]
+
+
+def test_output_config_effort_reaches_the_template_as_vllm_passes_it(claude):
+    # It was logged as ignored: the template never saw it.
+    def count(**fields) -> int:
+        return claude.messages.count_tokens(model="stories", messages=[USER], **fields).input_tokens
+
+    assert count(output_config={"effort": "high"}) > count()
+
+
+def test_an_output_config_effort_vllm_refuses_is_a_400_naming_it(claude):
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        claude.messages.create(model="stories", max_tokens=4, messages=[USER], output_config={"effort": "ultra"})
+    assert caught.value.body["error"]["param"] == "output_config.effort"

@@ -4,8 +4,9 @@ A request's `system` and `messages` (text, tool_use, tool_result and thinking bl
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`)
 and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking` {"type": "disabled"} the
 template's enable_thinking false (an enabled one's budget_tokens, fewer than max_tokens, is not
-enforced; vLLM's `chat_template_kwargs` are passed on), and `output_config.format` (a JSON schema; the
-beta's `output_format` too) the response_format. A final assistant message is a prefill, continued
+enforced; vLLM's `chat_template_kwargs` are passed on), `output_config.format` (a JSON schema; the
+beta's `output_format` too) the response_format, and `output_config.effort` the template's reasoning_effort
+(as vLLM passes it on). A final assistant message is a prefill, continued
 (continue_final_message) instead of answered; an empty one asks for a new turn, and consecutive messages
 of one role are one turn, as Anthropic's API takes them; a tool_result block must answer a tool_use
 block of an earlier assistant message. The chat job renders, samples and parses (--reasoning-parser,
@@ -50,6 +51,7 @@ CHAT_PARAMS = {"max_completion_tokens": "max_tokens", "stop": "stop_sequences", 
 THINKING_TYPES = ("enabled", "adaptive", "disabled")
 TOOL_CHOICES = ToolChoiceNames('{"type": "auto"}', '{"type": "none"}',
                                '{"type": "any"} or {"type": "tool", "name": ...}', '{"type": "any"}')
+EFFORTS = ("low", "medium", "high", "xhigh", "max")     # output_config.effort's values, as vLLM takes them
 MEDIA_BLOCKS = ("image", "document")      # what Anthropic's models read besides text; refused here
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use", "abort": "end_turn", "error": "end_turn"}
 
@@ -218,7 +220,7 @@ def chat_body(req: MessagesRequest, counting: bool = False) -> dict:
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
               "parallel_tool_calls": _parallel_tool_calls(req.tool_choice),
               "chat_template_kwargs": _template_kwargs(req.chat_template_kwargs, thinking),
-              "response_format": _response_format(req)}
+              "response_format": _response_format(req), "reasoning_effort": _effort(req.output_config)}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
 
@@ -297,6 +299,15 @@ def _response_format(req: MessagesRequest) -> dict | None:
                        param=f"{where}.type")
     schema = field_of(fmt, "schema", where, dict)
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def _effort(output_config: dict | None) -> str | None:
+    """output_config.effort (the chat request's reasoning_effort), a 400 naming it for a value vLLM refuses."""
+    effort = (output_config or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise APIError(400, f"output_config.effort must be one of {', '.join(EFFORTS)}, got {short_repr(effort)}",
+                       param="output_config.effort")
+    return effort
 
 
 def _template_kwargs(kwargs: dict | None, thinking: str | None) -> dict | None:
@@ -581,10 +592,11 @@ class _BlockWriter(ReplyWriter):
 
 
 def _ignored(req: MessagesRequest) -> list[str]:
-    """Fields taken without effect: a thinking budget is not enforced, nor output_config's other keys
-    (effort)."""
+    """Fields taken without effect: a thinking budget is not enforced, nor output_config's keys other than
+    format and effort."""
     ignored = ["thinking.budget_tokens"] if "budget_tokens" in (req.thinking or {}) else []
-    return ignored + [f"output_config.{key}" for key in req.output_config or {} if key != "format"]
+    return ignored + [f"output_config.{key}" for key in req.output_config or {}
+                     if key not in ("format", "effort")]
 
 
 async def create_message(ctx: ServingContext, body: dict, raw: Request):
