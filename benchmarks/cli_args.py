@@ -198,6 +198,24 @@ def resolve_engine_device(args) -> None:
     args.device = "cuda" if backend == "cuda" else "cpu"
 
 
+def resolve_model_files(args) -> None:
+    """args.model (a hub id at --revision) and --tokenizer (or --tokenizer-revision's version of the model's
+    tokenizer) as local directories, with their revisions spent, for LLM refuses a revision of a directory;
+    a BenchError when one cannot be found."""
+    from minillm.model_store import resolve_model_path, resolve_tokenizer_path
+    name = args.model
+    try:
+        args.model = str(resolve_model_path(name, args.download_dir, args.revision))
+        if args.tokenizer is not None or args.tokenizer_revision is not None:
+            args.tokenizer = str(resolve_tokenizer_path(args.tokenizer or name, args.download_dir,
+                                                        args.tokenizer_revision, args.revision))
+    except (OSError, ValueError) as exc:
+        from minillm.cli import engine_flag_words
+        words = engine_flag_words(exc) if isinstance(exc, ValueError) else None
+        raise BenchError(words or " ".join(str(exc).split())) from None
+    args.revision = args.tokenizer_revision = None
+
+
 def engine_model_options(args, model: str, **options) -> dict:
     """EngineConfig fields for args' model (random weights in bf16 when --model is not given) and device."""
     out = dict(model=model, device=args.device, **options)

@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
-                                         check_bounds, check_output_file, check_workload_tokens, run_main)
+                                         check_bounds, check_output_file, check_workload_tokens, resolve_model_files,
+                                         run_main)
 from minillm.benchmarks.workload import QWEN3_0_6B, Workload, roofline_seconds, write_random_model_dir
 from minillm.cli import add_engine_arguments, engine_flag_words
 
@@ -110,11 +111,7 @@ def resolve_model(args) -> dict:
     if args.model is None:
         config = QWEN3_0_6B
     else:
-        from minillm.loader import resolve_model_path
-        try:
-            args.model = str(resolve_model_path(args.model, args.download_dir, args.revision))
-        except (OSError, ValueError) as exc:
-            raise BenchError(" ".join(str(exc).split())) from None
+        resolve_model_files(args)
         config = json.loads((Path(args.model) / "config.json").read_text())
     check_fits(args, config.get("max_position_embeddings", MAX_TOKENS), "the model's max_position_embeddings")
     return config

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
                                          add_kv_cache_memory_option, check_bounds, check_output_file,
-                                         check_workload_tokens, run_main)
+                                         check_workload_tokens, resolve_model_files, run_main)
 from minillm.benchmarks.workload import (QWEN3_0_6B, Workload, nano_vllm_workload, random_length_range, random_workload,
                                         roofline_seconds, write_random_model_dir)
 from minillm.cli import add_engine_arguments, engine_flag_words
@@ -212,11 +212,7 @@ def resolve_defaults(args) -> dict:
     (input_option, longest_input, input_text), (_, longest_output, output_text) = workload_lengths(args)
     check_workload_tokens(PROG, count_option, args.num_seqs, input_option, longest_input)
     if args.model is not None:
-        from minillm.loader import resolve_model_path
-        try:
-            args.model = str(resolve_model_path(args.model, args.download_dir, args.revision))
-        except (OSError, ValueError) as exc:
-            raise BenchError(" ".join(str(exc).split())) from None
+        resolve_model_files(args)
         config = json.loads((Path(args.model) / "config.json").read_text())
     else:
         config = QWEN3_0_6B

@@ -10,7 +10,8 @@ import httpx
 from minillm import sse
 from minillm.chat import ChatSettings, ContextTooShort, Conversation, ReplyStats, conversation_text, reply_room
 from minillm.sse import LineSplitter, LineTooLong
-from minillm.urls import authorization_headers, check_credentials, client_endpoint, server_base_url, shown_url
+from minillm.urls import (authorization_headers, check_credentials, client_endpoint, server_base_url, shown_url,
+                          tls_failure)
 
 # What a server's answers may hold before the chat stops reading: one stream line (a chunk event is
 # a few hundred bytes), a whole answer that is no stream (a model list, an error), an error's text.
@@ -46,7 +47,8 @@ class HttpChatBackend:
         try:
             response, body = self._fetch("GET", "/v1/models")
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"cannot reach a minillm server at {self.shown_url}: {exc}") from None
+            raise RuntimeError(tls_failure(exc, self.shown_url)
+                               or f"cannot reach a minillm server at {self.shown_url}: {exc}") from None
         _raise_for_status(response, body)
         try:
             # An entry without a string id names no model a request could ask for.
@@ -100,7 +102,8 @@ class HttpChatBackend:
         try:
             response = self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise RuntimeError(f"request to {self.shown_url} failed: {exc}") from None
+            raise RuntimeError(tls_failure(exc, self.shown_url)
+                               or f"request to {self.shown_url} failed: {exc}") from None
         if response.status_code >= 400:
             body = _read_capped(response)
             response.close()

@@ -1,0 +1,50 @@
+"""Leftovers: bench latency and throughput with a hub id at --revision or --tokenizer-revision; serve with several
+API servers of a model without tokenizer.json; /v1/responses with conversation, custom tools and an assistant's
+refusal part sent back."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from conftest import put_in_hf_cache
+from test_cli import STORIES, needs_stories, run_main
+
+pytestmark = needs_stories
+
+# ---- bench latency and throughput: a hub id from the store at a revision ---------------------------------------
+
+BENCH_SIZES = {"latency": ("--input-len", "4", "--output-len", "2", "--batch-size", "2", "--num-iters-warmup", "0",
+                           "--num-iters", "1"),
+               "throughput": ("--input-len", "4", "--output-len", "2", "--num-prompts", "2")}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A Hugging Face cache holding someorg/st: main is stories260K, v2 a tokenizer with one token past its
+    vocabulary (so a run that reads it fails naming it)."""
+    root = tmp_path_factory.mktemp("hub")
+    put_in_hf_cache(root, "someorg/st", STORIES, revision="c" * 40)
+    big = root / "models--someorg--st" / "snapshots" / ("d" * 40)
+    big.mkdir()
+    shutil.copyfile(STORIES / "tokenizer_config.json", big / "tokenizer_config.json")
+    data = json.loads((STORIES / "tokenizer.json").read_text())
+    data["added_tokens"].append({"id": 512, "content": "<extra>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": True})
+    (big / "tokenizer.json").write_text(json.dumps(data))
+    (root / "models--someorg--st" / "refs" / "v2").write_text("d" * 40)
+    return root
+
+
+@pytest.mark.parametrize("bench", ["latency", "throughput"])
+def test_bench_takes_a_hub_id_at_revision_and_tokenizer_revision(store, capsys, monkeypatch, bench):
+    # The model was made a local directory first and its revision then passed on to LLM, which refuses a
+    # revision of a directory: "--revision 'main' names a version of a hub model; .../snapshots/ccc... is a
+    # local directory".
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    base = ("bench", bench, "--model", "someorg/st", "--download-dir", str(store), "--device", "cpu",
+            *BENCH_SIZES[bench])
+    status, _, err = run_main(capsys, *base, "--revision", "main", "--tokenizer-revision", "main")
+    assert status == 0, err
+    status, _, err = run_main(capsys, *base, "--tokenizer-revision", "v2")      # v2's tokenizer is the one read
+    assert status != 0 and "has token ids up to 512" in err and "Traceback" not in err, err
