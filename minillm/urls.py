@@ -69,6 +69,34 @@ def env_ssl_verify() -> ssl.SSLContext | bool:
     return ssl.create_default_context(cafile=cafile, capath=capath)
 
 
+def tls_failure(exc: BaseException, shown_base_url: str) -> str | None:
+    """What to tell the user of a connection whose TLS handshake failed, and what they can do about it
+    (a private CA, a plain-http server given as https://); None when exc was no TLS failure."""
+    error = _ssl_error(exc)
+    return None if error is None else f"TLS with {shown_base_url} failed: {_tls_reason(error)}"
+
+
+def _ssl_error(exc: BaseException | None) -> ssl.SSLError | None:
+    """The ssl.SSLError behind a failed connection (httpx wraps it twice), if that is what it was."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ssl.SSLError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _tls_reason(error: ssl.SSLError) -> str:
+    """Why the TLS handshake failed, and what the user can do about it."""
+    if isinstance(error, ssl.SSLCertVerificationError):
+        return (f"{error.verify_message or error.reason}: a server with a private CA is trusted through "
+                "$SSL_CERT_FILE (its CA's certificate)")
+    if error.reason == "WRONG_VERSION_NUMBER":
+        return "the server does not speak TLS: is it http://, not https://?"
+    return str(error.reason or error)
+
+
 def authorization_headers(api_key: str | None, option: str = "--api-key") -> dict[str, bytes]:
     """{"Authorization": b"Bearer KEY"} for a client of the server (none without a key): the key as
     UTF-8, as the server reads its own and curl sends it (httpx would encode a str as ASCII, and

@@ -5,7 +5,6 @@ import asyncio
 import dataclasses
 import json
 import math
-import ssl
 import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -20,7 +19,7 @@ from minillm import sse
 from minillm.sse import LineSplitter, LineTooLong
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
 from minillm.urls import (authorization_headers, check_credentials, client_endpoint, env_ssl_verify, server_base_url,
-                          shown_url)
+                          shown_url, tls_failure)
 
 DEFAULT_INTERVAL_S = 0.25
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
@@ -203,9 +202,9 @@ def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) ->
         if exc.status == 404:
             return f"{base_url} has no /v1/stats ({exc.status}): is this a minillm server?"
         return f"{base_url} answered {exc.status}: {_body_message(exc.body)}"
-    tls = _tls_error(exc)
+    tls = tls_failure(exc, base_url)
     if tls is not None:
-        return f"TLS with {base_url} failed: {_tls_reason(tls)}"
+        return tls
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect to {base_url}: is `minillm serve` running there?"
     if isinstance(exc, httpx.TimeoutException):
@@ -215,27 +214,6 @@ def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) ->
     if isinstance(exc, (httpx.InvalidURL, httpx.UnsupportedProtocol)):
         return f"invalid server URL {base_url!r}: {exc}"
     return f"lost {base_url}: {type(exc).__name__}: {exc}"
-
-
-def _tls_error(exc: BaseException) -> ssl.SSLError | None:
-    """The ssl.SSLError behind a failed connection (httpx wraps it twice), if that is what it was."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, ssl.SSLError):
-            return exc
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
-def _tls_reason(error: ssl.SSLError) -> str:
-    """Why the TLS handshake failed, and what the user can do about it."""
-    if isinstance(error, ssl.SSLCertVerificationError):
-        return (f"{error.verify_message or error.reason}: a server with a private CA is trusted through "
-                "$SSL_CERT_FILE (its CA's certificate)")
-    if error.reason == "WRONG_VERSION_NUMBER":
-        return "the server does not speak TLS: is it http://, not https://?"
-    return str(error.reason or error)
 
 
 async def bounded_lines(chunks: AsyncIterator[str], limit: int) -> AsyncIterator[str]:
