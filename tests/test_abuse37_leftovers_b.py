@@ -85,3 +85,19 @@ def test_https_to_a_plain_http_server_says_to_use_http(url):
         HttpChatBackend(f"https://{url}")
     assert str(caught.value) == f"TLS with https://{url} failed: the server does not speak TLS: is it http://, " \
                                 "not https://?"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stderr, shown", [(_Terminal(), "evil\\x1b]0;pwned\\x07"), (io.StringIO(), ESC_ID)])
+def test_a_model_id_with_an_esc_in_the_error_line_is_escaped_on_a_terminal(url, monkeypatch, stderr, shown):
+    from minillm.cli import main
+    monkeypatch.setattr("sys.stderr", stderr)
+    with pytest.raises(SystemExit) as caught:
+        main(["chat", "--url", url, "wrongname"])
+    assert caught.value.code == 1
+    assert stderr.getvalue() == f"minillm: error: the server at http://{url} does not serve 'wrongname' " \
+                                f"(it serves: fake, {shown})\n"
