@@ -23,7 +23,6 @@ from typing import Annotated, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
-from minillm.chat_terminal import is_terminal, terminal_safe
 from minillm.config import EngineConfig
 from minillm.model_store import expand_user
 
@@ -720,6 +719,18 @@ def resolve_tokenizer(ctx: typer.Context, model: str, model_path: str, options: 
                                       options["tokenizer_revision"], options["revision"])
         Tokenizer.from_pretrained(path, renders_chat=False, model_path=model_path)
     return {**options, "tokenizer": str(path), "tokenizer_revision": None}
+
+
+def check_model_tokenizer(model_path: str, options: dict, api_server_count: int) -> None:
+    """The model's own tokenizer read once here when several API server processes would each fail on
+    it: a CliError saying what is wrong before any process starts (resolve_tokenizer read a --tokenizer)."""
+    if api_server_count < 2 or options["tokenizer"] is not None:
+        return
+    from minillm.tokenizer import Tokenizer
+    try:
+        Tokenizer.from_pretrained(model_path, renders_chat=False)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
 
 
 def load_engine(config: EngineConfig):
@@ -1649,6 +1660,7 @@ def serve(
     path = resolve_chat_model(model, engine_options["download_dir"], command="serve",
                               revision=engine_options["revision"])
     engine_options = resolve_tokenizer(ctx, name, path, engine_options)
+    check_model_tokenizer(path, engine_options, api_server_count)
     config = engine_config(path, engine_options, **engine_settings)
     with option_values(ctx):     # the engine's start-up refusing a value names its flag, as generate's does
         status = run_server(config, host=host, port=port, options=options, monitor=monitor)
@@ -2173,7 +2185,5 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _fail(message: str, status: int) -> int:
-    """Print the error line, its control characters escaped on a terminal (a model id a server lists
-    may hold an ESC), and return the exit status."""
-    print(terminal_safe(message) if is_terminal(sys.stderr) else message, file=sys.stderr)
+    print(message, file=sys.stderr)
     return status

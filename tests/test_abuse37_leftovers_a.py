@@ -8,6 +8,8 @@ import shutil
 
 import pytest
 from conftest import put_in_hf_cache
+from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
+from test_abuse29_cli import one_line
 from test_cli import STORIES, needs_stories, run_main
 
 pytestmark = needs_stories
@@ -48,3 +50,17 @@ def test_bench_takes_a_hub_id_at_revision_and_tokenizer_revision(store, capsys, 
     assert status == 0, err
     status, _, err = run_main(capsys, *base, "--tokenizer-revision", "v2")      # v2's tokenizer is the one read
     assert status != 0 and "has token ids up to 512" in err and "Traceback" not in err, err
+
+
+# ---- serve: the model's tokenizer read once before several API servers start ------------------------------------
+
+def test_serve_with_api_servers_of_a_model_without_tokenizer_json_is_one_line_before_starting(
+        tmp_path, capsys, started):  # noqa: F811
+    # Three processes started and each said so, then several error lines; --tokenizer already got one line.
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "generation_config.json"):
+        (model / name).symlink_to(STORIES / name)
+    status, _, err = run_main(capsys, "serve", str(model), "--device", "cpu", "--api-server-count", "2")
+    line = one_line(err)
+    assert status == 1 and f"{model} has no tokenizer.json" in line and not started, line
