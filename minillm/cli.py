@@ -23,6 +23,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
+from minillm.chat_terminal import is_terminal, terminal_safe
 from minillm.config import EngineConfig
 from minillm.model_store import expand_user
 
@@ -2185,5 +2186,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _fail(message: str, status: int) -> int:
-    print(message, file=sys.stderr)
+    """Print the error line, its control characters escaped on a terminal (a model id a server lists
+    may hold an ESC), and return the exit status."""
+    print(terminal_safe(message) if is_terminal(sys.stderr) else message, file=sys.stderr)
     return status
