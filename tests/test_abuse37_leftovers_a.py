@@ -11,6 +11,9 @@ from conftest import put_in_hf_cache
 from test_abuse28_cli import started  # noqa: F401 - serve's run_server stubbed, as a fixture
 from test_abuse29_cli import one_line
 from test_cli import STORIES, needs_stories, run_main
+from test_server_helpers import CHAT_TEMPLATE, openai_error, running_server
+
+from minillm.server.app import ServerOptions
 
 pytestmark = needs_stories
 
@@ -64,3 +67,48 @@ def test_serve_with_api_servers_of_a_model_without_tokenizer_json_is_one_line_be
     status, _, err = run_main(capsys, "serve", str(model), "--device", "cpu", "--api-server-count", "2")
     line = one_line(err)
     assert status == 1 and f"{model} has no tokenizer.json" in line and not started, line
+
+
+# ---- /v1/responses ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, max_model_len=256, options=options) as running:
+        yield running
+
+
+def respond(http, **fields):
+    return http.post("/v1/responses", json={"model": "stories", "max_output_tokens": 2, "temperature": 0, **fields})
+
+
+@pytest.mark.parametrize("conversation", ["conv_1", {"id": "conv_1"}])
+def test_a_conversation_is_a_400_naming_it(http, conversation):
+    # It was served as if absent: no conversation is stored, so none can be read or added to.
+    error = openai_error(respond(http, input="Hi", conversation=conversation), 400, "conversation")
+    assert "conversation" in error["message"] and "store" in error["message"]
+
+
+def test_a_custom_tool_is_not_called_a_built_in_tool(http):
+    grammar = {"type": "grammar", "syntax": "lark", "definition": 'start: "a"'}
+    tool = {"type": "custom", "name": "g", "format": grammar}
+    error = openai_error(respond(http, input="Hi", tools=[tool]), 400, "tools[0].type")
+    assert "custom tools" in error["message"] and "built-in" not in error["message"], error
+    error = openai_error(respond(http, input="Hi", tools=[{"type": "function", "name": "f"}],
+                                 tool_choice={"type": "custom", "name": "g"}), 400, "tool_choice.type")
+    assert "custom tools" in error["message"] and "built-in" not in error["message"], error
+
+
+def test_an_assistant_refusal_part_sent_back_is_read_as_its_words(http):
+    # It was a 400 ("type must be input_text or output_text"); OpenAI takes an earlier output sent back.
+    def turn(part: dict) -> list[dict]:
+        return [{"role": "user", "content": "Tell me a story."},
+                {"type": "message", "role": "assistant", "content": [part]},
+                {"role": "user", "content": "Please?"}]
+    refused = respond(http, input=turn({"type": "refusal", "refusal": "I will not."}))
+    said = respond(http, input=turn({"type": "output_text", "text": "I will not.", "annotations": []}))
+    assert refused.status_code == said.status_code == 200, refused.text
+    assert refused.json()["usage"]["input_tokens"] == said.json()["usage"]["input_tokens"]
+    assert refused.json()["output"][0]["content"][0]["text"] == said.json()["output"][0]["content"][0]["text"]
+    unread = respond(http, input=turn({"type": "refusal", "text": "I will not."}))
+    openai_error(unread, 400, "input[1].content[0].refusal")

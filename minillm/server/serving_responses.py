@@ -15,7 +15,8 @@ continue_final_message), as vLLM continues it. A function_call_output answers a 
 before it in input (one whose call_id no such item has is a 400 naming input, as OpenAI refuses it).
 
 Responses are not stored: `store` is answered false, a `previous_response_id` is a 404 (none is
-found, as on a vLLM server without its response store) and `background` a 400.
+found, as on a vLLM server without its response store), and `background` and `conversation` are 400s.
+An assistant message's `refusal` part sent back is read as its words.
 
 `truncation` "auto" drops the conversation's earliest messages (never a system message or the instructions,
 and a tool's output only with its call) until the prompt and max_output_tokens fit the context, as OpenAI's
@@ -127,6 +128,7 @@ class ResponsesRequest(_WithChatExtras):
     top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it; used with include's OUTPUT_LOGPROBS
     request_id: Text | None = None
     prompt: Any = None                  # OpenAI's stored prompt template (refused)
+    conversation: Any = None            # OpenAI's stored conversation (refused: none is stored)
 
     @field_validator("input")
     @classmethod
@@ -156,6 +158,9 @@ def _check_unserved(req: ResponsesRequest) -> None:
                        f"server does not store responses (send the conversation in input)",
                        param="previous_response_id", code="previous_response_not_found",
                        type="invalid_request_error")
+    if req.conversation is not None:
+        raise APIError(400, f"conversation is not supported: this server does not store conversations (send the "
+                       f"conversation in input), got {short_repr(req.conversation)}", param="conversation")
     if req.background:
         raise APIError(400, "background is not supported: this server does not store responses", param="background")
     if req.prompt is not None:      # as vLLM refuses it: the template it names is not here to use
@@ -194,11 +199,13 @@ def _content_parts(content: Any, where: str) -> Any:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
             parts.append({"type": "text", "text": field_of(part, "text", f"{where}[{j}]", str)})
+        elif kind == "refusal":        # an assistant's earlier refusal sent back: its words, as chat reads them
+            parts.append({"type": "text", "text": field_of(part, "refusal", f"{where}[{j}]", str)})
         elif kind in ("input_image", "input_file"):
             raise APIError(400, f"{where}[{j}]: {kind} parts are not supported: this server's model reads text "
                            f"only", param=f"{where}[{j}].type")
         else:
-            raise APIError(400, f"{where}[{j}].type must be input_text or output_text, got {kind!r}",
+            raise APIError(400, f"{where}[{j}].type must be input_text, output_text or refusal, got {kind!r}",
                            param=f"{where}[{j}].type")
     return parts
 
@@ -288,13 +295,20 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise APIError(400, f"tools[{i}].type must be function (built-in tools are not served), got "
+            raise APIError(400, f"tools[{i}].type must be function ({_unserved_tools(tool.get('type'))}), got "
                            f"{tool.get('type')!r}", param=f"tools[{i}].type")
         field_of(tool, "name", f"tools[{i}]", str)
         field_of(tool, "description", f"tools[{i}]", str, optional=True)
         field_of(tool, "parameters", f"tools[{i}]", dict, optional=True)
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
+
+
+def _unserved_tools(kind: Any) -> str:
+    """What is not served of a tool (or tool_choice) type other than function."""
+    if kind == "custom":
+        return "custom tools, which take free-form text, are not served"
+    return "built-in tools are not served"
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -307,7 +321,7 @@ def _tool_choice(choice: Any) -> Any:
         raise APIError(400, f'tool_choice must be "none", "auto", "required" or a function tool ({usage}), got '
                        f"{short_repr(choice)}", param="tool_choice")
     if choice.get("type") != "function":
-        raise APIError(400, f"tool_choice.type must be function (built-in tools are not served): {usage}, got "
+        raise APIError(400, f"tool_choice.type must be function ({_unserved_tools(choice.get('type'))}): {usage}, got "
                        f"{short_repr(choice.get('type'))}", param="tool_choice.type")
     name = choice.get("name")
     if not isinstance(name, str) or not name:
