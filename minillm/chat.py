@@ -607,7 +607,9 @@ class ChatSession:
         self.say(f"({key} = {getattr(self.settings, key)})")
 
     def send(self, text: str, is_one_shot: bool = False) -> None:
-        """Stream the assistant's reply to TEXT and keep both turns (is_one_shot: reply_once's)."""
+        """Stream the assistant's reply to TEXT and keep both turns (is_one_shot: reply_once's); a message
+        that failed, or was interrupted before any text, leaves the conversation as it was."""
+        turns = list(self.conversation.turns)
         self.conversation.turns.append({"role": "user", "content": text})
         reply, flag = "", StopFlag(at_once=getattr(self.backend, "stops_anywhere", False))
         keys = StreamingKeys(self.type_ahead) if self.is_terminal else None
@@ -630,7 +632,7 @@ class ChatSession:
             if reply and not reply.endswith("\n"):
                 self.say("")            # the error starts a line of its own, not the reply's last one
             self.print_notices()
-            self.conversation.turns.pop()
+            self.restore(turns)
             hint = (" (the system message counts too: /system alone clears it)"
                     if isinstance(exc, ContextTooShort) and self.conversation.system and not is_one_shot else "")
             self.note(f"error: {exc}{hint}")
@@ -643,9 +645,22 @@ class ChatSession:
                 self.note(mark.strip())
         else:
             self.say(mark)
+        if flag.is_set and not reply:
+            # The message goes too (`ollama run` keeps it): two user turns in a row fail templates that
+            # need the roles to alternate, and every message after them would.
+            self.restore(turns)
         if flag.is_set and self.is_piped:
             raise KeyboardInterrupt     # the reply ends marked, and the chat with it
-        self.conversation.turns.append({"role": "assistant", "content": reply})
+        if reply or not flag.is_set:
+            self.conversation.turns.append({"role": "assistant", "content": reply})
+
+    def restore(self, turns: list[dict]) -> None:
+        """Put the conversation back to TURNS, its turns before a message that got no reply, with the
+        oldest exchanges the backend dropped to fit that message."""
+        was_trimmed = len(self.conversation.turns) <= len(turns)
+        self.conversation.turns[:] = turns
+        if was_trimmed:
+            self.note("(the exchanges dropped to fit that message are kept)")
 
     def print_notices(self) -> None:
         """Pass on what the backend wants the user to know (trimmed history, fallbacks)."""

@@ -119,10 +119,23 @@ class HttpChatBackend:
 
     def stream_reply(self, conversation: Conversation, settings: ChatSettings,
                      should_stop: Callable[[], bool]) -> Iterator[str]:
-        """Open the stream now (errors surface here); the iterator yields the text deltas."""
+        """Open the stream now (errors surface here); the iterator yields the text deltas. A request
+        that fails or is interrupted before its stream opens is the last reply /stats shows."""
         started = time.time()
         try:
-            response, is_capped = self._open_fitted(conversation, settings)
+            response, is_capped = self._open_reply(conversation, settings)
+        except BaseException as exc:
+            self.last_stats = ReplyStats(
+                prompt_tokens=None, output_tokens=0, ttft_s=None, decode_s=None, total_s=time.time() - started,
+                finish_reason="abort" if isinstance(exc, KeyboardInterrupt) else "error", source="client",
+                max_tokens=settings.max_tokens, context_len=self.context_len)
+            raise
+        return self._stream(response, started, should_stop, settings.max_tokens, is_capped)
+
+    def _open_reply(self, conversation: Conversation, settings: ChatSettings) -> tuple[httpx.Response, bool]:
+        """_open_fitted, again as plain text continuation when the server says the model has no chat template."""
+        try:
+            return self._open_fitted(conversation, settings)
         except ContextLengthError:
             raise
         except ValueError as exc:
@@ -131,8 +144,7 @@ class HttpChatBackend:
             self.has_chat_template = False
             self.notices.append("note: the served model has no chat template, so the "
                                 "conversation runs as plain text continuation.")
-            response, is_capped = self._open_fitted(conversation, settings)
-        return self._stream(response, started, should_stop, settings.max_tokens, is_capped)
+            return self._open_fitted(conversation, settings)
 
     def _open_fitted(self, conversation: Conversation, settings: ChatSettings) -> tuple[httpx.Response, bool]:
         """Open the stream within the server's context as the in-process chat fits its own: the

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from test_chat import run_scripted
 
 from minillm.chat import ChatSession, ChatSettings
 
@@ -101,3 +104,30 @@ def test_a_model_id_with_an_esc_in_the_error_line_is_escaped_on_a_terminal(url, 
     assert caught.value.code == 1
     assert stderr.getvalue() == f"minillm: error: the server at http://{url} does not serve 'wrongname' " \
                                 f"(it serves: fake, {shown})\n"
+
+
+def test_ctrl_c_before_the_first_chunk_keeps_no_turn_and_no_stale_stats(url):
+    # It kept the message with an empty reply, and /stats showed the reply before it.
+    session, out = _session(url)
+
+    def interrupt() -> None:
+        if _FakeServer.arrived.wait(30):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    _FakeServer.arrived.clear()
+    threading.Thread(target=interrupt, daemon=True).start()
+    history = run_scripted(session, ["hi", "stall", "/stats"])
+    assert history == [["hi", "Re: hi"], ["hi", "Re: hi"]]
+    stats = out.getvalue().split("[interrupted]")[1]
+    assert "last reply (measured by the client): 0 tokens in" in stats
+    assert "finish reason abort" in stats and "prompt: not counted" in stats, stats
+
+
+def test_exchanges_dropped_for_a_message_that_failed_come_back(url):
+    # The oldest exchange was dropped to fit "die", whose stream then broke: it stayed dropped.
+    session, out = _session(url)
+    history = run_scripted(session, ["a", "b", "die", "c"], status=1)
+    assert history[2] == ["a", "Re: a", "b", "Re: b"], out.getvalue()
+    assert "(dropped the 1 oldest exchange(s) to fit the 512-token context)" in out.getvalue()
+    assert "(the exchanges dropped to fit that message are kept)" in out.getvalue()
+    assert history[3] == ["b", "Re: b", "c", "Re: c"]
