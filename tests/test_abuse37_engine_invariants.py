@@ -9,29 +9,16 @@ would finish them. After every step the pool agrees with the sequences holding i
 reported finished exactly once with a valid finish reason; greedy outputs equal the request's output
 alone (an aborted one's are a prefix of it); the pool is wholly free at the end.
 """
-import json
 import random
 from collections import Counter
 
 import pytest
+from test_fuzz18_engine import MAX_MODEL_LEN, golden, make_engine  # noqa: F401 - golden is a fixture
 
 from minillm import SamplingParams
-from minillm.config import EngineConfig
-from minillm.engine import LLMEngine
 from minillm.sequence import SequenceStatus
 
-MAX_MODEL_LEN = 64
 FINISH_REASONS = {"stop", "length", "abort"}
-
-
-def make_engine(path, **kw):
-    return LLMEngine(EngineConfig(model=str(path), device="cpu", max_model_len=MAX_MODEL_LEN, **kw),
-                     log=lambda msg: None)
-
-
-@pytest.fixture(scope="module")
-def golden(stories_path):
-    return json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
 
 
 @pytest.fixture(scope="module")

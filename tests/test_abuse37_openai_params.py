@@ -4,11 +4,11 @@ a value below 1 or of another type is a 400 naming stream_interval (it was logge
 every token went out in a chunk of its own)."""
 from __future__ import annotations
 
-import json
 
 import httpx
 import openai
 import pytest
+from test_abuse37_stream_interval import stream_chunks
 from test_server_helpers import chat_model_dir, openai_error, running_server
 
 MESSAGES = [{"role": "user", "content": "Once upon"}]
@@ -28,14 +28,6 @@ def post(url: str, path: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}{path}", json={"model": "stories", **body}, timeout=60)
 
 
-def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
-    """The JSON chunks of a stream (up to [DONE], which must end it)."""
-    with httpx.stream("POST", f"{url}{path}", json={"model": "stories", **body, "stream": True},
-                      timeout=60) as response:
-        assert response.status_code == 200, response.read()
-        lines = [line for line in response.iter_lines() if line]
-    assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
 
 
 def tokens_per_chunk(chunks: list[dict]) -> dict[int, list[int]]:
