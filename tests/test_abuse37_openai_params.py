@@ -4,7 +4,6 @@ a value below 1 or of another type is a 400 naming stream_interval (it was logge
 every token went out in a chunk of its own)."""
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
