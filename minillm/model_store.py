@@ -245,7 +245,19 @@ def index_weight_map(index: Path) -> dict[str, str]:
         raise ValueError(f"{index} is not a safetensors index: {exc}") from None
     if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
         raise ValueError(f"{index} is not a safetensors index: its weight_map must map tensor names to files")
+    outside = sorted({f for f in weight_map.values() if not _inside_directory(f)})
+    if outside:
+        raise ValueError(f"{index} names shard {outside[0]!r}, which is not a file of the model directory: "
+                         f"an index names its shards by their paths inside it")
     return weight_map
+
+
+def _inside_directory(name: str) -> bool:
+    """Whether a relative path names something inside its directory (read lexically: a hub snapshot's
+    files are links out of it)."""
+    norm = os.path.normpath(name)
+    return bool(name) and not os.path.isabs(name) and norm != "." and norm != ".." \
+        and not norm.startswith(".." + os.sep)
 
 
 def index_weight_files(index: Path) -> set[str]:
