@@ -241,6 +241,9 @@ def _sliding_window(arch: str, cfg: dict, num_layers: int) -> int | None:
     return window
 
 
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16")     # what --dtype auto takes from config.json
+
+
 def _checkpoint_dtype(path: Path, cfg: dict) -> str:
     """The dtype the weights were saved in: config.json's (torch_)dtype, else the first tensor's."""
     key = "dtype" if cfg.get("dtype") is not None else "torch_dtype"     # transformers 5 reads dtype first
@@ -248,7 +251,11 @@ def _checkpoint_dtype(path: Path, cfg: dict) -> str:
     if name is not None and not isinstance(name, str):
         raise ValueError(f"config.json field {key!r} must be a dtype name such as 'bfloat16', got {short_repr(name)}")
     if name:
-        return name.replace("torch.", "")
+        name = name.replace("torch.", "")
+        if name not in _FLOAT_DTYPES:
+            logger.warning("config.json %s %r is no float dtype minillm computes in; --dtype auto computes in "
+                           "bfloat16 on a GPU (float32 on the CPU)", key, name)
+        return name
     try:
         entry = next(iter(checkpoint_tensors(path).values()))
     except (ValueError, StopIteration):

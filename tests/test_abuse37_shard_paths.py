@@ -1,4 +1,4 @@
-"""A safetensors index whose shard names point out of the model directory."""
+"""A safetensors index whose shard names point out of the model directory; a torch_dtype that is no float dtype."""
 from __future__ import annotations
 
 import json
@@ -41,3 +41,19 @@ def test_a_shard_in_a_subfolder_of_the_model_directory_is_read(stories_path, tmp
     folder = sharded_copy(stories_path, tmp_path / "m", "shards/./all.safetensors")
     weights = load_weights(folder, load_model_config(folder), "float32")
     assert weights["model.norm.weight"].shape == (64,)
+
+
+@pytest.mark.parametrize("dtype", ["float8", "int8"])
+def test_a_torch_dtype_that_is_no_float_dtype_is_warned_about(stories_path, tmp_path, caplog, dtype):
+    # it fell back to bfloat16 (float32 on the CPU) without a word; transformers refuses such a config
+    folder = stories_copy(stories_path, tmp_path / "m", torch_dtype=dtype)
+    with caplog.at_level("WARNING", logger="minillm"):
+        assert load_model_config(folder).torch_dtype == dtype
+    assert f"torch_dtype '{dtype}' is no float dtype" in caplog.text
+
+
+def test_a_float_torch_dtype_is_not_warned_about(stories_path, tmp_path, caplog):
+    folder = stories_copy(stories_path, tmp_path / "m", torch_dtype="torch.bfloat16")
+    with caplog.at_level("WARNING", logger="minillm"):
+        assert load_model_config(folder).torch_dtype == "bfloat16"
+    assert "float dtype" not in caplog.text
