@@ -61,6 +61,7 @@ from minillm.server.stats_hub import StatsHub
 from minillm.server.tool_parsers import TOOL_PARSERS
 from minillm.server.transport import TransportOptions, bind_uds, listen_url, refresh_ssl_files, remove_uds
 from minillm.server.streaming import EventStreamResponse
+from minillm.spec_decode.metrics import interval_log_line as spec_decode_log_line
 from minillm.tokenizer import check_content_format
 from minillm.urls import http_url
 
@@ -458,6 +459,9 @@ class ThroughputLogger:
                     "Running: %d reqs, Waiting: %d reqs, Preemptions: %d, KV cache usage: %.1f%%, "
                     "Prefix cache hit rate: %.1f%%", prompt / elapsed, generated / elapsed, stats.num_running,
                     stats.num_waiting, stats.num_preemptions, 100 * stats.kv_usage, 100 * hit_rate)
+        spec_line = spec_decode_log_line(stats.spec_decode, last.spec_decode if last else None, elapsed)
+        if spec_line:
+            logger.info(spec_line)
 
 
 def create_app(async_engine: EngineClient, options: ServerOptions | None = None) -> FastAPI:

@@ -79,3 +79,24 @@ class SpecDecodeStats:
                 "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
                 "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length,
                 "acceptance_rate_per_pos": self.acceptance_rate_per_pos}
+
+
+def interval_log_line(now: SpecDecodeStats | None, last: SpecDecodeStats | None, elapsed_s: float) -> str | None:
+    """vLLM's "SpecDecoding metrics:" log line for the drafts verified since `last` (None before the
+    first interval); None when no draft was verified in it or speculation is off."""
+    if now is None:
+        return None
+    drafts = now.num_drafts - (last.num_drafts if last else 0)
+    if drafts <= 0:
+        return None
+    drafted = now.num_draft_tokens - (last.num_draft_tokens if last else 0)
+    accepted = now.num_accepted_tokens - (last.num_accepted_tokens if last else 0)
+    per_pos = [n - (last.num_accepted_tokens_per_pos[i] if last else 0)
+               for i, n in enumerate(now.num_accepted_tokens_per_pos)]
+    elapsed_s = max(elapsed_s, 1e-9)
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted throughput: {accepted / elapsed_s:.2f} tokens/s, "
+            f"Drafted throughput: {drafted / elapsed_s:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Per-position acceptance rate: {', '.join(f'{n / drafts:.3f}' for n in per_pos)}, "
+            f"Avg Draft acceptance rate: {100 * accepted / drafted:.1f}%")
