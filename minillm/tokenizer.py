@@ -1073,4 +1073,9 @@ class IncrementalDetokenizer:
         end = len(self._ids)
         if end == self._read_offset:
             return ""
-        return self._emit(self._prefix_len(), self._decode(self._prefix_offset, end), end)
+        window = self._decode(self._prefix_offset, end)
+        if not window.startswith(self._decode(self._prefix_offset, self._read_offset)):
+            # A byte-fallback decoder replaces every byte of a run that ends broken, the emitted
+            # character before the held bytes included: the held tokens are decoded alone.
+            return self._emit(0, self._decode(self._read_offset, end), end)
+        return self._emit(self._prefix_len(), window, end)

@@ -1,0 +1,14 @@
+"""vLLM-style scripts against LLM on the CPU: outputs and errors as vLLM's users read them."""
+from __future__ import annotations
+
+from minillm import SamplingParams
+from minillm.sampling_params import StructuredOutputsParams
+
+
+def test_text_cut_inside_a_character_keeps_the_character_before_it(llm):
+    """max_tokens ending inside a byte-fallback character after a whole one: '日' then one '\ufffd'
+    for the lone byte (the final decode replaced '日' too and gave '日\ufffd\ufffd\ufffd')."""
+    params = SamplingParams(max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["€ café 日本"]))
+    out = llm.generate("Price:", params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[-4:] == [233, 154, 168, 233]       # <0xE6> <0x97> <0xA5> (日), <0xE6>
+    assert out.text == "€ café 日\ufffd"
