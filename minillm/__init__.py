@@ -1,8 +1,8 @@
 """minillm: a small, fast LLM inference engine with a paged KV cache and continuous batching."""
 from pathlib import Path as _Path
 
-__all__ = ["CompletionOutput", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams",
-           "TextPrompt", "TokensPrompt"]
+__all__ = ["CompletionOutput", "LLM", "LLMEngine", "PromptType", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 # In a checkout, tui/ and benchmarks/ sit beside this package; an install puts them inside it as
@@ -25,7 +25,7 @@ def __getattr__(name: str):
     if name == "LLMEngine":
         from minillm.engine import LLMEngine
         return LLMEngine
-    if name in ("TextPrompt", "TokensPrompt"):
+    if name in ("PromptType", "TextPrompt", "TokensPrompt"):
         from minillm import prompts
         return getattr(prompts, name)
     if name in ("RequestOutput", "CompletionOutput"):

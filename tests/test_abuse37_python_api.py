@@ -12,3 +12,13 @@ def test_text_cut_inside_a_character_keeps_the_character_before_it(llm):
     out = llm.generate("Price:", params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids[-4:] == [233, 154, 168, 233]       # <0xE6> <0x97> <0xA5> (日), <0xE6>
     assert out.text == "€ café 日\ufffd"
+
+
+def test_vllm_top_level_names_import():
+    """`from vllm import LLM, PromptType, ...` reads `from minillm import ...` (PromptType was missing)."""
+    import minillm
+    from minillm import PromptType
+    from minillm.prompts import PromptType as defined
+    assert PromptType is defined
+    for name in minillm.__all__:
+        getattr(minillm, name)
