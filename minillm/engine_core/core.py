@@ -271,6 +271,7 @@ class EngineCoreProc:
         self.client_of: dict[str, list[int]] = {}
         self.finished = Counter()               # final reasons the API servers reported
         self.reported: dict[int, Counter] = defaultdict(Counter)   # API server -> its part of `finished`
+        self.num_dropped_tokens = 0             # generated past stop strings, in no response (FinishedCounts)
         self.orphaned = False                   # the process that started us went without stopping us
 
     def send(self, message: Any, client: int = 0) -> None:
@@ -408,6 +409,7 @@ class EngineCoreProc:
                         self.engine.stop_sequence(request_id, index, stop_string)
             elif isinstance(command, m.FinishedCounts):
                 self.finished.update(command.counts)
+                self.num_dropped_tokens += command.num_dropped_tokens
                 self.reported[command.client_index].update(command.counts)
             elif isinstance(command, m.GetStats):
                 stats[command.client_index].append(command.call_id)   # one snapshot answers the batch's
@@ -440,7 +442,8 @@ class EngineCoreProc:
             stats = self.engine.stats(1, summary=True) if summary else self.engine.stats(FULL_RESOLUTION)
         except Exception as exc:  # noqa: BLE001
             return None, "%s: %s" % error_fields(exc)
-        return dataclasses.replace(stats, num_requests_finished=dict(self.finished)), None
+        return dataclasses.replace(stats, num_requests_finished=dict(self.finished),
+                                   generation_tokens_total=stats.generation_tokens_total - self.num_dropped_tokens), None
 
 
 def _connect(ctx: zmq.Context, spec: CoreSpec) -> tuple[zmq.Socket, list[zmq.Socket]]:

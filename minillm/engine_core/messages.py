@@ -53,10 +53,13 @@ class StopSequences(msgspec.Struct, tag=True, array_like=True):
 class FinishedCounts(msgspec.Struct, tag=True, array_like=True):
     """Requests an API server has seen end since its last report, by final reason (a stop string it
     found is "stop" even where the core had meanwhile reached max_tokens): the core adds them up,
-    so every server's stats show the whole engine's."""
+    so every server's stats show the whole engine's. num_dropped_tokens: tokens the core generated
+    for sequences the server had already ended with a stop string (before the core heard of the
+    stop), which no response holds: the core takes them out of its generation_tokens_total."""
 
     counts: dict[str, int]
     client_index: int = 0
+    num_dropped_tokens: int = 0
 
 
 class GetStats(msgspec.Struct, tag=True, array_like=True):

@@ -128,6 +128,7 @@ class OutputProcessor:
         self.requests: dict[str, FrontendRequest] = {}
         self.finished = Counter()       # finish reason -> sequences, over the server's life
         self.unreported = Counter()     # the part of `finished` not yet reported to the core
+        self.num_dropped_tokens = 0     # tokens past a stop string found here, not yet reported
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             arrival_time: float, handle: Any) -> None:
@@ -234,6 +235,8 @@ class OutputProcessor:
             req.kv_transfer_stats = out.kv_transfer_stats
         if out.num_cached_tokens is not None:
             seq.num_cached_tokens = out.num_cached_tokens
+        if seq.is_finished:
+            self.num_dropped_tokens += len(out.new_token_ids)  # the core ran on past a stop string
         if req.handle is None or seq.is_finished:
             return False
         tokens, rows = out.new_token_ids, out.new_logprobs
@@ -248,6 +251,7 @@ class OutputProcessor:
                 seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
                 if out.finish_reason is None:
                     stops.append((req.request_id, seq.index, stop))
+                self.num_dropped_tokens += len(tokens) - i - 1
                 return True
         if not tokens and out.finish_reason is not None:
             seq.status, seq.stop_reason = SequenceStatus(out.finish_reason), out.stop_reason
@@ -275,3 +279,8 @@ class OutputProcessor:
         """Finish counts since the last call (for the core, which adds up every API server's)."""
         counts, self.unreported = dict(self.unreported), Counter()
         return counts
+
+    def take_dropped_tokens(self) -> int:
+        """Tokens dropped past stop strings since the last call (the core takes them out of its count)."""
+        count, self.num_dropped_tokens = self.num_dropped_tokens, 0
+        return count

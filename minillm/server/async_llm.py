@@ -392,12 +392,12 @@ class AsyncLLM(Generate):
                     stream = self.processor.abandon(request_id)
                     if stream is not None:
                         failures.append((stream, RequestFailedError(request_id, cause)))
-            finished = self.processor.take_unreported()
+            finished, dropped = self.processor.take_unreported(), self.processor.take_dropped_tokens()
             try:
                 if done.stops:
                     self._send(m.StopSequences(done.stops, self.client_index))
-                if finished:
-                    self._send(m.FinishedCounts(finished, self.client_index))
+                if finished or dropped:
+                    self._send(m.FinishedCounts(finished, self.client_index, dropped))
             except EngineDeadError:
                 pass
             # Handed on under the lock, so an abort's final output (abort()) never comes before them.
