@@ -338,8 +338,9 @@ class LLM:
         read as the server reads them: strings and text parts ({"type": "text", "text": ...};
         input_text, output_text and refusal too) joined by newlines; continue_final_message (with
         add_generation_prompt False) has the model continue the last message. tools (vLLM's) reach the
-        template as `tools`, unless chat_template_kwargs sets them. chat_template_content_format is
-        vLLM's: how the template gets each message's content, "string" (parts joined) or "openai"
+        template as `tools`, unless chat_template_kwargs sets them; it may set chat_template,
+        add_generation_prompt and continue_final_message over the arguments too, as in vLLM.
+        chat_template_content_format is vLLM's: how the template gets each message's content, "string" (parts joined) or "openai"
         (a list of text parts, a string content as one), "auto" picking "openai" for a template that
         loops over a message's content. lora_request and mm_processor_kwargs (vLLM's) may only be None;
         tokenization_kwargs (vLLM's) may set add_special_tokens, False by default: the template writes BOS
@@ -357,6 +358,10 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         check_priorities(priority, len(conversations), self.engine.config.scheduling_policy)
         check_template_kwargs(chat_template_kwargs)
+        chat_template_kwargs, arguments = split_chat_arguments(chat_template_kwargs)
+        chat_template = arguments.get("chat_template", chat_template)
+        add_generation_prompt = arguments.get("add_generation_prompt", add_generation_prompt)
+        continue_final_message = arguments.get("continue_final_message", continue_final_message)
         check_content_format(chat_template_content_format)
         add_special_tokens = False
         tokenization_kwargs, truncate_prompt_tokens = split_truncation(tokenization_kwargs)
@@ -439,8 +444,10 @@ def with_truncation(params: list[SamplingParams], keep) -> list[SamplingParams]:
 
 
 # Arguments LLM.chat passes to the renderer itself: chat_template_kwargs may not set them.
-RESERVED_TEMPLATE_KWARGS = ("messages", "template", "chat_template", "add_generation_prompt", "content_parts",
-                            "continue_final_message", "tokenize")
+RESERVED_TEMPLATE_KWARGS = ("messages", "template", "content_parts", "tokenize")
+# LLM.chat's arguments that chat_template_kwargs sets over them, as vLLM's LLM.chat merges
+# chat_template_kwargs over {chat_template, add_generation_prompt, continue_final_message, tools}.
+CHAT_ARGUMENT_KWARGS = ("chat_template", "add_generation_prompt", "continue_final_message")
 
 
 def check_template_kwargs(kwargs) -> None:
@@ -452,6 +459,14 @@ def check_template_kwargs(kwargs) -> None:
     clash = [k for k in RESERVED_TEMPLATE_KWARGS if k in kwargs]
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (LLM.chat takes them as arguments)")
+
+
+def split_chat_arguments(kwargs: dict | None) -> tuple[dict | None, dict]:
+    """(chat_template_kwargs less LLM.chat's own arguments, the arguments it sets)."""
+    if not kwargs:
+        return kwargs, {}
+    return ({k: v for k, v in kwargs.items() if k not in CHAT_ARGUMENT_KWARGS},
+            {k: v for k, v in kwargs.items() if k in CHAT_ARGUMENT_KWARGS})
 
 
 def chat_template_source(value: str) -> str:

@@ -22,3 +22,22 @@ def test_vllm_top_level_names_import():
     assert PromptType is defined
     for name in minillm.__all__:
         getattr(minillm, name)
+
+
+def test_chat_template_kwargs_set_chat_arguments_over_them(llm):
+    """vLLM's LLM.chat merges chat_template_kwargs over chat_template, add_generation_prompt and
+    continue_final_message (they were a ValueError)."""
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}" \
+               "{% if add_generation_prompt %}assistant:{% endif %}"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once"}]
+    params = SamplingParams(max_tokens=1, temperature=0)
+
+    def prompt(**kwargs):
+        return llm.chat(messages, params, use_tqdm=False, **kwargs)[0].prompt
+
+    assert prompt(chat_template="x", chat_template_kwargs={"chat_template": template}) == prompt(chat_template=template)
+    assert prompt(chat_template=template, chat_template_kwargs={"add_generation_prompt": False}) == \
+        "user: hi\nassistant: Once\n"
+    assert prompt(chat_template=template, chat_template_kwargs={"add_generation_prompt": False,
+                                                                 "continue_final_message": True}) == \
+        "user: hi\nassistant: Once"

@@ -252,7 +252,6 @@ def test_sampling_params_changed_after_construction_are_what_the_engine_uses(llm
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"add_generation_prompt": False}, "may not set add_generation_prompt"),
     ({"messages": []}, "may not set messages"),
     ({"tokenize": True}, "may not set tokenize"),
     (["enable_thinking"], "must be a dict"),
