@@ -301,11 +301,19 @@ def _snapshots(folder: Path) -> list[Path]:
     if not snapshots.is_dir():
         return []
     found = sorted((p for p in snapshots.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
-    ref = folder / "refs" / "main"
-    if ref.is_file():
-        main = snapshots / ref.read_text().strip()
-        found.sort(key=lambda p: p != main)
+    main = _read_ref(folder / "refs" / "main")
+    if main:
+        found.sort(key=lambda p: p != snapshots / main)
     return found
+
+
+def _read_ref(ref: Path) -> str | None:
+    """The commit a ref file of the cache names, or None when there is none it can be read from
+    (missing, unreadable, not UTF-8: a damaged ref is no ref)."""
+    try:
+        return ref.read_text(encoding="utf-8").strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def cached_snapshot(repo_id: str, download_dir: str | None = None, revision: str | None = None,
@@ -315,8 +323,7 @@ def cached_snapshot(repo_id: str, download_dir: str | None = None, revision: str
     folder = _repo_folder(repo_id, download_dir)
     if revision is None:
         return next((s for s in _snapshots(folder) if is_complete(s)), None)
-    ref = folder / "refs" / revision
-    snapshot = folder / "snapshots" / (ref.read_text().strip() if ref.is_file() else revision)
+    snapshot = folder / "snapshots" / (_read_ref(folder / "refs" / revision) or revision)
     return snapshot if snapshot.parent == folder / "snapshots" and is_complete(snapshot) else None
 
 
@@ -472,20 +479,43 @@ class StoredModel:
 
 
 def list_local_models(download_dir: str | None = None) -> list[StoredModel]:
-    """Every model repo in the store (whoever downloaded it), by name."""
+    """Every model repo in the store (whoever downloaded it), by name; a damaged one with why."""
     store = model_store(download_dir)
     if not store.is_dir():
         return []
-    models = []
-    for folder in sorted(store.glob("models--*")):
+    return [_stored_model(folder) for folder in sorted(store.glob("models--*"))]
+
+
+def _stored_model(folder: Path) -> StoredModel:
+    """The model repo in the cache FOLDER, as list shows it (what huggingface_hub's scan_cache_dir
+    reports as corrupted is shown with why, not left out)."""
+    repo_id = folder.name[len("models--"):].replace("--", "/", 1)
+    if not folder.is_dir():
+        return StoredModel(repo_id, folder, 0, f"damaged: {broken_link(folder, '') or 'not a directory'}")
+    try:
         snapshots = _snapshots(folder)
-        if not snapshots:
-            continue
-        path = next((s for s in snapshots if _is_complete(s)), snapshots[0])
-        repo_id = folder.name[len("models--"):].replace("--", "/", 1)
-        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-        models.append(StoredModel(repo_id, path, size, _runnable_note(path)))
-    return models
+    except OSError as exc:
+        return StoredModel(repo_id, folder, 0, f"unreadable: {exc.strerror or exc}")
+    if not snapshots:       # a pull stopped before its first file was done
+        return StoredModel(repo_id, folder, _files_size(folder / "blobs"), "incomplete download (no snapshot)")
+    path = next((s for s in snapshots if _is_complete(s)), snapshots[0])
+    return StoredModel(repo_id, path, _files_size(path), _runnable_note(path))
+
+
+def _files_size(folder: Path) -> int:
+    """The bytes of the files under FOLDER (links followed); what cannot be read counts nothing."""
+    size = 0
+    for f in folder.rglob("*"):
+        try:
+            size += f.stat().st_size if f.is_file() else 0
+        except OSError:
+            pass
+    return size
+
+
+def _interrupted(snapshot: Path) -> bool:
+    """Whether the repo of a cache SNAPSHOT holds a blob a download left unfinished (*.incomplete)."""
+    return any((snapshot.parent.parent / "blobs").glob("*.incomplete"))
 
 
 def _runnable_note(path: Path) -> str:
@@ -493,9 +523,13 @@ def _runnable_note(path: Path) -> str:
     from minillm.loader import config_architecture
 
     if not (path / "config.json").is_file():
+        if (path / "config.json").is_symlink() or _interrupted(path):
+            return "incomplete download (no config.json)"
         return "no config.json"
     if not _is_complete(path):
-        return "no safetensors weights" if not any(path.glob("*.safetensors")) else "incomplete download"
+        if any(path.glob("*.safetensors")) or _interrupted(path):
+            return "incomplete download"
+        return "no safetensors weights"
     if not (path / "tokenizer.json").is_file():       # the only tokenizer minillm reads
         return "no tokenizer.json"
     try:

@@ -1,0 +1,47 @@
+"""minillm list and the hub id lookup over a damaged store: interrupted pulls, refs that cannot be
+read, repo folders that are no directory. Each is listed with why, as huggingface_hub's scan_cache_dir
+reports them, and none ends the command."""
+from __future__ import annotations
+
+from conftest import put_in_hf_cache
+from test_cli import STORIES, minillm, needs_stories
+
+from minillm.model_store import resolve_model_path
+
+
+def _damaged_store(store):
+    """A store with one runnable model and one of each kind of damage."""
+    put_in_hf_cache(store, "org/good", STORIES)
+    put_in_hf_cache(store, "org/binref", STORIES)
+    (store / "models--org--binref" / "refs" / "main").write_bytes(b"\xff\xfe")
+    (store / "models--org--gone").symlink_to(store / "nowhere")
+    started = store / "models--org--started"          # stopped before its first file was done
+    (started / "blobs").mkdir(parents=True)
+    (started / "refs").mkdir()
+    (started / "refs" / "main").write_text("0123abcd")
+    (started / "blobs" / "f00d.incomplete").write_bytes(b"\0" * 10)
+    half = put_in_hf_cache(store, "org/half", STORIES)   # the weights still coming
+    (half / "model.safetensors").unlink()
+    (store / "models--org--half" / "blobs" / "beef.incomplete").write_bytes(b"\0" * 10)
+    cut = put_in_hf_cache(store, "org/cut", STORIES)     # config.json's blob deleted
+    (cut / "config.json").resolve().unlink()
+
+
+@needs_stories
+def test_list_shows_each_damaged_repo_with_why_and_a_bad_ref_does_not_end_it(tmp_path):
+    # A non-UTF-8 refs/main ended list (and generate) with "'utf-8' codec can't decode byte 0xff"; a pull
+    # stopped before its first file, and a repo folder that is a dangling link, were left out of the list;
+    # weights still in blobs/*.incomplete read "no safetensors weights", a deleted config blob "no config.json".
+    store = tmp_path / "store"
+    _damaged_store(store)
+    result = minillm("list", "--download-dir", str(store))
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
+    assert sorted(rows) == ["org/binref", "org/cut", "org/gone", "org/good", "org/half", "org/started"]
+    assert "cannot run" not in rows["org/good"] and "cannot run" not in rows["org/binref"]
+    assert rows["org/started"].endswith("(minillm cannot run it: incomplete download (no snapshot))")
+    assert rows["org/gone"].endswith(f"damaged: it is a symbolic link to {store / 'nowhere'}, which does not exist)")
+    assert rows["org/half"].endswith("(minillm cannot run it: incomplete download)")
+    assert rows["org/cut"].endswith("(minillm cannot run it: incomplete download (no config.json))")
+    snapshot = store / "models--org--binref" / "snapshots" / "0123abcd"
+    assert resolve_model_path("org/binref", str(store)) == snapshot
