@@ -27,6 +27,7 @@ from jinja2.visitor import NodeTransformer
 MAX_TEMPLATE_STEPS = 1_000_000     # loop iterations, calls and filters of one render, all together
 MAX_TEMPLATE_ITEMS = 1 << 24       # characters (or items) of one string or list a template builds
 MAX_TEMPLATE_WIDTH = 100_000       # an integer argument of a call or filter (a width, a count)
+MAX_TEMPLATE_INT_BITS = 1 << 20    # bits of an integer a template computes (`*` or `**` of big ones is one long C call)
 MAX_TEMPLATE_OUTPUT = 1 << 26      # characters one render writes
 MAX_TEMPLATE_SECONDS = 10.0        # the backstop for work no count sees (comparing long strings...)
 MACRO_CALL_STEPS = 10              # a macro call costs about ten loop iterations
@@ -121,6 +122,16 @@ def _concat(*parts) -> str:
     return _check_size("".join(str(p) for p in parts))
 
 
+def _check_int_bits(left, right, power: bool) -> None:
+    """Refuse `left * right` (or `left ** right` with power) on integers when the result would pass
+    MAX_TEMPLATE_INT_BITS: one such operation on big integers is a C call no deadline stops."""
+    if not (isinstance(left, int) and isinstance(right, int)) or abs(left) <= 1:
+        return
+    bits = abs(left).bit_length() * abs(right) if power else abs(left).bit_length() + abs(right).bit_length()
+    if bits > MAX_TEMPLATE_INT_BITS:
+        raise TemplateLimitError(f"the template computes an integer of more than {MAX_TEMPLATE_INT_BITS} bits")
+
+
 class _BoundLoopsAndConcat(NodeTransformer):
     """Rewrites a parsed template so that every {% for %} steps through _counted and every `~`
     goes through _concat."""
@@ -149,9 +160,11 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
                         and len(seq) * times > MAX_TEMPLATE_ITEMS:
                     raise TemplateLimitError(f"the template repeats a sequence past {MAX_TEMPLATE_ITEMS} items")
+            _check_int_bits(left, right, power=False)
         elif operator == "**":
             if isinstance(left, int) and isinstance(right, int) and abs(right) > 256 and abs(left) > 1:
                 raise TemplateLimitError("the template raises an integer to a power past 256")
+            _check_int_bits(left, right, power=True)
         elif operator == "+":
             if isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)) \
                     and len(left) + len(right) > MAX_TEMPLATE_ITEMS:

@@ -1,0 +1,31 @@
+"""Chat templates as popular models ship them, and templates that try to outgrow a render's bounds."""
+from __future__ import annotations
+
+import pytest
+
+from minillm.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def tok(stories_path) -> Tokenizer:
+    """stories260K's tokenizer."""
+    return Tokenizer.from_pretrained(stories_path)
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ((((2 ** 256) ** 256) ** 256) ** 256) > 1 }}",
+    "{% set n = namespace(v=3) %}{% for i in range(40) %}{% set n.v = n.v * n.v %}{% endfor %}{{ n.v > 1 }}",
+])
+def test_huge_integer_arithmetic_is_refused_before_it_runs(tok, template):
+    """Squaring or powering big integers is one C call that the render's deadline cannot stop (it ran
+    for 20 to 30 s and took gigabytes): the template is refused by the size of the integer it builds."""
+    with pytest.raises(ValueError, match="computes an integer of more than"):
+        tok.render_chat(MESSAGES, template=template)
+
+
+def test_ordinary_integer_arithmetic_still_renders(tok):
+    """Integers of a few hundred digits, negative powers and powers of 1 are left alone."""
+    text = tok.render_chat(MESSAGES, template="{{ 2 ** 256 * 3 }} {{ (-7) ** 255 > 0 }} {{ 2 ** -2 }} {{ 1 ** 99 }}")
+    assert text == f"{2 ** 256 * 3} False 0.25 1"
