@@ -337,6 +337,10 @@ def download_model(repo_id: str, download_dir: str | None = None, revision: str 
     """snapshot_download the files the engine needs into the store (huggingface_hub draws the bars).
     could_be_path: the name was also tried as a local directory (the error says so first)."""
     path = _fetch(repo_id, download_dir, revision, could_be_path, DOWNLOAD_PATTERNS)
+    if _is_offline() and not _is_complete(path):     # huggingface_hub hands back what the store holds
+        at = "" if revision is None else f" at revision {revision!r}"
+        raise RuntimeError(f"{repo_id}{at}: HF_HUB_OFFLINE is set, so nothing is fetched, and its snapshot in "
+                           f"the store ({path}) cannot be run: {_runnable_note(path)}")
     if not (path / "config.json").is_file():
         raise RuntimeError(f"model {repo_id!r} was fetched into {path} but has no config.json "
                            f"(minillm runs Hugging Face safetensors checkpoints)")

@@ -45,3 +45,16 @@ def test_list_shows_each_damaged_repo_with_why_and_a_bad_ref_does_not_end_it(tmp
     assert rows["org/cut"].endswith("(minillm cannot run it: incomplete download (no config.json))")
     snapshot = store / "models--org--binref" / "snapshots" / "0123abcd"
     assert resolve_model_path("org/binref", str(store)) == snapshot
+
+
+@needs_stories
+def test_offline_pull_of_a_half_downloaded_snapshot_is_an_error_not_pulled(tmp_path):
+    # With HF_HUB_OFFLINE=1, snapshot_download hands back the snapshot the store holds, whole or not: pull
+    # said "pulled org/half into ..." with its weights still in blobs/*.incomplete.
+    store = tmp_path / "store"
+    _damaged_store(store)
+    result = minillm("pull", "org/half", "--download-dir", str(store), env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert result.stderr.strip().splitlines() == [
+        f"minillm: error: org/half: HF_HUB_OFFLINE is set, so nothing is fetched, and its snapshot in the store "
+        f"({store / 'models--org--half' / 'snapshots' / '0123abcd'}) cannot be run: incomplete download"]
