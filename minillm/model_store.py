@@ -535,7 +535,7 @@ def _runnable_note(path: Path) -> str:
             return "incomplete download"
         return "no safetensors weights"
     if not (path / "tokenizer.json").is_file():       # the only tokenizer minillm reads
-        return "no tokenizer.json"
+        return "incomplete download (no tokenizer.json)" if _interrupted(path) else "no tokenizer.json"
     try:
         cfg = read_json_object(path / "config.json")
     except (OSError, ValueError):      # not JSON, not UTF-8, or not an object

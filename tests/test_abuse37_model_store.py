@@ -25,23 +25,29 @@ def _damaged_store(store):
     (store / "models--org--half" / "blobs" / "beef.incomplete").write_bytes(b"\0" * 10)
     cut = put_in_hf_cache(store, "org/cut", STORIES)     # config.json's blob deleted
     (cut / "config.json").resolve().unlink()
+    notok = put_in_hf_cache(store, "org/notok", STORIES)   # the weights done, the tokenizer still coming
+    (notok / "tokenizer.json").unlink()
+    (store / "models--org--notok" / "blobs" / "cafe.incomplete").write_bytes(b"\0" * 10)
 
 
 @needs_stories
 def test_list_shows_each_damaged_repo_with_why_and_a_bad_ref_does_not_end_it(tmp_path):
     # A non-UTF-8 refs/main ended list (and generate) with "'utf-8' codec can't decode byte 0xff"; a pull
     # stopped before its first file, and a repo folder that is a dangling link, were left out of the list;
-    # weights still in blobs/*.incomplete read "no safetensors weights", a deleted config blob "no config.json".
+    # weights still in blobs/*.incomplete read "no safetensors weights", a deleted config blob "no config.json",
+    # a tokenizer still coming "no tokenizer.json".
     store = tmp_path / "store"
     _damaged_store(store)
     result = minillm("list", "--download-dir", str(store))
     assert result.returncode == 0 and result.stderr == "", result.stderr
     rows = {line.split()[0]: line for line in result.stdout.splitlines()[1:]}
-    assert sorted(rows) == ["org/binref", "org/cut", "org/gone", "org/good", "org/half", "org/started"]
+    assert sorted(rows) == ["org/binref", "org/cut", "org/gone", "org/good", "org/half", "org/notok",
+                            "org/started"]
     assert "cannot run" not in rows["org/good"] and "cannot run" not in rows["org/binref"]
     assert rows["org/started"].endswith("(minillm cannot run it: incomplete download (no snapshot))")
     assert rows["org/gone"].endswith(f"damaged: it is a symbolic link to {store / 'nowhere'}, which does not exist)")
     assert rows["org/half"].endswith("(minillm cannot run it: incomplete download)")
+    assert rows["org/notok"].endswith("(minillm cannot run it: incomplete download (no tokenizer.json))")
     assert rows["org/cut"].endswith("(minillm cannot run it: incomplete download (no config.json))")
     snapshot = store / "models--org--binref" / "snapshots" / "0123abcd"
     assert resolve_model_path("org/binref", str(store)) == snapshot
