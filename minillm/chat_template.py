@@ -233,6 +233,10 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 
 def _strftime_now(fmt):
+    # A directive writes up to a dozen times its length ('%c'), in one C call.
+    if isinstance(fmt, str) and len(fmt) > MAX_TEMPLATE_ITEMS // 64:
+        raise TemplateLimitError(f"the template passed strftime_now a format of more than "
+                                 f"{MAX_TEMPLATE_ITEMS // 64} characters")
     return datetime.now().strftime(fmt)
 
 

@@ -29,3 +29,11 @@ def test_ordinary_integer_arithmetic_still_renders(tok):
     """Integers of a few hundred digits, negative powers and powers of 1 are left alone."""
     text = tok.render_chat(MESSAGES, template="{{ 2 ** 256 * 3 }} {{ (-7) ** 255 > 0 }} {{ 2 ** -2 }} {{ 1 ** 99 }}")
     assert text == f"{2 ** 256 * 3} False 0.25 1"
+
+
+def test_strftime_now_refuses_a_format_that_writes_megabytes(tok):
+    """strftime_now('%c' * 8_000_000) wrote 96M characters in one C call (5 s, a gigabyte) before the
+    size bound saw them: a format past the bound is refused; a date's format renders as before."""
+    with pytest.raises(ValueError, match="strftime_now a format of more than"):
+        tok.render_chat(MESSAGES, template="{{ strftime_now('%c' * 300000) | length }}")
+    assert tok.render_chat(MESSAGES, template="{{ strftime_now('%Y') | int > 2000 }}") == "True"
