@@ -69,7 +69,7 @@ def model_store(download_dir: str | None = None) -> Path:
 
 def is_repo_id(model: str) -> bool:
     """Whether MODEL has the form of a Hugging Face repo id (org/name, or a bare legacy name)."""
-    return bool(_REPO_ID.match(model)) and ".." not in model
+    return bool(_REPO_ID.match(model)) and ".." not in model and "--" not in model and not model.endswith(".git")
 
 
 def _looks_like_path(model: str) -> bool:
@@ -169,7 +169,10 @@ def no_such_directory(model: str) -> str:
     """The message for a local path that does not exist, with a near match when one is close by."""
     message = f"no such directory: {model}"
     if not is_repo_id(model) and not _looks_like_path(model):
-        message += " (and it is not a Hugging Face repo id of the form org/name)"
+        rule = " of the form org/name"
+        if _REPO_ID.match(model):
+            rule = ": those have no '--' or '..' and do not end in .git"
+        message += f" (and it is not a Hugging Face repo id{rule})"
     matches = nearby_model_dirs(Path(model).name)
     if matches:
         message += f"; did you mean {' or '.join(matches[:2])}?"

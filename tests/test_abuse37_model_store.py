@@ -64,3 +64,14 @@ def test_offline_pull_of_a_half_downloaded_snapshot_is_an_error_not_pulled(tmp_p
     assert result.stderr.strip().splitlines() == [
         f"minillm: error: org/half: HF_HUB_OFFLINE is set, so nothing is fetched, and its snapshot in the store "
         f"({store / 'models--org--half' / 'snapshots' / '0123abcd'}) cannot be run: incomplete download"]
+
+
+def test_pull_of_an_id_the_hub_refuses_names_the_rule_it_breaks(tmp_path):
+    # huggingface_hub refuses '--', '..' and a trailing .git in a repo id; offline, its HFValidationError
+    # read "HF_HUB_OFFLINE is set, so nothing is fetched, and the store holds no snapshot of it".
+    for model in ("org/a--b", "org/name.git"):
+        result = minillm("pull", model, "--download-dir", str(tmp_path), env={"HF_HUB_OFFLINE": "1"})
+        assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"minillm: error: no such directory: {model} (and it is not a Hugging Face repo id: those have no "
+            f"'--' or '..' and do not end in .git); pull takes a Hugging Face repo id such as Qwen/Qwen3-0.6B"]
