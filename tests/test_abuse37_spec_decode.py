@@ -1,9 +1,9 @@
 """Speculative decoding's interval log line, as vLLM's server logs it beside the throughput line."""
 import json
-import logging
 import re
 
 import pytest
+from test_serve_vllm_flags import logged as server_log  # noqa: F401 - the minillm.server log lines, a fixture
 
 from minillm import LLM, SamplingParams
 from minillm.server.app import ThroughputLogger
@@ -12,26 +12,6 @@ K = 3
 LINE = re.compile(r"SpecDecoding metrics: Mean acceptance length: ([\d.]+), Accepted throughput: [\d.]+ tokens/s, "
                   r"Drafted throughput: [\d.]+ tokens/s, Accepted: (\d+) tokens, Drafted: (\d+) tokens, "
                   r"Per-position acceptance rate: ([\d., ]+), Avg Draft acceptance rate: ([\d.]+)%$")
-
-
-class _ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def server_log():
-    logger = logging.getLogger("minillm.server")
-    handler, level = _ListHandler(), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield handler.messages
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def test_throughput_log_adds_the_spec_decoding_line_of_the_interval(stories_path, server_log):
