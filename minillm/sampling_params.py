@@ -176,6 +176,15 @@ def _plain_list(values) -> list:
     return [_plain(value) for value in values]
 
 
+def _id_list(values):
+    """A set or a 1-D NumPy array of token ids as a list (vLLM takes any collection there); else values."""
+    if isinstance(values, (set, frozenset)):
+        return _plain_list(sorted(values, key=lambda v: (not _is_int(v), v if _is_int(v) else 0)))
+    if type(values).__name__ == "ndarray" and getattr(values, "ndim", None) == 1:
+        return values.tolist()
+    return values
+
+
 class RequestOutputKind(Enum):
     """What LLMEngine.step() reports of a request, as vLLM's enum: CUMULATIVE, everything so far each
     time it changes; DELTA, only what is new since the last report (token ids, text, log-probabilities;
@@ -292,6 +301,7 @@ class SamplingParams:
             raise ValueError(f"stop must be a string or a list of strings, got {short_repr(self.stop)}")
         if type(self.stop) is not list:     # as vLLM's: a list ([] for None, [s] for one string)
             self.stop = list(self._stop_list)
+        self.stop_token_ids = _id_list(self.stop_token_ids)
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {short_repr(self.stop_token_ids)}")
         self.stop_token_ids = list(self.stop_token_ids or [])
@@ -481,7 +491,7 @@ class SamplingParams:
     def _validate_token_rules(self) -> None:
         """allowed_token_ids and bad_words: their types and sizes (the vocabulary is checked later)."""
         self._allowed_entries = None
-        allowed = self.allowed_token_ids
+        allowed = self.allowed_token_ids = _id_list(self.allowed_token_ids)
         if allowed is not None:
             if (not isinstance(allowed, (list, tuple)) or not allowed
                     or any(not _is_int(t) or not 0 <= t <= _MAX_TOKEN_ID for t in allowed)):
