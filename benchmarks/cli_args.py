@@ -198,6 +198,15 @@ def resolve_engine_device(args) -> None:
     args.device = "cuda" if backend == "cuda" else "cpu"
 
 
+def check_sampling_option(parser, flag: str, **params) -> None:
+    """parser.error naming FLAG when SamplingParams refuses PARAMS (its value checked as a request's is)."""
+    from minillm.sampling_params import SamplingParams
+    try:
+        SamplingParams(**params)
+    except ValueError as exc:
+        parser.error(f"{flag}: {exc}")
+
+
 def resolve_model_files(args) -> None:
     """args.model (a hub id at --revision) and --tokenizer (or --tokenizer-revision's version of the model's
     tokenizer) as local directories, with their revisions spent, for LLM refuses a revision of a directory;

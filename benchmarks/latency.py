@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
-                                         check_bounds, check_output_file, check_workload_tokens, resolve_model_files,
-                                         run_main)
+                                         check_bounds, check_output_file, check_sampling_option, check_workload_tokens,
+                                         resolve_model_files, run_main)
 from minillm.benchmarks.workload import QWEN3_0_6B, Workload, roofline_seconds, write_random_model_dir
 from minillm.cli import add_engine_arguments, engine_flag_words
 
@@ -68,11 +68,7 @@ def parse_args(argv):
                 "give one of them")
     args.engine_names = ["seed", *engine_names]
     check_engine_arguments(p, args)
-    from minillm.sampling_params import SamplingParams
-    try:
-        SamplingParams(n=args.n)
-    except ValueError as exc:
-        p.error(f"--n: {exc}")
+    check_sampling_option(p, "--n", n=args.n)
     return args
 
 

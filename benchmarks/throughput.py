@@ -20,7 +20,8 @@ from pathlib import Path
 
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_TOKENS, BenchError, BenchParser, BenchUsageError,
                                          add_kv_cache_memory_option, check_bounds, check_output_file,
-                                         check_workload_tokens, resolve_model_files, run_main)
+                                         check_sampling_option, check_workload_tokens, resolve_model_files,
+                                         run_main)
 from minillm.benchmarks.workload import (QWEN3_0_6B, Workload, nano_vllm_workload, random_length_range, random_workload,
                                         roofline_seconds, write_random_model_dir)
 from minillm.cli import add_engine_arguments, engine_flag_words
@@ -80,11 +81,7 @@ def parse_args(argv):
     fold_vllm_names(p, args)
     args.engine_names = [*OWN_ENGINE_OPTIONS, *engine_names]
     check_engine_arguments(p, args)
-    from minillm.sampling_params import SamplingParams
-    try:
-        SamplingParams(temperature=args.temperature)
-    except ValueError as exc:
-        p.error(f"--temperature: {exc}")
+    check_sampling_option(p, "--temperature", temperature=args.temperature)
     return args
 
 
