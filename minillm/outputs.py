@@ -102,6 +102,44 @@ class RequestOutput:
     encoder_prompt = None
     encoder_prompt_token_ids = None
 
+    def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
+        """Merge a later output of this request into this one, as vLLM's RequestOutput.add: with
+        aggregate (DELTA outputs) a completion's new text, token ids and log-probabilities are
+        appended to those of the completion of its index, without it the completion is replaced;
+        a completion of an index not held yet is appended."""
+        self.finished |= next_output.finished
+        for new in next_output.outputs:
+            for i, held in enumerate(self.outputs):
+                if held.index == new.index:
+                    if aggregate:
+                        _append_delta(held, new)
+                    else:
+                        self.outputs[i] = new
+                    break
+            else:
+                self.outputs.append(new)
+        if self.prompt_logprobs is None:       # a DELTA request reports them once, whole
+            self.prompt_logprobs = next_output.prompt_logprobs
+        if next_output.num_cached_tokens is not None:
+            self.num_cached_tokens = next_output.num_cached_tokens
+        self.metrics = next_output.metrics or self.metrics
+        self.kv_transfer_params = next_output.kv_transfer_params or self.kv_transfer_params
+
+
+def _append_delta(held: CompletionOutput, new: CompletionOutput) -> None:
+    """A completion's next DELTA output added to what held has (the finish reason once it comes)."""
+    held.text += new.text
+    if not isinstance(held.token_ids, list):
+        held.token_ids = list(held.token_ids)
+    held.token_ids.extend(new.token_ids)
+    if new.logprobs:
+        if held.logprobs is None:
+            held.logprobs = []
+        held.logprobs.extend(new.logprobs)
+    held.cumulative_logprob = new.cumulative_logprob
+    held.finish_reason = new.finish_reason
+    held.stop_reason = new.stop_reason
+
 
 def reported_prompt_logprobs(req) -> list | None:
     """The prompt log-probabilities a request's output carries: all computed so far, or for a delta
