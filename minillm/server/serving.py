@@ -66,6 +66,15 @@ def _no_stop_iteration(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise RuntimeError(f"StopIteration in {getattr(fn, '__qualname__', fn)}") from exc
 
 
+def context_overflow_message(limit: int, num_prompt_tokens: int, max_tokens: int) -> str:
+    """vLLM's words for a prompt and max_tokens that together pass the context (clients parse them)."""
+    total = num_prompt_tokens + max_tokens
+    return (f"This model's maximum context length is {limit} tokens. However, you requested {max_tokens} output "
+            f"tokens and your prompt contains {num_prompt_tokens} input tokens, for a total of {total} tokens "
+            f"({num_prompt_tokens} + {max_tokens} = {total} > {limit}). Please reduce the length of the input "
+            "prompt or the number of requested output tokens.")
+
+
 @dataclass
 class ServingContext:
     """What every handler needs: the engine, the metrics, the names it serves under and the limits."""
@@ -135,15 +144,13 @@ class ServingContext:
         """max_tokens for this prompt; 400 when prompt and completion cannot fit the context."""
         limit = self.engine.max_model_len
         if num_prompt_tokens >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens, but the prompt "
-                           f"has {num_prompt_tokens} tokens, leaving no room for a completion.",
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your request "
+                           f"has {num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
                            param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:           # the rest of the context, or the model's max_new_tokens if smaller
             return min(limit - num_prompt_tokens, self.sampling_defaults.get("max_tokens", limit))
         if isinstance(max_tokens, int) and max_tokens > 0 and num_prompt_tokens + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you "
-                           f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                           f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
+            raise APIError(400, context_overflow_message(limit, num_prompt_tokens, max_tokens),
                            param="max_tokens", code="context_length_exceeded")
         if self.max_tokens_cap is not None and isinstance(max_tokens, int) and max_tokens > self.max_tokens_cap:
             return self.max_tokens_cap   # as vLLM caps a request's max_tokens by the override's max_new_tokens
