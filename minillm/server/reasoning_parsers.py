@@ -25,7 +25,7 @@ must then be added tokens of the tokenizer, whose ids the engine watches for.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
@@ -81,6 +81,35 @@ class ReasoningParser:
         reasoning = token_ids[:end] if end >= 0 else token_ids
         return len(reasoning) - len(tags.start) * count_subsequence(reasoning, tags.start)
 
+    def count_reasoning_tokens_in_text(self, token_ids: Sequence[int], decode: Callable[[list[int]], str]) -> int:
+        """count_reasoning_tokens where the tags are no single tokens (their encodings need not be the
+        pieces the model wrote them in): the tokens whose decoded text ends before the first </think>,
+        less those that end inside a <think> before it."""
+        if not self.thinking:
+            return 0
+        ids = list(token_ids)
+        text = decode(ids)
+        end = text.find(END)
+        reasoning = text if end < 0 else text[:end]
+        count = len(ids) if end < 0 else num_tokens_within(ids, decode, end)
+        at = reasoning.find(START)
+        while at >= 0:
+            count -= num_tokens_within(ids, decode, at + len(START)) - num_tokens_within(ids, decode, at)
+            at = reasoning.find(START, at + len(START))
+        return count
+
+
+def num_tokens_within(token_ids: list[int], decode: Callable[[list[int]], str], num_chars: int) -> int:
+    """How many leading tokens decode to at most num_chars characters (a binary search over prefixes)."""
+    low, high = 0, len(token_ids)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(decode(token_ids[:mid])) <= num_chars:
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
 
 def thinking_token_ids(tokenizer) -> tuple[int, int] | None:
     """(start, end) ids of <think> and </think> as added tokens of the tokenizer (vLLM's parsers look them
@@ -100,14 +129,20 @@ class ThinkingTagIds:
 
 
 @functools.lru_cache(maxsize=8)
-def thinking_tag_ids(tokenizer) -> ThinkingTagIds:
-    """The tags' ids: their added tokens', else their encodings (as vLLM's ReasoningConfig tokenizes
-    think_start_str and think_end_str)."""
+def thinking_tag_ids(tokenizer) -> ThinkingTagIds | None:
+    """The tags' ids where both are added tokens of the tokenizer; None where they are not (their
+    encodings, "▁<", "/", "th", ..., need not be the tokens an output spells them with)."""
     single = thinking_token_ids(tokenizer)
-    if single is not None:
-        return ThinkingTagIds((single[0],), (single[1],))
-    return ThinkingTagIds(tuple(tokenizer.encode(START, add_special_tokens=False)),
-                          tuple(tokenizer.encode(END, add_special_tokens=False)))
+    return None if single is None else ThinkingTagIds((single[0],), (single[1],))
+
+
+def count_reasoning_tokens(parser: ReasoningParser, token_ids: Sequence[int], tokenizer) -> int:
+    """An output's reasoning tokens (vLLM's reasoning_tokens): by the tags' ids where they are single
+    tokens, else by the decoded text."""
+    tags = thinking_tag_ids(tokenizer)
+    if tags is not None:
+        return parser.count_reasoning_tokens(token_ids, tags)
+    return parser.count_reasoning_tokens_in_text(token_ids, functools.partial(tokenizer.decode, skip_special_tokens=True))
 
 
 def find_subsequence(token_ids: Sequence[int], sub: Sequence[int], begin: int = 0) -> int:

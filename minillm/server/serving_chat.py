@@ -31,7 +31,7 @@ from minillm.server.serving import (
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
-from minillm.server.reasoning_parsers import ReasoningParser, thinking_tag_ids, thinking_token_ids
+from minillm.server.reasoning_parsers import ReasoningParser, count_reasoning_tokens, thinking_token_ids
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
 from minillm.server.tool_parsers import keeps_special_tokens
 
@@ -349,8 +349,8 @@ class ChatJob:
         """How many of the outputs' tokens are reasoning, where a reasoning parser splits the reply (else None)."""
         if self.parsers is None or self.parsers.reasoning is None:
             return None
-        tags = thinking_tag_ids(self.ctx.tokenizer)
-        return sum(self.parsers.reasoning.count_reasoning_tokens(comp.token_ids, tags) for comp in final.outputs)
+        return sum(count_reasoning_tokens(self.parsers.reasoning, comp.token_ids, self.ctx.tokenizer)
+                   for comp in final.outputs)
 
     def usage(self, final: RequestOutput, is_stream: bool = False) -> dict:
         """The reply's usage, with vLLM's completion_tokens_details.reasoning_tokens under a reasoning parser."""
@@ -479,7 +479,7 @@ class ChatJob:
         without a reasoning parser, or without continuous usage stats to carry it)."""
         if not self.req.continuous_usage or self.parsers is None or self.parsers.reasoning is None:
             return None
-        return self.parsers.reasoning.count_reasoning_tokens(token_ids, thinking_tag_ids(self.ctx.tokenizer))
+        return count_reasoning_tokens(self.parsers.reasoning, token_ids, self.ctx.tokenizer)
 
 
 def opening_choice_json(index: int, delta: dict) -> str:
