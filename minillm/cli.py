@@ -1318,6 +1318,34 @@ def spread_option_values(args: list[str], options: tuple[str, ...]) -> list[str]
 class ServeCommand(SpreadValuesCommand):
     spread_options = ("--served-model-name", "--api-key")
 
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        from minillm.cli_config import ConfigFileError, config_file_args
+        try:
+            reasons = {flag: vllm_flag_reason(flag, ctx) for flag in VLLM_FLAGS_NOT_TAKEN if flag.startswith("--")}
+            args = config_file_args(args, *config_option_kinds(self.get_params(ctx)),
+                                    reasons={flag: why for flag, why in reasons.items() if why})
+        except ConfigFileError as exc:
+            raise UsageError(str(exc), ctx=ctx) from None
+        return super().parse_args(ctx, args)
+
+
+def config_option_kinds(params) -> tuple[dict, dict[str, str]]:
+    """The options a --config file may set ({dashless long name: OptionKind}), and every spelling of
+    every option ({"-tp": "tensor_parallel_size", ...}, MODEL's --model included)."""
+    from minillm.cli_config import OptionKind
+    kinds, aliases = {}, {}
+    for param in params:
+        if param.param_type_name != "option" or param.name in ("config", "help"):
+            continue
+        names = [*param.opts, *param.secondary_opts]
+        aliases.update(dict.fromkeys(names, "model" if param.name == "model_option" else param.name))
+        flag = next(o for o in param.opts if o.startswith("--"))
+        kind = OptionKind(param="model" if param.name == "model_option" else param.name, flag=flag,
+                          is_flag=param.is_flag, off_flag=next(iter(param.secondary_opts), None),
+                          is_multiple=param.multiple)
+        kinds.update({o[2:]: kind for o in param.opts if o.startswith("--")})
+    return kinds, aliases
+
 
 class ChatTemplateContentFormat(str, Enum):
     auto = "auto"
@@ -1365,6 +1393,17 @@ def host_option(value: str) -> str:
         raise typer.BadParameter("is empty; give an address to bind, such as 127.0.0.1 (0.0.0.0 for every "
                                  "interface)", param_hint="'--host'")
     return value
+
+
+def middleware_option(paths: list[str] | None) -> list[str] | None:
+    """--middleware's import paths, each imported now so that a bad one is a usage error before the model loads."""
+    from minillm.server.middleware import import_middleware
+    for path in paths or ():
+        try:
+            import_middleware(path)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc).removeprefix("middleware "), param_hint="'--middleware'") from None
+    return paths
 
 
 def server_limits(**values):
@@ -1425,6 +1464,10 @@ def serve(
         help="The names clients use for the model (default: MODEL). Several may follow the option, as in "
              "vLLM: a request may name any of them, responses, /v1/models' first entry and the metrics "
              "carry the first; MODEL goes before the option.")] = None,
+    config: Annotated[Optional[str], typer.Option(
+        "--config", metavar="YAML", help="Read options from a YAML file, as vLLM's --config: one option a key, "
+        "named without its dashes (max-model-len: 32k, enable-prefix-caching: false, served-model-name: [a, b]); "
+        "options on the command line win over the file's.")] = None,
     monitor: Annotated[bool, typer.Option(help="Show the live monitor in this terminal.")] = False,
     seed: Annotated[int, typer.Option(
         min=0, help="Seeds the seeds of requests that bring none (vLLM's --seed): the same requests in the same "
@@ -1506,6 +1549,11 @@ def serve(
     disable_log_stats: Annotated[bool, _server_option(
         "--disable-log-stats", help="Leave out the throughput line logged every 5 s while requests run "
         "(vLLM's --disable-log-stats); /metrics and /v1/stats still count everything.")] = False,
+    middleware: Annotated[Optional[list[str]], _server_option(
+        "--middleware", metavar="IMPORT.PATH", callback=middleware_option, help="The operator's ASGI middleware, "
+        "as vLLM's --middleware: a class (added by app.add_middleware) or an async function (request, "
+        "call_next) (an http middleware), by import path such as mypackage.auth.Check; repeat for several. "
+        "It runs first, before the API key check.")] = None,
     uvicorn_log_level: Annotated[Optional[UvicornLogLevel], _server_option(
         "--uvicorn-log-level", help="The HTTP server's log level: its start-up and shutdown lines and "
         "its line per request (vLLM's --uvicorn-log-level; default: info).")] = None,
@@ -1649,7 +1697,8 @@ def serve(
                                 structured_outputs_config=structured_outputs_config,
                                 tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),
                                 uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
-                                uvicorn_access_log=not disable_uvicorn_access_log, **cors)
+                                uvicorn_access_log=not disable_uvicorn_access_log,
+                                middleware=tuple(middleware or ()), **cors)
     if trust_remote_code:
         typer.echo("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every model "
                    "it loads, never code from a checkpoint", err=True)
@@ -2117,7 +2166,7 @@ VLLM_FLAGS_NOT_TAKEN = {
     **dict.fromkeys(("--data-parallel-size", "-dp"), "minillm serves one engine (--api-server-count spreads "
                     "the HTTP work over processes)"),
     "--max-log-len": "--enable-log-requests logs no prompt text, so there is none to cut",
-    "--config": "minillm takes its options from the command line only",
+    "--config": "minillm serve reads a YAML file of options; this command takes them from the command line only",
     "--disable-frontend-multiprocessing": "minillm's counterpart is --engine-core thread",
     "--cpu-offload-gb": "minillm keeps every weight on the device",
     "--swap-space": "a preempted request is recomputed, never swapped out",

@@ -18,7 +18,7 @@ def test_help_groups_the_options_under_their_headings(capsys):
     for flag in ("--max-num-seqs", "--kv-cache-memory-bytes", "--scheduling-policy", "--kv-offload-gib"):
         assert f"  {flag}" in engine and f"  {flag}" not in out.split("\nEngine options:\n")[0]
     own = [line.split()[0] for line in out.split("\nServer options:\n")[0].splitlines() if line.startswith("  -")]
-    assert own == ["--model", "--host", "--port", "--uds", "--api-key", "--served-model-name", "--monitor", "--seed", "-h,"]
+    assert own == ["--model", "--host", "--port", "--uds", "--api-key", "--served-model-name", "--config", "--monitor", "--seed", "-h,"]
     assert len(ENGINE_OPTIONS) == sum(1 for line in engine.splitlines() if line.startswith("  -"))
     status, out, _ = run_main(capsys, "generate", "--help")
     assert "\nSampling options:\n" in out and "\nStructured output (one of):\n" in out

@@ -47,7 +47,7 @@ from minillm.server.metrics import CONTENT_TYPE, ServerMetrics
 from minillm.server.metrics_dir import join_metrics_dir, make_metrics_dir
 from minillm.server.middleware import (
     INVOCATIONS_PATH, APIKeyMiddleware, BodyLimitMiddleware, RequestIdHeaderMiddleware, ServerLoad,
-    ServerLoadMiddleware,
+    ServerLoadMiddleware, add_user_middleware,
 )
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest
 from minillm.server.reasoning_parsers import REASONING_PARSERS
@@ -138,8 +138,13 @@ class ServerOptions:
     shutdown_timeout: float | None = None
     # A Unix domain socket instead of host and port (--uds), and TLS (--ssl-*), as vLLM's flags set them.
     transport: TransportOptions = field(default_factory=TransportOptions)
+    # Import paths of the operator's ASGI middleware (vLLM's --middleware), added outermost in this order.
+    middleware: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.middleware, (list, tuple)) or not all(isinstance(m, str) for m in self.middleware):
+            raise ValueError(f"middleware must be a list of import paths, got {self.middleware!r}")
+        object.__setattr__(self, "middleware", tuple(self.middleware))
         if self.served_model_name is not None:
             names = (self.served_model_name,) if isinstance(self.served_model_name, str) else self.served_model_name
             if not isinstance(names, (list, tuple)) or not names or not all(
@@ -521,6 +526,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                        allow_methods=list(options.allowed_methods), allow_headers=list(options.allowed_headers),
                        allow_credentials=options.allow_credentials)
+    add_user_middleware(app, options.middleware)
     return app
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import importlib
+import inspect
 import json
 import uuid
 
@@ -215,3 +217,35 @@ class BodyLimitMiddleware:
     async def _too_large(self, scope, send, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         await _send_error(scope, send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes.",
                           code="request_too_large", extra_headers=extra_headers)
+
+
+def import_middleware(path: str):
+    """The ASGI middleware class or `async def (request, call_next)` function at PATH (module.name), as
+    vLLM's --middleware takes it; anything else is a ValueError naming middleware."""
+    module_name, _, name = path.rpartition(".")
+    if not module_name or not name.isidentifier():
+        raise ValueError(f"middleware must be an import path such as mypackage.auth.MyMiddleware, got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:      # the operator's own module: any error of its import is theirs to read
+        hint = " (is its folder on PYTHONPATH?)" if isinstance(exc, ModuleNotFoundError) else ""
+        raise ValueError(f"middleware {path!r}: importing {module_name} failed: "
+                         f"{type(exc).__name__}: {' '.join(str(exc).split())}{hint}") from None
+    if not hasattr(module, name):
+        raise ValueError(f"middleware {path!r}: module {module_name} has no {name}")
+    found = getattr(module, name)
+    if not (inspect.isclass(found) or inspect.iscoroutinefunction(found)):
+        what = "a function that is not async" if callable(found) else f"a {type(found).__name__}"
+        raise ValueError(f"middleware {path!r} must be a class or an async function, got {what}")
+    return found
+
+
+def add_user_middleware(app, paths: tuple[str, ...]) -> None:
+    """The operator's middleware (--middleware), outermost as vLLM adds it: a class by add_middleware, an
+    async function as an "http" middleware."""
+    for path in paths:
+        found = import_middleware(path)
+        if inspect.isclass(found):
+            app.add_middleware(found)
+        else:
+            app.middleware("http")(found)
