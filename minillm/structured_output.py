@@ -39,6 +39,7 @@ import concurrent.futures
 import contextvars
 import decimal
 import enum
+import functools
 import hashlib
 import json as jsonlib
 import math
@@ -227,6 +228,8 @@ def prompt_ends_reasoning(prompt_token_ids: Sequence[int], reasoning: Sequence[i
 def _invalid(name: str, error: str) -> StructuredOutputsError:
     """The StructuredOutputsError of a constraint llguidance refused with error."""
     error = error.strip()
+    if error == _NO_TOKEN_ALLOWED:
+        return _matches_nothing_error(name)
     if _COERCE_ONE_OF in error:
         error += _HOW_TO_COERCE_ONE_OF
     return StructuredOutputsError(name, f"invalid {_WHAT[name]}: {error}")
@@ -256,13 +259,58 @@ def _checked_grammar(key: StructuredOutputKey) -> str:
 
 
 def _check_grammar(key: StructuredOutputKey) -> str:
-    """llguidance's error for a constraint ('' when it is valid)."""
+    """llguidance's error for a constraint ('' when it is valid; _NO_TOKEN_ALLOWED when nothing matches it)."""
     # Whitespace does not change whether a schema is valid: check it in the default form.
     try:
-        error = _without_options_line(llguidance.LLMatcher.validate_grammar(serialize_grammar(key)))
+        grammar = serialize_grammar(key)
+        error = _without_options_line(llguidance.LLMatcher.validate_grammar(grammar))
     except ValueError as e:
-        error = str(e)
+        return _with_client_patterns(key, str(e))
+    if not error and _matches_nothing(key, grammar):
+        return _NO_TOKEN_ALLOWED
     return _with_client_patterns(key, error)
+
+
+class _ByteTokens:
+    """A tokenizer of one token a byte and an end token: what matches a grammar's language, not a model's."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"</s>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: bytes) -> list[int]:
+        return list(text)
+
+
+# The byte-level probe's limits: its first mask costs a few milliseconds at most. A constraint past
+# them (a regex of thousands of alternatives) is left to the compile with the model's tokenizer.
+_PROBE_LIMITS = dict(initial_lexer_fuel=10_000, step_lexer_fuel=5_000, max_lexer_states=1_000, verbose_errors=False)
+
+
+@functools.cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    """llguidance's tokenizer over _ByteTokens, made once."""
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteTokens()), slices=[])
+
+
+def _matches_nothing(key: StructuredOutputKey, grammar: str) -> bool:
+    """Whether no output at all satisfies the constraint (a regex like [^\\s\\S], a rule only
+    left-recursive, a $ref loop): the first byte-level mask allows no byte and no end. A grammar
+    with token ids (<[...]>) is the model tokenizer's to judge."""
+    if key[0] is StructuredOutputOptions.GRAMMAR and "<[" in key[1]:
+        return False
+    probe = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=_LOG_LEVEL,
+                                 limits=llguidance.LLParserLimits(**_PROBE_LIMITS))
+    if not probe.is_error():
+        probe.compute_bitmask()
+    return probe.is_error() and _first_line(probe.get_error()) == _NO_TOKEN_ALLOWED
+
+
+def _matches_nothing_error(name: str) -> StructuredOutputsError:
+    """The StructuredOutputsError of a constraint no output satisfies."""
+    return StructuredOutputsError(name, f"no output satisfies the {_WHAT[name]} "
+                                        "(it allows no first token and may not be empty)")
 
 
 # llguidance recurses once per rule a grammar's rules chain through, and per $ref a schema's refs
@@ -2024,8 +2072,7 @@ class StructuredOutputManager:
             if probe.is_error():
                 error = _first_line(probe.get_error())
                 if error == _NO_TOKEN_ALLOWED:
-                    raise StructuredOutputsError(key[0].value, f"no output satisfies the {_WHAT[key[0].value]} "
-                                                               "(it allows no first token and may not be empty)")
+                    raise _matches_nothing_error(key[0].value)
                 raise StructuredOutputsError(key[0].value, f"{_WHAT[key[0].value]} too large to match: {error}")
         self._probe_walk(template.deep_copy(), key)
         seconds = time.perf_counter() - start

@@ -43,10 +43,11 @@ def test_a_choice_of_thousands_of_entries_is_generated_whole(llm):
     (dict(grammar='start: start "a"'), "grammar"),
 ])
 def test_a_constraint_nothing_satisfies_ends_its_request_saying_so(llm, kwargs, field):
-    # These pass the entry check (no tokenizer there) and fail on the compile pool; the message
-    # used to call them "too large to match: NoExtensionBias". A healthy request beside them is
-    # untouched.
-    bad = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(**kwargs))
+    # The entry check refuses these (test_abuse38_structured); one the engine core takes unchecked
+    # (from_checked) fails on the compile pool, where the message used to call it "too large to
+    # match: NoExtensionBias". A healthy request beside it is untouched.
+    constraint = StructuredOutputsParams.from_checked(**kwargs)
+    bad = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=constraint)
     good = SamplingParams(temperature=0.0, max_tokens=8)
     alone = llm.generate([PROMPT], [good])[0].outputs[0]
     failed, healthy = (o.outputs[0] for o in llm.generate([PROMPT, PROMPT], [bad, good]))
