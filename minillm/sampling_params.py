@@ -533,12 +533,13 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
 
     def check_masks(self, eos_token_ids, vocab_size: int) -> None:
-        """Raise ValueError naming allowed_token_ids when bans leave the first token nothing to sample."""
+        """Raise ValueError naming allowed_token_ids (or the banning field) when bans leave the first
+        token nothing to sample."""
         # Called as the engine takes the request: bad_words tokenized, stop_token_ids complete. Bans
         # that may leave a later token nothing set _masked_row_check: the scheduler then checks each
         # token of the request (masked_out_error).
         self._masked_row_check = None
-        if self._bad_word_ids is None and self.min_tokens == 0:
+        if self._bad_word_ids is None and self.min_tokens == 0 and not self.logit_bias:
             return
         from minillm.allowed_tokens import first_token_error, masked_row_check
         error = first_token_error(self, eos_token_ids, vocab_size)
