@@ -59,9 +59,6 @@ VLLM_FIXED_ARGS = {
                                                           "logit_bias, allowed_token_ids and bad_words shape logits)"),
     "enable_lora": (lambda v: v is None or v is False, "minillm loads no LoRA adapters"),
     "enable_sleep_mode": (lambda v: v is False, "minillm has no sleep mode (shutdown() gives the memory back)"),
-    "compilation_config": (lambda v: v is None or v == {} or _is_count(v, 0),
-                           "minillm compiles no torch graphs (it captures CUDA graphs of its own kernels, which "
-                           "enforce_eager=True turns off)"),
     "max_seq_len_to_capture": (lambda v: _is_int(v) and v > 0, "minillm chooses the CUDA graphs it captures"),
     **dict.fromkeys(("disable_custom_all_reduce", "disable_async_output_proc"),
                     (lambda v: isinstance(v, bool), "minillm has no such switch; either value runs the same")),
@@ -115,8 +112,13 @@ VLLM_RENAMED_ARGS = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 def engine_config(model, args: dict) -> EngineConfig:
     """LLM's arguments as an EngineConfig: vLLM's names that minillm has no setting for are checked
-    against what it does (VLLM_FIXED_ARGS), an unknown name is a TypeError naming LLM."""
+    against what it does (VLLM_FIXED_ARGS; compilation_config turns CUDA graphs off or leaves them),
+    an unknown name is a TypeError naming LLM."""
     args = renamed_args(args)
+    if "compilation_config" in args:
+        from minillm.compilation_config import compilation_graphs_off
+        if compilation_graphs_off(args.pop("compilation_config")):
+            args["enforce_eager"] = True
     if "dtype" in args:
         args["dtype"] = _dtype_name(args["dtype"])
     known = {f.name for f in dataclasses.fields(EngineConfig)} - {"model"}

@@ -1,12 +1,13 @@
 """Leftovers of the vLLM comparison, on stories260K (CPU): logit_bias bans that leave nothing to
-sample."""
+sample, and LLM's compilation_config in vLLM's dict forms."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from minillm import SamplingParams
+from minillm import LLM, SamplingParams
+from minillm.llm import engine_config
 
 PROMPT = "Once upon a time"
 A = 261                         # "a"; the bad word "a a" is [A, A]
@@ -48,3 +49,43 @@ def test_a_bias_of_minus_inf_on_some_allowed_tokens_leaves_the_others(llm):
     out = llm.generate([PROMPT], params)[0].outputs[0]
     assert out.token_ids == [A] * 6 and out.finish_reason == "length"
     assert params._masked_row_check is None       # bans that stay the same are checked once, not per token
+
+
+# ---- compilation_config ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, is_eager", [
+    # vLLM's mode 0 drops the piecewise graphs its default cudagraph_mode needs: no CUDA graphs.
+    (0, True), ({"level": 0}, True), ({"mode": 0}, True), ({"mode": "none"}, True),
+    ({"cudagraph_mode": "NONE"}, True), ({"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE"}, True),
+    ({"cudagraph_capture_sizes": []}, True), ({"mode": 0, "cudagraph_capture_sizes": [1, 2, 4]}, True),
+    ({"cudagraph_mode": "full_and_piecewise"}, False), ({}, False), (None, False),
+])
+def test_compilation_config_takes_vllms_dict_forms_as_cuda_graphs_on_or_off(value, is_eager):
+    # Each dict was a ValueError ("compilation_config={'level': 0} is not supported").
+    assert engine_config("m", {"compilation_config": value}).enforce_eager is is_eager
+
+
+@pytest.mark.parametrize("value, needle", [
+    ({"mode": 3}, r"^compilation_config\['mode'\]=3 is not supported: minillm compiles no torch graphs"),
+    ({"level": 2}, r"^compilation_config\['level'\]=2 is not supported"),
+    ({"mode": 7}, r"^compilation_config\['mode'\] must be 0-3 or one of NONE, "),
+    ({"cudagraph_mode": "FULL_DECODE_ONLY"}, r"^compilation_config\['cudagraph_mode'\]='FULL_DECODE_ONLY' is not"),
+    ({"cudagraph_mode": "sometimes"}, r"^compilation_config\['cudagraph_mode'\] must be one of NONE, "),
+    ({"cudagraph_capture_sizes": [1, 2]}, r"^compilation_config\['cudagraph_capture_sizes'\]=\[1, 2\] is not "
+                                          r"supported: minillm chooses the batch sizes"),
+    ({"max_cudagraph_capture_size": 64}, r"^compilation_config\['max_cudagraph_capture_size'\]=64 is not"),
+    ({"cudagraph_capture_sizes": [0]}, r"^compilation_config\['cudagraph_capture_sizes'\] must be a list of "
+                                       r"positive batch sizes"),
+    ({"mode": 0, "backend": "eager"}, r"^compilation_config\['backend'\]='eager' is not supported"),
+    (3, r"^compilation_config=3 is not supported: minillm compiles no torch graphs"),
+    ("0", r"^compilation_config must be a compilation mode \(0\) or a dict"),
+])
+def test_compilation_config_keys_minillm_cannot_honour_are_refused_naming_the_key(value, needle):
+    with pytest.raises(ValueError, match=needle):
+        engine_config("m", {"compilation_config": value})
+
+
+def test_llm_runs_with_compilation_config_mode_0(stories_path):
+    with LLM(str(stories_path), device="cpu", max_model_len=64, compilation_config={"level": 0}) as model:
+        assert model.llm_engine.config.enforce_eager
+        assert len(model.generate([PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
