@@ -169,7 +169,8 @@ def completion_output(state: CompletionState, seq: Sequence) -> CompletionOutput
     if not state.want_logprobs:     # positional: this runs for every sequence of every step
         if not done:
             return CompletionOutput(seq.index, text, seq.output_token_ids)
-        return CompletionOutput(seq.index, text, seq.output_token_ids, seq.status.finish_reason, seq.stop_reason)
+        return CompletionOutput(seq.index, text, seq.output_token_ids, None, None, seq.status.finish_reason,
+                                seq.stop_reason)
     return CompletionOutput(
         index=seq.index, text=text, token_ids=seq.output_token_ids,
         finish_reason=seq.status.finish_reason if done else None, stop_reason=seq.stop_reason if done else None,
@@ -234,9 +235,9 @@ def request_output(req, finished: bool, kv_transfer_params: dict | None,
         completions = [c for c in completions if c.token_ids or c.text or c.finish_reason is not None]
         if not completions and prompt_logprobs is None and not finished:
             return None
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions, finished, req.metrics,
-                         kv_transfer_params, kv_transfer_stats, prompt_logprobs,
-                         reported_num_cached_tokens(req, finished))
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, completions, finished,
+                         req.metrics, num_cached_tokens=reported_num_cached_tokens(req, finished),
+                         kv_transfer_params=kv_transfer_params, kv_transfer_stats=kv_transfer_stats)
 
 
 def note_finishes(req) -> None:

@@ -34,16 +34,17 @@ class Logprob(float):
 
 @dataclass
 class CompletionOutput:
-    """One of a request's n completions, cumulative so far."""
+    """One of a request's n completions, cumulative so far (fields in the order of vLLM's, which has
+    routed_experts between logprobs and finish_reason)."""
 
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
-    stop_reason: int | str | None = None  # the stop string or token id that ended it
     cumulative_logprob: float | None = None
     # logprobs[i]: {token_id: Logprob} for generated token i (the sampled one and the top-k)
     logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop string or token id that ended it
 
     # vLLM's: the LoRA adapter that made it; minillm loads none
     lora_request = None
@@ -77,30 +78,31 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """The state of one request after a step: its prompt and its completions so far."""
+    """The state of one request after a step: its prompt and its completions so far (the arguments
+    in the order of vLLM's, then minillm's kv_transfer_params and kv_transfer_stats)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics = field(default=None)  # type: ignore[assignment]
-    # Prefill/decode disaggregation (vLLM's kv_transfer_params): what a prefill engine hands a
-    # decode engine, in the response; kv_transfer_stats: what loading the prompt took on a decode engine.
-    kv_transfer_params: dict | None = None
-    kv_transfer_stats: dict | None = None
     # With SamplingParams.prompt_logprobs: per prompt token {token id: logprob} (the token itself
     # and its top alternatives), None for the first; the entries computed so far while it runs.
     # The engine's are floats; LLM.generate returns vLLM's Logprob objects, as for the outputs.
-    prompt_logprobs: list[dict[int, float] | dict[int, Logprob] | None] | None = None
+    prompt_logprobs: list[dict[int, float] | dict[int, Logprob] | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default=None)  # type: ignore[assignment]
+    # vLLM's, for the models and adapters minillm does not run: no LoRA adapter, no encoder prompt
+    lora_request: None = None
+    encoder_prompt: None = None
+    encoder_prompt_token_ids: None = None
     # Prompt tokens served from the prefix cache (vLLM's RequestOutput.num_cached_tokens). With n > 1
     # vLLM's output is one child's and carries that child's count: a final output the last to finish
     # (it completes the parent), an earlier one the first scheduled (output_processor.py: reported_num_cached_tokens).
     num_cached_tokens: int | None = None
-    # vLLM's, for the models and adapters minillm does not run: no LoRA adapter, no encoder prompt
-    lora_request = None
-    encoder_prompt = None
-    encoder_prompt_token_ids = None
+    # Prefill/decode disaggregation (vLLM's kv_transfer_params): what a prefill engine hands a
+    # decode engine, in the response; kv_transfer_stats: what loading the prompt took on a decode engine.
+    kv_transfer_params: dict | None = None
+    kv_transfer_stats: dict | None = None
 
     def add(self, next_output: "RequestOutput", aggregate: bool) -> None:
         """Merge a later output of this request into this one, as vLLM's RequestOutput.add: with

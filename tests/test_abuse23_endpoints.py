@@ -108,7 +108,7 @@ MESSAGES_CASES = [
     ({"messages": [USER], "tools": [{"name": "f", "input_schema": SCHEMA}],
       "tool_choice": {"type": "tool", "name": 3}}, "tool_choice.name"),
     ({"messages": [USER], "tools": [{"name": "f", "input_schema": SCHEMA}],
-      "tool_choice": {"type": "any", "disable_parallel_tool_use": "yes"}}, "tool_choice.disable_parallel_tool_use"),
+      "tool_choice": {"type": "any", "disable_parallel_tool_use": "maybe"}}, "tool_choice.disable_parallel_tool_use"),
 ]
 
 
@@ -175,8 +175,8 @@ def test_a_forced_tool_use_cut_by_max_tokens_stops_for_max_tokens_whole_and_stre
 def test_a_responses_status_follows_the_outputs_own_finish():
     # A call the parser found in an output cut short still finishes the chat choice with "tool_calls":
     # the Responses status reads the output's own finish, whole and streamed alike.
-    assert response_status(CompletionOutput(0, "", [1], "length")) == "incomplete"
-    assert response_status(CompletionOutput(0, "", [1], "stop")) == "completed"
+    assert response_status(CompletionOutput(0, "", [1], finish_reason="length")) == "incomplete"
+    assert response_status(CompletionOutput(0, "", [1], finish_reason="stop")) == "completed"
 
 
 # ---- the router in front ------------------------------------------------------------------------

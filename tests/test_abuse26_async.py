@@ -71,8 +71,8 @@ def _added(held: CompletionOutput | None, new: CompletionOutput) -> CompletionOu
     if held is None:
         return new
     logprobs = None if new.logprobs is None else held.logprobs + new.logprobs
-    return CompletionOutput(new.index, held.text + new.text, held.token_ids + new.token_ids, new.finish_reason,
-                            new.stop_reason, new.cumulative_logprob, logprobs)
+    return CompletionOutput(new.index, held.text + new.text, held.token_ids + new.token_ids, new.cumulative_logprob,
+                            logprobs, new.finish_reason, new.stop_reason)
 
 
 def _snapshots(outputs: list, kind: RequestOutputKind) -> list[tuple]:

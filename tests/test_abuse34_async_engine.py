@@ -161,8 +161,8 @@ class CountingText(str):
 
 def delta(index: int, step: int, tally: list[int], finish_reason: str | None = None) -> CompletionOutput:
     """Completion index's delta of one step: one token, its text and its log-probability."""
-    return CompletionOutput(index, CountingText(f"w{step} "), CountingIds([step], tally), finish_reason,
-                            None, -float(step), CountingIds([{step: -1.0}], tally))
+    return CompletionOutput(index, CountingText(f"w{step} "), CountingIds([step], tally), -float(step),
+                            CountingIds([{step: -1.0}], tally), finish_reason, None)
 
 
 def test_a_delta_stream_nobody_reads_copies_each_output_once(tok):
@@ -175,8 +175,8 @@ def test_a_delta_stream_nobody_reads_copies_each_output_once(tok):
         stream = RequestStream(RID, loop, queue, is_delta=True)
         for step in range(NUM_OUTPUTS):
             done = step == NUM_OUTPUTS - 1
-            stream.deliver(RequestOutput(RID, None, [1], [delta(0, step, tally, "length" if done else None)], done,
-                                         prompt_logprobs=[None, {1: -0.5}] if step == 0 else None), float(step))
+            stream.deliver(RequestOutput(RID, None, [1], [None, {1: -0.5}] if step == 0 else None,
+                                         [delta(0, step, tally, "length" if done else None)], done), float(step))
         assert len(queue) == 1
         return await queue.get_all()
 
@@ -199,12 +199,12 @@ def test_a_delta_backlog_of_several_completions_adds_each_up_apart():
         stream = RequestStream(RID, loop, queue, is_delta=True)
         outputs = [[delta(0, 0, tally), delta(1, 0, tally)],
                    [delta(0, 1, tally, "stop")],                      # 0 ends; 1 has nothing new
-                   [CompletionOutput(1, "", [], None, None, 0.0, None)],   # 1: a step without log-probabilities
+                   [CompletionOutput(1, "", [], 0.0, None, None, None)],   # 1: a step without log-probabilities
                    [delta(1, 3, tally, "length"), delta(2, 3, tally)]]
         for step, completions in enumerate(outputs):
-            stream.deliver(RequestOutput(RID, None, [1], completions, False), float(step))
+            stream.deliver(RequestOutput(RID, None, [1], None, completions, False), float(step))
         [(_, out, _)] = await queue.get_all()
-        stream.deliver(RequestOutput(RID, None, [1], [delta(2, 4, tally, "abort")], True), 4.0)
+        stream.deliver(RequestOutput(RID, None, [1], None, [delta(2, 4, tally, "abort")], True), 4.0)
         [(_, last, _)] = await queue.get_all()
         return out, last
 

@@ -145,7 +145,7 @@ def test_a_completion_that_starts_a_step_later_does_not_carry_the_others_out():
     for step in range(1, 18):
         comps = [CompletionOutput(index=i, text="", token_ids=list(range(min(16, max(0, step - (i == 2))))),
                                   finish_reason="length" if step - (i == 2) >= 16 else None) for i in range(3)]
-        out = due_output(RequestOutput("r", None, [1], comps, finished=all(c.finish_reason for c in comps)),
+        out = due_output(RequestOutput("r", None, [1], None, comps, finished=all(c.finish_reason for c in comps)),
                          sent, SERVER_INTERVAL)
         for c in (out.outputs if out is not None else []):
             if len(c.token_ids) > last[c.index]:

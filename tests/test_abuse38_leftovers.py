@@ -1,5 +1,5 @@
 """Leftovers of the vLLM comparison, on stories260K (CPU): logit_bias bans that leave nothing to
-sample, and LLM's compilation_config in vLLM's dict forms."""
+sample, LLM's compilation_config in vLLM's dict forms, and the positional order of the outputs."""
 from __future__ import annotations
 
 import math
@@ -8,6 +8,7 @@ import pytest
 
 from minillm import LLM, SamplingParams
 from minillm.llm import engine_config
+from minillm.outputs import CompletionOutput, RequestOutput
 
 PROMPT = "Once upon a time"
 A = 261                         # "a"; the bad word "a a" is [A, A]
@@ -89,3 +90,25 @@ def test_llm_runs_with_compilation_config_mode_0(stories_path):
     with LLM(str(stories_path), device="cpu", max_model_len=64, compilation_config={"level": 0}) as model:
         assert model.llm_engine.config.enforce_eager
         assert len(model.generate([PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+# ---- the outputs' positional order -----------------------------------------------------------------
+
+def test_completion_output_takes_vllms_positional_order():
+    # vLLM's (index, text, token_ids, cumulative_logprob, logprobs, ..., finish_reason, stop_reason):
+    # the fourth was minillm's finish_reason.
+    out = CompletionOutput(0, "hi", [5], -1.5, [{5: -1.5}])
+    assert (out.cumulative_logprob, out.logprobs, out.finish_reason) == (-1.5, [{5: -1.5}], None)
+    assert not out.finished()
+
+
+def test_request_output_takes_vllms_positional_order():
+    # vLLM's (request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished, metrics,
+    # lora_request, encoder_prompt, encoder_prompt_token_ids, num_cached_tokens).
+    comp = CompletionOutput(0, "hi", [5])
+    out = RequestOutput("r", "p", [1, 2], [None, {2: -0.5}], [comp], True, None, None, None, None, 1)
+    assert (out.prompt_logprobs, out.outputs, out.finished, out.num_cached_tokens) == ([None, {2: -0.5}], [comp],
+                                                                                      True, 1)
+    later = RequestOutput("r", "p", [1, 2], None, [CompletionOutput(0, "!", [6], finish_reason="stop")], True)
+    out.add(later, aggregate=True)
+    assert (comp.text, comp.token_ids, comp.finish_reason) == ("hi!", [5, 6], "stop")

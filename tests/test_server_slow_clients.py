@@ -161,14 +161,14 @@ def test_a_caller_that_falls_behind_holds_one_output_per_request():
         for step in range(1000):       # a thousand steps' outputs while nobody reads
             for stream in streams:
                 text = "x" * step      # cumulative, so each is bigger than the last
-                stream.deliver(RequestOutput(stream.request_id, None, [1], [CompletionOutput(0, text, [])], False),
-                               float(step))
+                output = RequestOutput(stream.request_id, None, [1], None, [CompletionOutput(0, text, [])], False)
+                stream.deliver(output, float(step))
         assert len(queue) == 2 and len(seen) == 2000   # held: the newest of each; observed: all of them
         newest = await queue.get_all()
         assert [(s.request_id, p.outputs[0].text, t) for s, p, t in newest] == [
             ("r0", "x" * 999, 999.0), ("r1", "x" * 999, 999.0)]
         streams[0].deliver(EngineDeadError("gone"), None)
-        streams[0].deliver(RequestOutput("r0", None, [1], [CompletionOutput(0, "late", [])], False), 1000.0)
+        streams[0].deliver(RequestOutput("r0", None, [1], None, [CompletionOutput(0, "late", [])], False), 1000.0)
         (stream, payload, _), = await queue.get_all()
         assert stream is streams[0] and isinstance(payload, EngineDeadError)   # an error is not replaced
 
