@@ -34,11 +34,14 @@ class OutputParsers:
     @classmethod
     def for_request(cls, reasoning_parser: str | None, tool_call_parser: str | None, template_kwargs: dict | None,
                     tool_choice, constrained: bool, include_reasoning: bool,
-                    parallel_tool_calls: bool | None = None, reasoning_first: bool = False) -> OutputParsers | None:
-        """The parsers a request's reply goes through; None when it goes through none."""
+                    parallel_tool_calls: bool | None = None, reasoning_first: bool = False,
+                    reasoning_ended: bool = False) -> OutputParsers | None:
+        """The parsers a request's reply goes through (reasoning_ended: its prompt closed the thinking
+        block); None when it goes through none."""
         if constrained and not (reasoning_first and reasoning_parser):
             return None
-        reasoning = ReasoningParser.for_request(reasoning_parser, template_kwargs) if reasoning_parser else None
+        reasoning = ReasoningParser.for_request(reasoning_parser, template_kwargs, reasoning_ended) \
+            if reasoning_parser else None
         tools = ToolParser(tool_call_parser) if tool_call_parser and tool_choice == "auto" and not constrained else None
         if reasoning is None and tools is None:
             return None

@@ -5,6 +5,11 @@
     qwen3         the same, and with chat_template_kwargs {"enable_thinking": false} (the template
                   then closes the thinking block in the prompt) the whole output is the answer
 
+Either way a prompt that closed the thinking block itself (its last think tag is </think>, as vLLM's
+is_reasoning_end reads the prompt: Qwen3's template with enable_thinking false, DeepSeek-V3.1's with
+thinking false, any template whose generation prompt ends in <think></think>) leaves the whole output
+the answer; a finished block of an earlier turn before an open <think> does not.
+
 A chat completion's message then carries `reasoning` (and `reasoning_content`, its older name in
 vLLM) beside `content`; a stream's deltas carry the one or the other. The split is made on the
 text, so a tag spread over several tokens (or streamed across chunks) is found all the same: a
@@ -14,13 +19,15 @@ Whole and streamed replies split alike, as vLLM streams them token by token: eve
 first </think> is reasoning, less its <think> tags (text before a <think> is reasoning too: vLLM's
 non-streamed path drops it, its stream keeps it), and what follows is the content as written. A
 whole reply's reasoning is "" (not null) where it is empty, its content null, as vLLM returns them;
-a stream sends no empty delta. qwen3 with thinking off leaves every output whole as the content (as
-vLLM's stream does; its non-streamed path still splits at a </think> the model writes).
+a stream sends no empty delta. qwen3 with thinking off, and a prompt that closed the thinking block,
+leave every output whole as the content, whole or streamed (as vLLM's stream does; its non-streamed
+path has in some versions still split at a </think> the model writes).
 
 Under a constraint (response_format, structured_outputs, a forced tool call) the engine leaves the
 reasoning free and holds only what follows </think> to the grammar (vLLM's structured outputs with a
 reasoning parser; --structured-outputs-config enable_in_reasoning holds every token instead): the tags
-must then be added tokens of the tokenizer, whose ids the engine watches for.
+must then be added tokens of the tokenizer, whose ids the engine watches for. After a prompt that
+closed the thinking block the grammar holds the output from its first token, tags or no tags.
 """
 from __future__ import annotations
 
@@ -42,20 +49,21 @@ def partial_tag_len(text: str, tag: str) -> int:
 
 @dataclass(frozen=True)
 class ReasoningParser:
-    """One parser and what a request's chat_template_kwargs say of thinking."""
+    """One parser and what a request's chat_template_kwargs and prompt say of thinking."""
 
     name: str
-    thinking: bool = True        # qwen3 with enable_thinking false: no reasoning to split off
+    thinking: bool = True        # False (qwen3's enable_thinking false, a prompt that closed the block): no reasoning
 
     def __post_init__(self) -> None:
         if self.name not in REASONING_PARSERS:
             raise ValueError(f"reasoning parser must be one of {', '.join(REASONING_PARSERS)}, got {self.name!r}")
 
     @classmethod
-    def for_request(cls, name: str, template_kwargs: dict | None) -> ReasoningParser:
-        """The parser as a request's chat_template_kwargs set it (qwen3's enable_thinking)."""
-        thinking = True
-        if name == "qwen3" and isinstance(template_kwargs, dict):
+    def for_request(cls, name: str, template_kwargs: dict | None, reasoning_ended: bool = False) -> ReasoningParser:
+        """The parser as a request's chat_template_kwargs set it (qwen3's enable_thinking) and its
+        prompt left it (reasoning_ended: the prompt closed the thinking block, see reasoning_ended_in_prompt)."""
+        thinking = not reasoning_ended
+        if name == "qwen3" and isinstance(template_kwargs, dict) and thinking:
             thinking = template_kwargs.get("enable_thinking", True) is not False
         return cls(name, thinking)
 
@@ -97,6 +105,13 @@ class ReasoningParser:
             count -= num_tokens_within(ids, decode, at + len(START)) - num_tokens_within(ids, decode, at)
             at = reasoning.find(START, at + len(START))
         return count
+
+
+def reasoning_ended_in_prompt(prompt: str) -> bool:
+    """Whether a prompt closed the thinking block (vLLM's is_reasoning_end on the prompt's ids, read from
+    its end): a </think> after its last <think> (anywhere, where it has none). One search back to the
+    last <think> and one forward from it, so tags spelled in several tokens are found all the same."""
+    return prompt.find(END, max(prompt.rfind(START), 0)) >= 0
 
 
 def num_tokens_within(token_ids: list[int], decode: Callable[[list[int]], str], num_chars: int) -> int:

@@ -31,7 +31,9 @@ from minillm.server.serving import (
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
-from minillm.server.reasoning_parsers import ReasoningParser, count_reasoning_tokens, thinking_token_ids
+from minillm.server.reasoning_parsers import (
+    ReasoningParser, count_reasoning_tokens, reasoning_ended_in_prompt, thinking_token_ids,
+)
 from minillm.server.tool_calls import ToolCallStream, forced_tool_calls
 from minillm.server.tool_parsers import keeps_special_tokens
 
@@ -221,16 +223,7 @@ class ChatJob:
         self.forced = forced_tool_calls(tool_choice_of(req), template_tools(req) or [], req.parallel_tool_calls)
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.constraint_param = self.forced.param if self.forced is not None else None   # what holds the output
-        # A structure (response_format, structured_outputs, a forced tool call) under --reasoning-parser: the
-        # grammar holds what follows the thinking, unless --structured-outputs-config enable_in_reasoning
-        self.reasoning_first = (self.forced is not None or asks_for_structure(req)) \
-            and ctx.reasoning_parser is not None and not ctx.structured_outputs_in_reasoning \
-            and ReasoningParser.for_request(ctx.reasoning_parser, self.conversation.template_kwargs).thinking
-        # --reasoning-parser and --tool-call-parser, for a reply that is free text (or a structure after the thinking)
-        self.parsers = OutputParsers.for_request(   # what the template was told of thinking, as it was told
-            ctx.reasoning_parser, ctx.tool_call_parser, self.conversation.template_kwargs, tool_choice_of(req),
-            self.forced is not None or asks_for_structure(req), req.include_reasoning, req.parallel_tool_calls,
-            self.reasoning_first)
+        self._choose_parsers()
         self.output_streams: dict[int, OutputStream] = {}
         # include_reasoning false hides the reasoning the parser splits off; its tokens' logprobs and ids
         # would show it token by token, so neither is computed nor sent (as vLLM leaves them out)
@@ -239,9 +232,26 @@ class ChatJob:
         if self.hides_reasoning:
             self.num_top = None
         self.prompt_ids: list[int] = []
+        self.reasoning_ended = False     # whether the rendered prompt closed the thinking block
+        self._text_ids: list[int] | None = None     # the ids whose text conversation.text is (not truncated)
         self.params = None
         self.texts = TokenTexts(ctx.tokenizer)
         self.kv_transfer_stats: dict | None = None   # what loading the prompt took (a decode server's)
+
+    def _choose_parsers(self, reasoning_ended: bool = False) -> None:
+        """reasoning_first and the reply's parsers, by what the template was told of thinking and
+        (reasoning_ended) by a rendered prompt that closed the thinking block itself."""
+        ctx, req, kwargs = self.ctx, self.req, self.conversation.template_kwargs
+        constrained = self.forced is not None or asks_for_structure(req)
+        # A structure (response_format, structured_outputs, a forced tool call) under --reasoning-parser: the
+        # grammar holds what follows the thinking, unless --structured-outputs-config enable_in_reasoning
+        self.reasoning_first = constrained and ctx.reasoning_parser is not None \
+            and not ctx.structured_outputs_in_reasoning \
+            and ReasoningParser.for_request(ctx.reasoning_parser, kwargs, reasoning_ended).thinking
+        # --reasoning-parser and --tool-call-parser, for a reply that is free text (or a structure after the thinking)
+        self.parsers = OutputParsers.for_request(
+            ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tool_choice_of(req), constrained,
+            req.include_reasoning, req.parallel_tool_calls, self.reasoning_first, reasoning_ended)
 
     @functools.cached_property
     def echo_text(self) -> str:
@@ -253,13 +263,17 @@ class ChatJob:
         return [engine_request_id(self.request_id)]
 
     async def prepare(self) -> None:
-        """Check the output constraint and render and tokenise the conversation (in the
-        preprocessing pool); fit max_tokens to it."""
-        self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req) or self.forced is not None,
-                                                         self._constraint)
-        self.prompt_ids = await self.ctx.run_blocking(self._render)
+        """Render and tokenise the conversation and check the output constraint (in the preprocessing
+        pool); fit max_tokens to the prompt. A prompt that closed the thinking block leaves the whole
+        reply the answer, as vLLM reads it (is_reasoning_end on the prompt): no reasoning split off, and
+        a structure holds the reply from its first token."""
+        self.prompt_ids = await self.ctx.run_blocking(self._render_prompt)
         if not self.prompt_ids:
             raise APIError(400, "the chat template rendered an empty prompt", param="messages")
+        if self.reasoning_ended:
+            self._choose_parsers(reasoning_ended=True)
+        self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req) or self.forced is not None,
+                                                         self._constraint)
         with naming_max_tokens_field(self.req):
             max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
@@ -300,7 +314,17 @@ class ChatJob:
                            f"with no max_tokens (or max_completion_tokens) given that is the whole context ({limit} "
                            f"tokens), which leaves no room for a completion: give max_tokens",
                            param="truncate_prompt_tokens")
+        self._text_ids = kept if len(kept) == len(ids) else None
         return kept
+
+    def _render_prompt(self) -> list[int]:
+        """_render's token ids; under a reasoning parser, notes whether they close the thinking block
+        (read from the rendered text, or from the ids' decoded text where truncation cut it)."""
+        ids = self._render()
+        if self.ctx.reasoning_parser is not None:
+            text = self.conversation.text if ids is self._text_ids else self.ctx.tokenizer.decode(ids)
+            self.reasoning_ended = reasoning_ended_in_prompt(text)
+        return ids
 
     def _cursor(self) -> LogprobCursor | None:
         if self.num_top is None:
