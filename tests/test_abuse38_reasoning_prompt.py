@@ -1,7 +1,7 @@
 """A prompt that closed the thinking block itself (a template ending in <think></think>, as Qwen3's with
 enable_thinking false and DeepSeek-V3.1's with thinking false end): vLLM asks the reasoning parser
-whether the prompt ended the reasoning (is_reasoning_end: its last think tag is </think>), and then the
-whole reply is the answer. stories260K spells the tags in several tokens, so the prompt is read as text."""
+whether the prompt ended the reasoning (is_reasoning_end); here the prompt must end in </think>, and
+then the whole reply is the answer. stories260K spells the tags in several tokens, so the prompt is read as text."""
 from __future__ import annotations
 
 import json
@@ -24,13 +24,25 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}"
     ("<|im_start|>assistant\n<think>\n\n</think>\n\n", True),
     ("user: hi\nassistant: <think>", False),
     ("<think>old</think>done\nuser: hi\nassistant: <think>\n", False),     # an earlier turn's finished block
-    ("<think>old</think>done\nuser: hi\nassistant:", True),               # vLLM's rule: the last tag decides
+    ("<think>old</think>done\nuser: hi\nassistant:", False),              # an agent loop's history (Qwen3)
+    ("<|im_start|>assistant\n<think>\nplan\n</think>\n\n<tool_call>{}</tool_call><|im_end|>\n"
+     "<|im_start|>user\n<tool_response>4</tool_response><|im_end|>\n<|im_start|>assistant\n", False),
+    ("user: hi\nassistant: </think>", True),                              # DeepSeek-V3.1's thinking false
     ("</think>x<think>", False),
     ("user: hi\nassistant:", False),
     ("", False),
 ])
 def test_the_prompts_last_think_tag_decides(prompt, ended):
     assert reasoning_ended_in_prompt(prompt) is ended
+
+
+@pytest.mark.parametrize("prompt, ended", [
+    ("user: q\nassistant: <think>x</think> and the dog", True),      # the continued message closed it
+    ("user: q\nassistant: <think>x", False),
+    ("<think>x</think>\nuser: q\nassistant: <think>y", False),
+])
+def test_a_continued_message_is_read_to_its_last_think_tag(prompt, ended):
+    assert reasoning_ended_in_prompt(prompt, continues_message=True) is ended
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,9 @@
     qwen3         the same, and with chat_template_kwargs {"enable_thinking": false} (the template
                   then closes the thinking block in the prompt) the whole output is the answer
 
-Either way a prompt that closed the thinking block itself (its last think tag is </think>, as vLLM's
-is_reasoning_end reads the prompt: Qwen3's template with enable_thinking false, DeepSeek-V3.1's with
-thinking false, any template whose generation prompt ends in <think></think>) leaves the whole output
-the answer; a finished block of an earlier turn before an open <think> does not.
+Either way a prompt that closed the thinking block itself (it ends in </think>: Qwen3's template with
+enable_thinking false, DeepSeek-V3.1's with thinking false, any template whose generation prompt ends in
+<think></think>) leaves the whole output the answer; a finished block of an earlier turn does not.
 
 A chat completion's message then carries `reasoning` (and `reasoning_content`, its older name in
 vLLM) beside `content`; a stream's deltas carry the one or the other. The split is made on the
@@ -107,11 +106,18 @@ class ReasoningParser:
         return count
 
 
-def reasoning_ended_in_prompt(prompt: str) -> bool:
-    """Whether a prompt closed the thinking block (vLLM's is_reasoning_end on the prompt's ids, read from
-    its end): a </think> after its last <think> (anywhere, where it has none). One search back to the
-    last <think> and one forward from it, so tags spelled in several tokens are found all the same."""
-    return prompt.find(END, max(prompt.rfind(START), 0)) >= 0
+def reasoning_ended_in_prompt(prompt: str, continues_message: bool = False) -> bool:
+    """Whether the prompt closed the thinking block for the reply: it ends in </think> (and whitespace),
+    or, where the reply continues the prompt's final message, has a </think> after its last <think>.
+    vLLM's is_reasoning_end takes any </think> after the last <think>, which reads an agent loop's
+    history (Qwen3's template keeps the last turns' <think>...</think> and opens no new block) as a
+    closed prompt and the new turn's reasoning as its answer; a template that closes the block for the
+    reply (Qwen3's enable_thinking false, DeepSeek-V3.1's thinking false) puts the </think> last. Read
+    as text, so tags spelled in several tokens are found all the same."""
+    if continues_message:
+        return prompt.find(END, max(prompt.rfind(START), 0)) >= 0
+    tail = prompt.rstrip()
+    return tail.endswith(END) and tail.rfind(START) < len(tail) - len(END)
 
 
 def num_tokens_within(token_ids: list[int], decode: Callable[[list[int]], str], num_chars: int) -> int:

@@ -323,7 +323,7 @@ class ChatJob:
         ids = self._render()
         if self.ctx.reasoning_parser is not None:
             text = self.conversation.text if ids is self._text_ids else self.ctx.tokenizer.decode(ids)
-            self.reasoning_ended = reasoning_ended_in_prompt(text)
+            self.reasoning_ended = reasoning_ended_in_prompt(text, bool(self.req.continue_final_message))
         return ids
 
     def _cursor(self) -> LogprobCursor | None:
