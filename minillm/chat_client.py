@@ -268,12 +268,14 @@ class HttpChatBackend:
 def _events(response: httpx.Response, base_url: str) -> Iterator[dict]:
     """The JSON payloads of a server-sent event stream, up to `data: [DONE]`; RuntimeError when
     the stream ends before it (a proxy or a server that cut the reply between two events)."""
-    for line in _lines(response):
+    for line, is_cut in _lines(response):
         if not line.startswith("data:"):
             continue
         data = line[len("data:"):].strip()
         if data == "[DONE]":
             return
+        if is_cut:      # an event the end of the stream cut off, which the SSE spec drops
+            break
         try:
             event = sse.loads(data)
         except json.JSONDecodeError:
@@ -288,15 +290,16 @@ def _events(response: httpx.Response, base_url: str) -> Iterator[dict]:
     raise RuntimeError(f"the stream from {base_url} ended before the reply finished (no data: [DONE])")
 
 
-def _lines(response: httpx.Response) -> Iterator[str]:
-    """The stream's lines (minillm.sse.LineSplitter); RuntimeError for a line past MAX_LINE_CHARS."""
+def _lines(response: httpx.Response) -> Iterator[tuple[str, bool]]:
+    """The stream's lines (minillm.sse.LineSplitter), each with whether the stream ended inside it
+    (no line end); RuntimeError for a line past MAX_LINE_CHARS."""
     splitter = LineSplitter(MAX_LINE_CHARS)
     try:
         for text in response.iter_text():
-            yield from splitter.feed(text)
+            yield from ((line, False) for line in splitter.feed(text))
     except LineTooLong as exc:
         raise RuntimeError(f"the server sent {exc} in its stream: is this a minillm server?") from None
-    yield from splitter.flush()
+    yield from ((line, True) for line in splitter.flush())
 
 
 def _read_capped(response: httpx.Response) -> bytes:
@@ -352,9 +355,14 @@ def _count(value, default: int) -> int:
 
 
 def _error_message(payload: dict) -> str:
-    """The message of an OpenAI-style error body (its first MAX_MESSAGE_CHARS)."""
+    """The message of an OpenAI-style error body, on one line (its first MAX_MESSAGE_CHARS)."""
     error = payload.get("error", payload)
-    return str(error.get("message", error) if isinstance(error, dict) else error)[:MAX_MESSAGE_CHARS]
+    return _one_line(str(error.get("message", error) if isinstance(error, dict) else error))
+
+
+def _one_line(text: str) -> str:
+    """TEXT (a server's message, a traceback it sent as its body) as one line of at most MAX_MESSAGE_CHARS."""
+    return " ".join(text.split())[:MAX_MESSAGE_CHARS]
 
 
 def _raise_for_status(response: httpx.Response, body: bytes) -> None:
@@ -364,7 +372,7 @@ def _raise_for_status(response: httpx.Response, body: bytes) -> None:
     try:
         message = _error_message(_json(body))
     except (ValueError, AttributeError):     # not JSON, or not UTF-8 (UnicodeDecodeError)
-        message = body.decode("utf-8", "replace").strip()[:MAX_MESSAGE_CHARS] or response.reason_phrase
+        message = _text_message(response, body)
     if response.status_code in (401, 403):
         if "authorization" not in response.request.headers:
             raise RuntimeError(f"the server asks for an API key ({response.status_code}): pass --api-key KEY or "
@@ -376,6 +384,14 @@ def _raise_for_status(response: httpx.Response, body: bytes) -> None:
         raise ContextLengthError(text, error.get("param"))
     cls = ValueError if 400 <= response.status_code < 500 else RuntimeError
     raise cls(text)
+
+
+def _text_message(response: httpx.Response, body: bytes) -> str:
+    """What an error body that is no JSON says: its text on one line; for a web page (a proxy's
+    502 page), or nothing, the status's reason."""
+    content_type = response.headers.get("content-type", "").partition(";")[0].strip().lower()
+    text = "" if content_type == "text/html" else _one_line(body.decode("utf-8", "replace"))
+    return text or response.reason_phrase
 
 
 def _error_field(body: bytes) -> dict:

@@ -1,0 +1,120 @@
+"""`minillm chat` used as a user would: a server that fails in ways a real one does (a traceback as
+its 500 body, a proxy's 502 page, a stream cut inside an event) is told in one line."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from minillm.chat import ChatSession
+
+TRACEBACK = "Traceback (most recent call last):\n  File \"app.py\", line 3, in handler\nKeyError: 'choices'\n"
+PAGE_502 = "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<h1>502 Bad Gateway</h1>\r\n</body>\r\n</html>"
+
+
+def chunk(text: str) -> bytes:
+    """One chat completion stream event carrying TEXT."""
+    event = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+# What each served model's chat completion answers: (status, content type, body).
+ANSWERS = {
+    "traceback": (500, "text/plain", TRACEBACK.encode()),
+    "proxy": (502, "text/html", PAGE_502.encode()),
+    "multiline": (400, "application/json",
+                  json.dumps({"error": {"message": "bad request:\n  messages.0: field required\n"}}).encode()),
+    "cut": (200, "text/event-stream", chunk("Once upon ") + chunk("a time") + b'data: {"choices": [{"ind'),
+    "event": (200, "text/event-stream",
+                    chunk("Once ") + b'data: {"error": {"message": "engine failed:\\n  out of blocks"}}\n\n'),
+}
+
+
+class _Server(BaseHTTPRequestHandler):
+    """/v1/models lists every ANSWERS key; a chat completion for one answers as ANSWERS says, then closes."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = True
+
+    def do_GET(self) -> None:
+        models = [{"id": name, "max_model_len": 512} for name in ANSWERS]
+        self._answer(200, "application/json", json.dumps({"data": models}).encode())
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path != "/v1/chat/completions":
+            self._answer(404, "application/json", b'{"error": {"message": "not found"}}')
+            return
+        self._answer(*ANSWERS[request["model"]])
+
+
+@pytest.fixture(scope="module")
+def url():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def run_lines(session: ChatSession, lines: list[str]) -> str:
+    """Run the chat over LINES, then end of input; what it printed."""
+    pending = iter(lines)
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(pending)
+        except StopIteration:
+            raise EOFError from None
+
+    session.run(read_line)
+    return session.out.getvalue()
+
+
+# ---- a server that fails ------------------------------------------------------------------------------------
+
+def chat_over(url: str, model: str, lines: list[str]) -> tuple[str, ChatSession]:
+    """A scripted chat with MODEL of the server at URL; what it printed, and the session."""
+    from minillm.chat_client import HttpChatBackend
+    session = ChatSession(HttpChatBackend(url, model=model), out=io.StringIO())
+    return run_lines(session, lines), session
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error")]
+
+
+@pytest.mark.parametrize("model, said", [
+    ("traceback", "error: server answered 500: Traceback (most recent call last): File \"app.py\", line 3, "
+                  "in handler KeyError: 'choices'"),
+    ("proxy", "error: server answered 502: Bad Gateway"),
+    ("multiline", "error: server answered 400: bad request: messages.0: field required"),
+    ("event", "error: server error: engine failed: out of blocks"),
+])
+def test_a_servers_error_is_one_line(url, model, said):
+    # A traceback sent as the body took four lines of the chat, and a proxy's page was shown as HTML.
+    out, session = chat_over(url, model, ["hello"])
+    assert said in out.splitlines() and len(error_lines(out)) == 1, out
+    assert "<html>" not in out and session.conversation.turns == []
+
+
+def test_a_stream_cut_inside_an_event_says_it_ended_early(url):
+    # The half event at the cut was parsed, and the chat blamed the server for sending no JSON.
+    out, session = chat_over(url, "cut", ["hello"])
+    assert "Once upon a time\nerror: the stream from" in out
+    assert error_lines(out)[0].endswith("ended before the reply finished (no data: [DONE])")
+    assert "not JSON" not in out and session.conversation.turns == []
