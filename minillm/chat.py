@@ -36,7 +36,7 @@ commands:
                         (num_predict: max_tokens) work too
 input:
   a line ending in \\ continues on the next line; \"\"\" opens and closes a multi-line block
-  (a message even when it starts with a slash)
+  (a message even when it starts with a slash; after /system, the system message)
   Ctrl-C stops the reply being written; at the prompt it clears the line ({QUIT_HINT})
   what you type while a reply is written is kept for the next prompt"""
 
@@ -62,8 +62,7 @@ class ChatSettings:
             # -1 is no seed, as SamplingParams (and vLLM) read it: shown as such
             "seed": lambda s: None if s.lower() in ("none", "off", "random") or s.strip() == "-1" else int(s),
         }
-        if key not in parsers:
-            raise ValueError(f"unknown setting {key!r}; one of: {', '.join(parsers)}")
+        check_setting(key)
         try:
             value = parsers[key](text)
         except ValueError:
@@ -87,7 +86,13 @@ class ChatSettings:
                 f"max_tokens={self.max_tokens} seed={self.seed}")
 
 
-_SETTINGS = frozenset(ChatSettings.__dataclass_fields__)
+_SETTINGS = tuple(ChatSettings.__dataclass_fields__)
+
+
+def check_setting(key: str) -> None:
+    """ValueError naming KEY when /set has no such setting."""
+    if key not in _SETTINGS:
+        raise ValueError(f"unknown setting {key!r}; one of: {', '.join(_SETTINGS)}")
 
 
 @dataclass
@@ -361,10 +366,11 @@ def valid_text(text: str) -> str:
 class EndOfInputInMessage(EOFError):
     """Input ended inside a multi-line message (an open triple quote, a trailing backslash)."""
 
-    def __init__(self, text: str, is_quoted: bool = False):
+    def __init__(self, text: str, is_quoted: bool = False, is_command: bool = False):
         super().__init__("input ended inside a multi-line message")
         self.text = text                 # what was typed of the message
         self.is_quoted = is_quoted       # inside triple quotes: a message even when it starts with a slash
+        self.is_command = is_command     # inside a /command's triple-quoted argument, which is not run
 
 
 @dataclass(frozen=True)
@@ -382,8 +388,9 @@ def read_message(read_line: Callable[[str], str]) -> str:
 
 def read_input(read_line: Callable[[str], str]) -> UserInput:
     """One user input: a trailing backslash continues the line; triple quotes span lines (and make
-    the text a message whatever it starts with, as in Ollama's chat). EndOfInputInMessage carries
-    the message so far when input ends inside one."""
+    the text a message whatever it starts with, as in Ollama's chat; a /command's argument they
+    open, as Ollama's /set system, runs on to their close). EndOfInputInMessage carries the message
+    so far when input ends inside one."""
     read_line = _without_carriage_return(read_line)
     line = read_line(PROMPT)
     stripped = line.strip()
@@ -398,12 +405,27 @@ def read_input(read_line: Callable[[str], str]) -> UserInput:
                 lines.append(line.rstrip()[:-len(TRIPLE_QUOTE)])
                 return UserInput("\n".join(lines).strip("\n"), is_quoted=True)
             lines.append(line)
+    if stripped.startswith("/") and stripped.count(TRIPLE_QUOTE) % 2:
+        return UserInput(_command_block(read_line, stripped))
     lines = []
     while line.endswith("\\"):
         lines.append(line[:-1])
         line = _continuation(read_line, lines)
     lines.append(line)
     return UserInput("\n".join(lines))
+
+
+def _command_block(read_line: Callable[[str], str], first: str) -> str:
+    """A /command whose argument opens a triple-quoted block (Ollama's /set system with a system
+    message of several lines), read on to the line that closes it; EndOfInputInMessage (the command
+    unrun) when input ends first."""
+    lines = [first]
+    while not (len(lines) > 1 and lines[-1].rstrip().endswith(TRIPLE_QUOTE)):
+        try:
+            lines.append(read_line(CONTINUATION_PROMPT))
+        except EOFError:
+            raise EndOfInputInMessage("", is_command=True) from None
+    return "\n".join(lines).strip()
 
 
 def _without_carriage_return(read_line: Callable[[str], str]) -> Callable[[str], str]:
@@ -528,7 +550,9 @@ class ChatSession:
                 entry = read_input(read_line)
             except EndOfInputInMessage as exc:
                 # A script or a paste that never closed its message: send what came, and say so.
-                if exc.text.strip():
+                if exc.is_command:
+                    self.say("(input ended inside a command's triple-quoted text: the command was not run)")
+                elif exc.text.strip():
                     self.say("(input ended inside a multi-line message: sending what came)")
                     self.handle(exc.text, is_quoted=exc.is_quoted)
                 self.say("")
@@ -580,6 +604,7 @@ class ChatSession:
             self.conversation.turns.clear()
             self.say("(conversation cleared)")
         elif name == "/system":
+            arg = _unquoted(arg)
             self.conversation.system = arg or None
             self.say(f"(system message {'set' if arg else 'cleared'})")
         elif name == "/set":
@@ -596,10 +621,11 @@ class ChatSession:
         if not key:
             self.say(self.settings.describe())
             return
-        if not value:
-            self.say(f"usage: /set {_shown(key)} VALUE")
-            return
         try:
+            check_setting(key)      # `/set verbose` (Ollama's) is no setting, not a setting missing its value
+            if not value:
+                self.say(f"usage: /set {key} VALUE")
+                return
             self.settings = self.settings.with_value(key, value)
         except ValueError as exc:
             self.say(f"error: {exc}")
@@ -679,6 +705,13 @@ def _split_word(text: str) -> tuple[str, str]:
     """The first word of text and the rest, stripped; any whitespace (a tab too) separates them."""
     parts = text.split(maxsplit=1)
     return (parts[0] if parts else ""), (parts[1].strip() if len(parts) > 1 else "")
+
+
+def _unquoted(text: str) -> str:
+    """TEXT without the triple quotes around it, as Ollama's /set system takes them off."""
+    if len(text) >= 2 * len(TRIPLE_QUOTE) and text.startswith(TRIPLE_QUOTE) and text.endswith(TRIPLE_QUOTE):
+        return text[len(TRIPLE_QUOTE):-len(TRIPLE_QUOTE)].strip()
+    return text
 
 
 def _shown(text: str) -> str:

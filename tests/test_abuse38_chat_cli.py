@@ -1,5 +1,6 @@
-"""`minillm chat` used as a user would: a server that fails in ways a real one does (a traceback as
-its 500 body, a proxy's 502 page, a stream cut inside an event) is told in one line."""
+"""`minillm chat` used as a user would: Ollama's /set system block and /set of no setting, and a
+server that fails in ways a real one does (a traceback as its 500 body, a proxy's 502 page, a stream
+cut inside an event) each told in one line."""
 from __future__ import annotations
 
 import io
@@ -71,6 +72,21 @@ def url():
     server.server_close()
 
 
+class _Recording:
+    """A backend that answers every message with "ok" and keeps the conversations it was sent."""
+
+    name = "recording"
+    has_chat_template = True
+    last_stats = None
+
+    def __init__(self) -> None:
+        self.sent: list[list[dict]] = []
+
+    def stream_reply(self, conversation, settings, should_stop):
+        self.sent.append(conversation.messages())
+        yield "ok"
+
+
 def run_lines(session: ChatSession, lines: list[str]) -> str:
     """Run the chat over LINES, then end of input; what it printed."""
     pending = iter(lines)
@@ -83,6 +99,49 @@ def run_lines(session: ChatSession, lines: list[str]) -> str:
 
     session.run(read_line)
     return session.out.getvalue()
+
+
+# ---- the /commands -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("line", ["/set verbose", "/set think", "/set parameter repeat_last_n"])
+def test_set_of_no_setting_says_so_even_without_a_value(line):
+    # It said "usage: /set verbose VALUE", as though verbose were a setting that wanted a value.
+    out = run_lines(ChatSession(_Recording(), out=io.StringIO()), [line])
+    assert "error: unknown setting" in out and "one of: temperature, top_p, top_k, max_tokens, seed" in out
+    assert "usage:" not in out
+
+
+def test_set_of_a_setting_without_a_value_still_shows_its_usage():
+    out = run_lines(ChatSession(_Recording(), out=io.StringIO()), ["/set temperature"])
+    assert "usage: /set temperature VALUE" in out
+
+
+def test_ollamas_set_system_block_of_several_lines_is_the_system_message():
+    # Ollama's /set system """ ... """: the block's lines were sent to the model as messages, one by
+    # one, and the system message was the three quotes.
+    backend = _Recording()
+    session = ChatSession(backend, out=io.StringIO())
+    run_lines(session, ['/set system """You are a pirate.', "Answer in rhymes.", '"""', "hello"])
+    assert session.conversation.system == "You are a pirate.\nAnswer in rhymes."
+    assert backend.sent == [[{"role": "system", "content": "You are a pirate.\nAnswer in rhymes."},
+                             {"role": "user", "content": "hello"}]]
+
+
+@pytest.mark.parametrize("line, system", [('/set system """Be brief."""', "Be brief."),
+                                          ('/system """Be brief."""', "Be brief."),
+                                          ("/system Be brief.", "Be brief.")])
+def test_a_system_message_on_one_line_loses_its_triple_quotes(line, system):
+    session = ChatSession(_Recording(), out=io.StringIO())
+    run_lines(session, [line])
+    assert session.conversation.system == system
+
+
+def test_input_that_ends_inside_a_set_system_block_runs_no_command_and_sends_nothing():
+    backend = _Recording()
+    session = ChatSession(backend, system="Be kind.", out=io.StringIO())
+    out = run_lines(session, ['/set system """You are', "hello"])
+    assert "the command was not run" in out
+    assert session.conversation.system == "Be kind." and backend.sent == []
 
 
 # ---- a server that fails ------------------------------------------------------------------------------------
