@@ -203,11 +203,11 @@ def test_length_penalty_at_vllms_default_passes_and_another_value_is_refused(htt
     # that send every field send it; any length_penalty was a 400 here.
     body = _completion() if path == "/v1/completions" else _chat()
     want = http.post(path, json=body).json()["choices"]
-    for neutral in (1.0, 1):
+    for neutral in (1.0, 1, "1.0"):     # "1.0" as vLLM's model reads it (pydantic's lax mode)
         response = http.post(path, json={**body, "length_penalty": neutral})
         assert response.status_code == 200, response.text
         assert response.json()["choices"] == want
-    for bad in (0.5, True, "1.0"):
+    for bad in (0.5, "0.5", "long"):
         openai_error(http.post(path, json={**body, "length_penalty": bad}), 400, "length_penalty")
 
 

@@ -126,7 +126,7 @@ def test_a_stream_cut_by_max_output_tokens_ends_with_response_incomplete(url):
     ({"top_logprobs": -1}, "top_logprobs"),
     ({"top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 1.5}, "top_logprobs"),
-    ({"top_logprobs": "3"}, "top_logprobs"),
+    ({"top_logprobs": "three"}, "top_logprobs"),
 ])
 def test_a_value_outside_what_openai_takes_is_a_400_naming_the_field(url, body, param):
     # Taken without a word before: text.verbosity of any value, and top_logprobs of any type (logged as ignored).

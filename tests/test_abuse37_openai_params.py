@@ -46,7 +46,8 @@ def assert_held_to_interval(counts: list[int], interval: int, max_tokens: int) -
     assert len(counts) <= 2 + (max_tokens - 2) // interval, counts
 
 
-@pytest.mark.parametrize("value", [0, -1, "2", 1.5, True], ids=["zero", "negative", "string", "float", "bool"])
+@pytest.mark.parametrize("value", [0, -1, "two", 1.5, "true", False], ids=["zero", "negative", "string", "float",
+                                                                        "bool-string", "false"])
 @pytest.mark.parametrize("endpoint", PATHS)
 def test_a_stream_interval_that_is_no_positive_integer_is_a_400_naming_it(url, endpoint, value):
     path, body = PATHS[endpoint]

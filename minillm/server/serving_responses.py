@@ -300,6 +300,7 @@ def _tools(tools: list[dict] | None) -> list[dict] | None:
         field_of(tool, "name", f"tools[{i}]", str)
         field_of(tool, "description", f"tools[{i}]", str, optional=True)
         field_of(tool, "parameters", f"tools[{i}]", dict, optional=True)
+        field_of(tool, "strict", f"tools[{i}]", bool, optional=True)
         out.append({"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}})
     return out
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError
+from minillm.server.protocol import lax_value
 
 _KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "disable_additional_properties",
          "whitespace_pattern", "structural_tag")
@@ -27,6 +28,7 @@ _LEGACY = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
            "guided_grammar": "grammar", "guided_json_object": "json_object"}
 _SCHEMA_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+_BOOL_OPTIONS = ("disable_any_whitespace", "disable_additional_properties")     # read as a bool field reads them
 
 
 def asks_for_structure(req: Any) -> bool:
@@ -55,8 +57,15 @@ def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None
         param = f"structured_outputs.{key}" if named else "structured_outputs"
         what = param if named else f"structured_outputs: {short_repr(key)}"
         raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
+    options = _lax_options(req.structured_outputs)
     return checked_params(lambda field: "structured_outputs" if field == "structured_outputs"
-                          else f"structured_outputs.{field}", **req.structured_outputs, reasoning=reasoning)
+                          else f"structured_outputs.{field}", **options, reasoning=reasoning)
+
+
+def _lax_options(options: dict) -> dict:
+    """structured_outputs with its boolean options read as a request model reads a bool field ("true", 1)."""
+    return {**options, **{name: lax_value(options[name], bool, f"structured_outputs.{name}")
+                          for name in _BOOL_OPTIONS if options.get(name) is not None}}
 
 
 def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None):
@@ -84,9 +93,8 @@ def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None):
     if spec.get("description") is not None and not isinstance(spec["description"], str):
         raise APIError(400, "response_format.json_schema.description must be a string",
                        param="response_format.json_schema.description")
-    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise APIError(400, "response_format.json_schema.strict must be a boolean",
-                       param="response_format.json_schema.strict")
+    if spec.get("strict") is not None:
+        lax_value(spec["strict"], bool, "response_format.json_schema.strict")
     if spec.get("schema") is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
     return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"], reasoning=reasoning)

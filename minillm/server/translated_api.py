@@ -13,11 +13,10 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
 from minillm.outputs import CompletionOutput, RequestOutput
-from minillm.sampling_params import short_repr
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import APIError, _validation_to_api_error
 from minillm.server.protocol import (
-    CHAT_TOOL_CHOICES, ChatCompletionRequest, ToolChoiceNames, check_unsupported, unknown_fields,
+    CHAT_TOOL_CHOICES, ChatCompletionRequest, ToolChoiceNames, check_unsupported, lax_value, unknown_fields,
 )
 from minillm.server.serving import (
     ServingContext, answer, is_large_body, log_unknown_fields, merged_outputs, openai_failure_events,
@@ -27,7 +26,6 @@ from minillm.server.serving_chat import ChatJob
 from minillm.server.streaming import FinalEvent
 
 Rename = Callable[[APIError], APIError]
-_KIND_NAMES = {str: "a string", dict: "an object", list: "a list", bool: "a boolean"}
 
 
 def tool_param(param: str | None, names: dict[str, str]) -> str | None:
@@ -40,12 +38,13 @@ def tool_param(param: str | None, names: dict[str, str]) -> str | None:
 
 
 def field_of(obj: dict, key: str, where: str, kind: type, optional: bool = False) -> Any:
-    """obj[key] when it is a kind (or absent or null, where optional), else a 400 naming where.key as
-    the API names it: checked while translating, so the chat request's names never reach the client."""
+    """obj[key] read as a kind, as a request model reads its fields (lax_value: "true" is True), or None
+    where absent or null and optional; else a 400 naming where.key as the API names it: checked while
+    translating, so the chat request's names never reach the client."""
     value = obj.get(key)
-    if isinstance(value, kind) or (optional and value is None):
+    if optional and value is None:
         return value
-    raise APIError(400, f"{where}.{key} must be {_KIND_NAMES[kind]}, got {short_repr(value)}", param=f"{where}.{key}")
+    return lax_value(value, kind, f"{where}.{key}")
 
 
 class TranslatedJob(ChatJob):
