@@ -70,6 +70,7 @@ class HostTierMetadata(KVConnectorMetadata):
     step: int
     saves: BlockCopies               # device -> host: blocks evicted from the device prefix cache
     loads: BlockCopies               # host -> device: host prefix hits into newly allocated blocks
+    save_keys: tuple[bytes, ...] = ()   # the prefix key each save's host block was given
 
 
 class HostTierScheduler(KVConnectorScheduler):
@@ -134,14 +135,32 @@ class HostTierScheduler(KVConnectorScheduler):
         if freed:                        # freed after step - 1 was launched: it may still touch them
             self.last_step[np.asarray(freed, dtype=np.int64)] = step - 1
         evicted, bm.evicted = bm.evicted, []
-        saves = [(block, host) for block, key in evicted if (host := self._store(key)) is not None]
+        stored = [(block, host, key) for block, key in evicted if (host := self._store(key)) is not None]
+        saves = [(block, host) for block, host, _ in stored]
         meta = HostTierMetadata(step, BlockCopies.of(saves, self.last_step),
-                                BlockCopies.of(self._loads, self.last_step))
+                                BlockCopies.of(self._loads, self.last_step), tuple(key for *_, key in stored))
         self._count(len(saves), len(self._loads))
         self._loads, self._matched = [], {}
         self._pinned.clear()
         self.num_steps += 1
         return meta
+
+    def step_failed(self, out: SchedulerOutput) -> None:
+        """A failed step's saves may never have been copied: their host blocks forget the keys they
+        were given (a later prompt computes those blocks again rather than load what nobody wrote)."""
+        meta = out.kv_connector_metadata
+        if not isinstance(meta, HostTierMetadata):
+            return
+        for host, key in zip(meta.saves.host_blocks.tolist(), meta.save_keys):
+            if self.block_keys[host] == key:
+                self._forget(host)
+                self.free_blocks.append(host)
+
+    def _forget(self, host: int) -> None:
+        """Host block `host` no longer holds its key."""
+        del self.lru[host]
+        del self.key_to_block[self.block_keys[host]]
+        self.block_keys[host] = None
 
     def _store(self, key: bytes) -> int | None:
         """The host block to save key's block into; None when it is there already or no block is free."""
@@ -163,9 +182,7 @@ class HostTierScheduler(KVConnectorScheduler):
             return self.free_blocks.popleft()
         host = next((h for h in self.lru if h not in self._pinned), None)
         if host is not None:
-            del self.lru[host]
-            del self.key_to_block[self.block_keys[host]]
-            self.block_keys[host] = None
+            self._forget(host)
         return host
 
     def reset_cache(self) -> None:
