@@ -15,25 +15,29 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gzip
 import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 from multiprocessing import resource_sharer
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import uvicorn
 from fastapi import Body, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from prometheus_client.exposition import gzip_accepted
 
 from minillm.engine_core.heap import freeze_startup_heap
 from minillm.generation_config import model_sampling_defaults, override_max_tokens
@@ -312,9 +316,17 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
 
     @app.api_route("/v1/models/{model:path}", methods=GET_OR_HEAD)
-    async def model(model: str):
+    async def model(model: str, raw: Request):
+        if not model:       # /v1/models/: the list, by the redirect every other trailing slash gets
+            return without_trailing_slash(raw)
         ctx.check_model(model)
         return model_card(model)
+
+
+def without_trailing_slash(raw: Request) -> RedirectResponse:
+    """The 307 to the request's URL less its trailing slash, query kept, as Starlette redirects a path
+    that matches a route only without it (/v1/models/{model:path} matches /v1/models/ with no name)."""
+    return RedirectResponse(str(raw.url.replace(path=raw.url.path.rstrip("/"))))
 
 
 async def invoke(ctx: ServingContext, body: dict, raw: Request):
@@ -350,6 +362,28 @@ def _document_request_bodies(app: FastAPI, bodies: dict[str, type]) -> None:
                 schemas.update(schema.pop("$defs", {}), **{model.__name__: schema})
                 content = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]
                 content["schema"] = {"$ref": f"#/components/schemas/{model.__name__}"}
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _one_operation_id_per_method(app: FastAPI) -> None:
+    """/openapi.json names each operation once: FastAPI gives every method of a route (GET and HEAD, /ping's
+    POST) one id, ending in whichever method its set yields first, which makes the document invalid."""
+    previous = app.openapi
+    renamed: list[bool] = []
+
+    def openapi() -> dict:
+        if not renamed:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Duplicate Operation ID")
+                spec = previous()
+            for operations in spec.get("paths", {}).values():
+                for method, operation in operations.items():
+                    if "operationId" in operation:
+                        stem = re.sub(r"_(get|head|post|put|patch|delete|options|trace)$", "", operation["operationId"])
+                        operation["operationId"] = f"{stem}_{method}"
+            renamed.append(True)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -392,10 +426,10 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
     app.add_api_route("/ping", health, methods=[*GET_OR_HEAD, "POST"])
 
     @app.api_route("/metrics", methods=GET_OR_HEAD)
-    async def metrics():
+    async def metrics(raw: Request):
         with contextlib.suppress(EngineDeadError):
             ctx.metrics.update(await engine.get_summary_stats())   # counters: no stall of the step loop
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+        return metrics_response(ctx.metrics, raw)
 
     @app.get("/v1/stats")
     async def stats(cells: int = 64):
@@ -411,6 +445,16 @@ def _add_ops_routes(app: FastAPI, ctx: ServingContext) -> None:
         first = await hub.event(cells)   # fail with a status code, not in-band
         hub.subscribe()
         return EventStreamResponse(_stats_events(hub, first, cells, interval, ctx.stopping), on_close=hub.unsubscribe)
+
+
+def metrics_response(metrics: ServerMetrics, raw: Request) -> Response:
+    """/metrics as prometheus_client's app (vLLM's /metrics) answers: only the series named by name[]
+    query parameters where there are any, gzipped for a scraper that accepts it."""
+    names = raw.query_params.getlist("name[]")
+    body = metrics.render(names or None)
+    if not gzip_accepted(raw.headers.get("accept-encoding", "")):
+        return Response(body, media_type=CONTENT_TYPE)
+    return Response(gzip.compress(body), media_type=CONTENT_TYPE, headers={"Content-Encoding": "gzip"})
 
 
 async def _stats_events(hub: StatsHub, first: str, cells: int, interval: float,
@@ -513,6 +557,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
     load = ServerLoad()
     _add_vllm_routes(app, ctx, load)
     _add_ops_routes(app, ctx)
+    _one_operation_id_per_method(app)
     if options.enable_server_load_tracking:    # else /load answers 0, as vLLM's does without the flag
         app.add_middleware(ServerLoadMiddleware, load=load)
     app.add_middleware(BodyLimitMiddleware, max_bytes=options.limits.max_body_bytes,

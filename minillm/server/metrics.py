@@ -6,6 +6,7 @@ times its tokens were seen on the engine thread.
 """
 from __future__ import annotations
 
+import copy
 import os
 from bisect import bisect_left
 
@@ -293,10 +294,27 @@ class ServerMetrics:
         """Remember the latest snapshot for the next scrape."""
         self._snapshot.stats = stats
 
-    def render(self) -> bytes:
-        """The Prometheus text exposition."""
+    def render(self, names: list[str] | None = None) -> bytes:
+        """The Prometheus text exposition; with names (/metrics?name[]=...), only the series of those
+        sample names, as prometheus_client's own /metrics app (vLLM's) restricts it."""
         self.itl.flush()
-        return generate_latest(self.registry)
+        return generate_latest(self.registry if names is None else _NamedSeries(self.registry, names))
+
+
+class _NamedSeries:
+    """A registry's families holding only the samples of the given names (families left empty are left out)."""
+
+    def __init__(self, registry: CollectorRegistry, names: list[str]) -> None:
+        self.registry = registry
+        self.names = frozenset(names)
+
+    def collect(self):
+        for family in self.registry.collect():
+            samples = [sample for sample in family.samples if sample.name in self.names]
+            if samples:
+                kept = copy.copy(family)
+                kept.samples = samples
+                yield kept
 
 
 class RequestTimer:
