@@ -106,3 +106,11 @@ def test_openapi_names_each_operation_once(http):
     assert len(set(ids.values())) == len(ids)
     assert ids["/health", "get"] == "health_health_get" and ids["/health", "head"] == "health_health_head"
     assert ids["/ping", "post"] == "health_ping_post"
+
+
+@pytest.mark.parametrize(("body", "reason"), [(b'{"prompt": "\xff"}', "not UTF-8 text (byte 0xff at 12)"),
+                                              (b"\xff\xfe{", "not UTF-16-LE text (byte 0x7b at 2)")])
+def test_a_body_that_does_not_decode_names_the_encoding_it_was_read_in(http, body, reason):
+    response = http.post("/tokenize", content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == f"malformed JSON in request body: the body is {reason}"

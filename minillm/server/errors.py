@@ -249,7 +249,9 @@ def body_parse_error(cause: BaseException | None) -> APIError:
     """The 400 for a body FastAPI could not decode for a reason other than bad JSON syntax (it
     says only "There was an error parsing the body"): cause is what json.loads raised."""
     if isinstance(cause, UnicodeDecodeError):
-        why = f"the body is not UTF-8 text (byte 0x{cause.object[cause.start]:02x} at {cause.start})"
+        # json.loads reads a body that opens with a UTF-16 or UTF-32 byte order mark in that encoding
+        encoding = "UTF-8" if cause.encoding.lower().replace("-", "") == "utf8" else cause.encoding.upper()
+        why = f"the body is not {encoding} text (byte 0x{cause.object[cause.start]:02x} at {cause.start})"
     elif isinstance(cause, (json.JSONDecodeError, RecursionError)) or (
             isinstance(cause, ValueError) and "integer string conversion" in str(cause)):
         why = json_error_reason(cause)
