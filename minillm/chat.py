@@ -444,16 +444,25 @@ def _continuation(read_line: Callable[[str], str], lines: list[str], is_quoted: 
 
 class StopFlag:
     """Set by the first Ctrl-C while a reply streams; a second Ctrl-C raises KeyboardInterrupt
-    (the first too when at_once: a backend that may be stopped anywhere, as one waiting on a server)."""
+    (the first too when at_once: a backend that may be stopped anywhere, as one waiting on a server).
+    Once the stream is over (is_live false) a Ctrl-C does nothing: one pressed again as the reply
+    winds up must not end the chat, nor mark a whole reply interrupted (ends_chat: it raises, as
+    for piped input, where Ctrl-C ends the chat)."""
 
-    def __init__(self, at_once: bool = False) -> None:
+    def __init__(self, at_once: bool = False, ends_chat: bool = False) -> None:
         self.is_set = False
         self.at_once = at_once
+        self.ends_chat = ends_chat
+        self.is_live = True
 
     def __call__(self) -> bool:
         return self.is_set
 
     def on_sigint(self, signum, frame) -> None:
+        if not self.is_live:
+            if self.ends_chat:
+                raise KeyboardInterrupt
+            return
         was_set, self.is_set = self.is_set, True
         if was_set or self.at_once:
             raise KeyboardInterrupt
@@ -568,7 +577,12 @@ class ChatSession:
                 line = interrupted_line() if self.is_terminal else None
                 self.say("" if line else f"\n({QUIT_HINT})")
                 continue
-            self.handle(entry.text, is_quoted=entry.is_quoted)
+            try:
+                self.handle(entry.text, is_quoted=entry.is_quoted)
+            except KeyboardInterrupt:
+                if self.is_piped:
+                    raise
+                self.say(f"\n({QUIT_HINT})")     # a Ctrl-C between a reply and the prompt, as one at the prompt
         # Piped input is a script: a reply that failed makes its exit status 1 (as `ollama run`).
         scripted = not (self.is_terminal and is_terminal(sys.stdin))
         return 1 if scripted and self.num_failed_replies else 0
@@ -637,21 +651,30 @@ class ChatSession:
         that failed, or was interrupted before any text, leaves the conversation as it was."""
         turns = list(self.conversation.turns)
         self.conversation.turns.append({"role": "user", "content": text})
-        reply, flag = "", StopFlag(at_once=getattr(self.backend, "stops_anywhere", False))
+        flag = StopFlag(at_once=getattr(self.backend, "stops_anywhere", False), ends_chat=self.is_piped)
+        with sigint_sets(flag):     # to the end of the message's bookkeeping, not just its stream
+            self._send(text, turns, flag, is_one_shot)
+
+    def _send(self, text: str, turns: list[dict], flag: StopFlag, is_one_shot: bool) -> None:
+        """send, with SIGINT routed to FLAG."""
+        reply = ""
         keys = StreamingKeys(self.type_ahead) if self.is_terminal else None
         try:
-            with sigint_sets(flag), keys or nullcontext():
-                stream = self.backend.stream_reply(self.conversation, self.settings, flag)
-                self.print_notices()
-                try:
-                    for delta in stream:
-                        reply += delta
-                        self.out.write(_for_stream(self.out, delta))
-                        self.out.flush()
-                        if keys is not None:
-                            keys.poll()
-                finally:
-                    stream.close()
+            try:
+                with keys or nullcontext():
+                    stream = self.backend.stream_reply(self.conversation, self.settings, flag)
+                    self.print_notices()
+                    try:
+                        for delta in stream:
+                            reply += delta
+                            self.out.write(_for_stream(self.out, delta))
+                            self.out.flush()
+                            if keys is not None:
+                                keys.poll()
+                    finally:
+                        stream.close()
+            finally:
+                flag.is_live = False
         except KeyboardInterrupt:
             flag.is_set = True
         except (ValueError, RuntimeError, OSError) as exc:

@@ -1,10 +1,12 @@
-"""`minillm chat` used as a user would: Ollama's /set system block and /set of no setting, and a
-server that fails in ways a real one does (a traceback as its 500 body, a proxy's 502 page, a stream
-cut inside an event) each told in one line."""
+"""`minillm chat` used as a user would: Ollama's /set system block and /set of no setting, Ctrl-C
+pressed again as a reply winds up, and a server that fails in ways a real one does (a traceback as
+its 500 body, a proxy's 502 page, a stream cut inside an event) each told in one line."""
 from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -142,6 +144,63 @@ def test_input_that_ends_inside_a_set_system_block_runs_no_command_and_sends_not
     out = run_lines(session, ['/set system """You are', "hello"])
     assert "the command was not run" in out
     assert session.conversation.system == "Be kind." and backend.sent == []
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------------------
+
+class _LateCtrlC(_Recording):
+    """A backend whose reply is whole, and Ctrl-C is pressed twice as the chat reads its stats (the
+    user stopping a reply that has just ended, or /stats)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_presses = 0
+
+    @property
+    def last_stats(self):
+        self.num_presses += 2
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+
+@pytest.fixture
+def ctrl_c_interrupts():
+    """SIGINT raising KeyboardInterrupt, as at a terminal's chat prompt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_as_a_reply_ends_neither_ends_the_chat_nor_marks_the_reply(ctrl_c_interrupts):
+    # Ctrl-C pressed a few times to stop a reply, the last press landing just after the reply's stream
+    # was over: the KeyboardInterrupt ended the chat ("minillm: interrupted"), losing the conversation.
+    backend = _LateCtrlC()
+    session = ChatSession(backend, out=io.StringIO())
+    try:
+        out = run_lines(session, ["hello", "again"])
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C after the reply's stream ended the chat")
+    assert backend.num_presses == 4 and len(backend.sent) == 2
+    assert "[interrupted]" not in out
+    assert [t["content"] for t in session.conversation.turns] == ["hello", "ok", "again", "ok"]
+
+
+def test_ctrl_c_during_a_command_is_ctrl_c_at_the_prompt(ctrl_c_interrupts):
+    backend = _LateCtrlC()
+    session = ChatSession(backend, out=io.StringIO())
+    try:
+        out = run_lines(session, ["/stats", "hello"])
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C during /stats ended the chat")
+    assert "(Ctrl-D or /exit quits)" in out and len(backend.sent) == 1
+
+
+def test_ctrl_c_after_a_quick_reply_still_ends_it(ctrl_c_interrupts):
+    # Where Ctrl-C ends the chat (--quick, piped input), it still does after the stream.
+    session = ChatSession(_LateCtrlC(), out=io.StringIO(), log=io.StringIO())
+    with pytest.raises(KeyboardInterrupt):
+        session.reply_once("hello")
 
 
 # ---- a server that fails ------------------------------------------------------------------------------------
