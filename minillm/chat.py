@@ -232,6 +232,9 @@ class EngineChatBackend:
         self.last_prompt_ids: list[int] = []
         self.notices: list[str] = []    # things the chat loop should tell the user
         self._request_ids = itertools.count()
+        # Ctrl-C stops a reply at the next step, never inside one: a KeyboardInterrupt there left the
+        # engine's state half updated, and the aborted request never finished (the chat hung draining it).
+        self.stops_between_steps = True
         self._kv_pool_blocks = engine.stats(cells=1).kv_num_blocks
         # The model's generation_config defaults that /set does not change (min_p, repetition_penalty):
         # every reply samples with them, as generate, LLM.chat and the server (chat --url) do.
@@ -447,12 +450,14 @@ class StopFlag:
     (the first too when at_once: a backend that may be stopped anywhere, as one waiting on a server).
     Once the stream is over (is_live false) a Ctrl-C does nothing: one pressed again as the reply
     winds up must not end the chat, nor mark a whole reply interrupted (ends_chat: it raises, as
-    for piped input, where Ctrl-C ends the chat)."""
+    for piped input, where Ctrl-C ends the chat). is_shielded: no press raises while the stream
+    runs (a backend whose state an exception inside one of its steps would leave half updated)."""
 
-    def __init__(self, at_once: bool = False, ends_chat: bool = False) -> None:
+    def __init__(self, at_once: bool = False, ends_chat: bool = False, is_shielded: bool = False) -> None:
         self.is_set = False
         self.at_once = at_once
         self.ends_chat = ends_chat
+        self.is_shielded = is_shielded
         self.is_live = True
 
     def __call__(self) -> bool:
@@ -464,7 +469,7 @@ class StopFlag:
                 raise KeyboardInterrupt
             return
         was_set, self.is_set = self.is_set, True
-        if was_set or self.at_once:
+        if (was_set or self.at_once) and not self.is_shielded:
             raise KeyboardInterrupt
 
 
@@ -651,7 +656,8 @@ class ChatSession:
         that failed, or was interrupted before any text, leaves the conversation as it was."""
         turns = list(self.conversation.turns)
         self.conversation.turns.append({"role": "user", "content": text})
-        flag = StopFlag(at_once=getattr(self.backend, "stops_anywhere", False), ends_chat=self.is_piped)
+        flag = StopFlag(at_once=getattr(self.backend, "stops_anywhere", False), ends_chat=self.is_piped,
+                        is_shielded=getattr(self.backend, "stops_between_steps", False))
         with sigint_sets(flag):     # to the end of the message's bookkeeping, not just its stream
             self._send(text, turns, flag, is_one_shot)
 

@@ -11,6 +11,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from test_chat import STORIES, needs_stories
 
 from minillm.chat import ChatSession
 
@@ -201,6 +202,40 @@ def test_ctrl_c_after_a_quick_reply_still_ends_it(ctrl_c_interrupts):
     session = ChatSession(_LateCtrlC(), out=io.StringIO(), log=io.StringIO())
     with pytest.raises(KeyboardInterrupt):
         session.reply_once("hello")
+
+
+@needs_stories
+def test_ctrl_c_pressed_twice_in_an_engine_step_stops_the_reply_after_the_step(ctrl_c_interrupts):
+    # The second press raised KeyboardInterrupt inside engine.step(): the engine's state was left half
+    # updated, and the chat could spin for good draining the aborted request.
+    from minillm.chat import ChatSettings, EngineChatBackend
+    from minillm.config import EngineConfig
+    from minillm.engine import LLMEngine
+    engine = LLMEngine(EngineConfig(model=str(STORIES), device="cpu", max_model_len=128), log=lambda msg: None)
+    step, steps = engine.step, []
+
+    def pressed_during_step():
+        if len(steps) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+        steps.append("started")
+        outputs = step()
+        steps[-1] = "done"
+        return outputs
+
+    engine.step = pressed_during_step
+    settings = ChatSettings(temperature=0.0, max_tokens=40)
+    session = ChatSession(EngineChatBackend(engine, name="stories"), settings, out=io.StringIO())
+    try:
+        out = run_lines(session, ["Once upon a time", "Lily"])
+    except KeyboardInterrupt:
+        pytest.fail("the second Ctrl-C raised out of the chat")
+    finally:
+        engine.shutdown()
+    assert "started" not in steps, "a step was cut short"
+    assert " [interrupted]" in out and "[max_tokens 40 reached" in out
+    assert [t["content"] for t in session.conversation.turns][::2] == ["Once upon a time", "Lily"]
+    assert not engine.has_unfinished_requests()
 
 
 # ---- a server that fails ------------------------------------------------------------------------------------
