@@ -391,8 +391,6 @@ class LLMEngine:
             params.stop_token_ids = [t for t in params.stop_token_ids if t != self.tokenizer.eos_token_id]
             params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         params.check_masks(self.eos_token_ids, self.model_config.vocab_size)
-        if params.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
-            raise ValueError("prompt_logprobs is not supported with tensor_parallel_size > 1")
         held = self.requests.get(request_id)
         if held is not None and not held.is_finished:
             raise ValueError(f"request_id {request_id!r} is already in use")

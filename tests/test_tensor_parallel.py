@@ -257,9 +257,9 @@ def test_calls_larger_than_the_channel_move_it_and_workers_never_outlive_the_eng
     llm = LLM(tiny_models["llama"], tensor_parallel_size=2, **ENGINE)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["llama"][1]
     assert llm.engine.runner.workers.channel.capacity > 256
-    # prompt_logprobs needs the LM head on rank 0 alone: refused where the request enters, the group goes on
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported with tensor_parallel_size > 1"):
-        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    # prompt_logprobs gathers the LM head's rows over the ranks too; the group goes on in step
+    [scored] = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2, prompt_logprobs=1))
+    assert len(scored.prompt_logprobs) == len(PROMPTS[0]) and scored.prompt_logprobs[1]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == references["llama"][1]
     pids = llm.engine.runner.workers.pids
     del llm                                         # never shut down: the engine's __del__ does it
@@ -314,14 +314,16 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path):
 
 
 @pytest.mark.skipif(not (STORIES / "reference.json").is_file(), reason=f"stories260K not found at {STORIES}")
-def test_a_server_over_two_ranks_refuses_echo_with_logprobs_naming_echo():
-    """Scoring the prompt is not done over ranks: the 400 names the field the client sent."""
+def test_a_server_over_two_ranks_scores_an_echoed_prompt():
+    """echo with logprobs scores the prompt over the ranks (it was a 400 naming echo), as vLLM does."""
     import httpx
     from test_server_helpers import running_server
 
     with running_server(STORIES, tensor_parallel_size=2) as (url, _):
-        body = {"model": "stories", "prompt": "Tom", "max_tokens": 3, "temperature": 0}
-        refused = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 1}, timeout=60)
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo", refused.text
+        body = {"model": "stories", "prompt": "Tom had a ball", "max_tokens": 3, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json={**body, "echo": True, "logprobs": 1}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        scores = reply.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert scores[0] is None and len(scores) > 4 and all(lp <= 0 for lp in scores[1:])
         for extra in ({"echo": True}, {"logprobs": 1}):
             assert httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=60).status_code == 200

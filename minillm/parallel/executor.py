@@ -229,13 +229,12 @@ class TensorParallelExecutor(ModelRunner):
 
     def compute_logits(self, ids, positions, meta, rows, patch=None, logits_indices=None, prompt_plan=None):
         """Send the step's inputs to the workers, then run rank 0's part; logits [len(rows), V]
-        (or of the token rows logits_indices names, in a step verifying draft tokens). Prompt
-        log-probabilities are refused where requests enter (the LM head is gathered over the ranks)."""
-        if prompt_plan is not None:
-            raise ValueError("prompt_logprobs is not supported with tensor parallelism")
+        (or of the token rows logits_indices names, in a step verifying draft tokens). A prompt_plan
+        goes to the workers too: its rows' logits are gathered over the ranks, slice for slice."""
         ids = self._fill_placeholders(ids, patch)
-        self._send("execute_model", ids, positions, meta, list(rows), logits_indices)
-        return self._guarded(super().compute_logits, ids, positions, meta, rows, None, logits_indices)
+        self._send("execute_model", ids, positions, meta, list(rows), logits_indices, prompt_plan)
+        return self._guarded(super().compute_logits, ids, positions, meta, rows, None, logits_indices,
+                             prompt_plan)
 
     def _fill_placeholders(self, ids: np.ndarray, patch) -> np.ndarray:
         """ids [T] with the last step's samples written where they were still on the device."""

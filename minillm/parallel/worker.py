@@ -81,8 +81,10 @@ def _serve(runner, channel: ChannelReader, replies) -> None:
             channel.close()
             return
         if method == "execute_model":
-            ids, positions, meta, rows, logits_indices = args
-            runner.compute_logits(ids, positions, meta, rows, None, logits_indices)   # rank 0 samples the logits
+            ids, positions, meta, rows, logits_indices, prompt_plan = args
+            # rank 0 samples the logits and reads the prompt log-probabilities; this rank's copies go
+            runner.compute_logits(ids, positions, meta, rows, None, logits_indices, prompt_plan)
+            runner._prompt_logprobs = None
         elif method == "reset_kv_scales":
             runner.reset_kv_scales()
         elif method == "determine_num_blocks":

@@ -210,10 +210,7 @@ class ChatJob:
                                 f"got {short_repr(req.max_tokens)}", param="max_tokens")
         asked = requested_prompt_logprobs(req, ctx.engine.config.max_logprobs, ctx.engine.vocab_size)
         self.prompt_logprobs = None if req.stream else asked    # a stream (asking for 0) has no place for them
-        if self.prompt_logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
-            raise APIError(400, "prompt_logprobs is not supported with tensor_parallel_size > 1",
-                           param="prompt_logprobs")
-        if asked is None and req.echo and not req.stream and ctx.engine.config.tensor_parallel_size == 1:
+        if asked is None and req.echo and not req.stream:
             # vLLM scores an echoed prompt: prompt_logprobs = top_logprobs (0 when not given)
             self.prompt_logprobs = self.num_top or 0
         self.as_token_ids = ctx.as_token_ids(req)

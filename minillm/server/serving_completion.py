@@ -68,12 +68,6 @@ class CompletionJob:
         scored = asked if asked is not None else req.logprobs if req.echo else None
         is_shown = not req.stream or (req.echo and req.logprobs is not None)
         self.prompt_logprobs = scored if is_shown else None     # what the engine computes
-        if self.prompt_logprobs is not None and ctx.engine.config.tensor_parallel_size > 1:
-            if asked is not None:
-                raise APIError(400, "prompt_logprobs is not supported with tensor_parallel_size > 1",
-                               param="prompt_logprobs")
-            raise APIError(400, "echo with logprobs scores the prompt, which this server cannot do with "
-                                "tensor_parallel_size > 1; send echo or logprobs alone", param="echo")
         self.as_token_ids = ctx.as_token_ids(req)
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str] = []
