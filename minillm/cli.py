@@ -1217,9 +1217,8 @@ def structured_outputs_option(json_schema: Path | None, regex: str | None, choic
         try:
             value = value.read_text(encoding="utf-8")
         except UnicodeDecodeError as exc:
-            # as a --chat-template or --prompts-file that is not UTF-8: the file's bytes, not the option
-            raise CliError(f"{_STRUCTURE_OPTIONS[name]} {value} is not UTF-8 text: {exc.reason} at byte "
-                           f"{exc.start}") from None
+            raise UsageError(f"{_STRUCTURE_OPTIONS[name]}: {value} is not UTF-8 text: {exc.reason} at byte "
+                             f"{exc.start}") from None
         except OSError as exc:
             raise UsageError(f"{_STRUCTURE_OPTIONS[name]}: cannot read {value}: {exc.strerror or exc}") from None
     from minillm.structured_output import StructuredOutputsParams

@@ -189,9 +189,10 @@ def test_option_files_that_are_not_utf8_are_one_line_naming_the_option_or_file(t
     latin1.write_bytes(b'{"type": "string", "description": "caf\xe9"}')
     for option in ("--json-schema", "--grammar"):
         result = minillm("generate", str(STORIES), "--device", "cpu", "-p", "Hi", option, str(latin1))
-        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.returncode == 2 and "Traceback" not in result.stderr
         assert result.stderr.strip().splitlines() == [
-            f"minillm: error: {option} {latin1} is not UTF-8 text: invalid continuation byte at byte 38"]
+            f"minillm generate: error: {option}: {latin1} is not UTF-8 text: invalid continuation byte at byte 38 "
+            "(try 'minillm generate --help')"]
     for command in ("chat", "serve"):
         result = minillm(command, str(STORIES), "--device", "cpu", "--chat-template", str(latin1))
         assert result.returncode == 1 and "Traceback" not in result.stderr
