@@ -18,6 +18,10 @@ from minillm.urls import (authorization_headers, check_credentials, client_endpo
 MAX_LINE_CHARS = 8 * 1024 * 1024
 MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_MESSAGE_CHARS = 1000
+# How long start-up's GET /v1/models waits for an answer: a server that takes the connection and never
+# answers is reported, not waited on for the whole reply timeout (the openai client gives every
+# request 600 s). A streamed reply keeps timeout_s.
+STARTUP_READ_TIMEOUT_S = 15.0
 
 
 class HttpChatBackend:
@@ -44,8 +48,13 @@ class HttpChatBackend:
     def _served_model(self, model: str | None) -> str:
         """`model` (the first model the server lists when None), checked against /v1/models: a
         server that is not there, or does not serve it, fails here rather than at the first message."""
+        timeout = httpx.Timeout(self.client.timeout.read, connect=self.client.timeout.connect,
+                                read=STARTUP_READ_TIMEOUT_S)
         try:
-            response, body = self._fetch("GET", "/v1/models")
+            response, body = self._fetch("GET", "/v1/models", timeout=timeout)
+        except httpx.ReadTimeout:
+            raise RuntimeError(f"the server at {self.shown_url} took the connection but did not answer GET "
+                               f"/v1/models within {STARTUP_READ_TIMEOUT_S:g} s") from None
         except httpx.HTTPError as exc:
             raise RuntimeError(tls_failure(exc, self.shown_url)
                                or f"cannot reach a minillm server at {self.shown_url}: {exc}") from None
