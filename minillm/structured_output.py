@@ -62,6 +62,7 @@ import numpy as np
 
 from minillm.gbnf import gbnf_to_lark
 from minillm.grammar_process import tokens_taken
+from minillm.lark_ending import start_can_never_end
 from minillm.sampling_params import short_repr
 from minillm.stats import StructuredOutputStats
 
@@ -268,6 +269,9 @@ def _check_grammar(key: StructuredOutputKey) -> str:
         return _with_client_patterns(key, str(e))
     if not error and _matches_nothing(key, grammar):
         return _NO_TOKEN_ALLOWED
+    if not error and key[0] is StructuredOutputOptions.GRAMMAR and not _is_gbnf(key[1]) \
+            and start_can_never_end(key[1]):
+        return _NEVER_ENDS
     return _with_client_patterns(key, error)
 
 
@@ -387,6 +391,10 @@ def _canonical_key(name: str, value: Any) -> StructuredOutputKey:
         if (not isinstance(value, (list, tuple)) or not value
                 or not all(isinstance(c, str) and c for c in value)):
             raise StructuredOutputsError("choice", "must be a non-empty list of non-empty strings")
+        num_chars = sum(len(c) for c in value)
+        if num_chars > MAX_CONSTRAINT_CHARS:
+            raise StructuredOutputsError("choice", f"the choice list's strings are {num_chars} characters long "
+                                                   f"together; at most {MAX_CONSTRAINT_CHARS} are taken")
         return StructuredOutputOptions.CHOICE, jsonlib.dumps(list(value), ensure_ascii=False)
     if not isinstance(value, str):
         raise StructuredOutputsError(name, f"must be a string, got {type(value).__name__}")
@@ -423,7 +431,18 @@ def _check_schema_bounds(schema: Any) -> None:
     for node in _subschemas(schema):        # schemas, not const or enum data
         _check_patterns(node)
         _check_number_bounds(node)
+        _check_length_bounds(node)
     check_finite_instance(schema)
+
+
+def _check_length_bounds(node: dict) -> None:
+    """A StructuredOutputsError for a minLength or maxLength past _U32_MAX: llguidance matches a string's
+    length with a regex repetition, whose counts are 32-bit ("decimal literal invalid" past it)."""
+    for name in ("minLength", "maxLength"):
+        bound = node.get(name)
+        if isinstance(bound, (int, float)) and not isinstance(bound, bool) and bound > _U32_MAX:
+            raise StructuredOutputsError("json", f"{name}={bound!r} is past the largest string length bound "
+                                                 f"that can be matched, {_U32_MAX} (2**32 - 1)")
 
 
 def _check_patterns(node: dict) -> None:
@@ -1358,7 +1377,7 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
     # Lark one character a lexeme (gbnf.py), or a Lark grammar. In a Lark grammar llguidance's forced
     # bytes ran on forever where a greedy lexeme could only grow (`start: A "ab"`, A: /a+/), inside
     # the step that consumed the token before: the model chooses the bytes there instead.
-    if "::=" in text and not _LARK_START.search(text):
+    if _is_gbnf(text):
         return llguidance.LLMatcher.grammar_from_lark(gbnf_to_lark(text))
     return llguidance.LLMatcher.grammar_from_lark(text + _NO_FORCING)
 
@@ -1368,6 +1387,16 @@ def serialize_grammar(key: StructuredOutputKey, disable_any_whitespace: bool = F
 # llguidance's is_lark_syntax misses the prefixed forms, which then went to the GBNF conversion.
 # Text with neither is GBNF only if it has a `::=` rule; else it is Lark (whose error says what is missing).
 _LARK_START = re.compile(r"(?m)^\s*(?:%llguidance\b|[?!]?start\s*:)")
+
+
+def _is_gbnf(text: str) -> bool:
+    """Whether a grammar's text is GBNF (else it is Lark)."""
+    return "::=" in text and not _LARK_START.search(text)
+
+
+# A Lark grammar's start rule that matches no finite text (gbnf.py says the same of GBNF's root).
+_NEVER_ENDS = ("start can never end: every text it starts goes on forever (a rule that always refers to "
+               "itself again)")
 
 
 # Appended to a Lark grammar (last, so that the lines of llguidance's errors are the client's).
