@@ -9,7 +9,8 @@ import json
 
 import httpx
 import pytest
-from test_server_helpers import chat_model_dir, openai_error, running_server
+from test_abuse37_openai_params import post, url  # noqa: F401  (the module's server fixture)
+from test_server_helpers import openai_error
 
 from minillm.server.errors import APIError
 from minillm.server.protocol import lax_value
@@ -18,16 +19,6 @@ MESSAGES = [{"role": "user", "content": "Once upon"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
 
-@pytest.fixture(scope="module")
-def url(stories_path, tmp_path_factory):
-    """A server of stories260K with a chat template, on the CPU."""
-    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
-    with running_server(model, max_model_len=256) as running:
-        yield running[0]
-
-
-def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json={"model": "stories", **body}, timeout=60)
 
 
 def sse_data(response: httpx.Response) -> list[dict]:

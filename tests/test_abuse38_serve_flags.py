@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from starlette.middleware.base import BaseHTTPMiddleware
+from test_abuse22_api_cli import started  # noqa: F401  (serve with run_server stubbed)
 from test_cli import STORIES, needs_stories, run_main
 from test_serve_vllm_flags import serve
 from test_server_helpers import running_server
@@ -35,17 +36,6 @@ def not_async(request, call_next):
     return call_next(request)
 
 
-@pytest.fixture
-def started(monkeypatch):
-    """serve's run_server stubbed: what it was started with ({"config", "options"}) once main() returns."""
-    seen: dict = {}
-
-    def fake_run_server(config, host="127.0.0.1", port=8000, options=None, monitor=False, core_hook=None):
-        seen.update(config=config, options=options)
-        return 0
-
-    monkeypatch.setattr("minillm.server.app.run_server", fake_run_server)
-    return seen
 
 
 # ---- --config -------------------------------------------------------------------------------------
