@@ -1841,6 +1841,92 @@ def seconds_option(value: float) -> float:
     return value
 
 
+class RunBatchCommand(SpreadValuesCommand):
+    spread_options = ("--served-model-name",)
+
+
+@app.command(name="run-batch", cls=RunBatchCommand)
+@with_engine_options
+def run_batch_command(
+    ctx: typer.Context,
+    input_file: Annotated[str, typer.Option(
+        "--input-file", "-i", metavar="PATH", help="The batch: an OpenAI Batch API JSONL file (a request a line: "
+        "custom_id, method POST, url /v1/chat/completions or /v1/completions, body), a local path, an http(s) "
+        "URL, or - for stdin.")],
+    output_file: Annotated[str, typer.Option(
+        "--output-file", "-o", metavar="PATH", help="Where the answers go, a line each in input order: a local "
+        "path, or an http(s) URL the file is PUT to.")],
+    model: Annotated[Optional[str], typer.Argument(
+        help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
+    model_option: Annotated[Optional[str], typer.Option(
+        "--model", metavar="MODEL", help="MODEL given as an option, as vLLM's --model.")] = None,
+    output_tmp_dir: Annotated[Optional[str], typer.Option(
+        "--output-tmp-dir", metavar="DIR", help="Where the output is written before it is uploaded to an "
+        "--output-file URL (default: the system's temporary directory).")] = None,
+    served_model_name: Annotated[Optional[list[str]], typer.Option(
+        "--served-model-name", metavar="NAME...", help="The names a request's model may give (default: "
+        "MODEL), as serve's.")] = None,
+    seed: Annotated[int, typer.Option(min=0, help="Seeds the seeds of requests that bring none, as serve's.")] = 0,
+    chat_template: Annotated[Optional[str], typer.Option(
+        "--chat-template", help="Chat template for /v1/chat/completions: a file, or the template itself "
+        "(default: the model's).")] = None,
+    response_role: Annotated[str, typer.Option(
+        "--response-role", help="A chat reply's role when the request opens a new turn, as serve's.")] = "assistant",
+    enable_prompt_tokens_details: Annotated[bool, typer.Option(
+        "--enable-prompt-tokens-details", help="Usage blocks carry prompt_tokens_details.cached_tokens, as "
+        "serve's.")] = False,
+    engine_core: Annotated[EngineCore, typer.Option(
+        "--engine-core", help="Where the engine core runs: its own process, or a thread of this one.")]
+        = EngineCore.process,
+    *,
+    engine_options: dict,
+) -> None:
+    """Run an OpenAI batch file through the server's API offline, as vLLM's run-batch.
+
+    Each line is validated and answered exactly as `minillm serve` answers it; a line that cannot be run
+    (not JSON, a missing field, another url, a 400) gets its own error line and the batch goes on.
+    """
+    from minillm import run_batch
+    from minillm.tokenizer import chat_template_from_arg
+    model = model_from_option(model, model_option)
+    files = run_batch.BatchFiles(input_file, output_file, output_tmp_dir)
+    try:
+        run_batch.check_output(files)
+        lines = run_batch.read_input(input_file)
+    except ValueError as exc:
+        flag, _, reason = str(exc).partition(" ")
+        raise typer.BadParameter(reason, param_hint=f"'{flag}'") from None
+    template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
+    names = served_names_option(served_model_name, model)
+    name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
+    from minillm.server.app import ServerOptions
+    with option_values(ctx, unless=() if names else ("served_model_name",)):
+        options = ServerOptions(served_model_name=names or name, chat_template=template, response_role=response_role,
+                                enable_prompt_tokens_details=enable_prompt_tokens_details, log_interval=None)
+    settings = dict(served_model_name=options.served_model_name[0], seed=seed)
+    check_engine_options(ctx, model, engine_options, **settings)
+    path = resolve_chat_model(model, engine_options["download_dir"], command="run-batch",
+                              revision=engine_options["revision"])
+    engine_options = resolve_tokenizer(ctx, name, path, engine_options)
+    with option_values(ctx):
+        summary = run_batch_engine(engine_config(path, engine_options, **settings), _plain(engine_core),
+                                   options, lines, files)
+    typer.echo(run_batch.describe_summary(summary, output_file), err=True)
+
+
+def run_batch_engine(config: EngineConfig, engine_core: str, options, lines: list[str], files):
+    """Start the server's engine for CONFIG, run the batch's lines through its app, and stop it."""
+    from minillm.engine_stats import describe_engine
+    from minillm.run_batch import write_outputs
+    from minillm.server.async_engine import start_async_engine
+    engine = start_async_engine(config, engine_core)
+    try:
+        typer.echo(describe_engine(engine.startup_stats), err=True)
+        return write_outputs(engine, options, lines, files)
+    finally:
+        engine.shutdown()
+
+
 @app.command(name="router", cls=MinillmCommand)
 def router_command(
     prefill: Annotated[list[str], typer.Option(
@@ -2184,8 +2270,6 @@ OTHER_TOOLS_COMMANDS = {
     "run": "Ollama's run is minillm chat MODEL (-q MESSAGE for one reply)",
     "complete": "vLLM's complete is minillm generate MODEL -p TEXT offline, or minillm chat --url URL -q TEXT "
                 "against a server (a model without a chat template continues the text)",
-    "run-batch": "minillm reads no OpenAI batch files; minillm generate MODEL --prompts-file FILE --json runs a "
-                 "prompt a line offline",
 }
 
 

@@ -1,0 +1,231 @@
+"""minillm run-batch: an OpenAI Batch API file (JSONL, a request a line) run through the server's own
+app in this process, its answers written a line each in input order, as vLLM's run-batch writes them."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
+STREAM_ERROR = "Request must not be sent in stream mode"
+
+
+@dataclass(frozen=True)
+class BatchFiles:
+    """Where the batch comes from and where its answers go (paths or http(s) URLs)."""
+
+    input_file: str
+    output_file: str
+    output_tmp_dir: str | None = None
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One input line read as a request: it is sent when `error` is None, else answered with it."""
+
+    index: int
+    custom_id: str | None
+    url: str = ""
+    body: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class BatchSummary:
+    """What a run did: requests read, answered with a 200, and failed."""
+
+    num_requests: int = 0
+    num_succeeded: int = 0
+    num_failed: int = 0
+    elapsed_s: float = 0.0
+
+
+def is_url(path: str) -> bool:
+    """Whether PATH is an http(s) URL rather than a local path."""
+    return path.startswith(("http://", "https://"))
+
+
+def read_input(path: str) -> list[str]:
+    """The input's non-blank lines (a local path, an http(s) URL, or - for stdin); ValueError naming
+    --input-file when it cannot be read."""
+    try:
+        if path == "-":
+            text = sys.stdin.read()
+        elif is_url(path):
+            text = _fetch_text(path)
+        else:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--input-file {path}: {_reason(exc)}") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def _fetch_text(url: str) -> str:
+    """The text at URL (an HTTP GET); OSError when it cannot be had."""
+    import httpx
+    try:
+        response = httpx.get(url, timeout=60, follow_redirects=True)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        raise OSError(str(exc)) from None
+    return response.text
+
+
+def check_output(files: BatchFiles) -> None:
+    """ValueError naming the flag when the output cannot be written: a missing or unwritable directory."""
+    if files.output_tmp_dir is not None and not os.path.isdir(files.output_tmp_dir):
+        raise ValueError(f"--output-tmp-dir {files.output_tmp_dir}: no such directory")
+    if is_url(files.output_file):
+        return
+    if os.path.isdir(files.output_file):
+        raise ValueError(f"--output-file {files.output_file}: is a directory")
+    folder = os.path.dirname(os.path.abspath(files.output_file))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output-file {files.output_file}: no such directory {folder}")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--output-file {files.output_file}: directory {folder} is not writable")
+
+
+def parse_line(index: int, line: str) -> BatchRequest:
+    """One input line as a BatchRequest; what is wrong with it (as vLLM's message where it has one) in `error`."""
+    try:
+        item = json.loads(line)
+    except ValueError as exc:
+        return BatchRequest(index, None, error=f"Invalid JSON: {exc}")
+    if not isinstance(item, dict):
+        return BatchRequest(index, None, error="A batch line must be a JSON object")
+    custom_id = item.get("custom_id")
+    custom_id = custom_id if isinstance(custom_id, str) else None
+    return BatchRequest(index, custom_id, str(item.get("url")), item.get("body"),
+                        error=line_error(item, custom_id))
+
+
+def line_error(item: dict, custom_id: str | None) -> str | None:
+    """Why a parsed line cannot be sent (None: it can)."""
+    for name, kind in (("custom_id", str), ("method", str), ("url", str), ("body", dict)):
+        if not isinstance(item.get(name), kind):
+            what = "an object" if kind is dict else "a string"
+            return f"{name} must be {what}" if name in item else f"{name}: field required"
+    if item["method"].upper() != "POST":
+        return f"method {item['method']} is not supported: only POST is"
+    if item["url"] not in SUPPORTED_URLS:
+        return f"URL {item['url']} was used. Supported endpoints: {', '.join(SUPPORTED_URLS)}."
+    return None
+
+
+def batch_output(custom_id: str | None, status: int, body: Any = None, error: Any = None) -> dict:
+    """One output line, as vLLM's BatchRequestOutput: the body on a 200, else the error."""
+    response = {"status_code": status, "request_id": f"vllm-batch-{uuid.uuid4().hex}", "body": body}
+    return {"id": f"vllm-{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
+
+
+async def answer(client: Any, request: BatchRequest) -> dict:
+    """The output line for one request, sent to the app as a POST to its url."""
+    if request.error is not None:
+        return batch_output(request.custom_id, 400, error=request.error)
+    try:
+        response = await client.send(client.build_request("POST", request.url, json=request.body), stream=True)
+    except Exception as exc:     # the app's own failure: this line's error, never the batch's
+        return batch_output(request.custom_id, 500, error=str(exc) or type(exc).__name__)
+    try:
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            return batch_output(request.custom_id, 400, error=STREAM_ERROR)
+        body = json.loads(await response.aread())
+    finally:
+        await response.aclose()
+    if response.status_code == 200:
+        return batch_output(request.custom_id, 200, body=body)
+    return batch_output(request.custom_id, response.status_code, error=body)
+
+
+class OrderedWriter:
+    """Writes output lines in input order as they come in, holding those that come early."""
+
+    def __init__(self, out: TextIO, total: int) -> None:
+        self.out, self.total = out, total
+        self.waiting: dict[int, dict] = {}
+        self.next_index = 0
+        self.summary = BatchSummary(num_requests=total)
+        self.next_report = 1
+
+    def add(self, index: int, output: dict) -> None:
+        """Take the output of line INDEX; write every line now ready."""
+        self.waiting[index] = output
+        ok = output["error"] is None
+        self.summary.num_succeeded += ok
+        self.summary.num_failed += not ok
+        while self.next_index in self.waiting:
+            self.out.write(json.dumps(self.waiting.pop(self.next_index), ensure_ascii=False) + "\n")
+            self.next_index += 1
+        self.report_progress()
+
+    def report_progress(self) -> None:
+        """A progress line on stderr at each tenth of the batch done."""
+        done = self.summary.num_succeeded + self.summary.num_failed
+        if done * 10 >= self.next_report * self.total:
+            print(f"minillm run-batch: {done}/{self.total} requests done", file=sys.stderr, flush=True)
+            self.next_report = done * 10 // self.total + 1
+
+
+async def run_requests(app: Any, requests: list[BatchRequest], out: TextIO, concurrency: int) -> BatchSummary:
+    """Send the requests to the app concurrently (at most CONCURRENCY at once); write their lines to OUT."""
+    import httpx
+    writer = OrderedWriter(out, len(requests))
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient, request: BatchRequest) -> None:
+        async with slots:
+            writer.add(request.index, await answer(client, request))
+
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://run-batch", timeout=None) as client:
+            await asyncio.gather(*(one(client, r) for r in requests))
+    return writer.summary
+
+
+def write_outputs(engine: Any, options: Any, lines: list[str], files: BatchFiles) -> BatchSummary:
+    """Run the batch's lines through the server's app over ENGINE; write the output file (or upload it)."""
+    from minillm.server.app import create_app
+    app = create_app(engine, options)
+    requests = [parse_line(i, line) for i, line in enumerate(lines)]
+    concurrency = 2 * engine.config.max_num_seqs
+    started = time.perf_counter()
+    if not is_url(files.output_file):
+        with open(files.output_file, "w", encoding="utf-8") as out:
+            summary = asyncio.run(run_requests(app, requests, out, concurrency))
+    else:
+        with tempfile.NamedTemporaryFile("w+", encoding="utf-8", dir=files.output_tmp_dir,
+                                         prefix="tmp_batch_output_", suffix=".jsonl") as out:
+            summary = asyncio.run(run_requests(app, requests, out, concurrency))
+            out.flush()
+            upload(files.output_file, out.name)
+    summary.elapsed_s = time.perf_counter() - started
+    return summary
+
+
+def upload(url: str, path: str) -> None:
+    """PUT the file at PATH to URL, as vLLM uploads a batch's output."""
+    import httpx
+    with open(path, "rb") as f:
+        response = httpx.put(url, content=f.read(), timeout=1000)
+    if response.status_code != 200:
+        raise OSError(f"--output-file {url}: the upload got HTTP {response.status_code}")
+
+
+def describe_summary(summary: BatchSummary, output_file: str) -> str:
+    """The one-line summary printed at the end."""
+    return (f"minillm run-batch: {summary.num_requests} requests, {summary.num_succeeded} succeeded, "
+            f"{summary.num_failed} failed, in {summary.elapsed_s:.1f} s; wrote {output_file}")
+
+
+def _reason(exc: BaseException) -> str:
+    """An OSError's reason without the path it repeats."""
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

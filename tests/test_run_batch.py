@@ -1,0 +1,140 @@
+"""minillm run-batch: an OpenAI batch file answered line by line as minillm serve answers, in input order."""
+import http.server
+import json
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from minillm.run_batch import read_input
+from minillm.server.app import ServerOptions
+from test_server_helpers import CHAT_TEMPLATE, running_server
+
+CHAT = {"model": "stories", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
+COMPLETION = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "n": 2}
+BAD_TEMPERATURE = {"model": "stories", "prompt": "x", "max_tokens": 4, "temperature": -1}
+
+
+def line(custom_id, url, body, method="POST") -> str:
+    """One batch input line."""
+    return json.dumps({"custom_id": custom_id, "method": method, "url": url, "body": body}, ensure_ascii=False)
+
+
+LINES = [
+    line("chat-1", "/v1/chat/completions", CHAT),
+    line("cmpl-n2", "/v1/completions", COMPLETION),
+    "{not json",
+    "",                                                    # blank lines are skipped, as vLLM skips them
+    line("bad-temperature", "/v1/completions", BAD_TEMPERATURE),
+    line("embed", "/v1/embeddings", {"model": "stories", "input": "x"}),
+    line("streamed", "/v1/completions", {**COMPLETION, "n": 1, "stream": True}),
+    line("get", "/v1/completions", COMPLETION, method="GET"),
+    json.dumps({"method": "POST", "url": "/v1/completions", "body": COMPLETION}),
+    line("ünïcødé ✓", "/v1/chat/completions", CHAT),
+]
+
+
+def minillm(*args: str) -> subprocess.CompletedProcess:
+    """minillm ARGS in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def batch(stories_path, tmp_path_factory):
+    """(output lines, the run) of one run-batch over LINES."""
+    folder = tmp_path_factory.mktemp("run_batch")
+    (folder / "in.jsonl").write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    run = minillm("run-batch", "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"),
+                  "--model", str(stories_path), "--served-model-name", "stories", "--chat-template", CHAT_TEMPLATE,
+                  "--max-model-len", "256", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    text = (folder / "out.jsonl").read_text(encoding="utf-8")
+    return [json.loads(out) for out in text.splitlines()], run, text
+
+
+@pytest.fixture(scope="module")
+def served(stories_path):
+    """An HTTP client of minillm serve with the batch's settings."""
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, served_model_name="stories", max_model_len=256, options=options) as (url, _):
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield client
+
+
+def without_ids(body: dict) -> dict:
+    """A response body without what differs between two runs of one request."""
+    return {k: v for k, v in body.items() if k not in ("id", "created")}
+
+
+def test_one_output_line_per_request_in_input_order(batch):
+    outputs, run, text = batch
+    assert [o["custom_id"] for o in outputs] == ["chat-1", "cmpl-n2", None, "bad-temperature", "embed", "streamed",
+                                                 "get", None, "ünïcødé ✓"]
+    assert "ünïcødé ✓" in text
+    for out in outputs:
+        assert set(out) == {"id", "custom_id", "response", "error"}
+        assert out["id"].startswith("vllm-") and out["response"]["request_id"].startswith("vllm-batch-")
+    assert "9 requests, 3 succeeded, 6 failed" in run.stderr.splitlines()[-1]
+    assert "9/9 requests done" in run.stderr
+
+
+@pytest.mark.parametrize("index, url, body", [(0, "/v1/chat/completions", CHAT), (1, "/v1/completions", COMPLETION),
+                                              (8, "/v1/chat/completions", CHAT)])
+def test_a_greedy_answer_is_what_serve_answers(batch, served, index, url, body):
+    out = batch[0][index]
+    assert out["error"] is None and out["response"]["status_code"] == 200
+    answer = served.post(url, json=body)
+    assert answer.status_code == 200
+    assert without_ids(out["response"]["body"]) == without_ids(answer.json())
+    assert len(out["response"]["body"]["choices"]) == body.get("n", 1)
+
+
+def test_a_400_body_carries_serve_error_as_the_lines_error(batch, served):
+    out = batch[0][3]
+    answer = served.post("/v1/completions", json=BAD_TEMPERATURE)
+    assert answer.status_code == 400
+    assert out["response"] == {"status_code": 400, "request_id": out["response"]["request_id"], "body": None}
+    assert out["error"] == answer.json() and out["error"]["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("index, error", [
+    (2, "Invalid JSON"), (4, "URL /v1/embeddings was used. Supported endpoints: /v1/chat/completions, "
+                             "/v1/completions."),
+    (5, "Request must not be sent in stream mode"), (6, "method GET is not supported"),
+    (7, "custom_id: field required")])
+def test_a_line_that_cannot_run_gets_its_own_error(batch, index, error):
+    out = batch[0][index]
+    assert out["response"]["status_code"] == 400 and out["response"]["body"] is None
+    assert isinstance(out["error"], str) and out["error"].startswith(error)
+
+
+@pytest.mark.parametrize("args, flag", [(["-i", "missing.jsonl", "-o", "out.jsonl"], "--input-file"),
+                                        (["-i", "in.jsonl", "-o", "no/such/dir/out.jsonl"], "--output-file")])
+def test_a_bad_path_is_a_usage_error_before_the_model_loads(stories_path, tmp_path, args, flag):
+    (tmp_path / "in.jsonl").write_text(LINES[0] + "\n")
+    run = subprocess.run([sys.executable, "-m", "minillm", "run-batch", *args, str(stories_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert f"'{flag}'" in run.stderr and "backend" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1
+
+
+def test_the_input_may_be_an_http_url(tmp_path):
+    (tmp_path / "in.jsonl").write_text("\n".join(LINES) + "\n", encoding="utf-8")
+
+    class Files(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(tmp_path), **kwargs)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            lines = read_input(f"http://127.0.0.1:{server.server_address[1]}/in.jsonl")
+        finally:
+            server.shutdown()
+    assert lines == [x for x in LINES if x]
