@@ -8,7 +8,7 @@ import threading
 import httpx
 import pytest
 
-from minillm.run_batch import read_input
+from minillm.run_batch import read_input, upload
 from minillm.server.app import ServerOptions
 from test_server_helpers import CHAT_TEMPLATE, running_server
 
@@ -121,20 +121,34 @@ def test_a_bad_path_is_a_usage_error_before_the_model_loads(stories_path, tmp_pa
     assert len(run.stderr.strip().splitlines()) == 1
 
 
-def test_the_input_may_be_an_http_url(tmp_path):
+class FileServer(http.server.SimpleHTTPRequestHandler):
+    """GET serves the folder's files; PUT keeps the body in `put`."""
+
+    folder = "."
+    put: dict = {}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, directory=self.folder, **kwargs)
+
+    def do_PUT(self) -> None:
+        FileServer.put[self.path] = self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_the_input_may_be_an_http_url_and_the_output_is_put_to_one(tmp_path):
     (tmp_path / "in.jsonl").write_text("\n".join(LINES) + "\n", encoding="utf-8")
-
-    class Files(http.server.SimpleHTTPRequestHandler):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, directory=str(tmp_path), **kwargs)
-
-        def log_message(self, *args) -> None:
-            pass
-
-    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Files) as server:
+    FileServer.folder = str(tmp_path)
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), FileServer) as server:
         threading.Thread(target=server.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{server.server_address[1]}"
         try:
-            lines = read_input(f"http://127.0.0.1:{server.server_address[1]}/in.jsonl")
+            lines = read_input(f"{base}/in.jsonl")
+            upload(f"{base}/out.jsonl", str(tmp_path / "in.jsonl"))
         finally:
             server.shutdown()
     assert lines == [x for x in LINES if x]
+    assert FileServer.put["/out.jsonl"] == (tmp_path / "in.jsonl").read_bytes()
