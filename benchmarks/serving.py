@@ -49,6 +49,7 @@ from typing import AsyncIterator, Callable
 import httpx
 import msgspec
 
+from minillm.benchmarks import datasets
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, BenchError, BenchParser,
                                          check_bounds, check_output_file, check_workload_tokens, run_main)
 from minillm.urls import authorization_headers, http_url, server_base_url
@@ -118,8 +119,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--backend openai-chat).")
     p.add_argument("--backend", default="openai", choices=list(BACKENDS),
                    help="vLLM's name for the API: vllm and openai send completions, openai-chat chat completions.")
-    p.add_argument("--dataset-name", default="random", choices=["random"],
-                   help="vLLM's workload name: the prompts are random token ids (or --prompt / --prompts-file).")
+    p.add_argument("--dataset-name", default="random", choices=list(datasets.DATASET_NAMES),
+                   help="vLLM's workload name: random token ids (or --prompt / --prompts-file), a ShareGPT JSON "
+                        "file or a custom JSONL file (--dataset-path).")
+    datasets.add_dataset_options(p)
     p.add_argument("--model", default=None, help="Model name (default: the first one /v1/models lists).")
     p.add_argument("--api-key", default=None, help="Bearer token for the server.")
     p.add_argument("--num-prompts", type=int, default=100, help="Requests in the workload.")
@@ -212,6 +215,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 0 < args.burstiness < float("inf"):       # NaN too
         p.error(f"--burstiness must be a finite number > 0, got {args.burstiness}")
     check_sampling_options(p, args)
+    datasets.check_dataset_options(p, args)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         p.error(f"--max-concurrency must be >= 1 (leave it out for no cap), got {args.max_concurrency}")
     if not args.timeout > 0:
@@ -394,7 +398,10 @@ def offline_engine_args(args: argparse.Namespace) -> dict:
 
 
 def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
-    """Given prompts (cycled), or random ones of --input-len tokens (token ids, or words for chat)."""
+    """The dataset's prompts, given prompts (cycled), or random ones of --input-len tokens (token ids, or
+    words for chat)."""
+    if getattr(args, "dataset_samples", None):
+        return [sample.prompt for sample in args.dataset_samples]
     given = list(args.prompt or []) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if given:
         return [given[i % len(given)] for i in range(args.num_prompts)]
@@ -403,6 +410,25 @@ def build_prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if args.endpoint == "/v1/chat/completions":
         return [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
     return [[rng.randrange(lo, hi) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+
+
+def output_lens(args: argparse.Namespace) -> list[int]:
+    """The tokens each request of the workload generates: the dataset's, else --output-len each."""
+    if getattr(args, "dataset_samples", None):
+        return [sample.expected_output_len for sample in args.dataset_samples]
+    return [args.output_len] * args.num_prompts
+
+
+def load_dataset(args: argparse.Namespace) -> None:
+    """args.dataset_samples of --dataset-name sharegpt or custom (and --num-prompts, fewer with
+    --no-oversample), counted with --tokenizer, --model or the server's model; nothing for random."""
+    if args.dataset_name == "random":
+        return
+    datasets.read_text(args.dataset_path)        # a missing file is named before the server is asked
+    option = "--tokenizer" if args.tokenizer else "--model"
+    name = args.tokenizer or args.model or asyncio.run(_server_model(args))
+    args.dataset_samples = datasets.sample_requests(args, datasets.load_tokenizer(name, option))
+    args.num_prompts = len(args.dataset_samples)
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -441,9 +467,10 @@ def check_sampling_options(p: BenchParser, args: argparse.Namespace) -> None:
         p.error(f"--{name.replace('_', '-')} {rest}")
 
 
-def request_body(args: argparse.Namespace, model: str, prompt: str | list[int]) -> dict:
-    """The JSON body of one streaming request."""
-    body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature,
+def request_body(args: argparse.Namespace, model: str, prompt: str | list[int],
+                 max_tokens: int | None = None) -> dict:
+    """The JSON body of one streaming request (of max_tokens, else --output-len)."""
+    body = {"model": model, "max_tokens": max_tokens or args.output_len, "temperature": args.temperature,
             **sampling_options(args), "ignore_eos": args.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
     if args.endpoint == "/v1/chat/completions":
@@ -704,11 +731,11 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
     headers = authorization_headers(args.api_key)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
         model = await resolve_model(client, base_url, args.model)
-    prompts = build_prompts(args)
+    prompts, max_tokens = build_prompts(args), output_lens(args)
     gate = asyncio.Semaphore(share.max_concurrency) if share.max_concurrency else None
 
     async def one(i: int) -> RequestResult:
-        body = request_body(args, model, prompts[i])
+        body = request_body(args, model, prompts[i], max_tokens[i])
         async with gate or contextlib.nullcontext():
             result = await send_request(base_url + args.endpoint, body, headers, args.timeout)
         if done is not None:
@@ -1004,7 +1031,7 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
                          [f"{getattr(r, f'{metric}_ms')[stat]:.2f}" for r in results]))
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
     lines = [f"Traffic: request rate {rate} req/s, max concurrency {args.max_concurrency or 'none'}, "
-             f"{args.num_prompts} prompts, input {args.input_len} / output {args.output_len} tokens",
+             f"{args.num_prompts} prompts, {workload_shape(args)}",
              "{:=^60}".format(" Serving Benchmark Result ")]
     if len(results) > 1:
         lines.append(f"{'':<36}{'server':>12}{'peer':>12}")
@@ -1023,6 +1050,15 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
     return "\n".join(lines)
 
 
+def workload_shape(args: argparse.Namespace) -> str:
+    """The prompts' shape as the traffic line says it: random lengths, or the dataset and its output tokens."""
+    if not getattr(args, "dataset_samples", None):
+        return f"input {args.input_len} / output {args.output_len} tokens"
+    lens = output_lens(args)
+    return (f"dataset {args.dataset_name} {args.dataset_path}, output {min(lens)}-{max(lens)} tokens "
+            f"({sum(lens)} in all)")
+
+
 def _cpu_per_token(r: BenchmarkResult) -> str:
     """The client's CPU per output token as printed: "-" when no token came (nothing to divide by)."""
     return f"{r.client_cpu_us_per_token:.1f}" if r.total_output_tokens else "-"
@@ -1034,8 +1070,8 @@ def format_sweep(rows: list[tuple[int, BenchmarkResult, float | None]], args: ar
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
     columns = ["max concurrency", "server output tok/s", "offline ceiling tok/s", "server / ceiling",
                *latency_columns(args), "failed", "tokens / event", "client CPU us / token"]
-    lines = [f"Traffic: request rate {rate} req/s, {args.num_prompts} prompts, input {args.input_len} / "
-             f"output {args.output_len} tokens", markdown_row(columns), markdown_row(["---"] * len(columns))]
+    lines = [f"Traffic: request rate {rate} req/s, {args.num_prompts} prompts, {workload_shape(args)}",
+             markdown_row(columns), markdown_row(["---"] * len(columns))]
     for level, r, ceiling in rows:
         ratio = f"{r.output_throughput / ceiling:.2f}" if ceiling else "-"
         ceiling_text = f"{ceiling:,.0f}" if ceiling else "-"
@@ -1083,7 +1119,8 @@ def main(argv: list[str] | None = None) -> int:
         check_output_file(args.result_file, "--result-file")
     if args.prompts_file:
         read_prompts_file(args.prompts_file)        # before connecting: a bad file is found at once
-    saved_args = {k: v for k, v in vars(args).items() if k != "api_key"}
+    load_dataset(args)
+    saved_args = {k: v for k, v in vars(args).items() if k not in ("api_key", "dataset_samples")}
     if args.mixed_users is not None:
         from minillm.benchmarks import serving_mixed
         mixed, table = serving_mixed.main_mixed(args)

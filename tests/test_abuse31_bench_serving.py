@@ -49,7 +49,7 @@ def test_save_result_names_the_file_as_vllm_does(server, tmp_path, monkeypatch):
     (["--result-dir", "x"], "--result-dir needs --save-result"),
     (["--result-filename", "x.json"], "--result-filename needs --save-result"),
     (["--save-result", "--result-file", "a.json"], "--save-result and --result-file"),
-    (["--dataset-name", "sharegpt"], "argument --dataset-name: invalid choice: 'sharegpt'"),
+    (["--dataset-name", "sonnet"], "argument --dataset-name: invalid choice: 'sonnet'"),
     (["--backend", "openai-chat", "--endpoint", "/v1/completions"], "--backend openai-chat sends to /v1/chat/completions"),
 ])
 def test_vllm_result_options_that_cannot_work_together_are_usage_errors(args, message):
