@@ -571,11 +571,16 @@ class LLMEngine:
                 and not (self.structured_outputs is not None and self.structured_outputs.num_compiling) \
                 and not self._kv_connector_holds_blocks():
             raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
+        firsts: dict[int, tuple[Request, Sequence]] = {}   # a request scheduled the first time: its first child
         for seq in out.seqs:
             req = self._request_of(seq)
             if req is not None and req.metrics.first_scheduled_time is None:
-                req.metrics.first_scheduled_time = started
-                req.metrics.num_cached_tokens = seq.num_cached_tokens
+                first = firsts.get(id(req))
+                if first is None or seq.index < first[1].index:    # one-token rows come first: a sibling may lead
+                    firsts[id(req)] = (req, seq)
+        for req, seq in firsts.values():
+            req.metrics.first_scheduled_time = started
+            req.metrics.num_cached_tokens = seq.num_cached_tokens
         if not out.is_empty:
             self.metrics.record_step(out, started, time.time(), self.config.max_num_batched_tokens)
         return out
