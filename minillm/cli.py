@@ -2262,6 +2262,7 @@ VLLM_FLAGS_NOT_TAKEN = {
     "--limit-mm-per-prompt": "minillm serves text-only models",
     "--hf-overrides": "minillm reads config.json as it is",
     "--distributed-executor-backend": "tensor-parallel ranks are processes on this host",
+    "--enable-metrics": "run-batch serves no /metrics endpoint; minillm serve does, always",
 }
 
 
