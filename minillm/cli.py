@@ -133,7 +133,8 @@ class MinillmCommand(TyperCommand):
         for arg in args:
             if arg == "--":
                 break
-            if arg in VLLM_FLAGS_NOT_TAKEN and not arg.startswith("--") and arg not in short and arg[:2] not in short:
+            refused = arg in VLLM_FLAGS_NOT_TAKEN or arg in getattr(self, "refused_options", {})
+            if refused and not arg.startswith("--") and arg not in short and arg[:2] not in short:
                 raise NoSuchOption(arg, f"No such option: {arg}", ctx=ctx)
         json_options = {o for p in self.get_params(ctx) if getattr(p, "metavar", None) == "JSON" for o in p.opts}
         return super().parse_args(ctx, dotted_json_options(args, json_options) if json_options else args)
@@ -1320,7 +1321,8 @@ class ServeCommand(SpreadValuesCommand):
     def parse_args(self, ctx, args: list[str]) -> list[str]:
         from minillm.cli_config import ConfigFileError, config_file_args
         try:
-            reasons = {flag: vllm_flag_reason(flag, ctx) for flag in VLLM_FLAGS_NOT_TAKEN if flag.startswith("--")}
+            flags = [*VLLM_FLAGS_NOT_TAKEN, *getattr(self, "refused_options", {})]
+            reasons = {flag: vllm_flag_reason(flag, ctx) for flag in flags if flag.startswith("--")}
             args = config_file_args(args, *config_option_kinds(self.get_params(ctx)),
                                     reasons={flag: why for flag, why in reasons.items() if why})
         except ConfigFileError as exc:
@@ -1362,7 +1364,7 @@ class ReasoningParserName(str, Enum):
     qwen3 = "qwen3"
 
 
-def auto_tool_parser(enabled: bool, parser: ToolCallParser | None) -> str | None:
+def auto_tool_parser(enabled: bool, parser: ToolCallParser | None, command: str = "minillm serve") -> str | None:
     """The tool call parser tool_choice "auto" is served with. --enable-auto-tool-choice without a
     parser is a usage error, as vLLM makes it; a parser without the flag is taken, as vLLM takes it,
     and said to change nothing."""
@@ -1370,7 +1372,7 @@ def auto_tool_parser(enabled: bool, parser: ToolCallParser | None) -> str | None
         raise typer.BadParameter("--enable-auto-tool-choice requires --tool-call-parser",
                                  param_hint="'--enable-auto-tool-choice'")
     if parser is not None and not enabled:
-        typer.echo(f"minillm serve: --tool-call-parser {_plain(parser)} takes effect with --enable-auto-tool-choice "
+        typer.echo(f"{command}: --tool-call-parser {_plain(parser)} takes effect with --enable-auto-tool-choice "
                    f'only; tool_choice "auto" stays refused', err=True)
         return None
     return _plain(parser) if parser is not None else None
@@ -1420,6 +1422,54 @@ def limit_option(option: str, value: float) -> None:
         check_limit(option, value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc).removeprefix(f"{option} "), param_hint=f"'{option}'") from None
+
+
+def server_options(ctx: typer.Context, given: dict, served_model_name, **settings):
+    """The ServerOptions of serve's option values GIVEN (each of serve's options by its name) for the names
+    SERVED_MODEL_NAME, SETTINGS (api_key, log_interval) set as they are; a value ServerOptions refuses is
+    a usage error naming its flag (--root-path, not root_path)."""
+    from minillm.server.app import ServerOptions
+    from minillm.server.transport import TransportOptions
+    from minillm.tokenizer import chat_template_from_arg
+    v = given
+    limits = server_limits(
+        max_n=v["max_n"], max_prompts_per_request=v["max_prompts_per_request"],
+        max_stop_strings=v["max_stop_strings"], max_stop_string_chars=v["max_stop_string_length"],
+        max_stop_token_ids=v["max_stop_token_ids"], max_allowed_token_ids=v["max_allowed_token_ids"],
+        max_prompt_chars=v["max_prompt_chars"], max_stats_streams=v["max_stats_streams"],
+        stream_timeout_s=v["stream_timeout"], header_timeout_s=v["header_timeout"],
+        body_timeout_s=v["body_timeout"], timeout_keep_alive_s=v["timeout_keep_alive"])
+    cors = {name: json_list_option(v[name], f"--{name.replace('_', '-')}")
+            for name in ("allowed_origins", "allowed_methods", "allowed_headers")}
+    template = None if v["chat_template"] is None else chat_template_option(v["chat_template"], chat_template_from_arg)
+    command = ctx.command_path
+    tool_call_parser = auto_tool_parser(v["enable_auto_tool_choice"], v["tool_call_parser"], command)
+    # The served name taken from MODEL did not come from --served-model-name.
+    with option_values(ctx, unless=() if v["served_model_name"] else ("served_model_name",)):
+        transport = TransportOptions(uds=v["uds"], ssl_keyfile=v["ssl_keyfile"], ssl_certfile=v["ssl_certfile"],
+                                     ssl_ca_certs=v["ssl_ca_certs"], ssl_cert_reqs=v["ssl_cert_reqs"],
+                                     ssl_ciphers=v["ssl_ciphers"], enable_ssl_refresh=v["enable_ssl_refresh"])
+        return ServerOptions(
+            transport=transport, served_model_name=served_model_name, chat_template=template,
+            trust_request_chat_template=v["trust_request_chat_template"], limits=limits,
+            log_requests=log_requests_option(v["enable_log_requests"], v["disable_log_requests"]),
+            exit_on_engine_error=v["exit_on_engine_error"], timeout_graceful_shutdown=v["timeout_graceful_shutdown"],
+            shutdown_timeout=shutdown_timeout_option(ctx, v["shutdown_timeout"], v["timeout_graceful_shutdown"]),
+            engine_core=_plain(v["engine_core"]), api_server_count=v["api_server_count"],
+            allow_credentials=v["allow_credentials"], response_role=v["response_role"],
+            root_path=v["root_path"] or "", enable_docs=not v["disable_fastapi_docs"],
+            request_id_headers=v["enable_request_id_headers"],
+            chat_template_content_format=_plain(v["chat_template_content_format"]),
+            return_tokens_as_token_ids=v["return_tokens_as_token_ids"],
+            enable_prompt_tokens_details=v["enable_prompt_tokens_details"],
+            enable_force_include_usage=v["enable_force_include_usage"], stream_interval=v["stream_interval"],
+            default_chat_template_kwargs=v["default_chat_template_kwargs"],
+            enable_server_load_tracking=v["enable_server_load_tracking"],
+            reasoning_parser=_plain(v["reasoning_parser"]) if v["reasoning_parser"] else None,
+            structured_outputs_config=v["structured_outputs_config"], tool_call_parser=tool_call_parser,
+            uvicorn_log_level=_plain(v["uvicorn_log_level"] or UvicornLogLevel.info),
+            uvicorn_access_log=not v["disable_uvicorn_access_log"], middleware=tuple(v["middleware"] or ()),
+            **cors, **settings)
 
 
 @app.command(cls=ServeCommand)
@@ -1636,7 +1686,7 @@ def serve(
     /v1/models, /v1/stats, /v1/stats/stream, /metrics, /health, /ping, /load, /tokenize, /detokenize, /version,
     /invocations.
     """
-    from minillm.tokenizer import chat_template_from_arg
+    given = dict(locals())
     model = model_from_option(model, model_option)
     check_api_servers(api_server_count, engine_core, monitor)
     if monitor and ssl_certfile is not None:
@@ -1651,53 +1701,14 @@ def serve(
         flag = "--enable-log-requests" if log_requests else "--uvicorn-log-level"
         raise UsageError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
                          "leave one out (and run `minillm monitor URL` in another terminal to have both)")
-    limits = server_limits(
-        max_n=max_n, max_prompts_per_request=max_prompts_per_request, max_stop_strings=max_stop_strings,
-        max_stop_string_chars=max_stop_string_length, max_stop_token_ids=max_stop_token_ids,
-        max_allowed_token_ids=max_allowed_token_ids, max_prompt_chars=max_prompt_chars,
-        max_stats_streams=max_stats_streams, stream_timeout_s=stream_timeout,
-        header_timeout_s=header_timeout, body_timeout_s=body_timeout, timeout_keep_alive_s=timeout_keep_alive)
-    cors = {"allowed_origins": json_list_option(allowed_origins, "--allowed-origins"),
-            "allowed_methods": json_list_option(allowed_methods, "--allowed-methods"),
-            "allowed_headers": json_list_option(allowed_headers, "--allowed-headers")}
-    template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
     names = served_names_option(served_model_name, model)
     keys, model = api_keys_option(api_key, model)
     keys = keys if keys is not None else api_key_variable()
     check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
-    from minillm.server.app import ServerOptions, run_server
-    from minillm.server.transport import TransportOptions
-    # A value ServerOptions refuses is a usage error naming its flag (--root-path, not root_path); the
-    # served name taken from MODEL did not come from --served-model-name.
-    with option_values(ctx, unless=() if names else ("served_model_name",)):
-        transport = TransportOptions(uds=uds, ssl_keyfile=ssl_keyfile, ssl_certfile=ssl_certfile,
-                                     ssl_ca_certs=ssl_ca_certs, ssl_cert_reqs=ssl_cert_reqs, ssl_ciphers=ssl_ciphers,
-                                     enable_ssl_refresh=enable_ssl_refresh)
-        options = ServerOptions(transport=transport, api_key=keys, served_model_name=names or name, chat_template=template,
-                                trust_request_chat_template=trust_request_chat_template, limits=limits,
-                                log_interval=None if disable_log_stats else 5.0, log_requests=log_requests,
-                                exit_on_engine_error=exit_on_engine_error,
-                                timeout_graceful_shutdown=timeout_graceful_shutdown,
-                                shutdown_timeout=shutdown_timeout_option(ctx, shutdown_timeout,
-                                                                         timeout_graceful_shutdown),
-                                engine_core=_plain(engine_core), api_server_count=api_server_count,
-                                allow_credentials=allow_credentials, response_role=response_role,
-                                root_path=root_path or "", enable_docs=not disable_fastapi_docs,
-                                request_id_headers=enable_request_id_headers,
-                                chat_template_content_format=_plain(chat_template_content_format),
-                                return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                enable_prompt_tokens_details=enable_prompt_tokens_details,
-                                enable_force_include_usage=enable_force_include_usage,
-                                stream_interval=stream_interval,
-                                default_chat_template_kwargs=default_chat_template_kwargs,
-                                enable_server_load_tracking=enable_server_load_tracking,
-                                reasoning_parser=_plain(reasoning_parser) if reasoning_parser else None,
-                                structured_outputs_config=structured_outputs_config,
-                                tool_call_parser=auto_tool_parser(enable_auto_tool_choice, tool_call_parser),
-                                uvicorn_log_level=_plain(uvicorn_log_level or UvicornLogLevel.info),
-                                uvicorn_access_log=not disable_uvicorn_access_log,
-                                middleware=tuple(middleware or ()), **cors)
+    from minillm.server.app import run_server
+    options = server_options(ctx, given, names or name, api_key=keys,
+                             log_interval=None if disable_log_stats else 5.0)
     if trust_remote_code:
         typer.echo("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every model "
                    "it loads, never code from a checkpoint", err=True)
@@ -1841,12 +1852,87 @@ def seconds_option(value: float) -> float:
     return value
 
 
-class RunBatchCommand(SpreadValuesCommand):
+_NO_HTTP = "run-batch reads its requests from the input file, over no HTTP connection"
+_NO_STREAM = 'a batch line cannot stream ("stream": true is its error line)'
+# serve's options that make no sense for a batch, and why: run-batch refuses each with its reason.
+BATCH_REFUSED_OPTIONS = {
+    **dict.fromkeys(("host", "port", "uds"), "run-batch answers the batch in this process and binds no address"),
+    **dict.fromkeys(("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "ssl_ciphers",
+                     "enable_ssl_refresh"), f"{_NO_HTTP}, so none takes TLS"),
+    "api_key": "run-batch's requests come from its input file, with no client to show a key",
+    **dict.fromkeys(("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials"),
+                    "run-batch answers no browser, so CORS has nothing to allow"),
+    "root_path": "run-batch sends each line to its url (/v1/...) itself, behind no proxy",
+    "api_server_count": "run-batch runs one API app in this process (--engine-core says where the engine runs)",
+    "middleware": f"{_NO_HTTP} for middleware to guard",
+    "monitor": "run-batch reports its progress on stderr; the dashboard watches a server",
+    "exit_on_engine_error": "run-batch ends with its batch; there is no server for a supervisor to restart",
+    **dict.fromkeys(("timeout_graceful_shutdown", "shutdown_timeout"),
+                    "run-batch stops once every line is answered; there is no server to shut down"),
+    **dict.fromkeys(("header_timeout", "body_timeout", "timeout_keep_alive"), _NO_HTTP),
+    **dict.fromkeys(("stream_timeout", "stream_interval", "enable_force_include_usage"), _NO_STREAM),
+    "max_stats_streams": "run-batch serves no /v1/stats/stream",
+    "disable_log_stats": "run-batch logs no throughput line; its progress goes to stderr a tenth of the batch at a time",
+    **dict.fromkeys(("uvicorn_log_level", "disable_uvicorn_access_log"), "run-batch runs no HTTP server to log"),
+    "disable_fastapi_docs": "run-batch serves no /docs",
+    "enable_request_id_headers": "a batch output line carries no headers (its request_id is its own)",
+    "enable_server_load_tracking": "run-batch serves no /load",
+    **dict.fromkeys(("kv_role", "kv_transfer_config", "kv_lease_s"),
+                    "run-batch takes part in no prefill/decode disaggregation"),
+}
+
+
+def serve_parameters() -> list[inspect.Parameter]:
+    """serve's options and MODEL, as its signature declares them."""
+    return [p for p in inspect.signature(serve.__wrapped__).parameters.values() if p.name not in ("ctx", "engine_options")]
+
+
+def option_flags(param: inspect.Parameter) -> list[str]:
+    """Every flag of a typer option PARAM (--x and --no-x, short names too); none for an argument."""
+    info = param.annotation.__metadata__[0]
+    if not isinstance(info, typer.models.OptionInfo):
+        return []
+    decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("-")]
+    return [flag for decl in decls for flag in decl.split("/") if flag] or [f"--{param.name.replace('_', '-')}"]
+
+
+@functools.cache
+def batch_refused_flags() -> dict[str, str]:
+    """{flag: why run-batch refuses it} for every flag of BATCH_REFUSED_OPTIONS."""
+    return {flag: BATCH_REFUSED_OPTIONS[p.name] for p in serve_parameters() if p.name in BATCH_REFUSED_OPTIONS
+            for flag in option_flags(p)}
+
+
+def with_serve_options(command: Callable) -> Callable:
+    """Add serve's options (and MODEL) but BATCH_REFUSED_OPTIONS to COMMAND's signature, and hand every
+    serve option's value to it as `serve_values` (the refused at serve's defaults)."""
+    signature = inspect.signature(command)
+    own = [p for p in signature.parameters.values() if p.name != "serve_values"]
+    params = serve_parameters()
+    defaults = {p.name: p.default for p in params}
+    taken = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in params if p.name not in BATCH_REFUSED_OPTIONS]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs):
+        values = {**defaults, **{p.name: kwargs.pop(p.name) for p in taken}}
+        return command(serve_values=values, **kwargs)
+
+    wrapper.__signature__ = signature.replace(parameters=own + taken)
+    wrapper.__annotations__ = {p.name: p.annotation for p in own + taken}
+    return wrapper
+
+
+class RunBatchCommand(ServeCommand):
     spread_options = ("--served-model-name",)
+
+    @property
+    def refused_options(self) -> dict[str, str]:
+        return batch_refused_flags()
 
 
 @app.command(name="run-batch", cls=RunBatchCommand)
 @with_engine_options
+@with_serve_options
 def run_batch_command(
     ctx: typer.Context,
     input_file: Annotated[str, typer.Option(
@@ -1856,39 +1942,22 @@ def run_batch_command(
     output_file: Annotated[str, typer.Option(
         "--output-file", "-o", metavar="PATH", help="Where the answers go, a line each in input order: a local "
         "path, or an http(s) URL the file is PUT to.")],
-    model: Annotated[Optional[str], typer.Argument(
-        help=f"Model directory or hub id (default: $MINILLM_MODEL or {DEFAULT_CHAT_MODEL}).")] = None,
-    model_option: Annotated[Optional[str], typer.Option(
-        "--model", metavar="MODEL", help="MODEL given as an option, as vLLM's --model.")] = None,
     output_tmp_dir: Annotated[Optional[str], typer.Option(
         "--output-tmp-dir", metavar="DIR", help="Where the output is written before it is uploaded to an "
         "--output-file URL (default: the system's temporary directory).")] = None,
-    served_model_name: Annotated[Optional[list[str]], typer.Option(
-        "--served-model-name", metavar="NAME...", help="The names a request's model may give (default: "
-        "MODEL), as serve's.")] = None,
-    seed: Annotated[int, typer.Option(min=0, help="Seeds the seeds of requests that bring none, as serve's.")] = 0,
-    chat_template: Annotated[Optional[str], typer.Option(
-        "--chat-template", help="Chat template for /v1/chat/completions: a file, or the template itself "
-        "(default: the model's).")] = None,
-    response_role: Annotated[str, typer.Option(
-        "--response-role", help="A chat reply's role when the request opens a new turn, as serve's.")] = "assistant",
-    enable_prompt_tokens_details: Annotated[bool, typer.Option(
-        "--enable-prompt-tokens-details", help="Usage blocks carry prompt_tokens_details.cached_tokens, as "
-        "serve's.")] = False,
-    engine_core: Annotated[EngineCore, typer.Option(
-        "--engine-core", help="Where the engine core runs: its own process, or a thread of this one.")]
-        = EngineCore.process,
     *,
+    serve_values: dict,
     engine_options: dict,
 ) -> None:
     """Run an OpenAI batch file through the server's API offline, as vLLM's run-batch.
 
-    Each line is validated and answered exactly as `minillm serve` answers it; a line that cannot be run
-    (not JSON, a missing field, another url, a 400) gets its own error line and the batch goes on.
+    Each line is validated and answered exactly as `minillm serve` answers it, with the same options that
+    shape an answer (parsers, templates, limits, --config); a line that cannot be run (not JSON, a missing
+    field, another url, a 400) gets its own error line and the batch goes on.
     """
     from minillm import run_batch
-    from minillm.tokenizer import chat_template_from_arg
-    model = model_from_option(model, model_option)
+    v = serve_values
+    model = model_from_option(v["model"], v["model_option"])
     files = run_batch.BatchFiles(input_file, output_file, output_tmp_dir)
     try:
         run_batch.check_output(files)
@@ -1896,20 +1965,20 @@ def run_batch_command(
     except ValueError as exc:
         flag, _, reason = str(exc).partition(" ")
         raise typer.BadParameter(reason, param_hint=f"'{flag}'") from None
-    template = chat_template_option(chat_template, chat_template_from_arg) if chat_template is not None else None
-    names = served_names_option(served_model_name, model)
+    names = served_names_option(v["served_model_name"], model)
+    check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
-    from minillm.server.app import ServerOptions
-    with option_values(ctx, unless=() if names else ("served_model_name",)):
-        options = ServerOptions(served_model_name=names or name, chat_template=template, response_role=response_role,
-                                enable_prompt_tokens_details=enable_prompt_tokens_details, log_interval=None)
-    settings = dict(served_model_name=options.served_model_name[0], seed=seed)
+    options = server_options(ctx, v, names or name, log_interval=None)
+    if v["trust_remote_code"]:
+        typer.echo("minillm: --trust-remote-code changes nothing: minillm runs its own decoder for every model "
+                   "it loads, never code from a checkpoint", err=True)
+    settings = dict(served_model_name=options.served_model_name[0], seed=v["seed"])
     check_engine_options(ctx, model, engine_options, **settings)
     path = resolve_chat_model(model, engine_options["download_dir"], command="run-batch",
                               revision=engine_options["revision"])
     engine_options = resolve_tokenizer(ctx, name, path, engine_options)
     with option_values(ctx):
-        summary = run_batch_engine(engine_config(path, engine_options, **settings), _plain(engine_core),
+        summary = run_batch_engine(engine_config(path, engine_options, **settings), options.engine_core,
                                    options, lines, files)
     typer.echo(run_batch.describe_summary(summary, output_file), err=True)
 
@@ -2283,6 +2352,9 @@ def other_tool_command(exc) -> str | None:
 def vllm_flag_reason(name: str, ctx) -> str | None:
     """Why minillm has no counterpart of vLLM's flag NAME, where it says so in words of ctx's command (a
     reason that points at another command's options is left out)."""
+    refused = getattr(ctx.command, "refused_options", {}).get(name.replace("_", "-"))
+    if refused is not None:
+        return refused
     reason = VLLM_FLAGS_NOT_TAKEN.get(name.replace("_", "-"))
     if reason is None:
         return None

@@ -10,6 +10,7 @@ import pytest
 
 from minillm.run_batch import read_input, upload
 from minillm.server.app import ServerOptions
+from test_abuse34_parsers import TEMPLATE, TOOLS, install_script
 from test_server_helpers import CHAT_TEMPLATE, running_server
 
 CHAT = {"model": "stories", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
@@ -152,3 +153,80 @@ def test_the_input_may_be_an_http_url_and_the_output_is_put_to_one(tmp_path):
             server.shutdown()
     assert lines == [x for x in LINES if x]
     assert FileServer.put["/out.jsonl"] == (tmp_path / "in.jsonl").read_bytes()
+
+
+# ---- serve's options that shape an answer: the same flags give the same bodies ----------------------
+
+REPLY = '<think>It may rain.</think><tool_call>{"name": "f", "arguments": {"city": "Paris"}}</tool_call>'
+PARSER_FLAGS = ("--served-model-name", "stories", "--chat-template", TEMPLATE, "--tool-call-parser", "hermes",
+                "--enable-auto-tool-choice", "--reasoning-parser", "deepseek_r1", "--max-model-len", "256",
+                "--device", "cpu", "--engine-core", "thread")
+TOOL_CHAT = {**CHAT, "max_tokens": 200, "tools": TOOLS, "tool_choice": "auto"}
+PLAIN_CHAT = {**CHAT, "max_tokens": 200}
+
+
+def scripted(engine) -> None:
+    """A core hook: every reply is REPLY (stories260K writes no tags of its own)."""
+    install_script(engine)
+    engine.script("choice", [REPLY])
+
+
+def main_status(*args: str) -> int:
+    """minillm ARGS through the console entry point in this process: its exit status."""
+    from minillm.cli import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    return exit_info.value.code
+
+
+@pytest.fixture(scope="module")
+def parsed(stories_path, tmp_path_factory):
+    """(run-batch's output lines, serve's answers) for TOOL_CHAT and PLAIN_CHAT under PARSER_FLAGS."""
+    from minillm.server import async_engine
+    folder, seen = tmp_path_factory.mktemp("run_batch_parsers"), {}
+    (folder / "in.jsonl").write_text(line("tool", "/v1/chat/completions", TOOL_CHAT) + "\n"
+                                     + line("plain", "/v1/chat/completions", PLAIN_CHAT) + "\n")
+    start = async_engine.start_async_engine
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("minillm.server.app.run_server", lambda config, options, **kw: seen.update(options=options))
+        patch.setattr(async_engine, "start_async_engine", lambda config, core: start(config, core, scripted))
+        assert main_status("serve", str(stories_path), *PARSER_FLAGS) == 0
+        assert main_status("run-batch", "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"),
+                           str(stories_path), *PARSER_FLAGS) == 0
+    outputs = [json.loads(out) for out in (folder / "out.jsonl").read_text().splitlines()]
+    with running_server(stories_path, max_model_len=256, options=seen["options"], core_hook=scripted) as (url, _):
+        answers = [httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60) for body in (TOOL_CHAT, PLAIN_CHAT)]
+    return outputs, answers
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_parser_flags_answer_a_line_as_serve_with_them_answers(parsed, index):
+    outputs, answers = parsed
+    assert answers[index].status_code == 200, answers[index].text
+    assert outputs[index]["error"] is None
+    assert without_call_ids(outputs[index]["response"]["body"]) == without_call_ids(answers[index].json())
+
+
+def without_call_ids(body: dict) -> dict:
+    """A chat body without what differs between two runs of one request, its tool calls' ids included."""
+    body = json.loads(json.dumps(without_ids(body)))
+    for call in body["choices"][0]["message"].get("tool_calls") or ():
+        call.pop("id")
+    return body
+
+
+def test_tool_calls_and_reasoning_are_parsed_out_of_the_batch_reply(parsed):
+    tool, plain = (out["response"]["body"]["choices"][0] for out in parsed[0])
+    assert tool["finish_reason"] == "tool_calls" and tool["message"]["reasoning"] == "It may rain."
+    call = tool["message"]["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == ("f", {"city": "Paris"})
+    assert plain["message"]["reasoning"] == "It may rain." and plain["message"]["content"].startswith("<tool_call>")
+
+
+@pytest.mark.parametrize("flags", [("--host", "0.0.0.0"), ("--api-key", "k"), ("-asc", "2"), ("--ssl-keyfile=k.pem",)])
+def test_a_server_only_flag_is_a_one_line_usage_error_naming_it(capsys, tmp_path, flags):
+    (tmp_path / "in.jsonl").write_text(LINES[0] + "\n")
+    status = main_status("run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), *flags)
+    err = capsys.readouterr().err
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert f"No such option: {flags[0].partition('=')[0]}: run-batch" in err
