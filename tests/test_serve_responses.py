@@ -171,7 +171,7 @@ def test_responses_are_not_stored(servers):
     (RequestFailedError("r", RuntimeError("injected kernel fault")), "server_error",
      "the request failed in the engine: RuntimeError: injected kernel fault"),
     (EngineDeadError("the engine loop has stopped: injected"), "server_error",
-     "EngineDeadError: the engine loop has stopped: injected"),
+     "the engine loop has stopped: injected"),
     (APIError(400, "injected: a bad request found late", param="input"), "invalid_prompt",
      "injected: a bad request found late"),
 ], ids=["request failed", "engine dead", "request error"])

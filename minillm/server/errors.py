@@ -56,6 +56,11 @@ def engine_dead_status(exc: EngineDeadError) -> int:
     return 503 if isinstance(exc, EngineShutDownError) else 500
 
 
+def engine_dead_error(exc: EngineDeadError) -> APIError:
+    """What a request the engine could not serve reports, streamed or not: its plain message, as vLLM's."""
+    return APIError(engine_dead_status(exc), str(exc) or "the engine loop has stopped", code="engine_dead")
+
+
 class RemoteError(Exception):
     """An exception raised in the engine core process, known here by its type's name and its message."""
 
@@ -324,8 +329,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return respond(request, APIError(engine_dead_status(exc), str(exc) or "the engine loop has stopped",
-                                         code="engine_dead"))
+        return respond(request, engine_dead_error(exc))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

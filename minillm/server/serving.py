@@ -23,7 +23,7 @@ from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
 from minillm.server.errors import (
-    APIError, EngineDeadError, bad_request_from_value_error, engine_dead_status, openai_error_event, openai_error_events,
+    APIError, EngineDeadError, bad_request_from_value_error, engine_dead_error, openai_error_event, openai_error_events,
 )
 from minillm.server.json_body import LARGE_BODY_BYTES
 from minillm.server.limits import ServerLimits
@@ -516,8 +516,9 @@ def stream_failure(exc: BaseException) -> APIError:
     """The error a stream reports when its request fails after the headers went out."""
     if isinstance(exc, APIError):
         return exc
-    status = engine_dead_status(exc) if isinstance(exc, EngineDeadError) else 500
-    return APIError(status, f"{type(exc).__name__}: {exc}", code="engine_dead")
+    if isinstance(exc, EngineDeadError):
+        return engine_dead_error(exc)
+    return APIError(500, f"{type(exc).__name__}: {exc}", code="engine_dead")
 
 
 def sse_error(exc: BaseException) -> str:
