@@ -22,6 +22,9 @@ MAX_MESSAGE_CHARS = 1000
 # answers is reported, not waited on for the whole reply timeout (the openai client gives every
 # request 600 s). A streamed reply keeps timeout_s.
 STARTUP_READ_TIMEOUT_S = 15.0
+# How long a count of the conversation's tokens (POST /tokenize, before a reply) waits for an answer:
+# one that does not come is a count the server cannot give, as from a server without /tokenize.
+TOKENIZE_READ_TIMEOUT_S = 15.0
 
 
 class HttpChatBackend:
@@ -44,14 +47,13 @@ class HttpChatBackend:
         self.last_stats: ReplyStats | None = None
         self.notices: list[str] = []
         self.stops_anywhere = True           # Ctrl-C need not wait for the next chunk of a stalled server
+        self.counts_tokens = True            # until /tokenize leaves a count unanswered
 
     def _served_model(self, model: str | None) -> str:
         """`model` (the first model the server lists when None), checked against /v1/models: a
         server that is not there, or does not serve it, fails here rather than at the first message."""
-        timeout = httpx.Timeout(self.client.timeout.read, connect=self.client.timeout.connect,
-                                read=STARTUP_READ_TIMEOUT_S)
         try:
-            response, body = self._fetch("GET", "/v1/models", timeout=timeout)
+            response, body = self._fetch("GET", "/v1/models", timeout=self._short_timeout(STARTUP_READ_TIMEOUT_S))
         except httpx.ReadTimeout:
             raise RuntimeError(f"the server at {self.shown_url} took the connection but did not answer GET "
                                f"/v1/models within {STARTUP_READ_TIMEOUT_S:g} s") from None
@@ -75,6 +77,10 @@ class HttpChatBackend:
         if isinstance(context_len, int) and not isinstance(context_len, bool) and context_len > 0:
             self.context_len = context_len
         return chosen["id"]
+
+    def _short_timeout(self, read_s: float) -> httpx.Timeout:
+        """The client's timeout with a read timeout of read_s (a request that is no streamed reply)."""
+        return httpx.Timeout(self.client.timeout.read, connect=self.client.timeout.connect, read=read_s)
 
     def _fetch(self, method: str, path: str, **kwargs) -> tuple[httpx.Response, bytes]:
         """The response to a request that is no stream, and its body: at most MAX_BODY_BYTES of it,
@@ -224,12 +230,23 @@ class HttpChatBackend:
     def _count_tokens(self, conversation: Conversation) -> tuple[int | None, int | None]:
         """(prompt tokens, context) of the conversation as the server's /tokenize counts it; None
         for what it cannot say."""
+        if not self.counts_tokens:
+            return None, None
         body = {"model": self.model, **self._prompt_fields(conversation)}
         try:
-            response, data = self._fetch("POST", "/tokenize", json=body)
+            response, data = self._fetch("POST", "/tokenize", json=body, timeout=self._short_timeout(
+                TOKENIZE_READ_TIMEOUT_S))
+        except httpx.ReadTimeout:
+            self.counts_tokens = False
+            self.notices.append(f"note: {self.shown_url}/tokenize did not answer within {TOKENIZE_READ_TIMEOUT_S:g} s, "
+                                "so the chat no longer counts tokens before a reply.")
+            return None, None
+        except httpx.HTTPError:
+            return None, None
+        try:
             answer = _json(data) if response.status_code == 200 else {}
             count, context = answer.get("count"), answer.get("max_model_len") or self.context_len
-        except (httpx.HTTPError, ValueError, AttributeError):
+        except (ValueError, AttributeError):
             return None, None
         return (count if _count(count, -1) >= 0 else None), (context if _count(context, 0) > 0 else None)
 
