@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from minillm.gbnf import ending_rules
+
 _TOKEN = re.compile(r"""
     (?P<space>[ \t\r]+|\\\n)
   | (?P<newline>\n)
@@ -232,21 +234,5 @@ def start_can_never_end(text: str) -> bool:
                  for name, bodies in rules.items()}
     except (_Unread, RecursionError):
         return False
-    return "start" not in _ending_rules(needs)
-
-
-def _ending_rules(needs: dict[str, list[frozenset[str]]]) -> set[str]:
-    """The rules some alternative of which ends once the rules it needs do (a fixed point)."""
-    users: dict[str, set[str]] = {name: set() for name in needs}
-    for name, alts in needs.items():
-        for alt in alts:
-            for ref in alt:
-                users[ref].add(name)
-    ending: set[str] = set()
-    todo = list(needs)
-    while todo:
-        name = todo.pop()
-        if name not in ending and any(alt <= ending for alt in needs[name]):
-            ending.add(name)
-            todo.extend(users[name] - ending)
-    return ending
+    uses = {name: set().union(*alts) for name, alts in needs.items()}
+    return "start" not in ending_rules(uses, lambda name, ending: any(alt <= ending for alt in needs[name]))
