@@ -61,6 +61,25 @@ def engine_dead_error(exc: EngineDeadError) -> APIError:
     return APIError(engine_dead_status(exc), str(exc) or "the engine loop has stopped", code="engine_dead")
 
 
+def is_template_error(exc: BaseException) -> bool:
+    """Whether exc is a jinja2 TemplateError (or one of its kinds), known without importing jinja2."""
+    return any(cls.__name__ == "TemplateError" for cls in type(exc).__mro__)
+
+
+def unexpected_error(exc: BaseException) -> APIError:
+    """What one request reports for an exception that is neither an APIError nor a dead engine, as vLLM's
+    create_error_response reads one: bad input (ValueError, TypeError, OverflowError, a template's error)
+    is a 400, NotImplementedError a 501, anything else a 500 for this request alone; the message is
+    str(exc), or the exception's type where that is empty."""
+    if isinstance(exc, (ValueError, TypeError, OverflowError)) or is_template_error(exc):
+        status = 400
+    elif isinstance(exc, NotImplementedError):
+        status = 501
+    else:
+        status = 500
+    return APIError(status, str(exc) or type(exc).__name__)
+
+
 class RemoteError(Exception):
     """An exception raised in the engine core process, known here by its type's name and its message."""
 

@@ -24,6 +24,7 @@ from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.async_engine import EngineClient, OutputQueue, RequestStream
 from minillm.server.errors import (
     APIError, EngineDeadError, bad_request_from_value_error, engine_dead_error, openai_error_event, openai_error_events,
+    unexpected_error,
 )
 from minillm.server.json_body import LARGE_BODY_BYTES
 from minillm.server.limits import ServerLimits
@@ -513,12 +514,14 @@ def content_choice_json(index: int, content: str) -> str:
 
 
 def stream_failure(exc: BaseException) -> APIError:
-    """The error a stream reports when its request fails after the headers went out."""
+    """The error a stream reports when its request fails after the headers went out: an APIError as it
+    is, a dead engine as engine_dead, anything else as vLLM reports it (unexpected_error): a failure of
+    this request's output path is not a dead engine, which goes on serving the others."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineDeadError):
         return engine_dead_error(exc)
-    return APIError(500, f"{type(exc).__name__}: {exc}", code="engine_dead")
+    return unexpected_error(exc)
 
 
 def sse_error(exc: BaseException) -> str:
@@ -591,6 +594,8 @@ async def guard_stream(events: AsyncIterator[str],
         except Exception as exc:  # noqa: BLE001 - the status line is gone; tell the client in-band
             if not started:
                 raise
+            if not isinstance(exc, (APIError, EngineDeadError)):
+                logger.exception("a stream failed after it began; its request ends, the others go on")
             yield failure_events(exc)
 
 

@@ -1,0 +1,81 @@
+"""Server: a stream whose request fails in its own output path (not an API error, not a dead engine)
+ends with vLLM's error for that exception (a 500 for this request alone, a 400 for bad input, a 501)
+while the engine serves the others; it was labelled engine_dead."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from core_hooks import install
+from test_server_helpers import CHAT_TEMPLATE, call_utility, running_server, sse_events, story_streams, wait_for  # noqa: F401
+
+from minillm.server.app import ServerOptions
+from minillm.server.errors import EngineDeadError
+from minillm.server.serving_chat import ChatJob
+from minillm.server.serving_completion import CompletionJob
+
+MODEL = "stories"
+VICTIM = "victim"     # the `user` of the request whose output path fails
+
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    """(url, engine): stories260K with the tests' chat template, its engine open to core_hooks' utilities."""
+    with running_server(stories_path, max_model_len=256, options=ServerOptions(chat_template=CHAT_TEMPLATE),
+                        core_hook=install) as running:
+        yield running
+
+
+def fail_after_first_chunk(monkeypatch, job_class, failure: BaseException) -> None:
+    """Make job_class's choices raise `failure` for VICTIM's request once it has sent a chunk."""
+    choices_of = job_class._choices
+
+    def failing(self, *args):
+        choices = choices_of(self, *args)
+        if self.req.user == VICTIM:
+            if getattr(self, "has_sent_a_choice", False):
+                raise failure
+            self.has_sent_a_choice = bool(choices)
+        return choices
+
+    monkeypatch.setattr(job_class, "_choices", failing)
+
+
+def stream_lines(url: str, path: str, body: dict) -> tuple[int, list[str]]:
+    with httpx.stream("POST", f"{url}{path}", json={"model": MODEL, **body, "stream": True}, timeout=60) as r:
+        return r.status_code, [line for line in r.iter_lines() if line]
+
+
+REQUESTS = {"completions": ("/v1/completions", {"prompt": "Tom had a red ball"}),
+            "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tom had a red ball"}]})}
+
+
+@pytest.mark.parametrize("failure, status, kind, message, code", [
+    (KeyError("injected"), 500, "server_error", "'injected'", None),
+    (RuntimeError("injected"), 500, "server_error", "injected", None),
+    (AssertionError(), 500, "server_error", "AssertionError", None),
+    (ValueError("injected"), 400, "invalid_request_error", "injected", None),
+    (NotImplementedError("injected"), 501, "server_error", "injected", None),
+    (EngineDeadError("injected"), 500, "server_error", "injected", "engine_dead"),
+], ids=["KeyError", "RuntimeError", "empty-AssertionError", "ValueError", "NotImplementedError", "engine-dead"])
+@pytest.mark.parametrize("endpoint", REQUESTS)
+def test_a_failure_in_one_streams_output_path_is_that_requests_error(server, healthy, monkeypatch, endpoint,
+                                                                      failure, status, kind, message, code):
+    url, engine = server
+    fail_after_first_chunk(monkeypatch, CompletionJob if endpoint == "completions" else ChatJob, failure)
+    path, body = REQUESTS[endpoint]
+    with healthy.in_flight():     # a greedy stream beside it, held to its solo text when the module ends
+        http_status, lines = stream_lines(url, path, {**body, "max_tokens": 40, "ignore_eos": True, "user": VICTIM})
+    assert http_status == 200 and lines[-1] == "data: [DONE]"
+    events = sse_events(lines)
+    assert any(e.get("choices") for e in events[:-1]), "the failure came before the first chunk"
+    assert events[-1] == {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    # The engine goes on: the request was aborted mid-way, and the next one is answered in full.
+    def aborted():
+        return [a for a in call_utility(engine, "aborted_requests") if a[0].startswith(events[0]["id"] + "-")]
+    [(_, _, _, num_tokens)] = wait_for(aborted, timeout=30)
+    assert num_tokens < 40
+    monkeypatch.undo()
+    again = httpx.post(f"{url}{path}", json={"model": MODEL, **body, "max_tokens": 5, "ignore_eos": True,
+                                             "user": VICTIM}, timeout=60)
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
