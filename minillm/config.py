@@ -73,7 +73,8 @@ class EngineConfig:
     # vLLM's: "fcfs" serves requests in arrival order; "priority" by each request's priority (lower
     # first, then arrival), and preempts the lowest first (minillm/request_queue.py).
     scheduling_policy: str = "fcfs"
-    max_model_len: int | None = None     # None: the model's max_position_embeddings
+    max_model_len: int | None = None     # None: the model's length (model_length: max_position_embeddings, or
+                                         # as a linear or yarn rope_scaling stretches it)
     # vLLM's: prompts split into chunks that fit the step's token budget; False runs each prompt whole
     # in one step (it waits for a step with room for it), so max_num_batched_tokens must hold max_model_len.
     enable_chunked_prefill: bool = True
@@ -307,7 +308,7 @@ def check_unchunked_prefill(config: EngineConfig, max_model_len: int | None) -> 
 
 
 # vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, and minillm's name of it: 1 (or true) allows a max_model_len
-# past the model's max_position_embeddings, with a warning.
+# past the model's length (model_length), with a warning.
 LONG_MAX_MODEL_LEN_VARIABLES = ("MINILLM_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
 # Rotary scalings whose table past max_position_embeddings is not the one built up to it.
 _ROPE_TYPES_BOUND_TO_LENGTH = ("dynamic", "longrope")
@@ -320,14 +321,34 @@ def long_max_model_len_variable() -> str | None:
                  if os.environ.get(name, "0").strip().lower() in ("1", "true")), None)
 
 
+def model_length(model: ModelConfig) -> tuple[int, str]:
+    """The longest context the model's config.json allows, as vLLM derives it, and the fields it comes
+    from: max_position_embeddings, stretched by a linear rope_scaling's factor; a yarn scaling's
+    original_max_position_embeddings times its factor. Their tables hold at every position; dynamic
+    and longrope compute none past max_position_embeddings here, and llama3's factor is in it already."""
+    scaling = model.rope_scaling or {}
+    kind = scaling.get("rope_type")
+    if kind == "linear":
+        factor = scaling["factor"]
+        length = int(model.max_position_embeddings * factor)
+        return length, f"length {length} (max_position_embeddings {model.max_position_embeddings} x its linear " \
+                       f"rope_scaling factor {factor:g})"
+    if kind == "yarn":
+        original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+        length = int(original * factor)
+        return length, f"length {length} (its yarn rope_scaling original_max_position_embeddings {original:g} x " \
+                       f"factor {factor:g})"
+    return model.max_position_embeddings, f"max_position_embeddings {model.max_position_embeddings}"
+
+
 def check_max_model_len_in_model(max_model_len: int, model: ModelConfig) -> str | None:
-    """None when max_model_len is within the model's max_position_embeddings; past it, the warning
+    """None when max_model_len is within the model's length (model_length); past it, the warning
     to log where MINILLM_ALLOW_LONG_MAX_MODEL_LEN (or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN) allows
     it, else a ValueError naming the variables."""
-    model_max = model.max_position_embeddings
+    model_max, source = model_length(model)
     if max_model_len <= model_max:
         return None
-    said = f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_max}"
+    said = f"max_model_len {max_model_len} exceeds the model's {source}"
     rope_type = (model.rope_scaling or {}).get("rope_type")
     if rope_type in _ROPE_TYPES_BOUND_TO_LENGTH:
         raise ValueError(f"{said}, which its rope_scaling ({rope_type}) computes no positions past")

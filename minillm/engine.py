@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from minillm.block_manager import BlockManager, are_prompt_block_keys, cache_salt_root
-from minillm.config import EngineConfig, check_max_model_len_in_model, check_unchunked_prefill
+from minillm.config import EngineConfig, check_max_model_len_in_model, check_unchunked_prefill, model_length
 from minillm.device import make_device
 from minillm.engine_stats import MAX_WAITING_ROWS, EngineInfo, build_stats
 from minillm.generation_config import (defaults_source, describe as describe_defaults, folder_stop_token_ids,
@@ -225,7 +225,7 @@ class LLMEngine:
             from minillm.parallel.executor import TensorParallelExecutor as runner_cls
             from minillm.parallel.sharding import check_tensor_parallel_size
             check_tensor_parallel_size(self.model_config, config.tensor_parallel_size, self.ops.name)
-        model_max = self.model_config.max_position_embeddings
+        model_max = model_length(self.model_config)[0]
         if config.max_model_len is not None and (warning := check_max_model_len_in_model(config.max_model_len,
                                                                                           self.model_config)):
             self.log(f"minillm: warning: {warning}")

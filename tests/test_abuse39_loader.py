@@ -1,0 +1,56 @@
+"""Model directories and model options as vLLM users bring them: a rope scaling that stretches the
+context."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from test_abuse29b_cli import one_line
+from test_abuse37_model_files import stories_copy
+from test_cli import run_main
+
+from minillm import LLM
+
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.fixture(autouse=True)
+def no_long_max_model_len(monkeypatch):
+    for name in ("MINILLM_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("scaling, length, source", [
+    (LINEAR, 1024, "length 1024 (max_position_embeddings 512 x its linear rope_scaling factor 2)"),
+    (YARN, 1024, "length 1024 (its yarn rope_scaling original_max_position_embeddings 256 x factor 4)"),
+    # vLLM derives yarn's length from original_max_position_embeddings, even below max_position_embeddings
+    ({**YARN, "factor": 2.0, "original_max_position_embeddings": 128}, 256,
+     "length 256 (its yarn rope_scaling original_max_position_embeddings 128 x factor 2)"),
+    # dynamic's table past max_position_embeddings is another one: its length stays (vLLM's is 1024)
+    ({"rope_type": "dynamic", "factor": 2.0}, 512, "max_position_embeddings 512"),
+])
+def test_a_rope_scaling_stretches_the_models_length_as_vllm_derives_it(stories_path, tmp_path, scaling, length,
+                                                                      source):
+    """vLLM's max_model_len of a linear (or yarn) model is max_position_embeddings (or yarn's
+    original_max_position_embeddings) times the factor; minillm held every model to
+    max_position_embeddings, refusing --max-model-len 131072 for a Qwen2.5 with YaRN factor 4."""
+    folder = stories_copy(stories_path, tmp_path / "m", rope_scaling=scaling)
+    with LLM(str(folder), device="cpu", num_kv_blocks=80) as llm:
+        assert llm.llm_engine.max_model_len == length
+    with pytest.raises(ValueError, match=re.escape(f"max_model_len {length + 1} exceeds the model's {source}")):
+        LLM(str(folder), device="cpu", max_model_len=length + 1, num_kv_blocks=80)
+
+
+def test_a_prompt_past_max_position_embeddings_runs_within_the_stretched_length(stories_path, tmp_path, capsys):
+    folder = stories_copy(stories_path, tmp_path / "m", rope_scaling=LINEAR)
+    status, out, err = run_main(capsys, "generate", str(folder), "--device", "cpu", "--max-model-len", "1k",
+                                "--num-kv-blocks", "80", "-p", " ".join(["a"] * 700), "--max-tokens", "3",
+                                "--ignore-eos", "--json")
+    assert status == 0, err
+    record = json.loads(out)
+    assert len(record["prompt_token_ids"]) > 512 and len(record["outputs"][0]["token_ids"]) == 3
+    status, _, err = run_main(capsys, "generate", str(folder), "--device", "cpu", "--max-model-len", "1025",
+                              "-p", "Once")
+    assert status == 2 and "'--max-model-len': 1025 exceeds the model's length 1024" in one_line(err), err
