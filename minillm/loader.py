@@ -615,7 +615,11 @@ def _load_tensor(path, tensors: dict[str, TensorEntry], name: str, shape: tuple[
     """One named tensor of the checkpoint, its shape checked against config.json's."""
     entry = tensors.get(name)
     if entry is None:
-        raise ValueError(f"checkpoint in {path} is missing tensor {name}")
+        # transformers' config classes read an absent tie_word_embeddings as false: a tied checkpoint
+        # saved without the field loads as one whose head is missing (transformers fills it at random)
+        why = (" (config.json's tie_word_embeddings is false or absent, which reads as false: a model whose output "
+               "head is its embedding says true)") if name == "lm_head.weight" else ""
+        raise ValueError(f"checkpoint in {path} is missing tensor {name}{why}")
     if entry.shape != shape:
         raise ValueError(f"tensor {name} in {entry.file.name} has shape {list(entry.shape)}, expected "
                          f"{list(shape)} from config.json")

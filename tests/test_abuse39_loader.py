@@ -1,5 +1,5 @@
 """Model directories and model options as vLLM users bring them: a rope scaling that stretches the
-context."""
+context, a checkpoint without its output head."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ from test_abuse37_model_files import stories_copy
 from test_cli import run_main
 
 from minillm import LLM
+from minillm.loader import load_model_config, load_weights
 
 LINEAR = {"rope_type": "linear", "factor": 2.0}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
@@ -54,3 +55,17 @@ def test_a_prompt_past_max_position_embeddings_runs_within_the_stretched_length(
     status, _, err = run_main(capsys, "generate", str(folder), "--device", "cpu", "--max-model-len", "1025",
                               "-p", "Once")
     assert status == 2 and "'--max-model-len': 1025 exceeds the model's length 1024" in one_line(err), err
+
+
+@pytest.mark.parametrize("tied", [None, False])
+def test_a_missing_output_head_names_tie_word_embeddings(stories_path, tmp_path, tied):
+    """transformers reads an absent tie_word_embeddings as false and fills the head at random; vLLM
+    refuses the checkpoint. The error named the tensor only, not the field that asks for it."""
+    folder = stories_copy(stories_path, tmp_path / "m", tie_word_embeddings=tied)
+    if tied is None:        # left out of config.json, as a tied checkpoint saved by hand may leave it
+        cfg = json.loads((folder / "config.json").read_text())
+        del cfg["tie_word_embeddings"]
+        (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing tensor lm_head\.weight \(config\.json's tie_word_embeddings "
+                                         r"is false or absent, which reads as false: .* says true\)"):
+        load_weights(folder, load_model_config(folder), "float32")
