@@ -2351,11 +2351,13 @@ def other_tool_command(exc) -> str | None:
 
 def vllm_flag_reason(name: str, ctx) -> str | None:
     """Why minillm has no counterpart of vLLM's flag NAME, where it says so in words of ctx's command (a
-    reason that points at another command's options is left out)."""
-    refused = getattr(ctx.command, "refused_options", {}).get(name.replace("_", "-"))
+    reason that points at another command's options is left out). vLLM's dotted form of a JSON flag
+    (--hf-overrides.max_position_embeddings) is that flag."""
+    name = name.partition(".")[0].replace("_", "-")
+    refused = getattr(ctx.command, "refused_options", {}).get(name)
     if refused is not None:
         return refused
-    reason = VLLM_FLAGS_NOT_TAKEN.get(name.replace("_", "-"))
+    reason = VLLM_FLAGS_NOT_TAKEN.get(name)
     if reason is None:
         return None
     options = {o for p in ctx.command.get_params(ctx) for o in (*p.opts, *p.secondary_opts)}

@@ -1,5 +1,5 @@
 """Model directories and model options as vLLM users bring them: a rope scaling that stretches the
-context, a checkpoint without its output head."""
+context, a checkpoint without its output head, vLLM's dotted form of a flag minillm refuses."""
 from __future__ import annotations
 
 import json
@@ -69,3 +69,11 @@ def test_a_missing_output_head_names_tie_word_embeddings(stories_path, tmp_path,
     with pytest.raises(ValueError, match=r"missing tensor lm_head\.weight \(config\.json's tie_word_embeddings "
                                          r"is false or absent, which reads as false: .* says true\)"):
         load_weights(folder, load_model_config(folder), "float32")
+
+
+@pytest.mark.parametrize("flag", ["--hf-overrides.max_position_embeddings", "--hf_overrides.rope_scaling.factor"])
+def test_the_dotted_form_of_a_refused_vllm_flag_says_why(stories_path, capsys, flag):
+    """vLLM takes --hf-overrides.KEY VALUE as --hf-overrides '{"KEY": VALUE}'; the dotted form got a
+    bare 'No such option' where --hf-overrides says what minillm does instead."""
+    status, _, err = run_main(capsys, "generate", str(stories_path), "-p", "hi", flag, "4")
+    assert status == 2 and f"No such option: {flag}: minillm reads config.json as it is" in err, err
