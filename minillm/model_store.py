@@ -90,15 +90,15 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     path = expand_user(model)
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model directory {path} has no config.json{broken_link(path / 'config.json', ' (')}")
+            raise ValueError(f"model directory {path} has no config.json{broken_link(path / 'config.json', ' (')}"
+                             f"{_holds_instead(path)}")
         if revision is not None:
             raise ValueError(f"revision {revision!r} names a version of a hub model; {model} is a local directory")
         return path
     if path.exists():
         hint = ""
         if path.suffix.lower() == ".gguf":
-            hint = ("; GGUF files (llama.cpp, Ollama) are not read: give a Hugging Face model directory "
-                    "(config.json, tokenizer.json and safetensors weights) or a hub id")
+            hint = f"; GGUF files (llama.cpp, Ollama) are not read: {_GIVE_HF_MODEL}"
         elif path.suffix.lower() in (".safetensors", ".json", ".bin"):
             hint = f"; give the directory that holds it ({path.parent})"
         raise ValueError(f"{model} is a file, not a model directory{hint}")
@@ -112,6 +112,30 @@ def resolve_model_path(model: str, download_dir: str | None = None, revision: st
     if cached is not None:
         return cached
     return download_model(model, download_dir, revision)
+
+
+_GIVE_HF_MODEL = "give a Hugging Face model directory (config.json, tokenizer.json and safetensors weights) or a hub id"
+
+
+def _holds_instead(path: Path) -> str:
+    """What a directory without config.json holds in place of a Hugging Face model, and what to give
+    instead: GGUF files, Mistral's own params.json, or a model's folder in a Hugging Face cache; "" otherwise."""
+    try:
+        ggufs = sorted(f.name for f in path.glob("*.gguf"))
+    except OSError:
+        return ""
+    if ggufs:
+        more = f" and {len(ggufs) - 1} more" if len(ggufs) > 1 else ""
+        return f"; it holds GGUF files ({ggufs[0]}{more}), which minillm does not read: {_GIVE_HF_MODEL}"
+    if (path / "params.json").is_file():
+        return ("; it holds params.json, Mistral's own format (vLLM's --config-format mistral), which minillm does not "
+                f"read: {_GIVE_HF_MODEL}")
+    if path.name.startswith("models--") and (path / "snapshots").is_dir():
+        repo_id = path.name[len("models--"):].replace("--", "/", 1)
+        store = "" if path.parent.resolve() == hf_hub_cache().resolve() else \
+            f", and {path.parent} as the download directory (--download-dir)"
+        return f"; it is a model's folder in a Hugging Face cache: give the hub id {repo_id}{store}"
+    return ""
 
 
 def resolve_tokenizer_path(tokenizer: str | os.PathLike, download_dir: str | None = None,

@@ -77,3 +77,34 @@ def test_the_dotted_form_of_a_refused_vllm_flag_says_why(stories_path, capsys, f
     bare 'No such option' where --hf-overrides says what minillm does instead."""
     status, _, err = run_main(capsys, "generate", str(stories_path), "-p", "hi", flag, "4")
     assert status == 2 and f"No such option: {flag}: minillm reads config.json as it is" in err, err
+
+
+@pytest.mark.parametrize("files, said", [
+    (["tiny.Q4_K_M.gguf", "tiny.Q8_0.gguf"], "; it holds GGUF files (tiny.Q4_K_M.gguf and 1 more), which minillm "
+                                             "does not read: give a Hugging Face model directory"),
+    (["params.json", "consolidated.safetensors"], "; it holds params.json, Mistral's own format (vLLM's "
+                                                  "--config-format mistral), which minillm does not read"),
+    (["model.safetensors"], ""),
+])
+def test_a_directory_without_config_json_says_what_it_holds_instead(tmp_path, files, said):
+    """A folder of GGUF files (a llama.cpp or Ollama download) or of Mistral's own format was only
+    'has no config.json'."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in files:
+        (folder / name).write_bytes(b"{}")
+    with pytest.raises(ValueError, match=re.escape(f"model directory {folder} has no config.json{said}") +
+                       ("$" if not said else "")):
+        LLM(str(folder), device="cpu")
+
+
+def test_a_models_folder_of_a_hugging_face_cache_names_its_hub_id(tmp_path, monkeypatch):
+    folder = tmp_path / "hub" / "models--org--tiny"
+    (folder / "snapshots" / "abc").mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    with pytest.raises(ValueError, match=re.escape(f"it is a model's folder in a Hugging Face cache: give the hub id "
+                                                   f"org/tiny, and {tmp_path / 'hub'} as the download directory")):
+        LLM(str(folder), device="cpu")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ValueError, match=r"it is a model's folder in a Hugging Face cache: give the hub id org/tiny$"):
+        LLM(str(folder), device="cpu")
