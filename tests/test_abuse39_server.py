@@ -1,15 +1,19 @@
 """Server: a stream whose request fails in its own output path (not an API error, not a dead engine)
 ends with vLLM's error for that exception (a 500 for this request alone, a 400 for bad input, a 501)
-while the engine serves the others; it was labelled engine_dead."""
+while the engine serves the others (it was labelled engine_dead); vLLM's request fields each honoured as
+vLLM honours them or refused with a 400 naming them (several were taken and logged as ignored)."""
 from __future__ import annotations
 
 import httpx
 import pytest
 from core_hooks import install
-from test_server_helpers import CHAT_TEMPLATE, call_utility, running_server, sse_events, story_streams, wait_for  # noqa: F401
+from test_server_helpers import (  # noqa: F401 (story_streams: the healthy fixture)
+    CHAT_TEMPLATE, call_utility, openai_error, running_server, sse_events, story_streams, wait_for,
+)
 
 from minillm.server.app import ServerOptions
 from minillm.server.errors import EngineDeadError
+from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params, unknown_fields
 from minillm.server.serving_chat import ChatJob
 from minillm.server.serving_completion import CompletionJob
 
@@ -79,3 +83,53 @@ def test_a_failure_in_one_streams_output_path_is_that_requests_error(server, hea
                                              "user": VICTIM}, timeout=60)
     assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 5
     assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+
+# ---- vLLM's request fields: each honoured as vLLM honours it, or a 400 naming it ---------------------------
+
+def post(url: str, endpoint: str, body: dict) -> httpx.Response:
+    path, base = {**REQUESTS, "responses": ("/v1/responses", {"input": "Tom had a red ball"})}[endpoint]
+    limit = {"max_output_tokens": 3} if endpoint == "responses" else {"max_tokens": 3}
+    return httpx.post(f"{url}{path}", json={"model": MODEL, **base, **limit, **body}, timeout=60)
+
+
+def test_vllm_xargs_reach_the_engine_as_extra_args():
+    # vllm_xargs was an unknown field: logged as ignored, its data never reached SamplingParams.extra_args.
+    xargs = {"tag": "a", "weight": 0.5, "ids": [1, "two"]}
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "vllm_xargs": xargs})
+    assert to_sampling_params(chat, 4, None).extra_args == xargs and unknown_fields(chat) == []
+    completion = CompletionRequest.model_validate({"prompt": "x", "vllm_xargs": {"tag": "a", "n": 2}})
+    assert to_sampling_params(completion, 4, None).extra_args == {"tag": "a", "n": 2}
+
+
+@pytest.mark.parametrize("value, param", [
+    ("x", "vllm_xargs"), ({"a": {"b": 1}}, "vllm_xargs.a"), ({"kv_transfer_params": "x"}, "vllm_xargs"),
+], ids=["string", "object-value", "connector-key"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_vllm_xargs_of_another_shape_is_a_400_naming_it(server, endpoint, value, param):
+    # Each was a 200 with the field logged as ignored; the connector's key would have reached the
+    # KV connector unchecked.
+    openai_error(post(server[0], endpoint, {"vllm_xargs": value}), 400, param)
+    assert post(server[0], endpoint, {"vllm_xargs": {"a": 1}}).status_code == 200
+    # vLLM's completions take strings and numbers only; its chat completions lists of them too
+    lists = post(server[0], endpoint, {"vllm_xargs": {"a": [1, "b"]}})
+    if endpoint == "completions":
+        openai_error(lists, 400, "vllm_xargs.a")
+    else:
+        assert lists.status_code == 200
+
+
+@pytest.mark.parametrize("field", ["max_repetition_pattern_size", "min_repetition_pattern_size",
+                                   "repetition_min_count"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_vllms_repetition_stop_is_refused_naming_its_field(server, endpoint, field):
+    # vLLM stops a completion whose last tokens repeat a pattern; these were logged as ignored, and the
+    # completion ran on to max_tokens.
+    openai_error(post(server[0], endpoint, {field: 3}), 400, field)
+    openai_error(post(server[0], endpoint, {field: "three"}), 400, field)
+    assert post(server[0], endpoint, {field: 0}).status_code == 200      # vLLM's default: no check
+
+
+def test_mm_processor_kwargs_of_another_type_is_a_400_naming_it(server):
+    openai_error(post(server[0], "chat", {"mm_processor_kwargs": "x"}), 400, "mm_processor_kwargs")

@@ -167,12 +167,24 @@ class _GenerationRequest(_ModelRequest):
     priority: int | None = None
     # vLLM's: a stream sends a chunk once a completion has this many new tokens (and its first and last at once)
     stream_interval: int | None = None
+    # vLLM's: plain data for engine extensions, carried to the engine as SamplingParams.extra_args
+    vllm_xargs: dict[Text, Text | int | float | list[Text | int | float]] | None = None
 
     @field_validator("cache_salt")
     @classmethod
     def _salt_not_empty(cls, value: str | None) -> str | None:
         if value == "":       # as vLLM refuses it: an unset variable must not quietly mean "no salt"
             raise PydanticCustomError("empty_salt", "cache_salt must be a non-empty string if provided")
+        return value
+
+    @field_validator("vllm_xargs")
+    @classmethod
+    def _xargs_not_the_connectors(cls, value: dict | None) -> dict | None:
+        # extra_args' kv_transfer_params is the KV connector's, checked where kv_transfer_params is read
+        # (server/kv_transfer.py): through vllm_xargs it would reach the connector unchecked.
+        if value is not None and "kv_transfer_params" in value:
+            raise PydanticCustomError("xargs_kv", "must not carry kv_transfer_params (the KV connector's): send "
+                                      "it as the request's own kv_transfer_params")
         return value
 
     @field_validator("stream_interval")
@@ -216,6 +228,7 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     suffix: Text | None = None
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
+    vllm_xargs: dict[Text, Text | int | float] | None = None     # vLLM's completions take no lists here
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -412,15 +425,23 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
     return names
 
 
+# vLLM's stop on a repeated pattern of output tokens (its max/min pattern size and the repeats that stop):
+# not implemented, so refused when set.
+REPETITION_FIELDS = ("max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count")
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value, or the field's neutral value, changes nothing and passes), where
 # an unknown field is only logged.
 VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds", "structural_tag",
                     "guided_whitespace_pattern", "logprob_token_ids", "thinking_token_budget", "repetition_detection",
-                    "watermarking")
-# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none), with the
-# type vLLM's model reads each as ("false" and 0 are no beam search, "1" is length_penalty 1.0)
-NEUTRAL_VALUES = {"use_beam_search": (bool, False), "length_penalty": (float, 1.0), "thinking_token_budget": (int, -1)}
+                    "watermarking", *REPETITION_FIELDS)
+# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none; a repetition
+# field of 0 checks nothing), with the type vLLM's model reads each as ("false" and 0 are no beam search,
+# "1" is length_penalty 1.0)
+NEUTRAL_VALUES = {"use_beam_search": (bool, False), "length_penalty": (float, 1.0), "thinking_token_budget": (int, -1),
+                  **{name: (int, 0) for name in REPETITION_FIELDS}}
+# vLLM's fields that take no effect on a text model (logged as ignored), with the type vLLM's model reads
+# each as: another type is a 400 naming the field, as vLLM's is.
+IGNORED_VLLM_TYPES = {"mm_processor_kwargs": dict}
 
 
 def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
@@ -433,6 +454,7 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
         value = extra.get(name)
         if value is not None and value is not False and value not in ([], {}, "") and not _is_neutral(name, value):
             raise APIError(400, f"{name} is not supported", param=name)
+    check_ignored_types(extra, IGNORED_VLLM_TYPES)
     options = req.stream_options
     # OpenAI and vLLM refuse options without a stream; vLLM lets an empty object ({}) by, as here.
     if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
@@ -448,6 +470,15 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
         if req.function_call not in (None, "none"):
             raise APIError(400, "function_call is not supported", param="function_call")
         check_rendering(req)
+
+
+def check_ignored_types(extra: dict[str, Any], kinds: dict[str, type]) -> None:
+    """A 400 naming the field for a value of extra (a request's unknown fields) that is not of the
+    type kinds gives its name; null passes."""
+    for name, kind in kinds.items():
+        value = extra.get(name)
+        if value is not None:
+            lax_value(value, kind, name)
 
 
 def _is_neutral(name: str, value: Any) -> bool:
@@ -568,6 +599,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            extra_args=dict(req.vllm_xargs) if req.vllm_xargs else None,
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)
