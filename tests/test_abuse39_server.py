@@ -4,6 +4,8 @@ while the engine serves the others (it was labelled engine_dead); vLLM's request
 vLLM honours them or refused with a 400 naming them (several were taken and logged as ignored)."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from core_hooks import install
@@ -14,6 +16,7 @@ from test_server_helpers import (  # noqa: F401 (story_streams: the healthy fixt
 from minillm.server.app import ServerOptions
 from minillm.server.errors import EngineDeadError
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params, unknown_fields
+from minillm.server.serving_responses import ResponsesRequest, chat_body
 from minillm.server.serving_chat import ChatJob
 from minillm.server.serving_completion import CompletionJob
 
@@ -101,12 +104,13 @@ def test_vllm_xargs_reach_the_engine_as_extra_args():
     assert to_sampling_params(chat, 4, None).extra_args == xargs and unknown_fields(chat) == []
     completion = CompletionRequest.model_validate({"prompt": "x", "vllm_xargs": {"tag": "a", "n": 2}})
     assert to_sampling_params(completion, 4, None).extra_args == {"tag": "a", "n": 2}
+    assert chat_body(ResponsesRequest.model_validate({"input": "x", "vllm_xargs": xargs}))["vllm_xargs"] == xargs
 
 
 @pytest.mark.parametrize("value, param", [
     ("x", "vllm_xargs"), ({"a": {"b": 1}}, "vllm_xargs.a"), ({"kv_transfer_params": "x"}, "vllm_xargs"),
 ], ids=["string", "object-value", "connector-key"])
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat", "responses"])
 def test_vllm_xargs_of_another_shape_is_a_400_naming_it(server, endpoint, value, param):
     # Each was a 200 with the field logged as ignored; the connector's key would have reached the
     # KV connector unchecked.
@@ -131,5 +135,45 @@ def test_vllms_repetition_stop_is_refused_naming_its_field(server, endpoint, fie
     assert post(server[0], endpoint, {field: 0}).status_code == 200      # vLLM's default: no check
 
 
-def test_mm_processor_kwargs_of_another_type_is_a_400_naming_it(server):
-    openai_error(post(server[0], "chat", {"mm_processor_kwargs": "x"}), 400, "mm_processor_kwargs")
+@pytest.mark.parametrize("endpoint, field, value", [
+    ("chat", "mm_processor_kwargs", "x"), ("responses", "mm_processor_kwargs", [1]),
+    ("responses", "media_io_kwargs", "x"), ("responses", "previous_input_messages", {"role": "user"}),
+    ("responses", "prompt_cache_key", 5), ("responses", "max_tool_calls", "many"),
+    ("responses", "service_tier", "bogus"), ("responses", "service_tier", 5),
+    ("responses", "kv_transfer_params", {"do_remote_decode": True}), ("responses", "enable_response_messages", "x"),
+])
+def test_a_vllm_field_of_the_wrong_type_or_value_is_a_400_naming_it(server, endpoint, field, value):
+    # Each was taken (logged as ignored) where vLLM's request model refuses it; kv_transfer_params
+    # was dropped on /v1/responses, which has no KV transfer.
+    openai_error(post(server[0], endpoint, {field: value}), 400, field)
+
+
+def test_a_responses_reply_echoes_service_tier_max_tool_calls_and_background_as_vllms(server):
+    body = post(server[0], "responses", {"service_tier": "flex", "max_tool_calls": "2", "prompt_cache_key": "k",
+                                         "mm_processor_kwargs": {}}).json()
+    assert (body["service_tier"], body["max_tool_calls"], body["background"]) == ("flex", 2, False)
+    plain = post(server[0], "responses", {}).json()
+    assert (plain["service_tier"], plain["max_tool_calls"]) == ("auto", None)
+    assert "input_messages" not in plain and "output_messages" not in plain
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_enable_response_messages_returns_the_raw_prompt_and_output(server, stream):
+    # vLLM's enable_response_messages: the rendered prompt and the output as text and token ids; it was
+    # logged as ignored.
+    url, engine = server
+    body = {"temperature": 0, "enable_response_messages": True}
+    if stream:
+        with httpx.stream("POST", f"{url}/v1/responses", timeout=60, json={
+                "model": MODEL, "input": "Tom had a red ball", "max_output_tokens": 3, **body, "stream": True}) as r:
+            events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+        assert "input_messages" not in events[0]["response"]        # response.created: nothing generated yet
+        reply = events[-1]["response"]
+    else:
+        reply = post(url, "responses", body).json()
+    [prompt], [output] = reply["input_messages"], reply["output_messages"]
+    assert prompt["type"] == output["type"] == "raw_message_tokens"
+    assert len(prompt["tokens"]) == reply["usage"]["input_tokens"] and prompt["message"].endswith("assistant:")
+    assert prompt["tokens"] == engine.tokenizer.encode(prompt["message"], add_special_tokens=False)
+    assert len(output["tokens"]) == reply["usage"]["output_tokens"] == 3
+    assert output["message"] == reply["output"][0]["content"][0]["text"]

@@ -39,7 +39,7 @@ from minillm.server.errors import APIError, json_error_reason, response_failed_e
 from minillm.server.logprobs import LogprobRow, chat_logprobs
 from minillm.server.protocol import (
     REASONING_EFFORTS, ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, chat_max_tokens,
-    check_text,
+    check_ignored_types, check_text, lax_value,
 )
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.structured import _refuse_unknown_keys
@@ -53,7 +53,13 @@ CHAT_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"
 # vLLM's extensions a Responses request may carry, taken as a chat request takes them.
 CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop",
                "chat_template_kwargs", "structured_outputs", "include_reasoning", "cache_salt",
-               "priority", "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
+               "priority", "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+               "vllm_xargs")
+# vLLM's fields that a text model takes without effect (logged as ignored), with the type vLLM's request
+# model reads each as (another is a 400 naming the field); the response echoes max_tool_calls and service_tier.
+IGNORED_TYPES = {"max_tool_calls": int, "prompt_cache_key": str, "mm_processor_kwargs": dict,
+                 "media_io_kwargs": dict, "previous_input_messages": list}
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "function", "name": ...}')
 # reasoning's and text's values as vLLM takes them (OpenAI's Reasoning and ResponseTextConfig types); effort
 # and verbosity change nothing for a model without such settings, but a value outside these is a client's
@@ -127,6 +133,8 @@ class ResponsesRequest(_WithChatExtras):
     include: list[Text] | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)    # as OpenAI bounds it; used with include's OUTPUT_LOGPROBS
     request_id: Text | None = None
+    # vLLM's: the response also holds the prompt and the output as raw text and token ids
+    enable_response_messages: bool = False
     prompt: Any = None                  # OpenAI's stored prompt template (refused)
     conversation: Any = None            # OpenAI's stored conversation (refused: none is stored)
 
@@ -174,6 +182,15 @@ def _check_unserved(req: ResponsesRequest) -> None:
             raise APIError(400, f"include: {name!r} is not supported", param="include")
     _check_values(req.reasoning, "reasoning", REASONING_VALUES)
     _check_values(req.text, "text", TEXT_VALUES)
+    extra = req.model_extra or {}
+    check_ignored_types(extra, IGNORED_TYPES)
+    tier = extra.get("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise APIError(400, f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {short_repr(tier)}",
+                       param="service_tier")
+    if extra.get("kv_transfer_params") is not None:      # the chat path's KV transfer is not wired here
+        raise APIError(400, "kv_transfer_params is not supported on /v1/responses (send the request to "
+                       "/v1/chat/completions)", param="kv_transfer_params")
 
 
 def _check_values(obj: dict | None, where: str, choices: dict[str, tuple[str, ...]]) -> None:
@@ -395,6 +412,11 @@ def _renamed(exc: APIError) -> APIError:
 
 # ---- the reply as output items ------------------------------------------------------------------------
 
+def _raw_message(text: str, token_ids) -> dict:
+    """vLLM's raw_message_tokens entry: a text and the token ids it came from."""
+    return {"message": text, "tokens": list(token_ids), "type": "raw_message_tokens"}
+
+
 def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
     """An output_text part; logprobs: its tokens' (chat's logprobs content, OpenAI's Logprob shape)."""
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
@@ -472,14 +494,14 @@ class ResponsesJob(TranslatedJob):
         messages = self.conversation.messages
         # Where the kept messages may begin: not at a system message (all are kept) nor at a tool's output.
         starts = [i for i, message in enumerate(messages) if message["role"] not in ("system", "tool")]
-        fitting: tuple[int, list[int]] | None = None     # (the earliest start found to fit, its token ids)
+        fitting: tuple[int, list[int], str] | None = None     # (the earliest start found to fit, its ids, its text)
         low, high = 0, len(starts)
         while low < high:     # a binary search: a few renderings, however long the conversation
             middle = (low + high) // 2
             self.conversation.messages = _kept_from(messages, starts[middle])
             ids = super()._render()
             if len(ids) <= max_prompt_tokens:
-                fitting, high = (middle, ids), middle
+                fitting, high = (middle, ids, self.conversation.text), middle
             else:
                 low = middle + 1
         if fitting is None:       # ids: the last message's (the last start tried)
@@ -488,6 +510,7 @@ class ResponsesJob(TranslatedJob):
                            f"max_output_tokens ({chat_max_tokens(self.req) or 1}) do not fit it, even with the "
                            f"items before it dropped (truncation auto)", param="input", code="context_length_exceeded")
         self.conversation.messages = _kept_from(messages, starts[fitting[0]])
+        self.conversation.text = fitting[2]      # the prompt sent, not the last one tried
         return fitting[1]
 
     def _usage(self, final: RequestOutput) -> dict:
@@ -503,7 +526,7 @@ class ResponsesJob(TranslatedJob):
     def _response(self, status: str, output: list[dict], final: RequestOutput | None) -> dict:
         req = self.responses_req
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
-        return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+        body = {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
                 "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
@@ -512,7 +535,24 @@ class ResponsesJob(TranslatedJob):
                 "tool_choice": req.tool_choice or "auto", "tools": req.tools or [], "top_logprobs": req.top_logprobs,
                 "top_p": self.params.top_p, "truncation": req.truncation or "disabled",
                 "usage": self._usage(final) if final is not None else None, "user": req.user,
-                "metadata": req.metadata or {}}
+                "metadata": req.metadata or {}, **self._echoed_extras()}
+        if req.enable_response_messages and final is not None:
+            body.update(self._raw_messages(final))
+        return body
+
+    def _echoed_extras(self) -> dict:
+        """background, max_tool_calls and service_tier as vLLM's response echoes them (checked in _check_unserved)."""
+        extra = self.responses_req.model_extra or {}
+        calls = extra.get("max_tool_calls")
+        return {"background": False, "max_tool_calls": None if calls is None else lax_value(calls, int, "max_tool_calls"),
+                "service_tier": extra.get("service_tier") or "auto"}
+
+    def _raw_messages(self, final: RequestOutput) -> dict:
+        """vLLM's input_messages and output_messages (enable_response_messages): the rendered prompt and
+        the whole output, each as its text and its token ids."""
+        comp = final.outputs[0]
+        return {"input_messages": [_raw_message(self.conversation.text or "", final.prompt_token_ids)],
+                "output_messages": [_raw_message(comp.text, comp.token_ids)]}
 
     def response(self, finals: list[RequestOutput]) -> dict:
         """The Responses object of a finished reply."""
