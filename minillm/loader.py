@@ -538,12 +538,16 @@ def load_weights(path: str | Path, config: ModelConfig, dtype: str) -> dict[str,
     """Read the checkpoint into numpy arrays of dtype ("bfloat16": uint16 bf16 bits), checking names and shapes."""
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype!r}")
-    tensors = _with_model_prefix(checkpoint_tensors(path, log_conflicts=True))
+    saved = checkpoint_tensors(path, log_conflicts=True)
+    tensors = _with_model_prefix(saved)
+    was_prefixed = tensors is not saved
     if config.tie_word_embeddings:
         tensors = _tied_tensors(tensors)
     weights: dict[str, np.ndarray] = {}
     _check_layer_count(path, config, tensors)
-    for name, shape in expected_weight_shapes(config).items():
+    shapes = expected_weight_shapes(config)
+    _check_layout(path, tensors, shapes, was_prefixed)
+    for name, shape in shapes.items():
         weights[name] = _load_tensor(path, tensors, name, shape, dtype)
     if "lm_head.weight" in tensors and "lm_head.weight" not in weights:
         head_shape = (config.vocab_size, config.hidden_size)
@@ -577,6 +581,25 @@ def _check_unread(path: Path, config: ModelConfig, tensors: dict[str, TensorEntr
             if layer and int(layer[1]) >= config.num_layers else "")
     raise ValueError(f"checkpoint in {path} has tensor {name}{_more(others)} in {tensors[name].file.name}, which "
                      f"{arch} has no place for{hint}: is config.json this checkpoint's?")
+
+
+def _check_layout(path: Path, tensors: dict[str, TensorEntry], shapes: dict[str, tuple[int, ...]],
+                  was_prefixed: bool) -> None:
+    """A ValueError naming a tensor the model reads that the checkpoint lacks and one it holds in its place
+    that the model has no place for: its tensors are named in another layout (Mistral's own
+    consolidated.safetensors, a multimodal model's language_model. prefix). A missing tensor alone
+    is _load_tensor's to name. was_prefixed: the names had "model." put before them (_with_model_prefix)."""
+    missing = [name for name in shapes if name not in tensors]
+    others = sorted(name for name in tensors if name not in shapes and name != "lm_head.weight"
+                    and not name.endswith(_ROTARY_CACHES) and not name.endswith(".bias"))
+    if not (missing and others):
+        return
+    arch = config_architecture(_read_config(path))
+    shown = others[0].removeprefix("model.") if was_prefixed else others[0]      # as the file names it
+    raise ValueError(f"checkpoint in {path} is missing tensor {missing[0]}{_more(missing)} and holds tensors "
+                     f"{arch} has no place for, such as {shown} in {tensors[others[0]].file.name}: its tensors "
+                     f"are not named as Hugging Face's {arch} names them (another format, such as Mistral's own "
+                     f"consolidated.safetensors?)")
 
 
 def _with_model_prefix(tensors: dict[str, TensorEntry]) -> dict[str, TensorEntry]:

@@ -108,3 +108,33 @@ def test_a_models_folder_of_a_hugging_face_cache_names_its_hub_id(tmp_path, monk
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(ValueError, match=r"it is a model's folder in a Hugging Face cache: give the hub id org/tiny$"):
         LLM(str(folder), device="cpu")
+
+
+MISTRAL_NAMES = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+                 "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+                 "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.down_proj": "feed_forward.w2",
+                 "mlp.up_proj": "feed_forward.w3", "input_layernorm": "attention_norm",
+                 "post_attention_layernorm": "ffn_norm", "model.layers.": "layers."}
+
+
+def mistral_name(name: str) -> str:
+    for hf, own in MISTRAL_NAMES.items():
+        name = name.replace(hf, own)
+    return name
+
+
+@pytest.mark.parametrize("rename, file, shown", [
+    (mistral_name, "consolidated.safetensors", "layers.0.attention.wk.weight"),
+    (lambda name: "language_model." + name, "model.safetensors", "language_model.model.embed_tokens.weight"),
+])
+def test_a_checkpoint_in_another_layout_names_a_tensor_it_holds(stories_path, tmp_path, rename, file, shown):
+    """Mistral's own consolidated.safetensors, or a multimodal model's language_model. names, under a Hugging
+    Face config.json: the error named only the first tensor the model missed (model.embed_tokens.weight)."""
+    from safetensors.numpy import load_file, save_file
+    folder = stories_copy(stories_path, tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    save_file({rename(k): v for k, v in load_file(stories_path / "model.safetensors").items()}, folder / file)
+    with pytest.raises(ValueError, match=r"is missing tensor model\.embed_tokens\.weight \(and \d+ more\) and holds " +
+                       re.escape(f"tensors LlamaForCausalLM has no place for, such as {shown} in {file}: its tensors "
+                                 f"are not named as Hugging Face's LlamaForCausalLM names them")):
+        load_weights(folder, load_model_config(folder), "float32")
