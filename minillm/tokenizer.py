@@ -121,13 +121,22 @@ def _template_files(path: Path) -> dict[str, tuple[str, Path]]:
     chat_template.jinja)."""
     files = {}
     if (path / "chat_template.jinja").is_file():
-        files["default"] = ((path / "chat_template.jinja").read_text(encoding="utf-8"), path / "chat_template.jinja")
+        files["default"] = (_template_text(path / "chat_template.jinja"), path / "chat_template.jinja")
     folder = path / ADDITIONAL_TEMPLATES_DIR
     if folder.is_dir():
         for file in sorted(folder.glob("*.jinja")):
             if file.is_file():
-                files[file.name.removesuffix(".jinja")] = (file.read_text(encoding="utf-8"), file)
+                files[file.name.removesuffix(".jinja")] = (_template_text(file), file)
     return files
+
+
+def _template_text(file: Path) -> str:
+    """A model's template file's text; a ValueError naming the file when it is not UTF-8 (the
+    decoder's message alone named no file)."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"chat template file {file} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
 
 
 def compile_error(exc: Exception, where: str = "") -> str:

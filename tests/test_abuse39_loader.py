@@ -138,3 +138,16 @@ def test_a_checkpoint_in_another_layout_names_a_tensor_it_holds(stories_path, tm
                        re.escape(f"tensors LlamaForCausalLM has no place for, such as {shown} in {file}: its tensors "
                                  f"are not named as Hugging Face's LlamaForCausalLM names them")):
         load_weights(folder, load_model_config(folder), "float32")
+
+
+@pytest.mark.parametrize("file", ["chat_template.jinja", "additional_chat_templates/tool_use.jinja"])
+def test_a_template_file_that_is_not_utf8_is_named(stories_path, tmp_path, file):
+    """transformers' save_pretrained writes these beside tokenizer_config.json; one that was not UTF-8
+    failed with the decoder's message alone ("'utf-8' codec can't decode byte 0xff ..."), naming no file."""
+    from minillm.tokenizer import Tokenizer
+    folder = stories_copy(stories_path, tmp_path / "m")
+    (folder / file).parent.mkdir(exist_ok=True)
+    (folder / file).write_bytes(b"\xff{{ messages }}")
+    with pytest.raises(ValueError, match=re.escape(f"chat template file {folder / file} is not UTF-8 text: invalid "
+                                                   f"start byte at byte 0")):
+        Tokenizer.from_pretrained(folder)
