@@ -209,8 +209,8 @@ def test_collectives_in_slot_sized_chunks_and_a_rank_that_leaves():
 
 
 def test_bad_sizes_are_value_errors_and_start_nothing(tiny_models):
-    for size, needle in [(3, "tensor_parallel_size=3 must divide the model's num_key_value_heads"),
-                         (8, "tensor_parallel_size=8 must divide"), (0, "tensor_parallel_size must be"),
+    for size, needle in [(3, r"tensor_parallel_size 3 must divide the model's num_attention_heads \(8\)"),
+                         (16, "tensor_parallel_size 16 must divide"), (0, "tensor_parallel_size must be"),
                          (True, "tensor_parallel_size must be")]:
         with pytest.raises(ValueError, match=needle):
             LLM(tiny_models["llama"], tensor_parallel_size=size, **ENGINE)

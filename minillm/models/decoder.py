@@ -142,7 +142,8 @@ class DecoderModel:
                                         self.kv_scales[layer])
 
     def _all_kv_heads(self, x):
-        """This rank's x [T, Hk / N, Dh] -> [T, Hk, Dh], every rank's KV heads (tensor parallelism)."""
+        """This rank's x [T, Hk / N, Dh] -> [T, Hk, Dh], every rank's KV heads (tensor parallelism;
+        [T, N, Dh] when N > Hk ranks replicate them: the same maxima)."""
         return self.comm.all_gather(x.reshape(len(x), -1)).reshape(len(x), -1, x.shape[-1])
 
     def _calibrate_and_append(self, q, k, v, lw: LayerWeights, positions, k_cache, v_cache,
