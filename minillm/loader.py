@@ -634,6 +634,17 @@ def _check_layer_count(path: Path, config: ModelConfig, tensors: dict[str, Tenso
                          f"{config.num_layers}, the checkpoint has layers up to {max(held)})")
 
 
+def _placed_by_index(path: Path, name: str) -> str:
+    """Where the weights index places a tensor no shard holds (a shard of another version of the
+    checkpoint, or cut short), in words for an error; "" when no index names it."""
+    index = weights_index(path)
+    if index is None:
+        return ""
+    weight_map = index_weight_map(index)
+    shard = weight_map.get(name, weight_map.get(name.removeprefix("model.")))
+    return "" if shard is None else f" ({index.name} places it in {shard}, which does not hold it)"
+
+
 def _load_tensor(path, tensors: dict[str, TensorEntry], name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """One named tensor of the checkpoint, its shape checked against config.json's."""
     entry = tensors.get(name)
@@ -641,7 +652,7 @@ def _load_tensor(path, tensors: dict[str, TensorEntry], name: str, shape: tuple[
         # transformers' config classes read an absent tie_word_embeddings as false: a tied checkpoint
         # saved without the field loads as one whose head is missing (transformers fills it at random)
         why = (" (config.json's tie_word_embeddings is false or absent, which reads as false: a model whose output "
-               "head is its embedding says true)") if name == "lm_head.weight" else ""
+               "head is its embedding says true)") if name == "lm_head.weight" else _placed_by_index(Path(path), name)
         raise ValueError(f"checkpoint in {path} is missing tensor {name}{why}")
     if entry.shape != shape:
         raise ValueError(f"tensor {name} in {entry.file.name} has shape {list(entry.shape)}, expected "

@@ -151,3 +151,22 @@ def test_a_template_file_that_is_not_utf8_is_named(stories_path, tmp_path, file)
     with pytest.raises(ValueError, match=re.escape(f"chat template file {folder / file} is not UTF-8 text: invalid "
                                                    f"start byte at byte 0")):
         Tokenizer.from_pretrained(folder)
+
+
+def test_a_tensor_the_index_places_in_a_shard_that_lacks_it_names_both(stories_path, tmp_path):
+    """A shard of another version of the checkpoint (or one cut short) beside its index: the error named
+    the missing tensor alone, not the shard the index says holds it."""
+    from safetensors.numpy import load_file, save_file
+    folder = stories_copy(stories_path, tmp_path / "m")
+    (folder / "model.safetensors").unlink()
+    tensors = load_file(stories_path / "model.safetensors")
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:20], "model-00002-of-00002.safetensors": names[20:]}
+    for file, part in shards.items():
+        save_file({n: tensors[n] for n in part if n != names[5]}, folder / file)
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    with pytest.raises(ValueError, match=re.escape(f"is missing tensor {names[5]} (model.safetensors.index.json "
+                                                   f"places it in model-00001-of-00002.safetensors, which does not "
+                                                   f"hold it)")):
+        load_weights(folder, load_model_config(folder), "float32")
