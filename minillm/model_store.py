@@ -13,7 +13,7 @@ from pathlib import Path
 # Only what the engine reads: weights, configs, tokenizer files and chat templates.
 DOWNLOAD_PATTERNS = ["*.safetensors", "*.json", "*.jinja", "tokenizer*", "merges.txt", "vocab.txt"]
 # What a tokenizer given apart from the model (vLLM's tokenizer) is read from: its files and chat templates.
-TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "*.jinja"]
+TOKENIZER_PATTERNS = ["tokenizer*", "special_tokens_map.json", "added_tokens.json", "chat_template.json", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")    # org/name, or a legacy bare name
 # How far the "did you mean" search for a mistyped local path looks, so it stays instant.
 _NEARBY_DEPTH = 3
