@@ -12,14 +12,16 @@ import threading
 from collections.abc import Callable, Iterable, Sequence as Seq
 import numpy as np
 
+from minillm.beam_search import BeamSearchInstance, BeamSearchOutput, best_beams, run_steps
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.outputs import RequestOutput
 from minillm.prompts import (
-    PromptType, TokensPrompt, cache_salt_of, check_lora_request, tokenization_add_special_tokens, unpack_prompt,
+    PromptType, TokensPrompt, cache_salt_of, check_lora_request, checked_token_ids, text_token_ids,
+    tokenization_add_special_tokens, unpack_prompt,
 )
 from minillm.request_queue import check_priorities
-from minillm.sampling_params import SamplingParams, short_repr
+from minillm.sampling_params import BeamSearchParams, SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode, template_file_text
 
 _CHOOSES_GRAPHS = "minillm chooses the batch sizes it captures CUDA graphs for (enforce_eager=True turns them off)"
@@ -84,7 +86,6 @@ VLLM_FIXED_ARGS = {
 VLLM_MISSING_METHODS = {
     **dict.fromkeys(("encode", "embed", "classify", "score", "reward"),
                     "minillm runs generative models only, with no pooling API (generate and chat give text)"),
-    "beam_search": "minillm has no beam search (SamplingParams(n=...) samples n completions)",
     **dict.fromkeys(("sleep", "wake_up"), "minillm keeps its weights and KV pool in device memory until "
                                           "shutdown(), which gives them back (a new LLM loads the model again)"),
     **dict.fromkeys(("start_profile", "stop_profile"), "minillm has no torch profiler (`minillm bench throughput` "
@@ -326,6 +327,66 @@ class LLM:
                 bar.close()
         return [finished[rid] for rid in ids]
 
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool | Callable = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (minillm/beam_search.py): a BeamSearchOutput a prompt, its best beams first.
+
+        A prompt takes generate's forms; a text prompt is tokenized with special tokens. Each beam's
+        tokens hold the prompt's and its text is the whole sequence decoded, as vLLM's; a beam ends
+        with finish_reason "stop" on the tokenizer's EOS (unless params.ignore_eos) or "length" after
+        max_tokens, or where it fills max_model_len. concurrency_limit (vLLM's) searches that many
+        prompts at a time; use_tqdm shows the steps on stderr (not with concurrency_limit, as vLLM).
+        lora_request may only be None (or a list of Nones, one a prompt).
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {short_repr(params)}")
+        params.validate()
+        check_lora_request(lora_request)
+        if isinstance(prompts, (str, dict)) or _is_one_id_list(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, bytearray)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts, got {short_repr(prompts)}")
+        prompts = list(prompts)
+        if isinstance(lora_request, (list, tuple)) and len(lora_request) != len(prompts):
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {len(prompts)} prompts")
+        if concurrency_limit is not None and (not _is_int(concurrency_limit) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or an integer >= 1, got {short_repr(concurrency_limit)}")
+        if 2 * params.beam_width > self.engine.config.max_logprobs:
+            raise ValueError(f"beam_width must be at most max_logprobs // 2 ({self.engine.config.max_logprobs // 2}): "
+                             f"each step asks for 2 * beam_width log-probabilities, got {params.beam_width}")
+        instances = []
+        for i, prompt in enumerate(prompts):
+            with _naming_prompt(i, len(prompts)):
+                instances.append(BeamSearchInstance.from_prompt(self._beam_prompt_ids(prompt), cache_salt_of(prompt)))
+        step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+        batch_size = concurrency_limit or max(len(instances), 1)
+        bar = _progress_bar(params.max_tokens, use_tqdm, "Beam search", "token") \
+            if use_tqdm and concurrency_limit is None and instances else None
+        tokenizer = self.get_tokenizer()
+        try:
+            for start in range(0, len(instances), batch_size):
+                run_steps(instances[start:start + batch_size],
+                          lambda batch: self.generate(batch, step_params, use_tqdm=False),
+                          params, tokenizer.eos_token_id, self.engine.max_model_len,
+                          None if bar is None else lambda: bar.update(1))
+        finally:
+            if bar is not None:
+                bar.close()
+        return [best_beams(inst, params, tokenizer.eos_token_id, tokenizer.decode) for inst in instances]
+
+    def _beam_prompt_ids(self, prompt) -> list[int]:
+        """A beam search prompt's token ids (a text prompt tokenized with special tokens); ValueError
+        for one generate would refuse, or one that leaves no room under max_model_len."""
+        _, prompt = unpack_prompt(prompt)
+        if isinstance(prompt, str):
+            ids = text_token_ids(self.engine.tokenizer, prompt)
+        else:
+            ids = checked_token_ids(prompt, self.engine.model_config.vocab_size)
+        if len(ids) >= self.engine.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "
+                             f"max_model_len {self.engine.max_model_len}")
+        return ids
+
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
@@ -554,15 +615,15 @@ def _is_one_id_list(prompts) -> bool:
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], numbers.Integral)
 
 
-def _progress_bar(total: int, use_tqdm):
+def _progress_bar(total: int, use_tqdm, desc: str = "generate", unit: str = "req"):
     """A tqdm bar on stderr (tqdm comes with huggingface-hub), or the one use_tqdm makes when it is
     callable; None without a stderr (sys.stderr None: pythonw, or started with it closed)."""
     if callable(use_tqdm):
-        return use_tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+        return use_tqdm(total=total, desc="Processed prompts" if desc == "generate" else desc, dynamic_ncols=True)
     if sys.stderr is None:
         return None
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc="generate", unit="req", file=_BarStream(sys.stderr))
+    return tqdm(total=total, desc=desc, unit=unit, file=_BarStream(sys.stderr))
 
 
 class _BarStream:

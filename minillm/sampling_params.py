@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from minillm.allowed_tokens import MaskedRowCheck
     from minillm.bad_words import BadWordIds
+    from minillm.repetition import RepetitionDetectionParams
     from minillm.structured_output import StructuredOutputsParams
 
 
@@ -28,6 +29,9 @@ def __getattr__(name: str):
     if name == "GuidedDecodingParams":      # vLLM's earlier name, with its options
         from minillm.guided_decoding import GuidedDecodingParams
         return GuidedDecodingParams
+    if name == "RepetitionDetectionParams":     # beside SamplingParams in vLLM; minillm/repetition.py
+        from minillm.repetition import RepetitionDetectionParams
+        return RepetitionDetectionParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # vLLM's seeds: a signed 64-bit integer (its server's bound), -1 meaning none. The sampler's generator
@@ -229,6 +233,8 @@ class SamplingParams:
     extra_args: dict | None = None
     allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
     bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py); None: []
+    # vLLM's: stop once the output ends in a pattern repeated min_count times (minillm/repetition.py)
+    repetition_detection: RepetitionDetectionParams | None = None
     detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
     # vLLM's: False reads an added token right after another as its bare text (no space the decoder puts between)
     spaces_between_special_tokens: bool = True
@@ -450,6 +456,20 @@ class SamplingParams:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.repetition_detection is not None:
+            self._validate_repetition_detection()
+
+    def _validate_repetition_detection(self) -> None:
+        """repetition_detection's fields (again: they may have changed since it was made) and its scan work."""
+        from minillm.repetition import RepetitionDetectionParams, check_scan_work
+        detection = self.repetition_detection
+        if not isinstance(detection, RepetitionDetectionParams):
+            raise ValueError(f"repetition_detection must be a RepetitionDetectionParams, got {short_repr(detection)}")
+        try:
+            detection.validate()
+        except ValueError as exc:
+            raise ValueError(f"repetition_detection.{exc}") from None
+        check_scan_work(detection)
 
     def _plain_containers(self) -> None:
         """NumPy integers, floats and strings in the list and dict fields (checked or still to be) as
@@ -564,9 +584,12 @@ _FIELD_FACTORIES = tuple((f.name, f.default_factory) for f in dataclasses.fields
 VLLM_FIXED_FIELDS = {
     "best_of": (lambda v, n: v is None or (_is_int(v) and v == n),
                 "minillm returns all n completions it samples (no best-of selection): give best_of None or n"),
-    "use_beam_search": (lambda v, n: v is False, "minillm has no beam search (n samples n completions)"),
-    "length_penalty": (lambda v, n: _is_finite(v) and v == 1.0, "only beam search reads it, which minillm has not"),
-    "early_stopping": (lambda v, n: v is False, "only beam search reads it, which minillm has not"),
+    "use_beam_search": (lambda v, n: v is False, "minillm has no beam search in SamplingParams (n samples n "
+                                                 "completions; LLM.beam_search takes a BeamSearchParams)"),
+    "length_penalty": (lambda v, n: _is_finite(v) and v == 1.0,
+                       "only beam search reads it (BeamSearchParams.length_penalty, for LLM.beam_search)"),
+    "early_stopping": (lambda v, n: v is False, "only beam search reads it (LLM.beam_search runs max_tokens steps, "
+                                                "as vLLM's)"),
     "logits_processors": (lambda v, n: v is None or v == [],
                           "minillm runs no Python logits processors (logit_bias, allowed_token_ids, bad_words and "
                           "structured_outputs shape the logits)"),
@@ -582,8 +605,6 @@ VLLM_FIXED_FIELDS = {
     # vLLM's -1 is no budget, as None
     "thinking_token_budget": (lambda v, n: v is None or (_is_int(v) and v == -1),
                               "minillm has no thinking budget (max_tokens bounds the output): give None or -1"),
-    "repetition_detection": (lambda v, n: v is None, "minillm has no repetition detection (repetition_penalty, "
-                                                     "frequency_penalty and presence_penalty discourage repeats)"),
     "logprob_token_ids": (lambda v, n: v is None, "logprobs=k gives the top k and the sampled token"),
     "prompt_logprob_token_ids": (lambda v, n: v is None, "prompt_logprobs=k gives the top k and the prompt's token"),
     "prompt_logprob_start": (lambda v, n: v is None or (_is_int(v) and v == 0),
@@ -591,13 +612,19 @@ VLLM_FIXED_FIELDS = {
     "trace_decode_token_ids": (lambda v, n: v is None, "minillm samples every token"),
 }
 
+# vLLM's earlier SamplingParams fields of its repetition stop, taken as repetition_detection's (all 0: none).
+VLLM_REPETITION_FIELDS = {"max_repetition_pattern_size": "max_pattern_size",
+                          "min_repetition_pattern_size": "min_pattern_size", "repetition_min_count": "min_count"}
+_VLLM_ONLY_FIELDS = frozenset(VLLM_FIXED_FIELDS) | frozenset(VLLM_REPETITION_FIELDS)
 _dataclass_init = SamplingParams.__init__
 
 
 def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
-    """SamplingParams' own __init__, after VLLM_FIXED_FIELDS are checked and left out."""
-    if not kwargs.keys().isdisjoint(VLLM_FIXED_FIELDS):
+    """SamplingParams' own __init__, after VLLM_FIXED_FIELDS are checked and left out (and vLLM's
+    earlier repetition fields made repetition_detection)."""
+    if not kwargs.keys().isdisjoint(_VLLM_ONLY_FIELDS):
         _take_guided_decoding(kwargs)
+        _take_repetition_fields(kwargs)
         n = kwargs.get("n", args[0] if args else 1)
         for name in [k for k in kwargs if k in VLLM_FIXED_FIELDS]:
             value = kwargs.pop(name)
@@ -605,6 +632,25 @@ def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
             if not is_done(value, n):
                 raise ValueError(f"{name}={short_repr(value)} is not supported: {does}")
     _dataclass_init(self, *args, **kwargs)
+
+
+def _take_repetition_fields(kwargs: dict) -> None:
+    """vLLM's earlier max_repetition_pattern_size, min_repetition_pattern_size and repetition_min_count
+    become repetition_detection; a ValueError names the one at fault."""
+    given = {new: kwargs.pop(old) for old, new in VLLM_REPETITION_FIELDS.items() if old in kwargs}
+    if not given:
+        return
+    old_names = {new: old for old, new in VLLM_REPETITION_FIELDS.items()}
+    if kwargs.get("repetition_detection") is not None:
+        raise ValueError(f"{next(old_names[k] for k in given)} is vLLM's earlier spelling of repetition_detection, "
+                         f"which is given too: give one")
+    from minillm.repetition import RepetitionDetectionParams, renamed
+    try:
+        detection = RepetitionDetectionParams(**given)
+    except ValueError as exc:
+        raise ValueError(renamed(str(exc), old_names)) from None
+    if detection.is_enabled:
+        kwargs["repetition_detection"] = detection
 
 
 def _take_guided_decoding(kwargs: dict) -> None:
@@ -621,3 +667,51 @@ def _take_guided_decoding(kwargs: dict) -> None:
 
 _init_taking_vllm_fields.__wrapped__ = _dataclass_init    # inspect.signature shows the fields
 SamplingParams.__init__ = _init_taking_vllm_fields
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (LLM.beam_search): beam_width beams of up to max_tokens tokens.
+
+    temperature picks each step's sampled token, one more candidate beside the likeliest ones;
+    length_penalty divides a beam's score by its length to that power. include_stop_str_in_output
+    is taken as vLLM's offline search takes it, where it changes nothing (a beam that ends on EOS
+    keeps it). structured_outputs (vLLM's) may only be None: each step is a new request, whose
+    grammar would start over.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range or of the wrong type."""
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {short_repr(getattr(self, name))}")
+
+        for name in ("beam_width", "max_tokens", "temperature", "length_penalty"):
+            setattr(self, name, _plain(getattr(self, name)))
+        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
+            bad("beam_width", f"must be an integer in [1, {MAX_LOGPROBS // 2}] (each step asks for "
+                              f"2 * beam_width log-probabilities, at most {MAX_LOGPROBS})")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            bad("max_tokens", "must be an integer >= 1")
+        if not _is_finite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            bad("temperature", f"must be a finite number in [0, {FLOAT32_MAX:.4g}]")
+        if not _is_finite(self.length_penalty):
+            bad("length_penalty", "must be a finite number")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if _is_numpy_bool(getattr(self, name)):
+                setattr(self, name, bool(getattr(self, name)))
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be true or false")
+        if self.structured_outputs is not None:
+            bad("structured_outputs", "is not supported in beam search: each step is a new request, whose "
+                                      "grammar would start over (leave it None)")

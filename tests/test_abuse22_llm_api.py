@@ -92,7 +92,7 @@ def test_set_tokenizer_takes_back_the_tokenizer_get_tokenizer_returned(llm, stor
 
 @pytest.mark.parametrize("name, why", [
     ("embed", "generative models only"), ("encode", "generative models only"), ("classify", "no pooling API"),
-    ("score", "no pooling API"), ("reward", "no pooling API"), ("beam_search", "no beam search"),
+    ("score", "no pooling API"), ("reward", "no pooling API"),
     ("sleep", "until shutdown"), ("wake_up", "until shutdown"), ("start_profile", "no torch profiler"),
     ("stop_profile", "no torch profiler"),
 ])

@@ -1,0 +1,124 @@
+"""Beam search as vLLM's LLM.beam_search runs it, over the engine's own one-token requests.
+
+Each step asks every live beam for one token with its 2 * beam_width likeliest alternatives (its
+log-probabilities, as vLLM follows transformers), so a step is one batch of requests whose prompts
+share their beam's prefix (the prefix cache serves it). Of all the candidates of a prompt, one that
+ends on EOS is set aside as completed and the beam_width best others go on; at the end the
+beam_width best of the completed and the live ones are the output, scored by
+get_beam_search_score.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from minillm.outputs import Logprob, RequestOutput
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: the prompt's tokens and its own, and their log-probabilities (vLLM's fields)."""
+
+    tokens: list[int]                       # the prompt's, then the generated ones
+    logprobs: list[dict[int, Logprob]]      # per generated token: its step's candidates {token id: Logprob}
+    lora_request: None = None               # vLLM's; minillm loads no adapters
+    cum_logprob: float = 0.0                # the generated tokens' log-probabilities, summed
+    text: str | None = None                 # the whole sequence decoded, set on the best beams at the end
+    finish_reason: str | None = None        # "stop" (it ended on EOS) or "length", set on the output's beams
+    stop_reason: int | str | None = None    # None: EOS, as a CompletionOutput ended by it
+
+
+@dataclass
+class BeamSearchOutput:
+    """A prompt's best beams, best first: beam_width of them, or fewer where fewer were found."""
+
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class BeamSearchInstance:
+    """One prompt's search: the beams still growing and those that ended on EOS."""
+
+    beams: list[BeamSearchSequence]
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+    cache_salt: str | None = None           # the prompt's, on each step's requests
+
+    @classmethod
+    def from_prompt(cls, prompt_tokens: list[int], cache_salt: str | None = None) -> "BeamSearchInstance":
+        """A search that starts from the prompt alone."""
+        return cls([BeamSearchSequence(tokens=list(prompt_tokens), logprobs=[])], cache_salt=cache_salt)
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
+                          length_penalty: float = 1.0) -> float:
+    """cumulative_logprob / len ** length_penalty, len counting the prompt and not a final EOS (vLLM's
+    score, after transformers')."""
+    seq_len = len(tokens)
+    if tokens[-1] == eos_token_id:
+        seq_len -= 1
+    return cumulative_logprob / (seq_len ** length_penalty)
+
+
+def sort_beams_key(eos_token_id: int | None, length_penalty: float) -> Callable[[BeamSearchSequence], float]:
+    """A beam's score as a sort key (vLLM's create_sort_beams_key_function)."""
+    return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
+
+
+def run_steps(instances: list[BeamSearchInstance], step: Callable[[list[dict]], list[RequestOutput]],
+              params, eos_token_id: int | None, max_model_len: int, on_step: Callable[[], None] | None = None) -> None:
+    """Grow the beams of instances for params.max_tokens steps (or until none is left); step runs one
+    token prompt a beam and returns its outputs in order. A prompt's beams, all of one length, stop
+    growing where they fill max_model_len."""
+    key = sort_beams_key(eos_token_id, params.length_penalty)
+    for _ in range(params.max_tokens):
+        growing = [inst for inst in instances if inst.beams and len(inst.beams[0].tokens) < max_model_len]
+        if not growing:
+            break
+        beams = [(inst, beam) for inst in growing for beam in inst.beams]
+        outputs = step([_beam_prompt(beam, inst.cache_salt) for inst, beam in beams])
+        candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in growing}
+        for (inst, beam), out in zip(beams, outputs):
+            for new in _extensions(beam, out):
+                if new.tokens[-1] == eos_token_id and not params.ignore_eos:
+                    new.finish_reason = "stop"
+                    inst.completed.append(new)
+                else:
+                    candidates[id(inst)].append(new)
+        for inst in growing:
+            inst.beams = sorted(candidates[id(inst)], key=key, reverse=True)[:params.beam_width]
+        if on_step is not None:
+            on_step()
+
+
+def _beam_prompt(beam: BeamSearchSequence, cache_salt: str | None) -> dict:
+    """The token prompt that asks for a beam's next token."""
+    prompt = {"prompt_token_ids": beam.tokens}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    return prompt
+
+
+def _extensions(beam: BeamSearchSequence, out: RequestOutput) -> list[BeamSearchSequence]:
+    """beam with each candidate token of its step's output appended (the step's logprobs dict: the
+    sampled token and the likeliest ones)."""
+    completion = out.outputs[0]
+    if not completion.logprobs:
+        return []
+    candidates = completion.logprobs[0]
+    return [BeamSearchSequence(tokens=beam.tokens + [token_id], logprobs=beam.logprobs + [candidates],
+                               cum_logprob=beam.cum_logprob + logprob.logprob)
+            for token_id, logprob in candidates.items()]
+
+
+def best_beams(instance: BeamSearchInstance, params, eos_token_id: int | None,
+               decode: Callable[[list[int]], str]) -> BeamSearchOutput:
+    """The beam_width best of an instance's completed and live beams, each with its text (the whole
+    sequence decoded, prompt and special tokens too, as vLLM's) and finish reason."""
+    key = sort_beams_key(eos_token_id, params.length_penalty)
+    best = sorted(itertools.chain(instance.completed, instance.beams), key=key, reverse=True)[:params.beam_width]
+    for beam in best:
+        beam.text = decode(beam.tokens)
+        if beam.finish_reason is None:
+            beam.finish_reason = "length"
+    return BeamSearchOutput(sequences=best)

@@ -1,0 +1,226 @@
+"""vLLM's offline API as its users write it, run against minillm with only the import changed:
+LLM.beam_search with BeamSearchParams, checked against a search written here over transformers'
+log-probabilities (and, for EOS and length limits, the engine's own top 20 of each prefix)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from minillm import LLM, SamplingParams
+from minillm.beam_search import BeamSearchOutput, BeamSearchSequence, get_beam_search_score
+from minillm.sampling_params import BeamSearchParams
+
+PROMPTS = ["Once upon a time", "Lily and Tom", "The cat sat"]
+PERIOD = 426          # "." in stories260K's vocabulary
+
+
+@pytest.fixture(scope="module")
+def period_eos_path(stories_path, tmp_path_factory):
+    """stories260K whose tokenizer names "." its EOS: beams end on it within a few tokens."""
+    out = tmp_path_factory.mktemp("stories_period_eos")
+    for f in stories_path.iterdir():
+        if f.name != "tokenizer_config.json":
+            (out / f.name).symlink_to(f)
+    config = json.loads((stories_path / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "."}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def period_llm(period_eos_path):
+    with LLM(str(period_eos_path), device="cpu", max_model_len=64) as model:
+        yield model
+
+
+@pytest.fixture(scope="module")
+def hf_model(stories_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+    torch.set_num_threads(1)
+    return transformers.AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
+
+
+def _hf_logprobs(model):
+    """A prefix's next-token log-probabilities {token: logprob} from transformers' model (all the vocabulary)."""
+    import torch
+
+    def logprobs_of(tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1].double()
+        return dict(enumerate(torch.log_softmax(logits, -1).tolist()))
+    return logprobs_of
+
+
+def _engine_logprobs(llm):
+    """A prefix's 20 likeliest next tokens {token: logprob}, asked of the engine alone, one request a prefix."""
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=20)
+
+    def logprobs_of(tokens):
+        [out] = llm.generate({"prompt_token_ids": tokens}, params, use_tqdm=False)
+        return {t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()}
+    return logprobs_of
+
+
+def _reference(logprobs_of, prompt_ids, width, steps, eos, length_penalty=1.0, ignore_eos=False, max_len=10**9):
+    """Beam search as vLLM defines it: each beam's 2 * width likeliest next tokens are candidates, an EOS
+    one is completed, the width best others live on; the width best (tokens, cumulative logprob)."""
+    def score(beam):
+        tokens, cum = beam
+        return cum / ((len(tokens) - (tokens[-1] == eos)) ** length_penalty)
+
+    beams, completed = [(list(prompt_ids), 0.0)], []
+    for _ in range(steps):
+        if not beams or len(beams[0][0]) >= max_len:
+            break
+        candidates = []
+        for tokens, cum in beams:
+            logprobs = logprobs_of(tokens)
+            for token in sorted(logprobs, key=logprobs.get, reverse=True)[:2 * width]:
+                new = (tokens + [token], cum + logprobs[token])
+                (completed if token == eos and not ignore_eos else candidates).append(new)
+        beams = sorted(candidates, key=score, reverse=True)[:width]
+    return sorted(completed + beams, key=score, reverse=True)[:width]
+
+
+def _summary(output: BeamSearchOutput):
+    return [(s.tokens, s.cum_logprob) for s in output.sequences]
+
+
+def _assert_same_beams(got: BeamSearchOutput, want):
+    assert [s.tokens for s in got.sequences] == [tokens for tokens, _ in want]
+    for seq, (_, cum) in zip(got.sequences, want):
+        assert seq.cum_logprob == pytest.approx(cum, abs=1e-3)
+
+
+# ---- LLM.beam_search: it was an AttributeError ('minillm has no beam search') -------------------
+
+def test_beam_search_finds_the_beams_of_a_search_over_transformers_logits(llm, hf_model):
+    """One test (not one a width): transformers' model loads once."""
+    for width, steps in [(2, 6), (3, 5)]:
+        _check_the_beams_of_transformers(llm, _hf_logprobs(hf_model), width, steps)
+
+
+def _check_the_beams_of_transformers(llm, logprobs_of, width, steps):
+    outputs = llm.beam_search(PROMPTS, BeamSearchParams(beam_width=width, max_tokens=steps))
+    tok = llm.get_tokenizer()
+    assert len(outputs) == len(PROMPTS)
+    for prompt, out in zip(PROMPTS, outputs):
+        ids = tok.encode(prompt)
+        _assert_same_beams(out, _reference(logprobs_of, ids, width, steps, tok.eos_token_id))
+        for seq in out.sequences:
+            assert isinstance(seq, BeamSearchSequence)
+            assert seq.tokens[:len(ids)] == ids and len(seq.tokens) == len(ids) + steps
+            assert seq.text == tok.decode(seq.tokens)            # the prompt and <s> too, as vLLM's
+            assert seq.finish_reason == "length" and seq.stop_reason is None
+            assert len(seq.logprobs) == steps
+            for token, candidates in zip(seq.tokens[len(ids):], seq.logprobs):
+                assert token in candidates and len(candidates) >= 2 * width
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, 2.0])
+def test_beams_ending_on_eos_are_completed_and_ranked_with_the_length_penalty(period_llm, length_penalty):
+    tok = period_llm.get_tokenizer()
+    assert tok.eos_token_id == PERIOD
+    params = BeamSearchParams(beam_width=3, max_tokens=12, length_penalty=length_penalty)
+    [out] = period_llm.beam_search(["Lily and Tom"], params)
+    want = _reference(_engine_logprobs(period_llm), tok.encode("Lily and Tom"), 3, 12, PERIOD, length_penalty)
+    _assert_same_beams(out, want)
+    stopped = [s for s in out.sequences if s.tokens[-1] == PERIOD]
+    assert stopped, "no beam ended on EOS: the test no longer covers completed beams"
+    assert all(s.finish_reason == "stop" for s in stopped)
+    assert all(s.finish_reason == "length" for s in out.sequences if s not in stopped)
+    scores = [get_beam_search_score(s.tokens, s.cum_logprob, PERIOD, length_penalty) for s in out.sequences]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_ignore_eos_grows_past_eos_and_width_one_is_greedy(period_llm):
+    tok = period_llm.get_tokenizer()
+    params = BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True)
+    [out] = period_llm.beam_search("Lily and Tom", params)
+    [greedy] = period_llm.generate("Lily and Tom", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                                   use_tqdm=False)
+    [seq] = out.sequences
+    assert seq.tokens[len(greedy.prompt_token_ids):] == greedy.outputs[0].token_ids
+    assert PERIOD in seq.tokens and seq.finish_reason == "length"
+    _assert_same_beams(out, _reference(_engine_logprobs(period_llm), tok.encode("Lily and Tom"), 1, 12, PERIOD, ignore_eos=True))
+
+
+def test_beams_stop_where_they_fill_max_model_len(period_llm):
+    prompt = [1] + [PERIOD + 1] * 58           # 59 tokens: room for 5 under max_model_len 64
+    [out] = period_llm.beam_search([{"prompt_token_ids": prompt}],
+                                   BeamSearchParams(beam_width=2, max_tokens=20, ignore_eos=True))
+    _assert_same_beams(out, _reference(_engine_logprobs(period_llm), prompt, 2, 20, PERIOD, ignore_eos=True, max_len=64))
+    assert [len(s.tokens) for s in out.sequences] == [64, 64]
+    assert not period_llm.llm_engine.has_unfinished_requests()
+
+
+def test_concurrency_limit_and_prompt_forms_give_the_same_beams(llm):
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+    ids = llm.get_tokenizer().encode(PROMPTS[1])
+    whole = llm.beam_search(PROMPTS, params)
+    forms = [PROMPTS[0], {"prompt_token_ids": ids}, {"prompt": PROMPTS[2], "cache_salt": "s"}]
+    limited = llm.beam_search(forms, params, concurrency_limit=1)
+    for got, want in zip(limited, whole):      # a batch of other rows may move the last bits
+        _assert_same_beams(got, _summary(want))
+
+
+def test_use_tqdm_shows_the_steps_on_stderr(llm, capfd):
+    llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=True)
+    out, err = capfd.readouterr()
+    assert "Beam search" in err and "3/3" in err and out == ""
+    llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=True, concurrency_limit=1)
+    assert "Beam search" not in capfd.readouterr().err      # as vLLM: no bar with a concurrency limit
+
+
+@pytest.mark.parametrize("fields, needle", [
+    (dict(beam_width=0, max_tokens=4), r"beam_width must be an integer in \[1, 10\]"),
+    (dict(beam_width=11, max_tokens=4), r"beam_width must be an integer in \[1, 10\].*2 \* beam_width"),
+    (dict(beam_width=2.0, max_tokens=4), "beam_width must be an integer"),
+    (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(beam_width=2, max_tokens=4, temperature=-0.5), "temperature must be a finite number"),
+    (dict(beam_width=2, max_tokens=4, length_penalty=math.inf), "length_penalty must be a finite number"),
+    (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos must be true or false"),
+    (dict(beam_width=2, max_tokens=4, structured_outputs=object()), "structured_outputs is not supported in beam"),
+])
+def test_beam_search_params_name_a_bad_field(fields, needle):
+    with pytest.raises(ValueError, match=needle):
+        BeamSearchParams(**fields)
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda llm, p: llm.beam_search(PROMPTS, SamplingParams()), "params must be a BeamSearchParams"),
+    (lambda llm, p: llm.beam_search(PROMPTS, p, lora_request=object()), "lora_request=.* is not supported"),
+    (lambda llm, p: llm.beam_search(PROMPTS, p, lora_request=[None]), "lora_request has 1 entries for 3 prompts"),
+    (lambda llm, p: llm.beam_search(PROMPTS, p, concurrency_limit=0), "concurrency_limit must be None or an integer"),
+    (lambda llm, p: llm.beam_search(["a", {"prompt": "b", "multi_modal_data": {"image": 1}}], p),
+     r"prompt 2 of 2: prompt dict has unsupported key\(s\) \['multi_modal_data'\].*text-only"),
+    (lambda llm, p: llm.beam_search(["a", [1, 10**6]], p), r"prompt 2 of 2: prompt token ids must be integers in"),
+    (lambda llm, p: llm.beam_search(["a", [1] * 128], p), "prompt 2 of 2: prompt has 128 tokens, which leaves no room"),
+])
+def test_beam_search_names_a_bad_argument_and_queues_nothing(llm, call, needle):
+    with pytest.raises(ValueError, match=needle):
+        call(llm, BeamSearchParams(beam_width=2, max_tokens=3))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_beam_search_is_an_llm_method_again(llm):
+    """hasattr() was False (the method was refused as vLLM's and missing)."""
+    assert hasattr(llm, "beam_search")
+
+
+def test_no_prompts_search_nothing_and_sampling_params_point_at_beam_search(llm):
+    assert llm.beam_search([], BeamSearchParams(beam_width=2, max_tokens=3)) == []
+    with pytest.raises(ValueError, match="use_beam_search=True is not supported: .*LLM.beam_search takes a "
+                                         "BeamSearchParams"):
+        SamplingParams(use_beam_search=True)
+
+
+def test_beam_width_is_bounded_by_the_engines_max_logprobs(stories_path):
+    with LLM(str(stories_path), device="cpu", max_model_len=32, max_logprobs=4) as small:
+        with pytest.raises(ValueError, match=r"beam_width must be at most max_logprobs // 2 \(2\).*got 3"):
+            small.beam_search(["Once"], BeamSearchParams(beam_width=3, max_tokens=2))
+        [out] = small.beam_search(["Once"], BeamSearchParams(beam_width=2, max_tokens=2))
+        assert len(out.sequences) == 2
