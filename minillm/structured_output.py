@@ -107,7 +107,11 @@ class StructuredOutputsParams:
     json_object: any JSON object. disable_any_whitespace (vLLM's option): JSON with no whitespace
     between its tokens; None takes the engine's default (StructuredOutputManager's, True: a model
     free to add whitespace can spend its whole budget on it). disable_additional_properties (vLLM's):
-    every object schema with properties that does not say what other keys it takes takes none.
+    None, the default, or True reads a schema as vLLM's default backend (xgrammar, in its strict mode)
+    does: an object schema with properties that does not say what other keys it takes takes none, and a
+    tuple (prefixItems) that does not say what follows takes nothing more (_with_closed_objects); False
+    reads it as JSON Schema does (llguidance's reading, vLLM's guidance backend's default), where such
+    an object takes any other key. A schema's own additionalProperties or items is kept either way.
     whitespace_pattern and structural_tag (vLLM's) are taken only as None. reasoning (minillm's: vLLM
     sets it for the whole engine with --reasoning-parser) is the (start, end) token ids of a thinking
     block: the output is free until the end token and the grammar holds what follows it (from the first
@@ -123,7 +127,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool | None = None
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool | None = None
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
     reasoning: tuple[int, int] | None = None
@@ -140,9 +144,10 @@ class StructuredOutputsParams:
     @classmethod
     def from_checked(cls, **fields: Any) -> StructuredOutputsParams:
         """The constraint an API server built and compile-checked, rebuilt by the engine core: its
-        fields are checked again, its grammar is not (llguidance's check of a large grammar takes a
-        quarter of a second, and the core runs it on its step loop); one that does not compile ends
-        its request with the compile's error, reported from the compile pool."""
+        fields are checked again, its grammar and its length are not (llguidance's check of a large
+        grammar takes a quarter of a second, and the core runs it on its step loop; the length bound is
+        the client's text's, and a schema crosses with its objects closed); one that does not compile
+        ends its request with the compile's error, reported from the compile pool."""
         token = _IS_GRAMMAR_CHECKED.set(True)
         try:
             return cls(**fields)
@@ -169,11 +174,12 @@ class StructuredOutputsParams:
                                          f"must be set, got {got}")
         name = chosen[0]
         key = _canonical_key(name, getattr(self, name))
-        if key[0] is StructuredOutputOptions.JSON and self.disable_additional_properties:
-            key = (key[0], _with_closed_objects(key[1]))    # before the bound: the core counts this text
-        if key[0] in _BOUNDED_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS:
+        # The client's text is bounded; the core takes the closed text its API server bounded so.
+        if key[0] in _BOUNDED_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS and not _IS_GRAMMAR_CHECKED.get():
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
+        if key[0] is StructuredOutputOptions.JSON and self.disable_additional_properties is not False:
+            key = (key[0], _with_closed_objects(key[1]))
         error = "" if _IS_GRAMMAR_CHECKED.get() else _checked_grammar(key)
         if error:
             raise _invalid(name, error)
@@ -581,21 +587,25 @@ class _InstanceGraph:
     def _target(self, ref: str, holder: dict) -> Any:
         """The subschema a $ref within holder's resource (the document, or the nearest enclosing
         subschema with an $id) names; None for any other $ref."""
-        root = self.resource.get(id(holder), self.root)
-        if ref == "#":
-            return root
-        if not ref.startswith("#/"):
+        return _ref_target(ref, self.resource.get(id(holder), self.root))
+
+
+def _ref_target(ref: str, root: Any) -> Any:
+    """The subschema a $ref names inside the resource root ("#" or a JSON pointer "#/..."); None for any other."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for part in ref[2:].split("/"):
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
             return None
-        node = root
-        for part in ref[2:].split("/"):
-            part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
-            if isinstance(node, dict):
-                node = node.get(part)
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
-            else:
-                return None
-        return node
+    return node
 
 
 def _resource_roots(schema: dict, nodes: list[dict]) -> dict[int, dict]:
@@ -1324,15 +1334,118 @@ def _with_known_formats(text: str) -> str:
 
 
 def _with_closed_objects(text: str) -> str:
-    """The schema text with additionalProperties: false in every subschema that has properties or
-    patternProperties and no additionalProperties (vLLM's disable_additional_properties); const and
-    enum values are data and left as they are."""
-    schema, changed = jsonlib.loads(text), False
-    for node in _subschemas(schema):
-        if "additionalProperties" not in node and ("properties" in node or "patternProperties" in node):
+    """The schema text read as vLLM's default backend (xgrammar, in its strict mode) reads it: an object
+    schema with properties or patternProperties that says nothing of other keys takes none
+    (additionalProperties false), and an array with prefixItems (or draft 7's list of items) that says
+    nothing of further items takes none. Left as written: an object whose keys combine with another
+    schema's (through allOf, a $ref beside its properties, or its properties beside an anyOf or oneOf
+    whose schemas list properties), where each closed would refuse the other's keys; an object that
+    asks for a key or a number of keys (required, minProperties) it does not list; an array that asks
+    for more items than it lists (minItems). const and enum values are data and left as they are."""
+    schema = jsonlib.loads(text)
+    if not isinstance(schema, dict):
+        return text
+    nodes = list(_subschemas(schema))
+    combined = _combined_objects(nodes, _resource_roots(schema, nodes), schema)
+    changed = False
+    for node in nodes:
+        if id(node) not in combined and _can_close_object(node):
             node["additionalProperties"] = False
             changed = True
+        rest = _open_tuple_rest(node)
+        if rest is not None:
+            node[rest] = False
+            changed = True
     return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
+def _lists_keys(node: Any) -> bool:
+    """Whether node is a schema that lists an object's keys (properties or patternProperties)."""
+    return isinstance(node, dict) and (isinstance(node.get("properties"), dict)
+                                       or isinstance(node.get("patternProperties"), dict))
+
+
+def _can_close_object(node: dict) -> bool:
+    """Whether node lists its object's keys, says nothing of others, and can be met with only those."""
+    if not _lists_keys(node) or "additionalProperties" in node or "unevaluatedProperties" in node:
+        return False
+    listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
+    if any(name not in listed and not _may_match_a_pattern(name, patterns) for name in _required_names(node)):
+        return False
+    least = node.get("minProperties")
+    return patterns or not isinstance(least, int) or isinstance(least, bool) or least <= len(listed)
+
+
+def _may_match_a_pattern(name: str, patterns: dict) -> bool:
+    """Whether name may match one of patterns' names (a pattern Python cannot read counts as matching)."""
+    for pattern in patterns:
+        try:
+            if re.search(pattern, name):
+                return True
+        except (re.error, TypeError):
+            return True
+    return False
+
+
+def _open_tuple_rest(node: dict) -> str | None:
+    """The keyword that closes node's tuple (items after prefixItems, additionalItems after a list of
+    items) where node says nothing of further items and a closed tuple can meet its minItems; else None."""
+    least = node.get("minItems")
+    least = least if isinstance(least, int) and not isinstance(least, bool) else 0
+    said = ("unevaluatedItems" in node, "additionalItems" in node)
+    if isinstance(node.get("prefixItems"), list) and "items" not in node and not any(said):
+        return "items" if least <= len(node["prefixItems"]) else None
+    if isinstance(node.get("items"), list) and not any(said):
+        return "additionalItems" if least <= len(node["items"]) else None
+    return None
+
+
+# Schemas one walk of _intersected visits at most; a walk past it leaves every object it met open.
+_MAX_INTERSECTED = 64
+
+
+def _combined_objects(nodes: list[dict], resources: dict[int, dict], root: dict) -> set[int]:
+    """The ids of the object schemas whose keys combine with another schema's (see _with_closed_objects)."""
+    combined: set[int] = set()
+    for node in nodes:
+        num_parts = (len(node["allOf"]) if isinstance(node.get("allOf"), list) else 0) + isinstance(node.get("$ref"), str)
+        has_alternatives = any(isinstance(node.get(name), list) for name in ("anyOf", "oneOf"))
+        if not (num_parts >= 2 or (_lists_keys(node) and (num_parts or has_alternatives))):
+            continue                     # what it combines, if anything, its parts' own walks find
+        held, is_whole = _intersected(node, resources, root)
+        alternatives = []
+        for name in ("anyOf", "oneOf"):
+            for member in node.get(name) if isinstance(node.get(name), list) else ():
+                found, whole = _intersected(member, resources, root)
+                alternatives += found
+                is_whole = is_whole and whole
+        keyed = [n for n in held if _lists_keys(n)]
+        keyed_alternatives = [n for n in alternatives if _lists_keys(n)]
+        if not is_whole or len(keyed) >= 2 or (keyed and keyed_alternatives):
+            combined.update(id(n) for n in keyed + keyed_alternatives)
+    return combined
+
+
+def _intersected(schema: Any, resources: dict[int, dict], root: dict) -> tuple[list[dict], bool]:
+    """(schema and the schemas its instance must match too, through allOf and local $refs, each once;
+    whether that is all of them: False past _MAX_INTERSECTED)."""
+    found: list[dict] = []
+    seen: set[int] = set()
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict) or id(node) in seen:
+            continue
+        if len(found) == _MAX_INTERSECTED:
+            return found, False
+        seen.add(id(node))
+        found.append(node)
+        if isinstance(node.get("$ref"), str):
+            todo.append(_ref_target(node["$ref"], resources.get(id(node), root)))
+        if isinstance(node.get("allOf"), list):
+            todo.extend(node["allOf"])
+    return found, True
 
 
 def _subschemas(schema: Any):

@@ -297,7 +297,8 @@ UNSUPPORTED = {
     "backreferences": {"type": "string", "pattern": "^(a)\\1$"},
     "not present in a registry": {"$ref": "https://example.com/schema.json"},
     "Invalid type": {"type": "strng"},
-    "min/maxProperties only supported": {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1},
+    "min/maxProperties only supported": {"type": "object", "properties": {"a": {}, "b": {}}, "minProperties": 1,
+                                         "additionalProperties": True},      # closed (the default) it is enforced
     "must be an object": True,
 }
 

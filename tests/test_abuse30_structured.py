@@ -62,12 +62,14 @@ def test_vllms_options_minillm_does_not_do_are_a_value_error_naming_them(name, v
 
 def test_disable_additional_properties_closes_the_schemas_objects_as_vllm_does(manager):
     # vLLM's guidance backend adds additionalProperties: false to every object schema with properties
-    # that does not say; here True was refused (and the keyword itself a TypeError).
+    # that does not say; here True was refused (and the keyword itself a TypeError). Its default
+    # backend (xgrammar, strict) does so too, and so does the default here; False reads JSON Schema's way.
     closed = StructuredOutputsParams(json=OPEN, disable_additional_properties=True)
     assert accepts(manager, closed, '{"a":1,"b":{"c":2}}')
     assert not accepts(manager, closed, '{"a":1,"z":2}')
     assert not accepts(manager, closed, '{"b":{"c":2,"z":3}}')
-    assert accepts(manager, StructuredOutputsParams(json=OPEN), '{"a":1,"z":2}')
+    assert StructuredOutputsParams(json=OPEN).key == closed.key
+    assert accepts(manager, StructuredOutputsParams(json=OPEN, disable_additional_properties=False), '{"a":1,"z":2}')
     said = {**OPEN, "additionalProperties": {"type": "integer"}}          # an object that says is left as it is
     assert accepts(manager, StructuredOutputsParams(json=said, disable_additional_properties=True), '{"z":2}')
     data = {"const": {"properties": {"x": 1}}}                             # a const is data, not a schema

@@ -132,7 +132,6 @@ def test_serve_takes_the_structured_outputs_config(capsys, monkeypatch, flags, c
     (['{"backend": "fast"}'], "backend must be one of auto, xgrammar"),
     (['{"reasoning_parser_plugin": "p.py"}'], "reasoning_parser_plugin 'p.py' is not supported"),
     (['{"disable_any_whitespace": false}'], "disable_any_whitespace false is not supported"),
-    (['{"disable_additional_properties": true}'], "disable_additional_properties true is not supported"),
     (['{"enable_in_reasoning": "yes"}'], "enable_in_reasoning must be a boolean"),
     (['{"enable_reasoning": true}'], "enable_reasoning is not a key of vLLM's structured outputs config"),
     (['{"reasoning_parser": "qwen3"}', "--reasoning-parser", "deepseek_r1"], "disagrees with the reasoning parser"),

@@ -209,6 +209,18 @@ class ServerOptions:
             object.__setattr__(self, name, tuple(value))     # a list (json.loads of the flag) kept hashable
 
     @property
+    def disable_additional_properties(self) -> bool | None:
+        """How JSON schemas' objects are read: None, objects closed whatever a request's
+        structured_outputs.disable_additional_properties says (vLLM's default backend, xgrammar in its
+        strict mode, closes them and does not read that option); under --structured-outputs-config's
+        guidance backend, that config's disable_additional_properties as a request's default (false, its
+        default: JSON Schema's reading, objects open), as vLLM's guidance backend takes it."""
+        config = self.structured_outputs_config or {}
+        if config.get("backend") != "guidance":
+            return None
+        return bool(config.get("disable_additional_properties", False))
+
+    @property
     def structured_outputs_in_reasoning(self) -> bool:
         """Whether constraints hold a reasoning model's output from its first token (vLLM's enable_in_reasoning)."""
         return bool((self.structured_outputs_config or {}).get("enable_in_reasoning"))
@@ -235,8 +247,7 @@ _STRUCTURED_OUTPUTS_KEYS: dict[str, tuple[type, tuple | None, str]] = {
     "disable_fallback": (bool, None, ""),                  # one backend: there is nothing to fall back to
     "disable_any_whitespace": (bool, (True,), "minillm's JSON grammars leave whitespace out by default; a "
                                "request that wants it sets structured_outputs.disable_any_whitespace false"),
-    "disable_additional_properties": (bool, (False,), "a request sets structured_outputs."
-                                      "disable_additional_properties true"),
+    "disable_additional_properties": (bool, None, ""),      # the guidance backend's default (see ServerOptions)
     "reasoning_parser": (str, ("", *REASONING_PARSERS), f"it must be one of {', '.join(REASONING_PARSERS)} "
                          "(--reasoning-parser's names)"),
     "reasoning_parser_plugin": (str, ("",), "minillm loads no reasoning parser plugins: --reasoning-parser "
@@ -532,6 +543,7 @@ def create_app(async_engine: EngineClient, options: ServerOptions | None = None)
                          default_chat_template_kwargs=dict(options.default_chat_template_kwargs or {}),
                          reasoning_parser=options.reasoning_parser, tool_call_parser=options.tool_call_parser,
                          structured_outputs_in_reasoning=options.structured_outputs_in_reasoning,
+                         disable_additional_properties=options.disable_additional_properties,
                          stream_interval=options.stream_interval)
 
     @contextlib.asynccontextmanager

@@ -106,6 +106,9 @@ class ServingContext:
     reasoning_parser: str | None = None              # --reasoning-parser (server/reasoning_parsers.py)
     tool_call_parser: str | None = None              # with --enable-auto-tool-choice (server/tool_parsers.py)
     structured_outputs_in_reasoning: bool = False    # constraints hold the thinking too (vLLM's enable_in_reasoning)
+    # How JSON schemas' objects are read (ServerOptions.disable_additional_properties; None: closed, as
+    # vLLM's default backend closes them; a bool: the guidance backend's default, see structured._closing).
+    disable_additional_properties: bool | None = None
     stream_interval: int = 1                         # streams send every this many tokens (--stream-interval)
 
     def __post_init__(self) -> None:

@@ -280,14 +280,14 @@ class ChatJob:
     def _constraint(self):
         """The output's StructuredOutputsParams: the forced tool call's, or the request's own."""
         reasoning = self._thinking_token_ids() if self.reasoning_first else None
-        asked = structured_outputs_params(self.req, reasoning)
+        asked = structured_outputs_params(self.req, reasoning, self.ctx.disable_additional_properties)
         if self.forced is None:
             return asked
         if asked is not None:
             field = "response_format" if self.req.response_format is not None else "structured_outputs"
             raise APIError(400, f"tool_choice holds the output to a tool call; {field} cannot constrain it too",
                            param=field)
-        return self.forced.constraint(reasoning)
+        return self.forced.constraint(reasoning, self.ctx.disable_additional_properties)
 
     def _thinking_token_ids(self) -> tuple[int, int]:
         """The ids of <think> and </think>, which the engine watches for; a 400 when they are not single tokens."""

@@ -87,7 +87,7 @@ class CompletionJob:
     async def prepare(self, is_large: bool = False) -> None:
         """Check the output constraint and tokenise the prompts (in the preprocessing pool); fit max_tokens to each."""
         self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req), structured_outputs_params,
-                                                         self.req)
+                                                         self.req, None, self.ctx.disable_additional_properties)
         # Token ids not echoed need no tokenizer: no hop through the pool (two thread hand-overs a request),
         # unless the body is large (is_large): copying a 10 MB body's ids held the event loop for 5-25 ms.
         text_work = self.req.echo or any(isinstance(p, str) for p in self.prompts)

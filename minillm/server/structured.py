@@ -10,8 +10,10 @@ turned into StructuredOutputsParams, or a 400 whose param names the bad field.
                          "whitespace_pattern": null, "structural_tag": null}
                                                                vLLM's names, exactly one constraint
 
-The schema is always enforced (strict or not). Nothing about structure is ignored: an unknown
-type or key, or vLLM's older guided_* fields, is a 400 too.
+The schema is always enforced (strict or not), its objects closed as vLLM's default backend closes
+them (StructuredOutputsParams.disable_additional_properties; a server configured with vLLM's guidance
+backend reads them as that backend does, see _closing). Nothing about structure is ignored: an
+unknown type or key, or vLLM's older guided_* fields, is a 400 too.
 """
 from __future__ import annotations
 
@@ -37,14 +39,17 @@ def asks_for_structure(req: Any) -> bool:
     return req.response_format is not None or req.structured_outputs is not None
 
 
-def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None):
+def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None,
+                              disable_additional_properties: bool | None = None):
     """StructuredOutputsParams for a completions or chat request, or None when it asks for none;
-    reasoning: the (start, end) ids of a thinking block the grammar holds the output only after."""
+    reasoning: the (start, end) ids of a thinking block the grammar holds the output only after;
+    disable_additional_properties: the server's default of that option (ServingContext's, see _closing)."""
     extra = req.model_extra or {}
     for name, key in _LEGACY.items():
         if extra.get(name) is not None:
             raise APIError(400, f"{name} is not supported; send structured_outputs: {{\"{key}\": ...}}", param=name)
-    from_format = _from_response_format(req.response_format, reasoning) if req.response_format is not None else None
+    from_format = (_from_response_format(req.response_format, reasoning, disable_additional_properties)
+                   if req.response_format is not None else None)
     if req.structured_outputs is None:
         return from_format
     if from_format is not None:
@@ -58,8 +63,17 @@ def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None
         what = param if named else f"structured_outputs: {short_repr(key)}"
         raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
     options = _lax_options(req.structured_outputs)
+    options["disable_additional_properties"] = _closing(options.get("disable_additional_properties"),
+                                                        disable_additional_properties)
     return checked_params(lambda field: "structured_outputs" if field == "structured_outputs"
                           else f"structured_outputs.{field}", **options, reasoning=reasoning)
+
+
+def _closing(asked: bool | None, default: bool | None) -> bool | None:
+    """A request's disable_additional_properties as vLLM reads it: under its default backend (default None
+    here) objects are closed whatever the request says; under the guidance backend the request's value,
+    else the server's."""
+    return None if default is None else default if asked is None else asked
 
 
 def _lax_options(options: dict) -> dict:
@@ -68,7 +82,7 @@ def _lax_options(options: dict) -> dict:
                           for name in _BOOL_OPTIONS if options.get(name) is not None}}
 
 
-def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None):
+def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None, disable_additional_properties: bool | None):
     kind = fmt.get("type")
     if kind in ("text", "json_object"):
         _refuse_unknown_keys(fmt, "response_format", ("type",))
@@ -97,7 +111,8 @@ def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None):
         lax_value(spec["strict"], bool, "response_format.json_schema.strict")
     if spec.get("schema") is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
-    return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"], reasoning=reasoning)
+    return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"], reasoning=reasoning,
+                          disable_additional_properties=disable_additional_properties)
 
 
 def _refuse_unknown_keys(obj: dict, where: str, known: tuple[str, ...]) -> None:

@@ -3,12 +3,14 @@ structured outputs hold the output to JSON that is the call, and the reply carri
 message.tool_calls (streamed: delta.tool_calls) instead of content.
 
     {"type": "function", "function": {"name": N}}   the output is N's arguments, under the schema of
-                                                     its parameters ({"type": "object"} without one)
+                                                     its parameters (without one, no properties: {})
     "required"                                       the output is a JSON array of {"name", "parameters"}
                                                      objects, one a call of one of the tools (at least
                                                      one; one at most with parallel_tool_calls false)
 
-A named call ends with the output's finish reason; a required one with "tool_calls" once the
+Objects in the tools' parameters take only the keys they list unless they say otherwise, as under
+vLLM's default structured-outputs backend (xgrammar in its strict mode), whatever a tool's "strict"
+says. A named call ends with the output's finish reason; a required one with "tool_calls" once the
 output is complete (its finish reason otherwise). Under --reasoning-parser the model reasons first, as
 vLLM lets it: the grammar holds what follows </think>, and the reply carries the reasoning too.
 """
@@ -57,17 +59,18 @@ class ForcedToolCalls:
     param: str = "tools"
     tool_schemas: tuple[dict, ...] = ()     # "required": each tool's parameters, to name the one at fault
 
-    def constraint(self, reasoning: tuple[int, int] | None = None):
+    def constraint(self, reasoning: tuple[int, int] | None = None, disable_additional_properties: bool | None = None):
         """The output's StructuredOutputsParams (held after a thinking block of those (start, end) ids, where
-        given); a schema that does not compile is a 400 naming param (or the tool whose parameters make the
-        array's schema fail)."""
+        given; objects closed unless disable_additional_properties is False, as for any JSON schema); a schema
+        that does not compile is a 400 naming param (or the tool whose parameters make the array's schema fail)."""
         from minillm.server.structured import checked_params
         self._check_each_tool_ends()
+        closing = {"disable_additional_properties": disable_additional_properties}
         try:
-            return checked_params(lambda field: self.param, json=self.schema, reasoning=reasoning)
+            return checked_params(lambda field: self.param, json=self.schema, reasoning=reasoning, **closing)
         except APIError:
             for i, schema in enumerate(self.tool_schemas):
-                checked_params(lambda field: f"tools.{i}.function.parameters", json=schema)
+                checked_params(lambda field: f"tools.{i}.function.parameters", json=schema, **closing)
             raise
 
     def _check_each_tool_ends(self) -> None:
@@ -135,8 +138,10 @@ def forced_tool_calls(choice: Any, tools: list[dict], parallel_tool_calls: bool 
 
 
 def _parameters_schema(function: dict) -> dict:
+    """A tool's parameters schema; without one, an object of no properties (as vLLM writes it under
+    "required"): with objects closed, the call's arguments are {}."""
     parameters = function.get("parameters")
-    return parameters if parameters else {"type": "object"}
+    return parameters if parameters else {"type": "object", "properties": {}}
 
 
 def check_named_tool_choice(choice: dict, tool_names: list[str]) -> None:
