@@ -9,7 +9,9 @@ import json
 import numbers
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence as Seq
+from typing import TYPE_CHECKING
 import numpy as np
 
 from minillm.beam_search import BeamSearchInstance, BeamSearchOutput, best_beams, run_steps
@@ -23,6 +25,9 @@ from minillm.prompts import (
 from minillm.request_queue import check_priorities
 from minillm.sampling_params import BeamSearchParams, SamplingParams, short_repr
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode, template_file_text
+
+if TYPE_CHECKING:
+    from minillm.metrics_reader import Metric
 
 _CHOOSES_GRAPHS = "minillm chooses the batch sizes it captures CUDA graphs for (enforce_eager=True turns them off)"
 
@@ -38,8 +43,6 @@ VLLM_FIXED_ARGS = {
                                                      "(vLLM's raw_logprobs)"),
     "skip_tokenizer_init": (lambda v: v is False, "minillm always loads the tokenizer"),
     "quantization": (lambda v: v is None, "minillm runs unquantized float32, float16 or bfloat16 weights"),
-    "disable_log_stats": (lambda v: v is True, "minillm's LLM logs no periodic stats (llm.llm_engine.stats() "
-                                               "reads them)"),
     "pipeline_parallel_size": (lambda v: _is_count(v, 1), "minillm has no pipeline parallelism"),
     "data_parallel_size": (lambda v: _is_count(v, 1), "minillm runs one engine"),
     "cpu_offload_gb": (lambda v: _is_count(v, 0), "minillm keeps every weight on the device"),
@@ -90,8 +93,6 @@ VLLM_MISSING_METHODS = {
                                           "shutdown(), which gives them back (a new LLM loads the model again)"),
     **dict.fromkeys(("start_profile", "stop_profile"), "minillm has no torch profiler (`minillm bench throughput` "
                                                        "says where each step's time goes)"),
-    "get_metrics": "minillm has no Prometheus metrics in-process (llm.llm_engine.stats() returns an EngineStats "
-                   "snapshot: queues, KV blocks, throughput, TTFT and inter-token latency)",
     **dict.fromkeys(("collective_rpc", "apply_model"), "minillm's model is its own NumPy/CuPy decoder, not a torch "
                                                       "module in worker processes"),
 }
@@ -162,11 +163,16 @@ class LLM:
     """Generate for many prompts at once through the engine's continuous batching.
 
     Takes EngineConfig's fields by name, and vLLM's other common arguments where their value is
-    what minillm does anyway (VLLM_FIXED_ARGS).
+    what minillm does anyway (VLLM_FIXED_ARGS). disable_log_stats (vLLM's, default True) False keeps
+    the Prometheus metrics get_metrics() reads (minillm's LLM logs no periodic stats line).
     """
 
     def __init__(self, model: str, **engine_args):
+        disable_log_stats = engine_args.pop("disable_log_stats", True)
+        if not isinstance(disable_log_stats, bool):
+            raise ValueError(f"disable_log_stats must be true or false, got {short_repr(disable_log_stats)}")
         self.engine = LLMEngine(engine_config(model, engine_args))
+        self._metrics = None if disable_log_stats else self._new_metrics()
         self._ids = itertools.count()
         # One generate() at a time: each steps the engine and keeps only its own finished requests.
         self._generate_lock = threading.Lock()
@@ -178,6 +184,23 @@ class LLM:
         if why is None:
             raise AttributeError(f"'LLM' object has no attribute {name!r}")
         raise AttributeError(f"LLM.{name}() is vLLM's and not supported: {why}")
+
+    def _new_metrics(self):
+        """The Prometheus series of minillm's server (minillm/server/metrics.py), fed by generate()."""
+        from minillm.server.metrics import ServerMetrics
+        config = self.engine.config
+        return ServerMetrics(config.served_model_name or str(config.model), self.engine.max_model_len)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: the Prometheus series now (minillm: names, as /metrics of `minillm serve` has them)
+        as Counter, Gauge, Histogram and Vector objects of minillm.metrics_reader. Needs
+        LLM(..., disable_log_stats=False), as vLLM's: AssertionError otherwise."""
+        if self._metrics is None:
+            raise AssertionError("Stat logging disabled: LLM.get_metrics() needs LLM(..., disable_log_stats=False)")
+        from minillm.metrics_reader import metrics_snapshot
+        with self._one_call("get_metrics"):
+            self._metrics.update(self.engine.stats(summary=True))
+        return metrics_snapshot(self._metrics.registry)
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -287,6 +310,8 @@ class LLM:
         params = with_truncation(params, truncate_prompt_tokens)
         bar = _progress_bar(len(prompts), use_tqdm) if use_tqdm else None   # before any request is queued
         ids: list[str] = []
+        # With metrics, every step's outputs: the inter-token latency histogram times each token.
+        timers = None if self._metrics is None else {}
         try:
             for (text, prompt, salt), p, rank in zip(prompts, params, priority):
                 if text is not None and not isinstance(prompt, str):    # ids with their text: the output's prompt
@@ -295,8 +320,11 @@ class LLM:
                 ids.append(rid)     # first: one interrupted inside add_request, registered or not, is aborted too
                 with _naming_prompt(len(ids) - 1, len(prompts)):
                     self.engine.add_request(rid, prompt, p,
-                                            output_kind="final", cache_salt=salt, priority=rank,
+                                            output_kind="final" if timers is None else "cumulative",
+                                            cache_salt=salt, priority=rank,
                                             tokenization_kwargs={"add_special_tokens": add_special_tokens})
+                if timers is not None:
+                    timers[rid] = self._request_timer(p)
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -308,7 +336,10 @@ class LLM:
         wanted = set(ids)
         try:
             while len(finished) < len(ids):
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if timers is not None:
+                    _observe(timers, outputs)
+                for out in outputs:
                     if out.finished and out.request_id in wanted:
                         finished[out.request_id] = out
                         if bar is not None:
@@ -386,6 +417,11 @@ class LLM:
             raise ValueError(f"prompt has {len(ids)} tokens, which leaves no room under "
                              f"max_model_len {self.engine.max_model_len}")
         return ids
+
+    def _request_timer(self, params: SamplingParams):
+        """A request's feed of the metrics' latency and token histograms (as the server's)."""
+        from minillm.server.metrics import RequestTimer
+        return RequestTimer(self._metrics, params)
 
     def chat(self, messages: list[dict] | Seq[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -475,6 +511,15 @@ class LLM:
         the outputs is never reported, and would keep this loop going for ever."""
         while self.engine.step() or self.engine.get_num_unfinished_requests():
             pass
+
+
+def _observe(timers: dict, outputs: list[RequestOutput]) -> None:
+    """A step's outputs into their requests' metrics timers (those of this generate() call)."""
+    seen = time.time()
+    for out in outputs:
+        timer = timers.get(out.request_id)
+        if timer is not None:
+            timer.on_output(out, seen)
 
 
 def split_truncation(tokenization_kwargs):

@@ -224,3 +224,65 @@ def test_beam_width_is_bounded_by_the_engines_max_logprobs(stories_path):
             small.beam_search(["Once"], BeamSearchParams(beam_width=3, max_tokens=2))
         [out] = small.beam_search(["Once"], BeamSearchParams(beam_width=2, max_tokens=2))
         assert len(out.sequences) == 2
+
+
+# ---- LLM(disable_log_stats=False).get_metrics(): vLLM's offline metrics example was refused at LLM() --------
+
+@pytest.fixture(scope="module")
+def metrics_llm(stories_path):
+    with LLM(str(stories_path), device="cpu", max_model_len=128, disable_log_stats=False) as model:
+        yield model
+
+
+def _by_name(metrics, name, **labels):
+    found = [m for m in metrics if m.name == name and all(m.labels.get(k) == v for k, v in labels.items())]
+    assert len(found) == 1, (name, labels, found)
+    return found[0]
+
+
+def test_get_metrics_counts_what_generate_did_as_vllms_metrics_example_reads_them(metrics_llm, llm):
+    from minillm.metrics_reader import Counter, Gauge, Histogram
+    params = SamplingParams(temperature=0, max_tokens=5)
+    outputs = metrics_llm.generate(PROMPTS, params, use_tqdm=False)
+    # the outputs are those of an LLM without metrics (whose requests report only when they finish)
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    metrics = metrics_llm.get_metrics()
+    name = str(metrics_llm.llm_engine.config.model)
+    num_prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    assert _by_name(metrics, "minillm:generation_tokens") == Counter("minillm:generation_tokens",
+                                                                     {"model_name": name}, 15)
+    assert _by_name(metrics, "minillm:prompt_tokens").value == num_prompt
+    assert _by_name(metrics, "minillm:request_success", finished_reason="length").value == 3
+    assert _by_name(metrics, "minillm:num_requests_running") == Gauge("minillm:num_requests_running",
+                                                                      {"model_name": name}, 0.0)
+    for hist_name, count in [("minillm:time_to_first_token_seconds", 3), ("minillm:inter_token_latency_seconds", 12),
+                             ("minillm:request_generation_tokens", 3)]:
+        hist = _by_name(metrics, hist_name)
+        assert isinstance(hist, Histogram) and "le" not in hist.labels
+        assert hist.count == count and hist.buckets["+Inf"] == count
+        assert list(hist.buckets.values()) == sorted(hist.buckets.values())    # cumulative, as Prometheus'
+    assert _by_name(metrics, "minillm:request_generation_tokens").sum == 15.0
+    assert _by_name(metrics, "minillm:request_prompt_tokens").sum == num_prompt
+
+
+def test_get_metrics_without_disable_log_stats_false_is_vllms_assertion(llm):
+    with pytest.raises(AssertionError, match=r"Stat logging disabled: .*disable_log_stats=False"):
+        llm.get_metrics()
+
+
+def test_metrics_snapshot_reads_vectors_summaries_and_keeps_other_prefixes_out():
+    from prometheus_client import CollectorRegistry, Counter as PromCounter, Gauge as PromGauge, Summary
+
+    from minillm.metrics_reader import Histogram, Vector, metrics_snapshot
+    registry = CollectorRegistry()
+    per_pos = PromCounter("minillm:spec_decode_num_accepted_tokens_per_pos", "x", ["model_name", "position"],
+                          registry=registry)
+    per_pos.labels("m", "0").inc(7)
+    per_pos.labels("m", "2").inc(2)
+    Summary("minillm:compile_seconds", "x", registry=registry).observe(0.25)
+    PromGauge("other:gauge", "x", registry=registry).set(1)
+    metrics = metrics_snapshot(registry)
+    assert Vector("minillm:spec_decode_num_accepted_tokens_per_pos", {"model_name": "m"}, [7, 0, 2]) in metrics
+    assert Histogram("minillm:compile_seconds", {}, 1, 0.25, {"+Inf": 1}) in metrics
+    assert not [m for m in metrics if m.name.startswith("other:")]

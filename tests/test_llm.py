@@ -197,7 +197,7 @@ def test_vllm_arguments_with_the_values_minillm_follows_are_taken(stories_path):
      "max_num_batched_tokens 64 is smaller than max_model_len 128"),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported"),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported"),
-    ({"disable_log_stats": False}, "disable_log_stats=False is not supported"),
+    ({"disable_log_stats": "no"}, "disable_log_stats must be true or false, got 'no'"),
     ({"trust_remote_code": "yes"}, "trust_remote_code='yes' is not supported"),
     ({"tokenizer": "./no/such/tokenizer"}, "tokenizer: no such directory: ./no/such/tokenizer"),
     ({"max_logprobs": -1}, r"max_logprobs must be an integer in \[0, 20\]"),
