@@ -226,8 +226,13 @@ class LLM:
                              f"tokenizer argument chooses it; change that tokenizer in place, such as its "
                              f"chat_template, or give LLM.chat a chat_template)")
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache between generate() calls (vLLM's name); False while requests run."""
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """Forget the prefix cache between generate() calls (vLLM's name), its host-memory tier's blocks
+        too; False while requests run. vLLM's arguments are taken as true or false: between calls no
+        request runs, and the host tier is reset either way (its blocks are the prefix cache's)."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {short_repr(value)}")
         with self._one_call("reset_prefix_cache"):
             return self.engine.reset_prefix_cache()
 

@@ -286,3 +286,17 @@ def test_metrics_snapshot_reads_vectors_summaries_and_keeps_other_prefixes_out()
     assert Vector("minillm:spec_decode_num_accepted_tokens_per_pos", {"model_name": "m"}, [7, 0, 2]) in metrics
     assert Histogram("minillm:compile_seconds", {}, 1, 0.25, {"+Inf": 1}) in metrics
     assert not [m for m in metrics if m.name.startswith("other:")]
+
+
+# ---- reset_prefix_cache takes vLLM's arguments (it was a TypeError for either) -------------------------
+
+def test_reset_prefix_cache_takes_vllms_arguments_and_forgets_the_prompts(llm):
+    prompt = {"prompt_token_ids": list(range(3, 60))}       # 57 tokens: three full blocks of 16
+    params = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 48
+    assert llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.reset_prefix_cache(True) is True
+    with pytest.raises(ValueError, match="reset_connector must be true or false, got 'yes'"):
+        llm.reset_prefix_cache(reset_connector="yes")
