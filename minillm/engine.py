@@ -461,7 +461,9 @@ class LLMEngine:
                 self.tokenizer, self.model_config.vocab_size, self.config.max_num_seqs, self.eos_token_ids,
                 empty_host=self.device.empty_pinned, register_host=self.device.register_host,
                 grammar_process=(self.config.grammar_process if self.config.grammar_process is not None
-                                 else self.backend == "cuda"))
+                                 else self.backend == "cuda"),
+                num_speculative_tokens=spec.num_speculative_tokens if (spec := self.config.speculative_config) else 0,
+                max_num_batched_tokens=self.config.max_num_batched_tokens)
         return self.structured_outputs
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -629,7 +631,7 @@ class LLMEngine:
         """Start filling out's masks; a failure is kept for the sampling to raise (that step's error)."""
         from minillm.structured_output import PendingBitmask
         try:
-            return self.structured_outputs.start_fill(out.structured_rows)
+            return self.structured_outputs.start_fill(out.structured_rows, out.scheduled_spec_decode_tokens)
         except Exception as exc:
             return PendingBitmask.failed(exc)
 

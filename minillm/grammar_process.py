@@ -13,7 +13,10 @@ nothing is left behind however either process ends.
     GrammarProcess.compile(grammar)   GRAMMAR ->    compiles it (its own pool), answers "grammar"
     GrammarProcess.new_matcher(gid)   NEW ->        a GrammarMatcher for the handle
     GrammarProcess.advance(items)     ADVANCE ->    consumes each row's tokens, answers "advanced"
-    GrammarProcess.fill(slot, ...)    FILL ->       fills mask buffer `slot`, answers "filled"
+    GrammarProcess.fill(slot, ...)    FILL ->       fills mask buffer `slot` (each draft position's
+                                                    row too), answers "filled"
+    GrammarProcess.validate(items)    VALIDATE ->   how many of each row's drafts its grammar takes
+                                                    (nothing consumed), answers "validated"
     (a matcher or grammar let go)     FREE ->       drops them
 
 Answers come back in order on one pipe, and only the engine thread reads it: a wait for one answer
@@ -43,7 +46,7 @@ from typing import Any
 import numpy as np
 
 # Commands (engine -> grammar process), the first item of each message.
-GRAMMAR, NEW, FREE, ADVANCE, FILL, STOP = range(6)
+GRAMMAR, NEW, FREE, ADVANCE, FILL, STOP, VALIDATE = range(7)
 _generations = itertools.count()
 
 
@@ -182,7 +185,7 @@ class RemoteMatcher:
         answer = self._pending
         if answer is None or answer.value is None:
             return
-        _, num_accepted, flags, errors = answer.value
+        _, num_accepted, flags, errors, _ = answer.value
         row, self._pending = self._row, None
         flag = flags[row]
         self._num_accepted = num_accepted[row]
@@ -240,6 +243,12 @@ class RemoteMatcher:
         if self._error or not self._process.failed or self._terminated or self._stopped:
             return self._error
         return f"the grammar process failed: {self._process.error}"
+
+
+def _flags(matcher) -> int:
+    """A GrammarMatcher's state as an advance's answer carries it (TERMINATED | STOPPED | ERROR)."""
+    flag = (TERMINATED if matcher.is_terminated() else 0) | (STOPPED if matcher.is_stopped() else 0)
+    return flag | (ERROR if matcher.is_error() else 0)
 
 
 def tokens_taken(answer: Answer, row: int) -> int:
@@ -356,18 +365,28 @@ class GrammarProcess:
         self._waiting.append((answer, matchers))
         return answer
 
-    def fill(self, slot: int, handles: list[int], no_eos: list[int]) -> Answer:
+    def fill(self, slot: int, handles: list[int], no_eos: list[int], drafts: list[list[int]] | None = None) -> Answer:
         """Fill mask buffer slot's rows 0..len(handles)-1 for those matchers (EOS out of the no_eos
-        rows); the answer is the fill's seconds. If the process is gone the rows allow every token
-        (0 seconds): the step goes on for the other requests, and these end with the process's
-        error when their tokens come back (advance)."""
-        answer, rows = Answer(self), (slot, len(handles))
+        rows); with drafts, handle i takes 1 + len(drafts[i]) rows, one per verified position
+        (structured_output.fill_draft_rows). The answer is the fill's seconds. If the process is gone
+        the rows allow every token (0 seconds): the step goes on for the other requests, and these
+        end with the process's error when their tokens come back (advance)."""
+        num_rows = len(handles) if drafts is None else len(handles) + sum(len(d) for d in drafts)
+        answer, rows = Answer(self), (slot, num_rows)
         try:
-            self._send(FILL, slot, handles, no_eos)
+            self._send(FILL, slot, handles, no_eos, drafts)
         except GrammarProcessError:
             self._allow_all(answer, rows)
             return answer
         self._waiting.append((answer, rows))
+        return answer
+
+    def validate(self, matchers: list[RemoteMatcher], drafts: list[list[int]]) -> Answer:
+        """The answer, once read, is how many of drafts[i] matchers[i] would take from where the
+        tokens sent to it put it (GrammarMatcher.validate_tokens); nothing is consumed."""
+        answer = Answer(self)
+        self._send(VALIDATE, [m.handle for m in matchers], [[int(t) for t in d] for d in drafts])
+        self._waiting.append((answer, None))
         return answer
 
     def _allow_all(self, answer: Answer, rows: tuple[int, int]) -> None:
@@ -432,7 +451,7 @@ class GrammarProcess:
             answer.set_result(reply[1:])
             for row in reply[4]:                 # an error: the grammar is dropped from the cache now
                 context[row]._sync()
-        else:                            # "filled"
+        else:                            # "filled", "validated"
             answer.set_result(reply[1])
 
     @staticmethod
@@ -457,6 +476,8 @@ class GrammarProcess:
         for answer, context in self._waiting:
             if isinstance(context, list):          # an advance
                 self._refuse(context, message)
+                answer.set_exception(GrammarProcessError(message))
+            elif context is None:                  # a validation
                 answer.set_exception(GrammarProcessError(message))
             else:                                  # a fill
                 self._allow_all(answer, context)
@@ -598,7 +619,7 @@ class _GrammarServer:
             try:
                 self.handle(kind, message)
             except Exception as exc:  # noqa: BLE001 - the engine gets the error, the loop goes on
-                if kind in (ADVANCE, FILL):
+                if kind in (ADVANCE, FILL, VALIDATE):
                     self.reply("error", f"{type(exc).__name__}: {exc}")
 
     def handle(self, kind: int, message: tuple) -> None:
@@ -621,6 +642,9 @@ class _GrammarServer:
             self.reply("advanced", *self.advance(message[1], message[2]))
         elif kind == FILL:
             self.reply("filled", self.fill(*message[1:]))
+        elif kind == VALIDATE:
+            _, handles, drafts = message
+            self.reply("validated", [len(self.matchers[h].validate_tokens(ids)) for h, ids in zip(handles, drafts)])
 
     def compile(self, text: str):
         """A template matcher for a grammar text the engine compiled already, its first mask built."""
@@ -643,27 +667,40 @@ class _GrammarServer:
         error = future.exception()
         return None if error is None else f"{type(error).__name__}: {error}"
 
-    def advance(self, handles: list[int], tokens: list[list[int]]) -> tuple[list, list, list, dict]:
+    def advance(self, handles: list[int], tokens: list[list[int]]) -> tuple[list, list, list, dict, dict]:
         """Feed each matcher its tokens (up to the first refused): per row the tokens taken, the
-        tokens accepted so far and the flags, and {row: error} for the rows in error."""
-        taken, num_accepted, flags, errors = [], [], [], {}
+        tokens accepted so far and the flags, {row: error} for the rows in error, and {row: the flags
+        after each token taken} for the rows of several tokens (accepted drafts and the token after)."""
+        taken, num_accepted, flags, errors, steps = [], [], [], {}, {}
         for row, (handle, ids) in enumerate(zip(handles, tokens)):
             matcher = self.matchers[handle]
-            answers = matcher.accept_until_refused(ids)
-            taken.append(len(answers) - (not answers[-1]) if answers else 0)
+            if len(ids) > 1:
+                steps[row] = after = []
+                for token in ids:
+                    if not matcher.accept_token(token):
+                        break
+                    after.append(_flags(matcher))
+                taken.append(len(after))
+            else:
+                answers = matcher.accept_until_refused(ids)
+                taken.append(len(answers) - (not answers[-1]) if answers else 0)
             num_accepted.append(matcher.num_accepted)
-            flag = (TERMINATED if matcher.is_terminated() else 0) | (STOPPED if matcher.is_stopped() else 0)
+            flags.append(_flags(matcher))
             if matcher.is_error():
-                flag |= ERROR
                 errors[row] = matcher.error
-            flags.append(flag)
-        return taken, num_accepted, flags, errors
+        return taken, num_accepted, flags, errors, steps
 
-    def fill(self, slot: int, handles: list[int], no_eos: list[int]) -> float:
-        """Fill rows 0..len(handles)-1 of mask buffer slot; returns the fill's seconds."""
+    def fill(self, slot: int, handles: list[int], no_eos: list[int], drafts: list[list[int]] | None = None) -> float:
+        """Fill rows 0..len(handles)-1 of mask buffer slot (with drafts, each handle's row and one per
+        draft after it); returns the fill's seconds."""
         start = time.perf_counter()
         bitmask = self.bitmasks[slot]
-        self.so.fill_rows(self.executor, [(self.matchers[h]._matcher, i) for i, h in enumerate(handles)], bitmask)
+        if drafts is None:
+            self.so.fill_rows(self.executor, [(self.matchers[h]._matcher, i) for i, h in enumerate(handles)], bitmask)
+        else:
+            first = self.so.mask_layout(drafts)[0].tolist()
+            self.so.fill_draft_rows(self.executor, [(self.matchers[h]._matcher, row, d)
+                                                    for h, row, d in zip(handles, first, drafts)], bitmask)
         if no_eos:
             self.so.forbid_eos(bitmask, no_eos, self.eos_table)
         return time.perf_counter() - start

@@ -358,8 +358,8 @@ class ModelRunner:
                 sampled = self.sampler.sample_no_sync(logits, seqs, mask)
                 rows = {s.seq_id: r for r, s in enumerate(seqs)}
             else:
-                if mask is not None:        # constrained sequences get no drafts: one row each
-                    self.sampler.apply_grammar_bitmask(logits, mask.at_rows(spec.row_starts[mask.rows]))
+                if mask is not None:        # a mask for each verified position of a constrained sequence
+                    self.sampler.apply_grammar_bitmask(logits, mask.at_verify_rows(spec.row_starts))
                 sampled = self.verifier.sample_no_sync(logits, spec, seqs)
                 # Only a sequence without drafts has its next input among the rows before acceptance.
                 rows = {s.seq_id: int(r) for s, r, d in zip(seqs, spec.row_starts, spec.num_draft_tokens) if not d}

@@ -27,7 +27,9 @@ draft tokens (minillm/spec_decode/drafter.py): it is scheduled for 1 + d tokens 
 placeholders; update_from_output() appends what was accepted and moves num_computed_tokens back
 over the rejected drafts (their blocks stay with the sequence for its next tokens, and go back
 with the rest when it finishes or is preempted). Drafts only take the budget and blocks left once
-every running sequence has its token: nobody is preempted to make room for them.
+every running sequence has its token: nobody is preempted to make room for them. A constrained
+sequence's drafts are cut before the first token its grammar refuses (vLLM's validate_tokens; the
+matcher takes nothing), the constrained sequences of a step asked at once.
 
 With a step-time budget (max_step_ms, and a StepCostModel from minillm/step_cost.py), a step
 in which decode rows run sizes its prompt chunks so that the estimated step time stays within the
@@ -50,6 +52,7 @@ from dataclasses import dataclass
 
 from minillm.allowed_tokens import masked_out_error
 from minillm.block_manager import BlockManager
+from minillm.repetition import STOP_REASON as REPETITION_STOP_REASON, ends_in_repetition
 from minillm.request_queue import PriorityWaitingQueue, lowest_priority_index
 from minillm.sequence import Sequence, SequenceStatus, SequenceView
 from minillm.step import SchedulerOutput, StepOutput
@@ -91,6 +94,9 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
         return SequenceStatus.FINISHED_STOPPED, None   # the grammar allows only EOS: done, whatever min_tokens says
     if num_outputs >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
+    if params.repetition_detection is not None and num_outputs >= params.min_tokens \
+            and ends_in_repetition(seq.token_ids, num_outputs, params.repetition_detection):
+        return SequenceStatus.FINISHED_REPETITION, REPETITION_STOP_REASON
     return None
 
 
@@ -102,6 +108,13 @@ def _settled_first(out: SchedulerOutput) -> list[Sequence]:
         return out.sampling_seqs
     later = {id(seq) for seq in waiting}
     return [seq for seq in out.sampling_seqs if id(seq) not in later] + waiting
+
+
+def _may_draft(seq: Sequence, num_new_tokens: int) -> bool:
+    """Whether a scheduled sequence may take drafts: it decodes one token and all its tokens are known
+    (the n-gram search reads them; a constrained one's matcher has taken them)."""
+    return (num_new_tokens == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
+            and not seq.num_output_placeholders and seq.num_output_tokens > 0)
 
 
 def _unschedule(seq: Sequence, seqs: list[Sequence], counts: list[int], spec: dict[int, list[int]]) -> int:
@@ -378,16 +391,18 @@ class Scheduler:
         step that preempts); returns the budget left."""
         num_tried = 0
         enabled = not preempted and self.drafter.is_enabled(len(self.running))
+        valid: dict[int, int] | None = None      # seq_id -> drafts its grammar takes (constrained ones)
         for b, seq in enumerate(seqs if enabled else ()):
             if budget <= 0:
                 break
-            decoding = counts[b] == 1 and seq.num_computed_tokens + 1 == seq.num_tokens
-            if not decoding or seq.num_output_placeholders or seq.num_output_tokens == 0:
-                continue
-            if seq.structured_output is not None:   # drafts are not held to its grammar: no speculation
+            if not _may_draft(seq, counts[b]):
                 continue
             num_tried += 1
             drafts = self.drafter.propose(seq, budget)
+            if drafts and seq.structured_output is not None:
+                if valid is None:
+                    valid = self._valid_draft_lengths(seqs[b:], counts[b:])
+                drafts = drafts[:valid.get(seq.seq_id, 0)]
             if drafts and chunks is not None:
                 drafts = drafts[:chunks.max_drafts(seq, len(drafts))]
             if drafts and not self.block_manager.append_slots(seq, 1 + len(drafts)):
@@ -402,6 +417,17 @@ class Scheduler:
                     chunks.note_drafts(seq, len(drafts))
         self.drafter.end_round(num_tried, len(spec))
         return budget
+
+    def _valid_draft_lengths(self, seqs: list[Sequence], counts: list[int]) -> dict[int, int]:
+        """seq_id -> how many of its drafts a constrained sequence's grammar takes, for those of seqs
+        that may draft, asked at once (a grammar process answers in one round trip). A proposal under
+        a smaller budget is a prefix of the one asked about here, so the count holds for it too."""
+        from minillm.structured_output import validate_drafts
+        proposals = [(seq, self.drafter.propose(seq, self.drafter.k)) for seq, n in zip(seqs, counts)
+                     if seq.structured_output is not None and _may_draft(seq, n)]
+        constrained = [(seq, drafts) for seq, drafts in proposals if drafts]
+        valid = validate_drafts([seq.structured_output for seq, _ in constrained], [d for _, d in constrained])
+        return {seq.seq_id: len(v) for (seq, _), v in zip(constrained, valid)}
 
     def _launch(self, seqs: list[Sequence], counts: list[int], preempted: list[Sequence],
                 spec: dict[int, list[int]]) -> SchedulerOutput:
@@ -545,10 +571,11 @@ class Scheduler:
     def stop(self, seq: Sequence, stop_string: str) -> None:
         """The output processor found a stop string in seq's text: finish it with that reason.
 
-        A sequence that the same token already finished (by length, a stop token or a grammar it
-        completed) reports the stop string instead, as vLLM's output processor does."""
+        A sequence that the same token already finished (by length, a stop token, a repetition or a
+        grammar it completed) reports the stop string instead, as vLLM's output processor does."""
         status, reason = check_stop(seq, self.eos_token_ids, stop_string)
-        if seq.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED):
+        if seq.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED,
+                          SequenceStatus.FINISHED_REPETITION):
             seq.status, seq.stop_reason = status, reason
         else:
             self.finish(seq, status, reason)

@@ -29,6 +29,13 @@ update, outputs and next schedule; the sampling is queued at the start of the ne
 before its forward pass, so the device never waits for the host's mask work in between.
 Meanwhile the engine thread asks the matchers only flags cached when they took a token.
 
+With speculative decoding (vLLM's shape) a constrained sequence's drafts are held to its grammar:
+the scheduler cuts them before the first token the grammar refuses (validate_drafts: the matcher's
+validate_tokens, nothing consumed), and the step's fill writes one mask per verified position, the
+mask after drafts[:j] for position j (a copy of the matcher walks the drafts and rolls back), so every
+token the verification accepts or samples is one the grammar allows, and the matcher itself only ever
+takes the tokens the sequence gets.
+
 Bitmask layout: bitmask [rows, ceil(vocab / 32)] int32; bit j of word w in a row is token id
 32 * w + j, 1 = allowed. vocab is the LM head's size; ids past the tokenizer's vocabulary (the
 head is often padded) are never allowed.
@@ -61,7 +68,7 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 from minillm.gbnf import gbnf_to_lark
-from minillm.grammar_process import tokens_taken
+from minillm.grammar_process import ERROR, STOPPED, TERMINATED, tokens_taken
 from minillm.lark_ending import start_can_never_end
 from minillm.sampling_params import short_repr
 from minillm.stats import StructuredOutputStats
@@ -1306,19 +1313,22 @@ def _with_ecma_patterns(node: dict) -> bool:
 def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_SCHEMAS added (in allOf) to every subschema that names one of
     those formats, every format llguidance does not know left out, pydantic's Decimal patterns
-    written without look-arounds (_decimal_pattern) and its dicts keyed by an enum written with
-    properties (_with_listed_names); other text as it is. Done
+    written without look-arounds (_decimal_pattern), its dicts keyed by an enum written with
+    properties (_with_listed_names) and unevaluatedProperties or unevaluatedItems that mean what
+    additionalProperties or items mean written so (_with_plain_unevaluated); other text as it is. Done
     where the schema is serialised for llguidance, never in the constraint's key: the key's text is
     what an API server sends the engine core, which builds the constraint from it again (patterns
     added there would be added twice, and counted against the size bound as if the client had
     written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
     is data."""
-    if '"format"' not in text and '"pattern' not in text and '"propertyNames"' not in text:
+    if '"format"' not in text and '"pattern' not in text and '"propertyNames"' not in text \
+            and '"unevaluated' not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
         if "propertyNames" in node and _with_listed_names(node, schema):
             changed = True
+        changed = _with_plain_unevaluated(node) or changed       # before a format's allOf is added
         changed = _with_ecma_patterns(node) or changed
         name = node.get("format")
         if not isinstance(name, str):
@@ -1331,6 +1341,29 @@ def _with_known_formats(text: str) -> str:
             del node["format"]
             changed = True
     return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
+# Keywords through which other subschemas evaluate an instance's members in place: beside any of them,
+# unevaluatedProperties and unevaluatedItems also see what those evaluated.
+_IN_PLACE_KEYS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "dependentSchemas",
+                  "dependencies", "contains")
+
+
+def _with_plain_unevaluated(node: dict) -> bool:
+    """Write unevaluatedProperties as additionalProperties, and unevaluatedItems as items (after
+    prefixItems), where node has no in-place applicator (_IN_PLACE_KEYS) and not the other keyword:
+    there they take the same members (vLLM's default backend reads them; llguidance refuses them).
+    Whether any changed."""
+    if any(name in node for name in _IN_PLACE_KEYS):
+        return False
+    changed = False
+    if "unevaluatedProperties" in node and "additionalProperties" not in node:
+        node["additionalProperties"] = node.pop("unevaluatedProperties")
+        changed = True
+    if "unevaluatedItems" in node and "items" not in node and "additionalItems" not in node:
+        node["items"] = node.pop("unevaluatedItems")
+        changed = True
+    return changed
 
 
 def _with_closed_objects(text: str) -> str:
@@ -1560,6 +1593,16 @@ def bitmask_words(vocab_size: int) -> int:
     return (int(vocab_size) + 31) // 32
 
 
+def max_mask_rows(max_num_seqs: int, num_speculative_tokens: int = 0,
+                  max_num_batched_tokens: int | None = None) -> int:
+    """Mask rows a step may need: one per sampling sequence, and with speculation one per verified
+    position (1 + drafts a sequence), which are tokens of the step and so within its token budget."""
+    if not num_speculative_tokens:
+        return max_num_seqs
+    rows = max_num_seqs * (1 + num_speculative_tokens)
+    return max(max_num_seqs, rows if max_num_batched_tokens is None else min(rows, max_num_batched_tokens))
+
+
 def allocate_token_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
     """A bitmask [num_rows, ceil(vocab_size / 32)] int32 with every token allowed."""
     return np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32)
@@ -1662,7 +1705,7 @@ class GrammarMatcher:
 
     def validate_tokens(self, token_ids: Sequence[int]) -> list[int]:
         """The longest prefix of token_ids the grammar accepts from here, without advancing."""
-        if self._terminated:
+        if self._terminated or not token_ids:
             return []
         ids = [int(t) for t in token_ids]
         return ids[:self._matcher.validate_tokens(ids)]
@@ -1758,9 +1801,13 @@ class StructuredOutputRequest:
         self._process = process           # the grammar process that holds the matcher, if one does
         self._remote_error: str | None = None
         self._moved = False               # move_to was called once
-        # Tokens taken ahead of accept_token: (token, accepted) here, (token, answer, row, k) for a
-        # grammar process (the k-th token of its row in an advance whose answer may not be read yet).
+        # Tokens taken ahead of accept_token: (token, accepted) here, (token, accepted, (is_complete,
+        # is_terminated) after it) for a step's several tokens, (token, answer, row, k) for a grammar
+        # process (the k-th token of its row in an advance whose answer may not be read yet).
         self._advanced: deque[tuple] = deque()
+        # (is_complete, is_terminated) after the token accept_token last returned, while the matcher
+        # holds tokens after it (None: the matcher's own flags hold)
+        self._state_ahead: tuple[bool, bool] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -1815,9 +1862,17 @@ class StructuredOutputRequest:
         """Feed the matcher a step's tokens now, keeping each result for accept_token (stops at
         the first refused one: the scheduler ends the sequence there)."""
         token_ids = self.take_reasoning(token_ids)
-        if token_ids:
-            answers = self.matcher.accept_until_refused(token_ids)
-            self._advanced.extend((int(token), accepted) for token, accepted in zip(token_ids, answers))
+        if len(token_ids) == 1:
+            self._advanced.append((int(token_ids[0]), self.matcher.accept_token(token_ids[0])))
+        elif token_ids:
+            # Accepted drafts and the token after them: the grammar's state after each is kept too
+            # (is_complete, is_terminated), as the scheduler's stop rules read it token by token.
+            matcher = self.matcher
+            for token in token_ids:
+                accepted = matcher.accept_token(token)
+                self._advanced.append((int(token), accepted, (matcher.is_complete(), matcher.is_terminated())))
+                if not accepted:
+                    break
 
     def take_reasoning(self, token_ids: Sequence[int]) -> Sequence[int]:
         """The tokens of a step the matcher takes: those after the reasoning's end (the reasoning
@@ -1855,7 +1910,7 @@ class StructuredOutputRequest:
     @property
     def is_settled(self) -> bool:
         """accept_token will not wait: every token taken ahead has its answer (a grammar process's may be pending)."""
-        return not self._advanced or len(self._advanced[0]) == 2 or self._advanced[0][1].is_read
+        return not self._advanced or len(self._advanced[0]) < 4 or self._advanced[0][1].is_read
 
     @property
     def num_advanced(self) -> int:
@@ -1869,28 +1924,48 @@ class StructuredOutputRequest:
             taken = self._advanced.popleft()
             if taken[0] != token_id:
                 raise RuntimeError(f"the matcher took token {taken[0]} ahead, the scheduler appends {token_id}")
+            self._state_ahead = None
             if taken[1] is _REASONING:
                 self.reasoning_ended = self.reasoning_ended or token_id == self.reasoning_end_id
                 return True
-            if len(taken) == 2:
+            if len(taken) < 4:
+                if len(taken) == 3 and self._advanced:
+                    self._state_ahead = taken[2]
                 return taken[1]
-            value = taken[1].value                 # the grammar process's answer: (taken, ...) by row
-            if value is None:
-                return taken[3] < tokens_taken(taken[1], taken[2])    # waits for the answer
-            return taken[3] < value[0][taken[2]]
+            answer, row, k = taken[1:]              # the grammar process's answer: (taken, ...) by row
+            accepted = k < (tokens_taken(answer, row) if answer.value is None else answer.value[0][row])
+            if accepted and self._advanced and answer.value is not None and row in answer.value[4]:
+                flags = answer.value[4][row][k]
+                self._state_ahead = (bool(flags & (TERMINATED | STOPPED)) and not flags & ERROR,
+                                     bool(flags & TERMINATED))
+            return accepted
         if not self.is_masked:
             self.reasoning_ended = self._take_reasoning_token(token_id)
             return True
         return self.matcher.accept_token(token_id)
 
+    def reasoning_drafts(self, token_ids: Sequence[int]) -> list[int] | None:
+        """Drafts of a sequence still reasoning, cut before its reasoning's end (each verified row is
+        then free, as the plain path's rows before that token); None when the grammar holds its
+        output (validate_drafts asks the matcher). Only asked with all the sequence's tokens taken."""
+        if self.is_masked:
+            return None
+        ids = [int(t) for t in token_ids]
+        return ids[:ids.index(self.reasoning_end_id)] if self.reasoning_end_id in ids else ids
+
     @property
     def is_complete(self) -> bool:
-        """Nothing but EOS may follow (or EOS was taken): the output is a whole sentence (never while it reasons)."""
+        """Nothing but EOS may follow (or EOS was taken): the output is a whole sentence (never while it
+        reasons). Asked after the scheduler's last accept_token, while the matcher may hold later tokens."""
+        if self._state_ahead is not None:
+            return self.reasoning_ended and self._state_ahead[0]
         return self.reasoning_ended and self.matcher.is_complete()
 
     @property
     def is_terminated(self) -> bool:
         """The last token accepted was an EOS (a sequence still reasoning stops on nothing else)."""
+        if self._state_ahead is not None:
+            return not self.reasoning_ended or self._state_ahead[1]
         return not self.reasoning_ended or self.matcher.is_terminated()
 
     def rejection(self, token_id: int) -> str:
@@ -1918,16 +1993,50 @@ class StructuredOutputRequest:
         return text.startswith(forced.group(1)) or forced.group(1).startswith(text)
 
 
+def validate_drafts(requests: Sequence[StructuredOutputRequest], drafts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each constrained sequence's drafts cut before the first token its grammar refuses from where its
+    tokens put it (vLLM's validate_tokens; nothing is consumed), or before its reasoning's end while it
+    reasons. Matchers in a grammar process are asked in one round trip per process; a process that
+    fails to answer leaves its sequences no drafts."""
+    valid: list[list[int] | None] = [request.reasoning_drafts(ids) for request, ids in zip(requests, drafts)]
+    remote: dict[Any, list[int]] = {}
+    for i, request in enumerate(requests):
+        if valid[i] is not None:
+            continue
+        if request._process is None:
+            valid[i] = request.matcher.validate_tokens(drafts[i])
+        else:
+            remote.setdefault(request._process, []).append(i)
+    for process, indices in remote.items():
+        from minillm.grammar_process import GrammarProcessError
+        try:
+            counts = process.validate([requests[i].matcher for i in indices], [drafts[i] for i in indices]).result()
+        except GrammarProcessError:
+            counts = [0] * len(indices)
+        for i, n in zip(indices, counts):
+            valid[i] = [int(t) for t in drafts[i][:n]]
+    return valid
+
+
 @dataclass
 class GrammarBitmask:
     """One step's masks for its constrained sampling rows, filled on the host."""
 
     bitmask: np.ndarray      # [N, ceil(vocab / 32)] int32: row i is the mask of sampling row rows[i]
     rows: np.ndarray         # [N] int32: indices into the step's sampling sequences (both pinned on a GPU)
+    # [N] int32: the verified position j of each mask row (the mask after the sequence's drafts[:j]);
+    # None when no sequence of the step has drafts (every row is position 0)
+    positions: np.ndarray | None = None
 
     def at_rows(self, rows) -> "GrammarBitmask":
-        """The same masks for other logits rows (e.g. a verification step's row of each sequence)."""
+        """The same masks for other logits rows (e.g. a verification step's rows)."""
         return GrammarBitmask(self.bitmask, np.asarray(rows, np.int32))
+
+    def at_verify_rows(self, row_starts: np.ndarray) -> "GrammarBitmask":
+        """The masks on a verification step's logits rows: row_starts[b] + j for mask row (b, j)
+        (row_starts: [B] each sampling sequence's first logits row, SpecDecodeMetadata.row_starts)."""
+        rows = np.asarray(row_starts)[self.rows]
+        return self.at_rows(rows if self.positions is None else rows + self.positions)
 
 
 class PendingBitmask:
@@ -1999,6 +2108,47 @@ def fill_rows(executor: Callable[[], llguidance.LLExecutor], pairs: list[tuple[l
         llg_numpy.fill_next_token_bitmask(pairs[0][0], out, pairs[0][1])
     elif pairs:
         llg_numpy.fill_next_token_bitmask_par(executor(), pairs, out)
+
+
+def fill_draft_rows(executor: Callable[[], llguidance.LLExecutor],
+                    entries: list[tuple[llguidance.LLMatcher, int, list[int]]], out: np.ndarray) -> None:
+    """For each (matcher, row, drafts): out[row + j] is the mask after drafts[:j], j = 0..len(drafts),
+    filled in parallel by llguidance (which advances through the drafts and rolls back). A copy of a
+    matcher with drafts walks them, so the matcher itself stays where its sequence's tokens put it,
+    whatever the walk meets. Rows past a draft the grammar refuses, or past one that ends it, are never
+    read (that draft is rejected, or ends the sequence): they allow every token."""
+    walks, rows = [], []
+    for matcher, row, drafts in entries:
+        if drafts:
+            out[row + 1:row + 1 + len(drafts)] = -1
+            walks.append((matcher.deep_copy(), row, list(drafts)))
+        else:                             # llguidance's walk takes only matchers with drafts
+            rows.append((matcher, row))
+    if walks:
+        llg_numpy.fill_next_token_bitmask_par_with_draft_tokens(executor(), walks, out)
+    fill_rows(executor, rows, out)
+
+
+def mask_layout(drafts: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per filled sequence its drafts -> (first mask row of each [F], verified position of each mask
+    row [N]): sequence i takes rows first[i] .. first[i] + len(drafts[i])."""
+    counts = np.fromiter((1 + len(d) for d in drafts), np.int64, len(drafts))        # [F]
+    first = np.cumsum(counts) - counts
+    positions = np.arange(int(counts.sum())) - np.repeat(first, counts)               # [N]
+    return first, positions.astype(np.int32)
+
+
+def _drafts_of(seq_ids: list[int], spec_tokens: dict[int, list[int]] | None) -> list[list[int]] | None:
+    """The drafts each filled sequence verifies this step; None when none of them has any."""
+    if not spec_tokens:
+        return None
+    drafts = [spec_tokens.get(seq_id, []) for seq_id in seq_ids]
+    return drafts if any(drafts) else None
+
+
+def _rows_of(indices: list[int], first: np.ndarray, drafts: list[list[int]]) -> list[int]:
+    """The mask rows of the filled sequences at indices (each 1 + its drafts, from first[i])."""
+    return [int(first[i]) + j for i in indices for j in range(1 + len(drafts[i]))]
 
 
 # ----------------------------------------------------------------------------- manager
@@ -2099,13 +2249,16 @@ class StructuredOutputManager:
     the engine thread then only sends each step's tokens and takes the answers, and no mask thread
     shares its GIL; grammars are still compiled here first (errors, the cache), then there.
     register_host(array) page-locks the shared mask buffers on a GPU and returns how to undo it.
+    num_speculative_tokens (with max_num_batched_tokens): the engine's drafts a sequence, whose
+    verified positions each take a mask row (max_mask_rows sizes the buffers).
     """
 
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
                  max_num_seqs: int, num_compile_workers: int = 2, num_fill_threads: int | None = None,
                  max_cached_grammars: int = 256, disable_any_whitespace: bool = True,
                  empty_host=np.empty, grammar_process: bool = False, register_host=None,
-                 compile_timeout_s: float | None = None) -> None:
+                 compile_timeout_s: float | None = None, num_speculative_tokens: int = 0,
+                 max_num_batched_tokens: int | None = None) -> None:
         self.vocab_size = int(vocab_size)
         self.disable_any_whitespace = disable_any_whitespace   # for requests that leave it None
         self._tokenizer_json = tokenizer_json
@@ -2120,20 +2273,21 @@ class StructuredOutputManager:
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
         self._cache: OrderedDict[StructuredOutputKey, Future] = OrderedDict()
         self._max_cached = max_cached_grammars
-        # Two host buffers [max_num_seqs, W] the steps' masks are filled into in turn (pinned memory
-        # from empty_host, so the sampler's upload is a plain async copy): a step's fill never
-        # writes the buffer the step before may still be uploading from.
+        # Two host buffers [R, W] the steps' masks are filled into in turn (pinned memory from
+        # empty_host, so the sampler's upload is a plain async copy): a step's fill never writes the
+        # buffer the step before may still be uploading from. R: max_mask_rows.
+        num_rows = max_mask_rows(max_num_seqs, num_speculative_tokens, max_num_batched_tokens)
         self._process: GrammarProcess | None = None
         if grammar_process:
             from minillm.grammar_process import GrammarProcess
-            self._process = GrammarProcess(tokenizer_json, self.vocab_size, self._eos_token_ids, max_num_seqs,
+            self._process = GrammarProcess(tokenizer_json, self.vocab_size, self._eos_token_ids, num_rows,
                                            self._fill_threads, register_host)
             self._bitmasks = self._process.bitmasks
         else:
-            self._bitmasks = [empty_host((max_num_seqs, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
+            self._bitmasks = [empty_host((num_rows, bitmask_words(self.vocab_size)), np.int32) for _ in range(2)]
             for buffer in self._bitmasks:
                 buffer[...] = -1
-        self._mask_rows = [empty_host((max_num_seqs,), np.int32) for _ in range(2)]   # each buffer's rows
+        self._mask_rows = [empty_host((num_rows,), np.int32) for _ in range(2)]   # each buffer's rows
         self._eos_words = eos_words(self._eos_token_ids, self.vocab_size)
         self._next_bitmask = 0
         self.bitmask = self._bitmasks[0]
@@ -2363,8 +2517,10 @@ class StructuredOutputManager:
     def has_token_in_flight(rows: Sequence[tuple[int, Any]]) -> bool:
         """True when a constrained sequence samples while its previous token is still on the
         device: its matcher must accept that token before its mask can be filled. rows: a step's
-        (sampling index, sequence) pairs (SchedulerOutput.structured_rows)."""
-        return any(s.num_output_placeholders > 1 for _, s in rows if s.structured_output is not None)
+        (sampling index, sequence) pairs (SchedulerOutput.structured_rows); a sequence verifying d
+        drafts counts d + 1 placeholders for this step alone."""
+        return any(s.num_output_placeholders > 1 + len(s.spec_token_ids)
+                   for _, s in rows if s.structured_output is not None)
 
     def advance(self, rows: Sequence[tuple[int, Any]], sampled: dict[int, list[int]]) -> None:
         """Feed a read-back step's tokens to the matchers of its constrained sampling sequences
@@ -2405,10 +2561,13 @@ class StructuredOutputManager:
                 pending = pending or not answer.is_read
         return pending
 
-    def start_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:
+    def start_fill(self, rows: Sequence[tuple[int, Any]],
+                   spec_tokens: dict[int, list[int]] | None = None) -> PendingBitmask | None:
         """Start filling, on the mask thread, the masks of one step's constrained sampling
         sequences that go on; None when there are none. rows: the step's (sampling index,
-        sequence) pairs (SchedulerOutput.structured_rows; unconstrained ones are skipped).
+        sequence) pairs (SchedulerOutput.structured_rows; unconstrained ones are skipped);
+        spec_tokens: seq_id -> the drafts it verifies (SchedulerOutput.scheduled_spec_decode_tokens),
+        whose every position gets its mask (GrammarBitmask.positions).
 
         Each matcher must have taken its sequence's latest token (through the scheduler, or
         ahead of it through advance()). Until the result is taken, the engine thread asks those
@@ -2418,26 +2577,32 @@ class StructuredOutputManager:
         there with EOS only, and the scheduler still ends its sequence.)
         """
         if self._process is not None:
-            return self._start_remote_fill(rows)
-        filled, matchers, no_eos = self._rows_to_fill(rows)
+            return self._start_remote_fill(rows, spec_tokens)
+        filled, matchers, no_eos, seq_ids = self._rows_to_fill(rows)
         if not matchers:
             return None
-        slot, mask = self._next_mask(filled)
-        pairs = [(m._matcher, i) for i, m in enumerate(matchers)]
+        drafts = _drafts_of(seq_ids, spec_tokens)
+        slot, mask, first = self._next_mask(filled, drafts)
+        if drafts is None:
+            entries = [(m._matcher, i) for i, m in enumerate(matchers)]
+        else:
+            entries = [(m._matcher, row, d) for m, row, d in zip(matchers, first.tolist(), drafts)]
+            no_eos = _rows_of(no_eos, first, drafts)
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minillm-mask")
         started = threading.Event()
-        future = self._mask_thread.submit(self._fill_job, pairs, mask.bitmask, no_eos, started)
+        future = self._mask_thread.submit(self._fill_job, entries, mask.bitmask, no_eos, started, drafts is not None)
         # A thread that wants the GIL while this one runs Python gets it only after the switch
         # interval (5 ms): hand it over now, for the few lines up to llguidance's GIL-free fill.
         started.wait()
         return PendingBitmask(self, future, mask)
 
     @staticmethod
-    def _rows_to_fill(rows: Sequence[tuple[int, Any]]) -> tuple[list[int], list, list[int]]:
-        """(sampling indices, matchers, mask rows of ignore_eos requests) of the constrained rows that
-        go on (start_fill's rules); a matcher not at its sequence's latest token is a RuntimeError."""
-        filled, matchers, no_eos = [], [], []
+    def _rows_to_fill(rows: Sequence[tuple[int, Any]]) -> tuple[list[int], list, list[int], list[int]]:
+        """(sampling indices, matchers, the indices of ignore_eos requests among them, seq_ids) of the
+        constrained rows that go on (start_fill's rules); a matcher not at its sequence's latest token
+        is a RuntimeError."""
+        filled, matchers, no_eos, seq_ids = [], [], [], []
         for b, seq in rows:
             request = seq.structured_output
             if request is None or seq.is_finished or not request.is_masked:
@@ -2452,17 +2617,28 @@ class StructuredOutputManager:
                 no_eos.append(len(filled))
             matchers.append(matcher)
             filled.append(b)
-        return filled, matchers, no_eos
+            seq_ids.append(seq.seq_id)
+        return filled, matchers, no_eos, seq_ids
 
-    def _next_mask(self, filled: list[int]) -> tuple[int, GrammarBitmask]:
-        """The next of the two mask buffers, its rows those of the sampling indices filled."""
-        slot, num_rows = self._next_bitmask, len(filled)
+    def _next_mask(self, filled: list[int],
+                   drafts: list[list[int]] | None = None) -> tuple[int, GrammarBitmask, np.ndarray | None]:
+        """The next of the two mask buffers, its rows those of the sampling indices filled (with
+        drafts, 1 + len(drafts[i]) rows for filled[i]), and the first mask row of each (None
+        without drafts: row i)."""
+        slot = self._next_bitmask
+        first = positions = None
+        if drafts is None:
+            num_rows = len(filled)
+        else:
+            first, positions = mask_layout(drafts)
+            num_rows = len(positions)
         rows = self._mask_rows[slot][:num_rows]
-        rows[:] = filled
+        rows[:] = filled if drafts is None else np.repeat(filled, [1 + len(d) for d in drafts])
         self._next_bitmask = 1 - slot
-        return slot, GrammarBitmask(self._bitmasks[slot][:num_rows], rows)
+        return slot, GrammarBitmask(self._bitmasks[slot][:num_rows], rows, positions), first
 
-    def _start_remote_fill(self, rows: Sequence[tuple[int, Any]]) -> PendingBitmask | None:
+    def _start_remote_fill(self, rows: Sequence[tuple[int, Any]],
+                           spec_tokens: dict[int, list[int]] | None = None) -> PendingBitmask | None:
         """start_fill with the matchers in the grammar process. In a steady batch a step's constrained
         rows are the last step's: their plan (the rows to fill, the handles, the ignore_eos rows) is
         kept, so nothing is asked per row. A row that finished or whose grammar is done since is then
@@ -2470,20 +2646,28 @@ class StructuredOutputManager:
         key = (self._process, rows, self._reasoning_epoch[0])
         plan = self._fill_plan
         if plan is None or plan[0][0] is not self._process or plan[0][1] != rows or plan[0][2] != key[2]:
-            filled, matchers, no_eos = self._rows_to_fill(rows)
-            self._fill_plan = plan = (key, filled, [m.handle for m in matchers], no_eos)
-        _, filled, handles, no_eos = plan
+            filled, matchers, no_eos, seq_ids = self._rows_to_fill(rows)
+            self._fill_plan = plan = (key, filled, [m.handle for m in matchers], no_eos, seq_ids)
+        _, filled, handles, no_eos, seq_ids = plan
         if not filled:
             return None
-        slot, mask = self._next_mask(filled)
-        return PendingBitmask(self, self._process.fill(slot, handles, no_eos), mask)
+        drafts = _drafts_of(seq_ids, spec_tokens)
+        slot, mask, first = self._next_mask(filled, drafts)
+        if drafts is not None:
+            no_eos = _rows_of(no_eos, first, drafts)
+        return PendingBitmask(self, self._process.fill(slot, handles, no_eos, drafts), mask)
 
-    def _fill_job(self, pairs: list, bitmask: np.ndarray, no_eos: list[int], started: threading.Event) -> float:
-        """The mask thread's fill of bitmask[i] for pairs[i], EOS taken out of the no_eos rows;
-        returns its wall seconds (up to when this thread has the GIL again)."""
+    def _fill_job(self, entries: list, bitmask: np.ndarray, no_eos: list[int], started: threading.Event,
+                  has_drafts: bool = False) -> float:
+        """The mask thread's fill: bitmask[i] for entries[i] = (matcher, i), or with drafts each
+        (matcher, first row, drafts) fills its rows (fill_draft_rows); EOS taken out of the no_eos
+        rows. Returns its wall seconds (up to when this thread has the GIL again)."""
         started.set()
         start = time.perf_counter()
-        self._fill_rows(pairs, bitmask)
+        if has_drafts:
+            fill_draft_rows(self._fill_executor, entries, bitmask)
+        else:
+            self._fill_rows(entries, bitmask)
         if no_eos:
             forbid_eos(bitmask, no_eos, self._eos_words)
         return time.perf_counter() - start

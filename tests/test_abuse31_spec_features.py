@@ -1,9 +1,10 @@
-"""N-gram speculation beside requests that take no drafts or run their prompt in the same steps.
+"""N-gram speculation beside constrained requests and requests that run their prompt in the same steps.
 
-A constrained request (choice, regex, JSON schema) gets no drafts, yet shares steps whose logits
-rows are laid out by the drafting requests; a request asking for prompt log-probabilities has its
-prompt chunks computed in steps that verify other requests' drafts. Greedy outputs, their
-log-probabilities and the prompt log-probabilities are those of the engine without speculation.
+A constrained request (choice, regex, JSON schema) gets drafts held to its grammar, and shares steps
+whose logits rows are laid out by the other drafting requests; a request asking for prompt
+log-probabilities has its prompt chunks computed in steps that verify other requests' drafts.
+Greedy outputs, their log-probabilities and the prompt log-probabilities are those of the engine
+without speculation.
 """
 import json
 

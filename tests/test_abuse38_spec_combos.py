@@ -6,7 +6,7 @@ log-probabilities are those without it: under penalties (which count accepted dr
 allowed_token_ids, multi-token bad words, stop strings and stop tokens held off by min_tokens, EOS
 proposed inside a draft while min_tokens bans it, seeded sampling with n > 1, DELTA outputs,
 prefix-cache hits and preemptions in a small pool. Constrained requests (JSON schema, regex, choice,
-GBNF grammar) never get drafts, and their outputs beside drafting requests are the plain ones.
+GBNF grammar) draft too, and their outputs beside drafting requests are the plain ones.
 """
 import json
 
@@ -157,7 +157,7 @@ def test_eos_inside_a_draft_is_banned_below_min_tokens_and_ends_the_output_past_
         assert any(EOS in d[1:] and n + d.index(EOS) == 20 for _, n, d in seen)
 
 
-def test_constrained_requests_get_no_drafts_beside_drafting_ones(stories_path, golden, repeat, loop, monkeypatch):
+def test_constrained_requests_draft_beside_unconstrained_ones(stories_path, golden, repeat, loop, monkeypatch):
     schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 8}}, "required": ["a"]}
     grammar = 'root ::= " Once upon a time" (" Once upon a time")*'
     constrained = [StructuredOutputsParams(json=schema), StructuredOutputsParams(regex="( [a-z]+){1,8}\\."),
@@ -176,9 +176,9 @@ def test_constrained_requests_get_no_drafts_beside_drafting_ones(stories_path, g
     for g, w in zip(got, want):
         assert_same(g, w)
     assert accepted(llm) > 0
-    # only the two unconstrained sequences ever looked for drafts (the grammar's text repeats itself)
-    assert len({id(seq) for seq, _, _ in seen}) == 2
-    assert all(seq.params.structured_outputs is None and seq.structured_output is None for seq, _, _ in seen)
+    # every sequence looked for drafts, the constrained ones too (their drafts are held to the grammar)
+    assert len({id(seq) for seq, _, _ in seen}) == 6
+    assert sum(seq.structured_output is not None for seq in {seq for seq, _, _ in seen}) == 4
     assert got[4].outputs[0].text.startswith(" Once upon a time Once upon a time")
 
 
