@@ -43,6 +43,8 @@ VLLM_PROMPT_KEYS = {
     **dict.fromkeys(_MULTIMODAL_KEYS, "minillm runs text-only models"),
     "token_type_ids": "minillm runs decoder-only generative models, which read no token types",
     "prompt_embeds": "minillm takes text or token ids, not embeddings",
+    **dict.fromkeys(("encoder_prompt", "decoder_prompt"), "minillm runs decoder-only models, which take no "
+                                                          "encoder-decoder prompt (give the prompt alone)"),
 }
 
 

@@ -300,3 +300,12 @@ def test_reset_prefix_cache_takes_vllms_arguments_and_forgets_the_prompts(llm):
     assert llm.reset_prefix_cache(True) is True
     with pytest.raises(ValueError, match="reset_connector must be true or false, got 'yes'"):
         llm.reset_prefix_cache(reset_connector="yes")
+
+
+def test_an_encoder_decoder_prompt_says_the_model_is_decoder_only(llm):
+    """vLLM's ExplicitEncoderDecoderPrompt: the keys were named without a reason."""
+    with pytest.raises(ValueError, match=r"\['decoder_prompt', 'encoder_prompt'\].*decoder_prompt: minillm runs "
+                                         r"decoder-only models, which take no encoder-decoder prompt"):
+        llm.generate({"encoder_prompt": "Once", "decoder_prompt": "upon"}, SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
