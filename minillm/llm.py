@@ -208,6 +208,11 @@ class LLM:
         return self.engine
 
     @property
+    def supported_tasks(self) -> tuple[str, ...]:
+        """What the model serves (vLLM's LLM.supported_tasks): minillm runs generative models only."""
+        return ("generate",)
+
+    @property
     def model_config(self):
         """The engine's model config (vLLM's LLM.model_config): max_model_len, hf_config, dtype, ..."""
         return self.engine.model_config

@@ -309,3 +309,8 @@ def test_an_encoder_decoder_prompt_says_the_model_is_decoder_only(llm):
         llm.generate({"encoder_prompt": "Once", "decoder_prompt": "upon"}, SamplingParams(max_tokens=2),
                      use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_supported_tasks_is_generate_as_vllm_reports_a_generative_model(llm):
+    """vLLM scripts check `"generate" in llm.supported_tasks` before calling generate (an AttributeError here)."""
+    assert llm.supported_tasks == ("generate",)
