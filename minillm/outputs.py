@@ -43,7 +43,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     # logprobs[i]: {token_id: Logprob} for generated token i (the sampled one and the top-k)
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None     # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None     # "stop" | "length" | "abort" | "error" | "repetition" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
     # vLLM's: the LoRA adapter that made it; minillm loads none

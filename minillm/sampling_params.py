@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from minillm.allowed_tokens import MaskedRowCheck
     from minillm.bad_words import BadWordIds
+    from minillm.repetition import RepetitionDetectionParams
     from minillm.structured_output import StructuredOutputsParams
 
 
@@ -28,6 +29,9 @@ def __getattr__(name: str):
     if name == "GuidedDecodingParams":      # vLLM's earlier name, with its options
         from minillm.guided_decoding import GuidedDecodingParams
         return GuidedDecodingParams
+    if name == "RepetitionDetectionParams":     # beside SamplingParams in vLLM; minillm/repetition.py
+        from minillm.repetition import RepetitionDetectionParams
+        return RepetitionDetectionParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # vLLM's seeds: a signed 64-bit integer (its server's bound), -1 meaning none. The sampler's generator
@@ -229,6 +233,8 @@ class SamplingParams:
     extra_args: dict | None = None
     allowed_token_ids: list[int] | None = None   # only these token ids may be sampled
     bad_words: list[str] | None = None   # words the output must not contain (minillm/bad_words.py); None: []
+    # vLLM's: stop once the output ends in a pattern repeated min_count times (minillm/repetition.py)
+    repetition_detection: RepetitionDetectionParams | None = None
     detokenize: bool = True         # False: token ids only (text "", no decoded tokens in logprobs)
     # vLLM's: False reads an added token right after another as its bare text (no space the decoder puts between)
     spaces_between_special_tokens: bool = True
@@ -450,6 +456,20 @@ class SamplingParams:
             from minillm.structured_output import StructuredOutputsParams
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams")
+        if self.repetition_detection is not None:
+            self._validate_repetition_detection()
+
+    def _validate_repetition_detection(self) -> None:
+        """repetition_detection's fields (again: they may have changed since it was made) and its scan work."""
+        from minillm.repetition import RepetitionDetectionParams, check_scan_work
+        detection = self.repetition_detection
+        if not isinstance(detection, RepetitionDetectionParams):
+            raise ValueError(f"repetition_detection must be a RepetitionDetectionParams, got {short_repr(detection)}")
+        try:
+            detection.validate()
+        except ValueError as exc:
+            raise ValueError(f"repetition_detection.{exc}") from None
+        check_scan_work(detection)
 
     def _plain_containers(self) -> None:
         """NumPy integers, floats and strings in the list and dict fields (checked or still to be) as
@@ -585,8 +605,6 @@ VLLM_FIXED_FIELDS = {
     # vLLM's -1 is no budget, as None
     "thinking_token_budget": (lambda v, n: v is None or (_is_int(v) and v == -1),
                               "minillm has no thinking budget (max_tokens bounds the output): give None or -1"),
-    "repetition_detection": (lambda v, n: v is None, "minillm has no repetition detection (repetition_penalty, "
-                                                     "frequency_penalty and presence_penalty discourage repeats)"),
     "logprob_token_ids": (lambda v, n: v is None, "logprobs=k gives the top k and the sampled token"),
     "prompt_logprob_token_ids": (lambda v, n: v is None, "prompt_logprobs=k gives the top k and the prompt's token"),
     "prompt_logprob_start": (lambda v, n: v is None or (_is_int(v) and v == 0),
@@ -594,13 +612,19 @@ VLLM_FIXED_FIELDS = {
     "trace_decode_token_ids": (lambda v, n: v is None, "minillm samples every token"),
 }
 
+# vLLM's earlier SamplingParams fields of its repetition stop, taken as repetition_detection's (all 0: none).
+VLLM_REPETITION_FIELDS = {"max_repetition_pattern_size": "max_pattern_size",
+                          "min_repetition_pattern_size": "min_pattern_size", "repetition_min_count": "min_count"}
+_VLLM_ONLY_FIELDS = frozenset(VLLM_FIXED_FIELDS) | frozenset(VLLM_REPETITION_FIELDS)
 _dataclass_init = SamplingParams.__init__
 
 
 def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
-    """SamplingParams' own __init__, after VLLM_FIXED_FIELDS are checked and left out."""
-    if not kwargs.keys().isdisjoint(VLLM_FIXED_FIELDS):
+    """SamplingParams' own __init__, after VLLM_FIXED_FIELDS are checked and left out (and vLLM's
+    earlier repetition fields made repetition_detection)."""
+    if not kwargs.keys().isdisjoint(_VLLM_ONLY_FIELDS):
         _take_guided_decoding(kwargs)
+        _take_repetition_fields(kwargs)
         n = kwargs.get("n", args[0] if args else 1)
         for name in [k for k in kwargs if k in VLLM_FIXED_FIELDS]:
             value = kwargs.pop(name)
@@ -608,6 +632,25 @@ def _init_taking_vllm_fields(self, *args, **kwargs) -> None:
             if not is_done(value, n):
                 raise ValueError(f"{name}={short_repr(value)} is not supported: {does}")
     _dataclass_init(self, *args, **kwargs)
+
+
+def _take_repetition_fields(kwargs: dict) -> None:
+    """vLLM's earlier max_repetition_pattern_size, min_repetition_pattern_size and repetition_min_count
+    become repetition_detection; a ValueError names the one at fault."""
+    given = {new: kwargs.pop(old) for old, new in VLLM_REPETITION_FIELDS.items() if old in kwargs}
+    if not given:
+        return
+    old_names = {new: old for old, new in VLLM_REPETITION_FIELDS.items()}
+    if kwargs.get("repetition_detection") is not None:
+        raise ValueError(f"{next(old_names[k] for k in given)} is vLLM's earlier spelling of repetition_detection, "
+                         f"which is given too: give one")
+    from minillm.repetition import RepetitionDetectionParams, renamed
+    try:
+        detection = RepetitionDetectionParams(**given)
+    except ValueError as exc:
+        raise ValueError(renamed(str(exc), old_names)) from None
+    if detection.is_enabled:
+        kwargs["repetition_detection"] = detection
 
 
 def _take_guided_decoding(kwargs: dict) -> None:

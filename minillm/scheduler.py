@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 from minillm.allowed_tokens import masked_out_error
 from minillm.block_manager import BlockManager
+from minillm.repetition import STOP_REASON as REPETITION_STOP_REASON, ends_in_repetition
 from minillm.request_queue import PriorityWaitingQueue, lowest_priority_index
 from minillm.sequence import Sequence, SequenceStatus, SequenceView
 from minillm.step import SchedulerOutput, StepOutput
@@ -93,6 +94,9 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
         return SequenceStatus.FINISHED_STOPPED, None   # the grammar allows only EOS: done, whatever min_tokens says
     if num_outputs >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
+    if params.repetition_detection is not None and num_outputs >= params.min_tokens \
+            and ends_in_repetition(seq.token_ids, num_outputs, params.repetition_detection):
+        return SequenceStatus.FINISHED_REPETITION, REPETITION_STOP_REASON
     return None
 
 
@@ -567,10 +571,11 @@ class Scheduler:
     def stop(self, seq: Sequence, stop_string: str) -> None:
         """The output processor found a stop string in seq's text: finish it with that reason.
 
-        A sequence that the same token already finished (by length, a stop token or a grammar it
-        completed) reports the stop string instead, as vLLM's output processor does."""
+        A sequence that the same token already finished (by length, a stop token, a repetition or a
+        grammar it completed) reports the stop string instead, as vLLM's output processor does."""
         status, reason = check_stop(seq, self.eos_token_ids, stop_string)
-        if seq.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED):
+        if seq.status in (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED,
+                          SequenceStatus.FINISHED_REPETITION):
             seq.status, seq.stop_reason = status, reason
         else:
             self.finish(seq, status, reason)

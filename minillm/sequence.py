@@ -24,6 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"         # the request itself failed (its grammar); stop_reason says why
+    FINISHED_REPETITION = "repetition"   # its output ended in a repeated pattern (minillm/repetition.py)
 
     @property
     def is_finished(self) -> bool:
@@ -32,14 +33,14 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """'stop' | 'length' | 'abort' | 'error', or None while alive."""
+        """'stop' | 'length' | 'abort' | 'error' | 'repetition', or None while alive."""
         return self._finish_reason
 
 
 # Plain attributes on each member: an enum's .value is a descriptor call (about 0.4 us), and the
 # engine asks every sequence several times a step whether it has finished.
 for _status in SequenceStatus:
-    _status._finished = _status.value in ("stop", "length", "abort", "error")
+    _status._finished = _status.value in ("stop", "length", "abort", "error", "repetition")
     _status._finish_reason = _status.value if _status._finished else None
 del _status
 

@@ -144,15 +144,15 @@ def test_truncation_side_outside_left_and_right_is_a_400_naming_it(http, healthy
 
 
 # vLLM's fields that change what comes back, which this server does not implement: (field, a value set).
-UNSERVED = [("logprob_token_ids", [5, 6]), ("thinking_token_budget", 16),
-            ("repetition_detection", {"max_pattern_size": 4}), ("watermarking", True)]
+# (repetition_detection is served: tests/test_abuse39_repetition.py)
+UNSERVED = [("logprob_token_ids", [5, 6]), ("thinking_token_budget", 16), ("watermarking", True)]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 @pytest.mark.parametrize("name, value", UNSERVED)
 def test_vllm_fields_this_server_does_not_serve_are_refused_by_name(http, healthy_stream, path, name, value):
     """Each was logged as unknown and the request answered as if it had not been sent (logprobs of other
-    tokens, thinking unbounded, repetition not cut short, no watermark)."""
+    tokens, thinking unbounded, no watermark)."""
     body = {"prompt": "Once", "messages": [{"role": "user", "content": "Once"}], "max_tokens": 1, "logprobs": None}
     response = http.post(path, json={**body, name: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == name

@@ -124,17 +124,6 @@ def test_vllm_xargs_of_another_shape_is_a_400_naming_it(server, endpoint, value,
         assert lists.status_code == 200
 
 
-@pytest.mark.parametrize("field", ["max_repetition_pattern_size", "min_repetition_pattern_size",
-                                   "repetition_min_count"])
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_vllms_repetition_stop_is_refused_naming_its_field(server, endpoint, field):
-    # vLLM stops a completion whose last tokens repeat a pattern; these were logged as ignored, and the
-    # completion ran on to max_tokens.
-    openai_error(post(server[0], endpoint, {field: 3}), 400, field)
-    openai_error(post(server[0], endpoint, {field: "three"}), 400, field)
-    assert post(server[0], endpoint, {field: 0}).status_code == 200      # vLLM's default: no check
-
-
 @pytest.mark.parametrize("endpoint, field, value", [
     ("chat", "mm_processor_kwargs", "x"), ("responses", "mm_processor_kwargs", [1]),
     ("responses", "media_io_kwargs", "x"), ("responses", "previous_input_messages", {"role": "user"}),

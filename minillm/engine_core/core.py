@@ -76,7 +76,8 @@ class TokenState:
 
 def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
     """SamplingParams' constructor arguments from an AddRequest's fields (msgpack carried the
-    structured-output constraint as a plain dict). A new dict: fields is left as it is."""
+    structured-output constraint and repetition_detection as plain dicts). A new dict: fields is
+    left as it is."""
     if fields.keys() <= _SAMPLING_FIELD_SET:     # what an API server sends: one copy in C, no filtering
         out = dict(fields)
     else:
@@ -88,6 +89,10 @@ def sampling_fields(fields: dict[str, Any]) -> dict[str, Any]:
         # The API server compile-checked it: checked again here, it would hold the step loop.
         out["structured_outputs"] = StructuredOutputsParams.from_checked(**{k: v for k, v in constraint.items()
                                                                             if k in init})
+    detection = out.get("repetition_detection")
+    if isinstance(detection, dict):     # likewise RepetitionDetectionParams, checked again as it is made
+        from minillm.repetition import FIELDS, RepetitionDetectionParams
+        out["repetition_detection"] = RepetitionDetectionParams(**{k: detection[k] for k in FIELDS if k in detection})
     return out
 
 

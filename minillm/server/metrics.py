@@ -34,8 +34,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
 # The finish reasons a request_success series exists for from the start, as vLLM's (a request whose
-# grammar failed to compile ends with "error").
-FINISH_REASONS = ("stop", "length", "abort", "error")
+# grammar failed to compile ends with "error"; one whose output repeats, with repetition_detection, "repetition").
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
 # (name, help, EngineStats field) for the snapshot-backed series.
 _GAUGES = (

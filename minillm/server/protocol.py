@@ -19,8 +19,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from minillm.repetition import (
+    FIELDS as REPETITION_DETECTION_FIELDS, RepetitionDetectionParams, check_scan_work, renamed,
+)
 from minillm.sampling_params import (
-    MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, check_truncate_prompt_tokens, short_repr,
+    MAX_LOGIT_BIAS, MAX_LOGPROBS, VLLM_REPETITION_FIELDS, SamplingParams, check_truncate_prompt_tokens, short_repr,
 )
 from minillm.server.errors import APIError, bad_request_from_value_error, json_error_reason
 from minillm.server.tool_calls import check_named_tool_choice
@@ -125,6 +128,14 @@ class _ModelRequest(_OpenAIModel):
         return value or None
 
 
+class RepetitionDetection(_OpenAIModel):
+    """vLLM's repetition_detection object (minillm/repetition.py); each field 0 unless given."""
+
+    max_pattern_size: int = 0
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+
 class _GenerationRequest(_ModelRequest):
     """Fields completions and chat completions share (OpenAI names plus vLLM's extensions)."""
 
@@ -169,6 +180,12 @@ class _GenerationRequest(_ModelRequest):
     stream_interval: int | None = None
     # vLLM's: plain data for engine extensions, carried to the engine as SamplingParams.extra_args
     vllm_xargs: dict[Text, Text | int | float | list[Text | int | float]] | None = None
+    # vLLM's: stop once the output ends in a pattern repeated min_count times (minillm/repetition.py)
+    repetition_detection: RepetitionDetection | None = None
+    # vLLM's earlier spelling of it, as three fields of the request (all 0: no detection)
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
 
     @field_validator("cache_salt")
     @classmethod
@@ -419,26 +436,23 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
     stream_options = req.stream_options if isinstance(req, _GenerationRequest) else None
     if stream_options is not None:
         names += [f"stream_options.{k}" for k in stream_options.model_extra or {}]
+    detection = req.repetition_detection if isinstance(req, _GenerationRequest) else None
+    if detection is not None:
+        names += [f"repetition_detection.{k}" for k in detection.model_extra or {}]
     if isinstance(req, ConversationRequest):
         for i, message in enumerate(req.messages):
             names += [f"messages.{i}.{k}" for k in message.model_extra or {}]
     return names
 
 
-# vLLM's stop on a repeated pattern of output tokens (its max/min pattern size and the repeats that stop):
-# not implemented, so refused when set.
-REPETITION_FIELDS = ("max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count")
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value, or the field's neutral value, changes nothing and passes), where
 # an unknown field is only logged.
 VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds", "structural_tag",
-                    "guided_whitespace_pattern", "logprob_token_ids", "thinking_token_budget", "repetition_detection",
-                    "watermarking", *REPETITION_FIELDS)
-# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none; a repetition
-# field of 0 checks nothing), with the type vLLM's model reads each as ("false" and 0 are no beam search,
-# "1" is length_penalty 1.0)
-NEUTRAL_VALUES = {"use_beam_search": (bool, False), "length_penalty": (float, 1.0), "thinking_token_budget": (int, -1),
-                  **{name: (int, 0) for name in REPETITION_FIELDS}}
+                    "guided_whitespace_pattern", "logprob_token_ids", "thinking_token_budget", "watermarking")
+# vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none), with the
+# type vLLM's model reads each as ("false" and 0 are no beam search, "1" is length_penalty 1.0)
+NEUTRAL_VALUES = {"use_beam_search": (bool, False), "length_penalty": (float, 1.0), "thinking_token_budget": (int, -1)}
 # vLLM's fields that take no effect on a text model (logged as ignored), with the type vLLM's model reads
 # each as: another type is a 400 naming the field, as vLLM's is.
 IGNORED_VLLM_TYPES = {"mm_processor_kwargs": dict}
@@ -568,6 +582,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
     context, which truncate_prompt_tokens may not exceed (vLLM's rule); defaults: the model's
     sampling defaults (minillm/generation_config.py) for the fields the request leaves unset."""
     defaults = defaults or {}
+    repetition_detection = repetition_detection_of(req)
 
     def pick(value, name: str, neutral):
         """The request's value; else the model's default for the field; else the neutral one."""
@@ -600,6 +615,7 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             extra_args=dict(req.vllm_xargs) if req.vllm_xargs else None,
+            repetition_detection=repetition_detection,
         )
         if vocab_size is not None:
             params.validate_for_vocab(vocab_size)
@@ -608,6 +624,35 @@ def to_sampling_params(req: _GenerationRequest, max_tokens: int | None, logprobs
     except ValueError as exc:
         raise bad_request_from_value_error(exc) from None
     return params
+
+
+def repetition_detection_of(req: _GenerationRequest) -> RepetitionDetectionParams | None:
+    """The request's repetition_detection (vLLM's object, or its earlier three fields: all 0 is none),
+    checked as vLLM checks it; a 400 naming the field at fault, as the request spelled it."""
+    flat = {new: getattr(req, old) for old, new in VLLM_REPETITION_FIELDS.items()}
+    given = req.repetition_detection
+    if given is not None:
+        old = next((old for old, new in VLLM_REPETITION_FIELDS.items() if flat[new]), None)
+        if old is not None:
+            raise APIError(400, f"{old} is vLLM's earlier spelling of repetition_detection, which is given too: "
+                           f"give one", param=old)
+        values, names = given.model_dump(include=set(REPETITION_DETECTION_FIELDS)), {
+            name: f"repetition_detection.{name}" for name in REPETITION_DETECTION_FIELDS}
+    elif any(flat.values()):
+        values, names = flat, {new: old for old, new in VLLM_REPETITION_FIELDS.items()}
+    else:
+        return None
+    try:
+        detection = RepetitionDetectionParams(**values)
+    except ValueError as exc:
+        message = renamed(str(exc), names)
+        raise APIError(400, message, param=message.split(" ", 1)[0]) from None
+    try:
+        check_scan_work(detection)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="repetition_detection" if given is not None
+                       else "max_repetition_pattern_size") from None
+    return detection
 
 
 def logit_bias_ids(bias: dict[str, float] | None) -> dict[int, float] | None:
