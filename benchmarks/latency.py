@@ -7,7 +7,8 @@
     minillm bench latency --model DIR --profile          # one profiled batch after the warm-up
 
 Each iteration generates --output-len tokens (ignore_eos) for each of --batch-size prompts of
---input-len dummy token ids, --n completions each; after --num-iters-warmup untimed iterations,
+--input-len dummy token ids, --n completions each (--use-beam-search: LLM.beam_search with --n beams, as
+vLLM's); after --num-iters-warmup untimed iterations,
 --num-iters are timed (wall time of LLM.generate) and their mean, standard deviation and 10/25/50/75/90/99th
 percentiles printed. Prefix caching is off unless --enable-prefix-caching (vLLM's default here).
 
@@ -45,7 +46,8 @@ def parse_args(argv):
     p.add_argument("--output-len", type=int, default=128, help="Tokens each completion generates (ignore_eos).")
     p.add_argument("--batch-size", type=int, default=8, help="Prompts in the batch.")
     p.add_argument("--n", type=int, default=1, help="Number of generated sequences per prompt.")
-    p.add_argument("--use-beam-search", action="store_true", help="vLLM's; minillm has no beam search.")
+    p.add_argument("--use-beam-search", action="store_true",
+                   help="Time LLM.beam_search with --n beams of --output-len tokens (ignore_eos) instead of generate.")
     p.add_argument("--num-iters-warmup", type=int, default=10, help="Number of iterations to run for warmup.")
     p.add_argument("--num-iters", type=int, default=30, help="Number of iterations to run.")
     p.add_argument("--profile", action="store_true",
@@ -61,15 +63,24 @@ def parse_args(argv):
     args = p.parse_args(argv)
     check_bounds(PROG, args, option_bounds())
     check_workload_tokens(PROG, "--batch-size", args.batch_size, "--input-len", args.input_len)
-    if args.use_beam_search:
-        p.error("--use-beam-search: minillm has no beam search (--n samples n completions of each prompt)")
     if args.profile and args.output_json:
         p.error("--profile runs one profiled batch and times none, so --output-json would have no latencies; "
                 "give one of them")
     args.engine_names = ["seed", *engine_names]
     check_engine_arguments(p, args)
     check_sampling_option(p, "--n", n=args.n)
+    if args.use_beam_search:
+        check_beam_width(p, args.n)
     return args
+
+
+def check_beam_width(p: BenchParser, n: int) -> None:
+    """parser.error naming --n when BeamSearchParams refuses it as the beam width."""
+    from minillm.sampling_params import BeamSearchParams
+    try:
+        BeamSearchParams(beam_width=n, max_tokens=1)
+    except ValueError as exc:
+        p.error(f"--n with --use-beam-search: {exc}")
 
 
 def option_bounds() -> dict[str, tuple]:
@@ -221,14 +232,19 @@ def main(argv: list[str] | None = None) -> int:
     from minillm import SamplingParams
     params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len,
                             detokenize=not args.disable_detokenize)
+    from minillm.sampling_params import BeamSearchParams
+    beam_params = BeamSearchParams(beam_width=args.n, max_tokens=args.output_len, ignore_eos=True)
     prompts = dummy_prompts(args, config["vocab_size"])
-    print(f"batch: {args.batch_size} prompts of {args.input_len} dummy tokens, {args.n} completion(s) of "
-          f"{args.output_len} tokens each, on {args.device}", flush=True)
+    print(f"batch: {args.batch_size} prompts of {args.input_len} dummy tokens, {args.n} "
+          f"{'beam(s)' if args.use_beam_search else 'completion(s)'} of {args.output_len} tokens each, on {args.device}",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
         llm = load_llm(args, model_dir, args.model is None)
         try:
             def run_batch():
+                if args.use_beam_search:
+                    return llm.beam_search(prompts, beam_params)
                 return llm.generate(prompts, params, use_tqdm=False)
 
             print("Warming up...", flush=True)

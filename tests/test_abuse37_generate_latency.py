@@ -136,7 +136,7 @@ def test_bench_latency_turns_prefix_caching_off_as_vllm_does():
     (("--num-iters", "0"), "--num-iters must be in [1, "),
     (("--num-iters-warmup", "-1"), "--num-iters-warmup must be in [0, "),
     (("--input-len", "x"), "argument --input-len: invalid int value: 'x'"),
-    (("--use-beam-search",), "--use-beam-search: minillm has no beam search"),
+    (("--use-beam-search", "--n", "11"), "--n with --use-beam-search: beam_width must be an integer in [1, 10]"),
     (("--profile", "--output-json", "out.json"), "--profile runs one profiled batch"),
     (("--block-size", "3"), "--block-size must be a power of two"),
     (("--input-len", "500", "--output-len", "100"), "--input-len 500 + --output-len 100 = 600 tokens do not fit in "

@@ -314,3 +314,27 @@ def test_an_encoder_decoder_prompt_says_the_model_is_decoder_only(llm):
 def test_supported_tasks_is_generate_as_vllm_reports_a_generative_model(llm):
     """vLLM scripts check `"generate" in llm.supported_tasks` before calling generate (an AttributeError here)."""
     assert llm.supported_tasks == ("generate",)
+
+
+# ---- minillm bench latency --use-beam-search times LLM.beam_search, as vllm bench latency does ----------
+
+def test_bench_latency_use_beam_search_times_beam_search_batches(capsys, stories_path, monkeypatch):
+    """It was a usage error: 'minillm has no beam search'."""
+    from test_cli import run_main
+    seen, beam_search = [], LLM.beam_search
+
+    def recording(self, prompts, params, *args, **kwargs):
+        outs = beam_search(self, prompts, params, *args, **kwargs)
+        seen.append((prompts, params, outs))
+        return outs
+
+    monkeypatch.setattr(LLM, "beam_search", recording)
+    status, out, err = run_main(capsys, "bench", "latency", "--model", str(stories_path), "--device", "cpu",
+                                "--input-len", "3", "--output-len", "4", "--batch-size", "2", "--n", "3",
+                                "--num-iters-warmup", "1", "--num-iters", "2", "--use-beam-search")
+    assert status == 0, err
+    assert "3 beam(s) of 4 tokens each" in out and "Avg latency:" in out
+    assert len(seen) == 1 + 2
+    for prompts, params, outs in seen:
+        assert len(prompts) == 2 and (params.beam_width, params.max_tokens, params.ignore_eos) == (3, 4, True)
+        assert [[len(s.tokens) for s in o.sequences] for o in outs] == [[3 + 4] * 3] * 2
