@@ -235,9 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     from minillm.sampling_params import BeamSearchParams
     beam_params = BeamSearchParams(beam_width=args.n, max_tokens=args.output_len, ignore_eos=True)
     prompts = dummy_prompts(args, config["vocab_size"])
-    print(f"batch: {args.batch_size} prompts of {args.input_len} dummy tokens, {args.n} "
-          f"{'beam(s)' if args.use_beam_search else 'completion(s)'} of {args.output_len} tokens each, on {args.device}",
-          flush=True)
+    each = "beam(s)" if args.use_beam_search else "completion(s)"
+    print(f"batch: {args.batch_size} prompts of {args.input_len} dummy tokens, {args.n} {each} of "
+          f"{args.output_len} tokens each, on {args.device}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
         llm = load_llm(args, model_dir, args.model is None)

@@ -145,14 +145,16 @@ def test_ignore_eos_grows_past_eos_and_width_one_is_greedy(period_llm):
     [seq] = out.sequences
     assert seq.tokens[len(greedy.prompt_token_ids):] == greedy.outputs[0].token_ids
     assert PERIOD in seq.tokens and seq.finish_reason == "length"
-    _assert_same_beams(out, _reference(_engine_logprobs(period_llm), tok.encode("Lily and Tom"), 1, 12, PERIOD, ignore_eos=True))
+    want = _reference(_engine_logprobs(period_llm), tok.encode("Lily and Tom"), 1, 12, PERIOD, ignore_eos=True)
+    _assert_same_beams(out, want)
 
 
 def test_beams_stop_where_they_fill_max_model_len(period_llm):
     prompt = [1] + [PERIOD + 1] * 58           # 59 tokens: room for 5 under max_model_len 64
     [out] = period_llm.beam_search([{"prompt_token_ids": prompt}],
                                    BeamSearchParams(beam_width=2, max_tokens=20, ignore_eos=True))
-    _assert_same_beams(out, _reference(_engine_logprobs(period_llm), prompt, 2, 20, PERIOD, ignore_eos=True, max_len=64))
+    want = _reference(_engine_logprobs(period_llm), prompt, 2, 20, PERIOD, ignore_eos=True, max_len=64)
+    _assert_same_beams(out, want)
     assert [len(s.tokens) for s in out.sequences] == [64, 64]
     assert not period_llm.llm_engine.has_unfinished_requests()
 
