@@ -17,8 +17,9 @@ where its time went: prefill, KV transfer, decode (the decode server's x-minillm
 header, passed on to the client). A request the protocol cannot hand over as one prompt's lease
 (several prompts, n > 1, any /v1/responses or /v1/messages request) goes whole to a decode server, which
 computes its prompts itself. A lease no decode server takes (it refused the request, none was
-reachable, or the client left first) is given back to the prefill server at once, not left to run out;
-one a decode server claimed is left to that server, whose engine may still copy its blocks.
+reachable, or the client left first, even mid-prefill: that prefill is read to its end for its lease)
+is given back to the prefill server at once, not left to run out; one a decode server claimed is left
+to that server, whose engine may still copy its blocks.
 A server's 400 naming the kv_transfer_params the router wrote (servers that do not fit together:
 another block size or model, no --kv-role) is the router's 502, not the client's 400.
 /v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
@@ -313,6 +314,7 @@ class Router:
         self.client: httpx.AsyncClient | None = None
         self.leases: ClaimClient | None = None     # gives back the leases no decode server took
         self._releases: set[asyncio.Task] = set()
+        self._prefills: set[asyncio.Task] = set()      # prefills whose clients left, run to their end
         self._ids = itertools.count()
 
     async def start(self) -> None:
@@ -324,6 +326,8 @@ class Router:
     async def close(self) -> None:
         """Close the HTTP client, and the lease releases' sockets once the releases sent have gone
         (a second at most: one still waiting then is left to the lease's end)."""
+        for task in list(self._prefills):     # their clients have left: their leases run out
+            task.cancel()
         if self.client is not None:
             await self.client.aclose()
         if self._releases:
@@ -392,7 +396,7 @@ class Router:
         server: the decode server's answer, or its stream relayed."""
         try:
             if timing.decode_only is None:
-                kv = await self._prefill(path, body, headers, timing)
+                kv = await self._prefill_to_its_end(path, body, headers, timing)
                 if isinstance(kv, Response):        # the prefill server refused it: its answer is the client's
                     timing.status = kv.status_code
                     self._finish(request_id, path, timing, started)
@@ -457,6 +461,26 @@ class Router:
         task = asyncio.ensure_future(self.leases.release(host, port, lease_id, if_unclaimed=True))
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
+
+    async def _prefill_to_its_end(self, path: str, body: dict, headers: dict, timing: RequestTiming
+                                  ) -> dict | Response:
+        """_prefill, which a client that leaves meanwhile does not cut short: a prefill server that has
+        finished the request holds its prompt's blocks under a lease that only its response names
+        (a closed connection cannot tell whether one was made), so the response is read to its end
+        and its lease given back, as the lease of any request no decode server took."""
+        task = asyncio.ensure_future(self._prefill(path, body, headers, timing))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            self._prefills.add(task)
+            task.add_done_callback(self._give_back_prefilled)
+            raise
+
+    def _give_back_prefilled(self, task: asyncio.Task) -> None:
+        """Give back the lease of a prefill whose client left before it ended."""
+        self._prefills.discard(task)
+        if not task.cancelled() and task.exception() is None and isinstance(task.result(), dict):
+            self._give_back(task.result())
 
     async def _prefill(self, path: str, body: dict, headers: dict, timing: RequestTiming) -> dict | Response:
         """The prefill server's kv_transfer_params, or its error response to pass on."""
