@@ -2,7 +2,8 @@
 stops there with finish_reason "repetition" and stop_reason "repetition_detected", offline and on the
 server (vLLM's object, and its earlier three request fields); requests without it are unchanged; bad
 values are a ValueError naming the field offline and a 400 with param on the server (the fields were
-refused unless 0)."""
+refused unless 0). Also: a non-streaming request that fails outside the API's errors answers with
+vLLM's status and message for the exception, as a stream does (it was a 500 "internal server error: ...")."""
 from __future__ import annotations
 
 import httpx
@@ -12,6 +13,8 @@ from test_server_helpers import CHAT_TEMPLATE, openai_error, running_server, sse
 from minillm.repetition import RepetitionDetectionParams, ends_in_repetition
 from minillm.sampling_params import SamplingParams
 from minillm.server.app import ServerOptions
+from minillm.server.serving_chat import ChatJob
+from minillm.server.serving_completion import CompletionJob
 
 MODEL = "stories"
 # Greedy, stories260K writes ". He liked to play with his toys." three times after this prompt (11
@@ -215,3 +218,28 @@ def test_bad_values_are_a_400_naming_the_field(server, endpoint, body, param):
     error = openai_error(post(server[0], endpoint, body), 400, param)
     assert error["message"].startswith(param) or param in error["message"]
 
+
+# ---- a non-streaming request's own failure ----------------------------------------------------------------
+
+@pytest.mark.parametrize("failure, status, kind, message", [
+    (KeyError("x"), 500, "server_error", "'x'"),
+    (RuntimeError("went wrong"), 500, "server_error", "went wrong"),
+    (AssertionError(), 500, "server_error", "AssertionError"),
+    (ValueError("bad value"), 400, "invalid_request_error", "bad value"),
+    (OverflowError("too big"), 400, "invalid_request_error", "too big"),
+    (NotImplementedError("not here"), 501, "server_error", "not here"),
+], ids=["KeyError", "RuntimeError", "empty-AssertionError", "ValueError", "OverflowError", "NotImplementedError"])
+@pytest.mark.parametrize("endpoint", REQUESTS)
+def test_a_plain_requests_own_failure_is_vllms_error_for_it(server, monkeypatch, endpoint, failure, status, kind,
+                                                             message):
+    job_class = CompletionJob if endpoint == "completions" else ChatJob
+
+    def failing(self, finals):
+        raise failure
+
+    monkeypatch.setattr(job_class, "response", failing)
+    error = openai_error(post(server[0], endpoint, {"max_tokens": 3}), status)
+    assert error == {"message": message, "type": kind, "param": None, "code": None}
+    monkeypatch.undo()
+    choice, ids, _ = choice_of(post(server[0], endpoint, {"max_tokens": 3}))
+    assert len(ids) == 3 and choice["finish_reason"] == "length"

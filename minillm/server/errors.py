@@ -352,4 +352,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return respond(request, APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
+        # As a stream that fails after its headers reports it (serving.stream_failure): vLLM's status
+        # and message for the exception's type.
+        return respond(request, unexpected_error(exc))
