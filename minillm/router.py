@@ -208,6 +208,18 @@ def prefill_body(body: dict) -> dict:
     return out
 
 
+def encode_body(body: dict) -> bytes:
+    """body as JSON no longer than the client's: compact, its text in UTF-8. json.dumps's defaults
+    spaced every item and wrote each character past ASCII as a 6-byte escape, so a body within the
+    servers' limit could pass it on the way (their 413 for a body they take from a client, where they
+    name the field at fault). NaN and Infinity go on as the client wrote them, for the server's 400
+    naming the field (httpx's json= refuses them); text with a lone surrogate keeps its escapes."""
+    try:
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:       # a lone surrogate (\ud800) is no UTF-8
+        return json.dumps(body, separators=(",", ":")).encode()
+
+
 def _count(value: Any) -> int:
     """A request's n or best_of as a number (1 when absent or not an integer: the server's 400 then)."""
     return value if isinstance(value, int) and not isinstance(value, bool) else 1
@@ -340,9 +352,7 @@ class Router:
         """POST to the role's servers in turn until one accepts the connection; (its URL as it may be
         shown, its response)."""
         failures = []
-        # json.dumps as the client wrote it: NaN or Infinity goes on, for the server's 400 naming its
-        # field (httpx's json= refuses them, which was a 500 here). Encoded once for every server tried.
-        content = json.dumps(body).encode()
+        content = encode_body(body)     # once for every server tried
         for url in backends.order():
             request = self.client.build_request("POST", url + path, content=content,
                                                 headers={**headers, "content-type": "application/json"})

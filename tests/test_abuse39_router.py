@@ -57,3 +57,47 @@ def test_a_client_that_leaves_during_the_prefill_has_its_lease_given_back(late_b
         assert wait_for(lambda: stats()["num_client_closed"] == 1, timeout=10), stats()
         server.go.set()
         assert wait_for(lambda: released(server) == 1, timeout=10), server.leases.snapshot()
+
+
+class RecordingBackend(Backend):
+    """A prefill and decode server in one that keeps every request body as it came."""
+
+    def do_POST(self) -> None:
+        raw = self.rfile.read(int(self.headers["content-length"]))
+        self.server.bodies.append(raw)
+        if json.loads(raw)["kv_transfer_params"].get("do_remote_decode"):
+            return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_lease_id": "l"}})
+        self._send(200, {"choices": [{"text": "decoded"}]})
+
+
+@pytest.fixture
+def recording_backend():
+    with prefill_backend(RecordingBackend, bodies=[]) as both:
+        yield both
+
+
+def compact(prompt) -> bytes:
+    """A body with this prompt (and a NaN temperature) as a client may send it: compact, its text in UTF-8."""
+    return json.dumps({**BODY, "prompt": prompt, "temperature": float("nan")}, ensure_ascii=False,
+                      separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("prompt,sent", [
+    (list(range(20000)), compact(list(range(20000)))),
+    ("故事" * 20000, compact("故事" * 20000)),
+    ("a\ud800b", b'{"model":"m","prompt":"a\\ud800b","max_tokens":4,"temperature":NaN}'),
+], ids=["token-ids", "cjk", "lone-surrogate"])
+def test_a_body_reaches_the_servers_no_larger_than_the_client_sent_it(recording_backend, prompt, sent):
+    # json.dumps's defaults wrote ", " between items and each character past ASCII as \\uXXXX: a
+    # client's 12 MB of token ids or 11 MB of Chinese text (within the servers' 16 MiB) reached them
+    # past it, and the client got their 413 instead of the 400 naming prompt that a server gives.
+    url, server = recording_backend
+    with running_router(RouterConfig((url,), (url,))) as router:
+        r = httpx.post(f"{router}/v1/completions", content=sent, headers={"content-type": "application/json"},
+                       timeout=30)
+        assert r.json()["choices"][0]["text"] == "decoded"
+    assert len(server.bodies) == 2           # the prefill request, then the decode request
+    for body in server.bodies:
+        assert len(body) <= len(sent) + 100, (len(body), len(sent))     # + the fields the router writes
+        forwarded = json.loads(body)
+        assert forwarded["prompt"] == prompt and forwarded["temperature"] != forwarded["temperature"]   # NaN
