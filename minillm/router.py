@@ -7,9 +7,9 @@ vLLM's kv_transfer_params protocol between them (as vLLM's disaggregated-serving
 
 Each request goes first to a prefill server with max_tokens 1, stream false and kv_transfer_params
 {"do_remote_decode": true}; the kv_transfer_params its response carries go with the original
-request to a decode server, whose answer (an event stream or JSON) is passed through. Several URLs
-of a role take turns (round robin); one that refuses the connection is skipped for the next. A
-role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
+request to a decode server, whose answer (an event stream or JSON) is passed through. A server is
+given as http(s)://host:port or as unix:PATH (serve --uds PATH). Several URLs of a role take turns
+(round robin); one that refuses the connection is skipped for the next. A role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
 when the stream had begun): never a hang, since connects time out. The router's own errors take the
 shape of the route's API, as a server's do: Anthropic's on /v1/messages (its `error` event
 mid-stream), and a Responses stream ends with response.failed. One log line per request says
@@ -53,7 +53,7 @@ from minillm.server.http import uvicorn_settings
 from minillm.server.json_body import parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
-from minillm.urls import check_server_url, http_url, server_base_url, shown_url
+from minillm.urls import check_server_url, client_endpoint, http_url, server_base_url, shown_url, unix_socket_path
 from minillm.kv_connector.endpoint import ClaimClient
 from minillm.server.kv_transfer import CLAIM_TIMEOUT_S, HEADER as KV_TRANSFER_HEADER
 from minillm.server.streaming import ClientGone, EventStreamResponse, HangUpWatch
@@ -324,6 +324,7 @@ class Router:
         self.prefill, self.decode = Backends("prefill", config.prefill_urls), Backends("decode", config.decode_urls)
         self.stats = RouterStats()
         self.client: httpx.AsyncClient | None = None
+        self.socket_clients: dict[str, httpx.AsyncClient] = {}    # the servers on Unix sockets (serve --uds)
         self.leases: ClaimClient | None = None     # gives back the leases no decode server took
         self._releases: set[asyncio.Task] = set()
         self._prefills: set[asyncio.Task] = set()      # prefills whose clients left, run to their end
@@ -334,18 +335,30 @@ class Router:
         timeout = httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+        for url in {*self.prefill.urls, *self.decode.urls}:
+            path = unix_socket_path(url)
+            if path is not None:
+                self.socket_clients[url] = httpx.AsyncClient(
+                    transport=httpx.AsyncHTTPTransport(uds=path, limits=limits), timeout=timeout)
 
     async def close(self) -> None:
         """Close the HTTP client, and the lease releases' sockets once the releases sent have gone
         (a second at most: one still waiting then is left to the lease's end)."""
         for task in list(self._prefills):     # their clients have left: their leases run out
             task.cancel()
-        if self.client is not None:
-            await self.client.aclose()
+        for client in [self.client, *self.socket_clients.values()]:
+            if client is not None:
+                await client.aclose()
         if self._releases:
             await asyncio.wait(self._releases, timeout=RELEASE_WAIT_S)
         if self.leases is not None:
             self.leases.close()
+
+    def endpoint(self, url: str) -> tuple[httpx.AsyncClient, str]:
+        """The client that reaches the server at url and the base URL its requests name (http://localhost
+        for a server on a Unix socket, which has a client of its own)."""
+        base, path = client_endpoint(url)
+        return (self.client if path is None else self.socket_clients[url]), base
 
     async def send(self, backends: Backends, path: str, body: dict, headers: dict, stream: bool
                    ) -> tuple[str, httpx.Response]:
@@ -354,10 +367,11 @@ class Router:
         failures = []
         content = encode_body(body)     # once for every server tried
         for url in backends.order():
-            request = self.client.build_request("POST", url + path, content=content,
-                                                headers={**headers, "content-type": "application/json"})
+            client, base = self.endpoint(url)
+            request = client.build_request("POST", base + path, content=content,
+                                           headers={**headers, "content-type": "application/json"})
             try:
-                return shown_url(url), await self.client.send(request, stream=stream)
+                return shown_url(url), await client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 failures.append(f"{shown_url(url)}: {type(exc).__name__}")
             except httpx.HTTPError as exc:
@@ -562,7 +576,8 @@ class Router:
         """Each backend's /health; 200 while at least one server of each role answers ok."""
         async def check(url: str) -> dict:
             try:
-                r = await self.client.get(url + "/health", timeout=self.config.health_timeout_s)
+                client, base = self.endpoint(url)
+                r = await client.get(base + "/health", timeout=self.config.health_timeout_s)
                 return {"url": shown_url(url), "ok": r.status_code == 200, "status": r.status_code}
             except httpx.HTTPError as exc:
                 return {"url": shown_url(url), "ok": False, "error": type(exc).__name__}
@@ -581,7 +596,8 @@ class Router:
         headers = client_headers(raw, (*KEY_HEADERS, "content-type"))
         for url in self.decode.order():
             try:
-                r = await self.client.request(raw.method, url + path, content=content, headers=headers)
+                client, base = self.endpoint(url)
+                r = await client.request(raw.method, base + path, content=content, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 continue
             except httpx.HTTPError as exc:

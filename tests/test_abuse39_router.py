@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
+import socketserver
 import threading
+from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
@@ -101,3 +103,50 @@ def test_a_body_reaches_the_servers_no_larger_than_the_client_sent_it(recording_
         assert len(body) <= len(sent) + 100, (len(body), len(sent))     # + the fields the router writes
         forwarded = json.loads(body)
         assert forwarded["prompt"] == prompt and forwarded["temperature"] != forwarded["temperature"]   # NaN
+
+
+class SocketBackend(BaseHTTPRequestHandler):
+    """A prefill and decode server in one on a Unix socket (serve --uds): health, the model list,
+    a lease's params for a prefill request and a text for a decode request."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._send({"status": "ok"} if self.path == "/health" else {"object": "list", "data": [{"id": "m"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if body["kv_transfer_params"].get("do_remote_decode"):
+            return self._send({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_lease_id": "l"}})
+        self._send({"choices": [{"text": "decoded"}], "kv_seen": body["kv_transfer_params"]})
+
+    def _send(self, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_servers_on_unix_sockets_are_reached(tmp_path):
+    # minillm router took --prefill unix:PATH and --decode unix:PATH (serve --uds PATH's URL, which chat
+    # and monitor reach), then answered every request with a 502 (httpx: UnsupportedProtocol) and
+    # /health with 503.
+    path = str(tmp_path / "server.sock")
+    server = socketserver.ThreadingUnixStreamServer(path, SocketBackend)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with running_router(RouterConfig((f"unix:{path}",), (f"unix:{path}",))) as router:
+            for stream in (False, True):
+                r = httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
+                assert r.status_code == 200, r.text
+                assert r.content.count(b'"kv_seen": {"remote_lease_id": "l"}') == 1, r.text
+            health = httpx.get(f"{router}/health", timeout=30)
+            assert health.status_code == 200 and health.json()["decode"][0]["url"] == f"unix:{path}", health.text
+            assert httpx.get(f"{router}/v1/models", timeout=30).json()["data"][0]["id"] == "m"
+    finally:
+        server.shutdown()
+        server.server_close()
