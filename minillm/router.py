@@ -9,8 +9,10 @@ Each request goes first to a prefill server with max_tokens 1, stream false and 
 {"do_remote_decode": true}; the kv_transfer_params its response carries go with the original
 request to a decode server, whose answer (an event stream or JSON) is passed through. A server is
 given as http(s)://host:port or as unix:PATH (serve --uds PATH). Several URLs of a role take turns
-(round robin); one that refuses the connection is skipped for the next. A role with no server reachable is a 503, a server that fails mid-request a 502 (an error event
-when the stream had begun): never a hang, since connects time out. The router's own errors take the
+(round robin); one that refuses the connection is skipped for the next. A role with no server
+reachable is a 503, a server that fails mid-request a 502 (an error event when the stream had begun):
+never a hang, since connects time out. A request that comes back (its Via header names this router:
+a URL that leads to the router itself) is a 508. The router's own errors take the
 shape of the route's API, as a server's do: Anthropic's on /v1/messages (its `error` event
 mid-stream), and a Responses stream ends with response.failed. One log line per request says
 where its time went: prefill, KV transfer, decode (the decode server's x-minillm-kv-transfer
@@ -329,6 +331,13 @@ class Router:
         self._releases: set[asyncio.Task] = set()
         self._prefills: set[asyncio.Task] = set()      # prefills whose clients left, run to their end
         self._ids = itertools.count()
+        # What this router adds to the Via header of its requests, by which one that comes back is known.
+        self.via_name = f"minillm-router-{uuid.uuid4().hex[:12]}".encode()
+
+    def via(self, headers: dict[str, bytes]) -> dict[str, bytes]:
+        """headers with this router added to their Via (RFC 9110's list of the proxies a request passed)."""
+        own = b"1.1 " + self.via_name
+        return {**headers, "via": headers["via"] + b", " + own if headers.get("via") else own}
 
     async def start(self) -> None:
         """Open the HTTP client (on the serving event loop)."""
@@ -398,7 +407,7 @@ class Router:
             return RouterError(400, "the request body must be a JSON object", "invalid_body").response(path)
         # The client's key (either header a server takes it from), and its request id, which names
         # the response as a single server would.
-        headers = client_headers(raw, (*KEY_HEADERS, "x-request-id"))
+        headers = self.via(client_headers(raw, (*KEY_HEADERS, "x-request-id", "via")))
         timing.decode_only = decode_only_reason(path, body)
         handoff = Handoff()
         try:
@@ -572,12 +581,14 @@ class Router:
                     timing.kv_claim_s * 1e3, timing.kv_copy_s * 1e3, timing.kv_tokens, timing.kv_bytes / 1e6,
                     first, timing.decode_s * 1e3, timing.decode_url, timing.total_s * 1e3, timing.status)
 
-    async def health(self) -> JSONResponse:
+    async def health(self, raw: Request) -> JSONResponse:
         """Each backend's /health; 200 while at least one server of each role answers ok."""
+        headers = self.via(client_headers(raw, ("via",)))
+
         async def check(url: str) -> dict:
             try:
                 client, base = self.endpoint(url)
-                r = await client.get(base + "/health", timeout=self.config.health_timeout_s)
+                r = await client.get(base + "/health", headers=headers, timeout=self.config.health_timeout_s)
                 return {"url": shown_url(url), "ok": r.status_code == 200, "status": r.status_code}
             except httpx.HTTPError as exc:
                 return {"url": shown_url(url), "ok": False, "error": type(exc).__name__}
@@ -593,7 +604,7 @@ class Router:
         request's token count) answered by the first decode server that takes the connection, with
         the client's credentials."""
         content = await raw.body() if raw.method == "POST" else None
-        headers = client_headers(raw, (*KEY_HEADERS, "content-type"))
+        headers = self.via(client_headers(raw, (*KEY_HEADERS, "content-type", "via")))
         for url in self.decode.order():
             try:
                 client, base = self.endpoint(url)
@@ -625,8 +636,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         app.add_api_route(path, _handler(router, path), methods=["POST"])
 
     @app.api_route("/health", methods=["GET", "HEAD"])   # probes and load balancers check with HEAD too
-    async def health():
-        return await router.health()
+    async def health(raw: Request):
+        return await router.health(raw)
 
     for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
                          ("/v1/messages/count_tokens", "POST")):
@@ -637,7 +648,25 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         return JSONResponse(router.stats.to_dict({"prefill": router.prefill.shown_urls, "decode": router.decode.shown_urls}))
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(LoopGuard, name=router.via_name)
     return app
+
+
+class LoopGuard:
+    """508 Loop Detected for a request whose Via header names this router: one of its --prefill or
+    --decode URLs leads back to it (its own port, or a router that sends there), which sent each
+    request round again until the sockets ran out, and /health with it."""
+
+    def __init__(self, app, name: bytes) -> None:
+        self.app, self.name = app, name
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and any(key == b"via" and self.name in value for key, value in scope["headers"]):
+            message = (f"the request came back to the router that sent it ({self.name.decode()} in its Via "
+                       f"header): a --prefill or --decode URL of that router leads to itself")
+            response = RouterError(508, message, "loop_detected").response(scope["path"])
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _handler(router: Router, path: str):

@@ -3,6 +3,7 @@ prefilled, bodies that grow on the way to a server, backends on Unix sockets, a 
 itself as its own backend, and the headers of a server's refusal."""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import socketserver
@@ -11,10 +12,11 @@ from http.server import BaseHTTPRequestHandler
 
 import httpx
 import pytest
+import uvicorn
 from test_abuse29_pd_router import BODY, Backend, prefill_backend, released
-from test_server_helpers import running_router, wait_for
+from test_server_helpers import openai_error, running_router, wait_for
 
-from minillm.router import RouterConfig
+from minillm.router import RouterConfig, create_router_app
 
 
 class LateBackend(Backend):
@@ -150,3 +152,53 @@ def test_servers_on_unix_sockets_are_reached(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def router_on(sock: socket.socket, config: RouterConfig):
+    """The base URL of a router app for config served by uvicorn on a thread, on sock (already bound)."""
+    server = uvicorn.Server(uvicorn.Config(create_router_app(config), log_level="warning", access_log=False,
+                                           log_config=None))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    assert wait_for(lambda: server.started, timeout=30)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture
+def backend():
+    with prefill_backend(Backend, taken=threading.Event(), closed=threading.Event()) as both:
+        yield both
+
+
+@pytest.mark.parametrize("through", ["itself", "a second router"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_router_whose_server_url_leads_back_to_it_answers_508_not_a_loop(backend, role, through):
+    # Each request went to the router again, which sent it on again, until its sockets ran out (2690
+    # open after 20 s): the client waited for ever, and /health and /v1/models went round too.
+    url, _ = backend
+    with socket.socket() as sock, socket.socket() as other:
+        sock.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        own, peer = (f"http://127.0.0.1:{s.getsockname()[1]}" for s in (sock, other))
+        target = own if through == "itself" else peer      # a second router sends back to the first
+        servers = {"prefill": (target,), "decode": (url,)} if role == "prefill" else \
+            {"prefill": (url,), "decode": (target,)}
+        with router_on(sock, RouterConfig(servers["prefill"], servers["decode"], timeout_s=30)) as router, \
+                (router_on(other, RouterConfig((own,), (own,), timeout_s=30)) if target == peer
+                 else contextlib.nullcontext()):
+            for path in ("/v1/completions", "/v1/chat/completions"):
+                r = httpx.post(router + path, json={**BODY, "messages": [{"role": "user", "content": "hi"}]},
+                               timeout=30)
+                assert "a --prefill or --decode URL" in openai_error(r, 508, code="loop_detected")["message"]
+            health = httpx.get(f"{router}/health", timeout=30)
+            assert health.status_code == 503, health.text
+            # The second router's /health: the first is its server, which it found looped.
+            status = 508 if through == "itself" else 503
+            assert {"url": target, "ok": False, "status": status} in health.json()[role], health.text
+            if role == "decode":
+                openai_error(httpx.get(f"{router}/v1/models", timeout=30), 508, code="loop_detected")
