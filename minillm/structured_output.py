@@ -1313,19 +1313,22 @@ def _with_ecma_patterns(node: dict) -> bool:
 def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_SCHEMAS added (in allOf) to every subschema that names one of
     those formats, every format llguidance does not know left out, pydantic's Decimal patterns
-    written without look-arounds (_decimal_pattern) and its dicts keyed by an enum written with
-    properties (_with_listed_names); other text as it is. Done
+    written without look-arounds (_decimal_pattern), its dicts keyed by an enum written with
+    properties (_with_listed_names) and unevaluatedProperties or unevaluatedItems that mean what
+    additionalProperties or items mean written so (_with_plain_unevaluated); other text as it is. Done
     where the schema is serialised for llguidance, never in the constraint's key: the key's text is
     what an API server sends the engine core, which builds the constraint from it again (patterns
     added there would be added twice, and counted against the size bound as if the client had
     written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
     is data."""
-    if '"format"' not in text and '"pattern' not in text and '"propertyNames"' not in text:
+    if '"format"' not in text and '"pattern' not in text and '"propertyNames"' not in text \
+            and '"unevaluated' not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
         if "propertyNames" in node and _with_listed_names(node, schema):
             changed = True
+        changed = _with_plain_unevaluated(node) or changed       # before a format's allOf is added
         changed = _with_ecma_patterns(node) or changed
         name = node.get("format")
         if not isinstance(name, str):
@@ -1338,6 +1341,29 @@ def _with_known_formats(text: str) -> str:
             del node["format"]
             changed = True
     return jsonlib.dumps(schema, ensure_ascii=False, separators=(",", ":")) if changed else text
+
+
+# Keywords through which other subschemas evaluate an instance's members in place: beside any of them,
+# unevaluatedProperties and unevaluatedItems also see what those evaluated.
+_IN_PLACE_KEYS = ("allOf", "anyOf", "oneOf", "not", "if", "then", "else", "$ref", "$dynamicRef", "dependentSchemas",
+                  "dependencies", "contains")
+
+
+def _with_plain_unevaluated(node: dict) -> bool:
+    """Write unevaluatedProperties as additionalProperties, and unevaluatedItems as items (after
+    prefixItems), where node has no in-place applicator (_IN_PLACE_KEYS) and not the other keyword:
+    there they take the same members (vLLM's default backend reads them; llguidance refuses them).
+    Whether any changed."""
+    if any(name in node for name in _IN_PLACE_KEYS):
+        return False
+    changed = False
+    if "unevaluatedProperties" in node and "additionalProperties" not in node:
+        node["additionalProperties"] = node.pop("unevaluatedProperties")
+        changed = True
+    if "unevaluatedItems" in node and "items" not in node and "additionalItems" not in node:
+        node["items"] = node.pop("unevaluatedItems")
+        changed = True
+    return changed
 
 
 def _with_closed_objects(text: str) -> str:

@@ -291,7 +291,7 @@ UNSUPPORTED = {
     "contains": {"type": "array", "contains": {"type": "integer"}},
     "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
     "oneOf": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
-    "unevaluatedProperties": {"type": "object", "unevaluatedProperties": False},
+    "unevaluatedProperties": {"type": "object", "allOf": [{"properties": {"a": {}}}], "unevaluatedProperties": False},
     "dependencies": {"type": "object", "dependencies": {"a": ["b"]}},
     "look-around": {"type": "string", "pattern": "^(?=a)a+$"},
     "backreferences": {"type": "string", "pattern": "^(a)\\1$"},

@@ -18,7 +18,8 @@ from minillm.server.app import ServerOptions
 from minillm.server.protocol import CompletionRequest
 from minillm.server.structured import structured_outputs_params
 from minillm.server.tool_calls import forced_tool_calls
-from minillm.structured_output import MAX_CONSTRAINT_CHARS, StructuredOutputManager, StructuredOutputsParams
+from minillm.structured_output import (MAX_CONSTRAINT_CHARS, StructuredOutputManager, StructuredOutputsError,
+                                       StructuredOutputsParams)
 from test_abuse30_structured import across_the_wire
 from test_server_helpers import chat_model_dir, running_server
 
@@ -102,6 +103,27 @@ def test_a_tuple_takes_no_item_past_its_prefix_items_by_default(manager):
         assert not accepts(manager, params, '[1,"x",3]')
     rest = {"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}}
     assert accepts(manager, StructuredOutputsParams(json=rest), '[1,"x","y"]')
+
+
+@pytest.mark.parametrize("schema,taken,refused", [
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}, '{"a":1}',
+     '{"a":1,"b":2}'),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "unevaluatedProperties": {"type": "boolean"}},
+     '{"a":1,"b":true}', '{"a":1,"b":2}'),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": False}, "[1]", "[1,2]"),
+    ({"type": "array", "prefixItems": [{"type": "integer"}], "unevaluatedItems": {"type": "string"}}, '[1,"x"]',
+     "[1,2]"),
+], ids=["properties false", "properties schema", "items false", "items schema"])
+def test_unevaluated_keywords_with_nothing_evaluated_in_place_are_read(manager, schema, taken, refused):
+    # vLLM's default backend reads them; llguidance refused the schema ("Unimplemented keys"). With no
+    # allOf, anyOf, $ref... beside them they mean what additionalProperties and items mean.
+    params = StructuredOutputsParams(json=schema)
+    assert accepts(manager, params, taken) and not accepts(manager, params, refused)
+
+
+def test_unevaluated_properties_beside_an_allof_is_still_refused_by_name():
+    with pytest.raises(StructuredOutputsError, match=r'^json: .*unevaluatedProperties'):
+        StructuredOutputsParams(json={"allOf": [{"properties": {"a": {}}}], "unevaluatedProperties": False})
 
 
 @pytest.mark.parametrize("schema,text", [
