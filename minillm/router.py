@@ -266,6 +266,16 @@ def kv_transfer_refusal(response: httpx.Response) -> str | None:
         return None
 
 
+# A server's response headers that the client gets too: what the KV transfer took, vLLM's X-Request-Id
+# (--enable-request-id-headers), the scheme of a 401 (RFC 9110 says it must name one) and when to try again.
+PASSED_HEADERS = (KV_TRANSFER_HEADER, "x-request-id", "www-authenticate", "retry-after")
+
+
+def passed_headers(response: httpx.Response) -> dict[str, str]:
+    """The headers of PASSED_HEADERS that a server's response carries."""
+    return {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
+
+
 def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
     """What the decode server says the KV transfer took (its x-minillm-kv-transfer header)."""
     try:
@@ -447,7 +457,7 @@ class Router:
         # A decode server that refused the request holds no claim on the lease (it gives back one it made).
         handoff.is_taken = response.status_code == 200
         read_transfer_header(response, timing)
-        passed = {k: v for k, v in response.headers.items() if k == KV_TRANSFER_HEADER}
+        passed = passed_headers(response)
         if response.status_code != 200 or not body.get("stream"):
             try:
                 data, failure = await response.aread(), None
@@ -526,7 +536,7 @@ class Router:
             raise RouterError(502, f"the prefill server {url} refused the KV transfer: {refusal}",
                               "prefill_server_failed")
         if response.status_code != 200:
-            return Response(response.content, status_code=response.status_code,
+            return Response(response.content, status_code=response.status_code, headers=passed_headers(response),
                             media_type=response.headers.get("content-type", "application/json"))
         try:
             kv = response.json().get("kv_transfer_params")
@@ -604,7 +614,7 @@ class Router:
         request's token count) answered by the first decode server that takes the connection, with
         the client's credentials."""
         content = await raw.body() if raw.method == "POST" else None
-        headers = self.via(client_headers(raw, (*KEY_HEADERS, "content-type", "via")))
+        headers = self.via(client_headers(raw, (*KEY_HEADERS, "content-type", "x-request-id", "via")))
         for url in self.decode.order():
             try:
                 client, base = self.endpoint(url)
@@ -614,7 +624,7 @@ class Router:
             except httpx.HTTPError as exc:
                 return RouterError(502, f"the decode server {shown_url(url)} failed: {type(exc).__name__}: {exc}",
                                    "decode_server_failed").response(path)
-            return Response(r.content, status_code=r.status_code,
+            return Response(r.content, status_code=r.status_code, headers=passed_headers(r),
                             media_type=r.headers.get("content-type", "application/json"))
         return RouterError(503, "no decode server is reachable", "decode_unavailable").response(path)
 

@@ -8,7 +8,7 @@ import json
 import socket
 import socketserver
 import threading
-from http.server import BaseHTTPRequestHandler
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -202,3 +202,61 @@ def test_a_router_whose_server_url_leads_back_to_it_answers_508_not_a_loop(backe
             assert {"url": target, "ok": False, "status": status} in health.json()[role], health.text
             if role == "decode":
                 openai_error(httpx.get(f"{router}/v1/models", timeout=30), 508, code="loop_detected")
+
+
+class KeyedBackend(BaseHTTPRequestHandler):
+    """A prefill and decode server in one that wants the key "k" (a 401 naming its scheme, as a server's
+    --api-key does) and names each response with vLLM's X-Request-Id (--enable-request-id-headers)."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._answer({"object": "list", "data": [{"id": "m"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+            return self._answer({"choices": [{"text": "x"}], "kv_transfer_params": {"remote_lease_id": "l"}})
+        self._answer({"choices": [{"text": "decoded"}]})
+
+    def _answer(self, payload: dict) -> None:
+        if self.headers.get("authorization") != "Bearer k":
+            status, payload = 401, {"error": {"message": "Invalid or missing API key", "type": "authentication_error",
+                                              "param": None, "code": "invalid_api_key"}}
+        else:
+            status = 200
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.send_header("x-request-id", self.headers.get("x-request-id") or "server-id")
+        if status == 401:
+            self.send_header("www-authenticate", "Bearer")
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def keyed_backend():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), KeyedBackend)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("key", [None, "k"])
+def test_a_servers_401_and_request_id_reach_the_client(keyed_backend, key):
+    # The router passed a server's 401 on without its WWW-Authenticate (which a 401 must carry), and
+    # every answer without the X-Request-Id a server started with --enable-request-id-headers gives.
+    headers = {"x-request-id": "req-7"} | ({"authorization": f"Bearer {key}"} if key else {})
+    with running_router(RouterConfig((keyed_backend,), (keyed_backend,))) as router:
+        for stream in (False, True):
+            r = httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, headers=headers, timeout=30)
+            assert (r.status_code, r.headers["x-request-id"]) == (200 if key else 401, "req-7"), r.text
+            assert r.headers.get("www-authenticate") == (None if key else "Bearer")
+        models = httpx.get(f"{router}/v1/models", headers=headers, timeout=30)
+        assert (models.status_code, models.headers["x-request-id"]) == (200 if key else 401, "req-7")
+        assert models.headers.get("www-authenticate") == (None if key else "Bearer")
