@@ -13,6 +13,10 @@ COLOR_OTHER = "#af87d7"
 
 def split_widths(parts: list[int], total: int, width: int) -> list[int]:
     """Integer widths for parts of `total` across `width` columns (largest remainder; small parts stay visible)."""
+    # A negative figure (another server's, a damaged recording's) draws nothing, and parts past the
+    # total share the width: a part of -2**62 bytes made the bar trillions of cells long (MemoryError).
+    parts = [max(part, 0) for part in parts]
+    total = max(total, sum(parts))
     if total <= 0 or width <= 0:
         return [0] * len(parts)
     exact = [p / total * width for p in parts]
