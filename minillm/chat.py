@@ -12,6 +12,7 @@ from typing import Callable, Iterator, Protocol, TextIO
 
 from minillm.chat_terminal import (StreamingKeys, TypeAhead, interrupted_line, is_terminal, read_with_type_ahead,
                                    terminal_safe)
+from minillm.exit_signals import unwinding_on_sigterm
 from minillm.sampling_params import SamplingParams
 
 PROMPT = ">>> "
@@ -552,7 +553,10 @@ class ChatSession:
         # (a background job of a script): Python then leaves it ignored.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler) if self.is_terminal else None
         try:
-            return self._loop(read_line)
+            # SIGTERM puts the terminal's modes back (the line editor's, a reply's no-echo) before the
+            # chat ends by the signal: by default it ended the chat with echo left off.
+            with unwinding_on_sigterm() if self.is_terminal else nullcontext():
+                return self._loop(read_line)
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)

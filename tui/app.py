@@ -14,6 +14,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Footer, Static
 
+from minillm.exit_signals import end_by_sigterm, on_sigterm
 from minillm.stats import EngineStats
 from minillm.tui.batch_chart import BatchChart
 from minillm.tui.block_grid import BlockGrid
@@ -106,6 +107,7 @@ class MonitorApp(App[None]):
         self.num_restarts = 0      # times the counters went back (a replay looped, a server restarted)
         self.recording_problem = ""   # why the recording stopped, when it did
         self.title_bar: TitleBar | None = None
+        self.is_terminated = False    # SIGTERM ended the dashboard
 
     def compose(self) -> ComposeResult:
         # Kept as attributes: messages may arrive while the help screen is on top, where a query
@@ -210,6 +212,11 @@ class MonitorApp(App[None]):
         """Quit with the exit status of an interrupted command (130)."""
         self.exit(return_code=130)
 
+    def action_terminate(self) -> None:
+        """Quit on SIGTERM, putting the terminal back; run_monitor then ends the process by the signal."""
+        self.is_terminated = True
+        self.exit(return_code=128 + signal.SIGTERM)
+
     def action_toggle_pause(self) -> None:
         """Freeze the panels (frames keep arriving and the newest is shown on resume)."""
         self.paused = not self.paused
@@ -270,14 +277,20 @@ def run_monitor(
     recorder: Recorder | None = None,
 ) -> int:
     """Run the dashboard against a server at `url`, or on `source` (a ReplaySource); `recorder` keeps the
-    stream. The exit status: 0, or 130 when Ctrl-C ended it."""
+    stream. The exit status: 0, or 130 when Ctrl-C ended it; SIGTERM ends the process by the signal
+    once the terminal is put back."""
     app = MonitorApp(source=source or LiveSource(url, api_key), recorder=recorder)
-    app.call_later(_quit_on_sigint, app)
+    app.call_later(_quit_on_signals, app)
     app.run()
+    if app.is_terminated:
+        end_by_sigterm()
     return app.return_code or 0
 
 
-def _quit_on_sigint(app: MonitorApp) -> None:
+def _quit_on_signals(app: MonitorApp) -> None:
     """A SIGINT from outside the terminal (kill -INT, a supervisor) quits as Ctrl-C does; Textual let
-    it end the app with status 0."""
-    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, app.action_interrupt)
+    it end the app with status 0. SIGTERM quits too: by default it ended the process with the
+    terminal left in the alternate screen, mouse reporting on and echo off."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, app.action_interrupt)
+    on_sigterm(loop.add_signal_handler, app.action_terminate)
