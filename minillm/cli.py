@@ -1996,7 +1996,11 @@ def run_batch_engine(config: EngineConfig, engine_core: str, options, lines: lis
         engine.shutdown()
 
 
-@app.command(name="router", cls=MinillmCommand)
+class RouterCommand(SpreadValuesCommand):
+    spread_options = ("--api-key",)
+
+
+@app.command(name="router", cls=RouterCommand)
 def router_command(
     prefill: Annotated[list[str], typer.Option(
         "--prefill", help="A prefill server (minillm serve --kv-role producer); repeat for several.")],
@@ -2010,6 +2014,10 @@ def router_command(
         = 3.0,
     timeout: Annotated[float, typer.Option(callback=seconds_option, help="Seconds a server may take to answer.")]
         = 600.0,
+    api_key: Annotated[Optional[list[str]], typer.Option(
+        "--api-key", metavar="KEY...", help="Require a bearer token on the router's /v1 routes, as serve's --api-key "
+        "(any of several keys: --api-key k1 k2); the client's key goes on to the servers, which may require one "
+        "too.  [default: none]", show_default=False)] = None,
 ) -> None:
     """An OpenAI-compatible proxy for prefill/decode disaggregation.
 
@@ -2020,8 +2028,12 @@ def router_command(
     for option, urls in (("--prefill", prefill), ("--decode", decode)):
         for url in urls:
             server_url_option(url, option)
+    try:
+        config = RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout, api_keys=tuple(api_key or ()))
+    except ValueError as exc:          # a blank key
+        raise typer.BadParameter(str(exc), param_hint="'--api-key'") from None
     check_can_bind(host, port)
-    run_router(RouterConfig(tuple(prefill), tuple(decode), connect_timeout, timeout), host=host, port=port)
+    run_router(config, host=host, port=port)
 
 
 @app.command(name="monitor", cls=MinillmCommand)

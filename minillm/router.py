@@ -25,7 +25,8 @@ to that server, whose engine may still copy its blocks.
 A server's 400 naming the kv_transfer_params the router wrote (servers that do not fit together:
 another block size or model, no --kv-role) is the router's 502, not the client's 400.
 /v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
-server answers them, with the client's credentials (Authorization or x-api-key).
+server answers them, with the client's credentials (Authorization or x-api-key). With --api-key the
+router itself wants one of its keys on /v1, as a server does, before any server sees the request.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from minillm.server.errors import (
 from minillm.server.http import uvicorn_settings
 from minillm.server.json_body import parse_body
 from minillm.server.limits import ServerLimits, check_limit
-from minillm.server.middleware import GENERATION_PATHS, BodyLimitMiddleware, is_messages_path
+from minillm.server.middleware import GENERATION_PATHS, APIKeyMiddleware, BodyLimitMiddleware, is_messages_path
 from minillm.urls import check_server_url, client_endpoint, http_url, server_base_url, shown_url, unix_socket_path
 from minillm.kv_connector.endpoint import ClaimClient
 from minillm.server.kv_transfer import CLAIM_TIMEOUT_S, HEADER as KV_TRANSFER_HEADER
@@ -82,6 +83,7 @@ class RouterConfig:
     # parsed on the event loop (a 1 GB one held the router's memory and loop, then was a 413 anyway).
     max_body_bytes: int = ServerLimits.max_body_bytes
     body_timeout_s: float = ServerLimits.body_timeout_s
+    api_keys: tuple[str, ...] = ()      # a client must send one of these on /v1 (none: open), as serve's --api-key
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -94,6 +96,9 @@ class RouterConfig:
             if not value > 0:   # a negative one fails every request, NaN too
                 raise ValueError(f"the {name} must be a positive number of seconds, got {value}")
         check_limit("max_body_bytes", self.max_body_bytes)
+        if not all(isinstance(key, str) and key.strip() for key in self.api_keys):
+            # An empty key (an unset variable in `--api-key "$KEY"`) must not quietly mean "no auth".
+            raise ValueError("an API key must not be empty (leave it out to take requests without a key)")
         check_limit("body_timeout_s", self.body_timeout_s)
 
 
@@ -658,6 +663,8 @@ def create_router_app(config: RouterConfig) -> FastAPI:
         return JSONResponse(router.stats.to_dict({"prefill": router.prefill.shown_urls, "decode": router.decode.shown_urls}))
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    if config.api_keys:       # /health stays open to probes, as a server's
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
     app.add_middleware(LoopGuard, name=router.via_name)
     return app
 

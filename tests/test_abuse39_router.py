@@ -14,6 +14,9 @@ import httpx
 import pytest
 import uvicorn
 from test_abuse29_pd_router import BODY, Backend, prefill_backend, released
+from test_abuse29b_cli import one_line
+from test_abuse29b_cli_values import ROUTER
+from test_cli import run_main
 from test_server_helpers import openai_error, running_router, wait_for
 
 from minillm.router import RouterConfig, create_router_app
@@ -260,3 +263,35 @@ def test_a_servers_401_and_request_id_reach_the_client(keyed_backend, key):
         models = httpx.get(f"{router}/v1/models", headers=headers, timeout=30)
         assert (models.status_code, models.headers["x-request-id"]) == (200 if key else 401, "req-7")
         assert models.headers.get("www-authenticate") == (None if key else "Bearer")
+
+
+def test_a_router_with_api_keys_refuses_requests_without_one_before_any_server(backend):
+    # minillm router took no --api-key: a router in front of servers without keys answered anyone, its
+    # /v1/stats too. As serve's, the key guards /v1 (Authorization, or x-api-key on the Messages API)
+    # and /health stays open; the client's key goes on to the servers.
+    url, server = backend
+    with running_router(RouterConfig((url,), (url,), api_keys=("k1", "k2"))) as router:
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages"):
+            r = httpx.post(router + path, json=BODY, headers={"authorization": "Bearer k3"}, timeout=30)
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        assert httpx.get(f"{router}/v1/stats", timeout=30).status_code == 401
+        assert httpx.get(f"{router}/v1/models", timeout=30).status_code == 401
+        assert server.leases.snapshot().num_created == 0         # no server saw a request
+        assert httpx.get(f"{router}/health", timeout=30).status_code == 200
+        for headers in ({"authorization": "Bearer k2"}, {"x-api-key": "k1"}):
+            r = httpx.post(f"{router}/v1/completions", json=BODY, headers=headers, timeout=30)
+            assert r.json()["choices"][0]["text"] == "decoded"
+        assert httpx.get(f"{router}/v1/stats", headers={"authorization": "Bearer k1"}, timeout=30).json()[
+            "num_requests"] == 2
+
+
+@pytest.mark.parametrize("keys", [["--api-key", "k1", "k2"], ["--api-key", "k1", "--api-key", "k2"]])
+def test_router_takes_api_keys_as_serve_does_and_refuses_a_blank_one(capsys, monkeypatch, keys):
+    import minillm.router as router_module
+    configs = []
+    monkeypatch.setattr(router_module, "run_router", lambda config, host, port: configs.append(config))
+    status, _, _ = run_main(capsys, *ROUTER, *keys)
+    assert status == 0 and configs[0].api_keys == ("k1", "k2")
+    status, out, err = run_main(capsys, *ROUTER, "--api-key", " ")
+    assert (status, out) == (2, "")
+    assert "Invalid value for '--api-key': an API key must not be empty" in one_line(err)
