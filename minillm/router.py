@@ -24,8 +24,8 @@ is given back to the prefill server at once, not left to run out; one a decode s
 to that server, whose engine may still copy its blocks.
 A server's 400 naming the kv_transfer_params the router wrote (servers that do not fit together:
 another block size or model, no --kv-role) is the router's 502, not the client's 400.
-/v1/models, /tokenize, /detokenize, /version and /v1/messages/count_tokens need no KV: a decode
-server answers them, with the client's credentials (Authorization or x-api-key). With --api-key the
+/v1/models (and /v1/models/{model}), /v1/responses/{id}, /tokenize, /detokenize, /version and
+/v1/messages/count_tokens need no KV: a decode server answers them, with the client's credentials (Authorization or x-api-key). With --api-key the
 router itself wants one of its keys on /v1, as a server does, before any server sees the request.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Any, AsyncIterator
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 
 from minillm.server.errors import (
     APIError, anthropic_error_event, body_parse_error, error_response, install_error_handlers, openai_error_events,
@@ -615,15 +615,18 @@ class Router:
                             status_code=200 if ok else 503)
 
     async def forward(self, path: str, raw: Request) -> Response:
-        """A request that needs no KV (the model list, /tokenize, /detokenize, /version, a Messages
-        request's token count) answered by the first decode server that takes the connection, with
-        the client's credentials."""
+        """A request that needs no KV (the model list or one model, /tokenize, /detokenize, /version, a
+        Messages request's token count) answered by the first decode server that takes the connection,
+        with the client's credentials, at the path (and query) the client sent."""
         content = await raw.body() if raw.method == "POST" else None
         headers = self.via(client_headers(raw, (*KEY_HEADERS, "content-type", "x-request-id", "via")))
+        target = (raw.scope.get("raw_path") or raw.scope["path"].encode()).decode("latin-1")
+        if raw.scope.get("query_string"):
+            target += "?" + raw.scope["query_string"].decode("latin-1")
         for url in self.decode.order():
             try:
                 client, base = self.endpoint(url)
-                r = await client.request(raw.method, base + path, content=content, headers=headers)
+                r = await client.request(raw.method, base + target, content=content, headers=headers)
             except (httpx.ConnectError, httpx.ConnectTimeout):
                 continue
             except httpx.HTTPError as exc:
@@ -654,9 +657,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
     async def health(raw: Request):
         return await router.health(raw)
 
-    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
-                         ("/v1/messages/count_tokens", "POST")):
-        app.add_api_route(path, _forwarder(router, path), methods=[method])
+    # A server's routes that need no KV, each with its methods there (HEAD where GET).
+    for path, methods in (("/v1/models", ["GET", "HEAD"]), ("/v1/models/{model:path}", ["GET", "HEAD"]),
+                          ("/v1/responses/{response_id}", ["GET", "HEAD"]), ("/version", ["GET", "HEAD"]),
+                          ("/tokenize", ["POST"]), ("/detokenize", ["POST"]), ("/v1/messages/count_tokens", ["POST"])):
+        app.add_api_route(path, _forwarder(router, path), methods=methods)
 
     @app.get("/v1/stats")
     async def stats():
@@ -694,6 +699,10 @@ def _handler(router: Router, path: str):
 
 def _forwarder(router: Router, path: str):
     async def forward(raw: Request) -> Response:
+        if raw.path_params.get("model") == "":
+            # /v1/models/ matches {model:path} with no name: the list, by the redirect a server gives
+            # (whose Location would name the server).
+            return RedirectResponse(str(raw.url.replace(path=raw.url.path.rstrip("/"))))
         return await router.forward(path, raw)
     return forward
 

@@ -9,6 +9,7 @@ import socket
 import socketserver
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import unquote
 
 import httpx
 import pytest
@@ -295,3 +296,46 @@ def test_router_takes_api_keys_as_serve_does_and_refuses_a_blank_one(capsys, mon
     status, out, err = run_main(capsys, *ROUTER, "--api-key", " ")
     assert (status, out) == (2, "")
     assert "Invalid value for '--api-key': an API key must not be empty" in one_line(err)
+
+
+class PathBackend(BaseHTTPRequestHandler):
+    """A decode server whose every GET answers with the path (and query) it was sent."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        data = json.dumps({"id": unquote(self.path.removeprefix("/v1/models/")), "object": "model", "created": 0,
+                           "owned_by": "minillm", "path": self.path}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(data)
+
+    do_HEAD = do_GET
+
+
+def test_a_servers_routes_that_need_no_kv_are_reached_with_their_path_and_methods():
+    # GET /v1/models/{model} (the OpenAI client's models.retrieve, and a served name such as
+    # Org/model holds a slash) and GET /v1/responses/{id} were the router's 404 Not Found, and a
+    # HEAD of /v1/models or /version its 405, where a server answers them.
+    import openai
+    server = ThreadingHTTPServer(("127.0.0.1", 0), PathBackend)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with running_router(RouterConfig((url,), (url,))) as router:
+            client = openai.OpenAI(base_url=f"{router}/v1", api_key="k", max_retries=0)
+            assert client.models.retrieve("Org/model").id == "Org/model"
+            for path in ("/v1/responses/resp_1?include=x", "/v1/models/a%2Fb"):
+                assert httpx.get(router + path, timeout=30).json()["path"] == path
+            for path in ("/v1/models", "/version"):
+                assert httpx.head(router + path, timeout=30).status_code == 200
+            r = httpx.get(f"{router}/v1/models/", timeout=30)
+            assert (r.status_code, r.headers["location"]) == (307, f"{router}/v1/models")
+    finally:
+        server.shutdown()
+        server.server_close()
