@@ -281,6 +281,11 @@ def passed_headers(response: httpx.Response) -> dict[str, str]:
     return {name: response.headers[name] for name in PASSED_HEADERS if name in response.headers}
 
 
+def is_event_stream(response: httpx.Response) -> bool:
+    """Whether a server's response is an event stream (a streamed answer, relayed event by event)."""
+    return response.headers.get("content-type", "").split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
 def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
     """What the decode server says the KV transfer took (its x-minillm-kv-transfer header)."""
     try:
@@ -463,7 +468,9 @@ class Router:
         handoff.is_taken = response.status_code == 200
         read_transfer_header(response, timing)
         passed = passed_headers(response)
-        if response.status_code != 200 or not body.get("stream"):
+        # The server's answer says whether it streams: it reads "stream" by its own rules ("false" is
+        # false to it), which Python's truth need not follow.
+        if response.status_code != 200 or not is_event_stream(response):
             try:
                 data, failure = await response.aread(), None
             except httpx.HTTPError as exc:

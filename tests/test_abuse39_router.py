@@ -14,6 +14,7 @@ from urllib.parse import unquote
 import httpx
 import pytest
 import uvicorn
+from pydantic import TypeAdapter
 from test_abuse29_pd_router import BODY, Backend, prefill_backend, released
 from test_abuse29b_cli import one_line
 from test_abuse29b_cli_values import ROUTER
@@ -339,3 +340,32 @@ def test_a_servers_routes_that_need_no_kv_are_reached_with_their_path_and_method
     finally:
         server.shutdown()
         server.server_close()
+
+
+class StreamingBackend(Backend):
+    """Backend whose decode answer streams where a server would: "stream" read as pydantic reads a
+    boolean ("false", "0", "no" are false)."""
+
+    def do_POST(self) -> None:
+        raw = self.rfile.read(int(self.headers["content-length"]))
+        body = json.loads(raw)
+        if body["kv_transfer_params"].get("do_remote_decode"):
+            return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_lease_id": "l"}})
+        if TypeAdapter(bool).validate_python(body.get("stream") or False):
+            data = b'data: {"choices": [{"text": "decoded"}]}\n\ndata: [DONE]\n\n'
+            self.send_response(200)
+            self.send_header("content-type", "text/event-stream; charset=utf-8")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            return self.wfile.write(data)
+        self._send(200, {"choices": [{"text": "decoded"}]})
+
+
+@pytest.mark.parametrize("stream, is_streamed", [("false", False), ("no", False), ("true", True), (1, True)])
+def test_an_answer_is_relayed_as_the_server_gave_it_whatever_stream_says(stream, is_streamed):
+    # The router chose by Python's truth: "stream": "false", which a server reads as false (its JSON
+    # answer), came back labelled text/event-stream, and a client reading it as JSON by that label failed.
+    with prefill_backend(StreamingBackend) as (url, _), running_router(RouterConfig((url,), (url,))) as router:
+        r = httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
+        assert r.headers["content-type"].startswith("text/event-stream" if is_streamed else "application/json")
+        assert (r.text.startswith("data: ") if is_streamed else r.json()["choices"][0]["text"] == "decoded"), r.text

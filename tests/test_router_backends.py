@@ -81,14 +81,15 @@ class FakeBackend(BaseHTTPRequestHandler):
         if kv.get("do_remote_decode"):
             return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": KV})
         if self.path.startswith("/broken/"):
-            return self._send_cut(CUT_STREAMS[self.path.removeprefix("/broken")] if body.get("stream")
-                                  else b'{"choices": [')
+            if body.get("stream"):
+                return self._send_cut(CUT_STREAMS[self.path.removeprefix("/broken")], "text/event-stream")
+            return self._send_cut(b'{"choices": [', "application/json")
         self._send(200, {"choices": [{"text": "decoded"}], "kv_seen": kv})
 
-    def _send_cut(self, data: bytes) -> None:
+    def _send_cut(self, data: bytes, content_type: str) -> None:
         """A 200 whose body stops short of its length: the connection closes after data."""
         self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
+        self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(data) + 1000))
         self.end_headers()
         self.wfile.write(data)
