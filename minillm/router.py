@@ -45,6 +45,7 @@ from typing import Any, AsyncIterator
 
 import httpx
 import uvicorn
+from pydantic import TypeAdapter, ValidationError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response
 
@@ -227,9 +228,17 @@ def encode_body(body: dict) -> bytes:
         return json.dumps(body, separators=(",", ":")).encode()
 
 
+_INT = TypeAdapter(int)
+
+
 def _count(value: Any) -> int:
-    """A request's n or best_of as a number (1 when absent or not an integer: the server's 400 then)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
+    """A request's n or best_of as a server reads it (pydantic's integer: "2" and 2.0 are 2, which went
+    with kv_transfer_params to a decode server that refused n = 2 with them); 1 when absent or no
+    integer (the server's 400 then)."""
+    try:
+        return _INT.validate_python(value)
+    except ValidationError:
+        return 1
 
 
 def _num_prompts(prompt: Any) -> int:

@@ -74,7 +74,7 @@ class RecordingBackend(Backend):
     def do_POST(self) -> None:
         raw = self.rfile.read(int(self.headers["content-length"]))
         self.server.bodies.append(raw)
-        if json.loads(raw)["kv_transfer_params"].get("do_remote_decode"):
+        if json.loads(raw).get("kv_transfer_params", {}).get("do_remote_decode"):
             return self._send(200, {"choices": [{"text": "x"}], "kv_transfer_params": {"remote_lease_id": "l"}})
         self._send(200, {"choices": [{"text": "decoded"}]})
 
@@ -369,3 +369,16 @@ def test_an_answer_is_relayed_as_the_server_gave_it_whatever_stream_says(stream,
         r = httpx.post(f"{router}/v1/completions", json={**BODY, "stream": stream}, timeout=30)
         assert r.headers["content-type"].startswith("text/event-stream" if is_streamed else "application/json")
         assert (r.text.startswith("data: ") if is_streamed else r.json()["choices"][0]["text"] == "decoded"), r.text
+
+
+@pytest.mark.parametrize("field, value", [("n", "2"), ("n", 2.0), ("best_of", "2")])
+def test_n_as_a_server_reads_it_sends_the_request_whole_to_a_decode_server(recording_backend, field, value):
+    # "n": "2" is n = 2 to a server (pydantic's lax integer), 1 to the router, which sent it with a
+    # lease's kv_transfer_params to a decode server: its 400 "n: a request with kv_transfer_params
+    # takes n = 1 only", about a field the client never sent, where a single server answers.
+    url, server = recording_backend
+    with running_router(RouterConfig((url,), (url,))) as router:
+        r = httpx.post(f"{router}/v1/completions", json={**BODY, field: value}, timeout=30)
+        assert r.json()["choices"][0]["text"] == "decoded"
+        assert httpx.get(f"{router}/v1/stats", timeout=30).json()["num_decode_only"] == 1
+    assert [json.loads(body).get("kv_transfer_params") for body in server.bodies] == [None]
