@@ -23,6 +23,12 @@ NO_ARGUMENT_COMMANDS = ("/exit", "/quit", "/help", "/reset", "/stats")
 # Ollama's names of the same commands (`ollama run`): /bye, /clear, /? and /set parameter KEY VALUE.
 OLLAMA_COMMANDS = {"/bye": "/exit", "/clear": "/reset", "/?": "/help"}
 OLLAMA_PARAMETERS = {"num_predict": "max_tokens"}     # the rest share the names
+SHOW_TOPICS = ("info", "parameters", "system", "template")     # Ollama's /show, less license and modelfile
+# Ollama's commands that have nothing to act on here, and why.
+OLLAMA_ONLY = {
+    "/load": "minillm chat talks to the one model it started with; /bye, then `minillm chat MODEL` for another",
+    "/save": "minillm chat saves no session or model; /system and /set last as long as the chat",
+}
 
 HELP_TEXT = f"""\
 commands:
@@ -32,6 +38,7 @@ commands:
   /set KEY VALUE        change sampling: temperature, top_p, top_k, max_tokens, seed
                         (/set alone shows the current values; /set seed none unseeds)
   /stats                speed, time to first token and KV usage of the last reply
+  /show WHAT            info (the model and its context), parameters (as /set), system, template
   /exit                 quit (Ctrl-D too)
   Ollama's /bye, /clear, /?, /set system TEXT and /set parameter KEY VALUE
                         (num_predict: max_tokens) work too
@@ -229,6 +236,7 @@ class EngineChatBackend:
         self.tokenizer = engine.tokenizer
         self.chat_template = chat_template        # replaces the model's own when given
         self.has_chat_template = bool(chat_template or self.tokenizer.has_chat_template)
+        self.context_len = engine.max_model_len
         self.last_stats: ReplyStats | None = None
         self.last_prompt_ids: list[int] = []
         self.notices: list[str] = []    # things the chat loop should tell the user
@@ -271,6 +279,12 @@ class EngineChatBackend:
             self.notices.append(f"(dropped the {dropped} oldest exchange(s) to fit the "
                                 f"{max_len}-token context)")
         return ids, min(settings.max_tokens, room)
+
+    def template_text(self) -> str | None:
+        """The chat template every message renders with (None: plain text)."""
+        if self.chat_template or not self.tokenizer.has_chat_template:
+            return self.chat_template
+        return self.tokenizer.template_source()
 
     def check_chat_template(self) -> None:
         """ValueError naming the file and line when the model's chat template, the one every message
@@ -635,8 +649,32 @@ class ChatSession:
         elif name == "/stats":
             stats = self.backend.last_stats
             self.say(stats.describe() if stats else "(no reply yet)")
+        elif name == "/show":
+            self.show(arg)
+        elif name in OLLAMA_ONLY:
+            self.say(f"{name}: {OLLAMA_ONLY[name]}")
         else:
             self.say(f"unknown command {_shown(name)} (try /help)")
+
+    def show(self, arg: str) -> None:
+        """Ollama's /show TOPIC: what the chat runs with."""
+        if arg not in SHOW_TOPICS:
+            got = f" (got {arg!r})" if arg else ""
+            self.say(f"usage: /show {' | '.join(SHOW_TOPICS)}{got}")
+        elif arg == "info":
+            context = getattr(self.backend, "context_len", None)
+            self.say("\n".join([f"model: {self.backend.name}",
+                                f"context: {'not listed by the server' if context is None else f'{context} tokens'}",
+                                f"chat template: {'yes' if self.backend.has_chat_template else 'none (plain text)'}"]))
+        elif arg == "parameters":
+            self.say(self.settings.describe())
+        elif arg == "system":
+            self.say(self.conversation.system or "(no system message)")
+        else:
+            template = getattr(self.backend, "template_text", lambda: None)()
+            self.say(template if template is not None else
+                     "(none: the conversation runs as plain text)" if not self.backend.has_chat_template else
+                     "(the server's own: it renders the messages, and /v1/models does not list it)")
 
     def set_value(self, arg: str) -> None:
         """/set KEY VALUE, or /set alone to show the settings."""

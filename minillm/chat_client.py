@@ -49,6 +49,10 @@ class HttpChatBackend:
         self.stops_anywhere = True           # Ctrl-C need not wait for the next chunk of a stalled server
         self.counts_tokens = True            # until /tokenize leaves a count unanswered
 
+    def template_text(self) -> str | None:
+        """The chat template sent with each message (None: the server renders with its own)."""
+        return self.chat_template
+
     def _served_model(self, model: str | None) -> str:
         """`model` (the first model the server lists when None), checked against /v1/models: a
         server that is not there, or does not serve it, fails here rather than at the first message."""

@@ -1,10 +1,12 @@
 """`minillm chat` and `minillm monitor` in a terminal as people end them and feed them: SIGTERM (kill,
-`timeout`) puts the terminal back before the process ends by the signal, and a memory figure no
-server of ours sends (negative, huge) leaves the dashboard running."""
+`timeout`) puts the terminal back before the process ends by the signal, a memory figure no server
+of ours sends (negative, huge) leaves the dashboard running, and Ollama's /show, /load and /save
+answer what they would do here."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import os
 import signal
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 from test_tui import make_stats
 
+from minillm.chat import ChatSession
 from minillm.tui.app import MonitorApp
 from minillm.tui.client import StatsFrame
 from minillm.tui.memory_panel import MemoryPanel, split_widths
@@ -118,3 +121,64 @@ async def test_a_memory_figure_of_minus_two_to_the_62_leaves_the_dashboard_runni
         bar = panel.render().plain.split("\n")[0]
         assert 0 < len(bar) <= panel.content_size.width
         assert app.is_running
+
+
+# ---- Ollama's /show, /load and /save ----------------------------------------------------------------------------
+
+def run_lines(session, lines: list[str]) -> str:
+    """Run the chat over LINES, then end of input; what it printed."""
+    pending = iter(lines)
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(pending)
+        except StopIteration:
+            raise EOFError from None
+
+    session.run(read_line)
+    return session.out.getvalue()
+
+
+@needs_stories
+@pytest.mark.parametrize("template, shown", [
+    (None, ["chat template: none (plain text)", "(none: the conversation runs as plain text)"]),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}",
+     ["chat template: yes", "{% for m in messages %}{{ m.content }}{% endfor %}"]),
+])
+def test_show_says_what_the_chat_runs_with(llm, template, shown):
+    """`ollama run`'s /show info, parameters, system and template each answered 'unknown command
+    /show', though the help names Ollama's commands as working."""
+    from minillm.chat import ChatSettings, EngineChatBackend
+    session = ChatSession(EngineChatBackend(llm.engine, "stories", chat_template=template),
+                          ChatSettings(temperature=0.5, max_tokens=9), system="Be brief.", out=io.StringIO())
+    out = run_lines(session, ["/show info", "/show parameters", "/show system", "/show template"])
+    said = out.splitlines()
+    start = said.index("model: stories")
+    assert said[start:start + 6] == ["model: stories", "context: 128 tokens", shown[0],
+                                     "temperature=0.5 top_p=0.9 top_k=-1 max_tokens=9 seed=None", "Be brief.",
+                                     shown[1]], out
+
+
+class _Plain:
+    """A backend with a name and nothing more (a server that lists no context)."""
+
+    name = "plain"
+    has_chat_template = True
+    last_stats = None
+
+
+@pytest.mark.parametrize("line, said", [
+    ("/show", "usage: /show info | parameters | system | template"),
+    ("/show license", "usage: /show info | parameters | system | template (got 'license')"),
+    ("/show info now", "usage: /show info | parameters | system | template (got 'info now')"),
+    ("/show info", "context: not listed by the server"),
+    ("/show system", "(no system message)"),
+    ("/show template", "(the server's own: it renders the messages, and /v1/models does not list it)"),
+    ("/load llama3", "/load: minillm chat talks to the one model it started with; /bye, then `minillm chat MODEL` "
+                     "for another"),
+    ("/load", "/load: minillm chat talks to the one model it started with"),
+    ("/save mine", "/save: minillm chat saves no session or model; /system and /set last as long as the chat"),
+])
+def test_show_load_and_save_with_bad_or_no_arguments(line, said):
+    out = run_lines(ChatSession(_Plain(), out=io.StringIO()), [line])
+    assert said in out and "unknown command" not in out, out
