@@ -21,7 +21,8 @@ from test_abuse29b_cli_values import ROUTER
 from test_cli import run_main
 from test_server_helpers import openai_error, running_router, wait_for
 
-from minillm.router import RouterConfig, create_router_app
+from minillm.router import SLICE_ITEMS, RouterConfig, create_router_app, encode_body
+from minillm.server.json_body import LARGE_BODY_BYTES
 
 
 class LateBackend(Backend):
@@ -382,3 +383,49 @@ def test_n_as_a_server_reads_it_sends_the_request_whole_to_a_decode_server(recor
         assert r.json()["choices"][0]["text"] == "decoded"
         assert httpx.get(f"{router}/v1/stats", timeout=30).json()["num_decode_only"] == 1
     assert [json.loads(body).get("kv_transfer_params") for body in server.bodies] == [None]
+
+
+def test_a_body_encoded_in_slices_is_the_body_encoded_whole():
+    bodies = [{"prompt": list(range(3 * SLICE_ITEMS + 5)), "max_tokens": 3, "t": float("nan"), "x": float("-inf")},
+              {"prompt": [list(range(SLICE_ITEMS + 1)), [], [[1, [2, {"k": [3] * SLICE_ITEMS}]]]], "e": {}},
+              {"messages": [{"role": "user", "content": "故事"}] * (SLICE_ITEMS + 1), "f": 1e-7, "n": None},
+              {"prompt": "a\ud800b", "stop": ["x\ud800"] * (SLICE_ITEMS + 1), "b": True}]
+    for body in bodies:
+        assert encode_body(body, in_slices=True) == encode_body(body)
+        assert json.loads(encode_body(body, in_slices=True)).keys() == body.keys()
+
+
+def test_a_large_body_is_encoded_for_the_servers_off_the_routers_event_loop(backend, monkeypatch):
+    # The router wrote each body for the prefill and the decode server with one json.dumps on its event
+    # loop: 3 million token ids (a 6 MB body) held every other stream and /health for 0.6 s, twice.
+    import asyncio
+
+    import minillm.router as router_module
+    url, _ = backend
+    entered, released = threading.Event(), threading.Event()
+    encode = router_module.encode_body
+
+    def held(body, *args, **kwargs):
+        if len(body.get("user", "")) > LARGE_BODY_BYTES:
+            entered.set()
+            assert released.wait(10), "the event loop was held: /v1/stats never answered"
+        return encode(body, *args, **kwargs)
+    monkeypatch.setattr(router_module, "encode_body", held)
+
+    async def scenario():
+        app = create_router_app(RouterConfig((f"{url}/ok",), (f"{url}/ok",)))
+        await app.state.router.start()
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router") as client:
+                large = asyncio.ensure_future(client.post("/v1/completions", json={
+                    **BODY, "user": "x" * (LARGE_BODY_BYTES + 1)}, timeout=30))
+                try:
+                    assert await asyncio.to_thread(entered.wait, 30)
+                    assert (await client.get("/v1/stats")).status_code == 200
+                finally:
+                    released.set()
+                return await large
+        finally:
+            await app.state.router.close()
+    response = asyncio.run(scenario())
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "decoded", response.text
