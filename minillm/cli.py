@@ -2050,6 +2050,10 @@ def monitor_command(
     demo: Annotated[bool, typer.Option(
         "--demo", help="Replay the recording shipped with minillm (a loaded stories260K server): a look "
                        "at the monitor without running a server.")] = False,
+    interval: Annotated[Optional[float], typer.Option(
+        metavar="SECONDS", callback=lambda v: None if v is None else monitor_interval_option(v),
+        help="Seconds between the server's snapshots, 0.1 to 60 (the bounds its /v1/stats/stream takes).  "
+             "[default: 0.25]", show_default=False)] = None,
 ) -> None:
     """Watch a server's KV cache and scheduler live.
 
@@ -2060,6 +2064,9 @@ def monitor_command(
     from minillm.urls import shown_url
     if demo and replay:      # two options that cannot be combined: a usage error, as everywhere else
         raise UsageError("--demo and --replay cannot be combined: give either --demo or --replay FILE")
+    if interval is not None and (demo or replay):
+        raise UsageError(f"--interval and {'--demo' if demo else '--replay'} cannot be combined: a recording "
+                         "plays at the pace it was recorded")
     if url is not None and url_option is not None:
         raise UsageError("the server is named twice (URL and --url): give one")
     url_flag = "URL" if url_option is None else "--url"
@@ -2085,9 +2092,19 @@ def monitor_command(
             f", or read one snapshot of the stats as JSON from {shown_url(base_url)}/v1/stats"
         raise CliError(f"the monitor draws its dashboard in a terminal, but {stream} is not one (a file or a pipe "
                        f"would get frames without end); run it in a terminal{where}")
-    status = run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None)
+    status = run_monitor(url, api_key=api_key, source=source, recorder=open_recorder(record) if record else None,
+                         interval_s=interval)
     if status:
         raise typer.Exit(status)      # 130 (Ctrl-C): main() says "interrupted"
+
+
+def monitor_interval_option(value: float) -> float:
+    """monitor's --interval; one the server's stats stream refuses (or nan, inf) is a usage error
+    naming the option, not a 400 shown in the dashboard's banner at every retry."""
+    from minillm.tui.client import MAX_INTERVAL_S, MIN_INTERVAL_S
+    if not MIN_INTERVAL_S <= value <= MAX_INTERVAL_S:
+        raise typer.BadParameter(f"must be {MIN_INTERVAL_S:g} to {MAX_INTERVAL_S:g} seconds, got {value:g}")
+    return value
 
 
 def stream_not_a_terminal() -> str | None:

@@ -1,7 +1,7 @@
 """`minillm chat` and `minillm monitor` in a terminal as people end them and feed them: SIGTERM (kill,
 `timeout`) puts the terminal back before the process ends by the signal, a memory figure no server
-of ours sends (negative, huge) leaves the dashboard running, and Ollama's /show, /load and /save
-answer what they would do here."""
+of ours sends (negative, huge) leaves the dashboard running, Ollama's /show, /load and /save answer
+what they would do here, and monitor --interval sets how often the server sends its snapshots."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +14,7 @@ import termios
 from pathlib import Path
 
 import pytest
+from test_cli import run_main
 from test_tui import make_stats
 
 from minillm.chat import ChatSession
@@ -182,3 +183,60 @@ class _Plain:
 def test_show_load_and_save_with_bad_or_no_arguments(line, said):
     out = run_lines(ChatSession(_Plain(), out=io.StringIO()), [line])
     assert said in out and "unknown command" not in out, out
+
+
+# ---- monitor --interval -----------------------------------------------------------------------------------------
+
+class _App:
+    """MonitorApp's stand-in: keeps the source it was given, runs nothing."""
+
+    sources: list = []
+    return_code = 0
+    is_terminated = False
+
+    def __init__(self, source, recorder=None) -> None:
+        self.sources.append(source)
+
+    def call_later(self, *args) -> None:
+        pass
+
+    def run(self) -> None:
+        pass
+
+
+@pytest.fixture
+def monitor_sources(monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.setattr("minillm.tui.app.MonitorApp", _App)
+    monkeypatch.setattr("minillm.cli.stream_not_a_terminal", lambda: None)
+    monkeypatch.setattr(_App, "sources", [])
+    return _App.sources
+
+
+@pytest.mark.parametrize("args, interval_s", [([], 0.25), (["--interval", "2.5"], 2.5), (["--interval", "0.1"], 0.1),
+                                              (["--interval", "60"], 60.0)])
+def test_monitor_interval_is_how_often_the_server_sends_snapshots(capsys, monitor_sources, args, interval_s):
+    """monitor had no --interval: a server was always read four times a second."""
+    status, _, err = run_main(capsys, "monitor", "http://127.0.0.1:9", *args)
+    assert (status, err) == (0, "")
+    assert [s.interval_s for s in monitor_sources] == [interval_s]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--interval", "0.05"], "Invalid value for '--interval': must be 0.1 to 60 seconds, got 0.05"),
+    (["--interval", "nan"], "Invalid value for '--interval': must be 0.1 to 60 seconds, got nan"),
+    (["--interval", "1e9"], "Invalid value for '--interval': must be 0.1 to 60 seconds, got 1e+09"),
+    (["--interval", "-1"], "Invalid value for '--interval': must be 0.1 to 60 seconds, got -1"),
+    (["--demo", "--interval", "1"], "--interval and --demo cannot be combined: a recording plays at the pace it "
+                                    "was recorded"),
+])
+def test_monitor_interval_out_of_bounds_or_with_a_recording_is_a_usage_error(capsys, monitor_sources, args, said):
+    status, _, err = run_main(capsys, "monitor", *args)
+    assert (status, monitor_sources) == (2, [])
+    assert err.splitlines() == [f"minillm monitor: error: {said} (try 'minillm monitor --help')"]
+
+
+def test_monitor_interval_bounds_are_the_servers():
+    from minillm.server.app import MAX_STATS_INTERVAL_S, MIN_STATS_INTERVAL_S
+    from minillm.tui.client import MAX_INTERVAL_S, MIN_INTERVAL_S
+    assert (MIN_INTERVAL_S, MAX_INTERVAL_S) == (MIN_STATS_INTERVAL_S, MAX_STATS_INTERVAL_S)

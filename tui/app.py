@@ -18,7 +18,7 @@ from minillm.exit_signals import end_by_sigterm, on_sigterm
 from minillm.stats import EngineStats
 from minillm.tui.batch_chart import BatchChart
 from minillm.tui.block_grid import BlockGrid
-from minillm.tui.client import LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
+from minillm.tui.client import DEFAULT_INTERVAL_S, LiveSource, SourceEvent, SourceProblem, SourceStatus, StatsFrame
 from minillm.tui.help_screen import HelpScreen
 from minillm.tui.history import StatsHistory
 from minillm.tui.memory_panel import MemoryPanel
@@ -275,11 +275,13 @@ def run_monitor(
     api_key: str | None = None,
     source: StatsSource | None = None,
     recorder: Recorder | None = None,
+    interval_s: float | None = None,
 ) -> int:
     """Run the dashboard against a server at `url`, or on `source` (a ReplaySource); `recorder` keeps the
-    stream. The exit status: 0, or 130 when Ctrl-C ended it; SIGTERM ends the process by the signal
-    once the terminal is put back."""
-    app = MonitorApp(source=source or LiveSource(url, api_key), recorder=recorder)
+    stream; interval_s: the seconds between a server's snapshots. The exit status: 0, or 130 when
+    Ctrl-C ended it; SIGTERM ends the process by the signal once the terminal is put back."""
+    live = None if source is not None else LiveSource(url, api_key, interval_s or DEFAULT_INTERVAL_S)
+    app = MonitorApp(source=source or live, recorder=recorder)
     app.call_later(_quit_on_signals, app)
     app.run()
     if app.is_terminated:

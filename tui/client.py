@@ -22,6 +22,9 @@ from minillm.urls import (authorization_headers, check_credentials, client_endpo
                           shown_url, tls_failure)
 
 DEFAULT_INTERVAL_S = 0.25
+# The seconds between snapshots the server's /v1/stats/stream takes (minillm/server/app.py's
+# MIN_STATS_INTERVAL_S and MAX_STATS_INTERVAL_S).
+MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 60.0
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
