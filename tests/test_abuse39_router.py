@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote
 
 import httpx
+import openai
 import pytest
 import uvicorn
 from pydantic import TypeAdapter
@@ -323,7 +324,6 @@ def test_a_servers_routes_that_need_no_kv_are_reached_with_their_path_and_method
     # GET /v1/models/{model} (the OpenAI client's models.retrieve, and a served name such as
     # Org/model holds a slash) and GET /v1/responses/{id} were the router's 404 Not Found, and a
     # HEAD of /v1/models or /version its 405, where a server answers them.
-    import openai
     server = ThreadingHTTPServer(("127.0.0.1", 0), PathBackend)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
