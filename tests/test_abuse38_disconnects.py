@@ -190,7 +190,7 @@ def test_clients_that_hang_up_anywhere_leave_the_engine_idle_and_counted(servers
     for url, counts in zip(urls, before):       # either server's /metrics counts the whole engine, once
         after = _success(url)
         assert {reason: after[reason] - counts.get(reason, 0) for reason in after} == {
-            "abort": num_aborted, "length": num_finished - 2, "stop": 2, "error": 0}, after
+            "abort": num_aborted, "length": num_finished - 2, "stop": 2, "error": 0, "repetition": 0}, after
     # Aborted sequences stay out of the per-request histograms (each server's own), as vLLM's do.
     assert sum(_histogram_count(url, "e2e_request_latency_seconds") for url in urls) - latencies == num_finished
     assert [_greedy(url) for url in urls] == [greedy, greedy]
