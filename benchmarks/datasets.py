@@ -196,12 +196,21 @@ def oversample(samples: list[SampleRequest], num_requests: int, seed: int) -> li
 
 def load_tokenizer(name: str, option: str):
     """The tokenizer of NAME (a directory or a hub id); a usage error naming OPTION when there is none."""
+    return first_tokenizer([name], f"{option} {name}")
+
+
+def first_tokenizer(names: list[str], source: str):
+    """The tokenizer of the first of NAMES (directories or hub ids) that has one; a usage error naming
+    SOURCE (where the names came from) and the first's failure when none has."""
     from minillm.model_store import resolve_tokenizer_path
     from minillm.tokenizer import Tokenizer
-    try:
-        return Tokenizer.from_pretrained(resolve_tokenizer_path(name))
-    except (ValueError, OSError, RuntimeError) as exc:
-        raise usage_error(f"{option} {name}: no tokenizer to count the dataset's tokens with ({exc})") from None
+    first = None
+    for name in names:
+        try:
+            return Tokenizer.from_pretrained(resolve_tokenizer_path(name))
+        except (ValueError, OSError, RuntimeError) as exc:
+            first = first or exc
+    raise usage_error(f"{source}: no tokenizer to count the dataset's tokens with ({first})")
 
 
 def sample_requests(args: argparse.Namespace, tokenizer) -> list[SampleRequest]:

@@ -60,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--no-ceiling", action="store_true", help="Skip measuring the card's ceilings.")
     engine_names = add_engine_arguments(p)
     p.set_defaults(enable_prefix_caching=False)     # as vLLM's: a cached prompt would skew the latency
+    [caching] = [a for a in p._actions if a.dest == "enable_prefix_caching"]
+    caching.help += (" Off here unless given: every iteration sends the same prompts, which a cache would "
+                     "serve from the second on.")
     args = p.parse_args(argv)
     check_bounds(PROG, args, option_bounds())
     check_workload_tokens(PROG, "--batch-size", args.batch_size, "--input-len", args.input_len)

@@ -369,8 +369,16 @@ def saved_result_path(args: argparse.Namespace) -> str:
 
 
 async def _server_model(args: argparse.Namespace) -> str:
+    return (await _server_model_card(args))[0]
+
+
+async def _server_model_card(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The server's first model: its name and its root (the model it loaded, as minillm serve and vLLM
+    list it; None when not given)."""
     async with httpx.AsyncClient(headers=authorization_headers(args.api_key), timeout=args.timeout) as client:
-        return await resolve_model(client, args.base_url.rstrip("/"), None)
+        card = (await model_cards(client, args.base_url.rstrip("/")))[0]
+    root = card.get("root")
+    return card["id"], root if isinstance(root, str) and root else None
 
 
 def _concurrency_list(text: str) -> list[int]:
@@ -425,10 +433,23 @@ def load_dataset(args: argparse.Namespace) -> None:
     if args.dataset_name == "random":
         return
     datasets.read_text(args.dataset_path)        # a missing file is named before the server is asked
-    option = "--tokenizer" if args.tokenizer else "--model"
-    name = args.tokenizer or args.model or asyncio.run(_server_model(args))
-    args.dataset_samples = datasets.sample_requests(args, datasets.load_tokenizer(name, option))
+    if args.tokenizer or args.model:
+        option = "--tokenizer" if args.tokenizer else "--model"
+        tokenizer = datasets.load_tokenizer(args.tokenizer or args.model, option)
+    else:
+        name, root = asyncio.run(_server_model_card(args))
+        tokenizer = datasets.first_tokenizer(_tokenizer_sources(name, root),
+                                             f"the server's model {name} (give --tokenizer)")
+    args.dataset_samples = datasets.sample_requests(args, tokenizer)
     args.num_prompts = len(args.dataset_samples)
+
+
+def _tokenizer_sources(name: str, root: str | None) -> list[str]:
+    """Where the tokenizer of a served model may be: its root first when that is a directory here (the
+    model's own path, which a --served-model-name hides from its name), else its name, then its root."""
+    if not root or root == name:
+        return [name]
+    return [root, name] if os.path.isdir(root) else [name, root]
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -662,6 +683,17 @@ MODEL_LIST_TIMEOUT_S = 30.0
 
 async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | None) -> str:
     """The given model name, or the first one the server lists; BenchError when none answers."""
+    response = await _model_list(client, base_url)
+    return model or _listed_models(response, base_url)[0]["id"]
+
+
+async def model_cards(client: httpx.AsyncClient, base_url: str) -> list[dict]:
+    """The models the server lists (the first with a string id); BenchError as resolve_model's."""
+    return _listed_models(await _model_list(client, base_url), base_url)
+
+
+async def _model_list(client: httpx.AsyncClient, base_url: str) -> httpx.Response:
+    """The server's answer to GET /v1/models; BenchError when there is no server or it refuses."""
     timeout = min(MODEL_LIST_TIMEOUT_S, client.timeout.read or MODEL_LIST_TIMEOUT_S)
     try:
         response = await client.get(f"{base_url}/v1/models", timeout=timeout)
@@ -677,12 +709,18 @@ async def resolve_model(client: httpx.AsyncClient, base_url: str, model: str | N
     if response.status_code != 200:
         raise BenchError(f"{base_url}/v1/models answered {response.status_code}: is it an "
                          f"OpenAI-compatible server?")
-    if model:
-        return model
+    return response
+
+
+def _listed_models(response: httpx.Response, base_url: str) -> list[dict]:
+    """The model cards of a /v1/models answer; BenchError when it lists none with a string id first."""
     try:
-        return response.json()["data"][0]["id"]
+        cards = response.json()["data"]
+        if isinstance(cards[0], dict) and isinstance(cards[0]["id"], str):
+            return cards
     except (ValueError, KeyError, IndexError, TypeError):
-        raise BenchError(f"{base_url}/v1/models lists no model; give one with --model") from None
+        pass
+    raise BenchError(f"{base_url}/v1/models lists no model; give one with --model")
 
 
 def _cpu_seconds() -> float:
