@@ -72,9 +72,10 @@ def _fetch_text(url: str) -> str:
     import httpx
     try:
         response = httpx.get(url, timeout=60, follow_redirects=True)
-        response.raise_for_status()
     except httpx.HTTPError as exc:
-        raise OSError(str(exc)) from None
+        raise OSError(_http_failure(exc)) from None
+    if not response.is_success:
+        raise OSError(f"the download got HTTP {response.status_code} {response.reason_phrase}".rstrip())
     return response.text
 
 
@@ -215,9 +216,18 @@ def upload(url: str, path: str) -> None:
     """PUT the file at PATH to URL, as vLLM uploads a batch's output."""
     import httpx
     with open(path, "rb") as f:
-        response = httpx.put(url, content=f.read(), timeout=1000)
+        try:
+            response = httpx.put(url, content=f.read(), timeout=1000)
+        except httpx.HTTPError as exc:
+            raise OSError(f"--output-file {url}: the upload failed: {_http_failure(exc)}") from None
     if response.status_code != 200:
         raise OSError(f"--output-file {url}: the upload got HTTP {response.status_code}")
+
+
+def _http_failure(exc: Exception) -> str:
+    """An httpx error on one line: its kind and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 def describe_summary(summary: BatchSummary, output_file: str) -> str:
