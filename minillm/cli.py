@@ -1657,8 +1657,10 @@ def serve(
         "--structured-outputs-config", metavar="JSON", callback=lambda v: json_object_option(
             v, "--structured-outputs-config"), help='As vLLM takes it: \'{"enable_in_reasoning": true}\' holds '
         "a reasoning model's output to response_format, structured_outputs or a forced tool call from its first "
-        "token (by default only what follows </think> is held); backend auto or guidance, reasoning_parser (as "
-        "--reasoning-parser) and disable_fallback are taken too.")] = None,
+        "token (by default only what follows </think> is held); backend auto (JSON schemas' objects take only "
+        "the keys they list, as under vLLM's default backend) or guidance (JSON Schema's open objects, closed "
+        "by its disable_additional_properties true or a request's), reasoning_parser (as --reasoning-parser), "
+        "disable_fallback and disable_any_whitespace true are taken too.")] = None,
     enable_server_load_tracking: Annotated[bool, _server_option(
         "--enable-server-load-tracking/--no-enable-server-load-tracking", help="GET /load counts the "
         "completions and chat completions in flight; without it /load answers 0, as vLLM's does.")] = False,

@@ -70,7 +70,11 @@ VLLM_FIXED_ARGS = {
     "hf_token": (lambda v: v is None or v is True, "minillm downloads with huggingface_hub's own token (set HF_TOKEN "
                                                    "or run `huggingface-cli login`)"),
     "distributed_executor_backend": (lambda v: v is None, "minillm starts its tensor-parallel workers itself"),
-    "structured_outputs_config": (lambda v: v is None, "minillm builds structured outputs with llguidance"),
+    "structured_outputs_config": (lambda v: v is None, "minillm's LLM reads JSON schemas as vLLM's default "
+                                  "backend does, each object taking only the keys it lists (a request's "
+                                  "StructuredOutputsParams(disable_additional_properties=False) reads its schema "
+                                  "as the guidance backend does); minillm serve and run-batch take "
+                                  "--structured-outputs-config"),
     # vLLM's defaults of these: 1, 1, 0, False, None (an empty list in older vLLM), None
     **dict.fromkeys(("max_num_partial_prefills", "max_long_partial_prefills"),
                     (lambda v: _is_count(v, 1), "minillm has no cap on the prompts being prefilled at once: "
