@@ -1,7 +1,8 @@
 """`kv_transfer_params` on the OpenAI routes (prefill/decode disaggregation, vLLM's protocol).
 
     {"do_remote_decode": true}    a prefill server runs the request for one token; its response
-                                  carries the kv_transfer_params of the prompt's leased blocks
+                                  carries the kv_transfer_params of the prompt's leased blocks (a
+                                  lease no response carried, its client gone first, is given back)
     {"do_remote_prefill": true, "remote_host": ..., "remote_port": ..., "remote_lease_id": ...,
      "remote_block_ids": [...], "remote_num_tokens": N, "remote_prompt_hash": ..., ...}
                                   a decode server claims that lease from the prefill engine's
@@ -32,6 +33,7 @@ from minillm.kv_connector.pd_connector import RemotePrefill
 from minillm.kv_connector.transport import KVRegion
 from minillm.sampling_params import SamplingParams, short_repr
 from minillm.server.errors import APIError
+from minillm.server.streaming import HangUpWatch
 
 logger = logging.getLogger("minillm.server")
 
@@ -61,6 +63,12 @@ class Claim:
         if not self.is_handed_over and self.handed is not None:
             self.handed.add(self)
         self.is_handed_over = True
+
+    on_output = None                   # answer()'s hook: a decode request watches none of its outputs
+
+    def answered(self, raw, response, stats: dict | None) -> None:
+        """The response is built: it carries HEADER."""
+        response.headers[HEADER] = self.header(stats)
 
     def header(self, stats: dict | None) -> str:
         """The HEADER value: claim and copy times, tokens, blocks and bytes loaded."""
@@ -115,6 +123,46 @@ class HandedClaims:
                 _send_release(self.ctx, remote.host, remote.port, remote.lease_id)
 
 
+class ProducedLease:
+    """A prefill request's lease (do_remote_decode) on this server's own engine. Only the response
+    names it, and a decode server claims it by that name: a response that reaches its client is the
+    protocol (the lease lasts until claimed and released, or it runs out). One that never left,
+    because its client hung up before it was written, named it to nobody: the lease is given back
+    at once, as a give-back from a party that never claimed it (KVRelease if_unclaimed)."""
+
+    hand_over = None                   # answer()'s hook: a prefill request claimed nothing
+
+    def __init__(self, ctx) -> None:
+        self.ctx = ctx
+        self.kv: dict | None = None    # the finished output's kv_transfer_params, once it came
+        self.is_unsent = False         # its client left before the response was written
+
+    def on_output(self, output, seen: float | None = None) -> None:
+        """The request's outputs as they arrive (a stream's observer, on the event loop): the lease
+        is known from its final output, which may arrive after the handler gave up on it."""
+        if output.finished and isinstance(output.kv_transfer_params, dict):
+            self.kv = output.kv_transfer_params
+            self._give_back_if_unsent()
+
+    def abandon(self) -> None:
+        """The response will not be written (the client left, or the request failed)."""
+        self.is_unsent = True
+        self._give_back_if_unsent()
+
+    def answered(self, raw, response, stats: dict | None) -> None:
+        """The response is built; a client that has hung up meanwhile will never read it."""
+        if HangUpWatch.of(raw.scope, raw.receive).hung_up:
+            self.abandon()
+
+    def _give_back_if_unsent(self) -> None:
+        if not self.is_unsent or self.kv is None:
+            return
+        kv, self.kv = self.kv, None
+        host, port, lease_id = kv.get("remote_host"), kv.get("remote_port"), kv.get("remote_lease_id")
+        if isinstance(host, str) and type(port) is int and isinstance(lease_id, str):
+            _send_give_back(self.ctx, host, port, lease_id)
+
+
 def _bad(message: str, status: int = 400, code: str | None = None) -> APIError:
     return APIError(status, f"{PARAM}: {message}", param=PARAM, code=code)
 
@@ -133,10 +181,11 @@ def _field(kv: dict, name: str, kind: type, required: bool = True) -> Any:
 
 
 async def apply_kv_transfer(ctx, kv: dict | None, prompt_ids: list[list[int]], params: list[SamplingParams],
-                            n: int, stream: bool) -> tuple[list[SamplingParams], Claim | None]:
-    """The requests' params with the engine's kv_transfer_params set, and the lease claimed for a
+                            n: int, stream: bool) -> tuple[list[SamplingParams], Claim | ProducedLease | None]:
+    """The requests' params with the engine's kv_transfer_params set, and the lease: claimed for a
     decode request (the caller marks it handed over once the engine has the request, and releases
-    it if the request never reaches the engine)."""
+    it if the request never reaches the engine), or made by a prefill request (the caller passes
+    the request's outputs to it, and gives it back if the response is not written)."""
     if kv is None:
         return params, None
     config = ctx.engine.config.kv_transfer_config
@@ -157,7 +206,8 @@ async def apply_kv_transfer(ctx, kv: dict | None, prompt_ids: list[list[int]], p
             raise _bad("do_remote_decode needs stream false: the params for the decode server come in the response")
         engine_params = {"do_remote_decode": True}
         return [dataclasses.replace(params[0], max_tokens=1, min_tokens=0,
-                                    extra_args={**(params[0].extra_args or {}), PARAM: engine_params})], None
+                                    extra_args={**(params[0].extra_args or {}), PARAM: engine_params})], \
+            ProducedLease(ctx)
     if kv.get("do_remote_prefill") is not True:
         raise _bad("must set do_remote_decode or do_remote_prefill to true")
     if not config.is_kv_consumer:
@@ -187,11 +237,9 @@ async def _claim(ctx, kv: dict, ids: list[int]) -> Claim:
     if (num_tokens, digest) != (len(ids), prompt_hash(ids)):
         raise _bad(f"belong to another prompt ({num_tokens} tokens, hash {digest[:12]}), not this "
                    f"request's ({len(ids)} tokens)")
-    if ctx.kv_claims is None:
-        ctx.kv_claims = ClaimClient(CLAIM_TIMEOUT_S)
     started = time.monotonic()
     try:
-        reply = await ctx.kv_claims.claim(host, port, lease_id, digest, num_tokens)
+        reply = await _claim_client(ctx).claim(host, port, lease_id, digest, num_tokens)
     except asyncio.TimeoutError:
         raise _bad(f"the prefill engine's transfer endpoint at {host}:{port} did not answer within "
                    f"{CLAIM_TIMEOUT_S:g} s", status=503, code="kv_transfer_unavailable") from None
@@ -228,16 +276,36 @@ def _granted_region(ctx, reply, host: str, port: int, lease_id: str) -> KVRegion
                    code="kv_transfer_bad_reply") from None
 
 
+def _claim_client(ctx) -> ClaimClient:
+    """The server's sockets to transfer endpoints, made on first use."""
+    if ctx.kv_claims is None:
+        ctx.kv_claims = ClaimClient(CLAIM_TIMEOUT_S)
+    return ctx.kv_claims
+
+
 def _send_release(ctx, host: str, port: int, lease_id: str) -> None:
-    task = asyncio.ensure_future(ctx.kv_claims.release(host, port, lease_id))
+    _in_background(ctx, _claim_client(ctx).release(host, port, lease_id))
+
+
+def _send_give_back(ctx, host: str, port: int, lease_id: str) -> None:
+    """Release a lease this server never claimed (freed only while nobody has claimed it)."""
+    _in_background(ctx, _claim_client(ctx).release(host, port, lease_id, if_unclaimed=True))
+
+
+def _in_background(ctx, release) -> None:
+    task = asyncio.ensure_future(release)
     ctx.background.add(task)
     task.add_done_callback(ctx.background.discard)
 
 
-def release_claim(ctx, claim: Claim | None) -> None:
+def release_claim(ctx, claim: Claim | ProducedLease | None) -> None:
     """Give a claimed lease back without waiting, unless its request was handed over to an engine
     that still runs (its KV connector releases it then). An engine that has died copies nothing
-    more, and would never release it: the lease is given back here, not left to run out."""
+    more, and would never release it: the lease is given back here, not left to run out. A prefill
+    request's lease, whose response will not be written, is given back once it is made."""
+    if isinstance(claim, ProducedLease):
+        claim.abandon()
+        return
     if claim is None or (claim.is_handed_over and not ctx.engine.has_failed) or ctx.kv_claims is None:
         return
     remote = claim.remote

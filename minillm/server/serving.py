@@ -282,21 +282,26 @@ def params_for_log(params: SamplingParams) -> str:
 
 async def submit(ctx: ServingContext, request_ids: list[str], prompts: list[list[int]],
                  params: list[SamplingParams], cache_salt: str | None = None,
-                 on_handed_over: Callable[[], None] | None = None, priority: int = 0) -> list[RequestStream]:
+                 on_handed_over: Callable[[], None] | None = None, priority: int = 0,
+                 on_output: Callable[[RequestOutput, float], None] | None = None) -> list[RequestStream]:
     """Add one engine request per prompt (request_ids[i] for prompts[i]), all feeding one queue; on a
     rejection abort those added.
     cache_salt: the request's (vLLM's), which keeps its prefix-cache blocks to requests of the same salt.
     priority: the request's (vLLM's), which the engine checks against its scheduling policy.
     on_handed_over: called once the engine holds, or may hold, one of them (accepted; or cancelled
-    while its add was in flight, an add the engine may have taken and then aborts)."""
+    while its add was in flight, an add the engine may have taken and then aborts).
+    on_output: called on the event loop with each of their outputs as it arrives, also after the
+    caller has stopped reading them (the streams' observer, with the latency histograms')."""
     streams: list[RequestStream] = []
     shared = OutputQueue()
     try:
         for engine_id, ids, sp in zip(request_ids, prompts, params):
             timer = RequestTimer(ctx.metrics, sp)
+            observer = timer.on_output if on_output is None else functools.partial(_observe_both, timer.on_output,
+                                                                                    on_output)
             try:
                 streams.append(await ctx.engine.add_request(engine_id, ids, sp, output_queue=shared,
-                                                            observer=timer.on_output, cache_salt=cache_salt,
+                                                            observer=observer, cache_salt=cache_salt,
                                                             priority=priority))
             except asyncio.CancelledError:
                 if on_handed_over is not None:
@@ -311,6 +316,13 @@ async def submit(ctx: ServingContext, request_ids: list[str], prompts: list[list
             raise bad_request_from_value_error(exc) from None
         raise
     return streams
+
+
+def _observe_both(first: Callable[[RequestOutput, float], None], second: Callable[[RequestOutput, float], None],
+                  output: RequestOutput, seen: float) -> None:
+    """Two observers of a stream's outputs, in turn."""
+    first(output, seen)
+    second(output, seen)
 
 
 async def merged_outputs(ctx: ServingContext, streams: list[RequestStream], stream_interval: int | None = None
@@ -626,14 +638,15 @@ def abort_unfinished(ctx: ServingContext, streams: list[RequestStream]) -> None:
 
 async def answer(ctx: ServingContext, raw: Request, job, prompts: list[list[int]], params: list, stream: bool,
                  failure_events: Callable[[BaseException], str] = openai_failure_events,
-                 on_handed_over: Callable[[], None] | None = None) -> Response:
+                 on_handed_over: Callable[[], None] | None = None,
+                 on_output: Callable[[RequestOutput, float], None] | None = None) -> Response:
     """Submit a job's prompts, then stream its events (a failure once they have begun ends them with
     failure_events(exc)) or return its JSON response; a failure or a hang-up aborts whatever is
-    still running. on_handed_over: as submit takes it."""
+    still running. on_handed_over and on_output: as submit takes them."""
     engine_ids = job.engine_request_ids(len(prompts))
     log_received(ctx, job, engine_ids, prompts, params)
     streams = await until_disconnected(raw, submit(ctx, engine_ids, prompts, params, job.req.cache_salt,
-                                                   on_handed_over, job.req.priority or 0))
+                                                   on_handed_over, job.req.priority or 0, on_output))
     try:
         if stream:
             return await streaming_response(ctx, raw, job.events(streams), failure_events)

@@ -14,7 +14,7 @@ from minillm.outputs import RequestOutput
 from minillm.sampling_params import max_prompt_len, short_repr, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import SSE_DONE, APIError
-from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
+from minillm.server.kv_transfer import apply_kv_transfer, release_claim
 from minillm.server.limits import check_allowed_token_ids, check_fan_out, check_prompt_chars
 from minillm.server.logprobs import LogprobCursor, TokenTexts, chat_logprobs, prompt_logprobs_json
 from minillm.server.protocol import (
@@ -521,14 +521,15 @@ async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
     log_unknown_fields(await ctx.run_blocking_if(is_large, unknown_fields, req))
     job = await ctx.run_blocking_if(is_large, ChatJob, ctx, req, client_response_id("chatcmpl", raw, req.request_id))
     await job.prepare()
-    [job.params], claim = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
+    [job.params], lease = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
                                                   req.n, req.stream)
     try:
         response = await answer(ctx, raw, job, [job.prompt_ids], [job.params], req.stream,
-                                on_handed_over=claim.hand_over if claim is not None else None)
+                                on_handed_over=lease.hand_over if lease is not None else None,
+                                on_output=lease.on_output if lease is not None else None)
     except BaseException:
-        release_claim(ctx, claim)
+        release_claim(ctx, lease)
         raise
-    if claim is not None:
-        response.headers[HEADER] = claim.header(job.kv_transfer_stats)
+    if lease is not None:
+        lease.answered(raw, response, job.kv_transfer_stats)
     return response

@@ -12,7 +12,7 @@ from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import SamplingParams, max_prompt_len, truncate_prompt
 from minillm.server.async_engine import RequestStream
 from minillm.server.errors import SSE_DONE, APIError
-from minillm.server.kv_transfer import HEADER, apply_kv_transfer, release_claim
+from minillm.server.kv_transfer import apply_kv_transfer, release_claim
 from minillm.server.logprobs import (
     LogprobCursor, TokenTexts, completion_logprobs, prompt_logprob_rows, prompt_logprobs_json,
 )
@@ -325,14 +325,15 @@ async def create_completion(ctx: ServingContext, body: dict, raw: Request):
     job = await ctx.run_blocking_if(is_large, CompletionJob, ctx, req, client_response_id("cmpl", raw, req.request_id))
     await job.prepare(is_large)
     prompt_ids = job.engine_prompt_ids
-    job.params, claim = await apply_kv_transfer(ctx, req.kv_transfer_params, prompt_ids, job.params, req.n,
+    job.params, lease = await apply_kv_transfer(ctx, req.kv_transfer_params, prompt_ids, job.params, req.n,
                                                 req.stream)
     try:
         response = await answer(ctx, raw, job, prompt_ids, job.params, req.stream,
-                                on_handed_over=claim.hand_over if claim is not None else None)
+                                on_handed_over=lease.hand_over if lease is not None else None,
+                                on_output=lease.on_output if lease is not None else None)
     except BaseException:
-        release_claim(ctx, claim)
+        release_claim(ctx, lease)
         raise
-    if claim is not None:
-        response.headers[HEADER] = claim.header(job.kv_transfer_stats)
+    if lease is not None:
+        lease.answered(raw, response, job.kv_transfer_stats)
     return response
