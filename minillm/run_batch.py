@@ -203,12 +203,26 @@ def write_outputs(engine: Any, options: Any, lines: list[str], files: BatchFiles
         with open(files.output_file, "w", encoding="utf-8") as out:
             summary = asyncio.run(run_requests(app, requests, out, concurrency))
     else:
-        with tempfile.NamedTemporaryFile("w+", encoding="utf-8", dir=files.output_tmp_dir,
-                                         prefix="tmp_batch_output_", suffix=".jsonl") as out:
-            summary = asyncio.run(run_requests(app, requests, out, concurrency))
-            out.flush()
-            upload(files.output_file, out.name)
+        summary = _run_and_upload(app, requests, files, concurrency)
     summary.elapsed_s = time.perf_counter() - started
+    return summary
+
+
+def _run_and_upload(app: Any, requests: list[BatchRequest], files: BatchFiles, concurrency: int) -> BatchSummary:
+    """Write the answers under --output-tmp-dir and PUT them to the --output-file URL; an upload that fails
+    leaves the file there, named in its OSError, so that a batch's answers are not lost with it."""
+    with tempfile.NamedTemporaryFile("w+", encoding="utf-8", dir=files.output_tmp_dir, delete=False,
+                                     prefix="tmp_batch_output_", suffix=".jsonl") as out:
+        try:
+            summary = asyncio.run(run_requests(app, requests, out, concurrency))
+        except BaseException:
+            os.remove(out.name)
+            raise
+    try:
+        upload(files.output_file, out.name)
+    except OSError as exc:
+        raise OSError(f"{exc}; the answers are kept in {out.name}") from None
+    os.remove(out.name)
     return summary
 
 

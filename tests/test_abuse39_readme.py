@@ -103,6 +103,26 @@ def test_an_output_url_that_refuses_the_upload_names_the_status(files_url, tmp_p
         run_batch.upload(f"{files_url}/out.jsonl", str(path))
 
 
+def test_a_failed_upload_keeps_the_batchs_answers_and_names_their_file(stories_path, tmp_path):
+    from minillm.config import EngineConfig
+    from minillm.server.app import ServerOptions
+    from minillm.server.async_engine import start_async_engine
+    body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 3, "temperature": 0}
+    lines = [json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body})]
+    url = _closed_port_url()
+    engine = start_async_engine(EngineConfig(model=str(stories_path), device="cpu", max_model_len=64), "thread")
+    try:
+        with pytest.raises(OSError) as info:
+            run_batch.write_outputs(engine, ServerOptions(served_model_name=("stories",)), lines,
+                                    run_batch.BatchFiles(str(tmp_path / "in.jsonl"), url, str(tmp_path)))
+    finally:
+        engine.shutdown()
+    [kept] = list(tmp_path.glob("tmp_batch_output_*.jsonl"))
+    assert str(info.value).endswith(f"; the answers are kept in {kept}")
+    [answer] = [json.loads(text) for text in kept.read_text().splitlines()]
+    assert answer["custom_id"] == "a" and answer["response"]["body"]["choices"][0]["text"] == ", there was"
+
+
 # ---- help and refusals that name what is taken -------------------------------------------------------
 
 def test_llm_refuses_a_structured_outputs_config_naming_where_each_reading_is_had(stories_path):
