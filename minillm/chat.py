@@ -624,6 +624,7 @@ class ChatSession:
         """Dispatch one /command."""
         typed, arg = _split_word(text)
         name = OLLAMA_COMMANDS.get(typed, typed)
+        typed_key = None       # Ollama's /set parameter KEY, as typed: what its usage and errors name
         if name == "/set":
             key, value = _split_word(arg)
             if key == "system":
@@ -631,6 +632,7 @@ class ChatSession:
             elif key == "parameter":
                 key, value = _split_word(value)
                 arg = f"{OLLAMA_PARAMETERS.get(key, key)} {value}".strip()
+                typed_key = f"parameter {key}" if key else None
         if name in NO_ARGUMENT_COMMANDS and arg:
             self.say(f"usage: {typed} (it takes no arguments, got {arg!r})")
         elif name in ("/exit", "/quit"):
@@ -645,7 +647,7 @@ class ChatSession:
             self.conversation.system = arg or None
             self.say(f"(system message {'set' if arg else 'cleared'})")
         elif name == "/set":
-            self.set_value(arg)
+            self.set_value(arg, typed_key)
         elif name == "/stats":
             stats = self.backend.last_stats
             self.say(stats.describe() if stats else "(no reply yet)")
@@ -676,20 +678,22 @@ class ChatSession:
                      "(none: the conversation runs as plain text)" if not self.backend.has_chat_template else
                      "(the server's own: it renders the messages, and /v1/models does not list it)")
 
-    def set_value(self, arg: str) -> None:
-        """/set KEY VALUE, or /set alone to show the settings."""
+    def set_value(self, arg: str, typed_key: str | None = None) -> None:
+        """/set KEY VALUE, or /set alone to show the settings; typed_key: how the user named KEY
+        (Ollama's `parameter num_predict` for max_tokens), which its usage and errors name."""
         key, value = _split_word(arg)
         if not key:
             self.say(self.settings.describe())
             return
+        typed_key = typed_key or key
         try:
             check_setting(key)      # `/set verbose` (Ollama's) is no setting, not a setting missing its value
             if not value:
-                self.say(f"usage: /set {key} VALUE")
+                self.say(f"usage: /set {typed_key} VALUE")
                 return
             self.settings = self.settings.with_value(key, value)
         except ValueError as exc:
-            self.say(f"error: {exc}")
+            self.say(f"error: {_renamed(str(exc), key, typed_key.split()[-1])}")
             return
         self.say(f"({key} = {getattr(self.settings, key)})")
 
@@ -776,6 +780,12 @@ def _split_word(text: str) -> tuple[str, str]:
     """The first word of text and the rest, stripped; any whitespace (a tab too) separates them."""
     parts = text.split(maxsplit=1)
     return (parts[0] if parts else ""), (parts[1].strip() if len(parts) > 1 else "")
+
+
+def _renamed(message: str, key: str, name: str) -> str:
+    """An error about setting KEY naming it NAME, as the user typed it, where it opens with KEY (as
+    with_value's and SamplingParams' errors do)."""
+    return name + message[len(key):] if name != key and message.startswith(f"{key} ") else message
 
 
 def _unquoted(text: str) -> str:

@@ -3,13 +3,16 @@ under another model name, /set parameter's lines, monitor URLs with an endpoint'
 status for a handler's failure."""
 from __future__ import annotations
 
+import io
 import json
 import socket
 import threading
 
 import httpx
+from test_abuse30_chat import _EchoBackend
 from test_server_helpers import CHAT_TEMPLATE, get_stats, running_server, wait_for
 
+from minillm.chat import ChatSession, ChatSettings
 from minillm.server.app import ServerOptions
 
 PROMPT = "Once upon a time there was a little girl named Lily who loved to play"
@@ -80,3 +83,29 @@ def test_a_prefill_whose_client_left_before_its_response_gives_its_lease_back(st
             assert wait_for(lambda: get_stats(url)["kv_transfer_leases_released"] == num_gone), route
         stats = get_stats(url)
         assert (stats["kv_transfer_num_leases"], stats["kv_transfer_leases_expired"]) == (1, 0)
+
+
+# ---- chat: /set parameter KEY's usage and errors name KEY as typed ---------------------------------------
+
+def set_lines(*lines: str) -> list[str]:
+    """What the chat answers to each line."""
+    out = io.StringIO()
+    session = ChatSession(_EchoBackend(), ChatSettings(), out=out)
+    answers = []
+    for line in lines:
+        session.handle(line)
+        answers.append(out.getvalue().strip())
+        out.seek(0), out.truncate()
+    return answers
+
+
+def test_set_parameter_usage_and_errors_name_the_parameter_as_typed():
+    # They named /set's own key: "usage: /set seed VALUE", "error: max_tokens must be ..." for num_predict.
+    assert set_lines("/set parameter seed", "/set parameter num_predict", "/set parameter num_predict 0",
+                     "/set parameter num_predict x", "/set parameter temperature -1") == [
+        "usage: /set parameter seed VALUE", "usage: /set parameter num_predict VALUE",
+        "error: num_predict must be an integer >= 1, got 0", "error: num_predict needs an integer, got 'x'",
+        "error: temperature must be non-negative, got -1.0"]
+    # /set's own names are answered as before.
+    assert set_lines("/set seed", "/set max_tokens 0", "/set parameter num_predict 5") == [
+        "usage: /set seed VALUE", "error: max_tokens must be an integer >= 1, got 0", "(max_tokens = 5)"]
