@@ -12,6 +12,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from minillm.server.errors import error_body, unexpected_error
+
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
 STREAM_ERROR = "Request must not be sent in stream mode"
 
@@ -134,7 +136,10 @@ async def answer(client: Any, request: BatchRequest) -> dict:
     try:
         response = await client.send(client.build_request("POST", request.url, json=request.body), stream=True)
     except Exception as exc:     # the app's own failure: this line's error, never the batch's
-        return batch_output(request.custom_id, 500, error=str(exc) or type(exc).__name__)
+        # What the server answers for it (its handler of last resort), status and body alike.
+        err = unexpected_error(exc)
+        return batch_output(request.custom_id, err.status,
+                            error=error_body(err.status, err.message, err.param, err.code, err.type))
     try:
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             return batch_output(request.custom_id, 400, error=STREAM_ERROR)

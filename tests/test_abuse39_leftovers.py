@@ -3,17 +3,21 @@ under another model name, /set parameter's lines, monitor URLs with an endpoint'
 status for a handler's failure."""
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import socket
 import threading
 
 import httpx
+from fastapi import FastAPI, Request
 from test_abuse30_chat import _EchoBackend
 from test_server_helpers import CHAT_TEMPLATE, get_stats, running_server, wait_for
 
 from minillm.chat import ChatSession, ChatSettings
+from minillm.run_batch import parse_line, run_requests
 from minillm.server.app import ServerOptions
+from minillm.server.errors import install_error_handlers
 
 PROMPT = "Once upon a time there was a little girl named Lily who loved to play"
 PREFILL = {"kv_transfer_params": {"do_remote_decode": True}, "temperature": 0, "max_tokens": 8}
@@ -109,3 +113,46 @@ def test_set_parameter_usage_and_errors_name_the_parameter_as_typed():
     # /set's own names are answered as before.
     assert set_lines("/set seed", "/set max_tokens 0", "/set parameter num_predict 5") == [
         "usage: /set seed VALUE", "error: max_tokens must be an integer >= 1, got 0", "(max_tokens = 5)"]
+
+
+# ---- run-batch: a handler's failure is answered as the server answers it ---------------------------------
+
+FAILURES = {"value": ValueError("bad value"), "type": TypeError("bad type"), "not-implemented": NotImplementedError(
+    "not here"), "key": KeyError("k"), "empty": RuntimeError()}
+
+
+def failing_app() -> FastAPI:
+    """An app with the server's error handlers whose completions route raises what the body names."""
+    app = FastAPI()
+    install_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        raise FAILURES[(await request.json())["raise"]]
+
+    return app
+
+
+def test_a_handlers_failure_in_a_batch_line_has_the_servers_status_and_error_body():
+    # It was a 500 with the bare message for every exception: a ValueError a server answers with a 400,
+    # a NotImplementedError with a 501, and the error not the body the server sends.
+    app = failing_app()
+    lines = [json.dumps({"custom_id": kind, "method": "POST", "url": "/v1/completions", "body": {"raise": kind}})
+             for kind in FAILURES]
+    out = io.StringIO()
+    asyncio.run(run_requests(app, [parse_line(i, line) for i, line in enumerate(lines)], out, 4))
+    outputs = {o["custom_id"]: o for o in map(json.loads, out.getvalue().splitlines())}
+
+    async def served(kind: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://server") as client:
+            return await client.post("/v1/completions", json={"raise": kind})
+
+    statuses = {}
+    for kind in FAILURES:
+        response = asyncio.run(served(kind))
+        assert outputs[kind]["response"]["status_code"] == response.status_code, kind
+        assert outputs[kind]["error"] == response.json(), kind
+        statuses[kind] = response.status_code
+    assert statuses == {"value": 400, "type": 400, "not-implemented": 501, "key": 500, "empty": 500}
+    assert outputs["empty"]["error"]["error"]["message"] == "RuntimeError"
