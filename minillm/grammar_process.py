@@ -18,6 +18,11 @@ nothing is left behind however either process ends.
     GrammarProcess.validate(items)    VALIDATE ->   how many of each row's drafts its grammar takes
                                                     (nothing consumed), answers "validated"
     (a matcher or grammar let go)     FREE ->       drops them
+    (several commands at once)        BATCH ->      each in turn, as if sent one by one
+
+A step's advance is held back until its next command (the fill of the next step's masks) or the
+first look for an answer, and goes with it in one message: one write, and one wake-up of the
+process, a step.
 
 Answers come back in order on one pipe, and only the engine thread reads it: a wait for one answer
 applies every answer before it (an Answer is a Future the reading completes). Until its answer
@@ -28,6 +33,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -46,7 +52,7 @@ from typing import Any
 import numpy as np
 
 # Commands (engine -> grammar process), the first item of each message.
-GRAMMAR, NEW, FREE, ADVANCE, FILL, STOP, VALIDATE = range(7)
+GRAMMAR, NEW, FREE, ADVANCE, FILL, STOP, VALIDATE, BATCH = range(8)
 _generations = itertools.count()
 
 
@@ -289,23 +295,38 @@ class GrammarProcess:
                 self._masks.release()
             raise
         _reap_when_gone(self._proc)
+        # One poll object for the pipe, kept: Connection.poll builds a selector each call (three a step).
+        self._poller = select.poll() if hasattr(select, "poll") else None
+        if self._poller is not None:
+            self._poller.register(self._conn.fileno(), select.POLLIN)
         self._generation = next(_generations)      # a grammar's remote_id names the process it was sent to
         self._next_handle = self._next_gid = 0
         self._compiled: dict[int, Answer] = {}
         self._waiting: deque[tuple[Answer, Any]] = deque()    # sent commands' answers, in order
         self._frees: deque[int] = deque()          # handles let go, for the next command
         self._forgets: deque[int] = deque()        # grammar ids let go, likewise
+        self._outbox: list[tuple] = []             # commands not written yet (a held advance, the frees)
         self._error: str | None = None
 
     # ---- commands
-    def _send(self, *message) -> None:
+    def _send(self, *message, hold: bool = False) -> None:
+        """Queue a command (the frees let go since the last one before it) and, unless hold, write
+        everything queued as one message."""
         if self._error is not None:
             raise GrammarProcessError(self._error)
         if self._frees or self._forgets:      # popleft: a finalizer may append meanwhile, on another thread
             frees = [self._frees.popleft() for _ in range(len(self._frees))]
             forgets = [self._forgets.popleft() for _ in range(len(self._forgets))]
-            self._post((FREE, frees, forgets))
-        self._post(message)
+            self._outbox.append((FREE, frees, forgets))
+        self._outbox.append(message)
+        if not hold:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the queued commands, several as one BATCH message (raises if the process is gone)."""
+        if self._outbox:
+            outbox, self._outbox = self._outbox, []
+            self._post(outbox[0] if len(outbox) == 1 else (BATCH, outbox))
 
     def _post(self, message) -> None:
         try:
@@ -349,7 +370,8 @@ class GrammarProcess:
 
     def advance(self, matchers: list[RemoteMatcher], tokens: list[list[int]]) -> Answer:
         """Send a step's tokens, tokens[i] for matchers[i]; the answer, once read, says how many
-        each matcher took (tokens_taken(answer, i): up to the first refused) and holds their flags."""
+        each matcher took (tokens_taken(answer, i): up to the first refused) and holds their flags.
+        The command is held until the next one is sent or an answer is looked for (one message)."""
         answer = Answer(self)
         for row, m in enumerate(matchers):
             if m._pending is not None:
@@ -357,7 +379,7 @@ class GrammarProcess:
             m.num_fed += len(tokens[row])
             m._pending, m._row = answer, row
         try:
-            self._send(ADVANCE, [m.handle for m in matchers], tokens)
+            self._send(ADVANCE, [m.handle for m in matchers], tokens, hold=True)
         except GrammarProcessError as exc:
             self._refuse(matchers, str(exc))
             answer.set_exception(exc)
@@ -397,8 +419,9 @@ class GrammarProcess:
     # ---- answers
     def poll(self) -> None:
         """Read the answers that have arrived, without waiting (a process found gone is recorded:
-        failed, and every answer out resolved as _fail says)."""
+        failed, and every answer out resolved as _fail says). A held command is sent first."""
         try:
+            self._flush()
             while self._error is None and self._readable(0):
                 self._read_one()
         except GrammarProcessError:
@@ -406,6 +429,10 @@ class GrammarProcess:
 
     def wait_readable(self, timeout: float) -> None:
         """Wait up to timeout seconds for an answer, and read those that have arrived."""
+        try:
+            self._flush()                 # a held command
+        except GrammarProcessError:
+            return
         if self._error is None and self._readable(timeout):
             self.poll()
 
@@ -417,6 +444,7 @@ class GrammarProcess:
             if self._error is not None:
                 raise GrammarProcessError(self._error)
             try:
+                self._flush()             # the answer's command may be held still
                 if not self._readable(self.answer_timeout_s):
                     self._proc.kill()
                     self._fail(f"the grammar process did not answer for {self.answer_timeout_s:g} s")
@@ -427,7 +455,9 @@ class GrammarProcess:
 
     def _readable(self, timeout: float) -> bool:
         try:
-            return self._conn.poll(timeout)
+            if self._poller is None:
+                return self._conn.poll(timeout)
+            return bool(self._poller.poll(timeout * 1e3))     # a closed pipe reads as ready (POLLHUP, POLLNVAL)
         except (OSError, EOFError):
             return True                 # the read says what happened
 
@@ -473,6 +503,7 @@ class GrammarProcess:
     def _fail(self, message: str):
         """The process is unusable: every waiting answer and every later command fails with message."""
         self._error = message
+        self._outbox.clear()
         for answer, context in self._waiting:
             if isinstance(context, list):          # an advance
                 self._refuse(context, message)
@@ -613,14 +644,15 @@ class _GrammarServer:
                 message = self.conn.recv()
             except (OSError, EOFError):
                 return                                  # the engine is gone
-            kind = message[0]
-            if kind == STOP:
-                return
-            try:
-                self.handle(kind, message)
-            except Exception as exc:  # noqa: BLE001 - the engine gets the error, the loop goes on
-                if kind in (ADVANCE, FILL, VALIDATE):
-                    self.reply("error", f"{type(exc).__name__}: {exc}")
+            for command in (message[1] if message[0] == BATCH else (message,)):
+                kind = command[0]
+                if kind == STOP:
+                    return
+                try:
+                    self.handle(kind, command)
+                except Exception as exc:  # noqa: BLE001 - the engine gets the error, the loop goes on
+                    if kind in (ADVANCE, FILL, VALIDATE):
+                        self.reply("error", f"{type(exc).__name__}: {exc}")
 
     def handle(self, kind: int, message: tuple) -> None:
         if kind == GRAMMAR:
