@@ -15,18 +15,34 @@ def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+# The server's own endpoints that a URL people copy may end in (a curl line's, a browser's, Prometheus'
+# scrape target): the server is what is left. Another path is kept: a server behind a proxy may live under one.
+ENDPOINT_SUFFIXES = ("/v1/stats/stream", "/v1/stats", "/v1/chat/completions", "/v1/completions", "/v1/models",
+                     "/v1", "/metrics", "/health", "/ping", "/load", "/version")
+
+
 def server_base_url(url: str) -> str:
     """The server's root: http:// when no scheme is given, no trailing slash, and no /v1 (the
-    OpenAI base URL clients are told to use), /v1/stats (the monitor's) or the URL of an endpoint
-    chat reads (/v1/chat/completions, as a curl line has it) at the end."""
+    OpenAI base URL clients are told to use), /v1/stats (the monitor's), /metrics (Prometheus') or
+    the URL of another endpoint of the server (/v1/chat/completions, as a curl line has it) at the end."""
     url = url.strip()
     if "://" not in url and _HOST_PORT.match(url):
         url = f"http://{url}"
     url = url.rstrip("/")
-    for suffix in ("/v1/stats/stream", "/v1/stats", "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1"):
+    for suffix in ENDPOINT_SUFFIXES:
         if url.endswith(suffix):
             return url.removesuffix(suffix)
     return url
+
+
+def url_path(base_url: str) -> str:
+    """The path of an http(s) server URL ("" for none, and for unix:PATH, whose path is a socket's)."""
+    if base_url.startswith("unix:"):
+        return ""
+    try:
+        return urlsplit(base_url).path.rstrip("/")
+    except ValueError:
+        return ""
 
 
 def check_server_url(url: str, option: str) -> str:

@@ -14,10 +14,14 @@ from fastapi import FastAPI, Request
 from test_abuse30_chat import _EchoBackend
 from test_server_helpers import CHAT_TEMPLATE, get_stats, running_server, wait_for
 
+import minillm.tui.client as tui_client
 from minillm.chat import ChatSession, ChatSettings
+from minillm.chat_client import HttpChatBackend
 from minillm.run_batch import parse_line, run_requests
 from minillm.server.app import ServerOptions
 from minillm.server.errors import install_error_handlers
+from minillm.tui.client import LiveSource, SourceProblem, StatsFrame
+from minillm.urls import server_base_url
 
 PROMPT = "Once upon a time there was a little girl named Lily who loved to play"
 PREFILL = {"kv_transfer_params": {"do_remote_decode": True}, "temperature": 0, "max_tokens": 8}
@@ -156,3 +160,30 @@ def test_a_handlers_failure_in_a_batch_line_has_the_servers_status_and_error_bod
         statuses[kind] = response.status_code
     assert statuses == {"value": 400, "type": 400, "not-implemented": 501, "key": 500, "empty": 500}
     assert outputs["empty"]["error"]["error"]["message"] == "RuntimeError"
+
+
+# ---- monitor (and chat --url): a URL of one of the server's endpoints reaches the server -------------------
+
+async def first_events(source: LiveSource, count: int) -> list:
+    """The first COUNT events of a monitor's source."""
+    events = []
+    async for event in source.events(lambda: 64):
+        events.append(event)
+        if len(events) >= count:
+            return events
+
+
+def test_the_url_of_a_servers_endpoint_reaches_the_server_and_another_path_is_pointed_at(stories_path, monkeypatch):
+    # minillm monitor http://host:port/metrics (Prometheus' scrape target) said "has no /v1/stats: is this a
+    # minillm server?", as chat --url with it said the server answered 404.
+    monkeypatch.setattr(tui_client, "BACKOFF_START_S", 0.01)
+    with running_server(stories_path, engine_core="thread") as (url, _):
+        for endpoint in ("/metrics", "/health/", "/version"):
+            assert server_base_url(f"{url}{endpoint}") == url
+            events = asyncio.run(first_events(LiveSource(f"{url}{endpoint}"), 2))
+            assert events[0].text == f"live {url} (stream)" and isinstance(events[1], StatsFrame), (endpoint, events)
+        assert HttpChatBackend(f"{url}/metrics").model == "stories"
+        # Another path is kept (a server behind a proxy may live under one); its 404 names the URL without it.
+        problem = asyncio.run(first_events(LiveSource(f"{url}/stats"), 2))[1]
+        assert isinstance(problem, SourceProblem)
+        assert problem.message == f"{url}/stats has no /v1/stats (404): is the server at {url}, without the path /stats?"

@@ -19,7 +19,7 @@ from minillm import sse
 from minillm.sse import LineSplitter, LineTooLong
 from minillm.stats import EngineStats, MemoryStats, RequestStats, SpecDecodeStats, StepStats
 from minillm.urls import (authorization_headers, check_credentials, client_endpoint, env_ssl_verify, server_base_url,
-                          shown_url, tls_failure)
+                          shown_url, tls_failure, url_path)
 
 DEFAULT_INTERVAL_S = 0.25
 # The seconds between snapshots the server's /v1/stats/stream takes (minillm/server/app.py's
@@ -203,6 +203,10 @@ def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) ->
         if exc.status in (401, 403):
             return f"{base_url} refused the API key ({exc.status}): pass the server's key with --api-key"
         if exc.status == 404:
+            path = url_path(base_url)
+            if path:      # not one of the server's endpoints (server_base_url takes those off)
+                return (f"{base_url} has no /v1/stats ({exc.status}): is the server at "
+                        f"{base_url.removesuffix(path)}, without the path {path}?")
             return f"{base_url} has no /v1/stats ({exc.status}): is this a minillm server?"
         return f"{base_url} answered {exc.status}: {_body_message(exc.body)}"
     tls = tls_failure(exc, base_url)
