@@ -56,6 +56,16 @@ class HttpChatBackend:
     def _served_model(self, model: str | None) -> str:
         """`model` (the first model the server lists when None), checked against /v1/models: a
         server that is not there, or does not serve it, fails here rather than at the first message."""
+        models = self._models()
+        chosen = models[0] if model is None else next((m for m in models if m.get("id") == model), None)
+        if chosen is None:
+            served = ", ".join(str(m.get("id")) for m in models)
+            raise RuntimeError(f"the server at {self.shown_url} does not serve {model!r} (it serves: {served})")
+        self._take_model(chosen)
+        return chosen["id"]
+
+    def _models(self) -> list[dict]:
+        """The models /v1/models lists (at least one); RuntimeError when the server cannot say."""
         try:
             response, body = self._fetch("GET", "/v1/models", timeout=self._short_timeout(STARTUP_READ_TIMEOUT_S))
         except httpx.ReadTimeout:
@@ -73,14 +83,33 @@ class HttpChatBackend:
             raise RuntimeError(f"{self.shown_url}/v1/models did not answer with a model list") from None
         if not models:
             raise RuntimeError(f"the server at {self.shown_url} lists no models")
-        chosen = models[0] if model is None else next((m for m in models if m.get("id") == model), None)
-        if chosen is None:
-            served = ", ".join(str(m.get("id")) for m in models)
-            raise RuntimeError(f"the server at {self.shown_url} does not serve {model!r} (it serves: {served})")
-        context_len = chosen.get("max_model_len")
-        if isinstance(context_len, int) and not isinstance(context_len, bool) and context_len > 0:
-            self.context_len = context_len
-        return chosen["id"]
+        return models
+
+    def _take_model(self, entry: dict) -> None:
+        """Talk to the model of a /v1/models entry: its context, as the entry lists it (None: not listed)."""
+        context_len = entry.get("max_model_len")
+        is_count = isinstance(context_len, int) and not isinstance(context_len, bool) and context_len > 0
+        self.context_len = context_len if is_count else None
+
+    def _follow_renamed_model(self, body: bytes) -> bool:
+        """After the server's 404 for the model (restarted under another --served-model-name, say): /v1/models
+        read again, and the chat goes on with the one model it serves now, a notice saying so. False (the
+        404 stands) when it serves several, or cannot say."""
+        error = _error_field(body)
+        if error.get("param") != "model" and error.get("code") != "model_not_found":
+            return False
+        try:
+            models = self._models()
+        except (RuntimeError, ValueError):
+            return False
+        if len(models) != 1 or models[0]["id"] == self.model:
+            return False
+        old, self.model = self.model, models[0]["id"]
+        self._take_model(models[0])
+        self.name = f"{self.model} at {self.shown_url}"
+        self.notices.append(f"note: the server at {self.shown_url} no longer serves {old!r}; the chat goes on "
+                            f"with {self.model!r}, the model it serves now.")
+        return True
 
     def _short_timeout(self, read_s: float) -> httpx.Timeout:
         """The client's timeout with a read timeout of read_s (a request that is no streamed reply)."""
@@ -114,8 +143,9 @@ class HttpChatBackend:
         return fields
 
     def _open(self, conversation: Conversation, settings: ChatSettings,
-              max_tokens: int | None) -> httpx.Response:
-        """Send the request and return the streaming response once its status is known good."""
+              max_tokens: int | None, is_retry: bool = False) -> httpx.Response:
+        """Send the request and return the streaming response once its status is known good (sent once
+        more to the model the server serves now, when it no longer serves the chat's)."""
         path = "/v1/chat/completions" if self.has_chat_template else "/v1/completions"
         request = self.client.build_request("POST", path, json=self._body(conversation, settings, max_tokens))
         try:
@@ -126,6 +156,8 @@ class HttpChatBackend:
         if response.status_code >= 400:
             body = _read_capped(response)
             response.close()
+            if response.status_code == 404 and not is_retry and self._follow_renamed_model(body):
+                return self._open(conversation, settings, max_tokens, is_retry=True)
             _raise_for_status(response, body)
         content_type = response.headers.get("content-type", "").partition(";")[0].strip()
         if content_type != "text/event-stream":

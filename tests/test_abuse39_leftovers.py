@@ -4,6 +4,7 @@ status for a handler's failure."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import socket
@@ -18,7 +19,7 @@ import minillm.tui.client as tui_client
 from minillm.chat import ChatSession, ChatSettings
 from minillm.chat_client import HttpChatBackend
 from minillm.run_batch import parse_line, run_requests
-from minillm.server.app import ServerOptions
+from minillm.server.app import ServerOptions, ServerThread, create_app
 from minillm.server.errors import install_error_handlers
 from minillm.tui.client import LiveSource, SourceProblem, StatsFrame
 from minillm.urls import server_base_url
@@ -187,3 +188,43 @@ def test_the_url_of_a_servers_endpoint_reaches_the_server_and_another_path_is_po
         problem = asyncio.run(first_events(LiveSource(f"{url}/stats"), 2))[1]
         assert isinstance(problem, SourceProblem)
         assert problem.message == f"{url}/stats has no /v1/stats (404): is the server at {url}, without the path /stats?"
+
+
+# ---- chat --url: a server restarted under another model name ---------------------------------------------
+
+def test_chat_url_goes_on_with_the_model_a_restarted_server_serves_under_another_name(stories_path):
+    # The chat read /v1/models once, at start: every message after the restart was a 404 ("The model
+    # 'stories' does not exist.") until the chat was started again.
+    options = ServerOptions(chat_template=CHAT_TEMPLATE)
+    with running_server(stories_path, engine_core="thread", options=options) as running:
+        url, engine = running
+        backend = HttpChatBackend(url)
+        out = io.StringIO()
+        session = ChatSession(backend, ChatSettings(max_tokens=4, temperature=0.0), out=out)
+        session.handle("Hi")
+        assert backend.model == "stories" and session.num_failed_replies == 0, out.getvalue()
+        running.http.stop()
+        app = create_app(engine, dataclasses.replace(options, served_model_name="renamed", engine_core="thread"))
+        restarted = ServerThread(app, "127.0.0.1", running.http.port).start()
+        try:
+            out.seek(0), out.truncate()
+            session.handle("Hello again")
+            assert session.num_failed_replies == 0, out.getvalue()
+            assert out.getvalue().splitlines()[0] == (f"note: the server at {url} no longer serves 'stories'; the "
+                                                      "chat goes on with 'renamed', the model it serves now.")
+            assert backend.model == "renamed" and backend.name == f"renamed at {url}"
+            assert [t["role"] for t in session.conversation.turns] == ["user", "assistant"] * 2
+        finally:
+            restarted.stop()
+
+
+def test_chat_url_keeps_the_404_when_the_server_serves_no_one_model_in_its_place(stories_path):
+    with running_server(stories_path, engine_core="thread", served_model_name=("first", "second"),
+                        options=ServerOptions(chat_template=CHAT_TEMPLATE)) as (url, _):
+        backend = HttpChatBackend(url, model="first")
+        backend.model = "gone"          # as after a restart under other names
+        out = io.StringIO()
+        session = ChatSession(backend, ChatSettings(max_tokens=4), out=out)
+        session.handle("Hi")
+        assert session.num_failed_replies == 1 and backend.model == "gone"
+        assert "server answered 404: The model 'gone' does not exist." in out.getvalue(), out.getvalue()
