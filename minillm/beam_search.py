@@ -6,14 +6,18 @@ share their beam's prefix (the prefix cache serves it). Of all the candidates of
 ends on EOS is set aside as completed and the beam_width best others go on; at the end the
 beam_width best of the completed and the live ones are the output, scored by
 get_beam_search_score.
+
+search_steps is the search itself, as a generator of each step's prompts; run_steps drives it over
+LLM.generate, run_steps_async over a server's engine (each step's requests beside the others it
+serves), as vLLM's offline and online searches run the same steps.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 
-from minillm.outputs import Logprob, RequestOutput
+from minillm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 @dataclass
@@ -65,18 +69,18 @@ def sort_beams_key(eos_token_id: int | None, length_penalty: float) -> Callable[
     return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
 
 
-def run_steps(instances: list[BeamSearchInstance], step: Callable[[list[dict]], list[RequestOutput]],
-              params, eos_token_id: int | None, max_model_len: int, on_step: Callable[[], None] | None = None) -> None:
-    """Grow the beams of instances for params.max_tokens steps (or until none is left); step runs one
-    token prompt a beam and returns its outputs in order. A prompt's beams, all of one length, stop
-    growing where they fill max_model_len."""
+def search_steps(instances: list[BeamSearchInstance], params, eos_token_id: int | None,
+                 max_model_len: int) -> Generator[list[dict], list[RequestOutput], None]:
+    """Grow the beams of instances for params.max_tokens steps (or until none is left): yields each
+    step's token prompts, one a live beam, and takes their outputs, in order, by send(). A prompt's
+    beams, all of one length, stop growing where they fill max_model_len."""
     key = sort_beams_key(eos_token_id, params.length_penalty)
     for _ in range(params.max_tokens):
         growing = [inst for inst in instances if inst.beams and len(inst.beams[0].tokens) < max_model_len]
         if not growing:
-            break
+            return
         beams = [(inst, beam) for inst in growing for beam in inst.beams]
-        outputs = step([_beam_prompt(beam, inst.cache_salt) for inst, beam in beams])
+        outputs = yield [_beam_prompt(beam, inst.cache_salt) for inst, beam in beams]
         candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in growing}
         for (inst, beam), out in zip(beams, outputs):
             for new in _extensions(beam, out):
@@ -87,8 +91,36 @@ def run_steps(instances: list[BeamSearchInstance], step: Callable[[list[dict]], 
                     candidates[id(inst)].append(new)
         for inst in growing:
             inst.beams = sorted(candidates[id(inst)], key=key, reverse=True)[:params.beam_width]
+
+
+def run_steps(instances: list[BeamSearchInstance], step: Callable[[list[dict]], list[RequestOutput]],
+              params, eos_token_id: int | None, max_model_len: int, on_step: Callable[[], None] | None = None) -> None:
+    """search_steps, each step's prompts run by step (their outputs in order); on_step after each step."""
+    steps = search_steps(instances, params, eos_token_id, max_model_len)
+    prompts = next(steps, None)
+    while prompts is not None:
+        prompts = _next_prompts(steps, step(prompts))
         if on_step is not None:
             on_step()
+
+
+async def run_steps_async(instances: list[BeamSearchInstance],
+                          step: Callable[[list[dict]], Awaitable[list[RequestOutput]]], params,
+                          eos_token_id: int | None, max_model_len: int) -> None:
+    """search_steps, each step's prompts run by awaiting step (their outputs in order)."""
+    steps = search_steps(instances, params, eos_token_id, max_model_len)
+    prompts = next(steps, None)
+    while prompts is not None:
+        prompts = _next_prompts(steps, await step(prompts))
+
+
+def _next_prompts(steps: Generator[list[dict], list[RequestOutput], None], outputs: list[RequestOutput]
+                  ) -> list[dict] | None:
+    """The next step's prompts once steps has taken this step's outputs; None when the search is over."""
+    try:
+        return steps.send(outputs)
+    except StopIteration:
+        return None
 
 
 def _beam_prompt(beam: BeamSearchSequence, cache_salt: str | None) -> dict:
@@ -106,8 +138,9 @@ def _extensions(beam: BeamSearchSequence, out: RequestOutput) -> list[BeamSearch
     if not completion.logprobs:
         return []
     candidates = completion.logprobs[0]
+    # float(): a server's outputs carry plain floats, LLM.generate's vLLM's Logprob objects
     return [BeamSearchSequence(tokens=beam.tokens + [token_id], logprobs=beam.logprobs + [candidates],
-                               cum_logprob=beam.cum_logprob + logprob.logprob)
+                               cum_logprob=beam.cum_logprob + float(logprob))
             for token_id, logprob in candidates.items()]
 
 
@@ -115,10 +148,43 @@ def best_beams(instance: BeamSearchInstance, params, eos_token_id: int | None,
                decode: Callable[[list[int]], str]) -> BeamSearchOutput:
     """The beam_width best of an instance's completed and live beams, each with its text (the whole
     sequence decoded, prompt and special tokens too, as vLLM's) and finish reason."""
+    best = _best(instance, params, eos_token_id)
+    for beam in best:
+        beam.text = decode(beam.tokens)
+    return BeamSearchOutput(sequences=best)
+
+
+def beam_completions(instance: BeamSearchInstance, params, eos_token_id: int | None, num_prompt_tokens: int,
+                     decode: Callable[[list[int]], str]) -> list[CompletionOutput]:
+    """The beam_width best beams as a request's completions, best first, as vLLM's server answers a
+    beam search: each the tokens after the prompt, a final EOS left out of them unless
+    params.include_stop_str_in_output (and out of the text either way), finish_reason "stop"
+    (stop_reason the EOS id) or "length". The text is what the tokens add to the prompt's decoded
+    text (a SentencePiece word's leading space kept, which decoding them alone would drop)."""
+    completions = []
+    for i, beam in enumerate(_best(instance, params, eos_token_id)):
+        prompt, token_ids = beam.tokens[:num_prompt_tokens], beam.tokens[num_prompt_tokens:]
+        is_eos_end = beam.finish_reason == "stop"
+        shown = token_ids[:-1] if is_eos_end else token_ids
+        completions.append(CompletionOutput(
+            index=i, text=_text_after(prompt, shown, decode),
+            token_ids=token_ids if params.include_stop_str_in_output else shown,
+            cumulative_logprob=beam.cum_logprob, logprobs=beam.logprobs, finish_reason=beam.finish_reason,
+            stop_reason=eos_token_id if is_eos_end else None))
+    return completions
+
+
+def _text_after(prompt: list[int], token_ids: list[int], decode: Callable[[list[int]], str]) -> str:
+    """The text token_ids add after prompt, decoded in its context."""
+    head, whole = decode(prompt), decode(prompt + token_ids)
+    return whole[len(head):] if whole.startswith(head) else decode(token_ids)
+
+
+def _best(instance: BeamSearchInstance, params, eos_token_id: int | None) -> list[BeamSearchSequence]:
+    """The beam_width best of an instance's completed and live beams, best first, each with its finish reason."""
     key = sort_beams_key(eos_token_id, params.length_penalty)
     best = sorted(itertools.chain(instance.completed, instance.beams), key=key, reverse=True)[:params.beam_width]
     for beam in best:
-        beam.text = decode(beam.tokens)
         if beam.finish_reason is None:
             beam.finish_reason = "length"
-    return BeamSearchOutput(sequences=best)
+    return best
