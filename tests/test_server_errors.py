@@ -154,8 +154,8 @@ CASES = [
     ("bad-words-not-strings", "/v1/completions", _completion(bad_words=["the", 5]), 400, "bad_words.1"),
     ("bad-words-of-no-tokens", "/v1/completions", _completion(bad_words=["the", " "]), 400, "bad_words"),
     ("bad-words-too-many", "/v1/completions", _completion(bad_words=["the"] * 129), 400, "bad_words"),
-    # vLLM's fields that would change the output, not implemented: refused rather than ignored.
-    ("use-beam-search", "/v1/completions", _completion(use_beam_search=True), 400, "use_beam_search"),
+    # Beam search's steps are single-token requests: refused where they cannot honour the field.
+    ("use-beam-search-stream", "/v1/completions", _completion(use_beam_search=True, stream=True), 400, "stream"),
     # Chat fields this server refuses rather than ignores.
     ("role-empty", "/v1/chat/completions", _chat(messages=[{"role": "", "content": "hi"}]), 400, "messages.0.role"),
     ("functions", "/v1/chat/completions", _chat(functions=[{"name": "f", "parameters": {}}]), 400, "functions"),

@@ -172,7 +172,10 @@ class _GenerationRequest(_ModelRequest):
     return_tokens_as_token_ids: bool | None = None      # vLLM's: logprobs name tokens "token_id:<id>"
     return_token_ids: bool | None = None                # vLLM's: the prompt's and the completion's token ids
     request_id: Text | None = None                      # vLLM's: names the response (X-Request-Id wins)
-    best_of: int | None = None                          # beam search's width: only n (no search) is taken
+    best_of: int | None = None                          # only n: every completion sampled is returned
+    # vLLM's beam search (server/serving_beam_search.py): n beams, scored by cumulative logprob / length ** this
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     cache_salt: Text | None = None                      # vLLM's: prefix-cache blocks shared only with the same salt
     # vLLM's: with --scheduling-policy priority a lower value is served first; under fcfs only 0 (or null)
     priority: int | None = None
@@ -448,11 +451,11 @@ def unknown_fields(req: _ModelRequest) -> list[str]:
 # vLLM's request fields that change what comes back and that this server does not implement: refused
 # when set (a false or empty value, or the field's neutral value, changes nothing and passes), where
 # an unknown field is only logged.
-VLLM_UNSUPPORTED = ("use_beam_search", "length_penalty", "logits_processors", "prompt_embeds", "structural_tag",
-                    "guided_whitespace_pattern", "logprob_token_ids", "thinking_token_budget", "watermarking")
+VLLM_UNSUPPORTED = ("logits_processors", "prompt_embeds", "structural_tag", "guided_whitespace_pattern",
+                    "logprob_token_ids", "thinking_token_budget", "watermarking")
 # vLLM's defaults, which clients that send every field send (a thinking budget of -1 is none), with the
-# type vLLM's model reads each as ("false" and 0 are no beam search, "1" is length_penalty 1.0)
-NEUTRAL_VALUES = {"use_beam_search": (bool, False), "length_penalty": (float, 1.0), "thinking_token_budget": (int, -1)}
+# type vLLM's model reads each as ("-1" is no budget)
+NEUTRAL_VALUES = {"thinking_token_budget": (int, -1)}
 # vLLM's fields that take no effect on a text model (logged as ignored), with the type vLLM's model reads
 # each as: another type is a 400 naming the field, as vLLM's is.
 IGNORED_VLLM_TYPES = {"mm_processor_kwargs": dict}
@@ -474,7 +477,11 @@ def check_unsupported(req: _GenerationRequest, auto_tool_choice: bool = False,
     if options is not None and (options.model_fields_set or options.model_extra) and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of must equal n (beam search is not supported)", param="best_of")
+        raise APIError(400, "best_of must equal n (every completion sampled is returned; use_beam_search with n "
+                       "beams returns the n best)", param="best_of")
+    if not req.use_beam_search and req.length_penalty != 1.0:
+        raise APIError(400, "length_penalty weighs beam search only: set use_beam_search true (or leave "
+                       "length_penalty 1.0)", param="length_penalty")
     if isinstance(req, CompletionRequest) and req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if isinstance(req, ChatCompletionRequest):

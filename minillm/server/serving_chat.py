@@ -28,6 +28,7 @@ from minillm.server.serving import (
     merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words,
     UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
+from minillm.server.serving_beam_search import answer_beam_search, check_beam_search
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
@@ -518,9 +519,11 @@ async def create_chat_completion(ctx: ServingContext, body: dict, raw: Request):
         req.force_usage()
     check_unsupported(req, auto_tool_choice=ctx.tool_call_parser is not None)   # refused, so not logged as ignored
     # unknown_fields walks every message (110 ms for a 10 MB body of 300,000 small ones): in the pool if large.
-    log_unknown_fields(await ctx.run_blocking_if(is_large, unknown_fields, req))
+    log_unknown_fields(await ctx.run_blocking_if(is_large, unknown_fields, req) + check_beam_search(ctx, req))
     job = await ctx.run_blocking_if(is_large, ChatJob, ctx, req, client_response_id("chatcmpl", raw, req.request_id))
     await job.prepare()
+    if req.use_beam_search:
+        return await answer_beam_search(ctx, raw, job, [job.prompt_ids], [job.params])
     [job.params], lease = await apply_kv_transfer(ctx, req.kv_transfer_params, [job.prompt_ids], [job.params],
                                                   req.n, req.stream)
     try:

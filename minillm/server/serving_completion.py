@@ -27,6 +27,7 @@ from minillm.server.serving import (
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words,
     UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
+from minillm.server.serving_beam_search import answer_beam_search, check_beam_search
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -321,10 +322,12 @@ async def create_completion(ctx: ServingContext, body: dict, raw: Request):
     if ctx.enable_force_include_usage:
         req.force_usage()
     check_unsupported(req)                   # a refused field is not also logged as ignored
-    log_unknown_fields(unknown_fields(req))
+    log_unknown_fields(unknown_fields(req) + check_beam_search(ctx, req))
     job = await ctx.run_blocking_if(is_large, CompletionJob, ctx, req, client_response_id("cmpl", raw, req.request_id))
     await job.prepare(is_large)
     prompt_ids = job.engine_prompt_ids
+    if req.use_beam_search:
+        return await answer_beam_search(ctx, raw, job, prompt_ids, job.params)
     job.params, lease = await apply_kv_transfer(ctx, req.kv_transfer_params, prompt_ids, job.params, req.n,
                                                 req.stream)
     try:
