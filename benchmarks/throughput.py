@@ -7,6 +7,8 @@
     minillm bench throughput --kernel-profile            # also the device time by kernel (needs torch)
     minillm bench throughput --model DIR --num-prompts 100 --input-len 512 --output-len 128 \
         --output-json out.json                           # vLLM's options: its random dataset, fixed lengths
+    minillm bench throughput --model DIR --input-len 64 --output-len 32 --n 4 --use-beam-search
+                                                         # LLM.beam_search, 4 beams a prompt, as vLLM's
 
 (python3 -m minillm.benchmarks.throughput takes the same options.)
 """
@@ -62,6 +64,10 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0,
                    help="Seeds vLLM's random dataset and the engine's sampling (vLLM's --seed).")
     p.add_argument("--temperature", type=float, default=0.6, help="Sampling temperature of every request.")
+    p.add_argument("--n", type=int, default=1, help="Number of generated sequences per prompt (vLLM's).")
+    p.add_argument("--use-beam-search", action="store_true",
+                   help="Run the workload through LLM.beam_search, --n beams a prompt (ignore_eos, temperature 0, "
+                        "as vLLM's): vLLM's random dataset without --random-range-ratio (one output length).")
     p.add_argument("--peer", choices=["hf"], help="Run the same workload through a peer in this run.")
     p.add_argument("--peer-num-seqs", type=int, default=None,
                    help="Requests given to the peer (default: all; a slow peer may take a prefix).")
@@ -82,7 +88,30 @@ def parse_args(argv):
     args.engine_names = [*OWN_ENGINE_OPTIONS, *engine_names]
     check_engine_arguments(p, args)
     check_sampling_option(p, "--temperature", temperature=args.temperature)
+    check_sampling_option(p, "--n", n=args.n)
+    if args.use_beam_search:
+        check_beam_search_options(p, args)
+    if args.peer is not None and (args.n > 1 or args.use_beam_search):
+        p.error(f"--peer {args.peer} runs one completion a request: leave out --n and --use-beam-search")
     return args
+
+
+def check_beam_search_options(p: BenchParser, args) -> None:
+    """parser.error naming the option --use-beam-search cannot take: an --n past the beam width's
+    bound (or past --max-logprobs // 2), or a workload of more than one output length (as vLLM's, which
+    asks for one)."""
+    from minillm.sampling_params import BeamSearchParams
+    try:
+        BeamSearchParams(beam_width=args.n, max_tokens=1)
+    except ValueError as exc:
+        p.error(f"--n with --use-beam-search: {exc}")
+    if 2 * args.n > args.max_logprobs:
+        p.error(f"--n {args.n} with --use-beam-search asks each step for {2 * args.n} log-probabilities, past "
+                f"--max-logprobs {args.max_logprobs}: raise --max-logprobs or lower --n")
+    if args.workload != "random" or args.random_range_ratio:
+        given = "--random-range-ratio" if args.workload == "random" else "nano-vllm's workload (lengths drawn)"
+        p.error(f"--use-beam-search searches every prompt for one output length: give vLLM's random dataset "
+                f"(--input-len / --output-len) without --random-range-ratio, not {given}")
 
 
 # This benchmark's own options that set an EngineConfig field (its own defaults and help).
@@ -171,7 +200,7 @@ def option_bounds() -> dict[str, tuple]:
             "max_output_len": (1, MAX_TOKENS), "input_len": (1, MAX_TOKENS), "random_input_len": (1, MAX_TOKENS),
             "output_len": (1, MAX_TOKENS), "random_output_len": (1, MAX_TOKENS),
             "max_num_seqs": (1, MAX_NUM_SEQS), "max_num_batched_tokens": (1, MAX_TOKENS),
-            "max_model_len": (1, MAX_TOKENS), "peer_num_seqs": (1, MAX_REQUESTS)}
+            "max_model_len": (1, MAX_TOKENS), "peer_num_seqs": (1, MAX_REQUESTS), "n": (1, MAX_REQUESTS)}
 
 
 def resolve_defaults(args) -> dict:
@@ -252,8 +281,9 @@ def workload_lengths(args) -> tuple[tuple[str, int, str], tuple[str, int, str]]:
 
 
 def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, dict]:
-    """Seconds for the whole workload through LLM.generate, and the engine's counters."""
+    """Seconds for the whole workload through LLM.generate (or LLM.beam_search), and the engine's counters."""
     from minillm import LLM, SamplingParams
+    from minillm.sampling_params import BeamSearchParams
 
     try:
         llm = LLM(model_dir, **{**engine_arguments(args), "load_format": "dummy" if dummy else args.load_format})
@@ -262,7 +292,17 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
         if message is None:
             raise
         raise BenchUsageError(PROG, message) from None
-    params = [SamplingParams(temperature=args.temperature, ignore_eos=True, max_tokens=m) for m in w.max_tokens]
+    params = [SamplingParams(n=args.n, temperature=args.temperature, ignore_eos=True, max_tokens=m)
+              for m in w.max_tokens]
+    if args.use_beam_search:
+        beam = BeamSearchParams(beam_width=args.n, max_tokens=w.max_tokens[0], ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in w.prompts]
+
+        def run():
+            return llm.beam_search(prompts, beam)
+    else:
+        def run():
+            return llm.generate(w.prompts, params, use_tqdm=False)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8), use_tqdm=False)          # warm-up
     llm.engine.metrics.timings.clear()
     llm.engine.runner.profile = args.breakdown
@@ -270,16 +310,34 @@ def run_minillm(args, model_dir: str, dummy: bool, w: Workload) -> tuple[float, 
     started = time.perf_counter()
     if args.kernel_profile:
         from minillm.benchmarks.kernel_profile import profile_kernels
-        outs, kernels = profile_kernels(lambda: llm.generate(w.prompts, params, use_tqdm=False))
+        outs, kernels = profile_kernels(run)
     else:
-        outs, kernels = llm.generate(w.prompts, params, use_tqdm=False), None
+        outs, kernels = run(), None
     seconds = time.perf_counter() - started
-    produced = sum(len(o.outputs[0].token_ids) for o in outs)
-    assert produced == w.num_output_tokens, f"produced {produced} tokens, expected {w.num_output_tokens}"
+    produced = num_output_tokens(outs, w.prompts)
+    expected = args.n * w.num_output_tokens
+    assert produced == expected, f"produced {produced} tokens, expected {expected}"
     s = llm.engine.stats()
     return seconds, {"steps": s.num_steps - before.num_steps,
                      "preemptions": s.num_preemptions - before.num_preemptions, "kv_blocks": s.kv_num_blocks,
                      "kv_cache_dtype": s.kv_cache_dtype, "timings_s": s.step_time_breakdown_s, "kernels": kernels}
+
+
+def num_output_tokens(outs: list, prompts: list[list[int]]) -> int:
+    """Tokens generated: every completion's (RequestOutputs), or every beam's after its prompt (BeamSearchOutputs)."""
+    from minillm.beam_search import BeamSearchOutput
+    if outs and isinstance(outs[0], BeamSearchOutput):
+        return sum(len(beam.tokens) - len(p) for out, p in zip(outs, prompts) for beam in out.sequences)
+    return sum(len(c.token_ids) for out in outs for c in out.outputs)
+
+
+def floor_seconds(w: Workload, n: int, config: dict, bandwidth: float, matmul_flops: float, **kwargs) -> float:
+    """The roofline of n sequences a prompt (completions or beams): each prompt prefilled once (the
+    others share its blocks), then n sequences decoding, each reading its own K/V."""
+    fanned = Workload([p for p in w.prompts for _ in range(n)], [m for m in w.max_tokens for _ in range(n)])
+    prefill_only = Workload(w.prompts, [0] * len(w.prompts))
+    return (roofline_seconds(fanned, config, bandwidth, matmul_flops, **kwargs)
+            - (n - 1) * roofline_seconds(prefill_only, config, bandwidth, matmul_flops, **kwargs))
 
 
 def run_hf_peer(model_dir: str | None, w: Workload, temperature: float) -> float:
@@ -336,16 +394,19 @@ def main(argv: list[str] | None = None) -> int:
         w, shape = nano_vllm_workload(args.num_seqs, args.max_input_len, args.max_output_len), ""
     if config["vocab_size"] <= 10000:     # a small test model: fold the ids into its vocabulary
         w = Workload([[t % config["vocab_size"] for t in p] for p in w.prompts], w.max_tokens)
-    num_prompt_tokens = sum(map(len, w.prompts))
+    num_prompt_tokens, num_output = sum(map(len, w.prompts)), args.n * w.num_output_tokens
+    fan_out = ""
+    if args.use_beam_search or args.n > 1:
+        fan_out = f", {args.n} {'beams (LLM.beam_search)' if args.use_beam_search else 'completions'} a request"
     print(f"workload: {len(w.prompts)} requests, {num_prompt_tokens} prompt tokens, "
-          f"{w.num_output_tokens} output tokens, on {args.device}{shape}", flush=True)
+          f"{num_output} output tokens, on {args.device}{shape}{fan_out}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or str(write_random_model_dir(Path(tmp) / "qwen3-0.6b-random"))
         seconds, counters = run_minillm(args, model_dir, args.model is None, w)
     kernels = counters.pop("kernels")
-    tok_s = w.num_output_tokens / seconds
-    figures = {"output_tokens": w.num_output_tokens, "seconds": seconds, "output_tok_s": tok_s, **counters,
-               **vllm_figures(len(w.prompts), num_prompt_tokens + w.num_output_tokens, seconds)}
+    tok_s = num_output / seconds
+    figures = {"output_tokens": num_output, "seconds": seconds, "output_tok_s": tok_s, **counters,
+               **vllm_figures(len(w.prompts), num_prompt_tokens + num_output, seconds)}
     print(f"minillm:  {tok_s:10.0f} output tok/s  ({seconds:.2f} s, {counters['steps']} steps, "
           f"{counters['preemptions']} preemptions, KV cache {counters['kv_cache_dtype']})")
     timings = counters["timings_s"]
@@ -366,12 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.no_ceiling:
         from minillm.benchmarks.ceilings import measure_copy_bandwidth, measure_matmul_rate
         bw, mm = measure_copy_bandwidth(), measure_matmul_rate()
-        floor = w.num_output_tokens / roofline_seconds(w, config, bw, mm)
+        floor = num_output / floor_seconds(w, args.n, config, bw, mm)
         figures |= {"copy_bandwidth_Bps": bw, "matmul_flops": mm, "floor_tok_s": floor}
         print(f"ceiling:  {floor:10.0f} output tok/s  (roofline at {bw / 1e12:.2f} TB/s copy, "
               f"{mm / 1e12:.0f} TFLOP/s bf16, both measured now) -> minillm at {tok_s / floor:.0%}")
         if args.kv_cache_dtype != "auto":       # the same roofline with K/V at one byte an element
-            floor8 = w.num_output_tokens / roofline_seconds(w, config, bw, mm, kv_itemsize=1)
+            floor8 = num_output / floor_seconds(w, args.n, config, bw, mm, kv_itemsize=1)
             figures |= {"floor_fp8_kv_tok_s": floor8}
             print(f"          {floor8:10.0f} output tok/s  with K/V read at one byte (the FP8 cache's floor) "
                   f"-> minillm at {tok_s / floor8:.0%}")

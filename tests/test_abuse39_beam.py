@@ -2,7 +2,8 @@
 it: the choices are LLM.beam_search's beams for the same prompt and parameters, the search's steps are
 engine requests beside the others (a stream in flight is unchanged, a hang-up aborts the step in
 flight), and what beam search cannot honour is a 400 naming the field. Each was a 400 naming
-use_beam_search (the server had no beam search)."""
+use_beam_search (the server had no beam search). And `minillm bench throughput --n N
+--use-beam-search`, as vLLM's bench has it."""
 from __future__ import annotations
 
 import json
@@ -18,8 +19,11 @@ openai = pytest.importorskip("openai")
 import core_hooks  # noqa: E402
 import httpx  # noqa: E402
 from test_server_helpers import call_utility, chat_model_dir, get_stats, running_server, wait_for  # noqa: E402
+from test_cli import STORIES, needs_stories, run_main  # noqa: E402
 
 from minillm import LLM  # noqa: E402
+from minillm.benchmarks.throughput import floor_seconds  # noqa: E402
+from minillm.benchmarks.workload import QWEN3_0_6B, Workload, random_workload, roofline_seconds  # noqa: E402
 from minillm.sampling_params import BeamSearchParams  # noqa: E402
 
 MODEL = "stories"
@@ -312,3 +316,60 @@ def test_what_beam_search_cannot_honour_is_a_400_naming_the_field(client, route,
         else:
             client.completions.create(model=MODEL, prompt="Once", **{"n": 2, **body}, extra_body=extra)
     assert raised.value.status_code == 400 and raised.value.body["param"] == param, raised.value.body
+
+
+# ---- minillm bench throughput --use-beam-search (vLLM's) ------------------------------------------------
+
+BENCH = ("bench", "throughput", "--model", str(STORIES), "--device", "cpu")
+
+
+@needs_stories
+def test_bench_throughput_use_beam_search_runs_llm_beam_search_with_n_beams(capsys, tmp_path, monkeypatch):
+    # --n and --use-beam-search were 'unrecognized arguments'.
+    calls = []
+    real = LLM.beam_search
+
+    def beam_search(self, prompts, params, *args, **kwargs):
+        calls.append((len(prompts), params))
+        return real(self, prompts, params, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "beam_search", beam_search)
+    out_file = tmp_path / "throughput.json"
+    status, out, err = run_main(capsys, *BENCH, "--num-prompts", "3", "--input-len", "4", "--output-len", "3",
+                                "--n", "2", "--use-beam-search", "--output-json", str(out_file))
+    assert status == 0, err
+    assert calls == [(3, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))]
+    assert "workload: 3 requests, 12 prompt tokens, 18 output tokens" in out and "2 beams (LLM.beam_search)" in out
+    figures = json.loads(out_file.read_text())
+    assert figures["output_tokens"] == 18 and figures["total_num_tokens"] == 12 + 18
+
+
+@needs_stories
+def test_bench_throughput_n_generates_n_completions_a_request(capsys):
+    status, out, err = run_main(capsys, *BENCH, "--num-prompts", "2", "--input-len", "4", "--output-len", "3",
+                                "--n", "3")
+    assert status == 0, err
+    assert "workload: 2 requests, 8 prompt tokens, 18 output tokens" in out and "3 completions a request" in out
+
+
+@needs_stories
+@pytest.mark.parametrize("options, needle", [
+    (("--input-len", "4", "--output-len", "3", "--n", "11"), "--n with --use-beam-search: beam_width must be"),
+    (("--input-len", "4", "--output-len", "3", "--n", "3", "--max-logprobs", "4"), "past --max-logprobs 4"),
+    (("--max-output-len", "5",), "not nano-vllm's workload"),
+    (("--input-len", "4", "--output-len", "3", "--random-range-ratio", "0.5"), "not --random-range-ratio"),
+])
+def test_bench_throughput_use_beam_search_refuses_what_it_cannot_run(capsys, options, needle):
+    status, out, err = run_main(capsys, *BENCH, "--use-beam-search", *options)
+    assert status == 2 and needle in err, err
+
+
+def test_the_bench_floor_prefills_each_prompt_once_and_decodes_n_sequences():
+    w = random_workload(4, 16, 8)
+    config, bw, mm = QWEN3_0_6B, 3e12, 8e14
+    assert floor_seconds(w, 1, config, bw, mm) == pytest.approx(roofline_seconds(w, config, bw, mm))
+    fanned = Workload(w.prompts * 3, w.max_tokens * 3)
+    prefill = roofline_seconds(Workload(w.prompts, [0] * 4), config, bw, mm)
+    assert floor_seconds(w, 3, config, bw, mm) == pytest.approx(roofline_seconds(fanned, config, bw, mm) - 2 * prefill)
+    assert roofline_seconds(w, config, bw, mm) < floor_seconds(w, 3, config, bw, mm) < roofline_seconds(fanned, config,
+                                                                                                        bw, mm)
