@@ -262,6 +262,7 @@ async def encoded(body: dict, is_large: bool) -> bytes:
 
 
 _INT = TypeAdapter(int)
+_BOOL = TypeAdapter(bool)
 
 
 def _count(value: Any) -> int:
@@ -274,6 +275,15 @@ def _count(value: Any) -> int:
         return 1
 
 
+def _is_set(value: Any) -> bool:
+    """A request's boolean as a server reads it (pydantic's: "true" and 1 are true); False when absent
+    or no boolean (the server's 400 then)."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        return False
+
+
 def _num_prompts(prompt: Any) -> int:
     """How many prompts a completions request carries (a list of strings or of token-id lists)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -283,11 +293,14 @@ def _num_prompts(prompt: Any) -> int:
 
 def decode_only_reason(path: str, body: dict) -> str | None:
     """Why one prompt's lease cannot carry this request (several prompts, or several completions of
-    one, which the protocol hands over one at a time); None when it can. Such a request goes whole
-    to a decode server, which computes its prompts itself. A Responses or Anthropic Messages API
-    request (which carries no kv_transfer_params) goes so too."""
+    one, which the protocol hands over one at a time; a beam search, whose steps are requests of
+    their own); None when it can. Such a request goes whole to a decode server, which computes its
+    prompts itself. A Responses or Anthropic Messages API request (which carries no
+    kv_transfer_params) goes so too."""
     if path in ("/v1/responses", "/v1/messages"):
         return "the Responses API" if path == "/v1/responses" else "the Messages API"
+    if _is_set(body.get("use_beam_search")):
+        return "beam search"
     num_prompts = _num_prompts(body.get("prompt")) if path == "/v1/completions" else 1
     if num_prompts > 1:
         return f"{num_prompts} prompts"

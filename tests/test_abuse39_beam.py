@@ -18,7 +18,9 @@ openai = pytest.importorskip("openai")
 
 import core_hooks  # noqa: E402
 import httpx  # noqa: E402
-from test_server_helpers import call_utility, chat_model_dir, get_stats, running_server, wait_for  # noqa: E402
+from test_server_helpers import (  # noqa: E402
+    call_utility, chat_model_dir, get_stats, running_router, running_server, wait_for,
+)
 from test_cli import STORIES, needs_stories, run_main  # noqa: E402
 
 from minillm import LLM  # noqa: E402
@@ -373,3 +375,25 @@ def test_the_bench_floor_prefills_each_prompt_once_and_decodes_n_sequences():
     assert floor_seconds(w, 3, config, bw, mm) == pytest.approx(roofline_seconds(fanned, config, bw, mm) - 2 * prefill)
     assert roofline_seconds(w, config, bw, mm) < floor_seconds(w, 3, config, bw, mm) < roofline_seconds(fanned, config,
                                                                                                         bw, mm)
+
+
+# ---- the P/D router ----------------------------------------------------------------------------------
+
+def test_the_router_sends_a_beam_search_whole_to_a_decode_server(stories_path):
+    # Its steps are requests of their own, which no lease of one prompt carries: through the prefill server
+    # (kv_transfer_params, a 400 there) the router answered a 502 naming the KV transfer.
+    from minillm.router import RouterConfig, decode_only_reason
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for value in (True, "true", 1):      # as a server reads the boolean
+            assert decode_only_reason(path, {"prompt": "Once", "use_beam_search": value}) == "beam search"
+        for value in (False, "false", None, "maybe"):     # no search (or the server's 400): the lease path
+            assert decode_only_reason(path, {"prompt": "Once", "use_beam_search": value}) is None
+    body = {"model": MODEL, "prompt": "Once upon", "n": 1, "max_tokens": 5, "temperature": 0, **BEAM}
+    with running_server(stories_path, engine_core="thread",
+                        kv_transfer_config={"kv_role": "kv_producer", "kv_lease_s": 60}) as (prefill, _), \
+            running_server(stories_path, engine_core="thread", kv_transfer_config={"kv_role": "kv_consumer"}) \
+            as (decode, _), running_router(RouterConfig((prefill,), (decode,))) as router:
+        routed = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+        assert routed.status_code == 200, routed.text
+        direct = httpx.post(f"{decode}/v1/completions", json=body, timeout=60).json()
+        assert [c["text"] for c in routed.json()["choices"]] == [c["text"] for c in direct["choices"]]
