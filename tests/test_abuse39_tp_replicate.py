@@ -69,9 +69,10 @@ def test_shapes_vllm_refuses_name_the_sizes_at_entry(stories_path):
         with pytest.raises(ValueError, match=message):
             check_tensor_parallel_size(shape, size, "numpy")
     check_tensor_parallel_size(dataclasses.replace(config, intermediate_size=176), 8, "numpy")
+    earlier = set(mp.active_children())      # another test's processes in this worker may still be ending
     with pytest.raises(ValueError, match=r"tensor_parallel_size 8 must divide the model's intermediate_size"):
         LLM(str(stories_path), device="cpu", tensor_parallel_size=8)
-    assert mp.active_children() == []
+    assert set(mp.active_children()) <= earlier                            # refused before any rank started
     # the server's command line: a usage error naming the flag, no traceback
     proc = subprocess.run([sys.executable, "-m", "minillm", "serve", str(stories_path), "--device", "cpu", "-tp", "6",
                            "--port", "0"],
