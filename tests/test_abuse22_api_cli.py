@@ -62,7 +62,7 @@ def test_the_monitor_piped_to_a_file_is_one_line_and_ends(tmp_path):
 def test_the_monitor_needs_a_terminal_on_stdout_and_stderr_and_runs_with_both(capsys, monkeypatch, tmp_path):
     runs: list[dict] = []
 
-    def fake_run_monitor(url, api_key=None, source=None, recorder=None):
+    def fake_run_monitor(url, api_key=None, source=None, recorder=None, interval_s=None):
         runs.append({"url": url, "source": source, "recorder": recorder})
 
     monkeypatch.setattr("minillm.tui.app.run_monitor", fake_run_monitor)

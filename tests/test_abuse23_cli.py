@@ -198,10 +198,10 @@ async def test_ctrl_c_quits_the_monitor_with_status_130(anyio_backend, tmp_path)
 
 def test_the_monitor_quit_by_ctrl_c_says_interrupted_and_exits_130(capsys, monkeypatch):
     monkeypatch.setattr("minillm.chat_terminal.is_terminal", lambda stream: True)
-    monkeypatch.setattr("minillm.tui.app.run_monitor", lambda url, api_key=None, source=None, recorder=None: 130)
+    monkeypatch.setattr("minillm.tui.app.run_monitor", lambda url, api_key=None, source=None, recorder=None, interval_s=None: 130)
     status, out, err = run_main(capsys, "monitor", "--demo")
     assert (status, out, err) == (130, "", "minillm: interrupted\n")
-    monkeypatch.setattr("minillm.tui.app.run_monitor", lambda url, api_key=None, source=None, recorder=None: 0)
+    monkeypatch.setattr("minillm.tui.app.run_monitor", lambda url, api_key=None, source=None, recorder=None, interval_s=None: 0)
     assert run_main(capsys, "monitor", "--demo") == (0, "", "")
 
 
