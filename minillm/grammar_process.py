@@ -134,13 +134,15 @@ class SharedMasks:
 class Answer(Future):
     """A reply of the grammar process; result() reads the pipe (on the engine thread) until it is in.
     `value` holds its result and `is_read` is set once it is in, for readers that ask per row
-    (a Future's own questions take its lock)."""
+    (a Future's own questions take its lock). An advance's answer is `clean` when every row took its
+    one token and no row's grammar ended or failed (most steps): its rows are read without looking."""
 
     def __init__(self, process: GrammarProcess) -> None:
         super().__init__()
         self._process = process
         self.value: Any = None
         self.is_read = False
+        self.clean = False
 
     def set_result(self, result: Any) -> None:
         self.value, self.is_read = result, True
@@ -191,8 +193,12 @@ class RemoteMatcher:
         answer = self._pending
         if answer is None or answer.value is None:
             return
-        _, num_accepted, flags, errors, _ = answer.value
         row, self._pending = self._row, None
+        if answer.clean:
+            self._num_accepted = answer.value[1][row]
+            self._terminated = self._stopped = False
+            return
+        _, num_accepted, flags, errors, _, _ = answer.value
         flag = flags[row]
         self._num_accepted = num_accepted[row]
         self._terminated, self._stopped = bool(flag & TERMINATED), bool(flag & STOPPED)
@@ -374,8 +380,11 @@ class GrammarProcess:
         The command is held until the next one is sent or an answer is looked for (one message)."""
         answer = Answer(self)
         for row, m in enumerate(matchers):
-            if m._pending is not None:
-                m._sync()
+            if (last := m._pending) is not None:      # its last answer's flags, if read, before it is replaced
+                if last.clean:                        # _sync's own shortcut, without the call (most rows)
+                    m._num_accepted, m._pending = last.value[1][m._row], None
+                else:
+                    m._sync()
             m.num_fed += len(tokens[row])
             m._pending, m._row = answer, row
         try:
@@ -478,6 +487,7 @@ class GrammarProcess:
                 self._refuse(context, reply[1])
             answer.set_exception(GrammarProcessError(reply[1]))
         elif kind == "advanced":
+            answer.clean = reply[6]
             answer.set_result(reply[1:])
             for row in reply[4]:                 # an error: the grammar is dropped from the cache now
                 context[row]._sync()
@@ -699,10 +709,11 @@ class _GrammarServer:
         error = future.exception()
         return None if error is None else f"{type(error).__name__}: {error}"
 
-    def advance(self, handles: list[int], tokens: list[list[int]]) -> tuple[list, list, list, dict, dict]:
+    def advance(self, handles: list[int], tokens: list[list[int]]) -> tuple[list, list, list, dict, dict, bool]:
         """Feed each matcher its tokens (up to the first refused): per row the tokens taken, the
-        tokens accepted so far and the flags, {row: error} for the rows in error, and {row: the flags
-        after each token taken} for the rows of several tokens (accepted drafts and the token after)."""
+        tokens accepted so far and the flags, {row: error} for the rows in error, {row: the flags
+        after each token taken} for the rows of several tokens (accepted drafts and the token after),
+        and whether the answer is clean (each row one token, taken, and no flag: Answer.clean)."""
         taken, num_accepted, flags, errors, steps = [], [], [], {}, {}
         for row, (handle, ids) in enumerate(zip(handles, tokens)):
             matcher = self.matchers[handle]
@@ -720,7 +731,8 @@ class _GrammarServer:
             flags.append(_flags(matcher))
             if matcher.is_error():
                 errors[row] = matcher.error
-        return taken, num_accepted, flags, errors, steps
+        clean = not steps and not errors and not any(flags) and taken.count(1) == len(taken)
+        return taken, num_accepted, flags, errors, steps, clean
 
     def fill(self, slot: int, handles: list[int], no_eos: list[int], drafts: list[list[int]] | None = None) -> float:
         """Fill rows 0..len(handles)-1 of mask buffer slot (with drafts, each handle's row and one per

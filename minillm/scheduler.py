@@ -103,11 +103,16 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
 def _settled_first(out: SchedulerOutput) -> list[Sequence]:
     """out's sampling sequences with the constrained ones whose grammar process has not answered
     yet moved last (each part in batch order), so the update reads the others while those answers come."""
-    waiting = [seq for _, seq in out.structured_rows if not seq.structured_output.is_settled]
+    seqs = out.sampling_seqs
+    waiting = [b for b, seq in out.structured_rows if not seq.structured_output.is_settled]
     if not waiting:
-        return out.sampling_seqs
-    later = {id(seq) for seq in waiting}
-    return [seq for seq in out.sampling_seqs if id(seq) not in later] + waiting
+        return seqs
+    settled, start = [], 0
+    for b in waiting:                     # the runs of rows between them, copied whole
+        settled += seqs[start:b]
+        start = b + 1
+    settled += seqs[start:]
+    return settled + [seqs[b] for b in waiting]
 
 
 def _may_draft(seq: Sequence, num_new_tokens: int) -> bool:

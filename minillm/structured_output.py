@@ -1775,6 +1775,8 @@ _FORCED_BYTES = re.compile(r"forced bytes: got '(.*?)'; applying")
 
 # What StructuredOutputRequest records for a reasoning token taken ahead of the scheduler (no matcher's answer).
 _REASONING = object()
+# (is_complete, is_terminated) of a grammar that goes on.
+_GOING = (False, False)
 
 
 class StructuredOutputRequest:
@@ -1806,7 +1808,8 @@ class StructuredOutputRequest:
         # process (the k-th token of its row in an advance whose answer may not be read yet).
         self._advanced: deque[tuple] = deque()
         # (is_complete, is_terminated) after the token accept_token last returned, while the matcher
-        # holds tokens after it (None: the matcher's own flags hold)
+        # holds tokens after it or where a clean answer of the grammar process told it (None: the
+        # matcher's own flags hold)
         self._state_ahead: tuple[bool, bool] | None = None
 
     @property
@@ -1900,17 +1903,22 @@ class StructuredOutputRequest:
         """Tokens the matcher holds once it has taken num_outputs + num_advanced output tokens, less the reasoning."""
         return len(self._advanced) - self._num_reasoning
 
-    def sent(self, token_ids: Sequence[int], answer, row: int) -> None:
-        """A step's tokens went to the grammar process as row `row` of an advance (answered by answer)."""
-        if len(token_ids) == 1:
-            self._advanced.append((token_ids[0], answer, row, 0))
-        else:
-            self._advanced.extend((token, answer, row, k) for k, token in enumerate(token_ids))
+    @staticmethod
+    def sent_rows(requests: Sequence[StructuredOutputRequest], tokens: Sequence[Sequence[int]], answer) -> None:
+        """An advance's tokens went to the grammar process: requests[i] sent tokens[i] as its row i
+        (answered by answer). One call a step, not one a row."""
+        for row, request in enumerate(requests):
+            ids = tokens[row]
+            if len(ids) == 1:
+                request._advanced.append((ids[0], answer, row, 0))
+            else:
+                request._advanced.extend((token, answer, row, k) for k, token in enumerate(ids))
 
     @property
     def is_settled(self) -> bool:
         """accept_token will not wait: every token taken ahead has its answer (a grammar process's may be pending)."""
-        return not self._advanced or len(self._advanced[0]) < 4 or self._advanced[0][1].is_read
+        advanced = self._advanced
+        return not advanced or len(first := advanced[0]) < 4 or first[1].is_read
 
     @property
     def num_advanced(self) -> int:
@@ -1924,6 +1932,12 @@ class StructuredOutputRequest:
             taken = self._advanced.popleft()
             if taken[0] != token_id:
                 raise RuntimeError(f"the matcher took token {taken[0]} ahead, the scheduler appends {token_id}")
+            if len(taken) == 4:
+                if not taken[1].is_read:
+                    tokens_taken(taken[1], taken[2])    # wait for the answer (a failed process's has none)
+                if taken[1].clean:                      # the grammar process took it, and the grammar goes on
+                    self._state_ahead = _GOING
+                    return True
             self._state_ahead = None
             if taken[1] is _REASONING:
                 self.reasoning_ended = self.reasoning_ended or token_id == self.reasoning_end_id
@@ -1939,6 +1953,7 @@ class StructuredOutputRequest:
                 self._state_ahead = (bool(flags & (TERMINATED | STOPPED)) and not flags & ERROR,
                                      bool(flags & TERMINATED))
             return accepted
+        self._state_ahead = None
         if not self.is_masked:
             self.reasoning_ended = self._take_reasoning_token(token_id)
             return True
@@ -2528,27 +2543,27 @@ class StructuredOutputManager:
         masks can be filled while the scheduler works; its accept_token takes the results.
         rows: the step's (sampling index, sequence) pairs; unconstrained ones are skipped. With a
         grammar process the tokens go there in one message and the answers are read when first asked for."""
-        remote, tokens = [], []
+        remote, tokens, process, is_mixed = [], [], self._process, False
         for _, seq in rows:
             request = seq.structured_output
             if request is not None and seq.num_output_placeholders and (ids := sampled.get(seq.seq_id)):
-                if self._process is None:
+                if process is None:
                     request.advance(ids)
-                elif ids := request.take_reasoning(ids):
+                elif ids := (ids if request.is_masked else request.take_reasoning(ids)):
                     remote.append(request)
                     tokens.append(ids)
+                    is_mixed = is_mixed or request._process is not process
         self._sent = []
         if not remote:
             return
-        processes = {request._process for request in remote}
+        processes = {request._process for request in remote} if is_mixed else (process,)
         for process in processes:                          # a restart leaves two
             requests, ids = remote, tokens
-            if len(processes) > 1:
+            if is_mixed:
                 mine = [i for i, request in enumerate(remote) if request._process is process]
                 requests, ids = [remote[i] for i in mine], [tokens[i] for i in mine]
             answer = process.advance([request.matcher for request in requests], ids)
-            for row, request in enumerate(requests):
-                request.sent(ids[row], answer, row)
+            StructuredOutputRequest.sent_rows(requests, ids, answer)
             self._sent.append(answer)
 
     def answers_pending(self) -> bool:

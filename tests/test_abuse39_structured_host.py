@@ -1,12 +1,17 @@
 """The engine thread's work for constrained rows whose matchers live in a grammar process (stories260K,
 CPU, async scheduling): a decode step writes the process one message (its advance, and the fill of the
-next step's masks), the pipe is polled without building a selector, and a failed command of such a
-message leaves the commands after it answered."""
+next step's masks), the pipe is polled without building a selector, the rows of a clean answer are
+read without asking their matchers, the update reads the rows whose answer is out last, the others in
+batch order; the outputs stay those of the in-process matchers."""
+import random
+from types import SimpleNamespace
+
 import pytest
 
-from minillm import SamplingParams
+from minillm import SamplingParams, StructuredOutputsParams
 from minillm import grammar_process as gp
-from test_grammar_process import long_constrained, new_engine, tokens_until
+from minillm.scheduler import _settled_first
+from test_grammar_process import long_constrained, new_engine, run, tokens_until
 from test_structured_engine import PROMPT
 
 
@@ -42,6 +47,67 @@ def test_a_decode_step_writes_the_grammar_process_one_message(steady, monkeypatc
         assert [command[0] for command in messages[0][1]] == [gp.ADVANCE, gp.FILL]
         assert len(messages[0][1][0][1]) == 3               # the three constrained rows' handles
     assert {r.request_id for r in engine.stats(cells=1).requests} == {"c0", "c1", "c2", "plain"}
+
+
+def test_rows_of_a_clean_answer_are_read_without_asking_their_matchers(steady, monkeypatch):
+    engine, process = steady
+    asked = []
+    for name in ("_sync", "is_complete", "is_terminated", "is_stopped"):
+        original = getattr(gp.RemoteMatcher, name)
+        monkeypatch.setattr(gp.RemoteMatcher, name,
+                            lambda self, *a, _name=name, _f=original: (asked.append(_name), _f(self, *a))[1])
+    answers = []
+    advance = process.advance
+    monkeypatch.setattr(process, "advance", lambda *a: answers.append(advance(*a)) or answers[-1])
+    for _ in range(6):
+        engine.step()
+    assert asked == []
+    assert len(answers) == 6 and all(answer.is_read and answer.clean for answer in answers[:-1])
+    matcher = engine.requests["c0"].seqs[0].structured_output.matcher
+    matcher.settle()
+    assert matcher.num_accepted == matcher.num_fed and not matcher.is_stopped()
+
+
+def test_outputs_with_grammars_ending_among_going_ones_are_the_in_process_ones(stories_path):
+    """Answers turn from clean to not as a grammar ends in a step where others go on (its EOS, a
+    choice complete, ignore_eos at a grammar's end), and the flags after each step's token still
+    stop each sequence where the in-process matchers stop it."""
+    def requests():
+        reqs = {f"go-{i}": long_constrained(i) for i in range(2)}
+        for i in range(4):
+            reqs[f"choice-{i}"] = SamplingParams(temperature=1.0, seed=i, max_tokens=40, structured_outputs=
+                                                 StructuredOutputsParams(choice=["a cat", "the big dog", "no"]))
+            reqs[f"regex-{i}"] = SamplingParams(temperature=1.0, seed=10 + i, max_tokens=40, ignore_eos=i % 2 == 0,
+                                                structured_outputs=StructuredOutputsParams(regex="[a-z]{2,6}\\."))
+        reqs["plain"] = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        return reqs
+    outputs = {}
+    for grammar_process in (True, False):
+        engine = new_engine(stories_path, grammar_process)
+        try:
+            outputs[grammar_process] = {rid: (list(c.token_ids), c.finish_reason, c.stop_reason)
+                                        for rid, c in run(engine, requests()).items()}
+        finally:
+            engine.shutdown()
+    assert outputs[True] == outputs[False]
+    assert {outputs[True][f"choice-{i}"][1] for i in range(4)} == {"stop"}
+
+
+def test_the_update_reads_settled_rows_first_in_batch_order():
+    """_settled_first against its definition, for random batches and random rows whose answer is out."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randrange(0, 12)
+        seqs = []
+        for i in range(n):
+            kind = rng.choice(["plain", "settled", "waiting"])
+            request = None if kind == "plain" else SimpleNamespace(is_settled=kind == "settled")
+            seqs.append(SimpleNamespace(name=i, structured_output=request))
+        out = SimpleNamespace(sampling_seqs=seqs, structured_rows=[(b, s) for b, s in enumerate(seqs)
+                                                                   if s.structured_output is not None])
+        waiting = [s for s in seqs if s.structured_output is not None and not s.structured_output.is_settled]
+        expected = [s for s in seqs if s not in waiting] + waiting
+        assert [s.name for s in _settled_first(out)] == [s.name for s in expected]
 
 
 def test_a_failed_command_in_a_batch_leaves_the_commands_after_it_answered(steady):
