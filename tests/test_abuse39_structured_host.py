@@ -126,3 +126,23 @@ def test_a_failed_command_in_a_batch_leaves_the_commands_after_it_answered(stead
     for _ in range(3):
         engine.step()
     assert not process.failed
+
+
+def test_a_steady_constrained_step_makes_no_lock(steady, monkeypatch):
+    """The grammar process's answers are completed and read on the engine thread alone: no Future (a
+    condition and its lock, 6 us an answer) is made for them, nor any other lock, step after step."""
+    import threading
+    engine, process = steady
+    made = []
+    condition, lock = threading.Condition, threading.Lock
+    monkeypatch.setattr(threading, "Condition", lambda *a: made.append("condition") or condition(*a))
+    monkeypatch.setattr(threading, "Lock", lambda: made.append("lock") or lock())
+    answers = []
+    fill = process.fill
+    monkeypatch.setattr(process, "fill", lambda *a: answers.append(fill(*a)) or answers[-1])
+    for _ in range(6):
+        engine.step()
+    assert made == [] and len(answers) == 6
+    with pytest.raises(gp.GrammarProcessError, match="KeyError"):
+        process.advance([gp.RemoteMatcher(process, 10_000, None)], [[5]]).result()
+    assert all(isinstance(answer.result(), float) for answer in answers)
