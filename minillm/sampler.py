@@ -40,6 +40,9 @@ class Sampler:
         self.inputs = SamplingInputBuffer(ops, device, max_num_seqs, self.eos_token_ids)
         self._bitmask = None                 # [cap, W] int32 on the device: a step's masks
         self._bitmask_rows = None            # [cap] int32 on the device: the logits row of each mask
+        # (N, W) -> the first N rows of both, sliced once (a steady batch masks the same number of rows
+        # each step; a CuPy slice costs microseconds)
+        self._bitmask_views: dict[tuple[int, int], tuple] = {}
 
     def sample_no_sync(self, logits, seqs: list[Sequence], grammar_bitmask=None) -> SamplerOutput:
         """logits: [B, V] float32 (modified in place) -> the sampled ids, left on the device.
@@ -95,12 +98,16 @@ class Sampler:
             ops.apply_token_bitmask(logits, mask.bitmask, mask.rows)
             return
         num_rows, num_words = mask.bitmask.shape
-        kept = self._bitmask
-        if kept is None or kept.shape[0] < num_rows or kept.shape[1] != num_words:
-            cap = max(num_rows, self.inputs.cap)
-            self._bitmask = kept = ops.xp.empty((cap, num_words), dtype=np.int32)
-            self._bitmask_rows = ops.xp.empty((cap,), dtype=np.int32)
-        rows, kept = self._bitmask_rows[:num_rows], kept[:num_rows]
+        views = self._bitmask_views.get((num_rows, num_words))
+        if views is None:
+            kept = self._bitmask
+            if kept is None or kept.shape[0] < num_rows or kept.shape[1] != num_words:
+                cap = max(num_rows, self.inputs.cap)
+                self._bitmask = kept = ops.xp.empty((cap, num_words), dtype=np.int32)
+                self._bitmask_rows = ops.xp.empty((cap,), dtype=np.int32)
+                self._bitmask_views = {}
+            views = self._bitmask_views[num_rows, num_words] = (kept[:num_rows], self._bitmask_rows[:num_rows])
+        kept, rows = views
         # No events: a mask buffer is filled again two steps later, after this step was read back.
         self.device.copy_to_device_async(kept, np.ascontiguousarray(mask.bitmask), event=False)   # [N, W]
         self.device.copy_to_device_async(rows, np.ascontiguousarray(mask.rows, dtype=np.int32), event=False)  # [N]

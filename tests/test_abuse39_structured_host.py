@@ -6,6 +6,7 @@ batch order; the outputs stay those of the in-process matchers."""
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from minillm import SamplingParams, StructuredOutputsParams
@@ -146,3 +147,38 @@ def test_a_steady_constrained_step_makes_no_lock(steady, monkeypatch):
     with pytest.raises(gp.GrammarProcessError, match="KeyError"):
         process.advance([gp.RemoteMatcher(process, 10_000, None)], [[5]]).result()
     assert all(isinstance(answer.result(), float) for answer in answers)
+
+
+class _CountedSlices(np.ndarray):
+    """A device buffer stand-in that counts how often it is sliced."""
+
+    count = 0
+
+    def __getitem__(self, index):
+        _CountedSlices.count += 1
+        return super().__getitem__(index)
+
+
+def test_the_kept_mask_buffer_is_sliced_once_for_a_steady_row_count_and_again_once_regrown():
+    from minillm.ops import numpy as numpy_ops
+    from minillm.sampler import Sampler
+    from minillm.structured_output import GrammarBitmask
+    sampler = Sampler(numpy_ops, [0])
+    sampler.ops = SimpleNamespace(xp=SimpleNamespace(empty=lambda shape, dtype: np.empty(shape, dtype).view(_CountedSlices)),
+                                  apply_token_bitmask=lambda logits, mask, rows: numpy_ops.apply_token_bitmask(
+                                      logits, np.asarray(mask), np.asarray(rows)))
+    sampler.device = SimpleNamespace(copy_to_device_async=lambda dst, src, event=True: dst.__setitem__(..., src))
+    rng = np.random.default_rng(0)
+    vocab, batch = 70, 8
+    for step, num_rows in enumerate([3, 3, 3, 6, 6, 3, 3]):
+        bitmask = rng.integers(-2**31, 2**31, (num_rows, 3), dtype=np.int64).astype(np.int32)   # [N, W]
+        rows = rng.choice(batch, num_rows, replace=False).astype(np.int32)
+        logits = np.zeros((batch, vocab), np.float32)
+        before = _CountedSlices.count
+        sampler.apply_grammar_bitmask(logits, GrammarBitmask(bitmask, rows))
+        expected = np.zeros_like(logits)
+        numpy_ops.apply_token_bitmask(expected, bitmask, rows)
+        np.testing.assert_array_equal(logits, expected)
+        first_of_its_kind = step in (0, 3, 5)           # a new row count, or the buffer regrown under it
+        assert _CountedSlices.count - before == (2 if first_of_its_kind else 0), step
+    assert np.shares_memory(sampler._bitmask_views[3, 3][0], sampler._bitmask)     # views of the regrown buffer
