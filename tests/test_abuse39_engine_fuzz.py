@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -26,11 +27,12 @@ from test_abuse37_engine_invariants import assert_invariants
 from test_kv_offload import assert_host_consistent
 
 from minillm import SamplingParams
+from minillm.block_manager import cache_salt_root, prompt_block_keys
 from minillm.bad_words import bad_word_ids, banned_next_tokens
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.engine_stats import MAX_WAITING_ROWS
-from minillm.sampling_params import RequestOutputKind, truncate_prompt
+from minillm.sampling_params import RequestOutputKind, StructuredOutputsParams, truncate_prompt
 
 MAX_LEN = 48
 EOS = 2
@@ -39,6 +41,8 @@ EXAMPLES = int(os.environ.get("MINILLM_FUZZ_EXAMPLES", "12"))
 BYTES_PER_TOKEN = 2 * 5 * 4 * 8 * 4      # K and V, 5 layers, 4 KV heads of 8, float32
 STOP_WORDS = [".", " the", "Tim", ",", " was", "!"]
 REFUSED = "refused"      # a request's final output when add_request refused it
+STRUCTURES = [{"choice": ["Tim was happy", "Lily ran", "the end"]}, {"regex": "(the )+[a-z]+"},
+              {"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}]
 KINDS = [RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY]
 
 
@@ -95,6 +99,8 @@ def engine_configs(draw, host_tier: bool = False, by_priority: bool = False) -> 
               async_scheduling=draw(st.booleans()),
               kv_cache_dtype=draw(st.sampled_from(["auto", "auto", "fp8"])),
               scheduling_policy="priority" if by_priority else draw(st.sampled_from(["fcfs", "fcfs", "priority"])))
+    if kw["kv_cache_dtype"] == "fp8":
+        kw["calculate_kv_scales"] = draw(st.booleans())      # the scales of the first prefill
     if draw(st.booleans()):
         kw["enable_chunked_prefill"] = False
         kw["max_num_batched_tokens"] = draw(st.integers(max_len, 2 * max_len))
@@ -152,11 +158,13 @@ def request_lists(draw, golden: list[int], waves: bool = False) -> list[dict]:
             truncate_prompt_tokens=draw(st.sampled_from([None, None, None, 1, 7, -1])),
             output_kind=draw(st.sampled_from(KINDS)),
         )
-        mask = draw(st.sampled_from([None, None, None, "allowed", "trap"]))
+        mask = draw(st.sampled_from([None, None, None, "allowed", "trap", "structured"]))
         if mask == "allowed":
             params["allowed_token_ids"] = [2, *range(256, 300), 410, 426]
         elif mask == "trap":      # "the" then nothing: the output ends with an error after its first "the"
             params.update(allowed_token_ids=[265, 426], bad_words=["the the", "the."])
+        elif mask == "structured":
+            params["structured_outputs"] = StructuredOutputsParams(**draw(st.sampled_from(STRUCTURES)))
         if kind == "greedy":
             params["temperature"] = 0.0
         else:
@@ -171,7 +179,8 @@ def request_lists(draw, golden: list[int], waves: bool = False) -> list[dict]:
             rid = draw(st.sampled_from(requests))["rid"]      # reused once the earlier one is done
         requests.append(dict(rid=rid, prompt=prompt, params=SamplingParams(**params), kind=kind,
                              arrival=arrival, abort=None if abort is None else arrival + abort,
-                             priority=draw(st.integers(-1, 1)), salt=draw(st.sampled_from([None, None, "a"]))))
+                             priority=draw(st.integers(-1, 1)), salt=draw(st.sampled_from([None, None, "a"])),
+                             form=draw(st.sampled_from(["ids", "ids", "dict", "keys"]))))
     return requests
 
 
@@ -195,6 +204,15 @@ def assert_stats_consistent(stats) -> None:
         assert 0 < step.num_seqs <= stats.max_num_seqs, step
 
 
+def is_complete(structure: StructuredOutputsParams, text: str) -> bool:
+    """True when text is a whole answer of one of STRUCTURES."""
+    if structure.choice is not None:
+        return text in structure.choice
+    if structure.regex is not None:
+        return re.fullmatch(structure.regex, text) is not None
+    return isinstance(json.loads(text).get("a"), int)
+
+
 def assert_rules_kept(tokenizer, params: SamplingParams, num_prompt: int, ids: list[int], text: str, lps: list,
                       end: tuple, max_len: int) -> None:
     """One completion keeps its request's rules, whatever it sampled: its length, why it ended,
@@ -209,6 +227,8 @@ def assert_rules_kept(tokenizer, params: SamplingParams, num_prompt: int, ids: l
         assert token not in stop_ids and (i >= params.min_tokens or token != EOS), (i, token, ids, end)
     if reason == "length":
         assert len(ids) == params.max_tokens or num_prompt + len(ids) == max_len, (len(ids), end)
+    elif reason == "stop" and stop is None and params.structured_outputs is not None:
+        assert is_complete(params.structured_outputs, text), (text, end)   # whatever min_tokens says
     elif reason == "stop":
         assert len(ids) >= params.min_tokens or isinstance(stop, str) and not ids, (len(ids), end)
         if isinstance(stop, str):
@@ -257,8 +277,13 @@ class Driver:
             held = engine.requests.get(r["rid"])
             if not self.added[k] and step >= r["arrival"] and (held is None or held.is_finished):
                 self.added[k] = True
-                add = functools.partial(engine.add_request, r["rid"], r["prompt"], r["params"], cache_salt=r["salt"],
-                                        priority=r["priority"] if self.by_priority else 0)
+                prompt, salt, keys = r["prompt"], r["salt"], None
+                if r["form"] == "dict":          # vLLM's TokensPrompt, its salt inside
+                    prompt, salt = {"prompt_token_ids": prompt, "cache_salt": salt}, None
+                elif r["form"] == "keys":        # an API server's keys, hashed beside its tokenizer
+                    keys = prompt_block_keys(prompt, engine.block_manager.block_size, cache_salt_root(salt))
+                add = functools.partial(engine.add_request, r["rid"], prompt, r["params"], cache_salt=salt,
+                                        prompt_block_keys=keys, priority=r["priority"] if self.by_priority else 0)
                 if len(truncate_prompt(r["prompt"], r["params"].truncate_prompt_tokens, max_len)) < max_len:
                     add()
                 else:                # no room for an output: refused, and the engine holds nothing of it
