@@ -438,8 +438,8 @@ def sampling_rows(cp, ops, copy_gbs: float) -> list[Row]:
             for name, fn in cases]
 
 
-def projection_rows(cp, ops, copy_gbs: float) -> list[Row]:
-    """The decode step's projections at batch 64 / 128 / 256: cuBLAS's default against the tuned
+def projection_rows(cp, ops, copy_gbs: float, batches=(64, 128, 256)) -> list[Row]:
+    """The decode step's projections at each batch (64 / 128 / 256 by default): cuBLAS's default against the tuned
     choice (minillm/ops/gemm.py), in GB/s of weights read, each call on its own copy of the weights
     so that they come from HBM (copies overflowing L2), as in a step whose layers read their own."""
     import itertools
@@ -448,7 +448,7 @@ def projection_rows(cp, ops, copy_gbs: float) -> list[Row]:
 
     l2 = int(cp.cuda.Device().attributes.get("L2CacheSize", 50 << 20))
     rows = []
-    for batch in (64, 128, 256):
+    for batch in batches:
         for name, k, nn in (("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), ("o", HEADS * HEAD_DIM, HIDDEN),
                             ("gate_up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)):
             wbytes = nn * k * 2
@@ -463,9 +463,10 @@ def projection_rows(cp, ops, copy_gbs: float) -> list[Row]:
                 t = time_graph(cp, lambda: ops.linear(x, next(nxt), out=out, candidate=cand), iters=4 * count)
                 label = f"linear {name} {tag}" + (f" {cand.name}" if tag == "tuned" else "")
                 rows.append(Row(label, shape, t * 1e6, wbytes / t / 1e9, "GB/s", copy_gbs))
-            if batch == 256:   # the tuner's own figures: the best of each kind of candidate
+            if batch == max(batches):   # the tuner's own figures: the best of each kind of candidate
                 for kind, label in (("gemm_ex", "explicit gemm_ex ids"), ("lt", "cuBLASLt"),
-                                    ("lt0", "cuBLASLt, no workspace"), ("split_k", "split-K")):
+                                    ("lt0", "cuBLASLt, no workspace"), ("split_k", "split-K"),
+                                    ("stream", "stream kernel")):
                     timed = {c: v for c, v in result.seconds.items() if c.kind == kind and c.param not in (-1, 99)}
                     if timed:
                         best = min(timed, key=timed.get)
@@ -592,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     only.add_argument("--decode-workload", action="store_true",
                       help="Time only the copy ceiling and decode attention at nano-vllm's workload's batches and "
                            "contexts, rows in the batch's order against longest context first.")
+    only.add_argument("--projections-only", action="store_true",
+                      help="Only the copy ceiling and the decode projections at batch 1 to 256, each tuned.")
     only.add_argument("--graph-nodes-only", action="store_true",
                       help="Count only the nodes of a decode step's CUDA graph at each fusion stage.")
     args = parser.parse_args(argv)
@@ -614,6 +617,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     copy_gbs = copy_bandwidth(cp)
     rows = [Row("copy d2d (ceiling)", "2 GiB", 2 * (2 << 30) / copy_gbs / 1e3, copy_gbs, "GB/s", copy_gbs)]
+    if args.projections_only:
+        rows += projection_rows(cp, ops, copy_gbs, batches=(1, 8, 32, 64, 128, 192, 256))
+        print_table(rows)
+        if args.json:
+            args.json.write_text(json.dumps([asdict(r) | {"percent": r.percent} for r in rows], indent=1))
+        return 0
     if args.decode_workload:
         rows += workload_decode_rows(cp, ops, copy_gbs)
         print_table(rows)

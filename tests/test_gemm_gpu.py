@@ -180,3 +180,57 @@ def test_a_product_too_large_to_tune_runs_a_zero_workspace_configuration(monkeyp
         assert gemm.untuned_choice(gemm.problem_of(got[:3], x[:3], w)) == gemm.DEFAULT
     finally:
         gemm.clear_cache()
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 40, 200])
+def test_stream_kernel_every_shape_and_slicing_matches_numpy(tokens):
+    """stream_gemm at every block shape and K slicing that fits, at T off every tile height, with x a
+    column slice of a wider array (its row stride past K)."""
+    rng = np.random.default_rng(tokens)
+    k, n = 1536, 1024
+    wide, w, _ = operands(rng, tokens, k + 64, n, "bfloat16")
+    x = wide[:, :k]
+    ref = to_host32(x).astype(np.float64) @ to_host32(w).T.astype(np.float64)
+    out = nan_out((tokens, n), "bfloat16")
+    p = gemm.problem_of(out, x, w)
+    ran = 0
+    for shape in range(len(gemm.STREAM_SHAPES)):
+        for slices in gemm.STREAM_SLICES:
+            if not gemm.stream_fits(p, shape, slices):
+                continue
+            out = nan_out((tokens, n), "bfloat16")
+            gemm.run(p, gemm.Candidate("stream", 100 * shape + slices), out, x, w)
+            got = to_host32(out)
+            assert np.isfinite(got).all(), (shape, slices)
+            assert rel_error(got, ref) < TOL["bfloat16"], (shape, slices)
+            ran += 1
+    assert ran >= 30
+
+
+def test_stream_kernel_sliced_replays_are_identical_and_add_the_bias():
+    """A sliced stream_gemm leaves its arrival counters zeroed: graph replays give the same bits,
+    with a bias (beta = 1) added once, and with float32 output."""
+    rng = np.random.default_rng(11)
+    tokens, k, n = 24, 3072, 2048
+    x, w, ref = operands(rng, tokens, k, n, "bfloat16")
+    bias = ops.asarray(rng.standard_normal(n).astype(np.float32), "bfloat16")
+    for out_dtype, with_bias in (("bfloat16", True), ("float32", False)):
+        want = ref + to_host32(bias) if with_bias else ref
+        c = gemm.Candidate("stream", 108)                   # 16 x 128 tiles, 8 K slices
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            first = ops.linear(x, w, bias if with_bias else None, out_dtype=None if with_bias else out_dtype,
+                               candidate=c)
+            stream.begin_capture()
+            out = ops.linear(x, w, bias if with_bias else None, out_dtype=None if with_bias else out_dtype,
+                             candidate=c)
+            graph = stream.end_capture()
+            results = []
+            for _ in range(3):
+                graph.launch(stream)
+                stream.synchronize()
+                results.append(to_host32(out))
+        tol = 1e-5 if out_dtype == "float32" else TOL["bfloat16"]
+        assert rel_error(to_host32(first), want) < tol
+        for got in results:
+            np.testing.assert_array_equal(got, to_host32(first))
