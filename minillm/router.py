@@ -9,9 +9,13 @@ Each request goes first to a prefill server with max_tokens 1, stream false and 
 {"do_remote_decode": true}; the kv_transfer_params its response carries go with the original
 request to a decode server, whose answer (an event stream or JSON) is passed through. A server is
 given as http(s)://host:port or as unix:PATH (serve --uds PATH). Several URLs of a role take turns
-(round robin); one that refuses the connection is skipped for the next. A role with no server
-reachable is a 503, a server that fails mid-request a 502 (an error event when the stream had begun):
-never a hang, since connects time out. A request that comes back (its Via header names this router:
+(round robin); one that refuses the connection is skipped for the next, and is down for a backoff
+(1 s, doubled for each failure since it last took a request, up to 30 s): requests go to the others
+without trying it, until its backoff ends and its /health answers 200. A role with no server up or
+reachable is a 503 (with Retry-After), a server that fails mid-request a 502 (an error event when the
+stream had begun): never a hang, since connects time out. GET /metrics: the router's own Prometheus
+series (minillm_router_*: requests and errors by route, requests and failures and health by server,
+request durations). A request that comes back (its Via header names this router:
 a URL that leads to the router itself) is a 508. The router's own errors take the
 shape of the route's API, as a server's do: Anthropic's on /v1/messages (its `error` event
 mid-stream), and a Responses stream ends with response.failed. One log line per request says
@@ -36,11 +40,12 @@ import functools
 import itertools
 import json
 import logging
+import math
 import socket
 import sys
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -58,6 +63,7 @@ from minillm.server.http import uvicorn_settings
 from minillm.server.json_body import LARGE_BODY_BYTES, parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, APIKeyMiddleware, BodyLimitMiddleware, is_messages_path
+from minillm.router_metrics import RouterMetrics
 from minillm.urls import check_server_url, client_endpoint, http_url, server_base_url, shown_url, unix_socket_path
 from minillm.kv_connector.endpoint import ClaimClient
 from minillm.server.kv_transfer import CLAIM_TIMEOUT_S, HEADER as KV_TRANSFER_HEADER
@@ -87,6 +93,11 @@ class RouterConfig:
     max_body_bytes: int = ServerLimits.max_body_bytes
     body_timeout_s: float = ServerLimits.body_timeout_s
     api_keys: tuple[str, ...] = ()      # a client must send one of these on /v1 (none: open), as serve's --api-key
+    # A server that refused a connection (or did not accept one in connect_timeout_s) is down this long,
+    # doubled for each failure since it last answered, up to max_backoff_s; then its /health is checked
+    # before a request goes to it again.
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
 
     def __post_init__(self) -> None:
         for role, urls in (("prefill", self.prefill_urls), ("decode", self.decode_urls)):
@@ -95,7 +106,8 @@ class RouterConfig:
             for url in urls:
                 check_server_url(url, f"--{role}")
         for name, value in (("connect timeout", self.connect_timeout_s), ("timeout", self.timeout_s),
-                            ("health timeout", self.health_timeout_s)):
+                            ("health timeout", self.health_timeout_s), ("backoff", self.backoff_s),
+                            ("max backoff", self.max_backoff_s)):
             if not value > 0:   # a negative one fails every request, NaN too
                 raise ValueError(f"the {name} must be a positive number of seconds, got {value}")
         check_limit("max_body_bytes", self.max_body_bytes)
@@ -108,22 +120,56 @@ class RouterConfig:
 class RouterError(Exception):
     """A failure the client sees as an error with this status, in the shape of its route's API."""
 
-    def __init__(self, status: int, message: str, code: str) -> None:
+    def __init__(self, status: int, message: str, code: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.retry_after_s = retry_after_s      # when a server may be up again (the Retry-After header)
 
     def response(self, path: str) -> JSONResponse:
         """The error as the response of a request to path (Anthropic's shape on the Messages API's routes)."""
-        return error_response(APIError(self.status, self.message, code=self.code), is_anthropic=is_messages_path(path))
+        response = error_response(APIError(self.status, self.message, code=self.code),
+                                  is_anthropic=is_messages_path(path))
+        if self.retry_after_s is not None:
+            response.headers["retry-after"] = str(max(1, math.ceil(self.retry_after_s)))
+        return response
+
+
+@dataclass
+class ServerHealth:
+    """Whether a server is taken to be up: down from a failed connection until its backoff ends and
+    a check of its /health finds it up."""
+
+    down_until: float | None = None     # time.monotonic() when its backoff ends; None while it is up
+    reason: str = ""                    # what put it down (ConnectError, /health answered 503, ...)
+    num_down: int = 0                   # failed connections and checks since it last took a request
+    is_checking: bool = False           # a check of its /health is in flight
+
+    @property
+    def is_up(self) -> bool:
+        return self.down_until is None
+
+    def mark_down(self, reason: str, config: RouterConfig) -> None:
+        """Down for the backoff, doubled for each failure since it last took a request."""
+        backoff_s = min(config.backoff_s * 2 ** self.num_down, config.max_backoff_s)
+        self.down_until, self.reason, self.num_down = time.monotonic() + backoff_s, reason, self.num_down + 1
+
+    def down_for_s(self) -> float:
+        """Seconds left of its backoff (0 when up or due for a check)."""
+        return 0.0 if self.down_until is None else max(0.0, self.down_until - time.monotonic())
+
+    def is_due_for_check(self) -> bool:
+        return not self.is_up and not self.is_checking and self.down_for_s() == 0.0
 
 
 class Backends:
-    """One role's servers, in turns."""
+    """One role's servers, in turns, and what each took and failed (by the URL as shown)."""
 
     def __init__(self, role: str, urls: tuple[str, ...]) -> None:
         # A URL given as an OpenAI base URL (.../v1) names the same server: the routes add /v1.
         self.role, self.urls = role, [server_base_url(u) for u in urls]
         self._turn = itertools.count()
+        self.num_requests: Counter[str] = Counter()    # requests a server took (its answer began)
+        self.num_failures: Counter[str] = Counter()    # connections it refused, requests it failed
 
     def order(self) -> list[str]:
         """Every server, starting with the one whose turn it is."""
@@ -175,10 +221,15 @@ class RouterStats:
     num_client_closed: int = 0           # clients that left mid-stream (neither served whole nor failed)
     num_decode_only: int = 0             # requests a decode server computed whole (several prompts or n > 1)
     samples: deque = field(default_factory=lambda: deque(maxlen=MAX_SAMPLES))
+    num_by_route: Counter = field(default_factory=Counter)          # route -> requests
+    num_errors_by_route: Counter = field(default_factory=Counter)   # (route, status) -> requests not answered 200
 
-    def record(self, timing: RequestTiming) -> None:
-        """Count one finished request."""
+    def record(self, timing: RequestTiming, route: str = "") -> None:
+        """Count one finished request (of route)."""
         self.num_requests += 1
+        self.num_by_route[route] += 1
+        if timing.status != 200:
+            self.num_errors_by_route[route, timing.status] += 1
         self.num_decode_only += timing.decode_only is not None
         if timing.status == CLIENT_CLOSED:
             self.num_client_closed += 1
@@ -399,7 +450,11 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.prefill, self.decode = Backends("prefill", config.prefill_urls), Backends("decode", config.decode_urls)
+        # Each server's, whichever role it has: a server given as both is down for both.
+        self.server_health = {url: ServerHealth() for url in [*self.prefill.urls, *self.decode.urls]}
         self.stats = RouterStats()
+        self.metrics = RouterMetrics(self)
+        self._checks: dict[str, asyncio.Task] = {}     # the /health checks in flight, by server
         self.client: httpx.AsyncClient | None = None
         self.socket_clients: dict[str, httpx.AsyncClient] = {}    # the servers on Unix sockets (serve --uds)
         self.leases: ClaimClient | None = None     # gives back the leases no decode server took
@@ -428,7 +483,8 @@ class Router:
     async def close(self) -> None:
         """Close the HTTP client, and the lease releases' sockets once the releases sent have gone
         (a second at most: one still waiting then is left to the lease's end)."""
-        for task in list(self._prefills):     # their clients have left: their leases run out
+        # Prefills whose clients have left (their leases run out) and /health checks in flight.
+        for task in [*self._prefills, *self._checks.values()]:
             task.cancel()
         for client in [self.client, *self.socket_clients.values()]:
             if client is not None:
@@ -444,24 +500,88 @@ class Router:
         base, path = client_endpoint(url)
         return (self.client if path is None else self.socket_clients[url]), base
 
+    async def live(self, backends: Backends) -> list[str]:
+        """The role's servers that are up, starting with the one whose turn it is. A down server whose
+        backoff has ended has its /health checked: in the background while another is up, waited
+        for (health_timeout_s at most) when none is. None up: a 503 saying when one may be."""
+        order, health = backends.order(), self.server_health
+        for url in order:
+            if health[url].is_due_for_check():
+                self._check(url)
+        up = [url for url in order if health[url].is_up]
+        checks = [self._checks[url] for url in order if url in self._checks]
+        if not up and checks:
+            await asyncio.wait(checks, timeout=self.config.health_timeout_s + 1)   # a check's own timeout ends it
+            up = [url for url in order if health[url].is_up]
+        if up:
+            return up
+        reasons = "; ".join(f"{shown_url(url)}: down for another {health[url].down_for_s():.1f} s after "
+                            f"{health[url].reason}" for url in backends.urls)
+        raise RouterError(503, f"no {backends.role} server is reachable ({reasons})", f"{backends.role}_unavailable",
+                          retry_after_s=min(health[url].down_for_s() for url in backends.urls))
+
+    def _check(self, url: str) -> None:
+        """Check a down server's /health in the background: up again if it answers 200, else down for
+        a longer backoff."""
+        health = self.server_health[url]
+        health.is_checking = True
+
+        async def check() -> None:
+            client, base = self.endpoint(url)
+            try:
+                response = await client.get(base + "/health", headers=self.via({}),
+                                            timeout=self.config.health_timeout_s)
+                reason = None if response.status_code == 200 else f"/health answered {response.status_code}"
+            except httpx.HTTPError as exc:
+                reason = f"/health: {type(exc).__name__}"
+            finally:
+                health.is_checking = False
+                self._checks.pop(url, None)
+            if reason is None:
+                health.down_until = None
+                logger.info("%s is up again (/health answered 200)", shown_url(url))
+            else:
+                health.mark_down(reason, self.config)
+
+        self._checks[url] = asyncio.ensure_future(check())
+
+    def _connect_failed(self, backends: Backends, url: str, exc: Exception) -> str:
+        """Mark a server that refused a connection down; the failure as the 503 lists it."""
+        health = self.server_health[url]
+        if health.is_up:
+            health.mark_down(type(exc).__name__, self.config)
+            logger.warning("%s server %s is down for %.1f s: %s", backends.role, shown_url(url),
+                           health.down_for_s(), type(exc).__name__)
+        backends.num_failures[shown_url(url)] += 1
+        return f"{shown_url(url)}: {type(exc).__name__}"
+
+    def _took(self, backends: Backends, url: str) -> str:
+        """Count a request a server took: it answered, so the failures before it are forgotten."""
+        self.server_health[url].num_down = 0
+        backends.num_requests[shown_url(url)] += 1
+        return shown_url(url)
+
     async def send(self, backends: Backends, path: str, content: bytes, headers: dict, stream: bool
                    ) -> tuple[str, httpx.Response]:
-        """POST a JSON body (encode_body's) to the role's servers in turn until one accepts the
-        connection; (its URL as it may be shown, its response)."""
+        """POST a JSON body (encode_body's) to the role's servers that are up, in turn, until one accepts
+        the connection; (its URL as it may be shown, its response)."""
         failures = []
-        for url in backends.order():
+        for url in await self.live(backends):
             client, base = self.endpoint(url)
             request = client.build_request("POST", base + path, content=content,
                                            headers={**headers, "content-type": "application/json"})
             try:
-                return shown_url(url), await client.send(request, stream=stream)
+                response = await client.send(request, stream=stream)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                failures.append(f"{shown_url(url)}: {type(exc).__name__}")
+                failures.append(self._connect_failed(backends, url, exc))
+                continue
             except httpx.HTTPError as exc:
+                backends.num_failures[shown_url(url)] += 1
                 raise RouterError(502, f"the {backends.role} server {shown_url(url)} failed: "
                                   f"{type(exc).__name__}: {exc}", f"{backends.role}_server_failed") from None
+            return self._took(backends, url), response
         raise RouterError(503, f"no {backends.role} server is reachable ({'; '.join(failures)})",
-                          f"{backends.role}_unavailable")
+                          f"{backends.role}_unavailable", retry_after_s=self.config.backoff_s)
 
     async def route(self, path: str, raw: Request) -> Response:
         """One OpenAI request through a prefill server and a decode server."""
@@ -535,6 +655,7 @@ class Router:
             finally:
                 await response.aclose()
             if failure is not None:
+                self.decode.num_failures[timing.decode_url] += 1
                 timing.status = 502
                 self._finish(request_id, path, timing, started)
                 return RouterError(502, f"the decode server {timing.decode_url} failed: {type(failure).__name__}: "
@@ -635,6 +756,7 @@ class Router:
             if buffer:
                 yield buffer
         except httpx.HTTPError as exc:
+            self.decode.num_failures[timing.decode_url] += 1
             timing.status = 502
             message = f"the decode server {timing.decode_url} failed mid-stream: {type(exc).__name__}: {exc}"
             yield relayed.failure_events(APIError(502, message, code="decode_server_failed"))
@@ -648,7 +770,8 @@ class Router:
 
     def _finish(self, request_id: str, path: str, timing: RequestTiming, started: float) -> None:
         timing.total_s = time.monotonic() - started
-        self.stats.record(timing)
+        self.stats.record(timing, path)
+        self.metrics.observe(path, timing.total_s)
         first = f"{timing.decode_first_s * 1e3:.1f} ms" if timing.decode_first_s is not None else "-"
         if timing.decode_only is not None:
             logger.info("%s %s: decode only (%s) · first token %s, all %.1f ms (%s) · total %.1f ms · status %d",
@@ -688,18 +811,26 @@ class Router:
         target = (raw.scope.get("raw_path") or raw.scope["path"].encode()).decode("latin-1")
         if raw.scope.get("query_string"):
             target += "?" + raw.scope["query_string"].decode("latin-1")
-        for url in self.decode.order():
+        try:
+            urls = await self.live(self.decode)
+        except RouterError as exc:
+            return exc.response(path)
+        for url in urls:
             try:
                 client, base = self.endpoint(url)
                 r = await client.request(raw.method, base + target, content=content, headers=headers)
-            except (httpx.ConnectError, httpx.ConnectTimeout):
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                self._connect_failed(self.decode, url, exc)
                 continue
             except httpx.HTTPError as exc:
+                self.decode.num_failures[shown_url(url)] += 1
                 return RouterError(502, f"the decode server {shown_url(url)} failed: {type(exc).__name__}: {exc}",
                                    "decode_server_failed").response(path)
+            self._took(self.decode, url)
             return Response(r.content, status_code=r.status_code, headers=passed_headers(r),
                             media_type=r.headers.get("content-type", "application/json"))
-        return RouterError(503, "no decode server is reachable", "decode_unavailable").response(path)
+        return RouterError(503, "no decode server is reachable", "decode_unavailable",
+                           retry_after_s=self.config.backoff_s).response(path)
 
 
 def create_router_app(config: RouterConfig) -> FastAPI:
@@ -727,6 +858,11 @@ def create_router_app(config: RouterConfig) -> FastAPI:
                           ("/v1/responses/{response_id}", ["GET", "HEAD"]), ("/version", ["GET", "HEAD"]),
                           ("/tokenize", ["POST"]), ("/detokenize", ["POST"]), ("/v1/messages/count_tokens", ["POST"])):
         app.add_api_route(path, _forwarder(router, path), methods=methods)
+
+    @app.get("/metrics")
+    async def metrics(raw: Request):
+        from minillm.server.app import metrics_response     # the servers' /metrics answer (name[], gzip)
+        return metrics_response(router.metrics, raw)
 
     @app.get("/v1/stats")
     async def stats():
