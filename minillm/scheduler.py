@@ -80,17 +80,17 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
                stop_string: str | None = None) -> tuple[SequenceStatus, int | str | None] | None:
     """(finish status, stop reason) that seq's newest known token (or a stop string its text
     completed) gives it, or None while it goes on. The one place every stop rule lives."""
-    params = seq.params
     if stop_string is not None:
         return SequenceStatus.FINISHED_STOPPED, stop_string
-    num_outputs = len(seq.token_ids) - len(seq.prompt_token_ids)
+    params, token_ids, grammar = seq.params, seq.token_ids, seq.structured_output
+    num_outputs = len(token_ids) - len(seq.prompt_token_ids)
     if num_outputs >= params.min_tokens and num_outputs > 0:
-        token = seq.token_ids[-1]
-        if token in params.stop_token_ids:
+        token = token_ids[-1]
+        if params.stop_token_ids and token in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED, token
         if not params.ignore_eos and token in eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED, None
-    if seq.structured_output is not None and seq.structured_output.is_complete:
+    if grammar is not None and grammar.is_complete:
         return SequenceStatus.FINISHED_STOPPED, None   # the grammar allows only EOS: done, whatever min_tokens says
     if num_outputs >= seq.max_tokens:
         return SequenceStatus.FINISHED_LENGTH, None
@@ -205,6 +205,10 @@ class Scheduler:
         else:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         self.running: list[Sequence] = []
+        # The sequences added whose sampling reads their earlier output tokens (params.needs_output_tokens,
+        # fixed for a sequence's life), finished ones dropped as they are found: needs_output_tokens
+        # walks these each step, not every running sequence.
+        self._output_readers: list[Sequence] = []
         self.num_preemptions = 0
         # Sequences update_from_output finished without appending a token: the row sampled for them
         # had every logit -inf (masked_out_error), or their grammar refused the token. The engine
@@ -250,8 +254,10 @@ class Scheduler:
         sequence samples from its earlier tokens (penalties' counts, a bad word's first tokens) and
         one of those tokens is still on the device, or speculation needs a sequence's tokens (see
         Drafter)."""
-        if any(s.num_output_placeholders and s.params.needs_output_tokens for s in self.running):
-            return True
+        if self._output_readers:
+            readers = self._output_readers = [s for s in self._output_readers if not s.status._finished]
+            if any(s.num_output_placeholders and s.status is SequenceStatus.RUNNING for s in readers):
+                return True
         return self.drafter is not None and self.drafter.needs_output_tokens(self.running)
 
     def snapshot(self, max_waiting_rows: int, views: bool = True) -> SchedulerSnapshot:
@@ -270,6 +276,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back."""
         self.waiting.append(seq)
+        if seq.params.needs_output_tokens:
+            self._output_readers.append(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's sequences and token counts under the budget, and count them launched."""
@@ -530,6 +538,7 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
         appended = []
+        append = appended.append
         sampled, eos_token_ids, block_manager = step.sampled, self.eos_token_ids, self.block_manager
         block_size = block_manager.block_size
         seqs = _settled_first(out) if answers_pending else out.sampling_seqs
@@ -545,28 +554,29 @@ class Scheduler:
                     # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
                     # their blocks stay with the sequence for those tokens.
                     seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
+            # (Read once a row: this loop runs for every sampling sequence every step.)
+            params, grammar, token_ids = seq.params, seq.structured_output, seq.token_ids
             for i, token in enumerate(tokens):
                 # A token the sequence's own bans forbid (a row of -inf) or its grammar refuses (no token
                 # the grammar allows was left, or the grammar process failed) is no sample: the output
                 # stops before it.
-                error = masked_out_error(seq.params, seq.output_token_ids, token) \
-                    if seq.params._masked_row_check is not None else None
-                if error is None and seq.structured_output is not None and not seq.structured_output.accept_token(token):
-                    error = seq.structured_output.rejection(token)
+                error = masked_out_error(params, seq.output_token_ids, token) \
+                    if params._masked_row_check is not None else None
+                if error is None and grammar is not None and not grammar.accept_token(token):
+                    error = grammar.rejection(token)
                 if error is not None:
                     self.finish(seq, SequenceStatus.FINISHED_ERROR, error)
                     self.masked_out.append(seq)
                     break
-                seq.token_ids.append(token)
+                token_ids.append(token)
                 if seq.counts_outputs:
                     seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
-                appended.append((seq, token))
+                append((seq, token))
                 if (stop := check_stop(seq, eos_token_ids)) is not None:
                     self.finish(seq, *stop)
-                stop_string = on_token(seq, i) if on_token is not None else None
-                if stop_string is not None:
+                if on_token is not None and (stop_string := on_token(seq, i)) is not None:
                     self.stop(seq, stop_string)
-                if seq.is_finished:
+                if seq.status._finished:
                     break
             else:
                 if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:   # a block may have filled

@@ -126,12 +126,12 @@ class TokenOutputs:
 
     def completion_output(self, state: TokenState, seq: Sequence) -> m.SeqOutput:
         """The tokens (and rows) gained since the last report, and the finish if it came."""
-        new = seq.token_ids[state.num_prompt_tokens + state.num_sent:]
+        num_sent = state.num_sent
+        new = seq.token_ids[state.num_prompt_tokens + num_sent:]
         status = seq.status
         # an n > 1 request's final output reports the count of its last sequence to finish: each sends its own, once
-        is_first_news = state.num_sent == 0 and (new or status.is_finished)
-        cached = seq.num_cached_tokens if is_first_news and seq.params.n > 1 else None
-        state.num_sent += len(new)
+        cached = seq.num_cached_tokens if num_sent == 0 and (new or status.is_finished) and seq.params.n > 1 else None
+        state.num_sent = num_sent + len(new)
         rows = None
         if state.want_logprobs:
             rows, state.logprobs = state.logprobs, []
@@ -146,8 +146,10 @@ class TokenOutputs:
     def request_output(self, req, finished: bool) -> m.RequestStepOutput:
         """req's message after a step (req: the engine's Request), with the prompt_logprobs entries it
         has not reported yet. A core's requests are all cumulative: every report goes out."""
-        metrics = req.metrics
-        message = m.RequestStepOutput(req.request_id, [self.completion_output(st, s) for st, s in zip(req.states, req.seqs)],
+        metrics, seqs = req.metrics, req.seqs
+        outputs = [self.completion_output(req.states[0], seqs[0])] if len(seqs) == 1 else \
+            [self.completion_output(st, s) for st, s in zip(req.states, seqs)]
+        message = m.RequestStepOutput(req.request_id, outputs,
                                       finished, metrics.num_cached_tokens, metrics.first_scheduled_time,
                                       metrics.first_token_time, metrics.last_token_time)
         entries = req.prompt_logprobs
