@@ -8,7 +8,10 @@ forced tool calls) as it does for /v1/chat/completions, and its reply becomes ou
 `reasoning`, a `message` of `output_text`, and `function_call`s. A stream sends the Responses
 events (response.created, output_item.added, output_text.delta, ..., response.completed, or
 response.incomplete when max_output_tokens cut it; response.failed, with the response's error and its
-output as far as it came, when the request fails after the stream began).
+output as far as it came, when the request fails after the stream began). The terminal event carries
+the whole response, as OpenAI's API sends it (vLLM ends every stream with response.completed, an
+incomplete one included); the openai SDK's stream helper's get_final_response reads only
+response.completed, so after a cut stream the response is the response.incomplete event's.
 
 An input that ends with an assistant message left incomplete or in progress is continued (chat's
 continue_final_message), as vLLM continues it. A function_call_output answers a function_call item
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import uuid
 from typing import Any
 
@@ -56,9 +60,10 @@ CHAT_EXTRAS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "freq
                "priority", "logit_bias", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
                "vllm_xargs")
 # vLLM's fields that a text model takes without effect (logged as ignored), with the type vLLM's request
-# model reads each as (another is a 400 naming the field); the response echoes max_tool_calls and service_tier.
+# model reads each as (another is a 400 naming the field), and OpenAI's safety_identifier; the response
+# echoes max_tool_calls and service_tier, and prompt_cache_key and safety_identifier as OpenAI's does.
 IGNORED_TYPES = {"max_tool_calls": int, "prompt_cache_key": str, "mm_processor_kwargs": dict,
-                 "media_io_kwargs": dict, "previous_input_messages": list}
+                 "media_io_kwargs": dict, "previous_input_messages": list, "safety_identifier": str}
 SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 TOOL_CHOICES = ToolChoiceNames('"auto"', '"none"', '"required" or {"type": "function", "name": ...}')
 # reasoning's and text's values as vLLM takes them (OpenAI's Reasoning and ResponseTextConfig types); effort
@@ -526,8 +531,10 @@ class ResponsesJob(TranslatedJob):
     def _response(self, status: str, output: list[dict], final: RequestOutput | None) -> dict:
         req = self.responses_req
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        # completed_at: OpenAI's, set only on a completed response (an incomplete or failed one has none).
+        completed_at = int(time.time()) if status == "completed" else None
         body = {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-                "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
+                "completed_at": completed_at, "error": None, "incomplete_details": incomplete, "instructions": req.instructions,
                 "max_output_tokens": req.max_output_tokens, "model": self.ctx.model_name, "output": output,
                 "parallel_tool_calls": req.parallel_tool_calls is not False, "previous_response_id": None,
                 "reasoning": req.reasoning, "store": False, "temperature": self.params.temperature,
@@ -541,11 +548,13 @@ class ResponsesJob(TranslatedJob):
         return body
 
     def _echoed_extras(self) -> dict:
-        """background, max_tool_calls and service_tier as vLLM's response echoes them (checked in _check_unserved)."""
+        """background, max_tool_calls and service_tier as vLLM's response echoes them, prompt_cache_key and
+        safety_identifier as OpenAI's does (checked in _check_unserved)."""
         extra = self.responses_req.model_extra or {}
         calls = extra.get("max_tool_calls")
         return {"background": False, "max_tool_calls": None if calls is None else lax_value(calls, int, "max_tool_calls"),
-                "service_tier": extra.get("service_tier") or "auto"}
+                "service_tier": extra.get("service_tier") or "auto", "prompt_cache_key": extra.get("prompt_cache_key"),
+                "safety_identifier": extra.get("safety_identifier")}
 
     def _raw_messages(self, final: RequestOutput) -> dict:
         """vLLM's input_messages and output_messages (enable_response_messages): the rendered prompt and
