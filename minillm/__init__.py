@@ -1,7 +1,7 @@
 """minillm: a small, fast LLM inference engine with a paged KV cache and continuous batching."""
 from pathlib import Path as _Path
 
-__all__ = ["CompletionOutput", "LLM", "LLMEngine", "PromptType", "RequestOutput", "SamplingParams",
+__all__ = ["CompletionOutput", "EngineArgs", "LLM", "LLMEngine", "PromptType", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
@@ -22,6 +22,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from minillm.llm import LLM
         return LLM
+    if name == "EngineArgs":
+        from minillm.engine_args import EngineArgs
+        return EngineArgs
     if name == "LLMEngine":
         from minillm.engine import LLMEngine
         return LLMEngine

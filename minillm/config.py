@@ -16,6 +16,7 @@ from minillm.sampling_params import MAX_LOGPROBS, short_repr
 if TYPE_CHECKING:
     from minillm.kv_connector.transfer_config import KVTransferConfig
     from minillm.spec_decode.config import SpeculativeConfig
+    from minillm.structured_outputs_config import StructuredOutputsConfig
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,9 @@ class EngineConfig:
     # ({"temperature": 0.5, "max_new_tokens": 64}) over the file's ("auto") or alone ("vllm").
     override_generation_config: dict | None = None
     max_logprobs: int = MAX_LOGPROBS     # the most log-probabilities a request may ask for, a token
+    # vLLM's structured_outputs_config: a StructuredOutputsConfig, its dict or its JSON (None: each
+    # constraint as given, as an API server's engine core takes them; LLM and EngineArgs give vLLM's defaults)
+    structured_outputs_config: "StructuredOutputsConfig | dict[str, Any] | str | None" = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -203,6 +207,10 @@ class EngineConfig:
                                  else f"speculative_config: {message}") from None
             # Parsed once here, as given: the frozen config holds the one parsed form.
             object.__setattr__(self, "speculative_config", spec)
+        if self.structured_outputs_config is not None:
+            from minillm.structured_outputs_config import StructuredOutputsConfig
+            object.__setattr__(self, "structured_outputs_config",
+                               StructuredOutputsConfig.from_any(self.structured_outputs_config))
         if self.kv_transfer_config is not None:
             from minillm.kv_connector.transfer_config import KVTransferConfig
             object.__setattr__(self, "kv_transfer_config", KVTransferConfig.from_any(self.kv_transfer_config))

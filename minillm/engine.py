@@ -205,6 +205,10 @@ class LLMEngine:
         self.model_config = load_model_config(path)
         # An engine core's outputs are token ids: the API servers render chats and detokenize.
         self.tokenizer = engine_tokenizer(config, path, renders_chat=output_processor is TextOutputs)
+        # structured_outputs_config's reasoning parser: the thinking tags constraints wait for (a bad tokenizer
+        # fails here, before the weights load, as vLLM's parser fails at start-up)
+        so_config = config.structured_outputs_config
+        self._thinking_ids = so_config.thinking_token_ids(self.tokenizer) if so_config is not None else None
         # What a request that leaves them unset samples with (LLM.generate without params, the server).
         self.sampling_defaults = model_sampling_defaults(config, self.tokenizer)
         if self.sampling_defaults:
@@ -300,6 +304,24 @@ class LLMEngine:
         self._deferred_out = None        # the step launched without its sampling (structured outputs)
         self.is_shut_down = False
 
+    @classmethod
+    def from_engine_args(cls, engine_args, usage_context=None, stat_loggers=None, enable_multiprocessing: bool = False,
+                         log=None) -> LLMEngine:
+        """vLLM's constructor from an EngineArgs (minillm.EngineArgs): its create_engine_config()'s engine.
+        usage_context labels vLLM's usage statistics (minillm keeps none: any value is taken);
+        stat_loggers (None) and enable_multiprocessing (False) are taken at what minillm does, a
+        ValueError naming them otherwise. log: where start-up lines go (minillm's; default stderr)."""
+        from minillm.engine_args import EngineArgs
+        if not isinstance(engine_args, EngineArgs):
+            raise TypeError(f"engine_args must be an EngineArgs, got {type(engine_args).__name__}")
+        if stat_loggers is not None:
+            raise ValueError(f"stat_loggers={short_repr(stat_loggers)} is not supported: minillm logs no stats "
+                             f"lines; engine.stats() and the server's /metrics give them")
+        if enable_multiprocessing is not False:
+            raise ValueError(f"enable_multiprocessing={short_repr(enable_multiprocessing)} is not supported: "
+                             f"LLMEngine runs in this process (minillm serve runs its engine core in its own)")
+        return cls(engine_args.create_engine_config(usage_context), log=log)
+
     def _calibrate_step_cost(self):
         """The step cost model, fitted on dummy steps timed on the device (before any request, with
         the whole pool free); from then on each step is timed on the device to correct it."""
@@ -391,6 +413,8 @@ class LLMEngine:
             params.stop_token_ids = [t for t in params.stop_token_ids if t != self.tokenizer.eos_token_id]
             params.stop_token_ids += [t for t in self.extra_eos_token_ids if t not in params.stop_token_ids]
         params.check_masks(self.eos_token_ids, self.model_config.vocab_size)
+        if params.structured_outputs is not None and (so_config := self.config.structured_outputs_config):
+            params.structured_outputs = so_config.applied(params.structured_outputs, self._thinking_ids)
         held = self.requests.get(request_id)
         if held is not None and not held.is_finished:
             raise ValueError(f"request_id {request_id!r} is already in use")

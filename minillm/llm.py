@@ -24,6 +24,7 @@ from minillm.prompts import (
 )
 from minillm.request_queue import check_priorities
 from minillm.sampling_params import BeamSearchParams, SamplingParams, short_repr
+from minillm.structured_outputs_config import offline_config
 from minillm.tokenizer import TEXT_PART_KEYS, check_content_format, check_unicode, template_file_text
 
 if TYPE_CHECKING:
@@ -70,11 +71,6 @@ VLLM_FIXED_ARGS = {
     "hf_token": (lambda v: v is None or v is True, "minillm downloads with huggingface_hub's own token (set HF_TOKEN "
                                                    "or run `huggingface-cli login`)"),
     "distributed_executor_backend": (lambda v: v is None, "minillm starts its tensor-parallel workers itself"),
-    "structured_outputs_config": (lambda v: v is None, "minillm's LLM reads JSON schemas as vLLM's default "
-                                  "backend does, each object taking only the keys it lists (a request's "
-                                  "StructuredOutputsParams(disable_additional_properties=False) reads its schema "
-                                  "as the guidance backend does); minillm serve and run-batch take "
-                                  "--structured-outputs-config"),
     # vLLM's defaults of these: 1, 1, 0, False, None (an empty list in older vLLM), None
     **dict.fromkeys(("max_num_partial_prefills", "max_long_partial_prefills"),
                     (lambda v: _is_count(v, 1), "minillm has no cap on the prompts being prefilled at once: "
@@ -136,6 +132,7 @@ def engine_config(model, args: dict) -> EngineConfig:
     for name, (is_honoured, does) in VLLM_FIXED_ARGS.items():
         if name in args and not is_honoured(args[name]):
             raise ValueError(f"{name}={short_repr(args[name])} is not supported: {does}")
+    args["structured_outputs_config"] = offline_config(args.get("structured_outputs_config"))
     return EngineConfig(model=model, **{k: v for k, v in args.items() if k in known})
 
 

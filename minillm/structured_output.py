@@ -116,9 +116,14 @@ class StructuredOutputsParams:
     free to add whitespace can spend its whole budget on it). disable_additional_properties (vLLM's):
     None, the default, or True reads a schema as vLLM's default backend (xgrammar, in its strict mode)
     does: an object schema with properties that does not say what other keys it takes takes none, and a
-    tuple (prefixItems) that does not say what follows takes nothing more (_with_closed_objects); False
+    tuple (prefixItems) that does not say what follows takes nothing more (_with_closed_objects). An
+    object schema with no properties is any object when it is the bare {"type": "object"} (title,
+    description and other annotations aside: xgrammar's any-object rule), and only {} when it says more
+    than its type and nothing of other keys ({"type": "object", "maxProperties": 3}); False
     reads it as JSON Schema does (llguidance's reading, vLLM's guidance backend's default), where such
     an object takes any other key. A schema's own additionalProperties or items is kept either way.
+    An engine with a structured_outputs_config (every LLM's) reads the option as vLLM does first
+    (StructuredOutputsConfig.applied: under the default backend False, vLLM's default, closes too).
     whitespace_pattern and structural_tag (vLLM's) are taken only as None. reasoning (minillm's: vLLM
     sets it for the whole engine with --reasoning-parser) is the (start, end) token ids of a thinking
     block: the output is free until the end token and the grammar holds what follows it (from the first
@@ -1369,8 +1374,11 @@ def _with_plain_unevaluated(node: dict) -> bool:
 def _with_closed_objects(text: str) -> str:
     """The schema text read as vLLM's default backend (xgrammar, in its strict mode) reads it: an object
     schema with properties or patternProperties that says nothing of other keys takes none
-    (additionalProperties false), and an array with prefixItems (or draft 7's list of items) that says
-    nothing of further items takes none. Left as written: an object whose keys combine with another
+    (additionalProperties false), and so does one with "type": "object" that lists no keys but says
+    something besides (maxProperties, required [], ...: it takes only {}); the bare {"type": "object"},
+    annotations (title, description, ...) aside, takes any object, as xgrammar's any-object rule does. An
+    array with prefixItems (or draft 7's list of items) that says nothing of further items takes none.
+    Left as written: an object whose keys combine with another
     schema's (through allOf, a $ref beside its properties, or its properties beside an anyOf or oneOf
     whose schemas list properties), where each closed would refuse the other's keys; an object that
     asks for a key or a number of keys (required, minProperties) it does not list; an array that asks
@@ -1398,9 +1406,33 @@ def _lists_keys(node: Any) -> bool:
                                        or isinstance(node.get("patternProperties"), dict))
 
 
+# What xgrammar leaves out when it tells the bare {"type": "object"} (any object) from other object schemas.
+_ANNOTATION_KEYS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+                              "$comment", "$schema"})
+# Beside these an object schema that lists no keys stays as written: they say which other keys it takes,
+# or combine it with other schemas.
+_OPENING_KEYS = frozenset({"additionalProperties", "unevaluatedProperties", "propertyNames", "$ref", "const", "enum",
+                           "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas",
+                           "dependentRequired"})
+
+
+def _is_unlisted_object(node: Any) -> bool:
+    """Whether node is an object schema ("type": "object") that lists no keys, names none of _OPENING_KEYS
+    and says more than its type (annotations aside): xgrammar's strict mode closes it to {}, while the bare
+    {"type": "object"} is its any-object rule."""
+    return (isinstance(node, dict) and node.get("type") == "object" and not _lists_keys(node)
+            and not _OPENING_KEYS & node.keys() and bool(node.keys() - _ANNOTATION_KEYS - {"type"}))
+
+
+def _shapes_object(node: Any) -> bool:
+    """Whether closing node would limit its object's keys (it lists them, or lists none: _is_unlisted_object)."""
+    return _lists_keys(node) or _is_unlisted_object(node)
+
+
 def _can_close_object(node: dict) -> bool:
-    """Whether node lists its object's keys, says nothing of others, and can be met with only those."""
-    if not _lists_keys(node) or "additionalProperties" in node or "unevaluatedProperties" in node:
+    """Whether node lists its object's keys (or is an _is_unlisted_object), says nothing of others, and
+    can be met with only those."""
+    if not _shapes_object(node) or "additionalProperties" in node or "unevaluatedProperties" in node:
         return False
     listed = node.get("properties") if isinstance(node.get("properties"), dict) else {}
     patterns = node.get("patternProperties") if isinstance(node.get("patternProperties"), dict) else {}
@@ -1453,8 +1485,8 @@ def _combined_objects(nodes: list[dict], resources: dict[int, dict], root: dict)
                 found, whole = _intersected(member, resources, root)
                 alternatives += found
                 is_whole = is_whole and whole
-        keyed = [n for n in held if _lists_keys(n)]
-        keyed_alternatives = [n for n in alternatives if _lists_keys(n)]
+        keyed = [n for n in held if _shapes_object(n)]
+        keyed_alternatives = [n for n in alternatives if _shapes_object(n)]
         if not is_whole or len(keyed) >= 2 or (keyed and keyed_alternatives):
             combined.update(id(n) for n in keyed + keyed_alternatives)
     return combined

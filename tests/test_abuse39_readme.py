@@ -125,12 +125,12 @@ def test_a_failed_upload_keeps_the_batchs_answers_and_names_their_file(stories_p
 
 # ---- help and refusals that name what is taken -------------------------------------------------------
 
-def test_llm_refuses_a_structured_outputs_config_naming_where_each_reading_is_had(stories_path):
-    with pytest.raises(ValueError) as info:
-        LLM(str(stories_path), device="cpu", structured_outputs_config={"backend": "guidance"})
-    message = str(info.value)
-    assert "disable_additional_properties=False" in message and "--structured-outputs-config" in message
-    assert "builds structured outputs with llguidance" not in message
+def test_llm_takes_a_structured_outputs_config_and_names_a_key_it_does_not_take(stories_path):
+    with LLM(str(stories_path), device="cpu", max_model_len=32,
+             structured_outputs_config={"backend": "guidance"}) as llm:
+        assert llm.llm_engine.config.structured_outputs_config.backend == "guidance"
+    with pytest.raises(ValueError, match="structured_outputs_config.backend 'outlines' is not supported"):
+        LLM(str(stories_path), device="cpu", structured_outputs_config={"backend": "outlines"})
 
 
 def test_serve_help_names_the_structured_outputs_configs_keys_it_takes():

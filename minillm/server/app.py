@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gzip
-import json
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -66,6 +65,7 @@ from minillm.server.tool_parsers import TOOL_PARSERS
 from minillm.server.transport import TransportOptions, bind_uds, listen_url, refresh_ssl_files, remove_uds
 from minillm.server.streaming import EventStreamResponse
 from minillm.spec_decode.metrics import interval_log_line as spec_decode_log_line
+from minillm.structured_outputs_config import check_structured_outputs_config, closing
 from minillm.tokenizer import check_content_format
 from minillm.urls import http_url
 
@@ -210,15 +210,11 @@ class ServerOptions:
 
     @property
     def disable_additional_properties(self) -> bool | None:
-        """How JSON schemas' objects are read: None, objects closed whatever a request's
-        structured_outputs.disable_additional_properties says (vLLM's default backend, xgrammar in its
-        strict mode, closes them and does not read that option); under --structured-outputs-config's
-        guidance backend, that config's disable_additional_properties as a request's default (false, its
-        default: JSON Schema's reading, objects open), as vLLM's guidance backend takes it."""
-        config = self.structured_outputs_config or {}
-        if config.get("backend") != "guidance":
-            return None
-        return bool(config.get("disable_additional_properties", False))
+        """How JSON schemas' objects are read where a request leaves its structured_outputs'
+        disable_additional_properties unset: None, closed (vLLM's default backend, xgrammar in its strict
+        mode); under --structured-outputs-config's guidance backend, that config's
+        disable_additional_properties (false, its default: JSON Schema's reading, objects open)."""
+        return closing(self.structured_outputs_config)
 
     @property
     def structured_outputs_in_reasoning(self) -> bool:
@@ -236,46 +232,6 @@ class ServerOptions:
         if self.api_key is None:
             return ()
         return (self.api_key,) if isinstance(self.api_key, str) else self.api_key
-
-
-_VLLM_BACKENDS = ("auto", "xgrammar", "guidance", "outlines", "lm-format-enforcer")
-# vLLM's StructuredOutputsConfig keys, each with the values minillm serves as vLLM does (None: any) and
-# why the others are refused.
-_STRUCTURED_OUTPUTS_KEYS: dict[str, tuple[type, tuple | None, str]] = {
-    "backend": (str, ("auto", "guidance"), "minillm's grammars are always llguidance's (vLLM's guidance "
-                "backend): give auto or guidance, or leave the key out"),
-    "disable_fallback": (bool, None, ""),                  # one backend: there is nothing to fall back to
-    "disable_any_whitespace": (bool, (True,), "minillm's JSON grammars leave whitespace out by default; a "
-                               "request that wants it sets structured_outputs.disable_any_whitespace false"),
-    "disable_additional_properties": (bool, None, ""),      # the guidance backend's default (see ServerOptions)
-    "reasoning_parser": (str, ("", *REASONING_PARSERS), f"it must be one of {', '.join(REASONING_PARSERS)} "
-                         "(--reasoning-parser's names)"),
-    "reasoning_parser_plugin": (str, ("",), "minillm loads no reasoning parser plugins: --reasoning-parser "
-                                f"takes {', '.join(REASONING_PARSERS)}"),
-    "enable_in_reasoning": (bool, None, ""),
-}
-
-
-def check_structured_outputs_config(config: Any) -> str:
-    """vLLM's structured_outputs_config checked key by key (a ValueError naming the key minillm does not
-    serve as vLLM does); the reasoning parser it names, "" for none."""
-    if not isinstance(config, dict):
-        raise ValueError(f"structured_outputs_config must be a JSON object, got {short_repr(config)}")
-    for key, value in config.items():
-        if key not in _STRUCTURED_OUTPUTS_KEYS:
-            raise ValueError(f"structured_outputs_config.{key} is not a key of vLLM's structured outputs config "
-                             f"({', '.join(_STRUCTURED_OUTPUTS_KEYS)})")
-        kind, served, why = _STRUCTURED_OUTPUTS_KEYS[key]
-        if not isinstance(value, kind):
-            raise ValueError(f"structured_outputs_config.{key} must be a {'boolean' if kind is bool else 'string'}, "
-                             f"got {short_repr(value)}")
-        if key == "backend" and value not in _VLLM_BACKENDS:
-            raise ValueError(f"structured_outputs_config.backend must be one of {', '.join(_VLLM_BACKENDS)}, "
-                             f"got {short_repr(value)}")
-        if served is not None and value not in served:
-            shown = json.dumps(value) if isinstance(value, bool) else short_repr(value)
-            raise ValueError(f"structured_outputs_config.{key} {shown} is not supported: {why}")
-    return config.get("reasoning_parser", "")
 
 
 def max_api_server_count() -> int:

@@ -12,7 +12,7 @@ turned into StructuredOutputsParams, or a 400 whose param names the bad field.
 
 The schema is always enforced (strict or not), its objects closed as vLLM's default backend closes
 them (StructuredOutputsParams.disable_additional_properties; a server configured with vLLM's guidance
-backend reads them as that backend does, see _closing). Nothing about structure is ignored: an
+backend reads them as that backend does, see resolved_closing, as offline). Nothing about structure is ignored: an
 unknown type or key, or vLLM's older guided_* fields, is a 400 too.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError
 from minillm.server.protocol import lax_value
+from minillm.structured_outputs_config import resolved_closing
 
 _KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace", "disable_additional_properties",
          "whitespace_pattern", "structural_tag")
@@ -43,7 +44,7 @@ def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None
                               disable_additional_properties: bool | None = None):
     """StructuredOutputsParams for a completions or chat request, or None when it asks for none;
     reasoning: the (start, end) ids of a thinking block the grammar holds the output only after;
-    disable_additional_properties: the server's default of that option (ServingContext's, see _closing)."""
+    disable_additional_properties: the server's default of that option (ServingContext's, see resolved_closing)."""
     extra = req.model_extra or {}
     for name, key in _LEGACY.items():
         if extra.get(name) is not None:
@@ -63,17 +64,10 @@ def structured_outputs_params(req: Any, reasoning: tuple[int, int] | None = None
         what = param if named else f"structured_outputs: {short_repr(key)}"
         raise APIError(400, f"{what} is not supported (structured_outputs takes {', '.join(_KEYS)})", param=param)
     options = _lax_options(req.structured_outputs)
-    options["disable_additional_properties"] = _closing(options.get("disable_additional_properties"),
-                                                        disable_additional_properties)
+    options["disable_additional_properties"] = resolved_closing(options.get("disable_additional_properties"),
+                                                                disable_additional_properties)
     return checked_params(lambda field: "structured_outputs" if field == "structured_outputs"
                           else f"structured_outputs.{field}", **options, reasoning=reasoning)
-
-
-def _closing(asked: bool | None, default: bool | None) -> bool | None:
-    """A request's disable_additional_properties as vLLM reads it: under its default backend (default None
-    here) objects are closed whatever the request says; under the guidance backend the request's value,
-    else the server's."""
-    return None if default is None else default if asked is None else asked
 
 
 def _lax_options(options: dict) -> dict:
