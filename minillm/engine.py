@@ -1,7 +1,6 @@
 """LLMEngine: add requests, step the scheduler and the model, hand back RequestOutputs."""
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 import random
@@ -9,7 +8,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -718,7 +717,7 @@ class LLMEngine:
         spec = out.scheduled_spec_decode_tokens
         drafts = {s.seq_id: spec[s.seq_id] for s in out.sampling_seqs
                   if s.seq_id in spec and s.num_output_placeholders} if spec else None
-        appended = self.scheduler.update_from_output(out, step, functools.partial(self._add_output, step, now),
+        appended = self.scheduler.update_from_output(out, step, self._token_reporter(step, now),
                                                      self.structured_outputs is not None
                                                      and self.structured_outputs.answers_pending())
         while self.scheduler.masked_out:        # finished with no token: on_token did not report them
@@ -749,20 +748,36 @@ class LLMEngine:
                                            for i, entry in enumerate(dicts[have - first:], start=have))
                 self._changed[req] = None
 
-    def _add_output(self, step: StepOutput, now: float, seq: Sequence, i: int) -> str | None:
-        """Feed seq's i-th new token of the step to its request's output; returns the stop string
-        it completed, if any (the scheduler then ends the sequence there)."""
-        req = self._request_of(seq)
-        if req is None:
-            return None
-        logprobs = step.logprobs.get(seq.seq_id)
-        stop = self.output_processor.add_token(req.states[seq.index], seq, seq.token_ids[-1],
-                                               logprobs[i] if logprobs else None)
-        if len(seq.token_ids) == len(seq.prompt_token_ids) + 1:     # its first token: its prompt counts now
-            self.metrics.record_prompt(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_external_tokens)
-        self._note_token(req, now)
-        self._changed[req] = None
-        return stop
+    def _token_reporter(self, step: StepOutput, now: float) -> Callable[[Sequence, int], str | None]:
+        """The scheduler's on_token for a step read back at now: feeds seq's i-th new token of the
+        step to its request's output and returns the stop string it completed, if any (the
+        scheduler then ends the sequence there). Called for every token: _request_of is spelled
+        out in it, and what it reads each time is bound once here (so it is used at once, while
+        self._changed is the dict it holds)."""
+        requests, changed, metrics = self.requests, self._changed, self.metrics
+        add_token, logprobs_of, record_itl = self.output_processor.add_token, step.logprobs, metrics.record_itl
+
+        def on_token(seq: Sequence, i: int) -> str | None:
+            req = requests.get(seq.request_id)
+            index = seq.index
+            if req is None or index >= len(req.seqs) or req.seqs[index] is not seq:
+                return None
+            logprobs = logprobs_of.get(seq.seq_id) if logprobs_of else None
+            token_ids = seq.token_ids
+            stop = add_token(req.states[index], seq, token_ids[-1], logprobs[i] if logprobs else None)
+            if len(token_ids) == len(seq.prompt_token_ids) + 1:     # its first token: its prompt counts now
+                metrics.record_prompt(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_external_tokens)
+            m = req.metrics
+            last = m.last_token_time
+            if m.first_token_time is None:
+                m.first_token_time = now
+                metrics.record_ttft(now - m.arrival_time)
+            elif last is not None and now > last:
+                record_itl(now - last)
+            m.last_token_time = now
+            changed[req] = None
+            return stop
+        return on_token
 
     def _request_of(self, seq: Sequence) -> Request | None:
         """The request seq belongs to while the engine holds it (None once it is retired, or once a
@@ -772,15 +787,6 @@ class LLMEngine:
         if req is None or seq.index >= len(req.seqs) or req.seqs[seq.index] is not seq:
             return None
         return req
-
-    def _note_token(self, req: Request, now: float) -> None:
-        m = req.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-            self.metrics.record_ttft(now - m.arrival_time)
-        elif m.last_token_time is not None and now > m.last_token_time:
-            self.metrics.record_itl(now - m.last_token_time)
-        m.last_token_time = now
 
     def _take_outputs(self) -> list:
         """The reports (the output processor's request_output: a RequestOutput, or an engine core's

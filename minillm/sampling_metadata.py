@@ -216,7 +216,7 @@ class SamplingInputBuffer:
             self._bias_rows = [b for b, p in enumerate(params) if p.logit_bias]
             self._allowed_rows = [b for b, p in enumerate(params) if p._allowed_entries is not None]
             self._bad_word_rows = [b for b, p in enumerate(params) if p._bad_word_ids]
-        uniforms = [seqs[b].rng.random() for b in self._sampled_rows]
+        uniforms = [seqs[b].next_uniform() for b in self._sampled_rows]
         pen = penalty_entries(seqs, self._penalty_rows) if self._penalty_rows else ([], [], [], [])
         ban = banned_entries(seqs, self._min_tokens_rows, self.eos_token_ids, vocab) if self._min_tokens_rows \
             else ([], [])

@@ -47,6 +47,9 @@ del _status
 
 _seq_counter = itertools.count()
 
+# Uniforms a sequence draws from its generator at once for the sampling (Sequence.next_uniform).
+UNIFORMS_AHEAD = 32
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -84,6 +87,9 @@ class Sequence:
     kv_transfer_stats: dict | None = None
     # Whether output_counts is kept: only a penalty reads it (the params never change in a sequence's life).
     counts_outputs: bool = field(default=False, init=False, repr=False)
+    # Uniforms drawn ahead from its generator for next_uniform, the next one last (given back to the
+    # generator before any other draw from it: see rng).
+    uniforms_ahead: list[float] | tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -93,10 +99,25 @@ class Sequence:
     @property
     def rng(self) -> np.random.Generator:
         """Its random generator, built from its seed on first use (a greedy sequence never needs one,
-        and building one costs a fifth of admitting a request)."""
+        and building one costs a fifth of admitting a request), at the draws used so far: those
+        next_uniform drew ahead are given back first (each uniform is one of the generator's
+        64-bit outputs), so every draw from it continues the one stream."""
+        if self.uniforms_ahead:
+            self.rng_source.bit_generator.advance(-len(self.uniforms_ahead))
+            self.uniforms_ahead = ()
         if not isinstance(self.rng_source, np.random.Generator):
             self.rng_source = np.random.default_rng(self.rng_source)
         return self.rng_source
+
+    def next_uniform(self) -> float:
+        """Its generator's next uniform in [0, 1), as rng.random() draws it, drawn UNIFORMS_AHEAD at
+        a time (the sampling asks every seeded row for one every step)."""
+        ahead = self.uniforms_ahead
+        if not ahead:
+            ahead = self.rng.random(UNIFORMS_AHEAD).tolist()
+            ahead.reverse()
+            self.uniforms_ahead = ahead
+        return ahead.pop()
 
     @property
     def num_tokens(self) -> int:
