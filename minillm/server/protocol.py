@@ -42,13 +42,19 @@ def _lax_adapter(kind: type) -> TypeAdapter:
 
 def lax_value(value: Any, kind: type, param: str) -> Any:
     """value read as a request model reads a field of type kind (KIND_WORDS' types: "5" is 5, 0 is
-    False); a 400 naming param where it cannot be. For fields read by hand from free JSON objects."""
-    if type(value) is kind and kind is not float:      # a float may be NaN, which the adapter refuses
-        return value
-    try:
-        return _lax_adapter(kind).validate_python(value)
-    except ValidationError:
-        raise APIError(400, f"{param} must be {KIND_WORDS[kind]}, got {short_repr(value)}", param=param) from None
+    False; a string is valid Unicode, as a Text field is); a 400 naming param where it cannot be. For
+    fields read by hand from free JSON objects."""
+    if type(value) is not kind or kind is float:      # a float may be NaN, which the adapter refuses
+        try:
+            value = _lax_adapter(kind).validate_python(value)
+        except ValidationError:
+            raise APIError(400, f"{param} must be {KIND_WORDS[kind]}, got {short_repr(value)}", param=param) from None
+    if kind is str:
+        try:
+            check_text(value)
+        except PydanticCustomError as exc:
+            raise APIError(400, f"{param}: {exc.message()}", param=param) from None
+    return value
 
 
 def check_text(value: str) -> str:
@@ -545,6 +551,8 @@ def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False
     """400 for a tool_choice that needs a tool call parser ("auto" on a server started without
     --enable-auto-tool-choice, told in names' spelling), names no tools or a tool not among them.
     "required" and a named tool are served as vLLM serves them without a parser (server/tool_calls.py)."""
+    if isinstance(req.tool_choice, dict) and req.tool_choice.get("type") == "allowed_tools":
+        req.tools, req.tool_choice = allowed_tools(req.tool_choice, req.tools)
     choice = tool_choice_of(req)
     if choice == "none":
         return
@@ -568,6 +576,54 @@ def check_tool_choice(req: ChatCompletionRequest, auto_tool_choice: bool = False
     raise APIError(400, f'tool_choice must be "none", "auto", "required" or a named tool '
                    f'({{"type": "function", "function": {{"name": ...}}}}), got {short_repr(choice)}',
                    param="tool_choice")
+
+
+ALLOWED_TOOLS_MODES = ("auto", "required")
+
+
+def allowed_tools(choice: dict, tools: list[Tool] | None) -> tuple[list[Tool], str]:
+    """OpenAI's tool_choice {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | "required", "tools":
+    [{"type": "function", "function": {"name": N}}, ...]}} as (the tools it allows, in the request's order;
+    tool_choice mode over them): the others are neither rendered nor called. A 400 naming the part at fault."""
+    where = "tool_choice.allowed_tools"
+    _refuse_other_keys(choice, "tool_choice", ("type", "allowed_tools"))
+    allowed = choice.get("allowed_tools")
+    if not isinstance(allowed, dict):
+        raise APIError(400, f'{where} must be an object {{"mode": "auto" | "required", "tools": [{{"type": '
+                       f'"function", "function": {{"name": ...}}}}, ...]}}, got {short_repr(allowed)}', param=where)
+    _refuse_other_keys(allowed, where, ("mode", "tools"))
+    mode = allowed.get("mode")
+    if mode not in ALLOWED_TOOLS_MODES:
+        raise APIError(400, f'{where}.mode must be "auto" or "required", got {short_repr(mode)}', param=f"{where}.mode")
+    entries = allowed.get("tools")
+    if not isinstance(entries, list) or not entries:
+        raise APIError(400, f"{where}.tools must be a non-empty list of the tools that may be called, got "
+                       f"{short_repr(entries)}", param=f"{where}.tools")
+    if tools is None:
+        raise APIError(400, "When using `tool_choice`, `tools` must be set.", param="tool_choice")
+    names = {tool.function.name for tool in tools}
+    chosen = set()
+    for i, entry in enumerate(entries):
+        at = f"{where}.tools.{i}"
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind != "function":
+            served = "custom tools are not served" if kind == "custom" else "only function tools are served"
+            raise APIError(400, f'{at} must be {{"type": "function", "function": {{"name": ...}}}} ({served}), got '
+                           f"{short_repr(entry)}", param=f"{at}.type")
+        function = entry.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in names:
+            raise APIError(400, f"{at}.function.name must name one of the request's tools, got {short_repr(name)}",
+                           param=f"{at}.function.name")
+        chosen.add(name)
+    return [tool for tool in tools if tool.function.name in chosen], mode
+
+
+def _refuse_other_keys(obj: dict, where: str, keys: tuple[str, ...]) -> None:
+    """A 400 naming where.key for a key of obj outside keys (one this server would otherwise drop)."""
+    other = next((key for key in obj if key not in keys), None)
+    if other is not None:
+        raise APIError(400, f"{where} takes only {', '.join(keys)}, got {short_repr(other)}", param=f"{where}.{other}")
 
 
 def template_tools(req: ConversationRequest) -> list[dict] | None:

@@ -42,8 +42,8 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, json_error_reason, response_failed_event
 from minillm.server.logprobs import LogprobRow, chat_logprobs
 from minillm.server.protocol import (
-    REASONING_EFFORTS, ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest, chat_max_tokens,
-    check_ignored_types, check_text, lax_value,
+    ALLOWED_TOOLS_MODES, REASONING_EFFORTS, ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text,
+    _ModelRequest, chat_max_tokens, check_ignored_types, check_text, lax_value,
 )
 from minillm.server.serving import ServingContext, client_response_id, json_dumps, stream_failure
 from minillm.server.structured import _refuse_unknown_keys
@@ -334,22 +334,55 @@ def _unserved_tools(kind: Any) -> str:
     return "built-in tools are not served"
 
 
-def _tool_choice(choice: Any) -> Any:
-    """tool_choice ("none", "auto", "required" or {"type": "function", "name": N}) in the chat shape;
-    a 400 in this API's terms for any other (the chat request's would show its own shape)."""
+def _tool_choice(choice: Any, tools: list[dict] | None) -> Any:
+    """tool_choice ("none", "auto", "required", {"type": "function", "name": N} or {"type": "allowed_tools",
+    ...}) in the chat shape; a 400 in this API's terms for any other (the chat request's would show its own
+    shape). tools: the request's (checked by _tools), which allowed_tools names from."""
     usage = 'use {"type": "function", "name": "my_function"}'
     if choice is None or choice in ("none", "auto", "required"):
         return choice
     if not isinstance(choice, dict):
         raise APIError(400, f'tool_choice must be "none", "auto", "required" or a function tool ({usage}), got '
                        f"{short_repr(choice)}", param="tool_choice")
+    if choice.get("type") == "allowed_tools":
+        return _allowed_tools(choice, tools)
     if choice.get("type") != "function":
-        raise APIError(400, f"tool_choice.type must be function ({_unserved_tools(choice.get('type'))}): {usage}, got "
+        unserved = _unserved_tools(choice.get("type"))
+        raise APIError(400, f"tool_choice.type must be function or allowed_tools ({unserved}): {usage}, got "
                        f"{short_repr(choice.get('type'))}", param="tool_choice.type")
     name = choice.get("name")
     if not isinstance(name, str) or not name:
         raise APIError(400, f"tool_choice.name must be a tool's name: {usage}", param="tool_choice.name")
     return {"type": "function", "function": {"name": name}}
+
+
+def _allowed_tools(choice: dict, tools: list[dict] | None) -> dict:
+    """OpenAI's {"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function", "name":
+    N}, ...]} in the chat shape (which serves it as tool_choice mode over those tools alone); a 400 naming
+    the part at fault as this API names it."""
+    _refuse_unknown_keys(choice, "tool_choice", ("type", "mode", "tools"))
+    mode = choice.get("mode")
+    if mode not in ALLOWED_TOOLS_MODES:
+        raise APIError(400, f'tool_choice.mode must be "auto" or "required", got {short_repr(mode)}',
+                       param="tool_choice.mode")
+    entries = choice.get("tools")
+    if not isinstance(entries, list) or not entries:
+        raise APIError(400, f"tool_choice.tools must be a non-empty list of the tools that may be called, got "
+                       f"{short_repr(entries)}", param="tool_choice.tools")
+    names = {tool.get("name") for tool in tools or []}
+    chosen = []
+    for i, entry in enumerate(entries):
+        at = f"tool_choice.tools[{i}]"
+        kind = entry.get("type") if isinstance(entry, dict) else None
+        if kind != "function":
+            raise APIError(400, f'{at} must be {{"type": "function", "name": ...}} ({_unserved_tools(kind)}), got '
+                           f"{short_repr(entry)}", param=f"{at}.type")
+        name = entry.get("name")
+        if not isinstance(name, str) or name not in names:
+            raise APIError(400, f"{at}.name must name one of the request's tools, got {short_repr(name)}",
+                           param=f"{at}.name")
+        chosen.append({"type": "function", "function": {"name": name}})
+    return {"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": chosen}}
 
 
 def _response_format(text: dict | None) -> dict | None:
@@ -380,7 +413,7 @@ def chat_body(req: ResponsesRequest) -> dict:
     _check_unserved(req)
     body = {"model": req.model, "messages": _messages(req), "stream": req.stream}
     fields = {"max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
-              "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice),
+              "tools": _tools(req.tools), "tool_choice": _tool_choice(req.tool_choice, req.tools),
               "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
               "user": req.user, "reasoning_effort": (req.reasoning or {}).get("effort")}
     if asks_for_logprobs(req):      # vLLM's top_logprobs defaults to 0: each token's own logprob only
