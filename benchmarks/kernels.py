@@ -465,8 +465,7 @@ def projection_rows(cp, ops, copy_gbs: float, batches=(64, 128, 256), best_of_ea
                 rows.append(Row(label, shape, t * 1e6, wbytes / t / 1e9, "GB/s", copy_gbs))
             if batch in best_of_each_at:   # the tuner's own figures: the best of each kind of candidate
                 for kind, label in (("gemm_ex", "explicit gemm_ex ids"), ("lt", "cuBLASLt"),
-                                    ("lt0", "cuBLASLt, no workspace"), ("split_k", "split-K"),
-                                    ("stream", "stream kernel")):
+                                    ("lt0", "cuBLASLt, no workspace"), ("split_k", "split-K")):
                     timed = {c: v for c, v in result.seconds.items() if c.kind == kind and c.param not in (-1, 99)}
                     if timed:
                         best = min(timed, key=timed.get)

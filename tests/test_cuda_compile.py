@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from minillm.ops import gemm, prefill_attention
+from minillm.ops import prefill_attention
 
 CUDA_DIR = Path(__file__).resolve().parents[1] / "cuda"
 SOURCES = sorted(p.name for p in CUDA_DIR.glob("*.cu"))
@@ -110,11 +110,6 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
         builds[f"decode-{dtype}-{fp8}-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
             f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DKV_FP8={fp8}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}",
             "--resource-usage"])
-    for shape, (bm, bn, wm, wn, stages) in enumerate(gemm.STREAM_SHAPES):
-        for dtype, out_f32 in (("bfloat16", 0), ("float16", 1)):
-            builds[f"stream-gemm-{shape}-{dtype}-{out_f32}"] = (inlined_source("gemm.cu"), [
-                f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DSG_BM={bm}", f"-DSG_BN={bn}", f"-DSG_WM={wm}",
-                f"-DSG_WN={wn}", f"-DSG_STAGES={stages}", f"-DSG_OUT_F32={out_f32}", "--resource-usage"])
     builds["sampling-usage"] = (inlined_source("sampling.cu"), ["-DMINILLM_DTYPE=0", "--resource-usage"])
     broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
     builds["syntax-error"] = (broken, [])
@@ -240,20 +235,6 @@ def test_decode_attention_fits_128_registers_without_spills(dtype, fp8, head_dim
     assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
     registers = int(report.split("Used ", 1)[1].split(" registers", 1)[0])
     assert registers <= 128, report
-
-
-@needs_nvcc
-@pytest.mark.parametrize("shape", range(len(gemm.STREAM_SHAPES)))
-@pytest.mark.parametrize("dtype,out_f32", [("bfloat16", 0), ("float16", 1)])
-def test_stream_gemm_builds_every_block_shape_without_spills(shape, dtype, out_f32, nvcc_results):
-    """Each block shape the tuner may pick compiles, keeps its accumulators in registers, and fits
-    the shared memory the launch asks for (minillm/ops/gemm.py: STREAM_SHAPES)."""
-    result = nvcc_results[f"stream-gemm-{shape}-{dtype}-{out_f32}"]
-    assert result.returncode == 0, result.stderr
-    report = function_report(result.stdout + result.stderr, "stream_gemm")
-    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
-    bm, bn, _, _, stages = gemm.STREAM_SHAPES[shape]
-    assert stages * (bm + bn) * gemm.STREAM_ROW_BYTES <= 227 * 1024
 
 
 @needs_nvcc

@@ -14,11 +14,6 @@ Candidates for one GemmProblem (T, N, K, x's row stride, dtypes, whether beta is
     split_k/<s>     K cut into s slices: one strided-batched cublasGemmEx writes the s fp32 partial
                     products to a workspace [s, T, N], and splitk_reduce (cuda/gemm.cu) sums them,
                     adds beta * out and rounds once
-    stream/<b><ss>  stream_gemm (cuda/gemm.cu), a kernel for decode-sized T: the b-th block shape of
-                    STREAM_SHAPES (16 to 128 rows, 64 or 128 columns) over s K slices; the last block of
-                    a tile to finish sums the slices, so it is one launch and needs no memset. Where
-                    cuBLAS's tiles leave most multiprocessors idle at T <= 256, it keeps enough blocks
-                    streaming the weights (16-bit inputs only)
 The tuner first runs each candidate once on the real input and a copy of the weights and compares
 its output with the default's (a candidate that fails or differs is left out), then times each as a
 CUDA graph of calls over copies of the weights that together overflow L2 (so weights come from
@@ -35,7 +30,7 @@ past that bound (an output head: tuning it at every batch size would add seconds
 lt0/0, cuBLASLt's first zero-workspace configuration: for Qwen3-0.6B's head on an H200 it is 3-6 %
 faster than the default at every decode batch size and captures as one node, not a memset and a
 kernel. MINILLM_GEMM_AUTOTUNE=0 turns all this off (the default candidate everywhere); =full adds
-the explicit cublasGemmEx ids. MINILLM_GEMM_STREAM=0 leaves the stream kernel out of the candidates.
+the explicit cublasGemmEx ids.
 """
 from __future__ import annotations
 
@@ -61,13 +56,6 @@ VALIDATE_TOL = 2e-2             # max |out - default| against max |default|: reo
 SPLIT_K_SLICES = (2, 3, 4, 6, 8, 12, 16)
 SPLIT_K_MIN_SLICE = 64          # elements of K per slice (also keeps each slice 16-byte aligned)
 SPLIT_K_WORKSPACE_BYTES = 64 << 20
-# stream_gemm's block shapes: (rows, columns, warps along rows, warps along columns, pipeline stages).
-STREAM_SHAPES = ((16, 64, 1, 4, 4), (16, 128, 1, 4, 4), (32, 64, 1, 4, 4), (32, 128, 1, 4, 4),
-                 (64, 64, 2, 2, 4), (64, 128, 2, 4, 3), (128, 64, 2, 2, 3), (128, 128, 2, 4, 3))
-STREAM_SLICES = (1, 2, 3, 4, 6, 8, 12, 16)
-STREAM_BK = 64                  # K per pipeline stage
-STREAM_ROW_BYTES = (STREAM_BK + 8) * 2       # a padded shared-memory row
-STREAM_COUNTERS = 1 << 16       # tiles a sliced product may have (one arrival counter each)
 _DEFAULT_L2_BYTES = 50 << 20
 _TUNED_DTYPES = ("float16", "bfloat16")
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -95,9 +83,8 @@ class GemmProblem:
 class Candidate:
     """One way to compute a GemmProblem."""
 
-    kind: str                        # "gemm_ex" | "lt" | "lt0" | "split_k" | "stream"
-    param: int                       # the algorithm id, the heuristic's index, the number of slices,
-                                     # or (stream) 100 * block shape index + slices
+    kind: str                        # "gemm_ex" | "lt" | "lt0" | "split_k"
+    param: int                       # the algorithm id, the heuristic's index, or the number of slices
 
     @property
     def name(self) -> str:
@@ -120,10 +107,6 @@ class TuneResult:
 
     def describe(self, candidate: Candidate) -> str:
         """The candidate's name, with a cuBLASLt configuration in words."""
-        if candidate.kind == "stream":
-            bm, bn, wm, wn, stages = STREAM_SHAPES[candidate.param // 100]
-            return (f"{candidate.name} ({bm}x{bn} tiles, {wm * wn} warps, {stages} stages, "
-                    f"{candidate.param % 100} K slices)")
         plan = _lt_plans.get((self.problem, candidate.kind))
         if plan is not None and candidate.param < len(plan.algos):
             return f"{candidate.name} ({plan.describe(candidate.param)})"
@@ -132,15 +115,12 @@ class TuneResult:
 
 _lock = threading.Lock()
 _mode = os.environ.get("MINILLM_GEMM_AUTOTUNE", "1").strip().lower()
-_stream_on = os.environ.get("MINILLM_GEMM_STREAM", "1").strip() != "0"
 _choices: dict[GemmProblem, Candidate] = {}
 _results: dict[GemmProblem, TuneResult] = {}
 _lt_plans: dict[tuple[GemmProblem, str], object] = {}     # by (problem, "lt" | "lt0")
 _lt_errors: dict[GemmProblem, str] = {}
 _LT_WORKSPACES = {"lt": cublas.LT_WORKSPACE_BYTES, "lt0": 0}
 _workspaces: dict[int, object] = {}
-_counters: dict[int, object] = {}
-_configured: set[int] = set()
 _tune_streams: dict[int, object] = {}
 _probe_hosts: dict[tuple[int, str], np.ndarray] = {}
 
@@ -233,45 +213,6 @@ def candidates(p: GemmProblem, explicit_algos: bool | None = None) -> list[Candi
         if plan is not None:
             out += [Candidate(kind, i) for i in range(len(plan.algos))]
     out += [Candidate("split_k", s) for s in SPLIT_K_SLICES if split_k_fits(p, s)]
-    if _stream_on:
-        out += stream_candidates(p)
-    return out
-
-
-def stream_fits(p: GemmProblem, shape: int, slices: int) -> bool:
-    """True when stream_gemm's block shape `shape` over `slices` K slices can compute p."""
-    if not (p.dtype in _TUNED_DTYPES and p.out_dtype in (p.dtype, "float32") and 0 <= shape < len(STREAM_SHAPES)
-            and slices in STREAM_SLICES and p.num_tokens > 0 and p.x_stride % 8 == 0):
-        return False
-    bm, bn = STREAM_SHAPES[shape][:2]
-    tiles = (p.n // bn) * -(-p.num_tokens // bm)
-    return (p.n % bn == 0 and p.k % (slices * STREAM_BK) == 0
-            and (slices == 1 or (slices * p.num_tokens * p.n * 4 <= SPLIT_K_WORKSPACE_BYTES
-                                 and tiles <= STREAM_COUNTERS)))
-
-
-def stream_candidates(p: GemmProblem, num_sms: int | None = None) -> list[Candidate]:
-    """The stream_gemm candidates worth timing for p: block shapes no taller than T needs (and at
-    least a quarter of that), and more K slices only while the blocks of the fewer slices would not
-    give every multiprocessor two."""
-    if num_sms is None:
-        from minillm.ops.cuda import _num_multiprocessors
-
-        num_sms = _num_multiprocessors()
-    rows = 16
-    while rows < min(p.num_tokens, 128):
-        rows *= 2
-    out = []
-    for i, (bm, bn, *_rest) in enumerate(STREAM_SHAPES):
-        if not rows // 4 <= bm <= rows or p.n % bn:
-            continue
-        tiles, fewer = (p.n // bn) * -(-p.num_tokens // bm), 0
-        for s in STREAM_SLICES:
-            if tiles * fewer >= 2 * num_sms:
-                break
-            if stream_fits(p, i, s):
-                out.append(Candidate("stream", 100 * i + s))
-                fewer = s
     return out
 
 
@@ -300,42 +241,6 @@ def _split_k(out, x, w, splits: int, accumulate: bool) -> None:
                                         np.int32(splits), np.int32(1 if accumulate else 0)))
 
 
-def _stream_counters():
-    """The device's zeroed arrival counters of stream_gemm (each launch leaves them zeroed)."""
-    import cupy
-
-    dev = cupy.cuda.runtime.getDevice()
-    with _lock:
-        buf = _counters.get(dev)
-        if buf is None:
-            buf = cublas.raw_device_buffer(STREAM_COUNTERS * 4)
-            cupy.cuda.runtime.memset(buf.ptr, 0, STREAM_COUNTERS * 4)
-            _counters[dev] = buf
-    return buf
-
-
-def _stream(out, x, w, shape: int, slices: int, accumulate: bool) -> None:
-    from minillm.ops.cuda import _kernel
-
-    bm, bn, wm, wn, stages = STREAM_SHAPES[shape]
-    fn = _kernel("gemm.cu", x.dtype, "stream_gemm", SG_BM=bm, SG_BN=bn, SG_WM=wm, SG_WN=wn, SG_STAGES=stages,
-                 SG_OUT_F32=int(out.dtype.name == "float32"))
-    smem = stages * (bm + bn) * STREAM_ROW_BYTES
-    with _lock:
-        if id(fn) not in _configured:
-            fn.max_dynamic_shared_size_bytes = smem
-            _configured.add(id(fn))
-    ws = _split_k_workspace() if slices > 1 else None
-    counters = _stream_counters() if slices > 1 else None
-    num_tokens, k = int(x.shape[0]), int(x.shape[1])
-    n = int(w.shape[0])
-    fn((n // bn, -(-num_tokens // bm), slices), (32 * wm * wn,),
-       (np.uint64(out.data.ptr), np.uint64(x.data.ptr), np.uint64(w.data.ptr),
-        np.uint64(0 if ws is None else ws.ptr), np.uint64(0 if counters is None else counters.ptr),
-        np.int32(num_tokens), np.int32(n), np.int32(k), np.int32(x.strides[0] // x.dtype.itemsize),
-        np.int32(1 if accumulate else 0)), shared_mem=smem)
-
-
 def run(p: GemmProblem, c: Candidate, out, x, w, beta: float = 0.0) -> None:
     """Compute out = x @ w^T (+ beta * out) with candidate c on the current stream (raises when c
     cannot run p)."""
@@ -352,13 +257,6 @@ def run(p: GemmProblem, c: Candidate, out, x, w, beta: float = 0.0) -> None:
         if beta not in (0.0, 1.0):
             raise RuntimeError(f"{c.name} adds out with beta 1 only, got {beta}")
         _split_k(out, x, w, c.param, beta != 0.0)
-    elif c.kind == "stream":
-        shape, slices = divmod(c.param, 100)
-        if not stream_fits(p, shape, slices) or not out.flags.c_contiguous or not _is_aligned(out, x, w):
-            raise RuntimeError(f"{c.name} does not fit {p}")
-        if beta not in (0.0, 1.0):
-            raise RuntimeError(f"{c.name} adds out with beta 1 only, got {beta}")
-        _stream(out, x, w, shape, slices, beta != 0.0)
     else:
         raise ValueError(f"unknown candidate kind {c.kind!r}")
 
