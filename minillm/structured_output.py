@@ -119,9 +119,12 @@ class StructuredOutputsParams:
     tuple (prefixItems) that does not say what follows takes nothing more (_with_closed_objects). An
     object schema with no properties is any object when it is the bare {"type": "object"} (title,
     description and other annotations aside: xgrammar's any-object rule), and only {} when it says more
-    than its type and nothing of other keys ({"type": "object", "maxProperties": 3}); False
-    reads it as JSON Schema does (llguidance's reading, vLLM's guidance backend's default), where such
-    an object takes any other key. A schema's own additionalProperties or items is kept either way.
+    than its type and nothing of other keys ({"type": "object", "maxProperties": 3}); likewise an array
+    schema with no items is any array when it is the bare {"type": "array"}, and only [] when it says
+    more ({"type": "array", "maxItems": 3}); a list of types (["object", "null"]) holds each rule for
+    the object or array it takes. False reads it as JSON Schema does (llguidance's reading, vLLM's
+    guidance backend's default), where such an object takes any other key, and such an array any items.
+    A schema's own additionalProperties or items is kept either way.
     An engine with a structured_outputs_config (every LLM's) reads the option as vLLM does first
     (StructuredOutputsConfig.applied: under the default backend False, vLLM's default, closes too).
     whitespace_pattern and structural_tag (vLLM's) are taken only as None. reasoning (minillm's: vLLM
@@ -1377,21 +1380,30 @@ def _with_closed_objects(text: str) -> str:
     (additionalProperties false), and so does one with "type": "object" that lists no keys but says
     something besides (maxProperties, required [], ...: it takes only {}); the bare {"type": "object"},
     annotations (title, description, ...) aside, takes any object, as xgrammar's any-object rule does. An
-    array with prefixItems (or draft 7's list of items) that says nothing of further items takes none.
-    Left as written: an object whose keys combine with another
-    schema's (through allOf, a $ref beside its properties, or its properties beside an anyOf or oneOf
-    whose schemas list properties), where each closed would refuse the other's keys; an object that
+    array with prefixItems (or draft 7's list of items) that says nothing of further items takes none,
+    and so does one with "type": "array" that gives no items but says something besides (maxItems,
+    uniqueItems, ...: it takes only []); the bare {"type": "array"} takes any array. A type that is a
+    list (["object", "null"]) counts as each of its types, as xgrammar reads each apart: the object and
+    array rules hold for the object and array it takes. Left as written: an object whose keys combine
+    with another schema's (through allOf, a $ref beside its properties, or its properties beside an
+    anyOf or oneOf whose schemas list properties), where each closed would refuse the other's keys, and
+    so an array that gives no items whose items combine with another array schema's; an object that
     asks for a key or a number of keys (required, minProperties) it does not list; an array that asks
-    for more items than it lists (minItems). const and enum values are data and left as they are."""
+    for more items than it lists (minItems, or contains). const and enum values are data and left as
+    they are."""
     schema = jsonlib.loads(text)
     if not isinstance(schema, dict):
         return text
     nodes = list(_subschemas(schema))
-    combined = _combined_objects(nodes, _resource_roots(schema, nodes), schema)
+    combined, combined_arrays = _combined_objects(nodes, _resource_roots(schema, nodes), schema)
     changed = False
     for node in nodes:
         if id(node) not in combined and _can_close_object(node):
             node["additionalProperties"] = False
+            changed = True
+        if id(node) not in combined_arrays and _can_close_unlisted_array(node):
+            node["items"] = False
+            node.pop("uniqueItems", None)     # [] meets it; llguidance refuses the keyword
             changed = True
         rest = _open_tuple_rest(node)
         if rest is not None:
@@ -1409,24 +1421,63 @@ def _lists_keys(node: Any) -> bool:
 # What xgrammar leaves out when it tells the bare {"type": "object"} (any object) from other object schemas.
 _ANNOTATION_KEYS = frozenset({"title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
                               "$comment", "$schema"})
-# Beside these an object schema that lists no keys stays as written: they say which other keys it takes,
-# or combine it with other schemas.
-_OPENING_KEYS = frozenset({"additionalProperties", "unevaluatedProperties", "propertyNames", "$ref", "const", "enum",
-                           "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas",
-                           "dependentRequired"})
+# Beside these a schema that lists no keys (or items) stays as written: they combine it with other schemas.
+_COMBINING_KEYS = frozenset({"$ref", "const", "enum", "allOf", "anyOf", "oneOf", "not", "if", "then", "else"})
+# ... and beside these an object schema: they say which other keys it takes.
+_OPENING_KEYS = _COMBINING_KEYS | {"additionalProperties", "unevaluatedProperties", "propertyNames", "dependentSchemas",
+                                   "dependentRequired"}
+# ... and beside these an array schema: they say what its items are, or ask for one (contains).
+_ARRAY_OPENING_KEYS = _COMBINING_KEYS | {"items", "prefixItems", "additionalItems", "unevaluatedItems", "contains"}
+
+
+def _has_type(node: dict, name: str) -> bool:
+    """Whether node's "type" is name, or a list of types that names it (xgrammar reads each of a list
+    apart, as the schema with that one type)."""
+    kind = node.get("type")
+    return kind == name or (isinstance(kind, list) and name in kind)
+
+
+def _says_more_than_its_type(node: dict) -> bool:
+    """Whether node has a key besides "type" and annotations: xgrammar's basic any-object and any-array
+    rules are for the schemas that have none."""
+    return bool(node.keys() - _ANNOTATION_KEYS - {"type"})
 
 
 def _is_unlisted_object(node: Any) -> bool:
-    """Whether node is an object schema ("type": "object") that lists no keys, names none of _OPENING_KEYS
-    and says more than its type (annotations aside): xgrammar's strict mode closes it to {}, while the bare
-    {"type": "object"} is its any-object rule."""
-    return (isinstance(node, dict) and node.get("type") == "object" and not _lists_keys(node)
-            and not _OPENING_KEYS & node.keys() and bool(node.keys() - _ANNOTATION_KEYS - {"type"}))
+    """Whether node is an object schema ("type": "object", or a list naming it) that lists no keys, names
+    none of _OPENING_KEYS and says more than its type (annotations aside): xgrammar's strict mode closes
+    it to {}, while the bare {"type": "object"} is its any-object rule."""
+    return (isinstance(node, dict) and _has_type(node, "object") and not _lists_keys(node)
+            and not _OPENING_KEYS & node.keys() and _says_more_than_its_type(node))
 
 
 def _shapes_object(node: Any) -> bool:
     """Whether closing node would limit its object's keys (it lists them, or lists none: _is_unlisted_object)."""
     return _lists_keys(node) or _is_unlisted_object(node)
+
+
+def _is_unlisted_array(node: Any) -> bool:
+    """Whether node is an array schema ("type": "array", or a list naming it) that gives no items, names
+    none of _ARRAY_OPENING_KEYS and says more than its type (annotations aside): xgrammar's strict mode
+    closes it to [], while the bare {"type": "array"} is its any-array rule."""
+    return (isinstance(node, dict) and _has_type(node, "array") and not _ARRAY_OPENING_KEYS & node.keys()
+            and _says_more_than_its_type(node))
+
+
+def _lists_items(node: Any) -> bool:
+    """Whether node is a schema that says what its array's items are (items or prefixItems)."""
+    return isinstance(node, dict) and ("items" in node or "prefixItems" in node)
+
+
+def _shapes_array(node: Any) -> bool:
+    """Whether node says what its array's items are, or closed would limit them (_is_unlisted_array)."""
+    return _lists_items(node) or _is_unlisted_array(node)
+
+
+def _can_close_unlisted_array(node: dict) -> bool:
+    """Whether node is an _is_unlisted_array that [] meets (it asks for no items: minItems at most 0)."""
+    least = node.get("minItems", 0)
+    return _is_unlisted_array(node) and isinstance(least, int) and not isinstance(least, bool) and least <= 0
 
 
 def _can_close_object(node: dict) -> bool:
@@ -1470,13 +1521,16 @@ def _open_tuple_rest(node: dict) -> str | None:
 _MAX_INTERSECTED = 64
 
 
-def _combined_objects(nodes: list[dict], resources: dict[int, dict], root: dict) -> set[int]:
-    """The ids of the object schemas whose keys combine with another schema's (see _with_closed_objects)."""
+def _combined_objects(nodes: list[dict], resources: dict[int, dict], root: dict) -> tuple[set[int], set[int]]:
+    """The ids of the object schemas whose keys combine with another schema's, and of the array schemas
+    whose items do (see _with_closed_objects)."""
     combined: set[int] = set()
+    combined_arrays: set[int] = set()
     for node in nodes:
         num_parts = (len(node["allOf"]) if isinstance(node.get("allOf"), list) else 0) + isinstance(node.get("$ref"), str)
         has_alternatives = any(isinstance(node.get(name), list) for name in ("anyOf", "oneOf"))
-        if not (num_parts >= 2 or (_lists_keys(node) and (num_parts or has_alternatives))):
+        lists = _lists_keys(node) or _lists_items(node)
+        if not (num_parts >= 2 or (lists and (num_parts or has_alternatives))):
             continue                     # what it combines, if anything, its parts' own walks find
         held, is_whole = _intersected(node, resources, root)
         alternatives = []
@@ -1485,11 +1539,12 @@ def _combined_objects(nodes: list[dict], resources: dict[int, dict], root: dict)
                 found, whole = _intersected(member, resources, root)
                 alternatives += found
                 is_whole = is_whole and whole
-        keyed = [n for n in held if _shapes_object(n)]
-        keyed_alternatives = [n for n in alternatives if _shapes_object(n)]
-        if not is_whole or len(keyed) >= 2 or (keyed and keyed_alternatives):
-            combined.update(id(n) for n in keyed + keyed_alternatives)
-    return combined
+        for shapes, ids in ((_shapes_object, combined), (_shapes_array, combined_arrays)):
+            shaped = [n for n in held if shapes(n)]
+            shaped_alternatives = [n for n in alternatives if shapes(n)]
+            if not is_whole or len(shaped) >= 2 or (shaped and shaped_alternatives):
+                ids.update(id(n) for n in shaped + shaped_alternatives)
+    return combined, combined_arrays
 
 
 def _intersected(schema: Any, resources: dict[int, dict], root: dict) -> tuple[list[dict], bool]:
@@ -1945,6 +2000,20 @@ class StructuredOutputRequest:
                 request._advanced.append((ids[0], answer, row, 0))
             else:
                 request._advanced.extend((token, answer, row, k) for k, token in enumerate(ids))
+
+    @staticmethod
+    def settle_clean(requests: Sequence[StructuredOutputRequest], token_ids: Sequence[int]) -> set:
+        """accept_token(token_ids[i]) for each of requests whose token a grammar process's clean answer
+        took (the grammar goes on), in one call a step; returns those requests. The others are left
+        as they were: their tokens go through accept_token."""
+        settled = set()
+        for request, token in zip(requests, token_ids):
+            advanced = request._advanced
+            if advanced and len(taken := advanced[0]) == 4 and taken[1].clean and taken[0] == token:
+                advanced.popleft()
+                request._state_ahead = _GOING
+                settled.add(request)
+        return settled
 
     @property
     def is_settled(self) -> bool:
