@@ -16,6 +16,7 @@ import json
 import os
 import re
 import signal
+import typing
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Callable, Optional
@@ -498,26 +499,51 @@ def engine_config(model_path: str, options: dict, **overrides) -> EngineConfig:
 NOT_ENGINE_FIELDS = ("threads",)
 
 
-def add_engine_arguments(parser) -> list[str]:
-    """ENGINE_OPTIONS as options of an argparse PARSER, with the names, help and defaults `minillm
-    generate` gives them; one PARSER already has (by its dest) keeps its own. Returns the names added."""
+def add_engine_arguments(parser, options: dict[str, tuple[object, object]] | None = None) -> list[str]:
+    """OPTIONS (ENGINE_OPTIONS by default; name -> (annotation, default), as serve's signature declares
+    an option too) as options of an argparse PARSER, with the names, help and defaults `minillm generate`
+    gives them; one PARSER already has (by its dest) keeps its own. Returns the names added."""
     have, added = {a.dest for a in parser._actions}, []
-    for name, (annotation, default) in ENGINE_OPTIONS.items():
+    for name, (annotation, default) in (ENGINE_OPTIONS if options is None else options).items():
         if name in have or name in NOT_ENGINE_FIELDS:
             continue
         kind, info = annotation.__args__[0], annotation.__metadata__[0]
-        decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("-")]
+        decls = [d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("-")] \
+            or [f"--{name.replace('_', '-')}"]
         kw = dict(dest=name, default=_plain(default), help=info.help)
         if kind in (bool, Optional[bool]):
             on, _, off = decls[0].partition("/")
             parser.add_argument(on, *decls[1:], action=_Toggle if off else "store_true", **kw)
-        else:
-            kind = next(k for k in getattr(kind, "__args__", (kind,)) if k is not type(None))
-            choices = [m.value for m in kind] if isinstance(kind, type) and issubclass(kind, Enum) else None
-            parser.add_argument(*decls, type=None if choices else _argument_type(info, kind), choices=choices,
-                                metavar=info.metavar or (None if choices else f"<{kind.__name__}>"), **kw)
+            added.append(name)
+            continue
+        kind = next(k for k in getattr(kind, "__args__", (kind,)) if k is not type(None))
+        many = typing.get_origin(kind) is list          # vLLM's nargs="+" (--served-model-name a b)
+        kind = typing.get_args(kind)[0] if many else kind
+        choices = [m.value for m in kind] if isinstance(kind, type) and issubclass(kind, Enum) else None
+        parser.add_argument(*decls, type=None if choices else _argument_type(info, kind), choices=choices,
+                            nargs="+" if many else None,
+                            metavar=info.metavar or (None if choices else f"<{kind.__name__}>"), **kw)
         added.append(name)
     return added
+
+
+# serve's options that set the engine, besides ENGINE_OPTIONS: EngineConfig's fields, and vLLM's
+# trust_remote_code (LLM's and EngineArgs' VLLM_ONLY_DEFAULTS).
+SERVE_ENGINE_OPTIONS = ("seed", "served_model_name", "kv_transfer_config", "structured_outputs_config",
+                        "trust_remote_code")
+
+
+def add_engine_args_cli(parser) -> list[str]:
+    """vLLM's EngineArgs.add_cli_args: --model (default vLLM's, DEFAULT_CHAT_MODEL), ENGINE_OPTIONS and
+    SERVE_ENGINE_OPTIONS as `minillm serve` declares them, each with its field's name as its dest. Returns
+    the names added."""
+    added = []
+    if "model" not in {a.dest for a in parser._actions}:
+        parser.add_argument("--model", dest="model", default=DEFAULT_CHAT_MODEL, metavar="MODEL",
+                            help=f"Model directory or hub id (default: {DEFAULT_CHAT_MODEL}).")
+        added.append("model")
+    serve_options = {p.name: (p.annotation, p.default) for p in serve_parameters() if p.name in SERVE_ENGINE_OPTIONS}
+    return added + add_engine_arguments(parser, {**ENGINE_OPTIONS, **serve_options})
 
 
 class _Toggle(argparse.BooleanOptionalAction):
