@@ -4,19 +4,23 @@ n is the beam width; the search is minillm/beam_search.py's (LLM.beam_search's),
 engine request a live beam (max_tokens 1, 2 * n log-probabilities) beside the others the engine
 serves. The answer's choices are the n best beams, best first: finish_reason "stop" (stop_reason
 the EOS id) or "length", a final EOS in token_ids only with include_stop_str_in_output, each
-choice's logprobs from its steps' candidates, usage counting the choices' tokens.
+choice's logprobs from its steps' candidates, usage counting the choices' tokens. A chat stream
+(vLLM's) sends them once the search is over: each choice's role, then its whole text with its finish.
 
 Read as vLLM reads them: n, max_tokens (max_completion_tokens), temperature, ignore_eos,
 length_penalty, include_stop_str_in_output; the prompt's and the answer's shaping fields (echo,
-logprobs, return_token_ids, ...). The sampling fields beam search does not read (stop, top_p,
-seed, ...) are taken and ignored, as vLLM's server ignores them, and logged as ignored. Refused
-with a 400 naming the field: stream (as vLLM's completions refuse it), an output constraint and
-kv_transfer_params (each step is a new request), prompt_logprobs and echo with logprobs (no step
-scores the prompt), max_tokens 0, and a width whose 2 * n log-probabilities pass max_logprobs.
+logprobs, return_token_ids, ...). prompt_logprobs (and the prompt logprobs of echo with logprobs)
+are the first step's: its request is the prompt alone. The sampling fields beam search does not
+read (stop, top_p, seed, ...) are taken and ignored, as vLLM's server ignores them, and logged as
+ignored. Refused with a 400 naming the field: a completions stream (as vLLM's completions refuse
+it), an output constraint (vLLM's server drops it; here each step is a new request, whose grammar
+would start over) and kv_transfer_params, max_tokens 0, and a width whose 2 * n log-probabilities
+pass max_logprobs.
 """
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +32,7 @@ from minillm.server.errors import APIError
 from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, chat_max_tokens_field, tool_choice_of
 from minillm.server.serving import (
     LARGE_RESPONSE_ENTRIES, ServingContext, build_without_collections, engine_request_id, final_outputs,
-    json_in_pieces, log_received, response_entries, submit, until_disconnected,
+    json_in_pieces, log_received, response_entries, streaming_response, submit, until_disconnected,
 )
 from minillm.server.structured import asks_for_structure
 
@@ -54,7 +58,7 @@ def check_beam_search(ctx: ServingContext, req: CompletionRequest | ChatCompleti
     the fields it sets that beam search ignores (to log). [] for any other request."""
     if not req.use_beam_search:
         return []
-    if req.stream:
+    if req.stream and isinstance(req, CompletionRequest):
         raise APIError(400, "Streaming is not currently supported with beam search", param="stream")
     width_bound = ctx.engine.config.max_logprobs // 2
     if req.n > width_bound:
@@ -71,15 +75,8 @@ def check_beam_search(ctx: ServingContext, req: CompletionRequest | ChatCompleti
     if req.kv_transfer_params is not None:
         raise APIError(400, "kv_transfer_params is not supported with beam search: its steps run on this "
                        "server's engine", param="kv_transfer_params")
-    if req.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs is not supported with beam search: no step scores the prompt",
-                       param="prompt_logprobs")
-    if isinstance(req, CompletionRequest):
-        if req.echo and req.logprobs is not None:
-            raise APIError(400, "echo with logprobs is not supported with beam search: no step scores the "
-                           "prompt (echo alone, or logprobs alone, are)", param="echo")
-        if req.max_tokens == 0:
-            raise APIError(400, "max_tokens must be at least 1 with use_beam_search", param="max_tokens")
+    if isinstance(req, CompletionRequest) and req.max_tokens == 0:
+        raise APIError(400, "max_tokens must be at least 1 with use_beam_search", param="max_tokens")
     return [name for name in IGNORED_FIELDS
             if name in req.model_fields_set and getattr(req, name) != type(req).model_fields[name].default]
 
@@ -107,30 +104,46 @@ async def answer_beam_search(ctx: ServingContext, raw: Request, job, prompts: li
     answer with the job's JSON response over the n best beams of each."""
     beam_params = beam_search_params(job.req, params[0])
     log_received(ctx, job, job.engine_request_ids(len(prompts)), prompts, [beam_params] * len(prompts))
-    finals = await until_disconnected(raw, search(ctx, job, prompts, beam_params))
+    searched = search(ctx, job, prompts, beam_params, params[0].prompt_logprobs)
+    if job.req.stream:        # a chat stream: its first event waits for the search (a hang-up cancels it)
+        return await streaming_response(ctx, raw, job.output_events(final_batch(searched), lambda: True))
+    finals = await until_disconnected(raw, searched)
     if response_entries(finals) < LARGE_RESPONSE_ENTRIES:
         return JSONResponse(job.response(finals))
     body = await asyncio.to_thread(build_without_collections, lambda: json_in_pieces(job.response(finals)))
     return Response(body, media_type="application/json")
 
 
-async def search(ctx: ServingContext, job, prompts: list[list[int]], params: BeamSearchParams) -> list[RequestOutput]:
-    """Each prompt's final output: its best beams as completions, or one that tells of a failed step."""
+async def final_batch(searched: Awaitable[list[RequestOutput]]) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+    """The search's final outputs as one batch of (prompt index, output), as a stream's events take them."""
+    yield list(enumerate(await searched))
+
+
+async def search(ctx: ServingContext, job, prompts: list[list[int]], params: BeamSearchParams,
+                 num_prompt_logprobs: int | None = None) -> list[RequestOutput]:
+    """Each prompt's final output: its best beams as completions, or one that tells of a failed step.
+    With num_prompt_logprobs the first step (each prompt alone) scores the prompts: their prompt_logprobs."""
     instances = [BeamSearchInstance.from_prompt(ids) for ids in prompts]
     eos = ctx.tokenizer.eos_token_id
-    step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature,
-                                 detokenize=False)
+    step_params = [SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature,
+                                  detokenize=False, prompt_logprobs=k) for k in (num_prompt_logprobs, None)]
+    scored: dict[tuple[int, ...], list] = {}       # a prompt's ids -> its prompt_logprobs
 
     async def step(beam_prompts: list[dict]) -> list[RequestOutput]:
-        return await run_step(ctx, job, [p["prompt_token_ids"] for p in beam_prompts], step_params)
+        is_first = not scored and num_prompt_logprobs is not None
+        outputs = await run_step(ctx, job, [p["prompt_token_ids"] for p in beam_prompts], step_params[not is_first])
+        if is_first:
+            scored.update((tuple(out.prompt_token_ids), out.prompt_logprobs) for out in outputs)
+        return outputs
 
     try:
         await run_steps_async(instances, step, params, eos, ctx.engine.max_model_len)
     except StepFailed as failed:
         return [RequestOutput(job.request_id, None, ids, None, [failed.completion], finished=True) for ids in prompts]
     decode = ctx.tokenizer.decode
-    return [RequestOutput(job.request_id, None, ids, None, beam_completions(inst, params, eos, len(ids), decode),
-                          finished=True) for ids, inst in zip(prompts, instances)]
+    return [RequestOutput(job.request_id, None, ids, scored.get(tuple(ids)),
+                          beam_completions(inst, params, eos, len(ids), decode), finished=True)
+            for ids, inst in zip(prompts, instances)]
 
 
 async def run_step(ctx: ServingContext, job, beam_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:

@@ -5,7 +5,7 @@ import contextlib
 import functools
 import re
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -411,15 +411,21 @@ class ChatJob:
             choice["token_ids"] = token_ids
         return json_dumps(choice)
 
-    async def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
-        """Server-sent events: the role, then content deltas, the finish, usage and [DONE]."""
+    def events(self, streams: list[RequestStream]) -> AsyncIterator[str]:
+        """Server-sent events of the engine's streams: the role, then content deltas, the finish, usage and [DONE]."""
+        return self.output_events(merged_outputs(self.ctx, streams, self.req.stream_interval),
+                                  lambda: all_finished(streams))
+
+    async def output_events(self, outputs: AsyncIterator[list[tuple[int, RequestOutput]]],
+                            is_finished: Callable[[], bool]) -> AsyncIterator[str]:
+        """Server-sent events of batches of (prompt index, output); is_finished: whether the last
+        batch has come (its events then go out with the usage and [DONE], in one write)."""
         progress: dict[int, ChoiceProgress] = {}
         final: RequestOutput | None = None
         chunks = ChunkFormat(self.response_id, "chat.completion.chunk", self.created, self.ctx.model_name,
                              self.req.include_usage)
         last = ""      # the final wake-up's events: sent with the usage and [DONE], in one write
         sent = False   # nothing sent yet: the status line is still ours to choose
-        outputs = merged_outputs(self.ctx, streams, self.req.stream_interval)
         async with contextlib.aclosing(outputs) as batches:
             async for batch in batches:
                 for _, output in batch:
@@ -434,7 +440,7 @@ class ChatJob:
                                            with_completion_details=True)
                     if events:
                         last = "".join(events)   # one write per wake-up, however many choices moved
-                        if not all_finished(streams):
+                        if not is_finished():
                             sent = True
                             yield last
                             last = ""
