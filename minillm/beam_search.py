@@ -10,14 +10,23 @@ get_beam_search_score.
 search_steps is the search itself, as a generator of each step's prompts; run_steps drives it over
 LLM.generate, run_steps_async over a server's engine (each step's requests beside the others it
 serves), as vLLM's offline and online searches run the same steps.
+
+Under an output constraint (params.structured_outputs, as vLLM's offline search applies it per beam)
+a beam's step carries the constraint with the beam's own tokens as the output's start
+(step_params: num_output_prefix_tokens), so the engine's matcher takes them first and the step's
+candidates come from the masked distribution: a token the grammar refuses has log-probability -inf
+and is no candidate. A beam whose sentence is complete is offered EOS alone, and ends on it ("stop").
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 
 from minillm.outputs import CompletionOutput, Logprob, RequestOutput
+from minillm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -75,6 +84,7 @@ def search_steps(instances: list[BeamSearchInstance], params, eos_token_id: int 
     step's token prompts, one a live beam, and takes their outputs, in order, by send(). A prompt's
     beams, all of one length, stop growing where they fill max_model_len."""
     key = sort_beams_key(eos_token_id, params.length_penalty)
+    is_constrained = params.structured_outputs is not None
     for _ in range(params.max_tokens):
         growing = [inst for inst in instances if inst.beams and len(inst.beams[0].tokens) < max_model_len]
         if not growing:
@@ -83,8 +93,8 @@ def search_steps(instances: list[BeamSearchInstance], params, eos_token_id: int 
         outputs = yield [_beam_prompt(beam, inst.cache_salt) for inst, beam in beams]
         candidates: dict[int, list[BeamSearchSequence]] = {id(inst): [] for inst in growing}
         for (inst, beam), out in zip(beams, outputs):
-            for new in _extensions(beam, out):
-                if new.tokens[-1] == eos_token_id and not params.ignore_eos:
+            for new in _extensions(beam, out, is_constrained):
+                if new.tokens[-1] == eos_token_id and (not params.ignore_eos or is_constrained):
                     new.finish_reason = "stop"
                     inst.completed.append(new)
                 else:
@@ -93,25 +103,40 @@ def search_steps(instances: list[BeamSearchInstance], params, eos_token_id: int 
             inst.beams = sorted(candidates[id(inst)], key=key, reverse=True)[:params.beam_width]
 
 
-def run_steps(instances: list[BeamSearchInstance], step: Callable[[list[dict]], list[RequestOutput]],
+def run_steps(instances: list[BeamSearchInstance], step: Callable[[list[dict], int], list[RequestOutput]],
               params, eos_token_id: int | None, max_model_len: int, on_step: Callable[[], None] | None = None) -> None:
-    """search_steps, each step's prompts run by step (their outputs in order); on_step after each step."""
+    """search_steps, each step's prompts run by step(prompts, the tokens each beam has of its own) (their
+    outputs in order); on_step after each step."""
     steps = search_steps(instances, params, eos_token_id, max_model_len)
     prompts = next(steps, None)
+    num_generated = 0
     while prompts is not None:
-        prompts = _next_prompts(steps, step(prompts))
+        prompts = _next_prompts(steps, step(prompts, num_generated))
+        num_generated += 1
         if on_step is not None:
             on_step()
 
 
 async def run_steps_async(instances: list[BeamSearchInstance],
-                          step: Callable[[list[dict]], Awaitable[list[RequestOutput]]], params,
+                          step: Callable[[list[dict], int], Awaitable[list[RequestOutput]]], params,
                           eos_token_id: int | None, max_model_len: int) -> None:
-    """search_steps, each step's prompts run by awaiting step (their outputs in order)."""
+    """search_steps, each step's prompts run by awaiting step(prompts, the tokens each beam has of its own)
+    (their outputs in order)."""
     steps = search_steps(instances, params, eos_token_id, max_model_len)
     prompts = next(steps, None)
+    num_generated = 0
     while prompts is not None:
-        prompts = _next_prompts(steps, await step(prompts))
+        prompts = _next_prompts(steps, await step(prompts, num_generated))
+        num_generated += 1
+
+
+def step_params(base: SamplingParams, params, num_generated: int) -> SamplingParams:
+    """A step's SamplingParams: base, or under params.structured_outputs base with the constraint, whose
+    output starts with the beam's num_generated tokens (every live beam of a step has as many)."""
+    if params.structured_outputs is None:
+        return base
+    constraint = dataclasses.replace(params.structured_outputs, num_output_prefix_tokens=num_generated)
+    return dataclasses.replace(base, structured_outputs=constraint)
 
 
 def _next_prompts(steps: Generator[list[dict], list[RequestOutput], None], outputs: list[RequestOutput]
@@ -131,9 +156,9 @@ def _beam_prompt(beam: BeamSearchSequence, cache_salt: str | None) -> dict:
     return prompt
 
 
-def _extensions(beam: BeamSearchSequence, out: RequestOutput) -> list[BeamSearchSequence]:
+def _extensions(beam: BeamSearchSequence, out: RequestOutput, is_constrained: bool = False) -> list[BeamSearchSequence]:
     """beam with each candidate token of its step's output appended (the step's logprobs dict: the
-    sampled token and the likeliest ones)."""
+    sampled token and the likeliest ones; under a constraint those its grammar allows, the others -inf)."""
     completion = out.outputs[0]
     if not completion.logprobs:
         return []
@@ -141,7 +166,7 @@ def _extensions(beam: BeamSearchSequence, out: RequestOutput) -> list[BeamSearch
     # float(): a server's outputs carry plain floats, LLM.generate's vLLM's Logprob objects
     return [BeamSearchSequence(tokens=beam.tokens + [token_id], logprobs=beam.logprobs + [candidates],
                                cum_logprob=beam.cum_logprob + float(logprob))
-            for token_id, logprob in candidates.items()]
+            for token_id, logprob in candidates.items() if not (is_constrained and math.isinf(float(logprob)))]
 
 
 def best_beams(instance: BeamSearchInstance, params, eos_token_id: int | None,

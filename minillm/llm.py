@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from minillm.beam_search import BeamSearchInstance, BeamSearchOutput, best_beams, run_steps
+from minillm.beam_search import step_params as beam_step_params
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.outputs import RequestOutput
@@ -376,7 +377,9 @@ class LLM:
         A prompt takes generate's forms; a text prompt is tokenized with special tokens. Each beam's
         tokens hold the prompt's and its text is the whole sequence decoded, as vLLM's; a beam ends
         with finish_reason "stop" on the tokenizer's EOS (unless params.ignore_eos) or "length" after
-        max_tokens, or where it fills max_model_len. concurrency_limit (vLLM's) searches that many
+        max_tokens, or where it fills max_model_len. params.structured_outputs holds every beam to the
+        constraint (each step's candidates from the masked distribution; a beam whose sentence is complete
+        ends on EOS, "stop"). concurrency_limit (vLLM's) searches that many
         prompts at a time; use_tqdm shows the steps on stderr (not with concurrency_limit, as vLLM).
         lora_request may only be None (or a list of Nones, one a prompt).
         """
@@ -408,7 +411,8 @@ class LLM:
         try:
             for start in range(0, len(instances), batch_size):
                 run_steps(instances[start:start + batch_size],
-                          lambda batch: self.generate(batch, step_params, use_tqdm=False),
+                          lambda batch, num_generated: self.generate(
+                              batch, beam_step_params(step_params, params, num_generated), use_tqdm=False),
                           params, tokenizer.eos_token_id, self.engine.max_model_len,
                           None if bar is None else lambda: bar.update(1))
         finally:

@@ -676,8 +676,10 @@ class BeamSearchParams:
     temperature picks each step's sampled token, one more candidate beside the likeliest ones;
     length_penalty divides a beam's score by its length to that power. include_stop_str_in_output
     is taken as vLLM's offline search takes it, where it changes nothing (a beam that ends on EOS
-    keeps it). structured_outputs (vLLM's) may only be None: each step is a new request, whose
-    grammar would start over.
+    keeps it). structured_outputs (vLLM's) holds every beam to a constraint: each step's request for a
+    beam carries it with the beam's tokens as the output's start (num_output_prefix_tokens), so its
+    candidates come from the masked distribution; a beam ends ("stop") on the EOS its complete sentence
+    allows, even with ignore_eos, as the grammar takes nothing after it.
     """
 
     beam_width: int
@@ -713,5 +715,9 @@ class BeamSearchParams:
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
         if self.structured_outputs is not None:
-            bad("structured_outputs", "is not supported in beam search: each step is a new request, whose "
-                                      "grammar would start over (leave it None)")
+            from minillm.structured_output import StructuredOutputsParams
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams or None")
+            if self.structured_outputs.num_output_prefix_tokens:
+                bad("structured_outputs", "must leave num_output_prefix_tokens 0 (each step sets it to its beam's "
+                                          "tokens)")

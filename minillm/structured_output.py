@@ -130,7 +130,12 @@ class StructuredOutputsParams:
     whitespace_pattern and structural_tag (vLLM's) are taken only as None. reasoning (minillm's: vLLM
     sets it for the whole engine with --reasoning-parser) is the (start, end) token ids of a thinking
     block: the output is free until the end token and the grammar holds what follows it (from the first
-    token when the prompt's last start or end token is the end). Construction validates
+    token when the prompt's last start or end token is the end). num_output_prefix_tokens (minillm's, set
+    by beam search's steps): the prompt's last tokens that are already the output's start; the grammar
+    takes them before it masks the first token (a prompt whose reasoning goes on takes none of them; one
+    whose last thinking tag is among them, those after it), so a request goes on with an output that an
+    earlier request began. Tokens the grammar refuses end the request with an error; where they complete
+    its sentence, EOS is the one token allowed. Construction validates
     and compile-checks the constraint (StructuredOutputsError, a ValueError naming the field); a
     field set later is checked when the constraint is next used (a request added with it), as
     vLLM reads the fields then. A dict or list changed in place is not seen: set the field anew.
@@ -146,6 +151,7 @@ class StructuredOutputsParams:
     whitespace_pattern: str | None = None
     structural_tag: str | None = None
     reasoning: tuple[int, int] | None = None
+    num_output_prefix_tokens: int = 0
     _key: StructuredOutputKey | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -210,6 +216,10 @@ class StructuredOutputsParams:
         if self.reasoning is not None and not _is_token_pair(self.reasoning):
             raise StructuredOutputsError("reasoning", "must be the (start, end) token ids of a thinking block, "
                                          f"two different non-negative integers, got {short_repr(self.reasoning)}")
+        count = self.num_output_prefix_tokens
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise StructuredOutputsError("num_output_prefix_tokens", "must be an integer >= 0 (the prompt's last "
+                                         f"tokens that are the output's start), got {short_repr(count)}")
         if self.whitespace_pattern is not None:
             raise StructuredOutputsError("whitespace_pattern", f"{short_repr(self.whitespace_pattern)} is not "
                                          "supported: disable_any_whitespace sets JSON's whitespace (none, or any)")
@@ -245,6 +255,19 @@ def prompt_ends_reasoning(prompt_token_ids: Sequence[int], reasoning: Sequence[i
         if token == end:
             return True
     return False
+
+
+def output_prefix(prefix: Sequence[int], reasoning: Sequence[int] | None, reasoning_end_id: int | None) -> list[int]:
+    """The tokens of an output's given start (num_output_prefix_tokens) its grammar takes: none while its
+    reasoning goes on (reasoning_end_id set), those after its last thinking tag, else all."""
+    if reasoning_end_id is not None:
+        return []
+    ids = [int(t) for t in prefix]
+    if reasoning is not None:
+        for k in range(len(ids) - 1, -1, -1):
+            if ids[k] in reasoning:
+                return ids[k + 1:]
+    return ids
 
 
 def _invalid(name: str, error: str) -> StructuredOutputsError:
@@ -1876,11 +1899,15 @@ class StructuredOutputRequest:
     reasoning_end_id: the token that ends a thinking block (None: the grammar holds the output from its
     first token). Until it comes the sequence is no constrained row (no mask, no matcher work); the
     tokens up to it, itself included, never reach the matcher (vLLM's should_advance).
+
+    prefix: the output's start the prompt already holds (output_prefix), taken by the matcher as it is made.
     """
 
     def __init__(self, grammar: Future, process: GrammarProcess | None = None, reasoning_end_id: int | None = None,
-                 reasoning_epoch: list[int] | None = None) -> None:
+                 reasoning_epoch: list[int] | None = None, prefix: Sequence[int] = ()) -> None:
         self.grammar = grammar
+        self.prefix = tuple(prefix)
+        self._prefix_error: str | None = None      # why the matcher refused the prefix
         self.reasoning_end_id = reasoning_end_id
         self.reasoning_ended = reasoning_end_id is None   # by the tokens the scheduler has appended
         self.is_masked = self.reasoning_ended             # by every token taken (ahead of the scheduler too)
@@ -1902,8 +1929,9 @@ class StructuredOutputRequest:
     @property
     def is_ready(self) -> bool:
         """The grammar compiled (in the grammar process too, where one holds the matchers) and the
-        sequence has its matcher: it may be scheduled."""
-        if self.matcher is None and self.grammar.done() and not _has_failed(self.grammar):
+        sequence has its matcher, which took the prefix: it may be scheduled."""
+        if self.matcher is None and self._prefix_error is None and self.grammar.done() \
+                and not _has_failed(self.grammar):
             compiled = self.grammar.result()
             if self._process is None:
                 self.matcher = compiled.new_matcher()
@@ -1917,7 +1945,29 @@ class StructuredOutputRequest:
                             self.matcher = self._process.new_matcher(compiled, compiled.on_error)
                 except GrammarProcessError:     # the manager moves it to a new process (move_to)
                     pass
+            if self.matcher is not None and self.prefix:
+                self._take_prefix()
         return self.matcher is not None
+
+    def _take_prefix(self) -> None:
+        """Feed the new matcher the prefix; where it refuses a token, no matcher and the error to end with."""
+        matcher, prefix = self.matcher, list(self.prefix)
+        if self._process is None:
+            num_taken = sum(matcher.accept_until_refused(prefix))
+        else:
+            answer = self._process.advance([matcher], [prefix])
+            matcher.settle()
+            num_taken = tokens_taken(answer, 0)
+        if num_taken < len(prefix):
+            self.matcher = None
+            self._prefix_error = (f"structured_outputs.num_output_prefix_tokens: the grammar refuses token "
+                                  f"{prefix[num_taken]} of the output's start, at {num_taken}")
+
+    @property
+    def is_at_prefix(self) -> bool:
+        """The matcher holds the prefix alone: the sequence's first token is still to come."""
+        return bool(self.prefix) and not self._advanced and self.matcher is not None \
+            and self.matcher.num_fed == len(self.prefix)
 
     def move_to(self, process: GrammarProcess) -> None:
         """Wait for the grammar in a new process, the one it waited in having failed; once only (a
@@ -1936,7 +1986,10 @@ class StructuredOutputRequest:
 
     @property
     def compile_error(self) -> str | None:
-        """Why the grammar did not compile; None while it compiles or once it has."""
+        """Why the grammar did not compile (or its matcher refused the prefix); None while it compiles or
+        once it has."""
+        if self._prefix_error is not None:
+            return self._prefix_error
         if self._remote_error is not None:
             return f"structured_outputs: the grammar process did not take the grammar: {self._remote_error}"
         if not _has_failed(self.grammar):
@@ -1987,8 +2040,9 @@ class StructuredOutputRequest:
 
     @property
     def num_fed_expected(self) -> int:
-        """Tokens the matcher holds once it has taken num_outputs + num_advanced output tokens, less the reasoning."""
-        return len(self._advanced) - self._num_reasoning
+        """Tokens the matcher holds once it has taken num_outputs + num_advanced output tokens, less the
+        reasoning, and the prefix."""
+        return len(self._advanced) - self._num_reasoning + len(self.prefix)
 
     @staticmethod
     def sent_rows(requests: Sequence[StructuredOutputRequest], tokens: Sequence[Sequence[int]], answer) -> None:
@@ -2570,9 +2624,15 @@ class StructuredOutputManager:
             self._process.poll()          # one that died while idle is found gone now, not by these requests
             if self._process.failed:
                 self._restart_process()
+        count = params.num_output_prefix_tokens
+        if any(count > len(seq.prompt_token_ids) for seq in seqs):
+            raise StructuredOutputsError("num_output_prefix_tokens", f"must be at most the prompt's length "
+                                         f"({len(seqs[0].prompt_token_ids)} tokens), got {count}")
         for seq in seqs:
             end = None if reasoning is None or prompt_ends_reasoning(seq.prompt_token_ids, reasoning) else reasoning[1]
-            seq.structured_output = StructuredOutputRequest(grammar, self._process, end, self._reasoning_epoch)
+            prefix = seq.prompt_token_ids[len(seq.prompt_token_ids) - count:]
+            seq.structured_output = StructuredOutputRequest(grammar, self._process, end, self._reasoning_epoch,
+                                                            output_prefix(prefix, reasoning, end))
         self._compiling.extend(seqs)
 
     def _restart_process(self) -> None:
@@ -2688,7 +2748,8 @@ class StructuredOutputManager:
         Each matcher must have taken its sequence's latest token (through the scheduler, or
         ahead of it through advance()). Until the result is taken, the engine thread asks those
         matchers only their cached flags. A sequence whose grammar is done (complete, or a token
-        refused) is left out: the scheduler ends it when it appends that token. (In a grammar
+        refused) is left out: the scheduler ends it when it appends that token (one whose prefix
+        completed it is filled: EOS only). (In a grammar
         process the flags may be a token behind: a row whose grammar its last token ended is filled
         there with EOS only, and the scheduler still ends its sequence.)
         """
@@ -2724,7 +2785,8 @@ class StructuredOutputManager:
             if request is None or seq.is_finished or not request.is_masked:
                 continue
             matcher = request.matcher
-            if matcher is not None and matcher.is_stopped():
+            # A prefix that completed the grammar still masks the first token: EOS only.
+            if matcher is not None and matcher.is_stopped() and not request.is_at_prefix:
                 continue
             expected = len(seq.token_ids) - len(seq.prompt_token_ids) + request.num_fed_expected
             if matcher is None or matcher.num_fed != expected:

@@ -300,8 +300,6 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
 @pytest.mark.parametrize("route, body, param", [
     ("completions", {"stream": True}, "stream"),
     ("completions", {"n": 11}, "n"),                           # 2 * 11 log-probabilities a step > max_logprobs 20
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("completions", {"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, "structured_outputs"),
     ("chat", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"extra_body": {"kv_transfer_params": {"do_remote_decode": True}}}, "kv_transfer_params"),

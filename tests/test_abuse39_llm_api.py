@@ -185,7 +185,7 @@ def test_use_tqdm_shows_the_steps_on_stderr(llm, capfd):
     (dict(beam_width=2, max_tokens=4, temperature=-0.5), "temperature must be a finite number"),
     (dict(beam_width=2, max_tokens=4, length_penalty=math.inf), "length_penalty must be a finite number"),
     (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos must be true or false"),
-    (dict(beam_width=2, max_tokens=4, structured_outputs=object()), "structured_outputs is not supported in beam"),
+    (dict(beam_width=2, max_tokens=4, structured_outputs=object()), "structured_outputs must be a Structured"),
 ])
 def test_beam_search_params_name_a_bad_field(fields, needle):
     with pytest.raises(ValueError, match=needle):

@@ -1,8 +1,8 @@
 """use_beam_search in the combinations vLLM's server serves: a chat stream (the final beams, sent once the
 search is over; it was a 400 naming stream), and prompt_logprobs or a completion's echo with logprobs (the
 first step, the prompt alone, scores the prompt; each was a 400). What vLLM refuses stays a 400 naming the
-field: a completions stream, with vLLM's message. An output constraint stays a 400: vLLM's server drops it
-and answers unconstrained, which this server does not do silently."""
+field: a completions stream, with vLLM's message. (An output constraint holds every beam:
+test_abuse40_beam_constrained.py.)"""
 from __future__ import annotations
 
 import json
@@ -213,12 +213,9 @@ STREAM_MESSAGE = "Streaming is not currently supported with beam search"
 
 @pytest.mark.parametrize("route, body, param, message", [
     ("completions", {"stream": True}, "stream", STREAM_MESSAGE),      # vLLM's refusal, its words
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", None),
-    ("chat", {"stream": True, "extra_body": {"structured_outputs": {"regex": "[ab]+"}}}, "structured_outputs", None),
-    ("completions", {"extra_body": {"structured_outputs": {"choice": ["a", "b"]}}}, "structured_outputs", None),
     ("chat", {"stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", None),  # as without a search
 ])
-def test_what_vllm_refuses_or_would_drop_is_a_400_naming_the_field(client, route, body, param, message):
+def test_what_vllm_refuses_is_a_400_naming_the_field(client, route, body, param, message):
     extra = {**BEAM, **body.pop("extra_body", {})}
     with pytest.raises(openai.BadRequestError) as raised:
         if route == "chat":

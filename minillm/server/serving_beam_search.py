@@ -12,10 +12,10 @@ length_penalty, include_stop_str_in_output; the prompt's and the answer's shapin
 logprobs, return_token_ids, ...). prompt_logprobs (and the prompt logprobs of echo with logprobs)
 are the first step's: its request is the prompt alone. The sampling fields beam search does not
 read (stop, top_p, seed, ...) are taken and ignored, as vLLM's server ignores them, and logged as
-ignored. Refused with a 400 naming the field: a completions stream (as vLLM's completions refuse
-it), an output constraint (vLLM's server drops it; here each step is a new request, whose grammar
-would start over) and kv_transfer_params, max_tokens 0, and a width whose 2 * n log-probabilities
-pass max_logprobs.
+ignored. An output constraint (response_format, structured_outputs) holds every beam, as
+LLM.beam_search's structured_outputs does (vLLM's server drops it). Refused with a 400 naming the
+field: a completions stream (as vLLM's completions refuse it), a forced tool call, kv_transfer_params,
+max_tokens 0, and a width whose 2 * n log-probabilities pass max_logprobs.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from minillm.beam_search import BeamSearchInstance, beam_completions, run_steps_async
+from minillm.beam_search import step_params as beam_step_params
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import BeamSearchParams, SamplingParams
 from minillm.server.errors import APIError
@@ -34,7 +35,6 @@ from minillm.server.serving import (
     LARGE_RESPONSE_ENTRIES, ServingContext, build_without_collections, engine_request_id, final_outputs,
     json_in_pieces, log_received, response_entries, streaming_response, submit, until_disconnected,
 )
-from minillm.server.structured import asks_for_structure
 
 # The request's sampling fields beam search does not read (vLLM's server ignores them too).
 IGNORED_FIELDS = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -65,13 +65,8 @@ def check_beam_search(ctx: ServingContext, req: CompletionRequest | ChatCompleti
         raise APIError(400, f"n (the beam width) must be at most {width_bound} with use_beam_search: each step asks "
                        f"for 2 * n log-probabilities, and this server's max_logprobs is "
                        f"{ctx.engine.config.max_logprobs}, got {req.n}", param="n")
-    if asks_for_structure(req):
-        field = "response_format" if req.response_format is not None else "structured_outputs"
-        raise APIError(400, f"{field} is not supported with beam search: each step is a new request, whose "
-                       "grammar would start over", param=field)
     if isinstance(req, ChatCompletionRequest) and req.tools and tool_choice_of(req) not in ("none", "auto"):
-        raise APIError(400, "tool_choice that forces a call is not supported with beam search: each step is a new "
-                       "request, whose grammar would start over", param="tool_choice")
+        raise APIError(400, "tool_choice that forces a call is not supported with beam search", param="tool_choice")
     if req.kv_transfer_params is not None:
         raise APIError(400, "kv_transfer_params is not supported with beam search: its steps run on this "
                        "server's engine", param="kv_transfer_params")
@@ -91,7 +86,8 @@ def beam_search_params(req: CompletionRequest | ChatCompletionRequest, params: S
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=req.ignore_eos,
                                 temperature=params.temperature, length_penalty=req.length_penalty,
-                                include_stop_str_in_output=req.include_stop_str_in_output)
+                                include_stop_str_in_output=req.include_stop_str_in_output,
+                                structured_outputs=params.structured_outputs)
     except ValueError as exc:
         name, _, why = str(exc).partition(" ")
         field = names.get(name, name)
@@ -129,9 +125,10 @@ async def search(ctx: ServingContext, job, prompts: list[list[int]], params: Bea
                                   detokenize=False, prompt_logprobs=k) for k in (num_prompt_logprobs, None)]
     scored: dict[tuple[int, ...], list] = {}       # a prompt's ids -> its prompt_logprobs
 
-    async def step(beam_prompts: list[dict]) -> list[RequestOutput]:
+    async def step(beam_prompts: list[dict], num_generated: int) -> list[RequestOutput]:
         is_first = not scored and num_prompt_logprobs is not None
-        outputs = await run_step(ctx, job, [p["prompt_token_ids"] for p in beam_prompts], step_params[not is_first])
+        outputs = await run_step(ctx, job, [p["prompt_token_ids"] for p in beam_prompts],
+                                 beam_step_params(step_params[not is_first], params, num_generated))
         if is_first:
             scored.update((tuple(out.prompt_token_ids), out.prompt_logprobs) for out in outputs)
         return outputs
