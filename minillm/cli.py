@@ -145,8 +145,11 @@ def dotted_json_options(args: list[str], options: set[str]) -> list[str]:
     """vLLM's dotted form of a JSON option folded into the option: `--speculative-config.method ngram
     --speculative-config.num_speculative_tokens 3` (or `--x.key=value`; `--x.key+ v` appends to a list)
     is --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}', over the keys of a
-    --speculative-config JSON given too. A value is read as JSON where it is JSON, else as a string."""
+    --speculative-config JSON given too. A value is read as JSON where it is JSON, else as a string. The
+    option's name may be written with underscores (--speculative_config.method), as vLLM reads it; the
+    keys after the dot keep their own spelling."""
     end = args.index("--") if "--" in args else len(args)
+    args = [_dashed_json_option(arg, options) for arg in args[:end]] + args[end:]
     dotted = {a.partition(".")[0] for a in args[:end] if a.partition(".")[0] in options and a.partition(".")[2]}
     if not dotted:
         return args
@@ -179,6 +182,16 @@ def dotted_json_options(args: list[str], options: set[str]) -> list[str]:
     for name, at in sorted(where.items(), key=lambda item: -item[1]):
         out[at:at] = [name, json.dumps(objects[name])]
     return out
+
+
+def _dashed_json_option(arg: str, options: set[str]) -> str:
+    """ARG with the underscores of its name (up to a dot or "=") read as dashes where that names one of
+    OPTIONS (--speculative_config.method=ngram is --speculative-config.method=ngram); else ARG as it is."""
+    if not arg.startswith("--"):
+        return arg
+    name = re.match(r"--[^.=]*", arg)[0]
+    dashed = name.replace("_", "-")
+    return dashed + arg[len(name):] if dashed != name and dashed in options else arg
 
 
 def _json_object_arg(value: str, option: str) -> dict:
