@@ -66,11 +66,12 @@ class BeamSearchInstance:
 def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: int | None,
                           length_penalty: float = 1.0) -> float:
     """cumulative_logprob / len ** length_penalty, len counting the prompt and not a final EOS (vLLM's
-    score, after transformers')."""
+    score, after transformers'). A beam of no counted token (a prompt of EOS alone, searched for no
+    token) counts as one token long, where vLLM's score divides by zero."""
     seq_len = len(tokens)
     if tokens[-1] == eos_token_id:
         seq_len -= 1
-    return cumulative_logprob / (seq_len ** length_penalty)
+    return cumulative_logprob / (max(seq_len, 1) ** length_penalty)
 
 
 def sort_beams_key(eos_token_id: int | None, length_penalty: float) -> Callable[[BeamSearchSequence], float]:

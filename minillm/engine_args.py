@@ -16,7 +16,7 @@ from minillm.config import EngineConfig
 VLLM_ONLY_DEFAULTS: dict[str, Any] = {
     "trust_remote_code": False, "code_revision": None, "logprobs_mode": "raw_logprobs", "skip_tokenizer_init": False,
     "quantization": None, "pipeline_parallel_size": 1, "data_parallel_size": 1, "cpu_offload_gb": 0,
-    "swap_space": 4, "hf_overrides": None, "task": "auto", "runner": "auto", "model_impl": "auto",
+    "swap_space": 4, "hf_overrides": None, "task": None, "runner": "auto", "convert": "auto", "model_impl": "auto",
     "config_format": "auto", "mm_processor_kwargs": None, "limit_mm_per_prompt": None, "allowed_media_domains": None,
     "allowed_local_media_path": "", "override_pooler_config": None, "pooler_config": None, "logits_processors": None,
     "enable_lora": False, "enable_sleep_mode": False, "max_seq_len_to_capture": 8192,
@@ -39,7 +39,8 @@ class _EngineArgsMethods:
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """parser with the engine's arguments added under vLLM's flag names (vLLM's): --model and the
         flags `minillm serve` sets the engine with, from the same table, so that
-        from_cli_args(parser.parse_args(...)) gives these arguments. Returns parser."""
+        from_cli_args(parser.parse_args(...)) gives these arguments; a FlexibleArgumentParser
+        (minillm.argparse_utils, vLLM's) takes their names with underscores too. Returns parser."""
         from minillm.cli import add_engine_args_cli
         add_engine_args_cli(parser)
         return parser

@@ -54,7 +54,11 @@ VLLM_FIXED_ARGS = {
     "hf_overrides": (lambda v: v is None or (isinstance(v, dict) and not v),
                      "minillm reads the model's config.json as it is (edit a copy of the model directory)"),
     # the rest of vLLM's LLM() signature and common engine arguments, at what minillm does
-    **dict.fromkeys(("task", "runner"), (lambda v: v in ("auto", "generate"), "minillm runs generative models only")),
+    # vLLM's task is deprecated, default None (auto); its runner and convert default to "auto"
+    "task": (lambda v: v is None or v in ("auto", "generate"), "minillm runs generative models only"),
+    "runner": (lambda v: v in ("auto", "generate"), "minillm runs generative models only"),
+    "convert": (lambda v: v in ("auto", "none"), "minillm runs generative models as they are, with no pooling "
+                                                 "adapter"),
     "model_impl": (lambda v: v in ("auto", "vllm"), "minillm runs its own decoder for every model it loads"),
     "config_format": (lambda v: v in ("auto", "hf"), "minillm reads the model's Hugging Face config.json"),
     **dict.fromkeys(("mm_processor_kwargs", "limit_mm_per_prompt", "allowed_media_domains"),

@@ -545,6 +545,19 @@ class Router:
 
         self._checks[url] = asyncio.ensure_future(check())
 
+    def health_answered(self, url: str, down_reason: str | None, is_ok: bool) -> None:
+        """The router's view of a server that GET /health checked: down and answering 200 (is_ok), it is
+        up again, as its own check would find it; up and refusing the connection (down_reason), it is
+        down for its backoff, as a request would leave it (another status leaves it up, as a request's
+        answer does). A probe neither lengthens a down server's backoff nor counts as a request's failure."""
+        health = self.server_health[url]
+        if is_ok and not health.is_up:
+            health.down_until = None
+            logger.info("%s is up again (/health answered 200)", shown_url(url))
+        elif down_reason is not None and health.is_up:
+            health.mark_down(down_reason, self.config)
+            logger.warning("server %s is down for %.1f s: %s", shown_url(url), health.down_for_s(), down_reason)
+
     def _connect_failed(self, backends: Backends, url: str, exc: Exception) -> str:
         """Mark a server that refused a connection down; the failure as the 503 lists it."""
         health = self.server_health[url]
@@ -785,16 +798,20 @@ class Router:
                     first, timing.decode_s * 1e3, timing.decode_url, timing.total_s * 1e3, timing.status)
 
     async def health(self, raw: Request) -> JSONResponse:
-        """Each backend's /health; 200 while at least one server of each role answers ok."""
+        """Each backend's /health; 200 while at least one server of each role answers ok. What each
+        answers is the router's view of it from then on (health_answered)."""
         headers = self.via(client_headers(raw, ("via",)))
 
         async def check(url: str) -> dict:
             try:
                 client, base = self.endpoint(url)
                 r = await client.get(base + "/health", headers=headers, timeout=self.config.health_timeout_s)
-                return {"url": shown_url(url), "ok": r.status_code == 200, "status": r.status_code}
             except httpx.HTTPError as exc:
+                is_refused = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                self.health_answered(url, f"/health: {type(exc).__name__}" if is_refused else None, False)
                 return {"url": shown_url(url), "ok": False, "error": type(exc).__name__}
+            self.health_answered(url, None, r.status_code == 200)
+            return {"url": shown_url(url), "ok": r.status_code == 200, "status": r.status_code}
 
         prefill, decode = await asyncio.gather(asyncio.gather(*map(check, self.prefill.urls)),
                                                asyncio.gather(*map(check, self.decode.urls)))

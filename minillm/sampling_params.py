@@ -671,7 +671,8 @@ SamplingParams.__init__ = _init_taking_vllm_fields
 
 @dataclass
 class BeamSearchParams:
-    """vLLM's beam search parameters (LLM.beam_search): beam_width beams of up to max_tokens tokens.
+    """vLLM's beam search parameters (LLM.beam_search): beam_width beams of up to max_tokens tokens
+    (max_tokens 0 runs no step: the output is the prompt's one beam, as vLLM's).
 
     temperature picks each step's sampled token, one more candidate beside the likeliest ones;
     length_penalty divides a beam's score by its length to that power. include_stop_str_in_output
@@ -703,8 +704,8 @@ class BeamSearchParams:
         if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_LOGPROBS // 2:
             bad("beam_width", f"must be an integer in [1, {MAX_LOGPROBS // 2}] (each step asks for "
                               f"2 * beam_width log-probabilities, at most {MAX_LOGPROBS})")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:     # 0: no step, the prompt's beam alone (vLLM's)
+            bad("max_tokens", "must be an integer >= 0")
         if not _is_finite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
             bad("temperature", f"must be a finite number in [0, {FLOAT32_MAX:.4g}]")
         if not _is_finite(self.length_penalty):

@@ -301,7 +301,6 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     ("completions", {"stream": True}, "stream"),
     ("completions", {"n": 11}, "n"),                           # 2 * 11 log-probabilities a step > max_logprobs 20
     ("chat", {"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
-    ("completions", {"max_tokens": 0}, "max_tokens"),
     ("completions", {"extra_body": {"kv_transfer_params": {"do_remote_decode": True}}}, "kv_transfer_params"),
     ("chat", {"max_completion_tokens": 100}, "max_completion_tokens"),       # past max_model_len 64
 ])

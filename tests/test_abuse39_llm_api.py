@@ -181,7 +181,7 @@ def test_use_tqdm_shows_the_steps_on_stderr(llm, capfd):
     (dict(beam_width=0, max_tokens=4), r"beam_width must be an integer in \[1, 10\]"),
     (dict(beam_width=11, max_tokens=4), r"beam_width must be an integer in \[1, 10\].*2 \* beam_width"),
     (dict(beam_width=2.0, max_tokens=4), "beam_width must be an integer"),
-    (dict(beam_width=2, max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(beam_width=2, max_tokens=-1), "max_tokens must be an integer >= 0"),
     (dict(beam_width=2, max_tokens=4, temperature=-0.5), "temperature must be a finite number"),
     (dict(beam_width=2, max_tokens=4, length_penalty=math.inf), "length_penalty must be a finite number"),
     (dict(beam_width=2, max_tokens=4, ignore_eos="yes"), "ignore_eos must be true or false"),

@@ -15,7 +15,10 @@ read (stop, top_p, seed, ...) are taken and ignored, as vLLM's server ignores th
 ignored. An output constraint (response_format, structured_outputs) holds every beam, as
 LLM.beam_search's structured_outputs does (vLLM's server drops it). Refused with a 400 naming the
 field: a completions stream (as vLLM's completions refuse it), a forced tool call, kv_transfer_params,
-max_tokens 0, and a width whose 2 * n log-probabilities pass max_logprobs.
+and a width whose 2 * n log-probabilities pass max_logprobs.
+
+max_tokens 0 (max_completion_tokens 0) runs no step, as vLLM's search: each prompt's answer is its one
+beam, the prompt alone, so one empty choice with finish_reason "length".
 """
 from __future__ import annotations
 
@@ -30,7 +33,9 @@ from minillm.beam_search import step_params as beam_step_params
 from minillm.outputs import CompletionOutput, RequestOutput
 from minillm.sampling_params import BeamSearchParams, SamplingParams
 from minillm.server.errors import APIError
-from minillm.server.protocol import ChatCompletionRequest, CompletionRequest, chat_max_tokens_field, tool_choice_of
+from minillm.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, chat_max_tokens, chat_max_tokens_field, tool_choice_of,
+)
 from minillm.server.serving import (
     LARGE_RESPONSE_ENTRIES, ServingContext, build_without_collections, engine_request_id, final_outputs,
     json_in_pieces, log_received, response_entries, streaming_response, submit, until_disconnected,
@@ -70,10 +75,15 @@ def check_beam_search(ctx: ServingContext, req: CompletionRequest | ChatCompleti
     if req.kv_transfer_params is not None:
         raise APIError(400, "kv_transfer_params is not supported with beam search: its steps run on this "
                        "server's engine", param="kv_transfer_params")
-    if isinstance(req, CompletionRequest) and req.max_tokens == 0:
-        raise APIError(400, "max_tokens must be at least 1 with use_beam_search", param="max_tokens")
     return [name for name in IGNORED_FIELDS
             if name in req.model_fields_set and getattr(req, name) != type(req).model_fields[name].default]
+
+
+def searches_no_tokens(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """A beam search asked for no token (max_tokens 0): vLLM's runs no step, and the request's
+    SamplingParams (which take at least 1) are built for one token that no step generates."""
+    asked = chat_max_tokens(req) if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    return bool(req.use_beam_search) and type(asked) is int and asked == 0
 
 
 def beam_search_params(req: CompletionRequest | ChatCompletionRequest, params: SamplingParams) -> BeamSearchParams:
@@ -83,8 +93,9 @@ def beam_search_params(req: CompletionRequest | ChatCompletionRequest, params: S
              "length_penalty": "length_penalty"}
     if isinstance(req, ChatCompletionRequest):
         names["max_tokens"] = chat_max_tokens_field(req)
+    max_tokens = 0 if searches_no_tokens(req) else params.max_tokens
     try:
-        return BeamSearchParams(beam_width=req.n, max_tokens=params.max_tokens, ignore_eos=req.ignore_eos,
+        return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                 temperature=params.temperature, length_penalty=req.length_penalty,
                                 include_stop_str_in_output=req.include_stop_str_in_output,
                                 structured_outputs=params.structured_outputs)

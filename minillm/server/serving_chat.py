@@ -28,7 +28,7 @@ from minillm.server.serving import (
     merged_outputs, new_request_id, refuse_uncompiled_constraint, sse, stream_events, tokenize_bad_words,
     UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
-from minillm.server.serving_beam_search import answer_beam_search, check_beam_search
+from minillm.server.serving_beam_search import answer_beam_search, check_beam_search, searches_no_tokens
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 from minillm.server.output_parsers import OutputParsers, OutputStream
@@ -200,9 +200,11 @@ class ChatJob:
         self.num_top = requested_top_logprobs(req, ctx.engine.config.max_logprobs)
         check_fan_out(ctx.limits, req.n, 1, req.stop, req.stop_token_ids)
         check_allowed_token_ids(ctx.limits, req.allowed_token_ids, 1)
+        # A beam search for no token builds its SamplingParams for one, which no step generates.
+        self.max_tokens = 1 if searches_no_tokens(req) else chat_max_tokens(req)
         # Field errors first, so a bad value is named even on a model without a template.
         with naming_max_tokens_field(req):
-            to_sampling_params(req, chat_max_tokens(req), self.num_top, ctx.engine.vocab_size,
+            to_sampling_params(req, self.max_tokens, self.num_top, ctx.engine.vocab_size,
                                max_model_len=ctx.engine.max_model_len, defaults=ctx.sampling_defaults)
         limit = ctx.engine.max_model_len
         if req.max_tokens is not None and req.max_completion_tokens is not None and not 1 <= req.max_tokens <= limit:
@@ -273,7 +275,7 @@ class ChatJob:
         self.structured = await self.ctx.run_blocking_if(asks_for_structure(self.req) or self.forced is not None,
                                                          self._constraint)
         with naming_max_tokens_field(self.req):
-            max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), chat_max_tokens(self.req), "messages")
+            max_tokens = self.ctx.resolve_max_tokens(len(self.prompt_ids), self.max_tokens, "messages")
         self.params = to_sampling_params(self.req, max_tokens, self.num_top, self.ctx.engine.vocab_size,
                                          self.structured, self.prompt_logprobs, defaults=self.ctx.sampling_defaults)
         await tokenize_bad_words(self.ctx, [self.params])

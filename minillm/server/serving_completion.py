@@ -27,7 +27,7 @@ from minillm.server.serving import (
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words,
     UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
-from minillm.server.serving_beam_search import answer_beam_search, check_beam_search
+from minillm.server.serving_beam_search import answer_beam_search, check_beam_search, searches_no_tokens
 from minillm.server.streaming import FinalEvent
 from minillm.server.structured import asks_for_structure, structured_outputs_params
 
@@ -55,7 +55,7 @@ class CompletionJob:
         # echo with max_tokens 0 (vLLM's echo without generation): the prompt back, scored when
         # logprobs are asked; one token is generated and dropped.
         self.echo_only = req.echo and req.max_tokens == 0
-        self.max_tokens = 1 if self.echo_only else req.max_tokens
+        self.max_tokens = 1 if self.echo_only or searches_no_tokens(req) else req.max_tokens
         if self.echo_only and isinstance(req.min_tokens, int) and req.min_tokens > 0:
             # checked against the 0 sent, not the 1 generated and dropped (which the error named)
             raise APIError(400, f"min_tokens must not exceed max_tokens (0), got {req.min_tokens}",
