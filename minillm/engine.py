@@ -755,7 +755,9 @@ class LLMEngine:
         out in it, and what it reads each time is bound once here (so it is used at once, while
         self._changed is the dict it holds)."""
         requests, changed, metrics = self.requests, self._changed, self.metrics
-        add_token, logprobs_of, record_itl = self.output_processor.add_token, step.logprobs, metrics.record_itl
+        add_token, logprobs_of, record_itl = self.output_processor.add_token, step.logprobs, metrics.itl.append
+        # An engine core's token outputs read a token only for its log-probabilities or its grammar's state.
+        every_token = getattr(self.output_processor, "reads_every_token", True)
 
         def on_token(seq: Sequence, i: int) -> str | None:
             req = requests.get(seq.request_id)
@@ -764,7 +766,10 @@ class LLMEngine:
                 return None
             logprobs = logprobs_of.get(seq.seq_id) if logprobs_of else None
             token_ids = seq.token_ids
-            stop = add_token(req.states[index], seq, token_ids[-1], logprobs[i] if logprobs else None)
+            if every_token or logprobs or seq.structured_output is not None:
+                stop = add_token(req.states[index], seq, token_ids[-1], logprobs[i] if logprobs else None)
+            else:
+                stop = None
             if len(token_ids) == len(seq.prompt_token_ids) + 1:     # its first token: its prompt counts now
                 metrics.record_prompt(seq.num_prompt_tokens, seq.num_cached_tokens, seq.num_external_tokens)
             m = req.metrics

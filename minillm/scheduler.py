@@ -49,6 +49,9 @@ import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter, itemgetter
+
+import numpy as np
 
 from minillm.allowed_tokens import masked_out_error
 from minillm.block_manager import BlockManager
@@ -100,10 +103,11 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
     return None
 
 
-def _settled_first(out: SchedulerOutput) -> list[Sequence]:
-    """out's sampling sequences with the constrained ones whose grammar process has not answered
-    yet moved last (each part in batch order), so the update reads the others while those answers come."""
-    seqs = out.sampling_seqs
+def _settled_first(out: SchedulerOutput, seqs: list | None = None) -> list:
+    """out's sampling sequences (or seqs, one item a sampling row) with the constrained ones whose grammar
+    process has not answered yet moved last (each part in batch order), so the update reads the others
+    while those answers come."""
+    seqs = out.sampling_seqs if seqs is None else seqs
     waiting = [b for b, seq in out.structured_rows if not seq.structured_output.is_settled]
     if not waiting:
         return seqs
@@ -113,6 +117,11 @@ def _settled_first(out: SchedulerOutput) -> list[Sequence]:
         start = b + 1
     settled += seqs[start:]
     return settled + [seqs[b] for b in waiting]
+
+
+# What the update reads of every row (C-level getters: no Python frame a row).
+_seq_id, _token_ids, _spec_token_ids = attrgetter("seq_id"), attrgetter("token_ids"), attrgetter("spec_token_ids")
+_stop_check_from, _first = attrgetter("stop_check_from"), itemgetter(0)
 
 
 def _may_draft(seq: Sequence, num_new_tokens: int) -> bool:
@@ -197,6 +206,10 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill   # False: a prompt runs whole in one step
         self.eos_token_ids = set(eos_token_ids)
+        # EOS and every stop_token_ids added: a decode step's token outside them (and short of its
+        # sequence's max_tokens) stops nothing, which the update decides for the whole batch at once.
+        self._stop_ids = set(self.eos_token_ids)
+        self._stop_id_array = np.array(sorted(self._stop_ids), np.int64)
         self.by_priority = scheduling_policy == "priority"
         if self.by_priority:
             self.waiting = PriorityWaitingQueue()
@@ -276,8 +289,14 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence at the back."""
         self.waiting.append(seq)
-        if seq.params.needs_output_tokens:
+        params = seq.params
+        if params.needs_output_tokens:
             self._output_readers.append(seq)
+        if params.stop_token_ids and not self._stop_ids.issuperset(params.stop_token_ids):
+            self._stop_ids.update(params.stop_token_ids)
+            self._stop_id_array = np.array(sorted(self._stop_ids), np.int64)
+        per_token = params._masked_row_check is not None or seq.counts_outputs or params.repetition_detection is not None
+        seq.stop_check_from = 0 if per_token else len(seq.prompt_token_ids) + seq.max_tokens
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's sequences and token counts under the budget, and count them launched."""
@@ -538,50 +557,100 @@ class Scheduler:
         if self.kv_connector is not None:
             self.kv_connector.update_connector_output(out)
         appended = []
-        append = appended.append
-        sampled, eos_token_ids, block_manager = step.sampled, self.eos_token_ids, self.block_manager
-        block_size = block_manager.block_size
+        if not out.scheduled_spec_decode_tokens and not any(map(_spec_token_ids, out.sampling_seqs)) \
+                and self._update_one_token_rows(out, step, on_token, answers_pending, appended):
+            return appended
+        sampled = step.sampled
         seqs = _settled_first(out) if answers_pending else out.sampling_seqs
         for seq in seqs:
+            if seq.num_output_placeholders:     # else finished (aborted, stopped) since the launch
+                self._append_tokens(seq, sampled[seq.seq_id], on_token, appended)
+        return appended
+
+    def _update_one_token_rows(self, out: SchedulerOutput, step: StepOutput,
+                               on_token: Callable[[Sequence, int], str | None] | None, answers_pending: bool,
+                               appended: list[tuple[Sequence, int]]) -> bool:
+        """update_from_output of a step without drafts (each row one token). Which rows' tokens may stop
+        them is decided for the batch at once: a token in none of the stop ids (EOS, stop_token_ids),
+        short of its sequence's max_tokens (Sequence.stop_check_from), of a sequence with no per-token
+        rule, and, under a grammar, taken on the grammar process's clean answer (settled for all such
+        rows in one call), stops nothing; the other rows go through _append_tokens and check_stop. False
+        (nothing read) when a row has no token: rows finished since the launch (a failed step's) are read
+        one by one."""
+        seqs = out.sampling_seqs
+        n = len(seqs)
+        try:
+            tokens = list(map(_first, map(step.sampled.__getitem__, map(_seq_id, seqs))))
+        except (KeyError, IndexError):
+            return False
+        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)        # [n] before the token
+        goes_on = lengths < np.fromiter(map(_stop_check_from, seqs), np.int64, n) - 1
+        goes_on &= ~np.isin(np.array(tokens, np.int64), self._stop_id_array)
+        plain = goes_on.tolist()      # [n] rows whose token stops nothing (a stop string aside)
+        if structured := out.structured_rows:
+            rows = [b for b, seq in structured if plain[b] and seq.num_output_placeholders]
+            from minillm.structured_output import StructuredOutputRequest   # (llguidance: only when constrained)
+            settled = StructuredOutputRequest.settle_clean([seqs[b].structured_output for b in rows],
+                                                           [tokens[b] for b in rows])
+            for b, seq in structured:
+                if plain[b] and seq.structured_output not in settled:
+                    plain[b] = False   # its matcher's answer is read token by token (accept_token, check_stop)
+        rows = zip(seqs, tokens, plain)
+        if answers_pending:
+            rows = _settled_first(out, list(rows))
+        append, block_size, block_manager = appended.append, self.block_manager.block_size, self.block_manager
+        for seq, token, goes in rows:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
                 continue
-            tokens = sampled[seq.seq_id]
-            num_drafts = len(seq.spec_token_ids)
-            seq.num_output_placeholders -= 1 + num_drafts
-            if num_drafts:
-                seq.spec_token_ids = []
-                if seq.status is SequenceStatus.RUNNING:
-                    # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
-                    # their blocks stay with the sequence for those tokens.
-                    seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
-            # (Read once a row: this loop runs for every sampling sequence every step.)
-            params, grammar, token_ids = seq.params, seq.structured_output, seq.token_ids
-            for i, token in enumerate(tokens):
-                # A token the sequence's own bans forbid (a row of -inf) or its grammar refuses (no token
-                # the grammar allows was left, or the grammar process failed) is no sample: the output
-                # stops before it.
-                error = masked_out_error(params, seq.output_token_ids, token) \
-                    if params._masked_row_check is not None else None
-                if error is None and grammar is not None and not grammar.accept_token(token):
-                    error = grammar.rejection(token)
-                if error is not None:
-                    self.finish(seq, SequenceStatus.FINISHED_ERROR, error)
-                    self.masked_out.append(seq)
-                    break
-                token_ids.append(token)
-                if seq.counts_outputs:
-                    seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
-                append((seq, token))
-                if (stop := check_stop(seq, eos_token_ids)) is not None:
-                    self.finish(seq, *stop)
-                if on_token is not None and (stop_string := on_token(seq, i)) is not None:
-                    self.stop(seq, stop_string)
-                if seq.status._finished:
-                    break
-            else:
-                if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:   # a block may have filled
-                    block_manager.cache_full_blocks(seq)
-        return appended
+            if not goes:
+                self._append_tokens(seq, (token,), on_token, appended)
+                continue
+            seq.num_output_placeholders -= 1
+            seq.token_ids.append(token)
+            append((seq, token))
+            if on_token is not None and (stop_string := on_token(seq, 0)) is not None:
+                self.stop(seq, stop_string)
+            elif seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:   # a block may have filled
+                block_manager.cache_full_blocks(seq)
+        return True
+
+    def _append_tokens(self, seq: Sequence, tokens, on_token: Callable[[Sequence, int], str | None] | None,
+                       appended: list[tuple[Sequence, int]]) -> None:
+        """Read a row's new tokens (one, or accepted drafts + one) into seq, each through the stop rules."""
+        num_drafts = len(seq.spec_token_ids)
+        seq.num_output_placeholders -= 1 + num_drafts
+        if num_drafts:
+            seq.spec_token_ids = []
+            if seq.status is SequenceStatus.RUNNING:
+                # The rejected drafts' K/V stay in their slots until later tokens overwrite them;
+                # their blocks stay with the sequence for those tokens.
+                seq.num_computed_tokens -= num_drafts + 1 - len(tokens)
+        params, grammar, token_ids = seq.params, seq.structured_output, seq.token_ids
+        for i, token in enumerate(tokens):
+            # A token the sequence's own bans forbid (a row of -inf) or its grammar refuses (no token
+            # the grammar allows was left, or the grammar process failed) is no sample: the output
+            # stops before it.
+            error = masked_out_error(params, seq.output_token_ids, token) \
+                if params._masked_row_check is not None else None
+            if error is None and grammar is not None and not grammar.accept_token(token):
+                error = grammar.rejection(token)
+            if error is not None:
+                self.finish(seq, SequenceStatus.FINISHED_ERROR, error)
+                self.masked_out.append(seq)
+                return
+            token_ids.append(token)
+            if seq.counts_outputs:
+                seq.output_counts[token] = seq.output_counts.get(token, 0) + 1
+            appended.append((seq, token))
+            if (stop := check_stop(seq, self.eos_token_ids)) is not None:
+                self.finish(seq, *stop)
+            if on_token is not None and (stop_string := on_token(seq, i)) is not None:
+                self.stop(seq, stop_string)
+            if seq.status._finished:
+                return
+        block_manager = self.block_manager
+        if seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_manager.block_size:   # a block may have filled
+            block_manager.cache_full_blocks(seq)
 
     def stop(self, seq: Sequence, stop_string: str) -> None:
         """The output processor found a stop string in seq's text: finish it with that reason.

@@ -90,6 +90,10 @@ class Sequence:
     # Uniforms drawn ahead from its generator for next_uniform, the next one last (given back to the
     # generator before any other draw from it: see rng).
     uniforms_ahead: list[float] | tuple = field(default=(), init=False, repr=False)
+    # The token count (prompt and output) from which the scheduler's update asks check_stop about every
+    # token: its max_tokens; 0 (every token asked) for a sequence whose tokens need the per-token path
+    # (bans, penalty counts, repetition detection) or that the scheduler did not add (Scheduler.add).
+    stop_check_from: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,6 +1,8 @@
 """The engine thread's per-row work each step: a mixed batch gives each request its outputs alone.
 
-Greedy, seeded, penalised, stop-string, JSON-schema, n = 2 and logprobs requests run together
+Greedy, seeded, penalised, stop-string, JSON-schema, n = 2 and logprobs requests, and requests under
+every stop rule (stop token ids, one in the step max_tokens ends, under min_tokens, max_model_len,
+ignore_eos, a choice whose grammar completes) run together
 (stories260K, CPU) and each one alone on the same engine: tokens, text, finish and stop reasons and
 logprob ranks are equal, with async scheduling and the matchers in a grammar process, with n-gram
 speculation (its verifier draws from the same generators as the sampling), and through an engine
@@ -48,6 +50,15 @@ def mixed_batch(golden: list[int]) -> list[tuple[list[int], dict]]:
         (q, dict(temperature=0, max_tokens=12, logprobs=3)),
         (p, dict(temperature=0.6, seed=4, max_tokens=14, logprobs=2, min_tokens=6)),
         (q, dict(temperature=1.0, max_tokens=10)),                  # unseeded: its count only
+        # every stop rule (p's greedy continuation is golden[12:])
+        (p, dict(temperature=0, max_tokens=30, stop_token_ids=[golden[15]])),
+        (p, dict(temperature=0, max_tokens=4, stop_token_ids=[golden[15]])),     # stop token and max_tokens at once
+        (p, dict(temperature=0, max_tokens=20, min_tokens=4, stop_token_ids=[golden[16]])),  # its 5th token
+        (q, dict(temperature=0, max_tokens=None)),                                # to max_model_len
+        (p, dict(temperature=1.0, seed=8, max_tokens=30, ignore_eos=True)),
+        (q, dict(temperature=0.9, seed=13, max_tokens=30, min_tokens=10, stop_token_ids=[golden[22]])),
+        (p, dict(temperature=0.8, seed=6, max_tokens=30, structured_outputs=StructuredOutputsParams(
+            choice=["once upon a time", "the end"]))),                           # a grammar that completes
     ]
 
 
@@ -82,6 +93,10 @@ def test_a_mixed_batch_gives_each_request_its_output_alone(stories_path, golden,
     assert outcomes(together, batch) == outcomes(alone, batch)
     assert any(c.stop_reason in (" the", ".", " was") for out in together for c in out.outputs)
     assert all(together[k].outputs[0].text.startswith('{"name":') for k in (5, 6))   # held to the schema
+    ends = [(c.finish_reason, c.stop_reason) for c in (out.outputs[0] for out in together[11:])]
+    assert ends[0] == ("stop", golden[15]) and ends[1] == ("stop", golden[15]) and ends[2] == ("stop", golden[16])
+    assert ends[3] == ("length", None) and len(together[14].outputs[0].token_ids) == 128 - len(batch[14][0])
+    assert together[17].outputs[0].text in ("once upon a time", "the end") and ends[6] == ("stop", None)
 
 
 def run_core(core: EngineCore, batch) -> dict[str, list]:

@@ -104,6 +104,10 @@ class TokenOutputs:
     message without another object per sequence.
     """
 
+    # add_token does nothing with a token that has no log-probability row, of a sequence without a grammar
+    # (the engine's per-token report skips the call then).
+    reads_every_token = False
+
     def __init__(self, tokenizer: Any) -> None:
         del tokenizer   # no text here
 
