@@ -587,17 +587,41 @@ class Scheduler:
         goes_on = lengths < np.fromiter(map(_stop_check_from, seqs), np.int64, n) - 1
         goes_on &= ~np.isin(np.array(tokens, np.int64), self._stop_id_array)
         plain = goes_on.tolist()      # [n] rows whose token stops nothing (a stop string aside)
+        waiting = []                  # constrained rows whose grammar process has not answered yet
         if structured := out.structured_rows:
-            rows = [b for b, seq in structured if plain[b] and seq.num_output_placeholders]
             from minillm.structured_output import StructuredOutputRequest   # (llguidance: only when constrained)
-            settled = StructuredOutputRequest.settle_clean([seqs[b].structured_output for b in rows],
-                                                           [tokens[b] for b in rows])
-            for b, seq in structured:
-                if plain[b] and seq.structured_output not in settled:
-                    plain[b] = False   # its matcher's answer is read token by token (accept_token, check_stop)
-        rows = zip(seqs, tokens, plain)
-        if answers_pending:
-            rows = _settled_first(out, list(rows))
+            if answers_pending:
+                waiting = [b for b, seq in structured if not seq.structured_output.is_settled]
+            late = set(waiting)
+            self._settle_rows(StructuredOutputRequest, [b for b, _ in structured if b not in late], seqs, tokens,
+                              plain)
+        if not waiting:
+            self._read_rows(zip(seqs, tokens, plain), appended, on_token)
+            return True
+        # The rows whose answers are in first (in batch order), then the waiting ones: their answer (one
+        # for the step's advance) is read once, and its clean rows settle in one call.
+        self._read_rows([(seqs[b], tokens[b], plain[b]) for b in range(n) if b not in late], appended, on_token)
+        self._settle_rows(StructuredOutputRequest, waiting, seqs, tokens, plain, wait=True)
+        self._read_rows([(seqs[b], tokens[b], plain[b]) for b in waiting], appended, on_token)
+        return True
+
+    @staticmethod
+    def _settle_rows(requests_class, rows: list[int], seqs, tokens: list[int], plain: list[bool],
+                     wait: bool = False) -> None:
+        """Settle the constrained rows among `rows` whose token stops nothing on a clean answer of the
+        grammar process (wait: read an answer still on its way first); the rest are marked for the
+        per-row path (plain False: accept_token and check_stop read their matcher's answer)."""
+        rows = [b for b in rows if plain[b] and seqs[b].num_output_placeholders]
+        settled = requests_class.settle_clean([seqs[b].structured_output for b in rows], [tokens[b] for b in rows],
+                                              wait=wait)
+        for b in rows:
+            if seqs[b].structured_output not in settled:
+                plain[b] = False
+
+    def _read_rows(self, rows, appended: list[tuple[Sequence, int]],
+                   on_token: Callable[[Sequence, int], str | None] | None) -> None:
+        """Read (seq, token, goes on) rows into their sequences: a row that goes on appends its token
+        with no stop rule; the others go through _append_tokens."""
         append, block_size, block_manager = appended.append, self.block_manager.block_size, self.block_manager
         for seq, token, goes in rows:
             if seq.num_output_placeholders == 0:    # finished (aborted, stopped) since the launch
@@ -612,7 +636,6 @@ class Scheduler:
                 self.stop(seq, stop_string)
             elif seq.num_computed_tokens >= (len(seq.block_hashes) + 1) * block_size:   # a block may have filled
                 block_manager.cache_full_blocks(seq)
-        return True
 
     def _append_tokens(self, seq: Sequence, tokens, on_token: Callable[[Sequence, int], str | None] | None,
                        appended: list[tuple[Sequence, int]]) -> None:

@@ -2056,13 +2056,16 @@ class StructuredOutputRequest:
                 request._advanced.extend((token, answer, row, k) for k, token in enumerate(ids))
 
     @staticmethod
-    def settle_clean(requests: Sequence[StructuredOutputRequest], token_ids: Sequence[int]) -> set:
+    def settle_clean(requests: Sequence[StructuredOutputRequest], token_ids: Sequence[int], wait: bool = False) -> set:
         """accept_token(token_ids[i]) for each of requests whose token a grammar process's clean answer
         took (the grammar goes on), in one call a step; returns those requests. The others are left
-        as they were: their tokens go through accept_token."""
+        as they were: their tokens go through accept_token. wait: an answer not yet read is read first
+        (as accept_token would wait for it; the rows of a step share their advance's answer)."""
         settled = set()
         for request, token in zip(requests, token_ids):
             advanced = request._advanced
+            if advanced and len(taken := advanced[0]) == 4 and wait and not taken[1].is_read:
+                tokens_taken(taken[1], taken[2])        # waits (a failed process's answer is not clean)
             if advanced and len(taken := advanced[0]) == 4 and taken[1].clean and taken[0] == token:
                 advanced.popleft()
                 request._state_ahead = _GOING
