@@ -12,6 +12,8 @@ import sys
 import textwrap
 from collections.abc import Callable
 
+from minillm.argparse_utils import dashed_option_words, parser_value_counts
+
 _METAVARS = {int: "<int>", float: "<float>", str: "<str>", None: "<str>"}
 
 
@@ -73,7 +75,8 @@ class BenchParser(argparse.ArgumentParser):
     def parse_known_args(self, args=None, namespace=None):
         if "help" not in {a.dest for a in self._actions}:   # added last, so it is listed last
             self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
-        args = [self._dashed(arg) for arg in (sys.argv[1:] if args is None else args)]
+        args = sys.argv[1:] if args is None else list(args)
+        args = dashed_option_words(args, parser_value_counts(self), self._dashed)
         parsed, rest = super().parse_known_args(args, namespace)
         self._refuse_empty_values(parsed)
         return parsed, rest
@@ -87,8 +90,9 @@ class BenchParser(argparse.ArgumentParser):
         return parsed
 
     def _dashed(self, arg: str) -> str:
-        """ARG with the underscores of its option's name read as dashes (--num_seqs 4, --max_input_len=64),
-        as vLLM's parser reads them, when that names an option (other text is left as it is)."""
+        """ARG, a word where an option may stand, with the underscores of its option's name read as dashes
+        (--num_seqs 4, --max_input_len=64), as vLLM's parser reads them, when that names an option (other
+        text is left as it is)."""
         if not arg.startswith("--") or "_" not in arg.partition("=")[0]:
             return arg
         name, eq, value = arg.partition("=")

@@ -24,6 +24,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
+from minillm.argparse_utils import option_positions
 from minillm.chat_terminal import is_terminal, terminal_safe
 from minillm.config import EngineConfig
 from minillm.model_store import expand_user
@@ -130,36 +131,46 @@ class MinillmCommand(TyperCommand):
                     formatter.write_dl(records)
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        short = {o for p in self.get_params(ctx) for o in (*p.opts, *p.secondary_opts) if not o.startswith("--")}
-        for arg in args:
-            if arg == "--":
-                break
+        params = self.get_params(ctx)
+        short = {o for p in params for o in (*p.opts, *p.secondary_opts) if not o.startswith("--")}
+        counts = option_value_counts(params)
+        for arg, at_option in zip(args, option_positions(args, counts)):
             refused = arg in VLLM_FLAGS_NOT_TAKEN or arg in getattr(self, "refused_options", {})
-            if refused and not arg.startswith("--") and arg not in short and arg[:2] not in short:
+            if at_option and refused and not arg.startswith("--") and arg not in short and arg[:2] not in short:
                 raise NoSuchOption(arg, f"No such option: {arg}", ctx=ctx)
-        json_options = {o for p in self.get_params(ctx) if getattr(p, "metavar", None) == "JSON" for o in p.opts}
-        return super().parse_args(ctx, dotted_json_options(args, json_options) if json_options else args)
+        json_options = {o for p in params if getattr(p, "metavar", None) == "JSON" for o in p.opts}
+        return super().parse_args(ctx, dotted_json_options(args, json_options, counts) if json_options else args)
 
 
-def dotted_json_options(args: list[str], options: set[str]) -> list[str]:
+def option_value_counts(params) -> dict[str, int]:
+    """{option string: how many values it takes} for a click command's PARAMS (0 for a switch)."""
+    return {o: 0 if p.is_flag or p.count else p.nargs for p in params if p.param_type_name == "option"
+            for o in (*p.opts, *p.secondary_opts)}
+
+
+def dotted_json_options(args: list[str], options: set[str], value_counts: dict[str, int] | None = None) -> list[str]:
     """vLLM's dotted form of a JSON option folded into the option: `--speculative-config.method ngram
     --speculative-config.num_speculative_tokens 3` (or `--x.key=value`; `--x.key+ v` appends to a list)
     is --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}', over the keys of a
     --speculative-config JSON given too. A value is read as JSON where it is JSON, else as a string. The
     option's name may be written with underscores (--speculative_config.method), as vLLM reads it; the
-    keys after the dot keep their own spelling."""
-    end = args.index("--") if "--" in args else len(args)
-    args = [_dashed_json_option(arg, options) for arg in args[:end]] + args[end:]
-    dotted = {a.partition(".")[0] for a in args[:end] if a.partition(".")[0] in options and a.partition(".")[2]}
+    keys after the dot keep their own spelling. Only a word where an option may stand is read so: the
+    value of an option (VALUE_COUNTS: how many each of the command's options takes; OPTIONS take one) and
+    every word after a bare "--" are kept as they are (-p --speculative-config.method is that prompt)."""
+    at_option = option_positions(args, {**(value_counts or {}), **dict.fromkeys(options, 1)})
+    args = [_dashed_json_option(arg, options) if at else arg for arg, at in zip(args, at_option)]
+    dotted = {a.partition(".")[0] for a, at in zip(args, at_option)
+              if at and a.partition(".")[0] in options and a.partition(".")[2]}
     if not dotted:
         return args
     out, objects, where = [], {}, {}
     i = 0
     while i < len(args):
         arg = args[i]
-        if arg == "--":
-            out.extend(args[i:])
-            break
+        if not at_option[i]:         # a value, or a word after "--"
+            out.append(arg)
+            i += 1
+            continue
         name, dot, path = arg.partition(".")
         whole, eq, text = arg.partition("=")
         if whole in dotted and (eq or i + 1 < len(args)):     # the whole JSON, merged with the dotted keys
@@ -1330,18 +1341,24 @@ class SpreadValuesCommand(MinillmCommand):
     spread_options: tuple[str, ...] = ()
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, spread_option_values(args, self.spread_options))
+        counts = option_value_counts(self.get_params(ctx))
+        return super().parse_args(ctx, spread_option_values(args, self.spread_options, counts))
 
 
-def spread_option_values(args: list[str], options: tuple[str, ...]) -> list[str]:
+def spread_option_values(args: list[str], options: tuple[str, ...],
+                         value_counts: dict[str, int] | None = None) -> list[str]:
     """ARGS with each of OPTIONS repeated before each of its values: its values are the arguments up to
-    the next option, as argparse takes an nargs="+" option's (so MODEL goes before such an option)."""
+    the next option, as argparse takes an nargs="+" option's (so MODEL goes before such an option). Only
+    a word where an option may stand is one of OPTIONS (VALUE_COUNTS: how many values each option takes;
+    the value of another option, or a word after a bare "--", is kept as it is)."""
+    at_option = option_positions(args, {**(value_counts or {}), **dict.fromkeys(options, 1)})
     out, i = [], 0
     while i < len(args):
         arg = args[i]
         i += 1
-        if arg == "--":                       # what follows is no option
-            return out + args[i - 1:]
+        if not at_option[i - 1]:
+            out.append(arg)
+            continue
         option = dashed_option_name(arg) if arg.startswith("--") else arg   # --served_model_name too
         if option not in options:
             out.append(arg)

@@ -12,6 +12,8 @@ import json
 import os
 from dataclasses import dataclass
 
+from minillm.argparse_utils import option_positions
+
 CONFIG_FLAG = "--config"
 
 
@@ -34,33 +36,43 @@ def config_file_args(args: list[str], options: dict[str, OptionKind], aliases: d
                      reasons: dict[str, str] | None = None) -> list[str]:
     """ARGS with `--config FILE` replaced by FILE's options (placed after MODEL, before the rest). OPTIONS
     maps a dashless long name to its OptionKind; ALIASES maps every spelling of an option to its param;
-    REASONS says why a flag the command lacks is not taken ({"--quantization": "..."})."""
-    end = args.index("--") if "--" in args else len(args)
-    at = [i for i, arg in enumerate(args[:end]) if arg == CONFIG_FLAG or arg.startswith(CONFIG_FLAG + "=")]
+    REASONS says why a flag the command lacks is not taken ({"--quantization": "..."}). Only a word where
+    an option may stand is read as one: an option's value (--response-role --config) and the words after a
+    bare "--" are kept as they are."""
+    counts = value_counts(options, aliases)
+    at_option = option_positions(args, counts)
+    at = [i for i, arg in enumerate(args) if at_option[i] and (arg == CONFIG_FLAG or arg.startswith(CONFIG_FLAG + "="))]
     if not at:
         return args
     if len(at) > 1:
         raise ConfigFileError(f"{CONFIG_FLAG} is given {len(at)} times; give one file")
     i = at[0]
     if args[i] == CONFIG_FLAG:
-        if i + 1 >= end or args[i + 1].startswith("-"):
+        if i + 1 >= len(args) or args[i + 1] == "--" or args[i + 1].startswith("-"):
             raise ConfigFileError(f"{CONFIG_FLAG} needs a YAML file of options")
         path, rest = args[i + 1], args[:i] + args[i + 2:]
     else:
         path, rest = args[i].partition("=")[2], args[:i] + args[i + 1:]
-    given = given_params(rest[:rest.index("--")] if "--" in rest else rest, aliases)
+    given = given_params(rest, aliases, counts)
     start = 1 if rest and not rest[0].startswith("-") else 0     # MODEL stays first
     from_file = [word for key, value in read_config_file(path).items()
                  for word in option_words(path, key, value, options, given, reasons or {})]
     return rest[:start] + from_file + rest[start:]
 
 
-def given_params(args: list[str], aliases: dict[str, str]) -> set[str]:
-    """The params the command line ARGS sets (MODEL, given as the first argument, as "model")."""
+def value_counts(options: dict[str, OptionKind], aliases: dict[str, str]) -> dict[str, int]:
+    """{spelling: how many values it takes} for every spelling in ALIASES (0 for a switch), --config's too."""
+    switches = {kind.param for kind in options.values() if kind.is_flag}
+    return {CONFIG_FLAG: 1, **{name: 0 if param in switches else 1 for name, param in aliases.items()}}
+
+
+def given_params(args: list[str], aliases: dict[str, str], counts: dict[str, int] | None = None) -> set[str]:
+    """The params the command line ARGS sets (MODEL, given as the first argument, as "model"); an option's
+    value and the words after a bare "--" set none (COUNTS: how many values each option takes)."""
     given = {"model"} if args and not args[0].startswith("-") else set()
-    for arg in args:
+    for arg, at_option in zip(args, option_positions(args, counts or dict.fromkeys(aliases, 1))):
         name = arg.partition("=")[0]
-        if name.startswith("-"):
+        if at_option and name.startswith("-"):
             param = aliases.get(name) or aliases.get(name.replace("_", "-"))
             if param is not None:
                 given.add(param)
