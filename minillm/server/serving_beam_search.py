@@ -17,12 +17,14 @@ LLM.beam_search's structured_outputs does (vLLM's server drops it). Refused with
 field: a completions stream (as vLLM's completions refuse it), a forced tool call, kv_transfer_params,
 and a width whose 2 * n log-probabilities pass max_logprobs.
 
-max_tokens 0 (max_completion_tokens 0) runs no step, as vLLM's search: each prompt's answer is its one
-beam, the prompt alone, so one empty choice with finish_reason "length".
+max_tokens 0 (max_completion_tokens 0) grows no beam, as vLLM's search: each prompt's answer is its one
+beam, the prompt alone, so one empty choice with finish_reason "length". Its prompt_logprobs (and the
+echo's with logprobs) are scored still, by the one step a search's first would be, its tokens dropped.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
@@ -145,13 +147,32 @@ async def search(ctx: ServingContext, job, prompts: list[list[int]], params: Bea
         return outputs
 
     try:
-        await run_steps_async(instances, step, params, eos, ctx.engine.max_model_len)
+        if params.max_tokens == 0 and num_prompt_logprobs is not None:
+            # No beam grows, but the prompts are scored as a search's first step scores them (its tokens dropped).
+            fits = [ids for ids in prompts if len(ids) < ctx.engine.max_model_len]
+            if fits:
+                await step([{"prompt_token_ids": ids} for ids in fits], 0)
+            for ids in (ids for ids in prompts if len(ids) >= ctx.engine.max_model_len):
+                scored[tuple(ids)] = await score_full_context(ctx, job, ids, step_params[0])
+        else:
+            await run_steps_async(instances, step, params, eos, ctx.engine.max_model_len)
     except StepFailed as failed:
         return [RequestOutput(job.request_id, None, ids, None, [failed.completion], finished=True) for ids in prompts]
     decode = ctx.tokenizer.decode
     return [RequestOutput(job.request_id, None, ids, scored.get(tuple(ids)),
                           beam_completions(inst, params, eos, len(ids), decode), finished=True)
             for ids, inst in zip(prompts, instances)]
+
+
+async def score_full_context(ctx: ServingContext, job, ids: list[int], base: SamplingParams) -> list | None:
+    """The prompt_logprobs of a prompt of max_model_len tokens, which the engine cannot take whole (it keeps
+    room for a token): all but its last token scored, and the last sampled as the only token allowed, its
+    raw log-probabilities (taken before the mask) its entry, as a completions echo without generation does."""
+    params = dataclasses.replace(base, logprobs=base.prompt_logprobs, allowed_token_ids=[ids[-1]],
+                                 structured_outputs=None)
+    [output] = await run_step(ctx, job, [ids[:-1]], params)
+    sampled = output.outputs[0].logprobs
+    return None if output.prompt_logprobs is None or not sampled else [*output.prompt_logprobs, sampled[0]]
 
 
 async def run_step(ctx: ServingContext, job, beam_ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:

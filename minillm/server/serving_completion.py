@@ -326,8 +326,8 @@ async def create_completion(ctx: ServingContext, body: dict, raw: Request):
     job = await ctx.run_blocking_if(is_large, CompletionJob, ctx, req, client_response_id("cmpl", raw, req.request_id))
     await job.prepare(is_large)
     prompt_ids = job.engine_prompt_ids
-    if req.use_beam_search:
-        return await answer_beam_search(ctx, raw, job, prompt_ids, job.params)
+    if req.use_beam_search:      # its search takes a prompt of max_model_len tokens whole (it scores it so)
+        return await answer_beam_search(ctx, raw, job, job.prompt_ids, job.params)
     job.params, lease = await apply_kv_transfer(ctx, req.kv_transfer_params, prompt_ids, job.params, req.n,
                                                 req.stream)
     try:
