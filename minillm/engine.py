@@ -571,7 +571,8 @@ class LLMEngine:
         """Schedule and launch a step, then read back the one before it (on the GPU one step stays
         in flight, so the host's bookkeeping overlaps the device's work)."""
         if self.structured_outputs is not None:
-            self._finish_failed_grammars()
+            if self.structured_outputs.num_compiling:     # else no grammar can have failed
+                self._finish_failed_grammars()
             self._sample_deferred()
         if self._in_flight and self.scheduler.needs_output_tokens():
             self._complete(*self._in_flight.popleft())        # penalties need the tokens first
@@ -596,8 +597,13 @@ class LLMEngine:
                 and not (self.structured_outputs is not None and self.structured_outputs.num_compiling) \
                 and not self._kv_connector_holds_blocks():
             raise RuntimeError("the waiting request cannot be scheduled: the KV pool is too small")
-        firsts: dict[int, tuple[Request, Sequence]] = {}   # a request scheduled the first time: its first child
-        for seq in out.seqs:
+        # A request scheduled the first time: its first child. Only a sequence the scheduler took off
+        # the waiting queue this step can be one (every running one was, in an earlier step); one a
+        # priority preemption took back out of the step is waiting again.
+        firsts: dict[int, tuple[Request, Sequence]] = {}
+        for seq in self.scheduler.admitted:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
             req = self._request_of(seq)
             if req is not None and req.metrics.first_scheduled_time is None:
                 first = firsts.get(id(req))

@@ -218,6 +218,9 @@ class Scheduler:
         else:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {scheduling_policy!r}")
         self.running: list[Sequence] = []
+        # The sequences the last schedule() took off the waiting queue, in that order (the engine
+        # looks among these alone for requests scheduled the first time).
+        self.admitted: list[Sequence] = []
         # The sequences added whose sampling reads their earlier output tokens (params.needs_output_tokens,
         # fixed for a sequence's life), finished ones dropped as they are found: needs_output_tokens
         # walks these each step, not every running sequence.
@@ -346,6 +349,7 @@ class Scheduler:
         if self.drafter is not None:
             budget = self._add_drafts(seqs, counts, budget, spec, bool(preempted), chunks)
         skipped: list[Sequence] = []
+        admitted: list[Sequence] = []
         loaded_from: dict[int, int] = {}
         is_short = bool(preempted)           # the running sequences alone outgrew the pool: admit none
         by_priority = self.by_priority
@@ -406,10 +410,12 @@ class Scheduler:
             # in schedule() frees blocks, so none is left cached without its K/V.
             self.block_manager.cache_full_blocks(seq, num_computed + n)
             self.running.append(seq)
+            admitted.append(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        self.admitted = admitted
         out = self._launch(seqs, counts, preempted, spec)
         out.loaded_from = loaded_from
         if chunks is not None:

@@ -6,7 +6,10 @@ ignore_eos, a choice whose grammar completes) run together
 (stories260K, CPU) and each one alone on the same engine: tokens, text, finish and stop reasons and
 logprob ranks are equal, with async scheduling and the matchers in a grammar process, with n-gram
 speculation (its verifier draws from the same generators as the sampling), and through an engine
-core's token outputs. A seeded sequence's sampling draws its generator's stream in order.
+core's token outputs. A seeded sequence's sampling draws its generator's stream in order. A request's
+first_scheduled_time and num_cached_tokens are those of the first step that runs one of its sequences
+(its lowest-index sequence there), with admissions spread over steps, siblings admitted apart, cached
+prompts and priority preemptions.
 """
 import json
 import time
@@ -17,6 +20,7 @@ import pytest
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.device import make_device
+from minillm.engine import LLMEngine
 from minillm.engine_core.core import EngineCore
 from minillm.ops import get_ops
 from minillm.sampling_metadata import SamplingInputBuffer
@@ -150,3 +154,58 @@ def test_a_seeded_row_draws_its_generator_in_order_step_after_step():
         assert uniforms[1] == want[1].random() and uniforms[2] == want[2].random()
         drawn = seqs[1].rng.random(step + 1)            # as the verifier draws
         assert drawn.tolist() == want[1].random(step + 1).tolist()
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_is_first_scheduled_with_the_first_step_that_runs_it(stories_path, golden, policy):
+    # Three rows at most and a small token budget: admissions spread over steps, an n = 3 request's
+    # siblings are admitted steps apart, repeated prompts are cached, and under "priority" later
+    # urgent requests preempt running ones (which come back later). Each step's SchedulerOutput is
+    # recorded as the scheduler returns it, with the wall clock around the call.
+    config = EngineConfig(model=str(stories_path), device="cpu", max_model_len=128, max_num_seqs=3,
+                          max_num_batched_tokens=40, scheduling_policy=policy)
+    engine = LLMEngine(config)
+    steps = []               # (clock after the step before's schedule, clock before this one's, its seqs)
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        before = time.time()
+        out = schedule()
+        steps.append((steps[-1][3] if steps else 0.0, before, [(s, s.num_cached_tokens) for s in out.seqs],
+                      time.time()))
+        return out
+
+    engine.scheduler.schedule = recorded
+    prompts = [[1] + golden[1:30], [1] + golden[5:20], [1] + golden[1:30], [1] + golden[40:52]]
+    requests = [("a", prompts[0], dict(n=3, max_tokens=6), 5), ("b", prompts[1], dict(max_tokens=12), 5),
+                ("c", prompts[2], dict(max_tokens=5), 5), ("d", prompts[3], dict(n=2, max_tokens=4), 0)]
+    try:
+        for rid, prompt, fields, priority in requests[:2]:
+            engine.add_request(rid, prompt, SamplingParams(temperature=0, **fields),
+                               priority=priority if policy == "priority" else 0)
+        held = {}
+        for k in range(500):
+            if k == 2:           # later arrivals: one repeats a's prompt, one outranks the running ones
+                for rid, prompt, fields, priority in requests[2:]:
+                    engine.add_request(rid, prompt, SamplingParams(temperature=0, **fields),
+                                       priority=priority if policy == "priority" else 0)
+            held.update({rid: engine.requests[rid] for rid, *_ in requests if rid in engine.requests})
+            engine.step()
+            if k > 2 and not engine.has_unfinished_requests():
+                break
+    finally:
+        engine.shutdown()
+    assert len(held) == 4 and all(req.is_finished for req in held.values())
+    if policy == "priority":
+        assert engine.scheduler.num_preemptions > 0
+    assert any(cached for *_, rows, _ in steps for _, cached in rows)        # a prompt came from the cache
+    for rid, req in held.items():
+        k = next(k for k, (_, _, rows, _) in enumerate(steps) if any(s.request_id == rid for s, _ in rows))
+        after_before, before, rows, _ = steps[k]
+        first, cached = min(((s, c) for s, c in rows if s.request_id == rid), key=lambda sc: sc[0].index)
+        assert after_before <= req.metrics.first_scheduled_time <= before, rid
+        assert req.metrics.num_cached_tokens == cached, rid
+    first_steps = {i: next(k for k, (_, _, rows, _) in enumerate(steps) if any(s.request_id == "a" and s.index == i
+                                                                        for s, _ in rows)) for i in range(3)}
+    assert len(set(first_steps.values())) > 1                                # a's siblings were admitted apart
+    assert held["a"].metrics.num_cached_tokens == 0 and held["c"].metrics.num_cached_tokens > 0
