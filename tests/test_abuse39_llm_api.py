@@ -37,7 +37,7 @@ def period_llm(period_eos_path):
 @pytest.fixture(scope="module")
 def hf_model(stories_path):
     transformers = pytest.importorskip("transformers")
-    import torch
+    torch = pytest.importorskip("torch")       # the test extras bring transformers without torch
     torch.set_num_threads(1)
     return transformers.AutoModelForCausalLM.from_pretrained(str(stories_path), dtype=torch.float32).eval()
 
