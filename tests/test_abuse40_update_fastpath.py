@@ -149,18 +149,19 @@ def stop_rule_batch(golden):
     ]
 
 
-@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True, "grammar_process": True}],
-                         ids=["sync", "async-grammar-process"])
-def test_requests_under_every_stop_rule_give_the_same_outputs_both_ways(stories_path, monkeypatch, engine_args):
+def both_paths_on_stories(stories_path, monkeypatch, engine_args: dict, answers_late: bool = False):
+    """The stop-rule batch on stories260K through the batch decision and through the per-row path:
+    (golden ids, batch, outputs of each way, rows settled a call, rows settled after a read of an
+    answer still coming). answers_late: every constrained row's answer is taken as not yet read."""
     import json
     golden = json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
     batch = stop_rule_batch(golden)
-    settled = []
+    settled, waited = [], []
     settle = StructuredOutputRequest.settle_clean
 
     def counted(requests, token_ids, wait=False):
         done = settle(requests, token_ids, wait=wait)
-        settled.append(len(done))
+        (waited if wait else settled).append(len(done))
         return done
 
     def generate(llm):
@@ -171,47 +172,34 @@ def test_requests_under_every_stop_rule_give_the_same_outputs_both_ways(stories_
                  for c in out.outputs] for out in outs]
 
     with LLM(str(stories_path), device="cpu", max_model_len=64, **engine_args) as llm:
+        if answers_late:
+            monkeypatch.setattr(StructuredOutputRequest, "is_settled", property(lambda self: not self._advanced))
         monkeypatch.setattr(StructuredOutputRequest, "settle_clean", staticmethod(counted))
         fast = generate(llm)
         with monkeypatch.context() as m:
             m.setattr(Scheduler, "_update_one_token_rows", per_row_update)
             slow = generate(llm)
+    return golden, batch, fast, slow, settled, waited
+
+
+@pytest.mark.parametrize("engine_args", [{}, {"async_scheduling": True, "grammar_process": True}],
+                         ids=["sync", "async-grammar-process"])
+def test_requests_under_every_stop_rule_give_the_same_outputs_both_ways(stories_path, monkeypatch, engine_args):
+    golden, batch, fast, slow, settled, waited = both_paths_on_stories(stories_path, monkeypatch, engine_args)
     assert fast == slow
     reasons = [c[2:4] for out in fast for c in out]
     assert ("stop", golden[15]) in reasons and ("length", None) in reasons
     assert fast[6][0][1] in ("yes", "no", "maybe") and fast[6][0][2] == "stop"      # the grammar ended it
     assert len(fast[3][0][0]) == 64 - len(batch[3][0])
     if engine_args:
-        assert sum(settled) > 0          # the grammar process's clean answers settled rows in one call
+        assert sum(settled) + sum(waited) > 0    # the grammar process's clean answers settled rows in one call
 
 
 def test_rows_whose_answer_is_still_coming_settle_after_one_read(stories_path, monkeypatch):
     """With every constrained row's grammar-process answer taken as not yet read at the update (as on
     a GPU host, where the update starts before the answer of the step's advance is in), the answer is
     read once and its clean rows still settle in one call; outputs equal the per-row path's."""
-    import json
-    golden = json.loads((stories_path / "reference.json").read_text())["greedy_from_bos_200_ids"]
-    batch = stop_rule_batch(golden)
-    waited = []
-    settle = StructuredOutputRequest.settle_clean
-
-    def counted(requests, token_ids, wait=False):
-        done = settle(requests, token_ids, wait=wait)
-        if wait:
-            waited.append(len(done))
-        return done
-
-    def generate(llm):
-        outs = llm.generate([{"prompt_token_ids": p} for p, _ in batch],
-                            [SamplingParams(**fields) for _, fields in batch], use_tqdm=False)
-        return [[(tuple(c.token_ids), c.text, c.finish_reason, c.stop_reason) for c in out.outputs] for out in outs]
-
-    with LLM(str(stories_path), device="cpu", max_model_len=64, async_scheduling=True, grammar_process=True) as llm:
-        monkeypatch.setattr(StructuredOutputRequest, "is_settled", property(lambda self: not self._advanced))
-        monkeypatch.setattr(StructuredOutputRequest, "settle_clean", staticmethod(counted))
-        fast = generate(llm)
-        with monkeypatch.context() as m:
-            m.setattr(Scheduler, "_update_one_token_rows", per_row_update)
-            slow = generate(llm)
+    *_, fast, slow, _, waited = both_paths_on_stories(
+        stories_path, monkeypatch, {"async_scheduling": True, "grammar_process": True}, answers_late=True)
     assert fast == slow
     assert sum(waited) > 0          # rows settled after the one read of their answer
