@@ -282,7 +282,9 @@ def test_a_step_aborted_in_the_engine_ends_the_search_with_one_aborted_choice(se
     assert reply.json()["usage"]["completion_tokens"] == 0
 
 
-def test_ignored_sampling_fields_are_logged_and_change_nothing(client, caplog):
+def test_ignored_sampling_fields_are_logged_and_change_nothing(client, caplog, monkeypatch):
+    from minillm.server import app
+    monkeypatch.setattr(app.logger, "propagate", True)     # a server served earlier in this process stops it
     body = {"model": MODEL, "prompt": PROMPTS[1], "n": 2, "max_tokens": 6, "temperature": 0}
     plain = client.completions.create(**body, extra_body=BEAM)
     with caplog.at_level(logging.WARNING, logger="minillm.server"):
