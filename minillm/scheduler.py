@@ -206,10 +206,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill   # False: a prompt runs whole in one step
         self.eos_token_ids = set(eos_token_ids)
-        # EOS and every stop_token_ids added: a decode step's token outside them (and short of its
+        # EOS and every stop_token_ids added, as a table by token id whose last entry is never one (a
+        # larger id is looked up there): a decode step's token outside them (and short of its
         # sequence's max_tokens) stops nothing, which the update decides for the whole batch at once.
-        self._stop_ids = set(self.eos_token_ids)
-        self._stop_id_array = np.array(sorted(self._stop_ids), np.int64)
+        self._is_stop_id = np.zeros(1, bool)
+        self._mark_stop_ids(self.eos_token_ids)
         self.by_priority = scheduling_policy == "priority"
         if self.by_priority:
             self.waiting = PriorityWaitingQueue()
@@ -295,11 +296,23 @@ class Scheduler:
         params = seq.params
         if params.needs_output_tokens:
             self._output_readers.append(seq)
-        if params.stop_token_ids and not self._stop_ids.issuperset(params.stop_token_ids):
-            self._stop_ids.update(params.stop_token_ids)
-            self._stop_id_array = np.array(sorted(self._stop_ids), np.int64)
+        if params.stop_token_ids:
+            self._mark_stop_ids(params.stop_token_ids)
         per_token = params._masked_row_check is not None or seq.counts_outputs or params.repetition_detection is not None
         seq.stop_check_from = 0 if per_token else len(seq.prompt_token_ids) + seq.max_tokens
+
+    def _mark_stop_ids(self, ids) -> None:
+        """Set ids (token ids the engine checked against the vocabulary) in the stop-id table, growing it
+        so that its last entry stays none."""
+        ids = list(ids)
+        if not ids:
+            return
+        top = max(ids)
+        if top + 1 >= len(self._is_stop_id):
+            grown = np.zeros(top + 2, bool)
+            grown[:len(self._is_stop_id)] = self._is_stop_id
+            self._is_stop_id = grown
+        self._is_stop_id[ids] = True
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's sequences and token counts under the budget, and count them launched."""
@@ -591,35 +604,35 @@ class Scheduler:
             return False
         lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int64, n)        # [n] before the token
         goes_on = lengths < np.fromiter(map(_stop_check_from, seqs), np.int64, n) - 1
-        goes_on &= ~np.isin(np.array(tokens, np.int64), self._stop_id_array)
+        table = self._is_stop_id
+        goes_on &= ~table[np.minimum(np.array(tokens, np.int64), len(table) - 1)]
         plain = goes_on.tolist()      # [n] rows whose token stops nothing (a stop string aside)
-        waiting = []                  # constrained rows whose grammar process has not answered yet
-        if structured := out.structured_rows:
-            from minillm.structured_output import StructuredOutputRequest   # (llguidance: only when constrained)
-            if answers_pending:
-                waiting = [b for b, seq in structured if not seq.structured_output.is_settled]
-            late = set(waiting)
-            self._settle_rows(StructuredOutputRequest, [b for b, _ in structured if b not in late], seqs, tokens,
-                              plain)
+        structured = out.structured_rows
+        waiting = [b for b, seq in structured if not seq.structured_output.is_settled] if answers_pending else []
         if not waiting:
+            self._settle_rows([b for b, _ in structured], seqs, tokens, plain)
             self._read_rows(zip(seqs, tokens, plain), appended, on_token)
             return True
         # The rows whose answers are in first (in batch order), then the waiting ones: their answer (one
         # for the step's advance) is read once, and its clean rows settle in one call.
+        late = set(waiting)
+        self._settle_rows([b for b, _ in structured if b not in late], seqs, tokens, plain)
         self._read_rows([(seqs[b], tokens[b], plain[b]) for b in range(n) if b not in late], appended, on_token)
-        self._settle_rows(StructuredOutputRequest, waiting, seqs, tokens, plain, wait=True)
+        self._settle_rows(waiting, seqs, tokens, plain, wait=True)
         self._read_rows([(seqs[b], tokens[b], plain[b]) for b in waiting], appended, on_token)
         return True
 
     @staticmethod
-    def _settle_rows(requests_class, rows: list[int], seqs, tokens: list[int], plain: list[bool],
-                     wait: bool = False) -> None:
+    def _settle_rows(rows: list[int], seqs, tokens: list[int], plain: list[bool], wait: bool = False) -> None:
         """Settle the constrained rows among `rows` whose token stops nothing on a clean answer of the
         grammar process (wait: read an answer still on its way first); the rest are marked for the
         per-row path (plain False: accept_token and check_stop read their matcher's answer)."""
         rows = [b for b in rows if plain[b] and seqs[b].num_output_placeholders]
-        settled = requests_class.settle_clean([seqs[b].structured_output for b in rows], [tokens[b] for b in rows],
-                                              wait=wait)
+        if not rows:
+            return
+        from minillm.structured_output import StructuredOutputRequest   # (llguidance: only when constrained)
+        settled = StructuredOutputRequest.settle_clean([seqs[b].structured_output for b in rows],
+                                                       [tokens[b] for b in rows], wait=wait)
         for b in rows:
             if seqs[b].structured_output not in settled:
                 plain[b] = False

@@ -2064,9 +2064,12 @@ class StructuredOutputRequest:
         settled = set()
         for request, token in zip(requests, token_ids):
             advanced = request._advanced
-            if advanced and len(taken := advanced[0]) == 4 and wait and not taken[1].is_read:
-                tokens_taken(taken[1], taken[2])        # waits (a failed process's answer is not clean)
-            if advanced and len(taken := advanced[0]) == 4 and taken[1].clean and taken[0] == token:
+            if not advanced or len(taken := advanced[0]) != 4 or taken[0] != token:
+                continue
+            answer = taken[1]
+            if wait and not answer.is_read:
+                tokens_taken(answer, taken[2])          # waits (a failed process's answer is not clean)
+            if answer.clean:
                 advanced.popleft()
                 request._state_ahead = _GOING
                 settled.add(request)
