@@ -188,11 +188,13 @@ def test_requests_that_end_every_way_leave_nothing_behind(stories_path, engine_c
 
 def test_streams_cut_off_for_not_reading_leave_nothing_behind(stories_path):
     """Clients that stop reading are dropped after the stream timeout; their requests go with them."""
-    options = ServerOptions(limits=ServerLimits(stream_timeout_s=1.0))
-    with running_server(stories_path, engine_core="process", core_hook=install_with_counts, max_model_len=256,
+    # The streams must outlast the timeout: 500 tokens each (the model's whole context) against 0.5 s
+    # without a read. At 250 tokens and 1 s the engine, once its host work got faster, finished some runs first.
+    options = ServerOptions(limits=ServerLimits(stream_timeout_s=0.5))
+    with running_server(stories_path, engine_core="process", core_hook=install_with_counts, max_model_len=512,
                         send_buffer_bytes=4096, options=options) as (url, engine):
         host, port = url.removeprefix("http://").split(":")
-        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 250, "ignore_eos": True,
+        body = json.dumps({"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True,
                            "stream": True, "n": 4, "logprobs": 5}).encode()
         sockets = []
         try:
