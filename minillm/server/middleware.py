@@ -129,7 +129,7 @@ class ServerLoad:
 
 class RequestIdHeaderMiddleware:
     """vLLM's --enable-request-id-headers: every response carries X-Request-Id, the client's own
-    header echoed, else a fresh id."""
+    header echoed (the first of several), else a fresh id."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -137,7 +137,8 @@ class RequestIdHeaderMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+        # The first X-Request-Id of several, as vLLM reads it (and as the response's id takes it).
+        request_id = first_header(scope["headers"], b"x-request-id") or uuid.uuid4().hex.encode()
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start" and not any(
@@ -146,6 +147,11 @@ class RequestIdHeaderMiddleware:
             await send(message)
 
         return await self.app(scope, receive, send_with_id)
+
+
+def first_header(headers: list[tuple[bytes, bytes]], name: bytes) -> bytes:
+    """The first value of header NAME (lower case, as the ASGI server gives names), b"" without one."""
+    return next((value for key, value in headers if key == name), b"")
 
 
 def _digest(token: bytes) -> bytes:
