@@ -48,6 +48,7 @@ import decimal
 import enum
 import functools
 import hashlib
+import itertools
 import json as jsonlib
 import math
 import os
@@ -123,7 +124,9 @@ class StructuredOutputsParams:
     schema with no items is any array when it is the bare {"type": "array"}, and only [] when it says
     more ({"type": "array", "maxItems": 3}); a list of types (["object", "null"]) holds each rule for
     the object or array it takes. False reads it as JSON Schema does (llguidance's reading, vLLM's
-    guidance backend's default), where such an object takes any other key, and such an array any items.
+    guidance backend's default), where such an object takes any other key, and such an array any items;
+    None reads so too a schema that vLLM's default backend hands to its guidance fallback
+    (is_read_by_guidance: multipleOf, uniqueItems, a pattern beside a length bound, ...).
     A schema's own additionalProperties or items is kept either way.
     An engine with a structured_outputs_config (every LLM's) reads the option as vLLM does first
     (StructuredOutputsConfig.applied: under the default backend False, vLLM's default, closes too).
@@ -199,13 +202,24 @@ class StructuredOutputsParams:
         if key[0] in _BOUNDED_KINDS and len(key[1]) > MAX_CONSTRAINT_CHARS and not _IS_GRAMMAR_CHECKED.get():
             raise StructuredOutputsError(name, f"the {_WHAT[name]} is {len(key[1])} characters long; "
                                                f"at most {MAX_CONSTRAINT_CHARS} are taken")
-        if key[0] is StructuredOutputOptions.JSON and self.disable_additional_properties is not False:
-            key = (key[0], _with_closed_objects(key[1]))
+        if key[0] is StructuredOutputOptions.JSON:
+            key = (key[0], self._closed_text(key[1]))
         error = "" if _IS_GRAMMAR_CHECKED.get() else _checked_grammar(key)
         if error:
             raise _invalid(name, error)
         return key
 
+
+    def _closed_text(self, text: str) -> str:
+        """A JSON schema's text with its objects closed where this constraint reads them closed: not under
+        disable_additional_properties False, nor, when it is None (vLLM's default backend), for a schema that
+        backend hands to its guidance fallback (is_read_by_guidance); then its minProperties checked as read."""
+        asked = self.disable_additional_properties
+        if asked is not False and (asked or not is_read_by_guidance(jsonlib.loads(text))):
+            text = _with_closed_objects(text)
+        for node in _subschemas(jsonlib.loads(text)):
+            _check_min_properties(node)
+        return text
 
     def _check_options(self) -> None:
         """A StructuredOutputsError naming the first option beside the constraint that is not taken."""
@@ -714,7 +728,7 @@ def _check_schema_node(node: dict) -> None:
     too many significant digits, more than
     MAX_PATTERN_PROPERTIES patternProperties, a pattern that ends in a lone backslash (llguidance
     drops it and matches the rest), prefixItems beside additionalItems with no items (prefixItems
-    unenforced), or a minProperties that repeated keys could meet."""
+    unenforced). minProperties is checked once objects are closed or not (_check_min_properties)."""
     patterns = node.get("patternProperties")
     if isinstance(patterns, dict) and len(patterns) > MAX_PATTERN_PROPERTIES:
         raise StructuredOutputsError("json", f"an object of the schema has {len(patterns)} patternProperties; "
@@ -741,7 +755,6 @@ def _check_schema_node(node: dict) -> None:
     data = [node["const"]] if "const" in node else []
     for value in _numbers_in(data + [node["enum"]] if isinstance(node.get("enum"), list) else data):
         _check_const_number(value)
-    _check_min_properties(node)
 
 
 # llguidance reads a schema's numbers as 64-bit floats: integers past 2**53 in magnitude are
@@ -1303,6 +1316,69 @@ def _with_listed_names(node: dict, root: Any) -> bool:
     return True
 
 
+def _with_pattern_names(node: dict) -> bool:
+    """Write an object schema's propertyNames that is a pattern alone (no properties or patternProperties of its
+    own) as the one patternProperties name its keys must match, each key's value as additionalProperties says
+    (llguidance does not implement propertyNames; vLLM's default backend, xgrammar, takes it); whether it did."""
+    names = node.get("propertyNames")
+    if (not isinstance(names, dict) or not isinstance(names.get("pattern"), str)
+            or not set(names) <= {"pattern", "type", "title", "description"} or names.get("type", "string") != "string"
+            or "properties" in node or "patternProperties" in node or "unevaluatedProperties" in node):
+        return False
+    node["patternProperties"] = {names["pattern"]: node.get("additionalProperties", True)}
+    node["additionalProperties"] = False
+    del node["propertyNames"]
+    return True
+
+
+def _with_dependencies(node: dict) -> bool:
+    """Write dependentRequired and dependentSchemas as what they ask, in allOf: for each key named, the object
+    has no such key, or has it with the keys it requires and matches its schema (llguidance does not implement
+    the two; vLLM's default backend takes them); whether it did."""
+    required = node.get("dependentRequired")
+    schemas = node.get("dependentSchemas")
+    parts = []
+    if isinstance(required, dict) and all(isinstance(v, list) and all(isinstance(k, str) for k in v)
+                                          for v in required.values()):
+        parts += [{"anyOf": [{"properties": {name: False}}, {"required": [name, *keys]}]}
+                  for name, keys in required.items()]
+        del node["dependentRequired"]
+    if isinstance(schemas, dict):
+        parts += [{"anyOf": [{"properties": {name: False}}, {"allOf": [{"required": [name]}, schema]}]}
+                  for name, schema in schemas.items()]
+        del node["dependentSchemas"]
+    if not parts:
+        return False
+    node["allOf"] = [*(node["allOf"] if isinstance(node.get("allOf"), list) else []), *parts]
+    return True
+
+
+# The most alternatives _with_listed_min_properties writes for one object's minProperties.
+MAX_MIN_PROPERTIES_CHOICES = 64
+
+
+def _with_listed_min_properties(node: dict) -> bool:
+    """Write the minProperties of an object that takes only its listed properties (additionalProperties false,
+    no patternProperties) as an anyOf of the sets of optional ones that meet it, at most
+    MAX_MIN_PROPERTIES_CHOICES of them (llguidance takes minProperties only where every listed property is
+    required; vLLM's default backend takes it); whether it did."""
+    least = node.get("minProperties")
+    listed = node.get("properties")
+    if (not isinstance(least, int) or isinstance(least, bool) or node.get("additionalProperties") is not False
+            or "patternProperties" in node or not isinstance(listed, dict)):
+        return False
+    required = set(_required_names(node))
+    optional = [name for name, schema in listed.items() if name not in required and schema is not False]
+    need = least - len(required & set(listed))
+    if need > len(optional) or math.comb(len(optional), max(need, 0)) > MAX_MIN_PROPERTIES_CHOICES:
+        return False                              # left to llguidance, which says why it is refused
+    del node["minProperties"]
+    if need > 0:
+        choices = [{"required": list(names)} for names in itertools.combinations(optional, need)]
+        node["allOf"] = [*(node["allOf"] if isinstance(node.get("allOf"), list) else []), {"anyOf": choices}]
+    return True
+
+
 def _with_client_patterns(key: StructuredOutputKey, error: str) -> str:
     """llguidance's error about a JSON schema with each pattern it quotes as the client wrote it, not as
     _ecma_pattern wrote it for llguidance."""
@@ -1345,7 +1421,9 @@ def _with_known_formats(text: str) -> str:
     """The schema text with _FORMAT_SCHEMAS added (in allOf) to every subschema that names one of
     those formats, every format llguidance does not know left out, pydantic's Decimal patterns
     written without look-arounds (_decimal_pattern), its dicts keyed by an enum written with
-    properties (_with_listed_names) and unevaluatedProperties or unevaluatedItems that mean what
+    properties (_with_listed_names) or by a pattern with patternProperties (_with_pattern_names),
+    dependentRequired and dependentSchemas written in allOf (_with_dependencies), a closed object's
+    minProperties written as the sets of keys that meet it (_with_listed_min_properties), and unevaluatedProperties or unevaluatedItems that mean what
     additionalProperties or items mean written so (_with_plain_unevaluated); other text as it is. Done
     where the schema is serialised for llguidance, never in the constraint's key: the key's text is
     what an API server sends the engine core, which builds the constraint from it again (patterns
@@ -1353,12 +1431,14 @@ def _with_known_formats(text: str) -> str:
     written them). Only subschemas are visited: a const or enum value that reads {"format": "date"}
     is data."""
     if '"format"' not in text and '"pattern' not in text and '"propertyNames"' not in text \
-            and '"unevaluated' not in text:
+            and '"unevaluated' not in text and '"dependent' not in text and '"minProperties"' not in text:
         return text
     schema, changed = jsonlib.loads(text), False
     for node in _subschemas(schema):
-        if "propertyNames" in node and _with_listed_names(node, schema):
+        if "propertyNames" in node and (_with_listed_names(node, schema) or _with_pattern_names(node)):
             changed = True
+        changed = _with_dependencies(node) or changed           # its schemas then visited through allOf
+        changed = _with_listed_min_properties(node) or changed
         changed = _with_plain_unevaluated(node) or changed       # before a format's allOf is added
         changed = _with_ecma_patterns(node) or changed
         name = node.get("format")
@@ -1395,6 +1475,80 @@ def _with_plain_unevaluated(node: dict) -> bool:
         node["items"] = node.pop("unevaluatedItems")
         changed = True
     return changed
+
+
+# The string formats vLLM's default backend leaves to xgrammar (a schema naming another goes to its fallback).
+XGRAMMAR_STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname",
+                                     "uuid", "uri", "uri-reference", "uri-template", "json-pointer",
+                                     "relative-json-pointer"})
+
+
+def _schema_types(node: dict) -> set[str]:
+    """The types node's "type" names (a string or a list of them), as vLLM's check reads them."""
+    kind = node.get("type")
+    return {kind} if isinstance(kind, str) else {k for k in kind if isinstance(k, str)} if isinstance(kind, list) \
+        else set()
+
+
+def _has_pattern_and_length_bounds(node: dict) -> bool:
+    """A string schema that pairs a pattern or format with minLength or maxLength (xgrammar drops the bounds)."""
+    return ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node)
+
+
+def _is_unsupported_by_xgrammar(node: dict) -> bool:
+    """Whether one object of a schema has a feature vLLM's default backend keeps from xgrammar."""
+    kinds = _schema_types(node)
+    names = node.get("propertyNames")
+    patterns = node.get("patternProperties")
+    return bool(
+        (kinds & {"integer", "number"} and "multipleOf" in node)
+        or ("array" in kinds and {"uniqueItems", "contains", "minContains", "maxContains"} & node.keys())
+        or ("string" in kinds and "format" in node and node["format"] not in XGRAMMAR_STRING_FORMATS)
+        or ("string" in kinds and _has_pattern_and_length_bounds(node))
+        or ("object" in kinds and isinstance(names, dict) and _has_pattern_and_length_bounds(names))
+        or ("object" in kinds and "propertyNames" in node
+            and ("properties" in node or "patternProperties" in node or isinstance(node.get("additionalProperties"), dict)
+                 or node.get("unevaluatedProperties", True) is not True))
+        or ("object" in kinds and isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1)))
+
+
+def has_xgrammar_unsupported_json_features(schema: Any) -> bool:
+    """vLLM's check of a JSON schema for what its default backend ("auto") does not give xgrammar: multipleOf,
+    uniqueItems and contains, a format xgrammar does not know, a pattern or format beside a length bound,
+    propertyNames beside other keys' schemas, patternProperties beside properties or another. Every object
+    of the schema is looked at, as vLLM looks (const and enum data too)."""
+    todo = [schema]
+    while todo:                                   # a loop, not recursion: schemas nest deeply
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if _is_unsupported_by_xgrammar(node):
+                return True
+            todo.extend(node.values())
+    return False
+
+
+def _has_pattern_properties(schema: Any) -> bool:
+    """Whether some object of the schema has patternProperties (vLLM then falls back to outlines, not guidance)."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, list):
+            todo.extend(node)
+        elif isinstance(node, dict):
+            if "patternProperties" in node:
+                return True
+            todo.extend(node.values())
+    return False
+
+
+def is_read_by_guidance(schema: Any) -> bool:
+    """Whether vLLM's default backend hands the schema to its guidance fallback, which reads it as JSON Schema
+    does (objects open, vLLM's disable_additional_properties false): xgrammar does not take it
+    (has_xgrammar_unsupported_json_features) and it has no patternProperties (those go to outlines, which
+    keeps an object to the keys it lists)."""
+    return has_xgrammar_unsupported_json_features(schema) and not _has_pattern_properties(schema)
 
 
 def _with_closed_objects(text: str) -> str:
@@ -1550,6 +1704,9 @@ def _combined_objects(nodes: list[dict], resources: dict[int, dict], root: dict)
     combined: set[int] = set()
     combined_arrays: set[int] = set()
     for node in nodes:
+        if isinstance(node.get("dependentSchemas"), dict):   # each holds for the object itself, as allOf would
+            for member in node["dependentSchemas"].values():
+                combined.update(id(n) for n in _intersected(member, resources, root)[0] if _shapes_object(n))
         num_parts = (len(node["allOf"]) if isinstance(node.get("allOf"), list) else 0) + isinstance(node.get("$ref"), str)
         has_alternatives = any(isinstance(node.get(name), list) for name in ("anyOf", "oneOf"))
         lists = _lists_keys(node) or _lists_items(node)

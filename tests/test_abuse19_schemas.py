@@ -284,12 +284,10 @@ def test_many_schemas_in_flight_leave_unconstrained_greedy_outputs_alone(llm, co
 
 UNSUPPORTED = {
     "uniqueItems": {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
-    "dependentRequired": {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}},
-                          "dependentRequired": {"a": ["b"]}},
     "if": {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}},
     "not": {"not": {"type": "string"}},
     "contains": {"type": "array", "contains": {"type": "integer"}},
-    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+    "propertyNames": {"type": "object", "properties": {"a": {}}, "propertyNames": {"pattern": "^[a-z]+$"}},
     "oneOf": {"oneOf": [{"type": "integer"}, {"type": "number"}]},
     "unevaluatedProperties": {"type": "object", "allOf": [{"properties": {"a": {}}}], "unevaluatedProperties": False},
     "dependencies": {"type": "object", "dependencies": {"a": ["b"]}},
