@@ -327,6 +327,58 @@ __device__ __forceinline__ unsigned int smem_u32(const void* p) {
     return r;
 }
 
+// ---- warp-level tensor-core pieces (the attention kernels' tiles: ldmatrix, mma.sync) ----------
+
+__device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(unsigned int addr, unsigned int (&r)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+// c[16x8] += a[16x16] * b[16x8], fp32 accumulators; the operands fp16 (F16) or bf16.
+template <bool F16>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
+                                          unsigned int b1) {
+    if constexpr (F16) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats -> a packed pair of fp16 (F16) or bf16 values, `lo` in the low half (the lower column).
+template <bool F16>
+__device__ __forceinline__ unsigned int pack_16x2(float lo, float hi) {
+    unsigned int r;
+    if constexpr (F16) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+// Two floats -> a packed pair of 16-bit activations (scalar_t of a 16-bit dtype).
+__device__ __forceinline__ unsigned int pack2(float lo, float hi) { return pack_16x2<MINILLM_DTYPE == 1>(lo, hi); }
+
+// 2^x on the special-function unit (exp2(-inf) = 0; results below 2^-126 flush to 0, far under the
+// fp32 resolution of a softmax sum that is at least 1).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 // 16-byte global -> shared copy; src_bytes 0 writes zeros and reads nothing.
 __device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));

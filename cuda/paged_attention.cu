@@ -200,14 +200,6 @@ __device__ __forceinline__ DecodeFresh& decode_fresh() {
 // Element offset of vector j of this lane inside a row.
 __device__ __forceinline__ int lane_vec_offset(int j, int li) { return (j * DEC_LPT + li) * KV_VEC; }
 
-// 2^x on the special-function unit (exp2(-inf) = 0; results below 2^-126 flush to 0, far under
-// the fp32 resolution of a softmax sum that is at least 1).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // Online-softmax state of GQA query heads over some tokens: max (log2 units), sum, output.
 struct DecodeState {
     float m[GQA];
@@ -803,43 +795,7 @@ paged_prefill_simple(scalar_t* out, long long out_stride, const scalar_t* q, lon
 #define PM_BK 64
 #define PM_THREADS 128
 #define PM_LD (HEAD_DIM + 8)       // padded row: 8 rows of a fragment hit distinct banks
-
-__device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned int addr, unsigned int (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// c[16x8] += a[16x16] * b[16x8], fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
-                                          unsigned int b1) {
-#if MINILLM_DTYPE == 2
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// Two floats -> packed pair of 16-bit values, `lo` in the low half (the lower column).
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-    unsigned int r;
-#if MINILLM_DTYPE == 2
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
+#define PM_MMA_F16 (MINILLM_DTYPE == 1)   // MMA operands: the activations' 16-bit type
 
 #if KV_FP8
 // Sixteen E4M3 bytes -> sixteen 16-bit values in two vectors (bytes 0..7, 8..15), exactly: every
@@ -981,8 +937,8 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
             for (int nj = 0; nj < PM_BK / 16; ++nj) {
                 unsigned int r[4];
                 ldsm_x4(smem_u32(ks + (nj * 16 + k_row) * PM_LD + kk * 16 + k_col), r);
-                mma_16816(s[2 * nj], qa[kk], r[0], r[1]);
-                mma_16816(s[2 * nj + 1], qa[kk], r[2], r[3]);
+                mma_16816<PM_MMA_F16>(s[2 * nj], qa[kk], r[0], r[1]);
+                mma_16816<PM_MMA_F16>(s[2 * nj + 1], qa[kk], r[2], r[3]);
             }
         }
         float mx_a = -MINILLM_INF, mx_b = -MINILLM_INF;
@@ -1029,8 +985,8 @@ paged_prefill_mma(scalar_t* out, long long out_stride, const scalar_t* q, long l
             for (int np = 0; np < HEAD_DIM / 16; ++np) {
                 unsigned int r[4];
                 ldsm_x4_trans(smem_u32(vs + (kk * 16 + v_row) * PM_LD + np * 16 + v_col), r);
-                mma_16816(o[2 * np], pa[kk], r[0], r[1]);
-                mma_16816(o[2 * np + 1], pa[kk], r[2], r[3]);
+                mma_16816<PM_MMA_F16>(o[2 * np], pa[kk], r[0], r[1]);
+                mma_16816<PM_MMA_F16>(o[2 * np + 1], pa[kk], r[2], r[3]);
             }
         }
     }

@@ -122,61 +122,6 @@ __device__ __forceinline__ void cp_async_wait_tile() {
     asm volatile("cp.async.wait_group %0;" ::"n"(PA_STAGES - 2) : "memory");
 }
 
-__device__ __forceinline__ void ldsm_x4(unsigned int addr, unsigned int (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(unsigned int addr, unsigned int (&r)[4]) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
-}
-
-// c[16x8] += a[16x16] * b[16x8], fp32 accumulators.
-__device__ __forceinline__ void mma_16816(float (&c)[4], const unsigned int (&a)[4], unsigned int b0,
-                                          unsigned int b1) {
-#if !PA_MMA_F16
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#endif
-}
-
-// Two floats -> packed pair of MMA operands (P), `lo` in the low half (the lower column).
-__device__ __forceinline__ unsigned int pack_mma(float lo, float hi) {
-    unsigned int r;
-#if PA_MMA_F16
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-// Two floats -> packed pair of 16-bit activations (scalar_t), `lo` in the low half.
-__device__ __forceinline__ unsigned int pack2(float lo, float hi) {
-    unsigned int r;
-#if MINILLM_DTYPE == 2
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#else
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-#endif
-    return r;
-}
-
-// 2^x on the special-function unit (exp2(-inf) = 0).
-__device__ __forceinline__ float fast_exp2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
-
 // What one block computes: query tile `tile` (from the chunk's start) of KV head kvh of sequence
 // b, or tile < 0 when the sequence has no such tile.
 struct PrefillWork {
@@ -286,7 +231,7 @@ __device__ __forceinline__ void prefill_q_to_f16(scalar_t* q_s) {
         float hi = bf16_bits_to_float((unsigned short)(*p >> 16));
         lo = fabsf(lo) > 65504.0f ? copysignf(65504.0f, lo) : lo;
         hi = fabsf(hi) > 65504.0f ? copysignf(65504.0f, hi) : hi;
-        *p = pack_mma(lo, hi);
+        *p = pack_16x2<PA_MMA_F16>(lo, hi);
     }
 }
 #endif
@@ -311,8 +256,8 @@ __device__ __forceinline__ void prefill_scores(float (&s)[PA_MT][PA_NT][4], unsi
             ldsm_x4(k_addr + (nj * 16 * PA_LD + kk * 16) * 2, r);
 #pragma unroll
             for (int mi = 0; mi < PA_MT; ++mi) {
-                mma_16816(s[mi][2 * nj], qa[mi], r[0], r[1]);
-                mma_16816(s[mi][2 * nj + 1], qa[mi], r[2], r[3]);
+                mma_16816<PA_MMA_F16>(s[mi][2 * nj], qa[mi], r[0], r[1]);
+                mma_16816<PA_MMA_F16>(s[mi][2 * nj + 1], qa[mi], r[2], r[3]);
             }
         }
     }
@@ -363,7 +308,7 @@ __device__ __forceinline__ void prefill_softmax(float (&s)[PA_MT][PA_NT][4], flo
                 const float p0 = fast_exp2(fmaf(s[mi][n][2 * h], scale_log2, -ref));
                 const float p1 = fast_exp2(fmaf(s[mi][n][2 * h + 1], scale_log2, -ref));
                 sum += p0 + p1;
-                pa[mi][n >> 1][(n & 1) * 2 + h] = pack_mma(p0, p1);
+                pa[mi][n >> 1][(n & 1) * 2 + h] = pack_16x2<PA_MMA_F16>(p0, p1);
             }
             l[mi][h] = l[mi][h] * alpha[mi][h] + sum;
         }
@@ -393,8 +338,8 @@ __device__ __forceinline__ void prefill_pv(float (&o)[PA_MT][PA_DT][4], const un
             ldsm_x4_trans(v_addr + (kk * 16 * PA_LD + dp * 16) * 2, r);
 #pragma unroll
             for (int mi = 0; mi < PA_MT; ++mi) {
-                mma_16816(o[mi][2 * dp], pa[mi][kk], r[0], r[1]);
-                mma_16816(o[mi][2 * dp + 1], pa[mi][kk], r[2], r[3]);
+                mma_16816<PA_MMA_F16>(o[mi][2 * dp], pa[mi][kk], r[0], r[1]);
+                mma_16816<PA_MMA_F16>(o[mi][2 * dp + 1], pa[mi][kk], r[2], r[3]);
             }
         }
     }
