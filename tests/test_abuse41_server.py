@@ -2,9 +2,12 @@
 first names the response and is the header echoed (vLLM's reading); one of UTF-8 bytes names the
 response in the text the client sent; an id past MAX_REQUEST_ID_CHARS, in the header or the body's
 request_id, is a 400 naming it (each of a stream's events carries the id); a chat stream of n > 1
-hung up under an id a greedy stream also runs under leaves that stream its solo text."""
+hung up under an id a greedy stream also runs under leaves that stream its solo text. A body's
+Content-Encoding is every such header's list: a gzipped body is a 415 whichever header says gzip,
+and identity, however often, is no coding."""
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 
@@ -118,3 +121,25 @@ def test_a_chat_stream_of_n_hung_up_leaves_a_stream_under_the_same_id_its_solo_t
     finally:
         healthy.headers = {}
     wait_for(lambda: get_stats(url)["num_running"] == 0 and get_stats(url)["num_waiting"] == 0, timeout=60)
+
+
+@pytest.mark.parametrize("encodings, named", [([b"gzip", b"identity"], "gzip"), ([b"identity", b"br"], "br"),
+                                              ([b"Identity , GZIP"], "gzip"), ([b"identity", b"x-gzip, identity"], "x-gzip")],
+                         ids=["gzip-then-identity", "identity-then-br", "one-list", "coding-in-second-list"])
+def test_a_compressed_body_is_a_415_whichever_content_encoding_header_names_it(server, healthy, encodings, named):
+    url, _ = server
+    headers = [(b"content-type", b"application/json"), *((b"content-encoding", e) for e in encodings)]
+    with healthy.in_flight():
+        r = httpx.post(f"{url}/v1/completions", content=gzip.compress(json.dumps(COMPLETION).encode()),
+                       headers=headers, timeout=60)
+    error = openai_error(r, 415, code="unsupported_content_encoding")
+    assert repr(named) in error["message"]
+
+
+@pytest.mark.parametrize("encodings", [[b"identity", b"identity"], [b"identity,identity"], [b"identity, ,identity", b""]],
+                         ids=["two-headers", "one-list", "blank-entries"])
+def test_identity_in_any_number_is_no_content_coding(server, encodings):
+    url, _ = server
+    headers = [(b"content-type", b"application/json"), *((b"content-encoding", e) for e in encodings)]
+    r = httpx.post(f"{url}/v1/completions", content=json.dumps(COMPLETION).encode(), headers=headers, timeout=60)
+    assert r.status_code == 200, r.text

@@ -180,11 +180,11 @@ class BodyLimitMiddleware:
         if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        encoding = headers.get(b"content-encoding", b"identity").strip().lower()
-        if encoding not in (b"", b"identity"):
+        codings = content_codings(scope["headers"])
+        if codings:
             # The body would reach the JSON parser compressed; decompressing here would let a
             # small gzip bomb past the size limit.
-            return await _send_error(scope, send, 415, f"Content-Encoding {encoding.decode('latin-1')!r} is not "
+            return await _send_error(scope, send, 415, f"Content-Encoding {', '.join(codings)!r} is not "
                                      "supported: send the body uncompressed.", code="unsupported_content_encoding",
                                      extra_headers=_close_if_body_withheld(scope))
         declared = headers.get(b"content-length")
@@ -223,6 +223,15 @@ class BodyLimitMiddleware:
     async def _too_large(self, scope, send, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         await _send_error(scope, send, 413, f"Request body exceeds the limit of {self.max_bytes} bytes.",
                           code="request_too_large", extra_headers=extra_headers)
+
+
+def content_codings(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The codings a request's body went through, lower case, identity left out: every Content-Encoding
+    header's comma-separated list, in order (several headers are one list, RFC 9110 5.3: `gzip` then
+    `identity` is a gzipped body, which the last header alone called identity)."""
+    return [coding for name, value in headers if name == b"content-encoding"
+            for coding in (part.strip().lower() for part in value.decode("latin-1").split(","))
+            if coding not in ("", "identity")]
 
 
 def import_middleware(path: str):
