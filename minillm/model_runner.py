@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from operator import attrgetter, getitem
 from types import ModuleType
 
 import numpy as np
@@ -23,6 +24,8 @@ from minillm.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprob
 from minillm.sampler import Sampler
 from minillm.stats import MemoryStats
 from minillm.step import SchedulerOutput, StepOutput
+
+_seq_id, _token_ids = attrgetter("seq_id"), attrgetter("token_ids")
 
 
 def kv_bytes_per_block(mc: ModelConfig, block_size: int, itemsize: int) -> int:
@@ -65,7 +68,9 @@ class ModelRunner:
         self.piecewise = None            # prefill and mixed steps: graphs between the attention calls
         self.mixed_graphs = None         # small mixed steps: whole graphs, attention at a fixed grid
         self.profile = False             # when set, time forward and sampling on the device
-        self._last_sampled = None        # (ids on the device, seq_id -> row) of the last launched step
+        # (ids on the device [R], the seq_id of each sampled sequence, their rows [S] int32 or None: 0..S-1)
+        # of the last launched step
+        self._last_sampled = None
         self._deferred = None            # (InFlightStep, logits, grammar_bitmask) of a launch whose sampling waits
         self._prompt_logprobs = None     # what compute_logits queued for the step's prompt log-probabilities
         self.kv_connector = None         # runner side of a KV connector (minillm/kv_connector), when one is on
@@ -252,21 +257,23 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------
     def prepare_inputs(self, out: SchedulerOutput):
         """Host-side input ids [T], positions [T], attention metadata, and the token rows whose
-        ids are still on the device (the last step's samples)."""
+        ids are still on the device (the last step's samples): (rows [H] int32, their sequences' ids)."""
         if all(n == 1 for n in out.num_new_tokens):
             return self._prepare_decode(out)
         bs = self.block_size
         spec = out.scheduled_spec_decode_tokens
-        ids, holes, row = [], [], 0
+        ids, hole_rows, hole_ids, row = [], [], [], 0
         for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_new_tokens):
             known = seq.token_ids[start:start + n]
             if spec and seq.seq_id in spec:
                 known = known + spec[seq.seq_id]      # the drafts follow its last token
             if len(known) < n:
-                holes.extend((row + i, seq.seq_id) for i in range(len(known), n))
+                hole_rows.extend(range(row + len(known), row + n))
+                hole_ids.extend([seq.seq_id] * (n - len(known)))
                 known = known + [0] * (n - len(known))
             ids.extend(known)
             row += n
+        holes = (np.asarray(hole_rows, np.int32), hole_ids)
         # Positions and slots for every token at once: a mixed step holds hundreds of sequences.
         counts = np.asarray(out.num_new_tokens, np.int64)                    # [B]
         starts = np.asarray(out.num_computed_tokens, np.int64)               # [B]
@@ -286,17 +293,29 @@ class ModelRunner:
         return np.asarray(ids, np.int32), positions.astype(np.int32), meta, holes
 
     def _prepare_decode(self, out: SchedulerOutput):
-        """The common step, one token per sequence, in plain Python loops (cheaper than numpy here)."""
-        bs = self.block_size
-        positions = out.num_computed_tokens
-        slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(out.seqs, positions)]
-        ids = np.fromiter((s.token_ids[p] if p < len(s.token_ids) else 0 for s, p in zip(out.seqs, positions)),
-                          np.int32, len(positions))
-        holes = [(b, s.seq_id) for b, (s, p) in enumerate(zip(out.seqs, positions)) if p >= len(s.token_ids)]
-        pos = np.asarray(positions, np.int32)
+        """The common step, one token per sequence: the rows' lengths and positions in NumPy, the
+        tokens read only for rows whose input is on the host (with async scheduling, none)."""
+        bs, seqs = self.block_size, out.seqs
+        n = len(seqs)
+        pos = np.asarray(out.num_computed_tokens, np.int32)                          # [B]
+        lengths = np.fromiter(map(len, map(_token_ids, seqs)), np.int32, n)         # [B] known tokens
+        tables = self.block_tables.table(seqs)                                       # [B, W]
+        slots = tables[np.arange(n), pos // bs] * bs + pos % bs                      # [B]
+        on_device = pos >= lengths                                                   # [B] input still sampled
+        if not on_device.any():
+            ids = np.fromiter(map(getitem, map(_token_ids, seqs), out.num_computed_tokens), np.int32, n)
+            holes = (np.zeros(0, np.int32), [])
+        elif on_device.all():
+            ids = np.zeros(n, np.int32)
+            holes = (np.arange(n, dtype=np.int32), list(map(_seq_id, seqs)))
+        else:
+            ids = np.fromiter((s.token_ids[p] if p < len(s.token_ids) else 0
+                               for s, p in zip(seqs, out.num_computed_tokens)), np.int32, n)
+            rows = np.flatnonzero(on_device)
+            holes = (rows.astype(np.int32), [seqs[b].seq_id for b in rows.tolist()])
         meta = AttentionMetadata(
-            query_start_loc=np.arange(len(positions) + 1, dtype=np.int32), seq_lens=pos + 1,
-            block_tables=self.block_tables.table(out.seqs), slot_mapping=np.asarray(slots, np.int32),
+            query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=pos + 1,
+            block_tables=tables, slot_mapping=slots.astype(np.int32),
             max_query_len=1, max_seq_len=int(pos.max()) + 1, is_decode_only=True)
         return ids, pos, meta, holes
 
@@ -356,16 +375,17 @@ class ModelRunner:
             t3 = time.perf_counter()
             if spec is None:
                 sampled = self.sampler.sample_no_sync(logits, seqs, mask)
-                rows = {s.seq_id: r for r, s in enumerate(seqs)}
+                self._last_sampled = (sampled.token_ids, list(map(_seq_id, seqs)), None)
             else:
                 if mask is not None:        # a mask for each verified position of a constrained sequence
                     self.sampler.apply_grammar_bitmask(logits, mask.at_verify_rows(spec.row_starts))
                 sampled = self.verifier.sample_no_sync(logits, spec, seqs)
                 # Only a sequence without drafts has its next input among the rows before acceptance.
-                rows = {s.seq_id: int(r) for s, r, d in zip(seqs, spec.row_starts, spec.num_draft_tokens) if not d}
+                plain = [(s.seq_id, int(r)) for s, r, d in zip(seqs, spec.row_starts, spec.num_draft_tokens) if not d]
+                self._last_sampled = (sampled.token_ids, [sid for sid, _ in plain],
+                                      np.asarray([r for _, r in plain], np.int32))
             if timer:
                 timer.mark()
-            self._last_sampled = (sampled.token_ids, rows)
             tokens = self.device.to_host_async(sampled.token_ids)
             logprobs = self.device.to_host_async(sampled.logprobs) if sampled.logprobs is not None else None
         host = {"prepare": t1 - t0, "forward_host": t2 - t1, "sample_host": time.perf_counter() - t3}
@@ -383,24 +403,29 @@ class ModelRunner:
             mask = grammar_bitmask() if grammar_bitmask is not None else None
             t0 = time.perf_counter()
             sampled = self.sampler.sample_no_sync(logits, step.seqs, mask)
-            self._last_sampled = (sampled.token_ids, {s.seq_id: r for r, s in enumerate(step.seqs)})
+            self._last_sampled = (sampled.token_ids, list(map(_seq_id, step.seqs)), None)
             step.set_sampled(self.device.to_host_async(sampled.token_ids),
                              self.device.to_host_async(sampled.logprobs) if sampled.logprobs is not None else None,
                              sampled.logprob_rows, time.perf_counter() - t0)
 
-    def _placeholder_patch(self, holes: list[tuple[int, int]]):
-        """(dst token rows, src rows of the last sampled ids, those ids) for inputs on the device."""
-        if not holes:
+    def _placeholder_patch(self, holes: tuple[np.ndarray, list[int]]):
+        """(dst token rows, src rows of the last sampled ids, those ids) for inputs on the device.
+        holes: (token rows [H] int32, the seq_id of each)."""
+        dst, hole_ids = holes
+        if not hole_ids:
             return None
         if self._last_sampled is None:
             raise RuntimeError("an input token is still on the device but no step sampled it")
-        last_ids, last_rows = self._last_sampled
-        missing = [sid for _, sid in holes if sid not in last_rows]
+        last_ids, last_seq_ids, last_rows = self._last_sampled
+        if hole_ids == last_seq_ids:          # most steps: the batch the last step sampled, in its order
+            src = np.arange(len(hole_ids), dtype=np.int32) if last_rows is None else last_rows
+            return dst, src, last_ids
+        row_of = dict(zip(last_seq_ids, range(len(last_seq_ids))))
+        missing = [sid for sid in hole_ids if sid not in row_of]
         if missing:
             raise RuntimeError(f"input tokens of sequences {missing} were not sampled by the last step")
-        dst = np.asarray([row for row, _ in holes], np.int32)
-        src = np.asarray([last_rows[sid] for _, sid in holes], np.int32)
-        return dst, src, last_ids
+        src = np.fromiter(map(row_of.__getitem__, hole_ids), np.int32, len(hole_ids))
+        return dst, src if last_rows is None else last_rows[src], last_ids
 
     def _apply_patch(self, ids_dev, patch) -> None:
         if patch is not None:
