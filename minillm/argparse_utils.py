@@ -87,6 +87,41 @@ def _is_number(word: str) -> bool:
     return True
 
 
+class AmbiguousOption(ValueError):
+    """An abbreviated option name that more than one option begins with (argparse's "ambiguous option")."""
+
+
+def completed_option_word(word: str, names: set[str]) -> str:
+    """WORD, a long option word where an option may stand, with its name (read with dashes, up to a JSON
+    option's ".key" or an "=value") completed to the one of NAMES it begins, as argparse takes an unambiguous
+    prefix (vLLM's parsers keep allow_abbrev on): --max-model=512 is --max-model-len=512. A name of NAMES, or
+    one no name begins with, stays as written; AmbiguousOption where several names begin with it."""
+    if not word.startswith("--") or word == "--":
+        return word
+    name = _OPTION_NAME.match(word)[0]
+    dashed = name.replace("_", "-")
+    if name in names or dashed in names:
+        return word
+    matches = sorted(n for n in names if n.startswith(dashed))
+    if len(matches) > 1:
+        raise AmbiguousOption(f"ambiguous option: {name} could match {', '.join(matches)}")
+    return matches[0] + word[len(name):] if matches else word
+
+
+def completed_option_words(args: list[str], names: set[str], value_counts: dict[str, int]) -> list[str]:
+    """ARGS with each abbreviated long option completed (completed_option_word) where an option may stand;
+    an option's values, abbreviated flags or not (-p --temp: the prompt "--temp"), and the words after a
+    bare "--" stay as written. VALUE_COUNTS: how many values each option of NAMES takes."""
+    out = list(args)
+    at_option = option_positions(out, value_counts)
+    for i, word in enumerate(args):
+        if at_option[i]:
+            out[i] = completed_option_word(word, names)
+            if out[i] != word:              # the completed option's own values follow it
+                at_option = option_positions(out, value_counts)
+    return out
+
+
 def parser_value_counts(parser: argparse.ArgumentParser) -> dict[str, int]:
     """{option string: how many values it takes} for every option of an argparse PARSER."""
     counts = {}

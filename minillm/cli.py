@@ -24,7 +24,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
-from minillm.argparse_utils import option_positions
+from minillm.argparse_utils import AmbiguousOption, completed_option_words, option_positions
 from minillm.chat_terminal import is_terminal, terminal_safe
 from minillm.config import EngineConfig
 from minillm.model_store import expand_user
@@ -131,6 +131,17 @@ class MinillmCommand(TyperCommand):
                     formatter.write_dl(records)
 
     def parse_args(self, ctx, args: list[str]) -> list[str]:
+        params = self.get_params(ctx)
+        names = {o for p in params for o in (*p.opts, *p.secondary_opts) if o.startswith("--")}
+        refused = {o for o in (*VLLM_FLAGS_NOT_TAKEN, *getattr(self, "refused_options", {})) if o.startswith("--")}
+        try:      # vLLM's parsers take an unambiguous prefix of an option: --max-model 512, --temp 0
+            args = completed_option_words(args, names | refused, option_value_counts(params))
+        except AmbiguousOption as exc:
+            raise UsageError(str(exc), ctx=ctx) from None
+        return self.parse_words(ctx, args)
+
+    def parse_words(self, ctx, args: list[str]) -> list[str]:
+        """Parse ARGS, their abbreviated options completed; commands that rewrite words first extend this."""
         params = self.get_params(ctx)
         short = {o for p in params for o in (*p.opts, *p.secondary_opts) if not o.startswith("--")}
         counts = option_value_counts(params)
@@ -368,7 +379,34 @@ def max_model_len_option(value: str | None) -> int | None:
     try:
         return parse_max_model_len(value)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc).removeprefix("max_model_len "), param_hint="'--max-model-len'") from None
+        message = str(exc).removeprefix("max_model_len ") + binary_decimal_hint(value)
+        raise typer.BadParameter(message, param_hint="'--max-model-len'") from None
+
+
+# vLLM's human_readable_int: k, m, g, t powers of ten (decimals allowed), K, M, G, T powers of two (whole only).
+_TOKEN_COUNT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT]?)")
+_COUNT_SCALES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+                 "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+TOKEN_COUNT_FORMS = "a token count (8192, 8k = 8000, 8K = 8192, 2.5k)"
+
+
+def binary_decimal_hint(value) -> str:
+    """vLLM's hint for a decimal count with a power-of-two suffix (1.5K: did you mean 1.5k?), else ""."""
+    match = _TOKEN_COUNT.fullmatch(str(value).strip())
+    if match is None or "." not in match[1] or not match[2].isupper():
+        return ""
+    return f" (decimals are not taken with {match[2]}, a power of two: did you mean {match[1]}{match[2].lower()}?)"
+
+
+def max_num_batched_tokens_option(value: str | int) -> int:
+    """--max-num-batched-tokens as vLLM reads it (its human_readable_int: 8192, 8k, 8K, 2.5k); a bad one is
+    a usage error naming the option."""
+    match = _TOKEN_COUNT.fullmatch(str(value).strip())
+    if match is None or ("." in match[1] and match[2] in ("", "K", "M", "G", "T")):
+        raise typer.BadParameter(f"must be {TOKEN_COUNT_FORMS}, got {str(value)!r}{binary_decimal_hint(value)}",
+                                 param_hint="'--max-num-batched-tokens'")
+    number, suffix = match.groups()
+    return int(float(number) * _COUNT_SCALES[suffix]) if "." in number else int(number) * _COUNT_SCALES[suffix]
 
 
 # name -> (annotation, default); each becomes a keyword-only parameter of the decorated command.
@@ -380,8 +418,10 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
         "float32).")], DType(_default("dtype"))),
     "max_num_seqs": (Annotated[int, _engine_option(
         "--max-num-seqs", help="Most sequences in one step.")], _default("max_num_seqs")),
-    "max_num_batched_tokens": (Annotated[int, _engine_option(
-        "--max-num-batched-tokens", help="Token budget of one step.")], _default("max_num_batched_tokens")),
+    "max_num_batched_tokens": (Annotated[str, _engine_option(
+        "--max-num-batched-tokens", metavar="<int>", callback=max_num_batched_tokens_option,
+        help="Token budget of one step, as vLLM takes it: 8192, 8k (8000), 8K (8192).")],
+        str(_default("max_num_batched_tokens"))),
     "enable_chunked_prefill": (Annotated[bool, _engine_option(
         "--enable-chunked-prefill/--no-enable-chunked-prefill", help="Split a long prompt into chunks that fit "
         "the step's token budget (vLLM's); --no-enable-chunked-prefill runs each prompt whole in one step, and "
@@ -1340,9 +1380,9 @@ class SpreadValuesCommand(MinillmCommand):
 
     spread_options: tuple[str, ...] = ()
 
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
+    def parse_words(self, ctx, args: list[str]) -> list[str]:
         counts = option_value_counts(self.get_params(ctx))
-        return super().parse_args(ctx, spread_option_values(args, self.spread_options, counts))
+        return super().parse_words(ctx, spread_option_values(args, self.spread_options, counts))
 
 
 def spread_option_values(args: list[str], options: tuple[str, ...],
@@ -1374,7 +1414,7 @@ def spread_option_values(args: list[str], options: tuple[str, ...],
 class ServeCommand(SpreadValuesCommand):
     spread_options = ("--served-model-name", "--api-key")
 
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
+    def parse_words(self, ctx, args: list[str]) -> list[str]:
         from minillm.cli_config import ConfigFileError, config_file_args
         try:
             flags = [*VLLM_FLAGS_NOT_TAKEN, *getattr(self, "refused_options", {})]
@@ -1383,7 +1423,7 @@ class ServeCommand(SpreadValuesCommand):
                                     reasons={flag: why for flag, why in reasons.items() if why})
         except ConfigFileError as exc:
             raise UsageError(str(exc), ctx=ctx) from None
-        return super().parse_args(ctx, args)
+        return super().parse_words(ctx, args)
 
 
 def config_option_kinds(params) -> tuple[dict, dict[str, str]]:

@@ -1,6 +1,7 @@
 """vLLM's `--config FILE`: a YAML file of a command's options, read into its command line.
 
-Each key is an option's name without its dashes (dashes or underscores: max-model-len, max_model_len);
+Each key is an option's name without its dashes (dashes or underscores: max-model-len, max_model_len; an
+unambiguous prefix too, max-model, as vLLM's parser reads one);
 true gives a flag, false its --no- form (or nothing where it has none), a list gives an option that
 takes several values one value each (any other option gets it as JSON), a mapping gives JSON, and
 anything else gives its text. The file's options go where the file is named after MODEL, so an
@@ -12,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from minillm.argparse_utils import option_positions
+from minillm.argparse_utils import AmbiguousOption, completed_option_word, option_positions
 
 CONFIG_FLAG = "--config"
 
@@ -107,6 +108,11 @@ def option_words(path: str, key, value, options: dict[str, OptionKind], given: s
     """The command-line words of the file's KEY: VALUE (none where the command line sets the option too)."""
     where = f"{CONFIG_FLAG} {path}"
     name = str(key).replace("_", "-")
+    if isinstance(key, str) and name and "=" not in name and "." not in name:
+        try:          # vLLM reads a key as --key, so an unambiguous prefix of an option's name is that option
+            name = completed_option_word(f"--{name}", {f"--{n}" for n in options} | set(reasons))[2:]
+        except AmbiguousOption as exc:
+            raise ConfigFileError(f"{where}: {key}: {exc}") from None
     kind = options.get(name) if isinstance(key, str) else None
     if kind is None and f"--{name}" in reasons:
         raise ConfigFileError(f"{where}: {key} is not taken: {reasons[f'--{name}']}")
