@@ -44,9 +44,9 @@ def _close_if_body_withheld(scope) -> list[tuple[bytes, bytes]]:
 class APIKeyMiddleware:
     """401 for the /v1 paths and /invocations unless the request carries one of the keys,
     `Authorization: Bearer <key>` (or, as Anthropic's clients send it for /v1/messages, `x-api-key:
-    <key>`). As vLLM's, the SHA-256 of what was sent is compared with each key's in constant time,
-    every key each time: the time taken tells neither which key nor how much of one matched, nor a
-    key's length."""
+    <key>`), the first of each header as vLLM reads it. As vLLM's, the SHA-256 of what was sent is
+    compared with each key's in constant time, every key each time: the time taken tells neither which
+    key nor how much of one matched, nor a key's length."""
 
     def __init__(self, app, api_keys: tuple[str, ...]) -> None:
         if not api_keys:
@@ -65,9 +65,10 @@ class APIKeyMiddleware:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not _is_protected(scope) or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        given = bearer_token(headers.get(b"authorization", b""))
-        if not (self.is_key(given) | self.is_key(headers.get(b"x-api-key", b""))):
+        # The first of several such headers, as vLLM reads Authorization (Starlette's Headers.get): a
+        # later one does not stand in for a wrong first one.
+        given = bearer_token(first_header(scope["headers"], b"authorization"))
+        if not (self.is_key(given) | self.is_key(first_header(scope["headers"], b"x-api-key"))):
             return await _send_error(scope, send, 401, "Invalid or missing API key: send `Authorization: Bearer "
                                      "<key>` or `x-api-key: <key>`.", code="invalid_api_key",
                                      extra_headers=[(b"www-authenticate", b"Bearer"), *_close_if_body_withheld(scope)])
