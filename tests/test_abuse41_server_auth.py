@@ -1,5 +1,7 @@
 """The API key as vLLM's AuthenticationMiddleware reads it: of several `Authorization` (or `x-api-key`)
-headers the first is the one checked, so a wrong key first is refused whatever follows it."""
+headers the first is the one checked, so a wrong key first is refused whatever follows it; and a Responses
+request's metadata within OpenAI's bounds (16 pairs, keys of 64 characters, values of 512), vLLM's
+Metadata type setting none."""
 from __future__ import annotations
 
 import anyio
@@ -9,7 +11,9 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from minillm.server.errors import APIError
 from minillm.server.middleware import APIKeyMiddleware
+from minillm.server.serving_responses import ResponsesRequest
 
 KEY = "sk-right"
 
@@ -59,3 +63,30 @@ def test_the_right_key_first_is_served(headers):
 
 def test_unguarded_paths_need_no_key():
     assert _get([("Authorization", "Bearer sk-wrong")], path="/health").status_code == 200
+
+
+# ---- Responses metadata: OpenAI's bounds (vLLM's Metadata type sets none) ---------------------------------
+
+def _responses_error(metadata: dict) -> APIError:
+    with pytest.raises(APIError) as caught:
+        ResponsesRequest.model_validate({"model": "m", "input": "hi", "metadata": metadata})
+    assert caught.value.status == 400
+    return caught.value
+
+
+@pytest.mark.parametrize("metadata, param, code", [
+    ({f"k{i}": "v" for i in range(17)}, "metadata", "object_above_max_properties"),
+    ({"k" * 65: "v"}, "metadata", "string_above_max_length"),
+    ({"k": "v" * 513}, "metadata.k", "string_above_max_length"),
+    ({"k": "é" * 513}, "metadata.k", "string_above_max_length"),
+], ids=["17 pairs", "65-character key", "513-character value", "513 two-byte characters"])
+def test_metadata_past_openais_bounds_is_a_400_naming_it(metadata, param, code):
+    error = _responses_error(metadata)
+    assert (error.param, error.code) == (param, code)
+    assert len(error.message) < 200        # the long key or value is not echoed back whole
+
+
+def test_metadata_at_openais_bounds_is_taken():
+    metadata = {f"{i:02d}" + "k" * 62: "é" * 512 for i in range(16)}
+    request = ResponsesRequest.model_validate({"model": "m", "input": "hi", "metadata": metadata})
+    assert request.metadata == metadata

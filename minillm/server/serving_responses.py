@@ -82,6 +82,11 @@ OUTPUT_LOGPROBS = "message.output_text.logprobs"
 TRUNCATIONS = ("auto", "disabled")
 # The request's fields of free JSON that the response carries back as they came.
 ECHOED_AS_SENT = ("tools", "tool_choice", "reasoning", "text")
+# OpenAI's bounds on metadata (vLLM's Metadata type maps strings to strings and bounds nothing): the
+# response, and every event of a stream, carries it back.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 
 def check_json_value(value: Any, where: str) -> None:
@@ -155,7 +160,25 @@ class ResponsesRequest(_WithChatExtras):
         where one does not: a 500, or a stream cut after its headers, otherwise)."""
         for name in ECHOED_AS_SENT:
             check_json_value(getattr(self, name), name)
+        check_metadata(self.metadata)
         return self
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """A 400 naming metadata for more pairs, or a longer key or value, than OpenAI's bounds."""
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} key-value pairs, got {len(metadata)}",
+                       param="metadata", code="object_above_max_properties")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise APIError(400, f"metadata's keys are at most {MAX_METADATA_KEY_CHARS} characters, got "
+                           f"{short_repr(key)}", param="metadata",
+                           code="string_above_max_length")
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError(400, f"metadata.{key}: a value is at most {MAX_METADATA_VALUE_CHARS} characters, got "
+                           f"{len(value)}", param=f"metadata.{key}", code="string_above_max_length")
 
 
 def _new_id(prefix: str) -> str:
