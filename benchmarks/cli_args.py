@@ -12,7 +12,9 @@ import sys
 import textwrap
 from collections.abc import Callable
 
-from minillm.argparse_utils import dashed_option_words, parser_value_counts
+from minillm.argparse_utils import (
+    AmbiguousOption, completed_option_words, dashed_option_words, parser_value_counts,
+)
 
 _METAVARS = {int: "<int>", float: "<float>", str: "<str>", None: "<str>"}
 
@@ -66,7 +68,9 @@ class _ClickLikeFormatter(argparse.HelpFormatter):
 
 
 class BenchParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise BenchUsageError instead of exiting."""
+    """An ArgumentParser whose errors raise BenchUsageError instead of exiting. An unambiguous prefix of a
+    long option is that option, as vLLM's bench parsers read it (completed before argparse, whose own
+    abbreviation is off, so that an option's value that looks like a flag stays as written)."""
 
     def __init__(self, prog: str, description: str) -> None:
         super().__init__(prog=prog, description=description, formatter_class=_ClickLikeFormatter,
@@ -76,7 +80,12 @@ class BenchParser(argparse.ArgumentParser):
         if "help" not in {a.dest for a in self._actions}:   # added last, so it is listed last
             self.add_argument("-h", "--help", action="help", help="Show this message and exit.")
         args = sys.argv[1:] if args is None else list(args)
-        args = dashed_option_words(args, parser_value_counts(self), self._dashed)
+        counts = parser_value_counts(self)
+        args = dashed_option_words(args, counts, self._dashed)
+        try:      # vLLM's bench parsers keep argparse's allow_abbrev: --num-prompt 8, --output-l 16
+            args = completed_option_words(args, {o for o in counts if o.startswith("--")}, counts)
+        except AmbiguousOption as exc:
+            self.error(str(exc))
         parsed, rest = super().parse_known_args(args, namespace)
         self._refuse_empty_values(parsed)
         return parsed, rest
@@ -128,9 +137,10 @@ CLOSE_OPTION_CUTOFF = 0.7
 
 
 def close_option_names(name: str, options: list[str]) -> list[str]:
-    """The options a mistyped NAME likely meant: those it abbreviates first (--temp: --temperature; no
-    parser of minillm takes an abbreviation), then those spelled closest to it; three at most. Names
-    are compared without their dashes, a long name with long options and a short one with short ones."""
+    """The options a mistyped NAME likely meant: those it abbreviates first (--max: --max-model-len,
+    --max-num-seqs, where a prefix that begins one option alone is read as that option), then those spelled
+    closest to it; three at most. Names are compared without their dashes, a long name with long options
+    and a short one with short ones."""
     bare = {o: _bare_option(o) for o in sorted(options) if _is_long(o) == _is_long(name) and o != name}
     typed = _bare_option(name)
     abbreviated = [o for o, b in bare.items() if b.startswith(typed) and b != typed]

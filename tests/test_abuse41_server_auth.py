@@ -1,7 +1,7 @@
 """The API key as vLLM's AuthenticationMiddleware reads it: of several `Authorization` (or `x-api-key`)
 headers the first is the one checked, so a wrong key first is refused whatever follows it; and a Responses
 request's metadata within OpenAI's bounds (16 pairs, keys of 64 characters, values of 512), vLLM's
-Metadata type setting none."""
+Metadata type setting none; and `minillm bench`'s options read by an unambiguous prefix, as `vllm bench`'s."""
 from __future__ import annotations
 
 import anyio
@@ -90,3 +90,25 @@ def test_metadata_at_openais_bounds_is_taken():
     metadata = {f"{i:02d}" + "k" * 62: "é" * 512 for i in range(16)}
     request = ResponsesRequest.model_validate({"model": "m", "input": "hi", "metadata": metadata})
     assert request.metadata == metadata
+
+
+# ---- `minillm bench`: an unambiguous option prefix is that option, as `vllm bench` reads it -------------------
+
+def test_bench_reads_an_unambiguous_option_prefix_as_the_option():
+    from benchmarks import latency
+    args = latency.parse_args(["--input-l", "16", "--output_l=8", "--batch", "2", "--num-iters-w", "1"])
+    assert (args.input_len, args.output_len, args.batch_size, args.num_iters_warmup) == (16, 8, 2, 1)
+    args = latency.parse_args(["--output-json", "out.json", "--see", "3"])
+    assert (args.output_json, args.seed) == ("out.json", 3)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-i", "2"], "ambiguous option: --num-i could match --num-iters, --num-iters-warmup"),
+    (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
+])
+def test_bench_refuses_an_ambiguous_prefix_naming_what_it_could_match(argv, message):
+    from benchmarks import latency
+    from minillm.benchmarks.cli_args import BenchUsageError
+    with pytest.raises(BenchUsageError) as caught:
+        latency.parse_args(argv)
+    assert caught.value.message.startswith(message)
