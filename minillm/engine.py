@@ -810,9 +810,12 @@ class LLMEngine:
         pending = iter(changed)
         try:
             for req in pending:
-                if len(req.seqs) > 1:
+                seqs = req.seqs
+                if len(seqs) > 1:
                     note_finishes(req)
-                finished = req.is_finished
+                    finished = req.is_finished
+                else:                                   # Request.is_finished of one sequence, spelled out
+                    finished = seqs[0].status._finished
                 if req.final_only and not finished:
                     continue
                 if finished and req.metrics.finished_time is None:

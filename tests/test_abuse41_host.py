@@ -1,16 +1,24 @@
-"""The engine thread's per-step host work: the runner's inputs and the rows of the tokens still on the device.
+"""The engine thread's per-step host work: the runner's inputs and the rows of the tokens still on the device,
+and what a core reports of each request every step.
 
 With async scheduling a decode row's input token is the one the step before sampled, still on the device:
 the runner patches it in from that step's sampled ids. The rows of that patch, the step's input ids,
 positions, slots and block tables are checked against a per-row reading of the step (stories260K, CPU)
 through batches that keep their order, lose finished sequences, admit new ones and mix prefill chunks in.
+A core's step messages say a request finished exactly once, in its last message, when all its sequences
+have ended, and a sequence's finish from the message of its last token on (n = 1 and n = 3 requests that
+end by length, by a stop token, and by abort).
 """
+import time
+
 import numpy as np
 import pytest
 
 from minillm import SamplingParams
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
+from minillm.engine_core.core import EngineCore
+from minillm.engine_core.messages import AddRequest
 
 
 def per_row_inputs(out, block_size: int):
@@ -120,3 +128,59 @@ def test_an_input_no_step_sampled_is_an_error(stories_path):
         assert runner._placeholder_patch((np.zeros(0, np.int32), [])) is None
     finally:
         engine.shutdown()
+
+
+def run_core(core: EngineCore, requests: dict, abort_at: int | None = None, aborted=()) -> list:
+    """Every step message of requests (request id -> fields) to the end (aborted ones at step abort_at)."""
+    for k, (rid, fields) in enumerate(requests.items()):
+        assert core.add_request(AddRequest(rid, [1] + [30 + k] * 6, fields, time.time())) is None
+    messages = []
+    for step in range(500):
+        if step == abort_at:
+            core.engine.abort_request(list(aborted))
+        messages.extend(core.step().outputs)
+        if not core.engine.has_unfinished_requests():
+            return messages
+    raise AssertionError("the requests did not finish")
+
+
+def test_a_core_reports_each_finish_once_in_the_last_message(stories_path):
+    core = EngineCore(EngineConfig(model=str(stories_path), device="cpu", max_model_len=128, async_scheduling=True))
+    siblings = dict(temperature=1.0, seed=4, n=3, max_tokens=12, ignore_eos=True)
+    try:
+        # A stop token the seeded siblings reach at different steps (their tokens do not depend on it).
+        tokens = [[], [], []]
+        for msg in run_core(core, {"probe": siblings}):
+            for seq in msg.seqs:
+                tokens[seq.index].extend(seq.new_token_ids)
+        first = lambda t: [ids.index(t) if t in ids else len(ids) for ids in tokens]   # noqa: E731
+        stop = next(t for t in tokens[0] if len(set(first(t))) > 1)
+        requests = {  # request id -> the fields
+            "len": dict(temperature=0, max_tokens=5, ignore_eos=True),
+            "n3": {**siblings, "stop_token_ids": [stop]},
+            "n3-short": dict(temperature=1.0, seed=5, n=3, max_tokens=3, ignore_eos=True),
+            "aborted": dict(temperature=0, max_tokens=60, ignore_eos=True),
+            "n2-aborted": dict(temperature=0.8, seed=6, n=2, max_tokens=60, ignore_eos=True),
+            "stop": dict(temperature=0, max_tokens=40, stop_token_ids=list(range(2, 512))),
+        }
+        messages = run_core(core, requests, abort_at=6, aborted=["aborted", "n2-aborted"])
+    finally:
+        core.engine.shutdown()
+    for rid, fields in requests.items():
+        n = fields.get("n", 1)
+        mine = [msg for msg in messages if msg.request_id == rid]
+        assert [msg.finished for msg in mine] == [False] * (len(mine) - 1) + [True]
+        ends, finished_in = {}, set()
+        for number, msg in enumerate(mine):
+            for seq in msg.seqs:
+                if seq.index in ends:       # a sibling's later messages repeat its finish, with no tokens
+                    assert seq.finish_reason == ends[seq.index] and not seq.new_token_ids
+                elif seq.finish_reason is not None:
+                    ends[seq.index] = seq.finish_reason
+                    finished_in.add(number)
+            assert msg.finished == (len(ends) == n and number == len(mine) - 1)
+        want = {"len": {"length"}, "n3": {"stop", "length"}, "n3-short": {"length"}, "aborted": {"abort"},
+                "n2-aborted": {"abort"}, "stop": {"stop"}}[rid]
+        assert sorted(ends) == list(range(n)) and set(ends.values()) <= want
+        if rid == "n3":                      # its sequences ended in different steps
+            assert len(finished_in) > 1 and "stop" in ends.values()

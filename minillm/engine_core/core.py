@@ -133,8 +133,9 @@ class TokenOutputs:
         num_sent = state.num_sent
         new = seq.token_ids[state.num_prompt_tokens + num_sent:]
         status = seq.status
+        finished = status._finished         # SequenceStatus.is_finished, spelled out: asked of every report
         # an n > 1 request's final output reports the count of its last sequence to finish: each sends its own, once
-        cached = seq.num_cached_tokens if num_sent == 0 and (new or status.is_finished) and seq.params.n > 1 else None
+        cached = seq.num_cached_tokens if num_sent == 0 and (new or finished) and seq.params.n > 1 else None
         state.num_sent = num_sent + len(new)
         rows = None
         if state.want_logprobs:
@@ -142,7 +143,7 @@ class TokenOutputs:
         kv_params = kv_stats = None
         if seq.kv_transfer_params is not None or seq.kv_transfer_stats is not None:
             kv_params, kv_stats = new_kv_reports(state, seq)
-        if status.is_finished:
+        if finished:
             return m.SeqOutput(seq.index, new, rows, status.finish_reason, seq.stop_reason, state.grammar_terminated,
                                kv_params, kv_stats, cached)
         return m.SeqOutput(seq.index, new, rows, None, None, state.grammar_terminated, kv_params, kv_stats, cached)
