@@ -55,9 +55,12 @@ def check_server_url(url: str, option: str) -> str:
         return base
     try:
         parts = urlsplit(base)
-        parts.port                    # ValueError for a port that is not a number in 0-65535
+        port = parts.port             # ValueError for a port that is not a number in 0-65535
     except ValueError as exc:
         raise ValueError(f"{option}: not a server URL: {url!r} ({exc})") from None
+    if port == 0:                     # serve --port 0 binds a free port; no client connects to port 0
+        raise ValueError(f"{option}: not a server URL: {url!r} (port 0 is no server's port: give the port "
+                         "the server printed at start-up)")
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{option}: not a server URL: {url!r} (give http://host:port)")
     if parts.query or parts.fragment or "?" in base or "#" in base:

@@ -315,13 +315,18 @@ class LiveSource:
                 yield await self._poll(client, wanted)
                 await asyncio.sleep(self.interval_s)
                 continue
-            resized = False
+            resized, num_frames = False, 0
             async with aclosing(self._stream(client, wanted)) as frames:
                 async for frame in frames:
+                    num_frames += 1
                     yield frame
                     if min(max(cells(), 1), MAX_CELLS) != wanted:
                         resized = True
                         break  # the grid was resized: reopen the stream with the new cell count
+            if num_frames == 0:
+                # A minillm server sends its first snapshot at once; a stream that ends empty (a proxy, another
+                # server) was reopened every interval without end, the dashboard blank and saying nothing.
+                raise StatsFormatError("/v1/stats/stream ended without a stats event: is this a minillm server?")
             if not resized:
                 await asyncio.sleep(self.interval_s)  # the server ended the stream: reopen it gently
 
