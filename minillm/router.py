@@ -63,6 +63,7 @@ from minillm.server.http import uvicorn_settings
 from minillm.server.json_body import LARGE_BODY_BYTES, parse_body
 from minillm.server.limits import ServerLimits, check_limit
 from minillm.server.middleware import GENERATION_PATHS, APIKeyMiddleware, BodyLimitMiddleware, is_messages_path
+from minillm import sse
 from minillm.router_metrics import RouterMetrics
 from minillm.urls import check_server_url, client_endpoint, http_url, server_base_url, shown_url, unix_socket_path
 from minillm.kv_connector.endpoint import ClaimClient
@@ -77,6 +78,7 @@ KEY_HEADERS = ("authorization", "x-api-key")
 MAX_SAMPLES = 4096
 SLICE_ITEMS = 4096       # list items a large body's encoding takes per call (about 1 ms of token ids)
 RELEASE_WAIT_S = 1.0     # how long closing waits for the lease releases already sent
+MAX_HELD_EVENT_BYTES = 1 << 20    # of a decode server's event, held to relay it whole
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,7 @@ def kv_transfer_refusal(response: httpx.Response) -> str | None:
     if not 400 <= response.status_code < 500:
         return None
     try:
-        error = response.json()["error"]
+        error = sse.loads(response.content)["error"]
         return str(error["message"]) if error.get("param") == "kv_transfer_params" else None
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
@@ -393,12 +395,13 @@ def is_event_stream(response: httpx.Response) -> bool:
 
 
 def read_transfer_header(response: httpx.Response, timing: RequestTiming) -> None:
-    """What the decode server says the KV transfer took (its x-minillm-kv-transfer header)."""
+    """What the decode server says the KV transfer took (its x-minillm-kv-transfer header); a header
+    no minillm server writes (1e999 tokens, JSON nested past the stack) is left out of the log line."""
     try:
-        kv = json.loads(response.headers.get(KV_TRANSFER_HEADER, "{}"))
+        kv = sse.loads(response.headers.get(KV_TRANSFER_HEADER, "{}"))
         timing.kv_claim_s, timing.kv_copy_s = kv.get("claim_ms", 0) / 1e3, kv.get("copy_ms", 0) / 1e3
         timing.kv_tokens, timing.kv_bytes = int(kv.get("tokens", 0)), int(kv.get("bytes", 0))
-    except (ValueError, TypeError, AttributeError):
+    except (ValueError, TypeError, AttributeError, OverflowError):
         pass
 
 
@@ -427,9 +430,9 @@ class RelayedEvents:
         kind, _, data = event.partition(b"\ndata: ")
         try:
             if kind == b"event: response.created":
-                self.response = json.loads(data)["response"]
+                self.response = sse.loads(data)["response"]
             elif kind == b"event: response.output_item.done":
-                self.items.append(json.loads(data)["item"])
+                self.items.append(sse.loads(data)["item"])
         except (ValueError, KeyError, TypeError):
             pass          # not the event a server writes: the failure says what it can without it
 
@@ -743,7 +746,8 @@ class Router:
             return Response(response.content, status_code=response.status_code, headers=passed_headers(response),
                             media_type=response.headers.get("content-type", "application/json"))
         try:
-            kv = response.json().get("kv_transfer_params")
+            # sse.loads: JSON nested past the stack is a ValueError too, not a RecursionError (a 500).
+            kv = sse.loads(response.content).get("kv_transfer_params")
         except (ValueError, AttributeError):
             kv = None
         if not isinstance(kv, dict):
@@ -754,20 +758,27 @@ class Router:
     async def _relay(self, request_id: str, relayed: RelayedEvents, response: httpx.Response, timing: RequestTiming,
                      started: float, sent: float) -> AsyncIterator[bytes]:
         """The decode server's events, whole events at a time; if it fails mid-stream, the API's error events."""
-        buffer = b""
+        pending = bytearray()         # an event begun and not yet ended
         try:
             async for chunk in response.aiter_raw():
                 if timing.decode_first_s is None:
                     now = time.monotonic()
                     timing.decode_first_s, timing.ttft_s = now - sent, now - started
-                buffer += chunk
-                cut = buffer.rfind(b"\n\n")
+                start = max(len(pending) - 1, 0)     # the event's bytes before the chunk hold no blank line
+                pending += chunk
+                cut = pending.rfind(b"\n\n", start)
                 if cut >= 0:
-                    events, buffer = buffer[:cut + 2], buffer[cut + 2:]
+                    events = bytes(pending[:cut + 2])
+                    del pending[:cut + 2]
                     relayed.note(events)
                     yield events
-            if buffer:
-                yield buffer
+                elif len(pending) > MAX_HELD_EVENT_BYTES:
+                    # A longer event (a long prompt's prompt_logprobs) goes on in pieces: held whole, one of
+                    # 64 MB was copied at each chunk, 33 s with the router's loop held.
+                    yield bytes(pending)
+                    pending.clear()
+            if pending:
+                yield bytes(pending)
         except httpx.HTTPError as exc:
             self.decode.num_failures[timing.decode_url] += 1
             timing.status = 502
