@@ -166,7 +166,7 @@ def assert_whole(engine: LLMEngine, seqs: list) -> None:
         for key, host in engine.kv_connector.key_to_block.items():
             if (block := bm.key_to_block.get(key)) is not None:
                 np.testing.assert_allclose(np.asarray(host_pool[:, :, host]), np.asarray(kv_pool[:, :, block]),
-                                           atol=1e-5)
+                                           rtol=1e-5, atol=1e-5)
     assert engine.reset_prefix_cache()
     assert bm.num_cached_free_blocks == 0 and not bm.key_to_block
     if engine.kv_connector is not None:
