@@ -63,7 +63,7 @@ def alone(stories_path):
     memo = {}
 
     def run(prompt: list[int], fields: dict):
-        key = (tuple(prompt), tuple(sorted(fields.items(), key=lambda kv: kv[0])).__repr__())
+        key = (tuple(prompt), repr(sorted(fields.items())))
         if key not in memo:
             engine.add_request("alone", prompt, SamplingParams(**fields), output_kind="final")
             done = None
