@@ -718,6 +718,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq in self.running:
             self.running.remove(seq)
+        if seq.params.needs_output_tokens and seq in self._output_readers:
+            self._output_readers.remove(seq)          # (needs_output_tokens prunes only with a step in flight)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(seq)   # may keep its blocks (a KV transfer's lease)
         self.block_manager.free(seq)
