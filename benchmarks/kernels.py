@@ -166,7 +166,7 @@ def attention_rows(cp, ops, copy_gbs: float, gemm_peak: float, decode: bool = Tr
     return rows + prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks, gemm_peak)
 
 
-PREFILL_KERNELS = ("mma", "flash-4w", "flash-8w")   # ops.PREFILL_ATTENTION: the old kernel, the new one's shapes
+PREFILL_KERNELS = ("mma", "flash-4w", "flash-8w", "flash-wgmma")   # ops.PREFILL_ATTENTION: the old kernel, the new one's shapes, Hopper's
 FP8_PREFILL_KERNELS = ("mma", "flash")              # an FP8 cache: the old kernel, flash-4w's shape
 
 

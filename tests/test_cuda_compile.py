@@ -46,7 +46,9 @@ def compile_source(text: str, out_dir: Path, *defines: str, niced: bool = False)
     out_dir.mkdir(parents=True, exist_ok=True)
     src = out_dir / "kernel.cu"
     src.write_text(text)
-    cmd = [NVCC, "-arch=sm_90", "-std=c++17", "-cubin", str(src), "-o", str(out_dir / "kernel.cubin"), *defines]
+    arch = next((d for d in defines if d.startswith("-arch=")), "-arch=sm_90")     # a build may name sm_90a
+    defines = [d for d in defines if not d.startswith("-arch=")]
+    cmd = [NVCC, arch, "-std=c++17", "-cubin", str(src), "-o", str(out_dir / "kernel.cubin"), *defines]
     if niced and NICE:
         cmd = [NICE, "-n", "19", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -83,6 +85,11 @@ PREFILL_BUILDS = [("bfloat16", 128, 2, "flash-4w"), ("float16", 64, 8, "flash-4w
 DECODE_BUILDS = [("bfloat16", 0, 128, 2), ("bfloat16", 1, 128, 2), ("float16", 1, 128, 2), ("bfloat16", 1, 64, 4),
                  ("bfloat16", 0, 64, 4), ("bfloat16", 0, 64, 1), ("float16", 0, 128, 1)]
 
+# prefill_attention_wgmma.cu for sm_90a (warpgroup MMAs, setmaxnreg): (dtype, GQA). Its consumer
+# warpgroups hold S, O and P at once (160 registers of 232): none may spill.
+HOPPER_BUILDS = [("bfloat16", 2), ("float16", 2), ("bfloat16", 1), ("bfloat16", 3), ("float16", 4), ("bfloat16", 8),
+                 ("bfloat16", 16)]
+
 
 def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
     """Every build the tests check: key -> (source text, nvcc defines)."""
@@ -109,6 +116,10 @@ def nvcc_builds() -> dict[str, tuple[str, list[str]]]:
     for dtype, fp8, head_dim, group in DECODE_BUILDS:
         builds[f"decode-{dtype}-{fp8}-{head_dim}-{group}"] = (inlined_source("paged_attention.cu"), [
             f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", f"-DKV_FP8={fp8}", f"-DHEAD_DIM={head_dim}", f"-DGQA={group}",
+            "--resource-usage"])
+    for dtype, group in HOPPER_BUILDS:
+        builds[f"hopper-{dtype}-{group}"] = (inlined_source("prefill_attention_wgmma.cu"), [
+            "-arch=sm_90a", f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}", "-DHEAD_DIM=128", f"-DGQA={group}",
             "--resource-usage"])
     builds["sampling-usage"] = (inlined_source("sampling.cu"), ["-DMINILLM_DTYPE=0", "--resource-usage"])
     broken = inlined_source("activation.cu").replace("return __fmul_rn(", "return __fmul_rn((", 1)
@@ -218,6 +229,15 @@ def test_prefill_attention_builds_without_spills(dtype, head_dim, group, shape, 
         assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
+@needs_nvcc
+@pytest.mark.parametrize("dtype,group", HOPPER_BUILDS)
+def test_hopper_prefill_attention_builds_without_spills(dtype, group, nvcc_results):
+    result = nvcc_results[f"hopper-{dtype}-{group}"]
+    assert result.returncode == 0, result.stderr
+    report = function_report(result.stdout + result.stderr, "prefill_attention_wgmma")
+    assert "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
 def function_report(report: str, name: str) -> str:
     """ptxas's --resource-usage lines about entry function `name`."""
     marker = f"Compiling entry function '{name}'"
@@ -299,3 +319,24 @@ def test_fp8_kv_cache_builds_compile_with_nvrtc(name, dtype):
     status, log = nvrtc_compile(inlined_source(name), ["-std=c++17", "-arch=sm_90", "-DKV_FP8=1", "-DHEAD_DIM=128",
                                                       "-DGQA=2", f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}"])
     assert status == 0, f"{name} ({dtype}, KV_FP8) failed in NVRTC:\n{log}"
+
+
+@pytest.mark.skipif(NVRTC is None, reason="libnvrtc not found")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_hopper_prefill_attention_compiles_with_nvrtc(dtype):
+    # as minillm.ops.cuda._kernel(arch="90a") builds it: PTX for compute_90a, with the kernel's body
+    # (its source guards the body with the sm_90a feature macro)
+    options = ["-std=c++17", "-arch=compute_90a", "-DHEAD_DIM=128", "-DGQA=2", f"-DMINILLM_DTYPE={DTYPE_IDS[dtype]}"]
+    prog = ctypes.c_void_p()
+    text = inlined_source("prefill_attention_wgmma.cu")
+    assert NVRTC.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"kernel.cu", 0, None, None) == 0
+    opts = [o.encode() for o in options]
+    status = NVRTC.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    NVRTC.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    NVRTC.nvrtcGetPTX(prog, ptx)
+    NVRTC.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert status == 0, f"prefill_attention_wgmma.cu ({dtype}) failed in NVRTC"
+    ptx_text = ptx.value.decode()
+    assert ".entry prefill_attention_wgmma" in ptx_text and "wgmma.mma_async" in ptx_text

@@ -69,15 +69,32 @@ def test_auto_picks_four_warps_as_measured(monkeypatch):
     assert choose(max_query_len=64 * edge + 1) is pa.VARIANTS["flash-4w"]
 
 
+def test_hopper_takes_the_warpgroup_kernel_where_it_runs_and_fills_the_card(monkeypatch):
+    monkeypatch.setattr(pa, "_capability", lambda: "90")
+    hopper, four = pa.VARIANTS[pa.HOPPER], pa.VARIANTS["flash-4w"]
+    assert choose(max_query_len=2048) is hopper                        # 256 blocks on 132 multiprocessors
+    assert choose(max_query_len=2048, dtype="float16") is hopper
+    assert choose(max_query_len=512) is four                           # 64 blocks: flash-4w splits keys
+    assert choose(max_query_len=2048, head_dim=64) is four             # head_dim 128 only
+    assert choose(kernel=pa.HOPPER, max_query_len=16) is hopper        # named: whatever the grid
+    assert choose(kernel=pa.HOPPER, head_dim=64) is four
+    monkeypatch.setattr(pa, "_capability", lambda: "100")              # sm_90a code runs on 9.0 only
+    assert choose(max_query_len=2048) is four and choose(kernel=pa.HOPPER) is four
+    monkeypatch.setattr(pa, "_capability", lambda: "")                 # no device (this machine)
+    assert choose(kernel=pa.HOPPER) is four
+
+
 def test_block_shapes_fit_the_multiprocessor():
     for v in pa.VARIANTS.values():
         assert v.rows == 128 and v.warps % v.key_groups == 0
-        for head_dim in pa.HEAD_DIMS:
-            for fp8 in (False, True) if v.key_groups == 1 else (False,):   # FP8 caches: one key group
+        for head_dim in pa.HOPPER_HEAD_DIMS if v.hopper else pa.HEAD_DIMS:
+            for fp8 in (False, True) if v.key_groups == 1 and not v.hopper else (False,):   # FP8: one key group
                 per_block = v.smem_bytes(head_dim, fp8) + SMEM_PER_BLOCK_RESERVED
                 assert v.min_blocks * per_block <= SMEM_PER_SM, (v, head_dim, fp8)
                 assert v.smem_bytes(head_dim, fp8) <= 227 * 1024             # the opt-in limit of one block
         assert v.defines()["PA_STAGES"] == v.stages
+    # Hopper's block: Q rows and three stages of 128-key K and V tiles, unpadded, plus 1 KB to align.
+    assert pa.VARIANTS[pa.HOPPER].smem_bytes(128) == 128 * 256 + 3 * 2 * 128 * 256 + 1024
     # An FP8 block: Q, one widened K and V tile (padded fp16 rows), and two stages of K / V bytes.
     assert pa.VARIANTS["flash-4w"].smem_bytes(128, True) == (128 + 2 * 64) * 136 * 2 + 2 * 2 * 64 * 128
 

@@ -4,7 +4,9 @@ Skips without CuPy or a GPU. Fresh random inputs at every shape: chunk lengths 1
 2048 over cached prefixes of 0, 5, 1000 and 14000 tokens, alone and in ragged batches that mix
 them; head_dim 64 and 128; bfloat16 and float16; GQA groups 1, 2, 3, 4, 8 and 16; block sizes 1
 to 256 with the history on scattered blocks; both block shapes of the kernel ("flash": 4 warps of
-32 rows; "flash-8w": 8 warps in two key groups). Outputs are poisoned with NaN first, so an element
+32 rows; "flash-8w": 8 warps in two key groups) and, on Hopper at head_dim 128, the warpgroup kernel
+of prefill_attention_wgmma.cu ("flash-wgmma"; elsewhere that name runs flash-4w's shape, and so
+does a forced key split). Outputs are poisoned with NaN first, so an element
 the kernel does not write fails. The twin runs once per case; both shapes are held to it. The same
 cases over FP8 E4M3 caches (scaled), through "flash" (flash-4w's shape) and the older kernel.
 """
@@ -89,6 +91,12 @@ def batch_and_reference(dtype, head_dim, heads, kv_heads, block_size, q_lens, pr
     return k32, v32, q_rows, meta, ref
 
 
+def hopper_runs(head_dim: int) -> bool:
+    """Whether the warpgroup kernel (flash-wgmma) runs at head_dim on this card."""
+    return (head_dim in prefill_attention.HOPPER_HEAD_DIMS
+            and ops._compute_capability() in prefill_attention.HOPPER_CAPABILITIES)
+
+
 def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_size, q_lens, prefixes,
                   fused_qkv=False, kv_splits=None, num_decode_seqs=0, launches=None):
     """Run one ragged batch through `kernel` (its keys split kv_splits ways; None: as chosen) and
@@ -103,7 +111,10 @@ def check_prefill(monkeypatch, kernel, dtype, head_dim, heads, kv_heads, block_s
     # With fused_qkv, q is a view of the fused projection as the model passes it (tokens strided).
     q = ops.asarray(q_rows, dtype)[:, :heads * head_dim].reshape(tokens, heads, head_dim)
     chosen = prefill_attention.variant(kernel, q, k_cache, q, meta.max_query_len, len(q_lens), ops._num_multiprocessors())
-    assert chosen is prefill_attention.VARIANTS.get(kernel, chosen) and chosen is not None
+    expect = prefill_attention.VARIANTS.get(kernel, chosen)
+    if kernel == prefill_attention.HOPPER and not hopper_runs(head_dim):
+        expect = prefill_attention.VARIANTS["flash-4w"]                  # where it cannot run
+    assert chosen is expect and chosen is not None
     out = ops.asarray(np.full((tokens, heads, head_dim), np.nan, np.float32), dtype)
     dmeta = device_meta(meta)
     dmeta.prefill_kv_splits, dmeta.num_decode_seqs = kv_splits, num_decode_seqs
@@ -165,7 +176,9 @@ def test_paged_attention_runs_the_auto_choice(monkeypatch):
     monkeypatch.setattr(prefill_attention, "AUTO_8W_BLOCKS_PER_SM", 4)
     small = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [129, 1], [40, 7])
     large = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1500] * 6, [0, 10, 20, 30, 40, 50])
-    assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS["flash-4w"])
+    # A grid that fills the card runs the warpgroup kernel on Hopper.
+    big = prefill_attention.HOPPER if hopper_runs(128) else "flash-4w"
+    assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS[big])
 
 
 SPLIT_CASES = [  # key splits, dtype, head_dim, heads, kv_heads, block_size, chunk lengths, prefixes

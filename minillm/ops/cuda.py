@@ -67,6 +67,7 @@ if PREFILL_ATTENTION not in prefill_attention.KERNELS:     # fail at start-up, n
 
 _lock = threading.Lock()
 _modules: dict[tuple, object] = {}
+_capability: list[str] = []
 _kernels: dict[tuple, object] = {}
 _sources: dict[str, str] = {}
 _num_sms: list[int] = []
@@ -203,11 +204,13 @@ def _read_source(filename: str) -> str:
     return _sources[filename]
 
 
-def _kernel(filename: str, dtype, kernel_name: str, **defines):
-    """The compiled kernel `kernel_name` of `filename` for `dtype` (and -D defines), cached."""
+def _kernel(filename: str, dtype, kernel_name: str, arch: str | None = None, **defines):
+    """The compiled kernel `kernel_name` of `filename` for `dtype` (and -D defines), cached. arch
+    names an architecture other than the device's own (CuPy's choice): "90a" for sources that use
+    Hopper's warpgroup MMAs and setmaxnreg, which sm_90 code may not."""
     cp = _require_cupy()
     dtype_name = np.dtype(dtype).name
-    mod_key = (filename, dtype_name, tuple(sorted(defines.items())))
+    mod_key = (filename, dtype_name, tuple(sorted(defines.items())), arch)
     key = mod_key + (kernel_name,)
     with _lock:
         fn = _kernels.get(key)
@@ -217,11 +220,39 @@ def _kernel(filename: str, dtype, kernel_name: str, **defines):
         if mod is None:
             options = ("-std=c++17", f"-DMINILLM_DTYPE={_DTYPE_IDS[dtype_name]}",
                        *(f"-D{k}={v}" for k, v in sorted(defines.items())))
-            mod = cp.RawModule(code=_read_source(filename), options=options)
+            if arch is None:
+                mod = cp.RawModule(code=_read_source(filename), options=options)
+            else:
+                mod = _module_for_arch(_read_source(filename), filename, options, arch)
             _modules[mod_key] = mod
         fn = mod.get_function(kernel_name)
         _kernels[key] = fn
         return fn
+
+
+def _module_for_arch(source: str, filename: str, options: tuple, arch: str):
+    """NVRTC's cubin of source for sm_{arch}, loaded (CuPy's RawModule picks the device's own arch)."""
+    from cupy.cuda import function
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(source, filename, (), ())
+    try:
+        try:
+            nvrtc.compileProgram(prog, (*options, f"-arch=sm_{arch}"))
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{filename} does not build for sm_{arch}:\n{nvrtc.getProgramLog(prog)}") from exc
+        image = nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    mod = function.Module()
+    mod.load(image)
+    return mod
+
+
+def _compute_capability() -> str:
+    """The device's compute capability as CuPy spells it ("90" on Hopper)."""
+    if not _capability:
+        _capability.append(str(_require_cupy().cuda.Device().compute_capability))
+    return _capability[0]
 
 
 def _num_multiprocessors() -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 SOURCE = "prefill_attention.cu"
+HOPPER_SOURCE = "prefill_attention_wgmma.cu"   # warpgroup MMAs, built for sm_90a
 KV_TILE = 64                    # keys of one K/V tile in shared memory (PA_BN in the source)
 MAX_GROUP = 16                  # query heads per KV head handled here
 HEAD_DIMS = (64, 128)
@@ -44,15 +45,21 @@ class Variant:
     key_groups: int             # warp groups that share the rows and split every K/V tile's keys
     stages: int                 # K/V tiles in shared memory
     min_blocks: int             # blocks one multiprocessor must hold (caps the registers)
+    hopper: bool = False        # prefill_attention_wgmma.cu: a producer and two MMA warpgroups
 
     @property
     def rows(self) -> int:
         """Query rows of one block (query tokens x the GQA heads sharing a KV head)."""
+        if self.hopper:
+            return 128                            # two consumer warpgroups of 64 rows
         return 16 * self.m_tiles * self.warps // self.key_groups
 
     def smem_bytes(self, head_dim: int, fp8: bool = False) -> int:
         """Dynamic shared memory of one block: Q rows plus the K and V stages, padded rows (FP8: one
-        widened fp16 K and V tile plus the stages of bytes)."""
+        widened fp16 K and V tile plus the stages of bytes; Hopper: 128-byte swizzled rows of Q and
+        of each stage's 128-key K and V tiles, plus 1 KB to align them)."""
+        if self.hopper:
+            return self.rows * head_dim * 2 + self.stages * 2 * HOPPER_KV_TILE * head_dim * 2 + 1024
         if fp8:
             return (self.rows + 2 * KV_TILE) * (head_dim + 8) * 2 + 2 * self.stages * KV_TILE * head_dim
         return (self.rows + 2 * self.stages * KV_TILE) * (head_dim + 8) * 2
@@ -67,8 +74,16 @@ class Variant:
 # shape: each K/V fragment feeds two MMAs). "flash-8w": the same 128 rows with 8 warps in two key
 # groups (each takes half of every tile, merged at the end) and three stages, one block a
 # multiprocessor: a long block keeps 8 warps, and a small grid balances block by block.
+# "flash-wgmma" (Hopper, sm_90a; head_dim 128, a cache in q's dtype): a producer warpgroup gathers
+# 128-key K/V tiles into three swizzled stages and two warpgroups of 64 query rows run S = Q K^T
+# and O += P V as warpgroup MMAs, the next tile's scores and softmax beside the last tile's P V.
 VARIANTS = {"flash-4w": Variant(warps=4, m_tiles=2, key_groups=1, stages=2, min_blocks=2),
-            "flash-8w": Variant(warps=8, m_tiles=2, key_groups=2, stages=3, min_blocks=1)}
+            "flash-8w": Variant(warps=8, m_tiles=2, key_groups=2, stages=3, min_blocks=1),
+            "flash-wgmma": Variant(warps=12, m_tiles=1, key_groups=1, stages=3, min_blocks=1, hopper=True)}
+HOPPER = "flash-wgmma"
+HOPPER_KV_TILE = 128            # keys of one K/V tile of the Hopper kernel
+HOPPER_HEAD_DIMS = (128,)
+HOPPER_CAPABILITIES = ("90",)   # sm_90a code runs on compute capability 9.0 only
 KERNELS = (AUTO, *VARIANTS, OLD_KERNEL)
 
 _configured: set[int] = set()
@@ -91,11 +106,24 @@ def variant(kernel: str, q, k_cache, out, max_query_len: int, batch: int, num_sm
     if head_dim not in HEAD_DIMS or group > MAX_GROUP or out.data.ptr % 4:
         return None
     if fp8:                                   # one key group (the source's PA_KSPLIT 1)
-        return VARIANTS["flash-4w"] if kernel in (AUTO, "flash-4w") else None
+        return VARIANTS["flash-4w"] if kernel in (AUTO, "flash-4w", HOPPER) else None
+    hopper = head_dim in HOPPER_HEAD_DIMS and _capability() in HOPPER_CAPABILITIES
+    if kernel == HOPPER:                      # where it cannot run, flash-4w's shape
+        return VARIANTS[HOPPER if hopper else "flash-4w"]
     if kernel != AUTO:
         return VARIANTS[kernel]
     blocks = num_q_tiles(VARIANTS["flash-4w"], group, max_query_len) * num_kv_heads * batch
+    if hopper and blocks >= num_sms:          # a grid that fills the card (smaller ones split keys)
+        return VARIANTS[HOPPER]
     return VARIANTS["flash-8w" if blocks <= AUTO_8W_BLOCKS_PER_SM * num_sms else "flash-4w"]
+
+
+def _capability() -> str:
+    """The device's compute capability ("90" on Hopper; "" without CuPy or a device)."""
+    from minillm.ops import cuda as ops
+    if ops.cupy is None:
+        return ""
+    return ops._compute_capability()
 
 
 def num_q_tiles(v: Variant, group: int, max_query_len: int) -> int:
@@ -135,8 +163,15 @@ def _configure(fn, smem: int) -> None:
     with _lock:
         if id(fn) in _configured:
             return
-        fn.max_dynamic_shared_size_bytes = smem
-        fn.preferred_shared_memory_carveout = 100      # all of L1 as shared memory: two blocks fit
+        if hasattr(fn, "kernel"):              # a RawKernel
+            fn.max_dynamic_shared_size_bytes = smem
+            fn.preferred_shared_memory_carveout = 100      # all of L1 as shared memory: two blocks fit
+        else:                                  # a module's function (minillm.ops.cuda._kernel with arch)
+            from cupy.cuda import driver
+            max_smem = getattr(driver, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+            carveout = getattr(driver, "CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT", 9)
+            driver.funcSetAttribute(fn.ptr, max_smem, smem)
+            driver.funcSetAttribute(fn.ptr, carveout, 100)
         _configured.add(id(fn))
 
 
@@ -158,6 +193,21 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
     blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, sms)
     splits = num_splits or grid_kv_splits(v, num_tokens, num_heads, head_dim, num_kv_heads, batch, max_query_len,
                                           max_seq_len, sms)
+    if v.hopper and splits > 1:               # the Hopper kernel does not split keys
+        v = VARIANTS["flash-4w"]
+        blocks, first_wave = grid_order(v, num_q_tiles(v, group, max_query_len), num_kv_heads, batch, sms)
+    if v.hopper:
+        fn = ops._kernel(HOPPER_SOURCE, q.dtype, "prefill_attention_wgmma", arch="90a", HEAD_DIM=head_dim, GQA=group)
+        smem = v.smem_bytes(head_dim)
+        _configure(fn, smem)
+        return [ops.KernelLaunch(
+            fn, (blocks,), (384,),
+            [ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
+             ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
+             ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
+             ops._i32(num_kv_heads), ops._i32(ops._log2_exact(block_size, "block_size")),
+             np.float32(scale * ops.LOG2E)],
+            shared_mem=smem)]
     fp8 = k_cache.dtype == np.uint8
     defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines(), **({"KV_FP8": 1} if fp8 else {})}
     fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
