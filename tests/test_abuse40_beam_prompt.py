@@ -33,7 +33,17 @@ def test_completions_prompt_logprobs_of_a_search_for_no_token(client):
     assert [(c.index, c.text, c.finish_reason) for c in none.choices] == [(0, "", "length"), (2, "", "length")]
     assert none.usage.completion_tokens == 0
     assert none.choices[0].prompt_logprobs[0] is None and len(none.choices[0].prompt_logprobs) > 1
-    assert [c.prompt_logprobs for c in none.choices] == [c.prompt_logprobs for c in one.choices[::2]]
+    # The same prompt scores, to the float rounding of a batch of other rows (the CPU backend's GEMMs
+    # round by batch shape): the same tokens, ranks and text, log-probabilities within 1e-5.
+    for got, want in zip([c.prompt_logprobs for c in none.choices], [c.prompt_logprobs for c in one.choices[::2]],
+                         strict=True):
+        assert len(got) == len(want) and got[0] is None and want[0] is None
+        for g, w in zip(got[1:], want[1:]):
+            assert g.keys() == w.keys()
+            for tok in g:
+                assert {k: v for k, v in g[tok].items() if k != "logprob"} == \
+                    {k: v for k, v in w[tok].items() if k != "logprob"}
+                assert g[tok]["logprob"] == pytest.approx(w[tok]["logprob"], abs=1e-5)
 
 
 def test_completions_echo_with_logprobs_of_a_search_for_no_token(client):
