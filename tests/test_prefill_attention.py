@@ -130,3 +130,20 @@ def test_key_splits_fill_a_small_grid_at_a_long_context():
     assert pa.kv_splits(1, 10 ** 6, H200_SMS, 16, 16, 128) == pa.MAX_KV_SPLITS
     rows = pa.SPLIT_WORKSPACE_BYTES // (16 * 130 * 4 * 3)     # three splits' partials fit exactly
     assert pa.kv_splits(1, 10 ** 6, H200_SMS, rows, 16, 128) == 3
+
+
+def test_a_hopper_kernel_that_does_not_build_leaves_the_flash_kernel_to_run(monkeypatch, caplog):
+    from minillm.ops import cuda as ops
+    calls = []
+
+    def no_sm90a(filename, dtype, name, arch=None, **defines):
+        calls.append(arch)
+        raise RuntimeError("prefill_attention_wgmma.cu does not build for sm_90a:\nunsupported gpu architecture")
+
+    monkeypatch.setattr(ops, "_kernel", no_sm90a)
+    monkeypatch.setattr(pa, "_hopper_failed", [])
+    with caplog.at_level("WARNING", logger="minillm"):
+        assert pa.hopper_kernel("bfloat16", 128, 2) is None
+        assert pa.hopper_kernel("bfloat16", 128, 2) is None          # not retried
+    assert calls == ["90a"]
+    assert "did not build" in caplog.text and "unsupported gpu architecture" in caplog.text

@@ -8,6 +8,7 @@ group). The twin is minillm/ops/numpy.py:paged_attention.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ HOPPER_CAPABILITIES = ("90",)   # sm_90a code runs on compute capability 9.0 onl
 KERNELS = (AUTO, *VARIANTS, OLD_KERNEL)
 
 _configured: set[int] = set()
+_hopper_failed: list[str] = []      # why the Hopper kernel did not build, once it did not
 _lock = threading.Lock()
 
 
@@ -116,6 +118,21 @@ def variant(kernel: str, q, k_cache, out, max_query_len: int, batch: int, num_sm
     if hopper and blocks >= num_sms:          # a grid that fills the card (smaller ones split keys)
         return VARIANTS[HOPPER]
     return VARIANTS["flash-8w" if blocks <= AUTO_8W_BLOCKS_PER_SM * num_sms else "flash-4w"]
+
+
+def hopper_kernel(dtype, head_dim: int, group: int):
+    """prefill_attention_wgmma built for sm_90a, or None when NVRTC cannot build it (an older toolkit):
+    then the flash kernel runs, and the failure is logged once and not retried."""
+    from minillm.ops import cuda as ops
+    if _hopper_failed:
+        return None
+    try:
+        return ops._kernel(HOPPER_SOURCE, dtype, "prefill_attention_wgmma", arch="90a", HEAD_DIM=head_dim, GQA=group)
+    except Exception as exc:  # NVRTC without sm_90a, a driver that cannot load it: the flash kernel serves
+        _hopper_failed.append(f"{type(exc).__name__}: {exc}")
+        logging.getLogger("minillm").warning("prefill attention: the Hopper kernel did not build (%s); "
+                                             "the flash kernel runs instead", " / ".join(_hopper_failed[0].splitlines())[:500])
+        return None
 
 
 def _capability() -> str:
@@ -193,11 +210,11 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
     blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, sms)
     splits = num_splits or grid_kv_splits(v, num_tokens, num_heads, head_dim, num_kv_heads, batch, max_query_len,
                                           max_seq_len, sms)
-    if v.hopper and splits > 1:               # the Hopper kernel does not split keys
+    fn = hopper_kernel(q.dtype, head_dim, group) if v.hopper and splits == 1 else None
+    if v.hopper and fn is None:               # keys split (the Hopper kernel does not), or it did not build
         v = VARIANTS["flash-4w"]
         blocks, first_wave = grid_order(v, num_q_tiles(v, group, max_query_len), num_kv_heads, batch, sms)
     if v.hopper:
-        fn = ops._kernel(HOPPER_SOURCE, q.dtype, "prefill_attention_wgmma", arch="90a", HEAD_DIM=head_dim, GQA=group)
         smem = v.smem_bytes(head_dim)
         _configure(fn, smem)
         return [ops.KernelLaunch(
