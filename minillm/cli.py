@@ -2150,8 +2150,9 @@ def monitor_command(
                        "at the monitor without running a server.")] = False,
     interval: Annotated[Optional[float], typer.Option(
         metavar="SECONDS", callback=lambda v: None if v is None else monitor_interval_option(v),
-        help="Seconds between the server's snapshots, 0.1 to 60 (the bounds its /v1/stats/stream takes).  "
-             "[default: 0.25]", show_default=False)] = None,
+        help="Seconds between the server's snapshots, 0.1 to 60 (the bounds its /v1/stats/stream takes). A "
+             "stream open but without a snapshot for 3 intervals (10 s at least, the interval + 30 s at most) "
+             "is said in the banner and reopened.  [default: 0.25]", show_default=False)] = None,
 ) -> None:
     """Watch a server's KV cache and scheduler live.
 

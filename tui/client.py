@@ -6,10 +6,12 @@ import dataclasses
 import json
 import math
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
+import anyio
 import httpx
 
 if sys.version_info < (3, 11):
@@ -28,6 +30,11 @@ MIN_INTERVAL_S, MAX_INTERVAL_S = 0.1, 60.0
 MAX_CELLS = 4096        # the server refuses larger block maps; the grid folds what it gets
 BACKOFF_START_S = 0.5
 BACKOFF_MAX_S = 8.0
+CONNECT_TIMEOUT_S = 5.0
+# While a server without /v1/stats/stream is polled, the stream is asked for again after these
+# seconds, doubling: a server restarted or upgraded behind the same URL gets its stream back.
+STREAM_RETRY_START_S = 5.0
+STREAM_RETRY_MAX_S = 120.0
 # One stats event is tens of KB even at MAX_CELLS; a stream whose "event" grows past this is not a
 # minillm server's, and gathering it without end would take the monitor's memory.
 MAX_EVENT_CHARS = 8 * 1024 * 1024
@@ -36,6 +43,25 @@ MAX_ERROR_BYTES = 64 * 1024     # of an error's body: its message is all the ban
 
 class StatsFormatError(ValueError):
     """The server answered, but not with an EngineStats payload."""
+
+
+class StreamSilent(Exception):
+    """An open stats stream sent no stats event for `silence_s` seconds (keep-alive comments at most)."""
+
+    def __init__(self, silence_s: float):
+        super().__init__(f"no stats event for {silence_s:g} s")
+        self.silence_s = silence_s
+
+
+# silence_limit_s in words, for the help.
+SILENCE_RULE = "3 intervals (10 s at least, the interval + 30 s at most)"
+
+
+def silence_limit_s(interval_s: float) -> float:
+    """The seconds an open stream may go without a stats event before the banner says so: three of the
+    server's intervals, at least 10 s (a server's first snapshot may wait for a step) and at most the
+    interval + 30 s (20 minutes at --interval 60 kept a dead server's dashboard blank and unexplained)."""
+    return min(max(10.0, 3 * interval_s), interval_s + 30.0)
 
 
 @dataclass
@@ -175,12 +201,37 @@ def error_message(data) -> str | None:
     return None
 
 
+def body_message(data) -> str | None:
+    """The message of a JSON error body: OpenAI's {"error": {"message"}} (or {"error": "..."}),
+    FastAPI's {"detail": "..."} or its validation errors {"detail": [{"loc", "msg"}, ...]}."""
+    if not isinstance(data, dict):
+        return None
+    if isinstance(data.get("error"), str) and data["error"]:
+        return data["error"]
+    detail = data.get("detail")
+    if isinstance(detail, str) and detail:
+        return detail
+    if isinstance(detail, list):
+        messages = [_validation_message(item) for item in detail]
+        return "; ".join(m for m in messages if m) or None
+    return error_message(data)
+
+
+def _validation_message(item) -> str | None:
+    """One of FastAPI's validation errors as 'field: message'."""
+    if not isinstance(item, dict) or not item.get("msg"):
+        return None
+    loc = item.get("loc")
+    field = ".".join(str(part) for part in loc[1:] if part != "body") if isinstance(loc, list) else ""
+    return f"{field}: {item['msg']}" if field else str(item["msg"])
+
+
 def _body_message(body: str) -> str:
     try:
-        message = error_message(sse.loads(body))
+        message = body_message(sse.loads(body))
     except ValueError:          # not JSON, or JSON nested past the stack
         message = None
-    return message or body.strip()[:100]
+    return message.strip()[:200] if message else body.strip()[:100]
 
 
 class HTTPStatusProblem(Exception):
@@ -214,6 +265,9 @@ def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) ->
         return tls
     if isinstance(exc, httpx.ConnectError):
         return f"cannot connect to {base_url}: is `minillm serve` running there?"
+    if isinstance(exc, StreamSilent):
+        return (f"no stats from {base_url} for {exc.silence_s:g} s: its stream is open but sends no stats "
+                "events (a stalled server, or a proxy's keep-alives)")
     if isinstance(exc, httpx.TimeoutException):
         return f"no answer from {base_url} (timed out)"
     if isinstance(exc, StatsFormatError):
@@ -268,9 +322,14 @@ async def iter_sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 class LiveSource:
-    """Frames from a running server: SSE at /v1/stats/stream, polling /v1/stats if that is missing."""
+    """Frames from a running server: SSE at /v1/stats/stream, polling /v1/stats while that is missing.
 
-    def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S):
+    silence_s: how long an open stream may send no stats event before it is a problem (default
+    silence_limit_s(interval_s)); stream_retry_s: the first wait before a polled server is asked for
+    its stream again."""
+
+    def __init__(self, url: str, api_key: str | None = None, interval_s: float = DEFAULT_INTERVAL_S, *,
+                 silence_s: float | None = None, stream_retry_s: float = STREAM_RETRY_START_S):
         self.base_url = server_base_url(url)
         check_credentials(self.base_url, api_key)
         self.shown_url = shown_url(self.base_url)   # what the title and the banner say
@@ -278,16 +337,23 @@ class LiveSource:
         self.api_key = api_key
         self.headers = authorization_headers(api_key)   # a key no header can carry fails here, not in the loop
         self.interval_s = interval_s
+        self.silence_s = silence_limit_s(interval_s) if silence_s is None else silence_s
+        self.stream_retry_start_s = stream_retry_s
+        self.stream_retry_s = stream_retry_s      # the next wait before the stream is asked for again
+        self.stream_retry_at: float | None = None  # time.monotonic() of that try; None: not polling
         self.use_polling = False
 
     def _client(self) -> httpx.AsyncClient:
-        # No read timeout on the stream beyond a generous one: a quiet server still sends events.
-        timeout = httpx.Timeout(5.0, read=max(10.0, 20 * self.interval_s))
+        # No bytes at all for silence_s is a timeout; a stream of keep-alive comments only is caught by _stream.
+        timeout = httpx.Timeout(CONNECT_TIMEOUT_S, read=self.silence_s)
         # trust_env off (no proxy from the environment); $SSL_CERT_FILE is still honoured, as chat honours it.
         verify = env_ssl_verify()
         transport = httpx.AsyncHTTPTransport(uds=self.uds, verify=verify) if self.uds else None
         return httpx.AsyncClient(headers=self.headers, timeout=timeout, trust_env=False, verify=verify,
                                  transport=transport)
+
+    def _status(self) -> SourceStatus:
+        return SourceStatus(f"live {self.shown_url} ({'polling' if self.use_polling else 'stream'})")
 
     async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
         """Yield frames forever; on any failure yield a SourceProblem and retry with backoff."""
@@ -295,11 +361,11 @@ class LiveSource:
         while True:
             try:
                 async with self._client() as client:
-                    mode = "polling" if self.use_polling else "stream"
-                    yield SourceStatus(f"live {self.shown_url} ({mode})")
-                    async for frame in self._frames(client, cells):
-                        backoff = BACKOFF_START_S
-                        yield frame
+                    yield self._status()
+                    async for event in self._frames(client, cells):
+                        if isinstance(event, StatsFrame):
+                            backoff = BACKOFF_START_S
+                        yield event
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every failure is shown and retried, never raised
@@ -307,17 +373,22 @@ class LiveSource:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
 
-    async def _frames(self, client: httpx.AsyncClient, cells: Callable[[], int]) -> AsyncIterator[StatsFrame]:
-        """Frames over one client until the cell count changes (the caller reconnects) or an error."""
+    async def _frames(self, client: httpx.AsyncClient, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
+        """Frames over one client until the cell count changes (the caller reconnects) or an error; a
+        SourceStatus when the stream is given up for polling or comes back."""
         while True:
             wanted = min(max(cells(), 1), MAX_CELLS)
-            if self.use_polling:
+            if self.use_polling and time.monotonic() < self.stream_retry_at:
                 yield await self._poll(client, wanted)
                 await asyncio.sleep(self.interval_s)
                 continue
+            was_polling = self.use_polling
+            self.use_polling = False     # a polled server is asked for its stream again once its wait is over
             resized, num_frames = False, 0
             async with aclosing(self._stream(client, wanted)) as frames:
                 async for frame in frames:
+                    if num_frames == 0 and self.use_polling != was_polling:
+                        yield self._status()
                     num_frames += 1
                     yield frame
                     if min(max(cells(), 1), MAX_CELLS) != wanted:
@@ -328,7 +399,7 @@ class LiveSource:
                 # server) was reopened every interval without end, the dashboard blank and saying nothing.
                 raise StatsFormatError("/v1/stats/stream ended without a stats event: is this a minillm server?")
             if not resized:
-                await asyncio.sleep(self.interval_s)  # the server ended the stream: reopen it gently
+                await asyncio.sleep(self.interval_s)  # the server ended the stream (or was polled): go on gently
 
     async def _poll(self, client: httpx.AsyncClient, num_cells: int) -> StatsFrame:
         url = f"{self.http_base}/v1/stats"
@@ -341,13 +412,19 @@ class LiveSource:
             raise StatsFormatError(f"/v1/stats answered over {MAX_EVENT_CHARS} bytes: not a minillm server")
         return parse_frame(text)
 
+    def _fall_back_to_polling(self) -> None:
+        """The stream is missing: poll, and ask for the stream again after a wait that doubles each time."""
+        self.use_polling = True
+        self.stream_retry_at = time.monotonic() + self.stream_retry_s
+        self.stream_retry_s = min(self.stream_retry_s * 2, STREAM_RETRY_MAX_S)
+
     async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
         url = f"{self.http_base}/v1/stats/stream"
         params = {"cells": num_cells, "interval": self.interval_s}
         async with client.stream("GET", url, params=params) as response:
             if response.status_code in (404, 405):
                 # An older server without the stream: poll the snapshot endpoint instead.
-                self.use_polling = True
+                self._fall_back_to_polling()
                 yield await self._poll(client, num_cells)
                 return
             if response.status_code != 200:
@@ -358,5 +435,22 @@ class LiveSource:
                 # and the monitor would wait for stats without end.
                 raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
                                        "stats events: is this a minillm server?")
-            async for data in iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS)):
-                yield parse_frame(data)
+            self.stream_retry_s = self.stream_retry_start_s   # the stream is back: a later loss waits the least
+            events = iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS))
+            async with aclosing(events):
+                while True:
+                    data = await self._next_event(events)
+                    if data is None:
+                        return
+                    yield parse_frame(data)
+
+    async def _next_event(self, events: AsyncIterator[str]) -> str | None:
+        """The next event's data (None at the stream's end); StreamSilent after silence_s without one,
+        however many keep-alive comments came (they keep the read timeout from firing)."""
+        try:
+            with anyio.fail_after(self.silence_s):
+                return await anext(events)
+        except StopAsyncIteration:
+            return None
+        except (TimeoutError, httpx.ReadTimeout):
+            raise StreamSilent(self.silence_s) from None

@@ -8,6 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from minillm.tui.client import SILENCE_RULE
 from minillm.tui.render import (COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_LEASED, COLOR_OVER, COLOR_PREFILL,
                                  REQUEST_COLORS)
 from minillm.tui.request_table import FINISHED_SHOWN_S
@@ -49,7 +50,9 @@ def help_text() -> Text:
                                                   "(cached: reused from the prefix cache); a finished request "
                                                   f"stays {FINISHED_SHOWN_S:.0f} s, greyed\n")
     text.append("↻ counters reset  ", style="bold").append("the counters went back (a replay started its next "
-                                                          "pass, or the server restarted): the charts start over\n\n")
+                                                          "pass, or the server restarted): the charts start over\n")
+    text.append("⚠ banner  ", style="bold").append(f"why no stats arrive; an open stream with no snapshot for "
+                                                  f"{SILENCE_RULE} counts too, and is reopened\n\n")
     for key, action in KEYS:
         text.append(f"  {key:<16}", style="bold #5fafff").append(f"{action}\n")
     text.append("\npress ? or escape to close", style="#6c6c6c")
