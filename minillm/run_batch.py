@@ -3,6 +3,7 @@ app in this process, its answers written a line each in input order, as vLLM's r
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from minillm.server.errors import error_body, unexpected_error
+from minillm.server.errors import error_body, json_error_reason, unexpected_error
 
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
 STREAM_ERROR = "Request must not be sent in stream mode"
@@ -58,19 +59,29 @@ def read_input(path: str) -> list[str]:
     --input-file when it cannot be read."""
     try:
         if path == "-":
-            text = sys.stdin.read()
+            stdin = getattr(sys.stdin, "buffer", None)
+            data = stdin.read() if stdin is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
         elif is_url(path):
-            text = _fetch_text(path)
+            data = _fetch_bytes(path)
         else:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-    except (OSError, UnicodeDecodeError) as exc:
+            with open(path, "rb") as f:
+                data = f.read()
+    except OSError as exc:
         raise ValueError(f"--input-file {path}: {_reason(exc)}") from None
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    return input_lines(data)
 
 
-def _fetch_text(url: str) -> str:
-    """The text at URL (an HTTP GET); OSError when it cannot be had."""
+def input_lines(data: bytes) -> list[str]:
+    """The non-blank lines of a JSONL file, split at newlines only (str.splitlines also splits at
+    U+2028, U+0085 and the other separators a JSON string may hold as they are), a leading byte order
+    mark dropped. A line that is not UTF-8 keeps its bad bytes as surrogates, for parse_line to answer."""
+    data = data.removeprefix(codecs.BOM_UTF8)
+    lines = (raw.decode("utf-8", "surrogateescape").strip() for raw in data.split(b"\n"))
+    return [line for line in lines if line]
+
+
+def _fetch_bytes(url: str) -> bytes:
+    """The bytes at URL (an HTTP GET); OSError when they cannot be had."""
     import httpx
     try:
         response = httpx.get(url, timeout=60, follow_redirects=True)
@@ -78,7 +89,7 @@ def _fetch_text(url: str) -> str:
         raise OSError(_http_failure(exc)) from None
     if not response.is_success:
         raise OSError(f"the download got HTTP {response.status_code} {response.reason_phrase}".rstrip())
-    return response.text
+    return response.content
 
 
 def check_output(files: BatchFiles) -> None:
@@ -99,9 +110,15 @@ def check_output(files: BatchFiles) -> None:
 def parse_line(index: int, line: str) -> BatchRequest:
     """One input line as a BatchRequest; what is wrong with it (as vLLM's message where it has one) in `error`."""
     try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as exc:      # bytes input_lines could not decode, kept as surrogates
+        bad = ord(line[exc.start]) - 0xDC00
+        return BatchRequest(index, None, error=f"Invalid JSON: the line is not UTF-8 text "
+                                               f"(byte 0x{bad:02x} at character {exc.start})")
+    try:
         item = json.loads(line)
-    except ValueError as exc:
-        return BatchRequest(index, None, error=f"Invalid JSON: {exc}")
+    except (ValueError, RecursionError) as exc:    # RecursionError: arrays or objects nested too deeply
+        return BatchRequest(index, None, error=f"Invalid JSON: {json_error_reason(exc)}")
     if not isinstance(item, dict):
         return BatchRequest(index, None, error="A batch line must be a JSON object")
     custom_id = item.get("custom_id")
@@ -134,7 +151,12 @@ async def answer(client: Any, request: BatchRequest) -> dict:
     if request.error is not None:
         return batch_output(request.custom_id, 400, error=request.error)
     try:
-        response = await client.send(client.build_request("POST", request.url, json=request.body), stream=True)
+        # The body as the line wrote it, NaN included, for the server's own checks to answer (httpx's json=
+        # refuses NaN with a message of its own); lone surrogates go as escapes, as they came.
+        content = json.dumps(request.body).encode()
+        headers = {"content-type": "application/json"}
+        response = await client.send(client.build_request("POST", request.url, content=content, headers=headers),
+                                     stream=True)
     except Exception as exc:     # the app's own failure: this line's error, never the batch's
         # What the server answers for it (its handler of last resort), status and body alike.
         err = unexpected_error(exc)
@@ -205,8 +227,11 @@ def write_outputs(engine: Any, options: Any, lines: list[str], files: BatchFiles
     concurrency = 2 * engine.config.max_num_seqs
     started = time.perf_counter()
     if not is_url(files.output_file):
-        with open(files.output_file, "w", encoding="utf-8") as out:
-            summary = asyncio.run(run_requests(app, requests, out, concurrency))
+        try:
+            with open(files.output_file, "w", encoding="utf-8") as out:
+                summary = asyncio.run(run_requests(app, requests, out, concurrency))
+        except OSError as exc:       # the app's own failures are answered line by line: this is the file's
+            raise OSError(f"--output-file {files.output_file}: {_reason(exc)}") from None
     else:
         summary = _run_and_upload(app, requests, files, concurrency)
     summary.elapsed_s = time.perf_counter() - started
