@@ -566,6 +566,7 @@ class ChatSession:
         # Ctrl-C at the prompt clears the line even when the chat was started with SIGINT ignored
         # (a background job of a script): Python then leaves it ignored.
         previous = signal.signal(signal.SIGINT, signal.default_int_handler) if self.is_terminal else None
+        errors = _stdin_errors("surrogateescape") if self.is_terminal else None
         try:
             # SIGTERM puts the terminal's modes back (the line editor's, a reply's no-echo) before the
             # chat ends by the signal: by default it ended the chat with echo left off.
@@ -574,6 +575,8 @@ class ChatSession:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGINT, previous)
+            if errors is not None:
+                _stdin_errors(errors)
 
     def _loop(self, read_line: Callable[[str], str]) -> int:
         self.greet()
@@ -769,6 +772,21 @@ class ChatSession:
         for notice in notices:
             self.note(notice)
         notices.clear()
+
+
+def _stdin_errors(errors: str) -> str | None:
+    """Set how sys.stdin decodes bytes that are not text; what it was (None: stdin has no such setting).
+    The chat reads with surrogateescape, for valid_text to make bad bytes U+FFFD: under a UTF-8 locale
+    Python's stdin is strict, and one such byte in a piped script ended the chat at that line."""
+    stdin = sys.stdin
+    was = getattr(stdin, "errors", None)
+    if not isinstance(was, str) or not hasattr(stdin, "reconfigure"):
+        return None
+    try:
+        stdin.reconfigure(errors=errors)
+    except (ValueError, OSError):     # closed, or a stream that cannot change it
+        return None
+    return was
 
 
 def _for_stream(stream: TextIO, text: str) -> str:

@@ -1,9 +1,11 @@
-"""minillm run-batch fed the files users have: a byte order mark, U+2028 inside a JSON string, a line
-that is not UTF-8, one nested past the JSON reader's depth, NaN in a body, a few hundred requests
-among them; and an output file that cannot take the answers."""
+"""minillm chat reading a script whose bytes are not UTF-8 from a strict stdin; minillm run-batch fed
+the files users have: a byte order mark, U+2028 inside a JSON string, a line that is not UTF-8, one
+nested past the JSON reader's depth, NaN in a body, a few hundred requests among them; and an output
+file that cannot take the answers."""
 from __future__ import annotations
 
 import codecs
+import io
 import json
 import os
 import subprocess
@@ -11,6 +13,7 @@ import sys
 
 import pytest
 
+from minillm.chat import ChatSession
 from minillm.run_batch import input_lines, parse_line
 
 MODEL = "stories"
@@ -26,6 +29,27 @@ def line(custom_id: str, prompt: str, **fields) -> str:
 def minillm(*args: str) -> subprocess.CompletedProcess:
     """minillm ARGS in a subprocess."""
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=240)
+
+
+# ---- chat: a piped script with bytes that are not UTF-8 -------------------------------------------------
+
+class _EchoBackend:
+    """Replies with the user's last message, as it reached the backend."""
+    name, has_chat_template, last_stats = "echo", True, None
+
+    def stream_reply(self, conversation, settings, should_stop):
+        yield "got " + conversation.turns[-1]["content"]
+
+
+def test_a_strict_stdin_with_bytes_that_are_not_utf8_goes_on_to_the_next_line(monkeypatch):
+    # Python's stdin under a UTF-8 locale: strict; the bad line ended the chat with a decode error.
+    stdin = io.TextIOWrapper(io.BytesIO(b"Tom \xff\xfe ball\nhello\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdin", stdin)
+    out = io.StringIO()
+    session = ChatSession(_EchoBackend(), out=out)
+    assert session.run() == 0
+    assert "got Tom \ufffd\ufffd ball" in out.getvalue() and "got hello" in out.getvalue()
+    assert stdin.errors == "strict"          # put back as it was
 
 
 # ---- reading the file: lines split at newlines only, a BOM dropped, bad bytes kept for their line ------
