@@ -103,11 +103,10 @@ def check_stop(seq: Sequence, eos_token_ids: set[int],
     return None
 
 
-def _settled_first(out: SchedulerOutput, seqs: list | None = None) -> list:
-    """out's sampling sequences (or seqs, one item a sampling row) with the constrained ones whose grammar
-    process has not answered yet moved last (each part in batch order), so the update reads the others
-    while those answers come."""
-    seqs = out.sampling_seqs if seqs is None else seqs
+def _settled_first(out: SchedulerOutput) -> list[Sequence]:
+    """out's sampling sequences with the constrained ones whose grammar process has not answered
+    yet moved last (each part in batch order), so the update reads the others while those answers come."""
+    seqs = out.sampling_seqs
     waiting = [b for b, seq in out.structured_rows if not seq.structured_output.is_settled]
     if not waiting:
         return seqs
@@ -223,8 +222,8 @@ class Scheduler:
         # looks among these alone for requests scheduled the first time).
         self.admitted: list[Sequence] = []
         # The sequences added whose sampling reads their earlier output tokens (params.needs_output_tokens,
-        # fixed for a sequence's life), finished ones dropped as they are found: needs_output_tokens
-        # walks these each step, not every running sequence.
+        # fixed for a sequence's life), each dropped when it finishes: needs_output_tokens walks these
+        # each step, not every running sequence.
         self._output_readers: list[Sequence] = []
         self.num_preemptions = 0
         # Sequences update_from_output finished without appending a token: the row sampled for them
@@ -271,10 +270,8 @@ class Scheduler:
         sequence samples from its earlier tokens (penalties' counts, a bad word's first tokens) and
         one of those tokens is still on the device, or speculation needs a sequence's tokens (see
         Drafter)."""
-        if self._output_readers:
-            readers = self._output_readers = [s for s in self._output_readers if not s.status._finished]
-            if any(s.num_output_placeholders and s.status is SequenceStatus.RUNNING for s in readers):
-                return True
+        if any(s.num_output_placeholders and s.status is SequenceStatus.RUNNING for s in self._output_readers):
+            return True
         return self.drafter is not None and self.drafter.needs_output_tokens(self.running)
 
     def snapshot(self, max_waiting_rows: int, views: bool = True) -> SchedulerSnapshot:
@@ -719,7 +716,7 @@ class Scheduler:
         elif seq in self.running:
             self.running.remove(seq)
         if seq.params.needs_output_tokens and seq in self._output_readers:
-            self._output_readers.remove(seq)          # (needs_output_tokens prunes only with a step in flight)
+            self._output_readers.remove(seq)
         if self.kv_connector is not None:
             self.kv_connector.request_finished(seq)   # may keep its blocks (a KV transfer's lease)
         self.block_manager.free(seq)
