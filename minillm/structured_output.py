@@ -214,10 +214,11 @@ class StructuredOutputsParams:
         """A JSON schema's text with its objects closed where this constraint reads them closed: not under
         disable_additional_properties False, nor, when it is None (vLLM's default backend), for a schema that
         backend hands to its guidance fallback (is_read_by_guidance); then its minProperties checked as read."""
-        asked = self.disable_additional_properties
-        if asked is not False and (asked or not is_read_by_guidance(jsonlib.loads(text))):
+        asked, schema = self.disable_additional_properties, jsonlib.loads(text)
+        if asked is not False and (asked or not is_read_by_guidance(schema)):
             text = _with_closed_objects(text)
-        for node in _subschemas(jsonlib.loads(text)):
+            schema = jsonlib.loads(text)
+        for node in _subschemas(schema):
             _check_min_properties(node)
         return text
 
@@ -1512,35 +1513,31 @@ def _is_unsupported_by_xgrammar(node: dict) -> bool:
         or ("object" in kinds and isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1)))
 
 
-def has_xgrammar_unsupported_json_features(schema: Any) -> bool:
-    """vLLM's check of a JSON schema for what its default backend ("auto") does not give xgrammar: multipleOf,
-    uniqueItems and contains, a format xgrammar does not know, a pattern or format beside a length bound,
-    propertyNames beside other keys' schemas, patternProperties beside properties or another. Every object
-    of the schema is looked at, as vLLM looks (const and enum data too)."""
+def _any_object(schema: Any, test: Callable[[dict], bool]) -> bool:
+    """Whether test holds for some object of the parsed schema, const and enum data too (as vLLM's checks
+    walk it; _subschemas visits schemas alone)."""
     todo = [schema]
     while todo:                                   # a loop, not recursion: schemas nest deeply
         node = todo.pop()
         if isinstance(node, list):
             todo.extend(node)
         elif isinstance(node, dict):
-            if _is_unsupported_by_xgrammar(node):
+            if test(node):
                 return True
             todo.extend(node.values())
     return False
+
+
+def has_xgrammar_unsupported_json_features(schema: Any) -> bool:
+    """vLLM's check of a JSON schema for what its default backend ("auto") does not give xgrammar: multipleOf,
+    uniqueItems and contains, a format xgrammar does not know, a pattern or format beside a length bound,
+    propertyNames beside other keys' schemas, patternProperties beside properties or another."""
+    return _any_object(schema, _is_unsupported_by_xgrammar)
 
 
 def _has_pattern_properties(schema: Any) -> bool:
     """Whether some object of the schema has patternProperties (vLLM then falls back to outlines, not guidance)."""
-    todo = [schema]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, list):
-            todo.extend(node)
-        elif isinstance(node, dict):
-            if "patternProperties" in node:
-                return True
-            todo.extend(node.values())
-    return False
+    return _any_object(schema, lambda node: "patternProperties" in node)
 
 
 def is_read_by_guidance(schema: Any) -> bool:
