@@ -15,13 +15,18 @@ UP_TO_NEXT_OPTION = -1
 ALL_THE_REST = -2
 
 
+def option_name(word: str) -> str:
+    """The option name of WORD, a word starting with "--": up to a JSON option's ".key" or an "=value"."""
+    return _OPTION_NAME.match(word)[0]
+
+
 def dashed_option_word(arg: str) -> str:
     """ARG with the underscores of its option's name read as dashes, as vLLM's parser reads a command
     line (--max_model_len=512: --max-model-len=512; --speculative_config.num_speculative_tokens:
     --speculative-config.num_speculative_tokens); what follows the name, and any other word, as it is."""
     if not arg.startswith("--"):
         return arg
-    name = _OPTION_NAME.match(arg)[0]
+    name = option_name(arg)
     return name.replace("_", "-") + arg[len(name):]
 
 
@@ -34,7 +39,7 @@ def num_values_taken(word: str, value_counts: dict[str, int]) -> int:
     if word.startswith("--"):
         if "=" in word:
             return 0
-        name = _OPTION_NAME.match(word)[0]
+        name = option_name(word)
         count = value_counts.get(name, value_counts.get(name.replace("_", "-"), 0))
         if name == word:
             return count
@@ -98,7 +103,7 @@ def completed_option_word(word: str, names: set[str]) -> str:
     one no name begins with, stays as written; AmbiguousOption where several names begin with it."""
     if not word.startswith("--") or word == "--":
         return word
-    name = _OPTION_NAME.match(word)[0]
+    name = option_name(word)
     dashed = name.replace("_", "-")
     if name in names or dashed in names:
         return word

@@ -24,7 +24,9 @@ from typing import Annotated, Callable, Optional
 import typer
 from typer.core import TyperCommand
 
-from minillm.argparse_utils import AmbiguousOption, completed_option_words, option_positions
+from minillm.argparse_utils import (
+    AmbiguousOption, completed_option_words, dashed_option_word, option_name, option_positions,
+)
 from minillm.chat_terminal import is_terminal, terminal_safe
 from minillm.config import EngineConfig
 from minillm.model_store import expand_user
@@ -211,9 +213,8 @@ def _dashed_json_option(arg: str, options: set[str]) -> str:
     OPTIONS (--speculative_config.method=ngram is --speculative-config.method=ngram); else ARG as it is."""
     if not arg.startswith("--"):
         return arg
-    name = re.match(r"--[^.=]*", arg)[0]
-    dashed = name.replace("_", "-")
-    return dashed + arg[len(name):] if dashed != name and dashed in options else arg
+    dashed = dashed_option_word(arg)
+    return dashed if dashed != arg and option_name(dashed) in options else arg
 
 
 def _json_object_arg(value: str, option: str) -> dict:
