@@ -209,6 +209,14 @@ def validate_request(model: type[M], body: dict[str, Any]) -> M:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None
 
 
+def forced_token_params(params: SamplingParams, token_id: int) -> SamplingParams:
+    """params that sample token_id and nothing else, whatever else they asked (no grammar, bad words, bias,
+    stop or minimum in the way): a prompt of max_model_len tokens is scored as all but its last token,
+    that one sampled, its raw log-probabilities (taken before any mask) the last prompt token's entry."""
+    return dataclasses.replace(params, allowed_token_ids=[token_id], bad_words=None, structured_outputs=None,
+                               logit_bias=None, truncate_prompt_tokens=None, min_tokens=0, ignore_eos=True)
+
+
 def new_request_id(prefix: str) -> str:
     """An id in OpenAI's style, e.g. cmpl-3f2a..."""
     return f"{prefix}-{uuid.uuid4().hex}"

@@ -40,7 +40,7 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     LARGE_RESPONSE_ENTRIES, ServingContext, build_without_collections, engine_request_id, final_outputs,
-    json_in_pieces, log_received, response_entries, streaming_response, submit, until_disconnected,
+    forced_token_params, json_in_pieces, log_received, response_entries, streaming_response, submit, until_disconnected,
 )
 
 # The request's sampling fields beam search does not read (vLLM's server ignores them too).
@@ -168,8 +168,7 @@ async def score_full_context(ctx: ServingContext, job, ids: list[int], base: Sam
     """The prompt_logprobs of a prompt of max_model_len tokens, which the engine cannot take whole (it keeps
     room for a token): all but its last token scored, and the last sampled as the only token allowed, its
     raw log-probabilities (taken before the mask) its entry, as a completions echo without generation does."""
-    params = dataclasses.replace(base, logprobs=base.prompt_logprobs, allowed_token_ids=[ids[-1]],
-                                 structured_outputs=None)
+    params = forced_token_params(dataclasses.replace(base, logprobs=base.prompt_logprobs), ids[-1])
     [output] = await run_step(ctx, job, [ids[:-1]], params)
     sampled = output.outputs[0].logprobs
     return None if output.prompt_logprobs is None or not sampled else [*output.prompt_logprobs, sampled[0]]

@@ -23,7 +23,7 @@ from minillm.server.protocol import (
 )
 from minillm.server.serving import (
     ChoiceProgress, ChunkFormat, ServingContext, StreamChoice, all_finished, answer,
-    client_response_id, engine_request_id, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
+    client_response_id, engine_request_id, forced_token_params, is_large_body, json_dumps, log_unknown_fields, merged_outputs,
     new_request_id, refuse_uncompiled_constraint, sse, stream_events, text_choice_json, tokenize_bad_words,
     UNSERVED_FIELDS, UNSERVED_TAIL_FIELDS, validate_request, whole_usage,
 )
@@ -114,9 +114,7 @@ class CompletionJob:
         params = to_sampling_params(self.req, self.ctx.resolve_max_tokens(len(ids) - 1, 1), self.prompt_logprobs,
                                     self.ctx.engine.vocab_size, None, self.prompt_logprobs,
                                     defaults=self.ctx.sampling_defaults)
-        # Nothing may keep the one token from being sampled: no grammar, bad words, bias or stop token.
-        return dataclasses.replace(params, allowed_token_ids=[ids[-1]], bad_words=None, structured_outputs=None,
-                                   logit_bias=None, truncate_prompt_tokens=None, min_tokens=0, ignore_eos=True)
+        return forced_token_params(params, ids[-1])
 
     @property
     def engine_prompt_ids(self) -> list[list[int]]:
