@@ -249,9 +249,11 @@ def _module_for_arch(source: str, filename: str, options: tuple, arch: str):
 
 
 def _compute_capability() -> str:
-    """The device's compute capability as CuPy spells it ("90" on Hopper)."""
+    """The device's compute capability as CuPy spells it ("90" on Hopper; "" without CuPy)."""
+    if cupy is None:
+        return ""
     if not _capability:
-        _capability.append(str(_require_cupy().cuda.Device().compute_capability))
+        _capability.append(str(cupy.cuda.Device().compute_capability))
     return _capability[0]
 
 

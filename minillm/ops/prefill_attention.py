@@ -136,10 +136,8 @@ def hopper_kernel(dtype, head_dim: int, group: int):
 
 
 def _capability() -> str:
-    """The device's compute capability ("90" on Hopper; "" without CuPy or a device)."""
+    """The device's compute capability ("90" on Hopper; "" without CuPy)."""
     from minillm.ops import cuda as ops
-    if ops.cupy is None:
-        return ""
     return ops._compute_capability()
 
 
