@@ -3,7 +3,9 @@ returned as OpenAI tool_calls, for tool_choice "auto" (the default when a reques
 
     hermes        <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number of them, after
                   optional text (Hermes 2 Pro, Qwen 2.5, Qwen3); the text before the first call is the
-                  content, and a call cut short at the end still counts if its JSON is whole
+                  content, and a call cut short at the end still counts if its JSON is whole and
+                  nothing but whitespace follows it (a half-written </tool_call> after it leaves
+                  the output as content, as vLLM reads the text after an unclosed <tool_call>)
     llama3_json   an output that is JSON objects {"name": ..., "parameters" (or "arguments"): {...}}
                   separated by ";", after an optional <|python_tag|> (Llama 3.1-3.3). Only an output
                   that opens with a call (after whitespace) is read for calls, whole or streamed, as
@@ -80,7 +82,7 @@ def _hermes_call_at(text: str, pos: int) -> tuple[dict, int, bool]:
     k = _skip_space(text, j)
     if text.startswith(HERMES_END, k):
         return call, k + len(HERMES_END), True
-    if HERMES_END.startswith(text[k:]):           # nothing after it yet, or its tag half there
+    if k == len(text):                            # the output ended before its </tool_call>
         return call, len(text), False
     raise NotACall("text after the call's JSON")
 
@@ -224,9 +226,9 @@ class HermesStream(ToolCallStream):
         call, self._call = self._call, None
         if call is None:
             return "", []
-        if call.call is None:         # its JSON never ended
+        if call.call is None or call.after:     # its JSON never ended, or its </tool_call> came in part
             return call.text(), []
-        return "", self._numbered([call.call])    # whole, its </tool_call> cut short: a call
+        return "", self._numbered([call.call])    # whole, its </tool_call> never came: a call
 
 
 class _OpenCall:
