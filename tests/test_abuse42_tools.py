@@ -1,9 +1,15 @@
-"""Tool calling at its edges: a hermes call cut inside its closing tag reads as vLLM's parser reads it."""
+"""Tool calling at its edges: a hermes call cut inside its closing tag reads as vLLM's parser reads
+it, and a /v1/messages call whose arguments are no JSON object keeps them (a text block)."""
 from __future__ import annotations
 
+import json
 
+import httpx
 import pytest
+from test_abuse34_parsers import install_script
+from test_server_helpers import CHAT_TEMPLATE, call_utility, running_server
 
+from minillm.server.app import ServerOptions
 from minillm.server.output_parsers import OutputParsers
 from minillm.server.tool_parsers import ToolParser
 
@@ -57,3 +63,83 @@ def test_a_second_call_cut_inside_its_closing_tag_leaves_the_whole_output_as_con
     parsers = OutputParsers(None, ToolParser("hermes"))
     second = text[len(f"x<tool_call>{CALL}</tool_call>"):]
     assert streamed(parsers, text, 3, "length") == ("x" + second, [("f", '{"a": 1}')], "length")
+
+
+# ---- through the server ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(stories_path):
+    """(url, engine): stories260K with --tool-call-parser hermes, its outputs scripted (install_script)."""
+    options = ServerOptions(chat_template=CHAT_TEMPLATE, tool_call_parser="hermes")
+    with running_server(stories_path, max_model_len=512, options=options, core_hook=install_script) as running:
+        yield running
+
+
+def sse_data(response: httpx.Response) -> list[str]:
+    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+
+
+MESSAGES_BODY = {"model": "stories", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                 "tools": [{"name": "f", "input_schema": {"type": "object"}}]}
+
+
+def message_and_stream(url: str, body: dict) -> tuple[dict, list[dict]]:
+    """A /v1/messages reply and the events of the same request streamed."""
+    reply = httpx.post(f"{url}/v1/messages", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    with httpx.stream("POST", f"{url}/v1/messages", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        events = [json.loads(d) for d in sse_data(response)]
+    assert events[-1]["type"] == "message_stop", events[-2:]
+    return reply.json(), events
+
+
+def streamed_blocks(events: list[dict]) -> list[dict]:
+    """The content blocks a stream's events build, as Anthropic's SDK joins them."""
+    blocks: dict[int, dict] = {}
+    for event in events:
+        if event["type"] == "content_block_start":
+            blocks[event["index"]] = dict(event["content_block"], partial="")
+        elif event["type"] == "content_block_delta":
+            block, delta = blocks[event["index"]], event["delta"]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "input_json_delta":
+                block["partial"] += delta["partial_json"]
+    out = []
+    for i in sorted(blocks):
+        block = blocks[i]
+        partial = block.pop("partial")
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(partial) if partial else {}
+        out.append(block)
+    return out
+
+
+def stop_reason(events: list[dict]) -> str:
+    return next(e for e in events if e["type"] == "message_delta")["delta"]["stop_reason"]
+
+
+@pytest.mark.parametrize("arguments", ['[1, "é"]', '"x"', "null", "3"])
+def test_a_messages_call_whose_arguments_are_no_object_keeps_them_as_text(server, arguments):
+    url, engine = server
+    output = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    call_utility(engine, "script", "choice", [output])
+    reply, events = message_and_stream(url, MESSAGES_BODY)
+    # Anthropic's tool_use input is an object: no tool_use block, the call as the text the model wrote.
+    want = [{"type": "text", "text": json.dumps({"name": "f", "arguments": json.loads(arguments)}, ensure_ascii=False)}]
+    assert reply["content"] == want and reply["stop_reason"] == "end_turn"
+    assert [{k: b[k] for k in ("type", "text")} for b in streamed_blocks(events)] == want
+    assert stop_reason(events) == "end_turn"
+
+
+def test_a_messages_object_call_beside_one_with_list_arguments(server):
+    url, engine = server
+    output = f'<tool_call>{CALL}</tool_call><tool_call>{{"name": "f", "arguments": [2]}}</tool_call>'
+    call_utility(engine, "script", "choice", [output])
+    reply, events = message_and_stream(url, MESSAGES_BODY)
+    kinds = [(b["type"], b.get("input"), b.get("text")) for b in reply["content"]]
+    assert kinds == [("tool_use", {"a": 1}, None), ("text", None, '{"name": "f", "arguments": [2]}')]
+    assert reply["stop_reason"] == "tool_use"
+    assert [(b["type"], b.get("input"), b.get("text")) for b in streamed_blocks(events)] == kinds
+    assert stop_reason(events) == "tool_use"

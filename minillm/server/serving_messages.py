@@ -12,7 +12,8 @@ of one role are one turn, as Anthropic's API takes them; a tool_result block mus
 block of an earlier assistant message. The chat job renders, samples and parses (--reasoning-parser,
 --tool-call-parser, forced tool calls) as for /v1/chat/completions, and its reply comes back as content
 blocks: `thinking`, `text`, `tool_use`, with stop_reason end_turn, max_tokens, stop_sequence or
-tool_use. A stream sends Anthropic's events (message_start, content_block_start / _delta / _stop,
+tool_use (a call whose arguments are JSON but no object, which no tool_use input holds, is a text
+block {"name": ..., "arguments": ...}, not a tool_use with its arguments dropped). A stream sends Anthropic's events (message_start, content_block_start / _delta / _stop,
 message_delta, message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
@@ -384,6 +385,8 @@ def _stop(finish_reason: str | None, comp: CompletionOutput, calls: list[dict]) 
         return "stop_sequence", comp.stop_reason
     if calls:
         return "tool_use", None
+    if finish_reason == "tool_calls":     # its calls are text blocks (_call_text): the model ended its turn
+        return "end_turn", None
     return STOP_REASONS.get(finish_reason, "end_turn"), None
 
 
@@ -466,6 +469,27 @@ def _call_input(call: dict) -> tuple[dict, str | None]:
     return (partial, arguments) if partial is not None else ({}, None)
 
 
+def _call_text(call: dict) -> str | None:
+    """A call whose arguments are whole JSON but no object (a list, a string, a number, null) as the text
+    {"name": ..., "arguments": ...} (its arguments as generated), which a text block holds: a tool_use
+    block's input is an object, and {} would drop the arguments unseen. None for any other call."""
+    arguments = call["function"]["arguments"] or "{}"
+    try:
+        value = _INPUT_DECODER.decode(arguments)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(value, dict):
+        return None
+    name = call["function"]["name"]
+    return f'{{"name": {json.dumps(name, ensure_ascii=not is_utf8(name))}, "arguments": {arguments}}}'
+
+
+def _content_block(call: dict) -> dict:
+    """A call as a content block: tool_use, or text where its arguments are no object (_call_text)."""
+    text = _call_text(call)
+    return _tool_use(call) if text is None else {"type": "text", "text": text}
+
+
 def _tool_use(call: dict, tool_input: dict | None = None) -> dict:
     """A call as a tool_use block holding tool_input (by default the call's own, _call_input)."""
     if tool_input is None:
@@ -514,9 +538,9 @@ class MessagesJob(TranslatedJob):
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
         calls = message.get("tool_calls") or []
-        content += [_tool_use(call) for call in calls]
+        content += [_content_block(call) for call in calls]
         comp = finals[0].outputs[0]
-        stop = _stop(choice["finish_reason"], comp, calls)
+        stop = _stop(choice["finish_reason"], comp, [call for call in calls if _call_text(call) is None])
         return self._message(content, stop, self._usage(finals[0], len(comp.token_ids)))
 
     def event(self, kind: str, **fields) -> str:
@@ -549,7 +573,7 @@ class _BlockWriter(ReplyWriter):
         super().__init__(job)
         self.index = 0                    # the next block's index
         self.open: str | None = None      # "thinking" or "text": the block being streamed
-        self.calls: list[dict] = []       # the tool calls sent
+        self.calls: list[dict] = []       # the tool calls sent as tool_use blocks
 
     def text(self, kind: str, delta: str) -> str:
         job, events = self.job, ""
@@ -577,6 +601,9 @@ class _BlockWriter(ReplyWriter):
         return events
 
     def call(self, call: dict) -> str:
+        text = _call_text(call)
+        if text is not None:          # a block of its own, as in the whole reply
+            return self.text("content", text) + self.close()
         tool_input, partial_json = _call_input(call)
         job, block = self.job, _tool_use(call, {})
         events = job.event("content_block_start", index=self.index, content_block=block)
