@@ -37,8 +37,8 @@ def fast_backoff(monkeypatch):
 
 class ChangingHandler(BaseHTTPRequestHandler):
     """A server whose /v1/stats/stream is set by server.stream: "missing" (404), "error" (server.error_body
-    with status 503), "comments" (an open stream of keep-alive comments, after server.num_leading events),
-    or "ok" (stats events, then the end); /v1/stats answers a snapshot."""
+    with status 503, /v1/stats alike), "comments" (an open stream of keep-alive comments, after
+    server.num_leading events), or "ok" (stats events, then the end); /v1/stats answers a snapshot."""
 
     def log_message(self, *args) -> None:
         pass
@@ -49,12 +49,12 @@ class ChangingHandler(BaseHTTPRequestHandler):
         with server.lock:
             server.paths.append("stream" if is_stream else "poll")
         try:
+            if server.stream == "error":
+                return self._send(503, "application/json", server.error_body)
             if not is_stream:
                 return self._send(200, "application/json", json.dumps(make_stats(1).to_dict()).encode())
             if server.stream == "missing":
                 return self._send(404, "application/json", b'{"detail":"Not Found"}')
-            if server.stream == "error":
-                return self._send(503, "application/json", server.error_body)
             if server.stream == "ok":
                 events = "".join(f"data: {json.dumps(make_stats(k).to_dict())}\n\n" for k in range(3))
                 return self._send(200, "text/event-stream", events.encode())

@@ -342,6 +342,7 @@ class LiveSource:
         self.stream_retry_s = stream_retry_s      # the next wait before the stream is asked for again
         self.stream_retry_at: float | None = None  # time.monotonic() of that try; None: not polling
         self.use_polling = False
+        self.polling_reason = ""                   # why the stream is not used, for the title
 
     def _client(self) -> httpx.AsyncClient:
         # No bytes at all for silence_s is a timeout; a stream of keep-alive comments only is caught by _stream.
@@ -353,7 +354,8 @@ class LiveSource:
                                  transport=transport)
 
     def _status(self) -> SourceStatus:
-        return SourceStatus(f"live {self.shown_url} ({'polling' if self.use_polling else 'stream'})")
+        mode = ("polling" + (f": {self.polling_reason}" if self.polling_reason else "")) if self.use_polling else "stream"
+        return SourceStatus(f"live {self.shown_url} ({mode})")
 
     async def events(self, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
         """Yield frames forever; on any failure yield a SourceProblem and retry with backoff."""
@@ -382,12 +384,12 @@ class LiveSource:
                 yield await self._poll(client, wanted)
                 await asyncio.sleep(self.interval_s)
                 continue
-            was_polling = self.use_polling
+            shown = self._status().text
             self.use_polling = False     # a polled server is asked for its stream again once its wait is over
             resized, num_frames = False, 0
             async with aclosing(self._stream(client, wanted)) as frames:
                 async for frame in frames:
-                    if num_frames == 0 and self.use_polling != was_polling:
+                    if num_frames == 0 and self._status().text != shown:
                         yield self._status()
                     num_frames += 1
                     yield frame
@@ -412,9 +414,11 @@ class LiveSource:
             raise StatsFormatError(f"/v1/stats answered over {MAX_EVENT_CHARS} bytes: not a minillm server")
         return parse_frame(text)
 
-    def _fall_back_to_polling(self) -> None:
-        """The stream is missing: poll, and ask for the stream again after a wait that doubles each time."""
+    def _fall_back_to_polling(self, reason: str = "") -> None:
+        """The stream is missing or failing (reason: how, for the title): poll, and ask for the stream
+        again after a wait that doubles each time."""
         self.use_polling = True
+        self.polling_reason = reason
         self.stream_retry_at = time.monotonic() + self.stream_retry_s
         self.stream_retry_s = min(self.stream_retry_s * 2, STREAM_RETRY_MAX_S)
 
@@ -428,21 +432,43 @@ class LiveSource:
                 yield await self._poll(client, num_cells)
                 return
             if response.status_code != 200:
-                raise HTTPStatusProblem(response.status_code, url, (await read_capped(response, MAX_ERROR_BYTES))[0])
-            content_type = response.headers.get("content-type", "").partition(";")[0].strip()
-            if content_type != "text/event-stream":
-                # Another web server on the port (a page for every path): its answer holds no event,
-                # and the monitor would wait for stats without end.
-                raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
-                                       "stats events: is this a minillm server?")
-            self.stream_retry_s = self.stream_retry_start_s   # the stream is back: a later loss waits the least
-            events = iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS))
-            async with aclosing(events):
-                while True:
-                    data = await self._next_event(events)
-                    if data is None:
-                        return
-                    yield parse_frame(data)
+                failure = HTTPStatusProblem(response.status_code, url, (await read_capped(response, MAX_ERROR_BYTES))[0])
+            else:
+                async with aclosing(self._events(response)) as frames:
+                    async for frame in frames:
+                        yield frame
+                return
+        yield await self._poll_instead(client, num_cells, failure)
+
+    async def _events(self, response: httpx.Response) -> AsyncIterator[StatsFrame]:
+        """The frames of an open 200 answer of /v1/stats/stream."""
+        content_type = response.headers.get("content-type", "").partition(";")[0].strip()
+        if content_type != "text/event-stream":
+            # Another web server on the port (a page for every path): its answer holds no event,
+            # and the monitor would wait for stats without end.
+            raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
+                                   "stats events: is this a minillm server?")
+        self.stream_retry_s = self.stream_retry_start_s   # the stream is back: a later loss waits the least
+        events = iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS))
+        async with aclosing(events):
+            while True:
+                data = await self._next_event(events)
+                if data is None:
+                    return
+                yield parse_frame(data)
+
+    async def _poll_instead(self, client: httpx.AsyncClient, num_cells: int, failure: HTTPStatusProblem) -> StatsFrame:
+        """A snapshot of /v1/stats while the stream answers an error (a proxy's 502, a stream handler's
+        500): the monitor polls and asks for the stream again after a doubling wait. The stream's own
+        failure when the snapshot fails too, or when the key was refused (the poll would be refused alike)."""
+        if failure.status in (401, 403):
+            raise failure
+        try:
+            frame = await self._poll(client, num_cells)
+        except Exception:      # the server fails as a whole: its stream's answer says how
+            raise failure from None
+        self._fall_back_to_polling(f"the stream answered {failure.status}")
+        return frame
 
     async def _next_event(self, events: AsyncIterator[str]) -> str | None:
         """The next event's data (None at the stream's end); StreamSilent after silence_s without one,
