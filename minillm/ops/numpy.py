@@ -340,8 +340,16 @@ def _is_infinite_over(top: np.float32, temperature) -> bool:
         return bool(np.float32(top) / np.float32(temperature) == np.inf)
 
 
+def _over_temperature(x: np.ndarray, temperature) -> np.ndarray:
+    """x / temperature in float32: a finite logit far below the largest (a penalty's, a bias's) over a
+    small temperature is -inf, as on the GPU, without a RuntimeWarning out of the step (the largest
+    over it is finite here: _is_infinite_over took the other rows)."""
+    with np.errstate(over="ignore"):
+        return x / np.float32(temperature)
+
+
 def _sample_in_id_order(row: np.ndarray, temperature, min_p, u) -> int:
-    x = row / np.float32(temperature)
+    x = _over_temperature(row, temperature)
     e = np.exp(x - x.max())
     w = np.where(e >= min_p, e, np.float32(0.0)) if min_p > 0.0 else e
     idx = _first_past_share(w, float(u))
@@ -378,7 +386,7 @@ def _sample_sorted(row: np.ndarray, temperature, top_k, top_p, min_p, u) -> int:
     else:
         return _sample_nucleus(row, temperature, top_p, min_p, u)
     vocab = len(order)
-    x = row[order] / np.float32(temperature)
+    x = _over_temperature(row[order], temperature)
     p = np.exp(x - x[0]).astype(np.float64)              # float64 sums, as _sample_nucleus's
     p /= p.sum()
     keep = np.ones(vocab, dtype=bool)
@@ -403,7 +411,7 @@ def _sample_nucleus(row: np.ndarray, temperature, top_p, min_p, u) -> int:
     are in float64: a nucleus of thousands of tokens summed in float32 drifted by more than a
     token's share."""
     vocab = len(row)
-    x = row / np.float32(temperature)
+    x = _over_temperature(row, temperature)
     e = np.exp(x - x.max())                                # [V] weights; the likeliest token's is 1
     kept = e >= np.float32(min_p) if min_p > 0.0 else None  # p >= min_p * p_max
     num_kept = vocab if kept is None else int(np.count_nonzero(kept))
