@@ -1,5 +1,6 @@
 """Tool calling at its edges: a hermes call cut inside its closing tag reads as vLLM's parser reads
-it, and a /v1/messages call whose arguments are no JSON object keeps them (a text block)."""
+it, and /v1/messages keeps a call's arguments that are no JSON object (a text block) and takes only
+object input_schemas (a tool_use input is an object)."""
 from __future__ import annotations
 
 import json
@@ -143,3 +144,29 @@ def test_a_messages_object_call_beside_one_with_list_arguments(server):
     assert reply["stop_reason"] == "tool_use"
     assert [(b["type"], b.get("input"), b.get("text")) for b in streamed_blocks(events)] == kinds
     assert stop_reason(events) == "tool_use"
+
+
+@pytest.mark.parametrize("schema_type", ["array", "string", ["object", "null"], None])
+def test_a_messages_tool_whose_input_schema_is_no_object_is_a_400(server, schema_type):
+    # Anthropic's input_schema is an object schema (its type "object"): a forced call of any other
+    # could never be a tool_use block.
+    url, _ = server
+    body = dict(MESSAGES_BODY, tools=[{"name": "f", "input_schema": {"type": schema_type}}],
+                tool_choice={"type": "tool", "name": "f"})
+    reply = httpx.post(f"{url}/v1/messages", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "tools[0].input_schema" and '"object"' in error["message"], error
+
+
+def test_a_messages_tool_whose_input_schema_has_no_type_takes_objects(server):
+    # As vLLM reads it: an input_schema without a type is an object schema, so a forced call is a tool_use.
+    url, engine = server
+    call_utility(engine, "script", None, None)
+    schema = {"properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    body = dict(MESSAGES_BODY, tools=[{"name": "f", "input_schema": schema}], tool_choice={"type": "tool", "name": "f"})
+    reply, events = message_and_stream(url, body)
+    [block] = reply["content"]
+    assert block["type"] == "tool_use" and block["input"] in ({"a": 1}, {"a": 2}), reply
+    [block] = streamed_blocks(events)
+    assert block["type"] == "tool_use" and block["input"] in ({"a": 1}, {"a": 2}), events

@@ -1,9 +1,9 @@
 """POST /v1/messages: Anthropic's Messages API over the chat path, as vLLM and llama.cpp serve it.
 
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
-conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`)
-and `tool_choice` (auto, any, tool, none) the chat request's fields, `thinking` {"type": "disabled"} the
-template's enable_thinking false (an enabled one's budget_tokens, fewer than max_tokens, is not
+conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`,
+of type "object", which vLLM sets where absent) and `tool_choice` (auto, any, tool, none) the chat
+request's fields, `thinking` {"type": "disabled"} the template's enable_thinking false (an enabled one's budget_tokens, fewer than max_tokens, is not
 enforced; vLLM's `chat_template_kwargs` are passed on), `output_config.format` (a JSON schema; the
 beta's `output_format` too) the response_format, and `output_config.effort` the template's reasoning_effort
 (as vLLM passes it on). A final assistant message is a prefill, continued
@@ -209,13 +209,13 @@ def chat_body(req: MessagesRequest, counting: bool = False) -> dict:
                 raise APIError(400, f"tools[{i}] must be a custom tool with a name and an input_schema (server tools "
                                f"are not served)", param=f"tools[{i}]")
             field_of(tool, "description", f"tools[{i}]", str, optional=True)
-            field_of(tool, "input_schema", f"tools[{i}]", dict)
+            schema = _input_schema(tool, i)
             if tool["name"] in names:        # Anthropic's API refuses it: which tool would a call name?
                 raise APIError(400, f"tools: Tool names must be unique ({short_repr(tool['name'])} is tools[{i}] "
                                f"and an earlier tool)", param=f"tools[{i}].name")
             names.add(tool["name"])
             tools.append({"type": "function", "function": {
-                "name": tool["name"], "description": tool.get("description"), "parameters": tool.get("input_schema")}})
+                "name": tool["name"], "description": tool.get("description"), "parameters": schema}})
     thinking = _thinking_type(req.thinking, None if counting else req.max_tokens)
     fields = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
               "tools": tools, "tool_choice": _tool_choice(req.tool_choice),
@@ -224,6 +224,18 @@ def chat_body(req: MessagesRequest, counting: bool = False) -> dict:
               "response_format": _response_format(req), "reasoning_effort": _effort(req.output_config)}
     body.update({k: v for k, v in fields.items() if v is not None})
     return body
+
+
+def _input_schema(tool: dict, i: int) -> dict:
+    """tools[i]'s input_schema, an object schema as Anthropic's API takes it (its type "object", which vLLM
+    sets where absent): a tool_use block's input is an object, so a schema of other values is a 400."""
+    schema = field_of(tool, "input_schema", f"tools[{i}]", dict)
+    if "type" not in schema:
+        return dict(schema, type="object")
+    if schema["type"] != "object":
+        raise APIError(400, f'tools[{i}].input_schema.type must be "object" (a tool_use block\'s input is an object), '
+                       f"got {short_repr(schema['type'])}", param=f"tools[{i}].input_schema")
+    return schema
 
 
 def _combined(messages: list[dict]) -> list[dict]:
