@@ -6,6 +6,7 @@ import asyncio
 import codecs
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -13,10 +14,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from minillm.server.errors import error_body, json_error_reason, unexpected_error
+from minillm.server.errors import body_parse_error, error_body, json_error_reason, unexpected_error
 
 SUPPORTED_URLS = ("/v1/chat/completions", "/v1/completions")
 STREAM_ERROR = "Request must not be sent in stream mode"
+# A surrogate code point in a str is a lone one (json.loads joins an escaped pair into one character).
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,12 @@ async def answer(client: Any, request: BatchRequest) -> dict:
         # The body as the line wrote it, NaN included, for the server's own checks to answer (httpx's json=
         # refuses NaN with a message of its own); lone surrogates go as escapes, as they came.
         content = json.dumps(request.body).encode()
+    except RecursionError as exc:
+        # A body json.loads read near its depth limit, encoded again deeper in the stack: serve's answer
+        # to a body nested too deeply, as sending the line's own text would have had.
+        err = body_parse_error(exc)
+        return batch_output(request.custom_id, err.status, error=error_body(err.status, err.message, code=err.code))
+    try:
         headers = {"content-type": "application/json"}
         response = await client.send(client.build_request("POST", request.url, content=content, headers=headers),
                                      stream=True)
@@ -173,6 +182,14 @@ async def answer(client: Any, request: BatchRequest) -> dict:
     return batch_output(request.custom_id, response.status_code, error=body)
 
 
+def output_line(output: dict) -> str:
+    """One output line: JSON with its text as it is, as vLLM writes it (U+2028 included: the file is split at
+    newlines only), but a lone surrogate (a line's custom_id or url escaped one, and its answer repeats it)
+    as its \\u escape, which reads back the same and which UTF-8 can hold."""
+    text = json.dumps(output, ensure_ascii=False)
+    return LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text) + "\n"
+
+
 class OrderedWriter:
     """Writes output lines in input order as they come in, holding those that come early."""
 
@@ -190,7 +207,7 @@ class OrderedWriter:
         self.summary.num_succeeded += ok
         self.summary.num_failed += not ok
         while self.next_index in self.waiting:
-            self.out.write(json.dumps(self.waiting.pop(self.next_index), ensure_ascii=False) + "\n")
+            self.out.write(output_line(self.waiting.pop(self.next_index)))
             self.next_index += 1
         self.report_progress()
 
