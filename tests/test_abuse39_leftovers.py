@@ -146,7 +146,7 @@ def test_a_handlers_failure_in_a_batch_line_has_the_servers_status_and_error_bod
              for kind in FAILURES]
     out = io.StringIO()
     asyncio.run(run_requests(app, [parse_line(i, line) for i, line in enumerate(lines)], out, 4))
-    outputs = {o["custom_id"]: o for o in map(json.loads, out.getvalue().splitlines())}
+    outputs = {o["custom_id"]: o for o in map(json.loads, out.getvalue().removesuffix("\n").split("\n"))}
 
     async def served(kind: str) -> httpx.Response:
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)

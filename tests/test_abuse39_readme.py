@@ -119,7 +119,7 @@ def test_a_failed_upload_keeps_the_batchs_answers_and_names_their_file(stories_p
         engine.shutdown()
     [kept] = list(tmp_path.glob("tmp_batch_output_*.jsonl"))
     assert str(info.value).endswith(f"; the answers are kept in {kept}")
-    [answer] = [json.loads(text) for text in kept.read_text().splitlines()]
+    [answer] = [json.loads(text) for text in kept.read_text(encoding="utf-8").removesuffix("\n").split("\n")]
     assert answer["custom_id"] == "a" and answer["response"]["body"]["choices"][0]["text"] == ", there was"
 
 

@@ -3,18 +3,19 @@
 A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
 conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`,
 of type "object", which vLLM sets where absent) and `tool_choice` (auto, any, tool, none) the chat
-request's fields, `thinking` {"type": "disabled"} the template's enable_thinking false (an enabled
-one's budget_tokens, fewer than max_tokens, is not enforced; vLLM's `chat_template_kwargs` are passed
-on), `output_config.format` (a JSON schema; the beta's `output_format` too) the response_format, and
-`output_config.effort` the template's reasoning_effort (as vLLM passes it on). A final assistant
-message is a prefill, continued (continue_final_message) instead of answered; an empty one asks for a
-new turn, and consecutive messages of one role are one turn, as Anthropic's API takes them; a
-tool_result block must answer a tool_use block of an earlier assistant message. The chat job renders, samples and parses (--reasoning-parser,
---tool-call-parser, forced tool calls) as for /v1/chat/completions, and its reply comes back as content
-blocks: `thinking`, `text`, `tool_use`, with stop_reason end_turn, max_tokens, stop_sequence or
-tool_use (a call whose arguments are JSON but no object, which no tool_use input holds, is a text
-block {"name": ..., "arguments": ...}, not a tool_use with its arguments dropped). A stream sends
-Anthropic's events (message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+request's fields, `thinking` {"type": "disabled"} the template's enable_thinking false (an enabled one's
+budget_tokens, fewer than max_tokens, is not enforced; vLLM's `chat_template_kwargs` are passed on),
+`output_config.format` (a JSON schema; the beta's `output_format` too) the response_format, and
+`output_config.effort` the template's reasoning_effort (as vLLM passes it on). A final assistant message
+is a prefill, continued (continue_final_message) instead of answered; an empty one asks for a new turn,
+and consecutive messages of one role are one turn, as Anthropic's API takes them; a tool_result block
+must answer a tool_use block of an earlier assistant message. The chat job renders, samples and parses
+(--reasoning-parser, --tool-call-parser, forced tool calls) as for /v1/chat/completions, and its reply
+comes back as content blocks: `thinking`, `text`, `tool_use`, with stop_reason end_turn, max_tokens,
+stop_sequence or tool_use (a call whose arguments are JSON but no object, which no tool_use input holds,
+is a text block {"name": ..., "arguments": ...}, not a tool_use with its arguments dropped). A stream
+sends Anthropic's events (message_start, content_block_start / _delta / _stop, message_delta,
+message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
 fields `param` and `code` in the same object, so either kind of client reads them: those of the
