@@ -101,6 +101,9 @@ def check_output(files: BatchFiles) -> None:
         raise ValueError(f"--output-tmp-dir {files.output_tmp_dir}: no such directory")
     if is_url(files.output_file):
         return
+    if not files.output_file or files.output_file.endswith(("/", os.sep)):
+        # abspath takes "" for the working directory and drops the slash: the check below would pass.
+        raise ValueError(f"--output-file {files.output_file!r}: names no file")
     if os.path.isdir(files.output_file):
         raise ValueError(f"--output-file {files.output_file}: is a directory")
     folder = os.path.dirname(os.path.abspath(files.output_file))

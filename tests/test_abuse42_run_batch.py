@@ -124,3 +124,20 @@ def test_a_body_too_deep_to_send_is_answered_as_serve_answers_it(engine):
     assert output["error"]["error"]["message"] == ("malformed JSON in request body: arrays or objects are "
                                                    "nested too deeply")
 
+
+
+# ---- an output path that names no file ----------------------------------------------------------------
+
+@pytest.mark.parametrize("output", ["", "missing/", "out.jsonl/", "."], ids=["empty", "missing-dir", "slash", "dot"])
+def test_an_output_path_that_names_no_file_is_a_usage_error_before_the_model_loads(capsys, monkeypatch, tmp_path,
+                                                                                  stories_path, output):
+    # "" and "missing/" passed the check (the folder above the working directory exists): the model loaded and
+    # the batch ended with "--output-file : No such file or directory".
+    from test_cli import run_main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.jsonl").write_text(line("a", "Once") + "\n", encoding="utf-8")
+    monkeypatch.setattr("minillm.cli.run_batch_engine", lambda *a, **kw: pytest.fail("the model loaded"))
+    status, out, err = run_main(capsys, "run-batch", "-i", "in.jsonl", "-o", output, str(stories_path))
+    assert (status, out) == (2, "") and len(err.strip().splitlines()) == 1, err
+    assert "Invalid value for '--output-file'" in err and "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists()
