@@ -151,3 +151,26 @@ async def test_the_dashboard_shows_polled_stats_and_says_why_in_the_title(server
             await pilot.pause(0.01)
         assert app.stats == make_stats(1) and app.problem is None and not app.banner.display
         assert app.source_text.endswith("(polling: the stream answered 500)")
+
+
+# ---- a real server whose stats streams are all taken ------------------------------------------------------
+
+async def test_a_monitor_past_the_servers_stream_limit_polls_it(stories_path):
+    # serve answers a stream past --max-stats-streams with a 503 that says "poll /v1/stats instead":
+    # the monitor showed that 503 and asked again, for ever.
+    from minillm.server.app import ServerOptions
+    from minillm.server.limits import ServerLimits
+    from test_server_helpers import running_server
+    options = ServerOptions(limits=ServerLimits(max_stats_streams=1))
+    with running_server(stories_path, options=options, max_model_len=64) as (url, _):
+        first, second = LiveSource(url, interval_s=0.1), LiveSource(url, interval_s=0.1, stream_retry_s=60.0)
+        with anyio.fail_after(WAIT_S):
+            async with aclosing(first.events(lambda: 64)) as first_events:
+                async for event in first_events:        # the first monitor holds the one place
+                    if isinstance(event, StatsFrame):
+                        break
+                events = await events_until(second, lambda events: num_frames(events) >= 2)
+    assert not [e for e in events if isinstance(e, SourceProblem)], events
+    assert [e.text for e in events if isinstance(e, SourceStatus)][-1] == (
+        f"live {url} (polling: the stream answered 503)")
+    assert all(e.stats.max_model_len == 64 for e in events if isinstance(e, StatsFrame))
