@@ -248,9 +248,11 @@ class ChatJob:
         self.reasoning_first = constrained and ctx.reasoning_parser is not None \
             and not ctx.structured_outputs_in_reasoning \
             and ReasoningParser.for_request(ctx.reasoning_parser, kwargs, reasoning_ended).thinking
-        # --reasoning-parser and --tool-call-parser, for a reply that is free text (or a structure after the thinking)
+        # --reasoning-parser and --tool-call-parser, for a reply that is free text (or a structure after the thinking);
+        # no tools, no calls: an empty tools list with tool_choice "auto" leaves the output text, as vLLM reads it
+        tool_choice = tool_choice_of(req) if req.tools else "none"
         self.parsers = OutputParsers.for_request(
-            ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tool_choice_of(req), constrained,
+            ctx.reasoning_parser, ctx.tool_call_parser, kwargs, tool_choice, constrained,
             req.include_reasoning, req.parallel_tool_calls, self.reasoning_first, reasoning_ended)
 
     @functools.cached_property
