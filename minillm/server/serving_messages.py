@@ -9,13 +9,13 @@ budget_tokens, fewer than max_tokens, is not enforced; vLLM's `chat_template_kwa
 `output_config.effort` the template's reasoning_effort (as vLLM passes it on). A final assistant message
 is a prefill, continued (continue_final_message) instead of answered; an empty one asks for a new turn,
 and consecutive messages of one role are one turn, as Anthropic's API takes them; a tool_result block
-must answer a tool_use block of an earlier assistant message. The chat job renders, samples and parses
-(--reasoning-parser, --tool-call-parser, forced tool calls) as for /v1/chat/completions, and its reply
-comes back as content blocks: `thinking`, `text`, `tool_use`, with stop_reason end_turn, max_tokens,
-stop_sequence or tool_use (a call whose arguments are JSON but no object, which no tool_use input holds,
-is a text block {"name": ..., "arguments": ...}, not a tool_use with its arguments dropped). A stream
-sends Anthropic's events (message_start, content_block_start / _delta / _stop, message_delta,
-message_stop).
+must answer a tool_use block of an earlier assistant message, and no two tool_use blocks share an id.
+The chat job renders, samples and parses (--reasoning-parser, --tool-call-parser, forced tool calls; no
+tools, no calls) as for /v1/chat/completions, and its reply comes back as content blocks: `thinking`,
+`text`, `tool_use`, with stop_reason end_turn, max_tokens, stop_sequence or tool_use (a call whose
+arguments are JSON but no object, which no tool_use input holds, is a text block {"name": ...,
+"arguments": ...}, not a tool_use with its arguments dropped). A stream sends Anthropic's events
+(message_start, content_block_start / _delta / _stop, message_delta, message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
 fields `param` and `code` in the same object, so either kind of client reads them: those of the
@@ -124,10 +124,10 @@ def _message(i: int, message: dict, tool_use_ids: set[str]) -> list[dict]:
             _refuse_media(kind, at)
         elif kind == "tool_use" and role == "assistant":
             arguments = field_of(block, "input", at, dict, optional=True) or {}
-            calls.append({"id": field_of(block, "id", at, str), "type": "function", "function": {
+            calls.append({"id": _new_call_id(block, at, tool_use_ids), "type": "function", "function": {
                 "name": field_of(block, "name", at, str), "arguments": json.dumps(arguments, ensure_ascii=False)}})
-            tool_use_ids.add(block["id"])
         elif kind == "tool_result" and role == "user":
+            field_of(block, "is_error", at, bool, optional=True)      # taken without effect, but a boolean
             result = block.get("content", "")
             for k, item in enumerate(result if isinstance(result, list) else []):
                 if isinstance(item, dict) and item.get("type") in MEDIA_BLOCKS:
@@ -135,6 +135,7 @@ def _message(i: int, message: dict, tool_use_ids: set[str]) -> list[dict]:
             out.append({"role": "tool", "tool_call_id": _answered_call(block, at, tool_use_ids),
                         "content": _text_of(result, f"{at}.content")})
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            field_of(block, "signature" if kind == "thinking" else "data", at, str, optional=True)   # not read
             reasoning = field_of(block, "thinking", at, str) if kind == "thinking" else reasoning
         else:
             article = "an" if role == "assistant" else "a"
@@ -148,6 +149,17 @@ def _message(i: int, message: dict, tool_use_ids: set[str]) -> list[dict]:
             chat["reasoning"] = reasoning
         out.append(chat)
     return out
+
+
+def _new_call_id(block: dict, at: str, tool_use_ids: set[str]) -> str:
+    """A tool_use block's id, added to tool_use_ids; one an earlier tool_use block has is a 400, as Anthropic's
+    API refuses it (which call would a tool_result with that id answer?)."""
+    call_id = field_of(block, "id", at, str)
+    if call_id in tool_use_ids:
+        raise APIError(400, f"{at}.id: tool_use ids must be unique ({short_repr(call_id)} is the id of an earlier "
+                       f"tool_use block)", param=f"{at}.id")
+    tool_use_ids.add(call_id)
+    return call_id
 
 
 def _answered_call(block: dict, at: str, tool_use_ids: set[str]) -> str:
