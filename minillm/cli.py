@@ -28,7 +28,7 @@ from minillm.argparse_utils import (
     AmbiguousOption, completed_option_words, dashed_option_word, option_name, option_positions,
 )
 from minillm.chat_terminal import is_terminal, terminal_safe
-from minillm.config import EngineConfig
+from minillm.config import MAX_BLAS_THREADS, EngineConfig
 from minillm.model_store import expand_user
 
 DEFAULT_CHAT_MODEL = "Qwen/Qwen3-0.6B"
@@ -456,8 +456,8 @@ ENGINE_OPTIONS: dict[str, tuple[object, object]] = {
              "bytes (default: on the GPU what --gpu-memory-utilization leaves; on the CPU $VLLM_CPU_KVCACHE_SPACE "
              "GiB, else 4 GiB, capped at what --max-num-seqs sequences of --max-model-len can fill).")], None),
     "threads": (Annotated[Optional[int], _engine_option(
-        "--threads", "-t", min=1, metavar="N", help="BLAS threads of the CPU backend, as llama.cpp's -t (default: "
-        "$OPENBLAS_NUM_THREADS or $OMP_NUM_THREADS, else every CPU but one).")], None),
+        "--threads", "-t", min=1, max=MAX_BLAS_THREADS, metavar="N", help="BLAS threads of the CPU backend, as "
+        "llama.cpp's -t (default: $OPENBLAS_NUM_THREADS or $OMP_NUM_THREADS, else every CPU but one).")], None),
     "enable_prefix_caching": (Annotated[bool, _engine_option(
         "--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse KV blocks of shared prefixes.")],
         _default("enable_prefix_caching")),
@@ -941,6 +941,8 @@ def chat(
     if url is not None:      # an empty one (`--url "$SERVER"` unset) is named, not read as "load a model"
         from minillm.chat_client import HttpChatBackend
         server_url_option(url, "--url")
+        refuse_engine_options(ctx, "--url", "chat talks to that server and loads no engine (the server's own "
+                                           "settings apply); leave it out")
         api_key_option(api_key)
         if api_key is None:
             api_key = openai_key_variable()
@@ -966,6 +968,16 @@ def chat(
         raise typer.Exit(ChatSession(backend, settings, system=system, log=sys.stderr).reply_once(quick))
     _use_readline()
     raise typer.Exit(ChatSession(backend, settings, system=system).run())
+
+
+def refuse_engine_options(ctx: typer.Context, flag: str, why: str) -> None:
+    """A usage error naming the first engine option given on the command line beside FLAG, and WHY none
+    is taken (they were passed over unread, a bad value among them too)."""
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        if param.name in ENGINE_OPTIONS and source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT"):
+            name = "/".join([_long_name(param.opts), *param.secondary_opts])     # a switch by both its forms
+            raise UsageError(f"{name} is not taken with {flag}: {why}")
 
 
 def chat_template_option(value: str, read: Callable[[str], str]) -> str:

@@ -7,7 +7,7 @@ import numbers
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from minillm.generation_config import check_generation_config, override_sampling_defaults
@@ -119,7 +119,6 @@ class EngineConfig:
     # vLLM's structured_outputs_config: a StructuredOutputsConfig, its dict or its JSON (None: each
     # constraint as given, as an API server's engine core takes them; LLM and EngineArgs give vLLM's defaults)
     structured_outputs_config: "StructuredOutputsConfig | dict[str, Any] | str | None" = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def has_step_budget(self) -> bool:
@@ -262,6 +261,9 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 # the sampler keeps per-row buffers of max_num_seqs rows).
 MAX_BLOCK_SIZE = 1024
 MAX_NUM_SEQS = 65536
+# BLAS threads (--threads, OPENBLAS_NUM_THREADS, OMP_NUM_THREADS): OpenBLAS takes its count as a C int and
+# caps it at the CPUs it was built for, far below this.
+MAX_BLAS_THREADS = 4096
 # EngineConfig's fields by the kind of value they take (None passes where the field's default is None).
 _INT_FIELDS = ("block_size", "num_kv_blocks", "kv_cache_memory_bytes", "max_num_seqs", "max_num_batched_tokens",
                "max_model_len", "seed", "max_logprobs", "tensor_parallel_size")

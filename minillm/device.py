@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from minillm.config import available_host_bytes
+from minillm.config import MAX_BLAS_THREADS, available_host_bytes
 
 # vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE GiB for the KV cache, 4 GiB when it is unset or 0.
 DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -79,12 +79,14 @@ def usable_cpus() -> int:
 
 def cpu_threads() -> int:
     """BLAS threads for the CPU backend: OPENBLAS_NUM_THREADS or OMP_NUM_THREADS when one is a
-    positive number (minillm's --threads sets both), else every usable CPU but one, which is left to
-    the engine's own thread and the server's (as vLLM's CPU backend reserves one)."""
+    positive number (minillm's --threads sets both; one past MAX_BLAS_THREADS, which OpenBLAS caps far
+    below, as that bound: OpenBLAS takes a C int, which ctypes cuts a larger count to or refuses), else
+    every usable CPU but one, which is left to the engine's own thread and the server's (as vLLM's CPU
+    backend reserves one)."""
     for name in THREAD_VARIABLES:
         text = os.environ.get(name, "").strip()
         if text.isdigit() and int(text) > 0:
-            return int(text)
+            return min(int(text), MAX_BLAS_THREADS)
     return max(1, usable_cpus() - 1)
 
 
