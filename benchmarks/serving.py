@@ -198,6 +198,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                          or args.long_every_s <= 0 or args.duration <= 0):
         p.error("--mixed-users, --long-input-len and --long-output-len must be >= 1, --long-every-s and "
                 "--duration > 0")
+    mixed_only = [option for option, dest in _MIXED_ONLY if getattr(args, dest) != p.get_default(dest)]
+    if args.mixed_users is None and mixed_only:      # passed over unread, a bad value too
+        p.error(f"{', '.join(mixed_only)} {'is' if len(mixed_only) == 1 else 'are'} used by --mixed-users only "
+                f"(the mixed workload of closed-loop users and long prompts); give --mixed-users N or leave "
+                f"{'it' if len(mixed_only) == 1 else 'them'} out")
     if args.mixed_users is not None and (args.concurrency_sweep or args.peer_base_url):
         p.error("--mixed-users runs against one server, without --concurrency-sweep")
     unused = [option for option, dest in _UNUSED_BY_MIXED if getattr(args, dest) != p.get_default(dest)]
@@ -256,6 +261,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 # The workload options the mixed workload has no use for: (the option, its dest).
+# The mixed workload's own options, which no other run reads.
+_MIXED_ONLY = [("--long-input-len", "long_input_len"), ("--long-output-len", "long_output_len"),
+               ("--long-every-s", "long_every_s"), ("--duration", "duration")]
 _UNUSED_BY_MIXED = [("--num-prompts", "num_prompts"), ("--request-rate", "request_rate"),
                     ("--burstiness", "burstiness"), ("--max-concurrency", "max_concurrency"),
                     ("--num-client-processes", "num_client_processes"), ("--prompt", "prompt"),

@@ -81,3 +81,25 @@ def test_chat_with_url_still_takes_its_sampling_options(capsys):
     status, _, err = run_main(capsys, "chat", "--url", "http://127.0.0.1:1", "-q", "hi", "--temperature", "0",
                               "--max-tokens", "3", "--seed", "1")
     assert status == 1 and "cannot reach" in one_line(err)
+
+
+# ---- bench serving: the mixed workload's own options need it ---------------------------------------------------
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--duration", "-1"], "--duration"),          # a bad value was passed over unread
+    (["--long-every-s", "0"], "--long-every-s"),
+    (["--long-input-len", "64"], "--long-input-len"),
+    (["--long-output-len", "2"], "--long-output-len"),
+])
+def test_bench_serving_refuses_mixed_workload_options_without_mixed_users(extra, flag):
+    from minillm.benchmarks import serving as bench
+    from minillm.benchmarks.cli_args import BenchUsageError
+    with pytest.raises(BenchUsageError, match=rf"{flag} is used by --mixed-users only"):
+        bench.parse_args(extra)
+
+
+def test_bench_serving_takes_mixed_workload_options_with_mixed_users():
+    from minillm.benchmarks import serving as bench
+    args = bench.parse_args(["--mixed-users", "2", "--duration", "5", "--long-every-s", "1", "--long-input-len", "64",
+                             "--long-output-len", "2"])
+    assert (args.duration, args.long_every_s, args.long_input_len, args.long_output_len) == (5.0, 1.0, 64, 2)
