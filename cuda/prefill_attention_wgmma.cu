@@ -11,22 +11,26 @@
 // the file holds no kernel.
 //
 //   - Warpgroup 0 (the producer) gathers each K/V tile of WG_BN keys through the block table with
-//     cp.async (16-byte pieces, zero-filled past the block's last key) into WG_STAGES stages, in
+//     cp.async (16-byte pieces, zero-filled past the sequence's last key) into WG_STAGES stages, in
 //     the 128-byte-swizzled layout the MMAs read: a tile is two [WG_BN keys][64 dims] halves of
 //     128-byte rows, piece c of row r stored at piece c ^ (r % 8). Each producer thread's copies of
 //     tile j arrive on full[j % WG_STAGES] when they land (cp.async.mbarrier.arrive), so the
 //     producer runs up to WG_STAGES tiles ahead; it waits on empty[stage] before it overwrites a
-//     stage. The consumers fence the landed tile for the async proxy before their MMAs read it.
+//     stage. Each producer lane reads one block-table entry a tile, a tile ahead, and its warp
+//     shares them by shuffles, so no copy waits on a block-table read. The consumers fence the
+//     landed tile for the async proxy before their MMAs read it.
 //   - Warpgroups 1 and 2 (the consumers) own 64 query rows each: S = Q K^T is one chain of
 //     wgmma.m64n128k16 with both operands in shared memory (Q loaded once, swizzled the same way),
 //     the online softmax runs on the accumulators in registers, and O += P V takes P from
 //     registers and V as a transposed (MN-major) shared operand. Tile j's S = Q K^T is issued with
-//     tile j - 1's P V behind it, so tile j's mask, maxima and exponentials run while that P V is
-//     on the tensor cores; O is rescaled and the new P packed once it is done. Each consumer
-//     thread arrives on empty[stage] when its warpgroup's MMAs of the tile are done.
+//     tile j - 1's P V behind it and tile j's softmax is written between the two waits (ptxas of
+//     CUDA 13.0 moves the second wait up to the first, so a warpgroup's softmax overlaps the
+//     other warpgroup's MMAs rather than its own). O is rescaled and the new P packed once the
+//     P V is done. Each consumer thread arrives on empty[stage] when its warpgroup's MMAs of the
+//     tile are done.
 //   - Accumulator and P registers are fenced around every wait (an empty asm that reads and writes
 //     them), so the compiler moves no use of them across an MMA still in flight.
-//   - setmaxnreg moves registers from the producer (40) to the consumers (232): a consumer holds S,
+//   - setmaxnreg moves registers from the producer (56) to the consumers (224): a consumer holds S,
 //     O (64 fp32 each) and P (32) at once; one block a multiprocessor.
 #include "common.cuh"
 
@@ -192,37 +196,45 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
     const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;
     if (wg == 0) {
         // ---------------- producer ----------------
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
         const int* bt = block_tables + (long long)w.b * bt_stride;
         const long long tok_stride = (long long)num_kv_heads * HEAD_DIM;
         const long long head_off = (long long)w.kvh * HEAD_DIM;
-        const int piece = t & 15, half = piece >> 3, c = piece & 7, key0 = t >> 4;   // 8 keys a pass
+        // Warp w copies keys 32 w .. 32 w + 31 of each tile, two keys an instruction (16 pieces of
+        // 16 bytes each); lane m holds the cache row of key 32 w + m (-1 past kv_end), and the next
+        // tile's rows are loaded while this tile's copies are issued.
+        const int pwarp = t >> 5, lane = t & 31;
+        const int piece = lane & 15, half = piece >> 3, c = piece & 7, sub = lane >> 4;
         const int in_block = (1 << block_size_log2) - 1;
+        auto row_of = [&](int j) {
+            const int pos = j * WG_BN + pwarp * 32 + lane;
+            return pos < kv_end ? (bt[pos >> block_size_log2] << block_size_log2) | (pos & in_block) : -1;
+        };
+        int row = row_of(0);
         for (int j = 0; j < num_tiles; ++j) {
+            const int next = j + 1 < num_tiles ? row_of(j + 1) : -1;
             const int s = j % WG_STAGES;
             if (j >= WG_STAGES) mbar_wait(empty0 + 8 * s, ((j / WG_STAGES) + 1) & 1);
             const unsigned int k_dst = kv_sm + s * 2 * WG_TILE_BYTES + half * WG_HALF_BYTES;
             const unsigned int v_dst = k_dst + WG_TILE_BYTES;
-#pragma unroll 4
-            for (int i = 0; i < WG_BN / 8; ++i) {
-                const int key = key0 + i * 8, pos = j * WG_BN + key;
-                const bool valid = pos < kv_end;
-                long long src = 0;
-                if (valid)
-                    src = ((((long long)bt[pos >> block_size_log2]) << block_size_log2) | (pos & in_block)) * tok_stride
-                          + head_off + piece * 8;
-                cp_async16(k_dst + swz(key, c), k_cache + src, valid ? 16 : 0);
-                cp_async16(v_dst + swz(key, c), v_cache + src, valid ? 16 : 0);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int key = pwarp * 32 + 2 * i + sub;
+                const int r = __shfl_sync(FULL_MASK, row, 2 * i + sub);
+                const long long src = r >= 0 ? (long long)r * tok_stride + head_off + piece * 8 : 0;
+                cp_async16(k_dst + swz(key, c), k_cache + src, r >= 0 ? 16 : 0);
+                cp_async16(v_dst + swz(key, c), v_cache + src, r >= 0 ? 16 : 0);
             }
             // full[s] counts this thread's arrival once its copies so far have landed.
             asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full0 + 8 * s) : "memory");
+            row = next;
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
         return;
     }
 
     // ---------------- consumers ----------------
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
     const int cw = wg - 1;                                 // rows 64 cw .. of the block
     // Q rows of the whole block by both consumer warpgroups (256 threads, 8 pieces each).
 #pragma unroll
@@ -286,12 +298,16 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
                 if (key + 1 > last_b) s[4 * n + 3] = -MINILLM_INF;
             }
         }
-        float mx_a = m_a, mx_b = m_b;
+        // The raw scores' maxima in four independent chains, scaled once (scale_log2 > 0).
+        float ma0 = s[0], ma1 = s[1], mb0 = s[2], mb1 = s[3];
 #pragma unroll
-        for (int n = 0; n < 16; ++n) {
-            mx_a = fmaxf(mx_a, fmaxf(s[4 * n], s[4 * n + 1]) * scale_log2);
-            mx_b = fmaxf(mx_b, fmaxf(s[4 * n + 2], s[4 * n + 3]) * scale_log2);
+        for (int n = 1; n < 16; ++n) {
+            ma0 = fmaxf(ma0, s[4 * n]);
+            ma1 = fmaxf(ma1, s[4 * n + 1]);
+            mb0 = fmaxf(mb0, s[4 * n + 2]);
+            mb1 = fmaxf(mb1, s[4 * n + 3]);
         }
+        float mx_a = fmaxf(m_a, fmaxf(ma0, ma1) * scale_log2), mx_b = fmaxf(m_b, fmaxf(mb0, mb1) * scale_log2);
         mx_a = fmaxf(mx_a, __shfl_xor_sync(FULL_MASK, mx_a, 1));
         mx_a = fmaxf(mx_a, __shfl_xor_sync(FULL_MASK, mx_a, 2));
         mx_b = fmaxf(mx_b, __shfl_xor_sync(FULL_MASK, mx_b, 1));
