@@ -84,11 +84,13 @@ def test_the_event_stream_gives_the_whole_reply(servers):
         assert "".join(stream.text_stream) == whole.content[0].text
 
 
-@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"}, {"type": "any"}])
+# one call under "any" (a second one that max_tokens cut would be a tool_use block too, and the stop max_tokens)
+@pytest.mark.parametrize("choice", [{"type": "tool", "name": "get_weather"},
+                                    {"type": "any", "disable_parallel_tool_use": True}])
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_forced_tool_is_a_tool_use_block(servers, choice, stream):
     c = client(servers["plain"])
-    body = dict(model="stories", max_tokens=60, messages=[{"role": "user", "content": "Weather?"}], tools=[TOOL],
+    body = dict(model="stories", max_tokens=120, messages=[{"role": "user", "content": "Weather?"}], tools=[TOOL],
                 tool_choice=choice)
     if stream:
         with c.messages.stream(**body) as s:

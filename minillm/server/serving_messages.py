@@ -1,9 +1,10 @@
 """POST /v1/messages: Anthropic's Messages API over the chat path, as vLLM and llama.cpp serve it.
 
-A request's `system` and `messages` (text, tool_use, tool_result and thinking blocks) become a chat
-conversation; `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`,
-of type "object", which vLLM sets where absent) and `tool_choice` (auto, any, tool, none) the chat
-request's fields, `thinking` {"type": "disabled"} the template's enable_thinking false (an enabled one's
+A request's `system` (its text blocks joined as they are; empty, no system message, as vLLM renders it)
+and `messages` (text, tool_use, tool_result and thinking blocks) become a chat conversation;
+`max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `tools` (`input_schema`, of type
+"object", which vLLM sets where absent) and `tool_choice` (auto, any, tool, none) the chat request's
+fields, `thinking` {"type": "disabled"} the template's enable_thinking false (an enabled one's
 budget_tokens, fewer than max_tokens, is not enforced; vLLM's `chat_template_kwargs` are passed on),
 `output_config.format` (a JSON schema; the beta's `output_format` too) the response_format, and
 `output_config.effort` the template's reasoning_effort (as vLLM passes it on). A final assistant message
@@ -14,8 +15,10 @@ The chat job renders, samples and parses (--reasoning-parser, --tool-call-parser
 tools, no calls) as for /v1/chat/completions, and its reply comes back as content blocks: `thinking`,
 `text`, `tool_use`, with stop_reason end_turn, max_tokens, stop_sequence or tool_use (a call whose
 arguments are JSON but no object, which no tool_use input holds, is a text block {"name": ...,
-"arguments": ...}, not a tool_use with its arguments dropped). A stream sends Anthropic's events
-(message_start, content_block_start / _delta / _stop, message_delta, message_stop).
+"arguments": ...}, not a tool_use with its arguments dropped; a forced call that max_tokens or a stop
+sequence cut is a tool_use block of its input so far, under {"type": "any"} as under a named tool). A
+stream sends Anthropic's events (message_start, content_block_start / _delta / _stop, message_delta,
+message_stop).
 
 Errors are Anthropic's shape ({"type": "error", "error": {"type", "message"}}) with the OpenAI
 fields `param` and `code` in the same object, so either kind of client reads them: those of the
@@ -43,7 +46,7 @@ from minillm.sampling_params import short_repr
 from minillm.server.errors import APIError, anthropic_error_event
 from minillm.server.protocol import ChatCompletionRequest, Text, ToolChoiceNames, _check_json_text, _ModelRequest
 from minillm.server.serving import ServingContext, json_dumps, stream_failure
-from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX, is_utf8
+from minillm.server.tool_calls import TOOL_CALL_ID_PREFIX, ArrayItems, arguments_text, is_utf8, tool_call
 from minillm.server.translated_api import (
     ReplyWriter, TranslatedJob, field_of, named_as, serve_translated, tool_param, translated_job,
 )
@@ -87,8 +90,8 @@ class MessagesRequest(_ModelRequest):
 
 # ---- the request as a chat request ------------------------------------------------------------------
 
-def _text_of(blocks: Any, where: str) -> str:
-    """The text of a string or of a list of text blocks (system, tool_result content)."""
+def _text_of(blocks: Any, where: str, joiner: str = "\n") -> str:
+    """The text of a string or of a list of text blocks (system, tool_result content), joined by joiner."""
     if isinstance(blocks, str):
         return blocks
     if not isinstance(blocks, list):
@@ -98,7 +101,7 @@ def _text_of(blocks: Any, where: str) -> str:
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             raise APIError(400, f"{where}[{j}] must be a text block", param=f"{where}[{j}]")
         texts.append(block["text"])
-    return "\n".join(texts)
+    return joiner.join(texts)
 
 
 def _message(i: int, message: dict, tool_use_ids: set[str]) -> list[dict]:
@@ -205,7 +208,10 @@ def _parallel_tool_calls(choice: dict | None) -> bool | None:
 
 def chat_body(req: MessagesRequest, counting: bool = False) -> dict:
     """The chat completion request that serves req (counting: for count_tokens, which takes no max_tokens)."""
-    messages = [{"role": "system", "content": _text_of(req.system, "system")}] if req.system is not None else []
+    system = _text_of(req.system, "system", joiner="") if req.system is not None else ""
+    # No system message where the text is empty ("", [], empty blocks), its blocks' texts joined as they
+    # are: as vLLM renders `system`.
+    messages = [{"role": "system", "content": system}] if system else []
     turns: list[dict] = []
     tool_use_ids: set[str] = set()
     for i, message in enumerate(req.messages):
@@ -398,11 +404,13 @@ def _field_renamed(message: str, chat_name: str, name: str) -> str:
 
 # ---- the reply as content blocks --------------------------------------------------------------------
 
-def _stop(finish_reason: str | None, comp: CompletionOutput, calls: list[dict]) -> tuple[str, str | None]:
+def _stop(finish_reason: str | None, comp: CompletionOutput, calls: list[dict],
+          cut: bool = False) -> tuple[str, str | None]:
     """(Anthropic stop_reason, stop_sequence) of a chat finish: "tool_use" when every call is whole
     (a forced array cut after a whole call too), "max_tokens" or "stop_sequence" for an output cut
-    short (a call's input among it), as Anthropic reads them."""
-    if calls and all(_input_of(call) is not None for call in calls):
+    short (a call's input among it; cut: a call of a forced array whose input had not begun), as
+    Anthropic reads them."""
+    if calls and not cut and all(_input_of(call) is not None for call in calls):
         return "tool_use", None
     if comp.finish_reason == "length":
         return "max_tokens", None
@@ -494,6 +502,55 @@ def _call_input(call: dict) -> tuple[dict, str | None]:
     return (partial, arguments) if partial is not None else ({}, None)
 
 
+def _cut_call(text: str | None) -> tuple[dict, bool] | None:
+    """(call, whether its input had not begun) of the item that tool_choice "any"'s array (text: the calls'
+    output) was writing when the output ended, after its whole items: a call whose arguments are its
+    "parameters" as generated so far, as a named tool's call cut short keeps them (and as vLLM streams a
+    required call's arguments while they grow); None where no item was begun or its name is not whole."""
+    if not text:
+        return None
+    items = ArrayItems()
+    items.new_items(text)
+    if items.item_start is None:
+        return None
+    name, arguments, is_whole = _cut_item_members(text, items.item_start)
+    if name is None:
+        return None
+    return tool_call(name, arguments_text(arguments) if is_whole else arguments or ""), arguments is None
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _cut_item_members(text: str, start: int) -> tuple[str | None, str | None, bool]:
+    """(name, parameters as generated, whether they are whole) of the array item text[start:] (its "{" at
+    start) that the output's end cut short: the name where it is whole, the parameters None where they had
+    not begun."""
+    decoder, name, arguments, is_whole = json.JSONDecoder(), None, None, False
+    i = _WHITESPACE.match(text, start + 1).end()
+    try:
+        while text.startswith('"', i):
+            key, i = decoder.raw_decode(text, i)
+            i = _WHITESPACE.match(text, i).end()
+            if not text.startswith(":", i):
+                break
+            begin = _WHITESPACE.match(text, i + 1).end()
+            if key == "parameters":
+                arguments = text[begin:] or None      # cut inside them, unless they are whole
+            value, i = decoder.raw_decode(text, begin)
+            if key == "parameters":
+                arguments, is_whole = text[begin:i], True
+            elif key == "name" and isinstance(value, str):
+                name = value
+            i = _WHITESPACE.match(text, i).end()
+            if not text.startswith(",", i):
+                break
+            i = _WHITESPACE.match(text, i + 1).end()
+    except (ValueError, RecursionError):       # the member the output's end cut
+        pass
+    return name, arguments, is_whole
+
+
 def _call_text(call: dict) -> str | None:
     """A call whose arguments are whole JSON but no object (a list, a string, a number, null) as the text
     {"name": ..., "arguments": ...} (its arguments as generated), which a text block holds: a tool_use
@@ -562,11 +619,20 @@ class MessagesJob(TranslatedJob):
             content.append({"type": "thinking", "thinking": message["reasoning"], "signature": ""})
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
-        calls = message.get("tool_calls") or []
-        content += [_content_block(call) for call in calls]
         comp = finals[0].outputs[0]
-        stop = _stop(choice["finish_reason"], comp, [call for call in calls if _call_text(call) is None])
+        cut = self._cut(comp)
+        calls = (message.get("tool_calls") or []) + ([cut[0]] if cut is not None else [])
+        content += [_content_block(call) for call in calls]
+        stop = _stop(choice["finish_reason"], comp, [call for call in calls if _call_text(call) is None],
+                     cut is not None and cut[1])
         return self._message(content, stop, self._usage(finals[0], len(comp.token_ids)))
+
+    def _cut(self, comp: CompletionOutput) -> tuple[dict, bool] | None:
+        """_cut_call of a tool_choice "any" output that ended inside a call (None for any other output)."""
+        if self.forced is None or self.forced.name is not None:
+            return None
+        text = comp.text if self.parsers is None else self.parsers.reasoning.split(comp.text)[1]
+        return _cut_call(text)
 
     def event(self, kind: str, **fields) -> str:
         """One server-sent event of Anthropic's stream."""
@@ -585,7 +651,7 @@ class MessagesJob(TranslatedJob):
 
     def end_events(self, final: RequestOutput, writer: _BlockWriter) -> str:
         comp = final.outputs[0]
-        reason, sequence = _stop(writer.finish_reason, comp, writer.calls)
+        reason, sequence = _stop(writer.finish_reason, comp, writer.calls, writer.cut)
         return (self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                            usage={"output_tokens": len(comp.token_ids)})
                 + self.event("message_stop"))
@@ -599,6 +665,7 @@ class _BlockWriter(ReplyWriter):
         self.index = 0                    # the next block's index
         self.open: str | None = None      # "thinking" or "text": the block being streamed
         self.calls: list[dict] = []       # the tool calls sent as tool_use blocks
+        self.cut = False                  # the last is a call of a forced array whose input had not begun
 
     def text(self, kind: str, delta: str) -> str:
         job, events = self.job, ""
@@ -623,6 +690,17 @@ class _BlockWriter(ReplyWriter):
                                      delta={"type": "signature_delta", "signature": ""})
         events += self.job.event("content_block_stop", index=self.index)
         self.open, self.index = None, self.index + 1
+        return events
+
+    def forced_events(self, delta: str, comp: CompletionOutput) -> str:
+        """A forced call's events; under tool_choice "any", a call the output's end cut short is sent
+        once it ends, as in the whole reply (MessagesJob._cut)."""
+        events = super().forced_events(delta, comp)
+        cut = _cut_call(self.call_text) if comp.finish_reason is not None and self.tool_stream is not None \
+            else None
+        if cut is not None:
+            events += self.call(cut[0])
+            self.cut = cut[1]
         return events
 
     def call(self, call: dict) -> str:
