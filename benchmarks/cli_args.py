@@ -212,6 +212,15 @@ def resolve_engine_device(args) -> None:
     args.device = "cuda" if backend == "cuda" else "cpu"
 
 
+def check_seed_option(parser, seed) -> None:
+    """parser.error naming --seed when SEED is no engine seed (vLLM's range, minillm.seeds)."""
+    from minillm.seeds import check_engine_seed
+    try:
+        check_engine_seed(seed, "--seed")
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
 def check_sampling_option(parser, flag: str, **params) -> None:
     """parser.error naming FLAG when SamplingParams refuses PARAMS (its value checked as a request's is)."""
     from minillm.sampling_params import SamplingParams

@@ -41,8 +41,10 @@ import httpx
 
 import minillm
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, BenchError, BenchParser,
-                                         check_bounds, check_output_file, run_main)
-from minillm.benchmarks.workload import QWEN3_0_6B, write_random_model_dir
+                                         check_bounds, check_output_file, check_seed_option,
+                                         run_main)
+from minillm.benchmarks.workload import QWEN3_0_6B, weight_bytes, write_random_model_dir
+from minillm.config import available_host_bytes
 from minillm.engine_stats import human_bytes
 
 MODEL = "bench"
@@ -88,7 +90,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-budget", type=int, default=16384, help="Token budget of the prefill server's steps.")
     p.add_argument("--single-budget", type=int, default=2048,
                    help="Token budget of the single server's steps (its chunked prefill).")
-    p.add_argument("--seed", type=int, default=0, help="Seed of the prompts.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the prompts (vLLM's: an integer in [0, 2**32 - 1]).")
     p.add_argument("--log-dir", default=None, help="Where the servers' logs go (default: a temporary directory).")
     p.add_argument("--result-file", default=None, help="Write the figures as JSON here.")
     args = p.parse_args(argv)
@@ -100,6 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.long_every > 0 or not args.duration > 0:
         p.error(f"--long-every and --duration must be > 0 seconds, got {args.long_every} and {args.duration}")
     check_bounds(p.prog, args, option_bounds())
+    check_seed_option(p, args.seed)
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not args.phases or set(args.phases) - {"equality", "mixed"}:
         p.error("--phases takes equality, mixed or both, comma-separated")
@@ -117,6 +120,35 @@ def option_bounds() -> dict[str, tuple]:
     blocks = {name: (1, MAX_TOKENS) for name in ("prefill_blocks", "decode_blocks", "single_blocks")}
     seconds = {name: (None, MAX_SECONDS, "seconds") for name in ("long_every", "duration")}
     return counts | tokens | blocks | seconds | {"max_num_seqs": (1, MAX_NUM_SEQS)}
+
+
+def check_cpu_memory(args: argparse.Namespace, config: dict) -> None:
+    """On the CPU, a BenchError naming the block options when the servers that run at once (prefill and
+    decode, then the single server) would not fit the memory there is, with the blocks that do; before
+    any server starts (each would find it out alone, after the others had loaded)."""
+    available = available_host_bytes()
+    if args.device != "cpu" or available is None:
+        return
+    config = {"head_dim": config["hidden_size"] // config["num_attention_heads"],
+              "num_key_value_heads": config["num_attention_heads"], **config}
+    # the CPU servers run float32 (4 bytes an element): K and V of every layer, block_size 16 tokens
+    per_block = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 16 * 4
+    weights = weight_bytes(config, 4)
+    together = [(("--prefill-blocks", args.prefill_blocks), ("--decode-blocks", args.decode_blocks))]
+    if "mixed" in args.phases:
+        together.append((("--single-blocks", args.single_blocks),))
+    for servers in together:
+        blocks = sum(count for _, count in servers)
+        need = blocks * per_block + len(servers) * weights
+        if need > available:
+            named = " and ".join(f"{option} {count}" for option, count in servers)
+            fit = max(0, (available - len(servers) * weights) // per_block)
+            raise BenchError(
+                f"{named} need{'s' if len(servers) == 1 else ''} {need / 2**30:.1f} GiB on the CPU "
+                f"({human_bytes(per_block)} a block, {human_bytes(weights)} of weights a server), more than the "
+                f"{available / 2**30:.1f} GiB of memory available: {fit} blocks fit"
+                f"{' between them' if len(servers) > 1 else ''}; lower "
+                f"{' or '.join(option for option, _ in servers)}, or run with --small")
 
 
 def log(message: str) -> None:
@@ -495,7 +527,9 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         dummy = args.model is None
         model = args.model or str(write_random_model_dir(Path(tmp) / "model", TINY if args.small else QWEN3_0_6B))
-        vocab = min(json.loads((Path(model) / "config.json").read_text())["vocab_size"], 10000)
+        model_json = json.loads((Path(model) / "config.json").read_text())
+        check_cpu_memory(args, model_json)
+        vocab = min(model_json["vocab_size"], 10000)
         report: dict = {"args": vars(args)}
         if "equality" in args.phases:
             report["equality"] = equality_phase(args, model, dummy, vocab, log_dir)

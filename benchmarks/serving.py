@@ -51,7 +51,8 @@ import msgspec
 
 from minillm.benchmarks import datasets
 from minillm.benchmarks.cli_args import (MAX_REQUESTS, MAX_SECONDS, MAX_TOKENS, BenchError, BenchParser,
-                                         check_bounds, check_output_file, check_workload_tokens, run_main)
+                                         check_bounds, check_output_file, check_seed_option, check_workload_tokens,
+                                         run_main)
 from minillm.urls import authorization_headers, http_url, server_base_url
 
 WORDS = ("the", "a", "little", "girl", "boy", "dog", "cat", "sun", "tree", "happy", "big", "red",
@@ -147,7 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="vLLM's: gaps between arrivals drawn from a gamma distribution of this shape at "
                         "--request-rate; 1 is a Poisson process, lower is burstier, higher more even.")
-    p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts, arrivals and sampling.")
+    p.add_argument("--seed", type=int, default=0, help="Seed of the random prompts, arrivals and sampling "
+                   "(vLLM's: an integer in [0, 2**32 - 1]).")
     p.add_argument("--timeout", type=float, default=600.0, help="Seconds per request.")
     p.add_argument("--num-client-processes", type=int, default=1,
                    help="Client processes sharing the workload (and --max-concurrency), so that parsing "
@@ -226,6 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.timeout > 0:
         p.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     check_bounds(p.prog, args, OPTION_BOUNDS)
+    check_seed_option(p, args.seed)
     if not (args.prompt or args.prompts_file):
         check_workload_tokens(p.prog, "--num-prompts", args.num_prompts, "--input-len", args.input_len)
     lo, hi = args.vocab_range

@@ -1628,8 +1628,8 @@ def serve(
         "options on the command line win over the file's.")] = None,
     monitor: Annotated[bool, typer.Option(help="Show the live monitor in this terminal.")] = False,
     seed: Annotated[int, typer.Option(
-        min=0, help="Seeds the seeds of requests that bring none (vLLM's --seed): the same requests in the same "
-                    "order sample alike after a restart.")] = 0,
+        help="Seeds the seeds of requests that bring none (vLLM's --seed, an integer in [0, 2**32 - 1]): the "
+             "same requests in the same order sample alike after a restart.")] = 0,
     chat_template: Annotated[Optional[str], _server_option(
         "--chat-template", help="Chat template for /v1/chat/completions: a file, or the template itself "
         "(default: the model's).")] = None,

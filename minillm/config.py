@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from minillm.generation_config import check_generation_config, override_sampling_defaults
 from minillm.sampling_params import MAX_LOGPROBS, short_repr
+from minillm.seeds import check_engine_seed
 
 if TYPE_CHECKING:
     from minillm.kv_connector.transfer_config import KVTransferConfig
@@ -130,30 +131,32 @@ class EngineConfig:
             object.__setattr__(self, "max_model_len", None)
         check_field_types(self)
         if self.device not in ("cpu", "cuda", "auto"):
-            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {short_repr(self.device)}")
         if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
             object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto, float32 (float), float16 (half) or bfloat16, "
+                             f"got {short_repr(self.dtype)}")
         object.__setattr__(self, "served_model_name", first_served_name(self.served_model_name))
         if self.revision is not None and not isinstance(self.revision, str):
-            raise ValueError(f"revision must be a branch, tag or commit of a hub model, got {self.revision!r}")
+            raise ValueError(f"revision must be a branch, tag or commit of a hub model, "
+                             f"got {short_repr(self.revision)}")
         check_tokenizer_fields(self)
         if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
             # it was read only to fetch a hub model, where it failed as "expected str, bytes or os.PathLike"
-            raise ValueError(f"download_dir must be a directory path, got {self.download_dir!r}")
+            raise ValueError(f"download_dir must be a directory path, got {short_repr(self.download_dir)}")
         if isinstance(self.download_dir, str) and not self.download_dir.strip():
             # "" read as the Hugging Face cache, " " as a folder of that name here (an unset variable, most likely)
             raise ValueError(f"download_dir is {'empty' if not self.download_dir else 'blank'}: give a directory, "
                              f"or None for the Hugging Face cache")
         if not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (minillm returns at most "
-                             f"{MAX_LOGPROBS} log-probabilities a token), got {self.max_logprobs}")
+                             f"{MAX_LOGPROBS} log-probabilities a token), got {short_repr(self.max_logprobs)}")
         if self.load_format == "safetensors":
             object.__setattr__(self, "load_format", "auto")     # vLLM's name: "auto" reads the safetensors
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' (the checkpoint's safetensors; 'safetensors' is taken "
-                             f"as 'auto') or 'dummy', got {self.load_format!r}")
+                             f"as 'auto') or 'dummy', got {short_repr(self.load_format)}")
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_generation_config(self.generation_config)
         try:
@@ -163,39 +166,43 @@ class EngineConfig:
         if self.override_generation_config is not None:    # the caller's dict may change; this may not
             object.__setattr__(self, "override_generation_config", dict(self.override_generation_config))
         if not 1 <= self.block_size <= MAX_BLOCK_SIZE or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
-        if self.seed is not None and self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed}")
+            raise ValueError(f"block_size must be a power of two in [1, {MAX_BLOCK_SIZE}], "
+                             f"got {short_repr(self.block_size)}")
+        if self.seed is not None:
+            check_engine_seed(self.seed)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError(f"kv_cache_memory_bytes must be >= 1 (or None: sized by the engine), "
-                             f"got {self.kv_cache_memory_bytes}")
+                             f"got {short_repr(self.kv_cache_memory_bytes)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+            raise ValueError(f"num_kv_blocks must be >= 1, got {short_repr(self.num_kv_blocks)}")
         if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
                 or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, "
+                             f"got {short_repr(self.tensor_parallel_size)}")
         if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
-            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
+            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {short_repr(self.max_num_seqs)}")
         if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {short_repr(self.max_num_batched_tokens)}")
         if self.max_step_ms is not None and (isinstance(self.max_step_ms, bool)
                                              or not isinstance(self.max_step_ms, (int, float))
-                                             or not math.isfinite(self.max_step_ms) or self.max_step_ms <= 0):
-            raise ValueError(f"max_step_ms must be a finite number > 0 (or None: off), got {self.max_step_ms!r}")
+                                             or not _is_finite(self.max_step_ms) or self.max_step_ms <= 0):
+            raise ValueError(f"max_step_ms must be a finite number > 0 (or None: off), "
+                             f"got {short_repr(self.max_step_ms)}")
         if self.max_step_factor is not None and (isinstance(self.max_step_factor, bool)
                                                  or not isinstance(self.max_step_factor, (int, float))
-                                                 or not math.isfinite(self.max_step_factor)
+                                                 or not _is_finite(self.max_step_factor)
                                                  or self.max_step_factor < 1):
             raise ValueError(f"max_step_factor must be a finite number >= 1 (or None: off), "
-                             f"got {self.max_step_factor!r}")
+                             f"got {short_repr(self.max_step_factor)}")
         if not self.enable_chunked_prefill:
             check_unchunked_prefill(self, self.max_model_len)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {short_repr(self.scheduling_policy)}")
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+            raise ValueError(f"max_model_len must be >= 1, got {short_repr(self.max_model_len)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], "
+                             f"got {short_repr(self.gpu_memory_utilization)}")
         if self.speculative_config is not None:
             from minillm.spec_decode.config import SpeculativeConfig
             try:
@@ -272,24 +279,29 @@ _BOOL_FIELDS = ("enable_prefix_caching", "enforce_eager", "async_scheduling", "c
                 "grammar_process", "enable_chunked_prefill")
 
 
+def _is_finite(value: int | float) -> bool:
+    """math.isfinite without its OverflowError on an integer past a float's range (every integer is finite)."""
+    return isinstance(value, numbers.Integral) or math.isfinite(value)
+
+
 def check_field_types(config: EngineConfig) -> None:
     """ValueError naming the first field whose value is of the wrong kind (a string for a number, a
     bool for a count), before any range check compares it. None in a field whose default is not
     None takes the default (vLLM's engine arguments read None as "the default")."""
     if not isinstance(config.model, (str, os.PathLike)):
-        raise ValueError(f"model must be a model directory or hub id, got {config.model!r}")
+        raise ValueError(f"model must be a model directory or hub id, got {short_repr(config.model)}")
     for f in dataclasses.fields(config):
         if getattr(config, f.name) is None and f.default is not None and f.default is not dataclasses.MISSING:
             object.__setattr__(config, f.name, f.default)
     for name in _INT_FIELDS:
         value = getattr(config, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {short_repr(value)}")
         if value is not None and type(value) is not int:   # a NumPy integer: random.Random(seed) refused one
             object.__setattr__(config, name, int(value))
     value = config.gpu_memory_utilization
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"gpu_memory_utilization must be a number, got {value!r}")
+        raise ValueError(f"gpu_memory_utilization must be a number, got {short_repr(value)}")
     for name in _FLOAT_FIELDS:        # NumPy floats as Python's, which the range checks below take
         value = getattr(config, name)
         if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
@@ -300,7 +312,7 @@ def check_field_types(config: EngineConfig) -> None:
         if numpy is not None and isinstance(value, numpy.bool_):     # NumPy's True and False, as Python's
             object.__setattr__(config, name, bool(value))
         elif value is not None and not isinstance(value, bool):
-            raise ValueError(f"{name} must be true or false, got {value!r}")
+            raise ValueError(f"{name} must be true or false, got {short_repr(value)}")
 
 
 def check_unchunked_prefill(config: EngineConfig, max_model_len: int | None) -> None:
@@ -391,7 +403,7 @@ def check_kv_cache_dtype(name) -> None:
         raise ValueError("kv_cache_dtype 'fp8_e5m2' is not supported: the FP8 KV cache stores E4M3 "
                          "(use 'fp8' or 'fp8_e4m3')")
     if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {name!r}")
+        raise ValueError(f"kv_cache_dtype must be 'auto', 'fp8' or 'fp8_e4m3', got {short_repr(name)}")
 
 
 def is_fp8_kv_cache(name: str) -> bool:
@@ -413,7 +425,7 @@ def parse_memory_bytes(text: str) -> int:
     or the IEC spelling ("512MiB"); a ValueError naming the forms for anything else."""
     match = _SIZE.fullmatch(text.strip())
     if match is None:
-        raise ValueError(f"must be {SIZE_FORMS}; got {text!r}")
+        raise ValueError(f"must be {SIZE_FORMS}; got {short_repr(text)}")
     number, decimal, binary, iec = match.groups()
     if decimal is not None:
         return int(float(number) * _DECIMAL_SUFFIXES[decimal])
@@ -421,7 +433,7 @@ def parse_memory_bytes(text: str) -> int:
     if "." not in number:
         return int(number) * scale
     if iec is None:       # bytes, or vLLM's upper-case suffixes: whole numbers only, as vLLM takes them
-        raise ValueError(f"must be {SIZE_FORMS}; got {text!r}")
+        raise ValueError(f"must be {SIZE_FORMS}; got {short_repr(text)}")
     return int(float(number) * scale)
 
 
@@ -459,11 +471,11 @@ def available_host_bytes() -> int | None:
 def check_kv_offload_gib(gib: float, enable_prefix_caching: bool) -> None:
     """The host tier's size is a finite, positive amount the machine has free; it extends the
     prefix cache, so that must be on."""
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not math.isfinite(gib) or gib < 0:
-        raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {gib!r}")
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not _is_finite(gib) or gib < 0:
+        raise ValueError(f"kv_offload_gib must be a finite number >= 0, got {short_repr(gib)}")
     if not enable_prefix_caching:
         raise ValueError("kv_offload_gib needs enable_prefix_caching: the host tier keeps prefix-cache blocks")
     available = available_host_bytes()
     if available is not None and gib * 2**30 > available:
-        raise ValueError(f"kv_offload_gib {gib:g} exceeds the machine's available memory "
+        raise ValueError(f"kv_offload_gib {short_repr(gib)} exceeds the machine's available memory "
                          f"({available / 2**30:.1f} GiB); lower kv_offload_gib")

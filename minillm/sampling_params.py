@@ -11,6 +11,8 @@ from dataclasses import KW_ONLY, dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from minillm.seeds import REQUEST_SEED_RANGE, is_request_seed
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -34,9 +36,8 @@ def __getattr__(name: str):
         return RepetitionDetectionParams
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# vLLM's seeds: a signed 64-bit integer (its server's bound), -1 meaning none. The sampler's generator
-# takes the unsigned 64-bit value of each sequence's seed (engine.sequence_seed).
-MIN_SEED, MAX_SEED = -2**63, 2**63 - 1
+# A request's seed (minillm.seeds): the sampler's generator takes the unsigned 64-bit value of each
+# sequence's seed (engine.sequence_seed).
 MAX_LOGPROBS = 20
 # Completions of one request: each is a sequence the engine tracks (the server's --max-n is lower).
 MAX_N = 4096
@@ -416,8 +417,8 @@ class SamplingParams:
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 whole = " (vLLM's -1, the whole vocabulary, is not supported)" if value == -1 else ""
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]{whole}")
-        if self.seed is not None and (not _is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
-            bad("seed", "must be an integer in [-2**63, 2**63 - 1] (-1: no seed)")
+        if self.seed is not None and not is_request_seed(self.seed):
+            bad("seed", f"must be {REQUEST_SEED_RANGE}")
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 if not _is_numpy_bool(getattr(self, name)):

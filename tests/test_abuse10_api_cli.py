@@ -161,7 +161,7 @@ def test_list_marks_snapshots_with_a_broken_config_or_index_and_lists_the_rest(t
 
 @needs_stories
 @pytest.mark.parametrize("setting, why", [
-    ({"seed": -1}, "seed must be a non-negative integer, got -1"),
+    ({"seed": -1}, "seed must be an integer in [0, 2**32 - 1], got -1"),
     ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be >= 1 (or None: sized by the engine), got 0"),
     ({"kv_cache_memory_bytes": -5}, "kv_cache_memory_bytes must be >= 1 (or None: sized by the engine), got -5"),
     ({"num_kv_blocks": 10**12}, "num_kv_blocks 1000000000000 needs 19073486.3 GiB of KV pool, more than the"),

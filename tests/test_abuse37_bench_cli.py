@@ -64,7 +64,7 @@ def test_the_seed_draws_the_random_dataset(capsys):
     (["--num-gpu-blocks-override", "0"], "--num-kv-blocks must be >= 1, got 0"),
     (["--block-size", "7"], "--block-size must be a power of two"),
     (["--gpu-memory-utilization", "nan"], "--gpu-memory-utilization must be in (0, 1], got nan"),
-    (["--seed", "-1"], "--seed must be a non-negative integer, got -1"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**32 - 1], got -1"),
     (["--max-step-ms", "-1"], "--max-step-ms must be a finite number > 0 (or left out: off)"),
     (["--kv-offload-gib", "1", "--no-enable-prefix-caching"], "--kv-offload-gib needs --enable-prefix-caching"),
     (["--speculative-config", "[]"], "--speculative-config must be a dict"),

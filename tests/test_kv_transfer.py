@@ -125,13 +125,14 @@ def test_kv_transfer_config_takes_vllms_json_and_names_what_is_wrong(stories_pat
         with pytest.raises(ValueError, match=match):
             KVTransferConfig.from_any(bad)
     with pytest.raises(ValueError, match="cuda needs the GPU"):
-        KVTransferConfig(kv_buffer_device="cuda").check_backend("numpy")
+        KVTransferConfig(kv_role="kv_both", kv_buffer_device="cuda").check_backend("numpy")
     with pytest.raises(ValueError, match="host staging"):
-        KVTransferConfig(kv_buffer_device="cpu").check_backend("cuda")
+        KVTransferConfig(kv_role="kv_both", kv_buffer_device="cpu").check_backend("cuda")
     with pytest.raises(ValueError, match="cannot be combined"):
         EngineConfig(str(stories_path), kv_transfer_config={"kv_role": "kv_producer"}, kv_offload_gib=0.01)
     with pytest.raises(ValueError, match="cuda needs the GPU"):
-        LLMEngine(EngineConfig(str(stories_path), device="cpu", kv_transfer_config={"kv_buffer_device": "cuda"}))
+        LLMEngine(EngineConfig(str(stories_path), device="cpu", kv_transfer_config={"kv_role": "kv_both",
+                                                                               "kv_buffer_device": "cuda"}))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
 
 A producer (the prefill server) holds a prompt's KV blocks under a lease after its request ends
 and says where they are in the response's `kv_transfer_params`; a consumer (the decode server)
-copies them into its own pool through its transfer endpoint; kv_both does either.
+copies them into its own pool through its transfer endpoint; kv_both does either. The role has no
+default: a connector without one is refused, as vLLM's KVTransferConfig refuses it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import math
 import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
+
+from minillm.sampling_params import short_repr
 
 KV_CONNECTORS = ("PDConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -26,7 +29,7 @@ class KVTransferConfig:
     """How this engine takes part in a KV transfer (vLLM's names where it has them)."""
 
     kv_connector: str = "PDConnector"
-    kv_role: str = "kv_both"             # "kv_producer" | "kv_consumer" | "kv_both"
+    kv_role: str | None = None           # "kv_producer" | "kv_consumer" | "kv_both": vLLM's, no default
     # Where the exported KV lives: "cpu" host shared memory (the CPU backend), "cuda" the GPU pool
     # exported by CUDA IPC (both engines on one GPU); "auto" picks the backend's own.
     kv_buffer_device: str = "auto"
@@ -38,21 +41,29 @@ class KVTransferConfig:
     def __post_init__(self) -> None:
         if self.kv_connector not in KV_CONNECTORS:
             raise ValueError(f"kv_transfer_config.kv_connector must be one of {', '.join(KV_CONNECTORS)}, "
-                             f"got {self.kv_connector!r}")
-        if self.kv_role not in KV_ROLES:
-            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+                             f"got {short_repr(self.kv_connector)}")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_transfer_config.kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {short_repr(self.kv_role)}")
         if self.kv_buffer_device not in KV_BUFFER_DEVICES:
             raise ValueError(f"kv_transfer_config.kv_buffer_device must be one of {', '.join(KV_BUFFER_DEVICES)}, "
-                             f"got {self.kv_buffer_device!r}")
+                             f"got {short_repr(self.kv_buffer_device)}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
-            raise ValueError(f"kv_transfer_config.kv_ip must be a host address, got {self.kv_ip!r}")
+            raise ValueError(f"kv_transfer_config.kv_ip must be a host address, got {short_repr(self.kv_ip)}")
         if isinstance(self.kv_port, bool) or not isinstance(self.kv_port, int) or not 0 <= self.kv_port <= 65535:
-            raise ValueError(f"kv_transfer_config.kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
+            raise ValueError(f"kv_transfer_config.kv_port must be an integer in [0, 65535], "
+                             f"got {short_repr(self.kv_port)}")
         if not isinstance(self.engine_id, str) or not self.engine_id:
-            raise ValueError(f"kv_transfer_config.engine_id must be a non-empty string, got {self.engine_id!r}")
+            raise ValueError(f"kv_transfer_config.engine_id must be a non-empty string, "
+                             f"got {short_repr(self.engine_id)}")
         lease = self.kv_lease_s
-        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not math.isfinite(lease) or lease <= 0:
-            raise ValueError(f"kv_transfer_config.kv_lease_s must be a positive number of seconds, got {lease!r}")
+        if isinstance(lease, bool) or not isinstance(lease, (int, float)) or lease <= 0 \
+                or isinstance(lease, float) and not math.isfinite(lease):
+            raise ValueError(f"kv_transfer_config.kv_lease_s must be a positive number of seconds, "
+                             f"got {short_repr(lease)}")
+        if self.kv_role is None:
+            raise ValueError(f"kv_transfer_config.kv_role must be given with kv_connector {self.kv_connector}: "
+                             f"one of {', '.join(KV_ROLES)}")
 
     @property
     def is_kv_producer(self) -> bool:

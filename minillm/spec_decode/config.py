@@ -5,6 +5,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
+from minillm.sampling_params import short_repr
+
 # vLLM's spellings of the n-gram method ("[ngram]" is its older alias).
 _NGRAM_NAMES = ("ngram", "[ngram]")
 # vLLM's default when neither bound is given.
@@ -30,19 +32,20 @@ class SpeculativeConfig:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+                raise ValueError(f"{name} must be an integer >= 1, got {short_repr(value)}")
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
         if lo > hi:
-            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            raise ValueError(f"prompt_lookup_min ({short_repr(lo)}) must be <= prompt_lookup_max ({short_repr(hi)})")
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {short_repr(k)}")
         d = self.disable_by_batch_size
         if d is not None and (not _is_int(d) or d < 2):
-            raise ValueError(f"disable_by_batch_size must be an integer >= 2, got {d!r}")
+            raise ValueError(f"disable_by_batch_size must be an integer >= 2, got {short_repr(d)}")
         # Frozen: the resolved values are set once here, never later.
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "model", None)
@@ -52,9 +55,9 @@ class SpeculativeConfig:
     def _resolve_method(self) -> str:
         method, model = self.method, self.model
         if model is not None and model not in _NGRAM_NAMES:
-            raise ValueError(f"model must be 'ngram' (draft models are not supported), got {model!r}")
+            raise ValueError(f"model must be 'ngram' (draft models are not supported), got {short_repr(model)}")
         if method not in _NGRAM_NAMES:
-            raise ValueError(f"method must be 'ngram', got {method!r}")
+            raise ValueError(f"method must be 'ngram', got {short_repr(method)}")
         return "ngram"
 
     @classmethod
