@@ -105,8 +105,17 @@ def _from_response_format(fmt: dict, reasoning: tuple[int, int] | None, disable_
         lax_value(spec["strict"], bool, "response_format.json_schema.strict")
     if spec.get("schema") is None:
         raise APIError(400, "response_format.json_schema.schema is required", param="response_format.json_schema.schema")
+    if not isinstance(spec["schema"], dict):     # OpenAI's and vLLM's models take an object, not its text
+        raise APIError(400, "response_format.json_schema.schema must be a JSON object (the schema itself), got "
+                       f"{_json_type(spec['schema'])}", param="response_format.json_schema.schema")
     return checked_params(lambda field: "response_format.json_schema.schema", json=spec["schema"], reasoning=reasoning,
                           disable_additional_properties=disable_additional_properties)
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as a message names it."""
+    kinds = ((bool, "a boolean"), (str, "a string"), (list, "an array"), ((int, float), "a number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 def _refuse_unknown_keys(obj: dict, where: str, known: tuple[str, ...]) -> None:
