@@ -156,16 +156,18 @@ def fit_max_model_len(config: EngineConfig, requested: int, num_blocks: int) -> 
     """max_model_len that the pool can hold: the requested one, or the pool's capacity when the
     model's default is larger (an explicit max_model_len that does not fit is an error)."""
     capacity = num_blocks * config.block_size
-    if min(requested, capacity) < 2:      # no request could have a prompt token and a generated one
-        raise ValueError(f"max_model_len {min(requested, capacity)} leaves no room for a prompt and a "
-                         f"generated token; raise max_model_len"
-                         + ("" if requested < 2 else f" or {pool_size_knob(config)} (the pool holds 1 token)"))
+    if requested < 2:                     # no request could have a prompt token and a generated one
+        raise ValueError(f"max_model_len {requested} leaves no room for a prompt and a generated token; "
+                         f"raise max_model_len")
     if requested <= capacity:
         return requested
     if config.max_model_len is not None:
         raise ValueError(f"max_model_len {requested} needs {-(-requested // config.block_size)} "
                          f"KV blocks but the pool has {num_blocks}; lower max_model_len "
                          f"or raise {pool_size_knob(config)}")
+    if capacity < 2:                      # the model's length, cut to a pool of one token
+        raise ValueError(f"the KV pool holds {capacity} token, no room for a prompt and a generated token; "
+                         f"raise {pool_size_knob(config)}")
     return capacity
 
 
