@@ -102,3 +102,35 @@ def test_pools_of_one_to_three_blocks_serve_prompts_parting_at_every_block_bound
     assert engine.reset_prefix_cache() is True
     assert_pool_idle(engine)
     assert engine.block_manager.num_cached_free_blocks == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompts_cut_at_block_boundaries_load_into_a_decode_pool_of_one_sequence(stories_path, alone,
+                                                                                 async_scheduling):
+    from test_kv_transfer import claim, prefill, wait_until_free
+    bs, max_model_len = 4, 24
+    producer = LLMEngine(EngineConfig(str(stories_path), device="cpu", block_size=bs, max_model_len=max_model_len,
+                                      num_kv_blocks=64, kv_transfer_config={"kv_role": "kv_producer",
+                                                                            "kv_lease_s": 60}))
+    consumer = make(stories_path, bs, max_model_len // bs, max_model_len, async_scheduling=async_scheduling,
+                    kv_transfer_config={"kv_role": "kv_consumer"})
+    try:
+        requests = []
+        for n in (1, 2, bs - 1, bs, bs + 1, 2 * bs - 1, 2 * bs, 2 * bs + 1):
+            ids = BASE[:n - 1] + [400 + n]
+            kv = prefill(producer, f"p{n}", ids)
+            params = SamplingParams(temperature=0, max_tokens=max_model_len - n, ignore_eos=True,
+                                    extra_args={"kv_transfer_params": claim(kv, ids)})
+            requests.append((f"d{n}", ids, params))
+        outputs = run(consumer, requests)      # one sequence fits the pool at a time: the others preempt or wait
+        assert_pool_idle(consumer)
+        for request_id, ids, params in requests:
+            assert outputs[request_id] == [alone(ids, params.max_tokens)], request_id
+        stats = consumer.stats()
+        assert stats.kv_transfer_num_requests + stats.kv_transfer_stale_claims <= len(requests)
+        assert stats.kv_transfer_num_requests >= 1
+        wait_until_free(producer)
+        assert_pool_idle(producer)
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
