@@ -166,8 +166,8 @@ def fit_max_model_len(config: EngineConfig, requested: int, num_blocks: int) -> 
                          f"KV blocks but the pool has {num_blocks}; lower max_model_len "
                          f"or raise {pool_size_knob(config)}")
     if capacity < 2:                      # the model's length, cut to a pool of one token
-        raise ValueError(f"the KV pool holds {capacity} token, no room for a prompt and a generated token; "
-                         f"raise {pool_size_knob(config)}")
+        raise ValueError(f"max_model_len {capacity} leaves no room for a prompt and a generated token; "
+                         f"raise {pool_size_knob(config)} (the pool holds {capacity} token)")
     return capacity
 
 
