@@ -550,7 +550,8 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, the host tier's too, so later prompts are computed afresh
         (vLLM's name, for benchmarks and changed weights); False, with nothing forgotten, while any
-        block is in use."""
+        request is unfinished or any block is in use (stricter than vLLM, which asks only the blocks:
+        here a step launched ahead for an unfinished request is drained only once none is left)."""
         if self.is_shut_down:
             raise RuntimeError("the engine is shut down: its KV pool is released")
         unfinished = self.get_num_unfinished_requests()
