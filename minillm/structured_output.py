@@ -2595,6 +2595,8 @@ class StructuredOutputManager:
         self._eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self._pool = _CompileRunner(num_compile_workers,
                                     COMPILE_TIMEOUT_S if compile_timeout_s is None else compile_timeout_s)
+        from minillm.grammar_check import GrammarChecker
+        self._checker = GrammarChecker(tokenizer_json, vocab_size, eos_token_ids, self._pool.timeout_s)
         self._fill_threads = num_fill_threads if num_fill_threads is not None else default_fill_threads()
         self._executor: llguidance.LLExecutor | None = None
         self._mask_thread: ThreadPoolExecutor | None = None   # fills the step's masks beside the engine thread
@@ -2663,6 +2665,7 @@ class StructuredOutputManager:
             if fut is not None and not _has_failed(fut):
                 self._cache.move_to_end(key)
                 return fut
+            self._checker.prestart()
             fut = self._pool.submit(params.key, self._compile, params.key, no_whitespace)
             self._cache[key] = fut
             while len(self._cache) > self._max_cached:
@@ -2687,6 +2690,11 @@ class StructuredOutputManager:
             raise
         except ValueError as e:           # a constraint the engine core took unchecked (from_checked)
             raise _invalid(key[0].value, str(e)) from None
+        from minillm.grammar_check import GrammarTooCostly
+        try:                              # first where it can be stopped (see minillm/grammar_check.py)
+            self._checker.check(grammar)
+        except GrammarTooCostly as e:
+            raise StructuredOutputsError(key[0].value, f"the {_WHAT[key[0].value]} {e}") from None
         template = llguidance.LLMatcher(tok, grammar, log_level=_LOG_LEVEL)
         if template.is_error():
             raise _invalid(key[0].value, _with_client_patterns(key, _without_options_line(template.get_error())))
@@ -3029,8 +3037,10 @@ class StructuredOutputManager:
             return len(self._cache)
 
     def shutdown(self) -> None:
-        """Stop the compile pool (pending compiles are cancelled) and the mask thread."""
+        """Stop the compile pool (pending compiles are cancelled), the mask thread and the grammar
+        check processes."""
         self._pool.shutdown()
+        self._checker.close()
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
         if self._process is not None:

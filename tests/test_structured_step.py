@@ -235,6 +235,8 @@ def spy_engine(stories_path, async_scheduling: bool):
         structured = StructuredOutputsParams(**CHECKS[kind][0]) if kind else None
         engine.add_request(f"r{i}", PROMPT, SamplingParams(temperature=0, max_tokens=40, ignore_eos=kind is None,
                                                            structured_outputs=structured))
+    for kind in ["json", "date", "choice"]:     # compiled before the first step, whatever a compile takes
+        engine.structured_outputs.grammar_init(StructuredOutputsParams(**CHECKS[kind][0])).result(timeout=120)
     log = []
 
     def spy(obj, name, label):
@@ -286,6 +288,9 @@ def test_async_a_failed_mask_fill_aborts_its_step_and_the_engine_goes_on(stories
     engine = LLMEngine(EngineConfig(model=str(stories_path), device="cpu", async_scheduling=True), log=lambda m: None)
     engine.add_request("c", PROMPT, SamplingParams(temperature=0, max_tokens=30,
                                                    structured_outputs=StructuredOutputsParams(regex=DATE)))
+    # The grammar compiled before the first step, whatever a compile takes (a first one starts the
+    # grammar check process), so that both rows are in the fourth fill.
+    engine.structured_outputs.grammar_init(StructuredOutputsParams(regex=DATE)).result(timeout=120)
     engine.add_request("u", PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
     so_manager, calls = engine.structured_outputs, []
     real = so_manager._fill_rows
