@@ -4,6 +4,7 @@ killed at the compile timeout or stopped by its memory cap: the constraint is re
 field, and the engine's process never compiles it (stories260K's tokenizer, CPU)."""
 from __future__ import annotations
 
+import json
 import subprocess
 
 import llguidance
@@ -88,8 +89,12 @@ def test_realistic_constraints_compile_and_the_processes_end_with_the_manager(to
     schema = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Z][a-z]+$"},
                                                "age": {"type": "integer", "minimum": 0, "maximum": 150},
                                                "tags": {"type": "array", "items": {"enum": ["a", "b"]},
-                                                        "maxItems": 3}},
-              "required": ["name", "age"]}
+                                                        "maxItems": 3},
+                                               **{f"field_{i}": {"type": "string", "maxLength": 20,
+                                                                 "description": f"free text {i}"}
+                                                  for i in range(20)}},
+              "required": ["name", "age"]}            # past the length that compiles without the check
+    assert len(json.dumps(schema)) > 1000
     try:
         for constraint in ({"json": schema}, {"regex": r"[\w.+-]+@[\w-]+\.[a-z]{2,}"}, {"choice": ["yes", "no"]},
                            {"grammar": 'start: expr\nexpr: NUMBER | expr "+" expr | "(" expr ")"\n%import common.NUMBER'}):
