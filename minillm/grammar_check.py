@@ -3,9 +3,10 @@
 llguidance's regex derivatives can take time and memory that grow with the square of a regex's
 length (40 KB of ".?": minutes and gigabytes), checked against its fuel only between
 derivatives, and a compile thread cannot be stopped. So a grammar the engine has not compiled
-yet is compiled first in a child process under an address-space cap, killed once the compile
-timeout passes: a grammar that outgrows either is refused, and the engine's own compile (the
-same work: the matcher, its first masks, the probe walk) runs only for grammars that fit both.
+yet (one past the length that cannot cost much: structured_output._needs_check) is compiled first
+in a child process under an address-space cap, killed once the compile timeout passes: a grammar
+that outgrows either is refused, and the engine's own compile (the same work: the matcher, its
+first masks, the probe walk) runs only for grammars that fit both.
 
     compile thread (GrammarChecker.check)        child (python -m minillm.grammar_check)
     start: tokenizer, vocab size, EOS, cap   ->  builds llguidance's tokenizer, caps its address
@@ -152,13 +153,16 @@ class GrammarChecker:
             child.kill()
 
 
-def _vm_size() -> int:
-    """This process's address space in bytes (VmSize)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
+def _vm_size() -> int | None:
+    """This process's address space in bytes (VmSize; None where /proc does not say)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _trial(tok, grammar: str, vocab_size: int, eos: frozenset) -> None:
@@ -215,9 +219,10 @@ def main() -> None:
     with _large_stack():
         worker = threading.Thread(target=_work, args=(tok, start["vocab_size"], eos, grammars, answers), daemon=True)
         worker.start()
-    if start["memory_bytes"]:
+    size = _vm_size()
+    if start["memory_bytes"] and size is not None:        # (without /proc: the timeout alone)
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        limit = _vm_size() + start["memory_bytes"]
+        limit = size + start["memory_bytes"]
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
     _send(out, {"ready": True})
     while (message := _receive(fd)) is not None:
