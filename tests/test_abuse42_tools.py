@@ -7,10 +7,9 @@ import json
 
 import httpx
 import pytest
-from test_abuse34_parsers import install_script
-from test_server_helpers import CHAT_TEMPLATE, call_utility, running_server
+import test_abuse41_tools
+from test_server_helpers import call_utility
 
-from minillm.server.app import ServerOptions
 from minillm.server.output_parsers import OutputParsers
 from minillm.server.tool_parsers import ToolParser
 
@@ -68,16 +67,8 @@ def test_a_second_call_cut_inside_its_closing_tag_leaves_the_whole_output_as_con
 
 # ---- through the server ------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def server(stories_path):
-    """(url, engine): stories260K with --tool-call-parser hermes, its outputs scripted (install_script)."""
-    options = ServerOptions(chat_template=CHAT_TEMPLATE, tool_call_parser="hermes")
-    with running_server(stories_path, max_model_len=512, options=options, core_hook=install_script) as running:
-        yield running
-
-
-def sse_data(response: httpx.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+server = test_abuse41_tools.server          # a fixture: stories260K with hermes, its outputs scripted
+sse_data = test_abuse41_tools.sse_data
 
 
 MESSAGES_BODY = {"model": "stories", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
