@@ -8,27 +8,24 @@ in a child process under an address-space cap, killed once the compile timeout p
 that outgrows either is refused, and the engine's own compile (the same work: the matcher, its
 first masks, the probe walk) runs only for grammars that fit both.
 
-    compile thread (GrammarChecker.check)        child (python -m minillm.grammar_check)
+    compile thread (GrammarChecker.check)        child (python -m minillm.grammar_check FD)
     start: tokenizer, vocab size, EOS, cap   ->  builds llguidance's tokenizer, caps its address
                                                  space at what it holds then plus the cap, "ready"
     the grammar's text                       ->  compiles it as the engine would, "done" (its
                                                  errors are the engine's to report)
     no answer by the timeout, or none at all     killed; the next check starts another child
 
-Messages are JSON, each after its length (8 bytes, little-endian), on the child's stdin/stdout.
+The child is started as the grammar process is (minillm.grammar_process.start_child): a
+multiprocessing Connection on a socket pair.
 """
 from __future__ import annotations
 
-import json
-import os
 import queue
 import resource
-import select
-import struct
-import subprocess
+import signal
 import sys
 import threading
-import time
+from multiprocessing.connection import Connection
 
 CHECK_MEMORY_BYTES = 2 << 30    # address space a trial compile may add to the child's
 MAX_IDLE_CHILDREN = 2           # children kept for the next checks (more run while compiles overlap)
@@ -39,49 +36,27 @@ class GrammarTooCostly(Exception):
     """The trial compile ran past the timeout or the memory cap; str() says which."""
 
 
-def _send(stream, message: dict) -> None:
-    data = json.dumps(message).encode()
-    stream.write(struct.pack("<Q", len(data)) + data)
-    stream.flush()
-
-
-def _read_exact(fd: int, size: int, deadline: float | None) -> bytes | None:
-    """size bytes from fd, or None at EOF or once deadline (monotonic) passes."""
-    chunks, left = [], size
-    while left:
-        if deadline is not None:
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([fd], [], [], wait)[0]:
-                return None
-        chunk = os.read(fd, left)
-        if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def _receive(fd: int, deadline: float | None = None) -> dict | None:
-    head = _read_exact(fd, 8, deadline)
-    if head is None:
-        return None
-    body = _read_exact(fd, struct.unpack("<Q", head)[0], deadline)
-    return None if body is None else json.loads(body)
-
-
 class _Child:
-    """One child process and its pipes (started, and told what to build, without waiting)."""
+    """One child process and its connection (started, and told what to build, without waiting)."""
 
     def __init__(self, start: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "minillm.grammar_check"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        _send(self.proc.stdin, start)
+        from minillm.grammar_process import start_child
+        self.conn, self.proc = start_child("minillm.grammar_check", start)
         self.ready = False
+
+    def ask(self, message, timeout_s: float) -> dict | None:
+        """The child's answer to message, or None when it ends or gives none within timeout_s."""
+        try:
+            if message is not None:
+                self.conn.send(message)
+            return self.conn.recv() if self.conn.poll(timeout_s) else None
+        except (EOFError, OSError):
+            return {"ended": True}
 
     def wait_ready(self) -> None:
         """Block until the child has built its tokenizer (a RuntimeError if it never does)."""
         if not self.ready:
-            answer = _receive(self.proc.stdout.fileno(), time.monotonic() + START_TIMEOUT_S)
+            answer = self.ask(None, START_TIMEOUT_S)
             if not answer or not answer.get("ready"):
                 self.kill()
                 raise RuntimeError("the grammar check process did not start")
@@ -90,11 +65,7 @@ class _Child:
     def kill(self) -> None:
         self.proc.kill()
         self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except OSError:
-                pass
+        self.conn.close()
 
 
 class GrammarChecker:
@@ -126,16 +97,10 @@ class GrammarChecker:
         if child is None:
             child = _Child(self._start)
         child.wait_ready()
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            _send(child.proc.stdin, {"grammar": grammar})
-            answer = _receive(child.proc.stdout.fileno(), deadline)
-        except OSError:
-            answer = None
-        if answer is None or answer.get("memory"):
-            timed_out = answer is None and time.monotonic() >= deadline     # else the child ended: out of memory
+        answer = child.ask(grammar, self.timeout_s)
+        if answer is None or "done" not in answer:          # past the timeout, or ended: out of memory
             child.kill()
-            if timed_out:
+            if answer is None:
                 raise GrammarTooCostly(f"takes longer than {self.timeout_s:g} s to compile")
             raise GrammarTooCostly(f"needs more than {self.memory_bytes / 2**30:g} GiB of memory to compile")
         with self._lock:
@@ -204,14 +169,14 @@ def _work(tok, vocab_size: int, eos: frozenset, grammars: queue.Queue, answers: 
 
 
 def main() -> None:
-    """The child: read the start message, then compile each grammar sent until stdin closes, on a
-    thread with the engine's compile stack (llguidance recurses along a grammar's rule chains),
+    """The child: read the start message, then compile each grammar sent until the engine is gone,
+    on a thread with the engine's compile stack (llguidance recurses along a grammar's rule chains),
     started before the address space is capped (its stack is reserved in it)."""
     from minillm.structured_output import _large_stack, warm_ll_tokenizer
-    fd, out = sys.stdin.buffer.fileno(), sys.stdout.buffer
-    start = _receive(fd)
-    if start is None:
-        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the engine's to handle: it stops the child
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    conn = Connection(int(sys.argv[1]))
+    start = conn.recv()
     eos = frozenset(start["eos"])
     tok = warm_ll_tokenizer(start["tokenizer"], start["vocab_size"], eos)
     grammars: queue.Queue = queue.Queue()
@@ -224,11 +189,15 @@ def main() -> None:
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
         limit = size + start["memory_bytes"]
         resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
-    _send(out, {"ready": True})
-    while (message := _receive(fd)) is not None:
-        grammars.put(message["grammar"])
+    conn.send({"ready": True})
+    while True:
+        try:
+            grammar = conn.recv()
+        except (EOFError, OSError):
+            break
+        grammars.put(grammar)
         answer = answers.get()
-        _send(out, answer)
+        conn.send(answer)
         if answer.get("memory"):
             return
     grammars.put(None)

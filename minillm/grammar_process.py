@@ -592,20 +592,25 @@ def _reap(proc: subprocess.Popen) -> None:
     proc.poll()
 
 
-def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:
-    """Start `python -m minillm.grammar_process FD` on one end of a socket pair and send it spec.
-    (Not multiprocessing's spawn: that runs the parent's __main__ again, and a script that builds an
-    engine without a __main__ guard would start another.)"""
+def start_child(module: str, message, pass_fds: tuple[int, ...] = ()) -> tuple[Connection, subprocess.Popen]:
+    """Start `python -m MODULE FD` on one end of a socket pair and send it message (the child reads
+    Connection(int(sys.argv[1]))). Not multiprocessing's spawn: that runs the parent's __main__
+    again, and a script that builds an engine without a __main__ guard would start another."""
     parent, child = socket.socketpair()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "minillm.grammar_process", str(child.fileno())],
-                                pass_fds=(child.fileno(), spec.mask_fd), stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen([sys.executable, "-m", module, str(child.fileno())],
+                                pass_fds=(child.fileno(), *pass_fds), stdin=subprocess.DEVNULL, env=env)
     finally:
         child.close()
     conn = Connection(parent.detach())
-    conn.send(spec)
+    conn.send(message)
     return conn, proc
+
+
+def _start(spec: GrammarProcessSpec) -> tuple[Connection, subprocess.Popen]:
+    """The grammar process, started and sent spec."""
+    return start_child("minillm.grammar_process", spec, (spec.mask_fd,))
 
 
 # ----------------------------------------------------------------------------- the grammar process

@@ -19,7 +19,7 @@ LARGE = ".?" * 3000      # about 1 s and 0.2 GB
 
 def _children() -> set[int]:
     """Pids of running grammar check processes."""
-    out = subprocess.run(["pgrep", "-f", "-x", ".*-m minillm.grammar_check"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", ".*-m minillm[.]grammar_check [0-9]+$"], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
 
 
