@@ -550,19 +550,20 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt block, the host tier's too, so later prompts are computed afresh
         (vLLM's name, for benchmarks and changed weights); False, with nothing forgotten, while any
-        request is unfinished or any block is in use (stricter than vLLM, which asks only the blocks:
-        here a step launched ahead for an unfinished request is drained only once none is left)."""
+        block is in use, as vLLM's BlockPool refuses. Requests that hold none (queued, waiting for
+        their grammar, preempted) stay queued and compute their prompts afresh once admitted."""
         if self.is_shut_down:
             raise RuntimeError("the engine is shut down: its KV pool is released")
-        unfinished = self.get_num_unfinished_requests()
-        if not unfinished:          # steps launched for requests finished (or aborted) since: their tokens are dropped
+        if not self.scheduler.num_running:
+            # Steps launched ahead whose sequences have all ended or been preempted since: read back
+            # first, so that no block they fill (registered at launch) is cached after the reset.
             self._sample_deferred()
             while self._in_flight:
                 self._complete(*self._in_flight.popleft())
         in_use = self.block_manager.num_used_blocks
-        if in_use or unfinished:
-            self.log(f"minillm: reset_prefix_cache: nothing was reset ({unfinished} requests unfinished, "
-                     f"{in_use} KV blocks in use)")
+        if in_use:
+            self.log(f"minillm: reset_prefix_cache: nothing was reset ({in_use} KV blocks in use, "
+                     f"{self.scheduler.num_running} sequences running)")
             return False
         self.block_manager.reset_prefix_cache()
         if self.kv_connector is not None:     # the host tier would serve the same prompts again

@@ -175,9 +175,10 @@ def test_reset_prefix_cache_forgets_the_host_tier_too(stories_path, golden):
     run(tiered, {"first": first})
     run(tiered, prompts_of(golden[30:], 3, 21))
     assert all(in_host(tiered, first))
+    tiered.add_request("busy", first, GREEDY)     # a request holding blocks: nothing is forgotten
+    tiered.step()
     used = tiered.stats(cells=1).kv_offload_num_used_blocks
-    tiered.add_request("busy", first, GREEDY)     # a request unfinished: nothing is forgotten
-    assert tiered.reset_prefix_cache() is False
+    assert tiered.block_manager.num_used_blocks and tiered.reset_prefix_cache() is False
     assert tiered.stats(cells=1).kv_offload_num_used_blocks == used and all(in_host(tiered, first))
     tiered.abort_request("busy")
     while tiered.has_unfinished_requests():

@@ -111,7 +111,7 @@ class KVConnectorScheduler:
 
     def reset_cache(self) -> None:
         """Forget every prefix block it could supply (the engine's reset_prefix_cache, called only
-        while no request is unfinished): later prompts are computed afresh."""
+        while no block is in use and no step is in flight): later prompts are computed afresh."""
 
     def describe(self) -> str | None:
         """A start-up line on what it does (None: nothing worth a line)."""

@@ -186,7 +186,7 @@ class HostTierScheduler(KVConnectorScheduler):
         return host
 
     def reset_cache(self) -> None:
-        """Forget every host block's key (the engine is idle: no step copies to or from them), and
+        """Forget every host block's key (no step is in flight: none copies to or from them), and
         the device evictions not saved yet: a later prompt hits neither."""
         self.key_to_block.clear()
         self.block_keys = [None] * self.num_blocks
