@@ -59,7 +59,7 @@ def test_the_rule_refuses_what_pydantic_lax_mode_refuses_naming_the_field(value,
 
 def test_completion_takes_numbers_and_booleans_as_strings(url):
     body = {"prompt": "Once upon a time", "max_tokens": "3", "ignore_eos": "true", "temperature": "0",
-            "logprobs": "1", "echo": 0, "n": 1.0, "seed": "7"}
+            "logprobs": 1.0, "echo": 0, "n": 1.0, "seed": "7"}
     choice = post(url, "/v1/completions", body).json()
     assert choice["usage"]["completion_tokens"] == 3
     assert len(choice["choices"][0]["logprobs"]["top_logprobs"][0]) == 1
@@ -69,7 +69,7 @@ def test_completion_takes_numbers_and_booleans_as_strings(url):
 
 
 def test_chat_takes_logprobs_as_0_or_1_and_max_tokens_as_a_whole_float(url):
-    body = {"messages": MESSAGES, "max_tokens": 4.0, "ignore_eos": 1, "top_logprobs": "2"}
+    body = {"messages": MESSAGES, "max_tokens": 4.0, "ignore_eos": 1, "top_logprobs": 2.0}
     with_logprobs = post(url, "/v1/chat/completions", {**body, "logprobs": 1}).json()
     assert with_logprobs["usage"]["completion_tokens"] == 4
     rows = with_logprobs["choices"][0]["logprobs"]["content"]

@@ -3,8 +3,9 @@
 Values are read as vLLM's request models read them, in pydantic's lax mode: "5" and 5.0 are the
 integer 5, "0.7" and 1 are numbers, 0, 1, "true", "false" (and pydantic's other spellings) are
 booleans; 5.5 or "abc" for an integer, 2 for a boolean, and a number for a string are errors naming
-the field. Floats are finite, and every string must be valid Unicode (JSON can carry a lone surrogate
-such as "\\ud800", which no tokenizer takes).
+the field. The counts of log-probabilities (logprobs, top_logprobs, prompt_logprobs) are numbers only:
+vLLM's models refuse them as text ("5" too). Floats are finite, and every string must be valid
+Unicode (JSON can carry a lone surrogate such as "\\ud800", which no tokenizer takes).
 """
 from __future__ import annotations
 
@@ -69,6 +70,15 @@ def check_text(value: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(check_text)]
+
+
+def _number_not_text(value: Any) -> Any:
+    """A count of log-probabilities as vLLM's request models take it (their check_logprobs runs before
+    pydantic's lax reading): a JSON number, never text, "5" included."""
+    if isinstance(value, str):
+        raise PydanticCustomError("integer_text", "must be an integer, got a string ({value})",
+                                  {"value": short_repr(value)})
+    return value
 
 
 def _check_json_text(value: Any) -> Any:
@@ -203,6 +213,11 @@ class _GenerationRequest(_ModelRequest):
             raise PydanticCustomError("empty_salt", "cache_salt must be a non-empty string if provided")
         return value
 
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_logprobs_number(cls, value: Any) -> Any:
+        return _number_not_text(value)
+
     @field_validator("vllm_xargs")
     @classmethod
     def _xargs_not_the_connectors(cls, value: dict | None) -> dict | None:
@@ -255,6 +270,11 @@ class CompletionRequest(_GenerationRequest):
     suffix: Text | None = None
     add_special_tokens: bool = True              # vLLM's: BOS (and such) before a text prompt
     vllm_xargs: dict[Text, Text | int | float] | None = None     # vLLM's completions take no lists here
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_number(cls, value: Any) -> Any:
+        return _number_not_text(value)
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -416,6 +436,11 @@ class ChatCompletionRequest(ConversationRequest, _GenerationRequest):
     # OpenAI's: the template's reasoning_effort, and its enable_thinking ("none": false) as vLLM renders it
     reasoning_effort: Literal[REASONING_EFFORTS] | None = None
     return_prompt_text: bool | None = None       # vLLM's: the prompt the template rendered, as prompt_text
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _top_logprobs_number(cls, value: Any) -> Any:
+        return _number_not_text(value)
 
 
 class TokenizeCompletionRequest(_ModelRequest):
