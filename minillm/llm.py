@@ -183,6 +183,7 @@ class LLM:
         # One generate() at a time: each steps the engine and keeps only its own finished requests.
         self._generate_lock = threading.Lock()
         self._generating_thread: int | None = None     # the thread holding _generate_lock
+        self._is_closing = False     # shutdown() was called: a generate() running stops after its step
 
     def __getattr__(self, name: str):
         """Only for names LLM lacks: vLLM's methods in VLLM_MISSING_METHODS are refused with the reason."""
@@ -352,6 +353,8 @@ class LLM:
         wanted = set(ids)
         try:
             while len(finished) < len(ids):
+                if self._is_closing:
+                    raise RuntimeError("LLM.shutdown() was called while generate() ran: its requests were aborted")
                 outputs = self.engine.step()
                 if timers is not None:
                     _observe(timers, outputs)
@@ -515,8 +518,13 @@ class LLM:
                              tokenization_kwargs=truncation)
 
     def shutdown(self) -> None:
-        """Release the engine's device memory (KV pool, graphs, weights); the LLM is unusable after."""
-        self.engine.shutdown()
+        """Release the engine's device memory (KV pool, graphs, weights); the LLM is unusable after. A
+        generate() running on another thread is stopped after its current step (its requests aborted,
+        a RuntimeError raised there) before the engine is shut down under it."""
+        self._refuse_reentry("shutdown")      # from generate()'s own thread it would wait on itself
+        self._is_closing = True
+        with self._one_call("shutdown"):
+            self.engine.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

@@ -24,7 +24,7 @@ import time
 import pytest
 from test_server_helpers import wait_for
 
-from minillm import SamplingParams
+from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.server.async_engine import start_async_engine
@@ -194,3 +194,52 @@ async def until_stats(engine, predicate):
         assert time.monotonic() < deadline, f"timed out; the engine's stats: {stats}"
         await asyncio.sleep(0.005)
     return stats
+
+
+# ---- shutdown while generate() runs, and a new engine after it ---------------------------------------
+
+def test_shutdown_from_another_thread_stops_a_running_generate_then_a_new_llm_serves_as_alone(stories_path, golden,
+                                                                                              alone):
+    # LLM.shutdown() released the weights and the KV pool under a generate() stepping on another
+    # thread: that step failed inside the model (StepError: 'NoneType' object has no attribute
+    # 'compute_logits'), or generate() returned its requests cut short as if aborted by a caller.
+    llm = LLM(str(stories_path), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=4, num_gpu_blocks_override=16)
+    engine = llm.llm_engine
+    gate = hold_compiles(engine)        # the constrained request never finishes before the shutdown
+    steps_after_shutdown, step = [], engine.step
+
+    def recording_step():
+        if engine.is_shut_down:
+            steps_after_shutdown.append(engine.metrics.num_steps)
+        return step()
+    engine.step = recording_step
+    result = {}
+
+    def run():
+        try:
+            result["outputs"] = llm.generate([golden[40:50], golden[:12]], [constrained(), GREEDY], use_tqdm=False)
+        except Exception as exc:      # noqa: BLE001 - the test reads it
+            result["error"] = exc
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: engine.metrics.num_steps >= 2, "generate() to step")
+        llm.shutdown()
+    finally:
+        gate.set()
+    thread.join(DEADLINE_S)
+    assert not thread.is_alive(), "generate() did not return after the shutdown"
+    assert "outputs" not in result, [o.outputs[0].finish_reason for o in result["outputs"]]
+    error = result["error"]
+    assert type(error) is RuntimeError and "LLM.shutdown() was called while generate() ran" in str(error)
+    assert engine.is_shut_down and not steps_after_shutdown
+    with pytest.raises(RuntimeError, match="the engine is shut down"):
+        llm.generate(golden[:12], GREEDY, use_tqdm=False)
+    llm.shutdown()                      # a second shutdown does nothing
+    # A new LLM in the same process, on the same model, serves as before.
+    with LLM(str(stories_path), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=4,
+             num_gpu_blocks_override=16) as again:
+        outputs = again.generate([golden[:12], golden[40:50]], [GREEDY, constrained()], use_tqdm=False)
+        assert token_ids(outputs[0]) == alone(golden[:12], GREEDY)
+        assert re.fullmatch(REGEX, outputs[1].outputs[0].text)
+        assert_pool_free(again.llm_engine)
