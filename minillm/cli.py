@@ -1812,7 +1812,7 @@ def serve(
         flag = "--enable-log-requests" if log_requests else "--uvicorn-log-level"
         raise UsageError(f"--monitor draws the dashboard in this terminal, where {flag} would log over it; "
                          "leave one out (and run `minillm monitor URL` in another terminal to have both)")
-    names = served_names_option(served_model_name, model)
+    names = served_names_option(served_model_name, model, ctx.command_path)
     keys, model = api_keys_option(api_key, model)
     keys = keys if keys is not None else api_key_variable()
     check_model_variable(model)
@@ -1909,17 +1909,18 @@ def log_requests_option(enable: bool, disable: bool) -> bool:
     return enable
 
 
-def served_names_option(names: list[str] | None, model: str | None) -> tuple[str, ...] | None:
+def served_names_option(names: list[str] | None, model: str | None, command: str) -> tuple[str, ...] | None:
     """--served-model-name's names (None: none given). With MODEL left out, a name that is a model
     directory is MODEL written after the option, which took it as a name (as vLLM's does): a CliError
-    says so, rather than serving the default model under it."""
+    says so, showing COMMAND (minillm serve, minillm run-batch) with the model first, rather than
+    serving the default model under it."""
     if not names:
         return None
     if model is None:
         taken = next((n for n in names if _is_model_dir(n)), None)
         if taken is not None:
             raise CliError(f"--served-model-name took {taken} as a name (its values run up to the next option, "
-                           f"as in vLLM); give the model first: minillm serve {taken} --served-model-name ...")
+                           f"as in vLLM); give the model first: {command} {taken} --served-model-name ...")
     return tuple(names)
 
 
@@ -2076,7 +2077,7 @@ def run_batch_command(
     except ValueError as exc:
         flag, _, reason = str(exc).partition(" ")
         raise typer.BadParameter(reason, param_hint=f"'{flag}'") from None
-    names = served_names_option(v["served_model_name"], model)
+    names = served_names_option(v["served_model_name"], model, ctx.command_path)
     check_model_variable(model)
     name = model or os.environ.get("MINILLM_MODEL") or DEFAULT_CHAT_MODEL
     options = server_options(ctx, v, names or name, log_interval=None)
