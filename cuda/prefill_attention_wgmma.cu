@@ -5,10 +5,11 @@
 // HEAD_DIM], block_tables [B, max_blocks], seq_lens [B], query_start_loc [B+1], q / out [T, Hq,
 // HEAD_DIM] with token strides; GQA query heads packed as rows of their KV head), HEAD_DIM 128,
 // fp16 / bf16 activations and caches. Launch: one block of 384 threads per (query tile of WG_BM
-// rows, KV head, sequence), ordered as prefill_attention.cu orders them (longest first);
-// dynamic shared memory WG_SMEM bytes; no key splits (minillm/ops/prefill_attention.py runs it on
-// grids that fill the card). The body needs sm_90a (NVRTC -arch=sm_90a); built for plain sm_90
-// the file holds no kernel.
+// rows, KV head, sequence), ordered as prefill_attention.cu orders them (longest first), times
+// num_splits key splits (blockIdx.y: prefill_attention.cu's even runs of K/V tiles, its partials
+// part_o / part_ml and its reduce kernel; num_splits 1 writes out directly); dynamic shared memory
+// WG_SMEM bytes. The body needs sm_90a (NVRTC -arch=sm_90a); built for plain sm_90 the file holds
+// no kernel.
 //
 //   - Warpgroup 0 (the producer) gathers each K/V tile of WG_BN keys through the block table with
 //     cp.async (16-byte pieces, zero-filled past the sequence's last key) into WG_STAGES stages, in
@@ -169,7 +170,8 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
                         const scalar_t* __restrict__ v_cache, const int* __restrict__ block_tables,
                         long long bt_stride, const int* __restrict__ seq_lens,
                         const int* __restrict__ query_start_loc, int num_seqs, int num_kv_heads,
-                        int block_size_log2, float scale_log2) {
+                        int block_size_log2, float scale_log2, float* __restrict__ part_o,
+                        float* __restrict__ part_ml, int num_splits) {
     extern __shared__ unsigned char wg_raw[];
     __shared__ __align__(8) unsigned long long bars[2 * WG_STAGES];     // full[s], then empty[s]
     const unsigned int base = (smem_u32(wg_raw) + 1023u) & ~1023u;     // swizzle atoms: 1024-byte aligned
@@ -183,7 +185,11 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
     const int tok0 = w.tile * WG_TOKENS;
     const int pos0 = seq_lens[w.b] - q_len;                             // position of the chunk's token 0
     const int kv_end = pos0 + min(tok0 + WG_TOKENS, q_len);             // keys [0, kv_end) reach this block
-    const int num_tiles = (kv_end + WG_BN - 1) / WG_BN;
+    // This split's run of tiles [j0, j0 + num_tiles) (blockIdx.y; all of them without splits).
+    const int all_tiles = (kv_end + WG_BN - 1) / WG_BN;
+    const int per_split = (all_tiles + num_splits - 1) / num_splits;
+    const int j0 = min(all_tiles, (int)blockIdx.y * per_split);
+    const int num_tiles = min(all_tiles - j0, per_split);
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < WG_STAGES; ++s) {
@@ -207,7 +213,7 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
         const int piece = lane & 15, half = piece >> 3, c = piece & 7, sub = lane >> 4;
         const int in_block = (1 << block_size_log2) - 1;
         auto row_of = [&](int j) {
-            const int pos = j * WG_BN + pwarp * 32 + lane;
+            const int pos = (j0 + j) * WG_BN + pwarp * 32 + lane;
             return pos < kv_end ? (bt[pos >> block_size_log2] << block_size_log2) | (pos & in_block) : -1;
         };
         int row = row_of(0);
@@ -287,7 +293,7 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
     // place and their sums taken; returns nothing, sets the rescale factors.
     float alpha_a = 1.0f, alpha_b = 1.0f, sum_a = 0.0f, sum_b = 0.0f;
     auto softmax = [&](int j) {
-        const int kt = j * WG_BN;
+        const int kt = (j0 + j) * WG_BN;
         if (kt + WG_BN - 1 > wg_min_pos) {     // only tiles that reach past the warpgroup's first row
 #pragma unroll
             for (int n = 0; n < 16; ++n) {
@@ -349,32 +355,34 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
     };
 
     // Tile j's scores and softmax run while tile j - 1's P V is on the tensor cores.
-    wait_tile(0);
-    wg_fence();
-    issue_scores(0);
-    wg_wait0();
-    wg_fence_regs(s);
-    softmax(0);
-    rescale_and_pack();
-    for (int j = 1; j < num_tiles; ++j) {
-        wait_tile(j);
+    if (num_tiles > 0) {                                   // a split past the keys: no tiles
+        wait_tile(0);
         wg_fence();
-        issue_scores(j);
-        issue_pv(j - 1);
-        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");   // the scores are in
+        issue_scores(0);
+        wg_wait0();
         wg_fence_regs(s);
-        softmax(j);
-        wg_wait0();                                                        // P V of tile j - 1 is done
-        wg_fence_regs(o);
-        wg_fence_regs_u(p);
-        mbar_arrive(empty0 + 8 * ((j - 1) % WG_STAGES));
+        softmax(0);
         rescale_and_pack();
+        for (int j = 1; j < num_tiles; ++j) {
+            wait_tile(j);
+            wg_fence();
+            issue_scores(j);
+            issue_pv(j - 1);
+            asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");   // the scores are in
+            wg_fence_regs(s);
+            softmax(j);
+            wg_wait0();                                                        // P V of tile j - 1 is done
+            wg_fence_regs(o);
+            wg_fence_regs_u(p);
+            mbar_arrive(empty0 + 8 * ((j - 1) % WG_STAGES));
+            rescale_and_pack();
+        }
+        wg_fence();
+        issue_pv(num_tiles - 1);
+        wg_wait0();
+        wg_fence_regs(o);
+        mbar_arrive(empty0 + 8 * ((num_tiles - 1) % WG_STAGES));
     }
-    wg_fence();
-    issue_pv(num_tiles - 1);
-    wg_wait0();
-    wg_fence_regs(o);
-    mbar_arrive(empty0 + 8 * ((num_tiles - 1) % WG_STAGES));
 
     // Normalise and store rows a and b (sums over the quad first).
     l_a += __shfl_xor_sync(FULL_MASK, l_a, 1);
@@ -384,6 +392,22 @@ prefill_attention_wgmma(scalar_t* __restrict__ out, long long out_stride, const 
     const float inv_a = l_a > 0.0f ? 1.0f / l_a : 0.0f, inv_b = l_b > 0.0f ? 1.0f / l_b : 0.0f;
     const int tok_a = tok0 + row_a / GQA, tok_b = tok0 + (row_a + 8) / GQA;
     const bool ok_a = row_a < WG_VALID_ROWS && tok_a < q_len, ok_b = row_a + 8 < WG_VALID_ROWS && tok_b < q_len;
+    if (num_splits > 1) {
+        // Split blockIdx.y's partials (prefill_attention.cu's layout): the output normalised by the
+        // split's own sum, and (max in log2 units, sum) once per row; prefill_attention_reduce merges.
+        const int heads = num_kv_heads * GQA;
+        const long long part_a = ((long long)(q_start + tok_a) * heads + w.kvh * GQA + row_a % GQA) * num_splits + blockIdx.y;
+        const long long part_b = ((long long)(q_start + tok_b) * heads + w.kvh * GQA + (row_a + 8) % GQA) * num_splits + blockIdx.y;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+            const int col = n * 8 + tq * 2;
+            if (ok_a) *reinterpret_cast<float2*>(part_o + part_a * HEAD_DIM + col) = make_float2(o[4 * n] * inv_a, o[4 * n + 1] * inv_a);
+            if (ok_b) *reinterpret_cast<float2*>(part_o + part_b * HEAD_DIM + col) = make_float2(o[4 * n + 2] * inv_b, o[4 * n + 3] * inv_b);
+        }
+        if (tq == 0 && ok_a) *reinterpret_cast<float2*>(part_ml + part_a * 2) = make_float2(m_a, l_a);
+        if (tq == 0 && ok_b) *reinterpret_cast<float2*>(part_ml + part_b * 2) = make_float2(m_b, l_b);
+        return;
+    }
     scalar_t* out_a = out + (long long)(q_start + tok_a) * out_stride + (long long)(w.kvh * GQA + row_a % GQA) * HEAD_DIM;
     scalar_t* out_b = out + (long long)(q_start + tok_b) * out_stride + (long long)(w.kvh * GQA + (row_a + 8) % GQA) * HEAD_DIM;
 #pragma unroll

@@ -154,13 +154,19 @@ def grid_order(v: Variant, tiles: int, num_kv_heads: int, batch: int, num_sms: i
     return blocks, first_wave
 
 
-def kv_splits(blocks: int, max_seq_len: int, num_sms: int, num_tokens: int, num_heads: int, head_dim: int) -> int:
+def kv_splits(blocks: int, max_seq_len: int, num_sms: int, num_tokens: int, num_heads: int, head_dim: int,
+              hopper: bool = False) -> int:
     """Key splits of every block of a grid of `blocks` blocks whose longest context is max_seq_len
-    (1: none); the partials of num_tokens rows stay within SPLIT_WORKSPACE_BYTES."""
+    (1: none); the partials of num_tokens rows stay within SPLIT_WORKSPACE_BYTES. The Hopper
+    kernel (one block a multiprocessor) splits as far as one wave holds, in its 128-key tiles."""
     if blocks >= num_sms:
         return 1
-    want = -(-SPLIT_BLOCKS_PER_SM * num_sms // max(1, blocks))
-    cap = -(-max(1, max_seq_len) // KV_TILE) // MIN_SPLIT_TILES
+    if hopper:
+        want = num_sms // max(1, blocks)
+        cap = -(-max(1, max_seq_len) // HOPPER_KV_TILE) // MIN_SPLIT_TILES
+    else:
+        want = -(-SPLIT_BLOCKS_PER_SM * num_sms // max(1, blocks))
+        cap = -(-max(1, max_seq_len) // KV_TILE) // MIN_SPLIT_TILES
     room = SPLIT_WORKSPACE_BYTES // max(1, num_tokens * num_heads * (head_dim + 2) * 4)
     return int(max(1, min(want, cap, room, MAX_KV_SPLITS)))
 
@@ -170,7 +176,7 @@ def grid_kv_splits(v: Variant, num_tokens: int, num_heads: int, head_dim: int, n
     """The key splits launch() picks for a batch of `batch` chunks (1: none)."""
     tiles = num_q_tiles(v, num_heads // num_kv_heads, max_query_len)
     blocks, _ = grid_order(v, tiles, num_kv_heads, batch, num_sms)
-    return kv_splits(blocks, max_seq_len, num_sms, num_tokens, num_heads, head_dim)
+    return kv_splits(blocks, max_seq_len, num_sms, num_tokens, num_heads, head_dim, v.hopper)
 
 
 def _configure(fn, smem: int) -> None:
@@ -208,26 +214,15 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
     blocks, first_wave = grid_order(v, tiles, num_kv_heads, batch, sms)
     splits = num_splits or grid_kv_splits(v, num_tokens, num_heads, head_dim, num_kv_heads, batch, max_query_len,
                                           max_seq_len, sms)
-    fn = hopper_kernel(q.dtype, head_dim, group) if v.hopper and splits == 1 else None
-    if v.hopper and fn is None:               # keys split (the Hopper kernel does not), or it did not build
+    fn = hopper_kernel(q.dtype, head_dim, group) if v.hopper else None
+    if v.hopper and fn is None:               # it did not build: the flash kernel, with its own splits
         v = VARIANTS["flash-4w"]
         blocks, first_wave = grid_order(v, num_q_tiles(v, group, max_query_len), num_kv_heads, batch, sms)
-    if v.hopper:
-        smem = v.smem_bytes(head_dim)
-        _configure(fn, smem)
-        return [ops.KernelLaunch(
-            fn, (blocks,), (384,),
-            [ops._ptr(out), ops._i64(out.strides[0] // out.dtype.itemsize), ops._ptr(q),
-             ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
-             ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
-             ops._i32(num_kv_heads), ops._i32(ops._log2_exact(block_size, "block_size")),
-             np.float32(scale * ops.LOG2E)],
-            shared_mem=smem)]
+        splits = num_splits or grid_kv_splits(v, num_tokens, num_heads, head_dim, num_kv_heads, batch,
+                                              max_query_len, max_seq_len, sms)
     fp8 = k_cache.dtype == np.uint8
-    defines = {"HEAD_DIM": head_dim, "GQA": group, **v.defines(), **({"KV_FP8": 1} if fp8 else {})}
-    fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
-    smem = v.smem_bytes(head_dim, fp8)
-    _configure(fn, smem)
+    flash_defines = VARIANTS["flash-4w"].defines() if v.hopper else v.defines()
+    defines = {"HEAD_DIM": head_dim, "GQA": group, **flash_defines, **({"KV_FP8": 1} if fp8 else {})}
     out_stride = ops._i64(out.strides[0] // out.dtype.itemsize)
     if splits > 1:
         cp = ops._require_cupy()
@@ -236,14 +231,28 @@ def launch(v: Variant, out, q, k_cache, qsl, seq_lens, tables, scale: float, max
         parts, keep = [ops._ptr(part_o), ops._ptr(part_ml)], (part_o, part_ml)
     else:
         parts, keep = [np.uint64(0), np.uint64(0)], ()
-    launches = [ops.KernelLaunch(
-        fn, (blocks, splits), (32 * v.warps,),
-        [ops._ptr(out), out_stride, ops._ptr(q),
-         ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
-         ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
-         ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
-         np.float32(scale * ops.LOG2E), ops._i32(first_wave), *parts, ops._i32(splits), ops.KV_SCALES],
-        shared_mem=smem, keep=keep)]
+    if v.hopper:
+        smem = v.smem_bytes(head_dim)
+        _configure(fn, smem)
+        launches = [ops.KernelLaunch(
+            fn, (blocks, splits), (384,),
+            [ops._ptr(out), out_stride, ops._ptr(q), ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE,
+             ops._ptr(tables), ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl),
+             ops._i32(batch), ops._i32(num_kv_heads), ops._i32(ops._log2_exact(block_size, "block_size")),
+             np.float32(scale * ops.LOG2E), *parts, ops._i32(splits)],
+            shared_mem=smem, keep=keep)]
+    else:
+        fn = ops._kernel(SOURCE, q.dtype, "prefill_attention", **defines)
+        smem = v.smem_bytes(head_dim, fp8)
+        _configure(fn, smem)
+        launches = [ops.KernelLaunch(
+            fn, (blocks, splits), (32 * v.warps,),
+            [ops._ptr(out), out_stride, ops._ptr(q),
+             ops._i64(ops._row_stride(q, "q")), ops.K_CACHE, ops.V_CACHE, ops._ptr(tables),
+             ops._i64(tables.strides[0] // 4), ops._ptr(seq_lens), ops._ptr(qsl), ops._i32(batch),
+             ops._i32(num_kv_heads), ops._i32(tiles), ops._i32(ops._log2_exact(block_size, "block_size")),
+             np.float32(scale * ops.LOG2E), ops._i32(first_wave), *parts, ops._i32(splits), ops.KV_SCALES],
+            shared_mem=smem, keep=keep)]
     if splits > 1 and num_tokens > row0:
         reduce = ops._kernel(SOURCE, q.dtype, "prefill_attention_reduce", **defines)
         launches.append(ops.KernelLaunch(
