@@ -208,26 +208,36 @@ def prefill_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: flo
 
 def small_chunk_rows(cp, ops, rng, k_cache, v_cache, num_blocks: int, gemm_peak: float) -> list[Row]:
     """A short chunk over a 16,000-token prefix (a long prompt's chunk beside decodes under a step
-    budget), the default kernel with its keys split as chosen and unsplit."""
-    from minillm.ops import prefill_attention
+    budget): the flash kernel and, on Hopper, the warpgroup-MMA one, each with its keys split as
+    launch() chooses and unsplit; the default's pick is marked."""
+    from minillm.ops import prefill_attention as pa
 
-    rows, a, prefix = [], ops.asarray, 16000
+    rows, a, prefix, sms = [], ops.asarray, 16000, ops._num_multiprocessors()
+    group = HEADS // KV_HEADS
     for chunk in (128, 512):
         ctx = prefix + chunk
         qp = random_bf16(cp, ops, (chunk, HEADS, HEAD_DIM))
         tables = a(rng.permutation(num_blocks)[:-(-ctx // BLOCK)][None].astype(np.int32))
         flops = 4 * HEADS * HEAD_DIM * chunk * (prefix + (chunk + 1) / 2)
-        v = prefill_attention.variant(prefill_attention.AUTO, qp, k_cache, qp, chunk, 1, ops._num_multiprocessors())
-        blocks, _ = prefill_attention.grid_order(v, prefill_attention.num_q_tiles(v, HEADS // KV_HEADS, chunk),
-                                                 KV_HEADS, 1, ops._num_multiprocessors())
-        auto = prefill_attention.kv_splits(blocks, ctx, ops._num_multiprocessors(), chunk, HEADS, HEAD_DIM)
-        for splits in sorted({1, auto}):
-            meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([ctx], np.int32)), tables,
-                                     a(np.zeros(chunk, np.int32)), chunk, ctx, False, prefill_kv_splits=splits)
-            t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5), iters=10)
-            tag = " (auto)" if splits == auto else ""
-            rows.append(Row(f"prefill attention key splits={splits}{tag}", f"{chunk} over {prefix} cached",
-                            t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
+        auto = pa.variant(pa.AUTO, qp, k_cache, qp, chunk, 1, sms)
+        kernels = [k for k in ("flash-4w", "flash-8w", pa.HOPPER)
+                   if pa.variant(k, qp, k_cache, qp, chunk, 1, sms) is pa.VARIANTS[k]]
+        default = ops.PREFILL_ATTENTION
+        for kernel in kernels:
+            v = pa.VARIANTS[kernel]
+            chosen = pa.grid_kv_splits(v, chunk, HEADS, HEAD_DIM, KV_HEADS, 1, chunk, ctx, sms)
+            for splits in sorted({1, chosen}):
+                meta = AttentionMetadata(a(np.array([0, chunk], np.int32)), a(np.array([ctx], np.int32)), tables,
+                                         a(np.zeros(chunk, np.int32)), chunk, ctx, False, prefill_kv_splits=splits)
+                ops.PREFILL_ATTENTION = kernel
+                try:
+                    t = time_graph(cp, lambda: ops.paged_attention(qp, k_cache, v_cache, meta, HEAD_DIM ** -0.5),
+                                   iters=10)
+                finally:
+                    ops.PREFILL_ATTENTION = default
+                tag = " = default" if v is auto and splits == chosen else ""
+                rows.append(Row(f"prefill attention ({kernel}) key splits={splits}{tag}", f"{chunk} over {prefix} cached",
+                                t * 1e6, flops / t / 1e12, "TFLOP/s", gemm_peak))
     return rows
 
 

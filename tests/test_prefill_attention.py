@@ -69,12 +69,13 @@ def test_auto_picks_four_warps_as_measured(monkeypatch):
     assert choose(max_query_len=64 * edge + 1) is pa.VARIANTS["flash-4w"]
 
 
-def test_hopper_takes_the_warpgroup_kernel_where_it_runs_and_fills_the_card(monkeypatch):
+def test_hopper_takes_the_warpgroup_kernel_where_it_runs(monkeypatch):
     monkeypatch.setattr(pa, "_capability", lambda: "90")
     hopper, four = pa.VARIANTS[pa.HOPPER], pa.VARIANTS["flash-4w"]
     assert choose(max_query_len=2048) is hopper                        # 256 blocks on 132 multiprocessors
     assert choose(max_query_len=2048, dtype="float16") is hopper
-    assert choose(max_query_len=512) is four                           # 64 blocks: flash-4w splits keys
+    assert choose(max_query_len=512) is hopper                         # 64 blocks: their keys split
+    assert choose(max_query_len=16) is hopper
     assert choose(max_query_len=2048, head_dim=64) is four             # head_dim 128 only
     assert choose(kernel=pa.HOPPER, max_query_len=16) is hopper        # named: whatever the grid
     assert choose(kernel=pa.HOPPER, head_dim=64) is four

@@ -172,13 +172,15 @@ def test_many_blocks_of_work_beyond_one_wave(monkeypatch):
 
 def test_paged_attention_runs_the_auto_choice(monkeypatch):
     """The default flag ("flash") through paged_attention, on a small grid and a large one (with
-    the threshold that sends small grids to flash-8w, so both shapes run through the default)."""
+    the threshold that sends small grids to flash-8w, so both shapes run through the default; on
+    Hopper the warpgroup kernel takes both)."""
     monkeypatch.setattr(prefill_attention, "AUTO_8W_BLOCKS_PER_SM", 4)
     small = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [129, 1], [40, 7])
     large = check_prefill(monkeypatch, "flash", "bfloat16", 128, 16, 8, 16, [1500] * 6, [0, 10, 20, 30, 40, 50])
-    # A grid that fills the card runs the warpgroup kernel on Hopper.
-    big = prefill_attention.HOPPER if hopper_runs(128) else "flash-4w"
-    assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS[big])
+    if hopper_runs(128):
+        assert small is large is prefill_attention.VARIANTS[prefill_attention.HOPPER]
+    else:
+        assert (small, large) == (prefill_attention.VARIANTS["flash-8w"], prefill_attention.VARIANTS["flash-4w"])
 
 
 SPLIT_CASES = [  # key splits, dtype, head_dim, heads, kv_heads, block_size, chunk lengths, prefixes

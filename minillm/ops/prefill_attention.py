@@ -114,9 +114,9 @@ def variant(kernel: str, q, k_cache, out, max_query_len: int, batch: int, num_sm
         return VARIANTS[HOPPER if hopper else "flash-4w"]
     if kernel != AUTO:
         return VARIANTS[kernel]
-    blocks = num_q_tiles(VARIANTS["flash-4w"], group, max_query_len) * num_kv_heads * batch
-    if hopper and blocks >= num_sms:          # a grid that fills the card (smaller ones split keys)
+    if hopper:                                # a small grid splits its keys across the card
         return VARIANTS[HOPPER]
+    blocks = num_q_tiles(VARIANTS["flash-4w"], group, max_query_len) * num_kv_heads * batch
     return VARIANTS["flash-8w" if blocks <= AUTO_8W_BLOCKS_PER_SM * num_sms else "flash-4w"]
 
 
