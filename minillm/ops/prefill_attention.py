@@ -78,6 +78,8 @@ class Variant:
 # "flash-wgmma" (Hopper, sm_90a; head_dim 128, a cache in q's dtype): a producer warpgroup gathers
 # 128-key K/V tiles into three swizzled stages and two warpgroups of 64 query rows run S = Q K^T
 # and O += P V as warpgroup MMAs, the next tile's scores and softmax beside the last tile's P V.
+# On Hopper the default takes it for every grid: a small one (a short chunk over a long prefix)
+# splits its keys across one wave (kv_splits).
 VARIANTS = {"flash-4w": Variant(warps=4, m_tiles=2, key_groups=1, stages=2, min_blocks=2),
             "flash-8w": Variant(warps=8, m_tiles=2, key_groups=2, stages=3, min_blocks=1),
             "flash-wgmma": Variant(warps=12, m_tiles=1, key_groups=1, stages=3, min_blocks=1, hopper=True)}
