@@ -243,6 +243,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 setattr(args, attr, check_server_url(getattr(args, attr), option))
             except ValueError as exc:
                 p.error(str(exc))
+            if getattr(args, attr).startswith("unix:"):
+                p.error(f"{option} {getattr(args, attr)}: the benchmark's clients connect over TCP, not to a Unix "
+                        "socket; serve the model on --host/--port (not --uds) to measure it")
     try:
         authorization_headers(args.api_key, "--api-key")
     except ValueError as exc:

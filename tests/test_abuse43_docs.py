@@ -3,7 +3,11 @@ command they typed, options that cannot be combined refused by name, and vLLM's 
 vLLM's do."""
 from __future__ import annotations
 
+import pytest
 from test_cli import STORIES, needs_stories, run_main
+
+from minillm.benchmarks import serving as bench_serving
+from minillm.benchmarks.cli_args import BenchUsageError
 
 
 # ---- run-batch ---------------------------------------------------------------------------------------
@@ -17,3 +21,15 @@ def test_run_batch_names_itself_when_served_model_name_took_the_model(capsys, tm
                               "--device", "cpu", "--served-model-name", "a", str(STORIES))
     assert status == 1, err
     assert err.strip().endswith(f"give the model first: minillm run-batch {STORIES} --served-model-name ..."), err
+
+
+# ---- bench serving -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("option", ["--base-url", "--peer-base-url"])
+def test_bench_serving_refuses_a_unix_socket_url_by_name(option):
+    # taken by the URL check, then every request failed: "no server answers at unix:PATH (UnsupportedProtocol)"
+    with pytest.raises(BenchUsageError) as info:
+        bench_serving.parse_args([option, "unix:/tmp/minillm.sock"])
+    assert info.value.message.startswith(f"{option} unix:/tmp/minillm.sock: the benchmark's clients connect "
+                                         "over TCP"), info.value.message
+
