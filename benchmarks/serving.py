@@ -125,7 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "file or a custom JSONL file (--dataset-path).")
     datasets.add_dataset_options(p)
     p.add_argument("--model", default=None, help="Model name (default: the first one /v1/models lists).")
-    p.add_argument("--api-key", default=None, help="Bearer token for the server.")
+    p.add_argument("--api-key", default=None, help="Bearer token for the server (default: $OPENAI_API_KEY, "
+                                                   "as vLLM's bench serve reads it).")
     p.add_argument("--num-prompts", type=int, default=100, help="Requests in the workload.")
     p.add_argument("--request-rate", type=float, default=float("inf"),
                    help="Requests per second (Poisson arrivals); inf: all at once.")
@@ -246,8 +247,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             if getattr(args, attr).startswith("unix:"):
                 p.error(f"{option} {getattr(args, attr)}: the benchmark's clients connect over TCP, not to a Unix "
                         "socket; serve the model on --host/--port (not --uds) to measure it")
+    api_key_option = "--api-key"
+    if args.api_key is None:   # vLLM's bench serve sends $OPENAI_API_KEY
+        args.api_key, api_key_option = os.environ.get("OPENAI_API_KEY") or None, "$OPENAI_API_KEY"
     try:
-        authorization_headers(args.api_key, "--api-key")
+        authorization_headers(args.api_key, api_key_option)
     except ValueError as exc:
         p.error(str(exc))
     if args.concurrency_sweep and args.peer_base_url:
@@ -718,8 +722,9 @@ async def _model_list(client: httpx.AsyncClient, base_url: str) -> httpx.Respons
         raise BenchError(f"no server answers at {base_url} ({type(exc).__name__}); start one with "
                          f"minillm serve MODEL, or point --base-url at it") from None
     if response.status_code in (401, 403):
-        raise BenchError(f"the server at {base_url} refused the request ({response.status_code}); "
-                         f"give its key with --api-key")
+        advice = ("the key given (--api-key, else $OPENAI_API_KEY) is not one of its keys"
+                  if "authorization" in client.headers else "give its key with --api-key or $OPENAI_API_KEY")
+        raise BenchError(f"the server at {base_url} refused the request ({response.status_code}); {advice}")
     if response.status_code != 200:
         raise BenchError(f"{base_url}/v1/models answered {response.status_code}: is it an "
                          f"OpenAI-compatible server?")

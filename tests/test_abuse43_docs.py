@@ -3,11 +3,14 @@ command they typed, options that cannot be combined refused by name, and vLLM's 
 vLLM's do."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from test_cli import STORIES, needs_stories, run_main
+from test_server_helpers import running_server
 
 from minillm.benchmarks import serving as bench_serving
-from minillm.benchmarks.cli_args import BenchUsageError
+from minillm.benchmarks.cli_args import BenchError, BenchUsageError
 
 
 # ---- run-batch ---------------------------------------------------------------------------------------
@@ -33,3 +36,29 @@ def test_bench_serving_refuses_a_unix_socket_url_by_name(option):
     assert info.value.message.startswith(f"{option} unix:/tmp/minillm.sock: the benchmark's clients connect "
                                          "over TCP"), info.value.message
 
+
+def test_bench_serving_sends_openai_api_key_as_vllms_does(monkeypatch):
+    # vLLM's bench serve sends $OPENAI_API_KEY; it was left out here and a keyed server answered 401
+    monkeypatch.setenv("OPENAI_API_KEY", "k2")
+    assert bench_serving.parse_args([]).api_key == "k2"
+    assert bench_serving.parse_args(["--api-key", "k1"]).api_key == "k1"      # the option wins
+    monkeypatch.setenv("OPENAI_API_KEY", "a\nb")
+    with pytest.raises(BenchUsageError, match=r"^\$OPENAI_API_KEY holds a control character"):
+        bench_serving.parse_args([])
+    monkeypatch.setenv("OPENAI_API_KEY", "")
+    assert bench_serving.parse_args([]).api_key is None
+
+
+@needs_stories
+def test_bench_serving_against_a_keyed_server(monkeypatch, capsys):
+    workload = ["--num-prompts", "2", "--input-len", "4", "--output-len", "2"]
+    monkeypatch.setenv("OPENAI_API_KEY", "k2")
+    with running_server(STORIES, api_key=("k1", "k2")) as (url, _):
+        assert bench_serving.main(["--base-url", url, *workload]) == 0
+        assert re.search(r"Successful requests:\s+2\n", capsys.readouterr().out)
+        with pytest.raises(BenchError, match=r"refused the request \(401\); the key given \(--api-key, else "
+                                             r"\$OPENAI_API_KEY\) is not one of its keys"):
+            bench_serving.main(["--base-url", url, "--api-key", "k3", *workload])
+        monkeypatch.delenv("OPENAI_API_KEY")
+        with pytest.raises(BenchError, match=r"\(401\); give its key with --api-key or \$OPENAI_API_KEY"):
+            bench_serving.main(["--base-url", url, *workload])
