@@ -27,6 +27,7 @@ from test_server_helpers import wait_for
 from minillm import LLM, SamplingParams
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
+from minillm.sequence import SequenceStatus
 from minillm.server.async_engine import start_async_engine
 
 MAX_MODEL_LEN = 32
@@ -243,3 +244,170 @@ def test_shutdown_from_another_thread_stops_a_running_generate_then_a_new_llm_se
         assert token_ids(outputs[0]) == alone(golden[:12], GREEDY)
         assert re.fullmatch(REGEX, outputs[1].outputs[0].text)
         assert_pool_free(again.llm_engine)
+
+
+# ---- aborts at every stage through the async engines ---------------------------------------------
+
+def in_stage(engine: LLMEngine, request_id: str, stage: str) -> bool:
+    """Whether the engine's request of that id (its first completion) is at stage now, between steps."""
+    req = engine.requests.get(request_id)
+    if req is None:
+        return False
+    seq = req.seqs[0]
+    waiting, running = seq.status is SequenceStatus.WAITING, seq.status is SequenceStatus.RUNNING
+    if stage == "grammar":
+        return waiting and seq.structured_output is not None and not seq.structured_output.is_ready
+    if stage == "queued":           # stepped past at least once (frozen only after a step)
+        return waiting and req.metrics.first_scheduled_time is None
+    if stage == "mid-prefill":
+        return running and 0 < seq.num_computed_tokens < seq.num_prompt_tokens
+    if stage == "decoding":
+        return running and seq.num_output_tokens >= 2
+    if stage == "preempted":
+        return waiting and seq.num_preemptions > 0
+    raise ValueError(stage)
+
+
+def stage_hooks(engine: LLMEngine) -> None:
+    """core_hook: utilities to freeze the engine's steps once a request reaches a stage (run_until,
+    is_frozen, thaw) and to hold grammar compiles until open_grammar_compiles(). A frozen engine
+    skips its steps but takes commands between them."""
+    real_step, gate = engine.step, hold_compiles(engine)
+    state = {"target": None, "frozen": False}
+    thawed = threading.Event()
+
+    def step():
+        if state["frozen"]:
+            thawed.wait(0.005)          # the loop calls again at once: no spin while frozen
+            return []
+        outputs = real_step()
+        if state["target"] is not None and in_stage(engine, *state["target"]):
+            state["target"], state["frozen"] = None, True
+            thawed.clear()
+        return outputs
+
+    def run_until(request_id: str, stage: str) -> None:
+        """Step on (thawed) until the request is at stage after a step, then freeze."""
+        state["target"], state["frozen"] = (request_id, stage), False
+        thawed.set()
+
+    def thaw() -> None:
+        state["target"], state["frozen"] = None, False
+        thawed.set()
+
+    engine.step = step
+    engine.run_until, engine.thaw, engine.open_grammar_compiles = run_until, thaw, gate.set
+    engine.is_frozen = lambda: state["frozen"]
+
+
+# The victim's prompt (a slice of golden) and params at each stage (None: constrained, its grammar held).
+VICTIMS = {
+    "grammar": (slice(40, 50), None),
+    "queued": (slice(60, 72), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+    "mid-prefill": (slice(80, 102), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+    "decoding": (slice(100, 108), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)),
+    "preempted": (slice(110, 120), SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)),
+    "finished": (slice(120, 130), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
+}
+OTHERS = {"a": (slice(0, 9), SamplingParams(temperature=0, max_tokens=22, ignore_eos=True)),
+          "b": (slice(3, 20), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, n=2))}
+# Where the victim comes after others: they run (frozen at that stage) when it is added. Queued: a and b
+# fill the three sequence slots. Preempted: a alone runs; the victim, admitted after it, is the one
+# preempted once both have grown past the pool (8 blocks each at their ends, 10 in the pool); b comes
+# after the abort.
+BEFORE = {"queued": (["a", "b"], ("b", "decoding")), "preempted": (["a"], ("a", "decoding"))}
+
+
+@pytest.fixture(params=["thread", "process"])
+def staged(request, stories_path):
+    """An async engine (on a thread, or the engine core in its own process) with stage_hooks, on a pool
+    that preempts: 10 blocks of 4 tokens, 6 tokens a step, 3 sequences at most."""
+    config = EngineConfig(model=str(stories_path), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=4,
+                          num_kv_blocks=10, max_num_batched_tokens=6, max_num_seqs=3)
+    engine = start_async_engine(config, request.param, stage_hooks)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("stage", VICTIMS)
+def test_an_abort_at_each_stage_ends_only_its_request_and_the_pool_goes_back_to_free(staged, golden, alone, stage):
+    engine = staged
+    where, params = VICTIMS[stage]
+    prompt, params = golden[where], params or constrained()
+    before, frozen_at = BEFORE.get(stage, ([], None))
+
+    async def scenario():
+        if stage != "grammar":
+            await engine.call_utility("open_grammar_compiles")
+        streams = {}
+
+        def start(request_id):
+            part, own = (where, params) if request_id == "victim" else OTHERS[request_id]
+            streams[request_id] = asyncio.create_task(collect(engine.generate(golden[part], own, request_id)))
+        for request_id in before:
+            start(request_id)
+        if frozen_at is not None:
+            await engine.call_utility("run_until", *frozen_at)
+            await until(lambda: engine.call_utility("is_frozen"), f"{frozen_at[0]} to reach {frozen_at[1]}")
+        elif stage != "finished":
+            await engine.call_utility("run_until", "victim", stage)
+        start("victim")
+        if frozen_at is not None:               # added while the engine is frozen, then stepped on
+            await until_stats(engine, lambda s: any(r.request_id == "victim" for r in s.requests))
+            await engine.call_utility("run_until", "victim", stage)
+        for request_id in OTHERS.keys() - set(before) - ({"b"} if stage == "preempted" else set()):
+            start(request_id)
+        if stage == "finished":
+            await streams["victim"]
+        else:
+            await until(lambda: engine.call_utility("is_frozen"), f"the victim to reach {stage}")
+        engine.abort(["victim", "victim", "no-such-request"])
+        engine.abort("victim")
+        await engine.call_utility("thaw")
+        if stage == "preempted":
+            start("b")
+        outputs = {request_id: await stream for request_id, stream in streams.items()}
+        await engine.call_utility("open_grammar_compiles")
+        again = await collect(engine.generate(prompt, params, "victim"))       # its id is free again
+        return outputs, again, await idle_stats(engine)
+
+    outputs, again, stats = asyncio.run(scenario())
+    victim = outputs.pop("victim")[-1]
+    want = alone(prompt, params) if stage != "grammar" else None
+    if stage == "finished":
+        assert token_ids(victim) == want and victim.outputs[0].finish_reason == "length"
+    else:
+        assert [c.finish_reason for c in victim.outputs] == ["abort"]
+        got = token_ids(victim)[0]
+        assert got == (want[0][:len(got)] if want else [])
+        assert stage != "decoding" or len(got) >= 2
+    for request_id, outs in outputs.items():
+        assert token_ids(outs[-1]) == alone(golden[OTHERS[request_id][0]], OTHERS[request_id][1]), request_id
+        assert all(c.finish_reason == "length" for c in outs[-1].outputs)
+    if want is not None:
+        assert token_ids(again[-1]) == want
+    else:
+        assert re.fullmatch(REGEX, again[-1].outputs[0].text)
+    assert stats.num_preemptions or stage != "preempted"
+
+
+async def collect(outputs) -> list:
+    """Every output of an async stream."""
+    return [out async for out in outputs]
+
+
+async def until(ask, what: str):
+    """Await ask() until it is truthy (DEADLINE_S at most)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not (value := await ask()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+    return value
+
+
+async def idle_stats(engine):
+    """The engine's stats once no request runs or waits; no block may then be in use."""
+    stats = await until_stats(engine, lambda s: s.num_running == 0 and s.num_waiting == 0)
+    assert stats.kv_num_used_blocks == 0
+    assert stats.kv_num_free_blocks + stats.kv_num_cached_blocks == stats.kv_num_blocks
+    return stats
