@@ -2182,6 +2182,12 @@ def monitor_command(
                          "plays at the pace it was recorded")
     if url is not None and url_option is not None:
         raise UsageError("the server is named twice (URL and --url): give one")
+    if demo or replay is not None:   # a recording is watched instead of a server: naming one would be passed over
+        server = next((f for f, v in (("URL", url), ("--url", url_option), ("--api-key", api_key)) if v is not None),
+                      None)
+        if server is not None:
+            raise UsageError(f"{server} and {'--demo' if demo else '--replay'} cannot be combined: a recording is "
+                             "played instead of watching a server (give one or the other)")
     url_flag = "URL" if url_option is None else "--url"
     url = next((u for u in (url, url_option) if u is not None), "http://127.0.0.1:8000")
     source = None

@@ -62,3 +62,23 @@ def test_bench_serving_against_a_keyed_server(monkeypatch, capsys):
         monkeypatch.delenv("OPENAI_API_KEY")
         with pytest.raises(BenchError, match=r"\(401\); give its key with --api-key or \$OPENAI_API_KEY"):
             bench_serving.main(["--base-url", url, *workload])
+
+
+# ---- monitor -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, said", [
+    (["--demo", "http://127.0.0.1:8000"], "URL and --demo"),
+    (["--demo", "--url", "http://127.0.0.1:8000"], "--url and --demo"),
+    (["--demo", "--api-key", "k"], "--api-key and --demo"),
+    (["--replay", "REC", "unix:/tmp/minillm.sock"], "URL and --replay"),
+    (["--replay", "REC", "--api-key", "k"], "--api-key and --replay"),
+])
+def test_monitor_refuses_a_server_named_beside_a_recording(capsys, monkeypatch, tmp_path, args, said):
+    # the server was passed over unread: the recording played as if the user watched that server
+    monkeypatch.setattr("minillm.tui.app.run_monitor", lambda *a, **k: pytest.fail("the monitor ran"))
+    recording = tmp_path / "rec.jsonl"
+    recording.write_text("")
+    status, _, err = run_main(capsys, "monitor", *[str(recording) if a == "REC" else a for a in args])
+    assert status == 2, err
+    assert err.splitlines() == [f"minillm monitor: error: {said} cannot be combined: a recording is played instead "
+                                "of watching a server (give one or the other) (try 'minillm monitor --help')"]
