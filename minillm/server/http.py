@@ -22,6 +22,9 @@ for each: tens of thousands of tries and log lines a second. A ListeningSocket l
 accept a pass through (asyncio then pauses accepting for a second), and AcceptErrorLog reports it once
 per ACCEPT_ERROR_LOG_S. Those connections wait in the backlog until others close.
 
+An HTTP/1.0 client has no chunked encoding: through httptools, a response it gets without a length
+(an event stream) ends where the connection closes (close_delimited_send), as h11 sends it.
+
 Bytes that do not parse as HTTP (a bad request line or header, invalid chunked encoding, headers
 too large) get uvicorn's 400, here an OpenAI-style JSON error body instead of its plain text, and
 after the responses already due on the connection rather than written over them; then the
@@ -205,6 +208,39 @@ class TimedH11Protocol(_Deadlines, H11Protocol):
             self._disarm_header_timer()   # a request's headers are in: it is the app's now
 
 
+def close_delimited_send(cycle: Any) -> Any:
+    """cycle.send for an HTTP/1.0 request on the httptools protocol: a response that gives no length
+    (an event stream) has its body written as it comes and ends where the connection closes, as h11
+    frames it (RFC 9112 section 6.3). uvicorn's httptools cycle sent such a client Transfer-Encoding:
+    chunked, which HTTP/1.0 does not have: its chunk sizes landed in the stream's text."""
+    send = cycle.send
+    is_close_delimited = False
+
+    async def send_close_delimited(message: dict) -> None:
+        nonlocal is_close_delimited
+        if message["type"] == "http.response.start" and not cycle.response_started:
+            names = {name.lower() for name, _ in [*cycle.default_headers, *message.get("headers", [])]}
+            is_close_delimited = (b"content-length" not in names and b"transfer-encoding" not in names
+                                  and cycle.scope["method"] != "HEAD" and message["status"] not in (204, 304))
+            if is_close_delimited:
+                cycle.chunked_encoding = False       # no transfer-encoding header goes out
+        elif is_close_delimited and message["type"] == "http.response.body" and not cycle.response_complete:
+            if cycle.flow.write_paused and not cycle.disconnected:
+                await cycle.flow.drain()
+            if cycle.disconnected:
+                return
+            cycle.transport.write(message.get("body", b""))
+            if not message.get("more_body", False):
+                cycle.response_complete = True
+                cycle.message_event.set()
+                cycle.transport.close()               # the close ends the body
+                cycle.on_response()
+            return
+        await send(message)
+
+    return send_close_delimited
+
+
 if HttpToolsProtocol is not None:
     class TimedHttpToolsProtocol(_Deadlines, HttpToolsProtocol):
         """HttpToolsProtocol (a C parser, and a response body written without a state machine: about 10 us
@@ -260,6 +296,8 @@ if HttpToolsProtocol is not None:
 
         def _start_asgi_task(self, cycle: Any, app: Any) -> None:
             self._served_cycle = cycle      # the request whose response is going out
+            if cycle.scope["http_version"] == "1.0":
+                cycle.send = close_delimited_send(cycle)
             super()._start_asgi_task(cycle, app)
 
         def connection_lost(self, exc: Exception | None) -> None:
