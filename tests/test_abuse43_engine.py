@@ -22,6 +22,7 @@ import threading
 import time
 
 import pytest
+from test_abuse30_engine import assert_pool_invariants
 from test_server_helpers import wait_for
 
 from minillm import LLM, SamplingParams
@@ -29,6 +30,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.sequence import SequenceStatus
 from minillm.server.async_engine import start_async_engine
+from minillm.server.errors import EngineDeadError, EngineShutDownError
 
 MAX_MODEL_LEN = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -411,3 +413,171 @@ async def idle_stats(engine):
     assert stats.kv_num_used_blocks == 0
     assert stats.kv_num_free_blocks + stats.kv_num_cached_blocks == stats.kv_num_blocks
     return stats
+
+
+# ---- prefix hits on blocks whose first owner is aborted ---------------------------------------------
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("abort_at", range(6))
+def test_prefix_hits_while_the_same_prefix_is_aborted_read_as_alone(stories_path, golden, alone, abort_at,
+                                                                    async_scheduling):
+    # One prompt of five and a half blocks four times over, chunked 5 tokens a step: the first is
+    # aborted at step abort_at (before it ran, mid-prefill, or once its prompt is cached), the
+    # second two steps later while the third and fourth share the blocks the two filled.
+    engine = make_engine(stories_path, block_size=4, num_kv_blocks=16, max_num_batched_tokens=5,
+                         async_scheduling=async_scheduling)
+    prompt, arrivals = golden[:22], {0: "a", 1: "b", 3: "c", 5: "d"}
+    done, step = {}, 0
+    try:
+        while step <= max(arrivals) or engine.has_unfinished_requests():
+            if step in arrivals:
+                engine.add_request(arrivals[step], prompt, GREEDY)
+            if step == abort_at:
+                engine.abort_request("a")
+            if step == abort_at + 2:
+                engine.abort_request("b")
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+            assert_pool_invariants(engine)
+            step += 1
+            assert step < 500, "the engine made no progress"
+        want = alone(prompt, GREEDY)[0]
+        for request_id in "ab":
+            got = done[request_id].outputs[0]
+            assert got.finish_reason == "abort" and list(got.token_ids) == want[:len(got.token_ids)]
+        for request_id in "cd":
+            assert token_ids(done[request_id]) == [want], request_id
+        assert done["d"].num_cached_tokens >= 16 and done["c"].num_cached_tokens > 0
+        assert_pool_free(engine)
+    finally:
+        engine.shutdown()
+
+
+# ---- many clients leave at once, on a pool that preempts all the time ---------------------------------
+
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_many_streams_left_at_once_on_a_preempting_pool_leave_the_rest_as_alone(stories_path, golden, alone,
+                                                                                engine_core):
+    # A pool of one full-length sequence (16 blocks of 2 tokens) under 16 requests of up to 2
+    # sequences each: preemption all along. Half the callers leave together once each has seen an
+    # output, half of those by cancelling their task, half by closing their stream.
+    config = EngineConfig(model=str(stories_path), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=2,
+                          num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=8)
+    engine = start_async_engine(config, engine_core)
+    requests = {f"r{i}": (golden[5 * i:5 * i + 6 + i % 5],
+                          SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, n=1 + i % 2))
+                for i in range(16)}
+    leavers = {f"r{i}" for i in range(0, 16, 2)}
+
+    async def follow(request_id, seen: asyncio.Event, leave: asyncio.Event):
+        outputs = []
+        stream = engine.generate(*requests[request_id], request_id)
+        try:
+            async for out in stream:
+                outputs.append(out)
+                seen.set()
+                if leave.is_set():
+                    await stream.aclose()       # a client gone between two outputs
+                    break
+        finally:
+            seen.set()
+        return outputs
+
+    async def scenario():
+        seen = {request_id: asyncio.Event() for request_id in requests}
+        leave = {request_id: asyncio.Event() for request_id in requests}
+        tasks = {request_id: asyncio.create_task(follow(request_id, seen[request_id], leave[request_id]))
+                 for request_id in requests}
+        for request_id in leavers:
+            await seen[request_id].wait()
+        for k, request_id in enumerate(sorted(leavers)):       # together, in one turn of the loop
+            if k % 2:
+                leave[request_id].set()
+            else:
+                tasks[request_id].cancel()
+        results = {}
+        for request_id, task in tasks.items():
+            try:
+                results[request_id] = await task
+            except asyncio.CancelledError:
+                results[request_id] = None
+        stats = await idle_stats(engine)
+        again = await collect(engine.generate(*requests["r0"], "again"))
+        return results, stats, again
+
+    try:
+        results, stats, again = asyncio.run(scenario())
+    finally:
+        engine.shutdown()
+    for request_id, (prompt, params) in requests.items():
+        want, outputs = alone(prompt, params), results[request_id]
+        if request_id not in leavers:
+            assert token_ids(outputs[-1]) == want and outputs[-1].finished, request_id
+        elif outputs:                   # as far as it read: the start of its output alone
+            for got, ref in zip(token_ids(outputs[-1]), want):
+                assert got == ref[:len(got)], request_id
+    assert stats.num_preemptions >= len(requests) // 2
+    assert token_ids(again[-1]) == alone(*requests["r0"])
+
+
+# ---- shutdown of the async engines with requests at every stage, and a new engine after it ----------
+
+def test_shutting_an_async_engine_down_ends_every_caller_at_every_stage_then_a_new_one_serves(staged, stories_path,
+                                                                                             golden, alone):
+    engine = staged
+
+    async def scenario():
+        streams = {}
+
+        def start(request_id, prompt, params):
+            streams[request_id] = asyncio.create_task(collect(engine.generate(prompt, params, request_id)))
+        start("grammar", golden[40:50], constrained())               # its grammar held
+        for request_id, (part, params) in OTHERS.items():
+            start(request_id, golden[part], params)
+        await engine.call_utility("run_until", "b", "decoding")
+        await until(lambda: engine.call_utility("is_frozen"), "b to decode")
+        start("queued", golden[60:72], GREEDY)                        # the three sequence slots are taken
+        await until_stats(engine, lambda s: any(r.request_id == "queued" for r in s.requests))
+        await engine.call_utility("run_until", "queued", "mid-prefill")   # stepping on while it shuts down
+        stats = asyncio.create_task(engine.get_stats())
+        start("late", golden[:5], GREEDY)
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        ended = {}
+        for request_id, task in list(streams.items()) + [("stats", stats)]:
+            try:
+                ended[request_id] = await asyncio.wait_for(task, DEADLINE_S)
+            except EngineDeadError as exc:
+                ended[request_id] = exc
+        return ended
+
+    try:
+        ended = asyncio.run(scenario())
+    finally:
+        core = getattr(engine, "engine", None)          # the engine on a thread: its held compile goes
+        if core is not None:
+            core.open_grammar_compiles()
+    for request_id in ("grammar", "a", "b", "queued"):
+        assert isinstance(ended[request_id], EngineShutDownError), (request_id, ended[request_id])
+    for request_id in ("stats", "late"):      # answered before the stop, or refused by it
+        assert not isinstance(ended[request_id], BaseException) or isinstance(ended[request_id], EngineShutDownError)
+    late = ended["late"]
+    if not isinstance(late, BaseException):
+        assert token_ids(late[-1]) == alone(golden[:5], GREEDY)
+    with pytest.raises(EngineShutDownError):
+        asyncio.run(collect(engine.generate(golden[:5], GREEDY, "after")))
+    # A new engine of the same kind in this process serves as alone.
+    mode = "thread" if core is not None else "process"
+    again = start_async_engine(EngineConfig(model=str(stories_path), device="cpu",
+                                            max_model_len=MAX_MODEL_LEN, block_size=4, num_kv_blocks=10), mode)
+
+    async def serve():
+        outputs = await asyncio.gather(collect(again.generate(golden[:12], GREEDY, "x")),
+                                       collect(again.generate(golden[40:50], constrained(), "y")))
+        return outputs, await idle_stats(again)
+    try:
+        (greedy, held), _ = asyncio.run(serve())
+    finally:
+        again.shutdown()
+    assert token_ids(greedy[-1]) == alone(golden[:12], GREEDY)
+    assert re.fullmatch(REGEX, held[-1].outputs[0].text)
