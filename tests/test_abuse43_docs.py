@@ -82,3 +82,28 @@ def test_monitor_refuses_a_server_named_beside_a_recording(capsys, monkeypatch, 
     assert status == 2, err
     assert err.splitlines() == [f"minillm monitor: error: {said} cannot be combined: a recording is played instead "
                                 "of watching a server (give one or the other) (try 'minillm monitor --help')"]
+
+
+# ---- --speculative-config ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config, said", [
+    ({"method": "eagle", "model": "yuhuili/EAGLE-LLaMA3-Instruct-8B"}, "model must be 'ngram' (draft models are not "
+                                                                       "supported), got 'yuhuili/EAGLE-LLaMA3-Instruct-8B'"),
+    ({"method": "suffix"}, "method must be 'ngram', got 'suffix'"),
+    ({"method": "ngram"}, "num_speculative_tokens must be given in speculative_config"),
+    ({}, "num_speculative_tokens must be given in speculative_config"),
+])
+def test_a_speculative_method_not_taken_is_named_before_a_missing_count(config, said):
+    # vLLM derives an EAGLE model's count from its config: such a config was told to add
+    # num_speculative_tokens, and then, with it, that the method is not taken
+    from minillm.spec_decode.config import SpeculativeConfig
+    with pytest.raises(ValueError) as info:
+        SpeculativeConfig.from_dict(config)
+    assert str(info.value) == said
+
+
+@needs_stories
+def test_generate_names_the_speculative_method_it_does_not_take(capsys):
+    status, _, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "x",
+                              "--speculative-config", '{"method": "eagle3", "model": "org/draft"}')
+    assert status == 2 and "'--speculative-config': model must be 'ngram'" in err, err

@@ -53,12 +53,7 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", hi)
 
     def _resolve_method(self) -> str:
-        method, model = self.method, self.model
-        if model is not None and model not in _NGRAM_NAMES:
-            raise ValueError(f"model must be 'ngram' (draft models are not supported), got {short_repr(model)}")
-        if method not in _NGRAM_NAMES:
-            raise ValueError(f"method must be 'ngram', got {short_repr(method)}")
-        return "ngram"
+        return _ngram_method(self.method, self.model)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SpeculativeConfig":
@@ -72,6 +67,8 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config has unknown field {', '.join(map(repr, unknown))}; "
                              f"expected some of {sorted(known)}")
         if "num_speculative_tokens" not in d:
+            # a method not taken is named first: giving the count would not make it run
+            _ngram_method(d.get("method", "ngram"), d.get("model"))
             raise ValueError("num_speculative_tokens must be given in speculative_config")
         return cls(**d)
 
@@ -98,6 +95,15 @@ class SpeculativeConfig:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min,
                 "disable_by_batch_size": self.disable_by_batch_size}
+
+
+def _ngram_method(method: Any, model: Any) -> str:
+    """"ngram", from vLLM's method (or model="ngram"); a ValueError naming a method or draft model not taken."""
+    if model is not None and model not in _NGRAM_NAMES:
+        raise ValueError(f"model must be 'ngram' (draft models are not supported), got {short_repr(model)}")
+    if method not in _NGRAM_NAMES:
+        raise ValueError(f"method must be 'ngram', got {short_repr(method)}")
+    return "ngram"
 
 
 def _is_int(v: Any) -> bool:
