@@ -2053,7 +2053,7 @@ def run_batch_command(
         "URL, or - for stdin.")],
     output_file: Annotated[str, typer.Option(
         "--output-file", "-o", metavar="PATH", help="Where the answers go, a line each in input order: a local "
-        "path, or an http(s) URL the file is PUT to.")],
+        "path, an http(s) URL the file is PUT to, or - for stdout.")],
     output_tmp_dir: Annotated[Optional[str], typer.Option(
         "--output-tmp-dir", metavar="DIR", help="Where the output is written before it is uploaded to an "
         "--output-file URL (default: the system's temporary directory).")] = None,

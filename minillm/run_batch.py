@@ -99,7 +99,7 @@ def check_output(files: BatchFiles) -> None:
     """ValueError naming the flag when the output cannot be written: a missing or unwritable directory."""
     if files.output_tmp_dir is not None and not os.path.isdir(files.output_tmp_dir):
         raise ValueError(f"--output-tmp-dir {files.output_tmp_dir}: no such directory")
-    if is_url(files.output_file):
+    if is_url(files.output_file) or files.output_file == "-":
         return
     if not files.output_file or files.output_file.endswith(("/", os.sep)):
         # abspath takes "" for the working directory and drops the slash: the check below would pass.
@@ -246,7 +246,10 @@ def write_outputs(engine: Any, options: Any, lines: list[str], files: BatchFiles
     requests = [parse_line(i, line) for i, line in enumerate(lines)]
     concurrency = 2 * engine.config.max_num_seqs
     started = time.perf_counter()
-    if not is_url(files.output_file):
+    if files.output_file == "-":      # stdout, as --input-file - reads stdin (./- names a file called -)
+        summary = asyncio.run(run_requests(app, requests, sys.stdout, concurrency))
+        sys.stdout.flush()
+    elif not is_url(files.output_file):
         try:
             with open(files.output_file, "w", encoding="utf-8") as out:
                 summary = asyncio.run(run_requests(app, requests, out, concurrency))
@@ -297,7 +300,8 @@ def _http_failure(exc: Exception) -> str:
 def describe_summary(summary: BatchSummary, output_file: str) -> str:
     """The one-line summary printed at the end."""
     return (f"minillm run-batch: {summary.num_requests} requests, {summary.num_succeeded} succeeded, "
-            f"{summary.num_failed} failed, in {summary.elapsed_s:.1f} s; wrote {output_file}")
+            f"{summary.num_failed} failed, in {summary.elapsed_s:.1f} s; wrote "
+            f"{'stdout' if output_file == '-' else output_file}")
 
 
 def _reason(exc: BaseException) -> str:

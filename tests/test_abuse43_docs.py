@@ -3,7 +3,12 @@ command they typed, options that cannot be combined refused by name, and vLLM's 
 vLLM's do."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_cli import STORIES, needs_stories, run_main
@@ -11,6 +16,15 @@ from test_server_helpers import running_server
 
 from minillm.benchmarks import serving as bench_serving
 from minillm.benchmarks.cli_args import BenchError, BenchUsageError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def minillm(*args: str, stdin: str | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """The CLI in a fresh interpreter, as the console script runs it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "minillm", *args], cwd=cwd, env=env, input=stdin,
+                          capture_output=True, text=True, timeout=240)
 
 
 # ---- run-batch ---------------------------------------------------------------------------------------
@@ -24,6 +38,22 @@ def test_run_batch_names_itself_when_served_model_name_took_the_model(capsys, tm
                               "--device", "cpu", "--served-model-name", "a", str(STORIES))
     assert status == 1, err
     assert err.strip().endswith(f"give the model first: minillm run-batch {STORIES} --served-model-name ..."), err
+
+
+@needs_stories
+def test_run_batch_output_dash_is_stdout_as_input_dash_is_stdin(tmp_path):
+    # -o - wrote a file named "-" in the working directory, and the summary said "wrote -"
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": "m", "prompt": prompt, "max_tokens": 3, "temperature": 0}}
+             for i, prompt in enumerate(["Once", "Tom had"])]
+    result = minillm("run-batch", "-i", "-", "-o", "-", str(STORIES), "--device", "cpu", "--served-model-name", "m",
+                     stdin="".join(json.dumps(line) + "\n" for line in lines), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    answers = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [(a["custom_id"], a["response"]["status_code"]) for a in answers] == [("c0", 200), ("c1", 200)]
+    summary = result.stderr.rstrip().splitlines()[-1]
+    assert "2 requests, 2 succeeded, 0 failed" in summary and summary.endswith("; wrote stdout"), summary
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- bench serving -------------------------------------------------------------------------------------
