@@ -120,6 +120,13 @@ def check_arrival_time(arrival_time: float | None) -> None:
         raise ValueError(f"arrival_time must be a finite number of seconds, got {short_repr(arrival_time)}")
 
 
+def check_reset_flags(reset_running_requests: object, reset_connector: object) -> None:
+    """ValueError naming reset_prefix_cache's argument that is not true or false."""
+    for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be true or false, got {short_repr(value)}")
+
+
 def sequence_seed(seed: int, index: int) -> int:
     """The generator seed of a request's index-th sequence: seed + index as an unsigned 64-bit value
     (a negative seed reads as its two's complement), what NumPy's generator takes."""
@@ -547,13 +554,23 @@ class LLMEngine:
         a finished one whose last output step() has not returned yet is not counted."""
         return sum(not req.is_finished for req in self.requests.values())
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget every cached prompt block, the host tier's too, so later prompts are computed afresh
         (vLLM's name, for benchmarks and changed weights); False, with nothing forgotten, while any
         block is in use, as vLLM's BlockPool refuses. Requests that hold none (queued, waiting for
-        their grammar, preempted) stay queued and compute their prompts afresh once admitted."""
+        their grammar, preempted) stay queued and compute their prompts afresh once admitted.
+        reset_running_requests (vLLM's): the running requests are preempted first, once the steps
+        in flight are read back, and compute their tokens so far again when they resume (after new
+        weights, with those). reset_connector (vLLM's) is taken as true or false: the host tier,
+        whose blocks are the prefix cache's, is reset either way."""
+        check_reset_flags(reset_running_requests, reset_connector)
         if self.is_shut_down:
             raise RuntimeError("the engine is shut down: its KV pool is released")
+        if reset_running_requests and self.scheduler.num_running:
+            self._sample_deferred()
+            while self._in_flight:
+                self._complete(*self._in_flight.popleft())
+            self.scheduler.preempt_running()
         if not self.scheduler.num_running:
             # Steps launched ahead whose sequences have all ended or been preempted since: read back
             # first, so that no block they fill (registered at launch) is cached after the reset.

@@ -17,7 +17,7 @@ import numpy as np
 from minillm.beam_search import BeamSearchInstance, BeamSearchOutput, best_beams, run_steps
 from minillm.beam_search import step_params as beam_step_params
 from minillm.config import EngineConfig
-from minillm.engine import LLMEngine
+from minillm.engine import LLMEngine, check_reset_flags
 from minillm.outputs import RequestOutput
 from minillm.prompts import (
     PromptType, TokensPrompt, cache_salt_of, check_lora_request, checked_token_ids, text_token_ids,
@@ -240,13 +240,11 @@ class LLM:
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Forget the prefix cache between generate() calls (vLLM's name), its host-memory tier's blocks
-        too; False while requests run. vLLM's arguments are taken as true or false: between calls no
-        request runs, and the host tier is reset either way (its blocks are the prefix cache's)."""
-        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be true or false, got {short_repr(value)}")
+        too; False while requests hold KV blocks (added to llm_engine by hand), unless
+        reset_running_requests preempts them first (LLMEngine.reset_prefix_cache)."""
+        check_reset_flags(reset_running_requests, reset_connector)
         with self._one_call("reset_prefix_cache"):
-            return self.engine.reset_prefix_cache()
+            return self.engine.reset_prefix_cache(reset_running_requests, reset_connector)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What generate() and chat() use without sampling_params: SamplingParams() with the

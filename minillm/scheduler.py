@@ -548,6 +548,12 @@ class Scheduler:
         preempted.append(victim)
         return refund
 
+    def preempt_running(self) -> None:
+        """Preempt every running sequence, the latest admitted first, so that they wait at the front of
+        the queue in admission order (vLLM's reset_prefix_cache with reset_running_requests)."""
+        while self.running:
+            self._preempt(self.running.pop())
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0

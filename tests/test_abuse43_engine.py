@@ -581,3 +581,80 @@ def test_shutting_an_async_engine_down_ends_every_caller_at_every_stage_then_a_n
         again.shutdown()
     assert token_ids(greedy[-1]) == alone(golden[:12], GREEDY)
     assert re.fullmatch(REGEX, held[-1].outputs[0].text)
+
+
+# ---- reset_prefix_cache(reset_running_requests=True), vLLM's: running requests preempted first ------
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_reset_running_requests_preempts_them_and_forgets_the_cache(stories_path, golden, alone, async_scheduling):
+    engine = make_engine(stories_path, block_size=4, num_kv_blocks=16, max_num_batched_tokens=8,
+                         async_scheduling=async_scheduling)
+    requests = {"a": (golden[:17], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)),
+                "b": (golden[40:50], constrained(12)), "c": (golden[60:80], GREEDY)}
+    try:
+        for request_id, (prompt, params) in requests.items():
+            engine.add_request(request_id, prompt, params)
+        done = {}
+        while not (engine.scheduler.num_running >= 3 and any(s.num_output_tokens >= 2 for s in engine.scheduler.running)):
+            done.update({out.request_id: out for out in engine.step() if out.finished})
+        keys = dict(engine.block_manager.key_to_block)
+        assert keys and engine.reset_prefix_cache() is False and engine.block_manager.key_to_block == keys
+        running = list(engine.scheduler.running)
+        assert engine.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+        bm = engine.block_manager
+        assert bm.num_used_blocks == 0 and not bm.key_to_block and bm.num_cached_free_blocks == 0
+        waiting = list(engine.scheduler.waiting)
+        assert waiting[:len(running)] == running and all(s.num_preemptions for s in running)
+        done.update(drain(engine))
+        for request_id, (prompt, params) in requests.items():      # b's grammar goes on where it was
+            assert token_ids(done[request_id]) == alone(prompt, params), request_id
+        assert_pool_free(engine)
+        with pytest.raises(ValueError, match="reset_running_requests must be true or false"):
+            engine.reset_prefix_cache(reset_running_requests="yes")
+    finally:
+        engine.shutdown()
+
+
+def test_the_async_engines_reset_prefix_cache_as_vllms(staged, golden, alone):
+    # vLLM's EngineClient.reset_prefix_cache (what RL frameworks call after new weights) was missing
+    # from both async engines: an AttributeError.
+    engine = staged
+    prompt, other = golden[:17], golden[60:72]
+
+    async def scenario():
+        await last(engine.generate(prompt, GREEDY, "warm"))
+        held = asyncio.create_task(last(engine.generate(golden[40:50], constrained(), "grammar")))
+        await until_stats(engine, lambda s: s.num_waiting == 1 and s.kv_num_cached_blocks > 0)
+        assert await engine.reset_prefix_cache() is True          # a request waits, holding no blocks
+        assert (await engine.get_stats()).kv_num_cached_blocks == 0
+        await engine.call_utility("run_until", "running", "decoding")
+        running = asyncio.create_task(last(engine.generate(other, SamplingParams(temperature=0, max_tokens=12,
+                                                                                  ignore_eos=True), "running")))
+        await until(lambda: engine.call_utility("is_frozen"), "the request to decode")
+        assert await engine.reset_prefix_cache() is False        # it holds blocks
+        assert await engine.reset_prefix_cache(reset_running_requests=True) is True
+        stats = await engine.get_stats()
+        assert (stats.kv_num_used_blocks, stats.kv_num_cached_blocks, stats.num_running) == (0, 0, 0)
+        with pytest.raises(ValueError, match="reset_connector must be true or false"):
+            await engine.reset_prefix_cache(reset_connector=1)
+        await engine.call_utility("thaw")
+        await engine.call_utility("open_grammar_compiles")
+        outputs = await running, await held
+        return outputs, await idle_stats(engine)
+
+    (running, held), stats = asyncio.run(scenario())
+    assert token_ids(running) == alone(other, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert re.fullmatch(REGEX, held.outputs[0].text)
+    assert stats.num_preemptions >= 1
+
+
+def test_llm_reset_running_requests_preempts_requests_added_by_hand(stories_path, golden, alone):
+    with LLM(str(stories_path), device="cpu", max_model_len=MAX_MODEL_LEN, block_size=4,
+             num_gpu_blocks_override=16) as llm:
+        engine = llm.llm_engine
+        engine.add_request("by-hand", golden[:17], GREEDY)
+        engine.step()
+        assert llm.reset_prefix_cache() is False
+        assert llm.reset_prefix_cache(reset_running_requests=True) is True
+        assert token_ids(drain(engine)["by-hand"]) == alone(golden[:17], GREEDY)
+        assert_pool_free(engine)

@@ -28,7 +28,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, Protocol
 
 import msgspec
 
-from minillm.engine import StepError, check_arrival_time, own_sampling_params
+from minillm.engine import StepError, check_arrival_time, check_reset_flags, own_sampling_params
 from minillm.engine_core.core import (
     FULL_RESOLUTION, LOOP_METHODS, MAX_COMMAND_SECONDS_PER_STEP, MAX_COMMANDS_PER_STEP, release_refused_claim,
 )
@@ -204,7 +204,8 @@ class EngineClient(Protocol):
 
 
 class Generate:
-    """vLLM's AsyncLLM.generate over a class's add_request and _abort_stream (AsyncLLM's and AsyncLLMEngine's)."""
+    """vLLM's AsyncLLM.generate and reset_prefix_cache over a class's add_request, _abort_stream and
+    call_utility (AsyncLLM's and AsyncLLMEngine's)."""
 
     async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
                        arrival_time: float | None = None, cache_salt: str | None = None,
@@ -221,6 +222,14 @@ class Generate:
             if not stream.finished:
                 # Its own request only: its caller may have aborted it, and another taken the id since.
                 self._abort_stream(stream)
+
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: forget the engine's prefix cache between two steps (LLMEngine.reset_prefix_cache);
+        False, with nothing forgotten, while requests hold KV blocks, unless reset_running_requests
+        preempts them first."""
+        check_reset_flags(reset_running_requests, reset_connector)
+        return await self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
 
 
 class DeltaBacklog:
