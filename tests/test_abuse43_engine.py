@@ -658,3 +658,26 @@ def test_llm_reset_running_requests_preempts_requests_added_by_hand(stories_path
         assert llm.reset_prefix_cache(reset_running_requests=True) is True
         assert token_ids(drain(engine)["by-hand"]) == alone(golden[:17], GREEDY)
         assert_pool_free(engine)
+
+
+# ---- prompts at max_model_len, and max_tokens past it ------------------------------------------------
+
+def test_prompts_at_and_past_max_model_len_are_refused_by_name_and_leave_the_engine_serving(staged, golden, alone):
+    engine = staged
+
+    async def scenario():
+        for length in (MAX_MODEL_LEN, MAX_MODEL_LEN + 1):
+            with pytest.raises(ValueError, match=f"prompt has {length} tokens, which leaves no room under "
+                                                 f"max_model_len {MAX_MODEL_LEN}"):
+                await collect(engine.generate(golden[:length], GREEDY, f"long-{length}"))
+        # max_tokens past the context: cut where it ends, "length"
+        long_ask = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        outputs = await asyncio.gather(collect(engine.generate(golden[:MAX_MODEL_LEN - 1], long_ask, "last-slot")),
+                                       collect(engine.generate(golden[:20], long_ask, "past")))
+        return [out[-1] for out in outputs], await idle_stats(engine)
+
+    (last_slot, past), _ = asyncio.run(scenario())
+    assert [len(c.token_ids) for c in last_slot.outputs] == [1] and last_slot.outputs[0].finish_reason == "length"
+    assert token_ids(last_slot) == alone(golden[:MAX_MODEL_LEN - 1], SamplingParams(temperature=0, max_tokens=1))
+    assert token_ids(past) == alone(golden[:20], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert past.outputs[0].finish_reason == "length"
