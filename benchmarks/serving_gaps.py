@@ -140,11 +140,13 @@ def analyze(result: dict, level: int | None = None, factor: float = 1.5, window_
 
 
 def _step_intervals(steps: list[dict], all_steps: dict[int, dict]) -> list[float]:
-    """ms since the step before each (the one before the window's first too, where traced)."""
+    """ms since the step before each (the one before the window's first too, where traced); none where that
+    step came before the run began (a snapshot's last steps reach back into what the engine did before,
+    and the time since them is the engine's idle time, not an interval of the run)."""
     out = []
     for s in steps:
         before = all_steps.get(s["step"] - 1)
-        out.append(s["t_ms"] - before["t_ms"] if before is not None else float("nan"))
+        out.append(s["t_ms"] - before["t_ms"] if before is not None and before["t_ms"] >= 0 else float("nan"))
     return out
 
 
@@ -168,11 +170,11 @@ def format_report(report: GapReport, steps: list[dict] | None = None, max_window
         line = (f"  {w.start_ms:8.1f}-{w.end_ms:8.1f} ms: {len(w.gaps)} gaps (median {np.median(lengths):.1f} ms), "
                 f"{w.started} requests sent, {w.ended} ended")
         if w.steps:
-            iv = np.array(_step_intervals(w.steps, by_step))
+            iv = [v for v in _step_intervals(w.steps, by_step) if not np.isnan(v)]
+            intervals = f"interval median {np.median(iv):.1f} max {max(iv):.1f} ms" if iv else "no interval traced"
             prompt = sum(s["num_prefill_tokens"] for s in w.steps)
             device = [s["device_step_s"] for s in w.steps if s.get("device_step_s") is not None]
-            line += (f"; engine: {len(w.steps)} steps, interval median {np.nanmedian(iv):.1f} max {np.nanmax(iv):.1f} ms, "
-                     f"{prompt} prompt tokens")
+            line += f"; engine: {len(w.steps)} steps, {intervals}, {prompt} prompt tokens"
             if device:
                 line += f", device max {1e3 * max(device):.1f} ms"
         elif report.steps_traced:

@@ -137,3 +137,42 @@ def test_generate_names_the_speculative_method_it_does_not_take(capsys):
     status, _, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "x",
                               "--speculative-config", '{"method": "eagle3", "model": "org/draft"}')
     assert status == 2 and "'--speculative-config': model must be 'ngram'" in err, err
+
+
+# ---- bench serving_gaps --------------------------------------------------------------------------------
+
+def _stream(start, itls):
+    """A --save-detailed request entry, its first token 5 ms after START."""
+    return {"client": 0, "start_ms": start, "end_ms": start + 5.0 + sum(itls) + 1, "ttft_ms": 5.0,
+            "itl_ms": list(itls), "output_tokens": len(itls) + 1, "error": None}
+
+
+@pytest.mark.parametrize("first_step_ms, said", [
+    (-60_000.0, "engine: 3 steps, interval median 5.0 max 5.0 ms"),  # a step of the idle engine, a minute before
+    (None, "engine: 3 steps, interval median 5.0 max 5.0 ms"),       # no step before the run traced
+])
+def test_serving_gaps_does_not_count_the_idle_time_before_the_run_as_a_step_interval(first_step_ms, said):
+    # a snapshot's last steps reach back before the run: the first step's "interval" was the engine's idle
+    # minute, printed as "interval ... max 60000.0 ms" in a window a few ms long
+    from minillm.benchmarks import serving_gaps
+    requests = [_stream(0.0, [5.0] * 8 + [20.0] + [5.0] * 8) for _ in range(2)]
+    steps = [{"step": 10 + k, "t_ms": 46.0 + 5.0 * k, "num_prefill_tokens": 0, "num_decode_tokens": 2,
+              "device_step_s": None} for k in range(3)]
+    if first_step_ms is not None:
+        steps.insert(0, {"step": 9, "t_ms": first_step_ms, "num_prefill_tokens": 4, "num_decode_tokens": 0,
+                         "device_step_s": None})
+    report = serving_gaps.analyze({"requests": requests, "steps": steps})
+    text = serving_gaps.format_report(report, steps)
+    assert f"{said}, 0 prompt tokens" in text, text
+
+
+def test_serving_gaps_says_when_no_interval_of_a_window_was_traced(recwarn):
+    # a window whose one step follows only a step from before the run printed "interval median nan max nan"
+    # under numpy's All-NaN RuntimeWarning
+    from minillm.benchmarks import serving_gaps
+    requests = [_stream(0.0, [5.0] * 8 + [20.0] + [5.0] * 8) for _ in range(2)]
+    steps = [{"step": 9, "t_ms": -5000.0, "num_prefill_tokens": 0, "num_decode_tokens": 2, "device_step_s": None},
+             {"step": 10, "t_ms": 60.0, "num_prefill_tokens": 0, "num_decode_tokens": 2, "device_step_s": None}]
+    text = serving_gaps.format_report(serving_gaps.analyze({"requests": requests, "steps": steps}), steps)
+    assert "engine: 1 steps, no interval traced, 0 prompt tokens" in text, text
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
