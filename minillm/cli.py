@@ -905,7 +905,8 @@ def chat(
         help="Send MESSAGE as the one message, print the reply and exit (as vLLM's chat --quick).")] = None,
     chat_template: Annotated[Optional[str], typer.Option(
         help="A Jinja chat template, as a file or the template itself; replaces the model's own "
-             "(a model without one needs it to chat in turns).")] = None,
+             "(a model without one needs it to chat in turns). With --url it goes with each request, "
+             "which the server renders only when started with --trust-request-chat-template.")] = None,
     temperature: Annotated[Optional[float], typer.Option(
         rich_help_panel=SAMPLING_PANEL, help=f"{CHAT_MODEL_DEFAULT} 0.7.")] = None,
     top_p: Annotated[Optional[float], typer.Option(rich_help_panel=SAMPLING_PANEL, help=f"{CHAT_MODEL_DEFAULT} 0.9.")] = None,

@@ -176,3 +176,27 @@ def test_serving_gaps_says_when_no_interval_of_a_window_was_traced(recwarn):
     text = serving_gaps.format_report(serving_gaps.analyze({"requests": requests, "steps": steps}), steps)
     assert "engine: 1 steps, no interval traced, 0 prompt tokens" in text, text
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+
+
+# ---- chat --url --chat-template ------------------------------------------------------------------------
+
+TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}"
+
+
+@needs_stories
+@pytest.mark.parametrize("trusted", [False, True])
+def test_chat_help_says_a_template_sent_to_a_server_needs_its_trust(capsys, trusted):
+    # --help said only that the template replaces the model's own; through --url a server refuses it
+    # unless started with --trust-request-chat-template
+    from minillm.server.app import ServerOptions
+    status, text, _ = run_main(capsys, "chat", "--help")
+    assert status == 0
+    assert "With --url it goes with each request, which the server renders only when started with " \
+           "--trust-request-chat-template" in " ".join(text.split())
+    with running_server(STORIES, options=ServerOptions(trust_request_chat_template=trusted)) as (url, _):
+        status, out, err = run_main(capsys, "chat", "--url", url, "--chat-template", TEMPLATE, "-q", "Tom had a ball.",
+                                    "--temperature", "0", "--max-tokens", "4")
+    if trusted:
+        assert status == 0 and out.strip(), err
+    else:
+        assert status == 1 and "--trust-request-chat-template" in err, err
