@@ -229,6 +229,9 @@ def resolve_defaults(args) -> dict:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.kernel_profile and backend != "cuda":   # --device auto found no GPU
+        raise BenchUsageError(PROG, "--kernel-profile: records CUDA kernels, and there is no CUDA GPU here "
+                                    "(leave --kernel-profile out)")
     if args.peer == "hf" and backend != "cuda":
         raise BenchError("--peer hf runs transformers on the GPU; there is no CUDA GPU here (leave --peer out)")
     count_option = args.given_as.get("num_seqs", "--num-seqs")

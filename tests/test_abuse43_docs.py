@@ -200,3 +200,18 @@ def test_chat_help_says_a_template_sent_to_a_server_needs_its_trust(capsys, trus
         assert status == 0 and out.strip(), err
     else:
         assert status == 1 and "--trust-request-chat-template" in err, err
+
+
+# ---- bench throughput ----------------------------------------------------------------------------------
+
+@needs_stories
+def test_bench_throughput_kernel_profile_without_a_gpu_is_a_usage_error(capsys, monkeypatch):
+    # --device auto on a machine without a GPU ran the workload, then torch.profiler's AssertionError
+    # ("No activities specified for the profiler") ended it in a traceback
+    monkeypatch.setattr("minillm.engine.choose_backend", lambda device: "numpy")
+    status, out, err = run_main(capsys, "bench", "throughput", "--model", str(STORIES), "--num-seqs", "2",
+                                "--max-input-len", "8", "--max-output-len", "8", "--kernel-profile")
+    assert (status, out) == (2, ""), err
+    assert err.splitlines() == ["minillm bench throughput: error: --kernel-profile: records CUDA kernels, and there is "
+                                "no CUDA GPU here (leave --kernel-profile out) (try 'minillm bench throughput --help')"]
+
