@@ -84,6 +84,8 @@ def parse_args(argv):
     if args.kernel_profile and args.device == "cpu":
         p.error("--kernel-profile: records CUDA kernels; it needs --device cuda")
     check_bounds(p.prog, args, option_bounds())
+    if args.peer_num_seqs is not None and args.peer is None:
+        p.error("--peer-num-seqs sizes the workload of --peer; give --peer too (or leave it out)")
     fold_vllm_names(p, args)
     args.engine_names = [*OWN_ENGINE_OPTIONS, *engine_names]
     check_engine_arguments(p, args)
@@ -232,12 +234,12 @@ def resolve_defaults(args) -> dict:
     if args.kernel_profile and backend != "cuda":   # --device auto found no GPU
         raise BenchUsageError(PROG, "--kernel-profile: records CUDA kernels, and there is no CUDA GPU here "
                                     "(leave --kernel-profile out)")
-    if args.peer == "hf" and backend != "cuda":
-        raise BenchError("--peer hf runs transformers on the GPU; there is no CUDA GPU here (leave --peer out)")
     count_option = args.given_as.get("num_seqs", "--num-seqs")
     if args.peer_num_seqs is not None and args.peer_num_seqs > args.num_seqs:
         raise BenchUsageError(PROG, f"--peer-num-seqs {args.peer_num_seqs} is more than the workload's "
                                     f"{args.num_seqs} requests ({count_option})")
+    if args.peer == "hf" and backend != "cuda":
+        raise BenchError("--peer hf runs transformers on the GPU; there is no CUDA GPU here (leave --peer out)")
     (input_option, longest_input, input_text), (_, longest_output, output_text) = workload_lengths(args)
     check_workload_tokens(PROG, count_option, args.num_seqs, input_option, longest_input)
     if args.model is not None:

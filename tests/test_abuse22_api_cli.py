@@ -136,10 +136,10 @@ def test_bench_throughput_checks_the_workload_against_the_model_before_drawing_i
     with pytest.raises(BenchUsageError, match=r"^--num-seqs 65536 x --max-input-len 1000 = 65536000 prompt tokens"):
         throughput.resolve_defaults(throughput.parse_args([*model, "--num-seqs", "65536", "--max-input-len", "1000"]))
     with pytest.raises(BenchUsageError, match=r"^--peer-num-seqs 17 is more than the workload's 16 requests"):
-        throughput.resolve_defaults(throughput.parse_args([*model, "--peer-num-seqs", "17"]))
+        throughput.resolve_defaults(throughput.parse_args([*model, "--peer", "hf", "--peer-num-seqs", "17"]))
     with pytest.raises(BenchError, match=r"^--max-model-len 1000 is past the model's max_position_embeddings 512"):
         throughput.resolve_defaults(throughput.parse_args([*model, "--max-model-len", "1000"]))
-    args = throughput.parse_args([*model, "--num-seqs", "3", "--peer-num-seqs", "3", "--max-model-len", "512"])
+    args = throughput.parse_args([*model, "--num-seqs", "3", "--max-model-len", "512"])
     throughput.resolve_defaults(args)
     assert (args.num_seqs, args.max_input_len, args.max_model_len) == (3, 128, 512)
 

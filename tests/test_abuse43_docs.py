@@ -215,3 +215,9 @@ def test_bench_throughput_kernel_profile_without_a_gpu_is_a_usage_error(capsys, 
     assert err.splitlines() == ["minillm bench throughput: error: --kernel-profile: records CUDA kernels, and there is "
                                 "no CUDA GPU here (leave --kernel-profile out) (try 'minillm bench throughput --help')"]
 
+
+def test_bench_throughput_peer_num_seqs_needs_a_peer():
+    # it was passed over unread
+    from minillm.benchmarks import throughput
+    with pytest.raises(BenchUsageError, match=r"^--peer-num-seqs sizes the workload of --peer; give --peer too"):
+        throughput.parse_args(["--model", str(STORIES), "--peer-num-seqs", "1"])
