@@ -1,7 +1,7 @@
 """`minillm monitor` against servers that change or go quiet: a server polled for want of a stats
 stream gets its stream back once it has one again; an error body of FastAPI's or OpenAI's shape shows
 its message in the banner; a stream that stays open but sends no stats event (only keep-alive
-comments) is said in the banner within a bounded time and reopened."""
+comments) and whose /v1/stats fails too is said in the banner within a bounded time and reopened."""
 from __future__ import annotations
 
 import json
@@ -38,7 +38,8 @@ def fast_backoff(monkeypatch):
 class ChangingHandler(BaseHTTPRequestHandler):
     """A server whose /v1/stats/stream is set by server.stream: "missing" (404), "error" (server.error_body
     with status 503, /v1/stats alike), "comments" (an open stream of keep-alive comments, after
-    server.num_leading events), or "ok" (stats events, then the end); /v1/stats answers a snapshot."""
+    server.num_leading events), or "ok" (stats events, then the end); /v1/stats answers a snapshot, or 503
+    where server.poll_status is 503."""
 
     def log_message(self, *args) -> None:
         pass
@@ -51,6 +52,8 @@ class ChangingHandler(BaseHTTPRequestHandler):
         try:
             if server.stream == "error":
                 return self._send(503, "application/json", server.error_body)
+            if not is_stream and server.poll_status != 200:
+                return self._send(server.poll_status, "application/json", b'{"detail":"Service Unavailable"}')
             if not is_stream:
                 return self._send(200, "application/json", json.dumps(make_stats(1).to_dict()).encode())
             if server.stream == "missing":
@@ -86,7 +89,7 @@ def server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), ChangingHandler)
     server.daemon_threads = True
     server.lock, server.paths, server.stopping = threading.Lock(), [], threading.Event()
-    server.stream, server.error_body, server.num_leading = "missing", b"", 0
+    server.stream, server.error_body, server.num_leading, server.poll_status = "missing", b"", 0, 200
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     yield server
@@ -181,7 +184,8 @@ async def test_the_banner_shows_fastapis_detail(server, fast_backoff):
 @pytest.mark.parametrize("num_leading", [0, 2], ids=["none", "after-two-events"])
 async def test_a_stream_of_keep_alives_only_is_a_problem_and_is_reopened(server, fast_backoff, num_leading):
     # Comments kept the read timeout from firing: the dashboard stayed blank (or frozen), no banner.
-    server.stream, server.num_leading = "comments", num_leading
+    # (Where /v1/stats answers, the monitor polls it instead: tests/test_abuse43_monitor.py.)
+    server.stream, server.num_leading, server.poll_status = "comments", num_leading, 503
     source = LiveSource(server.url, interval_s=0.1, silence_s=0.3)
     started = time.monotonic()
     events = await events_until(source, lambda e, events: sum(isinstance(x, SourceProblem) for x in events) == 2)
@@ -194,7 +198,7 @@ async def test_a_stream_of_keep_alives_only_is_a_problem_and_is_reopened(server,
 
 
 async def test_the_banner_says_the_stream_is_silent_and_goes_once_stats_come(server, fast_backoff):
-    server.stream = "comments"
+    server.stream, server.poll_status = "comments", 503
     app = MonitorApp(source=LiveSource(server.url, interval_s=0.1, silence_s=0.3))
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_until(pilot, app, lambda: app.banner.display)

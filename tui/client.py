@@ -389,7 +389,8 @@ class LiveSource:
             resized, num_frames = False, 0
             async with aclosing(self._stream(client, wanted)) as frames:
                 async for frame in frames:
-                    if num_frames == 0 and self._status().text != shown:
+                    if self._status().text != shown:    # the stream came back, or went silent and is polled
+                        shown = self._status().text
                         yield self._status()
                     num_frames += 1
                     yield frame
@@ -425,19 +426,26 @@ class LiveSource:
     async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
         url = f"{self.http_base}/v1/stats/stream"
         params = {"cells": num_cells, "interval": self.interval_s}
-        async with client.stream("GET", url, params=params) as response:
-            if response.status_code in (404, 405):
-                # An older server without the stream: poll the snapshot endpoint instead.
-                self._fall_back_to_polling()
-                yield await self._poll(client, num_cells)
-                return
-            if response.status_code != 200:
-                failure = HTTPStatusProblem(response.status_code, url, (await read_capped(response, MAX_ERROR_BYTES))[0])
-            else:
-                async with aclosing(self._events(response)) as frames:
-                    async for frame in frames:
-                        yield frame
-                return
+        try:
+            async with client.stream("GET", url, params=params) as response:
+                if response.status_code in (404, 405):
+                    # An older server without the stream: poll the snapshot endpoint instead.
+                    self._fall_back_to_polling()
+                    yield await self._poll(client, num_cells)
+                    return
+                if response.status_code != 200:
+                    failure = HTTPStatusProblem(response.status_code, url,
+                                                (await read_capped(response, MAX_ERROR_BYTES))[0])
+                else:
+                    async with aclosing(self._events(response)) as frames:
+                        async for frame in frames:
+                            yield frame
+                    return
+        except (StreamSilent, httpx.ReadTimeout) as exc:
+            # Nothing for silence_s, before its headers or between events (a proxy that buffers, a
+            # stalled stream): the stats are polled while /v1/stats answers.
+            yield await self._poll_instead(client, num_cells, exc)
+            return
         yield await self._poll_instead(client, num_cells, failure)
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[StatsFrame]:
@@ -448,26 +456,33 @@ class LiveSource:
             # and the monitor would wait for stats without end.
             raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
                                    "stats events: is this a minillm server?")
-        self.stream_retry_s = self.stream_retry_start_s   # the stream is back: a later loss waits the least
         events = iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS))
         async with aclosing(events):
             while True:
                 data = await self._next_event(events)
                 if data is None:
                     return
-                yield parse_frame(data)
+                frame = parse_frame(data)
+                # The stream is back once it sends stats (its headers alone may come from a proxy that
+                # then sends nothing): a later loss waits the least.
+                self.stream_retry_s = self.stream_retry_start_s
+                yield frame
 
-    async def _poll_instead(self, client: httpx.AsyncClient, num_cells: int, failure: HTTPStatusProblem) -> StatsFrame:
+    async def _poll_instead(self, client: httpx.AsyncClient, num_cells: int, failure: Exception) -> StatsFrame:
         """A snapshot of /v1/stats while the stream answers an error (a proxy's 502, a stream handler's
-        500): the monitor polls and asks for the stream again after a doubling wait. The stream's own
-        failure when the snapshot fails too, or when the key was refused (the poll would be refused alike)."""
-        if failure.status in (401, 403):
+        500) or sends nothing: the monitor polls and asks for the stream again after a doubling wait. The
+        stream's own failure when the snapshot fails too, or when the key was refused (the poll would be
+        refused alike)."""
+        if isinstance(failure, HTTPStatusProblem) and failure.status in (401, 403):
             raise failure
         try:
             frame = await self._poll(client, num_cells)
-        except Exception:      # the server fails as a whole: its stream's answer says how
+        except Exception:      # the server fails as a whole: its stream's failure says how
             raise failure from None
-        self._fall_back_to_polling(f"the stream answered {failure.status}")
+        if isinstance(failure, HTTPStatusProblem):
+            self._fall_back_to_polling(f"the stream answered {failure.status}")
+        else:
+            self._fall_back_to_polling(f"the stream sent nothing for {self.silence_s:g} s")
         return frame
 
     async def _next_event(self, events: AsyncIterator[str]) -> str | None:

@@ -51,8 +51,9 @@ def help_text() -> Text:
                                                   f"stays {FINISHED_SHOWN_S:.0f} s, greyed\n")
     text.append("↻ counters reset  ", style="bold").append("the counters went back (a replay started its next "
                                                           "pass, or the server restarted): the charts start over\n")
-    text.append("⚠ banner  ", style="bold").append(f"why no stats arrive; an open stream with no snapshot for "
-                                                  f"{SILENCE_RULE} counts too, and is reopened\n\n")
+    text.append("⚠ banner  ", style="bold").append(f"why no stats arrive. An open stream with no snapshot for "
+                                                  f"{SILENCE_RULE} is polled at /v1/stats instead (the "
+                                                  "title says polling), or counts too where that fails\n\n")
     for key, action in KEYS:
         text.append(f"  {key:<16}", style="bold #5fafff").append(f"{action}\n")
     text.append("\npress ? or escape to close", style="#6c6c6c")

@@ -1,0 +1,148 @@
+"""`minillm monitor` against servers as users meet them: a stats stream that opens and then sends
+nothing (a proxy that buffers, a stalled server) is polled instead, the title saying so, until the
+stream sends stats again."""
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from test_abuse41_monitor2 import events_until, wait_until
+from test_tui import make_stats
+
+from minillm.tui.app import MonitorApp
+from minillm.tui.client import LiveSource, SourceProblem, StatsFrame
+
+pytestmark = pytest.mark.anyio
+
+POLLED = make_stats(7)       # what /v1/stats answers: told apart from the stream's make_stats(0..2)
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class FakeServerHandler(BaseHTTPRequestHandler):
+    """/v1/stats/stream as server.stream says: "ok" (three stats events, then the end), "headers" (200
+    and the event stream's headers, then nothing), "nothing" (not even headers), "then-silent" (two
+    stats events, then nothing); /v1/stats answers POLLED, or server.poll_status with an error body."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        server = self.server
+        is_stream = self.path.startswith("/v1/stats/stream")
+        with server.lock:
+            server.paths.append("stream" if is_stream else "poll")
+        try:
+            if is_stream:
+                self._stream(server.stream)
+            elif server.poll_status != 200:
+                self._send(server.poll_status, "application/json", b'{"detail": "Service Unavailable"}')
+            else:
+                self._send(200, "application/json", json.dumps(POLLED.to_dict()).encode())
+        except (BrokenPipeError, ConnectionResetError):
+            pass     # the monitor left
+
+    def _stream(self, mode: str) -> None:
+        if mode == "nothing":
+            self.server.stopping.wait()
+            return
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        num_events = {"ok": 3, "headers": 0, "then-silent": 2}[mode]
+        for k in range(num_events):
+            self.wfile.write(f"data: {json.dumps(make_stats(k).to_dict())}\n\n".encode())
+        self.wfile.flush()
+        if mode != "ok":
+            self.server.stopping.wait()      # open, and silent until the test ends
+
+    def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+@pytest.fixture
+def server():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServerHandler)
+    server.daemon_threads = True
+    server.lock, server.paths, server.stopping = threading.Lock(), [], threading.Event()
+    server.stream, server.poll_status = "headers", 200
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield server
+    server.stopping.set()
+    server.shutdown()
+    server.server_close()
+
+
+SILENT_TITLE = "(polling: the stream sent nothing for 0.3 s)"
+
+
+# ---- a stream that opens and sends nothing -----------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["headers", "nothing"])
+async def test_a_silent_stream_is_polled_and_the_title_says_so(server, mode):
+    # The stream was retried for ever, the dashboard blank under a banner, while /v1/stats answered.
+    server.stream = mode
+    app = MonitorApp(source=LiveSource(server.url, interval_s=0.1, silence_s=0.3, stream_retry_s=60.0))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, app, lambda: app.frames_shown >= 2)
+        assert app.stats == POLLED and app.source_text == f"live {server.url} {SILENT_TITLE}"
+        assert app.problem is None and not app.banner.display
+        assert SILENT_TITLE in app.title_bar.content.plain
+
+
+async def test_a_silent_stream_is_streamed_again_once_it_sends_stats(server):
+    source = LiveSource(server.url, interval_s=0.1, silence_s=0.3, stream_retry_s=0.05)
+    app = MonitorApp(source=source)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, app, lambda: app.source_text.endswith(SILENT_TITLE) and app.stats == POLLED)
+        server.stream = "ok"
+        await wait_until(pilot, app, lambda: app.source_text == f"live {server.url} (stream)")
+        await wait_until(pilot, app, lambda: app.stats == make_stats(2))
+        assert app.problem is None and not source.use_polling
+
+
+async def test_a_stream_that_goes_silent_after_stats_is_polled_and_the_title_says_so(server):
+    # The title said "(stream)" while the stream was given up for polling after its first events.
+    server.stream = "then-silent"
+    app = MonitorApp(source=LiveSource(server.url, interval_s=0.1, silence_s=0.3, stream_retry_s=60.0))
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_until(pilot, app, lambda: app.stats == make_stats(1))
+        assert app.source_text == f"live {server.url} (stream)"
+        await wait_until(pilot, app, lambda: app.stats == POLLED)
+        assert app.source_text == f"live {server.url} {SILENT_TITLE}"
+        assert app.problem is None and not app.banner.display
+
+
+async def test_a_silent_stream_is_asked_for_again_with_a_doubling_wait(server):
+    # Its headers reset the wait: a stream that opened and said nothing was asked for every 0.05 s.
+    source = LiveSource(server.url, interval_s=0.05, silence_s=0.2, stream_retry_s=0.05)
+    seen = []
+
+    def condition(event, events) -> bool:
+        if isinstance(event, StatsFrame):
+            with server.lock:
+                seen.append(server.paths.count("stream"))
+            assert source.stream_retry_s == pytest.approx(0.05 * 2 ** seen[-1])
+        return bool(seen) and seen[-1] >= 3
+
+    events = await events_until(source, condition)
+    assert not [e for e in events if isinstance(e, SourceProblem)], events
+
+
+@pytest.mark.parametrize("mode", ["headers", "then-silent"])
+async def test_a_silent_stream_is_the_problem_when_the_poll_fails_too(server, mode):
+    server.stream, server.poll_status = mode, 503
+    source = LiveSource(server.url, interval_s=0.1, silence_s=0.3)
+    events = await events_until(source, lambda event, events: isinstance(event, SourceProblem))
+    assert events[-1].message.startswith(f"no stats from {server.url} for 0.3 s: its stream is open")
+    assert not source.use_polling and server.paths[-1] == "poll"
