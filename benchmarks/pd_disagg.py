@@ -55,6 +55,9 @@ STARTUP_TIMEOUT_S = 600.0
 TINY = {**QWEN3_0_6B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+# The servers' --dtype values, and those the CPU backend runs.
+DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
+CPU_DTYPES = ("auto", "float32", "float")
 # --small: the same phases at sizes the CPU gets through in a minute or two.
 SMALL = {"num_equality": 8, "equality_prompt": 48, "equality_output": 12, "users": 4, "user_prompt": 48,
          "user_output": 24, "long_prompt": 600, "long_output": 8, "long_every": 2.0, "duration": 8.0,
@@ -73,8 +76,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-equality", type=int, default=32, help="Greedy requests of the equality check.")
     p.add_argument("--equality-prompt", type=int, default=256, help="Tokens per equality prompt.")
     p.add_argument("--equality-output", type=int, default=32, help="Tokens each equality request generates.")
-    p.add_argument("--equality-dtype", default="float32", help="dtype of the equality check's servers.")
-    p.add_argument("--dtype", default="bfloat16", help="dtype of the mixed workload's servers.")
+    p.add_argument("--equality-dtype", default=None, choices=DTYPES,
+                   help="dtype of the equality check's servers (default: float32).")
+    p.add_argument("--dtype", default=None, choices=DTYPES,
+                   help="dtype of the mixed workload's servers (default: bfloat16; float32 with --device cpu).")
     p.add_argument("--users", type=int, default=32, help="Streaming users of the mixed workload.")
     p.add_argument("--user-prompt", type=int, default=512, help="Tokens per user prompt.")
     p.add_argument("--user-output", type=int, default=256, help="Tokens each user request generates.")
@@ -103,6 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--long-every and --duration must be > 0 seconds, got {args.long_every} and {args.duration}")
     check_bounds(p.prog, args, option_bounds())
     check_seed_option(p, args.seed)
+    for name, flag, gpu_default in (("equality_dtype", "--equality-dtype", "float32"), ("dtype", "--dtype", "bfloat16")):
+        value = getattr(args, name)
+        if args.device == "cpu" and value not in (None, *CPU_DTYPES):
+            p.error(f"{flag} {value}: the CPU's servers run float32 (leave {flag} out, or run with --device cuda)")
+        setattr(args, name, value or (gpu_default if args.device == "cuda" else "float32"))
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not args.phases or set(args.phases) - {"equality", "mixed"}:
         p.error("--phases takes equality, mixed or both, comma-separated")

@@ -221,3 +221,25 @@ def test_bench_throughput_peer_num_seqs_needs_a_peer():
     from minillm.benchmarks import throughput
     with pytest.raises(BenchUsageError, match=r"^--peer-num-seqs sizes the workload of --peer; give --peer too"):
         throughput.parse_args(["--model", str(STORIES), "--peer-num-seqs", "1"])
+
+
+# ---- bench pd_disagg -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args", [["--dtype", "bfloat16"], ["--equality-dtype", "float16"], ["--dtype", "half"]])
+def test_pd_disagg_on_the_cpu_refuses_a_dtype_it_would_not_run(args):
+    # the CPU's servers ran float32 whatever --dtype or --equality-dtype said, and the report said float32
+    from minillm.benchmarks import pd_disagg
+    with pytest.raises(BenchUsageError) as info:
+        pd_disagg.parse_args(["--device", "cpu", "--small", *args])
+    assert info.value.message == f"{args[0]} {args[1]}: the CPU's servers run float32 (leave {args[0]} out, or run " \
+                                 "with --device cuda)"
+
+
+def test_pd_disagg_dtypes_default_per_device_and_take_the_servers_names():
+    from minillm.benchmarks import pd_disagg
+    cpu = pd_disagg.parse_args(["--device", "cpu", "--small", "--dtype", "float"])
+    assert (cpu.equality_dtype, cpu.dtype) == ("float32", "float")
+    gpu = pd_disagg.parse_args(["--device", "cuda"])
+    assert (gpu.equality_dtype, gpu.dtype) == ("float32", "bfloat16")
+    with pytest.raises(BenchUsageError, match="argument --equality-dtype: invalid choice: 'fp32'"):
+        pd_disagg.parse_args(["--device", "cuda", "--equality-dtype", "fp32"])  # each server failed to start on it
