@@ -518,6 +518,23 @@ def make_log_dir(path: str) -> None:
         raise BenchError(f"--log-dir {path}: cannot create it: {exc.strerror or exc}") from None
 
 
+def model_config(model: str) -> dict:
+    """The config.json of the model directory MODEL; a BenchError naming --model when it has none to read."""
+    if not Path(model).is_dir():
+        what = "a file, not a model directory" if Path(model).exists() else "no such directory"
+        raise BenchError(f"--model {model}: {what}")
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BenchError(f"--model {model}: no config.json there (give a model directory)") from None
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--model {model}: cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(config, dict):
+        raise BenchError(f"--model {model}: {path} is not a JSON object")
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the phases; print the report; 0 when the texts matched and nothing failed."""
     args = parse_args(argv)
@@ -537,7 +554,10 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         dummy = args.model is None
         model = args.model or str(write_random_model_dir(Path(tmp) / "model", TINY if args.small else QWEN3_0_6B))
-        model_json = json.loads((Path(model) / "config.json").read_text())
+        model_json = model_config(model)
+        if model_json.get("max_position_embeddings", args.max_model_len) < args.max_model_len:
+            raise BenchError(f"--max-model-len {args.max_model_len} is past --model {model}'s max_position_embeddings "
+                             f"{model_json['max_position_embeddings']}; lower it")
         check_cpu_memory(args, model_json)
         vocab = min(model_json["vocab_size"], 10000)
         report: dict = {"args": vars(args)}

@@ -243,3 +243,22 @@ def test_pd_disagg_dtypes_default_per_device_and_take_the_servers_names():
     assert (gpu.equality_dtype, gpu.dtype) == ("float32", "bfloat16")
     with pytest.raises(BenchUsageError, match="argument --equality-dtype: invalid choice: 'fp32'"):
         pd_disagg.parse_args(["--device", "cuda", "--equality-dtype", "fp32"])  # each server failed to start on it
+
+
+@pytest.mark.parametrize("model, said", [
+    ("DIR", "--model DIR: no config.json there (give a model directory)"),
+    ("DIR/none", "--model DIR/none: no such directory"),
+    ("STORIES/config.json", "--model STORIES/config.json: a file, not a model directory"),
+    ("STORIES", "--max-model-len 1024 is past --model STORIES's max_position_embeddings 512; lower it"),
+])
+def test_pd_disagg_checks_its_model_before_starting_a_server(monkeypatch, tmp_path, model, said):
+    # a directory without config.json ended in "[Errno 2] No such file or directory: '.../config.json'";
+    # stories260K under --small's --max-model-len 1024 failed in the first server's log, 'minillm serve: error'
+    from minillm.benchmarks import pd_disagg
+    if "STORIES" in model and not STORIES.is_dir():
+        pytest.skip("stories260K is not here")
+    monkeypatch.setattr(pd_disagg, "Process", lambda *a, **k: pytest.fail("a server started"))
+    model, said = (x.replace("DIR", str(tmp_path)).replace("STORIES", str(STORIES)) for x in (model, said))
+    with pytest.raises(BenchError) as info:
+        pd_disagg.main(["--device", "cpu", "--small", "--phases", "equality", "--model", model])
+    assert str(info.value) == said
