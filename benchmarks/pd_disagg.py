@@ -55,6 +55,10 @@ STARTUP_TIMEOUT_S = 600.0
 TINY = {**QWEN3_0_6B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
         "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2}
+# The options only one phase reads.
+PHASE_OPTIONS = {"equality": ("num_equality", "equality_prompt", "equality_output", "equality_dtype"),
+                 "mixed": ("dtype", "users", "user_prompt", "user_output", "long_prompt", "long_output", "long_every",
+                           "duration", "single_blocks")}
 # The servers' --dtype values, and those the CPU backend runs.
 DTYPES = ("auto", "float32", "float16", "bfloat16", "float", "half")
 CPU_DTYPES = ("auto", "float32", "float")
@@ -99,6 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-dir", default=None, help="Where the servers' logs go (default: a temporary directory).")
     p.add_argument("--result-file", default=None, help="Write the figures as JSON here.")
     args = p.parse_args(argv)
+    given = {a.dest for a in p._actions if a.dest != "help" and getattr(args, a.dest) != a.default}
     if args.small:
         defaults = {a.dest: a.default for a in p._actions}
         for key, value in SMALL.items():
@@ -116,6 +121,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     if not args.phases or set(args.phases) - {"equality", "mixed"}:
         p.error("--phases takes equality, mixed or both, comma-separated")
+    for phase, names in PHASE_OPTIONS.items():
+        unread = [n for n in names if n in given] if phase not in args.phases else []
+        if unread:
+            flags = ["--" + n.replace("_", "-") for n in unread]
+            named = flags[0] if len(flags) == 1 else f"{', '.join(flags[:-1])} and {flags[-1]}"
+            p.error(f"{named} only shape{'s' * (len(flags) == 1)} the {phase} phase, which --phases "
+                    f"{','.join(args.phases)} leaves out")
     return args
 
 

@@ -262,3 +262,28 @@ def test_pd_disagg_checks_its_model_before_starting_a_server(monkeypatch, tmp_pa
     with pytest.raises(BenchError) as info:
         pd_disagg.main(["--device", "cpu", "--small", "--phases", "equality", "--model", model])
     assert str(info.value) == said
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--phases", "equality", "--users", "3"], "--users only shapes the mixed phase, which --phases equality leaves out"),
+    (["--phases", "equality", "--dtype", "float32", "--duration", "5"],
+     "--dtype and --duration only shape the mixed phase, which --phases equality leaves out"),
+    (["--phases", "mixed", "--num-equality", "3", "--equality-prompt", "9", "--equality-output", "2"],
+     "--num-equality, --equality-prompt and --equality-output only shape the equality phase, which --phases mixed "
+     "leaves out"),
+])
+def test_pd_disagg_refuses_the_options_of_a_phase_it_does_not_run(args, said):
+    # they were passed over unread
+    from minillm.benchmarks import pd_disagg
+    with pytest.raises(BenchUsageError) as info:
+        pd_disagg.parse_args(["--device", "cpu", "--small", *args])
+    assert info.value.message == said
+
+
+def test_pd_disagg_options_of_both_phases_run_with_both():
+    from minillm.benchmarks import pd_disagg
+    args = pd_disagg.parse_args(["--device", "cpu", "--small", "--users", "3", "--num-equality", "2",
+                                 "--single-budget", "64"])
+    assert (args.users, args.num_equality, args.single_budget, args.phases) == (3, 2, 64, ["equality", "mixed"])
+    # the decode server's token budget is --single-budget too: it shapes the equality phase as well
+    assert pd_disagg.parse_args(["--device", "cpu", "--phases", "equality", "--single-budget", "64"]).single_budget == 64
