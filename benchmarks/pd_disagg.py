@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=128, help="Most sequences a step (decode and single).")
     p.add_argument("--prefill-budget", type=int, default=16384, help="Token budget of the prefill server's steps.")
     p.add_argument("--single-budget", type=int, default=2048,
-                   help="Token budget of the single server's steps (its chunked prefill).")
+                   help="Token budget of the decode server's steps and the single server's (its chunked "
+                        "prefill).")
     p.add_argument("--seed", type=int, default=0, help="Seed of the prompts (vLLM's: an integer in [0, 2**32 - 1]).")
     p.add_argument("--log-dir", default=None, help="Where the servers' logs go (default: a temporary directory).")
     p.add_argument("--result-file", default=None, help="Write the figures as JSON here.")

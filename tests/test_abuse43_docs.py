@@ -287,3 +287,11 @@ def test_pd_disagg_options_of_both_phases_run_with_both():
     assert (args.users, args.num_equality, args.single_budget, args.phases) == (3, 2, 64, ["equality", "mixed"])
     # the decode server's token budget is --single-budget too: it shapes the equality phase as well
     assert pd_disagg.parse_args(["--device", "cpu", "--phases", "equality", "--single-budget", "64"]).single_budget == 64
+
+
+def test_pd_disagg_help_says_single_budget_is_the_decode_servers_too(capsys):
+    # the help named the single server's steps only, while the decode server of both phases runs under it
+    status, out, _ = run_main(capsys, "bench", "pd_disagg", "--help")
+    assert status == 0
+    assert "Token budget of the decode server's steps and the single server's (its chunked prefill)." in \
+        " ".join(out.split())
