@@ -1109,6 +1109,8 @@ def format_results(results: list[BenchmarkResult], args: argparse.Namespace, cei
 
 def workload_shape(args: argparse.Namespace) -> str:
     """The prompts' shape as the traffic line says it: random lengths, or the dataset and its output tokens."""
+    if args.prompt or args.prompts_file:      # their lengths are the prompts' own, not --input-len's
+        return f"given by --prompt / --prompts-file (cycled), output {args.output_len} tokens"
     if not getattr(args, "dataset_samples", None):
         return f"input {args.input_len} / output {args.output_len} tokens"
     lens = output_lens(args)

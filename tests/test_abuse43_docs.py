@@ -94,6 +94,17 @@ def test_bench_serving_against_a_keyed_server(monkeypatch, capsys):
             bench_serving.main(["--base-url", url, *workload])
 
 
+@pytest.mark.parametrize("given", [["--prompt", "Once upon a time"], ["--prompts-file", "FILE"]])
+def test_bench_serving_traffic_line_does_not_give_given_prompts_the_random_length(tmp_path, given):
+    # "Traffic: ..., 2 prompts, input 128 / output 4 tokens" where the prompts were 5 tokens
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n")
+    args = bench_serving.parse_args([*(str(prompts) if a == "FILE" else a for a in given), "--output-len", "4"])
+    assert bench_serving.workload_shape(args) == "given by --prompt / --prompts-file (cycled), output 4 tokens"
+    assert bench_serving.workload_shape(bench_serving.parse_args(["--output-len", "4"])) == \
+        "input 128 / output 4 tokens"
+
+
 # ---- monitor -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, said", [
