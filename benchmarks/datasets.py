@@ -42,6 +42,7 @@ DATASET_FLAGS = {
     "prompts_file": ("--prompts-file", ("random",)),
     "input_len": ("--random-input-len", ("random",)),
     "output_len": ("--random-output-len", ("random",)),
+    "vocab_range": ("--vocab-range", ("random",)),
 }
 
 

@@ -263,11 +263,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--step-trace needs --result-file (or --save-result)")
     if not 0.01 <= args.step_trace_interval <= 10:
         p.error(f"--step-trace-interval must be in [0.01, 10] seconds, got {args.step_trace_interval}")
+    check_unread_options(p, args)
     try:
         args.offline_engine_args = offline_engine_args(args)
     except ValueError as exc:
         p.error(str(exc))
     return args
+
+
+def check_unread_options(p: BenchParser, args: argparse.Namespace) -> None:
+    """A usage error naming an option that only shapes what this run does not do (it was passed over unread)."""
+    for flag, dest, unread in _READ_WITH:
+        reason = unread(args) if getattr(args, dest) != p.get_default(dest) else None
+        if reason is not None:
+            p.error(f"{flag} {reason}")
+
+
+def _random_token_prompts(args: argparse.Namespace) -> str | None:
+    if args.prompt or args.prompts_file:
+        return "shapes random prompts, and --prompt / --prompts-file give the prompts; leave one out"
+    return None
+
+
+# Options read only with another: (the option, its dest, why it is unread in ARGS or None).
+_READ_WITH = [
+    ("--step-trace-interval", "step_trace_interval",
+     lambda a: None if a.step_trace else "sets --step-trace's polls; give --step-trace too (or leave it out)"),
+    ("--offline-device", "offline_device",
+     lambda a: None if a.offline_model else "is the backend of --offline-model's run; give --offline-model too"),
+    ("--offline-arg", "offline_arg",
+     lambda a: None if a.offline_model else "shapes --offline-model's engine; give --offline-model too"),
+    ("--input-len", "input_len", _random_token_prompts),
+    ("--vocab-range", "vocab_range", _random_token_prompts),
+]
 
 
 # The workload options the mixed workload has no use for: (the option, its dest).

@@ -105,6 +105,32 @@ def test_bench_serving_traffic_line_does_not_give_given_prompts_the_random_lengt
         "input 128 / output 4 tokens"
 
 
+@pytest.mark.parametrize("args, said", [
+    (["--step-trace-interval", "0.2"], "--step-trace-interval sets --step-trace's polls; give --step-trace too"),
+    (["--offline-device", "cpu"], "--offline-device is the backend of --offline-model's run; give --offline-model too"),
+    (["--offline-arg", "dtype=float32"], "--offline-arg shapes --offline-model's engine; give --offline-model too"),
+    (["--prompt", "Once", "--input-len", "5"], "--input-len shapes random prompts, and --prompt / --prompts-file give "
+                                               "the prompts; leave one out"),
+    (["--prompt", "Once", "--vocab-range", "3", "9"], "--vocab-range shapes random prompts, and --prompt / "
+                                                      "--prompts-file give the prompts; leave one out"),
+    (["--dataset-name", "sharegpt", "--dataset-path", "d.json", "--vocab-range", "3", "9"],
+     "--vocab-range is read by --dataset-name random, not sharegpt"),
+])
+def test_bench_serving_refuses_an_option_it_would_pass_over(args, said):
+    # each was taken and never read: the run measured what the option did not ask for
+    with pytest.raises(BenchUsageError) as info:
+        bench_serving.parse_args(args)
+    assert info.value.message.startswith(said), info.value.message
+
+
+def test_bench_serving_takes_those_options_with_what_reads_them(tmp_path):
+    args = bench_serving.parse_args(["--step-trace", "--result-file", str(tmp_path / "r.json"),
+                                     "--step-trace-interval", "0.2", "--offline-model", "m", "--offline-device", "cpu",
+                                     "--offline-arg", "max_num_seqs=4", "--input-len", "9", "--vocab-range", "3", "9"])
+    assert (args.step_trace_interval, args.input_len, list(args.vocab_range)) == (0.2, 9, [3, 9])
+    assert args.offline_engine_args == {"device": "cpu", "max_num_seqs": 4}
+
+
 # ---- monitor -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, said", [
