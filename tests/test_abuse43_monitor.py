@@ -7,6 +7,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import anyio
 import pytest
 from test_abuse41_monitor2 import events_until, wait_until
 from test_tui import make_stats
@@ -146,3 +147,37 @@ async def test_a_silent_stream_is_the_problem_when_the_poll_fails_too(server, mo
     events = await events_until(source, lambda event, events: isinstance(event, SourceProblem))
     assert events[-1].message.startswith(f"no stats from {server.url} for 0.3 s: its stream is open")
     assert not source.use_polling and server.paths[-1] == "poll"
+
+
+# ---- a terminal resized very small -------------------------------------------------------------------
+
+class GivenEvents:
+    """The given events, then nothing (the source stays open)."""
+
+    def __init__(self, events: list) -> None:
+        self._events = events
+
+    async def events(self, cells):
+        for event in self._events:
+            yield event
+        await anyio.sleep_forever()
+
+
+def frames_then_problem() -> GivenEvents:
+    problem = SourceProblem("cannot connect to http://127.0.0.1:8000: is `minillm serve` running there?", 4.0)
+    return GivenEvents([StatsFrame(make_stats(k), {}) for k in range(3)] + [problem])
+
+
+@pytest.mark.parametrize("size", [(100, 16), (60, 12), (40, 8)])
+async def test_the_title_and_the_banner_stay_in_view_on_a_short_terminal(size):
+    # The panels overflowed the screen, which scrolled to the focused grid: the title and the banner saying
+    # why stats stopped went off the top.
+    app = MonitorApp(source=frames_then_problem())
+    async with app.run_test(size=size) as pilot:
+        await wait_until(pilot, app, lambda: app.frames_shown == 3 and app.banner.display)
+        for key in ["", "tab", "tab", "tab"]:    # focus moving down the panels scrolls them, not the screen
+            if key:
+                await pilot.press(key)
+            await pilot.pause()
+            assert app.screen.get_widget_at(0, 0)[0] is app.title_bar, key
+            assert app.screen.get_widget_at(1, 1)[0] is app.banner, key

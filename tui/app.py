@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.reactive import reactive
 from textual.widgets import Footer, Static
 
@@ -120,15 +120,18 @@ class MonitorApp(App[None]):
         self.table = RequestTable(id="requests")
         yield self.title_bar
         yield self.banner
-        with Horizontal(id="top"):
-            yield self.grid
-            with Vertical(id="side"):
-                yield self.panels[1]
-                yield self.panels[2]
-        with Horizontal(id="middle"):
-            yield self.panels[3]
-            yield self.panels[4]
-        yield self.table
+        # The panels scroll in what rows are left: on a short terminal the screen scrolled as a whole to the
+        # focused grid, and the title and the banner (why no stats come) went off its top.
+        with VerticalScroll(id="body", can_focus=False):
+            with Horizontal(id="top"):
+                yield self.grid
+                with Vertical(id="side"):
+                    yield self.panels[1]
+                    yield self.panels[2]
+            with Horizontal(id="middle"):
+                yield self.panels[3]
+                yield self.panels[4]
+            yield self.table
         yield Footer()
 
     def on_mount(self) -> None:
