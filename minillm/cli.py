@@ -1144,8 +1144,9 @@ def json_logprob(logprob: float | None) -> float | None:
     return None if logprob is None else max(float(logprob), -9999.0)
 
 
-def print_plain(outputs, tokenizer=None, num_top: int = 0) -> None:
-    """Each prompt followed by its completion(s), a blank line between them; logprobs below each."""
+def print_plain(outputs, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0) -> None:
+    """Each prompt followed by its completion(s), a blank line between them; logprobs below each, and
+    the prompt's (when asked for) below its completions."""
     for i, out in enumerate(outputs):
         if i:
             typer.echo("")
@@ -1154,14 +1155,26 @@ def print_plain(outputs, tokenizer=None, num_top: int = 0) -> None:
             typer.echo(f"{label}{out.prompt}{c.text}")
             if c.logprobs is not None:
                 print_logprobs(completion_record(c, tokenizer, num_top, list(out.prompt_token_ids)))
+        if getattr(out, "prompt_logprobs", None) is not None:
+            typer.echo("  prompt logprobs (the first token has none):")
+            records = logprob_records(list(out.prompt_token_ids), out.prompt_logprobs, tokenizer, num_prompt_top,
+                                      context_floor=1)
+            for t in records:
+                if t is not None:
+                    print_logprob_line(t)
 
 
 def print_logprobs(record: dict) -> None:
     """One line per generated token: the token, its logprob and the alternatives."""
     typer.echo(f"  logprobs (cumulative {record['cumulative_logprob']:.3f}):")
     for t in record["logprobs"]:
-        top = ", ".join(f"{alt['token']!r} {alt['logprob']:.3f}" for alt in t["top_logprobs"])
-        typer.echo(f"  {t['token']!r:>14} {t['logprob']:8.3f}" + (f"   top: {top}" if top else ""))
+        print_logprob_line(t)
+
+
+def print_logprob_line(t: dict) -> None:
+    """A token's line: the token, its logprob and the alternatives."""
+    top = ", ".join(f"{alt['token']!r} {alt['logprob']:.3f}" for alt in t["top_logprobs"])
+    typer.echo(f"  {t['token']!r:>14} {t['logprob']:8.3f}" + (f"   top: {top}" if top else ""))
 
 
 @app.command(cls=MinillmCommand)
@@ -1201,7 +1214,8 @@ def generate(
         rich_help_panel=SAMPLING_PANEL, help="Show each token's logprob and this many top alternatives (0-20).")] = None,
     prompt_logprobs: Annotated[Optional[int], typer.Option(
         rich_help_panel=SAMPLING_PANEL,
-        help="The same for each prompt token (0-20), in the --json records' prompt_logprobs.")] = None,
+        help="The same for each prompt token (0-20), below the completions (in the --json records' "
+             "prompt_logprobs).")] = None,
     n: Annotated[int, typer.Option("--n", rich_help_panel=SAMPLING_PANEL,
                                    help="Completions per prompt.")] = 1,
     ignore_eos: Annotated[bool, typer.Option(
@@ -1256,7 +1270,7 @@ def generate(
                 typer.echo(json.dumps(output_record(out, tokenizer, logprobs or 0, prompt_logprobs or 0),
                                       ensure_ascii=False))
         else:
-            print_plain(outputs, tokenizer, logprobs or 0)
+            print_plain(outputs, tokenizer, logprobs or 0, prompt_logprobs or 0)
     failed = [c.stop_reason for out in outputs for c in out.outputs if c.finish_reason == "error"]
     if failed:
         # Printed above is what was generated before; the reason goes where errors go.

@@ -332,3 +332,17 @@ def test_pd_disagg_help_says_single_budget_is_the_decode_servers_too(capsys):
     assert status == 0
     assert "Token budget of the decode server's steps and the single server's (its chunked prefill)." in \
         " ".join(out.split())
+
+
+# ---- generate ------------------------------------------------------------------------------------------
+
+@needs_stories
+def test_generate_prints_prompt_logprobs_without_json(capsys):
+    # --prompt-logprobs without --json computed the whole prompt's logprobs (no cached prefix) and printed none
+    status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "Once upon",
+                                "--max-tokens", "2", "--temperature", "0", "--prompt-logprobs", "1")
+    assert status == 0, err
+    lines = out.splitlines()
+    assert lines[1] == "  prompt logprobs (the first token has none):", out
+    assert [line.strip().partition("'   ")[0] + "'" for line in lines[2:]] == ["' Once'", "' upon'"], out
+    assert all("   top: " in line for line in lines[2:]), out
