@@ -9,11 +9,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import anyio
 import pytest
+from textual.geometry import Region
 from test_abuse41_monitor2 import events_until, wait_until
 from test_tui import make_stats
 
 from minillm.tui.app import MonitorApp
-from minillm.tui.client import LiveSource, SourceProblem, StatsFrame
+from minillm.tui.client import LiveSource, SourceProblem, SourceStatus, StatsFrame
 
 pytestmark = pytest.mark.anyio
 
@@ -180,4 +181,28 @@ async def test_the_title_and_the_banner_stay_in_view_on_a_short_terminal(size):
                 await pilot.press(key)
             await pilot.pause()
             assert app.screen.get_widget_at(0, 0)[0] is app.title_bar, key
-            assert app.screen.get_widget_at(1, 1)[0] is app.banner, key
+            assert app.screen.get_widget_at(1, app.title_bar.outer_size.height)[0] is app.banner, key
+
+
+def rendered(widget) -> str:
+    """The widget's text as drawn on the screen, its rows joined by newlines."""
+    return "\n".join(strip.text for strip in widget.render_lines(Region(0, 0, *widget.size)))
+
+
+@pytest.mark.parametrize("width, shown", [
+    (80, ["❚❚ PAUSED", "↻ counters reset", "stories260K · cpu · float32", "(polling: the stream sent nothing for 10 s)"]),
+    (40, ["❚❚ PAUSED", "↻ counters reset"]),
+])
+async def test_the_titles_markers_are_drawn_on_a_narrow_terminal(width, shown):
+    # PAUSED, the restart marker and why the stream is polled came at the end of a one-row title, cut
+    # off under about 100 columns: pressing p changed nothing on an 80-column terminal.
+    status = SourceStatus("live http://127.0.0.1:8000 (polling: the stream sent nothing for 10 s)")
+    app = MonitorApp(source=GivenEvents([status, StatsFrame(make_stats(3), {}), StatsFrame(make_stats(1), {})]))
+    async with app.run_test(size=(width, 24)) as pilot:
+        await wait_until(pilot, app, lambda: app.frames_shown == 2 and app.num_restarts == 1)
+        await pilot.press("p")
+        await wait_until(pilot, app, lambda: app.paused)
+        await pilot.pause()
+        title = rendered(app.title_bar)
+        assert all(text in " ".join(title.split()) for text in shown), title
+        assert app.screen.get_widget_at(0, title.count("\n"))[0] is app.title_bar

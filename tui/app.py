@@ -46,7 +46,7 @@ def model_label(model: str) -> str:
 
 
 class TitleBar(Static):
-    """Model, device, where frames come from, and the PAUSED marker; no clock, so frames are stable."""
+    """The PAUSED marker, model, device and where frames come from; no clock, so frames are stable."""
 
     def show(self, stats: EngineStats | None, source_text: str, paused: bool, num_restarts: int = 0,
              warning: str = "") -> None:
@@ -55,18 +55,20 @@ class TitleBar(Static):
         # Gaps get a style of their own: a gap inside the next run would be lost by SVG renderers
         # that drop a run's leading spaces (see render.spaced).
         text = Text().append(" ", style="on #5fafff").append("minillm monitor ", style="bold #000000 on #5fafff")
-        if stats is not None:
-            text.append("  ").append(printable(f"{model_label(stats.model)} · {stats.device} · {stats.dtype}"),
-                                     style="bold")
-        if source_text:
-            text.append("  ").append(printable(source_text), style="#8a8a8a")
+        # The markers come first and the bar wraps (monitor.tcss): at the end of one row, PAUSED and
+        # the rest were cut off on terminals under about 100 columns.
+        if paused:
+            text.append("  ").append(" ", style="on #ffd75f").append("❚❚ PAUSED ", style="bold #000000 on #ffd75f")
         if num_restarts:
             times = f" ×{num_restarts}" if num_restarts > 1 else ""
             text.append("  ").append(f"↻ counters reset{times}", style="bold #ffd75f")
         if warning:
             text.append("  ").append(f"⚠ {printable(warning)}", style="bold #ff5f5f")
-        if paused:
-            text.append("  ").append(" ", style="on #ffd75f").append("❚❚ PAUSED ", style="bold #000000 on #ffd75f")
+        if stats is not None:
+            text.append("  ").append(printable(f"{model_label(stats.model)} · {stats.device} · {stats.dtype}"),
+                                     style="bold")
+        if source_text:
+            text.append("  ").append(printable(source_text), style="#8a8a8a")
         self.update(text)
 
 
