@@ -125,6 +125,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "file or a custom JSONL file (--dataset-path).")
     datasets.add_dataset_options(p)
     p.add_argument("--model", default=None, help="Model name (default: the first one /v1/models lists).")
+    p.add_argument("--served-model-name", default=None,
+                   help="The model's name in requests, where the server serves --model under another (vLLM's; "
+                        "default: --model); --model then names the tokenizer.")
     p.add_argument("--api-key", default=None, help="Bearer token for the server (default: $OPENAI_API_KEY, "
                                                    "as vLLM's bench serve reads it).")
     p.add_argument("--num-prompts", type=int, default=100, help="Requests in the workload.")
@@ -815,7 +818,7 @@ async def run_share(args: argparse.Namespace, base_url: str, share: ClientShare,
     base_url = base_url.rstrip("/")
     headers = authorization_headers(args.api_key)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
-        model = await resolve_model(client, base_url, args.model)
+        model = await resolve_model(client, base_url, args.served_model_name or args.model)
     prompts, max_tokens = build_prompts(args), output_lens(args)
     gate = asyncio.Semaphore(share.max_concurrency) if share.max_concurrency else None
 

@@ -116,7 +116,7 @@ async def run_mixed(args: argparse.Namespace) -> MixedResult:
     base = args.base_url.rstrip("/")
     headers = authorization_headers(args.api_key)
     async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as client:
-        model = await serving.resolve_model(client, base, args.model)
+        model = await serving.resolve_model(client, base, args.served_model_name or args.model)
     url = base + args.endpoint
     work = _Workload(args, model)
     await serving.send_request(url, work.user(), headers, args.timeout)            # warm-up, untimed

@@ -131,6 +131,20 @@ def test_bench_serving_takes_those_options_with_what_reads_them(tmp_path):
     assert args.offline_engine_args == {"device": "cpu", "max_num_seqs": 4}
 
 
+@needs_stories
+def test_bench_serving_takes_vllms_served_model_name(tmp_path, capsys):
+    # `vllm bench serve --model PATH --served-model-name NAME` was refused: unrecognized arguments
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["Once upon a time", "Tom had a ball"]))
+    with running_server(STORIES, served_model_name="org/stories") as (url, _):
+        workload = ["--base-url", url, "--model", str(STORIES), "--num-prompts", "2", "--custom-output-len", "3",
+                    "--dataset-name", "custom", "--dataset-path", str(data), "--skip-chat-template"]
+        assert bench_serving.main([*workload, "--served-model-name", "org/stories"]) == 0
+        assert re.search(r"Successful requests:\s+2\n", capsys.readouterr().out)
+        assert bench_serving.main(workload) == 1          # the path is not the name it is served under
+        assert "does not exist" in capsys.readouterr().out
+
+
 # ---- monitor -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args, said", [
