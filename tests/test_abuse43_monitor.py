@@ -206,3 +206,15 @@ async def test_the_titles_markers_are_drawn_on_a_narrow_terminal(width, shown):
         title = rendered(app.title_bar)
         assert all(text in " ".join(title.split()) for text in shown), title
         assert app.screen.get_widget_at(0, title.count("\n"))[0] is app.title_bar
+
+
+@pytest.mark.parametrize("width", [40, 56])
+async def test_the_kv_grid_and_the_batch_chart_keep_half_a_narrow_terminal(width):
+    # The right-hand panels kept their 36 columns: at 40 the KV grid was 4 columns of border, no block drawn.
+    app = MonitorApp(source=GivenEvents([StatsFrame(make_stats(k), {}) for k in range(3)]))
+    async with app.run_test(size=(width, 30)) as pilot:
+        await wait_until(pilot, app, lambda: app.frames_shown == 3)
+        await pilot.pause()
+        for panel in (app.grid, app.panels[3]):
+            assert panel.outer_size.width >= width // 2, (panel.id, panel.outer_size)
+        assert app.cells >= 16       # the grid asks for cells it can draw
