@@ -39,7 +39,8 @@ class _ClickLikeFormatter(argparse.HelpFormatter):
         super().__init__(prog, max_help_position=32, width=80)
 
     def add_usage(self, usage, actions, groups, prefix=None) -> None:
-        super().add_usage(f"{self._prog} [OPTIONS]", actions, groups, prefix="Usage: ")
+        positionals = "".join(f" {a.metavar or a.dest}" for a in actions if not a.option_strings)
+        super().add_usage(f"{self._prog} [OPTIONS]{positionals}", actions, groups, prefix="Usage: ")
 
     def start_section(self, heading) -> None:
         super().start_section(heading.capitalize() if heading else heading)

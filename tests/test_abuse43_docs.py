@@ -360,3 +360,11 @@ def test_generate_prints_prompt_logprobs_without_json(capsys):
     assert lines[1] == "  prompt logprobs (the first token has none):", out
     assert [line.strip().partition("'   ")[0] + "'" for line in lines[2:]] == ["' Once'", "' upon'"], out
     assert all("   top: " in line for line in lines[2:]), out
+
+
+def test_bench_serving_gaps_usage_line_names_its_result_file(capsys):
+    # "Usage: minillm bench serving_gaps [OPTIONS]" left out the file it requires
+    status, out, _ = run_main(capsys, "bench", "serving_gaps", "--help")
+    assert status == 0 and out.splitlines()[0] == "Usage: minillm bench serving_gaps [OPTIONS] result_file"
+    status, out, _ = run_main(capsys, "bench", "serving", "--help")
+    assert status == 0 and out.splitlines()[0] == "Usage: minillm bench serving [OPTIONS]"
