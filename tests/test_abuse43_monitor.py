@@ -29,7 +29,8 @@ def anyio_backend():
 class FakeServerHandler(BaseHTTPRequestHandler):
     """/v1/stats/stream as server.stream says: "ok" (three stats events, then the end), "headers" (200
     and the event stream's headers, then nothing), "nothing" (not even headers), "then-silent" (two
-    stats events, then nothing); /v1/stats answers POLLED, or server.poll_status with an error body."""
+    stats events, then nothing); /v1/stats answers POLLED, or server.poll_status with an error body. Both
+    answer 401 to a request without server.api_key, where one is set."""
 
     def log_message(self, *args) -> None:
         pass
@@ -40,7 +41,9 @@ class FakeServerHandler(BaseHTTPRequestHandler):
         with server.lock:
             server.paths.append("stream" if is_stream else "poll")
         try:
-            if is_stream:
+            if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                self._send(401, "application/json", b'{"error": {"message": "Unauthorized"}}')
+            elif is_stream:
                 self._stream(server.stream)
             elif server.poll_status != 200:
                 self._send(server.poll_status, "application/json", b'{"detail": "Service Unavailable"}')
@@ -76,7 +79,7 @@ def server():
     server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServerHandler)
     server.daemon_threads = True
     server.lock, server.paths, server.stopping = threading.Lock(), [], threading.Event()
-    server.stream, server.poll_status = "headers", 200
+    server.stream, server.poll_status, server.api_key = "headers", 200, None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
     yield server
@@ -218,3 +221,25 @@ async def test_the_kv_grid_and_the_batch_chart_keep_half_a_narrow_terminal(width
         for panel in (app.grid, app.panels[3]):
             assert panel.outer_size.width >= width // 2, (panel.id, panel.outer_size)
         assert app.cells >= 16       # the grid asks for cells it can draw
+
+
+# ---- a server behind an API key ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("api_key, said", [
+    ("", "asks for an API key (401): pass --api-key KEY or set $OPENAI_API_KEY"),
+    ("wrong", "refused the API key (401): pass the server's key with --api-key"),
+])
+async def test_a_401_says_whether_a_key_was_sent_when_the_key_given_is_empty(server, api_key, said):
+    # --api-key "" (a script's unset variable) sends no key, but the banner said the server refused it.
+    server.stream, server.api_key = "ok", "sekret"
+    source = LiveSource(server.url, api_key=api_key, interval_s=0.1)
+    events = await events_until(source, lambda event, events: isinstance(event, SourceProblem))
+    assert events[-1].message == f"{server.url} {said}"
+    assert "poll" not in server.paths      # a refused key is not polled for
+
+
+async def test_the_key_reaches_both_the_stream_and_the_poll(server):
+    server.stream, server.api_key = "headers", "sekret"
+    source = LiveSource(server.url, api_key="sekret", interval_s=0.1, silence_s=0.3, stream_retry_s=60.0)
+    events = await events_until(source, lambda event, events: isinstance(event, StatsFrame))
+    assert events[-1].stats == POLLED and not [e for e in events if isinstance(e, SourceProblem)]

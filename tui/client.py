@@ -334,7 +334,7 @@ class LiveSource:
         check_credentials(self.base_url, api_key)
         self.shown_url = shown_url(self.base_url)   # what the title and the banner say
         self.http_base, self.uds = client_endpoint(self.base_url)   # uds: serve --uds's socket, else None
-        self.api_key = api_key
+        self.api_key = api_key or None    # "" (--api-key "$UNSET") sends none: a 401 must not say it was refused
         self.headers = authorization_headers(api_key)   # a key no header can carry fails here, not in the loop
         self.interval_s = interval_s
         self.silence_s = silence_limit_s(interval_s) if silence_s is None else silence_s
