@@ -1311,10 +1311,14 @@ def logit_bias_option(pairs: list[str] | None) -> dict[int, float] | None:
         try:
             if not sep or not token.strip().isdigit():
                 raise ValueError
-            bias[int(token)] = float(value)
+            token_id, value = int(token), float(value)
         except ValueError:
             # a usage error (status 2), as a NaN bias is
             raise UsageError(f"--logit-bias: expected ID=BIAS (a token id and a number), got {pair!r}") from None
+        if token_id in bias and repr(bias[token_id]) != repr(value):     # one would be dropped unsaid (nan as nan)
+            raise UsageError(f"--logit-bias: token {token_id} is given two biases ({bias[token_id]:g} and "
+                             f"{value:g}); give it one")
+        bias[token_id] = value
     return bias
 
 

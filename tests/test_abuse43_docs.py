@@ -368,3 +368,16 @@ def test_bench_serving_gaps_usage_line_names_its_result_file(capsys):
     assert status == 0 and out.splitlines()[0] == "Usage: minillm bench serving_gaps [OPTIONS] result_file"
     status, out, _ = run_main(capsys, "bench", "serving", "--help")
     assert status == 0 and out.splitlines()[0] == "Usage: minillm bench serving [OPTIONS]"
+
+
+@needs_stories
+def test_generate_refuses_two_biases_for_one_token(capsys):
+    # the last was kept and the first dropped unsaid: --logit-bias 403=-inf --logit-bias 403=5 favoured the token
+    status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "Once", "--logit-bias",
+                                "403=-inf", "--logit-bias", "403=5")
+    assert (status, out) == (2, ""), err
+    assert err.splitlines() == ["minillm generate: error: --logit-bias: token 403 is given two biases (-inf and 5); "
+                                "give it one (try 'minillm generate --help')"]
+    status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "Once", "--max-tokens", "2",
+                                "--logit-bias", "403=5", "--logit-bias", "0403=5.0")     # the same bias twice
+    assert status == 0 and out.strip(), err
