@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import anyio
 import pytest
 from textual.geometry import Region
+import test_abuse41_monitor2
 from test_abuse41_monitor2 import events_until, wait_until
 from test_tui import make_stats
 
@@ -17,6 +18,7 @@ from minillm.tui.app import MonitorApp
 from minillm.tui.client import LiveSource, SourceProblem, SourceStatus, StatsFrame
 
 pytestmark = pytest.mark.anyio
+fast_backoff = test_abuse41_monitor2.fast_backoff
 
 POLLED = make_stats(7)       # what /v1/stats answers: told apart from the stream's make_stats(0..2)
 
@@ -29,7 +31,7 @@ def anyio_backend():
 class FakeServerHandler(BaseHTTPRequestHandler):
     """/v1/stats/stream as server.stream says: "ok" (three stats events, then the end), "headers" (200
     and the event stream's headers, then nothing), "nothing" (not even headers), "then-silent" (two
-    stats events, then nothing); /v1/stats answers POLLED, or server.poll_status with an error body. Both
+    stats events, then nothing), "missing" (404); /v1/stats answers POLLED, or server.poll_status with an error body. Both
     answer 401 to a request without server.api_key, where one is set."""
 
     def log_message(self, *args) -> None:
@@ -53,6 +55,9 @@ class FakeServerHandler(BaseHTTPRequestHandler):
             pass     # the monitor left
 
     def _stream(self, mode: str) -> None:
+        if mode == "missing":         # a server from before /v1/stats/stream
+            self._send(404, "application/json", b'{"detail": "Not Found"}')
+            return
         if mode == "nothing":
             self.server.stopping.wait()
             return
@@ -74,18 +79,28 @@ class FakeServerHandler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-@pytest.fixture
-def server():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServerHandler)
+def start_server(port: int = 0, stream: str = "headers") -> ThreadingHTTPServer:
+    """A FakeServerHandler server on port (0: a free one), its stream as `stream` says."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), FakeServerHandler)
     server.daemon_threads = True
     server.lock, server.paths, server.stopping = threading.Lock(), [], threading.Event()
-    server.stream, server.poll_status, server.api_key = "headers", 200, None
+    server.stream, server.poll_status, server.api_key = stream, 200, None
     threading.Thread(target=server.serve_forever, daemon=True).start()
     server.url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield server
+    return server
+
+
+def stop_server(server: ThreadingHTTPServer) -> None:
     server.stopping.set()
     server.shutdown()
     server.server_close()
+
+
+@pytest.fixture
+def server():
+    server = start_server()
+    yield server
+    stop_server(server)
 
 
 SILENT_TITLE = "(polling: the stream sent nothing for 0.3 s)"
@@ -243,3 +258,27 @@ async def test_the_key_reaches_both_the_stream_and_the_poll(server):
     source = LiveSource(server.url, api_key="sekret", interval_s=0.1, silence_s=0.3, stream_retry_s=60.0)
     events = await events_until(source, lambda event, events: isinstance(event, StatsFrame))
     assert events[-1].stats == POLLED and not [e for e in events if isinstance(e, SourceProblem)]
+
+
+# ---- a server that restarts mid-session --------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["missing", "headers"])
+async def test_a_restarted_server_is_asked_for_its_stream_at_once(server, fast_backoff, mode):
+    # A monitor polling for want of a stream (an older server, a silent stream) went on polling the
+    # server that replaced it, the title saying why the old one was polled, until the stream's wait
+    # was over: up to 120 s.
+    server.stream = mode
+    source = LiveSource(server.url, interval_s=0.1, silence_s=0.3, stream_retry_s=60.0)
+    app = MonitorApp(source=source)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_until(pilot, app, lambda: source.use_polling and app.stats == POLLED)
+        port = server.server_address[1]
+        stop_server(server)
+        await wait_until(pilot, app, lambda: app.banner.display)
+        assert app.problem.startswith(f"cannot connect to {server.url}")
+        restarted = start_server(port, stream="ok")
+        try:
+            await wait_until(pilot, app, lambda: app.stats == make_stats(2) and not app.banner.display)
+            assert app.source_text == f"live {server.url} (stream)" and not source.use_polling
+        finally:
+            stop_server(restarted)

@@ -371,6 +371,8 @@ class LiveSource:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # every failure is shown and retried, never raised
+                if isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError)):
+                    self._stream_first()
                 yield SourceProblem(describe_problem(exc, self.shown_url, self.api_key is not None), backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -414,6 +416,13 @@ class LiveSource:
         if is_cut:
             raise StatsFormatError(f"/v1/stats answered over {MAX_EVENT_CHARS} bytes: not a minillm server")
         return parse_frame(text)
+
+    def _stream_first(self) -> None:
+        """The connection failed or was lost: the server that answers next may be another (restarted,
+        upgraded), so it is asked for its stream at once, however long a polled one was to wait."""
+        self.use_polling = False
+        self.polling_reason = ""
+        self.stream_retry_s = self.stream_retry_start_s
 
     def _fall_back_to_polling(self, reason: str = "") -> None:
         """The stream is missing or failing (reason: how, for the title): poll, and ask for the stream
