@@ -25,6 +25,7 @@ import multiprocessing as mp
 import os
 import time
 import weakref
+from multiprocessing.connection import wait as wait_sentinels
 
 import numpy as np
 
@@ -268,7 +269,13 @@ class TensorParallelExecutor(ModelRunner):
         return [proc.sentinel for proc in self.workers.peers.procs]
 
     def check_workers(self) -> None:
-        """TensorParallelError naming the worker when one has died."""
+        """TensorParallelError naming the worker when one has died. A worker whose sentinel is ready
+        has closed its files on the way out but may not be reaped yet (is_alive() still true): it is
+        waited for, so that the sentinel's wake-up always finds it gone."""
+        ready = set(wait_sentinels(self.worker_sentinels(), timeout=0))
+        for proc in self.workers.peers.procs:
+            if proc.sentinel in ready:
+                proc.join(SHUTDOWN_WAIT_S)
         self.workers.peers()
 
     def shutdown(self) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import multiprocessing.connection
 import queue
 import threading
 import time
@@ -87,6 +88,11 @@ class _Utility:
 @dataclass
 class _Stop:
     pass
+
+
+@dataclass
+class _WorkerExited:
+    """A tensor-parallel worker process has ended: the engine thread checks its workers (and dies)."""
 
 
 class OutputQueue:
@@ -387,6 +393,12 @@ class AsyncLLMEngine(Generate):
         self._yield_each_step = getattr(engine, "backend", None) == "numpy"
         self._thread = threading.Thread(target=self._run, name="minillm-engine", daemon=True)
         self._thread.start()
+        # A tensor-parallel worker that dies while the engine is idle wakes the engine thread, which
+        # then fails (EngineDeadError, /health 503) instead of waiting for the next request to find it.
+        sentinels = engine.runner.worker_sentinels()
+        if sentinels:
+            threading.Thread(target=self._watch_workers, args=(sentinels,), name="minillm-tp-watch",
+                             daemon=True).start()
 
     @classmethod
     def from_config(cls, config: Any, core_hook: Callable[[Any], None] | None = None) -> "AsyncLLMEngine":
@@ -525,6 +537,12 @@ class AsyncLLMEngine(Generate):
             if self.owns_engine and not self._thread.is_alive():
                 self.engine.shutdown()
 
+    def _watch_workers(self, sentinels: list[int]) -> None:
+        multiprocessing.connection.wait(sentinels)
+        with self._lock:
+            if self._dead is None and not self._stopped:
+                self._commands.put(_WorkerExited())
+
     # ---- engine thread ------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -596,6 +614,8 @@ class AsyncLLMEngine(Generate):
                 resolve_future(command.loop, command.done, result)
             except Exception as exc:  # noqa: BLE001 - the caller gets the error, the loop goes on
                 resolve_future(command.loop, command.done, error=exc)
+        elif isinstance(command, _WorkerExited):
+            self.engine.runner.check_workers()      # raises, naming the worker that exited
         elif isinstance(command, _Stop):
             return False
         return True

@@ -1,0 +1,22 @@
+"""Tensor parallelism and prefill/decode disaggregation abused as vLLM users abuse them: ranks
+killed while the engine idles, on the engine core's thread as in its own process."""
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+from test_server_helpers import running_server, wait_for
+
+
+def test_a_worker_killed_while_a_thread_engine_idles_ends_it_before_any_request(stories_path):
+    # --engine-core thread: the engine thread slept on its command queue, so /health said 200 until a
+    # request found the worker gone (the engine core process watches its workers' sentinels).
+    with running_server(stories_path, engine_core="thread", tensor_parallel_size=2) as (url, engine):
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        [worker] = engine.engine.runner.workers.pids
+        os.kill(worker, signal.SIGKILL)
+        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 503, timeout=60)
+        error = httpx.get(f"{url}/health", timeout=30).json()["error"]
+        assert error["code"] == "engine_dead" and "rank 1" in error["message"], error
+        assert engine.has_failed
