@@ -15,7 +15,8 @@ from test_abuse41_monitor2 import events_until, wait_until
 from test_tui import make_stats
 
 from minillm.tui.app import MonitorApp
-from minillm.tui.client import LiveSource, SourceProblem, SourceStatus, StatsFrame
+from minillm.tui.client import (HTTPStatusProblem, LiveSource, SourceProblem, SourceStatus, StatsFrame,
+                                describe_problem)
 
 pytestmark = pytest.mark.anyio
 fast_backoff = test_abuse41_monitor2.fast_backoff
@@ -282,3 +283,21 @@ async def test_a_restarted_server_is_asked_for_its_stream_at_once(server, fast_b
             assert app.source_text == f"live {server.url} (stream)" and not source.use_polling
         finally:
             stop_server(restarted)
+
+
+# ---- a proxy in front of the server ------------------------------------------------------------------
+
+NGINX_502 = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n<center><h1>502 Bad Gateway</h1>"
+             "</center>\r\n<hr><center>nginx/1.24.0</center>\r\n</body>\r\n</html>\r\n")
+
+
+@pytest.mark.parametrize("body, shown", [
+    (NGINX_502, "502 Bad Gateway"),
+    ("<!DOCTYPE html><html><head>\n<TITLE>Service &amp; API down</TITLE>", "Service & API down"),
+    ("upstream connect error\r\nor disconnect/reset before headers", "upstream connect error or disconnect/reset before headers"),
+    ("<title>" * 20_000, "<title>" * 14 + "<t"),
+])
+def test_a_proxys_error_page_is_shown_by_its_title(body, shown):
+    # The banner showed the page's markup, its line breaks escaped: '<html>\r\n<head><title>502 Bad Gat'.
+    message = describe_problem(HTTPStatusProblem(502, "http://h:1/v1/stats/stream", body), "http://h:1")
+    assert message == f"http://h:1 answered 502: {shown}"

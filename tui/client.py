@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import html
 import json
 import math
+import re
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -231,7 +233,15 @@ def _body_message(body: str) -> str:
         message = body_message(sse.loads(body))
     except ValueError:          # not JSON, or JSON nested past the stack
         message = None
-    return message.strip()[:200] if message else body.strip()[:100]
+    if message:
+        return message.strip()[:200]
+    # A proxy's error page (nginx's 502 while the server restarts) is shown by its title, not its markup.
+    title = _HTML_TITLE.search(body[:4096])     # a page's title is near its top; the search stays cheap
+    text = html.unescape(title.group(1)) if title else body
+    return " ".join(text.split())[:100]
+
+
+_HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
 
 
 class HTTPStatusProblem(Exception):
