@@ -32,7 +32,7 @@ def anyio_backend():
 class FakeServerHandler(BaseHTTPRequestHandler):
     """/v1/stats/stream as server.stream says: "ok" (three stats events, then the end), "headers" (200
     and the event stream's headers, then nothing), "nothing" (not even headers), "then-silent" (two
-    stats events, then nothing), "missing" (404); /v1/stats answers POLLED, or server.poll_status with an error body. Both
+    stats events, then nothing), "missing" (404), "redirect" (a 301 to server.redirect_to, as every path); /v1/stats answers POLLED, or server.poll_status with an error body. Both
     answer 401 to a request without server.api_key, where one is set."""
 
     def log_message(self, *args) -> None:
@@ -44,7 +44,12 @@ class FakeServerHandler(BaseHTTPRequestHandler):
         with server.lock:
             server.paths.append("stream" if is_stream else "poll")
         try:
-            if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+            if server.stream == "redirect":
+                self.send_response(301)
+                self.send_header("location", server.redirect_to)
+                self.send_header("content-length", "0")
+                self.end_headers()
+            elif server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
                 self._send(401, "application/json", b'{"error": {"message": "Unauthorized"}}')
             elif is_stream:
                 self._stream(server.stream)
@@ -301,3 +306,16 @@ def test_a_proxys_error_page_is_shown_by_its_title(body, shown):
     # The banner showed the page's markup, its line breaks escaped: '<html>\r\n<head><title>502 Bad Gat'.
     message = describe_problem(HTTPStatusProblem(502, "http://h:1/v1/stats/stream", body), "http://h:1")
     assert message == f"http://h:1 answered 502: {shown}"
+
+
+@pytest.mark.parametrize("location, target", [
+    ("https://monitor.example.com/v1/stats/stream?cells=64&interval=0.25", "https://monitor.example.com"),
+    ("/llm/v1/stats/stream?cells=64&interval=0.25", "{url}/llm"),
+    ("https://user:pw@monitor.example.com/llm/v1/stats", "https://user:***@monitor.example.com/llm"),
+])
+async def test_a_redirect_names_where_it_points(server, location, target):
+    # A proxy's redirect (http to https, a path moved under a prefix) was shown as 'answered 301: <html>...'.
+    server.stream, server.redirect_to = "redirect", location
+    source = LiveSource(server.url, interval_s=0.1)
+    events = await events_until(source, lambda event, events: isinstance(event, SourceProblem))
+    assert events[-1].message == f"{server.url} redirects to {target.format(url=server.url)} (301): give that URL"

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import anyio
 import httpx
@@ -245,13 +246,21 @@ _HTML_TITLE = re.compile(r"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL
 
 
 class HTTPStatusProblem(Exception):
-    """A non-200 answer, carrying the status code."""
+    """A non-200 answer, carrying the status code (and a redirect's Location header)."""
 
-    def __init__(self, status: int, url: str, body: str):
+    def __init__(self, status: int, url: str, body: str, location: str | None = None):
         super().__init__(f"{status} from {url}")
         self.status = status
         self.url = url
         self.body = body
+        self.location = location
+
+
+def redirect_target(url: str, location: str) -> str:
+    """The server a redirect of `url` points at: Location resolved against it, without the query and
+    the endpoint (https://host for https://host/v1/stats/stream?cells=64)."""
+    parts = urlsplit(urljoin(url, location))
+    return shown_url(server_base_url(urlunsplit(parts._replace(query="", fragment=""))))
 
 
 def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) -> str:
@@ -259,6 +268,9 @@ def describe_problem(exc: BaseException, base_url: str, has_key: bool = True) ->
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]   # anyio wraps some connect failures (a port over 65535) in a group
     if isinstance(exc, HTTPStatusProblem):
+        if 300 <= exc.status < 400 and exc.location:
+            # The monitor does not follow redirects (a key would go where the user did not point it).
+            return f"{base_url} redirects to {redirect_target(exc.url, exc.location)} ({exc.status}): give that URL"
         if exc.status in (401, 403) and not has_key:
             return f"{base_url} asks for an API key ({exc.status}): pass --api-key KEY or set $OPENAI_API_KEY"
         if exc.status in (401, 403):
@@ -422,7 +434,7 @@ class LiveSource:
             # A body without end (another server on the port) is read no further than one stats event.
             text, is_cut = await read_capped(response, MAX_EVENT_CHARS)
         if response.status_code != 200:
-            raise HTTPStatusProblem(response.status_code, url, text)
+            raise HTTPStatusProblem(response.status_code, url, text, response.headers.get("location"))
         if is_cut:
             raise StatsFormatError(f"/v1/stats answered over {MAX_EVENT_CHARS} bytes: not a minillm server")
         return parse_frame(text)
@@ -453,8 +465,8 @@ class LiveSource:
                     yield await self._poll(client, num_cells)
                     return
                 if response.status_code != 200:
-                    failure = HTTPStatusProblem(response.status_code, url,
-                                                (await read_capped(response, MAX_ERROR_BYTES))[0])
+                    body = (await read_capped(response, MAX_ERROR_BYTES))[0]
+                    failure = HTTPStatusProblem(response.status_code, url, body, response.headers.get("location"))
                 else:
                     async with aclosing(self._events(response)) as frames:
                         async for frame in frames:
