@@ -2203,8 +2203,9 @@ def monitor_command(
     if url is not None and url_option is not None:
         raise UsageError("the server is named twice (URL and --url): give one")
     if demo or replay is not None:   # a recording is watched instead of a server: naming one would be passed over
-        server = next((f for f, v in (("URL", url), ("--url", url_option), ("--api-key", api_key)) if v is not None),
-                      None)
+        # --api-key "" (a script's unset variable) is no key, as the monitor's client reads it
+        server = next((f for f, v in (("URL", url), ("--url", url_option), ("--api-key", api_key or None))
+                       if v is not None), None)
         if server is not None:
             raise UsageError(f"{server} and {'--demo' if demo else '--replay'} cannot be combined: a recording is "
                              "played instead of watching a server (give one or the other)")

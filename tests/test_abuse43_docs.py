@@ -381,3 +381,12 @@ def test_generate_refuses_two_biases_for_one_token(capsys):
     status, out, err = run_main(capsys, "generate", str(STORIES), "--device", "cpu", "-p", "Once", "--max-tokens", "2",
                                 "--logit-bias", "403=5", "--logit-bias", "0403=5.0")     # the same bias twice
     assert status == 0 and out.strip(), err
+
+
+def test_monitor_demo_takes_an_empty_api_key_as_none(capsys, monkeypatch):
+    # --api-key "" (a script's unset variable) is no key to the monitor's client: beside --demo it names no server
+    ran = []
+    monkeypatch.setattr("minillm.tui.app.run_monitor", lambda *a, **k: ran.append(k) or 0)
+    monkeypatch.setattr("minillm.cli.stream_not_a_terminal", lambda: None)
+    status, _, err = run_main(capsys, "monitor", "--demo", "--api-key", "")
+    assert (status, len(ran)) == (0, 1), err
