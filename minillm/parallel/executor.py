@@ -208,13 +208,13 @@ class TensorParallelExecutor(ModelRunner):
     def determine_num_blocks(self, max_model_len: int) -> int:
         """The fewest KV blocks any rank can hold (each rank sizes its own pool of its heads)."""
         self._send("determine_num_blocks", max_model_len)
-        mine = self._guarded(super().determine_num_blocks, max_model_len)
+        mine = self._guarded(super().determine_num_blocks, max_model_len, is_startup=True)
         return min([mine] + self._guarded(self.workers.replies))
 
     def initialize_cache(self, num_blocks: int, max_model_len: int) -> None:
         """Every rank allocates its KV pool (its KV heads) and rotary table."""
         self._send("initialize_cache", num_blocks, max_model_len)
-        self._guarded(super().initialize_cache, num_blocks, max_model_len)
+        self._guarded(super().initialize_cache, num_blocks, max_model_len, is_startup=True)
         self._guarded(self.workers.replies)
 
     def reset_kv_scales(self) -> None:
@@ -249,9 +249,10 @@ class TensorParallelExecutor(ModelRunner):
     def _send(self, method: str, *args) -> None:
         self._guarded(self.workers.send, method, *args)
 
-    def _guarded(self, fn, *args):
+    def _guarded(self, fn, *args, is_startup: bool = False):
         """fn(*args); any failure once the workers have a call leaves the ranks out of step, so it
-        stops the group and is raised as a TensorParallelError."""
+        stops the group and is raised as a TensorParallelError. At start-up a ValueError (a setting
+        that does not fit, as one process raises it) is raised as it is, once the group is stopped."""
         try:
             return fn(*args)
         except TensorParallelError as exc:
@@ -259,7 +260,7 @@ class TensorParallelExecutor(ModelRunner):
             raise
         except BaseException as exc:
             self.workers.terminate(f"rank 0 failed: {type(exc).__name__}: {exc}")
-            if isinstance(exc, Exception):
+            if isinstance(exc, Exception) and not (is_startup and isinstance(exc, ValueError)):
                 raise TensorParallelError(f"rank 0 failed in a tensor-parallel call, the group is "
                                           f"stopped: {type(exc).__name__}: {exc}") from exc
             raise
