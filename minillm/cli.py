@@ -2184,8 +2184,9 @@ def monitor_command(
     interval: Annotated[Optional[float], typer.Option(
         metavar="SECONDS", callback=lambda v: None if v is None else monitor_interval_option(v),
         help="Seconds between the server's snapshots, 0.1 to 60 (the bounds its /v1/stats/stream takes). A "
-             "stream open but without a snapshot for 3 intervals (10 s at least, the interval + 30 s at most) "
-             "is polled at /v1/stats instead, the title saying so (the banner, where that fails too), and "
+             "stream open but without a snapshot for 3 intervals (10 s at least, the interval + 30 s at most), "
+             "or without its first for 3 s, is polled at /v1/stats instead, the title saying so (the banner, "
+             "where that fails too), and "
              "asked for again after a doubling wait.  [default: 0.25]", show_default=False)] = None,
 ) -> None:
     """Watch a server's KV cache and scheduler live.

@@ -319,3 +319,13 @@ async def test_a_redirect_names_where_it_points(server, location, target):
     source = LiveSource(server.url, interval_s=0.1)
     events = await events_until(source, lambda event, events: isinstance(event, SourceProblem))
     assert events[-1].message == f"{server.url} redirects to {target.format(url=server.url)} (301): give that URL"
+
+
+async def test_a_stream_whose_headers_come_without_its_first_event_is_polled_after_a_few_seconds(server):
+    # A minillm server sends its first snapshot with its headers; a proxy that buffered it kept the
+    # dashboard blank for the whole silence limit (10 s at the default interval) before polling.
+    source = LiveSource(server.url)
+    assert source.silence_s == 10.0
+    events = await events_until(source, lambda event, events: isinstance(event, StatsFrame))
+    assert events[-2].text == f"live {server.url} (polling: the stream sent nothing for 3 s)"
+    assert events[-1].stats == POLLED

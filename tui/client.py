@@ -56,6 +56,11 @@ class StreamSilent(Exception):
         self.silence_s = silence_s
 
 
+# A minillm server takes its first snapshot before it answers and sends it right after its headers: a
+# stream whose headers come without it for this long is held back on the way (a proxy that buffers), and
+# the monitor polls instead of waiting the silence limit, sized for a stalled step between snapshots.
+FIRST_EVENT_S = 3.0
+
 # silence_limit_s in words, for the help.
 SILENCE_RULE = "3 intervals (10 s at least, the interval + 30 s at most)"
 
@@ -488,9 +493,11 @@ class LiveSource:
             raise StatsFormatError(f"/v1/stats/stream answered {content_type or 'no Content-Type'}, not a stream of "
                                    "stats events: is this a minillm server?")
         events = iter_sse_data(bounded_lines(response.aiter_text(), MAX_EVENT_CHARS))
+        limit_s = min(self.silence_s, FIRST_EVENT_S)
         async with aclosing(events):
             while True:
-                data = await self._next_event(events)
+                data = await self._next_event(events, limit_s)
+                limit_s = self.silence_s
                 if data is None:
                     return
                 frame = parse_frame(data)
@@ -513,16 +520,17 @@ class LiveSource:
         if isinstance(failure, HTTPStatusProblem):
             self._fall_back_to_polling(f"the stream answered {failure.status}")
         else:
-            self._fall_back_to_polling(f"the stream sent nothing for {self.silence_s:g} s")
+            silence_s = failure.silence_s if isinstance(failure, StreamSilent) else self.silence_s
+            self._fall_back_to_polling(f"the stream sent nothing for {silence_s:g} s")
         return frame
 
-    async def _next_event(self, events: AsyncIterator[str]) -> str | None:
-        """The next event's data (None at the stream's end); StreamSilent after silence_s without one,
+    async def _next_event(self, events: AsyncIterator[str], limit_s: float) -> str | None:
+        """The next event's data (None at the stream's end); StreamSilent after limit_s without one,
         however many keep-alive comments came (they keep the read timeout from firing)."""
         try:
-            with anyio.fail_after(self.silence_s):
+            with anyio.fail_after(limit_s):
                 return await anext(events)
         except StopAsyncIteration:
             return None
         except (TimeoutError, httpx.ReadTimeout):
-            raise StreamSilent(self.silence_s) from None
+            raise StreamSilent(limit_s) from None

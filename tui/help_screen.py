@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from minillm.tui.client import SILENCE_RULE
+from minillm.tui.client import FIRST_EVENT_S, SILENCE_RULE
 from minillm.tui.render import (COLOR_CACHED, COLOR_DECODE, COLOR_FREE, COLOR_LEASED, COLOR_OVER, COLOR_PREFILL,
                                  REQUEST_COLORS)
 from minillm.tui.request_table import FINISHED_SHOWN_S
@@ -52,7 +52,8 @@ def help_text() -> Text:
     text.append("↻ counters reset  ", style="bold").append("the counters went back (a replay started its next "
                                                           "pass, or the server restarted): the charts start over\n")
     text.append("⚠ banner  ", style="bold").append(f"why no stats arrive. An open stream with no snapshot for "
-                                                  f"{SILENCE_RULE} is polled at /v1/stats instead (the "
+                                                  f"{SILENCE_RULE}, or without its first for "
+                                                  f"{FIRST_EVENT_S:g} s, is polled at /v1/stats instead (the "
                                                   "title says polling), or counts too where that fails\n\n")
     for key, action in KEYS:
         text.append(f"  {key:<16}", style="bold #5fafff").append(f"{action}\n")
