@@ -32,7 +32,7 @@ def anyio_backend():
 class FakeServerHandler(BaseHTTPRequestHandler):
     """/v1/stats/stream as server.stream says: "ok" (three stats events, then the end), "headers" (200
     and the event stream's headers, then nothing), "nothing" (not even headers), "then-silent" (two
-    stats events, then nothing), "missing" (404), "redirect" (a 301 to server.redirect_to, as every path); /v1/stats answers POLLED, or server.poll_status with an error body. Both
+    stats events, then nothing), "missing" (404), "redirect" (a 301 to server.redirect_to, as every path); /v1/stats answers POLLED, or server.poll_status with an error body ("stall": nothing). Both
     answer 401 to a request without server.api_key, where one is set."""
 
     def log_message(self, *args) -> None:
@@ -53,6 +53,8 @@ class FakeServerHandler(BaseHTTPRequestHandler):
                 self._send(401, "application/json", b'{"error": {"message": "Unauthorized"}}')
             elif is_stream:
                 self._stream(server.stream)
+            elif server.poll_status == "stall":
+                server.stopping.wait()
             elif server.poll_status != 200:
                 self._send(server.poll_status, "application/json", b'{"detail": "Service Unavailable"}')
             else:
@@ -329,3 +331,14 @@ async def test_a_stream_whose_headers_come_without_its_first_event_is_polled_aft
     events = await events_until(source, lambda event, events: isinstance(event, StatsFrame))
     assert events[-2].text == f"live {server.url} (polling: the stream sent nothing for 3 s)"
     assert events[-1].stats == POLLED
+
+
+async def test_an_older_servers_stalled_poll_is_waited_for_once(server):
+    # The poll that replaces a missing stream timed out inside the stream's handling, where a read
+    # timeout means a silent stream: it was polled a second time, the banner waiting twice as long.
+    server.stream, server.poll_status = "missing", "stall"
+    source = LiveSource(server.url, interval_s=0.1, silence_s=0.3)
+    events = await events_until(source, lambda event, events: isinstance(event, SourceProblem))
+    assert events[-1].message == f"no answer from {server.url} (timed out)"
+    with server.lock:
+        assert server.paths[:2] == ["stream", "poll"] and server.paths[2:3] != ["poll"], server.paths

@@ -462,14 +462,12 @@ class LiveSource:
     async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
         url = f"{self.http_base}/v1/stats/stream"
         params = {"cells": num_cells, "interval": self.interval_s}
+        failure: Exception | None = None
         try:
             async with client.stream("GET", url, params=params) as response:
                 if response.status_code in (404, 405):
-                    # An older server without the stream: poll the snapshot endpoint instead.
-                    self._fall_back_to_polling()
-                    yield await self._poll(client, num_cells)
-                    return
-                if response.status_code != 200:
+                    pass       # an older server without the stream: its snapshot endpoint is polled below
+                elif response.status_code != 200:
                     body = (await read_capped(response, MAX_ERROR_BYTES))[0]
                     failure = HTTPStatusProblem(response.status_code, url, body, response.headers.get("location"))
                 else:
@@ -480,9 +478,12 @@ class LiveSource:
         except (StreamSilent, httpx.ReadTimeout) as exc:
             # Nothing for silence_s, before its headers or between events (a proxy that buffers, a
             # stalled stream): the stats are polled while /v1/stats answers.
-            yield await self._poll_instead(client, num_cells, exc)
-            return
-        yield await self._poll_instead(client, num_cells, failure)
+            failure = exc
+        if failure is None:
+            self._fall_back_to_polling()
+            yield await self._poll(client, num_cells)
+        else:
+            yield await self._poll_instead(client, num_cells, failure)
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[StatsFrame]:
         """The frames of an open 200 answer of /v1/stats/stream."""
