@@ -5,12 +5,18 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import httpx
 import pytest
 from test_server_helpers import running_server, wait_for
 
 from minillm import LLM
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_worker_killed_while_a_thread_engine_idles_ends_it_before_any_request(stories_path):
@@ -35,3 +41,33 @@ def test_a_kv_budget_that_holds_no_block_is_the_value_error_of_one_process(stori
                                          r"takes 10240 bytes"):
         LLM(str(stories_path), device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=10)
     assert set(mp.active_children()) <= earlier                  # the group was stopped
+
+
+def test_a_daemonic_process_is_told_why_it_cannot_start_ranks(stories_path, tmp_path):
+    # A multiprocessing.Pool worker (daemonic) building LLM(tensor_parallel_size=2) got a bare
+    # AssertionError, "daemonic processes are not allowed to have children", from Process.start().
+    script = tmp_path / "pool_worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import multiprocessing as mp
+
+        def build(queue):
+            from minillm import LLM
+            try:
+                LLM({str(stories_path)!r}, device="cpu", tensor_parallel_size=2)
+                queue.put("built")
+            except Exception as exc:
+                queue.put(f"{{type(exc).__name__}}: {{exc}}")
+
+        if __name__ == "__main__":
+            ctx = mp.get_context("fork")
+            queue = ctx.Queue()
+            proc = ctx.Process(target=build, args=(queue,), daemon=True)
+            proc.start()
+            print(queue.get(timeout=120))
+            proc.join(60)
+    """))
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("TensorParallelError: tensor_parallel_size > 1 starts its workers as child "
+                                 "processes, which a daemonic process"), out.stdout

@@ -102,6 +102,12 @@ class WorkerGroup:
             raise TensorParallelError(
                 "tensor_parallel_size > 1 starts its workers as new processes, which import the main script "
                 "again: build the LLM under `if __name__ == \"__main__\":` in the script")
+        if mp.current_process().daemon:
+            # multiprocessing's own refusal is a bare AssertionError from deep inside Process.start().
+            raise TensorParallelError(
+                "tensor_parallel_size > 1 starts its workers as child processes, which a daemonic process (a "
+                "multiprocessing.Pool worker, a Process started with daemon=True) may not have: build the LLM "
+                "in the main process or in a Process that is not daemonic")
         ctx = mp.get_context("spawn")    # fork would copy the server's threads and locks mid-flight
         self.timeout = timeout
         self.peers = _Peers()
