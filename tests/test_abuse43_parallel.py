@@ -1,9 +1,12 @@
 """Tensor parallelism and prefill/decode disaggregation abused as vLLM users abuse them: ranks
-killed while the engine idles, on the engine core's thread as in its own process."""
+killed while the engine idles, on the engine core's thread as in its own process; start-up
+settings that do not fit; ranks asked of a daemonic process; engines that disagree on where
+their KV segments live."""
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import pytest
 from test_server_helpers import running_server, wait_for
 
 from minillm import LLM
+from minillm.kv_connector.transport import SHM_DIR, SHM_DIR_ENV, KVRegion, SharedSegment, attach_segment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -71,3 +75,19 @@ def test_a_daemonic_process_is_told_why_it_cannot_start_ranks(stories_path, tmp_
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("TensorParallelError: tensor_parallel_size > 1 starts its workers as child "
                                  "processes, which a daemonic process"), out.stdout
+
+
+def test_a_segment_of_another_directory_names_the_setting_both_engines_need(tmp_path, monkeypatch):
+    # A prefill engine started with $MINILLM_KV_SHM_DIR and a decode engine without it: the decode
+    # server refused the transfer saying the producer's pool "is not a minillm KV segment".
+    monkeypatch.delenv(SHM_DIR_ENV, raising=False)
+    segment = SharedSegment(4 * 2 * 2 * 3 * 4, directory=tmp_path)
+    try:
+        region = KVRegion("shm", str(segment.path), (2, 2, 3, 2, 1, 2), "float32")
+        with pytest.raises(ValueError, match=rf"lies outside this engine's segment directory '{re.escape(str(SHM_DIR))}':"
+                                             r" give both engines the same \$MINILLM_KV_SHM_DIR"):
+            attach_segment(region)
+        monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+        assert attach_segment(region).shape == (2, 2, 3, 2, 1, 2)
+    finally:
+        segment.unlink()

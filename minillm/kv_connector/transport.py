@@ -160,8 +160,12 @@ def attach_segment(region: KVRegion) -> np.ndarray:
     except TypeError:
         raise ValueError(f"the KV region's dtype {region.dtype!r} is not one a host segment holds") from None
     path = Path(region.handle if isinstance(region.handle, str) else region.handle.decode())
-    if path.parent != shm_dir() or not path.name.startswith(SEGMENT_PREFIX):
+    if not path.name.startswith(SEGMENT_PREFIX):
         raise ValueError(f"the KV region {str(path)!r} is not a minillm KV segment")
+    if path.parent != shm_dir():
+        # Only segments of our own directory are mapped (the path comes from a client's params).
+        raise ValueError(f"the prefill engine's KV segment {str(path)!r} lies outside this engine's segment "
+                         f"directory {str(shm_dir())!r}: give both engines the same ${SHM_DIR_ENV}")
     nbytes = int(np.prod(region.shape)) * dtype.itemsize
     try:
         size = path.stat().st_size
