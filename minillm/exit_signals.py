@@ -1,5 +1,6 @@
 """SIGTERM in the programs that take the terminal over (chat, monitor): the terminal's modes are put
-back before the process ends, and it still ends by the signal.
+back before the process ends, and it still ends by the signal. And multiprocessing's resource
+tracker, started so that a hang-up does not take it down with the processes it cleans up after.
 
 By default SIGTERM (kill, `timeout`, a supervisor's stop) ends Python at once, no `finally` run: a
 chat killed at its prompt or while a reply streamed left the terminal without echo, and the monitor
@@ -56,3 +57,20 @@ def on_sigterm(add_handler: Callable[[int, Callable[[], None]], None], callback:
     """Route SIGTERM to CALLBACK through ADD_HANDLER (an event loop's add_signal_handler)."""
     if is_caught():
         add_handler(signal.SIGTERM, callback)
+
+
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker, if it is not running, with SIGHUP blocked.
+
+    The tracker removes the shared memory and semaphores (a tensor-parallel group's) of processes
+    that died without doing so; it ignores SIGINT and SIGTERM, but a hang-up (the terminal of
+    `minillm serve` closed, an ssh session dropped) reaches every process of the foreground group,
+    the tracker too, and they all died by it: the segments stayed in /dev/shm for good. Blocked in
+    the tracker (a child inherits the mask, and the tracker unblocks only the two it ignores), the
+    signal leaves it to clean up after the others. Call it before the first process is spawned."""
+    from multiprocessing import resource_tracker
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)

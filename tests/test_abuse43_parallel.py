@@ -1,7 +1,7 @@
 """Tensor parallelism and prefill/decode disaggregation abused as vLLM users abuse them: ranks
 killed while the engine idles, on the engine core's thread as in its own process; start-up
-settings that do not fit; ranks asked of a daemonic process; engines that disagree on where
-their KV segments live."""
+settings that do not fit; ranks asked of a daemonic process; a hang-up of the server's whole
+process group; engines that disagree on where their KV segments live."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import running_server, wait_for
+from test_server_helpers import running_server, started_url, wait_for
 
 from minillm import LLM
 from minillm.kv_connector.transport import SHM_DIR, SHM_DIR_ENV, KVRegion, SharedSegment, attach_segment
@@ -91,3 +91,36 @@ def test_a_segment_of_another_directory_names_the_setting_both_engines_need(tmp_
         assert attach_segment(region).shape == (2, 2, 3, 2, 1, 2)
     finally:
         segment.unlink()
+
+
+def shm_files_mapped_by(pid: int) -> set[str]:
+    """The /dev/shm files a process maps (a tensor-parallel group's shared-memory segments)."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return {line.split(maxsplit=5)[5] for line in maps if len(line.split()) == 6 and "/dev/shm/" in line}
+
+
+@pytest.mark.parametrize("engine_core", ["process", "thread"])
+def test_a_hang_up_of_the_servers_process_group_leaves_no_segment_behind(stories_path, tmp_path, engine_core):
+    # The terminal of `minillm serve -tp 2` closed (SIGHUP to its foreground group): every process died
+    # by it, multiprocessing's resource tracker too, and the group's shared memory and semaphores
+    # stayed in /dev/shm for good.
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "minillm", "serve", str(stories_path), "--device", "cpu",
+                                 "-tp", "2", "--port", "0", "--engine-core", engine_core], cwd=REPO,
+                                env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        started_url(proc, log)
+        found = re.search(r"engine core in process (\d+)", log.read_text())
+        rank0 = int(found.group(1)) if found else proc.pid
+        files = shm_files_mapped_by(rank0)
+        assert len([f for f in files if "/psm_" in f]) >= 2, files     # the collectives' and the channel's
+        os.killpg(proc.pid, signal.SIGHUP)
+        proc.wait(60)
+        assert wait_for(lambda: not any(os.path.exists(f) for f in files), timeout=60), \
+            [f for f in files if os.path.exists(f)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -27,6 +27,7 @@ import zmq
 from minillm.config import EngineConfig
 from minillm.engine_core import messages as m
 from minillm.engine_core.core import CoreSpec, run_engine_core
+from minillm.exit_signals import start_resource_tracker
 
 
 SEND_TIMEOUT_MS = 2000
@@ -148,6 +149,7 @@ class CoreProcess:
         self.dir = socket_dir(f"output-{num_clients - 1}")
         inputs = [f"ipc://{self.dir}/input-{i}" for i in range(num_clients)]
         outputs = [f"ipc://{self.dir}/output-{i}" for i in range(num_clients)]
+        start_resource_tracker()       # it must outlive a hang-up of the core and its workers
         spawn = mp.get_context("spawn")
         reader, self._parent_pipe = spawn.Pipe(duplex=False)
         self._alive, alive_writer = spawn.Pipe(duplex=False)

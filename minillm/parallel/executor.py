@@ -29,6 +29,7 @@ from multiprocessing.connection import wait as wait_sentinels
 
 import numpy as np
 
+from minillm.exit_signals import start_resource_tracker
 from minillm.model_runner import ModelRunner
 from minillm.parallel.channel import ChannelWriter
 from minillm.parallel.communicator import ShmCommunicator, ShmGroup
@@ -109,6 +110,7 @@ class WorkerGroup:
                 "multiprocessing.Pool worker, a Process started with daemon=True) may not have: build the LLM "
                 "in the main process or in a Process that is not daemonic")
         ctx = mp.get_context("spawn")    # fork would copy the server's threads and locks mid-flight
+        start_resource_tracker()         # it removes the segments below if every rank dies by a hang-up
         self.timeout = timeout
         self.peers = _Peers()
         self._segments: list = []        # weight shards, removed once every worker has read its own
