@@ -18,6 +18,8 @@ import pytest
 from test_server_helpers import running_server, started_url, wait_for
 
 from minillm import LLM
+from minillm.parallel import TensorParallelError
+from minillm.parallel.executor import WorkerGroup
 from minillm.kv_connector.transport import SHM_DIR, SHM_DIR_ENV, KVRegion, SharedSegment, attach_segment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,3 +126,18 @@ def test_a_hang_up_of_the_servers_process_group_leaves_no_segment_behind(stories
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def test_a_rank_killed_while_it_starts_is_said_to_be_killed(stories_path, monkeypatch):
+    # Killed before it could answer (the OOM killer while it loads its shard), a worker prints nothing:
+    # the error said "exit status -9; its own error is printed above" of an error nobody printed.
+    started = WorkerGroup.__init__
+
+    def start_then_kill(self, *args, **kwargs):
+        started(self, *args, **kwargs)
+        for pid in self.pids:            # just spawned: not yet past its imports, so it cannot have answered
+            os.kill(pid, signal.SIGKILL)
+
+    monkeypatch.setattr(WorkerGroup, "__init__", start_then_kill)
+    with pytest.raises(TensorParallelError, match=r"rank 1 exited during start-up \(killed by SIGKILL\)$"):
+        LLM(str(stories_path), device="cpu", tensor_parallel_size=2)

@@ -152,10 +152,14 @@ class WorkerGroup:
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):       # it exited before answering; what it printed says why
+                from minillm.engine_core.client import describe_exit
                 proc = self.peers.procs[rank - 1]
                 proc.join(5)
-                self.peers.failure = (f"tensor-parallel worker rank {rank} exited during start-up "
-                                      f"(exit status {proc.exitcode}; its own error is printed above)")
+                code = proc.exitcode
+                # A worker that failed printed its error; one killed by a signal (the OOM killer) printed nothing.
+                how = (f"exit status {code}; its own error is printed above" if code is not None and code > 0
+                       else describe_exit(code))
+                self.peers.failure = f"tensor-parallel worker rank {rank} exited during start-up ({how})"
                 raise TensorParallelError(self.peers.failure) from None
             if status == "error":
                 self.peers.failure = f"tensor-parallel worker rank {rank} failed: {value}"
