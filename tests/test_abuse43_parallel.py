@@ -1,7 +1,8 @@
 """Tensor parallelism and prefill/decode disaggregation abused as vLLM users abuse them: ranks
 killed while the engine idles, on the engine core's thread as in its own process; start-up
 settings that do not fit; ranks asked of a daemonic process; a hang-up of the server's whole
-process group; engines that disagree on where their KV segments live."""
+process group; engines that disagree on where their KV segments live; prompts handed over at
+and around block boundaries, down to one token."""
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from test_kv_transfer import PROMPTS, claim, engines, prefill, run, wait_until_free
 from test_server_helpers import running_server, started_url, wait_for
 
-from minillm import LLM
+from minillm import LLM, SamplingParams
 from minillm.parallel import TensorParallelError
 from minillm.parallel.executor import WorkerGroup
 from minillm.kv_connector.transport import SHM_DIR, SHM_DIR_ENV, KVRegion, SharedSegment, attach_segment
@@ -141,3 +143,26 @@ def test_a_rank_killed_while_it_starts_is_said_to_be_killed(stories_path, monkey
     monkeypatch.setattr(WorkerGroup, "__init__", start_then_kill)
     with pytest.raises(TensorParallelError, match=r"rank 1 exited during start-up \(killed by SIGKILL\)$"):
         LLM(str(stories_path), device="cpu", tensor_parallel_size=2)
+
+
+def test_prompts_at_block_boundaries_and_of_one_token_decode_as_one_engine(stories_path):
+    # Blocks of 8: the decode engine loads every prompt token but the last, so 8 and 16 tokens load
+    # a block it then completes, 9 and 17 whole blocks only, and 1 token nothing (its lease goes back).
+    producer, consumer, plain = engines(stories_path, enable_prefix_caching=False)
+    try:
+        ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=True)
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for n in (1, 2, 8, 9, 16, 17):
+            want = run(plain, f"ref-{n}", ids[:n], greedy).outputs[0].token_ids
+            kv = prefill(producer, f"p-{n}", ids[:n])
+            params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                    extra_args={"kv_transfer_params": claim(kv, ids[:n])})
+            out = run(consumer, f"d-{n}", ids[:n], params)
+            assert out.outputs[0].token_ids == want, n
+            assert (out.kv_transfer_stats or {}).get("num_tokens", 0) == n - 1, n
+            wait_until_free(producer)
+        assert consumer.stats(cells=1).kv_num_used_blocks == 0
+        assert producer.stats(cells=1).kv_transfer_leases_released == 6
+    finally:
+        for engine in (producer, consumer, plain):
+            engine.shutdown()
