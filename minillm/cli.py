@@ -747,8 +747,10 @@ def cpu_options(ctx: typer.Context, options: dict) -> None:
         return
     notes = []
     if options["num_kv_blocks"] is None:
+        ranks = options.get("tensor_parallel_size")      # one pool a rank, all in this host's memory
         with option_values(ctx):
-            budget = cpu_kv_budget(options["kv_cache_memory_bytes"])
+            budget = cpu_kv_budget(options["kv_cache_memory_bytes"],
+                                   ranks if isinstance(ranks, int) and ranks > 1 else 1)
         if budget.source != "default":
             from minillm.engine_stats import human_bytes
             where = ("--kv-cache-memory-bytes" if budget.source == "kv_cache_memory_bytes"

@@ -39,20 +39,25 @@ class KVBudget:
     source: str          # "kv_cache_memory_bytes", KV_SPACE_VARIABLE or "default"
 
 
-def cpu_kv_budget(kv_cache_memory_bytes: int | None) -> KVBudget:
-    """The CPU pool's budget: kv_cache_memory_bytes, else VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB
-    (at most half the memory available); a ValueError naming the setting past the available memory."""
+def cpu_kv_budget(kv_cache_memory_bytes: int | None, num_ranks: int = 1) -> KVBudget:
+    """One rank's CPU pool budget: kv_cache_memory_bytes, else VLLM_CPU_KVCACHE_SPACE GiB, else 4 GiB
+    (the num_ranks pools together at most half the memory available); a ValueError naming the setting
+    when the num_ranks pools of it (tensor parallelism: one a rank, all in this host's memory) pass
+    the available memory."""
     available = available_host_bytes()
     if kv_cache_memory_bytes:
         budget = KVBudget(kv_cache_memory_bytes, "kv_cache_memory_bytes")
     elif (gib := kv_space_gib()) is not None:
         budget = KVBudget(int(gib * 2**30), KV_SPACE_VARIABLE)
     else:
-        return KVBudget(DEFAULT_CPU_KV_BYTES if available is None else min(DEFAULT_CPU_KV_BYTES, available // 2),
-                        "default")
-    if available is not None and budget.num_bytes > available:
-        raise ValueError(f"{budget.source} {budget.num_bytes / 2**30:.1f} GiB exceeds the {available / 2**30:.1f} "
-                         f"GiB of memory available; lower {budget.source}")
+        return KVBudget(DEFAULT_CPU_KV_BYTES if available is None
+                        else min(DEFAULT_CPU_KV_BYTES, available // (2 * num_ranks)), "default")
+    if available is not None and budget.num_bytes * num_ranks > available:
+        each = f"{budget.num_bytes / 2**30:.1f} GiB"
+        if num_ranks > 1:
+            each += f" on each of {num_ranks} ranks ({budget.num_bytes * num_ranks / 2**30:.1f} GiB together)"
+        raise ValueError(f"{budget.source} {each} exceeds the {available / 2**30:.1f} GiB of memory available; "
+                         f"lower {budget.source}")
     return budget
 
 
@@ -186,9 +191,10 @@ class CpuDevice:
         """Wait for all queued work (none on the CPU)."""
 
     def kv_cache_budget_bytes(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
-                              activation_bytes, graph_bytes: int) -> int:
-        """Bytes the KV pool may take (cpu_kv_budget; gpu_memory_utilization is not used on the CPU)."""
-        return cpu_kv_budget(kv_cache_memory_bytes).num_bytes
+                              activation_bytes, graph_bytes: int, num_ranks: int = 1) -> int:
+        """Bytes the KV pool may take (cpu_kv_budget; gpu_memory_utilization is not used on the CPU);
+        num_ranks: the tensor-parallel ranks whose pools share this host's memory."""
+        return cpu_kv_budget(kv_cache_memory_bytes, num_ranks).num_bytes
 
     def used_bytes(self) -> int:
         """Memory the process holds (resident set)."""
@@ -376,9 +382,10 @@ class CudaDevice:
         return int(free) + int(self.cp.get_default_memory_pool().free_bytes()), int(total)
 
     def kv_cache_budget_bytes(self, kv_cache_memory_bytes: int | None, gpu_memory_utilization: float,
-                              activation_bytes, graph_bytes: int) -> int:
+                              activation_bytes, graph_bytes: int, num_ranks: int = 1) -> int:
         """Bytes the KV pool may take: the utilisation share less what is in use, a forward
-        pass's activations (measured by calling activation_bytes()) and the decode graphs."""
+        pass's activations (measured by calling activation_bytes()) and the decode graphs (each
+        rank has a device of its own: num_ranks does not change it)."""
         if kv_cache_memory_bytes:
             return kv_cache_memory_bytes
         peak = activation_bytes()

@@ -92,13 +92,16 @@ class ModelRunner:
         """KV blocks that fit the memory budget (a profiling forward pass measures activations)."""
         cfg = self.config
         per_block = kv_bytes_per_block(self.model_config, self.block_size, self._kv_pool_dtype().itemsize)
+        # Tensor-parallel ranks on the CPU hold their pools (their KV heads) in this host's one memory.
+        num_ranks = self.model.comm.world_size if self.model.comm is not None else 1
         if cfg.num_kv_blocks is not None:
             # A host pool past the memory there is would fail in the allocation (or the OOM killer).
             available = None if self.device.kv_pool_fills_memory else available_host_bytes()
-            if available is not None and cfg.num_kv_blocks * per_block > available:
-                raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} needs {cfg.num_kv_blocks * per_block / 2**30:.1f} "
-                                 f"GiB of KV pool, more than the {available / 2**30:.1f} GiB of memory available; "
-                                 f"lower num_kv_blocks")
+            if available is not None and cfg.num_kv_blocks * per_block * num_ranks > available:
+                raise ValueError(f"num_kv_blocks {cfg.num_kv_blocks} needs "
+                                 f"{cfg.num_kv_blocks * per_block * num_ranks / 2**30:.1f} GiB of KV pool"
+                                 f"{f' over {num_ranks} ranks' if num_ranks > 1 else ''}, more than the "
+                                 f"{available / 2**30:.1f} GiB of memory available; lower num_kv_blocks")
             return cfg.num_kv_blocks
         # Decode graphs keep their own logits [max_num_seqs, V] fp32 and a batch's activations;
         # verification graphs theirs for up to 1 + k tokens a sequence.
@@ -108,7 +111,7 @@ class ModelRunner:
         activation_copies = 2 if self._uses_piecewise_graphs() else 1
         budget = self.device.kv_cache_budget_bytes(
             cfg.kv_cache_memory_bytes, cfg.gpu_memory_utilization,
-            lambda: activation_copies * self._profile_activation_bytes(max_model_len), graphs)
+            lambda: activation_copies * self._profile_activation_bytes(max_model_len), graphs, num_ranks)
         num_blocks = budget // per_block
         if num_blocks < 1:
             source = "kv_cache_memory_bytes" if cfg.kv_cache_memory_bytes else "the KV budget"

@@ -1,6 +1,6 @@
 """Tensor parallelism and prefill/decode disaggregation abused as vLLM users abuse them: ranks
 killed while the engine idles, on the engine core's thread as in its own process; start-up
-settings that do not fit; ranks asked of a daemonic process; a hang-up of the server's whole
+settings that do not fit, alone or together in one host's memory; ranks asked of a daemonic process; a hang-up of the server's whole
 process group; engines that disagree on where their KV segments live; prompts handed over at
 and around block boundaries, down to one token."""
 from __future__ import annotations
@@ -19,10 +19,12 @@ import pytest
 from test_kv_transfer import PROMPTS, claim, engines, prefill, run, wait_until_free
 from test_server_helpers import running_server, started_url, wait_for
 
+import minillm.device
+import minillm.model_runner
 from minillm import LLM, SamplingParams
+from minillm.kv_connector.transport import SHM_DIR, SHM_DIR_ENV, KVRegion, SharedSegment, attach_segment
 from minillm.parallel import TensorParallelError
 from minillm.parallel.executor import WorkerGroup
-from minillm.kv_connector.transport import SHM_DIR, SHM_DIR_ENV, KVRegion, SharedSegment, attach_segment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -166,3 +168,31 @@ def test_prompts_at_block_boundaries_and_of_one_token_decode_as_one_engine(stori
     finally:
         for engine in (producer, consumer, plain):
             engine.shutdown()
+
+
+def test_the_ranks_pools_together_are_held_to_the_hosts_memory(stories_path, monkeypatch):
+    # Each rank sized its CPU pool against all of the host's available memory, as if it were alone:
+    # two ranks took the default's "half the memory available" twice over, and a budget or a block
+    # count that fit one pool passed for two (found only when the pools filled, by the OOM killer).
+    mib = 2**20
+    for module in (minillm.device, minillm.model_runner):          # rank 0's view: the group's is the least
+        monkeypatch.setattr(module, "available_host_bytes", lambda: 64 * mib)
+    with LLM(str(stories_path), device="cpu", tensor_parallel_size=2) as llm:
+        # a block of 16 tokens takes 10240 bytes on a rank (its 2 KV heads); half of 64 MiB over 2 ranks
+        assert llm.llm_engine.block_manager.num_blocks == 16 * mib // 10240
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes 0\.0 GiB on each of 2 ranks \(0\.1 GiB together\) "
+                                         r"exceeds the 0\.1 GiB of memory available"):
+        LLM(str(stories_path), device="cpu", tensor_parallel_size=2, kv_cache_memory_bytes=40 * mib)
+    with pytest.raises(ValueError, match=r"^num_kv_blocks 4000 needs 0\.1 GiB of KV pool over 2 ranks, more than"):
+        LLM(str(stories_path), device="cpu", tensor_parallel_size=2, num_kv_blocks=4000)
+
+
+def test_the_command_line_refuses_a_budget_the_ranks_together_cannot_have(stories_path):
+    # Checked before the model loads, as one process's budget is: a usage error naming the flag.
+    from minillm.config import available_host_bytes
+    each = int(available_host_bytes() * 0.9)        # fits one pool; two are far past the memory there is
+    proc = subprocess.run([sys.executable, "-m", "minillm", "generate", str(stories_path), "--device", "cpu", "-tp", "2",
+                           "--kv-cache-memory-bytes", str(each), "-p", "Once"], cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Invalid value for '--kv-cache-memory-bytes': " in proc.stderr and " on each of 2 ranks (" in proc.stderr
