@@ -82,14 +82,24 @@ def add_token(state: CompletionState, seq: Sequence, token: int, logprobs: dict[
         return None
     before = len(state.text)
     state.text += delta
-    for s in state.stop:
-        # Only a match that ends in the new text (vLLM's check_stop_strings): one that lies wholly in
-        # text of the first min_tokens tokens, where stops were held off, ends nothing.
-        at = state.text.find(s, max(before - len(s) + 1, 0))
-        if at != -1:
-            state.text = state.text[:at + len(s)] if state.include_stop else state.text[:at]
-            return s
-    return None
+    stop, at = _first_completed_stop(state.text, before, state.stop)
+    if stop is not None:
+        state.text = state.text[:at + len(stop)] if state.include_stop else state.text[:at]
+    return stop
+
+
+def _first_completed_stop(text: str, before: int, stops: list[str]) -> tuple[str | None, int]:
+    """(the stop string that completes first in text past its first BEFORE characters, where it
+    starts); (None, -1) for none. A token's text may complete several (one "▁the" ends both " th"
+    and "e"): the one that ends first wins, the stop list's order breaking ties, as vLLM's
+    check_stop_strings picks it. Only a match that ends in the new text counts: one that lies
+    wholly in the text of the first min_tokens tokens, where stops were held off, ends nothing."""
+    best, best_at, best_end = None, -1, len(text) + 1
+    for s in stops:
+        at = text.find(s, max(before - len(s) + 1, 0))
+        if at != -1 and at + len(s) < best_end:
+            best, best_at, best_end = s, at, at + len(s)
+    return best, best_at
 
 
 def prompt_logprobs_entry(entry: dict[int, float] | None, params: SamplingParams, token: int,

@@ -257,18 +257,20 @@ def test_encode_decode_match_transformers(families, name):
 
 def vllm_stop_text(tok, prompt, output, stop, include, min_tokens=0, skip=True) -> tuple[str, str | None, int]:
     """(text, stop string, held back chars while running) as vLLM's detokenizer makes them: DecodeStream deltas,
-    each token's new text searched for each stop string in order from len(stop) - 1 characters before it
-    (check_stop_strings), text of the first min_tokens tokens left out of the search."""
+    each token's new text searched for each stop string from len(stop) - 1 characters before it, the one that
+    ends first winning, the list's order breaking ties (check_stop_strings), text of the first min_tokens tokens
+    left out of the search."""
     text, held = "", max((len(s) for s in stop), default=1) - 1 if not include else 0
     for n in range(1, len(output) + 1):
         before = len(text)
         text += decode_stream_text(tok, prompt, output[:n], skip)[len(text):]
         if n <= min_tokens:
             continue
-        for s in stop:
-            at = text.find(s, max(before - len(s) + 1, 0))
-            if at != -1:
-                return (text[:at + len(s)] if include else text[:at]), s, held
+        found = [(at + len(s), i, at, s) for i, s in enumerate(stop)
+                 if (at := text.find(s, max(before - len(s) + 1, 0))) != -1]
+        if found:
+            _, _, at, s = min(found)
+            return (text[:at + len(s)] if include else text[:at]), s, held
     return text, None, held
 
 
