@@ -37,6 +37,8 @@ STATIC_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
 NUM_STATIC = len(STATIC_FIELDS)
 _INT_FIELDS = {"top_k", "logprob_rows"}
 MIN_ENTRY_WORDS = 16384
+# The largest float32 below 1: the uniforms the kernels read stay in [0, 1) (sampler_uniforms).
+_BELOW_ONE = np.nextafter(np.float32(1.0), np.float32(0.0))
 
 
 @dataclass
@@ -65,6 +67,13 @@ def sampler_temperature(params) -> float:
     temperature below vLLM's 1e-5 is greedy but, divided into the logits, would still weigh tokens
     within a hair of the maximum (and the greedy row draws no uniform to choose among them)."""
     return 0.0 if params.is_greedy else params.temperature
+
+
+def sampler_uniforms(draws) -> np.ndarray:
+    """A generator's draws in [0, 1) as the float32 uniforms the sampling kernels read, still below 1:
+    rounded to float32, a draw past 1 - 2**-25 (one in 33 million) became 1.0, whose share of the kept
+    weight is all of it, and the pick fell past the last kept token to the argmax."""
+    return np.minimum(np.asarray(draws, dtype=np.float32), _BELOW_ONE)
 
 
 def sampler_top_k(params, vocab: int) -> int:
@@ -253,7 +262,7 @@ class SamplingInputBuffer:
         if start <= u:
             slot.floats[u:u + batch] = 0.0
             if self._sampled_rows:
-                slot.floats[u + np.asarray(self._sampled_rows)] = uniforms
+                slot.floats[u + np.asarray(self._sampled_rows)] = sampler_uniforms(uniforms)
         if num_entries:
             pos = e
             for section in entries:           # lists, or int32 arrays (allowed_token_ids: up to the vocabulary)

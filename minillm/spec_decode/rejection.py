@@ -26,7 +26,7 @@ from types import ModuleType
 
 import numpy as np
 
-from minillm.sampling_metadata import sampler_temperature, sampler_top_k
+from minillm.sampling_metadata import sampler_temperature, sampler_top_k, sampler_uniforms
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,7 @@ class RejectionSampler:
         for b, s in enumerate(seqs):
             if not s.params.is_greedy:
                 d = int(num_drafts[b])
-                uniforms[starts[b]:starts[b] + d + 1] = s.rng.random(d + 1)
+                uniforms[starts[b]:starts[b] + d + 1] = sampler_uniforms(s.rng.random(d + 1))
         return sample_rows_no_sync(
             self.ops, logits, num_drafts, np.array([sampler_temperature(p) for p in params], np.float32),
             np.array([sampler_top_k(p, logits.shape[1]) for p in params], np.int32),

@@ -1,0 +1,125 @@
+"""The sampler's draws against vLLM's distribution, computed here from vLLM's definitions.
+
+vLLM's V1 sampler, in order: raw log-probabilities (logprobs_mode raw_logprobs) from the model's
+logits; the allowed_token_ids mask; bad words; min_tokens and logit_bias; the repetition (prompt and
+output), frequency and presence (output) penalties; greedy is the argmax of those logits; otherwise
+the logits over the temperature, min_p against the likeliest token's probability, top_k, and top_p
+over what is left, renormalised.
+
+Two kinds of check. The op's rule is exact: `ops.sample` picks by one uniform per row, so midpoints
+of a grid of M uniforms give each token's probability to within 1/M. The sampler with real seeded
+sequences is checked statistically: seeds are fixed (the test is deterministic) and every count is
+held to a Bernstein bound that a correct sampler breaks with probability below 1e-12 per check.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from minillm.device import CpuDevice
+from minillm.ops import numpy as npops
+from minillm.sampler import Sampler
+from minillm.sampling_params import SamplingParams
+from minillm.sequence import Sequence
+
+EOS = (2,)
+V = 32
+# A spread-out row without ties: ten likely tokens, a tail, two masked ones.
+LOGITS = np.array([2.1, -0.3, 1.7, 0.4, 2.6, -1.2, 0.9, 1.3, -2.0, 0.0, 1.1, -0.7, 3.0, -3.1, 0.6, -1.6,
+                   2.3, -0.1, -np.inf, 0.2, -2.6, 1.5, -0.9, 0.75, -1.9, 1.9, -4.0, -np.inf, 0.3, -0.5,
+                   -2.3, 1.0], np.float32)
+
+
+# ---- the reference -----------------------------------------------------------------------------
+
+def vllm_probs(x: np.ndarray, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
+    """Processed logits [V] -> the probability of sampling each token (float64), as vLLM's sampler
+    defines it (no ties at the k-th logit here: vLLM keeps every token tied with it)."""
+    x = np.asarray(x, np.float64)
+    q = np.zeros(len(x))
+    if temperature < 1e-5:
+        q[np.argmax(x)] = 1.0
+        return q
+    y = x / temperature
+    q = np.exp(y - y.max())
+    q /= q.sum()
+    if min_p > 0:
+        q[q < min_p * q.max()] = 0.0
+    if 0 < top_k < len(x):
+        q[x < np.sort(x)[::-1][top_k - 1]] = 0.0
+    q /= q.sum()
+    if top_p < 1.0:
+        order = np.argsort(-x, kind="stable")
+        before = np.cumsum(q[order]) - q[order]              # mass of the likelier tokens
+        drop = order[before >= top_p]
+        q[drop[drop != order[0]]] = 0.0                       # the likeliest token always stays
+        q /= q.sum()
+    return q
+
+
+def bernstein_slack(n: int, q: np.ndarray, alpha: float = 1e-12) -> np.ndarray:
+    """Per token, the t with P(|count - n q| >= t) <= alpha / len(q) for count ~ Binomial(n, q)
+    (Bernstein's inequality: 2 exp(-t^2 / (2 (n q (1 - q) + t / 3))))."""
+    log_term = math.log(2 * len(q) / alpha)
+    var = n * q * (1 - q)
+    return log_term / 3 + np.sqrt(log_term ** 2 / 9 + 2 * log_term * var)
+
+
+def assert_draws_follow(ids, q: np.ndarray) -> None:
+    """ids drawn independently; q: [V] the probabilities. A token of probability 0 is never drawn."""
+    counts = np.bincount(np.asarray(ids), minlength=len(q))
+    n = counts.sum()
+    assert not counts[q == 0].any(), ("drawn outside the support", np.flatnonzero(counts * (q == 0)))
+    bad = np.flatnonzero(np.abs(counts - n * q) > bernstein_slack(n, q))
+    assert not bad.size, [(int(t), int(counts[t]), round(n * q[t], 1)) for t in bad]
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+def make_seq(params: SamplingParams, rng, prompt=(1, 3, 4), outputs=()) -> Sequence:
+    """A sequence at the step that samples its next token after `outputs`; rng: a seed or a Generator."""
+    seq = Sequence("r", 0, list(prompt), params, 0.0, rng, 1000)
+    seq.token_ids += list(outputs)
+    if seq.counts_outputs:
+        for t in outputs:
+            seq.output_counts[t] = seq.output_counts.get(t, 0) + 1
+    seq.num_output_placeholders = 1          # the token being sampled, as at launch
+    return seq
+
+
+def sample_rows(sampler: Sampler, seqs: list[Sequence], row: np.ndarray):
+    """One step: every sequence samples from a copy of row; returns (ids [B], SamplerOutput)."""
+    out = sampler.sample_no_sync(np.repeat(row[None], len(seqs), axis=0), seqs)
+    return npops.to_numpy(out.token_ids).tolist(), out
+
+
+# ---- a draw that rounds to 1 in float32 ---------------------------------------------------------
+
+# default_rng(0)'s draw number 14,817,372 is 0.9999999984...: 1.0 once rounded to float32.
+SEED_NEAR_ONE, DRAWS_BEFORE_NEAR_ONE = 0, 14_817_372
+
+
+def generator_at_near_one() -> np.random.Generator:
+    rng = np.random.default_rng(SEED_NEAR_ONE)
+    rng.bit_generator.advance(DRAWS_BEFORE_NEAR_ONE)
+    return rng
+
+
+@pytest.mark.parametrize("filters", [dict(top_p=0.9), dict(min_p=0.2), dict(top_k=3)])
+def test_a_draw_just_below_1_picks_the_last_kept_token_not_the_argmax(filters):
+    """probabilities 0.5, 0.3, 0.15, 0.05: each rule keeps the first three, and a draw above
+    1 - 3e-8 falls on the third (the least likely kept), as any draw past 0.95 does."""
+    probe = generator_at_near_one()
+    assert np.float32(probe.random()) == 1.0 and probe.random() < 1.0   # the draw is real, and rounds up
+    row = np.full(V, -np.inf, np.float32)
+    row[:4] = np.log([0.5, 0.3, 0.15, 0.05])
+    params = SamplingParams(temperature=1.0, seed=1, **filters)
+    ids, _ = sample_rows(Sampler(npops, list(EOS), CpuDevice()), [make_seq(params, generator_at_near_one())], row)
+    assert ids == [2]
+    # the rows of a step verifying drafts take their uniforms the same way
+    from minillm.spec_decode.rejection import RejectionSampler, SpecDecodeMetadata
+    meta = SpecDecodeMetadata.make([[0]], [2])
+    seq = make_seq(params, generator_at_near_one())
+    assert RejectionSampler(npops)(np.repeat(row[None], 2, axis=0), meta, [seq]) == [[2]]
