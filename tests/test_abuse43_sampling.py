@@ -123,3 +123,112 @@ def test_a_draw_just_below_1_picks_the_last_kept_token_not_the_argmax(filters):
     meta = SpecDecodeMetadata.make([[0]], [2])
     seq = make_seq(params, generator_at_near_one())
     assert RejectionSampler(npops)(np.repeat(row[None], 2, axis=0), meta, [seq]) == [[2]]
+
+
+# ---- the op's rule, exactly: a grid of uniforms ------------------------------------------------
+
+GRID = 4000
+
+
+def grid_frequencies(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Each token's share of the midpoints of GRID equal cells of [0, 1), drawn by ops.sample with
+    the values the sampler packs for params (sampler_temperature and sampler_top_k read -1, 0 and a
+    top_k past the vocabulary as vLLM does)."""
+    from minillm.sampling_metadata import sampler_temperature, sampler_top_k
+    logits = np.repeat(row[None], GRID, axis=0)
+    full = lambda value, dtype: np.full(GRID, value, dtype)      # noqa: E731
+    ids = npops.sample(logits, full(sampler_temperature(params), np.float32),
+                       full(sampler_top_k(params, len(row)), np.int32), full(params.top_p, np.float32),
+                       full(params.min_p, np.float32), ((np.arange(GRID) + 0.5) / GRID).astype(np.float32))
+    return np.bincount(ids, minlength=len(row)) / GRID
+
+
+GRID_CASES = [
+    dict(temperature=1.0), dict(temperature=0.5), dict(temperature=2.5),
+    dict(top_k=1), dict(top_k=5), dict(top_k=-1), dict(top_k=0), dict(top_k=V), dict(top_k=10 * V),
+    dict(top_p=0.8), dict(top_p=0.3, temperature=0.7), dict(top_p=1e-9, temperature=5.0),
+    dict(min_p=0.1), dict(min_p=0.3, temperature=0.5), dict(min_p=0.05, temperature=3.0), dict(min_p=1.0),
+    dict(top_k=8, top_p=0.7), dict(top_k=12, min_p=0.2, temperature=1.5),
+    dict(top_k=20, top_p=0.9, min_p=0.02, temperature=0.8), dict(min_p=0.15, top_p=0.5, temperature=1.2),
+    dict(temperature=1e6), dict(temperature=1e30), dict(temperature=3.4e38, top_k=6), dict(temperature=0.0),
+]
+
+
+@pytest.mark.parametrize("kw", GRID_CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_each_tokens_share_of_the_uniforms_is_its_vllm_probability(kw):
+    """Temperature, then min_p on the tempered probabilities, then top_k, then top_p over what is
+    left: every token's share within 1/GRID of vLLM's probability (one interval of uniforms a token,
+    in the order the op walks them), and none outside the support."""
+    params = SamplingParams(**kw)
+    q = vllm_probs(LOGITS, 0.0 if params.is_greedy else params.temperature, max(params.top_k, 0),
+                   params.top_p, params.min_p)
+    got = grid_frequencies(LOGITS, params)
+    assert not np.isnan(got).any()
+    assert not got[q == 0].any(), np.flatnonzero(got * (q == 0))
+    np.testing.assert_allclose(got, q, atol=1.0 / GRID + 1e-6)
+
+
+# ---- the sampler with seeded sequences: penalties, biases, masks, then the filters -------------
+
+def vllm_processed(raw: np.ndarray, prompt, outputs, p: SamplingParams, bad_words=()) -> np.ndarray:
+    """The model's logits [V] -> the logits vLLM's sampler takes its argmax of or tempers (float64):
+    allowed_token_ids, bad words (a word's last token when its other tokens end the output),
+    min_tokens (EOS and stop tokens), logit_bias, then the repetition penalty over prompt and
+    output, frequency and presence over the output."""
+    x = np.asarray(raw, np.float64).copy()
+    if p.allowed_token_ids is not None:
+        masked = np.ones(len(x), bool)
+        masked[list(p.allowed_token_ids)] = False
+        x[masked] = -np.inf
+    for word in bad_words:
+        head = tuple(word[:-1])
+        if not head or (len(outputs) >= len(head) and tuple(outputs[len(outputs) - len(head):]) == head):
+            x[word[-1]] = -np.inf
+    if len(outputs) < p.min_tokens:
+        x[list(set(p.stop_token_ids) | set(EOS))] = -np.inf
+    for t, b in (p.logit_bias or {}).items():
+        x[t] += b
+    for t in set(prompt) | set(outputs):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    counts = np.bincount(np.asarray(outputs, np.int64), minlength=len(x))
+    return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+
+
+PROMPT = (1, 12, 4, 16, 7)
+OUTPUTS = (12, 0, 12, 25, 7, 12, 9)
+BAD_WORDS = ((21,), (9, 2), (25, 7, 4), (7, 16))       # token ids: (9, 2) and (25, 7, 4) are due after OUTPUTS
+NUM_SEQS, NUM_STEPS = 64, 250                            # 16,000 draws a case
+
+SEEDED_CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.8, repetition_penalty=1.6, top_p=0.85),
+    dict(temperature=1.3, repetition_penalty=0.6, presence_penalty=0.7, frequency_penalty=0.4, top_k=10),
+    dict(temperature=0.9, presence_penalty=-1.5, frequency_penalty=-0.5, min_p=0.01),
+    dict(temperature=1.1, logit_bias={5: 4.0, 12: -1.5, 13: 6.0, 31: -100.0}, top_k=9, top_p=0.9),
+    dict(temperature=0.7, allowed_token_ids=[0, 2, 4, 7, 9, 12, 16, 21, 25, 27, 30], logit_bias={30: 3.0},
+         repetition_penalty=1.3, min_p=0.02),
+    dict(temperature=1.0, min_tokens=10, stop_token_ids=[16], frequency_penalty=0.3, top_p=0.95),
+    dict(temperature=1.2, bad_words=True, top_k=15, min_p=0.01),
+]
+
+
+@pytest.mark.parametrize("kw", SEEDED_CASES, ids=lambda kw: ",".join(kw))
+def test_seeded_draws_follow_vllms_distribution_under_every_rule(kw):
+    """64 sequences seeded 9000.. draw 250 steps each from one row after a fixed prompt and output
+    history; the counts are within the Bernstein bound of vLLM's probabilities."""
+    from minillm.bad_words import BadWordIds
+    kw = dict(kw)
+    bad = BAD_WORDS if kw.pop("bad_words", False) else ()
+    params = SamplingParams(max_tokens=100, **kw)
+    if bad:                     # the token sequences update_from_tokenizer would have made of the words
+        params._bad_word_ids = BadWordIds(bad, max(len(w) for w in bad) - 1)
+    seqs = [make_seq(params, 9000 + i, PROMPT, OUTPUTS) for i in range(NUM_SEQS)]
+    sampler = Sampler(npops, list(EOS), CpuDevice(), max_num_seqs=NUM_SEQS)
+    ids = []
+    for _ in range(NUM_STEPS):
+        ids += sample_rows(sampler, seqs, LOGITS)[0]
+    x = vllm_processed(LOGITS, PROMPT, OUTPUTS, params, bad)
+    q = vllm_probs(x, params.temperature, max(params.top_k, 0), params.top_p, params.min_p)
+    assert np.count_nonzero(q) >= 5
+    assert_draws_follow(ids, q)
+
