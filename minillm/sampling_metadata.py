@@ -63,9 +63,8 @@ class SamplingMetadata:
 
 
 def sampler_temperature(params) -> float:
-    """The temperature the sampling kernels read: 0 (the argmax) for every greedy request, since a
-    temperature below vLLM's 1e-5 is greedy but, divided into the logits, would still weigh tokens
-    within a hair of the maximum (and the greedy row draws no uniform to choose among them)."""
+    """The temperature the sampling kernels read: 0 (the argmax) for every greedy request (the greedy
+    row draws no uniform)."""
     return 0.0 if params.is_greedy else params.temperature
 
 

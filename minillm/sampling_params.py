@@ -54,6 +54,9 @@ MAX_BAD_WORDS = 128
 # penalty below its smallest normal value divides logits into inf.
 FLOAT32_MAX = 3.4028234663852886e38
 FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# vLLM raises a temperature in (0, 0.01) to 0.01 (its _MAX_TEMP, against NaN and inf in the tempered
+# logits) before it asks whether a request is greedy: only 0 takes the argmax.
+MIN_TEMPERATURE = 0.01
 # SamplingParams' numeric fields, which a caller may give as NumPy scalars (_normalize_numbers).
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
                "truncate_prompt_tokens")
@@ -335,7 +338,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """True when the argmax is taken."""
+        """True when the argmax is taken: temperature 0 (vLLM's test is below 1e-5, which only 0 is once
+        validate() raised the temperatures under MIN_TEMPERATURE)."""
         return self.temperature < 1e-5
 
     @property
@@ -391,6 +395,8 @@ class SamplingParams:
             bad("temperature", "must be non-negative")
         if self.temperature > FLOAT32_MAX:
             bad("temperature", f"must be at most {FLOAT32_MAX:.4g} (the sampler's float32)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0.0 < self.top_p <= 1.0:
             bad("top_p", "must be in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:

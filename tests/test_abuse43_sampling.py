@@ -232,3 +232,35 @@ def test_seeded_draws_follow_vllms_distribution_under_every_rule(kw):
     assert np.count_nonzero(q) >= 5
     assert_draws_follow(ids, q)
 
+
+# ---- temperatures near 0 -------------------------------------------------------------------------
+
+def near_tie_row() -> np.ndarray:
+    """Token 10 at 1.0 and token 20 at 1.01, the rest far below: at temperature 0.01, 0.27 and 0.73."""
+    row = np.full(V, -6.0, np.float32)
+    row[10], row[20] = 1.0, 1.01
+    return row
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-12, 1e-6, 9.99e-6, 1e-5, 1e-3, 0.0099])
+def test_a_temperature_below_0_01_samples_at_0_01_as_vllm_raises_it(temperature):
+    """vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 (_MAX_TEMP, against NaN and
+    inf in the tempered logits) before it asks whether the request is greedy: 1e-6 samples as 0.01
+    does, beside a near tie too, and never yields NaN; only 0 takes the argmax."""
+    params = SamplingParams(temperature=temperature, seed=3)
+    assert params.temperature == 0.01 and not params.is_greedy
+    row = near_tie_row()
+    q = vllm_probs(row, temperature=0.01)
+    np.testing.assert_allclose(grid_frequencies(row, params), q, atol=1.0 / GRID + 1e-6)
+    seqs = [make_seq(params, 500 + i) for i in range(40)]
+    sampler = Sampler(npops, list(EOS), CpuDevice(), max_num_seqs=40)
+    assert_draws_follow([t for _ in range(50) for t in sample_rows(sampler, seqs, row)[0]], q)
+
+
+def test_temperature_0_and_0_01_are_kept():
+    assert SamplingParams(temperature=0.0).is_greedy and SamplingParams(temperature=0).temperature == 0
+    assert SamplingParams(temperature=0.01).temperature == 0.01
+    assert SamplingParams.from_optional(temperature=1e-4).temperature == 0.01      # the server's path
+    ids, _ = sample_rows(Sampler(npops, list(EOS), CpuDevice()),
+                         [make_seq(SamplingParams(temperature=0.0), None)], near_tie_row())
+    assert ids == [20]
