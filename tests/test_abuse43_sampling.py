@@ -264,3 +264,69 @@ def test_temperature_0_and_0_01_are_kept():
     ids, _ = sample_rows(Sampler(npops, list(EOS), CpuDevice()),
                          [make_seq(SamplingParams(temperature=0.0), None)], near_tie_row())
     assert ids == [20]
+
+
+# ---- ties at the top -----------------------------------------------------------------------------
+
+def test_ties_at_the_largest_logit_greedy_takes_the_first_and_min_p_1_keeps_them_all():
+    """temperature 0 is the argmax, the lowest id among equal logits (torch.argmax's first); min_p 1
+    keeps every token as likely as the likeliest (p >= 1 * p_max), so the tied ones split the draws."""
+    row = LOGITS.copy()
+    row[[7, 19, 28]] = row.max()                           # three ids tied with id 12 at the top
+    q = vllm_probs(row, min_p=1.0)
+    assert np.count_nonzero(q) == 4
+    np.testing.assert_allclose(grid_frequencies(row, SamplingParams(min_p=1.0)), q, atol=1.0 / GRID + 1e-6)
+    np.testing.assert_allclose(grid_frequencies(row, SamplingParams(temperature=0.0, min_p=1.0)),
+                               np.eye(V)[7], atol=0)
+
+
+# ---- log-probabilities -------------------------------------------------------------------------
+
+def test_logprobs_are_the_raw_log_softmax_with_the_sampled_tokens_rank():
+    """vLLM's default logprobs_mode, raw_logprobs: the model's log-softmax before masks, biases,
+    penalties, temperature and filters; the sampled token (rank: entries at least as likely, vLLM's
+    batched_count_greater_than) and the k likeliest of that distribution."""
+    kinds = [dict(temperature=0.0, logprobs=3, repetition_penalty=2.0, logit_bias={13: 9.0}),
+             dict(temperature=0.4, logprobs=5, top_k=3, allowed_token_ids=[1, 3, 5, 8, 13], seed=2),
+             dict(temperature=1.0, seed=4),
+             dict(temperature=3.0, logprobs=0, presence_penalty=2.0, min_p=0.3, seed=6)]
+    seqs = [make_seq(SamplingParams(**kw), 70 + i, PROMPT, OUTPUTS) for i, kw in enumerate(kinds)]
+    ids, out = sample_rows(Sampler(npops, list(EOS), CpuDevice()), seqs, LOGITS)
+    assert out.logprob_rows == [0, 1, 3]
+    entries = Sampler.logprob_dicts(npops.to_numpy(out.logprobs), out.logprob_rows, seqs, ids)
+    raw = LOGITS.astype(np.float64)
+    raw = raw - raw.max() - np.log(np.exp(raw - raw.max()).sum())
+    assert entries[0] is not None and entries[2] is None
+    assert ids[0] == 13 and ids[1] in (1, 3, 5, 8, 13)     # the processed rules chose these ...
+    for b in (0, 1, 3):
+        entry, token, k = entries[b], ids[b], seqs[b].params.logprobs
+        top = np.argsort(-raw, kind="stable")[:k].tolist()
+        assert list(entry)[0] == token and set(entry) == {token, *top}   # ... the values stay raw
+        assert entry[token].rank == int((raw >= raw[token]).sum())
+        for t, lp in entry.items():
+            np.testing.assert_allclose(getattr(lp, "logprob", lp), raw[t], rtol=0, atol=1e-5)
+
+
+# ---- seeds through the engine --------------------------------------------------------------------
+
+def test_n_seeded_completions_differ_and_come_back_the_same_beside_any_batch(llm):
+    """n = 4 with seed 7: four different completions, each the one a request of n = 1 with seed
+    7 + i samples (vLLM seeds a request's i-th child so), again on a second run and beside other
+    requests. (Through the engine a row's logits move by about 1e-6 with the batch, as BLAS orders a
+    product's sums by its shape; a draw lands that near a boundary between two tokens about once in
+    a million, and the sampler's own independence of the batch is held row by row in
+    test_abuse42_sampling.)"""
+    from minillm import SamplingParams as SP
+    prompt = {"prompt_token_ids": [1, 403, 407, 261, 378]}
+    params = SP(n=4, seed=7, temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True)
+    first = [c.token_ids for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs]
+    assert len({tuple(c) for c in first}) == 4
+    solo = [llm.generate([prompt], SP(seed=7 + i, temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0].token_ids for i in range(4)]
+    assert solo == first
+    others = [{"prompt_token_ids": [1] + list(range(300 + 9 * i, 304 + 10 * i))} for i in range(5)]
+    batch = llm.generate(others[:2] + [prompt] + others[2:],
+                         [SP(temperature=0.0, max_tokens=20), SP(temperature=1.0, max_tokens=9), params,
+                          SP(temperature=0.7, seed=7, n=2, max_tokens=12), SP(temperature=1.2, top_k=5, max_tokens=30),
+                          SP(temperature=0.5, max_tokens=3)], use_tqdm=False)
+    assert [c.token_ids for c in batch[2].outputs] == first
