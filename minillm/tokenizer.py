@@ -567,17 +567,19 @@ class Tokenizer:
     @functools.cached_property
     def _leading_space_marker(self) -> str | None:
         """The replacement character of a Metaspace pre-tokenizer (SentencePiece's "▁"), alone or in a
-        sequence: the one whose leading run decode() strips from a token alone. None for others."""
-        pre = self.backend.pre_tokenizer
-        if pre is None:
-            return None
-        try:
-            state = json.loads(pre.__getstate__())
-        except (TypeError, ValueError, AttributeError):
-            return None
-        for part in [state] + list(state.get("pretokenizers") or []):
-            if isinstance(part, dict) and part.get("type") == "Metaspace":
+        sequence: the one whose leading run decode() strips from a token alone. None for others.
+
+        A legacy Llama tokenizer.json (Llama 2, stories260K) spells the same scheme as a normalizer that
+        prepends the marker and turns spaces into it, with no pre-tokenizer: transformers (5 on) loads such
+        a tokenizer with a Metaspace pre-tokenizer, so vLLM gives its "▁saw" back its space as well."""
+        for part in _parts(self.backend.pre_tokenizer, "pretokenizers"):
+            if part.get("type") == "Metaspace":
                 return part.get("replacement", "\u2581")
+        parts = _parts(self.backend.normalizer, "normalizers")
+        prepend = next((p.get("prepend") for p in parts if p.get("type") == "Prepend"), None)
+        spaces = [p.get("content") for p in parts if p.get("type") == "Replace" and p.get("pattern") == {"String": " "}]
+        if prepend and prepend in spaces:
+            return prepend
         return None
 
     def convert_tokens_to_ids(self, tokens: str | list[str]) -> int | None | list:
@@ -821,6 +823,20 @@ def _function_schema(function, where: str) -> dict:
         return get_json_schema(function)
     except Exception as exc:    # transformers' TypeHintParsingException / DocstringParsingException
         raise ValueError(f"{where}: {exc}") from None
+
+
+def _parts(component, key: str) -> list[dict]:
+    """A tokenizer.json pre-tokenizer's or normalizer's settings as dicts: itself, then the members of a
+    Sequence (KEY: "pretokenizers" or "normalizers"); [] for none."""
+    if component is None:
+        return []
+    try:
+        state = json.loads(component.__getstate__())
+    except (TypeError, ValueError, AttributeError):
+        return []
+    if not isinstance(state, dict):
+        return []
+    return [part for part in [state] + list(state.get(key) or []) if isinstance(part, dict)]
 
 
 class IdOutOfRange(ValueError):

@@ -61,3 +61,38 @@ def test_the_stop_string_a_token_completes_first_wins_in_the_servers_output_proc
     text = " " + STORY
     assert (final, got) == (text[:text.index(reason)], reason)
     assert "".join(deltas) == final
+
+
+@pytest.fixture(scope="module")
+def server(stories_path, tmp_path_factory):
+    """One server on stories260K with a chat template: (url, engine)."""
+    from test_server_helpers import chat_model_dir, running_server
+    model = chat_model_dir(stories_path, tmp_path_factory.mktemp("chat_model"))
+    with running_server(model, engine_core="thread") as running:
+        yield running
+
+
+NAMED = "Lily saw 猫"     # "L" "ily" "▁saw" "▁" <0xE7> <0x8C> <0xAB>
+NAMES = ["L", "ily", " saw", " ", "", "", "猫"]
+
+
+def test_logprob_tokens_of_a_legacy_sentencepiece_tokenizer_keep_their_space(llm, http):
+    """stories260K's tokenizer.json spells SentencePiece's leading space as a normalizer (Prepend "▁", Replace
+    " " -> "▁"), which transformers loads as the Metaspace pre-tokenizer vLLM looks for: "▁saw" is named " saw" and
+    "▁" " " (Logprob.decoded_token, sample and prompt alike), as the server's logprobs named them; LLM.generate
+    named them "saw" and "", so its tokens no longer spelled the text."""
+    from minillm.sampling_params import SamplingParams
+    from minillm.structured_output import StructuredOutputsParams
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=1, prompt_logprobs=1,
+                            structured_outputs=StructuredOutputsParams(choice=[NAMED]))
+    [out] = llm.generate(PROMPT, params, use_tqdm=False)
+    c = out.outputs[0]
+    assert c.text == NAMED
+    assert [row[t].decoded_token for row, t in zip(c.logprobs, c.token_ids)] == NAMES
+    prompt_names = [row[t].decoded_token for row, t in zip(out.prompt_logprobs[1:], out.prompt_token_ids[1:])]
+    assert "".join(prompt_names) == " " + PROMPT
+    body = {"model": "stories", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "logprobs": 1,
+            "structured_outputs": {"choice": [NAMED]}}
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == NAMES

@@ -83,7 +83,10 @@ def test_logprobs_read_as_vllms_logprob_objects(llm):
     for token_id, entries in zip(c.token_ids, c.logprobs):
         chosen = entries[token_id]
         assert chosen.logprob == float(chosen) <= 0 and chosen.rank == 1         # greedy: the likeliest
-        assert chosen.decoded_token == tok.decode([token_id], skip_special_tokens=False)
+        # decoded alone, with the leading space a SentencePiece "▁" stands for (decode() strips it) put back
+        piece = tok.convert_ids_to_tokens(token_id)
+        spaces = " " * (len(piece) - len(piece.lstrip("▁")))
+        assert chosen.decoded_token == spaces + tok.decode([token_id], skip_special_tokens=False)
         ranked = sorted(entries.values(), key=lambda lp: lp.rank)
         assert [lp.rank for lp in ranked] == [1, 2, 3] and [float(lp) for lp in ranked] == sorted(
             map(float, entries.values()), reverse=True)
