@@ -558,6 +558,9 @@ class SamplingParams:
         outside = [] if allowed is None else allowed[allowed >= vocab_size].tolist()
         if outside:
             raise ValueError(f"allowed_token_ids must be token ids in [0, {vocab_size}), got {short_repr(outside)}")
+        for name in ("logprobs", "prompt_logprobs"):     # the top k of a row of vocab_size
+            if (value := getattr(self, name)) is not None and value > vocab_size:
+                raise ValueError(f"{name} must be at most the vocabulary's size ({vocab_size}), got {value}")
 
     def check_masks(self, eos_token_ids, vocab_size: int) -> None:
         """Raise ValueError naming allowed_token_ids (or the banning field) when bans leave the first
