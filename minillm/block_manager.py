@@ -166,8 +166,10 @@ class BlockManager:
         self.ref_counts[block] = 1
         return block
 
-    def allocate(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int) -> bool:
-        """Admit seq: share cached_blocks, then add blocks for num_new_tokens more; False if short."""
+    def allocate(self, seq: Sequence, cached_blocks: list[int], num_new_tokens: int, looked_up: bool = True) -> bool:
+        """Admit seq: share cached_blocks, then add blocks for num_new_tokens more; False if short.
+        looked_up: cached_blocks came from find_cached_blocks (False: the prefix cache was skipped, as
+        for prompt_logprobs); only a lookup counts in prefix_cache_queries, as vLLM counts."""
         assert not seq.block_table, "allocate() is for sequences holding no blocks"
         num_computed = len(cached_blocks) * self.block_size
         need = self.blocks_needed(num_computed + num_new_tokens) - len(cached_blocks)
@@ -186,7 +188,8 @@ class BlockManager:
         seq.block_hashes = [self.block_keys[b] for b in cached_blocks]
         if need > 0:
             seq.block_table.extend([self._pop_free_block() for _ in range(need)])
-        if not seq.num_preemptions:     # a resumed sequence is no new query (vLLM's count)
+        # A resumed sequence is no new query, nor one that skipped the cache or found it off (vLLM's count).
+        if not seq.num_preemptions and looked_up and self.enable_prefix_caching:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_computed
         return True

@@ -394,13 +394,13 @@ class Scheduler:
                     n = chunks.size(start, n)
                     if n == 0:
                         break
-            is_allocated = self.block_manager.allocate(seq, cached, num_external + n)
+            is_allocated = self.block_manager.allocate(seq, cached, num_external + n, not scores_prompt)
             while not is_allocated and by_priority:
                 refund = self._preempt_for(seq, seqs, counts, spec, preempted)
                 if refund is None:
                     break
                 budget += refund
-                is_allocated = self.block_manager.allocate(seq, cached, num_external + n)
+                is_allocated = self.block_manager.allocate(seq, cached, num_external + n, not scores_prompt)
             if not is_allocated:
                 break
             if num_external:                 # loaded before the step's forward: computed, and shared at once
