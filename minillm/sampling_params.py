@@ -610,8 +610,9 @@ VLLM_FIXED_FIELDS = {
     "stream_interval": (lambda v, n: v is None or (_is_int(v) and v == 1), "LLMEngine.step() reports every step"),
     "skip_clone": (lambda v, n: isinstance(v, bool), "minillm always takes the request's own copy"),
     "skip_reading_prefix_cache": (lambda v, n: v is None or v is False,
-                                  "minillm reads the prefix cache for every request (a cache_salt keeps a "
-                                  "request's blocks to its own salt)"),
+                                  "minillm skips the prefix cache for prompt_logprobs requests alone (they need "
+                                  "every prompt token's logits) and reads it for the others; a cache_salt of "
+                                  "the request's own keeps it from blocks other requests computed"),
     # vLLM's -1 is no budget, as None
     "thinking_token_budget": (lambda v, n: v is None or (_is_int(v) and v == -1),
                               "minillm has no thinking budget (max_tokens bounds the output): give None or -1"),
