@@ -1093,46 +1093,44 @@ def output_record(out, tokenizer=None, num_top: int = 0, num_prompt_top: int = 0
     for, and the prompt's when prompt_logprobs was: None for its first token)."""
     prompt_ids = list(out.prompt_token_ids)
     record = {"prompt": out.prompt, "prompt_token_ids": prompt_ids,
-              "outputs": [completion_record(c, tokenizer, num_top, prompt_ids) for c in out.outputs]}
+              "outputs": [completion_record(c, tokenizer, num_top) for c in out.outputs]}
     if getattr(out, "prompt_logprobs", None) is not None:
         record["prompt_logprobs"] = logprob_records(prompt_ids, out.prompt_logprobs, tokenizer, num_prompt_top,
                                                     context_floor=1)
     return record
 
 
-def completion_record(c, tokenizer=None, num_top: int = 0, prompt_token_ids: list[int] = ()) -> dict:
+def completion_record(c, tokenizer=None, num_top: int = 0) -> dict:
     """A completion as JSON; logprobs in the OpenAI shape: token, logprob and the top alternatives."""
     record = {"index": c.index, "text": c.text, "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
               "stop_reason": c.stop_reason}
     if c.logprobs is not None:
         record["cumulative_logprob"] = json_logprob(c.cumulative_logprob)
-        prev_id = prompt_token_ids[-1] if len(prompt_token_ids) else None
-        record["logprobs"] = logprob_records(list(c.token_ids), c.logprobs, tokenizer, num_top, prev_id)
+        record["logprobs"] = logprob_records(list(c.token_ids), c.logprobs, tokenizer, num_top)
     return record
 
 
 def logprob_records(token_ids: list[int], entries: list, tokenizer=None, num_top: int = 0,
-                    prev_id: int | None = None, context_floor: int = 0) -> list:
+                    context_floor: int = 0) -> list:
     """token_logprobs of each token (None where its entry is), each token named as the server and
-    LLM.generate's decoded_token name it: as it reads after the one before it, and one that ends inside a
-    character read after the tokens before it from CONTEXT_FLOOR on ("" while the character is unfinished)."""
+    LLM.generate's decoded_token name it, one that ends inside a character read after the tokens before it
+    from CONTEXT_FLOOR on ("" while the character is unfinished)."""
     from minillm.server.logprobs import TokenTexts
     from minillm.tokenizer import MAX_LOGPROB_CONTEXT_TOKENS
     texts = None if tokenizer is None else TokenTexts(tokenizer)
     records = []
     for i, (token_id, entry) in enumerate(zip(token_ids, entries)):
         context = token_ids[max(context_floor, i - MAX_LOGPROB_CONTEXT_TOKENS):i]
-        records.append(None if entry is None else token_logprobs(token_id, entry, texts, num_top, prev_id, context))
-        prev_id = token_id
+        records.append(None if entry is None else token_logprobs(token_id, entry, texts, num_top, context))
     return records
 
 
 def token_logprobs(token_id: int, logprobs: dict[int, float], texts=None, num_top: int = 0,
-                   prev_id: int | None = None, context: list[int] = ()) -> dict:
+                   context: list[int] = ()) -> dict:
     """{token_id, token, logprob, top_logprobs} of one generated token; TEXTS (a TokenTexts) names each
-    candidate as it reads after PREV_ID, or after CONTEXT when it ends inside a character."""
+    candidate, one that ends inside a character read after CONTEXT."""
     def text(i: int) -> str | None:
-        return None if texts is None else texts.named(prev_id, i, list(context))
+        return None if texts is None else texts.named(i, list(context))
 
     # logprobs holds the sampled token and the top num_top; the sampled one may rank below them
     top = sorted(logprobs.items(), key=lambda kv: -kv[1])[:num_top]
@@ -1156,7 +1154,7 @@ def print_plain(outputs, tokenizer=None, num_top: int = 0, num_prompt_top: int =
             label = f"[{c.index}] " if len(out.outputs) > 1 else ""
             typer.echo(f"{label}{out.prompt}{c.text}")
             if c.logprobs is not None:
-                print_logprobs(completion_record(c, tokenizer, num_top, list(out.prompt_token_ids)))
+                print_logprobs(completion_record(c, tokenizer, num_top))
         if getattr(out, "prompt_logprobs", None) is not None:
             typer.echo("  prompt logprobs (the first token has none):")
             records = logprob_records(list(out.prompt_token_ids), out.prompt_logprobs, tokenizer, num_prompt_top,

@@ -96,3 +96,42 @@ def test_logprob_tokens_of_a_legacy_sentencepiece_tokenizer_keep_their_space(llm
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["logprobs"]["tokens"] == NAMES
+
+
+@pytest.fixture(scope="module")
+def wordpiece_server(tmp_path_factory):
+    """A server on a BERT-like tokenizer (WordPiece: its decoder joins words with spaces) and dummy weights."""
+    import json
+    from test_abuse33_detokenize import save_wordpiece
+    from test_server_helpers import running_server
+    path = save_wordpiece(tmp_path_factory.mktemp("wordpiece"))
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    with running_server(path, served_model_name="wp", load_format="dummy", dtype="float32") as running:
+        yield running
+
+
+def test_server_logprob_tokens_are_the_decoded_tokens_of_the_python_api(wordpiece_server):
+    """The server names each token as LLM.generate's Logprob.decoded_token names it, as vLLM's server does (it reads
+    that name): "world" decoded alone, in tokens, top_logprobs' keys and chat's token and bytes. The server named a
+    token by the text it adds after the token before it, " world", which its Python API never gave."""
+    import httpx
+    from test_abuse33_detokenize import CLS, HELLO, WORDPIECE
+    url, engine = wordpiece_server
+    world = WORDPIECE.index("world")
+    body = {"model": "wp", "max_tokens": 3, "allowed_token_ids": [world], "ignore_eos": True}
+    completion = httpx.post(f"{url}/v1/completions", json={**body, "prompt": [CLS, HELLO], "logprobs": 1}, timeout=60)
+    assert completion.status_code == 200, completion.text
+    choice = completion.json()["choices"][0]
+    assert choice["text"] == " world world world"
+    assert choice["logprobs"]["tokens"] == ["world"] * 3
+    tops = choice["logprobs"]["top_logprobs"]
+    assert all("world" in top and not any(name.startswith(" ") for name in top) for top in tops), tops
+    assert choice["logprobs"]["text_offset"] == [0, 6, 12]         # offsets still index the text
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        **body, "messages": [{"role": "user", "content": "hello"}], "logprobs": True, "top_logprobs": 1})
+    assert chat.status_code == 200, chat.text
+    entries = chat.json()["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["bytes"]) for e in entries] == [("world", list(b"world"))] * 3
+    assert not any(top["token"].startswith(" ") for e in entries for top in e["top_logprobs"])

@@ -1,11 +1,10 @@
 """Log-probabilities in OpenAI's two shapes (legacy completions, chat's content), and vLLM's prompt_logprobs."""
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from minillm.output_processor import prompt_logprobs_context, ranked_logprobs
-from minillm.tokenizer import MAX_LOGPROB_CONTEXT_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
+from minillm.tokenizer import MAX_LOGPROB_CONTEXT_TOKENS, IncrementalDetokenizer
 
 
 def token_id_placeholder(token_id: int) -> str:
@@ -24,41 +23,16 @@ class LogprobRow(NamedTuple):
 
 
 class TokenTexts:
-    """Token id -> its text as it reads after a neighbour (keeps sentencepiece's leading space)."""
-
-    # Keys are (previous, token) pairs, so the vocabulary does not bound them: the least recently
-    # read pairs go first. A few thousand cover the tokens and alternatives of the requests in flight.
-    MAX_ENTRIES = 4096
+    """Token id -> its name in logprobs, as vLLM's server names it (Logprob.decoded_token, which LLM.generate
+    gives too): decoded alone, SentencePiece's leading space kept; a token that ends inside a character read
+    after the tokens before it."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._cache: OrderedDict[tuple[int, int], str] = OrderedDict()
 
-    def text(self, prev_id: int | None, token_id: int) -> str:
-        """The text token_id adds after prev_id (decoded in that context, specials kept)."""
-        key = (-1 if prev_id is None else prev_id, token_id)
-        cached = self._cache.get(key)
-        if cached is not None:
-            self._cache.move_to_end(key)
-            return cached
-        decode = self.tokenizer.decode
-        if prev_id is None:
-            text = decode([token_id], skip_special_tokens=False)
-        else:
-            head = decode([prev_id], skip_special_tokens=False)
-            both = decode([prev_id, token_id], skip_special_tokens=False)
-            text = both[len(head):] if both.startswith(head) else decode([token_id], skip_special_tokens=False)
-        self._cache[key] = text
-        if len(self._cache) > self.MAX_ENTRIES:
-            self._cache.popitem(last=False)
-        return text
-
-    def named(self, prev_id: int | None, token_id: int, context: list[int]) -> str:
-        """text(), but a token that ends inside a character is named as vLLM's Logprob.decoded_token names it:
-        read after CONTEXT (the tokens before it), the character it completes, or "" while unfinished."""
-        text = self.text(prev_id, token_id)
-        if not text.endswith(REPLACEMENT_CHAR):
-            return text
+    def named(self, token_id: int, context: list[int]) -> str:
+        """token_id's name, CONTEXT the sequence's tokens before it: the character it completes, or ""
+        while one is unfinished (tokenizer.logprob_token_text)."""
         return self.tokenizer.logprob_token_text(token_id, context)
 
 
@@ -72,7 +46,6 @@ class LogprobCursor:
         # a token is named after those of token_ids before it from this index on (a prompt's first has no entry)
         self.context_floor = context_floor
         self.as_token_ids = as_token_ids    # vLLM's return_tokens_as_token_ids: tokens named "token_id:<id>"
-        self.prev_id: int | None = prompt_token_ids[-1] if prompt_token_ids else None
         # offsets index the completion's text, which spaces_between_special_tokens shapes too
         self.detok = IncrementalDetokenizer(texts.tokenizer, skip_special_tokens=skip_special_tokens,
                                             prompt_token_ids=prompt_token_ids,
@@ -90,7 +63,7 @@ class LogprobCursor:
             offset = self.text_base + len(self.detok.text)
             self.detok.add(token_id)
             context = token_ids[max(self.context_floor, i - MAX_LOGPROB_CONTEXT_TOKENS):i]
-            text = self.texts.named(self.prev_id, token_id, context)
+            text = self.texts.named(token_id, context)
             token = token_id_placeholder(token_id) if self.as_token_ids else text
             if candidates is None:
                 rows.append(LogprobRow(token, None, None, offset, text))
@@ -98,7 +71,6 @@ class LogprobCursor:
                 top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num_top]
                 top_rows = [(self._name(tid, token_id, token, context), _finite(lp)) for tid, lp in top]
                 rows.append(LogprobRow(token, _finite(candidates.get(token_id)), top_rows, offset, text))
-            self.prev_id = token_id
         self.num_done = max(self.num_done, end)
         return rows
 
@@ -106,8 +78,7 @@ class LogprobCursor:
         """How an alternative to the chosen token is named (in the chosen token's context)."""
         if token_id == chosen_id:
             return chosen
-        return token_id_placeholder(token_id) if self.as_token_ids else self.texts.named(self.prev_id, token_id,
-                                                                                          context)
+        return token_id_placeholder(token_id) if self.as_token_ids else self.texts.named(token_id, context)
 
 
 def prompt_logprob_rows(texts: TokenTexts, prompt_token_ids: list[int], entries: list, num_top: int,
