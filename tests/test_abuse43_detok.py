@@ -72,6 +72,26 @@ def server(stories_path, tmp_path_factory):
         yield running
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_the_stop_string_a_token_completes_first_wins_over_sse(http, path):
+    """Through the server, streamed and whole: the same text and stop_reason, the streamed pieces adding up to it."""
+    from test_server_helpers import sse_events
+    body = {"model": "stories", "max_tokens": 16, "temperature": 0, "stop": ["e", " th"],
+            "structured_outputs": {"choice": [STORY]}}
+    body.update({"prompt": PROMPT} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    whole = http.post(path, json=body)
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    text_of = (lambda c: c["text"]) if path == "/v1/completions" else (lambda c: c["message"]["content"])
+    assert (text_of(choice), choice["finish_reason"], choice["stop_reason"]) == ("Lily saw", "stop", " th")
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        chunks = [c for e in sse_events(response.iter_lines()) for c in e["choices"]]
+    piece = (lambda c: c["text"]) if path == "/v1/completions" else (lambda c: c["delta"].get("content") or "")
+    assert "".join(piece(c) for c in chunks) == "Lily saw"
+    assert [(c["finish_reason"], c["stop_reason"]) for c in chunks if c["finish_reason"]] == [("stop", " th")]
+
+
 NAMED = "Lily saw 猫"     # "L" "ily" "▁saw" "▁" <0xE7> <0x8C> <0xAB>
 NAMES = ["L", "ily", " saw", " ", "", "", "猫"]
 
