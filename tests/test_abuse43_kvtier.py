@@ -2,18 +2,23 @@
 
 A seeded generator (random.Random, the same workload on every run) builds waves of requests over
 prompt families that share prefixes cut at, just before and just after block boundaries; chats
-whose next turn extends an earlier turn's prompt and reply; the same prompt sent several times in
-one step; aborts at random steps; n > 1, seeded sampling and prompt_logprobs. They run on a paged
-pool small enough to preempt, with the host KV tier filling and evicting, with the FP8 cache, and
-with reset_prefix_cache between some waves.
+whose next turn extends an earlier turn's prompt and reply (up to the context's end); the same
+prompt sent several times in one step; aborts at random steps; n > 1, seeded sampling, logprobs,
+prompt_logprobs and cache salts. They run on a roomy pool, on pools small enough to preempt with
+the host KV tier filling and evicting, with the FP8 cache and under async scheduling, with
+reset_prefix_cache between some waves and, preempting the running requests, within some.
 
-Checked: every greedy completion that was not aborted, and every prompt_logprobs list, is what the
-request gives alone on an engine without prefix caching; each sequence's first scheduled position
-(the prompt tokens it did not compute) is at most the longest prefix of full blocks computed
-before it (exactly that where nothing is evicted), and none for prompt_logprobs, as vLLM skips the
-prefix cache for them; RequestOutput.num_cached_tokens is that position; after every step the
-pool's reference counts, free queue and prefix-key maps agree with the running sequences, and
-after every wave every block is free, the host tier's maps agree and the stats say so.
+Checked: every greedy completion that was not aborted, its logprobs and every prompt_logprobs list
+are what the request gives alone on an engine without prefix caching; each sequence's first
+scheduled position (the prompt tokens it did not compute) is at most the longest prefix of full
+blocks computed before it (exactly that where nothing is evicted), and none for prompt_logprobs,
+as vLLM skips the prefix cache for them; RequestOutput.num_cached_tokens is that position (the
+first scheduled child's while a request runs, the last finished child's at its end, as vLLM's);
+after every step the pool's reference counts, free queue and prefix-key maps agree with the
+running sequences and the full stats (block map, rows, token utilisation, host cells) with both;
+after every wave every block is free, the host tier's maps agree, a key on both tiers holds the
+same K/V, and the counters (prefix-cache queries and hits, prompt tokens by source, host hits and
+bytes) count what was reused.
 """
 from __future__ import annotations
 
