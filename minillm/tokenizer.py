@@ -737,11 +737,14 @@ class Tokenizer:
         if content_parts:
             plain = shape_content(plain, _content_as_parts(source, content_parts))
         try:
-            return render(source, plain, add_generation_prompt, continue_final_message, {**self.special_tokens, **kwargs})
+            text = render(source, plain, add_generation_prompt, continue_final_message, {**self.special_tokens, **kwargs})
         except MemoryError:
             raise ValueError("chat template failed: it ran out of memory") from None
         except Exception as e:   # a template's raise_exception() or a bad message shape
             raise ValueError(f"chat template failed: {e or type(e).__name__}") from e
+        # A template may write a lone surrogate ('\ud800', '%c' | format(55296)), which no tokenizer takes.
+        check_unicode(text, "chat template failed: the rendered prompt")
+        return text
 
     def content_as_parts(self, template: str | None = None, content_format: bool | str = "auto",
                          tools: object = None) -> bool:

@@ -1,0 +1,51 @@
+"""Chat templates whose output no tokenizer takes: refused where the conversation is rendered."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from test_server_helpers import running_server
+
+from minillm.server.app import ServerOptions
+from minillm.tokenizer import Tokenizer
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+# Templates that write a lone surrogate: a Jinja string escape, and a %c of its code point.
+SURROGATE_TEMPLATES = [
+    "{{ '\\ud800' }}{{ messages[0].content }}",
+    "{{ messages[0].content }}{{ '%c' | format(55296) }}",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(stories_path) -> Tokenizer:
+    """stories260K's tokenizer."""
+    return Tokenizer.from_pretrained(stories_path)
+
+
+@pytest.mark.parametrize("template", SURROGATE_TEMPLATES)
+def test_a_template_that_writes_a_lone_surrogate_is_a_template_error(tok, template):
+    """render_chat returned the text, and encoding it failed later naming 'text[0]', not the template."""
+    with pytest.raises(ValueError, match="chat template failed: the rendered prompt is not valid Unicode"):
+        tok.render_chat(MESSAGES, template=template)
+
+
+def test_the_server_answers_400_naming_the_template_and_keeps_the_connection(stories_path):
+    """The encoding error escaped the chat route: logged as an unhandled exception, answered with no
+    param, and the next request on the same connection was reset."""
+    options = ServerOptions(trust_request_chat_template=True)
+    with running_server(stories_path, max_model_len=256, options=options) as (url, _), \
+            httpx.Client(base_url=url, timeout=120) as http:
+        for template in SURROGATE_TEMPLATES:
+            for path, extra in [("/v1/chat/completions", {"max_tokens": 1}),
+                                ("/v1/chat/completions", {"max_tokens": 1, "stream": True}),
+                                ("/tokenize", {})]:
+                r = http.post(path, json={"model": "stories", "messages": MESSAGES, "chat_template": template,
+                                          **extra})
+                assert r.status_code == 400, (path, extra, r.text)
+                error = r.json()["error"]
+                assert error["param"] == "chat_template"
+                assert error["message"].startswith("chat template failed: the rendered prompt is not valid Unicode")
+        ok = http.post("/v1/chat/completions", json={"model": "stories", "messages": MESSAGES, "max_tokens": 1,
+                                                     "chat_template": SURROGATE_TEMPLATES[0].replace("\\ud800", "x")})
+        assert ok.status_code == 200, ok.text
