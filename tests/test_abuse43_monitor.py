@@ -11,7 +11,7 @@ import anyio
 import pytest
 from textual.geometry import Region
 import test_abuse41_monitor2
-from test_abuse41_monitor2 import events_until, wait_until
+from test_abuse41_monitor2 import check_doubled_wait, events_until, wait_until
 from test_tui import make_stats
 
 from minillm.tui.app import MonitorApp
@@ -160,7 +160,7 @@ async def test_a_silent_stream_is_asked_for_again_with_a_doubling_wait(server):
         if isinstance(event, StatsFrame):
             with server.lock:
                 seen.append(server.paths.count("stream"))
-            assert source.stream_retry_s == pytest.approx(0.05 * 2 ** seen[-1])
+            check_doubled_wait(source, seen[-1])
         return bool(seen) and seen[-1] >= 3
 
     events = await events_until(source, condition)

@@ -56,6 +56,8 @@ class StreamSilent(Exception):
         self.silence_s = silence_s
 
 
+EMPTY_STREAM = "/v1/stats/stream ended without a stats event: is this a minillm server?"
+
 # A minillm server takes its first snapshot before it answers and sends it right after its headers: a
 # stream whose headers come without it for this long is held back on the way (a proxy that buffers), and
 # the monitor polls instead of waiting the silence limit, sized for a stalled step between snapshots.
@@ -389,9 +391,9 @@ class LiveSource:
         backoff = BACKOFF_START_S
         while True:
             try:
-                async with self._client() as client:
+                async with self._client() as client, aclosing(self._frames(client, cells)) as events:
                     yield self._status()
-                    async for event in self._frames(client, cells):
+                    async for event in events:
                         if isinstance(event, StatsFrame):
                             backoff = BACKOFF_START_S
                         yield event
@@ -407,31 +409,67 @@ class LiveSource:
     async def _frames(self, client: httpx.AsyncClient, cells: Callable[[], int]) -> AsyncIterator[SourceEvent]:
         """Frames over one client until the cell count changes (the caller reconnects) or an error; a
         SourceStatus when the stream is given up for polling or comes back."""
-        while True:
-            wanted = min(max(cells(), 1), MAX_CELLS)
-            if self.use_polling and time.monotonic() < self.stream_retry_at:
-                yield await self._poll(client, wanted)
-                await asyncio.sleep(self.interval_s)
-                continue
-            shown = self._status().text
-            self.use_polling = False     # a polled server is asked for its stream again once its wait is over
-            resized, num_frames = False, 0
-            async with aclosing(self._stream(client, wanted)) as frames:
-                async for frame in frames:
-                    if self._status().text != shown:    # the stream came back, or went silent and is polled
-                        shown = self._status().text
-                        yield self._status()
-                    num_frames += 1
-                    yield frame
-                    if min(max(cells(), 1), MAX_CELLS) != wanted:
-                        resized = True
-                        break  # the grid was resized: reopen the stream with the new cell count
-            if num_frames == 0:
-                # A minillm server sends its first snapshot at once; a stream that ends empty (a proxy, another
-                # server) was reopened every interval without end, the dashboard blank and saying nothing.
-                raise StatsFormatError("/v1/stats/stream ended without a stats event: is this a minillm server?")
-            if not resized:
-                await asyncio.sleep(self.interval_s)  # the server ended the stream (or was polled): go on gently
+        retry: StreamRetry | None = None     # the stream asked for again while polling, until its first frame
+        try:
+            while True:
+                wanted = min(max(cells(), 1), MAX_CELLS)
+                opened = None
+                if self.use_polling:
+                    if retry is None and time.monotonic() >= self.stream_retry_at:
+                        retry = StreamRetry(self._open_stream(client, wanted), wanted)
+                    if retry is None or not retry.task.done():
+                        # The polled stats go on while the stream is tried: its first event may take
+                        # FIRST_EVENT_S, and a proxy that withholds its headers the silence limit.
+                        yield await self._poll(client, wanted)
+                        if retry is None:
+                            await asyncio.sleep(self.interval_s)
+                        else:
+                            await retry.wait(self.interval_s)    # a stream's first frame ends the wait
+                        continue
+                    finished, retry = retry, None
+                    shown = self._status().text
+                    first = self._retried(finished)
+                    if first is None:
+                        if self._status().text != shown:    # the stream failed otherwise than before
+                            yield self._status()
+                        continue
+                    opened, wanted = _prepend(first, finished.frames), finished.num_cells
+                shown = self._status().text
+                self.use_polling = False     # the stream is asked for (again), or a retry's took over
+                resized, num_frames = False, 0
+                async with aclosing(self._stream(client, wanted, opened)) as frames:
+                    async for frame in frames:
+                        if self._status().text != shown:    # the stream came back, or went silent and is polled
+                            shown = self._status().text
+                            yield self._status()
+                        num_frames += 1
+                        yield frame
+                        if min(max(cells(), 1), MAX_CELLS) != wanted:
+                            resized = True
+                            break  # the grid was resized: reopen the stream with the new cell count
+                if num_frames == 0:
+                    # A minillm server sends its first snapshot at once; a stream that ends empty (a proxy, another
+                    # server) was reopened every interval without end, the dashboard blank and saying nothing.
+                    raise StatsFormatError(EMPTY_STREAM)
+                if not resized:
+                    await asyncio.sleep(self.interval_s)  # the server ended the stream (or was polled): go on gently
+        finally:
+            if retry is not None:
+                await retry.cancel()
+
+    def _retried(self, retry: StreamRetry) -> StatsFrame | None:
+        """The first frame of a stream asked for again while polling, or None where it failed as a
+        polled stream may (missing, an error status, silent): the polling goes on, the next try after a
+        doubled wait. Other failures raise."""
+        try:
+            return retry.task.result()
+        except StopAsyncIteration:
+            raise StatsFormatError(EMPTY_STREAM) from None
+        except (HTTPStatusProblem, StreamSilent, httpx.ReadTimeout) as failure:
+            if isinstance(failure, HTTPStatusProblem) and failure.status in (401, 403):
+                raise
+            self._fall_back_to_polling(self._polling_reason(failure))
+            return None
 
     async def _poll(self, client: httpx.AsyncClient, num_cells: int) -> StatsFrame:
         url = f"{self.http_base}/v1/stats"
@@ -459,31 +497,37 @@ class LiveSource:
         self.stream_retry_at = time.monotonic() + self.stream_retry_s
         self.stream_retry_s = min(self.stream_retry_s * 2, STREAM_RETRY_MAX_S)
 
-    async def _stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
-        url = f"{self.http_base}/v1/stats/stream"
-        params = {"cells": num_cells, "interval": self.interval_s}
-        failure: Exception | None = None
+    async def _stream(self, client: httpx.AsyncClient, num_cells: int,
+                      opened: AsyncIterator[StatsFrame] | None = None) -> AsyncIterator[StatsFrame]:
+        """The frames of /v1/stats/stream (opened: a stream a retry opened), or a polled one where the
+        stream is missing, answers an error or goes silent."""
         try:
-            async with client.stream("GET", url, params=params) as response:
-                if response.status_code in (404, 405):
-                    pass       # an older server without the stream: its snapshot endpoint is polled below
-                elif response.status_code != 200:
-                    body = (await read_capped(response, MAX_ERROR_BYTES))[0]
-                    failure = HTTPStatusProblem(response.status_code, url, body, response.headers.get("location"))
-                else:
-                    async with aclosing(self._events(response)) as frames:
-                        async for frame in frames:
-                            yield frame
-                    return
-        except (StreamSilent, httpx.ReadTimeout) as exc:
+            async with aclosing(opened or self._open_stream(client, num_cells)) as frames:
+                async for frame in frames:
+                    yield frame
+            return
+        except (HTTPStatusProblem, StreamSilent, httpx.ReadTimeout) as exc:
             # Nothing for silence_s, before its headers or between events (a proxy that buffers, a
             # stalled stream): the stats are polled while /v1/stats answers.
             failure = exc
-        if failure is None:
+        if isinstance(failure, HTTPStatusProblem) and failure.status in (404, 405):
             self._fall_back_to_polling()
             yield await self._poll(client, num_cells)
         else:
             yield await self._poll_instead(client, num_cells, failure)
+
+    async def _open_stream(self, client: httpx.AsyncClient, num_cells: int) -> AsyncIterator[StatsFrame]:
+        """The frames of /v1/stats/stream; HTTPStatusProblem for an answer other than 200 (a 404 or 405:
+        an older server without the stream, whose snapshot endpoint is polled)."""
+        url = f"{self.http_base}/v1/stats/stream"
+        params = {"cells": num_cells, "interval": self.interval_s}
+        async with client.stream("GET", url, params=params) as response:
+            if response.status_code != 200:
+                body = "" if response.status_code in (404, 405) else (await read_capped(response, MAX_ERROR_BYTES))[0]
+                raise HTTPStatusProblem(response.status_code, url, body, response.headers.get("location"))
+            async with aclosing(self._events(response)) as frames:
+                async for frame in frames:
+                    yield frame
 
     async def _events(self, response: httpx.Response) -> AsyncIterator[StatsFrame]:
         """The frames of an open 200 answer of /v1/stats/stream."""
@@ -518,12 +562,15 @@ class LiveSource:
             frame = await self._poll(client, num_cells)
         except Exception:      # the server fails as a whole: its stream's failure says how
             raise failure from None
-        if isinstance(failure, HTTPStatusProblem):
-            self._fall_back_to_polling(f"the stream answered {failure.status}")
-        else:
-            silence_s = failure.silence_s if isinstance(failure, StreamSilent) else self.silence_s
-            self._fall_back_to_polling(f"the stream sent nothing for {silence_s:g} s")
+        self._fall_back_to_polling(self._polling_reason(failure))
         return frame
+
+    def _polling_reason(self, failure: Exception) -> str:
+        """Why the stream is polled instead, for the title: how it failed (nothing for a missing one)."""
+        if isinstance(failure, HTTPStatusProblem):
+            return "" if failure.status in (404, 405) else f"the stream answered {failure.status}"
+        silence_s = failure.silence_s if isinstance(failure, StreamSilent) else self.silence_s
+        return f"the stream sent nothing for {silence_s:g} s"
 
     async def _next_event(self, events: AsyncIterator[str], limit_s: float) -> str | None:
         """The next event's data (None at the stream's end); StreamSilent after limit_s without one,
@@ -535,3 +582,41 @@ class LiveSource:
             return None
         except (TimeoutError, httpx.ReadTimeout):
             raise StreamSilent(limit_s) from None
+
+
+class StreamRetry:
+    """The stats stream asked for again while the stats are polled: a task that waits for its first
+    frame; the stream takes over only once it has one."""
+
+    def __init__(self, frames: AsyncIterator[StatsFrame], num_cells: int):
+        self.frames = frames
+        self.num_cells = num_cells
+        self.task = asyncio.create_task(_first(frames))
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait timeout_s, or less where the try ends first."""
+        await asyncio.wait({self.task}, timeout=timeout_s)
+
+    async def cancel(self) -> None:
+        """Give the try up and close its stream (also when the caller is being cancelled)."""
+        self.task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.wait({self.task})
+            if not self.task.cancelled():
+                self.task.exception()    # retrieved: a failure of a try given up says nothing
+            await self.frames.aclose()
+
+
+async def _first(frames: AsyncIterator[StatsFrame]) -> StatsFrame:
+    """The first frame of frames (StopAsyncIteration where there is none)."""
+    return await anext(frames)
+
+
+async def _prepend(first: StatsFrame, rest: AsyncIterator[StatsFrame]) -> AsyncIterator[StatsFrame]:
+    """first, then the frames of rest (closed however this ends)."""
+    try:
+        yield first
+        async for frame in rest:
+            yield frame
+    finally:
+        await rest.aclose()
