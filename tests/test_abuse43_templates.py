@@ -49,3 +49,19 @@ def test_the_server_answers_400_naming_the_template_and_keeps_the_connection(sto
         ok = http.post("/v1/chat/completions", json={"model": "stories", "messages": MESSAGES, "max_tokens": 1,
                                                      "chat_template": SURROGATE_TEMPLATES[0].replace("\\ud800", "x")})
         assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("exc, status", [(ValueError("bad value"), 400), (KeyError("x"), 500)])
+def test_an_unexpected_error_answers_and_keeps_the_connection(stories_path, exc, status):
+    """The catch-all handler ran in Starlette's outermost middleware, which re-raises after answering:
+    uvicorn logged 'Exception in ASGI application' and dropped the connection, so the client's next
+    request on it was reset."""
+    async def fail():
+        raise exc
+
+    with running_server(stories_path, max_model_len=256) as running, \
+            httpx.Client(base_url=running[0], timeout=120) as http:
+        running.http.server.config.app.router.add_api_route("/fail", fail)
+        r = http.get("/fail")
+        assert r.status_code == status and r.json()["error"]["message"] == str(exc)
+        assert http.get("/v1/models").status_code == 200

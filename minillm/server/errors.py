@@ -3,6 +3,7 @@ Anthropic's shape, {"type": "error", "error": {...}}, on its Messages API's rout
 from __future__ import annotations
 
 import json
+import logging
 import re
 from http import HTTPStatus
 from typing import TYPE_CHECKING
@@ -350,8 +351,43 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
         return respond(request, engine_dead_error(exc))
 
-    @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         # As a stream that fails after its headers reports it (serving.stream_failure): vLLM's status
         # and message for the exception's type.
         return respond(request, unexpected_error(exc))
+
+    # The routes' failures are answered by the middleware below: Starlette runs an exception_handler(Exception)
+    # in its outermost middleware, which re-raises once it has answered, so uvicorn logged a crash and
+    # dropped the connection (the client's next request on it was reset). That handler stays for the
+    # middlewares added after this one, outside it.
+    app.add_middleware(_AnswerUnexpectedErrors, handler=_internal)
+    app.exception_handler(Exception)(_internal)
+
+
+class _AnswerUnexpectedErrors:
+    """ASGI middleware: an exception no handler took is logged and answered with handler(request, exc)
+    where no response has started, and goes no further, so the connection stays open for the next request."""
+
+    def __init__(self, app, handler) -> None:
+        self.app, self.handler = app, handler
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception as exc:
+            if started:
+                raise
+            from starlette.requests import Request
+            logging.getLogger("minillm.server").error("%s %s failed", scope.get("method"), scope.get("path"),
+                                                      exc_info=exc)
+            response = await self.handler(Request(scope), exc)
+            await response(scope, receive, send)
