@@ -730,6 +730,7 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role'")
+            _check_content_unicode(message.get("content"), f"messages[{i}]['content']")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         # Keys set to None are dropped, as transformers drops them: templates test for a missing key.
@@ -864,6 +865,16 @@ def clean_up_tokenization(text: str) -> str:
                            (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
         text = text.replace(spaced, joined)
     return text
+
+
+def _check_content_unicode(content, what: str) -> None:
+    """ValueError naming a message's content (what) when its text, or a text part's, holds a lone surrogate."""
+    if isinstance(content, str):
+        check_unicode(content, what)
+    elif isinstance(content, (list, tuple)):
+        for j, part in enumerate(content):
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                check_unicode(part["text"], f"{what}[{j}]['text']")
 
 
 def check_unicode(text: str, what: str) -> None:

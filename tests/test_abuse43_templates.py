@@ -1,6 +1,8 @@
 """Chat templates whose output no tokenizer takes: refused where the conversation is rendered."""
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from test_server_helpers import running_server
@@ -65,3 +67,14 @@ def test_an_unexpected_error_answers_and_keeps_the_connection(stories_path, exc,
         r = http.get("/fail")
         assert r.status_code == status and r.json()["error"]["message"] == str(exc)
         assert http.get("/v1/models").status_code == 200
+
+
+@pytest.mark.parametrize("content, field", [
+    ("a\ud800", "messages[0]['content']"),
+    ([{"type": "text", "text": "b"}, {"type": "text", "text": "\udc00"}], "messages[0]['content'][1]['text']"),
+])
+def test_a_message_holding_a_lone_surrogate_is_named(tok, content, field):
+    """A message's own lone surrogate was blamed on the template (or on 'text[0]' once encoded)."""
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match=rf"^{re.escape(field)} is not valid Unicode: a lone surrogate"):
+        tok.render_chat([{"role": "user", "content": content}], template=template)
