@@ -1,4 +1,5 @@
-"""Chat templates whose output no tokenizer takes: refused where the conversation is rendered."""
+"""Chat templates and messages whose text no tokenizer takes, refused where the conversation is rendered
+and naming what holds it; and a route's unexpected error answered with the connection kept open."""
 from __future__ import annotations
 
 import re
