@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import ssl
 import threading
@@ -81,9 +82,10 @@ def _first_problem(url: str) -> str:
     from minillm.tui.client import LiveSource, SourceProblem
 
     async def first() -> str:
-        async for event in LiveSource(url).events(lambda: 8):
-            if isinstance(event, SourceProblem):
-                return event.message
+        async with contextlib.aclosing(LiveSource(url).events(lambda: 8)) as events:   # closed in this task
+            async for event in events:
+                if isinstance(event, SourceProblem):
+                    return event.message
     return asyncio.run(first())
 
 

@@ -4,6 +4,7 @@ status for a handler's failure."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
@@ -166,12 +167,15 @@ def test_a_handlers_failure_in_a_batch_line_has_the_servers_status_and_error_bod
 # ---- monitor (and chat --url): a URL of one of the server's endpoints reaches the server -------------------
 
 async def first_events(source: LiveSource, count: int) -> list:
-    """The first COUNT events of a monitor's source."""
+    """The first COUNT events of a monitor's source, its generator closed in this task (as the
+    dashboard's worker closes it): left to asyncio.run's shutdown, the client it holds is closed
+    from another task, which httpcore's locks refuse."""
     events = []
-    async for event in source.events(lambda: 64):
-        events.append(event)
-        if len(events) >= count:
-            return events
+    async with contextlib.aclosing(source.events(lambda: 64)) as stream:
+        async for event in stream:
+            events.append(event)
+            if len(events) >= count:
+                return events
 
 
 def test_the_url_of_a_servers_endpoint_reaches_the_server_and_another_path_is_pointed_at(stories_path, monkeypatch):

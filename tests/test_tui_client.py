@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -101,10 +102,11 @@ async def collect(source, count: int, cells: int = 100, timeout: float = 5.0) ->
     events = []
 
     async def run() -> None:
-        async for event in source.events(lambda: cells):
-            events.append(event)
-            if len(events) >= count:
-                return
+        async with contextlib.aclosing(source.events(lambda: cells)) as stream:   # closed in this task
+            async for event in stream:
+                events.append(event)
+                if len(events) >= count:
+                    return
 
     await asyncio.wait_for(run(), timeout)
     return events
