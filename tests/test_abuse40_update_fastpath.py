@@ -204,7 +204,12 @@ def test_rows_whose_answer_is_still_coming_settle_after_one_read(stories_path, m
     """With every constrained row's grammar-process answer taken as not yet read at the update (as on
     a GPU host, where the update starts before the answer of the step's advance is in), the answer is
     read once and its clean rows still settle in one call; outputs equal the per-row path's."""
-    *_, fast, slow, _, waited = both_paths_on_stories(
-        stories_path, monkeypatch, {"async_scheduling": True, "grammar_process": True}, answers_late=True)
-    assert fast == slow
+    # An update reads an answer only for rows whose advance ran ahead of it, which the mask thread
+    # does on most runs but not on every one of a loaded machine: a run without one is run again.
+    for _ in range(5):
+        *_, fast, slow, _, waited = both_paths_on_stories(
+            stories_path, monkeypatch, {"async_scheduling": True, "grammar_process": True}, answers_late=True)
+        assert fast == slow
+        if sum(waited) > 0:
+            break
     assert sum(waited) > 0          # rows settled after the one read of their answer
