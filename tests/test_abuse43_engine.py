@@ -22,7 +22,7 @@ import threading
 import time
 
 import pytest
-from test_abuse30_engine import assert_pool_invariants
+from test_abuse30_engine import assert_pool_invariants, drain as drain_checked
 from test_server_helpers import wait_for
 
 from minillm import LLM, SamplingParams
@@ -76,16 +76,7 @@ def token_ids(out) -> list[list[int]]:
 
 def drain(engine: LLMEngine) -> dict:
     """Step until nothing is left; {request id: final output}."""
-    done = {}
-    for _ in range(5000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            assert out.request_id not in done, f"{out.request_id} reported after it finished"
-            if out.finished:
-                done[out.request_id] = out
-    assert not engine.has_unfinished_requests(), "the engine did not drain"
-    return done
+    return drain_checked(engine, check=False)
 
 
 def assert_pool_free(engine: LLMEngine) -> None:
